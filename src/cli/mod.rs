@@ -1,0 +1,22 @@
+//! The `moec` command line: parses arguments with clap and dispatches to one module per
+//! subcommand. This is the only part of the crate that prints.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// moec: compile, check, simulate and run MoE offload schedules.
+#[derive(Debug, Parser)]
+#[command(name = "moec", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {}
+
+/// Runs the command line and returns the process exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {}
+}

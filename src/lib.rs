@@ -1,0 +1,11 @@
+//! moec: a compiler and runtime for mixture-of-experts CPU/GPU offload schedules.
+//!
+//! The crate is organised as a pipeline of stages, each handing the next a plain data
+//! type (see `ARCHITECTURE.md`): `syntax` (text -> AST), `elaborate` (AST -> IR),
+//! `check` (IR -> `ScheduleInfo`), `cost` (HRM, simulator, planner), `lower`
+//! (checked IR -> execution plan) and `runtime` (plan -> real inference). `model` holds
+//! the model cards, checkpoints, tokenizers, kernels and the reference forward pass; it
+//! knows nothing of the schedule language.
+
+pub mod cli;
+pub mod model;

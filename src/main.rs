@@ -1,0 +1,5 @@
+//! The `moec` command-line tool.
+
+fn main() -> std::process::ExitCode {
+    moec::cli::main()
+}

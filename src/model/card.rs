@@ -1,0 +1,333 @@
+//! Model cards: the architecture of a Mixtral- or DBRX-family model as plain data.
+//!
+//! A card is read from RON (`models/*.ron`; the shipped cards are embedded in the binary so
+//! `moec` works from any directory) and gives every dimension the compiler, the cost model
+//! and the runtime size things by. Byte counts assume the card's weight dtype.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Which reference implementation a card follows (names of tensors, norms, router rules).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Family {
+    /// Mistral's Mixtral: RMSNorm, separate q/k/v/o, per-expert w1/w2/w3.
+    Mixtral,
+    /// Databricks' DBRX: LayerNorm without bias, fused Wqkv with `clip_qkv`, fused experts.
+    Dbrx,
+}
+
+/// Element type of the weights as stored in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WeightDtype {
+    /// bfloat16 (2 bytes); what the Hub checkpoints ship.
+    Bf16,
+    /// IEEE half (2 bytes).
+    F16,
+    /// IEEE single (4 bytes).
+    F32,
+}
+
+impl WeightDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            WeightDtype::Bf16 | WeightDtype::F16 => 2,
+            WeightDtype::F32 => 4,
+        }
+    }
+}
+
+/// The architecture of one model, as the compiler, cost model and runtime see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelCard {
+    /// Short name used on the command line (`--model NAME`).
+    pub name: String,
+    /// Model family: decides tensor names, norm and router details.
+    pub family: Family,
+    /// One line for `moec models`.
+    pub description: String,
+    /// Decoder layers.
+    pub layers: u64,
+    /// Model (residual stream) width.
+    pub hidden: u64,
+    /// Width of one expert's feed-forward layer.
+    pub ffn: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads (grouped-query attention).
+    pub kv_heads: u64,
+    /// Width of one attention head.
+    pub head_dim: u64,
+    /// Experts per MoE layer.
+    pub experts: u64,
+    /// Experts each token is routed to.
+    pub top_k: u64,
+    /// Rows of the embedding and lm_head (may exceed the tokenizer's vocabulary: DBRX pads).
+    pub vocab: u64,
+    /// Longest sequence the rotary tables are built for.
+    pub max_positions: u64,
+    /// Rotary embedding base.
+    pub rope_theta: f64,
+    /// Epsilon of the RMSNorm / LayerNorm.
+    pub norm_eps: f64,
+    /// DBRX clamps the fused QKV output to `[-clip, clip]`; `None` for Mixtral.
+    #[serde(default)]
+    pub clip_qkv: Option<f64>,
+    /// Weight dtype of checkpoints of this card.
+    pub dtype: WeightDtype,
+    /// Tokenizer file, relative to `models/` (e.g. `tokenizers/mixtral/tokenizer.json`).
+    pub tokenizer: String,
+    /// Token prepended to every prompt, if the family does so (`<s>` = 1 for Mixtral).
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence token that stops generation.
+    pub eos_token_id: u32,
+}
+
+/// The cards shipped with moec, embedded so the binary needs no files at run time.
+const BUILTIN_CARDS: &[(&str, &str)] = &[
+    ("mixtral-8x7b", include_str!("../../models/mixtral-8x7b.ron")),
+    ("mixtral-8x22b", include_str!("../../models/mixtral-8x22b.ron")),
+    ("dbrx", include_str!("../../models/dbrx.ron")),
+    ("mixtral-mid", include_str!("../../models/mixtral-mid.ron")),
+    ("dbrx-mid", include_str!("../../models/dbrx-mid.ron")),
+    ("mixtral-tiny", include_str!("../../models/mixtral-tiny.ron")),
+    ("dbrx-tiny", include_str!("../../models/dbrx-tiny.ron")),
+];
+
+/// Errors from finding or reading a model card.
+#[derive(Debug, thiserror::Error)]
+pub enum CardError {
+    /// The name is neither a built-in card nor a readable `.ron` file.
+    #[error("unknown model card `{name}` (known: {known}); pass a built-in name or a path to a .ron card")]
+    Unknown {
+        /// What the user asked for.
+        name: String,
+        /// Comma-separated built-in names.
+        known: String,
+    },
+    /// The card file could not be read.
+    #[error("cannot read model card {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The card is not valid RON for a [`ModelCard`].
+    #[error("model card {origin} is malformed: {message}")]
+    Parse {
+        /// File or built-in name.
+        origin: String,
+        /// The RON error.
+        message: String,
+    },
+    /// The card parsed but its dimensions are inconsistent.
+    #[error("model card {origin} is inconsistent: {message}")]
+    Invalid {
+        /// File or built-in name.
+        origin: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl ModelCard {
+    /// Names of the built-in cards, in listing order.
+    pub fn builtin_names() -> impl Iterator<Item = &'static str> {
+        BUILTIN_CARDS.iter().map(|(name, _)| *name)
+    }
+
+    /// All built-in cards.
+    pub fn builtins() -> Vec<ModelCard> {
+        BUILTIN_CARDS
+            .iter()
+            .map(|(name, text)| {
+                Self::from_ron(text, name).unwrap_or_else(|e| panic!("built-in card {name}: {e}"))
+            })
+            .collect()
+    }
+
+    /// Finds a card by built-in name, or reads it from a `.ron` path.
+    pub fn load(name_or_path: &str) -> Result<ModelCard, CardError> {
+        if let Some((name, text)) = BUILTIN_CARDS.iter().find(|(n, _)| *n == name_or_path) {
+            return Self::from_ron(text, name);
+        }
+        let path = Path::new(name_or_path);
+        if path.extension().is_some_and(|e| e == "ron") || path.exists() {
+            let text = std::fs::read_to_string(path).map_err(|source| CardError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+            return Self::from_ron(&text, &path.display().to_string());
+        }
+        Err(CardError::Unknown {
+            name: name_or_path.to_string(),
+            known: Self::builtin_names().collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    /// Parses and validates a card from RON text; `origin` names it in errors.
+    pub fn from_ron(text: &str, origin: &str) -> Result<ModelCard, CardError> {
+        let card: ModelCard = ron::from_str(text).map_err(|e| CardError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        card.validate().map_err(|message| CardError::Invalid {
+            origin: origin.to_string(),
+            message,
+        })?;
+        Ok(card)
+    }
+
+    /// Checks the dimensions are usable: non-zero, heads divisible, top-k within experts.
+    pub fn validate(&self) -> Result<(), String> {
+        let dims = [
+            ("layers", self.layers),
+            ("hidden", self.hidden),
+            ("ffn", self.ffn),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("experts", self.experts),
+            ("top_k", self.top_k),
+            ("vocab", self.vocab),
+            ("max_positions", self.max_positions),
+        ];
+        if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("`{name}` must be positive"));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(format!(
+                "heads ({}) must be a multiple of kv_heads ({})",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!("head_dim ({}) must be even for rotary embeddings", self.head_dim));
+        }
+        if self.top_k > self.experts {
+            return Err(format!("top_k ({}) exceeds experts ({})", self.top_k, self.experts));
+        }
+        if !(self.rope_theta > 0.0 && self.norm_eps > 0.0) {
+            return Err("rope_theta and norm_eps must be positive".to_string());
+        }
+        Ok(())
+    }
+
+    /// Width of the query projection output (`heads * head_dim`).
+    pub fn q_dim(&self) -> u64 {
+        self.heads * self.head_dim
+    }
+
+    /// Width of one of K or V (`kv_heads * head_dim`).
+    pub fn kv_dim(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Parameters of one layer's attention: Q, K, V and O projections plus the two norms.
+    pub fn attn_params(&self) -> u64 {
+        let qkv = self.hidden * (self.q_dim() + 2 * self.kv_dim());
+        let o = self.q_dim() * self.hidden;
+        qkv + o + 2 * self.hidden
+    }
+
+    /// Parameters of one layer's router (`experts x hidden`).
+    pub fn router_params(&self) -> u64 {
+        self.experts * self.hidden
+    }
+
+    /// Parameters of one expert (gate, up and down projections).
+    pub fn expert_params(&self) -> u64 {
+        3 * self.hidden * self.ffn
+    }
+
+    /// Parameters of one decoder layer.
+    pub fn layer_params(&self) -> u64 {
+        self.attn_params() + self.router_params() + self.experts * self.expert_params()
+    }
+
+    /// Parameters outside the layers: embedding, final norm, lm_head (never tied here).
+    pub fn outer_params(&self) -> u64 {
+        2 * self.vocab * self.hidden + self.hidden
+    }
+
+    /// All parameters.
+    pub fn total_params(&self) -> u64 {
+        self.layers * self.layer_params() + self.outer_params()
+    }
+
+    /// Parameters a single token touches (attention, router, `top_k` experts, plus outer).
+    pub fn active_params(&self) -> u64 {
+        self.layers * (self.attn_params() + self.router_params() + self.top_k * self.expert_params())
+            + self.outer_params()
+    }
+
+    /// Bytes of one layer's attention weights in the card's dtype.
+    pub fn attn_bytes(&self) -> u64 {
+        self.attn_params() * self.dtype.bytes()
+    }
+
+    /// Bytes of one layer's router weights.
+    pub fn router_bytes(&self) -> u64 {
+        self.router_params() * self.dtype.bytes()
+    }
+
+    /// Bytes of one expert's weights.
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_params() * self.dtype.bytes()
+    }
+
+    /// Bytes of one whole decoder layer.
+    pub fn layer_bytes(&self) -> u64 {
+        self.layer_params() * self.dtype.bytes()
+    }
+
+    /// Bytes of the whole checkpoint.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_params() * self.dtype.bytes()
+    }
+
+    /// Elements of K and V for one token in one layer (`2 * kv_heads * head_dim`).
+    pub fn kv_elems_per_token_layer(&self) -> u64 {
+        2 * self.kv_dim()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_card_parses_and_validates() {
+        for card in ModelCard::builtins() {
+            card.validate().unwrap();
+        }
+    }
+
+    /// Published totals: 46.7B (Mixtral-8x7B), 140.6B (8x22B), 131.6B (DBRX); within 0.5%.
+    #[test]
+    fn parameter_counts_match_published_totals() {
+        let expect = [("mixtral-8x7b", 46.70e9), ("mixtral-8x22b", 140.6e9), ("dbrx", 131.6e9)];
+        for (name, published) in expect {
+            let card = ModelCard::load(name).unwrap();
+            let got = card.total_params() as f64;
+            assert!((got / published - 1.0).abs() < 0.005, "{name}: {got} vs {published}");
+        }
+    }
+
+    /// The issue fixes the mid-size Mixtral card at 0.79 B parameters, 1.6 GB in bf16.
+    #[test]
+    fn mid_mixtral_card_has_the_agreed_size() {
+        let card = ModelCard::load("mixtral-mid").unwrap();
+        let params = card.total_params() as f64;
+        assert!((params / 0.79e9 - 1.0).abs() < 0.02, "{params}");
+        assert!((card.total_bytes() as f64 / 1.6e9 - 1.0).abs() < 0.03);
+    }
+
+    #[test]
+    fn unknown_card_lists_the_known_ones() {
+        let err = ModelCard::load("mixtral-9x9b").unwrap_err().to_string();
+        assert!(err.contains("mixtral-tiny"), "{err}");
+    }
+}
