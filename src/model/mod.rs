@@ -6,8 +6,11 @@
 
 pub mod arch;
 pub mod card;
+pub mod checkpoint;
+pub mod config;
 pub mod kernels;
 pub mod layout;
+pub mod oracle;
 pub mod rng;
 pub mod tensor;
 pub mod weights;
@@ -17,3 +20,6 @@ pub use card::{CardError, Family, ModelCard, WeightDtype};
 pub use layout::{LayerLayout, Segment, SegmentKind};
 pub use tensor::{Matrix, Orientation, TypedSlice};
 pub use weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
+pub use checkpoint::{Checkpoint, CheckpointError};
+pub use kernels::sampling::Sampling;
+pub use oracle::{GenerateOptions, Generation, Oracle, OracleError};
