@@ -429,7 +429,7 @@ mod tests {
         let from_config = card_from_config(&text, "w/config.json", "x").unwrap();
         let err = check_agreement(&from_config, &ModelCard::load("mixtral-8x7b").unwrap(), "w/config.json");
         let msg = err.unwrap_err().to_string();
-        assert!(msg.contains("`hidden_size` is 1024") && msg.contains("mixtral-8x7b has 4096"), "{msg}");
+        assert!(msg.contains("`hidden_size` is 1024") && msg.contains("`mixtral-8x7b` has 4096"), "{msg}");
     }
 
     #[test]
