@@ -8,7 +8,7 @@ What it gives, for each family (mixtral, dbrx), in tests/fixtures/parity/<family
   config.json, generation_config.json, model.safetensors  -- a small random model written by
       `save_pretrained` in bf16, i.e. exactly the Hub layout moec reads with `--weights DIR`;
   expected.json -- for 3 prompts of different lengths (token ids from a seeded RNG): the prompt
-      ids, the greedily generated ids, the log-probability of each generated token, and the
+      ids, the greedily generated ids (checked against transformers' own `generate`), the log-probability of each generated token, and the
       full f32 logits at the last prompt position after prefill; plus the versions used, the
       safety margins the fixture was selected for and how much each deliberately removed
       feature (router renormalisation, DBRX clip_qkv, rope theta) moves the results.
@@ -324,6 +324,28 @@ def check_cache_consistency(model: torch.nn.Module, prompt_ids: list[int], run: 
     return worst
 
 
+@torch.no_grad()
+def check_against_generate(model: torch.nn.Module, prompt_ids: list[int], run: Run) -> float:
+    """Our prefill/decode loop must agree with transformers' own `generate` (greedy).
+
+    Returns the largest logit difference over all steps; raises if the tokens differ.
+    """
+    out = model.generate(
+        torch.tensor([prompt_ids], dtype=torch.long),
+        max_new_tokens=len(run.generated_ids),
+        min_new_tokens=len(run.generated_ids),
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    generated = out.sequences[0, len(prompt_ids) :].tolist()
+    if generated != run.generated_ids:
+        raise RuntimeError(f"generate() gave {generated}, our loop {run.generated_ids}")
+    return max(
+        (step[0].float() - ours).abs().max().item() for step, ours in zip(out.logits, run.step_logits)
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Deliberate breakage, to prove the fixture can see each feature
 
@@ -500,6 +522,8 @@ def try_seed(family: Family, seed: int, workdir: Path) -> tuple[dict | None, str
     if cache_drift > 1e-4:
         raise RuntimeError(f"{family.name}: KV-cache and full recompute differ by {cache_drift}")
 
+    generate_drift = max(check_against_generate(model, p, r) for p, r in zip(prompts, runs))
+
     teeth = sensitivity(model, family.name, prompts, runs)
     for what, shift in teeth.items():
         if what != "rope_theta_10000" and shift["max_abs_prefill_logit_shift"] < TEETH_MIN_LOGIT_SHIFT:
@@ -548,6 +572,7 @@ def try_seed(family: Family, seed: int, workdir: Path) -> tuple[dict | None, str
             "expert_hits_per_layer": {str(k): v.tolist() for k, v in sorted(probe.expert_hits.items())},
             "clip_qkv_fraction_per_layer": {str(k): v for k, v in clip_fractions.items()},
             "kv_cache_vs_recompute_max_abs_logit_diff": cache_drift,
+            "generate_vs_loop_max_abs_logit_diff": generate_drift,
             "bf16_compute_max_abs_prefill_logit_diff": bf16_shift,
         },
         "sensitivity": teeth,
