@@ -1,6 +1,10 @@
 //! The `moec` command line: parses arguments with clap and dispatches to one module per
 //! subcommand. This is the only part of the crate that prints.
 
+pub mod generate;
+pub mod models;
+pub mod synth;
+
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -13,10 +17,21 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Command {}
+enum Command {
+    /// Generate text with the reference forward pass (the oracle).
+    Generate(generate::GenerateArgs),
+    /// Write a deterministic synthetic checkpoint of a card (Hugging Face format).
+    Synth(synth::SynthArgs),
+    /// List the built-in model cards with parameter counts and bytes per layer.
+    Models(models::ModelsArgs),
+}
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Generate(args) => generate::run(&args),
+        Command::Synth(args) => synth::run(&args),
+        Command::Models(args) => models::run(&args),
+    }
 }
