@@ -4,7 +4,7 @@
 //! naming the file and tensor.
 
 use moec::model::checkpoint::CheckpointError;
-use moec::model::kernels::moe::expert_ffn;
+use moec::model::kernels::moe::{expert_ffn, RoutedRow};
 use moec::model::kernels::projection::pre_attn;
 use moec::model::kernels::rope::RopeTable;
 use moec::model::synth::{write_checkpoint, SynthOptions};
@@ -103,8 +103,9 @@ fn layer_image_views_compute_the_same_as_mapped_tensors() {
             let mut scratch = vec![0.0; n * d];
             let mut qkv = vec![0.0; n * arch.attn.qkv_width()];
             pre_attn(&arch, &w.dense, &rope, &x, &positions, &mut scratch, &mut qkv).unwrap();
-            let mut moe = vec![0.0; n * d];
-            expert_ffn(&arch, &w.experts[3], &x, &[(0, 0.5), (4, 0.25)], &mut moe).unwrap();
+            let mut moe = vec![0.0; n * arch.top_k * d];
+            let rows = [RoutedRow { row: 0, slot: 1, weight: 0.5 }, RoutedRow { row: 4, slot: 0, weight: 0.25 }];
+            expert_ffn(&arch, &w.experts[3], &x, &rows, &mut moe).unwrap();
             (qkv, moe)
         };
         assert_eq!(run(&from_image), run(&mapped), "{family}");

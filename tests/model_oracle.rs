@@ -6,7 +6,7 @@
 use moec::model::kernels::attention::{attention, AttnSeq};
 use moec::model::kernels::head::logits;
 use moec::model::kernels::kv_cache::{KvLayout, PagedKvCache};
-use moec::model::kernels::moe::expert_ffn;
+use moec::model::kernels::moe::{combine, expert_ffn, gate, RoutedRow};
 use moec::model::kernels::projection::{o_proj_residual, pre_attn};
 use moec::model::kernels::rope::RopeTable;
 use moec::model::synth::{write_checkpoint, SynthOptions};
@@ -108,9 +108,9 @@ fn row_kernels_are_batch_invariant() {
                 o_proj_residual(&a, &layer.dense, &attn, &mut res).unwrap();
                 res
             })),
-            ("expert", d, Box::new(|lo, hi| {
-                let rows: Vec<(u32, f32)> = (0..(hi - lo) as u32).map(|r| (r, 0.375)).collect();
-                let mut out = vec![0.0; (hi - lo) * d];
+            ("expert", a.top_k * d, Box::new(|lo, hi| {
+                let rows: Vec<RoutedRow> = (0..(hi - lo) as u32).map(|row| RoutedRow { row, slot: 1, weight: 0.375 }).collect();
+                let mut out = vec![0.0; (hi - lo) * a.top_k * d];
                 expert_ffn(&a, &layer.experts[1], &x[lo * d..hi * d], &rows, &mut out).unwrap();
                 out
             })),
@@ -180,4 +180,37 @@ fn attention_is_invariant_to_sequence_grouping() {
         attention(&mut cache.layer_mut(0), &seq, &data[s][lens[s] * w..(lens[s] + 1) * w], &shape, &mut one).unwrap();
         assert_eq!(one, together_step[s * shape.q_width()..(s + 1) * shape.q_width()], "decode seq {s}");
     }
+}
+
+/// The MoE output is bit-identical whatever order the experts run in (hot-first,
+/// reversed): each expert writes its own slots and `combine` fixes the summation order.
+#[test]
+fn expert_execution_order_does_not_change_the_result() {
+    let (_tmp, dir) = tiny("dbrx-tiny");
+    let ck = Checkpoint::open(&dir).unwrap();
+    let a = ck.arch().clone();
+    let w = ck.model_weights().unwrap();
+    let layer = &w.layers[1];
+    let n = 23;
+    let residual: Vec<f32> = (0..n * a.hidden).map(|i| ((i * 613) % 401) as f32 / 200.0 - 1.0).collect();
+    let mut x_norm = vec![0.0; residual.len()];
+    let routing = gate(&a, &layer.dense, &residual, &mut x_norm).unwrap();
+    let groups = routing.by_expert(a.experts);
+    let run = |order: &[usize]| {
+        let mut slots = vec![0.0; n * a.top_k * a.hidden];
+        for &e in order {
+            expert_ffn(&a, &layer.experts[e], &x_norm, &groups[e], &mut slots).unwrap();
+        }
+        let mut out = residual.clone();
+        combine(&routing, &slots, &mut out).unwrap();
+        out
+    };
+    let ascending: Vec<usize> = (0..a.experts).collect();
+    let reversed: Vec<usize> = (0..a.experts).rev().collect();
+    let mut hot_first = ascending.clone();
+    hot_first.sort_by_key(|&e| std::cmp::Reverse(groups[e].len()));
+    let reference = run(&ascending);
+    assert_eq!(reference, run(&reversed));
+    assert_eq!(reference, run(&hot_first));
+    assert_ne!(reference, residual, "the MoE block changed the residual");
 }
