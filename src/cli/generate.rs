@@ -43,10 +43,17 @@ pub struct GenerateArgs {
     pub json: bool,
 }
 
-/// Prints an error as a one-line miette diagnostic and returns exit code 1.
+/// Prints an error as a one-line miette diagnostic (no colour, no wrapping) and returns
+/// exit code 1.
 pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
     let report = miette::miette!("{message}");
-    eprintln!("{report:?}");
+    let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
+        .with_width(usize::MAX);
+    let mut rendered = String::new();
+    if handler.render_report(&mut rendered, report.as_ref()).is_err() {
+        rendered = format!("error: {message}");
+    }
+    eprintln!("{}", rendered.trim());
     ExitCode::from(1)
 }
 
@@ -102,6 +109,15 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
         .map(|p| model.tokenizer.encode(p))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| e.to_string())?;
+    let vocab = model.checkpoint.card().vocab;
+    for (i, p) in ids.iter().enumerate() {
+        if let Some(bad) = p.iter().find(|&&id| id as u64 >= vocab) {
+            return Err(format!(
+                "prompt {i}: token id {bad} from tokenizer {} is outside the checkpoint's vocabulary of {vocab}; put the model's own tokenizer.json in the weights folder",
+                model.tokenizer.origin()
+            ));
+        }
+    }
     let sampling = if args.temperature == 0.0 {
         Sampling::Greedy
     } else {
