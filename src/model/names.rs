@@ -39,8 +39,14 @@ pub fn checkpoint_tensors(a: &ArchSpec) -> Vec<(String, Vec<usize>)> {
             for l in 0..a.layers {
                 let p = format!("transformer.blocks.{l}");
                 out.push((format!("{p}.norm_attn_norm.norm_1.weight"), vec![d]));
-                out.push((format!("{p}.norm_attn_norm.attn.Wqkv.weight"), vec![q + 2 * kv, d]));
-                out.push((format!("{p}.norm_attn_norm.attn.out_proj.weight"), vec![d, q]));
+                out.push((
+                    format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
+                    vec![q + 2 * kv, d],
+                ));
+                out.push((
+                    format!("{p}.norm_attn_norm.attn.out_proj.weight"),
+                    vec![d, q],
+                ));
                 out.push((format!("{p}.norm_attn_norm.norm_2.weight"), vec![d]));
                 out.push((format!("{p}.ffn.router.layer.weight"), vec![e, d]));
                 for w in ["w1", "v1", "w2"] {
