@@ -7,7 +7,7 @@ use moec::model::checkpoint::CheckpointError;
 use moec::model::kernels::moe::{expert_ffn, RoutedRow};
 use moec::model::kernels::projection::pre_attn;
 use moec::model::kernels::rope::RopeTable;
-use moec::model::synth::{write_checkpoint, SynthOptions};
+use moec::model::synth::{synthetic_layer_image, write_checkpoint, SynthOptions};
 use moec::model::{Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, WeightDtype};
 use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
@@ -341,4 +341,19 @@ fn config_contradicting_the_card_names_the_field() {
         msg.contains("num_hidden_layers") && msg.contains("mixtral-tiny"),
         "{msg}"
     );
+}
+
+/// The in-memory synthetic layer image equals the image copied from the written files.
+#[test]
+fn synthetic_layer_image_matches_the_written_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["mixtral-tiny", "dbrx-tiny"] {
+        let card = small_card(family);
+        let dir = synth(tmp.path(), &card, SynthOptions::default());
+        let ck = Checkpoint::open(&dir).unwrap();
+        let (layout, image) = ck.layer_image(1).unwrap();
+        let (mem_layout, mem_image) = synthetic_layer_image(&card, 1, &SynthOptions::default());
+        assert_eq!(layout, mem_layout);
+        assert!(image.as_bytes() == mem_image.as_bytes(), "{family}");
+    }
 }

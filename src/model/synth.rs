@@ -12,7 +12,8 @@
 use crate::model::arch::ArchSpec;
 use crate::model::card::{ModelCard, WeightDtype};
 use crate::model::config::config_for_card;
-use crate::model::names::checkpoint_tensors;
+use crate::model::layout::{ImageBuffer, LayerLayout};
+use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::model::rng::Rng;
 use crate::model::tokenizer::embedded_tokenizer_json;
 use half::{bf16, f16};
@@ -96,6 +97,34 @@ fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
     }
 }
 
+/// The value stream of tensor `name` (endless; take `shape.iter().product()` values).
+fn tensor_values(a: &ArchSpec, name: &str, shape: &[usize], seed: u64) -> impl Iterator<Item = f32> {
+    let (centre, half) = distribution(a, name, shape);
+    let mut rng = Rng::new(seed ^ fnv1a(name));
+    std::iter::repeat_with(move || centre + half * rng.next_signed_f32())
+}
+
+/// Layer `layer` of the synthetic checkpoint of `card`, built directly as a packed image
+/// (the same bytes `Checkpoint::copy_layer_image` would copy from the written files), for
+/// benchmarks and tests that need one large layer without writing the whole model.
+pub fn synthetic_layer_image(card: &ModelCard, layer: usize, opts: &SynthOptions) -> (LayerLayout, ImageBuffer) {
+    let arch = ArchSpec::from_card(card);
+    let layout = LayerLayout::uniform(&arch, opts.dtype);
+    let mut image = ImageBuffer::zeroed(layout.image_bytes);
+    let bytes = image.as_bytes_mut();
+    let mut buf = Vec::new();
+    for seg in &layout.segments {
+        let src = segment_source(&arch, layer, seg.kind);
+        let skip = src.rows.start * seg.cols;
+        buf.clear();
+        for v in tensor_values(&arch, &src.name, &src.shape, opts.seed).skip(skip).take(seg.rows * seg.cols) {
+            encode(v, opts.dtype, &mut buf);
+        }
+        bytes[seg.range()].copy_from_slice(&buf);
+    }
+    (layout, image)
+}
+
 fn encode(v: f32, dtype: WeightDtype, out: &mut Vec<u8>) {
     match dtype {
         WeightDtype::Bf16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
@@ -143,14 +172,13 @@ fn write_safetensors(
     let mut buf = Vec::with_capacity(1 << 20);
     for (name, shape) in tensors {
         let n: usize = shape.iter().product();
-        let (centre, half) = distribution(a, name, shape);
-        let mut rng = Rng::new(opts.seed ^ fnv1a(name));
+        let mut values = tensor_values(a, name, shape, opts.seed);
         let mut left = n;
         while left > 0 {
             let chunk = left.min((1 << 20) / elem);
             buf.clear();
-            for _ in 0..chunk {
-                encode(centre + half * rng.next_signed_f32(), opts.dtype, &mut buf);
+            for v in values.by_ref().take(chunk) {
+                encode(v, opts.dtype, &mut buf);
             }
             w.write_all(&buf).map_err(io(path))?;
             left -= chunk;
