@@ -113,9 +113,15 @@ fn bench_layer(c: &mut Criterion) {
         head_dim: arch.attn.head_dim,
     };
     let (peak, basis) = peak_gflops();
+    // Other processes compete for the same cores; say how busy the machine was.
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "peak estimate: {peak:.0} GFLOP/s ({basis}); rayon threads {}",
-        rayon::current_num_threads()
+        "peak estimate: {peak:.0} GFLOP/s ({basis}); rayon threads {}; load average: {}",
+        rayon::current_num_threads(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
 
     // Prefill: 128 new tokens of one sequence.
@@ -206,6 +212,31 @@ fn bench_layer(c: &mut Criterion) {
         weight_bytes / 1e6,
         kv_bytes / 1e6,
         (weight_bytes + kv_bytes) / secs / 1e9
+    );
+    // Decode attention alone (the memory-bound hot spot): K/V bytes read per second.
+    let qkv: Vec<f32> = (0..n_seqs * arch.attn.qkv_width())
+        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let mut attn_out = vec![0.0f32; n_seqs * arch.q_dim()];
+    let secs_attn = time_median(
+        || {
+            attention(
+                &mut cache.layer_mut(0),
+                &seqs,
+                &qkv,
+                &arch.attn,
+                &mut attn_out,
+            )
+            .unwrap()
+        },
+        21,
+    );
+    println!(
+        "decode attention alone (16 seqs x 513 keys, {} kv heads x {}): {:.3} ms, {:.1} GB/s of K/V",
+        arch.attn.kv_heads,
+        arch.attn.head_dim,
+        secs_attn * 1e3,
+        kv_bytes / secs_attn / 1e9
     );
     group.throughput(Throughput::Elements(flops as u64));
     group.bench_function("decode 16x1 token, 512 context (elem = flop)", |b| {

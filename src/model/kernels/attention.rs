@@ -10,7 +10,7 @@
 //! head of its group. Inconsistent inputs are errors, never panics.
 
 use crate::model::kernels::kv_cache::KvBlocksMut;
-use crate::model::kernels::simd::{axpy, dot_rows};
+use crate::model::kernels::simd::{key_scores, weighted_rows};
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -114,7 +114,7 @@ pub fn attention(
         let seq = &seqs[s];
         let mut local = vec![0.0f32; seq.n_new * group * hd];
         let mut scores: Vec<f32> = Vec::new();
-        let mut dots = vec![0.0f32; group];
+        let bs = layout.block_size;
         for j in 0..seq.n_new {
             let pos = seq.context_len + j;
             let start = shape
@@ -125,13 +125,26 @@ pub fn attention(
             let q_group = &qkv[q_off..q_off + group * hd];
             scores.clear();
             scores.resize(group * n_keys, 0.0);
-            for key in start..=pos {
-                let b = seq.block_table[key / layout.block_size] as usize;
-                let off = layout.offset(b, h, key % layout.block_size);
-                dot_rows(&k_pool[off..off + hd], q_group, hd, &mut dots);
-                for g in 0..group {
-                    scores[g * n_keys + key - start] = dots[g] * scale;
-                }
+            // Keys of one head are contiguous within a block: score them run by run.
+            let runs = || {
+                (start / bs..=pos / bs).map(move |bi| {
+                    let first = start.max(bi * bs);
+                    let last = pos.min(bi * bs + bs - 1);
+                    let b = seq.block_table[bi] as usize;
+                    let off = layout.offset(b, h, first % bs);
+                    (first - start, off..off + (last - first + 1) * hd)
+                })
+            };
+            for (base, range) in runs() {
+                key_scores(
+                    &k_pool[range],
+                    hd,
+                    q_group,
+                    scale,
+                    &mut scores,
+                    n_keys,
+                    base,
+                );
             }
             for g in 0..group {
                 let row = &mut scores[g * n_keys..(g + 1) * n_keys];
@@ -147,17 +160,8 @@ pub fn attention(
                 }
             }
             let dst = &mut local[j * group * hd..(j + 1) * group * hd];
-            for key in start..=pos {
-                let b = seq.block_table[key / layout.block_size] as usize;
-                let off = layout.offset(b, h, key % layout.block_size);
-                let v_row = &v_pool[off..off + hd];
-                for g in 0..group {
-                    axpy(
-                        scores[g * n_keys + key - start],
-                        v_row,
-                        &mut dst[g * hd..(g + 1) * hd],
-                    );
-                }
+            for (base, range) in runs() {
+                weighted_rows(&v_pool[range], hd, &scores, n_keys, base, dst);
             }
         }
         local

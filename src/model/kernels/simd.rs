@@ -189,6 +189,141 @@ unsafe fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Attention scores for a run of contiguous key rows (`rows`, each `hd` wide):
+/// `scores[g * stride + base + r] = scale * dot(q_group[g], rows[r])` for every query head
+/// `g < group`. Same per-score arithmetic as [`dot_rows`] (16-lane FMA, then reduce).
+pub fn key_scores(
+    rows: &[f32],
+    hd: usize,
+    q_group: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    stride: usize,
+    base: usize,
+) {
+    let group = q_group.len() / hd.max(1);
+    let n = rows.len() / hd.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() && hd % 16 == 0 && scores.len() >= (group.max(1) - 1) * stride + base + n {
+        // SAFETY: avx512f detected; hd is a multiple of 16; `scores` bound checked above.
+        unsafe { key_scores_avx512(rows, hd, q_group, scale, scores, stride, base) };
+        return;
+    }
+    let mut dots = vec![0.0f32; group];
+    for r in 0..n {
+        dot_rows(&rows[r * hd..(r + 1) * hd], q_group, hd, &mut dots);
+        for (g, d) in dots.iter().enumerate() {
+            scores[g * stride + base + r] = d * scale;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn key_scores_avx512(
+    rows: &[f32],
+    hd: usize,
+    q_group: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    stride: usize,
+    base: usize,
+) {
+    use std::arch::x86_64::*;
+    let group = q_group.len() / hd;
+    let n = rows.len() / hd;
+    for r in 0..n {
+        let row = &rows[r * hd..(r + 1) * hd];
+        for g in 0..group {
+            let q = &q_group[g * hd..(g + 1) * hd];
+            let mut acc = _mm512_setzero_ps();
+            let mut k = 0;
+            while k < hd {
+                // SAFETY: k + 16 <= hd = row.len() = q.len().
+                unsafe {
+                    acc = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(row.as_ptr().add(k)),
+                        _mm512_loadu_ps(q.as_ptr().add(k)),
+                        acc,
+                    )
+                };
+                k += 16;
+            }
+            scores[g * stride + base + r] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+}
+
+/// `out[g] += Σ_r probs[g * stride + base + r] * rows[r]` for every query head `g` (rows
+/// contiguous, each `hd` wide), accumulated key by key with fused multiply-adds: the same
+/// per-element order as repeated [`axpy`].
+pub fn weighted_rows(
+    rows: &[f32],
+    hd: usize,
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    let group = out.len() / hd.max(1);
+    let n = rows.len() / hd.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512()
+        && hd % 16 == 0
+        && hd <= 256
+        && probs.len() >= (group.max(1) - 1) * stride + base + n
+    {
+        // SAFETY: avx512f detected; hd a multiple of 16 and at most 256; probs bound checked.
+        unsafe { weighted_rows_avx512(rows, hd, probs, stride, base, out) };
+        return;
+    }
+    for r in 0..n {
+        for g in 0..group {
+            axpy(
+                probs[g * stride + base + r],
+                &rows[r * hd..(r + 1) * hd],
+                &mut out[g * hd..(g + 1) * hd],
+            );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_avx512(
+    rows: &[f32],
+    hd: usize,
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let group = out.len() / hd;
+    let n = rows.len() / hd;
+    let chunks = hd / 16;
+    for g in 0..group {
+        let dst = &mut out[g * hd..(g + 1) * hd];
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+            // SAFETY: c * 16 + 16 <= hd = dst.len().
+            *a = unsafe { _mm512_loadu_ps(dst.as_ptr().add(c * 16)) };
+        }
+        for r in 0..n {
+            let p = _mm512_set1_ps(probs[g * stride + base + r]);
+            let row = &rows[r * hd..(r + 1) * hd];
+            for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+                // SAFETY: c * 16 + 16 <= hd = row.len().
+                *a = _mm512_fmadd_ps(p, unsafe { _mm512_loadu_ps(row.as_ptr().add(c * 16)) }, *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate().take(chunks) {
+            // SAFETY: c * 16 + 16 <= hd = dst.len().
+            unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(c * 16), *a) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
