@@ -86,7 +86,25 @@ fn peak_gflops() -> (f64, String) {
     (cores * per_core, basis)
 }
 
-fn time_median(mut f: impl FnMut(), reps: usize) -> f64 {
+/// CPU seconds this process has used (user + system, from /proc; 0 where unavailable).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Runs `f` `reps` times; returns the median wall time and the CPU seconds per run (so
+/// GFLOP per CPU-second shows per-core efficiency even when other jobs share the cores).
+fn time_median(mut f: impl FnMut(), reps: usize) -> (f64, f64) {
+    let cpu0 = cpu_seconds();
     let mut times: Vec<f64> = (0..reps)
         .map(|_| {
             let t = Instant::now();
@@ -94,8 +112,9 @@ fn time_median(mut f: impl FnMut(), reps: usize) -> f64 {
             t.elapsed().as_secs_f64()
         })
         .collect();
+    let cpu = (cpu_seconds() - cpu0) / reps as f64;
     times.sort_by(f64::total_cmp);
-    times[reps / 2]
+    (times[reps / 2], cpu)
 }
 
 fn bench_layer(c: &mut Criterion) {
@@ -141,18 +160,24 @@ fn bench_layer(c: &mut Criterion) {
         n_new: prefill_tokens,
     }];
     let flops = layer_flops(&arch, &seqs);
-    let secs = time_median(
+    let (secs, cpu) = time_median(
         || {
             let mut x = x0.clone();
             layer_forward(&setup, &weights, &mut cache, &seqs, &mut x);
         },
         7,
     );
+    let per_core = peak
+        / std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1) as f64;
     println!(
-        "prefill 128 tokens: {:.2} ms, {:.1} GFLOP/s ({:.0}% of peak)",
+        "prefill 128 tokens: {:.2} ms, {:.1} GFLOP/s ({:.0}% of peak); {:.1} GFLOP per CPU-second ({:.0}% of one core's peak)",
         secs * 1e3,
         flops / secs / 1e9,
-        100.0 * flops / secs / 1e9 / peak
+        100.0 * flops / secs / 1e9 / peak,
+        flops / cpu / 1e9,
+        100.0 * flops / cpu / 1e9 / per_core
     );
     let mut group = c.benchmark_group("mixtral-mid layer");
     group.sample_size(10);
@@ -194,7 +219,7 @@ fn bench_layer(c: &mut Criterion) {
         .collect();
     let flops = layer_flops(&arch, &seqs);
     let mut experts_touched = 0;
-    let secs = time_median(
+    let (secs, cpu_decode) = time_median(
         || {
             let mut x = x0.clone();
             experts_touched = layer_forward(&setup, &weights, &mut cache, &seqs, &mut x);
@@ -204,6 +229,11 @@ fn bench_layer(c: &mut Criterion) {
     let weight_bytes =
         (layout.dense_range().len() + experts_touched * layout.expert_range(0).len()) as f64;
     let kv_bytes = (n_seqs * (context + 1) * 2 * arch.kv_dim() * 4) as f64;
+    println!(
+        "decode: {:.1} ms of CPU time per step ({:.0}% of the wall time x cores)",
+        cpu_decode * 1e3,
+        100.0 * cpu_decode / secs / rayon::current_num_threads() as f64
+    );
     println!(
         "decode 16 seqs x 1 token, 512 context: {:.2} ms, {:.1} GFLOP/s ({:.1}% of peak); streams {:.1} MB weights ({experts_touched} experts) + {:.1} MB KV = {:.1} GB/s",
         secs * 1e3,
@@ -218,7 +248,7 @@ fn bench_layer(c: &mut Criterion) {
         .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
         .collect();
     let mut attn_out = vec![0.0f32; n_seqs * arch.q_dim()];
-    let secs_attn = time_median(
+    let (secs_attn, _) = time_median(
         || {
             attention(
                 &mut cache.layer_mut(0),
