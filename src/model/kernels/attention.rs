@@ -378,6 +378,49 @@ mod tests {
         }
     }
 
+    /// With a sliding window of 3, token t attends to t-2..=t only: equal to dense
+    /// attention over just those keys.
+    #[test]
+    fn sliding_window_limits_the_keys() {
+        let shape = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            sliding_window: Some(3),
+        };
+        let full = AttnShape {
+            sliding_window: None,
+            ..shape
+        };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 1,
+            head_dim: 16,
+        };
+        let n = 9;
+        let qkv: Vec<f32> = (0..n * shape.qkv_width())
+            .map(|i| ((i * 53) % 89) as f32 / 44.0 - 1.0)
+            .collect();
+        let mut cache = PagedKvCache::new(layout, 1, 8);
+        let mut table = Vec::new();
+        cache.allocator.grow(&layout, &mut table, n).unwrap();
+        let seqs = [AttnSeq {
+            block_table: &table,
+            context_len: 0,
+            n_new: n,
+        }];
+        let mut out = vec![0.0; n * shape.q_width()];
+        attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
+        let w = shape.qkv_width();
+        let t = 7;
+        let window = &qkv[(t - 2) * w..(t + 1) * w];
+        let want = dense(window, 3, &full);
+        let got = &out[t * shape.q_width()..(t + 1) * shape.q_width()];
+        for (a, b) in got.iter().zip(&want[2 * shape.q_width()..]) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
     #[test]
     fn short_block_table_is_an_error() {
         let shape = AttnShape {
