@@ -204,7 +204,10 @@ pub fn key_scores(
     let group = q_group.len() / hd.max(1);
     let n = rows.len() / hd.max(1);
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() && hd % 16 == 0 && scores.len() >= (group.max(1) - 1) * stride + base + n {
+    if has_avx512()
+        && hd.is_multiple_of(16)
+        && scores.len() >= (group.max(1) - 1) * stride + base + n
+    {
         // SAFETY: avx512f detected; hd is a multiple of 16; `scores` bound checked above.
         unsafe { key_scores_avx512(rows, hd, q_group, scale, scores, stride, base) };
         return;
@@ -269,7 +272,7 @@ pub fn weighted_rows(
     let n = rows.len() / hd.max(1);
     #[cfg(target_arch = "x86_64")]
     if has_avx512()
-        && hd % 16 == 0
+        && hd.is_multiple_of(16)
         && hd <= 256
         && probs.len() >= (group.max(1) - 1) * stride + base + n
     {
