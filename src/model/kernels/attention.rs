@@ -10,7 +10,7 @@
 //! head of its group. Inconsistent inputs are errors, never panics.
 
 use crate::model::kernels::kv_cache::KvBlocksMut;
-use crate::model::kernels::simd::{key_scores, weighted_rows};
+use crate::model::kernels::simd::{key_scores_transposed, weighted_rows};
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -125,25 +125,22 @@ pub fn attention(
             let q_group = &qkv[q_off..q_off + group * hd];
             scores.clear();
             scores.resize(group * n_keys, 0.0);
-            // Keys of one head are contiguous within a block: score them run by run.
-            let runs = || {
-                (start / bs..=pos / bs).map(move |bi| {
-                    let first = start.max(bi * bs);
-                    let last = pos.min(bi * bs + bs - 1);
-                    let b = seq.block_table[bi] as usize;
-                    let off = layout.offset(b, h, first % bs);
-                    (first - start, off..off + (last - first + 1) * hd)
-                })
-            };
-            for (base, range) in runs() {
-                key_scores(
-                    &k_pool[range],
-                    hd,
+            // Score the keys block by block: a run of slots of one (block, head) tile.
+            for bi in start / bs..=pos / bs {
+                let first = start.max(bi * bs);
+                let last = pos.min(bi * bs + bs - 1);
+                let tile = layout.tile(seq.block_table[bi] as usize, h);
+                let k_tile = &k_pool[tile..tile + bs * hd];
+                key_scores_transposed(
+                    k_tile,
+                    bs,
+                    first % bs,
+                    last - first + 1,
                     q_group,
                     scale,
                     &mut scores,
                     n_keys,
-                    base,
+                    first - start,
                 );
             }
             for g in 0..group {
@@ -160,8 +157,12 @@ pub fn attention(
                 }
             }
             let dst = &mut local[j * group * hd..(j + 1) * group * hd];
-            for (base, range) in runs() {
-                weighted_rows(&v_pool[range], hd, &scores, n_keys, base, dst);
+            for bi in start / bs..=pos / bs {
+                let first = start.max(bi * bs);
+                let last = pos.min(bi * bs + bs - 1);
+                let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
+                let rows = &v_pool[off..off + (last - first + 1) * hd];
+                weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
             }
         }
         local
@@ -239,12 +240,18 @@ fn append_kv(cache: &mut KvBlocksMut<'_>, seqs: &[AttnSeq<'_>], qkv: &[f32], sha
             let pos = s.context_len + j;
             let b = s.block_table[pos / layout.block_size] as usize;
             let src = &qkv[(row + j) * row_w..(row + j + 1) * row_w];
+            let slot = pos % layout.block_size;
             for h in 0..shape.kv_heads {
-                let off = layout.offset(b, h, pos % layout.block_size);
-                cache.k[off..off + hd]
-                    .copy_from_slice(&src[k_base + h * hd..k_base + (h + 1) * hd]);
+                let off = layout.offset(b, h, slot);
                 cache.v[off..off + hd]
                     .copy_from_slice(&src[v_base + h * hd..v_base + (h + 1) * hd]);
+                // Keys are stored transposed within the tile (see `KvLayout`).
+                for (dim, &k) in src[k_base + h * hd..k_base + (h + 1) * hd]
+                    .iter()
+                    .enumerate()
+                {
+                    cache.k[layout.key_offset(b, h, slot, dim)] = k;
+                }
             }
         }
         row += s.n_new;
