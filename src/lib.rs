@@ -8,4 +8,5 @@
 //! knows nothing of the schedule language.
 
 pub mod cli;
+pub mod cost;
 pub mod model;
