@@ -7,5 +7,6 @@
 pub mod bounds;
 pub mod hardware;
 pub mod hrm;
+pub mod probe;
 
 pub use hardware::{ComputeDtype, HardwareError, HardwareProfile, Level, Processor};
