@@ -8,5 +8,7 @@ pub mod bounds;
 pub mod hardware;
 pub mod hrm;
 pub mod probe;
+pub mod sim;
+pub mod timeline;
 
 pub use hardware::{ComputeDtype, HardwareError, HardwareProfile, Level, Processor};
