@@ -170,8 +170,9 @@ mod tests {
     ///   141 = 1.164e9 FLOPs / 0.8e12 = 1.455 ms is lower).
     /// - gpu: projections + FFN; each micro-batch re-reads the layer's weights from HBM:
     ///   14 * 2,902,540,288 / 300e9 = 135.45 ms (compute: 504 tokens * 2 * (1,451,270,144
-    ///   - 6 experts * 3 * 4096 * 14336) = 504 * 2 * 394,305,536 = 3.975e11 / 65e12 =
+    ///   minus 6 experts * 3 * 4096 * 14336) = 504 * 2 * 394,305,536 = 3.975e11 / 65e12 =
     ///   6.1 ms is lower).
+    ///
     /// So T = 181.67 ms, bound by comm; 32 layers -> 5.813 s per step of 504 tokens =
     /// 86.70 tokens/s decode-only, an upper bound above the 30.12 tokens/s Tab. 5 measured
     /// end to end (prefill included).
