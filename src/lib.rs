@@ -9,4 +9,7 @@
 
 pub mod cli;
 pub mod cost;
+pub mod diag;
+pub mod ir;
 pub mod model;
+pub mod syntax;
