@@ -4,6 +4,9 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+pub mod hw;
+pub mod probe;
+
 /// moec: compile, check, simulate and run MoE offload schedules.
 #[derive(Debug, Parser)]
 #[command(name = "moec", version, about, long_about = None)]
@@ -13,10 +16,18 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Command {}
+enum Command {
+    /// List the hardware profiles, or show one.
+    Hw(hw::HwArgs),
+    /// Measure this machine and write a hardware profile.
+    Probe(probe::ProbeArgs),
+}
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Hw(args) => hw::run(args),
+        Command::Probe(args) => probe::run(args),
+    }
 }
