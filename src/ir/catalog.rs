@@ -260,8 +260,11 @@ impl Op {
         }
     }
 
-    /// `pre_attn(layer=1, ub=0)` style description.
+    /// `pre_attn(layer=1, ub=0)` style description (`copy` for copies).
     pub fn describe(&self) -> String {
+        if *self == Op::Copy {
+            return "copy".to_string();
+        }
         let mut parts = Vec::new();
         if let Some(layer) = self.layer() {
             parts.push(format!("layer={layer}"));
