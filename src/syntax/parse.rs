@@ -161,7 +161,7 @@ fn syntax_error(source: &str, error: pest::error::Error<Rule>) -> Diagnostic {
             }
         }
         for stack in attempts.call_stacks() {
-            let rule = stack.deepest.get_rule().copied().or(stack.parent);
+            let rule = stack.deepest.get_rule().copied();
             if let Some(words) = rule.and_then(rule_words) {
                 push_unique(&mut expected, words.to_string());
             }
