@@ -12,3 +12,6 @@ pub mod diag;
 pub mod ir;
 pub mod model;
 pub mod syntax;
+pub mod elaborate;
+pub mod check;
+pub mod compile;

@@ -2,6 +2,9 @@
 //! subcommand. This is the only part of the crate that prints.
 
 use clap::{Parser, Subcommand};
+
+pub mod check;
+pub mod compile;
 use std::process::ExitCode;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
@@ -13,10 +16,18 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Command {}
+enum Command {
+    /// Compile a schedule and print a summary, or its diagnostics (exit 1).
+    Check(check::CheckArgs),
+    /// Compile a schedule and print its DAG as text, dot or JSON.
+    Compile(compile::CompileArgs),
+}
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Check(args) => check::run(&args),
+        Command::Compile(args) => compile::run(&args),
+    }
 }
