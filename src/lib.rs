@@ -8,6 +8,7 @@
 //! knows nothing of the schedule language.
 
 pub mod cli;
+pub mod cost;
 pub mod diag;
 pub mod ir;
 pub mod model;

@@ -141,7 +141,10 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         pass_note: "",
     };
     for step in &program.steps {
-        let runs = if step.kind == StepKind::Prefill { 1 } else { 2 };
+        let runs = match step.kind {
+            StepKind::Setup | StepKind::Prefill => 1,
+            StepKind::Decode | StepKind::Mixed => 2,
+        };
         for run in 0..runs {
             tracker.pass_note = if run == 0 { "" } else { " (on the step's next run)" };
             for id in step.task_ids() {

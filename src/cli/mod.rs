@@ -7,6 +7,9 @@ pub mod check;
 pub mod compile;
 use std::process::ExitCode;
 
+pub mod hw;
+pub mod probe;
+
 /// moec: compile, check, simulate and run MoE offload schedules.
 #[derive(Debug, Parser)]
 #[command(name = "moec", version, about, long_about = None)]
@@ -21,6 +24,10 @@ enum Command {
     Check(check::CheckArgs),
     /// Compile a schedule and print its DAG as text, dot or JSON.
     Compile(compile::CompileArgs),
+    /// List the hardware profiles, or show one.
+    Hw(hw::HwArgs),
+    /// Measure this machine and write a hardware profile.
+    Probe(probe::ProbeArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -29,5 +36,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check::run(&args),
         Command::Compile(args) => compile::run(&args),
+        Command::Hw(args) => hw::run(args),
+        Command::Probe(args) => probe::run(args),
     }
 }

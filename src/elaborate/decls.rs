@@ -137,6 +137,11 @@ impl<'a> Elaborator<'a> {
         let (bytes, layout) = match self.eval(&decl.size) {
             Ok(Val::Bytes(size)) => (size.bytes, size.layout),
             Ok(Val::Int(n)) if n >= 0 => (n as u64, Layout::Raw),
+            // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`.
+            Ok(Val::Slice(slice)) if slice.dynamic_expert.is_none() => {
+                let layout = if slice.layout == Layout::Checkpoint { Layout::Raw } else { slice.layout };
+                (slice.len, layout)
+            }
             Ok(Val::Int(n)) => return self.report(Diagnostic::out_of_range(decl.size.span, "buffer size", n, "0 or more bytes")),
             Ok(v) => return self.report(Diagnostic::type_mismatch(decl.size.span, "a size in bytes", v.type_name())),
             Err(d) => return self.report(d),

@@ -37,12 +37,21 @@ pub struct Options {
     pub sets: Vec<(String, String)>,
     /// Hardware symbols (`gpu.mem`, ...) from a profile; empty without `--hw`.
     pub hardware: BTreeMap<String, f64>,
+    /// Bytes per activation / KV element ([`crate::ir::catalog::ACT_BYTES`], f32, unless
+    /// a cost study models another precision; the runtime always computes in f32).
+    pub act_bytes: u64,
 }
 
 impl Options {
     /// Options for a card with the default workload and no overrides.
     pub fn new(model: ModelCard) -> Self {
-        Options { model, workload: Workload::default(), sets: Vec::new(), hardware: BTreeMap::new() }
+        Options {
+            model,
+            workload: Workload::default(),
+            sets: Vec::new(),
+            hardware: BTreeMap::new(),
+            act_bytes: crate::ir::catalog::ACT_BYTES,
+        }
     }
 }
 
@@ -380,5 +389,9 @@ impl value::Context for Elaborator<'_> {
 
     fn is_checkpoint(&self, buffer: BufferId) -> bool {
         buffer == BufferId(0)
+    }
+
+    fn act_bytes(&self) -> u64 {
+        self.options.act_bytes.max(1)
     }
 }

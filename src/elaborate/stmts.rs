@@ -292,9 +292,12 @@ impl<'a> Elaborator<'a> {
     fn step_shape(&self) -> Shape {
         let size = self.micro.map_or(1, |m| m.size);
         let w = self.options.workload;
+        let act_bytes = self.options.act_bytes.max(1);
         match self.step.map(|s| s.0) {
-            Some(StepKind::Prefill) => Shape { tokens: size.saturating_mul(w.prompt_len), seqs: size, context: w.prompt_len },
-            _ => Shape { tokens: size, seqs: size, context: w.prompt_len.saturating_add(w.gen_len) },
+            Some(StepKind::Prefill) => {
+                Shape { tokens: size.saturating_mul(w.prompt_len), seqs: size, context: w.prompt_len, act_bytes }
+            }
+            _ => Shape { tokens: size, seqs: size, context: w.prompt_len.saturating_add(w.gen_len), act_bytes },
         }
     }
 

@@ -94,6 +94,8 @@ pub trait Context {
     fn card(&self) -> &crate::model::card::ModelCard;
     /// Whether `buffer` is the checkpoint.
     fn is_checkpoint(&self, buffer: BufferId) -> bool;
+    /// Bytes per activation / KV element.
+    fn act_bytes(&self) -> u64;
 }
 
 /// Evaluates an expression.
@@ -411,6 +413,14 @@ fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>
             };
             Ok(Val::Cond(vec![GuardLit { atom: GuardAtom::Active { layer: layer as u32, expert, ub }, negated: false }]))
         }
+        "bytes" => {
+            arity(1)?;
+            match &values[0] {
+                Val::Slice(slice) => Ok(Val::Int(i64::try_from(slice.len).unwrap_or(i64::MAX))),
+                Val::Bytes(size) => Ok(Val::Int(i64::try_from(size.bytes).unwrap_or(i64::MAX))),
+                other => Err(Diagnostic::type_mismatch(arg_span(0), "a buffer slice", other.type_name())),
+            }
+        }
         _ => {
             let mut ints = Vec::with_capacity(values.len());
             for (i, v) in values.iter().enumerate() {
@@ -420,11 +430,11 @@ fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>
                 }
                 ints.push(n as u64);
             }
-            match catalog::size_helper(name, &ints, cx.card()) {
+            match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes()) {
                 Some(Ok(size)) => Ok(Val::Bytes(size)),
                 Some(Err(expected)) => Err(Diagnostic::arity(span, &format!("`{name}`"), expected, values.len())),
                 None => {
-                    let mut known: Vec<&str> = vec!["min", "max", "ceil", "floor", "hot", "active"];
+                    let mut known: Vec<&str> = vec!["min", "max", "ceil", "floor", "bytes", "hot", "active"];
                     known.extend(catalog::SIZE_HELPERS);
                     Err(Diagnostic::unknown_name(name_span, "function", name, &known))
                 }
@@ -444,22 +454,23 @@ fn field_of(base: Val, field: &str, field_span: Span, base_span: Span, cx: &mut 
     let layout = cx.checkpoint();
     let fields: &[&str] = match s.layout {
         Layout::Checkpoint => &["embed", "head"],
-        Layout::Layer => &["attn", "router", "dense", "experts"],
-        Layout::Dense => &["attn", "router"],
+        Layout::Layer => &["pre", "o", "gate", "attn", "post", "dense", "experts"],
+        Layout::Dense => &["pre", "o", "gate", "attn"],
         _ => &[],
     };
+    let (pre, o, gate) = (layout.pre_bytes, layout.o_bytes, layout.gate_bytes);
+    let experts = layout.experts * layout.expert_bytes;
+    let all_experts = Layout::Experts { slots: layout.experts as u32 };
     match (s.layout, field) {
         (Layout::Checkpoint, "embed") => Ok(sub_slice(s, 0, layout.embed_bytes, Layout::Raw)),
         (Layout::Checkpoint, "head") => Ok(sub_slice(s, layout.head_offset(), layout.head_bytes, Layout::Raw)),
-        (Layout::Layer | Layout::Dense, "attn") => Ok(sub_slice(s, 0, layout.attn_bytes, Layout::Raw)),
-        (Layout::Layer | Layout::Dense, "router") => Ok(sub_slice(s, layout.attn_bytes, layout.router_bytes, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "pre") => Ok(sub_slice(s, 0, pre, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "o") => Ok(sub_slice(s, pre, o, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "gate") => Ok(sub_slice(s, pre + o, gate, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "attn") => Ok(sub_slice(s, 0, pre + o, Layout::Raw)),
+        (Layout::Layer, "post") => Ok(sub_slice(s, pre, o + gate + experts, Layout::Raw)),
         (Layout::Layer, "dense") => Ok(sub_slice(s, 0, layout.dense_bytes(), Layout::Dense)),
-        (Layout::Layer, "experts") => Ok(sub_slice(
-            s,
-            layout.dense_bytes(),
-            layout.experts * layout.expert_bytes,
-            Layout::Experts { slots: layout.experts as u32 },
-        )),
+        (Layout::Layer, "experts") => Ok(sub_slice(s, layout.dense_bytes(), experts, all_experts)),
         _ if fields.is_empty() => Err(Diagnostic::type_mismatch(
             field_span,
             "a field of a structured slice (`W`, a layer, its dense part)",
@@ -541,6 +552,50 @@ fn method_of(
                 }
             }
         }
-        _ => Err(Diagnostic::unknown_name(method_span, "method", method, &["page", "expert"])),
+        "share" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`share`", 2, values.len()));
+            }
+            let mut bounds = [0u64; 2];
+            for (k, v) in values.iter().enumerate() {
+                let f = match v {
+                    Val::Int(i) => *i as f64,
+                    Val::Float(f) => *f,
+                    other => return Err(Diagnostic::type_mismatch(arg_span(k), "a fraction in 0..=1", other.type_name())),
+                };
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(Diagnostic::out_of_range(arg_span(k), "share bound (x1000)", (f * 1000.0) as i64, "0..=1000"));
+                }
+                bounds[k] = (f * s.len as f64).floor() as u64;
+            }
+            let (lo, hi) = (bounds[0], bounds[1].max(bounds[0]));
+            Ok(sub_slice(s, lo, hi - lo, Layout::Raw))
+        }
+        "experts" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`experts`", 2, values.len()));
+            }
+            let layout = cx.checkpoint();
+            let (base, slots) = match s.layout {
+                Layout::Layer => (layout.dense_bytes(), layout.experts),
+                Layout::Experts { slots } => (0, u64::from(slots)),
+                _ => {
+                    return Err(Diagnostic::type_mismatch(
+                        method_span,
+                        "`.experts(a, b)` on a layer or an expert-slot buffer",
+                        "`.experts` on unstructured bytes",
+                    ))
+                }
+            };
+            let lo = as_int(values[0].clone(), arg_span(0))?;
+            let hi = as_int(values[1].clone(), arg_span(1))?;
+            if lo < 0 || hi < lo || hi as u64 > slots {
+                return Err(Diagnostic::out_of_range(arg_span(1), "expert range end", hi, &format!("{}..={slots}", lo.max(0))));
+            }
+            let (lo, hi) = (lo as u64, hi as u64);
+            let slots_taken = Layout::Experts { slots: (hi - lo) as u32 };
+            Ok(sub_slice(s, base + lo * layout.expert_bytes, (hi - lo) * layout.expert_bytes, slots_taken))
+        }
+        _ => Err(Diagnostic::unknown_name(method_span, "method", method, &["page", "share", "expert", "experts"])),
     }
 }

@@ -82,16 +82,37 @@ pub struct ModelCard {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence token that stops generation.
     pub eos_token_id: u32,
+    /// Attend only to the last this-many positions (Mixtral's `sliding_window`; `None`
+    /// for full attention).
+    #[serde(default)]
+    pub sliding_window: Option<u64>,
+    /// DBRX `moe_normalize_expert_weights`: top-k routing weights are divided by their
+    /// p-norm with this p (`None`: no renormalisation). Mixtral always divides by the sum.
+    #[serde(default = "default_router_norm_p")]
+    pub router_norm_p: Option<f64>,
+}
+
+fn default_router_norm_p() -> Option<f64> {
+    Some(1.0)
 }
 
 /// The cards shipped with moec, embedded so the binary needs no files at run time.
 const BUILTIN_CARDS: &[(&str, &str)] = &[
-    ("mixtral-8x7b", include_str!("../../models/mixtral-8x7b.ron")),
-    ("mixtral-8x22b", include_str!("../../models/mixtral-8x22b.ron")),
+    (
+        "mixtral-8x7b",
+        include_str!("../../models/mixtral-8x7b.ron"),
+    ),
+    (
+        "mixtral-8x22b",
+        include_str!("../../models/mixtral-8x22b.ron"),
+    ),
     ("dbrx", include_str!("../../models/dbrx.ron")),
     ("mixtral-mid", include_str!("../../models/mixtral-mid.ron")),
     ("dbrx-mid", include_str!("../../models/dbrx-mid.ron")),
-    ("mixtral-tiny", include_str!("../../models/mixtral-tiny.ron")),
+    (
+        "mixtral-tiny",
+        include_str!("../../models/mixtral-tiny.ron"),
+    ),
     ("dbrx-tiny", include_str!("../../models/dbrx-tiny.ron")),
 ];
 
@@ -197,17 +218,23 @@ impl ModelCard {
         if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
             return Err(format!("`{name}` must be positive"));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(format!(
                 "heads ({}) must be a multiple of kv_heads ({})",
                 self.heads, self.kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
-            return Err(format!("head_dim ({}) must be even for rotary embeddings", self.head_dim));
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "head_dim ({}) must be even for rotary embeddings",
+                self.head_dim
+            ));
         }
         if self.top_k > self.experts {
-            return Err(format!("top_k ({}) exceeds experts ({})", self.top_k, self.experts));
+            return Err(format!(
+                "top_k ({}) exceeds experts ({})",
+                self.top_k, self.experts
+            ));
         }
         if !(self.rope_theta > 0.0 && self.norm_eps > 0.0) {
             return Err("rope_theta and norm_eps must be positive".to_string());
@@ -259,7 +286,8 @@ impl ModelCard {
 
     /// Parameters a single token touches (attention, router, `top_k` experts, plus outer).
     pub fn active_params(&self) -> u64 {
-        self.layers * (self.attn_params() + self.router_params() + self.top_k * self.expert_params())
+        self.layers
+            * (self.attn_params() + self.router_params() + self.top_k * self.expert_params())
             + self.outer_params()
     }
 
@@ -308,11 +336,18 @@ mod tests {
     /// Published totals: 46.7B (Mixtral-8x7B), 140.6B (8x22B), 131.6B (DBRX); within 0.5%.
     #[test]
     fn parameter_counts_match_published_totals() {
-        let expect = [("mixtral-8x7b", 46.70e9), ("mixtral-8x22b", 140.6e9), ("dbrx", 131.6e9)];
+        let expect = [
+            ("mixtral-8x7b", 46.70e9),
+            ("mixtral-8x22b", 140.6e9),
+            ("dbrx", 131.6e9),
+        ];
         for (name, published) in expect {
             let card = ModelCard::load(name).unwrap();
             let got = card.total_params() as f64;
-            assert!((got / published - 1.0).abs() < 0.005, "{name}: {got} vs {published}");
+            assert!(
+                (got / published - 1.0).abs() < 0.005,
+                "{name}: {got} vs {published}"
+            );
         }
     }
 

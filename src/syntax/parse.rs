@@ -329,6 +329,7 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                 let mut it = item.into_inner();
                 let kind_pair = next(&mut it, item_span)?;
                 let kind = match kind_pair.as_str().trim() {
+                    "setup" => StepKind::Setup,
                     "prefill" => StepKind::Prefill,
                     "decode" => StepKind::Decode,
                     _ => StepKind::Mixed,
