@@ -287,7 +287,8 @@ impl Tracker<'_> {
                     .min(first.slice.len);
                 let runs = self.read_runs(&first.slice);
                 let untouched = runs.iter().all(|r| r.2.piece.is_none());
-                if untouched && sig.may_be_empty {
+                let mixed = program.steps.get(task.step.index()).is_some_and(|s| s.kind == StepKind::Mixed);
+                if untouched && (sig.may_be_empty || (mixed && sig.role == crate::ir::Role::Kv)) {
                     continue;
                 }
                 if let Err(d) = self.expect_activation(

@@ -125,8 +125,9 @@ impl<'a> Elaborator<'a> {
                 Ok(n) => n,
                 Err(d) => return self.report(d),
             };
-            if n < 1 || n > i64::from(u32::MAX) {
-                return self.report(Diagnostic::out_of_range(dim.span, "array length", n, "1 or more"));
+            // Zero is allowed: an optional buffer (`w_res[layers * min(n_res, 1)]`).
+            if n < 0 || n > i64::from(u32::MAX) {
+                return self.report(Diagnostic::out_of_range(dim.span, "array length", n, "0 or more"));
             }
             count = count.saturating_mul(n as u64);
             dims.push(n as u32);

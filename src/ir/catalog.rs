@@ -338,11 +338,14 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         ],
         Op::Attn { layer, ub, part } => vec![
             sig(Role::Qkv, Read, vec![T::Qkv { layer, ub }], None),
+            // Prefill starts the sequences' caches afresh; decode and mixed attention append
+            // to what is cached (a mixed step's first run has nothing cached yet: the
+            // checker accepts an unwritten cache there).
             RoleSig {
                 role: Role::Kv,
-                access: ReadWrite,
-                expects: vec![T::KvCache { layer, ub }],
-                may_be_empty: part != AttnPart::Decode,
+                access: if part == AttnPart::Prefill { Write } else { ReadWrite },
+                expects: if part == AttnPart::Prefill { vec![] } else { vec![T::KvCache { layer, ub }] },
+                may_be_empty: part == AttnPart::All,
                 optional: part == AttnPart::Prefill,
                 produces: Some(T::KvCache { layer, ub }),
             },
