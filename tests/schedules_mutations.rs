@@ -49,8 +49,8 @@ const MUTATIONS: &[Mutation] = &[
     Mutation {
         name: "vslpipe_other_weight_slot",
         schedule: "vslpipe",
-        find: "post_attn(layer = l, ub = x, w = wb[l % 2],",
-        replace: "post_attn(layer = l, ub = x, w = wb[(l + 1) % 2],",
+        find: "post_attn(layer = l, ub = x, w = wb[l % 2].post,",
+        replace: "post_attn(layer = l, ub = x, w = wb[(l + 1) % 2].post,",
         code: Code::ValuesWrong,
         line_has: "wb[(l + 1) % 2]",
     },
@@ -100,7 +100,7 @@ const MUTATIONS: &[Mutation] = &[
         find: "  copy w_home[(l + 1) % layers].attn -> w_dense[(l + 1) % 2].attn on w_load\n",
         replace: "",
         code: Code::ValuesUninitialized,
-        line_has: "pre_attn(layer = l, ub = k, w = w_dense[s]",
+        line_has: "pre_attn(layer = l, ub = k, w = w_dense[s].pre",
     },
 ];
 
