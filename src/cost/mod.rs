@@ -5,8 +5,10 @@
 //! timelines and planned parameters. Knows nothing of the schedule language's syntax.
 
 pub mod bounds;
+pub mod budget;
 pub mod hardware;
 pub mod hrm;
+pub mod predict;
 pub mod probe;
 pub mod sim;
 pub mod timeline;
