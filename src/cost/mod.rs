@@ -8,6 +8,7 @@ pub mod bounds;
 pub mod budget;
 pub mod hardware;
 pub mod hrm;
+pub mod plan;
 pub mod predict;
 pub mod probe;
 pub mod sim;
