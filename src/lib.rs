@@ -13,3 +13,6 @@ pub mod diag;
 pub mod ir;
 pub mod model;
 pub mod syntax;
+pub mod elaborate;
+pub mod check;
+pub mod compile;

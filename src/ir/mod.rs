@@ -14,6 +14,8 @@
 //! - `steps` partition `tasks` into contiguous ranges in declaration order.
 
 pub mod catalog;
+pub mod deps;
+pub mod emit;
 
 mod ids;
 pub mod value;
