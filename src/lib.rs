@@ -11,5 +11,7 @@ pub mod cli;
 pub mod cost;
 pub mod diag;
 pub mod ir;
+pub mod lower;
 pub mod model;
+pub mod runtime;
 pub mod syntax;
