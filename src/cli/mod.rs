@@ -1,6 +1,10 @@
 //! The `moec` command line: parses arguments with clap and dispatches to one module per
 //! subcommand. This is the only part of the crate that prints.
 
+pub mod generate;
+pub mod models;
+pub mod synth;
+
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -21,6 +25,12 @@ enum Command {
     Hw(hw::HwArgs),
     /// Measure this machine and write a hardware profile.
     Probe(probe::ProbeArgs),
+    /// Generate text with the reference forward pass (the oracle).
+    Generate(generate::GenerateArgs),
+    /// Write a deterministic synthetic checkpoint of a card (Hugging Face format).
+    Synth(synth::SynthArgs),
+    /// List the built-in model cards with parameter counts and bytes per layer.
+    Models(models::ModelsArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -29,5 +39,8 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Hw(args) => hw::run(args),
         Command::Probe(args) => probe::run(args),
+        Command::Generate(args) => generate::run(&args),
+        Command::Synth(args) => synth::run(&args),
+        Command::Models(args) => models::run(&args),
     }
 }

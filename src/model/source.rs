@@ -125,15 +125,17 @@ pub fn ensure_synthetic(card: &ModelCard, seed: u64, dtype: WeightDtype) -> Resu
 
 /// Loads the model `source` names.
 pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
-    let card = source.card.as_deref().map(ModelCard::load).transpose()?;
+    let mut card = source.card.as_deref().map(ModelCard::load).transpose()?;
     let (dir, synthetic): (PathBuf, bool) = match &source.weights {
         Some(dir) => (dir.clone(), false),
         None => {
-            let card = match &card {
-                Some(c) => c.clone(),
+            let chosen = match card.take() {
+                Some(c) => c,
                 None => ModelCard::load(DEFAULT_CARD)?,
             };
-            (ensure_synthetic(&card, 0, card.dtype)?, true)
+            let dir = ensure_synthetic(&chosen, 0, chosen.dtype)?;
+            card = Some(chosen);
+            (dir, true)
         }
     };
     let checkpoint = Checkpoint::open_with_card(&dir, card.as_ref())?;

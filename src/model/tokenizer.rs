@@ -94,6 +94,18 @@ impl TextTokenizer {
         Ok(ids)
     }
 
+    /// Text that `generated` adds after `prompt` (decoded in context, so a leading space
+    /// that SentencePiece would drop at the start of a text is kept).
+    pub fn decode_continuation(&self, prompt: &[u32], generated: &[u32]) -> Result<String, TokenizerError> {
+        let head = self.decode(prompt)?;
+        let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+        let full = self.decode(&all)?;
+        match full.strip_prefix(&head) {
+            Some(rest) => Ok(rest.to_string()),
+            None => self.decode(generated),
+        }
+    }
+
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner.decode(ids, true).map_err(|e| TokenizerError::Codec(e.to_string()))
