@@ -15,3 +15,6 @@ pub mod lower;
 pub mod model;
 pub mod runtime;
 pub mod syntax;
+pub mod elaborate;
+pub mod check;
+pub mod compile;

@@ -6,6 +6,9 @@ pub mod models;
 pub mod synth;
 
 use clap::{Parser, Subcommand};
+
+pub mod check;
+pub mod compile;
 use std::process::ExitCode;
 
 pub mod hw;
@@ -21,6 +24,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Compile a schedule and print a summary, or its diagnostics (exit 1).
+    Check(check::CheckArgs),
+    /// Compile a schedule and print its DAG as text, dot or JSON.
+    Compile(compile::CompileArgs),
     /// List the hardware profiles, or show one.
     Hw(hw::HwArgs),
     /// Measure this machine and write a hardware profile.
@@ -37,6 +44,8 @@ enum Command {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Check(args) => check::run(&args),
+        Command::Compile(args) => compile::run(&args),
         Command::Hw(args) => hw::run(args),
         Command::Probe(args) => probe::run(args),
         Command::Generate(args) => generate::run(&args),

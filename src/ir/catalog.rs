@@ -260,8 +260,11 @@ impl Op {
         }
     }
 
-    /// `pre_attn(layer=1, ub=0)` style description.
+    /// `pre_attn(layer=1, ub=0)` style description (`copy` for copies).
     pub fn describe(&self) -> String {
+        if *self == Op::Copy {
+            return "copy".to_string();
+        }
         let mut parts = Vec::new();
         if let Some(layer) = self.layer() {
             parts.push(format!("layer={layer}"));
@@ -316,7 +319,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
         ],
         Op::PreAttn { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Attn { layer }], None),
+            sig(Role::W, Read, vec![T::Pre { layer }], None),
             sig(Role::H, Read, vec![residual(ub, layer, Point::In)], None),
             sig(Role::Out, Write, vec![], Some(T::Qkv { layer, ub })),
         ],
@@ -332,7 +335,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub })),
         ],
         Op::PostAttn { layer, ub } => {
-            let mut weights = vec![T::Attn { layer }, T::Router { layer }];
+            let mut weights = vec![T::O { layer }, T::Gate { layer }];
             weights.extend((0..card.experts as u32).map(|e| T::Expert {
                 layer,
                 expert: ExpertRef::Index(e),
@@ -349,7 +352,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             ]
         }
         Op::OProj { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Attn { layer }], None),
+            sig(Role::W, Read, vec![T::O { layer }], None),
             sig(Role::A, Read, vec![T::AttnOut { layer, ub }], None),
             sig(
                 Role::H,
@@ -359,7 +362,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             ),
         ],
         Op::Gate { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Router { layer }], None),
+            sig(Role::W, Read, vec![T::Gate { layer }], None),
             sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
             sig(Role::Route, Write, vec![], Some(T::Routing { layer, ub })),
             sig(Role::Acc, Write, vec![], Some(T::ExpertAcc { layer, ub })),
@@ -423,6 +426,9 @@ pub struct Shape {
     /// decode and mixed: prompt_len + gen_len, the worst case; the cost model may pass an
     /// average to [`work`] instead).
     pub context: u64,
+    /// Bytes per activation / KV element: [`ACT_BYTES`] (f32, what the runtime computes
+    /// in) unless elaboration was asked otherwise (the cost model may model fp16).
+    pub act_bytes: u64,
 }
 
 /// The smallest slice an activation argument needs, or `None` when the role has no fixed
@@ -430,16 +436,17 @@ pub struct Shape {
 pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> Option<u64> {
     let n = shape.tokens;
     let s = shape.seqs;
+    let a = shape.act_bytes;
     Some(match (op, role) {
         (Op::Copy, _) | (_, Role::W) => return None,
-        (_, Role::H) | (_, Role::Acc) => n * card.hidden * ACT_BYTES,
+        (_, Role::H) | (_, Role::Acc) => n * card.hidden * a,
         (Op::PreAttn { .. }, Role::Out) | (_, Role::Qkv) => {
-            n * (card.q_dim() + 2 * card.kv_dim()) * ACT_BYTES
+            n * (card.q_dim() + 2 * card.kv_dim()) * a
         }
-        (Op::Attn { .. }, Role::Out) | (_, Role::A) => n * card.q_dim() * ACT_BYTES,
-        (_, Role::Kv) => s * shape.context * card.kv_elems_per_token_layer() * ACT_BYTES,
+        (Op::Attn { .. }, Role::Out) | (_, Role::A) => n * card.q_dim() * a,
+        (_, Role::Kv) => s * shape.context * card.kv_elems_per_token_layer() * a,
         (_, Role::Route) => n * card.top_k * ROUTE_ENTRY_BYTES,
-        (_, Role::Logits) => s * card.vocab * ACT_BYTES,
+        (_, Role::Logits) => s * card.vocab * a,
         (_, Role::Tokens) => s * TOKEN_BYTES,
         _ => return None,
     })
@@ -558,21 +565,20 @@ pub fn role_traffic(
     let q = card.q_dim() as f64;
     let kv = card.kv_dim() as f64;
     let dt = card.dtype.bytes() as f64;
-    let a = ACT_BYTES as f64;
-    let expert_bytes = card.expert_bytes() as f64;
+    let a = shape.act_bytes as f64;
+    let layout = super::CheckpointLayout::new(card);
+    let expert_bytes = layout.expert_bytes as f64;
     let active = |m: f64| m.min(n * card.top_k as f64);
     match (op, role) {
         (Op::Copy, _) => (DataClass::Activations, slice_len as f64),
         (Op::Embed { .. }, Role::W) => (DataClass::Weights, n * h * dt),
-        (Op::PreAttn { .. }, Role::W) => (DataClass::Weights, (h * (q + 2.0 * kv) + h) * dt),
-        (Op::OProj { .. }, Role::W) => (DataClass::Weights, q * h * dt),
+        (Op::PreAttn { .. }, Role::W) => (DataClass::Weights, layout.pre_bytes as f64),
+        (Op::OProj { .. }, Role::W) => (DataClass::Weights, layout.o_bytes as f64),
         (Op::PostAttn { .. }, Role::W) => (
             DataClass::Weights,
-            (q * h + h) * dt
-                + card.router_bytes() as f64
-                + active(card.experts as f64) * expert_bytes,
+            (layout.o_bytes + layout.gate_bytes) as f64 + active(card.experts as f64) * expert_bytes,
         ),
-        (Op::Gate { .. }, Role::W) => (DataClass::Weights, card.router_bytes() as f64 + h * dt),
+        (Op::Gate { .. }, Role::W) => (DataClass::Weights, layout.gate_bytes as f64),
         (Op::Experts { set, .. }, Role::W) => (
             DataClass::Weights,
             active(set.len(card.experts) as f64) * expert_bytes,
@@ -674,9 +680,10 @@ pub fn size_helper(
     name: &str,
     args: &[u64],
     card: &ModelCard,
+    act_bytes: u64,
 ) -> Option<Result<HelperSize, usize>> {
     use super::Layout;
-    let a = ACT_BYTES;
+    let a = act_bytes;
     let raw = |bytes| HelperSize {
         bytes,
         layout: Layout::Raw,
@@ -713,4 +720,20 @@ pub fn size_helper(
         "head_weights" => none(raw(layout.head_bytes)),
         _ => return None,
     })
+}
+
+/// Scratch bytes an op needs beyond its arguments, in the memory of the engine it runs
+/// on: the experts' gate/up intermediates (`routed tokens x ffn x 2` elements) and the
+/// attention scores of one key block (1024 keys) per query row and head.
+pub fn workspace_bytes(op: &Op, card: &ModelCard, shape: &Shape) -> u64 {
+    let a = shape.act_bytes;
+    match op {
+        Op::PostAttn { .. } => shape.tokens * card.top_k * card.ffn * 2 * a,
+        Op::Experts { set, .. } => {
+            let routed = routed_tokens(set, card, shape).ceil() as u64;
+            routed.min(shape.tokens) * card.ffn * 2 * a
+        }
+        Op::Attn { .. } => shape.tokens * card.heads * shape.context.min(1024) * a,
+        _ => 0,
+    }
 }

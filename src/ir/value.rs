@@ -25,13 +25,18 @@ pub enum Tensor {
     Embedding,
     /// Final norm + lm_head.
     Head,
-    /// A layer's attention weights (norms, Q, K, V, O).
-    Attn {
+    /// A layer's input norm and Q/K/V projections (DBRX: fused Wqkv).
+    Pre {
         /// Layer.
         layer: u32,
     },
-    /// A layer's router.
-    Router {
+    /// A layer's O projection.
+    O {
+        /// Layer.
+        layer: u32,
+    },
+    /// A layer's post-attention norm and router.
+    Gate {
         /// Layer.
         layer: u32,
     },
@@ -106,8 +111,9 @@ impl Tensor {
             self,
             Tensor::Embedding
                 | Tensor::Head
-                | Tensor::Attn { .. }
-                | Tensor::Router { .. }
+                | Tensor::Pre { .. }
+                | Tensor::O { .. }
+                | Tensor::Gate { .. }
                 | Tensor::Expert { .. }
         )
     }
@@ -117,8 +123,9 @@ impl Tensor {
         Some(match self {
             Tensor::Embedding => layout.embed_bytes,
             Tensor::Head => layout.head_bytes,
-            Tensor::Attn { .. } => layout.attn_bytes,
-            Tensor::Router { .. } => layout.router_bytes,
+            Tensor::Pre { .. } => layout.pre_bytes,
+            Tensor::O { .. } => layout.o_bytes,
+            Tensor::Gate { .. } => layout.gate_bytes,
             Tensor::Expert { .. } => layout.expert_bytes,
             _ => return None,
         })
@@ -130,8 +137,9 @@ impl std::fmt::Display for Tensor {
         match self {
             Tensor::Embedding => write!(f, "W.embed"),
             Tensor::Head => write!(f, "W.head"),
-            Tensor::Attn { layer } => write!(f, "W[{layer}].attn"),
-            Tensor::Router { layer } => write!(f, "W[{layer}].router"),
+            Tensor::Pre { layer } => write!(f, "W[{layer}].pre"),
+            Tensor::O { layer } => write!(f, "W[{layer}].o"),
+            Tensor::Gate { layer } => write!(f, "W[{layer}].gate"),
             Tensor::Expert { layer, expert } => write!(f, "W[{layer}].expert({expert})"),
             Tensor::Residual {
                 ub,
@@ -214,12 +222,9 @@ pub fn checkpoint_pieces(
         }
         let base = layout.layer_offset(layer);
         let l = layer as u32;
-        push(base, layout.attn_bytes, Tensor::Attn { layer: l });
-        push(
-            base + layout.attn_bytes,
-            layout.router_bytes,
-            Tensor::Router { layer: l },
-        );
+        push(base, layout.pre_bytes, Tensor::Pre { layer: l });
+        push(base + layout.pre_bytes, layout.o_bytes, Tensor::O { layer: l });
+        push(base + layout.pre_bytes + layout.o_bytes, layout.gate_bytes, Tensor::Gate { layer: l });
         let experts_base = base + layout.dense_bytes();
         let eb = layout.expert_bytes.max(1);
         let first_e = start.saturating_sub(experts_base) / eb;

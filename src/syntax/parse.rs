@@ -205,7 +205,36 @@ fn internal(span: Span) -> Diagnostic {
 }
 
 fn span_of(pair: &P) -> Span {
-    Span::new(pair.as_span().start(), pair.as_span().end())
+    let start = pair.as_span().start();
+    Span::new(start, start + trimmed_len(pair.as_str()))
+}
+
+/// Length of `text` without the whitespace and `//` comments pest lets a rule end with
+/// when its last part is optional (`copy a -> b` followed by an empty task tail).
+fn trimmed_len(text: &str) -> usize {
+    let mut text = text.trim_end();
+    loop {
+        let line_start = text.rfind('\n').map_or(0, |i| i + 1);
+        let line = &text[line_start..];
+        match comment_start(line) {
+            Some(at) => text = text[..line_start + at].trim_end(),
+            None => return text.len(),
+        }
+    }
+}
+
+/// Byte offset of a `//` comment in one line, ignoring `//` inside string literals.
+fn comment_start(line: &str) -> Option<usize> {
+    let mut in_string = false;
+    let bytes = line.as_bytes();
+    for i in 0..bytes.len() {
+        match bytes[i] {
+            b'"' => in_string = !in_string,
+            b'/' if !in_string && bytes.get(i + 1) == Some(&b'/') => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn next<'i>(it: &mut pest::iterators::Pairs<'i, Rule>, span: Span) -> Result<P<'i>, Diagnostic> {
@@ -300,6 +329,7 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                 let mut it = item.into_inner();
                 let kind_pair = next(&mut it, item_span)?;
                 let kind = match kind_pair.as_str().trim() {
+                    "setup" => StepKind::Setup,
                     "prefill" => StepKind::Prefill,
                     "decode" => StepKind::Decode,
                     _ => StepKind::Mixed,
