@@ -12,7 +12,9 @@ pub mod compile;
 use std::process::ExitCode;
 
 pub mod hw;
+pub mod plan;
 pub mod probe;
+pub mod simulate;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
 #[derive(Debug, Parser)]
@@ -38,6 +40,10 @@ enum Command {
     Synth(synth::SynthArgs),
     /// List the built-in model cards with parameter counts and bytes per layer.
     Models(models::ModelsArgs),
+    /// Predict a schedule's speed on a hardware profile (HRM + discrete-event simulation).
+    Simulate(simulate::SimulateArgs),
+    /// Search a schedule's params for the best predicted throughput within budget.
+    Plan(plan::PlanArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -51,5 +57,7 @@ pub fn main() -> ExitCode {
         Command::Generate(args) => generate::run(&args),
         Command::Synth(args) => synth::run(&args),
         Command::Models(args) => models::run(&args),
+        Command::Simulate(args) => simulate::run(args),
+        Command::Plan(args) => plan::run(args),
     }
 }
