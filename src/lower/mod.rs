@@ -1,7 +1,7 @@
 //! Lowering: a checked program to a flat execution plan (bevy_ecs's `SystemSchedule`).
 //!
-//! Takes an [`ir::Program`] and the predecessors of every task (data dependencies plus
-//! `after`, as the checker derives them); gives an [`ExecPlan`]: per step, per stream, an
+//! Takes an [`ir::Program`] and its [`ScheduleInfo`] (the checker's reduced dependency
+//! graph: data dependencies plus `after`); gives an [`ExecPlan`]: per step, per stream, an
 //! instruction list of `Run(task)`, `Record(event)` and `Wait(event)`, and every buffer
 //! placed at a byte offset in one arena per memory space. Nothing in it assumes the CPU:
 //! the CPU backend and a CUDA backend read the same plan.
@@ -21,6 +21,7 @@
 //!   [`ARENA_ALIGN`]-aligned offset; the checkpoint `W` is not in an arena (the backend
 //!   maps it from the weights file); an arena larger than its capacity is an error.
 
+use crate::check::ScheduleInfo;
 use crate::ir::{
     self, Access, BufferId, BufferKind, Engine, ExpertRef, Guard, Op, Program, Role, Shape, Space, StepId, TaskId,
 };
@@ -257,9 +258,22 @@ impl LowerError {
     }
 }
 
+/// Lowers a checked program (the checker's [`ScheduleInfo`] is required: an unchecked
+/// program cannot be lowered).
+pub fn lower(program: &Program, info: &ScheduleInfo, options: &LowerOptions) -> Result<ExecPlan, LowerError> {
+    let preds: Vec<Vec<TaskId>> = (0..program.tasks.len())
+        .map(|t| info.dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+        .collect();
+    lower_with_preds(program, &preds, options)
+}
+
 /// Lowers a program given each task's predecessors (indexed by task; every predecessor
-/// earlier in issue order).
-pub fn lower(program: &Program, preds: &[Vec<TaskId>], options: &LowerOptions) -> Result<ExecPlan, LowerError> {
+/// earlier in issue order). [`lower`] is the entry point for checked programs.
+pub(crate) fn lower_with_preds(
+    program: &Program,
+    preds: &[Vec<TaskId>],
+    options: &LowerOptions,
+) -> Result<ExecPlan, LowerError> {
     if preds.len() != program.tasks.len() {
         return Err(LowerError::DepsLength { expected: program.tasks.len(), got: preds.len() });
     }

@@ -294,6 +294,21 @@ pub fn generate(
     if gen_len == 0 {
         return Ok((outputs, stats));
     }
+    if let Some(setup) = plan.steps.iter().position(|s| s.kind == StepKind::Setup) {
+        let runner = Runner {
+            plan,
+            ctx: OpContext { arch: &arch, rope: &rope, memory: &memory, state: &state, dtype: card.dtype },
+            gpu_pool: &gpu_pool,
+            cpu_pool: &cpu_pool,
+            kill: options.kill_task,
+            kill_count: AtomicU32::new(0),
+        };
+        let start = origin.elapsed().as_secs_f64();
+        let tasks = run_step(plan, &plan.steps[setup], &runner, options.exec, origin)?;
+        kill_count.store(runner.kill_count.load(Ordering::SeqCst), Ordering::SeqCst);
+        let end = origin.elapsed().as_secs_f64();
+        stats.steps.push(StepRecord { kind: StepKind::Setup, start, end, prefill_tokens: 0, decode_tokens: 0, tasks });
+    }
     while !waiting.is_empty() || !running.is_empty() {
         // Admission: static batches admit only into an empty plan; mixed plans any time.
         if running.is_empty() || mixed {

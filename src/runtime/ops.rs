@@ -172,7 +172,14 @@ impl OpContext<'_> {
                 let mut x_norm = vec![0.0f32; n * self.arch.hidden];
                 let routing = gate(self.arch, &dense, h, &mut x_norm)?;
                 self.write_routing(need(Role::Route)?, &routing)?;
-                self.act_mut(need(Role::Acc)?, "acc", n * self.arch.hidden)?.fill(0.0);
+                let acc = need(Role::Acc)?;
+                let slots_len = n * self.arch.top_k * self.arch.hidden;
+                if acc.len >= (slots_len * 4) as u64 {
+                    self.act_mut(acc, "acc", slots_len)?.fill(0.0);
+                } else {
+                    self.act_mut(acc, "acc", n * self.arch.hidden)?.fill(0.0);
+                    lock(&self.state.slots).insert((layer, ub), vec![0.0; slots_len]);
+                }
                 lock(&self.state.x_norm).insert((layer, ub), x_norm);
                 lock(&self.state.routing).insert((layer, ub), routing);
             }
@@ -180,26 +187,43 @@ impl OpContext<'_> {
                 let n = self.ub(ub)?.n_tokens();
                 let routing = self.read_routing(need(Role::Route)?, n)?;
                 let x_norm = lock(&self.state.x_norm).get(&(layer, ub)).cloned();
-                let x_norm = match x_norm {
-                    Some(x) => x,
-                    None => return Err(OpError::MissingArg("gate workspace (run `gate` first)")),
+                let Some(x_norm) = x_norm else {
+                    return Err(OpError::MissingArg("gate workspace (run `gate` first)"));
                 };
-                let acc = self.act_mut(need(Role::Acc)?, "acc", n * self.arch.hidden)?;
                 let groups = routing.by_expert(self.arch.experts);
+                let slots_len = n * self.arch.top_k * self.arch.hidden;
+                let acc = need(Role::Acc)?;
+                let mut workspace = lock(&self.state.slots);
+                let slots: &mut [f32] = if acc.len >= (slots_len * 4) as u64 {
+                    self.act_mut(acc, "acc", slots_len)?
+                } else {
+                    workspace.entry((layer, ub)).or_insert_with(|| vec![0.0; slots_len])
+                };
                 for e in self.members(set) {
                     let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
                     if rows.is_empty() {
                         continue;
                     }
                     let expert = self.expert(&weights, layer, e as usize)?;
-                    expert_ffn(self.arch, &expert, &x_norm, rows, acc)?;
+                    expert_ffn(self.arch, &expert, &x_norm, rows, slots)?;
                 }
             }
-            Op::Combine { layer: _, ub } => {
+            Op::Combine { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
-                let acc = self.act(need(Role::Acc)?, "acc", n * self.arch.hidden)?;
+                let slots_len = n * self.arch.top_k * self.arch.hidden;
+                let routing = lock(&self.state.routing).get(&(layer, ub)).cloned();
+                let Some(routing) = routing else {
+                    return Err(OpError::MissingArg("routing (run `gate` first)"));
+                };
+                let acc = need(Role::Acc)?;
                 let h = self.act_mut(need(Role::H)?, "h", n * self.arch.hidden)?;
-                combine(h, acc)?;
+                if acc.len >= (slots_len * 4) as u64 {
+                    combine(&routing, self.act(acc, "acc", slots_len)?, h)?;
+                } else {
+                    let workspace = lock(&self.state.slots);
+                    let slots = workspace.get(&(layer, ub)).map(Vec::as_slice).unwrap_or(&[]);
+                    combine(&routing, slots, h)?;
+                }
             }
             Op::PostAttn { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
@@ -211,15 +235,15 @@ impl OpContext<'_> {
                 o_proj_residual(self.arch, &dense, a, h)?;
                 let mut x_norm = vec![0.0f32; n * d];
                 let routing = gate(self.arch, &dense, h, &mut x_norm)?;
-                let mut moe_out = vec![0.0f32; n * d];
+                let mut slots = vec![0.0f32; n * self.arch.top_k * d];
                 for (e, rows) in routing.by_expert(self.arch.experts).iter().enumerate() {
                     if rows.is_empty() {
                         continue;
                     }
                     let expert = self.expert(&weights, layer, e)?;
-                    expert_ffn(self.arch, &expert, &x_norm, rows, &mut moe_out)?;
+                    expert_ffn(self.arch, &expert, &x_norm, rows, &mut slots)?;
                 }
-                combine(h, &moe_out)?;
+                combine(&routing, &slots, h)?;
                 lock(&self.state.routing).insert((layer, ub), routing);
             }
             Op::LmHead { ub } => {

@@ -129,6 +129,9 @@ pub struct StepState {
     pub routing: Mutex<HashMap<(u32, u32), Routing>>,
     /// Normalised rows per (layer, ub) that `gate` computed for `experts`.
     pub x_norm: Mutex<HashMap<(u32, u32), Vec<f32>>>,
+    /// Expert outputs per (layer, ub) and token slot, when the schedule's `acc` is only
+    /// `[tokens, hidden]` (the kernels need `[tokens, top_k, hidden]` to stay order-free).
+    pub slots: Mutex<HashMap<(u32, u32), Vec<f32>>>,
     /// The expert order of each layer this step, fixed at its first use.
     pub hot_order: Mutex<HashMap<u32, Vec<u32>>>,
     /// Predicted hot experts.
@@ -146,6 +149,7 @@ impl StepState {
             rngs: Mutex::new(rngs),
             routing: Mutex::new(HashMap::new()),
             x_norm: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
             hot_order: Mutex::new(HashMap::new()),
             predictor: HotPredictor::default(),
             sampled: Mutex::new(HashMap::new()),
@@ -156,6 +160,7 @@ impl StepState {
     pub fn reset_step(&mut self) {
         lock(&self.routing).clear();
         lock(&self.x_norm).clear();
+        lock(&self.slots).clear();
         lock(&self.hot_order).clear();
         lock(&self.sampled).clear();
     }
