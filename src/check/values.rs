@@ -13,7 +13,7 @@
 
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, ExpertRef, ExpertSet, Op};
-use crate::ir::value::{checkpoint_pieces, Piece, Tensor};
+use crate::ir::value::{checkpoint_pieces, Piece, Rows, Tensor};
 use crate::ir::{Access, BufferKind, CheckpointLayout, Guard, GuardAtom, GuardLit, Program, TaskId};
 use crate::syntax::ast::{Span, StepKind};
 use serde::Serialize;
@@ -232,6 +232,53 @@ impl Tracker<'_> {
                         self.emit(d);
                         break;
                     }
+                }
+            } else if let Tensor::AttnOut { layer, ub, rows: Rows::All } = sig.expects[0] {
+                let step_kind = program.steps.get(task.step.index()).map(|s| s.kind);
+                let mut found = Vec::new();
+                for &(k, arg) in &args {
+                    let arg_span = arg_spans.get(k).copied().unwrap_or(span);
+                    let name = program.buffer(arg.slice.buffer).name.clone();
+                    let need = catalog::required_bytes(&task.op, sig.role, &program.model, &task.shape)
+                        .unwrap_or(arg.slice.len)
+                        .min(arg.slice.len);
+                    let runs = self.read_runs(&arg.slice);
+                    let mut result = Err(None);
+                    for rows in [Rows::All, Rows::Prefill, Rows::Decode] {
+                        let candidate = Tensor::AttnOut { layer, ub, rows };
+                        let check = self.expect_activation(
+                            candidate, &runs, arg.slice.start, need, arg.slice.len, arg_span, &task_name, &name, &task.guard,
+                        );
+                        match check {
+                            Ok(()) => {
+                                result = Ok(rows);
+                                break;
+                            }
+                            Err(d) if rows == Rows::All => result = Err(Some(d)),
+                            Err(_) => {}
+                        }
+                    }
+                    match result {
+                        Ok(rows) => found.push(rows),
+                        Err(Some(d)) => self.emit(d),
+                        Err(None) => {}
+                    }
+                }
+                let complete = found.contains(&Rows::All)
+                    || (found.contains(&Rows::Prefill) && found.contains(&Rows::Decode))
+                    || (step_kind == Some(StepKind::Prefill) && found.contains(&Rows::Prefill))
+                    || (step_kind == Some(StepKind::Decode) && found.contains(&Rows::Decode));
+                if !complete && found.len() == args.len() {
+                    let held: Vec<String> =
+                        found.iter().map(|r| Tensor::AttnOut { layer, ub, rows: *r }.to_string()).collect();
+                    self.emit(Diagnostic::wrong_value(
+                        first_span,
+                        &task_name,
+                        &buffer_name,
+                        &format!("{} (all rows)", Tensor::AttnOut { layer, ub, rows: Rows::All }),
+                        &held.join(" and "),
+                        None,
+                    ));
                 }
             } else {
                 let expected = sig.expects[0];

@@ -256,11 +256,16 @@ impl<'a> Elaborator<'a> {
         let mut args = Vec::new();
         for role_sig in &signature {
             let key = role_sig.role.as_str();
-            let arg = named.get(key).ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, key))?;
+            let Some(arg) = named.get(key) else {
+                if role_sig.optional {
+                    continue;
+                }
+                return Err(Diagnostic::missing_argument(stmt.span, op_name, key));
+            };
             let value = self.eval(&arg.value)?;
             let slices = match value {
                 Val::Slice(s) => vec![(s, arg.value.span)],
-                Val::List(items) if role_sig.role == Role::W && !items.is_empty() => {
+                Val::List(items) if matches!(role_sig.role, Role::W | Role::A) && !items.is_empty() => {
                     let spans: Vec<Span> = match &arg.value.kind {
                         ast::ExprKind::List(exprs) => exprs.iter().map(|e| e.span).collect(),
                         _ => vec![arg.value.span; items.len()],

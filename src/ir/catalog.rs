@@ -8,7 +8,7 @@
 //! cost model consumes as is. One constant, [`ACT_BYTES`], sizes every activation and KV
 //! cache element (the runtime computes in f32); weights use the card's dtype.
 
-use super::value::{Point, Tensor};
+use super::value::{Point, Rows, Tensor};
 use super::{Access, Role, Space};
 use crate::model::card::ModelCard;
 use serde::{Deserialize, Serialize};
@@ -110,6 +110,15 @@ pub enum AttnPart {
 }
 
 impl AttnPart {
+    /// The attention-output rows this part writes.
+    pub fn rows(self) -> Rows {
+        match self {
+            AttnPart::Prefill => Rows::Prefill,
+            AttnPart::Decode => Rows::Decode,
+            AttnPart::All => Rows::All,
+        }
+    }
+
     /// As written in `part = ...`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -293,6 +302,9 @@ pub struct RoleSig {
     pub expects: Vec<Tensor>,
     /// For `kv` of prefill attention: an argument nobody wrote yet is also accepted.
     pub may_be_empty: bool,
+    /// The argument may be left out (`kv` of `attn(part = prefill)`: attend over the new
+    /// tokens only, nothing cached).
+    pub optional: bool,
     /// The tensor the argument holds after the task (for writes).
     pub produces: Option<Tensor>,
 }
@@ -303,6 +315,7 @@ fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor
         access,
         expects,
         may_be_empty: false,
+        optional: false,
         produces,
     }
 }
@@ -330,9 +343,10 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
                 access: ReadWrite,
                 expects: vec![T::KvCache { layer, ub }],
                 may_be_empty: part != AttnPart::Decode,
+                optional: part == AttnPart::Prefill,
                 produces: Some(T::KvCache { layer, ub }),
             },
-            sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub })),
+            sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub, rows: part.rows() })),
         ],
         Op::PostAttn { layer, ub } => {
             let mut weights = vec![T::O { layer }, T::Gate { layer }];
@@ -342,7 +356,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             }));
             vec![
                 sig(Role::W, Read, weights, None),
-                sig(Role::A, Read, vec![T::AttnOut { layer, ub }], None),
+                sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
                 sig(
                     Role::H,
                     ReadWrite,
@@ -353,7 +367,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         }
         Op::OProj { layer, ub } => vec![
             sig(Role::W, Read, vec![T::O { layer }], None),
-            sig(Role::A, Read, vec![T::AttnOut { layer, ub }], None),
+            sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
             sig(
                 Role::H,
                 ReadWrite,

@@ -18,6 +18,19 @@ pub enum Point {
     Mid,
 }
 
+/// Which rows of a micro-batch an attention output covers. In a `prefill` step every row
+/// is a prefill row, in a `decode` step a decode row; a mixed `step` has both kinds, and
+/// `attn(part = prefill)` and `attn(part = decode)` each produce their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Rows {
+    /// Every row.
+    All,
+    /// The prefill tokens' rows.
+    Prefill,
+    /// The decode tokens' rows.
+    Decode,
+}
+
 /// A logical tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Tensor {
@@ -64,12 +77,14 @@ pub enum Tensor {
         /// Micro-batch.
         ub: u32,
     },
-    /// Attention output (before o_proj).
+    /// Attention output (before o_proj), for some of the micro-batch's rows.
     AttnOut {
         /// Layer.
         layer: u32,
         /// Micro-batch.
         ub: u32,
+        /// Which rows: written by `attn(part = ...)`; readers need all of them.
+        rows: Rows,
     },
     /// The KV cache of a layer for a micro-batch.
     KvCache {
@@ -156,8 +171,13 @@ impl std::fmt::Display for Tensor {
                 write!(f, "hidden of ub {ub} after attention of layer {layer}")
             }
             Tensor::Qkv { layer, ub } => write!(f, "qkv of layer {layer}, ub {ub}"),
-            Tensor::AttnOut { layer, ub } => {
-                write!(f, "attention output of layer {layer}, ub {ub}")
+            Tensor::AttnOut { layer, ub, rows } => {
+                let which = match rows {
+                    Rows::All => "",
+                    Rows::Prefill => " (prefill rows)",
+                    Rows::Decode => " (decode rows)",
+                };
+                write!(f, "attention output of layer {layer}, ub {ub}{which}")
             }
             Tensor::KvCache { layer, ub } => write!(f, "kv cache of layer {layer}, ub {ub}"),
             Tensor::Routing { layer, ub } => write!(f, "routing of layer {layer}, ub {ub}"),
