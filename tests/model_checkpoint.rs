@@ -357,3 +357,32 @@ fn synthetic_layer_image_matches_the_written_checkpoint() {
         assert!(image.as_bytes() == mem_image.as_bytes(), "{family}");
     }
 }
+
+/// A checkpoint folder's own tokenizer.json wins over the card's embedded one.
+#[test]
+fn folder_tokenizer_wins_over_the_embedded_one() {
+    use moec::model::tokenizer::{TextTokenizer, DBRX_TOKENIZER_JSON};
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("mixtral-tiny");
+    let dir = synth(tmp.path(), &card, SynthOptions::default());
+    let embedded = TextTokenizer::load(&card, None).unwrap();
+    let from_folder = TextTokenizer::load(&card, Some(&dir)).unwrap();
+    assert!(
+        from_folder.origin().ends_with("tokenizer.json")
+            && !from_folder.origin().starts_with("embedded")
+    );
+    let text = "Tokenizers differ between families.";
+    assert_eq!(
+        embedded.encode(text).unwrap(),
+        from_folder.encode(text).unwrap()
+    );
+    std::fs::write(dir.join("tokenizer.json"), DBRX_TOKENIZER_JSON).unwrap();
+    let swapped = TextTokenizer::load(&card, Some(&dir)).unwrap();
+    assert_ne!(
+        embedded.encode(text).unwrap(),
+        swapped.encode(text).unwrap()
+    );
+    // Mixtral prepends <s> = 1 exactly once.
+    assert_eq!(embedded.encode(text).unwrap()[0], 1);
+    assert_ne!(embedded.encode(text).unwrap()[1], 1);
+}

@@ -98,7 +98,12 @@ fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
 }
 
 /// The value stream of tensor `name` (endless; take `shape.iter().product()` values).
-fn tensor_values(a: &ArchSpec, name: &str, shape: &[usize], seed: u64) -> impl Iterator<Item = f32> {
+fn tensor_values(
+    a: &ArchSpec,
+    name: &str,
+    shape: &[usize],
+    seed: u64,
+) -> impl Iterator<Item = f32> {
     let (centre, half) = distribution(a, name, shape);
     let mut rng = Rng::new(seed ^ fnv1a(name));
     std::iter::repeat_with(move || centre + half * rng.next_signed_f32())
@@ -107,7 +112,11 @@ fn tensor_values(a: &ArchSpec, name: &str, shape: &[usize], seed: u64) -> impl I
 /// Layer `layer` of the synthetic checkpoint of `card`, built directly as a packed image
 /// (the same bytes `Checkpoint::copy_layer_image` would copy from the written files), for
 /// benchmarks and tests that need one large layer without writing the whole model.
-pub fn synthetic_layer_image(card: &ModelCard, layer: usize, opts: &SynthOptions) -> (LayerLayout, ImageBuffer) {
+pub fn synthetic_layer_image(
+    card: &ModelCard,
+    layer: usize,
+    opts: &SynthOptions,
+) -> (LayerLayout, ImageBuffer) {
     let arch = ArchSpec::from_card(card);
     let layout = LayerLayout::uniform(&arch, opts.dtype);
     let mut image = ImageBuffer::zeroed(layout.image_bytes);
@@ -117,7 +126,10 @@ pub fn synthetic_layer_image(card: &ModelCard, layer: usize, opts: &SynthOptions
         let src = segment_source(&arch, layer, seg.kind);
         let skip = src.rows.start * seg.cols;
         buf.clear();
-        for v in tensor_values(&arch, &src.name, &src.shape, opts.seed).skip(skip).take(seg.rows * seg.cols) {
+        for v in tensor_values(&arch, &src.name, &src.shape, opts.seed)
+            .skip(skip)
+            .take(seg.rows * seg.cols)
+        {
             encode(v, opts.dtype, &mut buf);
         }
         bytes[seg.range()].copy_from_slice(&buf);
