@@ -305,6 +305,12 @@ impl<'a> Elaborator<'a> {
             Some(StepKind::Prefill) => {
                 Shape { tokens: size.saturating_mul(w.prompt_len), seqs: size, context: w.prompt_len, act_bytes }
             }
+            Some(StepKind::Mixed) => Shape {
+                tokens: self.micro.map_or(size, |m| m.mixed_tokens),
+                seqs: size,
+                context: w.prompt_len.saturating_add(w.gen_len),
+                act_bytes,
+            },
             _ => Shape { tokens: size, seqs: size, context: w.prompt_len.saturating_add(w.gen_len), act_bytes },
         }
     }
