@@ -99,7 +99,9 @@ pub struct BudgetError {
 }
 
 fn gb(bytes: f64) -> String {
-    if bytes.abs() >= 1e9 {
+    if bytes.abs() < 1e3 {
+        format!("{bytes:.0} B")
+    } else if bytes.abs() >= 1e9 {
         format!("{:.2} GB", bytes / GB)
     } else if bytes.abs() >= 1e6 {
         format!("{:.2} MB", bytes / 1e6)
