@@ -11,10 +11,7 @@ mod stmts;
 pub mod value;
 
 use crate::diag::{Code, Diagnostic};
-use crate::ir::{
-    self, Buffer, BufferId, BufferKind, Layout, MicroBatches, Space, Stream, StreamId, Task,
-    TaskId, Workload,
-};
+use crate::ir::{self, Buffer, BufferId, BufferKind, Layout, MicroBatches, Space, Stream, StreamId, Task, TaskId, Workload};
 use crate::model::card::ModelCard;
 use crate::syntax::ast::{File, Item, Span, StepDecl, TemplateDecl};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -40,6 +37,26 @@ pub struct Options {
     pub sets: Vec<(String, String)>,
     /// Hardware symbols (`gpu.mem`, ...) from a profile; empty without `--hw`.
     pub hardware: BTreeMap<String, f64>,
+    /// Bytes per activation / KV element ([`crate::ir::catalog::ACT_BYTES`], f32, unless
+    /// a cost study models another precision; the runtime always computes in f32).
+    pub act_bytes: u64,
+    /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
+    pub limits: Limits,
+}
+
+/// Bounds on unrolling, so a runaway loop is an error rather than a hang.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// At most this many tasks.
+    pub max_tasks: usize,
+    /// At most this many loop iterations in total.
+    pub max_iterations: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_tasks: MAX_TASKS, max_iterations: MAX_ITERATIONS }
+    }
 }
 
 impl Options {
@@ -50,6 +67,8 @@ impl Options {
             workload: Workload::default(),
             sets: Vec::new(),
             hardware: BTreeMap::new(),
+            act_bytes: crate::ir::catalog::ACT_BYTES,
+            limits: Limits::default(),
         }
     }
 }
@@ -219,10 +238,7 @@ impl<'a> Elaborator<'a> {
         let mut diags = self.diags;
         for (i, used) in self.param_used.iter().enumerate() {
             if !used {
-                diags.push(Diagnostic::unused_param(
-                    self.param_spans[i],
-                    &self.params[i].name,
-                ));
+                diags.push(Diagnostic::unused_param(self.param_spans[i], &self.params[i].name));
             }
         }
         if diags.iter().any(Diagnostic::is_error) {
@@ -251,10 +267,7 @@ impl<'a> Elaborator<'a> {
     fn resolve_after(&mut self) {
         let pending = std::mem::take(&mut self.pending_after);
         for p in pending {
-            let shown = p
-                .label
-                .split_once(':')
-                .map_or(p.label.clone(), |(_, t)| t.to_string());
+            let shown = p.label.split_once(':').map_or(p.label.clone(), |(_, t)| t.to_string());
             match self.labels.get(&p.label) {
                 None => self.report(Diagnostic::after_missing(p.span, &shown)),
                 Some(&target) if target >= p.task => {
@@ -298,10 +311,7 @@ impl<'a> Elaborator<'a> {
                     dynamic_expert: None,
                 }));
             }
-            return Some(Val::Array {
-                decl,
-                indices: Vec::new(),
-            });
+            return Some(Val::Array { decl, indices: Vec::new() });
         }
         let card = &self.card;
         let w = &self.options.workload;
@@ -328,21 +338,8 @@ impl<'a> Elaborator<'a> {
         names.extend(self.param_index.keys().cloned());
         names.extend(self.array_index.keys().cloned());
         names.extend(
-            [
-                "layers",
-                "experts",
-                "top_k",
-                "hidden",
-                "ffn",
-                "heads",
-                "kv_heads",
-                "head_dim",
-                "vocab",
-                "batch",
-                "prompt_len",
-                "gen_len",
-            ]
-            .map(String::from),
+            ["layers", "experts", "top_k", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "batch", "prompt_len", "gen_len"]
+                .map(String::from),
         );
         names.sort();
         names.dedup();
@@ -372,12 +369,7 @@ impl value::Context for Elaborator<'_> {
             Some(&v) => Ok(Some(Val::Float(v))),
             None => {
                 let known: Vec<&str> = self.options.hardware.keys().map(String::as_str).collect();
-                Err(Diagnostic::unknown_name(
-                    span,
-                    "hardware symbol",
-                    name,
-                    &known,
-                ))
+                Err(Diagnostic::unknown_name(span, "hardware symbol", name, &known))
             }
         }
     }
@@ -386,27 +378,12 @@ impl value::Context for Elaborator<'_> {
         self.all_names()
     }
 
-    fn index_array(
-        &mut self,
-        decl: usize,
-        mut indices: Vec<u32>,
-        index: i64,
-        span: Span,
-    ) -> Result<Val, Diagnostic> {
+    fn index_array(&mut self, decl: usize, mut indices: Vec<u32>, index: i64, span: Span) -> Result<Val, Diagnostic> {
         let array = &self.arrays[decl];
         let Some(&dim) = array.dims.get(indices.len()) else {
-            return Err(Diagnostic::type_mismatch(
-                span,
-                "no more indices",
-                "an index",
-            ));
+            return Err(Diagnostic::type_mismatch(span, "no more indices", "an index"));
         };
-        let i = value::check_index(
-            index,
-            u64::from(dim),
-            &format!("index of `{}`", array.name),
-            span,
-        )?;
+        let i = value::check_index(index, u64::from(dim), &format!("`{}` index", array.name), span)?;
         indices.push(i as u32);
         if indices.len() < array.dims.len() {
             return Ok(Val::Array { decl, indices });
@@ -417,13 +394,7 @@ impl value::Context for Elaborator<'_> {
         }
         let id = BufferId(array.first.0 + flat as u32);
         let buffer = &self.buffers[id.index()];
-        Ok(Val::Slice(SliceVal {
-            buffer: id,
-            start: 0,
-            len: buffer.bytes,
-            layout: array.layout,
-            dynamic_expert: None,
-        }))
+        Ok(Val::Slice(SliceVal { buffer: id, start: 0, len: buffer.bytes, layout: array.layout, dynamic_expert: None }))
     }
 
     fn checkpoint(&self) -> ir::CheckpointLayout {
@@ -436,5 +407,9 @@ impl value::Context for Elaborator<'_> {
 
     fn is_checkpoint(&self, buffer: BufferId) -> bool {
         buffer == BufferId(0)
+    }
+
+    fn act_bytes(&self) -> u64 {
+        self.options.act_bytes.max(1)
     }
 }

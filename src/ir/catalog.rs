@@ -8,7 +8,7 @@
 //! cost model consumes as is. One constant, [`ACT_BYTES`], sizes every activation and KV
 //! cache element (the runtime computes in f32); weights use the card's dtype.
 
-use super::value::{Point, Tensor};
+use super::value::{Point, Rows, Tensor};
 use super::{Access, Role, Space};
 use crate::model::card::ModelCard;
 use serde::{Deserialize, Serialize};
@@ -110,6 +110,15 @@ pub enum AttnPart {
 }
 
 impl AttnPart {
+    /// The attention-output rows this part writes.
+    pub fn rows(self) -> Rows {
+        match self {
+            AttnPart::Prefill => Rows::Prefill,
+            AttnPart::Decode => Rows::Decode,
+            AttnPart::All => Rows::All,
+        }
+    }
+
     /// As written in `part = ...`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -260,8 +269,11 @@ impl Op {
         }
     }
 
-    /// `pre_attn(layer=1, ub=0)` style description.
+    /// `pre_attn(layer=1, ub=0)` style description (`copy` for copies).
     pub fn describe(&self) -> String {
+        if *self == Op::Copy {
+            return "copy".to_string();
+        }
         let mut parts = Vec::new();
         if let Some(layer) = self.layer() {
             parts.push(format!("layer={layer}"));
@@ -290,6 +302,9 @@ pub struct RoleSig {
     pub expects: Vec<Tensor>,
     /// For `kv` of prefill attention: an argument nobody wrote yet is also accepted.
     pub may_be_empty: bool,
+    /// The argument may be left out (`kv` of `attn(part = prefill)`: attend over the new
+    /// tokens only, nothing cached).
+    pub optional: bool,
     /// The tensor the argument holds after the task (for writes).
     pub produces: Option<Tensor>,
 }
@@ -300,6 +315,7 @@ fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor
         access,
         expects,
         may_be_empty: false,
+        optional: false,
         produces,
     }
 }
@@ -316,30 +332,34 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
         ],
         Op::PreAttn { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Attn { layer }], None),
+            sig(Role::W, Read, vec![T::Pre { layer }], None),
             sig(Role::H, Read, vec![residual(ub, layer, Point::In)], None),
             sig(Role::Out, Write, vec![], Some(T::Qkv { layer, ub })),
         ],
         Op::Attn { layer, ub, part } => vec![
             sig(Role::Qkv, Read, vec![T::Qkv { layer, ub }], None),
+            // Prefill starts the sequences' caches afresh; decode and mixed attention append
+            // to what is cached (a mixed step's first run has nothing cached yet: the
+            // checker accepts an unwritten cache there).
             RoleSig {
                 role: Role::Kv,
-                access: ReadWrite,
-                expects: vec![T::KvCache { layer, ub }],
-                may_be_empty: part != AttnPart::Decode,
+                access: if part == AttnPart::Prefill { Write } else { ReadWrite },
+                expects: if part == AttnPart::Prefill { vec![] } else { vec![T::KvCache { layer, ub }] },
+                may_be_empty: part == AttnPart::All,
+                optional: part == AttnPart::Prefill,
                 produces: Some(T::KvCache { layer, ub }),
             },
-            sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub })),
+            sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub, rows: part.rows() })),
         ],
         Op::PostAttn { layer, ub } => {
-            let mut weights = vec![T::Attn { layer }, T::Router { layer }];
+            let mut weights = vec![T::O { layer }, T::Gate { layer }];
             weights.extend((0..card.experts as u32).map(|e| T::Expert {
                 layer,
                 expert: ExpertRef::Index(e),
             }));
             vec![
                 sig(Role::W, Read, weights, None),
-                sig(Role::A, Read, vec![T::AttnOut { layer, ub }], None),
+                sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
                 sig(
                     Role::H,
                     ReadWrite,
@@ -349,8 +369,8 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             ]
         }
         Op::OProj { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Attn { layer }], None),
-            sig(Role::A, Read, vec![T::AttnOut { layer, ub }], None),
+            sig(Role::W, Read, vec![T::O { layer }], None),
+            sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
             sig(
                 Role::H,
                 ReadWrite,
@@ -359,7 +379,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             ),
         ],
         Op::Gate { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Router { layer }], None),
+            sig(Role::W, Read, vec![T::Gate { layer }], None),
             sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
             sig(Role::Route, Write, vec![], Some(T::Routing { layer, ub })),
             sig(Role::Acc, Write, vec![], Some(T::ExpertAcc { layer, ub })),
@@ -423,6 +443,9 @@ pub struct Shape {
     /// decode and mixed: prompt_len + gen_len, the worst case; the cost model may pass an
     /// average to [`work`] instead).
     pub context: u64,
+    /// Bytes per activation / KV element: [`ACT_BYTES`] (f32, what the runtime computes
+    /// in) unless elaboration was asked otherwise (the cost model may model fp16).
+    pub act_bytes: u64,
 }
 
 /// The smallest slice an activation argument needs, or `None` when the role has no fixed
@@ -430,16 +453,17 @@ pub struct Shape {
 pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> Option<u64> {
     let n = shape.tokens;
     let s = shape.seqs;
+    let a = shape.act_bytes;
     Some(match (op, role) {
         (Op::Copy, _) | (_, Role::W) => return None,
-        (_, Role::H) | (_, Role::Acc) => n * card.hidden * ACT_BYTES,
+        (_, Role::H) | (_, Role::Acc) => n * card.hidden * a,
         (Op::PreAttn { .. }, Role::Out) | (_, Role::Qkv) => {
-            n * (card.q_dim() + 2 * card.kv_dim()) * ACT_BYTES
+            n * (card.q_dim() + 2 * card.kv_dim()) * a
         }
-        (Op::Attn { .. }, Role::Out) | (_, Role::A) => n * card.q_dim() * ACT_BYTES,
-        (_, Role::Kv) => s * shape.context * card.kv_elems_per_token_layer() * ACT_BYTES,
+        (Op::Attn { .. }, Role::Out) | (_, Role::A) => n * card.q_dim() * a,
+        (_, Role::Kv) => s * shape.context * card.kv_elems_per_token_layer() * a,
         (_, Role::Route) => n * card.top_k * ROUTE_ENTRY_BYTES,
-        (_, Role::Logits) => s * card.vocab * ACT_BYTES,
+        (_, Role::Logits) => s * card.vocab * a,
         (_, Role::Tokens) => s * TOKEN_BYTES,
         _ => return None,
     })
@@ -558,21 +582,20 @@ pub fn role_traffic(
     let q = card.q_dim() as f64;
     let kv = card.kv_dim() as f64;
     let dt = card.dtype.bytes() as f64;
-    let a = ACT_BYTES as f64;
-    let expert_bytes = card.expert_bytes() as f64;
+    let a = shape.act_bytes as f64;
+    let layout = super::CheckpointLayout::new(card);
+    let expert_bytes = layout.expert_bytes as f64;
     let active = |m: f64| m.min(n * card.top_k as f64);
     match (op, role) {
         (Op::Copy, _) => (DataClass::Activations, slice_len as f64),
         (Op::Embed { .. }, Role::W) => (DataClass::Weights, n * h * dt),
-        (Op::PreAttn { .. }, Role::W) => (DataClass::Weights, (h * (q + 2.0 * kv) + h) * dt),
-        (Op::OProj { .. }, Role::W) => (DataClass::Weights, q * h * dt),
+        (Op::PreAttn { .. }, Role::W) => (DataClass::Weights, layout.pre_bytes as f64),
+        (Op::OProj { .. }, Role::W) => (DataClass::Weights, layout.o_bytes as f64),
         (Op::PostAttn { .. }, Role::W) => (
             DataClass::Weights,
-            (q * h + h) * dt
-                + card.router_bytes() as f64
-                + active(card.experts as f64) * expert_bytes,
+            (layout.o_bytes + layout.gate_bytes) as f64 + active(card.experts as f64) * expert_bytes,
         ),
-        (Op::Gate { .. }, Role::W) => (DataClass::Weights, card.router_bytes() as f64 + h * dt),
+        (Op::Gate { .. }, Role::W) => (DataClass::Weights, layout.gate_bytes as f64),
         (Op::Experts { set, .. }, Role::W) => (
             DataClass::Weights,
             active(set.len(card.experts) as f64) * expert_bytes,
@@ -674,9 +697,10 @@ pub fn size_helper(
     name: &str,
     args: &[u64],
     card: &ModelCard,
+    act_bytes: u64,
 ) -> Option<Result<HelperSize, usize>> {
     use super::Layout;
-    let a = ACT_BYTES;
+    let a = act_bytes;
     let raw = |bytes| HelperSize {
         bytes,
         layout: Layout::Raw,
@@ -713,4 +737,20 @@ pub fn size_helper(
         "head_weights" => none(raw(layout.head_bytes)),
         _ => return None,
     })
+}
+
+/// Scratch bytes an op needs beyond its arguments, in the memory of the engine it runs
+/// on: the experts' gate/up intermediates (`routed tokens x ffn x 2` elements) and the
+/// attention scores of one key block (1024 keys) per query row and head.
+pub fn workspace_bytes(op: &Op, card: &ModelCard, shape: &Shape) -> u64 {
+    let a = shape.act_bytes;
+    match op {
+        Op::PostAttn { .. } => shape.tokens * card.top_k * card.ffn * 2 * a,
+        Op::Experts { set, .. } => {
+            let routed = routed_tokens(set, card, shape).ceil() as u64;
+            routed.min(shape.tokens) * card.ffn * 2 * a
+        }
+        Op::Attn { .. } => shape.tokens * card.heads * shape.context.min(1024) * a,
+        _ => 0,
+    }
 }

@@ -272,16 +272,22 @@ pub struct Buffer {
 }
 
 /// Byte layout of the checkpoint buffer `W`: `[embedding | layer 0 | ... | layer L-1 |
-/// final norm + lm_head]`, each layer as [`Layout::Layer`].
+/// final norm + lm_head]`, every part starting on a 64-byte boundary. A layer is the
+/// model's packed image ([`crate::model::layout::LayerLayout`]): `[pre | o | gate | expert 0
+/// | ... | expert E-1]` where `pre` = input norm + Q/K/V (DBRX: Wqkv), `o` = O projection,
+/// `gate` = post-attention norm + router; so `W[i].expert(e)` is exactly the image's
+/// `expert_range(e)` and the runtime can copy byte ranges of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckpointLayout {
-    /// Bytes of the embedding table.
+    /// Bytes of the embedding table (padded to 64).
     pub embed_bytes: u64,
-    /// Bytes of one layer's attention (norms, Q, K, V, O).
-    pub attn_bytes: u64,
-    /// Bytes of one layer's router.
-    pub router_bytes: u64,
-    /// Bytes of one expert.
+    /// Bytes of a layer's `pre` part (input norm, Q/K/V), padding included.
+    pub pre_bytes: u64,
+    /// Bytes of a layer's O projection, padding included.
+    pub o_bytes: u64,
+    /// Bytes of a layer's `gate` part (post-attention norm, router), padding included.
+    pub gate_bytes: u64,
+    /// Bytes of one expert (gate, up, down projections), padding included.
     pub expert_bytes: u64,
     /// Experts per layer.
     pub experts: u64,
@@ -291,24 +297,43 @@ pub struct CheckpointLayout {
     pub head_bytes: u64,
 }
 
+const ALIGN: u64 = crate::model::layout::SEGMENT_ALIGN as u64;
+
+fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
 impl CheckpointLayout {
-    /// The layout for a model card.
+    /// The layout for a model card (from the model's packed layer image).
     pub fn new(card: &ModelCard) -> Self {
+        use crate::model::layout::{LayerLayout, SegmentKind};
         let dt = card.dtype.bytes();
+        let image = LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(card), card.dtype);
+        let offset = |kind| image.segment(kind).map_or(0, |s| s.offset as u64);
+        let o_start = offset(SegmentKind::OProj);
+        let gate_start = offset(SegmentKind::FfnNorm);
+        let experts_start = image.dense_range().end as u64;
+        let expert_bytes = image.expert_range(0).len() as u64;
         CheckpointLayout {
-            embed_bytes: card.vocab * card.hidden * dt,
-            attn_bytes: card.attn_bytes(),
-            router_bytes: card.router_bytes(),
-            expert_bytes: card.expert_bytes(),
+            embed_bytes: align_up(card.vocab * card.hidden * dt),
+            pre_bytes: o_start,
+            o_bytes: gate_start - o_start,
+            gate_bytes: experts_start - gate_start,
+            expert_bytes,
             experts: card.experts,
             layers: card.layers,
             head_bytes: (card.vocab * card.hidden + card.hidden) * dt,
         }
     }
 
-    /// Bytes of `[attn | router]`.
+    /// Bytes of `[pre | o | gate]`.
     pub fn dense_bytes(&self) -> u64 {
-        self.attn_bytes + self.router_bytes
+        self.pre_bytes + self.o_bytes + self.gate_bytes
+    }
+
+    /// Offset of the experts inside a layer.
+    pub fn experts_offset(&self) -> u64 {
+        self.dense_bytes()
     }
 
     /// Bytes of one whole layer.

@@ -18,6 +18,19 @@ pub enum Point {
     Mid,
 }
 
+/// Which rows of a micro-batch an attention output covers. In a `prefill` step every row
+/// is a prefill row, in a `decode` step a decode row; a mixed `step` has both kinds, and
+/// `attn(part = prefill)` and `attn(part = decode)` each produce their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Rows {
+    /// Every row.
+    All,
+    /// The prefill tokens' rows.
+    Prefill,
+    /// The decode tokens' rows.
+    Decode,
+}
+
 /// A logical tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Tensor {
@@ -25,13 +38,18 @@ pub enum Tensor {
     Embedding,
     /// Final norm + lm_head.
     Head,
-    /// A layer's attention weights (norms, Q, K, V, O).
-    Attn {
+    /// A layer's input norm and Q/K/V projections (DBRX: fused Wqkv).
+    Pre {
         /// Layer.
         layer: u32,
     },
-    /// A layer's router.
-    Router {
+    /// A layer's O projection.
+    O {
+        /// Layer.
+        layer: u32,
+    },
+    /// A layer's post-attention norm and router.
+    Gate {
         /// Layer.
         layer: u32,
     },
@@ -59,12 +77,14 @@ pub enum Tensor {
         /// Micro-batch.
         ub: u32,
     },
-    /// Attention output (before o_proj).
+    /// Attention output (before o_proj), for some of the micro-batch's rows.
     AttnOut {
         /// Layer.
         layer: u32,
         /// Micro-batch.
         ub: u32,
+        /// Which rows: written by `attn(part = ...)`; readers need all of them.
+        rows: Rows,
     },
     /// The KV cache of a layer for a micro-batch.
     KvCache {
@@ -106,8 +126,9 @@ impl Tensor {
             self,
             Tensor::Embedding
                 | Tensor::Head
-                | Tensor::Attn { .. }
-                | Tensor::Router { .. }
+                | Tensor::Pre { .. }
+                | Tensor::O { .. }
+                | Tensor::Gate { .. }
                 | Tensor::Expert { .. }
         )
     }
@@ -117,8 +138,9 @@ impl Tensor {
         Some(match self {
             Tensor::Embedding => layout.embed_bytes,
             Tensor::Head => layout.head_bytes,
-            Tensor::Attn { .. } => layout.attn_bytes,
-            Tensor::Router { .. } => layout.router_bytes,
+            Tensor::Pre { .. } => layout.pre_bytes,
+            Tensor::O { .. } => layout.o_bytes,
+            Tensor::Gate { .. } => layout.gate_bytes,
             Tensor::Expert { .. } => layout.expert_bytes,
             _ => return None,
         })
@@ -130,8 +152,9 @@ impl std::fmt::Display for Tensor {
         match self {
             Tensor::Embedding => write!(f, "W.embed"),
             Tensor::Head => write!(f, "W.head"),
-            Tensor::Attn { layer } => write!(f, "W[{layer}].attn"),
-            Tensor::Router { layer } => write!(f, "W[{layer}].router"),
+            Tensor::Pre { layer } => write!(f, "W[{layer}].pre"),
+            Tensor::O { layer } => write!(f, "W[{layer}].o"),
+            Tensor::Gate { layer } => write!(f, "W[{layer}].gate"),
             Tensor::Expert { layer, expert } => write!(f, "W[{layer}].expert({expert})"),
             Tensor::Residual {
                 ub,
@@ -148,8 +171,13 @@ impl std::fmt::Display for Tensor {
                 write!(f, "hidden of ub {ub} after attention of layer {layer}")
             }
             Tensor::Qkv { layer, ub } => write!(f, "qkv of layer {layer}, ub {ub}"),
-            Tensor::AttnOut { layer, ub } => {
-                write!(f, "attention output of layer {layer}, ub {ub}")
+            Tensor::AttnOut { layer, ub, rows } => {
+                let which = match rows {
+                    Rows::All => "",
+                    Rows::Prefill => " (prefill rows)",
+                    Rows::Decode => " (decode rows)",
+                };
+                write!(f, "attention output of layer {layer}, ub {ub}{which}")
             }
             Tensor::KvCache { layer, ub } => write!(f, "kv cache of layer {layer}, ub {ub}"),
             Tensor::Routing { layer, ub } => write!(f, "routing of layer {layer}, ub {ub}"),
@@ -214,12 +242,9 @@ pub fn checkpoint_pieces(
         }
         let base = layout.layer_offset(layer);
         let l = layer as u32;
-        push(base, layout.attn_bytes, Tensor::Attn { layer: l });
-        push(
-            base + layout.attn_bytes,
-            layout.router_bytes,
-            Tensor::Router { layer: l },
-        );
+        push(base, layout.pre_bytes, Tensor::Pre { layer: l });
+        push(base + layout.pre_bytes, layout.o_bytes, Tensor::O { layer: l });
+        push(base + layout.pre_bytes + layout.o_bytes, layout.gate_bytes, Tensor::Gate { layer: l });
         let experts_base = base + layout.dense_bytes();
         let eb = layout.expert_bytes.max(1);
         let first_e = start.saturating_sub(experts_base) / eb;

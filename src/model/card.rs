@@ -82,6 +82,18 @@ pub struct ModelCard {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence token that stops generation.
     pub eos_token_id: u32,
+    /// Attend only to the last this-many positions (Mixtral's `sliding_window`; `None`
+    /// for full attention).
+    #[serde(default)]
+    pub sliding_window: Option<u64>,
+    /// DBRX `moe_normalize_expert_weights`: top-k routing weights are divided by their
+    /// p-norm with this p (`None`: no renormalisation). Mixtral always divides by the sum.
+    #[serde(default = "default_router_norm_p")]
+    pub router_norm_p: Option<f64>,
+}
+
+fn default_router_norm_p() -> Option<f64> {
+    Some(1.0)
 }
 
 /// The cards shipped with moec, embedded so the binary needs no files at run time.

@@ -1,3 +1,25 @@
 //! Model cards, checkpoints, tokenizers, kernels and the reference forward pass.
+//!
+//! Takes a card name and/or a Hugging Face checkpoint folder; gives typed weight views,
+//! the kernels the runtime shares, and the oracle every schedule is checked against.
+//! Knows nothing of the schedule language.
+
+pub mod arch;
 pub mod card;
+pub mod checkpoint;
+pub mod config;
+pub mod kernels;
+pub mod layout;
+pub mod oracle;
+pub mod rng;
+pub mod tensor;
+pub mod weights;
+
+pub use arch::ArchSpec;
 pub use card::{CardError, Family, ModelCard, WeightDtype};
+pub use layout::{LayerLayout, Segment, SegmentKind};
+pub use tensor::{Matrix, Orientation, TypedSlice};
+pub use weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
+pub use checkpoint::{Checkpoint, CheckpointError};
+pub use kernels::sampling::Sampling;
+pub use oracle::{GenerateOptions, Generation, Oracle, OracleError};

@@ -15,6 +15,7 @@
 //! microbatches n_ub of ubs                   // the batch is n_ub micro-batches of ubs sequences
 //! let slots = 2                              // a constant (top level or in a block)
 //! template load(i, s) { ... }                // reusable statements, called as `load(1, 0)`
+//! setup { ... }                            // once, first: resident weights
 //! prefill { ... }  decode { ... }  step { ... }   // step templates (step = mixed, VSLPipe)
 //!
 //! for i in 0..layers { ... }                 // unrolled; ranges `a..b`, `a..=b`
@@ -199,6 +200,8 @@ pub struct TemplateDecl {
 /// Which step a step template describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum StepKind {
+    /// Runs once before everything else (resident weights, tables).
+    Setup,
     /// Runs once over the prompts.
     Prefill,
     /// Runs once per generated token.
@@ -211,6 +214,7 @@ impl StepKind {
     /// The keyword as written.
     pub fn as_str(self) -> &'static str {
         match self {
+            StepKind::Setup => "setup",
             StepKind::Prefill => "prefill",
             StepKind::Decode => "decode",
             StepKind::Mixed => "step",

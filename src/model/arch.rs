@@ -1,0 +1,85 @@
+//! The numbers the kernels need from a card, in the types they use.
+//!
+//! Takes a [`ModelCard`]; gives an [`ArchSpec`] (norm kind, eps, head geometry, clip,
+//! router renormalisation) so kernels never interpret family names themselves.
+
+use crate::model::card::{Family, ModelCard};
+use crate::model::kernels::attention::AttnShape;
+use crate::model::kernels::norm::NormKind;
+
+/// Kernel-facing description of one architecture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArchSpec {
+    /// Family (tensor names, router details).
+    pub family: Family,
+    /// RMSNorm or LayerNorm without bias.
+    pub norm: NormKind,
+    /// Norm epsilon.
+    pub norm_eps: f32,
+    /// Residual width.
+    pub hidden: usize,
+    /// Expert feed-forward width.
+    pub ffn: usize,
+    /// Attention geometry.
+    pub attn: AttnShape,
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Embedding / lm_head rows.
+    pub vocab: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// DBRX clamps the fused QKV output to `[-c, c]`.
+    pub clip_qkv: Option<f32>,
+    /// Top-k routing weights are divided by their p-norm with this p (Mixtral: sum, i.e.
+    /// p = 1); `None` keeps the softmax probabilities as they are.
+    pub router_norm_p: Option<f64>,
+    /// Positions the rotary tables cover.
+    pub max_positions: usize,
+    /// Rotary base.
+    pub rope_theta: f64,
+}
+
+impl ArchSpec {
+    /// Derives the spec from a (validated) card.
+    pub fn from_card(card: &ModelCard) -> Self {
+        ArchSpec {
+            family: card.family,
+            norm: match card.family {
+                Family::Mixtral => NormKind::Rms,
+                Family::Dbrx => NormKind::LayerNoBias,
+            },
+            norm_eps: card.norm_eps as f32,
+            hidden: card.hidden as usize,
+            ffn: card.ffn as usize,
+            attn: AttnShape {
+                heads: card.heads as usize,
+                kv_heads: card.kv_heads as usize,
+                head_dim: card.head_dim as usize,
+                sliding_window: card.sliding_window.map(|w| w as usize),
+            },
+            experts: card.experts as usize,
+            top_k: card.top_k as usize,
+            vocab: card.vocab as usize,
+            layers: card.layers as usize,
+            clip_qkv: card.clip_qkv.map(|c| c as f32),
+            router_norm_p: match card.family {
+                Family::Mixtral => Some(1.0),
+                Family::Dbrx => card.router_norm_p,
+            },
+            max_positions: card.max_positions as usize,
+            rope_theta: card.rope_theta,
+        }
+    }
+
+    /// Query width `heads * head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.attn.heads * self.attn.head_dim
+    }
+
+    /// K (or V) width `kv_heads * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.attn.kv_heads * self.attn.head_dim
+    }
+}

@@ -1,0 +1,510 @@
+//! Hugging Face checkpoint folders, memory-mapped.
+//!
+//! Takes a folder holding `config.json` and either `model.safetensors` or shards listed
+//! by `model.safetensors.index.json`; gives the card (from config.json, or checked
+//! against a chosen card), typed zero-copy views of every tensor (bf16, f16, f32), the
+//! model's [`ModelWeights`] with Mixtral or DBRX Hub names, and byte copies of a layer
+//! into the canonical packed image ([`LayerLayout`]). A missing tensor, a wrong shape or
+//! dtype, a truncated or corrupt file, or a bad config is an error naming the file and the
+//! tensor; nothing panics.
+
+use crate::model::arch::ArchSpec;
+use crate::model::card::{Family, ModelCard, WeightDtype};
+use crate::model::config::{self, ConfigError};
+use crate::model::layout::{ImageBuffer, LayerLayout, SegmentKind};
+use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensorError};
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Problems opening or reading a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// config.json is unreadable, malformed, or contradicts the card.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Neither `model.safetensors` nor `model.safetensors.index.json` exists.
+    #[error("{dir}: no model.safetensors or model.safetensors.index.json")]
+    NoWeights {
+        /// The folder.
+        dir: String,
+    },
+    /// The shard index is malformed.
+    #[error("{path}: bad shard index: {message}")]
+    Index {
+        /// The index file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A safetensors file is truncated or its header is corrupt.
+    #[error("{path}: {message}")]
+    Safetensors {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A tensor the model needs is absent.
+    #[error("{dir}: missing tensor `{tensor}`")]
+    MissingTensor {
+        /// The folder (or shard named by the index).
+        dir: String,
+        /// Tensor name.
+        tensor: String,
+    },
+    /// A tensor has the wrong shape.
+    #[error("{path}: tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
+    Shape {
+        /// The file.
+        path: String,
+        /// Tensor name.
+        tensor: String,
+        /// Shape the card implies.
+        expected: Vec<usize>,
+        /// Shape in the file.
+        got: Vec<usize>,
+    },
+    /// A tensor has a dtype moec cannot compute with.
+    #[error("{path}: tensor `{tensor}` has dtype {dtype}, expected BF16, F16 or F32")]
+    Dtype {
+        /// The file.
+        path: String,
+        /// Tensor name.
+        tensor: String,
+        /// Dtype in the file.
+        dtype: String,
+    },
+    /// A tensor's bytes are not aligned for its dtype inside the file.
+    #[error("{path}: tensor `{tensor}` is not aligned for its dtype in the file")]
+    Alignment {
+        /// The file.
+        path: String,
+        /// Tensor name.
+        tensor: String,
+    },
+    /// A destination buffer is too small for a layer image.
+    #[error("layer image buffer has {got} bytes, layout needs {needed}")]
+    ImageBuffer {
+        /// Needed.
+        needed: usize,
+        /// Given.
+        got: usize,
+    },
+    /// A layer index past the model.
+    #[error("layer {layer} out of range (model has {layers})")]
+    Layer {
+        /// Asked.
+        layer: usize,
+        /// Present.
+        layers: usize,
+    },
+}
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+}
+
+struct Entry {
+    shard: usize,
+    dtype: Result<WeightDtype, Dtype>,
+    shape: Vec<usize>,
+    range: Range<usize>,
+}
+
+/// An opened checkpoint folder.
+pub struct Checkpoint {
+    dir: PathBuf,
+    card: ModelCard,
+    arch: ArchSpec,
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, Entry>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint").field("dir", &self.dir).field("card", &self.card.name).finish()
+    }
+}
+
+/// Where a segment's bytes come from: a tensor's full shape and a row range of it.
+struct Source {
+    name: String,
+    shape: Vec<usize>,
+    rows: Range<usize>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io { path: path.display().to_string(), source }
+}
+
+fn weight_dtype(d: Dtype) -> Result<WeightDtype, Dtype> {
+    match d {
+        Dtype::BF16 => Ok(WeightDtype::Bf16),
+        Dtype::F16 => Ok(WeightDtype::F16),
+        Dtype::F32 => Ok(WeightDtype::F32),
+        other => Err(other),
+    }
+}
+
+fn describe(err: &SafeTensorError, len: usize) -> String {
+    match err {
+        SafeTensorError::MetadataIncompleteBuffer | SafeTensorError::InvalidHeaderLength => {
+            format!("truncated safetensors file ({len} bytes; the header describes more or less data)")
+        }
+        SafeTensorError::HeaderTooSmall => format!("truncated safetensors file ({len} bytes, no header)"),
+        other => format!("corrupt safetensors header: {other}"),
+    }
+}
+
+impl Checkpoint {
+    /// Opens `dir`; the architecture comes from its config.json.
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        Self::open_with_card(dir, None)
+    }
+
+    /// Opens `dir`; with `card`, config.json must describe the same architecture.
+    pub fn open_with_card(dir: &Path, card: Option<&ModelCard>) -> Result<Self, CheckpointError> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "checkpoint".into());
+        let config_name = config_path.display().to_string();
+        let from_config = config::card_from_config(&text, &config_name, &name)?;
+        let mut card = match card {
+            Some(card) => {
+                config::check_agreement(&from_config, card, &config_name)?;
+                let mut chosen = card.clone();
+                chosen.bos_token_id = from_config.bos_token_id.or(card.bos_token_id);
+                chosen.eos_token_id = from_config.eos_token_id;
+                chosen.sliding_window = from_config.sliding_window;
+                chosen
+            }
+            None => from_config,
+        };
+        let shard_paths = Self::shard_paths(dir)?;
+        let mut shards = Vec::new();
+        let mut tensors = BTreeMap::new();
+        for (path, expected) in shard_paths {
+            let file = std::fs::File::open(&path).map_err(io_err(&path))?;
+            // SAFETY: the map is read-only and private to this process; moec never writes
+            // checkpoint files while they are open. Another process truncating or rewriting
+            // the file concurrently is outside what we can defend against (as for any mmap
+            // reader, e.g. the safetensors crate's own examples).
+            let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
+            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+                .map_err(|e| CheckpointError::Safetensors { path: path.display().to_string(), message: describe(&e, mmap.len()) })?;
+            let data_start = 8 + header_len;
+            for (name, info) in meta.tensors() {
+                if let Some(wanted) = &expected {
+                    if !wanted.contains(&name) {
+                        continue;
+                    }
+                }
+                let (s, e) = info.data_offsets;
+                tensors.insert(
+                    name,
+                    Entry {
+                        shard: shards.len(),
+                        dtype: weight_dtype(info.dtype),
+                        shape: info.shape.clone(),
+                        range: data_start + s..data_start + e,
+                    },
+                );
+            }
+            if let Some(wanted) = expected {
+                if let Some(absent) = wanted.iter().find(|n| !tensors.contains_key(*n)) {
+                    return Err(CheckpointError::MissingTensor { dir: path.display().to_string(), tensor: absent.clone() });
+                }
+            }
+            shards.push(Shard { path, mmap });
+        }
+        let embed_name = match card.family {
+            Family::Mixtral => "model.embed_tokens.weight",
+            Family::Dbrx => "transformer.wte.weight",
+        };
+        if let Some(Ok(dtype)) = tensors.get(embed_name).map(|e| e.dtype) {
+            card.dtype = dtype;
+        }
+        let arch = ArchSpec::from_card(&card);
+        Ok(Checkpoint { dir: dir.to_path_buf(), card, arch, shards, tensors })
+    }
+
+    /// The safetensors files and, when sharded, which tensors each must hold.
+    fn shard_paths(dir: &Path) -> Result<Vec<(PathBuf, Option<BTreeSet<String>>)>, CheckpointError> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+            let bad = |message: String| CheckpointError::Index { path: index.display().to_string(), message };
+            let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+            let map = value
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| bad("no `weight_map` object".into()))?;
+            let mut files: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+            for (tensor, file) in map {
+                let file = file.as_str().ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
+                if file.contains('/') || file.contains('\\') || file == ".." {
+                    return Err(bad(format!("shard name `{file}` must be a plain file name")));
+                }
+                files.entry(file.to_string()).or_default().insert(tensor.clone());
+            }
+            Ok(files.into_iter().map(|(f, t)| (dir.join(f), Some(t))).collect())
+        } else if single.exists() {
+            Ok(vec![(single, None)])
+        } else {
+            Err(CheckpointError::NoWeights { dir: dir.display().to_string() })
+        }
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The architecture (from config.json, or the agreeing card).
+    pub fn card(&self) -> &ModelCard {
+        &self.card
+    }
+
+    /// Kernel-facing architecture.
+    pub fn arch(&self) -> &ArchSpec {
+        &self.arch
+    }
+
+    /// The folder's own `tokenizer.json`, if it has one.
+    pub fn tokenizer_path(&self) -> Option<PathBuf> {
+        let p = self.dir.join("tokenizer.json");
+        p.is_file().then_some(p)
+    }
+
+    /// Names of all tensors.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// Raw bytes, dtype and shape of a tensor, with the shape checked against `shape`.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&[u8], WeightDtype, &Path), CheckpointError> {
+        let entry = self.tensors.get(name).ok_or_else(|| CheckpointError::MissingTensor {
+            dir: self.dir.display().to_string(),
+            tensor: name.to_string(),
+        })?;
+        let shard = &self.shards[entry.shard];
+        let path = shard.path.display().to_string();
+        let dtype = entry.dtype.map_err(|d| CheckpointError::Dtype { path: path.clone(), tensor: name.into(), dtype: format!("{d:?}") })?;
+        if entry.shape != shape {
+            return Err(CheckpointError::Shape { path, tensor: name.into(), expected: shape.to_vec(), got: entry.shape.clone() });
+        }
+        Ok((&shard.mmap[entry.range.clone()], dtype, &shard.path))
+    }
+
+    /// Typed view of `src` and its column count (a vector's length for 1-D tensors).
+    fn view(&self, src: &Source) -> Result<(TypedSlice<'_>, usize), CheckpointError> {
+        let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
+        let (bytes, cols) = if src.shape.len() == 1 {
+            (bytes, src.shape[0])
+        } else {
+            let cols: usize = src.shape.iter().skip(1).product();
+            let row_bytes = cols * dtype.bytes() as usize;
+            (&bytes[src.rows.start * row_bytes..src.rows.end * row_bytes], cols)
+        };
+        let slice = TypedSlice::from_bytes(bytes, dtype).map_err(|_| CheckpointError::Alignment {
+            path: path.display().to_string(),
+            tensor: src.name.clone(),
+        })?;
+        Ok((slice, cols))
+    }
+
+    fn matrix(&self, src: &Source, orientation: Orientation) -> Result<Matrix<'_>, CheckpointError> {
+        let (data, cols) = self.view(src)?;
+        let rows = src.rows.len();
+        Matrix::new(data, rows, cols, orientation).ok_or_else(|| CheckpointError::Shape {
+            path: self.dir.display().to_string(),
+            tensor: src.name.clone(),
+            expected: vec![rows, cols],
+            got: src.shape.clone(),
+        })
+    }
+
+    /// Where segment `kind` of layer `layer` lives in the checkpoint.
+    fn source(&self, layer: usize, kind: SegmentKind) -> Source {
+        let a = &self.arch;
+        let (rows, cols, _) = LayerLayout::shape_of(a, kind);
+        let whole = |name: String| Source {
+            shape: if kind == SegmentKind::AttnNorm || kind == SegmentKind::FfnNorm { vec![cols] } else { vec![rows, cols] },
+            rows: 0..rows,
+            name,
+        };
+        match a.family {
+            Family::Mixtral => {
+                let p = format!("model.layers.{layer}");
+                whole(match kind {
+                    SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
+                    SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
+                    SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
+                    SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
+                    SegmentKind::QkvProj => format!("{p}.self_attn.qkv_proj.weight"),
+                    SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
+                    SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                    SegmentKind::Router => format!("{p}.block_sparse_moe.gate.weight"),
+                    SegmentKind::ExpertGate(e) => format!("{p}.block_sparse_moe.experts.{e}.w1.weight"),
+                    SegmentKind::ExpertUp(e) => format!("{p}.block_sparse_moe.experts.{e}.w3.weight"),
+                    SegmentKind::ExpertDown(e) => format!("{p}.block_sparse_moe.experts.{e}.w2.weight"),
+                })
+            }
+            Family::Dbrx => {
+                let p = format!("transformer.blocks.{layer}");
+                let fused = |w: &str, e: usize| Source {
+                    name: format!("{p}.ffn.experts.mlp.{w}"),
+                    shape: vec![a.experts * a.ffn, a.hidden],
+                    rows: e * a.ffn..(e + 1) * a.ffn,
+                };
+                match kind {
+                    SegmentKind::ExpertGate(e) => fused("w1", e),
+                    SegmentKind::ExpertUp(e) => fused("v1", e),
+                    SegmentKind::ExpertDown(e) => fused("w2", e),
+                    other => whole(match other {
+                        SegmentKind::AttnNorm => format!("{p}.norm_attn_norm.norm_1.weight"),
+                        SegmentKind::FfnNorm => format!("{p}.norm_attn_norm.norm_2.weight"),
+                        SegmentKind::OProj => format!("{p}.norm_attn_norm.attn.out_proj.weight"),
+                        SegmentKind::Router => format!("{p}.ffn.router.layer.weight"),
+                        _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
+                    }),
+                }
+            }
+        }
+    }
+
+    fn segment_matrix(&self, layer: usize, kind: SegmentKind) -> Result<Matrix<'_>, CheckpointError> {
+        let (_, _, orientation) = LayerLayout::shape_of(&self.arch, kind);
+        self.matrix(&self.source(layer, kind), orientation.unwrap_or(Orientation::OutIn))
+    }
+
+    fn segment_vector(&self, layer: usize, kind: SegmentKind) -> Result<TypedSlice<'_>, CheckpointError> {
+        Ok(self.view(&self.source(layer, kind))?.0)
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), CheckpointError> {
+        if layer >= self.arch.layers {
+            return Err(CheckpointError::Layer { layer, layers: self.arch.layers });
+        }
+        Ok(())
+    }
+
+    /// Zero-copy views of layer `layer`, straight from the memory map.
+    pub fn layer_weights(&self, layer: usize) -> Result<LayerWeights<'_>, CheckpointError> {
+        self.check_layer(layer)?;
+        let qkv = match self.arch.family {
+            Family::Mixtral => QkvWeights::Separate {
+                q: self.segment_matrix(layer, SegmentKind::QProj)?,
+                k: self.segment_matrix(layer, SegmentKind::KProj)?,
+                v: self.segment_matrix(layer, SegmentKind::VProj)?,
+            },
+            Family::Dbrx => QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?),
+        };
+        let dense = DenseWeights {
+            attn_norm: self.segment_vector(layer, SegmentKind::AttnNorm)?,
+            qkv,
+            o_proj: self.segment_matrix(layer, SegmentKind::OProj)?,
+            ffn_norm: self.segment_vector(layer, SegmentKind::FfnNorm)?,
+            router: self.segment_matrix(layer, SegmentKind::Router)?,
+        };
+        let experts = (0..self.arch.experts)
+            .map(|e| {
+                Ok(ExpertWeights {
+                    gate: self.segment_matrix(layer, SegmentKind::ExpertGate(e))?,
+                    up: self.segment_matrix(layer, SegmentKind::ExpertUp(e))?,
+                    down: self.segment_matrix(layer, SegmentKind::ExpertDown(e))?,
+                })
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+        Ok(LayerWeights { dense, experts })
+    }
+
+    /// Zero-copy views of the whole model (every tensor's name, shape and dtype checked).
+    pub fn model_weights(&self) -> Result<ModelWeights<'_>, CheckpointError> {
+        let a = &self.arch;
+        let (embed, norm) = match a.family {
+            Family::Mixtral => ("model.embed_tokens.weight", "model.norm.weight"),
+            Family::Dbrx => ("transformer.wte.weight", "transformer.norm_f.weight"),
+        };
+        let table = |name: &str| Source { name: name.into(), shape: vec![a.vocab, a.hidden], rows: 0..a.vocab };
+        let embed = self.matrix(&table(embed), Orientation::OutIn)?;
+        // Tied checkpoints (tie_word_embeddings = true) ship no lm_head; reuse the embedding.
+        let lm_head = if self.tensors.contains_key("lm_head.weight") {
+            self.matrix(&table("lm_head.weight"), Orientation::OutIn)?
+        } else if self.ties_embeddings() {
+            embed
+        } else {
+            self.matrix(&table("lm_head.weight"), Orientation::OutIn)?
+        };
+        let final_norm = self.view(&Source { name: norm.into(), shape: vec![a.hidden], rows: 0..a.hidden })?.0;
+        let layers = (0..a.layers).map(|l| self.layer_weights(l)).collect::<Result<Vec<_>, _>>()?;
+        Ok(ModelWeights { embed, layers, final_norm, lm_head })
+    }
+
+    fn ties_embeddings(&self) -> bool {
+        std::fs::read_to_string(self.dir.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v.get("tie_word_embeddings").and_then(|b| b.as_bool()))
+            .unwrap_or(false)
+    }
+
+    /// The packed-image layout of layer `layer`, with each segment in its stored dtype.
+    pub fn layer_layout(&self, layer: usize) -> Result<LayerLayout, CheckpointError> {
+        self.check_layer(layer)?;
+        let mut dtypes = BTreeMap::new();
+        for kind in LayerLayout::kinds(&self.arch) {
+            let src = self.source(layer, kind);
+            let (_, dtype, _) = self.checked(&src.name, &src.shape)?;
+            dtypes.insert(format!("{kind:?}"), dtype);
+        }
+        Ok(LayerLayout::new(&self.arch, |k| dtypes.get(&format!("{k:?}")).copied().unwrap_or(self.card.dtype)))
+    }
+
+    /// Copies layer `layer`'s tensors byte for byte into `dst` at `layout`'s offsets
+    /// (padding is zeroed). `layout` must come from [`Checkpoint::layer_layout`].
+    pub fn copy_layer_image(&self, layer: usize, layout: &LayerLayout, dst: &mut [u8]) -> Result<(), CheckpointError> {
+        self.check_layer(layer)?;
+        if dst.len() < layout.image_bytes {
+            return Err(CheckpointError::ImageBuffer { needed: layout.image_bytes, got: dst.len() });
+        }
+        dst[..layout.image_bytes].fill(0);
+        for seg in &layout.segments {
+            let src = self.source(layer, seg.kind);
+            let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
+            if dtype != seg.dtype {
+                return Err(CheckpointError::Dtype {
+                    path: path.display().to_string(),
+                    tensor: src.name,
+                    dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
+                });
+            }
+            let row_bytes = seg.cols * dtype.bytes() as usize;
+            let part = &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes];
+            dst[seg.range()].copy_from_slice(part);
+        }
+        Ok(())
+    }
+
+    /// Layout and a freshly copied image of layer `layer`.
+    pub fn layer_image(&self, layer: usize) -> Result<(LayerLayout, ImageBuffer), CheckpointError> {
+        let layout = self.layer_layout(layer)?;
+        let mut image = ImageBuffer::zeroed(layout.image_bytes);
+        self.copy_layer_image(layer, &layout, image.as_bytes_mut())?;
+        Ok((layout, image))
+    }
+}

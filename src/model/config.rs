@@ -1,0 +1,455 @@
+//! Hugging Face `config.json` <-> [`ModelCard`].
+//!
+//! Takes the text of a Hub `config.json` in either family's spelling (Mixtral's flat
+//! fields with `rope_theta` at top level or under `rope_parameters`, `sliding_window` null
+//! or an integer; DBRX's nested `attn_config` / `ffn_config`, whose serialized junk fields
+//! are ignored); gives a card with any dimensions. Also checks that a config agrees with a
+//! chosen card (naming the first field that differs) and writes a config in the family's
+//! real spelling for synthetic checkpoints. Every problem is an error naming the file and
+//! field.
+
+use crate::model::card::{Family, ModelCard, WeightDtype};
+use serde_json::{json, Map, Value};
+
+/// Problems with a `config.json`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// Not JSON, or not an object.
+    #[error("{path}: not a valid config.json: {message}")]
+    Json {
+        /// The file.
+        path: String,
+        /// Parser message.
+        message: String,
+    },
+    /// `model_type` is neither `mixtral` nor `dbrx`.
+    #[error("{path}: model_type `{model_type}` is not supported (expected `mixtral` or `dbrx`)")]
+    ModelType {
+        /// The file.
+        path: String,
+        /// What it says.
+        model_type: String,
+    },
+    /// A required field is absent.
+    #[error("{path}: missing field `{field}`")]
+    Missing {
+        /// The file.
+        path: String,
+        /// Dotted field name.
+        field: String,
+    },
+    /// A field has an unusable value.
+    #[error("{path}: field `{field}` {message}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// Dotted field name.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The config contradicts the card chosen with `--model`.
+    #[error("{path}: `{field}` is {config_value} but card `{card}` has {card_value}")]
+    Mismatch {
+        /// The file.
+        path: String,
+        /// Card name.
+        card: String,
+        /// config.json field name.
+        field: String,
+        /// Value in config.json.
+        config_value: String,
+        /// Value in the card.
+        card_value: String,
+    },
+}
+
+struct Fields<'a> {
+    path: &'a str,
+    root: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, dotted: &str) -> Option<&'a Value> {
+        let mut cur = self.root;
+        let mut parts = dotted.split('.').peekable();
+        while let Some(p) = parts.next() {
+            let v = cur.get(p)?;
+            if parts.peek().is_none() {
+                return (!v.is_null()).then_some(v);
+            }
+            cur = v.as_object()?;
+        }
+        None
+    }
+
+    fn invalid(&self, field: &str, message: &str) -> ConfigError {
+        ConfigError::Invalid { path: self.path.to_string(), field: field.to_string(), message: message.to_string() }
+    }
+
+    fn opt_uint(&self, field: &str) -> Result<Option<u64>, ConfigError> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| self.invalid(field, "must be a non-negative integer")),
+        }
+    }
+
+    fn uint(&self, field: &str) -> Result<u64, ConfigError> {
+        self.opt_uint(field)?
+            .ok_or_else(|| ConfigError::Missing { path: self.path.to_string(), field: field.to_string() })
+    }
+
+    fn opt_float(&self, field: &str) -> Result<Option<f64>, ConfigError> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.invalid(field, "must be a number")),
+        }
+    }
+
+    /// An id that may be written as an integer or a list of integers (first wins).
+    fn opt_token(&self, field: &str) -> Result<Option<u32>, ConfigError> {
+        let v = match self.get(field) {
+            None => return Ok(None),
+            Some(Value::Array(a)) => match a.first() {
+                None => return Ok(None),
+                Some(v) => v,
+            },
+            Some(v) => v,
+        };
+        v.as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .map(Some)
+            .ok_or_else(|| self.invalid(field, "must be a token id"))
+    }
+}
+
+/// Reads a card from config.json text; `path` names the file in errors, `name` becomes
+/// the card's name.
+pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard, ConfigError> {
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| ConfigError::Json { path: path.to_string(), message: e.to_string() })?;
+    let root = value
+        .as_object()
+        .ok_or_else(|| ConfigError::Json { path: path.to_string(), message: "top level is not an object".into() })?;
+    let f = Fields { path, root };
+    let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let card = match model_type {
+        "mixtral" => mixtral_card(&f, name)?,
+        "dbrx" => dbrx_card(&f, name)?,
+        other => return Err(ConfigError::ModelType { path: path.into(), model_type: other.into() }),
+    };
+    card.validate().map_err(|message| f.invalid("(dimensions)", &message))?;
+    Ok(card)
+}
+
+fn mixtral_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("hidden_size")?;
+    let heads = f.uint("num_attention_heads")?;
+    if heads == 0 {
+        return Err(f.invalid("num_attention_heads", "must be positive"));
+    }
+    let rope_theta = match f.opt_float("rope_theta")? {
+        Some(t) => t,
+        None => f.opt_float("rope_parameters.rope_theta")?.unwrap_or(1e6),
+    };
+    Ok(ModelCard {
+        name: name.to_string(),
+        family: Family::Mixtral,
+        description: format!("Mixtral-family checkpoint `{name}` (from config.json)"),
+        layers: f.uint("num_hidden_layers")?,
+        hidden,
+        ffn: f.uint("intermediate_size")?,
+        heads,
+        kv_heads: f.opt_uint("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: f.opt_uint("head_dim")?.unwrap_or(hidden / heads),
+        experts: f.uint("num_local_experts")?,
+        top_k: f.uint("num_experts_per_tok")?,
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_position_embeddings")?,
+        rope_theta,
+        norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-5),
+        clip_qkv: None,
+        dtype: WeightDtype::Bf16,
+        tokenizer: "tokenizers/mixtral/tokenizer.json".into(),
+        bos_token_id: f.opt_token("bos_token_id")?.or(Some(1)),
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(2),
+        sliding_window: f.opt_uint("sliding_window")?,
+        router_norm_p: Some(1.0),
+    })
+}
+
+fn dbrx_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("d_model")?;
+    let heads = f.uint("n_heads")?;
+    if heads == 0 || hidden % heads != 0 {
+        return Err(f.invalid("n_heads", "must be positive and divide d_model"));
+    }
+    let rope_theta = f.opt_float("attn_config.rope_theta")?.unwrap_or(10000.0);
+    // transformers 5.x reads the rotary base from top-level `rope_parameters` and ignores
+    // `attn_config.rope_theta`; a checkpoint where they differ computes differently in HF
+    // than its Hub config says, so refuse it rather than pick one silently.
+    if let Some(other) = f.opt_float("rope_parameters.rope_theta")? {
+        if other != rope_theta {
+            return Err(f.invalid(
+                "rope_parameters.rope_theta",
+                &format!("({other}) disagrees with attn_config.rope_theta ({rope_theta})"),
+            ));
+        }
+    }
+    let router_norm_p = match f.root.get("ffn_config").and_then(|c| c.get("moe_normalize_expert_weights")) {
+        Some(Value::Null) => None,
+        None => Some(1.0),
+        Some(v) => Some(v.as_f64().ok_or_else(|| {
+            f.invalid("ffn_config.moe_normalize_expert_weights", "must be a number or null")
+        })?),
+    };
+    Ok(ModelCard {
+        name: name.to_string(),
+        family: Family::Dbrx,
+        description: format!("DBRX-family checkpoint `{name}` (from config.json)"),
+        layers: f.uint("n_layers")?,
+        hidden,
+        ffn: f.uint("ffn_config.ffn_hidden_size")?,
+        heads,
+        kv_heads: f.opt_uint("attn_config.kv_n_heads")?.unwrap_or(1),
+        head_dim: hidden / heads,
+        experts: f.uint("ffn_config.moe_num_experts")?,
+        top_k: f.uint("ffn_config.moe_top_k")?,
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_seq_len")?,
+        rope_theta,
+        norm_eps: 1e-5,
+        clip_qkv: f.opt_float("attn_config.clip_qkv")?,
+        dtype: WeightDtype::Bf16,
+        tokenizer: "tokenizers/dbrx/tokenizer.json".into(),
+        bos_token_id: None,
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(100257),
+        sliding_window: None,
+        router_norm_p,
+    })
+}
+
+/// The config.json spelling of each architectural card field, per family.
+fn field_name(family: Family, card_field: &str) -> &'static str {
+    let (mixtral, dbrx) = match card_field {
+        "layers" => ("num_hidden_layers", "n_layers"),
+        "hidden" => ("hidden_size", "d_model"),
+        "ffn" => ("intermediate_size", "ffn_config.ffn_hidden_size"),
+        "heads" => ("num_attention_heads", "n_heads"),
+        "kv_heads" => ("num_key_value_heads", "attn_config.kv_n_heads"),
+        "head_dim" => ("head_dim", "d_model / n_heads"),
+        "experts" => ("num_local_experts", "ffn_config.moe_num_experts"),
+        "top_k" => ("num_experts_per_tok", "ffn_config.moe_top_k"),
+        "vocab" => ("vocab_size", "vocab_size"),
+        "max_positions" => ("max_position_embeddings", "max_seq_len"),
+        "rope_theta" => ("rope_theta", "attn_config.rope_theta"),
+        "norm_eps" => ("rms_norm_eps", "(LayerNorm eps)"),
+        "clip_qkv" => ("(clip_qkv)", "attn_config.clip_qkv"),
+        "router_norm_p" => ("(router renormalisation)", "ffn_config.moe_normalize_expert_weights"),
+        _ => ("model_type", "model_type"),
+    };
+    match family {
+        Family::Mixtral => mixtral,
+        Family::Dbrx => dbrx,
+    }
+}
+
+/// Checks that the architecture read from config.json (`from_config`) is the card's.
+pub fn check_agreement(from_config: &ModelCard, card: &ModelCard, path: &str) -> Result<(), ConfigError> {
+    let mismatch = |field: &str, config_value: String, card_value: String| ConfigError::Mismatch {
+        path: path.to_string(),
+        card: card.name.clone(),
+        field: field_name(from_config.family, field).to_string(),
+        config_value,
+        card_value,
+    };
+    if from_config.family != card.family {
+        return Err(mismatch("family", format!("{:?}", from_config.family), format!("{:?}", card.family)));
+    }
+    let ints = [
+        ("layers", from_config.layers, card.layers),
+        ("hidden", from_config.hidden, card.hidden),
+        ("ffn", from_config.ffn, card.ffn),
+        ("heads", from_config.heads, card.heads),
+        ("kv_heads", from_config.kv_heads, card.kv_heads),
+        ("head_dim", from_config.head_dim, card.head_dim),
+        ("experts", from_config.experts, card.experts),
+        ("top_k", from_config.top_k, card.top_k),
+        ("vocab", from_config.vocab, card.vocab),
+        ("max_positions", from_config.max_positions, card.max_positions),
+    ];
+    for (field, a, b) in ints {
+        if a != b {
+            return Err(mismatch(field, a.to_string(), b.to_string()));
+        }
+    }
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+    if !close(from_config.rope_theta, card.rope_theta) {
+        return Err(mismatch("rope_theta", from_config.rope_theta.to_string(), card.rope_theta.to_string()));
+    }
+    if !close(from_config.norm_eps, card.norm_eps) {
+        return Err(mismatch("norm_eps", from_config.norm_eps.to_string(), card.norm_eps.to_string()));
+    }
+    if from_config.clip_qkv != card.clip_qkv {
+        return Err(mismatch("clip_qkv", format!("{:?}", from_config.clip_qkv), format!("{:?}", card.clip_qkv)));
+    }
+    if card.family == Family::Dbrx && from_config.router_norm_p != card.router_norm_p {
+        return Err(mismatch(
+            "router_norm_p",
+            format!("{:?}", from_config.router_norm_p),
+            format!("{:?}", card.router_norm_p),
+        ));
+    }
+    Ok(())
+}
+
+fn torch_dtype(dtype: WeightDtype) -> &'static str {
+    match dtype {
+        WeightDtype::Bf16 => "bfloat16",
+        WeightDtype::F16 => "float16",
+        WeightDtype::F32 => "float32",
+    }
+}
+
+/// A config.json for `card` in its family's Hub spelling (for synthetic checkpoints).
+pub fn config_for_card(card: &ModelCard, dtype: WeightDtype) -> Value {
+    match card.family {
+        Family::Mixtral => json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": card.hidden,
+            "intermediate_size": card.ffn,
+            "num_hidden_layers": card.layers,
+            "num_attention_heads": card.heads,
+            "num_key_value_heads": card.kv_heads,
+            "head_dim": card.head_dim,
+            "num_local_experts": card.experts,
+            "num_experts_per_tok": card.top_k,
+            "vocab_size": card.vocab,
+            "max_position_embeddings": card.max_positions,
+            "rms_norm_eps": card.norm_eps,
+            "rope_theta": card.rope_theta,
+            "sliding_window": card.sliding_window,
+            "bos_token_id": card.bos_token_id,
+            "eos_token_id": card.eos_token_id,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "router_aux_loss_coef": 0.02,
+            "output_router_logits": false,
+            "initializer_range": 0.02,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        }),
+        Family::Dbrx => json!({
+            "architectures": ["DbrxForCausalLM"],
+            "model_type": "dbrx",
+            "d_model": card.hidden,
+            "n_heads": card.heads,
+            "n_layers": card.layers,
+            "max_seq_len": card.max_positions,
+            "vocab_size": card.vocab,
+            "attn_config": {
+                "clip_qkv": card.clip_qkv,
+                "kv_n_heads": card.kv_heads,
+                "rope_theta": card.rope_theta,
+                "attn_pdrop": 0.0,
+                "model_type": "",
+            },
+            "ffn_config": {
+                "ffn_hidden_size": card.ffn,
+                "moe_num_experts": card.experts,
+                "moe_top_k": card.top_k,
+                "moe_jitter_eps": 0.0,
+                "moe_loss_weight": 0.05,
+                "moe_normalize_expert_weights": card.router_norm_p,
+                "ffn_act_fn": {"name": "silu"},
+                "model_type": "",
+            },
+            "eos_token_id": card.eos_token_id,
+            "tie_word_embeddings": false,
+            "initializer_range": 0.02,
+            "output_router_logits": false,
+            "resid_pdrop": 0.0,
+            "emb_pdrop": 0.0,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Hub's Mixtral-8x7B-v0.1 config.json (2024 revision, sliding_window null).
+    const MIXTRAL_8X7B: &str = r#"{"architectures":["MixtralForCausalLM"],"attention_dropout":0.0,
+      "bos_token_id":1,"eos_token_id":2,"hidden_act":"silu","hidden_size":4096,"initializer_range":0.02,
+      "intermediate_size":14336,"max_position_embeddings":32768,"model_type":"mixtral",
+      "num_attention_heads":32,"num_experts_per_tok":2,"num_hidden_layers":32,"num_key_value_heads":8,
+      "num_local_experts":8,"output_router_logits":false,"rms_norm_eps":1e-05,"rope_theta":1000000.0,
+      "router_aux_loss_coef":0.02,"sliding_window":null,"tie_word_embeddings":false,
+      "torch_dtype":"bfloat16","transformers_version":"4.36.0.dev0","use_cache":true,"vocab_size":32000}"#;
+
+    /// The Hub's DBRX config.json, junk fields in the nested configs included.
+    const DBRX: &str = r#"{"architectures":["DbrxForCausalLM"],
+      "attn_config":{"clip_qkv":8,"kv_n_heads":8,"model_type":"","rope_theta":500000,
+        "tie_word_embeddings":true,"temperature":1.0,"id2label":{"0":"LABEL_0"}},
+      "d_model":6144,"emb_pdrop":0.0,
+      "ffn_config":{"ffn_hidden_size":10752,"model_type":"","moe_jitter_eps":0.01,"moe_loss_weight":0.05,
+        "moe_num_experts":16,"moe_top_k":4,"moe_normalize_expert_weights":1,"ffn_act_fn":{"name":"silu"}},
+      "initializer_range":0.02,"max_seq_len":32768,"model_type":"dbrx","n_heads":48,"n_layers":40,
+      "output_router_logits":false,"resid_pdrop":0.0,"router_aux_loss_coef":0.05,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","transformers_version":"4.38.2",
+      "use_cache":true,"vocab_size":100352}"#;
+
+    #[test]
+    fn hub_configs_agree_with_the_builtin_cards() {
+        let mixtral = card_from_config(MIXTRAL_8X7B, "config.json", "x").unwrap();
+        check_agreement(&mixtral, &ModelCard::load("mixtral-8x7b").unwrap(), "config.json").unwrap();
+        let dbrx = card_from_config(DBRX, "config.json", "x").unwrap();
+        check_agreement(&dbrx, &ModelCard::load("dbrx").unwrap(), "config.json").unwrap();
+        assert_eq!(dbrx.clip_qkv, Some(8.0));
+        assert_eq!(dbrx.head_dim, 128);
+    }
+
+    #[test]
+    fn rope_parameters_spelling_and_integer_sliding_window_are_read() {
+        let text = MIXTRAL_8X7B
+            .replace(r#""rope_theta":1000000.0,"#, r#""rope_parameters":{"rope_theta":12345.0,"rope_type":"default"},"#)
+            .replace(r#""sliding_window":null"#, r#""sliding_window":4096"#);
+        let card = card_from_config(&text, "c.json", "x").unwrap();
+        assert_eq!(card.rope_theta, 12345.0);
+        assert_eq!(card.sliding_window, Some(4096));
+    }
+
+    #[test]
+    fn disagreement_names_the_config_field() {
+        let text = MIXTRAL_8X7B.replace(r#""hidden_size":4096"#, r#""hidden_size":1024"#);
+        let from_config = card_from_config(&text, "w/config.json", "x").unwrap();
+        let err = check_agreement(&from_config, &ModelCard::load("mixtral-8x7b").unwrap(), "w/config.json");
+        let msg = err.unwrap_err().to_string();
+        assert!(msg.contains("`hidden_size` is 1024") && msg.contains("`mixtral-8x7b` has 4096"), "{msg}");
+    }
+
+    #[test]
+    fn bad_configs_are_errors_naming_the_problem() {
+        let missing = MIXTRAL_8X7B.replace(r#""num_local_experts":8,"#, "");
+        assert!(card_from_config(&missing, "c.json", "x").unwrap_err().to_string().contains("num_local_experts"));
+        assert!(matches!(card_from_config("{not json", "c.json", "x"), Err(ConfigError::Json { .. })));
+        let llama = MIXTRAL_8X7B.replace(r#""model_type":"mixtral""#, r#""model_type":"llama""#);
+        assert!(matches!(card_from_config(&llama, "c.json", "x"), Err(ConfigError::ModelType { .. })));
+        let neg = MIXTRAL_8X7B.replace(r#""num_hidden_layers":32"#, r#""num_hidden_layers":-3"#);
+        assert!(card_from_config(&neg, "c.json", "x").unwrap_err().to_string().contains("num_hidden_layers"));
+    }
+
+    #[test]
+    fn written_configs_read_back_as_the_same_card() {
+        for name in ["mixtral-tiny", "dbrx-tiny", "mixtral-mid"] {
+            let card = ModelCard::load(name).unwrap();
+            let text = config_for_card(&card, WeightDtype::Bf16).to_string();
+            let back = card_from_config(&text, "c.json", name).unwrap();
+            check_agreement(&back, &card, "c.json").unwrap();
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! Matrix products of f32 activations with stored weights: `y = x Wᵀ` (`OutIn`) or
+//! `y = x W` (`InOut`), batch-invariant.
+//!
+//! Takes activations `[n_rows, in]` (f32, row-major) and a [`Matrix`] view in its stored
+//! dtype (bf16/f16 weights are widened to f32 in registers as they are loaded); writes
+//! `[n_rows, out]`. Every output element is accumulated in one fixed order that depends
+//! only on the matrix (never on `n_rows`, the row's position in the batch, the thread
+//! count or the blocking), so a token gets bit-identical results whichever micro-batch it
+//! is computed in: the runtime's schedules must reproduce the oracle's tokens exactly.
+//!
+//! Order per element: `OutIn` sums 16 interleaved lanes over `k` (lane `l` takes
+//! `k ≡ l mod 16`, zero-padded tail), then reduces the lanes with a fixed tree; `InOut`
+//! accumulates sequentially over the input index with fused multiply-adds. We use our own
+//! register-blocked AVX-512 kernels (4 weight rows x 4 activation rows, runtime-detected,
+//! with a portable fallback of the same structure) instead of `gemm`, because `gemm`
+//! switches between GEMV, "horizontal" and packed kernels and picks its k-blocking by
+//! shape, which changes the summation order with the number of rows.
+
+use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+use rayon::prelude::*;
+
+/// Weight rows per parallel task of the `OutIn` kernel (a panel kept hot in L2).
+const PANEL_ROWS: usize = 64;
+
+/// Output columns per parallel task of the `InOut` kernel.
+const BAND_COLS: usize = 256;
+
+/// Below this many multiply-adds a product runs on the calling thread only.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// Computes `out[n_rows, w.out_dim()] = x[n_rows, w.in_dim()] · W` (lengths are the
+/// caller's contract; debug builds assert them).
+pub fn linear(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+    debug_assert_eq!(x.len(), n_rows * w.in_dim());
+    debug_assert_eq!(out.len(), n_rows * w.out_dim());
+    if n_rows == 0 || w.rows == 0 || w.cols == 0 || x.len() < n_rows * w.in_dim() || out.len() < n_rows * w.out_dim() {
+        return;
+    }
+    match w.orientation {
+        Orientation::OutIn => out_in(x, n_rows, w, out),
+        Orientation::InOut => in_out(x, n_rows, w, out),
+    }
+}
+
+/// Floating-point operations of one `linear` call (multiply and add counted apart).
+pub fn linear_flops(n_rows: usize, w: &Matrix<'_>) -> u64 {
+    2 * n_rows as u64 * w.rows as u64 * w.cols as u64
+}
+
+fn use_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Runs `task(chunk_index, local_out)` over chunks, in parallel when the work is large.
+fn for_chunks<F>(n_chunks: usize, work: usize, task: F) -> Vec<Vec<f32>>
+where
+    F: Fn(usize) -> Vec<f32> + Sync + Send,
+{
+    if work < PARALLEL_MIN_WORK || n_chunks == 1 {
+        (0..n_chunks).map(task).collect()
+    } else {
+        (0..n_chunks).into_par_iter().map(task).collect()
+    }
+}
+
+fn out_in(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+    let (out_dim, in_dim) = (w.rows, w.cols);
+    let n_panels = out_dim.div_ceil(PANEL_ROWS);
+    let avx = use_avx512();
+    let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
+        let o0 = p * PANEL_ROWS;
+        let rows = PANEL_ROWS.min(out_dim - o0);
+        let mut local = vec![0.0f32; n_rows * rows];
+        #[cfg(target_arch = "x86_64")]
+        if avx {
+            // SAFETY: avx512f/bw/vl were detected; the panel and `x` bounds are those the
+            // kernel documents (rows o0..o0+rows of w, n_rows rows of x of in_dim each).
+            unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) };
+            return local;
+        }
+        let _ = avx;
+        portable::out_in_panel(x, n_rows, w, o0, rows, &mut local);
+        local
+    });
+    for (p, local) in panels.iter().enumerate() {
+        let o0 = p * PANEL_ROWS;
+        let rows = local.len() / n_rows;
+        for t in 0..n_rows {
+            out[t * out_dim + o0..t * out_dim + o0 + rows].copy_from_slice(&local[t * rows..(t + 1) * rows]);
+        }
+    }
+}
+
+fn in_out(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+    let (in_dim, out_dim) = (w.rows, w.cols);
+    let n_bands = out_dim.div_ceil(BAND_COLS);
+    let avx = use_avx512();
+    let bands = for_chunks(n_bands, n_rows * out_dim * in_dim, |b| {
+        let c0 = b * BAND_COLS;
+        let width = BAND_COLS.min(out_dim - c0);
+        let mut local = vec![0.0f32; n_rows * width];
+        #[cfg(target_arch = "x86_64")]
+        if avx {
+            // SAFETY: avx512f/bw/vl were detected; columns c0..c0+width < out_dim.
+            unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) };
+            return local;
+        }
+        let _ = avx;
+        portable::in_out_band(x, n_rows, w, c0, width, &mut local);
+        local
+    });
+    for (b, local) in bands.iter().enumerate() {
+        let c0 = b * BAND_COLS;
+        let width = local.len() / n_rows;
+        for t in 0..n_rows {
+            out[t * out_dim + c0..t * out_dim + c0 + width].copy_from_slice(&local[t * width..(t + 1) * width]);
+        }
+    }
+}
+
+/// Fallback with the same per-element structure (16 lanes, then a fixed reduction).
+mod portable {
+    use super::*;
+
+    fn widen_row(w: &Matrix<'_>, r: usize, buf: &mut [f32]) {
+        w.row(r).widen_into(buf);
+    }
+
+    pub(super) fn out_in_panel(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+        let in_dim = w.cols;
+        let mut buf = vec![0.0f32; in_dim];
+        for o in 0..rows {
+            widen_row(w, o0 + o, &mut buf);
+            for t in 0..n_rows {
+                let xr = &x[t * in_dim..(t + 1) * in_dim];
+                let mut lanes = [0.0f32; 16];
+                for (k, (a, b)) in buf.iter().zip(xr).enumerate() {
+                    lanes[k % 16] = a.mul_add(*b, lanes[k % 16]);
+                }
+                local[t * rows + o] = reduce16(&lanes);
+            }
+        }
+    }
+
+    pub(super) fn in_out_band(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+        let (in_dim, out_dim) = (w.rows, w.cols);
+        let mut buf = vec![0.0f32; width];
+        for i in 0..in_dim {
+            w.data.slice(i * out_dim + c0..i * out_dim + c0 + width).widen_into(&mut buf);
+            for t in 0..n_rows {
+                let a = x[t * in_dim + i];
+                for (o, b) in local[t * width..(t + 1) * width].iter_mut().zip(&buf) {
+                    *o = a.mul_add(*b, *o);
+                }
+            }
+        }
+    }
+
+    fn reduce16(l: &[f32; 16]) -> f32 {
+        let mut v = *l;
+        for half in [8, 4, 2, 1] {
+            for i in 0..half {
+                v[i] += v[i + half];
+            }
+        }
+        v[0]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Loads 16 (masked) weights starting at element `idx` of `base` as f32.
+    trait Load: Copy {
+        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512;
+    }
+
+    #[derive(Clone, Copy)]
+    struct Bf16;
+    #[derive(Clone, Copy)]
+    struct F16;
+    #[derive(Clone, Copy)]
+    struct F32;
+
+    impl Load for Bf16 {
+        #[inline(always)]
+        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
+            // SAFETY: caller guarantees the unmasked lanes are in bounds; masked-off lanes
+            // are not accessed (AVX-512 masked loads suppress faults).
+            unsafe {
+                let raw = _mm256_maskz_loadu_epi16(mask, base.add(idx * 2) as *const i16);
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            }
+        }
+    }
+
+    impl Load for F16 {
+        #[inline(always)]
+        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
+            // SAFETY: as for Bf16.
+            unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, base.add(idx * 2) as *const i16)) }
+        }
+    }
+
+    impl Load for F32 {
+        #[inline(always)]
+        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
+            // SAFETY: as for Bf16.
+            unsafe { _mm512_maskz_loadu_ps(mask, base.add(idx * 4) as *const f32) }
+        }
+    }
+
+    fn base(w: &Matrix<'_>) -> *const u8 {
+        match w.data {
+            TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F32(s) => s.as_ptr() as *const u8,
+        }
+    }
+
+    fn mask_for(remaining: usize) -> __mmask16 {
+        if remaining >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << remaining) - 1) as __mmask16
+        }
+    }
+
+    /// # Safety
+    /// avx512f/bw/vl available; `x` holds `n_rows * w.cols` values; `o0 + rows <= w.rows`;
+    /// `local` holds `n_rows * rows` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn out_in_panel(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match w.data {
+                TypedSlice::Bf16(_) => out_in_panel_t::<Bf16>(x, n_rows, w, o0, rows, local),
+                TypedSlice::F16(_) => out_in_panel_t::<F16>(x, n_rows, w, o0, rows, local),
+                TypedSlice::F32(_) => out_in_panel_t::<F32>(x, n_rows, w, o0, rows, local),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn out_in_panel_t<L: Load>(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+        let k_len = w.cols;
+        let wb = base(w);
+        let mut t0 = 0;
+        while t0 < n_rows {
+            // Rows past the end repeat the last row: same arithmetic, results discarded.
+            let xr: [*const f32; 4] = std::array::from_fn(|i| x[(t0 + i).min(n_rows - 1) * k_len..].as_ptr());
+            let mut o = 0;
+            while o < rows {
+                let wr: [usize; 4] = std::array::from_fn(|i| (o0 + (o + i).min(rows - 1)) * k_len);
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                let mut k = 0;
+                while k < k_len {
+                    let mask = mask_for(k_len - k);
+                    // SAFETY: lanes k..k+16 masked to < k_len inside rows of x and w.
+                    unsafe {
+                        let xv: [__m512; 4] = std::array::from_fn(|i| _mm512_maskz_loadu_ps(mask, xr[i].add(k)));
+                        for (oi, acc_row) in acc.iter_mut().enumerate() {
+                            let wv = L::load16(wb, wr[oi] + k, mask);
+                            for (ti, a) in acc_row.iter_mut().enumerate() {
+                                *a = _mm512_fmadd_ps(wv, xv[ti], *a);
+                            }
+                        }
+                    }
+                    k += 16;
+                }
+                for (oi, acc_row) in acc.iter().enumerate() {
+                    if o + oi >= rows {
+                        break;
+                    }
+                    for (ti, a) in acc_row.iter().enumerate() {
+                        if t0 + ti >= n_rows {
+                            break;
+                        }
+                        local[(t0 + ti) * rows + o + oi] = reduce(*a);
+                    }
+                }
+                o += 4;
+            }
+            t0 += 4;
+        }
+    }
+
+    /// Fixed pairwise reduction of the 16 lanes (8+8, 4+4, 2+2, 1+1).
+    #[inline(always)]
+    fn reduce(v: __m512) -> f32 {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: 16 f32 lanes stored into a 16-element array; avx512f is enabled in
+        // every caller (this is only inlined into target_feature functions).
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) };
+        for half in [8, 4, 2, 1] {
+            for i in 0..half {
+                lanes[i] += lanes[i + half];
+            }
+        }
+        lanes[0]
+    }
+
+    /// # Safety
+    /// avx512f/bw/vl available; `x` holds `n_rows * w.rows` values; `c0 + width <= w.cols`;
+    /// `local` holds `n_rows * width` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn in_out_band(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match w.data {
+                TypedSlice::Bf16(_) => in_out_band_t::<Bf16>(x, n_rows, w, c0, width, local),
+                TypedSlice::F16(_) => in_out_band_t::<F16>(x, n_rows, w, c0, width, local),
+                TypedSlice::F32(_) => in_out_band_t::<F32>(x, n_rows, w, c0, width, local),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn in_out_band_t<L: Load>(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+        let (in_dim, out_dim) = (w.rows, w.cols);
+        let wb = base(w);
+        let mut c = 0;
+        while c < width {
+            let m0 = mask_for(width - c);
+            let m1 = mask_for((width - c).saturating_sub(16));
+            let mut t0 = 0;
+            while t0 < n_rows {
+                let xr: [usize; 4] = std::array::from_fn(|i| (t0 + i).min(n_rows - 1) * in_dim);
+                let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+                for i in 0..in_dim {
+                    // SAFETY: row i < in_dim, columns c0+c..c0+c+32 masked to < c0+width.
+                    unsafe {
+                        let w0 = L::load16(wb, i * out_dim + c0 + c, m0);
+                        let w1 = L::load16(wb, i * out_dim + c0 + c + 16, m1);
+                        for (ti, a) in acc.iter_mut().enumerate() {
+                            let xb = _mm512_set1_ps(*x.get_unchecked(xr[ti] + i));
+                            a[0] = _mm512_fmadd_ps(xb, w0, a[0]);
+                            a[1] = _mm512_fmadd_ps(xb, w1, a[1]);
+                        }
+                    }
+                }
+                for (ti, a) in acc.iter().enumerate() {
+                    if t0 + ti >= n_rows {
+                        break;
+                    }
+                    let dst = &mut local[(t0 + ti) * width + c..];
+                    // SAFETY: masked stores write only columns < width of this row.
+                    unsafe {
+                        _mm512_mask_storeu_ps(dst.as_mut_ptr(), m0, a[0]);
+                        if m1 != 0 {
+                            _mm512_mask_storeu_ps(dst.as_mut_ptr().add(16), m1, a[1]);
+                        }
+                    }
+                }
+                t0 += 4;
+            }
+            c += 32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn naive(x: &[f32], n_rows: usize, w: &[f32], rows: usize, cols: usize, orient: Orientation) -> Vec<f32> {
+        let (in_dim, out_dim) = match orient {
+            Orientation::OutIn => (cols, rows),
+            Orientation::InOut => (rows, cols),
+        };
+        let mut out = vec![0.0; n_rows * out_dim];
+        for t in 0..n_rows {
+            for o in 0..out_dim {
+                let mut s = 0.0f64;
+                for i in 0..in_dim {
+                    let wv = match orient {
+                        Orientation::OutIn => w[o * cols + i],
+                        Orientation::InOut => w[i * cols + o],
+                    };
+                    s += x[t * in_dim + i] as f64 * wv as f64;
+                }
+                out[t * out_dim + o] = s as f32;
+            }
+        }
+        out
+    }
+
+    fn weights(rows: usize, cols: usize) -> (Vec<f32>, Vec<bf16>, Vec<f16>) {
+        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        (wf.clone(), wf.iter().map(|&v| bf16::from_f32(v)).collect(), wf.iter().map(|&v| f16::from_f32(v)).collect())
+    }
+
+    /// Every dtype and orientation, small and parallel sizes, odd shapes: agrees with a
+    /// naive f64 product of the (rounded) weights.
+    #[test]
+    fn all_dtypes_and_orientations_match_naive_product() {
+        for &(rows, cols) in &[(37usize, 29usize), (300, 260)] {
+            let (wf, wb, wh) = weights(rows, cols);
+            for orient in [Orientation::OutIn, Orientation::InOut] {
+                for n_rows in [1usize, 3, 17] {
+                    let in_dim = if orient == Orientation::OutIn { cols } else { rows };
+                    let x: Vec<f32> = (0..n_rows * in_dim).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+                    let cases = [
+                        (TypedSlice::F32(&wf), wf.clone()),
+                        (TypedSlice::Bf16(&wb), wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
+                        (TypedSlice::F16(&wh), wh.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
+                    ];
+                    for (data, reference) in cases {
+                        let m = Matrix::new(data, rows, cols, orient).unwrap();
+                        let mut out = vec![0.0; n_rows * m.out_dim()];
+                        linear(&x, n_rows, &m, &mut out);
+                        let want = naive(&x, n_rows, &reference, rows, cols, orient);
+                        for (g, w) in out.iter().zip(&want) {
+                            assert!((g - w).abs() < 1e-3 * (1.0 + w.abs()), "{orient:?} {n_rows}x{rows}x{cols}: {g} vs {w}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's result is bit-identical whether computed alone, in a split of 5 + 32, or
+    /// in one call of 37 rows, for both orientations and a parallel-sized matrix.
+    #[test]
+    fn results_are_bit_identical_across_batch_splits() {
+        for &(rows, cols) in &[(520usize, 300usize), (7, 33)] {
+            let (_, wb, _) = weights(rows, cols);
+            for orient in [Orientation::OutIn, Orientation::InOut] {
+                let m = Matrix::new(TypedSlice::Bf16(&wb), rows, cols, orient).unwrap();
+                let (in_dim, out_dim) = (m.in_dim(), m.out_dim());
+                let x: Vec<f32> = (0..37 * in_dim).map(|i| ((i * 131) % 211) as f32 / 105.0 - 1.0).collect();
+                let mut all = vec![0.0; 37 * out_dim];
+                linear(&x, 37, &m, &mut all);
+                let mut split = vec![0.0; 37 * out_dim];
+                linear(&x[..5 * in_dim], 5, &m, &mut split[..5 * out_dim]);
+                linear(&x[5 * in_dim..], 32, &m, &mut split[5 * out_dim..]);
+                assert_eq!(all, split, "{orient:?} split 5+32");
+                for t in 0..37 {
+                    let mut one = vec![0.0; out_dim];
+                    linear(&x[t * in_dim..(t + 1) * in_dim], 1, &m, &mut one);
+                    assert_eq!(&all[t * out_dim..(t + 1) * out_dim], &one[..], "{orient:?} row {t}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! The canonical packed image of one decoder layer's weights, and typed views into it.
+//!
+//! Takes an [`ArchSpec`] and the stored dtype of each tensor; gives a [`LayerLayout`]:
+//! named segments with byte offsets, shapes, dtype and orientation, dense part first
+//! (norms, attention, router) then the experts expert-major, so one expert is one
+//! contiguous byte range. The image holds the checkpoint tensors' raw bytes (building it
+//! is byte copies only, see `Checkpoint::copy_layer_image`); every segment starts on a
+//! [`SEGMENT_ALIGN`]-byte boundary relative to the image start. [`LayerWeights::from_image`]
+//! validates sizes and alignment and never panics, so the runtime can copy byte ranges
+//! of an image between memory spaces and compute from the copy.
+
+use crate::model::arch::ArchSpec;
+use crate::model::card::{Family, WeightDtype};
+use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
+use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, QkvWeights};
+use std::ops::Range;
+
+/// Alignment of every segment inside an image (a cache line; enough for any dtype/SIMD).
+pub const SEGMENT_ALIGN: usize = 64;
+
+/// What a segment of the layer image holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum SegmentKind {
+    /// Pre-attention norm weight `[hidden]`.
+    AttnNorm,
+    /// Mixtral `q_proj` `[q_dim, hidden]`.
+    QProj,
+    /// Mixtral `k_proj` `[kv_dim, hidden]`.
+    KProj,
+    /// Mixtral `v_proj` `[kv_dim, hidden]`.
+    VProj,
+    /// DBRX fused `Wqkv` `[q_dim + 2 kv_dim, hidden]`.
+    QkvProj,
+    /// Output projection `[hidden, q_dim]`.
+    OProj,
+    /// Pre-MoE norm weight `[hidden]`.
+    FfnNorm,
+    /// Router `[experts, hidden]`.
+    Router,
+    /// Expert gate projection (Mixtral `w1`, DBRX `w1` rows) `[ffn, hidden]`.
+    ExpertGate(usize),
+    /// Expert up projection (Mixtral `w3`, DBRX `v1` rows) `[ffn, hidden]`.
+    ExpertUp(usize),
+    /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows
+    /// `[ffn, hidden]` (in, out), used as stored.
+    ExpertDown(usize),
+}
+
+impl SegmentKind {
+    /// The expert this segment belongs to, if any.
+    pub fn expert(&self) -> Option<usize> {
+        match *self {
+            SegmentKind::ExpertGate(e) | SegmentKind::ExpertUp(e) | SegmentKind::ExpertDown(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor (or expert row block) inside the image.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Segment {
+    /// What it holds.
+    pub kind: SegmentKind,
+    /// Byte offset from the image start (multiple of [`SEGMENT_ALIGN`]).
+    pub offset: usize,
+    /// Bytes of data (padding excluded).
+    pub len_bytes: usize,
+    /// Stored rows (1 for a vector).
+    pub rows: usize,
+    /// Stored columns.
+    pub cols: usize,
+    /// Stored dtype.
+    pub dtype: WeightDtype,
+    /// Matrix orientation; `None` for vectors (norm weights).
+    pub orientation: Option<Orientation>,
+}
+
+impl Segment {
+    /// Byte range inside the image.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.len_bytes
+    }
+}
+
+/// Layout of one decoder layer's packed weight image.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LayerLayout {
+    /// Segments in image order.
+    pub segments: Vec<Segment>,
+    /// Model family (decides Q/K/V fused or separate).
+    pub family: Family,
+    /// Experts in the layer.
+    pub n_experts: usize,
+    /// Image size in bytes (a multiple of [`SEGMENT_ALIGN`]).
+    pub image_bytes: usize,
+}
+
+/// Why bytes cannot be viewed as a layer's weights.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// The buffer is shorter than the layout needs.
+    #[error("weight image has {got} bytes but the layout needs {needed}")]
+    TooShort {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// A segment's bytes are misaligned or not whole elements.
+    #[error("segment {kind:?}: {source}")]
+    Cast {
+        /// The segment.
+        kind: SegmentKind,
+        /// Why.
+        source: CastError,
+    },
+    /// The layout lacks a segment the family needs (a hand-built layout).
+    #[error("layout has no {0:?} segment")]
+    Missing(SegmentKind),
+    /// An expert index past the layout's experts.
+    #[error("expert {expert} out of range (layer has {n_experts})")]
+    Expert {
+        /// Asked for.
+        expert: usize,
+        /// Present.
+        n_experts: usize,
+    },
+}
+
+fn align_up(x: usize) -> usize {
+    x.div_ceil(SEGMENT_ALIGN) * SEGMENT_ALIGN
+}
+
+impl LayerLayout {
+    /// Shape `(rows, cols)` and orientation of each kind for this architecture.
+    pub fn shape_of(arch: &ArchSpec, kind: SegmentKind) -> (usize, usize, Option<Orientation>) {
+        let (d, f) = (arch.hidden, arch.ffn);
+        let (q, kv) = (arch.q_dim(), arch.kv_dim());
+        let lin = Some(Orientation::OutIn);
+        match kind {
+            SegmentKind::AttnNorm | SegmentKind::FfnNorm => (1, d, None),
+            SegmentKind::QProj => (q, d, lin),
+            SegmentKind::KProj | SegmentKind::VProj => (kv, d, lin),
+            SegmentKind::QkvProj => (q + 2 * kv, d, lin),
+            SegmentKind::OProj => (d, q, lin),
+            SegmentKind::Router => (arch.experts, d, lin),
+            SegmentKind::ExpertGate(_) | SegmentKind::ExpertUp(_) => (f, d, lin),
+            SegmentKind::ExpertDown(_) => match arch.family {
+                Family::Mixtral => (d, f, lin),
+                Family::Dbrx => (f, d, Some(Orientation::InOut)),
+            },
+        }
+    }
+
+    /// Segment kinds of a layer in image order.
+    pub fn kinds(arch: &ArchSpec) -> Vec<SegmentKind> {
+        let mut kinds = vec![SegmentKind::AttnNorm];
+        match arch.family {
+            Family::Mixtral => kinds.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
+            Family::Dbrx => kinds.push(SegmentKind::QkvProj),
+        }
+        kinds.extend([SegmentKind::OProj, SegmentKind::FfnNorm, SegmentKind::Router]);
+        for e in 0..arch.experts {
+            kinds.extend([SegmentKind::ExpertGate(e), SegmentKind::ExpertUp(e), SegmentKind::ExpertDown(e)]);
+        }
+        kinds
+    }
+
+    /// Layout with each segment's dtype given by `dtype_of`.
+    pub fn new(arch: &ArchSpec, dtype_of: impl Fn(SegmentKind) -> WeightDtype) -> Self {
+        let mut offset = 0;
+        let mut segments = Vec::new();
+        for kind in Self::kinds(arch) {
+            let (rows, cols, orientation) = Self::shape_of(arch, kind);
+            let dtype = dtype_of(kind);
+            let len_bytes = rows * cols * dtype.bytes() as usize;
+            segments.push(Segment { kind, offset, len_bytes, rows, cols, dtype, orientation });
+            offset = align_up(offset + len_bytes);
+        }
+        LayerLayout { segments, family: arch.family, n_experts: arch.experts, image_bytes: offset }
+    }
+
+    /// Layout with every segment in `dtype`.
+    pub fn uniform(arch: &ArchSpec, dtype: WeightDtype) -> Self {
+        Self::new(arch, |_| dtype)
+    }
+
+    /// The segment of `kind`, if the layout has one.
+    pub fn segment(&self, kind: SegmentKind) -> Option<&Segment> {
+        self.segments.iter().find(|s| s.kind == kind)
+    }
+
+    fn span(&self, pred: impl Fn(&Segment) -> bool) -> Range<usize> {
+        let mut it = self.segments.iter().filter(|s| pred(s));
+        let Some(first) = it.next() else { return 0..0 };
+        let last = it.last().unwrap_or(first);
+        first.offset..align_up(last.offset + last.len_bytes)
+    }
+
+    /// Bytes of the attention part: both norms, Q/K/V (or Wqkv) and O.
+    pub fn attention_range(&self) -> Range<usize> {
+        self.span(|s| !matches!(s.kind, SegmentKind::Router) && s.kind.expert().is_none())
+    }
+
+    /// Bytes of the router.
+    pub fn router_range(&self) -> Range<usize> {
+        self.span(|s| s.kind == SegmentKind::Router)
+    }
+
+    /// Bytes of the dense part (attention and router): everything before the experts.
+    pub fn dense_range(&self) -> Range<usize> {
+        self.span(|s| s.kind.expert().is_none())
+    }
+
+    /// Bytes of expert `expert` (its gate, up and down, contiguous); empty if out of range.
+    pub fn expert_range(&self, expert: usize) -> Range<usize> {
+        self.span(|s| s.kind.expert() == Some(expert))
+    }
+
+    /// Views the segment `kind` inside `bytes`, where `bytes` starts at image offset `base`.
+    fn view<'a>(&self, bytes: &'a [u8], base: usize, kind: SegmentKind) -> Result<TypedSlice<'a>, LayoutError> {
+        let seg = self.segment(kind).ok_or(LayoutError::Missing(kind))?;
+        let start = seg.offset.checked_sub(base).ok_or(LayoutError::Missing(kind))?;
+        let raw = bytes
+            .get(start..start + seg.len_bytes)
+            .ok_or(LayoutError::TooShort { needed: start + seg.len_bytes, got: bytes.len() })?;
+        TypedSlice::from_bytes(raw, seg.dtype).map_err(|source| LayoutError::Cast { kind, source })
+    }
+
+    fn matrix<'a>(&self, bytes: &'a [u8], base: usize, kind: SegmentKind) -> Result<Matrix<'a>, LayoutError> {
+        let data = self.view(bytes, base, kind)?;
+        let seg = self.segment(kind).ok_or(LayoutError::Missing(kind))?;
+        let orientation = seg.orientation.unwrap_or(Orientation::OutIn);
+        Matrix::new(data, seg.rows, seg.cols, orientation).ok_or(LayoutError::Missing(kind))
+    }
+}
+
+impl<'a> DenseWeights<'a> {
+    /// Views the dense part; `bytes` holds the image's [`LayerLayout::dense_range`]
+    /// (which starts at image offset 0), e.g. a copy of it in another memory space.
+    pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
+        let qkv = match layout.family {
+            Family::Mixtral => QkvWeights::Separate {
+                q: layout.matrix(bytes, 0, SegmentKind::QProj)?,
+                k: layout.matrix(bytes, 0, SegmentKind::KProj)?,
+                v: layout.matrix(bytes, 0, SegmentKind::VProj)?,
+            },
+            Family::Dbrx => QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?),
+        };
+        Ok(DenseWeights {
+            attn_norm: layout.view(bytes, 0, SegmentKind::AttnNorm)?,
+            qkv,
+            o_proj: layout.matrix(bytes, 0, SegmentKind::OProj)?,
+            ffn_norm: layout.view(bytes, 0, SegmentKind::FfnNorm)?,
+            router: layout.matrix(bytes, 0, SegmentKind::Router)?,
+        })
+    }
+}
+
+impl<'a> ExpertWeights<'a> {
+    /// Views expert `expert`; `bytes` holds exactly its [`LayerLayout::expert_range`]
+    /// (wherever that copy lives).
+    pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout, expert: usize) -> Result<Self, LayoutError> {
+        if expert >= layout.n_experts {
+            return Err(LayoutError::Expert { expert, n_experts: layout.n_experts });
+        }
+        let base = layout.expert_range(expert).start;
+        Ok(ExpertWeights {
+            gate: layout.matrix(bytes, base, SegmentKind::ExpertGate(expert))?,
+            up: layout.matrix(bytes, base, SegmentKind::ExpertUp(expert))?,
+            down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
+        })
+    }
+}
+
+impl<'a> LayerWeights<'a> {
+    /// Views a whole layer image (at least `layout.image_bytes` bytes, base aligned to the
+    /// widest element used, which any `Vec<f32>`/page-aligned buffer is).
+    pub fn from_image(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
+        if bytes.len() < layout.image_bytes {
+            return Err(LayoutError::TooShort { needed: layout.image_bytes, got: bytes.len() });
+        }
+        let dense = DenseWeights::from_bytes(&bytes[layout.dense_range()], layout)?;
+        let experts = (0..layout.n_experts)
+            .map(|e| ExpertWeights::from_bytes(&bytes[layout.expert_range(e)], layout, e))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LayerWeights { dense, experts })
+    }
+}
+
+/// A heap buffer aligned for any dtype (backed by u64s), for holding a layer image.
+#[derive(Debug, Clone)]
+pub struct ImageBuffer {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl ImageBuffer {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        ImageBuffer { words: vec![0; len.div_ceil(8)], len }
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}

@@ -1,0 +1,72 @@
+//! Borrowed views of a model's weights as the kernels consume them.
+//!
+//! Gives [`LayerWeights`] (dense part + experts) and [`ModelWeights`]; every field is a
+//! typed slice pointing into a memory map or any byte buffer (see `layout` for building
+//! them from a packed image, `checkpoint` for building them straight from safetensors).
+//! Nothing here owns or converts weights.
+
+use crate::model::tensor::{Matrix, TypedSlice};
+
+/// Query/key/value projections: separate (Mixtral) or one fused matrix (DBRX).
+#[derive(Debug, Clone, Copy)]
+pub enum QkvWeights<'a> {
+    /// `q_proj`, `k_proj`, `v_proj`.
+    Separate {
+        /// `[q_dim, hidden]`.
+        q: Matrix<'a>,
+        /// `[kv_dim, hidden]`.
+        k: Matrix<'a>,
+        /// `[kv_dim, hidden]`.
+        v: Matrix<'a>,
+    },
+    /// `Wqkv` `[q_dim + 2 kv_dim, hidden]`, rows ordered q, k, v.
+    Fused(Matrix<'a>),
+}
+
+/// The dense (non-expert) weights of one layer.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseWeights<'a> {
+    /// Pre-attention norm weight.
+    pub attn_norm: TypedSlice<'a>,
+    /// Q/K/V projections.
+    pub qkv: QkvWeights<'a>,
+    /// Output projection `[hidden, q_dim]`.
+    pub o_proj: Matrix<'a>,
+    /// Pre-MoE norm weight.
+    pub ffn_norm: TypedSlice<'a>,
+    /// Router `[experts, hidden]`.
+    pub router: Matrix<'a>,
+}
+
+/// One expert's SwiGLU feed-forward weights.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertWeights<'a> {
+    /// Gate projection `[ffn, hidden]` (out, in).
+    pub gate: Matrix<'a>,
+    /// Up projection `[ffn, hidden]` (out, in).
+    pub up: Matrix<'a>,
+    /// Down projection: out x in `[hidden, ffn]` (Mixtral) or in x out `[ffn, hidden]` (DBRX).
+    pub down: Matrix<'a>,
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerWeights<'a> {
+    /// Norms, attention, router.
+    pub dense: DenseWeights<'a>,
+    /// Experts in index order.
+    pub experts: Vec<ExpertWeights<'a>>,
+}
+
+/// The whole model.
+#[derive(Debug, Clone)]
+pub struct ModelWeights<'a> {
+    /// Token embedding `[vocab, hidden]`.
+    pub embed: Matrix<'a>,
+    /// Decoder layers.
+    pub layers: Vec<LayerWeights<'a>>,
+    /// Final norm weight `[hidden]`.
+    pub final_norm: TypedSlice<'a>,
+    /// Output projection `[vocab, hidden]` (the embedding when tied).
+    pub lm_head: Matrix<'a>,
+}

@@ -1,0 +1,190 @@
+//! Parity of moec's oracle with Hugging Face transformers, without Python.
+//!
+//! Takes the fixtures in `tests/fixtures/parity/<family>/` written by
+//! `scripts/make_parity_fixtures.py`: a small random checkpoint in the Hub layout (bf16
+//! `model.safetensors` + `config.json`) and `expected.json`, the greedy output of
+//! transformers run in f32 on the widened bf16 weights (the oracle's own numerics).
+//! Loads each checkpoint the way `--weights DIR` does (architecture from config.json, no
+//! card, no tokenizer), runs greedy generation with the oracle and checks, per prompt:
+//!
+//! * the generated token ids are identical;
+//! * each generated token's log-probability is within [`LOGPROB_TOLERANCE`];
+//! * the full last-position logits after prefill are within [`LOGIT_TOLERANCE`].
+//!
+//! The fixture script selected its seeds so that no comparison sits on a knife edge: every
+//! router top-k boundary has a logit gap of at least 1e-3 and every greedy step a gap of at
+//! least 1e-3 between the two best tokens, far above f32 rounding noise. It also records how
+//! far removing router renormalisation, DBRX `clip_qkv` or the right rope theta moves the
+//! logits (at least 0.9, see `sensitivity` in expected.json), so this test fails on each.
+
+use std::path::{Path, PathBuf};
+
+use moec::model::{Checkpoint, GenerateOptions, Oracle};
+use serde::Deserialize;
+
+/// Log-probabilities of the generated tokens: the bar issue #2 sets for parity.
+const LOGPROB_TOLERANCE: f64 = 1e-3;
+
+/// Last-position prefill logits, absolute. Why this value: the oracle and transformers
+/// compute the same f32 arithmetic in different orders (blocked GEMM vs. torch kernels,
+/// rayon splits), which moves logits by about 1e-5 on these 3-layer models (transformers'
+/// own KV-cache and full-recompute paths differ by 1.2e-5, `margins` in expected.json).
+/// Every real defect we guard against moves them by far more: dropping router
+/// renormalisation by >= 0.9, dropping clip_qkv by 7.8, rope theta 1e4 instead of the
+/// configured value by >= 2.9, and even computing in bf16 instead of f32 by >= 0.12. 1e-3
+/// leaves two orders of magnitude on each side.
+const LOGIT_TOLERANCE: f64 = 1e-3;
+
+#[derive(Debug, Deserialize)]
+struct Expected {
+    family: String,
+    generator: Generator,
+    max_new_tokens: usize,
+    cases: Vec<Case>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Generator {
+    transformers: String,
+    torch: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct Case {
+    prompt_ids: Vec<u32>,
+    generated_ids: Vec<u32>,
+    logprobs: Vec<f64>,
+    prefill_last_logits: Vec<f64>,
+}
+
+fn fixture_dir(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("fixtures")
+        .join("parity")
+        .join(family)
+}
+
+fn load_expected(dir: &Path) -> Expected {
+    let path = dir.join("expected.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
+    serde_json::from_str(&text)
+        .unwrap_or_else(|error| panic!("cannot parse {}: {error}", path.display()))
+}
+
+/// Largest absolute difference and where it is.
+fn max_abs_diff(actual: &[f64], expected: &[f64]) -> (f64, usize) {
+    actual
+        .iter()
+        .zip(expected)
+        .map(|(a, e)| (a - e).abs())
+        .enumerate()
+        .fold((0.0, 0), |(worst, at), (index, diff)| {
+            if diff > worst || diff.is_nan() {
+                (diff, index)
+            } else {
+                (worst, at)
+            }
+        })
+}
+
+/// `error <= tolerance`, with NaN counted as out of tolerance.
+fn within(error: f64, tolerance: f64) -> bool {
+    error <= tolerance
+}
+
+/// Runs the oracle on one fixture family and compares it with transformers' output.
+fn check_family(family: &str) {
+    let dir = fixture_dir(family);
+    let expected = load_expected(&dir);
+    assert_eq!(expected.family, family, "fixture folder and expected.json disagree");
+    let origin = format!(
+        "reference: transformers {} / torch {}, f32 compute on bf16 weights",
+        expected.generator.transformers, expected.generator.torch
+    );
+
+    let checkpoint = Checkpoint::open(&dir)
+        .unwrap_or_else(|error| panic!("{family}: cannot open {}: {error}", dir.display()));
+    let oracle = Oracle::new(&checkpoint)
+        .unwrap_or_else(|error| panic!("{family}: cannot build the oracle: {error}"));
+    let prompts: Vec<Vec<u32>> = expected
+        .cases
+        .iter()
+        .map(|case| case.prompt_ids.clone())
+        .collect();
+    // The fixtures never generate EOS (checked by the script); not stopping keeps the
+    // comparison about numerics only.
+    let options = GenerateOptions {
+        stop_at_eos: false,
+        ..GenerateOptions::greedy(expected.max_new_tokens)
+    };
+    let outputs = oracle
+        .generate(&prompts, &options)
+        .unwrap_or_else(|error| panic!("{family}: generation failed: {error}"));
+    assert_eq!(outputs.len(), expected.cases.len(), "{family}: one output per prompt");
+
+    let mut failures = Vec::new();
+    let mut worst_logprob = 0.0_f64;
+    let mut worst_logit = 0.0_f64;
+    for (case_idx, (case, output)) in expected.cases.iter().zip(&outputs).enumerate() {
+        let label = format!("{family} case {case_idx} ({} prompt tokens)", case.prompt_ids.len());
+
+        if output.token_ids != case.generated_ids {
+            let diverge = output
+                .token_ids
+                .iter()
+                .zip(&case.generated_ids)
+                .position(|(a, e)| a != e)
+                .unwrap_or(output.token_ids.len().min(case.generated_ids.len()));
+            failures.push(format!(
+                "{label}: generated ids differ from step {diverge}\n    oracle:       {:?}\n    transformers: {:?}",
+                output.token_ids, case.generated_ids
+            ));
+        }
+
+        let logprobs: Vec<f64> = output.logprobs.iter().map(|&v| f64::from(v)).collect();
+        // Compare the common prefix even when tokens diverge: the first step's logprob
+        // usually tells which numbers went wrong.
+        let (logprob_err, logprob_at) = max_abs_diff(&logprobs, &case.logprobs);
+        worst_logprob = worst_logprob.max(logprob_err);
+        if logprobs.len() != case.logprobs.len() || !within(logprob_err, LOGPROB_TOLERANCE) {
+            failures.push(format!(
+                "{label}: logprobs off by {logprob_err:.3e} at step {logprob_at} (tolerance {LOGPROB_TOLERANCE:e})\n    oracle:       {:?}\n    transformers: {:?}",
+                logprobs, case.logprobs
+            ));
+        }
+
+        let logits: Vec<f64> = output.prompt_logits.iter().map(|&v| f64::from(v)).collect();
+        let (logit_err, logit_at) = max_abs_diff(&logits, &case.prefill_last_logits);
+        worst_logit = worst_logit.max(logit_err);
+        if logits.len() != case.prefill_last_logits.len() || !within(logit_err, LOGIT_TOLERANCE) {
+            failures.push(format!(
+                "{label}: prefill logits off by {logit_err:.3e} at token {logit_at} (oracle {:?}, transformers {}; tolerance {LOGIT_TOLERANCE:e}, {} vs {} logits)",
+                logits.get(logit_at),
+                case.prefill_last_logits[logit_at.min(case.prefill_last_logits.len() - 1)],
+                logits.len(),
+                case.prefill_last_logits.len()
+            ));
+        }
+    }
+    // Shown with `--nocapture`; the report quotes these figures.
+    eprintln!(
+        "{family}: max |logprob diff| {worst_logprob:.3e}, max |prefill logit diff| {worst_logit:.3e} ({origin})"
+    );
+    assert!(
+        failures.is_empty(),
+        "{family}: oracle disagrees with transformers ({origin}):\n  {}",
+        failures.join("\n  ")
+    );
+}
+
+#[test]
+fn mixtral_oracle_matches_transformers() {
+    check_family("mixtral");
+}
+
+#[test]
+fn dbrx_oracle_matches_transformers() {
+    check_family("dbrx");
+}
