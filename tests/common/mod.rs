@@ -82,5 +82,10 @@ pub fn small_options(source: &str, card: ModelCard) -> Options {
 
 /// Compiles a schedule on the small configuration of the 2-layer tiny Mixtral card.
 pub fn compile_small(source: &str) -> Result<Compiled, Vec<Diagnostic>> {
-    compile(source, &small_options(source, card_with_layers("mixtral-tiny", 2)))
+    compile_small_layers(source, 2)
+}
+
+/// The small configuration with `layers` layers of the tiny Mixtral card.
+pub fn compile_small_layers(source: &str, layers: u64) -> Result<Compiled, Vec<Diagnostic>> {
+    compile(source, &small_options(source, card_with_layers("mixtral-tiny", layers)))
 }
