@@ -121,7 +121,10 @@ fn rendered(errors: &[&Diagnostic], name: &str, source: &str) -> String {
     let shown: Vec<Diagnostic> = errors.iter().take(3).map(|d| (*d).clone()).collect();
     let mut text = diag::render_all(&shown, name, source);
     if errors.len() > shown.len() {
-        text.push_str(&format!("... and {} more error(s)\n", errors.len() - shown.len()));
+        text.push_str(&format!(
+            "... and {} more error(s)\n",
+            errors.len() - shown.len()
+        ));
     }
     text
 }
@@ -129,10 +132,14 @@ fn rendered(errors: &[&Diagnostic], name: &str, source: &str) -> String {
 #[test]
 fn unmutated_schedules_compile() {
     for schedule in ["cgopipe", "flexgen", "vslpipe", "klotski"] {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("schedules/{schedule}.sched"));
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("schedules/{schedule}.sched"));
         let source = common::read(&path);
         if let Err(diags) = common::compile_small_layers(&source, 4) {
-            panic!("{schedule} must compile before mutation:\n{}", diag::render_all(&diags, schedule, &source));
+            panic!(
+                "{schedule} must compile before mutation:\n{}",
+                diag::render_all(&diags, schedule, &source)
+            );
         }
     }
 }
@@ -140,9 +147,16 @@ fn unmutated_schedules_compile() {
 #[test]
 fn each_mutation_is_rejected_at_the_right_line() {
     for m in MUTATIONS {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("schedules/{}.sched", m.schedule));
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("schedules/{}.sched", m.schedule));
         let original = common::read(&path);
-        assert_eq!(original.matches(m.find).count(), 1, "{}: `{}` must occur exactly once", m.name, m.find);
+        assert_eq!(
+            original.matches(m.find).count(),
+            1,
+            "{}: `{}` must occur exactly once",
+            m.name,
+            m.find
+        );
         let source = original.replacen(m.find, m.replace, 1);
         let file_name = format!("{}.sched", m.schedule);
         let diags = match common::compile_small_layers(&source, 4) {
@@ -151,9 +165,17 @@ fn each_mutation_is_rejected_at_the_right_line() {
         };
         let errors: Vec<&Diagnostic> = diags.iter().filter(|d| d.is_error()).collect();
         let hit = errors.iter().find(|d| d.code == m.code).unwrap_or_else(|| {
-            panic!("{}: no {:?} among:\n{}", m.name, m.code, diag::render_all(&diags, &file_name, &source))
+            panic!(
+                "{}: no {:?} among:\n{}",
+                m.name,
+                m.code,
+                diag::render_all(&diags, &file_name, &source)
+            )
         });
-        let primary = hit.labels.first().unwrap_or_else(|| panic!("{}: diagnostic without a label", m.name));
+        let primary = hit
+            .labels
+            .first()
+            .unwrap_or_else(|| panic!("{}: diagnostic without a label", m.name));
         let line = line_at(&source, primary.span.start as usize);
         assert!(
             line.contains(m.line_has),
@@ -163,6 +185,9 @@ fn each_mutation_is_rejected_at_the_right_line() {
             m.line_has,
             diag::render(hit, &file_name, &source)
         );
-        insta::assert_snapshot!(format!("mutation_{}", m.name), rendered(&errors, &file_name, &source));
+        insta::assert_snapshot!(
+            format!("mutation_{}", m.name),
+            rendered(&errors, &file_name, &source)
+        );
     }
 }

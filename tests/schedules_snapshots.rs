@@ -14,7 +14,10 @@ fn compiled_small(name: &str, path: &std::path::Path) -> (moec::compile::Compile
     let source = common::read(path);
     match common::compile_small(&source) {
         Ok(compiled) => (compiled, source),
-        Err(diags) => panic!("{name} does not compile:\n{}", diag::render_all(&diags, name, &source)),
+        Err(diags) => panic!(
+            "{name} does not compile:\n{}",
+            diag::render_all(&diags, name, &source)
+        ),
     }
 }
 
@@ -47,14 +50,25 @@ fn every_schedule_as_dot() {
 /// schedule's default params and the default workload.
 #[test]
 fn every_schedule_checks_on_every_card() {
-    let cards = ["mixtral-tiny", "dbrx-tiny", "mixtral-mid", "dbrx-mid", "mixtral-8x7b", "mixtral-8x22b", "dbrx"];
+    let cards = [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "mixtral-mid",
+        "dbrx-mid",
+        "mixtral-8x7b",
+        "mixtral-8x22b",
+        "dbrx",
+    ];
     let mut failures = Vec::new();
     for (name, path) in common::schedule_files() {
         let source = common::read(&path);
         for card_name in cards {
             let card = moec::model::card::ModelCard::load(card_name).expect("built-in card");
             if let Err(diags) = compile(&source, &Options::new(card)) {
-                failures.push(format!("{name} on {card_name}:\n{}", diag::render_all(&diags, &name, &source)));
+                failures.push(format!(
+                    "{name} on {card_name}:\n{}",
+                    diag::render_all(&diags, &name, &source)
+                ));
             }
         }
     }

@@ -73,7 +73,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
                     return Outcome::Invalid(first.trim().to_string());
                 }
             };
-        let table = budget_table(&program, &resolved.profile, &resolved.overrides);
+        let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
         if !table.fits() {
             return Outcome::OverBudget;
         }

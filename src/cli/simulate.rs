@@ -46,6 +46,10 @@ pub struct CostTarget {
     /// Host memory budget (e.g. 192GB), instead of the profile's.
     #[arg(long)]
     pub host_mem: Option<String>,
+    /// Bytes per activation and KV element: 4 (f32, what the runtime computes in) or 2
+    /// (fp16/bf16, what the papers' systems use; pass it to compare with their numbers).
+    #[arg(long, default_value_t = crate::ir::catalog::ACT_BYTES)]
+    pub act_bytes: u64,
     /// Context decode attention assumes: `average` (prompt + gen/2) or `worst`.
     #[arg(long, default_value = "average")]
     pub context: String,
@@ -134,7 +138,14 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
             ))
         }
     };
+    if !matches!(target.act_bytes, 1 | 2 | 4 | 8) {
+        return Err(format!(
+            "`--act-bytes {}`: expected 1, 2, 4 or 8",
+            target.act_bytes
+        ));
+    }
     let mut options = Options::new(model);
+    options.act_bytes = target.act_bytes;
     options.workload = workload;
     options.sets = sets;
     options.hardware = profile
@@ -194,7 +205,7 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let table = budget_table(&program, &resolved.profile, &resolved.overrides);
+    let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
     if let Some(path) = &args.timeline {
         let wanted = args.timeline_step.as_deref();
         let step = prediction
@@ -261,7 +272,7 @@ pub fn run(args: SimulateArgs) -> ExitCode {
             "tokens_per_s": prediction.tokens_per_s,
             "decode_tokens_per_s": prediction.decode_tokens_per_s,
             "step_seconds": prediction.step_seconds,
-            "engine_busy": prediction.steps.iter().find(|s| s.kind != "prefill").map(|s| s.resource_busy.clone()),
+            "engine_busy": prediction.repeated_step.map(|i| prediction.steps[i].resource_busy.clone()),
             "peak_bytes": { "gpu": table.peak("gpu"), "pinned": table.peak("pinned"), "host": table.peak("host") },
             "fits": table.fits(),
             "prediction": prediction,
@@ -320,7 +331,7 @@ fn print_report(
         ),
         _ => println!("throughput: the schedule has no decode step"),
     }
-    if let Some(step) = prediction.steps.iter().find(|s| s.kind != "prefill") {
+    if let Some(step) = prediction.repeated_step.map(|i| &prediction.steps[i]) {
         println!("busy share over the {} step:", step.kind);
         for stream in &program.streams {
             let busy = step.stream_busy.get(&stream.name).copied().unwrap_or(0.0);
@@ -333,6 +344,15 @@ fn print_report(
         }
         for (resource, busy) in &step.resource_busy {
             println!("  resource {:<20} {}", resource, pct(*busy));
+        }
+        println!(
+            "task time per kind over the {} step (sum over tasks, binding roof):",
+            step.kind
+        );
+        let mut ops: Vec<_> = step.op_seconds.iter().collect();
+        ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        for (op, (total, roof)) in ops {
+            println!("  {:<36} {:>11}  {}", op, seconds(*total), roof);
         }
     }
     if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s)

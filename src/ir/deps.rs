@@ -100,7 +100,9 @@ impl Dag {
 
     /// Predecessor ids of every task (data deps, stream order and `after`, reduced).
     pub fn pred_ids(&self) -> Vec<Vec<TaskId>> {
-        (0..self.task_count()).map(|t| self.preds(TaskId::new(t)).iter().map(|d| d.from).collect()).collect()
+        (0..self.task_count())
+            .map(|t| self.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+            .collect()
     }
 
     /// Number of tasks.

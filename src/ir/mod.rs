@@ -308,7 +308,8 @@ impl CheckpointLayout {
     pub fn new(card: &ModelCard) -> Self {
         use crate::model::layout::{LayerLayout, SegmentKind};
         let dt = card.dtype.bytes();
-        let image = LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(card), card.dtype);
+        let image =
+            LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(card), card.dtype);
         let offset = |kind| image.segment(kind).map_or(0, |s| s.offset as u64);
         let o_start = offset(SegmentKind::OProj);
         let gate_start = offset(SegmentKind::FfnNorm);
