@@ -297,7 +297,9 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                 let mut it = item.into_inner();
                 let count = build_expr(next(&mut it, item_span)?)?;
                 let size = build_expr(next(&mut it, item_span)?)?;
+                let tokens = it.next().map(build_expr).transpose()?;
                 Item::MicroBatches(MicroBatchDecl {
+                    tokens,
                     count,
                     size,
                     span: item_span,
