@@ -149,7 +149,7 @@ fn token_shuffled_schedules_never_panic() {
 
 #[test]
 fn random_bytes_never_panic() {
-    let mut rng = Rng(0x5EED_0F_F022);
+    let mut rng = Rng(0x005E_ED0F_F022);
     let alphabet: Vec<char> = "schedule param stream buffer for in if else copy on as after let template \
         prefill decode step setup { } ( ) [ ] . , : = -> + - * / % < > ! & | 0 1 2 9 99999999999999999999 \
         1e308 -1 W gpu pinned host layers experts hot active page \" // \n \t é ∞ \0"

@@ -61,8 +61,8 @@ const MUTATIONS: &[Mutation] = &[
     Mutation {
         name: "cgopipe_drop_one_page",
         schedule: "cgopipe",
-        find: "      pin_to_g((i + 1) % layers, j)             // W_PinToG(i + 1, j)",
-        replace: "      if j != 1 { pin_to_g((i + 1) % layers, j) }",
+        find: "if i + 1 < layers || wrap { pin_to_g((i + 1) % layers, j) }   // W_PinToG(i + 1, j)",
+        replace: "if (i + 1 < layers || wrap) && j != 1 { pin_to_g((i + 1) % layers, j) }",
         code: Code::ValuesWrong,
         line_has: "post_attn(layer = l, ub = j, w = [w_dense[l], w_gpu[l % 2]]",
     },
