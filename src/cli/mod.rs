@@ -14,6 +14,7 @@ use std::process::ExitCode;
 pub mod hw;
 pub mod plan;
 pub mod probe;
+pub mod run;
 pub mod simulate;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
@@ -44,6 +45,8 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Search a schedule's params for the best predicted throughput within budget.
     Plan(plan::PlanArgs),
+    /// Run a schedule as real inference on the CPU backend and report what it measured.
+    Run(run::RunArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -59,5 +62,6 @@ pub fn main() -> ExitCode {
         Command::Models(args) => models::run(&args),
         Command::Simulate(args) => simulate::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Run(args) => run::run(&args),
     }
 }

@@ -167,6 +167,9 @@ pub struct ExecPlan {
     pub arenas: Vec<ArenaPlan>,
     /// Steps in declaration order.
     pub steps: Vec<StepPlan>,
+    /// Each task's direct predecessors (the checker's reduced graph), for reports.
+    #[serde(skip)]
+    pub preds: Vec<Vec<TaskId>>,
 }
 
 impl ExecPlan {
@@ -284,7 +287,16 @@ pub(crate) fn lower_with_preds(
         steps.push(lower_step(program, step, preds)?);
     }
     let streams = program.streams.iter().map(|s| PlanStream { name: s.name.clone(), engine: s.engine }).collect();
-    Ok(ExecPlan { name: program.name.clone(), program: program.clone(), streams, tasks, buffers, arenas, steps })
+    Ok(ExecPlan {
+        name: program.name.clone(),
+        program: program.clone(),
+        streams,
+        tasks,
+        buffers,
+        arenas,
+        steps,
+        preds: preds.to_vec(),
+    })
 }
 
 fn place_buffers(program: &Program, options: &LowerOptions) -> Result<(Vec<BufferSlot>, Vec<ArenaPlan>), LowerError> {

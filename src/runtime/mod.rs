@@ -14,8 +14,10 @@ pub mod batching;
 pub mod cpu;
 pub mod executor;
 pub mod ops;
+pub mod report;
 pub mod state;
 pub mod weights;
+pub mod workload;
 
 use crate::ir::{Engine, Op, Role};
 use crate::lower::ExecPlan;
