@@ -14,12 +14,20 @@ fn compiled(sched: &str, sets: &[(&str, &str)], workload: Workload) -> moec::com
     let source = std::fs::read_to_string(path).unwrap();
     let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
     options.workload = workload;
-    options.sets = sets.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    compile(&source, &options).unwrap_or_else(|d| panic!("{sched}: {:?}", d.first().map(|d| d.to_string())))
+    options.sets = sets
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    compile(&source, &options)
+        .unwrap_or_else(|d| panic!("{sched}: {:?}", d.first().map(|d| d.to_string())))
 }
 
 fn small() -> Workload {
-    Workload { batch: 2, prompt_len: 4, gen_len: 2 }
+    Workload {
+        batch: 2,
+        prompt_len: 4,
+        gen_len: 2,
+    }
 }
 
 /// Every dependency `p -> t` inside a step must be ordered by the instructions: a path from
@@ -33,7 +41,10 @@ fn assert_orders_every_dependency(plan: &ExecPlan) {
             for (i, instr) in prog.iter().enumerate() {
                 match instr {
                     Instr::Record(e) => {
-                        assert!(record_at.insert(e.0, (s, i)).is_none(), "event recorded twice");
+                        assert!(
+                            record_at.insert(e.0, (s, i)).is_none(),
+                            "event recorded twice"
+                        );
                     }
                     Instr::Run(t) => {
                         run_at.insert(t.0, (s, i));
@@ -46,7 +57,9 @@ fn assert_orders_every_dependency(plan: &ExecPlan) {
         for (s, prog) in step.programs.iter().enumerate() {
             for (i, instr) in prog.iter().enumerate() {
                 if let Instr::Wait(e) = instr {
-                    let rec = *record_at.get(&e.0).expect("every waited event is recorded in the step");
+                    let rec = *record_at
+                        .get(&e.0)
+                        .expect("every waited event is recorded in the step");
                     assert_ne!(rec.0, s, "events are for cross-stream edges only");
                     waits_of.entry(rec).or_default().push((s, i));
                 }
@@ -74,8 +87,14 @@ fn assert_orders_every_dependency(plan: &ExecPlan) {
         let tasks: Vec<u32> = run_at.keys().copied().collect();
         for t in tasks {
             for p in &plan.preds[t as usize] {
-                let Some(&from) = run_at.get(&p.0) else { continue };
-                assert!(reaches(from, run_at[&t]), "step {step_idx}: dependency t{} -> t{t} is not ordered", p.0);
+                let Some(&from) = run_at.get(&p.0) else {
+                    continue;
+                };
+                assert!(
+                    reaches(from, run_at[&t]),
+                    "step {step_idx}: dependency t{} -> t{t} is not ordered",
+                    p.0
+                );
             }
         }
     }
@@ -83,7 +102,11 @@ fn assert_orders_every_dependency(plan: &ExecPlan) {
 
 #[test]
 fn sequential_plan_snapshot() {
-    let c = compiled("schedules/baselines/sequential.sched", &[("ubs", "1"), ("n_ub", "2")], small());
+    let c = compiled(
+        "schedules/baselines/sequential.sched",
+        &[("ubs", "1"), ("n_ub", "2")],
+        small(),
+    );
     let plan = lower(&c.program, &c.info, &LowerOptions::default()).unwrap();
     insta::assert_snapshot!(render(&plan));
 }
@@ -101,7 +124,9 @@ fn every_compiling_schedule_orders_all_its_dependencies() {
             let source = std::fs::read_to_string(&path).unwrap();
             let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
             options.workload = small();
-            let Ok(c) = compile(&source, &options) else { continue };
+            let Ok(c) = compile(&source, &options) else {
+                continue;
+            };
             let plan = lower(&c.program, &c.info, &LowerOptions::default()).unwrap();
             assert_orders_every_dependency(&plan);
             // Pruning: fewer waits than cross-stream edges.
@@ -113,7 +138,11 @@ fn every_compiling_schedule_orders_all_its_dependencies() {
                 })
                 .count();
             let waits = plan.count(|i| matches!(i, Instr::Wait(_)));
-            assert!(waits <= cross, "{}: {waits} waits for {cross} cross-stream edges", path.display());
+            assert!(
+                waits <= cross,
+                "{}: {waits} waits for {cross} cross-stream edges",
+                path.display()
+            );
             checked += 1;
         }
     }
@@ -123,9 +152,23 @@ fn every_compiling_schedule_orders_all_its_dependencies() {
 #[test]
 fn gpu_arena_over_capacity_is_an_error_naming_the_largest_buffers() {
     let c = compiled("schedules/baselines/sequential.sched", &[], small());
-    let err = lower(&c.program, &c.info, &LowerOptions { gpu_capacity: Some(1 << 20), ..LowerOptions::default() })
-        .unwrap_err();
-    let LowerError::ArenaOverflow { space, needed, capacity, ref largest, span } = err else {
+    let err = lower(
+        &c.program,
+        &c.info,
+        &LowerOptions {
+            gpu_capacity: Some(1 << 20),
+            ..LowerOptions::default()
+        },
+    )
+    .unwrap_err();
+    let LowerError::ArenaOverflow {
+        space,
+        needed,
+        capacity,
+        ref largest,
+        span,
+    } = err
+    else {
         panic!("expected an arena overflow, got {err}")
     };
     assert_eq!((space, capacity), ("gpu", 1 << 20));

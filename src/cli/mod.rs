@@ -14,6 +14,7 @@ use std::process::ExitCode;
 pub mod hw;
 pub mod plan;
 pub mod probe;
+pub mod ablate;
 pub mod run;
 pub mod simulate;
 
@@ -47,6 +48,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Run a schedule as real inference on the CPU backend and report what it measured.
     Run(run::RunArgs),
+    /// Run several schedules on one workload and compare them in one table.
+    Ablate(ablate::AblateArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -63,5 +66,6 @@ pub fn main() -> ExitCode {
         Command::Simulate(args) => simulate::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Run(args) => run::run(&args),
+        Command::Ablate(args) => ablate::run(&args),
     }
 }

@@ -118,15 +118,23 @@ pub enum Failure {
 fn parse_kill(text: &str) -> Result<(u32, u32), String> {
     let (t, n) = text.split_once(':').unwrap_or((text, "1"));
     let bad = || format!("--kill-task `{text}`: expected N or N:M");
-    Ok((t.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?))
+    Ok((
+        t.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    ))
 }
 
 fn read_prompt_file(path: &Path) -> Result<Vec<String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut prompts = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let bad = |m: &str| format!("{}:{}: {m}", path.display(), i + 1);
-        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
         match &value {
             serde_json::Value::String(s) => prompts.push(s.clone()),
             serde_json::Value::Object(o) => match o.get("prompt").and_then(|p| p.as_str()) {
@@ -146,31 +154,46 @@ pub fn execute(
 ) -> Result<(Finished, Vec<(String, String)>), Failure> {
     let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
     let name = args.sched.display().to_string();
-    let source = std::fs::read_to_string(&args.sched).map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
-    let model = load_model(&ModelSource { card: args.model.clone(), weights: args.weights.clone() }).map_err(|e| msg(&e))?;
+    let source = std::fs::read_to_string(&args.sched)
+        .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
+    let model = load_model(&ModelSource {
+        card: args.model.clone(),
+        weights: args.weights.clone(),
+    })
+    .map_err(|e| msg(&e))?;
     let card: ModelCard = model.checkpoint.card().clone();
     let mut texts = args.prompts.clone();
     if let Some(path) = &args.prompts_file {
         texts.extend(read_prompt_file(path).map_err(Failure::Message)?);
     }
     let mut gen_len = args.gen_len;
-    let mut prompt_ids: Vec<Vec<u32>> =
-        texts.iter().map(|t| model.tokenizer.encode(t)).collect::<Result<_, _>>().map_err(|e| msg(&e))?;
+    let mut prompt_ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| model.tokenizer.encode(t))
+        .collect::<Result<_, _>>()
+        .map_err(|e| msg(&e))?;
     if let Some(spec) = &args.workload {
         let spec = WorkloadSpec::parse(spec).map_err(|e| msg(&e))?;
         gen_len = spec.gen_len.unwrap_or(gen_len);
         let synthetic = spec.prompts(card.vocab as u32);
-        texts.extend(synthetic.iter().map(|p| format!("<{} synthetic tokens>", p.len())));
+        texts.extend(
+            synthetic
+                .iter()
+                .map(|p| format!("<{} synthetic tokens>", p.len())),
+        );
         prompt_ids.extend(synthetic);
     }
     if prompt_ids.is_empty() {
         return Err(Failure::Message(
-            "no prompts: pass --prompt TEXT (repeatable), --prompts FILE.jsonl or --workload SPEC".into(),
+            "no prompts: pass --prompt TEXT (repeatable), --prompts FILE.jsonl or --workload SPEC"
+                .into(),
         ));
     }
-    if let Some((i, bad)) =
-        prompt_ids.iter().enumerate().find_map(|(i, p)| p.iter().find(|&&id| u64::from(id) >= card.vocab).map(|b| (i, b)))
-    {
+    if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
+        p.iter()
+            .find(|&&id| u64::from(id) >= card.vocab)
+            .map(|b| (i, b))
+    }) {
         return Err(Failure::Message(format!(
             "prompt {i}: token id {bad} is outside the checkpoint's vocabulary of {}",
             card.vocab
@@ -184,14 +207,22 @@ pub fn execute(
     };
     for set in &args.sets {
         match set.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => options.sets.push((k.trim().to_string(), v.trim().to_string())),
-            _ => return Err(Failure::Message(format!("--set `{set}`: expected NAME=VALUE"))),
+            Some((k, v)) if !k.trim().is_empty() => options
+                .sets
+                .push((k.trim().to_string(), v.trim().to_string())),
+            _ => {
+                return Err(Failure::Message(format!(
+                    "--set `{set}`: expected NAME=VALUE"
+                )))
+            }
         }
     }
     let compiled = compile(&source, &options).map_err(|diags| {
         let errors = diags.iter().filter(|d| d.is_error()).count();
         let mut text = diag::render_all(&diags, &name, &source);
-        text.push_str(&format!("\n{name}: {errors} error(s); the schedule was rejected\n"));
+        text.push_str(&format!(
+            "\n{name}: {errors} error(s); the schedule was rejected\n"
+        ));
         Failure::Rendered(text)
     })?;
     let profile = match &args.hw {
@@ -209,17 +240,29 @@ pub fn execute(
         p
     });
     let gpu_capacity = match &args.gpu_mem {
-        Some(text) => Some(crate::cost::budget::parse_bytes(text).map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))? as u64),
+        Some(text) => Some(
+            crate::cost::budget::parse_bytes(text)
+                .map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))? as u64,
+        ),
         None => None,
     };
-    let lower_options = LowerOptions { gpu_capacity, ..LowerOptions::default() };
-    let plan = lower(&compiled.program, &compiled.info, &lower_options).map_err(|e| match e.span() {
-        Some(span) => Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source)),
-        None => msg(&e),
-    })?;
+    let lower_options = LowerOptions {
+        gpu_capacity,
+        ..LowerOptions::default()
+    };
+    let plan =
+        lower(&compiled.program, &compiled.info, &lower_options).map_err(|e| match e.span() {
+            Some(span) => {
+                Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
+            }
+            None => msg(&e),
+        })?;
     let mut run = RunOptions::greedy(gen_len);
     run.sampling = if args.temperature > 0.0 {
-        Sampling::Temperature { temperature: args.temperature, top_p: 1.0 }
+        Sampling::Temperature {
+            temperature: args.temperature,
+            top_p: 1.0,
+        }
     } else {
         Sampling::Greedy
     };
@@ -227,15 +270,24 @@ pub fn execute(
     if let Some(t) = args.threads {
         run.threads = t.max(1);
     }
-    run.memory = MemoryOptions { link_gbps: args.link_gbps, gpu_capacity };
+    run.memory = MemoryOptions {
+        link_gbps: args.link_gbps,
+        gpu_capacity,
+    };
     run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
-    run.kill_task = args.kill_task.as_deref().map(parse_kill).transpose().map_err(Failure::Message)?;
-    let (outputs, stats) = generate(&plan, &model.checkpoint, &prompt_ids, &run, progress).map_err(|e: RunError| {
-        match e.span().filter(|s| s.end > s.start) {
-            Some(span) => Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source)),
+    run.kill_task = args
+        .kill_task
+        .as_deref()
+        .map(parse_kill)
+        .transpose()
+        .map_err(Failure::Message)?;
+    let (outputs, stats) = generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+        .map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
+            Some(span) => {
+                Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
+            }
             None => msg(&e),
-        }
-    })?;
+        })?;
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
     let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
     let report = summarize(&plan, &stats, prompt_tokens, generated);
@@ -251,22 +303,45 @@ pub fn execute(
     let texts_out = outputs
         .iter()
         .zip(&prompt_ids)
-        .map(|(o, p)| model.tokenizer.decode_continuation(p, o).unwrap_or_default())
+        .map(|(o, p)| {
+            model
+                .tokenizer
+                .decode_continuation(p, o)
+                .unwrap_or_default()
+        })
         .collect::<Vec<_>>();
     let texts = texts.into_iter().zip(texts_out).collect();
     Ok((
-        Finished { plan, prompt_ids, outputs, stats, report, predicted_step_seconds, predicted_tokens_per_s, profile },
+        Finished {
+            plan,
+            prompt_ids,
+            outputs,
+            stats,
+            report,
+            predicted_step_seconds,
+            predicted_tokens_per_s,
+            profile,
+        },
         texts,
     ))
 }
 
-fn render_span_error(message: &str, span: crate::syntax::ast::Span, name: &str, source: &str) -> String {
+fn render_span_error(
+    message: &str,
+    span: crate::syntax::ast::Span,
+    name: &str,
+    source: &str,
+) -> String {
     let report = miette::miette!(
-        labels = vec![miette::LabeledSpan::at(span.start as usize..span.end as usize, "this task")],
+        labels = vec![miette::LabeledSpan::at(
+            span.start as usize..span.end as usize,
+            "this task"
+        )],
         "{message}"
     )
     .with_source_code(miette::NamedSource::new(name, source.to_string()));
-    let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor());
+    let handler =
+        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor());
     let mut out = String::new();
     if handler.render_report(&mut out, report.as_ref()).is_err() {
         out = format!("error: {message}\n");
@@ -312,12 +387,23 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     }
     let _ = writeln!(out, "busy share per stream (decode steps):");
     for s in &r.streams {
-        let _ = writeln!(out, "  {:<10} {:<13} {:>6.1}%  ({:.3} s)", s.stream, s.engine, s.share * 100.0, s.busy_seconds);
+        let _ = writeln!(
+            out,
+            "  {:<10} {:<13} {:>6.1}%  ({:.3} s)",
+            s.stream,
+            s.engine,
+            s.share * 100.0,
+            s.busy_seconds
+        );
     }
     let [gpu, pinned, host] = f.stats.arena_bytes;
     let gpu_budget = gpu_capacity
         .map(human)
-        .or_else(|| f.profile.as_ref().map(|p| format!("{} ({})", human((p.gpu.mem_gb * 1e9) as u64), p.name)))
+        .or_else(|| {
+            f.profile
+                .as_ref()
+                .map(|p| format!("{} ({})", human((p.gpu.mem_gb * 1e9) as u64), p.name))
+        })
         .unwrap_or_else(|| "unlimited".into());
     let _ = writeln!(out, "memory (arenas are allocated once; peak = size):");
     let _ = writeln!(out, "  gpu     {:>10}  budget {gpu_budget}", human(gpu));
@@ -327,8 +413,17 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         "NOT page-locked: the OS refused mlock (raise RLIMIT_MEMLOCK); copies still run".to_string()
     };
     let _ = writeln!(out, "  pinned  {:>10}  {locked}", human(pinned));
-    let _ = writeln!(out, "  host    {:>10}  + weights image {} (pageable)", human(host), human(f.stats.image_bytes));
-    let _ = writeln!(out, "tasks: {} run, {} skipped by guards", r.tasks_run, r.tasks_skipped);
+    let _ = writeln!(
+        out,
+        "  host    {:>10}  + weights image {} (pageable)",
+        human(host),
+        human(f.stats.image_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "tasks: {} run, {} skipped by guards",
+        r.tasks_run, r.tasks_skipped
+    );
     out
 }
 
@@ -375,8 +470,10 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
 pub fn run(args: &RunArgs) -> ExitCode {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} tokens ({per_sec})")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} {msg} [{bar:30}] {pos}/{len} tokens ({per_sec})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message(args.sched.display().to_string());
     let mut progress = |done: usize, total: usize| {
@@ -394,13 +491,20 @@ pub fn run(args: &RunArgs) -> ExitCode {
         Err(Failure::Message(m)) => return fail(m),
     };
     if let Some(path) = &args.trace {
-        let title = format!("measured: {} on {}", finished.plan.name, finished.plan.program.model.name);
+        let title = format!(
+            "measured: {} on {}",
+            finished.plan.name, finished.plan.program.model.name
+        );
         let trace = timeline(&finished.plan, &finished.stats, &title).to_chrome_trace();
         if let Err(e) = write_atomic(path, &trace.to_string()) {
             return fail(e);
         }
     }
-    let gpu_capacity = args.gpu_mem.as_deref().and_then(|t| crate::cost::budget::parse_bytes(t).ok()).map(|b| b as u64);
+    let gpu_capacity = args
+        .gpu_mem
+        .as_deref()
+        .and_then(|t| crate::cost::budget::parse_bytes(t).ok())
+        .map(|b| b as u64);
     if args.json {
         println!("{}", report_json(&finished, &texts));
     } else {

@@ -88,7 +88,12 @@ fn is_decode(kind: StepKind) -> bool {
 }
 
 /// Summarises a run.
-pub fn summarize(plan: &ExecPlan, stats: &RunStats, prompt_tokens: usize, generated_tokens: usize) -> RunReport {
+pub fn summarize(
+    plan: &ExecPlan,
+    stats: &RunStats,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+) -> RunReport {
     let mut prefill = (0usize, 0.0f64);
     let mut decode = (0usize, 0.0f64, 0usize);
     let mut critical = 0.0;
@@ -146,9 +151,21 @@ pub fn summarize(plan: &ExecPlan, stats: &RunStats, prompt_tokens: usize, genera
         prefill_tokens_per_s: rate(prefill.0, prefill.1),
         decode_tokens_per_s: rate(decode.0, decode.1),
         decode_steps: decode.2,
-        decode_step_seconds: if decode.2 > 0 { decode.1 / decode.2 as f64 } else { 0.0 },
-        decode_critical_path_seconds: if decode.2 > 0 { critical / decode.2 as f64 } else { 0.0 },
-        makespan_over_critical_path: if critical > 0.0 { decode.1 / critical } else { 0.0 },
+        decode_step_seconds: if decode.2 > 0 {
+            decode.1 / decode.2 as f64
+        } else {
+            0.0
+        },
+        decode_critical_path_seconds: if decode.2 > 0 {
+            critical / decode.2 as f64
+        } else {
+            0.0
+        },
+        makespan_over_critical_path: if critical > 0.0 {
+            decode.1 / critical
+        } else {
+            0.0
+        },
         streams,
         tasks_run: run,
         tasks_skipped: skipped,
@@ -165,9 +182,19 @@ pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
                 Op::Copy => format!("copy {}", task.engine.as_str()),
                 op => op.name().to_string(),
             };
-            spans.push(TimelineSpan { stream: r.stream as usize, name: task.name.clone(), op, start: r.start, end: r.end });
+            spans.push(TimelineSpan {
+                stream: r.stream as usize,
+                name: task.name.clone(),
+                op,
+                start: r.start,
+                end: r.end,
+            });
         }
     }
     spans.sort_by(|a, b| a.start.total_cmp(&b.start));
-    Timeline { title: title.to_string(), streams: plan.streams.iter().map(|s| s.name.clone()).collect(), spans }
+    Timeline {
+        title: title.to_string(),
+        streams: plan.streams.iter().map(|s| s.name.clone()).collect(),
+        spans,
+    }
 }

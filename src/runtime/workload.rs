@@ -39,8 +39,18 @@ pub struct WorkloadError {
 impl WorkloadSpec {
     /// Parses a spec.
     pub fn parse(spec: &str) -> Result<Self, WorkloadError> {
-        let err = |reason: &str| WorkloadError { spec: spec.to_string(), reason: reason.to_string() };
-        let mtbench = WorkloadSpec { count: 80, mean: 77.0, min: 4, max: 418, gen_len: None, seed: 0 };
+        let err = |reason: &str| WorkloadError {
+            spec: spec.to_string(),
+            reason: reason.to_string(),
+        };
+        let mtbench = WorkloadSpec {
+            count: 80,
+            mean: 77.0,
+            min: 4,
+            max: 418,
+            gen_len: None,
+            seed: 0,
+        };
         if let Some(rest) = spec.strip_prefix("mtbench") {
             let count = match rest.strip_prefix(':') {
                 Some(n) => n.parse().map_err(|_| err("COUNT is not a number"))?,
@@ -49,10 +59,23 @@ impl WorkloadSpec {
             };
             return Ok(WorkloadSpec { count, ..mtbench });
         }
-        let mut out = WorkloadSpec { count: 0, mean: 0.0, min: 1, max: 0, gen_len: None, seed: 0 };
+        let mut out = WorkloadSpec {
+            count: 0,
+            mean: 0.0,
+            min: 1,
+            max: 0,
+            gen_len: None,
+            seed: 0,
+        };
         for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-            let (k, v) = part.split_once('=').ok_or_else(|| err(&format!("`{part}` is not KEY=VALUE")))?;
-            let int = || v.trim().parse::<usize>().map_err(|_| err(&format!("`{k}` needs a whole number")));
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| err(&format!("`{part}` is not KEY=VALUE")))?;
+            let int = || {
+                v.trim()
+                    .parse::<usize>()
+                    .map_err(|_| err(&format!("`{k}` needs a whole number")))
+            };
             match k.trim() {
                 "count" => out.count = int()?,
                 "mean" => out.mean = v.trim().parse().map_err(|_| err("`mean` needs a number"))?,
@@ -86,7 +109,9 @@ impl WorkloadSpec {
                 let u = rng.next_f64().clamp(1e-12, 1.0);
                 let len = (-u.ln() * self.mean).round() as usize;
                 let len = len.clamp(self.min, self.max);
-                (0..len).map(|_| low + (rng.next_u64() % span) as u32).collect()
+                (0..len)
+                    .map(|_| low + (rng.next_u64() % span) as u32)
+                    .collect()
             })
             .collect()
     }
