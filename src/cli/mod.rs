@@ -14,6 +14,8 @@ use std::process::ExitCode;
 pub mod hw;
 pub mod plan;
 pub mod probe;
+pub mod ablate;
+pub mod run;
 pub mod simulate;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
@@ -44,6 +46,10 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Search a schedule's params for the best predicted throughput within budget.
     Plan(plan::PlanArgs),
+    /// Run a schedule as real inference on the CPU backend and report what it measured.
+    Run(run::RunArgs),
+    /// Run several schedules on one workload and compare them in one table.
+    Ablate(ablate::AblateArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -59,5 +65,7 @@ pub fn main() -> ExitCode {
         Command::Models(args) => models::run(&args),
         Command::Simulate(args) => simulate::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Run(args) => run::run(&args),
+        Command::Ablate(args) => ablate::run(&args),
     }
 }

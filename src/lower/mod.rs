@@ -23,7 +23,8 @@
 
 use crate::check::ScheduleInfo;
 use crate::ir::{
-    self, Access, BufferId, BufferKind, Engine, ExpertRef, Guard, Op, Program, Role, Shape, Space, StepId, TaskId,
+    self, Access, BufferId, BufferKind, Engine, ExpertRef, Guard, Op, Program, Role, Shape, Space,
+    StepId, TaskId,
 };
 use crate::syntax::ast::{Span, StepKind};
 use serde::Serialize;
@@ -167,6 +168,9 @@ pub struct ExecPlan {
     pub arenas: Vec<ArenaPlan>,
     /// Steps in declaration order.
     pub steps: Vec<StepPlan>,
+    /// Each task's direct predecessors (the checker's reduced graph), for reports.
+    #[serde(skip)]
+    pub preds: Vec<Vec<TaskId>>,
 }
 
 impl ExecPlan {
@@ -176,7 +180,11 @@ impl ExecPlan {
             .iter()
             .copied()
             .find(|a| a.space == space)
-            .unwrap_or(ArenaPlan { space, bytes: 0, capacity: None })
+            .unwrap_or(ArenaPlan {
+                space,
+                bytes: 0,
+                capacity: None,
+            })
     }
 
     /// The first step of a kind.
@@ -186,7 +194,11 @@ impl ExecPlan {
 
     /// Number of instructions of one kind over all steps and streams.
     pub fn count(&self, pred: impl Fn(&Instr) -> bool) -> usize {
-        self.steps.iter().flat_map(|s| s.programs.iter().flatten()).filter(|i| pred(i)).count()
+        self.steps
+            .iter()
+            .flat_map(|s| s.programs.iter().flatten())
+            .filter(|i| pred(i))
+            .count()
     }
 }
 
@@ -252,7 +264,9 @@ impl LowerError {
     /// The schedule span the error points at, if any.
     pub fn span(&self) -> Option<Span> {
         match self {
-            LowerError::DepOrder { span, .. } | LowerError::ArenaOverflow { span, .. } => Some(*span),
+            LowerError::DepOrder { span, .. } | LowerError::ArenaOverflow { span, .. } => {
+                Some(*span)
+            }
             LowerError::DepsLength { .. } => None,
         }
     }
@@ -260,9 +274,19 @@ impl LowerError {
 
 /// Lowers a checked program (the checker's [`ScheduleInfo`] is required: an unchecked
 /// program cannot be lowered).
-pub fn lower(program: &Program, info: &ScheduleInfo, options: &LowerOptions) -> Result<ExecPlan, LowerError> {
+pub fn lower(
+    program: &Program,
+    info: &ScheduleInfo,
+    options: &LowerOptions,
+) -> Result<ExecPlan, LowerError> {
     let preds: Vec<Vec<TaskId>> = (0..program.tasks.len())
-        .map(|t| info.dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+        .map(|t| {
+            info.dag
+                .preds(TaskId::new(t))
+                .iter()
+                .map(|d| d.from)
+                .collect()
+        })
         .collect();
     lower_with_preds(program, &preds, options)
 }
@@ -275,7 +299,10 @@ pub(crate) fn lower_with_preds(
     options: &LowerOptions,
 ) -> Result<ExecPlan, LowerError> {
     if preds.len() != program.tasks.len() {
-        return Err(LowerError::DepsLength { expected: program.tasks.len(), got: preds.len() });
+        return Err(LowerError::DepsLength {
+            expected: program.tasks.len(),
+            got: preds.len(),
+        });
     }
     let (buffers, arenas) = place_buffers(program, options)?;
     let tasks = plan_tasks(program);
@@ -283,11 +310,30 @@ pub(crate) fn lower_with_preds(
     for step in &program.steps {
         steps.push(lower_step(program, step, preds)?);
     }
-    let streams = program.streams.iter().map(|s| PlanStream { name: s.name.clone(), engine: s.engine }).collect();
-    Ok(ExecPlan { name: program.name.clone(), program: program.clone(), streams, tasks, buffers, arenas, steps })
+    let streams = program
+        .streams
+        .iter()
+        .map(|s| PlanStream {
+            name: s.name.clone(),
+            engine: s.engine,
+        })
+        .collect();
+    Ok(ExecPlan {
+        name: program.name.clone(),
+        program: program.clone(),
+        streams,
+        tasks,
+        buffers,
+        arenas,
+        steps,
+        preds: preds.to_vec(),
+    })
 }
 
-fn place_buffers(program: &Program, options: &LowerOptions) -> Result<(Vec<BufferSlot>, Vec<ArenaPlan>), LowerError> {
+fn place_buffers(
+    program: &Program,
+    options: &LowerOptions,
+) -> Result<(Vec<BufferSlot>, Vec<ArenaPlan>), LowerError> {
     let mut next = [0u64; 3];
     let space_idx = |s: Space| Space::ALL.iter().position(|x| *x == s).unwrap_or(0);
     let mut slots = Vec::with_capacity(program.buffers.len());
@@ -298,10 +344,17 @@ fn place_buffers(program: &Program, options: &LowerOptions) -> Result<(Vec<Buffe
                 let i = space_idx(buffer.space);
                 let offset = next[i].div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
                 next[i] = offset + buffer.bytes;
-                Placement::Arena { space: buffer.space, offset }
+                Placement::Arena {
+                    space: buffer.space,
+                    offset,
+                }
             }
         };
-        slots.push(BufferSlot { name: buffer.name.clone(), placement, bytes: buffer.bytes });
+        slots.push(BufferSlot {
+            name: buffer.name.clone(),
+            placement,
+            bytes: buffer.bytes,
+        });
     }
     let mut arenas = Vec::new();
     for space in Space::ALL {
@@ -310,7 +363,11 @@ fn place_buffers(program: &Program, options: &LowerOptions) -> Result<(Vec<Buffe
         if let Some(capacity) = capacity.filter(|&c| bytes > c) {
             return Err(overflow(program, space, bytes, capacity));
         }
-        arenas.push(ArenaPlan { space, bytes, capacity });
+        arenas.push(ArenaPlan {
+            space,
+            bytes,
+            capacity,
+        });
     }
     Ok((slots, arenas))
 }
@@ -322,15 +379,24 @@ fn overflow(program: &Program, space: Space, needed: u64, capacity: u64) -> Lowe
         .enumerate()
         .filter(|(_, b)| b.kind == BufferKind::Declared && b.space == space)
         .collect();
-    in_space.sort_by(|a, b| b.1.bytes.cmp(&a.1.bytes));
+    in_space.sort_by_key(|b| std::cmp::Reverse(b.1.bytes));
     let largest = in_space
         .iter()
         .take(4)
         .map(|(_, b)| format!("{} = {} B", b.name, b.bytes))
         .collect::<Vec<_>>()
         .join(", ");
-    let span = in_space.first().and_then(|(i, _)| program.spans.buffers.get(*i).copied()).unwrap_or_default();
-    LowerError::ArenaOverflow { space: space.as_str(), needed, capacity, largest, span }
+    let span = in_space
+        .first()
+        .and_then(|(i, _)| program.spans.buffers.get(*i).copied())
+        .unwrap_or_default();
+    LowerError::ArenaOverflow {
+        space: space.as_str(),
+        needed,
+        capacity,
+        largest,
+        span,
+    }
 }
 
 fn plan_tasks(program: &Program) -> Vec<PlanTask> {
@@ -369,7 +435,11 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
 /// A vector clock: per stream, how many of its tasks (of this step) are known finished.
 type Clock = Vec<u32>;
 
-fn lower_step(program: &Program, step: &ir::Step, preds: &[Vec<TaskId>]) -> Result<StepPlan, LowerError> {
+fn lower_step(
+    program: &Program,
+    step: &ir::Step,
+    preds: &[Vec<TaskId>],
+) -> Result<StepPlan, LowerError> {
     let n_streams = program.streams.len();
     let first = step.first as usize;
     let count = step.count as usize;
@@ -447,7 +517,11 @@ fn lower_step(program: &Program, step: &ir::Step, preds: &[Vec<TaskId>]) -> Resu
             programs[s].push(Instr::Record(e));
         }
     }
-    Ok(StepPlan { kind: step.kind, programs, events })
+    Ok(StepPlan {
+        kind: step.kind,
+        programs,
+        events,
+    })
 }
 
 /// Renders a plan as text for snapshots and `moec debug`: arenas, buffers, then each
@@ -457,18 +531,36 @@ pub fn render(plan: &ExecPlan) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "plan {}", plan.name);
     for arena in &plan.arenas {
-        let cap = arena.capacity.map(|c| format!(" / {c}")).unwrap_or_default();
-        let _ = writeln!(out, "arena {:<6} {} B{}", arena.space.as_str(), arena.bytes, cap);
+        let cap = arena
+            .capacity
+            .map(|c| format!(" / {c}"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "arena {:<6} {} B{}",
+            arena.space.as_str(),
+            arena.bytes,
+            cap
+        );
     }
     for (i, b) in plan.buffers.iter().enumerate() {
         let place = match b.placement {
             Placement::Checkpoint => "checkpoint".to_string(),
             Placement::Arena { space, offset } => format!("{}+{}", space.as_str(), offset),
         };
-        let _ = writeln!(out, "buffer b{i} {:<12} {:>10} B at {place}", b.name, b.bytes);
+        let _ = writeln!(
+            out,
+            "buffer b{i} {:<12} {:>10} B at {place}",
+            b.name, b.bytes
+        );
     }
     for step in &plan.steps {
-        let _ = writeln!(out, "step {} ({} events)", step.kind.as_str(), step.events.len());
+        let _ = writeln!(
+            out,
+            "step {} ({} events)",
+            step.kind.as_str(),
+            step.events.len()
+        );
         for (s, prog) in step.programs.iter().enumerate() {
             let stream = &plan.streams[s];
             let _ = write!(out, "  {} [{}]:", stream.name, stream.engine.as_str());

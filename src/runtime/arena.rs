@@ -53,12 +53,26 @@ impl Arena {
             source: std::io::Error::other("size exceeds the address space"),
         })?;
         if len == 0 {
-            return Ok(Arena { space, map: None, len: 0, locked: false });
+            return Ok(Arena {
+                space,
+                map: None,
+                len: 0,
+                locked: false,
+            });
         }
-        let map = MmapMut::map_anon(len).map_err(|source| ArenaError::Alloc { space, bytes, source })?;
+        let map = MmapMut::map_anon(len).map_err(|source| ArenaError::Alloc {
+            space,
+            bytes,
+            source,
+        })?;
         let map = MmapRaw::from(map);
         let locked = lock && map.lock().is_ok();
-        Ok(Arena { space, map: Some(map), len, locked })
+        Ok(Arena {
+            space,
+            map: Some(map),
+            len,
+            locked,
+        })
     }
 
     /// Bytes in the arena.
@@ -79,7 +93,12 @@ impl Arena {
     fn check(&self, start: u64, len: u64) -> Result<usize, ArenaError> {
         let end = start.saturating_add(len);
         if end > self.len as u64 {
-            return Err(ArenaError::OutOfBounds { space: self.space, start, end, len: self.len as u64 });
+            return Err(ArenaError::OutOfBounds {
+                space: self.space,
+                start,
+                end,
+                len: self.len as u64,
+            });
         }
         Ok(start as usize)
     }
@@ -94,7 +113,9 @@ impl Arena {
         match &self.map {
             // SAFETY: bounds checked above; the map lives as long as `self`; the plan's
             // dependency edges exclude concurrent writers of these bytes (see above).
-            Some(map) => Ok(unsafe { std::slice::from_raw_parts(map.as_ptr().add(start), len as usize) }),
+            Some(map) => {
+                Ok(unsafe { std::slice::from_raw_parts(map.as_ptr().add(start), len as usize) })
+            }
             None => Ok(&[]),
         }
     }
@@ -110,7 +131,9 @@ impl Arena {
         match &self.map {
             // SAFETY: bounds checked; the mapping is writable anonymous memory owned by
             // `self`; exclusivity of these bytes is the plan's guarantee stated above.
-            Some(map) => Ok(unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(start), len as usize) }),
+            Some(map) => Ok(unsafe {
+                std::slice::from_raw_parts_mut(map.as_mut_ptr().add(start), len as usize)
+            }),
             None => Ok(&mut []),
         }
     }

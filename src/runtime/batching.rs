@@ -45,11 +45,15 @@ pub fn admit(
             if ubs[u].len() >= cap.seqs || tokens[u] + len > cap.tokens {
                 return false;
             }
-            let mut budgets: Vec<usize> = ubs[u].iter().map(|&q| prompt_lens[q] + gen_len).collect();
+            let mut budgets: Vec<usize> =
+                ubs[u].iter().map(|&q| prompt_lens[q] + gen_len).collect();
             budgets.push(len + gen_len);
             block_size(cap.kv_tokens, &budgets).is_some()
         };
-        match (0..capacities.len()).filter(|&u| fits(u)).min_by_key(|&u| (tokens[u], u)) {
+        match (0..capacities.len())
+            .filter(|&u| fits(u))
+            .min_by_key(|&u| (tokens[u], u))
+        {
             Some(u) => {
                 ubs[u].push(r);
                 tokens[u] += len;
@@ -71,7 +75,11 @@ mod tests {
     #[test]
     fn balances_tokens_longest_first() {
         let lens = [10, 3, 7, 2, 8];
-        let cap = UbCapacity { seqs: 3, tokens: 100, kv_tokens: 1000 };
+        let cap = UbCapacity {
+            seqs: 3,
+            tokens: 100,
+            kv_tokens: 1000,
+        };
         let (ubs, left) = admit(&lens, &[0, 1, 2, 3, 4], 4, &[cap, cap]);
         // 10 -> ub0, 8 -> ub1, 7 -> ub1 (8 < 10), 3 -> ub0 (10 < 15), 2 -> ub0 (13 < 15).
         assert_eq!(ubs, vec![vec![0, 1, 3], vec![2, 4]]);
@@ -81,7 +89,11 @@ mod tests {
     #[test]
     fn kv_capacity_defers_requests() {
         let lens = [30, 30, 30];
-        let cap = UbCapacity { seqs: 4, tokens: 1000, kv_tokens: 64 };
+        let cap = UbCapacity {
+            seqs: 4,
+            tokens: 1000,
+            kv_tokens: 64,
+        };
         let (ubs, left) = admit(&lens, &[0, 1, 2], 2, &[cap]);
         // 32 tokens each: two fit in 64 slots with 16-token blocks; the third waits.
         assert_eq!(ubs, vec![vec![0, 1]]);

@@ -11,7 +11,7 @@ use super::arena::{Arena, ArenaError};
 use super::state::lock;
 use super::weights::{image_layout, write_image, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
-use crate::lower::{ExecPlan, PlanArg, PlanTask, Placement};
+use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
 use crate::model::checkpoint::Checkpoint;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -97,10 +97,17 @@ fn space_index(space: Space) -> usize {
 
 impl CpuMemory {
     /// Allocates the arenas of `plan` and builds the weights image from `checkpoint`.
-    pub fn new(plan: &ExecPlan, checkpoint: &Checkpoint, options: MemoryOptions) -> Result<Self, MemoryError> {
+    pub fn new(
+        plan: &ExecPlan,
+        checkpoint: &Checkpoint,
+        options: MemoryOptions,
+    ) -> Result<Self, MemoryError> {
         let gpu = plan.arena(Space::Gpu);
         if let Some(capacity) = options.gpu_capacity.filter(|&c| gpu.bytes > c) {
-            return Err(MemoryError::GpuCapacity { needed: gpu.bytes, capacity });
+            return Err(MemoryError::GpuCapacity {
+                needed: gpu.bytes,
+                capacity,
+            });
         }
         let arenas = [
             Arena::new("gpu", gpu.bytes, false)?,
@@ -143,7 +150,11 @@ impl CpuMemory {
     /// Bytes allocated per space (gpu, pinned, host), and of the weights image.
     pub fn sizes(&self) -> ([u64; 3], u64) {
         (
-            [self.arenas[0].len() as u64, self.arenas[1].len() as u64, self.arenas[2].len() as u64],
+            [
+                self.arenas[0].len() as u64,
+                self.arenas[1].len() as u64,
+                self.arenas[2].len() as u64,
+            ],
             self.image.len() as u64,
         )
     }
@@ -156,10 +167,23 @@ impl CpuMemory {
     }
 
     /// Resolves an argument (with its dynamic expert, if any, already chosen).
-    pub fn view(&self, task: &PlanTask, arg: &PlanArg, expert: Option<u32>) -> Result<View, MemoryError> {
-        let (region, base) = self.buffer_base.get(arg.buffer.index()).copied().unwrap_or((Region::Image, 0));
+    pub fn view(
+        &self,
+        task: &PlanTask,
+        arg: &PlanArg,
+        expert: Option<u32>,
+    ) -> Result<View, MemoryError> {
+        let (region, base) = self
+            .buffer_base
+            .get(arg.buffer.index())
+            .copied()
+            .unwrap_or((Region::Image, 0));
         let start = base + arg.start + expert.map_or(0, |e| u64::from(e) * arg.len);
-        let view = View { region, start, len: arg.len };
+        let view = View {
+            region,
+            start,
+            len: arg.len,
+        };
         let space = match region {
             Region::Image => Space::Host,
             Region::Arena(s) => s,
@@ -196,10 +220,16 @@ impl CpuMemory {
         for v in views {
             let found = match v.region {
                 Region::Image => self.image_map.find_whole(v.start, v.len, tag, len),
-                Region::Arena(space) => lock(&self.maps[space_index(space)]).find_whole(v.start, v.len, tag, len),
+                Region::Arena(space) => {
+                    lock(&self.maps[space_index(space)]).find_whole(v.start, v.len, tag, len)
+                }
             };
             if let Some(start) = found {
-                return Some(View { region: v.region, start, len });
+                return Some(View {
+                    region: v.region,
+                    start,
+                    len,
+                });
             }
         }
         None
@@ -215,7 +245,9 @@ impl CpuMemory {
         to[..n].copy_from_slice(&from[..n]);
         let labels = match src.region {
             Region::Image => self.image_map.labels_in(src.start, src.len),
-            Region::Arena(space) => lock(&self.maps[space_index(space)]).labels_in(src.start, src.len),
+            Region::Arena(space) => {
+                lock(&self.maps[space_index(space)]).labels_in(src.start, src.len)
+            }
         };
         if let Region::Arena(space) = dst.region {
             let mut map = lock(&self.maps[space_index(space)]);

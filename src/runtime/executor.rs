@@ -90,7 +90,9 @@ pub struct ExecOptions {
 
 impl Default for ExecOptions {
     fn default() -> Self {
-        ExecOptions { watchdog: Duration::from_secs(60) }
+        ExecOptions {
+            watchdog: Duration::from_secs(60),
+        }
     }
 }
 
@@ -102,25 +104,34 @@ pub fn run_step(
     options: ExecOptions,
     origin: Instant,
 ) -> Result<Vec<TaskRecord>, ExecError> {
-    let events =
-        Mutex::new(Events { recorded: vec![false; step.events.len()], aborted: false, last_progress: Instant::now(), error: None });
+    let events = Mutex::new(Events {
+        recorded: vec![false; step.events.len()],
+        aborted: false,
+        last_progress: Instant::now(),
+        error: None,
+    });
     let cond = Condvar::new();
     let mut records = Vec::new();
-    let result = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for (s, program) in step.programs.iter().enumerate() {
             if program.is_empty() {
                 continue;
             }
             let (events, cond) = (&events, &cond);
-            let builder = std::thread::Builder::new().name(format!("moec-{}", plan.streams[s].name));
+            let builder =
+                std::thread::Builder::new().name(format!("moec-{}", plan.streams[s].name));
             let handle = builder
-                .spawn_scoped(scope, move || stream_thread(plan, step, s, program, runner, events, cond, options, origin))
+                .spawn_scoped(scope, move || {
+                    stream_thread(
+                        plan, step, s, program, runner, events, cond, options, origin,
+                    )
+                })
                 .map_err(|e| ExecError::Thread(e.to_string()));
             match handle {
                 Ok(h) => handles.push(h),
                 Err(e) => {
-                    abort(&events, &cond, e);
+                    abort(events, cond, e);
                     break;
                 }
             }
@@ -129,11 +140,14 @@ pub fn run_step(
             // A panicking stream thread is a bug; report it as a failure of the step.
             match h.join() {
                 Ok(r) => records.extend(r),
-                Err(_) => abort(&events, &cond, ExecError::Thread("a stream thread panicked".into())),
+                Err(_) => abort(
+                    &events,
+                    &cond,
+                    ExecError::Thread("a stream thread panicked".into()),
+                ),
             }
         }
     });
-    let () = result;
     let state = events.into_inner().unwrap_or_else(|e| e.into_inner());
     match state.error {
         Some(e) => Err(e),
@@ -176,10 +190,18 @@ fn stream_thread(
                     }
                     let idle = ev.last_progress.elapsed();
                     if idle >= options.watchdog {
-                        let task = step.events.get(e.0 as usize).map(|t| t.index()).unwrap_or(0);
+                        let task = step
+                            .events
+                            .get(e.0 as usize)
+                            .map(|t| t.index())
+                            .unwrap_or(0);
                         let error = ExecError::Stalled {
                             stream: plan.streams[stream].name.clone(),
-                            task: plan.tasks.get(task).map(|t| t.name.clone()).unwrap_or_default(),
+                            task: plan
+                                .tasks
+                                .get(task)
+                                .map(|t| t.name.clone())
+                                .unwrap_or_default(),
                             secs: idle.as_secs_f64(),
                             span: plan.tasks.get(task).map(|t| t.span).unwrap_or_default(),
                         };
@@ -188,7 +210,10 @@ fn stream_thread(
                         return records;
                     }
                     let wait = options.watchdog - idle;
-                    ev = cond.wait_timeout(ev, wait).unwrap_or_else(|e| e.into_inner()).0;
+                    ev = cond
+                        .wait_timeout(ev, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
             }
             Instr::Record(e) => {
@@ -207,12 +232,29 @@ fn stream_thread(
                 let end = origin.elapsed().as_secs_f64();
                 match outcome {
                     Ok(ran) => {
-                        records.push(TaskRecord { task: t.0, stream: stream as u32, start, end, ran });
-                        events.lock().unwrap_or_else(|e| e.into_inner()).last_progress = Instant::now();
+                        records.push(TaskRecord {
+                            task: t.0,
+                            stream: stream as u32,
+                            start,
+                            end,
+                            ran,
+                        });
+                        events
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .last_progress = Instant::now();
                     }
                     Err(message) => {
                         let task = &plan.tasks[t.index()];
-                        abort(events, cond, ExecError::Task { task: task.name.clone(), message, span: task.span });
+                        abort(
+                            events,
+                            cond,
+                            ExecError::Task {
+                                task: task.name.clone(),
+                                message,
+                                span: task.span,
+                            },
+                        );
                         return records;
                     }
                 }

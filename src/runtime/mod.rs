@@ -14,8 +14,10 @@ pub mod batching;
 pub mod cpu;
 pub mod executor;
 pub mod ops;
+pub mod report;
 pub mod state;
 pub mod weights;
+pub mod workload;
 
 use crate::ir::{Engine, Op, Role};
 use crate::lower::ExecPlan;
@@ -107,7 +109,9 @@ impl RunOptions {
             sampling: Sampling::Greedy,
             seed: 0,
             stop_at_eos: true,
-            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
             memory: MemoryOptions::default(),
             exec: ExecOptions::default(),
             kill_task: None,
@@ -190,7 +194,14 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
     let card = &plan.program.model;
     let n_ubs = plan.program.micro_batches.count as usize;
     let size = plan.program.micro_batches.size as usize;
-    let mut caps = vec![UbCapacity { seqs: size, tokens: usize::MAX, kv_tokens: usize::MAX }; n_ubs];
+    let mut caps = vec![
+        UbCapacity {
+            seqs: size,
+            tokens: usize::MAX,
+            kv_tokens: usize::MAX
+        };
+        n_ubs
+    ];
     let token_bytes = (card.hidden * 4).max(1);
     let kv_token_bytes = (card.kv_elems_per_token_layer() * 4).max(1);
     let range = {
@@ -198,7 +209,9 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
         s.first as usize..(s.first + s.count) as usize
     };
     for (i, task) in plan.tasks.iter().enumerate() {
-        let Some(ub) = task.op.ub().map(|u| u as usize).filter(|u| *u < n_ubs) else { continue };
+        let Some(ub) = task.op.ub().map(|u| u as usize).filter(|u| *u < n_ubs) else {
+            continue;
+        };
         for arg in &task.args {
             if arg.role == Role::H && range.contains(&i) && !matches!(task.op, Op::LmHead { .. }) {
                 caps[ub].tokens = caps[ub].tokens.min((arg.len / token_bytes) as usize);
@@ -242,7 +255,11 @@ pub fn generate(
         }
     }
     let step_idx = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
-    let mode = match (step_idx(StepKind::Prefill), step_idx(StepKind::Decode), step_idx(StepKind::Mixed)) {
+    let mode = match (
+        step_idx(StepKind::Prefill),
+        step_idx(StepKind::Decode),
+        step_idx(StepKind::Mixed),
+    ) {
         (Some(p), Some(d), _) => (p, d, false),
         (_, _, Some(m)) => (m, m, true),
         _ => return Err(RunError::Steps(plan.name.clone())),
@@ -261,9 +278,10 @@ pub fn generate(
     };
     let (gpu_pool, cpu_pool) = (pool("gpu")?, pool("cpu")?);
     let n_ubs = plan.program.micro_batches.count as usize;
-    let rngs =
-        (0..prompts.len()).map(|i| Rng::new(options.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))).collect();
-    let mut state = StepState::new(n_ubs, options.sampling.clone(), rngs);
+    let rngs = (0..prompts.len())
+        .map(|i| Rng::new(options.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+        .collect();
+    let mut state = StepState::new(n_ubs, options.sampling, rngs);
     state.predictor = HotPredictor::new(arch.layers, arch.experts);
     let prefill_caps = capacities(plan, prefill_step);
     let gen_len = options.max_new_tokens;
@@ -275,11 +293,25 @@ pub fn generate(
         if !ok {
             let max_tokens = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
             let kv_tokens = prefill_caps.iter().map(|c| c.kv_tokens).max().unwrap_or(0);
-            return Err(RunError::PromptTooLarge { index, tokens: len, gen_len, max_tokens, kv_tokens });
+            return Err(RunError::PromptTooLarge {
+                index,
+                tokens: len,
+                gen_len,
+                max_tokens,
+                kv_tokens,
+            });
         }
     }
-    let mut outputs: Vec<RunOutput> = prompts.iter().map(|_| RunOutput { token_ids: Vec::new() }).collect();
-    let mut stats = RunStats { pinned_locked: memory.pinned_locked(), ..RunStats::default() };
+    let mut outputs: Vec<RunOutput> = prompts
+        .iter()
+        .map(|_| RunOutput {
+            token_ids: Vec::new(),
+        })
+        .collect();
+    let mut stats = RunStats {
+        pinned_locked: memory.pinned_locked(),
+        ..RunStats::default()
+    };
     let (arena_bytes, image_bytes) = memory.sizes();
     stats.arena_bytes = arena_bytes;
     stats.image_bytes = image_bytes;
@@ -297,7 +329,13 @@ pub fn generate(
     if let Some(setup) = plan.steps.iter().position(|s| s.kind == StepKind::Setup) {
         let runner = Runner {
             plan,
-            ctx: OpContext { arch: &arch, rope: &rope, memory: &memory, state: &state, dtype: card.dtype },
+            ctx: OpContext {
+                arch: &arch,
+                rope: &rope,
+                memory: &memory,
+                state: &state,
+                dtype: card.dtype,
+            },
             gpu_pool: &gpu_pool,
             cpu_pool: &cpu_pool,
             kill: options.kill_task,
@@ -307,7 +345,14 @@ pub fn generate(
         let tasks = run_step(plan, &plan.steps[setup], &runner, options.exec, origin)?;
         kill_count.store(runner.kill_count.load(Ordering::SeqCst), Ordering::SeqCst);
         let end = origin.elapsed().as_secs_f64();
-        stats.steps.push(StepRecord { kind: StepKind::Setup, start, end, prefill_tokens: 0, decode_tokens: 0, tasks });
+        stats.steps.push(StepRecord {
+            kind: StepKind::Setup,
+            start,
+            end,
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            tasks,
+        });
     }
     while !waiting.is_empty() || !running.is_empty() {
         // Admission: static batches admit only into an empty plan; mixed plans any time.
@@ -317,7 +362,11 @@ pub fn generate(
                 let used: Vec<&Seq> = running.iter().filter(|s| s.ub == u).collect();
                 cap.seqs = cap.seqs.saturating_sub(used.len());
                 let free_blocks = ub_blocks[u].1.len();
-                cap.kv_tokens = if used.is_empty() { cap.kv_tokens } else { free_blocks * ub_blocks[u].0 };
+                cap.kv_tokens = if used.is_empty() {
+                    cap.kv_tokens
+                } else {
+                    free_blocks * ub_blocks[u].0
+                };
                 // Decode tokens of running sequences share the step's token cap.
                 cap.tokens = cap.tokens.saturating_sub(used.len());
             }
@@ -332,8 +381,13 @@ pub fn generate(
                     let kv_tokens = prefill_caps[u].kv_tokens;
                     let b = if mixed {
                         // Fixed for the run: room for a full micro-batch of worst-case sequences.
-                        let worst = vec![plan.program.workload.prompt_len as usize + gen_len; prefill_caps[u].seqs];
-                        block_size(kv_tokens, &worst).or_else(|| block_size(kv_tokens, &budgets)).unwrap_or(1)
+                        let worst = vec![
+                            plan.program.workload.prompt_len as usize + gen_len;
+                            prefill_caps[u].seqs
+                        ];
+                        block_size(kv_tokens, &worst)
+                            .or_else(|| block_size(kv_tokens, &budgets))
+                            .unwrap_or(1)
                     } else {
                         block_size(kv_tokens, &budgets).unwrap_or(1)
                     };
@@ -345,7 +399,13 @@ pub fn generate(
                     let at = free.len().saturating_sub(needed);
                     let mut table: Vec<u32> = free.split_off(at);
                     table.reverse();
-                    running.push(Seq { request: r, ub: u, block_table: table, generated: Vec::new(), prompt_done: false });
+                    running.push(Seq {
+                        request: r,
+                        ub: u,
+                        block_table: table,
+                        generated: Vec::new(),
+                        prompt_done: false,
+                    });
                 }
             }
             waiting = left;
@@ -355,7 +415,11 @@ pub fn generate(
         }
         // Build the step's micro-batches.
         let any_prefill = running.iter().any(|s| !s.prompt_done);
-        let step = if any_prefill { prefill_step } else { decode_step };
+        let step = if any_prefill {
+            prefill_step
+        } else {
+            decode_step
+        };
         state.reset_step();
         for ub in state.ubs.iter_mut() {
             *ub = MicroBatchState::default();
@@ -367,16 +431,32 @@ pub fn generate(
             mb.block_size = ub_blocks[s.ub].0;
             let (context_len, new_tokens, prefill) = if s.prompt_done {
                 n_decode += 1;
-                (lens[s.request] + s.generated.len() - 1, vec![*s.generated.last().unwrap_or(&0)], false)
+                (
+                    lens[s.request] + s.generated.len() - 1,
+                    vec![*s.generated.last().unwrap_or(&0)],
+                    false,
+                )
             } else {
                 n_prefill += lens[s.request];
                 (0, prompts[s.request].clone(), true)
             };
-            mb.seqs.push(SeqSlot { request: s.request, context_len, new_tokens, block_table: s.block_table.clone(), prefill });
+            mb.seqs.push(SeqSlot {
+                request: s.request,
+                context_len,
+                new_tokens,
+                block_table: s.block_table.clone(),
+                prefill,
+            });
         }
         let runner = Runner {
             plan,
-            ctx: OpContext { arch: &arch, rope: &rope, memory: &memory, state: &state, dtype: card.dtype },
+            ctx: OpContext {
+                arch: &arch,
+                rope: &rope,
+                memory: &memory,
+                state: &state,
+                dtype: card.dtype,
+            },
             gpu_pool: &gpu_pool,
             cpu_pool: &cpu_pool,
             kill: options.kill_task,

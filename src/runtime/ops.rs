@@ -97,7 +97,9 @@ impl OpContext<'_> {
     fn resolve_expert(&self, expert: ExpertRef) -> u32 {
         match expert {
             ExpertRef::Index(e) => e,
-            ExpertRef::Hot { layer, rank } => self.state.hot_expert(layer, rank, self.arch.experts as u32),
+            ExpertRef::Hot { layer, rank } => {
+                self.state.hot_expert(layer, rank, self.arch.experts as u32)
+            }
         }
     }
 
@@ -130,12 +132,19 @@ impl OpContext<'_> {
         let args = self.views(task)?;
         let get = |role: Role| args.iter().find(|(a, _)| a.role == role).map(|(_, v)| *v);
         let need = |role: Role| get(role).ok_or(OpError::MissingArg(role.as_str()));
-        let weights: Vec<View> = args.iter().filter(|(a, _)| a.role == Role::W).map(|(_, v)| *v).collect();
+        let weights: Vec<View> = args
+            .iter()
+            .filter(|(a, _)| a.role == Role::W)
+            .map(|(_, v)| *v)
+            .collect();
         match task.op {
             Op::Copy => {
                 let (src, dst) = (need(Role::Src)?, need(Role::Dst)?);
                 if src.len != dst.len {
-                    return Err(OpError::CopyLength { src: src.len, dst: dst.len });
+                    return Err(OpError::CopyLength {
+                        src: src.len,
+                        dst: dst.len,
+                    });
                 }
                 self.memory.copy(task.engine, src, dst)?;
                 return Ok(());
@@ -143,7 +152,12 @@ impl OpContext<'_> {
             Op::Embed { ub } => {
                 let mb = self.ub(ub)?;
                 let ids = mb.token_ids();
-                let table = self.matrix(&weights, WeightTag::Embed, self.arch.vocab, self.arch.hidden)?;
+                let table = self.matrix(
+                    &weights,
+                    WeightTag::Embed,
+                    self.arch.vocab,
+                    self.arch.hidden,
+                )?;
                 let h = self.act_mut(need(Role::H)?, "h", ids.len() * self.arch.hidden)?;
                 embed(&table, &ids, h)?;
             }
@@ -155,9 +169,23 @@ impl OpContext<'_> {
                 let x = self.act(need(Role::H)?, "h", n * self.arch.hidden)?;
                 let out = self.act_mut(need(Role::Out)?, "out", n * self.arch.attn.qkv_width())?;
                 let mut x_norm = vec![0.0f32; n * self.arch.hidden];
-                pre_attn(self.arch, &dense, self.rope, x, &positions, &mut x_norm, out)?;
+                pre_attn(
+                    self.arch,
+                    &dense,
+                    self.rope,
+                    x,
+                    &positions,
+                    &mut x_norm,
+                    out,
+                )?;
             }
-            Op::Attn { layer: _, ub, part } => self.attn(ub, part, need(Role::Qkv)?, need(Role::Kv)?, need(Role::Out)?)?,
+            Op::Attn { layer: _, ub, part } => self.attn(
+                ub,
+                part,
+                need(Role::Qkv)?,
+                need(Role::Kv)?,
+                need(Role::Out)?,
+            )?,
             Op::OProj { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
                 let dense = self.dense(&weights, layer, &[SegmentKind::OProj])?;
@@ -167,7 +195,11 @@ impl OpContext<'_> {
             }
             Op::Gate { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
-                let dense = self.dense(&weights, layer, &[SegmentKind::FfnNorm, SegmentKind::Router])?;
+                let dense = self.dense(
+                    &weights,
+                    layer,
+                    &[SegmentKind::FfnNorm, SegmentKind::Router],
+                )?;
                 let h = self.act(need(Role::H)?, "h", n * self.arch.hidden)?;
                 let mut x_norm = vec![0.0f32; n * self.arch.hidden];
                 let routing = gate(self.arch, &dense, h, &mut x_norm)?;
@@ -197,7 +229,9 @@ impl OpContext<'_> {
                 let slots: &mut [f32] = if acc.len >= (slots_len * 4) as u64 {
                     self.act_mut(acc, "acc", slots_len)?
                 } else {
-                    workspace.entry((layer, ub)).or_insert_with(|| vec![0.0; slots_len])
+                    workspace
+                        .entry((layer, ub))
+                        .or_insert_with(|| vec![0.0; slots_len])
                 };
                 for e in self.members(set) {
                     let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
@@ -221,15 +255,25 @@ impl OpContext<'_> {
                     combine(&routing, self.act(acc, "acc", slots_len)?, h)?;
                 } else {
                     let workspace = lock(&self.state.slots);
-                    let slots = workspace.get(&(layer, ub)).map(Vec::as_slice).unwrap_or(&[]);
+                    let slots = workspace
+                        .get(&(layer, ub))
+                        .map(Vec::as_slice)
+                        .unwrap_or(&[]);
                     combine(&routing, slots, h)?;
                 }
             }
             Op::PostAttn { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
                 let d = self.arch.hidden;
-                let dense =
-                    self.dense(&weights, layer, &[SegmentKind::OProj, SegmentKind::FfnNorm, SegmentKind::Router])?;
+                let dense = self.dense(
+                    &weights,
+                    layer,
+                    &[
+                        SegmentKind::OProj,
+                        SegmentKind::FfnNorm,
+                        SegmentKind::Router,
+                    ],
+                )?;
                 let a = self.act(need(Role::A)?, "a", n * self.arch.q_dim())?;
                 let h = self.act_mut(need(Role::H)?, "h", n * d)?;
                 o_proj_residual(self.arch, &dense, a, h)?;
@@ -258,7 +302,11 @@ impl OpContext<'_> {
                 }
                 let norm = self.vector(&weights, WeightTag::FinalNorm)?;
                 let head = self.matrix(&weights, WeightTag::LmHead, self.arch.vocab, d)?;
-                let out = self.act_mut(need(Role::Logits)?, "logits", mb.seqs.len() * self.arch.vocab)?;
+                let out = self.act_mut(
+                    need(Role::Logits)?,
+                    "logits",
+                    mb.seqs.len() * self.arch.vocab,
+                )?;
                 logits(self.arch, norm, &head, &last, out)?;
             }
             Op::Sample { ub } => {
@@ -267,7 +315,8 @@ impl OpContext<'_> {
                 let l = self.act(need(Role::Logits)?, "logits", mb.seqs.len() * vocab)?;
                 let out_view = need(Role::Tokens)?;
                 let out = self.bytes_mut_sized(out_view, "tokens", mb.seqs.len() * 4)?;
-                let ids: &mut [u32] = bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
+                let ids: &mut [u32] =
+                    bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
                 let mut rngs = lock(&self.state.rngs);
                 let mut tokens = Vec::with_capacity(mb.seqs.len());
                 for (k, s) in mb.seqs.iter().enumerate() {
@@ -295,22 +344,44 @@ impl OpContext<'_> {
     }
 
     fn members(&self, set: ExpertSet) -> Vec<u32> {
-        set.members(self.arch.experts as u64).into_iter().map(|e| self.resolve_expert(e)).collect()
+        set.members(self.arch.experts as u64)
+            .into_iter()
+            .map(|e| self.resolve_expert(e))
+            .collect()
     }
 
     fn bytes_sized(&self, view: View, role: &'static str, needed: usize) -> Result<&[u8], OpError> {
         if (needed as u64) > view.len {
-            return Err(OpError::TooSmall { role, needed: needed as u64, got: view.len });
+            return Err(OpError::TooSmall {
+                role,
+                needed: needed as u64,
+                got: view.len,
+            });
         }
-        Ok(self.memory.bytes(View { len: needed as u64, ..view })?)
+        Ok(self.memory.bytes(View {
+            len: needed as u64,
+            ..view
+        })?)
     }
 
     #[allow(clippy::mut_from_ref)]
-    fn bytes_mut_sized(&self, view: View, role: &'static str, needed: usize) -> Result<&mut [u8], OpError> {
+    fn bytes_mut_sized(
+        &self,
+        view: View,
+        role: &'static str,
+        needed: usize,
+    ) -> Result<&mut [u8], OpError> {
         if (needed as u64) > view.len {
-            return Err(OpError::TooSmall { role, needed: needed as u64, got: view.len });
+            return Err(OpError::TooSmall {
+                role,
+                needed: needed as u64,
+                got: view.len,
+            });
         }
-        Ok(self.memory.bytes_mut(View { len: needed as u64, ..view })?)
+        Ok(self.memory.bytes_mut(View {
+            len: needed as u64,
+            ..view
+        })?)
     }
 
     fn act(&self, view: View, role: &'static str, elems: usize) -> Result<&[f32], OpError> {
@@ -325,7 +396,8 @@ impl OpContext<'_> {
     fn write_routing(&self, view: View, routing: &Routing) -> Result<(), OpError> {
         let n = routing.experts.len();
         let out = self.bytes_mut_sized(view, "route", n * 8)?;
-        let words: &mut [u32] = bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("route"))?;
+        let words: &mut [u32] =
+            bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("route"))?;
         for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
             words[2 * i] = e;
             words[2 * i + 1] = w.to_bits();
@@ -338,30 +410,77 @@ impl OpContext<'_> {
         let bytes = self.bytes_sized(view, "route", n_tokens * top_k * 8)?;
         let words: &[u32] = bytemuck::try_cast_slice(bytes).map_err(|_| OpError::Align("route"))?;
         let experts = words.iter().step_by(2).copied().collect();
-        let weights = words.iter().skip(1).step_by(2).map(|w| f32::from_bits(*w)).collect();
-        Ok(Routing { top_k, experts, weights })
+        let weights = words
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .map(|w| f32::from_bits(*w))
+            .collect();
+        Ok(Routing {
+            top_k,
+            experts,
+            weights,
+        })
     }
 
-    fn typed(&self, weights: &[View], tag: WeightTag, dtype_of: crate::model::card::WeightDtype) -> Result<TypedSlice<'_>, OpError> {
-        let view = self.memory.find_weight(weights, tag).ok_or(OpError::MissingWeight { tag })?;
+    fn typed(
+        &self,
+        weights: &[View],
+        tag: WeightTag,
+        dtype_of: crate::model::card::WeightDtype,
+    ) -> Result<TypedSlice<'_>, OpError> {
+        let view = self
+            .memory
+            .find_weight(weights, tag)
+            .ok_or(OpError::MissingWeight { tag })?;
         let bytes = self.memory.bytes(view)?;
         TypedSlice::from_bytes(bytes, dtype_of).map_err(|_| OpError::Align("w"))
     }
 
-    fn segment(&self, weights: &[View], layer: u32, kind: SegmentKind) -> Result<Option<Matrix<'_>>, OpError> {
-        let Some(seg) = self.memory.layout().layer.segment(kind).cloned() else { return Ok(None) };
+    fn segment(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<Option<Matrix<'_>>, OpError> {
+        let Some(seg) = self.memory.layout().layer.segment(kind).cloned() else {
+            return Ok(None);
+        };
         let data = self.typed(weights, WeightTag::Layer { layer, kind }, seg.dtype)?;
-        Ok(Matrix::new(data, seg.rows, seg.cols, seg.orientation.unwrap_or(Orientation::OutIn)))
+        Ok(Matrix::new(
+            data,
+            seg.rows,
+            seg.cols,
+            seg.orientation.unwrap_or(Orientation::OutIn),
+        ))
     }
 
-    fn required(&self, weights: &[View], layer: u32, kind: SegmentKind) -> Result<Matrix<'_>, OpError> {
-        self.segment(weights, layer, kind)?.ok_or(OpError::MissingWeight { tag: WeightTag::Layer { layer, kind } })
+    fn required(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<Matrix<'_>, OpError> {
+        self.segment(weights, layer, kind)?
+            .ok_or(OpError::MissingWeight {
+                tag: WeightTag::Layer { layer, kind },
+            })
     }
 
     /// The dense weights an op reads; segments not in `needs` (and, for QKV, not needed
     /// either) are empty views, which the kernels called with these ops never read.
-    fn dense(&self, weights: &[View], layer: u32, needs: &[SegmentKind]) -> Result<DenseWeights<'_>, OpError> {
-        let empty_matrix = Matrix { data: TypedSlice::F32(&[]), rows: 0, cols: 0, orientation: Orientation::OutIn };
+    fn dense(
+        &self,
+        weights: &[View],
+        layer: u32,
+        needs: &[SegmentKind],
+    ) -> Result<DenseWeights<'_>, OpError> {
+        let empty_matrix = Matrix {
+            data: TypedSlice::F32(&[]),
+            rows: 0,
+            cols: 0,
+            orientation: Orientation::OutIn,
+        };
         let get = |kind: SegmentKind| -> Result<Matrix<'_>, OpError> {
             if needs.contains(&kind) {
                 self.required(weights, layer, kind)
@@ -376,7 +495,9 @@ impl OpContext<'_> {
                     k: self.required(weights, layer, SegmentKind::KProj)?,
                     v: self.required(weights, layer, SegmentKind::VProj)?,
                 },
-                Family::Dbrx => QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?),
+                Family::Dbrx => {
+                    QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
+                }
             }
         } else {
             QkvWeights::Fused(empty_matrix)
@@ -398,7 +519,13 @@ impl OpContext<'_> {
         })
     }
 
-    fn matrix(&self, weights: &[View], tag: WeightTag, rows: usize, cols: usize) -> Result<Matrix<'_>, OpError> {
+    fn matrix(
+        &self,
+        weights: &[View],
+        tag: WeightTag,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix<'_>, OpError> {
         let data = self.typed(weights, tag, self.dtype)?;
         Matrix::new(data, rows, cols, Orientation::OutIn).ok_or(OpError::MissingWeight { tag })
     }
@@ -414,8 +541,13 @@ impl OpContext<'_> {
         let (qw, ow) = (shape.qkv_width(), shape.q_width());
         let qkv = self.act(qkv, "qkv", n * qw)?;
         let out = self.act_mut(out, "out", n * ow)?;
-        let layout = KvLayout { block_size: mb.block_size.max(1), kv_heads: shape.kv_heads, head_dim: shape.head_dim };
-        let pool_elems = (kv.len as usize / 4 / 2 / layout.block_elems().max(1)) * layout.block_elems();
+        let layout = KvLayout {
+            block_size: mb.block_size.max(1),
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+        };
+        let pool_elems =
+            (kv.len as usize / 4 / 2 / layout.block_elems().max(1)) * layout.block_elems();
         let pools = self.act_mut(kv, "kv", 2 * pool_elems)?;
         let (k, v) = pools.split_at_mut(pool_elems);
         let mut cache = KvBlocksMut { layout, k, v };
@@ -433,7 +565,11 @@ impl OpContext<'_> {
             let len = s.new_tokens.len();
             if wanted(s.prefill) {
                 rows.push(row..row + len);
-                seqs.push(AttnSeq { block_table: &s.block_table, context_len: s.context_len, n_new: len });
+                seqs.push(AttnSeq {
+                    block_table: &s.block_table,
+                    context_len: s.context_len,
+                    n_new: len,
+                });
             }
             row += len;
         }

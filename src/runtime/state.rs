@@ -45,12 +45,18 @@ impl MicroBatchState {
 
     /// Token ids in row order.
     pub fn token_ids(&self) -> Vec<u32> {
-        self.seqs.iter().flat_map(|s| s.new_tokens.iter().copied()).collect()
+        self.seqs
+            .iter()
+            .flat_map(|s| s.new_tokens.iter().copied())
+            .collect()
     }
 
     /// Positions in row order.
     pub fn positions(&self) -> Vec<usize> {
-        self.seqs.iter().flat_map(|s| (0..s.new_tokens.len()).map(move |j| s.context_len + j)).collect()
+        self.seqs
+            .iter()
+            .flat_map(|s| (0..s.new_tokens.len()).map(move |j| s.context_len + j))
+            .collect()
     }
 }
 
@@ -67,7 +73,10 @@ pub struct HotPredictor {
 impl HotPredictor {
     /// Empty statistics for a model.
     pub fn new(layers: usize, experts: usize) -> Self {
-        HotPredictor { freq: vec![vec![0; experts]; layers], corr: vec![vec![vec![0; experts]; experts]; layers] }
+        HotPredictor {
+            freq: vec![vec![0; experts]; layers],
+            corr: vec![vec![vec![0; experts]; experts]; layers],
+        }
     }
 
     /// Scores of `layer`'s experts given the experts chosen in the previous layer (if known).
@@ -100,13 +109,23 @@ impl HotPredictor {
                     }
                 }
             }
-            let Some(prev) = layer.checked_sub(1).and_then(|p| routing.get(&(p, ub))) else { continue };
-            let Some(corr) = self.corr.get_mut(l) else { continue };
+            let Some(prev) = layer.checked_sub(1).and_then(|p| routing.get(&(p, ub))) else {
+                continue;
+            };
+            let Some(corr) = self.corr.get_mut(l) else {
+                continue;
+            };
             let k = r.top_k.max(1);
-            for (row_prev, row) in prev.experts.chunks(prev.top_k.max(1)).zip(r.experts.chunks(k)) {
+            for (row_prev, row) in prev
+                .experts
+                .chunks(prev.top_k.max(1))
+                .zip(r.experts.chunks(k))
+            {
                 for &a in row_prev {
                     for &b in row {
-                        if let Some(c) = corr.get_mut(a as usize).and_then(|x| x.get_mut(b as usize)) {
+                        if let Some(c) =
+                            corr.get_mut(a as usize).and_then(|x| x.get_mut(b as usize))
+                        {
                             *c += 1;
                         }
                     }
@@ -189,7 +208,13 @@ impl StepState {
             let score = |e: u32| scores.get(e as usize).copied().unwrap_or(0);
             // Predicted hot experts first (by score), then by this step's routed tokens.
             let mut order: Vec<u32> = (0..n_experts).collect();
-            order.sort_by_key(|&e| (std::cmp::Reverse(score(e)), std::cmp::Reverse(counts[e as usize]), e));
+            order.sort_by_key(|&e| {
+                (
+                    std::cmp::Reverse(score(e)),
+                    std::cmp::Reverse(counts[e as usize]),
+                    e,
+                )
+            });
             order
         });
         order.get(rank as usize).copied().unwrap_or(rank)

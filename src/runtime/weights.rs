@@ -72,12 +72,25 @@ impl WeightMap {
         for (s, p) in overlapping {
             self.pieces.remove(&s);
             if s < start {
-                self.pieces.insert(s, Piece { len: start - s, ..p });
+                self.pieces.insert(
+                    s,
+                    Piece {
+                        len: start - s,
+                        ..p
+                    },
+                );
             }
             let p_end = s + p.len;
             if p_end > end {
                 let cut = end - s;
-                self.pieces.insert(end, Piece { len: p_end - end, tag: p.tag, tag_offset: p.tag_offset + cut });
+                self.pieces.insert(
+                    end,
+                    Piece {
+                        len: p_end - end,
+                        tag: p.tag,
+                        tag_offset: p.tag_offset + cut,
+                    },
+                );
             }
         }
     }
@@ -90,12 +103,21 @@ impl WeightMap {
         }
         self.clear(start, start + len);
         let mut start = start;
-        let mut piece = Piece { len, tag, tag_offset };
+        let mut piece = Piece {
+            len,
+            tag,
+            tag_offset,
+        };
         if let Some((&ps, &prev)) = self.pieces.range(..start).next_back() {
-            if ps + prev.len == start && prev.tag == tag && prev.tag_offset + prev.len == tag_offset {
+            if ps + prev.len == start && prev.tag == tag && prev.tag_offset + prev.len == tag_offset
+            {
                 self.pieces.remove(&ps);
                 start = ps;
-                piece = Piece { len: prev.len + len, tag, tag_offset: prev.tag_offset };
+                piece = Piece {
+                    len: prev.len + len,
+                    tag,
+                    tag_offset: prev.tag_offset,
+                };
             }
         }
         let end = start + piece.len;
@@ -113,7 +135,12 @@ impl WeightMap {
     pub fn labels_in(&self, start: u64, len: u64) -> Vec<(u64, u64, WeightTag, u64)> {
         let end = start + len;
         let mut out = Vec::new();
-        let first = self.pieces.range(..=start).next_back().map(|(s, _)| *s).unwrap_or(start);
+        let first = self
+            .pieces
+            .range(..=start)
+            .next_back()
+            .map(|(s, _)| *s)
+            .unwrap_or(start);
         for (&s, p) in self.pieces.range(first..end) {
             let (lo, hi) = (s.max(start), (s + p.len).min(end));
             if lo < hi {
@@ -127,10 +154,21 @@ impl WeightMap {
     /// absolute start byte.
     pub fn find_whole(&self, start: u64, len: u64, tag: WeightTag, tag_len: u64) -> Option<u64> {
         let end = start + len;
-        let first = self.pieces.range(..=start).next_back().map(|(s, _)| *s).unwrap_or(start);
+        let first = self
+            .pieces
+            .range(..=start)
+            .next_back()
+            .map(|(s, _)| *s)
+            .unwrap_or(start);
         self.pieces
             .range(first..end)
-            .find(|(s, p)| p.tag == tag && p.tag_offset == 0 && p.len >= tag_len && **s >= start && **s + tag_len <= end)
+            .find(|(s, p)| {
+                p.tag == tag
+                    && p.tag_offset == 0
+                    && p.len >= tag_len
+                    && **s >= start
+                    && **s + tag_len <= end
+            })
             .map(|(s, _)| *s)
     }
 }
@@ -154,13 +192,20 @@ impl ImageLayout {
         for layer in 0..c.layers {
             let base = c.layer_offset(layer);
             for seg in &self.layer.segments {
-                let tag = WeightTag::Layer { layer: layer as u32, kind: seg.kind };
+                let tag = WeightTag::Layer {
+                    layer: layer as u32,
+                    kind: seg.kind,
+                };
                 out.push((base + seg.offset as u64, seg.len_bytes as u64, tag));
             }
         }
         let head = c.head_offset();
         out.push((head, self.final_norm_bytes, WeightTag::FinalNorm));
-        out.push((head + self.final_norm_bytes, c.head_bytes - self.final_norm_bytes, WeightTag::LmHead));
+        out.push((
+            head + self.final_norm_bytes,
+            c.head_bytes - self.final_norm_bytes,
+            WeightTag::LmHead,
+        ));
         out
     }
 
@@ -170,7 +215,11 @@ impl ImageLayout {
             WeightTag::Embed => self.checkpoint.embed_bytes,
             WeightTag::FinalNorm => self.final_norm_bytes,
             WeightTag::LmHead => self.checkpoint.head_bytes - self.final_norm_bytes,
-            WeightTag::Layer { kind, .. } => self.layer.segment(kind).map(|s| s.len_bytes as u64).unwrap_or(0),
+            WeightTag::Layer { kind, .. } => self
+                .layer
+                .segment(kind)
+                .map(|s| s.len_bytes as u64)
+                .unwrap_or(0),
         }
     }
 
@@ -213,16 +262,32 @@ fn raw_bytes<'a>(slice: &TypedSlice<'a>) -> &'a [u8] {
 }
 
 /// Checks the checkpoint against the program's layout and returns the image geometry.
-pub fn image_layout(checkpoint: &Checkpoint, layout: CheckpointLayout) -> Result<ImageLayout, ImageError> {
+pub fn image_layout(
+    checkpoint: &Checkpoint,
+    layout: CheckpointLayout,
+) -> Result<ImageLayout, ImageError> {
     let dir = checkpoint.dir().display().to_string();
     let layer = checkpoint.layer_layout(0)?;
-    let mismatch = |what, got: u64, expected: u64| ImageError::Mismatch { dir: dir.clone(), what, got, expected };
+    let mismatch = |what, got: u64, expected: u64| ImageError::Mismatch {
+        dir: dir.clone(),
+        what,
+        got,
+        expected,
+    };
     if layer.image_bytes as u64 != layout.layer_bytes() {
-        return Err(mismatch("one layer", layer.image_bytes as u64, layout.layer_bytes()));
+        return Err(mismatch(
+            "one layer",
+            layer.image_bytes as u64,
+            layout.layer_bytes(),
+        ));
     }
     let expert = layer.expert_range(0);
     if (expert.end - expert.start) as u64 != layout.expert_bytes {
-        return Err(mismatch("one expert", (expert.end - expert.start) as u64, layout.expert_bytes));
+        return Err(mismatch(
+            "one expert",
+            (expert.end - expert.start) as u64,
+            layout.expert_bytes,
+        ));
     }
     let weights = checkpoint.model_weights()?;
     let embed = raw_bytes(&weights.embed.data).len() as u64;
@@ -230,11 +295,19 @@ pub fn image_layout(checkpoint: &Checkpoint, layout: CheckpointLayout) -> Result
         return Err(mismatch("the embedding", embed, layout.embed_bytes));
     }
     let final_norm_bytes = raw_bytes(&weights.final_norm).len() as u64;
-    Ok(ImageLayout { checkpoint: layout, layer, final_norm_bytes })
+    Ok(ImageLayout {
+        checkpoint: layout,
+        layer,
+        final_norm_bytes,
+    })
 }
 
 /// Writes the packed weights image into `dst` (at least `layout.checkpoint.total_bytes()`).
-pub fn write_image(checkpoint: &Checkpoint, layout: &ImageLayout, dst: &mut [u8]) -> Result<(), ImageError> {
+pub fn write_image(
+    checkpoint: &Checkpoint,
+    layout: &ImageLayout,
+    dst: &mut [u8],
+) -> Result<(), ImageError> {
     let c = &layout.checkpoint;
     let weights = checkpoint.model_weights()?;
     let embed = raw_bytes(&weights.embed.data);
