@@ -1,0 +1,79 @@
+//! Structural checks: engines and memory spaces, copy lengths, argument sizes, read-only `W`.
+//!
+//! Takes a program; gives diagnostics. Invariants checked, per task:
+//! - compute ops run on `gpu.compute` or `cpu.compute`; copies on an engine whose spaces fit;
+//! - `gpu.compute` touches only `gpu`; `cpu.compute` only `pinned`/`host`; `gpu.copy_in`
+//!   copies `pinned`/`host` -> `gpu` (pageable source: warning); `gpu.copy_out` `gpu` ->
+//!   `pinned`/`host`; `cpu.copy` between `pinned`/`host`;
+//! - copies move equal lengths; activation arguments are at least as large as the op needs;
+//! - nothing writes the checkpoint.
+
+use crate::diag::Diagnostic;
+use crate::ir::catalog::{self, Op};
+use crate::ir::{BufferKind, Engine, Program, Role, Space, TaskId};
+
+fn allowed(engine: Engine, role: Role) -> (&'static [Space], &'static str) {
+    const GPU: &[Space] = &[Space::Gpu];
+    const HOST: &[Space] = &[Space::Pinned, Space::Host];
+    match (engine, role) {
+        (Engine::GpuCompute, _) => (GPU, "only `gpu` memory"),
+        (Engine::CpuCompute | Engine::CpuCopy, _) => (HOST, "only `pinned` and `host` memory"),
+        (Engine::GpuCopyIn, Role::Dst) => (GPU, "`pinned`/`host` sources and `gpu` destinations"),
+        (Engine::GpuCopyIn, _) => (HOST, "`pinned`/`host` sources and `gpu` destinations"),
+        (Engine::GpuCopyOut, Role::Src) => (GPU, "`gpu` sources and `pinned`/`host` destinations"),
+        (Engine::GpuCopyOut, _) => (HOST, "`gpu` sources and `pinned`/`host` destinations"),
+    }
+}
+
+/// Runs the structural checks over every task.
+pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
+    for (index, task) in program.tasks.iter().enumerate() {
+        let id = TaskId::new(index);
+        let stream = program.stream(task.stream);
+        let span = program.task_span(id);
+        let stream_span = program.spans.streams.get(task.stream.index()).copied().unwrap_or_default();
+        let arg_spans = program.spans.task_args.get(index).cloned().unwrap_or_default();
+        let is_copy = task.op == Op::Copy;
+        if !is_copy && !stream.engine.is_compute() {
+            diags.push(Diagnostic::op_engine(span, stream_span, task.op.name(), stream.engine.as_str()));
+            continue;
+        }
+        for (k, arg) in task.args.iter().enumerate() {
+            let buffer = program.buffer(arg.slice.buffer);
+            let arg_span = arg_spans.get(k).copied().unwrap_or(span);
+            let (spaces, text) = allowed(stream.engine, arg.role);
+            if !spaces.contains(&buffer.space) {
+                diags.push(Diagnostic::engine_space(
+                    arg_span,
+                    stream_span,
+                    stream.engine.as_str(),
+                    &buffer.name,
+                    buffer.space.as_str(),
+                    text,
+                ));
+            }
+            if arg.access.writes() && buffer.kind == BufferKind::Checkpoint {
+                diags.push(Diagnostic::write_checkpoint(arg_span));
+            }
+            if arg.access.writes() && arg.slice.dynamic_expert.is_some() {
+                diags.push(Diagnostic::dynamic_not_allowed(arg_span, "the slot a task writes"));
+            }
+            if let Some(need) = catalog::required_bytes(&task.op, arg.role, &program.model, &task.shape) {
+                if arg.slice.len < need {
+                    diags.push(Diagnostic::buffer_too_small(arg_span, arg.role.as_str(), arg.slice.len, need));
+                }
+            }
+        }
+        if is_copy {
+            if let [src, dst] = task.args.as_slice() {
+                if src.slice.len != dst.slice.len {
+                    diags.push(Diagnostic::copy_size(span, src.slice.len, dst.slice.len));
+                }
+                let src_buffer = program.buffer(src.slice.buffer);
+                if stream.engine == Engine::GpuCopyIn && src_buffer.space == Space::Host {
+                    diags.push(Diagnostic::pageable_copy(arg_spans.first().copied().unwrap_or(span), &src_buffer.name));
+                }
+            }
+        }
+    }
+}

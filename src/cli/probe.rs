@@ -1,0 +1,109 @@
+//! `moec probe`: measures this machine and writes a hardware profile.
+
+use crate::cost::hardware::{Level, GB, TFLOPS};
+use crate::cost::probe::{measure, profile_from_measurements};
+use clap::Args;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Arguments of `moec probe`.
+#[derive(Debug, Args)]
+pub struct ProbeArgs {
+    /// Write the profile here (RON); without it, print it.
+    #[arg(long, short)]
+    pub out: Option<PathBuf>,
+    /// Name of the profile.
+    #[arg(long, default_value = "this-machine")]
+    pub name: String,
+    /// Buffer size for the bandwidth kernels, MiB (larger than the last-level cache).
+    #[arg(long, default_value_t = 512)]
+    pub size_mib: usize,
+    /// Threads for the parallel kernels (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print the measurements as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `moec probe`.
+pub fn run(args: ProbeArgs) -> ExitCode {
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let measured = match measure(args.size_mib.saturating_mul(1 << 20), threads) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::msg(e.to_string()));
+            return ExitCode::FAILURE;
+        }
+    };
+    let profile = profile_from_measurements(&args.name, &measured);
+    if args.json {
+        let value = serde_json::json!({ "measurements": measured, "profile": profile });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
+    } else {
+        println!(
+            "measured on {threads} threads, {} MiB buffers:",
+            measured.buffer_bytes >> 20
+        );
+        println!(
+            "  streaming read (all threads)  {:>8.2} GB/s",
+            measured.stream_read_bytes_per_s / GB
+        );
+        println!(
+            "  memcpy (one thread)           {:>8.2} GB/s copied",
+            measured.memcpy_bytes_per_s / GB
+        );
+        println!(
+            "  f32 GEMM {n}x{n}x{n} (gemm)    {:>8.1} GFLOP/s",
+            measured.gemm_f32_flops / 1e9,
+            n = measured.gemm_size
+        );
+        println!(
+            "profile `{}`: emulated gpu {:.1} GB at {:.1} GB/s, {:.3} TFLOPS; links {:.1} GB/s",
+            profile.name,
+            profile.capacity_bytes(Level::Gpu) / GB,
+            profile.level_bandwidth(Level::Gpu) / GB,
+            profile.gpu.f32_tflops * TFLOPS / TFLOPS,
+            profile.link_bandwidth(Level::Pinned, Level::Gpu) / GB
+        );
+        println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
+    }
+    let text = format!(
+        "// Measured by `moec probe` ({threads} threads, {} MiB buffers).\n// The GPU is the CPU backend's emulation: same cores and DRAM as the host.\n{}\n",
+        measured.buffer_bytes >> 20,
+        profile.to_ron()
+    );
+    match &args.out {
+        Some(path) => {
+            if let Err(e) = write_atomically(path, &text) {
+                eprintln!(
+                    "{:?}",
+                    miette::Report::msg(format!("cannot write {}: {e}", path.display()))
+                );
+                return ExitCode::FAILURE;
+            }
+            println!("wrote {}", path.display());
+        }
+        None if !args.json => print!("{text}"),
+        None => {}
+    }
+    ExitCode::SUCCESS
+}
+
+/// Writes to a temporary file beside `path`, then renames it over `path`.
+pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension(format!(
+        "{}.tmp{}",
+        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}

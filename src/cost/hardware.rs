@@ -1,0 +1,418 @@
+//! Hardware profiles: the machine a schedule is costed for, as plain data.
+//!
+//! Takes a profile name (built-in, embedded from `hardware/*.ron` so the binary needs no
+//! files) or a path to a `.ron` file; gives a validated [`HardwareProfile`] with capacity,
+//! bandwidth and peak FLOP/s per level and engine, in SI units through its accessors.
+//! Guarantees every number the cost model divides by is finite and positive. The RON files
+//! keep human units (GB, GB/s, TFLOPS) and cite the source of every number.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Bytes in the decimal gigabyte the datasheets and papers use.
+pub const GB: f64 = 1e9;
+/// FLOP/s in one TFLOPS.
+pub const TFLOPS: f64 = 1e12;
+
+/// The GPU side of a profile. With `count > 1` the GPUs form one tensor-parallel group
+/// (MoE-Lightning §4.3) and the accessors aggregate memory, bandwidth and FLOP/s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuSpec {
+    /// Marketing name.
+    pub model: String,
+    /// GPUs in the tensor-parallel group.
+    pub count: u32,
+    /// Memory per GPU, GB.
+    pub mem_gb: f64,
+    /// Share of `mem_gb` a schedule may plan for (driver, context, allocator slack).
+    pub usable_fraction: f64,
+    /// Device memory bandwidth per GPU, GB/s.
+    pub mem_bw_gb_s: f64,
+    /// Peak FP32 FLOP/s per GPU, TFLOPS.
+    pub f32_tflops: f64,
+    /// Peak FP16/BF16 tensor FLOP/s per GPU (dense), TFLOPS.
+    pub half_tflops: f64,
+}
+
+/// The host side: CPU cores and DRAM (pageable and page-locked share the same DRAM).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CpuSpec {
+    /// Marketing name or description.
+    pub model: String,
+    /// Physical cores available to the schedule.
+    pub cores: u32,
+    /// Host DRAM, GB (pageable and pinned buffers together).
+    pub mem_gb: f64,
+    /// Most page-locked memory the host allows, GB.
+    pub pinned_gb: f64,
+    /// Share of `mem_gb` a schedule may plan for.
+    pub usable_fraction: f64,
+    /// Sustained DRAM bandwidth with all cores, GB/s.
+    pub mem_bw_gb_s: f64,
+    /// Peak FP32 FLOP/s of all cores, TFLOPS.
+    pub f32_tflops: f64,
+    /// Peak FLOP/s for half-precision inputs (same as FP32 on CPUs without AMX), TFLOPS.
+    pub half_tflops: f64,
+}
+
+/// Copy paths between the levels.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkSpec {
+    /// Pinned host memory to GPU, per GPU, GB/s.
+    pub host_to_gpu_gb_s: f64,
+    /// GPU to pinned host memory, per GPU, GB/s.
+    pub gpu_to_host_gb_s: f64,
+    /// Whether the two directions run at full speed at the same time (PCIe is full duplex).
+    pub duplex: bool,
+    /// Pageable host memory to GPU (staged by the driver), per GPU, GB/s.
+    pub pageable_to_gpu_gb_s: f64,
+    /// Pageable to pinned host memcpy (one copy thread), GB/s.
+    pub pageable_to_pinned_gb_s: f64,
+}
+
+/// One machine: GPUs, host, and the links between them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HardwareProfile {
+    /// Short name used on the command line (`--hw NAME`).
+    pub name: String,
+    /// One line for `moec hw`.
+    pub description: String,
+    /// The GPU(s).
+    pub gpu: GpuSpec,
+    /// The host CPU and DRAM.
+    pub cpu: CpuSpec,
+    /// Copy paths.
+    pub links: LinkSpec,
+}
+
+/// A memory level of the hierarchy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Level {
+    /// GPU device memory.
+    Gpu,
+    /// Page-locked host memory.
+    Pinned,
+    /// Pageable host memory.
+    Host,
+}
+
+impl Level {
+    /// Every level, in listing order.
+    pub const ALL: [Level; 3] = [Level::Gpu, Level::Pinned, Level::Host];
+
+    /// The name schedules use for the space.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Gpu => "gpu",
+            Level::Pinned => "pinned",
+            Level::Host => "host",
+        }
+    }
+}
+
+/// A compute engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Processor {
+    /// The GPU(s).
+    Gpu,
+    /// The host cores.
+    Cpu,
+}
+
+/// Element type a computation runs in, to pick the right peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ComputeDtype {
+    /// FP32 (the CPU backend's activations).
+    F32,
+    /// FP16/BF16 (tensor cores).
+    Half,
+}
+
+const BUILTIN_PROFILES: &[(&str, &str)] = &[
+    ("t4", include_str!("../../hardware/t4.ron")),
+    ("l4", include_str!("../../hardware/l4.ron")),
+    ("t4-x2", include_str!("../../hardware/t4-x2.ron")),
+    ("t4-x4", include_str!("../../hardware/t4-x4.ron")),
+    ("a40", include_str!("../../hardware/a40.ron")),
+    ("a40-16gb", include_str!("../../hardware/a40-16gb.ron")),
+    ("a40-24gb", include_str!("../../hardware/a40-24gb.ron")),
+    ("a100-40gb", include_str!("../../hardware/a100-40gb.ron")),
+    ("a100-80gb", include_str!("../../hardware/a100-80gb.ron")),
+    (
+        "a100-80gb-x2",
+        include_str!("../../hardware/a100-80gb-x2.ron"),
+    ),
+    ("h100", include_str!("../../hardware/h100.ron")),
+    ("h200", include_str!("../../hardware/h200.ron")),
+    ("rtx3090", include_str!("../../hardware/rtx3090.ron")),
+];
+
+/// Errors from finding or reading a hardware profile.
+#[derive(Debug, thiserror::Error)]
+pub enum HardwareError {
+    /// Neither a built-in name nor a readable file.
+    #[error("unknown hardware profile `{name}` (known: {known}); pass a built-in name or a path to a .ron profile")]
+    Unknown {
+        /// What the user asked for.
+        name: String,
+        /// Comma-separated built-in names.
+        known: String,
+    },
+    /// The file could not be read.
+    #[error("cannot read hardware profile {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not valid RON for a profile.
+    #[error("hardware profile {origin} is malformed: {message}")]
+    Parse {
+        /// File or built-in name.
+        origin: String,
+        /// The RON error.
+        message: String,
+    },
+    /// Parsed, but a number is unusable.
+    #[error("hardware profile {origin} is invalid: {message}")]
+    Invalid {
+        /// File or built-in name.
+        origin: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl HardwareProfile {
+    /// Names of the built-in profiles, in listing order.
+    pub fn builtin_names() -> impl Iterator<Item = &'static str> {
+        BUILTIN_PROFILES.iter().map(|(name, _)| *name)
+    }
+
+    /// All built-in profiles.
+    pub fn builtins() -> Vec<HardwareProfile> {
+        BUILTIN_PROFILES
+            .iter()
+            .map(|(name, text)| {
+                Self::from_ron(text, name)
+                    .unwrap_or_else(|e| panic!("built-in hardware profile {name}: {e}"))
+            })
+            .collect()
+    }
+
+    /// Finds a profile by built-in name, or reads it from a `.ron` path.
+    pub fn load(name_or_path: &str) -> Result<HardwareProfile, HardwareError> {
+        if let Some((name, text)) = BUILTIN_PROFILES.iter().find(|(n, _)| *n == name_or_path) {
+            return Self::from_ron(text, name);
+        }
+        let path = Path::new(name_or_path);
+        if path.extension().is_some_and(|e| e == "ron") || path.exists() {
+            let text = std::fs::read_to_string(path).map_err(|source| HardwareError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+            return Self::from_ron(&text, &path.display().to_string());
+        }
+        Err(HardwareError::Unknown {
+            name: name_or_path.to_string(),
+            known: Self::builtin_names().collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    /// Parses and validates a profile from RON text; `origin` names it in errors.
+    pub fn from_ron(text: &str, origin: &str) -> Result<HardwareProfile, HardwareError> {
+        let profile: HardwareProfile = ron::from_str(text).map_err(|e| HardwareError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        profile
+            .validate()
+            .map_err(|message| HardwareError::Invalid {
+                origin: origin.to_string(),
+                message,
+            })?;
+        Ok(profile)
+    }
+
+    /// Renders the profile as RON (what `moec probe` writes).
+    pub fn to_ron(&self) -> String {
+        let config = ron::ser::PrettyConfig::new().struct_names(false);
+        // Serialising plain structs of numbers and strings cannot fail.
+        ron::ser::to_string_pretty(self, config).unwrap_or_default()
+    }
+
+    /// Checks every rate and capacity is finite and positive and fractions are in (0, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("gpu.mem_gb", self.gpu.mem_gb),
+            ("gpu.mem_bw_gb_s", self.gpu.mem_bw_gb_s),
+            ("gpu.f32_tflops", self.gpu.f32_tflops),
+            ("gpu.half_tflops", self.gpu.half_tflops),
+            ("cpu.mem_gb", self.cpu.mem_gb),
+            ("cpu.pinned_gb", self.cpu.pinned_gb),
+            ("cpu.mem_bw_gb_s", self.cpu.mem_bw_gb_s),
+            ("cpu.f32_tflops", self.cpu.f32_tflops),
+            ("cpu.half_tflops", self.cpu.half_tflops),
+            ("links.host_to_gpu_gb_s", self.links.host_to_gpu_gb_s),
+            ("links.gpu_to_host_gb_s", self.links.gpu_to_host_gb_s),
+            (
+                "links.pageable_to_gpu_gb_s",
+                self.links.pageable_to_gpu_gb_s,
+            ),
+            (
+                "links.pageable_to_pinned_gb_s",
+                self.links.pageable_to_pinned_gb_s,
+            ),
+        ];
+        if let Some((name, value)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+            return Err(format!("`{name}` must be a positive number, got {value}"));
+        }
+        for (name, value) in [
+            ("gpu.usable_fraction", self.gpu.usable_fraction),
+            ("cpu.usable_fraction", self.cpu.usable_fraction),
+        ] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(format!("`{name}` must be in (0, 1], got {value}"));
+            }
+        }
+        if self.gpu.count == 0 || self.cpu.cores == 0 {
+            return Err("`gpu.count` and `cpu.cores` must be positive".to_string());
+        }
+        if self.cpu.pinned_gb > self.cpu.mem_gb {
+            return Err(format!(
+                "`cpu.pinned_gb` ({}) exceeds `cpu.mem_gb` ({}): pinned memory is host DRAM",
+                self.cpu.pinned_gb, self.cpu.mem_gb
+            ));
+        }
+        Ok(())
+    }
+
+    /// Total capacity of a level in bytes (all GPUs for `Gpu`; `Pinned` is the lock limit,
+    /// `Host` the whole DRAM, which pinned buffers also occupy).
+    pub fn capacity_bytes(&self, level: Level) -> f64 {
+        match level {
+            Level::Gpu => self.gpu.mem_gb * GB * f64::from(self.gpu.count),
+            Level::Pinned => self.cpu.pinned_gb * GB,
+            Level::Host => self.cpu.mem_gb * GB,
+        }
+    }
+
+    /// Bytes of a level a schedule may plan for: capacity times the usable share.
+    pub fn budget_bytes(&self, level: Level) -> f64 {
+        match level {
+            Level::Gpu => self.capacity_bytes(level) * self.gpu.usable_fraction,
+            Level::Pinned | Level::Host => self.capacity_bytes(level) * self.cpu.usable_fraction,
+        }
+    }
+
+    /// Bandwidth of the processor next to a level reading it, bytes/s (B^i in eq. 5).
+    pub fn level_bandwidth(&self, level: Level) -> f64 {
+        match level {
+            Level::Gpu => self.gpu.mem_bw_gb_s * GB * f64::from(self.gpu.count),
+            Level::Pinned | Level::Host => self.cpu.mem_bw_gb_s * GB,
+        }
+    }
+
+    /// Peak FLOP/s of a processor for a dtype (P^i in eq. 4).
+    pub fn peak_flops(&self, processor: Processor, dtype: ComputeDtype) -> f64 {
+        match (processor, dtype) {
+            (Processor::Gpu, ComputeDtype::F32) => {
+                self.gpu.f32_tflops * TFLOPS * f64::from(self.gpu.count)
+            }
+            (Processor::Gpu, ComputeDtype::Half) => {
+                self.gpu.half_tflops * TFLOPS * f64::from(self.gpu.count)
+            }
+            (Processor::Cpu, ComputeDtype::F32) => self.cpu.f32_tflops * TFLOPS,
+            (Processor::Cpu, ComputeDtype::Half) => self.cpu.half_tflops * TFLOPS,
+        }
+    }
+
+    /// Bandwidth of a copy from one level to another, bytes/s (B^{j,i} in eq. 6). A copy
+    /// within one level runs at half the level's bandwidth (each byte is read and written).
+    pub fn link_bandwidth(&self, from: Level, to: Level) -> f64 {
+        let gpus = f64::from(self.gpu.count);
+        match (from, to) {
+            (Level::Pinned, Level::Gpu) => self.links.host_to_gpu_gb_s * GB * gpus,
+            (Level::Host, Level::Gpu) => self.links.pageable_to_gpu_gb_s * GB * gpus,
+            (Level::Gpu, Level::Pinned) | (Level::Gpu, Level::Host) => {
+                self.links.gpu_to_host_gb_s * GB * gpus
+            }
+            (Level::Host, Level::Pinned) | (Level::Pinned, Level::Host) => {
+                self.links.pageable_to_pinned_gb_s * GB
+            }
+            (Level::Gpu, Level::Gpu) => self.level_bandwidth(Level::Gpu) / 2.0,
+            (Level::Host, Level::Host) | (Level::Pinned, Level::Pinned) => {
+                self.level_bandwidth(Level::Host) / 2.0
+            }
+        }
+    }
+
+    /// Hardware symbols a schedule may use (`gpu.mem`, ...), in bytes, bytes/s and FLOP/s.
+    pub fn symbols(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("gpu.mem", self.budget_bytes(Level::Gpu)),
+            ("gpu.count", f64::from(self.gpu.count)),
+            ("gpu.bw", self.level_bandwidth(Level::Gpu)),
+            (
+                "gpu.flops",
+                self.peak_flops(Processor::Gpu, ComputeDtype::Half),
+            ),
+            ("pinned.mem", self.budget_bytes(Level::Pinned)),
+            ("host.mem", self.budget_bytes(Level::Host)),
+            ("host.bw", self.level_bandwidth(Level::Host)),
+            ("cpu.cores", f64::from(self.cpu.cores)),
+            (
+                "cpu.flops",
+                self.peak_flops(Processor::Cpu, ComputeDtype::F32),
+            ),
+            ("link.h2d", self.link_bandwidth(Level::Pinned, Level::Gpu)),
+            ("link.d2h", self.link_bandwidth(Level::Gpu, Level::Pinned)),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_profile_parses_and_validates() {
+        let profiles = HardwareProfile::builtins();
+        assert_eq!(profiles.len(), BUILTIN_PROFILES.len());
+        for (profile, (name, _)) in profiles.iter().zip(BUILTIN_PROFILES) {
+            assert_eq!(profile.name, *name, "file name and `name` field agree");
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_profiles_aggregate_gpu_resources() {
+        let one = HardwareProfile::load("t4").unwrap();
+        let four = HardwareProfile::load("t4-x4").unwrap();
+        assert_eq!(
+            four.capacity_bytes(Level::Gpu),
+            4.0 * one.capacity_bytes(Level::Gpu)
+        );
+        assert_eq!(four.level_bandwidth(Level::Gpu), 4.0 * 300e9);
+        assert_eq!(four.link_bandwidth(Level::Pinned, Level::Gpu), 4.0 * 16e9);
+    }
+
+    #[test]
+    fn round_trips_through_ron() {
+        let l4 = HardwareProfile::load("l4").unwrap();
+        let again = HardwareProfile::from_ron(&l4.to_ron(), "round trip").unwrap();
+        assert_eq!(l4, again);
+    }
+
+    #[test]
+    fn rejects_zero_bandwidth_and_unknown_names() {
+        let mut bad = HardwareProfile::load("t4").unwrap();
+        bad.links.host_to_gpu_gb_s = 0.0;
+        let err = HardwareProfile::from_ron(&bad.to_ron(), "bad")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("host_to_gpu_gb_s"), "{err}");
+        let err = HardwareProfile::load("tpu-v9").unwrap_err().to_string();
+        assert!(err.contains("t4") && err.contains("h200"), "{err}");
+    }
+}

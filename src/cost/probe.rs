@@ -1,0 +1,241 @@
+//! Measures this machine and turns the figures into a [`HardwareProfile`].
+//!
+//! Takes a buffer size and a thread count; gives measured DRAM read bandwidth (a streaming
+//! sum on all cores), memcpy bandwidth (one thread, as one copy stream of the CPU backend
+//! does it) and f32 GEMM FLOP/s (through the `gemm` crate the kernels use, all cores).
+//! Each figure is the best of several timed repetitions after a warm-up, so it estimates
+//! the machine's peak rather than its average. No GPU is involved: the profile describes
+//! the CPU backend's emulated GPU (see [`profile_from_measurements`]).
+
+use super::hardware::{CpuSpec, GpuSpec, HardwareProfile, LinkSpec, GB, TFLOPS};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::time::Instant;
+
+/// What `moec probe` measured.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Measurements {
+    /// Threads used by the parallel kernels.
+    pub threads: usize,
+    /// Bytes per buffer used for the bandwidth kernels.
+    pub buffer_bytes: usize,
+    /// DRAM read bandwidth with all threads, bytes/s.
+    pub stream_read_bytes_per_s: f64,
+    /// Bytes copied per second by one thread's `memcpy` (each byte is read and written).
+    pub memcpy_bytes_per_s: f64,
+    /// f32 GEMM throughput with all threads, FLOP/s.
+    pub gemm_f32_flops: f64,
+    /// GEMM size used (m = n = k).
+    pub gemm_size: usize,
+    /// Total RAM reported by the OS, bytes (0 if unknown).
+    pub total_ram_bytes: u64,
+}
+
+/// Errors from probing.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// The rayon pool could not be built.
+    #[error("cannot start {threads} probe threads: {message}")]
+    Threads {
+        /// Requested threads.
+        threads: usize,
+        /// Why.
+        message: String,
+    },
+    /// A size was zero or too small to time.
+    #[error("probe buffer of {0} bytes is too small (need at least 1 MiB)")]
+    TooSmall(usize),
+}
+
+/// Best of `reps` timings of `f` after one warm-up call, in seconds.
+fn best_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Parallel streaming read: each thread sums its chunk with independent accumulators so
+/// the loads, not the adds, set the pace.
+fn stream_read(data: &[f32]) -> f32 {
+    data.par_chunks(1 << 16)
+        .map(|chunk| {
+            let mut acc = [0.0f32; 16];
+            let mut lanes = chunk.chunks_exact(16);
+            for lane in &mut lanes {
+                for (a, x) in acc.iter_mut().zip(lane) {
+                    *a += x;
+                }
+            }
+            acc.iter().sum::<f32>() + lanes.remainder().iter().sum::<f32>()
+        })
+        .sum()
+}
+
+/// Square f32 GEMM `c = a * b` (row-major) through the `gemm` crate.
+fn gemm_f32(size: usize, a: &[f32], b: &[f32], c: &mut [f32], threads: usize) {
+    assert!(a.len() == size * size && b.len() == size * size && c.len() == size * size);
+    let stride = size as isize;
+    // SAFETY: the three slices each hold size*size f32 (asserted above), so every index
+    // the kernel forms from m = n = k = size with row stride `size` and column stride 1
+    // stays inside its slice; `c` is borrowed mutably and does not alias `a` or `b`.
+    unsafe {
+        gemm::gemm(
+            size,
+            size,
+            size,
+            c.as_mut_ptr(),
+            1,
+            stride,
+            false,
+            a.as_ptr(),
+            1,
+            stride,
+            b.as_ptr(),
+            1,
+            stride,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(threads),
+        );
+    }
+}
+
+/// Total RAM from `/proc/meminfo`, bytes; 0 where that file does not exist.
+fn total_ram_bytes() -> u64 {
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+        return 0;
+    };
+    text.lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Runs the three kernels on `threads` threads with buffers of `buffer_bytes` each.
+pub fn measure(buffer_bytes: usize, threads: usize) -> Result<Measurements, ProbeError> {
+    if buffer_bytes < (1 << 20) {
+        return Err(ProbeError::TooSmall(buffer_bytes));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| ProbeError::Threads {
+            threads,
+            message: e.to_string(),
+        })?;
+    let elems = buffer_bytes / 4;
+    let source: Vec<f32> = (0..elems).map(|i| (i % 1024) as f32 * 1e-3).collect();
+    let mut sink = vec![0.0f32; elems];
+
+    let mut checksum = 0.0f32;
+    let read_seconds = pool.install(|| best_seconds(5, || checksum += stream_read(&source)));
+    let copy_seconds = best_seconds(5, || sink.copy_from_slice(&source));
+    std::hint::black_box((checksum, &sink));
+
+    let gemm_size = 1024;
+    let a: Vec<f32> = (0..gemm_size * gemm_size).map(|i| (i % 7) as f32).collect();
+    let b: Vec<f32> = (0..gemm_size * gemm_size).map(|i| (i % 5) as f32).collect();
+    let mut c = vec![0.0f32; gemm_size * gemm_size];
+    let gemm_seconds =
+        pool.install(|| best_seconds(3, || gemm_f32(gemm_size, &a, &b, &mut c, threads)));
+    std::hint::black_box(&c);
+
+    let bytes = (elems * 4) as f64;
+    Ok(Measurements {
+        threads,
+        buffer_bytes: elems * 4,
+        stream_read_bytes_per_s: bytes / read_seconds,
+        memcpy_bytes_per_s: bytes / copy_seconds,
+        gemm_f32_flops: 2.0 * (gemm_size as f64).powi(3) / gemm_seconds,
+        gemm_size,
+        total_ram_bytes: total_ram_bytes(),
+    })
+}
+
+/// Builds this machine's profile. The CPU backend emulates the GPU on the same cores and
+/// DRAM, so: GPU FLOP/s = measured GEMM (f32 and "half" alike: the backend computes in
+/// f32), GPU memory bandwidth = measured streaming read, host<->GPU links = one thread's
+/// memcpy (each copy stream is one thread copying between arenas), pageable->pinned the
+/// same. Capacities: the `gpu` arena gets a quarter of RAM and pinned another quarter by
+/// default (both live in the same DRAM as the pageable checkpoint mapping); pass
+/// `--gpu-mem` / `--host-mem` to budget differently. The CPU side reports the same
+/// measured figures, because it is the same silicon: a simulation on this profile shows
+/// "gpu" and "cpu" work overlapping, which the real 2-core machine cannot fully do.
+pub fn profile_from_measurements(name: &str, measured: &Measurements) -> HardwareProfile {
+    let ram_gb = if measured.total_ram_bytes > 0 {
+        measured.total_ram_bytes as f64 / GB
+    } else {
+        8.0
+    };
+    let threads = measured.threads.max(1) as u32;
+    let read_gb_s = measured.stream_read_bytes_per_s / GB;
+    let copy_gb_s = measured.memcpy_bytes_per_s / GB;
+    let flops_t = measured.gemm_f32_flops / TFLOPS;
+    HardwareProfile {
+        name: name.to_string(),
+        description: format!(
+            "this machine, measured by `moec probe` ({threads} threads; the GPU is the CPU backend's emulation)"
+        ),
+        gpu: GpuSpec {
+            model: "emulated on CPU (moec cpu backend)".to_string(),
+            count: 1,
+            mem_gb: ram_gb / 4.0,
+            usable_fraction: 1.0,
+            mem_bw_gb_s: read_gb_s,
+            f32_tflops: flops_t,
+            half_tflops: flops_t,
+        },
+        cpu: CpuSpec {
+            model: "this machine".to_string(),
+            cores: threads,
+            mem_gb: ram_gb,
+            pinned_gb: ram_gb / 4.0,
+            usable_fraction: 0.8,
+            mem_bw_gb_s: read_gb_s,
+            f32_tflops: flops_t,
+            half_tflops: flops_t,
+        },
+        links: LinkSpec {
+            host_to_gpu_gb_s: copy_gb_s,
+            gpu_to_host_gb_s: copy_gb_s,
+            duplex: threads > 1,
+            pageable_to_gpu_gb_s: copy_gb_s,
+            pageable_to_pinned_gb_s: copy_gb_s,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small probe runs and gives a valid profile (figures are not asserted: they are
+    /// measurements of whatever machine runs the test).
+    #[test]
+    fn small_probe_gives_a_valid_profile() {
+        let measured = measure(4 << 20, 1).unwrap();
+        assert!(measured.stream_read_bytes_per_s > 0.0 && measured.gemm_f32_flops > 0.0);
+        let profile = profile_from_measurements("probe-test", &measured);
+        profile.validate().unwrap();
+        assert!(HardwareProfile::from_ron(&profile.to_ron(), "probe").is_ok());
+    }
+
+    #[test]
+    fn rejects_tiny_buffers() {
+        assert!(matches!(measure(1000, 1), Err(ProbeError::TooSmall(1000))));
+    }
+}

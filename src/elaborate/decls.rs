@@ -1,0 +1,399 @@
+//! Top-level declarations: params (with `--set`), streams, buffers, micro-batches, templates.
+//!
+//! Takes declaration nodes in textual order; fills the elaborator's tables, reporting
+//! duplicates, unknown engines and spaces, bad sizes, and param values out of range.
+
+use super::value::{as_int, Val};
+use super::{ArrayDecl, Elaborator, MAX_BUFFERS};
+use crate::diag::Diagnostic;
+use crate::ir::{
+    self, Buffer, BufferId, BufferKind, Engine, Layout, ParamRange, Scalar, Space, Stream, StreamId,
+};
+use crate::syntax::ast::{
+    BinOp, BufferDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl,
+    TemplateDecl,
+};
+
+impl<'a> Elaborator<'a> {
+    fn is_declared(&self, name: &str) -> Option<Span> {
+        if let Some(&i) = self.param_index.get(name) {
+            return Some(self.param_spans[i]);
+        }
+        if let Some(&i) = self.array_index.get(name) {
+            return Some(self.arrays[i].span);
+        }
+        if let Some(&s) = self.stream_index.get(name) {
+            return Some(self.stream_spans[s.index()]);
+        }
+        None
+    }
+
+    fn scalar(&self, v: Val, ty: ParamType, span: Span) -> Result<Scalar, Diagnostic> {
+        match (ty, v) {
+            (ParamType::Int, v @ (Val::Int(_) | Val::Bytes(_))) => {
+                Ok(Scalar::Int(as_int(v, span)?))
+            }
+            (ParamType::Float, Val::Float(f)) => Ok(Scalar::Float(f)),
+            (ParamType::Float, Val::Int(i)) => Ok(Scalar::Float(i as f64)),
+            (ParamType::Bool, Val::Bool(b)) => Ok(Scalar::Bool(b)),
+            (ty, v) => Err(Diagnostic::type_mismatch(
+                span,
+                &format!("{} `{}`", article(ty), ty.as_str()),
+                v.type_name(),
+            )),
+        }
+    }
+
+    pub(super) fn declare_param(&mut self, decl: &ParamDecl) {
+        let name = &decl.name.name;
+        if let Some(first) = self.is_declared(name) {
+            self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "param",
+                name,
+            ));
+            return;
+        }
+        let default = match self
+            .eval(&decl.default)
+            .and_then(|v| self.scalar(v, decl.ty, decl.default.span))
+        {
+            Ok(v) => v,
+            Err(d) => return self.report(d),
+        };
+        let range = match &decl.range {
+            None => None,
+            Some(expr) => match &expr.kind {
+                ExprKind::Binary(op @ (BinOp::RangeExclusive | BinOp::RangeInclusive), lo, hi)
+                    if decl.ty != ParamType::Bool =>
+                {
+                    let lo_v = self.eval(lo).and_then(|v| self.scalar(v, decl.ty, lo.span));
+                    let hi_v = self.eval(hi).and_then(|v| self.scalar(v, decl.ty, hi.span));
+                    match (lo_v, hi_v) {
+                        (Ok(lo), Ok(hi)) => Some(ParamRange {
+                            lo,
+                            hi,
+                            inclusive: *op == BinOp::RangeInclusive,
+                        }),
+                        (Err(d), _) | (_, Err(d)) => return self.report(d),
+                    }
+                }
+                _ => {
+                    return self.report(Diagnostic::type_mismatch(
+                        expr.span,
+                        "a range `lo..=hi` of numbers",
+                        "something else",
+                    ))
+                }
+            },
+        };
+        let mut value = default;
+        let mut from_set = false;
+        if let Some((_, text)) = self.options.sets.iter().rev().find(|(n, _)| n == name) {
+            from_set = true;
+            match parse_scalar(text, decl.ty) {
+                Some(v) => value = v,
+                None => {
+                    return self.report(Diagnostic::param_bad_value(
+                        decl.span,
+                        name,
+                        decl.ty.as_str(),
+                        text,
+                    ))
+                }
+            }
+        }
+        if let Some(range) = &range {
+            if !in_range(value, range) {
+                let range_text = format!(
+                    "{}{}{}",
+                    range.lo,
+                    if range.inclusive { "..=" } else { ".." },
+                    range.hi
+                );
+                self.report(Diagnostic::param_out_of_range(
+                    decl.span,
+                    name,
+                    &value.to_string(),
+                    &range_text,
+                    from_set,
+                ));
+                return;
+            }
+        }
+        self.param_index.insert(name.clone(), self.params.len());
+        self.params.push(ir::Param {
+            name: name.clone(),
+            ty: decl.ty,
+            value,
+            default,
+            range,
+            doc: decl.doc.clone(),
+        });
+        self.param_spans.push(decl.span);
+        self.param_used.push(false);
+    }
+
+    pub(super) fn check_unknown_sets(&mut self) {
+        let declared: Vec<String> = self.params.iter().map(|p| p.name.clone()).collect();
+        let refs: Vec<&str> = declared.iter().map(String::as_str).collect();
+        let sets = self.options.sets.clone();
+        for (name, _) in &sets {
+            if self.param_index.contains_key(name) {
+                continue;
+            }
+            // Declared but rejected (bad value): already reported at the declaration.
+            if self
+                .diags
+                .iter()
+                .any(|d| d.message.starts_with(&format!("param `{name}`")))
+            {
+                continue;
+            }
+            self.report(Diagnostic::unknown_param(name, &refs));
+        }
+    }
+
+    pub(super) fn declare_stream(&mut self, decl: &StreamDecl) {
+        let name = &decl.name.name;
+        if let Some(first) = self.is_declared(name) {
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "stream",
+                name,
+            ));
+        }
+        let Some(engine) = Engine::parse(&decl.engine.name) else {
+            let known: Vec<&str> = Engine::ALL.iter().map(|e| e.as_str()).collect();
+            return self.report(Diagnostic::bad_engine(
+                decl.engine.span,
+                &decl.engine.name,
+                "engine",
+                &known,
+            ));
+        };
+        self.stream_index
+            .insert(name.clone(), StreamId::new(self.streams.len()));
+        self.streams.push(Stream {
+            name: name.clone(),
+            engine,
+        });
+        self.stream_spans.push(decl.span);
+    }
+
+    pub(super) fn declare_buffer(&mut self, decl: &BufferDecl) {
+        let name = &decl.name.name;
+        if let Some(first) = self.is_declared(name) {
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "buffer",
+                name,
+            ));
+        }
+        let Some(space) = Space::parse(&decl.space.name) else {
+            let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
+            return self.report(Diagnostic::bad_engine(
+                decl.space.span,
+                &decl.space.name,
+                "memory space",
+                &known,
+            ));
+        };
+        let mut dims = Vec::new();
+        let mut count: u64 = 1;
+        for dim in &decl.dims {
+            let n = match self.eval(dim).and_then(|v| as_int(v, dim.span)) {
+                Ok(n) => n,
+                Err(d) => return self.report(d),
+            };
+            // Zero is allowed: an optional buffer (`w_res[layers * min(n_res, 1)]`).
+            if n < 0 || n > i64::from(u32::MAX) {
+                return self.report(Diagnostic::out_of_range(
+                    dim.span,
+                    "array length",
+                    n,
+                    "0 or more",
+                ));
+            }
+            count = count.saturating_mul(n as u64);
+            dims.push(n as u32);
+        }
+        if count.saturating_add(self.buffers.len() as u64) > MAX_BUFFERS {
+            return self.report(Diagnostic::too_many_tasks(decl.span, MAX_BUFFERS as usize));
+        }
+        let (bytes, layout) = match self.eval(&decl.size) {
+            Ok(Val::Bytes(size)) => (size.bytes, size.layout),
+            Ok(Val::Int(n)) if n >= 0 => (n as u64, Layout::Raw),
+            // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`.
+            Ok(Val::Slice(slice)) if slice.dynamic_expert.is_none() => {
+                let layout = if slice.layout == Layout::Checkpoint {
+                    Layout::Raw
+                } else {
+                    slice.layout
+                };
+                (slice.len, layout)
+            }
+            Ok(Val::Int(n)) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.size.span,
+                    "buffer size",
+                    n,
+                    "0 or more bytes",
+                ))
+            }
+            Ok(v) => {
+                return self.report(Diagnostic::type_mismatch(
+                    decl.size.span,
+                    "a size in bytes",
+                    v.type_name(),
+                ))
+            }
+            Err(d) => return self.report(d),
+        };
+        let first = BufferId::new(self.buffers.len());
+        for flat in 0..count {
+            let mut index = Vec::with_capacity(dims.len());
+            let mut rest = flat;
+            for &d in dims.iter().rev() {
+                index.push((rest % u64::from(d)) as u32);
+                rest /= u64::from(d);
+            }
+            index.reverse();
+            let element_name = format!(
+                "{name}{}",
+                index.iter().map(|i| format!("[{i}]")).collect::<String>()
+            );
+            self.buffers.push(Buffer {
+                name: element_name,
+                array: name.clone(),
+                index,
+                space,
+                bytes,
+                layout,
+                kind: BufferKind::Declared,
+            });
+            self.buffer_spans.push(decl.span);
+        }
+        self.array_index.insert(name.clone(), self.arrays.len());
+        self.arrays.push(ArrayDecl {
+            name: name.clone(),
+            dims,
+            first,
+            layout,
+            span: decl.span,
+        });
+    }
+
+    pub(super) fn declare_micro_batches(&mut self, decl: &MicroBatchDecl) {
+        if self.micro.is_some() {
+            return self.report(Diagnostic::duplicate_name(
+                decl.span,
+                decl.span,
+                "declaration",
+                "microbatches",
+            ));
+        }
+        let count = match self
+            .eval(&decl.count)
+            .and_then(|v| as_int(v, decl.count.span))
+        {
+            Ok(n) if (1..=i64::from(u32::MAX)).contains(&n) => n as u32,
+            Ok(n) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.count.span,
+                    "micro-batch count",
+                    n,
+                    "1 or more",
+                ))
+            }
+            Err(d) => return self.report(d),
+        };
+        let size = match self
+            .eval(&decl.size)
+            .and_then(|v| as_int(v, decl.size.span))
+        {
+            Ok(n) if n >= 1 => n as u64,
+            Ok(n) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.size.span,
+                    "micro-batch size",
+                    n,
+                    "1 or more",
+                ))
+            }
+            Err(d) => return self.report(d),
+        };
+        let mixed_tokens = match &decl.tokens {
+            None => size,
+            Some(expr) => match self.eval(expr).and_then(|v| as_int(v, expr.span)) {
+                Ok(n) if n >= 1 => n as u64,
+                Ok(n) => return self.report(Diagnostic::out_of_range(expr.span, "tokens per micro-batch", n, "1 or more")),
+                Err(d) => return self.report(d),
+            },
+        };
+        self.micro = Some(ir::MicroBatches { count, size, mixed_tokens });
+    }
+
+    pub(super) fn declare_template(&mut self, decl: &'a TemplateDecl) {
+        let name = &decl.name.name;
+        if let Some(first) = self.templates.get(name) {
+            let first = first.name.span;
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "template",
+                name,
+            ));
+        }
+        if crate::ir::catalog::OP_NAMES.contains(&name.as_str()) {
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                decl.name.span,
+                "op",
+                name,
+            ));
+        }
+        self.templates.insert(name.clone(), decl);
+    }
+}
+
+fn article(ty: ParamType) -> &'static str {
+    match ty {
+        ParamType::Int => "an",
+        _ => "a",
+    }
+}
+
+fn parse_scalar(text: &str, ty: ParamType) -> Option<Scalar> {
+    let text = text.trim();
+    let digits: String = text.chars().filter(|c| *c != '_').collect();
+    match ty {
+        ParamType::Int => digits.parse().ok().map(Scalar::Int),
+        ParamType::Float => digits
+            .parse::<f64>()
+            .ok()
+            .filter(|f| f.is_finite())
+            .map(Scalar::Float),
+        ParamType::Bool => match text {
+            "true" => Some(Scalar::Bool(true)),
+            "false" => Some(Scalar::Bool(false)),
+            _ => None,
+        },
+    }
+}
+
+fn in_range(value: Scalar, range: &ParamRange) -> bool {
+    let as_f = |s: Scalar| match s {
+        Scalar::Int(i) => i as f64,
+        Scalar::Float(f) => f,
+        Scalar::Bool(b) => f64::from(u8::from(b)),
+    };
+    if let (Scalar::Int(v), Scalar::Int(lo), Scalar::Int(hi)) = (value, range.lo, range.hi) {
+        return v >= lo && if range.inclusive { v <= hi } else { v < hi };
+    }
+    let (v, lo, hi) = (as_f(value), as_f(range.lo), as_f(range.hi));
+    v >= lo && if range.inclusive { v <= hi } else { v < hi }
+}

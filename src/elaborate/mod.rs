@@ -1,0 +1,469 @@
+//! Elaboration: AST + model card + workload + `--set` overrides to the IR.
+//!
+//! Takes a parsed [`File`] and [`Options`]; gives an [`ir::Program`] with params bound,
+//! loops unrolled, templates expanded, names resolved, every task's slices as byte ranges,
+//! and per-task work from the op catalog — or every independent error found. Guarantees the
+//! invariants listed in [`crate::ir`]'s header. Declarations are processed in textual order
+//! (a name must be declared before it is used), step blocks after all declarations.
+
+mod decls;
+mod stmts;
+pub mod value;
+
+use crate::diag::{Code, Diagnostic};
+use crate::ir::{
+    self, Buffer, BufferId, BufferKind, Layout, MicroBatches, Space, Stream, StreamId, Task,
+    TaskId, Workload,
+};
+use crate::model::card::ModelCard;
+use crate::syntax::ast::{File, Item, Span, StepDecl, TemplateDecl};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use value::{SliceVal, Val};
+
+/// At most this many tasks after unrolling.
+pub const MAX_TASKS: usize = 2_000_000;
+/// At most this many loop iterations in total (empty loops included).
+pub const MAX_ITERATIONS: u64 = 20_000_000;
+/// At most this many buffers (array elements).
+pub const MAX_BUFFERS: u64 = 1_000_000;
+/// Elaboration stops after this many errors.
+const MAX_ERRORS: usize = 50;
+
+/// What elaboration binds the schedule to.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The model card (`--model`).
+    pub model: ModelCard,
+    /// The workload (`--batch`, `--prompt-len`, `--gen-len`).
+    pub workload: Workload,
+    /// `--set name=value` overrides, in command-line order.
+    pub sets: Vec<(String, String)>,
+    /// Hardware symbols (`gpu.mem`, ...) from a profile; empty without `--hw`.
+    pub hardware: BTreeMap<String, f64>,
+    /// Bytes per activation / KV element ([`crate::ir::catalog::ACT_BYTES`], f32, unless
+    /// a cost study models another precision; the runtime always computes in f32).
+    pub act_bytes: u64,
+    /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
+    pub limits: Limits,
+}
+
+/// Bounds on unrolling, so a runaway loop is an error rather than a hang.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// At most this many tasks.
+    pub max_tasks: usize,
+    /// At most this many loop iterations in total.
+    pub max_iterations: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_tasks: MAX_TASKS,
+            max_iterations: MAX_ITERATIONS,
+        }
+    }
+}
+
+impl Options {
+    /// Options for a card with the default workload and no overrides.
+    pub fn new(model: ModelCard) -> Self {
+        Options {
+            model,
+            workload: Workload::default(),
+            sets: Vec::new(),
+            hardware: BTreeMap::new(),
+            act_bytes: crate::ir::catalog::ACT_BYTES,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// Result of a successful elaboration: the program and any warnings.
+pub type Elaborated = (ir::Program, Vec<Diagnostic>);
+
+/// Elaborates a parsed schedule.
+pub fn elaborate(file: &File, options: &Options) -> Result<Elaborated, Vec<Diagnostic>> {
+    let mut elab = Elaborator::new(file, options);
+    elab.run(file);
+    elab.finish(file)
+}
+
+/// One declared buffer array.
+#[derive(Debug, Clone)]
+struct ArrayDecl {
+    name: String,
+    dims: Vec<u32>,
+    first: BufferId,
+    layout: Layout,
+    span: Span,
+}
+
+/// A task waiting for its `after` labels to be resolved.
+struct PendingAfter {
+    task: TaskId,
+    label: String,
+    span: Span,
+}
+
+struct Elaborator<'a> {
+    options: &'a Options,
+    card: ModelCard,
+    checkpoint: ir::CheckpointLayout,
+    /// Scope 0 holds top-level lets; template calls hide the caller's inner scopes.
+    scopes: Vec<HashMap<String, Val>>,
+    params: Vec<ir::Param>,
+    param_spans: Vec<Span>,
+    param_used: Vec<bool>,
+    param_index: HashMap<String, usize>,
+    streams: Vec<Stream>,
+    stream_spans: Vec<Span>,
+    stream_index: HashMap<String, StreamId>,
+    arrays: Vec<ArrayDecl>,
+    array_index: HashMap<String, usize>,
+    buffers: Vec<Buffer>,
+    buffer_spans: Vec<Span>,
+    templates: HashMap<String, &'a TemplateDecl>,
+    template_stack: Vec<String>,
+    micro: Option<MicroBatches>,
+    tasks: Vec<Task>,
+    spans: ir::SpanTable,
+    labels: HashMap<String, TaskId>,
+    pending_after: Vec<PendingAfter>,
+    guard: Vec<ir::GuardLit>,
+    step: Option<(crate::syntax::ast::StepKind, ir::StepId)>,
+    steps: Vec<ir::Step>,
+    diags: Vec<Diagnostic>,
+    seen: HashSet<(Code, u32, u32)>,
+    iterations: u64,
+    aborted: bool,
+}
+
+impl<'a> Elaborator<'a> {
+    fn new(_file: &File, options: &'a Options) -> Self {
+        let card = options.model.clone();
+        let checkpoint = ir::CheckpointLayout::new(&card);
+        let mut elab = Elaborator {
+            options,
+            card,
+            checkpoint,
+            scopes: vec![HashMap::new()],
+            params: Vec::new(),
+            param_spans: Vec::new(),
+            param_used: Vec::new(),
+            param_index: HashMap::new(),
+            streams: Vec::new(),
+            stream_spans: Vec::new(),
+            stream_index: HashMap::new(),
+            arrays: Vec::new(),
+            array_index: HashMap::new(),
+            buffers: Vec::new(),
+            buffer_spans: Vec::new(),
+            templates: HashMap::new(),
+            template_stack: Vec::new(),
+            micro: None,
+            tasks: Vec::new(),
+            spans: ir::SpanTable::default(),
+            labels: HashMap::new(),
+            pending_after: Vec::new(),
+            guard: Vec::new(),
+            step: None,
+            steps: Vec::new(),
+            diags: Vec::new(),
+            seen: HashSet::new(),
+            iterations: 0,
+            aborted: false,
+        };
+        // The checkpoint is buffer 0, read-only, in pageable host memory.
+        elab.arrays.push(ArrayDecl {
+            name: "W".to_string(),
+            dims: Vec::new(),
+            first: BufferId(0),
+            layout: Layout::Checkpoint,
+            span: Span::default(),
+        });
+        elab.array_index.insert("W".to_string(), 0);
+        elab.buffers.push(Buffer {
+            name: "W".to_string(),
+            array: "W".to_string(),
+            index: Vec::new(),
+            space: Space::Host,
+            bytes: elab.checkpoint.total_bytes(),
+            layout: Layout::Checkpoint,
+            kind: BufferKind::Checkpoint,
+        });
+        elab.buffer_spans.push(Span::default());
+        elab
+    }
+
+    /// Records a diagnostic once per (code, span); stops elaboration after too many errors.
+    fn report(&mut self, diagnostic: Diagnostic) {
+        let span = diagnostic.primary_span().unwrap_or_default();
+        if self.seen.insert((diagnostic.code, span.start, span.end)) {
+            self.diags.push(diagnostic);
+        }
+        if self.diags.iter().filter(|d| d.is_error()).count() >= MAX_ERRORS {
+            self.aborted = true;
+        }
+    }
+
+    fn run(&mut self, file: &'a File) {
+        let mut steps: Vec<&'a StepDecl> = Vec::new();
+        for item in &file.items {
+            if self.aborted {
+                return;
+            }
+            match item {
+                Item::Param(decl) => self.declare_param(decl),
+                Item::Stream(decl) => self.declare_stream(decl),
+                Item::Buffer(decl) => self.declare_buffer(decl),
+                Item::MicroBatches(decl) => self.declare_micro_batches(decl),
+                Item::Template(decl) => self.declare_template(decl),
+                Item::Let(stmt) => {
+                    if let Err(d) = self.exec_let(stmt) {
+                        self.report(d);
+                    }
+                }
+                Item::Step(decl) => steps.push(decl),
+            }
+        }
+        self.check_unknown_sets();
+        if steps.is_empty() {
+            self.report(Diagnostic::no_steps(file.name.span));
+        }
+        for decl in steps {
+            if self.aborted {
+                return;
+            }
+            self.run_step(decl);
+        }
+        self.resolve_after();
+    }
+
+    fn finish(self, file: &File) -> Result<Elaborated, Vec<Diagnostic>> {
+        let mut diags = self.diags;
+        for (i, used) in self.param_used.iter().enumerate() {
+            if !used {
+                diags.push(Diagnostic::unused_param(
+                    self.param_spans[i],
+                    &self.params[i].name,
+                ));
+            }
+        }
+        if diags.iter().any(Diagnostic::is_error) {
+            return Err(diags);
+        }
+        let mut spans = self.spans;
+        spans.buffers = self.buffer_spans;
+        spans.streams = self.stream_spans;
+        spans.params = self.param_spans;
+        let program = ir::Program {
+            name: file.name.name.clone(),
+            description: file.description.clone().unwrap_or_default(),
+            model: self.card,
+            workload: self.options.workload,
+            micro_batches: self.micro.unwrap_or(MicroBatches { count: 0, size: 0, mixed_tokens: 0 }),
+            params: self.params,
+            streams: self.streams,
+            buffers: self.buffers,
+            tasks: self.tasks,
+            steps: self.steps,
+            spans,
+        };
+        Ok((program, diags))
+    }
+
+    fn resolve_after(&mut self) {
+        let pending = std::mem::take(&mut self.pending_after);
+        for p in pending {
+            let shown = p
+                .label
+                .split_once(':')
+                .map_or(p.label.clone(), |(_, t)| t.to_string());
+            match self.labels.get(&p.label) {
+                None => self.report(Diagnostic::after_missing(p.span, &shown)),
+                Some(&target) if target >= p.task => {
+                    let target_span = self.spans.tasks[target.index()];
+                    self.report(Diagnostic::after_later(p.span, &shown, target_span));
+                }
+                Some(&target) => {
+                    let task = &mut self.tasks[p.task.index()];
+                    if !task.after.contains(&target) {
+                        task.after.push(target);
+                        self.spans.task_after[p.task.index()].push(p.span);
+                    }
+                }
+            }
+        }
+    }
+
+    fn lookup_name(&mut self, name: &str) -> Option<Val> {
+        for scope in self.scopes.iter().rev() {
+            if let Some(v) = scope.get(name) {
+                return Some(v.clone());
+            }
+        }
+        if let Some(&i) = self.param_index.get(name) {
+            self.param_used[i] = true;
+            return Some(match self.params[i].value {
+                ir::Scalar::Int(v) => Val::Int(v),
+                ir::Scalar::Float(v) => Val::Float(v),
+                ir::Scalar::Bool(v) => Val::Bool(v),
+            });
+        }
+        if let Some(&decl) = self.array_index.get(name) {
+            let array = &self.arrays[decl];
+            if array.dims.is_empty() {
+                let buffer = &self.buffers[array.first.index()];
+                return Some(Val::Slice(SliceVal {
+                    buffer: array.first,
+                    start: 0,
+                    len: buffer.bytes,
+                    layout: array.layout,
+                    dynamic_expert: None,
+                }));
+            }
+            return Some(Val::Array {
+                decl,
+                indices: Vec::new(),
+            });
+        }
+        let card = &self.card;
+        let w = &self.options.workload;
+        let symbol = match name {
+            "layers" => card.layers,
+            "experts" => card.experts,
+            "top_k" => card.top_k,
+            "hidden" => card.hidden,
+            "ffn" => card.ffn,
+            "heads" => card.heads,
+            "kv_heads" => card.kv_heads,
+            "head_dim" => card.head_dim,
+            "vocab" => card.vocab,
+            "batch" => w.batch,
+            "prompt_len" => w.prompt_len,
+            "gen_len" => w.gen_len,
+            _ => return None,
+        };
+        Some(Val::Int(i64::try_from(symbol).unwrap_or(i64::MAX)))
+    }
+
+    fn all_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.scopes.iter().flat_map(|s| s.keys().cloned()).collect();
+        names.extend(self.param_index.keys().cloned());
+        names.extend(self.array_index.keys().cloned());
+        names.extend(
+            [
+                "layers",
+                "experts",
+                "top_k",
+                "hidden",
+                "ffn",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "vocab",
+                "batch",
+                "prompt_len",
+                "gen_len",
+            ]
+            .map(String::from),
+        );
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    fn eval(&mut self, expr: &crate::syntax::ast::Expr) -> Result<Val, Diagnostic> {
+        value::eval(expr, self)
+    }
+}
+
+impl value::Context for Elaborator<'_> {
+    fn lookup(&mut self, name: &str, _span: Span) -> Result<Option<Val>, Diagnostic> {
+        Ok(self.lookup_name(name))
+    }
+
+    fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic> {
+        if self.options.hardware.is_empty() {
+            let known_prefix = ["gpu.", "pinned.", "host.", "cpu.", "link.", "disk."];
+            if known_prefix.iter().any(|p| name.starts_with(p)) {
+                return Err(Diagnostic::missing_hardware(span, name));
+            }
+            return Ok(None);
+        }
+        match self.options.hardware.get(name) {
+            Some(&v) if v.fract() == 0.0 && v.abs() < 9.0e18 => Ok(Some(Val::Int(v as i64))),
+            Some(&v) => Ok(Some(Val::Float(v))),
+            None => {
+                let known: Vec<&str> = self.options.hardware.keys().map(String::as_str).collect();
+                Err(Diagnostic::unknown_name(
+                    span,
+                    "hardware symbol",
+                    name,
+                    &known,
+                ))
+            }
+        }
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.all_names()
+    }
+
+    fn index_array(
+        &mut self,
+        decl: usize,
+        mut indices: Vec<u32>,
+        index: i64,
+        span: Span,
+    ) -> Result<Val, Diagnostic> {
+        let array = &self.arrays[decl];
+        let Some(&dim) = array.dims.get(indices.len()) else {
+            return Err(Diagnostic::type_mismatch(
+                span,
+                "no more indices",
+                "an index",
+            ));
+        };
+        let i = value::check_index(
+            index,
+            u64::from(dim),
+            &format!("`{}` index", array.name),
+            span,
+        )?;
+        indices.push(i as u32);
+        if indices.len() < array.dims.len() {
+            return Ok(Val::Array { decl, indices });
+        }
+        let mut flat = 0u64;
+        for (k, &ix) in indices.iter().enumerate() {
+            flat = flat * u64::from(array.dims[k]) + u64::from(ix);
+        }
+        let id = BufferId(array.first.0 + flat as u32);
+        let buffer = &self.buffers[id.index()];
+        Ok(Val::Slice(SliceVal {
+            buffer: id,
+            start: 0,
+            len: buffer.bytes,
+            layout: array.layout,
+            dynamic_expert: None,
+        }))
+    }
+
+    fn checkpoint(&self) -> ir::CheckpointLayout {
+        self.checkpoint
+    }
+
+    fn card(&self) -> &ModelCard {
+        &self.card
+    }
+
+    fn is_checkpoint(&self, buffer: BufferId) -> bool {
+        buffer == BufferId(0)
+    }
+
+    fn act_bytes(&self) -> u64 {
+        self.options.act_bytes.max(1)
+    }
+}

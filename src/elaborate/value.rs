@@ -1,0 +1,856 @@
+//! Compile-time values of the language and the expression evaluator.
+//!
+//! Takes an AST expression and a name lookup; gives a [`Val`] or a diagnostic. Integer
+//! arithmetic is checked (overflow and division by zero are errors, never panics); ints
+//! mix with floats by promotion; `&&` of dynamic conditions builds a guard conjunction.
+
+use crate::diag::Diagnostic;
+use crate::ir::catalog::{self, ExpertRef};
+use crate::ir::{BufferId, GuardAtom, GuardLit, Layout};
+use crate::syntax::ast::{BinOp, Expr, ExprKind, Span, UnOp};
+
+/// A byte range of a buffer with the structure needed for `.page`, `.expert`, fields.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SliceVal {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// First byte.
+    pub start: u64,
+    /// Length.
+    pub len: u64,
+    /// How these bytes are organised.
+    pub layout: Layout,
+    /// Set when the slice is one run-time-chosen expert of the checkpoint.
+    pub dynamic_expert: Option<ExpertRef>,
+}
+
+/// A value during elaboration.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Val {
+    /// Integer.
+    Int(i64),
+    /// Float.
+    Float(f64),
+    /// Boolean.
+    Bool(bool),
+    /// String.
+    Str(String),
+    /// Bytes from a size helper, with the layout it implies.
+    Bytes(catalog::HelperSize),
+    /// `a..b` (exclusive end after normalising `..=`).
+    Range(i64, i64),
+    /// `[a, b]`.
+    List(Vec<Val>),
+    /// A run-time expert (`hot(i, r)`).
+    Expert(ExpertRef),
+    /// A run-time condition: a conjunction of literals.
+    Cond(Vec<GuardLit>),
+    /// An array of buffers indexed by some of its dimensions so far.
+    Array {
+        /// Index of the declaration in the elaborator's table.
+        decl: usize,
+        /// Indices given so far.
+        indices: Vec<u32>,
+    },
+    /// A buffer slice.
+    Slice(SliceVal),
+    /// A bare word with no binding: `prefill`, `decode`, `all`.
+    Word(&'static str),
+}
+
+impl Val {
+    /// The type as shown in "expected X, found Y".
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Val::Int(_) => "an integer",
+            Val::Float(_) => "a float",
+            Val::Bool(_) => "a boolean",
+            Val::Str(_) => "a string",
+            Val::Bytes(_) => "a size in bytes",
+            Val::Range(..) => "a range",
+            Val::List(_) => "a list",
+            Val::Expert(_) => "a run-time expert",
+            Val::Cond(_) => "a run-time condition",
+            Val::Array { .. } => "an array of buffers",
+            Val::Slice(_) => "a buffer slice",
+            Val::Word(_) => "a keyword",
+        }
+    }
+}
+
+/// What the evaluator needs from its context: names, buffer structure, model facts.
+pub trait Context {
+    /// The value bound to a name, or `None` if unknown (the caller reports it).
+    fn lookup(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic>;
+    /// A hardware symbol such as `gpu.mem`.
+    fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic>;
+    /// Names in scope, for suggestions.
+    fn names(&self) -> Vec<String>;
+    /// Indexes an array value.
+    fn index_array(
+        &mut self,
+        decl: usize,
+        indices: Vec<u32>,
+        index: i64,
+        span: Span,
+    ) -> Result<Val, Diagnostic>;
+    /// The checkpoint layout.
+    fn checkpoint(&self) -> crate::ir::CheckpointLayout;
+    /// The model card.
+    fn card(&self) -> &crate::model::card::ModelCard;
+    /// Whether `buffer` is the checkpoint.
+    fn is_checkpoint(&self, buffer: BufferId) -> bool;
+    /// Bytes per activation / KV element.
+    fn act_bytes(&self) -> u64;
+}
+
+/// Evaluates an expression.
+pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
+    let span = expr.span;
+    match &expr.kind {
+        ExprKind::Int(v) => Ok(Val::Int(*v)),
+        ExprKind::Float(v) => Ok(Val::Float(*v)),
+        ExprKind::Bool(v) => Ok(Val::Bool(*v)),
+        ExprKind::Str(s) => Ok(Val::Str(s.clone())),
+        ExprKind::Name(name) => match cx.lookup(name, span)? {
+            Some(v) => Ok(v),
+            None => match name.as_str() {
+                "prefill" => Ok(Val::Word("prefill")),
+                "decode" => Ok(Val::Word("decode")),
+                "all" => Ok(Val::Word("all")),
+                _ => {
+                    let names = cx.names();
+                    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                    Err(Diagnostic::unknown_name(span, "name", name, &refs))
+                }
+            },
+        },
+        ExprKind::List(items) => Ok(Val::List(
+            items
+                .iter()
+                .map(|e| eval(e, cx))
+                .collect::<Result<_, _>>()?,
+        )),
+        ExprKind::Call(name, args) => {
+            let values = args
+                .iter()
+                .map(|e| eval(e, cx))
+                .collect::<Result<Vec<_>, _>>()?;
+            call(&name.name, name.span, span, args, values, cx)
+        }
+        ExprKind::Unary(op, inner) => {
+            let v = eval(inner, cx)?;
+            match (op, v) {
+                (UnOp::Neg, Val::Int(i)) => i
+                    .checked_neg()
+                    .map(Val::Int)
+                    .ok_or_else(|| Diagnostic::arithmetic(span, "integer overflow")),
+                (UnOp::Neg, Val::Float(f)) => Ok(Val::Float(-f)),
+                (UnOp::Not, Val::Bool(b)) => Ok(Val::Bool(!b)),
+                (UnOp::Not, Val::Cond(lits)) if lits.len() == 1 => {
+                    let lit = lits[0];
+                    Ok(Val::Cond(vec![GuardLit {
+                        atom: lit.atom,
+                        negated: !lit.negated,
+                    }]))
+                }
+                (UnOp::Not, Val::Cond(_)) => Err(Diagnostic::dynamic_else(span)),
+                (UnOp::Neg, v) => Err(Diagnostic::type_mismatch(
+                    inner.span,
+                    "a number",
+                    v.type_name(),
+                )),
+                (UnOp::Not, v) => Err(Diagnostic::type_mismatch(
+                    inner.span,
+                    "a boolean",
+                    v.type_name(),
+                )),
+            }
+        }
+        ExprKind::Binary(op, lhs, rhs) => {
+            let a = eval(lhs, cx)?;
+            // Short-circuit so `j > 0 && x[j - 1] ...` style guards stay in range.
+            match (op, &a) {
+                (BinOp::And, Val::Bool(false)) => return Ok(Val::Bool(false)),
+                (BinOp::Or, Val::Bool(true)) => return Ok(Val::Bool(true)),
+                _ => {}
+            }
+            let b = eval(rhs, cx)?;
+            binary(*op, a, b, lhs.span, rhs.span, span)
+        }
+        ExprKind::Index(base, index) => {
+            let b = eval(base, cx)?;
+            let i = eval(index, cx)?;
+            let i = as_int(i, index.span)?;
+            match b {
+                Val::Array { decl, indices } => cx.index_array(decl, indices, i, index.span),
+                Val::Slice(slice) if slice.layout == Layout::Checkpoint => {
+                    let layout = cx.checkpoint();
+                    let layer = check_index(i, layout.layers, "layer", index.span)?;
+                    Ok(Val::Slice(SliceVal {
+                        buffer: slice.buffer,
+                        start: layout.layer_offset(layer),
+                        len: layout.layer_bytes(),
+                        layout: Layout::Layer,
+                        dynamic_expert: None,
+                    }))
+                }
+                Val::List(items) => {
+                    let idx = check_index(i, items.len() as u64, "index", index.span)?;
+                    Ok(items[idx as usize].clone())
+                }
+                other => Err(Diagnostic::type_mismatch(
+                    base.span,
+                    "an array, `W` or a list",
+                    other.type_name(),
+                )),
+            }
+        }
+        ExprKind::Field(base, field) => {
+            if let ExprKind::Name(name) = &base.kind {
+                if cx.lookup(name, base.span)?.is_none() {
+                    let full = format!("{name}.{}", field.name);
+                    return match cx.hardware(&full, span)? {
+                        Some(v) => Ok(v),
+                        None => Err(Diagnostic::unknown_name(span, "symbol", &full, &[])),
+                    };
+                }
+            }
+            let b = eval(base, cx)?;
+            field_of(b, &field.name, field.span, base.span, cx)
+        }
+        ExprKind::Method(base, method, args) => {
+            let b = eval(base, cx)?;
+            let values = args
+                .iter()
+                .map(|e| eval(e, cx))
+                .collect::<Result<Vec<_>, _>>()?;
+            method_of(
+                b,
+                &method.name,
+                method.span,
+                base.span,
+                span,
+                args,
+                values,
+                cx,
+            )
+        }
+    }
+}
+
+/// Accepts ints and helper sizes as integers.
+pub fn coerce_int(v: Val, span: Span) -> Result<Val, Diagnostic> {
+    match v {
+        Val::Int(i) => Ok(Val::Int(i)),
+        Val::Bytes(size) => i64::try_from(size.bytes)
+            .map(Val::Int)
+            .map_err(|_| Diagnostic::arithmetic(span, "size does not fit in 64 bits")),
+        other => Err(Diagnostic::type_mismatch(
+            span,
+            "an integer",
+            other.type_name(),
+        )),
+    }
+}
+
+/// The value as an i64, or a type error.
+pub fn as_int(v: Val, span: Span) -> Result<i64, Diagnostic> {
+    match coerce_int(v, span)? {
+        Val::Int(i) => Ok(i),
+        _ => Err(Diagnostic::type_mismatch(
+            span,
+            "an integer",
+            "something else",
+        )),
+    }
+}
+
+/// Checks `0 <= i < limit`.
+pub fn check_index(i: i64, limit: u64, what: &str, span: Span) -> Result<u64, Diagnostic> {
+    if i < 0 || i as u64 >= limit {
+        Err(Diagnostic::out_of_range(
+            span,
+            what,
+            i,
+            &format!("0..{limit}"),
+        ))
+    } else {
+        Ok(i as u64)
+    }
+}
+
+fn as_f64(v: &Val) -> Option<f64> {
+    match v {
+        Val::Int(i) => Some(*i as f64),
+        Val::Float(f) => Some(*f),
+        Val::Bytes(b) => Some(b.bytes as f64),
+        _ => None,
+    }
+}
+
+fn is_intlike(v: &Val) -> bool {
+    matches!(v, Val::Int(_) | Val::Bytes(_))
+}
+
+fn binary(
+    op: BinOp,
+    a: Val,
+    b: Val,
+    a_span: Span,
+    b_span: Span,
+    span: Span,
+) -> Result<Val, Diagnostic> {
+    use BinOp::*;
+    match op {
+        RangeExclusive | RangeInclusive => {
+            let lo = as_int(a, a_span)?;
+            let hi = as_int(b, b_span)?;
+            let hi = if op == RangeInclusive {
+                hi.checked_add(1)
+                    .ok_or_else(|| Diagnostic::arithmetic(span, "integer overflow"))?
+            } else {
+                hi
+            };
+            Ok(Val::Range(lo, hi.max(lo)))
+        }
+        And | Or => match (a, b) {
+            (Val::Bool(x), Val::Bool(y)) => Ok(Val::Bool(if op == And { x && y } else { x || y })),
+            (Val::Cond(mut x), Val::Cond(y)) if op == And => {
+                x.extend(y);
+                x.sort();
+                x.dedup();
+                Ok(Val::Cond(x))
+            }
+            (Val::Cond(x), Val::Bool(true)) | (Val::Bool(true), Val::Cond(x)) if op == And => {
+                Ok(Val::Cond(x))
+            }
+            (Val::Cond(_), Val::Bool(false)) if op == And => Ok(Val::Bool(false)),
+            (Val::Cond(x), Val::Bool(false)) | (Val::Bool(false), Val::Cond(x)) if op == Or => {
+                Ok(Val::Cond(x))
+            }
+            (Val::Cond(_), Val::Bool(true)) if op == Or => Ok(Val::Bool(true)),
+            (Val::Cond(_), _) | (_, Val::Cond(_)) => Err(Diagnostic::dynamic_not_allowed(
+                span,
+                "`||` of run-time conditions (only `&&` conjunctions can guard tasks)",
+            )),
+            (Val::Bool(_), other) => Err(Diagnostic::type_mismatch(
+                b_span,
+                "a boolean",
+                other.type_name(),
+            )),
+            (other, _) => Err(Diagnostic::type_mismatch(
+                a_span,
+                "a boolean",
+                other.type_name(),
+            )),
+        },
+        Eq | Ne | Lt | Le | Gt | Ge => {
+            let ordering = match (&a, &b) {
+                (Val::Bool(x), Val::Bool(y)) if matches!(op, Eq | Ne) => Some(x.cmp(y)),
+                (x, y) if is_intlike(x) && is_intlike(y) => {
+                    let (Ok(x), Ok(y)) = (as_int(x.clone(), a_span), as_int(y.clone(), b_span))
+                    else {
+                        return Err(Diagnostic::arithmetic(
+                            span,
+                            "comparison of sizes too large",
+                        ));
+                    };
+                    Some(x.cmp(&y))
+                }
+                (x, y) => match (as_f64(x), as_f64(y)) {
+                    (Some(x), Some(y)) => x.partial_cmp(&y),
+                    _ => {
+                        let (bad, bad_span) = if as_f64(&a).is_none() {
+                            (&a, a_span)
+                        } else {
+                            (&b, b_span)
+                        };
+                        if matches!(bad, Val::Expert(_)) {
+                            return Err(Diagnostic::dynamic_not_allowed(
+                                bad_span,
+                                "comparing run-time experts",
+                            ));
+                        }
+                        return Err(Diagnostic::type_mismatch(
+                            bad_span,
+                            "a number",
+                            bad.type_name(),
+                        ));
+                    }
+                },
+            };
+            let Some(ordering) = ordering else {
+                return Ok(Val::Bool(false));
+            };
+            use std::cmp::Ordering::*;
+            Ok(Val::Bool(match op {
+                Eq => ordering == Equal,
+                Ne => ordering != Equal,
+                Lt => ordering == Less,
+                Le => ordering != Greater,
+                Gt => ordering == Greater,
+                _ => ordering != Less,
+            }))
+        }
+        Add | Sub | Mul | Div | Rem => {
+            if is_intlike(&a) && is_intlike(&b) {
+                let x = as_int(a, a_span)?;
+                let y = as_int(b, b_span)?;
+                let overflow = || Diagnostic::arithmetic(span, "integer overflow");
+                let result = match op {
+                    Add => x.checked_add(y).ok_or_else(overflow)?,
+                    Sub => x.checked_sub(y).ok_or_else(overflow)?,
+                    Mul => x.checked_mul(y).ok_or_else(overflow)?,
+                    Div | Rem if y == 0 => {
+                        return Err(Diagnostic::arithmetic(b_span, "division by zero"))
+                    }
+                    Div => x.checked_div(y).ok_or_else(overflow)?,
+                    _ => x.checked_rem_euclid(y).ok_or_else(overflow)?,
+                };
+                return Ok(Val::Int(result));
+            }
+            match (as_f64(&a), as_f64(&b)) {
+                (Some(x), Some(y)) => {
+                    let r = match op {
+                        Add => x + y,
+                        Sub => x - y,
+                        Mul => x * y,
+                        Div => x / y,
+                        _ => x.rem_euclid(y),
+                    };
+                    if r.is_finite() {
+                        Ok(Val::Float(r))
+                    } else {
+                        Err(Diagnostic::arithmetic(
+                            span,
+                            "the result is not a finite number",
+                        ))
+                    }
+                }
+                (None, _) => Err(Diagnostic::type_mismatch(a_span, "a number", a.type_name())),
+                (_, None) => Err(Diagnostic::type_mismatch(b_span, "a number", b.type_name())),
+            }
+        }
+    }
+}
+
+fn float_to_int(f: f64, span: Span) -> Result<Val, Diagnostic> {
+    if f.is_finite() && f.abs() < 9.0e18 {
+        Ok(Val::Int(f as i64))
+    } else {
+        Err(Diagnostic::arithmetic(
+            span,
+            "the value does not fit in an integer",
+        ))
+    }
+}
+
+/// Built-in functions.
+fn call(
+    name: &str,
+    name_span: Span,
+    span: Span,
+    args: &[Expr],
+    values: Vec<Val>,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
+    let arity = |n: usize| {
+        if values.len() == n {
+            Ok(())
+        } else {
+            Err(Diagnostic::arity(
+                span,
+                &format!("`{name}`"),
+                n,
+                values.len(),
+            ))
+        }
+    };
+    match name {
+        "min" | "max" => {
+            if values.len() < 2 {
+                return Err(Diagnostic::arity(
+                    span,
+                    &format!("`{name}`"),
+                    2,
+                    values.len(),
+                ));
+            }
+            let all_int = values.iter().all(is_intlike);
+            let mut best: Option<Val> = None;
+            for (i, v) in values.into_iter().enumerate() {
+                let v = if all_int {
+                    Val::Int(as_int(v, arg_span(i))?)
+                } else {
+                    v
+                };
+                let x = as_f64(&v).ok_or_else(|| {
+                    Diagnostic::type_mismatch(arg_span(i), "a number", v.type_name())
+                })?;
+                let better = match &best {
+                    None => true,
+                    Some(b) => {
+                        let y = as_f64(b).unwrap_or(0.0);
+                        if name == "min" {
+                            x < y
+                        } else {
+                            x > y
+                        }
+                    }
+                };
+                if better {
+                    best = Some(if all_int { v } else { Val::Float(x) });
+                }
+            }
+            best.ok_or_else(|| Diagnostic::arity(span, &format!("`{name}`"), 2, 0))
+        }
+        "ceil" | "floor" => {
+            arity(1)?;
+            match &values[0] {
+                Val::Int(i) => Ok(Val::Int(*i)),
+                Val::Float(f) => {
+                    float_to_int(if name == "ceil" { f.ceil() } else { f.floor() }, span)
+                }
+                other => Err(Diagnostic::type_mismatch(
+                    arg_span(0),
+                    "a number",
+                    other.type_name(),
+                )),
+            }
+        }
+        "hot" => {
+            arity(2)?;
+            let card = cx.card().clone();
+            let layer = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                card.layers,
+                "layer",
+                arg_span(0),
+            )?;
+            let rank = check_index(
+                as_int(values[1].clone(), arg_span(1))?,
+                card.experts,
+                "expert rank",
+                arg_span(1),
+            )?;
+            Ok(Val::Expert(ExpertRef::Hot {
+                layer: layer as u32,
+                rank: rank as u32,
+            }))
+        }
+        "active" => {
+            if !(2..=3).contains(&values.len()) {
+                return Err(Diagnostic::arity(span, "`active`", 2, values.len()));
+            }
+            let card = cx.card().clone();
+            let layer = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                card.layers,
+                "layer",
+                arg_span(0),
+            )?;
+            let expert = match &values[1] {
+                Val::Expert(e) => *e,
+                other => {
+                    let e = as_int(other.clone(), arg_span(1))?;
+                    ExpertRef::Index(check_index(e, card.experts, "expert", arg_span(1))? as u32)
+                }
+            };
+            let ub = match values.get(2) {
+                Some(v) => {
+                    Some(u32::try_from(as_int(v.clone(), arg_span(2))?.max(0)).unwrap_or(u32::MAX))
+                }
+                None => None,
+            };
+            Ok(Val::Cond(vec![GuardLit {
+                atom: GuardAtom::Active {
+                    layer: layer as u32,
+                    expert,
+                    ub,
+                },
+                negated: false,
+            }]))
+        }
+        "bytes" => {
+            arity(1)?;
+            match &values[0] {
+                Val::Slice(slice) => Ok(Val::Int(i64::try_from(slice.len).unwrap_or(i64::MAX))),
+                Val::Bytes(size) => Ok(Val::Int(i64::try_from(size.bytes).unwrap_or(i64::MAX))),
+                other => Err(Diagnostic::type_mismatch(
+                    arg_span(0),
+                    "a buffer slice",
+                    other.type_name(),
+                )),
+            }
+        }
+        _ => {
+            let mut ints = Vec::with_capacity(values.len());
+            for (i, v) in values.iter().enumerate() {
+                let n = as_int(v.clone(), arg_span(i))?;
+                if n < 0 {
+                    return Err(Diagnostic::out_of_range(
+                        arg_span(i),
+                        "size argument",
+                        n,
+                        "0 or more",
+                    ));
+                }
+                ints.push(n as u64);
+            }
+            match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes()) {
+                Some(Ok(size)) => Ok(Val::Bytes(size)),
+                Some(Err(expected)) => Err(Diagnostic::arity(
+                    span,
+                    &format!("`{name}`"),
+                    expected,
+                    values.len(),
+                )),
+                None => {
+                    let mut known: Vec<&str> =
+                        vec!["min", "max", "ceil", "floor", "bytes", "hot", "active"];
+                    known.extend(catalog::SIZE_HELPERS);
+                    Err(Diagnostic::unknown_name(
+                        name_span, "function", name, &known,
+                    ))
+                }
+            }
+        }
+    }
+}
+
+fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
+    Val::Slice(SliceVal {
+        buffer: s.buffer,
+        start: s.start + start,
+        len,
+        layout,
+        dynamic_expert: None,
+    })
+}
+
+fn field_of(
+    base: Val,
+    field: &str,
+    field_span: Span,
+    base_span: Span,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    let Val::Slice(s) = base else {
+        return Err(Diagnostic::type_mismatch(
+            base_span,
+            "a buffer slice",
+            base.type_name(),
+        ));
+    };
+    let layout = cx.checkpoint();
+    let fields: &[&str] = match s.layout {
+        Layout::Checkpoint => &["embed", "head"],
+        Layout::Layer => &["pre", "o", "gate", "attn", "post", "dense", "experts"],
+        Layout::Dense => &["pre", "o", "gate", "attn"],
+        _ => &[],
+    };
+    let (pre, o, gate) = (layout.pre_bytes, layout.o_bytes, layout.gate_bytes);
+    let experts = layout.experts * layout.expert_bytes;
+    let all_experts = Layout::Experts {
+        slots: layout.experts as u32,
+    };
+    match (s.layout, field) {
+        (Layout::Checkpoint, "embed") => Ok(sub_slice(s, 0, layout.embed_bytes, Layout::Raw)),
+        (Layout::Checkpoint, "head") => Ok(sub_slice(
+            s,
+            layout.head_offset(),
+            layout.head_bytes,
+            Layout::Raw,
+        )),
+        (Layout::Layer | Layout::Dense, "pre") => Ok(sub_slice(s, 0, pre, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "o") => Ok(sub_slice(s, pre, o, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "gate") => Ok(sub_slice(s, pre + o, gate, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "attn") => Ok(sub_slice(s, 0, pre + o, Layout::Raw)),
+        (Layout::Layer, "post") => Ok(sub_slice(s, pre, o + gate + experts, Layout::Raw)),
+        (Layout::Layer, "dense") => Ok(sub_slice(s, 0, layout.dense_bytes(), Layout::Dense)),
+        (Layout::Layer, "experts") => Ok(sub_slice(s, layout.dense_bytes(), experts, all_experts)),
+        _ if fields.is_empty() => Err(Diagnostic::type_mismatch(
+            field_span,
+            "a field of a structured slice (`W`, a layer, its dense part)",
+            "a field of unstructured bytes",
+        )),
+        _ => Err(Diagnostic::unknown_name(field_span, "field", field, fields)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn method_of(
+    base: Val,
+    method: &str,
+    method_span: Span,
+    base_span: Span,
+    span: Span,
+    args: &[Expr],
+    values: Vec<Val>,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    let Val::Slice(s) = base else {
+        return Err(Diagnostic::type_mismatch(
+            base_span,
+            "a buffer slice",
+            base.type_name(),
+        ));
+    };
+    let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
+    if s.dynamic_expert.is_some() {
+        return Err(Diagnostic::dynamic_not_allowed(
+            base_span,
+            "a slice inside a run-time expert",
+        ));
+    }
+    match method {
+        "page" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`page`", 2, values.len()));
+            }
+            let n = as_int(values[1].clone(), arg_span(1))?;
+            if n <= 0 {
+                return Err(Diagnostic::out_of_range(
+                    arg_span(1),
+                    "page count",
+                    n,
+                    "1 or more",
+                ));
+            }
+            let k = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                n as u64,
+                "page",
+                arg_span(0),
+            )?;
+            let n = n as u64;
+            let page = s.len.div_ceil(n);
+            let start = (k * page).min(s.len);
+            let end = ((k + 1) * page).min(s.len);
+            Ok(sub_slice(s, start, end - start, Layout::Raw))
+        }
+        "expert" => {
+            if values.len() != 1 {
+                return Err(Diagnostic::arity(span, "`expert`", 1, values.len()));
+            }
+            let layout = cx.checkpoint();
+            let (base, slots) = match s.layout {
+                Layout::Layer => (layout.dense_bytes(), layout.experts),
+                Layout::Experts { slots } => (0, u64::from(slots)),
+                _ => {
+                    return Err(Diagnostic::type_mismatch(
+                        method_span,
+                        "`.expert(e)` on a layer or an expert-slot buffer",
+                        "`.expert` on unstructured bytes",
+                    ))
+                }
+            };
+            match &values[0] {
+                Val::Expert(e) => {
+                    if s.layout != Layout::Layer {
+                        return Err(Diagnostic::dynamic_not_allowed(
+                            arg_span(0),
+                            "the expert slot of a buffer that is not a whole layer (`W[i]` or `layer_weights()`)",
+                        ));
+                    }
+                    Ok(Val::Slice(SliceVal {
+                        buffer: s.buffer,
+                        start: s.start + base,
+                        len: layout.expert_bytes,
+                        layout: Layout::Experts { slots: 1 },
+                        dynamic_expert: Some(*e),
+                    }))
+                }
+                other => {
+                    let e = check_index(
+                        as_int(other.clone(), arg_span(0))?,
+                        slots,
+                        "expert",
+                        arg_span(0),
+                    )?;
+                    Ok(sub_slice(
+                        s,
+                        base + e * layout.expert_bytes,
+                        layout.expert_bytes,
+                        Layout::Experts { slots: 1 },
+                    ))
+                }
+            }
+        }
+        "share" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`share`", 2, values.len()));
+            }
+            let mut bounds = [0u64; 2];
+            for (k, v) in values.iter().enumerate() {
+                let f = match v {
+                    Val::Int(i) => *i as f64,
+                    Val::Float(f) => *f,
+                    other => {
+                        return Err(Diagnostic::type_mismatch(
+                            arg_span(k),
+                            "a fraction in 0..=1",
+                            other.type_name(),
+                        ))
+                    }
+                };
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(Diagnostic::out_of_range(
+                        arg_span(k),
+                        "share bound (x1000)",
+                        (f * 1000.0) as i64,
+                        "0..=1000",
+                    ));
+                }
+                bounds[k] = (f * s.len as f64).floor() as u64;
+            }
+            let (lo, hi) = (bounds[0], bounds[1].max(bounds[0]));
+            Ok(sub_slice(s, lo, hi - lo, Layout::Raw))
+        }
+        "experts" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`experts`", 2, values.len()));
+            }
+            let layout = cx.checkpoint();
+            let (base, slots) = match s.layout {
+                Layout::Layer => (layout.dense_bytes(), layout.experts),
+                Layout::Experts { slots } => (0, u64::from(slots)),
+                _ => {
+                    return Err(Diagnostic::type_mismatch(
+                        method_span,
+                        "`.experts(a, b)` on a layer or an expert-slot buffer",
+                        "`.experts` on unstructured bytes",
+                    ))
+                }
+            };
+            let lo = as_int(values[0].clone(), arg_span(0))?;
+            let hi = as_int(values[1].clone(), arg_span(1))?;
+            if lo < 0 || hi < lo || hi as u64 > slots {
+                return Err(Diagnostic::out_of_range(
+                    arg_span(1),
+                    "expert range end",
+                    hi,
+                    &format!("{}..={slots}", lo.max(0)),
+                ));
+            }
+            let (lo, hi) = (lo as u64, hi as u64);
+            let slots_taken = Layout::Experts {
+                slots: (hi - lo) as u32,
+            };
+            Ok(sub_slice(
+                s,
+                base + lo * layout.expert_bytes,
+                (hi - lo) * layout.expert_bytes,
+                slots_taken,
+            ))
+        }
+        _ => Err(Diagnostic::unknown_name(
+            method_span,
+            "method",
+            method,
+            &["page", "share", "expert", "experts"],
+        )),
+    }
+}

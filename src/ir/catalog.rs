@@ -1,0 +1,796 @@
+//! The op catalog: what every op reads and writes, which value it expects and produces,
+//! where it may run, and how much work it does.
+//!
+//! Takes a model card and a task [`Shape`]; gives each op's argument roles with access mode
+//! ([`signature`]), the tensors it expects and produces ([`RoleSig`]), the minimum bytes
+//! of each activation argument ([`required_bytes`]), the size helpers of the language
+//! ([`size_helper`]) and the flops/bytes per memory level of a task ([`work`]), which the
+//! cost model consumes as is. One constant, [`ACT_BYTES`], sizes every activation and KV
+//! cache element (the runtime computes in f32); weights use the card's dtype.
+
+use super::value::{Point, Rows, Tensor};
+use super::{Access, Role, Space};
+use crate::model::card::ModelCard;
+use serde::{Deserialize, Serialize};
+
+/// Bytes per element of activations and KV caches (f32 in the runtime).
+pub const ACT_BYTES: u64 = 4;
+
+/// Bytes per routing entry: an expert index (u32) and its weight (f32).
+pub const ROUTE_ENTRY_BYTES: u64 = 8;
+
+/// Bytes per token id (u32).
+pub const TOKEN_BYTES: u64 = 4;
+
+/// An expert, known at compile time or only at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ExpertRef {
+    /// Expert `e`.
+    Index(u32),
+    /// `hot(layer, rank)`: the expert at position `rank` of layer `layer`'s run-time order,
+    /// predicted hot experts first, then the others in routing (arrival) order. Ranks
+    /// `0..experts` name every expert exactly once.
+    Hot {
+        /// The layer whose order is meant.
+        layer: u32,
+        /// Position in that order.
+        rank: u32,
+    },
+}
+
+impl std::fmt::Display for ExpertRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExpertRef::Index(e) => write!(f, "{e}"),
+            ExpertRef::Hot { layer, rank } => write!(f, "hot({layer}, {rank})"),
+        }
+    }
+}
+
+/// The experts an `experts` task computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ExpertSet {
+    /// Every expert of the layer.
+    All,
+    /// Experts `start..end`.
+    Range {
+        /// First expert.
+        start: u32,
+        /// One past the last.
+        end: u32,
+    },
+    /// A single expert.
+    One(ExpertRef),
+}
+
+impl ExpertSet {
+    /// Number of experts in the set.
+    pub fn len(&self, experts: u64) -> u64 {
+        match self {
+            ExpertSet::All => experts,
+            ExpertSet::Range { start, end } => u64::from(end.saturating_sub(*start)),
+            ExpertSet::One(_) => 1,
+        }
+    }
+
+    /// True for an empty range.
+    pub fn is_empty(&self, experts: u64) -> bool {
+        self.len(experts) == 0
+    }
+
+    /// The experts as a list of references.
+    pub fn members(&self, experts: u64) -> Vec<ExpertRef> {
+        match self {
+            ExpertSet::All => (0..experts as u32).map(ExpertRef::Index).collect(),
+            ExpertSet::Range { start, end } => (*start..*end).map(ExpertRef::Index).collect(),
+            ExpertSet::One(e) => vec![*e],
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExpertSet::All => write!(f, "all"),
+            ExpertSet::Range { start, end } => write!(f, "{start}..{end}"),
+            ExpertSet::One(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// Which tokens an `attn` task attends for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum AttnPart {
+    /// Prompt tokens (causal over the prompt; fills the KV cache).
+    Prefill,
+    /// One new token per sequence over the cached context.
+    Decode,
+    /// Both kinds mixed in one micro-batch (VSLPipe).
+    All,
+}
+
+impl AttnPart {
+    /// The attention-output rows this part writes.
+    pub fn rows(self) -> Rows {
+        match self {
+            AttnPart::Prefill => Rows::Prefill,
+            AttnPart::Decode => Rows::Decode,
+            AttnPart::All => Rows::All,
+        }
+    }
+
+    /// As written in `part = ...`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttnPart::Prefill => "prefill",
+            AttnPart::Decode => "decode",
+            AttnPart::All => "all",
+        }
+    }
+}
+
+/// An op with its static parameters (`layer`, `ub`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// Token embedding of micro-batch `ub`: the prompt (prefill) or the tokens sampled last
+    /// step (`tokens`, optional: without it they come from the runtime's batch).
+    Embed {
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Input norm, QKV projection (DBRX: fused + clip), rotary.
+    PreAttn {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Append K/V to the cache and run grouped-query attention.
+    Attn {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch (also names its KV cache).
+        ub: u32,
+        /// Prefill, decode or both.
+        part: AttnPart,
+    },
+    /// O-projection + residual + gate + all experts + combine + residual.
+    PostAttn {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// O-projection + residual only.
+    OProj {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Post-attention norm, router softmax, top-k; zeroes the expert accumulator.
+    Gate {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Some experts over the tokens routed to them, accumulated into `acc`.
+    Experts {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+        /// Which experts.
+        set: ExpertSet,
+    },
+    /// Adds the expert accumulator to the residual stream.
+    Combine {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Final norm + logits for the last token of each sequence.
+    LmHead {
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Picks the next token of each sequence (greedy or temperature).
+    Sample {
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// A byte copy between two slices of equal length.
+    Copy,
+}
+
+/// Every op name, as written in schedules.
+pub const OP_NAMES: [&str; 11] = [
+    "embed",
+    "pre_attn",
+    "attn",
+    "post_attn",
+    "o_proj",
+    "gate",
+    "experts",
+    "combine",
+    "lm_head",
+    "sample",
+    "copy",
+];
+
+impl Op {
+    /// The op's name as written.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embed { .. } => "embed",
+            Op::PreAttn { .. } => "pre_attn",
+            Op::Attn { .. } => "attn",
+            Op::PostAttn { .. } => "post_attn",
+            Op::OProj { .. } => "o_proj",
+            Op::Gate { .. } => "gate",
+            Op::Experts { .. } => "experts",
+            Op::Combine { .. } => "combine",
+            Op::LmHead { .. } => "lm_head",
+            Op::Sample { .. } => "sample",
+            Op::Copy => "copy",
+        }
+    }
+
+    /// The layer the op works on, if any.
+    pub fn layer(&self) -> Option<u32> {
+        match *self {
+            Op::PreAttn { layer, .. }
+            | Op::Attn { layer, .. }
+            | Op::PostAttn { layer, .. }
+            | Op::OProj { layer, .. }
+            | Op::Gate { layer, .. }
+            | Op::Experts { layer, .. }
+            | Op::Combine { layer, .. } => Some(layer),
+            _ => None,
+        }
+    }
+
+    /// The micro-batch the op works on, if any.
+    pub fn ub(&self) -> Option<u32> {
+        match *self {
+            Op::Embed { ub }
+            | Op::LmHead { ub }
+            | Op::Sample { ub }
+            | Op::PreAttn { ub, .. }
+            | Op::Attn { ub, .. }
+            | Op::PostAttn { ub, .. }
+            | Op::OProj { ub, .. }
+            | Op::Gate { ub, .. }
+            | Op::Experts { ub, .. }
+            | Op::Combine { ub, .. } => Some(ub),
+            Op::Copy => None,
+        }
+    }
+
+    /// `pre_attn(layer=1, ub=0)` style description (`copy` for copies).
+    pub fn describe(&self) -> String {
+        if *self == Op::Copy {
+            return "copy".to_string();
+        }
+        let mut parts = Vec::new();
+        if let Some(layer) = self.layer() {
+            parts.push(format!("layer={layer}"));
+        }
+        if let Some(ub) = self.ub() {
+            parts.push(format!("ub={ub}"));
+        }
+        match self {
+            Op::Attn { part, .. } => parts.push(format!("part={}", part.as_str())),
+            Op::Experts { set, .. } => parts.push(format!("set={set}")),
+            _ => {}
+        }
+        format!("{}({})", self.name(), parts.join(", "))
+    }
+}
+
+/// One argument role of an op's signature.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoleSig {
+    /// The role (argument name).
+    pub role: Role,
+    /// How the op touches it.
+    pub access: Access,
+    /// Tensors the argument must hold before the task (weights: each one whole somewhere
+    /// in the argument; activations: exactly one, over the whole slice). Empty: no check.
+    pub expects: Vec<Tensor>,
+    /// For `kv` of prefill attention: an argument nobody wrote yet is also accepted.
+    pub may_be_empty: bool,
+    /// The argument may be left out (`kv` of `attn(part = prefill)`: attend over the new
+    /// tokens only, nothing cached).
+    pub optional: bool,
+    /// The tensor the argument holds after the task (for writes).
+    pub produces: Option<Tensor>,
+}
+
+fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor>) -> RoleSig {
+    RoleSig {
+        role,
+        access,
+        expects,
+        may_be_empty: false,
+        optional: false,
+        produces,
+    }
+}
+
+/// The roles of `op` in argument order, with their value signatures. `copy` has `src` and
+/// `dst` with no expectation (its value is whatever `src` holds).
+pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
+    use Access::*;
+    use Tensor as T;
+    let residual = |ub, layer, point| T::Residual { ub, layer, point };
+    match *op {
+        // `tokens` (optional) makes the dependency on the previous step's `sample` explicit;
+        // in prefill the prompt comes from the runtime and nothing is expected there.
+        Op::Embed { ub } => vec![
+            sig(Role::W, Read, vec![T::Embedding], None),
+            RoleSig { optional: true, ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None) },
+            sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
+        ],
+        Op::PreAttn { layer, ub } => vec![
+            sig(Role::W, Read, vec![T::Pre { layer }], None),
+            sig(Role::H, Read, vec![residual(ub, layer, Point::In)], None),
+            sig(Role::Out, Write, vec![], Some(T::Qkv { layer, ub })),
+        ],
+        Op::Attn { layer, ub, part } => vec![
+            sig(Role::Qkv, Read, vec![T::Qkv { layer, ub }], None),
+            // Prefill starts the sequences' caches afresh; decode and mixed attention append
+            // to what is cached (a mixed step's first run has nothing cached yet: the
+            // checker accepts an unwritten cache there).
+            RoleSig {
+                role: Role::Kv,
+                access: if part == AttnPart::Prefill {
+                    Write
+                } else {
+                    ReadWrite
+                },
+                expects: if part == AttnPart::Prefill {
+                    vec![]
+                } else {
+                    vec![T::KvCache { layer, ub }]
+                },
+                may_be_empty: part == AttnPart::All,
+                optional: part == AttnPart::Prefill,
+                produces: Some(T::KvCache { layer, ub }),
+            },
+            sig(
+                Role::Out,
+                Write,
+                vec![],
+                Some(T::AttnOut {
+                    layer,
+                    ub,
+                    rows: part.rows(),
+                }),
+            ),
+        ],
+        Op::PostAttn { layer, ub } => {
+            let mut weights = vec![T::O { layer }, T::Gate { layer }];
+            weights.extend((0..card.experts as u32).map(|e| T::Expert {
+                layer,
+                expert: ExpertRef::Index(e),
+            }));
+            vec![
+                sig(Role::W, Read, weights, None),
+                sig(
+                    Role::A,
+                    Read,
+                    vec![T::AttnOut {
+                        layer,
+                        ub,
+                        rows: Rows::All,
+                    }],
+                    None,
+                ),
+                sig(
+                    Role::H,
+                    ReadWrite,
+                    vec![residual(ub, layer, Point::In)],
+                    Some(residual(ub, layer + 1, Point::In)),
+                ),
+            ]
+        }
+        Op::OProj { layer, ub } => vec![
+            sig(Role::W, Read, vec![T::O { layer }], None),
+            sig(
+                Role::A,
+                Read,
+                vec![T::AttnOut {
+                    layer,
+                    ub,
+                    rows: Rows::All,
+                }],
+                None,
+            ),
+            sig(
+                Role::H,
+                ReadWrite,
+                vec![residual(ub, layer, Point::In)],
+                Some(residual(ub, layer, Point::Mid)),
+            ),
+        ],
+        Op::Gate { layer, ub } => vec![
+            sig(Role::W, Read, vec![T::Gate { layer }], None),
+            sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
+            sig(Role::Route, Write, vec![], Some(T::Routing { layer, ub })),
+            sig(Role::Acc, Write, vec![], Some(T::ExpertAcc { layer, ub })),
+        ],
+        Op::Experts { layer, ub, set } => {
+            let weights = set
+                .members(card.experts)
+                .into_iter()
+                .map(|expert| T::Expert { layer, expert })
+                .collect();
+            vec![
+                sig(Role::W, Read, weights, None),
+                sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
+                sig(Role::Route, Read, vec![T::Routing { layer, ub }], None),
+                sig(
+                    Role::Acc,
+                    ReadWrite,
+                    vec![T::ExpertAcc { layer, ub }],
+                    Some(T::ExpertAcc { layer, ub }),
+                ),
+            ]
+        }
+        Op::Combine { layer, ub } => vec![
+            sig(Role::Acc, Read, vec![T::ExpertAcc { layer, ub }], None),
+            sig(
+                Role::H,
+                ReadWrite,
+                vec![residual(ub, layer, Point::Mid)],
+                Some(residual(ub, layer + 1, Point::In)),
+            ),
+        ],
+        Op::LmHead { ub } => vec![
+            sig(Role::W, Read, vec![T::Head], None),
+            sig(
+                Role::H,
+                Read,
+                vec![residual(ub, card.layers as u32, Point::In)],
+                None,
+            ),
+            sig(Role::Logits, Write, vec![], Some(T::Logits { ub })),
+        ],
+        Op::Sample { ub } => vec![
+            sig(Role::Logits, Read, vec![T::Logits { ub }], None),
+            sig(Role::Tokens, Write, vec![], Some(T::Tokens { ub })),
+        ],
+        Op::Copy => vec![
+            sig(Role::Src, Read, vec![], None),
+            sig(Role::Dst, Write, vec![], None),
+        ],
+    }
+}
+
+/// The tokens, sequences and context a task's sizes and work assume (worst case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shape {
+    /// New tokens in the micro-batch (prefill: sequences x prompt_len; decode: sequences).
+    pub tokens: u64,
+    /// Sequences in the micro-batch.
+    pub seqs: u64,
+    /// Tokens each sequence attends to, the new ones included (prefill: prompt_len;
+    /// decode and mixed: prompt_len + gen_len, the worst case; the cost model may pass an
+    /// average to [`work`] instead).
+    pub context: u64,
+    /// Bytes per activation / KV element: [`ACT_BYTES`] (f32, what the runtime computes
+    /// in) unless elaboration was asked otherwise (the cost model may model fp16).
+    pub act_bytes: u64,
+}
+
+/// The smallest slice an activation argument needs, or `None` when the role has no fixed
+/// size (weights are checked by value; copies by equal lengths).
+pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> Option<u64> {
+    let n = shape.tokens;
+    let s = shape.seqs;
+    let a = shape.act_bytes;
+    Some(match (op, role) {
+        (Op::Copy, _) | (_, Role::W) => return None,
+        (_, Role::H) | (_, Role::Acc) => n * card.hidden * a,
+        (Op::PreAttn { .. }, Role::Out) | (_, Role::Qkv) => {
+            n * (card.q_dim() + 2 * card.kv_dim()) * a
+        }
+        (Op::Attn { .. }, Role::Out) | (_, Role::A) => n * card.q_dim() * a,
+        (_, Role::Kv) => s * shape.context * card.kv_elems_per_token_layer() * a,
+        (_, Role::Route) => n * card.top_k * ROUTE_ENTRY_BYTES,
+        (_, Role::Logits) => s * card.vocab * a,
+        (_, Role::Tokens) => s * TOKEN_BYTES,
+        _ => return None,
+    })
+}
+
+/// Which kind of data a memory access moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DataClass {
+    /// Model weights.
+    Weights,
+    /// Activations (hidden states, QKV, logits, routing, tokens).
+    Activations,
+    /// KV cache reads and appends.
+    KvCache,
+}
+
+/// Bytes moved at one memory level.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MemTraffic {
+    /// The memory space touched.
+    pub space: Space,
+    /// What is moved.
+    pub class: DataClass,
+    /// Bytes read plus bytes written.
+    pub bytes: f64,
+}
+
+/// A copy's transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyWork {
+    /// Source space.
+    pub src: Space,
+    /// Destination space.
+    pub dst: Space,
+    /// Bytes transferred.
+    pub bytes: u64,
+}
+
+/// What a task costs, for the HRM: `time = max(flops / peak, bytes / bandwidth per level)`,
+/// copies `bytes / link bandwidth`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Work {
+    /// Floating-point operations (a multiply-add counts 2).
+    pub flops: f64,
+    /// Bytes moved per memory level and data class (one entry per argument).
+    pub mem: Vec<MemTraffic>,
+    /// For copies: the transfer.
+    pub copy: Option<CopyWork>,
+}
+
+impl Work {
+    /// Bytes moved at one memory level, all classes.
+    pub fn bytes_in(&self, space: Space) -> f64 {
+        self.mem
+            .iter()
+            .filter(|m| m.space == space)
+            .map(|m| m.bytes)
+            .sum()
+    }
+}
+
+/// Flops of an op for a shape. Attention over `context` counts QK^T and PV (4 flops per
+/// query, key and head dimension); prefill attention is causal (half the square).
+pub fn flops(op: &Op, card: &ModelCard, shape: &Shape) -> f64 {
+    let n = shape.tokens as f64;
+    let s = shape.seqs as f64;
+    let c = shape.context as f64;
+    let h = card.hidden as f64;
+    let q = card.q_dim() as f64;
+    let kv = card.kv_dim() as f64;
+    let e = card.experts as f64;
+    let k = card.top_k as f64;
+    let f = card.ffn as f64;
+    let norm = 4.0 * n * h;
+    let expert_flops = |routed_tokens: f64| 2.0 * routed_tokens * 3.0 * h * f;
+    match op {
+        Op::Embed { .. } | Op::Copy => 0.0,
+        Op::PreAttn { .. } => norm + 2.0 * n * h * (q + 2.0 * kv) + 3.0 * n * (q + kv),
+        Op::Attn { part, .. } => match part {
+            AttnPart::Prefill => 4.0 * q * s * c * (c + 1.0) / 2.0,
+            AttnPart::Decode | AttnPart::All => 4.0 * q * n * c,
+        },
+        Op::PostAttn { .. } => {
+            2.0 * n * q * h + norm + 2.0 * n * h * e + expert_flops(n * k) + 3.0 * n * h
+        }
+        Op::OProj { .. } => 2.0 * n * q * h + n * h,
+        Op::Gate { .. } => norm + 2.0 * n * h * e + 5.0 * n * e,
+        Op::Experts { set, .. } => expert_flops(routed_tokens(set, card, shape)),
+        Op::Combine { .. } => n * h,
+        Op::LmHead { .. } => 4.0 * s * h + 2.0 * s * h * card.vocab as f64,
+        Op::Sample { .. } => s * card.vocab as f64,
+    }
+}
+
+/// Token-expert pairs an `experts` task computes, assuming uniform routing (the average
+/// case; memory checks never depend on it).
+pub fn routed_tokens(set: &ExpertSet, card: &ModelCard, shape: &Shape) -> f64 {
+    let share = set.len(card.experts) as f64 / card.experts as f64;
+    shape.tokens as f64 * card.top_k as f64 * share
+}
+
+/// Bytes an op moves through one argument (read + write), and what kind of data it is.
+/// Weights count only the tensors the op reads; experts only those that can be active
+/// (`min(experts in the set, tokens x top_k)`).
+pub fn role_traffic(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    shape: &Shape,
+    slice_len: u64,
+) -> (DataClass, f64) {
+    let n = shape.tokens as f64;
+    let s = shape.seqs as f64;
+    let c = shape.context as f64;
+    let h = card.hidden as f64;
+    let q = card.q_dim() as f64;
+    let kv = card.kv_dim() as f64;
+    let dt = card.dtype.bytes() as f64;
+    let a = shape.act_bytes as f64;
+    let layout = super::CheckpointLayout::new(card);
+    let expert_bytes = layout.expert_bytes as f64;
+    let active = |m: f64| m.min(n * card.top_k as f64);
+    match (op, role) {
+        (Op::Copy, _) => (DataClass::Activations, slice_len as f64),
+        (Op::Embed { .. }, Role::W) => (DataClass::Weights, n * h * dt),
+        (Op::PreAttn { .. }, Role::W) => (DataClass::Weights, layout.pre_bytes as f64),
+        (Op::OProj { .. }, Role::W) => (DataClass::Weights, layout.o_bytes as f64),
+        (Op::PostAttn { .. }, Role::W) => (
+            DataClass::Weights,
+            (layout.o_bytes + layout.gate_bytes) as f64
+                + active(card.experts as f64) * expert_bytes,
+        ),
+        (Op::Gate { .. }, Role::W) => (DataClass::Weights, layout.gate_bytes as f64),
+        (Op::Experts { set, .. }, Role::W) => (
+            DataClass::Weights,
+            active(set.len(card.experts) as f64) * expert_bytes,
+        ),
+        (Op::LmHead { .. }, Role::W) => (DataClass::Weights, (card.vocab as f64 * h + h) * dt),
+        (_, Role::W) => (DataClass::Weights, 0.0),
+        (Op::Attn { part, .. }, Role::Kv) => {
+            let append = n * 2.0 * kv * a;
+            let read = match part {
+                AttnPart::Prefill => s * c * 2.0 * kv * a,
+                AttnPart::Decode | AttnPart::All => s * c * 2.0 * kv * a,
+            };
+            (DataClass::KvCache, append + read)
+        }
+        (Op::Attn { .. }, Role::Qkv) => (DataClass::Activations, n * (q + 2.0 * kv) * a),
+        (Op::Attn { .. }, Role::Out) | (_, Role::A) => (DataClass::Activations, n * q * a),
+        (Op::PreAttn { .. }, Role::Out) => (DataClass::Activations, n * (q + 2.0 * kv) * a),
+        (Op::PreAttn { .. } | Op::Gate { .. }, Role::H) => (DataClass::Activations, n * h * a),
+        (Op::Embed { .. }, Role::H) => (DataClass::Activations, n * h * a),
+        (Op::LmHead { .. }, Role::H) => (DataClass::Activations, s * h * a),
+        (Op::Experts { set, .. }, Role::H) => (
+            DataClass::Activations,
+            routed_tokens(set, card, shape).min(n) * h * a,
+        ),
+        (_, Role::H) => (DataClass::Activations, 2.0 * n * h * a),
+        (_, Role::Route) => (
+            DataClass::Activations,
+            n * card.top_k as f64 * ROUTE_ENTRY_BYTES as f64,
+        ),
+        (Op::Experts { set, .. }, Role::Acc) => (
+            DataClass::Activations,
+            2.0 * routed_tokens(set, card, shape) * h * a,
+        ),
+        (_, Role::Acc) => (DataClass::Activations, n * h * a),
+        (_, Role::Logits) => (DataClass::Activations, s * card.vocab as f64 * a),
+        (_, Role::Tokens) => (DataClass::Activations, s * TOKEN_BYTES as f64),
+        _ => (DataClass::Activations, slice_len as f64),
+    }
+}
+
+/// The work of a task whose arguments live in `arg_spaces` (role, space, slice length).
+pub fn work(op: &Op, card: &ModelCard, shape: &Shape, args: &[(Role, Space, u64)]) -> Work {
+    let mem = args
+        .iter()
+        .map(|&(role, space, len)| {
+            let (class, bytes) = role_traffic(op, role, card, shape, len);
+            MemTraffic {
+                space,
+                class,
+                bytes,
+            }
+        })
+        .collect();
+    let copy = match (op, args) {
+        (Op::Copy, [(_, src, len), (_, dst, _)]) => Some(CopyWork {
+            src: *src,
+            dst: *dst,
+            bytes: *len,
+        }),
+        _ => None,
+    };
+    Work {
+        flops: flops(op, card, shape),
+        mem,
+        copy,
+    }
+}
+
+/// A size helper's result: bytes and the layout they imply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelperSize {
+    /// Bytes.
+    pub bytes: u64,
+    /// Layout (see [`super::Layout`]).
+    pub layout: super::Layout,
+}
+
+/// Names of the size helpers, for "unknown function" suggestions.
+pub const SIZE_HELPERS: [&str; 12] = [
+    "hidden",
+    "qkv",
+    "attn_out",
+    "kv_cache",
+    "routing",
+    "logits",
+    "tokens",
+    "layer_weights",
+    "dense_weights",
+    "expert_weights",
+    "embed_weights",
+    "head_weights",
+];
+
+/// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
+/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `logits(s)` and
+/// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()`, `expert_weights(m)`,
+/// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
+pub fn size_helper(
+    name: &str,
+    args: &[u64],
+    card: &ModelCard,
+    act_bytes: u64,
+) -> Option<Result<HelperSize, usize>> {
+    use super::Layout;
+    let a = act_bytes;
+    let raw = |bytes| HelperSize {
+        bytes,
+        layout: Layout::Raw,
+    };
+    let one = |f: &dyn Fn(u64) -> HelperSize| match args {
+        [n] => Ok(f(*n)),
+        _ => Err(1),
+    };
+    let none = |size: HelperSize| if args.is_empty() { Ok(size) } else { Err(0) };
+    let layout = super::CheckpointLayout::new(card);
+    Some(match name {
+        "hidden" => one(&|n| raw(n.saturating_mul(card.hidden * a))),
+        "qkv" => one(&|n| raw(n.saturating_mul((card.q_dim() + 2 * card.kv_dim()) * a))),
+        "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
+        "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
+        "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
+        "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
+        "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
+        "layer_weights" => none(HelperSize {
+            bytes: layout.layer_bytes(),
+            layout: Layout::Layer,
+        }),
+        "dense_weights" => none(HelperSize {
+            bytes: layout.dense_bytes(),
+            layout: Layout::Dense,
+        }),
+        "expert_weights" => one(&|m| HelperSize {
+            bytes: m.saturating_mul(layout.expert_bytes),
+            layout: Layout::Experts {
+                slots: u32::try_from(m).unwrap_or(u32::MAX),
+            },
+        }),
+        "embed_weights" => none(raw(layout.embed_bytes)),
+        "head_weights" => none(raw(layout.head_bytes)),
+        _ => return None,
+    })
+}
+
+/// Scratch bytes an op needs beyond its arguments, in the memory of the engine it runs
+/// on: the experts' gate/up intermediates (`routed tokens x ffn x 2` elements) and the
+/// attention scores of one key block (1024 keys) per query row and head.
+pub fn workspace_bytes(op: &Op, card: &ModelCard, shape: &Shape) -> u64 {
+    let a = shape.act_bytes;
+    match op {
+        Op::PostAttn { .. } => shape.tokens * card.top_k * card.ffn * 2 * a,
+        Op::Experts { set, .. } => {
+            let routed = routed_tokens(set, card, shape).ceil() as u64;
+            routed.min(shape.tokens) * card.ffn * 2 * a
+        }
+        Op::Attn { .. } => shape.tokens * card.heads * shape.context.min(1024) * a,
+        _ => 0,
+    }
+}

@@ -1,0 +1,680 @@
+//! The IR: an elaborated schedule as plain data.
+//!
+//! Takes nothing (built by `elaborate`); gives [`Program`]: params with their bound values,
+//! streams bound to engines, buffers with byte sizes in memory spaces, and tasks in issue
+//! order, each with its op, stream, argument slices (role, byte range, access), explicit
+//! `after` orderings, a dynamic guard, and its work for the cost model. Spans live in a
+//! side table ([`SpanTable`]) as in naga, so the IR itself is position-free.
+//!
+//! Invariants kept by elaboration (and relied on by `deps` and `check`):
+//! - `tasks` is in issue order and every `after` names an earlier task;
+//! - every slice lies inside its buffer (`start + len <= bytes`); a slice with a dynamic
+//!   expert reads the read-only checkpoint only;
+//! - `BufferId(0)` is the checkpoint `W` (host, read-only), laid out as [`CheckpointLayout`];
+//! - `steps` partition `tasks` into contiguous ranges in declaration order.
+
+pub mod catalog;
+pub mod deps;
+pub mod emit;
+
+mod ids;
+pub mod value;
+
+pub use catalog::{AttnPart, ExpertRef, ExpertSet, Op, Shape, Work};
+pub use ids::{BufferId, ParamId, StepId, StreamId, TaskId};
+
+use crate::model::card::ModelCard;
+use crate::syntax::ast::{ParamType, Span, StepKind};
+use serde::{Deserialize, Serialize};
+
+/// An elaborated schedule: everything bound, unrolled and resolved.
+#[derive(Debug, Clone, Serialize)]
+pub struct Program {
+    /// `schedule NAME`.
+    pub name: String,
+    /// The header's description string (empty if none).
+    pub description: String,
+    /// The model card the schedule was elaborated for.
+    pub model: ModelCard,
+    /// The workload the sizes and work assume.
+    pub workload: Workload,
+    /// How the batch is split (`microbatches COUNT of SIZE`).
+    pub micro_batches: MicroBatches,
+    /// Declared params with their bound values, in declaration order.
+    pub params: Vec<Param>,
+    /// Streams, indexed by [`StreamId`].
+    pub streams: Vec<Stream>,
+    /// Buffers (array elements flattened), indexed by [`BufferId`]; 0 is the checkpoint.
+    pub buffers: Vec<Buffer>,
+    /// Tasks in issue order, indexed by [`TaskId`].
+    pub tasks: Vec<Task>,
+    /// Step templates in declaration order, indexed by [`StepId`].
+    pub steps: Vec<Step>,
+    /// Source spans of everything above.
+    #[serde(skip)]
+    pub spans: SpanTable,
+}
+
+/// The workload symbols (`batch`, `prompt_len`, `gen_len`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    /// Sequences in the batch.
+    pub batch: u64,
+    /// Prompt tokens per sequence (worst case).
+    pub prompt_len: u64,
+    /// Generated tokens per sequence.
+    pub gen_len: u64,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Workload {
+            batch: 64,
+            prompt_len: 128,
+            gen_len: 32,
+        }
+    }
+}
+
+/// `microbatches COUNT of SIZE`: the batch as COUNT micro-batches of SIZE sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MicroBatches {
+    /// Number of micro-batches (`ub` arguments are `0..count`).
+    pub count: u32,
+    /// Sequences per micro-batch (the worst case the sizes assume).
+    pub size: u64,
+    /// New tokens of one micro-batch in a mixed step (worst case; `tokens T`, default
+    /// `size`: one token per sequence).
+    pub mixed_tokens: u64,
+}
+
+/// A scalar value of a param.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Scalar {
+    /// An integer.
+    Int(i64),
+    /// A float.
+    Float(f64),
+    /// A boolean.
+    Bool(bool),
+}
+
+impl std::fmt::Display for Scalar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scalar::Int(v) => write!(f, "{v}"),
+            Scalar::Float(v) => write!(f, "{v:?}"),
+            Scalar::Bool(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// The allowed values of a param: `lo..hi` or `lo..=hi`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ParamRange {
+    /// Smallest allowed value.
+    pub lo: Scalar,
+    /// Upper bound.
+    pub hi: Scalar,
+    /// Whether `hi` itself is allowed.
+    pub inclusive: bool,
+}
+
+/// A declared param with its bound value (the planner searches `range`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Param {
+    /// The name (`--set NAME=...`).
+    pub name: String,
+    /// Declared type.
+    #[serde(serialize_with = "ser_param_type")]
+    pub ty: ParamType,
+    /// The value used for this elaboration (default or `--set`).
+    pub value: Scalar,
+    /// The declared default.
+    pub default: Scalar,
+    /// The declared range, if any.
+    pub range: Option<ParamRange>,
+    /// The trailing `//` comment of the declaration.
+    pub doc: Option<String>,
+}
+
+fn ser_param_type<S: serde::Serializer>(ty: &ParamType, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(ty.as_str())
+}
+
+/// What executes a stream's tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Engine {
+    /// GPU kernels (`gpu.compute`).
+    GpuCompute,
+    /// Host -> device copies (`gpu.copy_in`).
+    GpuCopyIn,
+    /// Device -> host copies (`gpu.copy_out`).
+    GpuCopyOut,
+    /// The CPU thread pool (`cpu.compute`).
+    CpuCompute,
+    /// Host memcpy between pageable and pinned memory (`cpu.copy`).
+    CpuCopy,
+}
+
+impl Engine {
+    /// Every engine, in a fixed order.
+    pub const ALL: [Engine; 5] = [
+        Engine::GpuCompute,
+        Engine::GpuCopyIn,
+        Engine::GpuCopyOut,
+        Engine::CpuCompute,
+        Engine::CpuCopy,
+    ];
+
+    /// The engine as written in a `stream` declaration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::GpuCompute => "gpu.compute",
+            Engine::GpuCopyIn => "gpu.copy_in",
+            Engine::GpuCopyOut => "gpu.copy_out",
+            Engine::CpuCompute => "cpu.compute",
+            Engine::CpuCopy => "cpu.copy",
+        }
+    }
+
+    /// Parses `gpu.compute` etc.
+    pub fn parse(text: &str) -> Option<Engine> {
+        Engine::ALL.into_iter().find(|e| e.as_str() == text)
+    }
+
+    /// Whether the engine runs compute ops (as opposed to copies only).
+    pub fn is_compute(self) -> bool {
+        matches!(self, Engine::GpuCompute | Engine::CpuCompute)
+    }
+}
+
+/// A memory space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Space {
+    /// Device memory.
+    Gpu,
+    /// Page-locked host memory (fast DMA).
+    Pinned,
+    /// Pageable host memory; the checkpoint lives here, memory-mapped.
+    Host,
+}
+
+impl Space {
+    /// Every space, in a fixed order.
+    pub const ALL: [Space; 3] = [Space::Gpu, Space::Pinned, Space::Host];
+
+    /// The space as written.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Space::Gpu => "gpu",
+            Space::Pinned => "pinned",
+            Space::Host => "host",
+        }
+    }
+
+    /// Parses `gpu`, `pinned`, `host`.
+    pub fn parse(text: &str) -> Option<Space> {
+        Space::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
+/// A stream: an in-order queue on one engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Stream {
+    /// Its name in the schedule.
+    pub name: String,
+    /// The engine it is bound to.
+    pub engine: Engine,
+}
+
+/// How a buffer's bytes are organised, from the size helper that declared it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Layout {
+    /// Unstructured bytes (activations, pages, sums of helpers).
+    Raw,
+    /// One decoder layer: `[attn | router | expert 0 | ... | expert E-1]`.
+    Layer,
+    /// A layer's dense part: `[attn | router]`.
+    Dense,
+    /// `slots` expert-sized slots.
+    Experts {
+        /// Number of slots.
+        slots: u32,
+    },
+    /// The whole checkpoint, see [`CheckpointLayout`].
+    Checkpoint,
+}
+
+/// Whether a buffer is the built-in checkpoint or declared by the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BufferKind {
+    /// `W`: the memory-mapped checkpoint (host, read-only).
+    Checkpoint,
+    /// A `buffer` declaration.
+    Declared,
+}
+
+/// One buffer (an element of a declared array).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Buffer {
+    /// Element name as shown to users: `w_gpu[1]`, `kv[3][0]`, `W`.
+    pub name: String,
+    /// The declared array's name (`w_gpu`).
+    pub array: String,
+    /// Indices of this element in its array (empty for a single buffer).
+    pub index: Vec<u32>,
+    /// Its memory space.
+    pub space: Space,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// How its bytes are organised.
+    pub layout: Layout,
+    /// Built-in checkpoint or declared.
+    pub kind: BufferKind,
+}
+
+/// Byte layout of the checkpoint buffer `W`: `[embedding | layer 0 | ... | layer L-1 |
+/// final norm + lm_head]`, every part starting on a 64-byte boundary. A layer is the
+/// model's packed image ([`crate::model::layout::LayerLayout`]): `[pre | o | gate | expert 0
+/// | ... | expert E-1]` where `pre` = input norm + Q/K/V (DBRX: Wqkv), `o` = O projection,
+/// `gate` = post-attention norm + router; so `W[i].expert(e)` is exactly the image's
+/// `expert_range(e)` and the runtime can copy byte ranges of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointLayout {
+    /// Bytes of the embedding table (padded to 64).
+    pub embed_bytes: u64,
+    /// Bytes of a layer's `pre` part (input norm, Q/K/V), padding included.
+    pub pre_bytes: u64,
+    /// Bytes of a layer's O projection, padding included.
+    pub o_bytes: u64,
+    /// Bytes of a layer's `gate` part (post-attention norm, router), padding included.
+    pub gate_bytes: u64,
+    /// Bytes of one expert (gate, up, down projections), padding included.
+    pub expert_bytes: u64,
+    /// Experts per layer.
+    pub experts: u64,
+    /// Layers.
+    pub layers: u64,
+    /// Bytes of the final norm plus lm_head.
+    pub head_bytes: u64,
+}
+
+const ALIGN: u64 = crate::model::layout::SEGMENT_ALIGN as u64;
+
+fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+impl CheckpointLayout {
+    /// The layout for a model card (from the model's packed layer image).
+    pub fn new(card: &ModelCard) -> Self {
+        // Same rule as `model::layout::LayerLayout::new` (segments in image order, each
+        // starting on a SEGMENT_ALIGN boundary), computed without allocating because the
+        // op catalog asks for it per task; `matches_the_model_layer_image` pins the two.
+        let dt = card.dtype.bytes();
+        let (h, f, e) = (card.hidden, card.ffn, card.experts);
+        let (q, kv) = (card.q_dim(), card.kv_dim());
+        let place = |offset: u64, elems: &[u64]| elems.iter().fold(offset, |at, n| align_up(at + n * dt));
+        let qkv: &[u64] = match card.family {
+            crate::model::card::Family::Mixtral => &[q * h, kv * h, kv * h],
+            crate::model::card::Family::Dbrx => &[(q + 2 * kv) * h],
+        };
+        let o_start = place(place(0, &[h]), qkv);
+        let gate_start = place(o_start, &[h * q]);
+        let experts_start = place(gate_start, &[h, e * h]);
+        let expert_bytes = place(0, &[f * h, f * h, h * f]);
+        CheckpointLayout {
+            embed_bytes: align_up(card.vocab * card.hidden * dt),
+            pre_bytes: o_start,
+            o_bytes: gate_start - o_start,
+            gate_bytes: experts_start - gate_start,
+            expert_bytes,
+            experts: card.experts,
+            layers: card.layers,
+            head_bytes: (card.vocab * card.hidden + card.hidden) * dt,
+        }
+    }
+
+    /// Bytes of `[pre | o | gate]`.
+    pub fn dense_bytes(&self) -> u64 {
+        self.pre_bytes + self.o_bytes + self.gate_bytes
+    }
+
+    /// Offset of the experts inside a layer.
+    pub fn experts_offset(&self) -> u64 {
+        self.dense_bytes()
+    }
+
+    /// Bytes of one whole layer.
+    pub fn layer_bytes(&self) -> u64 {
+        self.dense_bytes() + self.experts * self.expert_bytes
+    }
+
+    /// Offset of layer `layer` in the checkpoint.
+    pub fn layer_offset(&self, layer: u64) -> u64 {
+        self.embed_bytes + layer * self.layer_bytes()
+    }
+
+    /// Offset of the final norm + lm_head.
+    pub fn head_offset(&self) -> u64 {
+        self.layer_offset(self.layers)
+    }
+
+    /// Total bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.head_offset() + self.head_bytes
+    }
+}
+
+/// A byte range of one buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slice {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// First byte.
+    pub start: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Set for `W[i].expert(hot(i, k))`: the expert is only known at run time. `start` is
+    /// then the offset of expert 0 of that layer and `len` one expert; the runtime adds
+    /// `resolved_expert * len`. Dependency analysis treats the whole experts region as read.
+    pub dynamic_expert: Option<ExpertRef>,
+}
+
+impl Slice {
+    /// One past the last byte.
+    pub fn end(&self) -> u64 {
+        self.start + self.len
+    }
+}
+
+/// Whether a task reads or writes an argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Access {
+    /// Read only.
+    Read,
+    /// Overwritten without being read.
+    Write,
+    /// Read and updated in place.
+    ReadWrite,
+}
+
+impl Access {
+    /// True for `Read` and `ReadWrite`.
+    pub fn reads(self) -> bool {
+        matches!(self, Access::Read | Access::ReadWrite)
+    }
+
+    /// True for `Write` and `ReadWrite`.
+    pub fn writes(self) -> bool {
+        matches!(self, Access::Write | Access::ReadWrite)
+    }
+
+    /// `r`, `w` or `rw`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::Read => "r",
+            Access::Write => "w",
+            Access::ReadWrite => "rw",
+        }
+    }
+}
+
+/// The role of an argument: the name it is passed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Role {
+    /// Weights (`w`).
+    W,
+    /// The residual stream of a micro-batch (`h`).
+    H,
+    /// Q, K and V of a micro-batch (`qkv`).
+    Qkv,
+    /// A KV cache (`kv`).
+    Kv,
+    /// An op's main output (`out`): attention output, QKV of `pre_attn`.
+    Out,
+    /// Routing decisions (`route`).
+    Route,
+    /// Expert output accumulator (`acc`).
+    Acc,
+    /// Logits (`logits`).
+    Logits,
+    /// Sampled tokens (`tokens`).
+    Tokens,
+    /// Attention output read by `post_attn`/`o_proj` (`a`).
+    A,
+    /// Copy source (`src`).
+    Src,
+    /// Copy destination (`dst`).
+    Dst,
+}
+
+impl Role {
+    /// The argument name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::W => "w",
+            Role::H => "h",
+            Role::Qkv => "qkv",
+            Role::Kv => "kv",
+            Role::Out => "out",
+            Role::Route => "route",
+            Role::Acc => "acc",
+            Role::Logits => "logits",
+            Role::Tokens => "tokens",
+            Role::A => "a",
+            Role::Src => "src",
+            Role::Dst => "dst",
+        }
+    }
+}
+
+/// One argument of a task.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Arg {
+    /// The role it is passed as.
+    pub role: Role,
+    /// The bytes it touches.
+    pub slice: Slice,
+    /// Read, write or both.
+    pub access: Access,
+}
+
+/// A dynamic condition atom, decided by the runtime from the real routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum GuardAtom {
+    /// `active(layer, expert)` or `active(layer, expert, ub)`: the expert received tokens
+    /// (from micro-batch `ub`, or from any micro-batch of the step).
+    Active {
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: ExpertRef,
+        /// The micro-batch, or any.
+        ub: Option<u32>,
+    },
+}
+
+/// A possibly negated atom.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GuardLit {
+    /// The condition.
+    pub atom: GuardAtom,
+    /// True for `!atom`.
+    pub negated: bool,
+}
+
+/// A conjunction of literals; the task runs only when all hold. Empty = always runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Guard {
+    /// The literals, sorted and deduplicated.
+    pub lits: Vec<GuardLit>,
+}
+
+impl Guard {
+    /// True when the task always runs.
+    pub fn is_always(&self) -> bool {
+        self.lits.is_empty()
+    }
+
+    /// Whether every literal of `self` is also in `other` (so `other` implies `self`).
+    pub fn implied_by(&self, other: &Guard) -> bool {
+        self.lits.iter().all(|l| other.lits.contains(l))
+    }
+}
+
+/// One task: an op applied to buffer slices on a stream.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Task {
+    /// The op and its static parameters.
+    pub op: Op,
+    /// The stream it is issued on.
+    pub stream: StreamId,
+    /// The step template it belongs to.
+    pub step: StepId,
+    /// Its arguments, in the catalog's role order.
+    pub args: Vec<Arg>,
+    /// Explicit orderings: tasks that must finish first (all earlier in issue order).
+    pub after: Vec<TaskId>,
+    /// Runs only when this dynamic condition holds.
+    pub guard: Guard,
+    /// Tokens, sequences and context the work assumes.
+    pub shape: Shape,
+    /// Flops and bytes for the cost model (see [`catalog::work`]).
+    pub work: Work,
+    /// `as NAME[i, j]` rendered with its indices, if labelled.
+    pub label: Option<String>,
+}
+
+/// A step template after unrolling.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Step {
+    /// Prefill, decode or mixed.
+    #[serde(serialize_with = "ser_step_kind")]
+    pub kind: StepKind,
+    /// Its tasks: `tasks[first..first + count]`.
+    pub first: u32,
+    /// Number of tasks.
+    pub count: u32,
+}
+
+fn ser_step_kind<S: serde::Serializer>(kind: &StepKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(kind.as_str())
+}
+
+impl Step {
+    /// Ids of the step's tasks.
+    pub fn task_ids(&self) -> impl Iterator<Item = TaskId> {
+        (self.first..self.first + self.count).map(TaskId)
+    }
+}
+
+/// Source spans beside the IR, indexed like its tables.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpanTable {
+    /// The task statement (`pre_attn(...) on gpu`).
+    pub tasks: Vec<Span>,
+    /// Each task's argument expressions, parallel to `Task::args`.
+    pub task_args: Vec<Vec<Span>>,
+    /// Each task's `on STREAM`.
+    pub task_streams: Vec<Span>,
+    /// Each task's `after` items, parallel to `Task::after`.
+    pub task_after: Vec<Vec<Span>>,
+    /// The buffer declarations (shared by the elements of an array).
+    pub buffers: Vec<Span>,
+    /// The stream declarations.
+    pub streams: Vec<Span>,
+    /// The param declarations.
+    pub params: Vec<Span>,
+}
+
+impl Program {
+    /// The checkpoint layout for this program's model.
+    pub fn checkpoint(&self) -> CheckpointLayout {
+        CheckpointLayout::new(&self.model)
+    }
+
+    /// The task with this id.
+    pub fn task(&self, id: TaskId) -> &Task {
+        &self.tasks[id.index()]
+    }
+
+    /// The buffer with this id.
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.index()]
+    }
+
+    /// The stream with this id.
+    pub fn stream(&self, id: StreamId) -> &Stream {
+        &self.streams[id.index()]
+    }
+
+    /// The engine a task runs on.
+    pub fn engine_of(&self, id: TaskId) -> Engine {
+        self.stream(self.task(id).stream).engine
+    }
+
+    /// The source span of a task.
+    pub fn task_span(&self, id: TaskId) -> Span {
+        self.spans
+            .tasks
+            .get(id.index())
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// A short human name for a task: its label, or `#N op`.
+    pub fn task_name(&self, id: TaskId) -> String {
+        let task = self.task(id);
+        match &task.label {
+            Some(label) => format!("#{} {}", id.0, label),
+            None => format!("#{} {}", id.0, task.op.describe()),
+        }
+    }
+
+    /// A param's bound value by name.
+    pub fn param(&self, name: &str) -> Option<Scalar> {
+        self.params.iter().find(|p| p.name == name).map(|p| p.value)
+    }
+
+    /// Total bytes of declared buffers per space (the checkpoint excluded).
+    pub fn bytes_per_space(&self) -> Vec<(Space, u64)> {
+        Space::ALL
+            .into_iter()
+            .map(|space| {
+                let bytes = self
+                    .buffers
+                    .iter()
+                    .filter(|b| b.kind == BufferKind::Declared && b.space == space)
+                    .map(|b| b.bytes)
+                    .sum();
+                (space, bytes)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layout::{LayerLayout, SegmentKind};
+
+    #[test]
+    fn matches_the_model_layer_image() {
+        for card in ModelCard::builtins() {
+            let layout = CheckpointLayout::new(&card);
+            let image = LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(&card), card.dtype);
+            let offset = |kind| image.segment(kind).map(|s| s.offset as u64).unwrap();
+            assert_eq!(layout.pre_bytes, offset(SegmentKind::OProj), "{}", card.name);
+            assert_eq!(layout.pre_bytes + layout.o_bytes, offset(SegmentKind::FfnNorm), "{}", card.name);
+            assert_eq!(layout.dense_bytes(), image.dense_range().end as u64, "{}", card.name);
+            for e in [0, card.experts as usize - 1] {
+                let range = image.expert_range(e);
+                assert_eq!(layout.dense_bytes() + e as u64 * layout.expert_bytes, range.start as u64, "{}", card.name);
+                assert_eq!(layout.expert_bytes, range.len() as u64, "{}", card.name);
+            }
+            assert_eq!(layout.layer_bytes(), image.image_bytes as u64, "{}", card.name);
+        }
+    }
+}

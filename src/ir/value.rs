@@ -1,0 +1,277 @@
+//! Logical tensors: what a buffer's bytes mean at a point of the issue order.
+//!
+//! Takes a checkpoint layout; gives [`Tensor`] (the value lattice the checker tracks),
+//! human-readable names for diagnostics, and [`checkpoint_pieces`], which splits a byte
+//! range of the checkpoint `W` into the weight tensors it covers. A [`Piece`] is "bytes of
+//! tensor T starting at offset k", so copies of pages keep exact provenance.
+
+use super::catalog::ExpertRef;
+use super::CheckpointLayout;
+use serde::{Deserialize, Serialize};
+
+/// Where in a layer a residual stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Point {
+    /// The input of the layer (after the previous layer; layer 0: the embedding).
+    In,
+    /// After the layer's attention block (o_proj + residual), before its MoE block.
+    Mid,
+}
+
+/// Which rows of a micro-batch an attention output covers. In a `prefill` step every row
+/// is a prefill row, in a `decode` step a decode row; a mixed `step` has both kinds, and
+/// `attn(part = prefill)` and `attn(part = decode)` each produce their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Rows {
+    /// Every row.
+    All,
+    /// The prefill tokens' rows.
+    Prefill,
+    /// The decode tokens' rows.
+    Decode,
+}
+
+/// A logical tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Tensor {
+    /// The token embedding table.
+    Embedding,
+    /// Final norm + lm_head.
+    Head,
+    /// A layer's input norm and Q/K/V projections (DBRX: fused Wqkv).
+    Pre {
+        /// Layer.
+        layer: u32,
+    },
+    /// A layer's O projection.
+    O {
+        /// Layer.
+        layer: u32,
+    },
+    /// A layer's post-attention norm and router.
+    Gate {
+        /// Layer.
+        layer: u32,
+    },
+    /// One expert of a layer.
+    Expert {
+        /// Layer.
+        layer: u32,
+        /// Which expert (possibly known only at run time).
+        expert: ExpertRef,
+    },
+    /// The residual stream of a micro-batch at `point` of layer `layer` (`layer ==
+    /// layers, In` is the final hidden state).
+    Residual {
+        /// Micro-batch.
+        ub: u32,
+        /// Layer.
+        layer: u32,
+        /// Before or in the middle of the layer.
+        point: Point,
+    },
+    /// Q, K, V of a micro-batch for a layer.
+    Qkv {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Attention output (before o_proj), for some of the micro-batch's rows.
+    AttnOut {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+        /// Which rows: written by `attn(part = ...)`; readers need all of them.
+        rows: Rows,
+    },
+    /// The KV cache of a layer for a micro-batch.
+    KvCache {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Router decisions.
+    Routing {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Partial sum of expert outputs.
+    ExpertAcc {
+        /// Layer.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Logits.
+    Logits {
+        /// Micro-batch.
+        ub: u32,
+    },
+    /// Sampled token ids.
+    Tokens {
+        /// Micro-batch.
+        ub: u32,
+    },
+}
+
+impl Tensor {
+    /// True for model weights (fixed size, located inside an argument by offset).
+    pub fn is_weight(&self) -> bool {
+        matches!(
+            self,
+            Tensor::Embedding
+                | Tensor::Head
+                | Tensor::Pre { .. }
+                | Tensor::O { .. }
+                | Tensor::Gate { .. }
+                | Tensor::Expert { .. }
+        )
+    }
+
+    /// Size of a weight tensor; `None` for activations (their size is the slice's).
+    pub fn weight_bytes(&self, layout: &CheckpointLayout) -> Option<u64> {
+        Some(match self {
+            Tensor::Embedding => layout.embed_bytes,
+            Tensor::Head => layout.head_bytes,
+            Tensor::Pre { .. } => layout.pre_bytes,
+            Tensor::O { .. } => layout.o_bytes,
+            Tensor::Gate { .. } => layout.gate_bytes,
+            Tensor::Expert { .. } => layout.expert_bytes,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tensor::Embedding => write!(f, "W.embed"),
+            Tensor::Head => write!(f, "W.head"),
+            Tensor::Pre { layer } => write!(f, "W[{layer}].pre"),
+            Tensor::O { layer } => write!(f, "W[{layer}].o"),
+            Tensor::Gate { layer } => write!(f, "W[{layer}].gate"),
+            Tensor::Expert { layer, expert } => write!(f, "W[{layer}].expert({expert})"),
+            Tensor::Residual {
+                ub,
+                layer,
+                point: Point::In,
+            } => {
+                write!(f, "hidden of ub {ub} entering layer {layer}")
+            }
+            Tensor::Residual {
+                ub,
+                layer,
+                point: Point::Mid,
+            } => {
+                write!(f, "hidden of ub {ub} after attention of layer {layer}")
+            }
+            Tensor::Qkv { layer, ub } => write!(f, "qkv of layer {layer}, ub {ub}"),
+            Tensor::AttnOut { layer, ub, rows } => {
+                let which = match rows {
+                    Rows::All => "",
+                    Rows::Prefill => " (prefill rows)",
+                    Rows::Decode => " (decode rows)",
+                };
+                write!(f, "attention output of layer {layer}, ub {ub}{which}")
+            }
+            Tensor::KvCache { layer, ub } => write!(f, "kv cache of layer {layer}, ub {ub}"),
+            Tensor::Routing { layer, ub } => write!(f, "routing of layer {layer}, ub {ub}"),
+            Tensor::ExpertAcc { layer, ub } => write!(f, "expert sum of layer {layer}, ub {ub}"),
+            Tensor::Logits { ub } => write!(f, "logits of ub {ub}"),
+            Tensor::Tokens { ub } => write!(f, "tokens of ub {ub}"),
+        }
+    }
+}
+
+/// `len` bytes of `tensor` starting at byte `offset` of the tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Piece {
+    /// The tensor.
+    pub tensor: Tensor,
+    /// Offset inside the tensor of the piece's first byte.
+    pub offset: u64,
+}
+
+/// Splits `[start, start + len)` of the checkpoint into `(slice_offset, len, piece)` runs.
+/// With `dynamic_expert`, the slice is that whole expert of the layer at `start`.
+pub fn checkpoint_pieces(
+    layout: &CheckpointLayout,
+    start: u64,
+    len: u64,
+    dynamic_expert: Option<ExpertRef>,
+) -> Vec<(u64, u64, Piece)> {
+    if let Some(expert) = dynamic_expert {
+        let layer = start.saturating_sub(layout.embed_bytes) / layout.layer_bytes().max(1);
+        let tensor = Tensor::Expert {
+            layer: layer as u32,
+            expert,
+        };
+        return vec![(0, len, Piece { tensor, offset: 0 })];
+    }
+    // The tensors in checkpoint order, as (first byte, length, tensor), generated lazily
+    // around the requested range so a small slice of a big model stays cheap.
+    let mut out = Vec::new();
+    let end = start + len;
+    let mut push = |t_start: u64, t_len: u64, tensor: Tensor| {
+        let lo = t_start.max(start);
+        let hi = (t_start + t_len).min(end);
+        if lo < hi {
+            out.push((
+                lo - start,
+                hi - lo,
+                Piece {
+                    tensor,
+                    offset: lo - t_start,
+                },
+            ));
+        }
+    };
+    push(0, layout.embed_bytes, Tensor::Embedding);
+    let layer_bytes = layout.layer_bytes().max(1);
+    let first_layer = start.saturating_sub(layout.embed_bytes) / layer_bytes;
+    let last_layer =
+        (end.saturating_sub(layout.embed_bytes) / layer_bytes).min(layout.layers.saturating_sub(1));
+    for layer in first_layer..=last_layer {
+        if layer >= layout.layers {
+            break;
+        }
+        let base = layout.layer_offset(layer);
+        let l = layer as u32;
+        push(base, layout.pre_bytes, Tensor::Pre { layer: l });
+        push(
+            base + layout.pre_bytes,
+            layout.o_bytes,
+            Tensor::O { layer: l },
+        );
+        push(
+            base + layout.pre_bytes + layout.o_bytes,
+            layout.gate_bytes,
+            Tensor::Gate { layer: l },
+        );
+        let experts_base = base + layout.dense_bytes();
+        let eb = layout.expert_bytes.max(1);
+        let first_e = start.saturating_sub(experts_base) / eb;
+        let last_e = (end.saturating_sub(experts_base) / eb).min(layout.experts.saturating_sub(1));
+        for e in first_e..=last_e {
+            if e >= layout.experts {
+                break;
+            }
+            push(
+                experts_base + e * layout.expert_bytes,
+                layout.expert_bytes,
+                Tensor::Expert {
+                    layer: l,
+                    expert: ExpertRef::Index(e as u32),
+                },
+            );
+        }
+    }
+    push(layout.head_offset(), layout.head_bytes, Tensor::Head);
+    out.sort_by_key(|(offset, _, _)| *offset);
+    out
+}

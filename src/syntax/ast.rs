@@ -1,0 +1,474 @@
+//! The spanned abstract syntax tree of a `.sched` file.
+//!
+//! Takes nothing (plain data built by [`super::parse`]); gives owned nodes that carry the
+//! byte [`Span`] of the text they came from, so every later diagnostic can point at the
+//! source. Nothing here is evaluated: names are unresolved and expressions unevaluated.
+//!
+//! # The language in one screen
+//!
+//! ```text
+//! schedule NAME "description"                // header, once, first
+//! param ubs: int in 1..=4096 = 32            // typed (int|float|bool), range, default;
+//!                                            //   overridable with `--set ubs=64`
+//! stream gpu: gpu.compute                    // an in-order queue bound to an engine
+//! buffer w_gpu[2]: gpu = layer_weights()     // array of buffers in a memory space
+//! microbatches n_ub of ubs                   // the batch is n_ub micro-batches of ubs sequences
+//! let slots = 2                              // a constant (top level or in a block)
+//! template load(i, s) { ... }                // reusable statements, called as `load(1, 0)`
+//! setup { ... }                            // once, first: resident weights
+//! prefill { ... }  decode { ... }  step { ... }   // step templates (step = mixed, VSLPipe)
+//!
+//! for i in 0..layers { ... }                 // unrolled; ranges `a..b`, `a..=b`
+//! if i + 1 < layers { ... } else { ... }     // static: one branch is kept;
+//! if active(i, e) { ... }                    // dynamic: the tasks are guarded
+//! pre_attn(layer = i, ub = j, w = w_gpu[i % 2], h = h[j], out = qkv[j]) on gpu as pa[i, j]
+//! copy W[i + 1].page(j, n_ub) -> w_gpu[(i + 1) % 2].page(j, n_ub) on h2d after pa[i, j]
+//! ```
+//!
+//! Expressions: int and float literals, `true`/`false`, `+ - * / %`, comparisons,
+//! `&& || !`, ranges, lists `[a, b]`, calls `min(a, b)`, indexing `b[i]`, fields
+//! `W[i].attn`, `gpu.mem`, and methods `b.page(k, n)`, `W[i].expert(e)`.
+
+/// A byte range `[start, end)` in the source text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
+pub struct Span {
+    /// First byte.
+    pub start: u32,
+    /// One past the last byte.
+    pub end: u32,
+}
+
+impl Span {
+    /// A span from byte offsets (saturating at `u32::MAX`; files that large are rejected earlier).
+    pub fn new(start: usize, end: usize) -> Span {
+        Span {
+            start: start.min(u32::MAX as usize) as u32,
+            end: end.min(u32::MAX as usize) as u32,
+        }
+    }
+
+    /// The smallest span covering both.
+    pub fn join(self, other: Span) -> Span {
+        Span {
+            start: self.start.min(other.start),
+            end: self.end.max(other.end),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(self) -> usize {
+        (self.end - self.start) as usize
+    }
+
+    /// True for an empty span.
+    pub fn is_empty(self) -> bool {
+        self.end == self.start
+    }
+}
+
+/// A name with the span where it is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ident {
+    /// The name.
+    pub name: String,
+    /// Where it is written.
+    pub span: Span,
+}
+
+/// A whole `.sched` file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct File {
+    /// `schedule NAME`.
+    pub name: Ident,
+    /// The optional description string after the name (quotes removed).
+    pub description: Option<String>,
+    /// Top-level items in textual order.
+    pub items: Vec<Item>,
+}
+
+/// One top-level declaration.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Item {
+    /// `param NAME: TYPE in RANGE = DEFAULT`.
+    Param(ParamDecl),
+    /// `stream NAME: ENGINE`.
+    Stream(StreamDecl),
+    /// `buffer NAME[D1][D2]: SPACE = SIZE`.
+    Buffer(BufferDecl),
+    /// `microbatches COUNT of SIZE`.
+    MicroBatches(MicroBatchDecl),
+    /// `template NAME(PARAMS) { ... }`.
+    Template(TemplateDecl),
+    /// `prefill { ... }`, `decode { ... }` or `step { ... }`.
+    Step(StepDecl),
+    /// A top-level `let`, visible to everything after it.
+    Let(LetStmt),
+}
+
+/// The declared type of a param.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ParamType {
+    /// 64-bit signed integer.
+    Int,
+    /// 64-bit float.
+    Float,
+    /// `true` / `false`.
+    Bool,
+}
+
+impl ParamType {
+    /// The keyword as written.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParamType::Int => "int",
+            ParamType::Float => "float",
+            ParamType::Bool => "bool",
+        }
+    }
+}
+
+/// `param NAME: TYPE in RANGE = DEFAULT`; the doc comment is the trailing `//` comment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamDecl {
+    /// The param's name.
+    pub name: Ident,
+    /// Its declared type.
+    pub ty: ParamType,
+    /// Where the type is written.
+    pub ty_span: Span,
+    /// The allowed range (`1..=4096`), if any.
+    pub range: Option<Expr>,
+    /// The default value.
+    pub default: Expr,
+    /// The `//` comment on the same line after the declaration, if any.
+    pub doc: Option<String>,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `stream NAME: ENGINE.KIND`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamDecl {
+    /// The stream's name.
+    pub name: Ident,
+    /// The engine as written (`gpu.copy_in`), checked by elaboration.
+    pub engine: Ident,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `buffer NAME[D1][D2]: SPACE = SIZE`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BufferDecl {
+    /// The buffer (array) name.
+    pub name: Ident,
+    /// Array dimensions, outermost first; empty for a single buffer.
+    pub dims: Vec<Expr>,
+    /// The memory space as written (`gpu`, `pinned`, `host`).
+    pub space: Ident,
+    /// The size expression (bytes, usually from a size helper such as `hidden(ubs)`).
+    pub size: Expr,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `microbatches COUNT of SIZE`: the batch is split into COUNT micro-batches of SIZE
+/// sequences each; `ub` arguments of ops index them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatchDecl {
+    /// Number of micro-batches.
+    pub count: Expr,
+    /// Sequences per micro-batch.
+    pub size: Expr,
+    /// `tokens T`: new tokens of one micro-batch in a mixed step (worst case); default SIZE.
+    pub tokens: Option<Expr>,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `template NAME(P1, P2) { ... }`: statements expanded in place at each call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateDecl {
+    /// The template's name.
+    pub name: Ident,
+    /// Parameter names, bound positionally at the call.
+    pub params: Vec<Ident>,
+    /// The statements.
+    pub body: Block,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// Which step a step template describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum StepKind {
+    /// Runs once before everything else (resident weights, tables).
+    Setup,
+    /// Runs once over the prompts.
+    Prefill,
+    /// Runs once per generated token.
+    Decode,
+    /// One mixed prefill+decode step, repeated (VSLPipe).
+    Mixed,
+}
+
+impl StepKind {
+    /// The keyword as written.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Setup => "setup",
+            StepKind::Prefill => "prefill",
+            StepKind::Decode => "decode",
+            StepKind::Mixed => "step",
+        }
+    }
+}
+
+/// `prefill { ... }` and friends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepDecl {
+    /// Which step.
+    pub kind: StepKind,
+    /// The statements.
+    pub body: Block,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `{ stmt* }`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    /// The statements in order.
+    pub stmts: Vec<Stmt>,
+    /// From `{` to `}`.
+    pub span: Span,
+}
+
+/// One statement.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stmt {
+    /// `let NAME = EXPR`.
+    Let(LetStmt),
+    /// `for VAR in RANGE { ... }`.
+    For(ForStmt),
+    /// `if COND { ... } else { ... }`.
+    If(IfStmt),
+    /// `copy SRC -> DST on STREAM ...`: a copy task.
+    Copy(CopyStmt),
+    /// `NAME(args) on STREAM ...`: an op task, or a template call (no tail allowed).
+    Call(CallStmt),
+}
+
+/// `let NAME = EXPR`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LetStmt {
+    /// The bound name.
+    pub name: Ident,
+    /// The value.
+    pub value: Expr,
+    /// The whole statement.
+    pub span: Span,
+}
+
+/// `for VAR in RANGE { ... }`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForStmt {
+    /// The loop variable.
+    pub var: Ident,
+    /// The range expression (`0..layers`).
+    pub range: Expr,
+    /// The body, unrolled once per value.
+    pub body: Block,
+    /// The whole statement.
+    pub span: Span,
+}
+
+/// `if COND { ... } else { ... }`; `else if` nests another `IfStmt` in `otherwise`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IfStmt {
+    /// The condition (static bool, or a dynamic condition such as `active(i, e)`).
+    pub cond: Expr,
+    /// Taken when true.
+    pub then_block: Block,
+    /// Taken when false, if present.
+    pub otherwise: Option<Block>,
+    /// The whole statement.
+    pub span: Span,
+}
+
+/// What follows a task: `on STREAM as LABEL after LABEL, LABEL if COND`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TaskTail {
+    /// The stream the task is issued on.
+    pub on: Option<Ident>,
+    /// A name for `after` clauses to refer to.
+    pub label: Option<Label>,
+    /// Explicit orderings that are not data dependencies.
+    pub after: Vec<AfterItem>,
+}
+
+/// `NAME` or `NAME[i, j]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Label {
+    /// The name.
+    pub name: Ident,
+    /// Index expressions.
+    pub indices: Vec<Expr>,
+    /// The whole label.
+    pub span: Span,
+}
+
+/// One entry of an `after` clause, with an optional static condition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AfterItem {
+    /// The task referred to.
+    pub label: Label,
+    /// Only wait when this is true (`after load[i, j - 1] if j > 0`).
+    pub condition: Option<Expr>,
+    /// The whole item.
+    pub span: Span,
+}
+
+/// `copy SRC -> DST tail`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CopyStmt {
+    /// The slice read.
+    pub src: Expr,
+    /// The slice written.
+    pub dst: Expr,
+    /// Stream, label, after.
+    pub tail: TaskTail,
+    /// The whole statement.
+    pub span: Span,
+}
+
+/// `NAME(args) tail`: an op from the catalog, or a template call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallStmt {
+    /// The op or template name.
+    pub name: Ident,
+    /// The arguments as written.
+    pub args: Vec<Arg>,
+    /// Stream, label, after (must be empty for a template call).
+    pub tail: TaskTail,
+    /// Where the tail is written, for "templates take no `on`".
+    pub tail_span: Span,
+    /// The whole statement.
+    pub span: Span,
+}
+
+/// `name = expr` or a positional `expr`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arg {
+    /// The role name for named arguments.
+    pub name: Option<Ident>,
+    /// The value.
+    pub value: Expr,
+    /// The whole argument.
+    pub span: Span,
+}
+
+/// A binary operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BinOp {
+    /// `..`
+    RangeExclusive,
+    /// `..=`
+    RangeInclusive,
+    /// `||`
+    Or,
+    /// `&&`
+    And,
+    /// `==`
+    Eq,
+    /// `!=`
+    Ne,
+    /// `<`
+    Lt,
+    /// `<=`
+    Le,
+    /// `>`
+    Gt,
+    /// `>=`
+    Ge,
+    /// `+`
+    Add,
+    /// `-`
+    Sub,
+    /// `*`
+    Mul,
+    /// `/` (integer division on ints, rounding toward zero)
+    Div,
+    /// `%` (remainder, always non-negative for positive divisors)
+    Rem,
+}
+
+impl BinOp {
+    /// The operator as written.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BinOp::RangeExclusive => "..",
+            BinOp::RangeInclusive => "..=",
+            BinOp::Or => "||",
+            BinOp::And => "&&",
+            BinOp::Eq => "==",
+            BinOp::Ne => "!=",
+            BinOp::Lt => "<",
+            BinOp::Le => "<=",
+            BinOp::Gt => ">",
+            BinOp::Ge => ">=",
+            BinOp::Add => "+",
+            BinOp::Sub => "-",
+            BinOp::Mul => "*",
+            BinOp::Div => "/",
+            BinOp::Rem => "%",
+        }
+    }
+}
+
+/// A prefix operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnOp {
+    /// `-x`
+    Neg,
+    /// `!x`
+    Not,
+}
+
+/// An expression with its span.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expr {
+    /// What kind of expression.
+    pub kind: ExprKind,
+    /// Where it is written.
+    pub span: Span,
+}
+
+/// The expression forms.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExprKind {
+    /// An integer literal.
+    Int(i64),
+    /// A float literal.
+    Float(f64),
+    /// `true` / `false`.
+    Bool(bool),
+    /// A string literal (quotes removed).
+    Str(String),
+    /// A name: a let, loop variable, param, buffer, or model/workload symbol.
+    Name(String),
+    /// `[a, b, c]`.
+    List(Vec<Expr>),
+    /// `f(a, b)`: a built-in function (min, max, ceil, floor, hidden, hot, active, ...).
+    Call(Ident, Vec<Expr>),
+    /// `a OP b`.
+    Binary(BinOp, Box<Expr>, Box<Expr>),
+    /// `-a`, `!a`.
+    Unary(UnOp, Box<Expr>),
+    /// `a[i]`.
+    Index(Box<Expr>, Box<Expr>),
+    /// `a.name`.
+    Field(Box<Expr>, Ident),
+    /// `a.name(args)`.
+    Method(Box<Expr>, Ident, Vec<Expr>),
+}

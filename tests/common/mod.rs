@@ -1,0 +1,110 @@
+//! Shared helpers of the schedule tests: find every schedule under `schedules/`, and
+//! compile one on a small configuration (tiny card cut to 2 layers, 3 micro-batches of 2
+//! sequences, 8-token prompts) so snapshots stay readable.
+
+#![allow(dead_code)]
+
+use moec::compile::{compile, Compiled, Options};
+use moec::diag::Diagnostic;
+use moec::ir::Workload;
+use moec::model::card::ModelCard;
+use std::path::{Path, PathBuf};
+
+/// Every `.sched` file under `schedules/`, sorted, as (name relative to `schedules/`
+/// without the extension, path).
+pub fn schedule_files() -> Vec<(String, PathBuf)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules");
+    let mut found = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(dir) = dirs.pop() {
+        let entries = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()));
+        for entry in entries {
+            let path = entry.expect("directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|ext| ext == "sched") {
+                let rel = path
+                    .strip_prefix(&root)
+                    .expect("under schedules/")
+                    .with_extension("");
+                let name = rel
+                    .to_string_lossy()
+                    .replace(std::path::MAIN_SEPARATOR, "/");
+                found.push((name, path));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// The source text of a schedule.
+pub fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
+
+/// A built-in card cut to `layers` layers (the compiler takes every dimension from the card,
+/// so this is the model-layer override the small snapshots need).
+pub fn card_with_layers(name: &str, layers: u64) -> ModelCard {
+    let mut card = ModelCard::load(name).unwrap_or_else(|e| panic!("card {name}: {e}"));
+    card.layers = layers;
+    card
+}
+
+/// The names of the params a schedule declares (parse only), so overrides are applied
+/// only where they exist.
+pub fn declared_params(source: &str) -> Vec<String> {
+    match moec::syntax::parse_file(source) {
+        Ok(file) => file
+            .items
+            .iter()
+            .filter_map(|item| match item {
+                moec::syntax::ast::Item::Param(p) => Some(p.name.name.clone()),
+                _ => None,
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The small configuration of the snapshot tests: 3 micro-batches (or batches, or the
+/// fixed alpha/beta groups) of 2 sequences, 8-token prompts, 4 generated tokens.
+pub const SMALL_SETS: &[(&str, &str)] = &[
+    ("ubs", "2"),
+    ("n_ub", "3"),
+    ("bs", "2"),
+    ("n_batch", "3"),
+    ("seqs", "2"),
+    ("packet_mb", "1"),
+];
+
+/// Options for the small configuration on `card`.
+pub fn small_options(source: &str, card: ModelCard) -> Options {
+    let declared = declared_params(source);
+    let mut options = Options::new(card);
+    options.workload = Workload {
+        batch: 6,
+        prompt_len: 8,
+        gen_len: 4,
+    };
+    for (name, value) in SMALL_SETS {
+        if declared.iter().any(|d| d == name) {
+            options.sets.push((name.to_string(), value.to_string()));
+        }
+    }
+    options
+}
+
+/// Compiles a schedule on the small configuration of the 2-layer tiny Mixtral card.
+pub fn compile_small(source: &str) -> Result<Compiled, Vec<Diagnostic>> {
+    compile_small_layers(source, 2)
+}
+
+/// The small configuration with `layers` layers of the tiny Mixtral card.
+pub fn compile_small_layers(source: &str, layers: u64) -> Result<Compiled, Vec<Diagnostic>> {
+    compile(
+        source,
+        &small_options(source, card_with_layers("mixtral-tiny", layers)),
+    )
+}
