@@ -98,7 +98,10 @@ fn within(error: f64, tolerance: f64) -> bool {
 fn check_family(family: &str) {
     let dir = fixture_dir(family);
     let expected = load_expected(&dir);
-    assert_eq!(expected.family, family, "fixture folder and expected.json disagree");
+    assert_eq!(
+        expected.family, family,
+        "fixture folder and expected.json disagree"
+    );
     let origin = format!(
         "reference: transformers {} / torch {}, f32 compute on bf16 weights",
         expected.generator.transformers, expected.generator.torch
@@ -122,13 +125,20 @@ fn check_family(family: &str) {
     let outputs = oracle
         .generate(&prompts, &options)
         .unwrap_or_else(|error| panic!("{family}: generation failed: {error}"));
-    assert_eq!(outputs.len(), expected.cases.len(), "{family}: one output per prompt");
+    assert_eq!(
+        outputs.len(),
+        expected.cases.len(),
+        "{family}: one output per prompt"
+    );
 
     let mut failures = Vec::new();
     let mut worst_logprob = 0.0_f64;
     let mut worst_logit = 0.0_f64;
     for (case_idx, (case, output)) in expected.cases.iter().zip(&outputs).enumerate() {
-        let label = format!("{family} case {case_idx} ({} prompt tokens)", case.prompt_ids.len());
+        let label = format!(
+            "{family} case {case_idx} ({} prompt tokens)",
+            case.prompt_ids.len()
+        );
 
         if output.token_ids != case.generated_ids {
             let diverge = output

@@ -8,7 +8,9 @@ pub mod compile;
 use std::process::ExitCode;
 
 pub mod hw;
+pub mod plan;
 pub mod probe;
+pub mod simulate;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
 #[derive(Debug, Parser)]
@@ -28,6 +30,10 @@ enum Command {
     Hw(hw::HwArgs),
     /// Measure this machine and write a hardware profile.
     Probe(probe::ProbeArgs),
+    /// Predict a schedule's speed on a hardware profile (HRM + discrete-event simulation).
+    Simulate(simulate::SimulateArgs),
+    /// Search a schedule's params for the best predicted throughput within budget.
+    Plan(plan::PlanArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -38,5 +44,7 @@ pub fn main() -> ExitCode {
         Command::Compile(args) => compile::run(&args),
         Command::Hw(args) => hw::run(args),
         Command::Probe(args) => probe::run(args),
+        Command::Simulate(args) => simulate::run(args),
+        Command::Plan(args) => plan::run(args),
     }
 }

@@ -106,8 +106,9 @@ pub fn attention(
         first_rows.push(row);
         row += s.n_new;
     }
-    let tasks: Vec<(usize, usize)> =
-        (0..seqs.len()).flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h))).collect();
+    let tasks: Vec<(usize, usize)> = (0..seqs.len())
+        .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
+        .collect();
     let scale = 1.0 / (hd as f32).sqrt();
     let run = |&(s, h): &(usize, usize)| -> Vec<f32> {
         let seq = &seqs[s];
@@ -116,7 +117,9 @@ pub fn attention(
         let mut dots = vec![0.0f32; group];
         for j in 0..seq.n_new {
             let pos = seq.context_len + j;
-            let start = shape.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let start = shape
+                .sliding_window
+                .map_or(0, |w| (pos + 1).saturating_sub(w));
             let n_keys = pos + 1 - start;
             let q_off = (first_rows[s] + j) * row_w + h * group * hd;
             let q_group = &qkv[q_off..q_off + group * hd];
@@ -149,7 +152,11 @@ pub fn attention(
                 let off = layout.offset(b, h, key % layout.block_size);
                 let v_row = &v_pool[off..off + hd];
                 for g in 0..group {
-                    axpy(scores[g * n_keys + key - start], v_row, &mut dst[g * hd..(g + 1) * hd]);
+                    axpy(
+                        scores[g * n_keys + key - start],
+                        v_row,
+                        &mut dst[g * hd..(g + 1) * hd],
+                    );
                 }
             }
         }
@@ -179,7 +186,8 @@ fn validate(
     out: &[f32],
 ) -> Result<(), AttnError> {
     let layout = cache.layout;
-    if layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim || shape.kv_heads == 0 {
+    if layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim || shape.kv_heads == 0
+    {
         return Err(AttnError::Layout {
             cache_heads: layout.kv_heads,
             cache_dim: layout.head_dim,
@@ -189,16 +197,27 @@ fn validate(
     }
     let expected: usize = seqs.iter().map(|s| s.n_new).sum();
     let rows = qkv.len() / shape.qkv_width().max(1);
-    if rows * shape.qkv_width() != qkv.len() || rows != expected || out.len() != rows * shape.q_width() {
+    if rows * shape.qkv_width() != qkv.len()
+        || rows != expected
+        || out.len() != rows * shape.q_width()
+    {
         return Err(AttnError::RowCount { rows, expected });
     }
     let n_blocks = cache.n_blocks();
     for (i, s) in seqs.iter().enumerate() {
         let tokens = s.context_len + s.n_new;
         let covered = s.block_table.len() * layout.block_size >= tokens;
-        let in_pool = s.block_table.iter().take(layout.blocks_for(tokens)).all(|&b| (b as usize) < n_blocks);
+        let in_pool = s
+            .block_table
+            .iter()
+            .take(layout.blocks_for(tokens))
+            .all(|&b| (b as usize) < n_blocks);
         if !covered || !in_pool {
-            return Err(AttnError::BlockTable { seq: i, tokens, n_blocks });
+            return Err(AttnError::BlockTable {
+                seq: i,
+                tokens,
+                n_blocks,
+            });
         }
     }
     Ok(())
@@ -218,8 +237,10 @@ fn append_kv(cache: &mut KvBlocksMut<'_>, seqs: &[AttnSeq<'_>], qkv: &[f32], sha
             let src = &qkv[(row + j) * row_w..(row + j + 1) * row_w];
             for h in 0..shape.kv_heads {
                 let off = layout.offset(b, h, pos % layout.block_size);
-                cache.k[off..off + hd].copy_from_slice(&src[k_base + h * hd..k_base + (h + 1) * hd]);
-                cache.v[off..off + hd].copy_from_slice(&src[v_base + h * hd..v_base + (h + 1) * hd]);
+                cache.k[off..off + hd]
+                    .copy_from_slice(&src[k_base + h * hd..k_base + (h + 1) * hd]);
+                cache.v[off..off + hd]
+                    .copy_from_slice(&src[v_base + h * hd..v_base + (h + 1) * hd]);
             }
         }
         row += s.n_new;
@@ -243,7 +264,11 @@ mod tests {
                 let scores: Vec<f64> = (0..=t)
                     .map(|s| {
                         let k = &qkv[s * row_w + shape.heads * hd + kvh * hd..][..hd];
-                        q.iter().zip(k).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() / (hd as f64).sqrt()
+                        q.iter()
+                            .zip(k)
+                            .map(|(a, b)| (*a as f64) * (*b as f64))
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -251,7 +276,12 @@ mod tests {
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
                     let v: f64 = (0..=t)
-                        .map(|s| e[s] / z * qkv[s * row_w + (shape.heads + shape.kv_heads) * hd + kvh * hd + d] as f64)
+                        .map(|s| {
+                            e[s] / z
+                                * qkv
+                                    [s * row_w + (shape.heads + shape.kv_heads) * hd + kvh * hd + d]
+                                    as f64
+                        })
                         .sum();
                     out[t * shape.q_width() + head * hd + d] = v as f32;
                 }
@@ -264,15 +294,28 @@ mod tests {
     /// one token at a time, give the dense causal result at every step.
     #[test]
     fn paged_prefill_and_mixed_decode_match_dense_attention() {
-        let shape = AttnShape { heads: 4, kv_heads: 2, head_dim: 8, sliding_window: None };
-        let layout = KvLayout { block_size: 4, kv_heads: 2, head_dim: 8 };
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            sliding_window: None,
+        };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
         let mut cache = PagedKvCache::new(layout, 1, 16);
         let lens = [7usize, 3];
         let total = [10usize, 6];
         let all: Vec<Vec<f32>> = total
             .iter()
             .enumerate()
-            .map(|(s, &n)| (0..n * shape.qkv_width()).map(|i| ((i * 37 + s * 11) % 101) as f32 / 50.0 - 1.0).collect())
+            .map(|(s, &n)| {
+                (0..n * shape.qkv_width())
+                    .map(|i| ((i * 37 + s * 11) % 101) as f32 / 50.0 - 1.0)
+                    .collect()
+            })
             .collect();
         let mut tables = vec![Vec::new(), Vec::new()];
         for (s, t) in tables.iter_mut().enumerate() {
@@ -284,8 +327,16 @@ mod tests {
         qkv.extend_from_slice(&all[0][..lens[0] * w]);
         qkv.extend_from_slice(&all[1][..lens[1] * w]);
         let seqs = [
-            AttnSeq { block_table: &tables[0], context_len: 0, n_new: lens[0] },
-            AttnSeq { block_table: &tables[1], context_len: 0, n_new: lens[1] },
+            AttnSeq {
+                block_table: &tables[0],
+                context_len: 0,
+                n_new: lens[0],
+            },
+            AttnSeq {
+                block_table: &tables[1],
+                context_len: 0,
+                n_new: lens[1],
+            },
         ];
         let mut out = vec![0.0; (lens[0] + lens[1]) * shape.q_width()];
         attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
@@ -299,8 +350,16 @@ mod tests {
             qkv.extend_from_slice(&all[0][pos[0] * w..(pos[0] + 1) * w]);
             qkv.extend_from_slice(&all[1][pos[1] * w..(pos[1] + 1) * w]);
             let seqs = [
-                AttnSeq { block_table: &tables[0], context_len: pos[0], n_new: 1 },
-                AttnSeq { block_table: &tables[1], context_len: pos[1], n_new: 1 },
+                AttnSeq {
+                    block_table: &tables[0],
+                    context_len: pos[0],
+                    n_new: 1,
+                },
+                AttnSeq {
+                    block_table: &tables[1],
+                    context_len: pos[1],
+                    n_new: 1,
+                },
             ];
             let mut out = vec![0.0; 2 * shape.q_width()];
             attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
@@ -317,14 +376,34 @@ mod tests {
 
     #[test]
     fn short_block_table_is_an_error() {
-        let shape = AttnShape { heads: 2, kv_heads: 1, head_dim: 4, sliding_window: None };
-        let layout = KvLayout { block_size: 2, kv_heads: 1, head_dim: 4 };
+        let shape = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            sliding_window: None,
+        };
+        let layout = KvLayout {
+            block_size: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
         let mut cache = PagedKvCache::new(layout, 1, 4);
         let table = [0u32];
         let qkv = vec![0.0; 3 * shape.qkv_width()];
         let mut out = vec![0.0; 3 * shape.q_width()];
-        let seqs = [AttnSeq { block_table: &table, context_len: 0, n_new: 3 }];
+        let seqs = [AttnSeq {
+            block_table: &table,
+            context_len: 0,
+            n_new: 3,
+        }];
         let err = attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap_err();
-        assert!(matches!(err, AttnError::BlockTable { seq: 0, tokens: 3, .. }));
+        assert!(matches!(
+            err,
+            AttnError::BlockTable {
+                seq: 0,
+                tokens: 3,
+                ..
+            }
+        ));
     }
 }

@@ -76,7 +76,9 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     /// All `n_blocks` blocks free.
     pub fn new(n_blocks: usize) -> Self {
-        BlockAllocator { free: (0..n_blocks as u32).rev().collect() }
+        BlockAllocator {
+            free: (0..n_blocks as u32).rev().collect(),
+        }
     }
 
     /// Free blocks.
@@ -85,10 +87,18 @@ impl BlockAllocator {
     }
 
     /// Grows `table` so it covers `tokens` tokens.
-    pub fn grow(&mut self, layout: &KvLayout, table: &mut Vec<u32>, tokens: usize) -> Result<(), KvError> {
+    pub fn grow(
+        &mut self,
+        layout: &KvLayout,
+        table: &mut Vec<u32>,
+        tokens: usize,
+    ) -> Result<(), KvError> {
         let needed = layout.blocks_for(tokens).saturating_sub(table.len());
         if needed > self.free.len() {
-            return Err(KvError::OutOfBlocks { needed, free: self.free.len() });
+            return Err(KvError::OutOfBlocks {
+                needed,
+                free: self.free.len(),
+            });
         }
         for _ in 0..needed {
             // The length check above guarantees the pop succeeds.
@@ -122,7 +132,9 @@ impl PagedKvCache {
         PagedKvCache {
             layout,
             n_blocks,
-            pools: (0..layers).map(|_| (vec![0.0; elems], vec![0.0; elems])).collect(),
+            pools: (0..layers)
+                .map(|_| (vec![0.0; elems], vec![0.0; elems]))
+                .collect(),
             allocator: BlockAllocator::new(n_blocks),
         }
     }
@@ -140,6 +152,10 @@ impl PagedKvCache {
     /// View of layer `layer_idx`'s pools (caller keeps `layer_idx` < layers).
     pub fn layer_mut(&mut self, layer_idx: usize) -> KvBlocksMut<'_> {
         let (k, v) = &mut self.pools[layer_idx];
-        KvBlocksMut { layout: self.layout, k, v }
+        KvBlocksMut {
+            layout: self.layout,
+            k,
+            v,
+        }
     }
 }

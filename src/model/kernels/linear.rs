@@ -33,7 +33,12 @@ const PARALLEL_MIN_WORK: usize = 1 << 18;
 pub fn linear(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     debug_assert_eq!(x.len(), n_rows * w.in_dim());
     debug_assert_eq!(out.len(), n_rows * w.out_dim());
-    if n_rows == 0 || w.rows == 0 || w.cols == 0 || x.len() < n_rows * w.in_dim() || out.len() < n_rows * w.out_dim() {
+    if n_rows == 0
+        || w.rows == 0
+        || w.cols == 0
+        || x.len() < n_rows * w.in_dim()
+        || out.len() < n_rows * w.out_dim()
+    {
         return;
     }
     match w.orientation {
@@ -50,7 +55,9 @@ pub fn linear_flops(n_rows: usize, w: &Matrix<'_>) -> u64 {
 fn use_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -93,7 +100,8 @@ fn out_in(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
         let o0 = p * PANEL_ROWS;
         let rows = local.len() / n_rows;
         for t in 0..n_rows {
-            out[t * out_dim + o0..t * out_dim + o0 + rows].copy_from_slice(&local[t * rows..(t + 1) * rows]);
+            out[t * out_dim + o0..t * out_dim + o0 + rows]
+                .copy_from_slice(&local[t * rows..(t + 1) * rows]);
         }
     }
 }
@@ -120,7 +128,8 @@ fn in_out(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
         let c0 = b * BAND_COLS;
         let width = local.len() / n_rows;
         for t in 0..n_rows {
-            out[t * out_dim + c0..t * out_dim + c0 + width].copy_from_slice(&local[t * width..(t + 1) * width]);
+            out[t * out_dim + c0..t * out_dim + c0 + width]
+                .copy_from_slice(&local[t * width..(t + 1) * width]);
         }
     }
 }
@@ -133,7 +142,14 @@ mod portable {
         w.row(r).widen_into(buf);
     }
 
-    pub(super) fn out_in_panel(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+    pub(super) fn out_in_panel(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
         let in_dim = w.cols;
         let mut buf = vec![0.0f32; in_dim];
         for o in 0..rows {
@@ -149,11 +165,20 @@ mod portable {
         }
     }
 
-    pub(super) fn in_out_band(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+    pub(super) fn in_out_band(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
         let (in_dim, out_dim) = (w.rows, w.cols);
         let mut buf = vec![0.0f32; width];
         for i in 0..in_dim {
-            w.data.slice(i * out_dim + c0..i * out_dim + c0 + width).widen_into(&mut buf);
+            w.data
+                .slice(i * out_dim + c0..i * out_dim + c0 + width)
+                .widen_into(&mut buf);
             for t in 0..n_rows {
                 let a = x[t * in_dim + i];
                 for (o, b) in local[t * width..(t + 1) * width].iter_mut().zip(&buf) {
@@ -207,7 +232,12 @@ mod avx512 {
         #[inline(always)]
         unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
             // SAFETY: as for Bf16.
-            unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, base.add(idx * 2) as *const i16)) }
+            unsafe {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    mask,
+                    base.add(idx * 2) as *const i16,
+                ))
+            }
         }
     }
 
@@ -239,7 +269,14 @@ mod avx512 {
     /// avx512f/bw/vl available; `x` holds `n_rows * w.cols` values; `o0 + rows <= w.rows`;
     /// `local` holds `n_rows * rows` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn out_in_panel(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+    pub(super) unsafe fn out_in_panel(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
         // SAFETY: forwarded contract.
         unsafe {
             match w.data {
@@ -251,13 +288,21 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn out_in_panel_t<L: Load>(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+    unsafe fn out_in_panel_t<L: Load>(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
         let k_len = w.cols;
         let wb = base(w);
         let mut t0 = 0;
         while t0 < n_rows {
             // Rows past the end repeat the last row: same arithmetic, results discarded.
-            let xr: [*const f32; 4] = std::array::from_fn(|i| x[(t0 + i).min(n_rows - 1) * k_len..].as_ptr());
+            let xr: [*const f32; 4] =
+                std::array::from_fn(|i| x[(t0 + i).min(n_rows - 1) * k_len..].as_ptr());
             let mut o = 0;
             while o < rows {
                 let wr: [usize; 4] = std::array::from_fn(|i| (o0 + (o + i).min(rows - 1)) * k_len);
@@ -267,7 +312,8 @@ mod avx512 {
                     let mask = mask_for(k_len - k);
                     // SAFETY: lanes k..k+16 masked to < k_len inside rows of x and w.
                     unsafe {
-                        let xv: [__m512; 4] = std::array::from_fn(|i| _mm512_maskz_loadu_ps(mask, xr[i].add(k)));
+                        let xv: [__m512; 4] =
+                            std::array::from_fn(|i| _mm512_maskz_loadu_ps(mask, xr[i].add(k)));
                         for (oi, acc_row) in acc.iter_mut().enumerate() {
                             let wv = L::load16(wb, wr[oi] + k, mask);
                             for (ti, a) in acc_row.iter_mut().enumerate() {
@@ -313,7 +359,14 @@ mod avx512 {
     /// avx512f/bw/vl available; `x` holds `n_rows * w.rows` values; `c0 + width <= w.cols`;
     /// `local` holds `n_rows * width` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn in_out_band(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+    pub(super) unsafe fn in_out_band(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
         // SAFETY: forwarded contract.
         unsafe {
             match w.data {
@@ -325,7 +378,14 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn in_out_band_t<L: Load>(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+    unsafe fn in_out_band_t<L: Load>(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
         let (in_dim, out_dim) = (w.rows, w.cols);
         let wb = base(w);
         let mut c = 0;
@@ -373,7 +433,14 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
-    fn naive(x: &[f32], n_rows: usize, w: &[f32], rows: usize, cols: usize, orient: Orientation) -> Vec<f32> {
+    fn naive(
+        x: &[f32],
+        n_rows: usize,
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        orient: Orientation,
+    ) -> Vec<f32> {
         let (in_dim, out_dim) = match orient {
             Orientation::OutIn => (cols, rows),
             Orientation::InOut => (rows, cols),
@@ -396,8 +463,14 @@ mod tests {
     }
 
     fn weights(rows: usize, cols: usize) -> (Vec<f32>, Vec<bf16>, Vec<f16>) {
-        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-        (wf.clone(), wf.iter().map(|&v| bf16::from_f32(v)).collect(), wf.iter().map(|&v| f16::from_f32(v)).collect())
+        let wf: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        (
+            wf.clone(),
+            wf.iter().map(|&v| bf16::from_f32(v)).collect(),
+            wf.iter().map(|&v| f16::from_f32(v)).collect(),
+        )
     }
 
     /// Every dtype and orientation, small and parallel sizes, odd shapes: agrees with a
@@ -408,12 +481,24 @@ mod tests {
             let (wf, wb, wh) = weights(rows, cols);
             for orient in [Orientation::OutIn, Orientation::InOut] {
                 for n_rows in [1usize, 3, 17] {
-                    let in_dim = if orient == Orientation::OutIn { cols } else { rows };
-                    let x: Vec<f32> = (0..n_rows * in_dim).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+                    let in_dim = if orient == Orientation::OutIn {
+                        cols
+                    } else {
+                        rows
+                    };
+                    let x: Vec<f32> = (0..n_rows * in_dim)
+                        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                        .collect();
                     let cases = [
                         (TypedSlice::F32(&wf), wf.clone()),
-                        (TypedSlice::Bf16(&wb), wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
-                        (TypedSlice::F16(&wh), wh.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
+                        (
+                            TypedSlice::Bf16(&wb),
+                            wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+                        ),
+                        (
+                            TypedSlice::F16(&wh),
+                            wh.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+                        ),
                     ];
                     for (data, reference) in cases {
                         let m = Matrix::new(data, rows, cols, orient).unwrap();
@@ -421,7 +506,10 @@ mod tests {
                         linear(&x, n_rows, &m, &mut out);
                         let want = naive(&x, n_rows, &reference, rows, cols, orient);
                         for (g, w) in out.iter().zip(&want) {
-                            assert!((g - w).abs() < 1e-3 * (1.0 + w.abs()), "{orient:?} {n_rows}x{rows}x{cols}: {g} vs {w}");
+                            assert!(
+                                (g - w).abs() < 1e-3 * (1.0 + w.abs()),
+                                "{orient:?} {n_rows}x{rows}x{cols}: {g} vs {w}"
+                            );
                         }
                     }
                 }
@@ -438,7 +526,9 @@ mod tests {
             for orient in [Orientation::OutIn, Orientation::InOut] {
                 let m = Matrix::new(TypedSlice::Bf16(&wb), rows, cols, orient).unwrap();
                 let (in_dim, out_dim) = (m.in_dim(), m.out_dim());
-                let x: Vec<f32> = (0..37 * in_dim).map(|i| ((i * 131) % 211) as f32 / 105.0 - 1.0).collect();
+                let x: Vec<f32> = (0..37 * in_dim)
+                    .map(|i| ((i * 131) % 211) as f32 / 105.0 - 1.0)
+                    .collect();
                 let mut all = vec![0.0; 37 * out_dim];
                 linear(&x, 37, &m, &mut all);
                 let mut split = vec![0.0; 37 * out_dim];
@@ -448,7 +538,11 @@ mod tests {
                 for t in 0..37 {
                     let mut one = vec![0.0; out_dim];
                     linear(&x[t * in_dim..(t + 1) * in_dim], 1, &m, &mut one);
-                    assert_eq!(&all[t * out_dim..(t + 1) * out_dim], &one[..], "{orient:?} row {t}");
+                    assert_eq!(
+                        &all[t * out_dim..(t + 1) * out_dim],
+                        &one[..],
+                        "{orient:?} row {t}"
+                    );
                 }
             }
         }

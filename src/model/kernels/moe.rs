@@ -47,7 +47,12 @@ impl Routing {
 
 /// Softmax over all experts in f32, top-k (ties to the lower index), then division by
 /// the p-norm of the chosen weights when `norm_p` is set (Mixtral: p = 1, the sum).
-pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Option<f64>) -> Routing {
+pub fn route(
+    router_logits: &[f32],
+    n_experts: usize,
+    top_k: usize,
+    norm_p: Option<f64>,
+) -> Routing {
     let n = router_logits.len() / n_experts.max(1);
     let mut experts = Vec::with_capacity(n * top_k);
     let mut weights = Vec::with_capacity(n * top_k);
@@ -62,7 +67,11 @@ pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Opti
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
         let chosen = &order[..top_k];
         let denom = match norm_p {
-            Some(p) => chosen.iter().map(|&e| (probs[e].abs() as f64).powf(p)).sum::<f64>().powf(1.0 / p) as f32,
+            Some(p) => chosen
+                .iter()
+                .map(|&e| (probs[e].abs() as f64).powf(p))
+                .sum::<f64>()
+                .powf(1.0 / p) as f32,
             None => 1.0,
         };
         for &e in chosen {
@@ -70,7 +79,11 @@ pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Opti
             weights.push(probs[e] / denom);
         }
     }
-    Routing { top_k, experts, weights }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
 }
 
 /// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
@@ -110,7 +123,11 @@ pub fn expert_ffn(
         return Ok(());
     }
     if let Some(&(bad, _)) = rows.iter().find(|(r, _)| *r as usize >= n_tokens) {
-        return Err(KernelError::Shape { what: "expert row index", expected: n_tokens, got: bad as usize });
+        return Err(KernelError::Shape {
+            what: "expert row index",
+            expected: n_tokens,
+            got: bad as usize,
+        });
     }
     let n = rows.len();
     let mut gathered = vec![0.0f32; n * d];
@@ -157,7 +174,11 @@ mod tests {
         assert!((r.weights[0] - 4.0 / 7.0).abs() < 1e-6 && (r.weights[1] - 3.0 / 7.0).abs() < 1e-6);
         let raw = route(&logits, 4, 2, None);
         assert!((raw.weights[0] - 0.4).abs() < 1e-6 && (raw.weights[1] - 0.3).abs() < 1e-6);
-        let rows: Vec<Vec<u32>> = r.by_expert(4).iter().map(|g| g.iter().map(|p| p.0).collect()).collect();
+        let rows: Vec<Vec<u32>> = r
+            .by_expert(4)
+            .iter()
+            .map(|g| g.iter().map(|p| p.0).collect())
+            .collect();
         assert_eq!(rows, vec![vec![], vec![], vec![0], vec![0]]);
     }
 }

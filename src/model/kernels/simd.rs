@@ -120,8 +120,12 @@ unsafe fn dot_rows_avx512(w: &[f32], xs: &[f32], x_stride: usize, out: &mut [f32
             let x1 = xs.as_ptr().add((t + (1 % group)) * x_stride);
             let x2 = xs.as_ptr().add((t + (2 % group)) * x_stride);
             let x3 = xs.as_ptr().add((t + (3 % group)) * x_stride);
-            let (mut a0, mut a1, mut a2, mut a3) =
-                (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+            let (mut a0, mut a1, mut a2, mut a3) = (
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+            );
             let mut k = 0;
             while k < full {
                 let wv = _mm512_loadu_ps(wp.add(k));
@@ -199,13 +203,18 @@ mod tests {
         dot_rows(&w, &xs, len, &mut out);
         for (t, got) in out.iter().enumerate() {
             let want: f64 = (0..len).map(|k| w[k] as f64 * xs[t * len + k] as f64).sum();
-            assert!((*got as f64 - want).abs() < 1e-4, "row {t}: {got} vs {want}");
+            assert!(
+                (*got as f64 - want).abs() < 1e-4,
+                "row {t}: {got} vs {want}"
+            );
         }
     }
 
     #[test]
     fn widening_bf16_is_exact() {
-        let vals: Vec<bf16> = (0..41).map(|i| bf16::from_f32(i as f32 * -1.25 + 0.5)).collect();
+        let vals: Vec<bf16> = (0..41)
+            .map(|i| bf16::from_f32(i as f32 * -1.25 + 0.5))
+            .collect();
         let mut out = vec![0.0; vals.len()];
         widen(TypedSlice::Bf16(&vals), &mut out);
         for (v, o) in vals.iter().zip(&out) {
@@ -218,6 +227,9 @@ mod tests {
         let x: Vec<f32> = (0..35).map(|i| i as f32).collect();
         let mut y = vec![1.0; 35];
         axpy(2.0, &x, &mut y);
-        assert!(y.iter().enumerate().all(|(i, v)| *v == 1.0 + 2.0 * i as f32));
+        assert!(y
+            .iter()
+            .enumerate()
+            .all(|(i, v)| *v == 1.0 + 2.0 * i as f32));
     }
 }
