@@ -20,6 +20,7 @@ pub use values::WeightLocation;
 
 /// What checking proved about a program; required by lowering and the cost model.
 #[derive(Debug, Clone, Serialize)]
+#[allow(clippy::manual_non_exhaustive)]
 pub struct ScheduleInfo {
     /// The reduced dependency graph.
     pub dag: Dag,
@@ -27,6 +28,8 @@ pub struct ScheduleInfo {
     pub weight_locations: Vec<Vec<WeightLocation>>,
     /// Warnings found (errors would have rejected the program).
     pub warnings: Vec<Diagnostic>,
+    /// Private, so only `check` can build one (within the crate too, which
+    /// `#[non_exhaustive]` would not ensure).
     #[serde(skip)]
     _sealed: (),
 }
@@ -50,7 +53,8 @@ impl ScheduleInfo {
                     .buffers
                     .iter()
                     .filter(|b| b.kind == crate::ir::BufferKind::Declared && b.space == space);
-                let (count, bytes) = declared.fold((0, 0u64), |(c, s), b| (c + 1, s.saturating_add(b.bytes)));
+                let (count, bytes) =
+                    declared.fold((0, 0u64), |(c, s), b| (c + 1, s.saturating_add(b.bytes)));
                 (space, count, bytes)
             })
             .collect()
@@ -73,7 +77,12 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
     if diags.iter().any(Diagnostic::is_error) {
         return Err(diags);
     }
-    Ok(ScheduleInfo { dag, weight_locations, warnings: diags, _sealed: () })
+    Ok(ScheduleInfo {
+        dag,
+        weight_locations,
+        warnings: diags,
+        _sealed: (),
+    })
 }
 
 /// Keeps the first diagnostic per (code, primary span): loops repeat the same finding.

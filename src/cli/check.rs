@@ -40,17 +40,28 @@ impl SchedArgs {
     /// Reads the file and compiles it; on failure gives the rendered diagnostics.
     pub fn compile(&self) -> Result<(Compiled, String, String), Failure> {
         let name = self.sched.display().to_string();
-        let source = std::fs::read_to_string(&self.sched)
-            .map_err(|e| Failure { text: format!("error: cannot read {name}: {e}\n") })?;
-        let model = ModelCard::load(&self.model).map_err(|e| Failure { text: format!("error: {e}\n") })?;
+        let source = std::fs::read_to_string(&self.sched).map_err(|e| Failure {
+            text: format!("error: cannot read {name}: {e}\n"),
+        })?;
+        let model = ModelCard::load(&self.model).map_err(|e| Failure {
+            text: format!("error: {e}\n"),
+        })?;
         let mut options = Options::new(model);
-        options.workload = Workload { batch: self.batch, prompt_len: self.prompt_len, gen_len: self.gen_len };
+        options.workload = Workload {
+            batch: self.batch,
+            prompt_len: self.prompt_len,
+            gen_len: self.gen_len,
+        };
         for set in &self.sets {
             match set.split_once('=') {
-                Some((k, v)) if !k.trim().is_empty() => options.sets.push((k.trim().to_string(), v.trim().to_string())),
+                Some((k, v)) if !k.trim().is_empty() => options
+                    .sets
+                    .push((k.trim().to_string(), v.trim().to_string())),
                 _ => {
                     let d = Diagnostic::malformed_set(set);
-                    return Err(Failure { text: diag::render(&d, &name, &source) });
+                    return Err(Failure {
+                        text: diag::render(&d, &name, &source),
+                    });
                 }
             }
         }
@@ -59,7 +70,9 @@ impl SchedArgs {
             Err(diags) => {
                 let errors = diags.iter().filter(|d| d.is_error()).count();
                 let mut text = diag::render_all(&diags, &name, &source);
-                text.push_str(&format!("\n{name}: {errors} error(s); the schedule was rejected\n"));
+                text.push_str(&format!(
+                    "\n{name}: {errors} error(s); the schedule was rejected\n"
+                ));
                 Err(Failure { text })
             }
         }
@@ -89,22 +102,43 @@ pub fn summary(compiled: &Compiled) -> String {
     ));
     out.push_str(&format!(
         "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {} of {}\n",
-        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches.count, program.micro_batches.size
+        program.model.name,
+        w.batch,
+        w.prompt_len,
+        w.gen_len,
+        program.micro_batches.count,
+        program.micro_batches.size
     ));
     if !program.params.is_empty() {
-        let params: Vec<String> = program.params.iter().map(|p| format!("{}={}", p.name, p.value)).collect();
+        let params: Vec<String> = program
+            .params
+            .iter()
+            .map(|p| format!("{}={}", p.name, p.value))
+            .collect();
         out.push_str(&format!("  params {}\n", params.join(" ")));
     }
     out.push_str("streams\n");
     let counts = info.tasks_per_stream(program);
     for (stream, count) in program.streams.iter().zip(counts) {
-        out.push_str(&format!("  {:<12} {:<13} {count:>7} tasks\n", stream.name, stream.engine.as_str()));
+        out.push_str(&format!(
+            "  {:<12} {:<13} {count:>7} tasks\n",
+            stream.name,
+            stream.engine.as_str()
+        ));
     }
     out.push_str("buffers\n");
     for (space, count, bytes) in info.buffers_per_space(program) {
-        out.push_str(&format!("  {:<12} {count:>5} buffers {:>12}\n", space.as_str(), human_bytes(bytes)));
+        out.push_str(&format!(
+            "  {:<12} {count:>5} buffers {:>12}\n",
+            space.as_str(),
+            human_bytes(bytes)
+        ));
     }
-    out.push_str(&format!("  {:<12}  checkpoint {:>12} (memory-mapped, read-only)\n", "host", human_bytes(program.buffers[0].bytes)));
+    out.push_str(&format!(
+        "  {:<12}  checkpoint {:>12} (memory-mapped, read-only)\n",
+        "host",
+        human_bytes(program.buffers[0].bytes)
+    ));
     out.push_str(&format!("warnings: {}\n", info.warnings.len()));
     out
 }

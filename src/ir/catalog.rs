@@ -332,7 +332,10 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         // in prefill the prompt comes from the runtime and nothing is expected there.
         Op::Embed { ub } => vec![
             sig(Role::W, Read, vec![T::Embedding], None),
-            RoleSig { optional: true, ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None) },
+            RoleSig {
+                optional: true,
+                ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None)
+            },
             sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
         ],
         Op::PreAttn { layer, ub } => vec![
@@ -347,13 +350,30 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             // checker accepts an unwritten cache there).
             RoleSig {
                 role: Role::Kv,
-                access: if part == AttnPart::Prefill { Write } else { ReadWrite },
-                expects: if part == AttnPart::Prefill { vec![] } else { vec![T::KvCache { layer, ub }] },
+                access: if part == AttnPart::Prefill {
+                    Write
+                } else {
+                    ReadWrite
+                },
+                expects: if part == AttnPart::Prefill {
+                    vec![]
+                } else {
+                    vec![T::KvCache { layer, ub }]
+                },
                 may_be_empty: part == AttnPart::All,
                 optional: part == AttnPart::Prefill,
                 produces: Some(T::KvCache { layer, ub }),
             },
-            sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub, rows: part.rows() })),
+            sig(
+                Role::Out,
+                Write,
+                vec![],
+                Some(T::AttnOut {
+                    layer,
+                    ub,
+                    rows: part.rows(),
+                }),
+            ),
         ],
         Op::PostAttn { layer, ub } => {
             let mut weights = vec![T::O { layer }, T::Gate { layer }];
@@ -363,7 +383,16 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             }));
             vec![
                 sig(Role::W, Read, weights, None),
-                sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
+                sig(
+                    Role::A,
+                    Read,
+                    vec![T::AttnOut {
+                        layer,
+                        ub,
+                        rows: Rows::All,
+                    }],
+                    None,
+                ),
                 sig(
                     Role::H,
                     ReadWrite,
@@ -374,7 +403,16 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         }
         Op::OProj { layer, ub } => vec![
             sig(Role::W, Read, vec![T::O { layer }], None),
-            sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
+            sig(
+                Role::A,
+                Read,
+                vec![T::AttnOut {
+                    layer,
+                    ub,
+                    rows: Rows::All,
+                }],
+                None,
+            ),
             sig(
                 Role::H,
                 ReadWrite,
@@ -597,7 +635,8 @@ pub fn role_traffic(
         (Op::OProj { .. }, Role::W) => (DataClass::Weights, layout.o_bytes as f64),
         (Op::PostAttn { .. }, Role::W) => (
             DataClass::Weights,
-            (layout.o_bytes + layout.gate_bytes) as f64 + active(card.experts as f64) * expert_bytes,
+            (layout.o_bytes + layout.gate_bytes) as f64
+                + active(card.experts as f64) * expert_bytes,
         ),
         (Op::Gate { .. }, Role::W) => (DataClass::Weights, layout.gate_bytes as f64),
         (Op::Experts { set, .. }, Role::W) => (
@@ -642,10 +681,16 @@ pub fn role_traffic(
 
 /// The work of a task whose arguments live in `arg_spaces` (role, space, slice length).
 pub fn work(op: &Op, card: &ModelCard, shape: &Shape, args: &[(Role, Space, u64)]) -> Work {
+    // Weights the op reads are counted once, however many `w` arguments hold them: split
+    // in proportion to the arguments' lengths, none reading more than it holds.
+    let weight_len: u64 = args.iter().filter(|a| a.0 == Role::W).map(|a| a.2).sum();
     let mem = args
         .iter()
         .map(|&(role, space, len)| {
-            let (class, bytes) = role_traffic(op, role, card, shape, len);
+            let (class, mut bytes) = role_traffic(op, role, card, shape, len);
+            if role == Role::W && *op != Op::Copy && weight_len > 0 {
+                bytes = (bytes * len as f64 / weight_len as f64).min(len as f64);
+            }
             MemTraffic {
                 space,
                 class,

@@ -6,17 +6,18 @@
 //! 1. [`candidate_edges`]: one pass in issue order; per buffer an interval map of "last writer,
 //!    readers since" segments, so each access costs O(segments it overlaps), never
 //!    all-pairs. Reads of the read-only checkpoint create no edges.
-//! 2. `reduce`: transitive reduction in issue (= topological) order. With ancestor bitsets
-//!    up to [`BITSET_LIMIT`] tasks; above that a DFS pruned by issue index (same result,
-//!    less memory). Every edge goes from an earlier to a later task, so the graph is acyclic
-//!    by construction.
+//! 2. `reduce`: transitive reduction in issue (= topological) order. Every task sits on
+//!    one stream and consecutive tasks of a stream are always joined by an edge, so the
+//!    ancestors of a task, restricted to one stream, are a prefix of that stream: a task's
+//!    ancestor set is one integer per stream (the last ancestor's position on it). A
+//!    candidate edge `p -> v` is redundant iff `p` is within that prefix for a kept, later
+//!    predecessor. O(edges x streams) time, O(tasks x streams) memory. A bitset version
+//!    ([`Reduction::Bitsets`], O(n^2) bits) is kept as an independent check. Every edge goes
+//!    from an earlier to a later task, so the graph is acyclic by construction.
 
 use super::{Access, BufferId, BufferKind, Program, TaskId};
 use serde::Serialize;
 use std::collections::BTreeMap;
-
-/// Above this many tasks the reduction uses pruned DFS instead of n^2/2 bits of memory.
-pub const BITSET_LIMIT: usize = 25_000;
 
 /// Why one task waits for another (several reasons may hold at once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
@@ -42,13 +43,25 @@ impl DepKinds {
     /// True when the edge exists only because a buffer is reused (WAR/WAW, no data flow,
     /// no stream order, no explicit request).
     pub fn is_reuse_only(self) -> bool {
-        self.0 & (Self::WAR | Self::WAW) != 0 && self.0 & (Self::RAW | Self::STREAM | Self::AFTER) == 0
+        self.0 & (Self::WAR | Self::WAW) != 0
+            && self.0 & (Self::RAW | Self::STREAM | Self::AFTER) == 0
     }
 
     /// `stream+raw` style rendering.
     pub fn describe(self) -> String {
-        let names = [(Self::STREAM, "stream"), (Self::RAW, "raw"), (Self::WAR, "war"), (Self::WAW, "waw"), (Self::AFTER, "after")];
-        names.iter().filter(|(k, _)| self.has(*k)).map(|(_, n)| *n).collect::<Vec<_>>().join("+")
+        let names = [
+            (Self::STREAM, "stream"),
+            (Self::RAW, "raw"),
+            (Self::WAR, "war"),
+            (Self::WAW, "waw"),
+            (Self::AFTER, "after"),
+        ];
+        names
+            .iter()
+            .filter(|(k, _)| self.has(*k))
+            .map(|(_, n)| *n)
+            .collect::<Vec<_>>()
+            .join("+")
     }
 }
 
@@ -88,7 +101,9 @@ impl Dag {
 
     /// Predecessor ids of every task (data deps, stream order and `after`, reduced).
     pub fn pred_ids(&self) -> Vec<Vec<TaskId>> {
-        (0..self.task_count()).map(|t| self.preds(TaskId::new(t)).iter().map(|d| d.from).collect()).collect()
+        (0..self.task_count())
+            .map(|t| self.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+            .collect()
     }
 
     /// Number of tasks.
@@ -107,7 +122,8 @@ impl Dag {
 
     /// The DAG as a petgraph graph (node `i` is task `i`), for graph algorithms and export.
     pub fn to_petgraph(&self) -> petgraph::graph::DiGraph<TaskId, DepKinds> {
-        let mut graph = petgraph::graph::DiGraph::with_capacity(self.task_count(), self.edges.len());
+        let mut graph =
+            petgraph::graph::DiGraph::with_capacity(self.task_count(), self.edges.len());
         for i in 0..self.task_count() {
             graph.add_node(TaskId::new(i));
         }
@@ -125,12 +141,10 @@ impl Dag {
 /// How transitive reduction finds redundant edges (both give the same graph).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduction {
-    /// [`Reduction::Bitsets`] up to [`BITSET_LIMIT`] tasks, else [`Reduction::Dfs`].
-    Auto,
-    /// Ancestor bitsets in issue order: fast, n^2/2 bits of memory.
+    /// Per-stream ancestor prefixes: fast and small; the default.
+    Chains,
+    /// Ancestor bitsets: n^2/2 bits; an independent check for tests.
     Bitsets,
-    /// Depth-first search pruned by issue index: little memory.
-    Dfs,
 }
 
 /// Candidate edges into each task before reduction: `(from, reasons, buffer)`.
@@ -138,19 +152,21 @@ pub type Candidates = Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>>;
 
 /// Builds the reduced DAG of a program.
 pub fn build(program: &Program) -> Dag {
-    build_with(program, Reduction::Auto)
+    build_with(program, Reduction::Chains)
 }
 
 /// Builds the reduced DAG with a chosen reduction algorithm.
 pub fn build_with(program: &Program, reduction: Reduction) -> Dag {
     let candidates = candidate_edges(program);
     let before = candidates.iter().map(Vec::len).sum();
-    let bitsets = match reduction {
-        Reduction::Auto => candidates.len() <= BITSET_LIMIT,
-        Reduction::Bitsets => true,
-        Reduction::Dfs => false,
+    let kept = match reduction {
+        Reduction::Chains => {
+            let streams: Vec<usize> = program.tasks.iter().map(|t| t.stream.index()).collect();
+            reduce_chains(candidates, &streams, program.streams.len())
+        }
+        Reduction::Bitsets => reduce_bitsets(candidates),
     };
-    reduce(candidates, before, bitsets)
+    assemble(kept, before)
 }
 
 #[derive(Debug, Clone)]
@@ -168,24 +184,47 @@ struct BufferState {
 impl BufferState {
     fn new(bytes: u64) -> Self {
         let mut segments = BTreeMap::new();
-        segments.insert(0, Segment { end: bytes.max(1), writer: None, readers: Vec::new() });
+        segments.insert(
+            0,
+            Segment {
+                end: bytes.max(1),
+                writer: None,
+                readers: Vec::new(),
+            },
+        );
         BufferState { segments }
     }
 
     /// Ensures a segment boundary at `pos`.
     fn split_at(&mut self, pos: u64) {
-        let Some((&start, seg)) = self.segments.range(..=pos).next_back() else { return };
+        let Some((&start, seg)) = self.segments.range(..=pos).next_back() else {
+            return;
+        };
         if start < pos && pos < seg.end {
             let mut right = seg.clone();
             if let Some(left) = self.segments.get_mut(&start) {
                 left.end = pos;
             }
             right.end = right.end.max(pos);
-            self.segments.insert(pos, Segment { end: right.end, writer: right.writer, readers: right.readers });
+            self.segments.insert(
+                pos,
+                Segment {
+                    end: right.end,
+                    writer: right.writer,
+                    readers: right.readers,
+                },
+            );
         }
     }
 
-    fn access(&mut self, start: u64, end: u64, access: Access, task: TaskId, edges: &mut Vec<(TaskId, u8)>) {
+    fn access(
+        &mut self,
+        start: u64,
+        end: u64,
+        access: Access,
+        task: TaskId,
+        edges: &mut Vec<(TaskId, u8)>,
+    ) {
         if start >= end {
             return;
         }
@@ -193,7 +232,9 @@ impl BufferState {
         self.split_at(end);
         let keys: Vec<u64> = self.segments.range(start..end).map(|(k, _)| *k).collect();
         for key in &keys {
-            let Some(seg) = self.segments.get_mut(key) else { continue };
+            let Some(seg) = self.segments.get_mut(key) else {
+                continue;
+            };
             if let Some(w) = seg.writer {
                 if access.reads() {
                     edges.push((w, DepKinds::RAW));
@@ -212,7 +253,14 @@ impl BufferState {
             for key in &keys {
                 self.segments.remove(key);
             }
-            self.segments.insert(start, Segment { end, writer: Some(task), readers: Vec::new() });
+            self.segments.insert(
+                start,
+                Segment {
+                    end,
+                    writer: Some(task),
+                    readers: Vec::new(),
+                },
+            );
         }
     }
 }
@@ -251,7 +299,11 @@ pub fn candidate_edges(program: &Program) -> Candidates {
             add(a, DepKinds::AFTER, None);
         }
         // Reads first, then writes, so a task never waits for its own access.
-        let mut ordered: Vec<&super::Arg> = task.args.iter().filter(|a| a.access == Access::Read).collect();
+        let mut ordered: Vec<&super::Arg> = task
+            .args
+            .iter()
+            .filter(|a| a.access == Access::Read)
+            .collect();
         ordered.extend(task.args.iter().filter(|a| a.access != Access::Read));
         for arg in ordered {
             let buffer = &program.buffers[arg.slice.buffer.index()];
@@ -262,9 +314,16 @@ pub fn candidate_edges(program: &Program) -> Candidates {
                 Some(_) => (arg.slice.start, arg.slice.start + arg.slice.len * experts),
                 None => (arg.slice.start, arg.slice.end()),
             };
-            let state = states[arg.slice.buffer.index()].get_or_insert_with(|| BufferState::new(buffer.bytes));
+            let state = states[arg.slice.buffer.index()]
+                .get_or_insert_with(|| BufferState::new(buffer.bytes));
             raw_edges.clear();
-            state.access(start, end.min(buffer.bytes.max(1)), arg.access, id, &mut raw_edges);
+            state.access(
+                start,
+                end.min(buffer.bytes.max(1)),
+                arg.access,
+                id,
+                &mut raw_edges,
+            );
             for &(from, kind) in &raw_edges {
                 add(from, kind, Some(arg.slice.buffer));
             }
@@ -274,70 +333,87 @@ pub fn candidate_edges(program: &Program) -> Candidates {
     out
 }
 
-/// Transitive reduction over tasks in issue order.
-fn reduce(candidates: Candidates, before: usize, bitsets: bool) -> Dag {
+/// Transitive reduction by per-stream ancestor prefixes (see the module header).
+fn reduce_chains(candidates: Candidates, streams: &[usize], n_streams: usize) -> Candidates {
     let n = candidates.len();
-    let mut kept: Candidates = Vec::with_capacity(n);
-    if bitsets {
-        // ancestors[v] has bit u set iff u reaches v; only bits below v are stored.
-        let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(n);
-        for (v, mut preds) in candidates.into_iter().enumerate() {
-            preds.sort_by(|a, b| b.0.cmp(&a.0));
-            let mut reach = vec![0u64; v / 64 + 1];
-            let mut keep = Vec::with_capacity(preds.len());
-            for pred in preds {
-                let p = pred.0.index();
-                if reach[p / 64] & (1 << (p % 64)) != 0 {
-                    continue;
-                }
-                reach[p / 64] |= 1 << (p % 64);
-                for (word, bits) in reach.iter_mut().zip(&ancestors[p]) {
-                    *word |= bits;
-                }
-                keep.push(pred);
-            }
-            ancestors.push(reach);
-            kept.push(keep);
-        }
-    } else {
-        let mut kept_preds: Vec<Vec<u32>> = Vec::with_capacity(n);
-        let mut mark: Vec<u32> = vec![u32::MAX; n];
-        let mut stack: Vec<u32> = Vec::new();
-        for (v, mut preds) in candidates.into_iter().enumerate() {
-            preds.sort_by(|a, b| b.0.cmp(&a.0));
-            let mut keep = Vec::with_capacity(preds.len());
-            // Candidates come in descending order, so ancestors below the lowest candidate
-            // can never decide anything: the search is pruned there.
-            let lowest = preds.last().map_or(0, |p| p.0 .0);
-            // Nodes marked with `v` are ancestors of v through already-kept edges.
-            for pred in preds {
-                let p = pred.0 .0;
-                if mark[p as usize] == v as u32 {
-                    continue;
-                }
-                stack.push(p);
-                mark[p as usize] = v as u32;
-                while let Some(x) = stack.pop() {
-                    for &y in &kept_preds[x as usize] {
-                        if y >= lowest && mark[y as usize] != v as u32 {
-                            mark[y as usize] = v as u32;
-                            stack.push(y);
-                        }
-                    }
-                }
-                keep.push(pred);
-            }
-            kept_preds.push(keep.iter().map(|k| k.0 .0).collect());
-            kept.push(keep);
-        }
+    let width = n_streams.max(1);
+    let mut position = vec![0i64; n];
+    let mut count = vec![0i64; width];
+    for (t, &s) in streams.iter().enumerate() {
+        position[t] = count[s];
+        count[s] += 1;
     }
+    // prefix[v * width + s]: position of v's last ancestor on stream s (-1: none).
+    let mut prefix = vec![-1i64; n * width];
+    let mut kept = Vec::with_capacity(n);
+    let mut reach = vec![-1i64; width];
+    for (v, mut preds) in candidates.into_iter().enumerate() {
+        preds.sort_by_key(|p| std::cmp::Reverse(p.0));
+        reach.fill(-1);
+        let mut keep = Vec::with_capacity(preds.len());
+        for pred in preds {
+            let p = pred.0.index();
+            if position[p] <= reach[streams[p]] {
+                continue;
+            }
+            for (r, a) in reach.iter_mut().zip(&prefix[p * width..(p + 1) * width]) {
+                *r = (*r).max(*a);
+            }
+            reach[streams[p]] = reach[streams[p]].max(position[p]);
+            keep.push(pred);
+        }
+        prefix[v * width..(v + 1) * width].copy_from_slice(&reach);
+        kept.push(keep);
+    }
+    kept
+}
+
+/// Transitive reduction with ancestor bitsets (quadratic memory; the tests' reference).
+fn reduce_bitsets(candidates: Candidates) -> Candidates {
+    let n = candidates.len();
+    let mut kept = Vec::with_capacity(n);
+    // ancestors[v] has bit u set iff u reaches v; only bits below v are stored.
+    let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(n);
+    for (v, mut preds) in candidates.into_iter().enumerate() {
+        preds.sort_by_key(|p| std::cmp::Reverse(p.0));
+        let mut reach = vec![0u64; v / 64 + 1];
+        let mut keep = Vec::with_capacity(preds.len());
+        for pred in preds {
+            let p = pred.0.index();
+            if reach[p / 64] & (1 << (p % 64)) != 0 {
+                continue;
+            }
+            reach[p / 64] |= 1 << (p % 64);
+            for (word, bits) in reach.iter_mut().zip(&ancestors[p]) {
+                *word |= bits;
+            }
+            keep.push(pred);
+        }
+        ancestors.push(reach);
+        kept.push(keep);
+    }
+    kept
+}
+
+/// Flattens kept edges into the CSR form of [`Dag`].
+fn assemble(kept: Candidates, before: usize) -> Dag {
+    let n = kept.len();
     let mut edges = Vec::new();
     let mut pred_start = Vec::with_capacity(n + 1);
     for (v, mut keep) in kept.into_iter().enumerate() {
         pred_start.push(edges.len() as u32);
         keep.sort_by_key(|k| k.0);
-        edges.extend(keep.into_iter().map(|(from, kinds, buffer)| Dep { from, to: TaskId::new(v), kinds, buffer }));
+        edges.extend(keep.into_iter().map(|(from, kinds, buffer)| Dep {
+            from,
+            to: TaskId::new(v),
+            kinds,
+            buffer,
+        }));
     }
     pred_start.push(edges.len() as u32);
-    Dag { edges, pred_start, edges_before_reduction: before }
+    Dag {
+        edges,
+        pred_start,
+        edges_before_reduction: before,
+    }
 }
