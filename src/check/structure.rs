@@ -55,6 +55,9 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
             if arg.access.writes() && buffer.kind == BufferKind::Checkpoint {
                 diags.push(Diagnostic::write_checkpoint(arg_span));
             }
+            if arg.access.writes() && arg.slice.dynamic_expert.is_some() {
+                diags.push(Diagnostic::dynamic_not_allowed(arg_span, "the slot a task writes"));
+            }
             if let Some(need) = catalog::required_bytes(&task.op, arg.role, &program.model, &task.shape) {
                 if arg.slice.len < need {
                     diags.push(Diagnostic::buffer_too_small(arg_span, arg.role.as_str(), arg.slice.len, need));

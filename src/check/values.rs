@@ -172,9 +172,46 @@ impl Tracker<'_> {
                 })
                 .collect();
         }
+        if let Some(expert) = slice.dynamic_expert {
+            return self.dynamic_expert_runs(slice, expert);
+        }
         let (start, end) = (slice.start, slice.end());
         let cells = self.cells_of(slice.buffer);
         runs(cells, start, end)
+    }
+
+    /// A run-time-chosen expert of a buffer holding a whole layer: if its experts region
+    /// holds every expert of one layer L in order, the slice holds `W[L].expert(hot(..))`;
+    /// otherwise what the region holds is reported as is.
+    fn dynamic_expert_runs(&mut self, slice: &crate::ir::Slice, expert: ExpertRef) -> Vec<(u64, u64, Cell)> {
+        let experts = self.layout.experts;
+        let stride = slice.len;
+        let region = runs(self.cells_of(slice.buffer), slice.start, slice.start + stride * experts);
+        let mut layer = None;
+        let mut guard = Guard::default();
+        let whole = (0..experts).all(|e| {
+            let lo = slice.start + e * stride;
+            region.iter().filter(|r| r.0 < lo + stride && lo < r.1).all(|(r_lo, _, cell)| match &cell.piece {
+                Some(Piece { tensor: Tensor::Expert { layer: l, expert: ExpertRef::Index(x) }, offset }) => {
+                    guard = union(&guard, &cell.guard);
+                    let at = (*r_lo).max(lo);
+                    *layer.get_or_insert(*l) == *l && u64::from(*x) == e && offset + (at - r_lo) == at - lo
+                }
+                _ => false,
+            })
+        });
+        match (whole, layer) {
+            (true, Some(layer)) => {
+                let cell = Cell {
+                    end: slice.end(),
+                    piece: Some(Piece { tensor: Tensor::Expert { layer, expert }, offset: 0 }),
+                    writer: region.first().and_then(|r| r.2.writer),
+                    guard,
+                };
+                vec![(slice.start, slice.end(), cell)]
+            }
+            _ => runs(self.cells_of(slice.buffer), slice.start, slice.end()),
+        }
     }
 
     fn emit(&mut self, mut d: Diagnostic) {
@@ -202,17 +239,22 @@ impl Tracker<'_> {
         let program = self.program;
         let task = program.task(id);
         let index = id.index();
-        let arg_spans = program.spans.task_args.get(index).cloned().unwrap_or_default();
+        let arg_spans: &[Span] = program.spans.task_args.get(index).map_or(&[], Vec::as_slice);
         let span = program.task_span(id);
-        let task_name = program.task_name(id);
         if task.op == Op::Copy {
-            return self.copy(id, &arg_spans, span, &task_name);
+            return self.copy(id, arg_spans, span);
         }
         let signature = catalog::signature(&task.op, &program.model);
         let mut locations = Vec::new();
         for sig in &signature {
             if sig.expects.is_empty() || !sig.access.reads() {
                 continue;
+            }
+            let step_kind = program.steps.get(task.step.index()).map(|s| s.kind);
+            if sig.role == crate::ir::Role::Tokens
+                && matches!(step_kind, Some(StepKind::Prefill | StepKind::Setup))
+            {
+                continue; // the prompt: provided by the runtime
             }
             let args: Vec<(usize, &crate::ir::Arg)> =
                 task.args.iter().enumerate().filter(|(_, a)| a.role == sig.role).collect();
@@ -227,7 +269,7 @@ impl Tracker<'_> {
                 }
                 for expected in &sig.expects {
                     if let Err(d) =
-                        self.find_weight(expected, &args, &all_runs, &arg_spans, span, &task_name, &task.guard, &mut locations)
+                        self.find_weight(expected, &args, &all_runs, &arg_spans, span, id, &task.guard, &mut locations)
                     {
                         self.emit(d);
                         break;
@@ -247,7 +289,7 @@ impl Tracker<'_> {
                     for rows in [Rows::All, Rows::Prefill, Rows::Decode] {
                         let candidate = Tensor::AttnOut { layer, ub, rows };
                         let check = self.expect_activation(
-                            candidate, &runs, arg.slice.start, need, arg.slice.len, arg_span, &task_name, &name, &task.guard,
+                            candidate, &runs, arg.slice.start, need, arg.slice.len, arg_span, id, &name, &task.guard,
                         );
                         match check {
                             Ok(()) => {
@@ -273,7 +315,7 @@ impl Tracker<'_> {
                         found.iter().map(|r| Tensor::AttnOut { layer, ub, rows: *r }.to_string()).collect();
                     self.emit(Diagnostic::wrong_value(
                         first_span,
-                        &task_name,
+                        &program.task_name(id),
                         &buffer_name,
                         &format!("{} (all rows)", Tensor::AttnOut { layer, ub, rows: Rows::All }),
                         &held.join(" and "),
@@ -287,11 +329,12 @@ impl Tracker<'_> {
                     .min(first.slice.len);
                 let runs = self.read_runs(&first.slice);
                 let untouched = runs.iter().all(|r| r.2.piece.is_none());
-                if untouched && sig.may_be_empty {
+                let mixed = program.steps.get(task.step.index()).is_some_and(|s| s.kind == StepKind::Mixed);
+                if untouched && (sig.may_be_empty || (mixed && sig.role == crate::ir::Role::Kv)) {
                     continue;
                 }
                 if let Err(d) = self.expect_activation(
-                    expected, &runs, first.slice.start, need, first.slice.len, first_span, &task_name, &buffer_name, &task.guard,
+                    expected, &runs, first.slice.start, need, first.slice.len, first_span, id, &buffer_name, &task.guard,
                 ) {
                     self.emit(d);
                 }
@@ -330,7 +373,7 @@ impl Tracker<'_> {
         all_runs: &[(usize, Vec<(u64, u64, Cell)>)],
         arg_spans: &[Span],
         span: Span,
-        task_name: &str,
+        task_id: TaskId,
         guard: &Guard,
         locations: &mut Vec<WeightLocation>,
     ) -> Result<(), Diagnostic> {
@@ -356,7 +399,7 @@ impl Tracker<'_> {
                     let held = self.describe(cell, *lo, *hi, arg.slice.start, arg.slice.len);
                     return Err(Diagnostic::wrong_value(
                         arg_span,
-                        task_name,
+                        &self.program.task_name(task_id),
                         buffer_name,
                         &format!("{expected} (all of it)"),
                         &held,
@@ -365,14 +408,14 @@ impl Tracker<'_> {
                 }
                 if !implies(guard, &cell.guard) {
                     let writer = self.writer_of(cell).unwrap_or_default();
-                    return Err(Diagnostic::maybe_stale(arg_span, task_name, buffer_name, &expected.to_string(), writer));
+                    return Err(Diagnostic::maybe_stale(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string(), writer));
                 }
                 covered += hi - lo;
             }
             if covered < need {
                 return Err(Diagnostic::wrong_value(
                     arg_span,
-                    task_name,
+                    &self.program.task_name(task_id),
                     buffer_name,
                     &format!("{expected} (all of it)"),
                     &format!("only its first {covered} of {need} bytes"),
@@ -382,21 +425,29 @@ impl Tracker<'_> {
             locations.push(WeightLocation { tensor: *expected, arg: *k as u32, offset: start - arg.slice.start });
             return Ok(());
         }
-        // Not found anywhere: report what the (first) argument holds.
-        let (k, runs) = &all_runs[0];
-        let arg = args[0].1;
+        // Not found anywhere. Evidence, best first: a run of the same kind of tensor (the
+        // same part of another layer, another expert) in any listed argument; else the
+        // first argument that holds anything; else nothing was written at all.
+        let same_kind = |p: &Piece| std::mem::discriminant(&p.tensor) == std::mem::discriminant(expected);
+        let pick = all_runs
+            .iter()
+            .enumerate()
+            .find_map(|(n, (_, runs))| runs.iter().find(|r| r.2.piece.as_ref().is_some_and(same_kind)).map(|r| (n, r)))
+            .or_else(|| {
+                all_runs.iter().enumerate().find_map(|(n, (_, runs))| runs.iter().find(|r| r.2.piece.is_some()).map(|r| (n, r)))
+            });
+        let Some((n, (lo, hi, cell))) = pick else {
+            let arg = args[0].1;
+            let arg_span = arg_spans.get(all_runs[0].0).copied().unwrap_or(span);
+            let buffer_name = &self.program.buffer(arg.slice.buffer).name;
+            return Err(Diagnostic::uninitialized(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string()));
+        };
+        let (k, _) = &all_runs[n];
+        let arg = args.iter().find(|(i, _)| i == k).map_or(args[0].1, |(_, a)| *a);
         let arg_span = arg_spans.get(*k).copied().unwrap_or(span);
         let buffer_name = &self.program.buffer(arg.slice.buffer).name;
-        if runs.iter().all(|r| r.2.piece.is_none()) {
-            return Err(Diagnostic::uninitialized(arg_span, task_name, buffer_name, &expected.to_string()));
-        }
-        // Prefer a run holding the same kind of tensor (another layer or expert) as evidence.
-        let same_kind = runs.iter().find(|r| {
-            r.2.piece.as_ref().is_some_and(|p| std::mem::discriminant(&p.tensor) == std::mem::discriminant(expected))
-        });
-        let (lo, hi, cell) = same_kind.or_else(|| runs.iter().find(|r| r.2.piece.is_some())).unwrap_or(&runs[0]);
         let held = self.describe(cell, *lo, *hi, arg.slice.start, arg.slice.len);
-        Err(Diagnostic::wrong_value(arg_span, task_name, buffer_name, &expected.to_string(), &held, self.writer_of(cell)))
+        Err(Diagnostic::wrong_value(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string(), &held, self.writer_of(cell)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -408,12 +459,12 @@ impl Tracker<'_> {
         need: u64,
         len: u64,
         arg_span: Span,
-        task_name: &str,
+        task_id: TaskId,
         buffer_name: &str,
         guard: &Guard,
     ) -> Result<(), Diagnostic> {
         if runs.iter().all(|r| r.2.piece.is_none()) {
-            return Err(Diagnostic::uninitialized(arg_span, task_name, buffer_name, &expected.to_string()));
+            return Err(Diagnostic::uninitialized(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string()));
         }
         for (lo, hi, cell) in runs {
             if lo - start >= need {
@@ -424,7 +475,7 @@ impl Tracker<'_> {
                 let held = self.describe(cell, *lo, *hi, start, len);
                 return Err(Diagnostic::wrong_value(
                     arg_span,
-                    task_name,
+                    &self.program.task_name(task_id),
                     buffer_name,
                     &expected.to_string(),
                     &held,
@@ -433,13 +484,13 @@ impl Tracker<'_> {
             }
             if !implies(guard, &cell.guard) {
                 let writer = self.writer_of(cell).unwrap_or_default();
-                return Err(Diagnostic::maybe_stale(arg_span, task_name, buffer_name, &expected.to_string(), writer));
+                return Err(Diagnostic::maybe_stale(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string(), writer));
             }
         }
         Ok(())
     }
 
-    fn copy(&mut self, id: TaskId, arg_spans: &[Span], span: Span, task_name: &str) {
+    fn copy(&mut self, id: TaskId, arg_spans: &[Span], span: Span) {
         let program = self.program;
         let task = program.task(id);
         let [src, dst] = task.args.as_slice() else { return };
@@ -449,7 +500,7 @@ impl Tracker<'_> {
         let runs_in = self.read_runs(&src.slice);
         if runs_in.iter().all(|r| r.2.piece.is_none()) {
             let name = program.buffer(src.slice.buffer).name.clone();
-            let d = Diagnostic::uninitialized(arg_spans.first().copied().unwrap_or(span), task_name, &name, "anything to copy");
+            let d = Diagnostic::uninitialized(arg_spans.first().copied().unwrap_or(span), &self.program.task_name(id), &name, "anything to copy");
             self.emit(d);
         }
         let len = src.slice.len.min(dst.slice.len);

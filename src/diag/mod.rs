@@ -104,13 +104,7 @@ impl Diagnostic {
         } else {
             format!("expected {expected_text}")
         };
-        let d = Diagnostic::new(Code::SyntaxUnexpected, format!("unexpected {found_text}"));
-        let d = d.label(span, label);
-        if expected.is_empty() {
-            d
-        } else {
-            d.help(format!("expected {expected_text}"))
-        }
+        Diagnostic::new(Code::SyntaxUnexpected, format!("unexpected {found_text}")).label(span, label)
     }
 
     /// A number literal that does not fit its type.
@@ -146,7 +140,7 @@ impl Diagnostic {
     /// A name that is not declared.
     pub fn unknown_name(span: Span, kind: &str, name: &str, candidates: &[&str]) -> Self {
         let d = Diagnostic::new(Code::ElabUnknownName, format!("unknown {kind} `{name}`"))
-            .label(span, format!("no {kind} named `{name}`"));
+            .label(span, if kind == "name" { "not declared".to_string() } else { format!("no {kind} named `{name}`") });
         match closest(name, candidates) {
             Some(best) => d.help(format!("did you mean `{best}`?")),
             None if !candidates.is_empty() && candidates.len() <= 12 => d.help(format!(
@@ -316,7 +310,7 @@ impl Diagnostic {
     pub fn too_many_tasks(span: Span, limit: usize) -> Self {
         Diagnostic::new(
             Code::ElabLimit,
-            format!("the schedule unrolls to more than {limit} tasks"),
+            format!("the schedule unrolls past its limit of {limit} (tasks, loop iterations or buffers)"),
         )
         .label(span, "while unrolling this")
         .help("check loop bounds and params")

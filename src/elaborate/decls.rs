@@ -125,8 +125,9 @@ impl<'a> Elaborator<'a> {
                 Ok(n) => n,
                 Err(d) => return self.report(d),
             };
-            if n < 1 || n > i64::from(u32::MAX) {
-                return self.report(Diagnostic::out_of_range(dim.span, "array length", n, "1 or more"));
+            // Zero is allowed: an optional buffer (`w_res[layers * min(n_res, 1)]`).
+            if n < 0 || n > i64::from(u32::MAX) {
+                return self.report(Diagnostic::out_of_range(dim.span, "array length", n, "0 or more"));
             }
             count = count.saturating_mul(n as u64);
             dims.push(n as u32);
@@ -185,7 +186,15 @@ impl<'a> Elaborator<'a> {
             Ok(n) => return self.report(Diagnostic::out_of_range(decl.size.span, "micro-batch size", n, "1 or more")),
             Err(d) => return self.report(d),
         };
-        self.micro = Some(ir::MicroBatches { count, size });
+        let mixed_tokens = match &decl.tokens {
+            None => size,
+            Some(expr) => match self.eval(expr).and_then(|v| as_int(v, expr.span)) {
+                Ok(n) if n >= 1 => n as u64,
+                Ok(n) => return self.report(Diagnostic::out_of_range(expr.span, "tokens per micro-batch", n, "1 or more")),
+                Err(d) => return self.report(d),
+            },
+        };
+        self.micro = Some(ir::MicroBatches { count, size, mixed_tokens });
     }
 
     pub(super) fn declare_template(&mut self, decl: &'a TemplateDecl) {

@@ -40,6 +40,23 @@ pub struct Options {
     /// Bytes per activation / KV element ([`crate::ir::catalog::ACT_BYTES`], f32, unless
     /// a cost study models another precision; the runtime always computes in f32).
     pub act_bytes: u64,
+    /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
+    pub limits: Limits,
+}
+
+/// Bounds on unrolling, so a runaway loop is an error rather than a hang.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// At most this many tasks.
+    pub max_tasks: usize,
+    /// At most this many loop iterations in total.
+    pub max_iterations: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_tasks: MAX_TASKS, max_iterations: MAX_ITERATIONS }
+    }
 }
 
 impl Options {
@@ -51,6 +68,7 @@ impl Options {
             sets: Vec::new(),
             hardware: BTreeMap::new(),
             act_bytes: crate::ir::catalog::ACT_BYTES,
+            limits: Limits::default(),
         }
     }
 }
@@ -235,7 +253,7 @@ impl<'a> Elaborator<'a> {
             description: file.description.clone().unwrap_or_default(),
             model: self.card,
             workload: self.options.workload,
-            micro_batches: self.micro.unwrap_or(MicroBatches { count: 0, size: 0 }),
+            micro_batches: self.micro.unwrap_or(MicroBatches { count: 0, size: 0, mixed_tokens: 0 }),
             params: self.params,
             streams: self.streams,
             buffers: self.buffers,
@@ -365,7 +383,7 @@ impl value::Context for Elaborator<'_> {
         let Some(&dim) = array.dims.get(indices.len()) else {
             return Err(Diagnostic::type_mismatch(span, "no more indices", "an index"));
         };
-        let i = value::check_index(index, u64::from(dim), &format!("index of `{}`", array.name), span)?;
+        let i = value::check_index(index, u64::from(dim), &format!("`{}` index", array.name), span)?;
         indices.push(i as u32);
         if indices.len() < array.dims.len() {
             return Ok(Val::Array { decl, indices });

@@ -5,7 +5,7 @@
 //! conditions become guards on the tasks inside; static ones pick a branch.
 
 use super::value::{as_int, check_index, SliceVal, Val};
-use super::{Elaborator, PendingAfter, MAX_ITERATIONS, MAX_TASKS};
+use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, AttnPart, ExpertRef, ExpertSet, Op, Shape};
 use crate::ir::{self, Access, Arg, Guard, Role, Slice, StepId, StreamId, Task, TaskId};
@@ -71,10 +71,13 @@ impl<'a> Elaborator<'a> {
             other => return Err(Diagnostic::type_mismatch(stmt.range.span, "a range `a..b`", other.type_name())),
         };
         for value in lo..hi {
+            if self.aborted {
+                break;
+            }
             self.iterations += 1;
-            if self.iterations > MAX_ITERATIONS {
+            if self.iterations > self.options.limits.max_iterations {
                 self.aborted = true;
-                return Err(Diagnostic::too_many_tasks(stmt.span, MAX_ITERATIONS as usize));
+                return Err(Diagnostic::too_many_tasks(stmt.span, self.options.limits.max_iterations as usize));
             }
             if self.aborted {
                 break;
@@ -302,14 +305,20 @@ impl<'a> Elaborator<'a> {
             Some(StepKind::Prefill) => {
                 Shape { tokens: size.saturating_mul(w.prompt_len), seqs: size, context: w.prompt_len, act_bytes }
             }
+            Some(StepKind::Mixed) => Shape {
+                tokens: self.micro.map_or(size, |m| m.mixed_tokens),
+                seqs: size,
+                context: w.prompt_len.saturating_add(w.gen_len),
+                act_bytes,
+            },
             _ => Shape { tokens: size, seqs: size, context: w.prompt_len.saturating_add(w.gen_len), act_bytes },
         }
     }
 
     fn issue(&mut self, op: Op, args: Vec<(Arg, Span)>, tail: &TaskTail, span: Span, op_name: &str) -> Result<(), Diagnostic> {
-        if self.tasks.len() >= MAX_TASKS {
+        if self.tasks.len() >= self.options.limits.max_tasks {
             self.aborted = true;
-            return Err(Diagnostic::too_many_tasks(span, MAX_TASKS));
+            return Err(Diagnostic::too_many_tasks(span, self.options.limits.max_tasks));
         }
         let on = tail.on.as_ref().ok_or_else(|| Diagnostic::missing_stream(span, op_name))?;
         let stream: StreamId = match self.stream_index.get(&on.name) {

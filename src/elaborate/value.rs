@@ -532,10 +532,10 @@ fn method_of(
             };
             match &values[0] {
                 Val::Expert(e) => {
-                    if !cx.is_checkpoint(s.buffer) || s.layout != Layout::Layer {
+                    if s.layout != Layout::Layer {
                         return Err(Diagnostic::dynamic_not_allowed(
                             arg_span(0),
-                            "the expert slot of a buffer other than the checkpoint `W`",
+                            "the expert slot of a buffer that is not a whole layer (`W[i]` or `layer_weights()`)",
                         ));
                     }
                     Ok(Val::Slice(SliceVal {

@@ -133,7 +133,8 @@ impl AttnPart {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
-    /// Token embedding of micro-batch `ub` (reads the next tokens from the runtime's batch).
+    /// Token embedding of micro-batch `ub`: the prompt (prefill) or the tokens sampled last
+    /// step (`tokens`, optional: without it they come from the runtime's batch).
     Embed {
         /// Micro-batch.
         ub: u32,
@@ -327,8 +328,11 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     use Tensor as T;
     let residual = |ub, layer, point| T::Residual { ub, layer, point };
     match *op {
+        // `tokens` (optional) makes the dependency on the previous step's `sample` explicit;
+        // in prefill the prompt comes from the runtime and nothing is expected there.
         Op::Embed { ub } => vec![
             sig(Role::W, Read, vec![T::Embedding], None),
+            RoleSig { optional: true, ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None) },
             sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
         ],
         Op::PreAttn { layer, ub } => vec![
@@ -338,11 +342,14 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         ],
         Op::Attn { layer, ub, part } => vec![
             sig(Role::Qkv, Read, vec![T::Qkv { layer, ub }], None),
+            // Prefill starts the sequences' caches afresh; decode and mixed attention append
+            // to what is cached (a mixed step's first run has nothing cached yet: the
+            // checker accepts an unwritten cache there).
             RoleSig {
                 role: Role::Kv,
-                access: ReadWrite,
-                expects: vec![T::KvCache { layer, ub }],
-                may_be_empty: part != AttnPart::Decode,
+                access: if part == AttnPart::Prefill { Write } else { ReadWrite },
+                expects: if part == AttnPart::Prefill { vec![] } else { vec![T::KvCache { layer, ub }] },
+                may_be_empty: part == AttnPart::All,
                 optional: part == AttnPart::Prefill,
                 produces: Some(T::KvCache { layer, ub }),
             },

@@ -3,7 +3,7 @@
 //! Takes a [`Program`]; gives a [`Dag`]: for every task, the earlier tasks it must wait
 //! for, with why (stream order, RAW/WAR/WAW on overlapping bytes of one buffer, explicit
 //! `after`), with redundant edges removed. Steps of the build, each one function:
-//! 1. `analyse`: one pass in issue order; per buffer an interval map of "last writer,
+//! 1. [`candidate_edges`]: one pass in issue order; per buffer an interval map of "last writer,
 //!    readers since" segments, so each access costs O(segments it overlaps), never
 //!    all-pairs. Reads of the read-only checkpoint create no edges.
 //! 2. `reduce`: transitive reduction in issue (= topological) order. With ancestor bitsets
@@ -122,11 +122,35 @@ impl Dag {
     }
 }
 
+/// How transitive reduction finds redundant edges (both give the same graph).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// [`Reduction::Bitsets`] up to [`BITSET_LIMIT`] tasks, else [`Reduction::Dfs`].
+    Auto,
+    /// Ancestor bitsets in issue order: fast, n^2/2 bits of memory.
+    Bitsets,
+    /// Depth-first search pruned by issue index: little memory.
+    Dfs,
+}
+
+/// Candidate edges into each task before reduction: `(from, reasons, buffer)`.
+pub type Candidates = Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>>;
+
 /// Builds the reduced DAG of a program.
 pub fn build(program: &Program) -> Dag {
-    let candidates = analyse(program);
+    build_with(program, Reduction::Auto)
+}
+
+/// Builds the reduced DAG with a chosen reduction algorithm.
+pub fn build_with(program: &Program, reduction: Reduction) -> Dag {
+    let candidates = candidate_edges(program);
     let before = candidates.iter().map(Vec::len).sum();
-    reduce(candidates, before)
+    let bitsets = match reduction {
+        Reduction::Auto => candidates.len() <= BITSET_LIMIT,
+        Reduction::Bitsets => true,
+        Reduction::Dfs => false,
+    };
+    reduce(candidates, before, bitsets)
 }
 
 #[derive(Debug, Clone)]
@@ -193,8 +217,8 @@ impl BufferState {
     }
 }
 
-/// Candidate edges per task, before reduction: `(from, kinds, buffer)`, deduplicated.
-fn analyse(program: &Program) -> Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>> {
+/// Every edge the sequential-task-flow rule gives, per task, before reduction.
+pub fn candidate_edges(program: &Program) -> Candidates {
     let experts = program.model.experts;
     let mut states: Vec<Option<BufferState>> = program.buffers.iter().map(|_| None).collect();
     let mut last_on_stream: Vec<Option<TaskId>> = vec![None; program.streams.len()];
@@ -251,10 +275,10 @@ fn analyse(program: &Program) -> Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>> 
 }
 
 /// Transitive reduction over tasks in issue order.
-fn reduce(candidates: Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>>, before: usize) -> Dag {
+fn reduce(candidates: Candidates, before: usize, bitsets: bool) -> Dag {
     let n = candidates.len();
-    let mut kept: Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>> = Vec::with_capacity(n);
-    if n <= BITSET_LIMIT {
+    let mut kept: Candidates = Vec::with_capacity(n);
+    if bitsets {
         // ancestors[v] has bit u set iff u reaches v; only bits below v are stored.
         let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(n);
         for (v, mut preds) in candidates.into_iter().enumerate() {

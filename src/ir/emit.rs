@@ -27,6 +27,9 @@ pub fn human_bytes(bytes: u64) -> String {
 fn slice_text(program: &Program, slice: &Slice) -> String {
     let buffer = program.buffer(slice.buffer);
     if let Some(expert) = slice.dynamic_expert {
+        if buffer.kind != BufferKind::Checkpoint {
+            return format!("{}.expert({expert})", buffer.name);
+        }
         let layer = slice.start.saturating_sub(program.checkpoint().embed_bytes) / program.checkpoint().layer_bytes().max(1);
         return format!("{}[{layer}].expert({expert})", buffer.name);
     }

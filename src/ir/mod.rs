@@ -83,6 +83,9 @@ pub struct MicroBatches {
     pub count: u32,
     /// Sequences per micro-batch (the worst case the sizes assume).
     pub size: u64,
+    /// New tokens of one micro-batch in a mixed step (worst case; `tokens T`, default
+    /// `size`: one token per sequence).
+    pub mixed_tokens: u64,
 }
 
 /// A scalar value of a param.
@@ -306,14 +309,21 @@ fn align_up(x: u64) -> u64 {
 impl CheckpointLayout {
     /// The layout for a model card (from the model's packed layer image).
     pub fn new(card: &ModelCard) -> Self {
-        use crate::model::layout::{LayerLayout, SegmentKind};
+        // Same rule as `model::layout::LayerLayout::new` (segments in image order, each
+        // starting on a SEGMENT_ALIGN boundary), computed without allocating because the
+        // op catalog asks for it per task; `matches_the_model_layer_image` pins the two.
         let dt = card.dtype.bytes();
-        let image = LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(card), card.dtype);
-        let offset = |kind| image.segment(kind).map_or(0, |s| s.offset as u64);
-        let o_start = offset(SegmentKind::OProj);
-        let gate_start = offset(SegmentKind::FfnNorm);
-        let experts_start = image.dense_range().end as u64;
-        let expert_bytes = image.expert_range(0).len() as u64;
+        let (h, f, e) = (card.hidden, card.ffn, card.experts);
+        let (q, kv) = (card.q_dim(), card.kv_dim());
+        let place = |offset: u64, elems: &[u64]| elems.iter().fold(offset, |at, n| align_up(at + n * dt));
+        let qkv: &[u64] = match card.family {
+            crate::model::card::Family::Mixtral => &[q * h, kv * h, kv * h],
+            crate::model::card::Family::Dbrx => &[(q + 2 * kv) * h],
+        };
+        let o_start = place(place(0, &[h]), qkv);
+        let gate_start = place(o_start, &[h * q]);
+        let experts_start = place(gate_start, &[h, e * h]);
+        let expert_bytes = place(0, &[f * h, f * h, h * f]);
         CheckpointLayout {
             embed_bytes: align_up(card.vocab * card.hidden * dt),
             pre_bytes: o_start,
@@ -642,5 +652,29 @@ impl Program {
                 (space, bytes)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layout::{LayerLayout, SegmentKind};
+
+    #[test]
+    fn matches_the_model_layer_image() {
+        for card in ModelCard::builtins() {
+            let layout = CheckpointLayout::new(&card);
+            let image = LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(&card), card.dtype);
+            let offset = |kind| image.segment(kind).map(|s| s.offset as u64).unwrap();
+            assert_eq!(layout.pre_bytes, offset(SegmentKind::OProj), "{}", card.name);
+            assert_eq!(layout.pre_bytes + layout.o_bytes, offset(SegmentKind::FfnNorm), "{}", card.name);
+            assert_eq!(layout.dense_bytes(), image.dense_range().end as u64, "{}", card.name);
+            for e in [0, card.experts as usize - 1] {
+                let range = image.expert_range(e);
+                assert_eq!(layout.dense_bytes() + e as u64 * layout.expert_bytes, range.start as u64, "{}", card.name);
+                assert_eq!(layout.expert_bytes, range.len() as u64, "{}", card.name);
+            }
+            assert_eq!(layout.layer_bytes(), image.image_bytes as u64, "{}", card.name);
+        }
     }
 }

@@ -180,6 +180,8 @@ pub struct MicroBatchDecl {
     pub count: Expr,
     /// Sequences per micro-batch.
     pub size: Expr,
+    /// `tokens T`: new tokens of one micro-batch in a mixed step (worst case); default SIZE.
+    pub tokens: Option<Expr>,
     /// The whole declaration.
     pub span: Span,
 }

@@ -110,7 +110,7 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         Rule::header => "`schedule NAME`",
         Rule::param_decl | Rule::stream_decl | Rule::buffer_decl | Rule::micro_decl
         | Rule::template_decl | Rule::step_decl | Rule::step_kind => {
-            "a declaration (`param`, `stream`, `buffer`, `microbatches`, `let`, `template`, `prefill`, `decode`, `step`)"
+            "a declaration (`param`, `stream`, `buffer`, `microbatches`, `let`, `template`, `setup`, `prefill`, `decode`, `step`)"
         }
         Rule::block => "a block `{ ... }`",
         Rule::let_stmt | Rule::for_stmt | Rule::if_stmt | Rule::copy_stmt | Rule::call_stmt => {
@@ -161,7 +161,7 @@ fn syntax_error(source: &str, error: pest::error::Error<Rule>) -> Diagnostic {
             }
         }
         for stack in attempts.call_stacks() {
-            let rule = stack.deepest.get_rule().copied().or(stack.parent);
+            let rule = stack.deepest.get_rule().copied();
             if let Some(words) = rule.and_then(rule_words) {
                 push_unique(&mut expected, words.to_string());
             }
@@ -297,7 +297,9 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                 let mut it = item.into_inner();
                 let count = build_expr(next(&mut it, item_span)?)?;
                 let size = build_expr(next(&mut it, item_span)?)?;
+                let tokens = it.next().map(build_expr).transpose()?;
                 Item::MicroBatches(MicroBatchDecl {
+                    tokens,
                     count,
                     size,
                     span: item_span,

@@ -1,0 +1,81 @@
+//! Every diagnostic code has a negative fixture in `tests/fixtures/diag/<code>.sched`
+//! (`::` written `_`); its rendered text (plain theme, width 100) is pinned by a snapshot.
+//! Fixture headers may carry `// set: name=value` and `// limit-iterations: N`.
+
+use moec::compile::{compile, Options};
+use moec::diag::{render_all, Code};
+use moec::model::card::ModelCard;
+use std::path::Path;
+
+fn options_for(source: &str) -> Options {
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    for line in source.lines().take_while(|l| l.starts_with("//")) {
+        if let Some(set) = line.strip_prefix("// set: ") {
+            let (k, v) = set.split_once('=').unwrap();
+            options.sets.push((k.to_string(), v.to_string()));
+        }
+        if let Some(n) = line.strip_prefix("// limit-iterations: ") {
+            options.limits.max_iterations = n.trim().parse().unwrap();
+        }
+    }
+    options
+}
+
+/// Compiles a fixture and renders every diagnostic it produces (errors or warnings).
+fn rendered(name: &str) -> (String, Vec<Code>) {
+    let path = format!("tests/fixtures/diag/{name}.sched");
+    let source = std::fs::read_to_string(&path).unwrap();
+    let diags = match compile(&source, &options_for(&source)) {
+        Ok(compiled) => compiled.warnings().to_vec(),
+        Err(diags) => diags,
+    };
+    let codes = diags.iter().map(|d| d.code).collect();
+    (render_all(&diags, &format!("{name}.sched"), &source), codes)
+}
+
+fn fixture_name(code: Code) -> String {
+    code.as_str().replace("::", "_")
+}
+
+#[test]
+fn every_code_has_a_fixture_that_produces_it() {
+    for code in Code::ALL {
+        let name = fixture_name(code);
+        assert!(Path::new(&format!("tests/fixtures/diag/{name}.sched")).exists(), "no fixture for {}", code.as_str());
+        let (text, codes) = rendered(&name);
+        assert!(codes.contains(&code), "{name}.sched does not produce {}:\n{text}", code.as_str());
+    }
+}
+
+#[test]
+fn rendered_diagnostics_match_their_snapshots() {
+    for code in Code::ALL {
+        let name = fixture_name(code);
+        let (text, _) = rendered(&name);
+        insta::assert_snapshot!(name, text);
+    }
+}
+
+#[test]
+fn syntax_errors_give_line_and_column_in_user_terms() {
+    let (text, _) = rendered("syntax_unexpected");
+    assert!(text.contains("syntax_unexpected.sched:2:"), "{text}");
+    assert!(text.contains("expected `:`"), "{text}");
+    assert!(!text.contains("param_decl") && !text.contains("ident"), "pest rule names leak: {text}");
+}
+
+#[test]
+fn set_overrides_a_param_and_out_of_range_values_point_at_the_declaration() {
+    let source = "schedule s\nparam n_ub: int in 1..=4 = 2\nmicrobatches n_ub of 1\nprefill { }\n";
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.sets.push(("n_ub".to_string(), "3".to_string()));
+    let compiled = compile(source, &options).unwrap();
+    assert_eq!(compiled.program.micro_batches.count, 3);
+    options.sets[0].1 = "9".to_string();
+    let diags = compile(source, &options).unwrap_err();
+    assert_eq!(diags[0].code, Code::ElabParamValue);
+    assert_eq!(diags[0].primary_span().unwrap().start, 11, "{:?}", diags[0]);
+    options.sets[0].1 = "2.5".to_string();
+    let diags = compile(source, &options).unwrap_err();
+    assert!(diags[0].message.contains("is int"), "{}", diags[0].message);
+}
