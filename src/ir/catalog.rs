@@ -332,7 +332,10 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         // in prefill the prompt comes from the runtime and nothing is expected there.
         Op::Embed { ub } => vec![
             sig(Role::W, Read, vec![T::Embedding], None),
-            RoleSig { optional: true, ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None) },
+            RoleSig {
+                optional: true,
+                ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None)
+            },
             sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
         ],
         Op::PreAttn { layer, ub } => vec![
