@@ -211,10 +211,13 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         let step = prediction
             .steps
             .iter()
-            .find(|s| {
-                wanted.is_none_or(|w| s.kind == w) && (wanted.is_some() || s.kind != "prefill")
+            .enumerate()
+            .find(|(i, s)| match wanted {
+                Some(w) => s.kind == w,
+                None => Some(*i) == prediction.repeated_step,
             })
-            .or_else(|| prediction.steps.first());
+            .map(|(_, s)| s)
+            .or_else(|| prediction.steps.last());
         let Some(step) = step else {
             return fail("the schedule has no steps to draw");
         };
