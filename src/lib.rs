@@ -14,5 +14,7 @@ pub mod cost;
 pub mod diag;
 pub mod elaborate;
 pub mod ir;
+pub mod lower;
 pub mod model;
+pub mod runtime;
 pub mod syntax;

@@ -12,6 +12,7 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, WeightDtype};
 use crate::model::config::{self, ConfigError};
 use crate::model::layout::{ImageBuffer, LayerLayout, SegmentKind};
+use crate::model::names::{segment_source, Source};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
 use memmap2::Mmap;
@@ -142,12 +143,8 @@ impl std::fmt::Debug for Checkpoint {
     }
 }
 
-/// Where a segment's bytes come from: a tensor's full shape and a row range of it.
-struct Source {
-    name: String,
-    shape: Vec<usize>,
-    rows: Range<usize>,
-}
+/// A safetensors file to open and, when an index lists them, the tensors it must hold.
+type ShardPlan = (PathBuf, Option<BTreeSet<String>>);
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
@@ -269,9 +266,7 @@ impl Checkpoint {
     }
 
     /// The safetensors files and, when sharded, which tensors each must hold.
-    fn shard_paths(
-        dir: &Path,
-    ) -> Result<Vec<(PathBuf, Option<BTreeSet<String>>)>, CheckpointError> {
+    fn shard_paths(dir: &Path) -> Result<Vec<ShardPlan>, CheckpointError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
@@ -409,61 +404,7 @@ impl Checkpoint {
 
     /// Where segment `kind` of layer `layer` lives in the checkpoint.
     fn source(&self, layer: usize, kind: SegmentKind) -> Source {
-        let a = &self.arch;
-        let (rows, cols, _) = LayerLayout::shape_of(a, kind);
-        let whole = |name: String| Source {
-            shape: if kind == SegmentKind::AttnNorm || kind == SegmentKind::FfnNorm {
-                vec![cols]
-            } else {
-                vec![rows, cols]
-            },
-            rows: 0..rows,
-            name,
-        };
-        match a.family {
-            Family::Mixtral => {
-                let p = format!("model.layers.{layer}");
-                whole(match kind {
-                    SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
-                    SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
-                    SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
-                    SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
-                    SegmentKind::QkvProj => format!("{p}.self_attn.qkv_proj.weight"),
-                    SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
-                    SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
-                    SegmentKind::Router => format!("{p}.block_sparse_moe.gate.weight"),
-                    SegmentKind::ExpertGate(e) => {
-                        format!("{p}.block_sparse_moe.experts.{e}.w1.weight")
-                    }
-                    SegmentKind::ExpertUp(e) => {
-                        format!("{p}.block_sparse_moe.experts.{e}.w3.weight")
-                    }
-                    SegmentKind::ExpertDown(e) => {
-                        format!("{p}.block_sparse_moe.experts.{e}.w2.weight")
-                    }
-                })
-            }
-            Family::Dbrx => {
-                let p = format!("transformer.blocks.{layer}");
-                let fused = |w: &str, e: usize| Source {
-                    name: format!("{p}.ffn.experts.mlp.{w}"),
-                    shape: vec![a.experts * a.ffn, a.hidden],
-                    rows: e * a.ffn..(e + 1) * a.ffn,
-                };
-                match kind {
-                    SegmentKind::ExpertGate(e) => fused("w1", e),
-                    SegmentKind::ExpertUp(e) => fused("v1", e),
-                    SegmentKind::ExpertDown(e) => fused("w2", e),
-                    other => whole(match other {
-                        SegmentKind::AttnNorm => format!("{p}.norm_attn_norm.norm_1.weight"),
-                        SegmentKind::FfnNorm => format!("{p}.norm_attn_norm.norm_2.weight"),
-                        SegmentKind::OProj => format!("{p}.norm_attn_norm.attn.out_proj.weight"),
-                        SegmentKind::Router => format!("{p}.ffn.router.layer.weight"),
-                        _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
-                    }),
-                }
-            }
-        }
+        segment_source(&self.arch, layer, kind)
     }
 
     fn segment_matrix(

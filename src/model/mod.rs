@@ -10,9 +10,13 @@ pub mod checkpoint;
 pub mod config;
 pub mod kernels;
 pub mod layout;
+pub mod names;
 pub mod oracle;
 pub mod rng;
+pub mod source;
+pub mod synth;
 pub mod tensor;
+pub mod tokenizer;
 pub mod weights;
 
 pub use arch::ArchSpec;

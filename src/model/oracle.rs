@@ -182,7 +182,7 @@ impl<'a> Oracle<'a> {
         let mut x_norm = vec![0.0f32; n * d];
         let mut qkv = vec![0.0f32; n * a.attn.qkv_width()];
         let mut attn_out = vec![0.0f32; n * a.q_dim()];
-        let mut moe_out = vec![0.0f32; n * d];
+        let mut slots = vec![0.0f32; n * a.top_k * d];
         let attn_seqs: Vec<AttnSeq<'_>> = seqs
             .iter()
             .map(|s| AttnSeq {
@@ -211,11 +211,10 @@ impl<'a> Oracle<'a> {
             .map_err(KernelError::from)?;
             o_proj_residual(a, &layer.dense, &attn_out, &mut x)?;
             let routing = gate(a, &layer.dense, &x, &mut x_norm)?;
-            moe_out.fill(0.0);
             for (expert_idx, rows) in routing.by_expert(a.experts).iter().enumerate() {
-                expert_ffn(a, &layer.experts[expert_idx], &x_norm, rows, &mut moe_out)?;
+                expert_ffn(a, &layer.experts[expert_idx], &x_norm, rows, &mut slots)?;
             }
-            combine(&mut x, &moe_out)?;
+            combine(&routing, &slots, &mut x)?;
         }
         let mut last = Vec::with_capacity(seqs.len() * d);
         let mut row = 0;

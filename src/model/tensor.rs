@@ -44,13 +44,13 @@ impl<'a> TypedSlice<'a> {
     /// Views `bytes` as elements of `dtype` (little-endian, as safetensors stores them).
     pub fn from_bytes(bytes: &'a [u8], dtype: WeightDtype) -> Result<Self, CastError> {
         let elem = dtype.bytes() as usize;
-        if bytes.len() % elem != 0 {
+        if !bytes.len().is_multiple_of(elem) {
             return Err(CastError::Length {
                 len: bytes.len(),
                 dtype,
             });
         }
-        if (bytes.as_ptr() as usize) % elem != 0 {
+        if !(bytes.as_ptr() as usize).is_multiple_of(elem) {
             return Err(CastError::Alignment { align: elem, dtype });
         }
         // Alignment and length were checked above, so these casts cannot fail; map the

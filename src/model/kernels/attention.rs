@@ -10,7 +10,7 @@
 //! head of its group. Inconsistent inputs are errors, never panics.
 
 use crate::model::kernels::kv_cache::KvBlocksMut;
-use crate::model::kernels::simd::{axpy, dot_rows};
+use crate::model::kernels::simd::{key_scores_transposed, weighted_rows};
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -114,7 +114,7 @@ pub fn attention(
         let seq = &seqs[s];
         let mut local = vec![0.0f32; seq.n_new * group * hd];
         let mut scores: Vec<f32> = Vec::new();
-        let mut dots = vec![0.0f32; group];
+        let bs = layout.block_size;
         for j in 0..seq.n_new {
             let pos = seq.context_len + j;
             let start = shape
@@ -125,13 +125,23 @@ pub fn attention(
             let q_group = &qkv[q_off..q_off + group * hd];
             scores.clear();
             scores.resize(group * n_keys, 0.0);
-            for key in start..=pos {
-                let b = seq.block_table[key / layout.block_size] as usize;
-                let off = layout.offset(b, h, key % layout.block_size);
-                dot_rows(&k_pool[off..off + hd], q_group, hd, &mut dots);
-                for g in 0..group {
-                    scores[g * n_keys + key - start] = dots[g] * scale;
-                }
+            // Score the keys block by block: a run of slots of one (block, head) tile.
+            for bi in start / bs..=pos / bs {
+                let first = start.max(bi * bs);
+                let last = pos.min(bi * bs + bs - 1);
+                let tile = layout.tile(seq.block_table[bi] as usize, h);
+                let k_tile = &k_pool[tile..tile + bs * hd];
+                key_scores_transposed(
+                    k_tile,
+                    bs,
+                    first % bs,
+                    last - first + 1,
+                    q_group,
+                    scale,
+                    &mut scores,
+                    n_keys,
+                    first - start,
+                );
             }
             for g in 0..group {
                 let row = &mut scores[g * n_keys..(g + 1) * n_keys];
@@ -147,17 +157,12 @@ pub fn attention(
                 }
             }
             let dst = &mut local[j * group * hd..(j + 1) * group * hd];
-            for key in start..=pos {
-                let b = seq.block_table[key / layout.block_size] as usize;
-                let off = layout.offset(b, h, key % layout.block_size);
-                let v_row = &v_pool[off..off + hd];
-                for g in 0..group {
-                    axpy(
-                        scores[g * n_keys + key - start],
-                        v_row,
-                        &mut dst[g * hd..(g + 1) * hd],
-                    );
-                }
+            for bi in start / bs..=pos / bs {
+                let first = start.max(bi * bs);
+                let last = pos.min(bi * bs + bs - 1);
+                let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
+                let rows = &v_pool[off..off + (last - first + 1) * hd];
+                weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
             }
         }
         local
@@ -235,12 +240,18 @@ fn append_kv(cache: &mut KvBlocksMut<'_>, seqs: &[AttnSeq<'_>], qkv: &[f32], sha
             let pos = s.context_len + j;
             let b = s.block_table[pos / layout.block_size] as usize;
             let src = &qkv[(row + j) * row_w..(row + j + 1) * row_w];
+            let slot = pos % layout.block_size;
             for h in 0..shape.kv_heads {
-                let off = layout.offset(b, h, pos % layout.block_size);
-                cache.k[off..off + hd]
-                    .copy_from_slice(&src[k_base + h * hd..k_base + (h + 1) * hd]);
+                let off = layout.offset(b, h, slot);
                 cache.v[off..off + hd]
                     .copy_from_slice(&src[v_base + h * hd..v_base + (h + 1) * hd]);
+                // Keys are stored transposed within the tile (see `KvLayout`).
+                for (dim, &k) in src[k_base + h * hd..k_base + (h + 1) * hd]
+                    .iter()
+                    .enumerate()
+                {
+                    cache.k[layout.key_offset(b, h, slot, dim)] = k;
+                }
             }
         }
         row += s.n_new;
@@ -317,7 +328,7 @@ mod tests {
                     .collect()
             })
             .collect();
-        let mut tables = vec![Vec::new(), Vec::new()];
+        let mut tables = [Vec::new(), Vec::new()];
         for (s, t) in tables.iter_mut().enumerate() {
             cache.allocator.grow(&layout, t, total[s]).unwrap();
         }
@@ -371,6 +382,49 @@ mod tests {
                     assert!((a - b).abs() < 1e-5, "step {step} seq {s}: {a} vs {b}");
                 }
             }
+        }
+    }
+
+    /// With a sliding window of 3, token t attends to t-2..=t only: equal to dense
+    /// attention over just those keys.
+    #[test]
+    fn sliding_window_limits_the_keys() {
+        let shape = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            sliding_window: Some(3),
+        };
+        let full = AttnShape {
+            sliding_window: None,
+            ..shape
+        };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 1,
+            head_dim: 16,
+        };
+        let n = 9;
+        let qkv: Vec<f32> = (0..n * shape.qkv_width())
+            .map(|i| ((i * 53) % 89) as f32 / 44.0 - 1.0)
+            .collect();
+        let mut cache = PagedKvCache::new(layout, 1, 8);
+        let mut table = Vec::new();
+        cache.allocator.grow(&layout, &mut table, n).unwrap();
+        let seqs = [AttnSeq {
+            block_table: &table,
+            context_len: 0,
+            n_new: n,
+        }];
+        let mut out = vec![0.0; n * shape.q_width()];
+        attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
+        let w = shape.qkv_width();
+        let t = 7;
+        let window = &qkv[(t - 2) * w..(t + 1) * w];
+        let want = dense(window, 3, &full);
+        let got = &out[t * shape.q_width()..(t + 1) * shape.q_width()];
+        for (a, b) in got.iter().zip(&want[2 * shape.q_width()..]) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }
     }
 

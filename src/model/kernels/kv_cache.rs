@@ -2,12 +2,15 @@
 //! through per-sequence block tables.
 //!
 //! Takes a [`KvLayout`] (block size, kv heads, head width) and a block count; gives
-//! per-layer pools (`[block][kv_head][slot][head_dim]`, so one head's keys within a block
-//! are contiguous rows) that the attention kernel reads through [`KvBlocksMut`] views, and a
+//! per-layer pools that the attention kernel reads through [`KvBlocksMut`] views, and a
 //! [`BlockAllocator`] whose tables always cover the tokens they were grown for. Running out
 //! of blocks is an error, never a panic.
 
-/// Shape of one block pool.
+/// Shape of one block pool. Both pools are `[block][kv_head][tile]` with one tile of
+/// `block_size * head_dim` f32 per (block, head): values are stored row per slot
+/// (`[slot][head_dim]`, see [`KvLayout::offset`]) and keys transposed (`[head_dim][slot]`,
+/// see [`KvLayout::key_offset`]), so decode attention scores 16 keys per vector with no
+/// horizontal reductions. Only the attention kernel reads or writes inside a tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
     /// Token slots per block.
@@ -24,9 +27,19 @@ impl KvLayout {
         self.kv_heads * self.block_size * self.head_dim
     }
 
-    /// Element offset of (block, head, slot) inside a K or V pool.
+    /// Element offset of the tile of (block, head) inside a pool.
+    pub fn tile(&self, block: usize, head: usize) -> usize {
+        (block * self.kv_heads + head) * self.block_size * self.head_dim
+    }
+
+    /// Element offset of the value row of (block, head, slot) inside the V pool.
     pub fn offset(&self, block: usize, head: usize, slot: usize) -> usize {
-        ((block * self.kv_heads + head) * self.block_size + slot) * self.head_dim
+        self.tile(block, head) + slot * self.head_dim
+    }
+
+    /// Element offset of key component `dim` of (block, head, slot) inside the K pool.
+    pub fn key_offset(&self, block: usize, head: usize, slot: usize, dim: usize) -> usize {
+        self.tile(block, head) + dim * self.block_size + slot
     }
 
     /// Blocks needed to hold `tokens` tokens.
