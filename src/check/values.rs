@@ -42,6 +42,9 @@ struct Cell {
 
 type Cells = BTreeMap<u64, Cell>;
 
+/// `(start, end, cell)` runs of a byte range.
+type Runs = Vec<(u64, u64, Cell)>;
+
 fn new_cells(bytes: u64) -> Cells {
     let mut cells = BTreeMap::new();
     cells.insert(
@@ -352,7 +355,7 @@ impl Tracker<'_> {
             let buffer_name = program.buffer(first.slice.buffer).name.clone();
             if sig.expects[0].is_weight() {
                 // Index every tensor start across the argument slices.
-                let mut all_runs: Vec<(usize, Vec<(u64, u64, Cell)>)> = Vec::new();
+                let mut all_runs: Vec<(usize, Runs)> = Vec::new();
                 for &(k, arg) in &args {
                     all_runs.push((k, self.read_runs(&arg.slice)));
                 }
@@ -361,7 +364,7 @@ impl Tracker<'_> {
                         expected,
                         &args,
                         &all_runs,
-                        &arg_spans,
+                        arg_spans,
                         span,
                         id,
                         &task.guard,
@@ -459,7 +462,10 @@ impl Tracker<'_> {
                     .steps
                     .get(task.step.index())
                     .is_some_and(|s| s.kind == StepKind::Mixed);
-                if untouched && (sig.may_be_empty || (mixed && sig.role == crate::ir::Role::Kv)) {
+                // A mixed step's first run has no cache and no sampled tokens yet.
+                let first_run_empty =
+                    mixed && matches!(sig.role, crate::ir::Role::Kv | crate::ir::Role::Tokens);
+                if untouched && (sig.may_be_empty || first_run_empty) {
                     continue;
                 }
                 if let Err(d) = self.expect_activation(
@@ -524,7 +530,7 @@ impl Tracker<'_> {
         &self,
         expected: &Tensor,
         args: &[(usize, &crate::ir::Arg)],
-        all_runs: &[(usize, Vec<(u64, u64, Cell)>)],
+        all_runs: &[(usize, Runs)],
         arg_spans: &[Span],
         span: Span,
         task_id: TaskId,

@@ -174,7 +174,7 @@ impl<'a> Elaborator<'a> {
         if stmt.tail != TaskTail::default() {
             return Err(Diagnostic::template_tail(stmt.tail_span, &stmt.name.name));
         }
-        if self.template_stack.iter().any(|t| *t == stmt.name.name) {
+        if self.template_stack.contains(&stmt.name.name) {
             return Err(Diagnostic::recursive_template(stmt.span, &stmt.name.name));
         }
         if stmt.args.len() != template.params.len() {
