@@ -177,8 +177,8 @@ fn compute_load(program: &Program, id: TaskId, settings: &CostSettings) -> Compu
     // adds up on one bus.
     let mut per_level: BTreeMap<Level, f64> = BTreeMap::new();
     // `work.mem` has one entry per argument. A task cannot read more weight bytes through
-    // an argument than the argument holds: when weights are split over several `w`
-    // arguments, the catalog charges each one the op's whole weight traffic, so cap it.
+    // an argument than the argument holds, whatever the catalog charges it: cap each weight
+    // entry at its slice (a guard kept from when `w` lists were charged once per element).
     let caps: Vec<Option<u64>> = if work.mem.len() == task.args.len() {
         task.args.iter().map(|a| Some(a.slice.len)).collect()
     } else {
