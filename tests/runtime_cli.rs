@@ -135,7 +135,6 @@ fn bad_run_flags_are_one_line_errors() {
             "--workload",
             "count=0,mean=3",
         ],
-        vec!["run", "schedules/cgopipe.sched"],
         vec!["run", "no/such.sched", "--prompt", "x"],
         vec![
             "run",
