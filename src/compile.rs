@@ -34,12 +34,18 @@ pub fn source_to_ast(source: &str) -> Result<ast::File, Vec<Diagnostic>> {
 }
 
 /// AST to IR (with elaboration warnings).
-pub fn ast_to_ir(file: &ast::File, options: &Options) -> Result<(Program, Vec<Diagnostic>), Vec<Diagnostic>> {
+pub fn ast_to_ir(
+    file: &ast::File,
+    options: &Options,
+) -> Result<(Program, Vec<Diagnostic>), Vec<Diagnostic>> {
     elaborate::elaborate(file, options)
 }
 
 /// IR to a checked program.
-pub fn ir_to_checked(program: Program, mut warnings: Vec<Diagnostic>) -> Result<Compiled, Vec<Diagnostic>> {
+pub fn ir_to_checked(
+    program: Program,
+    mut warnings: Vec<Diagnostic>,
+) -> Result<Compiled, Vec<Diagnostic>> {
     match check::check(&program) {
         Ok(mut info) => {
             warnings.append(&mut info.warnings);

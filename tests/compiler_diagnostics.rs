@@ -41,9 +41,17 @@ fn fixture_name(code: Code) -> String {
 fn every_code_has_a_fixture_that_produces_it() {
     for code in Code::ALL {
         let name = fixture_name(code);
-        assert!(Path::new(&format!("tests/fixtures/diag/{name}.sched")).exists(), "no fixture for {}", code.as_str());
+        assert!(
+            Path::new(&format!("tests/fixtures/diag/{name}.sched")).exists(),
+            "no fixture for {}",
+            code.as_str()
+        );
         let (text, codes) = rendered(&name);
-        assert!(codes.contains(&code), "{name}.sched does not produce {}:\n{text}", code.as_str());
+        assert!(
+            codes.contains(&code),
+            "{name}.sched does not produce {}:\n{text}",
+            code.as_str()
+        );
     }
 }
 
@@ -61,7 +69,10 @@ fn syntax_errors_give_line_and_column_in_user_terms() {
     let (text, _) = rendered("syntax_unexpected");
     assert!(text.contains("syntax_unexpected.sched:2:"), "{text}");
     assert!(text.contains("expected `:`"), "{text}");
-    assert!(!text.contains("param_decl") && !text.contains("ident"), "pest rule names leak: {text}");
+    assert!(
+        !text.contains("param_decl") && !text.contains("ident"),
+        "pest rule names leak: {text}"
+    );
 }
 
 #[test]

@@ -23,12 +23,17 @@ impl XorShift {
 fn sources() -> Vec<(String, String)> {
     let mut out = Vec::new();
     for dir in ["tests/fixtures", "tests/fixtures/diag", "schedules"] {
-        let Ok(entries) = std::fs::read_dir(dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
         let mut paths: Vec<_> = entries.filter_map(|e| e.ok()).map(|e| e.path()).collect();
         paths.sort();
         for path in paths {
             if path.extension().is_some_and(|e| e == "sched") {
-                out.push((path.display().to_string(), std::fs::read_to_string(&path).unwrap()));
+                out.push((
+                    path.display().to_string(),
+                    std::fs::read_to_string(&path).unwrap(),
+                ));
             }
         }
     }
@@ -51,7 +56,10 @@ fn must_not_panic(name: &str, source: &str, options: &Options) {
     if result.is_err() {
         let path = std::env::temp_dir().join("moec-fuzz-crash.sched");
         let _ = std::fs::write(&path, source);
-        panic!("compiler panicked on a variant of {name}; input saved to {}", path.display());
+        panic!(
+            "compiler panicked on a variant of {name}; input saved to {}",
+            path.display()
+        );
     }
 }
 
@@ -93,7 +101,30 @@ fn shuffled_and_duplicated_lines_never_panic() {
 fn flipped_tokens_and_random_bytes_never_panic() {
     let options = options();
     let mut rng = XorShift(0x0123_4567_89ab_cdef);
-    let alphabet: &[&str] = &["(", ")", "{", "}", "[", "]", "0", "-1", "..", "=", "->", "%", "/", "hot(0, 0)", "!", "&&", "W", ".page(0, 0)", "99999999999", "\"", "//", "\n"];
+    let alphabet: &[&str] = &[
+        "(",
+        ")",
+        "{",
+        "}",
+        "[",
+        "]",
+        "0",
+        "-1",
+        "..",
+        "=",
+        "->",
+        "%",
+        "/",
+        "hot(0, 0)",
+        "!",
+        "&&",
+        "W",
+        ".page(0, 0)",
+        "99999999999",
+        "\"",
+        "//",
+        "\n",
+    ];
     for (name, source) in sources() {
         for _ in 0..25 {
             let mut variant = source.clone();
@@ -110,7 +141,9 @@ fn flipped_tokens_and_random_bytes_never_panic() {
     for len in [0, 1, 7, 64, 512, 4096] {
         let bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
         must_not_panic("random bytes", &String::from_utf8_lossy(&bytes), &options);
-        let ascii: String = (0..len).map(|_| (b' ' + (rng.next() % 95) as u8) as char).collect();
+        let ascii: String = (0..len)
+            .map(|_| (b' ' + (rng.next() % 95) as u8) as char)
+            .collect();
         must_not_panic("random text", &ascii, &options);
     }
 }

@@ -20,7 +20,8 @@ fn options() -> Options {
 }
 
 fn compiled(source: &str) -> Compiled {
-    compile(source, &options()).unwrap_or_else(|d| panic!("{}", moec::diag::render_all(&d, FIXTURE, source)))
+    compile(source, &options())
+        .unwrap_or_else(|d| panic!("{}", moec::diag::render_all(&d, FIXTURE, source)))
 }
 
 /// Compiles a mutated source and returns the errors (it must fail).
@@ -39,7 +40,10 @@ fn replace_once(source: &str, from: &str, to: &str) -> String {
 #[test]
 fn canonical_text_and_dot_are_pinned() {
     let c = compiled(&source());
-    insta::assert_snapshot!("all_constructs_text", emit::to_text(&c.program, &c.info.dag));
+    insta::assert_snapshot!(
+        "all_constructs_text",
+        emit::to_text(&c.program, &c.info.dag)
+    );
     insta::assert_snapshot!("all_constructs_dot", emit::to_dot(&c.program, &c.info.dag));
 }
 
@@ -48,8 +52,14 @@ fn json_round_trips_through_serde() {
     let c = compiled(&source());
     let json = emit::to_json(&c.program, &c.info.dag).unwrap();
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();
-    assert_eq!(value["program"]["tasks"].as_array().unwrap().len(), c.program.tasks.len());
-    assert_eq!(value["edges"].as_array().unwrap().len(), c.info.dag.edges.len());
+    assert_eq!(
+        value["program"]["tasks"].as_array().unwrap().len(),
+        c.program.tasks.len()
+    );
+    assert_eq!(
+        value["edges"].as_array().unwrap().len(),
+        c.info.dag.edges.len()
+    );
 }
 
 /// Reachability by plain DFS over an edge list: the oracle for the reduction.
@@ -73,12 +83,26 @@ fn reduction_keeps_reachability_and_removes_every_redundant_edge() {
     let program = &c.program;
     let n = program.tasks.len();
     let candidates = deps::candidate_edges(program);
-    let all: Vec<Vec<usize>> = candidates.iter().map(|p| p.iter().map(|e| e.0.index()).collect()).collect();
+    let all: Vec<Vec<usize>> = candidates
+        .iter()
+        .map(|p| p.iter().map(|e| e.0.index()).collect())
+        .collect();
     let full = closure(n, &all);
     for reduction in [Reduction::Bitsets, Reduction::Dfs] {
         let dag = deps::build_with(program, reduction);
-        let kept: Vec<Vec<usize>> = (0..n).map(|t| dag.preds(TaskId::new(t)).iter().map(|e| e.from.index()).collect()).collect();
-        assert_eq!(closure(n, &kept), full, "{reduction:?} changed reachability");
+        let kept: Vec<Vec<usize>> = (0..n)
+            .map(|t| {
+                dag.preds(TaskId::new(t))
+                    .iter()
+                    .map(|e| e.from.index())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            closure(n, &kept),
+            full,
+            "{reduction:?} changed reachability"
+        );
         // Irredundant: no kept edge u -> v is implied by another path from u to v.
         for v in 0..n {
             for &u in &kept[v] {
@@ -87,9 +111,14 @@ fn reduction_keeps_reachability_and_removes_every_redundant_edge() {
                 assert!(!implied, "{reduction:?}: edge t{u} -> t{v} is redundant");
             }
         }
-        assert_eq!(dag, c.info.dag, "{reduction:?} differs from the default build");
+        assert_eq!(
+            dag, c.info.dag,
+            "{reduction:?} differs from the default build"
+        );
     }
-    assert!(!petgraph::algo::is_cyclic_directed(&c.info.dag.to_petgraph()));
+    assert!(!petgraph::algo::is_cyclic_directed(
+        &c.info.dag.to_petgraph()
+    ));
 }
 
 #[test]
@@ -98,14 +127,23 @@ fn stream_order_and_data_hazards_are_edges() {
     let program = &c.program;
     let reach = {
         let n = program.tasks.len();
-        let preds: Vec<Vec<usize>> = c.info.dag.pred_ids().iter().map(|p| p.iter().map(|t| t.index()).collect()).collect();
+        let preds: Vec<Vec<usize>> = c
+            .info
+            .dag
+            .pred_ids()
+            .iter()
+            .map(|p| p.iter().map(|t| t.index()).collect())
+            .collect();
         closure(n, &preds)
     };
     // Every pair of tasks on one stream is ordered; every RAW pair on a buffer is ordered.
     let mut last_on_stream: Vec<Option<usize>> = vec![None; program.streams.len()];
     for (i, task) in program.tasks.iter().enumerate() {
         if let Some(prev) = last_on_stream[task.stream.index()] {
-            assert!(reach[i][prev], "t{i} does not wait for t{prev} on its stream");
+            assert!(
+                reach[i][prev],
+                "t{i} does not wait for t{prev} on its stream"
+            );
         }
         last_on_stream[task.stream.index()] = Some(i);
     }
@@ -121,7 +159,10 @@ fn stream_order_and_data_hazards_are_edges() {
                 })
             });
             if conflict {
-                assert!(reach[j][i], "t{j} touches what t{i} touched (one writes) but does not wait for it");
+                assert!(
+                    reach[j][i],
+                    "t{j} touches what t{i} touched (one writes) but does not wait for it"
+                );
             }
         }
     }
@@ -132,7 +173,10 @@ fn every_task_has_work_and_weight_locations() {
     let c = compiled(&source());
     for (i, task) in c.program.tasks.iter().enumerate() {
         if task.op != moec::ir::Op::Copy {
-            assert!(task.work.flops > 0.0 || matches!(task.op, moec::ir::Op::Embed { .. }), "t{i} has no flops");
+            assert!(
+                task.work.flops > 0.0 || matches!(task.op, moec::ir::Op::Embed { .. }),
+                "t{i} has no flops"
+            );
         } else {
             assert!(task.work.copy.is_some());
         }
@@ -155,18 +199,36 @@ fn reading_the_other_weight_slot_is_caught_at_the_argument() {
         "pre_attn(layer = i, ub = j, w = w_gpu[(s + 1) % 2]",
     );
     let errors = errors(&mutated);
-    let d = errors.iter().find(|d| d.code == Code::ValuesWrong).expect("a values::wrong error");
+    let d = errors
+        .iter()
+        .find(|d| d.code == Code::ValuesWrong)
+        .expect("a values::wrong error");
     let span = d.primary_span().unwrap();
-    assert_eq!(&mutated[span.start as usize..span.end as usize], "w_gpu[(s + 1) % 2]");
-    assert!(d.message.contains("expecting W[1].pre, but it holds W[0].pre"), "{}", d.message);
+    assert_eq!(
+        &mutated[span.start as usize..span.end as usize],
+        "w_gpu[(s + 1) % 2]"
+    );
+    assert!(
+        d.message
+            .contains("expecting W[1].pre, but it holds W[0].pre"),
+        "{}",
+        d.message
+    );
 }
 
 #[test]
 fn dropping_one_page_copy_is_caught() {
     // The first page of every prefetched layer holds its attention weights.
-    let mutated = replace_once(&source(), "          if p < pages {", "          if p < pages && p != 0 {");
+    let mutated = replace_once(
+        &source(),
+        "          if p < pages {",
+        "          if p < pages && p != 0 {",
+    );
     let errors = errors(&mutated);
-    let d = errors.iter().find(|d| d.code == Code::ValuesWrong).expect("a values::wrong error");
+    let d = errors
+        .iter()
+        .find(|d| d.code == Code::ValuesWrong)
+        .expect("a values::wrong error");
     assert!(d.message.contains("expecting W[1].pre"), "{}", d.message);
     let span = d.primary_span().unwrap();
     assert_eq!(&mutated[span.start as usize..span.end as usize], "w_gpu[s]");
@@ -174,11 +236,18 @@ fn dropping_one_page_copy_is_caught() {
 
 #[test]
 fn a_cpu_op_on_a_gpu_stream_is_caught_at_its_arguments() {
-    let mutated = replace_once(&source(), "kv = kv[i][j], out = a_c[j]) on cpu", "kv = kv[i][j], out = a_c[j]) on gpu");
+    let mutated = replace_once(
+        &source(),
+        "kv = kv[i][j], out = a_c[j]) on cpu",
+        "kv = kv[i][j], out = a_c[j]) on gpu",
+    );
     let errors = errors(&mutated);
     assert!(errors.iter().all(|d| d.code == Code::StructEngineSpace));
-    let spans: Vec<&str> =
-        errors.iter().map(|d| d.primary_span().unwrap()).map(|s| &mutated[s.start as usize..s.end as usize]).collect();
+    let spans: Vec<&str> = errors
+        .iter()
+        .map(|d| d.primary_span().unwrap())
+        .map(|s| &mutated[s.start as usize..s.end as usize])
+        .collect();
     assert_eq!(spans, ["qkv_c[j]", "kv[i][j]", "a_c[j]"]);
 }
 
@@ -186,14 +255,24 @@ fn a_cpu_op_on_a_gpu_stream_is_caught_at_its_arguments() {
 fn reading_a_buffer_before_it_is_written_is_caught() {
     let mutated = replace_once(&source(), "  copy qkv_g[j] -> qkv_c[j] on d2h\n", "");
     let errors = errors(&mutated);
-    let d = errors.iter().find(|d| d.code == Code::ValuesUninitialized).expect("values::uninitialized");
+    let d = errors
+        .iter()
+        .find(|d| d.code == Code::ValuesUninitialized)
+        .expect("values::uninitialized");
     let span = d.primary_span().unwrap();
     assert_eq!(&mutated[span.start as usize..span.end as usize], "qkv_c[j]");
 }
 
 #[test]
 fn an_after_naming_a_missing_task_is_an_error() {
-    let mutated = replace_once(&source(), "after page[i, p], gate[i, j - 1] if j > 0", "after page[i, p + 1]");
+    let mutated = replace_once(
+        &source(),
+        "after page[i, p], gate[i, j - 1] if j > 0",
+        "after page[i, p + 1]",
+    );
     let errors = errors(&mutated);
-    assert!(errors.iter().any(|d| d.code == Code::ElabAfter), "{errors:?}");
+    assert!(
+        errors.iter().any(|d| d.code == Code::ElabAfter),
+        "{errors:?}"
+    );
 }

@@ -30,7 +30,12 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
     }
     for (name, (used, first)) in &arrays {
         if !used {
-            let span = program.spans.buffers.get(*first).copied().unwrap_or_default();
+            let span = program
+                .spans
+                .buffers
+                .get(*first)
+                .copied()
+                .unwrap_or_default();
             diags.push(Diagnostic::unused_buffer(span, name));
         }
     }
@@ -47,20 +52,40 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
         let from = program.task(edge.from).stream;
         let to = program.task(edge.to).stream;
         let b = program.buffer(buffer);
-        if from == to || !edge.kinds.is_reuse_only() || !b.index.is_empty() || b.kind != BufferKind::Declared {
+        if from == to
+            || !edge.kinds.is_reuse_only()
+            || !b.index.is_empty()
+            || b.kind != BufferKind::Declared
+        {
             continue;
         }
-        let entry = found.entry((buffer.0, from.0, to.0)).or_insert((0, (edge.from.0, edge.to.0)));
+        let entry = found
+            .entry((buffer.0, from.0, to.0))
+            .or_insert((0, (edge.from.0, edge.to.0)));
         entry.0 += 1;
     }
     for ((buffer, from, to), (count, (a, b))) in found {
         let buffer = crate::ir::BufferId(buffer);
-        let decl = program.spans.buffers.get(buffer.index()).copied().unwrap_or_default();
+        let decl = program
+            .spans
+            .buffers
+            .get(buffer.index())
+            .copied()
+            .unwrap_or_default();
         let streams = (
             program.streams[from as usize].name.as_str(),
             program.streams[to as usize].name.as_str(),
         );
-        let example = (program.task_span(crate::ir::TaskId(a)), program.task_span(crate::ir::TaskId(b)));
-        diags.push(Diagnostic::false_dependency(decl, &program.buffer(buffer).name, streams, count, example));
+        let example = (
+            program.task_span(crate::ir::TaskId(a)),
+            program.task_span(crate::ir::TaskId(b)),
+        );
+        diags.push(Diagnostic::false_dependency(
+            decl,
+            &program.buffer(buffer).name,
+            streams,
+            count,
+            example,
+        ));
     }
 }

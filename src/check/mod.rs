@@ -50,7 +50,8 @@ impl ScheduleInfo {
                     .buffers
                     .iter()
                     .filter(|b| b.kind == crate::ir::BufferKind::Declared && b.space == space);
-                let (count, bytes) = declared.fold((0, 0u64), |(c, s), b| (c + 1, s.saturating_add(b.bytes)));
+                let (count, bytes) =
+                    declared.fold((0, 0u64), |(c, s), b| (c + 1, s.saturating_add(b.bytes)));
                 (space, count, bytes)
             })
             .collect()
@@ -73,7 +74,12 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
     if diags.iter().any(Diagnostic::is_error) {
         return Err(diags);
     }
-    Ok(ScheduleInfo { dag, weight_locations, warnings: diags, _sealed: () })
+    Ok(ScheduleInfo {
+        dag,
+        weight_locations,
+        warnings: diags,
+        _sealed: (),
+    })
 }
 
 /// Keeps the first diagnostic per (code, primary span): loops repeat the same finding.

@@ -1,6 +1,8 @@
 //! `moec check SCHED`: compile a schedule and print a one-screen summary or its diagnostics.
 
 use crate::compile::{self, Compiled, Options};
+use crate::cost::budget::{check_budget, parse_bytes, BudgetOverrides};
+use crate::cost::hardware::HardwareProfile;
 use crate::diag::{self, Diagnostic};
 use crate::ir::emit::human_bytes;
 use crate::ir::Workload;
@@ -28,6 +30,10 @@ pub struct SchedArgs {
     /// Generated tokens per sequence (the `gen_len` symbol).
     #[arg(long, default_value_t = Workload::default().gen_len)]
     pub gen_len: u64,
+    /// Hardware profile (see `moec hw`): defines `gpu.mem`, `host.mem`, ... for the
+    /// schedule and, for `check`, the memory budgets.
+    #[arg(long)]
+    pub hw: Option<String>,
 }
 
 /// Why a schedule could not be compiled, ready to print.
@@ -40,17 +46,38 @@ impl SchedArgs {
     /// Reads the file and compiles it; on failure gives the rendered diagnostics.
     pub fn compile(&self) -> Result<(Compiled, String, String), Failure> {
         let name = self.sched.display().to_string();
-        let source = std::fs::read_to_string(&self.sched)
-            .map_err(|e| Failure { text: format!("error: cannot read {name}: {e}\n") })?;
-        let model = ModelCard::load(&self.model).map_err(|e| Failure { text: format!("error: {e}\n") })?;
+        let source = std::fs::read_to_string(&self.sched).map_err(|e| Failure {
+            text: format!("error: cannot read {name}: {e}\n"),
+        })?;
+        let model = ModelCard::load(&self.model).map_err(|e| Failure {
+            text: format!("error: {e}\n"),
+        })?;
         let mut options = Options::new(model);
-        options.workload = Workload { batch: self.batch, prompt_len: self.prompt_len, gen_len: self.gen_len };
+        if let Some(hw) = &self.hw {
+            let profile = HardwareProfile::load(hw).map_err(|e| Failure {
+                text: format!("error: {e}\n"),
+            })?;
+            options.hardware = profile
+                .symbols()
+                .into_iter()
+                .map(|(name, value)| (name.to_string(), value))
+                .collect();
+        }
+        options.workload = Workload {
+            batch: self.batch,
+            prompt_len: self.prompt_len,
+            gen_len: self.gen_len,
+        };
         for set in &self.sets {
             match set.split_once('=') {
-                Some((k, v)) if !k.trim().is_empty() => options.sets.push((k.trim().to_string(), v.trim().to_string())),
+                Some((k, v)) if !k.trim().is_empty() => options
+                    .sets
+                    .push((k.trim().to_string(), v.trim().to_string())),
                 _ => {
                     let d = Diagnostic::malformed_set(set);
-                    return Err(Failure { text: diag::render(&d, &name, &source) });
+                    return Err(Failure {
+                        text: diag::render(&d, &name, &source),
+                    });
                 }
             }
         }
@@ -59,7 +86,9 @@ impl SchedArgs {
             Err(diags) => {
                 let errors = diags.iter().filter(|d| d.is_error()).count();
                 let mut text = diag::render_all(&diags, &name, &source);
-                text.push_str(&format!("\n{name}: {errors} error(s); the schedule was rejected\n"));
+                text.push_str(&format!(
+                    "\n{name}: {errors} error(s); the schedule was rejected\n"
+                ));
                 Err(Failure { text })
             }
         }
@@ -71,6 +100,44 @@ impl SchedArgs {
 pub struct CheckArgs {
     #[command(flatten)]
     sched: SchedArgs,
+    /// GPU memory budget (e.g. 16GB); checks budgets even without `--hw`.
+    #[arg(long)]
+    gpu_mem: Option<String>,
+    /// Host memory budget (e.g. 192GB); checks budgets even without `--hw`.
+    #[arg(long)]
+    host_mem: Option<String>,
+}
+
+/// Checks memory budgets when `--hw`, `--gpu-mem` or `--host-mem` is given; `Err` is the
+/// text to print (over budget, or a bad flag).
+fn check_memory(args: &CheckArgs, compiled: &Compiled) -> Result<Option<String>, String> {
+    if args.sched.hw.is_none() && args.gpu_mem.is_none() && args.host_mem.is_none() {
+        return Ok(None);
+    }
+    let profile = match &args.sched.hw {
+        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| format!("error: {e}"))?),
+        None => None,
+    };
+    let overrides = BudgetOverrides {
+        gpu_bytes: args
+            .gpu_mem
+            .as_deref()
+            .map(parse_bytes)
+            .transpose()
+            .map_err(|e| format!("error: --gpu-mem: {e}"))?,
+        host_bytes: args
+            .host_mem
+            .as_deref()
+            .map(parse_bytes)
+            .transpose()
+            .map_err(|e| format!("error: --host-mem: {e}"))?,
+    };
+    match check_budget(&compiled.program, profile.as_ref(), &overrides) {
+        Ok(table) => Ok(Some(format!(
+            "memory (peak per space over the run)\n{table}"
+        ))),
+        Err(over) => Err(format!("error[memory::over_budget]: {over}")),
+    }
 }
 
 /// The one-screen summary of a checked program.
@@ -89,22 +156,43 @@ pub fn summary(compiled: &Compiled) -> String {
     ));
     out.push_str(&format!(
         "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {} of {}\n",
-        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches.count, program.micro_batches.size
+        program.model.name,
+        w.batch,
+        w.prompt_len,
+        w.gen_len,
+        program.micro_batches.count,
+        program.micro_batches.size
     ));
     if !program.params.is_empty() {
-        let params: Vec<String> = program.params.iter().map(|p| format!("{}={}", p.name, p.value)).collect();
+        let params: Vec<String> = program
+            .params
+            .iter()
+            .map(|p| format!("{}={}", p.name, p.value))
+            .collect();
         out.push_str(&format!("  params {}\n", params.join(" ")));
     }
     out.push_str("streams\n");
     let counts = info.tasks_per_stream(program);
     for (stream, count) in program.streams.iter().zip(counts) {
-        out.push_str(&format!("  {:<12} {:<13} {count:>7} tasks\n", stream.name, stream.engine.as_str()));
+        out.push_str(&format!(
+            "  {:<12} {:<13} {count:>7} tasks\n",
+            stream.name,
+            stream.engine.as_str()
+        ));
     }
     out.push_str("buffers\n");
     for (space, count, bytes) in info.buffers_per_space(program) {
-        out.push_str(&format!("  {:<12} {count:>5} buffers {:>12}\n", space.as_str(), human_bytes(bytes)));
+        out.push_str(&format!(
+            "  {:<12} {count:>5} buffers {:>12}\n",
+            space.as_str(),
+            human_bytes(bytes)
+        ));
     }
-    out.push_str(&format!("  {:<12}  checkpoint {:>12} (memory-mapped, read-only)\n", "host", human_bytes(program.buffers[0].bytes)));
+    out.push_str(&format!(
+        "  {:<12}  checkpoint {:>12} (memory-mapped, read-only)\n",
+        "host",
+        human_bytes(program.buffers[0].bytes)
+    ));
     out.push_str(&format!("warnings: {}\n", info.warnings.len()));
     out
 }
@@ -113,7 +201,17 @@ pub fn summary(compiled: &Compiled) -> String {
 pub fn run(args: &CheckArgs) -> ExitCode {
     match args.sched.compile() {
         Ok((compiled, name, source)) => {
+            let memory = match check_memory(args, &compiled) {
+                Ok(memory) => memory,
+                Err(text) => {
+                    eprintln!("{text}");
+                    return ExitCode::from(1);
+                }
+            };
             print!("{}", summary(&compiled));
+            if let Some(memory) = memory {
+                print!("{memory}");
+            }
             if !compiled.warnings().is_empty() {
                 eprint!("{}", diag::render_all(compiled.warnings(), &name, &source));
             }

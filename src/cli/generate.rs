@@ -47,10 +47,14 @@ pub struct GenerateArgs {
 /// exit code 1.
 pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
     let report = miette::miette!("{message}");
-    let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
-        .with_width(usize::MAX);
+    let handler =
+        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
+            .with_width(usize::MAX);
     let mut rendered = String::new();
-    if handler.render_report(&mut rendered, report.as_ref()).is_err() {
+    if handler
+        .render_report(&mut rendered, report.as_ref())
+        .is_err()
+    {
         rendered = format!("error: {message}");
     }
     eprintln!("{}", rendered.trim());
@@ -66,7 +70,8 @@ fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>, String> {
                 continue;
             }
             let bad = |m: &str| format!("{}:{}: {m}", path.display(), i + 1);
-            let value: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
+            let value: serde_json::Value =
+                serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
             let prompt = match &value {
                 serde_json::Value::String(s) => s.clone(),
                 serde_json::Value::Object(o) => o
@@ -95,13 +100,19 @@ pub fn run(args: &GenerateArgs) -> ExitCode {
 
 fn generate(args: &GenerateArgs) -> Result<(), String> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        return Err(format!("--temperature must be >= 0 (got {})", args.temperature));
+        return Err(format!(
+            "--temperature must be >= 0 (got {})",
+            args.temperature
+        ));
     }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         return Err(format!("--top-p must be in (0, 1] (got {})", args.top_p));
     }
     let prompts = read_prompts(args)?;
-    let source = ModelSource { card: args.model.clone(), weights: args.weights.clone() };
+    let source = ModelSource {
+        card: args.model.clone(),
+        weights: args.weights.clone(),
+    };
     let model = load_model(&source).map_err(|e| e.to_string())?;
     let oracle = Oracle::new(&model.checkpoint).map_err(|e| e.to_string())?;
     let ids = prompts
@@ -121,15 +132,27 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
     let sampling = if args.temperature == 0.0 {
         Sampling::Greedy
     } else {
-        Sampling::Temperature { temperature: args.temperature, top_p: args.top_p }
+        Sampling::Temperature {
+            temperature: args.temperature,
+            top_p: args.top_p,
+        }
     };
-    let options = GenerateOptions { max_new_tokens: args.max_new_tokens, sampling, seed: args.seed, stop_at_eos: true };
+    let options = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        seed: args.seed,
+        stop_at_eos: true,
+    };
     let start = std::time::Instant::now();
     let outputs = oracle.generate(&ids, &options).map_err(|e| e.to_string())?;
     let seconds = start.elapsed().as_secs_f64();
     let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
     let generated_tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
-    let tokens_per_s = if seconds > 0.0 { generated_tokens as f64 / seconds } else { 0.0 };
+    let tokens_per_s = if seconds > 0.0 {
+        generated_tokens as f64 / seconds
+    } else {
+        0.0
+    };
     let texts = outputs
         .iter()
         .zip(&ids)
@@ -160,7 +183,11 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
             println!("{p}{t}");
         }
         let card = model.checkpoint.card();
-        let origin = if model.synthetic { "synthetic weights" } else { "weights" };
+        let origin = if model.synthetic {
+            "synthetic weights"
+        } else {
+            "weights"
+        };
         println!(
             "{generated_tokens} tokens in {seconds:.3} s: {tokens_per_s:.1} tokens/s ({} prompt tokens; {} from {origin} at {})",
             prompt_tokens,

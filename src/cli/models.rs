@@ -31,7 +31,15 @@ fn human_params(p: u64) -> String {
 pub fn run(_args: &ModelsArgs) -> ExitCode {
     println!(
         "{:<14} {:<8} {:>6} {:>10} {:>10} {:>11} {:>10} {:>14} {:>10}",
-        "card", "family", "layers", "params", "active", "attn/layer", "router", "experts/layer", "total"
+        "card",
+        "family",
+        "layers",
+        "params",
+        "active",
+        "attn/layer",
+        "router",
+        "experts/layer",
+        "total"
     );
     for card in ModelCard::builtins() {
         println!(
@@ -47,6 +55,8 @@ pub fn run(_args: &ModelsArgs) -> ExitCode {
             human_bytes(card.total_bytes()),
         );
     }
-    println!("(bytes in each card's dtype; params = all / active per token incl. embedding and lm_head)");
+    println!(
+        "(bytes in each card's dtype; params = all / active per token incl. embedding and lm_head)"
+    );
     ExitCode::SUCCESS
 }

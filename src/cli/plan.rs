@@ -19,8 +19,8 @@ pub struct PlanArgs {
     /// Candidates to print.
     #[arg(long, default_value_t = 5)]
     top: usize,
-    /// Most points in the coarse grid.
-    #[arg(long, default_value_t = 400)]
+    /// Most points in the coarse grid (bisection refines the best three afterwards).
+    #[arg(long, default_value_t = 120)]
     max_grid: usize,
     /// Print the result as JSON.
     #[arg(long)]
@@ -35,30 +35,45 @@ pub fn run(args: PlanArgs) -> ExitCode {
         Err(message) => return fail(message),
     };
     // Elaborate once with the defaults (and the user's --set) to learn the params.
-    let (program, _) = match compile_for_cost(&resolved.source, &resolved.origin, &resolved.options) {
+    let (program, _) = match compile_for_cost(&resolved.source, &resolved.origin, &resolved.options)
+    {
         Ok(x) => x,
         Err(rendered) => {
             eprintln!("{rendered}");
             return ExitCode::FAILURE;
         }
     };
-    let fixed: Vec<String> = resolved.options.sets.iter().map(|(name, _)| name.clone()).collect();
+    let fixed: Vec<String> = resolved
+        .options
+        .sets
+        .iter()
+        .map(|(name, _)| name.clone())
+        .collect();
     let spaces = param_spaces(&program.params, &fixed);
-    let options = SearchOptions { max_grid: args.max_grid, refine_from: 3, top: args.top.max(1) };
+    let options = SearchOptions {
+        max_grid: args.max_grid,
+        refine_from: 3,
+        top: args.top.max(1),
+    };
     let result = search(&spaces, &options, |values| {
         let mut compile_options = resolved.options.clone();
-        compile_options
-            .sets
-            .extend(values.iter().map(|(name, value)| (name.clone(), value.to_string())));
+        compile_options.sets.extend(
+            values
+                .iter()
+                .map(|(name, value)| (name.clone(), value.to_string())),
+        );
         let (program, deps) =
             match compile_for_cost(&resolved.source, &resolved.origin, &compile_options) {
                 Ok(x) => x,
                 Err(rendered) => {
-                    let first = rendered.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+                    let first = rendered
+                        .lines()
+                        .find(|l| !l.trim().is_empty())
+                        .unwrap_or("");
                     return Outcome::Invalid(first.trim().to_string());
                 }
             };
-        let table = budget_table(&program, &resolved.profile, &resolved.overrides);
+        let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
         if !table.fits() {
             return Outcome::OverBudget;
         }
@@ -87,7 +102,10 @@ pub fn run(args: PlanArgs) -> ExitCode {
             "seconds": elapsed,
             "result": result,
         });
-        println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
         return ExitCode::SUCCESS;
     }
     let names: Vec<&str> = spaces.iter().map(|s| s.name()).collect();

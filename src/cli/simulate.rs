@@ -46,6 +46,10 @@ pub struct CostTarget {
     /// Host memory budget (e.g. 192GB), instead of the profile's.
     #[arg(long)]
     pub host_mem: Option<String>,
+    /// Bytes per activation and KV element: 4 (f32, what the runtime computes in) or 2
+    /// (fp16/bf16, what the papers' systems use; pass it to compare with their numbers).
+    #[arg(long, default_value_t = crate::ir::catalog::ACT_BYTES)]
+    pub act_bytes: u64,
     /// Context decode attention assumes: `average` (prompt + gen/2) or `worst`.
     #[arg(long, default_value = "average")]
     pub context: String,
@@ -97,7 +101,10 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
     let mut workload = Workload::default();
     if let Some(name) = &target.workload {
         let preset = workloads::preset(name).ok_or_else(|| {
-            format!("unknown workload `{name}` (known: {})", workloads::preset_names())
+            format!(
+                "unknown workload `{name}` (known: {})",
+                workloads::preset_names()
+            )
         })?;
         workload.prompt_len = preset.prompt_len;
         workload.gen_len = preset.gen_len;
@@ -125,12 +132,27 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
     let decode_context = match target.context.as_str() {
         "average" => DecodeContext::Average,
         "worst" => DecodeContext::WorstCase,
-        other => return Err(format!("`--context {other}`: expected `average` or `worst`")),
+        other => {
+            return Err(format!(
+                "`--context {other}`: expected `average` or `worst`"
+            ))
+        }
     };
+    if !matches!(target.act_bytes, 1 | 2 | 4 | 8) {
+        return Err(format!(
+            "`--act-bytes {}`: expected 1, 2, 4 or 8",
+            target.act_bytes
+        ));
+    }
     let mut options = Options::new(model);
+    options.act_bytes = target.act_bytes;
     options.workload = workload;
     options.sets = sets;
-    options.hardware = profile.symbols().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
     Ok(Resolved {
         source,
         origin: target.schedule.display().to_string(),
@@ -171,39 +193,46 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         Ok(r) => r,
         Err(message) => return fail(message),
     };
-    let (program, deps) = match compile_for_cost(&resolved.source, &resolved.origin, &resolved.options) {
-        Ok(x) => x,
-        Err(rendered) => {
-            eprintln!("{rendered}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let (program, deps) =
+        match compile_for_cost(&resolved.source, &resolved.origin, &resolved.options) {
+            Ok(x) => x,
+            Err(rendered) => {
+                eprintln!("{rendered}");
+                return ExitCode::FAILURE;
+            }
+        };
     let prediction = match predict(&program, &deps, &resolved.profile, &resolved.settings) {
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let table = budget_table(&program, &resolved.profile, &resolved.overrides);
+    let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
     if let Some(path) = &args.timeline {
         let wanted = args.timeline_step.as_deref();
         let step = prediction
             .steps
             .iter()
-            .find(|s| wanted.is_none_or(|w| s.kind == w) && (wanted.is_some() || s.kind != "prefill"))
+            .find(|s| {
+                wanted.is_none_or(|w| s.kind == w) && (wanted.is_some() || s.kind != "prefill")
+            })
             .or_else(|| prediction.steps.first());
         let Some(step) = step else {
             return fail("the schedule has no steps to draw");
         };
         let mut timeline = step.timeline.clone();
         if let Some(window) = &args.timeline_window {
-            let parsed = window
-                .split_once(':')
-                .and_then(|(a, b)| Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?)));
+            let parsed = window.split_once(':').and_then(|(a, b)| {
+                Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?))
+            });
             match parsed {
                 Some((from, to)) if from >= 0.0 && to > from => {
                     timeline = timeline.window(from / 1e3, to / 1e3);
                     timeline.title = format!("{} (window {from}-{to} ms)", timeline.title);
                 }
-                _ => return fail(format!("`--timeline-window {window}`: expected FROM:TO in ms, FROM < TO")),
+                _ => {
+                    return fail(format!(
+                        "`--timeline-window {window}`: expected FROM:TO in ms, FROM < TO"
+                    ))
+                }
             }
         }
         if let Err(e) = write_file(path, &timeline.to_svg(1400.0)) {
@@ -221,7 +250,11 @@ pub fn run(args: SimulateArgs) -> ExitCode {
             }
             offset += step.seconds;
             if let Some(list) = trace.to_chrome_trace()["traceEvents"].as_array() {
-                events.extend(list.iter().filter(|e| index == 0 || e["ph"] == "X").cloned());
+                events.extend(
+                    list.iter()
+                        .filter(|e| index == 0 || e["ph"] == "X")
+                        .cloned(),
+                );
             }
         }
         let trace = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
@@ -239,13 +272,16 @@ pub fn run(args: SimulateArgs) -> ExitCode {
             "tokens_per_s": prediction.tokens_per_s,
             "decode_tokens_per_s": prediction.decode_tokens_per_s,
             "step_seconds": prediction.step_seconds,
-            "engine_busy": prediction.steps.iter().find(|s| s.kind != "prefill").map(|s| s.resource_busy.clone()),
+            "engine_busy": prediction.repeated_step.map(|i| prediction.steps[i].resource_busy.clone()),
             "peak_bytes": { "gpu": table.peak("gpu"), "pinned": table.peak("pinned"), "host": table.peak("host") },
             "fits": table.fits(),
             "prediction": prediction,
             "memory": table,
         });
-        println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
     } else {
         print_report(&program, &resolved, &prediction, &table);
     }
@@ -256,7 +292,12 @@ fn pct(x: f64) -> String {
     format!("{:>5.1}%", x * 100.0)
 }
 
-fn print_report(program: &Program, resolved: &Resolved, prediction: &Prediction, table: &BudgetTable) {
+fn print_report(
+    program: &Program,
+    resolved: &Resolved,
+    prediction: &Prediction,
+    table: &BudgetTable,
+) {
     let params = program
         .params
         .iter()
@@ -276,7 +317,12 @@ fn print_report(program: &Program, resolved: &Resolved, prediction: &Prediction,
     );
     println!("  step      tasks        time");
     for step in &prediction.steps {
-        println!("  {:<8} {:>6} {:>11}", step.kind, step.tasks, seconds(step.seconds));
+        println!(
+            "  {:<8} {:>6} {:>11}",
+            step.kind,
+            step.tasks,
+            seconds(step.seconds)
+        );
     }
     match (prediction.decode_tokens_per_s, prediction.tokens_per_s) {
         (Some(decode), Some(total)) => println!(
@@ -285,17 +331,32 @@ fn print_report(program: &Program, resolved: &Resolved, prediction: &Prediction,
         ),
         _ => println!("throughput: the schedule has no decode step"),
     }
-    if let Some(step) = prediction.steps.iter().find(|s| s.kind != "prefill") {
+    if let Some(step) = prediction.repeated_step.map(|i| &prediction.steps[i]) {
         println!("busy share over the {} step:", step.kind);
         for stream in &program.streams {
             let busy = step.stream_busy.get(&stream.name).copied().unwrap_or(0.0);
-            println!("  stream {:<10} {:<13} {}", stream.name, stream.engine.as_str(), pct(busy));
+            println!(
+                "  stream {:<10} {:<13} {}",
+                stream.name,
+                stream.engine.as_str(),
+                pct(busy)
+            );
         }
         for (resource, busy) in &step.resource_busy {
             println!("  resource {:<20} {}", resource, pct(*busy));
         }
+        println!(
+            "task time per kind over the {} step (sum over tasks, binding roof):",
+            step.kind
+        );
+        let mut ops: Vec<_> = step.op_seconds.iter().collect();
+        ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        for (op, (total, roof)) in ops {
+            println!("  {:<36} {:>11}  {}", op, seconds(*total), roof);
+        }
     }
-    if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s) {
+    if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s)
+    {
         println!(
             "bound, MoE-Lightning eq. 12 per layer: comm {} (d2h {}), cpu {}, gpu {} -> T = {} ({}) = {tps:.2} decode tokens/s",
             seconds(bound.comm_seconds),
@@ -306,7 +367,10 @@ fn print_report(program: &Program, resolved: &Resolved, prediction: &Prediction,
             bound.bottleneck
         );
         if let Some(decode) = prediction.decode_tokens_per_s {
-            println!("  simulated decode reaches {:.1}% of it", decode / tps * 100.0);
+            println!(
+                "  simulated decode reaches {:.1}% of it",
+                decode / tps * 100.0
+            );
         }
     }
     if let Some(stage1) = prediction.stage1 {

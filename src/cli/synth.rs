@@ -49,7 +49,11 @@ pub fn run(args: &SynthArgs) -> ExitCode {
         Some(DtypeArg::F32) => WeightDtype::F32,
         None => card.dtype,
     };
-    let opts = SynthOptions { seed: args.seed, dtype, ..SynthOptions::default() };
+    let opts = SynthOptions {
+        seed: args.seed,
+        dtype,
+        ..SynthOptions::default()
+    };
     let start = std::time::Instant::now();
     if let Err(e) = write_checkpoint(&card, &args.out, &opts) {
         return fail(e);

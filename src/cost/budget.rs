@@ -14,7 +14,9 @@
 
 use super::hardware::{HardwareProfile, Level, GB};
 use super::predict::buffer_classes;
-use crate::ir::{BufferKind, Program, Space};
+use crate::ir::catalog;
+use crate::ir::{BufferKind, Engine, Program, Space, TaskId};
+use crate::syntax::ast::StepKind;
 use serde::Serialize;
 use std::fmt;
 
@@ -99,7 +101,11 @@ pub struct BudgetError {
 }
 
 fn gb(bytes: f64) -> String {
-    if bytes.abs() >= 1e9 {
+    if bytes.is_infinite() {
+        "unlimited".to_string()
+    } else if bytes.abs() < 1e3 {
+        format!("{bytes:.0} B")
+    } else if bytes.abs() >= 1e9 {
         format!("{:.2} GB", bytes / GB)
     } else if bytes.abs() >= 1e6 {
         format!("{:.2} MB", bytes / 1e6)
@@ -110,15 +116,22 @@ fn gb(bytes: f64) -> String {
 
 impl fmt::Display for BudgetTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let width = self
+            .lines
+            .iter()
+            .map(|l| l.what.len())
+            .max()
+            .unwrap_or(6)
+            .max(6);
         writeln!(
             f,
-            "  {:<7} {:<34} {:<12} {:>5} {:>12}",
+            "  {:<7} {:<width$} {:<12} {:>5} {:>12}",
             "space", "buffer", "class", "count", "bytes"
         )?;
         for line in &self.lines {
             writeln!(
                 f,
-                "  {:<7} {:<34} {:<12} {:>5} {:>12}",
+                "  {:<7} {:<width$} {:<12} {:>5} {:>12}",
                 line.space,
                 line.what,
                 line.class,
@@ -145,21 +158,85 @@ impl fmt::Display for BudgetTable {
     }
 }
 
-/// Builds the table of what occupies each space.
+/// Bytes of the checkpoint that must stay resident: the union of the byte ranges tasks
+/// read after the `setup` step. A memory-mapped file is paged in on demand and pages only
+/// read while setting up (weights copied to a pinned or GPU home) can be evicted by the OS
+/// afterwards, so they do not count against the host.
+fn checkpoint_resident_bytes(program: &Program) -> u64 {
+    let mut ranges: Vec<(u64, u64)> = program
+        .steps
+        .iter()
+        .filter(|s| s.kind != StepKind::Setup)
+        .flat_map(|step| step.task_ids())
+        .flat_map(|id| program.task(id).args.iter())
+        .filter(|a| a.slice.buffer.index() == 0 && a.access.reads())
+        .map(|a| (a.slice.start, a.slice.end()))
+        .collect();
+    ranges.sort_unstable();
+    let mut total = 0;
+    let mut covered_to = 0;
+    for (start, end) in ranges {
+        let start = start.max(covered_to);
+        if end > start {
+            total += end - start;
+            covered_to = end;
+        }
+    }
+    total
+}
+
+/// The largest scratch space one task needs beyond its arguments (gate/up intermediates of
+/// experts, attention score blocks), per space its engine computes in.
+fn workspace_lines(program: &Program) -> Vec<BudgetLine> {
+    let mut best: [(u64, Option<TaskId>); 2] = [(0, None), (0, None)];
+    for (index, task) in program.tasks.iter().enumerate() {
+        let slot = match program.stream(task.stream).engine {
+            Engine::GpuCompute => 0,
+            Engine::CpuCompute => 1,
+            _ => continue,
+        };
+        let bytes = catalog::workspace_bytes(&task.op, &program.model, &task.shape);
+        if bytes > best[slot].0 {
+            best[slot] = (bytes, Some(TaskId::new(index)));
+        }
+    }
+    best.iter()
+        .zip(["gpu", "host"])
+        .filter_map(|(&(bytes, task), space)| {
+            let task = task?;
+            Some(BudgetLine {
+                space,
+                what: format!("op workspace (max: {})", program.task_name(task)),
+                class: "activations",
+                buffers: 1,
+                bytes,
+            })
+        })
+        .collect()
+}
+
+/// Builds the table of what occupies each space. Without a profile, spaces without an
+/// override have no limit.
 pub fn budget_table(
     program: &Program,
-    profile: &HardwareProfile,
+    profile: Option<&HardwareProfile>,
     overrides: &BudgetOverrides,
 ) -> BudgetTable {
     let classes = buffer_classes(program);
+    let checkpoint_resident = checkpoint_resident_bytes(program);
     let mut lines: Vec<BudgetLine> = Vec::new();
     for (index, buffer) in program.buffers.iter().enumerate() {
-        let (space, what) = match buffer.kind {
+        let (space, what, bytes) = match buffer.kind {
             BufferKind::Checkpoint => (
                 "host",
-                format!("{} (checkpoint, memory-mapped)", buffer.name),
+                format!(
+                    "{} (checkpoint mmap, resident part of {})",
+                    buffer.name,
+                    gb(buffer.bytes as f64)
+                ),
+                checkpoint_resident,
             ),
-            BufferKind::Declared => (buffer.space.as_str(), buffer.array.clone()),
+            BufferKind::Declared => (buffer.space.as_str(), buffer.array.clone(), buffer.bytes),
         };
         let class = classes[index].name();
         match lines
@@ -168,17 +245,18 @@ pub fn budget_table(
         {
             Some(line) => {
                 line.buffers += 1;
-                line.bytes += buffer.bytes;
+                line.bytes += bytes;
             }
             None => lines.push(BudgetLine {
                 space,
                 what,
                 class,
                 buffers: 1,
-                bytes: buffer.bytes,
+                bytes,
             }),
         }
     }
+    lines.extend(workspace_lines(program));
     let order = |s: &str| match s {
         "gpu" => 0,
         "pinned" => 1,
@@ -199,33 +277,41 @@ pub fn budget_table(
     let gpu_peak = sum(Space::Gpu.as_str());
     let pinned_peak = sum(Space::Pinned.as_str());
     let host_peak = sum(Space::Host.as_str()) + pinned_peak;
-    let profile_source = |level: Level| {
-        let (capacity, fraction) = match level {
-            Level::Gpu => (profile.capacity_bytes(level), profile.gpu.usable_fraction),
-            _ => (profile.capacity_bytes(level), profile.cpu.usable_fraction),
-        };
-        format!("{}: {} x {} usable", profile.name, gb(capacity), fraction)
+    let from_profile = |level: Level| -> (f64, String) {
+        match profile {
+            Some(profile) => {
+                let fraction = match level {
+                    Level::Gpu => profile.gpu.usable_fraction,
+                    _ => profile.cpu.usable_fraction,
+                };
+                (
+                    profile.budget_bytes(level),
+                    format!(
+                        "{}: {} x {} usable",
+                        profile.name,
+                        gb(profile.capacity_bytes(level)),
+                        fraction
+                    ),
+                )
+            }
+            None => (f64::INFINITY, "no limit without --hw".to_string()),
+        }
     };
     let (gpu_budget, gpu_source) = match overrides.gpu_bytes {
         Some(bytes) => (bytes, "--gpu-mem".to_string()),
-        None => (profile.budget_bytes(Level::Gpu), profile_source(Level::Gpu)),
+        None => from_profile(Level::Gpu),
     };
     let (host_budget, host_source) = match overrides.host_bytes {
         Some(bytes) => (bytes, "--host-mem".to_string()),
-        None => (
-            profile.budget_bytes(Level::Host),
-            profile_source(Level::Host),
-        ),
+        None => from_profile(Level::Host),
     };
-    let (pinned_budget, pinned_source) = match overrides.host_bytes {
-        Some(bytes) => (
+    let (pinned_budget, pinned_source) = match (overrides.host_bytes, profile) {
+        (Some(bytes), Some(profile)) => (
             bytes.min(profile.capacity_bytes(Level::Pinned)),
-            "--host-mem".to_string(),
+            "--host-mem, within the profile's page-lock limit".to_string(),
         ),
-        None => (
-            profile.budget_bytes(Level::Pinned),
-            profile_source(Level::Pinned),
-        ),
+        (Some(bytes), None) => (bytes, "--host-mem".to_string()),
+        (None, _) => from_profile(Level::Pinned),
     };
     let spaces = vec![
         SpaceUse {
@@ -254,7 +340,7 @@ pub fn budget_table(
 /// `moec check` calls.
 pub fn check_budget(
     program: &Program,
-    profile: &HardwareProfile,
+    profile: Option<&HardwareProfile>,
     overrides: &BudgetOverrides,
 ) -> Result<BudgetTable, BudgetError> {
     let table = budget_table(program, profile, overrides);

@@ -13,6 +13,7 @@
 
 use crate::ir::{Param, Scalar};
 use crate::syntax::ast::ParamType;
+use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -200,7 +201,7 @@ fn key(point: &Point) -> String {
 pub fn search(
     spaces: &[ParamSpace],
     options: &SearchOptions,
-    mut evaluate: impl FnMut(&[(String, Scalar)]) -> Outcome,
+    evaluate: impl Fn(&[(String, Scalar)]) -> Outcome + Sync,
 ) -> PlanResult {
     let mut grids: Vec<Vec<Scalar>> = spaces.iter().map(ParamSpace::grid).collect();
     // Thin the largest grid (every other value, keeping both ends) until the product fits.
@@ -236,18 +237,16 @@ pub fn search(
         invalid: 0,
         invalid_reasons: Vec::new(),
     };
-    let mut run = |point: &Point, result: &mut PlanResult| -> Option<Candidate> {
-        let k = key(point);
-        if let Some(known) = memo.get(&k) {
-            return known.clone();
-        }
-        let values: Vec<(String, Scalar)> = spaces
+    let values_of = |point: &Point| -> Vec<(String, Scalar)> {
+        spaces
             .iter()
             .map(|s| s.name().to_string())
             .zip(point.iter().copied())
-            .collect();
+            .collect()
+    };
+    let record = |outcome: Outcome, result: &mut PlanResult| -> Option<Candidate> {
         result.evaluated += 1;
-        let outcome = match evaluate(&values) {
+        match outcome {
             Outcome::Fits(candidate) => {
                 result.feasible += 1;
                 Some(candidate)
@@ -263,24 +262,15 @@ pub fn search(
                 }
                 None
             }
-        };
-        memo.insert(k, outcome.clone());
-        outcome
+        }
     };
-
-    // Coarse grid: the cartesian product, in lexicographic order.
-    let mut found: Vec<(Point, Candidate)> = Vec::new();
+    // Coarse grid: the cartesian product in lexicographic order, evaluated in parallel.
+    let mut points: Vec<Point> = Vec::new();
     let mut index = vec![0usize; grids.len()];
     loop {
-        let point: Point = index.iter().zip(&grids).map(|(&i, g)| g[i]).collect();
-        if let Some(candidate) = run(&point, &mut result) {
-            found.push((point, candidate));
-        }
+        points.push(index.iter().zip(&grids).map(|(&i, g)| g[i]).collect());
         let mut dim = 0;
-        loop {
-            if dim == grids.len() {
-                break;
-            }
+        while dim < grids.len() {
             index[dim] += 1;
             if index[dim] < grids[dim].len() {
                 break;
@@ -292,6 +282,28 @@ pub fn search(
             break;
         }
     }
+    let outcomes: Vec<Outcome> = points
+        .par_iter()
+        .map(|point| evaluate(&values_of(point)))
+        .collect();
+    let mut found: Vec<(Point, Candidate)> = Vec::new();
+    for (point, outcome) in points.into_iter().zip(outcomes) {
+        let candidate = record(outcome, &mut result);
+        memo.insert(key(&point), candidate.clone());
+        if let Some(candidate) = candidate {
+            found.push((point, candidate));
+        }
+    }
+
+    let mut run = |point: &Point, result: &mut PlanResult| -> Option<Candidate> {
+        let k = key(point);
+        if let Some(known) = memo.get(&k) {
+            return known.clone();
+        }
+        let outcome = record(evaluate(&values_of(point)), result);
+        memo.insert(k, outcome.clone());
+        outcome
+    };
 
     // Refinement: coordinate-wise bisection between each start and its grid neighbours.
     let by_throughput = |a: &(Point, Candidate), b: &(Point, Candidate)| {

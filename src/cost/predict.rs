@@ -14,8 +14,8 @@ use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
 use super::timeline::{Span, Timeline};
-use crate::ir::catalog::{self, AttnPart, ACT_BYTES};
-use crate::ir::{BufferId, BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId};
+use crate::ir::catalog::{self, AttnPart, DataClass, ACT_BYTES};
+use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId};
 use crate::syntax::ast::StepKind;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -176,12 +176,24 @@ fn compute_load(program: &Program, id: TaskId, settings: &CostSettings) -> Compu
     // The host's pinned and pageable memory are one DRAM: a CPU task's traffic in both
     // adds up on one bus.
     let mut per_level: BTreeMap<Level, f64> = BTreeMap::new();
-    for traffic in &work.mem {
+    // `work.mem` has one entry per argument. A task cannot read more weight bytes through
+    // an argument than the argument holds: when weights are split over several `w`
+    // arguments, the catalog charges each one the op's whole weight traffic, so cap it.
+    let caps: Vec<Option<u64>> = if work.mem.len() == task.args.len() {
+        task.args.iter().map(|a| Some(a.slice.len)).collect()
+    } else {
+        vec![None; work.mem.len()]
+    };
+    for (traffic, cap) in work.mem.iter().zip(caps) {
+        let bytes = match (traffic.class, cap) {
+            (DataClass::Weights, Some(cap)) => traffic.bytes.min(cap as f64),
+            _ => traffic.bytes,
+        };
         let mut level = level_of(traffic.space);
         if processor == Processor::Cpu && level == Level::Pinned {
             level = Level::Host;
         }
-        *per_level.entry(level).or_default() += traffic.bytes;
+        *per_level.entry(level).or_default() += bytes;
     }
     ComputeLoad {
         processor,
@@ -254,6 +266,9 @@ pub struct StepPrediction {
     pub resource_busy: BTreeMap<String, f64>,
     /// Eq. 12-13 over this step's own tasks: each resource's serial work.
     pub resource_bound: LayerBound,
+    /// Summed task seconds per op kind (the timeline's colour keys), with the roof that
+    /// bounds most of that time.
+    pub op_seconds: BTreeMap<String, (f64, String)>,
     /// The timeline.
     #[serde(skip)]
     pub timeline: Timeline,
@@ -268,12 +283,15 @@ pub struct Prediction {
     pub sequences: u64,
     /// The steps, in declaration order.
     pub steps: Vec<StepPrediction>,
+    /// Index in `steps` of the repeated step (decode, or VSLPipe's mixed step).
+    pub repeated_step: Option<usize>,
     /// Seconds per decode step (the repeated step), if the schedule has one.
     pub step_seconds: Option<f64>,
     /// Decode tokens/s: sequences / step_seconds.
     pub decode_tokens_per_s: Option<f64>,
     /// Generation throughput as the papers measure it: sequences * gen_len tokens over
-    /// prefill time + gen_len decode steps.
+    /// prefill time + gen_len decode steps (a `setup` step, which loads resident weights
+    /// once like model loading, is not counted).
     pub tokens_per_s: Option<f64>,
     /// MoE-Lightning eq. 12 per layer, from the decode step's tasks.
     pub layer_bound: Option<LayerBound>,
@@ -371,6 +389,28 @@ fn simulate_step(
             end: result.end[k],
         })
         .collect();
+    let mut op_seconds: BTreeMap<String, (f64, String)> = BTreeMap::new();
+    let mut op_roofs: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for (span, time) in spans_iter(&ids, program, classes).zip(&times) {
+        op_seconds
+            .entry(span.clone())
+            .or_insert((0.0, String::new()))
+            .0 += time.seconds;
+        *op_roofs
+            .entry(span)
+            .or_default()
+            .entry(time.roof.label())
+            .or_default() += time.seconds;
+    }
+    for (op, entry) in op_seconds.iter_mut() {
+        if let Some(roofs) = op_roofs.get(op) {
+            entry.1 = roofs
+                .iter()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(roof, _)| roof.clone())
+                .unwrap_or_default();
+        }
+    }
     let timeline = Timeline {
         title: format!(
             "{} ({} step) on {}: {:.3} ms",
@@ -389,8 +429,17 @@ fn simulate_step(
         stream_busy,
         resource_busy,
         resource_bound: step_resource_bound(program, &ids, profile, settings),
+        op_seconds,
         timeline,
     })
+}
+
+fn spans_iter<'a>(
+    ids: &'a [TaskId],
+    program: &'a Program,
+    classes: &'a [BufferClass],
+) -> impl Iterator<Item = String> + 'a {
+    ids.iter().map(move |&id| task_kind(program, id, classes))
 }
 
 /// Eq. 12-13 over a step's own tasks: host->GPU bytes, GPU->host bytes, GPU and CPU work.
@@ -503,6 +552,7 @@ pub fn predict(
         hardware: profile.name.clone(),
         sequences,
         steps,
+        repeated_step: repeated,
         step_seconds,
         decode_tokens_per_s,
         tokens_per_s,
@@ -523,19 +573,21 @@ fn stage1_for(
     profile: &HardwareProfile,
 ) -> Stage1Bound {
     let card = &program.model;
-    let kv_bytes_per_token = (card.layers * card.kv_elems_per_token_layer() * ACT_BYTES) as f64;
-    let other_host: f64 = program
-        .buffers
+    let act_bytes = program
+        .tasks
+        .first()
+        .map_or(ACT_BYTES, |t| t.shape.act_bytes);
+    let kv_bytes_per_token = (card.layers * card.kv_elems_per_token_layer() * act_bytes) as f64;
+    // KV slots = the host budget minus everything in host DRAM that is not KV cache.
+    let table = super::budget::budget_table(program, Some(profile), &Default::default());
+    let kv_bytes: u64 = table
+        .lines
         .iter()
-        .enumerate()
-        .filter(|(i, b)| {
-            b.space != Space::Gpu
-                && classes[*i] != BufferClass::KvCache
-                && *i != BufferId(0).index()
-        })
-        .map(|(_, b)| b.bytes as f64)
+        .filter(|l| l.class == BufferClass::KvCache.name() && l.space != "gpu")
+        .map(|l| l.bytes)
         .sum();
-    let host_free = profile.budget_bytes(Level::Host) - card.total_bytes() as f64 - other_host;
+    let host_free =
+        profile.budget_bytes(Level::Host) - (table.peak("host") as f64 - kv_bytes as f64);
     let sequences = (u64::from(program.micro_batches.count) * program.micro_batches.size).max(1);
     let gpu_flops_per_token: f64 = ids
         .iter()

@@ -68,7 +68,11 @@ impl Timeline {
     /// The spans overlapping `[from, to)` seconds (relative to the earliest start), clipped
     /// to it and shifted so the window starts at 0: a zoom for Gantt charts.
     pub fn window(&self, from: f64, to: f64) -> Timeline {
-        let origin = self.spans.iter().map(|s| s.start).fold(f64::INFINITY, f64::min);
+        let origin = self
+            .spans
+            .iter()
+            .map(|s| s.start)
+            .fold(f64::INFINITY, f64::min);
         let origin = if origin.is_finite() { origin } else { 0.0 };
         let spans = self
             .spans
@@ -80,7 +84,11 @@ impl Timeline {
                 ..s.clone()
             })
             .collect();
-        Timeline { title: self.title.clone(), streams: self.streams.clone(), spans }
+        Timeline {
+            title: self.title.clone(),
+            streams: self.streams.clone(),
+            spans,
+        }
     }
 
     /// Ops in first-appearance order (the legend and colour order).
@@ -286,7 +294,9 @@ mod tests {
     fn window_clips_and_shifts() {
         let zoom = sample().window(0.0015, 0.0025);
         assert_eq!(zoom.spans.len(), 2);
-        assert!((zoom.spans[0].start - 0.0).abs() < 1e-15 && (zoom.spans[0].end - 0.0005).abs() < 1e-15);
+        assert!(
+            (zoom.spans[0].start - 0.0).abs() < 1e-15 && (zoom.spans[0].end - 0.0005).abs() < 1e-15
+        );
         assert!((zoom.spans[1].end - 0.001).abs() < 1e-15);
     }
 

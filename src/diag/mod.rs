@@ -104,7 +104,8 @@ impl Diagnostic {
         } else {
             format!("expected {expected_text}")
         };
-        Diagnostic::new(Code::SyntaxUnexpected, format!("unexpected {found_text}")).label(span, label)
+        Diagnostic::new(Code::SyntaxUnexpected, format!("unexpected {found_text}"))
+            .label(span, label)
     }
 
     /// A number literal that does not fit its type.
@@ -139,8 +140,14 @@ impl Diagnostic {
 
     /// A name that is not declared.
     pub fn unknown_name(span: Span, kind: &str, name: &str, candidates: &[&str]) -> Self {
-        let d = Diagnostic::new(Code::ElabUnknownName, format!("unknown {kind} `{name}`"))
-            .label(span, if kind == "name" { "not declared".to_string() } else { format!("no {kind} named `{name}`") });
+        let d = Diagnostic::new(Code::ElabUnknownName, format!("unknown {kind} `{name}`")).label(
+            span,
+            if kind == "name" {
+                "not declared".to_string()
+            } else {
+                format!("no {kind} named `{name}`")
+            },
+        );
         match closest(name, candidates) {
             Some(best) => d.help(format!("did you mean `{best}`?")),
             None if !candidates.is_empty() && candidates.len() <= 12 => d.help(format!(

@@ -6,8 +6,13 @@
 use super::value::{as_int, Val};
 use super::{ArrayDecl, Elaborator, MAX_BUFFERS};
 use crate::diag::Diagnostic;
-use crate::ir::{self, Buffer, BufferId, BufferKind, Engine, Layout, ParamRange, Scalar, Space, Stream, StreamId};
-use crate::syntax::ast::{BinOp, BufferDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl, TemplateDecl};
+use crate::ir::{
+    self, Buffer, BufferId, BufferKind, Engine, Layout, ParamRange, Scalar, Space, Stream, StreamId,
+};
+use crate::syntax::ast::{
+    BinOp, BufferDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl,
+    TemplateDecl,
+};
 
 impl<'a> Elaborator<'a> {
     fn is_declared(&self, name: &str) -> Option<Span> {
@@ -25,36 +30,62 @@ impl<'a> Elaborator<'a> {
 
     fn scalar(&self, v: Val, ty: ParamType, span: Span) -> Result<Scalar, Diagnostic> {
         match (ty, v) {
-            (ParamType::Int, v @ (Val::Int(_) | Val::Bytes(_))) => Ok(Scalar::Int(as_int(v, span)?)),
+            (ParamType::Int, v @ (Val::Int(_) | Val::Bytes(_))) => {
+                Ok(Scalar::Int(as_int(v, span)?))
+            }
             (ParamType::Float, Val::Float(f)) => Ok(Scalar::Float(f)),
             (ParamType::Float, Val::Int(i)) => Ok(Scalar::Float(i as f64)),
             (ParamType::Bool, Val::Bool(b)) => Ok(Scalar::Bool(b)),
-            (ty, v) => Err(Diagnostic::type_mismatch(span, &format!("{} `{}`", article(ty), ty.as_str()), v.type_name())),
+            (ty, v) => Err(Diagnostic::type_mismatch(
+                span,
+                &format!("{} `{}`", article(ty), ty.as_str()),
+                v.type_name(),
+            )),
         }
     }
 
     pub(super) fn declare_param(&mut self, decl: &ParamDecl) {
         let name = &decl.name.name;
         if let Some(first) = self.is_declared(name) {
-            self.report(Diagnostic::duplicate_name(decl.name.span, first, "param", name));
+            self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "param",
+                name,
+            ));
             return;
         }
-        let default = match self.eval(&decl.default).and_then(|v| self.scalar(v, decl.ty, decl.default.span)) {
+        let default = match self
+            .eval(&decl.default)
+            .and_then(|v| self.scalar(v, decl.ty, decl.default.span))
+        {
             Ok(v) => v,
             Err(d) => return self.report(d),
         };
         let range = match &decl.range {
             None => None,
             Some(expr) => match &expr.kind {
-                ExprKind::Binary(op @ (BinOp::RangeExclusive | BinOp::RangeInclusive), lo, hi) if decl.ty != ParamType::Bool => {
+                ExprKind::Binary(op @ (BinOp::RangeExclusive | BinOp::RangeInclusive), lo, hi)
+                    if decl.ty != ParamType::Bool =>
+                {
                     let lo_v = self.eval(lo).and_then(|v| self.scalar(v, decl.ty, lo.span));
                     let hi_v = self.eval(hi).and_then(|v| self.scalar(v, decl.ty, hi.span));
                     match (lo_v, hi_v) {
-                        (Ok(lo), Ok(hi)) => Some(ParamRange { lo, hi, inclusive: *op == BinOp::RangeInclusive }),
+                        (Ok(lo), Ok(hi)) => Some(ParamRange {
+                            lo,
+                            hi,
+                            inclusive: *op == BinOp::RangeInclusive,
+                        }),
                         (Err(d), _) | (_, Err(d)) => return self.report(d),
                     }
                 }
-                _ => return self.report(Diagnostic::type_mismatch(expr.span, "a range `lo..=hi` of numbers", "something else")),
+                _ => {
+                    return self.report(Diagnostic::type_mismatch(
+                        expr.span,
+                        "a range `lo..=hi` of numbers",
+                        "something else",
+                    ))
+                }
             },
         };
         let mut value = default;
@@ -63,18 +94,43 @@ impl<'a> Elaborator<'a> {
             from_set = true;
             match parse_scalar(text, decl.ty) {
                 Some(v) => value = v,
-                None => return self.report(Diagnostic::param_bad_value(decl.span, name, decl.ty.as_str(), text)),
+                None => {
+                    return self.report(Diagnostic::param_bad_value(
+                        decl.span,
+                        name,
+                        decl.ty.as_str(),
+                        text,
+                    ))
+                }
             }
         }
         if let Some(range) = &range {
             if !in_range(value, range) {
-                let range_text = format!("{}{}{}", range.lo, if range.inclusive { "..=" } else { ".." }, range.hi);
-                self.report(Diagnostic::param_out_of_range(decl.span, name, &value.to_string(), &range_text, from_set));
+                let range_text = format!(
+                    "{}{}{}",
+                    range.lo,
+                    if range.inclusive { "..=" } else { ".." },
+                    range.hi
+                );
+                self.report(Diagnostic::param_out_of_range(
+                    decl.span,
+                    name,
+                    &value.to_string(),
+                    &range_text,
+                    from_set,
+                ));
                 return;
             }
         }
         self.param_index.insert(name.clone(), self.params.len());
-        self.params.push(ir::Param { name: name.clone(), ty: decl.ty, value, default, range, doc: decl.doc.clone() });
+        self.params.push(ir::Param {
+            name: name.clone(),
+            ty: decl.ty,
+            value,
+            default,
+            range,
+            doc: decl.doc.clone(),
+        });
         self.param_spans.push(decl.span);
         self.param_used.push(false);
     }
@@ -88,7 +144,11 @@ impl<'a> Elaborator<'a> {
                 continue;
             }
             // Declared but rejected (bad value): already reported at the declaration.
-            if self.diags.iter().any(|d| d.message.starts_with(&format!("param `{name}`"))) {
+            if self
+                .diags
+                .iter()
+                .any(|d| d.message.starts_with(&format!("param `{name}`")))
+            {
                 continue;
             }
             self.report(Diagnostic::unknown_param(name, &refs));
@@ -98,25 +158,49 @@ impl<'a> Elaborator<'a> {
     pub(super) fn declare_stream(&mut self, decl: &StreamDecl) {
         let name = &decl.name.name;
         if let Some(first) = self.is_declared(name) {
-            return self.report(Diagnostic::duplicate_name(decl.name.span, first, "stream", name));
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "stream",
+                name,
+            ));
         }
         let Some(engine) = Engine::parse(&decl.engine.name) else {
             let known: Vec<&str> = Engine::ALL.iter().map(|e| e.as_str()).collect();
-            return self.report(Diagnostic::bad_engine(decl.engine.span, &decl.engine.name, "engine", &known));
+            return self.report(Diagnostic::bad_engine(
+                decl.engine.span,
+                &decl.engine.name,
+                "engine",
+                &known,
+            ));
         };
-        self.stream_index.insert(name.clone(), StreamId::new(self.streams.len()));
-        self.streams.push(Stream { name: name.clone(), engine });
+        self.stream_index
+            .insert(name.clone(), StreamId::new(self.streams.len()));
+        self.streams.push(Stream {
+            name: name.clone(),
+            engine,
+        });
         self.stream_spans.push(decl.span);
     }
 
     pub(super) fn declare_buffer(&mut self, decl: &BufferDecl) {
         let name = &decl.name.name;
         if let Some(first) = self.is_declared(name) {
-            return self.report(Diagnostic::duplicate_name(decl.name.span, first, "buffer", name));
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "buffer",
+                name,
+            ));
         }
         let Some(space) = Space::parse(&decl.space.name) else {
             let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
-            return self.report(Diagnostic::bad_engine(decl.space.span, &decl.space.name, "memory space", &known));
+            return self.report(Diagnostic::bad_engine(
+                decl.space.span,
+                &decl.space.name,
+                "memory space",
+                &known,
+            ));
         };
         let mut dims = Vec::new();
         let mut count: u64 = 1;
@@ -127,7 +211,12 @@ impl<'a> Elaborator<'a> {
             };
             // Zero is allowed: an optional buffer (`w_res[layers * min(n_res, 1)]`).
             if n < 0 || n > i64::from(u32::MAX) {
-                return self.report(Diagnostic::out_of_range(dim.span, "array length", n, "0 or more"));
+                return self.report(Diagnostic::out_of_range(
+                    dim.span,
+                    "array length",
+                    n,
+                    "0 or more",
+                ));
             }
             count = count.saturating_mul(n as u64);
             dims.push(n as u32);
@@ -140,11 +229,28 @@ impl<'a> Elaborator<'a> {
             Ok(Val::Int(n)) if n >= 0 => (n as u64, Layout::Raw),
             // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`.
             Ok(Val::Slice(slice)) if slice.dynamic_expert.is_none() => {
-                let layout = if slice.layout == Layout::Checkpoint { Layout::Raw } else { slice.layout };
+                let layout = if slice.layout == Layout::Checkpoint {
+                    Layout::Raw
+                } else {
+                    slice.layout
+                };
                 (slice.len, layout)
             }
-            Ok(Val::Int(n)) => return self.report(Diagnostic::out_of_range(decl.size.span, "buffer size", n, "0 or more bytes")),
-            Ok(v) => return self.report(Diagnostic::type_mismatch(decl.size.span, "a size in bytes", v.type_name())),
+            Ok(Val::Int(n)) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.size.span,
+                    "buffer size",
+                    n,
+                    "0 or more bytes",
+                ))
+            }
+            Ok(v) => {
+                return self.report(Diagnostic::type_mismatch(
+                    decl.size.span,
+                    "a size in bytes",
+                    v.type_name(),
+                ))
+            }
             Err(d) => return self.report(d),
         };
         let first = BufferId::new(self.buffers.len());
@@ -156,7 +262,10 @@ impl<'a> Elaborator<'a> {
                 rest /= u64::from(d);
             }
             index.reverse();
-            let element_name = format!("{name}{}", index.iter().map(|i| format!("[{i}]")).collect::<String>());
+            let element_name = format!(
+                "{name}{}",
+                index.iter().map(|i| format!("[{i}]")).collect::<String>()
+            );
             self.buffers.push(Buffer {
                 name: element_name,
                 array: name.clone(),
@@ -169,21 +278,52 @@ impl<'a> Elaborator<'a> {
             self.buffer_spans.push(decl.span);
         }
         self.array_index.insert(name.clone(), self.arrays.len());
-        self.arrays.push(ArrayDecl { name: name.clone(), dims, first, layout, span: decl.span });
+        self.arrays.push(ArrayDecl {
+            name: name.clone(),
+            dims,
+            first,
+            layout,
+            span: decl.span,
+        });
     }
 
     pub(super) fn declare_micro_batches(&mut self, decl: &MicroBatchDecl) {
         if self.micro.is_some() {
-            return self.report(Diagnostic::duplicate_name(decl.span, decl.span, "declaration", "microbatches"));
+            return self.report(Diagnostic::duplicate_name(
+                decl.span,
+                decl.span,
+                "declaration",
+                "microbatches",
+            ));
         }
-        let count = match self.eval(&decl.count).and_then(|v| as_int(v, decl.count.span)) {
+        let count = match self
+            .eval(&decl.count)
+            .and_then(|v| as_int(v, decl.count.span))
+        {
             Ok(n) if (1..=i64::from(u32::MAX)).contains(&n) => n as u32,
-            Ok(n) => return self.report(Diagnostic::out_of_range(decl.count.span, "micro-batch count", n, "1 or more")),
+            Ok(n) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.count.span,
+                    "micro-batch count",
+                    n,
+                    "1 or more",
+                ))
+            }
             Err(d) => return self.report(d),
         };
-        let size = match self.eval(&decl.size).and_then(|v| as_int(v, decl.size.span)) {
+        let size = match self
+            .eval(&decl.size)
+            .and_then(|v| as_int(v, decl.size.span))
+        {
             Ok(n) if n >= 1 => n as u64,
-            Ok(n) => return self.report(Diagnostic::out_of_range(decl.size.span, "micro-batch size", n, "1 or more")),
+            Ok(n) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.size.span,
+                    "micro-batch size",
+                    n,
+                    "1 or more",
+                ))
+            }
             Err(d) => return self.report(d),
         };
         let mixed_tokens = match &decl.tokens {
@@ -201,10 +341,20 @@ impl<'a> Elaborator<'a> {
         let name = &decl.name.name;
         if let Some(first) = self.templates.get(name) {
             let first = first.name.span;
-            return self.report(Diagnostic::duplicate_name(decl.name.span, first, "template", name));
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "template",
+                name,
+            ));
         }
         if crate::ir::catalog::OP_NAMES.contains(&name.as_str()) {
-            return self.report(Diagnostic::duplicate_name(decl.name.span, decl.name.span, "op", name));
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                decl.name.span,
+                "op",
+                name,
+            ));
         }
         self.templates.insert(name.clone(), decl);
     }
@@ -222,7 +372,11 @@ fn parse_scalar(text: &str, ty: ParamType) -> Option<Scalar> {
     let digits: String = text.chars().filter(|c| *c != '_').collect();
     match ty {
         ParamType::Int => digits.parse().ok().map(Scalar::Int),
-        ParamType::Float => digits.parse::<f64>().ok().filter(|f| f.is_finite()).map(Scalar::Float),
+        ParamType::Float => digits
+            .parse::<f64>()
+            .ok()
+            .filter(|f| f.is_finite())
+            .map(Scalar::Float),
         ParamType::Bool => match text {
             "true" => Some(Scalar::Bool(true)),
             "false" => Some(Scalar::Bool(false)),

@@ -11,7 +11,10 @@ mod stmts;
 pub mod value;
 
 use crate::diag::{Code, Diagnostic};
-use crate::ir::{self, Buffer, BufferId, BufferKind, Layout, MicroBatches, Space, Stream, StreamId, Task, TaskId, Workload};
+use crate::ir::{
+    self, Buffer, BufferId, BufferKind, Layout, MicroBatches, Space, Stream, StreamId, Task,
+    TaskId, Workload,
+};
 use crate::model::card::ModelCard;
 use crate::syntax::ast::{File, Item, Span, StepDecl, TemplateDecl};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -55,7 +58,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_tasks: MAX_TASKS, max_iterations: MAX_ITERATIONS }
+        Limits {
+            max_tasks: MAX_TASKS,
+            max_iterations: MAX_ITERATIONS,
+        }
     }
 }
 
@@ -238,7 +244,10 @@ impl<'a> Elaborator<'a> {
         let mut diags = self.diags;
         for (i, used) in self.param_used.iter().enumerate() {
             if !used {
-                diags.push(Diagnostic::unused_param(self.param_spans[i], &self.params[i].name));
+                diags.push(Diagnostic::unused_param(
+                    self.param_spans[i],
+                    &self.params[i].name,
+                ));
             }
         }
         if diags.iter().any(Diagnostic::is_error) {
@@ -267,7 +276,10 @@ impl<'a> Elaborator<'a> {
     fn resolve_after(&mut self) {
         let pending = std::mem::take(&mut self.pending_after);
         for p in pending {
-            let shown = p.label.split_once(':').map_or(p.label.clone(), |(_, t)| t.to_string());
+            let shown = p
+                .label
+                .split_once(':')
+                .map_or(p.label.clone(), |(_, t)| t.to_string());
             match self.labels.get(&p.label) {
                 None => self.report(Diagnostic::after_missing(p.span, &shown)),
                 Some(&target) if target >= p.task => {
@@ -311,7 +323,10 @@ impl<'a> Elaborator<'a> {
                     dynamic_expert: None,
                 }));
             }
-            return Some(Val::Array { decl, indices: Vec::new() });
+            return Some(Val::Array {
+                decl,
+                indices: Vec::new(),
+            });
         }
         let card = &self.card;
         let w = &self.options.workload;
@@ -338,8 +353,21 @@ impl<'a> Elaborator<'a> {
         names.extend(self.param_index.keys().cloned());
         names.extend(self.array_index.keys().cloned());
         names.extend(
-            ["layers", "experts", "top_k", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "batch", "prompt_len", "gen_len"]
-                .map(String::from),
+            [
+                "layers",
+                "experts",
+                "top_k",
+                "hidden",
+                "ffn",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "vocab",
+                "batch",
+                "prompt_len",
+                "gen_len",
+            ]
+            .map(String::from),
         );
         names.sort();
         names.dedup();
@@ -369,7 +397,12 @@ impl value::Context for Elaborator<'_> {
             Some(&v) => Ok(Some(Val::Float(v))),
             None => {
                 let known: Vec<&str> = self.options.hardware.keys().map(String::as_str).collect();
-                Err(Diagnostic::unknown_name(span, "hardware symbol", name, &known))
+                Err(Diagnostic::unknown_name(
+                    span,
+                    "hardware symbol",
+                    name,
+                    &known,
+                ))
             }
         }
     }
@@ -378,12 +411,27 @@ impl value::Context for Elaborator<'_> {
         self.all_names()
     }
 
-    fn index_array(&mut self, decl: usize, mut indices: Vec<u32>, index: i64, span: Span) -> Result<Val, Diagnostic> {
+    fn index_array(
+        &mut self,
+        decl: usize,
+        mut indices: Vec<u32>,
+        index: i64,
+        span: Span,
+    ) -> Result<Val, Diagnostic> {
         let array = &self.arrays[decl];
         let Some(&dim) = array.dims.get(indices.len()) else {
-            return Err(Diagnostic::type_mismatch(span, "no more indices", "an index"));
+            return Err(Diagnostic::type_mismatch(
+                span,
+                "no more indices",
+                "an index",
+            ));
         };
-        let i = value::check_index(index, u64::from(dim), &format!("`{}` index", array.name), span)?;
+        let i = value::check_index(
+            index,
+            u64::from(dim),
+            &format!("`{}` index", array.name),
+            span,
+        )?;
         indices.push(i as u32);
         if indices.len() < array.dims.len() {
             return Ok(Val::Array { decl, indices });
@@ -394,7 +442,13 @@ impl value::Context for Elaborator<'_> {
         }
         let id = BufferId(array.first.0 + flat as u32);
         let buffer = &self.buffers[id.index()];
-        Ok(Val::Slice(SliceVal { buffer: id, start: 0, len: buffer.bytes, layout: array.layout, dynamic_expert: None }))
+        Ok(Val::Slice(SliceVal {
+            buffer: id,
+            start: 0,
+            len: buffer.bytes,
+            layout: array.layout,
+            dynamic_expert: None,
+        }))
     }
 
     fn checkpoint(&self) -> ir::CheckpointLayout {

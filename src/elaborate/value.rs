@@ -87,7 +87,13 @@ pub trait Context {
     /// Names in scope, for suggestions.
     fn names(&self) -> Vec<String>;
     /// Indexes an array value.
-    fn index_array(&mut self, decl: usize, indices: Vec<u32>, index: i64, span: Span) -> Result<Val, Diagnostic>;
+    fn index_array(
+        &mut self,
+        decl: usize,
+        indices: Vec<u32>,
+        index: i64,
+        span: Span,
+    ) -> Result<Val, Diagnostic>;
     /// The checkpoint layout.
     fn checkpoint(&self) -> crate::ir::CheckpointLayout;
     /// The model card.
@@ -119,26 +125,46 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 }
             },
         },
-        ExprKind::List(items) => Ok(Val::List(items.iter().map(|e| eval(e, cx)).collect::<Result<_, _>>()?)),
+        ExprKind::List(items) => Ok(Val::List(
+            items
+                .iter()
+                .map(|e| eval(e, cx))
+                .collect::<Result<_, _>>()?,
+        )),
         ExprKind::Call(name, args) => {
-            let values = args.iter().map(|e| eval(e, cx)).collect::<Result<Vec<_>, _>>()?;
+            let values = args
+                .iter()
+                .map(|e| eval(e, cx))
+                .collect::<Result<Vec<_>, _>>()?;
             call(&name.name, name.span, span, args, values, cx)
         }
         ExprKind::Unary(op, inner) => {
             let v = eval(inner, cx)?;
             match (op, v) {
-                (UnOp::Neg, Val::Int(i)) => {
-                    i.checked_neg().map(Val::Int).ok_or_else(|| Diagnostic::arithmetic(span, "integer overflow"))
-                }
+                (UnOp::Neg, Val::Int(i)) => i
+                    .checked_neg()
+                    .map(Val::Int)
+                    .ok_or_else(|| Diagnostic::arithmetic(span, "integer overflow")),
                 (UnOp::Neg, Val::Float(f)) => Ok(Val::Float(-f)),
                 (UnOp::Not, Val::Bool(b)) => Ok(Val::Bool(!b)),
                 (UnOp::Not, Val::Cond(lits)) if lits.len() == 1 => {
                     let lit = lits[0];
-                    Ok(Val::Cond(vec![GuardLit { atom: lit.atom, negated: !lit.negated }]))
+                    Ok(Val::Cond(vec![GuardLit {
+                        atom: lit.atom,
+                        negated: !lit.negated,
+                    }]))
                 }
                 (UnOp::Not, Val::Cond(_)) => Err(Diagnostic::dynamic_else(span)),
-                (UnOp::Neg, v) => Err(Diagnostic::type_mismatch(inner.span, "a number", v.type_name())),
-                (UnOp::Not, v) => Err(Diagnostic::type_mismatch(inner.span, "a boolean", v.type_name())),
+                (UnOp::Neg, v) => Err(Diagnostic::type_mismatch(
+                    inner.span,
+                    "a number",
+                    v.type_name(),
+                )),
+                (UnOp::Not, v) => Err(Diagnostic::type_mismatch(
+                    inner.span,
+                    "a boolean",
+                    v.type_name(),
+                )),
             }
         }
         ExprKind::Binary(op, lhs, rhs) => {
@@ -173,7 +199,11 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                     let idx = check_index(i, items.len() as u64, "index", index.span)?;
                     Ok(items[idx as usize].clone())
                 }
-                other => Err(Diagnostic::type_mismatch(base.span, "an array, `W` or a list", other.type_name())),
+                other => Err(Diagnostic::type_mismatch(
+                    base.span,
+                    "an array, `W` or a list",
+                    other.type_name(),
+                )),
             }
         }
         ExprKind::Field(base, field) => {
@@ -191,8 +221,20 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
         }
         ExprKind::Method(base, method, args) => {
             let b = eval(base, cx)?;
-            let values = args.iter().map(|e| eval(e, cx)).collect::<Result<Vec<_>, _>>()?;
-            method_of(b, &method.name, method.span, base.span, span, args, values, cx)
+            let values = args
+                .iter()
+                .map(|e| eval(e, cx))
+                .collect::<Result<Vec<_>, _>>()?;
+            method_of(
+                b,
+                &method.name,
+                method.span,
+                base.span,
+                span,
+                args,
+                values,
+                cx,
+            )
         }
     }
 }
@@ -204,7 +246,11 @@ pub fn coerce_int(v: Val, span: Span) -> Result<Val, Diagnostic> {
         Val::Bytes(size) => i64::try_from(size.bytes)
             .map(Val::Int)
             .map_err(|_| Diagnostic::arithmetic(span, "size does not fit in 64 bits")),
-        other => Err(Diagnostic::type_mismatch(span, "an integer", other.type_name())),
+        other => Err(Diagnostic::type_mismatch(
+            span,
+            "an integer",
+            other.type_name(),
+        )),
     }
 }
 
@@ -212,14 +258,23 @@ pub fn coerce_int(v: Val, span: Span) -> Result<Val, Diagnostic> {
 pub fn as_int(v: Val, span: Span) -> Result<i64, Diagnostic> {
     match coerce_int(v, span)? {
         Val::Int(i) => Ok(i),
-        _ => Err(Diagnostic::type_mismatch(span, "an integer", "something else")),
+        _ => Err(Diagnostic::type_mismatch(
+            span,
+            "an integer",
+            "something else",
+        )),
     }
 }
 
 /// Checks `0 <= i < limit`.
 pub fn check_index(i: i64, limit: u64, what: &str, span: Span) -> Result<u64, Diagnostic> {
     if i < 0 || i as u64 >= limit {
-        Err(Diagnostic::out_of_range(span, what, i, &format!("0..{limit}")))
+        Err(Diagnostic::out_of_range(
+            span,
+            what,
+            i,
+            &format!("0..{limit}"),
+        ))
     } else {
         Ok(i as u64)
     }
@@ -238,14 +293,22 @@ fn is_intlike(v: &Val) -> bool {
     matches!(v, Val::Int(_) | Val::Bytes(_))
 }
 
-fn binary(op: BinOp, a: Val, b: Val, a_span: Span, b_span: Span, span: Span) -> Result<Val, Diagnostic> {
+fn binary(
+    op: BinOp,
+    a: Val,
+    b: Val,
+    a_span: Span,
+    b_span: Span,
+    span: Span,
+) -> Result<Val, Diagnostic> {
     use BinOp::*;
     match op {
         RangeExclusive | RangeInclusive => {
             let lo = as_int(a, a_span)?;
             let hi = as_int(b, b_span)?;
             let hi = if op == RangeInclusive {
-                hi.checked_add(1).ok_or_else(|| Diagnostic::arithmetic(span, "integer overflow"))?
+                hi.checked_add(1)
+                    .ok_or_else(|| Diagnostic::arithmetic(span, "integer overflow"))?
             } else {
                 hi
             };
@@ -259,38 +322,67 @@ fn binary(op: BinOp, a: Val, b: Val, a_span: Span, b_span: Span, span: Span) -> 
                 x.dedup();
                 Ok(Val::Cond(x))
             }
-            (Val::Cond(x), Val::Bool(true)) | (Val::Bool(true), Val::Cond(x)) if op == And => Ok(Val::Cond(x)),
+            (Val::Cond(x), Val::Bool(true)) | (Val::Bool(true), Val::Cond(x)) if op == And => {
+                Ok(Val::Cond(x))
+            }
             (Val::Cond(_), Val::Bool(false)) if op == And => Ok(Val::Bool(false)),
-            (Val::Cond(x), Val::Bool(false)) | (Val::Bool(false), Val::Cond(x)) if op == Or => Ok(Val::Cond(x)),
+            (Val::Cond(x), Val::Bool(false)) | (Val::Bool(false), Val::Cond(x)) if op == Or => {
+                Ok(Val::Cond(x))
+            }
             (Val::Cond(_), Val::Bool(true)) if op == Or => Ok(Val::Bool(true)),
             (Val::Cond(_), _) | (_, Val::Cond(_)) => Err(Diagnostic::dynamic_not_allowed(
                 span,
                 "`||` of run-time conditions (only `&&` conjunctions can guard tasks)",
             )),
-            (Val::Bool(_), other) => Err(Diagnostic::type_mismatch(b_span, "a boolean", other.type_name())),
-            (other, _) => Err(Diagnostic::type_mismatch(a_span, "a boolean", other.type_name())),
+            (Val::Bool(_), other) => Err(Diagnostic::type_mismatch(
+                b_span,
+                "a boolean",
+                other.type_name(),
+            )),
+            (other, _) => Err(Diagnostic::type_mismatch(
+                a_span,
+                "a boolean",
+                other.type_name(),
+            )),
         },
         Eq | Ne | Lt | Le | Gt | Ge => {
             let ordering = match (&a, &b) {
                 (Val::Bool(x), Val::Bool(y)) if matches!(op, Eq | Ne) => Some(x.cmp(y)),
                 (x, y) if is_intlike(x) && is_intlike(y) => {
-                    let (Ok(x), Ok(y)) = (as_int(x.clone(), a_span), as_int(y.clone(), b_span)) else {
-                        return Err(Diagnostic::arithmetic(span, "comparison of sizes too large"));
+                    let (Ok(x), Ok(y)) = (as_int(x.clone(), a_span), as_int(y.clone(), b_span))
+                    else {
+                        return Err(Diagnostic::arithmetic(
+                            span,
+                            "comparison of sizes too large",
+                        ));
                     };
                     Some(x.cmp(&y))
                 }
                 (x, y) => match (as_f64(x), as_f64(y)) {
                     (Some(x), Some(y)) => x.partial_cmp(&y),
                     _ => {
-                        let (bad, bad_span) = if as_f64(&a).is_none() { (&a, a_span) } else { (&b, b_span) };
+                        let (bad, bad_span) = if as_f64(&a).is_none() {
+                            (&a, a_span)
+                        } else {
+                            (&b, b_span)
+                        };
                         if matches!(bad, Val::Expert(_)) {
-                            return Err(Diagnostic::dynamic_not_allowed(bad_span, "comparing run-time experts"));
+                            return Err(Diagnostic::dynamic_not_allowed(
+                                bad_span,
+                                "comparing run-time experts",
+                            ));
                         }
-                        return Err(Diagnostic::type_mismatch(bad_span, "a number", bad.type_name()));
+                        return Err(Diagnostic::type_mismatch(
+                            bad_span,
+                            "a number",
+                            bad.type_name(),
+                        ));
                     }
                 },
             };
-            let Some(ordering) = ordering else { return Ok(Val::Bool(false)) };
+            let Some(ordering) = ordering else {
+                return Ok(Val::Bool(false));
+            };
             use std::cmp::Ordering::*;
             Ok(Val::Bool(match op {
                 Eq => ordering == Equal,
@@ -310,7 +402,9 @@ fn binary(op: BinOp, a: Val, b: Val, a_span: Span, b_span: Span, span: Span) -> 
                     Add => x.checked_add(y).ok_or_else(overflow)?,
                     Sub => x.checked_sub(y).ok_or_else(overflow)?,
                     Mul => x.checked_mul(y).ok_or_else(overflow)?,
-                    Div | Rem if y == 0 => return Err(Diagnostic::arithmetic(b_span, "division by zero")),
+                    Div | Rem if y == 0 => {
+                        return Err(Diagnostic::arithmetic(b_span, "division by zero"))
+                    }
                     Div => x.checked_div(y).ok_or_else(overflow)?,
                     _ => x.checked_rem_euclid(y).ok_or_else(overflow)?,
                 };
@@ -328,7 +422,10 @@ fn binary(op: BinOp, a: Val, b: Val, a_span: Span, b_span: Span, span: Span) -> 
                     if r.is_finite() {
                         Ok(Val::Float(r))
                     } else {
-                        Err(Diagnostic::arithmetic(span, "the result is not a finite number"))
+                        Err(Diagnostic::arithmetic(
+                            span,
+                            "the result is not a finite number",
+                        ))
                     }
                 }
                 (None, _) => Err(Diagnostic::type_mismatch(a_span, "a number", a.type_name())),
@@ -342,35 +439,65 @@ fn float_to_int(f: f64, span: Span) -> Result<Val, Diagnostic> {
     if f.is_finite() && f.abs() < 9.0e18 {
         Ok(Val::Int(f as i64))
     } else {
-        Err(Diagnostic::arithmetic(span, "the value does not fit in an integer"))
+        Err(Diagnostic::arithmetic(
+            span,
+            "the value does not fit in an integer",
+        ))
     }
 }
 
 /// Built-in functions.
-fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
+fn call(
+    name: &str,
+    name_span: Span,
+    span: Span,
+    args: &[Expr],
+    values: Vec<Val>,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
     let arity = |n: usize| {
         if values.len() == n {
             Ok(())
         } else {
-            Err(Diagnostic::arity(span, &format!("`{name}`"), n, values.len()))
+            Err(Diagnostic::arity(
+                span,
+                &format!("`{name}`"),
+                n,
+                values.len(),
+            ))
         }
     };
     match name {
         "min" | "max" => {
             if values.len() < 2 {
-                return Err(Diagnostic::arity(span, &format!("`{name}`"), 2, values.len()));
+                return Err(Diagnostic::arity(
+                    span,
+                    &format!("`{name}`"),
+                    2,
+                    values.len(),
+                ));
             }
             let all_int = values.iter().all(is_intlike);
             let mut best: Option<Val> = None;
             for (i, v) in values.into_iter().enumerate() {
-                let v = if all_int { Val::Int(as_int(v, arg_span(i))?) } else { v };
-                let x = as_f64(&v).ok_or_else(|| Diagnostic::type_mismatch(arg_span(i), "a number", v.type_name()))?;
+                let v = if all_int {
+                    Val::Int(as_int(v, arg_span(i))?)
+                } else {
+                    v
+                };
+                let x = as_f64(&v).ok_or_else(|| {
+                    Diagnostic::type_mismatch(arg_span(i), "a number", v.type_name())
+                })?;
                 let better = match &best {
                     None => true,
                     Some(b) => {
                         let y = as_f64(b).unwrap_or(0.0);
-                        if name == "min" { x < y } else { x > y }
+                        if name == "min" {
+                            x < y
+                        } else {
+                            x > y
+                        }
                     }
                 };
                 if better {
@@ -383,23 +510,47 @@ fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>
             arity(1)?;
             match &values[0] {
                 Val::Int(i) => Ok(Val::Int(*i)),
-                Val::Float(f) => float_to_int(if name == "ceil" { f.ceil() } else { f.floor() }, span),
-                other => Err(Diagnostic::type_mismatch(arg_span(0), "a number", other.type_name())),
+                Val::Float(f) => {
+                    float_to_int(if name == "ceil" { f.ceil() } else { f.floor() }, span)
+                }
+                other => Err(Diagnostic::type_mismatch(
+                    arg_span(0),
+                    "a number",
+                    other.type_name(),
+                )),
             }
         }
         "hot" => {
             arity(2)?;
             let card = cx.card().clone();
-            let layer = check_index(as_int(values[0].clone(), arg_span(0))?, card.layers, "layer", arg_span(0))?;
-            let rank = check_index(as_int(values[1].clone(), arg_span(1))?, card.experts, "expert rank", arg_span(1))?;
-            Ok(Val::Expert(ExpertRef::Hot { layer: layer as u32, rank: rank as u32 }))
+            let layer = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                card.layers,
+                "layer",
+                arg_span(0),
+            )?;
+            let rank = check_index(
+                as_int(values[1].clone(), arg_span(1))?,
+                card.experts,
+                "expert rank",
+                arg_span(1),
+            )?;
+            Ok(Val::Expert(ExpertRef::Hot {
+                layer: layer as u32,
+                rank: rank as u32,
+            }))
         }
         "active" => {
             if !(2..=3).contains(&values.len()) {
                 return Err(Diagnostic::arity(span, "`active`", 2, values.len()));
             }
             let card = cx.card().clone();
-            let layer = check_index(as_int(values[0].clone(), arg_span(0))?, card.layers, "layer", arg_span(0))?;
+            let layer = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                card.layers,
+                "layer",
+                arg_span(0),
+            )?;
             let expert = match &values[1] {
                 Val::Expert(e) => *e,
                 other => {
@@ -408,17 +559,30 @@ fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>
                 }
             };
             let ub = match values.get(2) {
-                Some(v) => Some(u32::try_from(as_int(v.clone(), arg_span(2))?.max(0)).unwrap_or(u32::MAX)),
+                Some(v) => {
+                    Some(u32::try_from(as_int(v.clone(), arg_span(2))?.max(0)).unwrap_or(u32::MAX))
+                }
                 None => None,
             };
-            Ok(Val::Cond(vec![GuardLit { atom: GuardAtom::Active { layer: layer as u32, expert, ub }, negated: false }]))
+            Ok(Val::Cond(vec![GuardLit {
+                atom: GuardAtom::Active {
+                    layer: layer as u32,
+                    expert,
+                    ub,
+                },
+                negated: false,
+            }]))
         }
         "bytes" => {
             arity(1)?;
             match &values[0] {
                 Val::Slice(slice) => Ok(Val::Int(i64::try_from(slice.len).unwrap_or(i64::MAX))),
                 Val::Bytes(size) => Ok(Val::Int(i64::try_from(size.bytes).unwrap_or(i64::MAX))),
-                other => Err(Diagnostic::type_mismatch(arg_span(0), "a buffer slice", other.type_name())),
+                other => Err(Diagnostic::type_mismatch(
+                    arg_span(0),
+                    "a buffer slice",
+                    other.type_name(),
+                )),
             }
         }
         _ => {
@@ -426,17 +590,30 @@ fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>
             for (i, v) in values.iter().enumerate() {
                 let n = as_int(v.clone(), arg_span(i))?;
                 if n < 0 {
-                    return Err(Diagnostic::out_of_range(arg_span(i), "size argument", n, "0 or more"));
+                    return Err(Diagnostic::out_of_range(
+                        arg_span(i),
+                        "size argument",
+                        n,
+                        "0 or more",
+                    ));
                 }
                 ints.push(n as u64);
             }
             match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes()) {
                 Some(Ok(size)) => Ok(Val::Bytes(size)),
-                Some(Err(expected)) => Err(Diagnostic::arity(span, &format!("`{name}`"), expected, values.len())),
+                Some(Err(expected)) => Err(Diagnostic::arity(
+                    span,
+                    &format!("`{name}`"),
+                    expected,
+                    values.len(),
+                )),
                 None => {
-                    let mut known: Vec<&str> = vec!["min", "max", "ceil", "floor", "bytes", "hot", "active"];
+                    let mut known: Vec<&str> =
+                        vec!["min", "max", "ceil", "floor", "bytes", "hot", "active"];
                     known.extend(catalog::SIZE_HELPERS);
-                    Err(Diagnostic::unknown_name(name_span, "function", name, &known))
+                    Err(Diagnostic::unknown_name(
+                        name_span, "function", name, &known,
+                    ))
                 }
             }
         }
@@ -444,12 +621,28 @@ fn call(name: &str, name_span: Span, span: Span, args: &[Expr], values: Vec<Val>
 }
 
 fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
-    Val::Slice(SliceVal { buffer: s.buffer, start: s.start + start, len, layout, dynamic_expert: None })
+    Val::Slice(SliceVal {
+        buffer: s.buffer,
+        start: s.start + start,
+        len,
+        layout,
+        dynamic_expert: None,
+    })
 }
 
-fn field_of(base: Val, field: &str, field_span: Span, base_span: Span, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
+fn field_of(
+    base: Val,
+    field: &str,
+    field_span: Span,
+    base_span: Span,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
     let Val::Slice(s) = base else {
-        return Err(Diagnostic::type_mismatch(base_span, "a buffer slice", base.type_name()));
+        return Err(Diagnostic::type_mismatch(
+            base_span,
+            "a buffer slice",
+            base.type_name(),
+        ));
     };
     let layout = cx.checkpoint();
     let fields: &[&str] = match s.layout {
@@ -460,10 +653,17 @@ fn field_of(base: Val, field: &str, field_span: Span, base_span: Span, cx: &mut 
     };
     let (pre, o, gate) = (layout.pre_bytes, layout.o_bytes, layout.gate_bytes);
     let experts = layout.experts * layout.expert_bytes;
-    let all_experts = Layout::Experts { slots: layout.experts as u32 };
+    let all_experts = Layout::Experts {
+        slots: layout.experts as u32,
+    };
     match (s.layout, field) {
         (Layout::Checkpoint, "embed") => Ok(sub_slice(s, 0, layout.embed_bytes, Layout::Raw)),
-        (Layout::Checkpoint, "head") => Ok(sub_slice(s, layout.head_offset(), layout.head_bytes, Layout::Raw)),
+        (Layout::Checkpoint, "head") => Ok(sub_slice(
+            s,
+            layout.head_offset(),
+            layout.head_bytes,
+            Layout::Raw,
+        )),
         (Layout::Layer | Layout::Dense, "pre") => Ok(sub_slice(s, 0, pre, Layout::Raw)),
         (Layout::Layer | Layout::Dense, "o") => Ok(sub_slice(s, pre, o, Layout::Raw)),
         (Layout::Layer | Layout::Dense, "gate") => Ok(sub_slice(s, pre + o, gate, Layout::Raw)),
@@ -492,11 +692,18 @@ fn method_of(
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     let Val::Slice(s) = base else {
-        return Err(Diagnostic::type_mismatch(base_span, "a buffer slice", base.type_name()));
+        return Err(Diagnostic::type_mismatch(
+            base_span,
+            "a buffer slice",
+            base.type_name(),
+        ));
     };
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
     if s.dynamic_expert.is_some() {
-        return Err(Diagnostic::dynamic_not_allowed(base_span, "a slice inside a run-time expert"));
+        return Err(Diagnostic::dynamic_not_allowed(
+            base_span,
+            "a slice inside a run-time expert",
+        ));
     }
     match method {
         "page" => {
@@ -505,9 +712,19 @@ fn method_of(
             }
             let n = as_int(values[1].clone(), arg_span(1))?;
             if n <= 0 {
-                return Err(Diagnostic::out_of_range(arg_span(1), "page count", n, "1 or more"));
+                return Err(Diagnostic::out_of_range(
+                    arg_span(1),
+                    "page count",
+                    n,
+                    "1 or more",
+                ));
             }
-            let k = check_index(as_int(values[0].clone(), arg_span(0))?, n as u64, "page", arg_span(0))?;
+            let k = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                n as u64,
+                "page",
+                arg_span(0),
+            )?;
             let n = n as u64;
             let page = s.len.div_ceil(n);
             let start = (k * page).min(s.len);
@@ -547,8 +764,18 @@ fn method_of(
                     }))
                 }
                 other => {
-                    let e = check_index(as_int(other.clone(), arg_span(0))?, slots, "expert", arg_span(0))?;
-                    Ok(sub_slice(s, base + e * layout.expert_bytes, layout.expert_bytes, Layout::Experts { slots: 1 }))
+                    let e = check_index(
+                        as_int(other.clone(), arg_span(0))?,
+                        slots,
+                        "expert",
+                        arg_span(0),
+                    )?;
+                    Ok(sub_slice(
+                        s,
+                        base + e * layout.expert_bytes,
+                        layout.expert_bytes,
+                        Layout::Experts { slots: 1 },
+                    ))
                 }
             }
         }
@@ -561,10 +788,21 @@ fn method_of(
                 let f = match v {
                     Val::Int(i) => *i as f64,
                     Val::Float(f) => *f,
-                    other => return Err(Diagnostic::type_mismatch(arg_span(k), "a fraction in 0..=1", other.type_name())),
+                    other => {
+                        return Err(Diagnostic::type_mismatch(
+                            arg_span(k),
+                            "a fraction in 0..=1",
+                            other.type_name(),
+                        ))
+                    }
                 };
                 if !(0.0..=1.0).contains(&f) {
-                    return Err(Diagnostic::out_of_range(arg_span(k), "share bound (x1000)", (f * 1000.0) as i64, "0..=1000"));
+                    return Err(Diagnostic::out_of_range(
+                        arg_span(k),
+                        "share bound (x1000)",
+                        (f * 1000.0) as i64,
+                        "0..=1000",
+                    ));
                 }
                 bounds[k] = (f * s.len as f64).floor() as u64;
             }
@@ -590,12 +828,29 @@ fn method_of(
             let lo = as_int(values[0].clone(), arg_span(0))?;
             let hi = as_int(values[1].clone(), arg_span(1))?;
             if lo < 0 || hi < lo || hi as u64 > slots {
-                return Err(Diagnostic::out_of_range(arg_span(1), "expert range end", hi, &format!("{}..={slots}", lo.max(0))));
+                return Err(Diagnostic::out_of_range(
+                    arg_span(1),
+                    "expert range end",
+                    hi,
+                    &format!("{}..={slots}", lo.max(0)),
+                ));
             }
             let (lo, hi) = (lo as u64, hi as u64);
-            let slots_taken = Layout::Experts { slots: (hi - lo) as u32 };
-            Ok(sub_slice(s, base + lo * layout.expert_bytes, (hi - lo) * layout.expert_bytes, slots_taken))
+            let slots_taken = Layout::Experts {
+                slots: (hi - lo) as u32,
+            };
+            Ok(sub_slice(
+                s,
+                base + lo * layout.expert_bytes,
+                (hi - lo) * layout.expert_bytes,
+                slots_taken,
+            ))
         }
-        _ => Err(Diagnostic::unknown_name(method_span, "method", method, &["page", "share", "expert", "experts"])),
+        _ => Err(Diagnostic::unknown_name(
+            method_span,
+            "method",
+            method,
+            &["page", "share", "expert", "experts"],
+        )),
     }
 }

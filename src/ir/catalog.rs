@@ -347,13 +347,30 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             // checker accepts an unwritten cache there).
             RoleSig {
                 role: Role::Kv,
-                access: if part == AttnPart::Prefill { Write } else { ReadWrite },
-                expects: if part == AttnPart::Prefill { vec![] } else { vec![T::KvCache { layer, ub }] },
+                access: if part == AttnPart::Prefill {
+                    Write
+                } else {
+                    ReadWrite
+                },
+                expects: if part == AttnPart::Prefill {
+                    vec![]
+                } else {
+                    vec![T::KvCache { layer, ub }]
+                },
                 may_be_empty: part == AttnPart::All,
                 optional: part == AttnPart::Prefill,
                 produces: Some(T::KvCache { layer, ub }),
             },
-            sig(Role::Out, Write, vec![], Some(T::AttnOut { layer, ub, rows: part.rows() })),
+            sig(
+                Role::Out,
+                Write,
+                vec![],
+                Some(T::AttnOut {
+                    layer,
+                    ub,
+                    rows: part.rows(),
+                }),
+            ),
         ],
         Op::PostAttn { layer, ub } => {
             let mut weights = vec![T::O { layer }, T::Gate { layer }];
@@ -363,7 +380,16 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             }));
             vec![
                 sig(Role::W, Read, weights, None),
-                sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
+                sig(
+                    Role::A,
+                    Read,
+                    vec![T::AttnOut {
+                        layer,
+                        ub,
+                        rows: Rows::All,
+                    }],
+                    None,
+                ),
                 sig(
                     Role::H,
                     ReadWrite,
@@ -374,7 +400,16 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         }
         Op::OProj { layer, ub } => vec![
             sig(Role::W, Read, vec![T::O { layer }], None),
-            sig(Role::A, Read, vec![T::AttnOut { layer, ub, rows: Rows::All }], None),
+            sig(
+                Role::A,
+                Read,
+                vec![T::AttnOut {
+                    layer,
+                    ub,
+                    rows: Rows::All,
+                }],
+                None,
+            ),
             sig(
                 Role::H,
                 ReadWrite,
@@ -597,7 +632,8 @@ pub fn role_traffic(
         (Op::OProj { .. }, Role::W) => (DataClass::Weights, layout.o_bytes as f64),
         (Op::PostAttn { .. }, Role::W) => (
             DataClass::Weights,
-            (layout.o_bytes + layout.gate_bytes) as f64 + active(card.experts as f64) * expert_bytes,
+            (layout.o_bytes + layout.gate_bytes) as f64
+                + active(card.experts as f64) * expert_bytes,
         ),
         (Op::Gate { .. }, Role::W) => (DataClass::Weights, layout.gate_bytes as f64),
         (Op::Experts { set, .. }, Role::W) => (

@@ -42,13 +42,25 @@ impl DepKinds {
     /// True when the edge exists only because a buffer is reused (WAR/WAW, no data flow,
     /// no stream order, no explicit request).
     pub fn is_reuse_only(self) -> bool {
-        self.0 & (Self::WAR | Self::WAW) != 0 && self.0 & (Self::RAW | Self::STREAM | Self::AFTER) == 0
+        self.0 & (Self::WAR | Self::WAW) != 0
+            && self.0 & (Self::RAW | Self::STREAM | Self::AFTER) == 0
     }
 
     /// `stream+raw` style rendering.
     pub fn describe(self) -> String {
-        let names = [(Self::STREAM, "stream"), (Self::RAW, "raw"), (Self::WAR, "war"), (Self::WAW, "waw"), (Self::AFTER, "after")];
-        names.iter().filter(|(k, _)| self.has(*k)).map(|(_, n)| *n).collect::<Vec<_>>().join("+")
+        let names = [
+            (Self::STREAM, "stream"),
+            (Self::RAW, "raw"),
+            (Self::WAR, "war"),
+            (Self::WAW, "waw"),
+            (Self::AFTER, "after"),
+        ];
+        names
+            .iter()
+            .filter(|(k, _)| self.has(*k))
+            .map(|(_, n)| *n)
+            .collect::<Vec<_>>()
+            .join("+")
     }
 }
 
@@ -88,7 +100,9 @@ impl Dag {
 
     /// Predecessor ids of every task (data deps, stream order and `after`, reduced).
     pub fn pred_ids(&self) -> Vec<Vec<TaskId>> {
-        (0..self.task_count()).map(|t| self.preds(TaskId::new(t)).iter().map(|d| d.from).collect()).collect()
+        (0..self.task_count())
+            .map(|t| self.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+            .collect()
     }
 
     /// Number of tasks.
@@ -107,7 +121,8 @@ impl Dag {
 
     /// The DAG as a petgraph graph (node `i` is task `i`), for graph algorithms and export.
     pub fn to_petgraph(&self) -> petgraph::graph::DiGraph<TaskId, DepKinds> {
-        let mut graph = petgraph::graph::DiGraph::with_capacity(self.task_count(), self.edges.len());
+        let mut graph =
+            petgraph::graph::DiGraph::with_capacity(self.task_count(), self.edges.len());
         for i in 0..self.task_count() {
             graph.add_node(TaskId::new(i));
         }
@@ -168,24 +183,47 @@ struct BufferState {
 impl BufferState {
     fn new(bytes: u64) -> Self {
         let mut segments = BTreeMap::new();
-        segments.insert(0, Segment { end: bytes.max(1), writer: None, readers: Vec::new() });
+        segments.insert(
+            0,
+            Segment {
+                end: bytes.max(1),
+                writer: None,
+                readers: Vec::new(),
+            },
+        );
         BufferState { segments }
     }
 
     /// Ensures a segment boundary at `pos`.
     fn split_at(&mut self, pos: u64) {
-        let Some((&start, seg)) = self.segments.range(..=pos).next_back() else { return };
+        let Some((&start, seg)) = self.segments.range(..=pos).next_back() else {
+            return;
+        };
         if start < pos && pos < seg.end {
             let mut right = seg.clone();
             if let Some(left) = self.segments.get_mut(&start) {
                 left.end = pos;
             }
             right.end = right.end.max(pos);
-            self.segments.insert(pos, Segment { end: right.end, writer: right.writer, readers: right.readers });
+            self.segments.insert(
+                pos,
+                Segment {
+                    end: right.end,
+                    writer: right.writer,
+                    readers: right.readers,
+                },
+            );
         }
     }
 
-    fn access(&mut self, start: u64, end: u64, access: Access, task: TaskId, edges: &mut Vec<(TaskId, u8)>) {
+    fn access(
+        &mut self,
+        start: u64,
+        end: u64,
+        access: Access,
+        task: TaskId,
+        edges: &mut Vec<(TaskId, u8)>,
+    ) {
         if start >= end {
             return;
         }
@@ -193,7 +231,9 @@ impl BufferState {
         self.split_at(end);
         let keys: Vec<u64> = self.segments.range(start..end).map(|(k, _)| *k).collect();
         for key in &keys {
-            let Some(seg) = self.segments.get_mut(key) else { continue };
+            let Some(seg) = self.segments.get_mut(key) else {
+                continue;
+            };
             if let Some(w) = seg.writer {
                 if access.reads() {
                     edges.push((w, DepKinds::RAW));
@@ -212,7 +252,14 @@ impl BufferState {
             for key in &keys {
                 self.segments.remove(key);
             }
-            self.segments.insert(start, Segment { end, writer: Some(task), readers: Vec::new() });
+            self.segments.insert(
+                start,
+                Segment {
+                    end,
+                    writer: Some(task),
+                    readers: Vec::new(),
+                },
+            );
         }
     }
 }
@@ -251,7 +298,11 @@ pub fn candidate_edges(program: &Program) -> Candidates {
             add(a, DepKinds::AFTER, None);
         }
         // Reads first, then writes, so a task never waits for its own access.
-        let mut ordered: Vec<&super::Arg> = task.args.iter().filter(|a| a.access == Access::Read).collect();
+        let mut ordered: Vec<&super::Arg> = task
+            .args
+            .iter()
+            .filter(|a| a.access == Access::Read)
+            .collect();
         ordered.extend(task.args.iter().filter(|a| a.access != Access::Read));
         for arg in ordered {
             let buffer = &program.buffers[arg.slice.buffer.index()];
@@ -262,9 +313,16 @@ pub fn candidate_edges(program: &Program) -> Candidates {
                 Some(_) => (arg.slice.start, arg.slice.start + arg.slice.len * experts),
                 None => (arg.slice.start, arg.slice.end()),
             };
-            let state = states[arg.slice.buffer.index()].get_or_insert_with(|| BufferState::new(buffer.bytes));
+            let state = states[arg.slice.buffer.index()]
+                .get_or_insert_with(|| BufferState::new(buffer.bytes));
             raw_edges.clear();
-            state.access(start, end.min(buffer.bytes.max(1)), arg.access, id, &mut raw_edges);
+            state.access(
+                start,
+                end.min(buffer.bytes.max(1)),
+                arg.access,
+                id,
+                &mut raw_edges,
+            );
             for &(from, kind) in &raw_edges {
                 add(from, kind, Some(arg.slice.buffer));
             }
@@ -336,8 +394,17 @@ fn reduce(candidates: Candidates, before: usize, bitsets: bool) -> Dag {
     for (v, mut keep) in kept.into_iter().enumerate() {
         pred_start.push(edges.len() as u32);
         keep.sort_by_key(|k| k.0);
-        edges.extend(keep.into_iter().map(|(from, kinds, buffer)| Dep { from, to: TaskId::new(v), kinds, buffer }));
+        edges.extend(keep.into_iter().map(|(from, kinds, buffer)| Dep {
+            from,
+            to: TaskId::new(v),
+            kinds,
+            buffer,
+        }));
     }
     pred_start.push(edges.len() as u32);
-    Dag { edges, pred_start, edges_before_reduction: before }
+    Dag {
+        edges,
+        pred_start,
+        edges_before_reduction: before,
+    }
 }

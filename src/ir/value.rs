@@ -243,8 +243,16 @@ pub fn checkpoint_pieces(
         let base = layout.layer_offset(layer);
         let l = layer as u32;
         push(base, layout.pre_bytes, Tensor::Pre { layer: l });
-        push(base + layout.pre_bytes, layout.o_bytes, Tensor::O { layer: l });
-        push(base + layout.pre_bytes + layout.o_bytes, layout.gate_bytes, Tensor::Gate { layer: l });
+        push(
+            base + layout.pre_bytes,
+            layout.o_bytes,
+            Tensor::O { layer: l },
+        );
+        push(
+            base + layout.pre_bytes + layout.o_bytes,
+            layout.gate_bytes,
+            Tensor::Gate { layer: l },
+        );
         let experts_base = base + layout.dense_bytes();
         let eb = layout.expert_bytes.max(1);
         let first_e = start.saturating_sub(experts_base) / eb;

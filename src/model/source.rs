@@ -80,7 +80,11 @@ pub struct LoadedModel {
 
 /// The cache folder for synthetic checkpoints.
 pub fn cache_dir() -> Result<PathBuf, SourceError> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(dir) = env("MOEC_CACHE_DIR") {
         return Ok(dir);
     }
@@ -90,7 +94,10 @@ pub fn cache_dir() -> Result<PathBuf, SourceError> {
     if let Some(home) = env("HOME") {
         return Ok(home.join(".cache").join("moec"));
     }
-    Err(SourceError::Cache { path: "~/.cache/moec".into(), message: "set MOEC_CACHE_DIR or HOME".into() })
+    Err(SourceError::Cache {
+        path: "~/.cache/moec".into(),
+        message: "set MOEC_CACHE_DIR or HOME".into(),
+    })
 }
 
 fn dtype_tag(d: WeightDtype) -> &'static str {
@@ -102,19 +109,37 @@ fn dtype_tag(d: WeightDtype) -> &'static str {
 }
 
 /// The synthetic checkpoint folder of `card` in the cache, generating it if needed.
-pub fn ensure_synthetic(card: &ModelCard, seed: u64, dtype: WeightDtype) -> Result<PathBuf, SourceError> {
+pub fn ensure_synthetic(
+    card: &ModelCard,
+    seed: u64,
+    dtype: WeightDtype,
+) -> Result<PathBuf, SourceError> {
     let bytes = card.total_params() * dtype.bytes();
     if bytes > MAX_IMPLICIT_SYNTH_BYTES {
-        return Err(SourceError::TooLarge { card: card.name.clone(), gib: bytes as f64 / (1u64 << 30) as f64 });
+        return Err(SourceError::TooLarge {
+            card: card.name.clone(),
+            gib: bytes as f64 / (1u64 << 30) as f64,
+        });
     }
     let ron = ron::to_string(card).unwrap_or_default();
-    let digest = ron.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    let key = format!("{}-seed{seed}-{}-v{SYNTH_FORMAT_VERSION}-{:08x}", card.name, dtype_tag(dtype), digest as u32);
+    let digest = ron.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    let key = format!(
+        "{}-seed{seed}-{}-v{SYNTH_FORMAT_VERSION}-{:08x}",
+        card.name,
+        dtype_tag(dtype),
+        digest as u32
+    );
     let dir = cache_dir()?.join("synthetic").join(key);
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }
-    let opts = SynthOptions { seed, dtype, ..SynthOptions::default() };
+    let opts = SynthOptions {
+        seed,
+        dtype,
+        ..SynthOptions::default()
+    };
     match write_checkpoint(card, &dir, &opts) {
         Ok(()) => Ok(dir),
         // Another process won the race and renamed its copy into place first.
@@ -140,5 +165,9 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
     };
     let checkpoint = Checkpoint::open_with_card(&dir, card.as_ref())?;
     let tokenizer = TextTokenizer::load(checkpoint.card(), Some(Path::new(&dir)))?;
-    Ok(LoadedModel { checkpoint, tokenizer, synthetic })
+    Ok(LoadedModel {
+        checkpoint,
+        tokenizer,
+        synthetic,
+    })
 }

@@ -12,7 +12,8 @@
 use crate::model::arch::ArchSpec;
 use crate::model::card::{ModelCard, WeightDtype};
 use crate::model::config::config_for_card;
-use crate::model::names::checkpoint_tensors;
+use crate::model::layout::{ImageBuffer, LayerLayout};
+use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::model::rng::Rng;
 use crate::model::tokenizer::embedded_tokenizer_json;
 use half::{bf16, f16};
@@ -35,7 +36,11 @@ pub struct SynthOptions {
 
 impl Default for SynthOptions {
     fn default() -> Self {
-        SynthOptions { seed: 0, dtype: WeightDtype::Bf16, max_shard_bytes: DEFAULT_SHARD_BYTES }
+        SynthOptions {
+            seed: 0,
+            dtype: WeightDtype::Bf16,
+            max_shard_bytes: DEFAULT_SHARD_BYTES,
+        }
     }
 }
 
@@ -56,12 +61,17 @@ pub enum SynthError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
-    move |source| SynthError::Io { path: path.display().to_string(), source }
+    move |source| SynthError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// FNV-1a of a name: decorrelates tensor streams independently of write order.
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// (centre, half-width) of the uniform distribution of a tensor's values.
@@ -87,6 +97,46 @@ fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
     }
 }
 
+/// The value stream of tensor `name` (endless; take `shape.iter().product()` values).
+fn tensor_values(
+    a: &ArchSpec,
+    name: &str,
+    shape: &[usize],
+    seed: u64,
+) -> impl Iterator<Item = f32> {
+    let (centre, half) = distribution(a, name, shape);
+    let mut rng = Rng::new(seed ^ fnv1a(name));
+    std::iter::repeat_with(move || centre + half * rng.next_signed_f32())
+}
+
+/// Layer `layer` of the synthetic checkpoint of `card`, built directly as a packed image
+/// (the same bytes `Checkpoint::copy_layer_image` would copy from the written files), for
+/// benchmarks and tests that need one large layer without writing the whole model.
+pub fn synthetic_layer_image(
+    card: &ModelCard,
+    layer: usize,
+    opts: &SynthOptions,
+) -> (LayerLayout, ImageBuffer) {
+    let arch = ArchSpec::from_card(card);
+    let layout = LayerLayout::uniform(&arch, opts.dtype);
+    let mut image = ImageBuffer::zeroed(layout.image_bytes);
+    let bytes = image.as_bytes_mut();
+    let mut buf = Vec::new();
+    for seg in &layout.segments {
+        let src = segment_source(&arch, layer, seg.kind);
+        let skip = src.rows.start * seg.cols;
+        buf.clear();
+        for v in tensor_values(&arch, &src.name, &src.shape, opts.seed)
+            .skip(skip)
+            .take(seg.rows * seg.cols)
+        {
+            encode(v, opts.dtype, &mut buf);
+        }
+        bytes[seg.range()].copy_from_slice(&buf);
+    }
+    (layout, image)
+}
+
 fn encode(v: f32, dtype: WeightDtype, out: &mut Vec<u8>) {
     match dtype {
         WeightDtype::Bf16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
@@ -104,7 +154,12 @@ fn dtype_name(d: WeightDtype) -> &'static str {
 }
 
 /// Writes one safetensors file holding `tensors`, values generated on the fly.
-fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>)], a: &ArchSpec, opts: &SynthOptions) -> Result<(), SynthError> {
+fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    a: &ArchSpec,
+    opts: &SynthOptions,
+) -> Result<(), SynthError> {
     let elem = opts.dtype.bytes() as usize;
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
@@ -118,24 +173,24 @@ fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>)], a: &ArchSpec
         offset += bytes;
     }
     let mut text = serde_json::Value::Object(header).to_string().into_bytes();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let file = std::fs::File::create(path).map_err(io(path))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
-    w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io(path))?;
+    w.write_all(&(text.len() as u64).to_le_bytes())
+        .map_err(io(path))?;
     w.write_all(&text).map_err(io(path))?;
     let mut buf = Vec::with_capacity(1 << 20);
     for (name, shape) in tensors {
         let n: usize = shape.iter().product();
-        let (centre, half) = distribution(a, name, shape);
-        let mut rng = Rng::new(opts.seed ^ fnv1a(name));
+        let mut values = tensor_values(a, name, shape, opts.seed);
         let mut left = n;
         while left > 0 {
             let chunk = left.min((1 << 20) / elem);
             buf.clear();
-            for _ in 0..chunk {
-                encode(centre + half * rng.next_signed_f32(), opts.dtype, &mut buf);
+            for v in values.by_ref().take(chunk) {
+                encode(v, opts.dtype, &mut buf);
             }
             w.write_all(&buf).map_err(io(path))?;
             left -= chunk;
@@ -147,22 +202,36 @@ fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>)], a: &ArchSpec
 
 /// A fresh temporary folder next to `out` (same file system, so the rename is atomic).
 fn temp_dir_for(out: &Path) -> Result<PathBuf, SynthError> {
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io(parent))?;
-    let stem = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "checkpoint".into());
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let stem = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "checkpoint".into());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     let tmp = parent.join(format!(".{stem}.tmp-{}-{nanos}", std::process::id()));
     std::fs::create_dir(&tmp).map_err(io(&tmp))?;
     Ok(tmp)
 }
 
 /// Writes the checkpoint of `card` to `out` (which must not exist).
-pub fn write_checkpoint(card: &ModelCard, out: &Path, opts: &SynthOptions) -> Result<(), SynthError> {
+pub fn write_checkpoint(
+    card: &ModelCard,
+    out: &Path,
+    opts: &SynthOptions,
+) -> Result<(), SynthError> {
     if out.exists() {
         return Err(SynthError::Exists(out.display().to_string()));
     }
     let tmp = temp_dir_for(out)?;
-    let result = write_into(card, &tmp, opts).and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
+    let result =
+        write_into(card, &tmp, opts).and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -173,7 +242,8 @@ fn write_into(card: &ModelCard, dir: &Path, opts: &SynthOptions) -> Result<(), S
     let arch = ArchSpec::from_card(card);
     let mut config_card = card.clone();
     config_card.dtype = opts.dtype;
-    let config = serde_json::to_string_pretty(&config_for_card(&config_card, opts.dtype)).unwrap_or_default();
+    let config = serde_json::to_string_pretty(&config_for_card(&config_card, opts.dtype))
+        .unwrap_or_default();
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, config + "\n").map_err(io(&config_path))?;
     let tok_path = dir.join("tokenizer.json");
@@ -211,6 +281,10 @@ fn write_into(card: &ModelCard, dir: &Path, opts: &SynthOptions) -> Result<(), S
     }
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     let index_path = dir.join("model.safetensors.index.json");
-    std::fs::write(&index_path, serde_json::to_string_pretty(&index).unwrap_or_default()).map_err(io(&index_path))?;
+    std::fs::write(
+        &index_path,
+        serde_json::to_string_pretty(&index).unwrap_or_default(),
+    )
+    .map_err(io(&index_path))?;
     Ok(())
 }

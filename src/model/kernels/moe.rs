@@ -48,7 +48,11 @@ impl Routing {
         let k = self.top_k.max(1);
         for (i, (&e, &weight)) in self.experts.iter().zip(&self.weights).enumerate() {
             if let Some(g) = groups.get_mut(e as usize) {
-                g.push(RoutedRow { row: (i / k) as u32, slot: (i % k) as u32, weight });
+                g.push(RoutedRow {
+                    row: (i / k) as u32,
+                    slot: (i % k) as u32,
+                    weight,
+                });
             }
         }
         groups
@@ -57,7 +61,12 @@ impl Routing {
 
 /// Softmax over all experts in f32, top-k (ties to the lower index), then division by
 /// the p-norm of the chosen weights when `norm_p` is set (Mixtral: p = 1, the sum).
-pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Option<f64>) -> Routing {
+pub fn route(
+    router_logits: &[f32],
+    n_experts: usize,
+    top_k: usize,
+    norm_p: Option<f64>,
+) -> Routing {
     let n = router_logits.len() / n_experts.max(1);
     let mut experts = Vec::with_capacity(n * top_k);
     let mut weights = Vec::with_capacity(n * top_k);
@@ -72,7 +81,11 @@ pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Opti
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
         let chosen = &order[..top_k];
         let denom = match norm_p {
-            Some(p) => chosen.iter().map(|&e| (probs[e].abs() as f64).powf(p)).sum::<f64>().powf(1.0 / p) as f32,
+            Some(p) => chosen
+                .iter()
+                .map(|&e| (probs[e].abs() as f64).powf(p))
+                .sum::<f64>()
+                .powf(1.0 / p) as f32,
             None => 1.0,
         };
         for &e in chosen {
@@ -80,7 +93,11 @@ pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Opti
             weights.push(probs[e] / denom);
         }
     }
-    Routing { top_k, experts, weights }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
 }
 
 /// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
@@ -121,8 +138,15 @@ pub fn expert_ffn(
     if rows.is_empty() {
         return Ok(());
     }
-    if let Some(bad) = rows.iter().find(|r| r.row as usize >= n_tokens || r.slot as usize >= k) {
-        return Err(KernelError::Shape { what: "routed row (row, slot)", expected: n_tokens * k, got: bad.row as usize * k + bad.slot as usize });
+    if let Some(bad) = rows
+        .iter()
+        .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
+    {
+        return Err(KernelError::Shape {
+            what: "routed row (row, slot)",
+            expected: n_tokens * k,
+            got: bad.row as usize * k + bad.slot as usize,
+        });
     }
     let n = rows.len();
     let mut gathered = vec![0.0f32; n * d];
@@ -140,7 +164,10 @@ pub fn expert_ffn(
     linear(&h_gate, n, &expert.down, &mut gathered);
     for (i, r) in rows.iter().enumerate() {
         let at = (r.row as usize * k + r.slot as usize) * d;
-        for (o, y) in slots[at..at + d].iter_mut().zip(&gathered[i * d..(i + 1) * d]) {
+        for (o, y) in slots[at..at + d]
+            .iter_mut()
+            .zip(&gathered[i * d..(i + 1) * d])
+        {
             *o = r.weight * y;
         }
     }
@@ -190,7 +217,11 @@ mod tests {
         assert!((r.weights[0] - 4.0 / 7.0).abs() < 1e-6 && (r.weights[1] - 3.0 / 7.0).abs() < 1e-6);
         let raw = route(&logits, 4, 2, None);
         assert!((raw.weights[0] - 0.4).abs() < 1e-6 && (raw.weights[1] - 0.3).abs() < 1e-6);
-        let rows: Vec<Vec<(u32, u32)>> = r.by_expert(4).iter().map(|g| g.iter().map(|p| (p.row, p.slot)).collect()).collect();
+        let rows: Vec<Vec<(u32, u32)>> = r
+            .by_expert(4)
+            .iter()
+            .map(|g| g.iter().map(|p| (p.row, p.slot)).collect())
+            .collect();
         assert_eq!(rows, vec![vec![], vec![], vec![(0, 1)], vec![(0, 0)]]);
     }
 }
