@@ -15,7 +15,8 @@ fn options() -> Options {
 }
 
 fn bench_compile(c: &mut Criterion) {
-    let source = std::fs::read_to_string("schedules/cgopipe.sched").expect("schedules/cgopipe.sched");
+    let source =
+        std::fs::read_to_string("schedules/cgopipe.sched").expect("schedules/cgopipe.sched");
     let options = options();
     let compiled = compile::compile(&source, &options).expect("cgopipe compiles on dbrx");
     eprintln!(
@@ -29,13 +30,23 @@ fn bench_compile(c: &mut Criterion) {
     group.bench_function("text_to_checked_dag", |b| {
         b.iter(|| compile::compile(black_box(&source), black_box(&options)).expect("compiles"))
     });
-    group.bench_function("parse", |b| b.iter(|| compile::source_to_ast(black_box(&source)).expect("parses")));
+    group.bench_function("parse", |b| {
+        b.iter(|| compile::source_to_ast(black_box(&source)).expect("parses"))
+    });
     let ast = compile::source_to_ast(&source).expect("parses");
-    group.bench_function("elaborate", |b| b.iter(|| compile::ast_to_ir(black_box(&ast), &options).expect("elaborates")));
+    group.bench_function("elaborate", |b| {
+        b.iter(|| compile::ast_to_ir(black_box(&ast), &options).expect("elaborates"))
+    });
     let (program, _) = compile::ast_to_ir(&ast, &options).expect("elaborates");
-    group.bench_function("dependencies_and_reduction", |b| b.iter(|| moec::ir::deps::build(black_box(&program))));
-    group.bench_function("value_tracking", |b| b.iter(|| moec::check::values::check(black_box(&program))));
-    group.bench_function("check_all", |b| b.iter(|| moec::check::check(black_box(&program)).expect("checks")));
+    group.bench_function("dependencies_and_reduction", |b| {
+        b.iter(|| moec::ir::deps::build(black_box(&program)))
+    });
+    group.bench_function("value_tracking", |b| {
+        b.iter(|| moec::check::values::check(black_box(&program)))
+    });
+    group.bench_function("check_all", |b| {
+        b.iter(|| moec::check::check(black_box(&program)).expect("checks"))
+    });
     group.finish();
 }
 

@@ -3,7 +3,10 @@
 use std::process::Command;
 
 fn moec(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_moec")).args(args).output().expect("moec runs");
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(args)
+        .output()
+        .expect("moec runs");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -27,19 +30,45 @@ fn check_reports_diagnostics_and_exits_1() {
     let (code, stdout, stderr) = moec(&["check", "tests/fixtures/diag/values_wrong.sched"]);
     assert_eq!(code, 1);
     assert!(stdout.is_empty());
-    assert!(stderr.contains("values::wrong") && stderr.contains("rejected"), "{stderr}");
+    assert!(
+        stderr.contains("values::wrong") && stderr.contains("rejected"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn set_and_model_flags_reach_the_schedule() {
-    let (code, stdout, stderr) =
-        moec(&["check", "tests/fixtures/all_constructs.sched", "--model", "dbrx-tiny", "--set", "n_ub=3", "--gen-len", "8"]);
+    let (code, stdout, stderr) = moec(&[
+        "check",
+        "tests/fixtures/all_constructs.sched",
+        "--model",
+        "dbrx-tiny",
+        "--set",
+        "n_ub=3",
+        "--gen-len",
+        "8",
+    ]);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("model dbrx-tiny") && stdout.contains("n_ub=3") && stdout.contains("gen_len 8"), "{stdout}");
-    let (code, _, stderr) = moec(&["check", "tests/fixtures/all_constructs.sched", "--set", "n_ub=100"]);
+    assert!(
+        stdout.contains("model dbrx-tiny")
+            && stdout.contains("n_ub=3")
+            && stdout.contains("gen_len 8"),
+        "{stdout}"
+    );
+    let (code, _, stderr) = moec(&[
+        "check",
+        "tests/fixtures/all_constructs.sched",
+        "--set",
+        "n_ub=100",
+    ]);
     assert_eq!(code, 1);
     assert!(stderr.contains("elab::param_value"), "{stderr}");
-    let (code, _, stderr) = moec(&["check", "tests/fixtures/all_constructs.sched", "--set", "n_ub"]);
+    let (code, _, stderr) = moec(&[
+        "check",
+        "tests/fixtures/all_constructs.sched",
+        "--set",
+        "n_ub",
+    ]);
     assert_eq!(code, 1);
     assert!(stderr.contains("not of the form name=value"), "{stderr}");
 }
@@ -49,10 +78,20 @@ fn compile_emits_text_dot_and_json() {
     let (code, text, _) = moec(&["compile", "tests/fixtures/all_constructs.sched"]);
     assert_eq!(code, 0);
     assert!(text.contains("decode {") && text.contains("<- "), "{text}");
-    let (code, dot, _) = moec(&["compile", "tests/fixtures/all_constructs.sched", "--emit", "dot"]);
+    let (code, dot, _) = moec(&[
+        "compile",
+        "tests/fixtures/all_constructs.sched",
+        "--emit",
+        "dot",
+    ]);
     assert_eq!(code, 0);
     assert!(dot.starts_with("digraph") && dot.trim_end().ends_with('}'));
-    let (code, json, _) = moec(&["compile", "tests/fixtures/all_constructs.sched", "--emit", "json"]);
+    let (code, json, _) = moec(&[
+        "compile",
+        "tests/fixtures/all_constructs.sched",
+        "--emit",
+        "json",
+    ]);
     assert_eq!(code, 0);
     let value: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
     assert!(value["edges"].as_array().is_some_and(|e| !e.is_empty()));
@@ -63,7 +102,12 @@ fn a_missing_file_or_card_is_a_clean_error() {
     let (code, _, stderr) = moec(&["check", "no/such/file.sched"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("cannot read"), "{stderr}");
-    let (code, _, stderr) = moec(&["check", "tests/fixtures/all_constructs.sched", "--model", "nope"]);
+    let (code, _, stderr) = moec(&[
+        "check",
+        "tests/fixtures/all_constructs.sched",
+        "--model",
+        "nope",
+    ]);
     assert_eq!(code, 1);
     assert!(stderr.contains("unknown model card"), "{stderr}");
 }

@@ -65,11 +65,11 @@ fn json_round_trips_through_serde() {
 /// Reachability by plain DFS over an edge list: the oracle for the reduction.
 fn closure(n: usize, preds: &[Vec<usize>]) -> Vec<Vec<bool>> {
     let mut reach = vec![vec![false; n]; n];
-    for v in 0..n {
+    for (v, row) in reach.iter_mut().enumerate() {
         let mut stack: Vec<usize> = preds[v].clone();
         while let Some(u) = stack.pop() {
-            if !reach[v][u] {
-                reach[v][u] = true;
+            if !row[u] {
+                row[u] = true;
                 stack.extend(preds[u].iter().copied());
             }
         }
@@ -77,9 +77,35 @@ fn closure(n: usize, preds: &[Vec<usize>]) -> Vec<Vec<bool>> {
     reach
 }
 
+/// The fixture and every schedule in `schedules/` that compiles on the tiny card.
+fn programs() -> Vec<Compiled> {
+    let mut out = vec![compiled(&source())];
+    for dir in ["schedules", "schedules/baselines"] {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut paths: Vec<_> = entries.filter_map(|e| e.ok()).map(|e| e.path()).collect();
+        paths.sort();
+        for path in paths
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "sched"))
+        {
+            if let Ok(c) = compile(&std::fs::read_to_string(&path).unwrap(), &options()) {
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
 #[test]
 fn reduction_keeps_reachability_and_removes_every_redundant_edge() {
-    let c = compiled(&source());
+    for c in programs() {
+        check_reduction(&c);
+    }
+}
+
+fn check_reduction(c: &Compiled) {
     let program = &c.program;
     let n = program.tasks.len();
     let candidates = deps::candidate_edges(program);
@@ -88,7 +114,7 @@ fn reduction_keeps_reachability_and_removes_every_redundant_edge() {
         .map(|p| p.iter().map(|e| e.0.index()).collect())
         .collect();
     let full = closure(n, &all);
-    for reduction in [Reduction::Bitsets, Reduction::Dfs] {
+    for reduction in [Reduction::Chains, Reduction::Bitsets] {
         let dag = deps::build_with(program, reduction);
         let kept: Vec<Vec<usize>> = (0..n)
             .map(|t| {
@@ -101,14 +127,19 @@ fn reduction_keeps_reachability_and_removes_every_redundant_edge() {
         assert_eq!(
             closure(n, &kept),
             full,
-            "{reduction:?} changed reachability"
+            "{}: {reduction:?} changed reachability",
+            program.name
         );
         // Irredundant: no kept edge u -> v is implied by another path from u to v.
-        for v in 0..n {
-            for &u in &kept[v] {
-                let others: Vec<usize> = kept[v].iter().copied().filter(|&w| w != u).collect();
+        for (v, kept_v) in kept.iter().enumerate() {
+            for &u in kept_v {
+                let others: Vec<usize> = kept_v.iter().copied().filter(|&w| w != u).collect();
                 let implied = others.iter().any(|&w| w == u || full[w][u]);
-                assert!(!implied, "{reduction:?}: edge t{u} -> t{v} is redundant");
+                assert!(
+                    !implied,
+                    "{}: {reduction:?}: edge t{u} -> t{v} is redundant",
+                    program.name
+                );
             }
         }
         assert_eq!(

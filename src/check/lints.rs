@@ -45,8 +45,9 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
             diags.push(Diagnostic::unused_stream(span, &stream.name));
         }
     }
-    // (buffer, from stream, to stream) -> (count, first example)
-    let mut found: BTreeMap<(u32, u32, u32), (usize, (u32, u32))> = BTreeMap::new();
+    // (buffer, from stream, to stream) -> (count, first example (from task, to task))
+    type Example = (usize, (u32, u32));
+    let mut found: BTreeMap<(u32, u32, u32), Example> = BTreeMap::new();
     for edge in &dag.edges {
         let Some(buffer) = edge.buffer else { continue };
         let from = program.task(edge.from).stream;

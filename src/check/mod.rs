@@ -20,6 +20,7 @@ pub use values::WeightLocation;
 
 /// What checking proved about a program; required by lowering and the cost model.
 #[derive(Debug, Clone, Serialize)]
+#[allow(clippy::manual_non_exhaustive)]
 pub struct ScheduleInfo {
     /// The reduced dependency graph.
     pub dag: Dag,
@@ -27,6 +28,8 @@ pub struct ScheduleInfo {
     pub weight_locations: Vec<Vec<WeightLocation>>,
     /// Warnings found (errors would have rejected the program).
     pub warnings: Vec<Diagnostic>,
+    /// Private, so only `check` can build one (within the crate too, which
+    /// `#[non_exhaustive]` would not ensure).
     #[serde(skip)]
     _sealed: (),
 }

@@ -31,11 +31,26 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
         let id = TaskId::new(index);
         let stream = program.stream(task.stream);
         let span = program.task_span(id);
-        let stream_span = program.spans.streams.get(task.stream.index()).copied().unwrap_or_default();
-        let arg_spans = program.spans.task_args.get(index).cloned().unwrap_or_default();
+        let stream_span = program
+            .spans
+            .streams
+            .get(task.stream.index())
+            .copied()
+            .unwrap_or_default();
+        let arg_spans = program
+            .spans
+            .task_args
+            .get(index)
+            .cloned()
+            .unwrap_or_default();
         let is_copy = task.op == Op::Copy;
         if !is_copy && !stream.engine.is_compute() {
-            diags.push(Diagnostic::op_engine(span, stream_span, task.op.name(), stream.engine.as_str()));
+            diags.push(Diagnostic::op_engine(
+                span,
+                stream_span,
+                task.op.name(),
+                stream.engine.as_str(),
+            ));
             continue;
         }
         for (k, arg) in task.args.iter().enumerate() {
@@ -56,11 +71,21 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
                 diags.push(Diagnostic::write_checkpoint(arg_span));
             }
             if arg.access.writes() && arg.slice.dynamic_expert.is_some() {
-                diags.push(Diagnostic::dynamic_not_allowed(arg_span, "the slot a task writes"));
+                diags.push(Diagnostic::dynamic_not_allowed(
+                    arg_span,
+                    "the slot a task writes",
+                ));
             }
-            if let Some(need) = catalog::required_bytes(&task.op, arg.role, &program.model, &task.shape) {
+            if let Some(need) =
+                catalog::required_bytes(&task.op, arg.role, &program.model, &task.shape)
+            {
                 if arg.slice.len < need {
-                    diags.push(Diagnostic::buffer_too_small(arg_span, arg.role.as_str(), arg.slice.len, need));
+                    diags.push(Diagnostic::buffer_too_small(
+                        arg_span,
+                        arg.role.as_str(),
+                        arg.slice.len,
+                        need,
+                    ));
                 }
             }
         }
@@ -71,7 +96,10 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
                 }
                 let src_buffer = program.buffer(src.slice.buffer);
                 if stream.engine == Engine::GpuCopyIn && src_buffer.space == Space::Host {
-                    diags.push(Diagnostic::pageable_copy(arg_spans.first().copied().unwrap_or(span), &src_buffer.name));
+                    diags.push(Diagnostic::pageable_copy(
+                        arg_spans.first().copied().unwrap_or(span),
+                        &src_buffer.name,
+                    ));
                 }
             }
         }

@@ -14,7 +14,9 @@
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, ExpertRef, ExpertSet, Op};
 use crate::ir::value::{checkpoint_pieces, Piece, Rows, Tensor};
-use crate::ir::{Access, BufferKind, CheckpointLayout, Guard, GuardAtom, GuardLit, Program, TaskId};
+use crate::ir::{
+    Access, BufferKind, CheckpointLayout, Guard, GuardAtom, GuardLit, Program, TaskId,
+};
 use crate::syntax::ast::{Span, StepKind};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
@@ -40,14 +42,27 @@ struct Cell {
 
 type Cells = BTreeMap<u64, Cell>;
 
+/// `(start, end, cell)` runs of a byte range.
+type Runs = Vec<(u64, u64, Cell)>;
+
 fn new_cells(bytes: u64) -> Cells {
     let mut cells = BTreeMap::new();
-    cells.insert(0, Cell { end: bytes.max(1), piece: None, writer: None, guard: Guard::default() });
+    cells.insert(
+        0,
+        Cell {
+            end: bytes.max(1),
+            piece: None,
+            writer: None,
+            guard: Guard::default(),
+        },
+    );
     cells
 }
 
 fn split_at(cells: &mut Cells, pos: u64) {
-    let Some((&start, cell)) = cells.range(..=pos).next_back() else { return };
+    let Some((&start, cell)) = cells.range(..=pos).next_back() else {
+        return;
+    };
     if start < pos && pos < cell.end {
         let mut right = cell.clone();
         if let Some(piece) = &mut right.piece {
@@ -79,7 +94,9 @@ fn runs(cells: &Cells, start: u64, end: u64) -> Vec<(u64, u64, Cell)> {
 }
 
 fn write(cells: &mut Cells, start: u64, runs_in: Vec<(u64, u64, Cell)>) {
-    let Some(end) = runs_in.last().map(|r| r.1) else { return };
+    let Some(end) = runs_in.last().map(|r| r.1) else {
+        return;
+    };
     split_at(cells, start);
     split_at(cells, end);
     let keys: Vec<u64> = cells.range(start..end).map(|(k, _)| *k).collect();
@@ -97,17 +114,34 @@ fn lit_implies(a: &GuardLit, b: &GuardLit) -> bool {
     if a == b {
         return true;
     }
-    let (GuardAtom::Active { layer: la, expert: ea, ub: ua }, GuardAtom::Active { layer: lb, expert: eb, ub: ub_b }) =
-        (a.atom, b.atom);
+    let (
+        GuardAtom::Active {
+            layer: la,
+            expert: ea,
+            ub: ua,
+        },
+        GuardAtom::Active {
+            layer: lb,
+            expert: eb,
+            ub: ub_b,
+        },
+    ) = (a.atom, b.atom);
     if la != lb || ea != eb || a.negated != b.negated {
         return false;
     }
-    if a.negated { ua.is_none() && ub_b.is_some() } else { ua.is_some() && ub_b.is_none() }
+    if a.negated {
+        ua.is_none() && ub_b.is_some()
+    } else {
+        ua.is_some() && ub_b.is_none()
+    }
 }
 
 /// Whether `reader` implies `writer` (every literal of the writer follows from the reader's).
 fn implies(reader: &Guard, writer: &Guard) -> bool {
-    writer.lits.iter().all(|w| reader.lits.iter().any(|r| lit_implies(r, w)))
+    writer
+        .lits
+        .iter()
+        .all(|w| reader.lits.iter().any(|r| lit_implies(r, w)))
 }
 
 fn union(a: &Guard, b: &Guard) -> Guard {
@@ -146,7 +180,11 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
             StepKind::Decode | StepKind::Mixed => 2,
         };
         for run in 0..runs {
-            tracker.pass_note = if run == 0 { "" } else { " (on the step's next run)" };
+            tracker.pass_note = if run == 0 {
+                ""
+            } else {
+                " (on the step's next run)"
+            };
             for id in step.task_ids() {
                 tracker.task(id);
             }
@@ -168,7 +206,16 @@ impl Tracker<'_> {
                 .into_iter()
                 .map(|(off, len, piece)| {
                     let lo = slice.start + off;
-                    (lo, lo + len, Cell { end: lo + len, piece: Some(piece), writer: None, guard: Guard::default() })
+                    (
+                        lo,
+                        lo + len,
+                        Cell {
+                            end: lo + len,
+                            piece: Some(piece),
+                            writer: None,
+                            guard: Guard::default(),
+                        },
+                    )
                 })
                 .collect();
         }
@@ -183,28 +230,51 @@ impl Tracker<'_> {
     /// A run-time-chosen expert of a buffer holding a whole layer: if its experts region
     /// holds every expert of one layer L in order, the slice holds `W[L].expert(hot(..))`;
     /// otherwise what the region holds is reported as is.
-    fn dynamic_expert_runs(&mut self, slice: &crate::ir::Slice, expert: ExpertRef) -> Vec<(u64, u64, Cell)> {
+    fn dynamic_expert_runs(
+        &mut self,
+        slice: &crate::ir::Slice,
+        expert: ExpertRef,
+    ) -> Vec<(u64, u64, Cell)> {
         let experts = self.layout.experts;
         let stride = slice.len;
-        let region = runs(self.cells_of(slice.buffer), slice.start, slice.start + stride * experts);
+        let region = runs(
+            self.cells_of(slice.buffer),
+            slice.start,
+            slice.start + stride * experts,
+        );
         let mut layer = None;
         let mut guard = Guard::default();
         let whole = (0..experts).all(|e| {
             let lo = slice.start + e * stride;
-            region.iter().filter(|r| r.0 < lo + stride && lo < r.1).all(|(r_lo, _, cell)| match &cell.piece {
-                Some(Piece { tensor: Tensor::Expert { layer: l, expert: ExpertRef::Index(x) }, offset }) => {
-                    guard = union(&guard, &cell.guard);
-                    let at = (*r_lo).max(lo);
-                    *layer.get_or_insert(*l) == *l && u64::from(*x) == e && offset + (at - r_lo) == at - lo
-                }
-                _ => false,
-            })
+            region
+                .iter()
+                .filter(|r| r.0 < lo + stride && lo < r.1)
+                .all(|(r_lo, _, cell)| match &cell.piece {
+                    Some(Piece {
+                        tensor:
+                            Tensor::Expert {
+                                layer: l,
+                                expert: ExpertRef::Index(x),
+                            },
+                        offset,
+                    }) => {
+                        guard = union(&guard, &cell.guard);
+                        let at = (*r_lo).max(lo);
+                        *layer.get_or_insert(*l) == *l
+                            && u64::from(*x) == e
+                            && offset + (at - r_lo) == at - lo
+                    }
+                    _ => false,
+                })
         });
         match (whole, layer) {
             (true, Some(layer)) => {
                 let cell = Cell {
                     end: slice.end(),
-                    piece: Some(Piece { tensor: Tensor::Expert { layer, expert }, offset: 0 }),
+                    piece: Some(Piece {
+                        tensor: Tensor::Expert { layer, expert },
+                        offset: 0,
+                    }),
                     writer: region.first().and_then(|r| r.2.writer),
                     guard,
                 };
@@ -220,10 +290,18 @@ impl Tracker<'_> {
     }
 
     fn writer_of(&self, cell: &Cell) -> Option<(String, Span)> {
-        cell.writer.map(|w| (self.program.task_name(w), self.program.task_span(w)))
+        cell.writer
+            .map(|w| (self.program.task_name(w), self.program.task_span(w)))
     }
 
-    fn describe(&self, cell: &Cell, run_start: u64, run_end: u64, slice_start: u64, slice_len: u64) -> String {
+    fn describe(
+        &self,
+        cell: &Cell,
+        run_start: u64,
+        run_end: u64,
+        slice_start: u64,
+        slice_len: u64,
+    ) -> String {
         let what = match &cell.piece {
             None => "nothing written yet".to_string(),
             Some(p) => p.tensor.to_string(),
@@ -231,7 +309,11 @@ impl Tracker<'_> {
         if run_start == slice_start && run_end == slice_start + slice_len {
             what
         } else {
-            format!("{what} in bytes {}..{} of it", run_start - slice_start, run_end - slice_start)
+            format!(
+                "{what} in bytes {}..{} of it",
+                run_start - slice_start,
+                run_end - slice_start
+            )
         }
     }
 
@@ -239,7 +321,11 @@ impl Tracker<'_> {
         let program = self.program;
         let task = program.task(id);
         let index = id.index();
-        let arg_spans: &[Span] = program.spans.task_args.get(index).map_or(&[], Vec::as_slice);
+        let arg_spans: &[Span] = program
+            .spans
+            .task_args
+            .get(index)
+            .map_or(&[], Vec::as_slice);
         let span = program.task_span(id);
         if task.op == Op::Copy {
             return self.copy(id, arg_spans, span);
@@ -256,40 +342,67 @@ impl Tracker<'_> {
             {
                 continue; // the prompt: provided by the runtime
             }
-            let args: Vec<(usize, &crate::ir::Arg)> =
-                task.args.iter().enumerate().filter(|(_, a)| a.role == sig.role).collect();
-            let Some(&(first_index, first)) = args.first() else { continue };
+            let args: Vec<(usize, &crate::ir::Arg)> = task
+                .args
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.role == sig.role)
+                .collect();
+            let Some(&(first_index, first)) = args.first() else {
+                continue;
+            };
             let first_span = arg_spans.get(first_index).copied().unwrap_or(span);
             let buffer_name = program.buffer(first.slice.buffer).name.clone();
             if sig.expects[0].is_weight() {
                 // Index every tensor start across the argument slices.
-                let mut all_runs: Vec<(usize, Vec<(u64, u64, Cell)>)> = Vec::new();
+                let mut all_runs: Vec<(usize, Runs)> = Vec::new();
                 for &(k, arg) in &args {
                     all_runs.push((k, self.read_runs(&arg.slice)));
                 }
                 for expected in &sig.expects {
-                    if let Err(d) =
-                        self.find_weight(expected, &args, &all_runs, &arg_spans, span, id, &task.guard, &mut locations)
-                    {
+                    if let Err(d) = self.find_weight(
+                        expected,
+                        &args,
+                        &all_runs,
+                        arg_spans,
+                        span,
+                        id,
+                        &task.guard,
+                        &mut locations,
+                    ) {
                         self.emit(d);
                         break;
                     }
                 }
-            } else if let Tensor::AttnOut { layer, ub, rows: Rows::All } = sig.expects[0] {
+            } else if let Tensor::AttnOut {
+                layer,
+                ub,
+                rows: Rows::All,
+            } = sig.expects[0]
+            {
                 let step_kind = program.steps.get(task.step.index()).map(|s| s.kind);
                 let mut found = Vec::new();
                 for &(k, arg) in &args {
                     let arg_span = arg_spans.get(k).copied().unwrap_or(span);
                     let name = program.buffer(arg.slice.buffer).name.clone();
-                    let need = catalog::required_bytes(&task.op, sig.role, &program.model, &task.shape)
-                        .unwrap_or(arg.slice.len)
-                        .min(arg.slice.len);
+                    let need =
+                        catalog::required_bytes(&task.op, sig.role, &program.model, &task.shape)
+                            .unwrap_or(arg.slice.len)
+                            .min(arg.slice.len);
                     let runs = self.read_runs(&arg.slice);
                     let mut result = Err(None);
                     for rows in [Rows::All, Rows::Prefill, Rows::Decode] {
                         let candidate = Tensor::AttnOut { layer, ub, rows };
                         let check = self.expect_activation(
-                            candidate, &runs, arg.slice.start, need, arg.slice.len, arg_span, id, &name, &task.guard,
+                            candidate,
+                            &runs,
+                            arg.slice.start,
+                            need,
+                            arg.slice.len,
+                            arg_span,
+                            id,
+                            &name,
+                            &task.guard,
                         );
                         match check {
                             Ok(()) => {
@@ -311,13 +424,29 @@ impl Tracker<'_> {
                     || (step_kind == Some(StepKind::Prefill) && found.contains(&Rows::Prefill))
                     || (step_kind == Some(StepKind::Decode) && found.contains(&Rows::Decode));
                 if !complete && found.len() == args.len() {
-                    let held: Vec<String> =
-                        found.iter().map(|r| Tensor::AttnOut { layer, ub, rows: *r }.to_string()).collect();
+                    let held: Vec<String> = found
+                        .iter()
+                        .map(|r| {
+                            Tensor::AttnOut {
+                                layer,
+                                ub,
+                                rows: *r,
+                            }
+                            .to_string()
+                        })
+                        .collect();
                     self.emit(Diagnostic::wrong_value(
                         first_span,
                         &program.task_name(id),
                         &buffer_name,
-                        &format!("{} (all rows)", Tensor::AttnOut { layer, ub, rows: Rows::All }),
+                        &format!(
+                            "{} (all rows)",
+                            Tensor::AttnOut {
+                                layer,
+                                ub,
+                                rows: Rows::All
+                            }
+                        ),
                         &held.join(" and "),
                         None,
                     ));
@@ -329,12 +458,26 @@ impl Tracker<'_> {
                     .min(first.slice.len);
                 let runs = self.read_runs(&first.slice);
                 let untouched = runs.iter().all(|r| r.2.piece.is_none());
-                let mixed = program.steps.get(task.step.index()).is_some_and(|s| s.kind == StepKind::Mixed);
-                if untouched && (sig.may_be_empty || (mixed && sig.role == crate::ir::Role::Kv)) {
+                let mixed = program
+                    .steps
+                    .get(task.step.index())
+                    .is_some_and(|s| s.kind == StepKind::Mixed);
+                // A mixed step's first run has no cache and no sampled tokens yet.
+                let first_run_empty =
+                    mixed && matches!(sig.role, crate::ir::Role::Kv | crate::ir::Role::Tokens);
+                if untouched && (sig.may_be_empty || first_run_empty) {
                     continue;
                 }
                 if let Err(d) = self.expect_activation(
-                    expected, &runs, first.slice.start, need, first.slice.len, first_span, id, &buffer_name, &task.guard,
+                    expected,
+                    &runs,
+                    first.slice.start,
+                    need,
+                    first.slice.len,
+                    first_span,
+                    id,
+                    &buffer_name,
+                    &task.guard,
                 ) {
                     self.emit(d);
                 }
@@ -344,21 +487,38 @@ impl Tracker<'_> {
         self.track_experts(id, span);
         // Writes.
         for sig in &signature {
-            let Some(produced) = sig.produces else { continue };
-            for arg in task.args.iter().filter(|a| a.role == sig.role && a.access.writes()) {
+            let Some(produced) = sig.produces else {
+                continue;
+            };
+            for arg in task
+                .args
+                .iter()
+                .filter(|a| a.role == sig.role && a.access.writes())
+            {
                 if program.buffer(arg.slice.buffer).kind == BufferKind::Checkpoint {
                     continue;
                 }
                 let (start, end) = (arg.slice.start, arg.slice.end());
                 // An in-place update that keeps the tensor's identity (the expert sum) stays
                 // valid when the task is skipped: keep the guard the value already had.
-                let guard = if arg.access == Access::ReadWrite && sig.expects.first() == Some(&produced) {
-                    let before = self.read_runs(&arg.slice);
-                    before.iter().fold(Guard::default(), |g, r| union(&g, &r.2.guard))
-                } else {
-                    task.guard.clone()
+                let guard =
+                    if arg.access == Access::ReadWrite && sig.expects.first() == Some(&produced) {
+                        let before = self.read_runs(&arg.slice);
+                        before
+                            .iter()
+                            .fold(Guard::default(), |g, r| union(&g, &r.2.guard))
+                    } else {
+                        task.guard.clone()
+                    };
+                let cell = Cell {
+                    end,
+                    piece: Some(Piece {
+                        tensor: produced,
+                        offset: 0,
+                    }),
+                    writer: Some(id),
+                    guard,
                 };
-                let cell = Cell { end, piece: Some(Piece { tensor: produced, offset: 0 }), writer: Some(id), guard };
                 let cells = self.cells_of(arg.slice.buffer);
                 write(cells, start, vec![(start, end, cell)]);
             }
@@ -370,7 +530,7 @@ impl Tracker<'_> {
         &self,
         expected: &Tensor,
         args: &[(usize, &crate::ir::Arg)],
-        all_runs: &[(usize, Vec<(u64, u64, Cell)>)],
+        all_runs: &[(usize, Runs)],
         arg_spans: &[Span],
         span: Span,
         task_id: TaskId,
@@ -379,8 +539,11 @@ impl Tracker<'_> {
     ) -> Result<(), Diagnostic> {
         let need = expected.weight_bytes(&self.layout).unwrap_or(0);
         for (k, runs) in all_runs {
-            let Some(pos) = runs.iter().position(|r| r.2.piece.as_ref().is_some_and(|p| p.tensor == *expected && p.offset == 0))
-            else {
+            let Some(pos) = runs.iter().position(|r| {
+                r.2.piece
+                    .as_ref()
+                    .is_some_and(|p| p.tensor == *expected && p.offset == 0)
+            }) else {
                 continue;
             };
             let start = runs[pos].0;
@@ -394,7 +557,10 @@ impl Tracker<'_> {
                 if covered >= need {
                     break;
                 }
-                let ok = cell.piece.as_ref().is_some_and(|p| p.tensor == *expected && p.offset == lo - start);
+                let ok = cell
+                    .piece
+                    .as_ref()
+                    .is_some_and(|p| p.tensor == *expected && p.offset == lo - start);
                 if !ok {
                     let held = self.describe(cell, *lo, *hi, arg.slice.start, arg.slice.len);
                     return Err(Diagnostic::wrong_value(
@@ -408,7 +574,13 @@ impl Tracker<'_> {
                 }
                 if !implies(guard, &cell.guard) {
                     let writer = self.writer_of(cell).unwrap_or_default();
-                    return Err(Diagnostic::maybe_stale(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string(), writer));
+                    return Err(Diagnostic::maybe_stale(
+                        arg_span,
+                        &self.program.task_name(task_id),
+                        buffer_name,
+                        &expected.to_string(),
+                        writer,
+                    ));
                 }
                 covered += hi - lo;
             }
@@ -422,32 +594,58 @@ impl Tracker<'_> {
                     None,
                 ));
             }
-            locations.push(WeightLocation { tensor: *expected, arg: *k as u32, offset: start - arg.slice.start });
+            locations.push(WeightLocation {
+                tensor: *expected,
+                arg: *k as u32,
+                offset: start - arg.slice.start,
+            });
             return Ok(());
         }
         // Not found anywhere. Evidence, best first: a run of the same kind of tensor (the
         // same part of another layer, another expert) in any listed argument; else the
         // first argument that holds anything; else nothing was written at all.
-        let same_kind = |p: &Piece| std::mem::discriminant(&p.tensor) == std::mem::discriminant(expected);
+        let same_kind =
+            |p: &Piece| std::mem::discriminant(&p.tensor) == std::mem::discriminant(expected);
         let pick = all_runs
             .iter()
             .enumerate()
-            .find_map(|(n, (_, runs))| runs.iter().find(|r| r.2.piece.as_ref().is_some_and(same_kind)).map(|r| (n, r)))
+            .find_map(|(n, (_, runs))| {
+                runs.iter()
+                    .find(|r| r.2.piece.as_ref().is_some_and(same_kind))
+                    .map(|r| (n, r))
+            })
             .or_else(|| {
-                all_runs.iter().enumerate().find_map(|(n, (_, runs))| runs.iter().find(|r| r.2.piece.is_some()).map(|r| (n, r)))
+                all_runs.iter().enumerate().find_map(|(n, (_, runs))| {
+                    runs.iter().find(|r| r.2.piece.is_some()).map(|r| (n, r))
+                })
             });
         let Some((n, (lo, hi, cell))) = pick else {
             let arg = args[0].1;
             let arg_span = arg_spans.get(all_runs[0].0).copied().unwrap_or(span);
             let buffer_name = &self.program.buffer(arg.slice.buffer).name;
-            return Err(Diagnostic::uninitialized(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string()));
+            return Err(Diagnostic::uninitialized(
+                arg_span,
+                &self.program.task_name(task_id),
+                buffer_name,
+                &expected.to_string(),
+            ));
         };
         let (k, _) = &all_runs[n];
-        let arg = args.iter().find(|(i, _)| i == k).map_or(args[0].1, |(_, a)| *a);
+        let arg = args
+            .iter()
+            .find(|(i, _)| i == k)
+            .map_or(args[0].1, |(_, a)| *a);
         let arg_span = arg_spans.get(*k).copied().unwrap_or(span);
         let buffer_name = &self.program.buffer(arg.slice.buffer).name;
         let held = self.describe(cell, *lo, *hi, arg.slice.start, arg.slice.len);
-        Err(Diagnostic::wrong_value(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string(), &held, self.writer_of(cell)))
+        Err(Diagnostic::wrong_value(
+            arg_span,
+            &self.program.task_name(task_id),
+            buffer_name,
+            &expected.to_string(),
+            &held,
+            self.writer_of(cell),
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -464,13 +662,21 @@ impl Tracker<'_> {
         guard: &Guard,
     ) -> Result<(), Diagnostic> {
         if runs.iter().all(|r| r.2.piece.is_none()) {
-            return Err(Diagnostic::uninitialized(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string()));
+            return Err(Diagnostic::uninitialized(
+                arg_span,
+                &self.program.task_name(task_id),
+                buffer_name,
+                &expected.to_string(),
+            ));
         }
         for (lo, hi, cell) in runs {
             if lo - start >= need {
                 break;
             }
-            let ok = cell.piece.as_ref().is_some_and(|p| p.tensor == expected && p.offset == lo - start);
+            let ok = cell
+                .piece
+                .as_ref()
+                .is_some_and(|p| p.tensor == expected && p.offset == lo - start);
             if !ok {
                 let held = self.describe(cell, *lo, *hi, start, len);
                 return Err(Diagnostic::wrong_value(
@@ -484,7 +690,13 @@ impl Tracker<'_> {
             }
             if !implies(guard, &cell.guard) {
                 let writer = self.writer_of(cell).unwrap_or_default();
-                return Err(Diagnostic::maybe_stale(arg_span, &self.program.task_name(task_id), buffer_name, &expected.to_string(), writer));
+                return Err(Diagnostic::maybe_stale(
+                    arg_span,
+                    &self.program.task_name(task_id),
+                    buffer_name,
+                    &expected.to_string(),
+                    writer,
+                ));
             }
         }
         Ok(())
@@ -493,14 +705,23 @@ impl Tracker<'_> {
     fn copy(&mut self, id: TaskId, arg_spans: &[Span], span: Span) {
         let program = self.program;
         let task = program.task(id);
-        let [src, dst] = task.args.as_slice() else { return };
-        if src.access != Access::Read || program.buffer(dst.slice.buffer).kind == BufferKind::Checkpoint {
+        let [src, dst] = task.args.as_slice() else {
+            return;
+        };
+        if src.access != Access::Read
+            || program.buffer(dst.slice.buffer).kind == BufferKind::Checkpoint
+        {
             return;
         }
         let runs_in = self.read_runs(&src.slice);
         if runs_in.iter().all(|r| r.2.piece.is_none()) {
             let name = program.buffer(src.slice.buffer).name.clone();
-            let d = Diagnostic::uninitialized(arg_spans.first().copied().unwrap_or(span), &self.program.task_name(id), &name, "anything to copy");
+            let d = Diagnostic::uninitialized(
+                arg_spans.first().copied().unwrap_or(span),
+                &self.program.task_name(id),
+                &name,
+                "anything to copy",
+            );
             self.emit(d);
         }
         let len = src.slice.len.min(dst.slice.len);
@@ -513,7 +734,12 @@ impl Tracker<'_> {
                 let guard = union(&task.guard, &cell.guard);
                 // The copy is what put the bytes here; the original writer stays findable
                 // through the copy's own inputs.
-                let new = Cell { end: shift(hi), piece: cell.piece, writer: Some(id), guard };
+                let new = Cell {
+                    end: shift(hi),
+                    piece: cell.piece,
+                    writer: Some(id),
+                    guard,
+                };
                 (shift(lo), shift(hi), new)
             })
             .collect();
@@ -551,7 +777,9 @@ fn coverage_problem(sets: &[ExpertSet], layer: u32, experts: u64) -> Option<Stri
         match set {
             ExpertSet::One(ExpertRef::Hot { layer: l, rank }) => {
                 if *l != layer {
-                    return Some(format!("`hot({l}, {rank})` names an expert of layer {l}, not {layer}"));
+                    return Some(format!(
+                        "`hot({l}, {rank})` names an expert of layer {l}, not {layer}"
+                    ));
                 }
                 any_rank = true;
                 ranks[*rank as usize] += 1;
@@ -567,14 +795,24 @@ fn coverage_problem(sets: &[ExpertSet], layer: u32, experts: u64) -> Option<Stri
         }
     }
     if any_rank && any_fixed {
-        return Some("mixes run-time ranks `hot(i, r)` with fixed experts; coverage cannot be proven".to_string());
+        return Some(
+            "mixes run-time ranks `hot(i, r)` with fixed experts; coverage cannot be proven"
+                .to_string(),
+        );
     }
-    let (counts, what) = if any_rank { (&ranks, "rank") } else { (&fixed, "expert") };
+    let (counts, what) = if any_rank {
+        (&ranks, "rank")
+    } else {
+        (&fixed, "expert")
+    };
     if let Some(e) = counts.iter().position(|&c| c == 0) {
         return Some(format!("{what} {e} is never computed before `combine`"));
     }
     if let Some(e) = counts.iter().position(|&c| c > 1) {
-        return Some(format!("{what} {e} is computed {} times before `combine`", counts[e]));
+        return Some(format!(
+            "{what} {e} is computed {} times before `combine`",
+            counts[e]
+        ));
     }
     None
 }

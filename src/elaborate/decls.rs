@@ -330,11 +330,22 @@ impl<'a> Elaborator<'a> {
             None => size,
             Some(expr) => match self.eval(expr).and_then(|v| as_int(v, expr.span)) {
                 Ok(n) if n >= 1 => n as u64,
-                Ok(n) => return self.report(Diagnostic::out_of_range(expr.span, "tokens per micro-batch", n, "1 or more")),
+                Ok(n) => {
+                    return self.report(Diagnostic::out_of_range(
+                        expr.span,
+                        "tokens per micro-batch",
+                        n,
+                        "1 or more",
+                    ))
+                }
                 Err(d) => return self.report(d),
             },
         };
-        self.micro = Some(ir::MicroBatches { count, size, mixed_tokens });
+        self.micro = Some(ir::MicroBatches {
+            count,
+            size,
+            mixed_tokens,
+        });
     }
 
     pub(super) fn declare_template(&mut self, decl: &'a TemplateDecl) {

@@ -262,7 +262,11 @@ impl<'a> Elaborator<'a> {
             description: file.description.clone().unwrap_or_default(),
             model: self.card,
             workload: self.options.workload,
-            micro_batches: self.micro.unwrap_or(MicroBatches { count: 0, size: 0, mixed_tokens: 0 }),
+            micro_batches: self.micro.unwrap_or(MicroBatches {
+                count: 0,
+                size: 0,
+                mixed_tokens: 0,
+            }),
             params: self.params,
             streams: self.streams,
             buffers: self.buffers,

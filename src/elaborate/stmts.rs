@@ -9,7 +9,10 @@ use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, AttnPart, ExpertRef, ExpertSet, Op, Shape};
 use crate::ir::{self, Access, Arg, Guard, Role, Slice, StepId, StreamId, Task, TaskId};
-use crate::syntax::ast::{self, Block, CallStmt, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind, Stmt, TaskTail};
+use crate::syntax::ast::{
+    self, Block, CallStmt, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind, Stmt,
+    TaskTail,
+};
 use std::collections::HashMap;
 
 /// Names of an op's static (non-buffer) arguments.
@@ -31,7 +34,11 @@ impl<'a> Elaborator<'a> {
         self.exec_block(&decl.body);
         self.step = None;
         let count = self.tasks.len() as u32 - first;
-        self.steps.push(ir::Step { kind: decl.kind, first, count });
+        self.steps.push(ir::Step {
+            kind: decl.kind,
+            first,
+            count,
+        });
     }
 
     fn exec_block(&mut self, block: &'a Block) {
@@ -68,7 +75,13 @@ impl<'a> Elaborator<'a> {
     fn exec_for(&mut self, stmt: &'a ForStmt) -> Result<(), Diagnostic> {
         let (lo, hi) = match self.eval(&stmt.range)? {
             Val::Range(lo, hi) => (lo, hi),
-            other => return Err(Diagnostic::type_mismatch(stmt.range.span, "a range `a..b`", other.type_name())),
+            other => {
+                return Err(Diagnostic::type_mismatch(
+                    stmt.range.span,
+                    "a range `a..b`",
+                    other.type_name(),
+                ))
+            }
         };
         for value in lo..hi {
             if self.aborted {
@@ -77,7 +90,10 @@ impl<'a> Elaborator<'a> {
             self.iterations += 1;
             if self.iterations > self.options.limits.max_iterations {
                 self.aborted = true;
-                return Err(Diagnostic::too_many_tasks(stmt.span, self.options.limits.max_iterations as usize));
+                return Err(Diagnostic::too_many_tasks(
+                    stmt.span,
+                    self.options.limits.max_iterations as usize,
+                ));
             }
             if self.aborted {
                 break;
@@ -105,13 +121,24 @@ impl<'a> Elaborator<'a> {
                 self.exec_block(&stmt.then_block);
                 self.guard.truncate(depth);
                 if let Some(otherwise) = &stmt.otherwise {
-                    let [lit] = lits.as_slice() else { return Err(Diagnostic::dynamic_else(stmt.cond.span)) };
-                    self.guard.push(ir::GuardLit { atom: lit.atom, negated: !lit.negated });
+                    let [lit] = lits.as_slice() else {
+                        return Err(Diagnostic::dynamic_else(stmt.cond.span));
+                    };
+                    self.guard.push(ir::GuardLit {
+                        atom: lit.atom,
+                        negated: !lit.negated,
+                    });
                     self.exec_block(otherwise);
                     self.guard.truncate(depth);
                 }
             }
-            other => return Err(Diagnostic::type_mismatch(stmt.cond.span, "a condition", other.type_name())),
+            other => {
+                return Err(Diagnostic::type_mismatch(
+                    stmt.cond.span,
+                    "a condition",
+                    other.type_name(),
+                ))
+            }
         }
         Ok(())
     }
@@ -122,29 +149,56 @@ impl<'a> Elaborator<'a> {
             return self.expand_template(stmt, template);
         }
         if !catalog::OP_NAMES.contains(&name) || name == "copy" {
-            let mut known: Vec<&str> = catalog::OP_NAMES.iter().copied().filter(|n| *n != "copy").collect();
+            let mut known: Vec<&str> = catalog::OP_NAMES
+                .iter()
+                .copied()
+                .filter(|n| *n != "copy")
+                .collect();
             let templates: Vec<String> = self.templates.keys().cloned().collect();
             known.extend(templates.iter().map(String::as_str));
-            return Err(Diagnostic::unknown_name(stmt.name.span, "op or template", name, &known));
+            return Err(Diagnostic::unknown_name(
+                stmt.name.span,
+                "op or template",
+                name,
+                &known,
+            ));
         }
         self.exec_op(stmt)
     }
 
-    fn expand_template(&mut self, stmt: &'a CallStmt, template: &'a ast::TemplateDecl) -> Result<(), Diagnostic> {
+    fn expand_template(
+        &mut self,
+        stmt: &'a CallStmt,
+        template: &'a ast::TemplateDecl,
+    ) -> Result<(), Diagnostic> {
         if stmt.tail != TaskTail::default() {
             return Err(Diagnostic::template_tail(stmt.tail_span, &stmt.name.name));
         }
-        if self.template_stack.iter().any(|t| *t == stmt.name.name) {
+        if self.template_stack.contains(&stmt.name.name) {
             return Err(Diagnostic::recursive_template(stmt.span, &stmt.name.name));
         }
         if stmt.args.len() != template.params.len() {
-            return Err(Diagnostic::arity(stmt.span, &format!("template `{}`", stmt.name.name), template.params.len(), stmt.args.len()));
+            return Err(Diagnostic::arity(
+                stmt.span,
+                &format!("template `{}`", stmt.name.name),
+                template.params.len(),
+                stmt.args.len(),
+            ));
         }
         let mut scope = HashMap::new();
         for (param, arg) in template.params.iter().zip(&stmt.args) {
             if let Some(name) = &arg.name {
                 if name.name != param.name {
-                    return Err(Diagnostic::bad_argument(name.span, &stmt.name.name, &name.name, &template.params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>()));
+                    return Err(Diagnostic::bad_argument(
+                        name.span,
+                        &stmt.name.name,
+                        &name.name,
+                        &template
+                            .params
+                            .iter()
+                            .map(|p| p.name.as_str())
+                            .collect::<Vec<_>>(),
+                    ));
                 }
             }
             scope.insert(param.name.clone(), self.eval(&arg.value)?);
@@ -164,8 +218,22 @@ impl<'a> Elaborator<'a> {
         let src = self.eval_slice(&stmt.src)?;
         let dst = self.eval_slice(&stmt.dst)?;
         let args = vec![
-            (Arg { role: Role::Src, slice: to_slice(src), access: Access::Read }, stmt.src.span),
-            (Arg { role: Role::Dst, slice: to_slice(dst), access: Access::Write }, stmt.dst.span),
+            (
+                Arg {
+                    role: Role::Src,
+                    slice: to_slice(src),
+                    access: Access::Read,
+                },
+                stmt.src.span,
+            ),
+            (
+                Arg {
+                    role: Role::Dst,
+                    slice: to_slice(dst),
+                    access: Access::Write,
+                },
+                stmt.dst.span,
+            ),
         ];
         self.issue(Op::Copy, args, &stmt.tail, stmt.span, "copy")
     }
@@ -173,13 +241,23 @@ impl<'a> Elaborator<'a> {
     fn eval_slice(&mut self, expr: &ast::Expr) -> Result<SliceVal, Diagnostic> {
         match self.eval(expr)? {
             Val::Slice(s) => Ok(s),
-            Val::Array { .. } => Err(Diagnostic::type_mismatch(expr.span, "a buffer slice", "an array of buffers (index it)")),
-            other => Err(Diagnostic::type_mismatch(expr.span, "a buffer slice", other.type_name())),
+            Val::Array { .. } => Err(Diagnostic::type_mismatch(
+                expr.span,
+                "a buffer slice",
+                "an array of buffers (index it)",
+            )),
+            other => Err(Diagnostic::type_mismatch(
+                expr.span,
+                "a buffer slice",
+                other.type_name(),
+            )),
         }
     }
 
     fn micro_count(&mut self, span: Span) -> Result<u32, Diagnostic> {
-        self.micro.map(|m| m.count).ok_or_else(|| Diagnostic::missing_microbatches(span))
+        self.micro
+            .map(|m| m.count)
+            .ok_or_else(|| Diagnostic::missing_microbatches(span))
     }
 
     fn exec_op(&mut self, stmt: &'a CallStmt) -> Result<(), Diagnostic> {
@@ -187,36 +265,66 @@ impl<'a> Elaborator<'a> {
         let statics = static_args(op_name);
         let mut named: HashMap<&str, &ast::Arg> = HashMap::new();
         for arg in &stmt.args {
-            let Some(name) = &arg.name else { return Err(Diagnostic::positional_op_argument(arg.span, op_name)) };
+            let Some(name) = &arg.name else {
+                return Err(Diagnostic::positional_op_argument(arg.span, op_name));
+            };
             if named.insert(name.name.as_str(), arg).is_some() {
-                return Err(Diagnostic::bad_argument(name.span, op_name, &format!("{} (given twice)", name.name), statics));
+                return Err(Diagnostic::bad_argument(
+                    name.span,
+                    op_name,
+                    &format!("{} (given twice)", name.name),
+                    statics,
+                ));
             }
         }
-        let int_arg = |this: &mut Self, key: &str, limit: u64, what: &str| -> Result<u32, Diagnostic> {
-            let arg = named.get(key).ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, key))?;
-            let value = this.eval(&arg.value)?;
-            if matches!(value, Val::Expert(_)) {
-                return Err(Diagnostic::dynamic_not_allowed(arg.value.span, what));
-            }
-            let i = as_int(value, arg.value.span)?;
-            Ok(check_index(i, limit, what, arg.value.span)? as u32)
-        };
+        let int_arg =
+            |this: &mut Self, key: &str, limit: u64, what: &str| -> Result<u32, Diagnostic> {
+                let arg = named
+                    .get(key)
+                    .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, key))?;
+                let value = this.eval(&arg.value)?;
+                if matches!(value, Val::Expert(_)) {
+                    return Err(Diagnostic::dynamic_not_allowed(arg.value.span, what));
+                }
+                let i = as_int(value, arg.value.span)?;
+                Ok(check_index(i, limit, what, arg.value.span)? as u32)
+            };
         let layers = self.card.layers;
         let experts = self.card.experts;
         let needs_ub = statics.contains(&"ub");
-        let ub_limit = if needs_ub { u64::from(self.micro_count(stmt.name.span)?) } else { 0 };
-        let layer = if statics.contains(&"layer") { int_arg(self, "layer", layers, "layer")? } else { 0 };
-        let ub = if needs_ub { int_arg(self, "ub", ub_limit, "micro-batch")? } else { 0 };
+        let ub_limit = if needs_ub {
+            u64::from(self.micro_count(stmt.name.span)?)
+        } else {
+            0
+        };
+        let layer = if statics.contains(&"layer") {
+            int_arg(self, "layer", layers, "layer")?
+        } else {
+            0
+        };
+        let ub = if needs_ub {
+            int_arg(self, "ub", ub_limit, "micro-batch")?
+        } else {
+            0
+        };
         let op = match op_name {
             "embed" => Op::Embed { ub },
             "pre_attn" => Op::PreAttn { layer, ub },
             "attn" => {
-                let arg = named.get("part").ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, "part"))?;
+                let arg = named
+                    .get("part")
+                    .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, "part"))?;
                 let part = match self.eval(&arg.value)? {
                     Val::Word("prefill") => AttnPart::Prefill,
                     Val::Word("decode") => AttnPart::Decode,
                     Val::Word("all") => AttnPart::All,
-                    other => return Err(Diagnostic::type_mismatch(arg.value.span, "`prefill`, `decode` or `all`", other.type_name())),
+                    other => {
+                        return Err(Diagnostic::type_mismatch(
+                            arg.value.span,
+                            "`prefill`, `decode` or `all`",
+                            other.type_name(),
+                        ))
+                    }
                 };
                 Op::Attn { layer, ub, part }
             }
@@ -227,20 +335,35 @@ impl<'a> Elaborator<'a> {
             "lm_head" => Op::LmHead { ub },
             "sample" => Op::Sample { ub },
             _ => {
-                let arg = named.get("set").ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, "set"))?;
+                let arg = named
+                    .get("set")
+                    .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, "set"))?;
                 let set = match self.eval(&arg.value)? {
                     Val::Word("all") => ExpertSet::All,
                     Val::Expert(e) => ExpertSet::One(e),
                     Val::Range(lo, hi) => {
                         let start = check_index(lo, experts, "expert", arg.value.span)? as u32;
                         if hi > experts as i64 || hi <= lo {
-                            return Err(Diagnostic::out_of_range(arg.value.span, "expert range end", hi, &format!("{}..={experts}", lo + 1)));
+                            return Err(Diagnostic::out_of_range(
+                                arg.value.span,
+                                "expert range end",
+                                hi,
+                                &format!("{}..={experts}", lo + 1),
+                            ));
                         }
-                        ExpertSet::Range { start, end: hi as u32 }
+                        ExpertSet::Range {
+                            start,
+                            end: hi as u32,
+                        }
                     }
                     other => {
                         let e = as_int(other, arg.value.span)?;
-                        ExpertSet::One(ExpertRef::Index(check_index(e, experts, "expert", arg.value.span)? as u32))
+                        ExpertSet::One(ExpertRef::Index(check_index(
+                            e,
+                            experts,
+                            "expert",
+                            arg.value.span,
+                        )? as u32))
                     }
                 };
                 Op::Experts { layer, ub, set }
@@ -252,7 +375,9 @@ impl<'a> Elaborator<'a> {
         for arg in &stmt.args {
             if let Some(name) = &arg.name {
                 if !allowed.contains(&name.name.as_str()) {
-                    return Err(Diagnostic::bad_argument(name.span, op_name, &name.name, &allowed));
+                    return Err(Diagnostic::bad_argument(
+                        name.span, op_name, &name.name, &allowed,
+                    ));
                 }
             }
         }
@@ -268,7 +393,9 @@ impl<'a> Elaborator<'a> {
             let value = self.eval(&arg.value)?;
             let slices = match value {
                 Val::Slice(s) => vec![(s, arg.value.span)],
-                Val::List(items) if matches!(role_sig.role, Role::W | Role::A) && !items.is_empty() => {
+                Val::List(items)
+                    if matches!(role_sig.role, Role::W | Role::A) && !items.is_empty() =>
+                {
                     let spans: Vec<Span> = match &arg.value.kind {
                         ast::ExprKind::List(exprs) => exprs.iter().map(|e| e.span).collect(),
                         _ => vec![arg.value.span; items.len()],
@@ -277,21 +404,46 @@ impl<'a> Elaborator<'a> {
                     for (item, span) in items.into_iter().zip(spans) {
                         match item {
                             Val::Slice(s) => out.push((s, span)),
-                            other => return Err(Diagnostic::type_mismatch(span, "a buffer slice", other.type_name())),
+                            other => {
+                                return Err(Diagnostic::type_mismatch(
+                                    span,
+                                    "a buffer slice",
+                                    other.type_name(),
+                                ))
+                            }
                         }
                     }
                     out
                 }
                 Val::Array { .. } => {
-                    return Err(Diagnostic::type_mismatch(arg.value.span, "a buffer slice", "an array of buffers (index it)"))
+                    return Err(Diagnostic::type_mismatch(
+                        arg.value.span,
+                        "a buffer slice",
+                        "an array of buffers (index it)",
+                    ))
                 }
                 other => {
-                    let expected = if role_sig.role == Role::W { "a buffer slice or a list of them" } else { "a buffer slice" };
-                    return Err(Diagnostic::type_mismatch(arg.value.span, expected, other.type_name()));
+                    let expected = if role_sig.role == Role::W {
+                        "a buffer slice or a list of them"
+                    } else {
+                        "a buffer slice"
+                    };
+                    return Err(Diagnostic::type_mismatch(
+                        arg.value.span,
+                        expected,
+                        other.type_name(),
+                    ));
                 }
             };
             for (slice, span) in slices {
-                args.push((Arg { role: role_sig.role, slice: to_slice(slice), access: role_sig.access }, span));
+                args.push((
+                    Arg {
+                        role: role_sig.role,
+                        slice: to_slice(slice),
+                        access: role_sig.access,
+                    },
+                    span,
+                ));
             }
         }
         self.issue(op, args, &stmt.tail, stmt.span, op_name)
@@ -302,32 +454,55 @@ impl<'a> Elaborator<'a> {
         let w = self.options.workload;
         let act_bytes = self.options.act_bytes.max(1);
         match self.step.map(|s| s.0) {
-            Some(StepKind::Prefill) => {
-                Shape { tokens: size.saturating_mul(w.prompt_len), seqs: size, context: w.prompt_len, act_bytes }
-            }
+            Some(StepKind::Prefill) => Shape {
+                tokens: size.saturating_mul(w.prompt_len),
+                seqs: size,
+                context: w.prompt_len,
+                act_bytes,
+            },
             Some(StepKind::Mixed) => Shape {
                 tokens: self.micro.map_or(size, |m| m.mixed_tokens),
                 seqs: size,
                 context: w.prompt_len.saturating_add(w.gen_len),
                 act_bytes,
             },
-            _ => Shape { tokens: size, seqs: size, context: w.prompt_len.saturating_add(w.gen_len), act_bytes },
+            _ => Shape {
+                tokens: size,
+                seqs: size,
+                context: w.prompt_len.saturating_add(w.gen_len),
+                act_bytes,
+            },
         }
     }
 
-    fn issue(&mut self, op: Op, args: Vec<(Arg, Span)>, tail: &TaskTail, span: Span, op_name: &str) -> Result<(), Diagnostic> {
+    fn issue(
+        &mut self,
+        op: Op,
+        args: Vec<(Arg, Span)>,
+        tail: &TaskTail,
+        span: Span,
+        op_name: &str,
+    ) -> Result<(), Diagnostic> {
         if self.tasks.len() >= self.options.limits.max_tasks {
             self.aborted = true;
-            return Err(Diagnostic::too_many_tasks(span, self.options.limits.max_tasks));
+            return Err(Diagnostic::too_many_tasks(
+                span,
+                self.options.limits.max_tasks,
+            ));
         }
-        let on = tail.on.as_ref().ok_or_else(|| Diagnostic::missing_stream(span, op_name))?;
+        let on = tail
+            .on
+            .as_ref()
+            .ok_or_else(|| Diagnostic::missing_stream(span, op_name))?;
         let stream: StreamId = match self.stream_index.get(&on.name) {
             Some(&s) => s,
             None => {
                 let known: Vec<&str> = self.stream_index.keys().map(String::as_str).collect();
                 let mut known = known;
                 known.sort();
-                return Err(Diagnostic::unknown_name(on.span, "stream", &on.name, &known));
+                return Err(Diagnostic::unknown_name(
+                    on.span, "stream", &on.name, &known,
+                ));
             }
         };
         let id = TaskId::new(self.tasks.len());
@@ -341,7 +516,13 @@ impl<'a> Elaborator<'a> {
                 match self.eval(cond)? {
                     Val::Bool(false) => continue,
                     Val::Bool(true) => {}
-                    other => return Err(Diagnostic::type_mismatch(cond.span, "a compile-time boolean", other.type_name())),
+                    other => {
+                        return Err(Diagnostic::type_mismatch(
+                            cond.span,
+                            "a compile-time boolean",
+                            other.type_name(),
+                        ))
+                    }
                 }
             }
             after.push((self.label_key(&item.label)?, item.span));
@@ -355,11 +536,23 @@ impl<'a> Elaborator<'a> {
             self.labels.insert(key.clone(), id);
         }
         for (key, span) in after {
-            self.pending_after.push(PendingAfter { task: id, label: key, span });
+            self.pending_after.push(PendingAfter {
+                task: id,
+                label: key,
+                span,
+            });
         }
         let shape = self.step_shape();
-        let arg_info: Vec<(Role, ir::Space, u64)> =
-            args.iter().map(|(a, _)| (a.role, self.buffers[a.slice.buffer.index()].space, a.slice.len)).collect();
+        let arg_info: Vec<(Role, ir::Space, u64)> = args
+            .iter()
+            .map(|(a, _)| {
+                (
+                    a.role,
+                    self.buffers[a.slice.buffer.index()].space,
+                    a.slice.len,
+                )
+            })
+            .collect();
         let work = catalog::work(&op, &self.card, &shape, &arg_info);
         let mut lits = self.guard.clone();
         lits.sort();
@@ -403,5 +596,10 @@ impl<'a> Elaborator<'a> {
 }
 
 fn to_slice(s: SliceVal) -> Slice {
-    Slice { buffer: s.buffer, start: s.start, len: s.len, dynamic_expert: s.dynamic_expert }
+    Slice {
+        buffer: s.buffer,
+        start: s.start,
+        len: s.len,
+        dynamic_expert: s.dynamic_expert,
+    }
 }

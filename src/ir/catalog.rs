@@ -332,7 +332,10 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
         // in prefill the prompt comes from the runtime and nothing is expected there.
         Op::Embed { ub } => vec![
             sig(Role::W, Read, vec![T::Embedding], None),
-            RoleSig { optional: true, ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None) },
+            RoleSig {
+                optional: true,
+                ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None)
+            },
             sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
         ],
         Op::PreAttn { layer, ub } => vec![
@@ -678,10 +681,16 @@ pub fn role_traffic(
 
 /// The work of a task whose arguments live in `arg_spaces` (role, space, slice length).
 pub fn work(op: &Op, card: &ModelCard, shape: &Shape, args: &[(Role, Space, u64)]) -> Work {
+    // Weights the op reads are counted once, however many `w` arguments hold them: split
+    // in proportion to the arguments' lengths, none reading more than it holds.
+    let weight_len: u64 = args.iter().filter(|a| a.0 == Role::W).map(|a| a.2).sum();
     let mem = args
         .iter()
         .map(|&(role, space, len)| {
-            let (class, bytes) = role_traffic(op, role, card, shape, len);
+            let (class, mut bytes) = role_traffic(op, role, card, shape, len);
+            if role == Role::W && *op != Op::Copy && weight_len > 0 {
+                bytes = (bytes * len as f64 / weight_len as f64).min(len as f64);
+            }
             MemTraffic {
                 space,
                 class,

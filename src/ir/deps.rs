@@ -6,17 +6,18 @@
 //! 1. [`candidate_edges`]: one pass in issue order; per buffer an interval map of "last writer,
 //!    readers since" segments, so each access costs O(segments it overlaps), never
 //!    all-pairs. Reads of the read-only checkpoint create no edges.
-//! 2. `reduce`: transitive reduction in issue (= topological) order. With ancestor bitsets
-//!    up to [`BITSET_LIMIT`] tasks; above that a DFS pruned by issue index (same result,
-//!    less memory). Every edge goes from an earlier to a later task, so the graph is acyclic
-//!    by construction.
+//! 2. `reduce`: transitive reduction in issue (= topological) order. Every task sits on
+//!    one stream and consecutive tasks of a stream are always joined by an edge, so the
+//!    ancestors of a task, restricted to one stream, are a prefix of that stream: a task's
+//!    ancestor set is one integer per stream (the last ancestor's position on it). A
+//!    candidate edge `p -> v` is redundant iff `p` is within that prefix for a kept, later
+//!    predecessor. O(edges x streams) time, O(tasks x streams) memory. A bitset version
+//!    ([`Reduction::Bitsets`], O(n^2) bits) is kept as an independent check. Every edge goes
+//!    from an earlier to a later task, so the graph is acyclic by construction.
 
 use super::{Access, BufferId, BufferKind, Program, TaskId};
 use serde::Serialize;
 use std::collections::BTreeMap;
-
-/// Above this many tasks the reduction uses pruned DFS instead of n^2/2 bits of memory.
-pub const BITSET_LIMIT: usize = 25_000;
 
 /// Why one task waits for another (several reasons may hold at once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
@@ -140,12 +141,10 @@ impl Dag {
 /// How transitive reduction finds redundant edges (both give the same graph).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduction {
-    /// [`Reduction::Bitsets`] up to [`BITSET_LIMIT`] tasks, else [`Reduction::Dfs`].
-    Auto,
-    /// Ancestor bitsets in issue order: fast, n^2/2 bits of memory.
+    /// Per-stream ancestor prefixes: fast and small; the default.
+    Chains,
+    /// Ancestor bitsets: n^2/2 bits; an independent check for tests.
     Bitsets,
-    /// Depth-first search pruned by issue index: little memory.
-    Dfs,
 }
 
 /// Candidate edges into each task before reduction: `(from, reasons, buffer)`.
@@ -153,19 +152,21 @@ pub type Candidates = Vec<Vec<(TaskId, DepKinds, Option<BufferId>)>>;
 
 /// Builds the reduced DAG of a program.
 pub fn build(program: &Program) -> Dag {
-    build_with(program, Reduction::Auto)
+    build_with(program, Reduction::Chains)
 }
 
 /// Builds the reduced DAG with a chosen reduction algorithm.
 pub fn build_with(program: &Program, reduction: Reduction) -> Dag {
     let candidates = candidate_edges(program);
     let before = candidates.iter().map(Vec::len).sum();
-    let bitsets = match reduction {
-        Reduction::Auto => candidates.len() <= BITSET_LIMIT,
-        Reduction::Bitsets => true,
-        Reduction::Dfs => false,
+    let kept = match reduction {
+        Reduction::Chains => {
+            let streams: Vec<usize> = program.tasks.iter().map(|t| t.stream.index()).collect();
+            reduce_chains(candidates, &streams, program.streams.len())
+        }
+        Reduction::Bitsets => reduce_bitsets(candidates),
     };
-    reduce(candidates, before, bitsets)
+    assemble(kept, before)
 }
 
 #[derive(Debug, Clone)]
@@ -332,63 +333,71 @@ pub fn candidate_edges(program: &Program) -> Candidates {
     out
 }
 
-/// Transitive reduction over tasks in issue order.
-fn reduce(candidates: Candidates, before: usize, bitsets: bool) -> Dag {
+/// Transitive reduction by per-stream ancestor prefixes (see the module header).
+fn reduce_chains(candidates: Candidates, streams: &[usize], n_streams: usize) -> Candidates {
     let n = candidates.len();
-    let mut kept: Candidates = Vec::with_capacity(n);
-    if bitsets {
-        // ancestors[v] has bit u set iff u reaches v; only bits below v are stored.
-        let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(n);
-        for (v, mut preds) in candidates.into_iter().enumerate() {
-            preds.sort_by(|a, b| b.0.cmp(&a.0));
-            let mut reach = vec![0u64; v / 64 + 1];
-            let mut keep = Vec::with_capacity(preds.len());
-            for pred in preds {
-                let p = pred.0.index();
-                if reach[p / 64] & (1 << (p % 64)) != 0 {
-                    continue;
-                }
-                reach[p / 64] |= 1 << (p % 64);
-                for (word, bits) in reach.iter_mut().zip(&ancestors[p]) {
-                    *word |= bits;
-                }
-                keep.push(pred);
-            }
-            ancestors.push(reach);
-            kept.push(keep);
-        }
-    } else {
-        let mut kept_preds: Vec<Vec<u32>> = Vec::with_capacity(n);
-        let mut mark: Vec<u32> = vec![u32::MAX; n];
-        let mut stack: Vec<u32> = Vec::new();
-        for (v, mut preds) in candidates.into_iter().enumerate() {
-            preds.sort_by(|a, b| b.0.cmp(&a.0));
-            let mut keep = Vec::with_capacity(preds.len());
-            // Candidates come in descending order, so ancestors below the lowest candidate
-            // can never decide anything: the search is pruned there.
-            let lowest = preds.last().map_or(0, |p| p.0 .0);
-            // Nodes marked with `v` are ancestors of v through already-kept edges.
-            for pred in preds {
-                let p = pred.0 .0;
-                if mark[p as usize] == v as u32 {
-                    continue;
-                }
-                stack.push(p);
-                mark[p as usize] = v as u32;
-                while let Some(x) = stack.pop() {
-                    for &y in &kept_preds[x as usize] {
-                        if y >= lowest && mark[y as usize] != v as u32 {
-                            mark[y as usize] = v as u32;
-                            stack.push(y);
-                        }
-                    }
-                }
-                keep.push(pred);
-            }
-            kept_preds.push(keep.iter().map(|k| k.0 .0).collect());
-            kept.push(keep);
-        }
+    let width = n_streams.max(1);
+    let mut position = vec![0i64; n];
+    let mut count = vec![0i64; width];
+    for (t, &s) in streams.iter().enumerate() {
+        position[t] = count[s];
+        count[s] += 1;
     }
+    // prefix[v * width + s]: position of v's last ancestor on stream s (-1: none).
+    let mut prefix = vec![-1i64; n * width];
+    let mut kept = Vec::with_capacity(n);
+    let mut reach = vec![-1i64; width];
+    for (v, mut preds) in candidates.into_iter().enumerate() {
+        preds.sort_by_key(|p| std::cmp::Reverse(p.0));
+        reach.fill(-1);
+        let mut keep = Vec::with_capacity(preds.len());
+        for pred in preds {
+            let p = pred.0.index();
+            if position[p] <= reach[streams[p]] {
+                continue;
+            }
+            for (r, a) in reach.iter_mut().zip(&prefix[p * width..(p + 1) * width]) {
+                *r = (*r).max(*a);
+            }
+            reach[streams[p]] = reach[streams[p]].max(position[p]);
+            keep.push(pred);
+        }
+        prefix[v * width..(v + 1) * width].copy_from_slice(&reach);
+        kept.push(keep);
+    }
+    kept
+}
+
+/// Transitive reduction with ancestor bitsets (quadratic memory; the tests' reference).
+fn reduce_bitsets(candidates: Candidates) -> Candidates {
+    let n = candidates.len();
+    let mut kept = Vec::with_capacity(n);
+    // ancestors[v] has bit u set iff u reaches v; only bits below v are stored.
+    let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(n);
+    for (v, mut preds) in candidates.into_iter().enumerate() {
+        preds.sort_by_key(|p| std::cmp::Reverse(p.0));
+        let mut reach = vec![0u64; v / 64 + 1];
+        let mut keep = Vec::with_capacity(preds.len());
+        for pred in preds {
+            let p = pred.0.index();
+            if reach[p / 64] & (1 << (p % 64)) != 0 {
+                continue;
+            }
+            reach[p / 64] |= 1 << (p % 64);
+            for (word, bits) in reach.iter_mut().zip(&ancestors[p]) {
+                *word |= bits;
+            }
+            keep.push(pred);
+        }
+        ancestors.push(reach);
+        kept.push(keep);
+    }
+    kept
+}
+
+/// Flattens kept edges into the CSR form of [`Dag`].
+fn assemble(kept: Candidates, before: usize) -> Dag {
+    let n = kept.len();
     let mut edges = Vec::new();
     let mut pred_start = Vec::with_capacity(n + 1);
     for (v, mut keep) in kept.into_iter().enumerate() {

@@ -30,7 +30,8 @@ fn slice_text(program: &Program, slice: &Slice) -> String {
         if buffer.kind != BufferKind::Checkpoint {
             return format!("{}.expert({expert})", buffer.name);
         }
-        let layer = slice.start.saturating_sub(program.checkpoint().embed_bytes) / program.checkpoint().layer_bytes().max(1);
+        let layer = slice.start.saturating_sub(program.checkpoint().embed_bytes)
+            / program.checkpoint().layer_bytes().max(1);
         return format!("{}[{layer}].expert({expert})", buffer.name);
     }
     if slice.start == 0 && slice.len == buffer.bytes {
@@ -48,7 +49,10 @@ fn guard_text(program: &Program, id: TaskId) -> String {
         .map(|lit| {
             let GuardAtom::Active { layer, expert, ub } = lit.atom;
             let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
-            format!("{}active({layer}, {expert}{ub})", if lit.negated { "!" } else { "" })
+            format!(
+                "{}active({layer}, {expert}{ub})",
+                if lit.negated { "!" } else { "" }
+            )
         })
         .collect::<Vec<_>>()
         .join(" && ")
@@ -62,7 +66,12 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
     let _ = writeln!(
         out,
         "model {} · batch {} · prompt_len {} · gen_len {} · microbatches {} of {}",
-        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches.count, program.micro_batches.size
+        program.model.name,
+        w.batch,
+        w.prompt_len,
+        w.gen_len,
+        program.micro_batches.count,
+        program.micro_batches.size
     );
     let _ = writeln!(out, "params");
     for p in &program.params {
@@ -74,22 +83,53 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
     }
     let _ = writeln!(out, "buffers");
     for (i, b) in program.buffers.iter().enumerate() {
-        let kind = if b.kind == BufferKind::Checkpoint { " (checkpoint, read-only)" } else { "" };
-        let _ = writeln!(out, "  b{i} {}: {} {} bytes {:?}{kind}", b.name, b.space.as_str(), b.bytes, b.layout);
+        let kind = if b.kind == BufferKind::Checkpoint {
+            " (checkpoint, read-only)"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "  b{i} {}: {} {} bytes {:?}{kind}",
+            b.name,
+            b.space.as_str(),
+            b.bytes,
+            b.layout
+        );
     }
-    let name_width = program.streams.iter().map(|s| s.name.len()).max().unwrap_or(0);
+    let name_width = program
+        .streams
+        .iter()
+        .map(|s| s.name.len())
+        .max()
+        .unwrap_or(0);
     for step in &program.steps {
-        let _ = writeln!(out, "{} {{  // tasks {}..{}", step.kind.as_str(), step.first, step.first + step.count);
+        let _ = writeln!(
+            out,
+            "{} {{  // tasks {}..{}",
+            step.kind.as_str(),
+            step.first,
+            step.first + step.count
+        );
         for id in step.task_ids() {
             let task = program.task(id);
-            let mut line = format!("  {id:<6} {:<name_width$}  {}", program.stream(task.stream).name, task.op.describe());
+            let mut line = format!(
+                "  {id:<6} {:<name_width$}  {}",
+                program.stream(task.stream).name,
+                task.op.describe()
+            );
             for arg in &task.args {
                 let mark = match arg.access {
                     Access::Read => "",
                     Access::Write => "→",
                     Access::ReadWrite => "↔",
                 };
-                let _ = write!(line, " {}={mark}{}", arg.role.as_str(), slice_text(program, &arg.slice));
+                let _ = write!(
+                    line,
+                    " {}={mark}{}",
+                    arg.role.as_str(),
+                    slice_text(program, &arg.slice)
+                );
             }
             if !task.guard.is_always() {
                 let _ = write!(line, " if {}", guard_text(program, id));
@@ -99,14 +139,23 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
             }
             let preds = dag.preds(id);
             if !preds.is_empty() {
-                let deps: Vec<String> = preds.iter().map(|d| format!("{}:{}", d.from, d.kinds.describe())).collect();
+                let deps: Vec<String> = preds
+                    .iter()
+                    .map(|d| format!("{}:{}", d.from, d.kinds.describe()))
+                    .collect();
                 let _ = write!(line, "  <- {}", deps.join(" "));
             }
             let _ = writeln!(out, "{line}");
         }
         let _ = writeln!(out, "}}");
     }
-    let _ = writeln!(out, "// {} tasks, {} edges ({} before reduction)", program.tasks.len(), dag.edges.len(), dag.edges_before_reduction);
+    let _ = writeln!(
+        out,
+        "// {} tasks, {} edges ({} before reduction)",
+        program.tasks.len(),
+        dag.edges.len(),
+        dag.edges_before_reduction
+    );
     out
 }
 
@@ -121,7 +170,12 @@ pub fn to_dot(program: &Program, dag: &Dag) -> String {
     let _ = writeln!(out, "  rankdir=LR;\n  node [shape=box, fontsize=10];");
     for (s, stream) in program.streams.iter().enumerate() {
         let _ = writeln!(out, "  subgraph cluster_s{s} {{");
-        let _ = writeln!(out, "    label=\"{} ({})\";", dot_escape(&stream.name), stream.engine.as_str());
+        let _ = writeln!(
+            out,
+            "    label=\"{} ({})\";",
+            dot_escape(&stream.name),
+            stream.engine.as_str()
+        );
         for (i, task) in program.tasks.iter().enumerate() {
             if task.stream.index() != s {
                 continue;
@@ -129,11 +183,23 @@ pub fn to_dot(program: &Program, dag: &Dag) -> String {
             let mut label = format!("t{i} {}", task.op.describe());
             if task.op == super::Op::Copy {
                 if let [src, dst] = task.args.as_slice() {
-                    label = format!("t{i} copy\\n{} -> {}", slice_text(program, &src.slice), slice_text(program, &dst.slice));
+                    label = format!(
+                        "t{i} copy\\n{} -> {}",
+                        slice_text(program, &src.slice),
+                        slice_text(program, &dst.slice)
+                    );
                 }
             }
-            let style = if task.guard.is_always() { "" } else { ", style=dashed" };
-            let _ = writeln!(out, "    t{i} [label=\"{}\"{style}];", dot_escape(&label).replace("\\\\n", "\\n"));
+            let style = if task.guard.is_always() {
+                ""
+            } else {
+                ", style=dashed"
+            };
+            let _ = writeln!(
+                out,
+                "    t{i} [label=\"{}\"{style}];",
+                dot_escape(&label).replace("\\\\n", "\\n")
+            );
         }
         let _ = writeln!(out, "  }}");
     }
@@ -161,5 +227,8 @@ pub fn to_json(program: &Program, dag: &Dag) -> Result<String, serde_json::Error
         program: &'a Program,
         edges: &'a [super::deps::Dep],
     }
-    serde_json::to_string_pretty(&View { program, edges: &dag.edges })
+    serde_json::to_string_pretty(&View {
+        program,
+        edges: &dag.edges,
+    })
 }

@@ -315,7 +315,8 @@ impl CheckpointLayout {
         let dt = card.dtype.bytes();
         let (h, f, e) = (card.hidden, card.ffn, card.experts);
         let (q, kv) = (card.q_dim(), card.kv_dim());
-        let place = |offset: u64, elems: &[u64]| elems.iter().fold(offset, |at, n| align_up(at + n * dt));
+        let place =
+            |offset: u64, elems: &[u64]| elems.iter().fold(offset, |at, n| align_up(at + n * dt));
         let qkv: &[u64] = match card.family {
             crate::model::card::Family::Mixtral => &[q * h, kv * h, kv * h],
             crate::model::card::Family::Dbrx => &[(q + 2 * kv) * h],
@@ -664,17 +665,43 @@ mod tests {
     fn matches_the_model_layer_image() {
         for card in ModelCard::builtins() {
             let layout = CheckpointLayout::new(&card);
-            let image = LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(&card), card.dtype);
+            let image =
+                LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(&card), card.dtype);
             let offset = |kind| image.segment(kind).map(|s| s.offset as u64).unwrap();
-            assert_eq!(layout.pre_bytes, offset(SegmentKind::OProj), "{}", card.name);
-            assert_eq!(layout.pre_bytes + layout.o_bytes, offset(SegmentKind::FfnNorm), "{}", card.name);
-            assert_eq!(layout.dense_bytes(), image.dense_range().end as u64, "{}", card.name);
+            assert_eq!(
+                layout.pre_bytes,
+                offset(SegmentKind::OProj),
+                "{}",
+                card.name
+            );
+            assert_eq!(
+                layout.pre_bytes + layout.o_bytes,
+                offset(SegmentKind::FfnNorm),
+                "{}",
+                card.name
+            );
+            assert_eq!(
+                layout.dense_bytes(),
+                image.dense_range().end as u64,
+                "{}",
+                card.name
+            );
             for e in [0, card.experts as usize - 1] {
                 let range = image.expert_range(e);
-                assert_eq!(layout.dense_bytes() + e as u64 * layout.expert_bytes, range.start as u64, "{}", card.name);
+                assert_eq!(
+                    layout.dense_bytes() + e as u64 * layout.expert_bytes,
+                    range.start as u64,
+                    "{}",
+                    card.name
+                );
                 assert_eq!(layout.expert_bytes, range.len() as u64, "{}", card.name);
             }
-            assert_eq!(layout.layer_bytes(), image.image_bytes as u64, "{}", card.name);
+            assert_eq!(
+                layout.layer_bytes(),
+                image.image_bytes as u64,
+                "{}",
+                card.name
+            );
         }
     }
 }
