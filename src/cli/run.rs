@@ -194,10 +194,11 @@ pub fn execute(
         prompt_ids.extend(synthetic);
     }
     if prompt_ids.is_empty() {
-        return Err(Failure::Message(
-            "no prompts: pass --prompt TEXT (repeatable), --prompts FILE.jsonl or --workload SPEC"
-                .into(),
-        ));
+        // The README's main command: a small built-in prompt set of different lengths.
+        for text in DEFAULT_PROMPTS {
+            texts.push(text.to_string());
+            prompt_ids.push(model.tokenizer.encode(text).map_err(|e| msg(&e))?);
+        }
     }
     if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
         p.iter()
