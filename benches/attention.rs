@@ -1,7 +1,7 @@
 //! Decode attention (the CPU hot spot of every paper) against this machine's memory
 //! bandwidth measured in the same run (`moec probe`'s streaming read). Shape: mixtral-mid
-//! heads (GQA 32/8 x 128 would be the 8x7B; the mid card's geometry is used), 16 sequences
-//! of 1024 cached tokens, one new token each; the bench reads every cached K and V once,
+//! heads and head width, 16 sequences
+//! of 4096 cached tokens (far larger than the caches), one new token each; the bench reads every cached K and V once,
 //! so bytes / time is the kernel's achieved bandwidth. The ratio is printed at the end.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -13,7 +13,7 @@ use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
 use std::time::Instant;
 
 const SEQS: usize = 16;
-const CONTEXT: usize = 1024;
+const CONTEXT: usize = 4096;
 
 fn bench(c: &mut Criterion) {
     let arch = ArchSpec::from_card(&ModelCard::load("mixtral-mid").expect("card"));
@@ -45,7 +45,7 @@ fn bench(c: &mut Criterion) {
     let bytes = (SEQS * (CONTEXT + 1) * 2 * shape.kv_heads * shape.head_dim * 4) as u64;
     let mut group = c.benchmark_group("attention");
     group.throughput(Throughput::Bytes(bytes));
-    group.bench_function("decode_16x1024_mixtral_mid", |b| {
+    group.bench_function("decode_16x4096_mixtral_mid", |b| {
         b.iter(|| {
             let mut cache = KvBlocksMut {
                 layout,

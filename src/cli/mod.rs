@@ -11,10 +11,10 @@ pub mod check;
 pub mod compile;
 use std::process::ExitCode;
 
+pub mod ablate;
 pub mod hw;
 pub mod plan;
 pub mod probe;
-pub mod ablate;
 pub mod run;
 pub mod simulate;
 

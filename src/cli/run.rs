@@ -27,6 +27,16 @@ use crate::runtime::{generate, RunError, RunOptions, RunStats};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// Prompts used when none are given (varied lengths, so micro-batches mix sequence lengths).
+pub const DEFAULT_PROMPTS: [&str; 6] = [
+    "The capital of France is",
+    "Mixture-of-experts models route each token to a few experts, which",
+    "Once upon a time",
+    "To offload a large model from GPU memory to the CPU, an inference engine must overlap weight transfers with computation so that",
+    "The quick brown fox",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+];
+
 /// Arguments of `moec run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -184,10 +194,11 @@ pub fn execute(
         prompt_ids.extend(synthetic);
     }
     if prompt_ids.is_empty() {
-        return Err(Failure::Message(
-            "no prompts: pass --prompt TEXT (repeatable), --prompts FILE.jsonl or --workload SPEC"
-                .into(),
-        ));
+        // The README's main command: a small built-in prompt set of different lengths.
+        for text in DEFAULT_PROMPTS {
+            texts.push(text.to_string());
+            prompt_ids.push(model.tokenizer.encode(text).map_err(|e| msg(&e))?);
+        }
     }
     if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
         p.iter()

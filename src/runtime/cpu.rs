@@ -55,6 +55,16 @@ pub enum MemoryError {
         /// Where it was.
         space: &'static str,
     },
+    /// A copy whose source and destination bytes overlap.
+    #[error("copy source and destination overlap ({len} bytes at {src} and {dst})")]
+    Overlap {
+        /// Source start.
+        src: u64,
+        /// Destination start.
+        dst: u64,
+        /// Bytes.
+        len: u64,
+    },
     /// The `gpu` arena exceeds the configured device memory.
     #[error("the gpu arena needs {needed} bytes but the device has {capacity}")]
     GpuCapacity {
@@ -239,6 +249,16 @@ impl CpuMemory {
     /// engines, and moves the weight labels along.
     pub fn copy(&self, engine: Engine, src: View, dst: View) -> Result<(), MemoryError> {
         let started = Instant::now();
+        let overlap = src.region == dst.region
+            && src.start < dst.start + dst.len
+            && dst.start < src.start + src.len;
+        if overlap && src.len > 0 {
+            return Err(MemoryError::Overlap {
+                src: src.start,
+                dst: dst.start,
+                len: src.len,
+            });
+        }
         let from = self.bytes(src)?;
         let to = self.bytes_mut(dst)?;
         let n = from.len().min(to.len());

@@ -221,21 +221,27 @@ impl OpContext<'_> {
                 let groups = routing.by_expert(self.arch.experts);
                 let slots_len = n * self.arch.top_k * self.arch.hidden;
                 let acc = need(Role::Acc)?;
-                let mut workspace = lock(&self.state.slots);
-                let slots: &mut [f32] = if acc.len >= (slots_len * 4) as u64 {
-                    self.act_mut(acc, "acc", slots_len)?
-                } else {
-                    workspace
-                        .entry((layer, ub))
-                        .or_insert_with(|| vec![0.0; slots_len])
-                };
-                for e in self.members(set) {
-                    let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
-                    if rows.is_empty() {
-                        continue;
+                let run_experts = |slots: &mut [f32]| -> Result<(), OpError> {
+                    for e in self.members(set) {
+                        let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
+                        if rows.is_empty() {
+                            continue;
+                        }
+                        let expert = self.expert(&weights, layer, e as usize)?;
+                        expert_ffn(self.arch, &expert, &x_norm, rows, slots)?;
                     }
-                    let expert = self.expert(&weights, layer, e as usize)?;
-                    expert_ffn(self.arch, &expert, &x_norm, rows, slots)?;
+                    Ok(())
+                };
+                if acc.len >= (slots_len * 4) as u64 {
+                    run_experts(self.act_mut(acc, "acc", slots_len)?)?;
+                } else {
+                    // Taken out of the map while computing: experts tasks of one (layer,
+                    // ub) all write `acc`, so the plan never runs two of them at once.
+                    let taken = lock(&self.state.slots).remove(&(layer, ub));
+                    let mut slots = taken.unwrap_or_else(|| vec![0.0; slots_len]);
+                    let result = run_experts(&mut slots);
+                    lock(&self.state.slots).insert((layer, ub), slots);
+                    result?;
                 }
             }
             Op::Combine { layer, ub } => {
