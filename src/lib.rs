@@ -7,12 +7,14 @@
 //! the model cards, checkpoints, tokenizers, kernels and the reference forward pass; it
 //! knows nothing of the schedule language.
 
+pub mod check;
 pub mod cli;
+pub mod compile;
 pub mod cost;
 pub mod diag;
-pub mod ir;
-pub mod model;
-pub mod syntax;
 pub mod elaborate;
-pub mod check;
-pub mod compile;
+pub mod ir;
+pub mod lower;
+pub mod model;
+pub mod runtime;
+pub mod syntax;

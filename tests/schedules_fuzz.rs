@@ -66,7 +66,13 @@ fn run_all(inputs: Vec<(String, String)>) {
             panics.push(report);
         }
     }
-    assert!(panics.is_empty(), "{} of {} inputs panicked:\n{}", panics.len(), inputs.len(), panics.join("\n---\n"));
+    assert!(
+        panics.is_empty(),
+        "{} of {} inputs panicked:\n{}",
+        panics.len(),
+        inputs.len(),
+        panics.join("\n---\n")
+    );
 }
 
 #[test]
@@ -75,7 +81,10 @@ fn truncated_schedules_never_panic() {
     for (name, path) in common::schedule_files() {
         let source = common::read(&path);
         for prefix in prefixes(&source, 150) {
-            inputs.push((format!("{name} cut at byte {}", prefix.len()), prefix.to_string()));
+            inputs.push((
+                format!("{name} cut at byte {}", prefix.len()),
+                prefix.to_string(),
+            ));
         }
     }
     run_all(inputs);
@@ -140,7 +149,7 @@ fn token_shuffled_schedules_never_panic() {
 
 #[test]
 fn random_bytes_never_panic() {
-    let mut rng = Rng(0x5EED_0F_F022);
+    let mut rng = Rng(0x005E_ED0F_F022);
     let alphabet: Vec<char> = "schedule param stream buffer for in if else copy on as after let template \
         prefill decode step setup { } ( ) [ ] . , : = -> + - * / % < > ! & | 0 1 2 9 99999999999999999999 \
         1e308 -1 W gpu pinned host layers experts hot active page \" // \n \t é ∞ \0"
@@ -154,15 +163,22 @@ fn random_bytes_never_panic() {
             let bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
             String::from_utf8_lossy(&bytes).into_owned()
         } else {
-            (0..len).map(|_| alphabet[rng.below(alphabet.len())]).collect()
+            (0..len)
+                .map(|_| alphabet[rng.below(alphabet.len())])
+                .collect()
         };
         inputs.push((format!("random input {case}"), text));
     }
     // A valid header followed by noise reaches past the parser's first rule.
     for case in 0..50 {
         let len = rng.below(300);
-        let noise: String = (0..len).map(|_| alphabet[rng.below(alphabet.len())]).collect();
-        inputs.push((format!("header + noise {case}"), format!("schedule fuzz\n{noise}")));
+        let noise: String = (0..len)
+            .map(|_| alphabet[rng.below(alphabet.len())])
+            .collect();
+        inputs.push((
+            format!("header + noise {case}"),
+            format!("schedule fuzz\n{noise}"),
+        ));
     }
     run_all(inputs);
 }

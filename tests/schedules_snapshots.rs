@@ -14,7 +14,10 @@ fn compiled_small(name: &str, path: &std::path::Path) -> (moec::compile::Compile
     let source = common::read(path);
     match common::compile_small(&source) {
         Ok(compiled) => (compiled, source),
-        Err(diags) => panic!("{name} does not compile:\n{}", diag::render_all(&diags, name, &source)),
+        Err(diags) => panic!(
+            "{name} does not compile:\n{}",
+            diag::render_all(&diags, name, &source)
+        ),
     }
 }
 
@@ -47,16 +50,80 @@ fn every_schedule_as_dot() {
 /// schedule's default params and the default workload.
 #[test]
 fn every_schedule_checks_on_every_card() {
-    let cards = ["mixtral-tiny", "dbrx-tiny", "mixtral-mid", "dbrx-mid", "mixtral-8x7b", "mixtral-8x22b", "dbrx"];
+    let cards = [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "mixtral-mid",
+        "dbrx-mid",
+        "mixtral-8x7b",
+        "mixtral-8x22b",
+        "dbrx",
+    ];
     let mut failures = Vec::new();
     for (name, path) in common::schedule_files() {
         let source = common::read(&path);
         for card_name in cards {
             let card = moec::model::card::ModelCard::load(card_name).expect("built-in card");
             if let Err(diags) = compile(&source, &Options::new(card)) {
-                failures.push(format!("{name} on {card_name}:\n{}", diag::render_all(&diags, &name, &source)));
+                failures.push(format!(
+                    "{name} on {card_name}:\n{}",
+                    diag::render_all(&diags, &name, &source)
+                ));
             }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every schedule checks across small shapes, corner cases included: 1 to 5 layers (an
+/// odd count takes the unoverlapped path for the next token's first layer), 1 to 4
+/// micro-batches (FlexGen's multi-batch loop needs 2), with and without resident experts,
+/// on both tiny families.
+#[test]
+fn every_schedule_checks_across_small_shapes() {
+    let mut failures = Vec::new();
+    for (name, path) in common::schedule_files() {
+        let source = common::read(&path);
+        let declared = common::declared_params(&source);
+        for card_name in ["mixtral-tiny", "dbrx-tiny"] {
+            for layers in 1..=5 {
+                for count in 1..=4u32 {
+                    for r_w in ["0.0", "0.3"] {
+                        let mut options = Options::new(common::card_with_layers(card_name, layers));
+                        options.workload = moec::ir::Workload {
+                            batch: 8,
+                            prompt_len: 8,
+                            gen_len: 4,
+                        };
+                        let sets = [
+                            ("n_ub", count.to_string()),
+                            ("n_batch", count.max(2).to_string()),
+                            ("ubs", "2".to_string()),
+                            ("bs", "2".to_string()),
+                            ("seqs", "2".to_string()),
+                            ("packet_mb", "1".to_string()),
+                            ("r_w", r_w.to_string()),
+                        ];
+                        for (param, value) in sets {
+                            if declared.iter().any(|d| d == param) {
+                                options.sets.push((param.to_string(), value));
+                            }
+                        }
+                        if let Err(diags) = compile(&source, &options) {
+                            failures.push(format!(
+                                "{name} on {card_name} with {layers} layers, count {count}, r_w {r_w}:\n{}",
+                                diag::render_all(&diags, &name, &source)
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} configurations failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

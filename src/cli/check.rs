@@ -1,6 +1,8 @@
 //! `moec check SCHED`: compile a schedule and print a one-screen summary or its diagnostics.
 
 use crate::compile::{self, Compiled, Options};
+use crate::cost::budget::{check_budget, parse_bytes, BudgetOverrides};
+use crate::cost::hardware::HardwareProfile;
 use crate::diag::{self, Diagnostic};
 use crate::ir::emit::human_bytes;
 use crate::ir::Workload;
@@ -28,6 +30,10 @@ pub struct SchedArgs {
     /// Generated tokens per sequence (the `gen_len` symbol).
     #[arg(long, default_value_t = Workload::default().gen_len)]
     pub gen_len: u64,
+    /// Hardware profile (see `moec hw`): defines `gpu.mem`, `host.mem`, ... for the
+    /// schedule and, for `check`, the memory budgets.
+    #[arg(long)]
+    pub hw: Option<String>,
 }
 
 /// Why a schedule could not be compiled, ready to print.
@@ -47,6 +53,16 @@ impl SchedArgs {
             text: format!("error: {e}\n"),
         })?;
         let mut options = Options::new(model);
+        if let Some(hw) = &self.hw {
+            let profile = HardwareProfile::load(hw).map_err(|e| Failure {
+                text: format!("error: {e}\n"),
+            })?;
+            options.hardware = profile
+                .symbols()
+                .into_iter()
+                .map(|(name, value)| (name.to_string(), value))
+                .collect();
+        }
         options.workload = Workload {
             batch: self.batch,
             prompt_len: self.prompt_len,
@@ -84,6 +100,44 @@ impl SchedArgs {
 pub struct CheckArgs {
     #[command(flatten)]
     sched: SchedArgs,
+    /// GPU memory budget (e.g. 16GB); checks budgets even without `--hw`.
+    #[arg(long)]
+    gpu_mem: Option<String>,
+    /// Host memory budget (e.g. 192GB); checks budgets even without `--hw`.
+    #[arg(long)]
+    host_mem: Option<String>,
+}
+
+/// Checks memory budgets when `--hw`, `--gpu-mem` or `--host-mem` is given; `Err` is the
+/// text to print (over budget, or a bad flag).
+fn check_memory(args: &CheckArgs, compiled: &Compiled) -> Result<Option<String>, String> {
+    if args.sched.hw.is_none() && args.gpu_mem.is_none() && args.host_mem.is_none() {
+        return Ok(None);
+    }
+    let profile = match &args.sched.hw {
+        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| format!("error: {e}"))?),
+        None => None,
+    };
+    let overrides = BudgetOverrides {
+        gpu_bytes: args
+            .gpu_mem
+            .as_deref()
+            .map(parse_bytes)
+            .transpose()
+            .map_err(|e| format!("error: --gpu-mem: {e}"))?,
+        host_bytes: args
+            .host_mem
+            .as_deref()
+            .map(parse_bytes)
+            .transpose()
+            .map_err(|e| format!("error: --host-mem: {e}"))?,
+    };
+    match check_budget(&compiled.program, profile.as_ref(), &overrides) {
+        Ok(table) => Ok(Some(format!(
+            "memory (peak per space over the run)\n{table}"
+        ))),
+        Err(over) => Err(format!("error[memory::over_budget]: {over}")),
+    }
 }
 
 /// The one-screen summary of a checked program.
@@ -147,7 +201,17 @@ pub fn summary(compiled: &Compiled) -> String {
 pub fn run(args: &CheckArgs) -> ExitCode {
     match args.sched.compile() {
         Ok((compiled, name, source)) => {
+            let memory = match check_memory(args, &compiled) {
+                Ok(memory) => memory,
+                Err(text) => {
+                    eprintln!("{text}");
+                    return ExitCode::from(1);
+                }
+            };
             print!("{}", summary(&compiled));
+            if let Some(memory) = memory {
+                print!("{memory}");
+            }
             if !compiled.warnings().is_empty() {
                 eprint!("{}", diag::render_all(compiled.warnings(), &name, &source));
             }

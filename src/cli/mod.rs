@@ -1,6 +1,10 @@
 //! The `moec` command line: parses arguments with clap and dispatches to one module per
 //! subcommand. This is the only part of the crate that prints.
 
+pub mod generate;
+pub mod models;
+pub mod synth;
+
 use clap::{Parser, Subcommand};
 
 pub mod check;
@@ -8,7 +12,11 @@ pub mod compile;
 use std::process::ExitCode;
 
 pub mod hw;
+pub mod plan;
 pub mod probe;
+pub mod ablate;
+pub mod run;
+pub mod simulate;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
 #[derive(Debug, Parser)]
@@ -28,6 +36,20 @@ enum Command {
     Hw(hw::HwArgs),
     /// Measure this machine and write a hardware profile.
     Probe(probe::ProbeArgs),
+    /// Generate text with the reference forward pass (the oracle).
+    Generate(generate::GenerateArgs),
+    /// Write a deterministic synthetic checkpoint of a card (Hugging Face format).
+    Synth(synth::SynthArgs),
+    /// List the built-in model cards with parameter counts and bytes per layer.
+    Models(models::ModelsArgs),
+    /// Predict a schedule's speed on a hardware profile (HRM + discrete-event simulation).
+    Simulate(simulate::SimulateArgs),
+    /// Search a schedule's params for the best predicted throughput within budget.
+    Plan(plan::PlanArgs),
+    /// Run a schedule as real inference on the CPU backend and report what it measured.
+    Run(run::RunArgs),
+    /// Run several schedules on one workload and compare them in one table.
+    Ablate(ablate::AblateArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -38,5 +60,12 @@ pub fn main() -> ExitCode {
         Command::Compile(args) => compile::run(&args),
         Command::Hw(args) => hw::run(args),
         Command::Probe(args) => probe::run(args),
+        Command::Generate(args) => generate::run(&args),
+        Command::Synth(args) => synth::run(&args),
+        Command::Models(args) => models::run(&args),
+        Command::Simulate(args) => simulate::run(args),
+        Command::Plan(args) => plan::run(args),
+        Command::Run(args) => run::run(&args),
+        Command::Ablate(args) => ablate::run(&args),
     }
 }

@@ -153,6 +153,69 @@ pub fn moe_lens_saturating_tokens(
     gpu_flops / link_bandwidth * experts / top_k
 }
 
+/// Measured (or HRM) times Klotski's planner inequalities (Klotski eq. 4) take, seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct KlotskiTimes {
+    /// `t_c_A`: attention of one batch.
+    pub attn: f64,
+    /// `t_c_G`: gate of one batch.
+    pub gate: f64,
+    /// `t_c_hot_E`: the prefetched hot experts over all batches of the group.
+    pub hot_experts: f64,
+    /// `sum_{i in Q} t_c_E_i`: the cold experts activated, over all batches.
+    pub cold_experts: f64,
+    /// `len(Q)`: how many cold experts are activated per layer.
+    pub cold_count: f64,
+    /// `K`: prefetched hot experts per layer.
+    pub hot_count: f64,
+    /// `t_I/O_A`: transfer of the next layer's attention weights.
+    pub io_attn: f64,
+    /// `t_I/O_G`: transfer of the gate weights.
+    pub io_gate: f64,
+    /// `t_I/O_E`: transfer of one expert.
+    pub io_expert: f64,
+}
+
+/// The smallest batch-group size `n` satisfying all four inequalities of Klotski eq. 4 (so
+/// I/O hides behind computation at points I-IV of its Fig. 9); `None` when attention and
+/// gate take no time, so no `n` helps.
+pub fn klotski_min_batches(t: &KlotskiTimes) -> Option<u64> {
+    let per_batch_attn = t.attn;
+    let per_batch = t.attn + t.gate;
+    if per_batch <= 0.0 {
+        return None;
+    }
+    let needs = [
+        // (I) gate weights before the gate: n t_cA >= t_IO_G.
+        (per_batch_attn, t.io_gate, 0.0),
+        // (II) K hot experts before they compute.
+        (per_batch, t.io_gate + t.hot_count * t.io_expert, 0.0),
+        // (III) the first cold expert after the hot ones.
+        (
+            per_batch,
+            t.io_gate + (t.hot_count + 1.0) * t.io_expert,
+            t.hot_experts,
+        ),
+        // (IV) next layer's attention after all experts.
+        (
+            per_batch,
+            t.io_gate + (t.hot_count + t.cold_count) * t.io_expert + t.io_attn,
+            t.hot_experts + t.cold_experts,
+        ),
+    ];
+    let mut n = 1.0f64;
+    for (coefficient, io, head_start) in needs {
+        if coefficient <= 0.0 {
+            if io > head_start {
+                return None;
+            }
+            continue;
+        }
+        n = n.max(((io - head_start) / coefficient).ceil());
+    }
+    Some(n as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,5 +317,26 @@ mod tests {
             bound.tokens_per_s
         );
         assert_eq!(bound.bottleneck, "kv_capacity");
+    }
+
+    /// Klotski eq. 4 by hand: t_cA = 10 ms, t_cG = 1 ms, hot experts 30 ms, cold 40 ms for
+    /// len(Q) = 4, K = 2, t_IO_A = 20 ms, t_IO_G = 2 ms, t_IO_E = 50 ms.
+    /// (I) n >= 2 / 10 -> 1; (II) 11 n >= 2 + 100 -> n >= 9.27 -> 10;
+    /// (III) 11 n + 30 >= 152 -> n >= 11.09 -> 12; (IV) 11 n + 70 >= 2 + 300 + 20 -> n >=
+    /// 22.9 -> 23. So n = 23.
+    #[test]
+    fn klotski_eq4_by_hand() {
+        let n = klotski_min_batches(&KlotskiTimes {
+            attn: 0.010,
+            gate: 0.001,
+            hot_experts: 0.030,
+            cold_experts: 0.040,
+            cold_count: 4.0,
+            hot_count: 2.0,
+            io_attn: 0.020,
+            io_gate: 0.002,
+            io_expert: 0.050,
+        });
+        assert_eq!(n, Some(23));
     }
 }

@@ -5,10 +5,14 @@
 //! timelines and planned parameters. Knows nothing of the schedule language's syntax.
 
 pub mod bounds;
+pub mod budget;
 pub mod hardware;
 pub mod hrm;
+pub mod plan;
+pub mod predict;
 pub mod probe;
 pub mod sim;
 pub mod timeline;
+pub mod workloads;
 
 pub use hardware::{ComputeDtype, HardwareError, HardwareProfile, Level, Processor};

@@ -65,6 +65,32 @@ impl Timeline {
         }
     }
 
+    /// The spans overlapping `[from, to)` seconds (relative to the earliest start), clipped
+    /// to it and shifted so the window starts at 0: a zoom for Gantt charts.
+    pub fn window(&self, from: f64, to: f64) -> Timeline {
+        let origin = self
+            .spans
+            .iter()
+            .map(|s| s.start)
+            .fold(f64::INFINITY, f64::min);
+        let origin = if origin.is_finite() { origin } else { 0.0 };
+        let spans = self
+            .spans
+            .iter()
+            .filter(|s| s.end - origin > from && s.start - origin < to)
+            .map(|s| Span {
+                start: (s.start - origin).max(from) - from,
+                end: (s.end - origin).min(to) - from,
+                ..s.clone()
+            })
+            .collect();
+        Timeline {
+            title: self.title.clone(),
+            streams: self.streams.clone(),
+            spans,
+        }
+    }
+
     /// Ops in first-appearance order (the legend and colour order).
     pub fn ops(&self) -> Vec<&str> {
         let mut ops: Vec<&str> = Vec::new();
@@ -262,6 +288,16 @@ mod tests {
         assert!(events
             .iter()
             .any(|e| e["name"] == "thread_name" && e["args"]["name"] == "h2d"));
+    }
+
+    #[test]
+    fn window_clips_and_shifts() {
+        let zoom = sample().window(0.0015, 0.0025);
+        assert_eq!(zoom.spans.len(), 2);
+        assert!(
+            (zoom.spans[0].start - 0.0).abs() < 1e-15 && (zoom.spans[0].end - 0.0005).abs() < 1e-15
+        );
+        assert!((zoom.spans[1].end - 0.001).abs() < 1e-15);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, WeightDtype};
 use crate::model::config::{self, ConfigError};
 use crate::model::layout::{ImageBuffer, LayerLayout, SegmentKind};
+use crate::model::names::{segment_source, Source};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
 use memmap2::Mmap;
@@ -135,19 +136,21 @@ pub struct Checkpoint {
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checkpoint").field("dir", &self.dir).field("card", &self.card.name).finish()
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("card", &self.card.name)
+            .finish()
     }
 }
 
-/// Where a segment's bytes come from: a tensor's full shape and a row range of it.
-struct Source {
-    name: String,
-    shape: Vec<usize>,
-    rows: Range<usize>,
-}
+/// A safetensors file to open and, when an index lists them, the tensors it must hold.
+type ShardPlan = (PathBuf, Option<BTreeSet<String>>);
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.display().to_string(), source }
+    move |source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 fn weight_dtype(d: Dtype) -> Result<WeightDtype, Dtype> {
@@ -162,9 +165,13 @@ fn weight_dtype(d: Dtype) -> Result<WeightDtype, Dtype> {
 fn describe(err: &SafeTensorError, len: usize) -> String {
     match err {
         SafeTensorError::MetadataIncompleteBuffer | SafeTensorError::InvalidHeaderLength => {
-            format!("truncated safetensors file ({len} bytes; the header describes more or less data)")
+            format!(
+                "truncated safetensors file ({len} bytes; the header describes more or less data)"
+            )
         }
-        SafeTensorError::HeaderTooSmall => format!("truncated safetensors file ({len} bytes, no header)"),
+        SafeTensorError::HeaderTooSmall => {
+            format!("truncated safetensors file ({len} bytes, no header)")
+        }
         other => format!("corrupt safetensors header: {other}"),
     }
 }
@@ -179,7 +186,10 @@ impl Checkpoint {
     pub fn open_with_card(dir: &Path, card: Option<&ModelCard>) -> Result<Self, CheckpointError> {
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
-        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "checkpoint".into());
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "checkpoint".into());
         let config_name = config_path.display().to_string();
         let from_config = config::card_from_config(&text, &config_name, &name)?;
         let mut card = match card {
@@ -203,8 +213,13 @@ impl Checkpoint {
             // the file concurrently is outside what we can defend against (as for any mmap
             // reader, e.g. the safetensors crate's own examples).
             let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
-            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
-                .map_err(|e| CheckpointError::Safetensors { path: path.display().to_string(), message: describe(&e, mmap.len()) })?;
+            let (header_len, meta) =
+                safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
+                    CheckpointError::Safetensors {
+                        path: path.display().to_string(),
+                        message: describe(&e, mmap.len()),
+                    }
+                })?;
             let data_start = 8 + header_len;
             for (name, info) in meta.tensors() {
                 if let Some(wanted) = &expected {
@@ -225,7 +240,10 @@ impl Checkpoint {
             }
             if let Some(wanted) = expected {
                 if let Some(absent) = wanted.iter().find(|n| !tensors.contains_key(*n)) {
-                    return Err(CheckpointError::MissingTensor { dir: path.display().to_string(), tensor: absent.clone() });
+                    return Err(CheckpointError::MissingTensor {
+                        dir: path.display().to_string(),
+                        tensor: absent.clone(),
+                    });
                 }
             }
             shards.push(Shard { path, mmap });
@@ -238,34 +256,56 @@ impl Checkpoint {
             card.dtype = dtype;
         }
         let arch = ArchSpec::from_card(&card);
-        Ok(Checkpoint { dir: dir.to_path_buf(), card, arch, shards, tensors })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            card,
+            arch,
+            shards,
+            tensors,
+        })
     }
 
     /// The safetensors files and, when sharded, which tensors each must hold.
-    fn shard_paths(dir: &Path) -> Result<Vec<(PathBuf, Option<BTreeSet<String>>)>, CheckpointError> {
+    fn shard_paths(dir: &Path) -> Result<Vec<ShardPlan>, CheckpointError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
-            let bad = |message: String| CheckpointError::Index { path: index.display().to_string(), message };
-            let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+            let bad = |message: String| CheckpointError::Index {
+                path: index.display().to_string(),
+                message,
+            };
+            let value: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
             let map = value
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| bad("no `weight_map` object".into()))?;
             let mut files: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
             for (tensor, file) in map {
-                let file = file.as_str().ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
+                let file = file
+                    .as_str()
+                    .ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
                 if file.contains('/') || file.contains('\\') || file == ".." {
-                    return Err(bad(format!("shard name `{file}` must be a plain file name")));
+                    return Err(bad(format!(
+                        "shard name `{file}` must be a plain file name"
+                    )));
                 }
-                files.entry(file.to_string()).or_default().insert(tensor.clone());
+                files
+                    .entry(file.to_string())
+                    .or_default()
+                    .insert(tensor.clone());
             }
-            Ok(files.into_iter().map(|(f, t)| (dir.join(f), Some(t))).collect())
+            Ok(files
+                .into_iter()
+                .map(|(f, t)| (dir.join(f), Some(t)))
+                .collect())
         } else if single.exists() {
             Ok(vec![(single, None)])
         } else {
-            Err(CheckpointError::NoWeights { dir: dir.display().to_string() })
+            Err(CheckpointError::NoWeights {
+                dir: dir.display().to_string(),
+            })
         }
     }
 
@@ -296,16 +336,32 @@ impl Checkpoint {
     }
 
     /// Raw bytes, dtype and shape of a tensor, with the shape checked against `shape`.
-    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&[u8], WeightDtype, &Path), CheckpointError> {
-        let entry = self.tensors.get(name).ok_or_else(|| CheckpointError::MissingTensor {
-            dir: self.dir.display().to_string(),
-            tensor: name.to_string(),
-        })?;
+    fn checked(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(&[u8], WeightDtype, &Path), CheckpointError> {
+        let entry = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                dir: self.dir.display().to_string(),
+                tensor: name.to_string(),
+            })?;
         let shard = &self.shards[entry.shard];
         let path = shard.path.display().to_string();
-        let dtype = entry.dtype.map_err(|d| CheckpointError::Dtype { path: path.clone(), tensor: name.into(), dtype: format!("{d:?}") })?;
+        let dtype = entry.dtype.map_err(|d| CheckpointError::Dtype {
+            path: path.clone(),
+            tensor: name.into(),
+            dtype: format!("{d:?}"),
+        })?;
         if entry.shape != shape {
-            return Err(CheckpointError::Shape { path, tensor: name.into(), expected: shape.to_vec(), got: entry.shape.clone() });
+            return Err(CheckpointError::Shape {
+                path,
+                tensor: name.into(),
+                expected: shape.to_vec(),
+                got: entry.shape.clone(),
+            });
         }
         Ok((&shard.mmap[entry.range.clone()], dtype, &shard.path))
     }
@@ -318,16 +374,24 @@ impl Checkpoint {
         } else {
             let cols: usize = src.shape.iter().skip(1).product();
             let row_bytes = cols * dtype.bytes() as usize;
-            (&bytes[src.rows.start * row_bytes..src.rows.end * row_bytes], cols)
+            (
+                &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes],
+                cols,
+            )
         };
-        let slice = TypedSlice::from_bytes(bytes, dtype).map_err(|_| CheckpointError::Alignment {
-            path: path.display().to_string(),
-            tensor: src.name.clone(),
-        })?;
+        let slice =
+            TypedSlice::from_bytes(bytes, dtype).map_err(|_| CheckpointError::Alignment {
+                path: path.display().to_string(),
+                tensor: src.name.clone(),
+            })?;
         Ok((slice, cols))
     }
 
-    fn matrix(&self, src: &Source, orientation: Orientation) -> Result<Matrix<'_>, CheckpointError> {
+    fn matrix(
+        &self,
+        src: &Source,
+        orientation: Orientation,
+    ) -> Result<Matrix<'_>, CheckpointError> {
         let (data, cols) = self.view(src)?;
         let rows = src.rows.len();
         Matrix::new(data, rows, cols, orientation).ok_or_else(|| CheckpointError::Shape {
@@ -340,65 +404,35 @@ impl Checkpoint {
 
     /// Where segment `kind` of layer `layer` lives in the checkpoint.
     fn source(&self, layer: usize, kind: SegmentKind) -> Source {
-        let a = &self.arch;
-        let (rows, cols, _) = LayerLayout::shape_of(a, kind);
-        let whole = |name: String| Source {
-            shape: if kind == SegmentKind::AttnNorm || kind == SegmentKind::FfnNorm { vec![cols] } else { vec![rows, cols] },
-            rows: 0..rows,
-            name,
-        };
-        match a.family {
-            Family::Mixtral => {
-                let p = format!("model.layers.{layer}");
-                whole(match kind {
-                    SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
-                    SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
-                    SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
-                    SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
-                    SegmentKind::QkvProj => format!("{p}.self_attn.qkv_proj.weight"),
-                    SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
-                    SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
-                    SegmentKind::Router => format!("{p}.block_sparse_moe.gate.weight"),
-                    SegmentKind::ExpertGate(e) => format!("{p}.block_sparse_moe.experts.{e}.w1.weight"),
-                    SegmentKind::ExpertUp(e) => format!("{p}.block_sparse_moe.experts.{e}.w3.weight"),
-                    SegmentKind::ExpertDown(e) => format!("{p}.block_sparse_moe.experts.{e}.w2.weight"),
-                })
-            }
-            Family::Dbrx => {
-                let p = format!("transformer.blocks.{layer}");
-                let fused = |w: &str, e: usize| Source {
-                    name: format!("{p}.ffn.experts.mlp.{w}"),
-                    shape: vec![a.experts * a.ffn, a.hidden],
-                    rows: e * a.ffn..(e + 1) * a.ffn,
-                };
-                match kind {
-                    SegmentKind::ExpertGate(e) => fused("w1", e),
-                    SegmentKind::ExpertUp(e) => fused("v1", e),
-                    SegmentKind::ExpertDown(e) => fused("w2", e),
-                    other => whole(match other {
-                        SegmentKind::AttnNorm => format!("{p}.norm_attn_norm.norm_1.weight"),
-                        SegmentKind::FfnNorm => format!("{p}.norm_attn_norm.norm_2.weight"),
-                        SegmentKind::OProj => format!("{p}.norm_attn_norm.attn.out_proj.weight"),
-                        SegmentKind::Router => format!("{p}.ffn.router.layer.weight"),
-                        _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
-                    }),
-                }
-            }
-        }
+        segment_source(&self.arch, layer, kind)
     }
 
-    fn segment_matrix(&self, layer: usize, kind: SegmentKind) -> Result<Matrix<'_>, CheckpointError> {
+    fn segment_matrix(
+        &self,
+        layer: usize,
+        kind: SegmentKind,
+    ) -> Result<Matrix<'_>, CheckpointError> {
         let (_, _, orientation) = LayerLayout::shape_of(&self.arch, kind);
-        self.matrix(&self.source(layer, kind), orientation.unwrap_or(Orientation::OutIn))
+        self.matrix(
+            &self.source(layer, kind),
+            orientation.unwrap_or(Orientation::OutIn),
+        )
     }
 
-    fn segment_vector(&self, layer: usize, kind: SegmentKind) -> Result<TypedSlice<'_>, CheckpointError> {
+    fn segment_vector(
+        &self,
+        layer: usize,
+        kind: SegmentKind,
+    ) -> Result<TypedSlice<'_>, CheckpointError> {
         Ok(self.view(&self.source(layer, kind))?.0)
     }
 
     fn check_layer(&self, layer: usize) -> Result<(), CheckpointError> {
         if layer >= self.arch.layers {
-            return Err(CheckpointError::Layer { layer, layers: self.arch.layers });
+            return Err(CheckpointError::Layer {
+                layer,
+                layers: self.arch.layers,
+            });
         }
         Ok(())
     }
@@ -440,7 +474,11 @@ impl Checkpoint {
             Family::Mixtral => ("model.embed_tokens.weight", "model.norm.weight"),
             Family::Dbrx => ("transformer.wte.weight", "transformer.norm_f.weight"),
         };
-        let table = |name: &str| Source { name: name.into(), shape: vec![a.vocab, a.hidden], rows: 0..a.vocab };
+        let table = |name: &str| Source {
+            name: name.into(),
+            shape: vec![a.vocab, a.hidden],
+            rows: 0..a.vocab,
+        };
         let embed = self.matrix(&table(embed), Orientation::OutIn)?;
         // Tied checkpoints (tie_word_embeddings = true) ship no lm_head; reuse the embedding.
         let lm_head = if self.tensors.contains_key("lm_head.weight") {
@@ -450,9 +488,22 @@ impl Checkpoint {
         } else {
             self.matrix(&table("lm_head.weight"), Orientation::OutIn)?
         };
-        let final_norm = self.view(&Source { name: norm.into(), shape: vec![a.hidden], rows: 0..a.hidden })?.0;
-        let layers = (0..a.layers).map(|l| self.layer_weights(l)).collect::<Result<Vec<_>, _>>()?;
-        Ok(ModelWeights { embed, layers, final_norm, lm_head })
+        let final_norm = self
+            .view(&Source {
+                name: norm.into(),
+                shape: vec![a.hidden],
+                rows: 0..a.hidden,
+            })?
+            .0;
+        let layers = (0..a.layers)
+            .map(|l| self.layer_weights(l))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ModelWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
     }
 
     fn ties_embeddings(&self) -> bool {
@@ -472,15 +523,28 @@ impl Checkpoint {
             let (_, dtype, _) = self.checked(&src.name, &src.shape)?;
             dtypes.insert(format!("{kind:?}"), dtype);
         }
-        Ok(LayerLayout::new(&self.arch, |k| dtypes.get(&format!("{k:?}")).copied().unwrap_or(self.card.dtype)))
+        Ok(LayerLayout::new(&self.arch, |k| {
+            dtypes
+                .get(&format!("{k:?}"))
+                .copied()
+                .unwrap_or(self.card.dtype)
+        }))
     }
 
     /// Copies layer `layer`'s tensors byte for byte into `dst` at `layout`'s offsets
     /// (padding is zeroed). `layout` must come from [`Checkpoint::layer_layout`].
-    pub fn copy_layer_image(&self, layer: usize, layout: &LayerLayout, dst: &mut [u8]) -> Result<(), CheckpointError> {
+    pub fn copy_layer_image(
+        &self,
+        layer: usize,
+        layout: &LayerLayout,
+        dst: &mut [u8],
+    ) -> Result<(), CheckpointError> {
         self.check_layer(layer)?;
         if dst.len() < layout.image_bytes {
-            return Err(CheckpointError::ImageBuffer { needed: layout.image_bytes, got: dst.len() });
+            return Err(CheckpointError::ImageBuffer {
+                needed: layout.image_bytes,
+                got: dst.len(),
+            });
         }
         dst[..layout.image_bytes].fill(0);
         for seg in &layout.segments {

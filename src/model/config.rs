@@ -84,25 +84,37 @@ impl<'a> Fields<'a> {
     }
 
     fn invalid(&self, field: &str, message: &str) -> ConfigError {
-        ConfigError::Invalid { path: self.path.to_string(), field: field.to_string(), message: message.to_string() }
+        ConfigError::Invalid {
+            path: self.path.to_string(),
+            field: field.to_string(),
+            message: message.to_string(),
+        }
     }
 
     fn opt_uint(&self, field: &str) -> Result<Option<u64>, ConfigError> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(Some).ok_or_else(|| self.invalid(field, "must be a non-negative integer")),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| self.invalid(field, "must be a non-negative integer")),
         }
     }
 
     fn uint(&self, field: &str) -> Result<u64, ConfigError> {
-        self.opt_uint(field)?
-            .ok_or_else(|| ConfigError::Missing { path: self.path.to_string(), field: field.to_string() })
+        self.opt_uint(field)?.ok_or_else(|| ConfigError::Missing {
+            path: self.path.to_string(),
+            field: field.to_string(),
+        })
     }
 
     fn opt_float(&self, field: &str) -> Result<Option<f64>, ConfigError> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.invalid(field, "must be a number")),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.invalid(field, "must be a number")),
         }
     }
 
@@ -126,19 +138,28 @@ impl<'a> Fields<'a> {
 /// Reads a card from config.json text; `path` names the file in errors, `name` becomes
 /// the card's name.
 pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard, ConfigError> {
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| ConfigError::Json { path: path.to_string(), message: e.to_string() })?;
-    let root = value
-        .as_object()
-        .ok_or_else(|| ConfigError::Json { path: path.to_string(), message: "top level is not an object".into() })?;
+    let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+        path: path.to_string(),
+        message: e.to_string(),
+    })?;
+    let root = value.as_object().ok_or_else(|| ConfigError::Json {
+        path: path.to_string(),
+        message: "top level is not an object".into(),
+    })?;
     let f = Fields { path, root };
     let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
     let card = match model_type {
         "mixtral" => mixtral_card(&f, name)?,
         "dbrx" => dbrx_card(&f, name)?,
-        other => return Err(ConfigError::ModelType { path: path.into(), model_type: other.into() }),
+        other => {
+            return Err(ConfigError::ModelType {
+                path: path.into(),
+                model_type: other.into(),
+            })
+        }
     };
-    card.validate().map_err(|message| f.invalid("(dimensions)", &message))?;
+    card.validate()
+        .map_err(|message| f.invalid("(dimensions)", &message))?;
     Ok(card)
 }
 
@@ -196,11 +217,18 @@ fn dbrx_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
             ));
         }
     }
-    let router_norm_p = match f.root.get("ffn_config").and_then(|c| c.get("moe_normalize_expert_weights")) {
+    let router_norm_p = match f
+        .root
+        .get("ffn_config")
+        .and_then(|c| c.get("moe_normalize_expert_weights"))
+    {
         Some(Value::Null) => None,
         None => Some(1.0),
         Some(v) => Some(v.as_f64().ok_or_else(|| {
-            f.invalid("ffn_config.moe_normalize_expert_weights", "must be a number or null")
+            f.invalid(
+                "ffn_config.moe_normalize_expert_weights",
+                "must be a number or null",
+            )
         })?),
     };
     Ok(ModelCard {
@@ -245,7 +273,10 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
         "rope_theta" => ("rope_theta", "attn_config.rope_theta"),
         "norm_eps" => ("rms_norm_eps", "(LayerNorm eps)"),
         "clip_qkv" => ("(clip_qkv)", "attn_config.clip_qkv"),
-        "router_norm_p" => ("(router renormalisation)", "ffn_config.moe_normalize_expert_weights"),
+        "router_norm_p" => (
+            "(router renormalisation)",
+            "ffn_config.moe_normalize_expert_weights",
+        ),
         _ => ("model_type", "model_type"),
     };
     match family {
@@ -255,7 +286,11 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
 }
 
 /// Checks that the architecture read from config.json (`from_config`) is the card's.
-pub fn check_agreement(from_config: &ModelCard, card: &ModelCard, path: &str) -> Result<(), ConfigError> {
+pub fn check_agreement(
+    from_config: &ModelCard,
+    card: &ModelCard,
+    path: &str,
+) -> Result<(), ConfigError> {
     let mismatch = |field: &str, config_value: String, card_value: String| ConfigError::Mismatch {
         path: path.to_string(),
         card: card.name.clone(),
@@ -264,7 +299,11 @@ pub fn check_agreement(from_config: &ModelCard, card: &ModelCard, path: &str) ->
         card_value,
     };
     if from_config.family != card.family {
-        return Err(mismatch("family", format!("{:?}", from_config.family), format!("{:?}", card.family)));
+        return Err(mismatch(
+            "family",
+            format!("{:?}", from_config.family),
+            format!("{:?}", card.family),
+        ));
     }
     let ints = [
         ("layers", from_config.layers, card.layers),
@@ -276,7 +315,11 @@ pub fn check_agreement(from_config: &ModelCard, card: &ModelCard, path: &str) ->
         ("experts", from_config.experts, card.experts),
         ("top_k", from_config.top_k, card.top_k),
         ("vocab", from_config.vocab, card.vocab),
-        ("max_positions", from_config.max_positions, card.max_positions),
+        (
+            "max_positions",
+            from_config.max_positions,
+            card.max_positions,
+        ),
     ];
     for (field, a, b) in ints {
         if a != b {
@@ -285,13 +328,25 @@ pub fn check_agreement(from_config: &ModelCard, card: &ModelCard, path: &str) ->
     }
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
     if !close(from_config.rope_theta, card.rope_theta) {
-        return Err(mismatch("rope_theta", from_config.rope_theta.to_string(), card.rope_theta.to_string()));
+        return Err(mismatch(
+            "rope_theta",
+            from_config.rope_theta.to_string(),
+            card.rope_theta.to_string(),
+        ));
     }
     if !close(from_config.norm_eps, card.norm_eps) {
-        return Err(mismatch("norm_eps", from_config.norm_eps.to_string(), card.norm_eps.to_string()));
+        return Err(mismatch(
+            "norm_eps",
+            from_config.norm_eps.to_string(),
+            card.norm_eps.to_string(),
+        ));
     }
     if from_config.clip_qkv != card.clip_qkv {
-        return Err(mismatch("clip_qkv", format!("{:?}", from_config.clip_qkv), format!("{:?}", card.clip_qkv)));
+        return Err(mismatch(
+            "clip_qkv",
+            format!("{:?}", from_config.clip_qkv),
+            format!("{:?}", card.clip_qkv),
+        ));
     }
     if card.family == Family::Dbrx && from_config.router_norm_p != card.router_norm_p {
         return Err(mismatch(
@@ -406,7 +461,12 @@ mod tests {
     #[test]
     fn hub_configs_agree_with_the_builtin_cards() {
         let mixtral = card_from_config(MIXTRAL_8X7B, "config.json", "x").unwrap();
-        check_agreement(&mixtral, &ModelCard::load("mixtral-8x7b").unwrap(), "config.json").unwrap();
+        check_agreement(
+            &mixtral,
+            &ModelCard::load("mixtral-8x7b").unwrap(),
+            "config.json",
+        )
+        .unwrap();
         let dbrx = card_from_config(DBRX, "config.json", "x").unwrap();
         check_agreement(&dbrx, &ModelCard::load("dbrx").unwrap(), "config.json").unwrap();
         assert_eq!(dbrx.clip_qkv, Some(8.0));
@@ -416,7 +476,10 @@ mod tests {
     #[test]
     fn rope_parameters_spelling_and_integer_sliding_window_are_read() {
         let text = MIXTRAL_8X7B
-            .replace(r#""rope_theta":1000000.0,"#, r#""rope_parameters":{"rope_theta":12345.0,"rope_type":"default"},"#)
+            .replace(
+                r#""rope_theta":1000000.0,"#,
+                r#""rope_parameters":{"rope_theta":12345.0,"rope_type":"default"},"#,
+            )
             .replace(r#""sliding_window":null"#, r#""sliding_window":4096"#);
         let card = card_from_config(&text, "c.json", "x").unwrap();
         assert_eq!(card.rope_theta, 12345.0);
@@ -427,20 +490,39 @@ mod tests {
     fn disagreement_names_the_config_field() {
         let text = MIXTRAL_8X7B.replace(r#""hidden_size":4096"#, r#""hidden_size":1024"#);
         let from_config = card_from_config(&text, "w/config.json", "x").unwrap();
-        let err = check_agreement(&from_config, &ModelCard::load("mixtral-8x7b").unwrap(), "w/config.json");
+        let err = check_agreement(
+            &from_config,
+            &ModelCard::load("mixtral-8x7b").unwrap(),
+            "w/config.json",
+        );
         let msg = err.unwrap_err().to_string();
-        assert!(msg.contains("`hidden_size` is 1024") && msg.contains("`mixtral-8x7b` has 4096"), "{msg}");
+        assert!(
+            msg.contains("`hidden_size` is 1024") && msg.contains("`mixtral-8x7b` has 4096"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn bad_configs_are_errors_naming_the_problem() {
         let missing = MIXTRAL_8X7B.replace(r#""num_local_experts":8,"#, "");
-        assert!(card_from_config(&missing, "c.json", "x").unwrap_err().to_string().contains("num_local_experts"));
-        assert!(matches!(card_from_config("{not json", "c.json", "x"), Err(ConfigError::Json { .. })));
+        assert!(card_from_config(&missing, "c.json", "x")
+            .unwrap_err()
+            .to_string()
+            .contains("num_local_experts"));
+        assert!(matches!(
+            card_from_config("{not json", "c.json", "x"),
+            Err(ConfigError::Json { .. })
+        ));
         let llama = MIXTRAL_8X7B.replace(r#""model_type":"mixtral""#, r#""model_type":"llama""#);
-        assert!(matches!(card_from_config(&llama, "c.json", "x"), Err(ConfigError::ModelType { .. })));
+        assert!(matches!(
+            card_from_config(&llama, "c.json", "x"),
+            Err(ConfigError::ModelType { .. })
+        ));
         let neg = MIXTRAL_8X7B.replace(r#""num_hidden_layers":32"#, r#""num_hidden_layers":-3"#);
-        assert!(card_from_config(&neg, "c.json", "x").unwrap_err().to_string().contains("num_hidden_layers"));
+        assert!(card_from_config(&neg, "c.json", "x")
+            .unwrap_err()
+            .to_string()
+            .contains("num_hidden_layers"));
     }
 
     #[test]

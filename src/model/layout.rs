@@ -50,7 +50,9 @@ impl SegmentKind {
     /// The expert this segment belongs to, if any.
     pub fn expert(&self) -> Option<usize> {
         match *self {
-            SegmentKind::ExpertGate(e) | SegmentKind::ExpertUp(e) | SegmentKind::ExpertDown(e) => Some(e),
+            SegmentKind::ExpertGate(e) | SegmentKind::ExpertUp(e) | SegmentKind::ExpertDown(e) => {
+                Some(e)
+            }
             _ => None,
         }
     }
@@ -156,12 +158,22 @@ impl LayerLayout {
     pub fn kinds(arch: &ArchSpec) -> Vec<SegmentKind> {
         let mut kinds = vec![SegmentKind::AttnNorm];
         match arch.family {
-            Family::Mixtral => kinds.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
+            Family::Mixtral => {
+                kinds.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj])
+            }
             Family::Dbrx => kinds.push(SegmentKind::QkvProj),
         }
-        kinds.extend([SegmentKind::OProj, SegmentKind::FfnNorm, SegmentKind::Router]);
+        kinds.extend([
+            SegmentKind::OProj,
+            SegmentKind::FfnNorm,
+            SegmentKind::Router,
+        ]);
         for e in 0..arch.experts {
-            kinds.extend([SegmentKind::ExpertGate(e), SegmentKind::ExpertUp(e), SegmentKind::ExpertDown(e)]);
+            kinds.extend([
+                SegmentKind::ExpertGate(e),
+                SegmentKind::ExpertUp(e),
+                SegmentKind::ExpertDown(e),
+            ]);
         }
         kinds
     }
@@ -174,10 +186,23 @@ impl LayerLayout {
             let (rows, cols, orientation) = Self::shape_of(arch, kind);
             let dtype = dtype_of(kind);
             let len_bytes = rows * cols * dtype.bytes() as usize;
-            segments.push(Segment { kind, offset, len_bytes, rows, cols, dtype, orientation });
+            segments.push(Segment {
+                kind,
+                offset,
+                len_bytes,
+                rows,
+                cols,
+                dtype,
+                orientation,
+            });
             offset = align_up(offset + len_bytes);
         }
-        LayerLayout { segments, family: arch.family, n_experts: arch.experts, image_bytes: offset }
+        LayerLayout {
+            segments,
+            family: arch.family,
+            n_experts: arch.experts,
+            image_bytes: offset,
+        }
     }
 
     /// Layout with every segment in `dtype`.
@@ -218,16 +243,32 @@ impl LayerLayout {
     }
 
     /// Views the segment `kind` inside `bytes`, where `bytes` starts at image offset `base`.
-    fn view<'a>(&self, bytes: &'a [u8], base: usize, kind: SegmentKind) -> Result<TypedSlice<'a>, LayoutError> {
+    fn view<'a>(
+        &self,
+        bytes: &'a [u8],
+        base: usize,
+        kind: SegmentKind,
+    ) -> Result<TypedSlice<'a>, LayoutError> {
         let seg = self.segment(kind).ok_or(LayoutError::Missing(kind))?;
-        let start = seg.offset.checked_sub(base).ok_or(LayoutError::Missing(kind))?;
+        let start = seg
+            .offset
+            .checked_sub(base)
+            .ok_or(LayoutError::Missing(kind))?;
         let raw = bytes
             .get(start..start + seg.len_bytes)
-            .ok_or(LayoutError::TooShort { needed: start + seg.len_bytes, got: bytes.len() })?;
+            .ok_or(LayoutError::TooShort {
+                needed: start + seg.len_bytes,
+                got: bytes.len(),
+            })?;
         TypedSlice::from_bytes(raw, seg.dtype).map_err(|source| LayoutError::Cast { kind, source })
     }
 
-    fn matrix<'a>(&self, bytes: &'a [u8], base: usize, kind: SegmentKind) -> Result<Matrix<'a>, LayoutError> {
+    fn matrix<'a>(
+        &self,
+        bytes: &'a [u8],
+        base: usize,
+        kind: SegmentKind,
+    ) -> Result<Matrix<'a>, LayoutError> {
         let data = self.view(bytes, base, kind)?;
         let seg = self.segment(kind).ok_or(LayoutError::Missing(kind))?;
         let orientation = seg.orientation.unwrap_or(Orientation::OutIn);
@@ -260,9 +301,16 @@ impl<'a> DenseWeights<'a> {
 impl<'a> ExpertWeights<'a> {
     /// Views expert `expert`; `bytes` holds exactly its [`LayerLayout::expert_range`]
     /// (wherever that copy lives).
-    pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout, expert: usize) -> Result<Self, LayoutError> {
+    pub fn from_bytes(
+        bytes: &'a [u8],
+        layout: &LayerLayout,
+        expert: usize,
+    ) -> Result<Self, LayoutError> {
         if expert >= layout.n_experts {
-            return Err(LayoutError::Expert { expert, n_experts: layout.n_experts });
+            return Err(LayoutError::Expert {
+                expert,
+                n_experts: layout.n_experts,
+            });
         }
         let base = layout.expert_range(expert).start;
         Ok(ExpertWeights {
@@ -278,7 +326,10 @@ impl<'a> LayerWeights<'a> {
     /// widest element used, which any `Vec<f32>`/page-aligned buffer is).
     pub fn from_image(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
         if bytes.len() < layout.image_bytes {
-            return Err(LayoutError::TooShort { needed: layout.image_bytes, got: bytes.len() });
+            return Err(LayoutError::TooShort {
+                needed: layout.image_bytes,
+                got: bytes.len(),
+            });
         }
         let dense = DenseWeights::from_bytes(&bytes[layout.dense_range()], layout)?;
         let experts = (0..layout.n_experts)
@@ -298,7 +349,10 @@ pub struct ImageBuffer {
 impl ImageBuffer {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        ImageBuffer { words: vec![0; len.div_ceil(8)], len }
+        ImageBuffer {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
     }
 
     /// The bytes.

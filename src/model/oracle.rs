@@ -40,7 +40,12 @@ pub struct GenerateOptions {
 impl GenerateOptions {
     /// Greedy decoding of up to `max_new_tokens`, stopping at EOS.
     pub fn greedy(max_new_tokens: usize) -> Self {
-        GenerateOptions { max_new_tokens, sampling: Sampling::Greedy, seed: 0, stop_at_eos: true }
+        GenerateOptions {
+            max_new_tokens,
+            sampling: Sampling::Greedy,
+            seed: 0,
+            stop_at_eos: true,
+        }
     }
 }
 
@@ -108,14 +113,22 @@ pub struct Oracle<'a> {
 impl<'a> Oracle<'a> {
     /// The oracle over a checkpoint's memory-mapped tensors (all checked here).
     pub fn new(checkpoint: &'a Checkpoint) -> Result<Self, OracleError> {
-        Ok(Self::from_weights(checkpoint.card(), checkpoint.model_weights()?))
+        Ok(Self::from_weights(
+            checkpoint.card(),
+            checkpoint.model_weights()?,
+        ))
     }
 
     /// The oracle over any weight views (e.g. layer images in other buffers).
     pub fn from_weights(card: &ModelCard, weights: ModelWeights<'a>) -> Self {
         let arch = ArchSpec::from_card(card);
         let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
-        Oracle { card: card.clone(), arch, weights, rope }
+        Oracle {
+            card: card.clone(),
+            arch,
+            weights,
+            rope,
+        }
     }
 
     /// The card.
@@ -151,34 +164,57 @@ impl<'a> Oracle<'a> {
 
     /// Runs every layer over a micro-batch and returns the logits of each sequence's
     /// last new token (`[seqs.len(), vocab]`).
-    pub fn step(&self, cache: &mut PagedKvCache, seqs: &[StepSeq<'_>]) -> Result<Vec<f32>, OracleError> {
+    pub fn step(
+        &self,
+        cache: &mut PagedKvCache,
+        seqs: &[StepSeq<'_>],
+    ) -> Result<Vec<f32>, OracleError> {
         let a = &self.arch;
         let d = a.hidden;
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let positions: Vec<usize> =
-            seqs.iter().flat_map(|s| (0..s.tokens.len()).map(move |j| s.context_len + j)).collect();
+        let positions: Vec<usize> = seqs
+            .iter()
+            .flat_map(|s| (0..s.tokens.len()).map(move |j| s.context_len + j))
+            .collect();
         let n = ids.len();
         let mut x = vec![0.0f32; n * d];
         embed(&self.weights.embed, &ids, &mut x)?;
         let mut x_norm = vec![0.0f32; n * d];
         let mut qkv = vec![0.0f32; n * a.attn.qkv_width()];
         let mut attn_out = vec![0.0f32; n * a.q_dim()];
-        let mut moe_out = vec![0.0f32; n * d];
+        let mut slots = vec![0.0f32; n * a.top_k * d];
         let attn_seqs: Vec<AttnSeq<'_>> = seqs
             .iter()
-            .map(|s| AttnSeq { block_table: s.block_table, context_len: s.context_len, n_new: s.tokens.len() })
+            .map(|s| AttnSeq {
+                block_table: s.block_table,
+                context_len: s.context_len,
+                n_new: s.tokens.len(),
+            })
             .collect();
         for (layer_idx, layer) in self.weights.layers.iter().enumerate() {
-            pre_attn(a, &layer.dense, &self.rope, &x, &positions, &mut x_norm, &mut qkv)?;
-            attention(&mut cache.layer_mut(layer_idx), &attn_seqs, &qkv, &a.attn, &mut attn_out)
-                .map_err(KernelError::from)?;
+            pre_attn(
+                a,
+                &layer.dense,
+                &self.rope,
+                &x,
+                &positions,
+                &mut x_norm,
+                &mut qkv,
+            )?;
+            attention(
+                &mut cache.layer_mut(layer_idx),
+                &attn_seqs,
+                &qkv,
+                &a.attn,
+                &mut attn_out,
+            )
+            .map_err(KernelError::from)?;
             o_proj_residual(a, &layer.dense, &attn_out, &mut x)?;
             let routing = gate(a, &layer.dense, &x, &mut x_norm)?;
-            moe_out.fill(0.0);
             for (expert_idx, rows) in routing.by_expert(a.experts).iter().enumerate() {
-                expert_ffn(a, &layer.experts[expert_idx], &x_norm, rows, &mut moe_out)?;
+                expert_ffn(a, &layer.experts[expert_idx], &x_norm, rows, &mut slots)?;
             }
-            combine(&mut x, &moe_out)?;
+            combine(&routing, &slots, &mut x)?;
         }
         let mut last = Vec::with_capacity(seqs.len() * d);
         let mut row = 0;
@@ -187,12 +223,22 @@ impl<'a> Oracle<'a> {
             last.extend_from_slice(&x[(row - 1) * d..row * d]);
         }
         let mut out = vec![0.0f32; seqs.len() * self.weights.lm_head.out_dim()];
-        logits(a, self.weights.final_norm, &self.weights.lm_head, &last, &mut out)?;
+        logits(
+            a,
+            self.weights.final_norm,
+            &self.weights.lm_head,
+            &last,
+            &mut out,
+        )?;
         Ok(out)
     }
 
     /// Prefills every prompt in one step, then decodes them together.
-    pub fn generate(&self, prompts: &[Vec<u32>], options: &GenerateOptions) -> Result<Vec<Generation>, OracleError> {
+    pub fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        options: &GenerateOptions,
+    ) -> Result<Vec<Generation>, OracleError> {
         let max = self.arch.max_positions;
         for (index, p) in prompts.iter().enumerate() {
             if p.is_empty() {
@@ -203,7 +249,10 @@ impl<'a> Oracle<'a> {
                 return Err(OracleError::TooLong { index, tokens, max });
             }
         }
-        let budgets: Vec<usize> = prompts.iter().map(|p| p.len() + options.max_new_tokens).collect();
+        let budgets: Vec<usize> = prompts
+            .iter()
+            .map(|p| p.len() + options.max_new_tokens)
+            .collect();
         let mut cache = self.new_cache(&budgets);
         let layout = cache.layout();
         let mut tables: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
@@ -215,7 +264,11 @@ impl<'a> Oracle<'a> {
             .collect();
         let mut out: Vec<Generation> = prompts
             .iter()
-            .map(|_| Generation { token_ids: Vec::new(), logprobs: Vec::new(), prompt_logits: Vec::new() })
+            .map(|_| Generation {
+                token_ids: Vec::new(),
+                logprobs: Vec::new(),
+                prompt_logits: Vec::new(),
+            })
             .collect();
         if prompts.is_empty() || options.max_new_tokens == 0 {
             if !prompts.is_empty() {
@@ -240,7 +293,10 @@ impl<'a> Oracle<'a> {
             }
         }
         while !active.is_empty() {
-            let last: Vec<[u32; 1]> = active.iter().map(|&i| [*out[i].token_ids.last().unwrap_or(&0)]).collect();
+            let last: Vec<[u32; 1]> = active
+                .iter()
+                .map(|&i| [*out[i].token_ids.last().unwrap_or(&0)])
+                .collect();
             let seqs: Vec<StepSeq<'_>> = active
                 .iter()
                 .zip(&last)
@@ -253,7 +309,12 @@ impl<'a> Oracle<'a> {
             let logits = self.step(&mut cache, &seqs)?;
             let mut still = Vec::new();
             for (k, &i) in active.iter().enumerate() {
-                if self.push_token(&mut out[i], &logits[k * vocab..(k + 1) * vocab], options, &mut rngs[i]) {
+                if self.push_token(
+                    &mut out[i],
+                    &logits[k * vocab..(k + 1) * vocab],
+                    options,
+                    &mut rngs[i],
+                ) {
                     still.push(i);
                 }
             }
@@ -262,16 +323,30 @@ impl<'a> Oracle<'a> {
         Ok(out)
     }
 
-    fn prefill_seqs<'s>(&self, prompts: &'s [Vec<u32>], tables: &'s [Vec<u32>]) -> Vec<StepSeq<'s>> {
+    fn prefill_seqs<'s>(
+        &self,
+        prompts: &'s [Vec<u32>],
+        tables: &'s [Vec<u32>],
+    ) -> Vec<StepSeq<'s>> {
         prompts
             .iter()
             .zip(tables)
-            .map(|(p, t)| StepSeq { block_table: t, context_len: 0, tokens: p })
+            .map(|(p, t)| StepSeq {
+                block_table: t,
+                context_len: 0,
+                tokens: p,
+            })
             .collect()
     }
 
     /// Samples and records one token; true if the sequence continues.
-    fn push_token(&self, g: &mut Generation, logits: &[f32], options: &GenerateOptions, rng: &mut Rng) -> bool {
+    fn push_token(
+        &self,
+        g: &mut Generation,
+        logits: &[f32],
+        options: &GenerateOptions,
+        rng: &mut Rng,
+    ) -> bool {
         let token = sample(logits, &options.sampling, rng);
         g.token_ids.push(token);
         g.logprobs.push(log_prob(logits, token));

@@ -23,7 +23,14 @@ impl Rng {
     /// A generator whose whole stream is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
         let mut sm = seed;
-        Rng { state: [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)] }
+        Rng {
+            state: [
+                splitmix64(&mut sm),
+                splitmix64(&mut sm),
+                splitmix64(&mut sm),
+                splitmix64(&mut sm),
+            ],
+        }
     }
 
     /// Next 64 random bits.

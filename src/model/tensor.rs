@@ -44,19 +44,28 @@ impl<'a> TypedSlice<'a> {
     /// Views `bytes` as elements of `dtype` (little-endian, as safetensors stores them).
     pub fn from_bytes(bytes: &'a [u8], dtype: WeightDtype) -> Result<Self, CastError> {
         let elem = dtype.bytes() as usize;
-        if bytes.len() % elem != 0 {
-            return Err(CastError::Length { len: bytes.len(), dtype });
+        if !bytes.len().is_multiple_of(elem) {
+            return Err(CastError::Length {
+                len: bytes.len(),
+                dtype,
+            });
         }
-        if (bytes.as_ptr() as usize) % elem != 0 {
+        if !(bytes.as_ptr() as usize).is_multiple_of(elem) {
             return Err(CastError::Alignment { align: elem, dtype });
         }
         // Alignment and length were checked above, so these casts cannot fail; map the
         // (impossible) error anyway rather than unwrap.
         let misaligned = CastError::Alignment { align: elem, dtype };
         Ok(match dtype {
-            WeightDtype::Bf16 => TypedSlice::Bf16(bytemuck::try_cast_slice(bytes).map_err(|_| misaligned)?),
-            WeightDtype::F16 => TypedSlice::F16(bytemuck::try_cast_slice(bytes).map_err(|_| misaligned)?),
-            WeightDtype::F32 => TypedSlice::F32(bytemuck::try_cast_slice(bytes).map_err(|_| misaligned)?),
+            WeightDtype::Bf16 => {
+                TypedSlice::Bf16(bytemuck::try_cast_slice(bytes).map_err(|_| misaligned)?)
+            }
+            WeightDtype::F16 => {
+                TypedSlice::F16(bytemuck::try_cast_slice(bytes).map_err(|_| misaligned)?)
+            }
+            WeightDtype::F32 => {
+                TypedSlice::F32(bytemuck::try_cast_slice(bytes).map_err(|_| misaligned)?)
+            }
         })
     }
 
@@ -129,8 +138,18 @@ pub struct Matrix<'a> {
 
 impl<'a> Matrix<'a> {
     /// Builds a matrix view; `None` if the element count does not match.
-    pub fn new(data: TypedSlice<'a>, rows: usize, cols: usize, orientation: Orientation) -> Option<Self> {
-        (rows.checked_mul(cols)? == data.len()).then_some(Matrix { data, rows, cols, orientation })
+    pub fn new(
+        data: TypedSlice<'a>,
+        rows: usize,
+        cols: usize,
+        orientation: Orientation,
+    ) -> Option<Self> {
+        (rows.checked_mul(cols)? == data.len()).then_some(Matrix {
+            data,
+            rows,
+            cols,
+            orientation,
+        })
     }
 
     /// Width of the input the matrix multiplies.
@@ -157,7 +176,9 @@ impl<'a> Matrix<'a> {
     /// Stored rows `range` as a matrix with the same orientation.
     pub fn row_block(&self, range: std::ops::Range<usize>) -> Matrix<'a> {
         Matrix {
-            data: self.data.slice(range.start * self.cols..range.end * self.cols),
+            data: self
+                .data
+                .slice(range.start * self.cols..range.end * self.cols),
             rows: range.len(),
             cols: self.cols,
             orientation: self.orientation,

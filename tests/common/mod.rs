@@ -17,14 +17,20 @@ pub fn schedule_files() -> Vec<(String, PathBuf)> {
     let mut found = Vec::new();
     let mut dirs = vec![root.clone()];
     while let Some(dir) = dirs.pop() {
-        let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()));
+        let entries = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()));
         for entry in entries {
             let path = entry.expect("directory entry").path();
             if path.is_dir() {
                 dirs.push(path);
             } else if path.extension().is_some_and(|ext| ext == "sched") {
-                let rel = path.strip_prefix(&root).expect("under schedules/").with_extension("");
-                let name = rel.to_string_lossy().replace(std::path::MAIN_SEPARATOR, "/");
+                let rel = path
+                    .strip_prefix(&root)
+                    .expect("under schedules/")
+                    .with_extension("");
+                let name = rel
+                    .to_string_lossy()
+                    .replace(std::path::MAIN_SEPARATOR, "/");
                 found.push((name, path));
             }
         }
@@ -64,14 +70,24 @@ pub fn declared_params(source: &str) -> Vec<String> {
 
 /// The small configuration of the snapshot tests: 3 micro-batches (or batches, or the
 /// fixed alpha/beta groups) of 2 sequences, 8-token prompts, 4 generated tokens.
-pub const SMALL_SETS: &[(&str, &str)] =
-    &[("ubs", "2"), ("n_ub", "3"), ("bs", "2"), ("n_batch", "3"), ("seqs", "2"), ("packet_mb", "1")];
+pub const SMALL_SETS: &[(&str, &str)] = &[
+    ("ubs", "2"),
+    ("n_ub", "3"),
+    ("bs", "2"),
+    ("n_batch", "3"),
+    ("seqs", "2"),
+    ("packet_mb", "1"),
+];
 
 /// Options for the small configuration on `card`.
 pub fn small_options(source: &str, card: ModelCard) -> Options {
     let declared = declared_params(source);
     let mut options = Options::new(card);
-    options.workload = Workload { batch: 6, prompt_len: 8, gen_len: 4 };
+    options.workload = Workload {
+        batch: 6,
+        prompt_len: 8,
+        gen_len: 4,
+    };
     for (name, value) in SMALL_SETS {
         if declared.iter().any(|d| d == name) {
             options.sets.push((name.to_string(), value.to_string()));
@@ -82,5 +98,13 @@ pub fn small_options(source: &str, card: ModelCard) -> Options {
 
 /// Compiles a schedule on the small configuration of the 2-layer tiny Mixtral card.
 pub fn compile_small(source: &str) -> Result<Compiled, Vec<Diagnostic>> {
-    compile(source, &small_options(source, card_with_layers("mixtral-tiny", 2)))
+    compile_small_layers(source, 2)
+}
+
+/// The small configuration with `layers` layers of the tiny Mixtral card.
+pub fn compile_small_layers(source: &str, layers: u64) -> Result<Compiled, Vec<Diagnostic>> {
+    compile(
+        source,
+        &small_options(source, card_with_layers("mixtral-tiny", layers)),
+    )
 }

@@ -10,7 +10,7 @@
 //! head of its group. Inconsistent inputs are errors, never panics.
 
 use crate::model::kernels::kv_cache::KvBlocksMut;
-use crate::model::kernels::simd::{axpy, dot_rows};
+use crate::model::kernels::simd::{key_scores_transposed, weighted_rows};
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -106,29 +106,42 @@ pub fn attention(
         first_rows.push(row);
         row += s.n_new;
     }
-    let tasks: Vec<(usize, usize)> =
-        (0..seqs.len()).flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h))).collect();
+    let tasks: Vec<(usize, usize)> = (0..seqs.len())
+        .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
+        .collect();
     let scale = 1.0 / (hd as f32).sqrt();
     let run = |&(s, h): &(usize, usize)| -> Vec<f32> {
         let seq = &seqs[s];
         let mut local = vec![0.0f32; seq.n_new * group * hd];
         let mut scores: Vec<f32> = Vec::new();
-        let mut dots = vec![0.0f32; group];
+        let bs = layout.block_size;
         for j in 0..seq.n_new {
             let pos = seq.context_len + j;
-            let start = shape.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let start = shape
+                .sliding_window
+                .map_or(0, |w| (pos + 1).saturating_sub(w));
             let n_keys = pos + 1 - start;
             let q_off = (first_rows[s] + j) * row_w + h * group * hd;
             let q_group = &qkv[q_off..q_off + group * hd];
             scores.clear();
             scores.resize(group * n_keys, 0.0);
-            for key in start..=pos {
-                let b = seq.block_table[key / layout.block_size] as usize;
-                let off = layout.offset(b, h, key % layout.block_size);
-                dot_rows(&k_pool[off..off + hd], q_group, hd, &mut dots);
-                for g in 0..group {
-                    scores[g * n_keys + key - start] = dots[g] * scale;
-                }
+            // Score the keys block by block: a run of slots of one (block, head) tile.
+            for bi in start / bs..=pos / bs {
+                let first = start.max(bi * bs);
+                let last = pos.min(bi * bs + bs - 1);
+                let tile = layout.tile(seq.block_table[bi] as usize, h);
+                let k_tile = &k_pool[tile..tile + bs * hd];
+                key_scores_transposed(
+                    k_tile,
+                    bs,
+                    first % bs,
+                    last - first + 1,
+                    q_group,
+                    scale,
+                    &mut scores,
+                    n_keys,
+                    first - start,
+                );
             }
             for g in 0..group {
                 let row = &mut scores[g * n_keys..(g + 1) * n_keys];
@@ -144,13 +157,12 @@ pub fn attention(
                 }
             }
             let dst = &mut local[j * group * hd..(j + 1) * group * hd];
-            for key in start..=pos {
-                let b = seq.block_table[key / layout.block_size] as usize;
-                let off = layout.offset(b, h, key % layout.block_size);
-                let v_row = &v_pool[off..off + hd];
-                for g in 0..group {
-                    axpy(scores[g * n_keys + key - start], v_row, &mut dst[g * hd..(g + 1) * hd]);
-                }
+            for bi in start / bs..=pos / bs {
+                let first = start.max(bi * bs);
+                let last = pos.min(bi * bs + bs - 1);
+                let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
+                let rows = &v_pool[off..off + (last - first + 1) * hd];
+                weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
             }
         }
         local
@@ -179,7 +191,8 @@ fn validate(
     out: &[f32],
 ) -> Result<(), AttnError> {
     let layout = cache.layout;
-    if layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim || shape.kv_heads == 0 {
+    if layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim || shape.kv_heads == 0
+    {
         return Err(AttnError::Layout {
             cache_heads: layout.kv_heads,
             cache_dim: layout.head_dim,
@@ -189,16 +202,27 @@ fn validate(
     }
     let expected: usize = seqs.iter().map(|s| s.n_new).sum();
     let rows = qkv.len() / shape.qkv_width().max(1);
-    if rows * shape.qkv_width() != qkv.len() || rows != expected || out.len() != rows * shape.q_width() {
+    if rows * shape.qkv_width() != qkv.len()
+        || rows != expected
+        || out.len() != rows * shape.q_width()
+    {
         return Err(AttnError::RowCount { rows, expected });
     }
     let n_blocks = cache.n_blocks();
     for (i, s) in seqs.iter().enumerate() {
         let tokens = s.context_len + s.n_new;
         let covered = s.block_table.len() * layout.block_size >= tokens;
-        let in_pool = s.block_table.iter().take(layout.blocks_for(tokens)).all(|&b| (b as usize) < n_blocks);
+        let in_pool = s
+            .block_table
+            .iter()
+            .take(layout.blocks_for(tokens))
+            .all(|&b| (b as usize) < n_blocks);
         if !covered || !in_pool {
-            return Err(AttnError::BlockTable { seq: i, tokens, n_blocks });
+            return Err(AttnError::BlockTable {
+                seq: i,
+                tokens,
+                n_blocks,
+            });
         }
     }
     Ok(())
@@ -216,10 +240,18 @@ fn append_kv(cache: &mut KvBlocksMut<'_>, seqs: &[AttnSeq<'_>], qkv: &[f32], sha
             let pos = s.context_len + j;
             let b = s.block_table[pos / layout.block_size] as usize;
             let src = &qkv[(row + j) * row_w..(row + j + 1) * row_w];
+            let slot = pos % layout.block_size;
             for h in 0..shape.kv_heads {
-                let off = layout.offset(b, h, pos % layout.block_size);
-                cache.k[off..off + hd].copy_from_slice(&src[k_base + h * hd..k_base + (h + 1) * hd]);
-                cache.v[off..off + hd].copy_from_slice(&src[v_base + h * hd..v_base + (h + 1) * hd]);
+                let off = layout.offset(b, h, slot);
+                cache.v[off..off + hd]
+                    .copy_from_slice(&src[v_base + h * hd..v_base + (h + 1) * hd]);
+                // Keys are stored transposed within the tile (see `KvLayout`).
+                for (dim, &k) in src[k_base + h * hd..k_base + (h + 1) * hd]
+                    .iter()
+                    .enumerate()
+                {
+                    cache.k[layout.key_offset(b, h, slot, dim)] = k;
+                }
             }
         }
         row += s.n_new;
@@ -243,7 +275,11 @@ mod tests {
                 let scores: Vec<f64> = (0..=t)
                     .map(|s| {
                         let k = &qkv[s * row_w + shape.heads * hd + kvh * hd..][..hd];
-                        q.iter().zip(k).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() / (hd as f64).sqrt()
+                        q.iter()
+                            .zip(k)
+                            .map(|(a, b)| (*a as f64) * (*b as f64))
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -251,7 +287,12 @@ mod tests {
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
                     let v: f64 = (0..=t)
-                        .map(|s| e[s] / z * qkv[s * row_w + (shape.heads + shape.kv_heads) * hd + kvh * hd + d] as f64)
+                        .map(|s| {
+                            e[s] / z
+                                * qkv
+                                    [s * row_w + (shape.heads + shape.kv_heads) * hd + kvh * hd + d]
+                                    as f64
+                        })
                         .sum();
                     out[t * shape.q_width() + head * hd + d] = v as f32;
                 }
@@ -264,17 +305,30 @@ mod tests {
     /// one token at a time, give the dense causal result at every step.
     #[test]
     fn paged_prefill_and_mixed_decode_match_dense_attention() {
-        let shape = AttnShape { heads: 4, kv_heads: 2, head_dim: 8, sliding_window: None };
-        let layout = KvLayout { block_size: 4, kv_heads: 2, head_dim: 8 };
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            sliding_window: None,
+        };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
         let mut cache = PagedKvCache::new(layout, 1, 16);
         let lens = [7usize, 3];
         let total = [10usize, 6];
         let all: Vec<Vec<f32>> = total
             .iter()
             .enumerate()
-            .map(|(s, &n)| (0..n * shape.qkv_width()).map(|i| ((i * 37 + s * 11) % 101) as f32 / 50.0 - 1.0).collect())
+            .map(|(s, &n)| {
+                (0..n * shape.qkv_width())
+                    .map(|i| ((i * 37 + s * 11) % 101) as f32 / 50.0 - 1.0)
+                    .collect()
+            })
             .collect();
-        let mut tables = vec![Vec::new(), Vec::new()];
+        let mut tables = [Vec::new(), Vec::new()];
         for (s, t) in tables.iter_mut().enumerate() {
             cache.allocator.grow(&layout, t, total[s]).unwrap();
         }
@@ -284,8 +338,16 @@ mod tests {
         qkv.extend_from_slice(&all[0][..lens[0] * w]);
         qkv.extend_from_slice(&all[1][..lens[1] * w]);
         let seqs = [
-            AttnSeq { block_table: &tables[0], context_len: 0, n_new: lens[0] },
-            AttnSeq { block_table: &tables[1], context_len: 0, n_new: lens[1] },
+            AttnSeq {
+                block_table: &tables[0],
+                context_len: 0,
+                n_new: lens[0],
+            },
+            AttnSeq {
+                block_table: &tables[1],
+                context_len: 0,
+                n_new: lens[1],
+            },
         ];
         let mut out = vec![0.0; (lens[0] + lens[1]) * shape.q_width()];
         attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
@@ -299,8 +361,16 @@ mod tests {
             qkv.extend_from_slice(&all[0][pos[0] * w..(pos[0] + 1) * w]);
             qkv.extend_from_slice(&all[1][pos[1] * w..(pos[1] + 1) * w]);
             let seqs = [
-                AttnSeq { block_table: &tables[0], context_len: pos[0], n_new: 1 },
-                AttnSeq { block_table: &tables[1], context_len: pos[1], n_new: 1 },
+                AttnSeq {
+                    block_table: &tables[0],
+                    context_len: pos[0],
+                    n_new: 1,
+                },
+                AttnSeq {
+                    block_table: &tables[1],
+                    context_len: pos[1],
+                    n_new: 1,
+                },
             ];
             let mut out = vec![0.0; 2 * shape.q_width()];
             attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
@@ -315,16 +385,79 @@ mod tests {
         }
     }
 
+    /// With a sliding window of 3, token t attends to t-2..=t only: equal to dense
+    /// attention over just those keys.
+    #[test]
+    fn sliding_window_limits_the_keys() {
+        let shape = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            sliding_window: Some(3),
+        };
+        let full = AttnShape {
+            sliding_window: None,
+            ..shape
+        };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 1,
+            head_dim: 16,
+        };
+        let n = 9;
+        let qkv: Vec<f32> = (0..n * shape.qkv_width())
+            .map(|i| ((i * 53) % 89) as f32 / 44.0 - 1.0)
+            .collect();
+        let mut cache = PagedKvCache::new(layout, 1, 8);
+        let mut table = Vec::new();
+        cache.allocator.grow(&layout, &mut table, n).unwrap();
+        let seqs = [AttnSeq {
+            block_table: &table,
+            context_len: 0,
+            n_new: n,
+        }];
+        let mut out = vec![0.0; n * shape.q_width()];
+        attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap();
+        let w = shape.qkv_width();
+        let t = 7;
+        let window = &qkv[(t - 2) * w..(t + 1) * w];
+        let want = dense(window, 3, &full);
+        let got = &out[t * shape.q_width()..(t + 1) * shape.q_width()];
+        for (a, b) in got.iter().zip(&want[2 * shape.q_width()..]) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
     #[test]
     fn short_block_table_is_an_error() {
-        let shape = AttnShape { heads: 2, kv_heads: 1, head_dim: 4, sliding_window: None };
-        let layout = KvLayout { block_size: 2, kv_heads: 1, head_dim: 4 };
+        let shape = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            sliding_window: None,
+        };
+        let layout = KvLayout {
+            block_size: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
         let mut cache = PagedKvCache::new(layout, 1, 4);
         let table = [0u32];
         let qkv = vec![0.0; 3 * shape.qkv_width()];
         let mut out = vec![0.0; 3 * shape.q_width()];
-        let seqs = [AttnSeq { block_table: &table, context_len: 0, n_new: 3 }];
+        let seqs = [AttnSeq {
+            block_table: &table,
+            context_len: 0,
+            n_new: 3,
+        }];
         let err = attention(&mut cache.layer_mut(0), &seqs, &qkv, &shape, &mut out).unwrap_err();
-        assert!(matches!(err, AttnError::BlockTable { seq: 0, tokens: 3, .. }));
+        assert!(matches!(
+            err,
+            AttnError::BlockTable {
+                seq: 0,
+                tokens: 3,
+                ..
+            }
+        ));
     }
 }

@@ -15,7 +15,10 @@ pub fn embed(embedding: &Matrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<(),
     check_len("embedding output", out.len(), ids.len() * d)?;
     for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(d)) {
         if id as usize >= embedding.rows {
-            return Err(KernelError::TokenId { id, vocab: embedding.rows });
+            return Err(KernelError::TokenId {
+                id,
+                vocab: embedding.rows,
+            });
         }
         embedding.row(id as usize).widen_into(dst);
     }

@@ -2,12 +2,15 @@
 //! through per-sequence block tables.
 //!
 //! Takes a [`KvLayout`] (block size, kv heads, head width) and a block count; gives
-//! per-layer pools (`[block][kv_head][slot][head_dim]`, so one head's keys within a block
-//! are contiguous rows) that the attention kernel reads through [`KvBlocksMut`] views, and a
+//! per-layer pools that the attention kernel reads through [`KvBlocksMut`] views, and a
 //! [`BlockAllocator`] whose tables always cover the tokens they were grown for. Running out
 //! of blocks is an error, never a panic.
 
-/// Shape of one block pool.
+/// Shape of one block pool. Both pools are `[block][kv_head][tile]` with one tile of
+/// `block_size * head_dim` f32 per (block, head): values are stored row per slot
+/// (`[slot][head_dim]`, see [`KvLayout::offset`]) and keys transposed (`[head_dim][slot]`,
+/// see [`KvLayout::key_offset`]), so decode attention scores 16 keys per vector with no
+/// horizontal reductions. Only the attention kernel reads or writes inside a tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
     /// Token slots per block.
@@ -24,9 +27,19 @@ impl KvLayout {
         self.kv_heads * self.block_size * self.head_dim
     }
 
-    /// Element offset of (block, head, slot) inside a K or V pool.
+    /// Element offset of the tile of (block, head) inside a pool.
+    pub fn tile(&self, block: usize, head: usize) -> usize {
+        (block * self.kv_heads + head) * self.block_size * self.head_dim
+    }
+
+    /// Element offset of the value row of (block, head, slot) inside the V pool.
     pub fn offset(&self, block: usize, head: usize, slot: usize) -> usize {
-        ((block * self.kv_heads + head) * self.block_size + slot) * self.head_dim
+        self.tile(block, head) + slot * self.head_dim
+    }
+
+    /// Element offset of key component `dim` of (block, head, slot) inside the K pool.
+    pub fn key_offset(&self, block: usize, head: usize, slot: usize, dim: usize) -> usize {
+        self.tile(block, head) + dim * self.block_size + slot
     }
 
     /// Blocks needed to hold `tokens` tokens.
@@ -76,7 +89,9 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     /// All `n_blocks` blocks free.
     pub fn new(n_blocks: usize) -> Self {
-        BlockAllocator { free: (0..n_blocks as u32).rev().collect() }
+        BlockAllocator {
+            free: (0..n_blocks as u32).rev().collect(),
+        }
     }
 
     /// Free blocks.
@@ -85,10 +100,18 @@ impl BlockAllocator {
     }
 
     /// Grows `table` so it covers `tokens` tokens.
-    pub fn grow(&mut self, layout: &KvLayout, table: &mut Vec<u32>, tokens: usize) -> Result<(), KvError> {
+    pub fn grow(
+        &mut self,
+        layout: &KvLayout,
+        table: &mut Vec<u32>,
+        tokens: usize,
+    ) -> Result<(), KvError> {
         let needed = layout.blocks_for(tokens).saturating_sub(table.len());
         if needed > self.free.len() {
-            return Err(KvError::OutOfBlocks { needed, free: self.free.len() });
+            return Err(KvError::OutOfBlocks {
+                needed,
+                free: self.free.len(),
+            });
         }
         for _ in 0..needed {
             // The length check above guarantees the pop succeeds.
@@ -122,7 +145,9 @@ impl PagedKvCache {
         PagedKvCache {
             layout,
             n_blocks,
-            pools: (0..layers).map(|_| (vec![0.0; elems], vec![0.0; elems])).collect(),
+            pools: (0..layers)
+                .map(|_| (vec![0.0; elems], vec![0.0; elems]))
+                .collect(),
             allocator: BlockAllocator::new(n_blocks),
         }
     }
@@ -140,6 +165,10 @@ impl PagedKvCache {
     /// View of layer `layer_idx`'s pools (caller keeps `layer_idx` < layers).
     pub fn layer_mut(&mut self, layer_idx: usize) -> KvBlocksMut<'_> {
         let (k, v) = &mut self.pools[layer_idx];
-        KvBlocksMut { layout: self.layout, k, v }
+        KvBlocksMut {
+            layout: self.layout,
+            k,
+            v,
+        }
     }
 }

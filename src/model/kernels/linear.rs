@@ -19,8 +19,17 @@
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
-/// Weight rows per parallel task of the `OutIn` kernel (a panel kept hot in L2).
+/// Most weight rows per parallel task of the `OutIn` kernel.
 const PANEL_ROWS: usize = 64;
+
+/// Widened f32 elements of one panel or band (512 KiB: stays in L2 while every block of
+/// activation rows streams past it).
+const TILE_ELEMS: usize = 1 << 17;
+
+/// Above this many activation rows, bf16/f16 weights are widened once per panel into an
+/// f32 tile that all row blocks reuse (exact, so the per-element arithmetic is unchanged);
+/// at or below it, each weight is widened in registers as it streams by.
+const WIDEN_ABOVE_ROWS: usize = 4;
 
 /// Output columns per parallel task of the `InOut` kernel.
 const BAND_COLS: usize = 256;
@@ -33,7 +42,12 @@ const PARALLEL_MIN_WORK: usize = 1 << 18;
 pub fn linear(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     debug_assert_eq!(x.len(), n_rows * w.in_dim());
     debug_assert_eq!(out.len(), n_rows * w.out_dim());
-    if n_rows == 0 || w.rows == 0 || w.cols == 0 || x.len() < n_rows * w.in_dim() || out.len() < n_rows * w.out_dim() {
+    if n_rows == 0
+        || w.rows == 0
+        || w.cols == 0
+        || x.len() < n_rows * w.in_dim()
+        || out.len() < n_rows * w.out_dim()
+    {
         return;
     }
     match w.orientation {
@@ -50,7 +64,9 @@ pub fn linear_flops(n_rows: usize, w: &Matrix<'_>) -> u64 {
 fn use_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -72,28 +88,47 @@ where
 
 fn out_in(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (out_dim, in_dim) = (w.rows, w.cols);
-    let n_panels = out_dim.div_ceil(PANEL_ROWS);
+    let panel_rows = (TILE_ELEMS / in_dim.max(1)).clamp(4, PANEL_ROWS) / 4 * 4;
+    let n_panels = out_dim.div_ceil(panel_rows);
     let avx = use_avx512();
+    let pre_widen = n_rows > WIDEN_ABOVE_ROWS && !matches!(w.data, TypedSlice::F32(_));
     let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
-        let o0 = p * PANEL_ROWS;
-        let rows = PANEL_ROWS.min(out_dim - o0);
+        let o0 = p * panel_rows;
+        let rows = panel_rows.min(out_dim - o0);
         let mut local = vec![0.0f32; n_rows * rows];
         #[cfg(target_arch = "x86_64")]
         if avx {
-            // SAFETY: avx512f/bw/vl were detected; the panel and `x` bounds are those the
-            // kernel documents (rows o0..o0+rows of w, n_rows rows of x of in_dim each).
-            unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) };
+            if pre_widen {
+                let mut tile = vec![0.0f32; rows * in_dim];
+                w.data
+                    .slice(o0 * in_dim..(o0 + rows) * in_dim)
+                    .widen_into(&mut tile);
+                let tile = Matrix {
+                    data: TypedSlice::F32(&tile),
+                    rows,
+                    cols: in_dim,
+                    orientation: Orientation::OutIn,
+                };
+                // SAFETY: avx512f/bw/vl were detected; `tile` holds exactly rows 0..rows,
+                // `x` holds n_rows rows of in_dim, `local` n_rows * rows values.
+                unsafe { avx512::out_in_panel(x, n_rows, &tile, 0, rows, &mut local) };
+            } else {
+                // SAFETY: avx512f/bw/vl were detected; the panel and `x` bounds are those
+                // the kernel documents (rows o0..o0+rows of w, n_rows rows of x).
+                unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) };
+            }
             return local;
         }
-        let _ = avx;
+        let _ = (avx, pre_widen);
         portable::out_in_panel(x, n_rows, w, o0, rows, &mut local);
         local
     });
     for (p, local) in panels.iter().enumerate() {
-        let o0 = p * PANEL_ROWS;
+        let o0 = p * panel_rows;
         let rows = local.len() / n_rows;
         for t in 0..n_rows {
-            out[t * out_dim + o0..t * out_dim + o0 + rows].copy_from_slice(&local[t * rows..(t + 1) * rows]);
+            out[t * out_dim + o0..t * out_dim + o0 + rows]
+                .copy_from_slice(&local[t * rows..(t + 1) * rows]);
         }
     }
 }
@@ -102,17 +137,36 @@ fn in_out(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (in_dim, out_dim) = (w.rows, w.cols);
     let n_bands = out_dim.div_ceil(BAND_COLS);
     let avx = use_avx512();
+    let pre_widen = n_rows > WIDEN_ABOVE_ROWS && !matches!(w.data, TypedSlice::F32(_));
     let bands = for_chunks(n_bands, n_rows * out_dim * in_dim, |b| {
         let c0 = b * BAND_COLS;
         let width = BAND_COLS.min(out_dim - c0);
         let mut local = vec![0.0f32; n_rows * width];
         #[cfg(target_arch = "x86_64")]
         if avx {
-            // SAFETY: avx512f/bw/vl were detected; columns c0..c0+width < out_dim.
-            unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) };
+            if pre_widen {
+                let mut tile = vec![0.0f32; in_dim * width];
+                for (i, dst) in tile.chunks_exact_mut(width).enumerate() {
+                    w.data
+                        .slice(i * out_dim + c0..i * out_dim + c0 + width)
+                        .widen_into(dst);
+                }
+                let tile = Matrix {
+                    data: TypedSlice::F32(&tile),
+                    rows: in_dim,
+                    cols: width,
+                    orientation: Orientation::InOut,
+                };
+                // SAFETY: avx512f/bw/vl were detected; `tile` is in_dim x width and the
+                // band is all of it; `local` holds n_rows * width values.
+                unsafe { avx512::in_out_band(x, n_rows, &tile, 0, width, &mut local) };
+            } else {
+                // SAFETY: avx512f/bw/vl were detected; columns c0..c0+width < out_dim.
+                unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) };
+            }
             return local;
         }
-        let _ = avx;
+        let _ = (avx, pre_widen);
         portable::in_out_band(x, n_rows, w, c0, width, &mut local);
         local
     });
@@ -120,7 +174,8 @@ fn in_out(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
         let c0 = b * BAND_COLS;
         let width = local.len() / n_rows;
         for t in 0..n_rows {
-            out[t * out_dim + c0..t * out_dim + c0 + width].copy_from_slice(&local[t * width..(t + 1) * width]);
+            out[t * out_dim + c0..t * out_dim + c0 + width]
+                .copy_from_slice(&local[t * width..(t + 1) * width]);
         }
     }
 }
@@ -133,7 +188,14 @@ mod portable {
         w.row(r).widen_into(buf);
     }
 
-    pub(super) fn out_in_panel(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+    pub(super) fn out_in_panel(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
         let in_dim = w.cols;
         let mut buf = vec![0.0f32; in_dim];
         for o in 0..rows {
@@ -149,11 +211,20 @@ mod portable {
         }
     }
 
-    pub(super) fn in_out_band(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+    pub(super) fn in_out_band(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
         let (in_dim, out_dim) = (w.rows, w.cols);
         let mut buf = vec![0.0f32; width];
         for i in 0..in_dim {
-            w.data.slice(i * out_dim + c0..i * out_dim + c0 + width).widen_into(&mut buf);
+            w.data
+                .slice(i * out_dim + c0..i * out_dim + c0 + width)
+                .widen_into(&mut buf);
             for t in 0..n_rows {
                 let a = x[t * in_dim + i];
                 for (o, b) in local[t * width..(t + 1) * width].iter_mut().zip(&buf) {
@@ -179,43 +250,34 @@ mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
+    // Every helper that calls an intrinsic carries the same `target_feature`s as its
+    // callers so that LLVM inlines the intrinsics (a closure or a helper without them
+    // would turn each intrinsic into a call).
+    const BF16: u8 = 0;
+    const F16: u8 = 1;
+    const F32: u8 = 2;
+
     /// Loads 16 (masked) weights starting at element `idx` of `base` as f32.
-    trait Load: Copy {
-        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512;
-    }
-
-    #[derive(Clone, Copy)]
-    struct Bf16;
-    #[derive(Clone, Copy)]
-    struct F16;
-    #[derive(Clone, Copy)]
-    struct F32;
-
-    impl Load for Bf16 {
-        #[inline(always)]
-        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
-            // SAFETY: caller guarantees the unmasked lanes are in bounds; masked-off lanes
-            // are not accessed (AVX-512 masked loads suppress faults).
-            unsafe {
-                let raw = _mm256_maskz_loadu_epi16(mask, base.add(idx * 2) as *const i16);
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+    ///
+    /// # Safety
+    /// The unmasked lanes must be in bounds (masked-off lanes are never accessed: AVX-512
+    /// masked loads suppress faults).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn load_w<const DT: u8>(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: per the function contract.
+        unsafe {
+            match DT {
+                BF16 => {
+                    let raw = _mm256_maskz_loadu_epi16(mask, base.add(idx * 2) as *const i16);
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+                }
+                F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    mask,
+                    base.add(idx * 2) as *const i16,
+                )),
+                _ => _mm512_maskz_loadu_ps(mask, base.add(idx * 4) as *const f32),
             }
-        }
-    }
-
-    impl Load for F16 {
-        #[inline(always)]
-        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
-            // SAFETY: as for Bf16.
-            unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, base.add(idx * 2) as *const i16)) }
-        }
-    }
-
-    impl Load for F32 {
-        #[inline(always)]
-        unsafe fn load16(base: *const u8, idx: usize, mask: __mmask16) -> __m512 {
-            // SAFETY: as for Bf16.
-            unsafe { _mm512_maskz_loadu_ps(mask, base.add(idx * 4) as *const f32) }
         }
     }
 
@@ -235,15 +297,35 @@ mod avx512 {
         }
     }
 
+    /// Fixed pairwise reduction of the 16 lanes: lane i += lane i+8, then i+4, i+2, i+1
+    /// (the same tree as the portable fallback).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    fn reduce(v: __m512) -> f32 {
+        let lo = _mm512_castps512_ps256(v);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let s8 = _mm256_add_ps(lo, hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+
     /// # Safety
     /// avx512f/bw/vl available; `x` holds `n_rows * w.cols` values; `o0 + rows <= w.rows`;
     /// `local` holds `n_rows * rows` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn out_in_panel(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+    pub(super) unsafe fn out_in_panel(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
         // SAFETY: forwarded contract.
         unsafe {
             match w.data {
-                TypedSlice::Bf16(_) => out_in_panel_t::<Bf16>(x, n_rows, w, o0, rows, local),
+                TypedSlice::Bf16(_) => out_in_panel_t::<BF16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F16(_) => out_in_panel_t::<F16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F32(_) => out_in_panel_t::<F32>(x, n_rows, w, o0, rows, local),
             }
@@ -251,32 +333,73 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn out_in_panel_t<L: Load>(x: &[f32], n_rows: usize, w: &Matrix<'_>, o0: usize, rows: usize, local: &mut [f32]) {
+    unsafe fn out_in_panel_t<const DT: u8>(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
         let k_len = w.cols;
         let wb = base(w);
+        let xp = x.as_ptr();
         let mut t0 = 0;
         while t0 < n_rows {
             // Rows past the end repeat the last row: same arithmetic, results discarded.
-            let xr: [*const f32; 4] = std::array::from_fn(|i| x[(t0 + i).min(n_rows - 1) * k_len..].as_ptr());
+            let x0 = t0.min(n_rows - 1) * k_len;
+            let x1 = (t0 + 1).min(n_rows - 1) * k_len;
+            let x2 = (t0 + 2).min(n_rows - 1) * k_len;
+            let x3 = (t0 + 3).min(n_rows - 1) * k_len;
             let mut o = 0;
             while o < rows {
-                let wr: [usize; 4] = std::array::from_fn(|i| (o0 + (o + i).min(rows - 1)) * k_len);
-                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                let w0 = (o0 + o) * k_len;
+                let w1 = (o0 + (o + 1).min(rows - 1)) * k_len;
+                let w2 = (o0 + (o + 2).min(rows - 1)) * k_len;
+                let w3 = (o0 + (o + 3).min(rows - 1)) * k_len;
+                let z = _mm512_setzero_ps();
+                let (mut a00, mut a01, mut a02, mut a03) = (z, z, z, z);
+                let (mut a10, mut a11, mut a12, mut a13) = (z, z, z, z);
+                let (mut a20, mut a21, mut a22, mut a23) = (z, z, z, z);
+                let (mut a30, mut a31, mut a32, mut a33) = (z, z, z, z);
                 let mut k = 0;
                 while k < k_len {
-                    let mask = mask_for(k_len - k);
-                    // SAFETY: lanes k..k+16 masked to < k_len inside rows of x and w.
+                    let m = mask_for(k_len - k);
+                    // SAFETY: lanes k..k+16 are masked to < k_len inside rows of x and w.
                     unsafe {
-                        let xv: [__m512; 4] = std::array::from_fn(|i| _mm512_maskz_loadu_ps(mask, xr[i].add(k)));
-                        for (oi, acc_row) in acc.iter_mut().enumerate() {
-                            let wv = L::load16(wb, wr[oi] + k, mask);
-                            for (ti, a) in acc_row.iter_mut().enumerate() {
-                                *a = _mm512_fmadd_ps(wv, xv[ti], *a);
-                            }
-                        }
+                        let v0 = _mm512_maskz_loadu_ps(m, xp.add(x0 + k));
+                        let v1 = _mm512_maskz_loadu_ps(m, xp.add(x1 + k));
+                        let v2 = _mm512_maskz_loadu_ps(m, xp.add(x2 + k));
+                        let v3 = _mm512_maskz_loadu_ps(m, xp.add(x3 + k));
+                        let w = load_w::<DT>(wb, w0 + k, m);
+                        a00 = _mm512_fmadd_ps(w, v0, a00);
+                        a01 = _mm512_fmadd_ps(w, v1, a01);
+                        a02 = _mm512_fmadd_ps(w, v2, a02);
+                        a03 = _mm512_fmadd_ps(w, v3, a03);
+                        let w = load_w::<DT>(wb, w1 + k, m);
+                        a10 = _mm512_fmadd_ps(w, v0, a10);
+                        a11 = _mm512_fmadd_ps(w, v1, a11);
+                        a12 = _mm512_fmadd_ps(w, v2, a12);
+                        a13 = _mm512_fmadd_ps(w, v3, a13);
+                        let w = load_w::<DT>(wb, w2 + k, m);
+                        a20 = _mm512_fmadd_ps(w, v0, a20);
+                        a21 = _mm512_fmadd_ps(w, v1, a21);
+                        a22 = _mm512_fmadd_ps(w, v2, a22);
+                        a23 = _mm512_fmadd_ps(w, v3, a23);
+                        let w = load_w::<DT>(wb, w3 + k, m);
+                        a30 = _mm512_fmadd_ps(w, v0, a30);
+                        a31 = _mm512_fmadd_ps(w, v1, a31);
+                        a32 = _mm512_fmadd_ps(w, v2, a32);
+                        a33 = _mm512_fmadd_ps(w, v3, a33);
                     }
                     k += 16;
                 }
+                let acc = [
+                    [a00, a01, a02, a03],
+                    [a10, a11, a12, a13],
+                    [a20, a21, a22, a23],
+                    [a30, a31, a32, a33],
+                ];
                 for (oi, acc_row) in acc.iter().enumerate() {
                     if o + oi >= rows {
                         break;
@@ -294,30 +417,22 @@ mod avx512 {
         }
     }
 
-    /// Fixed pairwise reduction of the 16 lanes (8+8, 4+4, 2+2, 1+1).
-    #[inline(always)]
-    fn reduce(v: __m512) -> f32 {
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: 16 f32 lanes stored into a 16-element array; avx512f is enabled in
-        // every caller (this is only inlined into target_feature functions).
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) };
-        for half in [8, 4, 2, 1] {
-            for i in 0..half {
-                lanes[i] += lanes[i + half];
-            }
-        }
-        lanes[0]
-    }
-
     /// # Safety
     /// avx512f/bw/vl available; `x` holds `n_rows * w.rows` values; `c0 + width <= w.cols`;
     /// `local` holds `n_rows * width` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn in_out_band(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+    pub(super) unsafe fn in_out_band(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
         // SAFETY: forwarded contract.
         unsafe {
             match w.data {
-                TypedSlice::Bf16(_) => in_out_band_t::<Bf16>(x, n_rows, w, c0, width, local),
+                TypedSlice::Bf16(_) => in_out_band_t::<BF16>(x, n_rows, w, c0, width, local),
                 TypedSlice::F16(_) => in_out_band_t::<F16>(x, n_rows, w, c0, width, local),
                 TypedSlice::F32(_) => in_out_band_t::<F32>(x, n_rows, w, c0, width, local),
             }
@@ -325,29 +440,51 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn in_out_band_t<L: Load>(x: &[f32], n_rows: usize, w: &Matrix<'_>, c0: usize, width: usize, local: &mut [f32]) {
+    unsafe fn in_out_band_t<const DT: u8>(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
         let (in_dim, out_dim) = (w.rows, w.cols);
         let wb = base(w);
+        let xp = x.as_ptr();
         let mut c = 0;
         while c < width {
             let m0 = mask_for(width - c);
             let m1 = mask_for((width - c).saturating_sub(16));
             let mut t0 = 0;
             while t0 < n_rows {
-                let xr: [usize; 4] = std::array::from_fn(|i| (t0 + i).min(n_rows - 1) * in_dim);
-                let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+                let x0 = t0.min(n_rows - 1) * in_dim;
+                let x1 = (t0 + 1).min(n_rows - 1) * in_dim;
+                let x2 = (t0 + 2).min(n_rows - 1) * in_dim;
+                let x3 = (t0 + 3).min(n_rows - 1) * in_dim;
+                let z = _mm512_setzero_ps();
+                let (mut a00, mut a01, mut a10, mut a11) = (z, z, z, z);
+                let (mut a20, mut a21, mut a30, mut a31) = (z, z, z, z);
                 for i in 0..in_dim {
-                    // SAFETY: row i < in_dim, columns c0+c..c0+c+32 masked to < c0+width.
+                    // SAFETY: row i < in_dim; columns c0+c..c0+c+32 masked to < c0+width;
+                    // x offsets are rows < n_rows of length in_dim.
                     unsafe {
-                        let w0 = L::load16(wb, i * out_dim + c0 + c, m0);
-                        let w1 = L::load16(wb, i * out_dim + c0 + c + 16, m1);
-                        for (ti, a) in acc.iter_mut().enumerate() {
-                            let xb = _mm512_set1_ps(*x.get_unchecked(xr[ti] + i));
-                            a[0] = _mm512_fmadd_ps(xb, w0, a[0]);
-                            a[1] = _mm512_fmadd_ps(xb, w1, a[1]);
-                        }
+                        let w0 = load_w::<DT>(wb, i * out_dim + c0 + c, m0);
+                        let w1 = load_w::<DT>(wb, i * out_dim + c0 + c + 16, m1);
+                        let b = _mm512_set1_ps(*xp.add(x0 + i));
+                        a00 = _mm512_fmadd_ps(b, w0, a00);
+                        a01 = _mm512_fmadd_ps(b, w1, a01);
+                        let b = _mm512_set1_ps(*xp.add(x1 + i));
+                        a10 = _mm512_fmadd_ps(b, w0, a10);
+                        a11 = _mm512_fmadd_ps(b, w1, a11);
+                        let b = _mm512_set1_ps(*xp.add(x2 + i));
+                        a20 = _mm512_fmadd_ps(b, w0, a20);
+                        a21 = _mm512_fmadd_ps(b, w1, a21);
+                        let b = _mm512_set1_ps(*xp.add(x3 + i));
+                        a30 = _mm512_fmadd_ps(b, w0, a30);
+                        a31 = _mm512_fmadd_ps(b, w1, a31);
                     }
                 }
+                let acc = [[a00, a01], [a10, a11], [a20, a21], [a30, a31]];
                 for (ti, a) in acc.iter().enumerate() {
                     if t0 + ti >= n_rows {
                         break;
@@ -373,7 +510,14 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
-    fn naive(x: &[f32], n_rows: usize, w: &[f32], rows: usize, cols: usize, orient: Orientation) -> Vec<f32> {
+    fn naive(
+        x: &[f32],
+        n_rows: usize,
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        orient: Orientation,
+    ) -> Vec<f32> {
         let (in_dim, out_dim) = match orient {
             Orientation::OutIn => (cols, rows),
             Orientation::InOut => (rows, cols),
@@ -396,8 +540,14 @@ mod tests {
     }
 
     fn weights(rows: usize, cols: usize) -> (Vec<f32>, Vec<bf16>, Vec<f16>) {
-        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-        (wf.clone(), wf.iter().map(|&v| bf16::from_f32(v)).collect(), wf.iter().map(|&v| f16::from_f32(v)).collect())
+        let wf: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        (
+            wf.clone(),
+            wf.iter().map(|&v| bf16::from_f32(v)).collect(),
+            wf.iter().map(|&v| f16::from_f32(v)).collect(),
+        )
     }
 
     /// Every dtype and orientation, small and parallel sizes, odd shapes: agrees with a
@@ -408,12 +558,24 @@ mod tests {
             let (wf, wb, wh) = weights(rows, cols);
             for orient in [Orientation::OutIn, Orientation::InOut] {
                 for n_rows in [1usize, 3, 17] {
-                    let in_dim = if orient == Orientation::OutIn { cols } else { rows };
-                    let x: Vec<f32> = (0..n_rows * in_dim).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+                    let in_dim = if orient == Orientation::OutIn {
+                        cols
+                    } else {
+                        rows
+                    };
+                    let x: Vec<f32> = (0..n_rows * in_dim)
+                        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                        .collect();
                     let cases = [
                         (TypedSlice::F32(&wf), wf.clone()),
-                        (TypedSlice::Bf16(&wb), wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
-                        (TypedSlice::F16(&wh), wh.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
+                        (
+                            TypedSlice::Bf16(&wb),
+                            wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+                        ),
+                        (
+                            TypedSlice::F16(&wh),
+                            wh.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+                        ),
                     ];
                     for (data, reference) in cases {
                         let m = Matrix::new(data, rows, cols, orient).unwrap();
@@ -421,7 +583,10 @@ mod tests {
                         linear(&x, n_rows, &m, &mut out);
                         let want = naive(&x, n_rows, &reference, rows, cols, orient);
                         for (g, w) in out.iter().zip(&want) {
-                            assert!((g - w).abs() < 1e-3 * (1.0 + w.abs()), "{orient:?} {n_rows}x{rows}x{cols}: {g} vs {w}");
+                            assert!(
+                                (g - w).abs() < 1e-3 * (1.0 + w.abs()),
+                                "{orient:?} {n_rows}x{rows}x{cols}: {g} vs {w}"
+                            );
                         }
                     }
                 }
@@ -438,7 +603,9 @@ mod tests {
             for orient in [Orientation::OutIn, Orientation::InOut] {
                 let m = Matrix::new(TypedSlice::Bf16(&wb), rows, cols, orient).unwrap();
                 let (in_dim, out_dim) = (m.in_dim(), m.out_dim());
-                let x: Vec<f32> = (0..37 * in_dim).map(|i| ((i * 131) % 211) as f32 / 105.0 - 1.0).collect();
+                let x: Vec<f32> = (0..37 * in_dim)
+                    .map(|i| ((i * 131) % 211) as f32 / 105.0 - 1.0)
+                    .collect();
                 let mut all = vec![0.0; 37 * out_dim];
                 linear(&x, 37, &m, &mut all);
                 let mut split = vec![0.0; 37 * out_dim];
@@ -448,7 +615,11 @@ mod tests {
                 for t in 0..37 {
                     let mut one = vec![0.0; out_dim];
                     linear(&x[t * in_dim..(t + 1) * in_dim], 1, &m, &mut one);
-                    assert_eq!(&all[t * out_dim..(t + 1) * out_dim], &one[..], "{orient:?} row {t}");
+                    assert_eq!(
+                        &all[t * out_dim..(t + 1) * out_dim],
+                        &one[..],
+                        "{orient:?} row {t}"
+                    );
                 }
             }
         }

@@ -62,10 +62,18 @@ pub enum KernelError {
 }
 
 /// Checks a buffer length.
-pub(crate) fn check_len(what: &'static str, got: usize, expected: usize) -> Result<(), KernelError> {
+pub(crate) fn check_len(
+    what: &'static str,
+    got: usize,
+    expected: usize,
+) -> Result<(), KernelError> {
     if got == expected {
         Ok(())
     } else {
-        Err(KernelError::Shape { what, expected, got })
+        Err(KernelError::Shape {
+            what,
+            expected,
+            got,
+        })
     }
 }

@@ -3,9 +3,10 @@
 //!
 //! Takes the residual `[n_tokens, hidden]`; [`gate`] gives the normalised rows and a
 //! [`Routing`]; [`expert_ffn`] runs one expert's SwiGLU on the rows routed to it (gathered
-//! into a contiguous block so the products are GEMMs) and adds `weight * y` into the MoE
-//! output; [`combine`] adds that output into the residual. Running experts in index order
-//! reproduces Hugging Face's summation order.
+//! into a contiguous block) and writes `weight * y` into that (row, slot)'s place of a
+//! `[n_tokens, top_k, hidden]` slot buffer; [`combine`] sums each row's slots in ascending
+//! expert index (Hugging Face's summation order) and adds the sum to the residual. So the
+//! result is bit-identical whatever order, grouping or micro-batch the experts run in.
 
 use crate::model::arch::ArchSpec;
 use crate::model::kernels::linear::linear;
@@ -24,8 +25,16 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
-/// Rows routed to one expert: `(row, routing weight)`.
-pub type ExpertRows = Vec<(u32, f32)>;
+/// One row routed to an expert.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoutedRow {
+    /// Row (token) index in the call.
+    pub row: u32,
+    /// Which of the row's `top_k` choices this is (its slot in the slot buffer).
+    pub slot: u32,
+    /// Routing weight.
+    pub weight: f32,
+}
 
 impl Routing {
     /// Rows.
@@ -34,11 +43,16 @@ impl Routing {
     }
 
     /// The rows each expert must process, by expert index, rows ascending.
-    pub fn by_expert(&self, n_experts: usize) -> Vec<ExpertRows> {
+    pub fn by_expert(&self, n_experts: usize) -> Vec<Vec<RoutedRow>> {
         let mut groups = vec![Vec::new(); n_experts];
-        for (i, (&e, &w)) in self.experts.iter().zip(&self.weights).enumerate() {
+        let k = self.top_k.max(1);
+        for (i, (&e, &weight)) in self.experts.iter().zip(&self.weights).enumerate() {
             if let Some(g) = groups.get_mut(e as usize) {
-                g.push(((i / self.top_k) as u32, w));
+                g.push(RoutedRow {
+                    row: (i / k) as u32,
+                    slot: (i % k) as u32,
+                    weight,
+                });
             }
         }
         groups
@@ -47,7 +61,12 @@ impl Routing {
 
 /// Softmax over all experts in f32, top-k (ties to the lower index), then division by
 /// the p-norm of the chosen weights when `norm_p` is set (Mixtral: p = 1, the sum).
-pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Option<f64>) -> Routing {
+pub fn route(
+    router_logits: &[f32],
+    n_experts: usize,
+    top_k: usize,
+    norm_p: Option<f64>,
+) -> Routing {
     let n = router_logits.len() / n_experts.max(1);
     let mut experts = Vec::with_capacity(n * top_k);
     let mut weights = Vec::with_capacity(n * top_k);
@@ -62,7 +81,11 @@ pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Opti
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
         let chosen = &order[..top_k];
         let denom = match norm_p {
-            Some(p) => chosen.iter().map(|&e| (probs[e].abs() as f64).powf(p)).sum::<f64>().powf(1.0 / p) as f32,
+            Some(p) => chosen
+                .iter()
+                .map(|&e| (probs[e].abs() as f64).powf(p))
+                .sum::<f64>()
+                .powf(1.0 / p) as f32,
             None => 1.0,
         };
         for &e in chosen {
@@ -70,7 +93,11 @@ pub fn route(router_logits: &[f32], n_experts: usize, top_k: usize, norm_p: Opti
             weights.push(probs[e] / denom);
         }
     }
-    Routing { top_k, experts, weights }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
 }
 
 /// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
@@ -94,28 +121,38 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// Runs one expert on its routed rows of `x_norm` (`[n_tokens, hidden]`) and adds
-/// `weight * down(silu(gate(x)) * up(x))` into `moe_out` (`[n_tokens, hidden]`).
+/// Runs one expert on its routed rows of `x_norm` (`[n_tokens, hidden]`) and writes
+/// `weight * down(silu(gate(x)) * up(x))` into each row's slot of `slots`
+/// (`[n_tokens, top_k, hidden]`).
 pub fn expert_ffn(
     arch: &ArchSpec,
     expert: &ExpertWeights<'_>,
     x_norm: &[f32],
-    rows: &[(u32, f32)],
-    moe_out: &mut [f32],
+    rows: &[RoutedRow],
+    slots: &mut [f32],
 ) -> Result<(), KernelError> {
-    let (d, f) = (arch.hidden, arch.ffn);
+    let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
     let n_tokens = x_norm.len() / d.max(1);
-    check_len("expert output", moe_out.len(), n_tokens * d)?;
+    check_len("expert input", x_norm.len(), n_tokens * d)?;
+    check_len("expert slots", slots.len(), n_tokens * k * d)?;
     if rows.is_empty() {
         return Ok(());
     }
-    if let Some(&(bad, _)) = rows.iter().find(|(r, _)| *r as usize >= n_tokens) {
-        return Err(KernelError::Shape { what: "expert row index", expected: n_tokens, got: bad as usize });
+    if let Some(bad) = rows
+        .iter()
+        .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
+    {
+        return Err(KernelError::Shape {
+            what: "routed row (row, slot)",
+            expected: n_tokens * k,
+            got: bad.row as usize * k + bad.slot as usize,
+        });
     }
     let n = rows.len();
     let mut gathered = vec![0.0f32; n * d];
-    for (i, &(r, _)) in rows.iter().enumerate() {
-        gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[r as usize * d..(r as usize + 1) * d]);
+    for (i, r) in rows.iter().enumerate() {
+        let src = r.row as usize * d;
+        gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
     }
     let mut h_gate = vec![0.0f32; n * f];
     let mut h_up = vec![0.0f32; n * f];
@@ -125,20 +162,43 @@ pub fn expert_ffn(
         *g = silu(*g) * u;
     }
     linear(&h_gate, n, &expert.down, &mut gathered);
-    for (i, &(r, w)) in rows.iter().enumerate() {
-        let dst = &mut moe_out[r as usize * d..(r as usize + 1) * d];
-        for (o, y) in dst.iter_mut().zip(&gathered[i * d..(i + 1) * d]) {
-            *o += w * y;
+    for (i, r) in rows.iter().enumerate() {
+        let at = (r.row as usize * k + r.slot as usize) * d;
+        for (o, y) in slots[at..at + d]
+            .iter_mut()
+            .zip(&gathered[i * d..(i + 1) * d])
+        {
+            *o = r.weight * y;
         }
     }
     Ok(())
 }
 
-/// `residual += moe_out`.
-pub fn combine(residual: &mut [f32], moe_out: &[f32]) -> Result<(), KernelError> {
-    check_len("combine", moe_out.len(), residual.len())?;
-    for (r, m) in residual.iter_mut().zip(moe_out) {
-        *r += m;
+/// `residual += Σ slots` per row, the slots summed in ascending expert index starting
+/// from zero (as Hugging Face's `index_add` loop over experts does).
+pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result<(), KernelError> {
+    let k = routing.top_k.max(1);
+    let n = routing.n_tokens();
+    let d = residual.len() / n.max(1);
+    check_len("combine residual", residual.len(), n * d)?;
+    check_len("combine slots", slots.len(), n * k * d)?;
+    let mut order: Vec<usize> = Vec::with_capacity(k);
+    let mut sum = vec![0.0f32; d];
+    for t in 0..n {
+        let chosen = &routing.experts[t * k..(t + 1) * k];
+        order.clear();
+        order.extend(0..k);
+        order.sort_by_key(|&s| (chosen[s], s));
+        sum.fill(0.0);
+        for &s in &order {
+            let at = (t * k + s) * d;
+            for (acc, v) in sum.iter_mut().zip(&slots[at..at + d]) {
+                *acc += v;
+            }
+        }
+        for (r, v) in residual[t * d..(t + 1) * d].iter_mut().zip(&sum) {
+            *r += v;
+        }
     }
     Ok(())
 }
@@ -157,7 +217,11 @@ mod tests {
         assert!((r.weights[0] - 4.0 / 7.0).abs() < 1e-6 && (r.weights[1] - 3.0 / 7.0).abs() < 1e-6);
         let raw = route(&logits, 4, 2, None);
         assert!((raw.weights[0] - 0.4).abs() < 1e-6 && (raw.weights[1] - 0.3).abs() < 1e-6);
-        let rows: Vec<Vec<u32>> = r.by_expert(4).iter().map(|g| g.iter().map(|p| p.0).collect()).collect();
-        assert_eq!(rows, vec![vec![], vec![], vec![0], vec![0]]);
+        let rows: Vec<Vec<(u32, u32)>> = r
+            .by_expert(4)
+            .iter()
+            .map(|g| g.iter().map(|p| (p.row, p.slot)).collect())
+            .collect();
+        assert_eq!(rows, vec![vec![], vec![], vec![(0, 1)], vec![(0, 0)]]);
     }
 }

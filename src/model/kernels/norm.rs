@@ -55,10 +55,22 @@ mod tests {
         normalize(NormKind::Rms, &x, TypedSlice::F32(&w), 0.0, &mut out);
         let rms = (30.0f32 / 4.0).sqrt();
         let want = [1.0 / rms, 2.0 / rms, 6.0 / rms, 8.0 / rms];
-        assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?}");
-        normalize(NormKind::LayerNoBias, &x, TypedSlice::F32(&w), 0.0, &mut out);
+        assert!(
+            out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6),
+            "{out:?}"
+        );
+        normalize(
+            NormKind::LayerNoBias,
+            &x,
+            TypedSlice::F32(&w),
+            0.0,
+            &mut out,
+        );
         let sd = 1.25f32.sqrt();
         let want = [-1.5 / sd, -0.5 / sd, 1.0 / sd, 3.0 / sd];
-        assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?}");
+        assert!(
+            out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6),
+            "{out:?}"
+        );
     }
 }

@@ -30,17 +30,25 @@ pub fn pre_attn(
     check_len("pre_attn scratch", x_norm.len(), n * d)?;
     check_len("pre_attn qkv", qkv_out.len(), n * width)?;
     if let Some(&position) = positions.iter().find(|&&p| p >= rope.max_positions()) {
-        return Err(KernelError::Position { position, max: rope.max_positions() });
+        return Err(KernelError::Position {
+            position,
+            max: rope.max_positions(),
+        });
     }
     normalize(arch.norm, x, dense.attn_norm, arch.norm_eps, x_norm);
     match &dense.qkv {
         QkvWeights::Fused(w) => linear(x_norm, n, w, qkv_out),
-        QkvWeights::Separate { q: wq, k: wk, v: wv } => {
+        QkvWeights::Separate {
+            q: wq,
+            k: wk,
+            v: wv,
+        } => {
             let mut part = vec![0.0f32; n * q.max(kv)];
             for (w, col, cols) in [(wq, 0, q), (wk, q, kv), (wv, q + kv, kv)] {
                 linear(x_norm, n, w, &mut part[..n * cols]);
                 for t in 0..n {
-                    qkv_out[t * width + col..t * width + col + cols].copy_from_slice(&part[t * cols..(t + 1) * cols]);
+                    qkv_out[t * width + col..t * width + col + cols]
+                        .copy_from_slice(&part[t * cols..(t + 1) * cols]);
                 }
             }
         }

@@ -34,7 +34,12 @@ impl RopeTable {
                 sin.push(angle.sin());
             }
         }
-        RopeTable { half, max_positions, cos, sin }
+        RopeTable {
+            half,
+            max_positions,
+            cos,
+            sin,
+        }
     }
 
     /// Positions the table covers.

@@ -46,8 +46,11 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut Rng) -> u32 {
         Sampling::Temperature { temperature, top_p } => {
             let t = temperature.max(1e-6) as f64;
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let mut probs: Vec<(u32, f64)> =
-                logits.iter().enumerate().map(|(i, &v)| (i as u32, ((v as f64 - max) / t).exp())).collect();
+            let mut probs: Vec<(u32, f64)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u32, ((v as f64 - max) / t).exp()))
+                .collect();
             let z: f64 = probs.iter().map(|p| p.1).sum();
             probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             let target = top_p.clamp(0.0, 1.0) as f64 * z;
@@ -89,14 +92,25 @@ mod tests {
     #[test]
     fn top_p_truncates_and_seed_fixes_draws() {
         let logits = [0.0f32, 3.0, 1.0, 2.0];
-        let nucleus = Sampling::Temperature { temperature: 1.0, top_p: 0.1 };
+        let nucleus = Sampling::Temperature {
+            temperature: 1.0,
+            top_p: 0.1,
+        };
         assert!((0..50).all(|s| sample(&logits, &nucleus, &mut Rng::new(s)) == 1));
-        let full = Sampling::Temperature { temperature: 2.0, top_p: 1.0 };
+        let full = Sampling::Temperature {
+            temperature: 2.0,
+            top_p: 1.0,
+        };
         let draws = |seed| {
             let mut rng = Rng::new(seed);
-            (0..64).map(|_| sample(&logits, &full, &mut rng)).collect::<Vec<_>>()
+            (0..64)
+                .map(|_| sample(&logits, &full, &mut rng))
+                .collect::<Vec<_>>()
         };
         assert_eq!(draws(9), draws(9));
-        assert!(draws(9).iter().any(|&t| t != 1), "temperature 2 should sometimes leave the argmax");
+        assert!(
+            draws(9).iter().any(|&t| t != 1),
+            "temperature 2 should sometimes leave the argmax"
+        );
     }
 }

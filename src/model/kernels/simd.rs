@@ -120,8 +120,12 @@ unsafe fn dot_rows_avx512(w: &[f32], xs: &[f32], x_stride: usize, out: &mut [f32
             let x1 = xs.as_ptr().add((t + (1 % group)) * x_stride);
             let x2 = xs.as_ptr().add((t + (2 % group)) * x_stride);
             let x3 = xs.as_ptr().add((t + (3 % group)) * x_stride);
-            let (mut a0, mut a1, mut a2, mut a3) =
-                (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+            let (mut a0, mut a1, mut a2, mut a3) = (
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+            );
             let mut k = 0;
             while k < full {
                 let wv = _mm512_loadu_ps(wp.add(k));
@@ -185,6 +189,169 @@ unsafe fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Attention scores for `n` consecutive slots starting at `slot0` of one transposed key
+/// tile (`k_tile[dim * block_size + slot]`): `scores[g * stride + base + r] = scale *
+/// Σ_dim q_group[g][dim] * key[slot0 + r][dim]`, summed sequentially over `dim` with fused
+/// multiply-adds (so the AVX-512 body, 16 slots per vector, and the portable body give the
+/// same bits, and a score never depends on which other keys share the call).
+#[allow(clippy::too_many_arguments)]
+pub fn key_scores_transposed(
+    k_tile: &[f32],
+    block_size: usize,
+    slot0: usize,
+    n: usize,
+    q_group: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    stride: usize,
+    base: usize,
+) {
+    let hd = k_tile.len() / block_size.max(1);
+    let group = q_group.len() / hd.max(1);
+    let fits = slot0 + n <= block_size && scores.len() >= (group.max(1) - 1) * stride + base + n;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() && fits && group * hd == q_group.len() {
+        // SAFETY: avx512f detected; slots slot0..slot0+n lie inside the tile (checked) and
+        // every score index is inside `scores` (checked).
+        unsafe {
+            key_scores_transposed_avx512(
+                k_tile, block_size, slot0, n, q_group, scale, scores, stride, base,
+            )
+        };
+        return;
+    }
+    if !fits {
+        return;
+    }
+    for g in 0..group {
+        let q = &q_group[g * hd..(g + 1) * hd];
+        for r in 0..n {
+            let mut acc = 0.0f32;
+            for (dim, &qd) in q.iter().enumerate() {
+                acc = qd.mul_add(k_tile[dim * block_size + slot0 + r], acc);
+            }
+            scores[g * stride + base + r] = acc * scale;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn key_scores_transposed_avx512(
+    k_tile: &[f32],
+    block_size: usize,
+    slot0: usize,
+    n: usize,
+    q_group: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    stride: usize,
+    base: usize,
+) {
+    use std::arch::x86_64::*;
+    let hd = k_tile.len() / block_size;
+    let group = q_group.len() / hd;
+    let scale_v = _mm512_set1_ps(scale);
+    let mut r0 = 0;
+    while r0 < n {
+        let lanes = (n - r0).min(16);
+        let mask: __mmask16 = if lanes == 16 {
+            0xFFFF
+        } else {
+            ((1u32 << lanes) - 1) as __mmask16
+        };
+        let kp = k_tile.as_ptr();
+        for g in 0..group {
+            let q = &q_group[g * hd..(g + 1) * hd];
+            let mut acc = _mm512_setzero_ps();
+            for (dim, &qd) in q.iter().enumerate() {
+                // SAFETY: slots slot0+r0 .. slot0+r0+lanes < block_size (caller-checked), so
+                // the masked lanes stay inside row `dim` of the tile.
+                let kv =
+                    unsafe { _mm512_maskz_loadu_ps(mask, kp.add(dim * block_size + slot0 + r0)) };
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(qd), kv, acc);
+            }
+            let out = _mm512_mul_ps(acc, scale_v);
+            // SAFETY: indices g*stride+base+r0 .. +lanes are inside `scores` (caller-checked).
+            unsafe {
+                _mm512_mask_storeu_ps(scores.as_mut_ptr().add(g * stride + base + r0), mask, out)
+            };
+        }
+        r0 += 16;
+    }
+}
+
+/// `out[g] += Σ_r probs[g * stride + base + r] * rows[r]` for every query head `g` (rows
+/// contiguous, each `hd` wide), accumulated key by key with fused multiply-adds: the same
+/// per-element order as repeated [`axpy`].
+pub fn weighted_rows(
+    rows: &[f32],
+    hd: usize,
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    let group = out.len() / hd.max(1);
+    let n = rows.len() / hd.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512()
+        && hd.is_multiple_of(16)
+        && hd <= 256
+        && probs.len() >= (group.max(1) - 1) * stride + base + n
+    {
+        // SAFETY: avx512f detected; hd a multiple of 16 and at most 256; probs bound checked.
+        unsafe { weighted_rows_avx512(rows, hd, probs, stride, base, out) };
+        return;
+    }
+    for r in 0..n {
+        for g in 0..group {
+            axpy(
+                probs[g * stride + base + r],
+                &rows[r * hd..(r + 1) * hd],
+                &mut out[g * hd..(g + 1) * hd],
+            );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_avx512(
+    rows: &[f32],
+    hd: usize,
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let group = out.len() / hd;
+    let n = rows.len() / hd;
+    let chunks = hd / 16;
+    for g in 0..group {
+        let dst = &mut out[g * hd..(g + 1) * hd];
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+            // SAFETY: c * 16 + 16 <= hd = dst.len().
+            *a = unsafe { _mm512_loadu_ps(dst.as_ptr().add(c * 16)) };
+        }
+        for r in 0..n {
+            let p = _mm512_set1_ps(probs[g * stride + base + r]);
+            let row = &rows[r * hd..(r + 1) * hd];
+            for (c, a) in acc.iter_mut().enumerate().take(chunks) {
+                // SAFETY: c * 16 + 16 <= hd = row.len().
+                *a = _mm512_fmadd_ps(p, unsafe { _mm512_loadu_ps(row.as_ptr().add(c * 16)) }, *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate().take(chunks) {
+            // SAFETY: c * 16 + 16 <= hd = dst.len().
+            unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(c * 16), *a) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,17 +366,46 @@ mod tests {
         dot_rows(&w, &xs, len, &mut out);
         for (t, got) in out.iter().enumerate() {
             let want: f64 = (0..len).map(|k| w[k] as f64 * xs[t * len + k] as f64).sum();
-            assert!((*got as f64 - want).abs() < 1e-4, "row {t}: {got} vs {want}");
+            assert!(
+                (*got as f64 - want).abs() < 1e-4,
+                "row {t}: {got} vs {want}"
+            );
         }
     }
 
     #[test]
     fn widening_bf16_is_exact() {
-        let vals: Vec<bf16> = (0..41).map(|i| bf16::from_f32(i as f32 * -1.25 + 0.5)).collect();
+        let vals: Vec<bf16> = (0..41)
+            .map(|i| bf16::from_f32(i as f32 * -1.25 + 0.5))
+            .collect();
         let mut out = vec![0.0; vals.len()];
         widen(TypedSlice::Bf16(&vals), &mut out);
         for (v, o) in vals.iter().zip(&out) {
             assert_eq!(v.to_f32(), *o);
+        }
+    }
+
+    /// The vector body and a scalar sequential fused multiply-add give the same bits, for
+    /// every run split of the tile.
+    #[test]
+    fn transposed_key_scores_are_exact_sequential_fmas() {
+        let (bs, hd, group) = (20usize, 24usize, 3usize);
+        let tile: Vec<f32> = (0..bs * hd).map(|i| ((i * 37) % 113) as f32 / 56.0 - 1.0).collect();
+        let q: Vec<f32> = (0..group * hd).map(|i| ((i * 11) % 29) as f32 / 14.0 - 1.0).collect();
+        let mut whole = vec![0.0f32; group * bs];
+        key_scores_transposed(&tile, bs, 0, bs, &q, 0.5, &mut whole, bs, 0);
+        let mut split = vec![0.0f32; group * bs];
+        key_scores_transposed(&tile, bs, 0, 3, &q, 0.5, &mut split, bs, 0);
+        key_scores_transposed(&tile, bs, 3, bs - 3, &q, 0.5, &mut split, bs, 3);
+        assert_eq!(whole, split);
+        for g in 0..group {
+            for r in 0..bs {
+                let mut acc = 0.0f32;
+                for d in 0..hd {
+                    acc = q[g * hd + d].mul_add(tile[d * bs + r], acc);
+                }
+                assert_eq!(whole[g * bs + r].to_bits(), (acc * 0.5).to_bits());
+            }
         }
     }
 
@@ -218,6 +414,9 @@ mod tests {
         let x: Vec<f32> = (0..35).map(|i| i as f32).collect();
         let mut y = vec![1.0; 35];
         axpy(2.0, &x, &mut y);
-        assert!(y.iter().enumerate().all(|(i, v)| *v == 1.0 + 2.0 * i as f32));
+        assert!(y
+            .iter()
+            .enumerate()
+            .all(|(i, v)| *v == 1.0 + 2.0 * i as f32));
     }
 }

@@ -1,0 +1,315 @@
+//! `moec ablate SCHED...`: run several schedules on the same model and workload and print
+//! one comparison table, also written as CSV and JSON.
+//!
+//! Takes the schedules and `moec run`'s flags (one workload for all); gives per schedule:
+//! measured tokens/s (overall and decode), the HRM's predicted tokens/s and decode step,
+//! decode makespan / critical path, busy share per engine, arena bytes per space, and
+//! whether its tokens are identical to the first schedule's. A schedule that fails is a
+//! row with its error (the others still run); the exit code is 1 if any failed or any
+//! output differs.
+
+use super::generate::fail;
+use super::run::{execute, write_atomic, Failure, Finished, RunArgs};
+use crate::ir::Engine;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Arguments of `moec ablate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AblateArgs {
+    /// The `.sched` files to compare (the first is the reference for identical outputs).
+    #[arg(required = true, num_args = 1..)]
+    pub scheds: Vec<PathBuf>,
+    /// Everything else as for `moec run` (its SCHED argument is ignored).
+    #[command(flatten)]
+    pub run: AblateRunArgs,
+    /// Write the table to PREFIX.csv and PREFIX.json.
+    #[arg(long, value_name = "PREFIX")]
+    pub out: Option<PathBuf>,
+}
+
+/// `moec run`'s flags without its positional schedule.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AblateRunArgs {
+    /// Model card (built-in name or .ron path).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Hugging Face checkpoint folder.
+    #[arg(long, value_name = "DIR")]
+    pub weights: Option<PathBuf>,
+    /// A prompt (repeat for several).
+    #[arg(long = "prompt", value_name = "TEXT")]
+    pub prompts: Vec<String>,
+    /// JSON-lines file of prompts.
+    #[arg(long = "prompts", value_name = "FILE.jsonl")]
+    pub prompts_file: Option<PathBuf>,
+    /// Synthetic prompts (see `moec run --help`).
+    #[arg(long, value_name = "SPEC")]
+    pub workload: Option<String>,
+    /// Tokens to generate per prompt at most.
+    #[arg(long, default_value_t = 16)]
+    pub gen_len: usize,
+    /// Param overrides applied to every schedule that declares them.
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub sets: Vec<String>,
+    /// Threads of each compute pool.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Emulated host<->GPU link bandwidth, GB/s.
+    #[arg(long, value_name = "GBPS")]
+    pub link_gbps: Option<f64>,
+    /// Device memory for the `gpu` arena.
+    #[arg(long, value_name = "BYTES")]
+    pub gpu_mem: Option<String>,
+    /// Hardware profile for the predictions (default: measure this machine).
+    #[arg(long, value_name = "PROFILE")]
+    pub hw: Option<String>,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    /// Schedule file.
+    pub schedule: String,
+    /// Error, if it failed.
+    pub error: Option<String>,
+    /// Measured generated tokens / run seconds.
+    pub tokens_per_s: f64,
+    /// Measured decode tokens / decode seconds.
+    pub decode_tokens_per_s: f64,
+    /// Measured mean decode step, seconds.
+    pub decode_step_seconds: f64,
+    /// HRM tokens/s.
+    pub predicted_tokens_per_s: Option<f64>,
+    /// HRM decode step, seconds.
+    pub predicted_step_seconds: Option<f64>,
+    /// Decode makespan / critical path of measured tasks.
+    pub makespan_over_critical_path: f64,
+    /// Busy share per engine (streams of one engine summed), decode steps.
+    pub busy: Vec<(String, f64)>,
+    /// Arena bytes: gpu, pinned, host.
+    pub arena_bytes: [u64; 3],
+    /// Tokens identical to the first schedule's.
+    pub identical: Option<bool>,
+}
+
+fn row(schedule: String, f: &Finished, reference: Option<&Vec<Vec<u32>>>) -> Row {
+    let r = &f.report;
+    let busy = Engine::ALL
+        .iter()
+        .map(|e| {
+            let share: f64 = r
+                .streams
+                .iter()
+                .filter(|s| s.engine == e.as_str())
+                .map(|s| s.share)
+                .sum();
+            (e.as_str().to_string(), share)
+        })
+        .collect();
+    Row {
+        schedule,
+        error: None,
+        tokens_per_s: r.tokens_per_s,
+        decode_tokens_per_s: r.decode_tokens_per_s,
+        decode_step_seconds: r.decode_step_seconds,
+        predicted_tokens_per_s: f.predicted_tokens_per_s,
+        predicted_step_seconds: f.predicted_step_seconds,
+        makespan_over_critical_path: r.makespan_over_critical_path,
+        busy,
+        arena_bytes: f.stats.arena_bytes,
+        identical: reference.map(|x| *x == f.outputs),
+    }
+}
+
+fn opt(v: Option<f64>, scale: f64) -> String {
+    v.map(|x| format!("{:.2}", x * scale))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// The table as aligned text.
+pub fn table(rows: &[Row]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<26} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  {:<34} {:>9} {:>9} {:>9} {:>5}",
+        "schedule",
+        "tok/s",
+        "dec tok/s",
+        "step ms",
+        "pred tok/s",
+        "pred ms",
+        "mk/cp",
+        "busy gpu/h2d/d2h/cpu/pin %",
+        "gpu MiB",
+        "pin MiB",
+        "host MiB",
+        "same"
+    );
+    for r in rows {
+        if let Some(e) = &r.error {
+            let _ = writeln!(out, "{:<26} FAILED: {e}", r.schedule);
+            continue;
+        }
+        let busy = r
+            .busy
+            .iter()
+            .map(|(_, s)| format!("{:.0}", s * 100.0))
+            .collect::<Vec<_>>()
+            .join("/");
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let same = match r.identical {
+            Some(true) => "yes",
+            Some(false) => "NO",
+            None => "ref",
+        };
+        let _ = writeln!(
+            out,
+            "{:<26} {:>9.1} {:>9.1} {:>9.2} {:>9} {:>9} {:>6.3}  {:<34} {:>9.1} {:>9.1} {:>9.1} {:>5}",
+            r.schedule,
+            r.tokens_per_s,
+            r.decode_tokens_per_s,
+            r.decode_step_seconds * 1e3,
+            opt(r.predicted_tokens_per_s, 1.0),
+            opt(r.predicted_step_seconds, 1e3),
+            r.makespan_over_critical_path,
+            busy,
+            mib(r.arena_bytes[0]),
+            mib(r.arena_bytes[1]),
+            mib(r.arena_bytes[2]),
+            same
+        );
+    }
+    out
+}
+
+fn csv(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "schedule,error,tokens_per_s,decode_tokens_per_s,decode_step_seconds,predicted_tokens_per_s,predicted_step_seconds,makespan_over_critical_path,busy_gpu_compute,busy_gpu_copy_in,busy_gpu_copy_out,busy_cpu_compute,busy_cpu_copy,gpu_bytes,pinned_bytes,host_bytes,identical\n",
+    );
+    for r in rows {
+        let busy: Vec<String> = r.busy.iter().map(|(_, s)| format!("{s:.4}")).collect();
+        let busy = if busy.len() == 5 {
+            busy.join(",")
+        } else {
+            ",,,,".into()
+        };
+        let err = r.error.as_deref().unwrap_or("").replace([',', '\n'], ";");
+        out.push_str(&format!(
+            "{},{},{:.3},{:.3},{:.6},{},{},{:.4},{},{},{},{},{}\n",
+            r.schedule,
+            err,
+            r.tokens_per_s,
+            r.decode_tokens_per_s,
+            r.decode_step_seconds,
+            r.predicted_tokens_per_s
+                .map(|v| format!("{v:.3}"))
+                .unwrap_or_default(),
+            r.predicted_step_seconds
+                .map(|v| format!("{v:.6}"))
+                .unwrap_or_default(),
+            r.makespan_over_critical_path,
+            busy,
+            r.arena_bytes[0],
+            r.arena_bytes[1],
+            r.arena_bytes[2],
+            r.identical
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "reference".into())
+        ));
+    }
+    out
+}
+
+/// Runs `moec ablate`.
+pub fn run(args: &AblateArgs) -> ExitCode {
+    let mut rows = Vec::new();
+    let mut reference: Option<Vec<Vec<u32>>> = None;
+    let bar = indicatif::ProgressBar::new(args.scheds.len() as u64);
+    for sched in &args.scheds {
+        bar.set_message(sched.display().to_string());
+        let a = &args.run;
+        let run_args = RunArgs {
+            sched: sched.clone(),
+            model: a.model.clone(),
+            weights: a.weights.clone(),
+            prompts: a.prompts.clone(),
+            prompts_file: a.prompts_file.clone(),
+            workload: a.workload.clone(),
+            gen_len: a.gen_len,
+            sets: a.sets.clone(),
+            threads: a.threads,
+            trace: None,
+            json: false,
+            link_gbps: a.link_gbps,
+            gpu_mem: a.gpu_mem.clone(),
+            hw: a.hw.clone(),
+            temperature: 0.0,
+            seed: 0,
+            watchdog: 600.0,
+            kill_task: None,
+        };
+        let name = sched.display().to_string();
+        match execute(&run_args, &mut |_, _| {}) {
+            Ok((finished, _)) => {
+                rows.push(row(name, &finished, reference.as_ref()));
+                if reference.is_none() {
+                    reference = Some(finished.outputs);
+                }
+            }
+            Err(Failure::Rendered(text)) => {
+                let first = text
+                    .lines()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("")
+                    .trim()
+                    .to_string();
+                rows.push(Row {
+                    error: Some(first),
+                    ..empty_row(name)
+                });
+            }
+            Err(Failure::Message(m)) => rows.push(Row {
+                error: Some(m),
+                ..empty_row(name)
+            }),
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    print!("{}", table(&rows));
+    if let Some(prefix) = &args.out {
+        let json = serde_json::to_string_pretty(&rows).unwrap_or_default();
+        for (ext, text) in [("csv", csv(&rows)), ("json", json)] {
+            let path = prefix.with_extension(ext);
+            if let Err(e) = write_atomic(&path, &text) {
+                return fail(e);
+            }
+        }
+    }
+    let bad = rows
+        .iter()
+        .any(|r| r.error.is_some() || r.identical == Some(false));
+    if bad {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn empty_row(schedule: String) -> Row {
+    Row {
+        schedule,
+        error: None,
+        tokens_per_s: 0.0,
+        decode_tokens_per_s: 0.0,
+        decode_step_seconds: 0.0,
+        predicted_tokens_per_s: None,
+        predicted_step_seconds: None,
+        makespan_over_critical_path: 0.0,
+        busy: Vec::new(),
+        arena_bytes: [0; 3],
+        identical: None,
+    }
+}

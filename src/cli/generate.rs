@@ -1,0 +1,199 @@
+//! `moec generate`: run the oracle on prompts and print the text (or one JSON object).
+//!
+//! Takes a model source (`--model`, `--weights`, both or neither), prompts (`--prompt`
+//! repeated, or `--prompts FILE.jsonl` with one `{"prompt": ...}` object or JSON string per
+//! line) and sampling flags; prints the continuation and a tokens/s line, or with `--json`
+//! `{"outputs": [{prompt, token_ids, text, logprobs}], "stats": {prompt_tokens,
+//! generated_tokens, seconds, tokens_per_s}}`. Errors print one line and exit 1.
+
+use crate::model::source::{load_model, ModelSource};
+use crate::model::{GenerateOptions, Oracle, Sampling};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Arguments of `moec generate`.
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// Model card (built-in name or .ron path); default mixtral-tiny when --weights is absent.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Hugging Face checkpoint folder (config.json + safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub weights: Option<PathBuf>,
+    /// A prompt (repeat for several).
+    #[arg(long = "prompt", value_name = "TEXT")]
+    pub prompts: Vec<String>,
+    /// JSON-lines file of prompts: `{"prompt": "..."}` or a JSON string per line.
+    #[arg(long = "prompts", value_name = "FILE.jsonl")]
+    pub prompts_file: Option<PathBuf>,
+    /// Tokens to generate per prompt at most.
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus (top-p) mass when sampling.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Prints an error as a one-line miette diagnostic (no colour, no wrapping) and returns
+/// exit code 1.
+pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
+    let report = miette::miette!("{message}");
+    let handler =
+        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
+            .with_width(usize::MAX);
+    let mut rendered = String::new();
+    if handler
+        .render_report(&mut rendered, report.as_ref())
+        .is_err()
+    {
+        rendered = format!("error: {message}");
+    }
+    eprintln!("{}", rendered.trim());
+    ExitCode::from(1)
+}
+
+fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>, String> {
+    let mut prompts = args.prompts.clone();
+    if let Some(path) = &args.prompts_file {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = |m: &str| format!("{}:{}: {m}", path.display(), i + 1);
+            let value: serde_json::Value =
+                serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
+            let prompt = match &value {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Object(o) => o
+                    .get("prompt")
+                    .and_then(|p| p.as_str())
+                    .ok_or_else(|| bad("object has no string field `prompt`"))?
+                    .to_string(),
+                _ => return Err(bad("expected a JSON string or an object with `prompt`")),
+            };
+            prompts.push(prompt);
+        }
+    }
+    if prompts.is_empty() {
+        return Err("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE.jsonl".into());
+    }
+    Ok(prompts)
+}
+
+/// Runs `moec generate`.
+pub fn run(args: &GenerateArgs) -> ExitCode {
+    match generate(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => fail(message),
+    }
+}
+
+fn generate(args: &GenerateArgs) -> Result<(), String> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(format!(
+            "--temperature must be >= 0 (got {})",
+            args.temperature
+        ));
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        return Err(format!("--top-p must be in (0, 1] (got {})", args.top_p));
+    }
+    let prompts = read_prompts(args)?;
+    let source = ModelSource {
+        card: args.model.clone(),
+        weights: args.weights.clone(),
+    };
+    let model = load_model(&source).map_err(|e| e.to_string())?;
+    let oracle = Oracle::new(&model.checkpoint).map_err(|e| e.to_string())?;
+    let ids = prompts
+        .iter()
+        .map(|p| model.tokenizer.encode(p))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let vocab = model.checkpoint.card().vocab;
+    for (i, p) in ids.iter().enumerate() {
+        if let Some(bad) = p.iter().find(|&&id| id as u64 >= vocab) {
+            return Err(format!(
+                "prompt {i}: token id {bad} from tokenizer {} is outside the checkpoint's vocabulary of {vocab}; put the model's own tokenizer.json in the weights folder",
+                model.tokenizer.origin()
+            ));
+        }
+    }
+    let sampling = if args.temperature == 0.0 {
+        Sampling::Greedy
+    } else {
+        Sampling::Temperature {
+            temperature: args.temperature,
+            top_p: args.top_p,
+        }
+    };
+    let options = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        seed: args.seed,
+        stop_at_eos: true,
+    };
+    let start = std::time::Instant::now();
+    let outputs = oracle.generate(&ids, &options).map_err(|e| e.to_string())?;
+    let seconds = start.elapsed().as_secs_f64();
+    let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+    let generated_tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
+    let tokens_per_s = if seconds > 0.0 {
+        generated_tokens as f64 / seconds
+    } else {
+        0.0
+    };
+    let texts = outputs
+        .iter()
+        .zip(&ids)
+        .map(|(o, p)| model.tokenizer.decode_continuation(p, &o.token_ids))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    if args.json {
+        let outs: Vec<serde_json::Value> = outputs
+            .iter()
+            .zip(&prompts)
+            .zip(&texts)
+            .map(|((o, p), t)| {
+                serde_json::json!({"prompt": p, "token_ids": o.token_ids, "text": t, "logprobs": o.logprobs})
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "outputs": outs,
+            "stats": {
+                "prompt_tokens": prompt_tokens,
+                "generated_tokens": generated_tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens_per_s,
+            }
+        });
+        println!("{doc}");
+    } else {
+        for (p, t) in prompts.iter().zip(&texts) {
+            println!("{p}{t}");
+        }
+        let card = model.checkpoint.card();
+        let origin = if model.synthetic {
+            "synthetic weights"
+        } else {
+            "weights"
+        };
+        println!(
+            "{generated_tokens} tokens in {seconds:.3} s: {tokens_per_s:.1} tokens/s ({} prompt tokens; {} from {origin} at {})",
+            prompt_tokens,
+            card.name,
+            model.checkpoint.dir().display()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,517 @@
+//! `moec run SCHED`: compile, check, lower and execute a schedule as real inference on the
+//! CPU backend, with a progress bar and a report at the end.
+//!
+//! Takes a schedule, a model source, prompts (`--prompt`, `--prompts FILE.jsonl` or
+//! `--workload SPEC`) and backend flags; prints the continuations and the report
+//! (tokens/s, per-stream busy share, decode step vs critical path and vs the HRM
+//! prediction, memory per space vs budget), or with `--json` one object with `outputs[]`,
+//! `stats` (as `moec generate`) and `report`. `--trace FILE` writes the Chrome/Perfetto
+//! timeline. Errors render with miette (with the schedule's source span when there is
+//! one) and exit 1.
+
+use super::generate::fail;
+use crate::compile::{compile, Options};
+use crate::cost::hardware::HardwareProfile;
+use crate::cost::predict::{predict, CostSettings};
+use crate::cost::probe::{measure, profile_from_measurements};
+use crate::diag;
+use crate::ir::{TaskId, Workload};
+use crate::lower::{lower, ExecPlan, LowerOptions};
+use crate::model::card::ModelCard;
+use crate::model::source::{load_model, ModelSource};
+use crate::model::Sampling;
+use crate::runtime::cpu::MemoryOptions;
+use crate::runtime::report::{summarize, timeline, RunReport};
+use crate::runtime::workload::WorkloadSpec;
+use crate::runtime::{generate, RunError, RunOptions, RunStats};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// Arguments of `moec run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// The `.sched` file.
+    pub sched: PathBuf,
+    /// Model card (built-in name or .ron path); default mixtral-tiny when --weights is absent.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Hugging Face checkpoint folder (config.json + safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub weights: Option<PathBuf>,
+    /// A prompt (repeat for several).
+    #[arg(long = "prompt", value_name = "TEXT")]
+    pub prompts: Vec<String>,
+    /// JSON-lines file of prompts: `{"prompt": "..."}` or a JSON string per line.
+    #[arg(long = "prompts", value_name = "FILE.jsonl")]
+    pub prompts_file: Option<PathBuf>,
+    /// Synthetic prompts: `mtbench[:COUNT]` or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`.
+    #[arg(long, value_name = "SPEC")]
+    pub workload: Option<String>,
+    /// Tokens to generate per prompt at most.
+    #[arg(long, default_value_t = 32)]
+    pub gen_len: usize,
+    /// Override a schedule param: `--set n_ub=8` (repeatable).
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub sets: Vec<String>,
+    /// Threads of each compute pool (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Write the measured Chrome/Perfetto trace here.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Emulated host<->GPU link bandwidth, GB/s (copy streams are throttled to it).
+    #[arg(long, value_name = "GBPS")]
+    pub link_gbps: Option<f64>,
+    /// Device memory for the `gpu` arena, e.g. `64MB` (default: the profile's).
+    #[arg(long, value_name = "BYTES")]
+    pub gpu_mem: Option<String>,
+    /// Hardware profile for the HRM prediction (name or .ron path); default: measure this
+    /// machine quickly.
+    #[arg(long, value_name = "PROFILE")]
+    pub hw: Option<String>,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Seconds without progress before a stalled plan is an error.
+    #[arg(long, default_value_t = 60.0)]
+    pub watchdog: f64,
+    /// Test hook: fail task number N on its M-th run (`N` or `N:M`).
+    #[arg(long, hide = true, value_name = "N[:M]")]
+    pub kill_task: Option<String>,
+}
+
+/// Everything a finished run produced (shared with `moec ablate`).
+#[derive(Debug)]
+pub struct Finished {
+    /// The lowered plan.
+    pub plan: ExecPlan,
+    /// Prompt token ids.
+    pub prompt_ids: Vec<Vec<u32>>,
+    /// Generated ids per prompt.
+    pub outputs: Vec<Vec<u32>>,
+    /// Measured stats.
+    pub stats: RunStats,
+    /// The summary.
+    pub report: RunReport,
+    /// HRM seconds per decode step on the profile, if predicted.
+    pub predicted_step_seconds: Option<f64>,
+    /// HRM tokens/s on the profile, if predicted.
+    pub predicted_tokens_per_s: Option<f64>,
+    /// Profile used for the prediction.
+    pub profile: Option<HardwareProfile>,
+}
+
+/// A failure ready to print.
+pub enum Failure {
+    /// Rendered diagnostics (schedule errors with spans).
+    Rendered(String),
+    /// A one-line message.
+    Message(String),
+}
+
+fn parse_kill(text: &str) -> Result<(u32, u32), String> {
+    let (t, n) = text.split_once(':').unwrap_or((text, "1"));
+    let bad = || format!("--kill-task `{text}`: expected N or N:M");
+    Ok((
+        t.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    ))
+}
+
+fn read_prompt_file(path: &Path) -> Result<Vec<String>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let bad = |m: &str| format!("{}:{}: {m}", path.display(), i + 1);
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
+        match &value {
+            serde_json::Value::String(s) => prompts.push(s.clone()),
+            serde_json::Value::Object(o) => match o.get("prompt").and_then(|p| p.as_str()) {
+                Some(p) => prompts.push(p.to_string()),
+                None => return Err(bad("object has no string field `prompt`")),
+            },
+            _ => return Err(bad("expected a JSON string or an object with `prompt`")),
+        }
+    }
+    Ok(prompts)
+}
+
+/// Compiles, lowers and runs; `progress` sees (tokens done, tokens at most).
+pub fn execute(
+    args: &RunArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Finished, Vec<(String, String)>), Failure> {
+    let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
+    let name = args.sched.display().to_string();
+    let source = std::fs::read_to_string(&args.sched)
+        .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
+    let model = load_model(&ModelSource {
+        card: args.model.clone(),
+        weights: args.weights.clone(),
+    })
+    .map_err(|e| msg(&e))?;
+    let card: ModelCard = model.checkpoint.card().clone();
+    let mut texts = args.prompts.clone();
+    if let Some(path) = &args.prompts_file {
+        texts.extend(read_prompt_file(path).map_err(Failure::Message)?);
+    }
+    let mut gen_len = args.gen_len;
+    let mut prompt_ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| model.tokenizer.encode(t))
+        .collect::<Result<_, _>>()
+        .map_err(|e| msg(&e))?;
+    if let Some(spec) = &args.workload {
+        let spec = WorkloadSpec::parse(spec).map_err(|e| msg(&e))?;
+        gen_len = spec.gen_len.unwrap_or(gen_len);
+        let synthetic = spec.prompts(card.vocab as u32);
+        texts.extend(
+            synthetic
+                .iter()
+                .map(|p| format!("<{} synthetic tokens>", p.len())),
+        );
+        prompt_ids.extend(synthetic);
+    }
+    if prompt_ids.is_empty() {
+        return Err(Failure::Message(
+            "no prompts: pass --prompt TEXT (repeatable), --prompts FILE.jsonl or --workload SPEC"
+                .into(),
+        ));
+    }
+    if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
+        p.iter()
+            .find(|&&id| u64::from(id) >= card.vocab)
+            .map(|b| (i, b))
+    }) {
+        return Err(Failure::Message(format!(
+            "prompt {i}: token id {bad} is outside the checkpoint's vocabulary of {}",
+            card.vocab
+        )));
+    }
+    let mut options = Options::new(card.clone());
+    options.workload = Workload {
+        batch: prompt_ids.len() as u64,
+        prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
+        gen_len: gen_len as u64,
+    };
+    for set in &args.sets {
+        match set.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => options
+                .sets
+                .push((k.trim().to_string(), v.trim().to_string())),
+            _ => {
+                return Err(Failure::Message(format!(
+                    "--set `{set}`: expected NAME=VALUE"
+                )))
+            }
+        }
+    }
+    let compiled = compile(&source, &options).map_err(|diags| {
+        let errors = diags.iter().filter(|d| d.is_error()).count();
+        let mut text = diag::render_all(&diags, &name, &source);
+        text.push_str(&format!(
+            "\n{name}: {errors} error(s); the schedule was rejected\n"
+        ));
+        Failure::Rendered(text)
+    })?;
+    let profile = match &args.hw {
+        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| msg(&e))?),
+        None => measure(32 << 20, args.threads.unwrap_or(2).max(1))
+            .ok()
+            .map(|m| profile_from_measurements("this-machine", &m)),
+    };
+    let profile = profile.map(|mut p| {
+        if let Some(gbps) = args.link_gbps {
+            p.links.host_to_gpu_gb_s = gbps;
+            p.links.gpu_to_host_gb_s = gbps;
+            p.links.pageable_to_gpu_gb_s = gbps;
+        }
+        p
+    });
+    let gpu_capacity = match &args.gpu_mem {
+        Some(text) => Some(
+            crate::cost::budget::parse_bytes(text)
+                .map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))? as u64,
+        ),
+        None => None,
+    };
+    let lower_options = LowerOptions {
+        gpu_capacity,
+        ..LowerOptions::default()
+    };
+    let plan =
+        lower(&compiled.program, &compiled.info, &lower_options).map_err(|e| match e.span() {
+            Some(span) => {
+                Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
+            }
+            None => msg(&e),
+        })?;
+    let mut run = RunOptions::greedy(gen_len);
+    run.sampling = if args.temperature > 0.0 {
+        Sampling::Temperature {
+            temperature: args.temperature,
+            top_p: 1.0,
+        }
+    } else {
+        Sampling::Greedy
+    };
+    run.seed = args.seed;
+    if let Some(t) = args.threads {
+        run.threads = t.max(1);
+    }
+    run.memory = MemoryOptions {
+        link_gbps: args.link_gbps,
+        gpu_capacity,
+    };
+    run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
+    run.kill_task = args
+        .kill_task
+        .as_deref()
+        .map(parse_kill)
+        .transpose()
+        .map_err(Failure::Message)?;
+    let (outputs, stats) = generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+        .map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
+            Some(span) => {
+                Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
+            }
+            None => msg(&e),
+        })?;
+    let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
+    let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
+    let report = summarize(&plan, &stats, prompt_tokens, generated);
+    let (mut predicted_step_seconds, mut predicted_tokens_per_s) = (None, None);
+    if let Some(p) = &profile {
+        let deps: Vec<Vec<TaskId>> = plan.preds.clone();
+        if let Ok(pred) = predict(&compiled.program, &deps, p, &CostSettings::default()) {
+            predicted_step_seconds = pred.step_seconds;
+            predicted_tokens_per_s = pred.tokens_per_s;
+        }
+    }
+    let outputs: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    let texts_out = outputs
+        .iter()
+        .zip(&prompt_ids)
+        .map(|(o, p)| {
+            model
+                .tokenizer
+                .decode_continuation(p, o)
+                .unwrap_or_default()
+        })
+        .collect::<Vec<_>>();
+    let texts = texts.into_iter().zip(texts_out).collect();
+    Ok((
+        Finished {
+            plan,
+            prompt_ids,
+            outputs,
+            stats,
+            report,
+            predicted_step_seconds,
+            predicted_tokens_per_s,
+            profile,
+        },
+        texts,
+    ))
+}
+
+fn render_span_error(
+    message: &str,
+    span: crate::syntax::ast::Span,
+    name: &str,
+    source: &str,
+) -> String {
+    let report = miette::miette!(
+        labels = vec![miette::LabeledSpan::at(
+            span.start as usize..span.end as usize,
+            "this task"
+        )],
+        "{message}"
+    )
+    .with_source_code(miette::NamedSource::new(name, source.to_string()));
+    let handler =
+        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor());
+    let mut out = String::new();
+    if handler.render_report(&mut out, report.as_ref()).is_err() {
+        out = format!("error: {message}\n");
+    }
+    out
+}
+
+fn human(bytes: u64) -> String {
+    crate::ir::emit::human_bytes(bytes)
+}
+
+/// The report as text.
+pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
+    use std::fmt::Write as _;
+    let r = &f.report;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} tokens in {:.3} s: {:.1} tokens/s overall; prefill {:.1} tokens/s ({} prompt tokens); decode {:.1} tokens/s ({} steps)",
+        r.generated_tokens, r.seconds, r.tokens_per_s, r.prefill_tokens_per_s, r.prompt_tokens, r.decode_tokens_per_s, r.decode_steps
+    );
+    let _ = writeln!(
+        out,
+        "decode step: {:.2} ms measured, critical path of its measured tasks {:.2} ms (ratio {:.3})",
+        r.decode_step_seconds * 1e3,
+        r.decode_critical_path_seconds * 1e3,
+        r.makespan_over_critical_path
+    );
+    match (f.predicted_step_seconds, &f.profile) {
+        (Some(p), Some(profile)) => {
+            let _ = writeln!(
+                out,
+                "HRM prediction on `{}`: {:.2} ms per decode step (measured / predicted = {:.2}), {:.1} tokens/s",
+                profile.name,
+                p * 1e3,
+                r.decode_step_seconds / p.max(1e-12),
+                f.predicted_tokens_per_s.unwrap_or(0.0)
+            );
+        }
+        _ => {
+            let _ = writeln!(out, "HRM prediction: unavailable (pass --hw PROFILE)");
+        }
+    }
+    let _ = writeln!(out, "busy share per stream (decode steps):");
+    for s in &r.streams {
+        let _ = writeln!(
+            out,
+            "  {:<10} {:<13} {:>6.1}%  ({:.3} s)",
+            s.stream,
+            s.engine,
+            s.share * 100.0,
+            s.busy_seconds
+        );
+    }
+    let [gpu, pinned, host] = f.stats.arena_bytes;
+    let gpu_budget = gpu_capacity
+        .map(human)
+        .or_else(|| {
+            f.profile
+                .as_ref()
+                .map(|p| format!("{} ({})", human((p.gpu.mem_gb * 1e9) as u64), p.name))
+        })
+        .unwrap_or_else(|| "unlimited".into());
+    let _ = writeln!(out, "memory (arenas are allocated once; peak = size):");
+    let _ = writeln!(out, "  gpu     {:>10}  budget {gpu_budget}", human(gpu));
+    let locked = if f.stats.pinned_locked || pinned == 0 {
+        "page-locked".to_string()
+    } else {
+        "NOT page-locked: the OS refused mlock (raise RLIMIT_MEMLOCK); copies still run".to_string()
+    };
+    let _ = writeln!(out, "  pinned  {:>10}  {locked}", human(pinned));
+    let _ = writeln!(
+        out,
+        "  host    {:>10}  + weights image {} (pageable)",
+        human(host),
+        human(f.stats.image_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "tasks: {} run, {} skipped by guards",
+        r.tasks_run, r.tasks_skipped
+    );
+    out
+}
+
+/// The `--json` document.
+pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Value {
+    let outs: Vec<serde_json::Value> = f
+        .outputs
+        .iter()
+        .zip(texts)
+        .map(|(ids, (prompt, text))| serde_json::json!({"prompt": prompt, "token_ids": ids, "text": text}))
+        .collect();
+    serde_json::json!({
+        "outputs": outs,
+        "stats": {
+            "prompt_tokens": f.report.prompt_tokens,
+            "generated_tokens": f.report.generated_tokens,
+            "seconds": f.report.seconds,
+            "tokens_per_s": f.report.tokens_per_s,
+        },
+        "report": f.report,
+        "predicted": {
+            "profile": f.profile.as_ref().map(|p| p.name.clone()),
+            "decode_step_seconds": f.predicted_step_seconds,
+            "tokens_per_s": f.predicted_tokens_per_s,
+        },
+        "memory": {
+            "gpu_bytes": f.stats.arena_bytes[0],
+            "pinned_bytes": f.stats.arena_bytes[1],
+            "host_bytes": f.stats.arena_bytes[2],
+            "weights_image_bytes": f.stats.image_bytes,
+            "pinned_locked": f.stats.pinned_locked,
+        }
+    })
+}
+
+/// Writes `text` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
+    let tmp = path.with_extension("tmp-moec");
+    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Runs `moec run`.
+pub fn run(args: &RunArgs) -> ExitCode {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} {msg} [{bar:30}] {pos}/{len} tokens ({per_sec})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(args.sched.display().to_string());
+    let mut progress = |done: usize, total: usize| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    };
+    let result = execute(args, &mut progress);
+    bar.finish_and_clear();
+    let (finished, texts) = match result {
+        Ok(x) => x,
+        Err(Failure::Rendered(text)) => {
+            eprint!("{text}");
+            return ExitCode::from(1);
+        }
+        Err(Failure::Message(m)) => return fail(m),
+    };
+    if let Some(path) = &args.trace {
+        let title = format!(
+            "measured: {} on {}",
+            finished.plan.name, finished.plan.program.model.name
+        );
+        let trace = timeline(&finished.plan, &finished.stats, &title).to_chrome_trace();
+        if let Err(e) = write_atomic(path, &trace.to_string()) {
+            return fail(e);
+        }
+    }
+    let gpu_capacity = args
+        .gpu_mem
+        .as_deref()
+        .and_then(|t| crate::cost::budget::parse_bytes(t).ok())
+        .map(|b| b as u64);
+    if args.json {
+        println!("{}", report_json(&finished, &texts));
+    } else {
+        for (prompt, continuation) in &texts {
+            println!("{prompt}{continuation}");
+        }
+        print!("{}", report_text(&finished, gpu_capacity));
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,399 @@
+//! `moec simulate SCHED --model CARD --hw PROFILE [--set k=v]...`: predicted time per step,
+//! tokens/s, busy share per stream and resource, analytical bounds and the memory table;
+//! `--timeline out.svg` (Gantt), `--trace out.json` (Chrome/Perfetto), `--json`.
+
+use crate::cost::budget::{budget_table, parse_bytes, BudgetOverrides, BudgetTable};
+use crate::cost::hardware::HardwareProfile;
+use crate::cost::predict::{predict, CostSettings, DecodeContext, Prediction};
+use crate::cost::workloads;
+use crate::elaborate::Options;
+use crate::ir::{Program, TaskId, Workload};
+use crate::model::card::ModelCard;
+use clap::Args;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// Schedule, model, hardware and workload flags shared by `simulate` and `plan`.
+#[derive(Debug, Args, Clone)]
+pub struct CostTarget {
+    /// The schedule (`.sched` file).
+    pub schedule: PathBuf,
+    /// Model card: built-in name or `.ron` path.
+    #[arg(long, default_value = "mixtral-tiny")]
+    pub model: String,
+    /// Hardware profile: built-in name (see `moec hw`) or `.ron` path.
+    #[arg(long, default_value = "t4")]
+    pub hw: String,
+    /// Override a schedule param: `--set ubs=32` (repeatable).
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub sets: Vec<String>,
+    /// A paper workload (sets prompt and generation length): mtbench-32, mtbench-64,
+    /// mtbench-128, mtbench-256, synthetic-reasoning, summarization.
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Sequences in the batch (the `batch` symbol).
+    #[arg(long)]
+    pub batch: Option<u64>,
+    /// Prompt tokens per sequence.
+    #[arg(long)]
+    pub prompt_len: Option<u64>,
+    /// Generated tokens per sequence.
+    #[arg(long)]
+    pub gen_len: Option<u64>,
+    /// GPU memory budget (e.g. 16GB), instead of the profile's.
+    #[arg(long)]
+    pub gpu_mem: Option<String>,
+    /// Host memory budget (e.g. 192GB), instead of the profile's.
+    #[arg(long)]
+    pub host_mem: Option<String>,
+    /// Bytes per activation and KV element: 4 (f32, what the runtime computes in) or 2
+    /// (fp16/bf16, what the papers' systems use; pass it to compare with their numbers).
+    #[arg(long, default_value_t = crate::ir::catalog::ACT_BYTES)]
+    pub act_bytes: u64,
+    /// Context decode attention assumes: `average` (prompt + gen/2) or `worst`.
+    #[arg(long, default_value = "average")]
+    pub context: String,
+}
+
+/// Arguments of `moec simulate`.
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    target: CostTarget,
+    /// Write the repeated step's timeline as an SVG Gantt chart.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    /// Write every step's timeline as a Chrome/Perfetto trace (JSON).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Which step the Gantt chart shows: decode (default), prefill or step.
+    #[arg(long)]
+    timeline_step: Option<String>,
+    /// Zoom the Gantt chart to a time window in ms, `FROM:TO` (e.g. `0:150`).
+    #[arg(long, value_name = "FROM:TO")]
+    timeline_window: Option<String>,
+    /// Print the figures as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Everything resolved from a [`CostTarget`] except the schedule's compilation.
+pub(crate) struct Resolved {
+    pub source: String,
+    pub origin: String,
+    pub options: Options,
+    pub profile: HardwareProfile,
+    pub overrides: BudgetOverrides,
+    pub settings: CostSettings,
+}
+
+pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("{:?}", miette::Report::msg(message.to_string()));
+    ExitCode::FAILURE
+}
+
+/// Resolves model, profile, workload and budgets; errors are user-facing messages.
+pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
+    let source = std::fs::read_to_string(&target.schedule)
+        .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
+    let model = ModelCard::load(&target.model).map_err(|e| e.to_string())?;
+    let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
+    let mut workload = Workload::default();
+    if let Some(name) = &target.workload {
+        let preset = workloads::preset(name).ok_or_else(|| {
+            format!(
+                "unknown workload `{name}` (known: {})",
+                workloads::preset_names()
+            )
+        })?;
+        workload.prompt_len = preset.prompt_len;
+        workload.gen_len = preset.gen_len;
+    }
+    if let Some(batch) = target.batch {
+        workload.batch = batch;
+    }
+    if let Some(prompt_len) = target.prompt_len {
+        workload.prompt_len = prompt_len;
+    }
+    if let Some(gen_len) = target.gen_len {
+        workload.gen_len = gen_len;
+    }
+    let mut sets = Vec::new();
+    for set in &target.sets {
+        let (name, value) = set
+            .split_once('=')
+            .ok_or_else(|| format!("`--set {set}`: expected NAME=VALUE"))?;
+        sets.push((name.trim().to_string(), value.trim().to_string()));
+    }
+    let overrides = BudgetOverrides {
+        gpu_bytes: target.gpu_mem.as_deref().map(parse_bytes).transpose()?,
+        host_bytes: target.host_mem.as_deref().map(parse_bytes).transpose()?,
+    };
+    let decode_context = match target.context.as_str() {
+        "average" => DecodeContext::Average,
+        "worst" => DecodeContext::WorstCase,
+        other => {
+            return Err(format!(
+                "`--context {other}`: expected `average` or `worst`"
+            ))
+        }
+    };
+    if !matches!(target.act_bytes, 1 | 2 | 4 | 8) {
+        return Err(format!(
+            "`--act-bytes {}`: expected 1, 2, 4 or 8",
+            target.act_bytes
+        ));
+    }
+    let mut options = Options::new(model);
+    options.act_bytes = target.act_bytes;
+    options.workload = workload;
+    options.sets = sets;
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    Ok(Resolved {
+        source,
+        origin: target.schedule.display().to_string(),
+        options,
+        profile,
+        overrides,
+        settings: CostSettings { decode_context },
+    })
+}
+
+/// Compiles a schedule and returns the program with each task's predecessors, or the
+/// rendered diagnostics.
+pub(crate) fn compile_for_cost(
+    source: &str,
+    origin: &str,
+    options: &Options,
+) -> Result<(Program, Vec<Vec<TaskId>>), String> {
+    match crate::compile::compile(source, options) {
+        Ok(compiled) => {
+            let dag = &compiled.info.dag;
+            let deps = (0..compiled.program.tasks.len())
+                .map(|t| dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+                .collect();
+            Ok((compiled.program, deps))
+        }
+        Err(diagnostics) => Err(crate::diag::render_all(&diagnostics, origin, source)),
+    }
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), String> {
+    crate::cli::probe::write_atomically(path, text)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Runs `moec simulate`.
+pub fn run(args: SimulateArgs) -> ExitCode {
+    let resolved = match resolve(&args.target) {
+        Ok(r) => r,
+        Err(message) => return fail(message),
+    };
+    let (program, deps) =
+        match compile_for_cost(&resolved.source, &resolved.origin, &resolved.options) {
+            Ok(x) => x,
+            Err(rendered) => {
+                eprintln!("{rendered}");
+                return ExitCode::FAILURE;
+            }
+        };
+    let prediction = match predict(&program, &deps, &resolved.profile, &resolved.settings) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
+    if let Some(path) = &args.timeline {
+        let wanted = args.timeline_step.as_deref();
+        let step = prediction
+            .steps
+            .iter()
+            .find(|s| {
+                wanted.is_none_or(|w| s.kind == w) && (wanted.is_some() || s.kind != "prefill")
+            })
+            .or_else(|| prediction.steps.first());
+        let Some(step) = step else {
+            return fail("the schedule has no steps to draw");
+        };
+        let mut timeline = step.timeline.clone();
+        if let Some(window) = &args.timeline_window {
+            let parsed = window.split_once(':').and_then(|(a, b)| {
+                Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?))
+            });
+            match parsed {
+                Some((from, to)) if from >= 0.0 && to > from => {
+                    timeline = timeline.window(from / 1e3, to / 1e3);
+                    timeline.title = format!("{} (window {from}-{to} ms)", timeline.title);
+                }
+                _ => {
+                    return fail(format!(
+                        "`--timeline-window {window}`: expected FROM:TO in ms, FROM < TO"
+                    ))
+                }
+            }
+        }
+        if let Err(e) = write_file(path, &timeline.to_svg(1400.0)) {
+            return fail(e);
+        }
+    }
+    if let Some(path) = &args.trace {
+        let mut events = Vec::new();
+        let mut offset = 0.0;
+        for (index, step) in prediction.steps.iter().enumerate() {
+            let mut trace = step.timeline.clone();
+            for span in &mut trace.spans {
+                span.start += offset;
+                span.end += offset;
+            }
+            offset += step.seconds;
+            if let Some(list) = trace.to_chrome_trace()["traceEvents"].as_array() {
+                events.extend(
+                    list.iter()
+                        .filter(|e| index == 0 || e["ph"] == "X")
+                        .cloned(),
+                );
+            }
+        }
+        let trace = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
+        if let Err(e) = write_file(path, &serde_json::to_string(&trace).unwrap_or_default()) {
+            return fail(e);
+        }
+    }
+    if args.json {
+        let value = serde_json::json!({
+            "schedule": program.name,
+            "model": program.model.name,
+            "hardware": resolved.profile.name,
+            "workload": program.workload,
+            "params": program.params.iter().map(|p| (p.name.clone(), p.value.to_string())).collect::<std::collections::BTreeMap<_, _>>(),
+            "tokens_per_s": prediction.tokens_per_s,
+            "decode_tokens_per_s": prediction.decode_tokens_per_s,
+            "step_seconds": prediction.step_seconds,
+            "engine_busy": prediction.repeated_step.map(|i| prediction.steps[i].resource_busy.clone()),
+            "peak_bytes": { "gpu": table.peak("gpu"), "pinned": table.peak("pinned"), "host": table.peak("host") },
+            "fits": table.fits(),
+            "prediction": prediction,
+            "memory": table,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
+    } else {
+        print_report(&program, &resolved, &prediction, &table);
+    }
+    ExitCode::SUCCESS
+}
+
+fn pct(x: f64) -> String {
+    format!("{:>5.1}%", x * 100.0)
+}
+
+fn print_report(
+    program: &Program,
+    resolved: &Resolved,
+    prediction: &Prediction,
+    table: &BudgetTable,
+) {
+    let params = program
+        .params
+        .iter()
+        .map(|p| format!("{}={}", p.name, p.value))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let w = program.workload;
+    println!(
+        "{} on {} ({}), {params}; {} sequences, prompt {} + gen {} (decode context {})",
+        program.name,
+        resolved.profile.name,
+        program.model.name,
+        prediction.sequences,
+        w.prompt_len,
+        w.gen_len,
+        prediction.decode_context
+    );
+    println!("  step      tasks        time");
+    for step in &prediction.steps {
+        println!(
+            "  {:<8} {:>6} {:>11}",
+            step.kind,
+            step.tasks,
+            seconds(step.seconds)
+        );
+    }
+    match (prediction.decode_tokens_per_s, prediction.tokens_per_s) {
+        (Some(decode), Some(total)) => println!(
+            "throughput: decode {decode:.2} tokens/s; generation {total:.2} tokens/s ({} x {} tokens over prefill + {} steps)",
+            prediction.sequences, w.gen_len, w.gen_len
+        ),
+        _ => println!("throughput: the schedule has no decode step"),
+    }
+    if let Some(step) = prediction.repeated_step.map(|i| &prediction.steps[i]) {
+        println!("busy share over the {} step:", step.kind);
+        for stream in &program.streams {
+            let busy = step.stream_busy.get(&stream.name).copied().unwrap_or(0.0);
+            println!(
+                "  stream {:<10} {:<13} {}",
+                stream.name,
+                stream.engine.as_str(),
+                pct(busy)
+            );
+        }
+        for (resource, busy) in &step.resource_busy {
+            println!("  resource {:<20} {}", resource, pct(*busy));
+        }
+        println!(
+            "task time per kind over the {} step (sum over tasks, binding roof):",
+            step.kind
+        );
+        let mut ops: Vec<_> = step.op_seconds.iter().collect();
+        ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        for (op, (total, roof)) in ops {
+            println!("  {:<36} {:>11}  {}", op, seconds(*total), roof);
+        }
+    }
+    if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s)
+    {
+        println!(
+            "bound, MoE-Lightning eq. 12 per layer: comm {} (d2h {}), cpu {}, gpu {} -> T = {} ({}) = {tps:.2} decode tokens/s",
+            seconds(bound.comm_seconds),
+            seconds(bound.comm_out_seconds),
+            seconds(bound.cpu_seconds),
+            seconds(bound.gpu_seconds),
+            seconds(bound.layer_seconds),
+            bound.bottleneck
+        );
+        if let Some(decode) = prediction.decode_tokens_per_s {
+            println!(
+                "  simulated decode reaches {:.1}% of it",
+                decode / tps * 100.0
+            );
+        }
+    }
+    if let Some(stage1) = prediction.stage1 {
+        println!(
+            "bound, MoE-Lens stage 1 (eq. 3-4): PME {:.5}, delta {} per pass -> min({:.1}, T_GPU {:.1}) = {:.1} tokens/s ({})",
+            stage1.pme,
+            seconds(stage1.delta_seconds),
+            stage1.memory_bound_tokens_per_s,
+            stage1.gpu_bound_tokens_per_s,
+            stage1.tokens_per_s,
+            stage1.bottleneck
+        );
+    }
+    println!("memory:");
+    print!("{table}");
+}
+
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.3} us", s * 1e6)
+    }
+}

@@ -1,0 +1,417 @@
+//! Memory budgets: peak bytes per memory space over the whole run, against a profile.
+//!
+//! Takes a [`Program`] and a [`HardwareProfile`] (or explicit `--gpu-mem` / `--host-mem`
+//! overrides); gives a [`BudgetTable`]: for each space, what occupies it (grouped by
+//! declared array, with its class and element count), the peak, the budget, and by how
+//! much it is over. Buffers are allocated for the whole run, so the peak is their sum;
+//! KV caches are sized by the schedule for the worst case (prompt + full generation), so
+//! their line is the cache at the end of generation. The host space holds the pageable
+//! buffers, the pinned buffers (page-locked host DRAM) and the memory-mapped checkpoint,
+//! which must stay resident for the streamed weights to be read at DRAM speed; pinned
+//! buffers are also checked against the profile's page-lock limit.
+//! Guarantees: every byte of every declared buffer is counted exactly once per space it
+//! occupies, and the table's totals are the sums of its lines.
+
+use super::hardware::{HardwareProfile, Level, GB};
+use super::predict::buffer_classes;
+use crate::ir::catalog;
+use crate::ir::{BufferKind, Engine, Program, Space, TaskId};
+use crate::syntax::ast::StepKind;
+use serde::Serialize;
+use std::fmt;
+
+/// Explicit budgets that replace the profile's (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct BudgetOverrides {
+    /// `--gpu-mem`: bytes of GPU memory the schedule may use.
+    pub gpu_bytes: Option<f64>,
+    /// `--host-mem`: bytes of host DRAM (pageable + pinned + checkpoint).
+    pub host_bytes: Option<f64>,
+}
+
+/// One group of buffers in a space.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BudgetLine {
+    /// `gpu`, `pinned` (counted in host too) or `host`.
+    pub space: &'static str,
+    /// Array name (`w_gpu`, `kv`) or `W (checkpoint, memory-mapped)`.
+    pub what: String,
+    /// weights, kv cache or activations.
+    pub class: &'static str,
+    /// Buffers in the group (array elements).
+    pub buffers: usize,
+    /// Bytes of the group.
+    pub bytes: u64,
+}
+
+/// Use against budget of one space.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SpaceUse {
+    /// `gpu`, `pinned` or `host`.
+    pub space: &'static str,
+    /// Peak bytes.
+    pub peak: u64,
+    /// Budget bytes.
+    pub budget: f64,
+    /// Where the budget came from (`t4: 16 GB x 0.86 usable` or `--gpu-mem`).
+    pub budget_source: String,
+}
+
+impl SpaceUse {
+    /// Bytes over budget (0 when it fits).
+    pub fn over(&self) -> f64 {
+        (self.peak as f64 - self.budget).max(0.0)
+    }
+}
+
+/// What occupies each space, and whether it fits.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BudgetTable {
+    /// Groups of buffers, by space then size (largest first).
+    pub lines: Vec<BudgetLine>,
+    /// Per space: gpu, pinned, host.
+    pub spaces: Vec<SpaceUse>,
+}
+
+impl BudgetTable {
+    /// True when every space is within budget.
+    pub fn fits(&self) -> bool {
+        self.spaces.iter().all(|s| s.over() == 0.0)
+    }
+
+    /// Peak bytes of a space.
+    pub fn peak(&self, space: &str) -> u64 {
+        self.spaces
+            .iter()
+            .find(|s| s.space == space)
+            .map_or(0, |s| s.peak)
+    }
+}
+
+/// Over budget: the table says what occupies the space and by how much it is over.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+#[error("schedule `{schedule}` does not fit in memory: {summary}\n{table}")]
+pub struct BudgetError {
+    /// The schedule.
+    pub schedule: String,
+    /// `gpu over by 3.2 GB (19.0 GB used of 13.8 GB)`; one clause per space over.
+    pub summary: String,
+    /// The full table.
+    pub table: BudgetTable,
+}
+
+fn gb(bytes: f64) -> String {
+    if bytes.is_infinite() {
+        "unlimited".to_string()
+    } else if bytes.abs() < 1e3 {
+        format!("{bytes:.0} B")
+    } else if bytes.abs() >= 1e9 {
+        format!("{:.2} GB", bytes / GB)
+    } else if bytes.abs() >= 1e6 {
+        format!("{:.2} MB", bytes / 1e6)
+    } else {
+        format!("{:.1} kB", bytes / 1e3)
+    }
+}
+
+impl fmt::Display for BudgetTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let width = self
+            .lines
+            .iter()
+            .map(|l| l.what.len())
+            .max()
+            .unwrap_or(6)
+            .max(6);
+        writeln!(
+            f,
+            "  {:<7} {:<width$} {:<12} {:>5} {:>12}",
+            "space", "buffer", "class", "count", "bytes"
+        )?;
+        for line in &self.lines {
+            writeln!(
+                f,
+                "  {:<7} {:<width$} {:<12} {:>5} {:>12}",
+                line.space,
+                line.what,
+                line.class,
+                line.buffers,
+                gb(line.bytes as f64)
+            )?;
+        }
+        for space in &self.spaces {
+            let verdict = if space.over() > 0.0 {
+                format!("OVER by {}", gb(space.over()))
+            } else {
+                format!("ok, {} free", gb(space.budget - space.peak as f64))
+            };
+            writeln!(
+                f,
+                "  {:<7} peak {:>10} of {:>10} ({})  {verdict}",
+                space.space,
+                gb(space.peak as f64),
+                gb(space.budget),
+                space.budget_source
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of the checkpoint that must stay resident: the union of the byte ranges tasks
+/// read after the `setup` step. A memory-mapped file is paged in on demand and pages only
+/// read while setting up (weights copied to a pinned or GPU home) can be evicted by the OS
+/// afterwards, so they do not count against the host.
+fn checkpoint_resident_bytes(program: &Program) -> u64 {
+    let mut ranges: Vec<(u64, u64)> = program
+        .steps
+        .iter()
+        .filter(|s| s.kind != StepKind::Setup)
+        .flat_map(|step| step.task_ids())
+        .flat_map(|id| program.task(id).args.iter())
+        .filter(|a| a.slice.buffer.index() == 0 && a.access.reads())
+        .map(|a| (a.slice.start, a.slice.end()))
+        .collect();
+    ranges.sort_unstable();
+    let mut total = 0;
+    let mut covered_to = 0;
+    for (start, end) in ranges {
+        let start = start.max(covered_to);
+        if end > start {
+            total += end - start;
+            covered_to = end;
+        }
+    }
+    total
+}
+
+/// The largest scratch space one task needs beyond its arguments (gate/up intermediates of
+/// experts, attention score blocks), per space its engine computes in.
+fn workspace_lines(program: &Program) -> Vec<BudgetLine> {
+    let mut best: [(u64, Option<TaskId>); 2] = [(0, None), (0, None)];
+    for (index, task) in program.tasks.iter().enumerate() {
+        let slot = match program.stream(task.stream).engine {
+            Engine::GpuCompute => 0,
+            Engine::CpuCompute => 1,
+            _ => continue,
+        };
+        let bytes = catalog::workspace_bytes(&task.op, &program.model, &task.shape);
+        if bytes > best[slot].0 {
+            best[slot] = (bytes, Some(TaskId::new(index)));
+        }
+    }
+    best.iter()
+        .zip(["gpu", "host"])
+        .filter_map(|(&(bytes, task), space)| {
+            let task = task?;
+            Some(BudgetLine {
+                space,
+                what: format!("op workspace (max: {})", program.task_name(task)),
+                class: "activations",
+                buffers: 1,
+                bytes,
+            })
+        })
+        .collect()
+}
+
+/// Builds the table of what occupies each space. Without a profile, spaces without an
+/// override have no limit.
+pub fn budget_table(
+    program: &Program,
+    profile: Option<&HardwareProfile>,
+    overrides: &BudgetOverrides,
+) -> BudgetTable {
+    let classes = buffer_classes(program);
+    let checkpoint_resident = checkpoint_resident_bytes(program);
+    let mut lines: Vec<BudgetLine> = Vec::new();
+    for (index, buffer) in program.buffers.iter().enumerate() {
+        let (space, what, bytes) = match buffer.kind {
+            BufferKind::Checkpoint => (
+                "host",
+                format!(
+                    "{} (checkpoint mmap, resident part of {})",
+                    buffer.name,
+                    gb(buffer.bytes as f64)
+                ),
+                checkpoint_resident,
+            ),
+            BufferKind::Declared => (buffer.space.as_str(), buffer.array.clone(), buffer.bytes),
+        };
+        let class = classes[index].name();
+        match lines
+            .iter_mut()
+            .find(|l| l.space == space && l.what == what)
+        {
+            Some(line) => {
+                line.buffers += 1;
+                line.bytes += bytes;
+            }
+            None => lines.push(BudgetLine {
+                space,
+                what,
+                class,
+                buffers: 1,
+                bytes,
+            }),
+        }
+    }
+    lines.extend(workspace_lines(program));
+    let order = |s: &str| match s {
+        "gpu" => 0,
+        "pinned" => 1,
+        _ => 2,
+    };
+    lines.sort_by(|a, b| {
+        order(a.space)
+            .cmp(&order(b.space))
+            .then(b.bytes.cmp(&a.bytes))
+    });
+    let sum = |space: &str| -> u64 {
+        lines
+            .iter()
+            .filter(|l| l.space == space)
+            .map(|l| l.bytes)
+            .sum()
+    };
+    let gpu_peak = sum(Space::Gpu.as_str());
+    let pinned_peak = sum(Space::Pinned.as_str());
+    let host_peak = sum(Space::Host.as_str()) + pinned_peak;
+    let from_profile = |level: Level| -> (f64, String) {
+        match profile {
+            Some(profile) => {
+                let fraction = match level {
+                    Level::Gpu => profile.gpu.usable_fraction,
+                    _ => profile.cpu.usable_fraction,
+                };
+                (
+                    profile.budget_bytes(level),
+                    format!(
+                        "{}: {} x {} usable",
+                        profile.name,
+                        gb(profile.capacity_bytes(level)),
+                        fraction
+                    ),
+                )
+            }
+            None => (f64::INFINITY, "no limit without --hw".to_string()),
+        }
+    };
+    let (gpu_budget, gpu_source) = match overrides.gpu_bytes {
+        Some(bytes) => (bytes, "--gpu-mem".to_string()),
+        None => from_profile(Level::Gpu),
+    };
+    let (host_budget, host_source) = match overrides.host_bytes {
+        Some(bytes) => (bytes, "--host-mem".to_string()),
+        None => from_profile(Level::Host),
+    };
+    let (pinned_budget, pinned_source) = match (overrides.host_bytes, profile) {
+        (Some(bytes), Some(profile)) => (
+            bytes.min(profile.capacity_bytes(Level::Pinned)),
+            "--host-mem, within the profile's page-lock limit".to_string(),
+        ),
+        (Some(bytes), None) => (bytes, "--host-mem".to_string()),
+        (None, _) => from_profile(Level::Pinned),
+    };
+    let spaces = vec![
+        SpaceUse {
+            space: "gpu",
+            peak: gpu_peak,
+            budget: gpu_budget,
+            budget_source: gpu_source,
+        },
+        SpaceUse {
+            space: "pinned",
+            peak: pinned_peak,
+            budget: pinned_budget,
+            budget_source: pinned_source,
+        },
+        SpaceUse {
+            space: "host",
+            peak: host_peak,
+            budget: host_budget,
+            budget_source: format!("{host_source}; includes pinned"),
+        },
+    ];
+    BudgetTable { lines, spaces }
+}
+
+/// The table if the program fits, else a [`BudgetError`] carrying it. This is the hook
+/// `moec check` calls.
+pub fn check_budget(
+    program: &Program,
+    profile: Option<&HardwareProfile>,
+    overrides: &BudgetOverrides,
+) -> Result<BudgetTable, BudgetError> {
+    let table = budget_table(program, profile, overrides);
+    if table.fits() {
+        return Ok(table);
+    }
+    let summary = table
+        .spaces
+        .iter()
+        .filter(|s| s.over() > 0.0)
+        .map(|s| {
+            format!(
+                "{} over by {} ({} used of {})",
+                s.space,
+                gb(s.over()),
+                gb(s.peak as f64),
+                gb(s.budget)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    Err(BudgetError {
+        schedule: program.name.clone(),
+        summary,
+        table,
+    })
+}
+
+/// Parses `16GB`, `1.5 GiB`, `512MB`, `2e9` (bytes) into bytes.
+pub fn parse_bytes(text: &str) -> Result<f64, String> {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (try 16GB, 1.5GiB, 512MB)"))?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0f64.powi(4),
+        other => return Err(format!("unknown size unit `{other}` in `{text}`")),
+    };
+    if !(value.is_finite() && value > 0.0) {
+        return Err(format!("`{text}` must be a positive size"));
+    }
+    Ok(value * scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_bytes("16GB").unwrap(), 16e9);
+        assert_eq!(
+            parse_bytes("1.5 GiB").unwrap(),
+            1.5 * 1024.0 * 1024.0 * 1024.0
+        );
+        assert_eq!(parse_bytes("2e9").unwrap(), 2e9);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-3GB").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+    }
+}

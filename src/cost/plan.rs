@@ -1,0 +1,480 @@
+//! The planner: searches a schedule's declared params for the best predicted throughput
+//! that fits the memory budgets.
+//!
+//! Takes the params (name, type, range) and an `evaluate` function that compiles the
+//! schedule with given values, checks its budget and predicts it; gives the best
+//! candidates. Generic: it knows nothing of any schedule, only of typed ranges. The search
+//! follows MoE-Lightning's pattern (§4.2 and its artifact: geometric steps, then doubling
+//! plus binary search on feasibility): a coarse grid with doubling steps for integers,
+//! five points for floats and both values for booleans, then coordinate-wise bisection
+//! around the best few points (which converges on the largest feasible batch when the
+//! throughput keeps rising up to the memory limit). Guarantees: every value tried is inside
+//! its declared range; each distinct point is evaluated once; the result is deterministic.
+
+use crate::ir::{Param, Scalar};
+use crate::syntax::ast::ParamType;
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// The searchable range of one param.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum ParamSpace {
+    /// Integers `lo..=hi`.
+    Int {
+        /// Name.
+        name: String,
+        /// Smallest.
+        lo: i64,
+        /// Largest.
+        hi: i64,
+    },
+    /// Floats `lo..=hi`.
+    Float {
+        /// Name.
+        name: String,
+        /// Smallest.
+        lo: f64,
+        /// Largest.
+        hi: f64,
+    },
+    /// Both booleans.
+    Bool {
+        /// Name.
+        name: String,
+    },
+}
+
+impl ParamSpace {
+    /// The param's name.
+    pub fn name(&self) -> &str {
+        match self {
+            ParamSpace::Int { name, .. }
+            | ParamSpace::Float { name, .. }
+            | ParamSpace::Bool { name } => name,
+        }
+    }
+
+    /// The coarse grid: doubling for integers, five points for floats.
+    fn grid(&self) -> Vec<Scalar> {
+        match *self {
+            ParamSpace::Int { lo, hi, .. } => {
+                let mut values = vec![lo];
+                let mut v = lo.max(1);
+                if v != lo {
+                    values.push(v);
+                }
+                while v < hi {
+                    v = v.saturating_mul(2).min(hi);
+                    values.push(v);
+                }
+                values.dedup();
+                values.into_iter().map(Scalar::Int).collect()
+            }
+            ParamSpace::Float { lo, hi, .. } => (0..5)
+                .map(|k| Scalar::Float(lo + (hi - lo) * k as f64 / 4.0))
+                .collect(),
+            ParamSpace::Bool { .. } => vec![Scalar::Bool(false), Scalar::Bool(true)],
+        }
+    }
+}
+
+/// The searchable params: declared params with a range (ints, floats) and booleans, minus
+/// those the user fixed. Params without a range are left at their value.
+pub fn param_spaces(params: &[Param], fixed: &[String]) -> Vec<ParamSpace> {
+    params
+        .iter()
+        .filter(|p| !fixed.contains(&p.name))
+        .filter_map(|p| match (p.ty, p.range) {
+            (ParamType::Bool, _) => Some(ParamSpace::Bool {
+                name: p.name.clone(),
+            }),
+            (ParamType::Int, Some(range)) => {
+                let (Scalar::Int(lo), Scalar::Int(hi)) = (range.lo, range.hi) else {
+                    return None;
+                };
+                let hi = if range.inclusive { hi } else { hi - 1 };
+                (lo < hi).then(|| ParamSpace::Int {
+                    name: p.name.clone(),
+                    lo,
+                    hi,
+                })
+            }
+            (ParamType::Float, Some(range)) => {
+                let as_f64 = |s: Scalar| match s {
+                    Scalar::Float(v) => Some(v),
+                    Scalar::Int(v) => Some(v as f64),
+                    Scalar::Bool(_) => None,
+                };
+                let (lo, hi) = (as_f64(range.lo)?, as_f64(range.hi)?);
+                (lo < hi).then(|| ParamSpace::Float {
+                    name: p.name.clone(),
+                    lo,
+                    hi,
+                })
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// One evaluated point.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// Param values, in the order of the searched params.
+    pub values: Vec<(String, Scalar)>,
+    /// Predicted generation throughput (the objective), tokens/s.
+    pub tokens_per_s: f64,
+    /// Predicted decode-only tokens/s.
+    pub decode_tokens_per_s: f64,
+    /// Peak GPU bytes.
+    pub gpu_bytes: u64,
+    /// Peak pinned bytes.
+    pub pinned_bytes: u64,
+    /// Peak host bytes (pinned included).
+    pub host_bytes: u64,
+}
+
+/// What evaluating a point gave.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// It fits; here is its prediction.
+    Fits(Candidate),
+    /// It compiles but does not fit the budget.
+    OverBudget,
+    /// It does not compile or cannot be simulated (e.g. a param combination the schedule
+    /// rejects); the message says why.
+    Invalid(String),
+}
+
+/// Search limits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SearchOptions {
+    /// Most points in the coarse grid (larger grids are thinned).
+    pub max_grid: usize,
+    /// Points refined by bisection.
+    pub refine_from: usize,
+    /// Candidates returned.
+    pub top: usize,
+}
+
+impl Default for SearchOptions {
+    fn default() -> Self {
+        SearchOptions {
+            max_grid: 400,
+            refine_from: 3,
+            top: 5,
+        }
+    }
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlanResult {
+    /// The params searched.
+    pub searched: Vec<ParamSpace>,
+    /// Best candidates, best first.
+    pub top: Vec<Candidate>,
+    /// Points evaluated.
+    pub evaluated: usize,
+    /// Points that fit.
+    pub feasible: usize,
+    /// Points over budget.
+    pub over_budget: usize,
+    /// Points that did not compile; the first few reasons.
+    pub invalid: usize,
+    /// Up to three distinct reasons points were invalid.
+    pub invalid_reasons: Vec<String>,
+}
+
+type Point = Vec<Scalar>;
+
+fn key(point: &Point) -> String {
+    point
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Runs the search. `evaluate` receives `(name, value)` pairs for the searched params.
+pub fn search(
+    spaces: &[ParamSpace],
+    options: &SearchOptions,
+    evaluate: impl Fn(&[(String, Scalar)]) -> Outcome + Sync,
+) -> PlanResult {
+    let mut grids: Vec<Vec<Scalar>> = spaces.iter().map(ParamSpace::grid).collect();
+    // Thin the largest grid (every other value, keeping both ends) until the product fits.
+    loop {
+        let product: usize = grids.iter().map(Vec::len).product();
+        if product <= options.max_grid.max(1) {
+            break;
+        }
+        let Some((largest, _)) = grids
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.len() > 2)
+            .max_by_key(|(_, g)| g.len())
+        else {
+            break;
+        };
+        let grid = &grids[largest];
+        let last = grid[grid.len() - 1];
+        let mut thinned: Vec<Scalar> = grid.iter().step_by(2).copied().collect();
+        if thinned.last() != Some(&last) {
+            thinned.push(last);
+        }
+        grids[largest] = thinned;
+    }
+
+    let mut memo: HashMap<String, Option<Candidate>> = HashMap::new();
+    let mut result = PlanResult {
+        searched: spaces.to_vec(),
+        top: Vec::new(),
+        evaluated: 0,
+        feasible: 0,
+        over_budget: 0,
+        invalid: 0,
+        invalid_reasons: Vec::new(),
+    };
+    let values_of = |point: &Point| -> Vec<(String, Scalar)> {
+        spaces
+            .iter()
+            .map(|s| s.name().to_string())
+            .zip(point.iter().copied())
+            .collect()
+    };
+    let record = |outcome: Outcome, result: &mut PlanResult| -> Option<Candidate> {
+        result.evaluated += 1;
+        match outcome {
+            Outcome::Fits(candidate) => {
+                result.feasible += 1;
+                Some(candidate)
+            }
+            Outcome::OverBudget => {
+                result.over_budget += 1;
+                None
+            }
+            Outcome::Invalid(reason) => {
+                result.invalid += 1;
+                if result.invalid_reasons.len() < 3 && !result.invalid_reasons.contains(&reason) {
+                    result.invalid_reasons.push(reason);
+                }
+                None
+            }
+        }
+    };
+    // Coarse grid: the cartesian product in lexicographic order, evaluated in parallel.
+    let mut points: Vec<Point> = Vec::new();
+    let mut index = vec![0usize; grids.len()];
+    loop {
+        points.push(index.iter().zip(&grids).map(|(&i, g)| g[i]).collect());
+        let mut dim = 0;
+        while dim < grids.len() {
+            index[dim] += 1;
+            if index[dim] < grids[dim].len() {
+                break;
+            }
+            index[dim] = 0;
+            dim += 1;
+        }
+        if dim == grids.len() {
+            break;
+        }
+    }
+    let outcomes: Vec<Outcome> = points
+        .par_iter()
+        .map(|point| evaluate(&values_of(point)))
+        .collect();
+    let mut found: Vec<(Point, Candidate)> = Vec::new();
+    for (point, outcome) in points.into_iter().zip(outcomes) {
+        let candidate = record(outcome, &mut result);
+        memo.insert(key(&point), candidate.clone());
+        if let Some(candidate) = candidate {
+            found.push((point, candidate));
+        }
+    }
+
+    let mut run = |point: &Point, result: &mut PlanResult| -> Option<Candidate> {
+        let k = key(point);
+        if let Some(known) = memo.get(&k) {
+            return known.clone();
+        }
+        let outcome = record(evaluate(&values_of(point)), result);
+        memo.insert(k, outcome.clone());
+        outcome
+    };
+
+    // Refinement: coordinate-wise bisection between each start and its grid neighbours.
+    let by_throughput = |a: &(Point, Candidate), b: &(Point, Candidate)| {
+        b.1.tokens_per_s.total_cmp(&a.1.tokens_per_s)
+    };
+    found.sort_by(by_throughput);
+    let starts: Vec<(Point, Candidate)> = found.iter().take(options.refine_from).cloned().collect();
+    for (start, start_candidate) in starts {
+        let mut current = start;
+        let mut best = start_candidate.tokens_per_s;
+        for (dim, space) in spaces.iter().enumerate() {
+            let grid = &grids[dim];
+            let at = grid.iter().position(|v| *v == current[dim]);
+            let (mut below, mut above) = match at {
+                Some(i) => (
+                    if i > 0 { Some(grid[i - 1]) } else { None },
+                    grid.get(i + 1).copied(),
+                ),
+                None => (None, None),
+            };
+            for _ in 0..24 {
+                let mut improved = false;
+                for bound in [below, above].into_iter().flatten() {
+                    let Some(mid) = midpoint(space, current[dim], bound) else {
+                        continue;
+                    };
+                    let mut point = current.clone();
+                    point[dim] = mid;
+                    if let Some(candidate) = run(&point, &mut result) {
+                        if candidate.tokens_per_s > best {
+                            best = candidate.tokens_per_s;
+                            let old = current[dim];
+                            current = point.clone();
+                            found.push((point, candidate));
+                            // Keep bisecting between the new point and the side it left.
+                            if Some(bound) == below {
+                                above = Some(old);
+                            } else {
+                                below = Some(old);
+                            }
+                            improved = true;
+                            break;
+                        }
+                    }
+                    // No gain towards `bound`: halve the interval on that side.
+                    if Some(bound) == below {
+                        below = Some(mid);
+                    } else {
+                        above = Some(mid);
+                    }
+                }
+                if !improved
+                    && below.is_none_or(|b| midpoint(space, current[dim], b).is_none())
+                    && above.is_none_or(|a| midpoint(space, current[dim], a).is_none())
+                {
+                    break;
+                }
+            }
+        }
+    }
+    found.sort_by(by_throughput);
+    let mut seen = std::collections::HashSet::new();
+    result.top = found
+        .into_iter()
+        .filter(|(p, _)| seen.insert(key(p)))
+        .take(options.top)
+        .map(|(_, c)| c)
+        .collect();
+    result
+}
+
+/// The value halfway between `from` and `to`, or `None` when none is left in between.
+fn midpoint(space: &ParamSpace, from: Scalar, to: Scalar) -> Option<Scalar> {
+    match (space, from, to) {
+        (ParamSpace::Int { .. }, Scalar::Int(a), Scalar::Int(b)) => {
+            let mid = a + (b - a) / 2;
+            (mid != a && mid != b).then_some(Scalar::Int(mid))
+        }
+        (ParamSpace::Float { lo, hi, .. }, Scalar::Float(a), Scalar::Float(b)) => {
+            let resolution = (hi - lo) / 64.0;
+            ((a - b).abs() > resolution).then_some(Scalar::Float((a + b) / 2.0))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(values: &[(String, Scalar)], tokens_per_s: f64) -> Candidate {
+        Candidate {
+            values: values.to_vec(),
+            tokens_per_s,
+            decode_tokens_per_s: tokens_per_s,
+            gpu_bytes: 0,
+            pinned_bytes: 0,
+            host_bytes: 0,
+        }
+    }
+
+    /// Throughput rises with the batch until memory runs out at 37: the search must find
+    /// exactly 37 (doubling to 64 overshoots; bisection between 32 and 64 lands on it).
+    #[test]
+    fn finds_the_largest_feasible_batch() {
+        let spaces = vec![ParamSpace::Int {
+            name: "ubs".into(),
+            lo: 1,
+            hi: 4096,
+        }];
+        let result = search(&spaces, &SearchOptions::default(), |values| {
+            let Scalar::Int(ubs) = values[0].1 else {
+                unreachable!()
+            };
+            if ubs > 37 {
+                Outcome::OverBudget
+            } else {
+                Outcome::Fits(candidate(values, ubs as f64))
+            }
+        });
+        assert_eq!(result.top[0].values[0].1, Scalar::Int(37));
+        assert!(result.evaluated < 40, "{}", result.evaluated);
+    }
+
+    /// An interior optimum in two dimensions (a concave bowl at ubs = 100, r = 0.3).
+    #[test]
+    fn finds_an_interior_optimum() {
+        let spaces = vec![
+            ParamSpace::Int {
+                name: "ubs".into(),
+                lo: 1,
+                hi: 1024,
+            },
+            ParamSpace::Float {
+                name: "r".into(),
+                lo: 0.0,
+                hi: 1.0,
+            },
+        ];
+        let result = search(&spaces, &SearchOptions::default(), |values| {
+            let (Scalar::Int(ubs), Scalar::Float(r)) = (values[0].1, values[1].1) else {
+                unreachable!()
+            };
+            let score = 1000.0
+                - ((ubs as f64).ln() - 100f64.ln()).powi(2) * 50.0
+                - (r - 0.3).powi(2) * 100.0;
+            Outcome::Fits(candidate(values, score))
+        });
+        let best = &result.top[0];
+        let Scalar::Int(ubs) = best.values[0].1 else {
+            unreachable!()
+        };
+        let Scalar::Float(r) = best.values[1].1 else {
+            unreachable!()
+        };
+        assert!((90..=110).contains(&ubs), "{ubs}");
+        assert!((r - 0.3).abs() < 0.05, "{r}");
+    }
+
+    #[test]
+    fn invalid_points_are_counted_with_reasons() {
+        let spaces = vec![ParamSpace::Bool {
+            name: "cpu_attn".into(),
+        }];
+        let result = search(&spaces, &SearchOptions::default(), |values| {
+            match values[0].1 {
+                Scalar::Bool(true) => Outcome::Invalid("needs n_ub >= 2".into()),
+                _ => Outcome::Fits(candidate(values, 1.0)),
+            }
+        });
+        assert_eq!((result.feasible, result.invalid), (1, 1));
+        assert_eq!(result.invalid_reasons, vec!["needs n_ub >= 2".to_string()]);
+    }
+}

@@ -1,0 +1,607 @@
+//! Predicts how fast a compiled program runs on a hardware profile.
+//!
+//! Takes a [`Program`] (the IR), each task's predecessors (the dependency analysis'
+//! output), a [`HardwareProfile`] and [`CostSettings`]; gives each task's HRM time, the
+//! simulated timeline of every step, time per decode step, tokens/s (decode-only and end
+//! to end as the papers measure it: generated tokens over prefill + decode time), busy
+//! share per stream and resource, and the analytical bounds for the same work.
+//! Guarantees: task times come only from the catalog's [`Work`](crate::ir::Work) and the
+//! profile; guarded (routing-dependent) tasks are assumed to run, which is the worst case
+//! for copies and, with the catalog's uniform-routing FLOPs, the average case for experts.
+
+use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
+use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
+use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
+use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
+use super::timeline::{Span, Timeline};
+use crate::ir::catalog::{self, AttnPart, DataClass, ACT_BYTES};
+use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId};
+use crate::syntax::ast::StepKind;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Which context length decode work assumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+pub enum DecodeContext {
+    /// `prompt_len + gen_len / 2`: the mean over the generation, what throughput sees.
+    #[default]
+    Average,
+    /// `prompt_len + gen_len`: the catalog's worst case, what the last step sees.
+    WorstCase,
+}
+
+/// Knobs of the prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct CostSettings {
+    /// Context length assumed by decode attention.
+    pub decode_context: DecodeContext,
+}
+
+/// The memory level a space lives in.
+pub fn level_of(space: Space) -> Level {
+    match space {
+        Space::Gpu => Level::Gpu,
+        Space::Pinned => Level::Pinned,
+        Space::Host => Level::Host,
+    }
+}
+
+/// The resource an engine's streams occupy. Copy streams in opposite directions share one
+/// link unless the profile says the link is full duplex.
+pub fn resource_of(engine: Engine, profile: &HardwareProfile) -> &'static str {
+    match engine {
+        Engine::GpuCompute => "gpu",
+        Engine::GpuCopyIn if profile.links.duplex => "link h2d",
+        Engine::GpuCopyOut if profile.links.duplex => "link d2h",
+        Engine::GpuCopyIn | Engine::GpuCopyOut => "link (half duplex)",
+        Engine::CpuCompute => "cpu",
+        Engine::CpuCopy => "cpu memcpy",
+    }
+}
+
+/// What a buffer holds, for labels and budget tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum BufferClass {
+    /// Model weights (the checkpoint or a buffer passed as `w`).
+    Weights,
+    /// A KV cache (passed as `kv`).
+    KvCache,
+    /// Everything else: hidden states, QKV, routing, logits, tokens.
+    Activations,
+}
+
+impl BufferClass {
+    /// `weights`, `kv cache`, `activations`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferClass::Weights => "weights",
+            BufferClass::KvCache => "kv cache",
+            BufferClass::Activations => "activations",
+        }
+    }
+}
+
+/// Classifies every buffer by layout and by the roles tasks pass it as; a buffer only
+/// ever copied takes the class of what is copied into or out of it.
+pub fn buffer_classes(program: &Program) -> Vec<BufferClass> {
+    let mut classes: Vec<Option<BufferClass>> = program
+        .buffers
+        .iter()
+        .map(|b| match (b.kind, b.layout) {
+            (BufferKind::Checkpoint, _) => Some(BufferClass::Weights),
+            (_, Layout::Layer | Layout::Dense | Layout::Experts { .. }) => {
+                Some(BufferClass::Weights)
+            }
+            _ => None,
+        })
+        .collect();
+    for task in &program.tasks {
+        for arg in &task.args {
+            let class = match arg.role {
+                Role::W => BufferClass::Weights,
+                Role::Kv => BufferClass::KvCache,
+                Role::Src | Role::Dst => continue,
+                _ => BufferClass::Activations,
+            };
+            let slot = &mut classes[arg.slice.buffer.index()];
+            if slot.is_none() {
+                *slot = Some(class);
+            }
+        }
+    }
+    // Copies propagate classes both ways until nothing changes (relay buffers).
+    loop {
+        let mut changed = false;
+        for task in program.tasks.iter().filter(|t| t.op == Op::Copy) {
+            if let [src, dst] = task.args.as_slice() {
+                let (s, d) = (src.slice.buffer.index(), dst.slice.buffer.index());
+                match (classes[s], classes[d]) {
+                    (Some(c), None) => {
+                        classes[d] = Some(c);
+                        changed = true;
+                    }
+                    (None, Some(c)) => {
+                        classes[s] = Some(c);
+                        changed = true;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    classes
+        .into_iter()
+        .map(|c| c.unwrap_or(BufferClass::Activations))
+        .collect()
+}
+
+/// Context length decode attention assumes under `settings`.
+pub fn decode_context_len(program: &Program, settings: &CostSettings) -> u64 {
+    let w = program.workload;
+    match settings.decode_context {
+        DecodeContext::Average => w.prompt_len + w.gen_len.div_ceil(2),
+        DecodeContext::WorstCase => w.prompt_len + w.gen_len,
+    }
+}
+
+/// The HRM load of a compute task, with decode attention re-costed at the chosen context.
+fn compute_load(program: &Program, id: TaskId, settings: &CostSettings) -> ComputeLoad {
+    let task = program.task(id);
+    let decode_like = matches!(
+        task.op,
+        Op::Attn {
+            part: AttnPart::Decode | AttnPart::All,
+            ..
+        }
+    );
+    let work = if decode_like && settings.decode_context != DecodeContext::WorstCase {
+        let mut shape = task.shape;
+        shape.context = decode_context_len(program, settings).min(shape.context);
+        let args: Vec<(Role, Space, u64)> = task
+            .args
+            .iter()
+            .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
+            .collect();
+        catalog::work(&task.op, &program.model, &shape, &args)
+    } else {
+        task.work.clone()
+    };
+    let processor = match program.engine_of(id) {
+        Engine::GpuCompute => Processor::Gpu,
+        _ => Processor::Cpu,
+    };
+    // The host's pinned and pageable memory are one DRAM: a CPU task's traffic in both
+    // adds up on one bus.
+    let mut per_level: BTreeMap<Level, f64> = BTreeMap::new();
+    // `work.mem` has one entry per argument. A task cannot read more weight bytes through
+    // an argument than the argument holds: when weights are split over several `w`
+    // arguments, the catalog charges each one the op's whole weight traffic, so cap it.
+    let caps: Vec<Option<u64>> = if work.mem.len() == task.args.len() {
+        task.args.iter().map(|a| Some(a.slice.len)).collect()
+    } else {
+        vec![None; work.mem.len()]
+    };
+    for (traffic, cap) in work.mem.iter().zip(caps) {
+        let bytes = match (traffic.class, cap) {
+            (DataClass::Weights, Some(cap)) => traffic.bytes.min(cap as f64),
+            _ => traffic.bytes,
+        };
+        let mut level = level_of(traffic.space);
+        if processor == Processor::Cpu && level == Level::Pinned {
+            level = Level::Host;
+        }
+        *per_level.entry(level).or_default() += bytes;
+    }
+    ComputeLoad {
+        processor,
+        dtype: match processor {
+            // GPU kernels run in the weights' half precision on tensor cores; the CPU
+            // computes attention in f32 (MoE-Lightning §3.3 footnote 5).
+            Processor::Gpu => ComputeDtype::Half,
+            Processor::Cpu => ComputeDtype::F32,
+        },
+        flops: work.flops,
+        bytes: per_level.into_iter().collect(),
+    }
+}
+
+/// HRM time of one task on a profile.
+pub fn task_time(
+    program: &Program,
+    id: TaskId,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+) -> TaskTime {
+    let task = program.task(id);
+    if let Some(copy) = task.work.copy {
+        return copy_time(
+            profile,
+            level_of(copy.src),
+            level_of(copy.dst),
+            copy.bytes as f64,
+        );
+    }
+    if task.op == Op::Copy {
+        return TaskTime {
+            seconds: 0.0,
+            roof: Roof::Idle,
+        };
+    }
+    compute_time(profile, &compute_load(program, id, settings))
+}
+
+/// The colour key of a task in timelines: the op name, copies by what they carry.
+pub fn task_kind(program: &Program, id: TaskId, classes: &[BufferClass]) -> String {
+    let task = program.task(id);
+    match task.op {
+        Op::Copy => {
+            let class = task.args.first().map_or(BufferClass::Activations, |a| {
+                classes[a.slice.buffer.index()]
+            });
+            let direction = match task.work.copy {
+                Some(c) => format!("{}->{}", c.src.as_str(), c.dst.as_str()),
+                None => String::new(),
+            };
+            format!("copy {} {direction}", class.name())
+        }
+        op => op.name().to_string(),
+    }
+}
+
+/// A simulated step.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepPrediction {
+    /// prefill, decode or step.
+    pub kind: String,
+    /// Tasks simulated.
+    pub tasks: usize,
+    /// Makespan, seconds.
+    pub seconds: f64,
+    /// Busy share of each stream over the makespan, by stream name.
+    pub stream_busy: BTreeMap<String, f64>,
+    /// Busy share of each resource over the makespan.
+    pub resource_busy: BTreeMap<String, f64>,
+    /// Eq. 12-13 over this step's own tasks: each resource's serial work.
+    pub resource_bound: LayerBound,
+    /// Summed task seconds per op kind (the timeline's colour keys), with the roof that
+    /// bounds most of that time.
+    pub op_seconds: BTreeMap<String, (f64, String)>,
+    /// The timeline.
+    #[serde(skip)]
+    pub timeline: Timeline,
+}
+
+/// Everything `moec simulate` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    /// Profile name.
+    pub hardware: String,
+    /// Sequences per step (micro-batches x their size).
+    pub sequences: u64,
+    /// The steps, in declaration order.
+    pub steps: Vec<StepPrediction>,
+    /// Index in `steps` of the repeated step (decode, or VSLPipe's mixed step).
+    pub repeated_step: Option<usize>,
+    /// Seconds per decode step (the repeated step), if the schedule has one.
+    pub step_seconds: Option<f64>,
+    /// Decode tokens/s: sequences / step_seconds.
+    pub decode_tokens_per_s: Option<f64>,
+    /// Generation throughput as the papers measure it: sequences * gen_len tokens over
+    /// prefill time + gen_len decode steps (a `setup` step, which loads resident weights
+    /// once like model loading, is not counted).
+    pub tokens_per_s: Option<f64>,
+    /// MoE-Lightning eq. 12 per layer, from the decode step's tasks.
+    pub layer_bound: Option<LayerBound>,
+    /// Decode tokens/s the eq. 12 bound allows.
+    pub layer_bound_tokens_per_s: Option<f64>,
+    /// MoE-Lens stage-1 bound for the same workload and streamed bytes.
+    pub stage1: Option<Stage1Bound>,
+    /// Context length decode attention assumed.
+    pub decode_context: u64,
+}
+
+/// Errors from predicting.
+#[derive(Debug, thiserror::Error)]
+pub enum PredictError {
+    /// The dependency table does not match the program.
+    #[error("dependency table has {got} rows for {tasks} tasks")]
+    DepsMismatch {
+        /// Rows given.
+        got: usize,
+        /// Tasks in the program.
+        tasks: usize,
+    },
+    /// The simulation failed.
+    #[error("simulating the {step} step: {source}")]
+    Sim {
+        /// Which step.
+        step: String,
+        /// Why.
+        source: SimError,
+    },
+}
+
+/// Simulates one step: its tasks, dependencies inside the step (earlier steps are done).
+fn simulate_step(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    step_index: usize,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    classes: &[BufferClass],
+) -> Result<StepPrediction, PredictError> {
+    let step = &program.steps[step_index];
+    let first = step.first as usize;
+    let ids: Vec<TaskId> = step.task_ids().collect();
+    let streams: Vec<SimStream> = program
+        .streams
+        .iter()
+        .map(|s| SimStream {
+            name: s.name.clone(),
+            resource: resource_of(s.engine, profile).into(),
+        })
+        .collect();
+    let mut times = Vec::with_capacity(ids.len());
+    let tasks: Vec<SimTask> = ids
+        .iter()
+        .map(|&id| {
+            let time = task_time(program, id, profile, settings);
+            times.push(time);
+            SimTask {
+                stream: program.task(id).stream.index(),
+                seconds: time.seconds,
+                deps: deps[id.index()]
+                    .iter()
+                    .filter(|d| d.index() >= first)
+                    .map(|d| d.index() - first)
+                    .collect(),
+            }
+        })
+        .collect();
+    let input = SimInput { streams, tasks };
+    let result: SimResult = simulate(&input).map_err(|source| PredictError::Sim {
+        step: step.kind.as_str().to_string(),
+        source,
+    })?;
+    let makespan = result.makespan.max(1e-30);
+    let stream_busy = program
+        .streams
+        .iter()
+        .zip(&result.stream_busy)
+        .map(|(s, busy)| (s.name.clone(), busy / makespan))
+        .collect();
+    let resource_busy = result
+        .resource_busy
+        .iter()
+        .map(|(r, busy)| (r.clone(), busy / makespan))
+        .collect();
+    let spans = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| Span {
+            stream: program.task(id).stream.index(),
+            name: program.task_name(id),
+            op: task_kind(program, id, classes),
+            start: result.start[k],
+            end: result.end[k],
+        })
+        .collect();
+    let mut op_seconds: BTreeMap<String, (f64, String)> = BTreeMap::new();
+    let mut op_roofs: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for (span, time) in spans_iter(&ids, program, classes).zip(&times) {
+        op_seconds
+            .entry(span.clone())
+            .or_insert((0.0, String::new()))
+            .0 += time.seconds;
+        *op_roofs
+            .entry(span)
+            .or_default()
+            .entry(time.roof.label())
+            .or_default() += time.seconds;
+    }
+    for (op, entry) in op_seconds.iter_mut() {
+        if let Some(roofs) = op_roofs.get(op) {
+            entry.1 = roofs
+                .iter()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(roof, _)| roof.clone())
+                .unwrap_or_default();
+        }
+    }
+    let timeline = Timeline {
+        title: format!(
+            "{} ({} step) on {}: {:.3} ms",
+            program.name,
+            step.kind.as_str(),
+            profile.name,
+            result.makespan * 1e3
+        ),
+        streams: program.streams.iter().map(|s| s.name.clone()).collect(),
+        spans,
+    };
+    Ok(StepPrediction {
+        kind: step.kind.as_str().to_string(),
+        tasks: ids.len(),
+        seconds: result.makespan,
+        stream_busy,
+        resource_busy,
+        resource_bound: step_resource_bound(program, &ids, profile, settings),
+        op_seconds,
+        timeline,
+    })
+}
+
+fn spans_iter<'a>(
+    ids: &'a [TaskId],
+    program: &'a Program,
+    classes: &'a [BufferClass],
+) -> impl Iterator<Item = String> + 'a {
+    ids.iter().map(move |&id| task_kind(program, id, classes))
+}
+
+/// Eq. 12-13 over a step's own tasks: host->GPU bytes, GPU->host bytes, GPU and CPU work.
+fn step_resource_bound(
+    program: &Program,
+    ids: &[TaskId],
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+) -> LayerBound {
+    let mut work = LayerWork::default();
+    for &id in ids {
+        let task = program.task(id);
+        if let Some(copy) = task.work.copy {
+            match (copy.src, copy.dst) {
+                (Space::Gpu, Space::Gpu) => {}
+                (_, Space::Gpu) => work.host_to_gpu_bytes += copy.bytes as f64,
+                (Space::Gpu, _) => work.gpu_to_host_bytes += copy.bytes as f64,
+                _ => {}
+            }
+            continue;
+        }
+        if task.op == Op::Copy {
+            continue;
+        }
+        let load = compute_load(program, id, settings);
+        match load.processor {
+            Processor::Gpu => work.gpu.push(load),
+            Processor::Cpu => work.cpu.push(load),
+        }
+    }
+    bounds::moe_lightning_layer_bound(profile, &work)
+}
+
+/// Bytes of weights a decode step streams to the GPU (copies of weight-class buffers).
+fn streamed_weight_bytes(program: &Program, ids: &[TaskId], classes: &[BufferClass]) -> f64 {
+    ids.iter()
+        .map(|&id| program.task(id))
+        .filter_map(|task| {
+            let copy = task.work.copy?;
+            let src = task.args.first()?.slice.buffer;
+            (copy.dst == Space::Gpu
+                && copy.src != Space::Gpu
+                && classes[src.index()] == BufferClass::Weights)
+                .then_some(copy.bytes as f64)
+        })
+        .sum()
+}
+
+/// Predicts every step and the throughput figures.
+pub fn predict(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+) -> Result<Prediction, PredictError> {
+    if deps.len() != program.tasks.len() {
+        return Err(PredictError::DepsMismatch {
+            got: deps.len(),
+            tasks: program.tasks.len(),
+        });
+    }
+    let classes = buffer_classes(program);
+    let mut steps = Vec::with_capacity(program.steps.len());
+    for index in 0..program.steps.len() {
+        steps.push(simulate_step(
+            program, deps, index, profile, settings, &classes,
+        )?);
+    }
+    let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;
+    let sequences = if sequences == 0 {
+        program.workload.batch
+    } else {
+        sequences
+    };
+    let gen_len = program.workload.gen_len as f64;
+    let repeated = program
+        .steps
+        .iter()
+        .position(|s| matches!(s.kind, StepKind::Decode | StepKind::Mixed));
+    let prefill_seconds: f64 = program
+        .steps
+        .iter()
+        .zip(&steps)
+        .filter(|(s, _)| s.kind == StepKind::Prefill)
+        .map(|(_, p)| p.seconds)
+        .sum();
+    let step_seconds = repeated.map(|i| steps[i].seconds);
+    let decode_tokens_per_s = step_seconds.map(|s| sequences as f64 / s);
+    let tokens_per_s =
+        step_seconds.map(|s| sequences as f64 * gen_len / (prefill_seconds + gen_len * s));
+    let layers = program.model.layers.max(1) as f64;
+    let layer_bound = repeated.map(|i| {
+        let b = steps[i].resource_bound;
+        LayerBound {
+            comm_seconds: b.comm_seconds / layers,
+            comm_out_seconds: b.comm_out_seconds / layers,
+            cpu_seconds: b.cpu_seconds / layers,
+            gpu_seconds: b.gpu_seconds / layers,
+            layer_seconds: b.layer_seconds / layers,
+            bottleneck: b.bottleneck,
+        }
+    });
+    let layer_bound_tokens_per_s =
+        layer_bound.map(|b| sequences as f64 / (b.layer_seconds * layers).max(1e-30));
+    let stage1 = repeated.map(|i| {
+        let ids: Vec<TaskId> = program.steps[i].task_ids().collect();
+        stage1_for(program, &ids, &classes, profile)
+    });
+    Ok(Prediction {
+        hardware: profile.name.clone(),
+        sequences,
+        steps,
+        repeated_step: repeated,
+        step_seconds,
+        decode_tokens_per_s,
+        tokens_per_s,
+        layer_bound,
+        layer_bound_tokens_per_s,
+        stage1,
+        decode_context: decode_context_len(program, settings),
+    })
+}
+
+/// MoE-Lens eq. 3-4 for this program: M = KV slots that fit in the host budget after the
+/// checkpoint and the other host buffers; delta = weights the decode step streams over the
+/// link; T_GPU = the GPU's peak over the decode step's GPU FLOPs per token.
+fn stage1_for(
+    program: &Program,
+    ids: &[TaskId],
+    classes: &[BufferClass],
+    profile: &HardwareProfile,
+) -> Stage1Bound {
+    let card = &program.model;
+    let act_bytes = program
+        .tasks
+        .first()
+        .map_or(ACT_BYTES, |t| t.shape.act_bytes);
+    let kv_bytes_per_token = (card.layers * card.kv_elems_per_token_layer() * act_bytes) as f64;
+    // KV slots = the host budget minus everything in host DRAM that is not KV cache.
+    let table = super::budget::budget_table(program, Some(profile), &Default::default());
+    let kv_bytes: u64 = table
+        .lines
+        .iter()
+        .filter(|l| l.class == BufferClass::KvCache.name() && l.space != "gpu")
+        .map(|l| l.bytes)
+        .sum();
+    let host_free =
+        profile.budget_bytes(Level::Host) - (table.peak("host") as f64 - kv_bytes as f64);
+    let sequences = (u64::from(program.micro_batches.count) * program.micro_batches.size).max(1);
+    let gpu_flops_per_token: f64 = ids
+        .iter()
+        .filter(|&&id| program.engine_of(id) == Engine::GpuCompute)
+        .map(|&id| program.task(id).work.flops)
+        .sum::<f64>()
+        / sequences as f64;
+    bounds::moe_lens_stage1(&Stage1Inputs {
+        prompt_len: program.workload.prompt_len as f64,
+        gen_len: program.workload.gen_len.max(1) as f64,
+        streamed_weight_bytes: streamed_weight_bytes(program, ids, classes).max(1.0),
+        kv_capacity_tokens: (host_free / kv_bytes_per_token).max(0.0),
+        link_bandwidth: profile.link_bandwidth(Level::Pinned, Level::Gpu),
+        gpu_tokens_per_s: profile.peak_flops(Processor::Gpu, ComputeDtype::Half)
+            / gpu_flops_per_token.max(1.0),
+    })
+}

@@ -1,0 +1,578 @@
+//! Lowering: a checked program to a flat execution plan (bevy_ecs's `SystemSchedule`).
+//!
+//! Takes an [`ir::Program`] and its [`ScheduleInfo`] (the checker's reduced dependency
+//! graph: data dependencies plus `after`); gives an [`ExecPlan`]: per step, per stream, an
+//! instruction list of `Run(task)`, `Record(event)` and `Wait(event)`, and every buffer
+//! placed at a byte offset in one arena per memory space. Nothing in it assumes the CPU:
+//! the CPU backend and a CUDA backend read the same plan.
+//!
+//! Guarantees:
+//! - a stream's `Run`s are its tasks of that step in issue order;
+//! - for every dependency `a -> b` with `a` and `b` on different streams of the same step,
+//!   `b`'s stream waits on an event recorded after `a`, unless the dependency is already
+//!   implied (same-stream order, or an earlier wait whose recorder had itself seen `a`:
+//!   vector clocks), so events exist for cross-stream edges only and none is redundant;
+//! - every `Wait` names an event some other stream of the same step records, and a
+//!   step's instruction lists can run to completion (the waits follow issue order, which
+//!   is a topological order);
+//! - dependencies between steps are satisfied by the runtime joining all streams at the
+//!   end of each step, so no event crosses a step boundary;
+//! - arenas: declared buffers of a space are laid out in declaration order, each at a
+//!   [`ARENA_ALIGN`]-aligned offset; the checkpoint `W` is not in an arena (the backend
+//!   maps it from the weights file); an arena larger than its capacity is an error.
+
+use crate::check::ScheduleInfo;
+use crate::ir::{
+    self, Access, BufferId, BufferKind, Engine, ExpertRef, Guard, Op, Program, Role, Shape, Space,
+    StepId, TaskId,
+};
+use crate::syntax::ast::{Span, StepKind};
+use serde::Serialize;
+
+/// Alignment of every buffer inside its arena (a cache line; also enough for any SIMD load).
+pub const ARENA_ALIGN: u64 = 64;
+
+/// An event: recorded by one stream after one task, waited on by others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct EventId(pub u32);
+
+/// One instruction of a stream's program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Instr {
+    /// Run a task (skipped at run time when its guard is false).
+    Run(TaskId),
+    /// Mark an event complete (everything before it on this stream has finished).
+    Record(EventId),
+    /// Block until an event is recorded.
+    Wait(EventId),
+}
+
+/// Where a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Placement {
+    /// The memory-mapped checkpoint (host, read-only, the backend's weights image).
+    Checkpoint,
+    /// `offset` bytes into the arena of `space`.
+    Arena {
+        /// The memory space.
+        space: Space,
+        /// Byte offset in that space's arena.
+        offset: u64,
+    },
+}
+
+/// A buffer's slot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BufferSlot {
+    /// The element name (`w_gpu[1]`).
+    pub name: String,
+    /// Its placement.
+    pub placement: Placement,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One memory space's arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ArenaPlan {
+    /// The space.
+    pub space: Space,
+    /// Bytes the buffers need (aligned sum).
+    pub bytes: u64,
+    /// The capacity the plan was lowered against, if limited.
+    pub capacity: Option<u64>,
+}
+
+/// A task argument as the backend sees it: a byte range of a placed buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PlanArg {
+    /// The role it is passed as.
+    pub role: Role,
+    /// Read, write or both.
+    pub access: Access,
+    /// The buffer.
+    pub buffer: BufferId,
+    /// First byte within the buffer.
+    pub start: u64,
+    /// Bytes.
+    pub len: u64,
+    /// For `W[i].expert(hot(i, k))`: resolved at run time (`start` is expert 0).
+    pub dynamic_expert: Option<ExpertRef>,
+}
+
+/// A task as the backend needs it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlanTask {
+    /// Short human name (`#12 post_attn(layer=1, ub=0)`).
+    pub name: String,
+    /// The op.
+    pub op: Op,
+    /// The engine of its stream.
+    pub engine: Engine,
+    /// Index into [`ExecPlan::streams`].
+    pub stream: u32,
+    /// The step it belongs to.
+    pub step: StepId,
+    /// Its arguments.
+    pub args: Vec<PlanArg>,
+    /// Runs only when this holds.
+    pub guard: Guard,
+    /// The worst-case shape the sizes assume.
+    pub shape: Shape,
+    /// Where it is written in the schedule.
+    #[serde(skip)]
+    pub span: Span,
+}
+
+/// A stream's name and engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanStream {
+    /// Its name.
+    pub name: String,
+    /// Its engine.
+    pub engine: Engine,
+}
+
+/// One step template's programs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepPlan {
+    /// Prefill, decode or mixed.
+    #[serde(serialize_with = "ser_kind")]
+    pub kind: StepKind,
+    /// One instruction list per stream (indexed like [`ExecPlan::streams`]).
+    pub programs: Vec<Vec<Instr>>,
+    /// Events this step uses: `events[e]` is the task after which event `e` is recorded.
+    pub events: Vec<TaskId>,
+}
+
+fn ser_kind<S: serde::Serializer>(kind: &StepKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(kind.as_str())
+}
+
+/// The flat plan every backend executes.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExecPlan {
+    /// The schedule's name.
+    pub name: String,
+    /// The program it was lowered from (model, workload, micro-batches, params).
+    #[serde(skip)]
+    pub program: Program,
+    /// Streams.
+    pub streams: Vec<PlanStream>,
+    /// Tasks, indexed by [`TaskId`].
+    pub tasks: Vec<PlanTask>,
+    /// Buffers, indexed by [`BufferId`].
+    pub buffers: Vec<BufferSlot>,
+    /// One arena per memory space, in [`Space::ALL`] order.
+    pub arenas: Vec<ArenaPlan>,
+    /// Steps in declaration order.
+    pub steps: Vec<StepPlan>,
+    /// Each task's direct predecessors (the checker's reduced graph), for reports.
+    #[serde(skip)]
+    pub preds: Vec<Vec<TaskId>>,
+}
+
+impl ExecPlan {
+    /// The arena of a space.
+    pub fn arena(&self, space: Space) -> ArenaPlan {
+        self.arenas
+            .iter()
+            .copied()
+            .find(|a| a.space == space)
+            .unwrap_or(ArenaPlan {
+                space,
+                bytes: 0,
+                capacity: None,
+            })
+    }
+
+    /// The first step of a kind.
+    pub fn step_of(&self, kind: StepKind) -> Option<&StepPlan> {
+        self.steps.iter().find(|s| s.kind == kind)
+    }
+
+    /// Number of instructions of one kind over all steps and streams.
+    pub fn count(&self, pred: impl Fn(&Instr) -> bool) -> usize {
+        self.steps
+            .iter()
+            .flat_map(|s| s.programs.iter().flatten())
+            .filter(|i| pred(i))
+            .count()
+    }
+}
+
+/// What lowering is told about the target.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Capacity of the `gpu` arena (profile or `--gpu-mem`); `None`: unlimited.
+    pub gpu_capacity: Option<u64>,
+    /// Capacity of the `pinned` arena; `None`: unlimited.
+    pub pinned_capacity: Option<u64>,
+    /// Capacity of the `host` arena; `None`: unlimited.
+    pub host_capacity: Option<u64>,
+}
+
+impl LowerOptions {
+    fn capacity(&self, space: Space) -> Option<u64> {
+        match space {
+            Space::Gpu => self.gpu_capacity,
+            Space::Pinned => self.pinned_capacity,
+            Space::Host => self.host_capacity,
+        }
+    }
+}
+
+/// Why a program cannot be lowered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LowerError {
+    /// The predecessor table does not match the program.
+    #[error("dependency table has {got} entries but the program has {expected} tasks")]
+    DepsLength {
+        /// Tasks in the program.
+        expected: usize,
+        /// Entries given.
+        got: usize,
+    },
+    /// A dependency that does not point to an earlier task.
+    #[error("task {task} depends on {pred}, which is not issued before it")]
+    DepOrder {
+        /// The task.
+        task: String,
+        /// The predecessor.
+        pred: String,
+        /// Where the task is written.
+        span: Span,
+    },
+    /// An arena over its capacity.
+    #[error("the {space} arena needs {needed} bytes but has {capacity}: {largest}")]
+    ArenaOverflow {
+        /// The space.
+        space: &'static str,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        capacity: u64,
+        /// The largest buffers, for the message.
+        largest: String,
+        /// The declaration of the largest buffer.
+        span: Span,
+    },
+}
+
+impl LowerError {
+    /// The schedule span the error points at, if any.
+    pub fn span(&self) -> Option<Span> {
+        match self {
+            LowerError::DepOrder { span, .. } | LowerError::ArenaOverflow { span, .. } => {
+                Some(*span)
+            }
+            LowerError::DepsLength { .. } => None,
+        }
+    }
+}
+
+/// Lowers a checked program (the checker's [`ScheduleInfo`] is required: an unchecked
+/// program cannot be lowered).
+pub fn lower(
+    program: &Program,
+    info: &ScheduleInfo,
+    options: &LowerOptions,
+) -> Result<ExecPlan, LowerError> {
+    let preds: Vec<Vec<TaskId>> = (0..program.tasks.len())
+        .map(|t| {
+            info.dag
+                .preds(TaskId::new(t))
+                .iter()
+                .map(|d| d.from)
+                .collect()
+        })
+        .collect();
+    lower_with_preds(program, &preds, options)
+}
+
+/// Lowers a program given each task's predecessors (indexed by task; every predecessor
+/// earlier in issue order). [`lower`] is the entry point for checked programs.
+pub(crate) fn lower_with_preds(
+    program: &Program,
+    preds: &[Vec<TaskId>],
+    options: &LowerOptions,
+) -> Result<ExecPlan, LowerError> {
+    if preds.len() != program.tasks.len() {
+        return Err(LowerError::DepsLength {
+            expected: program.tasks.len(),
+            got: preds.len(),
+        });
+    }
+    let (buffers, arenas) = place_buffers(program, options)?;
+    let tasks = plan_tasks(program);
+    let mut steps = Vec::with_capacity(program.steps.len());
+    for step in &program.steps {
+        steps.push(lower_step(program, step, preds)?);
+    }
+    let streams = program
+        .streams
+        .iter()
+        .map(|s| PlanStream {
+            name: s.name.clone(),
+            engine: s.engine,
+        })
+        .collect();
+    Ok(ExecPlan {
+        name: program.name.clone(),
+        program: program.clone(),
+        streams,
+        tasks,
+        buffers,
+        arenas,
+        steps,
+        preds: preds.to_vec(),
+    })
+}
+
+fn place_buffers(
+    program: &Program,
+    options: &LowerOptions,
+) -> Result<(Vec<BufferSlot>, Vec<ArenaPlan>), LowerError> {
+    let mut next = [0u64; 3];
+    let space_idx = |s: Space| Space::ALL.iter().position(|x| *x == s).unwrap_or(0);
+    let mut slots = Vec::with_capacity(program.buffers.len());
+    for buffer in &program.buffers {
+        let placement = match buffer.kind {
+            BufferKind::Checkpoint => Placement::Checkpoint,
+            BufferKind::Declared => {
+                let i = space_idx(buffer.space);
+                let offset = next[i].div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+                next[i] = offset + buffer.bytes;
+                Placement::Arena {
+                    space: buffer.space,
+                    offset,
+                }
+            }
+        };
+        slots.push(BufferSlot {
+            name: buffer.name.clone(),
+            placement,
+            bytes: buffer.bytes,
+        });
+    }
+    let mut arenas = Vec::new();
+    for space in Space::ALL {
+        let bytes = next[space_idx(space)].div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let capacity = options.capacity(space);
+        if let Some(capacity) = capacity.filter(|&c| bytes > c) {
+            return Err(overflow(program, space, bytes, capacity));
+        }
+        arenas.push(ArenaPlan {
+            space,
+            bytes,
+            capacity,
+        });
+    }
+    Ok((slots, arenas))
+}
+
+fn overflow(program: &Program, space: Space, needed: u64, capacity: u64) -> LowerError {
+    let mut in_space: Vec<(usize, &ir::Buffer)> = program
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.kind == BufferKind::Declared && b.space == space)
+        .collect();
+    in_space.sort_by_key(|b| std::cmp::Reverse(b.1.bytes));
+    let largest = in_space
+        .iter()
+        .take(4)
+        .map(|(_, b)| format!("{} = {} B", b.name, b.bytes))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let span = in_space
+        .first()
+        .and_then(|(i, _)| program.spans.buffers.get(*i).copied())
+        .unwrap_or_default();
+    LowerError::ArenaOverflow {
+        space: space.as_str(),
+        needed,
+        capacity,
+        largest,
+        span,
+    }
+}
+
+fn plan_tasks(program: &Program) -> Vec<PlanTask> {
+    program
+        .tasks
+        .iter()
+        .enumerate()
+        .map(|(i, task)| {
+            let id = TaskId::new(i);
+            PlanTask {
+                name: program.task_name(id),
+                op: task.op,
+                engine: program.stream(task.stream).engine,
+                stream: task.stream.0,
+                step: task.step,
+                args: task
+                    .args
+                    .iter()
+                    .map(|a| PlanArg {
+                        role: a.role,
+                        access: a.access,
+                        buffer: a.slice.buffer,
+                        start: a.slice.start,
+                        len: a.slice.len,
+                        dynamic_expert: a.slice.dynamic_expert,
+                    })
+                    .collect(),
+                guard: task.guard.clone(),
+                shape: task.shape,
+                span: program.task_span(id),
+            }
+        })
+        .collect()
+}
+
+/// A vector clock: per stream, how many of its tasks (of this step) are known finished.
+type Clock = Vec<u32>;
+
+fn lower_step(
+    program: &Program,
+    step: &ir::Step,
+    preds: &[Vec<TaskId>],
+) -> Result<StepPlan, LowerError> {
+    let n_streams = program.streams.len();
+    let first = step.first as usize;
+    let count = step.count as usize;
+    // Position of each task of the step on its stream (1-based: "n tasks finished").
+    let mut position = vec![0u32; count];
+    let mut stream_len = vec![0u32; n_streams];
+    for (k, task) in program.tasks[first..first + count].iter().enumerate() {
+        let s = task.stream.index();
+        stream_len[s] += 1;
+        position[k] = stream_len[s];
+    }
+    let mut clock_after: Vec<Clock> = Vec::with_capacity(count);
+    let mut stream_clock: Vec<Clock> = vec![vec![0; n_streams]; n_streams];
+    let mut waits: Vec<Vec<usize>> = vec![Vec::new(); count];
+    let mut recorded = vec![false; count];
+    for k in 0..count {
+        let id = TaskId::new(first + k);
+        let task = program.task(id);
+        let s = task.stream.index();
+        let mut clock = stream_clock[s].clone();
+        let mut cross: Vec<usize> = Vec::new();
+        for &pred in &preds[first + k] {
+            if pred >= id {
+                return Err(LowerError::DepOrder {
+                    task: program.task_name(id),
+                    pred: program.task_name(pred),
+                    span: program.task_span(id),
+                });
+            }
+            // Earlier steps finished at the step barrier.
+            if pred.index() < first {
+                continue;
+            }
+            let pk = pred.index() - first;
+            if program.task(pred).stream.index() != s {
+                cross.push(pk);
+            }
+        }
+        // Latest predecessors first: their clocks subsume the earlier ones most often.
+        cross.sort_by(|a, b| b.cmp(a));
+        for pk in cross {
+            let ps = program.tasks[first + pk].stream.index();
+            if clock[ps] >= position[pk] {
+                continue;
+            }
+            for (c, p) in clock.iter_mut().zip(&clock_after[pk]) {
+                *c = (*c).max(*p);
+            }
+            waits[k].push(pk);
+            recorded[pk] = true;
+        }
+        clock[s] = position[k];
+        stream_clock[s] = clock.clone();
+        clock_after.push(clock);
+    }
+    let mut event_of = vec![None; count];
+    let mut events = Vec::new();
+    for (k, rec) in recorded.iter().enumerate() {
+        if *rec {
+            event_of[k] = Some(EventId(events.len() as u32));
+            events.push(TaskId::new(first + k));
+        }
+    }
+    let mut programs: Vec<Vec<Instr>> = vec![Vec::new(); n_streams];
+    for k in 0..count {
+        let id = TaskId::new(first + k);
+        let s = program.task(id).stream.index();
+        for &pk in &waits[k] {
+            if let Some(e) = event_of[pk] {
+                programs[s].push(Instr::Wait(e));
+            }
+        }
+        programs[s].push(Instr::Run(id));
+        if let Some(e) = event_of[k] {
+            programs[s].push(Instr::Record(e));
+        }
+    }
+    Ok(StepPlan {
+        kind: step.kind,
+        programs,
+        events,
+    })
+}
+
+/// Renders a plan as text for snapshots and `moec debug`: arenas, buffers, then each
+/// step's per-stream programs.
+pub fn render(plan: &ExecPlan) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(out, "plan {}", plan.name);
+    for arena in &plan.arenas {
+        let cap = arena
+            .capacity
+            .map(|c| format!(" / {c}"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "arena {:<6} {} B{}",
+            arena.space.as_str(),
+            arena.bytes,
+            cap
+        );
+    }
+    for (i, b) in plan.buffers.iter().enumerate() {
+        let place = match b.placement {
+            Placement::Checkpoint => "checkpoint".to_string(),
+            Placement::Arena { space, offset } => format!("{}+{}", space.as_str(), offset),
+        };
+        let _ = writeln!(
+            out,
+            "buffer b{i} {:<12} {:>10} B at {place}",
+            b.name, b.bytes
+        );
+    }
+    for step in &plan.steps {
+        let _ = writeln!(
+            out,
+            "step {} ({} events)",
+            step.kind.as_str(),
+            step.events.len()
+        );
+        for (s, prog) in step.programs.iter().enumerate() {
+            let stream = &plan.streams[s];
+            let _ = write!(out, "  {} [{}]:", stream.name, stream.engine.as_str());
+            for instr in prog {
+                let _ = match instr {
+                    Instr::Run(t) => write!(out, " run {}", plan.tasks[t.index()].name),
+                    Instr::Record(e) => write!(out, " ; record e{}", e.0),
+                    Instr::Wait(e) => write!(out, " ; wait e{} ;", e.0),
+                };
+            }
+            let _ = writeln!(out);
+        }
+    }
+    out
+}

@@ -1,0 +1,290 @@
+//! Deterministic synthetic checkpoints in the Hugging Face Hub format.
+//!
+//! Takes a card, a seed, a dtype and a folder; writes `config.json` (the family's Hub
+//! spelling), `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards plus
+//! `model.safetensors.index.json` above [`DEFAULT_SHARD_BYTES`]) and the family's
+//! `tokenizer.json`, into a temporary folder renamed into place at the end, so a reader
+//! never sees half a checkpoint. Each tensor's values come from our own PRNG seeded by
+//! (seed, tensor name), so the bytes never change with a crate upgrade or tensor order.
+//! Scales keep activations O(1) through the layers and give the router and lm_head
+//! enough spread that generation is not degenerate.
+
+use crate::model::arch::ArchSpec;
+use crate::model::card::{ModelCard, WeightDtype};
+use crate::model::config::config_for_card;
+use crate::model::layout::{ImageBuffer, LayerLayout};
+use crate::model::names::{checkpoint_tensors, segment_source};
+use crate::model::rng::Rng;
+use crate::model::tokenizer::embedded_tokenizer_json;
+use half::{bf16, f16};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// Shard size above which the checkpoint is split (like the Hub's multi-file uploads).
+pub const DEFAULT_SHARD_BYTES: u64 = 2 << 30;
+
+/// What to write.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthOptions {
+    /// PRNG seed.
+    pub seed: u64,
+    /// Stored dtype of every tensor.
+    pub dtype: WeightDtype,
+    /// Largest shard in bytes.
+    pub max_shard_bytes: u64,
+}
+
+impl Default for SynthOptions {
+    fn default() -> Self {
+        SynthOptions {
+            seed: 0,
+            dtype: WeightDtype::Bf16,
+            max_shard_bytes: DEFAULT_SHARD_BYTES,
+        }
+    }
+}
+
+/// Problems writing a synthetic checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    /// The destination already exists.
+    #[error("{0} already exists; choose another --out or remove it")]
+    Exists(String),
+    /// A file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
+    move |source| SynthError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// FNV-1a of a name: decorrelates tensor streams independently of write order.
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// (centre, half-width) of the uniform distribution of a tensor's values.
+fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
+    let sqrt3 = 3f32.sqrt();
+    let fan_in = |n: usize| sqrt3 / (n as f32).sqrt();
+    let d = a.hidden;
+    if shape.len() == 1 {
+        return (1.0, 0.1); // norm weights around 1
+    }
+    if name.contains("embed_tokens") || name.contains("wte") {
+        (0.0, sqrt3) // unit variance embeddings
+    } else if name == "lm_head.weight" {
+        (0.0, 3.0 * fan_in(d)) // logits with std about 3
+    } else if name.contains("gate.weight") || name.contains("router") {
+        (0.0, 2.0 * fan_in(d)) // router logits with std about 2: clear but varied routing
+    } else if name.ends_with("w2.weight") || name.ends_with("mlp.w2") {
+        (0.0, fan_in(a.ffn))
+    } else if name.contains("o_proj") || name.contains("out_proj") {
+        (0.0, fan_in(a.q_dim()))
+    } else {
+        (0.0, fan_in(d))
+    }
+}
+
+/// The value stream of tensor `name` (endless; take `shape.iter().product()` values).
+fn tensor_values(
+    a: &ArchSpec,
+    name: &str,
+    shape: &[usize],
+    seed: u64,
+) -> impl Iterator<Item = f32> {
+    let (centre, half) = distribution(a, name, shape);
+    let mut rng = Rng::new(seed ^ fnv1a(name));
+    std::iter::repeat_with(move || centre + half * rng.next_signed_f32())
+}
+
+/// Layer `layer` of the synthetic checkpoint of `card`, built directly as a packed image
+/// (the same bytes `Checkpoint::copy_layer_image` would copy from the written files), for
+/// benchmarks and tests that need one large layer without writing the whole model.
+pub fn synthetic_layer_image(
+    card: &ModelCard,
+    layer: usize,
+    opts: &SynthOptions,
+) -> (LayerLayout, ImageBuffer) {
+    let arch = ArchSpec::from_card(card);
+    let layout = LayerLayout::uniform(&arch, opts.dtype);
+    let mut image = ImageBuffer::zeroed(layout.image_bytes);
+    let bytes = image.as_bytes_mut();
+    let mut buf = Vec::new();
+    for seg in &layout.segments {
+        let src = segment_source(&arch, layer, seg.kind);
+        let skip = src.rows.start * seg.cols;
+        buf.clear();
+        for v in tensor_values(&arch, &src.name, &src.shape, opts.seed)
+            .skip(skip)
+            .take(seg.rows * seg.cols)
+        {
+            encode(v, opts.dtype, &mut buf);
+        }
+        bytes[seg.range()].copy_from_slice(&buf);
+    }
+    (layout, image)
+}
+
+fn encode(v: f32, dtype: WeightDtype, out: &mut Vec<u8>) {
+    match dtype {
+        WeightDtype::Bf16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+        WeightDtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
+        WeightDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+    }
+}
+
+fn dtype_name(d: WeightDtype) -> &'static str {
+    match d {
+        WeightDtype::Bf16 => "BF16",
+        WeightDtype::F16 => "F16",
+        WeightDtype::F32 => "F32",
+    }
+}
+
+/// Writes one safetensors file holding `tensors`, values generated on the fly.
+fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    a: &ArchSpec,
+    opts: &SynthOptions,
+) -> Result<(), SynthError> {
+    let elem = opts.dtype.bytes() as usize;
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0usize;
+    for (name, shape) in tensors {
+        let bytes = shape.iter().product::<usize>() * elem;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype_name(opts.dtype), "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+    }
+    let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let file = std::fs::File::create(path).map_err(io(path))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    w.write_all(&(text.len() as u64).to_le_bytes())
+        .map_err(io(path))?;
+    w.write_all(&text).map_err(io(path))?;
+    let mut buf = Vec::with_capacity(1 << 20);
+    for (name, shape) in tensors {
+        let n: usize = shape.iter().product();
+        let mut values = tensor_values(a, name, shape, opts.seed);
+        let mut left = n;
+        while left > 0 {
+            let chunk = left.min((1 << 20) / elem);
+            buf.clear();
+            for v in values.by_ref().take(chunk) {
+                encode(v, opts.dtype, &mut buf);
+            }
+            w.write_all(&buf).map_err(io(path))?;
+            left -= chunk;
+        }
+    }
+    w.flush().map_err(io(path))?;
+    Ok(())
+}
+
+/// A fresh temporary folder next to `out` (same file system, so the rename is atomic).
+fn temp_dir_for(out: &Path) -> Result<PathBuf, SynthError> {
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io(parent))?;
+    let stem = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "checkpoint".into());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let tmp = parent.join(format!(".{stem}.tmp-{}-{nanos}", std::process::id()));
+    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+    Ok(tmp)
+}
+
+/// Writes the checkpoint of `card` to `out` (which must not exist).
+pub fn write_checkpoint(
+    card: &ModelCard,
+    out: &Path,
+    opts: &SynthOptions,
+) -> Result<(), SynthError> {
+    if out.exists() {
+        return Err(SynthError::Exists(out.display().to_string()));
+    }
+    let tmp = temp_dir_for(out)?;
+    let result =
+        write_into(card, &tmp, opts).and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_into(card: &ModelCard, dir: &Path, opts: &SynthOptions) -> Result<(), SynthError> {
+    let arch = ArchSpec::from_card(card);
+    let mut config_card = card.clone();
+    config_card.dtype = opts.dtype;
+    let config = serde_json::to_string_pretty(&config_for_card(&config_card, opts.dtype))
+        .unwrap_or_default();
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, config + "\n").map_err(io(&config_path))?;
+    let tok_path = dir.join("tokenizer.json");
+    std::fs::write(&tok_path, embedded_tokenizer_json(card)).map_err(io(&tok_path))?;
+    let tensors = checkpoint_tensors(&arch);
+    let elem = opts.dtype.bytes();
+    let size = |t: &(String, Vec<usize>)| t.1.iter().product::<usize>() as u64 * elem;
+    let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![Vec::new()];
+    let mut current = 0u64;
+    for t in tensors {
+        let bytes = size(&t);
+        if current > 0 && current + bytes > opts.max_shard_bytes {
+            shards.push(Vec::new());
+            current = 0;
+        }
+        current += bytes;
+        if let Some(last) = shards.last_mut() {
+            last.push(t);
+        }
+    }
+    if shards.len() == 1 {
+        write_safetensors(&dir.join("model.safetensors"), &shards[0], &arch, opts)?;
+        return Ok(());
+    }
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0u64;
+    for (i, shard) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        write_safetensors(&dir.join(&file), shard, &arch, opts)?;
+        for t in shard {
+            total += size(t);
+            weight_map.insert(t.0.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    let index_path = dir.join("model.safetensors.index.json");
+    std::fs::write(
+        &index_path,
+        serde_json::to_string_pretty(&index).unwrap_or_default(),
+    )
+    .map_err(io(&index_path))?;
+    Ok(())
+}

@@ -1,0 +1,265 @@
+//! The executor: runs one step of an [`ExecPlan`] with one OS thread per stream.
+//!
+//! Takes a step plan and a way to run a task; gives per-task start/end times, or the first
+//! failure. Each stream thread runs its instructions in order: `Wait` blocks on the
+//! step's event table (one mutex + condvar), `Run` runs the task (compute ops inside the
+//! stream's rayon pool), `Record` marks an event. Guarantees: on any failure every thread
+//! stops at its next instruction (waits wake up), all threads are joined before returning,
+//! and the first error is returned with the task's name and source span; a watchdog turns
+//! a wait with no progress anywhere for `watchdog` into [`ExecError::Stalled`].
+
+use crate::lower::{ExecPlan, Instr, StepPlan};
+use crate::syntax::ast::Span;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Why a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// A task failed.
+    #[error("task {task} failed: {message}")]
+    Task {
+        /// The task's name.
+        task: String,
+        /// Why.
+        message: String,
+        /// Where it is written.
+        span: Span,
+    },
+    /// No progress for the watchdog's period.
+    #[error("stream `{stream}` waited {secs:.1} s for task {task} with no progress anywhere (stalled plan)")]
+    Stalled {
+        /// The waiting stream.
+        stream: String,
+        /// The task it waited for.
+        task: String,
+        /// Seconds waited.
+        secs: f64,
+        /// Where the awaited task is written.
+        span: Span,
+    },
+    /// A stream thread could not be started.
+    #[error("cannot start a stream thread: {0}")]
+    Thread(String),
+}
+
+impl ExecError {
+    /// The schedule span of the error.
+    pub fn span(&self) -> Option<Span> {
+        match self {
+            ExecError::Task { span, .. } | ExecError::Stalled { span, .. } => Some(*span),
+            ExecError::Thread(_) => None,
+        }
+    }
+}
+
+/// One executed task.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TaskRecord {
+    /// The task.
+    pub task: u32,
+    /// The stream.
+    pub stream: u32,
+    /// Start, seconds since the executor's origin.
+    pub start: f64,
+    /// End, seconds.
+    pub end: f64,
+    /// False when its guard skipped it.
+    pub ran: bool,
+}
+
+struct Events {
+    recorded: Vec<bool>,
+    aborted: bool,
+    last_progress: Instant,
+    error: Option<ExecError>,
+}
+
+/// Runs a task; `Ok(false)` means skipped by its guard.
+pub trait TaskRunner: Sync {
+    /// Runs task `task` (index into the plan's tasks) on the calling stream thread.
+    fn run_task(&self, task: u32) -> Result<bool, String>;
+}
+
+/// Executor settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ExecOptions {
+    /// A wait with no progress anywhere for this long is a stall.
+    pub watchdog: Duration,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            watchdog: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Runs one step; `origin` anchors the recorded times.
+pub fn run_step(
+    plan: &ExecPlan,
+    step: &StepPlan,
+    runner: &dyn TaskRunner,
+    options: ExecOptions,
+    origin: Instant,
+) -> Result<Vec<TaskRecord>, ExecError> {
+    let events = Mutex::new(Events {
+        recorded: vec![false; step.events.len()],
+        aborted: false,
+        last_progress: Instant::now(),
+        error: None,
+    });
+    let cond = Condvar::new();
+    let mut records = Vec::new();
+    std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for (s, program) in step.programs.iter().enumerate() {
+            if program.is_empty() {
+                continue;
+            }
+            let (events, cond) = (&events, &cond);
+            let builder =
+                std::thread::Builder::new().name(format!("moec-{}", plan.streams[s].name));
+            let handle = builder
+                .spawn_scoped(scope, move || {
+                    stream_thread(
+                        plan, step, s, program, runner, events, cond, options, origin,
+                    )
+                })
+                .map_err(|e| ExecError::Thread(e.to_string()));
+            match handle {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    abort(events, cond, e);
+                    break;
+                }
+            }
+        }
+        for h in handles {
+            // A panicking stream thread is a bug; report it as a failure of the step.
+            match h.join() {
+                Ok(r) => records.extend(r),
+                Err(_) => abort(
+                    &events,
+                    &cond,
+                    ExecError::Thread("a stream thread panicked".into()),
+                ),
+            }
+        }
+    });
+    let state = events.into_inner().unwrap_or_else(|e| e.into_inner());
+    match state.error {
+        Some(e) => Err(e),
+        None => Ok(records),
+    }
+}
+
+fn abort(events: &Mutex<Events>, cond: &Condvar, error: ExecError) {
+    let mut ev = events.lock().unwrap_or_else(|e| e.into_inner());
+    if ev.error.is_none() {
+        ev.error = Some(error);
+    }
+    ev.aborted = true;
+    cond.notify_all();
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_thread(
+    plan: &ExecPlan,
+    step: &StepPlan,
+    stream: usize,
+    program: &[Instr],
+    runner: &dyn TaskRunner,
+    events: &Mutex<Events>,
+    cond: &Condvar,
+    options: ExecOptions,
+    origin: Instant,
+) -> Vec<TaskRecord> {
+    let mut records = Vec::new();
+    for instr in program {
+        match *instr {
+            Instr::Wait(e) => {
+                let mut ev = events.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if ev.aborted {
+                        return records;
+                    }
+                    if ev.recorded.get(e.0 as usize).copied().unwrap_or(true) {
+                        break;
+                    }
+                    let idle = ev.last_progress.elapsed();
+                    if idle >= options.watchdog {
+                        let task = step
+                            .events
+                            .get(e.0 as usize)
+                            .map(|t| t.index())
+                            .unwrap_or(0);
+                        let error = ExecError::Stalled {
+                            stream: plan.streams[stream].name.clone(),
+                            task: plan
+                                .tasks
+                                .get(task)
+                                .map(|t| t.name.clone())
+                                .unwrap_or_default(),
+                            secs: idle.as_secs_f64(),
+                            span: plan.tasks.get(task).map(|t| t.span).unwrap_or_default(),
+                        };
+                        drop(ev);
+                        abort(events, cond, error);
+                        return records;
+                    }
+                    let wait = options.watchdog - idle;
+                    ev = cond
+                        .wait_timeout(ev, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+            Instr::Record(e) => {
+                let mut ev = events.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(r) = ev.recorded.get_mut(e.0 as usize) {
+                    *r = true;
+                }
+                cond.notify_all();
+            }
+            Instr::Run(t) => {
+                if events.lock().unwrap_or_else(|e| e.into_inner()).aborted {
+                    return records;
+                }
+                let start = origin.elapsed().as_secs_f64();
+                let outcome = runner.run_task(t.0);
+                let end = origin.elapsed().as_secs_f64();
+                match outcome {
+                    Ok(ran) => {
+                        records.push(TaskRecord {
+                            task: t.0,
+                            stream: stream as u32,
+                            start,
+                            end,
+                            ran,
+                        });
+                        events
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .last_progress = Instant::now();
+                    }
+                    Err(message) => {
+                        let task = &plan.tasks[t.index()];
+                        abort(
+                            events,
+                            cond,
+                            ExecError::Task {
+                                task: task.name.clone(),
+                                message,
+                                span: task.span,
+                            },
+                        );
+                        return records;
+                    }
+                }
+            }
+        }
+    }
+    records
+}

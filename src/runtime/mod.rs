@@ -1,0 +1,513 @@
+//! The runtime: executes a lowered plan as real MoE inference (the generation driver).
+//!
+//! Takes an [`ExecPlan`], a checkpoint and prompts as token ids; gives per prompt the
+//! generated ids, and a [`RunStats`] with the measured timeline of every task. Requests are
+//! batched into the plan's micro-batches ([`batching`]); for a plan with `prefill` and
+//! `decode` steps, each batch is prefilled once and the decode step is repeated until every
+//! sequence has stopped (EOS or length); a plan with one mixed `step` (VSLPipe) repeats it,
+//! admitting waiting prompts into free sequence slots while others decode, under the
+//! micro-batch's token cap and KV capacity. Guarded tasks are skipped from the real
+//! routing; `hot(i, k)` follows a running expert-correlation predictor.
+
+pub mod arena;
+pub mod batching;
+pub mod cpu;
+pub mod executor;
+pub mod ops;
+pub mod report;
+pub mod state;
+pub mod weights;
+pub mod workload;
+
+use crate::ir::{Engine, Op, Role};
+use crate::lower::ExecPlan;
+use crate::model::arch::ArchSpec;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::kernels::rope::RopeTable;
+use crate::model::kernels::sampling::Sampling;
+use crate::model::rng::Rng;
+use crate::syntax::ast::{Span, StepKind};
+use batching::{admit, block_size, UbCapacity};
+use cpu::{CpuMemory, MemoryError, MemoryOptions};
+use executor::{run_step, ExecError, ExecOptions, TaskRecord, TaskRunner};
+use ops::OpContext;
+use state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The backend could not set up its memory.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A step failed (task error, stall).
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// A rayon pool could not be built.
+    #[error("cannot build a thread pool: {0}")]
+    Pool(String),
+    /// The plan lacks steps the driver needs.
+    #[error("schedule `{0}` has neither `prefill` + `decode` steps nor a mixed `step`")]
+    Steps(String),
+    /// A prompt that can never be admitted.
+    #[error("prompt {index} ({tokens} tokens + {gen_len} to generate) fits in no micro-batch of this schedule (largest: {max_tokens} tokens per step, KV for {kv_tokens}); compile it for a longer prompt_len")]
+    PromptTooLarge {
+        /// Prompt index.
+        index: usize,
+        /// Its tokens.
+        tokens: usize,
+        /// Tokens to generate.
+        gen_len: usize,
+        /// Largest token cap of a micro-batch.
+        max_tokens: usize,
+        /// Largest KV capacity of a micro-batch.
+        kv_tokens: usize,
+    },
+    /// An empty prompt.
+    #[error("prompt {0} is empty")]
+    EmptyPrompt(usize),
+}
+
+impl RunError {
+    /// The schedule span the error points at, if any.
+    pub fn span(&self) -> Option<Span> {
+        match self {
+            RunError::Exec(e) => e.span(),
+            _ => None,
+        }
+    }
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Tokens to generate per prompt at most.
+    pub max_new_tokens: usize,
+    /// Greedy or temperature/top-p.
+    pub sampling: Sampling,
+    /// Sampler seed (sequence `i` uses the same stream as the oracle's sequence `i`).
+    pub seed: u64,
+    /// Stop a sequence at the card's EOS token.
+    pub stop_at_eos: bool,
+    /// Threads of each compute pool (`gpu.compute` emulation and `cpu.compute`).
+    pub threads: usize,
+    /// Backend memory options (link throttle, device capacity).
+    pub memory: MemoryOptions,
+    /// Stall detection.
+    pub exec: ExecOptions,
+    /// Test hook: fail this task (by index) on its n-th run (1-based), as if its kernel
+    /// had failed.
+    pub kill_task: Option<(u32, u32)>,
+}
+
+impl RunOptions {
+    /// Greedy generation of `max_new_tokens`, stopping at EOS, default threads.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        RunOptions {
+            max_new_tokens,
+            sampling: Sampling::Greedy,
+            seed: 0,
+            stop_at_eos: true,
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            memory: MemoryOptions::default(),
+            exec: ExecOptions::default(),
+            kill_task: None,
+        }
+    }
+}
+
+/// One executed step.
+#[derive(Debug, Clone)]
+pub struct StepRecord {
+    /// The step's kind.
+    pub kind: StepKind,
+    /// Wall time start/end (seconds from the run's origin).
+    pub start: f64,
+    /// End.
+    pub end: f64,
+    /// Prompt tokens it processed.
+    pub prefill_tokens: usize,
+    /// Decode tokens it processed.
+    pub decode_tokens: usize,
+    /// Its tasks.
+    pub tasks: Vec<TaskRecord>,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Default)]
+pub struct RunStats {
+    /// Every step in order.
+    pub steps: Vec<StepRecord>,
+    /// Whole run, seconds.
+    pub wall: f64,
+    /// Whether the pinned arena was page-locked.
+    pub pinned_locked: bool,
+    /// Bytes of the gpu, pinned and host arenas, and of the weights image.
+    pub arena_bytes: [u64; 3],
+    /// Bytes of the weights image.
+    pub image_bytes: u64,
+}
+
+/// The output of one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunOutput {
+    /// Generated ids (the EOS that stopped it included).
+    pub token_ids: Vec<u32>,
+}
+
+struct Runner<'a> {
+    plan: &'a ExecPlan,
+    ctx: OpContext<'a>,
+    gpu_pool: &'a rayon::ThreadPool,
+    cpu_pool: &'a rayon::ThreadPool,
+    kill: Option<(u32, u32)>,
+    kill_count: AtomicU32,
+}
+
+impl TaskRunner for Runner<'_> {
+    fn run_task(&self, task: u32) -> Result<bool, String> {
+        let t = &self.plan.tasks[task as usize];
+        if let Some((kill, nth)) = self.kill {
+            if kill == task && self.kill_count.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+                return Err("killed by the test hook".into());
+            }
+        }
+        if !self.ctx.guard_holds(t) {
+            return Ok(false);
+        }
+        let run = || self.ctx.run(t).map_err(|e| e.to_string());
+        match t.engine {
+            Engine::GpuCompute => self.gpu_pool.install(run)?,
+            Engine::CpuCompute => self.cpu_pool.install(run)?,
+            _ => run()?,
+        }
+        Ok(true)
+    }
+}
+
+/// Capacities of each micro-batch in a step (token cap from the `h` arguments, KV tokens
+/// from the `kv` arguments of attention tasks anywhere in the plan).
+fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
+    let card = &plan.program.model;
+    let n_ubs = plan.program.micro_batches.count as usize;
+    let size = plan.program.micro_batches.size as usize;
+    let mut caps = vec![
+        UbCapacity {
+            seqs: size,
+            tokens: usize::MAX,
+            kv_tokens: usize::MAX
+        };
+        n_ubs
+    ];
+    let token_bytes = (card.hidden * 4).max(1);
+    let kv_token_bytes = (card.kv_elems_per_token_layer() * 4).max(1);
+    let range = {
+        let s = &plan.program.steps[step];
+        s.first as usize..(s.first + s.count) as usize
+    };
+    for (i, task) in plan.tasks.iter().enumerate() {
+        let Some(ub) = task.op.ub().map(|u| u as usize).filter(|u| *u < n_ubs) else {
+            continue;
+        };
+        for arg in &task.args {
+            if arg.role == Role::H && range.contains(&i) && !matches!(task.op, Op::LmHead { .. }) {
+                caps[ub].tokens = caps[ub].tokens.min((arg.len / token_bytes) as usize);
+            }
+            if arg.role == Role::Kv && matches!(task.op, Op::Attn { .. }) {
+                caps[ub].kv_tokens = caps[ub].kv_tokens.min((arg.len / kv_token_bytes) as usize);
+            }
+        }
+    }
+    for c in &mut caps {
+        if c.tokens == usize::MAX {
+            c.tokens = 0;
+        }
+        if c.kv_tokens == usize::MAX {
+            c.kv_tokens = 0;
+        }
+    }
+    caps
+}
+
+struct Seq {
+    request: usize,
+    ub: usize,
+    block_table: Vec<u32>,
+    generated: Vec<u32>,
+    prompt_done: bool,
+}
+
+/// Runs `plan` over `prompts` (token ids) and returns the outputs in prompt order.
+/// `progress` is called after every step with (tokens generated so far, tokens at most).
+pub fn generate(
+    plan: &ExecPlan,
+    checkpoint: &Checkpoint,
+    prompts: &[Vec<u32>],
+    options: &RunOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Vec<RunOutput>, RunStats), RunError> {
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(RunError::EmptyPrompt(i));
+        }
+    }
+    let step_idx = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
+    let mode = match (
+        step_idx(StepKind::Prefill),
+        step_idx(StepKind::Decode),
+        step_idx(StepKind::Mixed),
+    ) {
+        (Some(p), Some(d), _) => (p, d, false),
+        (_, _, Some(m)) => (m, m, true),
+        _ => return Err(RunError::Steps(plan.name.clone())),
+    };
+    let (prefill_step, decode_step, mixed) = mode;
+    let memory = CpuMemory::new(plan, checkpoint, options.memory)?;
+    let card = &plan.program.model;
+    let arch = ArchSpec::from_card(card);
+    let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+    let pool = |name: &'static str| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(options.threads.max(1))
+            .thread_name(move |i| format!("moec-{name}-{i}"))
+            .build()
+            .map_err(|e| RunError::Pool(e.to_string()))
+    };
+    let (gpu_pool, cpu_pool) = (pool("gpu")?, pool("cpu")?);
+    let n_ubs = plan.program.micro_batches.count as usize;
+    let rngs = (0..prompts.len())
+        .map(|i| Rng::new(options.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+        .collect();
+    let mut state = StepState::new(n_ubs, options.sampling, rngs);
+    state.predictor = HotPredictor::new(arch.layers, arch.experts);
+    let prefill_caps = capacities(plan, prefill_step);
+    let gen_len = options.max_new_tokens;
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    for (index, &len) in lens.iter().enumerate() {
+        let ok = prefill_caps.iter().any(|c| {
+            c.seqs > 0 && len <= c.tokens && block_size(c.kv_tokens, &[len + gen_len]).is_some()
+        });
+        if !ok {
+            let max_tokens = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
+            let kv_tokens = prefill_caps.iter().map(|c| c.kv_tokens).max().unwrap_or(0);
+            return Err(RunError::PromptTooLarge {
+                index,
+                tokens: len,
+                gen_len,
+                max_tokens,
+                kv_tokens,
+            });
+        }
+    }
+    let mut outputs: Vec<RunOutput> = prompts
+        .iter()
+        .map(|_| RunOutput {
+            token_ids: Vec::new(),
+        })
+        .collect();
+    let mut stats = RunStats {
+        pinned_locked: memory.pinned_locked(),
+        ..RunStats::default()
+    };
+    let (arena_bytes, image_bytes) = memory.sizes();
+    stats.arena_bytes = arena_bytes;
+    stats.image_bytes = image_bytes;
+    let origin = Instant::now();
+    let mut waiting: Vec<usize> = (0..prompts.len()).collect();
+    let mut running: Vec<Seq> = Vec::new();
+    // Per ub: block size and free blocks (reset when a static batch starts).
+    let mut ub_blocks: Vec<(usize, Vec<u32>)> = vec![(16, Vec::new()); n_ubs];
+    let total_tokens = prompts.len() * gen_len;
+    let mut produced = 0usize;
+    let kill_count = AtomicU32::new(0);
+    if gen_len == 0 {
+        return Ok((outputs, stats));
+    }
+    if let Some(setup) = plan.steps.iter().position(|s| s.kind == StepKind::Setup) {
+        let runner = Runner {
+            plan,
+            ctx: OpContext {
+                arch: &arch,
+                rope: &rope,
+                memory: &memory,
+                state: &state,
+                dtype: card.dtype,
+            },
+            gpu_pool: &gpu_pool,
+            cpu_pool: &cpu_pool,
+            kill: options.kill_task,
+            kill_count: AtomicU32::new(0),
+        };
+        let start = origin.elapsed().as_secs_f64();
+        let tasks = run_step(plan, &plan.steps[setup], &runner, options.exec, origin)?;
+        kill_count.store(runner.kill_count.load(Ordering::SeqCst), Ordering::SeqCst);
+        let end = origin.elapsed().as_secs_f64();
+        stats.steps.push(StepRecord {
+            kind: StepKind::Setup,
+            start,
+            end,
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            tasks,
+        });
+    }
+    while !waiting.is_empty() || !running.is_empty() {
+        // Admission: static batches admit only into an empty plan; mixed plans any time.
+        if running.is_empty() || mixed {
+            let mut caps = prefill_caps.clone();
+            for (u, cap) in caps.iter_mut().enumerate() {
+                let used: Vec<&Seq> = running.iter().filter(|s| s.ub == u).collect();
+                cap.seqs = cap.seqs.saturating_sub(used.len());
+                let free_blocks = ub_blocks[u].1.len();
+                cap.kv_tokens = if used.is_empty() {
+                    cap.kv_tokens
+                } else {
+                    free_blocks * ub_blocks[u].0
+                };
+                // Decode tokens of running sequences share the step's token cap.
+                cap.tokens = cap.tokens.saturating_sub(used.len());
+            }
+            let (batch, left) = admit(&lens, &waiting, gen_len, &caps);
+            for (u, reqs) in batch.iter().enumerate() {
+                if reqs.is_empty() {
+                    continue;
+                }
+                let fresh = !running.iter().any(|s| s.ub == u);
+                if fresh {
+                    let budgets: Vec<usize> = reqs.iter().map(|&r| lens[r] + gen_len).collect();
+                    let kv_tokens = prefill_caps[u].kv_tokens;
+                    let b = if mixed {
+                        // Fixed for the run: room for a full micro-batch of worst-case sequences.
+                        let worst = vec![
+                            plan.program.workload.prompt_len as usize + gen_len;
+                            prefill_caps[u].seqs
+                        ];
+                        block_size(kv_tokens, &worst)
+                            .or_else(|| block_size(kv_tokens, &budgets))
+                            .unwrap_or(1)
+                    } else {
+                        block_size(kv_tokens, &budgets).unwrap_or(1)
+                    };
+                    ub_blocks[u] = (b, (0..(kv_tokens / b) as u32).rev().collect());
+                }
+                let (b, free) = &mut ub_blocks[u];
+                for &r in reqs {
+                    let needed = (lens[r] + gen_len).div_ceil(*b);
+                    let at = free.len().saturating_sub(needed);
+                    let mut table: Vec<u32> = free.split_off(at);
+                    table.reverse();
+                    running.push(Seq {
+                        request: r,
+                        ub: u,
+                        block_table: table,
+                        generated: Vec::new(),
+                        prompt_done: false,
+                    });
+                }
+            }
+            waiting = left;
+        }
+        if running.is_empty() {
+            break;
+        }
+        // Build the step's micro-batches.
+        let any_prefill = running.iter().any(|s| !s.prompt_done);
+        let step = if any_prefill {
+            prefill_step
+        } else {
+            decode_step
+        };
+        state.reset_step();
+        for ub in state.ubs.iter_mut() {
+            *ub = MicroBatchState::default();
+        }
+        running.sort_by_key(|s| (s.ub, s.request));
+        let (mut n_prefill, mut n_decode) = (0, 0);
+        for s in &running {
+            let mb = &mut state.ubs[s.ub];
+            mb.block_size = ub_blocks[s.ub].0;
+            let (context_len, new_tokens, prefill) = if s.prompt_done {
+                n_decode += 1;
+                (
+                    lens[s.request] + s.generated.len() - 1,
+                    vec![*s.generated.last().unwrap_or(&0)],
+                    false,
+                )
+            } else {
+                n_prefill += lens[s.request];
+                (0, prompts[s.request].clone(), true)
+            };
+            mb.seqs.push(SeqSlot {
+                request: s.request,
+                context_len,
+                new_tokens,
+                block_table: s.block_table.clone(),
+                prefill,
+            });
+        }
+        let runner = Runner {
+            plan,
+            ctx: OpContext {
+                arch: &arch,
+                rope: &rope,
+                memory: &memory,
+                state: &state,
+                dtype: card.dtype,
+            },
+            gpu_pool: &gpu_pool,
+            cpu_pool: &cpu_pool,
+            kill: options.kill_task,
+            kill_count: AtomicU32::new(kill_count.load(Ordering::SeqCst)),
+        };
+        let start = origin.elapsed().as_secs_f64();
+        let result = run_step(plan, &plan.steps[step], &runner, options.exec, origin);
+        kill_count.store(runner.kill_count.load(Ordering::SeqCst), Ordering::SeqCst);
+        let tasks = result?;
+        let end = origin.elapsed().as_secs_f64();
+        stats.steps.push(StepRecord {
+            kind: plan.steps[step].kind,
+            start,
+            end,
+            prefill_tokens: n_prefill,
+            decode_tokens: n_decode,
+            tasks,
+        });
+        // Collect the sampled tokens.
+        let sampled = std::mem::take(&mut *lock(&state.sampled));
+        let routing = std::mem::take(&mut *lock(&state.routing));
+        state.predictor.update(&routing);
+        let mut row_in_ub = vec![0usize; n_ubs];
+        let mut still = Vec::new();
+        for mut s in running.drain(..) {
+            let k = row_in_ub[s.ub];
+            row_in_ub[s.ub] += 1;
+            let token = sampled.get(&(s.ub as u32)).and_then(|t| t.get(k)).copied();
+            let Some(token) = token else {
+                return Err(RunError::Exec(ExecError::Task {
+                    task: format!("sample(ub={})", s.ub),
+                    message: "the step produced no token for this sequence (does the schedule sample every micro-batch?)".into(),
+                    span: Span::default(),
+                }));
+            };
+            s.prompt_done = true;
+            s.generated.push(token);
+            produced += 1;
+            let eos = options.stop_at_eos && token == card.eos_token_id;
+            if eos || s.generated.len() >= gen_len {
+                outputs[s.request].token_ids = std::mem::take(&mut s.generated);
+                produced += gen_len - outputs[s.request].token_ids.len();
+                let free = &mut ub_blocks[s.ub].1;
+                free.extend(s.block_table.drain(..).rev());
+            } else {
+                still.push(s);
+            }
+        }
+        running = still;
+        progress(produced.min(total_tokens), total_tokens);
+    }
+    stats.wall = origin.elapsed().as_secs_f64();
+    Ok((outputs, stats))
+}

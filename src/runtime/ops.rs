@@ -1,0 +1,597 @@
+//! The CPU backend's ops: each catalog op applied to views of its arguments, by calling
+//! the model's kernels (the same ones the oracle composes; no second copy of the math).
+//!
+//! Takes a task, the step's state and the backend memory; gives the task's effect on its
+//! output arguments (and on the step state: routing, gate workspace, sampled tokens), or
+//! an [`OpError`] naming what is wrong. Activations are f32 rows in the order of the
+//! micro-batch's sequences; a KV cache slice is `[K pool | V pool]` in the model's paged
+//! block layout; a routing slice is `(expert: u32, weight: f32)` per token and slot.
+
+use super::cpu::{CpuMemory, MemoryError, View};
+use super::state::{lock, StepState};
+use super::weights::WeightTag;
+use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
+use crate::lower::{PlanArg, PlanTask};
+use crate::model::arch::ArchSpec;
+use crate::model::card::Family;
+use crate::model::kernels::attention::{attention, AttnSeq};
+use crate::model::kernels::head::{embed, logits};
+use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+use crate::model::kernels::moe::{combine, expert_ffn, gate, Routing};
+use crate::model::kernels::projection::{o_proj_residual, pre_attn};
+use crate::model::kernels::rope::RopeTable;
+use crate::model::kernels::sampling::sample;
+use crate::model::kernels::KernelError;
+use crate::model::layout::SegmentKind;
+use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+use crate::model::weights::{DenseWeights, ExpertWeights, QkvWeights};
+
+/// Why an op failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// A view could not be made.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A kernel refused its inputs.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A weight the op needs is not wholly inside its `w` arguments.
+    #[error("{tag} is not (wholly) in the task's `w` argument(s)")]
+    MissingWeight {
+        /// The tensor.
+        tag: WeightTag,
+    },
+    /// An argument the op needs is absent.
+    #[error("missing `{0}` argument")]
+    MissingArg(&'static str),
+    /// An activation argument too small for the micro-batch.
+    #[error("`{role}` holds {got} bytes but this micro-batch needs {needed}")]
+    TooSmall {
+        /// The argument.
+        role: &'static str,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        got: u64,
+    },
+    /// Bytes that are not whole f32s/u32s at an aligned address.
+    #[error("`{0}` is not 4-byte aligned")]
+    Align(&'static str),
+    /// A copy between slices of different lengths.
+    #[error("copy of {src} bytes into {dst}")]
+    CopyLength {
+        /// Source bytes.
+        src: u64,
+        /// Destination bytes.
+        dst: u64,
+    },
+    /// A micro-batch index past the step's micro-batches.
+    #[error("micro-batch {0} does not exist in this run")]
+    Ub(u32),
+}
+
+/// What ops need besides memory and state.
+#[derive(Debug)]
+pub struct OpContext<'a> {
+    /// Kernel-facing architecture.
+    pub arch: &'a ArchSpec,
+    /// Rotary tables.
+    pub rope: &'a RopeTable,
+    /// Backend memory.
+    pub memory: &'a CpuMemory,
+    /// The step state.
+    pub state: &'a StepState,
+    /// Stored dtype of the embedding, final norm and lm_head.
+    pub dtype: crate::model::card::WeightDtype,
+}
+
+fn f32s<'a>(bytes: &'a [u8], role: &'static str) -> Result<&'a [f32], OpError> {
+    bytemuck::try_cast_slice(bytes).map_err(|_| OpError::Align(role))
+}
+
+fn f32s_mut<'a>(bytes: &'a mut [u8], role: &'static str) -> Result<&'a mut [f32], OpError> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| OpError::Align(role))
+}
+
+impl OpContext<'_> {
+    fn resolve_expert(&self, expert: ExpertRef) -> u32 {
+        match expert {
+            ExpertRef::Index(e) => e,
+            ExpertRef::Hot { layer, rank } => {
+                self.state.hot_expert(layer, rank, self.arch.experts as u32)
+            }
+        }
+    }
+
+    /// Resolves every argument of a task.
+    pub fn views(&self, task: &PlanTask) -> Result<Vec<(PlanArg, View)>, OpError> {
+        task.args
+            .iter()
+            .map(|a| {
+                let expert = a.dynamic_expert.map(|e| self.resolve_expert(e));
+                Ok((*a, self.memory.view(task, a, expert)?))
+            })
+            .collect()
+    }
+
+    /// Whether the task's guard holds (unknown routing counts as true: running a guarded
+    /// task that turns out idle is harmless, skipping a needed one is not).
+    pub fn guard_holds(&self, task: &PlanTask) -> bool {
+        task.guard.lits.iter().all(|lit| {
+            let crate::ir::GuardAtom::Active { layer, expert, ub } = lit.atom;
+            let expert = self.resolve_expert(expert);
+            match self.state.is_active(layer, expert, ub) {
+                Some(active) => active != lit.negated,
+                None => true,
+            }
+        })
+    }
+
+    /// Runs one task.
+    pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
+        let args = self.views(task)?;
+        let get = |role: Role| args.iter().find(|(a, _)| a.role == role).map(|(_, v)| *v);
+        let need = |role: Role| get(role).ok_or(OpError::MissingArg(role.as_str()));
+        let weights: Vec<View> = args
+            .iter()
+            .filter(|(a, _)| a.role == Role::W)
+            .map(|(_, v)| *v)
+            .collect();
+        match task.op {
+            Op::Copy => {
+                let (src, dst) = (need(Role::Src)?, need(Role::Dst)?);
+                if src.len != dst.len {
+                    return Err(OpError::CopyLength {
+                        src: src.len,
+                        dst: dst.len,
+                    });
+                }
+                self.memory.copy(task.engine, src, dst)?;
+                return Ok(());
+            }
+            Op::Embed { ub } => {
+                let mb = self.ub(ub)?;
+                let ids = mb.token_ids();
+                let table = self.matrix(
+                    &weights,
+                    WeightTag::Embed,
+                    self.arch.vocab,
+                    self.arch.hidden,
+                )?;
+                let h = self.act_mut(need(Role::H)?, "h", ids.len() * self.arch.hidden)?;
+                embed(&table, &ids, h)?;
+            }
+            Op::PreAttn { layer, ub } => {
+                let mb = self.ub(ub)?;
+                let positions = mb.positions();
+                let n = positions.len();
+                let dense = self.dense(&weights, layer, &[SegmentKind::AttnNorm])?;
+                let x = self.act(need(Role::H)?, "h", n * self.arch.hidden)?;
+                let out = self.act_mut(need(Role::Out)?, "out", n * self.arch.attn.qkv_width())?;
+                let mut x_norm = vec![0.0f32; n * self.arch.hidden];
+                pre_attn(
+                    self.arch,
+                    &dense,
+                    self.rope,
+                    x,
+                    &positions,
+                    &mut x_norm,
+                    out,
+                )?;
+            }
+            Op::Attn { layer: _, ub, part } => self.attn(
+                ub,
+                part,
+                need(Role::Qkv)?,
+                need(Role::Kv)?,
+                need(Role::Out)?,
+            )?,
+            Op::OProj { layer, ub } => {
+                let n = self.ub(ub)?.n_tokens();
+                let dense = self.dense(&weights, layer, &[SegmentKind::OProj])?;
+                let a = self.act(need(Role::A)?, "a", n * self.arch.q_dim())?;
+                let h = self.act_mut(need(Role::H)?, "h", n * self.arch.hidden)?;
+                o_proj_residual(self.arch, &dense, a, h)?;
+            }
+            Op::Gate { layer, ub } => {
+                let n = self.ub(ub)?.n_tokens();
+                let dense = self.dense(
+                    &weights,
+                    layer,
+                    &[SegmentKind::FfnNorm, SegmentKind::Router],
+                )?;
+                let h = self.act(need(Role::H)?, "h", n * self.arch.hidden)?;
+                let mut x_norm = vec![0.0f32; n * self.arch.hidden];
+                let routing = gate(self.arch, &dense, h, &mut x_norm)?;
+                self.write_routing(need(Role::Route)?, &routing)?;
+                let acc = need(Role::Acc)?;
+                let slots_len = n * self.arch.top_k * self.arch.hidden;
+                if acc.len >= (slots_len * 4) as u64 {
+                    self.act_mut(acc, "acc", slots_len)?.fill(0.0);
+                } else {
+                    self.act_mut(acc, "acc", n * self.arch.hidden)?.fill(0.0);
+                    lock(&self.state.slots).insert((layer, ub), vec![0.0; slots_len]);
+                }
+                lock(&self.state.x_norm).insert((layer, ub), x_norm);
+                lock(&self.state.routing).insert((layer, ub), routing);
+            }
+            Op::Experts { layer, ub, set } => {
+                let n = self.ub(ub)?.n_tokens();
+                let routing = self.read_routing(need(Role::Route)?, n)?;
+                let x_norm = lock(&self.state.x_norm).get(&(layer, ub)).cloned();
+                let Some(x_norm) = x_norm else {
+                    return Err(OpError::MissingArg("gate workspace (run `gate` first)"));
+                };
+                let groups = routing.by_expert(self.arch.experts);
+                let slots_len = n * self.arch.top_k * self.arch.hidden;
+                let acc = need(Role::Acc)?;
+                let mut workspace = lock(&self.state.slots);
+                let slots: &mut [f32] = if acc.len >= (slots_len * 4) as u64 {
+                    self.act_mut(acc, "acc", slots_len)?
+                } else {
+                    workspace
+                        .entry((layer, ub))
+                        .or_insert_with(|| vec![0.0; slots_len])
+                };
+                for e in self.members(set) {
+                    let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let expert = self.expert(&weights, layer, e as usize)?;
+                    expert_ffn(self.arch, &expert, &x_norm, rows, slots)?;
+                }
+            }
+            Op::Combine { layer, ub } => {
+                let n = self.ub(ub)?.n_tokens();
+                let slots_len = n * self.arch.top_k * self.arch.hidden;
+                let routing = lock(&self.state.routing).get(&(layer, ub)).cloned();
+                let Some(routing) = routing else {
+                    return Err(OpError::MissingArg("routing (run `gate` first)"));
+                };
+                let acc = need(Role::Acc)?;
+                let h = self.act_mut(need(Role::H)?, "h", n * self.arch.hidden)?;
+                if acc.len >= (slots_len * 4) as u64 {
+                    combine(&routing, self.act(acc, "acc", slots_len)?, h)?;
+                } else {
+                    let workspace = lock(&self.state.slots);
+                    let slots = workspace
+                        .get(&(layer, ub))
+                        .map(Vec::as_slice)
+                        .unwrap_or(&[]);
+                    combine(&routing, slots, h)?;
+                }
+            }
+            Op::PostAttn { layer, ub } => {
+                let n = self.ub(ub)?.n_tokens();
+                let d = self.arch.hidden;
+                let dense = self.dense(
+                    &weights,
+                    layer,
+                    &[
+                        SegmentKind::OProj,
+                        SegmentKind::FfnNorm,
+                        SegmentKind::Router,
+                    ],
+                )?;
+                let a = self.act(need(Role::A)?, "a", n * self.arch.q_dim())?;
+                let h = self.act_mut(need(Role::H)?, "h", n * d)?;
+                o_proj_residual(self.arch, &dense, a, h)?;
+                let mut x_norm = vec![0.0f32; n * d];
+                let routing = gate(self.arch, &dense, h, &mut x_norm)?;
+                let mut slots = vec![0.0f32; n * self.arch.top_k * d];
+                for (e, rows) in routing.by_expert(self.arch.experts).iter().enumerate() {
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let expert = self.expert(&weights, layer, e)?;
+                    expert_ffn(self.arch, &expert, &x_norm, rows, &mut slots)?;
+                }
+                combine(&routing, &slots, h)?;
+                lock(&self.state.routing).insert((layer, ub), routing);
+            }
+            Op::LmHead { ub } => {
+                let mb = self.ub(ub)?;
+                let d = self.arch.hidden;
+                let h = self.act(need(Role::H)?, "h", mb.n_tokens() * d)?;
+                let mut last = Vec::with_capacity(mb.seqs.len() * d);
+                let mut row = 0;
+                for s in &mb.seqs {
+                    row += s.new_tokens.len();
+                    last.extend_from_slice(&h[(row - 1) * d..row * d]);
+                }
+                let norm = self.vector(&weights, WeightTag::FinalNorm)?;
+                let head = self.matrix(&weights, WeightTag::LmHead, self.arch.vocab, d)?;
+                let out = self.act_mut(
+                    need(Role::Logits)?,
+                    "logits",
+                    mb.seqs.len() * self.arch.vocab,
+                )?;
+                logits(self.arch, norm, &head, &last, out)?;
+            }
+            Op::Sample { ub } => {
+                let mb = self.ub(ub)?;
+                let vocab = self.arch.vocab;
+                let l = self.act(need(Role::Logits)?, "logits", mb.seqs.len() * vocab)?;
+                let out_view = need(Role::Tokens)?;
+                let out = self.bytes_mut_sized(out_view, "tokens", mb.seqs.len() * 4)?;
+                let ids: &mut [u32] =
+                    bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
+                let mut rngs = lock(&self.state.rngs);
+                let mut tokens = Vec::with_capacity(mb.seqs.len());
+                for (k, s) in mb.seqs.iter().enumerate() {
+                    let row = &l[k * vocab..(k + 1) * vocab];
+                    let token = match rngs.get_mut(s.request) {
+                        Some(rng) => sample(row, &self.state.sampling, rng),
+                        None => crate::model::kernels::sampling::argmax(row),
+                    };
+                    ids[k] = token;
+                    tokens.push(token);
+                }
+                lock(&self.state.sampled).insert(ub, tokens);
+            }
+        }
+        for (a, v) in &args {
+            if a.access.writes() {
+                self.memory.clobber(*v);
+            }
+        }
+        Ok(())
+    }
+
+    fn ub(&self, ub: u32) -> Result<&super::state::MicroBatchState, OpError> {
+        self.state.ubs.get(ub as usize).ok_or(OpError::Ub(ub))
+    }
+
+    fn members(&self, set: ExpertSet) -> Vec<u32> {
+        set.members(self.arch.experts as u64)
+            .into_iter()
+            .map(|e| self.resolve_expert(e))
+            .collect()
+    }
+
+    fn bytes_sized(&self, view: View, role: &'static str, needed: usize) -> Result<&[u8], OpError> {
+        if (needed as u64) > view.len {
+            return Err(OpError::TooSmall {
+                role,
+                needed: needed as u64,
+                got: view.len,
+            });
+        }
+        Ok(self.memory.bytes(View {
+            len: needed as u64,
+            ..view
+        })?)
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn bytes_mut_sized(
+        &self,
+        view: View,
+        role: &'static str,
+        needed: usize,
+    ) -> Result<&mut [u8], OpError> {
+        if (needed as u64) > view.len {
+            return Err(OpError::TooSmall {
+                role,
+                needed: needed as u64,
+                got: view.len,
+            });
+        }
+        Ok(self.memory.bytes_mut(View {
+            len: needed as u64,
+            ..view
+        })?)
+    }
+
+    fn act(&self, view: View, role: &'static str, elems: usize) -> Result<&[f32], OpError> {
+        f32s(self.bytes_sized(view, role, elems * 4)?, role)
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn act_mut(&self, view: View, role: &'static str, elems: usize) -> Result<&mut [f32], OpError> {
+        f32s_mut(self.bytes_mut_sized(view, role, elems * 4)?, role)
+    }
+
+    fn write_routing(&self, view: View, routing: &Routing) -> Result<(), OpError> {
+        let n = routing.experts.len();
+        let out = self.bytes_mut_sized(view, "route", n * 8)?;
+        let words: &mut [u32] =
+            bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("route"))?;
+        for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+            words[2 * i] = e;
+            words[2 * i + 1] = w.to_bits();
+        }
+        Ok(())
+    }
+
+    fn read_routing(&self, view: View, n_tokens: usize) -> Result<Routing, OpError> {
+        let top_k = self.arch.top_k;
+        let bytes = self.bytes_sized(view, "route", n_tokens * top_k * 8)?;
+        let words: &[u32] = bytemuck::try_cast_slice(bytes).map_err(|_| OpError::Align("route"))?;
+        let experts = words.iter().step_by(2).copied().collect();
+        let weights = words
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .map(|w| f32::from_bits(*w))
+            .collect();
+        Ok(Routing {
+            top_k,
+            experts,
+            weights,
+        })
+    }
+
+    fn typed(
+        &self,
+        weights: &[View],
+        tag: WeightTag,
+        dtype_of: crate::model::card::WeightDtype,
+    ) -> Result<TypedSlice<'_>, OpError> {
+        let view = self
+            .memory
+            .find_weight(weights, tag)
+            .ok_or(OpError::MissingWeight { tag })?;
+        let bytes = self.memory.bytes(view)?;
+        TypedSlice::from_bytes(bytes, dtype_of).map_err(|_| OpError::Align("w"))
+    }
+
+    fn segment(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<Option<Matrix<'_>>, OpError> {
+        let Some(seg) = self.memory.layout().layer.segment(kind).cloned() else {
+            return Ok(None);
+        };
+        let data = self.typed(weights, WeightTag::Layer { layer, kind }, seg.dtype)?;
+        Ok(Matrix::new(
+            data,
+            seg.rows,
+            seg.cols,
+            seg.orientation.unwrap_or(Orientation::OutIn),
+        ))
+    }
+
+    fn required(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<Matrix<'_>, OpError> {
+        self.segment(weights, layer, kind)?
+            .ok_or(OpError::MissingWeight {
+                tag: WeightTag::Layer { layer, kind },
+            })
+    }
+
+    /// The dense weights an op reads; segments not in `needs` (and, for QKV, not needed
+    /// either) are empty views, which the kernels called with these ops never read.
+    fn dense(
+        &self,
+        weights: &[View],
+        layer: u32,
+        needs: &[SegmentKind],
+    ) -> Result<DenseWeights<'_>, OpError> {
+        let empty_matrix = Matrix {
+            data: TypedSlice::F32(&[]),
+            rows: 0,
+            cols: 0,
+            orientation: Orientation::OutIn,
+        };
+        let get = |kind: SegmentKind| -> Result<Matrix<'_>, OpError> {
+            if needs.contains(&kind) {
+                self.required(weights, layer, kind)
+            } else {
+                Ok(empty_matrix)
+            }
+        };
+        let qkv = if needs.contains(&SegmentKind::AttnNorm) {
+            match self.memory.layout().layer.family {
+                Family::Mixtral => QkvWeights::Separate {
+                    q: self.required(weights, layer, SegmentKind::QProj)?,
+                    k: self.required(weights, layer, SegmentKind::KProj)?,
+                    v: self.required(weights, layer, SegmentKind::VProj)?,
+                },
+                Family::Dbrx => {
+                    QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
+                }
+            }
+        } else {
+            QkvWeights::Fused(empty_matrix)
+        };
+        Ok(DenseWeights {
+            attn_norm: get(SegmentKind::AttnNorm)?.data,
+            qkv,
+            o_proj: get(SegmentKind::OProj)?,
+            ffn_norm: get(SegmentKind::FfnNorm)?.data,
+            router: get(SegmentKind::Router)?,
+        })
+    }
+
+    fn expert(&self, weights: &[View], layer: u32, e: usize) -> Result<ExpertWeights<'_>, OpError> {
+        Ok(ExpertWeights {
+            gate: self.required(weights, layer, SegmentKind::ExpertGate(e))?,
+            up: self.required(weights, layer, SegmentKind::ExpertUp(e))?,
+            down: self.required(weights, layer, SegmentKind::ExpertDown(e))?,
+        })
+    }
+
+    fn matrix(
+        &self,
+        weights: &[View],
+        tag: WeightTag,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix<'_>, OpError> {
+        let data = self.typed(weights, tag, self.dtype)?;
+        Matrix::new(data, rows, cols, Orientation::OutIn).ok_or(OpError::MissingWeight { tag })
+    }
+
+    fn vector(&self, weights: &[View], tag: WeightTag) -> Result<TypedSlice<'_>, OpError> {
+        self.typed(weights, tag, self.dtype)
+    }
+
+    fn attn(&self, ub: u32, part: AttnPart, qkv: View, kv: View, out: View) -> Result<(), OpError> {
+        let mb = self.ub(ub)?;
+        let n = mb.n_tokens();
+        let shape = self.arch.attn;
+        let (qw, ow) = (shape.qkv_width(), shape.q_width());
+        let qkv = self.act(qkv, "qkv", n * qw)?;
+        let out = self.act_mut(out, "out", n * ow)?;
+        let layout = KvLayout {
+            block_size: mb.block_size.max(1),
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+        };
+        let pool_elems =
+            (kv.len as usize / 4 / 2 / layout.block_elems().max(1)) * layout.block_elems();
+        let pools = self.act_mut(kv, "kv", 2 * pool_elems)?;
+        let (k, v) = pools.split_at_mut(pool_elems);
+        let mut cache = KvBlocksMut { layout, k, v };
+        // `part` selects the sequences this task attends for (VSLPipe splits a mixed
+        // micro-batch: prefill sequences on one engine, decode sequences on another).
+        let wanted = |prefill: bool| match part {
+            AttnPart::All => true,
+            AttnPart::Prefill => prefill,
+            AttnPart::Decode => !prefill,
+        };
+        let mut rows = Vec::new();
+        let mut seqs = Vec::new();
+        let mut row = 0;
+        for s in &mb.seqs {
+            let len = s.new_tokens.len();
+            if wanted(s.prefill) {
+                rows.push(row..row + len);
+                seqs.push(AttnSeq {
+                    block_table: &s.block_table,
+                    context_len: s.context_len,
+                    n_new: len,
+                });
+            }
+            row += len;
+        }
+        if seqs.len() == mb.seqs.len() {
+            attention(&mut cache, &seqs, qkv, &shape, out).map_err(KernelError::from)?;
+            return Ok(());
+        }
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let picked: usize = rows.iter().map(|r| r.len()).sum();
+        let mut q_in = Vec::with_capacity(picked * qw);
+        for r in &rows {
+            q_in.extend_from_slice(&qkv[r.start * qw..r.end * qw]);
+        }
+        let mut o = vec![0.0f32; picked * ow];
+        attention(&mut cache, &seqs, &q_in, &shape, &mut o).map_err(KernelError::from)?;
+        let mut at = 0;
+        for r in &rows {
+            out[r.start * ow..r.end * ow].copy_from_slice(&o[at * ow..(at + r.len()) * ow]);
+            at += r.len();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,200 @@
+//! Figures of a measured run: throughput, per-stream busy share, decode makespan vs the
+//! critical path of the same step's measured task durations, and the measured timeline.
+//!
+//! Takes the plan and a run's [`RunStats`]; gives a [`RunReport`] (plain data, serde) and a
+//! [`Timeline`] in the simulator's format. The critical path of a step is the longest
+//! chain of measured task durations through the plan's dependencies plus each stream's
+//! issue order, so `makespan / critical path` is the executor's overhead and idle time,
+//! with 1.0 the ideal.
+
+use super::{RunStats, StepRecord};
+use crate::cost::timeline::{Span as TimelineSpan, Timeline};
+use crate::ir::Op;
+use crate::lower::ExecPlan;
+use crate::syntax::ast::StepKind;
+use serde::Serialize;
+
+/// One stream's share of the decode steps' wall time spent running tasks.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StreamBusy {
+    /// Stream name.
+    pub stream: String,
+    /// Its engine.
+    pub engine: &'static str,
+    /// Busy seconds over all decode steps.
+    pub busy_seconds: f64,
+    /// Busy seconds / decode wall seconds.
+    pub share: f64,
+}
+
+/// What a run measured, summarised.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunReport {
+    /// Prompt tokens processed.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Whole run, seconds.
+    pub seconds: f64,
+    /// Generated tokens / whole run.
+    pub tokens_per_s: f64,
+    /// Prompt tokens / time in prefill steps.
+    pub prefill_tokens_per_s: f64,
+    /// Decode tokens / time in decode steps.
+    pub decode_tokens_per_s: f64,
+    /// Decode steps run.
+    pub decode_steps: usize,
+    /// Mean wall seconds of a decode step.
+    pub decode_step_seconds: f64,
+    /// Mean critical path of the decode steps from their measured task durations.
+    pub decode_critical_path_seconds: f64,
+    /// Sum of decode makespans / sum of their critical paths (1.0 = no overhead).
+    pub makespan_over_critical_path: f64,
+    /// Busy share per stream over the decode steps.
+    pub streams: Vec<StreamBusy>,
+    /// Tasks executed and skipped by guards.
+    pub tasks_run: usize,
+    /// Tasks skipped by their guards.
+    pub tasks_skipped: usize,
+}
+
+/// The longest chain of measured durations through a step's tasks (seconds).
+pub fn critical_path(plan: &ExecPlan, step: &StepRecord) -> f64 {
+    let mut finish: std::collections::HashMap<u32, f64> = std::collections::HashMap::new();
+    let mut last_on_stream: std::collections::HashMap<u32, f64> = std::collections::HashMap::new();
+    let mut records = step.tasks.clone();
+    records.sort_by_key(|r| r.task);
+    let mut best: f64 = 0.0;
+    for r in &records {
+        let duration = (r.end - r.start).max(0.0);
+        let mut ready = last_on_stream.get(&r.stream).copied().unwrap_or(0.0);
+        if let Some(preds) = plan.preds.get(r.task as usize) {
+            for p in preds {
+                if let Some(f) = finish.get(&p.0) {
+                    ready = ready.max(*f);
+                }
+            }
+        }
+        let end = ready + duration;
+        finish.insert(r.task, end);
+        last_on_stream.insert(r.stream, end);
+        best = best.max(end);
+    }
+    best
+}
+
+fn is_decode(kind: StepKind) -> bool {
+    matches!(kind, StepKind::Decode | StepKind::Mixed)
+}
+
+/// Summarises a run.
+pub fn summarize(
+    plan: &ExecPlan,
+    stats: &RunStats,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+) -> RunReport {
+    let mut prefill = (0usize, 0.0f64);
+    let mut decode = (0usize, 0.0f64, 0usize);
+    let mut critical = 0.0;
+    let mut busy = vec![0.0f64; plan.streams.len()];
+    let (mut run, mut skipped) = (0, 0);
+    for step in &stats.steps {
+        let wall = step.end - step.start;
+        for r in &step.tasks {
+            if r.ran {
+                run += 1;
+            } else {
+                skipped += 1;
+            }
+        }
+        match step.kind {
+            StepKind::Prefill => {
+                prefill.0 += step.prefill_tokens;
+                prefill.1 += wall;
+            }
+            kind if is_decode(kind) && step.decode_tokens > 0 && step.prefill_tokens == 0 => {
+                decode.0 += step.decode_tokens;
+                decode.1 += wall;
+                decode.2 += 1;
+                critical += critical_path(plan, step);
+                for r in &step.tasks {
+                    if let Some(b) = busy.get_mut(r.stream as usize) {
+                        *b += r.end - r.start;
+                    }
+                }
+            }
+            StepKind::Mixed => {
+                prefill.0 += step.prefill_tokens;
+                prefill.1 += wall;
+            }
+            _ => {}
+        }
+    }
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let streams = plan
+        .streams
+        .iter()
+        .zip(&busy)
+        .map(|(s, &b)| StreamBusy {
+            stream: s.name.clone(),
+            engine: s.engine.as_str(),
+            busy_seconds: b,
+            share: if decode.1 > 0.0 { b / decode.1 } else { 0.0 },
+        })
+        .collect();
+    RunReport {
+        prompt_tokens,
+        generated_tokens,
+        seconds: stats.wall,
+        tokens_per_s: rate(generated_tokens, stats.wall),
+        prefill_tokens_per_s: rate(prefill.0, prefill.1),
+        decode_tokens_per_s: rate(decode.0, decode.1),
+        decode_steps: decode.2,
+        decode_step_seconds: if decode.2 > 0 {
+            decode.1 / decode.2 as f64
+        } else {
+            0.0
+        },
+        decode_critical_path_seconds: if decode.2 > 0 {
+            critical / decode.2 as f64
+        } else {
+            0.0
+        },
+        makespan_over_critical_path: if critical > 0.0 {
+            decode.1 / critical
+        } else {
+            0.0
+        },
+        streams,
+        tasks_run: run,
+        tasks_skipped: skipped,
+    }
+}
+
+/// The measured timeline of every executed task, in the simulator's format.
+pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
+    let mut spans = Vec::new();
+    for step in &stats.steps {
+        for r in step.tasks.iter().filter(|r| r.ran) {
+            let task = &plan.tasks[r.task as usize];
+            let op = match task.op {
+                Op::Copy => format!("copy {}", task.engine.as_str()),
+                op => op.name().to_string(),
+            };
+            spans.push(TimelineSpan {
+                stream: r.stream as usize,
+                name: task.name.clone(),
+                op,
+                start: r.start,
+                end: r.end,
+            });
+        }
+    }
+    spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+    Timeline {
+        title: title.to_string(),
+        streams: plan.streams.iter().map(|s| s.name.clone()).collect(),
+        spans,
+    }
+}

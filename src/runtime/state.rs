@@ -1,0 +1,247 @@
+//! The run-time state one step's ops share: which sequences each micro-batch holds, the
+//! routing decisions made so far (for guards and hot-expert order), the gate's normalised
+//! rows (the workspace `experts` reads), and the sampled tokens.
+//!
+//! Takes the driver's micro-batch contents before a step; gives ops their token ids,
+//! positions and block tables, and the driver the sampled tokens after it. The driver
+//! writes `ubs` only between steps (no stream thread is running then); everything ops
+//! write during a step is behind a mutex, held only for a lookup or an insert.
+
+use crate::model::kernels::moe::Routing;
+use crate::model::kernels::sampling::Sampling;
+use crate::model::rng::Rng;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// One sequence's part of a micro-batch in one step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqSlot {
+    /// Index of the request (prompt) this sequence answers.
+    pub request: usize,
+    /// Tokens already in its KV cache.
+    pub context_len: usize,
+    /// New tokens this step runs (the prompt, or the last sampled token).
+    pub new_tokens: Vec<u32>,
+    /// Its blocks in the micro-batch's KV cache slice (same ids in every layer).
+    pub block_table: Vec<u32>,
+    /// True while its prompt is being run (selects `attn(part = prefill)`).
+    pub prefill: bool,
+}
+
+/// A micro-batch's sequences in one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MicroBatchState {
+    /// Sequences, in row order.
+    pub seqs: Vec<SeqSlot>,
+    /// Tokens per KV block in this micro-batch's cache slices.
+    pub block_size: usize,
+}
+
+impl MicroBatchState {
+    /// New tokens in the step.
+    pub fn n_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.new_tokens.len()).sum()
+    }
+
+    /// Token ids in row order.
+    pub fn token_ids(&self) -> Vec<u32> {
+        self.seqs
+            .iter()
+            .flat_map(|s| s.new_tokens.iter().copied())
+            .collect()
+    }
+
+    /// Positions in row order.
+    pub fn positions(&self) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .flat_map(|s| (0..s.new_tokens.len()).map(move |j| s.context_len + j))
+            .collect()
+    }
+}
+
+/// Hot-expert prediction for `hot(layer, rank)` (Klotski): running statistics of how often
+/// each expert is chosen, and of which experts follow which from one layer to the next.
+#[derive(Debug, Clone, Default)]
+pub struct HotPredictor {
+    /// `freq[layer][expert]`: tokens routed so far.
+    pub freq: Vec<Vec<u64>>,
+    /// `corr[layer][a][b]`: tokens routed to `a` in layer `layer - 1` and to `b` in `layer`.
+    pub corr: Vec<Vec<Vec<u64>>>,
+}
+
+impl HotPredictor {
+    /// Empty statistics for a model.
+    pub fn new(layers: usize, experts: usize) -> Self {
+        HotPredictor {
+            freq: vec![vec![0; experts]; layers],
+            corr: vec![vec![vec![0; experts]; experts]; layers],
+        }
+    }
+
+    /// Scores of `layer`'s experts given the experts chosen in the previous layer (if known).
+    pub fn scores(&self, layer: usize, previous: Option<&[u32]>) -> Vec<u64> {
+        let n = self.freq.get(layer).map_or(0, Vec::len);
+        match (previous, self.corr.get(layer)) {
+            (Some(prev), Some(corr)) if layer > 0 => {
+                let mut scores = vec![0; n];
+                for &a in prev {
+                    if let Some(row) = corr.get(a as usize) {
+                        for (s, c) in scores.iter_mut().zip(row) {
+                            *s += c;
+                        }
+                    }
+                }
+                scores
+            }
+            _ => self.freq.get(layer).cloned().unwrap_or_default(),
+        }
+    }
+
+    /// Adds one step's routing (per (layer, ub), rows aligned across layers).
+    pub fn update(&mut self, routing: &HashMap<(u32, u32), Routing>) {
+        for (&(layer, ub), r) in routing {
+            let l = layer as usize;
+            if let Some(freq) = self.freq.get_mut(l) {
+                for &e in &r.experts {
+                    if let Some(f) = freq.get_mut(e as usize) {
+                        *f += 1;
+                    }
+                }
+            }
+            let Some(prev) = layer.checked_sub(1).and_then(|p| routing.get(&(p, ub))) else {
+                continue;
+            };
+            let Some(corr) = self.corr.get_mut(l) else {
+                continue;
+            };
+            let k = r.top_k.max(1);
+            for (row_prev, row) in prev
+                .experts
+                .chunks(prev.top_k.max(1))
+                .zip(r.experts.chunks(k))
+            {
+                for &a in row_prev {
+                    for &b in row {
+                        if let Some(c) =
+                            corr.get_mut(a as usize).and_then(|x| x.get_mut(b as usize))
+                        {
+                            *c += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// State shared by the ops of a step.
+#[derive(Debug)]
+pub struct StepState {
+    /// Micro-batches (indexed by `ub`).
+    pub ubs: Vec<MicroBatchState>,
+    /// Sampling rule.
+    pub sampling: Sampling,
+    /// Per request sampler state.
+    pub rngs: Mutex<Vec<Rng>>,
+    /// Routing per (layer, ub), recorded by `gate` and `post_attn`.
+    pub routing: Mutex<HashMap<(u32, u32), Routing>>,
+    /// Normalised rows per (layer, ub) that `gate` computed for `experts`.
+    pub x_norm: Mutex<HashMap<(u32, u32), Vec<f32>>>,
+    /// Expert outputs per (layer, ub) and token slot, when the schedule's `acc` is only
+    /// `[tokens, hidden]` (the kernels need `[tokens, top_k, hidden]` to stay order-free).
+    pub slots: Mutex<HashMap<(u32, u32), Vec<f32>>>,
+    /// The expert order of each layer this step, fixed at its first use.
+    pub hot_order: Mutex<HashMap<u32, Vec<u32>>>,
+    /// Predicted hot experts.
+    pub predictor: HotPredictor,
+    /// Sampled tokens per ub (one per sequence, row order).
+    pub sampled: Mutex<HashMap<u32, Vec<u32>>>,
+}
+
+impl StepState {
+    /// Empty state for `n_ubs` micro-batches.
+    pub fn new(n_ubs: usize, sampling: Sampling, rngs: Vec<Rng>) -> Self {
+        StepState {
+            ubs: vec![MicroBatchState::default(); n_ubs],
+            sampling,
+            rngs: Mutex::new(rngs),
+            routing: Mutex::new(HashMap::new()),
+            x_norm: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
+            hot_order: Mutex::new(HashMap::new()),
+            predictor: HotPredictor::default(),
+            sampled: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Clears what one step produced (keeps ubs and samplers).
+    pub fn reset_step(&mut self) {
+        lock(&self.routing).clear();
+        lock(&self.x_norm).clear();
+        lock(&self.slots).clear();
+        lock(&self.hot_order).clear();
+        lock(&self.sampled).clear();
+    }
+
+    /// Expert at `rank` of `layer`'s order: predicted hot experts first, then the others
+    /// by tokens routed to them this step (most first; unknown routing: index order).
+    pub fn hot_expert(&self, layer: u32, rank: u32, n_experts: u32) -> u32 {
+        let mut orders = lock(&self.hot_order);
+        let order = orders.entry(layer).or_insert_with(|| {
+            let routing = lock(&self.routing);
+            let mut counts = vec![0u64; n_experts as usize];
+            let mut previous: Option<Vec<u32>> = None;
+            for ((l, _), r) in routing.iter() {
+                if *l == layer {
+                    for &e in &r.experts {
+                        if let Some(c) = counts.get_mut(e as usize) {
+                            *c += 1;
+                        }
+                    }
+                }
+                if layer > 0 && *l == layer - 1 {
+                    previous.get_or_insert_with(Vec::new).extend(&r.experts);
+                }
+            }
+            let scores = self.predictor.scores(layer as usize, previous.as_deref());
+            let score = |e: u32| scores.get(e as usize).copied().unwrap_or(0);
+            // Predicted hot experts first (by score), then by this step's routed tokens.
+            let mut order: Vec<u32> = (0..n_experts).collect();
+            order.sort_by_key(|&e| {
+                (
+                    std::cmp::Reverse(score(e)),
+                    std::cmp::Reverse(counts[e as usize]),
+                    e,
+                )
+            });
+            order
+        });
+        order.get(rank as usize).copied().unwrap_or(rank)
+    }
+
+    /// Whether `expert` of `layer` got tokens (from `ub`, or any ub); `None` if the routing
+    /// is not known yet.
+    pub fn is_active(&self, layer: u32, expert: u32, ub: Option<u32>) -> Option<bool> {
+        let routing = lock(&self.routing);
+        let ubs: Vec<u32> = match ub {
+            Some(u) => vec![u],
+            None => (0..self.ubs.len() as u32).collect(),
+        };
+        let mut any = false;
+        for u in ubs {
+            if self.ubs.get(u as usize).is_some_and(|m| m.seqs.is_empty()) {
+                continue;
+            }
+            let r = routing.get(&(layer, u))?;
+            any |= r.experts.contains(&expert);
+        }
+        Some(any)
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it (every critical
+/// section here is a single insert or lookup, so the data is consistent).
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

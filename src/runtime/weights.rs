@@ -1,0 +1,328 @@
+//! Where each weight tensor currently lives: the packed weights image (the checkpoint
+//! buffer `W`) and a map of weight pieces per memory space that copies keep up to date.
+//!
+//! Takes a checkpoint and the program's [`CheckpointLayout`]; gives the image
+//! (`[embed | layer 0 .. L-1 | final norm, lm_head]`, each layer the model's packed
+//! [`LayerLayout`]) and a [`WeightMap`] that answers "where inside these byte ranges is
+//! segment S of layer i, whole?". A copy moves the labels of the bytes it copies, so
+//! pages, expert slots and run-time chosen (hot) experts are all found the same way, and
+//! an op whose weights are not (wholly) in its `w` arguments is an error naming the tensor,
+//! never a read of wrong bytes.
+
+use crate::ir::CheckpointLayout;
+use crate::model::checkpoint::{Checkpoint, CheckpointError};
+use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::tensor::TypedSlice;
+use std::collections::BTreeMap;
+
+/// A weight tensor that ops look up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightTag {
+    /// The embedding table.
+    Embed,
+    /// The final norm weight.
+    FinalNorm,
+    /// The lm_head matrix.
+    LmHead,
+    /// A segment of a layer's packed image.
+    Layer {
+        /// The layer.
+        layer: u32,
+        /// The segment.
+        kind: SegmentKind,
+    },
+}
+
+impl std::fmt::Display for WeightTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightTag::Embed => write!(f, "embedding"),
+            WeightTag::FinalNorm => write!(f, "final norm"),
+            WeightTag::LmHead => write!(f, "lm_head"),
+            WeightTag::Layer { layer, kind } => write!(f, "layer {layer} {kind:?}"),
+        }
+    }
+}
+
+/// A labelled byte range: bytes `[start, start + len)` hold bytes
+/// `[tag_offset, tag_offset + len)` of the tensor `tag`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    len: u64,
+    tag: WeightTag,
+    tag_offset: u64,
+}
+
+/// Weight labels of one memory space (or of the image), keyed by start byte.
+#[derive(Debug, Clone, Default)]
+pub struct WeightMap {
+    pieces: BTreeMap<u64, Piece>,
+}
+
+impl WeightMap {
+    /// Removes labels overlapping `[start, end)`, keeping the parts outside it.
+    pub fn clear(&mut self, start: u64, end: u64) {
+        let overlapping: Vec<(u64, Piece)> = self
+            .pieces
+            .range(..end)
+            .rev()
+            .take_while(|(s, p)| **s + p.len > start)
+            .map(|(s, p)| (*s, *p))
+            .collect();
+        for (s, p) in overlapping {
+            self.pieces.remove(&s);
+            if s < start {
+                self.pieces.insert(
+                    s,
+                    Piece {
+                        len: start - s,
+                        ..p
+                    },
+                );
+            }
+            let p_end = s + p.len;
+            if p_end > end {
+                let cut = end - s;
+                self.pieces.insert(
+                    end,
+                    Piece {
+                        len: p_end - end,
+                        tag: p.tag,
+                        tag_offset: p.tag_offset + cut,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Labels `[start, start + len)` as bytes `tag_offset..` of `tag`, merging with a
+    /// contiguous neighbour of the same tensor.
+    pub fn insert(&mut self, start: u64, len: u64, tag: WeightTag, tag_offset: u64) {
+        if len == 0 {
+            return;
+        }
+        self.clear(start, start + len);
+        let mut start = start;
+        let mut piece = Piece {
+            len,
+            tag,
+            tag_offset,
+        };
+        if let Some((&ps, &prev)) = self.pieces.range(..start).next_back() {
+            if ps + prev.len == start && prev.tag == tag && prev.tag_offset + prev.len == tag_offset
+            {
+                self.pieces.remove(&ps);
+                start = ps;
+                piece = Piece {
+                    len: prev.len + len,
+                    tag,
+                    tag_offset: prev.tag_offset,
+                };
+            }
+        }
+        let end = start + piece.len;
+        if let Some(next) = self.pieces.get(&end).copied() {
+            if next.tag == tag && next.tag_offset == piece.tag_offset + piece.len {
+                self.pieces.remove(&end);
+                piece.len += next.len;
+            }
+        }
+        self.pieces.insert(start, piece);
+    }
+
+    /// Labels within `[start, start + len)`, clipped, as `(offset from start, len, tag,
+    /// tag offset)`.
+    pub fn labels_in(&self, start: u64, len: u64) -> Vec<(u64, u64, WeightTag, u64)> {
+        let end = start + len;
+        let mut out = Vec::new();
+        let first = self
+            .pieces
+            .range(..=start)
+            .next_back()
+            .map(|(s, _)| *s)
+            .unwrap_or(start);
+        for (&s, p) in self.pieces.range(first..end) {
+            let (lo, hi) = (s.max(start), (s + p.len).min(end));
+            if lo < hi {
+                out.push((lo - start, hi - lo, p.tag, p.tag_offset + (lo - s)));
+            }
+        }
+        out
+    }
+
+    /// Where `tag` (of `tag_len` bytes) lies whole inside `[start, start + len)`: the
+    /// absolute start byte.
+    pub fn find_whole(&self, start: u64, len: u64, tag: WeightTag, tag_len: u64) -> Option<u64> {
+        let end = start + len;
+        let first = self
+            .pieces
+            .range(..=start)
+            .next_back()
+            .map(|(s, _)| *s)
+            .unwrap_or(start);
+        self.pieces
+            .range(first..end)
+            .find(|(s, p)| {
+                p.tag == tag
+                    && p.tag_offset == 0
+                    && p.len >= tag_len
+                    && **s >= start
+                    && **s + tag_len <= end
+            })
+            .map(|(s, _)| *s)
+    }
+}
+
+/// Byte geometry of the weights image, consistent with the IR's [`CheckpointLayout`].
+#[derive(Debug, Clone)]
+pub struct ImageLayout {
+    /// The IR's view (offsets of embed, layers, head).
+    pub checkpoint: CheckpointLayout,
+    /// Each layer's packed layout (identical for all layers of a card).
+    pub layer: LayerLayout,
+    /// Bytes of the final norm (first part of the head region).
+    pub final_norm_bytes: u64,
+}
+
+impl ImageLayout {
+    /// Every tensor of the image with its offset and length.
+    pub fn tags(&self) -> Vec<(u64, u64, WeightTag)> {
+        let c = &self.checkpoint;
+        let mut out = vec![(0, c.embed_bytes, WeightTag::Embed)];
+        for layer in 0..c.layers {
+            let base = c.layer_offset(layer);
+            for seg in &self.layer.segments {
+                let tag = WeightTag::Layer {
+                    layer: layer as u32,
+                    kind: seg.kind,
+                };
+                out.push((base + seg.offset as u64, seg.len_bytes as u64, tag));
+            }
+        }
+        let head = c.head_offset();
+        out.push((head, self.final_norm_bytes, WeightTag::FinalNorm));
+        out.push((
+            head + self.final_norm_bytes,
+            c.head_bytes - self.final_norm_bytes,
+            WeightTag::LmHead,
+        ));
+        out
+    }
+
+    /// Bytes of a tensor.
+    pub fn tag_len(&self, tag: WeightTag) -> u64 {
+        match tag {
+            WeightTag::Embed => self.checkpoint.embed_bytes,
+            WeightTag::FinalNorm => self.final_norm_bytes,
+            WeightTag::LmHead => self.checkpoint.head_bytes - self.final_norm_bytes,
+            WeightTag::Layer { kind, .. } => self
+                .layer
+                .segment(kind)
+                .map(|s| s.len_bytes as u64)
+                .unwrap_or(0),
+        }
+    }
+
+    /// The initial labels of the image.
+    pub fn map(&self) -> WeightMap {
+        let mut map = WeightMap::default();
+        for (start, len, tag) in self.tags() {
+            map.insert(start, len, tag, 0);
+        }
+        map
+    }
+}
+
+/// Why the weights image could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// The checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The checkpoint's stored layout does not match the card the schedule was compiled for.
+    #[error("checkpoint {dir}: {what} takes {got} bytes but the compiled schedule assumes {expected} (is the checkpoint stored in the card's dtype?)")]
+    Mismatch {
+        /// The checkpoint folder.
+        dir: String,
+        /// Which part.
+        what: &'static str,
+        /// Bytes in the checkpoint.
+        got: u64,
+        /// Bytes the IR assumes.
+        expected: u64,
+    },
+}
+
+fn raw_bytes<'a>(slice: &TypedSlice<'a>) -> &'a [u8] {
+    match *slice {
+        TypedSlice::Bf16(s) => bytemuck::cast_slice(s),
+        TypedSlice::F16(s) => bytemuck::cast_slice(s),
+        TypedSlice::F32(s) => bytemuck::cast_slice(s),
+    }
+}
+
+/// Checks the checkpoint against the program's layout and returns the image geometry.
+pub fn image_layout(
+    checkpoint: &Checkpoint,
+    layout: CheckpointLayout,
+) -> Result<ImageLayout, ImageError> {
+    let dir = checkpoint.dir().display().to_string();
+    let layer = checkpoint.layer_layout(0)?;
+    let mismatch = |what, got: u64, expected: u64| ImageError::Mismatch {
+        dir: dir.clone(),
+        what,
+        got,
+        expected,
+    };
+    if layer.image_bytes as u64 != layout.layer_bytes() {
+        return Err(mismatch(
+            "one layer",
+            layer.image_bytes as u64,
+            layout.layer_bytes(),
+        ));
+    }
+    let expert = layer.expert_range(0);
+    if (expert.end - expert.start) as u64 != layout.expert_bytes {
+        return Err(mismatch(
+            "one expert",
+            (expert.end - expert.start) as u64,
+            layout.expert_bytes,
+        ));
+    }
+    let weights = checkpoint.model_weights()?;
+    let embed = raw_bytes(&weights.embed.data).len() as u64;
+    if embed != layout.embed_bytes {
+        return Err(mismatch("the embedding", embed, layout.embed_bytes));
+    }
+    let final_norm_bytes = raw_bytes(&weights.final_norm).len() as u64;
+    Ok(ImageLayout {
+        checkpoint: layout,
+        layer,
+        final_norm_bytes,
+    })
+}
+
+/// Writes the packed weights image into `dst` (at least `layout.checkpoint.total_bytes()`).
+pub fn write_image(
+    checkpoint: &Checkpoint,
+    layout: &ImageLayout,
+    dst: &mut [u8],
+) -> Result<(), ImageError> {
+    let c = &layout.checkpoint;
+    let weights = checkpoint.model_weights()?;
+    let embed = raw_bytes(&weights.embed.data);
+    dst[..embed.len()].copy_from_slice(embed);
+    for layer in 0..c.layers {
+        let start = c.layer_offset(layer) as usize;
+        let end = start + c.layer_bytes() as usize;
+        checkpoint.copy_layer_image(layer as usize, &layout.layer, &mut dst[start..end])?;
+    }
+    let head = c.head_offset() as usize;
+    let norm = raw_bytes(&weights.final_norm);
+    dst[head..head + norm.len()].copy_from_slice(norm);
+    let lm = raw_bytes(&weights.lm_head.data);
+    let lm_start = head + norm.len();
+    let lm_len = lm.len().min(dst.len().saturating_sub(lm_start));
+    dst[lm_start..lm_start + lm_len].copy_from_slice(&lm[..lm_len]);
+    Ok(())
+}

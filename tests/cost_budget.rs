@@ -1,0 +1,108 @@
+//! Memory budgets of a compiled schedule: hand-computed bytes for one small configuration,
+//! and over-budget schedules failing with the table of what occupies the space.
+
+use moec::cost::budget::{budget_table, check_budget, BudgetOverrides};
+use moec::cost::hardware::HardwareProfile;
+use moec::elaborate::Options;
+use moec::ir::Program;
+use moec::model::card::ModelCard;
+
+fn compile(path: &str) -> Program {
+    let source = std::fs::read_to_string(path).unwrap();
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    match moec::compile::compile(&source, &options) {
+        Ok(compiled) => compiled.program,
+        Err(diagnostics) => panic!("{path} does not compile: {diagnostics:?}"),
+    }
+}
+
+/// tests/fixtures/cost/budget.sched on mixtral-tiny (hidden 128, ffn 256, 4 heads of 32,
+/// 2 KV heads, 8 experts, vocab 32000, 4 layers, bf16), defaults ubs = 4, n_ub = 2,
+/// slack = 0.25, workload prompt 128 + gen 32. Activations and KV are f32 (4 B).
+/// - layer_weights(): attention 128 * (128 + 2 * 64) + 128 * 128 + 2 * 128 = 49,408;
+///   router 8 * 128 = 1,024; experts 8 * 3 * 128 * 256 = 786,432; total 836,864 params =
+///   1,673,728 B. expert_weights(1) = 3 * 128 * 256 * 2 = 196,608 B. head_weights() =
+///   (32000 * 128 + 128) * 2 = 8,192,256 B.
+/// - tok_max = min(4 * 128, 10^6) = 512 tokens: hidden(512) = 512 * 128 * 4 = 262,144;
+///   qkv(512) = 512 * 256 * 4 = 524,288; attn_out(512) = 262,144; routing(512) = 512 * 2 *
+///   8 = 8,192; h = hidden(ceil(512 * 1.25) = 640) = 327,680; logits(4) = 4 * 32000 * 4 =
+///   512,000; tokens(4) = 16.
+/// - gpu = 2 * 1,673,728 + 2 * 196,608 + 8,192,256 + 2 * 327,680 + 2 * 524,288
+///   + 2 * 262,144 (a_g) + 2 * 8,192 + 2 * 262,144 (acc) + 2 * 512,000 + 2 * 16
+///   = 15,725,856 B of buffers, plus the largest GPU op workspace: prefill post_attn over
+///   512 tokens, gate/up intermediates 512 * top-2 * 256 * 2 * 4 = 2,097,152 B; total
+///   17,823,008 B.
+/// - pinned = 2 * 1,673,728 + 2 * 196,608 + 2 * 327,680 (h_c, h_tokens = 640) + 2 * 524,288
+///   + 2 * 262,144 = 5,968,896 B.
+/// - host = kv: 4 layers * 2 ub * kv_cache(4 * 160 = 640 tokens) = 8 * 640 * 128 * 4 =
+///   2,621,440 B; plus the memory-mapped checkpoint (4 * 836,864 + 2 * 32000 * 128 + 128)
+///   * 2 = 23,079,168 B (all of it is read after setup); plus the pinned buffers; plus
+///   the largest CPU op workspace, prefill attention scores 512 tokens * 4 heads * 128
+///   context * 4 = 1,048,576 B: 32,718,080 B.
+#[test]
+fn budget_arithmetic_matches_hand_computed_bytes() {
+    let program = compile("tests/fixtures/cost/budget.sched");
+    let profile = HardwareProfile::load("t4").unwrap();
+    let table = budget_table(&program, Some(&profile), &BudgetOverrides::default());
+    assert_eq!(table.peak("gpu"), 17_823_008, "{table}");
+    assert_eq!(table.peak("pinned"), 5_968_896, "{table}");
+    assert_eq!(table.peak("host"), 32_718_080, "{table}");
+    let kv = table.lines.iter().find(|l| l.what == "kv").unwrap();
+    assert_eq!((kv.class, kv.buffers, kv.bytes), ("kv cache", 8, 2_621_440));
+    let w_gpu = table.lines.iter().find(|l| l.what == "w_gpu").unwrap();
+    assert_eq!(
+        (w_gpu.space, w_gpu.class, w_gpu.bytes),
+        ("gpu", "weights", 3_347_456)
+    );
+    assert!(table.fits());
+}
+
+/// One byte less GPU memory than the peak: `check` fails and the table says by how much.
+#[test]
+fn over_budget_by_one_byte_is_an_error_with_the_table() {
+    let program = compile("tests/fixtures/cost/budget.sched");
+    let profile = HardwareProfile::load("t4").unwrap();
+    let overrides = BudgetOverrides {
+        gpu_bytes: Some(17_823_007.0),
+        host_bytes: None,
+    };
+    let err = check_budget(&program, Some(&profile), &overrides).unwrap_err();
+    assert!(err.summary.starts_with("gpu over by"), "{}", err.summary);
+    let gpu = err.table.spaces.iter().find(|s| s.space == "gpu").unwrap();
+    assert_eq!(gpu.over(), 1.0);
+    let text = err.to_string();
+    assert!(
+        text.contains("w_gpu") && text.contains("head") && text.contains("OVER by"),
+        "{text}"
+    );
+}
+
+/// Mixtral-8x7B does not fit a T4 when a schedule keeps two whole layers plus the head on
+/// the GPU at a large micro-batch: the host side holds the 93 GB checkpoint, and the GPU
+/// side exceeds 16 GB x 0.86.
+#[test]
+fn full_size_model_over_gpu_budget_names_the_biggest_buffers() {
+    let source = std::fs::read_to_string("tests/fixtures/cost/budget.sched").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-8x7b").unwrap());
+    options.sets.push(("ubs".into(), "4096".into()));
+    options.sets.push(("n_ub".into(), "8".into()));
+    let program = moec::compile::compile(&source, &options).unwrap().program;
+    let profile = HardwareProfile::load("t4").unwrap();
+    let err = check_budget(&program, Some(&profile), &BudgetOverrides::default()).unwrap_err();
+    assert!(err.summary.contains("gpu over by"), "{}", err.summary);
+    let gpu: Vec<u64> = err
+        .table
+        .lines
+        .iter()
+        .filter(|l| l.space == "gpu")
+        .map(|l| l.bytes)
+        .collect();
+    assert!(
+        gpu.windows(2).all(|w| w[0] >= w[1]),
+        "largest gpu group first: {}",
+        err.table
+    );
+    // qkv_g: 8 x qkv(4096 * 128 = 524,288 tokens) = 8 * 524,288 * 6144 * 4 B = 103 GB.
+    let qkv = err.table.lines.iter().find(|l| l.what == "qkv_g").unwrap();
+    assert_eq!(qkv.bytes, 8 * 524_288 * 6144 * 4);
+}

@@ -1,0 +1,388 @@
+//! Checkpoint loading: synthetic checkpoints round-trip through the Hub format (single
+//! file and sharded, bf16/f16/f32), are deterministic, the packed layer image views give
+//! the same numbers as the memory-mapped tensors, and every malformed case is an error
+//! naming the file and tensor.
+
+use moec::model::checkpoint::CheckpointError;
+use moec::model::kernels::moe::{expert_ffn, RoutedRow};
+use moec::model::kernels::projection::pre_attn;
+use moec::model::kernels::rope::RopeTable;
+use moec::model::synth::{synthetic_layer_image, write_checkpoint, SynthOptions};
+use moec::model::{Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, WeightDtype};
+use safetensors::tensor::{Dtype, TensorView};
+use std::path::{Path, PathBuf};
+
+/// A small Mixtral card (vocab 512) so rewriting checkpoints in tests is cheap.
+fn small_card(family: &str) -> ModelCard {
+    let mut card = ModelCard::load(family).unwrap();
+    card.vocab = 512;
+    card.layers = 2;
+    card.name = format!("{family}-small");
+    card
+}
+
+fn synth(dir: &Path, card: &ModelCard, opts: SynthOptions) -> PathBuf {
+    let out = dir.join(format!(
+        "{}-{:?}-{}",
+        card.name, opts.dtype, opts.max_shard_bytes
+    ));
+    write_checkpoint(card, &out, &opts).unwrap();
+    out
+}
+
+#[test]
+fn synthetic_checkpoints_load_in_every_dtype_and_when_sharded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("mixtral-tiny");
+    let reference = synth(tmp.path(), &card, SynthOptions::default());
+    let ref_ck = Checkpoint::open(&reference).unwrap();
+    let ref_out = Oracle::new(&ref_ck)
+        .unwrap()
+        .generate(&[vec![1, 5, 9]], &GenerateOptions::greedy(6))
+        .unwrap();
+    for (dtype, shard) in [
+        (WeightDtype::F32, u64::MAX),
+        (WeightDtype::F16, u64::MAX),
+        (WeightDtype::Bf16, 1 << 20),
+    ] {
+        let opts = SynthOptions {
+            dtype,
+            max_shard_bytes: shard,
+            ..SynthOptions::default()
+        };
+        let dir = synth(tmp.path(), &card, opts);
+        if shard < u64::MAX {
+            assert!(dir.join("model.safetensors.index.json").is_file());
+            let shards = std::fs::read_dir(&dir)
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .starts_with("model-0000")
+                })
+                .count();
+            assert!(shards >= 2, "{shards} shards");
+        }
+        let ck = Checkpoint::open_with_card(&dir, Some(&card)).unwrap();
+        assert_eq!(ck.card().dtype, dtype);
+        let out = Oracle::new(&ck)
+            .unwrap()
+            .generate(&[vec![1, 5, 9]], &GenerateOptions::greedy(6))
+            .unwrap();
+        if dtype == WeightDtype::Bf16 {
+            // Same bytes, only split across files: identical results.
+            assert_eq!(out, ref_out);
+        } else {
+            assert_eq!(out[0].token_ids.len(), 6);
+        }
+    }
+}
+
+#[test]
+fn synthesis_is_deterministic_and_seeded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("dbrx-tiny");
+    let a = tmp.path().join("a");
+    let b = tmp.path().join("b");
+    let c = tmp.path().join("c");
+    write_checkpoint(&card, &a, &SynthOptions::default()).unwrap();
+    write_checkpoint(&card, &b, &SynthOptions::default()).unwrap();
+    write_checkpoint(
+        &card,
+        &c,
+        &SynthOptions {
+            seed: 1,
+            ..SynthOptions::default()
+        },
+    )
+    .unwrap();
+    let read = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert_eq!(read(&a), read(&b));
+    assert_ne!(read(&a), read(&c));
+    // Nothing half-written is left next to the outputs.
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+    assert!(
+        write_checkpoint(&card, &a, &SynthOptions::default()).is_err(),
+        "refuses to overwrite"
+    );
+}
+
+/// The layer image (byte copies into the canonical layout) computes exactly what the
+/// memory-mapped tensors compute, for both families.
+#[test]
+fn layer_image_views_compute_the_same_as_mapped_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["mixtral-tiny", "dbrx-tiny"] {
+        let card = small_card(family);
+        let dir = synth(tmp.path(), &card, SynthOptions::default());
+        let ck = Checkpoint::open(&dir).unwrap();
+        let arch = ck.arch().clone();
+        let (layout, image) = ck.layer_image(1).unwrap();
+        assert_eq!(layout.image_bytes % 64, 0);
+        let e3 = layout.expert_range(3);
+        assert_eq!(e3.len() % 64, 0);
+        assert!(layout.attention_range().end <= layout.router_range().start);
+        assert!(layout.router_range().end <= layout.expert_range(0).start);
+        let from_image = LayerWeights::from_image(image.as_bytes(), &layout).unwrap();
+        let mapped = ck.layer_weights(1).unwrap();
+        let d = arch.hidden;
+        let n = 5;
+        let x: Vec<f32> = (0..n * d)
+            .map(|i| ((i * 17) % 23) as f32 / 11.0 - 1.0)
+            .collect();
+        let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, 64);
+        let positions: Vec<usize> = (0..n).collect();
+        let run = |w: &LayerWeights<'_>| {
+            let mut scratch = vec![0.0; n * d];
+            let mut qkv = vec![0.0; n * arch.attn.qkv_width()];
+            pre_attn(
+                &arch,
+                &w.dense,
+                &rope,
+                &x,
+                &positions,
+                &mut scratch,
+                &mut qkv,
+            )
+            .unwrap();
+            let mut moe = vec![0.0; n * arch.top_k * d];
+            let rows = [
+                RoutedRow {
+                    row: 0,
+                    slot: 1,
+                    weight: 0.5,
+                },
+                RoutedRow {
+                    row: 4,
+                    slot: 0,
+                    weight: 0.25,
+                },
+            ];
+            expert_ffn(&arch, &w.experts[3], &x, &rows, &mut moe).unwrap();
+            (qkv, moe)
+        };
+        assert_eq!(run(&from_image), run(&mapped), "{family}");
+        // Too short or misaligned buffers are errors, not panics.
+        assert!(
+            LayerWeights::from_image(&image.as_bytes()[..layout.image_bytes - 1], &layout).is_err()
+        );
+        let mut shifted = vec![0u8; layout.image_bytes + 1];
+        shifted[1..].copy_from_slice(image.as_bytes());
+        let shifted = &shifted[1..];
+        if (shifted.as_ptr() as usize) % 2 == 1 {
+            assert!(LayerWeights::from_image(shifted, &layout).is_err());
+        }
+    }
+}
+
+/// Rewrites `dir/model.safetensors` with the reference `safetensors` writer after `edit`.
+fn rewrite(
+    dir: &Path,
+    edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept = Vec::new();
+    for (name, view) in st.tensors() {
+        if let Some(t) = edit(
+            &name,
+            view.dtype(),
+            view.shape().to_vec(),
+            view.data().to_vec(),
+        ) {
+            kept.push((name, t));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = kept
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+fn broken(
+    edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
+) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = synth(
+        tmp.path(),
+        &small_card("mixtral-tiny"),
+        SynthOptions::default(),
+    );
+    rewrite(&dir, edit);
+    (tmp, dir)
+}
+
+fn load_err(dir: &Path) -> String {
+    let ck = match Checkpoint::open(dir) {
+        Ok(ck) => ck,
+        Err(e) => return e.to_string(),
+    };
+    match Oracle::new(&ck) {
+        Ok(_) => panic!("{} loaded although it is malformed", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+const VICTIM: &str = "model.layers.1.block_sparse_moe.experts.5.w3.weight";
+
+#[test]
+fn missing_tensor_is_named() {
+    let (_tmp, dir) = broken(|n, d, s, b| (n != VICTIM).then_some((d, s, b)));
+    let msg = load_err(&dir);
+    assert!(
+        msg.contains("missing tensor") && msg.contains(VICTIM),
+        "{msg}"
+    );
+}
+
+#[test]
+fn wrong_shape_is_named_with_both_shapes() {
+    let (_tmp, dir) = broken(|n, d, s, b| {
+        if n == VICTIM {
+            let half = b.len() / 2;
+            Some((d, vec![s[0] / 2, s[1]], b[..half].to_vec()))
+        } else {
+            Some((d, s, b))
+        }
+    });
+    let msg = load_err(&dir);
+    assert!(
+        msg.contains(VICTIM) && msg.contains("[128, 128]") && msg.contains("[256, 128]"),
+        "{msg}"
+    );
+    assert!(msg.contains("model.safetensors"), "names the file: {msg}");
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let (_tmp, dir) = broken(|n, d, s, b| {
+        if n == VICTIM {
+            Some((Dtype::I16, s, b))
+        } else {
+            Some((d, s, b))
+        }
+    });
+    let msg = load_err(&dir);
+    assert!(msg.contains(VICTIM) && msg.contains("I16"), "{msg}");
+}
+
+#[test]
+fn truncated_file_is_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = synth(
+        tmp.path(),
+        &small_card("mixtral-tiny"),
+        SynthOptions::default(),
+    );
+    let path = dir.join("model.safetensors");
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 1000)
+        .unwrap();
+    let err = Checkpoint::open(&dir).unwrap_err();
+    assert!(matches!(err, CheckpointError::Safetensors { .. }));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("truncated") && msg.contains("model.safetensors"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn bad_config_json_is_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = synth(
+        tmp.path(),
+        &small_card("mixtral-tiny"),
+        SynthOptions::default(),
+    );
+    std::fs::write(
+        dir.join("config.json"),
+        "{\"model_type\": \"mixtral\", \"hidden_size\": 64",
+    )
+    .unwrap();
+    let msg = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(
+        msg.contains("config.json") && msg.contains("not a valid config.json"),
+        "{msg}"
+    );
+    std::fs::write(
+        dir.join("config.json"),
+        "{\"model_type\": \"mixtral\", \"hidden_size\": 64}",
+    )
+    .unwrap();
+    let msg = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(msg.contains("missing field"), "{msg}");
+}
+
+#[test]
+fn config_contradicting_the_card_names_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = synth(
+        tmp.path(),
+        &small_card("mixtral-tiny"),
+        SynthOptions::default(),
+    );
+    let msg = Checkpoint::open_with_card(&dir, Some(&ModelCard::load("mixtral-tiny").unwrap()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("num_hidden_layers") && msg.contains("mixtral-tiny"),
+        "{msg}"
+    );
+}
+
+/// The in-memory synthetic layer image equals the image copied from the written files.
+#[test]
+fn synthetic_layer_image_matches_the_written_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["mixtral-tiny", "dbrx-tiny"] {
+        let card = small_card(family);
+        let dir = synth(tmp.path(), &card, SynthOptions::default());
+        let ck = Checkpoint::open(&dir).unwrap();
+        let (layout, image) = ck.layer_image(1).unwrap();
+        let (mem_layout, mem_image) = synthetic_layer_image(&card, 1, &SynthOptions::default());
+        assert_eq!(layout, mem_layout);
+        assert!(image.as_bytes() == mem_image.as_bytes(), "{family}");
+    }
+}
+
+/// A checkpoint folder's own tokenizer.json wins over the card's embedded one.
+#[test]
+fn folder_tokenizer_wins_over_the_embedded_one() {
+    use moec::model::tokenizer::{TextTokenizer, DBRX_TOKENIZER_JSON};
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("mixtral-tiny");
+    let dir = synth(tmp.path(), &card, SynthOptions::default());
+    let embedded = TextTokenizer::load(&card, None).unwrap();
+    let from_folder = TextTokenizer::load(&card, Some(&dir)).unwrap();
+    assert!(
+        from_folder.origin().ends_with("tokenizer.json")
+            && !from_folder.origin().starts_with("embedded")
+    );
+    let text = "Tokenizers differ between families.";
+    assert_eq!(
+        embedded.encode(text).unwrap(),
+        from_folder.encode(text).unwrap()
+    );
+    std::fs::write(dir.join("tokenizer.json"), DBRX_TOKENIZER_JSON).unwrap();
+    let swapped = TextTokenizer::load(&card, Some(&dir)).unwrap();
+    assert_ne!(
+        embedded.encode(text).unwrap(),
+        swapped.encode(text).unwrap()
+    );
+    // Mixtral prepends <s> = 1 exactly once.
+    assert_eq!(embedded.encode(text).unwrap()[0], 1);
+    assert_ne!(embedded.encode(text).unwrap()[1], 1);
+}

@@ -1,0 +1,232 @@
+//! Faults: a task killed mid-run (test hook) ends the run with the task's name and source
+//! span after joining every stream; a stalled plan becomes a watchdog error, never a hang;
+//! an over-capacity device and an unadmittable prompt are clear errors; and the CLI exits 1
+//! showing the schedule line of the failed task.
+
+use moec::compile::{compile, Options};
+use moec::ir::{Op, Workload};
+use moec::lower::{lower, ExecPlan, Instr, LowerOptions};
+use moec::model::card::ModelCard;
+use moec::model::checkpoint::Checkpoint;
+use moec::model::synth::{write_checkpoint, SynthOptions};
+use moec::runtime::cpu::{MemoryError, MemoryOptions};
+use moec::runtime::executor::ExecError;
+use moec::runtime::{generate, RunError, RunOptions};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const SCHED: &str = "schedules/baselines/sequential.sched";
+
+fn setup() -> (tempfile::TempDir, Checkpoint, ExecPlan, String) {
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(
+        &card,
+        &dir.path().join("ck"),
+        &SynthOptions {
+            seed: 1,
+            dtype: card.dtype,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&dir.path().join("ck")).unwrap();
+    let source =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(SCHED)).unwrap();
+    let mut options = Options::new(card);
+    options.workload = Workload {
+        batch: 2,
+        prompt_len: 6,
+        gen_len: 3,
+    };
+    let c = compile(&source, &options).unwrap();
+    let plan = lower(&c.program, &c.info, &LowerOptions::default()).unwrap();
+    (dir, checkpoint, plan, source)
+}
+
+fn expect_err<T>(result: Result<T, RunError>) -> RunError {
+    match result {
+        Ok(_) => panic!("expected the run to fail"),
+        Err(e) => e,
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![5, 6, 7, 8, 9, 10], vec![11, 12, 13]]
+}
+
+#[test]
+fn killed_task_stops_the_run_with_its_name_and_span() {
+    let (_dir, checkpoint, plan, source) = setup();
+    // The decode step's attention of layer 1, on its second run (the second decode step):
+    // the run is well under way.
+    let decode = plan
+        .steps
+        .iter()
+        .position(|s| s.kind.as_str() == "decode")
+        .unwrap();
+    let attn = plan
+        .tasks
+        .iter()
+        .position(|t| {
+            t.step.index() == decode
+                && matches!(
+                    t.op,
+                    Op::Attn {
+                        layer: 1,
+                        ub: 0,
+                        ..
+                    }
+                )
+        })
+        .unwrap();
+    let mut options = RunOptions::greedy(3);
+    options.kill_task = Some((attn as u32, 2));
+    let started = Instant::now();
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &prompts(),
+        &options,
+        &mut |_, _| {},
+    ));
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let RunError::Exec(ExecError::Task {
+        task,
+        message,
+        span,
+    }) = err
+    else {
+        panic!("expected a task error, got {err}")
+    };
+    assert!(task.contains("attn(layer=1, ub=0"), "{task}");
+    assert!(message.contains("killed"), "{message}");
+    let text = &source[span.start as usize..span.end as usize];
+    assert!(text.starts_with("attn("), "span points at {text:?}");
+}
+
+#[test]
+fn a_stalled_plan_is_a_watchdog_error() {
+    let (_dir, checkpoint, mut plan, _) = setup();
+    // Drop the first record of the prefill step: its waiter can never proceed.
+    let prefill = plan
+        .steps
+        .iter()
+        .position(|s| s.kind.as_str() == "prefill")
+        .unwrap();
+    let dropped = plan.steps[prefill].programs.iter_mut().find_map(|p| {
+        p.iter()
+            .position(|i| matches!(i, Instr::Record(_)))
+            .map(|at| p.remove(at))
+    });
+    assert!(dropped.is_some());
+    let mut options = RunOptions::greedy(2);
+    options.exec.watchdog = Duration::from_millis(300);
+    let started = Instant::now();
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &prompts(),
+        &options,
+        &mut |_, _| {},
+    ));
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(
+        matches!(err, RunError::Exec(ExecError::Stalled { .. })),
+        "{err}"
+    );
+    assert!(err.to_string().contains("stalled plan"), "{err}");
+}
+
+#[test]
+fn device_capacity_and_prompt_admission_are_checked() {
+    let (_dir, checkpoint, plan, _) = setup();
+    let mut options = RunOptions::greedy(2);
+    options.memory = MemoryOptions {
+        gpu_capacity: Some(4096),
+        link_gbps: None,
+    };
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &prompts(),
+        &options,
+        &mut |_, _| {},
+    ));
+    assert!(
+        matches!(
+            err,
+            RunError::Memory(MemoryError::GpuCapacity { capacity: 4096, .. })
+        ),
+        "{err}"
+    );
+    let long = vec![vec![3u32; 200]];
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &long,
+        &RunOptions::greedy(2),
+        &mut |_, _| {},
+    ));
+    assert!(
+        matches!(
+            err,
+            RunError::PromptTooLarge {
+                index: 0,
+                tokens: 200,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &[vec![]],
+        &RunOptions::greedy(2),
+        &mut |_, _| {},
+    ));
+    assert!(matches!(err, RunError::EmptyPrompt(0)), "{err}");
+}
+
+#[test]
+fn cli_reports_the_failed_task_with_its_schedule_line() {
+    let (dir, _checkpoint, plan, _) = setup();
+    let lm = plan
+        .tasks
+        .iter()
+        .position(|t| matches!(t.op, Op::LmHead { ub: 0 }))
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .args([
+            "run",
+            SCHED,
+            "--weights",
+            dir.path().join("ck").to_str().unwrap(),
+            "--hw",
+            "t4",
+        ])
+        .args([
+            "--prompt",
+            "hello there",
+            "--gen-len",
+            "3",
+            "--kill-task",
+            &format!("{lm}:1"),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("lm_head(ub=0)") && stderr.contains("killed by the test hook"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("lm_head(ub = j"),
+        "the schedule line is shown: {stderr}"
+    );
+}
