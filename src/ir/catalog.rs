@@ -803,3 +803,92 @@ pub fn workspace_bytes(op: &Op, card: &ModelCard, shape: &Shape) -> u64 {
         _ => 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Flops of one decoded token through every layer and the head, context 1.
+    fn flops_per_token(card: &ModelCard) -> f64 {
+        let shape = Shape {
+            tokens: 1,
+            seqs: 1,
+            context: 1,
+            act_bytes: ACT_BYTES,
+        };
+        let per_layer: f64 = [
+            Op::PreAttn { layer: 0, ub: 0 },
+            Op::Attn {
+                layer: 0,
+                ub: 0,
+                part: AttnPart::Decode,
+            },
+            Op::PostAttn { layer: 0, ub: 0 },
+        ]
+        .iter()
+        .map(|op| flops(op, card, &shape))
+        .sum();
+        per_layer * card.layers as f64 + flops(&Op::LmHead { ub: 0 }, card, &shape)
+    }
+
+    /// A token costs about 2 flops per active parameter (embedding lookups are free):
+    /// Mistral publishes 12.9B active parameters for Mixtral-8x7B, Databricks 36B for DBRX.
+    #[test]
+    fn decode_flops_match_the_published_active_parameters() {
+        for (name, active) in [("mixtral-8x7b", 12.9e9), ("dbrx", 36.0e9)] {
+            let card = ModelCard::load(name).unwrap();
+            let embed = (card.vocab * card.hidden) as f64;
+            let expected = 2.0 * (active - embed);
+            let got = flops_per_token(&card);
+            assert!(
+                (got / expected - 1.0).abs() < 0.02,
+                "{name}: {got:e} vs {expected:e}"
+            );
+        }
+    }
+
+    /// The fine ops add up to post_attn.
+    #[test]
+    fn fine_ops_add_up_to_post_attn() {
+        let card = ModelCard::load("mixtral-8x7b").unwrap();
+        let shape = Shape {
+            tokens: 64,
+            seqs: 64,
+            context: 512,
+            act_bytes: ACT_BYTES,
+        };
+        let fine: f64 = [
+            Op::OProj { layer: 0, ub: 0 },
+            Op::Gate { layer: 0, ub: 0 },
+            Op::Experts {
+                layer: 0,
+                ub: 0,
+                set: ExpertSet::All,
+            },
+            Op::Combine { layer: 0, ub: 0 },
+        ]
+        .iter()
+        .map(|op| flops(op, &card, &shape))
+        .sum();
+        let whole = flops(&Op::PostAttn { layer: 0, ub: 0 }, &card, &shape);
+        assert!((fine / whole - 1.0).abs() < 0.001, "{fine:e} vs {whole:e}");
+    }
+
+    /// Size helpers scale with the element size given.
+    #[test]
+    fn activation_sizes_follow_act_bytes() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        let f32_size = size_helper("kv_cache", &[10], &card, 4)
+            .unwrap()
+            .unwrap()
+            .bytes;
+        let f16_size = size_helper("kv_cache", &[10], &card, 2)
+            .unwrap()
+            .unwrap()
+            .bytes;
+        assert_eq!(f32_size, 10 * 2 * card.kv_dim() * 4);
+        assert_eq!(f16_size * 2, f32_size);
+        assert_eq!(size_helper("hidden", &[], &card, 4), Some(Err(1)));
+        assert_eq!(size_helper("nope", &[1], &card, 4), None);
+    }
+}

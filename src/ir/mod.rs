@@ -648,8 +648,7 @@ impl Program {
                     .buffers
                     .iter()
                     .filter(|b| b.kind == BufferKind::Declared && b.space == space)
-                    .map(|b| b.bytes)
-                    .sum();
+                    .fold(0u64, |sum, b| sum.saturating_add(b.bytes));
                 (space, bytes)
             })
             .collect()
