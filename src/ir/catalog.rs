@@ -723,8 +723,9 @@ pub struct HelperSize {
 }
 
 /// Names of the size helpers, for "unknown function" suggestions.
-pub const SIZE_HELPERS: [&str; 12] = [
+pub const SIZE_HELPERS: [&str; 13] = [
     "hidden",
+    "expert_acc",
     "qkv",
     "attn_out",
     "kv_cache",
@@ -739,7 +740,8 @@ pub const SIZE_HELPERS: [&str; 12] = [
 ];
 
 /// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
-/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `logits(s)` and
+/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `expert_acc(n)` (n tokens x
+/// top_k slots), `logits(s)` and
 /// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()`, `expert_weights(m)`,
 /// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
 pub fn size_helper(
@@ -766,6 +768,8 @@ pub fn size_helper(
         "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
         "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
+        // One slot per (token, k): expert outputs kept apart so the sum order is fixed.
+        "expert_acc" => one(&|n| raw(n.saturating_mul(card.top_k * card.hidden * a))),
         "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
         "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
         "layer_weights" => none(HelperSize {
