@@ -16,29 +16,29 @@ fn compile(path: &str) -> Program {
     }
 }
 
-/// tests/fixtures/cost/budget.sched on mixtral-tiny (hidden 128, ffn 256, 4 heads of 32,
-/// 2 KV heads, 8 experts, vocab 32000, 4 layers, bf16), defaults ubs = 4, n_ub = 2,
-/// slack = 0.25, workload prompt 128 + gen 32. Activations and KV are f32 (4 B).
-/// - layer_weights(): attention 128 * (128 + 2 * 64) + 128 * 128 + 2 * 128 = 49,408;
-///   router 8 * 128 = 1,024; experts 8 * 3 * 128 * 256 = 786,432; total 836,864 params =
-///   1,673,728 B. expert_weights(1) = 3 * 128 * 256 * 2 = 196,608 B. head_weights() =
-///   (32000 * 128 + 128) * 2 = 8,192,256 B.
-/// - tok_max = min(4 * 128, 10^6) = 512 tokens: hidden(512) = 512 * 128 * 4 = 262,144;
-///   qkv(512) = 512 * 256 * 4 = 524,288; attn_out(512) = 262,144; routing(512) = 512 * 2 *
-///   8 = 8,192; h = hidden(ceil(512 * 1.25) = 640) = 327,680; logits(4) = 4 * 32000 * 4 =
-///   512,000; tokens(4) = 16.
-/// - gpu = 2 * 1,673,728 + 2 * 196,608 + 8,192,256 + 2 * 327,680 + 2 * 524,288
-///   + 2 * 262,144 (a_g) + 2 * 8,192 + 2 * 262,144 (acc) + 2 * 512,000 + 2 * 16
-///   = 15,725,856 B of buffers, plus the largest GPU op workspace: prefill post_attn over
-///   512 tokens, gate/up intermediates 512 * top-2 * 256 * 2 * 4 = 2,097,152 B; total
-///   17,823,008 B.
-/// - pinned = 2 * 1,673,728 + 2 * 196,608 + 2 * 327,680 (h_c, h_tokens = 640) + 2 * 524,288
-///   + 2 * 262,144 = 5,968,896 B.
-/// - host = kv: 4 layers * 2 ub * kv_cache(4 * 160 = 640 tokens) = 8 * 640 * 128 * 4 =
-///   2,621,440 B; plus the memory-mapped checkpoint (4 * 836,864 + 2 * 32000 * 128 + 128)
-///   * 2 = 23,079,168 B (all of it is read after setup); plus the pinned buffers; plus
-///   the largest CPU op workspace, prefill attention scores 512 tokens * 4 heads * 128
-///   context * 4 = 1,048,576 B: 32,718,080 B.
+// tests/fixtures/cost/budget.sched on mixtral-tiny (hidden 128, ffn 256, 4 heads of 32,
+// 2 KV heads, 8 experts, vocab 32000, 4 layers, bf16), defaults ubs = 4, n_ub = 2,
+// slack = 0.25, workload prompt 128 + gen 32. Activations and KV are f32 (4 B).
+// - layer_weights(): attention 128 * (128 + 2 * 64) + 128 * 128 + 2 * 128 = 49,408;
+//   router 8 * 128 = 1,024; experts 8 * 3 * 128 * 256 = 786,432; total 836,864 params =
+//   1,673,728 B. expert_weights(1) = 3 * 128 * 256 * 2 = 196,608 B. head_weights() =
+//   (32000 * 128 + 128) * 2 = 8,192,256 B.
+// - tok_max = min(4 * 128, 10^6) = 512 tokens: hidden(512) = 512 * 128 * 4 = 262,144;
+//   qkv(512) = 512 * 256 * 4 = 524,288; attn_out(512) = 262,144; routing(512) = 512 * 2 *
+//   8 = 8,192; h = hidden(ceil(512 * 1.25) = 640) = 327,680; logits(4) = 4 * 32000 * 4 =
+//   512,000; tokens(4) = 16.
+// - gpu = 2 * 1,673,728 + 2 * 196,608 + 8,192,256 + 2 * 327,680 + 2 * 524,288
+//   + 2 * 262,144 (a_g) + 2 * 8,192 + 2 * 262,144 (acc) + 2 * 512,000 + 2 * 16
+//   = 15,725,856 B of buffers, plus the largest GPU op workspace: prefill post_attn over
+//   512 tokens, gate/up intermediates 512 * top-2 * 256 * 2 * 4 = 2,097,152 B; total
+//   17,823,008 B.
+// - pinned = 2 * 1,673,728 + 2 * 196,608 + 2 * 327,680 (h_c, h_tokens = 640) + 2 * 524,288
+//   + 2 * 262,144 = 5,968,896 B.
+// - host = kv: 4 layers * 2 ub * kv_cache(4 * 160 = 640 tokens) = 8 * 640 * 128 * 4 =
+//   2,621,440 B; plus the memory-mapped checkpoint (4 * 836,864 + 2 * 32000 * 128 + 128)
+//   * 2 = 23,079,168 B (all of it is read after setup); plus the pinned buffers; plus
+//   the largest CPU op workspace, prefill attention scores 512 tokens * 4 heads * 128
+//   context * 4 = 1,048,576 B: 32,718,080 B.
 #[test]
 fn budget_arithmetic_matches_hand_computed_bytes() {
     let program = compile("tests/fixtures/cost/budget.sched");

@@ -386,3 +386,28 @@ fn folder_tokenizer_wins_over_the_embedded_one() {
     assert_eq!(embedded.encode(text).unwrap()[0], 1);
     assert_ne!(embedded.encode(text).unwrap()[1], 1);
 }
+
+/// A layout of another architecture is refused with an error, never a panic, both when
+/// copying a layer into it and when viewing bytes through it.
+#[test]
+fn foreign_layouts_are_errors() {
+    use moec::model::layout::ImageBuffer;
+    use moec::model::{ArchSpec, LayerLayout};
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("mixtral-tiny");
+    let dir = synth(tmp.path(), &card, SynthOptions::default());
+    let ck = Checkpoint::open(&dir).unwrap();
+    let mut other = card.clone();
+    other.ffn = 64;
+    let layout = LayerLayout::uniform(&ArchSpec::from_card(&other), WeightDtype::Bf16);
+    let mut buf = ImageBuffer::zeroed(layout.image_bytes);
+    let err = ck
+        .copy_layer_image(0, &layout, buf.as_bytes_mut())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("experts.0.w1.weight"), "{err}");
+    let (real_layout, image) = ck.layer_image(0).unwrap();
+    let mut shrunk = real_layout.clone();
+    shrunk.image_bytes = 64;
+    assert!(LayerWeights::from_image(&image.as_bytes()[..64], &shrunk).is_err());
+}

@@ -3,7 +3,8 @@
 //! diagnostics (rendered too, since rendering slices the source by spans), never a panic.
 //! Seeded, so a failure names an input that reproduces.
 
-mod common;
+mod schedules_common;
+use schedules_common as common;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

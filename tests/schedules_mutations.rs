@@ -14,7 +14,8 @@
 //! weight slots only ever hold their own layer, so a dropped page copy leaves the right
 //! bytes in place and the checker (rightly) accepts it.
 
-mod common;
+mod schedules_common;
+use schedules_common as common;
 
 use moec::diag::{self, Code, Diagnostic};
 

@@ -3,10 +3,12 @@
 //! the top candidates (`--json` for machines).
 
 use super::simulate::{compile_for_cost, fail, resolve, CostTarget};
+use crate::compile;
 use crate::cost::budget::budget_table;
 use crate::cost::hardware::GB;
 use crate::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
 use crate::cost::predict::predict;
+use crate::ir::{deps, TaskId};
 use clap::Args;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -50,29 +52,40 @@ pub fn run(args: PlanArgs) -> ExitCode {
         .map(|(name, _)| name.clone())
         .collect();
     let spaces = param_spaces(&program.params, &fixed);
+    let Ok(file) = compile::source_to_ast(&resolved.source) else {
+        return fail("the schedule stopped parsing between two reads");
+    };
+    let wanted = args.top.max(1);
+    // Extra candidates in case the full check rejects some of the best ones.
     let options = SearchOptions {
         max_grid: args.max_grid,
         refine_from: 3,
-        top: args.top.max(1),
+        top: wanted + 5,
     };
-    let result = search(&spaces, &options, |values| {
+    // Per point: elaborate and cost only. Value tracking and lints run on the winners below
+    // (they do not change the prediction, and the transitive reduction is the slow part of
+    // checking large programs; the simulator does not need it).
+    let mut result = search(&spaces, &options, |values| {
         let mut compile_options = resolved.options.clone();
         compile_options.sets.extend(
             values
                 .iter()
                 .map(|(name, value)| (name.clone(), value.to_string())),
         );
-        let (program, deps) =
-            match compile_for_cost(&resolved.source, &resolved.origin, &compile_options) {
-                Ok(x) => x,
-                Err(rendered) => {
-                    let first = rendered
-                        .lines()
-                        .find(|l| !l.trim().is_empty())
-                        .unwrap_or("");
-                    return Outcome::Invalid(first.trim().to_string());
-                }
-            };
+        let program = match compile::ast_to_ir(&file, &compile_options) {
+            Ok((program, _)) => program,
+            Err(diagnostics) => {
+                let first = diagnostics
+                    .iter()
+                    .find(|d| d.is_error())
+                    .or(diagnostics.first());
+                return Outcome::Invalid(first.map_or_else(String::new, |d| d.message.clone()));
+            }
+        };
+        let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+            .into_iter()
+            .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+            .collect();
         let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
         if !table.fits() {
             return Outcome::OverBudget;
@@ -92,6 +105,27 @@ pub fn run(args: PlanArgs) -> ExitCode {
             Err(e) => Outcome::Invalid(e.to_string()),
         }
     });
+    // The full compiler check on the winners, best first.
+    let mut rejected = 0;
+    let mut checked = Vec::new();
+    for candidate in std::mem::take(&mut result.top) {
+        if checked.len() == wanted {
+            break;
+        }
+        let mut compile_options = resolved.options.clone();
+        compile_options.sets.extend(
+            candidate
+                .values
+                .iter()
+                .map(|(name, value)| (name.clone(), value.to_string())),
+        );
+        if compile::compile(&resolved.source, &compile_options).is_ok() {
+            checked.push(candidate);
+        } else {
+            rejected += 1;
+        }
+    }
+    result.top = checked;
     let elapsed = started.elapsed().as_secs_f64();
     if args.json {
         let value = serde_json::json!({
@@ -100,6 +134,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
             "hardware": resolved.profile.name,
             "workload": program.workload,
             "seconds": elapsed,
+            "rejected_by_check": rejected,
             "result": result,
         });
         println!(
@@ -125,6 +160,9 @@ pub fn run(args: PlanArgs) -> ExitCode {
     );
     for reason in &result.invalid_reasons {
         println!("  invalid: {reason}");
+    }
+    if rejected > 0 {
+        println!("  {rejected} of the best points failed the full check and were dropped");
     }
     if result.top.is_empty() {
         return fail("no parameter setting fits the memory budget; try a bigger --gpu-mem/--host-mem or another schedule");

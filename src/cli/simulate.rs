@@ -211,10 +211,13 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         let step = prediction
             .steps
             .iter()
-            .find(|s| {
-                wanted.is_none_or(|w| s.kind == w) && (wanted.is_some() || s.kind != "prefill")
+            .enumerate()
+            .find(|(i, s)| match wanted {
+                Some(w) => s.kind == w,
+                None => Some(*i) == prediction.repeated_step,
             })
-            .or_else(|| prediction.steps.first());
+            .map(|(_, s)| s)
+            .or_else(|| prediction.steps.last());
         let Some(step) = step else {
             return fail("the schedule has no steps to draw");
         };
@@ -332,7 +335,12 @@ fn print_report(
         _ => println!("throughput: the schedule has no decode step"),
     }
     if let Some(step) = prediction.repeated_step.map(|i| &prediction.steps[i]) {
-        println!("busy share over the {} step:", step.kind);
+        let step_name = if step.kind == "step" {
+            "mixed"
+        } else {
+            step.kind.as_str()
+        };
+        println!("busy share over the {step_name} step:");
         for stream in &program.streams {
             let busy = step.stream_busy.get(&stream.name).copied().unwrap_or(0.0);
             println!(
@@ -345,10 +353,7 @@ fn print_report(
         for (resource, busy) in &step.resource_busy {
             println!("  resource {:<20} {}", resource, pct(*busy));
         }
-        println!(
-            "task time per kind over the {} step (sum over tasks, binding roof):",
-            step.kind
-        );
+        println!("task time per kind over the {step_name} step (sum over tasks, binding roof):");
         let mut ops: Vec<_> = step.op_seconds.iter().collect();
         ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         for (op, (total, roof)) in ops {

@@ -107,6 +107,12 @@ pub fn param_spaces(params: &[Param], fixed: &[String]) -> Vec<ParamSpace> {
                     Scalar::Bool(_) => None,
                 };
                 let (lo, hi) = (as_f64(range.lo)?, as_f64(range.hi)?);
+                // An exclusive bound is approached to the search's float resolution.
+                let hi = if range.inclusive {
+                    hi
+                } else {
+                    hi - (hi - lo) / 64.0
+                };
                 (lo < hi).then(|| ParamSpace::Float {
                     name: p.name.clone(),
                     lo,

@@ -14,7 +14,7 @@ use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
 use super::timeline::{Span, Timeline};
-use crate::ir::catalog::{self, AttnPart, DataClass, ACT_BYTES};
+use crate::ir::catalog::{self, AttnPart, ACT_BYTES};
 use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId};
 use crate::syntax::ast::StepKind;
 use serde::Serialize;
@@ -176,24 +176,12 @@ fn compute_load(program: &Program, id: TaskId, settings: &CostSettings) -> Compu
     // The host's pinned and pageable memory are one DRAM: a CPU task's traffic in both
     // adds up on one bus.
     let mut per_level: BTreeMap<Level, f64> = BTreeMap::new();
-    // `work.mem` has one entry per argument. A task cannot read more weight bytes through
-    // an argument than the argument holds: when weights are split over several `w`
-    // arguments, the catalog charges each one the op's whole weight traffic, so cap it.
-    let caps: Vec<Option<u64>> = if work.mem.len() == task.args.len() {
-        task.args.iter().map(|a| Some(a.slice.len)).collect()
-    } else {
-        vec![None; work.mem.len()]
-    };
-    for (traffic, cap) in work.mem.iter().zip(caps) {
-        let bytes = match (traffic.class, cap) {
-            (DataClass::Weights, Some(cap)) => traffic.bytes.min(cap as f64),
-            _ => traffic.bytes,
-        };
+    for traffic in &work.mem {
         let mut level = level_of(traffic.space);
         if processor == Processor::Cpu && level == Level::Pinned {
             level = Level::Host;
         }
-        *per_level.entry(level).or_default() += bytes;
+        *per_level.entry(level).or_default() += traffic.bytes;
     }
     ComputeLoad {
         processor,

@@ -136,7 +136,7 @@ impl Timeline {
         let plot_width = (width - label_width - 20.0).max(100.0);
         let rows = self.streams.len().max(1) as f64;
         let ops = self.ops();
-        let legend_rows = ops.len().div_ceil(5).max(1) as f64;
+        let legend_rows = ops.len().div_ceil(4).max(1) as f64;
         let axis_y = top + rows * row_height;
         let height = axis_y + 40.0 + legend_rows * 20.0 + 10.0;
         let origin = self
@@ -221,8 +221,8 @@ impl Timeline {
             axis_y + 32.0
         );
         for (index, op) in ops.iter().enumerate() {
-            let x = label_width + (index % 5) as f64 * 150.0;
-            let y = axis_y + 44.0 + (index / 5) as f64 * 20.0;
+            let x = label_width + (index % 4) as f64 * 280.0;
+            let y = axis_y + 44.0 + (index / 4) as f64 * 20.0;
             let _ = writeln!(
                 svg,
                 r#"<rect x="{x}" y="{y}" width="14" height="14" fill="{}"/><text x="{:.0}" y="{:.0}">{}</text>"#,

@@ -557,9 +557,23 @@ impl Checkpoint {
                     dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
                 });
             }
-            let row_bytes = seg.cols * dtype.bytes() as usize;
-            let part = &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes];
-            dst[seg.range()].copy_from_slice(part);
+            // The tensor's own row width (checked against the card above), not the layout's.
+            let cols: usize = src.shape.iter().skip(1).product();
+            let row_bytes = cols * dtype.bytes() as usize;
+            let part = if src.shape.len() == 1 {
+                bytes
+            } else {
+                &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes]
+            };
+            let Some(slot) = dst.get_mut(seg.range()).filter(|d| d.len() == part.len()) else {
+                return Err(CheckpointError::Shape {
+                    path: path.display().to_string(),
+                    tensor: src.name,
+                    expected: vec![seg.rows, seg.cols],
+                    got: src.shape.clone(),
+                });
+            };
+            slot.copy_from_slice(part);
         }
         Ok(())
     }

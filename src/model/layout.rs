@@ -331,9 +331,18 @@ impl<'a> LayerWeights<'a> {
                 got: bytes.len(),
             });
         }
-        let dense = DenseWeights::from_bytes(&bytes[layout.dense_range()], layout)?;
+        // `get` rather than indexing: a hand-built layout may describe ranges past its
+        // own `image_bytes`.
+        let part = |range: Range<usize>| {
+            let needed = range.end;
+            bytes.get(range).ok_or(LayoutError::TooShort {
+                needed,
+                got: bytes.len(),
+            })
+        };
+        let dense = DenseWeights::from_bytes(part(layout.dense_range())?, layout)?;
         let experts = (0..layout.n_experts)
-            .map(|e| ExpertWeights::from_bytes(&bytes[layout.expert_range(e)], layout, e))
+            .map(|e| ExpertWeights::from_bytes(part(layout.expert_range(e))?, layout, e))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LayerWeights { dense, experts })
     }

@@ -122,7 +122,13 @@ impl<'a> Oracle<'a> {
     /// The oracle over any weight views (e.g. layer images in other buffers).
     pub fn from_weights(card: &ModelCard, weights: ModelWeights<'a>) -> Self {
         let arch = ArchSpec::from_card(card);
-        let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+        // A config may claim any context length; tables past 2^20 positions would only
+        // waste memory (longer sequences are then a clean position error).
+        let rope = RopeTable::new(
+            arch.rope_theta,
+            arch.attn.head_dim,
+            arch.max_positions.min(1 << 20),
+        );
         Oracle {
             card: card.clone(),
             arch,
@@ -239,7 +245,7 @@ impl<'a> Oracle<'a> {
         prompts: &[Vec<u32>],
         options: &GenerateOptions,
     ) -> Result<Vec<Generation>, OracleError> {
-        let max = self.arch.max_positions;
+        let max = self.rope.max_positions();
         for (index, p) in prompts.iter().enumerate() {
             if p.is_empty() {
                 return Err(OracleError::EmptyPrompt { index });

@@ -179,13 +179,9 @@ impl OpContext<'_> {
                     out,
                 )?;
             }
-            Op::Attn { layer: _, ub, part } => self.attn(
-                ub,
-                part,
-                need(Role::Qkv)?,
-                need(Role::Kv)?,
-                need(Role::Out)?,
-            )?,
+            Op::Attn { layer: _, ub, part } => {
+                self.attn(ub, part, need(Role::Qkv)?, get(Role::Kv), need(Role::Out)?)?
+            }
             Op::OProj { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
                 let dense = self.dense(&weights, layer, &[SegmentKind::OProj])?;
@@ -274,9 +270,14 @@ impl OpContext<'_> {
                         SegmentKind::Router,
                     ],
                 )?;
-                let a = self.act(need(Role::A)?, "a", n * self.arch.q_dim())?;
+                let a_args: Vec<View> = args
+                    .iter()
+                    .filter(|(a, _)| a.role == Role::A)
+                    .map(|(_, v)| *v)
+                    .collect();
+                let merged = self.merge_attention_rows(ub, &a_args)?;
                 let h = self.act_mut(need(Role::H)?, "h", n * d)?;
-                o_proj_residual(self.arch, &dense, a, h)?;
+                o_proj_residual(self.arch, &dense, &merged, h)?;
                 let mut x_norm = vec![0.0f32; n * d];
                 let routing = gate(self.arch, &dense, h, &mut x_norm)?;
                 let mut slots = vec![0.0f32; n * self.arch.top_k * d];
@@ -534,61 +535,147 @@ impl OpContext<'_> {
         self.typed(weights, tag, self.dtype)
     }
 
-    fn attn(&self, ub: u32, part: AttnPart, qkv: View, kv: View, out: View) -> Result<(), OpError> {
+    /// `post_attn`'s attention rows: one `a` argument holds all rows; two (VSLPipe) hold
+    /// the prefill sequences' rows and the decode sequences' rows, each at its position.
+    fn merge_attention_rows(&self, ub: u32, a_args: &[View]) -> Result<Vec<f32>, OpError> {
+        let mb = self.ub(ub)?;
+        let q = self.arch.q_dim();
+        let n = mb.n_tokens();
+        match a_args {
+            [] => Err(OpError::MissingArg("a")),
+            [one] => Ok(self.act(*one, "a", n * q)?.to_vec()),
+            [prefill, decode, ..] => {
+                let (p, d) = (
+                    self.act(*prefill, "a", n * q)?,
+                    self.act(*decode, "a", n * q)?,
+                );
+                let mut out = vec![0.0f32; n * q];
+                let mut row = 0;
+                for s in &mb.seqs {
+                    let rows = row * q..(row + s.new_tokens.len()) * q;
+                    let src = if s.prefill { p } else { d };
+                    out[rows.clone()].copy_from_slice(&src[rows]);
+                    row += s.new_tokens.len();
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Attention for the sequences `part` selects, writing their rows at their positions.
+    /// With a `kv` argument every new token's K/V is appended (also of sequences not
+    /// selected: VSLPipe's CPU task stores the prefill tokens' K/V while attending only the
+    /// decode rows); without one (GPU prefill attention over whole prompts) a scratch cache
+    /// holds the call's own K/V.
+    fn attn(
+        &self,
+        ub: u32,
+        part: AttnPart,
+        qkv: View,
+        kv: Option<View>,
+        out: View,
+    ) -> Result<(), OpError> {
         let mb = self.ub(ub)?;
         let n = mb.n_tokens();
         let shape = self.arch.attn;
         let (qw, ow) = (shape.qkv_width(), shape.q_width());
         let qkv = self.act(qkv, "qkv", n * qw)?;
         let out = self.act_mut(out, "out", n * ow)?;
-        let layout = KvLayout {
-            block_size: mb.block_size.max(1),
-            kv_heads: shape.kv_heads,
-            head_dim: shape.head_dim,
-        };
-        let pool_elems =
-            (kv.len as usize / 4 / 2 / layout.block_elems().max(1)) * layout.block_elems();
-        let pools = self.act_mut(kv, "kv", 2 * pool_elems)?;
-        let (k, v) = pools.split_at_mut(pool_elems);
-        let mut cache = KvBlocksMut { layout, k, v };
-        // `part` selects the sequences this task attends for (VSLPipe splits a mixed
-        // micro-batch: prefill sequences on one engine, decode sequences on another).
         let wanted = |prefill: bool| match part {
             AttnPart::All => true,
             AttnPart::Prefill => prefill,
             AttnPart::Decode => !prefill,
         };
-        let mut rows = Vec::new();
-        let mut seqs = Vec::new();
+        if let Some(kv) = kv {
+            let layout = KvLayout {
+                block_size: mb.block_size.max(1),
+                kv_heads: shape.kv_heads,
+                head_dim: shape.head_dim,
+            };
+            let pool_elems =
+                (kv.len as usize / 4 / 2 / layout.block_elems().max(1)) * layout.block_elems();
+            let pools = self.act_mut(kv, "kv", 2 * pool_elems)?;
+            let (k, v) = pools.split_at_mut(pool_elems);
+            let mut cache = KvBlocksMut { layout, k, v };
+            let seqs: Vec<AttnSeq<'_>> = mb
+                .seqs
+                .iter()
+                .map(|s| AttnSeq {
+                    block_table: &s.block_table,
+                    context_len: s.context_len,
+                    n_new: s.new_tokens.len(),
+                })
+                .collect();
+            if mb.seqs.iter().all(|s| wanted(s.prefill)) {
+                attention(&mut cache, &seqs, qkv, &shape, out).map_err(KernelError::from)?;
+                return Ok(());
+            }
+            let mut all = vec![0.0f32; n * ow];
+            attention(&mut cache, &seqs, qkv, &shape, &mut all).map_err(KernelError::from)?;
+            let mut row = 0;
+            for s in &mb.seqs {
+                let rows = row * ow..(row + s.new_tokens.len()) * ow;
+                if wanted(s.prefill) {
+                    out[rows.clone()].copy_from_slice(&all[rows]);
+                }
+                row += s.new_tokens.len();
+            }
+            return Ok(());
+        }
+        // No cache argument: only whole-prompt (context 0) sequences can be attended.
+        let block = 16;
+        let layout = KvLayout {
+            block_size: block,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+        };
+        let mut picked_rows = Vec::new();
+        let mut tables = Vec::new();
+        let mut next_block = 0u32;
         let mut row = 0;
         for s in &mb.seqs {
             let len = s.new_tokens.len();
             if wanted(s.prefill) {
-                rows.push(row..row + len);
-                seqs.push(AttnSeq {
-                    block_table: &s.block_table,
-                    context_len: s.context_len,
-                    n_new: len,
-                });
+                if s.context_len > 0 {
+                    return Err(OpError::MissingArg(
+                        "kv (a sequence with cached tokens needs its KV cache)",
+                    ));
+                }
+                let blocks = layout.blocks_for(len) as u32;
+                tables.push((next_block..next_block + blocks).collect::<Vec<u32>>());
+                next_block += blocks;
+                picked_rows.push(row..row + len);
             }
             row += len;
         }
-        if seqs.len() == mb.seqs.len() {
-            attention(&mut cache, &seqs, qkv, &shape, out).map_err(KernelError::from)?;
+        if picked_rows.is_empty() {
             return Ok(());
         }
-        if seqs.is_empty() {
-            return Ok(());
-        }
-        let picked: usize = rows.iter().map(|r| r.len()).sum();
+        let elems = next_block as usize * layout.block_elems();
+        let (mut k, mut v) = (vec![0.0f32; elems], vec![0.0f32; elems]);
+        let mut cache = KvBlocksMut {
+            layout,
+            k: &mut k,
+            v: &mut v,
+        };
+        let seqs: Vec<AttnSeq<'_>> = picked_rows
+            .iter()
+            .zip(&tables)
+            .map(|(r, t)| AttnSeq {
+                block_table: t,
+                context_len: 0,
+                n_new: r.len(),
+            })
+            .collect();
+        let picked: usize = picked_rows.iter().map(|r| r.len()).sum();
         let mut q_in = Vec::with_capacity(picked * qw);
-        for r in &rows {
+        for r in &picked_rows {
             q_in.extend_from_slice(&qkv[r.start * qw..r.end * qw]);
         }
         let mut o = vec![0.0f32; picked * ow];
         attention(&mut cache, &seqs, &q_in, &shape, &mut o).map_err(KernelError::from)?;
         let mut at = 0;
-        for r in &rows {
+        for r in &picked_rows {
             out[r.start * ow..r.end * ow].copy_from_slice(&o[at * ow..(at + r.len()) * ow]);
             at += r.len();
         }

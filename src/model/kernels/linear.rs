@@ -19,17 +19,8 @@
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
-/// Most weight rows per parallel task of the `OutIn` kernel.
+/// Weight rows per parallel task of the `OutIn` kernel (a panel kept hot in L2).
 const PANEL_ROWS: usize = 64;
-
-/// Widened f32 elements of one panel or band (512 KiB: stays in L2 while every block of
-/// activation rows streams past it).
-const TILE_ELEMS: usize = 1 << 17;
-
-/// Above this many activation rows, bf16/f16 weights are widened once per panel into an
-/// f32 tile that all row blocks reuse (exact, so the per-element arithmetic is unchanged);
-/// at or below it, each weight is widened in registers as it streams by.
-const WIDEN_ABOVE_ROWS: usize = 4;
 
 /// Output columns per parallel task of the `InOut` kernel.
 const BAND_COLS: usize = 256;
@@ -88,43 +79,25 @@ where
 
 fn out_in(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (out_dim, in_dim) = (w.rows, w.cols);
-    let panel_rows = (TILE_ELEMS / in_dim.max(1)).clamp(4, PANEL_ROWS) / 4 * 4;
-    let n_panels = out_dim.div_ceil(panel_rows);
+    let n_panels = out_dim.div_ceil(PANEL_ROWS);
     let avx = use_avx512();
-    let pre_widen = n_rows > WIDEN_ABOVE_ROWS && !matches!(w.data, TypedSlice::F32(_));
     let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
-        let o0 = p * panel_rows;
-        let rows = panel_rows.min(out_dim - o0);
+        let o0 = p * PANEL_ROWS;
+        let rows = PANEL_ROWS.min(out_dim - o0);
         let mut local = vec![0.0f32; n_rows * rows];
         #[cfg(target_arch = "x86_64")]
         if avx {
-            if pre_widen {
-                let mut tile = vec![0.0f32; rows * in_dim];
-                w.data
-                    .slice(o0 * in_dim..(o0 + rows) * in_dim)
-                    .widen_into(&mut tile);
-                let tile = Matrix {
-                    data: TypedSlice::F32(&tile),
-                    rows,
-                    cols: in_dim,
-                    orientation: Orientation::OutIn,
-                };
-                // SAFETY: avx512f/bw/vl were detected; `tile` holds exactly rows 0..rows,
-                // `x` holds n_rows rows of in_dim, `local` n_rows * rows values.
-                unsafe { avx512::out_in_panel(x, n_rows, &tile, 0, rows, &mut local) };
-            } else {
-                // SAFETY: avx512f/bw/vl were detected; the panel and `x` bounds are those
-                // the kernel documents (rows o0..o0+rows of w, n_rows rows of x).
-                unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) };
-            }
+            // SAFETY: avx512f/bw/vl were detected; the panel and `x` bounds are those the
+            // kernel documents (rows o0..o0+rows of w, n_rows rows of x of in_dim each).
+            unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) };
             return local;
         }
-        let _ = (avx, pre_widen);
+        let _ = avx;
         portable::out_in_panel(x, n_rows, w, o0, rows, &mut local);
         local
     });
     for (p, local) in panels.iter().enumerate() {
-        let o0 = p * panel_rows;
+        let o0 = p * PANEL_ROWS;
         let rows = local.len() / n_rows;
         for t in 0..n_rows {
             out[t * out_dim + o0..t * out_dim + o0 + rows]
@@ -137,36 +110,17 @@ fn in_out(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (in_dim, out_dim) = (w.rows, w.cols);
     let n_bands = out_dim.div_ceil(BAND_COLS);
     let avx = use_avx512();
-    let pre_widen = n_rows > WIDEN_ABOVE_ROWS && !matches!(w.data, TypedSlice::F32(_));
     let bands = for_chunks(n_bands, n_rows * out_dim * in_dim, |b| {
         let c0 = b * BAND_COLS;
         let width = BAND_COLS.min(out_dim - c0);
         let mut local = vec![0.0f32; n_rows * width];
         #[cfg(target_arch = "x86_64")]
         if avx {
-            if pre_widen {
-                let mut tile = vec![0.0f32; in_dim * width];
-                for (i, dst) in tile.chunks_exact_mut(width).enumerate() {
-                    w.data
-                        .slice(i * out_dim + c0..i * out_dim + c0 + width)
-                        .widen_into(dst);
-                }
-                let tile = Matrix {
-                    data: TypedSlice::F32(&tile),
-                    rows: in_dim,
-                    cols: width,
-                    orientation: Orientation::InOut,
-                };
-                // SAFETY: avx512f/bw/vl were detected; `tile` is in_dim x width and the
-                // band is all of it; `local` holds n_rows * width values.
-                unsafe { avx512::in_out_band(x, n_rows, &tile, 0, width, &mut local) };
-            } else {
-                // SAFETY: avx512f/bw/vl were detected; columns c0..c0+width < out_dim.
-                unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) };
-            }
+            // SAFETY: avx512f/bw/vl were detected; columns c0..c0+width < out_dim.
+            unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) };
             return local;
         }
-        let _ = (avx, pre_widen);
+        let _ = avx;
         portable::in_out_band(x, n_rows, w, c0, width, &mut local);
         local
     });

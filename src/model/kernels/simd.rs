@@ -253,6 +253,8 @@ unsafe fn key_scores_transposed_avx512(
     let hd = k_tile.len() / block_size;
     let group = q_group.len() / hd;
     let scale_v = _mm512_set1_ps(scale);
+    let kp = k_tile.as_ptr();
+    let qp = q_group.as_ptr();
     let mut r0 = 0;
     while r0 < n {
         let lanes = (n - r0).min(16);
@@ -261,22 +263,45 @@ unsafe fn key_scores_transposed_avx512(
         } else {
             ((1u32 << lanes) - 1) as __mmask16
         };
-        let kp = k_tile.as_ptr();
-        for g in 0..group {
-            let q = &q_group[g * hd..(g + 1) * hd];
-            let mut acc = _mm512_setzero_ps();
-            for (dim, &qd) in q.iter().enumerate() {
+        // Four query heads at a time: four independent FMA chains hide the latency; a
+        // short last group repeats its last head (same arithmetic, result discarded).
+        let mut g0 = 0;
+        while g0 < group {
+            let qo = [
+                g0,
+                (g0 + 1).min(group - 1),
+                (g0 + 2).min(group - 1),
+                (g0 + 3).min(group - 1),
+            ];
+            let z = _mm512_setzero_ps();
+            let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
+            for dim in 0..hd {
                 // SAFETY: slots slot0+r0 .. slot0+r0+lanes < block_size (caller-checked), so
-                // the masked lanes stay inside row `dim` of the tile.
-                let kv =
-                    unsafe { _mm512_maskz_loadu_ps(mask, kp.add(dim * block_size + slot0 + r0)) };
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(qd), kv, acc);
+                // the masked lanes stay inside row `dim` of the tile; q indices < group*hd.
+                unsafe {
+                    let kv = _mm512_maskz_loadu_ps(mask, kp.add(dim * block_size + slot0 + r0));
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(qo[0] * hd + dim)), kv, a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(qo[1] * hd + dim)), kv, a1);
+                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(qo[2] * hd + dim)), kv, a2);
+                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(qo[3] * hd + dim)), kv, a3);
+                }
             }
-            let out = _mm512_mul_ps(acc, scale_v);
-            // SAFETY: indices g*stride+base+r0 .. +lanes are inside `scores` (caller-checked).
-            unsafe {
-                _mm512_mask_storeu_ps(scores.as_mut_ptr().add(g * stride + base + r0), mask, out)
-            };
+            for (i, a) in [a0, a1, a2, a3].into_iter().enumerate() {
+                if g0 + i >= group {
+                    break;
+                }
+                let out = _mm512_mul_ps(a, scale_v);
+                // SAFETY: indices (g0+i)*stride+base+r0 .. +lanes are inside `scores`
+                // (caller-checked).
+                unsafe {
+                    _mm512_mask_storeu_ps(
+                        scores.as_mut_ptr().add((g0 + i) * stride + base + r0),
+                        mask,
+                        out,
+                    )
+                };
+            }
+            g0 += 4;
         }
         r0 += 16;
     }
@@ -319,6 +344,65 @@ pub fn weighted_rows(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_rows_avx512(
+    rows: &[f32],
+    hd: usize,
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded contract; each body handles hd = 16 * C exactly.
+    unsafe {
+        match hd / 16 {
+            1 => weighted_rows_c::<1>(rows, probs, stride, base, out),
+            2 => weighted_rows_c::<2>(rows, probs, stride, base, out),
+            4 => weighted_rows_c::<4>(rows, probs, stride, base, out),
+            8 => weighted_rows_c::<8>(rows, probs, stride, base, out),
+            _ => weighted_rows_any(rows, hd, probs, stride, base, out),
+        }
+    }
+}
+
+/// Head width `16 * C` known at compile time, so the `C` accumulators live in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_c<const C: usize>(
+    rows: &[f32],
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let hd = 16 * C;
+    let group = out.len() / hd;
+    let n = rows.len() / hd;
+    let rp = rows.as_ptr();
+    for g in 0..group {
+        let dst = out[g * hd..(g + 1) * hd].as_mut_ptr();
+        let mut acc = [_mm512_setzero_ps(); C];
+        for (c, a) in acc.iter_mut().enumerate() {
+            // SAFETY: c * 16 + 16 <= hd, inside head g's slice of `out`.
+            *a = unsafe { _mm512_loadu_ps(dst.add(c * 16)) };
+        }
+        for r in 0..n {
+            let p = _mm512_set1_ps(probs[g * stride + base + r]);
+            for (c, a) in acc.iter_mut().enumerate() {
+                // SAFETY: r < n rows of hd values each.
+                *a = _mm512_fmadd_ps(p, unsafe { _mm512_loadu_ps(rp.add(r * hd + c * 16)) }, *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(dst.add(c * 16), *a) };
+        }
+    }
+}
+
+/// Any head width that is a multiple of 16 (at most 256).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_rows_any(
     rows: &[f32],
     hd: usize,
     probs: &[f32],
@@ -390,8 +474,12 @@ mod tests {
     #[test]
     fn transposed_key_scores_are_exact_sequential_fmas() {
         let (bs, hd, group) = (20usize, 24usize, 3usize);
-        let tile: Vec<f32> = (0..bs * hd).map(|i| ((i * 37) % 113) as f32 / 56.0 - 1.0).collect();
-        let q: Vec<f32> = (0..group * hd).map(|i| ((i * 11) % 29) as f32 / 14.0 - 1.0).collect();
+        let tile: Vec<f32> = (0..bs * hd)
+            .map(|i| ((i * 37) % 113) as f32 / 56.0 - 1.0)
+            .collect();
+        let q: Vec<f32> = (0..group * hd)
+            .map(|i| ((i * 11) % 29) as f32 / 14.0 - 1.0)
+            .collect();
         let mut whole = vec![0.0f32; group * bs];
         key_scores_transposed(&tile, bs, 0, bs, &q, 0.5, &mut whole, bs, 0);
         let mut split = vec![0.0f32; group * bs];
