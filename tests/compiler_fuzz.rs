@@ -41,6 +41,14 @@ fn sources() -> Vec<(String, String)> {
     out
 }
 
+/// Variants per source; `MOEC_FUZZ_ROUNDS=N` multiplies them for a longer local run.
+fn rounds(base: usize) -> usize {
+    base * std::env::var("MOEC_FUZZ_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1)
+}
+
 fn options() -> Options {
     let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
     // Mutations can turn a small loop into a huge one; keep each attempt quick.
@@ -84,7 +92,7 @@ fn shuffled_and_duplicated_lines_never_panic() {
     let mut rng = XorShift(0x5eed_cafe_f00d_1234);
     for (name, source) in sources() {
         let lines: Vec<&str> = source.lines().collect();
-        for _ in 0..12 {
+        for _ in 0..rounds(12) {
             let mut variant = lines.clone();
             for _ in 0..3 {
                 let (a, b) = (rng.below(variant.len()), rng.below(variant.len()));
@@ -126,7 +134,7 @@ fn flipped_tokens_and_random_bytes_never_panic() {
         "\n",
     ];
     for (name, source) in sources() {
-        for _ in 0..25 {
+        for _ in 0..rounds(25) {
             let mut variant = source.clone();
             for _ in 0..2 {
                 let mut at = rng.below(variant.len());

@@ -155,13 +155,8 @@ pub fn summary(compiled: &Compiled) -> String {
         program.steps.len()
     ));
     out.push_str(&format!(
-        "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {} of {}\n",
-        program.model.name,
-        w.batch,
-        w.prompt_len,
-        w.gen_len,
-        program.micro_batches.count,
-        program.micro_batches.size
+        "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {}\n",
+        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches
     ));
     if !program.params.is_empty() {
         let params: Vec<String> = program

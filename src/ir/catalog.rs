@@ -723,8 +723,9 @@ pub struct HelperSize {
 }
 
 /// Names of the size helpers, for "unknown function" suggestions.
-pub const SIZE_HELPERS: [&str; 12] = [
+pub const SIZE_HELPERS: [&str; 13] = [
     "hidden",
+    "expert_acc",
     "qkv",
     "attn_out",
     "kv_cache",
@@ -739,7 +740,8 @@ pub const SIZE_HELPERS: [&str; 12] = [
 ];
 
 /// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
-/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `logits(s)` and
+/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `expert_acc(n)` (n tokens x
+/// top_k slots), `logits(s)` and
 /// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()`, `expert_weights(m)`,
 /// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
 pub fn size_helper(
@@ -766,6 +768,8 @@ pub fn size_helper(
         "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
         "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
+        // One slot per (token, k): expert outputs kept apart so the sum order is fixed.
+        "expert_acc" => one(&|n| raw(n.saturating_mul(card.top_k * card.hidden * a))),
         "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
         "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
         "layer_weights" => none(HelperSize {
@@ -801,5 +805,94 @@ pub fn workspace_bytes(op: &Op, card: &ModelCard, shape: &Shape) -> u64 {
         }
         Op::Attn { .. } => shape.tokens * card.heads * shape.context.min(1024) * a,
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Flops of one decoded token through every layer and the head, context 1.
+    fn flops_per_token(card: &ModelCard) -> f64 {
+        let shape = Shape {
+            tokens: 1,
+            seqs: 1,
+            context: 1,
+            act_bytes: ACT_BYTES,
+        };
+        let per_layer: f64 = [
+            Op::PreAttn { layer: 0, ub: 0 },
+            Op::Attn {
+                layer: 0,
+                ub: 0,
+                part: AttnPart::Decode,
+            },
+            Op::PostAttn { layer: 0, ub: 0 },
+        ]
+        .iter()
+        .map(|op| flops(op, card, &shape))
+        .sum();
+        per_layer * card.layers as f64 + flops(&Op::LmHead { ub: 0 }, card, &shape)
+    }
+
+    /// A token costs about 2 flops per active parameter (embedding lookups are free):
+    /// Mistral publishes 12.9B active parameters for Mixtral-8x7B, Databricks 36B for DBRX.
+    #[test]
+    fn decode_flops_match_the_published_active_parameters() {
+        for (name, active) in [("mixtral-8x7b", 12.9e9), ("dbrx", 36.0e9)] {
+            let card = ModelCard::load(name).unwrap();
+            let embed = (card.vocab * card.hidden) as f64;
+            let expected = 2.0 * (active - embed);
+            let got = flops_per_token(&card);
+            assert!(
+                (got / expected - 1.0).abs() < 0.02,
+                "{name}: {got:e} vs {expected:e}"
+            );
+        }
+    }
+
+    /// The fine ops add up to post_attn.
+    #[test]
+    fn fine_ops_add_up_to_post_attn() {
+        let card = ModelCard::load("mixtral-8x7b").unwrap();
+        let shape = Shape {
+            tokens: 64,
+            seqs: 64,
+            context: 512,
+            act_bytes: ACT_BYTES,
+        };
+        let fine: f64 = [
+            Op::OProj { layer: 0, ub: 0 },
+            Op::Gate { layer: 0, ub: 0 },
+            Op::Experts {
+                layer: 0,
+                ub: 0,
+                set: ExpertSet::All,
+            },
+            Op::Combine { layer: 0, ub: 0 },
+        ]
+        .iter()
+        .map(|op| flops(op, &card, &shape))
+        .sum();
+        let whole = flops(&Op::PostAttn { layer: 0, ub: 0 }, &card, &shape);
+        assert!((fine / whole - 1.0).abs() < 0.001, "{fine:e} vs {whole:e}");
+    }
+
+    /// Size helpers scale with the element size given.
+    #[test]
+    fn activation_sizes_follow_act_bytes() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        let f32_size = size_helper("kv_cache", &[10], &card, 4)
+            .unwrap()
+            .unwrap()
+            .bytes;
+        let f16_size = size_helper("kv_cache", &[10], &card, 2)
+            .unwrap()
+            .unwrap()
+            .bytes;
+        assert_eq!(f32_size, 10 * 2 * card.kv_dim() * 4);
+        assert_eq!(f16_size * 2, f32_size);
+        assert_eq!(size_helper("hidden", &[], &card, 4), Some(Err(1)));
+        assert_eq!(size_helper("nope", &[1], &card, 4), None);
     }
 }

@@ -65,13 +65,8 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
     let w = program.workload;
     let _ = writeln!(
         out,
-        "model {} · batch {} · prompt_len {} · gen_len {} · microbatches {} of {}",
-        program.model.name,
-        w.batch,
-        w.prompt_len,
-        w.gen_len,
-        program.micro_batches.count,
-        program.micro_batches.size
+        "model {} · batch {} · prompt_len {} · gen_len {} · microbatches {}",
+        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches
     );
     let _ = writeln!(out, "params");
     for p in &program.params {

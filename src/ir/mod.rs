@@ -88,6 +88,22 @@ pub struct MicroBatches {
     pub mixed_tokens: u64,
 }
 
+impl std::fmt::Display for MicroBatches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.count {
+            0 => write!(f, "none"),
+            _ if self.mixed_tokens != self.size => {
+                write!(
+                    f,
+                    "{} of {} tokens {}",
+                    self.count, self.size, self.mixed_tokens
+                )
+            }
+            _ => write!(f, "{} of {}", self.count, self.size),
+        }
+    }
+}
+
 /// A scalar value of a param.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Scalar {
@@ -648,8 +664,7 @@ impl Program {
                     .buffers
                     .iter()
                     .filter(|b| b.kind == BufferKind::Declared && b.space == space)
-                    .map(|b| b.bytes)
-                    .sum();
+                    .fold(0u64, |sum, b| sum.saturating_add(b.bytes));
                 (space, bytes)
             })
             .collect()

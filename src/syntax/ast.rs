@@ -8,26 +8,33 @@
 //!
 //! ```text
 //! schedule NAME "description"                // header, once, first
-//! param ubs: int in 1..=4096 = 32            // typed (int|float|bool), range, default;
+//! param ubs: int in 1..=4096 = 32  // doc     // typed (int|float|bool), range, default;
 //!                                            //   overridable with `--set ubs=64`
 //! stream gpu: gpu.compute                    // an in-order queue bound to an engine
-//! buffer w_gpu[2]: gpu = layer_weights()     // array of buffers in a memory space
-//! microbatches n_ub of ubs                   // the batch is n_ub micro-batches of ubs sequences
+//! buffer w_gpu[2]: gpu = layer_weights()     // arrays (any rank, length 0 allowed) in a space
+//! microbatches n_ub of ubs [tokens t]        // n_ub micro-batches of ubs sequences
 //! let slots = 2                              // a constant (top level or in a block)
 //! template load(i, s) { ... }                // reusable statements, called as `load(1, 0)`
-//! setup { ... }                            // once, first: resident weights
+//! setup { ... }                              // once, first: resident weights
 //! prefill { ... }  decode { ... }  step { ... }   // step templates (step = mixed, VSLPipe)
 //!
 //! for i in 0..layers { ... }                 // unrolled; ranges `a..b`, `a..=b`
 //! if i + 1 < layers { ... } else { ... }     // static: one branch is kept;
 //! if active(i, e) { ... }                    // dynamic: the tasks are guarded
 //! pre_attn(layer = i, ub = j, w = w_gpu[i % 2], h = h[j], out = qkv[j]) on gpu as pa[i, j]
-//! copy W[i + 1].page(j, n_ub) -> w_gpu[(i + 1) % 2].page(j, n_ub) on h2d after pa[i, j]
+//! copy W[i + 1].page(j, n_ub) -> w_gpu[(i + 1) % 2].page(j, n_ub) on h2d after pa[i, j - 1] if j > 0
 //! ```
 //!
 //! Expressions: int and float literals, `true`/`false`, `+ - * / %`, comparisons,
-//! `&& || !`, ranges, lists `[a, b]`, calls `min(a, b)`, indexing `b[i]`, fields
-//! `W[i].attn`, `gpu.mem`, and methods `b.page(k, n)`, `W[i].expert(e)`.
+//! `&& || !`, ranges, lists `[a, b]`, calls (`min max ceil floor bytes`, size helpers
+//! `hidden(n) qkv(n) attn_out(n) kv_cache(t) routing(n) logits(s) tokens(s)
+//! layer_weights() dense_weights() expert_weights(m) embed_weights() head_weights()`,
+//! run-time `hot(layer, rank)` and `active(layer, expert[, ub])`), indexing `b[i]`,
+//! hardware symbols `gpu.mem`. The checkpoint is the built-in buffer `W`: `W.embed`,
+//! `W.head`, `W[i]` (a layer); layer slices have fields `.pre .o .gate .attn .post .dense
+//! .experts` and methods `.expert(e) .experts(a, b)`; any slice has `.page(k, n)` and
+//! `.share(a, b)`. Model (`layers experts top_k hidden ffn heads kv_heads head_dim vocab`)
+//! and workload (`batch prompt_len gen_len`) symbols are in scope.
 
 /// A byte range `[start, end)` in the source text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]

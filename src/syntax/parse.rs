@@ -69,32 +69,46 @@ pub fn parse_expr(source: &str) -> Result<Expr, Diagnostic> {
 
 /// Finds the first bracket nested deeper than [`MAX_NESTING`] (pest recurses per level).
 fn too_deep(source: &str) -> Option<usize> {
-    let mut depth = 0usize;
-    for (offset, byte) in source.bytes().enumerate() {
-        match byte {
+    // Brackets and long prefix-operator chains (`!!!!...x`) both recurse in the parser;
+    // comments and strings do not, so they are skipped.
+    let bytes = source.as_bytes();
+    let (mut depth, mut run, mut at) = (0usize, 0usize, 0usize);
+    while at < bytes.len() {
+        match bytes[at] {
+            b'/' if bytes.get(at + 1) == Some(&b'/') => {
+                while at < bytes.len() && bytes[at] != b'\n' {
+                    at += 1;
+                }
+                continue;
+            }
+            b'"' => {
+                at += 1;
+                while at < bytes.len() && bytes[at] != b'"' && bytes[at] != b'\n' {
+                    at += 1;
+                }
+                run = 0;
+            }
             b'(' | b'[' | b'{' => {
                 depth += 1;
+                run = 0;
                 if depth > MAX_NESTING {
-                    return Some(offset);
+                    return Some(at);
                 }
             }
-            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    // Long prefix-operator chains (`!!!!...x`) also recurse; bound them the same way.
-    let mut run = 0usize;
-    for (offset, byte) in source.bytes().enumerate() {
-        match byte {
+            b')' | b']' | b'}' => {
+                depth = depth.saturating_sub(1);
+                run = 0;
+            }
             b'!' | b'-' => {
                 run += 1;
                 if run > MAX_NESTING {
-                    return Some(offset);
+                    return Some(at);
                 }
             }
             b' ' | b'\t' | b'\n' | b'\r' => {}
             _ => run = 0,
         }
+        at += 1;
     }
     None
 }
