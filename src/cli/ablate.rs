@@ -9,6 +9,7 @@
 //! output differs.
 
 use super::generate::fail;
+use super::inputs::{ModelArgs, PromptArgs};
 use super::run::{execute, write_atomic, Failure, Finished, RunArgs};
 use crate::ir::Engine;
 use std::path::PathBuf;
@@ -31,18 +32,12 @@ pub struct AblateArgs {
 /// `moec run`'s flags without its positional schedule.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AblateRunArgs {
-    /// Model card (built-in name or .ron path).
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Hugging Face checkpoint folder.
-    #[arg(long, value_name = "DIR")]
-    pub weights: Option<PathBuf>,
-    /// A prompt (repeat for several).
-    #[arg(long = "prompt", value_name = "TEXT")]
-    pub prompts: Vec<String>,
-    /// JSON-lines file of prompts.
-    #[arg(long = "prompts", value_name = "FILE.jsonl")]
-    pub prompts_file: Option<PathBuf>,
+    /// Which model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Which prompts.
+    #[command(flatten)]
+    pub prompt: PromptArgs,
     /// Synthetic prompts (see `moec run --help`).
     #[arg(long, value_name = "SPEC")]
     pub workload: Option<String>,
@@ -233,9 +228,7 @@ pub fn run(args: &AblateArgs) -> ExitCode {
         let run_args = RunArgs {
             sched: sched.clone(),
             model: a.model.clone(),
-            weights: a.weights.clone(),
-            prompts: a.prompts.clone(),
-            prompts_file: a.prompts_file.clone(),
+            prompt: a.prompt.clone(),
             workload: a.workload.clone(),
             gen_len: a.gen_len,
             sets: a.sets.clone(),

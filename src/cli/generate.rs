@@ -6,26 +6,20 @@
 //! `{"outputs": [{prompt, token_ids, text, logprobs}], "stats": {prompt_tokens,
 //! generated_tokens, seconds, tokens_per_s}}`. Errors print one line and exit 1.
 
-use crate::model::source::{load_model, ModelSource};
+use super::inputs::{ModelArgs, PromptArgs};
+use crate::model::source::load_model;
 use crate::model::{GenerateOptions, Oracle, Sampling};
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Arguments of `moec generate`.
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
-    /// Model card (built-in name or .ron path); default mixtral-tiny when --weights is absent.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Hugging Face checkpoint folder (config.json + safetensors).
-    #[arg(long, value_name = "DIR")]
-    pub weights: Option<PathBuf>,
-    /// A prompt (repeat for several).
-    #[arg(long = "prompt", value_name = "TEXT")]
-    pub prompts: Vec<String>,
-    /// JSON-lines file of prompts: `{"prompt": "..."}` or a JSON string per line.
-    #[arg(long = "prompts", value_name = "FILE.jsonl")]
-    pub prompts_file: Option<PathBuf>,
+    /// Which model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Which prompts.
+    #[command(flatten)]
+    pub prompt: PromptArgs,
     /// Tokens to generate per prompt at most.
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
@@ -62,28 +56,7 @@ pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
 }
 
 fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>, String> {
-    let mut prompts = args.prompts.clone();
-    if let Some(path) = &args.prompts_file {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        for (i, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let bad = |m: &str| format!("{}:{}: {m}", path.display(), i + 1);
-            let value: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
-            let prompt = match &value {
-                serde_json::Value::String(s) => s.clone(),
-                serde_json::Value::Object(o) => o
-                    .get("prompt")
-                    .and_then(|p| p.as_str())
-                    .ok_or_else(|| bad("object has no string field `prompt`"))?
-                    .to_string(),
-                _ => return Err(bad("expected a JSON string or an object with `prompt`")),
-            };
-            prompts.push(prompt);
-        }
-    }
+    let prompts = args.prompt.texts()?;
     if prompts.is_empty() {
         return Err("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE.jsonl".into());
     }
@@ -109,10 +82,7 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
         return Err(format!("--top-p must be in (0, 1] (got {})", args.top_p));
     }
     let prompts = read_prompts(args)?;
-    let source = ModelSource {
-        card: args.model.clone(),
-        weights: args.weights.clone(),
-    };
+    let source = args.model.source();
     let model = load_model(&source).map_err(|e| e.to_string())?;
     let oracle = Oracle::new(&model.checkpoint).map_err(|e| e.to_string())?;
     let ids = prompts

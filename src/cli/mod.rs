@@ -13,6 +13,7 @@ use std::process::ExitCode;
 
 pub mod ablate;
 pub mod hw;
+pub mod inputs;
 pub mod plan;
 pub mod probe;
 pub mod run;

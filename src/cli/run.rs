@@ -10,6 +10,7 @@
 //! one) and exit 1.
 
 use super::generate::fail;
+use super::inputs::{ModelArgs, PromptArgs};
 use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::predict::{predict, CostSettings};
@@ -18,7 +19,7 @@ use crate::diag;
 use crate::ir::{TaskId, Workload};
 use crate::lower::{lower, ExecPlan, LowerOptions};
 use crate::model::card::ModelCard;
-use crate::model::source::{load_model, ModelSource};
+use crate::model::source::load_model;
 use crate::model::Sampling;
 use crate::runtime::cpu::MemoryOptions;
 use crate::runtime::report::{summarize, timeline, RunReport};
@@ -42,18 +43,12 @@ pub const DEFAULT_PROMPTS: [&str; 6] = [
 pub struct RunArgs {
     /// The `.sched` file.
     pub sched: PathBuf,
-    /// Model card (built-in name or .ron path); default mixtral-tiny when --weights is absent.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Hugging Face checkpoint folder (config.json + safetensors).
-    #[arg(long, value_name = "DIR")]
-    pub weights: Option<PathBuf>,
-    /// A prompt (repeat for several).
-    #[arg(long = "prompt", value_name = "TEXT")]
-    pub prompts: Vec<String>,
-    /// JSON-lines file of prompts: `{"prompt": "..."}` or a JSON string per line.
-    #[arg(long = "prompts", value_name = "FILE.jsonl")]
-    pub prompts_file: Option<PathBuf>,
+    /// Which model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Which prompts.
+    #[command(flatten)]
+    pub prompt: PromptArgs,
     /// Synthetic prompts: `mtbench[:COUNT]` or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`.
     #[arg(long, value_name = "SPEC")]
     pub workload: Option<String>,
@@ -134,29 +129,6 @@ fn parse_kill(text: &str) -> Result<(u32, u32), String> {
     ))
 }
 
-fn read_prompt_file(path: &Path) -> Result<Vec<String>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut prompts = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let bad = |m: &str| format!("{}:{}: {m}", path.display(), i + 1);
-        let value: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
-        match &value {
-            serde_json::Value::String(s) => prompts.push(s.clone()),
-            serde_json::Value::Object(o) => match o.get("prompt").and_then(|p| p.as_str()) {
-                Some(p) => prompts.push(p.to_string()),
-                None => return Err(bad("object has no string field `prompt`")),
-            },
-            _ => return Err(bad("expected a JSON string or an object with `prompt`")),
-        }
-    }
-    Ok(prompts)
-}
-
 /// Compiles, lowers and runs; `progress` sees (tokens done, tokens at most).
 pub fn execute(
     args: &RunArgs,
@@ -166,16 +138,9 @@ pub fn execute(
     let name = args.sched.display().to_string();
     let source = std::fs::read_to_string(&args.sched)
         .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
-    let model = load_model(&ModelSource {
-        card: args.model.clone(),
-        weights: args.weights.clone(),
-    })
-    .map_err(|e| msg(&e))?;
+    let model = load_model(&args.model.source()).map_err(|e| msg(&e))?;
     let card: ModelCard = model.checkpoint.card().clone();
-    let mut texts = args.prompts.clone();
-    if let Some(path) = &args.prompts_file {
-        texts.extend(read_prompt_file(path).map_err(Failure::Message)?);
-    }
+    let mut texts = args.prompt.texts().map_err(Failure::Message)?;
     let mut gen_len = args.gen_len;
     let mut prompt_ids: Vec<Vec<u32>> = texts
         .iter()
