@@ -9,7 +9,7 @@
 //! output differs.
 
 use super::generate::fail;
-use super::inputs::{ModelArgs, PromptArgs};
+use super::inputs::{ModelArgs, PromptArgs, RunSettings};
 use super::run::{execute, write_atomic, Failure, Finished, RunArgs};
 use crate::ir::Engine;
 use std::path::PathBuf;
@@ -38,27 +38,12 @@ pub struct AblateRunArgs {
     /// Which prompts.
     #[command(flatten)]
     pub prompt: PromptArgs,
-    /// Synthetic prompts (see `moec run --help`).
-    #[arg(long, value_name = "SPEC")]
-    pub workload: Option<String>,
+    /// Workload, overrides, pools, link, device memory, profile (as `moec run`).
+    #[command(flatten)]
+    pub settings: RunSettings,
     /// Tokens to generate per prompt at most.
     #[arg(long, default_value_t = 16)]
     pub gen_len: usize,
-    /// Param overrides applied to every schedule that declares them.
-    #[arg(long = "set", value_name = "NAME=VALUE")]
-    pub sets: Vec<String>,
-    /// Threads of each compute pool.
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Emulated host<->GPU link bandwidth, GB/s.
-    #[arg(long, value_name = "GBPS")]
-    pub link_gbps: Option<f64>,
-    /// Device memory for the `gpu` arena.
-    #[arg(long, value_name = "BYTES")]
-    pub gpu_mem: Option<String>,
-    /// Hardware profile for the predictions (default: measure this machine).
-    #[arg(long, value_name = "PROFILE")]
-    pub hw: Option<String>,
 }
 
 /// One row of the table.
@@ -229,15 +214,10 @@ pub fn run(args: &AblateArgs) -> ExitCode {
             sched: sched.clone(),
             model: a.model.clone(),
             prompt: a.prompt.clone(),
-            workload: a.workload.clone(),
+            settings: a.settings.clone(),
             gen_len: a.gen_len,
-            sets: a.sets.clone(),
-            threads: a.threads,
             trace: None,
             json: false,
-            link_gbps: a.link_gbps,
-            gpu_mem: a.gpu_mem.clone(),
-            hw: a.hw.clone(),
             temperature: 0.0,
             seed: 0,
             watchdog: 600.0,

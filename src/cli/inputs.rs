@@ -1,5 +1,5 @@
 //! Command-line inputs shared by the commands that run a model (`generate`, `run`,
-//! `ablate`): which model, and which prompts. One definition, so the flags read and
+//! `ablate`): which model, which prompts, and how a schedule is run. One definition, so the flags read and
 //! behave the same everywhere.
 
 use crate::model::source::ModelSource;
@@ -24,6 +24,32 @@ impl ModelArgs {
             weights: self.weights.clone(),
         }
     }
+}
+
+/// How `run` and `ablate` execute a schedule: workload, param overrides, pools, the
+/// emulated link and device memory, and the profile predictions are made for.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunSettings {
+    /// Synthetic prompts: `mtbench[:COUNT]` or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`.
+    #[arg(long, value_name = "SPEC")]
+    pub workload: Option<String>,
+    /// Override a schedule param: `--set n_ub=8` (repeatable; ablate applies it to every
+    /// schedule that declares the param).
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub sets: Vec<String>,
+    /// Threads of each compute pool (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Emulated host<->GPU link bandwidth, GB/s (copy streams are throttled to it).
+    #[arg(long, value_name = "GBPS")]
+    pub link_gbps: Option<f64>,
+    /// Device memory for the `gpu` arena, e.g. `64MB` (default: the profile's).
+    #[arg(long, value_name = "BYTES")]
+    pub gpu_mem: Option<String>,
+    /// Hardware profile for the HRM prediction (name or .ron path); default: measure this
+    /// machine quickly.
+    #[arg(long, value_name = "PROFILE")]
+    pub hw: Option<String>,
 }
 
 /// `--prompt` / `--prompts`: prompt texts given on the command line or in a file.

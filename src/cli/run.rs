@@ -10,7 +10,7 @@
 //! one) and exit 1.
 
 use super::generate::fail;
-use super::inputs::{ModelArgs, PromptArgs};
+use super::inputs::{ModelArgs, PromptArgs, RunSettings};
 use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::predict::{predict, CostSettings};
@@ -49,34 +49,18 @@ pub struct RunArgs {
     /// Which prompts.
     #[command(flatten)]
     pub prompt: PromptArgs,
-    /// Synthetic prompts: `mtbench[:COUNT]` or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`.
-    #[arg(long, value_name = "SPEC")]
-    pub workload: Option<String>,
+    /// Workload, overrides, pools, link, device memory, profile.
+    #[command(flatten)]
+    pub settings: RunSettings,
     /// Tokens to generate per prompt at most.
     #[arg(long, default_value_t = 32)]
     pub gen_len: usize,
-    /// Override a schedule param: `--set n_ub=8` (repeatable).
-    #[arg(long = "set", value_name = "NAME=VALUE")]
-    pub sets: Vec<String>,
-    /// Threads of each compute pool (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
     /// Write the measured Chrome/Perfetto trace here.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Emulated host<->GPU link bandwidth, GB/s (copy streams are throttled to it).
-    #[arg(long, value_name = "GBPS")]
-    pub link_gbps: Option<f64>,
-    /// Device memory for the `gpu` arena, e.g. `64MB` (default: the profile's).
-    #[arg(long, value_name = "BYTES")]
-    pub gpu_mem: Option<String>,
-    /// Hardware profile for the HRM prediction (name or .ron path); default: measure this
-    /// machine quickly.
-    #[arg(long, value_name = "PROFILE")]
-    pub hw: Option<String>,
     /// Sampling temperature; 0 means greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
@@ -147,7 +131,7 @@ pub fn execute(
         .map(|t| model.tokenizer.encode(t))
         .collect::<Result<_, _>>()
         .map_err(|e| msg(&e))?;
-    if let Some(spec) = &args.workload {
+    if let Some(spec) = &args.settings.workload {
         let spec = WorkloadSpec::parse(spec).map_err(|e| msg(&e))?;
         gen_len = spec.gen_len.unwrap_or(gen_len);
         let synthetic = spec.prompts(card.vocab as u32);
@@ -181,7 +165,7 @@ pub fn execute(
         prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
         gen_len: gen_len as u64,
     };
-    for set in &args.sets {
+    for set in &args.settings.sets {
         match set.split_once('=') {
             Some((k, v)) if !k.trim().is_empty() => options
                 .sets
@@ -201,21 +185,21 @@ pub fn execute(
         ));
         Failure::Rendered(text)
     })?;
-    let profile = match &args.hw {
+    let profile = match &args.settings.hw {
         Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| msg(&e))?),
-        None => measure(32 << 20, args.threads.unwrap_or(2).max(1))
+        None => measure(32 << 20, args.settings.threads.unwrap_or(2).max(1))
             .ok()
             .map(|m| profile_from_measurements("this-machine", &m)),
     };
     let profile = profile.map(|mut p| {
-        if let Some(gbps) = args.link_gbps {
+        if let Some(gbps) = args.settings.link_gbps {
             p.links.host_to_gpu_gb_s = gbps;
             p.links.gpu_to_host_gb_s = gbps;
             p.links.pageable_to_gpu_gb_s = gbps;
         }
         p
     });
-    let gpu_capacity = match &args.gpu_mem {
+    let gpu_capacity = match &args.settings.gpu_mem {
         Some(text) => Some(
             crate::cost::budget::parse_bytes(text)
                 .map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))? as u64,
@@ -243,11 +227,11 @@ pub fn execute(
         Sampling::Greedy
     };
     run.seed = args.seed;
-    if let Some(t) = args.threads {
+    if let Some(t) = args.settings.threads {
         run.threads = t.max(1);
     }
     run.memory = MemoryOptions {
-        link_gbps: args.link_gbps,
+        link_gbps: args.settings.link_gbps,
         gpu_capacity,
     };
     run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
@@ -477,6 +461,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
         }
     }
     let gpu_capacity = args
+        .settings
         .gpu_mem
         .as_deref()
         .and_then(|t| crate::cost::budget::parse_bytes(t).ok())

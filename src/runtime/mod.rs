@@ -164,7 +164,8 @@ struct Runner<'a> {
     gpu_pool: &'a rayon::ThreadPool,
     cpu_pool: &'a rayon::ThreadPool,
     kill: Option<(u32, u32)>,
-    kill_count: AtomicU32,
+    /// Shared by every step's runner, so the hook counts runs across steps.
+    kill_count: &'a AtomicU32,
 }
 
 impl TaskRunner for Runner<'_> {
@@ -339,11 +340,10 @@ pub fn generate(
             gpu_pool: &gpu_pool,
             cpu_pool: &cpu_pool,
             kill: options.kill_task,
-            kill_count: AtomicU32::new(0),
+            kill_count: &kill_count,
         };
         let start = origin.elapsed().as_secs_f64();
         let tasks = run_step(plan, &plan.steps[setup], &runner, options.exec, origin)?;
-        kill_count.store(runner.kill_count.load(Ordering::SeqCst), Ordering::SeqCst);
         let end = origin.elapsed().as_secs_f64();
         stats.steps.push(StepRecord {
             kind: StepKind::Setup,
@@ -460,11 +460,10 @@ pub fn generate(
             gpu_pool: &gpu_pool,
             cpu_pool: &cpu_pool,
             kill: options.kill_task,
-            kill_count: AtomicU32::new(kill_count.load(Ordering::SeqCst)),
+            kill_count: &kill_count,
         };
         let start = origin.elapsed().as_secs_f64();
         let result = run_step(plan, &plan.steps[step], &runner, options.exec, origin);
-        kill_count.store(runner.kill_count.load(Ordering::SeqCst), Ordering::SeqCst);
         let tasks = result?;
         let end = origin.elapsed().as_secs_f64();
         stats.steps.push(StepRecord {
