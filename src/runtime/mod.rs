@@ -132,8 +132,24 @@ pub struct StepRecord {
     pub prefill_tokens: usize,
     /// Decode tokens it processed.
     pub decode_tokens: usize,
+    /// What each micro-batch held (indexed by ub; empty for `setup`).
+    pub ubs: Vec<UbLoad>,
     /// Its tasks.
     pub tasks: Vec<TaskRecord>,
+}
+
+/// The real contents of one micro-batch in one executed step: what the cost model needs
+/// to predict the same step (the compiled program assumes its declared worst case).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UbLoad {
+    /// Sequences running their prompt (or a re-prefill after preemption).
+    pub prefill_seqs: usize,
+    /// Their new tokens.
+    pub prefill_tokens: usize,
+    /// Sequences decoding one token.
+    pub decode_seqs: usize,
+    /// Sum over decoding sequences of the tokens they attend to (cached + the new one).
+    pub decode_context: usize,
 }
 
 /// What a run measured.
@@ -351,6 +367,7 @@ pub fn generate(
             end,
             prefill_tokens: 0,
             decode_tokens: 0,
+            ubs: Vec::new(),
             tasks,
         });
     }
@@ -426,7 +443,16 @@ pub fn generate(
         }
         running.sort_by_key(|s| (s.ub, s.request));
         let (mut n_prefill, mut n_decode) = (0, 0);
+        let mut loads = vec![UbLoad::default(); n_ubs];
         for s in &running {
+            let load = &mut loads[s.ub];
+            if s.prompt_done {
+                load.decode_seqs += 1;
+                load.decode_context += lens[s.request] + s.generated.len();
+            } else {
+                load.prefill_seqs += 1;
+                load.prefill_tokens += lens[s.request];
+            }
             let mb = &mut state.ubs[s.ub];
             mb.block_size = ub_blocks[s.ub].0;
             let (context_len, new_tokens, prefill) = if s.prompt_done {
@@ -472,6 +498,7 @@ pub fn generate(
             end,
             prefill_tokens: n_prefill,
             decode_tokens: n_decode,
+            ubs: loads,
             tasks,
         });
         // Collect the sampled tokens.
