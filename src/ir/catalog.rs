@@ -492,6 +492,23 @@ pub struct Shape {
     pub act_bytes: u64,
 }
 
+/// [`required_bytes`] for a task of a `kind` step. In a mixed step the runtime's
+/// resource-aware scheduler gives KV blocks as sequences grow and preempts the youngest
+/// when they run out (MoE-Lens §6.2), so a KV slice need only hold one whole sequence.
+pub fn required_bytes_in_step(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    shape: &Shape,
+    kind: crate::syntax::ast::StepKind,
+) -> Option<u64> {
+    if kind == crate::syntax::ast::StepKind::Mixed && role == Role::Kv {
+        let one = Shape { seqs: 1, ..*shape };
+        return required_bytes(op, role, card, &one);
+    }
+    required_bytes(op, role, card, shape)
+}
+
 /// The smallest slice an activation argument needs, or `None` when the role has no fixed
 /// size (weights are checked by value; copies by equal lengths).
 pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> Option<u64> {
