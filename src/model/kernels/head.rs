@@ -38,6 +38,6 @@ pub fn logits(
     check_len("logits", out.len(), n * lm_head.out_dim())?;
     let mut normed = vec![0.0f32; x.len()];
     normalize(arch.norm, x, final_norm, arch.norm_eps, &mut normed);
-    linear(&normed, n, lm_head, out);
+    linear(&normed, n, lm_head, out)?;
     Ok(())
 }

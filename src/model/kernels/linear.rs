@@ -16,6 +16,7 @@
 //! switches between GEMV, "horizontal" and packed kernels and picks its k-blocking by
 //! shape, which changes the summation order with the number of rows.
 
+use crate::model::kernels::{check_len, KernelError};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
@@ -28,23 +29,25 @@ const BAND_COLS: usize = 256;
 /// Below this many multiply-adds a product runs on the calling thread only.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 
-/// Computes `out[n_rows, w.out_dim()] = x[n_rows, w.in_dim()] · W` (lengths are the
-/// caller's contract; debug builds assert them).
-pub fn linear(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
-    debug_assert_eq!(x.len(), n_rows * w.in_dim());
-    debug_assert_eq!(out.len(), n_rows * w.out_dim());
-    if n_rows == 0
-        || w.rows == 0
-        || w.cols == 0
-        || x.len() < n_rows * w.in_dim()
-        || out.len() < n_rows * w.out_dim()
-    {
-        return;
+/// Computes `out[n_rows, w.out_dim()] = x[n_rows, w.in_dim()] · W`; lengths that do not
+/// match the matrix are an error naming the argument.
+pub fn linear(
+    x: &[f32],
+    n_rows: usize,
+    w: &Matrix<'_>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("matmul input", x.len(), n_rows * w.in_dim())?;
+    check_len("matmul output", out.len(), n_rows * w.out_dim())?;
+    if n_rows == 0 || w.rows == 0 || w.cols == 0 {
+        out.fill(0.0);
+        return Ok(());
     }
     match w.orientation {
         Orientation::OutIn => out_in(x, n_rows, w, out),
         Orientation::InOut => in_out(x, n_rows, w, out),
     }
+    Ok(())
 }
 
 /// Floating-point operations of one `linear` call (multiply and add counted apart).
@@ -534,7 +537,7 @@ mod tests {
                     for (data, reference) in cases {
                         let m = Matrix::new(data, rows, cols, orient).unwrap();
                         let mut out = vec![0.0; n_rows * m.out_dim()];
-                        linear(&x, n_rows, &m, &mut out);
+                        linear(&x, n_rows, &m, &mut out).unwrap();
                         let want = naive(&x, n_rows, &reference, rows, cols, orient);
                         for (g, w) in out.iter().zip(&want) {
                             assert!(
@@ -561,14 +564,14 @@ mod tests {
                     .map(|i| ((i * 131) % 211) as f32 / 105.0 - 1.0)
                     .collect();
                 let mut all = vec![0.0; 37 * out_dim];
-                linear(&x, 37, &m, &mut all);
+                linear(&x, 37, &m, &mut all).unwrap();
                 let mut split = vec![0.0; 37 * out_dim];
-                linear(&x[..5 * in_dim], 5, &m, &mut split[..5 * out_dim]);
-                linear(&x[5 * in_dim..], 32, &m, &mut split[5 * out_dim..]);
+                linear(&x[..5 * in_dim], 5, &m, &mut split[..5 * out_dim]).unwrap();
+                linear(&x[5 * in_dim..], 32, &m, &mut split[5 * out_dim..]).unwrap();
                 assert_eq!(all, split, "{orient:?} split 5+32");
                 for t in 0..37 {
                     let mut one = vec![0.0; out_dim];
-                    linear(&x[t * in_dim..(t + 1) * in_dim], 1, &m, &mut one);
+                    linear(&x[t * in_dim..(t + 1) * in_dim], 1, &m, &mut one).unwrap();
                     assert_eq!(
                         &all[t * out_dim..(t + 1) * out_dim],
                         &one[..],
@@ -577,5 +580,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Inputs or outputs of the wrong length are an error naming the argument, in release
+    /// builds too (never a silent no-op or an out-of-bounds read).
+    #[test]
+    fn mismatched_lengths_are_errors() {
+        let w = vec![0.5f32; 6];
+        let m = Matrix::new(TypedSlice::F32(&w), 2, 3, Orientation::OutIn).unwrap();
+        let mut out = vec![0.0; 2];
+        let err = linear(&[1.0; 4], 1, &m, &mut out).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("matmul input: expected 3 values, got 4"),
+            "{err}"
+        );
+        let mut long = vec![0.0; 3];
+        let err = linear(&[1.0; 3], 1, &m, &mut long).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("matmul output: expected 2 values, got 3"),
+            "{err}"
+        );
+        linear(&[1.0; 3], 1, &m, &mut out).unwrap();
+        assert_eq!(out, vec![1.5, 1.5]);
     }
 }

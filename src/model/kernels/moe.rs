@@ -112,7 +112,7 @@ pub fn gate(
     check_len("gate scratch", x_norm.len(), n * arch.hidden)?;
     normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
     let mut logits = vec![0.0f32; n * arch.experts];
-    linear(x_norm, n, &dense.router, &mut logits);
+    linear(x_norm, n, &dense.router, &mut logits)?;
     Ok(route(&logits, arch.experts, arch.top_k, arch.router_norm_p))
 }
 
@@ -156,12 +156,12 @@ pub fn expert_ffn(
     }
     let mut h_gate = vec![0.0f32; n * f];
     let mut h_up = vec![0.0f32; n * f];
-    linear(&gathered, n, &expert.gate, &mut h_gate);
-    linear(&gathered, n, &expert.up, &mut h_up);
+    linear(&gathered, n, &expert.gate, &mut h_gate)?;
+    linear(&gathered, n, &expert.up, &mut h_up)?;
     for (g, u) in h_gate.iter_mut().zip(&h_up) {
         *g = silu(*g) * u;
     }
-    linear(&h_gate, n, &expert.down, &mut gathered);
+    linear(&h_gate, n, &expert.down, &mut gathered)?;
     for (i, r) in rows.iter().enumerate() {
         let at = (r.row as usize * k + r.slot as usize) * d;
         for (o, y) in slots[at..at + d]

@@ -37,7 +37,7 @@ pub fn pre_attn(
     }
     normalize(arch.norm, x, dense.attn_norm, arch.norm_eps, x_norm);
     match &dense.qkv {
-        QkvWeights::Fused(w) => linear(x_norm, n, w, qkv_out),
+        QkvWeights::Fused(w) => linear(x_norm, n, w, qkv_out)?,
         QkvWeights::Separate {
             q: wq,
             k: wk,
@@ -45,7 +45,7 @@ pub fn pre_attn(
         } => {
             let mut part = vec![0.0f32; n * q.max(kv)];
             for (w, col, cols) in [(wq, 0, q), (wk, q, kv), (wv, q + kv, kv)] {
-                linear(x_norm, n, w, &mut part[..n * cols]);
+                linear(x_norm, n, w, &mut part[..n * cols])?;
                 for t in 0..n {
                     qkv_out[t * width + col..t * width + col + cols]
                         .copy_from_slice(&part[t * cols..(t + 1) * cols]);
@@ -79,7 +79,7 @@ pub fn o_proj_residual(
     check_len("o_proj input", attn_out.len(), n * arch.q_dim())?;
     check_len("o_proj residual", residual.len(), n * arch.hidden)?;
     let mut projected = vec![0.0f32; n * arch.hidden];
-    linear(attn_out, n, &dense.o_proj, &mut projected);
+    linear(attn_out, n, &dense.o_proj, &mut projected)?;
     for (r, p) in residual.iter_mut().zip(&projected) {
         *r += p;
     }
