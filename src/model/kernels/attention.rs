@@ -11,6 +11,7 @@
 
 use crate::model::kernels::kv_cache::KvBlocksMut;
 use crate::model::kernels::simd::{key_scores_transposed, weighted_rows};
+use crate::model::kernels::softmax::softmax_in_place;
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -143,18 +144,8 @@ pub fn attention(
                     first - start,
                 );
             }
-            for g in 0..group {
-                let row = &mut scores[g * n_keys..(g + 1) * n_keys];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0f32;
-                for v in row.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
-                let inv = 1.0 / sum;
-                for v in row.iter_mut() {
-                    *v *= inv;
-                }
+            for row in scores.chunks_exact_mut(n_keys) {
+                softmax_in_place(row);
             }
             let dst = &mut local[j * group * hd..(j + 1) * group * hd];
             for bi in start / bs..=pos / bs {

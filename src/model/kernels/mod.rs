@@ -26,6 +26,7 @@ pub mod projection;
 pub mod rope;
 pub mod sampling;
 pub mod simd;
+pub mod softmax;
 
 /// Errors a kernel reports instead of panicking on inconsistent inputs.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
