@@ -15,6 +15,30 @@ use std::path::{Path, PathBuf};
 
 const GEN_LEN: usize = 6;
 
+/// One invariance run: which card, which schedules, how they are compiled and run.
+struct Case<'a> {
+    card: &'a str,
+    /// Value for the schedule's micro-batch size param (`ubs`, `bs` or `seqs`).
+    seqs_per_ub: Option<&'a str>,
+    /// More `--set`s, applied to schedules that declare the param.
+    sets: &'a [(&'a str, &'a str)],
+    /// Only schedules whose file name starts with this.
+    only: Option<&'a str>,
+    gen_len: usize,
+}
+
+impl Case<'_> {
+    fn new(card: &str) -> Case<'_> {
+        Case {
+            card,
+            seqs_per_ub: None,
+            sets: &[],
+            only: None,
+            gen_len: GEN_LEN,
+        }
+    }
+}
+
 fn schedules() -> Vec<PathBuf> {
     let mut out = Vec::new();
     for dir in ["schedules", "schedules/baselines"] {
@@ -45,12 +69,9 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 /// Runs every schedule; with `seqs_per_ub`, the schedule's micro-batch size param (`ubs`,
 /// `bs` or `seqs`) is set to it, so 5 prompts take several micro-batches (and for
 /// VSLPipe's two groups, admission of waiting prompts while others decode).
-fn run_card(
-    card_name: &str,
-    seqs_per_ub: Option<&str>,
-    gpu_capacity: impl Fn(u64) -> Option<u64>,
-) -> Vec<String> {
-    let card = ModelCard::load(card_name).unwrap();
+/// Runs the case's schedules; returns the failures and the preemptions of all runs.
+fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<String>, usize) {
+    let card = ModelCard::load(case.card).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let ck_dir = dir.path().join("ck");
     write_checkpoint(
@@ -71,7 +92,7 @@ fn run_card(
             &prompts,
             &GenerateOptions {
                 stop_at_eos: false,
-                ..GenerateOptions::greedy(GEN_LEN)
+                ..GenerateOptions::greedy(case.gen_len)
             },
         )
         .unwrap()
@@ -79,16 +100,20 @@ fn run_card(
         .map(|g| g.token_ids)
         .collect();
     let mut failures = Vec::new();
+    let mut preemptions = 0;
     for path in schedules() {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if case.only.is_some_and(|o| !name.starts_with(o)) {
+            continue;
+        }
         let source = std::fs::read_to_string(&path).unwrap();
         let mut options = Options::new(card.clone());
         options.workload = Workload {
             batch: prompts.len() as u64,
             prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
-            gen_len: GEN_LEN as u64,
+            gen_len: case.gen_len as u64,
         };
-        if let Some(size) = seqs_per_ub {
+        if let Some(size) = case.seqs_per_ub {
             let param = ["ubs", "bs", "seqs"]
                 .into_iter()
                 .find(|p| source.contains(&format!("param {p}:")));
@@ -96,6 +121,11 @@ fn run_card(
                 .map(|p| (p.to_string(), size.to_string()))
                 .into_iter()
                 .collect();
+        }
+        for (k, v) in case.sets {
+            if source.contains(&format!("param {k}:")) {
+                options.sets.push((k.to_string(), v.to_string()));
+            }
         }
         let compiled = match compile(&source, &options) {
             Ok(c) => c,
@@ -118,12 +148,13 @@ fn run_card(
                 continue;
             }
         };
-        let mut run = RunOptions::greedy(GEN_LEN);
+        let mut run = RunOptions::greedy(case.gen_len);
         run.stop_at_eos = false;
         run.threads = 1;
         run.memory.gpu_capacity = capacity;
         match generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}) {
-            Ok((outputs, _)) => {
+            Ok((outputs, stats)) => {
+                preemptions += stats.preemptions;
                 let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
                 if got != expected {
                     failures.push(format!(
@@ -134,18 +165,18 @@ fn run_card(
             Err(e) => failures.push(format!("{name}: run failed: {e}")),
         }
     }
-    failures
+    (failures, preemptions)
 }
 
 #[test]
 fn every_schedule_matches_the_oracle_on_mixtral_tiny() {
-    let failures = run_card("mixtral-tiny", None, |_| None);
+    let (failures, _) = run_card(&Case::new("mixtral-tiny"), |_| None);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
 fn every_schedule_matches_the_oracle_on_dbrx_tiny() {
-    let failures = run_card("dbrx-tiny", None, |_| None);
+    let (failures, _) = run_card(&Case::new("dbrx-tiny"), |_| None);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -153,8 +184,31 @@ fn every_schedule_matches_the_oracle_on_dbrx_tiny() {
 fn every_schedule_matches_the_oracle_with_a_gpu_smaller_than_the_model() {
     // 90% of the weights, with micro-batches of 2 sequences (the tiny card's logits are
     // larger than its layers): no schedule may keep the whole model on the device.
-    let failures = run_card("dbrx-tiny", Some("2"), |model_bytes| {
-        Some(model_bytes * 9 / 10)
-    });
+    let case = Case {
+        seqs_per_ub: Some("2"),
+        ..Case::new("dbrx-tiny")
+    };
+    let (failures, _) = run_card(&case, |model_bytes| Some(model_bytes * 9 / 10));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// VSLPipe with 60% of the worst-case KV cache (MoE-Lens §6.2): two groups of 2 sequences,
+/// 5 prompts of 3-12 tokens, 16 new tokens each. Per group the cache holds
+/// max(28, 2 * 28 * 60 / 100) = 33 tokens = 2 blocks of 16, and every sequence crosses 16
+/// tokens, so two sequences in a group cannot both grow: the younger is preempted and
+/// prefilled again later with what it generated. Tokens must still be the oracle's.
+#[test]
+fn vslpipe_preempts_when_kv_blocks_run_out_and_still_matches_the_oracle() {
+    for card in ["mixtral-tiny", "dbrx-tiny"] {
+        let case = Case {
+            seqs_per_ub: Some("2"),
+            sets: &[("kv_pct", "60")],
+            only: Some("vslpipe"),
+            gen_len: 16,
+            ..Case::new(card)
+        };
+        let (failures, preemptions) = run_card(&case, |_| None);
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        assert!(preemptions > 0, "{card}: no sequence was preempted");
+    }
 }

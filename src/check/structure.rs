@@ -44,6 +44,10 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
             .cloned()
             .unwrap_or_default();
         let is_copy = task.op == Op::Copy;
+        let step_kind = program
+            .steps
+            .get(task.step.index())
+            .map_or(crate::syntax::ast::StepKind::Decode, |s| s.kind);
         if !is_copy && !stream.engine.is_compute() {
             diags.push(Diagnostic::op_engine(
                 span,
@@ -76,9 +80,13 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
                     "the slot a task writes",
                 ));
             }
-            if let Some(need) =
-                catalog::required_bytes(&task.op, arg.role, &program.model, &task.shape)
-            {
+            if let Some(need) = catalog::required_bytes_in_step(
+                &task.op,
+                arg.role,
+                &program.model,
+                &task.shape,
+                step_kind,
+            ) {
                 if arg.slice.len < need {
                     diags.push(Diagnostic::buffer_too_small(
                         arg_span,

@@ -384,6 +384,13 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         "tasks: {} run, {} skipped by guards",
         r.tasks_run, r.tasks_skipped
     );
+    if r.preemptions + r.paused_passes > 0 {
+        let _ = writeln!(
+            out,
+            "KV cache: {} sequences preempted and prefilled again, {} sequence-passes paused (blocks ran out)",
+            r.preemptions, r.paused_passes
+        );
+    }
     out
 }
 

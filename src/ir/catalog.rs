@@ -432,9 +432,10 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
                 .into_iter()
                 .map(|expert| T::Expert { layer, expert })
                 .collect();
+            // The normalised rows the experts read are in `acc` (the gate put them there),
+            // so `experts` needs no `h`: the residual may move on meanwhile.
             vec![
                 sig(Role::W, Read, weights, None),
-                sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
                 sig(Role::Route, Read, vec![T::Routing { layer, ub }], None),
                 sig(
                     Role::Acc,
@@ -445,6 +446,7 @@ pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
             ]
         }
         Op::Combine { layer, ub } => vec![
+            sig(Role::Route, Read, vec![T::Routing { layer, ub }], None),
             sig(Role::Acc, Read, vec![T::ExpertAcc { layer, ub }], None),
             sig(
                 Role::H,
@@ -490,6 +492,23 @@ pub struct Shape {
     pub act_bytes: u64,
 }
 
+/// [`required_bytes`] for a task of a `kind` step. In a mixed step the runtime's
+/// resource-aware scheduler gives KV blocks as sequences grow and preempts the youngest
+/// when they run out (MoE-Lens §6.2), so a KV slice need only hold one whole sequence.
+pub fn required_bytes_in_step(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    shape: &Shape,
+    kind: crate::syntax::ast::StepKind,
+) -> Option<u64> {
+    if kind == crate::syntax::ast::StepKind::Mixed && role == Role::Kv {
+        let one = Shape { seqs: 1, ..*shape };
+        return required_bytes(op, role, card, &one);
+    }
+    required_bytes(op, role, card, shape)
+}
+
 /// The smallest slice an activation argument needs, or `None` when the role has no fixed
 /// size (weights are checked by value; copies by equal lengths).
 pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> Option<u64> {
@@ -498,7 +517,8 @@ pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> O
     let a = shape.act_bytes;
     Some(match (op, role) {
         (Op::Copy, _) | (_, Role::W) => return None,
-        (_, Role::H) | (_, Role::Acc) => n * card.hidden * a,
+        (_, Role::H) => n * card.hidden * a,
+        (_, Role::Acc) => n * (1 + card.top_k) * card.hidden * a,
         (Op::PreAttn { .. }, Role::Out) | (_, Role::Qkv) => {
             n * (card.q_dim() + 2 * card.kv_dim()) * a
         }
@@ -659,10 +679,6 @@ pub fn role_traffic(
         (Op::PreAttn { .. } | Op::Gate { .. }, Role::H) => (DataClass::Activations, n * h * a),
         (Op::Embed { .. }, Role::H) => (DataClass::Activations, n * h * a),
         (Op::LmHead { .. }, Role::H) => (DataClass::Activations, s * h * a),
-        (Op::Experts { set, .. }, Role::H) => (
-            DataClass::Activations,
-            routed_tokens(set, card, shape).min(n) * h * a,
-        ),
         (_, Role::H) => (DataClass::Activations, 2.0 * n * h * a),
         (_, Role::Route) => (
             DataClass::Activations,
@@ -672,7 +688,13 @@ pub fn role_traffic(
             DataClass::Activations,
             2.0 * routed_tokens(set, card, shape) * h * a,
         ),
-        (_, Role::Acc) => (DataClass::Activations, n * h * a),
+        // The gate writes the normalised rows and zeroes every (token, k) slot.
+        (Op::Gate { .. }, Role::Acc) => (
+            DataClass::Activations,
+            n * (1.0 + card.top_k as f64) * h * a,
+        ),
+        // Combine reads the top_k slots of every token.
+        (_, Role::Acc) => (DataClass::Activations, n * card.top_k as f64 * h * a),
         (_, Role::Logits) => (DataClass::Activations, s * card.vocab as f64 * a),
         (_, Role::Tokens) => (DataClass::Activations, s * TOKEN_BYTES as f64),
         _ => (DataClass::Activations, slice_len as f64),
@@ -740,8 +762,8 @@ pub const SIZE_HELPERS: [&str; 13] = [
 ];
 
 /// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
-/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `expert_acc(n)` (n tokens x
-/// top_k slots), `logits(s)` and
+/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `expert_acc(n)` (n tokens: the
+/// gate's normalised rows and top_k output slots each), `logits(s)` and
 /// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()`, `expert_weights(m)`,
 /// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
 pub fn size_helper(
@@ -768,8 +790,9 @@ pub fn size_helper(
         "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
         "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
-        // One slot per (token, k): expert outputs kept apart so the sum order is fixed.
-        "expert_acc" => one(&|n| raw(n.saturating_mul(card.top_k * card.hidden * a))),
+        // The gate's normalised rows, then one slot per (token, k): expert outputs kept
+        // apart so the sum order is fixed.
+        "expert_acc" => one(&|n| raw(n.saturating_mul((1 + card.top_k) * card.hidden * a))),
         "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
         "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
         "layer_weights" => none(HelperSize {

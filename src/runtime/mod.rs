@@ -16,6 +16,7 @@ pub mod executor;
 pub mod image;
 pub mod ops;
 pub mod report;
+pub mod scheduler;
 pub mod state;
 pub mod weights;
 pub mod workload;
@@ -32,7 +33,9 @@ use batching::{admit, block_size, UbCapacity};
 use cpu::{CpuMemory, MemoryError, MemoryOptions};
 use executor::{run_step, ExecError, ExecOptions, TaskRecord, TaskRunner};
 use ops::OpContext;
+use scheduler::{admit_fifo, grow_decoding, KvPool, Pending, Seq};
 use state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
@@ -68,6 +71,14 @@ pub enum RunError {
     /// An empty prompt.
     #[error("prompt {0} is empty")]
     EmptyPrompt(usize),
+    /// Every running sequence is paused for KV blocks and none can be admitted.
+    #[error("the KV cache is too small for the running sequences: {paused} sequences wait for blocks and none can be preempted (their re-prefill exceeds the token cap of {max_tokens}); give the schedule more KV cache")]
+    KvStall {
+        /// Sequences waiting for blocks.
+        paused: usize,
+        /// Largest token cap of a micro-batch.
+        max_tokens: usize,
+    },
 }
 
 impl RunError {
@@ -166,6 +177,10 @@ pub struct RunStats {
     pub arena_bytes: [u64; 3],
     /// Bytes of the weights image.
     pub image_bytes: u64,
+    /// Sequences preempted because KV blocks ran out (mixed steps; each is prefilled again).
+    pub preemptions: usize,
+    /// Sequence-passes skipped waiting for KV blocks (mixed steps).
+    pub paused: usize,
 }
 
 /// The output of one prompt.
@@ -250,14 +265,6 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
     caps
 }
 
-struct Seq {
-    request: usize,
-    ub: usize,
-    block_table: Vec<u32>,
-    generated: Vec<u32>,
-    prompt_done: bool,
-}
-
 /// Runs `plan` over `prompts` (token ids) and returns the outputs in prompt order.
 /// `progress` is called after every step with (tokens generated so far, tokens at most).
 pub fn generate(
@@ -334,10 +341,29 @@ pub fn generate(
     stats.arena_bytes = arena_bytes;
     stats.image_bytes = image_bytes;
     let origin = Instant::now();
-    let mut waiting: Vec<usize> = (0..prompts.len()).collect();
+    let mut waiting: VecDeque<Pending> = (0..prompts.len())
+        .map(|request| Pending {
+            request,
+            generated: Vec::new(),
+        })
+        .collect();
     let mut running: Vec<Seq> = Vec::new();
-    // Per ub: block size and free blocks (reset when a static batch starts).
-    let mut ub_blocks: Vec<(usize, Vec<u32>)> = vec![(16, Vec::new()); n_ubs];
+    // Static batches: pools reset when a batch starts, each sequence reserves its whole
+    // generation (Alg. 2). Mixed steps: pools fixed for the run, blocks given as sequences
+    // grow, preemption when they run out (`scheduler`).
+    let mut pools: Vec<KvPool> = prefill_caps
+        .iter()
+        .map(|c| {
+            let longest = plan.program.workload.prompt_len as usize + gen_len;
+            let longest = longest.max(lens.iter().max().copied().unwrap_or(0) + gen_len);
+            KvPool::new(
+                c.kv_tokens,
+                block_size(c.kv_tokens, &[longest]).unwrap_or(1),
+            )
+        })
+        .collect();
+    let max_prefill = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
+    let mut next_age = 0u64;
     let total_tokens = prompts.len() * gen_len;
     let mut produced = 0usize;
     let kill_count = AtomicU32::new(0);
@@ -373,66 +399,67 @@ pub fn generate(
         });
     }
     while !waiting.is_empty() || !running.is_empty() {
-        // Admission: static batches admit only into an empty plan; mixed plans any time.
-        if running.is_empty() || mixed {
-            let mut caps = prefill_caps.clone();
-            for (u, cap) in caps.iter_mut().enumerate() {
-                let used: Vec<&Seq> = running.iter().filter(|s| s.ub == u).collect();
-                cap.seqs = cap.seqs.saturating_sub(used.len());
-                let free_blocks = ub_blocks[u].1.len();
-                cap.kv_tokens = if used.is_empty() {
-                    cap.kv_tokens
-                } else {
-                    free_blocks * ub_blocks[u].0
-                };
-                // Decode tokens of running sequences share the step's token cap.
-                cap.tokens = cap.tokens.saturating_sub(used.len());
+        if mixed {
+            let decided = grow_decoding(&mut running, &mut pools, &lens, max_prefill);
+            stats.preemptions += decided.preempted.len();
+            stats.paused += decided.paused;
+            for p in decided.preempted.into_iter().rev() {
+                waiting.push_front(p);
             }
-            let (batch, left) = admit(&lens, &waiting, gen_len, &caps);
+            admit_fifo(
+                &mut waiting,
+                &mut running,
+                &mut pools,
+                &prefill_caps,
+                &lens,
+                gen_len,
+                &mut next_age,
+            );
+            if !running.is_empty() && running.iter().all(|s| s.paused) {
+                return Err(RunError::KvStall {
+                    paused: running.len(),
+                    max_tokens: max_prefill,
+                });
+            }
+        } else if running.is_empty() {
+            // Static batches admit only into an empty plan.
+            let ids: Vec<usize> = waiting.iter().map(|p| p.request).collect();
+            let (batch, left) = admit(&lens, &ids, gen_len, &prefill_caps);
             for (u, reqs) in batch.iter().enumerate() {
                 if reqs.is_empty() {
                     continue;
                 }
-                let fresh = !running.iter().any(|s| s.ub == u);
-                if fresh {
-                    let budgets: Vec<usize> = reqs.iter().map(|&r| lens[r] + gen_len).collect();
-                    let kv_tokens = prefill_caps[u].kv_tokens;
-                    let b = if mixed {
-                        // Fixed for the run: room for a full micro-batch of worst-case sequences.
-                        let worst = vec![
-                            plan.program.workload.prompt_len as usize + gen_len;
-                            prefill_caps[u].seqs
-                        ];
-                        block_size(kv_tokens, &worst)
-                            .or_else(|| block_size(kv_tokens, &budgets))
-                            .unwrap_or(1)
-                    } else {
-                        block_size(kv_tokens, &budgets).unwrap_or(1)
-                    };
-                    ub_blocks[u] = (b, (0..(kv_tokens / b) as u32).rev().collect());
-                }
-                let (b, free) = &mut ub_blocks[u];
+                let budgets: Vec<usize> = reqs.iter().map(|&r| lens[r] + gen_len).collect();
+                let kv_tokens = prefill_caps[u].kv_tokens;
+                pools[u] = KvPool::new(kv_tokens, block_size(kv_tokens, &budgets).unwrap_or(1));
                 for &r in reqs {
-                    let needed = (lens[r] + gen_len).div_ceil(*b);
-                    let at = free.len().saturating_sub(needed);
-                    let mut table: Vec<u32> = free.split_off(at);
-                    table.reverse();
+                    let needed = pools[u].blocks_for(lens[r] + gen_len);
+                    let block_table = pools[u].take(needed).unwrap_or_default();
                     running.push(Seq {
                         request: r,
                         ub: u,
-                        block_table: table,
+                        block_table,
                         generated: Vec::new(),
                         prompt_done: false,
+                        age: next_age,
+                        paused: false,
                     });
+                    next_age += 1;
                 }
             }
-            waiting = left;
+            waiting = left
+                .into_iter()
+                .map(|request| Pending {
+                    request,
+                    generated: Vec::new(),
+                })
+                .collect();
         }
         if running.is_empty() {
             break;
         }
         // Build the step's micro-batches.
-        let any_prefill = running.iter().any(|s| !s.prompt_done);
+        let any_prefill = running.iter().any(|s| !s.prompt_done && !s.paused);
         let step = if any_prefill {
             prefill_step
         } else {
@@ -445,34 +472,27 @@ pub fn generate(
         running.sort_by_key(|s| (s.ub, s.request));
         let (mut n_prefill, mut n_decode) = (0, 0);
         let mut loads = vec![UbLoad::default(); n_ubs];
-        for s in &running {
+        for s in running.iter().filter(|s| !s.paused) {
+            let prompt_len = lens[s.request];
+            let new_tokens = s.new_tokens(&prompts[s.request]);
             let load = &mut loads[s.ub];
             if s.prompt_done {
+                n_decode += 1;
                 load.decode_seqs += 1;
-                load.decode_context += lens[s.request] + s.generated.len();
+                load.decode_context += prompt_len + s.generated.len();
             } else {
+                n_prefill += new_tokens.len();
                 load.prefill_seqs += 1;
-                load.prefill_tokens += lens[s.request];
+                load.prefill_tokens += new_tokens.len();
             }
             let mb = &mut state.ubs[s.ub];
-            mb.block_size = ub_blocks[s.ub].0;
-            let (context_len, new_tokens, prefill) = if s.prompt_done {
-                n_decode += 1;
-                (
-                    lens[s.request] + s.generated.len() - 1,
-                    vec![*s.generated.last().unwrap_or(&0)],
-                    false,
-                )
-            } else {
-                n_prefill += lens[s.request];
-                (0, prompts[s.request].clone(), true)
-            };
+            mb.block_size = pools[s.ub].block_size;
             mb.seqs.push(SeqSlot {
                 request: s.request,
-                context_len,
+                context_len: s.context_len(prompt_len),
                 new_tokens,
                 block_table: s.block_table.clone(),
-                prefill,
+                prefill: !s.prompt_done,
             });
         }
         let runner = Runner {
@@ -509,6 +529,10 @@ pub fn generate(
         let mut row_in_ub = vec![0usize; n_ubs];
         let mut still = Vec::new();
         for mut s in running.drain(..) {
+            if s.paused {
+                still.push(s);
+                continue;
+            }
             let k = row_in_ub[s.ub];
             row_in_ub[s.ub] += 1;
             let token = sampled.get(&(s.ub as u32)).and_then(|t| t.get(k)).copied();
@@ -526,8 +550,7 @@ pub fn generate(
             if eos || s.generated.len() >= gen_len {
                 outputs[s.request].token_ids = std::mem::take(&mut s.generated);
                 produced += gen_len - outputs[s.request].token_ids.len();
-                let free = &mut ub_blocks[s.ub].1;
-                free.extend(s.block_table.drain(..).rev());
+                pools[s.ub].give(&mut s.block_table);
             } else {
                 still.push(s);
             }

@@ -2,10 +2,11 @@
 //! the model's kernels (the same ones the oracle composes; no second copy of the math).
 //!
 //! Takes a task, the step's state and the backend memory; gives the task's effect on its
-//! output arguments (and on the step state: routing, gate workspace, sampled tokens), or
+//! output arguments (and on the step state: routing decisions, sampled tokens), or
 //! an [`OpError`] naming what is wrong. Activations are f32 rows in the order of the
 //! micro-batch's sequences; a KV cache slice is `[K pool | V pool]` in the model's paged
-//! block layout; a routing slice is `(expert: u32, weight: f32)` per token and slot.
+//! block layout; a routing slice is `(expert: u32, weight: f32)` per token and slot; an
+//! `acc` slice is `[normalised rows | one output row per (token, k)]` (`expert_acc`).
 
 use super::cpu::{CpuMemory, MemoryError, View};
 use super::state::{lock, StepState};
@@ -191,78 +192,44 @@ impl OpContext<'_> {
             }
             Op::Gate { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();
+                let d = self.arch.hidden;
                 let dense = self.dense(
                     &weights,
                     layer,
                     &[SegmentKind::FfnNorm, SegmentKind::Router],
                 )?;
-                let h = self.act(need(Role::H)?, "h", n * self.arch.hidden)?;
-                let mut x_norm = vec![0.0f32; n * self.arch.hidden];
-                let routing = gate(self.arch, &dense, h, &mut x_norm)?;
+                let h = self.act(need(Role::H)?, "h", n * d)?;
+                // `acc` = [normalised rows | one slot per (token, k)], see `expert_acc`.
+                let acc = self.act_mut(need(Role::Acc)?, "acc", n * (1 + self.arch.top_k) * d)?;
+                let (x_norm, slots) = acc.split_at_mut(n * d);
+                let routing = gate(self.arch, &dense, h, x_norm)?;
+                slots.fill(0.0);
                 self.write_routing(need(Role::Route)?, &routing)?;
-                let acc = need(Role::Acc)?;
-                let slots_len = n * self.arch.top_k * self.arch.hidden;
-                if acc.len >= (slots_len * 4) as u64 {
-                    self.act_mut(acc, "acc", slots_len)?.fill(0.0);
-                } else {
-                    self.act_mut(acc, "acc", n * self.arch.hidden)?.fill(0.0);
-                    lock(&self.state.slots).insert((layer, ub), vec![0.0; slots_len]);
-                }
-                lock(&self.state.x_norm).insert((layer, ub), x_norm);
                 lock(&self.state.routing).insert((layer, ub), routing);
             }
             Op::Experts { layer, ub, set } => {
                 let n = self.ub(ub)?.n_tokens();
+                let d = self.arch.hidden;
                 let routing = self.read_routing(need(Role::Route)?, n)?;
-                let x_norm = lock(&self.state.x_norm).get(&(layer, ub)).cloned();
-                let Some(x_norm) = x_norm else {
-                    return Err(OpError::MissingArg("gate workspace (run `gate` first)"));
-                };
                 let groups = routing.by_expert(self.arch.experts);
-                let slots_len = n * self.arch.top_k * self.arch.hidden;
-                let acc = need(Role::Acc)?;
-                let run_experts = |slots: &mut [f32]| -> Result<(), OpError> {
-                    for e in self.members(set) {
-                        let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
-                        if rows.is_empty() {
-                            continue;
-                        }
-                        let expert = self.expert(&weights, layer, e as usize)?;
-                        expert_ffn(self.arch, &expert, &x_norm, rows, slots)?;
+                let acc = self.act_mut(need(Role::Acc)?, "acc", n * (1 + self.arch.top_k) * d)?;
+                let (x_norm, slots) = acc.split_at_mut(n * d);
+                for e in self.members(set) {
+                    let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
+                    if rows.is_empty() {
+                        continue;
                     }
-                    Ok(())
-                };
-                if acc.len >= (slots_len * 4) as u64 {
-                    run_experts(self.act_mut(acc, "acc", slots_len)?)?;
-                } else {
-                    // Taken out of the map while computing: experts tasks of one (layer,
-                    // ub) all write `acc`, so the plan never runs two of them at once.
-                    let taken = lock(&self.state.slots).remove(&(layer, ub));
-                    let mut slots = taken.unwrap_or_else(|| vec![0.0; slots_len]);
-                    let result = run_experts(&mut slots);
-                    lock(&self.state.slots).insert((layer, ub), slots);
-                    result?;
+                    let expert = self.expert(&weights, layer, e as usize)?;
+                    expert_ffn(self.arch, &expert, x_norm, rows, slots)?;
                 }
             }
-            Op::Combine { layer, ub } => {
+            Op::Combine { ub, .. } => {
                 let n = self.ub(ub)?.n_tokens();
-                let slots_len = n * self.arch.top_k * self.arch.hidden;
-                let routing = lock(&self.state.routing).get(&(layer, ub)).cloned();
-                let Some(routing) = routing else {
-                    return Err(OpError::MissingArg("routing (run `gate` first)"));
-                };
-                let acc = need(Role::Acc)?;
-                let h = self.act_mut(need(Role::H)?, "h", n * self.arch.hidden)?;
-                if acc.len >= (slots_len * 4) as u64 {
-                    combine(&routing, self.act(acc, "acc", slots_len)?, h)?;
-                } else {
-                    let workspace = lock(&self.state.slots);
-                    let slots = workspace
-                        .get(&(layer, ub))
-                        .map(Vec::as_slice)
-                        .unwrap_or(&[]);
-                    combine(&routing, slots, h)?;
-                }
+                let d = self.arch.hidden;
+                let routing = self.read_routing(need(Role::Route)?, n)?;
+                let acc = self.act(need(Role::Acc)?, "acc", n * (1 + self.arch.top_k) * d)?;
+                let h = self.act_mut(need(Role::H)?, "h", n * d)?;
+                combine(&routing, &acc[n * d..], h)?;
             }
             Op::PostAttn { layer, ub } => {
                 let n = self.ub(ub)?.n_tokens();

@@ -56,6 +56,10 @@ pub struct RunReport {
     pub tasks_run: usize,
     /// Tasks skipped by their guards.
     pub tasks_skipped: usize,
+    /// Sequences preempted because KV blocks ran out (each was prefilled again).
+    pub preemptions: usize,
+    /// Sequence-passes skipped waiting for KV blocks.
+    pub paused_passes: usize,
 }
 
 /// The longest chain of measured durations through a step's tasks (seconds).
@@ -169,6 +173,8 @@ pub fn summarize(
         streams,
         tasks_run: run,
         tasks_skipped: skipped,
+        preemptions: stats.preemptions,
+        paused_passes: stats.paused,
     }
 }
 

@@ -1,6 +1,8 @@
 //! The run-time state one step's ops share: which sequences each micro-batch holds, the
-//! routing decisions made so far (for guards and hot-expert order), the gate's normalised
-//! rows (the workspace `experts` reads), and the sampled tokens.
+//! routing decisions made so far (for guards and hot-expert order: the host's control
+//! plane, what a GPU runtime would read back too), and the sampled tokens. Data that ops
+//! hand each other (hidden rows, normalised rows, expert outputs) lives only in the
+//! schedule's buffers.
 //!
 //! Takes the driver's micro-batch contents before a step; gives ops their token ids,
 //! positions and block tables, and the driver the sampled tokens after it. The driver
@@ -146,11 +148,6 @@ pub struct StepState {
     pub rngs: Mutex<Vec<Rng>>,
     /// Routing per (layer, ub), recorded by `gate` and `post_attn`.
     pub routing: Mutex<HashMap<(u32, u32), Routing>>,
-    /// Normalised rows per (layer, ub) that `gate` computed for `experts`.
-    pub x_norm: Mutex<HashMap<(u32, u32), Vec<f32>>>,
-    /// Expert outputs per (layer, ub) and token slot, when the schedule's `acc` is only
-    /// `[tokens, hidden]` (the kernels need `[tokens, top_k, hidden]` to stay order-free).
-    pub slots: Mutex<HashMap<(u32, u32), Vec<f32>>>,
     /// The expert order of each layer this step, fixed at its first use.
     pub hot_order: Mutex<HashMap<u32, Vec<u32>>>,
     /// Predicted hot experts.
@@ -167,8 +164,6 @@ impl StepState {
             sampling,
             rngs: Mutex::new(rngs),
             routing: Mutex::new(HashMap::new()),
-            x_norm: Mutex::new(HashMap::new()),
-            slots: Mutex::new(HashMap::new()),
             hot_order: Mutex::new(HashMap::new()),
             predictor: HotPredictor::default(),
             sampled: Mutex::new(HashMap::new()),
@@ -178,8 +173,6 @@ impl StepState {
     /// Clears what one step produced (keeps ubs and samplers).
     pub fn reset_step(&mut self) {
         lock(&self.routing).clear();
-        lock(&self.x_norm).clear();
-        lock(&self.slots).clear();
         lock(&self.hot_order).clear();
         lock(&self.sampled).clear();
     }
