@@ -373,10 +373,10 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         "NOT page-locked: the OS refused mlock (raise RLIMIT_MEMLOCK); copies still run".to_string()
     };
     let _ = writeln!(out, "  pinned  {:>10}  {locked}", human(pinned));
+    let _ = writeln!(out, "  host    {:>10}", human(host));
     let _ = writeln!(
         out,
-        "  host    {:>10}  + weights image {} (pageable)",
-        human(host),
+        "  weights {:>10}  memory-mapped from the checkpoint (pageable, not allocated)",
         human(f.stats.image_bytes)
     );
     let _ = writeln!(

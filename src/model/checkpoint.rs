@@ -11,7 +11,7 @@
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, WeightDtype};
 use crate::model::config::{self, ConfigError};
-use crate::model::layout::{ImageBuffer, LayerLayout, SegmentKind};
+use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{segment_source, Source};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
@@ -123,6 +123,26 @@ struct Entry {
     dtype: Result<WeightDtype, Dtype>,
     shape: Vec<usize>,
     range: Range<usize>,
+}
+
+/// A tensor's bytes exactly as stored in the checkpoint file (inside its memory map).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredTensor<'a> {
+    /// The bytes (no alignment promised: safetensors normally aligns, but may not).
+    pub bytes: &'a [u8],
+    /// Stored dtype.
+    pub dtype: WeightDtype,
+}
+
+/// The stored bytes of the model's tensors outside the decoder layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadTensors<'a> {
+    /// The embedding table `[vocab, hidden]`.
+    pub embed: StoredTensor<'a>,
+    /// The final norm weight `[hidden]`.
+    pub final_norm: StoredTensor<'a>,
+    /// The lm_head `[vocab, hidden]` (the embedding's bytes when the checkpoint ties them).
+    pub lm_head: StoredTensor<'a>,
 }
 
 /// An opened checkpoint folder.
@@ -467,8 +487,9 @@ impl Checkpoint {
         Ok(LayerWeights { dense, experts })
     }
 
-    /// Zero-copy views of the whole model (every tensor's name, shape and dtype checked).
-    pub fn model_weights(&self) -> Result<ModelWeights<'_>, CheckpointError> {
+    /// Where the embedding table, the final norm and the lm_head live (the lm_head is the
+    /// embedding when a tied checkpoint (`tie_word_embeddings = true`) ships none).
+    fn head_sources(&self) -> (Source, Source, Source) {
         let a = &self.arch;
         let (embed, norm) = match a.family {
             Family::Mixtral => ("model.embed_tokens.weight", "model.norm.weight"),
@@ -479,23 +500,26 @@ impl Checkpoint {
             shape: vec![a.vocab, a.hidden],
             rows: 0..a.vocab,
         };
-        let embed = self.matrix(&table(embed), Orientation::OutIn)?;
-        // Tied checkpoints (tie_word_embeddings = true) ship no lm_head; reuse the embedding.
-        let lm_head = if self.tensors.contains_key("lm_head.weight") {
-            self.matrix(&table("lm_head.weight"), Orientation::OutIn)?
-        } else if self.ties_embeddings() {
-            embed
+        let lm_head = if !self.tensors.contains_key("lm_head.weight") && self.ties_embeddings() {
+            table(embed)
         } else {
-            self.matrix(&table("lm_head.weight"), Orientation::OutIn)?
+            table("lm_head.weight")
         };
-        let final_norm = self
-            .view(&Source {
-                name: norm.into(),
-                shape: vec![a.hidden],
-                rows: 0..a.hidden,
-            })?
-            .0;
-        let layers = (0..a.layers)
+        let norm = Source {
+            name: norm.into(),
+            shape: vec![a.hidden],
+            rows: 0..a.hidden,
+        };
+        (table(embed), norm, lm_head)
+    }
+
+    /// Zero-copy views of the whole model (every tensor's name, shape and dtype checked).
+    pub fn model_weights(&self) -> Result<ModelWeights<'_>, CheckpointError> {
+        let (embed, norm, lm_head) = self.head_sources();
+        let embed = self.matrix(&embed, Orientation::OutIn)?;
+        let lm_head = self.matrix(&lm_head, Orientation::OutIn)?;
+        let final_norm = self.view(&norm)?.0;
+        let layers = (0..self.arch.layers)
             .map(|l| self.layer_weights(l))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ModelWeights {
@@ -503,6 +527,21 @@ impl Checkpoint {
             layers,
             final_norm,
             lm_head,
+        })
+    }
+
+    /// The stored bytes of the embedding, final norm and lm_head, straight from the memory
+    /// maps (names, shapes and dtypes checked; alignment is not required).
+    pub fn head_tensors(&self) -> Result<HeadTensors<'_>, CheckpointError> {
+        let (embed, norm, lm_head) = self.head_sources();
+        let stored = |src: &Source| -> Result<StoredTensor<'_>, CheckpointError> {
+            let (bytes, dtype, _) = self.checked(&src.name, &src.shape)?;
+            Ok(StoredTensor { bytes, dtype })
+        };
+        Ok(HeadTensors {
+            embed: stored(&embed)?,
+            final_norm: stored(&norm)?,
+            lm_head: stored(&lm_head)?,
         })
     }
 
@@ -531,6 +570,40 @@ impl Checkpoint {
         }))
     }
 
+    /// The stored bytes of segment `seg` of layer `layer`, straight from the memory map: the
+    /// whole tensor, or for a DBRX expert its rows of the fused expert tensor (contiguous).
+    /// The dtype must be `seg.dtype` and the length `seg.len_bytes`; alignment is not
+    /// required. `seg` must come from [`Checkpoint::layer_layout`].
+    pub fn segment_bytes(&self, layer: usize, seg: &Segment) -> Result<&[u8], CheckpointError> {
+        self.check_layer(layer)?;
+        let src = self.source(layer, seg.kind);
+        let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
+        if dtype != seg.dtype {
+            return Err(CheckpointError::Dtype {
+                path: path.display().to_string(),
+                tensor: src.name,
+                dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
+            });
+        }
+        // The tensor's own row width (checked against the card above), not the layout's.
+        let cols: usize = src.shape.iter().skip(1).product();
+        let row_bytes = cols * dtype.bytes() as usize;
+        let part = if src.shape.len() == 1 {
+            Some(bytes)
+        } else {
+            bytes.get(src.rows.start * row_bytes..src.rows.end * row_bytes)
+        };
+        match part.filter(|p| p.len() == seg.len_bytes) {
+            Some(part) => Ok(part),
+            None => Err(CheckpointError::Shape {
+                path: path.display().to_string(),
+                tensor: src.name,
+                expected: vec![seg.rows, seg.cols],
+                got: src.shape.clone(),
+            }),
+        }
+    }
+
     /// Copies layer `layer`'s tensors byte for byte into `dst` at `layout`'s offsets
     /// (padding is zeroed). `layout` must come from [`Checkpoint::layer_layout`].
     pub fn copy_layer_image(
@@ -548,29 +621,11 @@ impl Checkpoint {
         }
         dst[..layout.image_bytes].fill(0);
         for seg in &layout.segments {
-            let src = self.source(layer, seg.kind);
-            let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
-            if dtype != seg.dtype {
-                return Err(CheckpointError::Dtype {
-                    path: path.display().to_string(),
-                    tensor: src.name,
-                    dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
-                });
-            }
-            // The tensor's own row width (checked against the card above), not the layout's.
-            let cols: usize = src.shape.iter().skip(1).product();
-            let row_bytes = cols * dtype.bytes() as usize;
-            let part = if src.shape.len() == 1 {
-                bytes
-            } else {
-                &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes]
-            };
-            let Some(slot) = dst.get_mut(seg.range()).filter(|d| d.len() == part.len()) else {
-                return Err(CheckpointError::Shape {
-                    path: path.display().to_string(),
-                    tensor: src.name,
-                    expected: vec![seg.rows, seg.cols],
-                    got: src.shape.clone(),
+            let part = self.segment_bytes(layer, seg)?;
+            let Some(slot) = dst.get_mut(seg.range()) else {
+                return Err(CheckpointError::ImageBuffer {
+                    needed: seg.range().end,
+                    got: dst.len(),
                 });
             };
             slot.copy_from_slice(part);

@@ -1,15 +1,19 @@
 //! The CPU backend's memory: one arena per space, the weights image, and the weight maps.
 //!
 //! Takes a plan, a checkpoint and the backend options; gives a [`CpuMemory`] that resolves
-//! a task argument to bytes in exactly one arena, enforcing the engine/space discipline at
-//! run time (a `gpu.compute` op only ever gets views into the `gpu` arena), and copies
-//! bytes between arenas (with an optional link throttle so transfers take the time a PCIe
-//! link would). The `gpu` arena has the plan's capacity; the `pinned` arena is page-locked
-//! when the OS allows (reported by [`CpuMemory::pinned_locked`]).
+//! a task argument to bytes in exactly one arena (or the weights image), enforcing the
+//! engine/space discipline at run time (a `gpu.compute` op only ever gets views into the
+//! `gpu` arena), and copies bytes between arenas (with an optional link throttle so
+//! transfers take the time a PCIe link would). The `gpu` arena has the plan's capacity;
+//! the `pinned` arena is page-locked when the OS allows (reported by
+//! [`CpuMemory::pinned_locked`]). The weights image `W` is not allocated: it is a
+//! read-only [`MappedImage`] over the checkpoint's memory maps (pageable), viewed one
+//! tensor at a time and copied out of range by range.
 
 use super::arena::{Arena, ArenaError};
+use super::image::{ImageViewError, MappedImage};
 use super::state::lock;
-use super::weights::{image_layout, write_image, ImageError, ImageLayout, WeightMap, WeightTag};
+use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
 use crate::model::checkpoint::Checkpoint;
@@ -45,6 +49,17 @@ pub enum MemoryError {
     /// The weights image could not be built.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// Bytes of the weights image could not be served.
+    #[error(transparent)]
+    ImageView(#[from] ImageViewError),
+    /// A write into the weights image (`W` is the read-only checkpoint).
+    #[error("weights image: bytes {start}..{end} are read-only (the image is the memory-mapped checkpoint)")]
+    ReadOnlyImage {
+        /// First byte.
+        start: u64,
+        /// One past the last.
+        end: u64,
+    },
     /// An op got a view into a space its engine may not touch.
     #[error("a {engine} task got its `{role}` argument in {space} memory")]
     Space {
@@ -84,11 +99,11 @@ pub struct MemoryOptions {
     pub gpu_capacity: Option<u64>,
 }
 
-/// Arenas, image and weight maps.
+/// Arenas, image and weight maps; the image borrows the checkpoint's memory maps.
 #[derive(Debug)]
-pub struct CpuMemory {
+pub struct CpuMemory<'c> {
     arenas: [Arena; 3],
-    image: Arena,
+    image: MappedImage<'c>,
     layout: ImageLayout,
     maps: [Mutex<WeightMap>; 3],
     image_map: WeightMap,
@@ -105,11 +120,11 @@ fn space_index(space: Space) -> usize {
     }
 }
 
-impl CpuMemory {
-    /// Allocates the arenas of `plan` and builds the weights image from `checkpoint`.
+impl<'c> CpuMemory<'c> {
+    /// Allocates the arenas of `plan` and maps the weights image onto `checkpoint`.
     pub fn new(
         plan: &ExecPlan,
-        checkpoint: &Checkpoint,
+        checkpoint: &'c Checkpoint,
         options: MemoryOptions,
     ) -> Result<Self, MemoryError> {
         let gpu = plan.arena(Space::Gpu);
@@ -125,8 +140,7 @@ impl CpuMemory {
             Arena::new("host", plan.arena(Space::Host).bytes, false)?,
         ];
         let layout = image_layout(checkpoint, plan.program.checkpoint())?;
-        let image = Arena::new("weights", layout.checkpoint.total_bytes(), false)?;
-        write_image(checkpoint, &layout, image.bytes_mut(0, image.len() as u64)?)?;
+        let image = MappedImage::new(checkpoint, &layout)?;
         let image_map = layout.map();
         let buffer_base = plan
             .buffers
@@ -157,7 +171,8 @@ impl CpuMemory {
         &self.layout
     }
 
-    /// Bytes allocated per space (gpu, pinned, host), and of the weights image.
+    /// Bytes allocated per space (gpu, pinned, host), and of the weights image (mapped
+    /// from the checkpoint, not allocated).
     pub fn sizes(&self) -> ([u64; 3], u64) {
         (
             [
@@ -165,15 +180,13 @@ impl CpuMemory {
                 self.arenas[1].len() as u64,
                 self.arenas[2].len() as u64,
             ],
-            self.image.len() as u64,
+            self.image.len(),
         )
     }
 
-    fn arena(&self, region: Region) -> &Arena {
-        match region {
-            Region::Image => &self.image,
-            Region::Arena(space) => &self.arenas[space_index(space)],
-        }
+    /// The weights image.
+    pub fn image(&self) -> &MappedImage<'c> {
+        &self.image
     }
 
     /// Resolves an argument (with its dynamic expert, if any, already chosen).
@@ -213,15 +226,30 @@ impl CpuMemory {
         Ok(view)
     }
 
-    /// Shared bytes of a view (ordering contract of [`Arena::bytes`]).
+    /// Shared bytes of a view (ordering contract of [`Arena::bytes`]); a view of the
+    /// image must lie inside one tensor (what [`CpuMemory::find_weight`] returns).
     pub fn bytes(&self, view: View) -> Result<&[u8], MemoryError> {
-        Ok(self.arena(view.region).bytes(view.start, view.len)?)
+        match view.region {
+            Region::Image => Ok(self.image.view(view.start, view.len)?),
+            Region::Arena(space) => {
+                Ok(self.arenas[space_index(space)].bytes(view.start, view.len)?)
+            }
+        }
     }
 
-    /// Exclusive bytes of a view (ordering contract of [`Arena::bytes_mut`]).
+    /// Exclusive bytes of a view (ordering contract of [`Arena::bytes_mut`]); the image
+    /// is read-only.
     #[allow(clippy::mut_from_ref)]
     pub fn bytes_mut(&self, view: View) -> Result<&mut [u8], MemoryError> {
-        Ok(self.arena(view.region).bytes_mut(view.start, view.len)?)
+        match view.region {
+            Region::Image => Err(MemoryError::ReadOnlyImage {
+                start: view.start,
+                end: view.start.saturating_add(view.len),
+            }),
+            Region::Arena(space) => {
+                Ok(self.arenas[space_index(space)].bytes_mut(view.start, view.len)?)
+            }
+        }
     }
 
     /// Where `tag` lies whole inside one of `views`: that view's region and absolute start.
@@ -259,10 +287,18 @@ impl CpuMemory {
                 len: src.len,
             });
         }
-        let from = self.bytes(src)?;
         let to = self.bytes_mut(dst)?;
-        let n = from.len().min(to.len());
-        to[..n].copy_from_slice(&from[..n]);
+        let n = (src.len as usize).min(to.len());
+        match src.region {
+            // Any range of W (several tensors and the padding between them): assembled
+            // from the maps.
+            Region::Image => self.image.copy_to(src.start, &mut to[..n])?,
+            Region::Arena(_) => {
+                let from = self.bytes(src)?;
+                let n = from.len().min(n);
+                to[..n].copy_from_slice(&from[..n]);
+            }
+        }
         let labels = match src.region {
             Region::Image => self.image_map.labels_in(src.start, src.len),
             Region::Arena(space) => {

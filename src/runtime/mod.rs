@@ -13,6 +13,7 @@ pub mod arena;
 pub mod batching;
 pub mod cpu;
 pub mod executor;
+pub mod image;
 pub mod ops;
 pub mod report;
 pub mod scheduler;

@@ -79,7 +79,7 @@ pub struct OpContext<'a> {
     /// Rotary tables.
     pub rope: &'a RopeTable,
     /// Backend memory.
-    pub memory: &'a CpuMemory,
+    pub memory: &'a CpuMemory<'a>,
     /// The step state.
     pub state: &'a StepState,
     /// Stored dtype of the embedding, final norm and lm_head.

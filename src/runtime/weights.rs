@@ -1,9 +1,11 @@
-//! Where each weight tensor currently lives: the packed weights image (the checkpoint
-//! buffer `W`) and a map of weight pieces per memory space that copies keep up to date.
+//! Where each weight tensor currently lives: the geometry of the packed weights image (the
+//! checkpoint buffer `W`) and a map of weight pieces per memory space that copies keep up
+//! to date.
 //!
-//! Takes a checkpoint and the program's [`CheckpointLayout`]; gives the image
-//! (`[embed | layer 0 .. L-1 | final norm, lm_head]`, each layer the model's packed
-//! [`LayerLayout`]) and a [`WeightMap`] that answers "where inside these byte ranges is
+//! Takes a checkpoint and the program's [`CheckpointLayout`]; gives the image geometry
+//! ([`ImageLayout`]: `[embed | layer 0 .. L-1 | final norm, lm_head]`, each layer the
+//! model's packed [`LayerLayout`]; `runtime::image` serves its bytes from the checkpoint's
+//! memory maps) and a [`WeightMap`] that answers "where inside these byte ranges is
 //! segment S of layer i, whole?". A copy moves the labels of the bytes it copies, so
 //! pages, expert slots and run-time chosen (hot) experts are all found the same way, and
 //! an op whose weights are not (wholly) in its `w` arguments is an error naming the tensor,
@@ -12,7 +14,6 @@
 use crate::ir::CheckpointLayout;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::layout::{LayerLayout, SegmentKind};
-use crate::model::tensor::TypedSlice;
 use std::collections::BTreeMap;
 
 /// A weight tensor that ops look up.
@@ -251,14 +252,28 @@ pub enum ImageError {
         /// Bytes the IR assumes.
         expected: u64,
     },
-}
-
-fn raw_bytes<'a>(slice: &TypedSlice<'a>) -> &'a [u8] {
-    match *slice {
-        TypedSlice::Bf16(s) => bytemuck::cast_slice(s),
-        TypedSlice::F16(s) => bytemuck::cast_slice(s),
-        TypedSlice::F32(s) => bytemuck::cast_slice(s),
-    }
+    /// A tensor's stored bytes do not fill its place in the image.
+    #[error(
+        "checkpoint {dir}: {tag} takes {got} bytes but the compiled schedule assumes {expected}"
+    )]
+    Tensor {
+        /// The checkpoint folder.
+        dir: String,
+        /// The tensor.
+        tag: WeightTag,
+        /// Bytes in the checkpoint.
+        got: u64,
+        /// Bytes the image layout gives it.
+        expected: u64,
+    },
+    /// Two tensors of the image layout overlap (a hand-built layout).
+    #[error("weights image layout: {first} overlaps {second}")]
+    Overlap {
+        /// The earlier tensor.
+        first: WeightTag,
+        /// The later one.
+        second: WeightTag,
+    },
 }
 
 /// Checks the checkpoint against the program's layout and returns the image geometry.
@@ -289,40 +304,20 @@ pub fn image_layout(
             layout.expert_bytes,
         ));
     }
-    let weights = checkpoint.model_weights()?;
-    let embed = raw_bytes(&weights.embed.data).len() as u64;
+    let head = checkpoint.head_tensors()?;
+    let embed = head.embed.bytes.len() as u64;
     if embed != layout.embed_bytes {
         return Err(mismatch("the embedding", embed, layout.embed_bytes));
     }
-    let final_norm_bytes = raw_bytes(&weights.final_norm).len() as u64;
+    let final_norm_bytes = head.final_norm.bytes.len() as u64;
+    let lm_head = head.lm_head.bytes.len() as u64;
+    let expected_lm_head = layout.head_bytes.saturating_sub(final_norm_bytes);
+    if lm_head != expected_lm_head {
+        return Err(mismatch("the lm_head", lm_head, expected_lm_head));
+    }
     Ok(ImageLayout {
         checkpoint: layout,
         layer,
         final_norm_bytes,
     })
-}
-
-/// Writes the packed weights image into `dst` (at least `layout.checkpoint.total_bytes()`).
-pub fn write_image(
-    checkpoint: &Checkpoint,
-    layout: &ImageLayout,
-    dst: &mut [u8],
-) -> Result<(), ImageError> {
-    let c = &layout.checkpoint;
-    let weights = checkpoint.model_weights()?;
-    let embed = raw_bytes(&weights.embed.data);
-    dst[..embed.len()].copy_from_slice(embed);
-    for layer in 0..c.layers {
-        let start = c.layer_offset(layer) as usize;
-        let end = start + c.layer_bytes() as usize;
-        checkpoint.copy_layer_image(layer as usize, &layout.layer, &mut dst[start..end])?;
-    }
-    let head = c.head_offset() as usize;
-    let norm = raw_bytes(&weights.final_norm);
-    dst[head..head + norm.len()].copy_from_slice(norm);
-    let lm = raw_bytes(&weights.lm_head.data);
-    let lm_start = head + norm.len();
-    let lm_len = lm.len().min(dst.len().saturating_sub(lm_start));
-    dst[lm_start..lm_start + lm_len].copy_from_slice(&lm[..lm_len]);
-    Ok(())
 }

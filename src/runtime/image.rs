@@ -1,0 +1,519 @@
+//! The weights image `W`, served straight from the checkpoint's memory maps.
+//!
+//! Takes an opened [`Checkpoint`] and the image geometry ([`ImageLayout`]); gives a
+//! [`MappedImage`]: for every tensor of the packed image (embedding, each layer's segments,
+//! final norm, lm_head) the bytes of the checkpoint's memory map that hold it. Nothing is
+//! copied at startup and the model is not held twice: pages come from the file (or the page
+//! cache) when a task first touches them, and the OS may drop them again (pageable memory).
+//! A view is served only when it lies inside one tensor (ops read weights whole, through the
+//! weight maps); a copy out of the image assembles any byte range tensor by tensor and
+//! zero-fills the padding between segments, so its destination holds exactly the bytes of the
+//! packed image. The one exception to "no copy" is a tensor whose stored bytes are not aligned
+//! for its dtype: that tensor alone is held as an owned, aligned copy (safetensors aligns
+//! tensors in practice, so this is a fallback, not the normal path).
+
+use super::weights::{ImageError, ImageLayout, WeightTag};
+use crate::model::card::WeightDtype;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::layout::ImageBuffer;
+
+/// Why bytes of the image cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImageViewError {
+    /// A range past the end of the image.
+    #[error("weights image: bytes {start}..{end} are outside its {len} bytes")]
+    OutOfBounds {
+        /// First byte.
+        start: u64,
+        /// One past the last.
+        end: u64,
+        /// Image size.
+        len: u64,
+    },
+    /// A range that is not inside one tensor (it spans several, or padding).
+    #[error("weights image: bytes {start}..{end} are not inside one tensor (the image is mapped tensor by tensor; copy the range to an arena to read it whole)")]
+    NotOneTensor {
+        /// First byte.
+        start: u64,
+        /// One past the last.
+        end: u64,
+    },
+}
+
+/// Where one tensor's bytes are.
+enum TensorBytes<'c> {
+    /// Inside the checkpoint's memory map.
+    Mapped(&'c [u8]),
+    /// An aligned copy (the stored bytes were misaligned for the dtype).
+    Owned(ImageBuffer),
+}
+
+impl TensorBytes<'_> {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            TensorBytes::Mapped(bytes) => bytes,
+            TensorBytes::Owned(buffer) => buffer.as_bytes(),
+        }
+    }
+}
+
+/// One tensor of the image.
+struct ImageTensor<'c> {
+    /// Offset in the image.
+    start: u64,
+    tag: WeightTag,
+    bytes: TensorBytes<'c>,
+}
+
+impl ImageTensor<'_> {
+    fn end(&self) -> u64 {
+        self.start + self.bytes.as_bytes().len() as u64
+    }
+}
+
+/// The packed weights image as views over the checkpoint's memory maps.
+pub struct MappedImage<'c> {
+    /// In image order, non-overlapping.
+    tensors: Vec<ImageTensor<'c>>,
+    len: u64,
+}
+
+impl std::fmt::Debug for MappedImage<'_> {
+    // The tensors' bytes are the whole model: never print them.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedImage")
+            .field("len", &self.len)
+            .field("tensors", &self.tensors.len())
+            .field("owned_tensors", &self.owned_tensors())
+            .finish()
+    }
+}
+
+fn dtype_align(dtype: WeightDtype) -> usize {
+    dtype.bytes() as usize
+}
+
+impl<'c> MappedImage<'c> {
+    /// Maps every tensor of `layout` to its bytes in `checkpoint` (each checked against the
+    /// layout's length and dtype); copies only misaligned tensors.
+    pub fn new(checkpoint: &'c Checkpoint, layout: &ImageLayout) -> Result<Self, ImageError> {
+        let head = checkpoint.head_tensors()?;
+        let mut tensors = Vec::new();
+        for (start, len, tag) in layout.tags() {
+            let (bytes, dtype) = match tag {
+                WeightTag::Embed => (head.embed.bytes, head.embed.dtype),
+                WeightTag::FinalNorm => (head.final_norm.bytes, head.final_norm.dtype),
+                WeightTag::LmHead => (head.lm_head.bytes, head.lm_head.dtype),
+                WeightTag::Layer { layer, kind } => {
+                    let Some(seg) = layout.layer.segment(kind) else {
+                        continue;
+                    };
+                    (checkpoint.segment_bytes(layer as usize, seg)?, seg.dtype)
+                }
+            };
+            if bytes.len() as u64 != len {
+                return Err(ImageError::Tensor {
+                    dir: checkpoint.dir().display().to_string(),
+                    tag,
+                    got: bytes.len() as u64,
+                    expected: len,
+                });
+            }
+            let bytes = if (bytes.as_ptr() as usize).is_multiple_of(dtype_align(dtype)) {
+                TensorBytes::Mapped(bytes)
+            } else {
+                // Kernels view weights as typed slices, which need dtype alignment; a file
+                // that stores this tensor at an odd offset gets an aligned copy of it alone.
+                let mut owned = ImageBuffer::zeroed(bytes.len());
+                owned.as_bytes_mut().copy_from_slice(bytes);
+                TensorBytes::Owned(owned)
+            };
+            tensors.push(ImageTensor { start, tag, bytes });
+        }
+        tensors.sort_by_key(|t| t.start);
+        if let Some(pair) = tensors.windows(2).find(|w| w[0].end() > w[1].start) {
+            return Err(ImageError::Overlap {
+                first: pair[0].tag,
+                second: pair[1].tag,
+            });
+        }
+        Ok(MappedImage {
+            tensors,
+            len: layout.checkpoint.total_bytes(),
+        })
+    }
+
+    /// Bytes of the image (padding included).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for an image of no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Tensors held as owned copies because their stored bytes were misaligned.
+    pub fn owned_tensors(&self) -> usize {
+        self.tensors
+            .iter()
+            .filter(|t| matches!(t.bytes, TensorBytes::Owned(_)))
+            .count()
+    }
+
+    /// The bytes of tensor `tag`, if the image has it.
+    pub fn tensor(&self, tag: WeightTag) -> Option<&[u8]> {
+        self.tensors
+            .iter()
+            .find(|t| t.tag == tag)
+            .map(|t| t.bytes.as_bytes())
+    }
+
+    fn bounds(&self, start: u64, len: u64) -> Result<u64, ImageViewError> {
+        match start.checked_add(len).filter(|&end| end <= self.len) {
+            Some(end) => Ok(end),
+            None => Err(ImageViewError::OutOfBounds {
+                start,
+                end: start.saturating_add(len),
+                len: self.len,
+            }),
+        }
+    }
+
+    /// Index of the last tensor starting at or before `at` (if any).
+    fn tensor_at(&self, at: u64) -> Option<usize> {
+        self.tensors
+            .partition_point(|t| t.start <= at)
+            .checked_sub(1)
+    }
+
+    /// `len` bytes at `start`, which must lie inside one tensor.
+    pub fn view(&self, start: u64, len: u64) -> Result<&[u8], ImageViewError> {
+        let end = self.bounds(start, len)?;
+        if len == 0 {
+            return Ok(&[]);
+        }
+        let inside = self.tensor_at(start).and_then(|i| {
+            let tensor = &self.tensors[i];
+            let from = usize::try_from(start - tensor.start).ok()?;
+            let to = usize::try_from(end - tensor.start).ok()?;
+            tensor.bytes.as_bytes().get(from..to)
+        });
+        inside.ok_or(ImageViewError::NotOneTensor { start, end })
+    }
+
+    /// Copies image bytes `[start, start + dst.len())` into `dst`, tensor by tensor from the
+    /// maps, with zeros for the padding between tensors.
+    pub fn copy_to(&self, start: u64, dst: &mut [u8]) -> Result<(), ImageViewError> {
+        let end = self.bounds(start, dst.len() as u64)?;
+        // Every index below is an image offset in [start, end) minus `start`, so it fits
+        // `dst` (whose length is end - start).
+        let rel = |at: u64| (at - start) as usize;
+        let mut filled = start;
+        let first = self.tensor_at(start).unwrap_or(0);
+        for tensor in self.tensors[first..].iter().take_while(|t| t.start < end) {
+            let tensor_end = tensor.end();
+            if tensor_end <= filled {
+                continue;
+            }
+            let lo = tensor.start.max(filled);
+            let hi = tensor_end.min(end);
+            dst[rel(filled)..rel(lo)].fill(0);
+            let bytes = tensor.bytes.as_bytes();
+            let from = (lo - tensor.start) as usize;
+            let to = (hi - tensor.start) as usize;
+            dst[rel(lo)..rel(hi)].copy_from_slice(&bytes[from..to]);
+            filled = hi;
+        }
+        dst[rel(filled)..].fill(0);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::CheckpointLayout;
+    use crate::model::card::ModelCard;
+    use crate::model::layout::SegmentKind;
+    use crate::model::synth::{write_checkpoint, SynthOptions};
+    use crate::model::tensor::TypedSlice;
+    use crate::model::weights::QkvWeights;
+    use crate::runtime::weights::image_layout;
+    use std::path::Path;
+
+    fn synth(card_name: &str, dir: &Path) -> Checkpoint {
+        synth_card(&ModelCard::load(card_name).unwrap(), dir)
+    }
+
+    fn synth_card(card: &ModelCard, dir: &Path) -> Checkpoint {
+        write_checkpoint(
+            card,
+            dir,
+            &SynthOptions {
+                seed: 3,
+                dtype: card.dtype,
+                max_shard_bytes: u64::MAX,
+            },
+        )
+        .unwrap();
+        Checkpoint::open(dir).unwrap()
+    }
+
+    fn layout_of(checkpoint: &Checkpoint) -> ImageLayout {
+        image_layout(checkpoint, CheckpointLayout::new(checkpoint.card())).unwrap()
+    }
+
+    fn raw(slice: TypedSlice<'_>) -> &[u8] {
+        match slice {
+            TypedSlice::Bf16(s) => bytemuck::cast_slice(s),
+            TypedSlice::F16(s) => bytemuck::cast_slice(s),
+            TypedSlice::F32(s) => bytemuck::cast_slice(s),
+        }
+    }
+
+    /// The bytes of segment `kind` of `layer`, through the checkpoint's typed zero-copy
+    /// views (a different path from `Checkpoint::segment_bytes`).
+    fn typed_segment(checkpoint: &Checkpoint, layer: usize, kind: SegmentKind) -> &[u8] {
+        let w = checkpoint.layer_weights(layer).unwrap();
+        let data = match (kind, &w.dense.qkv) {
+            (SegmentKind::AttnNorm, _) => w.dense.attn_norm,
+            (SegmentKind::QProj, QkvWeights::Separate { q, .. }) => q.data,
+            (SegmentKind::KProj, QkvWeights::Separate { k, .. }) => k.data,
+            (SegmentKind::VProj, QkvWeights::Separate { v, .. }) => v.data,
+            (SegmentKind::QkvProj, QkvWeights::Fused(qkv)) => qkv.data,
+            (SegmentKind::OProj, _) => w.dense.o_proj.data,
+            (SegmentKind::FfnNorm, _) => w.dense.ffn_norm,
+            (SegmentKind::Router, _) => w.dense.router.data,
+            (SegmentKind::ExpertGate(e), _) => w.experts[e].gate.data,
+            (SegmentKind::ExpertUp(e), _) => w.experts[e].up.data,
+            (SegmentKind::ExpertDown(e), _) => w.experts[e].down.data,
+            other => panic!("segment {other:?} does not belong to this family"),
+        };
+        raw(data)
+    }
+
+    /// The packed image exactly as the runtime used to build it before the image was mapped
+    /// (`write_image`): a zeroed buffer with the embedding, each layer's packed image
+    /// (`Checkpoint::copy_layer_image`), the final norm and the lm_head copied in.
+    fn reference_image(checkpoint: &Checkpoint, layout: &ImageLayout) -> Vec<u8> {
+        let c = &layout.checkpoint;
+        let mut dst = vec![0u8; c.total_bytes() as usize];
+        let weights = checkpoint.model_weights().unwrap();
+        let embed = raw(weights.embed.data);
+        dst[..embed.len()].copy_from_slice(embed);
+        for layer in 0..c.layers {
+            let start = c.layer_offset(layer) as usize;
+            let end = start + c.layer_bytes() as usize;
+            checkpoint
+                .copy_layer_image(layer as usize, &layout.layer, &mut dst[start..end])
+                .unwrap();
+        }
+        let head = c.head_offset() as usize;
+        let norm = raw(weights.final_norm);
+        dst[head..head + norm.len()].copy_from_slice(norm);
+        let lm = raw(weights.lm_head.data);
+        dst[head + norm.len()..head + norm.len() + lm.len()].copy_from_slice(lm);
+        dst
+    }
+
+    /// Address ranges of this process's mappings of `file`.
+    fn mappings_of(file: &Path) -> Vec<(usize, usize)> {
+        let file = file.canonicalize().unwrap();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines()
+            .filter(|line| line.ends_with(file.to_str().unwrap()))
+            .map(|line| {
+                let range = line.split_whitespace().next().unwrap();
+                let (lo, hi) = range.split_once('-').unwrap();
+                (
+                    usize::from_str_radix(lo, 16).unwrap(),
+                    usize::from_str_radix(hi, 16).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// Deterministic pseudo-random numbers (xorshift) for the ranges.
+    fn next(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    /// Copies of the whole image, of ranges around every tensor boundary and of random
+    /// ranges (across several tensors and their padding) equal the reference bytes.
+    fn assert_copies_match(image: &MappedImage<'_>, reference: &[u8], layout: &ImageLayout) {
+        let total = reference.len() as u64;
+        assert_eq!(image.len(), total);
+        let mut ranges = vec![(0, total)];
+        for (start, len, _) in layout.tags() {
+            let end = start + len;
+            ranges.push((start.saturating_sub(3), (end + 5).min(total)));
+            ranges.push((start + len / 2, (end + 64).min(total)));
+        }
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..300 {
+            let start = next(&mut state) % total;
+            let len = next(&mut state) % (1 << (next(&mut state) % 22));
+            ranges.push((start, (start + len).min(total)));
+        }
+        let mut spanning = 0;
+        for (start, end) in ranges {
+            let mut dst = vec![0xA5u8; (end - start) as usize];
+            image.copy_to(start, &mut dst).unwrap();
+            assert!(
+                dst == reference[start as usize..end as usize],
+                "bytes {start}..{end} differ from the copied image"
+            );
+            if image.view(start, end - start).is_err() {
+                spanning += 1;
+            }
+        }
+        assert!(spanning > 100, "too few ranges spanned several tensors");
+    }
+
+    fn check_card(card: &ModelCard) {
+        let dir = tempfile::tempdir().unwrap();
+        let ck_dir = dir.path().join("ck");
+        let checkpoint = synth_card(card, &ck_dir);
+        let layout = layout_of(&checkpoint);
+        let reference = reference_image(&checkpoint, &layout);
+        let image = MappedImage::new(&checkpoint, &layout).unwrap();
+        assert_eq!(image.owned_tensors(), 0);
+        assert_copies_match(&image, &reference, &layout);
+        let maps = mappings_of(&ck_dir.join("model.safetensors"));
+        assert!(!maps.is_empty());
+        for (start, len, tag) in layout.tags() {
+            let view = image.view(start, len).unwrap();
+            assert_eq!(view, &reference[start as usize..(start + len) as usize]);
+            let at = view.as_ptr() as usize;
+            assert!(
+                maps.iter()
+                    .any(|&(lo, hi)| lo <= at && at + view.len() <= hi),
+                "{tag} is not viewed inside the checkpoint's mapping"
+            );
+            if let WeightTag::Layer { layer, kind } = tag {
+                let typed = typed_segment(&checkpoint, layer as usize, kind);
+                assert_eq!(view.as_ptr(), typed.as_ptr(), "{tag}");
+            }
+            // Inside one tensor: served; one byte past it: refused, never a panic.
+            assert_eq!(image.view(start + 1, len - 1).unwrap(), &view[1..]);
+            if start + len < image.len() {
+                assert!(matches!(
+                    image.view(start, len + 1),
+                    Err(ImageViewError::NotOneTensor { .. })
+                ));
+            }
+        }
+        assert!(matches!(
+            image.view(image.len() - 1, 2),
+            Err(ImageViewError::OutOfBounds { .. })
+        ));
+        assert!(image.copy_to(u64::MAX, &mut [0u8; 4]).is_err());
+    }
+
+    #[test]
+    fn mixtral_image_is_the_mapped_checkpoint() {
+        check_card(&ModelCard::load("mixtral-tiny").unwrap());
+    }
+
+    #[test]
+    fn dbrx_image_is_the_mapped_checkpoint() {
+        // DBRX experts are row ranges of fused tensors.
+        check_card(&ModelCard::load("dbrx-tiny").unwrap());
+    }
+
+    #[test]
+    fn padding_between_tensors_is_zero_filled() {
+        // Widths whose tensors are not multiples of the 64-byte segment alignment, so the
+        // packed image has padding after norms, projections and experts.
+        let mut card = ModelCard::load("mixtral-tiny").unwrap();
+        card.name = "mixtral-odd".into();
+        (
+            card.hidden,
+            card.ffn,
+            card.heads,
+            card.kv_heads,
+            card.head_dim,
+        ) = (36, 50, 3, 1, 12);
+        card.layers = 2;
+        let layout = CheckpointLayout::new(&card);
+        let padded = layout.layer_bytes()
+            - (card.hidden * 2 + (card.heads + 2 * card.kv_heads) * card.head_dim * card.hidden)
+                * 2
+            - (card.heads * card.head_dim * card.hidden + card.experts * card.hidden) * 2
+            - card.experts * 3 * card.ffn * card.hidden * 2;
+        assert!(padded > 0, "the odd card's layers have no padding");
+        check_card(&card);
+    }
+
+    /// Rewrites `dir/model.safetensors` with a one-byte tensor stored first (so every other
+    /// tensor sits at an odd offset) and without `lm_head.weight`, and ties the embeddings.
+    fn misalign_and_tie(dir: &Path) {
+        let path = dir.join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors = file.tensors();
+        tensors.retain(|(name, _)| name != "lm_head.weight");
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut header = serde_json::Map::new();
+        header.insert(
+            "aaa_pad".into(),
+            serde_json::json!({"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}),
+        );
+        let mut data = vec![0u8];
+        for (name, view) in &tensors {
+            let start = data.len();
+            data.extend_from_slice(view.data());
+            header.insert(
+                name.clone(),
+                serde_json::json!({
+                    "dtype": format!("{:?}", view.dtype()),
+                    "shape": view.shape(),
+                    "data_offsets": [start, data.len()],
+                }),
+            );
+        }
+        let mut header = serde_json::Value::Object(header).to_string().into_bytes();
+        // Data starts 8-aligned in the file, so the tensors after the pad byte are odd.
+        header.resize(header.len().div_ceil(8) * 8, b' ');
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&data);
+        std::fs::write(&path, out).unwrap();
+        let config_path = dir.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+        config["tie_word_embeddings"] = serde_json::Value::Bool(true);
+        std::fs::write(&config_path, config.to_string()).unwrap();
+    }
+
+    #[test]
+    fn misaligned_tensors_are_copied_aligned_and_tied_head_is_the_embedding() {
+        let dir = tempfile::tempdir().unwrap();
+        let (aligned_dir, odd_dir) = (dir.path().join("aligned"), dir.path().join("odd"));
+        let aligned = synth("mixtral-tiny", &aligned_dir);
+        let layout = layout_of(&aligned);
+        let mut reference = reference_image(&aligned, &layout);
+        let embed = reference[..layout.checkpoint.embed_bytes as usize].to_vec();
+        let lm_start = (layout.checkpoint.head_offset() + layout.final_norm_bytes) as usize;
+        reference[lm_start..lm_start + embed.len()].copy_from_slice(&embed);
+
+        synth("mixtral-tiny", &odd_dir);
+        misalign_and_tie(&odd_dir);
+        let odd = Checkpoint::open(&odd_dir).unwrap();
+        // The typed zero-copy views refuse misaligned bytes; the image copies them.
+        assert!(odd.model_weights().is_err());
+        let odd_layout = layout_of(&odd);
+        let image = MappedImage::new(&odd, &odd_layout).unwrap();
+        assert_eq!(image.owned_tensors(), odd_layout.tags().len());
+        assert_copies_match(&image, &reference, &odd_layout);
+        for (start, len, tag) in odd_layout.tags() {
+            let view = image.view(start, len).unwrap();
+            assert_eq!(view.as_ptr() as usize % 2, 0, "{tag} is misaligned");
+            assert_eq!(view, &reference[start as usize..(start + len) as usize]);
+        }
+    }
+}
