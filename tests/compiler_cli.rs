@@ -111,3 +111,16 @@ fn a_missing_file_or_card_is_a_clean_error() {
     assert_eq!(code, 1);
     assert!(stderr.contains("unknown model card"), "{stderr}");
 }
+
+/// A rejected `--set` value is one error at the param's declaration: the param keeps its
+/// default for the rest of elaboration, so no "unknown name" errors follow from it.
+#[test]
+fn a_bad_set_value_is_one_error_without_a_cascade() {
+    for set in ["n_ub=0", "n_ub=two"] {
+        let (code, _, stderr) = moec(&["check", "schedules/cgopipe.sched", "--set", set]);
+        assert_eq!(code, 1, "{stderr}");
+        assert!(stderr.contains("elab::param_value"), "{stderr}");
+        assert!(!stderr.contains("unknown name"), "{stderr}");
+        assert!(stderr.contains("1 error(s)"), "{stderr}");
+    }
+}

@@ -94,14 +94,14 @@ impl<'a> Elaborator<'a> {
             from_set = true;
             match parse_scalar(text, decl.ty) {
                 Some(v) => value = v,
-                None => {
-                    return self.report(Diagnostic::param_bad_value(
-                        decl.span,
-                        name,
-                        decl.ty.as_str(),
-                        text,
-                    ))
-                }
+                // Reported; the param keeps its default so the rest of the schedule
+                // elaborates without a cascade of "unknown name" errors.
+                None => self.report(Diagnostic::param_bad_value(
+                    decl.span,
+                    name,
+                    decl.ty.as_str(),
+                    text,
+                )),
             }
         }
         if let Some(range) = &range {
@@ -119,7 +119,8 @@ impl<'a> Elaborator<'a> {
                     &range_text,
                     from_set,
                 ));
-                return;
+                // As above: bind the default (still an error, no cascade).
+                value = default;
             }
         }
         self.param_index.insert(name.clone(), self.params.len());
