@@ -1,0 +1,85 @@
+//! The size helpers of the language (`hidden(n)`, `expert_acc(n)`, `layer_weights()`, ...):
+//! buffer sizes in bytes, and the layout a weights-shaped buffer implies.
+
+use super::{ROUTE_ENTRY_BYTES, TOKEN_BYTES};
+use crate::model::card::ModelCard;
+
+/// A size helper's result: bytes and the layout they imply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelperSize {
+    /// Bytes.
+    pub bytes: u64,
+    /// Layout (see [`crate::ir::Layout`]).
+    pub layout: crate::ir::Layout,
+}
+
+/// Names of the size helpers, for "unknown function" suggestions.
+pub const SIZE_HELPERS: [&str; 13] = [
+    "hidden",
+    "expert_acc",
+    "qkv",
+    "attn_out",
+    "kv_cache",
+    "routing",
+    "logits",
+    "tokens",
+    "layer_weights",
+    "dense_weights",
+    "expert_weights",
+    "embed_weights",
+    "head_weights",
+];
+
+/// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
+/// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `expert_acc(n)` (n tokens: the
+/// gate's normalised rows and top_k output slots each), `logits(s)` and
+/// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()`, `expert_weights(m)`,
+/// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
+pub fn size_helper(
+    name: &str,
+    args: &[u64],
+    card: &ModelCard,
+    act_bytes: u64,
+) -> Option<Result<HelperSize, usize>> {
+    use crate::ir::Layout;
+    let a = act_bytes;
+    let raw = |bytes| HelperSize {
+        bytes,
+        layout: Layout::Raw,
+    };
+    let one = |f: &dyn Fn(u64) -> HelperSize| match args {
+        [n] => Ok(f(*n)),
+        _ => Err(1),
+    };
+    let none = |size: HelperSize| if args.is_empty() { Ok(size) } else { Err(0) };
+    let layout = crate::ir::CheckpointLayout::new(card);
+    Some(match name {
+        "hidden" => one(&|n| raw(n.saturating_mul(card.hidden * a))),
+        "qkv" => one(&|n| raw(n.saturating_mul((card.q_dim() + 2 * card.kv_dim()) * a))),
+        "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
+        "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
+        "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
+        // The gate's normalised rows, then one slot per (token, k): expert outputs kept
+        // apart so the sum order is fixed.
+        "expert_acc" => one(&|n| raw(n.saturating_mul((1 + card.top_k) * card.hidden * a))),
+        "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
+        "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
+        "layer_weights" => none(HelperSize {
+            bytes: layout.layer_bytes(),
+            layout: Layout::Layer,
+        }),
+        "dense_weights" => none(HelperSize {
+            bytes: layout.dense_bytes(),
+            layout: Layout::Dense,
+        }),
+        "expert_weights" => one(&|m| HelperSize {
+            bytes: m.saturating_mul(layout.expert_bytes),
+            layout: Layout::Experts {
+                slots: u32::try_from(m).unwrap_or(u32::MAX),
+            },
+        }),
+        "embed_weights" => none(raw(layout.embed_bytes)),
+        "head_weights" => none(raw(layout.head_bytes)),
+        _ => return None,
+    })
+}
