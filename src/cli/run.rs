@@ -382,6 +382,92 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     out
 }
 
+/// The `--json` document.
+pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Value {
+    let outs: Vec<serde_json::Value> = f
+        .outputs
+        .iter()
+        .zip(texts)
+        .map(|(ids, (prompt, text))| serde_json::json!({"prompt": prompt, "token_ids": ids, "text": text}))
+        .collect();
+    serde_json::json!({
+        "outputs": outs,
+        "stats": {
+            "prompt_tokens": f.report.prompt_tokens,
+            "generated_tokens": f.report.generated_tokens,
+            "seconds": f.report.seconds,
+            "tokens_per_s": f.report.tokens_per_s,
+        },
+        "report": f.report,
+        "predicted": predicted_json(f),
+        "memory": {
+            "gpu_bytes": f.stats.arena_bytes[0],
+            "pinned_bytes": f.stats.arena_bytes[1],
+            "host_bytes": f.stats.arena_bytes[2],
+            "weights_image_bytes": f.stats.image_bytes,
+            "pinned_locked": f.stats.pinned_locked,
+        }
+    })
+}
+
+/// Writes `text` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
+    let tmp = path.with_extension("tmp-moec");
+    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Runs `moec run`.
+pub fn run(args: &RunArgs) -> ExitCode {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} {msg} [{bar:30}] {pos}/{len} tokens ({per_sec})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(args.sched.display().to_string());
+    let mut progress = |done: usize, total: usize| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    };
+    let result = execute(args, &mut progress);
+    bar.finish_and_clear();
+    let (finished, texts) = match result {
+        Ok(x) => x,
+        Err(Failure::Rendered(text)) => {
+            eprint!("{text}");
+            return ExitCode::from(1);
+        }
+        Err(Failure::Message(m)) => return fail(m),
+    };
+    if let Some(path) = &args.trace {
+        let title = format!(
+            "measured: {} on {}",
+            finished.plan.name, finished.plan.program.model.name
+        );
+        let trace = timeline(&finished.plan, &finished.stats, &title).to_chrome_trace();
+        if let Err(e) = write_atomic(path, &trace.to_string()) {
+            return fail(e);
+        }
+    }
+    let gpu_capacity = args
+        .settings
+        .gpu_mem
+        .as_deref()
+        .and_then(|t| crate::cost::budget::parse_bytes(t).ok())
+        .map(|b| b as u64);
+    if args.json {
+        println!("{}", report_json(&finished, &texts));
+    } else {
+        for (prompt, continuation) in &texts {
+            println!("{prompt}{continuation}");
+        }
+        print!("{}", report_text(&finished, gpu_capacity));
+    }
+    ExitCode::SUCCESS
+}
+
 /// Measured over predicted, or 0 when nothing was predicted.
 fn ratio(measured: f64, predicted: f64) -> f64 {
     if predicted > 0.0 {
@@ -442,34 +528,6 @@ fn prediction_text(p: &RunPrediction) -> String {
     out
 }
 
-/// The `--json` document.
-pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Value {
-    let outs: Vec<serde_json::Value> = f
-        .outputs
-        .iter()
-        .zip(texts)
-        .map(|(ids, (prompt, text))| serde_json::json!({"prompt": prompt, "token_ids": ids, "text": text}))
-        .collect();
-    serde_json::json!({
-        "outputs": outs,
-        "stats": {
-            "prompt_tokens": f.report.prompt_tokens,
-            "generated_tokens": f.report.generated_tokens,
-            "seconds": f.report.seconds,
-            "tokens_per_s": f.report.tokens_per_s,
-        },
-        "report": f.report,
-        "predicted": predicted_json(f),
-        "memory": {
-            "gpu_bytes": f.stats.arena_bytes[0],
-            "pinned_bytes": f.stats.arena_bytes[1],
-            "host_bytes": f.stats.arena_bytes[2],
-            "weights_image_bytes": f.stats.image_bytes,
-            "pinned_locked": f.stats.pinned_locked,
-        }
-    })
-}
-
 /// The `predicted` object of `--json`: the HRM replay of the same executed steps.
 fn predicted_json(f: &Finished) -> serde_json::Value {
     let p = f.prediction.as_ref();
@@ -488,62 +546,4 @@ fn predicted_json(f: &Finished) -> serde_json::Value {
         "simulations": p.map(|p| p.simulations),
         "worst_case_step_seconds": f.worst_case_step_seconds,
     })
-}
-
-/// Writes `text` to `path` through a temporary file and a rename.
-pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
-    let tmp = path.with_extension("tmp-moec");
-    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
-
-/// Runs `moec run`.
-pub fn run(args: &RunArgs) -> ExitCode {
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} {msg} [{bar:30}] {pos}/{len} tokens ({per_sec})",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_message(args.sched.display().to_string());
-    let mut progress = |done: usize, total: usize| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    };
-    let result = execute(args, &mut progress);
-    bar.finish_and_clear();
-    let (finished, texts) = match result {
-        Ok(x) => x,
-        Err(Failure::Rendered(text)) => {
-            eprint!("{text}");
-            return ExitCode::from(1);
-        }
-        Err(Failure::Message(m)) => return fail(m),
-    };
-    if let Some(path) = &args.trace {
-        let title = format!(
-            "measured: {} on {}",
-            finished.plan.name, finished.plan.program.model.name
-        );
-        let trace = timeline(&finished.plan, &finished.stats, &title).to_chrome_trace();
-        if let Err(e) = write_atomic(path, &trace.to_string()) {
-            return fail(e);
-        }
-    }
-    let gpu_capacity = args
-        .settings
-        .gpu_mem
-        .as_deref()
-        .and_then(|t| crate::cost::budget::parse_bytes(t).ok())
-        .map(|b| b as u64);
-    if args.json {
-        println!("{}", report_json(&finished, &texts));
-    } else {
-        for (prompt, continuation) in &texts {
-            println!("{prompt}{continuation}");
-        }
-        print!("{}", report_text(&finished, gpu_capacity));
-    }
-    ExitCode::SUCCESS
 }
