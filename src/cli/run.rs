@@ -525,6 +525,23 @@ fn prediction_text(p: &RunPrediction) -> String {
         "  per step kind (measured / predicted, summed): {}",
         kinds.join(", ")
     );
+    // The op kinds that took longest: where measured and predicted part ways.
+    let ops: Vec<String> = p
+        .ops
+        .iter()
+        .take(6)
+        .map(|o| {
+            format!(
+                "{} {:.3} / {:.3} s",
+                o.op, o.measured_seconds, o.predicted_seconds
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "  busiest ops (task seconds measured / predicted): {}",
+        ops.join(", ")
+    );
     out
 }
 
@@ -543,6 +560,7 @@ fn predicted_json(f: &Finished) -> serde_json::Value {
         "tokens_per_s": p.map(|p| p.predicted_tokens_per_s),
         "measured_tokens_per_s": p.map(|p| p.measured_tokens_per_s),
         "steps_by_kind": p.map(|p| &p.kinds),
+        "ops": p.map(|p| &p.ops),
         "simulations": p.map(|p| p.simulations),
         "worst_case_step_seconds": f.worst_case_step_seconds,
     })

@@ -10,13 +10,14 @@
 
 use super::hardware::HardwareProfile;
 use super::predict::{
-    buffer_classes, simulate_step, simulate_step_times, CostSettings, Loads, PredictError,
-    StepPrediction,
+    buffer_classes, simulate_step, simulate_step_times, task_kind, CostSettings, Loads,
+    PredictError, StepPrediction,
 };
 use crate::ir::{Program, TaskId};
 use crate::runtime::{RunStats, UbLoad};
 use crate::syntax::ast::StepKind;
 use serde::Serialize;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 /// Measured and predicted seconds of the executed steps of one kind.
@@ -47,6 +48,21 @@ pub struct MeanStep {
     pub predicted_seconds: f64,
 }
 
+/// Busy seconds of one op kind (the timeline's colour key: op name, copies by what they
+/// carry) over the executed steps: measured task durations against the HRM times of the
+/// same tasks at the same loads.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OpReplay {
+    /// `attn`, `post_attn`, `copy weights host->pinned`, ...
+    pub op: String,
+    /// Task runs counted (guard-skipped ones excluded).
+    pub runs: usize,
+    /// Measured seconds, summed.
+    pub measured_seconds: f64,
+    /// Predicted seconds, summed.
+    pub predicted_seconds: f64,
+}
+
 /// A whole run predicted step by step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunPrediction {
@@ -67,6 +83,8 @@ pub struct RunPrediction {
     pub measured_tokens_per_s: f64,
     /// Generated tokens / predicted seconds.
     pub predicted_tokens_per_s: f64,
+    /// Per op kind over every executed task, largest measured time first.
+    pub ops: Vec<OpReplay>,
     /// Distinct (step, load) pairs simulated.
     pub simulations: usize,
 }
@@ -125,7 +143,12 @@ pub fn predict_run(
     check_deps(program, deps)?;
     // Decode contexts grow every step, so loads rarely repeat exactly in a long run, but
     // static batches repeat whole prefill/decode sequences across batches.
-    let mut cache: HashMap<(usize, Vec<[usize; 4]>), f64> = HashMap::new();
+    let mut cache: HashMap<(usize, Vec<[usize; 4]>), (f64, Vec<f64>)> = HashMap::new();
+    let classes = buffer_classes(program);
+    let op_of: Vec<String> = (0..program.tasks.len())
+        .map(|t| task_kind(program, TaskId::new(t), &classes))
+        .collect();
+    let mut ops: Vec<OpReplay> = Vec::new();
     let mut kinds: Vec<KindReplay> = Vec::new();
     let (mut decode, mut mixed) = (Vec::new(), Vec::new());
     let mut predicted_seconds = 0.0;
@@ -150,14 +173,36 @@ pub fn predict_run(
         } else {
             Loads::Measured(&record.ubs)
         };
-        let predicted = match cache.get(&(index, key.clone())) {
-            Some(&seconds) => seconds,
-            None => {
+        let (predicted, times) = match cache.entry((index, key)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
                 let sim = simulate_step_times(program, deps, index, profile, settings, loads)?;
-                cache.insert((index, key), sim.result.makespan);
-                sim.result.makespan
+                let times = sim.times.iter().map(|t| t.seconds).collect();
+                e.insert((sim.result.makespan, times))
             }
         };
+        let predicted = *predicted;
+        let first = program.steps[index].first as usize;
+        for task in record.tasks.iter().filter(|t| t.ran) {
+            let id = task.task as usize;
+            let (Some(op), Some(&time)) = (op_of.get(id), times.get(id.wrapping_sub(first))) else {
+                continue;
+            };
+            let measured = (task.end - task.start).max(0.0);
+            match ops.iter_mut().find(|o| o.op == *op) {
+                Some(o) => {
+                    o.runs += 1;
+                    o.measured_seconds += measured;
+                    o.predicted_seconds += time;
+                }
+                None => ops.push(OpReplay {
+                    op: op.clone(),
+                    runs: 1,
+                    measured_seconds: measured,
+                    predicted_seconds: time,
+                }),
+            }
+        }
         let measured = (record.end - record.start).max(0.0);
         predicted_seconds += predicted;
         let name = record.kind.as_str();
@@ -197,6 +242,7 @@ pub fn predict_run(
             0.0
         }
     };
+    ops.sort_by(|a, b| b.measured_seconds.total_cmp(&a.measured_seconds));
     Ok(RunPrediction {
         hardware: profile.name.clone(),
         kinds,
@@ -206,6 +252,7 @@ pub fn predict_run(
         generated_tokens,
         measured_tokens_per_s: rate(stats.wall),
         predicted_tokens_per_s: rate(predicted_seconds),
+        ops,
         simulations: cache.len(),
     })
 }
