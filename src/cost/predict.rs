@@ -171,13 +171,8 @@ pub fn measured_shape(op: &Op, declared: Shape, load: &UbLoad) -> Shape {
     let prefill_tokens = load.prefill_tokens as u64;
     let decode_seqs = load.decode_seqs as u64;
     let decode_context = load.decode_context as u64;
-    let mean = |total: u64, count: u64| {
-        if count == 0 {
-            0
-        } else {
-            (total + count / 2) / count
-        }
-    };
+    // Rounded to nearest; nothing over no sequences.
+    let mean = |total: u64, count: u64| (total + count / 2).checked_div(count).unwrap_or(0);
     let tokens = prefill_tokens + decode_seqs;
     let seqs = prefill_seqs + decode_seqs;
     match op {

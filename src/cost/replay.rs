@@ -89,6 +89,9 @@ pub struct RunPrediction {
     pub simulations: usize,
 }
 
+/// A step template and its micro-batches' loads as plain numbers (`UbLoad` is not `Hash`).
+type LoadKey = (usize, Vec<[usize; 4]>);
+
 /// Index in `program.steps` of the step template the runtime runs for `kind` (the first
 /// one of that kind, as the driver picks it).
 fn step_index(program: &Program, kind: StepKind) -> Option<usize> {
@@ -143,7 +146,7 @@ pub fn predict_run(
     check_deps(program, deps)?;
     // Decode contexts grow every step, so loads rarely repeat exactly in a long run, but
     // static batches repeat whole prefill/decode sequences across batches.
-    let mut cache: HashMap<(usize, Vec<[usize; 4]>), (f64, Vec<f64>)> = HashMap::new();
+    let mut cache: HashMap<LoadKey, (f64, Vec<f64>)> = HashMap::new();
     let classes = buffer_classes(program);
     let op_of: Vec<String> = (0..program.tasks.len())
         .map(|t| task_kind(program, TaskId::new(t), &classes))
