@@ -3,9 +3,14 @@
 //!
 //! Takes a schedule, a model source, prompts (`--prompt`, `--prompts FILE.jsonl` or
 //! `--workload SPEC`) and backend flags; prints the continuations and the report
-//! (tokens/s, per-stream busy share, decode step vs critical path and vs the HRM
-//! prediction, memory per space vs budget), or with `--json` one object with `outputs[]`,
-//! `stats` (as `moec generate`) and `report`. `--trace FILE` writes the Chrome/Perfetto
+//! (tokens/s, per-stream busy share, decode step vs critical path, the HRM replay of the
+//! same executed steps at their real micro-batch loads: mean decode step, whole run and
+//! tokens/s measured vs predicted, memory per space vs budget), or with `--json` one object
+//! with `outputs[]`, `stats` (as `moec generate`), `report` and `predicted` (the replay:
+//! `decode_step_seconds` and `decode_step_measured_seconds` over the same steps,
+//! `run_seconds`/`run_measured_seconds`, `tokens_per_s`/`measured_tokens_per_s`,
+//! `steps_by_kind`, `ops`, and `worst_case_step_seconds`, the program's declared worst
+//! case). `--trace FILE` writes the Chrome/Perfetto
 //! timeline. Errors render with miette (with the schedule's source span when there is
 //! one) and exit 1.
 
