@@ -59,9 +59,11 @@ pub struct Row {
     pub decode_tokens_per_s: f64,
     /// Measured mean decode step, seconds.
     pub decode_step_seconds: f64,
-    /// HRM tokens/s.
+    /// HRM tokens/s of the same run: generated tokens over the predicted seconds of every
+    /// executed step, each at its real micro-batch loads.
     pub predicted_tokens_per_s: Option<f64>,
-    /// HRM decode step, seconds.
+    /// HRM mean decode step (mixed steps when the run had no decode-only step), seconds,
+    /// predicted over the same steps as `decode_step_seconds`.
     pub predicted_step_seconds: Option<f64>,
     /// Decode makespan / critical path of measured tasks.
     pub makespan_over_critical_path: f64,
@@ -93,8 +95,12 @@ fn row(schedule: String, f: &Finished, reference: Option<&Vec<Vec<u32>>>) -> Row
         tokens_per_s: r.tokens_per_s,
         decode_tokens_per_s: r.decode_tokens_per_s,
         decode_step_seconds: r.decode_step_seconds,
-        predicted_tokens_per_s: f.predicted_tokens_per_s,
-        predicted_step_seconds: f.predicted_step_seconds,
+        predicted_tokens_per_s: f.prediction.as_ref().map(|p| p.predicted_tokens_per_s),
+        predicted_step_seconds: f
+            .prediction
+            .as_ref()
+            .and_then(|p| p.decode_step.as_ref())
+            .map(|d| d.predicted_seconds),
         makespan_over_critical_path: r.makespan_over_critical_path,
         busy,
         arena_bytes: f.stats.arena_bytes,

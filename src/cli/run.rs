@@ -3,9 +3,14 @@
 //!
 //! Takes a schedule, a model source, prompts (`--prompt`, `--prompts FILE.jsonl` or
 //! `--workload SPEC`) and backend flags; prints the continuations and the report
-//! (tokens/s, per-stream busy share, decode step vs critical path and vs the HRM
-//! prediction, memory per space vs budget), or with `--json` one object with `outputs[]`,
-//! `stats` (as `moec generate`) and `report`. `--trace FILE` writes the Chrome/Perfetto
+//! (tokens/s, per-stream busy share, decode step vs critical path, the HRM replay of the
+//! same executed steps at their real micro-batch loads: mean decode step, whole run and
+//! tokens/s measured vs predicted, memory per space vs budget), or with `--json` one object
+//! with `outputs[]`, `stats` (as `moec generate`), `report` and `predicted` (the replay:
+//! `decode_step_seconds` and `decode_step_measured_seconds` over the same steps,
+//! `run_seconds`/`run_measured_seconds`, `tokens_per_s`/`measured_tokens_per_s`,
+//! `steps_by_kind`, `ops`, and `worst_case_step_seconds`, the program's declared worst
+//! case). `--trace FILE` writes the Chrome/Perfetto
 //! timeline. Errors render with miette (with the schedule's source span when there is
 //! one) and exit 1.
 
@@ -15,6 +20,7 @@ use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::predict::{predict, CostSettings};
 use crate::cost::probe::{measure, profile_from_measurements};
+use crate::cost::replay::{predict_run, RunPrediction};
 use crate::diag;
 use crate::ir::{TaskId, Workload};
 use crate::lower::{lower, ExecPlan, LowerOptions};
@@ -88,10 +94,12 @@ pub struct Finished {
     pub stats: RunStats,
     /// The summary.
     pub report: RunReport,
-    /// HRM seconds per decode step on the profile, if predicted.
-    pub predicted_step_seconds: Option<f64>,
-    /// HRM tokens/s on the profile, if predicted.
-    pub predicted_tokens_per_s: Option<f64>,
+    /// The HRM replay of the executed steps on the profile (each at its real loads), if
+    /// predicted.
+    pub prediction: Option<RunPrediction>,
+    /// HRM seconds of the repeated step at the program's declared worst case (every
+    /// micro-batch full), if predicted.
+    pub worst_case_step_seconds: Option<f64>,
     /// Profile used for the prediction.
     pub profile: Option<HardwareProfile>,
 }
@@ -251,13 +259,14 @@ pub fn execute(
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
     let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
     let report = summarize(&plan, &stats, prompt_tokens, generated);
-    let (mut predicted_step_seconds, mut predicted_tokens_per_s) = (None, None);
+    let (mut prediction, mut worst_case_step_seconds) = (None, None);
     if let Some(p) = &profile {
-        let deps: Vec<Vec<TaskId>> = plan.preds.clone();
-        if let Ok(pred) = predict(&compiled.program, &deps, p, &CostSettings::default()) {
-            predicted_step_seconds = pred.step_seconds;
-            predicted_tokens_per_s = pred.tokens_per_s;
-        }
+        let deps: &[Vec<TaskId>] = &plan.preds;
+        let settings = CostSettings::default();
+        prediction = predict_run(&compiled.program, deps, p, &settings, &stats, generated).ok();
+        worst_case_step_seconds = predict(&compiled.program, deps, p, &settings)
+            .ok()
+            .and_then(|pred| pred.step_seconds);
     }
     let outputs: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
     let texts_out = outputs
@@ -278,8 +287,8 @@ pub fn execute(
             outputs,
             stats,
             report,
-            predicted_step_seconds,
-            predicted_tokens_per_s,
+            prediction,
+            worst_case_step_seconds,
             profile,
         },
         texts,
@@ -330,18 +339,9 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         r.decode_critical_path_seconds * 1e3,
         r.makespan_over_critical_path
     );
-    match (f.predicted_step_seconds, &f.profile) {
-        (Some(p), Some(profile)) => {
-            let _ = writeln!(
-                out,
-                "HRM prediction on `{}`: {:.2} ms per decode step (measured / predicted = {:.2}), {:.1} tokens/s",
-                profile.name,
-                p * 1e3,
-                r.decode_step_seconds / p.max(1e-12),
-                f.predicted_tokens_per_s.unwrap_or(0.0)
-            );
-        }
-        _ => {
+    match &f.prediction {
+        Some(p) => out.push_str(&prediction_text(p)),
+        None => {
             let _ = writeln!(out, "HRM prediction: unavailable (pass --hw PROFILE)");
         }
     }
@@ -411,11 +411,7 @@ pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Valu
             "tokens_per_s": f.report.tokens_per_s,
         },
         "report": f.report,
-        "predicted": {
-            "profile": f.profile.as_ref().map(|p| p.name.clone()),
-            "decode_step_seconds": f.predicted_step_seconds,
-            "tokens_per_s": f.predicted_tokens_per_s,
-        },
+        "predicted": predicted_json(f),
         "memory": {
             "gpu_bytes": f.stats.arena_bytes[0],
             "pinned_bytes": f.stats.arena_bytes[1],
@@ -482,4 +478,102 @@ pub fn run(args: &RunArgs) -> ExitCode {
         print!("{}", report_text(&finished, gpu_capacity));
     }
     ExitCode::SUCCESS
+}
+
+/// Measured over predicted, or 0 when nothing was predicted.
+fn ratio(measured: f64, predicted: f64) -> f64 {
+    if predicted > 0.0 {
+        measured / predicted
+    } else {
+        0.0
+    }
+}
+
+/// The HRM lines of the report: the same executed steps, measured and predicted.
+fn prediction_text(p: &RunPrediction) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "HRM replay on `{}` (every executed step predicted at its real micro-batch loads):",
+        p.hardware
+    );
+    if let Some(d) = &p.decode_step {
+        let _ = writeln!(
+            out,
+            "  {} step: {:.2} ms measured, {:.2} ms predicted (measured / predicted = {:.2}; mean of {} steps)",
+            d.which,
+            d.measured_seconds * 1e3,
+            d.predicted_seconds * 1e3,
+            ratio(d.measured_seconds, d.predicted_seconds),
+            d.steps
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  run: {:.3} s measured, {:.3} s predicted (measured / predicted = {:.2}); {} tokens: {:.1} tokens/s measured, {:.1} predicted",
+        p.measured_seconds,
+        p.predicted_seconds,
+        ratio(p.measured_seconds, p.predicted_seconds),
+        p.generated_tokens,
+        p.measured_tokens_per_s,
+        p.predicted_tokens_per_s
+    );
+    let kinds: Vec<String> = p
+        .kinds
+        .iter()
+        .map(|k| {
+            format!(
+                "{} {} x {:.1} / {:.1} ms",
+                k.kind,
+                k.steps,
+                k.measured_seconds * 1e3,
+                k.predicted_seconds * 1e3
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "  per step kind (measured / predicted, summed): {}",
+        kinds.join(", ")
+    );
+    // The op kinds that took longest: where measured and predicted part ways.
+    let ops: Vec<String> = p
+        .ops
+        .iter()
+        .take(6)
+        .map(|o| {
+            format!(
+                "{} {:.3} / {:.3} s",
+                o.op, o.measured_seconds, o.predicted_seconds
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "  busiest ops (task seconds measured / predicted): {}",
+        ops.join(", ")
+    );
+    out
+}
+
+/// The `predicted` object of `--json`: the HRM replay of the same executed steps.
+fn predicted_json(f: &Finished) -> serde_json::Value {
+    let p = f.prediction.as_ref();
+    let decode = p.and_then(|p| p.decode_step.as_ref());
+    serde_json::json!({
+        "profile": f.profile.as_ref().map(|p| p.name.clone()),
+        "decode_step_which": decode.map(|d| d.which.clone()),
+        "decode_steps": decode.map(|d| d.steps),
+        "decode_step_measured_seconds": decode.map(|d| d.measured_seconds),
+        "decode_step_seconds": decode.map(|d| d.predicted_seconds),
+        "run_measured_seconds": p.map(|p| p.measured_seconds),
+        "run_seconds": p.map(|p| p.predicted_seconds),
+        "tokens_per_s": p.map(|p| p.predicted_tokens_per_s),
+        "measured_tokens_per_s": p.map(|p| p.measured_tokens_per_s),
+        "steps_by_kind": p.map(|p| &p.kinds),
+        "ops": p.map(|p| &p.ops),
+        "simulations": p.map(|p| p.simulations),
+        "worst_case_step_seconds": f.worst_case_step_seconds,
+    })
 }

@@ -11,6 +11,7 @@ pub mod hrm;
 pub mod plan;
 pub mod predict;
 pub mod probe;
+pub mod replay;
 pub mod sim;
 pub mod timeline;
 pub mod workloads;

@@ -14,8 +14,9 @@ use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
 use super::timeline::{Span, Timeline};
-use crate::ir::catalog::{self, AttnPart, ACT_BYTES};
-use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId};
+use crate::ir::catalog::{self, AttnPart, Shape, ACT_BYTES};
+use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId, Work};
+use crate::runtime::UbLoad;
 use crate::syntax::ast::StepKind;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -147,27 +148,128 @@ pub fn decode_context_len(program: &Program, settings: &CostSettings) -> u64 {
     }
 }
 
-/// The HRM load of a compute task, with decode attention re-costed at the chosen context.
-fn compute_load(program: &Program, id: TaskId, settings: &CostSettings) -> ComputeLoad {
-    let task = program.task(id);
-    let decode_like = matches!(
-        task.op,
+/// Which micro-batch contents the tasks are costed at.
+#[derive(Debug, Clone, Copy, Default)]
+pub enum Loads<'a> {
+    /// The program's declared worst case: every micro-batch full, decode attention at the
+    /// context [`CostSettings`] chooses.
+    #[default]
+    Declared,
+    /// What each micro-batch really held in one executed step (indexed by `ub`): every
+    /// per-micro-batch compute task is re-costed at that load (see [`measured_shape`]).
+    Measured(&'a [UbLoad]),
+}
+
+/// The shape a per-micro-batch task has under a measured load. `attn(part = prefill)`
+/// sees the prefill sequences at their mean prompt length; `attn(part = decode)` the
+/// decoding sequences at their mean attended context; `attn(part = all)` every sequence at
+/// the token-weighted mean context (so its FLOPs match the prefill rows' causal half plus
+/// the decode rows' contexts); every other op the micro-batch's new tokens (prompt tokens
+/// plus one per decoding sequence) and sequences.
+pub fn measured_shape(op: &Op, declared: Shape, load: &UbLoad) -> Shape {
+    let prefill_seqs = load.prefill_seqs as u64;
+    let prefill_tokens = load.prefill_tokens as u64;
+    let decode_seqs = load.decode_seqs as u64;
+    let decode_context = load.decode_context as u64;
+    // Rounded to nearest; nothing over no sequences.
+    let mean = |total: u64, count: u64| (total + count / 2).checked_div(count).unwrap_or(0);
+    let tokens = prefill_tokens + decode_seqs;
+    let seqs = prefill_seqs + decode_seqs;
+    match op {
         Op::Attn {
-            part: AttnPart::Decode | AttnPart::All,
+            part: AttnPart::Prefill,
             ..
+        } => Shape {
+            tokens: prefill_tokens,
+            seqs: prefill_seqs,
+            context: mean(prefill_tokens, prefill_seqs),
+            ..declared
+        },
+        Op::Attn {
+            part: AttnPart::Decode,
+            ..
+        } => Shape {
+            tokens: decode_seqs,
+            seqs: decode_seqs,
+            context: mean(decode_context, decode_seqs),
+            ..declared
+        },
+        Op::Attn {
+            part: AttnPart::All,
+            ..
+        } => {
+            // A prompt of p tokens attends to p(p+1)/2 keys in all; with only the sum of
+            // prompt lengths known, each prompt counts at the mean length.
+            let prompt = mean(prefill_tokens, prefill_seqs);
+            let prefill_keys = prefill_seqs * prompt * (prompt + 1) / 2;
+            Shape {
+                tokens,
+                seqs,
+                context: mean(prefill_keys + decode_context, tokens),
+                ..declared
+            }
         }
-    );
-    let work = if decode_like && settings.decode_context != DecodeContext::WorstCase {
-        let mut shape = task.shape;
-        shape.context = decode_context_len(program, settings).min(shape.context);
-        let args: Vec<(Role, Space, u64)> = task
-            .args
-            .iter()
-            .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
-            .collect();
-        catalog::work(&task.op, &program.model, &shape, &args)
-    } else {
-        task.work.clone()
+        _ => Shape {
+            tokens,
+            seqs,
+            ..declared
+        },
+    }
+}
+
+/// The shape a task is re-costed at, or `None` when its declared [`Work`] stands: copies
+/// (the runtime copies whole declared slices), tasks without a micro-batch, and under
+/// [`Loads::Declared`] everything but decode attention, which is re-costed at the context
+/// `settings` chooses.
+fn recost_shape(
+    program: &Program,
+    id: TaskId,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+) -> Option<Shape> {
+    let task = program.task(id);
+    match loads {
+        Loads::Declared => {
+            let decode_like = matches!(
+                task.op,
+                Op::Attn {
+                    part: AttnPart::Decode | AttnPart::All,
+                    ..
+                }
+            );
+            (decode_like && settings.decode_context != DecodeContext::WorstCase).then(|| Shape {
+                context: decode_context_len(program, settings).min(task.shape.context),
+                ..task.shape
+            })
+        }
+        Loads::Measured(per_ub) => {
+            let load = per_ub.get(task.op.ub()? as usize)?;
+            Some(measured_shape(&task.op, task.shape, load))
+        }
+    }
+}
+
+/// The HRM load of a compute task at the shape [`recost_shape`] picks. A task whose
+/// micro-batch holds nothing (no tokens, no sequences) does nothing: the kernels see zero
+/// rows and touch no weights.
+fn compute_load(
+    program: &Program,
+    id: TaskId,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+) -> ComputeLoad {
+    let task = program.task(id);
+    let work = match recost_shape(program, id, settings, loads) {
+        Some(shape) if shape.tokens == 0 && shape.seqs == 0 => Work::default(),
+        Some(shape) => {
+            let args: Vec<(Role, Space, u64)> = task
+                .args
+                .iter()
+                .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
+                .collect();
+            catalog::work(&task.op, &program.model, &shape, &args)
+        }
+        None => task.work.clone(),
     };
     let processor = match program.engine_of(id) {
         Engine::GpuCompute => Processor::Gpu,
@@ -196,12 +298,23 @@ fn compute_load(program: &Program, id: TaskId, settings: &CostSettings) -> Compu
     }
 }
 
-/// HRM time of one task on a profile.
+/// HRM time of one task on a profile at the program's declared work.
 pub fn task_time(
     program: &Program,
     id: TaskId,
     profile: &HardwareProfile,
     settings: &CostSettings,
+) -> TaskTime {
+    task_time_at(program, id, profile, settings, Loads::Declared)
+}
+
+/// HRM time of one task on a profile with its micro-batch holding `loads`.
+pub fn task_time_at(
+    program: &Program,
+    id: TaskId,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    loads: Loads<'_>,
 ) -> TaskTime {
     let task = program.task(id);
     if let Some(copy) = task.work.copy {
@@ -218,7 +331,7 @@ pub fn task_time(
             roof: Roof::Idle,
         };
     }
-    compute_time(profile, &compute_load(program, id, settings))
+    compute_time(profile, &compute_load(program, id, settings, loads))
 }
 
 /// The colour key of a task in timelines: the op name, copies by what they carry.
@@ -312,15 +425,26 @@ pub enum PredictError {
     },
 }
 
-/// Simulates one step: its tasks, dependencies inside the step (earlier steps are done).
-fn simulate_step(
+/// One step's tasks, their HRM times and the simulated schedule.
+pub(crate) struct StepSim {
+    /// The step's tasks in issue order.
+    pub ids: Vec<TaskId>,
+    /// HRM time of each task in `ids`.
+    pub times: Vec<TaskTime>,
+    /// The simulation.
+    pub result: SimResult,
+}
+
+/// Simulates one step at `loads`: its tasks, dependencies inside the step (earlier steps
+/// are done).
+pub(crate) fn simulate_step_times(
     program: &Program,
     deps: &[Vec<TaskId>],
     step_index: usize,
     profile: &HardwareProfile,
     settings: &CostSettings,
-    classes: &[BufferClass],
-) -> Result<StepPrediction, PredictError> {
+    loads: Loads<'_>,
+) -> Result<StepSim, PredictError> {
     let step = &program.steps[step_index];
     let first = step.first as usize;
     let ids: Vec<TaskId> = step.task_ids().collect();
@@ -336,7 +460,7 @@ fn simulate_step(
     let tasks: Vec<SimTask> = ids
         .iter()
         .map(|&id| {
-            let time = task_time(program, id, profile, settings);
+            let time = task_time_at(program, id, profile, settings, loads);
             times.push(time);
             SimTask {
                 stream: program.task(id).stream.index(),
@@ -354,6 +478,22 @@ fn simulate_step(
         step: step.kind.as_str().to_string(),
         source,
     })?;
+    Ok(StepSim { ids, times, result })
+}
+
+/// Simulates one step at `loads` and describes it (busy shares, bounds, timeline).
+pub(crate) fn simulate_step(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    step_index: usize,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    classes: &[BufferClass],
+    loads: Loads<'_>,
+) -> Result<StepPrediction, PredictError> {
+    let step = &program.steps[step_index];
+    let StepSim { ids, times, result } =
+        simulate_step_times(program, deps, step_index, profile, settings, loads)?;
     let makespan = result.makespan.max(1e-30);
     let stream_busy = program
         .streams
@@ -416,7 +556,7 @@ fn simulate_step(
         seconds: result.makespan,
         stream_busy,
         resource_busy,
-        resource_bound: step_resource_bound(program, &ids, profile, settings),
+        resource_bound: step_resource_bound(program, &ids, profile, settings, loads),
         op_seconds,
         timeline,
     })
@@ -436,6 +576,7 @@ fn step_resource_bound(
     ids: &[TaskId],
     profile: &HardwareProfile,
     settings: &CostSettings,
+    loads: Loads<'_>,
 ) -> LayerBound {
     let mut work = LayerWork::default();
     for &id in ids {
@@ -452,7 +593,7 @@ fn step_resource_bound(
         if task.op == Op::Copy {
             continue;
         }
-        let load = compute_load(program, id, settings);
+        let load = compute_load(program, id, settings, loads);
         match load.processor {
             Processor::Gpu => work.gpu.push(load),
             Processor::Cpu => work.cpu.push(load),
@@ -493,7 +634,13 @@ pub fn predict(
     let mut steps = Vec::with_capacity(program.steps.len());
     for index in 0..program.steps.len() {
         steps.push(simulate_step(
-            program, deps, index, profile, settings, &classes,
+            program,
+            deps,
+            index,
+            profile,
+            settings,
+            &classes,
+            Loads::Declared,
         )?);
     }
     let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;

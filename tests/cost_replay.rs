@@ -1,0 +1,301 @@
+//! The HRM replay of executed steps (`cost::replay`): per-micro-batch loads re-cost the
+//! tasks, checked against times worked by hand from the catalog's formulas and the profile.
+
+use moec::compile::{compile, Compiled, Options};
+use moec::cost::hardware::HardwareProfile;
+use moec::cost::predict::{predict, CostSettings, DecodeContext};
+use moec::cost::replay::{predict_run, predict_step_at};
+use moec::ir::{TaskId, Workload};
+use moec::model::card::ModelCard;
+use moec::runtime::{RunStats, StepRecord, UbLoad};
+use moec::syntax::ast::StepKind;
+
+/// Two micro-batches of two sequences, every task on one CPU stream over host buffers, so
+/// a step's makespan is the sum of its task times.
+const ONE_STREAM: &str = r#"
+schedule one_stream "every task on one CPU stream"
+
+microbatches 2 of 2
+
+stream cpu: cpu.compute
+
+let ctx = prompt_len + gen_len
+let pre = 2 * prompt_len
+
+buffer h[2]:   host = hidden(pre)
+buffer qkv:    host = qkv(pre)
+buffer a:      host = attn_out(pre)
+buffer logit:  host = logits(2)
+buffer tok[2]: host = tokens(2)
+buffer kv[layers][2]: host = kv_cache(2 * ctx)
+
+template forward(part, dec) {
+  for j in 0..2 {
+    if dec == 1 {
+      embed(ub = j, w = W.embed, tokens = tok[j], h = h[j]) on cpu
+    } else {
+      embed(ub = j, w = W.embed, h = h[j]) on cpu
+    }
+    for l in 0..layers {
+      pre_attn(layer = l, ub = j, w = W[l], h = h[j], out = qkv) on cpu
+      attn(layer = l, ub = j, part = part, qkv = qkv, kv = kv[l][j], out = a) on cpu
+      post_attn(layer = l, ub = j, w = W[l], a = a, h = h[j]) on cpu
+    }
+    lm_head(ub = j, w = W.head, h = h[j], logits = logit) on cpu
+    sample(ub = j, logits = logit, tokens = tok[j]) on cpu
+  }
+}
+
+prefill { forward(prefill, 0) }
+decode { forward(decode, 1) }
+"#;
+
+fn compiled(source: &str, prompt_len: u64, gen_len: u64) -> Compiled {
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.workload = Workload {
+        batch: 4,
+        prompt_len,
+        gen_len,
+    };
+    compile(source, &options).unwrap_or_else(|d| panic!("{d:?}"))
+}
+
+fn deps(c: &Compiled) -> Vec<Vec<TaskId>> {
+    (0..c.program.tasks.len())
+        .map(|t| {
+            c.info
+                .dag
+                .preds(TaskId::new(t))
+                .iter()
+                .map(|d| d.from)
+                .collect()
+        })
+        .collect()
+}
+
+/// T4 with a slow CPU: 1 GFLOP/s f32, 1.5 GB/s DRAM (round numbers for hand work).
+fn slow_cpu() -> HardwareProfile {
+    let mut p = HardwareProfile::load("t4").unwrap();
+    p.cpu.f32_tflops = 1e-3;
+    p.cpu.half_tflops = 1e-3;
+    p.cpu.mem_bw_gb_s = 1.5;
+    p
+}
+
+fn step(c: &Compiled, kind: StepKind) -> usize {
+    c.program.steps.iter().position(|s| s.kind == kind).unwrap()
+}
+
+fn decoding(seqs: usize, context_each: usize) -> UbLoad {
+    UbLoad {
+        decode_seqs: seqs,
+        decode_context: seqs * context_each,
+        ..UbLoad::default()
+    }
+}
+
+/// mixtral-tiny: q = 4 heads x 32 = 128, kv = 2 x 32 = 64, f32 activations (4 bytes).
+/// Decode attention of 2 sequences attending to 50 tokens each, on the CPU:
+///   flops = 4 q n c = 4 * 128 * 2 * 50 = 51200 -> 51.2 us at 1 GFLOP/s;
+///   bytes = qkv n (q + 2kv) 4 = 2048, kv append n 2kv 4 = 1024 + read s c 2kv 4 = 51200,
+///           out n q 4 = 1024 -> 55296 B -> 36.864 us at 1.5 GB/s;
+///   time = max = 51.2 us (compute bound), 4 layers -> 204.8 us. The empty ub costs 0.
+/// Prefill attention of 2 prompts, 10 tokens (mean 5):
+///   flops = 4 q s c (c + 1) / 2 = 4 * 128 * 2 * 15 = 15360 -> 15.36 us;
+///   bytes = qkv 10 * 256 * 4 = 10240, kv append 10 * 128 * 4 = 5120 + read 2 * 5 * 128 * 4
+///           = 5120, out 10 * 128 * 4 = 5120 -> 25600 B -> 17.0667 us (memory bound);
+///   4 layers -> 68.2667 us.
+/// lm_head of the 2 decoding sequences (vocab 32000, hidden 128, bf16 head):
+///   flops = 4 s h + 2 s h vocab = 1024 + 16384000 -> 16.385024 ms (compute bound: bytes
+///   = head (32000 * 128 + 128) * 2 + h 2 * 128 * 4 + logits 2 * 32000 * 4 = 8449280 B ->
+///   5.63 ms); the empty micro-batch's lm_head costs 0.
+#[test]
+fn attention_at_a_measured_load_matches_the_hand_worked_roofline() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let profile = slow_cpu();
+    let settings = CostSettings::default();
+    let decode = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Decode),
+        &profile,
+        &settings,
+        &[decoding(2, 50), UbLoad::default()],
+    )
+    .unwrap();
+    let attn = decode.op_seconds["attn"].0;
+    assert!((attn - 204.8e-6).abs() < 1e-9, "decode attn {attn}");
+    assert_eq!(decode.op_seconds["attn"].1, "compute");
+    let head = decode.op_seconds["lm_head"].0;
+    assert!((head - 16.385024e-3).abs() < 1e-9, "lm_head {head}");
+
+    let prefill_load = UbLoad {
+        prefill_seqs: 2,
+        prefill_tokens: 10,
+        ..UbLoad::default()
+    };
+    let prefill = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Prefill),
+        &profile,
+        &settings,
+        &[UbLoad::default(), prefill_load],
+    )
+    .unwrap();
+    let attn = prefill.op_seconds["attn"].0;
+    assert!(
+        (attn - 4.0 * 25600.0 / 1.5e9).abs() < 1e-9,
+        "prefill attn {attn}"
+    );
+
+    // One stream: the step takes the sum of its tasks' times.
+    for p in [&decode, &prefill] {
+        let sum: f64 = p.op_seconds.values().map(|v| v.0).sum();
+        assert!((p.seconds - sum).abs() < 1e-12 * sum.max(1.0), "{p:?}");
+    }
+}
+
+/// Every micro-batch full at the declared context is the declared worst case itself: the
+/// replay and `predict` take the same path.
+#[test]
+fn a_full_load_at_the_declared_context_reproduces_the_worst_case() {
+    for (source, name) in [
+        (ONE_STREAM.to_string(), "one_stream"),
+        (
+            std::fs::read_to_string("schedules/cgopipe.sched").unwrap(),
+            "cgopipe",
+        ),
+    ] {
+        let c = compiled(&source, 24, 8);
+        let deps = deps(&c);
+        let profile = HardwareProfile::load("t4").unwrap();
+        let settings = CostSettings {
+            decode_context: DecodeContext::WorstCase,
+        };
+        let declared = predict(&c.program, &deps, &profile, &settings).unwrap();
+        let mb = c.program.micro_batches;
+        let full = vec![decoding(mb.size as usize, 24 + 8); mb.count as usize];
+        let index = step(&c, StepKind::Decode);
+        let replayed =
+            predict_step_at(&c.program, &deps, index, &profile, &settings, &full).unwrap();
+        let worst = declared.step_seconds.unwrap();
+        assert!(
+            (replayed.seconds - worst).abs() <= 1e-12 * worst,
+            "{name}: replay {} vs declared {worst}",
+            replayed.seconds
+        );
+    }
+}
+
+/// One sequence in one micro-batch, the others empty: less work than every micro-batch
+/// full, so a shorter step, for the static and the mixed (VSLPipe) schedule.
+#[test]
+fn one_busy_micro_batch_predicts_less_than_the_declared_worst_case() {
+    for (name, kind) in [
+        ("cgopipe", StepKind::Decode),
+        ("vslpipe", StepKind::Mixed),
+        ("flexgen", StepKind::Decode),
+    ] {
+        let source = std::fs::read_to_string(format!("schedules/{name}.sched")).unwrap();
+        let c = compiled(&source, 24, 8);
+        let deps = deps(&c);
+        let profile = HardwareProfile::load("t4").unwrap();
+        let settings = CostSettings::default();
+        let declared = predict(&c.program, &deps, &profile, &settings).unwrap();
+        let mut loads = vec![UbLoad::default(); c.program.micro_batches.count as usize];
+        loads[0] = decoding(1, 30);
+        let index = step(&c, kind);
+        let one = predict_step_at(&c.program, &deps, index, &profile, &settings, &loads).unwrap();
+        let worst = declared.steps[index].seconds;
+        assert!(
+            one.seconds < worst,
+            "{name}: one sequence {} vs worst case {worst}",
+            one.seconds
+        );
+    }
+}
+
+fn record(kind: StepKind, seconds: f64, ubs: Vec<UbLoad>) -> StepRecord {
+    StepRecord {
+        kind,
+        start: 0.0,
+        end: seconds,
+        prefill_tokens: ubs.iter().map(|u| u.prefill_tokens).sum(),
+        decode_tokens: ubs.iter().map(|u| u.decode_seqs).sum(),
+        ubs,
+        tasks: Vec::new(),
+    }
+}
+
+/// A run of prefill + three decode steps (two with identical loads): the run's predicted
+/// seconds are the sum of its steps predicted one by one, tokens/s divides the generated
+/// tokens by them, and identical loads are simulated once.
+#[test]
+fn a_run_is_the_sum_of_its_steps_at_their_own_loads() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let profile = slow_cpu();
+    let settings = CostSettings::default();
+    let prefill = vec![
+        UbLoad {
+            prefill_seqs: 2,
+            prefill_tokens: 30,
+            ..UbLoad::default()
+        },
+        UbLoad {
+            prefill_seqs: 1,
+            prefill_tokens: 7,
+            ..UbLoad::default()
+        },
+    ];
+    let d1 = vec![decoding(2, 16), decoding(1, 8)];
+    let d2 = vec![decoding(2, 17), UbLoad::default()];
+    let stats = RunStats {
+        steps: vec![
+            record(StepKind::Prefill, 0.5, prefill.clone()),
+            record(StepKind::Decode, 0.25, d1.clone()),
+            record(StepKind::Decode, 0.25, d1.clone()),
+            record(StepKind::Decode, 0.125, d2.clone()),
+        ],
+        wall: 1.25,
+        ..RunStats::default()
+    };
+    let generated = 3 + 3 + 3 + 2;
+    let run = predict_run(&c.program, &deps, &profile, &settings, &stats, generated).unwrap();
+    let at = |kind, loads: &[UbLoad]| {
+        predict_step_at(
+            &c.program,
+            &deps,
+            step(&c, kind),
+            &profile,
+            &settings,
+            loads,
+        )
+        .unwrap()
+        .seconds
+    };
+    let (p, a, b) = (
+        at(StepKind::Prefill, &prefill),
+        at(StepKind::Decode, &d1),
+        at(StepKind::Decode, &d2),
+    );
+    let total = p + 2.0 * a + b;
+    assert!((run.predicted_seconds - total).abs() < 1e-12 * total);
+    assert_eq!(run.simulations, 3);
+    assert!((run.predicted_tokens_per_s - generated as f64 / total).abs() < 1e-9);
+    assert!((run.measured_tokens_per_s - generated as f64 / 1.25).abs() < 1e-12);
+    let decode = run.decode_step.as_ref().unwrap();
+    assert_eq!((decode.which.as_str(), decode.steps), ("decode", 3));
+    assert!((decode.measured_seconds - 0.625 / 3.0).abs() < 1e-12);
+    assert!((decode.predicted_seconds - (2.0 * a + b) / 3.0).abs() < 1e-12 * total);
+    let kinds: Vec<(&str, usize)> = run
+        .kinds
+        .iter()
+        .map(|k| (k.kind.as_str(), k.steps))
+        .collect();
+    assert_eq!(kinds, [("prefill", 1), ("decode", 3)]);
+    // Fewer decoding sequences at a shorter context: a shorter step.
+    assert!(b < a, "{b} vs {a}");
+}
