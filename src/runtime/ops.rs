@@ -15,7 +15,7 @@ use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
 use crate::model::card::Family;
-use crate::model::kernels::attention::{attention, AttnSeq};
+use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
 use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
 use crate::model::kernels::moe::{combine, expert_ffn, gate, Routing};
@@ -579,20 +579,10 @@ impl OpContext<'_> {
                     n_new: s.new_tokens.len(),
                 })
                 .collect();
-            if mb.seqs.iter().all(|s| wanted(s.prefill)) {
-                attention(&mut cache, &seqs, qkv, &shape, out).map_err(KernelError::from)?;
-                return Ok(());
-            }
-            let mut all = vec![0.0f32; n * ow];
-            attention(&mut cache, &seqs, qkv, &shape, &mut all).map_err(KernelError::from)?;
-            let mut row = 0;
-            for s in &mb.seqs {
-                let rows = row * ow..(row + s.new_tokens.len()) * ow;
-                if wanted(s.prefill) {
-                    out[rows.clone()].copy_from_slice(&all[rows]);
-                }
-                row += s.new_tokens.len();
-            }
+            // Every sequence's K/V is stored; only the wanted part is attended.
+            let attend = |i: usize| mb.seqs.get(i).is_some_and(|s| wanted(s.prefill));
+            attention_of(&mut cache, &seqs, qkv, &shape, out, &attend)
+                .map_err(KernelError::from)?;
             return Ok(());
         }
         // No cache argument: only whole-prompt (context 0) sequences can be attended.

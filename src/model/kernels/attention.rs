@@ -94,6 +94,20 @@ pub fn attention(
     shape: &AttnShape,
     out: &mut [f32],
 ) -> Result<(), AttnError> {
+    attention_of(cache, seqs, qkv, shape, out, &|_| true)
+}
+
+/// Like [`attention`], but attends only the sequences `attend(index)` selects: the others'
+/// K/V are stored and their output rows are left as they are (VSLPipe's CPU task stores the
+/// prefill rows' K/V the GPU attended and attends only the decode rows).
+pub fn attention_of(
+    cache: &mut KvBlocksMut<'_>,
+    seqs: &[AttnSeq<'_>],
+    qkv: &[f32],
+    shape: &AttnShape,
+    out: &mut [f32],
+    attend: &(dyn Fn(usize) -> bool + Sync),
+) -> Result<(), AttnError> {
     validate(cache, seqs, qkv, shape, out)?;
     append_kv(cache, seqs, qkv, shape);
     let layout = cache.layout;
@@ -108,6 +122,7 @@ pub fn attention(
         row += s.n_new;
     }
     let tasks: Vec<(usize, usize)> = (0..seqs.len())
+        .filter(|&s| attend(s))
         .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
         .collect();
     let scale = 1.0 / (hd as f32).sqrt();
@@ -417,6 +432,66 @@ mod tests {
         for (a, b) in got.iter().zip(&want[2 * shape.q_width()..]) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }
+    }
+
+    /// Attending only some sequences stores every sequence's K/V exactly as a full call
+    /// does, gives the attended rows the same bits, and leaves the other rows untouched.
+    #[test]
+    fn attending_a_subset_stores_all_kv_and_matches_the_full_call() {
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            sliding_window: None,
+        };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 2,
+            head_dim: 16,
+        };
+        let lens = [6usize, 1, 3];
+        let rows: usize = lens.iter().sum();
+        let qkv: Vec<f32> = (0..rows * shape.qkv_width())
+            .map(|i| ((i * 29) % 83) as f32 / 41.0 - 1.0)
+            .collect();
+        let run = |attend: &(dyn Fn(usize) -> bool + Sync)| {
+            let mut cache = PagedKvCache::new(layout, 1, 16);
+            let mut tables = vec![Vec::new(); 3];
+            for (t, &n) in tables.iter_mut().zip(&lens) {
+                cache.allocator.grow(&layout, t, n).unwrap();
+            }
+            let seqs: Vec<AttnSeq<'_>> = tables
+                .iter()
+                .zip(&lens)
+                .map(|(t, &n)| AttnSeq {
+                    block_table: t,
+                    context_len: 0,
+                    n_new: n,
+                })
+                .collect();
+            let mut out = vec![-7.0; rows * shape.q_width()];
+            attention_of(
+                &mut cache.layer_mut(0),
+                &seqs,
+                &qkv,
+                &shape,
+                &mut out,
+                attend,
+            )
+            .unwrap();
+            let layer = cache.layer_mut(0);
+            (out, layer.k.to_vec(), layer.v.to_vec())
+        };
+        let (full, k_full, v_full) = run(&|_| true);
+        let (some, k_some, v_some) = run(&|i| i == 1);
+        assert_eq!(k_full, k_some);
+        assert_eq!(v_full, v_some);
+        let w = shape.q_width();
+        assert_eq!(&some[6 * w..7 * w], &full[6 * w..7 * w]);
+        assert!(some[..6 * w]
+            .iter()
+            .chain(&some[7 * w..])
+            .all(|&x| x == -7.0));
     }
 
     #[test]
