@@ -167,6 +167,10 @@ pub fn table(rows: &[Row]) -> String {
             same
         );
     }
+    let _ = writeln!(
+        out,
+        "busy: share of the decode steps each engine was running, its streams summed (two copy-in streams can reach 200%)"
+    );
     out
 }
 
