@@ -372,8 +372,28 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     } else {
         "NOT page-locked: the OS refused mlock (raise RLIMIT_MEMLOCK); copies still run".to_string()
     };
-    let _ = writeln!(out, "  pinned  {:>10}  {locked}", human(pinned));
-    let _ = writeln!(out, "  host    {:>10}", human(host));
+    let host_budget = |gb: fn(&HardwareProfile) -> f64, what: &str| {
+        f.profile.as_ref().map_or(String::new(), |p| {
+            format!(
+                "; budget {} ({}{what})",
+                human((gb(p) * 1e9) as u64),
+                p.name
+            )
+        })
+    };
+    let _ = writeln!(
+        out,
+        "  pinned  {:>10}  {locked}{}",
+        human(pinned),
+        host_budget(|p| p.cpu.pinned_gb, " pinned")
+    );
+    let _ = writeln!(
+        out,
+        "  host    {:>10}  {} with pinned and the mapped weights{}",
+        human(host),
+        human(host + pinned + f.stats.image_bytes),
+        host_budget(|p| p.cpu.mem_gb, " DRAM")
+    );
     let _ = writeln!(
         out,
         "  weights {:>10}  memory-mapped from the checkpoint (pageable, not allocated)",
