@@ -23,9 +23,10 @@
 // dynamic shared memory = (heads / kv_heads) * head_dim * sizeof(float) for the query
 // group. Each block serves one (sequence, kv head) and every query head of its group, so
 // a key tile is read by one block. A score is q . k summed over dim in order with fmaf,
-// times scale; outputs accumulate p * v key by key with fmaf: the CPU's order, so scores
-// and weighted sums follow it; the softmax's max/sum are reduced as a tree and expf is
-// CUDA's, so probabilities agree with the CPU to rounding, not bit for bit.
+// times scale; outputs accumulate p * v key by key with fmaf: the order (and, on AVX-512,
+// the fused rounding) of the CPU's key_scores_transposed and weighted_rows. The softmax's
+// max and sum are reduced as a tree and expf is CUDA's, so probabilities agree with the
+// CPU to rounding, not bit for bit.
 
 // Reduces `value` over the block with `op` (0: sum, 1: max); every thread gets the result.
 __device__ float block_reduce(float value, int op) {
@@ -115,6 +116,7 @@ extern "C" __global__ void paged_decode_attention(
     }
     __syncthreads();
     const unsigned int* table = block_tables + seq * max_blocks;
+    const size_t tile_elems = (size_t)block_size * head_dim;
     for (int g = 0; g < group; ++g) {
         const int q_head = kv_head * group + g;
         float* head_scores = scores + (seq * heads + q_head) * (size_t)max_keys;
@@ -123,7 +125,7 @@ extern "C" __global__ void paged_decode_attention(
         for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
             const int key_pos = start + r;
             const size_t block = table[key_pos / block_size];
-            const float* k_tile = k_pool + (block * kv_heads + kv_head) * (size_t)block_size * head_dim;
+            const float* k_tile = k_pool + (block * kv_heads + kv_head) * tile_elems;
             const int slot = key_pos % block_size;
             float acc = 0.0f;
             for (int dim = 0; dim < head_dim; ++dim) {
@@ -151,8 +153,9 @@ extern "C" __global__ void paged_decode_attention(
             for (int r = 0; r < n_keys; ++r) {
                 const int key_pos = start + r;
                 const size_t block = table[key_pos / block_size];
-                const float* v_tile = v_pool + (block * kv_heads + kv_head) * (size_t)block_size * head_dim;
-                acc = fmaf(head_scores[r], v_tile[(size_t)(key_pos % block_size) * head_dim + dim], acc);
+                const float* v_tile = v_pool + (block * kv_heads + kv_head) * tile_elems;
+                const size_t slot = key_pos % block_size;
+                acc = fmaf(head_scores[r], v_tile[slot * head_dim + dim], acc);
             }
             dst[dim] = acc;
         }

@@ -10,6 +10,8 @@
 // exactly as RopeTable::new builds them (inv_freq = 1 / theta^(2i/d) in f32, angle =
 // position * inv_freq in f32), so the tables are bit-identical to the CPU's; the caller
 // keeps every position below max_positions (the CPU kernel reports it as an error).
+// NVRTC may contract a * c - b * s into one fused multiply-add, so rotated values agree
+// with the CPU to rounding.
 // Launch: grid = (n_tokens, n_rot_heads), block = (threads); threads stride over half.
 
 extern "C" __global__ void rope_neox(
