@@ -11,6 +11,7 @@ pub mod check;
 pub mod cli;
 pub mod compile;
 pub mod cost;
+pub mod cuda;
 pub mod diag;
 pub mod elaborate;
 pub mod ir;

@@ -50,6 +50,19 @@ pub struct RunSettings {
     /// machine quickly.
     #[arg(long, value_name = "PROFILE")]
     pub hw: Option<String>,
+    /// Backend that executes the plan: `cpu`, or `cuda` (checked first; executing plans on
+    /// CUDA is not built yet, so it fails naming what is missing).
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    pub backend: Backend,
+}
+
+/// Which backend executes a lowered plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The CPU backend (`runtime`).
+    Cpu,
+    /// The CUDA backend (detection and kernels only so far).
+    Cuda,
 }
 
 /// `--prompt` / `--prompts`: prompt texts given on the command line or in a file.

@@ -12,6 +12,7 @@ pub mod compile;
 use std::process::ExitCode;
 
 pub mod ablate;
+pub mod devices;
 pub mod hw;
 pub mod inputs;
 pub mod plan;
@@ -51,6 +52,8 @@ enum Command {
     Run(run::RunArgs),
     /// Run several schedules on one workload and compare them in one table.
     Ablate(ablate::AblateArgs),
+    /// Show the backends this machine can run: CPU features, CUDA driver, NVRTC, cuBLAS.
+    Devices(devices::DevicesArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -68,5 +71,6 @@ pub fn main() -> ExitCode {
         Command::Plan(args) => plan::run(args),
         Command::Run(args) => run::run(&args),
         Command::Ablate(args) => ablate::run(&args),
+        Command::Devices(args) => devices::run(&args),
     }
 }

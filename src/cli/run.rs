@@ -126,6 +126,9 @@ pub fn execute(
     args: &RunArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Finished, Vec<(String, String)>), Failure> {
+    if args.settings.backend == super::inputs::Backend::Cuda {
+        return Err(Failure::Message(super::devices::cuda_run_refusal()));
+    }
     let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
     let name = args.sched.display().to_string();
     let source = std::fs::read_to_string(&args.sched)

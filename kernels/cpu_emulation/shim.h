@@ -1,0 +1,50 @@
+// CPU emulation of the few CUDA builtins moec's kernels use, to check their math without a
+// GPU: one OS thread per CUDA thread, blocks run one after another (so `__shared__` statics
+// are per block), __syncthreads is a block barrier, warp shuffles go through an exchange
+// array with per-warp barriers. It checks indexing and arithmetic, not the GPU memory
+// model, warp divergence or performance.
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+#include <memory>
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+std::unique_ptr<std::barrier<>> block_barrier;
+std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+float shfl_buf[1024];
+float dyn_smem[65536];
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    auto& b = *warp_barriers[threadIdx.x / 32];
+    shfl_buf[threadIdx.x] = v;
+    b.arrive_and_wait();
+    float r = shfl_buf[threadIdx.x ^ off];
+    b.arrive_and_wait();
+    return r;
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+#include <math.h>
+template <class F> void launch(dim3 grid, dim3 block, F f) {
+    gridDim = grid; blockDim = block;
+    for (unsigned by = 0; by < grid.y; ++by)
+    for (unsigned bx = 0; bx < grid.x; ++bx) {
+        block_barrier = std::make_unique<std::barrier<>>(block.x);
+        warp_barriers.clear();
+        for (unsigned w = 0; w < (block.x + 31) / 32; ++w)
+            warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < block.x; ++t)
+            ts.emplace_back([=] { blockIdx = {bx, by, 1}; threadIdx = {t, 0, 0}; f(); });
+        for (auto& t : ts) t.join();
+    }
+}

@@ -1,0 +1,92 @@
+// Row normalisation of f32 activations with a stored bf16 per-channel weight, as
+// src/model/kernels/norm.rs computes it:
+//   rms_norm_bf16   (Mixtral RMSNorm)          out = w * (x * rsqrt(mean(x^2) + eps))
+//   layer_norm_bf16 (DBRX LayerNorm, no bias)  out = (x - mean) * rsqrt(var + eps) * w
+// with the biased variance (divide by d), statistics in f32.
+//
+// Layout: x and out are [n_rows, d] f32, row-major, contiguous. weight is d bf16 values
+// passed as unsigned short (NVRTC has no cuda_bf16.h without the toolkit); a bf16 is the
+// high half of an f32, so it widens exactly by a 16-bit shift.
+// Launch: grid = (n_rows), block = (threads), threads a multiple of 32 and <= 1024; one
+// block normalises one row. The scale is 1 / sqrtf(...) as in the Rust kernel (not rsqrtf,
+// which is approximate). Sums are reduced in a tree, so results agree with the CPU to
+// rounding, not bit for bit.
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+    return __uint_as_float(((unsigned int)bits) << 16);
+}
+
+// Sum of `value` over the block; every thread gets the result.
+__device__ float block_sum(float value) {
+    __shared__ float warp_sums[32];
+    __shared__ float total;
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        value += __shfl_xor_sync(0xffffffffu, value, offset);
+    }
+    if (lane == 0) {
+        warp_sums[warp] = value;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned int n_warps = (blockDim.x + 31) / 32;
+        float partial = lane < n_warps ? warp_sums[lane] : 0.0f;
+        for (int offset = 16; offset > 0; offset /= 2) {
+            partial += __shfl_xor_sync(0xffffffffu, partial, offset);
+        }
+        if (lane == 0) {
+            total = partial;
+        }
+    }
+    __syncthreads();
+    const float result = total;
+    __syncthreads();
+    return result;
+}
+
+extern "C" __global__ void rms_norm_bf16(
+    const float* __restrict__ x,
+    const unsigned short* __restrict__ weight,
+    float* __restrict__ out,
+    int d,
+    float eps) {
+    const size_t row = blockIdx.x;
+    const float* src = x + row * (size_t)d;
+    float* dst = out + row * (size_t)d;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        sum_sq += src[i] * src[i];
+    }
+    const float mean_sq = block_sum(sum_sq) / (float)d;
+    const float scale = 1.0f / sqrtf(mean_sq + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        dst[i] = bf16_to_f32(weight[i]) * (src[i] * scale);
+    }
+}
+
+extern "C" __global__ void layer_norm_bf16(
+    const float* __restrict__ x,
+    const unsigned short* __restrict__ weight,
+    float* __restrict__ out,
+    int d,
+    float eps) {
+    const size_t row = blockIdx.x;
+    const float* src = x + row * (size_t)d;
+    float* dst = out + row * (size_t)d;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        sum += src[i];
+    }
+    const float mean = block_sum(sum) / (float)d;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float centred = src[i] - mean;
+        sum_sq += centred * centred;
+    }
+    const float var = block_sum(sum_sq) / (float)d;
+    const float scale = 1.0f / sqrtf(var + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        dst[i] = (src[i] - mean) * scale * bf16_to_f32(weight[i]);
+    }
+}

@@ -1,0 +1,70 @@
+// The MoE router's decision, as route() in src/model/kernels/moe.rs makes it: softmax over
+// all experts in f32 (exp(v - max) / sum), top-k with ties to the lower expert index, then
+// division by the p-norm of the chosen probabilities when norm_p > 0 (Mixtral and DBRX:
+// p = 1, the sum), the norm taken in double as the CPU does; norm_p <= 0 keeps the raw
+// probabilities.
+//
+// Layout: logits is [n_tokens, n_experts] f32 (the router's output); experts and weights
+// are [n_tokens, top_k], highest probability first (unsigned int expert index, f32 weight).
+// n_experts must be at most ROUTER_MAX_EXPERTS and top_k at most n_experts: the caller
+// checks both (Mixtral has 8 experts, DBRX 16).
+// Launch: 1-D grid, one thread per token (experts are few; a token's work is tiny).
+
+#define ROUTER_MAX_EXPERTS 64
+
+extern "C" __global__ void router_topk(
+    const float* __restrict__ logits,
+    unsigned int* __restrict__ experts,
+    float* __restrict__ weights,
+    int n_tokens,
+    int n_experts,
+    int top_k,
+    float norm_p) {
+    const int token = blockIdx.x * blockDim.x + threadIdx.x;
+    if (token >= n_tokens || n_experts > ROUTER_MAX_EXPERTS || top_k > n_experts) {
+        return;
+    }
+    const float* row = logits + (size_t)token * n_experts;
+    float probs[ROUTER_MAX_EXPERTS];
+    float max = __int_as_float(0xff800000); // -inf
+    for (int e = 0; e < n_experts; ++e) {
+        max = fmaxf(max, row[e]);
+    }
+    float sum = 0.0f;
+    for (int e = 0; e < n_experts; ++e) {
+        probs[e] = expf(row[e] - max);
+        sum += probs[e];
+    }
+    for (int e = 0; e < n_experts; ++e) {
+        probs[e] = probs[e] / sum;
+    }
+    // Selection by repeated arg-max: a strictly greater probability wins, so equal
+    // probabilities go to the lower index, the CPU's sort order.
+    unsigned long long taken = 0ull;
+    unsigned int chosen[ROUTER_MAX_EXPERTS];
+    for (int k = 0; k < top_k; ++k) {
+        int best = -1;
+        for (int e = 0; e < n_experts; ++e) {
+            if ((taken >> e) & 1ull) {
+                continue;
+            }
+            if (best < 0 || probs[e] > probs[best]) {
+                best = e;
+            }
+        }
+        taken |= 1ull << best;
+        chosen[k] = (unsigned int)best;
+    }
+    float denom = 1.0f;
+    if (norm_p > 0.0f) {
+        double acc = 0.0;
+        for (int k = 0; k < top_k; ++k) {
+            acc += pow(fabs((double)probs[chosen[k]]), (double)norm_p);
+        }
+        denom = (float)pow(acc, 1.0 / (double)norm_p);
+    }
+    for (int k = 0; k < top_k; ++k) {
+        experts[(size_t)token * top_k + k] = chosen[k];
+        weights[(size_t)token * top_k + k] = probs[chosen[k]] / denom;
+    }
+}

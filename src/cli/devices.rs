@@ -1,0 +1,106 @@
+//! `moec devices`: which backends this machine can run, in plain words.
+//!
+//! Prints the CPU backend (threads, AVX-512) and the CUDA status: driver and devices,
+//! NVRTC and whether moec's kernels compile with it, cuBLAS. Exits 0, or 1 when NVRTC is
+//! present but rejects a kernel (a bug in moec's kernels, shown with NVRTC's log). Also
+//! gives the one-line refusal `moec run --backend cuda` reports.
+
+use super::generate::fail;
+use crate::cuda::detect::{detect, CudaStatus};
+use crate::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
+use crate::cuda::CudaError;
+use crate::model::kernels::simd::avx512_available;
+use std::process::ExitCode;
+
+/// Arguments of `moec devices` (none).
+#[derive(Debug, clap::Args)]
+pub struct DevicesArgs {}
+
+/// Runs `moec devices`.
+pub fn run(_args: &DevicesArgs) -> ExitCode {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let avx512 = if avx512_available() { "yes" } else { "no" };
+    println!("cpu: available, {threads} threads, AVX-512: {avx512}");
+    let status = detect();
+    let (nvrtc_line, compile_error) = nvrtc_line(&status);
+    println!(
+        "{}; {nvrtc_line}; {}",
+        cuda_line(&status),
+        cublas_line(&status)
+    );
+    if let Some(Ok(devices)) = &status.devices {
+        for d in devices {
+            println!(
+                "  device {}: {}, sm_{}{}, {:.1} GiB total, {:.1} GiB free",
+                d.ordinal,
+                d.name,
+                d.compute_capability.0,
+                d.compute_capability.1,
+                d.total_bytes as f64 / (1u64 << 30) as f64,
+                d.free_bytes as f64 / (1u64 << 30) as f64,
+            );
+        }
+    }
+    match compile_error {
+        Some(e) => fail(e),
+        None => ExitCode::SUCCESS,
+    }
+}
+
+/// The driver part of the status line.
+fn cuda_line(status: &CudaStatus) -> String {
+    match (&status.devices, status.missing()) {
+        (_, Some(missing)) => format!("cuda: not available ({missing})"),
+        (Some(Ok(devices)), None) => format!(
+            "cuda: driver found, {} device(s); executing plans on CUDA is not implemented yet",
+            devices.len()
+        ),
+        (_, None) => "cuda: driver found".to_string(),
+    }
+}
+
+/// The NVRTC part of the status line, and the compile error when a kernel is rejected.
+fn nvrtc_line(status: &CudaStatus) -> (String, Option<CudaError>) {
+    if !status.libraries.nvrtc {
+        return ("NVRTC: not found".to_string(), None);
+    }
+    let version = status
+        .nvrtc_version
+        .map_or(String::new(), |(major, minor)| format!(" {major}.{minor}"));
+    match compile_all(DEFAULT_ARCH) {
+        Ok(modules) => (
+            format!(
+                "NVRTC{version}: found, {} kernels compile for {DEFAULT_ARCH}",
+                modules.len()
+            ),
+            None,
+        ),
+        Err(e) => (
+            format!(
+                "NVRTC{version}: found, but the {} kernels do not compile for {DEFAULT_ARCH}",
+                KERNELS.len()
+            ),
+            Some(e),
+        ),
+    }
+}
+
+/// The cuBLAS part of the status line.
+fn cublas_line(status: &CudaStatus) -> &'static str {
+    if status.libraries.cublas {
+        "cuBLAS: found"
+    } else {
+        "cuBLAS: not found"
+    }
+}
+
+/// Why `--backend cuda` cannot run a plan here, in one line: what is missing.
+pub(crate) fn cuda_run_refusal() -> String {
+    let status = detect();
+    match status.missing() {
+        Some(missing) => format!("cannot run on the CUDA backend: {missing}"),
+        None => "cannot run on the CUDA backend: the CUDA driver and a device are present, \
+                 but executing plans on CUDA is not implemented yet in moec (use --backend cpu)"
+            .to_string(),
+    }
+}

@@ -1,0 +1,172 @@
+//! moec's CUDA kernels (`kernels/*.cu`, embedded at build time) and their compilation to
+//! PTX through NVRTC.
+//!
+//! Takes a target architecture (e.g. `sm_80`); gives one PTX module per kernel file. Each
+//! file's header comment states its memory layout, which is the CPU backend's
+//! (`model::kernels`), so a plan lowered once can run on either backend. NVRTC is only
+//! called after its library was found to load ([`CudaError::NvrtcMissing`] otherwise), and
+//! a rejected source is an error naming the file and carrying NVRTC's log.
+
+use super::detect::libraries;
+use super::CudaError;
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+
+/// The architecture kernels are compiled for when none is asked for (A100 and newer run it).
+pub const DEFAULT_ARCH: &str = "sm_80";
+
+/// One kernel source file and the entry points the backend loads from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSource {
+    /// File name under `kernels/`.
+    pub file: &'static str,
+    /// CUDA C source text.
+    pub source: &'static str,
+    /// `extern "C" __global__` functions the module must export.
+    pub entries: &'static [&'static str],
+}
+
+/// Every kernel file, in the order of a layer's forward pass.
+pub const KERNELS: [KernelSource; 5] = [
+    KernelSource {
+        file: "rms_norm.cu",
+        source: include_str!("../../kernels/rms_norm.cu"),
+        entries: &["rms_norm_bf16", "layer_norm_bf16"],
+    },
+    KernelSource {
+        file: "rope.cu",
+        source: include_str!("../../kernels/rope.cu"),
+        entries: &["rope_neox"],
+    },
+    KernelSource {
+        file: "decode_attention.cu",
+        source: include_str!("../../kernels/decode_attention.cu"),
+        entries: &["paged_kv_append", "paged_decode_attention"],
+    },
+    KernelSource {
+        file: "router_topk.cu",
+        source: include_str!("../../kernels/router_topk.cu"),
+        entries: &["router_topk"],
+    },
+    KernelSource {
+        file: "swiglu.cu",
+        source: include_str!("../../kernels/swiglu.cu"),
+        entries: &["swiglu"],
+    },
+];
+
+/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_80"`), in [`KERNELS`] order.
+/// Fails with [`CudaError::NvrtcMissing`] when NVRTC does not load, or with the first
+/// file NVRTC rejects.
+pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, CudaError> {
+    if !libraries().nvrtc {
+        return Err(CudaError::NvrtcMissing);
+    }
+    KERNELS
+        .iter()
+        .map(|kernel| Ok((kernel.file, compile_kernel(kernel, arch)?)))
+        .collect()
+}
+
+/// Compiles one source to PTX for `arch`. Call only after NVRTC was found to load
+/// (`detect::libraries().nvrtc`): cudarc panics on a call into a library it cannot load.
+/// [`compile_all`] checks this first.
+pub fn compile_kernel(kernel: &KernelSource, arch: &'static str) -> Result<Ptx, CudaError> {
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some(kernel.file.to_string()),
+        ..CompileOptions::default()
+    };
+    compile_ptx_with_opts(kernel.source, options).map_err(|e| match e {
+        CompileError::CompileError { nvrtc, log, .. } => CudaError::Compile {
+            file: kernel.file,
+            arch,
+            status: format!("{nvrtc:?}"),
+            log: log.to_string_lossy().trim_end().to_string(),
+        },
+        other => CudaError::Nvrtc {
+            file: kernel.file,
+            detail: format!("{other:?}"),
+        },
+    })
+}
+
+/// The names of the `extern "C" __global__` functions a CUDA source defines, in order.
+pub fn entry_names(source: &str) -> Vec<&str> {
+    const MARKER: &str = "extern \"C\" __global__";
+    source
+        .match_indices(MARKER)
+        .filter_map(|(at, _)| {
+            let rest = &source[at + MARKER.len()..];
+            let before_paren = &rest[..rest.find('(')?];
+            before_paren.split_whitespace().last()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(file: &str) -> &'static KernelSource {
+        KERNELS
+            .iter()
+            .find(|k| k.file == file)
+            .unwrap_or_else(|| panic!("{file} is not in KERNELS"))
+    }
+
+    /// The entries loaded from a file are exactly the `extern "C" __global__` functions its
+    /// source defines (a renamed kernel would otherwise fail only at load time on a GPU).
+    fn assert_entries_match(file: &str) {
+        let k = kernel(file);
+        assert_eq!(entry_names(k.source), k.entries, "kernels/{file}");
+    }
+
+    #[test]
+    fn rms_norm_entries_match_the_source() {
+        assert_entries_match("rms_norm.cu");
+    }
+
+    #[test]
+    fn rope_entries_match_the_source() {
+        assert_entries_match("rope.cu");
+    }
+
+    #[test]
+    fn swiglu_entries_match_the_source() {
+        assert_entries_match("swiglu.cu");
+    }
+
+    #[test]
+    fn router_topk_entries_match_the_source() {
+        assert_entries_match("router_topk.cu");
+    }
+
+    #[test]
+    fn decode_attention_entries_match_the_source() {
+        assert_entries_match("decode_attention.cu");
+    }
+
+    /// Every file under `kernels/` is embedded, and no source holds a NUL byte (cudarc
+    /// hands sources to NVRTC as C strings and would panic on one).
+    #[test]
+    fn every_kernel_file_is_embedded_and_c_string_safe() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .filter_map(|entry| entry.ok())
+            .map(|entry| entry.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".cu"))
+            .collect();
+        on_disk.sort();
+        let mut embedded: Vec<String> = KERNELS.iter().map(|k| k.file.to_string()).collect();
+        embedded.sort();
+        assert_eq!(on_disk, embedded);
+        assert!(KERNELS.iter().all(|k| !k.source.contains('\0')));
+    }
+
+    #[test]
+    fn entry_names_reads_multi_line_signatures() {
+        let source = "extern \"C\" __global__ void first(\n int n) {}\n__device__ void helper() {}\nextern \"C\" __global__ void second(float* x) {}";
+        assert_eq!(entry_names(source), ["first", "second"]);
+    }
+}

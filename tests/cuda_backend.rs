@@ -1,0 +1,165 @@
+//! The CUDA backend's checks that need no GPU: detection never panics and names what is
+//! missing, `moec devices` and `moec run --backend cuda` report it in plain words, and the
+//! kernels compile through NVRTC when NVRTC is present.
+//!
+//! NVRTC is absent on CI, so the compile tests then print why they did not compile and
+//! pass. To run them for real without a GPU (README, "CUDA backend (status)"):
+//! `pip install nvidia-cuda-nvrtc-cu12` and point `LD_LIBRARY_PATH` at the wheel's
+//! `nvidia/cuda_nvrtc/lib`.
+
+use moec::cuda::detect::{detect, libraries};
+use moec::cuda::kernels::{compile_all, compile_kernel, KernelSource, DEFAULT_ARCH, KERNELS};
+use moec::cuda::CudaError;
+use std::process::Command;
+
+fn moec(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("moec starts")
+}
+
+#[test]
+fn detection_never_panics_and_names_a_missing_driver() {
+    let status = detect();
+    println!("{status:?}");
+    assert_eq!(status.devices.is_some(), status.libraries.driver);
+    if status.libraries.driver {
+        // A driver with no usable device is still reported, as an error or an empty list.
+        if let Some(Ok(devices)) = &status.devices {
+            assert_eq!(status.missing().is_none(), !devices.is_empty());
+        }
+    } else {
+        assert_eq!(
+            status.missing().as_deref(),
+            Some("no CUDA driver library (libcuda.so) found")
+        );
+    }
+}
+
+#[test]
+fn devices_command_names_the_cpu_and_cuda_status() {
+    let out = moec(&["devices"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert!(
+        lines[0].starts_with(&format!("cpu: available, {threads} threads, AVX-512: ")),
+        "{stdout}"
+    );
+    let cuda = lines.get(1).copied().unwrap_or_default();
+    let libs = libraries();
+    if !libs.driver {
+        assert!(
+            cuda.starts_with("cuda: not available (no CUDA driver library (libcuda.so) found); "),
+            "{cuda}"
+        );
+    }
+    if libs.nvrtc {
+        assert!(
+            cuda.contains(&format!(": found, 5 kernels compile for {DEFAULT_ARCH}")),
+            "{cuda}"
+        );
+    } else {
+        assert!(cuda.contains("; NVRTC: not found;"), "{cuda}");
+    }
+    let cublas = if libs.cublas {
+        "cuBLAS: found"
+    } else {
+        "cuBLAS: not found"
+    };
+    assert!(cuda.ends_with(cublas), "{cuda}");
+}
+
+#[test]
+fn run_on_cuda_fails_with_one_clear_line() {
+    let out = moec(&[
+        "run",
+        "schedules/cgopipe.sched",
+        "--model",
+        "mixtral-tiny",
+        "--backend",
+        "cuda",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(out.stdout.is_empty());
+    let text: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(text.len(), 1, "{stderr}");
+    let want = if libraries().driver {
+        "cannot run on the CUDA backend: "
+    } else {
+        "cannot run on the CUDA backend: no CUDA driver library (libcuda.so) found"
+    };
+    assert!(text[0].contains(want), "{stderr}");
+}
+
+#[test]
+fn an_unknown_backend_is_rejected_by_the_parser() {
+    let out = moec(&["run", "schedules/cgopipe.sched", "--backend", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("possible values: cpu, cuda"));
+}
+
+/// True when NVRTC loads; otherwise says why a compile test is skipped.
+fn nvrtc_present(test: &str) -> bool {
+    let present = libraries().nvrtc;
+    if !present {
+        println!(
+            "{test}: NVRTC not found (no libnvrtc.so on the loader path), so the kernels were \
+             not compiled; install nvidia-cuda-nvrtc-cu12 and set LD_LIBRARY_PATH to check"
+        );
+    }
+    present
+}
+
+#[test]
+fn every_kernel_compiles_through_nvrtc_and_exports_its_entries() {
+    if !nvrtc_present("every_kernel_compiles_through_nvrtc_and_exports_its_entries") {
+        assert_eq!(
+            compile_all(DEFAULT_ARCH).err(),
+            Some(CudaError::NvrtcMissing)
+        );
+        return;
+    }
+    let modules = match compile_all(DEFAULT_ARCH) {
+        Ok(modules) => modules,
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(modules.len(), KERNELS.len());
+    for ((file, ptx), kernel) in modules.iter().zip(&KERNELS) {
+        assert_eq!(*file, kernel.file);
+        let text = ptx.to_src();
+        assert!(text.contains(&format!(".target {DEFAULT_ARCH}")), "{file}");
+        for entry in kernel.entries {
+            assert!(
+                text.contains(&format!(".entry {entry}(")),
+                "kernels/{file}: no PTX entry {entry}"
+            );
+        }
+        println!("kernels/{file}: {} bytes of PTX", text.len());
+    }
+}
+
+#[test]
+fn a_rejected_source_names_its_file_and_carries_the_nvrtc_log() {
+    if !nvrtc_present("a_rejected_source_names_its_file_and_carries_the_nvrtc_log") {
+        return;
+    }
+    let broken = KernelSource {
+        file: "broken.cu",
+        source: "extern \"C\" __global__ void broken(float* x) { x[0] = undeclared_name; }",
+        entries: &["broken"],
+    };
+    match compile_kernel(&broken, DEFAULT_ARCH) {
+        Err(e @ CudaError::Compile { .. }) => {
+            let message = e.to_string();
+            assert!(message.starts_with("kernels/broken.cu: NVRTC failed to compile it for sm_80"));
+            assert!(message.contains("undeclared_name"), "{message}");
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+}
