@@ -5,7 +5,7 @@
 //! simulated timeline of every step, time per decode step, tokens/s (decode-only and end
 //! to end as the papers measure it: generated tokens over prefill + decode time), busy
 //! share per stream and resource, and the analytical bounds for the same work.
-//! Guarantees: task times come only from the catalog's [`Work`](crate::ir::Work) and the
+//! Guarantees: task times come only from the catalog's [`Work`] and the
 //! profile; guarded (routing-dependent) tasks are assumed to run, which is the worst case
 //! for copies and, with the catalog's uniform-routing FLOPs, the average case for experts.
 

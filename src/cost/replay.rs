@@ -5,7 +5,7 @@
 //! [`RunStats`]; gives the HRM-simulated seconds of those steps, the mean decode (or
 //! mixed) step, the run's seconds and tokens/s. Guarantees: every per-micro-batch compute
 //! task is re-costed through the same path as the declared prediction
-//! ([`predict::Loads::Measured`]), copies keep their declared bytes (the runtime copies
+//! ([`crate::cost::predict::Loads::Measured`]), copies keep their declared bytes (the runtime copies
 //! whole declared slices), and each distinct load vector is simulated once.
 
 use super::hardware::HardwareProfile;

@@ -1,6 +1,6 @@
 //! The spanned abstract syntax tree of a `.sched` file.
 //!
-//! Takes nothing (plain data built by [`super::parse`]); gives owned nodes that carry the
+//! Takes nothing (plain data built by `syntax::parse`); gives owned nodes that carry the
 //! byte [`Span`] of the text they came from, so every later diagnostic can point at the
 //! source. Nothing here is evaluated: names are unresolved and expressions unevaluated.
 //!
