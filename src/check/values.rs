@@ -11,15 +11,14 @@
 //! - a value written under a run-time guard is read only under a guard implying it;
 //! - between `gate` and `combine` every expert is computed exactly once per layer and ub.
 
+use super::cells::{implies, new_cells, runs, union, write, Cell, Cells, Runs};
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, ExpertRef, ExpertSet, Op};
 use crate::ir::value::{checkpoint_pieces, Piece, Rows, Tensor};
-use crate::ir::{
-    Access, BufferKind, CheckpointLayout, Guard, GuardAtom, GuardLit, Program, TaskId,
-};
+use crate::ir::{Access, BufferKind, CheckpointLayout, Guard, Program, TaskId};
 use crate::syntax::ast::{Span, StepKind};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 /// Where a weight tensor a task reads sits: argument `arg`, `offset` bytes into its slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -30,126 +29,6 @@ pub struct WeightLocation {
     pub arg: u32,
     /// Byte offset inside that argument's slice.
     pub offset: u64,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-struct Cell {
-    end: u64,
-    piece: Option<Piece>,
-    writer: Option<TaskId>,
-    guard: Guard,
-}
-
-type Cells = BTreeMap<u64, Cell>;
-
-/// `(start, end, cell)` runs of a byte range.
-type Runs = Vec<(u64, u64, Cell)>;
-
-fn new_cells(bytes: u64) -> Cells {
-    let mut cells = BTreeMap::new();
-    cells.insert(
-        0,
-        Cell {
-            end: bytes.max(1),
-            piece: None,
-            writer: None,
-            guard: Guard::default(),
-        },
-    );
-    cells
-}
-
-fn split_at(cells: &mut Cells, pos: u64) {
-    let Some((&start, cell)) = cells.range(..=pos).next_back() else {
-        return;
-    };
-    if start < pos && pos < cell.end {
-        let mut right = cell.clone();
-        if let Some(piece) = &mut right.piece {
-            piece.offset += pos - start;
-        }
-        if let Some(left) = cells.get_mut(&start) {
-            left.end = pos;
-        }
-        cells.insert(pos, right);
-    }
-}
-
-/// `(start, end, cell)` runs of a range, clipped to it.
-fn runs(cells: &Cells, start: u64, end: u64) -> Vec<(u64, u64, Cell)> {
-    let mut out = Vec::new();
-    let first = cells.range(..=start).next_back().map_or(start, |(k, _)| *k);
-    for (&s, cell) in cells.range(first..end) {
-        let lo = s.max(start);
-        let hi = cell.end.min(end);
-        if lo < hi {
-            let mut c = cell.clone();
-            if let Some(piece) = &mut c.piece {
-                piece.offset += lo - s;
-            }
-            out.push((lo, hi, c));
-        }
-    }
-    out
-}
-
-fn write(cells: &mut Cells, start: u64, runs_in: Vec<(u64, u64, Cell)>) {
-    let Some(end) = runs_in.last().map(|r| r.1) else {
-        return;
-    };
-    split_at(cells, start);
-    split_at(cells, end);
-    let keys: Vec<u64> = cells.range(start..end).map(|(k, _)| *k).collect();
-    for k in keys {
-        cells.remove(&k);
-    }
-    for (lo, hi, mut cell) in runs_in {
-        cell.end = hi;
-        cells.insert(lo, cell);
-    }
-}
-
-/// Whether literal `a` implies literal `b` (`active(i, e, j)` implies `active(i, e)`).
-fn lit_implies(a: &GuardLit, b: &GuardLit) -> bool {
-    if a == b {
-        return true;
-    }
-    let (
-        GuardAtom::Active {
-            layer: la,
-            expert: ea,
-            ub: ua,
-        },
-        GuardAtom::Active {
-            layer: lb,
-            expert: eb,
-            ub: ub_b,
-        },
-    ) = (a.atom, b.atom);
-    if la != lb || ea != eb || a.negated != b.negated {
-        return false;
-    }
-    if a.negated {
-        ua.is_none() && ub_b.is_some()
-    } else {
-        ua.is_some() && ub_b.is_none()
-    }
-}
-
-/// Whether `reader` implies `writer` (every literal of the writer follows from the reader's).
-fn implies(reader: &Guard, writer: &Guard) -> bool {
-    writer
-        .lits
-        .iter()
-        .all(|w| reader.lits.iter().any(|r| lit_implies(r, w)))
-}
-
-fn union(a: &Guard, b: &Guard) -> Guard {
-    let mut lits = a.lits.clone();
-    lits.extend(b.lits.iter().copied());
-    lits.sort();
-    lits.dedup();
-    Guard { lits }
 }
 
 struct Tracker<'p> {

@@ -1,0 +1,246 @@
+//! Fields and methods of buffer slices: `.pre .o .gate .attn .post .dense .experts .embed
+//! .head`, `.expert(e)`, `.experts(a, b)`, `.page(p, n)`, `.share(a, b)`.
+//!
+//! Takes a slice value and the field or method; gives the sub-slice (bytes of the packed
+//! weights layout the buffer holds, from the model's checkpoint layout) or a diagnostic at
+//! the field or argument.
+
+use super::value::{as_int, check_index, Context, SliceVal, Val};
+use crate::diag::Diagnostic;
+use crate::ir::Layout;
+use crate::syntax::ast::{Expr, Span};
+
+fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
+    Val::Slice(SliceVal {
+        buffer: s.buffer,
+        start: s.start + start,
+        len,
+        layout,
+        dynamic_expert: None,
+    })
+}
+
+pub(super) fn field_of(
+    base: Val,
+    field: &str,
+    field_span: Span,
+    base_span: Span,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    let Val::Slice(s) = base else {
+        return Err(Diagnostic::type_mismatch(
+            base_span,
+            "a buffer slice",
+            base.type_name(),
+        ));
+    };
+    let layout = cx.checkpoint();
+    let fields: &[&str] = match s.layout {
+        Layout::Checkpoint => &["embed", "head"],
+        Layout::Layer => &["pre", "o", "gate", "attn", "post", "dense", "experts"],
+        Layout::Dense => &["pre", "o", "gate", "attn"],
+        _ => &[],
+    };
+    let (pre, o, gate) = (layout.pre_bytes, layout.o_bytes, layout.gate_bytes);
+    let experts = layout.experts * layout.expert_bytes;
+    let all_experts = Layout::Experts {
+        slots: layout.experts as u32,
+    };
+    match (s.layout, field) {
+        (Layout::Checkpoint, "embed") => Ok(sub_slice(s, 0, layout.embed_bytes, Layout::Raw)),
+        (Layout::Checkpoint, "head") => Ok(sub_slice(
+            s,
+            layout.head_offset(),
+            layout.head_bytes,
+            Layout::Raw,
+        )),
+        (Layout::Layer | Layout::Dense, "pre") => Ok(sub_slice(s, 0, pre, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "o") => Ok(sub_slice(s, pre, o, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "gate") => Ok(sub_slice(s, pre + o, gate, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "attn") => Ok(sub_slice(s, 0, pre + o, Layout::Raw)),
+        (Layout::Layer, "post") => Ok(sub_slice(s, pre, o + gate + experts, Layout::Raw)),
+        (Layout::Layer, "dense") => Ok(sub_slice(s, 0, layout.dense_bytes(), Layout::Dense)),
+        (Layout::Layer, "experts") => Ok(sub_slice(s, layout.dense_bytes(), experts, all_experts)),
+        _ if fields.is_empty() => Err(Diagnostic::type_mismatch(
+            field_span,
+            "a field of a structured slice (`W`, a layer, its dense part)",
+            "a field of unstructured bytes",
+        )),
+        _ => Err(Diagnostic::unknown_name(field_span, "field", field, fields)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn method_of(
+    base: Val,
+    method: &str,
+    method_span: Span,
+    base_span: Span,
+    span: Span,
+    args: &[Expr],
+    values: Vec<Val>,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    let Val::Slice(s) = base else {
+        return Err(Diagnostic::type_mismatch(
+            base_span,
+            "a buffer slice",
+            base.type_name(),
+        ));
+    };
+    let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
+    if s.dynamic_expert.is_some() {
+        return Err(Diagnostic::dynamic_not_allowed(
+            base_span,
+            "a slice inside a run-time expert",
+        ));
+    }
+    match method {
+        "page" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`page`", 2, values.len()));
+            }
+            let n = as_int(values[1].clone(), arg_span(1))?;
+            if n <= 0 {
+                return Err(Diagnostic::out_of_range(
+                    arg_span(1),
+                    "page count",
+                    n,
+                    "1 or more",
+                ));
+            }
+            let k = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                n as u64,
+                "page",
+                arg_span(0),
+            )?;
+            let n = n as u64;
+            let page = s.len.div_ceil(n);
+            let start = (k * page).min(s.len);
+            let end = ((k + 1) * page).min(s.len);
+            Ok(sub_slice(s, start, end - start, Layout::Raw))
+        }
+        "expert" => {
+            if values.len() != 1 {
+                return Err(Diagnostic::arity(span, "`expert`", 1, values.len()));
+            }
+            let layout = cx.checkpoint();
+            let (base, slots) = match s.layout {
+                Layout::Layer => (layout.dense_bytes(), layout.experts),
+                Layout::Experts { slots } => (0, u64::from(slots)),
+                _ => {
+                    return Err(Diagnostic::type_mismatch(
+                        method_span,
+                        "`.expert(e)` on a layer or an expert-slot buffer",
+                        "`.expert` on unstructured bytes",
+                    ))
+                }
+            };
+            match &values[0] {
+                Val::Expert(e) => {
+                    if s.layout != Layout::Layer {
+                        return Err(Diagnostic::dynamic_not_allowed(
+                            arg_span(0),
+                            "the expert slot of a buffer that is not a whole layer (`W[i]` or `layer_weights()`)",
+                        ));
+                    }
+                    Ok(Val::Slice(SliceVal {
+                        buffer: s.buffer,
+                        start: s.start + base,
+                        len: layout.expert_bytes,
+                        layout: Layout::Experts { slots: 1 },
+                        dynamic_expert: Some(*e),
+                    }))
+                }
+                other => {
+                    let e = check_index(
+                        as_int(other.clone(), arg_span(0))?,
+                        slots,
+                        "expert",
+                        arg_span(0),
+                    )?;
+                    Ok(sub_slice(
+                        s,
+                        base + e * layout.expert_bytes,
+                        layout.expert_bytes,
+                        Layout::Experts { slots: 1 },
+                    ))
+                }
+            }
+        }
+        "share" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`share`", 2, values.len()));
+            }
+            let mut bounds = [0u64; 2];
+            for (k, v) in values.iter().enumerate() {
+                let f = match v {
+                    Val::Int(i) => *i as f64,
+                    Val::Float(f) => *f,
+                    other => {
+                        return Err(Diagnostic::type_mismatch(
+                            arg_span(k),
+                            "a fraction in 0..=1",
+                            other.type_name(),
+                        ))
+                    }
+                };
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(Diagnostic::out_of_range(
+                        arg_span(k),
+                        "share bound (x1000)",
+                        (f * 1000.0) as i64,
+                        "0..=1000",
+                    ));
+                }
+                bounds[k] = (f * s.len as f64).floor() as u64;
+            }
+            let (lo, hi) = (bounds[0], bounds[1].max(bounds[0]));
+            Ok(sub_slice(s, lo, hi - lo, Layout::Raw))
+        }
+        "experts" => {
+            if values.len() != 2 {
+                return Err(Diagnostic::arity(span, "`experts`", 2, values.len()));
+            }
+            let layout = cx.checkpoint();
+            let (base, slots) = match s.layout {
+                Layout::Layer => (layout.dense_bytes(), layout.experts),
+                Layout::Experts { slots } => (0, u64::from(slots)),
+                _ => {
+                    return Err(Diagnostic::type_mismatch(
+                        method_span,
+                        "`.experts(a, b)` on a layer or an expert-slot buffer",
+                        "`.experts` on unstructured bytes",
+                    ))
+                }
+            };
+            let lo = as_int(values[0].clone(), arg_span(0))?;
+            let hi = as_int(values[1].clone(), arg_span(1))?;
+            if lo < 0 || hi < lo || hi as u64 > slots {
+                return Err(Diagnostic::out_of_range(
+                    arg_span(1),
+                    "expert range end",
+                    hi,
+                    &format!("{}..={slots}", lo.max(0)),
+                ));
+            }
+            let (lo, hi) = (lo as u64, hi as u64);
+            let slots_taken = Layout::Experts {
+                slots: (hi - lo) as u32,
+            };
+            Ok(sub_slice(
+                s,
+                base + lo * layout.expert_bytes,
+                (hi - lo) * layout.expert_bytes,
+                slots_taken,
+            ))
+        }
+        _ => Err(Diagnostic::unknown_name(
+            method_span,
+            "method",
+            method,
+            &["page", "share", "expert", "experts"],
+        )),
+    }
+}
