@@ -2,8 +2,9 @@
 //!
 //! Takes a step plan and a way to run a task; gives per-task start/end times, or the first
 //! failure. Each stream thread runs its instructions in order: `Wait` blocks on the
-//! step's event table (one mutex + condvar), `Run` runs the task (compute ops inside the
-//! stream's rayon pool), `Record` marks an event. Guarantees: on any failure every thread
+//! step's event table (one mutex; one condvar per stream, so recording an event wakes only
+//! the streams waiting for it, not every sleeping thread), `Run` runs the task (compute
+//! ops inside the stream's rayon pool), `Record` marks an event. Guarantees: on any failure every thread
 //! stops at its next instruction (waits wake up), all threads are joined before returning,
 //! and the first error is returned with the task's name and source span; a watchdog turns
 //! a wait with no progress anywhere for `watchdog` into [`ExecError::Stalled`].
@@ -70,6 +71,8 @@ pub struct TaskRecord {
 
 struct Events {
     recorded: Vec<bool>,
+    /// The event each stream is blocked on, if any.
+    waiting_on: Vec<Option<u32>>,
     aborted: bool,
     last_progress: Instant,
     error: Option<ExecError>,
@@ -106,11 +109,13 @@ pub fn run_step(
 ) -> Result<Vec<TaskRecord>, ExecError> {
     let events = Mutex::new(Events {
         recorded: vec![false; step.events.len()],
+        waiting_on: vec![None; step.programs.len()],
         aborted: false,
         last_progress: Instant::now(),
         error: None,
     });
-    let cond = Condvar::new();
+    let conds: Vec<Condvar> = step.programs.iter().map(|_| Condvar::new()).collect();
+    let cond = conds.as_slice();
     let mut records = Vec::new();
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
@@ -118,7 +123,7 @@ pub fn run_step(
             if program.is_empty() {
                 continue;
             }
-            let (events, cond) = (&events, &cond);
+            let events = &events;
             let builder =
                 std::thread::Builder::new().name(format!("moec-{}", plan.streams[s].name));
             let handle = builder
@@ -142,7 +147,7 @@ pub fn run_step(
                 Ok(r) => records.extend(r),
                 Err(_) => abort(
                     &events,
-                    &cond,
+                    cond,
                     ExecError::Thread("a stream thread panicked".into()),
                 ),
             }
@@ -155,13 +160,15 @@ pub fn run_step(
     }
 }
 
-fn abort(events: &Mutex<Events>, cond: &Condvar, error: ExecError) {
+fn abort(events: &Mutex<Events>, conds: &[Condvar], error: ExecError) {
     let mut ev = events.lock().unwrap_or_else(|e| e.into_inner());
     if ev.error.is_none() {
         ev.error = Some(error);
     }
     ev.aborted = true;
-    cond.notify_all();
+    for c in conds {
+        c.notify_all();
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -172,7 +179,7 @@ fn stream_thread(
     program: &[Instr],
     runner: &dyn TaskRunner,
     events: &Mutex<Events>,
-    cond: &Condvar,
+    conds: &[Condvar],
     options: ExecOptions,
     origin: Instant,
 ) -> Vec<TaskRecord> {
@@ -206,14 +213,16 @@ fn stream_thread(
                             span: plan.tasks.get(task).map(|t| t.span).unwrap_or_default(),
                         };
                         drop(ev);
-                        abort(events, cond, error);
+                        abort(events, conds, error);
                         return records;
                     }
                     let wait = options.watchdog - idle;
-                    ev = cond
+                    ev.waiting_on[stream] = Some(e.0);
+                    ev = conds[stream]
                         .wait_timeout(ev, wait)
                         .unwrap_or_else(|e| e.into_inner())
                         .0;
+                    ev.waiting_on[stream] = None;
                 }
             }
             Instr::Record(e) => {
@@ -221,7 +230,11 @@ fn stream_thread(
                 if let Some(r) = ev.recorded.get_mut(e.0 as usize) {
                     *r = true;
                 }
-                cond.notify_all();
+                for (s, waiting) in ev.waiting_on.iter().enumerate() {
+                    if *waiting == Some(e.0) {
+                        conds[s].notify_one();
+                    }
+                }
             }
             Instr::Run(t) => {
                 if events.lock().unwrap_or_else(|e| e.into_inner()).aborted {
@@ -248,7 +261,7 @@ fn stream_thread(
                         let task = &plan.tasks[t.index()];
                         abort(
                             events,
-                            cond,
+                            conds,
                             ExecError::Task {
                                 task: task.name.clone(),
                                 message,
