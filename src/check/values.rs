@@ -31,6 +31,21 @@ pub struct WeightLocation {
     pub offset: u64,
 }
 
+/// A run of bytes [`Tracker::expect_run`] checks.
+struct RunCheck<'a> {
+    cell: &'a Cell,
+    /// Its byte range in the buffer.
+    run: (u64, u64),
+    /// The tensor expected there.
+    tensor: &'a Tensor,
+    /// Where byte 0 of the tensor sits in the buffer.
+    origin: u64,
+    /// The argument's slice (start, len), for describing what the run holds instead.
+    slice: (u64, u64),
+    /// The expected tensor as the diagnostic names it.
+    label: &'a str,
+}
+
 struct Tracker<'p> {
     program: &'p Program,
     layout: CheckpointLayout,
@@ -436,31 +451,20 @@ impl Tracker<'_> {
                 if covered >= need {
                     break;
                 }
-                let ok = cell
-                    .piece
-                    .as_ref()
-                    .is_some_and(|p| p.tensor == *expected && p.offset == lo - start);
-                if !ok {
-                    let held = self.describe(cell, *lo, *hi, arg.slice.start, arg.slice.len);
-                    return Err(Diagnostic::wrong_value(
-                        arg_span,
-                        &self.program.task_name(task_id),
-                        buffer_name,
-                        &format!("{expected} (all of it)"),
-                        &held,
-                        self.writer_of(cell),
-                    ));
-                }
-                if !implies(guard, &cell.guard) {
-                    let writer = self.writer_of(cell).unwrap_or_default();
-                    return Err(Diagnostic::maybe_stale(
-                        arg_span,
-                        &self.program.task_name(task_id),
-                        buffer_name,
-                        &expected.to_string(),
-                        writer,
-                    ));
-                }
+                self.expect_run(
+                    RunCheck {
+                        cell,
+                        run: (*lo, *hi),
+                        tensor: expected,
+                        origin: start,
+                        slice: (arg.slice.start, arg.slice.len),
+                        label: &format!("{expected} (all of it)"),
+                    },
+                    arg_span,
+                    task_id,
+                    buffer_name,
+                    guard,
+                )?;
                 covered += hi - lo;
             }
             if covered < need {
@@ -552,31 +556,61 @@ impl Tracker<'_> {
             if lo - start >= need {
                 break;
             }
-            let ok = cell
-                .piece
-                .as_ref()
-                .is_some_and(|p| p.tensor == expected && p.offset == lo - start);
-            if !ok {
-                let held = self.describe(cell, *lo, *hi, start, len);
-                return Err(Diagnostic::wrong_value(
-                    arg_span,
-                    &self.program.task_name(task_id),
-                    buffer_name,
-                    &expected.to_string(),
-                    &held,
-                    self.writer_of(cell),
-                ));
-            }
-            if !implies(guard, &cell.guard) {
-                let writer = self.writer_of(cell).unwrap_or_default();
-                return Err(Diagnostic::maybe_stale(
-                    arg_span,
-                    &self.program.task_name(task_id),
-                    buffer_name,
-                    &expected.to_string(),
-                    writer,
-                ));
-            }
+            self.expect_run(
+                RunCheck {
+                    cell,
+                    run: (*lo, *hi),
+                    tensor: &expected,
+                    origin: start,
+                    slice: (start, len),
+                    label: &expected.to_string(),
+                },
+                arg_span,
+                task_id,
+                buffer_name,
+                guard,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One run of bytes an op reads must hold `tensor` at its offset from `origin`
+    /// (else `values::wrong`), written under a guard the reader's implies (else
+    /// `values::maybe_stale`).
+    fn expect_run(
+        &self,
+        c: RunCheck<'_>,
+        arg_span: Span,
+        task_id: TaskId,
+        buffer_name: &str,
+        guard: &Guard,
+    ) -> Result<(), Diagnostic> {
+        let (lo, hi) = c.run;
+        let ok = c
+            .cell
+            .piece
+            .as_ref()
+            .is_some_and(|p| p.tensor == *c.tensor && p.offset == lo - c.origin);
+        if !ok {
+            let held = self.describe(c.cell, lo, hi, c.slice.0, c.slice.1);
+            return Err(Diagnostic::wrong_value(
+                arg_span,
+                &self.program.task_name(task_id),
+                buffer_name,
+                c.label,
+                &held,
+                self.writer_of(c.cell),
+            ));
+        }
+        if !implies(guard, &c.cell.guard) {
+            let writer = self.writer_of(c.cell).unwrap_or_default();
+            return Err(Diagnostic::maybe_stale(
+                arg_span,
+                &self.program.task_name(task_id),
+                buffer_name,
+                &c.tensor.to_string(),
+                writer,
+            ));
         }
         Ok(())
     }
