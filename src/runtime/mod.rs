@@ -221,6 +221,55 @@ impl TaskRunner for Runner<'_> {
     }
 }
 
+/// Everything a step's [`Runner`] needs but the step state, which the driver mutates
+/// between steps.
+struct StepRunner<'a> {
+    plan: &'a ExecPlan,
+    arch: &'a ArchSpec,
+    rope: &'a RopeTable,
+    memory: &'a CpuMemory<'a>,
+    dtype: crate::model::card::WeightDtype,
+    gpu_pool: &'a rayon::ThreadPool,
+    cpu_pool: &'a rayon::ThreadPool,
+    kill: Option<(u32, u32)>,
+    kill_count: &'a AtomicU32,
+    exec: ExecOptions,
+    origin: Instant,
+}
+
+impl StepRunner<'_> {
+    /// Runs step `index` over `state`: (start, end) seconds from the origin and its tasks.
+    fn run(
+        &self,
+        state: &StepState,
+        index: usize,
+    ) -> Result<(f64, f64, Vec<TaskRecord>), ExecError> {
+        let runner = Runner {
+            plan: self.plan,
+            ctx: OpContext {
+                arch: self.arch,
+                rope: self.rope,
+                memory: self.memory,
+                state,
+                dtype: self.dtype,
+            },
+            gpu_pool: self.gpu_pool,
+            cpu_pool: self.cpu_pool,
+            kill: self.kill,
+            kill_count: self.kill_count,
+        };
+        let start = self.origin.elapsed().as_secs_f64();
+        let tasks = run_step(
+            self.plan,
+            &self.plan.steps[index],
+            &runner,
+            self.exec,
+            self.origin,
+        )?;
+        Ok((start, self.origin.elapsed().as_secs_f64(), tasks))
+    }
+}
+
 /// Capacities of each micro-batch in a step (token cap from the `h` arguments, KV tokens
 /// from the `kv` arguments of attention tasks anywhere in the plan).
 fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
@@ -370,24 +419,21 @@ pub fn generate(
     if gen_len == 0 {
         return Ok((outputs, stats));
     }
+    let steps = StepRunner {
+        plan,
+        arch: &arch,
+        rope: &rope,
+        memory: &memory,
+        dtype: card.dtype,
+        gpu_pool: &gpu_pool,
+        cpu_pool: &cpu_pool,
+        kill: options.kill_task,
+        kill_count: &kill_count,
+        exec: options.exec,
+        origin,
+    };
     if let Some(setup) = plan.steps.iter().position(|s| s.kind == StepKind::Setup) {
-        let runner = Runner {
-            plan,
-            ctx: OpContext {
-                arch: &arch,
-                rope: &rope,
-                memory: &memory,
-                state: &state,
-                dtype: card.dtype,
-            },
-            gpu_pool: &gpu_pool,
-            cpu_pool: &cpu_pool,
-            kill: options.kill_task,
-            kill_count: &kill_count,
-        };
-        let start = origin.elapsed().as_secs_f64();
-        let tasks = run_step(plan, &plan.steps[setup], &runner, options.exec, origin)?;
-        let end = origin.elapsed().as_secs_f64();
+        let (start, end, tasks) = steps.run(&state, setup)?;
         stats.steps.push(StepRecord {
             kind: StepKind::Setup,
             start,
@@ -495,24 +541,7 @@ pub fn generate(
                 prefill: !s.prompt_done,
             });
         }
-        let runner = Runner {
-            plan,
-            ctx: OpContext {
-                arch: &arch,
-                rope: &rope,
-                memory: &memory,
-                state: &state,
-                dtype: card.dtype,
-            },
-            gpu_pool: &gpu_pool,
-            cpu_pool: &cpu_pool,
-            kill: options.kill_task,
-            kill_count: &kill_count,
-        };
-        let start = origin.elapsed().as_secs_f64();
-        let result = run_step(plan, &plan.steps[step], &runner, options.exec, origin);
-        let tasks = result?;
-        let end = origin.elapsed().as_secs_f64();
+        let (start, end, tasks) = steps.run(&state, step)?;
         stats.steps.push(StepRecord {
             kind: plan.steps[step].kind,
             start,
