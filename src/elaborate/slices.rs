@@ -10,6 +10,32 @@ use crate::diag::Diagnostic;
 use crate::ir::Layout;
 use crate::syntax::ast::{Expr, Span};
 
+/// Where the expert slots of a slice start and how many there are: a layer's experts
+/// follow its dense part; an expert-slot buffer is all slots.
+fn expert_region(
+    s: &SliceVal,
+    layout: &crate::ir::CheckpointLayout,
+    method_span: Span,
+    method: &str,
+) -> Result<(u64, u64), Diagnostic> {
+    match s.layout {
+        Layout::Layer => Ok((layout.dense_bytes(), layout.experts)),
+        Layout::Experts { slots } => Ok((0, u64::from(slots))),
+        _ => {
+            let call = if method == "expert" {
+                "`.expert(e)`"
+            } else {
+                "`.experts(a, b)`"
+            };
+            Err(Diagnostic::type_mismatch(
+                method_span,
+                &format!("{call} on a layer or an expert-slot buffer"),
+                &format!("`.{method}` on unstructured bytes"),
+            ))
+        }
+    }
+}
+
 fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
     Val::Slice(SliceVal {
         buffer: s.buffer,
@@ -126,17 +152,7 @@ pub(super) fn method_of(
                 return Err(Diagnostic::arity(span, "`expert`", 1, values.len()));
             }
             let layout = cx.checkpoint();
-            let (base, slots) = match s.layout {
-                Layout::Layer => (layout.dense_bytes(), layout.experts),
-                Layout::Experts { slots } => (0, u64::from(slots)),
-                _ => {
-                    return Err(Diagnostic::type_mismatch(
-                        method_span,
-                        "`.expert(e)` on a layer or an expert-slot buffer",
-                        "`.expert` on unstructured bytes",
-                    ))
-                }
-            };
+            let (base, slots) = expert_region(&s, &layout, method_span, "expert")?;
             match &values[0] {
                 Val::Expert(e) => {
                     if s.layout != Layout::Layer {
@@ -204,17 +220,7 @@ pub(super) fn method_of(
                 return Err(Diagnostic::arity(span, "`experts`", 2, values.len()));
             }
             let layout = cx.checkpoint();
-            let (base, slots) = match s.layout {
-                Layout::Layer => (layout.dense_bytes(), layout.experts),
-                Layout::Experts { slots } => (0, u64::from(slots)),
-                _ => {
-                    return Err(Diagnostic::type_mismatch(
-                        method_span,
-                        "`.experts(a, b)` on a layer or an expert-slot buffer",
-                        "`.experts` on unstructured bytes",
-                    ))
-                }
-            };
+            let (base, slots) = expert_region(&s, &layout, method_span, "experts")?;
             let lo = as_int(values[0].clone(), arg_span(0))?;
             let hi = as_int(values[1].clone(), arg_span(1))?;
             if lo < 0 || hi < lo || hi as u64 > slots {
