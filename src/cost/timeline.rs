@@ -52,28 +52,32 @@ fn escape_xml(text: &str) -> String {
 impl Timeline {
     /// Seconds from the earliest start to the latest end.
     pub fn duration(&self) -> f64 {
+        let last = self.spans.iter().map(|s| s.end).fold(0.0f64, f64::max);
+        if self.spans.is_empty() {
+            0.0
+        } else {
+            last - self.origin()
+        }
+    }
+
+    /// The earliest start (0 for an empty timeline).
+    fn origin(&self) -> f64 {
         let first = self
             .spans
             .iter()
             .map(|s| s.start)
             .fold(f64::INFINITY, f64::min);
-        let last = self.spans.iter().map(|s| s.end).fold(0.0f64, f64::max);
-        if self.spans.is_empty() {
-            0.0
+        if first.is_finite() {
+            first
         } else {
-            last - first
+            0.0
         }
     }
 
     /// The spans overlapping `[from, to)` seconds (relative to the earliest start), clipped
     /// to it and shifted so the window starts at 0: a zoom for Gantt charts.
     pub fn window(&self, from: f64, to: f64) -> Timeline {
-        let origin = self
-            .spans
-            .iter()
-            .map(|s| s.start)
-            .fold(f64::INFINITY, f64::min);
-        let origin = if origin.is_finite() { origin } else { 0.0 };
+        let origin = self.origin();
         let spans = self
             .spans
             .iter()
@@ -139,12 +143,7 @@ impl Timeline {
         let legend_rows = ops.len().div_ceil(4).max(1) as f64;
         let axis_y = top + rows * row_height;
         let height = axis_y + 40.0 + legend_rows * 20.0 + 10.0;
-        let origin = self
-            .spans
-            .iter()
-            .map(|s| s.start)
-            .fold(f64::INFINITY, f64::min);
-        let origin = if origin.is_finite() { origin } else { 0.0 };
+        let origin = self.origin();
         let duration = self.duration().max(1e-12);
         let x_of = |t: f64| label_width + (t - origin) / duration * plot_width;
         let colour =

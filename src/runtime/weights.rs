@@ -131,17 +131,21 @@ impl WeightMap {
         self.pieces.insert(start, piece);
     }
 
+    /// Start of the piece that covers `start` (the first one that can overlap a range
+    /// beginning there), or `start` itself.
+    fn first_at(&self, start: u64) -> u64 {
+        self.pieces
+            .range(..=start)
+            .next_back()
+            .map_or(start, |(s, _)| *s)
+    }
+
     /// Labels within `[start, start + len)`, clipped, as `(offset from start, len, tag,
     /// tag offset)`.
     pub fn labels_in(&self, start: u64, len: u64) -> Vec<(u64, u64, WeightTag, u64)> {
         let end = start + len;
         let mut out = Vec::new();
-        let first = self
-            .pieces
-            .range(..=start)
-            .next_back()
-            .map(|(s, _)| *s)
-            .unwrap_or(start);
+        let first = self.first_at(start);
         for (&s, p) in self.pieces.range(first..end) {
             let (lo, hi) = (s.max(start), (s + p.len).min(end));
             if lo < hi {
@@ -155,12 +159,7 @@ impl WeightMap {
     /// absolute start byte.
     pub fn find_whole(&self, start: u64, len: u64, tag: WeightTag, tag_len: u64) -> Option<u64> {
         let end = start + len;
-        let first = self
-            .pieces
-            .range(..=start)
-            .next_back()
-            .map(|(s, _)| *s)
-            .unwrap_or(start);
+        let first = self.first_at(start);
         self.pieces
             .range(first..end)
             .find(|(s, p)| {
