@@ -13,7 +13,7 @@ use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::kernels::attention::{attention, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
 use crate::model::kernels::kv_cache::{KvError, KvLayout, PagedKvCache};
-use crate::model::kernels::moe::{combine, expert_ffn, gate};
+use crate::model::kernels::moe::moe_block;
 use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::sampling::{log_prob, sample, Sampling};
@@ -188,7 +188,6 @@ impl<'a> Oracle<'a> {
         let mut x_norm = vec![0.0f32; n * d];
         let mut qkv = vec![0.0f32; n * a.attn.qkv_width()];
         let mut attn_out = vec![0.0f32; n * a.q_dim()];
-        let mut slots = vec![0.0f32; n * a.top_k * d];
         let attn_seqs: Vec<AttnSeq<'_>> = seqs
             .iter()
             .map(|s| AttnSeq {
@@ -216,11 +215,13 @@ impl<'a> Oracle<'a> {
             )
             .map_err(KernelError::from)?;
             o_proj_residual(a, &layer.dense, &attn_out, &mut x)?;
-            let routing = gate(a, &layer.dense, &x, &mut x_norm)?;
-            for (expert_idx, rows) in routing.by_expert(a.experts).iter().enumerate() {
-                expert_ffn(a, &layer.experts[expert_idx], &x_norm, rows, &mut slots)?;
-            }
-            combine(&routing, &slots, &mut x)?;
+            moe_block(a, &layer.dense, &mut x, |e| {
+                layer.experts.get(e).cloned().ok_or(KernelError::Shape {
+                    what: "expert index",
+                    expected: layer.experts.len(),
+                    got: e,
+                })
+            })?;
         }
         let mut last = Vec::with_capacity(seqs.len() * d);
         let mut row = 0;

@@ -18,7 +18,7 @@ use crate::model::card::Family;
 use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
 use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
-use crate::model::kernels::moe::{combine, expert_ffn, gate, Routing};
+use crate::model::kernels::moe::{combine, expert_ffn, gate, moe_block, Routing};
 use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::sampling::sample;
@@ -251,17 +251,7 @@ impl OpContext<'_> {
                 let merged = self.merge_attention_rows(ub, &a_args)?;
                 let h = self.act_mut(need(Role::H)?, "h", n * d)?;
                 o_proj_residual(self.arch, &dense, &merged, h)?;
-                let mut x_norm = vec![0.0f32; n * d];
-                let routing = gate(self.arch, &dense, h, &mut x_norm)?;
-                let mut slots = vec![0.0f32; n * self.arch.top_k * d];
-                for (e, rows) in routing.by_expert(self.arch.experts).iter().enumerate() {
-                    if rows.is_empty() {
-                        continue;
-                    }
-                    let expert = self.expert(&weights, layer, e)?;
-                    expert_ffn(self.arch, &expert, &x_norm, rows, &mut slots)?;
-                }
-                combine(&routing, &slots, h)?;
+                let routing = moe_block(self.arch, &dense, h, |e| self.expert(&weights, layer, e))?;
                 lock(&self.state.routing).insert((layer, ub), routing);
             }
             Op::LmHead { ub } => {

@@ -174,6 +174,31 @@ pub fn expert_ffn(
     Ok(())
 }
 
+/// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
+/// [`expert_ffn`] for every expert some row routes to (in expert order; `expert(e)` gives
+/// its weights and is called for those experts only), then [`combine`] into `x`. Returns
+/// the routing. The oracle and the runtime's fused `post_attn` both run exactly this.
+pub fn moe_block<'w, E>(
+    arch: &ArchSpec,
+    dense: &DenseWeights<'_>,
+    x: &mut [f32],
+    mut expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
+) -> Result<Routing, E>
+where
+    E: From<KernelError>,
+{
+    let mut x_norm = vec![0.0f32; x.len()];
+    let routing = gate(arch, dense, x, &mut x_norm)?;
+    let mut slots = vec![0.0f32; x.len() * arch.top_k];
+    for (e, rows) in routing.by_expert(arch.experts).iter().enumerate() {
+        if !rows.is_empty() {
+            expert_ffn(arch, &expert(e)?, &x_norm, rows, &mut slots)?;
+        }
+    }
+    combine(&routing, &slots, x)?;
+    Ok(routing)
+}
+
 /// `residual += Σ slots` per row, the slots summed in ascending expert index starting
 /// from zero (as Hugging Face's `index_add` loop over experts does).
 pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result<(), KernelError> {
