@@ -6,16 +6,29 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use moec::compile::{compile, Options};
 use moec::ir::Workload;
+use moec::ir::{StreamId, TaskId};
+use moec::lower::EventId;
 use moec::lower::{lower, ExecPlan, Instr, LowerOptions};
 use moec::model::card::ModelCard;
-use moec::runtime::executor::{run_step, ExecOptions, TaskRunner};
+use moec::runtime::driver::executor::{run_step, ExecOptions, StreamOps};
+use moec::runtime::BackendError;
 use std::time::Instant;
 
+/// A backend that does nothing: every instruction succeeds at once.
 struct NoWork;
 
-impl TaskRunner for NoWork {
-    fn run_task(&self, _task: u32) -> Result<bool, String> {
+impl StreamOps for NoWork {
+    fn run_task(&self, _stream: StreamId, _task: TaskId) -> Result<bool, BackendError> {
         Ok(true)
+    }
+    fn record(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn wait(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn read_routing(&self, _stream: StreamId, _gate: TaskId) -> Result<(), BackendError> {
+        Ok(())
     }
 }
 

@@ -307,3 +307,76 @@ fn an_after_naming_a_missing_task_is_an_error() {
         "{errors:?}"
     );
 }
+
+/// Every `.rs` file under `src/<dir>`, with its text.
+fn sources_under(dir: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    let mut dirs = vec![std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src")
+        .join(dir)];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                found.push((path.display().to_string(), text));
+            }
+        }
+    }
+    assert!(!found.is_empty(), "no sources under src/{dir}");
+    found
+}
+
+/// The files of `dir` that name `module` in a path (`crate::module` or `moec::module`).
+fn importers(dir: &str, module: &str) -> Vec<String> {
+    sources_under(dir)
+        .into_iter()
+        .filter(|(_, text)| {
+            text.lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .any(|l| l.contains(&format!("crate::{module}")))
+        })
+        .map(|(path, _)| path)
+        .collect()
+}
+
+/// Issue 10's layering: the back half of the compiler and the runtime never depend on the
+/// parser, cost and runtime never import each other, and the driver names no backend.
+#[test]
+fn stages_import_only_what_the_layering_allows() {
+    for dir in ["lower", "runtime", "check", "cost"] {
+        assert_eq!(
+            importers(dir, "syntax"),
+            Vec::<String>::new(),
+            "src/{dir} imports syntax"
+        );
+    }
+    assert_eq!(importers("cost", "runtime"), Vec::<String>::new());
+    assert_eq!(importers("runtime", "cost"), Vec::<String>::new());
+    for (path, text) in sources_under("runtime/driver") {
+        for cpu_name in [
+            "runtime::cpu",
+            "super::cpu",
+            "CpuBackend",
+            "CpuMemory",
+            "rayon::",
+        ] {
+            assert!(
+                !text.contains(cpu_name),
+                "{path} names the CPU backend ({cpu_name})"
+            );
+        }
+    }
+    let cudarc_users: Vec<String> = sources_under("")
+        .into_iter()
+        .filter(|(path, text)| !path.contains("runtime/cuda") && text.contains("cudarc"))
+        .map(|(path, _)| path)
+        .collect();
+    assert_eq!(
+        cudarc_users,
+        Vec::<String>::new(),
+        "cudarc outside the CUDA backend"
+    );
+}

@@ -7,7 +7,7 @@ use moec::cost::predict::{predict, CostSettings, DecodeContext};
 use moec::cost::replay::{predict_run, predict_step_at};
 use moec::ir::{TaskId, Workload};
 use moec::model::card::ModelCard;
-use moec::runtime::{RunStats, StepRecord, UbLoad};
+use moec::records::{RunStats, StepRecord, UbLoad};
 use moec::syntax::ast::StepKind;
 
 /// Two micro-batches of two sequences, every task on one CPU stream over host buffers, so

@@ -7,9 +7,11 @@
 //! `pip install nvidia-cuda-nvrtc-cu12` and point `LD_LIBRARY_PATH` at the wheel's
 //! `nvidia/cuda_nvrtc/lib`.
 
-use moec::cuda::detect::{detect, libraries};
-use moec::cuda::kernels::{compile_all, compile_kernel, KernelSource, DEFAULT_ARCH, KERNELS};
-use moec::cuda::CudaError;
+use moec::runtime::cuda::detect::{detect, libraries};
+use moec::runtime::cuda::kernels::{
+    compile_all, compile_kernel, KernelSource, DEFAULT_ARCH, KERNELS,
+};
+use moec::runtime::cuda::CudaError;
 use std::process::Command;
 
 fn moec(args: &[&str]) -> std::process::Output {

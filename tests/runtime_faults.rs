@@ -9,9 +9,10 @@ use moec::lower::{lower, ExecPlan, Instr, LowerOptions};
 use moec::model::card::ModelCard;
 use moec::model::checkpoint::Checkpoint;
 use moec::model::synth::{write_checkpoint, SynthOptions};
-use moec::runtime::cpu::{MemoryError, MemoryOptions};
-use moec::runtime::executor::ExecError;
+use moec::runtime::cpu::memory::MemoryError;
+use moec::runtime::cpu::CpuSetupError;
 use moec::runtime::{generate, RunError, RunOptions};
+use moec::runtime::{BackendError, ExecError};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -94,14 +95,13 @@ fn killed_task_stops_the_run_with_its_name_and_span() {
     assert!(started.elapsed() < Duration::from_secs(30));
     let RunError::Exec(ExecError::Task {
         task,
-        message,
+        source: BackendError::Killed,
         span,
     }) = err
     else {
         panic!("expected a task error, got {err}")
     };
     assert!(task.contains("attn(layer=1, ub=0"), "{task}");
-    assert!(message.contains("killed"), "{message}");
     let text = &source[span.start as usize..span.end as usize];
     assert!(text.starts_with("attn("), "span points at {text:?}");
 }
@@ -143,10 +143,7 @@ fn a_stalled_plan_is_a_watchdog_error() {
 fn device_capacity_and_prompt_admission_are_checked() {
     let (_dir, checkpoint, plan, _) = setup();
     let mut options = RunOptions::greedy(2);
-    options.memory = MemoryOptions {
-        gpu_capacity: Some(4096),
-        link_gbps: None,
-    };
+    options.backend.gpu_capacity = Some(4096);
     let err = expect_err(generate(
         &plan,
         &checkpoint,
@@ -154,10 +151,16 @@ fn device_capacity_and_prompt_admission_are_checked() {
         &options,
         &mut |_, _| {},
     ));
+    let RunError::Backend(BackendError::Setup(setup)) = &err else {
+        panic!("expected a backend setup error, got {err}");
+    };
     assert!(
         matches!(
-            err,
-            RunError::Memory(MemoryError::GpuCapacity { capacity: 4096, .. })
+            setup.downcast_ref::<CpuSetupError>(),
+            Some(CpuSetupError::Memory(MemoryError::GpuCapacity {
+                capacity: 4096,
+                ..
+            }))
         ),
         "{err}"
     );

@@ -150,8 +150,8 @@ fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<
         };
         let mut run = RunOptions::greedy(case.gen_len);
         run.stop_at_eos = false;
-        run.threads = 1;
-        run.memory.gpu_capacity = capacity;
+        run.backend.threads = 1;
+        run.backend.gpu_capacity = capacity;
         match generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}) {
             Ok((outputs, stats)) => {
                 preemptions += stats.preemptions;

@@ -50,6 +50,14 @@ fn assert_orders_every_dependency(plan: &ExecPlan) {
                         run_at.insert(t.0, (s, i));
                     }
                     Instr::Wait(_) => {}
+                    Instr::ReadRouting(g) => {
+                        // The read-back follows its gate directly on the gate's stream,
+                        // before any event recorded after the gate.
+                        assert!(
+                            i > 0 && prog[i - 1] == Instr::Run(*g),
+                            "ReadRouting({g}) does not follow Run({g}) on stream {s}"
+                        );
+                    }
                 }
             }
         }

@@ -8,6 +8,7 @@
 
 mod cells;
 pub mod lints;
+pub mod routing;
 pub mod structure;
 pub mod values;
 
@@ -73,6 +74,7 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
     let dag = deps::build(program);
     let (value_diags, weight_locations) = values::check(program);
     diags.extend(value_diags);
+    routing::check(program, &dag, &mut diags);
     lints::check(program, &dag, &mut diags);
     let diags = dedupe(diags);
     if diags.iter().any(Diagnostic::is_error) {

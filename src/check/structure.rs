@@ -47,7 +47,7 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
         let step_kind = program
             .steps
             .get(task.step.index())
-            .map_or(crate::syntax::ast::StepKind::Decode, |s| s.kind);
+            .map_or(crate::ir::StepKind::Decode, |s| s.kind);
         if !is_copy && !stream.engine.is_compute() {
             diags.push(Diagnostic::op_engine(
                 span,

@@ -15,8 +15,9 @@ use super::cells::{implies, new_cells, runs, union, write, Cell, Cells, Runs};
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, ExpertRef, ExpertSet, Op};
 use crate::ir::value::{checkpoint_pieces, Piece, Rows, Tensor};
+use crate::ir::StepKind;
 use crate::ir::{Access, BufferKind, CheckpointLayout, Guard, Program, TaskId};
-use crate::syntax::ast::{Span, StepKind};
+use crate::span::Span;
 use serde::Serialize;
 use std::collections::HashMap;
 

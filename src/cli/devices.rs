@@ -6,10 +6,10 @@
 //! gives the one-line refusal `moec run --backend cuda` reports.
 
 use super::generate::fail;
-use crate::cuda::detect::{detect, CudaStatus};
-use crate::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
-use crate::cuda::CudaError;
 use crate::model::kernels::simd::avx512_available;
+use crate::runtime::cuda::detect::{detect, CudaStatus};
+use crate::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
+use crate::runtime::cuda::CudaError;
 use std::process::ExitCode;
 
 /// Arguments of `moec devices` (none).

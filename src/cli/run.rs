@@ -27,10 +27,11 @@ use crate::lower::{lower, ExecPlan, LowerOptions};
 use crate::model::card::ModelCard;
 use crate::model::source::load_model;
 use crate::model::Sampling;
-use crate::runtime::cpu::MemoryOptions;
-use crate::runtime::report::{summarize, timeline, RunReport};
-use crate::runtime::workload::WorkloadSpec;
-use crate::runtime::{generate, RunError, RunOptions, RunStats};
+use crate::records::RunStats;
+use crate::runtime::driver::report::{summarize, timeline, RunReport};
+use crate::runtime::driver::workload::WorkloadSpec;
+use crate::runtime::BackendOptions;
+use crate::runtime::{generate, RunError, RunOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -239,11 +240,12 @@ pub fn execute(
     };
     run.seed = args.seed;
     if let Some(t) = args.settings.threads {
-        run.threads = t.max(1);
+        run.backend.threads = t.max(1);
     }
-    run.memory = MemoryOptions {
+    run.backend = BackendOptions {
         link_gbps: args.settings.link_gbps,
         gpu_capacity,
+        ..run.backend
     };
     run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
     run.kill_task = args
@@ -479,7 +481,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
     if let Some(path) = &args.trace {
         let title = format!(
             "measured: {} on {}",
-            finished.plan.name, finished.plan.program.model.name
+            finished.plan.name, finished.plan.model.name
         );
         let trace = timeline(&finished.plan, &finished.stats, &title).to_chrome_trace();
         if let Err(e) = write_atomic(path, &trace.to_string()) {

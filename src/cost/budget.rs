@@ -15,8 +15,8 @@
 use super::hardware::{HardwareProfile, Level, GB};
 use super::predict::buffer_classes;
 use crate::ir::catalog;
+use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, Program, Space, TaskId};
-use crate::syntax::ast::StepKind;
 use serde::Serialize;
 use std::fmt;
 

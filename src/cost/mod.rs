@@ -13,7 +13,6 @@ pub mod predict;
 pub mod probe;
 pub mod replay;
 pub mod sim;
-pub mod timeline;
 pub mod workloads;
 
 pub use hardware::{ComputeDtype, HardwareError, HardwareProfile, Level, Processor};

@@ -11,8 +11,8 @@
 //! throughput keeps rising up to the memory limit). Guarantees: every value tried is inside
 //! its declared range; each distinct point is evaluated once; the result is deterministic.
 
+use crate::ir::ParamType;
 use crate::ir::{Param, Scalar};
-use crate::syntax::ast::ParamType;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::HashMap;

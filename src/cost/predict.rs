@@ -13,11 +13,11 @@ use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
-use super::timeline::{Span, Timeline};
 use crate::ir::catalog::{self, AttnPart, Shape, ACT_BYTES};
+use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId, Work};
-use crate::runtime::UbLoad;
-use crate::syntax::ast::StepKind;
+use crate::records::timeline::{Span, Timeline};
+use crate::records::UbLoad;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

@@ -13,9 +13,9 @@ use super::predict::{
     buffer_classes, simulate_step, simulate_step_times, task_kind, CostSettings, Loads,
     PredictError, StepPrediction,
 };
+use crate::ir::StepKind;
 use crate::ir::{Program, TaskId};
-use crate::runtime::{RunStats, UbLoad};
-use crate::syntax::ast::StepKind;
+use crate::records::{RunStats, UbLoad};
 use serde::Serialize;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -187,7 +187,7 @@ pub fn predict_run(
         let predicted = *predicted;
         let first = program.steps[index].first as usize;
         for task in record.tasks.iter().filter(|t| t.ran) {
-            let id = task.task as usize;
+            let id = task.task.index();
             let (Some(op), Some(&time)) = (op_of.get(id), times.get(id.wrapping_sub(first))) else {
                 continue;
             };

@@ -59,6 +59,8 @@ pub enum Code {
     ValuesGuarded,
     /// Experts not computed exactly once per layer and micro-batch.
     ValuesExpertCoverage,
+    /// A guard reads routing that no gate ordered before its task has produced.
+    ValuesRoutingUnknown,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -73,7 +75,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 32] = [
+    pub const ALL: [Code; 33] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -101,6 +103,7 @@ impl Code {
         Code::ValuesUninitialized,
         Code::ValuesGuarded,
         Code::ValuesExpertCoverage,
+        Code::ValuesRoutingUnknown,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -138,6 +141,7 @@ impl Code {
             Code::ValuesUninitialized => "values::uninitialized",
             Code::ValuesGuarded => "values::guarded",
             Code::ValuesExpertCoverage => "values::expert_coverage",
+            Code::ValuesRoutingUnknown => "values::routing_unknown",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",

@@ -12,7 +12,7 @@ mod render;
 pub use codes::Code;
 pub use render::{render, render_all};
 
-use crate::syntax::ast::Span;
+use crate::span::Span;
 
 /// Error or warning.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
@@ -524,6 +524,22 @@ impl Diagnostic {
         Diagnostic::new(Code::ValuesExpertCoverage, format!("layer {layer}, ub {ub}: {problem}"))
             .label(span, "combined here")
             .help("each expert must be computed exactly once between `gate` and `combine`: `set = all`, ranges covering 0..experts, or `hot(i, r)` for every rank r")
+    }
+
+    /// A guard that reads the routing of a layer before any gate of that layer (and
+    /// micro-batch) is ordered before its task.
+    pub fn routing_unknown(span: Span, task: &str, layer: u32, ubs: &[u32], step: &str) -> Self {
+        let which = ubs
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        Diagnostic::new(
+            Code::ValuesRoutingUnknown,
+            format!("task {task} is guarded by the routing of layer {layer}, but no gate of layer {layer} for micro-batch {which} is ordered before it in this `{step}` step"),
+        )
+        .label(span, "decided from routing that is not known yet")
+        .help("order the task after the gate (a data dependency, or `after` naming the gate task) so its routing is read back to the host first")
     }
 
     // ---- lints --------------------------------------------------------------------

@@ -18,13 +18,15 @@ pub mod deps;
 pub mod emit;
 
 mod ids;
+mod kinds;
 pub mod value;
 
 pub use catalog::{AttnPart, ExpertRef, ExpertSet, Op, Shape, Work};
 pub use ids::{BufferId, ParamId, StepId, StreamId, TaskId};
+pub use kinds::{ParamType, StepKind};
 
 use crate::model::card::ModelCard;
-use crate::syntax::ast::{ParamType, Span, StepKind};
+use crate::span::Span;
 use serde::{Deserialize, Serialize};
 
 /// An elaborated schedule: everything bound, unrolled and resolved.

@@ -22,11 +22,13 @@
 //!   maps it from the weights file); an arena larger than its capacity is an error.
 
 use crate::check::ScheduleInfo;
+use crate::ir::StepKind;
 use crate::ir::{
-    self, Access, BufferId, BufferKind, Engine, ExpertRef, Guard, Op, Program, Role, Shape, Space,
-    StepId, TaskId,
+    self, Access, BufferId, BufferKind, CheckpointLayout, Engine, ExpertRef, Guard, GuardAtom,
+    MicroBatches, Op, Program, Role, Shape, Space, StepId, StreamId, TaskId, Workload,
 };
-use crate::syntax::ast::{Span, StepKind};
+use crate::model::card::ModelCard;
+use crate::span::Span;
 use serde::Serialize;
 
 /// Alignment of every buffer inside its arena (a cache line; also enough for any SIMD load).
@@ -46,6 +48,13 @@ pub enum Instr {
     Record(EventId),
     /// Block until an event is recorded.
     Wait(EventId),
+    /// Bring the routing a `gate` task (run just before on this stream) wrote into its
+    /// `route` argument back to the host, where guards and `hot(..)` read it: a no-op on
+    /// the CPU, a device-to-host copy on a device. Lowering emits one after every gate
+    /// whose routing some guard or `hot(..)` of the plan needs, before any event the
+    /// stream records after the gate, so every task ordered after the gate also finds its
+    /// routing on the host.
+    ReadRouting(TaskId),
 }
 
 /// Where a buffer lives.
@@ -111,7 +120,7 @@ pub struct PlanTask {
     /// The engine of its stream.
     pub engine: Engine,
     /// Index into [`ExecPlan::streams`].
-    pub stream: u32,
+    pub stream: StreamId,
     /// The step it belongs to.
     pub step: StepId,
     /// Its arguments.
@@ -140,6 +149,10 @@ pub struct StepPlan {
     /// Prefill, decode or mixed.
     #[serde(serialize_with = "ser_kind")]
     pub kind: StepKind,
+    /// Its tasks: `tasks[first..first + count]` of the plan.
+    pub first: u32,
+    /// Number of tasks.
+    pub count: u32,
     /// One instruction list per stream (indexed like [`ExecPlan::streams`]).
     pub programs: Vec<Vec<Instr>>,
     /// Events this step uses: `events[e]` is the task after which event `e` is recorded.
@@ -155,9 +168,16 @@ fn ser_kind<S: serde::Serializer>(kind: &StepKind, s: S) -> Result<S::Ok, S::Err
 pub struct ExecPlan {
     /// The schedule's name.
     pub name: String,
-    /// The program it was lowered from (model, workload, micro-batches, params).
+    /// The model card the plan was compiled for (the backend's kernels and weights).
     #[serde(skip)]
-    pub program: Program,
+    pub model: ModelCard,
+    /// The packed layout of the checkpoint `W` that weight slices address.
+    #[serde(skip)]
+    pub checkpoint: CheckpointLayout,
+    /// Micro-batches: how many, and the worst case each was sized for.
+    pub micro_batches: MicroBatches,
+    /// The workload the sizes assume (the driver's longest prompt for KV blocks).
+    pub workload: Workload,
     /// Streams.
     pub streams: Vec<PlanStream>,
     /// Tasks, indexed by [`TaskId`].
@@ -306,9 +326,10 @@ pub(crate) fn lower_with_preds(
     }
     let (buffers, arenas) = place_buffers(program, options)?;
     let tasks = plan_tasks(program);
+    let readback = RoutingNeeds::of(program);
     let mut steps = Vec::with_capacity(program.steps.len());
     for step in &program.steps {
-        steps.push(lower_step(program, step, preds)?);
+        steps.push(lower_step(program, step, preds, &readback)?);
     }
     let streams = program
         .streams
@@ -320,7 +341,10 @@ pub(crate) fn lower_with_preds(
         .collect();
     Ok(ExecPlan {
         name: program.name.clone(),
-        program: program.clone(),
+        model: program.model.clone(),
+        checkpoint: program.checkpoint(),
+        micro_batches: program.micro_batches,
+        workload: program.workload,
         streams,
         tasks,
         buffers,
@@ -410,7 +434,7 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
                 name: program.task_name(id),
                 op: task.op,
                 engine: program.stream(task.stream).engine,
-                stream: task.stream.0,
+                stream: task.stream,
                 step: task.step,
                 args: task
                     .args
@@ -435,10 +459,65 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
 /// A vector clock: per stream, how many of its tasks (of this step) are known finished.
 type Clock = Vec<u32>;
 
+/// Which gates' routing the host needs: guards name a layer (and a micro-batch, or any),
+/// and `hot(..)` ranks experts from the routing of every layer (its predictor learns from
+/// all of them), so a plan that uses `hot` reads every gate back.
+struct RoutingNeeds {
+    every_gate: bool,
+    /// `(layer, Some(ub))` or `(layer, None)` for "any micro-batch".
+    guarded: std::collections::HashSet<(u32, Option<u32>)>,
+}
+
+impl RoutingNeeds {
+    fn of(program: &Program) -> Self {
+        let mut needs = RoutingNeeds {
+            every_gate: false,
+            guarded: Default::default(),
+        };
+        let note_expert = |needs: &mut RoutingNeeds, e: ExpertRef| {
+            if matches!(e, ExpertRef::Hot { .. }) {
+                needs.every_gate = true;
+            }
+        };
+        for task in &program.tasks {
+            for lit in &task.guard.lits {
+                let GuardAtom::Active { layer, expert, ub } = lit.atom;
+                needs.guarded.insert((layer, ub));
+                note_expert(&mut needs, expert);
+            }
+            for arg in &task.args {
+                if let Some(e) = arg.slice.dynamic_expert {
+                    note_expert(&mut needs, e);
+                }
+            }
+            if let Op::Experts {
+                set: ir::ExpertSet::One(e),
+                ..
+            } = task.op
+            {
+                note_expert(&mut needs, e);
+            }
+        }
+        needs
+    }
+
+    fn wants(&self, op: Op) -> bool {
+        match op {
+            Op::Gate { layer, ub } => {
+                self.every_gate
+                    || self.guarded.contains(&(layer, Some(ub)))
+                    || self.guarded.contains(&(layer, None))
+            }
+            _ => false,
+        }
+    }
+}
+
 fn lower_step(
     program: &Program,
     step: &ir::Step,
     preds: &[Vec<TaskId>],
+    readback: &RoutingNeeds,
 ) -> Result<StepPlan, LowerError> {
     let n_streams = program.streams.len();
     let first = step.first as usize;
@@ -513,12 +592,17 @@ fn lower_step(
             }
         }
         programs[s].push(Instr::Run(id));
+        if readback.wants(program.task(id).op) {
+            programs[s].push(Instr::ReadRouting(id));
+        }
         if let Some(e) = event_of[k] {
             programs[s].push(Instr::Record(e));
         }
     }
     Ok(StepPlan {
         kind: step.kind,
+        first: step.first,
+        count: step.count,
         programs,
         events,
     })
@@ -569,6 +653,9 @@ pub fn render(plan: &ExecPlan) -> String {
                     Instr::Run(t) => write!(out, " run {}", plan.tasks[t.index()].name),
                     Instr::Record(e) => write!(out, " ; record e{}", e.0),
                     Instr::Wait(e) => write!(out, " ; wait e{} ;", e.0),
+                    Instr::ReadRouting(t) => {
+                        write!(out, " ; read routing of {}", plan.tasks[t.index()].name)
+                    }
                 };
             }
             let _ = writeln!(out);

@@ -36,42 +36,8 @@
 //! `.share(a, b)`. Model (`layers experts top_k hidden ffn heads kv_heads head_dim vocab`)
 //! and workload (`batch prompt_len gen_len`) symbols are in scope.
 
-/// A byte range `[start, end)` in the source text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
-pub struct Span {
-    /// First byte.
-    pub start: u32,
-    /// One past the last byte.
-    pub end: u32,
-}
-
-impl Span {
-    /// A span from byte offsets (saturating at `u32::MAX`; files that large are rejected earlier).
-    pub fn new(start: usize, end: usize) -> Span {
-        Span {
-            start: start.min(u32::MAX as usize) as u32,
-            end: end.min(u32::MAX as usize) as u32,
-        }
-    }
-
-    /// The smallest span covering both.
-    pub fn join(self, other: Span) -> Span {
-        Span {
-            start: self.start.min(other.start),
-            end: self.end.max(other.end),
-        }
-    }
-
-    /// Length in bytes.
-    pub fn len(self) -> usize {
-        (self.end - self.start) as usize
-    }
-
-    /// True for an empty span.
-    pub fn is_empty(self) -> bool {
-        self.end == self.start
-    }
-}
+pub use crate::ir::{ParamType, StepKind};
+pub use crate::span::Span;
 
 /// A name with the span where it is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,28 +76,6 @@ pub enum Item {
     Step(StepDecl),
     /// A top-level `let`, visible to everything after it.
     Let(LetStmt),
-}
-
-/// The declared type of a param.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum ParamType {
-    /// 64-bit signed integer.
-    Int,
-    /// 64-bit float.
-    Float,
-    /// `true` / `false`.
-    Bool,
-}
-
-impl ParamType {
-    /// The keyword as written.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ParamType::Int => "int",
-            ParamType::Float => "float",
-            ParamType::Bool => "bool",
-        }
-    }
 }
 
 /// `param NAME: TYPE in RANGE = DEFAULT`; the doc comment is the trailing `//` comment.
@@ -204,31 +148,6 @@ pub struct TemplateDecl {
     pub body: Block,
     /// The whole declaration.
     pub span: Span,
-}
-
-/// Which step a step template describes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum StepKind {
-    /// Runs once before everything else (resident weights, tables).
-    Setup,
-    /// Runs once over the prompts.
-    Prefill,
-    /// Runs once per generated token.
-    Decode,
-    /// One mixed prefill+decode step, repeated (VSLPipe).
-    Mixed,
-}
-
-impl StepKind {
-    /// The keyword as written.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StepKind::Setup => "setup",
-            StepKind::Prefill => "prefill",
-            StepKind::Decode => "decode",
-            StepKind::Mixed => "step",
-        }
-    }
 }
 
 /// `prefill { ... }` and friends.

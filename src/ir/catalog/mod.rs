@@ -509,9 +509,9 @@ pub fn required_bytes_in_step(
     role: Role,
     card: &ModelCard,
     shape: &Shape,
-    kind: crate::syntax::ast::StepKind,
+    kind: crate::ir::StepKind,
 ) -> Option<u64> {
-    if kind == crate::syntax::ast::StepKind::Mixed && role == Role::Kv {
+    if kind == crate::ir::StepKind::Mixed && role == Role::Kv {
         let one = Shape { seqs: 1, ..*shape };
         return required_bytes(op, role, card, &one);
     }

@@ -103,16 +103,20 @@ impl Arena {
         Ok(start as usize)
     }
 
-    /// Shared view of `len` bytes at `start`.
+    /// Shared view of `len` bytes at `start` (bounds are checked).
     ///
-    /// The caller must hold the plan's ordering: no task that writes these bytes runs
-    /// concurrently (true for any task's arguments once its waits have returned, because
-    /// the checker derived a dependency for every overlapping read/write pair).
-    pub fn bytes(&self, start: u64, len: u64) -> Result<&[u8], ArenaError> {
+    /// # Safety
+    ///
+    /// No exclusive view of any of these bytes may be alive while the returned slice is:
+    /// the caller runs a task whose waits have returned, so every task that writes these
+    /// bytes is ordered before or after it (the checker derived a dependency for every
+    /// overlapping read/write pair of different tasks, and rejects a task whose written
+    /// argument overlaps another of its own arguments).
+    pub unsafe fn bytes(&self, start: u64, len: u64) -> Result<&[u8], ArenaError> {
         let start = self.check(start, len)?;
         match &self.map {
-            // SAFETY: bounds checked above; the map lives as long as `self`; the plan's
-            // dependency edges exclude concurrent writers of these bytes (see above).
+            // SAFETY: bounds checked above; the map lives as long as `self`; the caller
+            // guarantees no concurrent exclusive view (this fn's contract).
             Some(map) => {
                 Ok(unsafe { std::slice::from_raw_parts(map.as_ptr().add(start), len as usize) })
             }
@@ -120,17 +124,22 @@ impl Arena {
         }
     }
 
-    /// Exclusive view of `len` bytes at `start`.
+    /// Exclusive view of `len` bytes at `start` (bounds are checked).
     ///
-    /// Same contract as [`Arena::bytes`], and no other view of these bytes may be alive:
-    /// the plan orders every task that reads or writes them before or after this one, and
-    /// a task never passes overlapping slices as two arguments that it writes.
+    /// # Safety
+    ///
+    /// No other view (shared or exclusive) of any of these bytes may be alive while the
+    /// returned slice is: the plan orders every other task that reads or writes them
+    /// before or after the calling task (the checker's dependencies), and `moec check`
+    /// rejects a task whose written argument overlaps any other argument of the same task
+    /// (`structure::overlapping_arguments`), so one task never holds two views of a byte
+    /// it writes.
     #[allow(clippy::mut_from_ref)]
-    pub fn bytes_mut(&self, start: u64, len: u64) -> Result<&mut [u8], ArenaError> {
+    pub unsafe fn bytes_mut(&self, start: u64, len: u64) -> Result<&mut [u8], ArenaError> {
         let start = self.check(start, len)?;
         match &self.map {
             // SAFETY: bounds checked; the mapping is writable anonymous memory owned by
-            // `self`; exclusivity of these bytes is the plan's guarantee stated above.
+            // `self`; exclusivity of these bytes is the caller's obligation (contract above).
             Some(map) => Ok(unsafe {
                 std::slice::from_raw_parts_mut(map.as_mut_ptr().add(start), len as usize)
             }),

@@ -29,27 +29,27 @@ pub struct KernelSource {
 pub const KERNELS: [KernelSource; 5] = [
     KernelSource {
         file: "rms_norm.cu",
-        source: include_str!("../../kernels/rms_norm.cu"),
+        source: include_str!("../../../kernels/rms_norm.cu"),
         entries: &["rms_norm_bf16", "layer_norm_bf16"],
     },
     KernelSource {
         file: "rope.cu",
-        source: include_str!("../../kernels/rope.cu"),
+        source: include_str!("../../../kernels/rope.cu"),
         entries: &["rope_neox"],
     },
     KernelSource {
         file: "decode_attention.cu",
-        source: include_str!("../../kernels/decode_attention.cu"),
+        source: include_str!("../../../kernels/decode_attention.cu"),
         entries: &["paged_kv_append", "paged_decode_attention"],
     },
     KernelSource {
         file: "router_topk.cu",
-        source: include_str!("../../kernels/router_topk.cu"),
+        source: include_str!("../../../kernels/router_topk.cu"),
         entries: &["router_topk"],
     },
     KernelSource {
         file: "swiglu.cu",
-        source: include_str!("../../kernels/swiglu.cu"),
+        source: include_str!("../../../kernels/swiglu.cu"),
         entries: &["swiglu"],
     },
 ];

@@ -7,11 +7,11 @@
 //! issue order, so `makespan / critical path` is the executor's overhead and idle time,
 //! with 1.0 the ideal.
 
-use super::{RunStats, StepRecord};
-use crate::cost::timeline::{Span as TimelineSpan, Timeline};
-use crate::ir::Op;
+use crate::ir::StepKind;
+use crate::ir::{Op, StreamId, TaskId};
 use crate::lower::ExecPlan;
-use crate::syntax::ast::StepKind;
+use crate::records::timeline::{Span as TimelineSpan, Timeline};
+use crate::records::{RunStats, StepRecord};
 use serde::Serialize;
 
 /// One stream's share of the decode steps' wall time spent running tasks.
@@ -64,17 +64,18 @@ pub struct RunReport {
 
 /// The longest chain of measured durations through a step's tasks (seconds).
 pub fn critical_path(plan: &ExecPlan, step: &StepRecord) -> f64 {
-    let mut finish: std::collections::HashMap<u32, f64> = std::collections::HashMap::new();
-    let mut last_on_stream: std::collections::HashMap<u32, f64> = std::collections::HashMap::new();
+    let mut finish: std::collections::HashMap<TaskId, f64> = std::collections::HashMap::new();
+    let mut last_on_stream: std::collections::HashMap<StreamId, f64> =
+        std::collections::HashMap::new();
     let mut records = step.tasks.clone();
     records.sort_by_key(|r| r.task);
     let mut best: f64 = 0.0;
     for r in &records {
         let duration = (r.end - r.start).max(0.0);
         let mut ready = last_on_stream.get(&r.stream).copied().unwrap_or(0.0);
-        if let Some(preds) = plan.preds.get(r.task as usize) {
+        if let Some(preds) = plan.preds.get(r.task.index()) {
             for p in preds {
-                if let Some(f) = finish.get(&p.0) {
+                if let Some(f) = finish.get(p) {
                     ready = ready.max(*f);
                 }
             }
@@ -123,7 +124,7 @@ pub fn summarize(
                 decode.2 += 1;
                 critical += critical_path(plan, step);
                 for r in &step.tasks {
-                    if let Some(b) = busy.get_mut(r.stream as usize) {
+                    if let Some(b) = busy.get_mut(r.stream.index()) {
                         *b += r.end - r.start;
                     }
                 }
@@ -183,13 +184,13 @@ pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
     let mut spans = Vec::new();
     for step in &stats.steps {
         for r in step.tasks.iter().filter(|r| r.ran) {
-            let task = &plan.tasks[r.task as usize];
+            let task = &plan.tasks[r.task.index()];
             let op = match task.op {
                 Op::Copy => format!("copy {}", task.engine.as_str()),
                 op => op.name().to_string(),
             };
             spans.push(TimelineSpan {
-                stream: r.stream as usize,
+                stream: r.stream.index(),
                 name: task.name.clone(),
                 op,
                 start: r.start,

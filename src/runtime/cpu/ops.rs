@@ -8,8 +8,7 @@
 //! block layout; a routing slice is `(expert: u32, weight: f32)` per token and slot; an
 //! `acc` slice is `[normalised rows | one output row per (token, k)]` (`expert_acc`).
 
-use super::cpu::{CpuMemory, MemoryError, View};
-use super::state::{lock, StepState};
+use super::memory::{CpuMemory, MemoryError, View};
 use super::weights::WeightTag;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
@@ -26,6 +25,7 @@ use crate::model::kernels::KernelError;
 use crate::model::layout::SegmentKind;
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{DenseWeights, ExpertWeights, QkvWeights};
+use crate::runtime::driver::state::{lock, StepState};
 
 /// Why an op failed.
 #[derive(Debug, thiserror::Error)]
@@ -204,8 +204,9 @@ impl OpContext<'_> {
                 let (x_norm, slots) = acc.split_at_mut(n * d);
                 let routing = gate(self.arch, &dense, h, x_norm)?;
                 slots.fill(0.0);
+                // The host learns this routing only through the plan's `ReadRouting`
+                // instruction, as it would from a device.
                 self.write_routing(need(Role::Route)?, &routing)?;
-                lock(&self.state.routing).insert((layer, ub), routing);
             }
             Op::Experts { layer, ub, set } => {
                 let n = self.ub(ub)?.n_tokens();
@@ -251,8 +252,7 @@ impl OpContext<'_> {
                 let merged = self.merge_attention_rows(ub, &a_args)?;
                 let h = self.act_mut(need(Role::H)?, "h", n * d)?;
                 o_proj_residual(self.arch, &dense, &merged, h)?;
-                let routing = moe_block(self.arch, &dense, h, |e| self.expert(&weights, layer, e))?;
-                lock(&self.state.routing).insert((layer, ub), routing);
+                moe_block(self.arch, &dense, h, |e| self.expert(&weights, layer, e))?;
             }
             Op::LmHead { ub } => {
                 let mb = self.ub(ub)?;
@@ -303,7 +303,7 @@ impl OpContext<'_> {
         Ok(())
     }
 
-    fn ub(&self, ub: u32) -> Result<&super::state::MicroBatchState, OpError> {
+    fn ub(&self, ub: u32) -> Result<&crate::runtime::driver::state::MicroBatchState, OpError> {
         self.state.ubs.get(ub as usize).ok_or(OpError::Ub(ub))
     }
 
@@ -322,10 +322,16 @@ impl OpContext<'_> {
                 got: view.len,
             });
         }
-        Ok(self.memory.bytes(View {
-            len: needed as u64,
-            ..view
-        })?)
+        // SAFETY: the task's waits have returned, so every other task writing these bytes
+        // is ordered before or after this one (the plan's dependencies), and `moec check`
+        // rejects a task whose written argument overlaps another of its arguments, so
+        // this task holds no exclusive view of these bytes.
+        Ok(unsafe {
+            self.memory.bytes(View {
+                len: needed as u64,
+                ..view
+            })?
+        })
     }
 
     #[allow(clippy::mut_from_ref)]
@@ -342,10 +348,14 @@ impl OpContext<'_> {
                 got: view.len,
             });
         }
-        Ok(self.memory.bytes_mut(View {
-            len: needed as u64,
-            ..view
-        })?)
+        // SAFETY: as in `bytes_sized`: other tasks are ordered by the plan, and no other
+        // argument of this task overlaps a written one (checked by `moec check`).
+        Ok(unsafe {
+            self.memory.bytes_mut(View {
+                len: needed as u64,
+                ..view
+            })?
+        })
     }
 
     fn act(&self, view: View, role: &'static str, elems: usize) -> Result<&[f32], OpError> {
@@ -397,7 +407,10 @@ impl OpContext<'_> {
             .memory
             .find_weight(weights, tag)
             .ok_or(OpError::MissingWeight { tag })?;
-        let bytes = self.memory.bytes(view)?;
+        // SAFETY: a weight found in the task's `w` arguments: the image is read-only, and
+        // in an arena the plan orders every writer of these bytes before or after this
+        // task (no task writes an argument another of its arguments overlaps).
+        let bytes = unsafe { self.memory.bytes(view)? };
         TypedSlice::from_bytes(bytes, dtype_of).map_err(|_| OpError::Align("w"))
     }
 

@@ -1,31 +1,45 @@
 //! The executor: runs one step of an [`ExecPlan`] with one OS thread per stream.
 //!
-//! Takes a step plan and a way to run a task; gives per-task start/end times, or the first
-//! failure. Each stream thread runs its instructions in order: `Wait` blocks on the
-//! step's event table (one mutex; one condvar per stream, so recording an event wakes only
-//! the streams waiting for it, not every sleeping thread), `Run` runs the task (compute
-//! ops inside the stream's rayon pool), `Record` marks an event. Guarantees: on any failure every thread
+//! Takes a step plan and a [`StreamOps`] (the driver's view of a backend); gives per-task
+//! start/end times, or the first failure. Each stream thread runs its instructions in
+//! order: `Wait` blocks on the step's host-side event table until the matching `Record`
+//! was submitted (one mutex; one condvar per stream, so recording an event wakes only the
+//! streams waiting for it), then tells the backend to wait; `Run` runs or submits the
+//! task; `Record` tells the backend, then marks the event submitted; `ReadRouting` brings
+//! a gate's routing to the host. Guarantees: on any failure every thread
 //! stops at its next instruction (waits wake up), all threads are joined before returning,
 //! and the first error is returned with the task's name and source span; a watchdog turns
 //! a wait with no progress anywhere for `watchdog` into [`ExecError::Stalled`].
 
-use crate::lower::{ExecPlan, Instr, StepPlan};
-use crate::syntax::ast::Span;
+use crate::ir::{StreamId, TaskId};
+use crate::lower::{EventId, ExecPlan, Instr, StepPlan};
+use crate::records::TaskRecord;
+use crate::runtime::backend::BackendError;
+use crate::span::Span;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Why a step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
-    /// A task failed.
-    #[error("task {task} failed: {message}")]
+    /// A task (or an instruction of its stream) failed.
+    #[error("task {task} failed: {source}")]
     Task {
         /// The task's name.
         task: String,
-        /// Why.
-        message: String,
+        /// Why, as the backend said it.
+        source: BackendError,
         /// Where it is written.
         span: Span,
+    },
+    /// The step ended without a token for a sequence (the checker proves every
+    /// micro-batch is sampled once per step, so this is an internal error).
+    #[error("sample(ub={ub}) produced no token for sequence {row} of its micro-batch")]
+    NoToken {
+        /// The micro-batch.
+        ub: u32,
+        /// The sequence's row in it.
+        row: usize,
     },
     /// No progress for the watchdog's period.
     #[error("stream `{stream}` waited {secs:.1} s for task {task} with no progress anywhere (stalled plan)")]
@@ -49,24 +63,9 @@ impl ExecError {
     pub fn span(&self) -> Option<Span> {
         match self {
             ExecError::Task { span, .. } | ExecError::Stalled { span, .. } => Some(*span),
-            ExecError::Thread(_) => None,
+            ExecError::Thread(_) | ExecError::NoToken { .. } => None,
         }
     }
-}
-
-/// One executed task.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TaskRecord {
-    /// The task.
-    pub task: u32,
-    /// The stream.
-    pub stream: u32,
-    /// Start, seconds since the executor's origin.
-    pub start: f64,
-    /// End, seconds.
-    pub end: f64,
-    /// False when its guard skipped it.
-    pub ran: bool,
 }
 
 struct Events {
@@ -78,10 +77,16 @@ struct Events {
     error: Option<ExecError>,
 }
 
-/// Runs a task; `Ok(false)` means skipped by its guard.
-pub trait TaskRunner: Sync {
-    /// Runs task `task` (index into the plan's tasks) on the calling stream thread.
-    fn run_task(&self, task: u32) -> Result<bool, String>;
+/// What a stream thread asks of the driver and its backend, one call per instruction.
+pub trait StreamOps: Sync {
+    /// Runs (or submits) `task` on `stream`; `Ok(false)` means its guard skipped it.
+    fn run_task(&self, stream: StreamId, task: TaskId) -> Result<bool, BackendError>;
+    /// Marks `event` on `stream` (called before the host table marks it submitted).
+    fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
+    /// Makes `stream` wait for `event` (called once its record was submitted).
+    fn wait(&self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
+    /// Brings the routing of `gate` (run just before on `stream`) to the host.
+    fn read_routing(&self, stream: StreamId, gate: TaskId) -> Result<(), BackendError>;
 }
 
 /// Executor settings.
@@ -103,7 +108,7 @@ impl Default for ExecOptions {
 pub fn run_step(
     plan: &ExecPlan,
     step: &StepPlan,
-    runner: &dyn TaskRunner,
+    runner: &dyn StreamOps,
     options: ExecOptions,
     origin: Instant,
 ) -> Result<Vec<TaskRecord>, ExecError> {
@@ -171,18 +176,39 @@ fn abort(events: &Mutex<Events>, conds: &[Condvar], error: ExecError) {
     }
 }
 
+/// The first failure of a stream's instruction, attributed to `task` (the task it ran,
+/// or for an event the task that records it).
+fn fail(plan: &ExecPlan, events: &Mutex<Events>, conds: &[Condvar], task: TaskId, e: BackendError) {
+    let (name, span) = plan
+        .tasks
+        .get(task.index())
+        .map(|t| (t.name.clone(), t.span))
+        .unwrap_or_default();
+    abort(
+        events,
+        conds,
+        ExecError::Task {
+            task: name,
+            source: e,
+            span,
+        },
+    );
+}
+
 #[allow(clippy::too_many_arguments)]
 fn stream_thread(
     plan: &ExecPlan,
     step: &StepPlan,
     stream: usize,
     program: &[Instr],
-    runner: &dyn TaskRunner,
+    runner: &dyn StreamOps,
     events: &Mutex<Events>,
     conds: &[Condvar],
     options: ExecOptions,
     origin: Instant,
 ) -> Vec<TaskRecord> {
+    let stream_id = StreamId::new(stream);
+    let recorder = |e: EventId| step.events.get(e.0 as usize).copied().unwrap_or_default();
     let mut records = Vec::new();
     for instr in program {
         match *instr {
@@ -197,20 +223,20 @@ fn stream_thread(
                     }
                     let idle = ev.last_progress.elapsed();
                     if idle >= options.watchdog {
-                        let task = step
-                            .events
-                            .get(e.0 as usize)
-                            .map(|t| t.index())
-                            .unwrap_or(0);
+                        let task = recorder(e);
                         let error = ExecError::Stalled {
                             stream: plan.streams[stream].name.clone(),
                             task: plan
                                 .tasks
-                                .get(task)
+                                .get(task.index())
                                 .map(|t| t.name.clone())
                                 .unwrap_or_default(),
                             secs: idle.as_secs_f64(),
-                            span: plan.tasks.get(task).map(|t| t.span).unwrap_or_default(),
+                            span: plan
+                                .tasks
+                                .get(task.index())
+                                .map(|t| t.span)
+                                .unwrap_or_default(),
                         };
                         drop(ev);
                         abort(events, conds, error);
@@ -224,8 +250,17 @@ fn stream_thread(
                         .0;
                     ev.waiting_on[stream] = None;
                 }
+                drop(ev);
+                if let Err(err) = runner.wait(stream_id, e) {
+                    fail(plan, events, conds, recorder(e), err);
+                    return records;
+                }
             }
             Instr::Record(e) => {
+                if let Err(err) = runner.record(stream_id, e) {
+                    fail(plan, events, conds, recorder(e), err);
+                    return records;
+                }
                 let mut ev = events.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some(r) = ev.recorded.get_mut(e.0 as usize) {
                     *r = true;
@@ -236,18 +271,24 @@ fn stream_thread(
                     }
                 }
             }
+            Instr::ReadRouting(gate) => {
+                if let Err(err) = runner.read_routing(stream_id, gate) {
+                    fail(plan, events, conds, gate, err);
+                    return records;
+                }
+            }
             Instr::Run(t) => {
                 if events.lock().unwrap_or_else(|e| e.into_inner()).aborted {
                     return records;
                 }
                 let start = origin.elapsed().as_secs_f64();
-                let outcome = runner.run_task(t.0);
+                let outcome = runner.run_task(stream_id, t);
                 let end = origin.elapsed().as_secs_f64();
                 match outcome {
                     Ok(ran) => {
                         records.push(TaskRecord {
-                            task: t.0,
-                            stream: stream as u32,
+                            task: t,
+                            stream: stream_id,
                             start,
                             end,
                             ran,
@@ -257,17 +298,8 @@ fn stream_thread(
                             .unwrap_or_else(|e| e.into_inner())
                             .last_progress = Instant::now();
                     }
-                    Err(message) => {
-                        let task = &plan.tasks[t.index()];
-                        abort(
-                            events,
-                            conds,
-                            ExecError::Task {
-                                task: task.name.clone(),
-                                message,
-                                span: task.span,
-                            },
-                        );
+                    Err(err) => {
+                        fail(plan, events, conds, t, err);
                         return records;
                     }
                 }

@@ -12,11 +12,12 @@
 
 use super::arena::{Arena, ArenaError};
 use super::image::{ImageViewError, MappedImage};
-use super::state::lock;
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
 use crate::model::checkpoint::Checkpoint;
+use crate::runtime::backend::BackendOptions;
+use crate::runtime::driver::state::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -90,15 +91,6 @@ pub enum MemoryError {
     },
 }
 
-/// Options of the CPU backend's memory.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct MemoryOptions {
-    /// Emulated host<->device link bandwidth in GB/s (`--link-gbps`); `None`: memcpy speed.
-    pub link_gbps: Option<f64>,
-    /// Device memory (`--gpu-mem` or the profile); `None`: what the plan needs.
-    pub gpu_capacity: Option<u64>,
-}
-
 /// Arenas, image and weight maps; the image borrows the checkpoint's memory maps.
 #[derive(Debug)]
 pub struct CpuMemory<'c> {
@@ -107,7 +99,8 @@ pub struct CpuMemory<'c> {
     layout: ImageLayout,
     maps: [Mutex<WeightMap>; 3],
     image_map: WeightMap,
-    options: MemoryOptions,
+    /// Emulated link bandwidth in GB/s for host<->device copies, if throttled.
+    link_gbps: Option<f64>,
     /// Byte offset of each buffer within its region.
     buffer_base: Vec<(Region, u64)>,
 }
@@ -125,7 +118,7 @@ impl<'c> CpuMemory<'c> {
     pub fn new(
         plan: &ExecPlan,
         checkpoint: &'c Checkpoint,
-        options: MemoryOptions,
+        options: &BackendOptions,
     ) -> Result<Self, MemoryError> {
         let gpu = plan.arena(Space::Gpu);
         if let Some(capacity) = options.gpu_capacity.filter(|&c| gpu.bytes > c) {
@@ -139,7 +132,7 @@ impl<'c> CpuMemory<'c> {
             Arena::new("pinned", plan.arena(Space::Pinned).bytes, true)?,
             Arena::new("host", plan.arena(Space::Host).bytes, false)?,
         ];
-        let layout = image_layout(checkpoint, plan.program.checkpoint())?;
+        let layout = image_layout(checkpoint, plan.checkpoint)?;
         let image = MappedImage::new(checkpoint, &layout)?;
         let image_map = layout.map();
         let buffer_base = plan
@@ -156,7 +149,7 @@ impl<'c> CpuMemory<'c> {
             layout,
             maps: Default::default(),
             image_map,
-            options,
+            link_gbps: options.link_gbps,
             buffer_base,
         })
     }
@@ -226,28 +219,40 @@ impl<'c> CpuMemory<'c> {
         Ok(view)
     }
 
-    /// Shared bytes of a view (ordering contract of [`Arena::bytes`]); a view of the
-    /// image must lie inside one tensor (what [`CpuMemory::find_weight`] returns).
-    pub fn bytes(&self, view: View) -> Result<&[u8], MemoryError> {
+    /// Shared bytes of a view; a view of the image must lie inside one tensor (what
+    /// [`CpuMemory::find_weight`] returns).
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`Arena::bytes`]: no exclusive view of these bytes is alive (the
+    /// calling task's waits have returned, so every writer of these bytes is ordered
+    /// before or after it). The read-only image needs nothing.
+    pub unsafe fn bytes(&self, view: View) -> Result<&[u8], MemoryError> {
         match view.region {
             Region::Image => Ok(self.image.view(view.start, view.len)?),
+            // SAFETY: forwarded to the caller (this fn's contract is the arena's).
             Region::Arena(space) => {
-                Ok(self.arenas[space_index(space)].bytes(view.start, view.len)?)
+                Ok(unsafe { self.arenas[space_index(space)].bytes(view.start, view.len)? })
             }
         }
     }
 
-    /// Exclusive bytes of a view (ordering contract of [`Arena::bytes_mut`]); the image
-    /// is read-only.
+    /// Exclusive bytes of a view; the image is read-only (an error).
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`Arena::bytes_mut`]: no other view of these bytes is alive while
+    /// the returned slice is.
     #[allow(clippy::mut_from_ref)]
-    pub fn bytes_mut(&self, view: View) -> Result<&mut [u8], MemoryError> {
+    pub unsafe fn bytes_mut(&self, view: View) -> Result<&mut [u8], MemoryError> {
         match view.region {
             Region::Image => Err(MemoryError::ReadOnlyImage {
                 start: view.start,
                 end: view.start.saturating_add(view.len),
             }),
+            // SAFETY: forwarded to the caller (this fn's contract is the arena's).
             Region::Arena(space) => {
-                Ok(self.arenas[space_index(space)].bytes_mut(view.start, view.len)?)
+                Ok(unsafe { self.arenas[space_index(space)].bytes_mut(view.start, view.len)? })
             }
         }
     }
@@ -287,14 +292,18 @@ impl<'c> CpuMemory<'c> {
                 len: src.len,
             });
         }
-        let to = self.bytes_mut(dst)?;
+        // SAFETY: `src` and `dst` do not overlap (checked above), and the copy task's
+        // waits have returned, so no other task touches either range now (the plan's
+        // dependencies); `from` below is the only other view alive.
+        let to = unsafe { self.bytes_mut(dst)? };
         let n = (src.len as usize).min(to.len());
         match src.region {
             // Any range of W (several tensors and the padding between them): assembled
             // from the maps.
             Region::Image => self.image.copy_to(src.start, &mut to[..n])?,
             Region::Arena(_) => {
-                let from = self.bytes(src)?;
+                // SAFETY: as for `to`; the ranges are disjoint.
+                let from = unsafe { self.bytes(src)? };
                 let n = from.len().min(n);
                 to[..n].copy_from_slice(&from[..n]);
             }
@@ -313,7 +322,7 @@ impl<'c> CpuMemory<'c> {
             }
         }
         let crosses_link = matches!(engine, Engine::GpuCopyIn | Engine::GpuCopyOut);
-        if let (true, Some(gbps)) = (crosses_link, self.options.link_gbps.filter(|g| *g > 0.0)) {
+        if let (true, Some(gbps)) = (crosses_link, self.link_gbps.filter(|g| *g > 0.0)) {
             let target = Duration::from_secs_f64(n as f64 / (gbps * 1e9));
             let spent = started.elapsed();
             if target > spent {

@@ -1,0 +1,168 @@
+//! The backend interface: what the driver asks of a device (ggml's backend split).
+//!
+//! Takes nothing; gives the [`Backend`] trait that every executing backend implements,
+//! its [`Capabilities`] (reported as data, as ggml's `caps`), the options every backend
+//! understands ([`BackendOptions`]) and the errors a backend returns ([`BackendError`]).
+//!
+//! The driver owns the plan: it walks each stream's instructions on one host thread per
+//! stream, keeps the host-side event table (a `Wait` blocks its thread until the matching
+//! `Record` was *submitted*), decides guards from routing it read back, and assembles the
+//! report. A backend only executes commands on a stream: run a task, record or wait an
+//! event, read a gate's routing back to the host, and say when a step's work is done.
+//! On a synchronous backend (the CPU: capabilities all false) submission is completion,
+//! so `record`/`wait` are no-ops and host timings are the task times; an asynchronous
+//! backend (CUDA) maps `record`/`wait` to device events and reports device task times
+//! after [`Backend::finish_step`].
+//!
+//! Guarantees a backend must keep: work submitted on one stream runs in submission
+//! order; a task never starts before the work its stream waited for has finished;
+//! `read_routing` returns only once the routing is in host memory; after `finish_step`
+//! returns, every submitted task of the step has finished.
+
+use super::driver::state::StepState;
+use crate::ir::{Engine, StreamId, TaskId};
+use crate::lower::{EventId, PlanArg, PlanTask};
+use crate::model::kernels::moe::Routing;
+
+/// What a backend can do, as data (the driver and reports read it; nothing branches on
+/// a backend's type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// Submitting work returns before it finishes (device streams).
+    pub asynchronous: bool,
+    /// Cross-stream events are device objects (`record`/`wait` do real work).
+    pub device_events: bool,
+    /// The `pinned` space is page-locked host memory the device can copy from directly.
+    pub pinned_host: bool,
+    /// The checkpoint is used in place from its memory maps (never copied whole).
+    pub maps_weights: bool,
+}
+
+/// Settings every backend understands (the driver passes them through untouched).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BackendOptions {
+    /// Threads of each host compute pool (`gpu.compute` emulation and `cpu.compute`).
+    pub threads: usize,
+    /// Emulated host<->device link bandwidth in GB/s (`--link-gbps`); `None`: full speed.
+    /// Only a backend without a real link honours it.
+    pub link_gbps: Option<f64>,
+    /// Device memory (`--gpu-mem` or the profile); `None`: what the plan needs.
+    pub gpu_capacity: Option<u64>,
+}
+
+/// Bytes a backend allocated for a plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Bytes of the gpu, pinned and host arenas.
+    pub arena_bytes: [u64; 3],
+    /// Bytes of the weights image (mapped from the checkpoint, not allocated).
+    pub image_bytes: u64,
+    /// Whether the pinned arena is page-locked.
+    pub pinned_locked: bool,
+}
+
+/// One task's device-measured times, seconds from the step's start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceTime {
+    /// The task.
+    pub task: TaskId,
+    /// Start.
+    pub start: f64,
+    /// End.
+    pub end: f64,
+}
+
+/// Why a backend command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A task's kernel or copy failed (the backend's own error, kept as the source).
+    #[error(transparent)]
+    Task(Box<dyn std::error::Error + Send + Sync>),
+    /// The test hook asked this task to fail.
+    #[error("killed by the test hook")]
+    Killed,
+    /// A routing read-back found bytes that are not routing decisions.
+    #[error("routing of this gate is malformed: {0}")]
+    Routing(String),
+    /// The backend cannot run here (missing driver, no device).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The backend could not be set up for the plan (memory, pools); the backend's own
+    /// error is kept as the source.
+    #[error(transparent)]
+    Setup(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// An executing backend. Every method is called from the stream thread the driver runs
+/// for `stream`, except [`Backend::finish_step`] (the driver's thread, after every
+/// stream thread of the step has ended).
+pub trait Backend: Sync {
+    /// A short name for reports (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// What this backend can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// What it allocated for the plan.
+    fn memory(&self) -> MemoryReport;
+
+    /// Runs (synchronous backend) or submits (asynchronous) `task` on `stream`, whose
+    /// engine is `engine`. The driver has already decided the task's guard; `state` is
+    /// the step's control plane (micro-batch contents, sampler, read-back routing).
+    fn run(
+        &self,
+        stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        state: &StepState,
+    ) -> Result<(), BackendError>;
+
+    /// Marks `event` on `stream`: it completes when everything submitted before it on
+    /// that stream has finished.
+    fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
+
+    /// Makes later work on `stream` wait for `event` (whose record the driver has already
+    /// submitted).
+    fn wait(&self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
+
+    /// Copies the routing `gate` wrote into its `route` argument back to the host
+    /// (`tokens` rows of `top_k` slots); returns once it is in host memory.
+    fn read_routing(
+        &self,
+        stream: StreamId,
+        gate: &PlanTask,
+        route: &PlanArg,
+        tokens: usize,
+        top_k: usize,
+    ) -> Result<Routing, BackendError>;
+
+    /// Waits until every task of the step has finished; gives device-measured task times
+    /// when the backend has them (`None`: the driver's host timings are the task times).
+    fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError>;
+}
+
+/// Decodes a `route` slice as the host sees it after a read-back: per token and slot, an
+/// expert index (`u32`) then its weight (`f32` bits), native endian, `tokens * top_k`
+/// entries (the layout `gate` writes on every backend).
+pub fn decode_routing(bytes: &[u8], tokens: usize, top_k: usize) -> Result<Routing, BackendError> {
+    let entries = tokens.saturating_mul(top_k);
+    let needed = entries.saturating_mul(crate::ir::catalog::ROUTE_ENTRY_BYTES as usize);
+    let Some(bytes) = bytes.get(..needed) else {
+        return Err(BackendError::Routing(format!(
+            "{} bytes hold fewer than {tokens} tokens x {top_k} slots",
+            bytes.len()
+        )));
+    };
+    let mut experts = Vec::with_capacity(entries);
+    let mut weights = Vec::with_capacity(entries);
+    for entry in bytes.chunks_exact(8) {
+        let (e, w) = entry.split_at(4);
+        experts.push(u32::from_ne_bytes([e[0], e[1], e[2], e[3]]));
+        weights.push(f32::from_bits(u32::from_ne_bytes([w[0], w[1], w[2], w[3]])));
+    }
+    Ok(Routing {
+        top_k,
+        experts,
+        weights,
+    })
+}

@@ -1,0 +1,172 @@
+//! The CPU backend: runs a plan's tasks on host memory with host thread pools.
+//!
+//! Takes a plan, the checkpoint and the [`BackendOptions`]; gives a [`CpuBackend`] that
+//! implements [`Backend`]. Every memory space is a host arena ([`memory`]), the weights
+//! image is the checkpoint's own memory maps ([`image`]), and ops call the model's kernels
+//! ([`ops`]): the oracle's kernels, so no second copy of the math. It is synchronous
+//! (submission is completion): `record`/`wait` do nothing because the driver's host-side
+//! event table already orders the stream threads, and task times are the driver's host
+//! timings. `gpu.compute` and `cpu.compute` ops run inside their own rayon pools, one per
+//! engine, each of `threads` threads (on a machine without a GPU the two pools share the
+//! cores; the run report says so); copies run on the calling stream thread.
+
+pub mod arena;
+pub mod image;
+pub mod memory;
+pub mod ops;
+pub mod weights;
+
+use super::backend::{
+    decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
+};
+use super::driver::state::StepState;
+use crate::ir::{Engine, StreamId};
+use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
+use crate::model::arch::ArchSpec;
+use crate::model::card::WeightDtype;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::kernels::moe::Routing;
+use crate::model::kernels::rope::RopeTable;
+use memory::{CpuMemory, MemoryError};
+use ops::OpContext;
+
+/// Why the CPU backend could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum CpuSetupError {
+    /// Arenas or the weights image.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A rayon pool could not be built.
+    #[error("cannot build a thread pool: {0}")]
+    Pool(String),
+}
+
+/// The CPU backend for one plan and checkpoint.
+#[derive(Debug)]
+pub struct CpuBackend<'c> {
+    memory: CpuMemory<'c>,
+    arch: ArchSpec,
+    rope: RopeTable,
+    dtype: WeightDtype,
+    gpu_pool: rayon::ThreadPool,
+    cpu_pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+impl<'c> CpuBackend<'c> {
+    /// Allocates the plan's arenas, maps the weights image onto `checkpoint` and builds
+    /// the two compute pools.
+    pub fn new(
+        plan: &ExecPlan,
+        checkpoint: &'c Checkpoint,
+        options: &BackendOptions,
+    ) -> Result<Self, CpuSetupError> {
+        let memory = CpuMemory::new(plan, checkpoint, options)?;
+        let arch = ArchSpec::from_card(&plan.model);
+        let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+        let threads = options.threads.max(1);
+        let pool = |name: &'static str| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(move |i| format!("moec-{name}-{i}"))
+                .build()
+                .map_err(|e| CpuSetupError::Pool(e.to_string()))
+        };
+        Ok(CpuBackend {
+            memory,
+            arch,
+            rope,
+            dtype: plan.model.dtype,
+            gpu_pool: pool("gpu")?,
+            cpu_pool: pool("cpu")?,
+            threads,
+        })
+    }
+
+    /// Threads of each compute pool.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn ops<'s>(&'s self, state: &'s StepState) -> OpContext<'s> {
+        OpContext {
+            arch: &self.arch,
+            rope: &self.rope,
+            memory: &self.memory,
+            state,
+            dtype: self.dtype,
+        }
+    }
+}
+
+fn task_error(e: impl std::error::Error + Send + Sync + 'static) -> BackendError {
+    BackendError::Task(Box::new(e))
+}
+
+impl Backend for CpuBackend<'_> {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            asynchronous: false,
+            device_events: false,
+            pinned_host: self.memory.pinned_locked(),
+            maps_weights: true,
+        }
+    }
+
+    fn memory(&self) -> MemoryReport {
+        let (arena_bytes, image_bytes) = self.memory.sizes();
+        MemoryReport {
+            arena_bytes,
+            image_bytes,
+            pinned_locked: self.memory.pinned_locked(),
+        }
+    }
+
+    fn run(
+        &self,
+        _stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        state: &StepState,
+    ) -> Result<(), BackendError> {
+        let ops = self.ops(state);
+        let run = || ops.run(task).map_err(task_error);
+        match engine {
+            Engine::GpuCompute => self.gpu_pool.install(run),
+            Engine::CpuCompute => self.cpu_pool.install(run),
+            Engine::GpuCopyIn | Engine::GpuCopyOut | Engine::CpuCopy => run(),
+        }
+    }
+
+    fn record(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn wait(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn read_routing(
+        &self,
+        _stream: StreamId,
+        gate: &PlanTask,
+        route: &PlanArg,
+        tokens: usize,
+        top_k: usize,
+    ) -> Result<Routing, BackendError> {
+        let view = self.memory.view(gate, route, None).map_err(task_error)?;
+        // SAFETY: the read-back runs on the gate's stream right after the gate, before
+        // any event that would let another task overwrite `route`; nothing writes these
+        // bytes concurrently.
+        let bytes = unsafe { self.memory.bytes(view) }.map_err(task_error)?;
+        decode_routing(bytes, tokens, top_k)
+    }
+
+    fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError> {
+        Ok(None)
+    }
+}

@@ -1,0 +1,571 @@
+//! The driver: executes a lowered plan as real MoE inference on any [`Backend`].
+//!
+//! Takes an [`ExecPlan`], a backend set up for it and prompts as token ids; gives per prompt the
+//! generated ids, and a [`RunStats`] with the measured timeline of every task. Requests are
+//! batched into the plan's micro-batches ([`batching`]); for a plan with `prefill` and
+//! `decode` steps, each batch is prefilled once and the decode step is repeated until every
+//! sequence has stopped (EOS or length); a plan with one mixed `step` (VSLPipe) repeats it,
+//! admitting waiting prompts into free sequence slots while others decode, under the
+//! micro-batch's token cap and KV capacity. Guarded tasks are skipped from the real
+//! routing that the plan's `ReadRouting` instructions brought to the host (the checker
+//! proves every guarded task is ordered after its gate); `hot(i, k)` follows a running
+//! expert-correlation predictor. The driver names no backend type: everything a device
+//! does goes through [`Backend`].
+
+pub mod batching;
+pub mod executor;
+pub mod report;
+pub mod scheduler;
+pub mod state;
+pub mod workload;
+
+use super::backend::{Backend, BackendError};
+use crate::ir::{ExpertRef, GuardAtom, Op, Role, StepKind, StreamId, TaskId};
+use crate::lower::{EventId, ExecPlan, PlanTask};
+use crate::model::kernels::sampling::Sampling;
+use crate::model::rng::Rng;
+use crate::records::{RunStats, StepRecord, TaskRecord, UbLoad};
+use crate::span::Span;
+use batching::{admit, block_size, UbCapacity};
+use executor::{run_step, ExecError, ExecOptions, StreamOps};
+use scheduler::{admit_fifo, grow_decoding, KvPool, Pending, Seq};
+use state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The backend could not be set up for the plan.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A step failed (task error, stall).
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// The plan lacks steps the driver needs.
+    #[error("schedule `{0}` has neither `prefill` + `decode` steps nor a mixed `step`")]
+    Steps(String),
+    /// A prompt that can never be admitted.
+    #[error("prompt {index} ({tokens} tokens + {gen_len} to generate) fits in no micro-batch of this schedule (largest: {max_tokens} tokens per step, KV for {kv_tokens}); compile it for a longer prompt_len")]
+    PromptTooLarge {
+        /// Prompt index.
+        index: usize,
+        /// Its tokens.
+        tokens: usize,
+        /// Tokens to generate.
+        gen_len: usize,
+        /// Largest token cap of a micro-batch.
+        max_tokens: usize,
+        /// Largest KV capacity of a micro-batch.
+        kv_tokens: usize,
+    },
+    /// An empty prompt.
+    #[error("prompt {0} is empty")]
+    EmptyPrompt(usize),
+    /// Every running sequence is paused for KV blocks and none can be admitted.
+    #[error("the KV cache is too small for the running sequences: {paused} sequences wait for blocks and none can be preempted (their re-prefill exceeds the token cap of {max_tokens}); give the schedule more KV cache")]
+    KvStall {
+        /// Sequences waiting for blocks.
+        paused: usize,
+        /// Largest token cap of a micro-batch.
+        max_tokens: usize,
+    },
+}
+
+impl RunError {
+    /// The schedule span the error points at, if any.
+    pub fn span(&self) -> Option<Span> {
+        match self {
+            RunError::Exec(e) => e.span(),
+            _ => None,
+        }
+    }
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Tokens to generate per prompt at most.
+    pub max_new_tokens: usize,
+    /// Greedy or temperature/top-p.
+    pub sampling: Sampling,
+    /// Sampler seed (sequence `i` uses the same stream as the oracle's sequence `i`).
+    pub seed: u64,
+    /// Stop a sequence at the card's EOS token.
+    pub stop_at_eos: bool,
+    /// What the backend is set up with (threads, link throttle, device capacity).
+    pub backend: super::backend::BackendOptions,
+    /// Stall detection.
+    pub exec: ExecOptions,
+    /// Test hook: fail this task (by index) on its n-th run (1-based), as if its kernel
+    /// had failed.
+    pub kill_task: Option<(u32, u32)>,
+}
+
+impl RunOptions {
+    /// Greedy generation of `max_new_tokens`, stopping at EOS, default threads.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        RunOptions {
+            max_new_tokens,
+            sampling: Sampling::Greedy,
+            seed: 0,
+            stop_at_eos: true,
+            backend: super::backend::BackendOptions {
+                threads: std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1),
+                ..Default::default()
+            },
+            exec: ExecOptions::default(),
+            kill_task: None,
+        }
+    }
+}
+
+/// The output of one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunOutput {
+    /// Generated ids (the EOS that stopped it included).
+    pub token_ids: Vec<u32>,
+}
+
+/// The driver's side of a step: guards, the kill hook and routing read-back, around the
+/// backend's commands.
+struct Runner<'a, B: Backend> {
+    plan: &'a ExecPlan,
+    backend: &'a B,
+    state: &'a StepState,
+    kill: Option<(u32, u32)>,
+    /// Shared by every step's runner, so the hook counts runs across steps.
+    kill_count: &'a AtomicU32,
+}
+
+/// Why a guard could not be decided: the routing it reads was never read back (the
+/// checker orders every guarded task after its gate, so this is an internal error).
+#[derive(Debug, thiserror::Error)]
+#[error("its guard reads the routing of layer {layer}, which has not been read back to the host")]
+struct UnknownRouting {
+    layer: u32,
+}
+
+impl<B: Backend> Runner<'_, B> {
+    fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
+        for lit in &task.guard.lits {
+            let GuardAtom::Active { layer, expert, ub } = lit.atom;
+            let expert = match expert {
+                ExpertRef::Index(e) => e,
+                ExpertRef::Hot { layer, rank } => {
+                    self.state
+                        .hot_expert(layer, rank, self.plan.model.experts as u32)
+                }
+            };
+            match self.state.is_active(layer, expert, ub) {
+                Some(active) if active == lit.negated => return Ok(false),
+                Some(_) => {}
+                None => return Err(BackendError::Task(Box::new(UnknownRouting { layer }))),
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl<B: Backend> StreamOps for Runner<'_, B> {
+    fn run_task(&self, stream: StreamId, task: TaskId) -> Result<bool, BackendError> {
+        let t = &self.plan.tasks[task.index()];
+        if let Some((kill, nth)) = self.kill {
+            if kill == task.0 && self.kill_count.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+                return Err(BackendError::Killed);
+            }
+        }
+        if !self.guard_holds(t)? {
+            return Ok(false);
+        }
+        self.backend.run(stream, t.engine, t, self.state)?;
+        Ok(true)
+    }
+
+    fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
+        self.backend.record(stream, event)
+    }
+
+    fn wait(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
+        self.backend.wait(stream, event)
+    }
+
+    fn read_routing(&self, stream: StreamId, gate: TaskId) -> Result<(), BackendError> {
+        let t = &self.plan.tasks[gate.index()];
+        let Op::Gate { layer, ub } = t.op else {
+            return Ok(());
+        };
+        let tokens = self
+            .state
+            .ubs
+            .get(ub as usize)
+            .map_or(0, MicroBatchState::n_tokens);
+        if tokens == 0 {
+            return Ok(());
+        }
+        let Some(route) = t.args.iter().find(|a| a.role == Role::Route) else {
+            return Err(BackendError::Routing(format!(
+                "{} has no `route` argument",
+                t.name
+            )));
+        };
+        let top_k = self.plan.model.top_k as usize;
+        let routing = self.backend.read_routing(stream, t, route, tokens, top_k)?;
+        lock(&self.state.routing).insert((layer, ub), routing);
+        Ok(())
+    }
+}
+
+/// Everything a step's [`Runner`] needs but the step state, which the driver mutates
+/// between steps.
+struct StepRunner<'a, B: Backend> {
+    plan: &'a ExecPlan,
+    backend: &'a B,
+    kill: Option<(u32, u32)>,
+    kill_count: &'a AtomicU32,
+    exec: ExecOptions,
+    origin: Instant,
+}
+
+impl<B: Backend> StepRunner<'_, B> {
+    /// Runs step `index` over `state`: (start, end) seconds from the origin and its tasks
+    /// (device-measured times replace the host's when the backend has them).
+    fn run(
+        &self,
+        state: &StepState,
+        index: usize,
+    ) -> Result<(f64, f64, Vec<TaskRecord>), RunError> {
+        let runner = Runner {
+            plan: self.plan,
+            backend: self.backend,
+            state,
+            kill: self.kill,
+            kill_count: self.kill_count,
+        };
+        let start = self.origin.elapsed().as_secs_f64();
+        let mut tasks = run_step(
+            self.plan,
+            &self.plan.steps[index],
+            &runner,
+            self.exec,
+            self.origin,
+        )?;
+        if let Some(times) = self.backend.finish_step()? {
+            for t in &times {
+                if let Some(r) = tasks.iter_mut().find(|r| r.task == t.task) {
+                    r.start = start + t.start;
+                    r.end = start + t.end;
+                }
+            }
+        }
+        Ok((start, self.origin.elapsed().as_secs_f64(), tasks))
+    }
+}
+
+/// Capacities of each micro-batch in a step (token cap from the `h` arguments, KV tokens
+/// from the `kv` arguments of attention tasks anywhere in the plan).
+fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
+    let card = &plan.model;
+    let n_ubs = plan.micro_batches.count as usize;
+    let size = plan.micro_batches.size as usize;
+    let mut caps = vec![
+        UbCapacity {
+            seqs: size,
+            tokens: usize::MAX,
+            kv_tokens: usize::MAX
+        };
+        n_ubs
+    ];
+    let token_bytes = (card.hidden * 4).max(1);
+    let kv_token_bytes = (card.kv_elems_per_token_layer() * 4).max(1);
+    let range = {
+        let s = &plan.steps[step];
+        s.first as usize..(s.first + s.count) as usize
+    };
+    for (i, task) in plan.tasks.iter().enumerate() {
+        let Some(ub) = task.op.ub().map(|u| u as usize).filter(|u| *u < n_ubs) else {
+            continue;
+        };
+        for arg in &task.args {
+            if arg.role == Role::H && range.contains(&i) && !matches!(task.op, Op::LmHead { .. }) {
+                caps[ub].tokens = caps[ub].tokens.min((arg.len / token_bytes) as usize);
+            }
+            if arg.role == Role::Kv && matches!(task.op, Op::Attn { .. }) {
+                caps[ub].kv_tokens = caps[ub].kv_tokens.min((arg.len / kv_token_bytes) as usize);
+            }
+        }
+    }
+    for c in &mut caps {
+        if c.tokens == usize::MAX {
+            c.tokens = 0;
+        }
+        if c.kv_tokens == usize::MAX {
+            c.kv_tokens = 0;
+        }
+    }
+    caps
+}
+
+/// Runs `plan` on `backend` (set up for this plan) over `prompts` (token ids) and returns
+/// the outputs in prompt order. `progress` is called after every step with (tokens
+/// generated so far, tokens at most).
+pub fn generate<B: Backend>(
+    plan: &ExecPlan,
+    backend: &B,
+    prompts: &[Vec<u32>],
+    options: &RunOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Vec<RunOutput>, RunStats), RunError> {
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(RunError::EmptyPrompt(i));
+        }
+    }
+    let step_idx = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
+    let mode = match (
+        step_idx(StepKind::Prefill),
+        step_idx(StepKind::Decode),
+        step_idx(StepKind::Mixed),
+    ) {
+        (Some(p), Some(d), _) => (p, d, false),
+        (_, _, Some(m)) => (m, m, true),
+        _ => return Err(RunError::Steps(plan.name.clone())),
+    };
+    let (prefill_step, decode_step, mixed) = mode;
+    let card = &plan.model;
+    let n_ubs = plan.micro_batches.count as usize;
+    let rngs = (0..prompts.len())
+        .map(|i| Rng::new(options.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+        .collect();
+    let mut state = StepState::new(n_ubs, options.sampling, rngs);
+    state.predictor = HotPredictor::new(card.layers as usize, card.experts as usize);
+    let prefill_caps = capacities(plan, prefill_step);
+    let gen_len = options.max_new_tokens;
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    for (index, &len) in lens.iter().enumerate() {
+        let ok = prefill_caps.iter().any(|c| {
+            c.seqs > 0 && len <= c.tokens && block_size(c.kv_tokens, &[len + gen_len]).is_some()
+        });
+        if !ok {
+            let max_tokens = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
+            let kv_tokens = prefill_caps.iter().map(|c| c.kv_tokens).max().unwrap_or(0);
+            return Err(RunError::PromptTooLarge {
+                index,
+                tokens: len,
+                gen_len,
+                max_tokens,
+                kv_tokens,
+            });
+        }
+    }
+    let mut outputs: Vec<RunOutput> = prompts
+        .iter()
+        .map(|_| RunOutput {
+            token_ids: Vec::new(),
+        })
+        .collect();
+    let memory = backend.memory();
+    let mut stats = RunStats {
+        pinned_locked: memory.pinned_locked,
+        arena_bytes: memory.arena_bytes,
+        image_bytes: memory.image_bytes,
+        ..RunStats::default()
+    };
+    let origin = Instant::now();
+    let mut waiting: VecDeque<Pending> = (0..prompts.len())
+        .map(|request| Pending {
+            request,
+            generated: Vec::new(),
+        })
+        .collect();
+    let mut running: Vec<Seq> = Vec::new();
+    // Static batches: pools reset when a batch starts, each sequence reserves its whole
+    // generation (Alg. 2). Mixed steps: pools fixed for the run, blocks given as sequences
+    // grow, preemption when they run out (`scheduler`).
+    let mut pools: Vec<KvPool> = prefill_caps
+        .iter()
+        .map(|c| {
+            let longest = plan.workload.prompt_len as usize + gen_len;
+            let longest = longest.max(lens.iter().max().copied().unwrap_or(0) + gen_len);
+            KvPool::new(
+                c.kv_tokens,
+                block_size(c.kv_tokens, &[longest]).unwrap_or(1),
+            )
+        })
+        .collect();
+    let max_prefill = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
+    let mut next_age = 0u64;
+    let total_tokens = prompts.len() * gen_len;
+    let mut produced = 0usize;
+    let kill_count = AtomicU32::new(0);
+    if gen_len == 0 {
+        return Ok((outputs, stats));
+    }
+    let steps = StepRunner {
+        plan,
+        backend,
+        kill: options.kill_task,
+        kill_count: &kill_count,
+        exec: options.exec,
+        origin,
+    };
+    if let Some(setup) = plan.steps.iter().position(|s| s.kind == StepKind::Setup) {
+        let (start, end, tasks) = steps.run(&state, setup)?;
+        stats.steps.push(StepRecord {
+            kind: StepKind::Setup,
+            start,
+            end,
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            ubs: Vec::new(),
+            tasks,
+        });
+    }
+    while !waiting.is_empty() || !running.is_empty() {
+        if mixed {
+            let decided = grow_decoding(&mut running, &mut pools, &lens, max_prefill);
+            stats.preemptions += decided.preempted.len();
+            stats.paused += decided.paused;
+            for p in decided.preempted.into_iter().rev() {
+                waiting.push_front(p);
+            }
+            admit_fifo(
+                &mut waiting,
+                &mut running,
+                &mut pools,
+                &prefill_caps,
+                &lens,
+                gen_len,
+                &mut next_age,
+            );
+            if !running.is_empty() && running.iter().all(|s| s.paused) {
+                return Err(RunError::KvStall {
+                    paused: running.len(),
+                    max_tokens: max_prefill,
+                });
+            }
+        } else if running.is_empty() {
+            // Static batches admit only into an empty plan.
+            let ids: Vec<usize> = waiting.iter().map(|p| p.request).collect();
+            let (batch, left) = admit(&lens, &ids, gen_len, &prefill_caps);
+            for (u, reqs) in batch.iter().enumerate() {
+                if reqs.is_empty() {
+                    continue;
+                }
+                let budgets: Vec<usize> = reqs.iter().map(|&r| lens[r] + gen_len).collect();
+                let kv_tokens = prefill_caps[u].kv_tokens;
+                pools[u] = KvPool::new(kv_tokens, block_size(kv_tokens, &budgets).unwrap_or(1));
+                for &r in reqs {
+                    let needed = pools[u].blocks_for(lens[r] + gen_len);
+                    let block_table = pools[u].take(needed).unwrap_or_default();
+                    running.push(Seq {
+                        request: r,
+                        ub: u,
+                        block_table,
+                        generated: Vec::new(),
+                        prompt_done: false,
+                        age: next_age,
+                        paused: false,
+                    });
+                    next_age += 1;
+                }
+            }
+            waiting = left
+                .into_iter()
+                .map(|request| Pending {
+                    request,
+                    generated: Vec::new(),
+                })
+                .collect();
+        }
+        if running.is_empty() {
+            break;
+        }
+        // Build the step's micro-batches.
+        let any_prefill = running.iter().any(|s| !s.prompt_done && !s.paused);
+        let step = if any_prefill {
+            prefill_step
+        } else {
+            decode_step
+        };
+        state.reset_step();
+        for ub in state.ubs.iter_mut() {
+            *ub = MicroBatchState::default();
+        }
+        running.sort_by_key(|s| (s.ub, s.request));
+        let (mut n_prefill, mut n_decode) = (0, 0);
+        let mut loads = vec![UbLoad::default(); n_ubs];
+        for s in running.iter().filter(|s| !s.paused) {
+            let prompt_len = lens[s.request];
+            let new_tokens = s.new_tokens(&prompts[s.request]);
+            let load = &mut loads[s.ub];
+            if s.prompt_done {
+                n_decode += 1;
+                load.decode_seqs += 1;
+                load.decode_context += prompt_len + s.generated.len();
+            } else {
+                n_prefill += new_tokens.len();
+                load.prefill_seqs += 1;
+                load.prefill_tokens += new_tokens.len();
+            }
+            let mb = &mut state.ubs[s.ub];
+            mb.block_size = pools[s.ub].block_size;
+            mb.seqs.push(SeqSlot {
+                request: s.request,
+                context_len: s.context_len(prompt_len),
+                new_tokens,
+                block_table: s.block_table.clone(),
+                prefill: !s.prompt_done,
+            });
+        }
+        let (start, end, tasks) = steps.run(&state, step)?;
+        stats.steps.push(StepRecord {
+            kind: plan.steps[step].kind,
+            start,
+            end,
+            prefill_tokens: n_prefill,
+            decode_tokens: n_decode,
+            ubs: loads,
+            tasks,
+        });
+        // Collect the sampled tokens.
+        let sampled = std::mem::take(&mut *lock(&state.sampled));
+        let routing = std::mem::take(&mut *lock(&state.routing));
+        state.predictor.update(&routing);
+        let mut row_in_ub = vec![0usize; n_ubs];
+        let mut still = Vec::new();
+        for mut s in running.drain(..) {
+            if s.paused {
+                still.push(s);
+                continue;
+            }
+            let k = row_in_ub[s.ub];
+            row_in_ub[s.ub] += 1;
+            let token = sampled.get(&(s.ub as u32)).and_then(|t| t.get(k)).copied();
+            let Some(token) = token else {
+                return Err(RunError::Exec(ExecError::NoToken {
+                    ub: s.ub as u32,
+                    row: k,
+                }));
+            };
+            s.prompt_done = true;
+            s.generated.push(token);
+            produced += 1;
+            let eos = options.stop_at_eos && token == card.eos_token_id;
+            if eos || s.generated.len() >= gen_len {
+                outputs[s.request].token_ids = std::mem::take(&mut s.generated);
+                produced += gen_len - outputs[s.request].token_ids.len();
+                pools[s.ub].give(&mut s.block_table);
+            } else {
+                still.push(s);
+            }
+        }
+        running = still;
+        progress(produced.min(total_tokens), total_tokens);
+    }
+    stats.wall = origin.elapsed().as_secs_f64();
+    Ok((outputs, stats))
+}
