@@ -61,9 +61,9 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                 let missing: Vec<u32> = ubs
                     .into_iter()
                     .filter(|&u| {
-                        !gate_bit
+                        gate_bit
                             .get(&(layer, u))
-                            .is_some_and(|&bit| bits[bit / 64] & (1 << (bit % 64)) != 0)
+                            .is_none_or(|&bit| bits[bit / 64] & (1 << (bit % 64)) == 0)
                     })
                     .collect();
                 if !missing.is_empty() {

@@ -425,6 +425,23 @@ pub enum PredictError {
     },
 }
 
+/// What the plan's `ReadRouting` after a device gate costs: its `route` bytes over the
+/// device-to-host link (the gate's stream waits for them). A gate on a CPU engine reads
+/// its routing in place, for free.
+fn readback_seconds(program: &Program, id: TaskId, profile: &HardwareProfile) -> f64 {
+    let task = program.task(id);
+    if program.stream(task.stream).engine != Engine::GpuCompute {
+        return 0.0;
+    }
+    let bytes = task
+        .args
+        .iter()
+        .filter(|a| a.role == crate::ir::Role::Route)
+        .map(|a| a.slice.len)
+        .sum::<u64>();
+    copy_time(profile, Level::Gpu, Level::Pinned, bytes as f64).seconds
+}
+
 /// One step's tasks, their HRM times and the simulated schedule.
 pub(crate) struct StepSim {
     /// The step's tasks in issue order.
@@ -457,10 +474,14 @@ pub(crate) fn simulate_step_times(
         })
         .collect();
     let mut times = Vec::with_capacity(ids.len());
+    let readback = program.readback_gates();
     let tasks: Vec<SimTask> = ids
         .iter()
         .map(|&id| {
-            let time = task_time_at(program, id, profile, settings, loads);
+            let mut time = task_time_at(program, id, profile, settings, loads);
+            if readback.get(id.index()).copied().unwrap_or(false) {
+                time.seconds += readback_seconds(program, id, profile);
+            }
             times.push(time);
             SimTask {
                 stream: program.task(id).stream.index(),

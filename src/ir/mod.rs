@@ -19,6 +19,7 @@ pub mod emit;
 
 mod ids;
 mod kinds;
+pub mod readback;
 pub mod value;
 
 pub use catalog::{AttnPart, ExpertRef, ExpertSet, Op, Shape, Work};
@@ -609,6 +610,12 @@ pub struct SpanTable {
 }
 
 impl Program {
+    /// Per task, whether it is a gate whose routing the host reads back
+    /// ([`readback::readback_gates`]).
+    pub fn readback_gates(&self) -> Vec<bool> {
+        readback::readback_gates(self)
+    }
+
     /// The checkpoint layout for this program's model.
     pub fn checkpoint(&self) -> CheckpointLayout {
         CheckpointLayout::new(&self.model)

@@ -24,8 +24,8 @@
 use crate::check::ScheduleInfo;
 use crate::ir::StepKind;
 use crate::ir::{
-    self, Access, BufferId, BufferKind, CheckpointLayout, Engine, ExpertRef, Guard, GuardAtom,
-    MicroBatches, Op, Program, Role, Shape, Space, StepId, StreamId, TaskId, Workload,
+    self, Access, BufferId, BufferKind, CheckpointLayout, Engine, ExpertRef, Guard, MicroBatches,
+    Op, Program, Role, Shape, Space, StepId, StreamId, TaskId, Workload,
 };
 use crate::model::card::ModelCard;
 use crate::span::Span;
@@ -326,7 +326,7 @@ pub(crate) fn lower_with_preds(
     }
     let (buffers, arenas) = place_buffers(program, options)?;
     let tasks = plan_tasks(program);
-    let readback = RoutingNeeds::of(program);
+    let readback = program.readback_gates();
     let mut steps = Vec::with_capacity(program.steps.len());
     for step in &program.steps {
         steps.push(lower_step(program, step, preds, &readback)?);
@@ -459,65 +459,11 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
 /// A vector clock: per stream, how many of its tasks (of this step) are known finished.
 type Clock = Vec<u32>;
 
-/// Which gates' routing the host needs: guards name a layer (and a micro-batch, or any),
-/// and `hot(..)` ranks experts from the routing of every layer (its predictor learns from
-/// all of them), so a plan that uses `hot` reads every gate back.
-struct RoutingNeeds {
-    every_gate: bool,
-    /// `(layer, Some(ub))` or `(layer, None)` for "any micro-batch".
-    guarded: std::collections::HashSet<(u32, Option<u32>)>,
-}
-
-impl RoutingNeeds {
-    fn of(program: &Program) -> Self {
-        let mut needs = RoutingNeeds {
-            every_gate: false,
-            guarded: Default::default(),
-        };
-        let note_expert = |needs: &mut RoutingNeeds, e: ExpertRef| {
-            if matches!(e, ExpertRef::Hot { .. }) {
-                needs.every_gate = true;
-            }
-        };
-        for task in &program.tasks {
-            for lit in &task.guard.lits {
-                let GuardAtom::Active { layer, expert, ub } = lit.atom;
-                needs.guarded.insert((layer, ub));
-                note_expert(&mut needs, expert);
-            }
-            for arg in &task.args {
-                if let Some(e) = arg.slice.dynamic_expert {
-                    note_expert(&mut needs, e);
-                }
-            }
-            if let Op::Experts {
-                set: ir::ExpertSet::One(e),
-                ..
-            } = task.op
-            {
-                note_expert(&mut needs, e);
-            }
-        }
-        needs
-    }
-
-    fn wants(&self, op: Op) -> bool {
-        match op {
-            Op::Gate { layer, ub } => {
-                self.every_gate
-                    || self.guarded.contains(&(layer, Some(ub)))
-                    || self.guarded.contains(&(layer, None))
-            }
-            _ => false,
-        }
-    }
-}
-
 fn lower_step(
     program: &Program,
     step: &ir::Step,
     preds: &[Vec<TaskId>],
-    readback: &RoutingNeeds,
+    readback: &[bool],
 ) -> Result<StepPlan, LowerError> {
     let n_streams = program.streams.len();
     let first = step.first as usize;
@@ -592,7 +538,7 @@ fn lower_step(
             }
         }
         programs[s].push(Instr::Run(id));
-        if readback.wants(program.task(id).op) {
+        if readback.get(id.index()).copied().unwrap_or(false) {
             programs[s].push(Instr::ReadRouting(id));
         }
         if let Some(e) = event_of[k] {
