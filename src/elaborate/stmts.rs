@@ -255,7 +255,7 @@ impl<'a> Elaborator<'a> {
     /// required ones) and against the op's value signature.
     fn exec_op(&mut self, stmt: &'a CallStmt, def: &'static OpDef) -> Result<(), Diagnostic> {
         let op_name = def.name;
-        let statics: Vec<&str> = def.params.iter().map(|p| p.name()).collect();
+        let allowed = def.arg_names();
         let mut named: HashMap<&str, &ast::Arg> = HashMap::new();
         for arg in &stmt.args {
             let Some(name) = &arg.name else {
@@ -266,15 +266,15 @@ impl<'a> Elaborator<'a> {
                     name.span,
                     op_name,
                     &format!("{} (given twice)", name.name),
-                    &statics,
+                    &allowed,
                 ));
             }
         }
         // Ask for the micro-batch count first: without it no `ub` can be checked.
         let ub_limit = if def.params.contains(&StaticParam::Ub) {
-            Some(u64::from(self.micro_count(stmt.name.span)?))
+            u64::from(self.micro_count(stmt.name.span)?)
         } else {
-            None
+            0
         };
         let mut parsed = StaticArgs::default();
         for &param in def.params {
@@ -286,8 +286,7 @@ impl<'a> Elaborator<'a> {
                     parsed.layer = Some(self.static_index(arg, self.card.layers, "layer")?)
                 }
                 StaticParam::Ub => {
-                    let limit = ub_limit.unwrap_or(0);
-                    parsed.ub = Some(self.static_index(arg, limit, "micro-batch")?)
+                    parsed.ub = Some(self.static_index(arg, ub_limit, "micro-batch")?)
                 }
                 StaticParam::Part => parsed.part = Some(self.static_part(arg, param)?),
                 StaticParam::Set => parsed.set = Some(self.static_set(arg)?),
@@ -295,7 +294,6 @@ impl<'a> Elaborator<'a> {
         }
         let op = (def.build)(&parsed)
             .map_err(|param| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
-        let allowed = def.arg_names();
         for arg in &stmt.args {
             if let Some(name) = &arg.name {
                 if !allowed.contains(&name.name.as_str()) {
@@ -305,18 +303,9 @@ impl<'a> Elaborator<'a> {
                 }
             }
         }
+        // The concrete op's signature decides what is required (`attn(part = prefill)` may
+        // leave out its `kv`) and with which access each argument is passed.
         let signature = catalog::signature(&op, &self.card);
-        let mut allowed: Vec<&str> = statics.to_vec();
-        allowed.extend(signature.iter().map(|s| s.role.as_str()));
-        for arg in &stmt.args {
-            if let Some(name) = &arg.name {
-                if !allowed.contains(&name.name.as_str()) {
-                    return Err(Diagnostic::bad_argument(
-                        name.span, op_name, &name.name, &allowed,
-                    ));
-                }
-            }
-        }
         let mut args = Vec::new();
         for role_sig in &signature {
             let key = role_sig.role.as_str();
