@@ -582,3 +582,80 @@ fn to_slice(s: SliceVal) -> Slice {
         dynamic_expert: s.dynamic_expert,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::compile::{compile, Options};
+    use crate::model::card::ModelCard;
+
+    /// The first error of a prefill step holding one call on a `gpu.compute` stream.
+    fn first_error(call: &str) -> String {
+        let source = format!(
+            "schedule t\nmicrobatches 1 of 1\nstream gpu: gpu.compute\nprefill {{\n  {call} on gpu\n}}\n"
+        );
+        let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+        let diags = compile(&source, &options).err().unwrap_or_default();
+        let error = diags.iter().find(|d| d.is_error());
+        error.map_or_else(String::new, |d| {
+            format!(
+                "{}; help: {}",
+                d.message,
+                d.help.clone().unwrap_or_default()
+            )
+        })
+    }
+
+    /// Static parameters are asked for in the order each op declares them, then the first
+    /// required buffer argument of its signature (expected messages written by hand from
+    /// the op catalog of DESIGN.md).
+    #[test]
+    fn missing_arguments_are_named_from_the_op_table() {
+        let cases = [
+            ("embed()", "`embed` needs the argument `ub`"),
+            ("embed(ub = 0)", "`embed` needs the argument `w`"),
+            ("pre_attn(ub = 0)", "`pre_attn` needs the argument `layer`"),
+            (
+                "attn(layer = 0, ub = 0)",
+                "`attn` needs the argument `part`",
+            ),
+            (
+                "attn(layer = 0, ub = 0, part = decode)",
+                "`attn` needs the argument `qkv`",
+            ),
+            (
+                "experts(layer = 0, ub = 0)",
+                "`experts` needs the argument `set`",
+            ),
+            (
+                "combine(layer = 0, ub = 0)",
+                "`combine` needs the argument `route`",
+            ),
+            ("sample(ub = 0)", "`sample` needs the argument `logits`"),
+        ];
+        for (call, expected) in cases {
+            let error = first_error(call);
+            assert!(error.starts_with(expected), "{call}: {error}");
+        }
+    }
+
+    /// An unknown argument lists what the op takes; a bad `part` says what `part` takes;
+    /// a misspelt op is matched against the table's callable names.
+    #[test]
+    fn unknown_arguments_and_bad_static_values_are_diagnosed_from_the_op_table() {
+        let error = first_error("gate(layer = 0, ub = 0, acc_out = 1)");
+        assert_eq!(
+            error,
+            "`gate` takes no argument `acc_out`; help: `gate` takes: layer, ub, w, h, route, acc"
+        );
+        let error = first_error("attn(layer = 0, ub = 0, part = 3)");
+        assert!(
+            error.starts_with("expected `prefill`, `decode` or `all`, found"),
+            "{error}"
+        );
+        let error = first_error("pre_atn(layer = 0, ub = 0)");
+        assert_eq!(
+            error,
+            "unknown op or template `pre_atn`; help: did you mean `pre_attn`?"
+        );
+    }
+}
