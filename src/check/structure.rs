@@ -1,7 +1,8 @@
 //! Structural checks: engines and memory spaces, copy lengths, argument sizes, read-only `W`.
 //!
 //! Takes a program; gives diagnostics. Invariants checked, per task:
-//! - compute ops run on `gpu.compute` or `cpu.compute`; copies on an engine whose spaces fit;
+//! - each op runs on an engine its op-table entry lists (compute ops on `gpu.compute` or
+//!   `cpu.compute`; copies on an engine whose spaces fit);
 //! - `gpu.compute` touches only `gpu`; `cpu.compute` only `pinned`/`host`; `gpu.copy_in`
 //!   copies `pinned`/`host` -> `gpu` (pageable source: warning); `gpu.copy_out` `gpu` ->
 //!   `pinned`/`host`; `cpu.copy` between `pinned`/`host`;
@@ -48,7 +49,7 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
             .steps
             .get(task.step.index())
             .map_or(crate::ir::StepKind::Decode, |s| s.kind);
-        if !is_copy && !stream.engine.is_compute() {
+        if !task.op.def().runs_on(stream.engine) {
             diags.push(Diagnostic::op_engine(
                 span,
                 stream_span,

@@ -360,7 +360,7 @@ impl<'a> Elaborator<'a> {
                 name,
             ));
         }
-        if crate::ir::catalog::OP_NAMES.contains(&name.as_str()) {
+        if crate::ir::catalog::op_by_name(name).is_some() {
             return self.report(Diagnostic::duplicate_name(
                 decl.name.span,
                 decl.name.span,

@@ -7,24 +7,15 @@
 use super::value::{as_int, check_index, SliceVal, Val};
 use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
-use crate::ir::catalog::{self, AttnPart, ExpertRef, ExpertSet, Op, Shape};
+use crate::ir::catalog::{
+    self, AttnPart, ExpertRef, ExpertSet, Op, OpDef, OpForm, Shape, StaticArgs, StaticParam,
+};
 use crate::ir::{self, Access, Arg, Guard, Role, Slice, StepId, StreamId, Task, TaskId};
 use crate::syntax::ast::{
     self, Block, CallStmt, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind, Stmt,
     TaskTail,
 };
 use std::collections::HashMap;
-
-/// Names of an op's static (non-buffer) arguments.
-fn static_args(op_name: &str) -> &'static [&'static str] {
-    match op_name {
-        "embed" | "lm_head" | "sample" => &["ub"],
-        "attn" => &["layer", "ub", "part"],
-        "experts" => &["layer", "ub", "set"],
-        "copy" => &[],
-        _ => &["layer", "ub"],
-    }
-}
 
 impl<'a> Elaborator<'a> {
     pub(super) fn run_step(&mut self, decl: &'a StepDecl) {
@@ -148,22 +139,21 @@ impl<'a> Elaborator<'a> {
         if let Some(&template) = self.templates.get(name) {
             return self.expand_template(stmt, template);
         }
-        if !catalog::OP_NAMES.contains(&name) || name == "copy" {
-            let mut known: Vec<&str> = catalog::OP_NAMES
-                .iter()
-                .copied()
-                .filter(|n| *n != "copy")
-                .collect();
-            let templates: Vec<String> = self.templates.keys().cloned().collect();
-            known.extend(templates.iter().map(String::as_str));
-            return Err(Diagnostic::unknown_name(
-                stmt.name.span,
-                "op or template",
-                name,
-                &known,
-            ));
-        }
-        self.exec_op(stmt)
+        let def = match catalog::op_by_name(name) {
+            Some(def) if def.form == OpForm::Call => def,
+            _ => {
+                let mut known: Vec<&str> = catalog::callable_op_names().collect();
+                let templates: Vec<String> = self.templates.keys().cloned().collect();
+                known.extend(templates.iter().map(String::as_str));
+                return Err(Diagnostic::unknown_name(
+                    stmt.name.span,
+                    "op or template",
+                    name,
+                    &known,
+                ));
+            }
+        };
+        self.exec_op(stmt, def)
     }
 
     fn expand_template(
@@ -260,9 +250,12 @@ impl<'a> Elaborator<'a> {
             .ok_or_else(|| Diagnostic::missing_microbatches(span))
     }
 
-    fn exec_op(&mut self, stmt: &'a CallStmt) -> Result<(), Diagnostic> {
-        let op_name = stmt.name.name.as_str();
-        let statics = static_args(op_name);
+    /// Issues a call of the op `def`: its static parameters parsed as the table declares
+    /// them, then its buffer arguments checked against the table (unknown names, missing
+    /// required ones) and against the op's value signature.
+    fn exec_op(&mut self, stmt: &'a CallStmt, def: &'static OpDef) -> Result<(), Diagnostic> {
+        let op_name = def.name;
+        let allowed = def.arg_names();
         let mut named: HashMap<&str, &ast::Arg> = HashMap::new();
         for arg in &stmt.args {
             let Some(name) = &arg.name else {
@@ -273,105 +266,34 @@ impl<'a> Elaborator<'a> {
                     name.span,
                     op_name,
                     &format!("{} (given twice)", name.name),
-                    statics,
+                    &allowed,
                 ));
             }
         }
-        let int_arg =
-            |this: &mut Self, key: &str, limit: u64, what: &str| -> Result<u32, Diagnostic> {
-                let arg = named
-                    .get(key)
-                    .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, key))?;
-                let value = this.eval(&arg.value)?;
-                if matches!(value, Val::Expert(_)) {
-                    return Err(Diagnostic::dynamic_not_allowed(arg.value.span, what));
-                }
-                let i = as_int(value, arg.value.span)?;
-                Ok(check_index(i, limit, what, arg.value.span)? as u32)
-            };
-        let layers = self.card.layers;
-        let experts = self.card.experts;
-        let needs_ub = statics.contains(&"ub");
-        let ub_limit = if needs_ub {
+        // Ask for the micro-batch count first: without it no `ub` can be checked.
+        let ub_limit = if def.params.contains(&StaticParam::Ub) {
             u64::from(self.micro_count(stmt.name.span)?)
         } else {
             0
         };
-        let layer = if statics.contains(&"layer") {
-            int_arg(self, "layer", layers, "layer")?
-        } else {
-            0
-        };
-        let ub = if needs_ub {
-            int_arg(self, "ub", ub_limit, "micro-batch")?
-        } else {
-            0
-        };
-        let op = match op_name {
-            "embed" => Op::Embed { ub },
-            "pre_attn" => Op::PreAttn { layer, ub },
-            "attn" => {
-                let arg = named
-                    .get("part")
-                    .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, "part"))?;
-                let part = match self.eval(&arg.value)? {
-                    Val::Word("prefill") => AttnPart::Prefill,
-                    Val::Word("decode") => AttnPart::Decode,
-                    Val::Word("all") => AttnPart::All,
-                    other => {
-                        return Err(Diagnostic::type_mismatch(
-                            arg.value.span,
-                            "`prefill`, `decode` or `all`",
-                            other.type_name(),
-                        ))
-                    }
-                };
-                Op::Attn { layer, ub, part }
+        let mut parsed = StaticArgs::default();
+        for &param in def.params {
+            let arg = named
+                .get(param.name())
+                .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
+            match param {
+                StaticParam::Layer => {
+                    parsed.layer = Some(self.static_index(arg, self.card.layers, "layer")?)
+                }
+                StaticParam::Ub => {
+                    parsed.ub = Some(self.static_index(arg, ub_limit, "micro-batch")?)
+                }
+                StaticParam::Part => parsed.part = Some(self.static_part(arg, param)?),
+                StaticParam::Set => parsed.set = Some(self.static_set(arg)?),
             }
-            "post_attn" => Op::PostAttn { layer, ub },
-            "o_proj" => Op::OProj { layer, ub },
-            "gate" => Op::Gate { layer, ub },
-            "combine" => Op::Combine { layer, ub },
-            "lm_head" => Op::LmHead { ub },
-            "sample" => Op::Sample { ub },
-            _ => {
-                let arg = named
-                    .get("set")
-                    .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, "set"))?;
-                let set = match self.eval(&arg.value)? {
-                    Val::Word("all") => ExpertSet::All,
-                    Val::Expert(e) => ExpertSet::One(e),
-                    Val::Range(lo, hi) => {
-                        let start = check_index(lo, experts, "expert", arg.value.span)? as u32;
-                        if hi > experts as i64 || hi <= lo {
-                            return Err(Diagnostic::out_of_range(
-                                arg.value.span,
-                                "expert range end",
-                                hi,
-                                &format!("{}..={experts}", lo + 1),
-                            ));
-                        }
-                        ExpertSet::Range {
-                            start,
-                            end: hi as u32,
-                        }
-                    }
-                    other => {
-                        let e = as_int(other, arg.value.span)?;
-                        ExpertSet::One(ExpertRef::Index(check_index(
-                            e,
-                            experts,
-                            "expert",
-                            arg.value.span,
-                        )? as u32))
-                    }
-                };
-                Op::Experts { layer, ub, set }
-            }
-        };
-        let signature = catalog::signature(&op, &self.card);
-        let mut allowed: Vec<&str> = statics.to_vec();
-        allowed.extend(signature.iter().map(|s| s.role.as_str()));
+        }
+        let op = (def.build)(&parsed)
+            .map_err(|param| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
         for arg in &stmt.args {
             if let Some(name) = &arg.name {
                 if !allowed.contains(&name.name.as_str()) {
@@ -381,6 +303,9 @@ impl<'a> Elaborator<'a> {
                 }
             }
         }
+        // The concrete op's signature decides what is required (`attn(part = prefill)` may
+        // leave out its `kv`) and with which access each argument is passed.
+        let signature = catalog::signature(&op, &self.card);
         let mut args = Vec::new();
         for role_sig in &signature {
             let key = role_sig.role.as_str();
@@ -394,7 +319,7 @@ impl<'a> Elaborator<'a> {
             let slices = match value {
                 Val::Slice(s) => vec![(s, arg.value.span)],
                 Val::List(items)
-                    if matches!(role_sig.role, Role::W | Role::A) && !items.is_empty() =>
+                    if def.arg(role_sig.role).is_some_and(|a| a.list) && !items.is_empty() =>
                 {
                     let spans: Vec<Span> = match &arg.value.kind {
                         ast::ExprKind::List(exprs) => exprs.iter().map(|e| e.span).collect(),
@@ -423,7 +348,7 @@ impl<'a> Elaborator<'a> {
                     ))
                 }
                 other => {
-                    let expected = if role_sig.role == Role::W {
+                    let expected = if def.arg(role_sig.role).is_some_and(|a| a.list) {
                         "a buffer slice or a list of them"
                     } else {
                         "a buffer slice"
@@ -447,6 +372,60 @@ impl<'a> Elaborator<'a> {
             }
         }
         self.issue(op, args, &stmt.tail, stmt.span, op_name)
+    }
+
+    /// A compile-time index `0..limit` (`layer`, `ub`).
+    fn static_index(&mut self, arg: &ast::Arg, limit: u64, what: &str) -> Result<u32, Diagnostic> {
+        let value = self.eval(&arg.value)?;
+        if matches!(value, Val::Expert(_)) {
+            return Err(Diagnostic::dynamic_not_allowed(arg.value.span, what));
+        }
+        let i = as_int(value, arg.value.span)?;
+        Ok(check_index(i, limit, what, arg.value.span)? as u32)
+    }
+
+    /// `part = prefill | decode | all`.
+    fn static_part(&mut self, arg: &ast::Arg, param: StaticParam) -> Result<AttnPart, Diagnostic> {
+        match self.eval(&arg.value)? {
+            Val::Word("prefill") => Ok(AttnPart::Prefill),
+            Val::Word("decode") => Ok(AttnPart::Decode),
+            Val::Word("all") => Ok(AttnPart::All),
+            other => Err(Diagnostic::type_mismatch(
+                arg.value.span,
+                param.syntax(),
+                other.type_name(),
+            )),
+        }
+    }
+
+    /// `set = all | e | a..b | expert` (a run-time expert such as `hot(l, r)`).
+    fn static_set(&mut self, arg: &ast::Arg) -> Result<ExpertSet, Diagnostic> {
+        let experts = self.card.experts;
+        Ok(match self.eval(&arg.value)? {
+            Val::Word("all") => ExpertSet::All,
+            Val::Expert(e) => ExpertSet::One(e),
+            Val::Range(lo, hi) => {
+                let start = check_index(lo, experts, "expert", arg.value.span)? as u32;
+                if hi > experts as i64 || hi <= lo {
+                    return Err(Diagnostic::out_of_range(
+                        arg.value.span,
+                        "expert range end",
+                        hi,
+                        &format!("{}..={experts}", lo + 1),
+                    ));
+                }
+                ExpertSet::Range {
+                    start,
+                    end: hi as u32,
+                }
+            }
+            other => {
+                let e = as_int(other, arg.value.span)?;
+                ExpertSet::One(ExpertRef::Index(
+                    check_index(e, experts, "expert", arg.value.span)? as u32,
+                ))
+            }
+        })
     }
 
     fn step_shape(&self) -> Shape {
@@ -601,5 +580,82 @@ fn to_slice(s: SliceVal) -> Slice {
         start: s.start,
         len: s.len,
         dynamic_expert: s.dynamic_expert,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::compile::{compile, Options};
+    use crate::model::card::ModelCard;
+
+    /// The first error of a prefill step holding one call on a `gpu.compute` stream.
+    fn first_error(call: &str) -> String {
+        let source = format!(
+            "schedule t\nmicrobatches 1 of 1\nstream gpu: gpu.compute\nprefill {{\n  {call} on gpu\n}}\n"
+        );
+        let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+        let diags = compile(&source, &options).err().unwrap_or_default();
+        let error = diags.iter().find(|d| d.is_error());
+        error.map_or_else(String::new, |d| {
+            format!(
+                "{}; help: {}",
+                d.message,
+                d.help.clone().unwrap_or_default()
+            )
+        })
+    }
+
+    /// Static parameters are asked for in the order each op declares them, then the first
+    /// required buffer argument of its signature (expected messages written by hand from
+    /// the op catalog of DESIGN.md).
+    #[test]
+    fn missing_arguments_are_named_from_the_op_table() {
+        let cases = [
+            ("embed()", "`embed` needs the argument `ub`"),
+            ("embed(ub = 0)", "`embed` needs the argument `w`"),
+            ("pre_attn(ub = 0)", "`pre_attn` needs the argument `layer`"),
+            (
+                "attn(layer = 0, ub = 0)",
+                "`attn` needs the argument `part`",
+            ),
+            (
+                "attn(layer = 0, ub = 0, part = decode)",
+                "`attn` needs the argument `qkv`",
+            ),
+            (
+                "experts(layer = 0, ub = 0)",
+                "`experts` needs the argument `set`",
+            ),
+            (
+                "combine(layer = 0, ub = 0)",
+                "`combine` needs the argument `route`",
+            ),
+            ("sample(ub = 0)", "`sample` needs the argument `logits`"),
+        ];
+        for (call, expected) in cases {
+            let error = first_error(call);
+            assert!(error.starts_with(expected), "{call}: {error}");
+        }
+    }
+
+    /// An unknown argument lists what the op takes; a bad `part` says what `part` takes;
+    /// a misspelt op is matched against the table's callable names.
+    #[test]
+    fn unknown_arguments_and_bad_static_values_are_diagnosed_from_the_op_table() {
+        let error = first_error("gate(layer = 0, ub = 0, acc_out = 1)");
+        assert_eq!(
+            error,
+            "`gate` takes no argument `acc_out`; help: `gate` takes: layer, ub, w, h, route, acc"
+        );
+        let error = first_error("attn(layer = 0, ub = 0, part = 3)");
+        assert!(
+            error.starts_with("expected `prefill`, `decode` or `all`, found"),
+            "{error}"
+        );
+        let error = first_error("pre_atn(layer = 0, ub = 0)");
+        assert_eq!(
+            error,
+            "unknown op or template `pre_atn`; help: did you mean `pre_attn`?"
+        );
     }
 }

@@ -1,15 +1,26 @@
 //! The op catalog: what every op reads and writes, which value it expects and produces,
 //! where it may run, and how much work it does.
 //!
-//! Takes a model card and a task [`Shape`]; gives each op's argument roles with access mode
-//! ([`signature`]), the tensors it expects and produces ([`RoleSig`]), the minimum bytes
+//! Every op is one entry of the op table ([`OPS`], an [`OpDef`] per [`OpKind`], in
+//! `ops.rs`): its name, static parameters, typed arguments, engines, value signature and
+//! work formulas. The functions here are the table's lookups under the names the rest of
+//! the compiler calls. Takes a model card and a task [`Shape`]; gives each op's argument
+//! roles with access mode ([`signature`]), the tensors it expects and produces ([`RoleSig`]), the minimum bytes
 //! of each activation argument ([`required_bytes`]), the size helpers of the language
 //! ([`size_helper`]) and the flops/bytes per memory level of a task ([`work`]), which the
 //! cost model consumes as is. One constant, [`ACT_BYTES`], sizes every activation and KV
 //! cache element (the runtime computes in f32); weights use the card's dtype.
 
+mod ops;
 mod sizes;
+mod table;
 mod work;
+
+pub use ops::OPS;
+pub use table::{
+    callable_op_names, op_by_name, ArgDef, ArgType, OpDef, OpForm, OpKind, StaticArgs, StaticParam,
+    WorkDef,
+};
 
 pub use sizes::{size_helper, HelperSize, SIZE_HELPERS};
 pub use work::{
@@ -17,7 +28,7 @@ pub use work::{
     Work,
 };
 
-use super::value::{Point, Rows, Tensor};
+use super::value::{Rows, Tensor};
 use super::{Access, Role};
 use crate::model::card::ModelCard;
 use serde::{Deserialize, Serialize};
@@ -215,37 +226,10 @@ pub enum Op {
     Copy,
 }
 
-/// Every op name, as written in schedules.
-pub const OP_NAMES: [&str; 11] = [
-    "embed",
-    "pre_attn",
-    "attn",
-    "post_attn",
-    "o_proj",
-    "gate",
-    "experts",
-    "combine",
-    "lm_head",
-    "sample",
-    "copy",
-];
-
 impl Op {
-    /// The op's name as written.
+    /// The op's name as written (from its table entry).
     pub fn name(&self) -> &'static str {
-        match self {
-            Op::Embed { .. } => "embed",
-            Op::PreAttn { .. } => "pre_attn",
-            Op::Attn { .. } => "attn",
-            Op::PostAttn { .. } => "post_attn",
-            Op::OProj { .. } => "o_proj",
-            Op::Gate { .. } => "gate",
-            Op::Experts { .. } => "experts",
-            Op::Combine { .. } => "combine",
-            Op::LmHead { .. } => "lm_head",
-            Op::Sample { .. } => "sample",
-            Op::Copy => "copy",
-        }
+        self.def().name
     }
 
     /// The layer the op works on, if any.
@@ -279,24 +263,28 @@ impl Op {
         }
     }
 
-    /// `pre_attn(layer=1, ub=0)` style description (`copy` for copies).
+    /// `pre_attn(layer=1, ub=0)` style description (`copy` for copies): the static
+    /// parameters the op's table entry declares, in its order.
     pub fn describe(&self) -> String {
-        if *self == Op::Copy {
-            return "copy".to_string();
+        let def = self.def();
+        if def.params.is_empty() {
+            return def.name.to_string();
         }
-        let mut parts = Vec::new();
-        if let Some(layer) = self.layer() {
-            parts.push(format!("layer={layer}"));
-        }
-        if let Some(ub) = self.ub() {
-            parts.push(format!("ub={ub}"));
-        }
-        match self {
-            Op::Attn { part, .. } => parts.push(format!("part={}", part.as_str())),
-            Op::Experts { set, .. } => parts.push(format!("set={set}")),
-            _ => {}
-        }
-        format!("{}({})", self.name(), parts.join(", "))
+        let statics = self.statics();
+        let parts: Vec<String> = def
+            .params
+            .iter()
+            .map(|param| {
+                let value = match param {
+                    StaticParam::Layer => statics.layer.map(|l| l.to_string()),
+                    StaticParam::Ub => statics.ub.map(|u| u.to_string()),
+                    StaticParam::Part => statics.part.map(|p| p.as_str().to_string()),
+                    StaticParam::Set => statics.set.map(|s| s.to_string()),
+                };
+                format!("{}={}", param.name(), value.unwrap_or_default())
+            })
+            .collect();
+        format!("{}({})", def.name, parts.join(", "))
     }
 }
 
@@ -319,170 +307,11 @@ pub struct RoleSig {
     pub produces: Option<Tensor>,
 }
 
-fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor>) -> RoleSig {
-    RoleSig {
-        role,
-        access,
-        expects,
-        may_be_empty: false,
-        optional: false,
-        produces,
-    }
-}
-
-/// The roles of `op` in argument order, with their value signatures. `copy` has `src` and
-/// `dst` with no expectation (its value is whatever `src` holds).
+/// The roles of `op` in argument order, with their value signatures (the op's table entry
+/// decides). `copy` has `src` and `dst` with no expectation (its value is whatever `src`
+/// holds).
 pub fn signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
-    use Access::*;
-    use Tensor as T;
-    let residual = |ub, layer, point| T::Residual { ub, layer, point };
-    match *op {
-        // `tokens` (optional) makes the dependency on the previous step's `sample` explicit;
-        // in prefill the prompt comes from the runtime and nothing is expected there.
-        Op::Embed { ub } => vec![
-            sig(Role::W, Read, vec![T::Embedding], None),
-            RoleSig {
-                optional: true,
-                ..sig(Role::Tokens, Read, vec![T::Tokens { ub }], None)
-            },
-            sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
-        ],
-        Op::PreAttn { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Pre { layer }], None),
-            sig(Role::H, Read, vec![residual(ub, layer, Point::In)], None),
-            sig(Role::Out, Write, vec![], Some(T::Qkv { layer, ub })),
-        ],
-        Op::Attn { layer, ub, part } => vec![
-            sig(Role::Qkv, Read, vec![T::Qkv { layer, ub }], None),
-            // Prefill starts the sequences' caches afresh; decode and mixed attention append
-            // to what is cached (a mixed step's first run has nothing cached yet: the
-            // checker accepts an unwritten cache there).
-            RoleSig {
-                role: Role::Kv,
-                access: if part == AttnPart::Prefill {
-                    Write
-                } else {
-                    ReadWrite
-                },
-                expects: if part == AttnPart::Prefill {
-                    vec![]
-                } else {
-                    vec![T::KvCache { layer, ub }]
-                },
-                may_be_empty: part == AttnPart::All,
-                optional: part == AttnPart::Prefill,
-                produces: Some(T::KvCache { layer, ub }),
-            },
-            sig(
-                Role::Out,
-                Write,
-                vec![],
-                Some(T::AttnOut {
-                    layer,
-                    ub,
-                    rows: part.rows(),
-                }),
-            ),
-        ],
-        Op::PostAttn { layer, ub } => {
-            let mut weights = vec![T::O { layer }, T::Gate { layer }];
-            weights.extend((0..card.experts as u32).map(|e| T::Expert {
-                layer,
-                expert: ExpertRef::Index(e),
-            }));
-            vec![
-                sig(Role::W, Read, weights, None),
-                sig(
-                    Role::A,
-                    Read,
-                    vec![T::AttnOut {
-                        layer,
-                        ub,
-                        rows: Rows::All,
-                    }],
-                    None,
-                ),
-                sig(
-                    Role::H,
-                    ReadWrite,
-                    vec![residual(ub, layer, Point::In)],
-                    Some(residual(ub, layer + 1, Point::In)),
-                ),
-            ]
-        }
-        Op::OProj { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::O { layer }], None),
-            sig(
-                Role::A,
-                Read,
-                vec![T::AttnOut {
-                    layer,
-                    ub,
-                    rows: Rows::All,
-                }],
-                None,
-            ),
-            sig(
-                Role::H,
-                ReadWrite,
-                vec![residual(ub, layer, Point::In)],
-                Some(residual(ub, layer, Point::Mid)),
-            ),
-        ],
-        Op::Gate { layer, ub } => vec![
-            sig(Role::W, Read, vec![T::Gate { layer }], None),
-            sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
-            sig(Role::Route, Write, vec![], Some(T::Routing { layer, ub })),
-            sig(Role::Acc, Write, vec![], Some(T::ExpertAcc { layer, ub })),
-        ],
-        Op::Experts { layer, ub, set } => {
-            let weights = set
-                .members(card.experts)
-                .into_iter()
-                .map(|expert| T::Expert { layer, expert })
-                .collect();
-            // The normalised rows the experts read are in `acc` (the gate put them there),
-            // so `experts` needs no `h`: the residual may move on meanwhile.
-            vec![
-                sig(Role::W, Read, weights, None),
-                sig(Role::Route, Read, vec![T::Routing { layer, ub }], None),
-                sig(
-                    Role::Acc,
-                    ReadWrite,
-                    vec![T::ExpertAcc { layer, ub }],
-                    Some(T::ExpertAcc { layer, ub }),
-                ),
-            ]
-        }
-        Op::Combine { layer, ub } => vec![
-            sig(Role::Route, Read, vec![T::Routing { layer, ub }], None),
-            sig(Role::Acc, Read, vec![T::ExpertAcc { layer, ub }], None),
-            sig(
-                Role::H,
-                ReadWrite,
-                vec![residual(ub, layer, Point::Mid)],
-                Some(residual(ub, layer + 1, Point::In)),
-            ),
-        ],
-        Op::LmHead { ub } => vec![
-            sig(Role::W, Read, vec![T::Head], None),
-            sig(
-                Role::H,
-                Read,
-                vec![residual(ub, card.layers as u32, Point::In)],
-                None,
-            ),
-            sig(Role::Logits, Write, vec![], Some(T::Logits { ub })),
-        ],
-        Op::Sample { ub } => vec![
-            sig(Role::Logits, Read, vec![T::Logits { ub }], None),
-            sig(Role::Tokens, Write, vec![], Some(T::Tokens { ub })),
-        ],
-        Op::Copy => vec![
-            sig(Role::Src, Read, vec![], None),
-            sig(Role::Dst, Write, vec![], None),
-        ],
-    }
+    (op.def().signature)(op, card)
 }
 
 /// The tokens, sequences and context a task's sizes and work assume (worst case).
@@ -519,25 +348,10 @@ pub fn required_bytes_in_step(
 }
 
 /// The smallest slice an activation argument needs, or `None` when the role has no fixed
-/// size (weights are checked by value; copies by equal lengths).
+/// size (weights are checked by value; copies by equal lengths) or the op has no such
+/// argument. The size follows the argument's declared type ([`ArgType::min_bytes`]).
 pub fn required_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape) -> Option<u64> {
-    let n = shape.tokens;
-    let s = shape.seqs;
-    let a = shape.act_bytes;
-    Some(match (op, role) {
-        (Op::Copy, _) | (_, Role::W) => return None,
-        (_, Role::H) => n * card.hidden * a,
-        (_, Role::Acc) => n * (1 + card.top_k) * card.hidden * a,
-        (Op::PreAttn { .. }, Role::Out) | (_, Role::Qkv) => {
-            n * (card.q_dim() + 2 * card.kv_dim()) * a
-        }
-        (Op::Attn { .. }, Role::Out) | (_, Role::A) => n * card.q_dim() * a,
-        (_, Role::Kv) => s * shape.context * card.kv_elems_per_token_layer() * a,
-        (_, Role::Route) => n * card.top_k * ROUTE_ENTRY_BYTES,
-        (_, Role::Logits) => s * card.vocab * a,
-        (_, Role::Tokens) => s * TOKEN_BYTES,
-        _ => return None,
-    })
+    op.def().arg(role)?.ty.min_bytes(card, shape)
 }
 
 #[cfg(test)]

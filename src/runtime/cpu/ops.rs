@@ -1,5 +1,7 @@
 //! The CPU backend's ops: each catalog op applied to views of its arguments, by calling
 //! the model's kernels (the same ones the oracle composes; no second copy of the math).
+//! One kernel function per op kind, registered in the CPU kernel table ([`cpu_kernel`]),
+//! keyed by the op table's [`OpKind`].
 //!
 //! Takes a task, the step's state and the backend memory; gives the task's effect on its
 //! output arguments (and on the step state: routing decisions, sampled tokens), or
@@ -10,6 +12,7 @@
 
 use super::memory::{CpuMemory, MemoryError, View};
 use super::weights::WeightTag;
+use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
@@ -69,6 +72,17 @@ pub enum OpError {
     /// A micro-batch index past the step's micro-batches.
     #[error("micro-batch {0} does not exist in this run")]
     Ub(u32),
+    /// An op of the table the CPU backend has no kernel for.
+    #[error("the CPU backend has no kernel for `{0}`")]
+    NoKernel(&'static str),
+    /// A kernel table row that pairs an op kind with another op's kernel.
+    #[error("the CPU kernel of `{kernel}` was given a `{op}` task")]
+    WrongKernel {
+        /// The op the kernel implements.
+        kernel: &'static str,
+        /// The task's op.
+        op: &'static str,
+    },
 }
 
 /// What ops need besides memory and state.
@@ -128,176 +142,22 @@ impl OpContext<'_> {
         })
     }
 
-    /// Runs one task.
+    /// Runs one task: its op's kernel from the CPU kernel table, then marks what it wrote
+    /// as no longer holding weights.
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
-        let args = self.views(task)?;
-        let get = |role: Role| args.iter().find(|(a, _)| a.role == role).map(|(_, v)| *v);
-        let need = |role: Role| get(role).ok_or(OpError::MissingArg(role.as_str()));
-        let weights: Vec<View> = args
-            .iter()
-            .filter(|(a, _)| a.role == Role::W)
-            .map(|(_, v)| *v)
-            .collect();
-        match task.op {
-            Op::Copy => {
-                let (src, dst) = (need(Role::Src)?, need(Role::Dst)?);
-                if src.len != dst.len {
-                    return Err(OpError::CopyLength {
-                        src: src.len,
-                        dst: dst.len,
-                    });
+        let kind = task.op.kind();
+        let kernel = cpu_kernel(kind).ok_or(OpError::NoKernel(kind.name()))?;
+        let args = TaskArgs {
+            views: self.views(task)?,
+        };
+        kernel(self, task, &args)?;
+        // A copy moves the weight labels with the bytes (`CpuMemory::copy`); every other
+        // op's writes leave activations where weights may have been.
+        if kind != OpKind::Copy {
+            for (a, v) in &args.views {
+                if a.access.writes() {
+                    self.memory.clobber(*v);
                 }
-                self.memory.copy(task.engine, src, dst)?;
-                return Ok(());
-            }
-            Op::Embed { ub } => {
-                let mb = self.ub(ub)?;
-                let ids = mb.token_ids();
-                let table = self.matrix(
-                    &weights,
-                    WeightTag::Embed,
-                    self.arch.vocab,
-                    self.arch.hidden,
-                )?;
-                let h = self.act_mut(need(Role::H)?, "h", ids.len() * self.arch.hidden)?;
-                embed(&table, &ids, h)?;
-            }
-            Op::PreAttn { layer, ub } => {
-                let mb = self.ub(ub)?;
-                let positions = mb.positions();
-                let n = positions.len();
-                let dense = self.dense(&weights, layer, &[SegmentKind::AttnNorm])?;
-                let x = self.act(need(Role::H)?, "h", n * self.arch.hidden)?;
-                let out = self.act_mut(need(Role::Out)?, "out", n * self.arch.attn.qkv_width())?;
-                let mut x_norm = vec![0.0f32; n * self.arch.hidden];
-                pre_attn(
-                    self.arch,
-                    &dense,
-                    self.rope,
-                    x,
-                    &positions,
-                    &mut x_norm,
-                    out,
-                )?;
-            }
-            Op::Attn { layer: _, ub, part } => {
-                self.attn(ub, part, need(Role::Qkv)?, get(Role::Kv), need(Role::Out)?)?
-            }
-            Op::OProj { layer, ub } => {
-                let n = self.ub(ub)?.n_tokens();
-                let dense = self.dense(&weights, layer, &[SegmentKind::OProj])?;
-                let a = self.act(need(Role::A)?, "a", n * self.arch.q_dim())?;
-                let h = self.act_mut(need(Role::H)?, "h", n * self.arch.hidden)?;
-                o_proj_residual(self.arch, &dense, a, h)?;
-            }
-            Op::Gate { layer, ub } => {
-                let n = self.ub(ub)?.n_tokens();
-                let d = self.arch.hidden;
-                let dense = self.dense(
-                    &weights,
-                    layer,
-                    &[SegmentKind::FfnNorm, SegmentKind::Router],
-                )?;
-                let h = self.act(need(Role::H)?, "h", n * d)?;
-                // `acc` = [normalised rows | one slot per (token, k)], see `expert_acc`.
-                let acc = self.act_mut(need(Role::Acc)?, "acc", n * (1 + self.arch.top_k) * d)?;
-                let (x_norm, slots) = acc.split_at_mut(n * d);
-                let routing = gate(self.arch, &dense, h, x_norm)?;
-                slots.fill(0.0);
-                // The host learns this routing only through the plan's `ReadRouting`
-                // instruction, as it would from a device.
-                self.write_routing(need(Role::Route)?, &routing)?;
-            }
-            Op::Experts { layer, ub, set } => {
-                let n = self.ub(ub)?.n_tokens();
-                let d = self.arch.hidden;
-                let routing = self.read_routing(need(Role::Route)?, n)?;
-                let groups = routing.by_expert(self.arch.experts);
-                let acc = self.act_mut(need(Role::Acc)?, "acc", n * (1 + self.arch.top_k) * d)?;
-                let (x_norm, slots) = acc.split_at_mut(n * d);
-                for e in self.members(set) {
-                    let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
-                    if rows.is_empty() {
-                        continue;
-                    }
-                    let expert = self.expert(&weights, layer, e as usize)?;
-                    expert_ffn(self.arch, &expert, x_norm, rows, slots)?;
-                }
-            }
-            Op::Combine { ub, .. } => {
-                let n = self.ub(ub)?.n_tokens();
-                let d = self.arch.hidden;
-                let routing = self.read_routing(need(Role::Route)?, n)?;
-                let acc = self.act(need(Role::Acc)?, "acc", n * (1 + self.arch.top_k) * d)?;
-                let h = self.act_mut(need(Role::H)?, "h", n * d)?;
-                combine(&routing, &acc[n * d..], h)?;
-            }
-            Op::PostAttn { layer, ub } => {
-                let n = self.ub(ub)?.n_tokens();
-                let d = self.arch.hidden;
-                let dense = self.dense(
-                    &weights,
-                    layer,
-                    &[
-                        SegmentKind::OProj,
-                        SegmentKind::FfnNorm,
-                        SegmentKind::Router,
-                    ],
-                )?;
-                let a_args: Vec<View> = args
-                    .iter()
-                    .filter(|(a, _)| a.role == Role::A)
-                    .map(|(_, v)| *v)
-                    .collect();
-                let merged = self.merge_attention_rows(ub, &a_args)?;
-                let h = self.act_mut(need(Role::H)?, "h", n * d)?;
-                o_proj_residual(self.arch, &dense, &merged, h)?;
-                moe_block(self.arch, &dense, h, |e| self.expert(&weights, layer, e))?;
-            }
-            Op::LmHead { ub } => {
-                let mb = self.ub(ub)?;
-                let d = self.arch.hidden;
-                let h = self.act(need(Role::H)?, "h", mb.n_tokens() * d)?;
-                let mut last = Vec::with_capacity(mb.seqs.len() * d);
-                let mut row = 0;
-                for s in &mb.seqs {
-                    row += s.new_tokens.len();
-                    last.extend_from_slice(&h[(row - 1) * d..row * d]);
-                }
-                let norm = self.vector(&weights, WeightTag::FinalNorm)?;
-                let head = self.matrix(&weights, WeightTag::LmHead, self.arch.vocab, d)?;
-                let out = self.act_mut(
-                    need(Role::Logits)?,
-                    "logits",
-                    mb.seqs.len() * self.arch.vocab,
-                )?;
-                logits(self.arch, norm, &head, &last, out)?;
-            }
-            Op::Sample { ub } => {
-                let mb = self.ub(ub)?;
-                let vocab = self.arch.vocab;
-                let l = self.act(need(Role::Logits)?, "logits", mb.seqs.len() * vocab)?;
-                let out_view = need(Role::Tokens)?;
-                let out = self.bytes_mut_sized(out_view, "tokens", mb.seqs.len() * 4)?;
-                let ids: &mut [u32] =
-                    bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
-                let mut rngs = lock(&self.state.rngs);
-                let mut tokens = Vec::with_capacity(mb.seqs.len());
-                for (k, s) in mb.seqs.iter().enumerate() {
-                    let row = &l[k * vocab..(k + 1) * vocab];
-                    let token = match rngs.get_mut(s.request) {
-                        Some(rng) => sample(row, &self.state.sampling, rng),
-                        None => crate::model::kernels::sampling::argmax(row),
-                    };
-                    ids[k] = token;
-                    tokens.push(token);
-                }
-                lock(&self.state.sampled).insert(ub, tokens);
-            }
-        }
-        for (a, v) in &args {
-            if a.access.writes() {
-                self.memory.clobber(*v);
             }
         }
         Ok(())
@@ -646,5 +506,332 @@ impl OpContext<'_> {
             at += r.len();
         }
         Ok(())
+    }
+}
+
+/// The views of a task's arguments, looked up by role.
+#[derive(Debug)]
+pub(crate) struct TaskArgs {
+    views: Vec<(PlanArg, View)>,
+}
+
+impl TaskArgs {
+    /// The first argument of role `role`, if the task passes one.
+    fn get(&self, role: Role) -> Option<View> {
+        self.views
+            .iter()
+            .find(|(a, _)| a.role == role)
+            .map(|(_, v)| *v)
+    }
+
+    /// The first argument of role `role`, or the error naming it.
+    fn need(&self, role: Role) -> Result<View, OpError> {
+        self.get(role).ok_or(OpError::MissingArg(role.as_str()))
+    }
+
+    /// Every argument of role `role` (`w` and `a` may be lists), in argument order.
+    fn all(&self, role: Role) -> Vec<View> {
+        self.views
+            .iter()
+            .filter(|(a, _)| a.role == role)
+            .map(|(_, v)| *v)
+            .collect()
+    }
+}
+
+/// A CPU kernel: applies one task of its op kind to the views of the task's arguments
+/// (and to the step state: routing decisions, sampled tokens).
+pub(crate) type CpuKernel = fn(&OpContext<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
+
+/// The CPU backend's kernel per op kind. An op of the table without a row here is a
+/// failing test (`every_op_has_a_signature_work_and_a_cpu_kernel`), not a user's run.
+static CPU_KERNELS: &[(OpKind, CpuKernel)] = &[
+    (OpKind::Embed, embed_kernel),
+    (OpKind::PreAttn, pre_attn_kernel),
+    (OpKind::Attn, attn_kernel),
+    (OpKind::PostAttn, post_attn_kernel),
+    (OpKind::OProj, o_proj_kernel),
+    (OpKind::Gate, gate_kernel),
+    (OpKind::Experts, experts_kernel),
+    (OpKind::Combine, combine_kernel),
+    (OpKind::LmHead, lm_head_kernel),
+    (OpKind::Sample, sample_kernel),
+    (OpKind::Copy, copy_kernel),
+];
+
+/// The CPU kernel of an op kind, if the CPU backend implements it.
+pub(crate) fn cpu_kernel(kind: OpKind) -> Option<CpuKernel> {
+    CPU_KERNELS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|(_, kernel)| *kernel)
+}
+
+/// The error for a kernel handed another op's task (the table pairs them by kind, so
+/// only a wrong table row gets here).
+fn wrong_op(kernel: OpKind, task: &PlanTask) -> OpError {
+    OpError::WrongKernel {
+        kernel: kernel.name(),
+        op: task.op.name(),
+    }
+}
+
+fn copy_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
+    if src.len != dst.len {
+        return Err(OpError::CopyLength {
+            src: src.len,
+            dst: dst.len,
+        });
+    }
+    cx.memory.copy(task.engine, src, dst)?;
+    Ok(())
+}
+
+fn embed_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Embed { ub } = task.op else {
+        return Err(wrong_op(OpKind::Embed, task));
+    };
+    let mb = cx.ub(ub)?;
+    let ids = mb.token_ids();
+    let weights = args.all(Role::W);
+    let table = cx.matrix(&weights, WeightTag::Embed, cx.arch.vocab, cx.arch.hidden)?;
+    let h = cx.act_mut(args.need(Role::H)?, "h", ids.len() * cx.arch.hidden)?;
+    embed(&table, &ids, h)?;
+    Ok(())
+}
+
+fn pre_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::PreAttn { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::PreAttn, task));
+    };
+    let mb = cx.ub(ub)?;
+    let positions = mb.positions();
+    let n = positions.len();
+    let dense = cx.dense(&args.all(Role::W), layer, &[SegmentKind::AttnNorm])?;
+    let x = cx.act(args.need(Role::H)?, "h", n * cx.arch.hidden)?;
+    let out = cx.act_mut(args.need(Role::Out)?, "out", n * cx.arch.attn.qkv_width())?;
+    let mut x_norm = vec![0.0f32; n * cx.arch.hidden];
+    pre_attn(cx.arch, &dense, cx.rope, x, &positions, &mut x_norm, out)?;
+    Ok(())
+}
+
+fn attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Attn { ub, part, .. } = task.op else {
+        return Err(wrong_op(OpKind::Attn, task));
+    };
+    cx.attn(
+        ub,
+        part,
+        args.need(Role::Qkv)?,
+        args.get(Role::Kv),
+        args.need(Role::Out)?,
+    )
+}
+
+fn o_proj_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::OProj { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::OProj, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let dense = cx.dense(&args.all(Role::W), layer, &[SegmentKind::OProj])?;
+    let a = cx.act(args.need(Role::A)?, "a", n * cx.arch.q_dim())?;
+    let h = cx.act_mut(args.need(Role::H)?, "h", n * cx.arch.hidden)?;
+    o_proj_residual(cx.arch, &dense, a, h)?;
+    Ok(())
+}
+
+fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Gate { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::Gate, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let d = cx.arch.hidden;
+    let dense = cx.dense(
+        &args.all(Role::W),
+        layer,
+        &[SegmentKind::FfnNorm, SegmentKind::Router],
+    )?;
+    let h = cx.act(args.need(Role::H)?, "h", n * d)?;
+    // `acc` = [normalised rows | one slot per (token, k)], see `expert_acc`.
+    let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
+    let (x_norm, slots) = acc.split_at_mut(n * d);
+    let routing = gate(cx.arch, &dense, h, x_norm)?;
+    slots.fill(0.0);
+    // The host learns this routing only through the plan's `ReadRouting` instruction, as
+    // it would from a device.
+    cx.write_routing(args.need(Role::Route)?, &routing)?;
+    Ok(())
+}
+
+fn experts_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Experts { layer, ub, set } = task.op else {
+        return Err(wrong_op(OpKind::Experts, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let d = cx.arch.hidden;
+    let routing = cx.read_routing(args.need(Role::Route)?, n)?;
+    let groups = routing.by_expert(cx.arch.experts);
+    let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
+    let (x_norm, slots) = acc.split_at_mut(n * d);
+    let weights = args.all(Role::W);
+    for e in cx.members(set) {
+        let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
+        if rows.is_empty() {
+            continue;
+        }
+        let expert = cx.expert(&weights, layer, e as usize)?;
+        expert_ffn(cx.arch, &expert, x_norm, rows, slots)?;
+    }
+    Ok(())
+}
+
+fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Combine { ub, .. } = task.op else {
+        return Err(wrong_op(OpKind::Combine, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let d = cx.arch.hidden;
+    let routing = cx.read_routing(args.need(Role::Route)?, n)?;
+    let acc = cx.act(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
+    let h = cx.act_mut(args.need(Role::H)?, "h", n * d)?;
+    combine(&routing, &acc[n * d..], h)?;
+    Ok(())
+}
+
+fn post_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::PostAttn { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::PostAttn, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let d = cx.arch.hidden;
+    let weights = args.all(Role::W);
+    let dense = cx.dense(
+        &weights,
+        layer,
+        &[
+            SegmentKind::OProj,
+            SegmentKind::FfnNorm,
+            SegmentKind::Router,
+        ],
+    )?;
+    let merged = cx.merge_attention_rows(ub, &args.all(Role::A))?;
+    let h = cx.act_mut(args.need(Role::H)?, "h", n * d)?;
+    o_proj_residual(cx.arch, &dense, &merged, h)?;
+    moe_block(cx.arch, &dense, h, |e| cx.expert(&weights, layer, e))?;
+    Ok(())
+}
+
+fn lm_head_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::LmHead { ub } = task.op else {
+        return Err(wrong_op(OpKind::LmHead, task));
+    };
+    let mb = cx.ub(ub)?;
+    let d = cx.arch.hidden;
+    let h = cx.act(args.need(Role::H)?, "h", mb.n_tokens() * d)?;
+    let mut last = Vec::with_capacity(mb.seqs.len() * d);
+    let mut row = 0;
+    for s in &mb.seqs {
+        row += s.new_tokens.len();
+        last.extend_from_slice(&h[(row - 1) * d..row * d]);
+    }
+    let weights = args.all(Role::W);
+    let norm = cx.vector(&weights, WeightTag::FinalNorm)?;
+    let head = cx.matrix(&weights, WeightTag::LmHead, cx.arch.vocab, d)?;
+    let out = cx.act_mut(
+        args.need(Role::Logits)?,
+        "logits",
+        mb.seqs.len() * cx.arch.vocab,
+    )?;
+    logits(cx.arch, norm, &head, &last, out)?;
+    Ok(())
+}
+
+fn sample_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Sample { ub } = task.op else {
+        return Err(wrong_op(OpKind::Sample, task));
+    };
+    let mb = cx.ub(ub)?;
+    let vocab = cx.arch.vocab;
+    let l = cx.act(args.need(Role::Logits)?, "logits", mb.seqs.len() * vocab)?;
+    let out = cx.bytes_mut_sized(args.need(Role::Tokens)?, "tokens", mb.seqs.len() * 4)?;
+    let ids: &mut [u32] =
+        bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
+    let mut rngs = lock(&cx.state.rngs);
+    let mut tokens = Vec::with_capacity(mb.seqs.len());
+    for (k, s) in mb.seqs.iter().enumerate() {
+        let row = &l[k * vocab..(k + 1) * vocab];
+        let token = match rngs.get_mut(s.request) {
+            Some(rng) => sample(row, &cx.state.sampling, rng),
+            None => crate::model::kernels::sampling::argmax(row),
+        };
+        ids[k] = token;
+        tokens.push(token);
+    }
+    lock(&cx.state.sampled).insert(ub, tokens);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::catalog::{signature, OPS};
+    use crate::ir::{ExpertRef, Shape};
+    use crate::model::card::ModelCard;
+
+    /// Every op of the table can be elaborated (a signature that names its declared
+    /// arguments), costed (finite, non-negative flops and bytes) and run on the CPU (a
+    /// kernel in the table). Removing a kernel row fails here, not in a user's run.
+    #[test]
+    fn every_op_has_a_signature_work_and_a_cpu_kernel() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        let shape = Shape {
+            tokens: 4,
+            seqs: 2,
+            context: 8,
+            act_bytes: 4,
+        };
+        let statics = crate::ir::catalog::StaticArgs {
+            layer: Some(0),
+            ub: Some(0),
+            part: Some(AttnPart::Decode),
+            set: Some(ExpertSet::One(ExpertRef::Index(1))),
+        };
+        for kind in OpKind::ALL {
+            let def = kind.def();
+            let op = (def.build)(&statics).unwrap();
+            assert_eq!(op.kind(), kind);
+            let roles: Vec<Role> = signature(&op, &card).iter().map(|s| s.role).collect();
+            let declared: Vec<Role> = def.args.iter().map(|a| a.role).collect();
+            assert!(!roles.is_empty(), "{}: no signature", def.name);
+            assert_eq!(roles, declared, "{}", def.name);
+            let flops = (def.work.flops)(&op, &card, &shape);
+            assert!(
+                flops.is_finite() && flops >= 0.0,
+                "{}: flops {flops}",
+                def.name
+            );
+            for arg in def.args {
+                let bytes = (def.work.bytes)(&op, arg.role, &card, &shape, 64);
+                assert!(
+                    bytes.is_finite() && bytes > 0.0,
+                    "{}: bytes {bytes}",
+                    def.name
+                );
+            }
+            assert!(cpu_kernel(kind).is_some(), "{}: no CPU kernel", def.name);
+        }
+        assert_eq!(OPS.len(), CPU_KERNELS.len(), "one kernel row per op");
+    }
+
+    /// No kind has two kernel rows (the lookup would silently take the first).
+    #[test]
+    fn kernel_rows_are_unique() {
+        for (i, (kind, _)) in CPU_KERNELS.iter().enumerate() {
+            assert!(
+                CPU_KERNELS[i + 1..].iter().all(|(k, _)| k != kind),
+                "{kind:?} twice"
+            );
+        }
     }
 }

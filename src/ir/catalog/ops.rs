@@ -1,0 +1,881 @@
+//! The op table: one [`OpDef`] per op, each followed by the functions it names (build,
+//! value signature, flops, bytes, workspace).
+//!
+//! Takes nothing; gives [`OPS`], indexed by [`OpKind`]. Adding an op is one entry here
+//! (plus its `Op` variant and `OpKind`) and one kernel per backend; the tests at the end
+//! pin that the table is consistent with itself (kinds in order, unique names, signatures
+//! that list exactly the declared arguments, builds that round-trip).
+
+use super::table::{ArgDef, ArgType, OpDef, OpForm, OpKind, StaticParam, WorkDef};
+use super::work::routed_tokens;
+use super::{AttnPart, ExpertRef, ExpertSet, Op, RoleSig, Shape, ROUTE_ENTRY_BYTES, TOKEN_BYTES};
+use crate::ir::value::{Point, Rows, Tensor};
+use crate::ir::{Access, CheckpointLayout, Engine, Role};
+use crate::model::card::ModelCard;
+
+use Access::{Read, ReadWrite, Write};
+use StaticParam::{Layer, Part, Set, Ub};
+
+/// Compute ops run on either compute engine (the checker's engine/space rules then keep
+/// their arguments in that engine's memory).
+const COMPUTE: &[Engine] = &[Engine::GpuCompute, Engine::CpuCompute];
+
+/// The op table, in [`OpKind::ALL`] order.
+pub static OPS: [OpDef; 11] = [
+    EMBED, PRE_ATTN, ATTN, POST_ATTN, O_PROJ, GATE, EXPERTS, COMBINE, LM_HEAD, SAMPLE, COPY,
+];
+
+/// The shape and card dimensions as f64, for the formulas below.
+struct Dims {
+    n: f64,
+    s: f64,
+    c: f64,
+    h: f64,
+    q: f64,
+    kv: f64,
+    e: f64,
+    k: f64,
+    f: f64,
+    a: f64,
+    dt: f64,
+    vocab: f64,
+}
+
+impl Dims {
+    fn new(card: &ModelCard, shape: &Shape) -> Dims {
+        Dims {
+            n: shape.tokens as f64,
+            s: shape.seqs as f64,
+            c: shape.context as f64,
+            h: card.hidden as f64,
+            q: card.q_dim() as f64,
+            kv: card.kv_dim() as f64,
+            e: card.experts as f64,
+            k: card.top_k as f64,
+            f: card.ffn as f64,
+            a: shape.act_bytes as f64,
+            dt: card.dtype.bytes() as f64,
+            vocab: card.vocab as f64,
+        }
+    }
+
+    /// Flops of an RMS/Layer norm over the micro-batch's rows.
+    fn norm(&self) -> f64 {
+        4.0 * self.n * self.h
+    }
+
+    /// Flops of the experts' SwiGLU FFN over `routed` token-expert pairs.
+    fn expert_flops(&self, routed: f64) -> f64 {
+        2.0 * routed * 3.0 * self.h * self.f
+    }
+
+    /// Expert weights that can be active: at most one expert per routed (token, k).
+    fn active_experts(&self, in_set: f64) -> f64 {
+        in_set.min(self.n * self.k)
+    }
+
+    /// Bytes of one activation row block of `width` elements per token.
+    fn rows(&self, width: f64) -> f64 {
+        self.n * width * self.a
+    }
+
+    fn routing_bytes(&self) -> f64 {
+        self.n * self.k * ROUTE_ENTRY_BYTES as f64
+    }
+}
+
+fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor>) -> RoleSig {
+    RoleSig {
+        role,
+        access,
+        expects,
+        may_be_empty: false,
+        optional: false,
+        produces,
+    }
+}
+
+fn residual(ub: u32, layer: u32, point: Point) -> Tensor {
+    Tensor::Residual { ub, layer, point }
+}
+
+fn no_workspace(_: &Op, _: &ModelCard, _: &Shape) -> u64 {
+    0
+}
+
+// ---------------------------------------------------------------------------------------
+// embed
+
+const EMBED: OpDef = OpDef {
+    kind: OpKind::Embed,
+    name: "embed",
+    summary: "token embedding of a micro-batch: the prompt, or the tokens sampled last step",
+    form: OpForm::Call,
+    params: &[Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        // `tokens` makes the dependency on the previous step's `sample` explicit; without
+        // it the ids come from the runtime's batch (the prompt in prefill).
+        ArgDef::new(Role::Tokens, ArgType::Tokens, Read).optional(),
+        ArgDef::new(Role::H, ArgType::Hidden, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| Ok(Op::Embed { ub: s.ub()? }),
+    signature: embed_signature,
+    work: WorkDef {
+        flops: |_, _, _| 0.0,
+        bytes: embed_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn embed_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let ub = op.ub().unwrap_or(0);
+    vec![
+        sig(Role::W, Read, vec![Tensor::Embedding], None),
+        RoleSig {
+            optional: true,
+            ..sig(Role::Tokens, Read, vec![Tensor::Tokens { ub }], None)
+        },
+        sig(Role::H, Write, vec![], Some(residual(ub, 0, Point::In))),
+    ]
+}
+
+fn embed_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::W => d.n * d.h * d.dt,
+        Role::Tokens => d.s * TOKEN_BYTES as f64,
+        Role::H => d.rows(d.h),
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// pre_attn
+
+const PRE_ATTN: OpDef = OpDef {
+    kind: OpKind::PreAttn,
+    name: "pre_attn",
+    summary: "input norm, QKV projection (DBRX: fused and clipped), rotary embedding",
+    form: OpForm::Call,
+    params: &[Layer, Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        ArgDef::new(Role::H, ArgType::Hidden, Read),
+        ArgDef::new(Role::Out, ArgType::Qkv, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::PreAttn {
+            layer: s.layer()?,
+            ub: s.ub()?,
+        })
+    },
+    signature: pre_attn_signature,
+    work: WorkDef {
+        flops: |_, card, shape| {
+            let d = Dims::new(card, shape);
+            d.norm() + 2.0 * d.n * d.h * (d.q + 2.0 * d.kv) + 3.0 * d.n * (d.q + d.kv)
+        },
+        bytes: pre_attn_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn pre_attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    vec![
+        sig(Role::W, Read, vec![Tensor::Pre { layer }], None),
+        sig(Role::H, Read, vec![residual(ub, layer, Point::In)], None),
+        sig(Role::Out, Write, vec![], Some(Tensor::Qkv { layer, ub })),
+    ]
+}
+
+fn pre_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::W => CheckpointLayout::new(card).pre_bytes as f64,
+        Role::H => d.rows(d.h),
+        Role::Out => d.n * (d.q + 2.0 * d.kv) * d.a,
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// attn
+
+const ATTN: OpDef = OpDef {
+    kind: OpKind::Attn,
+    name: "attn",
+    summary: "append K/V to the cache and run causal grouped-query attention",
+    form: OpForm::Call,
+    params: &[Layer, Ub, Part],
+    args: &[
+        ArgDef::new(Role::Qkv, ArgType::Qkv, Read),
+        // Prefill writes a fresh cache and may go without one (attend over the new tokens
+        // only); decode and mixed attention append to what is cached.
+        ArgDef::new(Role::Kv, ArgType::KvCache, ReadWrite).optional(),
+        ArgDef::new(Role::Out, ArgType::AttnOut, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::Attn {
+            layer: s.layer()?,
+            ub: s.ub()?,
+            part: s.part()?,
+        })
+    },
+    signature: attn_signature,
+    work: WorkDef {
+        flops: |op, card, shape| {
+            let d = Dims::new(card, shape);
+            match attn_part(op) {
+                // Causal over the prompt: half the square.
+                AttnPart::Prefill => 4.0 * d.q * d.s * d.c * (d.c + 1.0) / 2.0,
+                AttnPart::Decode | AttnPart::All => 4.0 * d.q * d.n * d.c,
+            }
+        },
+        bytes: attn_bytes,
+        // The scores of one key block (1024 keys) per query row and head.
+        workspace: |_, card, shape| {
+            shape.tokens * card.heads * shape.context.min(1024) * shape.act_bytes
+        },
+    },
+};
+
+fn attn_part(op: &Op) -> AttnPart {
+    match op {
+        Op::Attn { part, .. } => *part,
+        _ => AttnPart::All,
+    }
+}
+
+fn attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub, part) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0), attn_part(op));
+    let prefill = part == AttnPart::Prefill;
+    vec![
+        sig(Role::Qkv, Read, vec![Tensor::Qkv { layer, ub }], None),
+        // Prefill starts the sequences' caches afresh; decode and mixed attention append to
+        // what is cached (a mixed step's first run has nothing cached yet: the checker
+        // accepts an unwritten cache there).
+        RoleSig {
+            role: Role::Kv,
+            access: if prefill { Write } else { ReadWrite },
+            expects: if prefill {
+                vec![]
+            } else {
+                vec![Tensor::KvCache { layer, ub }]
+            },
+            may_be_empty: part == AttnPart::All,
+            optional: prefill,
+            produces: Some(Tensor::KvCache { layer, ub }),
+        },
+        sig(
+            Role::Out,
+            Write,
+            vec![],
+            Some(Tensor::AttnOut {
+                layer,
+                ub,
+                rows: part.rows(),
+            }),
+        ),
+    ]
+}
+
+fn attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        // Every part appends the new tokens' K/V and reads each sequence's context.
+        Role::Kv => d.n * 2.0 * d.kv * d.a + d.s * d.c * 2.0 * d.kv * d.a,
+        Role::Qkv => d.n * (d.q + 2.0 * d.kv) * d.a,
+        Role::Out => d.rows(d.q),
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// post_attn
+
+const POST_ATTN: OpDef = OpDef {
+    kind: OpKind::PostAttn,
+    name: "post_attn",
+    summary: "O projection + residual, gate, every routed expert, combine + residual",
+    form: OpForm::Call,
+    params: &[Layer, Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        // Two `a` slices (VSLPipe): the prefill sequences' rows and the decode ones'.
+        ArgDef::new(Role::A, ArgType::AttnOut, Read).list(),
+        ArgDef::new(Role::H, ArgType::Hidden, ReadWrite),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::PostAttn {
+            layer: s.layer()?,
+            ub: s.ub()?,
+        })
+    },
+    signature: post_attn_signature,
+    work: WorkDef {
+        flops: |_, card, shape| {
+            let d = Dims::new(card, shape);
+            2.0 * d.n * d.q * d.h
+                + d.norm()
+                + 2.0 * d.n * d.h * d.e
+                + d.expert_flops(d.n * d.k)
+                + 3.0 * d.n * d.h
+        },
+        bytes: post_attn_bytes,
+        // The experts' gate/up intermediates of every routed (token, k).
+        workspace: |_, card, shape| shape.tokens * card.top_k * card.ffn * 2 * shape.act_bytes,
+    },
+};
+
+fn post_attn_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    let mut weights = vec![Tensor::O { layer }, Tensor::Gate { layer }];
+    weights.extend((0..card.experts as u32).map(|e| Tensor::Expert {
+        layer,
+        expert: ExpertRef::Index(e),
+    }));
+    vec![
+        sig(Role::W, Read, weights, None),
+        sig(Role::A, Read, vec![attn_out_all(layer, ub)], None),
+        sig(
+            Role::H,
+            ReadWrite,
+            vec![residual(ub, layer, Point::In)],
+            Some(residual(ub, layer + 1, Point::In)),
+        ),
+    ]
+}
+
+fn attn_out_all(layer: u32, ub: u32) -> Tensor {
+    Tensor::AttnOut {
+        layer,
+        ub,
+        rows: Rows::All,
+    }
+}
+
+fn post_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    let layout = CheckpointLayout::new(card);
+    match role {
+        Role::W => {
+            (layout.o_bytes + layout.gate_bytes) as f64
+                + d.active_experts(d.e) * layout.expert_bytes as f64
+        }
+        Role::A => d.rows(d.q),
+        Role::H => 2.0 * d.rows(d.h),
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// o_proj
+
+const O_PROJ: OpDef = OpDef {
+    kind: OpKind::OProj,
+    name: "o_proj",
+    summary: "O projection + residual (the first part of post_attn)",
+    form: OpForm::Call,
+    params: &[Layer, Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        ArgDef::new(Role::A, ArgType::AttnOut, Read).list(),
+        ArgDef::new(Role::H, ArgType::Hidden, ReadWrite),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::OProj {
+            layer: s.layer()?,
+            ub: s.ub()?,
+        })
+    },
+    signature: o_proj_signature,
+    work: WorkDef {
+        flops: |_, card, shape| {
+            let d = Dims::new(card, shape);
+            2.0 * d.n * d.q * d.h + d.n * d.h
+        },
+        bytes: o_proj_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn o_proj_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    vec![
+        sig(Role::W, Read, vec![Tensor::O { layer }], None),
+        sig(Role::A, Read, vec![attn_out_all(layer, ub)], None),
+        sig(
+            Role::H,
+            ReadWrite,
+            vec![residual(ub, layer, Point::In)],
+            Some(residual(ub, layer, Point::Mid)),
+        ),
+    ]
+}
+
+fn o_proj_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::W => CheckpointLayout::new(card).o_bytes as f64,
+        Role::A => d.rows(d.q),
+        Role::H => 2.0 * d.rows(d.h),
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// gate
+
+const GATE: OpDef = OpDef {
+    kind: OpKind::Gate,
+    name: "gate",
+    summary: "post-attention norm, router softmax, top-k; zeroes the expert accumulator",
+    form: OpForm::Call,
+    params: &[Layer, Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        ArgDef::new(Role::H, ArgType::Hidden, Read),
+        ArgDef::new(Role::Route, ArgType::Routing, Write),
+        ArgDef::new(Role::Acc, ArgType::ExpertAcc, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::Gate {
+            layer: s.layer()?,
+            ub: s.ub()?,
+        })
+    },
+    signature: gate_signature,
+    work: WorkDef {
+        flops: |_, card, shape| {
+            let d = Dims::new(card, shape);
+            d.norm() + 2.0 * d.n * d.h * d.e + 5.0 * d.n * d.e
+        },
+        bytes: gate_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn gate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    vec![
+        sig(Role::W, Read, vec![Tensor::Gate { layer }], None),
+        sig(Role::H, Read, vec![residual(ub, layer, Point::Mid)], None),
+        sig(
+            Role::Route,
+            Write,
+            vec![],
+            Some(Tensor::Routing { layer, ub }),
+        ),
+        sig(
+            Role::Acc,
+            Write,
+            vec![],
+            Some(Tensor::ExpertAcc { layer, ub }),
+        ),
+    ]
+}
+
+fn gate_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::W => CheckpointLayout::new(card).gate_bytes as f64,
+        Role::H => d.rows(d.h),
+        Role::Route => d.routing_bytes(),
+        // The gate writes the normalised rows and zeroes every (token, k) slot.
+        Role::Acc => d.n * (1.0 + d.k) * d.h * d.a,
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// experts
+
+const EXPERTS: OpDef = OpDef {
+    kind: OpKind::Experts,
+    name: "experts",
+    summary: "some experts over the tokens routed to them, into the accumulator's slots",
+    form: OpForm::Call,
+    params: &[Layer, Ub, Set],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        ArgDef::new(Role::Route, ArgType::Routing, Read),
+        ArgDef::new(Role::Acc, ArgType::ExpertAcc, ReadWrite),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::Experts {
+            layer: s.layer()?,
+            ub: s.ub()?,
+            set: s.set()?,
+        })
+    },
+    signature: experts_signature,
+    work: WorkDef {
+        flops: |op, card, shape| {
+            Dims::new(card, shape).expert_flops(routed_tokens(&expert_set(op), card, shape))
+        },
+        bytes: experts_bytes,
+        // The gate/up intermediates of the routed tokens, at most one row per token.
+        workspace: |op, card, shape| {
+            let routed = routed_tokens(&expert_set(op), card, shape).ceil() as u64;
+            routed.min(shape.tokens) * card.ffn * 2 * shape.act_bytes
+        },
+    },
+};
+
+fn expert_set(op: &Op) -> ExpertSet {
+    match op {
+        Op::Experts { set, .. } => *set,
+        _ => ExpertSet::All,
+    }
+}
+
+fn experts_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    let weights = expert_set(op)
+        .members(card.experts)
+        .into_iter()
+        .map(|expert| Tensor::Expert { layer, expert })
+        .collect();
+    // The normalised rows the experts read are in `acc` (the gate put them there), so
+    // `experts` needs no `h`: the residual may move on meanwhile.
+    vec![
+        sig(Role::W, Read, weights, None),
+        sig(Role::Route, Read, vec![Tensor::Routing { layer, ub }], None),
+        sig(
+            Role::Acc,
+            ReadWrite,
+            vec![Tensor::ExpertAcc { layer, ub }],
+            Some(Tensor::ExpertAcc { layer, ub }),
+        ),
+    ]
+}
+
+fn experts_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    let set = expert_set(op);
+    match role {
+        Role::W => {
+            d.active_experts(set.len(card.experts) as f64)
+                * CheckpointLayout::new(card).expert_bytes as f64
+        }
+        Role::Route => d.routing_bytes(),
+        Role::Acc => 2.0 * routed_tokens(&set, card, shape) * d.h * d.a,
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// combine
+
+const COMBINE: OpDef = OpDef {
+    kind: OpKind::Combine,
+    name: "combine",
+    summary: "adds the routing-weighted expert outputs to the residual stream",
+    form: OpForm::Call,
+    params: &[Layer, Ub],
+    args: &[
+        ArgDef::new(Role::Route, ArgType::Routing, Read),
+        ArgDef::new(Role::Acc, ArgType::ExpertAcc, Read),
+        ArgDef::new(Role::H, ArgType::Hidden, ReadWrite),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::Combine {
+            layer: s.layer()?,
+            ub: s.ub()?,
+        })
+    },
+    signature: combine_signature,
+    work: WorkDef {
+        flops: |_, card, shape| {
+            let d = Dims::new(card, shape);
+            d.n * d.h
+        },
+        bytes: combine_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn combine_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    vec![
+        sig(Role::Route, Read, vec![Tensor::Routing { layer, ub }], None),
+        sig(Role::Acc, Read, vec![Tensor::ExpertAcc { layer, ub }], None),
+        sig(
+            Role::H,
+            ReadWrite,
+            vec![residual(ub, layer, Point::Mid)],
+            Some(residual(ub, layer + 1, Point::In)),
+        ),
+    ]
+}
+
+fn combine_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::Route => d.routing_bytes(),
+        // Combine reads the top_k slots of every token.
+        Role::Acc => d.n * d.k * d.h * d.a,
+        Role::H => 2.0 * d.rows(d.h),
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// lm_head
+
+const LM_HEAD: OpDef = OpDef {
+    kind: OpKind::LmHead,
+    name: "lm_head",
+    summary: "final norm and logits of the last token of each sequence",
+    form: OpForm::Call,
+    params: &[Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        ArgDef::new(Role::H, ArgType::Hidden, Read),
+        ArgDef::new(Role::Logits, ArgType::Logits, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| Ok(Op::LmHead { ub: s.ub()? }),
+    signature: lm_head_signature,
+    work: WorkDef {
+        flops: |_, card, shape| {
+            let d = Dims::new(card, shape);
+            4.0 * d.s * d.h + 2.0 * d.s * d.h * d.vocab
+        },
+        bytes: lm_head_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn lm_head_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
+    let ub = op.ub().unwrap_or(0);
+    vec![
+        sig(Role::W, Read, vec![Tensor::Head], None),
+        sig(
+            Role::H,
+            Read,
+            vec![residual(ub, card.layers as u32, Point::In)],
+            None,
+        ),
+        sig(Role::Logits, Write, vec![], Some(Tensor::Logits { ub })),
+    ]
+}
+
+fn lm_head_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::W => (d.vocab * d.h + d.h) * d.dt,
+        // Only the last row of each sequence.
+        Role::H => d.s * d.h * d.a,
+        Role::Logits => d.s * d.vocab * d.a,
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// sample
+
+const SAMPLE: OpDef = OpDef {
+    kind: OpKind::Sample,
+    name: "sample",
+    summary: "picks the next token of each sequence (greedy or temperature)",
+    form: OpForm::Call,
+    params: &[Ub],
+    args: &[
+        ArgDef::new(Role::Logits, ArgType::Logits, Read),
+        ArgDef::new(Role::Tokens, ArgType::Tokens, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| Ok(Op::Sample { ub: s.ub()? }),
+    signature: sample_signature,
+    work: WorkDef {
+        flops: |_, card, shape| shape.seqs as f64 * card.vocab as f64,
+        bytes: sample_bytes,
+        workspace: no_workspace,
+    },
+};
+
+fn sample_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let ub = op.ub().unwrap_or(0);
+    vec![
+        sig(Role::Logits, Read, vec![Tensor::Logits { ub }], None),
+        sig(Role::Tokens, Write, vec![], Some(Tensor::Tokens { ub })),
+    ]
+}
+
+fn sample_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        Role::Logits => d.s * d.vocab * d.a,
+        Role::Tokens => d.s * TOKEN_BYTES as f64,
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// copy
+
+const COPY: OpDef = OpDef {
+    kind: OpKind::Copy,
+    name: "copy",
+    summary: "a byte copy between two slices of equal length",
+    form: OpForm::CopyStatement,
+    params: &[],
+    args: &[
+        ArgDef::new(Role::Src, ArgType::Bytes, Read),
+        ArgDef::new(Role::Dst, ArgType::Bytes, Write),
+    ],
+    // Every engine can copy; the checker's engine/space rules decide which pairs of
+    // spaces each may copy between.
+    engines: &Engine::ALL,
+    build: |_| Ok(Op::Copy),
+    // No expectation: a copy's value is whatever its source holds.
+    signature: |_, _| {
+        vec![
+            sig(Role::Src, Read, vec![], None),
+            sig(Role::Dst, Write, vec![], None),
+        ]
+    },
+    work: WorkDef {
+        flops: |_, _, _| 0.0,
+        bytes: |_, _, _, _, len| len as f64,
+        workspace: no_workspace,
+    },
+};
+
+#[cfg(test)]
+mod tests {
+    use super::super::StaticArgs;
+    use super::*;
+
+    /// One op of each kind, with static parameters that exercise its variants.
+    fn samples(kind: OpKind) -> Vec<StaticArgs> {
+        let base = StaticArgs {
+            layer: Some(1),
+            ub: Some(0),
+            ..StaticArgs::default()
+        };
+        match kind {
+            OpKind::Attn => [AttnPart::Prefill, AttnPart::Decode, AttnPart::All]
+                .into_iter()
+                .map(|part| StaticArgs {
+                    part: Some(part),
+                    ..base
+                })
+                .collect(),
+            OpKind::Experts => [
+                ExpertSet::All,
+                ExpertSet::Range { start: 1, end: 3 },
+                ExpertSet::One(ExpertRef::Hot { layer: 1, rank: 0 }),
+            ]
+            .into_iter()
+            .map(|set| StaticArgs {
+                set: Some(set),
+                ..base
+            })
+            .collect(),
+            _ => vec![base],
+        }
+    }
+
+    #[test]
+    fn table_is_indexed_by_kind_and_names_are_unique() {
+        for (i, kind) in OpKind::ALL.iter().enumerate() {
+            assert_eq!(OPS[i].kind, *kind, "OPS[{i}]");
+            assert_eq!(kind.def().kind, *kind);
+            assert_eq!(
+                super::super::op_by_name(kind.name()).map(|d| d.kind),
+                Some(*kind)
+            );
+        }
+        let mut names: Vec<&str> = OPS.iter().map(|d| d.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), OPS.len());
+    }
+
+    /// The value signature lists exactly the declared arguments, in order, never with a
+    /// wider access than declared, optional only where the table allows it; `build` and
+    /// `Op::statics` are inverses; every declared static parameter is needed by `build`.
+    #[test]
+    fn every_entry_agrees_with_its_signature_and_build() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        for def in &OPS {
+            for statics in samples(def.kind) {
+                let op = (def.build)(&statics).unwrap();
+                assert_eq!(op.kind(), def.kind);
+                let kept = op.statics();
+                for param in def.params {
+                    let mut without = kept;
+                    match param {
+                        Layer => without.layer = None,
+                        Ub => without.ub = None,
+                        Part => without.part = None,
+                        Set => without.set = None,
+                    }
+                    assert_eq!((def.build)(&without), Err(*param), "{}", def.name);
+                }
+                assert_eq!((def.build)(&kept), Ok(op));
+                let signature = (def.signature)(&op, &card);
+                let roles: Vec<Role> = signature.iter().map(|s| s.role).collect();
+                let declared: Vec<Role> = def.args.iter().map(|a| a.role).collect();
+                assert_eq!(roles, declared, "{}", op.describe());
+                for (s, a) in signature.iter().zip(def.args) {
+                    assert!(
+                        a.access == s.access || a.access == ReadWrite,
+                        "{}: {} is {:?}, declared {:?}",
+                        op.describe(),
+                        a.role.as_str(),
+                        s.access,
+                        a.access
+                    );
+                    assert!(a.optional || !s.optional, "{}", op.describe());
+                }
+            }
+        }
+    }
+
+    /// Hand arithmetic on mixtral-tiny for one decode token: the minimum sizes come from
+    /// the argument types, the same formulas as the language's size helpers.
+    #[test]
+    fn argument_types_size_like_the_size_helpers() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        let shape = Shape {
+            tokens: 3,
+            seqs: 2,
+            context: 5,
+            act_bytes: 4,
+        };
+        let helper = |name: &str, n: u64| {
+            super::super::size_helper(name, &[n], &card, 4)
+                .unwrap()
+                .unwrap()
+                .bytes
+        };
+        let cases = [
+            (ArgType::Hidden, helper("hidden", 3)),
+            (ArgType::Qkv, helper("qkv", 3)),
+            (ArgType::AttnOut, helper("attn_out", 3)),
+            (ArgType::KvCache, helper("kv_cache", 2 * 5)),
+            (ArgType::Routing, helper("routing", 3)),
+            (ArgType::ExpertAcc, helper("expert_acc", 3)),
+            (ArgType::Logits, helper("logits", 2)),
+            (ArgType::Tokens, helper("tokens", 2)),
+        ];
+        for (ty, bytes) in cases {
+            assert_eq!(ty.min_bytes(&card, &shape), Some(bytes), "{ty:?}");
+        }
+        assert_eq!(ArgType::Weights.min_bytes(&card, &shape), None);
+        assert_eq!(ArgType::Bytes.min_bytes(&card, &shape), None);
+    }
+}
