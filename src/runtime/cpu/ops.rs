@@ -129,19 +129,6 @@ impl OpContext<'_> {
             .collect()
     }
 
-    /// Whether the task's guard holds (unknown routing counts as true: running a guarded
-    /// task that turns out idle is harmless, skipping a needed one is not).
-    pub fn guard_holds(&self, task: &PlanTask) -> bool {
-        task.guard.lits.iter().all(|lit| {
-            let crate::ir::GuardAtom::Active { layer, expert, ub } = lit.atom;
-            let expert = self.resolve_expert(expert);
-            match self.state.is_active(layer, expert, ub) {
-                Some(active) => active != lit.negated,
-                None => true,
-            }
-        })
-    }
-
     /// Runs one task: its op's kernel from the CPU kernel table, then marks what it wrote
     /// as no longer holding weights.
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
