@@ -51,6 +51,8 @@ pub enum Code {
     StructReadOnly,
     /// No step template.
     StructNoSteps,
+    /// A written argument overlapping another argument of the same task.
+    StructOverlap,
     /// An argument holds the wrong tensor.
     ValuesWrong,
     /// An argument read before any write.
@@ -59,6 +61,12 @@ pub enum Code {
     ValuesGuarded,
     /// Experts not computed exactly once per layer and micro-batch.
     ValuesExpertCoverage,
+    /// The right tensor, but from another step run than the one the reader needs.
+    ValuesStale,
+    /// A step run that leaves a micro-batch without a token, or samples it twice.
+    ValuesSampling,
+    /// An expert computation that may be skipped while its expert receives tokens.
+    ValuesExpertGuard,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -73,7 +81,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 32] = [
+    pub const ALL: [Code; 36] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -97,10 +105,14 @@ impl Code {
         Code::StructTooSmall,
         Code::StructReadOnly,
         Code::StructNoSteps,
+        Code::StructOverlap,
         Code::ValuesWrong,
         Code::ValuesUninitialized,
         Code::ValuesGuarded,
         Code::ValuesExpertCoverage,
+        Code::ValuesStale,
+        Code::ValuesSampling,
+        Code::ValuesExpertGuard,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -134,10 +146,14 @@ impl Code {
             Code::StructTooSmall => "structure::too_small",
             Code::StructReadOnly => "structure::read_only",
             Code::StructNoSteps => "structure::no_steps",
+            Code::StructOverlap => "structure::overlap",
             Code::ValuesWrong => "values::wrong",
             Code::ValuesUninitialized => "values::uninitialized",
             Code::ValuesGuarded => "values::guarded",
             Code::ValuesExpertCoverage => "values::expert_coverage",
+            Code::ValuesStale => "values::stale",
+            Code::ValuesSampling => "values::sampling",
+            Code::ValuesExpertGuard => "values::expert_guard",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",
