@@ -107,6 +107,63 @@ const MUTATIONS: &[Mutation] = &[
         code: Code::ValuesUninitialized,
         line_has: "pre_attn(layer = l, ub = k, w = w_dense[s].pre",
     },
+    // Issue 11: the holes a skeptical user found (each used to be accepted and ran wrong).
+    Mutation {
+        name: "cgopipe_decode_skips_layers",
+        schedule: "cgopipe",
+        find: "  for i in 0..layers {\n    for j in 0..n_ub {\n      copy a_c[j] -> a_g[j] on h2d",
+        replace: "  for i in 4..layers {\n    for j in 0..n_ub {\n      copy a_c[j] -> a_g[j] on h2d",
+        code: Code::ValuesSampling,
+        line_has: "",
+    },
+    Mutation {
+        name: "vslpipe_last_layer_test_never_true",
+        schedule: "vslpipe",
+        find: "  if l == layers - 1 {\n    lm_head",
+        replace: "  if l == layers - 7 {\n    lm_head",
+        code: Code::ValuesSampling,
+        line_has: "",
+    },
+    Mutation {
+        name: "sequential_no_decode_body",
+        schedule: "baselines/sequential",
+        find: "decode {\n  forward(decode, 1)\n}",
+        replace: "decode {\n}",
+        code: Code::ValuesSampling,
+        line_has: "sample(ub = j",
+    },
+    Mutation {
+        name: "flexgen_cpu_attn_no_decode_body",
+        schedule: "baselines/flexgen_cpu_attn",
+        find: "  zigzag(decode, 1)\n",
+        replace: "",
+        code: Code::ValuesSampling,
+        line_has: "sample(ub = k",
+    },
+    Mutation {
+        name: "sequential_stale_embedding",
+        schedule: "baselines/sequential",
+        find: "      embed(ub = j, w = W.embed, tokens = tok_c[j], h = e_c[j]) on cpu\n",
+        replace: "",
+        code: Code::ValuesStale,
+        line_has: "",
+    },
+    Mutation {
+        name: "klotski_negated_expert_guard",
+        schedule: "klotski",
+        find: "    if active(l, hot(l, r)) {\n      for k in 0..n_batch {",
+        replace: "    if !active(l, hot(l, r)) {\n      for k in 0..n_batch {",
+        code: Code::ValuesExpertGuard,
+        line_has: "experts(layer = l, ub = k, set = hot(l, r)",
+    },
+    Mutation {
+        name: "klotski_negated_ub_guard",
+        schedule: "klotski",
+        find: "        if active(l, hot(l, r), k) {",
+        replace: "        if !active(l, hot(l, r), k) {",
+        code: Code::ValuesExpertGuard,
+        line_has: "experts(layer = l, ub = k, set = hot(l, r)",
+    },
 ];
 
 /// The source line holding byte `at`.

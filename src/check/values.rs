@@ -81,6 +81,9 @@ struct Tracker<'p> {
     samples: Vec<Vec<TaskId>>,
     /// Per micro-batch, the last compute task of the current run that worked on it.
     last_of_ub: Vec<Option<TaskId>>,
+    /// `values::sampling` findings of the current run, reported only if nothing else was
+    /// wrong.
+    sampling: Vec<Diagnostic>,
 }
 
 /// Runs value tracking; returns diagnostics and per-task weight locations.
@@ -99,6 +102,7 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         first_run: true,
         samples: Vec::new(),
         last_of_ub: Vec::new(),
+        sampling: Vec::new(),
     };
     for epoch in 0..tracker.plan.len() {
         let run = &tracker.plan[epoch];
@@ -114,6 +118,14 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         }
         if kind != StepKind::Setup {
             tracker.check_sampling();
+            // A run whose dataflow is already broken explains a missing token by itself
+            // (and diagnostic fixtures are fragments that sample nothing): sampling is
+            // reported only while everything else holds, at the run that fails it (a
+            // later run would read the tokens it did not sample as stale).
+            if !tracker.diags.iter().any(Diagnostic::is_error) {
+                tracker.diags.append(&mut tracker.sampling);
+            }
+            tracker.sampling.clear();
         }
     }
     (tracker.diags, tracker.locations)
@@ -770,30 +782,43 @@ impl Tracker<'_> {
             .map_or_else(|| "no earlier run".to_string(), |r| r.name.clone())
     }
 
-    /// After a prefill, decode or mixed run: every micro-batch sampled exactly once. Only
-    /// when nothing else was wrong so far (a broken dataflow already explains a missing
-    /// token, and diagnostic fixtures are fragments that sample nothing).
+    /// After a prefill, decode or mixed run: every micro-batch sampled exactly once.
     fn check_sampling(&mut self) {
-        if self.diags.iter().any(Diagnostic::is_error) {
-            return;
-        }
         let run = self.plan[self.epoch as usize].name.clone();
         let step = &self.program.steps[self.plan[self.epoch as usize].step];
         let last_task = step.task_ids().last();
         for ub in 0..self.samples.len() {
             match self.samples[ub].as_slice() {
                 [] => {
-                    let at = self.last_of_ub[ub].or(last_task);
-                    let span = at.map(|t| self.program.task_span(t)).unwrap_or_default();
-                    let what = match self.last_of_ub[ub] {
-                        Some(t) => format!(
-                            "the run's last task on ub {ub}: {}",
-                            self.program.task_name(t)
+                    // Point at the run's last task on the ub; in a step that never touches
+                    // it, at a `sample` of it in another step.
+                    let program = self.program;
+                    let elsewhere = (0..program.tasks.len())
+                        .map(TaskId::new)
+                        .find(|&t| program.task(t).op == Op::Sample { ub: ub as u32 });
+                    let (at, what, label) = match (self.last_of_ub[ub], elsewhere) {
+                        (Some(t), _) => (
+                            Some(t),
+                            format!("its last task in the run is {}", program.task_name(t)),
+                            format!("ub {ub} is never sampled after this"),
                         ),
-                        None => "no task of this step works on it".to_string(),
+                        (None, Some(t)) => (
+                            Some(t),
+                            format!(
+                                "no task of the step works on it; task {} samples it in another step",
+                                program.task_name(t)
+                            ),
+                            format!("samples ub {ub}, but not in {run}"),
+                        ),
+                        (None, None) => (
+                            last_task,
+                            "no task works on it".to_string(),
+                            format!("ub {ub} is never sampled"),
+                        ),
                     };
-                    let d = Diagnostic::unsampled(span, &run, ub as u32, &what);
-                    self.emit(d);
+                    let span = at.map(|t| program.task_span(t)).unwrap_or_default();
+                    let d = Diagnostic::unsampled(span, &run, ub as u32, &what, &label);
+                    self.sampling.push(d);
                 }
                 [_] => {}
                 [first, second, ..] => {
@@ -805,7 +830,7 @@ impl Tracker<'_> {
                         ub as u32,
                         &self.program.task_name(second),
                     );
-                    self.emit(d);
+                    self.sampling.push(d);
                 }
             }
         }

@@ -572,18 +572,18 @@ impl Diagnostic {
         )
         .label(arg_span, format!("expects {expected} {wanted_from}"));
         if let Some((_, span)) = writer {
-            d = d.label(span, format!("wrote it in {held_from}"));
+            d = d.label(span, format!("left the one of {held_from} here"));
         }
         d.help("compute or copy the value again in this step before it is read: what an earlier step left here is out of date")
     }
 
     /// A step run after which a micro-batch has no sampled token.
-    pub fn unsampled(span: Span, run: &str, ub: u32, last: &str) -> Self {
+    pub fn unsampled(span: Span, run: &str, ub: u32, why: &str, label: &str) -> Self {
         Diagnostic::new(
             Code::ValuesSampling,
-            format!("{run} never samples ub {ub}: its sequences would get no token ({last})"),
+            format!("{run} never samples ub {ub}, so its sequences would get no token ({why})"),
         )
-        .label(span, format!("ub {ub} is never sampled after this"))
+        .label(span, label)
         .help("every prefill, decode or mixed step must run `lm_head` and `sample` for every micro-batch once, after its last layer")
     }
 
@@ -618,7 +618,7 @@ impl Diagnostic {
     ) -> Self {
         Diagnostic::new(
             Code::ValuesExpertGuard,
-            format!("task {task} runs only when `{guard}`, which does not hold every time expert {set} of layer {layer} receives tokens from ub {ub}: their contribution would be lost"),
+            format!("task {task} runs only when `{guard}`, which does not hold every time expert {set} of layer {layer} receives tokens from ub {ub}: its contribution would be lost"),
         )
         .label(span, format!("guarded by `{guard}`"))
         .help("guard a single expert's computation only by `active(layer, expert)` or `active(layer, expert, ub)` of that same expert (or not at all)")
