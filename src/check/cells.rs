@@ -1,7 +1,9 @@
 //! The byte-range map value tracking keeps per buffer (which tensor piece each run of
-//! bytes holds, who wrote it, under which run-time guard), and the guard logic that
-//! decides whether a guarded write may be trusted by a reader.
+//! bytes holds, from which step run, who wrote it, under which run-time guard of which
+//! step run), and the guard logic that decides whether a guarded write may be trusted by
+//! a reader.
 
+use crate::ir::catalog::ExpertRef;
 use crate::ir::value::Piece;
 use crate::ir::{Guard, GuardAtom, GuardLit, TaskId};
 use std::collections::BTreeMap;
@@ -12,6 +14,12 @@ pub(super) struct Cell {
     pub(super) piece: Option<Piece>,
     pub(super) writer: Option<TaskId>,
     pub(super) guard: Guard,
+    /// The step run (index into the tracker's run plan) the value belongs to; `None` for
+    /// values that belong to no step (weights of a fixed expert or part).
+    pub(super) epoch: Option<u32>,
+    /// The step run whose routing `guard` was decided from (meaningless when the guard is
+    /// empty): a guard only says something about the step run it was evaluated in.
+    pub(super) guard_epoch: u32,
 }
 
 pub(super) type Cells = BTreeMap<u64, Cell>;
@@ -28,6 +36,8 @@ pub(super) fn new_cells(bytes: u64) -> Cells {
             piece: None,
             writer: None,
             guard: Guard::default(),
+            epoch: None,
+            guard_epoch: 0,
         },
     );
     cells
@@ -111,6 +121,9 @@ pub(super) fn lit_implies(a: &GuardLit, b: &GuardLit) -> bool {
 }
 
 /// Whether `reader` implies `writer` (every literal of the writer follows from the reader's).
+/// Literal by literal: `a && b` implies `c` only if `a` or `b` alone implies `c`, so an
+/// implication that needs two literals together is not found (sound, not complete), and
+/// a negated literal implies only negated literals of the same expert.
 pub(super) fn implies(reader: &Guard, writer: &Guard) -> bool {
     writer
         .lits
@@ -124,4 +137,49 @@ pub(super) fn union(a: &Guard, b: &Guard) -> Guard {
     lits.sort();
     lits.dedup();
     Guard { lits }
+}
+
+/// The guard epoch a value keeps when `guards` (with their epochs) are combined in step run
+/// `epoch`: `epoch` when every non-empty guard was decided in this run, else the oldest
+/// run one of them was decided in (so the combined guard is never trusted now).
+pub(super) fn combined_guard_epoch<'a>(
+    guards: impl IntoIterator<Item = (&'a Guard, u32)>,
+    epoch: u32,
+) -> u32 {
+    guards
+        .into_iter()
+        .filter(|(g, e)| !g.is_always() && *e != epoch)
+        .map(|(_, e)| e)
+        .min()
+        .unwrap_or(epoch)
+}
+
+/// Whether a task guarded by `guard` runs whenever expert `expert` of `layer` receives
+/// tokens from micro-batch `ub`: every literal must follow from `active(layer, expert,
+/// ub)`, i.e. be `active(layer, expert)` or `active(layer, expert, ub)` itself. A negated
+/// literal never follows (skipping an active expert loses its contribution).
+pub(super) fn runs_when_active(guard: &Guard, layer: u32, expert: ExpertRef, ub: u32) -> bool {
+    guard.lits.iter().all(|lit| {
+        let GuardAtom::Active {
+            layer: l,
+            expert: e,
+            ub: u,
+        } = lit.atom;
+        !lit.negated && l == layer && e == expert && u.is_none_or(|u| u == ub)
+    })
+}
+
+/// `active(1, hot(1, 3)) && !active(1, 2, 0)` style text of a guard.
+pub(super) fn guard_text(guard: &Guard) -> String {
+    guard
+        .lits
+        .iter()
+        .map(|lit| {
+            let GuardAtom::Active { layer, expert, ub } = lit.atom;
+            let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
+            let not = if lit.negated { "!" } else { "" };
+            format!("{not}active({layer}, {expert}{ub})")
+        })
+        .collect::<Vec<_>>()
+        .join(" && ")
 }

@@ -1,14 +1,16 @@
 //! Checks: a program in, a [`ScheduleInfo`] out (or every error found).
 //!
 //! Takes an elaborated [`Program`]; runs, in order, the structural checks
-//! ([`structure`]), dependency analysis ([`crate::ir::deps`]), value tracking ([`values`])
+//! ([`structure`], [`overlap`]), dependency analysis ([`crate::ir::deps`]), value tracking ([`values`])
 //! and the lints ([`lints`]). Errors stop the schedule; warnings travel with the result.
 //! As in naga's `ModuleInfo`, a [`ScheduleInfo`] can only be made here, and lowering takes
 //! one, so an unchecked program cannot be lowered.
 
 mod cells;
+mod epochs;
 pub mod lints;
 pub mod routing;
+pub mod overlap;
 pub mod structure;
 pub mod values;
 
@@ -67,6 +69,7 @@ impl ScheduleInfo {
 pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
     let mut diags = Vec::new();
     structure::check(program, &mut diags);
+    overlap::check(program, &mut diags);
     if diags.iter().any(Diagnostic::is_error) {
         // Value tracking over ill-formed tasks would only repeat the same problems.
         return Err(dedupe(diags));

@@ -1,17 +1,33 @@
-//! Value tracking: which logical tensor every byte of every buffer holds, in issue order.
+//! Value tracking: which logical tensor every byte of every buffer holds, from which step
+//! run, in issue order.
 //!
 //! Takes a program; gives diagnostics and, per task, where each weight tensor it reads
 //! sits inside its arguments (lowering needs this to find tensors in buffers). Runs the
-//! steps in order, and every decode or mixed step twice, so state a step leaves for its
-//! own next run (prefetched weights, KV caches) is checked as well. Invariants checked:
+//! steps in the order of [`super::epochs::plan`] (setup; prefill, prefill, decode, decode,
+//! prefill, decode; a mixed step three times), so state a step leaves for its own next
+//! run or for the next batch (prefetched weights, KV caches) is checked as well. Every
+//! value carries the run it belongs to. Invariants checked:
 //! - every argument an op reads holds the tensor the catalog says it expects (weights: each
 //!   one whole and contiguous somewhere in the argument; activations: from the argument's
 //!   start over the bytes the op needs); otherwise say what it holds and who wrote it;
+//! - activations (embeddings, hidden states, Q/K/V, attention outputs, routing, expert
+//!   sums, logits) and run-time chosen experts (`hot(..)`) are the ones of the current
+//!   run; a KV cache is the one the previous run left (or this run already updated); the
+//!   tokens `embed` reads are the previous run's samples (else `values::stale`);
 //! - nothing is read (by an op or a copy) before anything was written to it;
-//! - a value written under a run-time guard is read only under a guard implying it;
-//! - between `gate` and `combine` every expert is computed exactly once per layer and ub.
+//! - a value written under a run-time guard is read only under a guard implying it,
+//!   decided in the same run;
+//! - between `gate` and `combine` every expert is computed exactly once per layer and ub,
+//!   each by a task that runs whenever that expert receives tokens (`values::expert_guard`);
+//! - every prefill, decode or mixed run samples every micro-batch exactly once, by an
+//!   unguarded `sample` (`values::sampling`); with the rules above, the logits it reads
+//!   come from this run's `lm_head` over this run's hidden state after the last layer.
 
-use super::cells::{implies, new_cells, runs, union, write, Cell, Cells, Runs};
+use super::cells::{
+    combined_guard_epoch, guard_text, implies, new_cells, runs, runs_when_active, union, write,
+    Cell, Cells, Runs,
+};
+use super::epochs::{self, StepRun};
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, ExpertRef, ExpertSet, Op};
 use crate::ir::value::{checkpoint_pieces, Piece, Rows, Tensor};
@@ -56,10 +72,24 @@ struct Tracker<'p> {
     /// Expert sets computed since the last `gate`, per (layer, ub).
     expert_sets: HashMap<(u32, u32), Vec<ExpertSet>>,
     pass_note: &'static str,
+    /// The step runs, in order ([`epochs::plan`]).
+    plan: Vec<StepRun>,
+    /// The current run (index into `plan`).
+    epoch: u32,
+    /// Whether the current run is its step's first (a mixed step starts without cache).
+    first_run: bool,
+    /// Per micro-batch, the `sample` tasks of the current run.
+    samples: Vec<Vec<TaskId>>,
+    /// Per micro-batch, the last compute task of the current run that worked on it.
+    last_of_ub: Vec<Option<TaskId>>,
+    /// `values::sampling` findings of the current run, reported only if nothing else was
+    /// wrong.
+    sampling: Vec<Diagnostic>,
 }
 
 /// Runs value tracking; returns diagnostics and per-task weight locations.
 pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
+    let ubs = program.micro_batches.count as usize;
     let mut tracker = Tracker {
         program,
         layout: program.checkpoint(),
@@ -68,21 +98,35 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         locations: vec![Vec::new(); program.tasks.len()],
         expert_sets: HashMap::new(),
         pass_note: "",
+        plan: epochs::plan(program),
+        epoch: 0,
+        first_run: true,
+        samples: Vec::new(),
+        last_of_ub: Vec::new(),
+        sampling: Vec::new(),
     };
-    for step in &program.steps {
-        let runs = match step.kind {
-            StepKind::Setup | StepKind::Prefill => 1,
-            StepKind::Decode | StepKind::Mixed => 2,
-        };
-        for run in 0..runs {
-            tracker.pass_note = if run == 0 {
-                ""
-            } else {
-                " (on the step's next run)"
-            };
-            for id in step.task_ids() {
-                tracker.task(id);
+    for epoch in 0..tracker.plan.len() {
+        let run = &tracker.plan[epoch];
+        let (step, kind, note) = (run.step, run.kind, run.note);
+        tracker.epoch = epoch as u32;
+        tracker.pass_note = note;
+        tracker.first_run = note.is_empty();
+        tracker.samples = vec![Vec::new(); ubs];
+        tracker.last_of_ub = vec![None; ubs];
+        tracker.expert_sets.clear();
+        for id in program.steps[step].task_ids() {
+            tracker.task(id);
+        }
+        if kind != StepKind::Setup {
+            tracker.check_sampling();
+            // A run whose dataflow is already broken explains a missing token by itself
+            // (and diagnostic fixtures are fragments that sample nothing): sampling is
+            // reported only while everything else holds, at the run that fails it (a
+            // later run would read the tokens it did not sample as stale).
+            if !tracker.diags.iter().any(Diagnostic::is_error) {
+                tracker.diags.append(&mut tracker.sampling);
             }
+            tracker.sampling.clear();
         }
     }
     (tracker.diags, tracker.locations)
@@ -109,6 +153,9 @@ impl Tracker<'_> {
                             piece: Some(piece),
                             writer: None,
                             guard: Guard::default(),
+                            // `hot(..)` names the expert this run's routing ranks there.
+                            epoch: is_run_time_expert(&piece.tensor).then_some(self.epoch),
+                            guard_epoch: self.epoch,
                         },
                     )
                 })
@@ -139,6 +186,9 @@ impl Tracker<'_> {
         );
         let mut layer = None;
         let mut guard = Guard::default();
+        let now = self.epoch;
+        let guard_epoch =
+            combined_guard_epoch(region.iter().map(|r| (&r.2.guard, r.2.guard_epoch)), now);
         let whole = (0..experts).all(|e| {
             let lo = slice.start + e * stride;
             region
@@ -172,6 +222,8 @@ impl Tracker<'_> {
                     }),
                     writer: region.first().and_then(|r| r.2.writer),
                     guard,
+                    epoch: Some(now),
+                    guard_epoch,
                 };
                 vec![(slice.start, slice.end(), cell)]
             }
@@ -224,6 +276,24 @@ impl Tracker<'_> {
         let span = program.task_span(id);
         if task.op == Op::Copy {
             return self.copy(id, arg_spans, span);
+        }
+        if let Some(ub) = task.op.ub() {
+            if let Some(last) = self.last_of_ub.get_mut(ub as usize) {
+                *last = Some(id);
+            }
+        }
+        if let Op::Sample { ub } = task.op {
+            if !task.guard.is_always() {
+                let d = Diagnostic::sample_guarded(
+                    span,
+                    &program.task_name(id),
+                    ub,
+                    &guard_text(&task.guard),
+                );
+                self.emit(d);
+            } else if let Some(samples) = self.samples.get_mut(ub as usize) {
+                samples.push(id);
+            }
         }
         let signature = catalog::signature(&task.op, &program.model);
         let mut locations = Vec::new();
@@ -358,8 +428,9 @@ impl Tracker<'_> {
                     .get(task.step.index())
                     .is_some_and(|s| s.kind == StepKind::Mixed);
                 // A mixed step's first run has no cache and no sampled tokens yet.
-                let first_run_empty =
-                    mixed && matches!(sig.role, crate::ir::Role::Kv | crate::ir::Role::Tokens);
+                let first_run_empty = mixed
+                    && self.first_run
+                    && matches!(sig.role, crate::ir::Role::Kv | crate::ir::Role::Tokens);
                 if untouched && (sig.may_be_empty || first_run_empty) {
                     continue;
                 }
@@ -396,14 +467,22 @@ impl Tracker<'_> {
                 let (start, end) = (arg.slice.start, arg.slice.end());
                 // An in-place update that keeps the tensor's identity (the expert sum) stays
                 // valid when the task is skipped: keep the guard the value already had.
-                let guard =
+                // (`values::expert_guard` makes sure such a task is skipped only when it
+                // would add nothing.)
+                let now = self.epoch;
+                let (guard, guard_epoch) =
                     if arg.access == Access::ReadWrite && sig.expects.first() == Some(&produced) {
                         let before = self.read_runs(&arg.slice);
-                        before
+                        let guard = before
                             .iter()
-                            .fold(Guard::default(), |g, r| union(&g, &r.2.guard))
+                            .fold(Guard::default(), |g, r| union(&g, &r.2.guard));
+                        let epoch = combined_guard_epoch(
+                            before.iter().map(|r| (&r.2.guard, r.2.guard_epoch)),
+                            now,
+                        );
+                        (guard, epoch)
                     } else {
-                        task.guard.clone()
+                        (task.guard.clone(), now)
                     };
                 let cell = Cell {
                     end,
@@ -413,6 +492,8 @@ impl Tracker<'_> {
                     }),
                     writer: Some(id),
                     guard,
+                    epoch: Some(now),
+                    guard_epoch,
                 };
                 let cells = self.cells_of(arg.slice.buffer);
                 write(cells, start, vec![(start, end, cell)]);
@@ -485,18 +566,51 @@ impl Tracker<'_> {
             });
             return Ok(());
         }
-        // Not found anywhere. Evidence, best first: a run of the same kind of tensor (the
-        // same part of another layer, another expert) in any listed argument; else the
-        // first argument that holds anything; else nothing was written at all.
+        // Not found anywhere. Evidence, best first: where a later part of the tensor sits,
+        // the bytes before it that should hold its start; a run of the same part of
+        // another layer (the stale occupant of a slot); a run of the same kind of tensor
+        // (another expert); else the first argument that holds anything; else nothing was
+        // written at all.
         let same_kind =
             |p: &Piece| std::mem::discriminant(&p.tensor) == std::mem::discriminant(expected);
-        let pick = all_runs
-            .iter()
-            .enumerate()
-            .find_map(|(n, (_, runs))| {
-                runs.iter()
-                    .find(|r| r.2.piece.as_ref().is_some_and(same_kind))
-                    .map(|r| (n, r))
+        let same_part = |p: &Piece| match (&p.tensor, expected) {
+            (Tensor::Expert { expert: a, .. }, Tensor::Expert { expert: b, .. }) => a == b,
+            _ => same_kind(p),
+        };
+        let partial = all_runs.iter().enumerate().find_map(|(n, (k, runs))| {
+            let arg = args.iter().find(|(i, _)| i == k)?.1;
+            let (lo, piece) = runs.iter().find_map(|r| {
+                let p = r.2.piece.as_ref()?;
+                (p.tensor == *expected && p.offset > 0).then_some((r.0, p))
+            })?;
+            // The tensor would start at `t0`; the bytes from there (inside the argument) up
+            // to `lo` should hold its beginning.
+            let t0 = lo.checked_sub(piece.offset)?;
+            let from = t0.max(arg.slice.start);
+            runs.iter()
+                .find(|(r_lo, r_hi, cell)| {
+                    let right = cell
+                        .piece
+                        .as_ref()
+                        .is_some_and(|p| p.tensor == *expected && p.offset + t0 == *r_lo);
+                    *r_hi > from && *r_lo < lo && !right
+                })
+                .map(|r| (n, r))
+        });
+        let pick = partial
+            .or_else(|| {
+                all_runs.iter().enumerate().find_map(|(n, (_, runs))| {
+                    runs.iter()
+                        .find(|r| r.2.piece.as_ref().is_some_and(same_part))
+                        .map(|r| (n, r))
+                })
+            })
+            .or_else(|| {
+                all_runs.iter().enumerate().find_map(|(n, (_, runs))| {
+                    runs.iter()
+                        .find(|r| r.2.piece.as_ref().is_some_and(same_kind))
+                        .map(|r| (n, r))
+                })
             })
             .or_else(|| {
                 all_runs.iter().enumerate().find_map(|(n, (_, runs))| {
@@ -603,7 +717,11 @@ impl Tracker<'_> {
                 self.writer_of(c.cell),
             ));
         }
-        if !implies(guard, &c.cell.guard) {
+        if let Some(d) = self.stale_check(&c, arg_span, task_id, buffer_name) {
+            return Err(d);
+        }
+        let guard_now = c.cell.guard.is_always() || c.cell.guard_epoch == self.epoch;
+        if !guard_now || !implies(guard, &c.cell.guard) {
             let writer = self.writer_of(c.cell).unwrap_or_default();
             return Err(Diagnostic::maybe_stale(
                 arg_span,
@@ -614,6 +732,109 @@ impl Tracker<'_> {
             ));
         }
         Ok(())
+    }
+
+    /// `values::stale` when the run of bytes holds the expected tensor but from a run
+    /// other than the one the reader needs (see the module header for which).
+    fn stale_check(
+        &self,
+        c: &RunCheck<'_>,
+        arg_span: Span,
+        task_id: TaskId,
+        buffer_name: &str,
+    ) -> Option<Diagnostic> {
+        let held = c.cell.epoch?;
+        let now = self.epoch;
+        let previous = now.checked_sub(1);
+        let (ok, wanted) = match c.tensor {
+            t if t.is_weight() && !is_run_time_expert(t) => return None,
+            Tensor::Tokens { .. } => (
+                Some(held) == previous,
+                format!("sampled in {}", self.run_name(previous)),
+            ),
+            Tensor::KvCache { .. } => (
+                held == now || Some(held) == previous,
+                format!(
+                    "as {} left it (or as {} updated it)",
+                    self.run_name(previous),
+                    self.run_name(Some(now))
+                ),
+            ),
+            _ => (held == now, format!("of {}", self.run_name(Some(now)))),
+        };
+        if ok {
+            return None;
+        }
+        Some(Diagnostic::stale_value(
+            arg_span,
+            &self.program.task_name(task_id),
+            buffer_name,
+            &c.tensor.to_string(),
+            &wanted,
+            &self.run_name(Some(held)),
+            self.writer_of(c.cell),
+        ))
+    }
+
+    /// `prefill run 1`, `decode run 2`; `no earlier run` before the first.
+    fn run_name(&self, epoch: Option<u32>) -> String {
+        epoch
+            .and_then(|e| self.plan.get(e as usize))
+            .map_or_else(|| "no earlier run".to_string(), |r| r.name.clone())
+    }
+
+    /// After a prefill, decode or mixed run: every micro-batch sampled exactly once.
+    fn check_sampling(&mut self) {
+        let run = self.plan[self.epoch as usize].name.clone();
+        let step = &self.program.steps[self.plan[self.epoch as usize].step];
+        let last_task = step.task_ids().last();
+        for ub in 0..self.samples.len() {
+            match self.samples[ub].as_slice() {
+                [] => {
+                    // Point at the run's last task on the ub; in a step that never touches
+                    // it, at a `sample` of it in another step.
+                    let program = self.program;
+                    let elsewhere = (0..program.tasks.len())
+                        .map(TaskId::new)
+                        .find(|&t| program.task(t).op == Op::Sample { ub: ub as u32 });
+                    let (at, what, label) = match (self.last_of_ub[ub], elsewhere) {
+                        (Some(t), _) => (
+                            Some(t),
+                            format!("its last task in the run is {}", program.task_name(t)),
+                            format!("ub {ub} is never sampled after this"),
+                        ),
+                        (None, Some(t)) => (
+                            Some(t),
+                            format!(
+                                "no task of the step works on it; task {} samples it in another step",
+                                program.task_name(t)
+                            ),
+                            format!("samples ub {ub}, but not in {run}"),
+                        ),
+                        (None, None) => (
+                            last_task,
+                            "no task works on it".to_string(),
+                            format!("ub {ub} is never sampled"),
+                        ),
+                    };
+                    let span = at.map(|t| program.task_span(t)).unwrap_or_default();
+                    let d = Diagnostic::unsampled(span, &run, ub as u32, &what, &label);
+                    self.sampling.push(d);
+                }
+                [_] => {}
+                [first, second, ..] => {
+                    let (first, second) = (*first, *second);
+                    let d = Diagnostic::sampled_twice(
+                        self.program.task_span(second),
+                        self.program.task_span(first),
+                        &run,
+                        ub as u32,
+                        &self.program.task_name(second),
+                    );
+                    self.sampling.push(d);
+                }
+            }
+        }
     }
 
     fn copy(&mut self, id: TaskId, arg_spans: &[Span], span: Span) {
@@ -639,6 +860,7 @@ impl Tracker<'_> {
             self.emit(d);
         }
         let len = src.slice.len.min(dst.slice.len);
+        let now = self.epoch;
         let shift = |pos: u64| pos - src.slice.start + dst.slice.start;
         let moved: Vec<(u64, u64, Cell)> = runs_in
             .into_iter()
@@ -646,6 +868,12 @@ impl Tracker<'_> {
             .map(|(lo, hi, cell)| {
                 let hi = hi.min(src.slice.start + len);
                 let guard = union(&task.guard, &cell.guard);
+                let guard_epoch = combined_guard_epoch([(&cell.guard, cell.guard_epoch)], now);
+                // A run-time chosen expert copied from a whole layer is this run's choice.
+                let epoch = match (&cell.piece, cell.epoch) {
+                    (Some(p), None) if is_run_time_expert(&p.tensor) => Some(now),
+                    (_, epoch) => epoch,
+                };
                 // The copy is what put the bytes here; the original writer stays findable
                 // through the copy's own inputs.
                 let new = Cell {
@@ -653,6 +881,8 @@ impl Tracker<'_> {
                     piece: cell.piece,
                     writer: Some(id),
                     guard,
+                    epoch,
+                    guard_epoch,
                 };
                 (shift(lo), shift(hi), new)
             })
@@ -669,6 +899,20 @@ impl Tracker<'_> {
             }
             Op::Experts { layer, ub, set } => {
                 self.expert_sets.entry((layer, ub)).or_default().push(set);
+                let guard = &self.program.task(id).guard;
+                let sound = guard.is_always()
+                    || matches!(set, ExpertSet::One(e) if runs_when_active(guard, layer, e, ub));
+                if !sound {
+                    let d = Diagnostic::expert_guard(
+                        span,
+                        &self.program.task_name(id),
+                        &guard_text(guard),
+                        &set.to_string(),
+                        layer,
+                        ub,
+                    );
+                    self.emit(d);
+                }
             }
             Op::Combine { layer, ub } => {
                 let sets = self.expert_sets.remove(&(layer, ub)).unwrap_or_default();
@@ -679,6 +923,18 @@ impl Tracker<'_> {
             _ => {}
         }
     }
+}
+
+/// An expert named by its run-time rank (`hot(l, r)`): which one it is depends on the
+/// run's routing, so such a value belongs to the run that chose it.
+fn is_run_time_expert(tensor: &Tensor) -> bool {
+    matches!(
+        tensor,
+        Tensor::Expert {
+            expert: ExpertRef::Hot { .. },
+            ..
+        }
+    )
 }
 
 /// Checks that `sets` name every expert exactly once: all fixed, or all run-time ranks.

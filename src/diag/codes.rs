@@ -51,6 +51,8 @@ pub enum Code {
     StructReadOnly,
     /// No step template.
     StructNoSteps,
+    /// A written argument overlapping another argument of the same task.
+    StructOverlap,
     /// An argument holds the wrong tensor.
     ValuesWrong,
     /// An argument read before any write.
@@ -61,6 +63,12 @@ pub enum Code {
     ValuesExpertCoverage,
     /// A guard reads routing that no gate ordered before its task has produced.
     ValuesRoutingUnknown,
+    /// The right tensor, but from another step run than the one the reader needs.
+    ValuesStale,
+    /// A step run that leaves a micro-batch without a token, or samples it twice.
+    ValuesSampling,
+    /// An expert computation that may be skipped while its expert receives tokens.
+    ValuesExpertGuard,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -75,7 +83,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 33] = [
+    pub const ALL: [Code; 37] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -99,11 +107,15 @@ impl Code {
         Code::StructTooSmall,
         Code::StructReadOnly,
         Code::StructNoSteps,
+        Code::StructOverlap,
         Code::ValuesWrong,
         Code::ValuesUninitialized,
         Code::ValuesGuarded,
         Code::ValuesExpertCoverage,
         Code::ValuesRoutingUnknown,
+        Code::ValuesStale,
+        Code::ValuesSampling,
+        Code::ValuesExpertGuard,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -137,11 +149,15 @@ impl Code {
             Code::StructTooSmall => "structure::too_small",
             Code::StructReadOnly => "structure::read_only",
             Code::StructNoSteps => "structure::no_steps",
+            Code::StructOverlap => "structure::overlap",
             Code::ValuesWrong => "values::wrong",
             Code::ValuesUninitialized => "values::uninitialized",
             Code::ValuesGuarded => "values::guarded",
             Code::ValuesExpertCoverage => "values::expert_coverage",
             Code::ValuesRoutingUnknown => "values::routing_unknown",
+            Code::ValuesStale => "values::stale",
+            Code::ValuesSampling => "values::sampling",
+            Code::ValuesExpertGuard => "values::expert_guard",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",

@@ -441,6 +441,30 @@ impl Diagnostic {
             .help("size the buffer for the micro-batch and step (prefill holds sequences x prompt_len tokens)")
     }
 
+    /// A task whose written argument overlaps another of its arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub fn overlapping_arguments(
+        written: Span,
+        other: Span,
+        task: &str,
+        buffer: &str,
+        written_bytes: (u64, u64),
+        other_bytes: (u64, u64),
+        other_writes: bool,
+    ) -> Self {
+        let verb = if other_writes { "writes" } else { "reads" };
+        Diagnostic::new(
+            Code::StructOverlap,
+            format!(
+                "task {task} writes bytes {}..{} of `{buffer}` and {verb} bytes {}..{} of it through another argument",
+                written_bytes.0, written_bytes.1, other_bytes.0, other_bytes.1
+            ),
+        )
+        .label(written, "written here")
+        .label(other, format!("overlapping argument ({verb})"))
+        .help("an op's arguments must not alias when one of them is written: give the output its own buffer or a disjoint slice")
+    }
+
     /// A write to the read-only checkpoint.
     pub fn write_checkpoint(span: Span) -> Self {
         Diagnostic::new(Code::StructReadOnly, "the checkpoint `W` is read-only")
@@ -540,6 +564,80 @@ impl Diagnostic {
         )
         .label(span, "decided from routing that is not known yet")
         .help("order the task after the gate (a data dependency, or `after` naming the gate task) so its routing is read back to the host first")
+    }
+
+    /// The expected tensor, but the one of another step run (an earlier token's hidden
+    /// state, a KV cache missing the last step's rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn stale_value(
+        arg_span: Span,
+        task: &str,
+        buffer: &str,
+        expected: &str,
+        wanted_from: &str,
+        held_from: &str,
+        writer: Option<(String, Span)>,
+    ) -> Self {
+        let writer_text = writer
+            .as_ref()
+            .map(|(name, _)| format!(", written by task {name}"))
+            .unwrap_or_default();
+        let mut d = Diagnostic::new(
+            Code::ValuesStale,
+            format!("task {task} reads `{buffer}` expecting {expected} {wanted_from}, but it holds the one of {held_from}{writer_text}"),
+        )
+        .label(arg_span, format!("expects {expected} {wanted_from}"));
+        if let Some((_, span)) = writer {
+            d = d.label(span, format!("left the one of {held_from} here"));
+        }
+        d.help("compute or copy the value again in this step before it is read: what an earlier step left here is out of date")
+    }
+
+    /// A step run after which a micro-batch has no sampled token.
+    pub fn unsampled(span: Span, run: &str, ub: u32, why: &str, label: &str) -> Self {
+        Diagnostic::new(
+            Code::ValuesSampling,
+            format!("{run} never samples ub {ub}, so its sequences would get no token ({why})"),
+        )
+        .label(span, label)
+        .help("every prefill, decode or mixed step must run `lm_head` and `sample` for every micro-batch once, after its last layer")
+    }
+
+    /// A step run that samples a micro-batch twice.
+    pub fn sampled_twice(span: Span, first: Span, run: &str, ub: u32, task: &str) -> Self {
+        Diagnostic::new(
+            Code::ValuesSampling,
+            format!("{run} samples ub {ub} twice (again in task {task}): each sequence gets one token per step"),
+        )
+        .label(span, "samples it again")
+        .label(first, "first sample")
+    }
+
+    /// A `sample` under a run-time guard: the micro-batch may get no token.
+    pub fn sample_guarded(span: Span, task: &str, ub: u32, guard: &str) -> Self {
+        Diagnostic::new(
+            Code::ValuesSampling,
+            format!("task {task} runs only when `{guard}`: ub {ub} may get no token"),
+        )
+        .label(span, "guarded sample")
+        .help("sample every micro-batch unconditionally")
+    }
+
+    /// An `experts` task whose guard may skip it while its expert receives tokens.
+    pub fn expert_guard(
+        span: Span,
+        task: &str,
+        guard: &str,
+        set: &str,
+        layer: u32,
+        ub: u32,
+    ) -> Self {
+        Diagnostic::new(
+            Code::ValuesExpertGuard,
+            format!("task {task} runs only when `{guard}`, which does not hold every time expert {set} of layer {layer} receives tokens from ub {ub}: its contribution would be lost"),
+        )
+        .label(span, format!("guarded by `{guard}`"))
+        .help("guard a single expert's computation only by `active(layer, expert)` or `active(layer, expert, ub)` of that same expert (or not at all)")
     }
 
     // ---- lints --------------------------------------------------------------------

@@ -108,3 +108,72 @@ pub fn compile_small_layers(source: &str, layers: u64) -> Result<Compiled, Vec<D
         &small_options(source, card_with_layers("mixtral-tiny", layers)),
     )
 }
+
+/// A synthetic checkpoint of `card` (seed 7, as the invariance tests) written under `dir`.
+pub fn tiny_checkpoint(card: &ModelCard, dir: &Path) -> moec::model::checkpoint::Checkpoint {
+    use moec::model::synth::{write_checkpoint, SynthOptions};
+    let ck_dir = dir.join(format!("ck-{}-{}", card.name, card.layers));
+    write_checkpoint(
+        card,
+        &ck_dir,
+        &SynthOptions {
+            seed: 7,
+            dtype: card.dtype,
+            ..SynthOptions::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("synthetic checkpoint: {e}"));
+    moec::model::checkpoint::Checkpoint::open(&ck_dir)
+        .unwrap_or_else(|e| panic!("open checkpoint: {e}"))
+}
+
+/// The oracle's greedy tokens for `prompts` (`gen_len` each, EOS ignored).
+pub fn oracle_tokens(
+    checkpoint: &moec::model::checkpoint::Checkpoint,
+    prompts: &[Vec<u32>],
+    gen_len: usize,
+) -> Vec<Vec<u32>> {
+    use moec::model::oracle::{GenerateOptions, Oracle};
+    let oracle = Oracle::new(checkpoint).unwrap_or_else(|e| panic!("oracle: {e}"));
+    oracle
+        .generate(
+            prompts,
+            &GenerateOptions {
+                stop_at_eos: false,
+                ..GenerateOptions::greedy(gen_len)
+            },
+        )
+        .unwrap_or_else(|e| panic!("oracle generate: {e}"))
+        .into_iter()
+        .map(|g| g.token_ids)
+        .collect()
+}
+
+/// Lowers a compiled schedule and runs it on the CPU backend (greedy, one thread per
+/// pool, EOS ignored) over `prompts`; `Ok` when it produces exactly `expected` (the
+/// oracle's tokens, [`oracle_tokens`]), else what went wrong. The one place these tests
+/// call the runtime, so a change of its API is adapted here.
+pub fn run_against_oracle(
+    compiled: &Compiled,
+    checkpoint: &moec::model::checkpoint::Checkpoint,
+    prompts: &[Vec<u32>],
+    expected: &[Vec<u32>],
+) -> Result<(), String> {
+    use moec::lower::{lower, LowerOptions};
+    use moec::runtime::{generate, RunOptions};
+    let gen_len = expected.first().map_or(0, Vec::len);
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default())
+        .map_err(|e| format!("does not lower: {e}"))?;
+    let mut run = RunOptions::greedy(gen_len);
+    run.stop_at_eos = false;
+    run.threads = 1;
+    let (outputs, _) = generate(&plan, checkpoint, prompts, &run, &mut |_, _| {})
+        .map_err(|e| format!("run failed: {e}"))?;
+    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    if got != expected {
+        return Err(format!(
+            "tokens differ:\n  got      {got:?}\n  expected {expected:?}"
+        ));
+    }
+    Ok(())
+}
