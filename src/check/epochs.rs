@@ -10,7 +10,7 @@
 //! decode, decode -> decode, decode -> prefill, step -> step) occurs at least once.
 
 use crate::ir::Program;
-use crate::syntax::ast::StepKind;
+use crate::ir::StepKind;
 
 /// One run of a step template.
 pub(super) struct StepRun {

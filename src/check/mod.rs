@@ -9,8 +9,8 @@
 mod cells;
 mod epochs;
 pub mod lints;
-pub mod routing;
 pub mod overlap;
+pub mod routing;
 pub mod structure;
 pub mod values;
 

@@ -166,7 +166,7 @@ pub fn run_against_oracle(
         .map_err(|e| format!("does not lower: {e}"))?;
     let mut run = RunOptions::greedy(gen_len);
     run.stop_at_eos = false;
-    run.threads = 1;
+    run.backend.threads = 1;
     let (outputs, _) = generate(&plan, checkpoint, prompts, &run, &mut |_, _| {})
         .map_err(|e| format!("run failed: {e}"))?;
     let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
