@@ -1,12 +1,13 @@
 //! `moec devices`: which backends this machine can run, in plain words.
 //!
-//! Prints the CPU backend (threads, AVX-512) and the CUDA status: driver and devices,
+//! Prints the CPU backend (threads, the CPU kernels chosen and why, see `MOEC_KERNELS`)
+//! and the CUDA status: driver and devices,
 //! NVRTC and whether moec's kernels compile with it, cuBLAS. Exits 0, or 1 when NVRTC is
 //! present but rejects a kernel (a bug in moec's kernels, shown with NVRTC's log). Also
 //! gives the one-line refusal `moec run --backend cuda` reports.
 
 use super::generate::fail;
-use crate::model::kernels::simd::avx512_available;
+use crate::model::kernels::isa::{describe, Isa};
 use crate::runtime::cuda::detect::{detect, CudaStatus};
 use crate::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
 use crate::runtime::cuda::CudaError;
@@ -19,8 +20,13 @@ pub struct DevicesArgs {}
 /// Runs `moec devices`.
 pub fn run(_args: &DevicesArgs) -> ExitCode {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let avx512 = if avx512_available() { "yes" } else { "no" };
-    println!("cpu: available, {threads} threads, AVX-512: {avx512}");
+    let has = |isa: Isa| if isa.is_supported() { "yes" } else { "no" };
+    println!(
+        "cpu: available, {threads} threads, AVX-512: {}, AVX2+FMA: {}",
+        has(Isa::Avx512),
+        has(Isa::Avx2)
+    );
+    println!("  {}", describe());
     let status = detect();
     let (nvrtc_line, compile_error) = nvrtc_line(&status);
     println!(

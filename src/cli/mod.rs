@@ -59,6 +59,14 @@ enum Command {
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The kernel choice is made once, here: a `MOEC_KERNELS` this CPU cannot honour stops
+    // every command before it computes anything (`devices` reports it instead).
+    if let (Err(e), false) = (
+        crate::model::kernels::isa::selection(),
+        matches!(cli.command, Command::Devices(_)),
+    ) {
+        return generate::fail(e);
+    }
     match cli.command {
         Command::Check(args) => check::run(&args),
         Command::Compile(args) => compile::run(&args),

@@ -5,16 +5,17 @@
 //! per prompt, the generated ids, each one's log-probability under the model and the
 //! last prompt position's logits. All prompts are prefilled in one micro-batch and then
 //! decoded together one token per step over a paged KV cache; each sequence has its own
-//! seeded sampler, so results do not depend on how prompts are batched.
+//! seeded sampler, so results do not depend on how prompts are batched. The kernels run
+//! with the process's instruction set ([`Kernels::process`], what the runtime uses too)
+//! unless [`Oracle::with_kernels`] names another (tests compare portable and SIMD runs).
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
-use crate::model::kernels::attention::{attention, AttnSeq};
-use crate::model::kernels::head::{embed, logits};
+use crate::model::kernels::attention::AttnSeq;
+use crate::model::kernels::head::embed;
+use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::kv_cache::{KvError, KvLayout, PagedKvCache};
-use crate::model::kernels::moe::moe_block;
-use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::sampling::{log_prob, sample, Sampling};
 use crate::model::kernels::KernelError;
@@ -108,6 +109,7 @@ pub struct Oracle<'a> {
     arch: ArchSpec,
     weights: ModelWeights<'a>,
     rope: RopeTable,
+    kernels: Kernels,
 }
 
 impl<'a> Oracle<'a> {
@@ -134,7 +136,21 @@ impl<'a> Oracle<'a> {
             arch,
             weights,
             rope,
+            kernels: Kernels::process(),
         }
+    }
+
+    /// The same oracle running `kernels` instead of the process's choice. Only for
+    /// comparing instruction sets: schedule invariance holds between an oracle and a run
+    /// that use the same kernels.
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
+    /// The kernels every step runs.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// The card.
@@ -176,6 +192,7 @@ impl<'a> Oracle<'a> {
         seqs: &[StepSeq<'_>],
     ) -> Result<Vec<f32>, OracleError> {
         let a = &self.arch;
+        let k = self.kernels;
         let d = a.hidden;
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let positions: Vec<usize> = seqs
@@ -197,7 +214,7 @@ impl<'a> Oracle<'a> {
             })
             .collect();
         for (layer_idx, layer) in self.weights.layers.iter().enumerate() {
-            pre_attn(
+            k.pre_attn(
                 a,
                 &layer.dense,
                 &self.rope,
@@ -206,7 +223,7 @@ impl<'a> Oracle<'a> {
                 &mut x_norm,
                 &mut qkv,
             )?;
-            attention(
+            k.attention(
                 &mut cache.layer_mut(layer_idx),
                 &attn_seqs,
                 &qkv,
@@ -214,8 +231,8 @@ impl<'a> Oracle<'a> {
                 &mut attn_out,
             )
             .map_err(KernelError::from)?;
-            o_proj_residual(a, &layer.dense, &attn_out, &mut x)?;
-            moe_block(a, &layer.dense, &mut x, |e| {
+            k.o_proj_residual(a, &layer.dense, &attn_out, &mut x)?;
+            k.moe_block(a, &layer.dense, &mut x, |e| {
                 layer.experts.get(e).cloned().ok_or(KernelError::Shape {
                     what: "expert index",
                     expected: layer.experts.len(),
@@ -230,7 +247,7 @@ impl<'a> Oracle<'a> {
             last.extend_from_slice(&x[(row - 1) * d..row * d]);
         }
         let mut out = vec![0.0f32; seqs.len() * self.weights.lm_head.out_dim()];
-        logits(
+        k.logits(
             a,
             self.weights.final_norm,
             &self.weights.lm_head,

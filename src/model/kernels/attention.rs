@@ -9,9 +9,8 @@
 //! with rayon; each key and value row is read once per kv head and reused by every query
 //! head of its group. Inconsistent inputs are errors, never panics.
 
+use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::kv_cache::KvBlocksMut;
-use crate::model::kernels::simd::{key_scores_transposed, weighted_rows};
-use crate::model::kernels::softmax::softmax_in_place;
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -85,8 +84,7 @@ pub enum AttnError {
     },
 }
 
-/// Appends the new K/V of every sequence, then writes attention outputs
-/// (`[rows, heads * head_dim]`) into `out`.
+/// [`Kernels::attention`] with the process's kernels.
 pub fn attention(
     cache: &mut KvBlocksMut<'_>,
     seqs: &[AttnSeq<'_>],
@@ -94,12 +92,10 @@ pub fn attention(
     shape: &AttnShape,
     out: &mut [f32],
 ) -> Result<(), AttnError> {
-    attention_of(cache, seqs, qkv, shape, out, &|_| true)
+    Kernels::process().attention_of(cache, seqs, qkv, shape, out, &|_| true)
 }
 
-/// Like [`attention`], but attends only the sequences `attend(index)` selects: the others'
-/// K/V are stored and their output rows are left as they are (VSLPipe's CPU task stores the
-/// prefill rows' K/V the GPU attended and attends only the decode rows).
+/// [`Kernels::attention_of`] with the process's kernels.
 pub fn attention_of(
     cache: &mut KvBlocksMut<'_>,
     seqs: &[AttnSeq<'_>],
@@ -108,85 +104,116 @@ pub fn attention_of(
     out: &mut [f32],
     attend: &(dyn Fn(usize) -> bool + Sync),
 ) -> Result<(), AttnError> {
-    validate(cache, seqs, qkv, shape, out)?;
-    append_kv(cache, seqs, qkv, shape);
-    let layout = cache.layout;
-    let (k_pool, v_pool) = (&*cache.k, &*cache.v);
-    let group = shape.heads / shape.kv_heads;
-    let hd = shape.head_dim;
-    let row_w = shape.qkv_width();
-    let mut first_rows = Vec::with_capacity(seqs.len());
-    let mut row = 0;
-    for s in seqs {
-        first_rows.push(row);
-        row += s.n_new;
+    Kernels::process().attention_of(cache, seqs, qkv, shape, out, attend)
+}
+
+impl Kernels {
+    /// Appends the new K/V of every sequence, then writes attention outputs
+    /// (`[rows, heads * head_dim]`) into `out`.
+    pub fn attention(
+        self,
+        cache: &mut KvBlocksMut<'_>,
+        seqs: &[AttnSeq<'_>],
+        qkv: &[f32],
+        shape: &AttnShape,
+        out: &mut [f32],
+    ) -> Result<(), AttnError> {
+        self.attention_of(cache, seqs, qkv, shape, out, &|_| true)
     }
-    let tasks: Vec<(usize, usize)> = (0..seqs.len())
-        .filter(|&s| attend(s))
-        .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
-        .collect();
-    let scale = 1.0 / (hd as f32).sqrt();
-    let run = |&(s, h): &(usize, usize)| -> Vec<f32> {
-        let seq = &seqs[s];
-        let mut local = vec![0.0f32; seq.n_new * group * hd];
-        let mut scores: Vec<f32> = Vec::new();
-        let bs = layout.block_size;
-        for j in 0..seq.n_new {
-            let pos = seq.context_len + j;
-            let start = shape
-                .sliding_window
-                .map_or(0, |w| (pos + 1).saturating_sub(w));
-            let n_keys = pos + 1 - start;
-            let q_off = (first_rows[s] + j) * row_w + h * group * hd;
-            let q_group = &qkv[q_off..q_off + group * hd];
-            scores.clear();
-            scores.resize(group * n_keys, 0.0);
-            // Score the keys block by block: a run of slots of one (block, head) tile.
-            for bi in start / bs..=pos / bs {
-                let first = start.max(bi * bs);
-                let last = pos.min(bi * bs + bs - 1);
-                let tile = layout.tile(seq.block_table[bi] as usize, h);
-                let k_tile = &k_pool[tile..tile + bs * hd];
-                key_scores_transposed(
-                    k_tile,
-                    bs,
-                    first % bs,
-                    last - first + 1,
-                    q_group,
-                    scale,
-                    &mut scores,
-                    n_keys,
-                    first - start,
-                );
+
+    /// Like [`Kernels::attention`], but attends only the sequences `attend(index)`
+    /// selects: the others' K/V are stored and their output rows are left as they are
+    /// (VSLPipe's CPU task stores the prefill rows' K/V the GPU attended and attends only
+    /// the decode rows).
+    pub fn attention_of(
+        self,
+        cache: &mut KvBlocksMut<'_>,
+        seqs: &[AttnSeq<'_>],
+        qkv: &[f32],
+        shape: &AttnShape,
+        out: &mut [f32],
+        attend: &(dyn Fn(usize) -> bool + Sync),
+    ) -> Result<(), AttnError> {
+        validate(cache, seqs, qkv, shape, out)?;
+        append_kv(cache, seqs, qkv, shape);
+        let layout = cache.layout;
+        let (k_pool, v_pool) = (&*cache.k, &*cache.v);
+        let group = shape.heads / shape.kv_heads;
+        let hd = shape.head_dim;
+        let row_w = shape.qkv_width();
+        let mut first_rows = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for s in seqs {
+            first_rows.push(row);
+            row += s.n_new;
+        }
+        let tasks: Vec<(usize, usize)> = (0..seqs.len())
+            .filter(|&s| attend(s))
+            .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
+            .collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let run = |&(s, h): &(usize, usize)| -> Vec<f32> {
+            let seq = &seqs[s];
+            let mut local = vec![0.0f32; seq.n_new * group * hd];
+            let mut scores: Vec<f32> = Vec::new();
+            let bs = layout.block_size;
+            for j in 0..seq.n_new {
+                let pos = seq.context_len + j;
+                let start = shape
+                    .sliding_window
+                    .map_or(0, |w| (pos + 1).saturating_sub(w));
+                let n_keys = pos + 1 - start;
+                let q_off = (first_rows[s] + j) * row_w + h * group * hd;
+                let q_group = &qkv[q_off..q_off + group * hd];
+                scores.clear();
+                scores.resize(group * n_keys, 0.0);
+                // Score the keys block by block: a run of slots of one (block, head) tile.
+                for bi in start / bs..=pos / bs {
+                    let first = start.max(bi * bs);
+                    let last = pos.min(bi * bs + bs - 1);
+                    let tile = layout.tile(seq.block_table[bi] as usize, h);
+                    let k_tile = &k_pool[tile..tile + bs * hd];
+                    self.key_scores_transposed(
+                        k_tile,
+                        bs,
+                        first % bs,
+                        last - first + 1,
+                        q_group,
+                        scale,
+                        &mut scores,
+                        n_keys,
+                        first - start,
+                    );
+                }
+                for row in scores.chunks_exact_mut(n_keys) {
+                    self.softmax_in_place(row);
+                }
+                let dst = &mut local[j * group * hd..(j + 1) * group * hd];
+                for bi in start / bs..=pos / bs {
+                    let first = start.max(bi * bs);
+                    let last = pos.min(bi * bs + bs - 1);
+                    let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
+                    let rows = &v_pool[off..off + (last - first + 1) * hd];
+                    self.weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
+                }
             }
-            for row in scores.chunks_exact_mut(n_keys) {
-                softmax_in_place(row);
-            }
-            let dst = &mut local[j * group * hd..(j + 1) * group * hd];
-            for bi in start / bs..=pos / bs {
-                let first = start.max(bi * bs);
-                let last = pos.min(bi * bs + bs - 1);
-                let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
-                let rows = &v_pool[off..off + (last - first + 1) * hd];
-                weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
+            local
+        };
+        let results: Vec<Vec<f32>> = if tasks.len() > 1 {
+            tasks.par_iter().map(run).collect()
+        } else {
+            tasks.iter().map(run).collect()
+        };
+        let q_w = shape.q_width();
+        for (&(s, h), local) in tasks.iter().zip(&results) {
+            for j in 0..seqs[s].n_new {
+                let r = first_rows[s] + j;
+                let dst = &mut out[r * q_w + h * group * hd..r * q_w + (h + 1) * group * hd];
+                dst.copy_from_slice(&local[j * group * hd..(j + 1) * group * hd]);
             }
         }
-        local
-    };
-    let results: Vec<Vec<f32>> = if tasks.len() > 1 {
-        tasks.par_iter().map(run).collect()
-    } else {
-        tasks.iter().map(run).collect()
-    };
-    let q_w = shape.q_width();
-    for (&(s, h), local) in tasks.iter().zip(&results) {
-        for j in 0..seqs[s].n_new {
-            let r = first_rows[s] + j;
-            let dst = &mut out[r * q_w + h * group * hd..r * q_w + (h + 1) * group * hd];
-            dst.copy_from_slice(&local[j * group * hd..(j + 1) * group * hd]);
-        }
+        Ok(())
     }
-    Ok(())
 }
 
 fn validate(

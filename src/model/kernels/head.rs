@@ -4,7 +4,7 @@
 //! embedding are an error (a tokenizer larger than the checkpoint's vocabulary).
 
 use crate::model::arch::ArchSpec;
-use crate::model::kernels::linear::linear;
+use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::norm::normalize;
 use crate::model::kernels::{check_len, KernelError};
 use crate::model::tensor::{Matrix, TypedSlice};
@@ -25,7 +25,7 @@ pub fn embed(embedding: &Matrix<'_>, ids: &[u32], out: &mut [f32]) -> Result<(),
     Ok(())
 }
 
-/// Final norm then lm_head for `[n_tokens, hidden]` rows; gives `[n_tokens, vocab]`.
+/// [`Kernels::logits`] with the process's kernels.
 pub fn logits(
     arch: &ArchSpec,
     final_norm: TypedSlice<'_>,
@@ -33,11 +33,25 @@ pub fn logits(
     x: &[f32],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let n = x.len() / arch.hidden.max(1);
-    check_len("lm_head input", x.len(), n * arch.hidden)?;
-    check_len("logits", out.len(), n * lm_head.out_dim())?;
-    let mut normed = vec![0.0f32; x.len()];
-    normalize(arch.norm, x, final_norm, arch.norm_eps, &mut normed);
-    linear(&normed, n, lm_head, out)?;
-    Ok(())
+    Kernels::process().logits(arch, final_norm, lm_head, x, out)
+}
+
+impl Kernels {
+    /// Final norm then lm_head for `[n_tokens, hidden]` rows; gives `[n_tokens, vocab]`.
+    pub fn logits(
+        self,
+        arch: &ArchSpec,
+        final_norm: TypedSlice<'_>,
+        lm_head: &Matrix<'_>,
+        x: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let n = x.len() / arch.hidden.max(1);
+        check_len("lm_head input", x.len(), n * arch.hidden)?;
+        check_len("logits", out.len(), n * lm_head.out_dim())?;
+        let mut normed = vec![0.0f32; x.len()];
+        normalize(arch.norm, x, final_norm, arch.norm_eps, &mut normed);
+        self.linear(&normed, n, lm_head, out)?;
+        Ok(())
+    }
 }

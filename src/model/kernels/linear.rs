@@ -11,11 +11,12 @@
 //! Order per element: `OutIn` sums 16 interleaved lanes over `k` (lane `l` takes
 //! `k ≡ l mod 16`, zero-padded tail), then reduces the lanes with a fixed tree; `InOut`
 //! accumulates sequentially over the input index with fused multiply-adds. We use our own
-//! register-blocked AVX-512 kernels (4 weight rows x 4 activation rows, runtime-detected,
-//! with a portable fallback of the same structure) instead of `gemm`, because `gemm`
-//! switches between GEMV, "horizontal" and packed kernels and picks its k-blocking by
-//! shape, which changes the summation order with the number of rows.
+//! register-blocked kernels (AVX-512, AVX2+FMA and portable bodies of the same per-element
+//! structure, chosen by the [`Kernels`] context; they give the same bits) instead of
+//! `gemm`, because `gemm` switches between GEMV, "horizontal" and packed kernels and picks
+//! its k-blocking by shape, which changes the summation order with the number of rows.
 
+use crate::model::kernels::isa::{Isa, Kernels};
 use crate::model::kernels::{check_len, KernelError};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
@@ -29,43 +30,44 @@ const BAND_COLS: usize = 256;
 /// Below this many multiply-adds a product runs on the calling thread only.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 
-/// Computes `out[n_rows, w.out_dim()] = x[n_rows, w.in_dim()] · W`; lengths that do not
-/// match the matrix are an error naming the argument.
+/// [`Kernels::linear`] with the process's kernels.
 pub fn linear(
     x: &[f32],
     n_rows: usize,
     w: &Matrix<'_>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_len("matmul input", x.len(), n_rows * w.in_dim())?;
-    check_len("matmul output", out.len(), n_rows * w.out_dim())?;
-    if n_rows == 0 || w.rows == 0 || w.cols == 0 {
-        out.fill(0.0);
-        return Ok(());
+    Kernels::process().linear(x, n_rows, w, out)
+}
+
+impl Kernels {
+    /// Computes `out[n_rows, w.out_dim()] = x[n_rows, w.in_dim()] · W`; lengths that do
+    /// not match the matrix are an error naming the argument.
+    pub fn linear(
+        self,
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("matmul input", x.len(), n_rows * w.in_dim())?;
+        check_len("matmul output", out.len(), n_rows * w.out_dim())?;
+        check_len("matmul weights", w.data.len(), w.rows * w.cols)?;
+        if n_rows == 0 || w.rows == 0 || w.cols == 0 {
+            out.fill(0.0);
+            return Ok(());
+        }
+        match w.orientation {
+            Orientation::OutIn => out_in(self.isa(), x, n_rows, w, out),
+            Orientation::InOut => in_out(self.isa(), x, n_rows, w, out),
+        }
+        Ok(())
     }
-    match w.orientation {
-        Orientation::OutIn => out_in(x, n_rows, w, out),
-        Orientation::InOut => in_out(x, n_rows, w, out),
-    }
-    Ok(())
 }
 
 /// Floating-point operations of one `linear` call (multiply and add counted apart).
 pub fn linear_flops(n_rows: usize, w: &Matrix<'_>) -> u64 {
     2 * n_rows as u64 * w.rows as u64 * w.cols as u64
-}
-
-fn use_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// Runs `task(chunk_index, local_out)` over chunks, in parallel when the work is large.
@@ -80,23 +82,26 @@ where
     }
 }
 
-fn out_in(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+/// `isa` must be one a `Kernels` value vouched for (this CPU has it); the length checks of
+/// [`Kernels::linear`] have passed.
+fn out_in(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (out_dim, in_dim) = (w.rows, w.cols);
     let n_panels = out_dim.div_ceil(PANEL_ROWS);
-    let avx = use_avx512();
     let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
         let o0 = p * PANEL_ROWS;
         let rows = PANEL_ROWS.min(out_dim - o0);
         let mut local = vec![0.0f32; n_rows * rows];
-        #[cfg(target_arch = "x86_64")]
-        if avx {
-            // SAFETY: avx512f/bw/vl were detected; the panel and `x` bounds are those the
-            // kernel documents (rows o0..o0+rows of w, n_rows rows of x of in_dim each).
-            unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) };
-            return local;
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the instruction set is this CPU's (a `Kernels` invariant); the panel
+            // and `x` bounds are those the kernel documents (rows o0..o0+rows of w, n_rows
+            // rows of x of in_dim each), checked by `Kernels::linear`.
+            Isa::Avx512 => unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { avx2::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
+            _ => portable::out_in_panel(x, n_rows, w, o0, rows, &mut local),
         }
-        let _ = avx;
-        portable::out_in_panel(x, n_rows, w, o0, rows, &mut local);
         local
     });
     for (p, local) in panels.iter().enumerate() {
@@ -109,22 +114,23 @@ fn out_in(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     }
 }
 
-fn in_out(x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+/// As [`out_in`], for `[in, out]` matrices.
+fn in_out(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (in_dim, out_dim) = (w.rows, w.cols);
     let n_bands = out_dim.div_ceil(BAND_COLS);
-    let avx = use_avx512();
     let bands = for_chunks(n_bands, n_rows * out_dim * in_dim, |b| {
         let c0 = b * BAND_COLS;
         let width = BAND_COLS.min(out_dim - c0);
         let mut local = vec![0.0f32; n_rows * width];
-        #[cfg(target_arch = "x86_64")]
-        if avx {
-            // SAFETY: avx512f/bw/vl were detected; columns c0..c0+width < out_dim.
-            unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) };
-            return local;
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the instruction set is this CPU's; columns c0..c0+width <= out_dim.
+            Isa::Avx512 => unsafe { avx512::in_out_band(x, n_rows, w, c0, width, &mut local) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { avx2::in_out_band(x, n_rows, w, c0, width, &mut local) },
+            _ => portable::in_out_band(x, n_rows, w, c0, width, &mut local),
         }
-        let _ = avx;
-        portable::in_out_band(x, n_rows, w, c0, width, &mut local);
         local
     });
     for (b, local) in bands.iter().enumerate() {
@@ -142,7 +148,7 @@ mod portable {
     use super::*;
 
     fn widen_row(w: &Matrix<'_>, r: usize, buf: &mut [f32]) {
-        w.row(r).widen_into(buf);
+        Kernels::portable().widen(w.row(r), buf);
     }
 
     pub(super) fn out_in_panel(
@@ -168,6 +174,8 @@ mod portable {
         }
     }
 
+    /// Columns `c0..c0 + width` of the product, into `local` rows of `stride` values
+    /// starting at column `at` (the AVX2 body uses this for its last few columns).
     pub(super) fn in_out_band(
         x: &[f32],
         n_rows: usize,
@@ -176,15 +184,31 @@ mod portable {
         width: usize,
         local: &mut [f32],
     ) {
+        in_out_cols(x, n_rows, w, c0, width, local, width, 0);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn in_out_cols(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+        stride: usize,
+        at: usize,
+    ) {
         let (in_dim, out_dim) = (w.rows, w.cols);
         let mut buf = vec![0.0f32; width];
         for i in 0..in_dim {
-            w.data
-                .slice(i * out_dim + c0..i * out_dim + c0 + width)
-                .widen_into(&mut buf);
+            Kernels::portable().widen(
+                w.data.slice(i * out_dim + c0..i * out_dim + c0 + width),
+                &mut buf,
+            );
             for t in 0..n_rows {
                 let a = x[t * in_dim + i];
-                for (o, b) in local[t * width..(t + 1) * width].iter_mut().zip(&buf) {
+                let dst = &mut local[t * stride + at..t * stride + at + width];
+                for (o, b) in dst.iter_mut().zip(&buf) {
                     *o = a.mul_add(*b, *o);
                 }
             }
@@ -462,6 +486,266 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    // Every helper that calls an intrinsic carries the callers' `target_feature`s so LLVM
+    // inlines the intrinsics. A 16-lane accumulator of the portable body is two 8-lane
+    // registers here (lanes 0..8 and 8..16), so each output element sees the same
+    // additions in the same order.
+    const BF16: u8 = 0;
+    const F16: u8 = 1;
+    const F32: u8 = 2;
+
+    /// Loads 8 weights starting at element `idx` of `base` as f32.
+    ///
+    /// # Safety
+    /// Elements `idx..idx + 8` must be in bounds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8<const DT: u8>(base: *const u8, idx: usize) -> __m256 {
+        // SAFETY: per the function contract.
+        unsafe {
+            match DT {
+                BF16 => {
+                    let raw = _mm_loadu_si128(base.add(idx * 2) as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                }
+                F16 => _mm256_cvtph_ps(_mm_loadu_si128(base.add(idx * 2) as *const __m128i)),
+                _ => _mm256_loadu_ps(base.add(idx * 4) as *const f32),
+            }
+        }
+    }
+
+    fn base(w: &Matrix<'_>) -> *const u8 {
+        match w.data {
+            TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F32(s) => s.as_ptr() as *const u8,
+        }
+    }
+
+    /// The portable body's reduction tree over lanes `lo` (0..8) and `hi` (8..16).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn reduce(lo: __m256, hi: __m256) -> f32 {
+        let s8 = _mm256_add_ps(lo, hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+
+    /// # Safety
+    /// avx2, fma and f16c available; `x` holds `n_rows * w.cols` values; `o0 + rows <=
+    /// w.rows`; `w.data` holds `w.rows * w.cols` values; `local` holds `n_rows * rows`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn out_in_panel(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match (w.data, n_rows) {
+                (TypedSlice::Bf16(_), 1) => panel::<BF16, 4, 1>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::Bf16(_), _) => panel::<BF16, 2, 3>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::F16(_), 1) => panel::<F16, 4, 1>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::F16(_), _) => panel::<F16, 2, 3>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::F32(_), 1) => panel::<F32, 4, 1>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::F32(_), _) => panel::<F32, 2, 3>(x, n_rows, w, o0, rows, local),
+            }
+        }
+    }
+
+    /// `WR` weight rows x `XR` activation rows per register block (`2 * WR * XR`
+    /// accumulators); rows past the end repeat the last one (results discarded).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn panel<const DT: u8, const WR: usize, const XR: usize>(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        o0: usize,
+        rows: usize,
+        local: &mut [f32],
+    ) {
+        let k_len = w.cols;
+        let full = k_len / 16 * 16;
+        let wb = base(w);
+        let xp = x.as_ptr();
+        let mut t0 = 0;
+        while t0 < n_rows {
+            let mut xo = [0usize; XR];
+            for (j, o) in xo.iter_mut().enumerate() {
+                *o = (t0 + j).min(n_rows - 1) * k_len;
+            }
+            let mut o = 0;
+            while o < rows {
+                let mut wo = [0usize; WR];
+                for (i, r) in wo.iter_mut().enumerate() {
+                    *r = (o0 + (o + i).min(rows - 1)) * k_len;
+                }
+                let z = _mm256_setzero_ps();
+                let mut lo = [[z; XR]; WR];
+                let mut hi = [[z; XR]; WR];
+                let mut k = 0;
+                while k < full {
+                    // SAFETY: k + 16 <= full <= k_len, inside rows of x and w.
+                    unsafe {
+                        let mut xl = [z; XR];
+                        for j in 0..XR {
+                            xl[j] = _mm256_loadu_ps(xp.add(xo[j] + k));
+                        }
+                        for i in 0..WR {
+                            let wv = load8::<DT>(wb, wo[i] + k);
+                            for j in 0..XR {
+                                lo[i][j] = _mm256_fmadd_ps(wv, xl[j], lo[i][j]);
+                            }
+                        }
+                        for j in 0..XR {
+                            xl[j] = _mm256_loadu_ps(xp.add(xo[j] + k + 8));
+                        }
+                        for i in 0..WR {
+                            let wv = load8::<DT>(wb, wo[i] + k + 8);
+                            for j in 0..XR {
+                                hi[i][j] = _mm256_fmadd_ps(wv, xl[j], hi[i][j]);
+                            }
+                        }
+                    }
+                    k += 16;
+                }
+                if full < k_len {
+                    // The ragged tail through zero-padded copies: lanes past `k_len` add
+                    // 0 * 0, which leaves an accumulator's bits unchanged.
+                    let tail = k_len - full;
+                    let mut xbuf = [[0.0f32; 16]; XR];
+                    for (j, b) in xbuf.iter_mut().enumerate() {
+                        b[..tail].copy_from_slice(&x[xo[j] + full..xo[j] + k_len]);
+                    }
+                    for i in 0..WR {
+                        let mut wbuf = [0.0f32; 16];
+                        Kernels::portable()
+                            .widen(w.data.slice(wo[i] + full..wo[i] + k_len), &mut wbuf[..tail]);
+                        // SAFETY: both buffers hold 16 values.
+                        unsafe {
+                            let (w0, w1) = (
+                                _mm256_loadu_ps(wbuf.as_ptr()),
+                                _mm256_loadu_ps(wbuf.as_ptr().add(8)),
+                            );
+                            for j in 0..XR {
+                                let (x0, x1) = (
+                                    _mm256_loadu_ps(xbuf[j].as_ptr()),
+                                    _mm256_loadu_ps(xbuf[j].as_ptr().add(8)),
+                                );
+                                lo[i][j] = _mm256_fmadd_ps(w0, x0, lo[i][j]);
+                                hi[i][j] = _mm256_fmadd_ps(w1, x1, hi[i][j]);
+                            }
+                        }
+                    }
+                }
+                for i in 0..WR {
+                    if o + i >= rows {
+                        break;
+                    }
+                    for j in 0..XR {
+                        if t0 + j >= n_rows {
+                            break;
+                        }
+                        local[(t0 + j) * rows + o + i] = reduce(lo[i][j], hi[i][j]);
+                    }
+                }
+                o += WR;
+            }
+            t0 += XR;
+        }
+    }
+
+    /// # Safety
+    /// avx2, fma and f16c available; `x` holds `n_rows * w.rows` values; `c0 + width <=
+    /// w.cols`; `w.data` holds `w.rows * w.cols` values; `local` holds `n_rows * width`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn in_out_band(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match w.data {
+                TypedSlice::Bf16(_) => in_out_band_t::<BF16>(x, n_rows, w, c0, width, local),
+                TypedSlice::F16(_) => in_out_band_t::<F16>(x, n_rows, w, c0, width, local),
+                TypedSlice::F32(_) => in_out_band_t::<F32>(x, n_rows, w, c0, width, local),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn in_out_band_t<const DT: u8>(
+        x: &[f32],
+        n_rows: usize,
+        w: &Matrix<'_>,
+        c0: usize,
+        width: usize,
+        local: &mut [f32],
+    ) {
+        let (in_dim, out_dim) = (w.rows, w.cols);
+        let wb = base(w);
+        let xp = x.as_ptr();
+        let full = width / 16 * 16;
+        let mut c = 0;
+        while c < full {
+            let mut t0 = 0;
+            while t0 < n_rows {
+                let xo = [
+                    t0.min(n_rows - 1) * in_dim,
+                    (t0 + 1).min(n_rows - 1) * in_dim,
+                    (t0 + 2).min(n_rows - 1) * in_dim,
+                    (t0 + 3).min(n_rows - 1) * in_dim,
+                ];
+                let z = _mm256_setzero_ps();
+                let mut acc = [[z; 2]; 4];
+                for i in 0..in_dim {
+                    // SAFETY: row i < in_dim; columns c0+c..c0+c+16 <= c0+width <= out_dim;
+                    // x offsets are rows < n_rows of length in_dim.
+                    unsafe {
+                        let w0 = load8::<DT>(wb, i * out_dim + c0 + c);
+                        let w1 = load8::<DT>(wb, i * out_dim + c0 + c + 8);
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let b = _mm256_set1_ps(*xp.add(xo[j] + i));
+                            a[0] = _mm256_fmadd_ps(b, w0, a[0]);
+                            a[1] = _mm256_fmadd_ps(b, w1, a[1]);
+                        }
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    if t0 + j >= n_rows {
+                        break;
+                    }
+                    let dst = &mut local[(t0 + j) * width + c..(t0 + j) * width + c + 16];
+                    // SAFETY: `dst` holds 16 values.
+                    unsafe {
+                        _mm256_storeu_ps(dst.as_mut_ptr(), a[0]);
+                        _mm256_storeu_ps(dst.as_mut_ptr().add(8), a[1]);
+                    }
+                }
+                t0 += 4;
+            }
+            c += 16;
+        }
+        if full < width {
+            // The last few columns: same sequential fused sums, scalar.
+            portable::in_out_cols(x, n_rows, w, c0 + full, width - full, local, width, full);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -577,6 +861,55 @@ mod tests {
                         &one[..],
                         "{orient:?} row {t}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Every SIMD body gives the portable body's bits, for every dtype, orientation, ragged
+    /// tails (in-dim and out-dim not multiples of 16) and row counts around the register
+    /// blocks.
+    #[test]
+    fn simd_bodies_give_the_portable_bits() {
+        use crate::model::kernels::isa::{Isa, Kernels};
+        for &(rows, cols) in &[(37usize, 29usize), (70, 300), (9, 16)] {
+            let (wf, wb, wh) = weights(rows, cols);
+            for orient in [Orientation::OutIn, Orientation::InOut] {
+                for n_rows in [1usize, 2, 3, 4, 5, 7] {
+                    let m_in = if orient == Orientation::OutIn {
+                        cols
+                    } else {
+                        rows
+                    };
+                    let x: Vec<f32> = (0..n_rows * m_in)
+                        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                        .collect();
+                    for data in [
+                        TypedSlice::F32(&wf),
+                        TypedSlice::Bf16(&wb),
+                        TypedSlice::F16(&wh),
+                    ] {
+                        let m = Matrix::new(data, rows, cols, orient).unwrap();
+                        let mut want = vec![0.0; n_rows * m.out_dim()];
+                        Kernels::portable()
+                            .linear(&x, n_rows, &m, &mut want)
+                            .unwrap();
+                        for isa in Isa::supported() {
+                            let mut got = vec![0.0; n_rows * m.out_dim()];
+                            Kernels::new(isa)
+                                .unwrap()
+                                .linear(&x, n_rows, &m, &mut got)
+                                .unwrap();
+                            let bits =
+                                |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "{isa} {orient:?} {n_rows}x{rows}x{cols} {:?}",
+                                m.data.dtype()
+                            );
+                        }
+                    }
                 }
             }
         }

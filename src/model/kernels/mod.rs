@@ -18,6 +18,7 @@
 
 pub mod attention;
 pub mod head;
+pub mod isa;
 pub mod kv_cache;
 pub mod linear;
 pub mod moe;

@@ -9,7 +9,7 @@
 //! result is bit-identical whatever order, grouping or micro-batch the experts run in.
 
 use crate::model::arch::ArchSpec;
-use crate::model::kernels::linear::linear;
+use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::norm::normalize;
 use crate::model::kernels::{check_len, KernelError};
 use crate::model::weights::{DenseWeights, ExpertWeights};
@@ -100,30 +100,17 @@ pub fn route(
     }
 }
 
-/// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
+/// [`Kernels::gate`] with the process's kernels.
 pub fn gate(
     arch: &ArchSpec,
     dense: &DenseWeights<'_>,
     residual: &[f32],
     x_norm: &mut [f32],
 ) -> Result<Routing, KernelError> {
-    let n = residual.len() / arch.hidden.max(1);
-    check_len("gate input", residual.len(), n * arch.hidden)?;
-    check_len("gate scratch", x_norm.len(), n * arch.hidden)?;
-    normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
-    let mut logits = vec![0.0f32; n * arch.experts];
-    linear(x_norm, n, &dense.router, &mut logits)?;
-    Ok(route(&logits, arch.experts, arch.top_k, arch.router_norm_p))
+    Kernels::process().gate(arch, dense, residual, x_norm)
 }
 
-/// `silu(x) = x * sigmoid(x)`.
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// Runs one expert on its routed rows of `x_norm` (`[n_tokens, hidden]`) and writes
-/// `weight * down(silu(gate(x)) * up(x))` into each row's slot of `slots`
-/// (`[n_tokens, top_k, hidden]`).
+/// [`Kernels::expert_ffn`] with the process's kernels.
 pub fn expert_ffn(
     arch: &ArchSpec,
     expert: &ExpertWeights<'_>,
@@ -131,72 +118,124 @@ pub fn expert_ffn(
     rows: &[RoutedRow],
     slots: &mut [f32],
 ) -> Result<(), KernelError> {
-    let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
-    let n_tokens = x_norm.len() / d.max(1);
-    check_len("expert input", x_norm.len(), n_tokens * d)?;
-    check_len("expert slots", slots.len(), n_tokens * k * d)?;
-    if rows.is_empty() {
-        return Ok(());
-    }
-    if let Some(bad) = rows
-        .iter()
-        .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
-    {
-        return Err(KernelError::Shape {
-            what: "routed row (row, slot)",
-            expected: n_tokens * k,
-            got: bad.row as usize * k + bad.slot as usize,
-        });
-    }
-    let n = rows.len();
-    let mut gathered = vec![0.0f32; n * d];
-    for (i, r) in rows.iter().enumerate() {
-        let src = r.row as usize * d;
-        gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
-    }
-    let mut h_gate = vec![0.0f32; n * f];
-    let mut h_up = vec![0.0f32; n * f];
-    linear(&gathered, n, &expert.gate, &mut h_gate)?;
-    linear(&gathered, n, &expert.up, &mut h_up)?;
-    for (g, u) in h_gate.iter_mut().zip(&h_up) {
-        *g = silu(*g) * u;
-    }
-    linear(&h_gate, n, &expert.down, &mut gathered)?;
-    for (i, r) in rows.iter().enumerate() {
-        let at = (r.row as usize * k + r.slot as usize) * d;
-        for (o, y) in slots[at..at + d]
-            .iter_mut()
-            .zip(&gathered[i * d..(i + 1) * d])
-        {
-            *o = r.weight * y;
-        }
-    }
-    Ok(())
+    Kernels::process().expert_ffn(arch, expert, x_norm, rows, slots)
 }
 
-/// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
-/// [`expert_ffn`] for every expert some row routes to (in expert order; `expert(e)` gives
-/// its weights and is called for those experts only), then [`combine`] into `x`. Returns
-/// the routing. The oracle and the runtime's fused `post_attn` both run exactly this.
+/// [`Kernels::moe_block`] with the process's kernels.
 pub fn moe_block<'w, E>(
     arch: &ArchSpec,
     dense: &DenseWeights<'_>,
     x: &mut [f32],
-    mut expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
+    expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
 ) -> Result<Routing, E>
 where
     E: From<KernelError>,
 {
-    let mut x_norm = vec![0.0f32; x.len()];
-    let routing = gate(arch, dense, x, &mut x_norm)?;
-    let mut slots = vec![0.0f32; x.len() * arch.top_k];
-    for (e, rows) in routing.by_expert(arch.experts).iter().enumerate() {
-        if !rows.is_empty() {
-            expert_ffn(arch, &expert(e)?, &x_norm, rows, &mut slots)?;
-        }
+    Kernels::process().moe_block(arch, dense, x, expert)
+}
+
+/// `silu(x) = x * sigmoid(x)`.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+impl Kernels {
+    /// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
+    pub fn gate(
+        self,
+        arch: &ArchSpec,
+        dense: &DenseWeights<'_>,
+        residual: &[f32],
+        x_norm: &mut [f32],
+    ) -> Result<Routing, KernelError> {
+        let n = residual.len() / arch.hidden.max(1);
+        check_len("gate input", residual.len(), n * arch.hidden)?;
+        check_len("gate scratch", x_norm.len(), n * arch.hidden)?;
+        normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
+        let mut logits = vec![0.0f32; n * arch.experts];
+        self.linear(x_norm, n, &dense.router, &mut logits)?;
+        Ok(route(&logits, arch.experts, arch.top_k, arch.router_norm_p))
     }
-    combine(&routing, &slots, x)?;
-    Ok(routing)
+
+    /// Runs one expert on its routed rows of `x_norm` (`[n_tokens, hidden]`) and writes
+    /// `weight * down(silu(gate(x)) * up(x))` into each row's slot of `slots`
+    /// (`[n_tokens, top_k, hidden]`).
+    pub fn expert_ffn(
+        self,
+        arch: &ArchSpec,
+        expert: &ExpertWeights<'_>,
+        x_norm: &[f32],
+        rows: &[RoutedRow],
+        slots: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
+        let n_tokens = x_norm.len() / d.max(1);
+        check_len("expert input", x_norm.len(), n_tokens * d)?;
+        check_len("expert slots", slots.len(), n_tokens * k * d)?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        if let Some(bad) = rows
+            .iter()
+            .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
+        {
+            return Err(KernelError::Shape {
+                what: "routed row (row, slot)",
+                expected: n_tokens * k,
+                got: bad.row as usize * k + bad.slot as usize,
+            });
+        }
+        let n = rows.len();
+        let mut gathered = vec![0.0f32; n * d];
+        for (i, r) in rows.iter().enumerate() {
+            let src = r.row as usize * d;
+            gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
+        }
+        let mut h_gate = vec![0.0f32; n * f];
+        let mut h_up = vec![0.0f32; n * f];
+        self.linear(&gathered, n, &expert.gate, &mut h_gate)?;
+        self.linear(&gathered, n, &expert.up, &mut h_up)?;
+        for (g, u) in h_gate.iter_mut().zip(&h_up) {
+            *g = silu(*g) * u;
+        }
+        self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+        for (i, r) in rows.iter().enumerate() {
+            let at = (r.row as usize * k + r.slot as usize) * d;
+            for (o, y) in slots[at..at + d]
+                .iter_mut()
+                .zip(&gathered[i * d..(i + 1) * d])
+            {
+                *o = r.weight * y;
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
+    /// [`expert_ffn`] for every expert some row routes to (in expert order; `expert(e)` gives
+    /// its weights and is called for those experts only), then [`combine`] into `x`. Returns
+    /// the routing. The oracle and the runtime's fused `post_attn` both run exactly this.
+    pub fn moe_block<'w, E>(
+        self,
+        arch: &ArchSpec,
+        dense: &DenseWeights<'_>,
+        x: &mut [f32],
+        mut expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
+    ) -> Result<Routing, E>
+    where
+        E: From<KernelError>,
+    {
+        let mut x_norm = vec![0.0f32; x.len()];
+        let routing = self.gate(arch, dense, x, &mut x_norm)?;
+        let mut slots = vec![0.0f32; x.len() * arch.top_k];
+        for (e, rows) in routing.by_expert(arch.experts).iter().enumerate() {
+            if !rows.is_empty() {
+                self.expert_ffn(arch, &expert(e)?, &x_norm, rows, &mut slots)?;
+            }
+        }
+        combine(&routing, &slots, x)?;
+        Ok(routing)
+    }
 }
 
 /// `residual += Σ slots` per row, the slots summed in ascending expert index starting
