@@ -45,6 +45,20 @@ pub const DEFAULT_PROMPTS: [&str; 6] = [
     "In 1969, the first humans landed on the Moon. The mission was called",
 ];
 
+/// The CPU backend's pool split, said plainly: `gpu.compute` (emulated) and `cpu.compute`
+/// each get a pool of `threads`, and on a machine without a GPU both share its cores.
+fn pools_line(threads: usize) -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let note = if 2 * threads > cores {
+        " (oversubscribed while both engines compute at once)"
+    } else {
+        ""
+    };
+    format!(
+        "compute pools: gpu.compute {threads} threads + cpu.compute {threads} threads on this machine's {cores} cores{note}"
+    )
+}
+
 /// Arguments of `moec run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -103,6 +117,8 @@ pub struct Finished {
     pub worst_case_step_seconds: Option<f64>,
     /// Profile used for the prediction.
     pub profile: Option<HardwareProfile>,
+    /// How the CPU backend's compute pools use the cores (the run report says it).
+    pub pools: String,
 }
 
 /// A failure ready to print.
@@ -295,6 +311,7 @@ pub fn execute(
             prediction,
             worst_case_step_seconds,
             profile,
+            pools: pools_line(run.backend.threads),
         },
         texts,
     ))
@@ -370,6 +387,8 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
                 .map(|p| format!("{} ({})", human((p.gpu.mem_gb * 1e9) as u64), p.name))
         })
         .unwrap_or_else(|| "unlimited".into());
+    let _ = writeln!(out, "{}", crate::model::kernels::isa::describe());
+    let _ = writeln!(out, "{}", f.pools);
     let _ = writeln!(out, "memory (arenas are allocated once; peak = size):");
     let _ = writeln!(out, "  gpu     {:>10}  budget {gpu_budget}", human(gpu));
     let locked = if f.stats.pinned_locked || pinned == 0 {
