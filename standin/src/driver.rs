@@ -897,6 +897,35 @@ unsafe extern "C" fn cuLaunchKernel(
     })
 }
 
+/// A host callback with its argument, run on a stream thread.
+struct HostCall(unsafe extern "C" fn(*mut c_void), usize);
+
+#[no_mangle]
+extern "C" fn cuLaunchHostFunc(
+    handle: *mut c_void,
+    function: Option<unsafe extern "C" fn(*mut c_void)>,
+    data: *mut c_void,
+) -> CuResult {
+    entry("cuLaunchHostFunc", || {
+        let Some(function) = function else {
+            log("cuLaunchHostFunc refused: null function");
+            return Err(code::INVALID_VALUE);
+        };
+        let call = HostCall(function, data as usize);
+        stream::submit(
+            handle as usize,
+            "cuLaunchHostFunc",
+            Box::new(move || {
+                let call = call;
+                // SAFETY: the caller's contract: the function may be called once with its
+                // data from a driver thread when the stream reaches it.
+                unsafe { (call.0)(call.1 as *mut c_void) }
+            }),
+        )?;
+        Ok(())
+    })
+}
+
 /// (name, description) of a CUresult.
 fn describe(result: u32) -> (&'static CStr, &'static CStr) {
     match result {
