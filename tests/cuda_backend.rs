@@ -60,7 +60,10 @@ fn devices_command_names_the_cpu_and_cuda_status() {
     }
     if libs.nvrtc {
         assert!(
-            cuda.contains(&format!(": found, 5 kernels compile for {DEFAULT_ARCH}")),
+            cuda.contains(&format!(
+                ": found, {} kernels compile for {DEFAULT_ARCH}",
+                KERNELS.len()
+            )),
             "{cuda}"
         );
     } else {
@@ -236,7 +239,10 @@ fn run_under_standin(name: &str) -> String {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("--- child stdout ---\n{stdout}\n--- child stderr ---\n{stderr}");
-    assert!(out.status.success(), "the child test {name} failed under the stand-in");
+    assert!(
+        out.status.success(),
+        "the child test {name} failed under the stand-in"
+    );
     assert!(stdout.contains("1 passed"), "the child did not run {name}");
     stderr.into_owned()
 }
@@ -342,7 +348,11 @@ fn standin_runs_every_kernel_like_the_cpu_kernels() {
     // Norms: 5 rows of 200, bf16 weight; 64 threads for RMS, 96 for LayerNorm.
     let (rows, d) = (5usize, 200usize);
     let x: Vec<f32> = rng.vec(rows * d, 3.0).iter().map(|v| v + 0.5).collect();
-    let w: Vec<bf16> = rng.vec(d, 0.5).iter().map(|v| bf16::from_f32(v + 1.0)).collect();
+    let w: Vec<bf16> = rng
+        .vec(d, 0.5)
+        .iter()
+        .map(|v| bf16::from_f32(v + 1.0))
+        .collect();
     let w_bits: Vec<u16> = w.iter().map(|v| v.to_bits()).collect();
     let x_dev = stream.clone_htod(&x).expect("htod");
     let w_dev = stream.clone_htod(&w_bits).expect("htod");
@@ -475,14 +485,18 @@ fn standin_runs_every_kernel_like_the_cpu_kernels() {
     .expect("launch");
     let want = route(&logits, ne, tk, Some(1.0));
     assert_eq!(stream.clone_dtoh(&experts_dev).expect("dtoh"), want.experts);
-    let err = max_abs_diff(&stream.clone_dtoh(&weights_dev).expect("dtoh"), &want.weights);
+    let err = max_abs_diff(
+        &stream.clone_dtoh(&weights_dev).expect("dtoh"),
+        &want.weights,
+    );
     println!("router_topk: experts equal, max weight diff {err:.3e}");
     assert!(err < 1e-6, "router: {err}");
 
     // Decode attention over a paged cache: 3 sequences with 0, 17 and 40 cached tokens,
     // 8 q heads, 2 kv heads of 32, blocks of 16, without and with a sliding window of 20.
     for window in [None, Some(20usize)] {
-        let (ns, ah, akvh, ahd, bs, n_blocks, mb) = (3usize, 8usize, 2usize, 32usize, 16usize, 20usize, 6usize);
+        let (ns, ah, akvh, ahd, bs, n_blocks, mb) =
+            (3usize, 8usize, 2usize, 32usize, 16usize, 20usize, 6usize);
         let layout = KvLayout {
             block_size: bs,
             kv_heads: akvh,
@@ -514,7 +528,9 @@ fn standin_runs_every_kernel_like_the_cpu_kernels() {
         let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
         let tables_dev = stream.clone_htod(&tables).expect("htod");
         let ctx_dev = stream.clone_htod(&ctx_lens).expect("htod");
-        let mut scores_dev = stream.alloc_zeros::<f32>(ns * ah * max_keys).expect("alloc");
+        let mut scores_dev = stream
+            .alloc_zeros::<f32>(ns * ah * max_keys)
+            .expect("alloc");
         let mut out_dev = stream.alloc_zeros::<f32>(ns * ah * ahd).expect("alloc");
         let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
         let append = function(&modules, "decode_attention.cu", "paged_kv_append");
@@ -580,8 +596,16 @@ fn standin_runs_every_kernel_like_the_cpu_kernels() {
             v: &mut v_cpu,
         };
         attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
-        assert_eq!(stream.clone_dtoh(&k_dev).expect("dtoh"), k_cpu, "appended K");
-        assert_eq!(stream.clone_dtoh(&v_dev).expect("dtoh"), v_cpu, "appended V");
+        assert_eq!(
+            stream.clone_dtoh(&k_dev).expect("dtoh"),
+            k_cpu,
+            "appended K"
+        );
+        assert_eq!(
+            stream.clone_dtoh(&v_dev).expect("dtoh"),
+            v_cpu,
+            "appended V"
+        );
         let err = max_abs_diff(&got, &want);
         println!("paged_decode_attention (window {window:?}): max abs diff vs CPU {err:.3e}");
         assert!(err < 1e-4, "attention: {err}");
@@ -668,7 +692,10 @@ fn standin_streams_run_concurrently_and_events_order_them() {
     assert_eq!(run(true), want, "ordered by the event: the kernel's result");
     let raced = run(false);
     assert_eq!(raced, g, "without the event the consumer read the input");
-    println!("without the event the consumer read {} stale values of 64", raced.iter().zip(&want).filter(|(a, b)| a != b).count());
+    println!(
+        "without the event the consumer read {} stale values of 64",
+        raced.iter().zip(&want).filter(|(a, b)| a != b).count()
+    );
 
     // Event rules through the raw driver calls.
     let timed = ctx
@@ -689,13 +716,21 @@ fn standin_streams_run_concurrently_and_events_order_them() {
     };
     assert_eq!(elapsed(&timed, &timed), CUresult::CUDA_ERROR_NOT_READY);
     // SAFETY: a live event.
-    assert_eq!(unsafe { cu::cuEventQuery(timed.cu_event()) }, CUresult::CUDA_ERROR_NOT_READY);
+    assert_eq!(
+        unsafe { cu::cuEventQuery(timed.cu_event()) },
+        CUresult::CUDA_ERROR_NOT_READY
+    );
     // A wait binds to the record before it: recording `never` later does not matter.
     consumer.wait(&never).expect("wait");
-    consumer.synchronize().expect("a wait on a never-recorded event does not block");
+    consumer
+        .synchronize()
+        .expect("a wait on a never-recorded event does not block");
     release.send(()).expect("release");
     producer.synchronize().expect("sync");
-    assert_eq!(elapsed(&timed, &untimed), CUresult::CUDA_ERROR_INVALID_HANDLE);
+    assert_eq!(
+        elapsed(&timed, &untimed),
+        CUresult::CUDA_ERROR_INVALID_HANDLE
+    );
     assert_eq!(elapsed(&timed, &never), CUresult::CUDA_ERROR_INVALID_HANDLE);
     assert_eq!(elapsed(&timed, &timed), CUresult::CUDA_SUCCESS);
 }
@@ -734,7 +769,10 @@ fn standin_cublas_gemms_match_references() {
     };
     // SAFETY: the operands hold m*k, k*n and m*n elements.
     unsafe { blas.gemm(config, &a, &b, &mut c) }.expect("sgemm");
-    assert_eq!(stream.clone_dtoh(&c).expect("dtoh"), [19.0, 43.0, 22.0, 50.0]);
+    assert_eq!(
+        stream.clone_dtoh(&c).expect("dtoh"),
+        [19.0, 43.0, 22.0, 50.0]
+    );
 
     // The backend's use: y[rows, out] = x[rows, in] * W[out, in]^T with row-major x and W,
     // i.e. column-major y^T = W * x^T: transa = T on W stored [in, out] column-major.
@@ -860,17 +898,41 @@ fn standin_refuses_what_a_driver_refuses() {
     // device ranges are what is being tested.
     unsafe {
         // Out-of-bounds copies: 32 floats into/out of a 16-float allocation.
-        assert_eq!(cu::cuMemcpyHtoDAsync_v2(dev, host.as_ptr().cast(), 128, s), CUDA_ERROR_INVALID_VALUE);
-        assert_eq!(cu::cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev + 32, 64, s), CUDA_ERROR_INVALID_VALUE);
-        assert_eq!(cu::cuMemcpyHtoDAsync_v2(dev, host.as_ptr().cast(), 64, s), CUDA_SUCCESS);
+        assert_eq!(
+            cu::cuMemcpyHtoDAsync_v2(dev, host.as_ptr().cast(), 128, s),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            cu::cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev + 32, 64, s),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            cu::cuMemcpyHtoDAsync_v2(dev, host.as_ptr().cast(), 64, s),
+            CUDA_SUCCESS
+        );
         // A host buffer used as pinned that was never registered.
-        assert_eq!(cu::cuMemHostUnregister(back.as_mut_ptr().cast()), CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+        assert_eq!(
+            cu::cuMemHostUnregister(back.as_mut_ptr().cast()),
+            CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+        );
         let mut mapped = 0u64;
-        assert_eq!(cu::cuMemHostGetDevicePointer_v2(&mut mapped, back.as_mut_ptr().cast(), 0), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            cu::cuMemHostGetDevicePointer_v2(&mut mapped, back.as_mut_ptr().cast(), 0),
+            CUDA_ERROR_INVALID_VALUE
+        );
         // Registered, it is accepted, and unregistering works once.
-        assert_eq!(cu::cuMemHostRegister_v2(back.as_mut_ptr().cast(), 128, 0), CUDA_SUCCESS);
-        assert_eq!(cu::cuMemHostGetDevicePointer_v2(&mut mapped, back.as_mut_ptr().cast(), 0), CUDA_SUCCESS);
-        assert_eq!(cu::cuMemHostUnregister(back.as_mut_ptr().cast()), CUDA_SUCCESS);
+        assert_eq!(
+            cu::cuMemHostRegister_v2(back.as_mut_ptr().cast(), 128, 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            cu::cuMemHostGetDevicePointer_v2(&mut mapped, back.as_mut_ptr().cast(), 0),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            cu::cuMemHostUnregister(back.as_mut_ptr().cast()),
+            CUDA_SUCCESS
+        );
     }
     // A launch whose pointer argument is host memory the driver never saw.
     let swiglu = function(&modules, "swiglu.cu", "swiglu");
@@ -885,7 +947,10 @@ fn standin_refuses_what_a_driver_refuses() {
             .arg(&n)
             .launch(cfg((1, 1, 1), 32, 0))
     };
-    assert_eq!(launch.map(drop).map_err(|e| e.0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+    assert_eq!(
+        launch.map(drop).map_err(|e| e.0),
+        Err(CUDA_ERROR_ILLEGAL_ADDRESS)
+    );
     // Use after free: a freed allocation in a copy and in a launch.
     let freed = {
         let victim: CudaSlice<f32> = stream.alloc_zeros(16).expect("alloc");
@@ -907,16 +972,29 @@ fn standin_refuses_what_a_driver_refuses() {
             .arg(&n)
             .launch(cfg((1, 1, 1), 32, 0))
     };
-    assert_eq!(launch.map(drop).map_err(|e| e.0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
-    // Unknown kernel.
-    let module = &modules.iter().find(|(f, _)| *f == "swiglu.cu").expect("module").1;
     assert_eq!(
-        module.load_function("no_such_kernel").map(drop).map_err(|e| e.0),
+        launch.map(drop).map_err(|e| e.0),
+        Err(CUDA_ERROR_ILLEGAL_ADDRESS)
+    );
+    // Unknown kernel.
+    let module = &modules
+        .iter()
+        .find(|(f, _)| *f == "swiglu.cu")
+        .expect("module")
+        .1;
+    assert_eq!(
+        module
+            .load_function("no_such_kernel")
+            .map(drop)
+            .map_err(|e| e.0),
         Err(CUDA_ERROR_NOT_FOUND)
     );
     // Real PTX cannot run on the stand-in.
     let ptx = cudarc::nvrtc::Ptx::from_src(".version 8.0\n.target sm_80\n.address_size 64\n");
-    assert_eq!(ctx.load_module(ptx).map(drop).map_err(|e| e.0), Err(CUDA_ERROR_INVALID_IMAGE));
+    assert_eq!(
+        ctx.load_module(ptx).map(drop).map_err(|e| e.0),
+        Err(CUDA_ERROR_INVALID_IMAGE)
+    );
     // Blocks larger than a GPU allows.
     // SAFETY: argument types match.
     let launch = unsafe {
@@ -927,6 +1005,474 @@ fn standin_refuses_what_a_driver_refuses() {
             .arg(&n)
             .launch(cfg((1, 1, 1), 2048, 0))
     };
-    assert_eq!(launch.map(drop).map_err(|e| e.0), Err(CUDA_ERROR_INVALID_VALUE));
+    assert_eq!(
+        launch.map(drop).map_err(|e| e.0),
+        Err(CUDA_ERROR_INVALID_VALUE)
+    );
     stream.synchronize().expect("the valid work still ran");
+}
+
+/// The catalog's non-GEMM ops in kernels/ops.cu, through the stand-in, against the CPU
+/// kernels: embedding (bf16/f16/f32 tables) against `head::embed`, widening against
+/// `half`, bf16 narrowing against `half::bf16::from_f32` (round to nearest even), expert
+/// gather/scatter/combine against `moe::combine` on the scattered slots, greedy sampling
+/// against `sampling::argmax`. All are exact (data movement, the same summation order).
+#[test]
+fn standin_runs_the_op_kernels_like_the_cpu() {
+    const NAME: &str = "standin_runs_the_op_kernels_like_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use half::f16;
+    use moec::model::kernels::head::embed;
+    use moec::model::kernels::moe::{combine, Routing};
+    use moec::model::kernels::sampling::argmax;
+    use moec::model::{Matrix, Orientation, TypedSlice};
+    const OPS: KernelSource = KernelSource {
+        file: "ops.cu",
+        source: include_str!("../kernels/ops.cu"),
+        entries: &[
+            "embed_bf16",
+            "embed_f16",
+            "embed_f32",
+            "widen_bf16",
+            "widen_f16",
+            "narrow_bf16",
+            "add_in_place",
+            "gather_rows",
+            "scatter_weighted",
+            "combine_slots",
+            "argmax_rows",
+        ],
+    };
+    assert_eq!(moec::cuda::kernels::entry_names(OPS.source), OPS.entries);
+    let (ctx, stream) = standin_context();
+    let module = ctx
+        .load_module(compile_kernel(&OPS, DEFAULT_ARCH).expect("ops.cu compiles"))
+        .expect("module");
+    let f = |name: &str| module.load_function(name).expect("entry");
+    let mut rng = Rng(7);
+
+    // Embedding: 20 x 48 table, 6 ids (repeats allowed), in each stored dtype.
+    let (vocab, hidden) = (20usize, 48usize);
+    let ids = [3u32, 0, 19, 3, 7, 11];
+    let values = rng.vec(vocab * hidden, 2.0);
+    let as_bf16: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+    let mut as_f16: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+    // Subnormal, infinite and negative-zero halves exercise the exact conversion.
+    as_f16[3 * hidden] = f16::from_bits(0x0001);
+    as_f16[3 * hidden + 1] = f16::from_bits(0x83ff);
+    as_f16[3 * hidden + 2] = f16::INFINITY;
+    as_f16[3 * hidden + 3] = f16::NEG_ZERO;
+    let ids_dev = stream.clone_htod(&ids).expect("htod");
+    let hidden_i = hidden as i32;
+    let tables: [(&str, TypedSlice<'_>, CudaSlice<u8>); 3] = [
+        (
+            "embed_bf16",
+            TypedSlice::Bf16(&as_bf16),
+            stream.clone_htod(bytemuck_bytes(&as_bf16)).expect("htod"),
+        ),
+        (
+            "embed_f16",
+            TypedSlice::F16(&as_f16),
+            stream.clone_htod(bytemuck_bytes(&as_f16)).expect("htod"),
+        ),
+        (
+            "embed_f32",
+            TypedSlice::F32(&values),
+            stream.clone_htod(bytemuck_bytes(&values)).expect("htod"),
+        ),
+    ];
+    for (entry, typed, table_dev) in &tables {
+        let mut out_dev = stream
+            .alloc_zeros::<f32>(ids.len() * hidden)
+            .expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f(entry))
+                .arg(table_dev)
+                .arg(&ids_dev)
+                .arg(&mut out_dev)
+                .arg(&hidden_i)
+                .launch(cfg((ids.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let matrix = Matrix::new(*typed, vocab, hidden, Orientation::OutIn).expect("matrix");
+        let mut want = vec![0.0f32; ids.len() * hidden];
+        embed(&matrix, &ids, &mut want).expect("CPU embed");
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        assert_eq!(bits(&got), bits(&want), "{entry}");
+        println!("{entry}: equal to head::embed");
+    }
+
+    // Widening and narrowing, 1000 elements on 2 blocks of 64 (grid-stride).
+    let n = 1000usize;
+    let n_ll = n as i64;
+    let src: Vec<f32> = rng.vec(n, 100.0);
+    let wide_bf16: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
+    let wide_dev = stream.clone_htod(bytemuck_bytes(&wide_bf16)).expect("htod");
+    let mut out_dev = stream.alloc_zeros::<f32>(n).expect("alloc");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("widen_bf16"))
+            .arg(&wide_dev)
+            .arg(&mut out_dev)
+            .arg(&n_ll)
+            .launch(cfg((2, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = wide_bf16.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(
+        bits(&stream.clone_dtoh(&out_dev).expect("dtoh")),
+        bits(&want),
+        "widen_bf16"
+    );
+    let mut narrow_src = src.clone();
+    // Ties (0x3f808000 is halfway between two bf16 values), NaN and infinity.
+    narrow_src[0] = f32::from_bits(0x3f80_8000);
+    narrow_src[1] = f32::from_bits(0x3f81_8000);
+    narrow_src[2] = f32::NAN;
+    narrow_src[3] = f32::NEG_INFINITY;
+    let narrow_dev = stream.clone_htod(&narrow_src).expect("htod");
+    let mut narrowed_dev = stream.alloc_zeros::<u16>(n).expect("alloc");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("narrow_bf16"))
+            .arg(&narrow_dev)
+            .arg(&mut narrowed_dev)
+            .arg(&n_ll)
+            .launch(cfg((2, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want: Vec<u16> = narrow_src
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_bits())
+        .collect();
+    assert_eq!(
+        stream.clone_dtoh(&narrowed_dev).expect("dtoh"),
+        want,
+        "narrow_bf16"
+    );
+    println!("widen_bf16, narrow_bf16: equal to half's conversions");
+
+    // Mixture of experts: 5 tokens, top 2 of 4 experts, width 24. Each expert's rows are
+    // gathered, "processed" (y = 10 * expert + x, a stand-in for its FFN), scattered with
+    // their weights, then combined into the residual; the CPU combines the same slots.
+    let (tokens, top_k, width, n_experts) = (5usize, 2usize, 24usize, 4usize);
+    let routing = Routing {
+        top_k,
+        experts: vec![2, 0, 1, 3, 3, 1, 0, 2, 1, 0],
+        weights: rng.vec(tokens * top_k, 1.0),
+    };
+    let x_norm = rng.vec(tokens * width, 1.0);
+    let residual = rng.vec(tokens * width, 1.0);
+    let x_dev = stream.clone_htod(&x_norm).expect("htod");
+    let mut slots_dev = stream
+        .alloc_zeros::<f32>(tokens * top_k * width)
+        .expect("alloc");
+    let mut slots_cpu = vec![0.0f32; tokens * top_k * width];
+    let (k_i, w_i) = (top_k as i32, width as i32);
+    for (e, rows) in routing.by_expert(n_experts).iter().enumerate() {
+        if rows.is_empty() {
+            continue;
+        }
+        let row_ids: Vec<u32> = rows.iter().map(|r| r.row).collect();
+        let slot_ids: Vec<u32> = rows.iter().map(|r| r.slot).collect();
+        let weights: Vec<f32> = rows.iter().map(|r| r.weight).collect();
+        let rows_dev = stream.clone_htod(&row_ids).expect("htod");
+        let mut gathered_dev = stream
+            .alloc_zeros::<f32>(rows.len() * width)
+            .expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("gather_rows"))
+                .arg(&x_dev)
+                .arg(&rows_dev)
+                .arg(&mut gathered_dev)
+                .arg(&w_i)
+                .launch(cfg((rows.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let gathered = stream.clone_dtoh(&gathered_dev).expect("dtoh");
+        for (i, r) in rows.iter().enumerate() {
+            let at = r.row as usize * width;
+            assert_eq!(
+                gathered[i * width..(i + 1) * width],
+                x_norm[at..at + width],
+                "gather"
+            );
+        }
+        let y: Vec<f32> = gathered.iter().map(|v| v + 10.0 * e as f32).collect();
+        for (i, r) in rows.iter().enumerate() {
+            let at = (r.row as usize * top_k + r.slot as usize) * width;
+            for d in 0..width {
+                slots_cpu[at + d] = r.weight * y[i * width + d];
+            }
+        }
+        let y_dev = stream.clone_htod(&y).expect("htod");
+        let slot_dev = stream.clone_htod(&slot_ids).expect("htod");
+        let weights_dev = stream.clone_htod(&weights).expect("htod");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("scatter_weighted"))
+                .arg(&y_dev)
+                .arg(&rows_dev)
+                .arg(&slot_dev)
+                .arg(&weights_dev)
+                .arg(&mut slots_dev)
+                .arg(&k_i)
+                .arg(&w_i)
+                .launch(cfg((rows.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+    }
+    assert_eq!(
+        bits(&stream.clone_dtoh(&slots_dev).expect("dtoh")),
+        bits(&slots_cpu),
+        "scatter"
+    );
+    let experts_dev = stream.clone_htod(&routing.experts).expect("htod");
+    let mut residual_dev = stream.clone_htod(&residual).expect("htod");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("combine_slots"))
+            .arg(&slots_dev)
+            .arg(&experts_dev)
+            .arg(&mut residual_dev)
+            .arg(&k_i)
+            .arg(&w_i)
+            .launch(cfg((tokens as u32, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let mut want = residual.clone();
+    combine(&routing, &slots_cpu, &mut want).expect("CPU combine");
+    assert_eq!(
+        bits(&stream.clone_dtoh(&residual_dev).expect("dtoh")),
+        bits(&want),
+        "combine"
+    );
+    println!("gather_rows, scatter_weighted, combine_slots: equal to moe::combine");
+
+    // Residual add.
+    let a = rng.vec(n, 1.0);
+    let b = rng.vec(n, 1.0);
+    let mut a_dev = stream.clone_htod(&a).expect("htod");
+    let b_dev = stream.clone_htod(&b).expect("htod");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("add_in_place"))
+            .arg(&mut a_dev)
+            .arg(&b_dev)
+            .arg(&n_ll)
+            .launch(cfg((3, 1, 1), 128, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    assert_eq!(
+        bits(&stream.clone_dtoh(&a_dev).expect("dtoh")),
+        bits(&want),
+        "add_in_place"
+    );
+
+    // Greedy sampling: 4 rows of 300 logits, with a tie (the lower index wins) and a row
+    // whose maximum is the last element.
+    let vocab = 300usize;
+    let mut logits = rng.vec(4 * vocab, 5.0);
+    logits[17] = 50.0;
+    logits[250] = 50.0;
+    logits[2 * vocab - 1] = 60.0;
+    let logits_dev = stream.clone_htod(&logits).expect("htod");
+    let mut picks_dev = stream.alloc_zeros::<u32>(4).expect("alloc");
+    let vocab_i = vocab as i32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("argmax_rows"))
+            .arg(&logits_dev)
+            .arg(&mut picks_dev)
+            .arg(&vocab_i)
+            .launch(cfg((4, 1, 1), 128, 0))
+    }
+    .expect("launch");
+    let want: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
+    assert_eq!(want[..2], [17, vocab as u32 - 1]);
+    assert_eq!(stream.clone_dtoh(&picks_dev).expect("dtoh"), want, "argmax");
+    println!("argmax_rows: equal to sampling::argmax");
+}
+
+/// The raw bytes of a slice of plain numbers (for uploading bf16/f16 tables).
+fn bytemuck_bytes<T: bytemuck::Pod>(values: &[T]) -> &[u8] {
+    bytemuck::cast_slice(values)
+}
+
+/// Bit patterns, so exact comparisons also distinguish -0.0 and NaN payloads.
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// kernels/prefill_attention.cu through the stand-in against the CPU's `attention` with
+/// several new tokens per sequence (a prompt from scratch, a prompt continuing a cached
+/// sequence, and a decode token in the same launch), without and with a sliding window.
+/// Tolerance 1e-4 absolute (tree-reduced softmax, as for decode); K/V appends exact.
+#[test]
+fn standin_prefill_attention_matches_the_cpu() {
+    const NAME: &str = "standin_prefill_attention_matches_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::model::kernels::attention::{attention, AttnSeq, AttnShape};
+    use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+    const PREFILL: KernelSource = KernelSource {
+        file: "prefill_attention.cu",
+        source: include_str!("../kernels/prefill_attention.cu"),
+        entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+    };
+    assert_eq!(
+        moec::cuda::kernels::entry_names(PREFILL.source),
+        PREFILL.entries
+    );
+    let (ctx, stream) = standin_context();
+    let module = ctx
+        .load_module(compile_kernel(&PREFILL, DEFAULT_ARCH).expect("compiles"))
+        .expect("module");
+    let mut rng = Rng(99);
+    let (ah, akvh, ahd, bs, n_blocks, mb) = (8usize, 2usize, 32usize, 16usize, 24usize, 6usize);
+    let layout = KvLayout {
+        block_size: bs,
+        kv_heads: akvh,
+        head_dim: ahd,
+    };
+    // (cached tokens, new tokens) per sequence.
+    let seqs_spec = [(0usize, 9usize), (17, 5), (40, 1)];
+    let mut tables = vec![0u32; seqs_spec.len() * mb];
+    let mut next = 0u32;
+    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
+        for b in 0..(cached + new).div_ceil(bs) {
+            tables[s * mb + b] = (next * 5 + 1) % n_blocks as u32;
+            next += 1;
+        }
+    }
+    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
+    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
+        for j in 0..new {
+            row_seq.push(s as u32);
+            row_pos.push((cached + j) as i32);
+        }
+    }
+    let n_rows = row_seq.len();
+    for window in [None, Some(12usize)] {
+        let shape = AttnShape {
+            heads: ah,
+            kv_heads: akvh,
+            head_dim: ahd,
+            sliding_window: window,
+        };
+        let pool_len = n_blocks * layout.block_elems();
+        let k_pool = rng.vec(pool_len, 1.0);
+        let v_pool = rng.vec(pool_len, 1.0);
+        let qkv = rng.vec(n_rows * shape.qkv_width(), 1.0);
+        let max_keys = 41usize;
+        let qkv_dev = stream.clone_htod(&qkv).expect("htod");
+        let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
+        let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
+        let tables_dev = stream.clone_htod(&tables).expect("htod");
+        let seq_dev = stream.clone_htod(&row_seq).expect("htod");
+        let pos_dev = stream.clone_htod(&row_pos).expect("htod");
+        let mut scores_dev = stream
+            .alloc_zeros::<f32>(n_rows * ah * max_keys)
+            .expect("alloc");
+        let mut out_dev = stream.alloc_zeros::<f32>(n_rows * ah * ahd).expect("alloc");
+        let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+        let append = module.load_function("paged_kv_append_rows").expect("entry");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&append)
+                .arg(&qkv_dev)
+                .arg(&mut k_dev)
+                .arg(&mut v_dev)
+                .arg(&tables_dev)
+                .arg(&seq_dev)
+                .arg(&pos_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .launch(cfg((n_rows as u32, akvh as u32, 1), 32, 0))
+        }
+        .expect("launch");
+        let prefill = module
+            .load_function("paged_prefill_attention")
+            .expect("entry");
+        let (mk, win, scale) = (
+            max_keys as i32,
+            window.unwrap_or(0) as i32,
+            1.0 / (ahd as f32).sqrt(),
+        );
+        let shared = ((ah / akvh) * ahd * 4) as u32;
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&prefill)
+                .arg(&qkv_dev)
+                .arg(&k_dev)
+                .arg(&v_dev)
+                .arg(&tables_dev)
+                .arg(&seq_dev)
+                .arg(&pos_dev)
+                .arg(&mut scores_dev)
+                .arg(&mut out_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .arg(&mk)
+                .arg(&win)
+                .arg(&scale)
+                .launch(cfg((n_rows as u32, akvh as u32, 1), 64, shared))
+        }
+        .expect("launch");
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        let (mut k_cpu, mut v_cpu) = (k_pool.clone(), v_pool.clone());
+        let mut want = vec![0.0f32; n_rows * ah * ahd];
+        let seqs: Vec<AttnSeq<'_>> = seqs_spec
+            .iter()
+            .enumerate()
+            .map(|(s, &(cached, new))| AttnSeq {
+                block_table: &tables[s * mb..(s + 1) * mb],
+                context_len: cached,
+                n_new: new,
+            })
+            .collect();
+        let mut cache = KvBlocksMut {
+            layout,
+            k: &mut k_cpu,
+            v: &mut v_cpu,
+        };
+        attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
+        assert_eq!(
+            stream.clone_dtoh(&k_dev).expect("dtoh"),
+            k_cpu,
+            "appended K"
+        );
+        assert_eq!(
+            stream.clone_dtoh(&v_dev).expect("dtoh"),
+            v_cpu,
+            "appended V"
+        );
+        let err = max_abs_diff(&got, &want);
+        println!("paged_prefill_attention ({n_rows} rows, window {window:?}): max abs diff vs CPU {err:.3e}");
+        assert!(err < 1e-4, "prefill attention: {err}");
+    }
 }

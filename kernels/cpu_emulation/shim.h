@@ -38,6 +38,8 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
 }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 #include <math.h>
 template <class F> void launch(dim3 grid, dim3 block, F f) {
     gridDim = grid; blockDim = block;
