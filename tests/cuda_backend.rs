@@ -892,7 +892,7 @@ fn standin_refuses_what_a_driver_refuses() {
     let s = stream.cu_stream();
     let buf: CudaSlice<f32> = stream.alloc_zeros(16).expect("alloc");
     let (dev, _sync) = cudarc::driver::DevicePtr::device_ptr(&buf, &stream);
-    let host = vec![0.0f32; 32];
+    let host = [0.0f32; 32];
     let mut back = vec![0.0f32; 32];
     // SAFETY (every raw call below): live host buffers of 32 floats, a live stream; the
     // device ranges are what is being tested.
