@@ -202,7 +202,7 @@ fn standin_library() -> PathBuf {
         deps.join("libmoec_standin.so"),
         deps.join("../libmoec_standin.so"),
     ];
-    candidates
+    let library = candidates
         .iter()
         .find(|p| p.is_file())
         .cloned()
@@ -212,7 +212,26 @@ fn standin_library() -> PathBuf {
                  (it builds the moec-standin cdylib the CUDA tests load)",
                 candidates[0].display()
             )
-        })
+        });
+    // `cargo test --test cuda_backend` does not rebuild the stand-in: refuse a library older
+    // than its sources (or the emulation shim it embeds) instead of testing stale code.
+    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut sources = vec![root.join("kernels/cpu_emulation/shim.h")];
+    if let Ok(dir) = std::fs::read_dir(root.join("standin/src")) {
+        sources.extend(dir.filter_map(|e| e.ok()).map(|e| e.path()));
+    }
+    if let (Some(built), Some(newest)) = (
+        modified(&library),
+        sources.iter().filter_map(|p| modified(p)).max(),
+    ) {
+        assert!(
+            built >= newest,
+            "{} is older than its sources: run `cargo test --workspace` to rebuild it",
+            library.display()
+        );
+    }
+    library
 }
 
 /// Runs test `name` of this binary in a child whose CUDA libraries are the stand-in;
