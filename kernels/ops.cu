@@ -4,6 +4,7 @@
 //   widen_bf16 / widen_f16               stored weights to f32 (simd::widen), for f32 GEMMs
 //   narrow_bf16                          f32 to bf16, round to nearest even (half's from_f32)
 //   add_in_place                         residual adds: dst += src (o_proj_residual)
+//   clamp_in_place                       DBRX's clip_qkv: x = clamp(x, -limit, limit), NaN kept
 //   gather_rows                          an expert's routed rows into a contiguous block
 //   scatter_weighted                     weight * y into each (row, slot) of the slot buffer
 //   combine_slots                        moe::combine: residual += slots summed by expert
@@ -114,6 +115,16 @@ extern "C" __global__ void add_in_place(float* __restrict__ dst, const float* __
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         dst[i] += src[i];
+    }
+}
+
+// x = clamp(x, -limit, limit) as f32::clamp in projection::pre_attn: NaN stays NaN (the
+// comparisons are false), unlike fminf/fmaxf which would replace it.
+extern "C" __global__ void clamp_in_place(float* __restrict__ x, float limit, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = x[i];
+        x[i] = v < -limit ? -limit : (v > limit ? limit : v);
     }
 }
 

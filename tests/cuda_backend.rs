@@ -1059,6 +1059,7 @@ fn standin_runs_the_op_kernels_like_the_cpu() {
             "widen_f16",
             "narrow_bf16",
             "add_in_place",
+            "clamp_in_place",
             "gather_rows",
             "scatter_weighted",
             "combine_slots",
@@ -1300,6 +1301,31 @@ fn standin_runs_the_op_kernels_like_the_cpu() {
         bits(&want),
         "add_in_place"
     );
+
+    // DBRX's clip_qkv, NaN and infinities included, against f32::clamp (pre_attn's clip).
+    let mut x = rng.vec(n, 20.0);
+    x[0] = f32::NAN;
+    x[1] = f32::INFINITY;
+    x[2] = f32::NEG_INFINITY;
+    let mut x_dev = stream.clone_htod(&x).expect("htod");
+    let limit = 8.0f32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("clamp_in_place"))
+            .arg(&mut x_dev)
+            .arg(&limit)
+            .arg(&n_ll)
+            .launch(cfg((2, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = x.iter().map(|v| v.clamp(-limit, limit)).collect();
+    assert_eq!(
+        bits(&stream.clone_dtoh(&x_dev).expect("dtoh")),
+        bits(&want),
+        "clamp_in_place"
+    );
+    println!("add_in_place, clamp_in_place: equal to the CPU's arithmetic");
 
     // Greedy sampling: 4 rows of 300 logits, with a tie (the lower index wins) and a row
     // whose maximum is the last element.
