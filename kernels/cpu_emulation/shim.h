@@ -9,6 +9,7 @@
 // launches through launch_grid; kernels/cpu_emulation/harness.cpp through launch.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +34,7 @@ float dyn_smem[65536];
 
 struct MoecFiber {
     ucontext_t context;
+    void* sp = nullptr;  // saved stack pointer (x86-64 switch)
     std::unique_ptr<char[]> stack;
     bool done = false;
     bool blocked = false;
@@ -55,6 +57,62 @@ std::vector<MoecFiber> moec_fibers;
 MoecBarrier moec_block_barrier;
 std::vector<MoecBarrier> moec_warp_barriers;
 const std::function<void()>* moec_body = nullptr;
+inline void moec_fiber_main();
+
+#if defined(__x86_64__)
+// A context switch without ucontext's signal-mask system call (most of a launch's time):
+// saves the callee-saved registers, MXCSR and the x87 control word on the current stack,
+// stores the stack pointer in *from and resumes the stack `to`.
+extern "C" void moec_switch(void** from, void* to);
+asm(R"(
+    .text
+    .weak moec_switch
+    .hidden moec_switch
+    .type moec_switch, @function
+moec_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size moec_switch, .-moec_switch
+)");
+void* moec_scheduler_sp = nullptr;
+extern "C" inline void moec_fiber_entry() {
+    moec_fiber_main();
+    moec_switch(&moec_current->sp, moec_scheduler_sp);  // never resumed
+    std::abort();
+}
+// Lays out a fresh stack so that the first switch to it "returns" into moec_fiber_entry
+// with the ABI's alignment, and the current floating-point control state.
+inline void moec_prepare(MoecFiber& fiber, size_t bytes) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(fiber.stack.get()) + bytes) & ~uintptr_t(15);
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+    *--sp = 0;                                                   // fake return address
+    *--sp = reinterpret_cast<uint64_t>(&moec_fiber_entry);       // ret target (16-aligned)
+    for (int i = 0; i < 6; ++i) *--sp = 0;                       // rbp rbx r12-r15
+    uint32_t control[2];
+    asm volatile("stmxcsr %0; fnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+    *--sp = uint64_t(control[0]) | (uint64_t(control[1] & 0xffff) << 32);
+    fiber.sp = sp;
+}
+#endif
 
 inline void moec_arrive(MoecBarrier& b) {
     if (++b.arrived >= b.expected) {
@@ -64,7 +122,11 @@ inline void moec_arrive(MoecBarrier& b) {
     MoecFiber* self = moec_current;
     self->blocked = true;
     b.waiting.push_back(self);
+#if defined(__x86_64__)
+    moec_switch(&self->sp, moec_scheduler_sp);
+#else
     swapcontext(&self->context, &moec_scheduler);
+#endif
 }
 // A thread that returned no longer counts: barriers it would have completed open.
 inline void moec_leave(MoecBarrier& b) {
@@ -103,6 +165,9 @@ inline void launch_grid_fn(dim3 grid, dim3 block, const std::function<void()>& f
     const unsigned n_warps = (n + 31) / 32;
     if (moec_fibers.size() < n) moec_fibers.resize(n);
     moec_warp_barriers.assign(n_warps, MoecBarrier{});
+    // One getcontext (a system call) per launch; each fiber starts from a copy of it.
+    ucontext_t blank;
+    getcontext(&blank);
     for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
     for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -115,11 +180,15 @@ inline void launch_grid_fn(dim3 grid, dim3 block, const std::function<void()>& f
             if (!fiber.stack) fiber.stack.reset(new char[moec_stack_bytes]);
             fiber.done = false;
             fiber.blocked = false;
-            getcontext(&fiber.context);
+#if defined(__x86_64__)
+            moec_prepare(fiber, moec_stack_bytes);
+#else
+            fiber.context = blank;
             fiber.context.uc_stack.ss_sp = fiber.stack.get();
             fiber.context.uc_stack.ss_size = moec_stack_bytes;
             fiber.context.uc_link = &moec_scheduler;
             makecontext(&fiber.context, moec_fiber_main, 0);
+#endif
         }
         unsigned remaining = n;
         while (remaining > 0) {
@@ -130,7 +199,11 @@ inline void launch_grid_fn(dim3 grid, dim3 block, const std::function<void()>& f
                 threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
                 moec_tid = t;
                 moec_current = &fiber;
+#if defined(__x86_64__)
+                moec_switch(&moec_scheduler_sp, fiber.sp);
+#else
                 swapcontext(&moec_scheduler, &fiber.context);
+#endif
                 progressed = true;
                 if (fiber.done) --remaining;
             }
