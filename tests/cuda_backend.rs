@@ -716,6 +716,34 @@ fn standin_streams_run_concurrently_and_events_order_them() {
         raced.iter().zip(&want).filter(|(a, b)| a != b).count()
     );
 
+    // Captured at call time: a pageable source (the driver stages it) and the launch's
+    // parameter bytes, both changed by the host while the stream is still held.
+    let release = gate(&producer);
+    let mut host = vec![1.0f32; 8];
+    let mut staged_dev = producer.clone_htod(&host).expect("htod");
+    host.fill(5.0);
+    let ones_dev = producer.clone_htod(&[1.0f32; 8]).expect("htod");
+    let mut count = Box::new(4i32);
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        producer
+            .launch_builder(&swiglu)
+            .arg(&mut staged_dev)
+            .arg(&ones_dev)
+            .arg(&*count)
+            .launch(cfg((1, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    *count = 8;
+    drop(count);
+    release.send(()).expect("release");
+    let silu_one = 1.0 / (1.0 + (-1.0f32).exp());
+    assert_eq!(
+        producer.clone_dtoh(&staged_dev).expect("dtoh"),
+        [silu_one, silu_one, silu_one, silu_one, 1.0, 1.0, 1.0, 1.0],
+        "the copy read the source and the launch its n when they were called"
+    );
+
     // Event rules through the raw driver calls.
     let timed = ctx
         .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))
