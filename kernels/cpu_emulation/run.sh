@@ -1,6 +1,6 @@
 #!/bin/sh
 # Checks the math of kernels/*.cu without a GPU: builds the CPU emulation (g++ >= 12,
-# C++20) and compares every kernel with torch references, without and with a sliding
+# C++20, ucontext fibers) and compares every kernel with torch references, without and with a sliding
 # window. Needs a Python with numpy and torch: PYTHON=/path/to/python (default python3).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)

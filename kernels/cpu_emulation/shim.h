@@ -1,20 +1,29 @@
 // CPU emulation of the few CUDA builtins moec's kernels use, to check their math without a
-// GPU: one OS thread per CUDA thread, blocks run one after another (so `__shared__` statics
-// are per block), __syncthreads is a block barrier, warp shuffles go through an exchange
-// array with per-warp barriers. It checks indexing and arithmetic, not the GPU memory
-// model, warp divergence or performance.
-#include <barrier>
+// GPU: every CUDA thread of a block is a fiber (ucontext) on the calling OS thread, blocks
+// run one after another (so `__shared__` statics are per block), __syncthreads is a block
+// barrier, warp shuffles go through an exchange array with per-warp barriers. A thread that
+// returns stops counting for the barriers (as on GPUs since Volta); a block whose live
+// threads all wait on barriers that can never open aborts with a message. It checks
+// indexing and arithmetic, not the GPU memory model, warp divergence or performance. The
+// stand-in CUDA driver (standin/) compiles each kernel file after this header and runs
+// launches through launch_grid; kernels/cpu_emulation/harness.cpp through launch.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <thread>
-#include <vector>
 #include <memory>
+#include <vector>
+#include <ucontext.h>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3 threadIdx, blockIdx;
+// Set by the scheduler before it resumes a fiber, so each fiber sees its own values.
+dim3 threadIdx, blockIdx;
+// The thread's linear index within its block (warps are runs of 32 of it, as on a GPU).
+unsigned moec_tid;
+const int warpSize = 32;
 dim3 blockDim, gridDim;
-std::unique_ptr<std::barrier<>> block_barrier;
-std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 float shfl_buf[1024];
 float dyn_smem[65536];
 #define __global__
@@ -22,29 +31,192 @@ float dyn_smem[65536];
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+
+struct MoecFiber {
+    ucontext_t context;
+    void* sp = nullptr;  // saved stack pointer (x86-64 switch)
+    std::unique_ptr<char[]> stack;
+    bool done = false;
+    bool blocked = false;
+};
+// A barrier over `expected` live fibers; the last to arrive releases the others.
+struct MoecBarrier {
+    unsigned expected = 0;
+    unsigned arrived = 0;
+    std::vector<MoecFiber*> waiting;
+    void release() {
+        arrived = 0;
+        for (MoecFiber* f : waiting) f->blocked = false;
+        waiting.clear();
+    }
+};
+constexpr size_t moec_stack_bytes = 256 * 1024;
+ucontext_t moec_scheduler;
+MoecFiber* moec_current = nullptr;
+std::vector<MoecFiber> moec_fibers;
+MoecBarrier moec_block_barrier;
+std::vector<MoecBarrier> moec_warp_barriers;
+const std::function<void()>* moec_body = nullptr;
+inline void moec_fiber_main();
+
+#if defined(__x86_64__)
+// A context switch without ucontext's signal-mask system call (most of a launch's time):
+// saves the callee-saved registers, MXCSR and the x87 control word on the current stack,
+// stores the stack pointer in *from and resumes the stack `to`.
+extern "C" void moec_switch(void** from, void* to);
+asm(R"(
+    .text
+    .weak moec_switch
+    .hidden moec_switch
+    .type moec_switch, @function
+moec_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size moec_switch, .-moec_switch
+)");
+void* moec_scheduler_sp = nullptr;
+extern "C" inline void moec_fiber_entry() {
+    moec_fiber_main();
+    moec_switch(&moec_current->sp, moec_scheduler_sp);  // never resumed
+    std::abort();
+}
+// Lays out a fresh stack so that the first switch to it "returns" into moec_fiber_entry
+// with the ABI's alignment, and the current floating-point control state.
+inline void moec_prepare(MoecFiber& fiber, size_t bytes) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(fiber.stack.get()) + bytes) & ~uintptr_t(15);
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+    *--sp = 0;                                                   // fake return address
+    *--sp = reinterpret_cast<uint64_t>(&moec_fiber_entry);       // ret target (16-aligned)
+    for (int i = 0; i < 6; ++i) *--sp = 0;                       // rbp rbx r12-r15
+    uint32_t control[2];
+    asm volatile("stmxcsr %0; fnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+    *--sp = uint64_t(control[0]) | (uint64_t(control[1] & 0xffff) << 32);
+    fiber.sp = sp;
+}
+#endif
+
+inline void moec_arrive(MoecBarrier& b) {
+    if (++b.arrived >= b.expected) {
+        b.release();
+        return;
+    }
+    MoecFiber* self = moec_current;
+    self->blocked = true;
+    b.waiting.push_back(self);
+#if defined(__x86_64__)
+    moec_switch(&self->sp, moec_scheduler_sp);
+#else
+    swapcontext(&self->context, &moec_scheduler);
+#endif
+}
+// A thread that returned no longer counts: barriers it would have completed open.
+inline void moec_leave(MoecBarrier& b) {
+    if (b.expected > 0) --b.expected;
+    if (b.arrived > 0 && b.arrived >= b.expected) b.release();
+}
+inline void __syncthreads() { moec_arrive(moec_block_barrier); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {
-    auto& b = *warp_barriers[threadIdx.x / 32];
-    shfl_buf[threadIdx.x] = v;
-    b.arrive_and_wait();
-    float r = shfl_buf[threadIdx.x ^ off];
-    b.arrive_and_wait();
+    MoecBarrier& b = moec_warp_barriers[moec_tid / 32];
+    shfl_buf[moec_tid] = v;
+    moec_arrive(b);
+    float r = shfl_buf[moec_tid ^ off];
+    moec_arrive(b);
     return r;
 }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 #include <math.h>
-template <class F> void launch(dim3 grid, dim3 block, F f) {
+
+inline void moec_fiber_main() {
+    (*moec_body)();
+    moec_current->done = true;
+    moec_leave(moec_block_barrier);
+    moec_leave(moec_warp_barriers[moec_tid / 32]);
+    // Returning resumes the scheduler (uc_link).
+}
+
+// Runs a whole grid (3-D grid and block): for each block in turn, one fiber per thread,
+// resumed round-robin until all returned.
+inline void launch_grid_fn(dim3 grid, dim3 block, const std::function<void()>& f) {
     gridDim = grid; blockDim = block;
+    moec_body = &f;
+    const unsigned n = block.x * block.y * block.z;
+    const unsigned n_warps = (n + 31) / 32;
+    if (moec_fibers.size() < n) moec_fibers.resize(n);
+    moec_warp_barriers.assign(n_warps, MoecBarrier{});
+    // One getcontext (a system call) per launch; each fiber starts from a copy of it.
+    ucontext_t blank;
+    getcontext(&blank);
+    for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
     for (unsigned bx = 0; bx < grid.x; ++bx) {
-        block_barrier = std::make_unique<std::barrier<>>(block.x);
-        warp_barriers.clear();
-        for (unsigned w = 0; w < (block.x + 31) / 32; ++w)
-            warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < block.x; ++t)
-            ts.emplace_back([=] { blockIdx = {bx, by, 1}; threadIdx = {t, 0, 0}; f(); });
-        for (auto& t : ts) t.join();
+        blockIdx = {bx, by, bz};
+        moec_block_barrier = MoecBarrier{};
+        moec_block_barrier.expected = n;
+        for (unsigned w = 0; w < n_warps; ++w) moec_warp_barriers[w] = MoecBarrier{std::min(32u, n - w * 32), 0, {}};
+        for (unsigned t = 0; t < n; ++t) {
+            MoecFiber& fiber = moec_fibers[t];
+            if (!fiber.stack) fiber.stack.reset(new char[moec_stack_bytes]);
+            fiber.done = false;
+            fiber.blocked = false;
+#if defined(__x86_64__)
+            moec_prepare(fiber, moec_stack_bytes);
+#else
+            fiber.context = blank;
+            fiber.context.uc_stack.ss_sp = fiber.stack.get();
+            fiber.context.uc_stack.ss_size = moec_stack_bytes;
+            fiber.context.uc_link = &moec_scheduler;
+            makecontext(&fiber.context, moec_fiber_main, 0);
+#endif
+        }
+        unsigned remaining = n;
+        while (remaining > 0) {
+            bool progressed = false;
+            for (unsigned t = 0; t < n; ++t) {
+                MoecFiber& fiber = moec_fibers[t];
+                if (fiber.done || fiber.blocked) continue;
+                threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                moec_tid = t;
+                moec_current = &fiber;
+#if defined(__x86_64__)
+                moec_switch(&moec_scheduler_sp, fiber.sp);
+#else
+                swapcontext(&moec_scheduler, &fiber.context);
+#endif
+                progressed = true;
+                if (fiber.done) --remaining;
+            }
+            if (!progressed && remaining > 0) {
+                std::fprintf(stderr, "moec-standin: kernel deadlock: in block (%u, %u, %u) every live thread waits at a barrier that cannot open\n", bx, by, bz);
+                std::abort();
+            }
+        }
     }
+    moec_body = nullptr;
 }
+template <class F> void launch_grid(dim3 grid, dim3 block, F f) {
+    const std::function<void()> body = f;
+    launch_grid_fn(grid, block, body);
+}
+template <class F> void launch(dim3 grid, dim3 block, F f) { launch_grid(grid, block, f); }

@@ -1,0 +1,232 @@
+// The data-movement and small ops of the op catalog that are not a GEMM, with the CPU
+// backend's layouts (src/model/kernels/*):
+//   embed_bf16 / embed_f16 / embed_f32   embed: head::embed, out[t] = widen(table[ids[t]])
+//   widen_bf16 / widen_f16               stored weights to f32 (simd::widen), for f32 GEMMs
+//   narrow_bf16                          f32 to bf16, round to nearest even (half's from_f32)
+//   add_in_place                         residual adds: dst += src (o_proj_residual)
+//   clamp_in_place                       DBRX's clip_qkv: x = clamp(x, -limit, limit), NaN kept
+//   gather_rows                          an expert's routed rows into a contiguous block
+//   scatter_weighted                     weight * y into each (row, slot) of the slot buffer
+//   combine_slots                        moe::combine: residual += slots summed by expert
+//   argmax_rows                          greedy sampling: sampling::argmax per row
+//
+// Layouts: activations are f32 rows [n, width], row-major. Stored tensors (embedding,
+// weights) are passed as their raw element bits: bf16 and f16 as unsigned short (NVRTC has
+// no cuda_bf16.h/cuda_fp16.h without the toolkit). Token ids and routing indices are
+// unsigned int. The slot buffer is [n_tokens, top_k, width] (moe.rs); routing experts are
+// [n_tokens, top_k]. Counts of elements are long long so pools over 2^31 elements work.
+// Launch: embed/gather/scatter/combine/argmax: grid = (rows), block = (threads) striding
+// over the row; argmax's threads must be a power of two. widen/narrow/add: any 1-D grid,
+// grid-stride loop.
+// The caller keeps ids below vocab, rows below n_tokens and slots below top_k (the CPU
+// kernels check the same and report errors; the host has the ids before the launch).
+
+__device__ __forceinline__ float ops_bf16_to_f32(unsigned short bits) {
+    return __uint_as_float(((unsigned int)bits) << 16);
+}
+
+// IEEE binary16 to f32, exactly (normals, subnormals, infinities, NaN).
+__device__ float ops_f16_to_f32(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    const unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int mantissa = (unsigned int)h & 0x3ffu;
+    if (exponent == 0x1fu) {
+        return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+    }
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            return __uint_as_float(sign);
+        }
+        // Subnormal: value = mantissa * 2^-24, exact in f32.
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -magnitude : magnitude;
+    }
+    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+extern "C" __global__ void embed_bf16(
+    const unsigned short* __restrict__ table,
+    const unsigned int* __restrict__ ids,
+    float* __restrict__ out,
+    int hidden) {
+    const size_t token = blockIdx.x;
+    const unsigned short* row = table + (size_t)ids[token] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[token * hidden + i] = ops_bf16_to_f32(row[i]);
+    }
+}
+
+extern "C" __global__ void embed_f16(
+    const unsigned short* __restrict__ table,
+    const unsigned int* __restrict__ ids,
+    float* __restrict__ out,
+    int hidden) {
+    const size_t token = blockIdx.x;
+    const unsigned short* row = table + (size_t)ids[token] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[token * hidden + i] = ops_f16_to_f32(row[i]);
+    }
+}
+
+extern "C" __global__ void embed_f32(
+    const float* __restrict__ table,
+    const unsigned int* __restrict__ ids,
+    float* __restrict__ out,
+    int hidden) {
+    const size_t token = blockIdx.x;
+    const float* row = table + (size_t)ids[token] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[token * hidden + i] = row[i];
+    }
+}
+
+extern "C" __global__ void widen_bf16(const unsigned short* __restrict__ src, float* __restrict__ dst, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        dst[i] = ops_bf16_to_f32(src[i]);
+    }
+}
+
+extern "C" __global__ void widen_f16(const unsigned short* __restrict__ src, float* __restrict__ dst, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        dst[i] = ops_f16_to_f32(src[i]);
+    }
+}
+
+// Round to nearest, ties to even; NaN stays NaN (quiet bit set), as half::bf16::from_f32.
+extern "C" __global__ void narrow_bf16(const float* __restrict__ src, unsigned short* __restrict__ dst, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const unsigned int x = __float_as_uint(src[i]);
+        unsigned int out;
+        if ((x & 0x7fffffffu) > 0x7f800000u) {
+            out = (x >> 16) | 0x40u;
+        } else if ((x & 0x8000u) != 0 && (x & 0x17fffu) != 0) {
+            out = (x >> 16) + 1;
+        } else {
+            out = x >> 16;
+        }
+        dst[i] = (unsigned short)out;
+    }
+}
+
+extern "C" __global__ void add_in_place(float* __restrict__ dst, const float* __restrict__ src, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        dst[i] += src[i];
+    }
+}
+
+// x = clamp(x, -limit, limit) as f32::clamp in projection::pre_attn: NaN stays NaN (the
+// comparisons are false), unlike fminf/fmaxf which would replace it.
+extern "C" __global__ void clamp_in_place(float* __restrict__ x, float limit, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = x[i];
+        x[i] = v < -limit ? -limit : (v > limit ? limit : v);
+    }
+}
+
+// dst[i] = src[rows[i]] for the n_rows (= gridDim.x) rows routed to one expert.
+extern "C" __global__ void gather_rows(
+    const float* __restrict__ src,
+    const unsigned int* __restrict__ rows,
+    float* __restrict__ dst,
+    int width) {
+    const size_t i = blockIdx.x;
+    const float* from = src + (size_t)rows[i] * width;
+    for (int d = threadIdx.x; d < width; d += blockDim.x) {
+        dst[i * width + d] = from[d];
+    }
+}
+
+// slots[rows[i], slot_of[i]] = weights[i] * y[i] for the expert's n_rows (= gridDim.x) rows.
+extern "C" __global__ void scatter_weighted(
+    const float* __restrict__ y,
+    const unsigned int* __restrict__ rows,
+    const unsigned int* __restrict__ slot_of,
+    const float* __restrict__ weights,
+    float* __restrict__ slots,
+    int top_k,
+    int width) {
+    const size_t i = blockIdx.x;
+    const float w = weights[i];
+    float* to = slots + ((size_t)rows[i] * top_k + slot_of[i]) * width;
+    for (int d = threadIdx.x; d < width; d += blockDim.x) {
+        to[d] = w * y[i * width + d];
+    }
+}
+
+#define OPS_MAX_TOP_K 64
+
+// residual[t] += sum of the token's top_k slots taken in ascending (expert, slot) order,
+// starting from zero: moe::combine's order, so the sums are bit-identical to the CPU's.
+extern "C" __global__ void combine_slots(
+    const float* __restrict__ slots,
+    const unsigned int* __restrict__ experts,
+    float* __restrict__ residual,
+    int top_k,
+    int width) {
+    const size_t t = blockIdx.x;
+    if (top_k > OPS_MAX_TOP_K) {
+        return;
+    }
+    const unsigned int* chosen = experts + t * top_k;
+    int order[OPS_MAX_TOP_K];
+    for (int s = 0; s < top_k; ++s) {
+        order[s] = s;
+    }
+    // Insertion sort by (expert, slot): k is small.
+    for (int a = 1; a < top_k; ++a) {
+        const int s = order[a];
+        int b = a - 1;
+        while (b >= 0 && (chosen[order[b]] > chosen[s] || (chosen[order[b]] == chosen[s] && order[b] > s))) {
+            order[b + 1] = order[b];
+            --b;
+        }
+        order[b + 1] = s;
+    }
+    for (int d = threadIdx.x; d < width; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int s = 0; s < top_k; ++s) {
+            sum += slots[(t * top_k + order[s]) * width + d];
+        }
+        residual[t * width + d] += sum;
+    }
+}
+
+// out[r] = index of the largest logit of row r, the lowest index on ties (sampling::argmax).
+// NaN logits never win; a row with no comparable logit gives 0.
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, unsigned int* __restrict__ out, int vocab) {
+    __shared__ float best_value[1024];
+    __shared__ unsigned int best_index[1024];
+    const size_t row = blockIdx.x;
+    const float* values = logits + row * (size_t)vocab;
+    float value = __int_as_float(0xff800000); // -inf
+    unsigned int index = 0xffffffffu;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = values[i];
+        if (v > value || (v == value && (unsigned int)i < index)) {
+            value = v;
+            index = (unsigned int)i;
+        }
+    }
+    best_value[threadIdx.x] = value;
+    best_index[threadIdx.x] = index;
+    __syncthreads();
+    for (unsigned int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            const float v = best_value[threadIdx.x + half];
+            const unsigned int j = best_index[threadIdx.x + half];
+            if (v > best_value[threadIdx.x] || (v == best_value[threadIdx.x] && j < best_index[threadIdx.x])) {
+                best_value[threadIdx.x] = v;
+                best_index[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        out[row] = best_index[0] == 0xffffffffu ? 0u : best_index[0];
+    }
+}

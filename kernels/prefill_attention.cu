@@ -1,0 +1,154 @@
+// Prefill (and mixed) attention over the paged KV cache: any number of new tokens per
+// sequence, causal, grouped-query heads, f32 softmax, as attention_of() in
+// src/model/kernels/attention.rs computes it for n_new >= 1: first every new token's K/V is
+// appended, then each new token attends to its sequence's tokens 0..=pos (or only the last
+// sliding_window of them), including the other new tokens before it.
+//
+// The KV layout, qkv rows, block tables, scores scratch and the summation order are those
+// of decode_attention.cu (read its header); the difference is that a launch covers n_rows
+// new tokens, described per row: row_seq[row] is the row's sequence (its block table is
+// block_tables[row_seq[row]]) and row_pos[row] its absolute position. qkv, scores and out
+// are per row ([n_rows, ...]). The caller guarantees the tables cover every row_pos + 1.
+//
+// Launch paged_kv_append_rows first: grid = (n_rows, kv_heads), block = (threads). Then,
+// in stream order, paged_prefill_attention: grid = (n_rows, kv_heads), block = (threads, a
+// multiple of 32), dynamic shared memory = (heads / kv_heads) * head_dim * sizeof(float).
+
+// Reduces `value` over the block with `op` (0: sum, 1: max); every thread gets the result.
+__device__ float block_reduce(float value, int op) {
+    __shared__ float warp_parts[32];
+    __shared__ float total;
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = op == 0 ? value + other : fmaxf(value, other);
+    }
+    if (lane == 0) {
+        warp_parts[warp] = value;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned int n_warps = (blockDim.x + 31) / 32;
+        const float identity = op == 0 ? 0.0f : __int_as_float(0xff800000);
+        float part = lane < n_warps ? warp_parts[lane] : identity;
+        for (int offset = 16; offset > 0; offset /= 2) {
+            const float other = __shfl_xor_sync(0xffffffffu, part, offset);
+            part = op == 0 ? part + other : fmaxf(part, other);
+        }
+        if (lane == 0) {
+            total = part;
+        }
+    }
+    __syncthreads();
+    const float result = total;
+    __syncthreads();
+    return result;
+}
+
+extern "C" __global__ void paged_kv_append_rows(
+    const float* __restrict__ qkv,
+    float* __restrict__ k_pool,
+    float* __restrict__ v_pool,
+    const unsigned int* __restrict__ block_tables,
+    const unsigned int* __restrict__ row_seq,
+    const int* __restrict__ row_pos,
+    int heads,
+    int kv_heads,
+    int head_dim,
+    int block_size,
+    int max_blocks) {
+    const size_t row = blockIdx.x;
+    const int head = blockIdx.y;
+    const size_t seq = row_seq[row];
+    const int pos = row_pos[row];
+    const size_t block = block_tables[seq * max_blocks + pos / block_size];
+    const int slot = pos % block_size;
+    const size_t row_width = (size_t)(heads + 2 * kv_heads) * head_dim;
+    const float* k_src = qkv + row * row_width + (size_t)(heads + head) * head_dim;
+    const float* v_src = qkv + row * row_width + (size_t)(heads + kv_heads + head) * head_dim;
+    const size_t tile = (block * kv_heads + head) * (size_t)block_size * head_dim;
+    for (int dim = threadIdx.x; dim < head_dim; dim += blockDim.x) {
+        v_pool[tile + (size_t)slot * head_dim + dim] = v_src[dim];
+        k_pool[tile + (size_t)dim * block_size + slot] = k_src[dim];
+    }
+}
+
+extern "C" __global__ void paged_prefill_attention(
+    const float* __restrict__ qkv,
+    const float* __restrict__ k_pool,
+    const float* __restrict__ v_pool,
+    const unsigned int* __restrict__ block_tables,
+    const unsigned int* __restrict__ row_seq,
+    const int* __restrict__ row_pos,
+    float* __restrict__ scores,
+    float* __restrict__ out,
+    int heads,
+    int kv_heads,
+    int head_dim,
+    int block_size,
+    int max_blocks,
+    int max_keys,
+    int sliding_window,
+    float scale) {
+    extern __shared__ float q_group[];
+    const size_t row = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int group = heads / kv_heads;
+    const size_t seq = row_seq[row];
+    const int pos = row_pos[row];
+    const int start = sliding_window > 0 && pos + 1 > sliding_window ? pos + 1 - sliding_window : 0;
+    const int n_keys = pos + 1 - start;
+    const size_t row_width = (size_t)(heads + 2 * kv_heads) * head_dim;
+    const float* q_src = qkv + row * row_width + (size_t)kv_head * group * head_dim;
+    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
+        q_group[i] = q_src[i];
+    }
+    __syncthreads();
+    const unsigned int* table = block_tables + seq * max_blocks;
+    const size_t tile_elems = (size_t)block_size * head_dim;
+    for (int g = 0; g < group; ++g) {
+        const int q_head = kv_head * group + g;
+        float* head_scores = scores + (row * heads + q_head) * (size_t)max_keys;
+        const float* q = q_group + g * head_dim;
+        float local_max = __int_as_float(0xff800000);
+        for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
+            const int key_pos = start + r;
+            const size_t block = table[key_pos / block_size];
+            const float* k_tile = k_pool + (block * kv_heads + kv_head) * tile_elems;
+            const int slot = key_pos % block_size;
+            float acc = 0.0f;
+            for (int dim = 0; dim < head_dim; ++dim) {
+                acc = fmaf(q[dim], k_tile[(size_t)dim * block_size + slot], acc);
+            }
+            const float score = acc * scale;
+            head_scores[r] = score;
+            local_max = fmaxf(local_max, score);
+        }
+        const float max = block_reduce(local_max, 1);
+        float local_sum = 0.0f;
+        for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
+            const float e = expf(head_scores[r] - max);
+            head_scores[r] = e;
+            local_sum += e;
+        }
+        const float inv = 1.0f / block_reduce(local_sum, 0);
+        for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
+            head_scores[r] *= inv;
+        }
+        __syncthreads();
+        float* dst = out + row * (size_t)heads * head_dim + (size_t)q_head * head_dim;
+        for (int dim = threadIdx.x; dim < head_dim; dim += blockDim.x) {
+            float acc = 0.0f;
+            for (int r = 0; r < n_keys; ++r) {
+                const int key_pos = start + r;
+                const size_t block = table[key_pos / block_size];
+                const float* v_tile = v_pool + (block * kv_heads + kv_head) * tile_elems;
+                const size_t slot = key_pos % block_size;
+                acc = fmaf(head_scores[r], v_tile[slot * head_dim + dim], acc);
+            }
+            dst[dim] = acc;
+        }
+        __syncthreads();
+    }
+}

@@ -1,0 +1,979 @@
+//! The CUDA driver API entry points (`cu*`), exported unmangled for cudarc's loader.
+//!
+//! Takes the driver calls cudarc 0.19 makes with event tracking off (the export set of
+//! `shared/notes/backends.md` §B.4) plus their synchronous siblings; gives one device
+//! ("moec-standin", compute capability 8.0, memory pools supported) with one primary
+//! context, current per thread. Guarantees, as a real driver: pageable host-to-device
+//! copies read the source at call time; device-to-pageable copies return once the data
+//! arrived; pinned copies run asynchronously on the stream; `cuLaunchKernel` copies the
+//! parameter bytes at call time. Refusals (bad ranges, pointers outside live allocations,
+//! use after free, unknown handles or kernels) return the driver's error code and log one
+//! line on stderr.
+
+use crate::memory::{self, Kind};
+use crate::module::{Kernel, Module};
+use crate::stream::{self, Work};
+use crate::{guard, lock, log, Handles};
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::{Arc, Mutex};
+
+/// CUresult values the stand-in returns.
+pub mod code {
+    /// CUDA_SUCCESS.
+    pub const SUCCESS: u32 = 0;
+    /// CUDA_ERROR_INVALID_VALUE.
+    pub const INVALID_VALUE: u32 = 1;
+    /// CUDA_ERROR_OUT_OF_MEMORY.
+    pub const OUT_OF_MEMORY: u32 = 2;
+    /// CUDA_ERROR_INVALID_DEVICE.
+    pub const INVALID_DEVICE: u32 = 101;
+    /// CUDA_ERROR_INVALID_IMAGE.
+    pub const INVALID_IMAGE: u32 = 200;
+    /// CUDA_ERROR_INVALID_CONTEXT.
+    pub const INVALID_CONTEXT: u32 = 201;
+    /// CUDA_ERROR_INVALID_HANDLE.
+    pub const INVALID_HANDLE: u32 = 400;
+    /// CUDA_ERROR_NOT_FOUND.
+    pub const NOT_FOUND: u32 = 500;
+    /// CUDA_ERROR_NOT_READY.
+    pub const NOT_READY: u32 = 600;
+    /// CUDA_ERROR_ILLEGAL_ADDRESS.
+    pub const ILLEGAL_ADDRESS: u32 = 700;
+    /// CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.
+    pub const LAUNCH_OUT_OF_RESOURCES: u32 = 701;
+    /// CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED.
+    pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
+    /// CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED.
+    pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
+    /// CUDA_ERROR_NOT_SUPPORTED.
+    pub const NOT_SUPPORTED: u32 = 801;
+    /// CUDA_ERROR_UNKNOWN.
+    pub const UNKNOWN: u32 = 999;
+}
+
+type CuResult = u32;
+
+/// The one context's handle value (never dereferenced by callers).
+const CONTEXT: usize = 0x7000_0000;
+/// Largest block, as on every GPU since Fermi.
+const MAX_THREADS_PER_BLOCK: u32 = 1024;
+/// Static shared memory limit per block without opting in (48 KiB).
+const MAX_SHARED_PER_BLOCK: u32 = 48 * 1024;
+
+thread_local! {
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+}
+
+static MODULES: Handles<Module> = Handles::new(0x8000_0000);
+
+/// A function handle's target: the kernel and the module it came from.
+struct Function {
+    module: usize,
+    kernel: Arc<Kernel>,
+}
+
+static FUNCTIONS: Handles<Function> = Handles::new(0x9000_0000);
+
+/// One launch at a time: the shim's grid state (blockDim, barriers, `__shared__` statics) is
+/// process-global. Copies and GEMMs on other streams still overlap with a launch.
+static DEVICE: Mutex<()> = Mutex::new(());
+
+/// Turns a `Result<(), code>` into the code.
+fn status(result: Result<(), u32>) -> CuResult {
+    match result {
+        Ok(()) => code::SUCCESS,
+        Err(e) => e,
+    }
+}
+
+/// Runs an entry point body, mapping panics to CUDA_ERROR_UNKNOWN.
+fn entry(call: &str, body: impl FnOnce() -> Result<(), u32>) -> CuResult {
+    guard(call, code::UNKNOWN, || status(body()))
+}
+
+/// Writes `value` through an out-pointer, refusing null.
+///
+/// # Safety
+/// `out` must be null or valid for a write of `T`.
+unsafe fn put<T>(out: *mut T, value: T, call: &str) -> Result<(), u32> {
+    if out.is_null() {
+        log(&format!("{call} refused: null output pointer"));
+        return Err(code::INVALID_VALUE);
+    }
+    // SAFETY: non-null, and valid for writes by the caller's contract.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// A raw address that may cross to a stream thread (the caller keeps it valid until the
+/// work has run, as CUDA requires of async copies).
+#[derive(Clone, Copy)]
+struct Addr(usize);
+
+fn copy_work(dst: Addr, src: Addr, bytes: usize) -> Work {
+    Box::new(move || {
+        // SAFETY: both ranges were checked at submission (device ranges against live
+        // allocations; host ranges are the caller's, valid until the stream reaches this).
+        unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuInit(_flags: c_uint) -> CuResult {
+    code::SUCCESS
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuDriverGetVersion(version: *mut c_int) -> CuResult {
+    // SAFETY: cudarc passes a live integer.
+    entry("cuDriverGetVersion", || unsafe {
+        put(version, 12080, "cuDriverGetVersion")
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
+    // SAFETY: cudarc passes a live integer.
+    entry("cuDeviceGetCount", || unsafe {
+        put(count, 1, "cuDeviceGetCount")
+    })
+}
+
+fn check_device(ordinal: c_int, call: &str) -> Result<(), u32> {
+    if ordinal == 0 {
+        Ok(())
+    } else {
+        log(&format!(
+            "{call} refused: device {ordinal} does not exist (the stand-in has one device, 0)"
+        ));
+        Err(code::INVALID_DEVICE)
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CuResult {
+    entry("cuDeviceGet", || {
+        check_device(ordinal, "cuDeviceGet")?;
+        // SAFETY: cudarc passes a live integer.
+        unsafe { put(device, 0, "cuDeviceGet") }
+    })
+}
+
+/// The device name `cuDeviceGetName` reports.
+pub const DEVICE_NAME: &str = "moec-standin (CPU emulation of a CUDA device)";
+
+#[no_mangle]
+unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, device: c_int) -> CuResult {
+    entry("cuDeviceGetName", || {
+        check_device(device, "cuDeviceGetName")?;
+        let len = usize::try_from(len).unwrap_or(0);
+        if name.is_null() || len == 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        let bytes = DEVICE_NAME.as_bytes();
+        let n = bytes.len().min(len - 1);
+        // SAFETY: the caller's buffer holds `len` bytes; we write n + 1 <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), name.cast::<u8>(), n);
+            name.add(n).write(0);
+        }
+        Ok(())
+    })
+}
+
+/// The value of a device attribute, as an sm_80 part with one multiprocessor would report
+/// it; `None` for attributes the stand-in does not model.
+fn attribute(attribute: c_int) -> Option<c_int> {
+    Some(match attribute {
+        1 => MAX_THREADS_PER_BLOCK as c_int, // MAX_THREADS_PER_BLOCK
+        2 | 3 => 1024,                       // MAX_BLOCK_DIM_X, _Y
+        4 => 64,                             // MAX_BLOCK_DIM_Z
+        5 => i32::MAX,                       // MAX_GRID_DIM_X
+        6 | 7 => 65535,                      // MAX_GRID_DIM_Y, _Z
+        8 => MAX_SHARED_PER_BLOCK as c_int,  // MAX_SHARED_MEMORY_PER_BLOCK
+        9 => 65536,                          // TOTAL_CONSTANT_MEMORY
+        10 => 32,                            // WARP_SIZE
+        12 => 65536,                         // MAX_REGISTERS_PER_BLOCK
+        13 => 1_410_000,                     // CLOCK_RATE (kHz)
+        14 => 256,                           // TEXTURE_ALIGNMENT
+        15 => 1,                             // GPU_OVERLAP
+        16 => 1,                             // MULTIPROCESSOR_COUNT
+        17 => 0,                             // KERNEL_EXEC_TIMEOUT
+        18 => 0,                             // INTEGRATED
+        19 => 1,                             // CAN_MAP_HOST_MEMORY
+        20 => 0,                             // COMPUTE_MODE (default)
+        31 => 1,                             // CONCURRENT_KERNELS
+        33 | 34 | 50 => 0,                   // PCI bus / device / domain id
+        39 => 2048,                          // MAX_THREADS_PER_MULTIPROCESSOR
+        40 => 2,                             // ASYNC_ENGINE_COUNT
+        41 => 1,                             // UNIFIED_ADDRESSING
+        75 => 8,                             // COMPUTE_CAPABILITY_MAJOR
+        76 => 0,                             // COMPUTE_CAPABILITY_MINOR
+        81 => 164 * 1024,                    // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+        82 => 65536,                         // MAX_REGISTERS_PER_MULTIPROCESSOR
+        83 => 1,                             // MANAGED_MEMORY
+        97 => MAX_SHARED_PER_BLOCK as c_int, // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN (no opt-in)
+        115 => 1,                            // MEMORY_POOLS_SUPPORTED
+        _ => return None,
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuDeviceGetAttribute(
+    value: *mut c_int,
+    attrib: c_int,
+    device: c_int,
+) -> CuResult {
+    entry("cuDeviceGetAttribute", || {
+        check_device(device, "cuDeviceGetAttribute")?;
+        let Some(v) = attribute(attrib) else {
+            log(&format!(
+                "cuDeviceGetAttribute({attrib}) refused: attribute not modelled by the stand-in"
+            ));
+            return Err(code::INVALID_VALUE);
+        };
+        // SAFETY: cudarc passes a live integer.
+        unsafe { put(value, v, "cuDeviceGetAttribute") }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: c_int) -> CuResult {
+    entry("cuDeviceTotalMem_v2", || {
+        check_device(device, "cuDeviceTotalMem_v2")?;
+        // SAFETY: cudarc passes a live size_t.
+        unsafe { put(bytes, memory::total_bytes(), "cuDeviceTotalMem_v2") }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
+    entry("cuMemGetInfo_v2", || {
+        let total_bytes = memory::total_bytes();
+        // SAFETY: cudarc passes two live size_t.
+        unsafe {
+            put(
+                free,
+                total_bytes.saturating_sub(memory::used_bytes()),
+                "cuMemGetInfo_v2",
+            )?;
+            put(total, total_bytes, "cuMemGetInfo_v2")
+        }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuDevicePrimaryCtxRetain(
+    context: *mut *mut c_void,
+    device: c_int,
+) -> CuResult {
+    entry("cuDevicePrimaryCtxRetain", || {
+        check_device(device, "cuDevicePrimaryCtxRetain")?;
+        // SAFETY: cudarc passes a live CUcontext slot.
+        unsafe { put(context, CONTEXT as *mut c_void, "cuDevicePrimaryCtxRetain") }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxRelease_v2(device: c_int) -> CuResult {
+    entry("cuDevicePrimaryCtxRelease_v2", || {
+        check_device(device, "cuDevicePrimaryCtxRelease_v2")
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuCtxGetCurrent(context: *mut *mut c_void) -> CuResult {
+    let current = CURRENT.with(Cell::get);
+    // SAFETY: cudarc passes a live CUcontext slot.
+    entry("cuCtxGetCurrent", || unsafe {
+        put(context, current as *mut c_void, "cuCtxGetCurrent")
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxSetCurrent(context: *mut c_void) -> CuResult {
+    let value = context as usize;
+    if value != 0 && value != CONTEXT {
+        log(&format!(
+            "cuCtxSetCurrent({value:#x}) refused: not the stand-in's context"
+        ));
+        return code::INVALID_CONTEXT;
+    }
+    CURRENT.with(|c| c.set(value));
+    code::SUCCESS
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
+    // SAFETY: the caller passes a live integer.
+    entry("cuCtxGetDevice", || unsafe {
+        put(device, 0, "cuCtxGetDevice")
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxSynchronize() -> CuResult {
+    entry("cuCtxSynchronize", || {
+        stream::synchronize_all();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, flags: c_uint) -> CuResult {
+    entry("cuStreamCreate", || {
+        let handle = stream::create(flags)?;
+        // SAFETY: cudarc passes a live CUstream slot.
+        unsafe { put(out, handle as *mut c_void, "cuStreamCreate") }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuStreamCreateWithPriority(
+    out: *mut *mut c_void,
+    flags: c_uint,
+    _priority: c_int,
+) -> CuResult {
+    // SAFETY: same contract as cuStreamCreate; priorities do not change the emulation.
+    unsafe { cuStreamCreate(out, flags) }
+}
+
+#[no_mangle]
+extern "C" fn cuStreamDestroy_v2(handle: *mut c_void) -> CuResult {
+    entry("cuStreamDestroy_v2", || stream::destroy(handle as usize))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamSynchronize(handle: *mut c_void) -> CuResult {
+    entry("cuStreamSynchronize", || {
+        stream::synchronize(handle as usize)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuStreamQuery(handle: *mut c_void) -> CuResult {
+    guard("cuStreamQuery", code::UNKNOWN, || {
+        match stream::query(handle as usize) {
+            Ok(true) => code::SUCCESS,
+            Ok(false) => code::NOT_READY,
+            Err(e) => e,
+        }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuStreamWaitEvent(
+    handle: *mut c_void,
+    event: *mut c_void,
+    _flags: c_uint,
+) -> CuResult {
+    entry("cuStreamWaitEvent", || {
+        stream::stream_wait_event(handle as usize, event as usize)
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuEventCreate(out: *mut *mut c_void, flags: c_uint) -> CuResult {
+    entry("cuEventCreate", || {
+        let handle = stream::event_create(flags);
+        // SAFETY: cudarc passes a live CUevent slot.
+        unsafe { put(out, handle as *mut c_void, "cuEventCreate") }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuEventRecord(event: *mut c_void, handle: *mut c_void) -> CuResult {
+    entry("cuEventRecord", || {
+        stream::event_record(event as usize, handle as usize)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
+    guard(
+        "cuEventQuery",
+        code::UNKNOWN,
+        || match stream::event_query(event as usize) {
+            Ok(true) => code::SUCCESS,
+            Ok(false) => code::NOT_READY,
+            Err(e) => e,
+        },
+    )
+}
+
+#[no_mangle]
+extern "C" fn cuEventSynchronize(event: *mut c_void) -> CuResult {
+    entry("cuEventSynchronize", || {
+        stream::event_synchronize(event as usize)
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: *mut c_void,
+    end: *mut c_void,
+) -> CuResult {
+    entry("cuEventElapsedTime", || {
+        let value = stream::event_elapsed(start as usize, end as usize)?;
+        // SAFETY: cudarc passes a live float.
+        unsafe { put(ms, value, "cuEventElapsedTime") }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CuResult {
+    entry("cuEventDestroy_v2", || {
+        stream::event_destroy(event as usize)
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, bytes: usize) -> CuResult {
+    entry("cuMemAlloc_v2", || {
+        let ptr = memory::alloc_device(bytes)?;
+        // SAFETY: cudarc passes a live CUdeviceptr slot.
+        unsafe { put(out, ptr as u64, "cuMemAlloc_v2") }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuMemAllocAsync(out: *mut u64, bytes: usize, handle: *mut c_void) -> CuResult {
+    entry("cuMemAllocAsync", || {
+        stream::resolve(handle as usize, "cuMemAllocAsync")?;
+        let ptr = memory::alloc_device(bytes)?;
+        // SAFETY: cudarc passes a live CUdeviceptr slot.
+        unsafe { put(out, ptr as u64, "cuMemAllocAsync") }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
+    entry("cuMemFree_v2", || {
+        let unmap = memory::release(ptr as usize, Kind::Device, "cuMemFree_v2")?;
+        // cuMemFree synchronises: work still using the memory finishes first.
+        stream::synchronize_all();
+        unmap();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemFreeAsync(ptr: u64, handle: *mut c_void) -> CuResult {
+    entry("cuMemFreeAsync", || {
+        stream::resolve(handle as usize, "cuMemFreeAsync")?;
+        let unmap = memory::release(ptr as usize, Kind::Device, "cuMemFreeAsync")?;
+        stream::submit(handle as usize, "cuMemFreeAsync", Box::new(unmap))?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuMemHostAlloc(
+    out: *mut *mut c_void,
+    bytes: usize,
+    _flags: c_uint,
+) -> CuResult {
+    entry("cuMemHostAlloc", || {
+        let ptr = memory::alloc_pinned(bytes)?;
+        // SAFETY: cudarc passes a live pointer slot.
+        unsafe { put(out, ptr as *mut c_void, "cuMemHostAlloc") }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuMemAllocHost_v2(out: *mut *mut c_void, bytes: usize) -> CuResult {
+    // SAFETY: same contract as cuMemHostAlloc.
+    unsafe { cuMemHostAlloc(out, bytes, 0) }
+}
+
+#[no_mangle]
+extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CuResult {
+    entry("cuMemFreeHost", || {
+        let unmap = memory::release(ptr as usize, Kind::PinnedOwned, "cuMemFreeHost")?;
+        stream::synchronize_all();
+        unmap();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemHostRegister_v2(ptr: *mut c_void, bytes: usize, _flags: c_uint) -> CuResult {
+    entry("cuMemHostRegister_v2", || {
+        memory::register(ptr as usize, bytes)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemHostUnregister(ptr: *mut c_void) -> CuResult {
+    entry("cuMemHostUnregister", || {
+        stream::synchronize_all();
+        memory::unregister(ptr as usize)
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
+    out: *mut u64,
+    ptr: *mut c_void,
+    _flags: c_uint,
+) -> CuResult {
+    entry("cuMemHostGetDevicePointer_v2", || {
+        if !memory::is_pinned(ptr as usize, 1) {
+            log(&format!(
+                "cuMemHostGetDevicePointer_v2({:#x}) refused: host memory used as pinned was never \
+                 registered or allocated with cuMemHostAlloc",
+                ptr as usize
+            ));
+            return Err(code::INVALID_VALUE);
+        }
+        // SAFETY: the caller passes a live CUdeviceptr slot.
+        unsafe { put(out, ptr as u64, "cuMemHostGetDevicePointer_v2") }
+    })
+}
+
+fn host_range_ok(ptr: usize, bytes: usize, call: &str) -> Result<(), u32> {
+    if ptr == 0 || ptr.checked_add(bytes).is_none() {
+        log(&format!(
+            "{call} refused: null or wrapping host range {ptr:#x} + {bytes}"
+        ));
+        return Err(code::INVALID_VALUE);
+    }
+    Ok(())
+}
+
+/// Host to device on `stream`: pinned sources are read when the stream gets there,
+/// pageable ones are read now (snapshot), as the driver stages them.
+fn htod(dst: u64, src: usize, bytes: usize, handle: usize, call: &str) -> Result<u64, u32> {
+    if bytes == 0 {
+        return Ok(0);
+    }
+    memory::check_device(dst as usize, bytes, call, "destination")?;
+    host_range_ok(src, bytes, call)?;
+    let work: Work = if memory::is_pinned(src, bytes) {
+        copy_work(Addr(dst as usize), Addr(src), bytes)
+    } else {
+        // SAFETY: the caller guarantees `src` is readable for `bytes` during the call.
+        let snapshot = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
+        let dst = Addr(dst as usize);
+        Box::new(move || {
+            // SAFETY: the destination range was checked against a live allocation.
+            unsafe { std::ptr::copy_nonoverlapping(snapshot.as_ptr(), dst.0 as *mut u8, bytes) }
+        })
+    };
+    Ok(stream::submit(handle, call, work)?.1)
+}
+
+/// Device to host on `stream`: into pinned memory asynchronously; into pageable memory the
+/// call returns when the data arrived.
+fn dtoh(
+    dst: usize,
+    src: u64,
+    bytes: usize,
+    handle: usize,
+    call: &str,
+    blocking: bool,
+) -> Result<(), u32> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    memory::check_device(src as usize, bytes, call, "source")?;
+    host_range_ok(dst, bytes, call)?;
+    let pinned = memory::is_pinned(dst, bytes);
+    let (stream, ticket) = stream::submit(
+        handle,
+        call,
+        copy_work(Addr(dst), Addr(src as usize), bytes),
+    )?;
+    if blocking || !pinned {
+        stream.wait_for(ticket);
+    }
+    Ok(())
+}
+
+fn dtod(dst: u64, src: u64, bytes: usize, handle: usize, call: &str) -> Result<(), u32> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    memory::check_device(dst as usize, bytes, call, "destination")?;
+    memory::check_device(src as usize, bytes, call, "source")?;
+    stream::submit(
+        handle,
+        call,
+        copy_work(Addr(dst as usize), Addr(src as usize), bytes),
+    )?;
+    Ok(())
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: u64,
+    src: *const c_void,
+    bytes: usize,
+    handle: *mut c_void,
+) -> CuResult {
+    entry("cuMemcpyHtoDAsync_v2", || {
+        htod(
+            dst,
+            src as usize,
+            bytes,
+            handle as usize,
+            "cuMemcpyHtoDAsync_v2",
+        )
+        .map(drop)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, bytes: usize) -> CuResult {
+    entry("cuMemcpyHtoD_v2", || {
+        htod(dst, src as usize, bytes, 0, "cuMemcpyHtoD_v2")?;
+        stream::synchronize(0)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: u64,
+    bytes: usize,
+    handle: *mut c_void,
+) -> CuResult {
+    entry("cuMemcpyDtoHAsync_v2", || {
+        dtoh(
+            dst as usize,
+            src,
+            bytes,
+            handle as usize,
+            "cuMemcpyDtoHAsync_v2",
+            false,
+        )
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, bytes: usize) -> CuResult {
+    entry("cuMemcpyDtoH_v2", || {
+        dtoh(dst as usize, src, bytes, 0, "cuMemcpyDtoH_v2", true)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpyDtoDAsync_v2(
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    handle: *mut c_void,
+) -> CuResult {
+    entry("cuMemcpyDtoDAsync_v2", || {
+        dtod(dst, src, bytes, handle as usize, "cuMemcpyDtoDAsync_v2")
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, bytes: usize) -> CuResult {
+    entry("cuMemcpyDtoD_v2", || {
+        dtod(dst, src, bytes, 0, "cuMemcpyDtoD_v2")?;
+        stream::synchronize(0)
+    })
+}
+
+fn memset(dst: u64, value: u8, bytes: usize, handle: usize, call: &str) -> Result<(), u32> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    memory::check_device(dst as usize, bytes, call, "destination")?;
+    let dst = Addr(dst as usize);
+    stream::submit(
+        handle,
+        call,
+        Box::new(move || {
+            // SAFETY: the range was checked against a live device allocation.
+            unsafe { std::ptr::write_bytes(dst.0 as *mut u8, value, bytes) }
+        }),
+    )?;
+    Ok(())
+}
+
+#[no_mangle]
+extern "C" fn cuMemsetD8Async(dst: u64, value: u8, bytes: usize, handle: *mut c_void) -> CuResult {
+    entry("cuMemsetD8Async", || {
+        memset(dst, value, bytes, handle as usize, "cuMemsetD8Async")
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemsetD8_v2(dst: u64, value: u8, bytes: usize) -> CuResult {
+    entry("cuMemsetD8_v2", || {
+        memset(dst, value, bytes, 0, "cuMemsetD8_v2")?;
+        stream::synchronize(0)
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuModuleLoadData(out: *mut *mut c_void, image: *const c_void) -> CuResult {
+    entry("cuModuleLoadData", || {
+        if image.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        // SAFETY: cudarc passes a NUL-terminated image (its PTX as a C string).
+        let text = unsafe { CStr::from_ptr(image.cast::<c_char>()) }.to_string_lossy();
+        let module = Module::load(&text).map_err(|e| {
+            log(&format!("cuModuleLoadData refused: {e}"));
+            code::INVALID_IMAGE
+        })?;
+        let handle = MODULES.insert(Arc::new(module));
+        // SAFETY: cudarc passes a live CUmodule slot.
+        unsafe { put(out, handle as *mut c_void, "cuModuleLoadData") }
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuModuleGetFunction(
+    out: *mut *mut c_void,
+    module: *mut c_void,
+    name: *const c_char,
+) -> CuResult {
+    entry("cuModuleGetFunction", || {
+        let Some(loaded) = MODULES.get(module as usize) else {
+            log(&format!(
+                "cuModuleGetFunction refused: unknown or unloaded module {:#x}",
+                module as usize
+            ));
+            return Err(code::INVALID_HANDLE);
+        };
+        if name.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        // SAFETY: cudarc passes a NUL-terminated name.
+        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
+        let kernel = loaded.function(&name).map_err(|e| {
+            log(&format!("cuModuleGetFunction refused: unknown kernel: {e}"));
+            code::NOT_FOUND
+        })?;
+        let handle = FUNCTIONS.insert(Arc::new(Function {
+            module: module as usize,
+            kernel: Arc::new(kernel),
+        }));
+        // SAFETY: cudarc passes a live CUfunction slot.
+        unsafe { put(out, handle as *mut c_void, "cuModuleGetFunction") }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuModuleUnload(module: *mut c_void) -> CuResult {
+    entry("cuModuleUnload", || {
+        MODULES.remove(module as usize).map(drop).ok_or_else(|| {
+            log(&format!(
+                "cuModuleUnload refused: unknown module {:#x}",
+                module as usize
+            ));
+            code::INVALID_HANDLE
+        })
+    })
+}
+
+/// The copied parameter bytes of one launch, each parameter 16-byte aligned.
+struct Params {
+    storage: Vec<u128>,
+    offsets: Vec<usize>,
+}
+
+// SAFETY: Params owns its bytes; raw pointers into it are only built on the stream thread.
+unsafe impl Send for Params {}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn cuLaunchKernel(
+    function: *mut c_void,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared_bytes: c_uint,
+    handle: *mut c_void,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CuResult {
+    entry("cuLaunchKernel", || {
+        let Some(function) = FUNCTIONS.get(function as usize) else {
+            log(&format!(
+                "cuLaunchKernel refused: unknown function handle {:#x}",
+                function as usize
+            ));
+            return Err(code::INVALID_HANDLE);
+        };
+        let kernel = Arc::clone(&function.kernel);
+        let call = format!("cuLaunchKernel({})", kernel.name);
+        if MODULES.get(function.module).is_none() {
+            log(&format!("{call} refused: its module was unloaded"));
+            return Err(code::INVALID_HANDLE);
+        }
+        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+        if gx == 0 || gy == 0 || gz == 0 || threads == 0 || gy > 65535 || gz > 65535 || bz > 64 {
+            log(&format!(
+                "{call} refused: grid ({gx}, {gy}, {gz}) / block ({bx}, {by}, {bz}) out of range"
+            ));
+            return Err(code::INVALID_VALUE);
+        }
+        if threads > u64::from(MAX_THREADS_PER_BLOCK) {
+            log(&format!(
+                "{call} refused: {threads} threads per block (at most {MAX_THREADS_PER_BLOCK})"
+            ));
+            return Err(code::INVALID_VALUE);
+        }
+        if shared_bytes > MAX_SHARED_PER_BLOCK {
+            log(&format!("{call} refused: {shared_bytes} bytes of dynamic shared memory (at most {MAX_SHARED_PER_BLOCK})"));
+            return Err(code::INVALID_VALUE);
+        }
+        if !extra.is_null() {
+            log(&format!(
+                "{call} refused: `extra` parameter packing is not supported by the stand-in"
+            ));
+            return Err(code::NOT_SUPPORTED);
+        }
+        let n = kernel.sizes.len();
+        if n > 0 && params.is_null() {
+            log(&format!(
+                "{call} refused: kernelParams is null but the kernel takes {n} parameters"
+            ));
+            return Err(code::INVALID_VALUE);
+        }
+        let mut offsets = Vec::with_capacity(n);
+        let mut total = 0usize;
+        for &size in &kernel.sizes {
+            offsets.push(total);
+            total += size.div_ceil(16) * 16;
+        }
+        let mut storage = vec![0u128; total / 16 + 1];
+        let bytes = storage.as_mut_ptr().cast::<u8>();
+        for (i, (&size, &offset)) in kernel.sizes.iter().zip(&offsets).enumerate() {
+            // SAFETY: `params` holds one pointer per parameter (the launch contract).
+            let src = unsafe { *params.add(i) };
+            if src.is_null() {
+                log(&format!("{call} refused: kernelParams[{i}] is null"));
+                return Err(code::INVALID_VALUE);
+            }
+            // SAFETY: kernelParams[i] points at the parameter's `size` bytes (the launch
+            // contract); the destination has room for it at `offset`. Copying now is the
+            // driver's contract: the caller's values may die when this call returns.
+            unsafe { std::ptr::copy_nonoverlapping(src.cast::<u8>(), bytes.add(offset), size) };
+            if kernel.pointers[i] && size == 8 {
+                // SAFETY: the 8 bytes at `offset` were just written.
+                let addr = unsafe { bytes.add(offset).cast::<u64>().read_unaligned() } as usize;
+                if let Err(why) = memory::check_kernel_pointer(addr) {
+                    log(&format!(
+                        "{call} refused: pointer parameter {i}: {why} (CUDA_ERROR_ILLEGAL_ADDRESS)"
+                    ));
+                    return Err(code::ILLEGAL_ADDRESS);
+                }
+            }
+        }
+        let launch = Params { storage, offsets };
+        let dims = [gx, gy, gz, bx, by, bz];
+        stream::submit(
+            handle as usize,
+            &call,
+            Box::new(move || {
+                let mut launch = launch;
+                let base = launch.storage.as_mut_ptr().cast::<u8>();
+                // SAFETY: every offset lies inside `storage`, which lives until the end of
+                // this closure, after the launch returned.
+                let mut pointers: Vec<*mut c_void> = launch
+                    .offsets
+                    .iter()
+                    .map(|&o| unsafe { base.add(o) }.cast())
+                    .collect();
+                let _one_at_a_time = lock(&DEVICE);
+                // SAFETY: one pointer per parameter, each to its copied bytes; pointer
+                // parameters were checked against live allocations at submission.
+                unsafe { kernel.run(&dims, pointers.as_mut_ptr()) };
+            }),
+        )?;
+        Ok(())
+    })
+}
+
+/// A host callback with its argument, run on a stream thread.
+struct HostCall(unsafe extern "C" fn(*mut c_void), usize);
+
+#[no_mangle]
+extern "C" fn cuLaunchHostFunc(
+    handle: *mut c_void,
+    function: Option<unsafe extern "C" fn(*mut c_void)>,
+    data: *mut c_void,
+) -> CuResult {
+    entry("cuLaunchHostFunc", || {
+        let Some(function) = function else {
+            log("cuLaunchHostFunc refused: null function");
+            return Err(code::INVALID_VALUE);
+        };
+        let call = HostCall(function, data as usize);
+        stream::submit(
+            handle as usize,
+            "cuLaunchHostFunc",
+            Box::new(move || {
+                let call = call;
+                // SAFETY: the caller's contract: the function may be called once with its
+                // data from a driver thread when the stream reaches it.
+                unsafe { (call.0)(call.1 as *mut c_void) }
+            }),
+        )?;
+        Ok(())
+    })
+}
+
+/// (name, description) of a CUresult.
+fn describe(result: u32) -> (&'static CStr, &'static CStr) {
+    match result {
+        code::SUCCESS => (c"CUDA_SUCCESS", c"no error"),
+        code::INVALID_VALUE => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+        code::OUT_OF_MEMORY => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
+        code::INVALID_DEVICE => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
+        code::INVALID_IMAGE => (
+            c"CUDA_ERROR_INVALID_IMAGE",
+            c"device kernel image is invalid",
+        ),
+        code::INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
+        code::INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
+        code::NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
+        code::NOT_READY => (c"CUDA_ERROR_NOT_READY", c"device not ready"),
+        code::ILLEGAL_ADDRESS => (
+            c"CUDA_ERROR_ILLEGAL_ADDRESS",
+            c"an illegal memory access was encountered",
+        ),
+        code::LAUNCH_OUT_OF_RESOURCES => (
+            c"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+            c"too many resources requested for launch",
+        ),
+        code::HOST_MEMORY_ALREADY_REGISTERED => (
+            c"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+            c"part or all of the requested memory range is already mapped",
+        ),
+        code::HOST_MEMORY_NOT_REGISTERED => (
+            c"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+            c"pointer does not correspond to a registered memory region",
+        ),
+        code::NOT_SUPPORTED => (c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+        _ => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuGetErrorString(result: u32, out: *mut *const c_char) -> CuResult {
+    // SAFETY: cudarc passes a live pointer slot; the strings are 'static.
+    entry("cuGetErrorString", || unsafe {
+        put(out, describe(result).1.as_ptr(), "cuGetErrorString")
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn cuGetErrorName(result: u32, out: *mut *const c_char) -> CuResult {
+    // SAFETY: cudarc passes a live pointer slot; the strings are 'static.
+    entry("cuGetErrorName", || unsafe {
+        put(out, describe(result).0.as_ptr(), "cuGetErrorName")
+    })
+}
