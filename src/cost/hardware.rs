@@ -163,7 +163,7 @@ pub enum HardwareError {
     Io {
         /// The file.
         path: String,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         source: std::io::Error,
     },
     /// Not valid RON for a profile.

@@ -50,7 +50,7 @@ impl Roof {
 /// A task's predicted time and the roof that sets it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct TaskTime {
-    /// Seconds.
+    /// Predicted duration, seconds (the slowest of compute and each level's traffic).
     pub seconds: f64,
     /// The binding roof.
     pub roof: Roof,

@@ -22,25 +22,25 @@ use std::collections::HashMap;
 pub enum ParamSpace {
     /// Integers `lo..=hi`.
     Int {
-        /// Name.
+        /// The param's name as declared.
         name: String,
-        /// Smallest.
+        /// Smallest value searched (inclusive).
         lo: i64,
-        /// Largest.
+        /// Largest value searched (inclusive).
         hi: i64,
     },
     /// Floats `lo..=hi`.
     Float {
-        /// Name.
+        /// The param's name as declared.
         name: String,
-        /// Smallest.
+        /// Smallest value searched (inclusive).
         lo: f64,
-        /// Largest.
+        /// Largest value searched (inclusive).
         hi: f64,
     },
     /// Both booleans.
     Bool {
-        /// Name.
+        /// The param's name as declared.
         name: String,
     },
 }

@@ -420,7 +420,7 @@ pub enum PredictError {
     Sim {
         /// Which step.
         step: String,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         source: SimError,
     },
 }

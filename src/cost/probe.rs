@@ -39,7 +39,7 @@ pub enum ProbeError {
     Threads {
         /// Requested threads.
         threads: usize,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         message: String,
     },
     /// A size was zero or too small to time.

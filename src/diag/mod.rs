@@ -26,7 +26,7 @@ pub enum Severity {
 /// A span with the text shown next to it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Label {
-    /// Where.
+    /// Where it points in the source.
     pub span: Span,
     /// What to say there.
     pub text: String,

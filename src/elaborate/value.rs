@@ -17,7 +17,7 @@ pub struct SliceVal {
     pub buffer: BufferId,
     /// First byte.
     pub start: u64,
-    /// Length.
+    /// Length in bytes.
     pub len: u64,
     /// How these bytes are organised.
     pub layout: Layout,
@@ -28,13 +28,13 @@ pub struct SliceVal {
 /// A value during elaboration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Val {
-    /// Integer.
+    /// A 64-bit signed integer.
     Int(i64),
-    /// Float.
+    /// A 64-bit float.
     Float(f64),
-    /// Boolean.
+    /// `true` or `false`.
     Bool(bool),
-    /// String.
+    /// A string literal (quotes removed).
     Str(String),
     /// Bytes from a size helper, with the layout it implies.
     Bytes(catalog::HelperSize),

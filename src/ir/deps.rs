@@ -72,7 +72,7 @@ pub struct Dep {
     pub from: TaskId,
     /// The later task.
     pub to: TaskId,
-    /// Why.
+    /// The underlying cause, as the library or the OS reported it.
     pub kinds: DepKinds,
     /// The first buffer that caused a data hazard, if any.
     pub buffer: Option<BufferId>,

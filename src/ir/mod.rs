@@ -313,7 +313,7 @@ pub struct CheckpointLayout {
     pub expert_bytes: u64,
     /// Experts per layer.
     pub experts: u64,
-    /// Layers.
+    /// Number of decoder layers.
     pub layers: u64,
     /// Bytes of the final norm plus lm_head.
     pub head_bytes: u64,

@@ -78,7 +78,7 @@ pub struct BufferSlot {
     pub name: String,
     /// Its placement.
     pub placement: Placement,
-    /// Bytes.
+    /// Length in bytes.
     pub bytes: u64,
 }
 
@@ -104,7 +104,7 @@ pub struct PlanArg {
     pub buffer: BufferId,
     /// First byte within the buffer.
     pub start: u64,
-    /// Bytes.
+    /// Length in bytes.
     pub len: u64,
     /// For `W[i].expert(hot(i, k))`: resolved at run time (`start` is expert 0).
     pub dynamic_expert: Option<ExpertRef>,
@@ -178,7 +178,7 @@ pub struct ExecPlan {
     pub micro_batches: MicroBatches,
     /// The workload the sizes assume (the driver's longest prompt for KV blocks).
     pub workload: Workload,
-    /// Streams.
+    /// Streams, indexed by `StreamId`, with their engines.
     pub streams: Vec<PlanStream>,
     /// Tasks, indexed by [`TaskId`].
     pub tasks: Vec<PlanTask>,

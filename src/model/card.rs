@@ -132,7 +132,7 @@ pub enum CardError {
     Io {
         /// The file.
         path: String,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         source: std::io::Error,
     },
     /// The card is not valid RON for a [`ModelCard`].

@@ -32,7 +32,7 @@ pub enum CheckpointError {
     Io {
         /// The file.
         path: String,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         source: std::io::Error,
     },
     /// Neither `model.safetensors` nor `model.safetensors.index.json` exists.
@@ -98,17 +98,17 @@ pub enum CheckpointError {
     /// A destination buffer is too small for a layer image.
     #[error("layer image buffer has {got} bytes, layout needs {needed}")]
     ImageBuffer {
-        /// Needed.
+        /// Bytes the layer image layout needs.
         needed: usize,
-        /// Given.
+        /// Bytes the destination buffer has.
         got: usize,
     },
     /// A layer index past the model.
     #[error("layer {layer} out of range (model has {layers})")]
     Layer {
-        /// Asked.
+        /// The layer asked for.
         layer: usize,
-        /// Present.
+        /// Layers the model has.
         layers: usize,
     },
 }

@@ -113,7 +113,7 @@ pub enum LayoutError {
     Cast {
         /// The segment.
         kind: SegmentKind,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         source: CastError,
     },
     /// The layout lacks a segment the family needs (a hand-built layout).
@@ -124,7 +124,7 @@ pub enum LayoutError {
     Expert {
         /// Asked for.
         expert: usize,
-        /// Present.
+        /// Experts the layer has.
         n_experts: usize,
     },
 }

@@ -62,7 +62,7 @@ pub enum SourceError {
     Cache {
         /// The folder.
         path: String,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         message: String,
     },
 }

@@ -55,7 +55,7 @@ pub enum SynthError {
     Io {
         /// The file.
         path: String,
-        /// Why.
+        /// The underlying cause, as the library or the OS reported it.
         source: std::io::Error,
     },
 }

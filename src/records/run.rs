@@ -29,7 +29,7 @@ pub struct StepRecord {
     pub kind: StepKind,
     /// Wall time start/end (seconds from the run's origin).
     pub start: f64,
-    /// End.
+    /// End, in the same unit and from the same origin as `start`.
     pub end: f64,
     /// Prompt tokens it processed.
     pub prefill_tokens: usize,

@@ -66,9 +66,9 @@ pub struct MemoryReport {
 pub struct DeviceTime {
     /// The task.
     pub task: TaskId,
-    /// Start.
+    /// Start, seconds from the step's start.
     pub start: f64,
-    /// End.
+    /// End, in the same unit and from the same origin as `start`.
     pub end: f64,
 }
 

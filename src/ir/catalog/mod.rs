@@ -161,14 +161,14 @@ pub enum Op {
     },
     /// Input norm, QKV projection (DBRX: fused + clip), rotary.
     PreAttn {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch.
         ub: u32,
     },
     /// Append K/V to the cache and run grouped-query attention.
     Attn {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch (also names its KV cache).
         ub: u32,
@@ -177,28 +177,28 @@ pub enum Op {
     },
     /// O-projection + residual + gate + all experts + combine + residual.
     PostAttn {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch.
         ub: u32,
     },
     /// O-projection + residual only.
     OProj {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch.
         ub: u32,
     },
     /// Post-attention norm, router softmax, top-k; zeroes the expert accumulator.
     Gate {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch.
         ub: u32,
     },
     /// Some experts over the tokens routed to them, accumulated into `acc`.
     Experts {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch.
         ub: u32,
@@ -207,7 +207,7 @@ pub enum Op {
     },
     /// Adds the expert accumulator to the residual stream.
     Combine {
-        /// Layer.
+        /// The decoder layer (0-based).
         layer: u32,
         /// Micro-batch.
         ub: u32,

@@ -7,7 +7,7 @@ use crate::model::card::ModelCard;
 /// A size helper's result: bytes and the layout they imply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HelperSize {
-    /// Bytes.
+    /// Length in bytes.
     pub bytes: u64,
     /// Layout (see [`crate::ir::Layout`]).
     pub layout: crate::ir::Layout,

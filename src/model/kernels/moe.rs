@@ -37,7 +37,7 @@ pub struct RoutedRow {
 }
 
 impl Routing {
-    /// Rows.
+    /// Tokens (rows) this routing covers.
     pub fn n_tokens(&self) -> usize {
         self.experts.len() / self.top_k.max(1)
     }

@@ -37,7 +37,7 @@ pub struct View {
     pub region: Region,
     /// First byte in the region.
     pub start: u64,
-    /// Bytes.
+    /// Length in bytes.
     pub len: u64,
 }
 
@@ -78,7 +78,7 @@ pub enum MemoryError {
         src: u64,
         /// Destination start.
         dst: u64,
-        /// Bytes.
+        /// Length in bytes.
         len: u64,
     },
     /// The `gpu` arena exceeds the configured device memory.

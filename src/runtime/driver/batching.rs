@@ -9,7 +9,7 @@
 /// What one micro-batch can hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UbCapacity {
-    /// Sequences.
+    /// Sequences it may hold at most.
     pub seqs: usize,
     /// New tokens in one step (prompt tokens during prefill).
     pub tokens: usize,

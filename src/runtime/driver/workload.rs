@@ -12,7 +12,7 @@ use crate::model::rng::Rng;
 /// A parsed workload spec.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkloadSpec {
-    /// Prompts.
+    /// Number of prompts to draw.
     pub count: usize,
     /// Mean prompt length before clipping.
     pub mean: f64,
@@ -22,7 +22,7 @@ pub struct WorkloadSpec {
     pub max: usize,
     /// Tokens to generate, if the spec says.
     pub gen_len: Option<usize>,
-    /// Seed.
+    /// Seed of the deterministic prompt generator (same seed, same prompts).
     pub seed: u64,
 }
 
