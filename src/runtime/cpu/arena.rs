@@ -80,11 +80,6 @@ impl Arena {
         self.len
     }
 
-    /// True for an empty arena.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Whether the pages are locked in RAM.
     pub fn is_locked(&self) -> bool {
         self.locked

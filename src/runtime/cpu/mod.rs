@@ -10,11 +10,11 @@
 //! engine, each of `threads` threads (on a machine without a GPU the two pools share the
 //! cores; the run report says so); copies run on the calling stream thread.
 
-pub mod arena;
-pub mod image;
+pub(crate) mod arena;
+pub(crate) mod image;
 pub mod memory;
-pub mod ops;
-pub mod weights;
+pub(crate) mod ops;
+pub(crate) mod weights;
 
 use super::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,

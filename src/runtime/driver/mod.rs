@@ -12,10 +12,10 @@
 //! expert-correlation predictor. The driver names no backend type: everything a device
 //! does goes through [`Backend`].
 
-pub mod batching;
+pub(crate) mod batching;
 pub mod executor;
 pub mod report;
-pub mod scheduler;
+pub(crate) mod scheduler;
 pub mod state;
 pub mod workload;
 
