@@ -26,7 +26,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 5] = [
+pub const KERNELS: [KernelSource; 7] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
@@ -51,6 +51,29 @@ pub const KERNELS: [KernelSource; 5] = [
         file: "swiglu.cu",
         source: include_str!("../../../kernels/swiglu.cu"),
         entries: &["swiglu"],
+    },
+    KernelSource {
+        file: "prefill_attention.cu",
+        source: include_str!("../../../kernels/prefill_attention.cu"),
+        entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+    },
+    KernelSource {
+        file: "ops.cu",
+        source: include_str!("../../../kernels/ops.cu"),
+        entries: &[
+            "embed_bf16",
+            "embed_f16",
+            "embed_f32",
+            "widen_bf16",
+            "widen_f16",
+            "narrow_bf16",
+            "add_in_place",
+            "clamp_in_place",
+            "gather_rows",
+            "scatter_weighted",
+            "combine_slots",
+            "argmax_rows",
+        ],
     },
 ];
 
