@@ -513,14 +513,24 @@ fn every_accepted_mutant_runs_with_the_oracle_tokens() {
         .collect();
     let expected = common::oracle_tokens(&checkpoint, &prompts, 3);
     let schedules = common::schedule_files();
-    // The originals first: the configuration itself must run correctly.
+    // The originals first: the configuration itself must run correctly, also with an odd
+    // layer count (the next token's layer 0 cannot be prefetched into slot 0; the second
+    // batch's prefill must load it itself).
+    let odd_card = common::card_with_layers("mixtral-tiny", 3);
+    let odd_checkpoint = common::tiny_checkpoint(&odd_card, dir.path());
+    let odd_expected = common::oracle_tokens(&odd_checkpoint, &prompts, 3);
     let mut sources = Vec::new();
     for (name, path) in &schedules {
         let source = common::read(path);
-        let compiled = moec::compile::compile(&source, &mutant_options(&source, &card))
-            .unwrap_or_else(|d| panic!("{name} does not compile: {}", d[0]));
-        if let Err(e) = common::run_against_oracle(&compiled, &checkpoint, &prompts, &expected) {
-            panic!("{name} (unmutated): {e}");
+        for (card, checkpoint, expected) in [
+            (&card, &checkpoint, &expected),
+            (&odd_card, &odd_checkpoint, &odd_expected),
+        ] {
+            let compiled = moec::compile::compile(&source, &mutant_options(&source, card))
+                .unwrap_or_else(|d| panic!("{name} does not compile: {}", d[0]));
+            if let Err(e) = common::run_against_oracle(&compiled, checkpoint, &prompts, expected) {
+                panic!("{name} (unmutated, {} layers): {e}", card.layers);
+            }
         }
         sources.push((name.clone(), source));
     }

@@ -183,3 +183,66 @@ pub(super) fn guard_text(guard: &Guard) -> String {
         .collect::<Vec<_>>()
         .join(" && ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lit(layer: u32, expert: ExpertRef, ub: Option<u32>, negated: bool) -> GuardLit {
+        GuardLit {
+            atom: GuardAtom::Active { layer, expert, ub },
+            negated,
+        }
+    }
+
+    fn guard(lits: &[GuardLit]) -> Guard {
+        let mut lits = lits.to_vec();
+        lits.sort();
+        Guard { lits }
+    }
+
+    const HOT: ExpertRef = ExpertRef::Hot { layer: 1, rank: 3 };
+
+    #[test]
+    fn an_expert_task_may_be_guarded_only_by_its_own_activity() {
+        let any = guard(&[lit(1, HOT, None, false)]);
+        let this_ub = guard(&[lit(1, HOT, None, false), lit(1, HOT, Some(0), false)]);
+        assert!(runs_when_active(&Guard::default(), 1, HOT, 0));
+        assert!(runs_when_active(&any, 1, HOT, 0));
+        assert!(runs_when_active(&this_ub, 1, HOT, 0));
+        // Another micro-batch's activity, another expert, another layer: may skip it.
+        assert!(!runs_when_active(&this_ub, 1, HOT, 1));
+        assert!(!runs_when_active(&any, 1, ExpertRef::Index(3), 0));
+        assert!(!runs_when_active(&any, 2, HOT, 0));
+        // Klotski's negated mutants: skipped exactly when the expert has tokens.
+        let negated = guard(&[lit(1, HOT, None, true), lit(1, HOT, Some(0), false)]);
+        assert!(!runs_when_active(&negated, 1, HOT, 0));
+        let negated_ub = guard(&[lit(1, HOT, None, false), lit(1, HOT, Some(0), true)]);
+        assert!(!runs_when_active(&negated_ub, 1, HOT, 0));
+    }
+
+    #[test]
+    fn negation_implies_only_negation_of_a_narrower_atom() {
+        let none_anywhere = guard(&[lit(1, HOT, None, true)]);
+        let none_from_ub0 = guard(&[lit(1, HOT, Some(0), true)]);
+        let some = guard(&[lit(1, HOT, None, false)]);
+        // No tokens from any ub => none from ub 0; not the other way round.
+        assert!(implies(&none_anywhere, &none_from_ub0));
+        assert!(!implies(&none_from_ub0, &none_anywhere));
+        // A negated literal never implies the positive one (nor the reverse).
+        assert!(!implies(&none_anywhere, &some));
+        assert!(!implies(&some, &none_anywhere));
+        assert!(implies(&some, &Guard::default()));
+        assert!(!implies(&Guard::default(), &some));
+    }
+
+    #[test]
+    fn a_guard_decided_in_an_earlier_run_keeps_that_run() {
+        let g = guard(&[lit(0, ExpertRef::Index(1), None, false)]);
+        let always = Guard::default();
+        assert_eq!(combined_guard_epoch([(&g, 5), (&always, 2)], 5), 5);
+        assert_eq!(combined_guard_epoch([(&g, 3), (&g, 4)], 5), 3);
+        // An empty guard says nothing, whatever run it was "decided" in.
+        assert_eq!(combined_guard_epoch([(&always, 1)], 5), 5);
+    }
+}

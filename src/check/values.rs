@@ -3,7 +3,7 @@
 //!
 //! Takes a program; gives diagnostics and, per task, where each weight tensor it reads
 //! sits inside its arguments (lowering needs this to find tensors in buffers). Runs the
-//! steps in the order of [`super::epochs::plan`] (setup; prefill, prefill, decode, decode,
+//! steps in the order of `epochs::plan` (setup; prefill, prefill, decode, decode,
 //! prefill, decode; a mixed step three times), so state a step leaves for its own next
 //! run or for the next batch (prefetched weights, KV caches) is checked as well. Every
 //! value carries the run it belongs to. Invariants checked:
@@ -72,7 +72,7 @@ struct Tracker<'p> {
     /// Expert sets computed since the last `gate`, per (layer, ub).
     expert_sets: HashMap<(u32, u32), Vec<ExpertSet>>,
     pass_note: &'static str,
-    /// The step runs, in order ([`epochs::plan`]).
+    /// The step runs, in order (`epochs::plan`).
     plan: Vec<StepRun>,
     /// The current run (index into `plan`).
     epoch: u32,

@@ -155,7 +155,10 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                         negated: !lit.negated,
                     }]))
                 }
-                (UnOp::Not, Val::Cond(_)) => Err(Diagnostic::dynamic_else(span)),
+                (UnOp::Not, Val::Cond(_)) => Err(Diagnostic::dynamic_not_allowed(
+                    span,
+                    "`!` of a conjunction of run-time conditions (only one `active(..)` can be negated)",
+                )),
                 (UnOp::Neg, v) => Err(Diagnostic::type_mismatch(
                     inner.span,
                     "a number",
