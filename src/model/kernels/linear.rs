@@ -537,6 +537,14 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
+    /// Weight rows widened to f32 at a time when many activation rows share them (a block
+    /// that stays in L2 while every activation row streams past it).
+    const WIDEN_ROWS: usize = 16;
+
+    /// Activation rows from which widening a weight block once beats converting bf16/f16
+    /// in every register block.
+    const WIDEN_MIN_ROWS: usize = 8;
+
     /// # Safety
     /// avx2, fma and f16c available; `x` holds `n_rows * w.cols` values; `o0 + rows <=
     /// w.rows`; `w.data` holds `w.rows * w.cols` values; `local` holds `n_rows * rows`.
@@ -549,33 +557,102 @@ mod avx2 {
         rows: usize,
         local: &mut [f32],
     ) {
-        // SAFETY: forwarded contract.
+        let k_len = w.cols;
+        let out = Out {
+            stride: rows,
+            col0: 0,
+        };
+        let block = Block { r0: o0, rows };
+        // SAFETY: forwarded contract; every block below lies inside the checked panel.
         unsafe {
             match (w.data, n_rows) {
-                (TypedSlice::Bf16(_), 1) => panel::<BF16, 4, 1>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::Bf16(_), _) => panel::<BF16, 2, 3>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F16(_), 1) => panel::<F16, 4, 1>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F16(_), _) => panel::<F16, 2, 3>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F32(_), 1) => panel::<F32, 4, 1>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F32(_), _) => panel::<F32, 2, 3>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::F32(_), 1) => {
+                    panel::<F32, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::F32(_), _) => {
+                    panel::<F32, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::Bf16(_), 1) => {
+                    panel::<BF16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::F16(_), 1) => {
+                    panel::<F16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::Bf16(_), n) if n < WIDEN_MIN_ROWS => {
+                    panel::<BF16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::F16(_), n) if n < WIDEN_MIN_ROWS => {
+                    panel::<F16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                _ => {
+                    // Widening is exact, so the f32 body gives the same bits.
+                    let mut wide = vec![0.0f32; WIDEN_ROWS * k_len];
+                    let mut b0 = 0;
+                    while b0 < rows {
+                        let n = WIDEN_ROWS.min(rows - b0);
+                        let src = w.data.slice((o0 + b0) * k_len..(o0 + b0 + n) * k_len);
+                        Kernels::new(Isa::Avx2)
+                            .unwrap_or(Kernels::portable())
+                            .widen(src, &mut wide[..n * k_len]);
+                        let out = Out {
+                            stride: rows,
+                            col0: b0,
+                        };
+                        panel::<F32, 2, 3>(
+                            x,
+                            n_rows,
+                            TypedSlice::F32(&wide[..n * k_len]),
+                            k_len,
+                            Block { r0: 0, rows: n },
+                            local,
+                            out,
+                        );
+                        b0 += n;
+                    }
+                }
             }
         }
     }
 
+    /// Which stored rows a register-blocked pass reads.
+    #[derive(Clone, Copy)]
+    struct Block {
+        r0: usize,
+        rows: usize,
+    }
+
+    /// Where a pass writes: `local[t * stride + col0 + o]` for activation row `t` and
+    /// block row `o`.
+    #[derive(Clone, Copy)]
+    struct Out {
+        stride: usize,
+        col0: usize,
+    }
+
     /// `WR` weight rows x `XR` activation rows per register block (`2 * WR * XR`
     /// accumulators); rows past the end repeat the last one (results discarded).
+    ///
+    /// # Safety
+    /// avx2, fma and f16c available; `w` holds rows `b.r0 .. b.r0 + b.rows` of `k_len`
+    /// values; `x` holds `n_rows * k_len`; `local` holds index `(n_rows - 1) * out.stride +
+    /// out.col0 + b.rows - 1`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn panel<const DT: u8, const WR: usize, const XR: usize>(
         x: &[f32],
         n_rows: usize,
-        w: &Matrix<'_>,
-        o0: usize,
-        rows: usize,
+        wdata: TypedSlice<'_>,
+        k_len: usize,
+        b: Block,
         local: &mut [f32],
+        out: Out,
     ) {
-        let k_len = w.cols;
+        let (o0, rows) = (b.r0, b.rows);
         let full = k_len / 16 * 16;
-        let wb = base(w);
+        let wb = match wdata {
+            TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F32(s) => s.as_ptr() as *const u8,
+        };
         let xp = x.as_ptr();
         let mut t0 = 0;
         while t0 < n_rows {
@@ -629,7 +706,7 @@ mod avx2 {
                     for i in 0..WR {
                         let mut wbuf = [0.0f32; 16];
                         Kernels::portable()
-                            .widen(w.data.slice(wo[i] + full..wo[i] + k_len), &mut wbuf[..tail]);
+                            .widen(wdata.slice(wo[i] + full..wo[i] + k_len), &mut wbuf[..tail]);
                         // SAFETY: both buffers hold 16 values.
                         unsafe {
                             let (w0, w1) = (
@@ -655,7 +732,8 @@ mod avx2 {
                         if t0 + j >= n_rows {
                             break;
                         }
-                        local[(t0 + j) * rows + o + i] = reduce(lo[i][j], hi[i][j]);
+                        local[(t0 + j) * out.stride + out.col0 + o + i] =
+                            reduce(lo[i][j], hi[i][j]);
                     }
                 }
                 o += WR;
