@@ -953,7 +953,7 @@ mod tests {
         for &(rows, cols) in &[(37usize, 29usize), (70, 300), (9, 16)] {
             let (wf, wb, wh) = weights(rows, cols);
             for orient in [Orientation::OutIn, Orientation::InOut] {
-                for n_rows in [1usize, 2, 3, 4, 5, 7] {
+                for n_rows in [1usize, 2, 3, 4, 5, 7, 8, 9, 17] {
                     let m_in = if orient == Orientation::OutIn {
                         cols
                     } else {
