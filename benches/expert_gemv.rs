@@ -11,7 +11,8 @@
 //!
 //! Each figure is printed for every instruction set this CPU has (portable is what ran on
 //! AVX2-only machines before the AVX2 bodies existed), so before/after ratios come from
-//! one run. Criterion then times the selected kernels.
+//! one run; three rounds, each probing beside the kernels, and a best-of summary (other
+//! jobs share the cores). Criterion then times the selected kernels.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
@@ -80,35 +81,65 @@ fn bench(c: &mut Criterion) {
     let mut y = vec![0.0f32; D];
     let decode_bytes = (EXPERTS * 3 * F * D * 2) as f64;
     let prefill_flops = 2.0 * (PREFILL_ROWS * F * D) as f64;
-    for isa in Isa::supported() {
-        // Probed again beside each instruction set: other jobs share this machine.
+    // Other jobs share this machine: three rounds, each probing the machine beside the
+    // kernels, and the summary compares the best of each (the probe reports its best too).
+    let isas = Isa::supported();
+    let mut best_bw = 0.0f64;
+    let mut best_peak = 0.0f64;
+    let mut best_decode = vec![f64::INFINITY; isas.len()];
+    let mut best_prefill = vec![f64::INFINITY; isas.len()];
+    for round in 0..3 {
         let probe = measure(256 << 20, threads).expect("probe");
         let (bw, peak) = (probe.stream_read_bytes_per_s, probe.gemm_f32_flops);
+        best_bw = best_bw.max(bw);
+        best_peak = best_peak.max(peak);
         let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
         println!(
-            "probe, {threads} threads: streaming read {:.2} GB/s, f32 GEMM peak {:.1} GFLOP/s (gemm crate, {}³); load average {}",
+            "round {round}: probe, {threads} threads: streaming read {:.2} GB/s, f32 GEMM peak {:.1} GFLOP/s (gemm crate, {}³); load average {}",
             bw / 1e9,
             peak / 1e9,
             probe.gemm_size,
             load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
         );
-        let k = Kernels::new(isa).expect("supported");
-        let secs = best(7, || decode(k, &experts, &x[..D], &mut h[..F], &mut y));
+        for (i, &isa) in isas.iter().enumerate() {
+            // The portable bodies take seconds per call here: one round is enough.
+            if isa == Isa::Portable && round > 0 {
+                continue;
+            }
+            let k = Kernels::new(isa).expect("supported");
+            let secs = best(7, || decode(k, &experts, &x[..D], &mut h[..F], &mut y));
+            best_decode[i] = best_decode[i].min(secs);
+            let gate = view(&experts[0].gate, F, D);
+            let psecs = best(3, || {
+                k.linear(&x, PREFILL_ROWS, &gate, &mut h).expect("prefill");
+            });
+            best_prefill[i] = best_prefill[i].min(psecs);
+            println!(
+                "round {round}: {isa:>8} decode {:.2} ms = {:.1}% of this round's streaming read; prefill {:.2} ms = {:.1}% of its GEMM peak",
+                secs * 1e3,
+                100.0 * decode_bytes / secs / bw,
+                psecs * 1e3,
+                100.0 * prefill_flops / psecs / peak
+            );
+        }
+    }
+    println!(
+        "best of 3 rounds: streaming read {:.2} GB/s, f32 GEMM peak {:.1} GFLOP/s",
+        best_bw / 1e9,
+        best_peak / 1e9
+    );
+    for (i, isa) in isas.iter().enumerate() {
         println!(
-            "{isa:>8} decode GEMV, 1 token x {EXPERTS} experts x (gate, up, down): {:.2} ms, {:.2} GB/s = {:.1}% of the streaming read",
-            secs * 1e3,
-            decode_bytes / secs / 1e9,
-            100.0 * decode_bytes / secs / bw
+            "{isa:>8} decode GEMV, 1 token x {EXPERTS} experts x (gate, up, down) bf16: {:.2} ms, {:.2} GB/s = {:.1}% of the streaming read",
+            best_decode[i] * 1e3,
+            decode_bytes / best_decode[i] / 1e9,
+            100.0 * decode_bytes / best_decode[i] / best_bw
         );
-        let gate = view(&experts[0].gate, F, D);
-        let secs = best(5, || {
-            k.linear(&x, PREFILL_ROWS, &gate, &mut h).expect("prefill");
-        });
         println!(
             "{isa:>8} prefill GEMM, {PREFILL_ROWS} tokens x gate [{F} x {D}] bf16: {:.2} ms, {:.1} GFLOP/s = {:.1}% of the f32 GEMM peak",
-            secs * 1e3,
-            prefill_flops / secs / 1e9,
-            100.0 * prefill_flops / secs / peak
+            best_prefill[i] * 1e3,
+            prefill_flops / best_prefill[i] / 1e9,
+            100.0 * prefill_flops / best_prefill[i] / best_peak
         );
     }
 
