@@ -174,8 +174,7 @@ mod portable {
         }
     }
 
-    /// Columns `c0..c0 + width` of the product, into `local` rows of `stride` values
-    /// starting at column `at` (the AVX2 body uses this for its last few columns).
+    /// Columns `c0..c0 + width` of the product into `local` (`[n_rows, width]`).
     pub(super) fn in_out_band(
         x: &[f32],
         n_rows: usize,
@@ -187,6 +186,8 @@ mod portable {
         in_out_cols(x, n_rows, w, c0, width, local, width, 0);
     }
 
+    /// Columns `c0..c0 + width` of the product into `local` rows of `stride` values,
+    /// starting at column `at` (the AVX2 body uses this for its last few columns).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn in_out_cols(
         x: &[f32],
@@ -215,6 +216,7 @@ mod portable {
         }
     }
 
+    /// Lane `i` += lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`: every body's reduction tree.
     pub(super) fn reduce16(l: &[f32; 16]) -> f32 {
         let mut v = *l;
         for half in [8, 4, 2, 1] {
