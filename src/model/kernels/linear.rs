@@ -174,8 +174,7 @@ mod portable {
         }
     }
 
-    /// Columns `c0..c0 + width` of the product, into `local` rows of `stride` values
-    /// starting at column `at` (the AVX2 body uses this for its last few columns).
+    /// Columns `c0..c0 + width` of the product into `local` (`[n_rows, width]`).
     pub(super) fn in_out_band(
         x: &[f32],
         n_rows: usize,
@@ -187,6 +186,8 @@ mod portable {
         in_out_cols(x, n_rows, w, c0, width, local, width, 0);
     }
 
+    /// Columns `c0..c0 + width` of the product into `local` rows of `stride` values,
+    /// starting at column `at` (the AVX2 body uses this for its last few columns).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn in_out_cols(
         x: &[f32],
@@ -215,7 +216,8 @@ mod portable {
         }
     }
 
-    fn reduce16(l: &[f32; 16]) -> f32 {
+    /// Lane `i` += lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`: every body's reduction tree.
+    pub(super) fn reduce16(l: &[f32; 16]) -> f32 {
         let mut v = *l;
         for half in [8, 4, 2, 1] {
             for i in 0..half {
@@ -537,6 +539,14 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
+    /// Weight rows widened to f32 at a time when many activation rows share them (a block
+    /// that stays in L2 while every activation row streams past it).
+    const WIDEN_ROWS: usize = 16;
+
+    /// Activation rows from which widening a weight block once beats converting bf16/f16
+    /// in every register block.
+    const WIDEN_MIN_ROWS: usize = 8;
+
     /// # Safety
     /// avx2, fma and f16c available; `x` holds `n_rows * w.cols` values; `o0 + rows <=
     /// w.rows`; `w.data` holds `w.rows * w.cols` values; `local` holds `n_rows * rows`.
@@ -549,33 +559,206 @@ mod avx2 {
         rows: usize,
         local: &mut [f32],
     ) {
-        // SAFETY: forwarded contract.
+        let k_len = w.cols;
+        let out = Out {
+            stride: rows,
+            col0: 0,
+        };
+        let block = Block { r0: o0, rows };
+        // SAFETY: forwarded contract; every block below lies inside the checked panel.
         unsafe {
             match (w.data, n_rows) {
-                (TypedSlice::Bf16(_), 1) => panel::<BF16, 4, 1>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::Bf16(_), _) => panel::<BF16, 2, 3>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F16(_), 1) => panel::<F16, 4, 1>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F16(_), _) => panel::<F16, 2, 3>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F32(_), 1) => panel::<F32, 4, 1>(x, n_rows, w, o0, rows, local),
-                (TypedSlice::F32(_), _) => panel::<F32, 2, 3>(x, n_rows, w, o0, rows, local),
+                (TypedSlice::F32(_), 1) => {
+                    panel::<F32, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::F32(_), _) => {
+                    panel::<F32, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::Bf16(ws), 1) => bf16_split::<6, 1>(x, n_rows, ws, k_len, block, local),
+                (TypedSlice::F16(_), 1) => {
+                    panel::<F16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                (TypedSlice::Bf16(ws), n) if n < WIDEN_MIN_ROWS => {
+                    bf16_split::<2, 3>(x, n_rows, ws, k_len, block, local)
+                }
+                (TypedSlice::F16(_), n) if n < WIDEN_MIN_ROWS => {
+                    panel::<F16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
+                }
+                _ => {
+                    // Widening is exact, so the f32 body gives the same bits.
+                    let mut wide = vec![0.0f32; WIDEN_ROWS * k_len];
+                    let mut b0 = 0;
+                    while b0 < rows {
+                        let n = WIDEN_ROWS.min(rows - b0);
+                        let src = w.data.slice((o0 + b0) * k_len..(o0 + b0 + n) * k_len);
+                        Kernels::new(Isa::Avx2)
+                            .unwrap_or(Kernels::portable())
+                            .widen(src, &mut wide[..n * k_len]);
+                        let out = Out {
+                            stride: rows,
+                            col0: b0,
+                        };
+                        panel::<F32, 2, 3>(
+                            x,
+                            n_rows,
+                            TypedSlice::F32(&wide[..n * k_len]),
+                            k_len,
+                            Block { r0: 0, rows: n },
+                            local,
+                            out,
+                        );
+                        b0 += n;
+                    }
+                }
             }
         }
     }
 
+    /// Few activation rows over bf16 weights (decode): 16 weights are one 32-byte load
+    /// split into their even and odd elements with one AND and one shift (a bf16 is the
+    /// top half of an f32), instead of two widening conversions. The activations are
+    /// permuted once to match (`[x0, x2, .., x14, x1, x3, .., x15]` per 16), so logical
+    /// lane `l` still accumulates exactly the elements `k ≡ l (mod 16)` in order; the lanes
+    /// are put back in order before the same reduction tree, and the ragged tail is added
+    /// per lane with scalar fused multiply-adds (what the zero-padded vector tail does).
+    ///
+    /// # Safety
+    /// avx2, fma and f16c available; `w` holds rows `b.r0 .. b.r0 + b.rows` of `k_len`
+    /// values; `x` holds `n_rows * k_len`; `local` holds `n_rows * b.rows`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bf16_split<const WR: usize, const XR: usize>(
+        x: &[f32],
+        n_rows: usize,
+        w: &[half::bf16],
+        k_len: usize,
+        b: Block,
+        local: &mut [f32],
+    ) {
+        let (o0, rows) = (b.r0, b.rows);
+        let full = k_len / 16 * 16;
+        let bits: &[u16] = bytemuck::cast_slice(w);
+        let mut xperm = vec![0.0f32; n_rows * full];
+        for t in 0..n_rows {
+            for c in (0..full).step_by(16) {
+                for j in 0..8 {
+                    xperm[t * full + c + j] = x[t * k_len + c + 2 * j];
+                    xperm[t * full + c + 8 + j] = x[t * k_len + c + 2 * j + 1];
+                }
+            }
+        }
+        let wp = bits.as_ptr();
+        let xp = xperm.as_ptr();
+        let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        let mut t0 = 0;
+        while t0 < n_rows {
+            let mut xo = [0usize; XR];
+            for (j, o) in xo.iter_mut().enumerate() {
+                *o = (t0 + j).min(n_rows - 1);
+            }
+            let mut o = 0;
+            while o < rows {
+                let mut wo = [0usize; WR];
+                for (i, r) in wo.iter_mut().enumerate() {
+                    *r = (o0 + (o + i).min(rows - 1)) * k_len;
+                }
+                let z = _mm256_setzero_ps();
+                let mut ev = [[z; XR]; WR];
+                let mut od = [[z; XR]; WR];
+                let mut k = 0;
+                while k < full {
+                    // SAFETY: k + 16 <= full <= k_len: inside the weight rows and inside
+                    // the permuted activation rows (`full` values each).
+                    unsafe {
+                        let mut xe = [z; XR];
+                        let mut xd = [z; XR];
+                        for j in 0..XR {
+                            xe[j] = _mm256_loadu_ps(xp.add(xo[j] * full + k));
+                            xd[j] = _mm256_loadu_ps(xp.add(xo[j] * full + k + 8));
+                        }
+                        for i in 0..WR {
+                            let raw = _mm256_loadu_si256(wp.add(wo[i] + k) as *const __m256i);
+                            let we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                            let wd = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));
+                            for j in 0..XR {
+                                ev[i][j] = _mm256_fmadd_ps(we, xe[j], ev[i][j]);
+                                od[i][j] = _mm256_fmadd_ps(wd, xd[j], od[i][j]);
+                            }
+                        }
+                    }
+                    k += 16;
+                }
+                for i in 0..WR {
+                    if o + i >= rows {
+                        break;
+                    }
+                    for j in 0..XR {
+                        let t = t0 + j;
+                        if t >= n_rows {
+                            break;
+                        }
+                        let (mut e, mut d) = ([0.0f32; 8], [0.0f32; 8]);
+                        // SAFETY: both arrays hold 8 values.
+                        unsafe {
+                            _mm256_storeu_ps(e.as_mut_ptr(), ev[i][j]);
+                            _mm256_storeu_ps(d.as_mut_ptr(), od[i][j]);
+                        }
+                        let mut lanes = [0.0f32; 16];
+                        for l in 0..8 {
+                            lanes[2 * l] = e[l];
+                            lanes[2 * l + 1] = d[l];
+                        }
+                        for kk in full..k_len {
+                            let wv = f32::from_bits((bits[wo[i] + kk] as u32) << 16);
+                            lanes[kk % 16] = wv.mul_add(x[t * k_len + kk], lanes[kk % 16]);
+                        }
+                        local[t * rows + o + i] = portable::reduce16(&lanes);
+                    }
+                }
+                o += WR;
+            }
+            t0 += XR;
+        }
+    }
+
+    /// Which stored rows a register-blocked pass reads.
+    #[derive(Clone, Copy)]
+    struct Block {
+        r0: usize,
+        rows: usize,
+    }
+
+    /// Where a pass writes: `local[t * stride + col0 + o]` for activation row `t` and
+    /// block row `o`.
+    #[derive(Clone, Copy)]
+    struct Out {
+        stride: usize,
+        col0: usize,
+    }
+
     /// `WR` weight rows x `XR` activation rows per register block (`2 * WR * XR`
     /// accumulators); rows past the end repeat the last one (results discarded).
+    ///
+    /// # Safety
+    /// avx2, fma and f16c available; `w` holds rows `b.r0 .. b.r0 + b.rows` of `k_len`
+    /// values; `x` holds `n_rows * k_len`; `local` holds index `(n_rows - 1) * out.stride +
+    /// out.col0 + b.rows - 1`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn panel<const DT: u8, const WR: usize, const XR: usize>(
         x: &[f32],
         n_rows: usize,
-        w: &Matrix<'_>,
-        o0: usize,
-        rows: usize,
+        wdata: TypedSlice<'_>,
+        k_len: usize,
+        b: Block,
         local: &mut [f32],
+        out: Out,
     ) {
-        let k_len = w.cols;
+        let (o0, rows) = (b.r0, b.rows);
         let full = k_len / 16 * 16;
-        let wb = base(w);
+        let wb = match wdata {
+            TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F16(s) => s.as_ptr() as *const u8,
+            TypedSlice::F32(s) => s.as_ptr() as *const u8,
+        };
         let xp = x.as_ptr();
         let mut t0 = 0;
         while t0 < n_rows {
@@ -629,7 +812,7 @@ mod avx2 {
                     for i in 0..WR {
                         let mut wbuf = [0.0f32; 16];
                         Kernels::portable()
-                            .widen(w.data.slice(wo[i] + full..wo[i] + k_len), &mut wbuf[..tail]);
+                            .widen(wdata.slice(wo[i] + full..wo[i] + k_len), &mut wbuf[..tail]);
                         // SAFETY: both buffers hold 16 values.
                         unsafe {
                             let (w0, w1) = (
@@ -655,7 +838,8 @@ mod avx2 {
                         if t0 + j >= n_rows {
                             break;
                         }
-                        local[(t0 + j) * rows + o + i] = reduce(lo[i][j], hi[i][j]);
+                        local[(t0 + j) * out.stride + out.col0 + o + i] =
+                            reduce(lo[i][j], hi[i][j]);
                     }
                 }
                 o += WR;
@@ -875,7 +1059,7 @@ mod tests {
         for &(rows, cols) in &[(37usize, 29usize), (70, 300), (9, 16)] {
             let (wf, wb, wh) = weights(rows, cols);
             for orient in [Orientation::OutIn, Orientation::InOut] {
-                for n_rows in [1usize, 2, 3, 4, 5, 7] {
+                for n_rows in [1usize, 2, 3, 4, 5, 7, 8, 9, 17] {
                     let m_in = if orient == Orientation::OutIn {
                         cols
                     } else {

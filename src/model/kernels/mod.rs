@@ -3,6 +3,9 @@
 //! Every kernel takes f32 activations in caller-owned slices (so the runtime can pass
 //! views into its arenas) and weight views in their stored dtype; none allocates model
 //! state or knows about schedules. The oracle is only a sequential composition of these.
+//! Each SIMD kernel is a method of the [`isa::Kernels`] context (AVX-512, AVX2+FMA or
+//! portable bodies that give the same bits, chosen once per process from the CPU and
+//! `MOEC_KERNELS`); the free functions below use the process's choice.
 //!
 //! | op | function |
 //! | --- | --- |
