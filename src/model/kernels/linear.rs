@@ -574,12 +574,14 @@ mod avx2 {
                 (TypedSlice::F32(_), _) => {
                     panel::<F32, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
                 }
-                (TypedSlice::Bf16(ws), 1) => bf16_split::<6, 1>(x, n_rows, ws, k_len, block, local),
+                (TypedSlice::Bf16(_), 1) => {
+                    panel::<BF16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+                }
                 (TypedSlice::F16(_), 1) => {
                     panel::<F16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
                 }
-                (TypedSlice::Bf16(ws), n) if n < WIDEN_MIN_ROWS => {
-                    bf16_split::<2, 3>(x, n_rows, ws, k_len, block, local)
+                (TypedSlice::Bf16(_), n) if n < WIDEN_MIN_ROWS => {
+                    panel::<BF16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
                 }
                 (TypedSlice::F16(_), n) if n < WIDEN_MIN_ROWS => {
                     panel::<F16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
@@ -611,112 +613,6 @@ mod avx2 {
                     }
                 }
             }
-        }
-    }
-
-    /// Few activation rows over bf16 weights (decode): 16 weights are one 32-byte load
-    /// split into their even and odd elements with one AND and one shift (a bf16 is the
-    /// top half of an f32), instead of two widening conversions. The activations are
-    /// permuted once to match (`[x0, x2, .., x14, x1, x3, .., x15]` per 16), so logical
-    /// lane `l` still accumulates exactly the elements `k ≡ l (mod 16)` in order; the lanes
-    /// are put back in order before the same reduction tree, and the ragged tail is added
-    /// per lane with scalar fused multiply-adds (what the zero-padded vector tail does).
-    ///
-    /// # Safety
-    /// avx2, fma and f16c available; `w` holds rows `b.r0 .. b.r0 + b.rows` of `k_len`
-    /// values; `x` holds `n_rows * k_len`; `local` holds `n_rows * b.rows`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn bf16_split<const WR: usize, const XR: usize>(
-        x: &[f32],
-        n_rows: usize,
-        w: &[half::bf16],
-        k_len: usize,
-        b: Block,
-        local: &mut [f32],
-    ) {
-        let (o0, rows) = (b.r0, b.rows);
-        let full = k_len / 16 * 16;
-        let bits: &[u16] = bytemuck::cast_slice(w);
-        let mut xperm = vec![0.0f32; n_rows * full];
-        for t in 0..n_rows {
-            for c in (0..full).step_by(16) {
-                for j in 0..8 {
-                    xperm[t * full + c + j] = x[t * k_len + c + 2 * j];
-                    xperm[t * full + c + 8 + j] = x[t * k_len + c + 2 * j + 1];
-                }
-            }
-        }
-        let wp = bits.as_ptr();
-        let xp = xperm.as_ptr();
-        let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-        let mut t0 = 0;
-        while t0 < n_rows {
-            let mut xo = [0usize; XR];
-            for (j, o) in xo.iter_mut().enumerate() {
-                *o = (t0 + j).min(n_rows - 1);
-            }
-            let mut o = 0;
-            while o < rows {
-                let mut wo = [0usize; WR];
-                for (i, r) in wo.iter_mut().enumerate() {
-                    *r = (o0 + (o + i).min(rows - 1)) * k_len;
-                }
-                let z = _mm256_setzero_ps();
-                let mut ev = [[z; XR]; WR];
-                let mut od = [[z; XR]; WR];
-                let mut k = 0;
-                while k < full {
-                    // SAFETY: k + 16 <= full <= k_len: inside the weight rows and inside
-                    // the permuted activation rows (`full` values each).
-                    unsafe {
-                        let mut xe = [z; XR];
-                        let mut xd = [z; XR];
-                        for j in 0..XR {
-                            xe[j] = _mm256_loadu_ps(xp.add(xo[j] * full + k));
-                            xd[j] = _mm256_loadu_ps(xp.add(xo[j] * full + k + 8));
-                        }
-                        for i in 0..WR {
-                            let raw = _mm256_loadu_si256(wp.add(wo[i] + k) as *const __m256i);
-                            let we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-                            let wd = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));
-                            for j in 0..XR {
-                                ev[i][j] = _mm256_fmadd_ps(we, xe[j], ev[i][j]);
-                                od[i][j] = _mm256_fmadd_ps(wd, xd[j], od[i][j]);
-                            }
-                        }
-                    }
-                    k += 16;
-                }
-                for i in 0..WR {
-                    if o + i >= rows {
-                        break;
-                    }
-                    for j in 0..XR {
-                        let t = t0 + j;
-                        if t >= n_rows {
-                            break;
-                        }
-                        let (mut e, mut d) = ([0.0f32; 8], [0.0f32; 8]);
-                        // SAFETY: both arrays hold 8 values.
-                        unsafe {
-                            _mm256_storeu_ps(e.as_mut_ptr(), ev[i][j]);
-                            _mm256_storeu_ps(d.as_mut_ptr(), od[i][j]);
-                        }
-                        let mut lanes = [0.0f32; 16];
-                        for l in 0..8 {
-                            lanes[2 * l] = e[l];
-                            lanes[2 * l + 1] = d[l];
-                        }
-                        for kk in full..k_len {
-                            let wv = f32::from_bits((bits[wo[i] + kk] as u32) << 16);
-                            lanes[kk % 16] = wv.mul_add(x[t * k_len + kk], lanes[kk % 16]);
-                        }
-                        local[t * rows + o + i] = portable::reduce16(&lanes);
-                    }
-                }
-                o += WR;
-            }
-            t0 += XR;
         }
     }
 
