@@ -52,7 +52,17 @@ fn devices_command_names_the_cpu_and_cuda_status() {
         lines[0].starts_with(&format!("cpu: available, {threads} threads, AVX-512: ")),
         "{stdout}"
     );
-    let cuda = lines.get(1).copied().unwrap_or_default();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.trim_start().starts_with("CPU kernels: ")),
+        "{stdout}"
+    );
+    let cuda = lines
+        .iter()
+        .copied()
+        .find(|l| l.starts_with("cuda: "))
+        .unwrap_or_default();
     let libs = libraries();
     if !libs.driver {
         assert!(
