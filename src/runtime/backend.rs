@@ -81,9 +81,12 @@ pub enum BackendError {
     /// The test hook asked this task to fail.
     #[error("killed by the test hook")]
     Killed,
-    /// A routing read-back found bytes that are not routing decisions.
-    #[error("routing of this gate is malformed: {0}")]
+    /// A gate has no `route` argument to read back.
+    #[error("routing of this gate cannot be read back: {0}")]
     Routing(String),
+    /// A `route` slice too short for its tokens.
+    #[error(transparent)]
+    ShortRoute(#[from] ShortRoute),
     /// The backend cannot run here (missing driver, no device).
     #[error("{0}")]
     Unavailable(String),
@@ -141,17 +144,30 @@ pub trait Backend: Sync {
     fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError>;
 }
 
-/// Decodes a `route` slice as the host sees it after a read-back: per token and slot, an
-/// expert index (`u32`) then its weight (`f32` bits), native endian, `tokens * top_k`
-/// entries (the layout `gate` writes on every backend).
-pub fn decode_routing(bytes: &[u8], tokens: usize, top_k: usize) -> Result<Routing, BackendError> {
+/// A `route` slice that holds fewer entries than its tokens need.
+#[derive(Debug, thiserror::Error)]
+#[error("`route` holds {have} bytes, fewer than {tokens} tokens x {top_k} slots")]
+pub struct ShortRoute {
+    /// Bytes the slice has.
+    pub have: usize,
+    /// Tokens it should cover.
+    pub tokens: usize,
+    /// Slots per token.
+    pub top_k: usize,
+}
+
+/// Decodes a `route` slice: per token and slot, an expert index (`u32`) then its weight
+/// (`f32` bits), native endian, `tokens * top_k` entries. This is the one layout `gate`
+/// writes on every backend; the CPU ops and every read-back decode it here.
+pub fn decode_routing(bytes: &[u8], tokens: usize, top_k: usize) -> Result<Routing, ShortRoute> {
     let entries = tokens.saturating_mul(top_k);
     let needed = entries.saturating_mul(crate::ir::catalog::ROUTE_ENTRY_BYTES as usize);
     let Some(bytes) = bytes.get(..needed) else {
-        return Err(BackendError::Routing(format!(
-            "{} bytes hold fewer than {tokens} tokens x {top_k} slots",
-            bytes.len()
-        )));
+        return Err(ShortRoute {
+            have: bytes.len(),
+            tokens,
+            top_k,
+        });
     };
     let mut experts = Vec::with_capacity(entries);
     let mut weights = Vec::with_capacity(entries);
@@ -165,4 +181,24 @@ pub fn decode_routing(bytes: &[u8], tokens: usize, top_k: usize) -> Result<Routi
         experts,
         weights,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_decodes_expert_then_weight_per_slot_and_refuses_short_slices() {
+        // One token, top-2: expert 3 with weight 0.25, expert 1 with weight 0.75.
+        let mut bytes = Vec::new();
+        for (e, w) in [(3u32, 0.25f32), (1, 0.75)] {
+            bytes.extend_from_slice(&e.to_ne_bytes());
+            bytes.extend_from_slice(&w.to_bits().to_ne_bytes());
+        }
+        let r = decode_routing(&bytes, 1, 2).expect("16 bytes hold 1 x 2 slots");
+        assert_eq!(r.experts, vec![3, 1]);
+        assert_eq!(r.weights, vec![0.25, 0.75]);
+        let short = decode_routing(&bytes[..15], 1, 2).expect_err("15 bytes are short");
+        assert_eq!((short.have, short.tokens, short.top_k), (15, 1, 2));
+    }
 }

@@ -163,7 +163,7 @@ impl Backend for CpuBackend<'_> {
         // any event that would let another task overwrite `route`; nothing writes these
         // bytes concurrently.
         let bytes = unsafe { self.memory.bytes(view) }.map_err(task_error)?;
-        decode_routing(bytes, tokens, top_k)
+        Ok(decode_routing(bytes, tokens, top_k)?)
     }
 
     fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError> {

@@ -36,6 +36,9 @@ pub enum OpError {
     /// A view could not be made.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// A `route` argument shorter than its micro-batch's routing.
+    #[error(transparent)]
+    Route(#[from] crate::runtime::backend::ShortRoute),
     /// A kernel refused its inputs.
     #[error(transparent)]
     Kernel(#[from] KernelError),
@@ -229,19 +232,9 @@ impl OpContext<'_> {
     fn read_routing(&self, view: View, n_tokens: usize) -> Result<Routing, OpError> {
         let top_k = self.arch.top_k;
         let bytes = self.bytes_sized(view, "route", n_tokens * top_k * 8)?;
-        let words: &[u32] = bytemuck::try_cast_slice(bytes).map_err(|_| OpError::Align("route"))?;
-        let experts = words.iter().step_by(2).copied().collect();
-        let weights = words
-            .iter()
-            .skip(1)
-            .step_by(2)
-            .map(|w| f32::from_bits(*w))
-            .collect();
-        Ok(Routing {
-            top_k,
-            experts,
-            weights,
-        })
+        Ok(crate::runtime::backend::decode_routing(
+            bytes, n_tokens, top_k,
+        )?)
     }
 
     fn typed(
