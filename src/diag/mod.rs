@@ -492,6 +492,28 @@ impl Diagnostic {
 
     // ---- values -------------------------------------------------------------------
 
+    /// A read that finds other contents than expected: `message` then ", written by task
+    /// W" when the writer is known, a label on the argument and one on the writer.
+    fn value_mismatch(
+        code: Code,
+        arg_span: Span,
+        message: String,
+        arg_label: String,
+        writer_label: String,
+        writer: Option<(String, Span)>,
+    ) -> Self {
+        let writer_text = writer
+            .as_ref()
+            .map(|(name, _)| format!(", written by task {name}"))
+            .unwrap_or_default();
+        let mut d =
+            Diagnostic::new(code, format!("{message}{writer_text}")).label(arg_span, arg_label);
+        if let Some((_, span)) = writer {
+            d = d.label(span, writer_label);
+        }
+        d
+    }
+
     /// An argument holds something other than what the op expects.
     pub fn wrong_value(
         arg_span: Span,
@@ -501,19 +523,14 @@ impl Diagnostic {
         held: &str,
         writer: Option<(String, Span)>,
     ) -> Self {
-        let writer_text = writer
-            .as_ref()
-            .map(|(name, _)| format!(", written by task {name}"))
-            .unwrap_or_default();
-        let mut d = Diagnostic::new(
+        Diagnostic::value_mismatch(
             Code::ValuesWrong,
-            format!("task {task} reads `{buffer}` expecting {expected}, but it holds {held}{writer_text}"),
+            arg_span,
+            format!("task {task} reads `{buffer}` expecting {expected}, but it holds {held}"),
+            format!("expects {expected}"),
+            format!("wrote {held}"),
+            writer,
         )
-        .label(arg_span, format!("expects {expected}"));
-        if let Some((_, span)) = writer {
-            d = d.label(span, format!("wrote {held}"));
-        }
-        d
     }
 
     /// An argument nobody wrote before the read.
@@ -578,19 +595,15 @@ impl Diagnostic {
         held_from: &str,
         writer: Option<(String, Span)>,
     ) -> Self {
-        let writer_text = writer
-            .as_ref()
-            .map(|(name, _)| format!(", written by task {name}"))
-            .unwrap_or_default();
-        let mut d = Diagnostic::new(
+        Diagnostic::value_mismatch(
             Code::ValuesStale,
-            format!("task {task} reads `{buffer}` expecting {expected} {wanted_from}, but it holds the one of {held_from}{writer_text}"),
+            arg_span,
+            format!("task {task} reads `{buffer}` expecting {expected} {wanted_from}, but it holds the one of {held_from}"),
+            format!("expects {expected} {wanted_from}"),
+            format!("left the one of {held_from} here"),
+            writer,
         )
-        .label(arg_span, format!("expects {expected} {wanted_from}"));
-        if let Some((_, span)) = writer {
-            d = d.label(span, format!("left the one of {held_from} here"));
-        }
-        d.help("compute or copy the value again in this step before it is read: what an earlier step left here is out of date")
+        .help("compute or copy the value again in this step before it is read: what an earlier step left here is out of date")
     }
 
     /// A step run after which a micro-batch has no sampled token.
