@@ -1,11 +1,14 @@
 //! The CUDA backend's checks that need no GPU: detection never panics and names what is
-//! missing, `moec devices` and `moec run --backend cuda` report it in plain words, and the
-//! kernels compile through NVRTC when NVRTC is present.
+//! missing, `moec devices` and `moec run --backend cuda` report it in plain words, the
+//! kernels compile through NVRTC when NVRTC is present, and (tests `standin_*`) the CUDA
+//! path runs through cudarc against the stand-in driver (standin/, built by
+//! `cargo test --workspace`): every kernel against the CPU kernels, streams and events,
+//! cuBLAS, and what a driver refuses.
 //!
-//! NVRTC is absent on CI, so the compile tests then print why they did not compile and
-//! pass. To run them for real without a GPU (README, "CUDA backend (status)"):
-//! `pip install nvidia-cuda-nvrtc-cu12` and point `LD_LIBRARY_PATH` at the wheel's
-//! `nvidia/cuda_nvrtc/lib`.
+//! `.ci/run` installs NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel) so the real compile tests
+//! run in CI; elsewhere, without NVRTC, they print why they did not compile and pass. To
+//! run them locally: `pip install nvidia-cuda-nvrtc-cu12` and point `LD_LIBRARY_PATH` at
+//! the wheel's `nvidia/cuda_nvrtc/lib`.
 
 use moec::cuda::detect::{detect, libraries};
 use moec::cuda::kernels::{compile_all, compile_kernel, KernelSource, DEFAULT_ARCH, KERNELS};
@@ -234,9 +237,10 @@ fn standin_library() -> PathBuf {
     library
 }
 
-/// Runs test `name` of this binary in a child whose CUDA libraries are the stand-in;
-/// returns the child's stderr after asserting it passed.
-fn run_under_standin(name: &str) -> String {
+/// Runs test `name` of this binary in a child whose CUDA libraries are the stand-in: the
+/// symlinks first on its LD_LIBRARY_PATH, kernel objects cached next to the build so
+/// reruns do not recompile.
+fn standin_child(name: &str) -> std::process::Output {
     let library = standin_library();
     let dir = tempfile::tempdir().expect("temp dir");
     for link in STANDIN_NAMES {
@@ -247,14 +251,19 @@ fn run_under_standin(name: &str) -> String {
         Some(old) => format!("{}:{}", dir.path().display(), old.to_string_lossy()),
         None => dir.path().display().to_string(),
     };
-    let out = Command::new(std::env::current_exe().expect("test binary"))
+    Command::new(std::env::current_exe().expect("test binary"))
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(STANDIN_CHILD, name)
         .env("LD_LIBRARY_PATH", path)
-        // Kernel objects are cached next to the build so reruns do not recompile.
         .env("MOEC_STANDIN_CACHE", deps.join("moec-standin-kernels"))
         .output()
-        .expect("child test starts");
+        .expect("child test starts")
+}
+
+/// Runs test `name` under the stand-in (see [`standin_child`]) and returns the child's
+/// stderr after asserting it passed.
+fn run_under_standin(name: &str) -> String {
+    let out = standin_child(name);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("--- child stdout ---\n{stdout}\n--- child stderr ---\n{stderr}");
@@ -264,6 +273,16 @@ fn run_under_standin(name: &str) -> String {
     );
     assert!(stdout.contains("1 passed"), "the child did not run {name}");
     stderr.into_owned()
+}
+
+/// Runs test `name` under the stand-in and returns its exit status and stderr (for tests
+/// whose child must die).
+fn run_under_standin_status(name: &str) -> (std::process::ExitStatus, String) {
+    let out = standin_child(name);
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// True in the child process of test `name`.
@@ -1548,4 +1567,45 @@ fn standin_prefill_attention_matches_the_cpu() {
         println!("paged_prefill_attention ({n_rows} rows, window {window:?}): max abs diff vs CPU {err:.3e}");
         assert!(err < 1e-4, "prefill attention: {err}");
     }
+}
+
+/// A kernel that runs past the end of its buffer (its pointer arguments are valid, so the
+/// launch is accepted) hits the guard page after the allocation: the process dies with
+/// SIGSEGV instead of silently reading or corrupting neighbouring memory.
+#[test]
+fn standin_kernel_overrun_faults_at_the_guard_page() {
+    const NAME: &str = "standin_kernel_overrun_faults_at_the_guard_page";
+    if !in_standin_child(NAME) {
+        use std::os::unix::process::ExitStatusExt;
+        let (status, stderr) = run_under_standin_status(NAME);
+        println!("child: {status:?}\n{stderr}");
+        assert_eq!(status.signal(), Some(libc_sigsegv()), "{stderr}");
+        assert!(stderr.contains("launching the overrun"), "{stderr}");
+        return;
+    }
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let swiglu = function(&modules, "swiglu.cu", "swiglu");
+    // 64 floats = 256 bytes: the allocation ends exactly at its guard page.
+    let mut g_dev = stream.alloc_zeros::<f32>(64).expect("alloc");
+    let u_dev = stream.alloc_zeros::<f32>(64).expect("alloc");
+    let n = 128i32;
+    eprintln!("launching the overrun");
+    // SAFETY: not safe on purpose: n runs past both buffers; the stand-in must fault.
+    unsafe {
+        stream
+            .launch_builder(&swiglu)
+            .arg(&mut g_dev)
+            .arg(&u_dev)
+            .arg(&n)
+            .launch(cfg((1, 1, 1), 32, 0))
+    }
+    .expect("the launch itself is valid");
+    stream.synchronize().expect("sync");
+    panic!("the overrun did not fault");
+}
+
+/// SIGSEGV's number on Linux (no libc dependency in the tests for one constant).
+fn libc_sigsegv() -> i32 {
+    11
 }
