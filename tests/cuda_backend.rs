@@ -763,6 +763,25 @@ fn standin_streams_run_concurrently_and_events_order_them() {
         "the copy read the source and the launch its n when they were called"
     );
 
+    // A wait binds to the record submitted before it: recording the event again on an
+    // idle stream does not release a consumer waiting on the earlier (held) record.
+    let third = ctx.new_stream().expect("stream");
+    let again = ctx.new_event(None).expect("event");
+    let release = gate(&producer);
+    again.record(&producer).expect("record");
+    consumer.wait(&again).expect("wait");
+    let marker = ctx.new_event(None).expect("event");
+    marker.record(&consumer).expect("record");
+    again.record(&third).expect("record");
+    third.synchronize().expect("sync");
+    assert!(again.is_complete(), "the latest record has run");
+    assert!(
+        !marker.is_complete(),
+        "the consumer still waits for the first record"
+    );
+    release.send(()).expect("release");
+    marker.synchronize().expect("sync");
+
     // Event rules through the raw driver calls.
     let timed = ctx
         .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))
