@@ -1600,6 +1600,11 @@ fn standin_kernel_overrun_faults_at_the_guard_page() {
         println!("child: {status:?}\n{stderr}");
         assert_eq!(status.signal(), Some(libc_sigsegv()), "{stderr}");
         assert!(stderr.contains("launching the overrun"), "{stderr}");
+        assert!(
+            stderr.contains("moec-standin: memory fault at 0x")
+                && stderr.contains("past an allocation's end"),
+            "{stderr}"
+        );
         return;
     }
     let (ctx, stream) = standin_context();

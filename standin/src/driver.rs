@@ -121,6 +121,7 @@ fn copy_work(dst: Addr, src: Addr, bytes: usize) -> Work {
 
 #[no_mangle]
 extern "C" fn cuInit(_flags: c_uint) -> CuResult {
+    memory::install_fault_report();
     code::SUCCESS
 }
 
