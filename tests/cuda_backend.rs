@@ -1,9 +1,9 @@
 //! The CUDA backend's checks that need no GPU: detection never panics and names what is
 //! missing, `moec devices` and `moec run --backend cuda` report it in plain words, the
-//! kernels compile through NVRTC when NVRTC is present, and (modules `standin`, `standin_kernels`) the CUDA
-//! path runs through cudarc against the stand-in driver (standin/, built by
-//! `cargo test --workspace`): every kernel against the CPU kernels, streams and events,
-//! cuBLAS, and what a driver refuses.
+//! kernels compile through NVRTC when NVRTC is present, and (modules `standin` and
+//! `standin_kernels`) the CUDA path runs through cudarc against the stand-in driver
+//! (standin/, built by `cargo test --workspace`): every kernel against the CPU kernels,
+//! streams and events, cuBLAS, and what a driver refuses.
 //!
 //! `.ci/run` installs NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel) so the real compile tests
 //! run in CI; elsewhere, without NVRTC, they print why they did not compile and pass. To

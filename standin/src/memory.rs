@@ -344,7 +344,8 @@ extern "C" fn on_fault(
     }
 }
 
-/// Installs [`on_fault`] for SIGSEGV and SIGBUS once per process.
+/// Installs a SIGSEGV/SIGBUS handler, once per process, that prints the faulting address
+/// before the process dies as it would have (the previous handler is chained).
 pub fn install_fault_report() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
