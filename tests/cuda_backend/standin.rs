@@ -489,6 +489,57 @@ fn cublas_gemms_match_references() {
         }
     }
     println!("gemm_ex bf16: within 1 bf16 ulp of the f32-accumulated product");
+
+    // bf16 weights and activations with an f32 output and f32 compute (the backend's
+    // projections), plus beta = 1 accumulating into the output (a residual add): exact
+    // against the widened operands summed in the same (ascending k) order.
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+    let residual = rng.vec(rows * out, 1.0);
+    let mut acc_dev = stream.clone_htod(&residual).expect("htod");
+    let (alpha, beta) = (1.0f32, 1.0f32);
+    {
+        let (w_ptr, _w) = cudarc::driver::DevicePtr::device_ptr(&wb_dev, &stream);
+        let (x_ptr, _x) = cudarc::driver::DevicePtr::device_ptr(&xb_dev, &stream);
+        let (c_ptr, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut acc_dev, &stream);
+        // SAFETY: the device pointers cover the configured shapes; alpha and beta are host
+        // f32 values, as f32 compute requires.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                out as i32,
+                rows as i32,
+                inp as i32,
+                (&alpha as *const f32).cast(),
+                w_ptr as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                inp as i32,
+                x_ptr as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                inp as i32,
+                (&beta as *const f32).cast(),
+                c_ptr as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                out as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .expect("gemm_ex bf16 -> f32");
+    }
+    let got = stream.clone_dtoh(&acc_dev).expect("dtoh");
+    for r in 0..rows {
+        for o in 0..out {
+            let mut dot = 0.0f32;
+            for i in 0..inp {
+                dot += xb[r * inp + i].to_f32() * wb[o * inp + i].to_f32();
+            }
+            let want = dot + residual[r * out + o];
+            assert_eq!(got[r * out + o].to_bits(), want.to_bits(), "[{r}, {o}]");
+        }
+    }
+    println!("gemm_ex bf16 x bf16 -> f32 with beta = 1: exact");
 }
 
 /// What a real driver refuses, the stand-in refuses with the driver's code (and a
