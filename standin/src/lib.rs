@@ -20,6 +20,7 @@
 
 pub mod cublas;
 pub mod driver;
+pub mod launch;
 pub mod memory;
 pub mod module;
 pub mod nvrtc;

@@ -310,3 +310,59 @@ pub fn check_kernel_pointer(ptr: usize) -> Result<(), String> {
         Err(describe_missing(&table, ptr))
     }
 }
+
+/// The handler that was installed before ours, restored when a fault happens.
+static mut PREVIOUS: [Option<libc::sigaction>; 2] = [None, None];
+
+/// On SIGSEGV/SIGBUS: says on stderr (async-signal-safely) that stand-in memory was
+/// touched outside every live allocation, restores the previous handler and returns, so
+/// the fault repeats and ends the process as it would have (Rust's stack-overflow report
+/// included).
+extern "C" fn on_fault(
+    signal: libc::c_int,
+    info: *mut libc::siginfo_t,
+    _context: *mut libc::c_void,
+) {
+    let mut line = *b"moec-standin: memory fault at 0x0000000000000000: if a kernel or copy did this, it touched memory outside every live allocation (past an allocation's end, or freed)\n";
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let address = unsafe { (*info).si_addr() } as usize;
+    let digits = b"0123456789abcdef";
+    let start = "moec-standin: memory fault at 0x".len();
+    for i in 0..16 {
+        line[start + i] = digits[(address >> (60 - 4 * i)) & 0xf];
+    }
+    // SAFETY: write(2) and sigaction(2) are async-signal-safe; PREVIOUS is written once,
+    // before the handler is installed, and only read here.
+    unsafe {
+        libc::write(2, line.as_ptr().cast(), line.len());
+        let slot = if signal == libc::SIGSEGV { 0 } else { 1 };
+        let previous = (*std::ptr::addr_of!(PREVIOUS))[slot];
+        match previous {
+            Some(action) => libc::sigaction(signal, &action, std::ptr::null_mut()),
+            None => libc::signal(signal, libc::SIG_DFL) as libc::c_int,
+        };
+    }
+}
+
+/// Installs a SIGSEGV/SIGBUS handler, once per process, that prints the faulting address
+/// before the process dies as it would have (the previous handler is chained).
+pub fn install_fault_report() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for (slot, signal) in [libc::SIGSEGV, libc::SIGBUS].into_iter().enumerate() {
+            // SAFETY: a zeroed sigaction is a valid starting point; the handler has the
+            // SA_SIGINFO signature; PREVIOUS is written before our handler can run.
+            unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = on_fault as *const () as usize;
+                action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut action.sa_mask);
+                if libc::sigaction(signal, std::ptr::null(), &mut old) == 0 {
+                    (*std::ptr::addr_of_mut!(PREVIOUS))[slot] = Some(old);
+                }
+                libc::sigaction(signal, &action, std::ptr::null_mut());
+            }
+        }
+    });
+}

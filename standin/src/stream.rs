@@ -11,7 +11,7 @@
 
 use crate::driver::code;
 use crate::{lock, log, Handles};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -237,9 +237,29 @@ pub fn synchronize_all() {
 struct EventState {
     /// Records submitted.
     recorded: u64,
-    /// The latest record that has run, and when.
-    completed: u64,
+    /// Every record up to this generation has run.
+    done_upto: u64,
+    /// Records above `done_upto` that have run (records on different streams finish in
+    /// any order, and a wait is bound to one record, not to "a later one finished").
+    done_above: BTreeSet<u64>,
+    /// When the latest record ran (set only if it was still the latest when it ran).
     at: Option<Instant>,
+}
+
+impl EventState {
+    fn is_done(&self, generation: u64) -> bool {
+        generation <= self.done_upto || self.done_above.contains(&generation)
+    }
+
+    fn complete(&mut self, generation: u64) {
+        self.done_above.insert(generation);
+        while self.done_above.remove(&(self.done_upto + 1)) {
+            self.done_upto += 1;
+        }
+        if generation == self.recorded {
+            self.at = Some(Instant::now());
+        }
+    }
 }
 
 /// A CUDA event.
@@ -252,7 +272,7 @@ pub struct Event {
 impl Event {
     fn wait_generation(&self, generation: u64) {
         let mut state = lock(&self.state);
-        while state.completed < generation {
+        while !state.is_done(generation) {
             state = self
                 .changed
                 .wait(state)
@@ -272,7 +292,8 @@ pub fn event_create(flags: u32) -> usize {
         timing: flags & DISABLE_TIMING == 0,
         state: Mutex::new(EventState {
             recorded: 0,
-            completed: 0,
+            done_upto: 0,
+            done_above: BTreeSet::new(),
             at: None,
         }),
         changed: Condvar::new(),
@@ -311,12 +332,7 @@ pub fn event_record(handle: usize, stream: usize) -> Result<(), u32> {
         stream,
         "cuEventRecord",
         Box::new(move || {
-            let mut state = lock(&target.state);
-            if generation > state.completed {
-                state.completed = generation;
-                state.at = Some(Instant::now());
-            }
-            drop(state);
+            lock(&target.state).complete(generation);
             target.changed.notify_all();
         }),
     )?;
@@ -340,7 +356,7 @@ pub fn stream_wait_event(stream: usize, handle: usize) -> Result<(), u32> {
 pub fn event_query(handle: usize) -> Result<bool, u32> {
     let event = event(handle, "cuEventQuery")?;
     let state = lock(&event.state);
-    Ok(state.completed >= state.recorded)
+    Ok(state.is_done(state.recorded))
 }
 
 /// Blocks until the event's latest record (as of this call) has run.
@@ -370,7 +386,7 @@ pub fn event_elapsed(start: usize, end: usize) -> Result<f32, u32> {
             ));
             return Err(code::INVALID_HANDLE);
         }
-        if state.completed < state.recorded {
+        if !state.is_done(state.recorded) {
             return Err(code::NOT_READY);
         }
         *slot = state.at;

@@ -1,0 +1,794 @@
+//! moec's CUDA kernels run through cudarc on the stand-in driver (see standin.rs), each
+//! against the CPU kernel of `moec::model::kernels` it mirrors.
+
+use crate::standin::{
+    cfg, function, in_standin_child, load_kernels, max_abs_diff, run_under_standin,
+    standin_context, Rng,
+};
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+use moec::runtime::cuda::detect::detect;
+use moec::runtime::cuda::kernels::{compile_kernel, KernelSource, DEFAULT_ARCH};
+
+/// Every kernel of kernels/*.cu, compiled by the stand-in NVRTC and launched through
+/// cudarc, against the CPU kernels of `moec::model::kernels`. Tolerances: the GPU kernels
+/// reduce sums as trees where the CPU sums in order, so norms and attention agree to 1e-4
+/// absolute on O(1) values; rotary, SwiGLU and routing weights to 1e-5; routing choices and
+/// the KV cache appends exactly.
+#[test]
+fn every_kernel_runs_like_the_cpu_kernels() {
+    const NAME: &str = "standin_kernels::every_kernel_runs_like_the_cpu_kernels";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::model::kernels::attention::{attention, AttnSeq, AttnShape};
+    use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+    use moec::model::kernels::moe::route;
+    use moec::model::kernels::norm::{normalize, NormKind};
+    use moec::model::kernels::rope::RopeTable;
+    use moec::model::TypedSlice;
+
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+
+    // Norms: 5 rows of 200, bf16 weight; 64 threads for RMS, 96 for LayerNorm.
+    let (rows, d) = (5usize, 200usize);
+    let x: Vec<f32> = rng.vec(rows * d, 3.0).iter().map(|v| v + 0.5).collect();
+    let w: Vec<bf16> = rng
+        .vec(d, 0.5)
+        .iter()
+        .map(|v| bf16::from_f32(v + 1.0))
+        .collect();
+    let w_bits: Vec<u16> = w.iter().map(|v| v.to_bits()).collect();
+    let x_dev = stream.clone_htod(&x).expect("htod");
+    let w_dev = stream.clone_htod(&w_bits).expect("htod");
+    for (entry, kind, threads) in [
+        ("rms_norm_bf16", NormKind::Rms, 64),
+        ("layer_norm_bf16", NormKind::LayerNoBias, 96),
+    ] {
+        let f = function(&modules, "rms_norm.cu", entry);
+        let mut out_dev = stream.alloc_zeros::<f32>(rows * d).expect("alloc");
+        let (dim, eps) = (d as i32, 1e-5f32);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f)
+                .arg(&x_dev)
+                .arg(&w_dev)
+                .arg(&mut out_dev)
+                .arg(&dim)
+                .arg(&eps)
+                .launch(cfg((rows as u32, 1, 1), threads, 0))
+        }
+        .expect("launch");
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        let mut want = vec![0.0f32; rows * d];
+        normalize(kind, &x, TypedSlice::Bf16(&w), eps, &mut want);
+        let err = max_abs_diff(&got, &want);
+        println!("{entry}: max abs diff vs CPU {err:.3e}");
+        assert!(err < 1e-4, "{entry}: {err}");
+    }
+
+    // Rotary: 4 tokens, 8 q heads + 2 kv heads of 16, positions up to 63.
+    let (nt, h, kvh, hd, max_pos, theta) = (4usize, 8usize, 2usize, 16usize, 64usize, 1e6f64);
+    let width = (h + 2 * kvh) * hd;
+    let qkv = rng.vec(nt * width, 1.0);
+    let positions = [0i32, 7, 33, 63];
+    // The tables as RopeTable::new builds them (the kernel's header contract).
+    let half_dim = hd / 2;
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for pos in 0..max_pos {
+        for i in 0..half_dim {
+            let inv = 1.0 / (theta as f32).powf((2 * i) as f32 / hd as f32);
+            let angle = pos as f32 * inv;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    let mut qkv_dev = stream.clone_htod(&qkv).expect("htod");
+    let pos_dev = stream.clone_htod(&positions).expect("htod");
+    let cos_dev = stream.clone_htod(&cos).expect("htod");
+    let sin_dev = stream.clone_htod(&sin).expect("htod");
+    let f = function(&modules, "rope.cu", "rope_neox");
+    let (w_i, rot_i, hd_i) = (width as i32, (h + kvh) as i32, hd as i32);
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&mut qkv_dev)
+            .arg(&pos_dev)
+            .arg(&cos_dev)
+            .arg(&sin_dev)
+            .arg(&w_i)
+            .arg(&rot_i)
+            .arg(&hd_i)
+            .launch(cfg((nt as u32, (h + kvh) as u32, 1), 32, 0))
+    }
+    .expect("launch");
+    let got = stream.clone_dtoh(&qkv_dev).expect("dtoh");
+    let table = RopeTable::new(theta, hd, max_pos);
+    let mut want = qkv.clone();
+    for (t, &p) in positions.iter().enumerate() {
+        for head in 0..h + kvh {
+            let at = t * width + head * hd;
+            table.rotate(&mut want[at..at + hd], p as usize);
+        }
+    }
+    let err = max_abs_diff(&got, &want);
+    println!("rope_neox: max abs diff vs CPU {err:.3e}");
+    assert!(err < 1e-5, "rope: {err}");
+
+    // SwiGLU over 300 elements, 3 blocks of 32 threads (grid-stride loop).
+    let g = rng.vec(300, 4.0);
+    let u = rng.vec(300, 1.0);
+    let mut g_dev = stream.clone_htod(&g).expect("htod");
+    let u_dev = stream.clone_htod(&u).expect("htod");
+    let f = function(&modules, "swiglu.cu", "swiglu");
+    let n = 300i32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&mut g_dev)
+            .arg(&u_dev)
+            .arg(&n)
+            .launch(cfg((3, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let got = stream.clone_dtoh(&g_dev).expect("dtoh");
+    // silu(x) * u, the definition expert_ffn applies.
+    let want: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&x, &up)| x / (1.0 + (-x).exp()) * up)
+        .collect();
+    let err = max_abs_diff(&got, &want);
+    println!("swiglu: max abs diff {err:.3e}");
+    assert!(err < 1e-5, "swiglu: {err}");
+
+    // Router: 70 tokens, 16 experts, top 4, renormalised (p = 1); row 3 all ties.
+    let (rn, ne, tk) = (70usize, 16usize, 4usize);
+    let mut logits = rng.vec(rn * ne, 2.0);
+    logits[3 * ne..4 * ne].fill(0.0);
+    let logits_dev = stream.clone_htod(&logits).expect("htod");
+    let mut experts_dev = stream.alloc_zeros::<u32>(rn * tk).expect("alloc");
+    let mut weights_dev = stream.alloc_zeros::<f32>(rn * tk).expect("alloc");
+    let f = function(&modules, "router_topk.cu", "router_topk");
+    let (rn_i, ne_i, tk_i, p) = (rn as i32, ne as i32, tk as i32, 1.0f32);
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&logits_dev)
+            .arg(&mut experts_dev)
+            .arg(&mut weights_dev)
+            .arg(&rn_i)
+            .arg(&ne_i)
+            .arg(&tk_i)
+            .arg(&p)
+            .launch(cfg((rn.div_ceil(32) as u32, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let want = route(&logits, ne, tk, Some(1.0));
+    assert_eq!(stream.clone_dtoh(&experts_dev).expect("dtoh"), want.experts);
+    let err = max_abs_diff(
+        &stream.clone_dtoh(&weights_dev).expect("dtoh"),
+        &want.weights,
+    );
+    println!("router_topk: experts equal, max weight diff {err:.3e}");
+    assert!(err < 1e-6, "router: {err}");
+
+    // Decode attention over a paged cache: 3 sequences with 0, 17 and 40 cached tokens,
+    // 8 q heads, 2 kv heads of 32, blocks of 16, without and with a sliding window of 20.
+    for window in [None, Some(20usize)] {
+        let (ns, ah, akvh, ahd, bs, n_blocks, mb) =
+            (3usize, 8usize, 2usize, 32usize, 16usize, 20usize, 6usize);
+        let layout = KvLayout {
+            block_size: bs,
+            kv_heads: akvh,
+            head_dim: ahd,
+        };
+        let ctx_lens = [0i32, 17, 40];
+        let mut tables = vec![0u32; ns * mb];
+        let mut next = 0u32;
+        for (s, &c) in ctx_lens.iter().enumerate() {
+            for b in 0..(c as usize + 1).div_ceil(bs) {
+                // A scattered but deterministic block order (7 is coprime with 20).
+                tables[s * mb + b] = (next * 7 + 3) % n_blocks as u32;
+                next += 1;
+            }
+        }
+        let pool_len = n_blocks * layout.block_elems();
+        let k_pool = rng.vec(pool_len, 1.0);
+        let v_pool = rng.vec(pool_len, 1.0);
+        let shape = AttnShape {
+            heads: ah,
+            kv_heads: akvh,
+            head_dim: ahd,
+            sliding_window: window,
+        };
+        let qkv = rng.vec(ns * shape.qkv_width(), 1.0);
+        let max_keys = 41usize;
+        let qkv_dev = stream.clone_htod(&qkv).expect("htod");
+        let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
+        let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
+        let tables_dev = stream.clone_htod(&tables).expect("htod");
+        let ctx_dev = stream.clone_htod(&ctx_lens).expect("htod");
+        let mut scores_dev = stream
+            .alloc_zeros::<f32>(ns * ah * max_keys)
+            .expect("alloc");
+        let mut out_dev = stream.alloc_zeros::<f32>(ns * ah * ahd).expect("alloc");
+        let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+        let append = function(&modules, "decode_attention.cu", "paged_kv_append");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&append)
+                .arg(&qkv_dev)
+                .arg(&mut k_dev)
+                .arg(&mut v_dev)
+                .arg(&tables_dev)
+                .arg(&ctx_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .launch(cfg((ns as u32, akvh as u32, 1), 32, 0))
+        }
+        .expect("launch");
+        let decode = function(&modules, "decode_attention.cu", "paged_decode_attention");
+        let (mk, win, scale) = (
+            max_keys as i32,
+            window.unwrap_or(0) as i32,
+            1.0 / (ahd as f32).sqrt(),
+        );
+        let shared = ((ah / akvh) * ahd * 4) as u32;
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&decode)
+                .arg(&qkv_dev)
+                .arg(&k_dev)
+                .arg(&v_dev)
+                .arg(&tables_dev)
+                .arg(&ctx_dev)
+                .arg(&mut scores_dev)
+                .arg(&mut out_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .arg(&mk)
+                .arg(&win)
+                .arg(&scale)
+                .launch(cfg((ns as u32, akvh as u32, 1), 64, shared))
+        }
+        .expect("launch");
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        let (mut k_cpu, mut v_cpu) = (k_pool.clone(), v_pool.clone());
+        let mut want = vec![0.0f32; ns * ah * ahd];
+        let seqs: Vec<AttnSeq<'_>> = (0..ns)
+            .map(|s| AttnSeq {
+                block_table: &tables[s * mb..(s + 1) * mb],
+                context_len: ctx_lens[s] as usize,
+                n_new: 1,
+            })
+            .collect();
+        let mut cache = KvBlocksMut {
+            layout,
+            k: &mut k_cpu,
+            v: &mut v_cpu,
+        };
+        attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
+        assert_eq!(
+            stream.clone_dtoh(&k_dev).expect("dtoh"),
+            k_cpu,
+            "appended K"
+        );
+        assert_eq!(
+            stream.clone_dtoh(&v_dev).expect("dtoh"),
+            v_cpu,
+            "appended V"
+        );
+        let err = max_abs_diff(&got, &want);
+        println!("paged_decode_attention (window {window:?}): max abs diff vs CPU {err:.3e}");
+        assert!(err < 1e-4, "attention: {err}");
+    }
+}
+
+/// The catalog's non-GEMM ops in kernels/ops.cu, through the stand-in, against the CPU
+/// kernels: embedding (bf16/f16/f32 tables) against `head::embed`, widening against
+/// `half`, bf16 narrowing against `half::bf16::from_f32` (round to nearest even), expert
+/// gather/scatter/combine against `moe::combine` on the scattered slots, greedy sampling
+/// against `sampling::argmax`. All are exact (data movement, the same summation order).
+#[test]
+fn op_kernels_run_like_the_cpu() {
+    const NAME: &str = "standin_kernels::op_kernels_run_like_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use half::f16;
+    use moec::model::kernels::head::embed;
+    use moec::model::kernels::moe::{combine, Routing};
+    use moec::model::kernels::sampling::argmax;
+    use moec::model::{Matrix, Orientation, TypedSlice};
+    const OPS: KernelSource = KernelSource {
+        file: "ops.cu",
+        source: include_str!("../../kernels/ops.cu"),
+        entries: &[
+            "embed_bf16",
+            "embed_f16",
+            "embed_f32",
+            "widen_bf16",
+            "widen_f16",
+            "narrow_bf16",
+            "add_in_place",
+            "clamp_in_place",
+            "gather_rows",
+            "scatter_weighted",
+            "combine_slots",
+            "argmax_rows",
+        ],
+    };
+    assert_eq!(moec::runtime::cuda::kernels::entry_names(OPS.source), OPS.entries);
+    let (ctx, stream) = standin_context();
+    let module = ctx
+        .load_module(compile_kernel(&OPS, DEFAULT_ARCH).expect("ops.cu compiles"))
+        .expect("module");
+    let f = |name: &str| module.load_function(name).expect("entry");
+    let mut rng = Rng(7);
+
+    // Embedding: 20 x 48 table, 6 ids (repeats allowed), in each stored dtype.
+    let (vocab, hidden) = (20usize, 48usize);
+    let ids = [3u32, 0, 19, 3, 7, 11];
+    let values = rng.vec(vocab * hidden, 2.0);
+    let as_bf16: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+    let mut as_f16: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+    // Subnormal, infinite and negative-zero halves exercise the exact conversion.
+    as_f16[3 * hidden] = f16::from_bits(0x0001);
+    as_f16[3 * hidden + 1] = f16::from_bits(0x83ff);
+    as_f16[3 * hidden + 2] = f16::INFINITY;
+    as_f16[3 * hidden + 3] = f16::NEG_ZERO;
+    let ids_dev = stream.clone_htod(&ids).expect("htod");
+    let hidden_i = hidden as i32;
+    let tables: [(&str, TypedSlice<'_>, CudaSlice<u8>); 3] = [
+        (
+            "embed_bf16",
+            TypedSlice::Bf16(&as_bf16),
+            stream.clone_htod(bytemuck_bytes(&as_bf16)).expect("htod"),
+        ),
+        (
+            "embed_f16",
+            TypedSlice::F16(&as_f16),
+            stream.clone_htod(bytemuck_bytes(&as_f16)).expect("htod"),
+        ),
+        (
+            "embed_f32",
+            TypedSlice::F32(&values),
+            stream.clone_htod(bytemuck_bytes(&values)).expect("htod"),
+        ),
+    ];
+    for (entry, typed, table_dev) in &tables {
+        let mut out_dev = stream
+            .alloc_zeros::<f32>(ids.len() * hidden)
+            .expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f(entry))
+                .arg(table_dev)
+                .arg(&ids_dev)
+                .arg(&mut out_dev)
+                .arg(&hidden_i)
+                .launch(cfg((ids.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let matrix = Matrix::new(*typed, vocab, hidden, Orientation::OutIn).expect("matrix");
+        let mut want = vec![0.0f32; ids.len() * hidden];
+        embed(&matrix, &ids, &mut want).expect("CPU embed");
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        assert_eq!(bits(&got), bits(&want), "{entry}");
+        println!("{entry}: equal to head::embed");
+    }
+
+    // Widening and narrowing, 1000 elements on 2 blocks of 64 (grid-stride).
+    let n = 1000usize;
+    let n_ll = n as i64;
+    let src: Vec<f32> = rng.vec(n, 100.0);
+    let wide_bf16: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
+    let wide_dev = stream.clone_htod(bytemuck_bytes(&wide_bf16)).expect("htod");
+    let mut out_dev = stream.alloc_zeros::<f32>(n).expect("alloc");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("widen_bf16"))
+            .arg(&wide_dev)
+            .arg(&mut out_dev)
+            .arg(&n_ll)
+            .launch(cfg((2, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = wide_bf16.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(
+        bits(&stream.clone_dtoh(&out_dev).expect("dtoh")),
+        bits(&want),
+        "widen_bf16"
+    );
+    let mut narrow_src = src.clone();
+    // Ties (0x3f808000 is halfway between two bf16 values), NaN and infinity.
+    narrow_src[0] = f32::from_bits(0x3f80_8000);
+    narrow_src[1] = f32::from_bits(0x3f81_8000);
+    narrow_src[2] = f32::NAN;
+    narrow_src[3] = f32::NEG_INFINITY;
+    let narrow_dev = stream.clone_htod(&narrow_src).expect("htod");
+    let mut narrowed_dev = stream.alloc_zeros::<u16>(n).expect("alloc");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("narrow_bf16"))
+            .arg(&narrow_dev)
+            .arg(&mut narrowed_dev)
+            .arg(&n_ll)
+            .launch(cfg((2, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want: Vec<u16> = narrow_src
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_bits())
+        .collect();
+    assert_eq!(
+        stream.clone_dtoh(&narrowed_dev).expect("dtoh"),
+        want,
+        "narrow_bf16"
+    );
+    println!("widen_bf16, narrow_bf16: equal to half's conversions");
+
+    // Mixture of experts: 5 tokens, top 2 of 4 experts, width 24. Each expert's rows are
+    // gathered, "processed" (y = 10 * expert + x, a stand-in for its FFN), scattered with
+    // their weights, then combined into the residual; the CPU combines the same slots.
+    let (tokens, top_k, width, n_experts) = (5usize, 2usize, 24usize, 4usize);
+    let routing = Routing {
+        top_k,
+        experts: vec![2, 0, 1, 3, 3, 1, 0, 2, 1, 0],
+        weights: rng.vec(tokens * top_k, 1.0),
+    };
+    let x_norm = rng.vec(tokens * width, 1.0);
+    let residual = rng.vec(tokens * width, 1.0);
+    let x_dev = stream.clone_htod(&x_norm).expect("htod");
+    let mut slots_dev = stream
+        .alloc_zeros::<f32>(tokens * top_k * width)
+        .expect("alloc");
+    let mut slots_cpu = vec![0.0f32; tokens * top_k * width];
+    let (k_i, w_i) = (top_k as i32, width as i32);
+    for (e, rows) in routing.by_expert(n_experts).iter().enumerate() {
+        if rows.is_empty() {
+            continue;
+        }
+        let row_ids: Vec<u32> = rows.iter().map(|r| r.row).collect();
+        let slot_ids: Vec<u32> = rows.iter().map(|r| r.slot).collect();
+        let weights: Vec<f32> = rows.iter().map(|r| r.weight).collect();
+        let rows_dev = stream.clone_htod(&row_ids).expect("htod");
+        let mut gathered_dev = stream
+            .alloc_zeros::<f32>(rows.len() * width)
+            .expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("gather_rows"))
+                .arg(&x_dev)
+                .arg(&rows_dev)
+                .arg(&mut gathered_dev)
+                .arg(&w_i)
+                .launch(cfg((rows.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let gathered = stream.clone_dtoh(&gathered_dev).expect("dtoh");
+        for (i, r) in rows.iter().enumerate() {
+            let at = r.row as usize * width;
+            assert_eq!(
+                gathered[i * width..(i + 1) * width],
+                x_norm[at..at + width],
+                "gather"
+            );
+        }
+        let y: Vec<f32> = gathered.iter().map(|v| v + 10.0 * e as f32).collect();
+        for (i, r) in rows.iter().enumerate() {
+            let at = (r.row as usize * top_k + r.slot as usize) * width;
+            for d in 0..width {
+                slots_cpu[at + d] = r.weight * y[i * width + d];
+            }
+        }
+        let y_dev = stream.clone_htod(&y).expect("htod");
+        let slot_dev = stream.clone_htod(&slot_ids).expect("htod");
+        let weights_dev = stream.clone_htod(&weights).expect("htod");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("scatter_weighted"))
+                .arg(&y_dev)
+                .arg(&rows_dev)
+                .arg(&slot_dev)
+                .arg(&weights_dev)
+                .arg(&mut slots_dev)
+                .arg(&k_i)
+                .arg(&w_i)
+                .launch(cfg((rows.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+    }
+    assert_eq!(
+        bits(&stream.clone_dtoh(&slots_dev).expect("dtoh")),
+        bits(&slots_cpu),
+        "scatter"
+    );
+    let experts_dev = stream.clone_htod(&routing.experts).expect("htod");
+    let mut residual_dev = stream.clone_htod(&residual).expect("htod");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("combine_slots"))
+            .arg(&slots_dev)
+            .arg(&experts_dev)
+            .arg(&mut residual_dev)
+            .arg(&k_i)
+            .arg(&w_i)
+            .launch(cfg((tokens as u32, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let mut want = residual.clone();
+    combine(&routing, &slots_cpu, &mut want).expect("CPU combine");
+    assert_eq!(
+        bits(&stream.clone_dtoh(&residual_dev).expect("dtoh")),
+        bits(&want),
+        "combine"
+    );
+    println!("gather_rows, scatter_weighted, combine_slots: equal to moe::combine");
+
+    // Residual add.
+    let a = rng.vec(n, 1.0);
+    let b = rng.vec(n, 1.0);
+    let mut a_dev = stream.clone_htod(&a).expect("htod");
+    let b_dev = stream.clone_htod(&b).expect("htod");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("add_in_place"))
+            .arg(&mut a_dev)
+            .arg(&b_dev)
+            .arg(&n_ll)
+            .launch(cfg((3, 1, 1), 128, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    assert_eq!(
+        bits(&stream.clone_dtoh(&a_dev).expect("dtoh")),
+        bits(&want),
+        "add_in_place"
+    );
+
+    // DBRX's clip_qkv, NaN and infinities included, against f32::clamp (pre_attn's clip).
+    let mut x = rng.vec(n, 20.0);
+    x[0] = f32::NAN;
+    x[1] = f32::INFINITY;
+    x[2] = f32::NEG_INFINITY;
+    let mut x_dev = stream.clone_htod(&x).expect("htod");
+    let limit = 8.0f32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("clamp_in_place"))
+            .arg(&mut x_dev)
+            .arg(&limit)
+            .arg(&n_ll)
+            .launch(cfg((2, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = x.iter().map(|v| v.clamp(-limit, limit)).collect();
+    assert_eq!(
+        bits(&stream.clone_dtoh(&x_dev).expect("dtoh")),
+        bits(&want),
+        "clamp_in_place"
+    );
+    println!("add_in_place, clamp_in_place: equal to the CPU's arithmetic");
+
+    // Greedy sampling: 4 rows of 300 logits, with a tie (the lower index wins) and a row
+    // whose maximum is the last element.
+    let vocab = 300usize;
+    let mut logits = rng.vec(4 * vocab, 5.0);
+    logits[17] = 50.0;
+    logits[250] = 50.0;
+    logits[2 * vocab - 1] = 60.0;
+    let logits_dev = stream.clone_htod(&logits).expect("htod");
+    let mut picks_dev = stream.alloc_zeros::<u32>(4).expect("alloc");
+    let vocab_i = vocab as i32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("argmax_rows"))
+            .arg(&logits_dev)
+            .arg(&mut picks_dev)
+            .arg(&vocab_i)
+            .launch(cfg((4, 1, 1), 128, 0))
+    }
+    .expect("launch");
+    let want: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
+    assert_eq!(want[..2], [17, vocab as u32 - 1]);
+    assert_eq!(stream.clone_dtoh(&picks_dev).expect("dtoh"), want, "argmax");
+    println!("argmax_rows: equal to sampling::argmax");
+}
+
+/// The raw bytes of a slice of plain numbers (for uploading bf16/f16 tables).
+fn bytemuck_bytes<T: bytemuck::Pod>(values: &[T]) -> &[u8] {
+    bytemuck::cast_slice(values)
+}
+
+/// Bit patterns, so exact comparisons also distinguish -0.0 and NaN payloads.
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// kernels/prefill_attention.cu through the stand-in against the CPU's `attention` with
+/// several new tokens per sequence (a prompt from scratch, a prompt continuing a cached
+/// sequence, and a decode token in the same launch), without and with a sliding window.
+/// Tolerance 1e-4 absolute (tree-reduced softmax, as for decode); K/V appends exact.
+#[test]
+fn prefill_attention_matches_the_cpu() {
+    const NAME: &str = "standin_kernels::prefill_attention_matches_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::model::kernels::attention::{attention, AttnSeq, AttnShape};
+    use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+    const PREFILL: KernelSource = KernelSource {
+        file: "prefill_attention.cu",
+        source: include_str!("../../kernels/prefill_attention.cu"),
+        entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+    };
+    assert_eq!(
+        moec::runtime::cuda::kernels::entry_names(PREFILL.source),
+        PREFILL.entries
+    );
+    let (ctx, stream) = standin_context();
+    let module = ctx
+        .load_module(compile_kernel(&PREFILL, DEFAULT_ARCH).expect("compiles"))
+        .expect("module");
+    let mut rng = Rng(99);
+    let (ah, akvh, ahd, bs, n_blocks, mb) = (8usize, 2usize, 32usize, 16usize, 24usize, 6usize);
+    let layout = KvLayout {
+        block_size: bs,
+        kv_heads: akvh,
+        head_dim: ahd,
+    };
+    // (cached tokens, new tokens) per sequence.
+    let seqs_spec = [(0usize, 9usize), (17, 5), (40, 1)];
+    let mut tables = vec![0u32; seqs_spec.len() * mb];
+    let mut next = 0u32;
+    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
+        for b in 0..(cached + new).div_ceil(bs) {
+            tables[s * mb + b] = (next * 5 + 1) % n_blocks as u32;
+            next += 1;
+        }
+    }
+    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
+    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
+        for j in 0..new {
+            row_seq.push(s as u32);
+            row_pos.push((cached + j) as i32);
+        }
+    }
+    let n_rows = row_seq.len();
+    for window in [None, Some(12usize)] {
+        let shape = AttnShape {
+            heads: ah,
+            kv_heads: akvh,
+            head_dim: ahd,
+            sliding_window: window,
+        };
+        let pool_len = n_blocks * layout.block_elems();
+        let k_pool = rng.vec(pool_len, 1.0);
+        let v_pool = rng.vec(pool_len, 1.0);
+        let qkv = rng.vec(n_rows * shape.qkv_width(), 1.0);
+        let max_keys = 41usize;
+        let qkv_dev = stream.clone_htod(&qkv).expect("htod");
+        let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
+        let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
+        let tables_dev = stream.clone_htod(&tables).expect("htod");
+        let seq_dev = stream.clone_htod(&row_seq).expect("htod");
+        let pos_dev = stream.clone_htod(&row_pos).expect("htod");
+        let mut scores_dev = stream
+            .alloc_zeros::<f32>(n_rows * ah * max_keys)
+            .expect("alloc");
+        let mut out_dev = stream.alloc_zeros::<f32>(n_rows * ah * ahd).expect("alloc");
+        let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+        let append = module.load_function("paged_kv_append_rows").expect("entry");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&append)
+                .arg(&qkv_dev)
+                .arg(&mut k_dev)
+                .arg(&mut v_dev)
+                .arg(&tables_dev)
+                .arg(&seq_dev)
+                .arg(&pos_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .launch(cfg((n_rows as u32, akvh as u32, 1), 32, 0))
+        }
+        .expect("launch");
+        let prefill = module
+            .load_function("paged_prefill_attention")
+            .expect("entry");
+        let (mk, win, scale) = (
+            max_keys as i32,
+            window.unwrap_or(0) as i32,
+            1.0 / (ahd as f32).sqrt(),
+        );
+        let shared = ((ah / akvh) * ahd * 4) as u32;
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&prefill)
+                .arg(&qkv_dev)
+                .arg(&k_dev)
+                .arg(&v_dev)
+                .arg(&tables_dev)
+                .arg(&seq_dev)
+                .arg(&pos_dev)
+                .arg(&mut scores_dev)
+                .arg(&mut out_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .arg(&mk)
+                .arg(&win)
+                .arg(&scale)
+                .launch(cfg((n_rows as u32, akvh as u32, 1), 64, shared))
+        }
+        .expect("launch");
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        let (mut k_cpu, mut v_cpu) = (k_pool.clone(), v_pool.clone());
+        let mut want = vec![0.0f32; n_rows * ah * ahd];
+        let seqs: Vec<AttnSeq<'_>> = seqs_spec
+            .iter()
+            .enumerate()
+            .map(|(s, &(cached, new))| AttnSeq {
+                block_table: &tables[s * mb..(s + 1) * mb],
+                context_len: cached,
+                n_new: new,
+            })
+            .collect();
+        let mut cache = KvBlocksMut {
+            layout,
+            k: &mut k_cpu,
+            v: &mut v_cpu,
+        };
+        attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
+        assert_eq!(
+            stream.clone_dtoh(&k_dev).expect("dtoh"),
+            k_cpu,
+            "appended K"
+        );
+        assert_eq!(
+            stream.clone_dtoh(&v_dev).expect("dtoh"),
+            v_cpu,
+            "appended V"
+        );
+        let err = max_abs_diff(&got, &want);
+        println!("paged_prefill_attention ({n_rows} rows, window {window:?}): max abs diff vs CPU {err:.3e}");
+        assert!(err < 1e-4, "prefill attention: {err}");
+    }
+}
