@@ -13,7 +13,7 @@ use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
-use crate::ir::catalog::{self, AttnPart, Shape, ACT_BYTES};
+use crate::ir::catalog::{self, ArgType, AttnPart, Shape, ACT_BYTES};
 use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId, Work};
 use crate::records::timeline::{Span, Timeline};
@@ -98,11 +98,13 @@ pub fn buffer_classes(program: &Program) -> Vec<BufferClass> {
         .collect();
     for task in &program.tasks {
         for arg in &task.args {
-            let class = match arg.role {
-                Role::W => BufferClass::Weights,
-                Role::Kv => BufferClass::KvCache,
-                Role::Src | Role::Dst => continue,
-                _ => BufferClass::Activations,
+            // The argument's type in the op table says what the buffer holds; copies
+            // (untyped bytes) carry whatever their other end holds, propagated below.
+            let class = match task.op.def().arg(arg.role).map(|a| a.ty) {
+                Some(ArgType::Weights) => BufferClass::Weights,
+                Some(ArgType::KvCache) => BufferClass::KvCache,
+                Some(ArgType::Bytes) | None => continue,
+                Some(_) => BufferClass::Activations,
             };
             let slot = &mut classes[arg.slice.buffer.index()];
             if slot.is_none() {

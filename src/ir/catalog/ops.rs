@@ -21,7 +21,7 @@ use StaticParam::{Layer, Part, Set, Ub};
 const COMPUTE: &[Engine] = &[Engine::GpuCompute, Engine::CpuCompute];
 
 /// The op table, in [`OpKind::ALL`] order.
-pub static OPS: [OpDef; 11] = [
+pub static OPS: [OpDef; OpKind::ALL.len()] = [
     EMBED, PRE_ATTN, ATTN, POST_ATTN, O_PROJ, GATE, EXPERTS, COMBINE, LM_HEAD, SAMPLE, COPY,
 ];
 
