@@ -11,7 +11,9 @@
 //! the wheel's `nvidia/cuda_nvrtc/lib`.
 
 use moec::runtime::cuda::detect::{detect, libraries};
-use moec::runtime::cuda::kernels::{compile_all, compile_kernel, KernelSource, DEFAULT_ARCH, KERNELS};
+use moec::runtime::cuda::kernels::{
+    compile_all, compile_kernel, KernelSource, DEFAULT_ARCH, KERNELS,
+};
 use moec::runtime::cuda::CudaError;
 use std::process::Command;
 

@@ -337,7 +337,10 @@ fn op_kernels_run_like_the_cpu() {
             "argmax_rows",
         ],
     };
-    assert_eq!(moec::runtime::cuda::kernels::entry_names(OPS.source), OPS.entries);
+    assert_eq!(
+        moec::runtime::cuda::kernels::entry_names(OPS.source),
+        OPS.entries
+    );
     let (ctx, stream) = standin_context();
     let module = ctx
         .load_module(compile_kernel(&OPS, DEFAULT_ARCH).expect("ops.cu compiles"))
