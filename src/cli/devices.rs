@@ -58,7 +58,7 @@ fn cuda_line(status: &CudaStatus) -> String {
     match (&status.devices, status.missing()) {
         (_, Some(missing)) => format!("cuda: not available ({missing})"),
         (Some(Ok(devices)), None) => format!(
-            "cuda: driver found, {} device(s); executing plans on CUDA is not implemented yet",
+            "cuda: driver found, {} device(s); plans run with --backend cuda",
             devices.len()
         ),
         (_, None) => "cuda: driver found".to_string(),
@@ -101,12 +101,8 @@ fn cublas_line(status: &CudaStatus) -> &'static str {
 }
 
 /// Why `--backend cuda` cannot run a plan here, in one line: what is missing.
-pub(crate) fn cuda_run_refusal() -> String {
-    let status = detect();
-    match status.missing() {
-        Some(missing) => format!("cannot run on the CUDA backend: {missing}"),
-        None => "cannot run on the CUDA backend: the CUDA driver and a device are present, \
-                 but executing plans on CUDA is not implemented yet in moec (use --backend cpu)"
-            .to_string(),
-    }
+pub(crate) fn cuda_run_refusal() -> Option<String> {
+    detect()
+        .missing()
+        .map(|missing| format!("cannot run on the CUDA backend: {missing}"))
 }

@@ -59,6 +59,25 @@ fn pools_line(threads: usize) -> String {
     )
 }
 
+/// The CUDA backend's line of the run report: the device, where the kernels came from,
+/// and the routing syncs ops made themselves.
+fn cuda_line(r: &crate::runtime::cuda::CudaReport) -> String {
+    format!(
+        "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
+         pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert)",
+        r.device,
+        r.arch,
+        r.ptx.compiled,
+        r.ptx.cached,
+        if r.pinned_registered {
+            "registered with the driver"
+        } else {
+            "empty or pageable"
+        },
+        r.routing_syncs
+    )
+}
+
 /// Arguments of `moec run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -117,7 +136,8 @@ pub struct Finished {
     pub worst_case_step_seconds: Option<f64>,
     /// Profile used for the prediction.
     pub profile: Option<HardwareProfile>,
-    /// How the CPU backend's compute pools use the cores (the run report says it).
+    /// How the CPU backend's compute pools use the cores, or the CUDA device and kernels
+    /// (the run report says it).
     pub pools: String,
 }
 
@@ -143,8 +163,12 @@ pub fn execute(
     args: &RunArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Finished, Vec<(String, String)>), Failure> {
-    if args.settings.backend == super::inputs::Backend::Cuda {
-        return Err(Failure::Message(super::devices::cuda_run_refusal()));
+    let on_cuda = args.settings.backend == super::inputs::Backend::Cuda;
+    if on_cuda {
+        // Before loading anything: a machine without a driver or device gets one line.
+        if let Some(refusal) = super::devices::cuda_run_refusal() {
+            return Err(Failure::Message(refusal));
+        }
     }
     let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
     let name = args.sched.display().to_string();
@@ -270,8 +294,15 @@ pub fn execute(
         .map(parse_kill)
         .transpose()
         .map_err(Failure::Message)?;
-    let (outputs, stats) = generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
-        .map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
+    let ran = if on_cuda {
+        crate::runtime::cuda::generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+            .map(|(outputs, stats, report)| (outputs, stats, cuda_line(&report)))
+    } else {
+        generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+            .map(|(outputs, stats)| (outputs, stats, pools_line(run.backend.threads)))
+    };
+    let (outputs, stats, pools) =
+        ran.map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
             Some(span) => {
                 Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
             }
@@ -311,7 +342,7 @@ pub fn execute(
             prediction,
             worst_case_step_seconds,
             profile,
-            pools: pools_line(run.backend.threads),
+            pools,
         },
         texts,
     ))

@@ -73,6 +73,10 @@ pub const KERNELS: [KernelSource; 7] = [
             "scatter_weighted",
             "combine_slots",
             "argmax_rows",
+            "route_pack",
+            "route_experts",
+            "split_bf16",
+            "sum_halves",
         ],
     },
 ];
