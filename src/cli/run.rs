@@ -113,6 +113,14 @@ pub struct RunArgs {
     /// Test hook: fail task number N on its M-th run (`N` or `N:M`).
     #[arg(long, hide = true, value_name = "N[:M]")]
     pub kill_task: Option<String>,
+    /// Test hook: skip every wait for event N of each step (proves the stand-in driver
+    /// runs streams concurrently: the run must fail or change its tokens).
+    #[arg(long, hide = true, value_name = "N")]
+    pub test_drop_event: Option<u32>,
+    /// Write the logits each prompt's last token was sampled from to FILE (JSON: one
+    /// array of vocab floats per prompt), e.g. to compare `--backend cpu` and `cuda`.
+    #[arg(long, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
 }
 
 /// Everything a finished run produced (shared with `moec ablate`).
@@ -288,6 +296,8 @@ pub fn execute(
         ..run.backend
     };
     run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
+    run.exec.drop_wait = args.test_drop_event;
+    run.capture_logits = args.dump_logits.is_some();
     run.kill_task = args
         .kill_task
         .as_deref()
@@ -308,6 +318,11 @@ pub fn execute(
             }
             None => msg(&e),
         })?;
+    if let Some(path) = &args.dump_logits {
+        let logits: Vec<&Option<Vec<f32>>> = outputs.iter().map(|o| &o.logits).collect();
+        let text = serde_json::json!({ "logits": logits }).to_string();
+        write_atomic(path, &text).map_err(Failure::Message)?;
+    }
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
     let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
     let report = summarize(&plan, &stats, prompt_tokens, generated);

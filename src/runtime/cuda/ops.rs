@@ -990,6 +990,11 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
     let logits = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
     let tokens_ptr = cx.ptr(args.need(Role::Tokens)?, "tokens", seqs * 4)?;
     let mut tokens = vec![0u32; seqs];
+    if cx.state.capture_logits {
+        let mut host = vec![0f32; seqs * vocab];
+        cx.s.download(logits, &mut host)?;
+        lock(&cx.state.sampled_logits).insert(ub, host);
+    }
     match cx.state.sampling {
         Sampling::Greedy => {
             cx.s.launch(
