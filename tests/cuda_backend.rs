@@ -173,6 +173,9 @@ fn a_rejected_source_names_its_file_and_carries_the_nvrtc_log() {
 }
 
 // The stand-in driver (standin/, a test tool): the CUDA path through cudarc with no GPU.
+#[path = "standin_common/mod.rs"]
+mod standin_common;
+
 #[path = "cuda_backend/standin.rs"]
 mod standin;
 #[path = "cuda_backend/standin_kernels.rs"]
