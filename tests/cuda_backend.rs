@@ -55,7 +55,11 @@ fn devices_command_names_the_cpu_and_cuda_status() {
         lines[0].starts_with(&format!("cpu: available, {threads} threads, AVX-512: ")),
         "{stdout}"
     );
-    let cuda = lines.get(1).copied().unwrap_or_default();
+    let cuda = lines
+        .iter()
+        .find(|l| l.starts_with("cuda:"))
+        .copied()
+        .unwrap_or_default();
     let libs = libraries();
     if !libs.driver {
         assert!(

@@ -734,23 +734,45 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
         Arg::I32(int("max_blocks", rt.max_blocks)?),
     ];
     let kvh = int("kv_heads", shape.kv_heads)? as u32;
+    // A run whose sequences each bring one token (decode) uses the decode kernels: one
+    // row per sequence, its block table and position indexed by the launch's sequence.
+    let one_token_each = |r: &std::ops::Range<usize>| {
+        rt.row_seq[r.clone()].iter().all(|&s| {
+            mb.seqs
+                .get(s as usize)
+                .is_some_and(|q| q.new_tokens.len() == 1)
+        })
+    };
+    let first_table = |r: &std::ops::Range<usize>| {
+        let seq = rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
+        tables_dev.ptr() + (seq * rt.max_blocks * 4) as u64
+    };
     for r in &append {
+        let decode = one_token_each(r);
         let mut a = vec![
             Arg::Ptr(qkv + (r.start * qw * 4) as u64),
             Arg::Ptr(k_pool),
             Arg::Ptr(v_pool),
-            Arg::Ptr(tables_dev.ptr()),
-            Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
-            Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
         ];
+        if decode {
+            a.extend_from_slice(&[
+                Arg::Ptr(first_table(r)),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        } else {
+            a.extend_from_slice(&[
+                Arg::Ptr(tables_dev.ptr()),
+                Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        }
         a.extend_from_slice(&dims);
-        cx.s.launch(
-            "paged_kv_append_rows",
-            (int("rows", r.len())? as u32, kvh, 1),
-            32,
-            0,
-            &a,
-        )?;
+        let entry = if decode {
+            "paged_kv_append"
+        } else {
+            "paged_kv_append_rows"
+        };
+        cx.s.launch(entry, (int("rows", r.len())? as u32, kvh, 1), 32, 0, &a)?;
     }
     let window = shape.sliding_window.unwrap_or(0);
     let scale = 1.0 / (shape.head_dim as f32).sqrt();
@@ -769,24 +791,41 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
             .max()
             .unwrap_or(1);
         let scores = cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
+        let decode = one_token_each(r);
         let mut a = vec![
             Arg::Ptr(qkv + (r.start * qw * 4) as u64),
             Arg::Ptr(k_pool),
             Arg::Ptr(v_pool),
-            Arg::Ptr(tables_dev.ptr()),
-            Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
-            Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+        ];
+        if decode {
+            a.extend_from_slice(&[
+                Arg::Ptr(first_table(r)),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        } else {
+            a.extend_from_slice(&[
+                Arg::Ptr(tables_dev.ptr()),
+                Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        }
+        a.extend_from_slice(&[
             Arg::Ptr(scores.ptr()),
             Arg::Ptr(out + (r.start * ow * 4) as u64),
-        ];
+        ]);
         a.extend_from_slice(&dims);
         a.extend_from_slice(&[
             Arg::I32(int("max_keys", max_keys)?),
             Arg::I32(int("sliding_window", window)?),
             Arg::F32(scale),
         ]);
+        let entry = if decode {
+            "paged_decode_attention"
+        } else {
+            "paged_prefill_attention"
+        };
         cx.s.launch(
-            "paged_prefill_attention",
+            entry,
             (int("rows", r.len())? as u32, kvh, 1),
             64,
             int("shared", group_bytes)? as u32,
