@@ -11,34 +11,18 @@
 //! present the same comparison also runs against them; where not, the output says it was
 //! skipped and why.
 
+#[path = "schedules_common/mod.rs"]
+mod schedules_common;
 #[path = "standin_common/mod.rs"]
 mod standin_common;
 
 use moec::runtime::cuda::detect::detect;
 use standin_common::{loader_path, standin_cache, standin_dir};
 use std::path::{Path, PathBuf};
+
 use std::process::{Command, Output};
 
 const PROMPTS: [&str; 2] = ["Mixture of experts", "The capital of France is"];
-
-/// Every `.sched` under `schedules/`, relative to the repository.
-fn every_schedule() -> Vec<String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut found = Vec::new();
-    let mut dirs = vec![PathBuf::from("schedules")];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(root.join(&dir)).expect("schedules/") {
-            let rel = dir.join(entry.expect("entry").file_name());
-            if root.join(&rel).is_dir() {
-                dirs.push(rel);
-            } else if rel.extension().is_some_and(|e| e == "sched") {
-                found.push(rel.to_string_lossy().into_owned());
-            }
-        }
-    }
-    found.sort();
-    found
-}
 
 /// Where a run's CUDA libraries come from.
 #[derive(Clone, Copy)]
@@ -145,7 +129,8 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
     let dir = standin_dir();
     let real = detect();
     let mut rows = Vec::new();
-    for schedule in every_schedule() {
+    for (_, path) in schedules_common::schedule_files() {
+        let schedule = path.to_string_lossy().into_owned();
         let (cpu, cpu_logits) = run(cache.path(), &schedule, card, Driver::Cpu, &[]);
         let (cuda, cuda_logits) = run(
             cache.path(),

@@ -258,6 +258,22 @@ impl StreamCx<'_> {
             .map_err(driver("cuStreamSynchronize"))
     }
 
+    /// Copies `bytes` bytes from device address `src` to `dst` on the stream.
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), LaunchError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller passes two addresses holding `bytes` bytes each, not
+        // overlapping, that no other stream touches until this one's next event.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+        }
+        .map_err(|source| LaunchError::Driver {
+            call: "cuMemcpyDtoDAsync",
+            source,
+        })
+    }
+
     /// Sets `bytes` bytes at `ptr` to zero on the stream.
     pub fn zero(&self, ptr: u64, bytes: usize) -> Result<(), LaunchError> {
         if bytes == 0 {

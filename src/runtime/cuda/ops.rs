@@ -934,22 +934,9 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
                 let len = s.new_tokens.len();
                 let src = if s.prefill { p } else { dcd };
                 let at = (row * q * 4) as u64;
-                if len > 0 {
-                    // SAFETY: both ranges hold `len` rows of the micro-batch (sizes checked
-                    // above) and the scratch is this task's alone.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(
-                            merged.ptr() + at,
-                            src + at,
-                            len * q * 4,
-                            cx.s.stream.cu_stream(),
-                        )
-                    }
-                    .map_err(|source| LaunchError::Driver {
-                        call: "cuMemcpyDtoDAsync",
-                        source,
-                    })?;
-                }
+                // Both ranges hold the sequence's rows (sizes checked above); the scratch
+                // is this task's alone.
+                cx.s.copy(merged.ptr() + at, src + at, len * q * 4)?;
                 row += len;
             }
             merged.ptr()
@@ -1062,19 +1049,7 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
             }
             drop(rngs);
             let up = cx.s.upload(&tokens)?;
-            // SAFETY: both hold `seqs` u32s (sizes checked above).
-            unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    tokens_ptr,
-                    up.ptr(),
-                    seqs * 4,
-                    cx.s.stream.cu_stream(),
-                )
-            }
-            .map_err(|source| LaunchError::Driver {
-                call: "cuMemcpyDtoDAsync",
-                source,
-            })?;
+            cx.s.copy(tokens_ptr, up.ptr(), seqs * 4)?;
         }
     }
     lock(&cx.state.sampled).insert(ub, tokens);
