@@ -360,7 +360,10 @@ fn config_values_the_kernels_cannot_take_are_refused_naming_the_field() {
         let msg = Checkpoint::open(&dir).unwrap_err().to_string();
         // The field is named in the message itself, not only in the folder's name.
         let (file, said) = msg.split_once("config.json:").expect("names config.json");
-        assert!(!file.is_empty() && said.contains(field), "{key} = {value}: {msg}");
+        assert!(
+            !file.is_empty() && said.contains(field),
+            "{key} = {value}: {msg}"
+        );
         println!("{key} = {value}: {msg}");
     }
 }

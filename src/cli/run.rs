@@ -102,13 +102,13 @@ pub struct RunArgs {
     #[arg(long)]
     pub json: bool,
     /// Sampling temperature; 0 means greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = super::inputs::non_negative_finite)]
     pub temperature: f32,
     /// Sampler seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Seconds without progress before a stalled plan is an error.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = super::inputs::watchdog_seconds)]
     pub watchdog: f64,
     /// Test hook: fail task number N on its M-th run (`N` or `N:M`).
     #[arg(long, hide = true, value_name = "N[:M]")]
