@@ -236,10 +236,8 @@ impl ModelCard {
                 self.top_k, self.experts
             ));
         }
-        if !(self.rope_theta > 0.0 && self.norm_eps > 0.0)
-            || !self.rope_theta.is_finite()
-            || !self.norm_eps.is_finite()
-        {
+        let positive_finite = |v: f64| v.is_finite() && v > 0.0;
+        if !(positive_finite(self.rope_theta) && positive_finite(self.norm_eps)) {
             return Err("rope_theta and norm_eps must be positive and finite".to_string());
         }
         if self.sliding_window == Some(0) {
