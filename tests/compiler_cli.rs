@@ -124,3 +124,46 @@ fn a_bad_set_value_is_one_error_without_a_cascade() {
         assert!(stderr.contains("1 error(s)"), "{stderr}");
     }
 }
+
+/// `moec compile X | head -1`: when the reader closes the pipe, moec ends quietly (killed
+/// by SIGPIPE as Unix tools are), never with a panic (issue 18).
+#[test]
+fn a_closed_output_pipe_ends_the_command_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        // 200 KB of DAG: far more than a pipe buffers.
+        .args([
+            "compile",
+            "schedules/cgopipe.sched",
+            "--model",
+            "mixtral-8x7b",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("moec starts");
+    let mut first = [0u8; 64];
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_exact(&mut first)
+        .expect("some output");
+    // The read end is dropped here, as `head` closes it.
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("stderr");
+    let status = child.wait().expect("moec ends");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_ne!(status.code(), Some(101), "{stderr}");
+    assert!(
+        status.success() || status.signal() == Some(13),
+        "ended by {status:?}: {stderr}"
+    );
+}
