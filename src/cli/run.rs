@@ -512,11 +512,10 @@ pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Valu
     })
 }
 
-/// Writes `text` to `path` through a temporary file and a rename.
+/// Writes an output file (`cli::output`: atomic over regular files, never over links or
+/// device nodes).
 pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
-    let tmp = path.with_extension("tmp-moec");
-    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    super::output::write_output(path, text)
 }
 
 /// Runs `moec run`.

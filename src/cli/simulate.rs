@@ -184,7 +184,6 @@ pub(crate) fn compile_for_cost(
 
 fn write_file(path: &Path, text: &str) -> Result<(), String> {
     crate::cli::probe::write_atomically(path, text)
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Runs `moec simulate`.
