@@ -167,3 +167,17 @@ fn a_closed_output_pipe_ends_the_command_quietly() {
         "ended by {status:?}: {stderr}"
     );
 }
+
+/// A schedule path that never ends (`/dev/zero`) or is huge is refused after the size cap
+/// by every command that reads a schedule, instead of filling memory (issue 18).
+#[test]
+fn an_endless_schedule_file_is_refused_by_every_command() {
+    for command in ["check", "compile", "simulate", "plan", "run"] {
+        let (code, _, stderr) = moec(&[command, "/dev/zero"]);
+        assert_eq!(code, 1, "{command}: {stderr}");
+        assert!(
+            stderr.contains("/dev/zero") && stderr.contains("larger than"),
+            "{command}: {stderr}"
+        );
+    }
+}

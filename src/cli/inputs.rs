@@ -118,7 +118,8 @@ impl PromptArgs {
 /// Reads a JSON-lines prompt file: each non-blank line a JSON string or an object with a
 /// string field `prompt`.
 fn read_prompt_file(path: &Path) -> Result<Vec<String>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = crate::textfile::read_capped(path, crate::textfile::PROMPTS_LIMIT)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     let mut prompts = Vec::new();
     for (i, line) in text
         .lines()

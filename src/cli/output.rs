@@ -16,11 +16,9 @@ use std::path::{Path, PathBuf};
 pub fn write_output(path: &Path, text: &str) -> Result<(), String> {
     let fail = |what: &str| format!("cannot write {}: {what}", path.display());
     match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_symlink() => {
-            return Err(fail(
-                "it is a symbolic link (moec does not replace or write through links; give its target)",
-            ))
-        }
+        Ok(meta) if meta.file_type().is_symlink() => return Err(fail(
+            "it is a symbolic link (moec does not replace or write through links; give its target)",
+        )),
         Ok(meta) if meta.is_dir() => return Err(fail("it is a directory")),
         Ok(meta) if !meta.is_file() => {
             // A device or FIFO: write through it; renaming over it would replace the node.
@@ -80,9 +78,14 @@ mod tests {
         let err = write_output(&link, "x").unwrap_err();
         assert!(err.contains("symbolic link"), "{err}");
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "new");
-        assert!(write_output(dir.path(), "x").unwrap_err().contains("directory"));
+        assert!(write_output(dir.path(), "x")
+            .unwrap_err()
+            .contains("directory"));
         write_output(Path::new("/dev/null"), "through").unwrap();
-        assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device_like());
+        assert!(std::fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device_like());
         // Nothing but the files above is left in the folder.
         let mut names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()

@@ -180,7 +180,7 @@ pub fn execute(
     }
     let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
     let name = args.sched.display().to_string();
-    let source = std::fs::read_to_string(&args.sched)
+    let source = crate::textfile::read_capped(&args.sched, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
     let model = load_model(&args.model.source()).map_err(|e| msg(&e))?;
     let card: ModelCard = model.checkpoint.card().clone();
