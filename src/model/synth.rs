@@ -50,6 +50,16 @@ pub enum SynthError {
     /// The destination already exists.
     #[error("{0} already exists; choose another --out or remove it")]
     Exists(String),
+    /// The destination's file system has too little free space for the checkpoint.
+    #[error("{dir} has {free} bytes free but the checkpoint needs {needed}; free space or choose another --out")]
+    NoSpace {
+        /// The folder written into.
+        dir: String,
+        /// Bytes free there.
+        free: u64,
+        /// Bytes the checkpoint needs.
+        needed: u64,
+    },
     /// A file could not be written.
     #[error("{path}: {source}")]
     Io {
@@ -215,9 +225,47 @@ fn temp_dir_for(out: &Path) -> Result<PathBuf, SynthError> {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
+    remove_stale_temps(parent, &stem);
     let tmp = parent.join(format!(".{stem}.tmp-{}-{nanos}", std::process::id()));
     std::fs::create_dir(&tmp).map_err(io(&tmp))?;
     Ok(tmp)
+}
+
+/// Removes `.STEM.tmp-PID-NANOS` folders whose writing process is gone (killed mid-write),
+/// saying so on stderr; folders of live processes (a concurrent writer) are left alone.
+fn remove_stale_temps(parent: &Path, stem: &str) {
+    let prefix = format!(".{stem}.tmp-");
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if !alive && std::fs::remove_dir_all(entry.path()).is_ok() {
+            eprintln!(
+                "moec: removed {}, a partial checkpoint left by process {pid}, which is gone",
+                entry.path().display()
+            );
+        }
+    }
+}
+
+/// Free bytes of the file system holding `dir`, if the OS says.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` is zero-initialisable plain data; the call only writes into it and
+    // reads the NUL-terminated path, which outlives the call.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; both pointers are valid for the call.
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) };
+    (rc == 0).then(|| (stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
 }
 
 /// Writes the checkpoint of `card` to `out` (which must not exist).
@@ -230,6 +278,18 @@ pub fn write_checkpoint(
         return Err(SynthError::Exists(out.display().to_string()));
     }
     let tmp = temp_dir_for(out)?;
+    // The whole checkpoint in the written dtype, plus config and tokenizer files.
+    let needed = (card.total_params() * opts.dtype.bytes()).saturating_add(64 << 20);
+    if let Some(free) = free_bytes(&tmp).filter(|&free| free < needed) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(SynthError::NoSpace {
+            dir: tmp
+                .parent()
+                .map_or_else(|| ".".into(), |p| p.display().to_string()),
+            free,
+            needed,
+        });
+    }
     let result =
         write_into(card, &tmp, opts).and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
     if result.is_err() {
@@ -287,4 +347,27 @@ fn write_into(card: &ModelCard, dir: &Path, opts: &SynthOptions) -> Result<(), S
     )
     .map_err(io(&index_path))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A partial checkpoint left by a killed writer (its PID gone) is removed when the
+    /// next write into the same folder starts; one of a live process is kept.
+    #[test]
+    fn stale_partial_checkpoints_of_dead_writers_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        // PIDs are below 2^22 on Linux, so this one is never alive.
+        let stale = dir.path().join(".ckpt.tmp-4000000000-1");
+        std::fs::create_dir(&stale).unwrap();
+        std::fs::write(stale.join("model.safetensors"), b"partial").unwrap();
+        let live = dir.path().join(format!(".ckpt.tmp-{}-2", std::process::id()));
+        std::fs::create_dir(&live).unwrap();
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        write_checkpoint(&card, &dir.path().join("ckpt"), &SynthOptions::default()).unwrap();
+        assert!(!stale.exists(), "the dead writer's folder is removed");
+        assert!(live.exists(), "a live writer's folder is kept");
+        assert!(dir.path().join("ckpt").join("config.json").exists());
+    }
 }
