@@ -181,3 +181,30 @@ fn an_endless_schedule_file_is_refused_by_every_command() {
         );
     }
 }
+
+/// Values `check` and `simulate` used to accept silently (issue 18): a zero batch and a
+/// timeline step the schedule does not have are refused naming the flag.
+#[test]
+fn a_zero_batch_and_an_unknown_timeline_step_are_refused() {
+    for command in ["check", "simulate"] {
+        let (code, _, stderr) = moec(&[command, "schedules/cgopipe.sched", "--batch", "0"]);
+        assert_eq!(code, 2, "{command}: {stderr}");
+        assert!(stderr.contains("--batch"), "{command}: {stderr}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("t.svg");
+    let (code, _, stderr) = moec(&[
+        "simulate",
+        "schedules/cgopipe.sched",
+        "--timeline",
+        svg.to_str().unwrap(),
+        "--timeline-step",
+        "nope",
+    ]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("--timeline-step `nope`") && stderr.contains("decode"),
+        "{stderr}"
+    );
+    assert!(!svg.exists(), "nothing is written for a refused step");
+}

@@ -22,7 +22,7 @@ pub struct SchedArgs {
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub sets: Vec<String>,
     /// Sequences in the batch (the `batch` symbol).
-    #[arg(long, default_value_t = Workload::default().batch)]
+    #[arg(long, default_value_t = Workload::default().batch, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch: u64,
     /// Prompt tokens per sequence, worst case (the `prompt_len` symbol).
     #[arg(long, default_value_t = Workload::default().prompt_len)]

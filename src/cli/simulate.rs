@@ -32,7 +32,7 @@ pub struct CostTarget {
     #[arg(long)]
     pub workload: Option<String>,
     /// Sequences in the batch (the `batch` symbol).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch: Option<u64>,
     /// Prompt tokens per sequence.
     #[arg(long)]
@@ -215,8 +215,15 @@ pub fn run(args: SimulateArgs) -> ExitCode {
                 Some(w) => s.kind == w,
                 None => Some(*i) == prediction.repeated_step,
             })
-            .map(|(_, s)| s)
-            .or_else(|| prediction.steps.last());
+            .map(|(_, s)| s);
+        if let (Some(w), None) = (wanted, step) {
+            let kinds: Vec<&str> = prediction.steps.iter().map(|s| s.kind.as_ref()).collect();
+            return fail(format!(
+                "--timeline-step `{w}`: the schedule has no such step (its steps: {})",
+                kinds.join(", ")
+            ));
+        }
+        let step = step.or_else(|| prediction.steps.last());
         let Some(step) = step else {
             return fail("the schedule has no steps to draw");
         };

@@ -24,7 +24,7 @@ pub enum DtypeArg {
 #[derive(Debug, clap::Args)]
 pub struct SynthArgs {
     /// Model card (built-in name or .ron path).
-    #[arg(long)]
+    #[arg(long, default_value = "mixtral-tiny")]
     pub model: String,
     /// Folder to create (must not exist).
     #[arg(long, value_name = "DIR")]

@@ -268,7 +268,7 @@ impl<'a> Oracle<'a> {
             if p.is_empty() {
                 return Err(OracleError::EmptyPrompt { index });
             }
-            let tokens = p.len() + options.max_new_tokens;
+            let tokens = p.len().saturating_add(options.max_new_tokens);
             if tokens > max {
                 return Err(OracleError::TooLong { index, tokens, max });
             }

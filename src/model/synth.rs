@@ -362,7 +362,9 @@ mod tests {
         let stale = dir.path().join(".ckpt.tmp-4000000000-1");
         std::fs::create_dir(&stale).unwrap();
         std::fs::write(stale.join("model.safetensors"), b"partial").unwrap();
-        let live = dir.path().join(format!(".ckpt.tmp-{}-2", std::process::id()));
+        let live = dir
+            .path()
+            .join(format!(".ckpt.tmp-{}-2", std::process::id()));
         std::fs::create_dir(&live).unwrap();
         let card = ModelCard::load("mixtral-tiny").unwrap();
         write_checkpoint(&card, &dir.path().join("ckpt"), &SynthOptions::default()).unwrap();
