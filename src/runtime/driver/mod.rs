@@ -20,7 +20,7 @@ pub mod state;
 pub mod workload;
 
 use super::backend::{Backend, BackendError};
-use crate::ir::{ExpertRef, GuardAtom, Op, Role, StepKind, StreamId, TaskId};
+use crate::ir::{ExpertRef, Op, Role, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanTask};
 use crate::model::kernels::sampling::Sampling;
 use crate::model::rng::Rng;
@@ -152,16 +152,16 @@ struct UnknownRouting {
 impl<B: Backend> Runner<'_, B> {
     fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
         for lit in &task.guard.lits {
-            let GuardAtom::Active { layer, expert, ub } = lit.atom;
-            let expert = match expert {
+            let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
+            let expert = match lit.atom.expert() {
                 ExpertRef::Index(e) => e,
                 ExpertRef::Hot { layer, rank } => {
                     self.state
                         .hot_expert(layer, rank, self.plan.model.experts as u32)
                 }
             };
-            match self.state.is_active(layer, expert, ub) {
-                Some(active) if active == lit.negated => return Ok(false),
+            match self.state.routed_tokens(layer, expert, ub) {
+                Some(tokens) if lit.atom.holds_for(tokens) == lit.negated => return Ok(false),
                 Some(_) => {}
                 None => return Err(BackendError::Task(Box::new(UnknownRouting { layer }))),
             }
