@@ -1051,7 +1051,10 @@ impl Tracker<'_> {
                         &self.program.task_name(id),
                         &self.program.buffer(dst.buffer).name,
                         &held.to_string(),
-                        &lost.set.to_string(),
+                        &match lost.set {
+                            ExpertSet::One(e) => format!("expert {e}"),
+                            set => format!("experts {set}"),
+                        },
                         &self.program.task_name(lost.task),
                         self.program.task_span(lost.task),
                     );

@@ -667,10 +667,10 @@ impl Diagnostic {
     ) -> Self {
         Diagnostic::new(
             Code::ValuesLostOutput,
-            format!("task {task} overwrites `{buffer}`, which holds {acc} with the output of expert {set} computed by task {computed_by}, with a value that lacks it: `combine` would never add that expert"),
+            format!("task {task} overwrites `{buffer}`, which holds {acc} with the output of {set} computed by task {computed_by}, with a value that lacks it: `combine` would never add it"),
         )
         .label(dst_span, "overwritten here")
-        .label(computed_span, format!("expert {set} was computed into it here"))
+        .label(computed_span, format!("{set} computed into it here"))
         .help("give the two engines separate accumulators and pass both to `combine(.., acc = [acc_a, acc_b])`, which adds them; or copy the partial accumulator before the other engine's experts write theirs")
     }
 
