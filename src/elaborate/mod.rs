@@ -46,6 +46,9 @@ pub struct Options {
     pub act_bytes: u64,
     /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
     pub limits: Limits,
+    /// The routing profile `rank(..)` and `rank_in_layer(..)` read (`--profile`); without
+    /// one they rank as uniform routing would (ties: expert, then layer).
+    pub profile: Option<std::sync::Arc<crate::ir::profile::RoutingProfile>>,
 }
 
 /// Bounds on unrolling, so a runaway loop is an error rather than a hang.
@@ -76,6 +79,7 @@ impl Options {
             hardware: BTreeMap::new(),
             act_bytes: crate::ir::catalog::ACT_BYTES,
             limits: Limits::default(),
+            profile: None,
         }
     }
 }
@@ -462,6 +466,14 @@ impl value::Context for Elaborator<'_> {
 
     fn card(&self) -> &ModelCard {
         &self.card
+    }
+
+    fn has_hardware(&self) -> bool {
+        !self.options.hardware.is_empty()
+    }
+
+    fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile> {
+        self.options.profile.as_deref()
     }
 
     fn is_checkpoint(&self, buffer: BufferId) -> bool {

@@ -494,6 +494,17 @@ impl<'a> Elaborator<'a> {
                 ));
             }
         }
+        // An arm whose guard holds a literal and its negation never runs (`if routed(l, e)
+        // >= 1 { .. } else { .. }` inside `if active(l, e)`): like a static branch not
+        // taken, it issues nothing.
+        let contradictory = self.guard.iter().any(|a| {
+            self.guard
+                .iter()
+                .any(|b| a.atom == b.atom && a.negated != b.negated)
+        });
+        if contradictory {
+            return Ok(());
+        }
         let on = tail
             .on
             .as_ref()

@@ -96,6 +96,8 @@ pub trait Context {
     fn lookup(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic>;
     /// A hardware symbol such as `gpu.mem`.
     fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic>;
+    /// Whether a hardware profile gives the symbols (`--hw`).
+    fn has_hardware(&self) -> bool;
     /// Names in scope, for suggestions.
     fn names(&self) -> Vec<String>;
     /// Indexes an array value.
@@ -110,6 +112,8 @@ pub trait Context {
     fn checkpoint(&self) -> crate::ir::CheckpointLayout;
     /// The model card.
     fn card(&self) -> &crate::model::card::ModelCard;
+    /// The routing profile, if one was given.
+    fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile>;
     /// Whether `buffer` is the checkpoint.
     fn is_checkpoint(&self, buffer: BufferId) -> bool;
     /// Bytes per activation / KV element.
@@ -143,6 +147,34 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 .map(|e| eval(e, cx))
                 .collect::<Result<_, _>>()?,
         )),
+        // `hw_or(gpu.mem, 24e9)`: the hardware symbol, or the fallback without a profile
+        // (evaluated lazily: the symbol is an error without `--hw`).
+        ExprKind::Call(name, args) if name.name == "hw_or" => {
+            let [symbol, fallback] = args.as_slice() else {
+                return Err(Diagnostic::arity(span, "`hw_or`", 2, args.len()));
+            };
+            let ExprKind::Field(base, field) = &symbol.kind else {
+                return Err(Diagnostic::type_mismatch(
+                    symbol.span,
+                    "a hardware symbol such as `gpu.mem`",
+                    "another expression",
+                ));
+            };
+            let ExprKind::Name(prefix) = &base.kind else {
+                return Err(Diagnostic::type_mismatch(
+                    symbol.span,
+                    "a hardware symbol such as `gpu.mem`",
+                    "another expression",
+                ));
+            };
+            if !cx.has_hardware() {
+                return eval(fallback, cx);
+            }
+            match cx.hardware(&format!("{prefix}.{}", field.name), symbol.span)? {
+                Some(v) => Ok(v),
+                None => eval(fallback, cx),
+            }
+        }
         ExprKind::Call(name, args) => {
             let values = args
                 .iter()
@@ -580,6 +612,53 @@ fn call(
                 atom: GuardAtom::Active { layer, expert, ub },
                 negated: false,
             }]))
+        }
+        // `select(c, a, b)`: a when the compile-time boolean c holds, else b.
+        "select" => {
+            arity(3)?;
+            match &values[0] {
+                Val::Bool(c) => Ok(values[if *c { 1 } else { 2 }].clone()),
+                Val::Cond(_) => Err(Diagnostic::dynamic_not_allowed(
+                    arg_span(0),
+                    "the condition of `select`",
+                )),
+                other => Err(Diagnostic::type_mismatch(
+                    arg_span(0),
+                    "a boolean",
+                    other.type_name(),
+                )),
+            }
+        }
+        "rank" | "rank_in_layer" => {
+            arity(2)?;
+            let card = cx.card().clone();
+            let layer = check_index(
+                as_int(values[0].clone(), arg_span(0))?,
+                card.layers,
+                "layer",
+                arg_span(0),
+            )? as u32;
+            let expert = match &values[1] {
+                Val::Expert(_) => {
+                    return Err(Diagnostic::dynamic_not_allowed(
+                        arg_span(1),
+                        "the expert of a compile-time ranking",
+                    ))
+                }
+                other => check_index(
+                    as_int(other.clone(), arg_span(1))?,
+                    card.experts,
+                    "expert",
+                    arg_span(1),
+                )? as u32,
+            };
+            let (layers, experts) = (card.layers as u32, card.experts as u32);
+            let rank = if name == "rank" {
+                crate::ir::profile::rank_over_layers(cx.profile(), layers, experts, layer, expert)
+            } else {
+                crate::ir::profile::rank_in_layer(cx.profile(), experts, layer, expert)
+            };
+            Ok(Val::Int(rank as i64))
         }
         "routed" => {
             if !(2..=3).contains(&values.len()) {

@@ -19,6 +19,7 @@ pub mod emit;
 
 mod ids;
 mod kinds;
+pub mod profile;
 pub mod readback;
 pub mod value;
 
