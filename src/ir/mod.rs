@@ -515,7 +515,7 @@ pub enum GuardAtom {
         /// The micro-batch, or any.
         ub: Option<u32>,
     },
-    /// `tokens(layer, expert[, ub]) >= at_least` (every comparison of a routed token
+    /// `routed(layer, expert[, ub]) >= at_least` (every comparison of a routed token
     /// count with a constant is this atom or its negation, or a conjunction of two): the
     /// expert received at least `at_least` tokens (from micro-batch `ub`, or summed over
     /// every micro-batch of the step). Fiddler's CPU-or-copy rule branches on it.
@@ -578,7 +578,7 @@ impl std::fmt::Display for GuardAtom {
                 expert,
                 at_least,
                 ..
-            } => write!(f, "tokens({layer}, {expert}{ub}) >= {at_least}"),
+            } => write!(f, "routed({layer}, {expert}{ub}) >= {at_least}"),
         }
     }
 }
@@ -588,7 +588,7 @@ impl std::fmt::Display for GuardLit {
         match (self.negated, self.atom) {
             (false, atom) => write!(f, "{atom}"),
             (true, GuardAtom::Active { .. }) => write!(f, "!{}", self.atom),
-            // `!(tokens >= t)` reads better as the comparison it came from.
+            // `!(routed >= t)` reads better as the comparison it came from.
             (
                 true,
                 GuardAtom::Tokens {
@@ -599,7 +599,7 @@ impl std::fmt::Display for GuardLit {
                 },
             ) => {
                 let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
-                write!(f, "tokens({layer}, {expert}{ub}) < {at_least}")
+                write!(f, "routed({layer}, {expert}{ub}) < {at_least}")
             }
         }
     }
