@@ -145,15 +145,16 @@ fn check_expert(
             if running.len() != 1 {
                 let case = describe_case(&vars, &region, outputs, ub);
                 let tasks: Vec<String> = outputs.iter().map(|o| name(o.task)).collect();
-                let all = if tasks.is_empty() {
-                    "no task computes it".to_string()
-                } else {
-                    format!("it is computed by {}", tasks.join(", "))
+                let why = match tasks.as_slice() {
+                    [] => "no task computing it reaches this `combine`".to_string(),
+                    [one] => format!("only {one} computes it, and its guard does not hold then"),
+                    many => format!(
+                        "{} compute it, and none of their guards holds then",
+                        many.join(", ")
+                    ),
                 };
                 return Some(match running.as_slice() {
-                    [] => format!(
-                        "{what} is not computed before `combine` when {case} ({all}, none of whose guards holds then)"
-                    ),
+                    [] => format!("{what} is not computed before `combine` when {case} ({why})"),
                     many => format!(
                         "{what} is computed {} times before `combine` when {case} (by {})",
                         many.len(),
