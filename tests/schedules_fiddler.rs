@@ -159,3 +159,82 @@ fn one_step_runs_some_experts_on_the_cpu_and_copies_others_in_the_same_layer() {
     };
     assert!(skipped(true) > 0 && skipped(false) > 0);
 }
+
+/// The paper's setting (Table 1, Env. 1: a 24 GB Quadro RTX 6000) on the real cards: it
+/// checks and fits; filling the GPU as Fiddler does places as many experts as fit; and
+/// `n_gpu = 56` places exactly Table 1's 56 of Mixtral-8x7B's 256 experts, one buffer
+/// each, chosen by the profile's ranking.
+#[test]
+fn the_paper_setting_checks_and_fits_a_24_gb_gpu_on_the_real_cards() {
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    use moec::cost::hardware::HardwareProfile;
+    let hw = HardwareProfile::load("quadro-rtx6000").expect("profile");
+    for (name, n_gpu) in [
+        ("mixtral-8x7b", "56"),
+        ("mixtral-8x7b", "-1"),
+        ("dbrx", "-1"),
+    ] {
+        let card = ModelCard::load(name).expect("card");
+        let mut opts = Options::new(card.clone());
+        opts.hardware = hw
+            .symbols()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        opts.sets = vec![("n_gpu".to_string(), n_gpu.to_string())];
+        // Popularity: expert e of layer l routed (l + 1) * (e + 1) times, so the ranking
+        // differs from the placeholder order.
+        let profile = RoutingProfile {
+            model: name.to_string(),
+            tokens: 1,
+            counts: (1..=card.layers)
+                .map(|l| (1..=card.experts).map(|e| l * e).collect())
+                .collect(),
+            coactivation: Vec::new(),
+        };
+        opts.profile = Some(Arc::new(profile));
+        let compiled = fiddler(&opts);
+        let table = budget_table(&compiled.program, Some(&hw), &BudgetOverrides::default());
+        assert!(table.fits(), "{name}, n_gpu={n_gpu}:\n{table}");
+        let resident = compiled
+            .program
+            .buffers
+            .iter()
+            .filter(|b| b.array == "w_res")
+            .count();
+        match n_gpu {
+            "56" => assert_eq!(resident, 56),
+            // Filling: one more expert would not fit.
+            _ => {
+                let expert = compiled.program.checkpoint().expert_bytes;
+                let gpu = table.peak("gpu") as f64;
+                let budget = hw.budget_bytes(moec::cost::hardware::Level::Gpu);
+                assert!(
+                    resident > 0 && gpu + expert as f64 > budget,
+                    "{name}: {resident} experts, {gpu} of {budget} bytes"
+                );
+            }
+        }
+        // The most popular expert (the last of the last layer) is resident in slot 0.
+        let setup = &compiled.program.steps[0];
+        let last = card.layers as u32 - 1;
+        let e_last = card.experts as u32 - 1;
+        let layout = compiled.program.checkpoint();
+        let first_copy = setup
+            .task_ids()
+            .map(|t| compiled.program.task(t))
+            .find(|t| {
+                t.args
+                    .get(1)
+                    .is_some_and(|a| compiled.program.buffer(a.slice.buffer).name == "w_res[0]")
+            })
+            .expect("slot 0 is filled in setup");
+        let src = first_copy.args[0].slice;
+        let staged_layer_offset = layout.dense_bytes() + u64::from(e_last) * layout.expert_bytes;
+        assert_eq!(
+            src.start % layout.layer_bytes(),
+            staged_layer_offset,
+            "{name}: slot 0 holds expert {e_last} (of layer {last})"
+        );
+    }
+}

@@ -360,6 +360,29 @@ fn print_report(
             println!("  {:<36} {:>11}  {}", op, seconds(*total), roof);
         }
     }
+    for step in &prediction.steps {
+        if step.arms.is_empty() {
+            continue;
+        }
+        println!(
+            "guarded tasks of the {} step, charged by expected activation ({}):",
+            step.kind,
+            if program.expert_shares.is_some() {
+                "routing from the profile"
+            } else {
+                "uniform routing, top_k / experts"
+            }
+        );
+        for arm in &step.arms {
+            println!(
+                "  {:<48} {:>5} tasks  runs {:>6}  {:>11}",
+                arm.arm,
+                arm.tasks,
+                pct(arm.expected_share),
+                seconds(arm.seconds)
+            );
+        }
+    }
     if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s)
     {
         println!(

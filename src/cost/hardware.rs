@@ -145,6 +145,10 @@ const BUILTIN_PROFILES: &[(&str, &str)] = &[
     ("h100", include_str!("../../hardware/h100.ron")),
     ("h200", include_str!("../../hardware/h200.ron")),
     ("rtx3090", include_str!("../../hardware/rtx3090.ron")),
+    (
+        "quadro-rtx6000",
+        include_str!("../../hardware/quadro-rtx6000.ron"),
+    ),
 ];
 
 /// Errors from finding or reading a hardware profile.

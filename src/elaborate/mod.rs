@@ -262,6 +262,24 @@ impl<'a> Elaborator<'a> {
         spans.buffers = self.buffer_spans;
         spans.streams = self.stream_spans;
         spans.params = self.param_spans;
+        let card = &self.card;
+        let expert_shares = self.options.profile.as_deref().map(|p| {
+            (0..card.layers as u32)
+                .map(|l| {
+                    (0..card.experts as u32)
+                        .map(|e| {
+                            crate::ir::profile::expected_share(
+                                Some(p),
+                                card.top_k,
+                                card.experts,
+                                l,
+                                e,
+                            )
+                        })
+                        .collect()
+                })
+                .collect()
+        });
         let program = ir::Program {
             name: file.name.name.clone(),
             description: file.description.clone().unwrap_or_default(),
@@ -277,6 +295,7 @@ impl<'a> Elaborator<'a> {
             buffers: self.buffers,
             tasks: self.tasks,
             steps: self.steps,
+            expert_shares,
             spans,
         };
         Ok((program, diags))

@@ -54,6 +54,10 @@ pub struct Program {
     pub tasks: Vec<Task>,
     /// Step templates in declaration order, indexed by [`StepId`].
     pub steps: Vec<Step>,
+    /// `expert_shares[layer][expert]`: the probability a token routes to that expert, from
+    /// the routing profile the program was compiled with (`None`: uniform routing, top_k /
+    /// experts). The cost model charges guarded tasks by it.
+    pub expert_shares: Option<Vec<Vec<f64>>>,
     /// Source spans of everything above.
     #[serde(skip)]
     pub spans: SpanTable,
