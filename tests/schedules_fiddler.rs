@@ -238,3 +238,50 @@ fn the_paper_setting_checks_and_fits_a_24_gb_gpu_on_the_real_cards() {
         );
     }
 }
+
+/// `moec profile`'s counting: a run lowered with every gate read back adds each step's
+/// routing; every token is counted once, each layer routes tokens x top_k selections, and
+/// co-activation is symmetric with top_k - 1 partners per selection.
+#[test]
+fn a_profiling_run_counts_every_tokens_routing() {
+    use moec::lower::{lower, LowerOptions};
+    use moec::runtime::{generate, RunOptions};
+    use std::sync::Mutex;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let card = ModelCard::load("dbrx-tiny").expect("card");
+    let checkpoint = common::tiny_checkpoint(&card, dir.path());
+    let prompts = prompts(&card);
+    let compiled = fiddler(&options(&card, &[], None));
+    let lower_options = LowerOptions {
+        read_all_routing: true,
+        ..LowerOptions::default()
+    };
+    let plan = lower(&compiled.program, &compiled.info, &lower_options).expect("lowers");
+    let profile = Arc::new(Mutex::new(RoutingProfile::empty(
+        &card.name,
+        card.layers,
+        card.experts,
+    )));
+    let mut run = RunOptions::greedy(GEN);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    run.routing_profile = Some(Arc::clone(&profile));
+    generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}).expect("runs");
+    let profile = profile.lock().expect("profile").clone();
+    // Prefill: every prompt token; each of the GEN decode steps but the last feeds back
+    // one token per sequence (the last sampled token is never run).
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let tokens = (prompt_tokens + prompts.len() * (GEN - 1)) as u64;
+    assert_eq!(profile.tokens, tokens);
+    for (l, counts) in profile.counts.iter().enumerate() {
+        assert_eq!(counts.iter().sum::<u64>(), tokens * card.top_k, "layer {l}");
+        let co = &profile.coactivation[l];
+        for a in 0..card.experts as usize {
+            assert_eq!(co[a][a], 0);
+            assert_eq!(co[a].iter().sum::<u64>(), counts[a] * (card.top_k - 1));
+            for b in 0..card.experts as usize {
+                assert_eq!(co[a][b], co[b][a]);
+            }
+        }
+    }
+}

@@ -143,6 +143,15 @@ pub fn execute(
     args: &RunArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Finished, Vec<(String, String)>), Failure> {
+    execute_profiling(args, progress, None)
+}
+
+/// [`execute`], adding every gate's routing to `routing` when given (`moec profile`).
+pub fn execute_profiling(
+    args: &RunArgs,
+    progress: &mut dyn FnMut(usize, usize),
+    routing: Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
+) -> Result<(Finished, Vec<(String, String)>), Failure> {
     if args.settings.backend == super::inputs::Backend::Cuda {
         return Err(Failure::Message(super::devices::cuda_run_refusal()));
     }
@@ -188,6 +197,10 @@ pub fn execute(
         )));
     }
     let mut options = Options::new(card.clone());
+    if let Some(path) = &args.settings.routing_profile {
+        options.profile =
+            Some(super::inputs::load_routing_profile(path, &card).map_err(Failure::Message)?);
+    }
     options.workload = Workload {
         batch: prompt_ids.len() as u64,
         prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
@@ -236,6 +249,7 @@ pub fn execute(
     };
     let lower_options = LowerOptions {
         gpu_capacity,
+        read_all_routing: routing.is_some(),
         ..LowerOptions::default()
     };
     let plan =
@@ -255,6 +269,7 @@ pub fn execute(
         Sampling::Greedy
     };
     run.seed = args.seed;
+    run.routing_profile = routing;
     if let Some(t) = args.settings.threads {
         run.backend.threads = t.max(1);
     }

@@ -24,6 +24,10 @@ pub struct CostTarget {
     /// Hardware profile: built-in name (see `moec hw`) or `.ron` path.
     #[arg(long, default_value = "t4")]
     pub hw: String,
+    /// Routing profile (`moec profile` output) that `rank(..)` placement and the expected
+    /// activation of guarded tasks read.
+    #[arg(long = "profile", value_name = "FILE")]
+    pub routing_profile: Option<PathBuf>,
     /// Override a schedule param: `--set ubs=32` (repeatable).
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub sets: Vec<String>,
@@ -145,6 +149,9 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         ));
     }
     let mut options = Options::new(model);
+    if let Some(path) = &target.routing_profile {
+        options.profile = Some(super::inputs::load_routing_profile(path, &options.model)?);
+    }
     options.act_bytes = target.act_bytes;
     options.workload = workload;
     options.sets = sets;

@@ -73,6 +73,46 @@ impl RoutingProfile {
         }
     }
 
+    /// An empty profile of `layers` x `experts` for `model`.
+    pub fn empty(model: &str, layers: u64, experts: u64) -> Self {
+        let (l, e) = (layers as usize, experts as usize);
+        RoutingProfile {
+            model: model.to_string(),
+            tokens: 0,
+            counts: vec![vec![0; e]; l],
+            coactivation: vec![vec![vec![0; e]; e]; l],
+        }
+    }
+
+    /// Adds one gate's decisions: `experts` holds `top_k` choices per token, row by row.
+    /// Tokens are counted at layer 0 (every token passes every layer once).
+    pub fn add(&mut self, layer: u32, experts: &[u32], top_k: usize) {
+        let k = top_k.max(1);
+        let l = layer as usize;
+        if l == 0 {
+            self.tokens += (experts.len() / k) as u64;
+        }
+        for row in experts.chunks(k) {
+            for (i, &a) in row.iter().enumerate() {
+                if let Some(c) = self.counts.get_mut(l).and_then(|c| c.get_mut(a as usize)) {
+                    *c += 1;
+                }
+                for &b in &row[i + 1..] {
+                    for (x, y) in [(a, b), (b, a)] {
+                        if let Some(c) = self
+                            .coactivation
+                            .get_mut(l)
+                            .and_then(|m| m.get_mut(x as usize))
+                            .and_then(|r| r.get_mut(y as usize))
+                        {
+                            *c += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     fn count(&self, layer: u32, expert: u32) -> u64 {
         self.counts
             .get(layer as usize)
@@ -176,6 +216,21 @@ mod tests {
         assert_eq!(ranks, vec![1, 3, 5]);
         assert!((expected_share(None, 2, 8, 0, 0) - 0.25).abs() < 1e-12);
         assert!((expected_share(Some(&profile()), 2, 3, 1, 1)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn adding_routing_counts_selections_pairs_and_tokens() {
+        let mut p = RoutingProfile::empty("m", 2, 3);
+        // Two tokens at layer 0 (top-2): {0, 2} and {2, 1}; one at layer 1: {1, 0}.
+        p.add(0, &[0, 2, 2, 1], 2);
+        p.add(1, &[1, 0], 2);
+        assert_eq!(p.tokens, 2);
+        assert_eq!(p.counts, vec![vec![1, 1, 2], vec![1, 1, 0]]);
+        assert_eq!(p.coactivation[0][0][2], 1);
+        assert_eq!(p.coactivation[0][2][0], 1);
+        assert_eq!(p.coactivation[0][1][2], 1);
+        assert_eq!(p.coactivation[0][0][1], 0);
+        assert_eq!(p.coactivation[1][1][0], 1);
     }
 
     #[test]

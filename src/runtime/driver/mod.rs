@@ -101,6 +101,10 @@ pub struct RunOptions {
     /// Test hook: fail this task (by index) on its n-th run (1-based), as if its kernel
     /// had failed.
     pub kill_task: Option<(u32, u32)>,
+    /// `moec profile`: every step's read-back routing is added to these counts (plan
+    /// lowered with `read_all_routing`, so every gate's routing is on the host).
+    pub routing_profile:
+        Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
 }
 
 impl RunOptions {
@@ -119,6 +123,7 @@ impl RunOptions {
             },
             exec: ExecOptions::default(),
             kill_task: None,
+            routing_profile: None,
         }
     }
 }
@@ -535,6 +540,12 @@ pub fn generate<B: Backend>(
         let sampled = std::mem::take(&mut *lock(&state.sampled));
         let routing = std::mem::take(&mut *lock(&state.routing));
         state.predictor.update(&routing);
+        if let Some(profile) = &options.routing_profile {
+            let mut profile = lock(profile);
+            for (&(layer, _), r) in &routing {
+                profile.add(layer, &r.experts, r.top_k);
+            }
+        }
         let mut row_in_ub = vec![0usize; n_ubs];
         let mut still = Vec::new();
         for mut s in running.drain(..) {
