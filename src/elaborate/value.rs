@@ -741,8 +741,8 @@ fn expert_scope(
     Ok((layer as u32, expert, ub))
 }
 
-/// `routed(..) OP n` (or `n OP routed(..)`) as a run-time condition over atoms "routed
-/// >= t": `>= n` is the atom at n, `> n` at n + 1, `< n` and `<= n` their negations, `== n`
+/// `routed(..) OP n` (or `n OP routed(..)`) as a run-time condition over atoms
+/// `routed >= t`: `>= n` is the atom at n, `> n` at n + 1, `< n` and `<= n` their negations, `== n`
 /// the conjunction of `>= n` and `< n + 1`. A threshold of 1 is `active(..)` and one of 0
 /// or less always holds, so equal conditions get equal guards. `!=` would be a
 /// disjunction, which guards cannot express.
