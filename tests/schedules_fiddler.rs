@@ -285,3 +285,54 @@ fn a_profiling_run_counts_every_tokens_routing() {
         }
     }
 }
+
+/// The copy threshold Algorithm 1's rule gives, "copy iff s * cpu_tok > gpu + transfer",
+/// i.e. t = floor((gpu + transfer) / cpu_tok) + 1: from measured latencies (`lat.*`,
+/// written by `moec probe --model`), from the profile's bandwidths, and the released
+/// code's fixed 10.
+#[test]
+fn the_copy_threshold_follows_the_latency_model() {
+    use moec::cost::hardware::{ExpertLatency, HardwareProfile};
+    let card = ModelCard::load("mixtral-tiny").expect("card");
+    let threshold = |hw: Option<&HardwareProfile>, t_copy: &str| -> u32 {
+        let mut opts = options(
+            &card,
+            &[("t_copy", t_copy.to_string()), ("n_gpu", "0".to_string())],
+            None,
+        );
+        if let Some(hw) = hw {
+            opts.hardware = hw
+                .symbols()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+        }
+        let compiled = fiddler(&opts);
+        compiled
+            .program
+            .tasks
+            .iter()
+            .flat_map(|t| t.guard.lits.iter())
+            .find_map(|l| match l.atom {
+                GuardAtom::Tokens { at_least, .. } => Some(at_least),
+                GuardAtom::Active { .. } => None,
+            })
+            .expect("a copy arm")
+    };
+    let mut measured = HardwareProfile::load("quadro-rtx6000").expect("profile");
+    // Quadro env. 1 by bandwidth: host 180 GB/s, GPU 672 GB/s, link 12 GB/s:
+    // 180/672 + 180/12 = 15.27 -> 16.
+    assert_eq!(threshold(Some(&measured), "0"), 16);
+    // Measured: 1 ms per CPU token, 2 ms on the GPU, 4.5 ms transfer: 6.5 -> 7.
+    measured.latency = Some(ExpertLatency {
+        model: card.name.clone(),
+        cpu_s_per_token: 1e-3,
+        gpu_s: 2e-3,
+        copy_s: 4.5e-3,
+    });
+    assert_eq!(threshold(Some(&measured), "0"), 7);
+    // No profile: Table 1's env. 1 defaults, 100 GB/s, 672 GB/s, 12 GB/s: 8.48 -> 9.
+    assert_eq!(threshold(None, "0"), 9);
+    // The released code.
+    assert_eq!(threshold(None, "10"), 10);
+}

@@ -414,7 +414,7 @@ impl value::Context for Elaborator<'_> {
 
     fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic> {
         if self.options.hardware.is_empty() {
-            let known_prefix = ["gpu.", "pinned.", "host.", "cpu.", "link.", "disk."];
+            let known_prefix = ["gpu.", "pinned.", "host.", "cpu.", "link.", "disk.", "lat."];
             if known_prefix.iter().any(|p| name.starts_with(p)) {
                 return Err(Diagnostic::missing_hardware(span, name));
             }

@@ -170,9 +170,11 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
             if !cx.has_hardware() {
                 return eval(fallback, cx);
             }
-            match cx.hardware(&format!("{prefix}.{}", field.name), symbol.span)? {
-                Some(v) => Ok(v),
-                None => eval(fallback, cx),
+            // A profile without this symbol (`lat.*` exist only once `moec probe --model`
+            // measured them) falls back too.
+            match cx.hardware(&format!("{prefix}.{}", field.name), symbol.span) {
+                Ok(Some(v)) => Ok(v),
+                _ => eval(fallback, cx),
             }
         }
         ExprKind::Call(name, args) => {
