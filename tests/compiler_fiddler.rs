@@ -86,7 +86,7 @@ fn an_arm_decided_before_its_gate_is_rejected() {
 fn a_missing_arm_is_rejected() {
     let text = edit(
         &source(),
-        "experts(layer = l, ub = j, set = e, w = W[l].expert(e), route = route_c[j], acc = acc_c[j]) on cpu",
+        "experts(layer = l, ub = j, set = e, w = W[l].expert(e), route = route_c[j], acc = acc_c[j]) on cpu as on_cpu[l, j, e]",
         "",
     );
     let (codes, rendered) = errors("fiddler_missing_arm", &text);

@@ -143,6 +143,27 @@ fn one_step_runs_some_experts_on_the_cpu_and_copies_others_in_the_same_layer() {
         !both.is_empty(),
         "no layer of any step ran both a copied and a CPU expert"
     );
+    // The trace shows it: spans labelled by arm, `copied[l, j, e]` on the `gpu` stream and
+    // `on_cpu[l, j, e]` on the `cpu` stream, for that layer within that step's time.
+    let trace = moec::runtime::driver::report::timeline(&plan, &stats, "fiddler");
+    let (s, layer, _, _) = both[0];
+    let (start, end) = (stats.steps[s].start, stats.steps[s].end);
+    let lane = |name: &str| {
+        trace
+            .streams
+            .iter()
+            .position(|n| n == name)
+            .expect("stream")
+    };
+    let shown = |label: &str, stream: usize| {
+        trace.spans.iter().any(|sp| {
+            sp.stream == stream
+                && sp.name.contains(&format!("{label}[{layer}, "))
+                && sp.start >= start
+                && sp.end <= end
+        })
+    };
+    assert!(shown("copied", lane("gpu")) && shown("on_cpu", lane("cpu")));
     // The skipped arm of each expert is recorded as not run: every guarded expert task
     // either ran or was skipped, and some of each kind were skipped.
     let prefill = &stats
