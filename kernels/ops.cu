@@ -9,6 +9,11 @@
 //   scatter_weighted                     weight * y into each (row, slot) of the slot buffer
 //   combine_slots                        moe::combine: residual += slots summed by expert
 //   argmax_rows                          greedy sampling: sampling::argmax per row
+//   route_pack / route_experts           the `route` buffer's layout (backend::decode_routing):
+//                                        per (token, slot) an expert u32 then its f32 weight
+//   split_bf16 / sum_halves              f32 activations as a bf16 pair (hi, lo) for a bf16
+//                                        GEMM with f32 accumulation, and the pair's products
+//                                        summed (into a strided, optionally accumulated output)
 //
 // Layouts: activations are f32 rows [n, width], row-major. Stored tensors (embedding,
 // weights) are passed as their raw element bits: bf16 and f16 as unsigned short (NVRTC has
@@ -159,6 +164,72 @@ extern "C" __global__ void scatter_weighted(
 }
 
 #define OPS_MAX_TOP_K 64
+
+// route[2i] = experts[i], route[2i + 1] = the bits of weights[i], for n (token, slot) entries.
+extern "C" __global__ void route_pack(
+    const unsigned int* __restrict__ experts,
+    const float* __restrict__ weights,
+    unsigned int* __restrict__ route,
+    long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        route[2 * i] = experts[i];
+        route[2 * i + 1] = __float_as_uint(weights[i]);
+    }
+}
+
+// experts[i] = route[2i]: the expert indices of n (token, slot) entries of a `route` buffer.
+extern "C" __global__ void route_experts(const unsigned int* __restrict__ route, unsigned int* __restrict__ experts, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        experts[i] = route[2 * i];
+    }
+}
+
+// Round to nearest even as narrow_bf16 (NaN kept quiet).
+__device__ __forceinline__ unsigned short ops_f32_to_bf16(float value) {
+    const unsigned int x = __float_as_uint(value);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((x >> 16) | 0x40u);
+    }
+    if ((x & 0x8000u) != 0 && (x & 0x17fffu) != 0) {
+        return (unsigned short)((x >> 16) + 1);
+    }
+    return (unsigned short)(x >> 16);
+}
+
+// out = [hi | lo], each n bf16: hi = bf16(x), lo = bf16(x - hi). hi + lo carries 16 of the
+// 24 significant bits of x (relative error <= 2^-17), so a bf16 GEMM of the pair with f32
+// accumulation agrees with the CPU's f32-activation product to ~1e-5, not to bf16's 4e-3.
+extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned short* __restrict__ out, long long n) {
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = x[i];
+        const unsigned short hi = ops_f32_to_bf16(v);
+        out[i] = hi;
+        out[n + i] = ops_f32_to_bf16(v - ops_bf16_to_f32(hi));
+    }
+}
+
+// c is a column-major [rows, 2 * cols] product of the pair [hi | lo]: for column t < cols
+// dst[t * ldd + i] = (accumulate ? dst[t * ldd + i] : 0) + (c[t][i] + c[cols + t][i]).
+// Launch: grid = (cols), block = (threads) striding over rows.
+extern "C" __global__ void sum_halves(
+    const float* __restrict__ c,
+    float* __restrict__ dst,
+    int rows,
+    int cols,
+    int ldd,
+    int accumulate) {
+    const size_t t = blockIdx.x;
+    const float* hi = c + t * (size_t)rows;
+    const float* lo = c + ((size_t)cols + t) * (size_t)rows;
+    float* to = dst + t * (size_t)ldd;
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+        const float v = hi[i] + lo[i];
+        to[i] = accumulate ? to[i] + v : v;
+    }
+}
 
 // residual[t] += sum of the token's top_k slots taken in ascending (expert, slot) order,
 // starting from zero: moe::combine's order, so the sums are bit-identical to the CPU's.

@@ -55,7 +55,11 @@ fn devices_command_names_the_cpu_and_cuda_status() {
         lines[0].starts_with(&format!("cpu: available, {threads} threads, AVX-512: ")),
         "{stdout}"
     );
-    let cuda = lines.get(1).copied().unwrap_or_default();
+    let cuda = lines
+        .iter()
+        .find(|l| l.starts_with("cuda:"))
+        .copied()
+        .unwrap_or_default();
     let libs = libraries();
     if !libs.driver {
         assert!(
@@ -173,6 +177,9 @@ fn a_rejected_source_names_its_file_and_carries_the_nvrtc_log() {
 }
 
 // The stand-in driver (standin/, a test tool): the CUDA path through cudarc with no GPU.
+#[path = "standin_common/mod.rs"]
+mod standin_common;
+
 #[path = "cuda_backend/standin.rs"]
 mod standin;
 #[path = "cuda_backend/standin_kernels.rs"]

@@ -326,6 +326,48 @@ fn bad_config_json_is_reported() {
     assert!(msg.contains("missing field"), "{msg}");
 }
 
+/// Values that used to reach the kernels and panic there (issue 18): a zero sliding
+/// window, a non-positive DBRX `clip_qkv`, a non-finite rope theta. Each is refused when
+/// config.json is read, naming the field.
+#[test]
+fn config_values_the_kernels_cannot_take_are_refused_naming_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (family, key, value, field) in [
+        ("mixtral-tiny", "sliding_window", "0", "sliding_window"),
+        ("mixtral-tiny", "rope_theta", "-10000.0", "rope_theta"),
+        ("dbrx-tiny", "clip_qkv", "-1.0", "clip_qkv"),
+        ("dbrx-tiny", "clip_qkv", "0.0", "clip_qkv"),
+    ] {
+        let dir = synth(
+            &tmp.path().join(format!("{family}-{key}-{value}")),
+            &small_card(family),
+            SynthOptions::default(),
+        );
+        let path = dir.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let slot = if key == "clip_qkv" {
+            &mut config["attn_config"][key]
+        } else {
+            &mut config[key]
+        };
+        // Written as text so the value reaches moec exactly as typed.
+        *slot = serde_json::Value::String(String::new());
+        let text = config
+            .to_string()
+            .replace(&format!("\"{key}\":\"\""), &format!("\"{key}\":{value}"));
+        std::fs::write(&path, text).unwrap();
+        let msg = Checkpoint::open(&dir).unwrap_err().to_string();
+        // The field is named in the message itself, not only in the folder's name.
+        let (file, said) = msg.split_once("config.json:").expect("names config.json");
+        assert!(
+            !file.is_empty() && said.contains(field),
+            "{key} = {value}: {msg}"
+        );
+        println!("{key} = {value}: {msg}");
+    }
+}
+
 #[test]
 fn config_contradicting_the_card_names_the_field() {
     let tmp = tempfile::tempdir().unwrap();

@@ -234,3 +234,55 @@ fn every_schedule_gives_the_same_tokens_with_portable_and_simd_kernels() {
         "{compared} (schedule, card) pairs: identical greedy tokens with portable and {chosen}"
     );
 }
+
+/// Numeric flags that used to panic or be accepted silently (issue 18) are refused by
+/// their parsers with one line naming the flag and the value, exit 2, before any work.
+#[test]
+fn numeric_run_flags_out_of_range_are_refused_naming_the_flag() {
+    let cache = tempfile::tempdir().unwrap();
+    for (flag, value, said) in [
+        ("--watchdog", "inf", "not a positive finite number"),
+        ("--watchdog", "1e300", "more than a year"),
+        ("--link-gbps", "0", "not a positive finite number"),
+        ("--link-gbps", "-1", "not a positive finite number"),
+        ("--link-gbps", "nan", "not a positive finite number"),
+        ("--temperature", "-1", "not a finite number >= 0"),
+        ("--temperature", "nan", "not a finite number >= 0"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let out = moec(
+            cache.path(),
+            &["run", "schedules/cgopipe.sched", "--gen-len", "1", &arg],
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{arg}: {stderr}");
+        let first = stderr.lines().next().unwrap_or_default();
+        assert!(
+            first.contains(flag) && first.contains(said),
+            "{arg}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{arg}: {stderr}");
+    }
+    for spec in [
+        "count=18446744073709551615,mean=4,max=8",
+        "count=2,mean=100,max=8",
+    ] {
+        let out = moec(
+            cache.path(),
+            &[
+                "run",
+                "schedules/cgopipe.sched",
+                "--gen-len",
+                "1",
+                "--workload",
+                spec,
+            ],
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{spec}: {stderr}");
+        assert!(
+            stderr.contains("bad --workload") && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+    }
+}

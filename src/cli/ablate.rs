@@ -232,6 +232,8 @@ pub fn run(args: &AblateArgs) -> ExitCode {
             seed: 0,
             watchdog: 600.0,
             kill_task: None,
+            test_drop_event: None,
+            dump_logits: None,
         };
         let name = sched.display().to_string();
         match execute(&run_args, &mut |_, _| {}) {

@@ -58,7 +58,12 @@ fn cuda_line(status: &CudaStatus) -> String {
     match (&status.devices, status.missing()) {
         (_, Some(missing)) => format!("cuda: not available ({missing})"),
         (Some(Ok(devices)), None) => format!(
-            "cuda: driver found, {} device(s); executing plans on CUDA is not implemented yet",
+            "cuda: driver{} found, {} device(s); plans run with --backend cuda",
+            status.driver_version.map_or(String::new(), |v| format!(
+                " (CUDA {}.{})",
+                v / 1000,
+                v % 1000 / 10
+            )),
             devices.len()
         ),
         (_, None) => "cuda: driver found".to_string(),
@@ -92,21 +97,17 @@ fn nvrtc_line(status: &CudaStatus) -> (String, Option<CudaError>) {
 }
 
 /// The cuBLAS part of the status line.
-fn cublas_line(status: &CudaStatus) -> &'static str {
-    if status.libraries.cublas {
-        "cuBLAS: found"
-    } else {
-        "cuBLAS: not found"
+fn cublas_line(status: &CudaStatus) -> String {
+    match (status.libraries.cublas, status.cublas_version) {
+        (true, Some(v)) => format!("cuBLAS {}.{}.{}: found", v / 10000, v / 100 % 100, v % 100),
+        (true, None) => "cuBLAS: found".to_string(),
+        (false, _) => "cuBLAS: not found".to_string(),
     }
 }
 
 /// Why `--backend cuda` cannot run a plan here, in one line: what is missing.
-pub(crate) fn cuda_run_refusal() -> String {
-    let status = detect();
-    match status.missing() {
-        Some(missing) => format!("cannot run on the CUDA backend: {missing}"),
-        None => "cannot run on the CUDA backend: the CUDA driver and a device are present, \
-                 but executing plans on CUDA is not implemented yet in moec (use --backend cpu)"
-            .to_string(),
-    }
+pub(crate) fn cuda_run_refusal() -> Option<String> {
+    detect()
+        .missing()
+        .map(|missing| format!("cannot run on the CUDA backend: {missing}"))
 }

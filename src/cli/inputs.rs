@@ -26,6 +26,34 @@ impl ModelArgs {
     }
 }
 
+/// A flag value that must be a positive finite number (`--link-gbps`, `--watchdog`).
+pub fn positive_finite(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a positive finite number")),
+        Err(_) => Err(format!("`{text}` is not a number")),
+    }
+}
+
+/// A flag value that must be a finite number >= 0 (`--temperature`).
+pub fn non_negative_finite(text: &str) -> Result<f32, String> {
+    match text.trim().parse::<f32>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number >= 0")),
+        Err(_) => Err(format!("`{text}` is not a number")),
+    }
+}
+
+/// Seconds a watchdog may be set to: positive, finite, and at most a year (a `Duration`
+/// holds it; a longer wait is no watchdog).
+pub fn watchdog_seconds(text: &str) -> Result<f64, String> {
+    let v = positive_finite(text)?;
+    if v > 365.0 * 86400.0 {
+        return Err(format!("{v} s is more than a year"));
+    }
+    Ok(v)
+}
+
 /// How `run` and `ablate` execute a schedule: workload, param overrides, pools, the
 /// emulated link and device memory, and the profile predictions are made for.
 #[derive(Debug, Clone, clap::Args)]
@@ -41,7 +69,7 @@ pub struct RunSettings {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Emulated host<->GPU link bandwidth, GB/s (copy streams are throttled to it).
-    #[arg(long, value_name = "GBPS")]
+    #[arg(long, value_name = "GBPS", value_parser = positive_finite)]
     pub link_gbps: Option<f64>,
     /// Device memory for the `gpu` arena, e.g. `64MB` (default: the profile's).
     #[arg(long, value_name = "BYTES")]
@@ -54,8 +82,8 @@ pub struct RunSettings {
     /// model read.
     #[arg(long = "profile", value_name = "FILE")]
     pub routing_profile: Option<std::path::PathBuf>,
-    /// Backend that executes the plan: `cpu`, or `cuda` (checked first; executing plans on
-    /// CUDA is not built yet, so it fails naming what is missing).
+    /// Backend that executes the plan: `cpu`, or `cuda` (needs a CUDA driver, a device,
+    /// NVRTC and cuBLAS; without them one line names what is missing).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
 }
@@ -65,7 +93,7 @@ pub struct RunSettings {
 pub enum Backend {
     /// The CPU backend (`runtime`).
     Cpu,
-    /// The CUDA backend (detection and kernels only so far).
+    /// The CUDA backend (`runtime::cuda`: CUDA streams, events, kernels, cuBLAS).
     Cuda,
 }
 

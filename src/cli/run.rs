@@ -59,6 +59,25 @@ fn pools_line(threads: usize) -> String {
     )
 }
 
+/// The CUDA backend's line of the run report: the device, where the kernels came from,
+/// and the routing syncs ops made themselves.
+fn cuda_line(r: &crate::runtime::cuda::CudaReport) -> String {
+    format!(
+        "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
+         pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert)",
+        r.device,
+        r.arch,
+        r.ptx.compiled,
+        r.ptx.cached,
+        if r.pinned_registered {
+            "registered with the driver"
+        } else {
+            "empty or pageable"
+        },
+        r.routing_syncs
+    )
+}
+
 /// Arguments of `moec run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -83,17 +102,25 @@ pub struct RunArgs {
     #[arg(long)]
     pub json: bool,
     /// Sampling temperature; 0 means greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = super::inputs::non_negative_finite)]
     pub temperature: f32,
     /// Sampler seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Seconds without progress before a stalled plan is an error.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = super::inputs::watchdog_seconds)]
     pub watchdog: f64,
     /// Test hook: fail task number N on its M-th run (`N` or `N:M`).
     #[arg(long, hide = true, value_name = "N[:M]")]
     pub kill_task: Option<String>,
+    /// Test hook: skip every wait for event N of each step (proves the stand-in driver
+    /// runs streams concurrently: the run must fail or change its tokens).
+    #[arg(long, hide = true, value_name = "N")]
+    pub test_drop_event: Option<u32>,
+    /// Write the logits each prompt's last token was sampled from to FILE (JSON: one
+    /// array of vocab floats per prompt), e.g. to compare `--backend cpu` and `cuda`.
+    #[arg(long, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
 }
 
 /// Everything a finished run produced (shared with `moec ablate`).
@@ -117,7 +144,8 @@ pub struct Finished {
     pub worst_case_step_seconds: Option<f64>,
     /// Profile used for the prediction.
     pub profile: Option<HardwareProfile>,
-    /// How the CPU backend's compute pools use the cores (the run report says it).
+    /// How the CPU backend's compute pools use the cores, or the CUDA device and kernels
+    /// (the run report says it).
     pub pools: String,
 }
 
@@ -152,8 +180,12 @@ pub fn execute_profiling(
     progress: &mut dyn FnMut(usize, usize),
     routing: Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
 ) -> Result<(Finished, Vec<(String, String)>), Failure> {
-    if args.settings.backend == super::inputs::Backend::Cuda {
-        return Err(Failure::Message(super::devices::cuda_run_refusal()));
+    let on_cuda = args.settings.backend == super::inputs::Backend::Cuda;
+    if on_cuda {
+        // Before loading anything: a machine without a driver or device gets one line.
+        if let Some(refusal) = super::devices::cuda_run_refusal() {
+            return Err(Failure::Message(refusal));
+        }
     }
     let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
     let name = args.sched.display().to_string();
@@ -279,19 +311,33 @@ pub fn execute_profiling(
         ..run.backend
     };
     run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
+    run.exec.drop_wait = args.test_drop_event;
+    run.capture_logits = args.dump_logits.is_some();
     run.kill_task = args
         .kill_task
         .as_deref()
         .map(parse_kill)
         .transpose()
         .map_err(Failure::Message)?;
-    let (outputs, stats) = generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
-        .map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
+    let ran = if on_cuda {
+        crate::runtime::cuda::generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+            .map(|(outputs, stats, report)| (outputs, stats, cuda_line(&report)))
+    } else {
+        generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+            .map(|(outputs, stats)| (outputs, stats, pools_line(run.backend.threads)))
+    };
+    let (outputs, stats, pools) =
+        ran.map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
             Some(span) => {
                 Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
             }
             None => msg(&e),
         })?;
+    if let Some(path) = &args.dump_logits {
+        let logits: Vec<&Option<Vec<f32>>> = outputs.iter().map(|o| &o.logits).collect();
+        let text = serde_json::json!({ "logits": logits }).to_string();
+        write_atomic(path, &text).map_err(Failure::Message)?;
+    }
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
     let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
     let report = summarize(&plan, &stats, prompt_tokens, generated);
@@ -326,7 +372,7 @@ pub fn execute_profiling(
             prediction,
             worst_case_step_seconds,
             profile,
-            pools: pools_line(run.backend.threads),
+            pools,
         },
         texts,
     ))

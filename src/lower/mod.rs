@@ -113,6 +113,9 @@ pub struct PlanArg {
 /// A task as the backend needs it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PlanTask {
+    /// Its id (its index in the plan's tasks), so a backend can report per-task times.
+    #[serde(skip)]
+    pub id: TaskId,
     /// Short human name (`#12 post_attn(layer=1, ub=0)`).
     pub name: String,
     /// The op.
@@ -439,6 +442,7 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
         .map(|(i, task)| {
             let id = TaskId::new(i);
             PlanTask {
+                id,
                 name: program.task_name(id),
                 op: task.op,
                 engine: program.stream(task.stream).engine,

@@ -236,8 +236,19 @@ impl ModelCard {
                 self.top_k, self.experts
             ));
         }
-        if !(self.rope_theta > 0.0 && self.norm_eps > 0.0) {
-            return Err("rope_theta and norm_eps must be positive".to_string());
+        let positive_finite = |v: f64| v.is_finite() && v > 0.0;
+        if !(positive_finite(self.rope_theta) && positive_finite(self.norm_eps)) {
+            return Err("rope_theta and norm_eps must be positive and finite".to_string());
+        }
+        if self.sliding_window == Some(0) {
+            return Err(
+                "sliding_window must be at least 1 (or null for full attention)".to_string(),
+            );
+        }
+        if let Some(clip) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(format!(
+                "clip_qkv ({clip}) must be a positive finite bound (or null for none)"
+            ));
         }
         Ok(())
     }

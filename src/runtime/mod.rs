@@ -7,8 +7,8 @@
 //!   generic over a [`Backend`]; it names no backend type;
 //! - [`backend`]: the interface a backend implements (run a task, record and wait events,
 //!   read routing back, finish a step) and the options and capabilities it reports;
-//! - the backends: [`cpu`] (the default, always available) and [`cuda`] (device
-//!   detection and NVRTC kernels; see its module doc for what runs today).
+//! - the backends: [`cpu`] (the default, always available) and [`cuda`] (CUDA streams,
+//!   events, device arenas, NVRTC kernels and cuBLAS; `cuda::generate` runs on it).
 //!
 //! [`generate`] is the CPU backend's entry point: it sets the backend up for the plan and
 //! runs the driver on it.

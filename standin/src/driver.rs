@@ -548,7 +548,31 @@ fn htod(dst: u64, src: usize, bytes: usize, handle: usize, call: &str) -> Result
             unsafe { std::ptr::copy_nonoverlapping(snapshot.as_ptr(), dst.0 as *mut u8, bytes) }
         })
     };
-    Ok(stream::submit(handle, call, work)?.1)
+    Ok(stream::submit(handle, call, delayed(work))?.1)
+}
+
+/// `MOEC_STANDIN_COPY_DELAY_MS`: every host-to-device copy first sleeps this long on its
+/// stream, so work that should have waited for a copy (a missing event) runs before it
+/// for certain, not by chance (the dropped-event test sets it).
+fn copy_delay() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("MOEC_STANDIN_COPY_DELAY_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .map(std::time::Duration::from_millis)
+    })
+}
+
+fn delayed(work: Work) -> Work {
+    match copy_delay() {
+        Some(delay) => Box::new(move || {
+            std::thread::sleep(delay);
+            work()
+        }),
+        None => work,
+    }
 }
 
 /// Device to host on `stream`: into pinned memory asynchronously; into pageable memory the

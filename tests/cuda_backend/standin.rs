@@ -12,61 +12,13 @@ use cudarc::driver::sys::{self as cu, CUresult};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::bf16;
 use moec::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH};
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
 const STANDIN_CHILD: &str = "MOEC_STANDIN_TEST_CHILD";
 
-/// The names cudarc 0.19 (cuda-12080) tries first for each library.
-const STANDIN_NAMES: [&str; 6] = [
-    "libcuda.so",
-    "libcuda.so.1",
-    "libcublas.so",
-    "libcublas.so.12",
-    "libnvrtc.so",
-    "libnvrtc.so.12",
-];
-
-/// The stand-in cdylib next to this test binary (`cargo test --workspace` builds it).
-pub(crate) fn standin_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("deps directory");
-    let candidates = [
-        deps.join("libmoec_standin.so"),
-        deps.join("../libmoec_standin.so"),
-    ];
-    let library = candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "the stand-in CUDA driver is not built ({} missing): run `cargo test --workspace` \
-                 (it builds the moec-standin cdylib the CUDA tests load)",
-                candidates[0].display()
-            )
-        });
-    // `cargo test --test cuda_backend` does not rebuild the stand-in: refuse a library older
-    // than its sources (or the emulation shim it embeds) instead of testing stale code.
-    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let mut sources = vec![root.join("kernels/cpu_emulation/shim.h")];
-    if let Ok(dir) = std::fs::read_dir(root.join("standin/src")) {
-        sources.extend(dir.filter_map(|e| e.ok()).map(|e| e.path()));
-    }
-    if let (Some(built), Some(newest)) = (
-        modified(&library),
-        sources.iter().filter_map(|p| modified(p)).max(),
-    ) {
-        assert!(
-            built >= newest,
-            "{} is older than its sources: run `cargo test --workspace` to rebuild it",
-            library.display()
-        );
-    }
-    library
-}
+pub(crate) use crate::standin_common::standin_library;
+use crate::standin_common::STANDIN_NAMES;
 
 /// Runs test `name` of this binary in a child whose CUDA libraries are the stand-in: the
 /// symlinks first on its LD_LIBRARY_PATH, kernel objects cached next to the build so

@@ -333,6 +333,10 @@ fn op_kernels_run_like_the_cpu() {
             "clamp_in_place",
             "gather_rows",
             "scatter_weighted",
+            "route_pack",
+            "route_experts",
+            "split_bf16",
+            "sum_halves",
             "combine_slots",
             "argmax_rows",
         ],
@@ -625,6 +629,132 @@ fn op_kernels_run_like_the_cpu() {
     assert_eq!(want[..2], [17, vocab as u32 - 1]);
     assert_eq!(stream.clone_dtoh(&picks_dev).expect("dtoh"), want, "argmax");
     println!("argmax_rows: equal to sampling::argmax");
+
+    // The route layout: pack (expert, weight) pairs, then read the experts back; both
+    // against backend::decode_routing, the layout's one decoder.
+    let (experts, weights) = ([3u32, 1, 0, 7, 5, 2], [0.25f32, 0.75, 0.5, 0.5, 1.0, -0.0]);
+    let (e_dev, w_dev) = (
+        stream.clone_htod(&experts).expect("htod"),
+        stream.clone_htod(&weights).expect("htod"),
+    );
+    let mut route_dev = stream.alloc_zeros::<u32>(12).expect("alloc");
+    let n6 = 6i64;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("route_pack"))
+            .arg(&e_dev)
+            .arg(&w_dev)
+            .arg(&mut route_dev)
+            .arg(&n6)
+            .launch(cfg((1, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let words = stream.clone_dtoh(&route_dev).expect("dtoh");
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let decoded = moec::runtime::backend::decode_routing(&bytes, 3, 2).expect("decodes");
+    assert_eq!(decoded.experts, experts);
+    assert_eq!(bits(&decoded.weights), bits(&weights));
+    let mut back_dev = stream.alloc_zeros::<u32>(6).expect("alloc");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("route_experts"))
+            .arg(&route_dev)
+            .arg(&mut back_dev)
+            .arg(&n6)
+            .launch(cfg((1, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    assert_eq!(stream.clone_dtoh(&back_dev).expect("dtoh"), experts);
+    println!("route_pack, route_experts: the layout decode_routing reads");
+
+    // The bf16 pair: hi = bf16(x), lo = bf16(x - hi), each rounded as half::bf16::from_f32;
+    // hi + lo is within 2^-16 of x (relative), and exact for values bf16 holds.
+    let x = [
+        1.0f32,
+        1.0 + 1.0 / 256.0 + 1.0 / 65536.0,
+        -2.718_281_7,
+        1e-30,
+        65504.5,
+        0.0,
+    ];
+    let x_dev = stream.clone_htod(&x).expect("htod");
+    let mut pair_dev = stream.alloc_zeros::<u16>(12).expect("alloc");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("split_bf16"))
+            .arg(&x_dev)
+            .arg(&mut pair_dev)
+            .arg(&n6)
+            .launch(cfg((1, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let pair = stream.clone_dtoh(&pair_dev).expect("dtoh");
+    for (i, &v) in x.iter().enumerate() {
+        let hi = bf16::from_f32(v);
+        let lo = bf16::from_f32(v - hi.to_f32());
+        assert_eq!(
+            (pair[i], pair[6 + i]),
+            (hi.to_bits(), lo.to_bits()),
+            "x = {v}"
+        );
+        let back = hi.to_f32() + lo.to_f32();
+        assert!(
+            (back - v).abs() <= v.abs() * 2f32.powi(-16),
+            "x = {v}: {back}"
+        );
+    }
+    assert_eq!(
+        (pair[0], pair[6]),
+        (bf16::ONE.to_bits(), 0),
+        "1.0 is exact in bf16"
+    );
+
+    // sum_halves: a column-major [rows = 3, 2 * cols = 4] product; column t of the output
+    // (row stride 5) gets c[t] + c[cols + t], added to what is there when accumulating.
+    let c: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let c_dev = stream.clone_htod(&c).expect("htod");
+    for accumulate in [0i32, 1] {
+        let start: Vec<f32> = (0..10).map(|i| 100.0 * i as f32).collect();
+        let mut dst_dev = stream.clone_htod(&start).expect("htod");
+        let (rows, cols, ldd) = (3i32, 2i32, 5i32);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("sum_halves"))
+                .arg(&c_dev)
+                .arg(&mut dst_dev)
+                .arg(&rows)
+                .arg(&cols)
+                .arg(&ldd)
+                .arg(&accumulate)
+                .launch(cfg((2, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let mut want = start.clone();
+        for t in 0..2 {
+            for i in 0..3 {
+                let v = c[t * 3 + i] + c[(2 + t) * 3 + i];
+                want[t * 5 + i] = if accumulate == 1 {
+                    want[t * 5 + i] + v
+                } else {
+                    v
+                };
+            }
+        }
+        // By hand, column 0 row 0: c[0] + c[6] = 6 (its start value is 0); column 1 row 2
+        // (index 7): c[5] + c[11] = 16, plus 700 when accumulating.
+        assert_eq!(want[0], 6.0);
+        assert_eq!(want[7], if accumulate == 1 { 716.0 } else { 16.0 });
+        assert_eq!(
+            stream.clone_dtoh(&dst_dev).expect("dtoh"),
+            want,
+            "accumulate {accumulate}"
+        );
+    }
+    println!("split_bf16, sum_halves: the bf16 pair and its summed products");
 }
 
 /// The raw bytes of a slice of plain numbers (for uploading bf16/f16 tables).

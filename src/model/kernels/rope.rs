@@ -47,6 +47,12 @@ impl RopeTable {
         self.max_positions
     }
 
+    /// The cosine and sine tables, `[max_positions, head_dim / 2]` each, row per position:
+    /// a device backend uploads these exact values so its rotary agrees with this one.
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// Rotates one head (`2 * half` values) for `position` (< `max_positions`).
     pub fn rotate(&self, head: &mut [f32], position: usize) {
         let half = self.half;

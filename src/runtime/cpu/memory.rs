@@ -127,8 +127,28 @@ impl<'c> CpuMemory<'c> {
                 capacity,
             });
         }
+        Self::build(plan, checkpoint, options, gpu.bytes)
+    }
+
+    /// The host side only: the `pinned` and `host` arenas and the weights image, with an
+    /// empty `gpu` arena (a device backend keeps `gpu` in device memory; a view into it
+    /// still resolves, to an offset the device backend owns).
+    pub(crate) fn host_side(
+        plan: &ExecPlan,
+        checkpoint: &'c Checkpoint,
+        options: &BackendOptions,
+    ) -> Result<Self, MemoryError> {
+        Self::build(plan, checkpoint, options, 0)
+    }
+
+    fn build(
+        plan: &ExecPlan,
+        checkpoint: &'c Checkpoint,
+        options: &BackendOptions,
+        gpu_bytes: u64,
+    ) -> Result<Self, MemoryError> {
         let arenas = [
-            Arena::new("gpu", gpu.bytes, false)?,
+            Arena::new("gpu", gpu_bytes, false)?,
             Arena::new("pinned", plan.arena(Space::Pinned).bytes, true)?,
             Arena::new("host", plan.arena(Space::Host).bytes, false)?,
         ];
@@ -330,6 +350,32 @@ impl<'c> CpuMemory<'c> {
             }
         }
         Ok(())
+    }
+
+    /// The weight labels of `len` bytes at `start` of `region`, as (offset from `start`,
+    /// length, tensor, offset in the tensor): what a copy of those bytes carries along.
+    pub(crate) fn labels_in(
+        &self,
+        region: Region,
+        start: u64,
+        len: u64,
+    ) -> Vec<(u64, u64, WeightTag, u64)> {
+        match region {
+            Region::Image => self.image_map.labels_in(start, len),
+            Region::Arena(space) => lock(&self.maps[space_index(space)]).labels_in(start, len),
+        }
+    }
+
+    /// Replaces the labels of an arena view by `labels` (offsets from the view's start):
+    /// the bytes a device copy wrote there now hold those tensors.
+    pub(crate) fn relabel(&self, view: View, labels: &[(u64, u64, WeightTag, u64)]) {
+        if let Region::Arena(space) = view.region {
+            let mut map = lock(&self.maps[space_index(space)]);
+            map.clear(view.start, view.start + view.len);
+            for &(offset, len, tag, tag_offset) in labels {
+                map.insert(view.start + offset, len, tag, tag_offset);
+            }
+        }
     }
 
     /// Forgets weight labels of bytes an op overwrote with activations.

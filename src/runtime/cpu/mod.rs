@@ -61,7 +61,14 @@ impl<'c> CpuBackend<'c> {
         checkpoint: &'c Checkpoint,
         options: &BackendOptions,
     ) -> Result<Self, CpuSetupError> {
-        let memory = CpuMemory::new(plan, checkpoint, options)?;
+        Self::with_memory(plan, CpuMemory::new(plan, checkpoint, options)?, options)
+    }
+
+    fn with_memory(
+        plan: &ExecPlan,
+        memory: CpuMemory<'c>,
+        options: &BackendOptions,
+    ) -> Result<Self, CpuSetupError> {
         let arch = ArchSpec::from_card(&plan.model);
         let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
         let threads = options.threads.max(1);
@@ -81,6 +88,26 @@ impl<'c> CpuBackend<'c> {
             cpu_pool: pool("cpu")?,
             threads,
         })
+    }
+
+    /// The host side of a device backend: the CPU backend over the `pinned` and `host`
+    /// arenas and the weights image, with no `gpu` arena (its tasks on `cpu.compute` and
+    /// `cpu.copy` run here; `gpu` lives in device memory).
+    pub(crate) fn host_side(
+        plan: &ExecPlan,
+        checkpoint: &'c Checkpoint,
+        options: &BackendOptions,
+    ) -> Result<Self, CpuSetupError> {
+        Self::with_memory(
+            plan,
+            CpuMemory::host_side(plan, checkpoint, options)?,
+            options,
+        )
+    }
+
+    /// The backend's memory (arenas, image, weight labels).
+    pub(crate) fn host_memory(&self) -> &CpuMemory<'c> {
+        &self.memory
     }
 
     /// Threads of each compute pool.

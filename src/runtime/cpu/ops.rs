@@ -766,6 +766,9 @@ fn sample_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result
         tokens.push(token);
     }
     lock(&cx.state.sampled).insert(ub, tokens);
+    if cx.state.capture_logits {
+        lock(&cx.state.sampled_logits).insert(ub, l.to_vec());
+    }
     Ok(())
 }
 

@@ -41,6 +41,10 @@ pub struct CudaStatus {
     pub libraries: Libraries,
     /// NVRTC's (major, minor) version when NVRTC loads.
     pub nvrtc_version: Option<(i32, i32)>,
+    /// The driver's CUDA version (e.g. 12080 for 12.8) when the driver loads.
+    pub driver_version: Option<i32>,
+    /// cuBLAS's version (e.g. 120803) when cuBLAS loads and a device can host a handle.
+    pub cublas_version: Option<i32>,
     /// The devices, when the driver loads: `None` without a driver, an error when the
     /// driver fails (e.g. it is installed but there is no GPU).
     pub devices: Option<Result<Vec<DeviceInfo>, CudaError>>,
@@ -82,12 +86,40 @@ pub fn libraries() -> Libraries {
 pub fn detect() -> CudaStatus {
     let libraries = libraries();
     let nvrtc_version = libraries.nvrtc.then(nvrtc_version).flatten();
+    let driver_version = libraries.driver.then(driver_version).flatten();
     let devices = libraries.driver.then(devices);
+    let has_device = matches!(&devices, Some(Ok(d)) if !d.is_empty());
+    let cublas_version = (libraries.cublas && has_device)
+        .then(cublas_version)
+        .flatten();
     CudaStatus {
         libraries,
         nvrtc_version,
+        driver_version,
+        cublas_version,
         devices,
     }
+}
+
+/// The driver's CUDA version; call only when the driver loads.
+fn driver_version() -> Option<i32> {
+    let mut version = 0i32;
+    // SAFETY: the caller checked that libcuda loads, so cudarc resolves
+    // `cuDriverGetVersion` (present in every driver); the pointer is a live local integer.
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    (status == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(version)
+}
+
+/// cuBLAS's version, through a handle on device 0; call only when cuBLAS loads and the
+/// driver reports a device.
+fn cublas_version() -> Option<i32> {
+    let context = CudaContext::new(0).ok()?;
+    let stream = context.default_stream();
+    let blas = cudarc::cublas::CudaBlas::new(stream).ok()?;
+    let mut version = 0i32;
+    // SAFETY: `blas` holds a live handle; the pointer is a live local integer.
+    let status = unsafe { cudarc::cublas::sys::cublasGetVersion_v2(*blas.handle(), &mut version) };
+    (status == cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(version)
 }
 
 /// NVRTC's version; call only when NVRTC loads.

@@ -94,12 +94,17 @@ pub trait StreamOps: Sync {
 pub struct ExecOptions {
     /// A wait with no progress anywhere for this long is a stall.
     pub watchdog: Duration,
+    /// Test hook: skip every wait for this event (its index within each step), on the
+    /// host and on the device, to prove a backend really runs streams concurrently (a run
+    /// without the wait must fail or change its tokens). `None` in every normal run.
+    pub drop_wait: Option<u32>,
 }
 
 impl Default for ExecOptions {
     fn default() -> Self {
         ExecOptions {
             watchdog: Duration::from_secs(60),
+            drop_wait: None,
         }
     }
 }
@@ -212,6 +217,7 @@ fn stream_thread(
     let mut records = Vec::new();
     for instr in program {
         match *instr {
+            Instr::Wait(e) if options.drop_wait == Some(e.0) => {}
             Instr::Wait(e) => {
                 let mut ev = events.lock().unwrap_or_else(|e| e.into_inner());
                 loop {

@@ -105,6 +105,9 @@ pub struct RunOptions {
     /// lowered with `read_all_routing`, so every gate's routing is on the host).
     pub routing_profile:
         Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
+    /// Hand each output the logits its last token was sampled from (`moec run
+    /// --dump-logits`, comparing backends); costs a read-back per step on a device.
+    pub capture_logits: bool,
 }
 
 impl RunOptions {
@@ -124,15 +127,18 @@ impl RunOptions {
             exec: ExecOptions::default(),
             kill_task: None,
             routing_profile: None,
+            capture_logits: false,
         }
     }
 }
 
 /// The output of one prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RunOutput {
     /// Generated ids (the EOS that stopped it included).
     pub token_ids: Vec<u32>,
+    /// With `RunOptions::capture_logits`: the logits the last token was sampled from.
+    pub logits: Option<Vec<f32>>,
 }
 
 /// The driver's side of a step: guards, the kill hook and routing read-back, around the
@@ -346,6 +352,8 @@ pub fn generate<B: Backend>(
         .map(|i| Rng::new(options.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
         .collect();
     let mut state = StepState::new(n_ubs, options.sampling, rngs);
+    state.capture_logits = options.capture_logits;
+    let mut last_logits: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
     state.predictor = HotPredictor::new(card.layers as usize, card.experts as usize);
     let prefill_caps = capacities(plan, prefill_step);
     let gen_len = options.max_new_tokens;
@@ -370,6 +378,7 @@ pub fn generate<B: Backend>(
         .iter()
         .map(|_| RunOutput {
             token_ids: Vec::new(),
+            logits: None,
         })
         .collect();
     let memory = backend.memory();
@@ -538,6 +547,7 @@ pub fn generate<B: Backend>(
         });
         // Collect the sampled tokens.
         let sampled = std::mem::take(&mut *lock(&state.sampled));
+        let sampled_logits = std::mem::take(&mut *lock(&state.sampled_logits));
         let routing = std::mem::take(&mut *lock(&state.routing));
         state.predictor.update(&routing);
         if let Some(profile) = &options.routing_profile {
@@ -562,12 +572,17 @@ pub fn generate<B: Backend>(
                     row: k,
                 }));
             };
+            if let Some(rows) = sampled_logits.get(&(s.ub as u32)) {
+                let vocab = card.vocab as usize;
+                last_logits[s.request] = rows.get(k * vocab..(k + 1) * vocab).map(<[f32]>::to_vec);
+            }
             s.prompt_done = true;
             s.generated.push(token);
             produced += 1;
             let eos = options.stop_at_eos && token == card.eos_token_id;
             if eos || s.generated.len() >= gen_len {
                 outputs[s.request].token_ids = std::mem::take(&mut s.generated);
+                outputs[s.request].logits = last_logits[s.request].take();
                 produced += gen_len - outputs[s.request].token_ids.len();
                 pools[s.ub].give(&mut s.block_table);
             } else {

@@ -154,6 +154,11 @@ pub struct StepState {
     pub predictor: HotPredictor,
     /// Sampled tokens per ub (one per sequence, row order).
     pub sampled: Mutex<HashMap<u32, Vec<u32>>>,
+    /// Whether `sample` also hands the logits it sampled from to the host
+    /// ([`StepState::sampled_logits`]): `RunOptions::capture_logits`.
+    pub capture_logits: bool,
+    /// With `capture_logits`: per ub, the logits `sample` read (`[seqs, vocab]`, row order).
+    pub sampled_logits: Mutex<HashMap<u32, Vec<f32>>>,
 }
 
 impl StepState {
@@ -167,6 +172,8 @@ impl StepState {
             hot_order: Mutex::new(HashMap::new()),
             predictor: HotPredictor::default(),
             sampled: Mutex::new(HashMap::new()),
+            capture_logits: false,
+            sampled_logits: Mutex::new(HashMap::new()),
         }
     }
 
@@ -175,6 +182,7 @@ impl StepState {
         lock(&self.routing).clear();
         lock(&self.hot_order).clear();
         lock(&self.sampled).clear();
+        lock(&self.sampled_logits).clear();
     }
 
     /// Expert at `rank` of `layer`'s order: predicted hot experts first, then the others

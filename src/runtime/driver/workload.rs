@@ -57,6 +57,9 @@ impl WorkloadSpec {
                 None if rest.is_empty() => mtbench.count,
                 None => return Err(err("unknown preset")),
             };
+            if count == 0 || count > MAX_PROMPTS {
+                return Err(err(&format!("COUNT must be 1..={MAX_PROMPTS}")));
+            }
             return Ok(WorkloadSpec { count, ..mtbench });
         }
         let mut out = WorkloadSpec {
@@ -86,8 +89,13 @@ impl WorkloadSpec {
                 other => return Err(err(&format!("unknown key `{other}`"))),
             }
         }
-        if out.count == 0 {
-            return Err(err("count must be at least 1"));
+        if out.count == 0 || out.count > MAX_PROMPTS {
+            return Err(err(&format!("count must be 1..={MAX_PROMPTS}")));
+        }
+        if out.max > MAX_PROMPT_TOKENS {
+            return Err(err(&format!(
+                "max must be at most {MAX_PROMPT_TOKENS} tokens"
+            )));
         }
         if out.max == 0 {
             out.max = (out.mean * 4.0).ceil().max(1.0) as usize;
@@ -96,10 +104,17 @@ impl WorkloadSpec {
         if !(out.mean >= 1.0 && out.mean.is_finite()) || out.min > out.max {
             return Err(err("need 1 <= mean and min <= max"));
         }
+        if out.mean > out.max as f64 {
+            return Err(err(&format!(
+                "mean ({}) exceeds max ({}): every prompt would be cut to max",
+                out.mean, out.max
+            )));
+        }
         Ok(out)
     }
 
-    /// The prompts, as token ids below `vocab`.
+    /// The prompts, as token ids below `vocab`. (`parse` caps the count and lengths, so
+    /// this never asks for more than `MAX_PROMPTS * MAX_PROMPT_TOKENS` ids.)
     pub fn prompts(&self, vocab: u32) -> Vec<Vec<u32>> {
         let mut rng = Rng::new(self.seed ^ 0x5eed_1e57);
         let low = 3.min(vocab.saturating_sub(1));
@@ -116,6 +131,12 @@ impl WorkloadSpec {
             .collect()
     }
 }
+
+/// Synthetic prompts one spec may ask for (a run of more is a typo, not a workload).
+pub const MAX_PROMPTS: usize = 1_000_000;
+
+/// Tokens one synthetic prompt may have at most.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -142,5 +163,9 @@ mod tests {
         assert!(WorkloadSpec::parse("count=2,mean=x").is_err());
         assert!(WorkloadSpec::parse("count=2,mean=3,bogus=1").is_err());
         assert!(WorkloadSpec::parse("mtbench:x").is_err());
+        // Issue 18: a count that would overflow the allocation, and a mean past max.
+        assert!(WorkloadSpec::parse("count=18446744073709551615,mean=4,max=8").is_err());
+        assert!(WorkloadSpec::parse("mtbench:18446744073709551615").is_err());
+        assert!(WorkloadSpec::parse("count=2,mean=100,max=8").is_err());
     }
 }

@@ -1,0 +1,456 @@
+//! The CUDA backend: runs a plan's `gpu.*` streams as CUDA streams and its `cpu.*` streams
+//! as host threads of the CPU backend, with the plan's events as CUDA events.
+//!
+//! Takes a plan, the checkpoint and the [`BackendOptions`]; gives a [`CudaBackend`] that
+//! implements [`Backend`], or a [`CudaSetupError`] naming what is missing (driver, device,
+//! NVRTC, cuBLAS) or what does not fit. Memory: `gpu` is one device allocation, `pinned`
+//! the CPU backend's arena registered with the driver, `host` and the checkpoint pageable
+//! ([`super::memory`]). Ops are [`super::ops`]; tasks on `cpu.compute`/`cpu.copy` run on
+//! the CPU backend's pools over the same host memory.
+//!
+//! Cross-stream order, without spinning:
+//! - CUDA stream waits for CUDA stream: `cuStreamWaitEvent` on the recorded event;
+//! - host stream waits for CUDA stream: `cuEventSynchronize` (the host thread sleeps in
+//!   the driver until the device reaches the event);
+//! - anything waits for a host stream: nothing on the device. A host task has finished
+//!   when its `Record` is submitted, and the driver lets a waiting stream submit only
+//!   after that, so device work is never queued before the host work it depends on.
+//!
+//! Task times: each device task is bracketed by two timing events on its stream, measured
+//! after the step against an origin event recorded before the step's first device task;
+//! [`Backend::finish_step`] synchronises every stream and returns them.
+
+use super::device::{Device, DeviceError, PtxSources};
+use super::launch::StreamCx;
+use super::memory::{DeviceMemory, DeviceMemoryError};
+use super::ops::{GpuCx, OpError};
+use crate::ir::{Engine, StreamId, TaskId};
+use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
+use crate::model::arch::ArchSpec;
+use crate::model::card::WeightDtype;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::kernels::moe::Routing;
+use crate::model::kernels::rope::RopeTable;
+use crate::runtime::backend::{
+    decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
+};
+use crate::runtime::cpu::{CpuBackend, CpuSetupError};
+use crate::runtime::driver::state::{lock, StepState};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Why the CUDA backend could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaSetupError {
+    /// The device or its libraries.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The host side (pinned and host arenas, the weights image, pools).
+    #[error(transparent)]
+    Host(#[from] CpuSetupError),
+    /// Device memory.
+    #[error(transparent)]
+    Memory(#[from] DeviceMemoryError),
+    /// A driver or cuBLAS call during set-up.
+    #[error("CUDA set-up failed while {doing}: {detail}")]
+    Call {
+        /// What was being done.
+        doing: &'static str,
+        /// The library's error.
+        detail: String,
+    },
+}
+
+/// Why a command of the CUDA backend failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaRunError {
+    /// An op.
+    #[error(transparent)]
+    Op(#[from] OpError),
+    /// An event or stream call.
+    #[error("CUDA {call} failed: {source}")]
+    Driver {
+        /// The call.
+        call: &'static str,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// An event of the plan past the events created for it.
+    #[error("event {0} is not an event of this plan")]
+    Event(u32),
+}
+
+fn task_error(e: impl Into<CudaRunError>) -> BackendError {
+    BackendError::Task(Box::new(e.into()))
+}
+
+fn driver(call: &'static str) -> impl FnOnce(DriverError) -> BackendError {
+    move |source| task_error(CudaRunError::Driver { call, source })
+}
+
+/// A CUDA stream of the plan with its cuBLAS handle.
+#[derive(Debug)]
+struct DevStream {
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+}
+
+/// Where an event was last recorded (0: never, 1: host stream, 2: CUDA stream).
+const ON_HOST: u8 = 1;
+const ON_DEVICE: u8 = 2;
+
+#[derive(Debug)]
+struct PlanEvent {
+    event: CudaEvent,
+    recorded_on: AtomicU8,
+}
+
+#[derive(Debug, Default)]
+struct Timing {
+    origin: Option<CudaEvent>,
+    tasks: Vec<(TaskId, CudaEvent, CudaEvent)>,
+}
+
+/// What the CUDA backend found and did, for `moec run`'s report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaReport {
+    /// Device name and compute capability.
+    pub device: String,
+    /// Architecture the kernels target.
+    pub arch: &'static str,
+    /// Where the kernels' PTX came from.
+    pub ptx: PtxSources,
+    /// Routing read back by `experts`/`post_attn` themselves (no plan read-back).
+    pub routing_syncs: usize,
+    /// Whether the pinned arena is registered with the driver.
+    pub pinned_registered: bool,
+}
+
+/// The CUDA backend for one plan and checkpoint.
+#[derive(Debug)]
+pub struct CudaBackend<'c> {
+    // Field order is drop order: device memory (unregisters the pinned arena) before the
+    // host side (which unmaps it); events and streams before the context.
+    memory: DeviceMemory,
+    events: Vec<PlanEvent>,
+    timing: Mutex<Timing>,
+    streams: Vec<Option<DevStream>>,
+    /// Keeps the rotary tables alive; ops use `rope_ptrs`.
+    _rope: (CudaSlice<f32>, CudaSlice<f32>),
+    rope_ptrs: (u64, u64),
+    host: CpuBackend<'c>,
+    arch: ArchSpec,
+    dtype: WeightDtype,
+    routing_syncs: AtomicUsize,
+    device: Device,
+}
+
+fn is_device(engine: Engine) -> bool {
+    matches!(
+        engine,
+        Engine::GpuCompute | Engine::GpuCopyIn | Engine::GpuCopyOut
+    )
+}
+
+impl<'c> CudaBackend<'c> {
+    /// Opens the device, loads the kernels, allocates the `gpu` arena and creates one CUDA
+    /// stream (and cuBLAS handle) per device stream of the plan.
+    pub fn new(
+        plan: &ExecPlan,
+        checkpoint: &'c Checkpoint,
+        options: &BackendOptions,
+    ) -> Result<Self, CudaSetupError> {
+        let device = Device::open()?;
+        let call = |doing: &'static str| {
+            move |e: DriverError| CudaSetupError::Call {
+                doing,
+                detail: e.to_string(),
+            }
+        };
+        let host = CpuBackend::host_side(plan, checkpoint, options)?;
+        let mut streams = Vec::with_capacity(plan.streams.len());
+        for s in &plan.streams {
+            if is_device(s.engine) {
+                let stream = device.ctx.new_stream().map_err(call("creating a stream"))?;
+                let blas =
+                    CudaBlas::new(Arc::clone(&stream)).map_err(|e| CudaSetupError::Call {
+                        doing: "creating a cuBLAS handle",
+                        detail: format!("{e:?}"),
+                    })?;
+                streams.push(Some(DevStream { stream, blas }));
+            } else {
+                streams.push(None);
+            }
+        }
+        let setup_stream = match streams.iter().flatten().next() {
+            Some(s) => Arc::clone(&s.stream),
+            None => device.ctx.new_stream().map_err(call("creating a stream"))?,
+        };
+        let gpu_bytes = plan.arena(crate::ir::Space::Gpu).bytes;
+        let memory = DeviceMemory::new(
+            &device,
+            &setup_stream,
+            gpu_bytes,
+            options.gpu_capacity,
+            host.host_memory(),
+        )?;
+        let arch = ArchSpec::from_card(&plan.model);
+        let table = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+        let (cos, sin) = table.tables();
+        let rope = (
+            setup_stream
+                .clone_htod(cos)
+                .map_err(call("uploading the rotary tables"))?,
+            setup_stream
+                .clone_htod(sin)
+                .map_err(call("uploading the rotary tables"))?,
+        );
+        let rope_ptrs = (
+            rope.0.device_ptr(&setup_stream).0,
+            rope.1.device_ptr(&setup_stream).0,
+        );
+        setup_stream
+            .synchronize()
+            .map_err(call("finishing set-up"))?;
+        let n_events = plan.steps.iter().map(|s| s.events.len()).max().unwrap_or(0);
+        let events = (0..n_events)
+            .map(|_| {
+                Ok(PlanEvent {
+                    event: device
+                        .ctx
+                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                        .map_err(call("creating an event"))?,
+                    recorded_on: AtomicU8::new(0),
+                })
+            })
+            .collect::<Result<Vec<_>, CudaSetupError>>()?;
+        Ok(CudaBackend {
+            memory,
+            events,
+            timing: Mutex::default(),
+            streams,
+            _rope: rope,
+            rope_ptrs,
+            host,
+            dtype: plan.model.dtype,
+            arch,
+            routing_syncs: AtomicUsize::new(0),
+            device,
+        })
+    }
+
+    /// What the backend found and did (device, kernels, routing syncs).
+    pub fn report(&self) -> CudaReport {
+        let (major, minor) = self.device.compute_capability;
+        CudaReport {
+            device: format!("{} (compute capability {major}.{minor})", self.device.name),
+            arch: self.device.arch,
+            ptx: self.device.ptx,
+            routing_syncs: self.routing_syncs.load(Ordering::Relaxed),
+            pinned_registered: self.memory.pinned_registered(),
+        }
+    }
+
+    /// Threads of each host compute pool (`cpu.compute` tasks).
+    pub fn threads(&self) -> usize {
+        self.host.threads()
+    }
+
+    fn stream(&self, stream: StreamId) -> Option<&DevStream> {
+        self.streams.get(stream.index()).and_then(Option::as_ref)
+    }
+
+    fn bind(&self) -> Result<(), BackendError> {
+        self.device
+            .ctx
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+    }
+
+    fn event(&self, event: EventId) -> Result<&PlanEvent, BackendError> {
+        self.events
+            .get(event.0 as usize)
+            .ok_or_else(|| task_error(CudaRunError::Event(event.0)))
+    }
+
+    fn timing_event(&self) -> Result<CudaEvent, BackendError> {
+        self.device
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver("cuEventCreate"))
+    }
+}
+
+impl Backend for CudaBackend<'_> {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            asynchronous: true,
+            device_events: true,
+            pinned_host: self.memory.pinned_registered(),
+            maps_weights: true,
+        }
+    }
+
+    fn memory(&self) -> MemoryReport {
+        let host = self.host.memory();
+        MemoryReport {
+            arena_bytes: [self.memory.len(), host.arena_bytes[1], host.arena_bytes[2]],
+            image_bytes: host.image_bytes,
+            pinned_locked: self.memory.pinned_registered(),
+        }
+    }
+
+    fn run(
+        &self,
+        stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        state: &StepState,
+    ) -> Result<(), BackendError> {
+        let Some(dev) = self.stream(stream) else {
+            // A host stream: the CPU backend's pools over the same host memory.
+            return self.host.run(stream, engine, task, state);
+        };
+        self.bind()?;
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
+        {
+            let mut timing = lock(&self.timing);
+            if timing.origin.is_none() {
+                // Every stream is idle at a step's start (the last step was finished), so
+                // this event completes before any of the step's device work.
+                let origin = self.timing_event()?;
+                origin
+                    .record(&dev.stream)
+                    .map_err(driver("cuEventRecord"))?;
+                timing.origin = Some(origin);
+            }
+        }
+        start.record(&dev.stream).map_err(driver("cuEventRecord"))?;
+        let cx = GpuCx {
+            s: StreamCx {
+                device: &self.device,
+                stream: &dev.stream,
+                blas: &dev.blas,
+            },
+            mem: &self.memory,
+            host: self.host.host_memory(),
+            arch: &self.arch,
+            rope: self.rope_ptrs,
+            state,
+            dtype: self.dtype,
+            routing_syncs: &self.routing_syncs,
+        };
+        cx.run(task).map_err(task_error)?;
+        end.record(&dev.stream).map_err(driver("cuEventRecord"))?;
+        lock(&self.timing).tasks.push((task.id, start, end));
+        Ok(())
+    }
+
+    fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
+        let ev = self.event(event)?;
+        match self.stream(stream) {
+            Some(dev) => {
+                self.bind()?;
+                ev.event
+                    .record(&dev.stream)
+                    .map_err(driver("cuEventRecord"))?;
+                ev.recorded_on.store(ON_DEVICE, Ordering::Release);
+            }
+            // Host work before this point has finished: nothing to mark on the device.
+            None => ev.recorded_on.store(ON_HOST, Ordering::Release),
+        }
+        Ok(())
+    }
+
+    fn wait(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
+        let ev = self.event(event)?;
+        if ev.recorded_on.load(Ordering::Acquire) != ON_DEVICE {
+            // Recorded on a host stream: finished when its record was submitted, which
+            // the driver waited for before calling this.
+            return Ok(());
+        }
+        self.bind()?;
+        match self.stream(stream) {
+            Some(dev) => dev
+                .stream
+                .wait(&ev.event)
+                .map_err(driver("cuStreamWaitEvent")),
+            None => ev.event.synchronize().map_err(driver("cuEventSynchronize")),
+        }
+    }
+
+    fn read_routing(
+        &self,
+        stream: StreamId,
+        gate: &PlanTask,
+        route: &PlanArg,
+        tokens: usize,
+        top_k: usize,
+    ) -> Result<Routing, BackendError> {
+        let Some(dev) = self.stream(stream) else {
+            return self.host.read_routing(stream, gate, route, tokens, top_k);
+        };
+        self.bind()?;
+        let view = self
+            .host
+            .host_memory()
+            .view(gate, route, None)
+            .map_err(|e| task_error(OpError::Memory(e.into())))?;
+        let ptr = self
+            .memory
+            .ptr(view)
+            .map_err(|e| task_error(OpError::Memory(e)))?;
+        let needed = tokens * top_k * crate::ir::catalog::ROUTE_ENTRY_BYTES as usize;
+        let mut bytes = vec![0u8; needed.min(view.len as usize)];
+        // A device-to-host copy after the gate on its stream, then an event the host waits
+        // on: only this stream's thread (and the guards behind it) waits.
+        // SAFETY: `ptr` addresses `view.len >= bytes.len()` bytes of the gpu arena.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut bytes, ptr, dev.stream.cu_stream())
+        }
+        .map_err(driver("cuMemcpyDtoHAsync"))?;
+        let done = dev
+            .stream
+            .record_event(None)
+            .map_err(driver("cuEventRecord"))?;
+        done.synchronize().map_err(driver("cuEventSynchronize"))?;
+        Ok(decode_routing(&bytes, tokens, top_k)?)
+    }
+
+    fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError> {
+        self.bind()?;
+        for dev in self.streams.iter().flatten() {
+            dev.stream
+                .synchronize()
+                .map_err(driver("cuStreamSynchronize"))?;
+        }
+        let timing = std::mem::take(&mut *lock(&self.timing));
+        for ev in &self.events {
+            ev.recorded_on.store(0, Ordering::Release);
+        }
+        let Some(origin) = timing.origin else {
+            return Ok(None);
+        };
+        let mut times = Vec::with_capacity(timing.tasks.len());
+        for (task, start, end) in &timing.tasks {
+            let s = origin
+                .elapsed_ms(start)
+                .map_err(driver("cuEventElapsedTime"))?;
+            let e = origin
+                .elapsed_ms(end)
+                .map_err(driver("cuEventElapsedTime"))?;
+            times.push(DeviceTime {
+                task: *task,
+                start: f64::from(s) / 1e3,
+                end: f64::from(e) / 1e3,
+            });
+        }
+        Ok(Some(times))
+    }
+}

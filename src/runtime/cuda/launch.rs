@@ -1,0 +1,413 @@
+//! What a CUDA op needs on its stream: the device, the stream and its cuBLAS handle, kernel
+//! launches with plain arguments, scratch allocations and the cuBLAS GEMMs.
+//!
+//! Takes a stream's resources; gives [`StreamCx`]: [`StreamCx::launch`] (a kernel entry of
+//! `kernels/*.cu` with its arguments in the kernel's order), [`StreamCx::scratch`]
+//! (stream-ordered device memory, freed on the stream when dropped) and
+//! [`StreamCx::linear`] (`y = x Wᵀ` for a stored weight matrix). Guarantees: every launch
+//! goes to this stream in call order; scratch is never reused before the work that used it
+//! has run (allocation and free are both stream-ordered).
+//!
+//! Projections run as bf16 GEMMs with f32 accumulation (`cublasGemmEx`): the f32
+//! activations are split into a bf16 pair (hi = bf16(x), lo = bf16(x - hi), `split_bf16`),
+//! both multiplied in one GEMM of twice the columns and summed (`sum_halves`), so the
+//! weights are read once and the result agrees with the CPU's f32-activation product to
+//! about 2^-17 relative instead of bf16's 2^-8. f32 weights use `cublasSgemm`; f16 weights
+//! are widened to f32 first.
+
+use super::device::Device;
+use crate::model::card::WeightDtype;
+use crate::model::tensor::Orientation;
+use cudarc::cublas::result::{self as blas, CublasError};
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// Why a launch, allocation or GEMM failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// A kernel entry point that was not loaded.
+    #[error("kernel `{0}` is not loaded")]
+    NoEntry(&'static str),
+    /// A driver call failed.
+    #[error("CUDA {call} failed: {source}")]
+    Driver {
+        /// The call.
+        call: &'static str,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS {call} failed: {source:?}")]
+    Blas {
+        /// The call.
+        call: &'static str,
+        /// cuBLAS's status.
+        source: CublasError,
+    },
+    /// A dimension past what the kernels or cuBLAS take (32-bit).
+    #[error("{what} = {value} exceeds the 32-bit range the kernels take")]
+    Range {
+        /// The dimension.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+    },
+}
+
+/// A kernel argument, in the kernel signature's order.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    /// A device pointer.
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `long long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+}
+
+/// A stored weight matrix in device memory.
+#[derive(Debug, Clone, Copy)]
+pub struct DevMatrix {
+    /// Device address of element 0.
+    pub ptr: u64,
+    /// Element type.
+    pub dtype: WeightDtype,
+    /// Stored rows.
+    pub rows: usize,
+    /// Stored columns.
+    pub cols: usize,
+    /// Whether rows are outputs (`OutIn`) or inputs (`InOut`).
+    pub orientation: Orientation,
+}
+
+impl DevMatrix {
+    /// Output features.
+    pub fn out_dim(&self) -> usize {
+        match self.orientation {
+            Orientation::OutIn => self.rows,
+            Orientation::InOut => self.cols,
+        }
+    }
+
+    /// Input features.
+    pub fn in_dim(&self) -> usize {
+        match self.orientation {
+            Orientation::OutIn => self.cols,
+            Orientation::InOut => self.rows,
+        }
+    }
+}
+
+/// Device scratch memory, freed on its stream when dropped.
+#[derive(Debug)]
+pub struct Scratch {
+    /// Owns the allocation; dropping it frees on the stream, after the work using it.
+    _slice: Option<CudaSlice<u8>>,
+    ptr: u64,
+}
+
+impl Scratch {
+    /// Its device address (0 for an empty scratch, never dereferenced).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// Converts a size to a kernel's `int`.
+pub fn int(what: &'static str, value: usize) -> Result<i32, LaunchError> {
+    i32::try_from(value).map_err(|_| LaunchError::Range { what, value })
+}
+
+fn block_for(n: usize) -> u32 {
+    n.clamp(32, 256).next_power_of_two().min(256) as u32
+}
+
+/// One CUDA stream's resources.
+#[derive(Debug)]
+pub struct StreamCx<'a> {
+    /// The device.
+    pub device: &'a Device,
+    /// The stream.
+    pub stream: &'a Arc<CudaStream>,
+    /// Its cuBLAS handle (bound to this stream).
+    pub blas: &'a CudaBlas,
+}
+
+impl StreamCx<'_> {
+    /// Launches `entry` with `args` (in the kernel's order) on the stream.
+    pub fn launch(
+        &self,
+        entry: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<(), LaunchError> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let f = self
+            .device
+            .function(entry)
+            .ok_or(LaunchError::NoEntry(entry))?;
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => builder.arg(p),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: each call site passes the arguments of the kernel's signature in order
+        // (pointers as 8-byte device addresses, ints and floats by value), with pointers to
+        // buffers at least as large as the launch touches (sizes checked by the op).
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(|source| LaunchError::Driver {
+                call: entry,
+                source,
+            })
+    }
+
+    /// A 1-D grid-stride launch over `n` elements.
+    pub fn launch_1d(
+        &self,
+        entry: &'static str,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<(), LaunchError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(256).min(4096) as u32;
+        self.launch(entry, (blocks, 1, 1), 256, 0, args)
+    }
+
+    /// `bytes` of stream-ordered device scratch (uninitialised).
+    pub fn scratch(&self, bytes: usize) -> Result<Scratch, LaunchError> {
+        if bytes == 0 {
+            return Ok(Scratch {
+                _slice: None,
+                ptr: 0,
+            });
+        }
+        // SAFETY: scratch is written by this stream's kernels before they read it.
+        let slice =
+            unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|source| LaunchError::Driver {
+                call: "cuMemAllocAsync",
+                source,
+            })?;
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(self.stream);
+            ptr
+        };
+        Ok(Scratch {
+            _slice: Some(slice),
+            ptr,
+        })
+    }
+
+    /// Scratch holding `data` (copied from pageable memory: CUDA stages it before the call
+    /// returns, so `data` may be dropped right after).
+    pub fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        data: &[T],
+    ) -> Result<Scratch, LaunchError> {
+        let s = self.scratch(std::mem::size_of_val(data))?;
+        if !data.is_empty() {
+            // SAFETY: the scratch holds exactly `data`'s bytes.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(s.ptr, data, self.stream.cu_stream())
+            }
+            .map_err(|source| LaunchError::Driver {
+                call: "cuMemcpyHtoDAsync",
+                source,
+            })?;
+        }
+        Ok(s)
+    }
+
+    /// Copies `dst.len()` elements from device address `src` to the host and waits for
+    /// them (and so for everything queued on the stream before).
+    pub fn download<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: u64,
+        dst: &mut [T],
+    ) -> Result<(), LaunchError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let driver = |call| move |source| LaunchError::Driver { call, source };
+        // SAFETY: the caller passes an address holding `dst.len()` elements.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        self.stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))
+    }
+
+    /// Copies `bytes` bytes from device address `src` to `dst` on the stream.
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), LaunchError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller passes two addresses holding `bytes` bytes each, not
+        // overlapping, that no other stream touches until this one's next event.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+        }
+        .map_err(|source| LaunchError::Driver {
+            call: "cuMemcpyDtoDAsync",
+            source,
+        })
+    }
+
+    /// Sets `bytes` bytes at `ptr` to zero on the stream.
+    pub fn zero(&self, ptr: u64, bytes: usize) -> Result<(), LaunchError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller passes an address holding `bytes` bytes.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|source| LaunchError::Driver {
+                call: "cuMemsetD8Async",
+                source,
+            })
+    }
+
+    /// `y[n, out] (=|+=) x[n, in] · Wᵀ` with `y` rows `ldy` floats apart (a slice of a wider
+    /// row, e.g. q, k or v of a qkv row). `accumulate` adds to `y` (a residual).
+    pub fn linear(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), LaunchError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (m, k) = (w.out_dim(), w.in_dim());
+        let (transa, lda) = match w.orientation {
+            Orientation::OutIn => (cublasOperation_t::CUBLAS_OP_T, w.cols),
+            Orientation::InOut => (cublasOperation_t::CUBLAS_OP_N, w.cols),
+        };
+        let (mi, ki, ldai) = (int("out", m)?, int("in", k)?, int("lda", lda)?);
+        let handle = *self.blas.handle();
+        let blas_err = |call| move |source| LaunchError::Blas { call, source };
+        match w.dtype {
+            WeightDtype::Bf16 => {
+                let elems = n * k;
+                let pair = self.scratch(2 * elems * 2)?;
+                self.launch_1d(
+                    "split_bf16",
+                    elems,
+                    &[Arg::Ptr(x), Arg::Ptr(pair.ptr()), Arg::I64(elems as i64)],
+                )?;
+                let products = self.scratch(m * 2 * n * 4)?;
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                // SAFETY: A is m x k bf16 (lda as stored), B the 2n columns of the pair
+                // (k bf16 each), C m x 2n f32 scratch; the scalars are host f32 (the
+                // handle's default pointer mode) as CUBLAS_COMPUTE_32F requires.
+                unsafe {
+                    blas::gemm_ex(
+                        handle,
+                        transa,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        mi,
+                        int("2n", 2 * n)?,
+                        ki,
+                        (&alpha as *const f32).cast(),
+                        w.ptr as *const std::ffi::c_void,
+                        cudaDataType_t::CUDA_R_16BF,
+                        ldai,
+                        pair.ptr() as *const std::ffi::c_void,
+                        cudaDataType_t::CUDA_R_16BF,
+                        ki,
+                        (&beta as *const f32).cast(),
+                        products.ptr() as *mut std::ffi::c_void,
+                        cudaDataType_t::CUDA_R_32F,
+                        mi,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(blas_err("cublasGemmEx"))?;
+                self.launch(
+                    "sum_halves",
+                    (int("n", n)? as u32, 1, 1),
+                    block_for(m),
+                    0,
+                    &[
+                        Arg::Ptr(products.ptr()),
+                        Arg::Ptr(y),
+                        Arg::I32(mi),
+                        Arg::I32(int("n", n)?),
+                        Arg::I32(int("ldy", ldy)?),
+                        Arg::I32(accumulate as i32),
+                    ],
+                )
+            }
+            WeightDtype::F32 | WeightDtype::F16 => {
+                let widened;
+                let a = if w.dtype == WeightDtype::F16 {
+                    let elems = w.rows * w.cols;
+                    widened = self.scratch(elems * 4)?;
+                    self.launch_1d(
+                        "widen_f16",
+                        elems,
+                        &[
+                            Arg::Ptr(w.ptr),
+                            Arg::Ptr(widened.ptr()),
+                            Arg::I64(elems as i64),
+                        ],
+                    )?;
+                    widened.ptr()
+                } else {
+                    w.ptr
+                };
+                let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+                // SAFETY: A is m x k f32 (lda as stored), B is k x n f32 (x rows), C is
+                // y with its row stride; scalars are host f32.
+                unsafe {
+                    blas::sgemm(
+                        handle,
+                        transa,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        mi,
+                        int("n", n)?,
+                        ki,
+                        &alpha,
+                        a as *const f32,
+                        ldai,
+                        x as *const f32,
+                        ki,
+                        &beta,
+                        y as *mut f32,
+                        int("ldy", ldy)?,
+                    )
+                }
+                .map_err(blas_err("cublasSgemm"))
+            }
+        }
+    }
+}
+
+/// A threads-per-block for row kernels over `width` elements: a power of two in 32..=256.
+pub fn row_block(width: usize) -> u32 {
+    block_for(width)
+}

@@ -1,0 +1,338 @@
+//! The CUDA backend's memory: the `gpu` arena in device memory, the host side (the CPU
+//! backend's `pinned` and `host` arenas and the memory-mapped weights image), and copies
+//! between any two of them on a CUDA stream.
+//!
+//! Takes the plan's `gpu` arena size and the host side ([`CpuMemory`]); gives device
+//! pointers for views into `gpu` ([`DeviceMemory::ptr`]), the weight labels of the device
+//! arena (so ops find their weights by tensor, as on the CPU), and [`DeviceMemory::copy`].
+//! The `pinned` arena is registered with the driver (`cuMemHostRegister`), so copies from
+//! and to it are asynchronous DMA; `host` and the checkpoint stay pageable, and a copy that
+//! touches them is synchronous (CUDA stages it), as `moec check` warns. Labels move at
+//! submission: every reader of the destination is submitted after the copy (the driver's
+//! host-side event order), so it finds the labels the copy will have written.
+
+use super::device::Device;
+use crate::ir::Space;
+use crate::runtime::cpu::memory::{CpuMemory, MemoryError, Region, View};
+use crate::runtime::cpu::weights::{WeightMap, WeightTag};
+use crate::runtime::driver::state::lock;
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
+use std::sync::{Arc, Mutex};
+
+/// Why a device memory operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceMemoryError {
+    /// The host side refused (bounds, read-only image, space rules).
+    #[error(transparent)]
+    Host(#[from] MemoryError),
+    /// A driver call failed.
+    #[error("CUDA {call} failed: {source}")]
+    Driver {
+        /// The call.
+        call: &'static str,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// A view past the end of the device arena.
+    #[error("bytes {start}..{end} are outside the {len}-byte gpu arena")]
+    Bounds {
+        /// First byte.
+        start: u64,
+        /// One past the last.
+        end: u64,
+        /// Arena bytes.
+        len: u64,
+    },
+    /// A device pointer asked of a view that is not in the `gpu` arena.
+    #[error("a device operand is in {0} memory, not the gpu arena")]
+    NotDevice(&'static str),
+    /// The plan's `gpu` arena does not fit the device.
+    #[error("the gpu arena needs {needed} bytes but the device has {capacity} ({why})")]
+    Capacity {
+        /// Bytes the plan places in `gpu`.
+        needed: u64,
+        /// Bytes available.
+        capacity: u64,
+        /// Where the capacity comes from.
+        why: &'static str,
+    },
+    /// A copy whose source and destination differ in length.
+    #[error("copy of {src} bytes into {dst}")]
+    Length {
+        /// Source bytes.
+        src: u64,
+        /// Destination bytes.
+        dst: u64,
+    },
+    /// A copy within the gpu arena whose ranges overlap.
+    #[error("copy source and destination overlap ({len} bytes at {src} and {dst})")]
+    Overlap {
+        /// Source start.
+        src: u64,
+        /// Destination start.
+        dst: u64,
+        /// Length.
+        len: u64,
+    },
+}
+
+fn driver(call: &'static str) -> impl FnOnce(DriverError) -> DeviceMemoryError {
+    move |source| DeviceMemoryError::Driver { call, source }
+}
+
+/// The `gpu` arena and its weight labels, and the registration of the pinned arena.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    arena: Option<CudaSlice<u8>>,
+    base: u64,
+    len: u64,
+    map: Mutex<WeightMap>,
+    /// The registered pinned arena (address, bytes), unregistered on drop.
+    pinned: Option<(usize, usize)>,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl DeviceMemory {
+    /// Allocates the `gpu` arena (`bytes`) on `stream` and registers the host side's
+    /// pinned arena with the driver.
+    pub fn new(
+        device: &Device,
+        stream: &Arc<CudaStream>,
+        bytes: u64,
+        capacity: Option<u64>,
+        host: &CpuMemory<'_>,
+    ) -> Result<Self, DeviceMemoryError> {
+        let (free, total) = result::mem_get_info().map_err(driver("cuMemGetInfo"))?;
+        let (limit, why) = match capacity {
+            Some(c) => (
+                c.min(free as u64),
+                "--gpu-mem or the profile, and free memory",
+            ),
+            None => (free as u64, "free device memory"),
+        };
+        if bytes > limit {
+            return Err(DeviceMemoryError::Capacity {
+                needed: bytes,
+                capacity: limit.min(total as u64),
+                why,
+            });
+        }
+        let (arena, base) = if bytes == 0 {
+            (None, 0)
+        } else {
+            let len = usize::try_from(bytes).map_err(|_| DeviceMemoryError::Capacity {
+                needed: bytes,
+                capacity: usize::MAX as u64,
+                why: "the address space",
+            })?;
+            // SAFETY: the arena's bytes are written by the plan's tasks before they are
+            // read (`moec check` proves every read follows a write); nothing reads them
+            // as typed values here.
+            let slice = unsafe { stream.alloc::<u8>(len) }.map_err(driver("cuMemAlloc"))?;
+            let ptr = {
+                let (ptr, _sync) = slice.device_ptr(stream);
+                ptr
+            };
+            (Some(slice), ptr)
+        };
+        let pinned = register_pinned(host)?;
+        Ok(DeviceMemory {
+            arena,
+            base,
+            len: bytes,
+            map: Mutex::default(),
+            pinned,
+            ctx: Arc::clone(&device.ctx),
+        })
+    }
+
+    /// Whether the pinned arena is registered (page-locked for the device's DMA).
+    pub fn pinned_registered(&self) -> bool {
+        self.pinned.is_some()
+    }
+
+    /// Bytes of the gpu arena.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the gpu arena is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of a view into the `gpu` arena, bounds-checked.
+    pub fn ptr(&self, view: View) -> Result<u64, DeviceMemoryError> {
+        match view.region {
+            Region::Arena(Space::Gpu) => {}
+            Region::Arena(space) => return Err(DeviceMemoryError::NotDevice(space.as_str())),
+            Region::Image => return Err(DeviceMemoryError::NotDevice("checkpoint")),
+        }
+        let end = view.start.saturating_add(view.len);
+        if end > self.len || self.arena.is_none() && view.len > 0 {
+            return Err(DeviceMemoryError::Bounds {
+                start: view.start,
+                end,
+                len: self.len,
+            });
+        }
+        Ok(self.base + view.start)
+    }
+
+    /// Where `tag` (`tag_len` bytes) lies whole inside one of `views` of the gpu arena.
+    pub fn find_weight(&self, views: &[View], tag: WeightTag, tag_len: u64) -> Option<View> {
+        let map = lock(&self.map);
+        views
+            .iter()
+            .filter(|v| v.region == Region::Arena(Space::Gpu))
+            .find_map(|v| {
+                map.find_whole(v.start, v.len, tag, tag_len)
+                    .map(|start| View {
+                        region: v.region,
+                        start,
+                        len: tag_len,
+                    })
+            })
+    }
+
+    /// Forgets the labels of gpu bytes an op overwrote with activations.
+    pub fn clobber(&self, view: View) {
+        if view.region == Region::Arena(Space::Gpu) {
+            lock(&self.map).clear(view.start, view.start + view.len);
+        }
+    }
+
+    fn labels_in(&self, host: &CpuMemory<'_>, view: View) -> Vec<(u64, u64, WeightTag, u64)> {
+        match view.region {
+            Region::Arena(Space::Gpu) => lock(&self.map).labels_in(view.start, view.len),
+            region => host.labels_in(region, view.start, view.len),
+        }
+    }
+
+    fn relabel(&self, host: &CpuMemory<'_>, view: View, labels: &[(u64, u64, WeightTag, u64)]) {
+        match view.region {
+            Region::Arena(Space::Gpu) => {
+                let mut map = lock(&self.map);
+                map.clear(view.start, view.start + view.len);
+                for &(offset, len, tag, tag_offset) in labels {
+                    map.insert(view.start + offset, len, tag, tag_offset);
+                }
+            }
+            _ => host.relabel(view, labels),
+        }
+    }
+
+    /// Copies `src` to `dst` on `stream` (device copies are asynchronous; a pageable host
+    /// side makes the call return only when CUDA has staged or delivered the bytes) and
+    /// moves the weight labels along. A copy between two host regions waits for the
+    /// stream's earlier work, then copies on this thread.
+    pub fn copy(
+        &self,
+        host: &CpuMemory<'_>,
+        stream: &CudaStream,
+        src: View,
+        dst: View,
+    ) -> Result<(), DeviceMemoryError> {
+        if src.len != dst.len {
+            return Err(DeviceMemoryError::Length {
+                src: src.len,
+                dst: dst.len,
+            });
+        }
+        let labels = self.labels_in(host, src);
+        let on_device = |v: View| v.region == Region::Arena(Space::Gpu);
+        let n = src.len as usize;
+        match (on_device(src), on_device(dst)) {
+            (true, true) => {
+                let (s, d) = (self.ptr(src)?, self.ptr(dst)?);
+                if src.start < dst.start + dst.len && dst.start < src.start + src.len && n > 0 {
+                    return Err(DeviceMemoryError::Overlap {
+                        src: src.start,
+                        dst: dst.start,
+                        len: src.len,
+                    });
+                }
+                // SAFETY: both ranges are inside the arena (checked by `ptr`) and
+                // disjoint; the plan orders every other user of them around this copy.
+                unsafe { result::memcpy_dtod_async(d, s, n, stream.cu_stream()) }
+                    .map_err(driver("cuMemcpyDtoDAsync"))?;
+            }
+            (false, true) => {
+                let d = self.ptr(dst)?;
+                let staged;
+                // SAFETY: the copy task's waits have returned, so no task writes the
+                // source now; the plan keeps writers away until this copy's event.
+                let bytes: &[u8] = match unsafe { host.bytes(src) } {
+                    Ok(b) => b,
+                    Err(MemoryError::ImageView(_)) if src.region == Region::Image => {
+                        // A range of the image spanning several tensors: assembled from
+                        // the maps first (CUDA stages pageable bytes anyway).
+                        let mut buf = vec![0u8; n];
+                        host.image()
+                            .copy_to(src.start, &mut buf)
+                            .map_err(MemoryError::from)?;
+                        staged = buf;
+                        &staged
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                // SAFETY: `d` addresses `n` arena bytes; `bytes` holds `n` bytes that stay
+                // valid and unwritten until the copy completes (pinned: the plan's events;
+                // pageable: CUDA copies them before the call returns).
+                unsafe { result::memcpy_htod_async(d, &bytes[..n], stream.cu_stream()) }
+                    .map_err(driver("cuMemcpyHtoDAsync"))?;
+            }
+            (true, false) => {
+                let s = self.ptr(src)?;
+                // SAFETY: the copy task's waits have returned and the plan gives it the
+                // destination alone until its event.
+                let to = unsafe { host.bytes_mut(dst)? };
+                // SAFETY: `s` addresses `n` arena bytes and `to` holds `n` bytes that no
+                // one reads before this copy's event completes (host readers synchronise
+                // on it; a pageable destination is complete when the call returns).
+                unsafe { result::memcpy_dtoh_async(&mut to[..n], s, stream.cu_stream()) }
+                    .map_err(driver("cuMemcpyDtoHAsync"))?;
+            }
+            (false, false) => {
+                stream
+                    .synchronize()
+                    .map_err(driver("cuStreamSynchronize"))?;
+                host.copy(crate::ir::Engine::CpuCopy, src, dst)?;
+            }
+        }
+        self.relabel(host, dst, &labels);
+        Ok(())
+    }
+}
+
+fn register_pinned(host: &CpuMemory<'_>) -> Result<Option<(usize, usize)>, DeviceMemoryError> {
+    let len = host.sizes().0[1] as usize;
+    if len == 0 {
+        return Ok(None);
+    }
+    let view = View {
+        region: Region::Arena(Space::Pinned),
+        start: 0,
+        len: len as u64,
+    };
+    // SAFETY: set-up runs before any task; nothing else views the pinned arena now.
+    let bytes = unsafe { host.bytes_mut(view)? };
+    let ptr = bytes.as_mut_ptr();
+    // SAFETY: `ptr` addresses `len` bytes of a live mapping that outlives the registration
+    // (the CPU memory is owned by the same backend and dropped after `DeviceMemory`).
+    unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, 0) }
+        .result()
+        .map_err(driver("cuMemHostRegister"))?;
+    Ok(Some((ptr as usize, len)))
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if let Some((ptr, _)) = self.pinned.take() {
+            // A failure here cannot be acted on; the mapping is released right after.
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: `ptr` was registered by `register_pinned` and is still mapped.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut std::ffi::c_void) }.result();
+        }
+    }
+}

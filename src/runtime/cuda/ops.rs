@@ -1,0 +1,1080 @@
+//! The CUDA backend's ops: each catalog op as kernel launches and cuBLAS GEMMs on the
+//! task's CUDA stream, one function per op kind in a table keyed by [`OpKind`] (as the CPU
+//! backend's `ops`), with the CPU backend's layouts so one lowered plan runs on either.
+//!
+//! Takes a task, the step's state and the device memory; gives the task's launches,
+//! submitted in order on its stream (asynchronous), or an [`OpError`] naming what is
+//! wrong. Host-side data an op needs (token ids, positions, block tables, routed rows) is
+//! uploaded per task from pageable memory (CUDA stages it at the call). Grouping an
+//! expert's tokens needs the routing on the host: `experts` and the fused `post_attn` use
+//! the plan's read-back when there is one, else they read the route on their own stream
+//! (a device-to-host copy that waits for the stream), counted in the run report as
+//! routing syncs. `sample` reads the chosen ids (greedy: `argmax_rows` on the device) or
+//! the logits (temperature sampling with the CPU's sampler) back, so tokens are the CPU's.
+
+use super::launch::{int, row_block, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
+use super::memory::{DeviceMemory, DeviceMemoryError};
+use crate::ir::catalog::OpKind;
+use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
+use crate::lower::{PlanArg, PlanTask};
+use crate::model::arch::ArchSpec;
+use crate::model::card::{Family, WeightDtype};
+use crate::model::kernels::moe::{RoutedRow, Routing};
+use crate::model::kernels::norm::NormKind;
+use crate::model::kernels::sampling::{sample, Sampling};
+use crate::model::layout::SegmentKind;
+use crate::model::tensor::Orientation;
+use crate::runtime::backend::{decode_routing, ShortRoute};
+use crate::runtime::cpu::memory::{CpuMemory, View};
+use crate::runtime::cpu::weights::WeightTag;
+use crate::runtime::driver::state::{lock, MicroBatchState, StepState};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Why a CUDA op failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// Device or host memory.
+    #[error(transparent)]
+    Memory(#[from] DeviceMemoryError),
+    /// A launch, allocation or GEMM.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// A `route` slice too short.
+    #[error(transparent)]
+    Route(#[from] ShortRoute),
+    /// A weight not (wholly) in the task's `w` arguments.
+    #[error("{tag} is not (wholly) in the task's `w` argument(s)")]
+    MissingWeight {
+        /// The tensor.
+        tag: WeightTag,
+    },
+    /// An argument the op needs is absent.
+    #[error("missing `{0}` argument")]
+    MissingArg(&'static str),
+    /// An argument too small for the micro-batch.
+    #[error("`{role}` holds {got} bytes but this micro-batch needs {needed}")]
+    TooSmall {
+        /// The argument.
+        role: &'static str,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        got: u64,
+    },
+    /// A micro-batch index past the step's micro-batches.
+    #[error("micro-batch {0} does not exist in this run")]
+    Ub(u32),
+    /// What the CUDA kernels do not take (named, never run wrong).
+    #[error("the CUDA kernels do not support {0}")]
+    Unsupported(String),
+    /// A KV block table that does not cover a token, or a block past the cache.
+    #[error("KV cache: {0}")]
+    Kv(String),
+    /// A kernel table row that pairs an op kind with another op's kernel.
+    #[error("the CUDA kernel of `{kernel}` was given a `{op}` task")]
+    WrongKernel {
+        /// The op the kernel implements.
+        kernel: &'static str,
+        /// The task's op.
+        op: &'static str,
+    },
+}
+
+/// Everything an op needs besides its task.
+#[derive(Debug)]
+pub struct GpuCx<'a> {
+    /// The task's stream, device and cuBLAS handle.
+    pub s: StreamCx<'a>,
+    /// The gpu arena.
+    pub mem: &'a DeviceMemory,
+    /// The host side (views, image layout).
+    pub host: &'a CpuMemory<'a>,
+    /// Kernel-facing architecture.
+    pub arch: &'a ArchSpec,
+    /// Device addresses of the rotary cos and sin tables.
+    pub rope: (u64, u64),
+    /// The step state.
+    pub state: &'a StepState,
+    /// Stored dtype of the embedding, final norm and lm_head.
+    pub dtype: WeightDtype,
+    /// Routing read back by an op itself (no plan read-back for its gate).
+    pub routing_syncs: &'a AtomicUsize,
+}
+
+/// The views of a task's arguments, looked up by role.
+#[derive(Debug)]
+pub struct TaskArgs {
+    views: Vec<(PlanArg, View)>,
+}
+
+impl TaskArgs {
+    fn get(&self, role: Role) -> Option<View> {
+        self.views
+            .iter()
+            .find(|(a, _)| a.role == role)
+            .map(|(_, v)| *v)
+    }
+
+    fn need(&self, role: Role) -> Result<View, OpError> {
+        self.get(role).ok_or(OpError::MissingArg(role.as_str()))
+    }
+
+    fn all(&self, role: Role) -> Vec<View> {
+        self.views
+            .iter()
+            .filter(|(a, _)| a.role == role)
+            .map(|(_, v)| *v)
+            .collect()
+    }
+}
+
+type GpuKernel = fn(&GpuCx<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
+
+/// The CUDA backend's implementation per op kind.
+static GPU_KERNELS: &[(OpKind, GpuKernel)] = &[
+    (OpKind::Embed, embed_op),
+    (OpKind::PreAttn, pre_attn_op),
+    (OpKind::Attn, attn_op),
+    (OpKind::PostAttn, post_attn_op),
+    (OpKind::OProj, o_proj_op),
+    (OpKind::Gate, gate_op),
+    (OpKind::Experts, experts_op),
+    (OpKind::Combine, combine_op),
+    (OpKind::LmHead, lm_head_op),
+    (OpKind::Sample, sample_op),
+    (OpKind::Copy, copy_op),
+];
+
+/// The CUDA implementation of an op kind, if there is one.
+pub fn gpu_kernel(kind: OpKind) -> Option<GpuKernel> {
+    GPU_KERNELS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|(_, f)| *f)
+}
+
+fn wrong_op(kernel: OpKind, task: &PlanTask) -> OpError {
+    OpError::WrongKernel {
+        kernel: kernel.name(),
+        op: task.op.name(),
+    }
+}
+
+impl GpuCx<'_> {
+    /// Submits one task: its op's launches, then forgets weight labels of what it wrote.
+    pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
+        let kind = task.op.kind();
+        let kernel = gpu_kernel(kind).ok_or_else(|| {
+            OpError::Unsupported(format!("the op `{}` (no CUDA kernel)", kind.name()))
+        })?;
+        let views = task
+            .args
+            .iter()
+            .map(|a| {
+                let expert = a.dynamic_expert.map(|e| self.resolve_expert(e));
+                Ok((
+                    *a,
+                    self.host
+                        .view(task, a, expert)
+                        .map_err(DeviceMemoryError::from)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, OpError>>()?;
+        let args = TaskArgs { views };
+        kernel(self, task, &args)?;
+        if kind != OpKind::Copy {
+            for (a, v) in &args.views {
+                if a.access.writes() {
+                    self.mem.clobber(*v);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn resolve_expert(&self, expert: ExpertRef) -> u32 {
+        match expert {
+            ExpertRef::Index(e) => e,
+            ExpertRef::Hot { layer, rank } => {
+                self.state.hot_expert(layer, rank, self.arch.experts as u32)
+            }
+        }
+    }
+
+    fn ub(&self, ub: u32) -> Result<&MicroBatchState, OpError> {
+        self.state.ubs.get(ub as usize).ok_or(OpError::Ub(ub))
+    }
+
+    /// The device address of an argument holding at least `needed` bytes.
+    fn ptr(&self, view: View, role: &'static str, needed: usize) -> Result<u64, OpError> {
+        if needed as u64 > view.len {
+            return Err(OpError::TooSmall {
+                role,
+                needed: needed as u64,
+                got: view.len,
+            });
+        }
+        Ok(self.mem.ptr(view)?)
+    }
+
+    fn weight(&self, weights: &[View], tag: WeightTag) -> Result<u64, OpError> {
+        let len = self.host.layout().tag_len(tag);
+        let view = self
+            .mem
+            .find_weight(weights, tag, len)
+            .ok_or(OpError::MissingWeight { tag })?;
+        Ok(self.mem.ptr(view)?)
+    }
+
+    fn segment(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<DevMatrix, OpError> {
+        let tag = WeightTag::Layer { layer, kind };
+        let seg = self
+            .host
+            .layout()
+            .layer
+            .segment(kind)
+            .cloned()
+            .ok_or(OpError::MissingWeight { tag })?;
+        Ok(DevMatrix {
+            ptr: self.weight(weights, tag)?,
+            dtype: seg.dtype,
+            rows: seg.rows,
+            cols: seg.cols,
+            orientation: seg.orientation.unwrap_or(Orientation::OutIn),
+        })
+    }
+
+    /// A norm weight (bf16: the norm kernels take bf16 weights, as every supported card
+    /// stores them).
+    fn norm_weight(
+        &self,
+        weights: &[View],
+        tag: WeightTag,
+        dtype: WeightDtype,
+    ) -> Result<u64, OpError> {
+        if dtype != WeightDtype::Bf16 {
+            return Err(OpError::Unsupported(format!(
+                "{tag} stored as {dtype:?} (the norm kernels take bf16)"
+            )));
+        }
+        self.weight(weights, tag)
+    }
+
+    fn layer_norm_weight(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<u64, OpError> {
+        let dtype = self
+            .host
+            .layout()
+            .layer
+            .segment(kind)
+            .map(|s| s.dtype)
+            .unwrap_or(WeightDtype::Bf16);
+        self.norm_weight(weights, WeightTag::Layer { layer, kind }, dtype)
+    }
+
+    /// `out[n, d] = norm(x[n, d]) * w` with the architecture's norm.
+    fn normalize(&self, x: u64, w: u64, out: u64, n: usize) -> Result<(), OpError> {
+        let entry = match self.arch.norm {
+            NormKind::Rms => "rms_norm_bf16",
+            NormKind::LayerNoBias => "layer_norm_bf16",
+        };
+        let d = self.arch.hidden;
+        Ok(self.s.launch(
+            entry,
+            (int("rows", n)? as u32, 1, 1),
+            row_block(d),
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(out),
+                Arg::I32(int("hidden", d)?),
+                Arg::F32(self.arch.norm_eps),
+            ],
+        )?)
+    }
+
+    /// Router logits and top-k for `n` rows of normalised `x`: gives the packed route
+    /// (`[n * top_k]` (expert, weight) entries) in `route`.
+    fn route(
+        &self,
+        weights: &[View],
+        layer: u32,
+        x_norm: u64,
+        n: usize,
+        route: u64,
+    ) -> Result<(), OpError> {
+        let (e, k) = (self.arch.experts, self.arch.top_k);
+        if e > 64 || k > e {
+            return Err(OpError::Unsupported(format!(
+                "{e} experts with top-{k} (the router kernel takes at most 64 experts)"
+            )));
+        }
+        let router = self.segment(weights, layer, SegmentKind::Router)?;
+        let logits = self.s.scratch(n * e * 4)?;
+        self.s.linear(x_norm, n, &router, logits.ptr(), e, false)?;
+        let experts = self.s.scratch(n * k * 4)?;
+        let probs = self.s.scratch(n * k * 4)?;
+        let norm_p = self.arch.router_norm_p.map_or(0.0, |p| p as f32);
+        self.s.launch(
+            "router_topk",
+            (int("rows", n.div_ceil(64))? as u32, 1, 1),
+            64,
+            0,
+            &[
+                Arg::Ptr(logits.ptr()),
+                Arg::Ptr(experts.ptr()),
+                Arg::Ptr(probs.ptr()),
+                Arg::I32(int("rows", n)?),
+                Arg::I32(int("experts", e)?),
+                Arg::I32(int("top_k", k)?),
+                Arg::F32(norm_p),
+            ],
+        )?;
+        self.s.launch_1d(
+            "route_pack",
+            n * k,
+            &[
+                Arg::Ptr(experts.ptr()),
+                Arg::Ptr(probs.ptr()),
+                Arg::Ptr(route),
+                Arg::I64((n * k) as i64),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// The routing of (layer, ub) on the host: the plan's read-back if there was one, else
+    /// read from `route` on this stream (waits for the stream).
+    fn host_routing(&self, layer: u32, ub: u32, route: u64, n: usize) -> Result<Routing, OpError> {
+        if let Some(r) = lock(&self.state.routing).get(&(layer, ub)) {
+            return Ok(r.clone());
+        }
+        let k = self.arch.top_k;
+        let mut bytes = vec![0u8; n * k * 8];
+        self.s.download(route, &mut bytes)?;
+        self.routing_syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(decode_routing(&bytes, n, k)?)
+    }
+
+    /// Every routed expert of `members` over `x_norm` (`[n, d]`), `weight * y` into each
+    /// (row, slot) of `slots` (`[n, top_k, d]`).
+    fn run_experts(
+        &self,
+        weights: &[View],
+        layer: u32,
+        members: &[u32],
+        routing: &Routing,
+        x_norm: u64,
+        slots: u64,
+    ) -> Result<(), OpError> {
+        let (d, f, k) = (self.arch.hidden, self.arch.ffn, self.arch.top_k);
+        let n_tokens = routing.experts.len() / k.max(1);
+        let groups = routing.by_expert(self.arch.experts);
+        for &e in members {
+            let rows: &[RoutedRow] = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
+            if rows.is_empty() {
+                continue;
+            }
+            if let Some(bad) = rows
+                .iter()
+                .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
+            {
+                return Err(OpError::Unsupported(format!(
+                    "a routed row ({}, slot {}) outside {n_tokens} tokens x top-{k}",
+                    bad.row, bad.slot
+                )));
+            }
+            let gate = self.segment(weights, layer, SegmentKind::ExpertGate(e as usize))?;
+            let up = self.segment(weights, layer, SegmentKind::ExpertUp(e as usize))?;
+            let down = self.segment(weights, layer, SegmentKind::ExpertDown(e as usize))?;
+            let m = rows.len();
+            let idx: Vec<u32> = rows.iter().map(|r| r.row).collect();
+            let slot_of: Vec<u32> = rows.iter().map(|r| r.slot).collect();
+            let w: Vec<f32> = rows.iter().map(|r| r.weight).collect();
+            let (idx, slot_of, w) = (
+                self.s.upload(&idx)?,
+                self.s.upload(&slot_of)?,
+                self.s.upload(&w)?,
+            );
+            let gathered = self.s.scratch(m * d * 4)?;
+            let di = int("hidden", d)?;
+            self.s.launch(
+                "gather_rows",
+                (int("rows", m)? as u32, 1, 1),
+                row_block(d),
+                0,
+                &[
+                    Arg::Ptr(x_norm),
+                    Arg::Ptr(idx.ptr()),
+                    Arg::Ptr(gathered.ptr()),
+                    Arg::I32(di),
+                ],
+            )?;
+            let (hg, hu) = (self.s.scratch(m * f * 4)?, self.s.scratch(m * f * 4)?);
+            self.s
+                .linear(gathered.ptr(), m, &gate, hg.ptr(), f, false)?;
+            self.s.linear(gathered.ptr(), m, &up, hu.ptr(), f, false)?;
+            self.s.launch_1d(
+                "swiglu",
+                m * f,
+                &[
+                    Arg::Ptr(hg.ptr()),
+                    Arg::Ptr(hu.ptr()),
+                    Arg::I32(int("m*ffn", m * f)?),
+                ],
+            )?;
+            let y = self.s.scratch(m * d * 4)?;
+            self.s.linear(hg.ptr(), m, &down, y.ptr(), d, false)?;
+            self.s.launch(
+                "scatter_weighted",
+                (int("rows", m)? as u32, 1, 1),
+                row_block(d),
+                0,
+                &[
+                    Arg::Ptr(y.ptr()),
+                    Arg::Ptr(idx.ptr()),
+                    Arg::Ptr(slot_of.ptr()),
+                    Arg::Ptr(w.ptr()),
+                    Arg::Ptr(slots),
+                    Arg::I32(int("top_k", k)?),
+                    Arg::I32(di),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `residual[n, d] += sum of each token's slots` in the CPU's order.
+    fn combine(
+        &self,
+        route_experts: u64,
+        slots: u64,
+        residual: u64,
+        n: usize,
+    ) -> Result<(), OpError> {
+        let (d, k) = (self.arch.hidden, self.arch.top_k);
+        if k > 64 {
+            return Err(OpError::Unsupported(format!(
+                "top-{k} (combine takes at most 64)"
+            )));
+        }
+        Ok(self.s.launch(
+            "combine_slots",
+            (int("rows", n)? as u32, 1, 1),
+            row_block(d),
+            0,
+            &[
+                Arg::Ptr(slots),
+                Arg::Ptr(route_experts),
+                Arg::Ptr(residual),
+                Arg::I32(int("top_k", k)?),
+                Arg::I32(int("hidden", d)?),
+            ],
+        )?)
+    }
+
+    fn members(&self, set: ExpertSet) -> Vec<u32> {
+        set.members(self.arch.experts as u64)
+            .into_iter()
+            .map(|e| self.resolve_expert(e))
+            .collect()
+    }
+}
+
+fn copy_op(cx: &GpuCx<'_>, _task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
+    cx.mem.copy(cx.host, cx.s.stream, src, dst)?;
+    Ok(())
+}
+
+fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Embed { ub } = task.op else {
+        return Err(wrong_op(OpKind::Embed, task));
+    };
+    let ids = cx.ub(ub)?.token_ids();
+    let (n, d) = (ids.len(), cx.arch.hidden);
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= cx.arch.vocab) {
+        return Err(OpError::Unsupported(format!(
+            "token id {bad} (the vocabulary has {} tokens)",
+            cx.arch.vocab
+        )));
+    }
+    let table = cx.weight(&args.all(Role::W), WeightTag::Embed)?;
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    let entry = match cx.dtype {
+        WeightDtype::Bf16 => "embed_bf16",
+        WeightDtype::F16 => "embed_f16",
+        WeightDtype::F32 => "embed_f32",
+    };
+    let ids = cx.s.upload(&ids)?;
+    cx.s.launch(
+        entry,
+        (int("tokens", n)? as u32, 1, 1),
+        row_block(d),
+        0,
+        &[
+            Arg::Ptr(table),
+            Arg::Ptr(ids.ptr()),
+            Arg::Ptr(h),
+            Arg::I32(int("hidden", d)?),
+        ],
+    )?;
+    Ok(())
+}
+
+fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::PreAttn { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::PreAttn, task));
+    };
+    let positions = cx.ub(ub)?.positions();
+    let n = positions.len();
+    let arch = cx.arch;
+    let (d, q, kv) = (arch.hidden, arch.q_dim(), arch.kv_dim());
+    let width = q + 2 * kv;
+    if let Some(&p) = positions.iter().find(|&&p| p >= arch.max_positions) {
+        return Err(OpError::Unsupported(format!(
+            "position {p} (the rotary tables cover {})",
+            arch.max_positions
+        )));
+    }
+    let weights = args.all(Role::W);
+    let x = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    let out = cx.ptr(args.need(Role::Out)?, "out", n * width * 4)?;
+    let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::AttnNorm)?;
+    let x_norm = cx.s.scratch(n * d * 4)?;
+    cx.normalize(x, norm_w, x_norm.ptr(), n)?;
+    match arch.family {
+        Family::Mixtral => {
+            for (kind, col) in [
+                (SegmentKind::QProj, 0),
+                (SegmentKind::KProj, q),
+                (SegmentKind::VProj, q + kv),
+            ] {
+                let w = cx.segment(&weights, layer, kind)?;
+                cx.s.linear(x_norm.ptr(), n, &w, out + (col * 4) as u64, width, false)?;
+            }
+        }
+        Family::Dbrx => {
+            let w = cx.segment(&weights, layer, SegmentKind::QkvProj)?;
+            cx.s.linear(x_norm.ptr(), n, &w, out, width, false)?;
+        }
+    }
+    if let Some(clip) = arch.clip_qkv {
+        cx.s.launch_1d(
+            "clamp_in_place",
+            n * width,
+            &[Arg::Ptr(out), Arg::F32(clip), Arg::I64((n * width) as i64)],
+        )?;
+    }
+    let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    let pos = cx.s.upload(&pos)?;
+    let rot_heads = arch.attn.heads + arch.attn.kv_heads;
+    cx.s.launch(
+        "rope_neox",
+        (int("tokens", n)? as u32, int("heads", rot_heads)? as u32, 1),
+        32,
+        0,
+        &[
+            Arg::Ptr(out),
+            Arg::Ptr(pos.ptr()),
+            Arg::Ptr(cx.rope.0),
+            Arg::Ptr(cx.rope.1),
+            Arg::I32(int("width", width)?),
+            Arg::I32(int("heads", rot_heads)?),
+            Arg::I32(int("head_dim", arch.attn.head_dim)?),
+        ],
+    )?;
+    Ok(())
+}
+
+/// Per-row sequence and position, block tables padded to `max_blocks`, for the rows of a
+/// micro-batch (row order = the micro-batch's token order).
+struct RowTables {
+    row_seq: Vec<u32>,
+    row_pos: Vec<i32>,
+    tables: Vec<u32>,
+    max_blocks: usize,
+}
+
+fn row_tables(mb: &MicroBatchState, tables: &[Vec<u32>]) -> RowTables {
+    let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut flat = vec![0u32; tables.len() * max_blocks];
+    for (s, t) in tables.iter().enumerate() {
+        flat[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
+    }
+    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
+    for (s, seq) in mb.seqs.iter().enumerate() {
+        for j in 0..seq.new_tokens.len() {
+            row_seq.push(s as u32);
+            row_pos.push((seq.context_len + j) as i32);
+        }
+    }
+    RowTables {
+        row_seq,
+        row_pos,
+        tables: flat,
+        max_blocks,
+    }
+}
+
+/// Row ranges of the sequences `pick` selects, merged where adjacent.
+fn runs(mb: &MicroBatchState, pick: impl Fn(usize) -> bool) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut row = 0;
+    for (s, seq) in mb.seqs.iter().enumerate() {
+        let r = row..row + seq.new_tokens.len();
+        row = r.end;
+        if !pick(s) || r.is_empty() {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Attn { ub, part, .. } = task.op else {
+        return Err(wrong_op(OpKind::Attn, task));
+    };
+    let mb = cx.ub(ub)?;
+    let n = mb.n_tokens();
+    let shape = cx.arch.attn;
+    let (qw, ow) = (shape.qkv_width(), shape.q_width());
+    let qkv = cx.ptr(args.need(Role::Qkv)?, "qkv", n * qw * 4)?;
+    let out = cx.ptr(args.need(Role::Out)?, "out", n * ow * 4)?;
+    let wanted = |s: usize| {
+        mb.seqs.get(s).is_some_and(|seq| match part {
+            AttnPart::All => true,
+            AttnPart::Prefill => seq.prefill,
+            AttnPart::Decode => !seq.prefill,
+        })
+    };
+    let block_elems = |block: usize| block * shape.kv_heads * shape.head_dim;
+    // The cache: the task's `kv` slice, or (GPU prefill over whole prompts) a scratch
+    // cache holding only this call's K/V.
+    let scratch_pools: Scratch;
+    let (k_pool, v_pool, block, tables, append) = match args.get(Role::Kv) {
+        Some(kv) => {
+            let block = mb.block_size.max(1);
+            let pool_blocks = (kv.len as usize / 4 / 2 / block_elems(block).max(1)) as u64;
+            let pool_elems = pool_blocks as usize * block_elems(block);
+            let base = cx.ptr(kv, "kv", 2 * pool_elems * 4)?;
+            let tables: Vec<Vec<u32>> = mb.seqs.iter().map(|s| s.block_table.clone()).collect();
+            for (seq, t) in mb.seqs.iter().zip(&tables) {
+                let needed = (seq.context_len + seq.new_tokens.len()).div_ceil(block);
+                if t.len() < needed || t.iter().any(|&b| u64::from(b) >= pool_blocks) {
+                    return Err(OpError::Kv(format!(
+                        "a block table of {} blocks (ids below {pool_blocks} needed) does not cover {} tokens of {block}",
+                        t.len(),
+                        seq.context_len + seq.new_tokens.len()
+                    )));
+                }
+            }
+            let all = runs(mb, |_| true);
+            (base, base + (pool_elems * 4) as u64, block, tables, all)
+        }
+        None => {
+            let block = 16;
+            let mut next = 0u32;
+            let mut tables = Vec::new();
+            for (s, seq) in mb.seqs.iter().enumerate() {
+                if wanted(s) {
+                    if seq.context_len > 0 {
+                        return Err(OpError::MissingArg(
+                            "kv (a sequence with cached tokens needs its KV cache)",
+                        ));
+                    }
+                    let blocks = seq.new_tokens.len().div_ceil(block) as u32;
+                    tables.push((next..next + blocks).collect());
+                    next += blocks;
+                } else {
+                    tables.push(Vec::new());
+                }
+            }
+            let elems = next as usize * block_elems(block);
+            scratch_pools = cx.s.scratch(2 * elems * 4)?;
+            let base = scratch_pools.ptr();
+            (
+                base,
+                base + (elems * 4) as u64,
+                block,
+                tables,
+                runs(mb, wanted),
+            )
+        }
+    };
+    let attend = runs(mb, wanted);
+    if attend.is_empty() && append.is_empty() {
+        return Ok(());
+    }
+    let rt = row_tables(mb, &tables);
+    let (row_seq, row_pos, tables_dev) = (
+        cx.s.upload(&rt.row_seq)?,
+        cx.s.upload(&rt.row_pos)?,
+        cx.s.upload(&rt.tables)?,
+    );
+    let dims = [
+        Arg::I32(int("heads", shape.heads)?),
+        Arg::I32(int("kv_heads", shape.kv_heads)?),
+        Arg::I32(int("head_dim", shape.head_dim)?),
+        Arg::I32(int("block_size", block)?),
+        Arg::I32(int("max_blocks", rt.max_blocks)?),
+    ];
+    let kvh = int("kv_heads", shape.kv_heads)? as u32;
+    // A run whose sequences each bring one token (decode) uses the decode kernels: one
+    // row per sequence, its block table and position indexed by the launch's sequence.
+    let one_token_each = |r: &std::ops::Range<usize>| {
+        rt.row_seq[r.clone()].iter().all(|&s| {
+            mb.seqs
+                .get(s as usize)
+                .is_some_and(|q| q.new_tokens.len() == 1)
+        })
+    };
+    let first_table = |r: &std::ops::Range<usize>| {
+        let seq = rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
+        tables_dev.ptr() + (seq * rt.max_blocks * 4) as u64
+    };
+    for r in &append {
+        let decode = one_token_each(r);
+        let mut a = vec![
+            Arg::Ptr(qkv + (r.start * qw * 4) as u64),
+            Arg::Ptr(k_pool),
+            Arg::Ptr(v_pool),
+        ];
+        if decode {
+            a.extend_from_slice(&[
+                Arg::Ptr(first_table(r)),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        } else {
+            a.extend_from_slice(&[
+                Arg::Ptr(tables_dev.ptr()),
+                Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        }
+        a.extend_from_slice(&dims);
+        let entry = if decode {
+            "paged_kv_append"
+        } else {
+            "paged_kv_append_rows"
+        };
+        cx.s.launch(entry, (int("rows", r.len())? as u32, kvh, 1), 32, 0, &a)?;
+    }
+    let window = shape.sliding_window.unwrap_or(0);
+    let scale = 1.0 / (shape.head_dim as f32).sqrt();
+    let group_bytes = (shape.heads / shape.kv_heads.max(1)) * shape.head_dim * 4;
+    for r in &attend {
+        let max_keys = rt.row_pos[r.clone()]
+            .iter()
+            .map(|&p| {
+                let span = p as usize + 1;
+                if window > 0 {
+                    span.min(window)
+                } else {
+                    span
+                }
+            })
+            .max()
+            .unwrap_or(1);
+        let scores = cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
+        let decode = one_token_each(r);
+        let mut a = vec![
+            Arg::Ptr(qkv + (r.start * qw * 4) as u64),
+            Arg::Ptr(k_pool),
+            Arg::Ptr(v_pool),
+        ];
+        if decode {
+            a.extend_from_slice(&[
+                Arg::Ptr(first_table(r)),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        } else {
+            a.extend_from_slice(&[
+                Arg::Ptr(tables_dev.ptr()),
+                Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
+                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
+            ]);
+        }
+        a.extend_from_slice(&[
+            Arg::Ptr(scores.ptr()),
+            Arg::Ptr(out + (r.start * ow * 4) as u64),
+        ]);
+        a.extend_from_slice(&dims);
+        a.extend_from_slice(&[
+            Arg::I32(int("max_keys", max_keys)?),
+            Arg::I32(int("sliding_window", window)?),
+            Arg::F32(scale),
+        ]);
+        let entry = if decode {
+            "paged_decode_attention"
+        } else {
+            "paged_prefill_attention"
+        };
+        cx.s.launch(
+            entry,
+            (int("rows", r.len())? as u32, kvh, 1),
+            64,
+            int("shared", group_bytes)? as u32,
+            &a,
+        )?;
+    }
+    Ok(())
+}
+
+fn o_proj_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::OProj { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::OProj, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let d = cx.arch.hidden;
+    let w = cx.segment(&args.all(Role::W), layer, SegmentKind::OProj)?;
+    let a = cx.ptr(args.need(Role::A)?, "a", n * cx.arch.q_dim() * 4)?;
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    cx.s.linear(a, n, &w, h, d, true)?;
+    Ok(())
+}
+
+fn gate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Gate { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::Gate, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let (d, k) = (cx.arch.hidden, cx.arch.top_k);
+    let weights = args.all(Role::W);
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    // `acc` = [normalised rows | one slot per (token, k)], as on the CPU.
+    let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * (1 + k) * d * 4)?;
+    let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
+    let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
+    cx.normalize(h, norm_w, acc, n)?;
+    cx.route(&weights, layer, acc, n, route)?;
+    cx.s.zero(acc + (n * d * 4) as u64, n * k * d * 4)?;
+    Ok(())
+}
+
+fn experts_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Experts { layer, ub, set } = task.op else {
+        return Err(wrong_op(OpKind::Experts, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let (d, k) = (cx.arch.hidden, cx.arch.top_k);
+    let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
+    let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * (1 + k) * d * 4)?;
+    let routing = cx.host_routing(layer, ub, route, n)?;
+    let members = cx.members(set);
+    cx.run_experts(
+        &args.all(Role::W),
+        layer,
+        &members,
+        &routing,
+        acc,
+        acc + (n * d * 4) as u64,
+    )
+}
+
+fn combine_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Combine { ub, .. } = task.op else {
+        return Err(wrong_op(OpKind::Combine, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let (d, k) = (cx.arch.hidden, cx.arch.top_k);
+    let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
+    let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * (1 + k) * d * 4)?;
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    let experts = cx.s.scratch(n * k * 4)?;
+    cx.s.launch_1d(
+        "route_experts",
+        n * k,
+        &[
+            Arg::Ptr(route),
+            Arg::Ptr(experts.ptr()),
+            Arg::I64((n * k) as i64),
+        ],
+    )?;
+    cx.combine(experts.ptr(), acc + (n * d * 4) as u64, h, n)
+}
+
+fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::PostAttn { layer, ub } = task.op else {
+        return Err(wrong_op(OpKind::PostAttn, task));
+    };
+    let mb = cx.ub(ub)?;
+    let n = mb.n_tokens();
+    let (d, k, q) = (cx.arch.hidden, cx.arch.top_k, cx.arch.q_dim());
+    let weights = args.all(Role::W);
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    // Attention rows: one `a` holds all; two (VSLPipe) hold prefill and decode rows.
+    let a_args = args.all(Role::A);
+    let merged: Scratch;
+    let a = match a_args.as_slice() {
+        [] => return Err(OpError::MissingArg("a")),
+        [one] => cx.ptr(*one, "a", n * q * 4)?,
+        [prefill, decode, ..] => {
+            let (p, dcd) = (
+                cx.ptr(*prefill, "a", n * q * 4)?,
+                cx.ptr(*decode, "a", n * q * 4)?,
+            );
+            merged = cx.s.scratch(n * q * 4)?;
+            let mut row = 0;
+            for s in &mb.seqs {
+                let len = s.new_tokens.len();
+                let src = if s.prefill { p } else { dcd };
+                let at = (row * q * 4) as u64;
+                // Both ranges hold the sequence's rows (sizes checked above); the scratch
+                // is this task's alone.
+                cx.s.copy(merged.ptr() + at, src + at, len * q * 4)?;
+                row += len;
+            }
+            merged.ptr()
+        }
+    };
+    let o = cx.segment(&weights, layer, SegmentKind::OProj)?;
+    cx.s.linear(a, n, &o, h, d, true)?;
+    let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
+    let x_norm = cx.s.scratch(n * d * 4)?;
+    cx.normalize(h, norm_w, x_norm.ptr(), n)?;
+    let route = cx.s.scratch(n * k * 8)?;
+    cx.route(&weights, layer, x_norm.ptr(), n, route.ptr())?;
+    // The fused op's own routing: read on this stream (a plan read-back covers only gates).
+    let mut bytes = vec![0u8; n * k * 8];
+    cx.s.download(route.ptr(), &mut bytes)?;
+    cx.routing_syncs.fetch_add(1, Ordering::Relaxed);
+    let routing = decode_routing(&bytes, n, k)?;
+    let slots = cx.s.scratch(n * k * d * 4)?;
+    cx.s.zero(slots.ptr(), n * k * d * 4)?;
+    let all: Vec<u32> = (0..cx.arch.experts as u32).collect();
+    cx.run_experts(&weights, layer, &all, &routing, x_norm.ptr(), slots.ptr())?;
+    let experts = cx.s.upload(&routing.experts)?;
+    cx.combine(experts.ptr(), slots.ptr(), h, n)
+}
+
+fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::LmHead { ub } = task.op else {
+        return Err(wrong_op(OpKind::LmHead, task));
+    };
+    let mb = cx.ub(ub)?;
+    let (d, vocab) = (cx.arch.hidden, cx.arch.vocab);
+    let n = mb.n_tokens();
+    let seqs = mb.seqs.len();
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    let mut last = Vec::with_capacity(seqs);
+    let mut row = 0u32;
+    for s in &mb.seqs {
+        row += s.new_tokens.len() as u32;
+        last.push(row.saturating_sub(1));
+    }
+    let weights = args.all(Role::W);
+    let norm = cx.norm_weight(&weights, WeightTag::FinalNorm, cx.dtype)?;
+    let head = DevMatrix {
+        ptr: cx.weight(&weights, WeightTag::LmHead)?,
+        dtype: cx.dtype,
+        rows: vocab,
+        cols: d,
+        orientation: Orientation::OutIn,
+    };
+    let out = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
+    let idx = cx.s.upload(&last)?;
+    let gathered = cx.s.scratch(seqs * d * 4)?;
+    cx.s.launch(
+        "gather_rows",
+        (int("seqs", seqs)? as u32, 1, 1),
+        row_block(d),
+        0,
+        &[
+            Arg::Ptr(h),
+            Arg::Ptr(idx.ptr()),
+            Arg::Ptr(gathered.ptr()),
+            Arg::I32(int("hidden", d)?),
+        ],
+    )?;
+    let normed = cx.s.scratch(seqs * d * 4)?;
+    cx.normalize(gathered.ptr(), norm, normed.ptr(), seqs)?;
+    cx.s.linear(normed.ptr(), seqs, &head, out, vocab, false)?;
+    Ok(())
+}
+
+fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Sample { ub } = task.op else {
+        return Err(wrong_op(OpKind::Sample, task));
+    };
+    let mb = cx.ub(ub)?;
+    let (seqs, vocab) = (mb.seqs.len(), cx.arch.vocab);
+    let logits = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
+    let tokens_ptr = cx.ptr(args.need(Role::Tokens)?, "tokens", seqs * 4)?;
+    let mut tokens = vec![0u32; seqs];
+    if cx.state.capture_logits {
+        let mut host = vec![0f32; seqs * vocab];
+        cx.s.download(logits, &mut host)?;
+        lock(&cx.state.sampled_logits).insert(ub, host);
+    }
+    match cx.state.sampling {
+        Sampling::Greedy => {
+            cx.s.launch(
+                "argmax_rows",
+                (int("seqs", seqs)? as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(logits),
+                    Arg::Ptr(tokens_ptr),
+                    Arg::I32(int("vocab", vocab)?),
+                ],
+            )?;
+            cx.s.download(tokens_ptr, &mut tokens)?;
+        }
+        Sampling::Temperature { .. } => {
+            let mut host = vec![0f32; seqs * vocab];
+            cx.s.download(logits, &mut host)?;
+            let mut rngs = lock(&cx.state.rngs);
+            for (i, s) in mb.seqs.iter().enumerate() {
+                let row = &host[i * vocab..(i + 1) * vocab];
+                tokens[i] = match rngs.get_mut(s.request) {
+                    Some(rng) => sample(row, &cx.state.sampling, rng),
+                    None => crate::model::kernels::sampling::argmax(row),
+                };
+            }
+            drop(rngs);
+            let up = cx.s.upload(&tokens)?;
+            cx.s.copy(tokens_ptr, up.ptr(), seqs * 4)?;
+        }
+    }
+    lock(&cx.state.sampled).insert(ub, tokens);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every op of the table has a CUDA implementation (a missing row fails here, not in
+    /// a user's run), and no kind has two.
+    #[test]
+    fn every_op_has_one_cuda_kernel() {
+        for kind in OpKind::ALL {
+            assert!(
+                gpu_kernel(kind).is_some(),
+                "{}: no CUDA kernel",
+                kind.name()
+            );
+            assert_eq!(
+                GPU_KERNELS.iter().filter(|(k, _)| *k == kind).count(),
+                1,
+                "{kind:?}"
+            );
+        }
+    }
+}
