@@ -1,7 +1,8 @@
 //! The byte-range map value tracking keeps per buffer (which tensor piece each run of
 //! bytes holds, from which step run, who wrote it, under which run-time guard of which
-//! step run), and the guard logic that decides whether a guarded write may be trusted by
-//! a reader.
+//! step run, and for an expert accumulator which expert outputs it holds), and the guard
+//! logic that decides whether a guarded write may be trusted by a reader (literals on
+//! routed counts, `active` being "at least 1", imply each other by threshold and scope).
 
 use super::arms::Output;
 use crate::ir::catalog::ExpertRef;

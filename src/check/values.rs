@@ -17,8 +17,13 @@
 //! - nothing is read (by an op or a copy) before anything was written to it;
 //! - a value written under a run-time guard is read only under a guard implying it,
 //!   decided in the same run;
-//! - between `gate` and `combine` every expert is computed exactly once per layer and ub,
-//!   each by a task that runs whenever that expert receives tokens (`values::expert_guard`);
+//! - every expert accumulator carries the expert outputs it holds (task, experts, guard),
+//!   moved by copies; a write that replaces outputs of this run's accumulator with a value
+//!   of the same accumulator lacking them is `values::lost_output`, naming both tasks;
+//! - the outputs reaching each `combine` (through every accumulator it adds) compute each
+//!   expert exactly once per layer and ub whenever it receives tokens: literal by literal
+//!   for `active` guards (`values::expert_guard`, `values::expert_coverage`), and for
+//!   load arms on `routed(..)` over every interval of the counts they read (`arms`);
 //! - every prefill, decode or mixed run samples every micro-batch exactly once, by an
 //!   unguarded `sample` (`values::sampling`); with the rules above, the logits it reads
 //!   come from this run's `lm_head` over this run's hidden state after the last layer.
