@@ -20,3 +20,4 @@ pub mod records;
 pub mod runtime;
 pub mod span;
 pub mod syntax;
+pub mod textfile;

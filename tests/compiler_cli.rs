@@ -203,3 +203,60 @@ fn profile_writes_a_routing_profile_that_check_and_simulate_read() {
     assert_eq!(code, 1);
     assert!(stderr.contains("read back no routing"), "{stderr}");
 }
+
+/// `moec compile X | head -1`: when the reader closes the pipe, moec ends quietly (killed
+/// by SIGPIPE as Unix tools are), never with a panic (issue 18).
+#[test]
+fn a_closed_output_pipe_ends_the_command_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        // 200 KB of DAG: far more than a pipe buffers.
+        .args([
+            "compile",
+            "schedules/cgopipe.sched",
+            "--model",
+            "mixtral-8x7b",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("moec starts");
+    let mut first = [0u8; 64];
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_exact(&mut first)
+        .expect("some output");
+    // The read end is dropped here, as `head` closes it.
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("stderr");
+    let status = child.wait().expect("moec ends");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_ne!(status.code(), Some(101), "{stderr}");
+    assert!(
+        status.success() || status.signal() == Some(13),
+        "ended by {status:?}: {stderr}"
+    );
+}
+
+/// A schedule path that never ends (`/dev/zero`) or is huge is refused after the size cap
+/// by every command that reads a schedule, instead of filling memory (issue 18).
+#[test]
+fn an_endless_schedule_file_is_refused_by_every_command() {
+    for command in ["check", "compile", "simulate", "plan", "run"] {
+        let (code, _, stderr) = moec(&[command, "/dev/zero"]);
+        assert_eq!(code, 1, "{command}: {stderr}");
+        assert!(
+            stderr.contains("/dev/zero") && stderr.contains("larger than"),
+            "{command}: {stderr}"
+        );
+    }
+}

@@ -267,7 +267,10 @@ pub fn run(args: &AblateArgs) -> ExitCode {
     if let Some(prefix) = &args.out {
         let json = serde_json::to_string_pretty(&rows).unwrap_or_default();
         for (ext, text) in [("csv", csv(&rows)), ("json", json)] {
-            let path = prefix.with_extension(ext);
+            // `--out exp.v2` writes exp.v2.csv and exp.v2.json (the prefix is kept whole).
+            let mut name = prefix.as_os_str().to_owned();
+            name.push(format!(".{ext}"));
+            let path = std::path::PathBuf::from(name);
             if let Err(e) = write_atomic(&path, &text) {
                 return fail(e);
             }

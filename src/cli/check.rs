@@ -50,9 +50,10 @@ impl SchedArgs {
     /// Reads the file and compiles it; on failure gives the rendered diagnostics.
     pub fn compile(&self) -> Result<(Compiled, String, String), Failure> {
         let name = self.sched.display().to_string();
-        let source = std::fs::read_to_string(&self.sched).map_err(|e| Failure {
-            text: format!("error: cannot read {name}: {e}\n"),
-        })?;
+        let source = crate::textfile::read_capped(&self.sched, crate::textfile::SOURCE_LIMIT)
+            .map_err(|e| Failure {
+                text: format!("error: cannot read {name}: {e}\n"),
+            })?;
         let model = ModelCard::load(&self.model).map_err(|e| Failure {
             text: format!("error: {e}\n"),
         })?;

@@ -122,7 +122,8 @@ impl PromptArgs {
 /// Reads a JSON-lines prompt file: each non-blank line a JSON string or an object with a
 /// string field `prompt`.
 fn read_prompt_file(path: &Path) -> Result<Vec<String>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = crate::textfile::read_capped(path, crate::textfile::PROMPTS_LIMIT)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     let mut prompts = Vec::new();
     for (i, line) in text
         .lines()
@@ -150,7 +151,9 @@ pub fn load_routing_profile(
     path: &std::path::Path,
     card: &crate::model::card::ModelCard,
 ) -> Result<std::sync::Arc<crate::ir::profile::RoutingProfile>, String> {
-    let text = std::fs::read_to_string(path)
+    // A profile of the largest card is a few MB of counts; the config cap bounds a wrong
+    // path (`/dev/zero`).
+    let text = crate::textfile::read_capped(path, crate::textfile::CONFIG_LIMIT)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let profile = crate::ir::profile::RoutingProfile::from_json(&text)
         .map_err(|e| format!("{}: {e}", path.display()))?;

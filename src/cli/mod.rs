@@ -15,6 +15,7 @@ pub mod ablate;
 pub mod devices;
 pub mod hw;
 pub mod inputs;
+pub mod output;
 pub mod plan;
 pub mod probe;
 pub mod profile;

@@ -110,10 +110,7 @@ pub fn run(args: ProbeArgs) -> ExitCode {
     match &args.out {
         Some(path) => {
             if let Err(e) = write_atomically(path, &text) {
-                eprintln!(
-                    "{:?}",
-                    miette::Report::msg(format!("cannot write {}: {e}", path.display()))
-                );
+                eprintln!("{:?}", miette::Report::msg(e));
                 return ExitCode::FAILURE;
             }
             println!("wrote {}", path.display());
@@ -124,15 +121,8 @@ pub fn run(args: ProbeArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Writes to a temporary file beside `path`, then renames it over `path`.
-pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension(format!(
-        "{}.tmp{}",
-        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+/// Writes an output file (`cli::output`: atomic over regular files, never over links or
+/// device nodes).
+pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> Result<(), String> {
+    super::output::write_output(path, text)
 }

@@ -59,7 +59,7 @@ pub fn run(args: &ProfileArgs) -> ExitCode {
             args.run.sched.display()
         ));
     }
-    if let Err(e) = std::fs::write(&args.out, profile.to_json()) {
+    if let Err(e) = super::probe::write_atomically(&args.out, &profile.to_json()) {
         return super::generate::fail(format!("cannot write {}: {e}", args.out.display()));
     }
     let steps = finished.stats.steps.len();

@@ -189,7 +189,7 @@ pub fn execute_profiling(
     }
     let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
     let name = args.sched.display().to_string();
-    let source = std::fs::read_to_string(&args.sched)
+    let source = crate::textfile::read_capped(&args.sched, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
     let model = load_model(&args.model.source()).map_err(|e| msg(&e))?;
     let card: ModelCard = model.checkpoint.card().clone();
@@ -527,11 +527,10 @@ pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Valu
     })
 }
 
-/// Writes `text` to `path` through a temporary file and a rename.
+/// Writes an output file (`cli::output`: atomic over regular files, never over links or
+/// device nodes).
 pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
-    let tmp = path.with_extension("tmp-moec");
-    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    super::output::write_output(path, text)
 }
 
 /// Runs `moec run`.

@@ -98,7 +98,7 @@ pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
 
 /// Resolves model, profile, workload and budgets; errors are user-facing messages.
 pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
-    let source = std::fs::read_to_string(&target.schedule)
+    let source = crate::textfile::read_capped(&target.schedule, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
     let model = ModelCard::load(&target.model).map_err(|e| e.to_string())?;
     let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
@@ -191,7 +191,6 @@ pub(crate) fn compile_for_cost(
 
 fn write_file(path: &Path, text: &str) -> Result<(), String> {
     crate::cli::probe::write_atomically(path, text)
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Runs `moec simulate`.

@@ -176,10 +176,12 @@ impl ModelCard {
         }
         let path = Path::new(name_or_path);
         if path.extension().is_some_and(|e| e == "ron") || path.exists() {
-            let text = std::fs::read_to_string(path).map_err(|source| CardError::Io {
-                path: path.display().to_string(),
-                source,
-            })?;
+            let text = crate::textfile::read_capped(path, crate::textfile::SOURCE_LIMIT).map_err(
+                |source| CardError::Io {
+                    path: path.display().to_string(),
+                    source,
+                },
+            )?;
             return Self::from_ron(&text, &path.display().to_string());
         }
         Err(CardError::Unknown {

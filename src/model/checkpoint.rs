@@ -205,7 +205,8 @@ impl Checkpoint {
     /// Opens `dir`; with `card`, config.json must describe the same architecture.
     pub fn open_with_card(dir: &Path, card: Option<&ModelCard>) -> Result<Self, CheckpointError> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
+        let text = crate::textfile::read_capped(&config_path, crate::textfile::CONFIG_LIMIT)
+            .map_err(io_err(&config_path))?;
         let name = dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -290,7 +291,8 @@ impl Checkpoint {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+            let text = crate::textfile::read_capped(&index, crate::textfile::CONFIG_LIMIT)
+                .map_err(io_err(&index))?;
             let bad = |message: String| CheckpointError::Index {
                 path: index.display().to_string(),
                 message,
@@ -546,7 +548,7 @@ impl Checkpoint {
     }
 
     fn ties_embeddings(&self) -> bool {
-        std::fs::read_to_string(self.dir.join("config.json"))
+        crate::textfile::read_capped(&self.dir.join("config.json"), crate::textfile::CONFIG_LIMIT)
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .and_then(|v| v.get("tie_word_embeddings").and_then(|b| b.as_bool()))

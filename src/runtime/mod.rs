@@ -36,6 +36,7 @@ pub fn generate(
     options: &RunOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Vec<RunOutput>, RunStats), RunError> {
+    driver::check_prompts(&plan.model, prompts, options.max_new_tokens)?;
     let backend = cpu::CpuBackend::new(plan, checkpoint, &options.backend)
         .map_err(|e| RunError::Backend(BackendError::Setup(Box::new(e))))?;
     driver::generate(plan, &backend, prompts, options, progress)

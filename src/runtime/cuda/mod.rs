@@ -37,6 +37,7 @@ pub fn generate(
     options: &RunOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Vec<RunOutput>, RunStats, CudaReport), RunError> {
+    crate::runtime::driver::check_prompts(&plan.model, prompts, options.max_new_tokens)?;
     let backend = CudaBackend::new(plan, checkpoint, &options.backend).map_err(|e| {
         RunError::Backend(match e {
             CudaSetupError::Device(device::DeviceError::Missing(what)) => {

@@ -63,6 +63,21 @@ pub enum RunError {
     /// An empty prompt.
     #[error("prompt {0} is empty")]
     EmptyPrompt(usize),
+    /// A prompt plus its generation runs past the model's positions (checked before any
+    /// memory is allocated).
+    #[error("prompt {index} has {tokens} tokens; with {gen_len} to generate it needs {needed} positions, past the model's {max}")]
+    PastPositions {
+        /// Prompt index.
+        index: usize,
+        /// Its tokens.
+        tokens: usize,
+        /// Tokens to generate.
+        gen_len: usize,
+        /// Positions needed (`tokens + gen_len`).
+        needed: usize,
+        /// The model's positions.
+        max: usize,
+    },
     /// Every running sequence is paused for KV blocks and none can be admitted.
     #[error("the KV cache is too small for the running sequences: {paused} sequences wait for blocks and none can be preempted (their re-prefill exceeds the token cap of {max_tokens}); give the schedule more KV cache")]
     KvStall {
@@ -320,6 +335,32 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
     caps
 }
 
+/// Refuses prompts that are empty or that, with `gen_len` tokens generated, run past the
+/// model's positions: the backends call it before allocating their arenas.
+pub fn check_prompts(
+    card: &crate::model::card::ModelCard,
+    prompts: &[Vec<u32>],
+    gen_len: usize,
+) -> Result<(), RunError> {
+    let max = usize::try_from(card.max_positions).unwrap_or(usize::MAX);
+    for (index, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(RunError::EmptyPrompt(index));
+        }
+        let needed = p.len().saturating_add(gen_len);
+        if needed > max {
+            return Err(RunError::PastPositions {
+                index,
+                tokens: p.len(),
+                gen_len,
+                needed,
+                max,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Runs `plan` on `backend` (set up for this plan) over `prompts` (token ids) and returns
 /// the outputs in prompt order. `progress` is called after every step with (tokens
 /// generated so far, tokens at most).
@@ -330,11 +371,7 @@ pub fn generate<B: Backend>(
     options: &RunOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Vec<RunOutput>, RunStats), RunError> {
-    for (i, p) in prompts.iter().enumerate() {
-        if p.is_empty() {
-            return Err(RunError::EmptyPrompt(i));
-        }
-    }
+    check_prompts(&plan.model, prompts, options.max_new_tokens)?;
     let step_idx = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
     let mode = match (
         step_idx(StepKind::Prefill),
