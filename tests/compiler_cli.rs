@@ -125,6 +125,85 @@ fn a_bad_set_value_is_one_error_without_a_cascade() {
     }
 }
 
+/// `moec profile` writes a routing profile a later `--profile` reads back: placement by
+/// `rank(..)` follows it, and a profile of another model's shape is refused in one line.
+#[test]
+fn profile_writes_a_routing_profile_that_check_and_simulate_read() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let out = dir.path().join("tiny.json");
+    let out_s = out.to_str().expect("utf-8 path");
+    let (code, stdout, stderr) = moec(&[
+        "profile",
+        "schedules/fiddler.sched",
+        "--prompt",
+        "The capital of France is",
+        "--gen-len",
+        "2",
+        "--out",
+        out_s,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("mixtral-tiny:") && stdout.contains("4 layers x 8 experts"),
+        "{stdout}"
+    );
+    let profile = moec::ir::profile::RoutingProfile::from_json(
+        &std::fs::read_to_string(&out).expect("written"),
+    )
+    .expect("a routing profile");
+    assert_eq!(profile.counts.len(), 4);
+    // Every token routes to top_k = 2 experts of every layer.
+    for counts in &profile.counts {
+        assert_eq!(counts.iter().sum::<u64>(), 2 * profile.tokens);
+    }
+    let (code, stdout, stderr) = moec(&[
+        "check",
+        "schedules/fiddler.sched",
+        "--set",
+        "n_gpu=4",
+        "--profile",
+        out_s,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("fiddler: ok"), "{stdout}");
+    let (code, stdout, stderr) = moec(&[
+        "simulate",
+        "schedules/fiddler.sched",
+        "--set",
+        "n_gpu=4",
+        "--profile",
+        out_s,
+        "--batch",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("routing from the profile"), "{stdout}");
+    // The same file against the DBRX card (16 experts per layer) is refused.
+    let (code, _, stderr) = moec(&[
+        "check",
+        "schedules/fiddler.sched",
+        "--model",
+        "dbrx-tiny",
+        "--profile",
+        out_s,
+    ]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("does not fit dbrx-tiny"), "{stderr}");
+    // A schedule without gates has no routing to count.
+    let (code, _, stderr) = moec(&[
+        "profile",
+        "schedules/baselines/resident.sched",
+        "--prompt",
+        "Hi",
+        "--gen-len",
+        "1",
+        "--out",
+        out_s,
+    ]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("read back no routing"), "{stderr}");
+}
+
 /// `moec compile X | head -1`: when the reader closes the pipe, moec ends quietly (killed
 /// by SIGPIPE as Unix tools are), never with a panic (issue 18).
 #[test]

@@ -481,6 +481,10 @@ fn mutant_options(source: &str, card: &moec::model::card::ModelCard) -> moec::co
         ("bs", "1"),
         ("n_batch", "2"),
         ("seqs", "1"),
+        // Fiddler: 12 of the 32 experts resident and a threshold the prompts straddle,
+        // so mutants hit all three arms.
+        ("n_gpu", "12"),
+        ("t_copy", "3"),
     ] {
         if declared.iter().any(|d| d == name) {
             options.sets.push((name.to_string(), value.to_string()));

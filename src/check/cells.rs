@@ -1,12 +1,15 @@
 //! The byte-range map value tracking keeps per buffer (which tensor piece each run of
 //! bytes holds, from which step run, who wrote it, under which run-time guard of which
-//! step run), and the guard logic that decides whether a guarded write may be trusted by
-//! a reader.
+//! step run, and for an expert accumulator which expert outputs it holds), and the guard
+//! logic that decides whether a guarded write may be trusted by a reader (literals on
+//! routed counts, `active` being "at least 1", imply each other by threshold and scope).
 
+use super::arms::Output;
 use crate::ir::catalog::ExpertRef;
 use crate::ir::value::Piece;
 use crate::ir::{Guard, GuardAtom, GuardLit, TaskId};
 use std::collections::BTreeMap;
+use std::rc::Rc;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Cell {
@@ -20,6 +23,10 @@ pub(super) struct Cell {
     /// The step run whose routing `guard` was decided from (meaningless when the guard is
     /// empty): a guard only says something about the step run it was evaluated in.
     pub(super) guard_epoch: u32,
+    /// For an expert accumulator: the expert outputs it holds (who computed which experts
+    /// under which guard). Copies carry them; `combine` proves they cover each routed
+    /// expert exactly once.
+    pub(super) outputs: Rc<Vec<Output>>,
 }
 
 pub(super) type Cells = BTreeMap<u64, Cell>;
@@ -38,6 +45,7 @@ pub(super) fn new_cells(bytes: u64) -> Cells {
             guard: Guard::default(),
             epoch: None,
             guard_epoch: 0,
+            outputs: Rc::default(),
         },
     );
     cells
@@ -93,30 +101,27 @@ pub(super) fn write(cells: &mut Cells, start: u64, runs_in: Vec<(u64, u64, Cell)
     }
 }
 
-/// Whether literal `a` implies literal `b` (`active(i, e, j)` implies `active(i, e)`).
+/// Whether literal `a` implies literal `b`: both count the tokens of the same expert of
+/// the same layer, as "count >= threshold" (`active` is a threshold of 1). A count over
+/// one micro-batch is at most the count over all of them, so `tokens(i, e, j) >= 5`
+/// implies `tokens(i, e) >= 2`, and `!active(i, e)` implies `!active(i, e, j)`.
 pub(super) fn lit_implies(a: &GuardLit, b: &GuardLit) -> bool {
     if a == b {
         return true;
     }
-    let (
-        GuardAtom::Active {
-            layer: la,
-            expert: ea,
-            ub: ua,
-        },
-        GuardAtom::Active {
-            layer: lb,
-            expert: eb,
-            ub: ub_b,
-        },
-    ) = (a.atom, b.atom);
-    if la != lb || ea != eb || a.negated != b.negated {
+    let (x, y) = (a.atom, b.atom);
+    if x.layer() != y.layer() || x.expert() != y.expert() || a.negated != b.negated {
         return false;
     }
+    // Scope of `b` contains scope of `a` (a sum over all ubs contains one ub's count).
+    let b_wider = y.ub().is_none() || y.ub() == x.ub();
+    let a_wider = x.ub().is_none() || x.ub() == y.ub();
     if a.negated {
-        ua.is_none() && ub_b.is_some()
+        // count_a < ta  =>  count_b < tb  when count_b <= count_a and ta <= tb.
+        a_wider && x.threshold() <= y.threshold()
     } else {
-        ua.is_some() && ub_b.is_none()
+        // count_a >= ta  =>  count_b >= tb  when count_b >= count_a and ta >= tb.
+        b_wider && x.threshold() >= y.threshold()
     }
 }
 
@@ -159,29 +164,19 @@ pub(super) fn combined_guard_epoch<'a>(
 /// ub)`, i.e. be `active(layer, expert)` or `active(layer, expert, ub)` itself. A negated
 /// literal never follows (skipping an active expert loses its contribution).
 pub(super) fn runs_when_active(guard: &Guard, layer: u32, expert: ExpertRef, ub: u32) -> bool {
-    guard.lits.iter().all(|lit| {
-        let GuardAtom::Active {
+    guard.lits.iter().all(|lit| match lit.atom {
+        GuardAtom::Active {
             layer: l,
             expert: e,
             ub: u,
-        } = lit.atom;
-        !lit.negated && l == layer && e == expert && u.is_none_or(|u| u == ub)
+        } => !lit.negated && l == layer && e == expert && u.is_none_or(|u| u == ub),
+        GuardAtom::Tokens { .. } => false,
     })
 }
 
 /// `active(1, hot(1, 3)) && !active(1, 2, 0)` style text of a guard.
 pub(super) fn guard_text(guard: &Guard) -> String {
-    guard
-        .lits
-        .iter()
-        .map(|lit| {
-            let GuardAtom::Active { layer, expert, ub } = lit.atom;
-            let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
-            let not = if lit.negated { "!" } else { "" };
-            format!("{not}active({layer}, {expert}{ub})")
-        })
-        .collect::<Vec<_>>()
-        .join(" && ")
+    guard.to_string()
 }
 
 #[cfg(test)]

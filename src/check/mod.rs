@@ -6,6 +6,7 @@
 //! As in naga's `ModuleInfo`, a [`ScheduleInfo`] can only be made here, and lowering takes
 //! one, so an unchecked program cannot be lowered.
 
+pub mod arms;
 mod cells;
 mod epochs;
 pub mod lints;

@@ -2,7 +2,7 @@
 //! decisions its guard reads.
 //!
 //! Takes a program and its dependency graph; reports `values::routing_unknown` for each
-//! guard literal `active(l, e[, u])` whose task has no `gate(layer = l, ub = u)` of the
+//! guard literal `active(l, e[, u])` or `tokens(l, e[, u]) >= n` whose task has no `gate(layer = l, ub = u)` of the
 //! same step among its ancestors (for `active(l, e)` without a micro-batch: a gate of
 //! every micro-batch). Guarantees to lowering and the runtime: the plan's `ReadRouting`
 //! instruction that follows such a gate runs before the guarded task on any backend, so a
@@ -12,7 +12,7 @@
 
 use crate::diag::Diagnostic;
 use crate::ir::deps::Dag;
-use crate::ir::{GuardAtom, Op, Program, TaskId};
+use crate::ir::{Op, Program, TaskId};
 use std::collections::HashMap;
 
 /// Reports guards that read routing no gate has produced before them.
@@ -53,7 +53,7 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                 }
             }
             for lit in &t.guard.lits {
-                let GuardAtom::Active { layer, ub, .. } = lit.atom;
+                let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
                 let ubs: Vec<u32> = match ub {
                     Some(u) => vec![u],
                     None => (0..program.micro_batches.count).collect(),

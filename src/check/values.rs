@@ -17,12 +17,18 @@
 //! - nothing is read (by an op or a copy) before anything was written to it;
 //! - a value written under a run-time guard is read only under a guard implying it,
 //!   decided in the same run;
-//! - between `gate` and `combine` every expert is computed exactly once per layer and ub,
-//!   each by a task that runs whenever that expert receives tokens (`values::expert_guard`);
+//! - every expert accumulator carries the expert outputs it holds (task, experts, guard),
+//!   moved by copies; a write that replaces outputs of this run's accumulator with a value
+//!   of the same accumulator lacking them is `values::lost_output`, naming both tasks;
+//! - the outputs reaching each `combine` (through every accumulator it adds) compute each
+//!   expert exactly once per layer and ub whenever it receives tokens: literal by literal
+//!   for `active` guards (`values::expert_guard`, `values::expert_coverage`), and for
+//!   load arms on `routed(..)` over every interval of the counts they read (`arms`);
 //! - every prefill, decode or mixed run samples every micro-batch exactly once, by an
 //!   unguarded `sample` (`values::sampling`); with the rules above, the logits it reads
 //!   come from this run's `lm_head` over this run's hidden state after the last layer.
 
+use super::arms::{self, Output};
 use super::cells::{
     combined_guard_epoch, guard_text, implies, new_cells, runs, runs_when_active, union, write,
     Cell, Cells, Runs,
@@ -32,10 +38,10 @@ use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, ExpertRef, ExpertSet, Op};
 use crate::ir::value::{checkpoint_pieces, Piece, Rows, Tensor};
 use crate::ir::StepKind;
-use crate::ir::{Access, BufferKind, CheckpointLayout, Guard, Program, TaskId};
+use crate::ir::{Access, BufferKind, CheckpointLayout, Guard, GuardAtom, Program, TaskId};
 use crate::span::Span;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::rc::Rc;
 
 /// Where a weight tensor a task reads sits: argument `arg`, `offset` bytes into its slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -69,8 +75,6 @@ struct Tracker<'p> {
     cells: Vec<Option<Cells>>,
     diags: Vec<Diagnostic>,
     locations: Vec<Vec<WeightLocation>>,
-    /// Expert sets computed since the last `gate`, per (layer, ub).
-    expert_sets: HashMap<(u32, u32), Vec<ExpertSet>>,
     pass_note: &'static str,
     /// The step runs, in order (`epochs::plan`).
     plan: Vec<StepRun>,
@@ -96,7 +100,6 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         cells: vec![None; program.buffers.len()],
         diags: Vec::new(),
         locations: vec![Vec::new(); program.tasks.len()],
-        expert_sets: HashMap::new(),
         pass_note: "",
         plan: epochs::plan(program),
         epoch: 0,
@@ -113,7 +116,6 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         tracker.first_run = note.is_empty();
         tracker.samples = vec![Vec::new(); ubs];
         tracker.last_of_ub = vec![None; ubs];
-        tracker.expert_sets.clear();
         for id in program.steps[step].task_ids() {
             tracker.task(id);
         }
@@ -156,6 +158,7 @@ impl Tracker<'_> {
                             // `hot(..)` names the expert this run's routing ranks there.
                             epoch: is_run_time_expert(&piece.tensor).then_some(self.epoch),
                             guard_epoch: self.epoch,
+                            outputs: Rc::default(),
                         },
                     )
                 })
@@ -224,6 +227,7 @@ impl Tracker<'_> {
                     guard,
                     epoch: Some(now),
                     guard_epoch,
+                    outputs: Rc::default(),
                 };
                 vec![(slice.start, slice.end(), cell)]
             }
@@ -417,35 +421,42 @@ impl Tracker<'_> {
                     ));
                 }
             } else {
-                let expected = sig.expects[0];
-                let need = catalog::required_bytes(&task.op, sig.role, &program.model, &task.shape)
-                    .unwrap_or(first.slice.len)
-                    .min(first.slice.len);
-                let runs = self.read_runs(&first.slice);
-                let untouched = runs.iter().all(|r| r.2.piece.is_none());
-                let mixed = program
-                    .steps
-                    .get(task.step.index())
-                    .is_some_and(|s| s.kind == StepKind::Mixed);
-                // A mixed step's first run has no cache and no sampled tokens yet.
-                let first_run_empty = mixed
-                    && self.first_run
-                    && matches!(sig.role, crate::ir::Role::Kv | crate::ir::Role::Tokens);
-                if untouched && (sig.may_be_empty || first_run_empty) {
-                    continue;
-                }
-                if let Err(d) = self.expect_activation(
-                    expected,
-                    &runs,
-                    first.slice.start,
-                    need,
-                    first.slice.len,
-                    first_span,
-                    id,
-                    &buffer_name,
-                    &task.guard,
-                ) {
-                    self.emit(d);
+                // Each slice of a list (`combine(acc = [acc_g, acc_c])`) must hold the value.
+                for &(k, arg) in &args {
+                    let first = arg;
+                    let first_span = arg_spans.get(k).copied().unwrap_or(span);
+                    let buffer_name = program.buffer(arg.slice.buffer).name.clone();
+                    let expected = sig.expects[0];
+                    let need =
+                        catalog::required_bytes(&task.op, sig.role, &program.model, &task.shape)
+                            .unwrap_or(first.slice.len)
+                            .min(first.slice.len);
+                    let runs = self.read_runs(&first.slice);
+                    let untouched = runs.iter().all(|r| r.2.piece.is_none());
+                    let mixed = program
+                        .steps
+                        .get(task.step.index())
+                        .is_some_and(|s| s.kind == StepKind::Mixed);
+                    // A mixed step's first run has no cache and no sampled tokens yet.
+                    let first_run_empty = mixed
+                        && self.first_run
+                        && matches!(sig.role, crate::ir::Role::Kv | crate::ir::Role::Tokens);
+                    if untouched && (sig.may_be_empty || first_run_empty) {
+                        break;
+                    }
+                    if let Err(d) = self.expect_activation(
+                        expected,
+                        &runs,
+                        first.slice.start,
+                        need,
+                        first.slice.len,
+                        first_span,
+                        id,
+                        &buffer_name,
+                        &task.guard,
+                    ) {
+                        self.emit(d);
+                    }
                 }
             }
         }
@@ -470,6 +481,7 @@ impl Tracker<'_> {
                 // (`values::expert_guard` makes sure such a task is skipped only when it
                 // would add nothing.)
                 let now = self.epoch;
+                let outputs = self.outputs_after(id, arg, produced, sig.expects.first());
                 let (guard, guard_epoch) =
                     if arg.access == Access::ReadWrite && sig.expects.first() == Some(&produced) {
                         let before = self.read_runs(&arg.slice);
@@ -494,9 +506,18 @@ impl Tracker<'_> {
                     guard,
                     epoch: Some(now),
                     guard_epoch,
+                    outputs: Rc::new(outputs),
                 };
+                let incoming = [(start, end, cell)];
+                self.check_lost_outputs(
+                    id,
+                    arg_spans.get(arg_index(task, arg)).copied().unwrap_or(span),
+                    &arg.slice,
+                    &incoming,
+                );
+                let [incoming] = incoming;
                 let cells = self.cells_of(arg.slice.buffer);
-                write(cells, start, vec![(start, end, cell)]);
+                write(cells, start, vec![incoming]);
             }
         }
     }
@@ -883,29 +904,38 @@ impl Tracker<'_> {
                     guard,
                     epoch,
                     guard_epoch,
+                    outputs: cell.outputs.clone(),
                 };
                 (shift(lo), shift(hi), new)
             })
             .collect();
+        let dst_span = arg_spans.get(1).copied().unwrap_or(span);
+        self.check_lost_outputs(id, dst_span, &dst.slice, &moved);
         let cells = self.cells_of(dst.slice.buffer);
         write(cells, dst.slice.start, moved);
     }
 
     fn track_experts(&mut self, id: TaskId, span: Span) {
-        let experts = self.program.model.experts;
-        match self.program.task(id).op {
-            Op::Gate { layer, ub } => {
-                self.expert_sets.insert((layer, ub), Vec::new());
-            }
+        let program = self.program;
+        let experts = program.model.experts;
+        let task = program.task(id);
+        match task.op {
             Op::Experts { layer, ub, set } => {
-                self.expert_sets.entry((layer, ub)).or_default().push(set);
-                let guard = &self.program.task(id).guard;
-                let sound = guard.is_always()
+                let guard = &task.guard;
+                // A guard on a token count is one arm of a choice: `combine` proves the
+                // arms together (`arms`). Otherwise the task alone must run whenever its
+                // expert has tokens.
+                let load_arm = guard
+                    .lits
+                    .iter()
+                    .any(|l| matches!(l.atom, GuardAtom::Tokens { .. }));
+                let sound = load_arm
+                    || guard.is_always()
                     || matches!(set, ExpertSet::One(e) if runs_when_active(guard, layer, e, ub));
                 if !sound {
                     let d = Diagnostic::expert_guard(
                         span,
-                        &self.program.task_name(id),
+                        &program.task_name(id),
                         &guard_text(guard),
                         &set.to_string(),
                         layer,
@@ -915,14 +945,138 @@ impl Tracker<'_> {
                 }
             }
             Op::Combine { layer, ub } => {
-                let sets = self.expert_sets.remove(&(layer, ub)).unwrap_or_default();
-                if let Some(problem) = coverage_problem(&sets, layer, experts) {
+                // The outputs that reach this combine, through every accumulator it reads.
+                let mut outputs: Vec<Output> = Vec::new();
+                for arg in task.args.iter().filter(|a| a.role == crate::ir::Role::Acc) {
+                    let runs = self.read_runs(&arg.slice);
+                    let mut held: Vec<Output> = Vec::new();
+                    for (_, _, cell) in &runs {
+                        let ours = matches!(
+                            cell.piece,
+                            Some(Piece { tensor: Tensor::ExpertAcc { layer: l, ub: u }, .. })
+                                if l == layer && u == ub
+                        );
+                        if !ours || cell.epoch != Some(self.epoch) {
+                            continue; // reported as a wrong or stale value already
+                        }
+                        for o in cell.outputs.iter() {
+                            if !held.iter().any(|h| h.task == o.task) {
+                                held.push(o.clone());
+                            }
+                        }
+                    }
+                    outputs.extend(held);
+                }
+                let sets: Vec<ExpertSet> = outputs.iter().map(|o| o.set).collect();
+                let problem = if arms::has_load_guard(&outputs) {
+                    arms::check(&outputs, layer, ub, experts, &|t| program.task_name(t))
+                } else {
+                    coverage_problem(&sets, layer, experts)
+                };
+                if let Some(problem) = problem {
                     self.emit(Diagnostic::expert_coverage(span, layer, ub, &problem));
                 }
             }
             _ => {}
         }
     }
+
+    /// The expert outputs an accumulator holds after task `id` writes `arg`: a `gate`
+    /// starts an empty one; an `experts` task adds its own to what the bytes held.
+    fn outputs_after(
+        &mut self,
+        id: TaskId,
+        arg: &crate::ir::Arg,
+        produced: Tensor,
+        expected: Option<&Tensor>,
+    ) -> Vec<Output> {
+        let task = self.program.task(id);
+        if !matches!(produced, Tensor::ExpertAcc { .. })
+            || arg.access != Access::ReadWrite
+            || expected != Some(&produced)
+        {
+            return Vec::new();
+        }
+        let mut outputs: Vec<Output> = Vec::new();
+        for (_, _, cell) in self.read_runs(&arg.slice) {
+            if cell.piece.is_some_and(|p| p.tensor == produced) && cell.epoch == Some(self.epoch) {
+                for o in cell.outputs.iter() {
+                    if !outputs.iter().any(|h| h.task == o.task) {
+                        outputs.push(o.clone());
+                    }
+                }
+            }
+        }
+        if let Op::Experts { set, .. } = task.op {
+            outputs.push(Output {
+                task: id,
+                set,
+                guard: task.guard.clone(),
+            });
+        }
+        outputs
+    }
+
+    /// `values::lost_output`: a write (a copy, or an op's output) over an accumulator of
+    /// this run that holds expert outputs the incoming value of the same accumulator does
+    /// not: `combine` would never see them (Fiddler's CPU accumulator copied over the one
+    /// the GPU experts already wrote).
+    fn check_lost_outputs(
+        &mut self,
+        id: TaskId,
+        dst_span: Span,
+        dst: &crate::ir::Slice,
+        incoming: &[(u64, u64, Cell)],
+    ) {
+        let now = self.epoch;
+        let before = runs(self.cells_of(dst.buffer), dst.start, dst.end());
+        for (lo, hi, cell) in &before {
+            let Some(Piece {
+                tensor: held @ Tensor::ExpertAcc { .. },
+                ..
+            }) = cell.piece
+            else {
+                continue;
+            };
+            if cell.epoch != Some(now) || cell.outputs.is_empty() {
+                continue;
+            }
+            for (in_lo, in_hi, new) in incoming {
+                let same = new.piece.is_some_and(|p| p.tensor == held);
+                if !same || in_hi <= lo || hi <= in_lo {
+                    continue;
+                }
+                let lost = cell
+                    .outputs
+                    .iter()
+                    .find(|o| !new.outputs.iter().any(|n| n.task == o.task));
+                if let Some(lost) = lost {
+                    let d = Diagnostic::lost_output(
+                        dst_span,
+                        &self.program.task_name(id),
+                        &self.program.buffer(dst.buffer).name,
+                        &held.to_string(),
+                        &match lost.set {
+                            ExpertSet::One(e) => format!("expert {e}"),
+                            set => format!("experts {set}"),
+                        },
+                        &self.program.task_name(lost.task),
+                        self.program.task_span(lost.task),
+                    );
+                    self.emit(d);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Index of `arg` in its task's arguments (for its span).
+fn arg_index(task: &crate::ir::Task, arg: &crate::ir::Arg) -> usize {
+    task.args
+        .iter()
+        .position(|a| std::ptr::eq(a, arg))
+        .unwrap_or(usize::MAX)
 }
 
 /// An expert named by its run-time rank (`hot(l, r)`): which one it is depends on the

@@ -34,6 +34,10 @@ pub struct SchedArgs {
     /// schedule and, for `check`, the memory budgets.
     #[arg(long)]
     pub hw: Option<String>,
+    /// Routing profile (`moec profile` output) that `rank(..)` placement and the cost
+    /// model read.
+    #[arg(long = "profile", value_name = "FILE")]
+    pub routing_profile: Option<PathBuf>,
 }
 
 /// Why a schedule could not be compiled, ready to print.
@@ -54,6 +58,13 @@ impl SchedArgs {
             text: format!("error: {e}\n"),
         })?;
         let mut options = Options::new(model);
+        if let Some(path) = &self.routing_profile {
+            options.profile = Some(
+                super::inputs::load_routing_profile(path, &options.model).map_err(|e| Failure {
+                    text: format!("error: {e}\n"),
+                })?,
+            );
+        }
         if let Some(hw) = &self.hw {
             let profile = HardwareProfile::load(hw).map_err(|e| Failure {
                 text: format!("error: {e}\n"),

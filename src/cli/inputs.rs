@@ -78,6 +78,10 @@ pub struct RunSettings {
     /// machine quickly.
     #[arg(long, value_name = "PROFILE")]
     pub hw: Option<String>,
+    /// Routing profile (`moec profile` output) that `rank(..)` placement and the cost
+    /// model read.
+    #[arg(long = "profile", value_name = "FILE")]
+    pub routing_profile: Option<std::path::PathBuf>,
     /// Backend that executes the plan: `cpu`, or `cuda` (needs a CUDA driver, a device,
     /// NVRTC and cuBLAS; without them one line names what is missing).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
@@ -139,4 +143,22 @@ fn read_prompt_file(path: &Path) -> Result<Vec<String>, String> {
         }
     }
     Ok(prompts)
+}
+
+/// Reads a routing profile (`--profile FILE`, written by `moec profile`) and checks it
+/// has the card's layers and experts.
+pub fn load_routing_profile(
+    path: &std::path::Path,
+    card: &crate::model::card::ModelCard,
+) -> Result<std::sync::Arc<crate::ir::profile::RoutingProfile>, String> {
+    // A profile of the largest card is a few MB of counts; the config cap bounds a wrong
+    // path (`/dev/zero`).
+    let text = crate::textfile::read_capped(path, crate::textfile::CONFIG_LIMIT)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let profile = crate::ir::profile::RoutingProfile::from_json(&text)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    profile
+        .check_shape(card.layers, card.experts)
+        .map_err(|e| format!("{} does not fit {}: {e}", path.display(), card.name))?;
+    Ok(std::sync::Arc::new(profile))
 }

@@ -18,6 +18,7 @@ pub mod inputs;
 pub mod output;
 pub mod plan;
 pub mod probe;
+pub mod profile;
 pub mod run;
 pub mod simulate;
 
@@ -39,6 +40,8 @@ enum Command {
     Hw(hw::HwArgs),
     /// Measure this machine and write a hardware profile.
     Probe(probe::ProbeArgs),
+    /// Run a schedule over prompts and write the routing profile (tokens per layer and expert).
+    Profile(profile::ProfileArgs),
     /// Generate text with the reference forward pass (the oracle).
     Generate(generate::GenerateArgs),
     /// Write a deterministic synthetic checkpoint of a card (Hugging Face format).
@@ -73,6 +76,7 @@ pub fn main() -> ExitCode {
         Command::Compile(args) => compile::run(&args),
         Command::Hw(args) => hw::run(args),
         Command::Probe(args) => probe::run(args),
+        Command::Profile(args) => profile::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Synth(args) => synth::run(&args),
         Command::Models(args) => models::run(&args),

@@ -24,6 +24,10 @@ pub struct ProbeArgs {
     /// Print the measurements as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also time one expert of this model card (Fiddler's latency model: CPU time per
+    /// token, GPU time, weight copy), giving the profile's `lat.*` symbols.
+    #[arg(long, value_name = "CARD")]
+    pub model: Option<String>,
 }
 
 /// Runs `moec probe`.
@@ -38,7 +42,23 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let profile = profile_from_measurements(&args.name, &measured);
+    let mut profile = profile_from_measurements(&args.name, &measured);
+    if let Some(model) = &args.model {
+        let card = match crate::model::card::ModelCard::load(model) {
+            Ok(card) => card,
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::msg(e.to_string()));
+                return ExitCode::FAILURE;
+            }
+        };
+        match crate::cost::probe::measure_expert_latency(&card, measured.memcpy_bytes_per_s) {
+            Ok(lat) => profile.latency = Some(lat),
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::msg(e.to_string()));
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     if args.json {
         let value = serde_json::json!({ "measurements": measured, "profile": profile });
         println!(
@@ -72,6 +92,15 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             profile.link_bandwidth(Level::Pinned, Level::Gpu) / GB
         );
         println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
+        if let Some(lat) = &profile.latency {
+            println!(
+                "expert latency of {} (lat.*): cpu {:.3} ms per token, gpu {:.3} ms at batch 4, copy {:.3} ms",
+                lat.model,
+                lat.cpu_s_per_token * 1e3,
+                lat.gpu_s * 1e3,
+                lat.copy_s * 1e3
+            );
+        }
     }
     let text = format!(
         "// Measured by `moec probe` ({threads} threads, {} MiB buffers).\n// The GPU is the CPU backend's emulation: same cores and DRAM as the host.\n{}\n",

@@ -171,6 +171,15 @@ pub fn execute(
     args: &RunArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Finished, Vec<(String, String)>), Failure> {
+    execute_profiling(args, progress, None)
+}
+
+/// [`execute`], adding every gate's routing to `routing` when given (`moec profile`).
+pub fn execute_profiling(
+    args: &RunArgs,
+    progress: &mut dyn FnMut(usize, usize),
+    routing: Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
+) -> Result<(Finished, Vec<(String, String)>), Failure> {
     let on_cuda = args.settings.backend == super::inputs::Backend::Cuda;
     if on_cuda {
         // Before loading anything: a machine without a driver or device gets one line.
@@ -220,6 +229,10 @@ pub fn execute(
         )));
     }
     let mut options = Options::new(card.clone());
+    if let Some(path) = &args.settings.routing_profile {
+        options.profile =
+            Some(super::inputs::load_routing_profile(path, &card).map_err(Failure::Message)?);
+    }
     options.workload = Workload {
         batch: prompt_ids.len() as u64,
         prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
@@ -268,6 +281,7 @@ pub fn execute(
     };
     let lower_options = LowerOptions {
         gpu_capacity,
+        read_all_routing: routing.is_some(),
         ..LowerOptions::default()
     };
     let plan =
@@ -287,6 +301,7 @@ pub fn execute(
         Sampling::Greedy
     };
     run.seed = args.seed;
+    run.routing_profile = routing;
     if let Some(t) = args.settings.threads {
         run.backend.threads = t.max(1);
     }

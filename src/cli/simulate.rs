@@ -24,6 +24,10 @@ pub struct CostTarget {
     /// Hardware profile: built-in name (see `moec hw`) or `.ron` path.
     #[arg(long, default_value = "t4")]
     pub hw: String,
+    /// Routing profile (`moec profile` output) that `rank(..)` placement and the expected
+    /// activation of guarded tasks read.
+    #[arg(long = "profile", value_name = "FILE")]
+    pub routing_profile: Option<PathBuf>,
     /// Override a schedule param: `--set ubs=32` (repeatable).
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub sets: Vec<String>,
@@ -145,6 +149,9 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         ));
     }
     let mut options = Options::new(model);
+    if let Some(path) = &target.routing_profile {
+        options.profile = Some(super::inputs::load_routing_profile(path, &options.model)?);
+    }
     options.act_bytes = target.act_bytes;
     options.workload = workload;
     options.sets = sets;
@@ -364,6 +371,29 @@ fn print_report(
         ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         for (op, (total, roof)) in ops {
             println!("  {:<36} {:>11}  {}", op, seconds(*total), roof);
+        }
+    }
+    for step in &prediction.steps {
+        if step.arms.is_empty() {
+            continue;
+        }
+        println!(
+            "guarded tasks of the {} step, charged by expected activation ({}):",
+            step.kind,
+            if program.expert_shares.is_some() {
+                "routing from the profile"
+            } else {
+                "uniform routing, top_k / experts"
+            }
+        );
+        for arm in &step.arms {
+            println!(
+                "  {:<48} {:>5} tasks  runs {:>6}  {:>11}",
+                arm.arm,
+                arm.tasks,
+                pct(arm.expected_share),
+                seconds(arm.seconds)
+            );
         }
     }
     if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s)

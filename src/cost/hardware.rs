@@ -83,6 +83,25 @@ pub struct HardwareProfile {
     pub cpu: CpuSpec,
     /// Copy paths.
     pub links: LinkSpec,
+    /// Fiddler's expert latency model for one model card, when `moec probe --model`
+    /// measured it (gives the `lat.*` symbols).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency: Option<ExpertLatency>,
+}
+
+/// Fiddler's latency model (§3.3: "these constants are determined in the initialization
+/// phase"; the cppExpert code measures them at start-up): one expert of `model` on the CPU
+/// per token, on the GPU at a small batch, and the copy of its weights host -> GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertLatency {
+    /// The model card whose expert was timed.
+    pub model: String,
+    /// CPU time of one expert on one token, seconds (`cpu_lat(s) = s x this`).
+    pub cpu_s_per_token: f64,
+    /// GPU time of one expert at batch 4, seconds (flat in the batch, §3.3).
+    pub gpu_s: f64,
+    /// Time to copy one expert's weights to the GPU, seconds.
+    pub copy_s: f64,
 }
 
 /// A memory level of the hierarchy.
@@ -145,6 +164,10 @@ const BUILTIN_PROFILES: &[(&str, &str)] = &[
     ("h100", include_str!("../../hardware/h100.ron")),
     ("h200", include_str!("../../hardware/h200.ron")),
     ("rtx3090", include_str!("../../hardware/rtx3090.ron")),
+    (
+        "quadro-rtx6000",
+        include_str!("../../hardware/quadro-rtx6000.ron"),
+    ),
 ];
 
 /// Errors from finding or reading a hardware profile.
@@ -352,7 +375,7 @@ impl HardwareProfile {
 
     /// Hardware symbols a schedule may use (`gpu.mem`, ...), in bytes, bytes/s and FLOP/s.
     pub fn symbols(&self) -> Vec<(&'static str, f64)> {
-        vec![
+        let mut symbols = vec![
             ("gpu.mem", self.budget_bytes(Level::Gpu)),
             ("gpu.count", f64::from(self.gpu.count)),
             ("gpu.bw", self.level_bandwidth(Level::Gpu)),
@@ -370,7 +393,15 @@ impl HardwareProfile {
             ),
             ("link.h2d", self.link_bandwidth(Level::Pinned, Level::Gpu)),
             ("link.d2h", self.link_bandwidth(Level::Gpu, Level::Pinned)),
-        ]
+        ];
+        if let Some(lat) = &self.latency {
+            symbols.extend([
+                ("lat.cpu_token", lat.cpu_s_per_token),
+                ("lat.gpu", lat.gpu_s),
+                ("lat.transfer", lat.copy_s),
+            ]);
+        }
+        symbols
     }
 }
 

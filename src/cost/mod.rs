@@ -4,6 +4,7 @@
 //! hardware profile; gives task times, throughput bounds, memory budgets, simulated
 //! timelines and planned parameters. Knows nothing of the schedule language's syntax.
 
+pub mod activation;
 pub mod bounds;
 pub mod budget;
 pub mod hardware;

@@ -6,9 +6,14 @@
 //! to end as the papers measure it: generated tokens over prefill + decode time), busy
 //! share per stream and resource, and the analytical bounds for the same work.
 //! Guarantees: task times come only from the catalog's [`Work`] and the
-//! profile; guarded (routing-dependent) tasks are assumed to run, which is the worst case
-//! for copies and, with the catalog's uniform-routing FLOPs, the average case for experts.
+//! profile; at the declared load a guarded (routing-dependent) task is charged by its
+//! expected activation ([`super::activation`]: the probability its guard holds, and for
+//! an expert computation the expected share of its tokens under that guard), so a sparse
+//! decode step costs the experts it is expected to run, and each load arm its expected
+//! share; at a measured load (replay) the run's own routing decided, so tasks are charged
+//! in full.
 
+use super::activation::{activation, Activation};
 use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
@@ -310,6 +315,35 @@ pub fn task_time(
     task_time_at(program, id, profile, settings, Loads::Declared)
 }
 
+/// HRM time of one task charged by its expected activation: a copy's time scaled by the
+/// probability it runs; a compute task's FLOPs by its expected work share and its bytes
+/// (mostly weights, read only when it runs) by the probability it runs.
+pub fn expected_task_time(
+    program: &Program,
+    id: TaskId,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    activation: Activation,
+) -> TaskTime {
+    let task = program.task(id);
+    if activation == Activation::ALWAYS {
+        return task_time(program, id, profile, settings);
+    }
+    if task.work.copy.is_some() || task.op == Op::Copy {
+        let time = task_time(program, id, profile, settings);
+        return TaskTime {
+            seconds: time.seconds * activation.runs,
+            roof: time.roof,
+        };
+    }
+    let mut load = compute_load(program, id, settings, Loads::Declared);
+    load.flops *= activation.work;
+    for (_, bytes) in &mut load.bytes {
+        *bytes *= activation.runs;
+    }
+    compute_time(profile, &load)
+}
+
 /// HRM time of one task on a profile with its micro-batch holding `loads`.
 pub fn task_time_at(
     program: &Program,
@@ -372,9 +406,27 @@ pub struct StepPrediction {
     /// Summed task seconds per op kind (the timeline's colour keys), with the roof that
     /// bounds most of that time.
     pub op_seconds: BTreeMap<String, (f64, String)>,
+    /// Guarded tasks grouped by the kind of guard they have (see
+    /// [`super::activation::arm_key`]), with how often they are expected to run; empty at
+    /// a measured load, where the run's routing decided.
+    pub arms: Vec<ArmShare>,
     /// The timeline.
     #[serde(skip)]
     pub timeline: Timeline,
+}
+
+/// The guarded tasks of one kind of guard in a step (one arm of a load branch, the
+/// active-expert guards, ...) and their expected activation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ArmShare {
+    /// `experts on cpu if active && routed < 9`.
+    pub arm: String,
+    /// Tasks with this guard kind.
+    pub tasks: usize,
+    /// Mean probability that one of them runs.
+    pub expected_share: f64,
+    /// Their expected seconds, summed.
+    pub seconds: f64,
 }
 
 /// Everything `moec simulate` reports.
@@ -480,7 +532,14 @@ pub(crate) fn simulate_step_times(
     let tasks: Vec<SimTask> = ids
         .iter()
         .map(|&id| {
-            let mut time = task_time_at(program, id, profile, settings, loads);
+            let mut time = match loads {
+                Loads::Declared => {
+                    let tokens = program.task(id).shape.tokens;
+                    let act = activation(program, id, tokens);
+                    expected_task_time(program, id, profile, settings, act)
+                }
+                Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
+            };
             if readback.get(id.index()).copied().unwrap_or(false) {
                 time.seconds += readback_seconds(program, id, profile);
             }
@@ -573,8 +632,36 @@ pub(crate) fn simulate_step(
         streams: program.streams.iter().map(|s| s.name.clone()).collect(),
         spans,
     };
+    let mut arms: BTreeMap<String, ArmShare> = BTreeMap::new();
+    if matches!(loads, Loads::Declared) {
+        for (&id, time) in ids.iter().zip(&times) {
+            let task = program.task(id);
+            if task.guard.is_always() {
+                continue;
+            }
+            let act = activation(program, id, task.shape.tokens);
+            let key = super::activation::arm_key(program, id);
+            let entry = arms.entry(key.clone()).or_insert(ArmShare {
+                arm: key,
+                tasks: 0,
+                expected_share: 0.0,
+                seconds: 0.0,
+            });
+            entry.tasks += 1;
+            entry.expected_share += act.runs;
+            entry.seconds += time.seconds;
+        }
+    }
+    let arms = arms
+        .into_values()
+        .map(|mut a| {
+            a.expected_share /= a.tasks.max(1) as f64;
+            a
+        })
+        .collect();
     Ok(StepPrediction {
         kind: step.kind.as_str().to_string(),
+        arms,
         tasks: ids.len(),
         seconds: result.makespan,
         stream_busy,
@@ -604,11 +691,18 @@ fn step_resource_bound(
     let mut work = LayerWork::default();
     for &id in ids {
         let task = program.task(id);
+        // At the declared load, guarded work counts by its expected activation (as in the
+        // simulation); a measured load is re-costed in full.
+        let act = match loads {
+            Loads::Declared => activation(program, id, task.shape.tokens),
+            Loads::Measured(_) => Activation::ALWAYS,
+        };
         if let Some(copy) = task.work.copy {
+            let bytes = copy.bytes as f64 * act.runs;
             match (copy.src, copy.dst) {
                 (Space::Gpu, Space::Gpu) => {}
-                (_, Space::Gpu) => work.host_to_gpu_bytes += copy.bytes as f64,
-                (Space::Gpu, _) => work.gpu_to_host_bytes += copy.bytes as f64,
+                (_, Space::Gpu) => work.host_to_gpu_bytes += bytes,
+                (Space::Gpu, _) => work.gpu_to_host_bytes += bytes,
                 _ => {}
             }
             continue;
@@ -616,7 +710,11 @@ fn step_resource_bound(
         if task.op == Op::Copy {
             continue;
         }
-        let load = compute_load(program, id, settings, loads);
+        let mut load = compute_load(program, id, settings, loads);
+        load.flops *= act.work;
+        for (_, bytes) in &mut load.bytes {
+            *bytes *= act.runs;
+        }
         match load.processor {
             Processor::Gpu => work.gpu.push(load),
             Processor::Cpu => work.cpu.push(load),

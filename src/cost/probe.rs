@@ -45,6 +45,12 @@ pub enum ProbeError {
     /// A size was zero or too small to time.
     #[error("probe buffer of {0} bytes is too small (need at least 1 MiB)")]
     TooSmall(usize),
+    /// A synthetic expert matrix could not be viewed (a card with inconsistent sizes).
+    #[error("cannot build the synthetic `{0}` matrix of the expert to time")]
+    Expert(&'static str),
+    /// The expert kernel refused its inputs.
+    #[error("the expert kernel failed: {0}")]
+    Kernel(String),
 }
 
 /// Best of `reps` timings of `f` after one warm-up call, in seconds.
@@ -216,7 +222,72 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
             pageable_to_gpu_gb_s: copy_gb_s,
             pageable_to_pinned_gb_s: copy_gb_s,
         },
+        latency: None,
     }
+}
+
+/// Times one expert of `card` as Fiddler's cppExpert does at start-up, on this machine:
+/// the CPU kernel (`model::kernels::moe::expert_ffn`, the runtime's) on one token and on
+/// a batch of 4 (the CPU backend's emulated GPU runs the same kernel on the same cores),
+/// and the weight copy at `memcpy_bytes_per_s` (the emulated link). Weights are synthetic
+/// in the card's dtype; the times are the best of a few repetitions.
+pub fn measure_expert_latency(
+    card: &crate::model::card::ModelCard,
+    memcpy_bytes_per_s: f64,
+) -> Result<super::hardware::ExpertLatency, ProbeError> {
+    use crate::model::arch::ArchSpec;
+    use crate::model::kernels::moe::{expert_ffn, RoutedRow};
+    use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+    use crate::model::weights::ExpertWeights;
+    let arch = ArchSpec::from_card(card);
+    let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k.max(1));
+    let elems = d * f;
+    // bf16 like the checkpoints (memory-bound at one token: the bytes are what count).
+    let data: Vec<half::bf16> = (0..3 * elems)
+        .map(|i| half::bf16::from_f32(((i % 17) as f32 - 8.0) * 1e-3))
+        .collect();
+    let (gate, rest) = data.split_at(elems);
+    let (up, down) = rest.split_at(elems);
+    let matrix = |m: &'static str, slice, rows, cols, o| {
+        Matrix::new(TypedSlice::Bf16(slice), rows, cols, o).ok_or(ProbeError::Expert(m))
+    };
+    let down_matrix = match card.family {
+        crate::model::card::Family::Dbrx => matrix("down", down, f, d, Orientation::InOut)?,
+        _ => matrix("down", down, d, f, Orientation::OutIn)?,
+    };
+    let expert = ExpertWeights {
+        gate: matrix("gate", gate, f, d, Orientation::OutIn)?,
+        up: matrix("up", up, f, d, Orientation::OutIn)?,
+        down: down_matrix,
+    };
+    let time = |tokens: usize| -> Result<f64, ProbeError> {
+        let x = vec![0.01f32; tokens * d];
+        let rows: Vec<RoutedRow> = (0..tokens as u32)
+            .map(|row| RoutedRow {
+                row,
+                slot: 0,
+                weight: 1.0,
+            })
+            .collect();
+        let mut slots = vec![0.0f32; tokens * k * d];
+        let mut failed = None;
+        let seconds = best_seconds(3, || {
+            if let Err(e) = expert_ffn(&arch, &expert, &x, &rows, &mut slots) {
+                failed = Some(e.to_string());
+            }
+        });
+        match failed {
+            Some(e) => Err(ProbeError::Kernel(e)),
+            None => Ok(seconds),
+        }
+    };
+    let bytes = (3 * elems * 2) as f64;
+    Ok(super::hardware::ExpertLatency {
+        model: card.name.clone(),
+        cpu_s_per_token: time(1)?,
+        gpu_s: time(4)?,
+        copy_s: bytes / memcpy_bytes_per_s.max(1.0),
+    })
 }
 
 #[cfg(test)]
@@ -232,6 +303,18 @@ mod tests {
         let profile = profile_from_measurements("probe-test", &measured);
         profile.validate().unwrap();
         assert!(HardwareProfile::from_ron(&profile.to_ron(), "probe").is_ok());
+    }
+
+    /// The tiny card's expert times are positive and a batch of 4 takes at least as long
+    /// as one token up to timing noise (not asserted: a timed assertion); the copy time is
+    /// its bytes over the given rate: 3 x 128 x 256 bf16 = 196,608 B at 1 GB/s.
+    #[test]
+    fn the_expert_latency_model_is_measured_for_a_card() {
+        let card = crate::model::card::ModelCard::load("mixtral-tiny").unwrap();
+        let lat = measure_expert_latency(&card, 1e9).unwrap();
+        assert!(lat.cpu_s_per_token > 0.0 && lat.gpu_s > 0.0);
+        assert!((lat.copy_s - 196_608.0 / 1e9).abs() < 1e-15);
+        assert_eq!(lat.model, "mixtral-tiny");
     }
 
     #[test]

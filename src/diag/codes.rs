@@ -69,6 +69,8 @@ pub enum Code {
     ValuesSampling,
     /// An expert computation that may be skipped while its expert receives tokens.
     ValuesExpertGuard,
+    /// A write over an expert accumulator that destroys expert outputs `combine` needs.
+    ValuesLostOutput,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -83,7 +85,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 37] = [
+    pub const ALL: [Code; 38] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -116,6 +118,7 @@ impl Code {
         Code::ValuesStale,
         Code::ValuesSampling,
         Code::ValuesExpertGuard,
+        Code::ValuesLostOutput,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -158,6 +161,7 @@ impl Code {
             Code::ValuesStale => "values::stale",
             Code::ValuesSampling => "values::sampling",
             Code::ValuesExpertGuard => "values::expert_guard",
+            Code::ValuesLostOutput => "values::lost_output",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",

@@ -653,6 +653,27 @@ impl Diagnostic {
         .help("guard a single expert's computation only by `active(layer, expert)` or `active(layer, expert, ub)` of that same expert (or not at all)")
     }
 
+    /// A copy or op output over an expert accumulator destroys the output of an expert
+    /// that `combine` has not read yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lost_output(
+        dst_span: Span,
+        task: &str,
+        buffer: &str,
+        acc: &str,
+        set: &str,
+        computed_by: &str,
+        computed_span: Span,
+    ) -> Self {
+        Diagnostic::new(
+            Code::ValuesLostOutput,
+            format!("task {task} overwrites `{buffer}`, which holds {acc} with the output of {set} computed by task {computed_by}, with a value that lacks it: `combine` would never add it"),
+        )
+        .label(dst_span, "overwritten here")
+        .label(computed_span, format!("{set} computed into it here"))
+        .help("give the two engines separate accumulators and pass both to `combine(.., acc = [acc_a, acc_b])`, which adds them; or copy the partial accumulator before the other engine's experts write theirs")
+    }
+
     // ---- lints --------------------------------------------------------------------
 
     /// A declared buffer no task touches.

@@ -46,6 +46,9 @@ pub struct Options {
     pub act_bytes: u64,
     /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
     pub limits: Limits,
+    /// The routing profile `rank(..)` and `rank_in_layer(..)` read (`--profile`); without
+    /// one they rank as uniform routing would (ties: expert, then layer).
+    pub profile: Option<std::sync::Arc<crate::ir::profile::RoutingProfile>>,
 }
 
 /// Bounds on unrolling, so a runaway loop is an error rather than a hang.
@@ -76,6 +79,7 @@ impl Options {
             hardware: BTreeMap::new(),
             act_bytes: crate::ir::catalog::ACT_BYTES,
             limits: Limits::default(),
+            profile: None,
         }
     }
 }
@@ -258,6 +262,24 @@ impl<'a> Elaborator<'a> {
         spans.buffers = self.buffer_spans;
         spans.streams = self.stream_spans;
         spans.params = self.param_spans;
+        let card = &self.card;
+        let expert_shares = self.options.profile.as_deref().map(|p| {
+            (0..card.layers as u32)
+                .map(|l| {
+                    (0..card.experts as u32)
+                        .map(|e| {
+                            crate::ir::profile::expected_share(
+                                Some(p),
+                                card.top_k,
+                                card.experts,
+                                l,
+                                e,
+                            )
+                        })
+                        .collect()
+                })
+                .collect()
+        });
         let program = ir::Program {
             name: file.name.name.clone(),
             description: file.description.clone().unwrap_or_default(),
@@ -273,6 +295,7 @@ impl<'a> Elaborator<'a> {
             buffers: self.buffers,
             tasks: self.tasks,
             steps: self.steps,
+            expert_shares,
             spans,
         };
         Ok((program, diags))
@@ -391,7 +414,7 @@ impl value::Context for Elaborator<'_> {
 
     fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic> {
         if self.options.hardware.is_empty() {
-            let known_prefix = ["gpu.", "pinned.", "host.", "cpu.", "link.", "disk."];
+            let known_prefix = ["gpu.", "pinned.", "host.", "cpu.", "link.", "disk.", "lat."];
             if known_prefix.iter().any(|p| name.starts_with(p)) {
                 return Err(Diagnostic::missing_hardware(span, name));
             }
@@ -462,6 +485,14 @@ impl value::Context for Elaborator<'_> {
 
     fn card(&self) -> &ModelCard {
         &self.card
+    }
+
+    fn has_hardware(&self) -> bool {
+        !self.options.hardware.is_empty()
+    }
+
+    fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile> {
+        self.options.profile.as_deref()
     }
 
     fn is_checkpoint(&self, buffer: BufferId) -> bool {

@@ -469,6 +469,42 @@ impl<'a> Elaborator<'a> {
                 self.options.limits.max_tasks,
             ));
         }
+        // `setup` runs once, before any gate: an expert ranked by run-time routing has no
+        // value there (placement must be a compile-time function, e.g. of a profile).
+        if matches!(self.step, Some((StepKind::Setup, _))) {
+            let is_hot = |e: Option<ir::ExpertRef>| matches!(e, Some(ir::ExpertRef::Hot { .. }));
+            let hot_arg = args.iter().find(|(a, _)| is_hot(a.slice.dynamic_expert));
+            let hot_set = matches!(
+                op,
+                Op::Experts {
+                    set: ir::ExpertSet::One(ir::ExpertRef::Hot { .. }),
+                    ..
+                }
+            );
+            if let Some((_, at)) = hot_arg {
+                return Err(Diagnostic::dynamic_not_allowed(
+                    *at,
+                    "an expert ranked at run time (`hot(..)`) in `setup`, which runs before any routing,",
+                ));
+            }
+            if hot_set || !self.guard.is_empty() {
+                return Err(Diagnostic::dynamic_not_allowed(
+                    span,
+                    "a run-time expert or guard in `setup`, which runs before any routing,",
+                ));
+            }
+        }
+        // An arm whose guard holds a literal and its negation never runs (`if routed(l, e)
+        // >= 1 { .. } else { .. }` inside `if active(l, e)`): like a static branch not
+        // taken, it issues nothing.
+        let contradictory = self.guard.iter().any(|a| {
+            self.guard
+                .iter()
+                .any(|b| a.atom == b.atom && a.negated != b.negated)
+        });
+        if contradictory {
+            return Ok(());
+        }
         let on = tail
             .on
             .as_ref()

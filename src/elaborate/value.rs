@@ -46,6 +46,16 @@ pub enum Val {
     Expert(ExpertRef),
     /// A run-time condition: a conjunction of literals.
     Cond(Vec<GuardLit>),
+    /// `routed(layer, expert[, ub])`: the tokens routed to an expert, known only at run
+    /// time; it can only be compared with a compile-time integer, which gives a `Cond`.
+    Routed {
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: ExpertRef,
+        /// The micro-batch, or the sum over all of them.
+        ub: Option<u32>,
+    },
     /// An array of buffers indexed by some of its dimensions so far.
     Array {
         /// Index of the declaration in the elaborator's table.
@@ -72,6 +82,7 @@ impl Val {
             Val::List(_) => "a list",
             Val::Expert(_) => "a run-time expert",
             Val::Cond(_) => "a run-time condition",
+            Val::Routed { .. } => "a run-time token count",
             Val::Array { .. } => "an array of buffers",
             Val::Slice(_) => "a buffer slice",
             Val::Word(_) => "a keyword",
@@ -85,6 +96,8 @@ pub trait Context {
     fn lookup(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic>;
     /// A hardware symbol such as `gpu.mem`.
     fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic>;
+    /// Whether a hardware profile gives the symbols (`--hw`).
+    fn has_hardware(&self) -> bool;
     /// Names in scope, for suggestions.
     fn names(&self) -> Vec<String>;
     /// Indexes an array value.
@@ -99,6 +112,8 @@ pub trait Context {
     fn checkpoint(&self) -> crate::ir::CheckpointLayout;
     /// The model card.
     fn card(&self) -> &crate::model::card::ModelCard;
+    /// The routing profile, if one was given.
+    fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile>;
     /// Whether `buffer` is the checkpoint.
     fn is_checkpoint(&self, buffer: BufferId) -> bool;
     /// Bytes per activation / KV element.
@@ -132,6 +147,36 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 .map(|e| eval(e, cx))
                 .collect::<Result<_, _>>()?,
         )),
+        // `hw_or(gpu.mem, 24e9)`: the hardware symbol, or the fallback without a profile
+        // (evaluated lazily: the symbol is an error without `--hw`).
+        ExprKind::Call(name, args) if name.name == "hw_or" => {
+            let [symbol, fallback] = args.as_slice() else {
+                return Err(Diagnostic::arity(span, "`hw_or`", 2, args.len()));
+            };
+            let ExprKind::Field(base, field) = &symbol.kind else {
+                return Err(Diagnostic::type_mismatch(
+                    symbol.span,
+                    "a hardware symbol such as `gpu.mem`",
+                    "another expression",
+                ));
+            };
+            let ExprKind::Name(prefix) = &base.kind else {
+                return Err(Diagnostic::type_mismatch(
+                    symbol.span,
+                    "a hardware symbol such as `gpu.mem`",
+                    "another expression",
+                ));
+            };
+            if !cx.has_hardware() {
+                return eval(fallback, cx);
+            }
+            // A profile without this symbol (`lat.*` exist only once `moec probe --model`
+            // measured them) falls back too.
+            match cx.hardware(&format!("{prefix}.{}", field.name), symbol.span) {
+                Ok(Some(v)) => Ok(v),
+                _ => eval(fallback, cx),
+            }
+        }
         ExprKind::Call(name, args) => {
             let values = args
                 .iter()
@@ -349,6 +394,11 @@ fn binary(
                 other.type_name(),
             )),
         },
+        Eq | Ne | Lt | Le | Gt | Ge
+            if matches!(a, Val::Routed { .. }) || matches!(b, Val::Routed { .. }) =>
+        {
+            routed_comparison(op, a, b, a_span, b_span, span)
+        }
         Eq | Ne | Lt | Le | Gt | Ge => {
             let ordering = match (&a, &b) {
                 (Val::Bool(x), Val::Bool(y)) if matches!(op, Eq | Ne) => Some(x.cmp(y)),
@@ -398,6 +448,17 @@ fn binary(
             }))
         }
         Add | Sub | Mul | Div | Rem => {
+            if matches!(a, Val::Routed { .. }) || matches!(b, Val::Routed { .. }) {
+                let at = if matches!(a, Val::Routed { .. }) {
+                    a_span
+                } else {
+                    b_span
+                };
+                return Err(Diagnostic::dynamic_not_allowed(
+                    at,
+                    "arithmetic on a routed token count (compare `routed(..)` with a constant instead)",
+                ));
+            }
             if is_intlike(&a) && is_intlike(&b) {
                 let x = as_int(a, a_span)?;
                 let y = as_int(b, b_span)?;
@@ -548,34 +609,65 @@ fn call(
             if !(2..=3).contains(&values.len()) {
                 return Err(Diagnostic::arity(span, "`active`", 2, values.len()));
             }
+            let (layer, expert, ub) = expert_scope(&values, &arg_span, cx.card())?;
+            Ok(Val::Cond(vec![GuardLit {
+                atom: GuardAtom::Active { layer, expert, ub },
+                negated: false,
+            }]))
+        }
+        // `select(c, a, b)`: a when the compile-time boolean c holds, else b.
+        "select" => {
+            arity(3)?;
+            match &values[0] {
+                Val::Bool(c) => Ok(values[if *c { 1 } else { 2 }].clone()),
+                Val::Cond(_) => Err(Diagnostic::dynamic_not_allowed(
+                    arg_span(0),
+                    "the condition of `select`",
+                )),
+                other => Err(Diagnostic::type_mismatch(
+                    arg_span(0),
+                    "a boolean",
+                    other.type_name(),
+                )),
+            }
+        }
+        "rank" | "rank_in_layer" => {
+            arity(2)?;
             let card = cx.card().clone();
             let layer = check_index(
                 as_int(values[0].clone(), arg_span(0))?,
                 card.layers,
                 "layer",
                 arg_span(0),
-            )?;
+            )? as u32;
             let expert = match &values[1] {
-                Val::Expert(e) => *e,
-                other => {
-                    let e = as_int(other.clone(), arg_span(1))?;
-                    ExpertRef::Index(check_index(e, card.experts, "expert", arg_span(1))? as u32)
+                Val::Expert(_) => {
+                    return Err(Diagnostic::dynamic_not_allowed(
+                        arg_span(1),
+                        "the expert of a compile-time ranking",
+                    ))
                 }
+                other => check_index(
+                    as_int(other.clone(), arg_span(1))?,
+                    card.experts,
+                    "expert",
+                    arg_span(1),
+                )? as u32,
             };
-            let ub = match values.get(2) {
-                Some(v) => {
-                    Some(u32::try_from(as_int(v.clone(), arg_span(2))?.max(0)).unwrap_or(u32::MAX))
-                }
-                None => None,
+            let (layers, experts) = (card.layers as u32, card.experts as u32);
+            let rank = if name == "rank" {
+                crate::ir::profile::rank_over_layers(cx.profile(), layers, experts, layer, expert)
+            } else {
+                crate::ir::profile::rank_in_layer(cx.profile(), experts, layer, expert)
             };
-            Ok(Val::Cond(vec![GuardLit {
-                atom: GuardAtom::Active {
-                    layer: layer as u32,
-                    expert,
-                    ub,
-                },
-                negated: false,
-            }]))
+            Ok(Val::Int(rank as i64))
+        }
+        "routed" => {
+            if !(2..=3).contains(&values.len()) {
+                return Err(Diagnostic::arity(span, "`routed`", 2, values.len()));
+            }
+            let (layer, expert, ub) = expert_scope(&values, &arg_span, cx.card())?;
+            Ok(Val::Routed { layer, expert, ub })
         }
         "bytes" => {
             arity(1)?;
@@ -612,8 +704,9 @@ fn call(
                     values.len(),
                 )),
                 None => {
-                    let mut known: Vec<&str> =
-                        vec!["min", "max", "ceil", "floor", "bytes", "hot", "active"];
+                    let mut known: Vec<&str> = vec![
+                        "min", "max", "ceil", "floor", "bytes", "hot", "active", "routed",
+                    ];
                     known.extend(catalog::SIZE_HELPERS);
                     Err(Diagnostic::unknown_name(
                         name_span, "function", name, &known,
@@ -622,4 +715,127 @@ fn call(
             }
         }
     }
+}
+
+/// The `(layer, expert[, ub])` arguments of `active` and `routed`.
+fn expert_scope(
+    values: &[Val],
+    arg_span: &dyn Fn(usize) -> Span,
+    card: &crate::model::card::ModelCard,
+) -> Result<(u32, ExpertRef, Option<u32>), Diagnostic> {
+    let layer = check_index(
+        as_int(values[0].clone(), arg_span(0))?,
+        card.layers,
+        "layer",
+        arg_span(0),
+    )?;
+    let expert = match &values[1] {
+        Val::Expert(e) => *e,
+        other => {
+            let e = as_int(other.clone(), arg_span(1))?;
+            ExpertRef::Index(check_index(e, card.experts, "expert", arg_span(1))? as u32)
+        }
+    };
+    let ub = match values.get(2) {
+        Some(v) => Some(u32::try_from(as_int(v.clone(), arg_span(2))?.max(0)).unwrap_or(u32::MAX)),
+        None => None,
+    };
+    Ok((layer as u32, expert, ub))
+}
+
+/// `routed(..) OP n` (or `n OP routed(..)`) as a run-time condition over atoms
+/// `routed >= t`: `>= n` is the atom at n, `> n` at n + 1, `< n` and `<= n` their negations, `== n`
+/// the conjunction of `>= n` and `< n + 1`. A threshold of 1 is `active(..)` and one of 0
+/// or less always holds, so equal conditions get equal guards. `!=` would be a
+/// disjunction, which guards cannot express.
+fn routed_comparison(
+    op: BinOp,
+    a: Val,
+    b: Val,
+    a_span: Span,
+    b_span: Span,
+    span: Span,
+) -> Result<Val, Diagnostic> {
+    use BinOp::*;
+    let (count, n, n_span, op) = match (a, b) {
+        (Val::Routed { layer, expert, ub }, other) => ((layer, expert, ub), other, b_span, op),
+        (other, Val::Routed { layer, expert, ub }) => {
+            // `n < routed` is `routed > n`.
+            let flipped = match op {
+                Lt => Gt,
+                Le => Ge,
+                Gt => Lt,
+                Ge => Le,
+                other => other,
+            };
+            ((layer, expert, ub), other, a_span, flipped)
+        }
+        _ => {
+            return Err(Diagnostic::arithmetic(
+                span,
+                "comparison without a token count",
+            ))
+        }
+    };
+    let n = match n {
+        Val::Routed { .. } => {
+            return Err(Diagnostic::dynamic_not_allowed(
+                n_span,
+                "comparing two routed token counts (one side must be a constant)",
+            ))
+        }
+        Val::Float(f) if f.fract() != 0.0 => {
+            return Err(Diagnostic::type_mismatch(
+                n_span,
+                "an integer",
+                "a float with a fraction",
+            ))
+        }
+        other => as_int(other, n_span)?,
+    };
+    let (layer, expert, ub) = count;
+    // "routed >= t" as a literal, with its truth value when it is decided statically.
+    let at_least = |t: i64, negated: bool| -> Result<Option<GuardLit>, bool> {
+        if t <= 0 {
+            return Err(!negated); // always true, so its negation always false
+        }
+        let atom = if t == 1 {
+            GuardAtom::Active { layer, expert, ub }
+        } else {
+            GuardAtom::Tokens {
+                layer,
+                expert,
+                ub,
+                at_least: u32::try_from(t).unwrap_or(u32::MAX),
+            }
+        };
+        Ok(Some(GuardLit { atom, negated }))
+    };
+    let lits = match op {
+        Ge => vec![at_least(n, false)],
+        Gt => vec![at_least(n.saturating_add(1), false)],
+        Lt => vec![at_least(n, true)],
+        Le => vec![at_least(n.saturating_add(1), true)],
+        Eq => vec![at_least(n, false), at_least(n.saturating_add(1), true)],
+        _ => {
+            return Err(Diagnostic::dynamic_not_allowed(
+                span,
+                "`!=` of a routed token count (it is a disjunction; write the two arms with `<` and `>`)",
+            ))
+        }
+    };
+    let mut out = Vec::new();
+    for lit in lits {
+        match lit {
+            Err(false) => return Ok(Val::Bool(false)),
+            Err(true) => {}
+            Ok(lit) => out.extend(lit),
+        }
+    }
+    if out.is_empty() {
+        return Ok(Val::Bool(true));
+    }
+    out.sort();
+    out.dedup();
+    Ok(Val::Cond(out))
 }

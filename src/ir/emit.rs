@@ -6,7 +6,7 @@
 //! the program plus the edges.
 
 use super::deps::Dag;
-use super::{Access, BufferKind, GuardAtom, Program, Slice, TaskId};
+use super::{Access, BufferKind, Program, Slice, TaskId};
 use std::fmt::Write as _;
 
 /// Bytes as a short human string (`1.5 MiB`), exact below 1 KiB.
@@ -42,20 +42,7 @@ fn slice_text(program: &Program, slice: &Slice) -> String {
 }
 
 fn guard_text(program: &Program, id: TaskId) -> String {
-    let task = program.task(id);
-    task.guard
-        .lits
-        .iter()
-        .map(|lit| {
-            let GuardAtom::Active { layer, expert, ub } = lit.atom;
-            let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
-            format!(
-                "{}active({layer}, {expert}{ub})",
-                if lit.negated { "!" } else { "" }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" && ")
+    program.task(id).guard.to_string()
 }
 
 /// The canonical text form.

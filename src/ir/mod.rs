@@ -19,6 +19,7 @@ pub mod emit;
 
 mod ids;
 mod kinds;
+pub mod profile;
 pub mod readback;
 pub mod value;
 
@@ -53,6 +54,10 @@ pub struct Program {
     pub tasks: Vec<Task>,
     /// Step templates in declaration order, indexed by [`StepId`].
     pub steps: Vec<Step>,
+    /// `expert_shares[layer][expert]`: the probability a token routes to that expert, from
+    /// the routing profile the program was compiled with (`None`: uniform routing, top_k /
+    /// experts). The cost model charges guarded tasks by it.
+    pub expert_shares: Option<Vec<Vec<f64>>>,
     /// Source spans of everything above.
     #[serde(skip)]
     pub spans: SpanTable,
@@ -514,6 +519,101 @@ pub enum GuardAtom {
         /// The micro-batch, or any.
         ub: Option<u32>,
     },
+    /// `routed(layer, expert[, ub]) >= at_least` (every comparison of a routed token
+    /// count with a constant is this atom or its negation, or a conjunction of two): the
+    /// expert received at least `at_least` tokens (from micro-batch `ub`, or summed over
+    /// every micro-batch of the step). Fiddler's CPU-or-copy rule branches on it.
+    Tokens {
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: ExpertRef,
+        /// The micro-batch, or the sum over all of them.
+        ub: Option<u32>,
+        /// The threshold (at least 2: `>= 1` is `active`, `>= 0` always holds).
+        at_least: u32,
+    },
+}
+
+impl GuardAtom {
+    /// The layer whose routing decides the atom.
+    pub fn layer(&self) -> u32 {
+        match *self {
+            GuardAtom::Active { layer, .. } | GuardAtom::Tokens { layer, .. } => layer,
+        }
+    }
+
+    /// The expert it counts tokens of.
+    pub fn expert(&self) -> ExpertRef {
+        match *self {
+            GuardAtom::Active { expert, .. } | GuardAtom::Tokens { expert, .. } => expert,
+        }
+    }
+
+    /// The micro-batch it reads, or `None` for every micro-batch of the step.
+    pub fn ub(&self) -> Option<u32> {
+        match *self {
+            GuardAtom::Active { ub, .. } | GuardAtom::Tokens { ub, .. } => ub,
+        }
+    }
+
+    /// The atom as "routed tokens >= threshold": `active` is a threshold of 1.
+    pub fn threshold(&self) -> u32 {
+        match *self {
+            GuardAtom::Active { .. } => 1,
+            GuardAtom::Tokens { at_least, .. } => at_least,
+        }
+    }
+
+    /// Decides the atom from the tokens the expert received (from its micro-batch, or
+    /// summed over the step's).
+    pub fn holds_for(&self, routed_tokens: u64) -> bool {
+        routed_tokens >= u64::from(self.threshold())
+    }
+}
+
+impl std::fmt::Display for GuardAtom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ub = self.ub().map(|u| format!(", {u}")).unwrap_or_default();
+        match *self {
+            GuardAtom::Active { layer, expert, .. } => write!(f, "active({layer}, {expert}{ub})"),
+            GuardAtom::Tokens {
+                layer,
+                expert,
+                at_least,
+                ..
+            } => write!(f, "routed({layer}, {expert}{ub}) >= {at_least}"),
+        }
+    }
+}
+
+impl std::fmt::Display for GuardLit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.negated, self.atom) {
+            (false, atom) => write!(f, "{atom}"),
+            (true, GuardAtom::Active { .. }) => write!(f, "!{}", self.atom),
+            // `!(routed >= t)` reads better as the comparison it came from.
+            (
+                true,
+                GuardAtom::Tokens {
+                    layer,
+                    expert,
+                    ub,
+                    at_least,
+                },
+            ) => {
+                let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
+                write!(f, "routed({layer}, {expert}{ub}) < {at_least}")
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text: Vec<String> = self.lits.iter().map(ToString::to_string).collect();
+        write!(f, "{}", text.join(" && "))
+    }
 }
 
 /// A possibly negated atom.

@@ -6,7 +6,7 @@
 //! ranks experts from the routing of every layer (its predictor learns from all of
 //! them), so a program that uses `hot` reads every gate back.
 
-use super::{ExpertRef, ExpertSet, GuardAtom, Op, Program};
+use super::{ExpertRef, ExpertSet, Op, Program};
 use std::collections::HashSet;
 
 /// Per task: true for a gate whose routing the host reads back.
@@ -16,9 +16,8 @@ pub fn readback_gates(program: &Program) -> Vec<bool> {
     let is_hot = |e: ExpertRef| matches!(e, ExpertRef::Hot { .. });
     for task in &program.tasks {
         for lit in &task.guard.lits {
-            let GuardAtom::Active { layer, expert, ub } = lit.atom;
-            guarded.insert((layer, ub));
-            every_gate |= is_hot(expert);
+            guarded.insert((lit.atom.layer(), lit.atom.ub()));
+            every_gate |= is_hot(lit.atom.expert());
         }
         every_gate |= task
             .args

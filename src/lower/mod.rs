@@ -234,6 +234,9 @@ pub struct LowerOptions {
     pub pinned_capacity: Option<u64>,
     /// Capacity of the `host` arena; `None`: unlimited.
     pub host_capacity: Option<u64>,
+    /// Read every gate's routing back to the host, not only those a guard or `hot(..)`
+    /// needs (`moec profile` counts them all).
+    pub read_all_routing: bool,
 }
 
 impl LowerOptions {
@@ -329,7 +332,12 @@ pub(crate) fn lower_with_preds(
     }
     let (buffers, arenas) = place_buffers(program, options)?;
     let tasks = plan_tasks(program);
-    let readback = program.readback_gates();
+    let mut readback = program.readback_gates();
+    if options.read_all_routing {
+        for (read, task) in readback.iter_mut().zip(&program.tasks) {
+            *read |= matches!(task.op, Op::Gate { .. });
+        }
+    }
     let mut steps = Vec::with_capacity(program.steps.len());
     for step in &program.steps {
         steps.push(lower_step(program, step, preds, &readback)?);

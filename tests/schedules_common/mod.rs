@@ -69,7 +69,8 @@ pub fn declared_params(source: &str) -> Vec<String> {
 }
 
 /// The small configuration of the snapshot tests: 3 micro-batches (or batches, or the
-/// fixed alpha/beta groups) of 2 sequences, 8-token prompts, 4 generated tokens.
+/// fixed alpha/beta groups) of 2 sequences, 8-token prompts, 4 generated tokens (and
+/// 6 resident experts where a schedule places some).
 pub const SMALL_SETS: &[(&str, &str)] = &[
     ("ubs", "2"),
     ("n_ub", "3"),
@@ -77,6 +78,8 @@ pub const SMALL_SETS: &[(&str, &str)] = &[
     ("n_batch", "3"),
     ("seqs", "2"),
     ("packet_mb", "1"),
+    // Fiddler: 6 of the 16 experts resident, so the snapshot shows all three arms.
+    ("n_gpu", "6"),
 ];
 
 /// Options for the small configuration on `card`.

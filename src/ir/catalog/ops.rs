@@ -584,7 +584,9 @@ const COMBINE: OpDef = OpDef {
     params: &[Layer, Ub],
     args: &[
         ArgDef::new(Role::Route, ArgType::Routing, Read),
-        ArgDef::new(Role::Acc, ArgType::ExpertAcc, Read),
+        // A list when experts of one layer write partial accumulators on several engines
+        // (Fiddler: GPU and CPU experts); their slots are added.
+        ArgDef::new(Role::Acc, ArgType::ExpertAcc, Read).list(),
         ArgDef::new(Role::H, ArgType::Hidden, ReadWrite),
     ],
     engines: COMPUTE,

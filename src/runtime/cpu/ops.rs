@@ -673,9 +673,26 @@ fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
     let routing = cx.read_routing(args.need(Role::Route)?, n)?;
-    let acc = cx.act(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
+    let accs = args.all(Role::Acc);
+    let acc_elems = n * (1 + cx.arch.top_k) * d;
     let h = cx.act_mut(args.need(Role::H)?, "h", n * d)?;
-    combine(&routing, &acc[n * d..], h)?;
+    if let [one] = accs.as_slice() {
+        let acc = cx.act(*one, "acc", acc_elems)?;
+        combine(&routing, &acc[n * d..], h)?;
+        return Ok(());
+    }
+    // Partial accumulators (`acc = [a, b]`): each (token, k) slot was written by one
+    // expert into one of them and is zero (from the gate) in the others, so adding them
+    // gives exactly that expert's output (x + 0 = x), and the sum below is bit-identical
+    // to the single-accumulator one.
+    let mut slots = vec![0.0f32; n * cx.arch.top_k * d];
+    for view in accs {
+        let acc = cx.act(view, "acc", acc_elems)?;
+        for (s, v) in slots.iter_mut().zip(&acc[n * d..]) {
+            *s += v;
+        }
+    }
+    combine(&routing, &slots, h)?;
     Ok(())
 }
 

@@ -20,7 +20,7 @@ pub mod state;
 pub mod workload;
 
 use super::backend::{Backend, BackendError};
-use crate::ir::{ExpertRef, GuardAtom, Op, Role, StepKind, StreamId, TaskId};
+use crate::ir::{ExpertRef, Op, Role, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanTask};
 use crate::model::kernels::sampling::Sampling;
 use crate::model::rng::Rng;
@@ -116,6 +116,10 @@ pub struct RunOptions {
     /// Test hook: fail this task (by index) on its n-th run (1-based), as if its kernel
     /// had failed.
     pub kill_task: Option<(u32, u32)>,
+    /// `moec profile`: every step's read-back routing is added to these counts (plan
+    /// lowered with `read_all_routing`, so every gate's routing is on the host).
+    pub routing_profile:
+        Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
     /// Hand each output the logits its last token was sampled from (`moec run
     /// --dump-logits`, comparing backends); costs a read-back per step on a device.
     pub capture_logits: bool,
@@ -137,6 +141,7 @@ impl RunOptions {
             },
             exec: ExecOptions::default(),
             kill_task: None,
+            routing_profile: None,
             capture_logits: false,
         }
     }
@@ -173,16 +178,16 @@ struct UnknownRouting {
 impl<B: Backend> Runner<'_, B> {
     fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
         for lit in &task.guard.lits {
-            let GuardAtom::Active { layer, expert, ub } = lit.atom;
-            let expert = match expert {
+            let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
+            let expert = match lit.atom.expert() {
                 ExpertRef::Index(e) => e,
                 ExpertRef::Hot { layer, rank } => {
                     self.state
                         .hot_expert(layer, rank, self.plan.model.experts as u32)
                 }
             };
-            match self.state.is_active(layer, expert, ub) {
-                Some(active) if active == lit.negated => return Ok(false),
+            match self.state.routed_tokens(layer, expert, ub) {
+                Some(tokens) if lit.atom.holds_for(tokens) == lit.negated => return Ok(false),
                 Some(_) => {}
                 None => return Err(BackendError::Task(Box::new(UnknownRouting { layer }))),
             }
@@ -582,6 +587,12 @@ pub fn generate<B: Backend>(
         let sampled_logits = std::mem::take(&mut *lock(&state.sampled_logits));
         let routing = std::mem::take(&mut *lock(&state.routing));
         state.predictor.update(&routing);
+        if let Some(profile) = &options.routing_profile {
+            let mut profile = lock(profile);
+            for (&(layer, _), r) in &routing {
+                profile.add(layer, &r.experts, r.top_k);
+            }
+        }
         let mut row_in_ub = vec![0usize; n_ubs];
         let mut still = Vec::new();
         for mut s in running.drain(..) {

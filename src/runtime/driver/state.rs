@@ -224,20 +224,28 @@ impl StepState {
     /// Whether `expert` of `layer` got tokens (from `ub`, or any ub); `None` if the routing
     /// is not known yet.
     pub fn is_active(&self, layer: u32, expert: u32, ub: Option<u32>) -> Option<bool> {
+        self.routed_tokens(layer, expert, ub).map(|n| n > 0)
+    }
+
+    /// Tokens routed to `expert` of `layer` (from `ub`, or summed over every micro-batch
+    /// of the step); `None` if a routing it needs is not known yet. An empty micro-batch
+    /// routes nothing (its gate reads nothing back).
+    pub fn routed_tokens(&self, layer: u32, expert: u32, ub: Option<u32>) -> Option<u64> {
         let routing = lock(&self.routing);
         let ubs: Vec<u32> = match ub {
             Some(u) => vec![u],
             None => (0..self.ubs.len() as u32).collect(),
         };
-        let mut any = false;
+        let mut count = 0u64;
         for u in ubs {
             if self.ubs.get(u as usize).is_some_and(|m| m.seqs.is_empty()) {
                 continue;
             }
             let r = routing.get(&(layer, u))?;
-            any |= r.experts.contains(&expert);
+            // Top-k picks distinct experts, so each occurrence is one token.
+            count += r.experts.iter().filter(|&&e| e == expert).count() as u64;
         }
-        Some(any)
+        Some(count)
     }
 }
 

@@ -1,0 +1,200 @@
+//! Expected activation: how often a guarded task runs, and how much of its declared work
+//! it does when it runs, under a routing model.
+//!
+//! Takes a program (its guards, micro-batch sizes and, if it was compiled with a routing
+//! profile, each expert's share of the tokens) and a task; gives [`Activation`]: the
+//! probability its guard holds and the expected share of its declared FLOPs. The routing
+//! model: each of the n tokens of a micro-batch routes to expert e of layer l
+//! independently with probability q (`top_k / experts`, or the profile's share; a
+//! run-time rank `hot(l, r)` takes the r-th largest share), so the tokens an expert gets
+//! are Binomial(n, q); counts of different experts or micro-batches are treated as
+//! independent. A guard is a conjunction of "count >= t" literals, so per count it is an
+//! interval and its probability a binomial sum. Guarantees: both figures are in [0, 1];
+//! an unguarded task runs with probability 1 and its full work; arms that partition a
+//! count have probabilities summing to the probability of the partitioned event.
+//!
+//! An `experts` task's declared FLOPs are its expert's mean routed tokens (the catalog's
+//! uniform-routing figure); run under a guard on its own count in [lo, hi), it does
+//! E[N; lo <= N < hi] of them, which is n q P(lo - 1 <= M < hi - 1) for M ~ Binomial(n -
+//! 1, q) (the size-biased identity), so its work share is that probability times the
+//! probability of the guard's other literals.
+
+use crate::ir::catalog::{ExpertRef, ExpertSet};
+use crate::ir::{GuardAtom, GuardLit, Op, Program, TaskId};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// How often a task runs and how much of its declared work it does on average.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Activation {
+    /// Probability that its guard holds (1 for an unguarded task).
+    pub runs: f64,
+    /// Expected share of its declared FLOPs (and activation traffic).
+    pub work: f64,
+}
+
+impl Activation {
+    /// An unguarded task.
+    pub const ALWAYS: Activation = Activation {
+        runs: 1.0,
+        work: 1.0,
+    };
+}
+
+/// A routed count: (layer, expert, micro-batch or all).
+type Var = (u32, ExpertRef, Option<u32>);
+
+/// The expected activation of task `id` when every micro-batch holds `tokens_per_ub`
+/// tokens.
+pub fn activation(program: &Program, id: TaskId, tokens_per_ub: u64) -> Activation {
+    let task = program.task(id);
+    if task.guard.is_always() {
+        return Activation::ALWAYS;
+    }
+    let ubs = u64::from(program.micro_batches.count.max(1));
+    // Interval [lo, hi) of each count the guard reads.
+    let mut intervals: BTreeMap<Var, (u64, u64)> = BTreeMap::new();
+    for lit in &task.guard.lits {
+        let a = lit.atom;
+        let var = (a.layer(), a.expert(), a.ub());
+        let entry = intervals.entry(var).or_insert((0, u64::MAX));
+        let t = u64::from(a.threshold());
+        if lit.negated {
+            entry.1 = entry.1.min(t);
+        } else {
+            entry.0 = entry.0.max(t);
+        }
+    }
+    // The count whose tokens an `experts` task computes.
+    let own: Option<Var> = match task.op {
+        Op::Experts {
+            layer,
+            ub,
+            set: ExpertSet::One(e),
+        } => Some((layer, e, Some(ub))),
+        _ => None,
+    };
+    let mut runs = 1.0;
+    let mut work = 1.0;
+    let mut own_seen = false;
+    for (&(layer, expert, ub), &(lo, hi)) in &intervals {
+        let n = match ub {
+            Some(_) => tokens_per_ub,
+            None => tokens_per_ub.saturating_mul(ubs),
+        };
+        let q = share(program, layer, expert);
+        let p = binomial_between(n, q, lo, hi);
+        runs *= p;
+        if own == Some((layer, expert, ub)) && n > 0 {
+            own_seen = true;
+            work *= binomial_between(n - 1, q, lo.saturating_sub(1), hi.saturating_sub(1));
+        } else {
+            work *= p;
+        }
+    }
+    if own.is_some() && !own_seen {
+        // The guard reads other counts only: the task does its mean work when it runs.
+        work = runs;
+    }
+    Activation {
+        runs: runs.clamp(0.0, 1.0),
+        work: work.clamp(0.0, 1.0),
+    }
+}
+
+/// The kind of guard a task has, with layers, experts and micro-batches left out, so the
+/// tasks of one arm group together: `experts on cpu if active && routed < 9`.
+pub fn arm_key(program: &Program, id: TaskId) -> String {
+    let task = program.task(id);
+    let lit = |l: &GuardLit| match (l.atom, l.negated) {
+        (GuardAtom::Active { .. }, false) => "active".to_string(),
+        (GuardAtom::Active { .. }, true) => "!active".to_string(),
+        (GuardAtom::Tokens { at_least, .. }, false) => format!("routed >= {at_least}"),
+        (GuardAtom::Tokens { at_least, .. }, true) => format!("routed < {at_least}"),
+    };
+    let mut lits: Vec<String> = task.guard.lits.iter().map(lit).collect();
+    lits.dedup();
+    format!(
+        "{} on {} if {}",
+        task.op.def().name,
+        program.stream(task.stream).name,
+        lits.join(" && ")
+    )
+}
+
+/// The probability a token routes to `expert` of `layer`.
+fn share(program: &Program, layer: u32, expert: ExpertRef) -> f64 {
+    let card = &program.model;
+    let uniform = (card.top_k as f64 / card.experts.max(1) as f64).min(1.0);
+    let Some(shares) = program
+        .expert_shares
+        .as_ref()
+        .and_then(|s| s.get(layer as usize))
+    else {
+        return uniform;
+    };
+    match expert {
+        ExpertRef::Index(e) => shares.get(e as usize).copied().unwrap_or(uniform),
+        ExpertRef::Hot { rank, .. } => {
+            let mut sorted = shares.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            sorted.get(rank as usize).copied().unwrap_or(uniform)
+        }
+    }
+}
+
+/// P(lo <= N < hi) for N ~ Binomial(n, q), summing whichever side is shorter in log
+/// space (no underflow for large n).
+pub fn binomial_between(n: u64, q: f64, lo: u64, hi: u64) -> f64 {
+    let hi = hi.min(n.saturating_add(1));
+    if lo >= hi {
+        return 0.0;
+    }
+    if q <= 0.0 {
+        return if lo == 0 { 1.0 } else { 0.0 };
+    }
+    if q >= 1.0 {
+        return if lo <= n && n < hi { 1.0 } else { 0.0 };
+    }
+    // P(N < t) = sum_{k < t} pmf(k); only the terms below the larger bound are needed.
+    let below = |t: u64| -> f64 {
+        if t == 0 {
+            return 0.0;
+        }
+        if t > n {
+            return 1.0;
+        }
+        let (ln_q, ln_p) = (q.ln(), (1.0 - q).ln());
+        let mut ln_pmf = n as f64 * ln_p;
+        let mut sum = ln_pmf.exp();
+        for k in 0..t - 1 {
+            ln_pmf += ((n - k) as f64 / (k + 1) as f64).ln() + ln_q - ln_p;
+            sum += ln_pmf.exp();
+        }
+        sum.min(1.0)
+    };
+    (below(hi) - below(lo)).clamp(0.0, 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binomial_intervals_match_hand_arithmetic() {
+        // n = 2, q = 1/4: P(0) = 9/16, P(1) = 6/16, P(2) = 1/16.
+        let p = |lo, hi| binomial_between(2, 0.25, lo, hi);
+        assert!((p(0, 1) - 9.0 / 16.0).abs() < 1e-12);
+        assert!((p(1, 2) - 6.0 / 16.0).abs() < 1e-12);
+        assert!((p(1, u64::MAX) - 7.0 / 16.0).abs() < 1e-12);
+        assert!((p(2, 3) - 1.0 / 16.0).abs() < 1e-12);
+        assert_eq!(p(3, u64::MAX), 0.0);
+        // Arms >= t and < t partition "active".
+        let active = binomial_between(40, 0.25, 1, u64::MAX);
+        let copy = binomial_between(40, 0.25, 10, u64::MAX);
+        let cpu = binomial_between(40, 0.25, 1, 10);
+        assert!((copy + cpu - active).abs() < 1e-12);
+        // Large n does not underflow: the mean 2500 is far above 10.
+        assert!((binomial_between(10_000, 0.25, 10, u64::MAX) - 1.0).abs() < 1e-9);
+    }
+}
