@@ -893,8 +893,38 @@ fn combine_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
     let n = cx.ub(ub)?.n_tokens();
     let (d, k) = (cx.arch.hidden, cx.arch.top_k);
     let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
-    let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * (1 + k) * d * 4)?;
+    let accs = args
+        .all(Role::Acc)
+        .into_iter()
+        .map(|v| cx.ptr(v, "acc", n * (1 + k) * d * 4))
+        .collect::<Result<Vec<_>, _>>()?;
     let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    let slot_offset = (n * d * 4) as u64;
+    let slot_elems = n * k * d;
+    // Partial accumulators (`acc = [a, b]`): each (token, k) slot was written in one of
+    // them and is zero (from the gate) in the others, so their sum is that expert's
+    // output exactly; summed in argument order, as the CPU does.
+    let summed: Scratch;
+    let slots = match accs.as_slice() {
+        [] => return Err(OpError::MissingArg("acc")),
+        [one] => one + slot_offset,
+        [first, rest @ ..] => {
+            summed = cx.s.scratch(slot_elems * 4)?;
+            cx.s.copy(summed.ptr(), first + slot_offset, slot_elems * 4)?;
+            for other in rest {
+                cx.s.launch_1d(
+                    "add_in_place",
+                    slot_elems,
+                    &[
+                        Arg::Ptr(summed.ptr()),
+                        Arg::Ptr(other + slot_offset),
+                        Arg::I64(slot_elems as i64),
+                    ],
+                )?;
+            }
+            summed.ptr()
+        }
+    };
     let experts = cx.s.scratch(n * k * 4)?;
     cx.s.launch_1d(
         "route_experts",
@@ -905,7 +935,7 @@ fn combine_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
             Arg::I64((n * k) as i64),
         ],
     )?;
-    cx.combine(experts.ptr(), acc + (n * d * 4) as u64, h, n)
+    cx.combine(experts.ptr(), slots, h, n)
 }
 
 fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
