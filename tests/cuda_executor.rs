@@ -129,7 +129,7 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
     let dir = standin_dir();
     let real = detect();
     let mut rows = Vec::new();
-    for (_, path) in schedules_common::schedule_files() {
+    for (name, path) in schedules_common::schedule_files() {
         let schedule = path.to_string_lossy().into_owned();
         let (cpu, cpu_logits) = run(cache.path(), &schedule, card, Driver::Cpu, &[]);
         let (cuda, cuda_logits) = run(
