@@ -143,7 +143,7 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
         let got = token_ids(&cuda, &format!("{schedule} on {card}, CUDA (stand-in)"));
         let diff = max_diff(&logits(&cpu_logits), &logits(&cuda_logits));
         rows.push(format!(
-            "{schedule:45} {card:13} tokens equal: {:5}  max |logit diff| {diff:.2e}",
+            "{name:28} {card:13} tokens equal: {:5}  max |logit diff| {diff:.2e}",
             want == got
         ));
         assert_eq!(
