@@ -13,6 +13,7 @@
 //! [`generate`] is the CPU backend's entry point: it sets the backend up for the plan and
 //! runs the driver on it.
 
+pub mod args;
 pub mod backend;
 pub mod cpu;
 pub mod cuda;

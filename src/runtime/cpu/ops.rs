@@ -15,6 +15,10 @@ use super::weights::WeightTag;
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
+use crate::runtime::args::MissingArg;
+
+/// A task's arguments with this backend's views.
+pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 use crate::model::arch::ArchSpec;
 use crate::model::card::Family;
 use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
@@ -88,6 +92,12 @@ pub enum OpError {
     },
 }
 
+impl From<MissingArg> for OpError {
+    fn from(e: MissingArg) -> Self {
+        OpError::MissingArg(e.0)
+    }
+}
+
 /// What ops need besides memory and state.
 #[derive(Debug)]
 pub struct OpContext<'a> {
@@ -137,14 +147,12 @@ impl OpContext<'_> {
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
         let kind = task.op.kind();
         let kernel = cpu_kernel(kind).ok_or(OpError::NoKernel(kind.name()))?;
-        let args = TaskArgs {
-            views: self.views(task)?,
-        };
+        let args = TaskArgs::new(self.views(task)?);
         kernel(self, task, &args)?;
         // A copy moves the weight labels with the bytes (`CpuMemory::copy`); every other
         // op's writes leave activations where weights may have been.
         if kind != OpKind::Copy {
-            for (a, v) in &args.views {
+            for (a, v) in args.iter() {
                 if a.access.writes() {
                     self.memory.clobber(*v);
                 }
@@ -486,36 +494,6 @@ impl OpContext<'_> {
             at += r.len();
         }
         Ok(())
-    }
-}
-
-/// The views of a task's arguments, looked up by role.
-#[derive(Debug)]
-pub(crate) struct TaskArgs {
-    views: Vec<(PlanArg, View)>,
-}
-
-impl TaskArgs {
-    /// The first argument of role `role`, if the task passes one.
-    fn get(&self, role: Role) -> Option<View> {
-        self.views
-            .iter()
-            .find(|(a, _)| a.role == role)
-            .map(|(_, v)| *v)
-    }
-
-    /// The first argument of role `role`, or the error naming it.
-    fn need(&self, role: Role) -> Result<View, OpError> {
-        self.get(role).ok_or(OpError::MissingArg(role.as_str()))
-    }
-
-    /// Every argument of role `role` (`w` and `a` may be lists), in argument order.
-    fn all(&self, role: Role) -> Vec<View> {
-        self.views
-            .iter()
-            .filter(|(a, _)| a.role == role)
-            .map(|(_, v)| *v)
-            .collect()
     }
 }
 

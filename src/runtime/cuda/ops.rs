@@ -16,7 +16,11 @@ use super::launch::{int, row_block, Arg, DevMatrix, LaunchError, Scratch, Stream
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
-use crate::lower::{PlanArg, PlanTask};
+use crate::lower::PlanTask;
+use crate::runtime::args::MissingArg;
+
+/// A task's arguments with this backend's views.
+pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, WeightDtype};
 use crate::model::kernels::moe::{RoutedRow, Routing};
@@ -80,6 +84,12 @@ pub enum OpError {
     },
 }
 
+impl From<MissingArg> for OpError {
+    fn from(e: MissingArg) -> Self {
+        OpError::MissingArg(e.0)
+    }
+}
+
 /// Everything an op needs besides its task.
 #[derive(Debug)]
 pub struct GpuCx<'a> {
@@ -99,33 +109,6 @@ pub struct GpuCx<'a> {
     pub dtype: WeightDtype,
     /// Routing read back by an op itself (no plan read-back for its gate).
     pub routing_syncs: &'a AtomicUsize,
-}
-
-/// The views of a task's arguments, looked up by role.
-#[derive(Debug)]
-pub struct TaskArgs {
-    views: Vec<(PlanArg, View)>,
-}
-
-impl TaskArgs {
-    fn get(&self, role: Role) -> Option<View> {
-        self.views
-            .iter()
-            .find(|(a, _)| a.role == role)
-            .map(|(_, v)| *v)
-    }
-
-    fn need(&self, role: Role) -> Result<View, OpError> {
-        self.get(role).ok_or(OpError::MissingArg(role.as_str()))
-    }
-
-    fn all(&self, role: Role) -> Vec<View> {
-        self.views
-            .iter()
-            .filter(|(a, _)| a.role == role)
-            .map(|(_, v)| *v)
-            .collect()
-    }
 }
 
 type GpuKernel = fn(&GpuCx<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
@@ -180,10 +163,10 @@ impl GpuCx<'_> {
                 ))
             })
             .collect::<Result<Vec<_>, OpError>>()?;
-        let args = TaskArgs { views };
+        let args = TaskArgs::new(views);
         kernel(self, task, &args)?;
         if kind != OpKind::Copy {
-            for (a, v) in &args.views {
+            for (a, v) in args.iter() {
                 if a.access.writes() {
                     self.mem.clobber(*v);
                 }
