@@ -45,20 +45,6 @@ pub const DEFAULT_PROMPTS: [&str; 6] = [
     "In 1969, the first humans landed on the Moon. The mission was called",
 ];
 
-/// The CPU backend's pool split, said plainly: `gpu.compute` (emulated) and `cpu.compute`
-/// each get a pool of `threads`, and on a machine without a GPU both share its cores.
-fn pools_line(threads: usize) -> String {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let note = if 2 * threads > cores {
-        " (oversubscribed while both engines compute at once)"
-    } else {
-        ""
-    };
-    format!(
-        "compute pools: gpu.compute {threads} threads + cpu.compute {threads} threads on this machine's {cores} cores{note}"
-    )
-}
-
 /// Arguments of `moec run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -311,7 +297,7 @@ pub fn execute(
             prediction,
             worst_case_step_seconds,
             profile,
-            pools: pools_line(run.backend.threads),
+            pools: crate::runtime::cpu::pool_split(run.backend.threads),
         },
         texts,
     ))
