@@ -121,6 +121,17 @@ RESULTS=$CACHE/results/$(date -u +%Y%m%dT%H%M%SZ).jsonl
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
+# The machine's limits with $THREADS threads (streaming read bandwidth, f32 GEMM peak),
+# measured before and after the systems run; the roofline uses the better of the two,
+# the least disturbed by other jobs on these cores.
+probe() {
+  log "moec probe ($1)"
+  "$MOEC" probe --threads "$THREADS" --json > "$TMP/probe.json"
+  "$PY" -c 'import json, sys; m = json.load(open(sys.argv[1]))["measurements"]; print(json.dumps({"system": "probe", "when": sys.argv[2], "stream_read_bytes_per_s": m["stream_read_bytes_per_s"], "gemm_f32_flops": m["gemm_f32_flops"]}))' \
+    "$TMP/probe.json" "$1" >> "$RESULTS"
+}
+probe before
+
 # Runs "$@" under GNU time; appends {system, batch, peak_rss_kb, wall_seconds, ...} to
 # $RESULTS, where the rest comes from the JSON line the parser ($1) makes of its stdout.
 measure() {
@@ -171,34 +182,64 @@ for batch in $BATCHES; do
   done
 done
 
-# 6. The table.
+probe after
+
+# 6. The table, with a roofline per batch: each step (the prefill, then gen_len - 1 decode
+# steps) takes at least max(bytes / bandwidth, FLOPs / peak) for the weights it must read
+# (dense + lm_head + the experts its tokens route to, uniform routing assumed: a layer
+# touches 8 (1 - (6/8)^tokens) experts on average) and the KV cache (f32 K and V).
 "$PY" - "$RESULTS" "$PROMPT_LEN" "$GEN_LEN" "$THREADS" <<'EOF'
-import json, platform, sys
-prompt_len, gen_len, threads = sys.argv[2:5]
+import json, sys
+prompt_len, gen_len, threads = map(int, sys.argv[2:5])
 rows = [json.loads(l) for l in open(sys.argv[1])]
+probes = [r for r in rows if r["system"] == "probe"]
+rows = [r for r in rows if r["system"] != "probe"]
+bw = max(p["stream_read_bytes_per_s"] for p in probes)
+peak = max(p["gemm_f32_flops"] for p in probes)
+
+# The mid Mixtral shape (models/mixtral-mid.ron), bf16 weights.
+d, ffn, layers, heads, kv_heads, head_dim, experts, top_k, vocab = 1024, 3584, 8, 16, 4, 64, 8, 2, 32000
+dense = layers * (d * heads * head_dim * 2 + 2 * d * kv_heads * head_dim + d * experts)
+expert = 3 * d * ffn
+head = vocab * d
+
+def step(tokens, seqs, ctx):
+    touched = experts * (1 - (1 - top_k / experts) ** tokens)
+    weight_bytes = 2 * (dense + layers * touched * expert + head)
+    kv_bytes = seqs * layers * ctx * 2 * kv_heads * head_dim * 4
+    flops = 2 * tokens * (dense + layers * top_k * expert) + 2 * seqs * head
+    return max((weight_bytes + kv_bytes) / bw, flops / peak)
+
+def roofline(b):
+    t = step(b * prompt_len, b, prompt_len)
+    t += sum(step(b, b, prompt_len + i) for i in range(1, gen_len))
+    return b * gen_len / t
+
 systems = list(dict.fromkeys(r["system"] for r in rows))
 batches = sorted({r["batch"] for r in rows})
 cell = {(r["system"], r["batch"]): r for r in rows}
-def fmt(r):
-    if r is None: return "-"
-    if r.get("failed"): return "failed"
-    return f"{r['tokens_per_s']:.1f} tok/s, {r['peak_rss_kb'] / 1024:.0f} MiB"
-print(f"\nB prompts of {prompt_len} tokens, {gen_len} new tokens each, greedy, {threads} threads; "
-      f"generation throughput = B x {gen_len} / (prefill + decode s); peak RSS")
-print("| batch | " + " | ".join(systems) + " |")
-print("| --- " * (len(systems) + 1) + "|")
-for b in batches:
-    print(f"| {b} | " + " | ".join(fmt(cell.get((s, b))) for s in systems) + " |")
 def tps(s, b):
     r = cell.get((s, b))
     return r["tokens_per_s"] if r and not r.get("failed") else None
-moec = [s for s in systems if s.startswith("moec")]
-print("\nratios (moec / peer, same run):")
-for s in moec:
+def fmt(s, b):
+    r = cell.get((s, b))
+    if r is None: return "-"
+    if r.get("failed"): return "failed"
+    return f"{r['tokens_per_s']:.1f} ({r['peak_rss_kb'] / 1024:.0f} MiB)"
+print(f"\nB prompts of {prompt_len} tokens, {gen_len} new tokens each, greedy, {threads} threads; "
+      f"tok/s = B x {gen_len} / (prefill + decode s), peak RSS in brackets")
+print(f"roofline: streaming read {bw / 1e9:.2f} GB/s, f32 GEMM peak {peak / 1e9:.1f} GFLOP/s (moec probe, better of before/after)")
+print("| batch | " + " | ".join(systems) + " | roofline |")
+print("| --- " * (len(systems) + 2) + "|")
+for b in batches:
+    print(f"| {b} | " + " | ".join(fmt(s, b) for s in systems) + f" | {roofline(b):.1f} |")
+print("\nratios (same run):")
+for s in [s for s in systems if s.startswith("moec")]:
     for b in batches:
-        parts = [f"{s} / {peer} = {tps(s, b) / tps(peer, b):.2f}"
-                 for peer in ("llama.cpp", "hf") if tps(s, b) and tps(peer, b)]
-        if parts: print(f"  batch {b}: " + "; ".join(parts))
+        if not tps(s, b): continue
+        parts = [f"/ {peer} = {tps(s, b) / tps(peer, b):.2f}" for peer in ("llama.cpp", "hf") if tps(peer, b)]
+        parts.append(f"/ roofline = {tps(s, b) / roofline(b):.2f}")
+        print(f"  {s} batch {b}: " + "; ".join(parts))
 print("\nprocess wall seconds (load + run):")
 for b in batches:
     print(f"  batch {b}: " + ", ".join(
