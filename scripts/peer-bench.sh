@@ -175,10 +175,13 @@ for batch in $BATCHES; do
   fi
   for sched in $SCHEDULES; do
     skipped "$sched" && continue
+    # A micro-batch holds the whole batch where the schedule sizes micro-batches by `ubs`.
+    sets=()
+    grep -q '^param ubs:' "$REPO/schedules/$sched.sched" && sets=(--set "ubs=$batch")
     measure "moec $sched" "$batch" moec "$MOEC" run "$REPO/schedules/$sched.sched" \
       --weights "$MODEL" --threads "$THREADS" --gen-len $GEN_LEN \
       --workload "count=$batch,mean=$PROMPT_LEN,min=$PROMPT_LEN,max=$PROMPT_LEN,gen=$GEN_LEN,seed=$batch" \
-      --set "ubs=$batch" --json
+      "${sets[@]}" --json
   done
 done
 
