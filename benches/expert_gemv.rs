@@ -3,8 +3,9 @@
 //! `moec probe`'s kernels (`cost::probe::measure`): the streaming read bandwidth and the
 //! f32 GEMM peak (the `gemm` crate, 1024³, all threads).
 //!
-//! - decode: one token through gate, up and down of each of 6 experts in turn (132 MB of
-//!   weights, far larger than the caches), so every weight byte comes from DRAM once:
+//! - decode: one token through gate and up (fused, [`Kernels::linear_gated`]) and down of
+//!   each of 6 experts in turn (132 MB of weights, far larger than the caches), so every
+//!   weight byte comes from DRAM once:
 //!   bytes / time over the streaming bandwidth is the GEMV's efficiency (goal >= 85%);
 //! - prefill: 256 gathered tokens through one expert's gate projection: FLOP/s over the
 //!   GEMM peak (goal >= 70%).
@@ -43,11 +44,17 @@ fn view(w: &[bf16], rows: usize, cols: usize) -> Matrix<'_> {
     Matrix::new(TypedSlice::Bf16(w), rows, cols, Orientation::OutIn).expect("shape")
 }
 
-/// Decode: one row through every expert's gate, up and down.
+/// `silu(x) = x * sigmoid(x)`, the experts' activation.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Decode: one row through every expert's gate and up (one fused pass, as the MoE block
+/// runs them) and down.
 fn decode(k: Kernels, experts: &[Expert], x: &[f32], h: &mut [f32], y: &mut [f32]) {
     for e in experts {
-        k.linear(x, 1, &view(&e.gate, F, D), h).expect("gate");
-        k.linear(x, 1, &view(&e.up, F, D), h).expect("up");
+        k.linear_gated(x, 1, &view(&e.gate, F, D), &view(&e.up, F, D), silu, h)
+            .expect("gate and up");
         k.linear(h, 1, &view(&e.down, D, F), y).expect("down");
     }
 }

@@ -65,7 +65,7 @@ pub struct RunSettings {
     /// schedule that declares the param).
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub sets: Vec<String>,
-    /// Threads of each compute pool (default: all cores).
+    /// Threads of the compute pool (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Emulated host<->GPU link bandwidth, GB/s (copy streams are throttled to it).

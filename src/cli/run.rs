@@ -45,20 +45,6 @@ pub const DEFAULT_PROMPTS: [&str; 6] = [
     "In 1969, the first humans landed on the Moon. The mission was called",
 ];
 
-/// The CPU backend's pool split, said plainly: `gpu.compute` (emulated) and `cpu.compute`
-/// each get a pool of `threads`, and on a machine without a GPU both share its cores.
-fn pools_line(threads: usize) -> String {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let note = if 2 * threads > cores {
-        " (oversubscribed while both engines compute at once)"
-    } else {
-        ""
-    };
-    format!(
-        "compute pools: gpu.compute {threads} threads + cpu.compute {threads} threads on this machine's {cores} cores{note}"
-    )
-}
-
 /// The CUDA backend's line of the run report: the device, where the kernels came from,
 /// and the routing syncs ops made themselves.
 fn cuda_line(r: &crate::runtime::cuda::CudaReport) -> String {
@@ -323,8 +309,13 @@ pub fn execute_profiling(
         crate::runtime::cuda::generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
             .map(|(outputs, stats, report)| (outputs, stats, cuda_line(&report)))
     } else {
-        generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
-            .map(|(outputs, stats)| (outputs, stats, pools_line(run.backend.threads)))
+        generate(&plan, &model.checkpoint, &prompt_ids, &run, progress).map(|(outputs, stats)| {
+            (
+                outputs,
+                stats,
+                crate::runtime::cpu::pool_split(run.backend.threads),
+            )
+        })
     };
     let (outputs, stats, pools) =
         ran.map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {

@@ -82,28 +82,35 @@ where
     }
 }
 
+/// Rows `o0..o0 + rows` of an `OutIn` product into `local` (`[n_rows, rows]`).
+///
 /// `isa` must be one a `Kernels` value vouched for (this CPU has it); the length checks of
-/// [`Kernels::linear`] have passed.
-fn out_in(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
-    let (out_dim, in_dim) = (w.rows, w.cols);
-    let n_panels = out_dim.div_ceil(PANEL_ROWS);
-    let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
-        let o0 = p * PANEL_ROWS;
-        let rows = PANEL_ROWS.min(out_dim - o0);
-        let mut local = vec![0.0f32; n_rows * rows];
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the instruction set is this CPU's (a `Kernels` invariant); the panel
-            // and `x` bounds are those the kernel documents (rows o0..o0+rows of w, n_rows
-            // rows of x of in_dim each), checked by `Kernels::linear`.
-            Isa::Avx512 => unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Isa::Avx2 => unsafe { avx2::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
-            _ => portable::out_in_panel(x, n_rows, w, o0, rows, &mut local),
-        }
-        local
-    });
+/// [`Kernels::linear`] have passed and `o0 + rows <= w.rows`.
+fn out_in_rows(
+    isa: Isa,
+    x: &[f32],
+    n_rows: usize,
+    w: &Matrix<'_>,
+    o0: usize,
+    rows: usize,
+) -> Vec<f32> {
+    let mut local = vec![0.0f32; n_rows * rows];
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set is this CPU's (a `Kernels` invariant); the panel
+        // and `x` bounds are those the kernel documents (rows o0..o0+rows of w, n_rows
+        // rows of x of in_dim each), checked by `Kernels::linear`.
+        Isa::Avx512 => unsafe { avx512::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
+        _ => portable::out_in_panel(x, n_rows, w, o0, rows, &mut local),
+    }
+    local
+}
+
+/// Copies each panel's `[n_rows, rows]` block to its columns of `out` (`[n_rows, out_dim]`).
+fn scatter_panels(panels: &[Vec<f32>], n_rows: usize, out_dim: usize, out: &mut [f32]) {
     for (p, local) in panels.iter().enumerate() {
         let o0 = p * PANEL_ROWS;
         let rows = local.len() / n_rows;
@@ -111,6 +118,70 @@ fn out_in(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
             out[t * out_dim + o0..t * out_dim + o0 + rows]
                 .copy_from_slice(&local[t * rows..(t + 1) * rows]);
         }
+    }
+}
+
+/// `isa` must be one a `Kernels` value vouched for (this CPU has it); the length checks of
+/// [`Kernels::linear`] have passed.
+fn out_in(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+    let (out_dim, in_dim) = (w.rows, w.cols);
+    let n_panels = out_dim.div_ceil(PANEL_ROWS);
+    let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
+        let o0 = p * PANEL_ROWS;
+        out_in_rows(isa, x, n_rows, w, o0, PANEL_ROWS.min(out_dim - o0))
+    });
+    scatter_panels(&panels, n_rows, out_dim, out);
+}
+
+impl Kernels {
+    /// The gated projection of a SwiGLU-style FFN in one pass: `out[t, o] = act(x_t ·
+    /// gate_o) * (x_t · up_o)` for `[out, in]` matrices of one shape. Each parallel task
+    /// computes one panel of rows of both products while its activation rows are hot and
+    /// applies `act` and the product there, so the FFN's two input projections cost one
+    /// dispatch and no `[n_rows, out]` intermediate. Every element is exactly what
+    /// [`Kernels::linear`] gives for each matrix, so `act(g) * u` has the bits of the
+    /// unfused form; other orientations or shapes run as two `linear` calls.
+    pub fn linear_gated(
+        self,
+        x: &[f32],
+        n_rows: usize,
+        gate: &Matrix<'_>,
+        up: &Matrix<'_>,
+        act: fn(f32) -> f32,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let fused = gate.orientation == Orientation::OutIn
+            && up.orientation == Orientation::OutIn
+            && (gate.rows, gate.cols) == (up.rows, up.cols);
+        if !fused || n_rows == 0 || gate.rows == 0 || gate.cols == 0 {
+            let mut u = vec![0.0f32; out.len()];
+            self.linear(x, n_rows, gate, out)?;
+            self.linear(x, n_rows, up, &mut u)?;
+            for (g, u) in out.iter_mut().zip(&u) {
+                *g = act(*g) * u;
+            }
+            return Ok(());
+        }
+        for w in [gate, up] {
+            check_len("matmul input", x.len(), n_rows * w.in_dim())?;
+            check_len("matmul output", out.len(), n_rows * w.out_dim())?;
+            check_len("matmul weights", w.data.len(), w.rows * w.cols)?;
+        }
+        let (out_dim, in_dim) = (gate.rows, gate.cols);
+        let isa = self.isa();
+        let n_panels = out_dim.div_ceil(PANEL_ROWS);
+        let panels = for_chunks(n_panels, 2 * n_rows * out_dim * in_dim, |p| {
+            let o0 = p * PANEL_ROWS;
+            let rows = PANEL_ROWS.min(out_dim - o0);
+            let mut g = out_in_rows(isa, x, n_rows, gate, o0, rows);
+            let u = out_in_rows(isa, x, n_rows, up, o0, rows);
+            for (g, u) in g.iter_mut().zip(&u) {
+                *g = act(*g) * u;
+            }
+            g
+        });
+        scatter_panels(&panels, n_rows, out_dim, out);
+        Ok(())
     }
 }
 
@@ -567,24 +638,13 @@ mod avx2 {
         let block = Block { r0: o0, rows };
         // SAFETY: forwarded contract; every block below lies inside the checked panel.
         unsafe {
-            match (w.data, n_rows) {
-                (TypedSlice::F32(_), 1) => {
-                    panel::<F32, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
+            match w.data {
+                TypedSlice::F32(_) => blocked::<F32>(x, n_rows, w.data, k_len, block, local, out),
+                TypedSlice::Bf16(_) if n_rows < WIDEN_MIN_ROWS => {
+                    blocked::<BF16>(x, n_rows, w.data, k_len, block, local, out)
                 }
-                (TypedSlice::F32(_), _) => {
-                    panel::<F32, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
-                }
-                (TypedSlice::Bf16(_), 1) => {
-                    panel::<BF16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
-                }
-                (TypedSlice::F16(_), 1) => {
-                    panel::<F16, 4, 1>(x, n_rows, w.data, k_len, block, local, out)
-                }
-                (TypedSlice::Bf16(_), n) if n < WIDEN_MIN_ROWS => {
-                    panel::<BF16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
-                }
-                (TypedSlice::F16(_), n) if n < WIDEN_MIN_ROWS => {
-                    panel::<F16, 2, 3>(x, n_rows, w.data, k_len, block, local, out)
+                TypedSlice::F16(_) if n_rows < WIDEN_MIN_ROWS => {
+                    blocked::<F16>(x, n_rows, w.data, k_len, block, local, out)
                 }
                 _ => {
                     // Widening is exact, so the f32 body gives the same bits.
@@ -600,7 +660,7 @@ mod avx2 {
                             stride: rows,
                             col0: b0,
                         };
-                        panel::<F32, 2, 3>(
+                        blocked::<F32>(
                             x,
                             n_rows,
                             TypedSlice::F32(&wide[..n * k_len]),
@@ -612,6 +672,39 @@ mod avx2 {
                         b0 += n;
                     }
                 }
+            }
+        }
+    }
+
+    /// Every activation row through the register blocks that fit it: 2 weight rows x 3
+    /// activation rows while three or more rows remain, then one 2 x 2 or 4 x 1 pass for the
+    /// last two or one (a 2 x 3 block over one or two rows would compute rows only to
+    /// discard them: a third to two thirds of a decode step's expert work at 4 rows per
+    /// expert). Every block sums each element in the same order, so the bits do not
+    /// depend on this choice.
+    ///
+    /// # Safety
+    /// As [`panel`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn blocked<const DT: u8>(
+        x: &[f32],
+        n_rows: usize,
+        wdata: TypedSlice<'_>,
+        k_len: usize,
+        b: Block,
+        local: &mut [f32],
+        out: Out,
+    ) {
+        let main = n_rows / 3 * 3;
+        // SAFETY: forwarded contract; each call covers a sub-range of 0..n_rows.
+        unsafe {
+            if main > 0 {
+                panel::<DT, 2, 3>(x, 0..main, wdata, k_len, b, local, out);
+            }
+            match n_rows - main {
+                2 => panel::<DT, 2, 2>(x, main..n_rows, wdata, k_len, b, local, out),
+                1 => panel::<DT, 4, 1>(x, main..n_rows, wdata, k_len, b, local, out),
+                _ => {}
             }
         }
     }
@@ -632,16 +725,17 @@ mod avx2 {
     }
 
     /// `WR` weight rows x `XR` activation rows per register block (`2 * WR * XR`
-    /// accumulators); rows past the end repeat the last one (results discarded).
+    /// accumulators) over the activation rows `t_rows`; rows past the end repeat the last
+    /// one (results discarded).
     ///
     /// # Safety
     /// avx2, fma and f16c available; `w` holds rows `b.r0 .. b.r0 + b.rows` of `k_len`
-    /// values; `x` holds `n_rows * k_len`; `local` holds index `(n_rows - 1) * out.stride +
-    /// out.col0 + b.rows - 1`.
+    /// values; `x` holds `t_rows.end * k_len`; `t_rows` is not empty; `local` holds index
+    /// `(t_rows.end - 1) * out.stride + out.col0 + b.rows - 1`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn panel<const DT: u8, const WR: usize, const XR: usize>(
         x: &[f32],
-        n_rows: usize,
+        t_rows: std::ops::Range<usize>,
         wdata: TypedSlice<'_>,
         k_len: usize,
         b: Block,
@@ -656,7 +750,8 @@ mod avx2 {
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
         };
         let xp = x.as_ptr();
-        let mut t0 = 0;
+        let n_rows = t_rows.end;
+        let mut t0 = t_rows.start;
         while t0 < n_rows {
             let mut xo = [0usize; XR];
             for (j, o) in xo.iter_mut().enumerate() {
@@ -989,6 +1084,67 @@ mod tests {
                                 m.data.dtype()
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    fn double(v: f32) -> f32 {
+        2.0 * v
+    }
+
+    /// By hand: x = [1, 2], gate rows [1, 0] and [0, 2] give [1, 4]; up rows [3, 1] and
+    /// [1, 1] give [5, 3]; act = 2v: out = [2 * 5, 8 * 3] = [10, 24].
+    #[test]
+    fn gated_projection_by_hand() {
+        let (g, u) = ([1.0f32, 0.0, 0.0, 2.0], [3.0f32, 1.0, 1.0, 1.0]);
+        let gate = Matrix::new(TypedSlice::F32(&g), 2, 2, Orientation::OutIn).unwrap();
+        let up = Matrix::new(TypedSlice::F32(&u), 2, 2, Orientation::OutIn).unwrap();
+        let mut out = vec![0.0; 2];
+        Kernels::process()
+            .linear_gated(&[1.0, 2.0], 1, &gate, &up, double, &mut out)
+            .unwrap();
+        assert_eq!(out, vec![10.0, 24.0]);
+    }
+
+    /// The fused gated projection gives, bit for bit, `act(linear(gate)) * linear(up)`
+    /// for every instruction set, dtype, orientation (`InOut` takes the unfused path) and
+    /// row counts around the register blocks, including more rows than one panel.
+    #[test]
+    fn gated_projection_has_the_unfused_bits() {
+        use crate::model::kernels::isa::{Isa, Kernels};
+        let (rows, cols) = (70usize, 45usize);
+        let (wf, wb, _) = weights(rows, cols);
+        // The same values in reverse order, so the two products differ.
+        let (mut uf, mut ub, _) = weights(rows, cols);
+        uf.reverse();
+        ub.reverse();
+        for orient in [Orientation::OutIn, Orientation::InOut] {
+            for n_rows in [1usize, 2, 4, 8, 10] {
+                for (gd, ud) in [
+                    (TypedSlice::F32(&wf), TypedSlice::F32(&uf)),
+                    (TypedSlice::Bf16(&wb), TypedSlice::Bf16(&ub)),
+                ] {
+                    let gate = Matrix::new(gd, rows, cols, orient).unwrap();
+                    let up = Matrix::new(ud, rows, cols, orient).unwrap();
+                    let x: Vec<f32> = (0..n_rows * gate.in_dim())
+                        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                        .collect();
+                    for isa in Isa::supported() {
+                        let k = Kernels::new(isa).unwrap();
+                        let mut want = vec![0.0; n_rows * gate.out_dim()];
+                        let mut u = want.clone();
+                        k.linear(&x, n_rows, &gate, &mut want).unwrap();
+                        k.linear(&x, n_rows, &up, &mut u).unwrap();
+                        for (g, u) in want.iter_mut().zip(&u) {
+                            *g = double(*g) * u;
+                        }
+                        let mut got = vec![0.0; want.len()];
+                        k.linear_gated(&x, n_rows, &gate, &up, double, &mut got)
+                            .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "{isa} {orient:?} {n_rows}");
                     }
                 }
             }

@@ -192,12 +192,7 @@ impl Kernels {
             gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
         }
         let mut h_gate = vec![0.0f32; n * f];
-        let mut h_up = vec![0.0f32; n * f];
-        self.linear(&gathered, n, &expert.gate, &mut h_gate)?;
-        self.linear(&gathered, n, &expert.up, &mut h_up)?;
-        for (g, u) in h_gate.iter_mut().zip(&h_up) {
-            *g = silu(*g) * u;
-        }
+        self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
         self.linear(&h_gate, n, &expert.down, &mut gathered)?;
         for (i, r) in rows.iter().enumerate() {
             let at = (r.row as usize * k + r.slot as usize) * d;

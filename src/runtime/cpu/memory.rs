@@ -21,6 +21,49 @@ use crate::runtime::driver::state::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// Copies at least this long are split over the machine's cores. One thread's memcpy
+/// stays well below the memory bandwidth (`moec probe` on the 2-core machine of
+/// docs/performance.md: 5.2 GB/s one-thread memcpy against 12.5 GB/s streaming read on
+/// two), and a copy stream otherwise leaves the other cores idle whenever compute waits on
+/// it (every weight load of `baselines/sequential`, every setup copy).
+const PARALLEL_COPY_MIN: usize = 8 << 20;
+
+/// Fills `dst` by calling `fill(offset, part)` on disjoint parts that cover it exactly
+/// once, each part on its own thread (the calling one takes the first) when `dst` is at
+/// least `min` bytes long, else in one call. Parts are whole pages, so no two threads
+/// write one page. The first error (in part order) is returned after every part ran.
+fn split_fill<E: Send>(
+    dst: &mut [u8],
+    threads: usize,
+    min: usize,
+    fill: impl Fn(usize, &mut [u8]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let parts = if dst.len() >= min { threads.max(1) } else { 1 };
+    if parts == 1 || dst.is_empty() {
+        return fill(0, dst);
+    }
+    let part = dst.len().div_ceil(parts).next_multiple_of(4096);
+    std::thread::scope(|scope| {
+        let fill = &fill;
+        let mut chunks = dst.chunks_mut(part).enumerate();
+        let first = chunks.next();
+        let others: Vec<_> = chunks
+            .map(|(i, chunk)| scope.spawn(move || fill(i * part, chunk)))
+            .collect();
+        let mut result = first.map_or(Ok(()), |(_, chunk)| fill(0, chunk));
+        for handle in others {
+            // A panic in a part is a bug in `fill`; it goes on to the caller as a panic.
+            let done = handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            if result.is_ok() {
+                result = done;
+            }
+        }
+        result
+    })
+}
+
 /// Where an argument's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Region {
@@ -317,15 +360,22 @@ impl<'c> CpuMemory<'c> {
         // dependencies); `from` below is the only other view alive.
         let to = unsafe { self.bytes_mut(dst)? };
         let n = (src.len as usize).min(to.len());
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
         match src.region {
             // Any range of W (several tensors and the padding between them): assembled
             // from the maps.
-            Region::Image => self.image.copy_to(src.start, &mut to[..n])?,
+            Region::Image => split_fill(&mut to[..n], threads, PARALLEL_COPY_MIN, |at, part| {
+                self.image.copy_to(src.start + at as u64, part)
+            })?,
             Region::Arena(_) => {
                 // SAFETY: as for `to`; the ranges are disjoint.
                 let from = unsafe { self.bytes(src)? };
                 let n = from.len().min(n);
-                to[..n].copy_from_slice(&from[..n]);
+                split_fill(&mut to[..n], threads, PARALLEL_COPY_MIN, |at, part| {
+                    part.copy_from_slice(&from[at..at + part.len()]);
+                    Ok::<(), std::convert::Infallible>(())
+                })
+                .unwrap_or_else(|never| match never {});
             }
         }
         let labels = match src.region {
@@ -383,5 +433,58 @@ impl<'c> CpuMemory<'c> {
         if let Region::Arena(space) = view.region {
             lock(&self.maps[space_index(space)]).clear(view.start, view.start + view.len);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_fill;
+
+    /// Each byte is written exactly once with the value its offset names (offset mod 251),
+    /// whether the fill runs in one call or is split over 1..=5 threads, including lengths
+    /// that are not a multiple of the page-sized parts and fewer pages than threads.
+    #[test]
+    fn split_fill_covers_every_byte_once() {
+        for len in [0usize, 1, 4095, 4096, 10_000, 3 * 4096 + 7] {
+            for threads in 1..=5 {
+                let mut dst = vec![0u8; len];
+                let calls = std::sync::atomic::AtomicUsize::new(0);
+                split_fill(&mut dst, threads, 1, |at, part| {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    for (i, b) in part.iter_mut().enumerate() {
+                        assert_eq!(*b, 0, "byte {} written twice", at + i);
+                        *b = ((at + i) % 251) as u8;
+                    }
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+                let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                assert_eq!(dst, want, "{len} bytes over {threads} threads");
+                let parts = calls.load(std::sync::atomic::Ordering::Relaxed);
+                assert!(parts >= 1 && parts <= threads.max(1), "{parts} parts");
+            }
+        }
+    }
+
+    /// Below the threshold the fill is one call on the whole range; an error of any part
+    /// reaches the caller.
+    #[test]
+    fn split_fill_is_one_call_below_the_threshold_and_returns_errors() {
+        let mut dst = vec![0u8; 10_000];
+        let mut seen = Vec::new();
+        let calls = std::sync::Mutex::new(&mut seen);
+        split_fill(&mut dst, 4, 10_001, |at, part| {
+            calls.lock().unwrap().push((at, part.len()));
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![(0, 10_000)]);
+        let err = split_fill(
+            &mut dst,
+            3,
+            1,
+            |at, _| if at > 0 { Err(at) } else { Ok(()) },
+        );
+        assert_eq!(err, Err(4096));
     }
 }

@@ -6,9 +6,11 @@
 //! ([`ops`]): the oracle's kernels, so no second copy of the math. It is synchronous
 //! (submission is completion): `record`/`wait` do nothing because the driver's host-side
 //! event table already orders the stream threads, and task times are the driver's host
-//! timings. `gpu.compute` and `cpu.compute` ops run inside their own rayon pools, one per
-//! engine, each of `threads` threads (on a machine without a GPU the two pools share the
-//! cores; the run report says so); copies run on the calling stream thread.
+//! timings. `gpu.compute` and `cpu.compute` ops run in one shared rayon pool of `threads`
+//! threads: on this backend both engines are the same cores, so two pools would put twice
+//! as many busy threads as cores on them whenever both engines compute at once, and the
+//! shared pool instead lets whichever engine has work use every core ([`pool_split`] says
+//! so in the run report). Copies run on the calling stream thread.
 
 pub(crate) mod arena;
 pub(crate) mod image;
@@ -48,14 +50,28 @@ pub struct CpuBackend<'c> {
     arch: ArchSpec,
     rope: RopeTable,
     dtype: WeightDtype,
-    gpu_pool: rayon::ThreadPool,
-    cpu_pool: rayon::ThreadPool,
+    /// The one compute pool both `gpu.compute` and `cpu.compute` ops run in.
+    pool: rayon::ThreadPool,
     threads: usize,
+}
+
+/// The CPU backend's use of the cores, said plainly for the run report: one pool of
+/// `threads` threads shared by the `gpu.compute` (emulated) and `cpu.compute` engines.
+pub fn pool_split(threads: usize) -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let note = if threads > cores {
+        " (more threads than cores: oversubscribed)"
+    } else {
+        ""
+    };
+    format!(
+        "compute pools: gpu.compute and cpu.compute share one pool of {threads} threads on this machine's {cores} cores{note}"
+    )
 }
 
 impl<'c> CpuBackend<'c> {
     /// Allocates the plan's arenas, maps the weights image onto `checkpoint` and builds
-    /// the two compute pools.
+    /// the compute pool.
     pub fn new(
         plan: &ExecPlan,
         checkpoint: &'c Checkpoint,
@@ -72,20 +88,17 @@ impl<'c> CpuBackend<'c> {
         let arch = ArchSpec::from_card(&plan.model);
         let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
         let threads = options.threads.max(1);
-        let pool = |name: &'static str| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(move |i| format!("moec-{name}-{i}"))
-                .build()
-                .map_err(|e| CpuSetupError::Pool(e.to_string()))
-        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("moec-compute-{i}"))
+            .build()
+            .map_err(|e| CpuSetupError::Pool(e.to_string()))?;
         Ok(CpuBackend {
             memory,
             arch,
             rope,
             dtype: plan.model.dtype,
-            gpu_pool: pool("gpu")?,
-            cpu_pool: pool("cpu")?,
+            pool,
             threads,
         })
     }
@@ -110,7 +123,7 @@ impl<'c> CpuBackend<'c> {
         &self.memory
     }
 
-    /// Threads of each compute pool.
+    /// Threads of the shared compute pool.
     pub fn threads(&self) -> usize {
         self.threads
     }
@@ -163,8 +176,7 @@ impl Backend for CpuBackend<'_> {
         let ops = self.ops(state);
         let run = || ops.run(task).map_err(task_error);
         match engine {
-            Engine::GpuCompute => self.gpu_pool.install(run),
-            Engine::CpuCompute => self.cpu_pool.install(run),
+            Engine::GpuCompute | Engine::CpuCompute => self.pool.install(run),
             Engine::GpuCopyIn | Engine::GpuCopyOut | Engine::CpuCopy => run(),
         }
     }
