@@ -151,8 +151,6 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
             "{schedule} on {card}: CUDA (stand-in) tokens differ from the CPU's"
         );
         assert!(diff < 1e-2, "{schedule} on {card}: logits differ by {diff}");
-        let report = String::from_utf8_lossy(&cuda.stdout);
-        assert!(report.contains("\"outputs\""), "{report}");
         if real.missing().is_none() {
             let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, &[]);
             assert_eq!(

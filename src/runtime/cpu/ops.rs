@@ -15,10 +15,6 @@ use super::weights::WeightTag;
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
-use crate::runtime::args::MissingArg;
-
-/// A task's arguments with this backend's views.
-pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 use crate::model::arch::ArchSpec;
 use crate::model::card::Family;
 use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
@@ -27,12 +23,15 @@ use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
 use crate::model::kernels::moe::{combine, expert_ffn, gate, moe_block, Routing};
 use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
-use crate::model::kernels::sampling::sample;
 use crate::model::kernels::KernelError;
 use crate::model::layout::SegmentKind;
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{DenseWeights, ExpertWeights, QkvWeights};
+use crate::runtime::args::MissingArg;
 use crate::runtime::driver::state::{lock, StepState};
+
+/// A task's arguments with this backend's views.
+pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 
 /// Why an op failed.
 #[derive(Debug, thiserror::Error)]
@@ -732,17 +731,8 @@ fn sample_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result
     let out = cx.bytes_mut_sized(args.need(Role::Tokens)?, "tokens", mb.seqs.len() * 4)?;
     let ids: &mut [u32] =
         bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
-    let mut rngs = lock(&cx.state.rngs);
-    let mut tokens = Vec::with_capacity(mb.seqs.len());
-    for (k, s) in mb.seqs.iter().enumerate() {
-        let row = &l[k * vocab..(k + 1) * vocab];
-        let token = match rngs.get_mut(s.request) {
-            Some(rng) => sample(row, &cx.state.sampling, rng),
-            None => crate::model::kernels::sampling::argmax(row),
-        };
-        ids[k] = token;
-        tokens.push(token);
-    }
+    let tokens = cx.state.sample_rows(mb, l, vocab);
+    ids[..tokens.len()].copy_from_slice(&tokens);
     lock(&cx.state.sampled).insert(ub, tokens);
     if cx.state.capture_logits {
         lock(&cx.state.sampled_logits).insert(ub, l.to_vec());

@@ -17,22 +17,22 @@ use super::memory::{DeviceMemory, DeviceMemoryError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::PlanTask;
-use crate::runtime::args::MissingArg;
-
-/// A task's arguments with this backend's views.
-pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, WeightDtype};
 use crate::model::kernels::moe::{RoutedRow, Routing};
 use crate::model::kernels::norm::NormKind;
-use crate::model::kernels::sampling::{sample, Sampling};
+use crate::model::kernels::sampling::Sampling;
 use crate::model::layout::SegmentKind;
 use crate::model::tensor::Orientation;
+use crate::runtime::args::MissingArg;
 use crate::runtime::backend::{decode_routing, ShortRoute};
 use crate::runtime::cpu::memory::{CpuMemory, View};
 use crate::runtime::cpu::weights::WeightTag;
 use crate::runtime::driver::state::{lock, MicroBatchState, StepState};
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A task's arguments with this backend's views.
+pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 
 /// Why a CUDA op failed.
 #[derive(Debug, thiserror::Error)]
@@ -730,25 +730,27 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
         let seq = rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
         tables_dev.ptr() + (seq * rt.max_blocks * 4) as u64
     };
-    for r in &append {
-        let decode = one_token_each(r);
+    // The operands both kernel pairs start with: qkv rows, the pools, then the decode
+    // kernels' (block tables from the run's first sequence, positions) or the row kernels'
+    // (all tables, row -> sequence, positions).
+    let run_operands = |r: &std::ops::Range<usize>, decode: bool| {
         let mut a = vec![
             Arg::Ptr(qkv + (r.start * qw * 4) as u64),
             Arg::Ptr(k_pool),
             Arg::Ptr(v_pool),
         ];
         if decode {
-            a.extend_from_slice(&[
-                Arg::Ptr(first_table(r)),
-                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
-            ]);
+            a.push(Arg::Ptr(first_table(r)));
         } else {
-            a.extend_from_slice(&[
-                Arg::Ptr(tables_dev.ptr()),
-                Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
-                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
-            ]);
+            a.push(Arg::Ptr(tables_dev.ptr()));
+            a.push(Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64));
         }
+        a.push(Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64));
+        a
+    };
+    for r in &append {
+        let decode = one_token_each(r);
+        let mut a = run_operands(r, decode);
         a.extend_from_slice(&dims);
         let entry = if decode {
             "paged_kv_append"
@@ -775,23 +777,7 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
             .unwrap_or(1);
         let scores = cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
         let decode = one_token_each(r);
-        let mut a = vec![
-            Arg::Ptr(qkv + (r.start * qw * 4) as u64),
-            Arg::Ptr(k_pool),
-            Arg::Ptr(v_pool),
-        ];
-        if decode {
-            a.extend_from_slice(&[
-                Arg::Ptr(first_table(r)),
-                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
-            ]);
-        } else {
-            a.extend_from_slice(&[
-                Arg::Ptr(tables_dev.ptr()),
-                Arg::Ptr(row_seq.ptr() + (r.start * 4) as u64),
-                Arg::Ptr(row_pos.ptr() + (r.start * 4) as u64),
-            ]);
-        }
+        let mut a = run_operands(r, decode);
         a.extend_from_slice(&[
             Arg::Ptr(scores.ptr()),
             Arg::Ptr(out + (r.start * ow * 4) as u64),
@@ -1052,15 +1038,7 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
         Sampling::Temperature { .. } => {
             let mut host = vec![0f32; seqs * vocab];
             cx.s.download(logits, &mut host)?;
-            let mut rngs = lock(&cx.state.rngs);
-            for (i, s) in mb.seqs.iter().enumerate() {
-                let row = &host[i * vocab..(i + 1) * vocab];
-                tokens[i] = match rngs.get_mut(s.request) {
-                    Some(rng) => sample(row, &cx.state.sampling, rng),
-                    None => crate::model::kernels::sampling::argmax(row),
-                };
-            }
-            drop(rngs);
+            tokens = cx.state.sample_rows(mb, &host, vocab);
             let up = cx.s.upload(&tokens)?;
             cx.s.copy(tokens_ptr, up.ptr(), seqs * 4)?;
         }

@@ -185,6 +185,24 @@ impl StepState {
         lock(&self.sampled_logits).clear();
     }
 
+    /// The token of each sequence of `mb` from its row of `logits` (`[seqs, vocab]`): the
+    /// run's sampler with the request's own generator (argmax without one). Every backend
+    /// samples through this, so their tokens come from one rule.
+    pub fn sample_rows(&self, mb: &MicroBatchState, logits: &[f32], vocab: usize) -> Vec<u32> {
+        let mut rngs = lock(&self.rngs);
+        mb.seqs
+            .iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let row = &logits[k * vocab..(k + 1) * vocab];
+                match rngs.get_mut(s.request) {
+                    Some(rng) => crate::model::kernels::sampling::sample(row, &self.sampling, rng),
+                    None => crate::model::kernels::sampling::argmax(row),
+                }
+            })
+            .collect()
+    }
+
     /// Expert at `rank` of `layer`'s order: predicted hot experts first, then the others
     /// by tokens routed to them this step (most first; unknown routing: index order).
     pub fn hot_expert(&self, layer: u32, rank: u32, n_experts: u32) -> u32 {
