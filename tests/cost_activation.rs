@@ -91,3 +91,97 @@ fn a_batch_one_decode_step_charges_only_the_expected_active_experts() {
         .fold(0.0, f64::max);
     assert_eq!(copy, 0.0);
 }
+
+/// `moe_infinity.sched` on Mixtral-8x7B, batch 1, with a cache of 64 slots (a quarter of
+/// the model's 256 experts): with uniform routing every expert is requested alike, so any
+/// policy keeps a quarter of the requests resident. Hand arithmetic: each expert is
+/// active in a decode step with probability 1/4 (top-2 of 8); a fetch copies only on a
+/// miss (3/4); so the step's 256 fetches run 256 x 1/4 x 3/4 = 48 expected copies, and
+/// its 256 expert computations 64 expected runs.
+#[test]
+fn a_batch_one_decode_step_of_moe_infinity_charges_expected_experts_and_misses() {
+    use moec::cost::activation::cache_hits;
+    use moec::ir::cache::CacheOp;
+    let source = std::fs::read_to_string("schedules/moe_infinity.sched").expect("schedule");
+    let card = ModelCard::load("mixtral-8x7b").expect("card");
+    let mut options = Options::new(card);
+    options.workload = Workload {
+        batch: 1,
+        prompt_len: 128,
+        gen_len: 32,
+    };
+    options.sets = vec![
+        ("n_cache".to_string(), "64".to_string()),
+        ("n_pf".to_string(), "0".to_string()),
+    ];
+    for policy in ["0", "1", "2"] {
+        let mut options = options.clone();
+        options
+            .sets
+            .push(("policy".to_string(), policy.to_string()));
+        let compiled = compile(&source, &options).unwrap_or_else(|d| panic!("{}", d[0]));
+        let program = &compiled.program;
+        let hits = cache_hits(program, 0, 1);
+        assert!(
+            (hits.rate - 0.25).abs() < 1e-6,
+            "policy {policy}: {}",
+            hits.rate
+        );
+        let decode = program
+            .steps
+            .iter()
+            .position(|s| s.kind == StepKind::Decode)
+            .expect("a decode step");
+        let (mut copies, mut computed) = (0.0, 0.0);
+        for id in program.steps[decode].task_ids() {
+            let task = program.task(id);
+            let act = activation(program, id, task.shape.tokens);
+            if task.cache_op == Some(CacheOp::Fetch) {
+                copies += act.runs;
+            }
+            if let Op::Experts { .. } = task.op {
+                computed += act.runs;
+            }
+        }
+        if policy == "0" {
+            // LRU under Che's approximation: equal rates give exactly slots / keys.
+            assert!((copies - 48.0).abs() < 1e-6, "policy {policy}: {copies}");
+        } else {
+            // LFU and the activation score keep 64 whole keys: per key a hit or a miss,
+            // 64 fetches of 256 always hit, so 192 x 1/4 = 48 copies again.
+            assert!((copies - 48.0).abs() < 1e-6, "policy {policy}: {copies}");
+        }
+        assert!((computed - 64.0).abs() < 1e-9, "{computed}");
+    }
+}
+
+/// A skewed profile: in layer 0 of a 2-layer, 4-expert, top-1 model, expert 0 takes 70%
+/// of the tokens. LFU with one slot keeps it: batch-1 requests per step are 0.7 + 3 x 0.1
+/// in layer 0 and 4 x 0.25 in layer 1, so the hit rate is 0.7 / 2 = 0.35 (hand arithmetic).
+#[test]
+fn lfu_keeps_the_most_requested_expert_of_a_skewed_profile() {
+    use moec::cost::activation::cache_hits;
+    use moec::ir::profile::RoutingProfile;
+    let mut card = ModelCard::load("mixtral-tiny").expect("card");
+    card.layers = 2;
+    card.experts = 4;
+    card.top_k = 1;
+    let profile = RoutingProfile {
+        model: card.name.clone(),
+        tokens: 100,
+        counts: vec![vec![70, 10, 10, 10], vec![25, 25, 25, 25]],
+        coactivation: Vec::new(),
+        requests: Vec::new(),
+    };
+    let source = "schedule c\nmicrobatches 1 of 1\nstream gpu: gpu.compute\ncache ec[1]: gpu evict \"lfu\"\nprefill { }\n";
+    let mut options = Options::new(card);
+    options.profile = Some(std::sync::Arc::new(profile));
+    // Elaborated only: the cost model reads the declaration, nothing runs.
+    let file = moec::syntax::parse_file(source).expect("parses");
+    let (program, _) = moec::elaborate::elaborate(&file, &options).expect("elaborates");
+    let hits = cache_hits(&program, 0, 1);
+    assert!((hits.rate - 0.35).abs() < 1e-9, "{}", hits.rate);
+    assert_eq!(hits.per_key[0][0], 1.0);
+    assert!((hits.layer_rate[0] - 0.7).abs() < 1e-9);
+    assert_eq!(hits.layer_rate[1], 0.0);
+}

@@ -63,6 +63,7 @@ fn reversed_profile(card: &ModelCard) -> RoutingProfile {
             .map(|l| (0..card.experts).map(|e| 10 * e + l).collect())
             .collect(),
         coactivation: Vec::new(),
+        requests: Vec::new(),
     }
 }
 
@@ -212,6 +213,7 @@ fn the_paper_setting_checks_and_fits_a_24_gb_gpu_on_the_real_cards() {
                 .map(|l| (1..=card.experts).map(|e| l * e).collect())
                 .collect(),
             coactivation: Vec::new(),
+            requests: Vec::new(),
         };
         opts.profile = Some(Arc::new(profile));
         let compiled = fiddler(&opts);

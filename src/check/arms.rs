@@ -87,6 +87,7 @@ fn check_expert(
     let what = match expert {
         ExpertRef::Index(e) => format!("expert {e}"),
         ExpertRef::Hot { rank, .. } => format!("rank {rank}"),
+        ExpertRef::Predicted { rank, .. } => format!("predicted rank {rank}"),
     };
     // Cut points of every routed count a guard reads; the expert's own counts always
     // cut at 1, so "has tokens from ub" is exactly "not in the first interval".

@@ -7,6 +7,7 @@
 //! one, so an unchecked program cannot be lowered.
 
 pub mod arms;
+pub mod cache;
 mod cells;
 mod epochs;
 pub mod lints;
@@ -79,6 +80,7 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
     let (value_diags, weight_locations) = values::check(program);
     diags.extend(value_diags);
     routing::check(program, &dag, &mut diags);
+    cache::check(program, &dag, &mut diags);
     lints::check(program, &dag, &mut diags);
     let diags = dedupe(diags);
     if diags.iter().any(Diagnostic::is_error) {

@@ -167,6 +167,24 @@ impl Tracker<'_> {
         if let Some(expert) = slice.dynamic_expert {
             return self.dynamic_expert_runs(slice, expert);
         }
+        if let Some(key) = slice.cache_key {
+            // A cache slot holds the expert it is named by once fetched; that a fetch of
+            // it precedes the read, under a guard the read implies, is `check::cache`'s.
+            let tensor = Tensor::Expert {
+                layer: key.layer,
+                expert: key.expert,
+            };
+            let cell = Cell {
+                end: slice.end(),
+                epoch: is_run_time_expert(&tensor).then_some(self.epoch),
+                piece: Some(Piece { tensor, offset: 0 }),
+                writer: None,
+                guard: Guard::default(),
+                guard_epoch: self.epoch,
+                outputs: Rc::default(),
+            };
+            return vec![(slice.start, slice.end(), cell)];
+        }
         let (start, end) = (slice.start, slice.end());
         let cells = self.cells_of(slice.buffer);
         runs(cells, start, end)
@@ -870,6 +888,9 @@ impl Tracker<'_> {
             return;
         }
         let runs_in = self.read_runs(&src.slice);
+        if let Some(key) = dst.slice.cache_key {
+            return self.cache_fill(id, key, &src.slice, &runs_in, arg_spans, span);
+        }
         if runs_in.iter().all(|r| r.2.piece.is_none()) {
             let name = program.buffer(src.slice.buffer).name.clone();
             let d = Diagnostic::uninitialized(
@@ -913,6 +934,46 @@ impl Tracker<'_> {
         self.check_lost_outputs(id, dst_span, &dst.slice, &moved);
         let cells = self.cells_of(dst.slice.buffer);
         write(cells, dst.slice.start, moved);
+    }
+
+    /// A `fetch` or `prefetch` into `key`'s slot: its source must hold exactly that
+    /// expert's weights, whole (what readers of the slot are then given).
+    fn cache_fill(
+        &mut self,
+        id: TaskId,
+        key: crate::ir::cache::CacheKey,
+        src: &crate::ir::Slice,
+        runs_in: &[(u64, u64, Cell)],
+        arg_spans: &[Span],
+        span: Span,
+    ) {
+        let expected = Tensor::Expert {
+            layer: key.layer,
+            expert: key.expert,
+        };
+        let whole = matches!(
+            runs_in,
+            [(lo, hi, Cell { piece: Some(Piece { tensor, offset: 0 }), .. })]
+                if *lo == src.start && *hi == src.end() && *tensor == expected
+        );
+        if whole {
+            return;
+        }
+        let held = runs_in
+            .iter()
+            .map(|(lo, hi, cell)| self.describe(cell, *lo, *hi, src.start, src.len))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let writer = runs_in.first().and_then(|r| self.writer_of(&r.2));
+        let d = Diagnostic::wrong_value(
+            arg_spans.first().copied().unwrap_or(span),
+            &self.program.task_name(id),
+            &self.program.buffer(src.buffer).name,
+            &format!("{expected} (the expert of the slot it fills)"),
+            &held,
+            writer,
+        );
+        self.emit(d);
     }
 
     fn track_experts(&mut self, id: TaskId, span: Span) {
@@ -1082,13 +1143,7 @@ fn arg_index(task: &crate::ir::Task, arg: &crate::ir::Arg) -> usize {
 /// An expert named by its run-time rank (`hot(l, r)`): which one it is depends on the
 /// run's routing, so such a value belongs to the run that chose it.
 fn is_run_time_expert(tensor: &Tensor) -> bool {
-    matches!(
-        tensor,
-        Tensor::Expert {
-            expert: ExpertRef::Hot { .. },
-            ..
-        }
-    )
+    matches!(tensor, Tensor::Expert { expert, .. } if expert.is_run_time())
 }
 
 /// Checks that `sets` name every expert exactly once: all fixed, or all run-time ranks.

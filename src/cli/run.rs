@@ -288,6 +288,9 @@ pub fn execute_profiling(
     };
     run.seed = args.seed;
     run.routing_profile = routing;
+    if let Some(p) = &options.profile {
+        run.eam_seed = p.requests.clone();
+    }
     if let Some(t) = args.settings.threads {
         run.backend.threads = t.max(1);
     }
@@ -487,6 +490,40 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
             r.preemptions, r.paused_passes
         );
     }
+    for c in &f.stats.caches {
+        out.push_str(&cache_report_text(c));
+    }
+    out
+}
+
+/// An expert cache's counts: the run's totals, then one line per layer.
+fn cache_report_text(c: &crate::records::run::CacheReport) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let t = &c.total;
+    let _ = writeln!(
+        out,
+        "expert cache `{}` ({} slots, evict {}, predict {}): {} hits, {} misses (hit rate {:.1}%), {} evictions; prefetches {} copied, {} used, {} wasted, {} skipped",
+        c.name,
+        c.slots,
+        c.policy,
+        c.predictor,
+        t.hits,
+        t.misses,
+        100.0 * t.hit_rate(),
+        t.evictions,
+        t.prefetched,
+        t.prefetch_used,
+        t.prefetch_wasted,
+        t.prefetch_skipped
+    );
+    for (l, s) in c.layers.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  layer {l:>3}: {:>5} hits {:>5} misses {:>5} evictions  prefetch {:>4} copied {:>4} used {:>4} wasted {:>4} skipped",
+            s.hits, s.misses, s.evictions, s.prefetched, s.prefetch_used, s.prefetch_wasted, s.prefetch_skipped
+        );
+    }
     out
 }
 
@@ -514,7 +551,8 @@ pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Valu
             "host_bytes": f.stats.arena_bytes[2],
             "weights_image_bytes": f.stats.image_bytes,
             "pinned_locked": f.stats.pinned_locked,
-        }
+        },
+        "caches": f.stats.caches,
     })
 }
 

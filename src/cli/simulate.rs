@@ -396,6 +396,7 @@ fn print_report(
             );
         }
     }
+    print_cache_hits(program);
     if let (Some(bound), Some(tps)) = (prediction.layer_bound, prediction.layer_bound_tokens_per_s)
     {
         println!(
@@ -427,6 +428,27 @@ fn print_report(
     }
     println!("memory:");
     print!("{table}");
+}
+
+/// Each expert cache's predicted decode hit rate (the rate fetches and prefetches were
+/// charged by).
+fn print_cache_hits(program: &Program) {
+    for (i, c) in program.caches.iter().enumerate() {
+        let tokens = program.micro_batches.size;
+        let hits = crate::cost::activation::cache_hits(program, i as u32, tokens);
+        println!(
+            "expert cache `{}` ({} slots, evict {}): predicted decode hit rate {} ({}); fetches are charged a copy only on a miss",
+            c.name,
+            c.slots,
+            c.policy.as_str(),
+            pct(hits.rate),
+            if program.expert_shares.is_some() {
+                "routing from the profile"
+            } else {
+                "uniform routing"
+            }
+        );
+    }
 }
 
 fn seconds(s: f64) -> String {

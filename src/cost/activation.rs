@@ -24,6 +24,140 @@ use crate::ir::{GuardAtom, GuardLit, Op, Program, TaskId};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
+/// The probability that a fetch or prefetch task finds its expert not resident (`None`
+/// for any other task), from [`cache_hits`].
+fn cache_miss(program: &Program, id: TaskId, tokens_per_ub: u64) -> Option<f64> {
+    let task = program.task(id);
+    task.cache_op?;
+    let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
+    let hits = cache_hits(program, key.cache, tokens_per_ub);
+    let hit = match key.expert {
+        ExpertRef::Index(e) => hits
+            .per_key
+            .get(key.layer as usize)?
+            .get(e as usize)
+            .copied()?,
+        // A run-time expert: the layer's mean over its requests.
+        _ => hits.layer_rate.get(key.layer as usize).copied()?,
+    };
+    Some((1.0 - hit).clamp(0.0, 1.0))
+}
+
+/// The predicted steady-state hit rate of an expert cache.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CacheHits {
+    /// `per_key[layer][expert]`: probability a fetch of that expert hits.
+    pub per_key: Vec<Vec<f64>>,
+    /// Per layer, hits over fetches.
+    pub layer_rate: Vec<f64>,
+    /// Hits over fetches, every layer.
+    pub rate: f64,
+}
+
+/// The steady-state hit rate of cache `cache` when every micro-batch of a step holds
+/// `tokens_per_ub` tokens, under the independent reference model: expert e of layer l is
+/// fetched in a step with probability r = ubs x (1 - (1 - q)^n) (q its share of tokens,
+/// as in [`activation`]); with N slots, LRU keeps each key with probability
+/// 1 - exp(-r T), T solving sum(1 - exp(-r T)) = N (Che's approximation); LFU keeps the N
+/// keys fetched most often; the activation-aware policy the N with the highest
+/// r x (1 - l / L) (its score with the profile's activation standing in for the
+/// predictor's). Prefetching is not counted (a prefetched expert is one more resident, not
+/// one fewer fetch).
+pub fn cache_hits(program: &Program, cache: u32, tokens_per_ub: u64) -> CacheHits {
+    use crate::ir::cache::EvictPolicy;
+    let card = &program.model;
+    let (layers, experts) = (card.layers as usize, card.experts as usize);
+    let ubs = f64::from(program.micro_batches.count.max(1));
+    let rate: Vec<Vec<f64>> = (0..layers)
+        .map(|l| {
+            (0..experts)
+                .map(|e| {
+                    let q = share(program, l as u32, ExpertRef::Index(e as u32));
+                    ubs * (1.0 - (1.0 - q).powf(tokens_per_ub as f64))
+                })
+                .collect()
+        })
+        .collect();
+    let Some(c) = program.caches.get(cache as usize) else {
+        return CacheHits {
+            per_key: vec![vec![0.0; experts]; layers],
+            layer_rate: vec![0.0; layers],
+            rate: 0.0,
+        };
+    };
+    let slots = f64::from(c.slots);
+    let keys = (layers * experts) as f64;
+    let mut hit = vec![vec![0.0; experts]; layers];
+    if slots >= keys {
+        hit = vec![vec![1.0; experts]; layers];
+    } else {
+        match c.policy {
+            EvictPolicy::Lru => {
+                let filled =
+                    |t: f64| -> f64 { rate.iter().flatten().map(|r| 1.0 - (-r * t).exp()).sum() };
+                let (mut lo, mut hi) = (0.0f64, 1.0f64);
+                while filled(hi) < slots && hi < 1e12 {
+                    hi *= 2.0;
+                }
+                for _ in 0..100 {
+                    let mid = 0.5 * (lo + hi);
+                    if filled(mid) < slots {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                for (h, r) in hit.iter_mut().zip(&rate) {
+                    for (x, r) in h.iter_mut().zip(r) {
+                        *x = 1.0 - (-r * lo).exp();
+                    }
+                }
+            }
+            EvictPolicy::Lfu | EvictPolicy::Activation => {
+                let mut order: Vec<(usize, usize, f64)> = (0..layers)
+                    .flat_map(|l| (0..experts).map(move |e| (l, e)))
+                    .map(|(l, e)| {
+                        let decay = if c.policy == EvictPolicy::Activation {
+                            1.0 - l as f64 / layers.max(1) as f64
+                        } else {
+                            1.0
+                        };
+                        (l, e, rate[l][e] * decay)
+                    })
+                    .collect();
+                order.sort_by(|a, b| b.2.total_cmp(&a.2));
+                for &(l, e, _) in order.iter().take(c.slots as usize) {
+                    hit[l][e] = 1.0;
+                }
+            }
+        }
+    }
+    let weighted = |l: usize| -> (f64, f64) {
+        rate[l]
+            .iter()
+            .zip(&hit[l])
+            .fold((0.0, 0.0), |(h, n), (r, x)| (h + r * x, n + r))
+    };
+    let layer_rate: Vec<f64> = (0..layers)
+        .map(|l| {
+            let (h, n) = weighted(l);
+            if n > 0.0 {
+                h / n
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let (h, n) = (0..layers)
+        .map(weighted)
+        .fold((0.0, 0.0), |(a, b), (h, n)| (a + h, b + n));
+    CacheHits {
+        per_key: hit,
+        layer_rate,
+        rate: if n > 0.0 { h / n } else { 0.0 },
+    }
+}
+
 /// How often a task runs and how much of its declared work it does on average.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Activation {
@@ -96,6 +230,11 @@ pub fn activation(program: &Program, id: TaskId, tokens_per_ub: u64) -> Activati
         // The guard reads other counts only: the task does its mean work when it runs.
         work = runs;
     }
+    // A fetch or prefetch copies only when its expert is not resident.
+    if let Some(miss) = cache_miss(program, id, tokens_per_ub) {
+        runs *= miss;
+        work *= miss;
+    }
     Activation {
         runs: runs.clamp(0.0, 1.0),
         work: work.clamp(0.0, 1.0),
@@ -135,7 +274,8 @@ fn share(program: &Program, layer: u32, expert: ExpertRef) -> f64 {
     };
     match expert {
         ExpertRef::Index(e) => shares.get(e as usize).copied().unwrap_or(uniform),
-        ExpertRef::Hot { rank, .. } => {
+        // A prediction ranks like the hot order: its share is the rank-th largest.
+        ExpertRef::Hot { rank, .. } | ExpertRef::Predicted { rank, .. } => {
             let mut sorted = shares.clone();
             sorted.sort_by(|a, b| b.total_cmp(a));
             sorted.get(rank as usize).copied().unwrap_or(uniform)

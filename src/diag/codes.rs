@@ -71,6 +71,12 @@ pub enum Code {
     ValuesExpertGuard,
     /// A write over an expert accumulator that destroys expert outputs `combine` needs.
     ValuesLostOutput,
+    /// A read of an expert cache slot with no `fetch` of that expert before it in the step,
+    /// or one that may run when the fetch was skipped.
+    CacheUnfetched,
+    /// More fetched experts can be held at once than the cache has slots: a fetch could
+    /// wait forever for a free slot.
+    CacheDeadlock,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -85,7 +91,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 38] = [
+    pub const ALL: [Code; 40] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -119,6 +125,8 @@ impl Code {
         Code::ValuesSampling,
         Code::ValuesExpertGuard,
         Code::ValuesLostOutput,
+        Code::CacheUnfetched,
+        Code::CacheDeadlock,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -162,6 +170,8 @@ impl Code {
             Code::ValuesSampling => "values::sampling",
             Code::ValuesExpertGuard => "values::expert_guard",
             Code::ValuesLostOutput => "values::lost_output",
+            Code::CacheUnfetched => "cache::unfetched",
+            Code::CacheDeadlock => "cache::deadlock",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",

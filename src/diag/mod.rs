@@ -636,6 +636,56 @@ impl Diagnostic {
         .help("sample every micro-batch unconditionally")
     }
 
+    /// A task reads an expert cache slot that no `fetch` of the same expert before it in
+    /// the step makes resident (`fetch_guard`: the fetch exists but may be skipped when the
+    /// read runs).
+    pub fn cache_unfetched(
+        span: Span,
+        task: &str,
+        slot: &str,
+        fetch: Option<(String, Span, String)>,
+        guard: &str,
+    ) -> Self {
+        match fetch {
+            None => Diagnostic::new(
+                Code::CacheUnfetched,
+                format!("task {task} reads `{slot}`, but no `fetch` of that expert comes before it in this step"),
+            )
+            .label(span, "read here")
+            .help("a cache keeps no promise across fetches: `fetch W[l].expert(e) -> CACHE.slot(l, e) on STREAM` earlier in the same step (a no-op when the expert is resident) holds the slot until this read ran"),
+            Some((fetch, fetch_span, fetch_guard)) => Diagnostic::new(
+                Code::CacheUnfetched,
+                format!("task {task} reads `{slot}` when `{guard}`, but its fetch {fetch} runs only when `{fetch_guard}`"),
+            )
+            .label(span, "read here")
+            .label(fetch_span, format!("fetched only when `{fetch_guard}`"))
+            .help("guard the read by the fetch's condition (or fetch under a weaker one)"),
+        }
+    }
+
+    /// More fetched experts may be held in a cache at once than it has slots.
+    pub fn cache_deadlock(
+        decl: Span,
+        cache: &str,
+        slots: u32,
+        held: u64,
+        fetch: (String, Span),
+        step: &str,
+    ) -> Self {
+        let slots_text = if slots == 1 {
+            "1 slot".to_string()
+        } else {
+            format!("{slots} slots")
+        };
+        Diagnostic::new(
+            Code::CacheDeadlock,
+            format!("cache `{cache}` has {slots_text}, but in {step} up to {held} fetched experts can be held at once (each until its readers ran): a fetch could wait forever for a free slot"),
+        )
+        .label(decl, slots_text)
+        .label(fetch.1, format!("{} is one of {held} fetches that can hold slots together", fetch.0))
+        .help("give the cache at least that many slots (decode holds up to min(experts, sequences x top_k) experts of a layer, prefill every expert of a layer), or order the fetches so fewer are held at once (`after` the previous expert's task)")
+    }
+
     /// An `experts` task whose guard may skip it while its expert receives tokens.
     pub fn expert_guard(
         span: Span,

@@ -10,9 +10,12 @@ use crate::ir::{
     self, Buffer, BufferId, BufferKind, Engine, Layout, ParamRange, Scalar, Space, Stream, StreamId,
 };
 use crate::syntax::ast::{
-    BinOp, BufferDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl,
+    BinOp, BufferDecl, CacheDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl,
     TemplateDecl,
 };
+
+/// At most this many slots in one expert cache (more than any model's experts).
+const MAX_CACHE_SLOTS: u32 = 1 << 20;
 
 impl<'a> Elaborator<'a> {
     fn is_declared(&self, name: &str) -> Option<Span> {
@@ -286,6 +289,115 @@ impl<'a> Elaborator<'a> {
             layout,
             span: decl.span,
         });
+    }
+
+    /// `cache NAME[SLOTS]: SPACE evict POLICY [predict PREDICTOR]`: one buffer of SLOTS
+    /// expert slots (it counts against its space's budget like any buffer) and the cache's
+    /// policy and predictor, named by strings so a param can choose them (`select`).
+    pub(super) fn declare_cache(&mut self, decl: &CacheDecl) {
+        let name = &decl.name.name;
+        if let Some(first) = self.is_declared(name) {
+            return self.report(Diagnostic::duplicate_name(
+                decl.name.span,
+                first,
+                "cache",
+                name,
+            ));
+        }
+        let Some(space) = Space::parse(&decl.space.name) else {
+            let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
+            return self.report(Diagnostic::bad_engine(
+                decl.space.span,
+                &decl.space.name,
+                "memory space",
+                &known,
+            ));
+        };
+        let slots = match self
+            .eval(&decl.slots)
+            .and_then(|v| as_int(v, decl.slots.span))
+        {
+            Ok(n) if (1..=i64::from(MAX_CACHE_SLOTS)).contains(&n) => n as u32,
+            Ok(n) => {
+                return self.report(Diagnostic::out_of_range(
+                    decl.slots.span,
+                    "cache slots",
+                    n,
+                    &format!("1 to {MAX_CACHE_SLOTS}"),
+                ))
+            }
+            Err(d) => return self.report(d),
+        };
+        let policy = match self.name_choice(
+            &decl.evict,
+            "eviction policy",
+            &ir::cache::EvictPolicy::ALL.map(|p| p.as_str()),
+        ) {
+            Ok(p) => ir::cache::EvictPolicy::parse(&p),
+            Err(d) => return self.report(d),
+        };
+        let predictor = match &decl.predict {
+            None => Some(ir::cache::Predictor::Cooccurrence),
+            Some(e) => match self.name_choice(
+                e,
+                "predictor",
+                &ir::cache::Predictor::ALL.map(|p| p.as_str()),
+            ) {
+                Ok(p) => ir::cache::Predictor::parse(&p),
+                Err(d) => return self.report(d),
+            },
+        };
+        let (Some(policy), Some(predictor)) = (policy, predictor) else {
+            return;
+        };
+        if self.buffers.len() as u64 + 1 > MAX_BUFFERS {
+            return self.report(Diagnostic::too_many_tasks(decl.span, MAX_BUFFERS as usize));
+        }
+        let layout = Layout::Experts { slots };
+        let buffer = BufferId::new(self.buffers.len());
+        self.buffers.push(Buffer {
+            name: name.clone(),
+            array: name.clone(),
+            index: Vec::new(),
+            space,
+            bytes: u64::from(slots).saturating_mul(self.checkpoint.expert_bytes),
+            layout,
+            kind: BufferKind::Declared,
+        });
+        self.buffer_spans.push(decl.span);
+        self.array_index.insert(name.clone(), self.arrays.len());
+        self.arrays.push(ArrayDecl {
+            name: name.clone(),
+            dims: Vec::new(),
+            first: buffer,
+            layout,
+            span: decl.span,
+        });
+        self.caches.push(ir::cache::Cache {
+            name: name.clone(),
+            buffer,
+            slots,
+            policy,
+            predictor,
+        });
+    }
+
+    /// Evaluates a string naming one of `known` (a cache's policy or predictor).
+    fn name_choice(
+        &mut self,
+        expr: &crate::syntax::ast::Expr,
+        what: &str,
+        known: &[&str],
+    ) -> Result<String, Diagnostic> {
+        match self.eval(expr)? {
+            Val::Str(s) if known.contains(&s.as_str()) => Ok(s),
+            Val::Str(s) => Err(Diagnostic::unknown_name(expr.span, what, &s, known)),
+            other => Err(Diagnostic::type_mismatch(
+                expr.span,
+                &format!("a string naming the {what}"),
+                other.type_name(),
+            )),
+        }
     }
 
     pub(super) fn declare_micro_batches(&mut self, decl: &MicroBatchDecl) {

@@ -128,6 +128,9 @@ struct Elaborator<'a> {
     array_index: HashMap<String, usize>,
     buffers: Vec<Buffer>,
     buffer_spans: Vec<Span>,
+    caches: Vec<ir::cache::Cache>,
+    /// Set while a `fetch` or `prefetch` statement issues its copy.
+    cache_op: Option<ir::cache::CacheOp>,
     templates: HashMap<String, &'a TemplateDecl>,
     template_stack: Vec<String>,
     micro: Option<MicroBatches>,
@@ -164,6 +167,8 @@ impl<'a> Elaborator<'a> {
             array_index: HashMap::new(),
             buffers: Vec::new(),
             buffer_spans: Vec::new(),
+            caches: Vec::new(),
+            cache_op: None,
             templates: HashMap::new(),
             template_stack: Vec::new(),
             micro: None,
@@ -222,6 +227,7 @@ impl<'a> Elaborator<'a> {
                 Item::Param(decl) => self.declare_param(decl),
                 Item::Stream(decl) => self.declare_stream(decl),
                 Item::Buffer(decl) => self.declare_buffer(decl),
+                Item::Cache(decl) => self.declare_cache(decl),
                 Item::MicroBatches(decl) => self.declare_micro_batches(decl),
                 Item::Template(decl) => self.declare_template(decl),
                 Item::Let(stmt) => {
@@ -296,6 +302,7 @@ impl<'a> Elaborator<'a> {
             tasks: self.tasks,
             steps: self.steps,
             expert_shares,
+            caches: self.caches,
             spans,
         };
         Ok((program, diags))
@@ -349,6 +356,7 @@ impl<'a> Elaborator<'a> {
                     len: buffer.bytes,
                     layout: array.layout,
                     dynamic_expert: None,
+                    cache_key: None,
                 }));
             }
             return Some(Val::Array {
@@ -476,6 +484,7 @@ impl value::Context for Elaborator<'_> {
             len: buffer.bytes,
             layout: array.layout,
             dynamic_expert: None,
+            cache_key: None,
         }))
     }
 
@@ -497,6 +506,13 @@ impl value::Context for Elaborator<'_> {
 
     fn is_checkpoint(&self, buffer: BufferId) -> bool {
         buffer == BufferId(0)
+    }
+
+    fn cache_of(&self, buffer: BufferId) -> Option<u32> {
+        self.caches
+            .iter()
+            .position(|c| c.buffer == buffer)
+            .map(|i| i as u32)
     }
 
     fn act_bytes(&self) -> u64 {

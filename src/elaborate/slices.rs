@@ -43,7 +43,93 @@ fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
         len,
         layout,
         dynamic_expert: None,
+        cache_key: None,
     })
+}
+
+/// `CACHE.slot(layer, expert)` (the slot holding that expert) and `CACHE.predicted(layer,
+/// rank)` (the expert the cache's predictor ranks there): the only ways to name a cache's
+/// bytes, since which slot holds what is decided at run time.
+#[allow(clippy::too_many_arguments)]
+fn cache_method(
+    cache: u32,
+    s: SliceVal,
+    method: &str,
+    method_span: Span,
+    span: Span,
+    args: &[Expr],
+    values: Vec<Val>,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
+    let card = cx.card().clone();
+    if method != "slot" && method != "predicted" {
+        return Err(Diagnostic::unknown_name(
+            method_span,
+            "method of an expert cache",
+            method,
+            &["slot", "predicted"],
+        ));
+    }
+    if values.len() != 2 {
+        return Err(Diagnostic::arity(
+            span,
+            &format!("`{method}`"),
+            2,
+            values.len(),
+        ));
+    }
+    let layer = check_index(
+        as_int(values[0].clone(), arg_span(0))?,
+        card.layers,
+        "layer",
+        arg_span(0),
+    )? as u32;
+    if method == "predicted" {
+        let rank = check_index(
+            as_int(values[1].clone(), arg_span(1))?,
+            card.experts,
+            "rank",
+            arg_span(1),
+        )? as u32;
+        return Ok(Val::Expert(crate::ir::ExpertRef::Predicted {
+            cache,
+            layer,
+            rank,
+        }));
+    }
+    let expert = match &values[1] {
+        Val::Expert(e) => *e,
+        other => crate::ir::ExpertRef::Index(check_index(
+            as_int(other.clone(), arg_span(1))?,
+            card.experts,
+            "expert",
+            arg_span(1),
+        )? as u32),
+    };
+    if let crate::ir::ExpertRef::Hot { layer: l, .. }
+    | crate::ir::ExpertRef::Predicted { layer: l, .. } = expert
+    {
+        if l != layer {
+            return Err(Diagnostic::type_mismatch(
+                arg_span(1),
+                &format!("an expert of layer {layer}"),
+                &format!("an expert ranked in layer {l}"),
+            ));
+        }
+    }
+    Ok(Val::Slice(SliceVal {
+        buffer: s.buffer,
+        start: s.start,
+        len: cx.checkpoint().expert_bytes,
+        layout: Layout::Experts { slots: 1 },
+        dynamic_expert: None,
+        cache_key: Some(crate::ir::cache::CacheKey {
+            cache,
+            layer,
+            expert,
+        }),
+    }))
 }
 
 pub(super) fn field_of(
@@ -115,11 +201,14 @@ pub(super) fn method_of(
         ));
     };
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
-    if s.dynamic_expert.is_some() {
+    if s.dynamic_expert.is_some() || s.cache_key.is_some() {
         return Err(Diagnostic::dynamic_not_allowed(
             base_span,
             "a slice inside a run-time expert",
         ));
+    }
+    if let Some(cache) = cx.cache_of(s.buffer) {
+        return cache_method(cache, s, method, method_span, span, args, values, cx);
     }
     match method {
         "page" => {
@@ -167,6 +256,7 @@ pub(super) fn method_of(
                         len: layout.expert_bytes,
                         layout: Layout::Experts { slots: 1 },
                         dynamic_expert: Some(*e),
+                        cache_key: None,
                     }))
                 }
                 other => {

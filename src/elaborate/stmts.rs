@@ -7,13 +7,14 @@
 use super::value::{as_int, check_index, SliceVal, Val};
 use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
+use crate::ir::cache::CacheOp;
 use crate::ir::catalog::{
     self, AttnPart, ExpertRef, ExpertSet, Op, OpDef, OpForm, Shape, StaticArgs, StaticParam,
 };
 use crate::ir::{self, Access, Arg, Guard, Role, Slice, StepId, StreamId, Task, TaskId};
 use crate::syntax::ast::{
-    self, Block, CallStmt, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind, Stmt,
-    TaskTail,
+    self, Block, CallStmt, CopyKind, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind,
+    Stmt, TaskTail,
 };
 use std::collections::HashMap;
 
@@ -207,6 +208,46 @@ impl<'a> Elaborator<'a> {
     fn exec_copy(&mut self, stmt: &'a CopyStmt) -> Result<(), Diagnostic> {
         let src = self.eval_slice(&stmt.src)?;
         let dst = self.eval_slice(&stmt.dst)?;
+        let cache_op = match stmt.kind {
+            CopyKind::Copy => None,
+            CopyKind::Fetch => Some(CacheOp::Fetch),
+            CopyKind::Prefetch => Some(CacheOp::Prefetch),
+        };
+        let keyword = cache_op.map_or("copy", CacheOp::as_str);
+        match (cache_op, dst.cache_key) {
+            (None, Some(_)) => {
+                return Err(Diagnostic::type_mismatch(
+                    stmt.dst.span,
+                    "a buffer slice (`copy` never writes an expert cache: `fetch` or `prefetch` fill it)",
+                    "an expert cache slot",
+                ))
+            }
+            (Some(_), None) => {
+                return Err(Diagnostic::type_mismatch(
+                    stmt.dst.span,
+                    &format!("an expert cache slot `CACHE.slot(layer, expert)` (what `{keyword}` writes)"),
+                    "a buffer slice",
+                ))
+            }
+            (Some(CacheOp::Fetch), Some(key)) if matches!(key.expert, ir::ExpertRef::Predicted { .. }) => {
+                return Err(Diagnostic::dynamic_not_allowed(
+                    stmt.dst.span,
+                    "a predicted expert in `fetch` (a fetch is on demand, for an expert that is computed; `prefetch` copies predictions)",
+                ))
+            }
+            _ => {}
+        }
+        if cache_op.is_some() && src.len != self.checkpoint.expert_bytes {
+            return Err(Diagnostic::type_mismatch(
+                stmt.src.span,
+                &format!(
+                    "one expert's weights ({} bytes), such as `W[l].expert(e)`",
+                    self.checkpoint.expert_bytes
+                ),
+                &format!("a slice of {} bytes", src.len),
+            ));
+        }
+        self.cache_op = cache_op;
         let args = vec![
             (
                 Arg {
@@ -225,7 +266,9 @@ impl<'a> Elaborator<'a> {
                 stmt.dst.span,
             ),
         ];
-        self.issue(Op::Copy, args, &stmt.tail, stmt.span, "copy")
+        let issued = self.issue(Op::Copy, args, &stmt.tail, stmt.span, keyword);
+        self.cache_op = None;
+        issued
     }
 
     fn eval_slice(&mut self, expr: &ast::Expr) -> Result<SliceVal, Diagnostic> {
@@ -494,6 +537,39 @@ impl<'a> Elaborator<'a> {
                 ));
             }
         }
+        // A cache's bytes are named only by the expert a slot holds; a prediction only
+        // decides what a prefetch copies.
+        for (arg, at) in &args {
+            let is_cache = self.caches.iter().any(|c| c.buffer == arg.slice.buffer);
+            if is_cache && arg.slice.cache_key.is_none() {
+                return Err(Diagnostic::type_mismatch(
+                    *at,
+                    "an expert cache slot named by the expert it holds, `CACHE.slot(layer, expert)`",
+                    "the cache's bytes",
+                ));
+            }
+            let predicted =
+                |e: Option<ir::ExpertRef>| matches!(e, Some(ir::ExpertRef::Predicted { .. }));
+            if self.cache_op != Some(CacheOp::Prefetch)
+                && (predicted(arg.slice.dynamic_expert)
+                    || predicted(arg.slice.cache_key.map(|k| k.expert)))
+            {
+                return Err(Diagnostic::dynamic_not_allowed(
+                    *at,
+                    "a predicted expert (`CACHE.predicted(..)`) outside `prefetch` (predictions decide what is copied ahead, never what is computed or fetched)",
+                ));
+            }
+        }
+        if let Op::Experts {
+            set: ir::ExpertSet::One(ir::ExpertRef::Predicted { .. }),
+            ..
+        } = op
+        {
+            return Err(Diagnostic::dynamic_not_allowed(
+                span,
+                "a predicted expert as the expert an `experts` task computes (predictions decide what is copied ahead, never what is computed)",
+            ));
+        }
         // An arm whose guard holds a literal and its negation never runs (`if routed(l, e)
         // >= 1 { .. } else { .. }` inside `if active(l, e)`): like a static branch not
         // taken, it issues nothing.
@@ -583,6 +659,7 @@ impl<'a> Elaborator<'a> {
             shape,
             work,
             label: label_text,
+            cache_op: self.cache_op,
         });
         self.spans.tasks.push(span);
         self.spans.task_args.push(arg_spans);
@@ -616,6 +693,7 @@ fn to_slice(s: SliceVal) -> Slice {
         start: s.start,
         len: s.len,
         dynamic_expert: s.dynamic_expert,
+        cache_key: s.cache_key,
     }
 }
 

@@ -23,6 +23,8 @@ pub struct SliceVal {
     pub layout: Layout,
     /// Set when the slice is one run-time-chosen expert of the checkpoint.
     pub dynamic_expert: Option<ExpertRef>,
+    /// Set for `CACHE.slot(layer, expert)`: the slot holding that expert.
+    pub cache_key: Option<crate::ir::cache::CacheKey>,
 }
 
 /// A value during elaboration.
@@ -118,6 +120,8 @@ pub trait Context {
     fn is_checkpoint(&self, buffer: BufferId) -> bool;
     /// Bytes per activation / KV element.
     fn act_bytes(&self) -> u64;
+    /// The index of the expert cache whose buffer is `buffer`, if it is one.
+    fn cache_of(&self, buffer: BufferId) -> Option<u32>;
 }
 
 /// Evaluates an expression.
@@ -242,6 +246,7 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                         len: layout.layer_bytes(),
                         layout: Layout::Layer,
                         dynamic_expert: None,
+                        cache_key: None,
                     }))
                 }
                 Val::List(items) => {

@@ -272,6 +272,7 @@ pub fn candidate_edges(program: &Program) -> Candidates {
     let mut last_on_stream: Vec<Option<TaskId>> = vec![None; program.streams.len()];
     let mut out = Vec::with_capacity(program.tasks.len());
     let mut raw_edges: Vec<(TaskId, u8)> = Vec::new();
+    let bound = super::cache::bindings(program);
     for (index, task) in program.tasks.iter().enumerate() {
         let id = TaskId::new(index);
         let mut found: Vec<(TaskId, DepKinds, Option<BufferId>)> = Vec::new();
@@ -305,7 +306,18 @@ pub fn candidate_edges(program: &Program) -> Candidates {
             .filter(|a| a.access == Access::Read)
             .collect();
         ordered.extend(task.args.iter().filter(|a| a.access != Access::Read));
+        // A cache slot is chosen at run time: a reader waits for the fetch that makes its
+        // expert resident (the runtime keeps that slot until its readers ran); nothing
+        // else about a cache's bytes orders tasks.
+        for (arg, fetch) in task.args.iter().zip(&bound[index]) {
+            if let (Some(fetch), true) = (fetch, arg.access.reads()) {
+                add(*fetch, DepKinds::RAW, Some(arg.slice.buffer));
+            }
+        }
         for arg in ordered {
+            if arg.slice.cache_key.is_some() {
+                continue;
+            }
             let buffer = &program.buffers[arg.slice.buffer.index()];
             if buffer.kind == BufferKind::Checkpoint && arg.access == Access::Read {
                 continue;

@@ -13,6 +13,7 @@
 //! - `BufferId(0)` is the checkpoint `W` (host, read-only), laid out as [`CheckpointLayout`];
 //! - `steps` partition `tasks` into contiguous ranges in declaration order.
 
+pub mod cache;
 pub mod catalog;
 pub mod deps;
 pub mod emit;
@@ -58,6 +59,9 @@ pub struct Program {
     /// the routing profile the program was compiled with (`None`: uniform routing, top_k /
     /// experts). The cost model charges guarded tasks by it.
     pub expert_shares: Option<Vec<Vec<f64>>>,
+    /// Expert caches (`cache` declarations), indexed by [`cache::CacheKey::cache`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub caches: Vec<cache::Cache>,
     /// Source spans of everything above.
     #[serde(skip)]
     pub spans: SpanTable,
@@ -405,6 +409,11 @@ pub struct Slice {
     /// then the offset of expert 0 of that layer and `len` one expert; the runtime adds
     /// `resolved_expert * len`. Dependency analysis treats the whole experts region as read.
     pub dynamic_expert: Option<ExpertRef>,
+    /// Set for `CACHE.slot(layer, expert)`: the slot holding that expert, chosen at run
+    /// time. `start` is slot 0 and `len` one slot; the runtime adds `slot * len`.
+    /// Dependency analysis orders it only after the fetch of the same key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<cache::CacheKey>,
 }
 
 impl Slice {
@@ -665,6 +674,9 @@ pub struct Task {
     pub work: Work,
     /// `as NAME[i, j]` rendered with its indices, if labelled.
     pub label: Option<String>,
+    /// Set on a copy into an expert cache slot: `fetch` or `prefetch`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_op: Option<cache::CacheOp>,
 }
 
 /// A step template after unrolling.
@@ -753,9 +765,23 @@ impl Program {
     /// A short human name for a task: its label, or `#N op`.
     pub fn task_name(&self, id: TaskId) -> String {
         let task = self.task(id);
-        match &task.label {
-            Some(label) => format!("#{} {}", id.0, label),
-            None => format!("#{} {}", id.0, task.op.describe()),
+        let key = task.args.iter().find_map(|a| a.slice.cache_key);
+        match (&task.label, task.cache_op, key) {
+            (Some(label), _, _) => format!("#{} {}", id.0, label),
+            (None, Some(op), Some(k)) => {
+                let cache = self
+                    .caches
+                    .get(k.cache as usize)
+                    .map_or("?", |c| c.name.as_str());
+                format!(
+                    "#{} {} {cache}.slot({}, {})",
+                    id.0,
+                    op.as_str(),
+                    k.layer,
+                    k.expert
+                )
+            }
+            _ => format!("#{} {}", id.0, task.op.describe()),
         }
     }
 

@@ -24,6 +24,10 @@ pub struct RoutingProfile {
     /// `coactivation[layer][a][b]`: tokens routed to both a and b in that layer (a != b).
     #[serde(default)]
     pub coactivation: Vec<Vec<Vec<u64>>>,
+    /// One expert activation matrix per finished request (`layers * experts` counts,
+    /// layer-major: MoE-Infinity's rEAM), the `eam` predictor's collection.
+    #[serde(default)]
+    pub requests: Vec<Vec<u64>>,
 }
 
 /// Why a profile cannot be used with a card.
@@ -61,6 +65,17 @@ impl RoutingProfile {
     pub fn check_shape(&self, layers: u64, experts: u64) -> Result<(), ProfileError> {
         let ok = self.counts.len() as u64 == layers
             && self.counts.iter().all(|c| c.len() as u64 == experts);
+        if let Some((i, m)) = self
+            .requests
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.len() as u64 != layers.saturating_mul(experts))
+        {
+            return Err(ProfileError::Format(format!(
+                "request activation matrix {i} has {} counts, not {layers} layers x {experts} experts",
+                m.len()
+            )));
+        }
         if ok {
             Ok(())
         } else {
@@ -81,6 +96,7 @@ impl RoutingProfile {
             tokens: 0,
             counts: vec![vec![0; e]; l],
             coactivation: vec![vec![vec![0; e]; e]; l],
+            requests: Vec::new(),
         }
     }
 
@@ -187,6 +203,7 @@ mod tests {
             tokens: 10,
             counts: vec![vec![2, 9, 9], vec![10, 0, 10]],
             coactivation: Vec::new(),
+            requests: Vec::new(),
         }
     }
 

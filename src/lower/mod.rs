@@ -108,6 +108,43 @@ pub struct PlanArg {
     pub len: u64,
     /// For `W[i].expert(hot(i, k))`: resolved at run time (`start` is expert 0).
     pub dynamic_expert: Option<ExpertRef>,
+    /// For `CACHE.slot(l, e)`: the `fetch` (or the `fetch`/`prefetch` task itself, for
+    /// the slot it fills) whose run-time slot this names; the runtime adds `slot * len`
+    /// to `start` (slot 0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_fetch: Option<TaskId>,
+}
+
+/// A `fetch` or `prefetch`: which cache and expert, and how many task arguments read the
+/// slot it makes resident (the runtime frees the slot once they ran or were skipped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PlanCacheCopy {
+    /// Fetch or prefetch.
+    pub op: crate::ir::cache::CacheOp,
+    /// The cache (index into [`ExecPlan::caches`]) and the expert.
+    pub key: crate::ir::cache::CacheKey,
+    /// Reader arguments bound to this fetch in its step.
+    pub readers: u32,
+}
+
+/// An expert cache as the runtime needs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanCache {
+    /// The declared name.
+    pub name: String,
+    /// Its buffer.
+    pub buffer: BufferId,
+    /// Slots.
+    pub slots: u32,
+    /// Bytes of one slot (one expert).
+    pub slot_bytes: u64,
+    /// Eviction policy.
+    pub policy: crate::ir::cache::EvictPolicy,
+    /// Predictor of `predicted(..)`.
+    pub predictor: crate::ir::cache::Predictor,
+    /// First of its fences: per slot, one event its fills record and, per stream, one its
+    /// readers record ([`ExecPlan::slot_fence`]). Fence ids follow every step's events.
+    pub fence_base: u32,
 }
 
 /// A task as the backend needs it.
@@ -130,6 +167,9 @@ pub struct PlanTask {
     pub args: Vec<PlanArg>,
     /// Runs only when this holds.
     pub guard: Guard,
+    /// Set on a copy into an expert cache slot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<PlanCacheCopy>,
     /// The worst-case shape the sizes assume.
     pub shape: Shape,
     /// Where it is written in the schedule.
@@ -194,6 +234,9 @@ pub struct ExecPlan {
     /// Each task's direct predecessors (the checker's reduced graph), for reports.
     #[serde(skip)]
     pub preds: Vec<Vec<TaskId>>,
+    /// Expert caches, indexed by [`crate::ir::cache::CacheKey::cache`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub caches: Vec<PlanCache>,
 }
 
 impl ExecPlan {
@@ -208,6 +251,30 @@ impl ExecPlan {
                 bytes: 0,
                 capacity: None,
             })
+    }
+
+    /// Events a backend must create: the most any step uses, then the cache fences.
+    pub fn event_count(&self) -> usize {
+        let step_events = self.steps.iter().map(|s| s.events.len()).max().unwrap_or(0);
+        step_events + self.fence_count()
+    }
+
+    /// Cache fences: per cache slot, one for fills and one per stream for readers.
+    pub fn fence_count(&self) -> usize {
+        self.caches
+            .iter()
+            .map(|c| c.slots as usize * (1 + self.streams.len()))
+            .sum()
+    }
+
+    /// The fence of `slot` of `cache` that its fills record (`reader: None`) or that its
+    /// readers on stream `reader` record. A fill waits for every reader fence of the slot
+    /// it evicts, and a hit waits for the fill fence, so a device never overwrites a slot
+    /// a task still reads, nor reads one still being filled.
+    pub fn slot_fence(&self, cache: u32, slot: u32, reader: Option<StreamId>) -> EventId {
+        let base = self.caches.get(cache as usize).map_or(0, |c| c.fence_base);
+        let per_slot = 1 + self.streams.len() as u32;
+        EventId(base + slot * per_slot + reader.map_or(0, |s| 1 + s.0))
     }
 
     /// The first step of a kind.
@@ -360,9 +427,33 @@ pub(crate) fn lower_with_preds(
         tasks,
         buffers,
         arenas,
-        steps,
         preds: preds.to_vec(),
+        caches: plan_caches(program, &steps),
+        steps,
     })
+}
+
+/// The caches with their fence ids, numbered after the events of the busiest step.
+fn plan_caches(program: &Program, steps: &[StepPlan]) -> Vec<PlanCache> {
+    let mut next = steps.iter().map(|s| s.events.len()).max().unwrap_or(0) as u32;
+    let per_slot = 1 + program.streams.len() as u32;
+    program
+        .caches
+        .iter()
+        .map(|c| {
+            let fence_base = next;
+            next = next.saturating_add(c.slots.saturating_mul(per_slot));
+            PlanCache {
+                name: c.name.clone(),
+                buffer: c.buffer,
+                slots: c.slots,
+                slot_bytes: program.checkpoint().expert_bytes,
+                policy: c.policy,
+                predictor: c.predictor,
+                fence_base,
+            }
+        })
+        .collect()
 }
 
 fn place_buffers(
@@ -435,12 +526,29 @@ fn overflow(program: &Program, space: Space, needed: u64, capacity: u64) -> Lowe
 }
 
 fn plan_tasks(program: &Program) -> Vec<PlanTask> {
+    let bound = crate::ir::cache::bindings(program);
+    let mut readers = vec![0u32; program.tasks.len()];
+    for (i, b) in bound.iter().enumerate() {
+        for (arg, fetch) in program.tasks[i].args.iter().zip(b) {
+            if let Some(f) = fetch.filter(|f| f.index() != i && arg.access.reads()) {
+                readers[f.index()] += 1;
+            }
+        }
+    }
     program
         .tasks
         .iter()
         .enumerate()
         .map(|(i, task)| {
             let id = TaskId::new(i);
+            let cache = task.cache_op.and_then(|op| {
+                let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
+                Some(PlanCacheCopy {
+                    op,
+                    key,
+                    readers: readers[i],
+                })
+            });
             PlanTask {
                 id,
                 name: program.task_name(id),
@@ -451,16 +559,19 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
                 args: task
                     .args
                     .iter()
-                    .map(|a| PlanArg {
+                    .zip(&bound[i])
+                    .map(|(a, fetch)| PlanArg {
                         role: a.role,
                         access: a.access,
                         buffer: a.slice.buffer,
                         start: a.slice.start,
                         len: a.slice.len,
                         dynamic_expert: a.slice.dynamic_expert,
+                        cache_fetch: *fetch,
                     })
                     .collect(),
                 guard: task.guard.clone(),
+                cache,
                 shape: task.shape,
                 span: program.task_span(id),
             }

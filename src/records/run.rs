@@ -72,4 +72,66 @@ pub struct RunStats {
     pub preemptions: usize,
     /// Sequence-passes skipped waiting for KV blocks (mixed steps).
     pub paused: usize,
+    /// Expert caches' hits, misses, prefetches and evictions.
+    pub caches: Vec<CacheReport>,
+}
+
+/// One layer's cache events in a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LayerCacheStats {
+    /// Fetches that found their expert resident.
+    pub hits: u64,
+    /// Fetches that copied it.
+    pub misses: u64,
+    /// Prefetch copies made.
+    pub prefetched: u64,
+    /// Prefetched experts a fetch then hit.
+    pub prefetch_used: u64,
+    /// Prefetched experts evicted (or left at the end) without being fetched.
+    pub prefetch_wasted: u64,
+    /// Prefetches skipped: resident already, no free slot, a fetch waiting, or the
+    /// expert got no tokens once the layer's routing was known.
+    pub prefetch_skipped: u64,
+    /// Residents replaced by a fetch or a prefetch.
+    pub evictions: u64,
+}
+
+impl LayerCacheStats {
+    /// Adds another layer's (or run's) counts.
+    pub fn add(&mut self, o: &LayerCacheStats) {
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.prefetched += o.prefetched;
+        self.prefetch_used += o.prefetch_used;
+        self.prefetch_wasted += o.prefetch_wasted;
+        self.prefetch_skipped += o.prefetch_skipped;
+        self.evictions += o.evictions;
+    }
+
+    /// Hits over fetches (0 without fetches).
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+}
+
+/// A cache's counts over a run, for the report.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CacheReport {
+    /// The cache's name.
+    pub name: String,
+    /// Slots.
+    pub slots: u32,
+    /// Eviction policy.
+    pub policy: &'static str,
+    /// Predictor.
+    pub predictor: &'static str,
+    /// Per layer.
+    pub layers: Vec<LayerCacheStats>,
+    /// Summed over layers.
+    pub total: LayerCacheStats,
 }

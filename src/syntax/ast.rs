@@ -68,6 +68,8 @@ pub enum Item {
     Stream(StreamDecl),
     /// `buffer NAME[D1][D2]: SPACE = SIZE`.
     Buffer(BufferDecl),
+    /// `cache NAME[SLOTS]: SPACE evict POLICY predict PREDICTOR`.
+    Cache(CacheDecl),
     /// `microbatches COUNT of SIZE`.
     MicroBatches(MicroBatchDecl),
     /// `template NAME(PARAMS) { ... }`.
@@ -119,6 +121,24 @@ pub struct BufferDecl {
     pub space: Ident,
     /// The size expression (bytes, usually from a size helper such as `hidden(ubs)`).
     pub size: Expr,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `cache NAME[SLOTS]: SPACE evict POLICY [predict PREDICTOR]`: an expert cache of SLOTS
+/// expert-sized slots whose contents the runtime chooses (see `ir::cache`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheDecl {
+    /// The cache's name.
+    pub name: Ident,
+    /// Number of slots.
+    pub slots: Expr,
+    /// The memory space as written.
+    pub space: Ident,
+    /// The eviction policy: a string (`"lru"`, `"lfu"`, `"activation"`).
+    pub evict: Expr,
+    /// The predictor of `NAME.predicted(..)`: a string; `None`: co-occurrence.
+    pub predict: Option<Expr>,
     /// The whole declaration.
     pub span: Span,
 }
@@ -255,9 +275,22 @@ pub struct AfterItem {
     pub span: Span,
 }
 
-/// `copy SRC -> DST tail`.
+/// Which statement a [`CopyStmt`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// `copy`: bytes from one slice to another.
+    Copy,
+    /// `fetch`: make an expert resident in a cache slot (no-op on a hit).
+    Fetch,
+    /// `prefetch`: copy a predicted expert into a free cache slot if one is free.
+    Prefetch,
+}
+
+/// `copy SRC -> DST tail`, `fetch SRC -> CACHE.slot(..) tail`, `prefetch ...`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CopyStmt {
+    /// Which of the three statements.
+    pub kind: CopyKind,
     /// The slice read.
     pub src: Expr,
     /// The slice written.

@@ -122,13 +122,14 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         Rule::ty => "a type (`int`, `float` or `bool`)",
         Rule::engine => "an engine such as `gpu.compute`",
         Rule::header => "`schedule NAME`",
-        Rule::param_decl | Rule::stream_decl | Rule::buffer_decl | Rule::micro_decl
-        | Rule::template_decl | Rule::step_decl | Rule::step_kind => {
-            "a declaration (`param`, `stream`, `buffer`, `microbatches`, `let`, `template`, `setup`, `prefill`, `decode`, `step`)"
+        Rule::param_decl | Rule::stream_decl | Rule::buffer_decl | Rule::cache_decl
+        | Rule::micro_decl | Rule::template_decl | Rule::step_decl | Rule::step_kind => {
+            "a declaration (`param`, `stream`, `buffer`, `cache`, `microbatches`, `let`, `template`, `setup`, `prefill`, `decode`, `step`)"
         }
         Rule::block => "a block `{ ... }`",
-        Rule::let_stmt | Rule::for_stmt | Rule::if_stmt | Rule::copy_stmt | Rule::call_stmt => {
-            "a statement (`let`, `for`, `if`, `copy` or a task)"
+        Rule::let_stmt | Rule::for_stmt | Rule::if_stmt | Rule::copy_stmt | Rule::fetch_stmt
+        | Rule::fetch_kind | Rule::call_stmt => {
+            "a statement (`let`, `for`, `if`, `copy`, `fetch`, `prefetch` or a task)"
         }
         Rule::else_part => "`else`",
         Rule::arg => "an argument",
@@ -307,6 +308,24 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                     span: item_span,
                 })
             }
+            Rule::cache_decl => {
+                let mut it = item.into_inner();
+                let name = build_ident(next(&mut it, item_span)?);
+                let dim = next(&mut it, item_span)?;
+                let dim_span = span_of(&dim);
+                let slots = build_expr(next(&mut dim.into_inner(), dim_span)?)?;
+                let space = build_ident(next(&mut it, item_span)?);
+                let evict = build_expr(next(&mut it, item_span)?)?;
+                let predict = it.next().map(build_expr).transpose()?;
+                Item::Cache(CacheDecl {
+                    name,
+                    slots,
+                    space,
+                    evict,
+                    predict,
+                    span: item_span,
+                })
+            }
             Rule::micro_decl => {
                 let mut it = item.into_inner();
                 let count = build_expr(next(&mut it, item_span)?)?;
@@ -453,12 +472,22 @@ fn build_stmt(pair: P) -> Result<Stmt, Diagnostic> {
             })
         }
         Rule::if_stmt => Stmt::If(build_if(pair)?),
-        Rule::copy_stmt => {
+        Rule::copy_stmt | Rule::fetch_stmt => {
+            let fetch = pair.as_rule() == Rule::fetch_stmt;
             let mut it = pair.into_inner();
+            let kind = if fetch {
+                match next(&mut it, span)?.as_str() {
+                    "prefetch" => CopyKind::Prefetch,
+                    _ => CopyKind::Fetch,
+                }
+            } else {
+                CopyKind::Copy
+            };
             let src = build_expr(next(&mut it, span)?)?;
             let dst = build_expr(next(&mut it, span)?)?;
             let tail = build_tail(next(&mut it, span)?)?;
             Stmt::Copy(CopyStmt {
+                kind,
                 src,
                 dst,
                 tail,

@@ -56,6 +56,24 @@ pub enum ExpertRef {
         /// Position in that order.
         rank: u32,
     },
+    /// `CACHE.predicted(layer, rank)`: the expert an expert cache's predictor ranks at
+    /// `rank` for `layer` when the prefetch naming it starts (only prefetches name it: a
+    /// prediction decides what is copied, never what is computed).
+    Predicted {
+        /// Index into [`crate::ir::Program::caches`].
+        cache: u32,
+        /// The layer predicted.
+        layer: u32,
+        /// Position in the predictor's ranking (0: most likely).
+        rank: u32,
+    },
+}
+
+impl ExpertRef {
+    /// True for the experts only known at run time (`hot(..)`, `predicted(..)`).
+    pub fn is_run_time(self) -> bool {
+        !matches!(self, ExpertRef::Index(_))
+    }
 }
 
 impl std::fmt::Display for ExpertRef {
@@ -63,6 +81,7 @@ impl std::fmt::Display for ExpertRef {
         match self {
             ExpertRef::Index(e) => write!(f, "{e}"),
             ExpertRef::Hot { layer, rank } => write!(f, "hot({layer}, {rank})"),
+            ExpertRef::Predicted { layer, rank, .. } => write!(f, "predicted({layer}, {rank})"),
         }
     }
 }

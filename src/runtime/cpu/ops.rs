@@ -121,13 +121,10 @@ fn f32s_mut<'a>(bytes: &'a mut [u8], role: &'static str) -> Result<&'a mut [f32]
 }
 
 impl OpContext<'_> {
+    /// An expert of an op's set (predictions never name one: elaboration refuses them).
     fn resolve_expert(&self, expert: ExpertRef) -> u32 {
-        match expert {
-            ExpertRef::Index(e) => e,
-            ExpertRef::Hot { layer, rank } => {
-                self.state.hot_expert(layer, rank, self.arch.experts as u32)
-            }
-        }
+        self.state
+            .resolve_expert(None, expert, self.arch.experts as u32)
     }
 
     /// Resolves every argument of a task.
@@ -135,7 +132,8 @@ impl OpContext<'_> {
         task.args
             .iter()
             .map(|a| {
-                let expert = a.dynamic_expert.map(|e| self.resolve_expert(e));
+                // A run-time expert of a layer, or the slot of a cache: resolved now.
+                let expert = self.state.arg_index(task.id, a, self.arch.experts as u32);
                 Ok((*a, self.memory.view(task, a, expert)?))
             })
             .collect()

@@ -214,7 +214,7 @@ impl<'c> CudaBackend<'c> {
         setup_stream
             .synchronize()
             .map_err(call("finishing set-up"))?;
-        let n_events = plan.steps.iter().map(|s| s.events.len()).max().unwrap_or(0);
+        let n_events = plan.event_count();
         let events = (0..n_events)
             .map(|_| {
                 Ok(PlanEvent {

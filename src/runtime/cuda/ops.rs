@@ -154,7 +154,8 @@ impl GpuCx<'_> {
             .args
             .iter()
             .map(|a| {
-                let expert = a.dynamic_expert.map(|e| self.resolve_expert(e));
+                // A run-time expert of a layer, or the slot of a cache: resolved now.
+                let expert = self.state.arg_index(task.id, a, self.arch.experts as u32);
                 Ok((
                     *a,
                     self.host
@@ -175,13 +176,10 @@ impl GpuCx<'_> {
         Ok(())
     }
 
+    /// An expert of an op's set (predictions never name one: elaboration refuses them).
     fn resolve_expert(&self, expert: ExpertRef) -> u32 {
-        match expert {
-            ExpertRef::Index(e) => e,
-            ExpertRef::Hot { layer, rank } => {
-                self.state.hot_expert(layer, rank, self.arch.experts as u32)
-            }
-        }
+        self.state
+            .resolve_expert(None, expert, self.arch.experts as u32)
     }
 
     fn ub(&self, ub: u32) -> Result<&MicroBatchState, OpError> {

@@ -13,6 +13,8 @@
 //! does goes through [`Backend`].
 
 pub(crate) mod batching;
+pub mod cache;
+pub mod eam;
 pub mod executor;
 pub mod report;
 pub(crate) mod scheduler;
@@ -123,6 +125,9 @@ pub struct RunOptions {
     /// Hand each output the logits its last token was sampled from (`moec run
     /// --dump-logits`, comparing backends); costs a read-back per step on a device.
     pub capture_logits: bool,
+    /// Request-level expert activation matrices to start the `eam` predictor's
+    /// collection with (`moec profile` writes them; `--profile` reads them back).
+    pub eam_seed: Vec<Vec<u64>>,
 }
 
 impl RunOptions {
@@ -143,6 +148,7 @@ impl RunOptions {
             kill_task: None,
             routing_profile: None,
             capture_logits: false,
+            eam_seed: Vec::new(),
         }
     }
 }
@@ -165,6 +171,8 @@ struct Runner<'a, B: Backend> {
     kill: Option<(u32, u32)>,
     /// Shared by every step's runner, so the hook counts runs across steps.
     kill_count: &'a AtomicU32,
+    /// How long a fetch waits for a free cache slot before the run fails (the watchdog).
+    patience: std::time::Duration,
 }
 
 /// Why a guard could not be decided: the routing it reads was never read back (the
@@ -179,13 +187,11 @@ impl<B: Backend> Runner<'_, B> {
     fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
         for lit in &task.guard.lits {
             let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
-            let expert = match lit.atom.expert() {
-                ExpertRef::Index(e) => e,
-                ExpertRef::Hot { layer, rank } => {
-                    self.state
-                        .hot_expert(layer, rank, self.plan.model.experts as u32)
-                }
-            };
+            let expert = self.state.resolve_expert(
+                Some(task.id),
+                lit.atom.expert(),
+                self.plan.model.experts as u32,
+            );
             match self.state.routed_tokens(layer, expert, ub) {
                 Some(tokens) if lit.atom.holds_for(tokens) == lit.negated => return Ok(false),
                 Some(_) => {}
@@ -196,6 +202,133 @@ impl<B: Backend> Runner<'_, B> {
     }
 }
 
+impl<B: Backend> Runner<'_, B> {
+    /// A `fetch` or `prefetch`: resolve the expert, take a slot (a hit takes the resident
+    /// one), and on a copy wait for every reader of the slot's previous expert and fence
+    /// the fill, so a device never overwrites a slot still read nor reads one still filled.
+    fn cache_copy(
+        &self,
+        stream: StreamId,
+        t: &PlanTask,
+        copy: crate::lower::PlanCacheCopy,
+    ) -> Result<bool, BackendError> {
+        let Some(cache) = self.state.caches.get(copy.key.cache as usize) else {
+            return Err(BackendError::Task(Box::new(UnknownCache(copy.key.cache))));
+        };
+        let (layers, experts) = (
+            self.plan.model.layers as usize,
+            self.plan.model.experts as u32,
+        );
+        let layer = copy.key.layer;
+        let expert = match copy.key.expert {
+            ExpertRef::Predicted { rank, .. } => {
+                let (e, idle) =
+                    self.state
+                        .predicted_expert(cache.spec.predictor, layer, rank, layers, experts);
+                if idle {
+                    cache.prefetch_cancelled(layer);
+                    return Ok(false);
+                }
+                e
+            }
+            other => self.state.resolve_expert(Some(t.id), other, experts),
+        };
+        let scores = match cache.spec.policy {
+            crate::ir::cache::EvictPolicy::Activation => {
+                self.state
+                    .eviction_scores(cache.spec.predictor, layers, experts as usize)
+            }
+            _ => Vec::new(),
+        };
+        let score = |(l, e): cache::Key| {
+            scores
+                .get(l as usize)
+                .and_then(|r| r.get(e as usize))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        let bind = |slot: u32, remaining: u32| {
+            lock(&self.state.cache_bindings).insert(
+                t.id,
+                cache::Binding {
+                    cache: copy.key.cache,
+                    slot,
+                    expert,
+                    remaining,
+                },
+            );
+        };
+        let prefetch = copy.op == crate::ir::cache::CacheOp::Prefetch;
+        let slot = if prefetch {
+            match cache.prefetch((layer, expert), &score) {
+                Some(slot) => slot,
+                None => return Ok(false),
+            }
+        } else {
+            match cache
+                .fetch((layer, expert), &score, self.patience)
+                .map_err(|e| BackendError::Task(Box::new(e)))?
+            {
+                cache::Fetched::Hit(slot) => {
+                    bind(slot, copy.readers);
+                    let fill = self.plan.slot_fence(copy.key.cache, slot, None);
+                    self.backend.wait(stream, fill)?;
+                    if copy.readers == 0 {
+                        cache.release(slot);
+                    }
+                    return Ok(true);
+                }
+                cache::Fetched::Miss(slot) => slot,
+            }
+        };
+        bind(slot, if prefetch { 0 } else { copy.readers });
+        for s in 0..self.plan.streams.len() {
+            let read = self
+                .plan
+                .slot_fence(copy.key.cache, slot, Some(StreamId::new(s)));
+            self.backend.wait(stream, read)?;
+        }
+        self.backend.run(stream, t.engine, t, self.state)?;
+        self.backend
+            .record(stream, self.plan.slot_fence(copy.key.cache, slot, None))?;
+        cache.filled(slot, prefetch);
+        if !prefetch && copy.readers == 0 {
+            cache.release(slot);
+        }
+        Ok(true)
+    }
+
+    /// After a task ran (`ran`) or was skipped: each cache slot it read counts down its
+    /// fetch's readers (a read is fenced on this stream first); the last one frees the slot.
+    fn release_reads(&self, stream: StreamId, t: &PlanTask, ran: bool) -> Result<(), BackendError> {
+        for arg in &t.args {
+            let Some(fetch) = arg.cache_fetch.filter(|f| *f != t.id && arg.access.reads()) else {
+                continue;
+            };
+            let mut bindings = lock(&self.state.cache_bindings);
+            let Some(b) = bindings.get_mut(&fetch) else {
+                continue; // its fetch was skipped, so this read was too
+            };
+            if ran {
+                self.backend
+                    .record(stream, self.plan.slot_fence(b.cache, b.slot, Some(stream)))?;
+            }
+            b.remaining = b.remaining.saturating_sub(1);
+            if b.remaining == 0 {
+                if let Some(c) = self.state.caches.get(b.cache as usize) {
+                    c.release(b.slot);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A plan naming a cache the run did not set up (an internal error).
+#[derive(Debug, thiserror::Error)]
+#[error("the plan names expert cache {0}, which this run has not set up")]
+struct UnknownCache(u32);
+
 impl<B: Backend> StreamOps for Runner<'_, B> {
     fn run_task(&self, stream: StreamId, task: TaskId) -> Result<bool, BackendError> {
         let t = &self.plan.tasks[task.index()];
@@ -205,9 +338,14 @@ impl<B: Backend> StreamOps for Runner<'_, B> {
             }
         }
         if !self.guard_holds(t)? {
+            self.release_reads(stream, t, false)?;
             return Ok(false);
         }
+        if let Some(copy) = t.cache {
+            return self.cache_copy(stream, t, copy);
+        }
         self.backend.run(stream, t.engine, t, self.state)?;
+        self.release_reads(stream, t, true)?;
         Ok(true)
     }
 
@@ -270,6 +408,7 @@ impl<B: Backend> StepRunner<'_, B> {
             state,
             kill: self.kill,
             kill_count: self.kill_count,
+            patience: self.exec.watchdog,
         };
         let start = self.origin.elapsed().as_secs_f64();
         let mut tasks = run_step(
@@ -392,6 +531,20 @@ pub fn generate<B: Backend>(
     state.capture_logits = options.capture_logits;
     let mut last_logits: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
     state.predictor = HotPredictor::new(card.layers as usize, card.experts as usize);
+    state.caches = plan
+        .caches
+        .iter()
+        .map(|c| cache::CacheRuntime::new(c.clone(), card.layers as usize))
+        .collect();
+    {
+        let mut eam = eam::Eam::new(
+            card.layers as usize,
+            card.experts as usize,
+            eam::DEFAULT_CAPACITY,
+        );
+        eam.seed(&options.eam_seed);
+        *lock(&state.eam) = eam;
+    }
     let prefill_caps = capacities(plan, prefill_step);
     let gen_len = options.max_new_tokens;
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
@@ -587,6 +740,7 @@ pub fn generate<B: Backend>(
         let sampled_logits = std::mem::take(&mut *lock(&state.sampled_logits));
         let routing = std::mem::take(&mut *lock(&state.routing));
         state.predictor.update(&routing);
+        record_activations(&state, &routing);
         if let Some(profile) = &options.routing_profile {
             let mut profile = lock(profile);
             for (&(layer, _), r) in &routing {
@@ -618,6 +772,10 @@ pub fn generate<B: Backend>(
             produced += 1;
             let eos = options.stop_at_eos && token == card.eos_token_id;
             if eos || s.generated.len() >= gen_len {
+                let matrix = lock(&state.eam).finish(s.request);
+                if let (Some(profile), Some(m)) = (&options.routing_profile, matrix) {
+                    lock(profile).requests.push(m);
+                }
                 outputs[s.request].token_ids = std::mem::take(&mut s.generated);
                 outputs[s.request].logits = last_logits[s.request].take();
                 produced += gen_len - outputs[s.request].token_ids.len();
@@ -630,5 +788,33 @@ pub fn generate<B: Backend>(
         progress(produced.min(total_tokens), total_tokens);
     }
     stats.wall = origin.elapsed().as_secs_f64();
+    stats.caches = state
+        .caches
+        .iter()
+        .map(cache::CacheRuntime::report)
+        .collect();
     Ok((outputs, stats))
+}
+
+/// Adds a step's routing to each request's activation matrix: a micro-batch's rows are
+/// its sequences' new tokens in order.
+fn record_activations(
+    state: &StepState,
+    routing: &std::collections::HashMap<(u32, u32), crate::model::kernels::moe::Routing>,
+) {
+    let mut eam = lock(&state.eam);
+    for (&(layer, ub), r) in routing {
+        let Some(mb) = state.ubs.get(ub as usize) else {
+            continue;
+        };
+        let k = r.top_k.max(1);
+        let mut rows = r.experts.chunks(k);
+        for seq in &mb.seqs {
+            for _ in 0..seq.new_tokens.len() {
+                for &e in rows.next().unwrap_or(&[]) {
+                    eam.record(seq.request, layer, e, 1);
+                }
+            }
+        }
+    }
 }

@@ -186,7 +186,12 @@ pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
         for r in step.tasks.iter().filter(|r| r.ran) {
             let task = &plan.tasks[r.task.index()];
             let op = match task.op {
-                Op::Copy => format!("copy {}", task.engine.as_str()),
+                // Fetches and prefetches apart from other copies.
+                Op::Copy => format!(
+                    "{} {}",
+                    task.cache.map_or("copy", |c| c.op.as_str()),
+                    task.engine.as_str()
+                ),
                 op => op.name().to_string(),
             };
             spans.push(TimelineSpan {

@@ -152,6 +152,12 @@ pub struct StepState {
     pub hot_order: Mutex<HashMap<u32, Vec<u32>>>,
     /// Predicted hot experts.
     pub predictor: HotPredictor,
+    /// Expert caches (contents persist across steps).
+    pub caches: Vec<super::cache::CacheRuntime>,
+    /// Each fetch's and prefetch's slot this step, by task.
+    pub cache_bindings: Mutex<HashMap<crate::ir::TaskId, super::cache::Binding>>,
+    /// Request-level expert activation matrices (the `eam` predictor).
+    pub eam: Mutex<super::eam::Eam>,
     /// Sampled tokens per ub (one per sequence, row order).
     pub sampled: Mutex<HashMap<u32, Vec<u32>>>,
     /// Whether `sample` also hands the logits it sampled from to the host
@@ -171,6 +177,9 @@ impl StepState {
             routing: Mutex::new(HashMap::new()),
             hot_order: Mutex::new(HashMap::new()),
             predictor: HotPredictor::default(),
+            caches: Vec::new(),
+            cache_bindings: Mutex::new(HashMap::new()),
+            eam: Mutex::new(super::eam::Eam::default()),
             sampled: Mutex::new(HashMap::new()),
             capture_logits: false,
             sampled_logits: Mutex::new(HashMap::new()),
@@ -181,6 +190,10 @@ impl StepState {
     pub fn reset_step(&mut self) {
         lock(&self.routing).clear();
         lock(&self.hot_order).clear();
+        lock(&self.cache_bindings).clear();
+        for c in &self.caches {
+            c.begin_step();
+        }
         lock(&self.sampled).clear();
         lock(&self.sampled_logits).clear();
     }

@@ -1,0 +1,251 @@
+//! Expert caches: what holds for every run-time choice of slots.
+//!
+//! Takes a program and its dependency graph; reports, per step:
+//! - `cache::unfetched`: a task reads `CACHE.slot(l, e)` with no `fetch` of that expert
+//!   before it in the step (the fetch it is bound to, `ir::cache::bindings`, which the
+//!   dependency graph orders it after), or may run when that fetch is skipped (its guard
+//!   does not imply the fetch's). Together with the runtime holding a fetched slot until
+//!   its readers ran, no read sees a slot before its fetch completed or after it was
+//!   evicted;
+//! - `cache::deadlock`: more fetched experts may be held at once than the cache has slots.
+//!   A fetch holds its slot from its start until its last reader ran. When fetch `f`
+//!   starts, a fetch `g` may hold a slot unless `g`'s readers all finished before `f`
+//!   (ancestors of `f` in the dependency graph) or `g` starts after `f` (`f` is its
+//!   ancestor). For each fetch, itself and the fetches that may hold a slot then are counted,
+//!   those guarded by `active(l, e[, ub])` of their own expert at most as many per layer
+//!   (and ub) as can receive tokens: in decode min(experts, sequences x top_k), in prefill
+//!   every expert of the layer. If the largest count fits, a free slot always exists when
+//!   a fetch misses, so no fetch waits on another (prefetches never hold a slot past their
+//!   own copy and never wait).
+//!
+//! A predicted expert in a guard is refused here too (`elab::dynamic`): predictions decide
+//! what is copied ahead, never what runs.
+
+use super::cells::{guard_text, implies};
+use crate::diag::Diagnostic;
+use crate::ir::cache::{bindings, CacheOp};
+use crate::ir::deps::Dag;
+use crate::ir::{ExpertRef, GuardAtom, Program, StepKind, TaskId};
+use std::collections::HashMap;
+
+/// Runs the cache checks.
+pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
+    if program.caches.is_empty() {
+        return;
+    }
+    for (index, task) in program.tasks.iter().enumerate() {
+        let predicted = task
+            .guard
+            .lits
+            .iter()
+            .any(|l| matches!(l.atom.expert(), ExpertRef::Predicted { .. }));
+        if predicted {
+            diags.push(Diagnostic::dynamic_not_allowed(
+                program.task_span(TaskId::new(index)),
+                "a predicted expert in a guard (predictions decide what is copied ahead, never what runs)",
+            ));
+        }
+    }
+    let bound = bindings(program);
+    for (index, task) in program.tasks.iter().enumerate() {
+        let id = TaskId::new(index);
+        for (k, arg) in task.args.iter().enumerate() {
+            let Some(key) = arg.slice.cache_key else {
+                continue;
+            };
+            if arg.access.writes() && task.cache_op.is_none() {
+                diags.push(Diagnostic::dynamic_not_allowed(
+                    program.task_span(id),
+                    "an op writing an expert cache slot (only `fetch` and `prefetch` fill a cache)",
+                ));
+            }
+            if !arg.access.reads() {
+                continue;
+            }
+            let cache = &program.caches[key.cache as usize];
+            let slot = format!("{}.slot({}, {})", cache.name, key.layer, key.expert);
+            let span = program
+                .spans
+                .task_args
+                .get(index)
+                .and_then(|a| a.get(k))
+                .copied()
+                .unwrap_or_else(|| program.task_span(id));
+            match bound[index][k] {
+                None => diags.push(Diagnostic::cache_unfetched(
+                    span,
+                    &program.task_name(id),
+                    &slot,
+                    None,
+                    &guard_text(&task.guard),
+                )),
+                Some(fetch) => {
+                    let f = program.task(fetch);
+                    if !implies(&task.guard, &f.guard) {
+                        diags.push(Diagnostic::cache_unfetched(
+                            span,
+                            &program.task_name(id),
+                            &slot,
+                            Some((
+                                program.task_name(fetch),
+                                program.task_span(fetch),
+                                guard_text(&f.guard),
+                            )),
+                            &guard_text(&task.guard),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for step in &program.steps {
+        for cache in 0..program.caches.len() as u32 {
+            held_at_once(program, dag, &bound, step, cache, diags);
+        }
+    }
+}
+
+/// The `cache::deadlock` check of one cache in one step.
+fn held_at_once(
+    program: &Program,
+    dag: &Dag,
+    bound: &[Vec<Option<TaskId>>],
+    step: &crate::ir::Step,
+    cache: u32,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let first = step.first as usize;
+    let count = step.count as usize;
+    // The fetches of this cache, and each one's readers.
+    let mut fetches: Vec<TaskId> = Vec::new();
+    let mut readers: HashMap<TaskId, Vec<TaskId>> = HashMap::new();
+    for id in step.task_ids() {
+        let task = program.task(id);
+        if task.cache_op == Some(CacheOp::Fetch)
+            && task
+                .args
+                .iter()
+                .any(|a| a.slice.cache_key.is_some_and(|k| k.cache == cache))
+        {
+            fetches.push(id);
+        }
+        for (arg, fetch) in task.args.iter().zip(&bound[id.index()]) {
+            if let (Some(f), true) = (fetch, arg.access.reads()) {
+                if *f != id && arg.slice.cache_key.is_some_and(|k| k.cache == cache) {
+                    readers.entry(*f).or_default().push(id);
+                }
+            }
+        }
+    }
+    if fetches.is_empty() {
+        return;
+    }
+    // Ancestors among the tasks that matter (fetches and their readers), as bitsets,
+    // propagated in issue order (every predecessor comes earlier).
+    let mut interesting: Vec<TaskId> = fetches.clone();
+    interesting.extend(readers.values().flatten().copied());
+    interesting.sort();
+    interesting.dedup();
+    let bit: HashMap<TaskId, usize> = interesting
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (*t, i))
+        .collect();
+    let words = interesting.len().div_ceil(64);
+    let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; count];
+    for k in 0..count {
+        let id = TaskId::new(first + k);
+        let mut set = vec![0u64; words];
+        for dep in dag.preds(id) {
+            let p = dep.from.index();
+            if p < first {
+                continue;
+            }
+            for (w, a) in set.iter_mut().zip(&anc[p - first]) {
+                *w |= a;
+            }
+            if let Some(&b) = bit.get(&dep.from) {
+                set[b / 64] |= 1 << (b % 64);
+            }
+        }
+        anc[k] = set;
+    }
+    let before = |x: TaskId, y: TaskId| -> bool {
+        bit.get(&x)
+            .is_some_and(|&b| anc[y.index() - first][b / 64] & (1 << (b % 64)) != 0)
+    };
+    // `f`'s slot is free again before `g` starts.
+    let released_before = |f: TaskId, g: TaskId| -> bool {
+        match readers.get(&f) {
+            Some(rs) if !rs.is_empty() => rs.iter().all(|&r| before(r, g)),
+            _ => before(f, g),
+        }
+    };
+    let kind = step.kind;
+    let (experts, top_k) = (program.model.experts, program.model.top_k);
+    let mb = program.micro_batches;
+    let tokens = |ub: Option<u32>| -> u64 {
+        let per_ub = match kind {
+            StepKind::Decode => mb.size,
+            StepKind::Mixed => mb.mixed_tokens,
+            _ => u64::MAX / 4,
+        };
+        match ub {
+            Some(_) => per_ub,
+            None => per_ub.saturating_mul(u64::from(mb.count)),
+        }
+    };
+    // Per fetch, the layer (and ub) whose activity guards it, if its guard says so.
+    let group = |f: TaskId| -> Option<(u32, Option<u32>)> {
+        let task = program.task(f);
+        let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
+        task.guard.lits.iter().find_map(|l| {
+            let positive =
+                !l.negated && matches!(l.atom, GuardAtom::Active { .. } | GuardAtom::Tokens { .. });
+            (positive && l.atom.layer() == key.layer && l.atom.expert() == key.expert)
+                .then(|| (key.layer, l.atom.ub()))
+        })
+    };
+    let groups: Vec<Option<(u32, Option<u32>)>> = fetches.iter().map(|&f| group(f)).collect();
+    let mut worst: Option<(u64, TaskId)> = None;
+    for (i, &f) in fetches.iter().enumerate() {
+        let mut per_group: HashMap<(u32, Option<u32>), u64> = HashMap::new();
+        let mut loose = 0u64;
+        for (j, &g) in fetches.iter().enumerate() {
+            // Held when `f` starts: started already (not after `f`) and not released.
+            let together = i == j || !(released_before(g, f) || before(f, g));
+            if !together {
+                continue;
+            }
+            match groups[j] {
+                Some(key) => *per_group.entry(key).or_default() += 1,
+                None => loose += 1,
+            }
+        }
+        let held: u64 = loose
+            + per_group
+                .iter()
+                .map(|(&(_, ub), &n)| n.min(experts.min(tokens(ub).saturating_mul(top_k))))
+                .sum::<u64>();
+        if worst.is_none_or(|(w, _)| held > w) {
+            worst = Some((held, f));
+        }
+    }
+    let c = &program.caches[cache as usize];
+    if let Some((held, f)) = worst.filter(|(h, _)| *h > u64::from(c.slots)) {
+        let decl = program
+            .spans
+            .buffers
+            .get(c.buffer.index())
+            .copied()
+            .unwrap_or_default();
+        diags.push(Diagnostic::cache_deadlock(
+            decl,
+            &c.name,
+            c.slots,
+            held,
+            (program.task_name(f), program.task_span(f)),
+            kind.as_str(),
+        ));
+    }
+}
