@@ -441,7 +441,7 @@ fn print_cache_hits(program: &Program) {
             c.name,
             c.slots,
             c.policy.as_str(),
-            pct(hits.rate),
+            pct(hits.rate).trim(),
             if program.expert_shares.is_some() {
                 "routing from the profile"
             } else {

@@ -255,7 +255,7 @@ pub fn arm_key(program: &Program, id: TaskId) -> String {
     lits.dedup();
     format!(
         "{} on {} if {}",
-        task.op.def().name,
+        task.cache_op.map_or(task.op.def().name, |c| c.as_str()),
         program.stream(task.stream).name,
         lits.join(" && ")
     )

@@ -26,6 +26,9 @@ pub fn human_bytes(bytes: u64) -> String {
 
 fn slice_text(program: &Program, slice: &Slice) -> String {
     let buffer = program.buffer(slice.buffer);
+    if let Some(key) = slice.cache_key {
+        return format!("{}.slot({}, {})", buffer.name, key.layer, key.expert);
+    }
     if let Some(expert) = slice.dynamic_expert {
         if buffer.kind != BufferKind::Checkpoint {
             return format!("{}.expert({expert})", buffer.name);
@@ -98,7 +101,8 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
             let mut line = format!(
                 "  {id:<6} {:<name_width$}  {}",
                 program.stream(task.stream).name,
-                task.op.describe()
+                task.cache_op
+                    .map_or_else(|| task.op.describe(), |c| c.as_str().to_string())
             );
             for arg in &task.args {
                 let mark = match arg.access {
@@ -166,7 +170,8 @@ pub fn to_dot(program: &Program, dag: &Dag) -> String {
             if task.op == super::Op::Copy {
                 if let [src, dst] = task.args.as_slice() {
                     label = format!(
-                        "t{i} copy\\n{} -> {}",
+                        "t{i} {}\\n{} -> {}",
+                        task.cache_op.map_or("copy", |c| c.as_str()),
                         slice_text(program, &src.slice),
                         slice_text(program, &dst.slice)
                     );

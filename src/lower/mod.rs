@@ -268,9 +268,10 @@ impl ExecPlan {
     }
 
     /// The fence of `slot` of `cache` that its fills record (`reader: None`) or that its
-    /// readers on stream `reader` record. A fill waits for every reader fence of the slot
-    /// it evicts, and a hit waits for the fill fence, so a device never overwrites a slot
-    /// a task still reads, nor reads one still being filled.
+    /// readers on stream `reader` record. A fill waits for the slot's previous fill and
+    /// every reader fence of the slot, and a hit waits for the fill fence, so a device
+    /// never overwrites a slot a task still reads or another copy still fills, nor reads
+    /// one still being filled.
     pub fn slot_fence(&self, cache: u32, slot: u32, reader: Option<StreamId>) -> EventId {
         let base = self.caches.get(cache as usize).map_or(0, |c| c.fence_base);
         let per_slot = 1 + self.streams.len() as u32;

@@ -282,6 +282,10 @@ impl<B: Backend> Runner<'_, B> {
             }
         };
         bind(slot, if prefetch { 0 } else { copy.readers });
+        // The slot's previous fill (on another stream, maybe still in flight on a device)
+        // and every read of its previous expert come first.
+        self.backend
+            .wait(stream, self.plan.slot_fence(copy.key.cache, slot, None))?;
         for s in 0..self.plan.streams.len() {
             let read = self
                 .plan
