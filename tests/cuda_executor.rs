@@ -221,3 +221,81 @@ fn a_dropped_cross_stream_event_fails_the_run_or_changes_its_tokens() {
         );
     }
 }
+
+/// MoE-Infinity's expert cache on the CUDA path: with the fewest slots the checker accepts,
+/// aggressive prefetching (every expert of the next 3 layers) and slow copies (the
+/// stand-in delays each by 2 ms), fetches, prefetches and reads of one slot run on three
+/// streams at once; the fences must keep every slot's copies and reads in order, so the
+/// tokens equal the CPU's for every eviction policy, and the cache really misses.
+#[test]
+fn the_expert_cache_keeps_slots_consistent_across_device_streams() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/moe_infinity.sched";
+    for policy in ["0", "1", "2"] {
+        let sets = [
+            "--set",
+            "n_cache=2",
+            "--set",
+            "lookahead=3",
+            "--set",
+            "n_pf=8",
+            "--set",
+        ];
+        let policy_set = format!("policy={policy}");
+        let mut extra: Vec<&str> = sets.to_vec();
+        extra.push(&policy_set);
+        let (cpu, _) = run(cache.path(), schedule, "mixtral-tiny", Driver::Cpu, &extra);
+        let (cuda, _) = run(
+            cache.path(),
+            schedule,
+            "mixtral-tiny",
+            Driver::Standin(dir.path(), 2),
+            &extra,
+        );
+        let want = token_ids(&cpu, &format!("policy {policy}, CPU"));
+        let got = token_ids(&cuda, &format!("policy {policy}, CUDA (stand-in)"));
+        assert_eq!(got, want, "policy {policy}: CUDA (stand-in) tokens differ");
+        let doc: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("json");
+        let misses = doc["caches"][0]["total"]["misses"]
+            .as_u64()
+            .expect("misses");
+        let evictions = doc["caches"][0]["total"]["evictions"]
+            .as_u64()
+            .expect("evictions");
+        assert!(
+            misses > 2 && evictions > 0,
+            "policy {policy}: {}",
+            doc["caches"]
+        );
+    }
+    // Hits on prefetched experts still in flight: 8 prefetches of 20 ms each queue on the
+    // prefetch stream while the next layer's fetches find them resident; a hit must wait
+    // for the copy that fills its slot.
+    let extra = [
+        "--set",
+        "n_cache=8",
+        "--set",
+        "lookahead=1",
+        "--set",
+        "n_pf=8",
+    ];
+    let (cpu, _) = run(cache.path(), schedule, "mixtral-tiny", Driver::Cpu, &extra);
+    let (cuda, _) = run(
+        cache.path(),
+        schedule,
+        "mixtral-tiny",
+        Driver::Standin(dir.path(), 20),
+        &extra,
+    );
+    let want = token_ids(&cpu, "prefetch hits, CPU");
+    let got = token_ids(&cuda, "prefetch hits, CUDA (stand-in)");
+    assert_eq!(got, want, "prefetch hits: CUDA (stand-in) tokens differ");
+    let doc: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("json");
+    let used = doc["caches"][0]["total"]["prefetch_used"]
+        .as_u64()
+        .expect("used");
+    assert!(used > 0, "no prefetched expert was hit: {}", doc["caches"]);
+}
