@@ -1,9 +1,10 @@
 //! The numbers the kernels need from a card, in the types they use.
 //!
 //! Takes a [`ModelCard`]; gives an [`ArchSpec`] (norm kind, eps, head geometry, clip,
-//! router renormalisation) so kernels never interpret family names themselves.
+//! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
+//! family names themselves.
 
-use crate::model::card::{Family, ModelCard};
+use crate::model::card::{Family, ModelCard, QkNorm};
 use crate::model::kernels::attention::AttnShape;
 use crate::model::kernels::norm::NormKind;
 
@@ -39,6 +40,14 @@ pub struct ArchSpec {
     pub max_positions: usize,
     /// Rotary base.
     pub rope_theta: f64,
+    /// RMSNorm of q and k after the projections (and biases), before clip and rotary.
+    pub qk_norm: QkNorm,
+    /// q, k and v projections carry biases.
+    pub qkv_bias: bool,
+    /// Shared expert width (0: none).
+    pub shared_ffn: usize,
+    /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)`.
+    pub shared_gate: bool,
 }
 
 impl ArchSpec {
@@ -47,8 +56,10 @@ impl ArchSpec {
         ArchSpec {
             family: card.family,
             norm: match card.family {
-                Family::Mixtral => NormKind::Rms,
                 Family::Dbrx => NormKind::LayerNoBias,
+                Family::Mixtral | Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => {
+                    NormKind::Rms
+                }
             },
             norm_eps: card.norm_eps as f32,
             hidden: card.hidden as usize,
@@ -66,16 +77,26 @@ impl ArchSpec {
             clip_qkv: card.clip_qkv.map(|c| c as f32),
             router_norm_p: match card.family {
                 Family::Mixtral => Some(1.0),
-                Family::Dbrx => card.router_norm_p,
+                _ => card.router_norm_p,
             },
             max_positions: card.max_positions as usize,
             rope_theta: card.rope_theta,
+            qk_norm: card.qk_norm,
+            qkv_bias: card.qkv_bias,
+            shared_ffn: card.shared_ffn as usize,
+            shared_gate: card.shared_gate,
         }
     }
 
     /// Query width `heads * head_dim`.
     pub fn q_dim(&self) -> usize {
         self.attn.heads * self.attn.head_dim
+    }
+
+    /// Rows per token of an expert accumulator: normalised row, `top_k` routed outputs and,
+    /// with a shared expert, its output row last (see `ModelCard::acc_rows_per_token`).
+    pub fn acc_rows(&self) -> usize {
+        1 + self.top_k + usize::from(self.shared_ffn > 0)
     }
 
     /// K (or V) width `kv_heads * head_dim`.

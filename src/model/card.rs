@@ -1,4 +1,5 @@
-//! Model cards: the architecture of a Mixtral- or DBRX-family model as plain data.
+//! Model cards: the architecture of one MoE model (Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE or
+//! OLMoE family) as plain data.
 //!
 //! A card is read from RON (`models/*.ron`; the shipped cards are embedded in the binary so
 //! `moec` works from any directory) and gives every dimension the compiler, the cost model
@@ -14,6 +15,45 @@ pub enum Family {
     Mixtral,
     /// Databricks' DBRX: LayerNorm without bias, fused Wqkv with `clip_qkv`, fused experts.
     Dbrx,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): RMSNorm, q/k/v biases, per-expert
+    /// `gate_proj/up_proj/down_proj`, a shared expert scaled by `sigmoid(shared_expert_gate)`.
+    Qwen2Moe,
+    /// Qwen3-MoE (30B-A3B, 235B-A22B): RMSNorm, per-head RMSNorm of q and k before rotary,
+    /// many small experts with top-8 routing.
+    Qwen3Moe,
+    /// AllenAI's OLMoE: RMSNorm, RMSNorm over the whole q and k projections, 64 experts top-8.
+    Olmoe,
+}
+
+impl Family {
+    /// The `model_type` of the family's Hub `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Mixtral => "mixtral",
+            Family::Dbrx => "dbrx",
+            Family::Qwen2Moe => "qwen2_moe",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Olmoe => "olmoe",
+        }
+    }
+
+    /// True for the families whose Hub checkpoints use the Llama-style names
+    /// (`model.layers.{i}.self_attn.q_proj`, ...), i.e. every family but DBRX.
+    pub fn llama_names(self) -> bool {
+        self != Family::Dbrx
+    }
+}
+
+/// Where a family normalises queries and keys after their projections (before rotary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum QkNorm {
+    /// No q/k norm (Mixtral, DBRX, Qwen2-MoE).
+    #[default]
+    None,
+    /// RMSNorm of each head (`head_dim` weights), Qwen3.
+    PerHead,
+    /// RMSNorm of the whole projection (`q_dim` / `kv_dim` weights), OLMoE.
+    Full,
 }
 
 /// Element type of the weights as stored in a checkpoint.
@@ -90,6 +130,19 @@ pub struct ModelCard {
     /// p-norm with this p (`None`: no renormalisation). Mixtral always divides by the sum.
     #[serde(default = "default_router_norm_p")]
     pub router_norm_p: Option<f64>,
+    /// RMSNorm of q and k after their projections (Qwen3 per head, OLMoE whole).
+    #[serde(default)]
+    pub qk_norm: QkNorm,
+    /// The q, k and v projections carry biases (Qwen2-MoE).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Width of the shared expert every token runs besides its routed ones (Qwen2-MoE's
+    /// `shared_expert_intermediate_size`); 0 for none.
+    #[serde(default)]
+    pub shared_ffn: u64,
+    /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)` (Qwen2-MoE).
+    #[serde(default)]
+    pub shared_gate: bool,
 }
 
 fn default_router_norm_p() -> Option<f64> {
@@ -114,6 +167,25 @@ const BUILTIN_CARDS: &[(&str, &str)] = &[
         include_str!("../../models/mixtral-tiny.ron"),
     ),
     ("dbrx-tiny", include_str!("../../models/dbrx-tiny.ron")),
+    (
+        "qwen3-30b-a3b",
+        include_str!("../../models/qwen3-30b-a3b.ron"),
+    ),
+    (
+        "qwen3-235b-a22b",
+        include_str!("../../models/qwen3-235b-a22b.ron"),
+    ),
+    (
+        "qwen3-moe-mid",
+        include_str!("../../models/qwen3-moe-mid.ron"),
+    ),
+    (
+        "qwen3-moe-tiny",
+        include_str!("../../models/qwen3-moe-tiny.ron"),
+    ),
+    ("olmoe-1b-7b", include_str!("../../models/olmoe-1b-7b.ron")),
+    ("olmoe-mid", include_str!("../../models/olmoe-mid.ron")),
+    ("olmoe-tiny", include_str!("../../models/olmoe-tiny.ron")),
 ];
 
 /// Errors from finding or reading a model card.
@@ -247,6 +319,19 @@ impl ModelCard {
                 "sliding_window must be at least 1 (or null for full attention)".to_string(),
             );
         }
+        if self.qk_norm == QkNorm::Full
+            && self.family == Family::Olmoe
+            && self.q_dim() != self.hidden
+        {
+            return Err(format!(
+                "OLMoE's q norm spans hidden ({}) weights, so heads x head_dim ({}) must equal it",
+                self.hidden,
+                self.q_dim()
+            ));
+        }
+        if self.shared_gate && self.shared_ffn == 0 {
+            return Err("shared_gate needs a shared expert (shared_ffn > 0)".to_string());
+        }
         if let Some(clip) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(format!(
                 "clip_qkv ({clip}) must be a positive finite bound (or null for none)"
@@ -265,11 +350,34 @@ impl ModelCard {
         self.kv_heads * self.head_dim
     }
 
-    /// Parameters of one layer's attention: Q, K, V and O projections plus the two norms.
+    /// Parameters of one layer's attention: Q, K, V and O projections, the two layer norms,
+    /// and the q/k biases and norms of the families that have them.
     pub fn attn_params(&self) -> u64 {
         let qkv = self.hidden * (self.q_dim() + 2 * self.kv_dim());
         let o = self.q_dim() * self.hidden;
-        qkv + o + 2 * self.hidden
+        let bias = if self.qkv_bias {
+            self.q_dim() + 2 * self.kv_dim()
+        } else {
+            0
+        };
+        let qk_norm = match self.qk_norm {
+            QkNorm::None => 0,
+            QkNorm::PerHead => 2 * self.head_dim,
+            QkNorm::Full => self.q_dim() + self.kv_dim(),
+        };
+        qkv + o + 2 * self.hidden + bias + qk_norm
+    }
+
+    /// Parameters of one layer's shared expert (gate, up, down and its sigmoid gate); 0
+    /// for families without one. It is part of the layer's dense weights: every token uses it.
+    pub fn shared_params(&self) -> u64 {
+        3 * self.hidden * self.shared_ffn + if self.shared_gate { self.hidden } else { 0 }
+    }
+
+    /// Rows per token of an expert accumulator (`expert_acc`): the normalised row, one
+    /// output row per routed expert, and one for the shared expert when there is one.
+    pub fn acc_rows_per_token(&self) -> u64 {
+        1 + self.top_k + u64::from(self.shared_ffn > 0)
     }
 
     /// Parameters of one layer's router (`experts x hidden`).
@@ -284,7 +392,10 @@ impl ModelCard {
 
     /// Parameters of one decoder layer.
     pub fn layer_params(&self) -> u64 {
-        self.attn_params() + self.router_params() + self.experts * self.expert_params()
+        self.attn_params()
+            + self.router_params()
+            + self.shared_params()
+            + self.experts * self.expert_params()
     }
 
     /// Parameters outside the layers: embedding, final norm, lm_head (never tied here).
@@ -297,10 +408,14 @@ impl ModelCard {
         self.layers * self.layer_params() + self.outer_params()
     }
 
-    /// Parameters a single token touches (attention, router, `top_k` experts, plus outer).
+    /// Parameters a single token touches (attention, router, shared expert, `top_k`
+    /// experts, plus outer).
     pub fn active_params(&self) -> u64 {
         self.layers
-            * (self.attn_params() + self.router_params() + self.top_k * self.expert_params())
+            * (self.attn_params()
+                + self.router_params()
+                + self.shared_params()
+                + self.top_k * self.expert_params())
             + self.outer_params()
     }
 

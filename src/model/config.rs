@@ -1,14 +1,19 @@
 //! Hugging Face `config.json` <-> [`ModelCard`].
 //!
-//! Takes the text of a Hub `config.json` in either family's spelling (Mixtral's flat
-//! fields with `rope_theta` at top level or under `rope_parameters`, `sliding_window` null
-//! or an integer; DBRX's nested `attn_config` / `ffn_config`, whose serialized junk fields
-//! are ignored); gives a card with any dimensions. Also checks that a config agrees with a
+//! Takes the text of a Hub `config.json` in its family's spelling (Mixtral's flat fields
+//! with `rope_theta` at top level or under `rope_parameters`, `sliding_window` null or an
+//! integer; DBRX's nested `attn_config` / `ffn_config`, whose serialized junk fields are
+//! ignored; Qwen2-MoE's, Qwen3-MoE's and OLMoE's flat fields with `num_experts` (or
+//! `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_*`);
+//! gives a card with any dimensions. Whatever moec does not implement is refused with
+//! the field named: an unknown `model_type`, a rope scaling type other than the default, a
+//! `quantization_config`, an activation other than SiLU, sliding-window or dense-only
+//! layers in the Qwen families, attention biases where the family has none. Also checks that a config agrees with a
 //! chosen card (naming the first field that differs) and writes a config in the family's
 //! real spelling for synthetic checkpoints. Every problem is an error naming the file and
 //! field.
 
-use crate::model::card::{Family, ModelCard, WeightDtype};
+use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
 use serde_json::{json, Map, Value};
 
 /// Problems with a `config.json`.
@@ -22,8 +27,8 @@ pub enum ConfigError {
         /// Parser message.
         message: String,
     },
-    /// `model_type` is neither `mixtral` nor `dbrx`.
-    #[error("{path}: model_type `{model_type}` is not supported (expected `mixtral` or `dbrx`)")]
+    /// `model_type` names no family moec implements.
+    #[error("{path}: model_type `{model_type}` is not supported (expected one of mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe)")]
     ModelType {
         /// The file.
         path: String,
@@ -148,9 +153,18 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     })?;
     let f = Fields { path, root };
     let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if matches!(
+        model_type,
+        "mixtral" | "dbrx" | "qwen2_moe" | "qwen3_moe" | "olmoe"
+    ) {
+        refuse_unimplemented(&f)?;
+    }
     let card = match model_type {
         "mixtral" => mixtral_card(&f, name)?,
         "dbrx" => dbrx_card(&f, name)?,
+        "qwen2_moe" => qwen_olmoe_card(&f, name, Family::Qwen2Moe)?,
+        "qwen3_moe" => qwen_olmoe_card(&f, name, Family::Qwen3Moe)?,
+        "olmoe" => qwen_olmoe_card(&f, name, Family::Olmoe)?,
         other => {
             return Err(ConfigError::ModelType {
                 path: path.into(),
@@ -161,6 +175,170 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     card.validate()
         .map_err(|message| f.invalid("(dimensions)", &message))?;
     Ok(card)
+}
+
+/// Refuses, naming the field, what no family's numerics here implement: quantised weights,
+/// rope scaling, activations other than SiLU.
+fn refuse_unimplemented(f: &Fields<'_>) -> Result<(), ConfigError> {
+    if let Some(q) = f.get("quantization_config") {
+        let method = q
+            .get("quant_method")
+            .and_then(Value::as_str)
+            .unwrap_or("(unnamed)");
+        return Err(f.invalid(
+            "quantization_config.quant_method",
+            &format!("`{method}` is not supported (moec reads bf16, f16 and f32 weights only)"),
+        ));
+    }
+    for field in [
+        "rope_scaling.rope_type",
+        "rope_scaling.type",
+        "rope_parameters.rope_type",
+    ] {
+        if let Some(v) = f.get(field) {
+            let kind = v.as_str().unwrap_or("(not a string)");
+            if kind != "default" {
+                return Err(f.invalid(
+                    field,
+                    &format!("`{kind}` is not supported (only the default rotary embedding)"),
+                ));
+            }
+        }
+    }
+    if let Some(Value::Object(_)) = f.root.get("rope_scaling") {
+        if f.get("rope_scaling.rope_type").is_none() && f.get("rope_scaling.type").is_none() {
+            return Err(f.invalid(
+                "rope_scaling",
+                "has no rope type (only the default rotary embedding is supported)",
+            ));
+        }
+    }
+    if let Some(act) = f.get("hidden_act") {
+        if act.as_str() != Some("silu") {
+            return Err(f.invalid(
+                "hidden_act",
+                &format!("{act} is not supported (SwiGLU with SiLU only)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn flag(f: &Fields<'_>, field: &str, default: bool) -> Result<bool, ConfigError> {
+    match f.get(field) {
+        None => Ok(default),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| f.invalid(field, "must be true or false")),
+    }
+}
+
+/// Qwen2-MoE, Qwen3-MoE and OLMoE: Llama-style flat fields.
+fn qwen_olmoe_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("hidden_size")?;
+    let heads = f.uint("num_attention_heads")?;
+    if heads == 0 {
+        return Err(f.invalid("num_attention_heads", "must be positive"));
+    }
+    let rope_theta = match f.opt_float("rope_theta")? {
+        Some(t) => t,
+        None => f
+            .opt_float("rope_parameters.rope_theta")?
+            .unwrap_or(10000.0),
+    };
+    // Every layer sparse and full attention: what moec's uniform layers implement.
+    if family != Family::Olmoe {
+        if flag(f, "use_sliding_window", false)? {
+            return Err(f.invalid(
+                "use_sliding_window",
+                "is true: sliding-window layers of this family are not supported",
+            ));
+        }
+        if let Some(step) = f.opt_uint("decoder_sparse_step")? {
+            if step != 1 {
+                return Err(f.invalid(
+                    "decoder_sparse_step",
+                    &format!("is {step}: only every layer sparse (1) is supported"),
+                ));
+            }
+        }
+        if let Some(layers) = f.get("mlp_only_layers") {
+            if layers.as_array().is_none_or(|a| !a.is_empty()) {
+                return Err(f.invalid(
+                    "mlp_only_layers",
+                    "lists dense layers: only every layer sparse is supported",
+                ));
+            }
+        }
+    }
+    let (experts_field, ffn_field) = match family {
+        Family::Olmoe => ("num_experts", "intermediate_size"),
+        _ => ("num_experts", "moe_intermediate_size"),
+    };
+    let experts = match f.opt_uint(experts_field)? {
+        Some(e) => e,
+        None => f.uint("num_local_experts")?,
+    };
+    let qkv_bias = match family {
+        Family::Qwen2Moe => flag(f, "qkv_bias", true)?,
+        _ => false,
+    };
+    if family != Family::Qwen2Moe && flag(f, "attention_bias", false)? {
+        return Err(f.invalid(
+            "attention_bias",
+            "is true: attention biases of this family are not supported",
+        ));
+    }
+    let shared_ffn = match family {
+        Family::Qwen2Moe => f.uint("shared_expert_intermediate_size")?,
+        _ => 0,
+    };
+    let clip_qkv = match family {
+        Family::Olmoe => f.opt_float("clip_qkv")?,
+        _ => None,
+    };
+    let (tokenizer, default_eos, eps) = match family {
+        Family::Olmoe => ("tokenizers/mixtral/tokenizer.json", 50279, 1e-5),
+        _ => ("tokenizers/dbrx/tokenizer.json", 151643, 1e-6),
+    };
+    Ok(ModelCard {
+        name: name.to_string(),
+        family,
+        description: format!("{family:?}-family checkpoint `{name}` (from config.json)"),
+        layers: f.uint("num_hidden_layers")?,
+        hidden,
+        ffn: f.uint(ffn_field)?,
+        heads,
+        kv_heads: f.opt_uint("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: match family {
+            // OLMoE has no head_dim field: its q/k norms assume hidden / heads.
+            Family::Olmoe => hidden / heads,
+            _ => f.opt_uint("head_dim")?.unwrap_or(hidden / heads),
+        },
+        experts,
+        top_k: f.uint("num_experts_per_tok")?,
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_position_embeddings")?,
+        rope_theta,
+        norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(eps),
+        clip_qkv,
+        dtype: WeightDtype::Bf16,
+        tokenizer: tokenizer.into(),
+        // The Qwen and OLMoE tokenizers prepend nothing (config `bos_token_id` is only the
+        // id of a special token).
+        bos_token_id: None,
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(default_eos),
+        sliding_window: None,
+        router_norm_p: flag(f, "norm_topk_prob", false)?.then_some(1.0),
+        qk_norm: match family {
+            Family::Qwen3Moe => QkNorm::PerHead,
+            Family::Olmoe => QkNorm::Full,
+            _ => QkNorm::None,
+        },
+        qkv_bias,
+        shared_ffn,
+        shared_gate: shared_ffn > 0,
+    })
 }
 
 fn mixtral_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -196,6 +374,10 @@ fn mixtral_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(2),
         sliding_window: f.opt_uint("sliding_window")?,
         router_norm_p: Some(1.0),
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_ffn: 0,
+        shared_gate: false,
     })
 }
 
@@ -254,6 +436,10 @@ fn dbrx_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(100257),
         sliding_window: None,
         router_norm_p,
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_ffn: 0,
+        shared_gate: false,
     })
 }
 
@@ -279,9 +465,19 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
         ),
         _ => ("model_type", "model_type"),
     };
+    let qwen = match card_field {
+        "experts" => "num_experts",
+        "ffn" if family != Family::Olmoe => "moe_intermediate_size",
+        "router_norm_p" => "norm_topk_prob",
+        "clip_qkv" => "clip_qkv",
+        "shared_ffn" => "shared_expert_intermediate_size",
+        "qkv_bias" => "qkv_bias",
+        _ => mixtral,
+    };
     match family {
         Family::Mixtral => mixtral,
         Family::Dbrx => dbrx,
+        Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => qwen,
     }
 }
 
@@ -348,7 +544,21 @@ pub fn check_agreement(
             format!("{:?}", card.clip_qkv),
         ));
     }
-    if card.family == Family::Dbrx && from_config.router_norm_p != card.router_norm_p {
+    if from_config.shared_ffn != card.shared_ffn {
+        return Err(mismatch(
+            "shared_ffn",
+            from_config.shared_ffn.to_string(),
+            card.shared_ffn.to_string(),
+        ));
+    }
+    if from_config.qkv_bias != card.qkv_bias {
+        return Err(mismatch(
+            "qkv_bias",
+            from_config.qkv_bias.to_string(),
+            card.qkv_bias.to_string(),
+        ));
+    }
+    if card.family != Family::Mixtral && from_config.router_norm_p != card.router_norm_p {
         return Err(mismatch(
             "router_norm_p",
             format!("{:?}", from_config.router_norm_p),
@@ -368,7 +578,71 @@ fn torch_dtype(dtype: WeightDtype) -> &'static str {
 
 /// A config.json for `card` in its family's Hub spelling (for synthetic checkpoints).
 pub fn config_for_card(card: &ModelCard, dtype: WeightDtype) -> Value {
+    let llama_style = || {
+        json!({
+            "architectures": [match card.family {
+                Family::Qwen2Moe => "Qwen2MoeForCausalLM",
+                Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+                _ => "OlmoeForCausalLM",
+            }],
+            "model_type": card.family.model_type(),
+            "hidden_size": card.hidden,
+            "num_hidden_layers": card.layers,
+            "num_attention_heads": card.heads,
+            "num_key_value_heads": card.kv_heads,
+            "num_experts": card.experts,
+            "num_experts_per_tok": card.top_k,
+            "norm_topk_prob": card.router_norm_p.is_some(),
+            "vocab_size": card.vocab,
+            "max_position_embeddings": card.max_positions,
+            "rms_norm_eps": card.norm_eps,
+            "rope_theta": card.rope_theta,
+            "eos_token_id": card.eos_token_id,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "output_router_logits": false,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        })
+    };
     match card.family {
+        Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => {
+            let mut v = llama_style();
+            if let Some(obj) = v.as_object_mut() {
+                let extra = match card.family {
+                    Family::Qwen2Moe => json!({
+                        "moe_intermediate_size": card.ffn,
+                        "intermediate_size": card.shared_ffn,
+                        "shared_expert_intermediate_size": card.shared_ffn,
+                        "qkv_bias": card.qkv_bias,
+                        "head_dim": card.head_dim,
+                        "use_sliding_window": false,
+                        "decoder_sparse_step": 1,
+                        "mlp_only_layers": [],
+                    }),
+                    Family::Qwen3Moe => json!({
+                        "moe_intermediate_size": card.ffn,
+                        "intermediate_size": card.ffn * card.top_k,
+                        "head_dim": card.head_dim,
+                        "attention_bias": false,
+                        "use_sliding_window": false,
+                        "decoder_sparse_step": 1,
+                        "mlp_only_layers": [],
+                    }),
+                    _ => json!({
+                        "intermediate_size": card.ffn,
+                        "clip_qkv": card.clip_qkv,
+                        "attention_bias": false,
+                    }),
+                };
+                if let Value::Object(extra) = extra {
+                    obj.extend(extra);
+                }
+            }
+            v
+        }
         Family::Mixtral => json!({
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",

@@ -30,12 +30,28 @@ pub struct DenseWeights<'a> {
     pub attn_norm: TypedSlice<'a>,
     /// Q/K/V projections.
     pub qkv: QkvWeights<'a>,
+    /// Biases of q, k and v (`[q_dim]`, `[kv_dim]`, `[kv_dim]`), Qwen2-MoE.
+    pub qkv_bias: Option<[TypedSlice<'a>; 3]>,
+    /// RMSNorm weights of q and k (per head `[head_dim]` or whole `[q_dim]`/`[kv_dim]`).
+    pub qk_norm: Option<[TypedSlice<'a>; 2]>,
     /// Output projection `[hidden, q_dim]`.
     pub o_proj: Matrix<'a>,
     /// Pre-MoE norm weight.
     pub ffn_norm: TypedSlice<'a>,
     /// Router `[experts, hidden]`.
     pub router: Matrix<'a>,
+    /// The shared expert every token runs (Qwen2-MoE), if the family has one.
+    pub shared: Option<SharedExpertWeights<'a>>,
+}
+
+/// A shared expert: a SwiGLU like a routed one (down stored out x in), optionally scaled
+/// by `sigmoid(x · gate)`.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedExpertWeights<'a> {
+    /// Its gate, up and down projections.
+    pub ffn: ExpertWeights<'a>,
+    /// `shared_expert_gate` `[1, hidden]`.
+    pub gate: Option<Matrix<'a>>,
 }
 
 /// One expert's SwiGLU feed-forward weights.

@@ -61,7 +61,9 @@ pub fn size_helper(
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
         // The gate's normalised rows, then one slot per (token, k): expert outputs kept
         // apart so the sum order is fixed.
-        "expert_acc" => one(&|n| raw(n.saturating_mul((1 + card.top_k) * card.hidden * a))),
+        "expert_acc" => {
+            one(&|n| raw(n.saturating_mul(card.acc_rows_per_token() * card.hidden * a)))
+        }
         "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
         "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
         "layer_weights" => none(HelperSize {

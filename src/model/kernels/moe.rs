@@ -5,14 +5,16 @@
 //! [`Routing`]; [`expert_ffn`] runs one expert's SwiGLU on the rows routed to it (gathered
 //! into a contiguous block) and writes `weight * y` into that (row, slot)'s place of a
 //! `[n_tokens, top_k, hidden]` slot buffer; [`combine`] sums each row's slots in ascending
-//! expert index (Hugging Face's summation order) and adds the sum to the residual. So the
-//! result is bit-identical whatever order, grouping or micro-batch the experts run in.
+//! expert index (Hugging Face's summation order), adds the shared expert's row when the
+//! family has one ([`Kernels::shared_expert`], Qwen2-MoE: `sigmoid(x · g) * swiglu(x)`,
+//! added after the routed sum as transformers does) and adds the sum to the residual. So
+//! the result is bit-identical whatever order, grouping or micro-batch the experts run in.
 
 use crate::model::arch::ArchSpec;
 use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::norm::normalize;
 use crate::model::kernels::{check_len, KernelError};
-use crate::model::weights::{DenseWeights, ExpertWeights};
+use crate::model::weights::{DenseWeights, ExpertWeights, SharedExpertWeights};
 
 /// The router's decision for a batch of rows.
 #[derive(Debug, Clone, PartialEq)]
@@ -206,6 +208,40 @@ impl Kernels {
         Ok(())
     }
 
+    /// The shared expert on every row of `x_norm` (`[n_tokens, hidden]`) into `out`
+    /// (same shape): `down(silu(gate(x)) * up(x))`, times `sigmoid(x · shared_expert_gate)`
+    /// when the family gates it.
+    pub fn shared_expert(
+        self,
+        arch: &ArchSpec,
+        shared: &SharedExpertWeights<'_>,
+        x_norm: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let d = arch.hidden;
+        let n = x_norm.len() / d.max(1);
+        check_len("shared expert input", x_norm.len(), n * d)?;
+        check_len("shared expert output", out.len(), n * d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = shared.ffn.gate.out_dim();
+        let mut h = vec![0.0f32; n * f];
+        self.linear_gated(x_norm, n, &shared.ffn.gate, &shared.ffn.up, silu, &mut h)?;
+        self.linear(&h, n, &shared.ffn.down, out)?;
+        if let Some(gate) = &shared.gate {
+            let mut g = vec![0.0f32; n];
+            self.linear(x_norm, n, gate, &mut g)?;
+            for (row, &logit) in out.chunks_exact_mut(d).zip(&g) {
+                let s = 1.0 / (1.0 + (-logit).exp());
+                for v in row {
+                    *v *= s;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
     /// [`expert_ffn`] for every expert some row routes to (in expert order; `expert(e)` gives
     /// its weights and is called for those experts only), then [`combine`] into `x`. Returns
@@ -228,7 +264,14 @@ impl Kernels {
                 self.expert_ffn(arch, &expert(e)?, &x_norm, rows, &mut slots)?;
             }
         }
-        combine(&routing, &slots, x)?;
+        match &dense.shared {
+            Some(shared) => {
+                let mut shared_out = vec![0.0f32; x.len()];
+                self.shared_expert(arch, shared, &x_norm, &mut shared_out)?;
+                combine_shared(&routing, &slots, Some(&shared_out), x)?;
+            }
+            None => combine(&routing, &slots, x)?,
+        }
         Ok(routing)
     }
 }
@@ -236,11 +279,26 @@ impl Kernels {
 /// `residual += Σ slots` per row, the slots summed in ascending expert index starting
 /// from zero (as Hugging Face's `index_add` loop over experts does).
 pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result<(), KernelError> {
+    combine_shared(routing, slots, None, residual)
+}
+
+/// [`combine`], with the shared expert's rows (`[n_tokens, hidden]`) added to each row's
+/// routed sum before the sum goes into the residual (Qwen2-MoE's
+/// `residual + (experts + shared)`).
+pub fn combine_shared(
+    routing: &Routing,
+    slots: &[f32],
+    shared: Option<&[f32]>,
+    residual: &mut [f32],
+) -> Result<(), KernelError> {
     let k = routing.top_k.max(1);
     let n = routing.n_tokens();
     let d = residual.len() / n.max(1);
     check_len("combine residual", residual.len(), n * d)?;
     check_len("combine slots", slots.len(), n * k * d)?;
+    if let Some(shared) = shared {
+        check_len("combine shared expert rows", shared.len(), n * d)?;
+    }
     let mut order: Vec<usize> = Vec::with_capacity(k);
     let mut sum = vec![0.0f32; d];
     for t in 0..n {
@@ -252,6 +310,11 @@ pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result
         for &s in &order {
             let at = (t * k + s) * d;
             for (acc, v) in sum.iter_mut().zip(&slots[at..at + d]) {
+                *acc += v;
+            }
+        }
+        if let Some(shared) = shared {
+            for (acc, v) in sum.iter_mut().zip(&shared[t * d..(t + 1) * d]) {
                 *acc += v;
             }
         }

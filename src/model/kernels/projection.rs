@@ -1,5 +1,5 @@
-//! The attention block's projections: pre-attention (norm, Q/K/V, DBRX clip, rotary) and
-//! the output projection with its residual add.
+//! The attention block's projections: pre-attention (norm, Q/K/V, their biases, q/k
+//! RMSNorm, DBRX/OLMoE clip, rotary) and the output projection with its residual add.
 //!
 //! Takes f32 rows `[n_tokens, hidden]`, one position per row and a layer's dense weights;
 //! gives `qkv` rows laid out `[q | k | v]` with rotary applied (what the attention kernel
@@ -7,7 +7,7 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::kernels::isa::Kernels;
-use crate::model::kernels::norm::normalize;
+use crate::model::kernels::norm::{normalize, NormKind};
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::{check_len, KernelError};
 use crate::model::weights::{DenseWeights, QkvWeights};
@@ -36,7 +36,8 @@ pub fn o_proj_residual(
 }
 
 impl Kernels {
-    /// Norm, QKV projection, clip (DBRX) and rotary for `n_tokens = positions.len()` rows of
+    /// Norm, QKV projection, q/k/v biases (Qwen2-MoE), q/k RMSNorm (Qwen3 per head, OLMoE
+    /// whole), clip (DBRX) and rotary for `n_tokens = positions.len()` rows of
     /// `x`. `x_norm` is scratch `[n_tokens, hidden]`; `qkv_out` is `[n_tokens, qkv_width]`.
     #[allow(clippy::too_many_arguments)]
     pub fn pre_attn(
@@ -76,6 +77,38 @@ impl Kernels {
                         qkv_out[t * width + col..t * width + col + cols]
                             .copy_from_slice(&part[t * cols..(t + 1) * cols]);
                     }
+                }
+            }
+        }
+        if let Some(biases) = &dense.qkv_bias {
+            let b: Vec<Vec<f32>> = biases.iter().map(|b| b.to_f32_vec()).collect();
+            for (part, (col, cols)) in b.iter().zip([(0, q), (q, kv), (q + kv, kv)]) {
+                check_len("q/k/v bias", part.len(), cols)?;
+                for row in qkv_out.chunks_exact_mut(width) {
+                    for (v, bv) in row[col..col + cols].iter_mut().zip(part) {
+                        *v += bv;
+                    }
+                }
+            }
+        }
+        if let Some([q_norm, k_norm]) = dense.qk_norm {
+            // Qwen3 normalises each head (weights of head_dim), OLMoE the whole q and k
+            // projections (weights of q_dim / kv_dim); both before clip and rotary.
+            let mut tmp = vec![0.0f32; q.max(kv)];
+            for row in qkv_out.chunks_exact_mut(width) {
+                for (col, cols, w) in [(0, q, q_norm), (q, kv, k_norm)] {
+                    let part = &mut row[col..col + cols];
+                    let chunk = w.len().max(1);
+                    if cols % chunk != 0 {
+                        return Err(KernelError::Shape {
+                            what: "q/k norm weight (a divisor of the q or k width)",
+                            expected: cols,
+                            got: w.len(),
+                        });
+                    }
+                    let out = &mut tmp[..cols];
+                    normalize(NormKind::Rms, part, w, arch.norm_eps, out);
+                    part.copy_from_slice(out);
                 }
             }
         }
