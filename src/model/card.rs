@@ -183,6 +183,18 @@ const BUILTIN_CARDS: &[(&str, &str)] = &[
         "qwen3-moe-tiny",
         include_str!("../../models/qwen3-moe-tiny.ron"),
     ),
+    (
+        "qwen2-57b-a14b",
+        include_str!("../../models/qwen2-57b-a14b.ron"),
+    ),
+    (
+        "qwen2-moe-mid",
+        include_str!("../../models/qwen2-moe-mid.ron"),
+    ),
+    (
+        "qwen2-moe-tiny",
+        include_str!("../../models/qwen2-moe-tiny.ron"),
+    ),
     ("olmoe-1b-7b", include_str!("../../models/olmoe-1b-7b.ron")),
     ("olmoe-mid", include_str!("../../models/olmoe-mid.ron")),
     ("olmoe-tiny", include_str!("../../models/olmoe-tiny.ron")),
@@ -475,6 +487,29 @@ mod tests {
             assert!(
                 (got / published - 1.0).abs() < 0.005,
                 "{name}: {got} vs {published}"
+            );
+        }
+    }
+
+    /// Published totals and active parameters of the newer families (model cards on the
+    /// Hub): Qwen3-30B-A3B 30.5B / 3.3B, Qwen3-235B-A22B 235B / 22B, OLMoE-1B-7B 6.9B /
+    /// 1.3B, Qwen2-57B-A14B 57.4B / 14.2B; within 2% (published figures are rounded).
+    #[test]
+    fn new_family_parameter_counts_match_published_figures() {
+        let expect = [
+            ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+            ("qwen3-235b-a22b", 235.0e9, 22.0e9),
+            ("olmoe-1b-7b", 6.9e9, 1.3e9),
+            ("qwen2-57b-a14b", 57.4e9, 14.2e9),
+        ];
+        for (name, total, active) in expect {
+            let card = ModelCard::load(name).unwrap();
+            let got = card.total_params() as f64;
+            assert!((got / total - 1.0).abs() < 0.02, "{name}: {got} vs {total}");
+            let got = card.active_params() as f64;
+            assert!(
+                (got / active - 1.0).abs() < 0.02,
+                "{name} active: {got} vs {active}"
             );
         }
     }

@@ -732,6 +732,136 @@ mod tests {
       "tie_word_embeddings":false,"torch_dtype":"bfloat16","transformers_version":"4.38.2",
       "use_cache":true,"vocab_size":100352}"#;
 
+    /// Qwen3-30B-A3B's config.json as published on the Hub (2025-04 revision; written
+    /// from the model card's published file, not downloaded here).
+    const QWEN3_30B_A3B: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"attention_bias":false,
+      "attention_dropout":0.0,"bos_token_id":151643,"decoder_sparse_step":1,"eos_token_id":151645,
+      "head_dim":128,"hidden_act":"silu","hidden_size":2048,"initializer_range":0.02,
+      "intermediate_size":6144,"max_position_embeddings":40960,"max_window_layers":48,
+      "mlp_only_layers":[],"model_type":"qwen3_moe","moe_intermediate_size":768,"norm_topk_prob":true,
+      "num_attention_heads":32,"num_experts":128,"num_experts_per_tok":8,"num_hidden_layers":48,
+      "num_key_value_heads":4,"output_router_logits":false,"rms_norm_eps":1e-06,"rope_scaling":null,
+      "rope_theta":1000000.0,"router_aux_loss_coef":0.001,"sliding_window":null,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","transformers_version":"4.51.0",
+      "use_cache":true,"use_sliding_window":false,"vocab_size":151936}"#;
+
+    /// OLMoE-1B-7B-0924's config.json as published on the Hub (same provenance).
+    const OLMOE_1B_7B: &str = r#"{"architectures":["OlmoeForCausalLM"],"attention_bias":false,
+      "attention_dropout":0.0,"clip_qkv":null,"eos_token_id":50279,"hidden_act":"silu",
+      "hidden_size":2048,"initializer_range":0.02,"intermediate_size":1024,
+      "max_position_embeddings":4096,"model_type":"olmoe","norm_topk_prob":false,
+      "num_attention_heads":16,"num_experts":64,"num_experts_per_tok":8,"num_hidden_layers":16,
+      "num_key_value_heads":16,"output_router_logits":false,"pad_token_id":1,"rms_norm_eps":1e-05,
+      "rope_scaling":null,"rope_theta":10000.0,"router_aux_loss_coef":0.01,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,"vocab_size":50304}"#;
+
+    /// Qwen2-57B-A14B's config.json as published on the Hub (same provenance; no
+    /// `qkv_bias` field: the biases are always there).
+    const QWEN2_57B_A14B: &str = r#"{"architectures":["Qwen2MoeForCausalLM"],"attention_dropout":0.0,
+      "bos_token_id":151643,"decoder_sparse_step":1,"eos_token_id":151643,"hidden_act":"silu",
+      "hidden_size":3584,"initializer_range":0.02,"intermediate_size":18944,
+      "max_position_embeddings":32768,"max_window_layers":28,"model_type":"qwen2_moe",
+      "moe_intermediate_size":2560,"norm_topk_prob":false,"num_attention_heads":28,"num_experts":64,
+      "num_experts_per_tok":8,"num_hidden_layers":28,"num_key_value_heads":4,"rms_norm_eps":1e-06,
+      "rope_theta":1000000.0,"shared_expert_intermediate_size":20480,"sliding_window":65536,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,
+      "use_sliding_window":false,"vocab_size":151936}"#;
+
+    #[test]
+    fn new_family_hub_configs_agree_with_the_builtin_cards() {
+        for (text, name) in [
+            (QWEN3_30B_A3B, "qwen3-30b-a3b"),
+            (OLMOE_1B_7B, "olmoe-1b-7b"),
+            (QWEN2_57B_A14B, "qwen2-57b-a14b"),
+        ] {
+            let from_config = card_from_config(text, "config.json", "x").unwrap();
+            check_agreement(&from_config, &ModelCard::load(name).unwrap(), "config.json")
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let qwen3 = card_from_config(QWEN3_30B_A3B, "c.json", "x").unwrap();
+        assert_eq!(
+            (qwen3.qk_norm, qwen3.router_norm_p, qwen3.bos_token_id),
+            (QkNorm::PerHead, Some(1.0), None)
+        );
+        let olmoe = card_from_config(OLMOE_1B_7B, "c.json", "x").unwrap();
+        assert_eq!((olmoe.qk_norm, olmoe.router_norm_p), (QkNorm::Full, None));
+        let qwen2 = card_from_config(QWEN2_57B_A14B, "c.json", "x").unwrap();
+        assert_eq!(
+            (
+                qwen2.qkv_bias,
+                qwen2.shared_ffn,
+                qwen2.shared_gate,
+                qwen2.sliding_window
+            ),
+            (true, 20480, true, None)
+        );
+    }
+
+    /// What moec does not implement is refused with the field named, never run.
+    #[test]
+    fn unimplemented_fields_are_refused_by_name() {
+        let cases = [
+            (
+                QWEN3_30B_A3B.replace(
+                    r#""rope_scaling":null"#,
+                    r#""rope_scaling":{"rope_type":"yarn","factor":4.0}"#,
+                ),
+                "rope_scaling.rope_type",
+            ),
+            (
+                MIXTRAL_8X7B.replace(
+                    r#""rope_theta":1000000.0,"#,
+                    r#""rope_parameters":{"rope_theta":1e6,"rope_type":"llama3"},"#,
+                ),
+                "rope_parameters.rope_type",
+            ),
+            (
+                OLMOE_1B_7B.replace(
+                    r#""clip_qkv":null,"#,
+                    r#""clip_qkv":null,"quantization_config":{"quant_method":"mxfp4"},"#,
+                ),
+                "quantization_config.quant_method",
+            ),
+            (
+                QWEN3_30B_A3B.replace(
+                    r#""use_sliding_window":false"#,
+                    r#""use_sliding_window":true"#,
+                ),
+                "use_sliding_window",
+            ),
+            (
+                QWEN2_57B_A14B.replace(r#""decoder_sparse_step":1"#, r#""decoder_sparse_step":2"#),
+                "decoder_sparse_step",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""mlp_only_layers":[]"#, r#""mlp_only_layers":[0]"#),
+                "mlp_only_layers",
+            ),
+            (
+                OLMOE_1B_7B.replace(r#""attention_bias":false"#, r#""attention_bias":true"#),
+                "attention_bias",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""hidden_act":"silu""#, r#""hidden_act":"gelu""#),
+                "hidden_act",
+            ),
+            (
+                QWEN3_30B_A3B.replace(
+                    r#""model_type":"qwen3_moe""#,
+                    r#""model_type":"deepseek_v3""#,
+                ),
+                "model_type `deepseek_v3`",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = card_from_config(&text, "c.json", "x")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{field}: {err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
     #[test]
     fn hub_configs_agree_with_the_builtin_cards() {
         let mixtral = card_from_config(MIXTRAL_8X7B, "config.json", "x").unwrap();
@@ -801,7 +931,17 @@ mod tests {
 
     #[test]
     fn written_configs_read_back_as_the_same_card() {
-        for name in ["mixtral-tiny", "dbrx-tiny", "mixtral-mid"] {
+        for name in [
+            "mixtral-tiny",
+            "dbrx-tiny",
+            "mixtral-mid",
+            "qwen3-moe-tiny",
+            "qwen3-30b-a3b",
+            "olmoe-tiny",
+            "olmoe-1b-7b",
+            "qwen2-moe-tiny",
+            "qwen2-57b-a14b",
+        ] {
             let card = ModelCard::load(name).unwrap();
             let text = config_for_card(&card, WeightDtype::Bf16).to_string();
             let back = card_from_config(&text, "c.json", name).unwrap();
