@@ -4,7 +4,7 @@
 What it takes: nothing but the pinned packages in scripts/requirements-parity.txt (CPU
 torch, transformers, safetensors). No network, no tokenizer, no Hub download.
 
-What it gives, for each family (mixtral, dbrx, qwen3_moe, olmoe, qwen2_moe), in
+What it gives, for each family (mixtral, dbrx, qwen3_moe, olmoe, qwen2_moe, gpt_oss), in
 tests/fixtures/parity/<family>/:
   config.json, generation_config.json, model.safetensors  -- a small random model written by
       `save_pretrained` in bf16, i.e. exactly the Hub layout moec reads with `--weights DIR`;
@@ -74,6 +74,8 @@ from transformers import (
     DbrxConfig,
     DbrxForCausalLM,
     DynamicCache,
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -284,6 +286,56 @@ def qwen2_moe_family() -> Family:
     return Family("qwen2_moe", 5000, config, Qwen2MoeForCausalLM, llama_style_names(config, True, True))
 
 
+def gpt_oss_family() -> Family:
+    # gpt-oss's structure at a small size: sinks, sliding window (8 tokens, so the 19- and
+    # 43-token prompts are cut) on even layers and full attention on odd ones, biases on
+    # q/k/v/o, router and experts, top-k-then-softmax routing, YaRN (gpt-oss's own
+    # parameters), the clamped SwiGLU with a low limit so that the clamp acts.
+    config = GptOssConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        sliding_window=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        swiglu_limit=1.5,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}"
+        names += [
+            f"{prefix}.input_layernorm.weight",
+            f"{prefix}.post_attention_layernorm.weight",
+            f"{prefix}.mlp.router.weight",
+            f"{prefix}.mlp.router.bias",
+            f"{prefix}.self_attn.sinks",
+        ]
+        names += [f"{prefix}.self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")]
+        names += [
+            f"{prefix}.mlp.experts.{w}"
+            for w in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        ]
+    return Family("gpt_oss", 6000, config, GptOssForCausalLM, names)
+
+
 LLAMA_STYLE = ("qwen3_moe", "olmoe", "qwen2_moe")
 
 
@@ -307,7 +359,18 @@ def init_weights(model: torch.nn.Module, family: str, seed: int) -> None:
 
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if param.dim() == 1 and name.endswith(".bias"):
+            if name.endswith("self_attn.sinks"):
+                # Sink logits of the size of the attention scores, so they take a real share.
+                normal(param, 1.0)
+            elif name.endswith("mlp.router.weight"):
+                normal(param, ROUTER_GAIN / math.sqrt(param.shape[-1]))
+            elif name.endswith("_bias") or name.endswith(".bias"):
+                # Biases (q/k/v/o, router, gpt-oss experts): small.
+                normal(param, 0.1)
+            elif family == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # gpt-oss experts are [experts, in, out]: fan-in is the middle dimension.
+                normal(param, 1.0 / math.sqrt(param.shape[-2]))
+            elif param.dim() == 1 and name.endswith(".bias"):
                 # Qwen2-MoE's q/k/v biases: small, so attention still depends on the input.
                 normal(param, 0.1)
             elif param.dim() == 1:
@@ -347,11 +410,12 @@ class Probe:
         self.expert_hits: dict[int, np.ndarray] = {}
         self.clip_counts: dict[int, list[int]] = {}
         self.handles = []
-        if family.name == "mixtral" or family.name in LLAMA_STYLE:
+        if family.name == "mixtral" or family.name in LLAMA_STYLE or family.name == "gpt_oss":
             self.top_k = family.config.num_experts_per_tok
             for layer_idx, layer in enumerate(model.model.layers):
+                router = layer.mlp.router if family.name == "gpt_oss" else layer.mlp.gate
                 self.handles.append(
-                    layer.mlp.gate.register_forward_hook(self._router_hook(layer_idx, tuple_out=True))
+                    router.register_forward_hook(self._router_hook(layer_idx, tuple_out=True))
                 )
         else:
             self.top_k = family.config.ffn_config.moe_top_k
@@ -576,6 +640,57 @@ def break_model(model: torch.nn.Module, family: str, what: str):
                     proj.bias.copy_(bias)
 
         return undo
+    if what == "no_sinks":
+        sinks = [layer.self_attn.sinks for layer in model.model.layers]
+        saved = [p.detach().clone() for p in sinks]
+        with torch.no_grad():
+            for p in sinks:
+                p.fill_(-1e30)
+
+        def undo():
+            with torch.no_grad():
+                for p, v in zip(sinks, saved):
+                    p.copy_(v)
+
+        return undo
+    if what == "no_sliding_window":
+        saved = list(model.config.layer_types)
+        attns = [layer.self_attn for layer in model.model.layers]
+        windows = [attn.sliding_window for attn in attns]
+        model.config.layer_types = ["full_attention"] * len(saved)
+        for attn in attns:
+            attn.sliding_window = None
+
+        def undo():
+            model.config.layer_types = saved
+            for attn, window in zip(attns, windows):
+                attn.sliding_window = window
+
+        return undo
+    if what == "no_swiglu_clamp":
+        experts = [layer.mlp.experts for layer in model.model.layers]
+        limit = experts[0].limit
+        for e in experts:
+            e.limit = 1e30
+
+        def undo():
+            for e in experts:
+                e.limit = limit
+
+        return undo
+    if what == "no_yarn":
+        rotary = model.model.rotary_emb
+        saved = (rotary.inv_freq.clone(), rotary.attention_scaling)
+        dim = saved[0].numel() * 2
+        base = model.config.rope_parameters["rope_theta"]
+        rotary.inv_freq.copy_(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)))
+        rotary.attention_scaling = 1.0
+
+        def undo():
+            rotary.inv_freq.copy_(saved[0])
+            rotary.attention_scaling = saved[1]
+
+        return undo
     if what == "rope_theta_10000":
         rotary = model.transformer.rotary_emb if family == "dbrx" else model.model.rotary_emb
         saved = rotary.inv_freq.clone()
@@ -595,6 +710,7 @@ def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -
         "dbrx": ["no_router_renorm", "no_clip_qkv", "rope_theta_10000"],
         "qwen3_moe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
         "olmoe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
+        "gpt_oss": ["no_sinks", "no_sliding_window", "no_swiglu_clamp", "no_yarn"],
         "qwen2_moe": [
             "flip_router_renorm",
             "no_shared_expert",
@@ -824,7 +940,9 @@ def main() -> None:
     default_out = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "parity"
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument(
-        "--family", choices=["mixtral", "dbrx", "qwen3_moe", "olmoe", "qwen2_moe"], action="append"
+        "--family",
+        choices=["mixtral", "dbrx", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"],
+        action="append",
     )
     args = parser.parse_args()
 
@@ -838,6 +956,7 @@ def main() -> None:
         "qwen3_moe": qwen3_moe_family,
         "olmoe": olmoe_family,
         "qwen2_moe": qwen2_moe_family,
+        "gpt_oss": gpt_oss_family,
     }
     for name in args.family or list(families):
         expected = build_family(families[name](), args.out)

@@ -243,3 +243,8 @@ fn olmoe_oracle_matches_transformers() {
 fn qwen2_moe_oracle_matches_transformers() {
     check_family("qwen2_moe");
 }
+
+#[test]
+fn gpt_oss_oracle_matches_transformers() {
+    check_family("gpt_oss");
+}

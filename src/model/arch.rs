@@ -4,7 +4,7 @@
 //! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
 //! family names themselves.
 
-use crate::model::card::{Family, ModelCard, QkNorm};
+use crate::model::card::{Family, ModelCard, QkNorm, Yarn};
 use crate::model::kernels::attention::AttnShape;
 use crate::model::kernels::norm::NormKind;
 
@@ -48,6 +48,17 @@ pub struct ArchSpec {
     pub shared_ffn: usize,
     /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)`.
     pub shared_gate: bool,
+    /// The output projection carries a bias.
+    pub o_bias: bool,
+    /// `attn.sliding_window` applies to even layers only (gpt-oss).
+    pub alternate_sliding: bool,
+    /// Router bias, top-k over logits, softmax over the k chosen (gpt-oss).
+    pub router_bias_topk_softmax: bool,
+    /// gpt-oss experts: `(alpha, limit)` of the clamped SwiGLU over fused interleaved
+    /// gate/up with biases.
+    pub clamped_swiglu: Option<(f32, f32)>,
+    /// YaRN rotary scaling.
+    pub yarn: Option<Yarn>,
 }
 
 impl ArchSpec {
@@ -57,9 +68,11 @@ impl ArchSpec {
             family: card.family,
             norm: match card.family {
                 Family::Dbrx => NormKind::LayerNoBias,
-                Family::Mixtral | Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => {
-                    NormKind::Rms
-                }
+                Family::Mixtral
+                | Family::Qwen2Moe
+                | Family::Qwen3Moe
+                | Family::Olmoe
+                | Family::GptOss => NormKind::Rms,
             },
             norm_eps: card.norm_eps as f32,
             hidden: card.hidden as usize,
@@ -69,6 +82,7 @@ impl ArchSpec {
                 kv_heads: card.kv_heads as usize,
                 head_dim: card.head_dim as usize,
                 sliding_window: card.sliding_window.map(|w| w as usize),
+                sinks: card.sinks,
             },
             experts: card.experts as usize,
             top_k: card.top_k as usize,
@@ -85,7 +99,24 @@ impl ArchSpec {
             qkv_bias: card.qkv_bias,
             shared_ffn: card.shared_ffn as usize,
             shared_gate: card.shared_gate,
+            o_bias: card.o_bias,
+            alternate_sliding: card.alternate_sliding,
+            router_bias_topk_softmax: card.router_bias_topk_softmax,
+            clamped_swiglu: card
+                .clamped_swiglu
+                .map(|c| (c.alpha as f32, c.limit as f32)),
+            yarn: card.yarn,
         }
+    }
+
+    /// The attention geometry of layer `layer`: the sliding window only on even layers
+    /// when the family alternates (gpt-oss), else on every layer.
+    pub fn attn_of(&self, layer: usize) -> AttnShape {
+        let mut shape = self.attn;
+        if self.alternate_sliding && layer % 2 == 1 {
+            shape.sliding_window = None;
+        }
+        shape
     }
 
     /// Query width `heads * head_dim`.

@@ -23,6 +23,10 @@ pub enum Family {
     Qwen3Moe,
     /// AllenAI's OLMoE: RMSNorm, RMSNorm over the whole q and k projections, 64 experts top-8.
     Olmoe,
+    /// OpenAI's gpt-oss: attention sinks, sliding window on every other layer, biases on
+    /// q/k/v/o, router and experts, top-k-then-softmax routing, a clamped SwiGLU over fused
+    /// interleaved gate/up experts, YaRN rotary scaling.
+    GptOss,
 }
 
 impl Family {
@@ -34,6 +38,7 @@ impl Family {
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmoe => "olmoe",
+            Family::GptOss => "gpt_oss",
         }
     }
 
@@ -42,6 +47,33 @@ impl Family {
     pub fn llama_names(self) -> bool {
         self != Family::Dbrx
     }
+}
+
+/// YaRN rotary scaling (`rope_scaling` / `rope_parameters` with `rope_type: "yarn"`), as
+/// transformers computes it: interpolated and extrapolated frequencies blended over a
+/// linear ramp between the correction dimensions, cos/sin scaled by `0.1 ln(factor) + 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Yarn {
+    /// Context extension factor.
+    pub factor: f64,
+    /// Rotations at which extrapolation stops (`beta_fast`).
+    pub beta_fast: f64,
+    /// Rotations at which interpolation starts (`beta_slow`).
+    pub beta_slow: f64,
+    /// Context length of pre-training.
+    pub original_max_positions: u64,
+    /// Round the correction range outwards to whole dimensions.
+    pub truncate: bool,
+}
+
+/// gpt-oss's clamped SwiGLU: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+/// `g = min(gate, limit)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ClampedSwiglu {
+    /// Slope inside the sigmoid (`swiglu_alpha`).
+    pub alpha: f64,
+    /// Clamp bound (`swiglu_limit`).
+    pub limit: f64,
 }
 
 /// Where a family normalises queries and keys after their projections (before rotary).
@@ -143,6 +175,27 @@ pub struct ModelCard {
     /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)` (Qwen2-MoE).
     #[serde(default)]
     pub shared_gate: bool,
+    /// The output projection carries a bias (gpt-oss).
+    #[serde(default)]
+    pub o_bias: bool,
+    /// Each head has a learned attention sink: an extra logit in its softmax (gpt-oss).
+    #[serde(default)]
+    pub sinks: bool,
+    /// `sliding_window` applies to even layers only, odd layers attend fully (gpt-oss's
+    /// alternating `layer_types`).
+    #[serde(default)]
+    pub alternate_sliding: bool,
+    /// The router carries a bias, takes the top-k logits and softmaxes over those k only
+    /// (gpt-oss); otherwise softmax over all experts, then top-k.
+    #[serde(default)]
+    pub router_bias_topk_softmax: bool,
+    /// Experts are gpt-oss's: fused interleaved gate/up with biases, down with a bias, and
+    /// this clamped SwiGLU.
+    #[serde(default)]
+    pub clamped_swiglu: Option<ClampedSwiglu>,
+    /// YaRN rotary scaling.
+    #[serde(default)]
+    pub yarn: Option<Yarn>,
 }
 
 fn default_router_norm_p() -> Option<f64> {
@@ -198,6 +251,16 @@ const BUILTIN_CARDS: &[(&str, &str)] = &[
     ("olmoe-1b-7b", include_str!("../../models/olmoe-1b-7b.ron")),
     ("olmoe-mid", include_str!("../../models/olmoe-mid.ron")),
     ("olmoe-tiny", include_str!("../../models/olmoe-tiny.ron")),
+    ("gpt-oss-20b", include_str!("../../models/gpt-oss-20b.ron")),
+    (
+        "gpt-oss-120b",
+        include_str!("../../models/gpt-oss-120b.ron"),
+    ),
+    ("gpt-oss-mid", include_str!("../../models/gpt-oss-mid.ron")),
+    (
+        "gpt-oss-tiny",
+        include_str!("../../models/gpt-oss-tiny.ron"),
+    ),
 ];
 
 /// Errors from finding or reading a model card.
@@ -341,6 +404,29 @@ impl ModelCard {
                 self.q_dim()
             ));
         }
+        if let Some(y) = self.yarn {
+            let ok = y.factor.is_finite()
+                && y.factor >= 1.0
+                && y.beta_fast.is_finite()
+                && y.beta_slow.is_finite()
+                && y.beta_fast > 0.0
+                && y.beta_slow > 0.0
+                && y.original_max_positions > 0;
+            if !ok {
+                return Err(format!("yarn rope scaling {y:?} is not usable"));
+            }
+        }
+        if self.alternate_sliding && self.sliding_window.is_none() {
+            return Err("alternate_sliding needs a sliding_window".to_string());
+        }
+        if let Some(c) = self.clamped_swiglu {
+            if !(c.alpha.is_finite() && c.limit.is_finite() && c.limit > 0.0) {
+                return Err(format!("clamped_swiglu {c:?} is not usable"));
+            }
+        }
+        if (self.family == Family::GptOss) != self.clamped_swiglu.is_some() {
+            return Err("clamped_swiglu is set exactly for the GptOss family".to_string());
+        }
         if self.shared_gate && self.shared_ffn == 0 {
             return Err("shared_gate needs a shared expert (shared_ffn > 0)".to_string());
         }
@@ -355,6 +441,12 @@ impl ModelCard {
     /// Width of the query projection output (`heads * head_dim`).
     pub fn q_dim(&self) -> u64 {
         self.heads * self.head_dim
+    }
+
+    /// Width of one `qkv` activation row: Q, K and V, plus one sink value per head for
+    /// families with attention sinks (gpt-oss; `pre_attn` carries them to `attn`).
+    pub fn qkv_width(&self) -> u64 {
+        self.q_dim() + 2 * self.kv_dim() + if self.sinks { self.heads } else { 0 }
     }
 
     /// Width of one of K or V (`kv_heads * head_dim`).
@@ -377,7 +469,9 @@ impl ModelCard {
             QkNorm::PerHead => 2 * self.head_dim,
             QkNorm::Full => self.q_dim() + self.kv_dim(),
         };
-        qkv + o + 2 * self.hidden + bias + qk_norm
+        let o_bias = if self.o_bias { self.hidden } else { 0 };
+        let sinks = if self.sinks { self.heads } else { 0 };
+        qkv + o + 2 * self.hidden + bias + qk_norm + o_bias + sinks
     }
 
     /// Parameters of one layer's shared expert (gate, up, down and its sigmoid gate); 0
@@ -392,14 +486,24 @@ impl ModelCard {
         1 + self.top_k + u64::from(self.shared_ffn > 0)
     }
 
-    /// Parameters of one layer's router (`experts x hidden`).
+    /// Parameters of one layer's router (`experts x hidden`, plus its bias if any).
     pub fn router_params(&self) -> u64 {
         self.experts * self.hidden
+            + if self.router_bias_topk_softmax {
+                self.experts
+            } else {
+                0
+            }
     }
 
-    /// Parameters of one expert (gate, up and down projections).
+    /// Parameters of one expert (gate, up and down projections, plus gpt-oss's biases).
     pub fn expert_params(&self) -> u64 {
         3 * self.hidden * self.ffn
+            + if self.clamped_swiglu.is_some() {
+                2 * self.ffn + self.hidden
+            } else {
+                0
+            }
     }
 
     /// Parameters of one decoder layer.

@@ -15,7 +15,8 @@ use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
-    DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights, SharedExpertWeights,
+    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, ModelWeights, QkvWeights,
+    SharedExpertWeights,
 };
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensorError};
@@ -393,7 +394,9 @@ impl Checkpoint {
         let (bytes, cols) = if src.shape.len() == 1 {
             (bytes, src.shape[0])
         } else {
-            let cols: usize = src.shape.iter().skip(1).product();
+            // Rows over the leading dimensions flattened (gpt-oss's 3-D expert tensors are
+            // `[experts * in, out]` this way), columns the last dimension.
+            let cols: usize = src.shape.last().copied().unwrap_or(1);
             let row_bytes = cols * dtype.bytes() as usize;
             (
                 &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes],
@@ -493,6 +496,7 @@ impl Checkpoint {
                     gate: self.segment_matrix(layer, SegmentKind::SharedGate)?,
                     up: self.segment_matrix(layer, SegmentKind::SharedUp)?,
                     down: self.segment_matrix(layer, SegmentKind::SharedDown)?,
+                    fused: None,
                 },
                 gate: if a.shared_gate {
                     Some(self.segment_matrix(layer, SegmentKind::SharedExpertGate)?)
@@ -503,22 +507,47 @@ impl Checkpoint {
         } else {
             None
         };
+        let optional = |present: bool, kind| -> Result<Option<TypedSlice<'_>>, CheckpointError> {
+            if present {
+                self.segment_vector(layer, kind).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         let dense = DenseWeights {
             attn_norm: self.segment_vector(layer, SegmentKind::AttnNorm)?,
             qkv,
             qkv_bias,
             qk_norm,
+            sinks: optional(a.attn.sinks, SegmentKind::Sinks)?,
             o_proj: self.segment_matrix(layer, SegmentKind::OProj)?,
+            o_bias: optional(a.o_bias, SegmentKind::OBias)?,
             ffn_norm: self.segment_vector(layer, SegmentKind::FfnNorm)?,
             router: self.segment_matrix(layer, SegmentKind::Router)?,
+            router_bias: optional(a.router_bias_topk_softmax, SegmentKind::RouterBias)?,
             shared,
         };
         let experts = (0..self.arch.experts)
             .map(|e| {
+                if a.clamped_swiglu.is_some() {
+                    return Ok(ExpertWeights {
+                        gate: Matrix::empty(),
+                        up: Matrix::empty(),
+                        down: self.segment_matrix(layer, SegmentKind::ExpertDown(e))?,
+                        fused: Some(FusedExpert {
+                            gate_up: self.segment_matrix(layer, SegmentKind::ExpertGateUp(e))?,
+                            gate_up_bias: self
+                                .segment_vector(layer, SegmentKind::ExpertGateUpBias(e))?,
+                            down_bias: self
+                                .segment_vector(layer, SegmentKind::ExpertDownBias(e))?,
+                        }),
+                    });
+                }
                 Ok(ExpertWeights {
                     gate: self.segment_matrix(layer, SegmentKind::ExpertGate(e))?,
                     up: self.segment_matrix(layer, SegmentKind::ExpertUp(e))?,
                     down: self.segment_matrix(layer, SegmentKind::ExpertDown(e))?,
+                    fused: None,
                 })
             })
             .collect::<Result<Vec<_>, CheckpointError>>()?;
@@ -620,8 +649,9 @@ impl Checkpoint {
                 dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
             });
         }
-        // The tensor's own row width (checked against the card above), not the layout's.
-        let cols: usize = src.shape.iter().skip(1).product();
+        // The tensor's own row width (checked against the card above), not the layout's:
+        // its last dimension, rows over the leading ones flattened.
+        let cols: usize = src.shape.last().copied().unwrap_or(1);
         let row_bytes = cols * dtype.bytes() as usize;
         let part = if src.shape.len() == 1 {
             Some(bytes)

@@ -13,7 +13,7 @@
 //! real spelling for synthetic checkpoints. Every problem is an error naming the file and
 //! field.
 
-use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
 use serde_json::{json, Map, Value};
 
 /// Problems with a `config.json`.
@@ -28,7 +28,7 @@ pub enum ConfigError {
         message: String,
     },
     /// `model_type` names no family moec implements.
-    #[error("{path}: model_type `{model_type}` is not supported (expected one of mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe)")]
+    #[error("{path}: model_type `{model_type}` is not supported (expected one of mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe, gpt_oss)")]
     ModelType {
         /// The file.
         path: String,
@@ -155,9 +155,9 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
     if matches!(
         model_type,
-        "mixtral" | "dbrx" | "qwen2_moe" | "qwen3_moe" | "olmoe"
+        "mixtral" | "dbrx" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "gpt_oss"
     ) {
-        refuse_unimplemented(&f)?;
+        refuse_unimplemented(&f, model_type == "gpt_oss")?;
     }
     let card = match model_type {
         "mixtral" => mixtral_card(&f, name)?,
@@ -165,6 +165,7 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
         "qwen2_moe" => qwen_olmoe_card(&f, name, Family::Qwen2Moe)?,
         "qwen3_moe" => qwen_olmoe_card(&f, name, Family::Qwen3Moe)?,
         "olmoe" => qwen_olmoe_card(&f, name, Family::Olmoe)?,
+        "gpt_oss" => gpt_oss_card(&f, name)?,
         other => {
             return Err(ConfigError::ModelType {
                 path: path.into(),
@@ -177,9 +178,166 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     Ok(card)
 }
 
+/// The card fields only gpt-oss sets, all off (the other readers spread this in).
+fn gpt_oss_off() -> ModelCard {
+    ModelCard {
+        name: String::new(),
+        family: Family::Mixtral,
+        description: String::new(),
+        layers: 0,
+        hidden: 0,
+        ffn: 0,
+        heads: 0,
+        kv_heads: 0,
+        head_dim: 0,
+        experts: 0,
+        top_k: 0,
+        vocab: 0,
+        max_positions: 0,
+        rope_theta: 0.0,
+        norm_eps: 0.0,
+        clip_qkv: None,
+        dtype: WeightDtype::Bf16,
+        tokenizer: String::new(),
+        bos_token_id: None,
+        eos_token_id: 0,
+        sliding_window: None,
+        router_norm_p: None,
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_ffn: 0,
+        shared_gate: false,
+        o_bias: false,
+        sinks: false,
+        alternate_sliding: false,
+        router_bias_topk_softmax: false,
+        clamped_swiglu: None,
+        yarn: None,
+    }
+}
+
+/// gpt-oss: flat fields, YaRN in `rope_scaling` (Hub) or `rope_parameters` (transformers
+/// 5), alternating `layer_types`, clamped SwiGLU parameters.
+fn gpt_oss_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("hidden_size")?;
+    let heads = f.uint("num_attention_heads")?;
+    if heads == 0 {
+        return Err(f.invalid("num_attention_heads", "must be positive"));
+    }
+    let layers = f.uint("num_hidden_layers")?;
+    if !flag(f, "attention_bias", true)? {
+        return Err(f.invalid(
+            "attention_bias",
+            "is false: gpt-oss without attention biases is not supported",
+        ));
+    }
+    if let Some(types) = f.get("layer_types") {
+        let alternating = types.as_array().is_some_and(|a| {
+            a.len() as u64 == layers
+                && a.iter().enumerate().all(|(i, t)| {
+                    t.as_str()
+                        == Some(if i % 2 == 0 {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        })
+                })
+        });
+        if !alternating {
+            return Err(f.invalid(
+                "layer_types",
+                "is not sliding/full alternating from layer 0: only that pattern is supported",
+            ));
+        }
+    }
+    let (scaling, theta) = if f.get("rope_scaling").is_some() {
+        ("rope_scaling", f.opt_float("rope_theta")?)
+    } else {
+        (
+            "rope_parameters",
+            match f.opt_float("rope_theta")? {
+                Some(t) => Some(t),
+                None => f.opt_float("rope_parameters.rope_theta")?,
+            },
+        )
+    };
+    let yarn = match f.get(&format!("{scaling}.rope_type")) {
+        Some(Value::String(t)) if t == "yarn" => {
+            for unsupported in ["attention_factor", "mscale", "mscale_all_dim"] {
+                if f.get(&format!("{scaling}.{unsupported}")).is_some() {
+                    return Err(f.invalid(
+                        &format!("{scaling}.{unsupported}"),
+                        "is not supported (YaRN with its default attention factor only)",
+                    ));
+                }
+            }
+            Some(Yarn {
+                factor: f.opt_float(&format!("{scaling}.factor"))?.ok_or_else(|| {
+                    ConfigError::Missing {
+                        path: f.path.to_string(),
+                        field: format!("{scaling}.factor"),
+                    }
+                })?,
+                beta_fast: f
+                    .opt_float(&format!("{scaling}.beta_fast"))?
+                    .unwrap_or(32.0),
+                beta_slow: f.opt_float(&format!("{scaling}.beta_slow"))?.unwrap_or(1.0),
+                original_max_positions: f
+                    .uint(&format!("{scaling}.original_max_position_embeddings"))?,
+                truncate: flag(f, &format!("{scaling}.truncate"), true)?,
+            })
+        }
+        _ => None,
+    };
+    let sliding_window = f.opt_uint("sliding_window")?;
+    Ok(ModelCard {
+        name: name.to_string(),
+        family: Family::GptOss,
+        description: format!("gpt-oss checkpoint `{name}` (from config.json)"),
+        layers,
+        hidden,
+        ffn: f.uint("intermediate_size")?,
+        heads,
+        kv_heads: f.opt_uint("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: f.opt_uint("head_dim")?.unwrap_or(hidden / heads),
+        experts: match f.opt_uint("num_local_experts")? {
+            Some(e) => e,
+            None => f.uint("num_experts")?,
+        },
+        top_k: match f.opt_uint("num_experts_per_tok")? {
+            Some(k) => k,
+            None => f.uint("experts_per_token")?,
+        },
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_position_embeddings")?,
+        rope_theta: theta.unwrap_or(150000.0),
+        norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-5),
+        clip_qkv: None,
+        dtype: WeightDtype::Bf16,
+        tokenizer: "tokenizers/dbrx/tokenizer.json".into(),
+        bos_token_id: None,
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(200002),
+        sliding_window,
+        router_norm_p: None,
+        qk_norm: QkNorm::None,
+        qkv_bias: true,
+        shared_ffn: 0,
+        shared_gate: false,
+        o_bias: true,
+        sinks: true,
+        alternate_sliding: sliding_window.is_some(),
+        router_bias_topk_softmax: true,
+        clamped_swiglu: Some(ClampedSwiglu {
+            alpha: f.opt_float("swiglu_alpha")?.unwrap_or(1.702),
+            limit: f.opt_float("swiglu_limit")?.unwrap_or(7.0),
+        }),
+        yarn,
+    })
+}
+
 /// Refuses, naming the field, what no family's numerics here implement: quantised weights,
-/// rope scaling, activations other than SiLU.
-fn refuse_unimplemented(f: &Fields<'_>) -> Result<(), ConfigError> {
+/// rope scaling (YaRN only where `allow_yarn`), activations other than SiLU.
+fn refuse_unimplemented(f: &Fields<'_>, allow_yarn: bool) -> Result<(), ConfigError> {
     if let Some(q) = f.get("quantization_config") {
         let method = q
             .get("quant_method")
@@ -197,7 +355,7 @@ fn refuse_unimplemented(f: &Fields<'_>) -> Result<(), ConfigError> {
     ] {
         if let Some(v) = f.get(field) {
             let kind = v.as_str().unwrap_or("(not a string)");
-            if kind != "default" {
+            if kind != "default" && !(allow_yarn && kind == "yarn") {
                 return Err(f.invalid(
                     field,
                     &format!("`{kind}` is not supported (only the default rotary embedding)"),
@@ -338,6 +496,7 @@ fn qwen_olmoe_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCa
         qkv_bias,
         shared_ffn,
         shared_gate: shared_ffn > 0,
+        ..gpt_oss_off()
     })
 }
 
@@ -378,6 +537,7 @@ fn mixtral_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         qkv_bias: false,
         shared_ffn: 0,
         shared_gate: false,
+        ..gpt_oss_off()
     })
 }
 
@@ -440,6 +600,7 @@ fn dbrx_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         qkv_bias: false,
         shared_ffn: 0,
         shared_gate: false,
+        ..gpt_oss_off()
     })
 }
 
@@ -478,6 +639,10 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
         Family::Mixtral => mixtral,
         Family::Dbrx => dbrx,
         Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => qwen,
+        Family::GptOss => match card_field {
+            "experts" => "num_local_experts",
+            _ => mixtral,
+        },
     }
 }
 
@@ -608,6 +773,49 @@ pub fn config_for_card(card: &ModelCard, dtype: WeightDtype) -> Value {
         })
     };
     match card.family {
+        Family::GptOss => json!({
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "hidden_size": card.hidden,
+            "intermediate_size": card.ffn,
+            "num_hidden_layers": card.layers,
+            "num_attention_heads": card.heads,
+            "num_key_value_heads": card.kv_heads,
+            "head_dim": card.head_dim,
+            "num_local_experts": card.experts,
+            "num_experts_per_tok": card.top_k,
+            "vocab_size": card.vocab,
+            "max_position_embeddings": card.max_positions,
+            "rms_norm_eps": card.norm_eps,
+            "rope_theta": card.rope_theta,
+            "rope_scaling": card.yarn.map(|y| json!({
+                "rope_type": "yarn",
+                "factor": y.factor,
+                "beta_fast": y.beta_fast,
+                "beta_slow": y.beta_slow,
+                "original_max_position_embeddings": y.original_max_positions,
+                "truncate": y.truncate,
+            })),
+            "sliding_window": card.sliding_window,
+            "layer_types": (0..card.layers)
+                .map(|i| if i % 2 == 0 && card.sliding_window.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                })
+                .collect::<Vec<_>>(),
+            "attention_bias": true,
+            "swiglu_alpha": card.clamped_swiglu.map(|c| c.alpha),
+            "swiglu_limit": card.clamped_swiglu.map(|c| c.limit),
+            "eos_token_id": card.eos_token_id,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "output_router_logits": false,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        }),
         Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => {
             let mut v = llama_style();
             if let Some(obj) = v.as_object_mut() {

@@ -13,7 +13,7 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, QkNorm, WeightDtype};
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
-    DenseWeights, ExpertWeights, LayerWeights, QkvWeights, SharedExpertWeights,
+    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
 };
 use std::ops::Range;
 
@@ -39,16 +39,22 @@ pub enum SegmentKind {
     KBias,
     /// `v_proj` bias `[kv_dim]`.
     VBias,
+    /// Attention sinks `[heads]` (gpt-oss).
+    Sinks,
     /// q RMSNorm weight: `[head_dim]` per head (Qwen3) or `[q_dim]` (OLMoE).
     QNorm,
     /// k RMSNorm weight: `[head_dim]` per head (Qwen3) or `[kv_dim]` (OLMoE).
     KNorm,
     /// Output projection `[hidden, q_dim]`.
     OProj,
+    /// Output projection bias `[hidden]` (gpt-oss).
+    OBias,
     /// Pre-MoE norm weight `[hidden]`.
     FfnNorm,
     /// Router `[experts, hidden]`.
     Router,
+    /// Router bias `[experts]` (gpt-oss).
+    RouterBias,
     /// Shared expert gate projection `[shared_ffn, hidden]` (Qwen2-MoE).
     SharedGate,
     /// Shared expert up projection `[shared_ffn, hidden]`.
@@ -61,18 +67,28 @@ pub enum SegmentKind {
     ExpertGate(usize),
     /// Expert up projection (Mixtral `w3`, DBRX `v1` rows) `[ffn, hidden]`.
     ExpertUp(usize),
-    /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows
-    /// `[ffn, hidden]` (in, out), used as stored.
+    /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows and
+    /// gpt-oss `down_proj[e]` `[ffn, hidden]` (in, out), used as stored.
     ExpertDown(usize),
+    /// gpt-oss fused gate/up `gate_up_proj[e]` `[hidden, 2 ffn]` (in, out), gate and up
+    /// interleaved (even columns gate, odd columns up).
+    ExpertGateUp(usize),
+    /// gpt-oss `gate_up_proj_bias[e]` `[2 ffn]`, interleaved like the columns.
+    ExpertGateUpBias(usize),
+    /// gpt-oss `down_proj_bias[e]` `[hidden]`.
+    ExpertDownBias(usize),
 }
 
 impl SegmentKind {
     /// The expert this segment belongs to, if any.
     pub fn expert(&self) -> Option<usize> {
         match *self {
-            SegmentKind::ExpertGate(e) | SegmentKind::ExpertUp(e) | SegmentKind::ExpertDown(e) => {
-                Some(e)
-            }
+            SegmentKind::ExpertGate(e)
+            | SegmentKind::ExpertUp(e)
+            | SegmentKind::ExpertDown(e)
+            | SegmentKind::ExpertGateUp(e)
+            | SegmentKind::ExpertGateUpBias(e)
+            | SegmentKind::ExpertDownBias(e) => Some(e),
             _ => None,
         }
     }
@@ -164,6 +180,11 @@ impl LayerLayout {
         match kind {
             SegmentKind::AttnNorm | SegmentKind::FfnNorm => (1, d, None),
             SegmentKind::QBias => (1, q, None),
+            SegmentKind::Sinks => (1, arch.attn.heads, None),
+            SegmentKind::OBias | SegmentKind::ExpertDownBias(_) => (1, d, None),
+            SegmentKind::RouterBias => (1, arch.experts, None),
+            SegmentKind::ExpertGateUp(_) => (d, 2 * f, Some(Orientation::InOut)),
+            SegmentKind::ExpertGateUpBias(_) => (1, 2 * f, None),
             SegmentKind::KBias | SegmentKind::VBias => (1, kv, None),
             SegmentKind::QNorm => match arch.qk_norm {
                 QkNorm::Full => (1, q, None),
@@ -183,7 +204,7 @@ impl LayerLayout {
             SegmentKind::Router => (arch.experts, d, lin),
             SegmentKind::ExpertGate(_) | SegmentKind::ExpertUp(_) => (f, d, lin),
             SegmentKind::ExpertDown(_) => match arch.family {
-                Family::Dbrx => (f, d, Some(Orientation::InOut)),
+                Family::Dbrx | Family::GptOss => (f, d, Some(Orientation::InOut)),
                 _ => (d, f, lin),
             },
         }
@@ -204,7 +225,17 @@ impl LayerLayout {
         if arch.qk_norm != QkNorm::None {
             pre.extend([SegmentKind::QNorm, SegmentKind::KNorm]);
         }
+        if arch.attn.sinks {
+            pre.push(SegmentKind::Sinks);
+        }
+        let mut o = vec![SegmentKind::OProj];
+        if arch.o_bias {
+            o.push(SegmentKind::OBias);
+        }
         let mut gate = vec![SegmentKind::FfnNorm, SegmentKind::Router];
+        if arch.router_bias_topk_softmax {
+            gate.push(SegmentKind::RouterBias);
+        }
         if arch.shared_ffn > 0 {
             gate.extend([
                 SegmentKind::SharedGate,
@@ -215,7 +246,25 @@ impl LayerLayout {
                 gate.push(SegmentKind::SharedExpertGate);
             }
         }
-        [pre, vec![SegmentKind::OProj], gate]
+        [pre, o, gate]
+    }
+
+    /// The segment kinds of expert `e`, in image order (contiguous in the image).
+    pub fn expert_kinds(arch: &ArchSpec, e: usize) -> Vec<SegmentKind> {
+        if arch.clamped_swiglu.is_some() {
+            vec![
+                SegmentKind::ExpertGateUp(e),
+                SegmentKind::ExpertGateUpBias(e),
+                SegmentKind::ExpertDown(e),
+                SegmentKind::ExpertDownBias(e),
+            ]
+        } else {
+            vec![
+                SegmentKind::ExpertGate(e),
+                SegmentKind::ExpertUp(e),
+                SegmentKind::ExpertDown(e),
+            ]
+        }
     }
 
     /// Elements of each segment of [`LayerLayout::dense_parts`] and of one expert's segments,
@@ -226,11 +275,7 @@ impl LayerLayout {
             (rows * cols) as u64
         };
         let [pre, o, gate] = Self::dense_parts(arch);
-        let expert = [
-            SegmentKind::ExpertGate(0),
-            SegmentKind::ExpertUp(0),
-            SegmentKind::ExpertDown(0),
-        ];
+        let expert = Self::expert_kinds(arch, 0);
         [
             pre.into_iter().map(elems).collect(),
             o.into_iter().map(elems).collect(),
@@ -243,11 +288,7 @@ impl LayerLayout {
     pub fn kinds(arch: &ArchSpec) -> Vec<SegmentKind> {
         let mut kinds: Vec<SegmentKind> = Self::dense_parts(arch).into_iter().flatten().collect();
         for e in 0..arch.experts {
-            kinds.extend([
-                SegmentKind::ExpertGate(e),
-                SegmentKind::ExpertUp(e),
-                SegmentKind::ExpertDown(e),
-            ]);
+            kinds.extend(Self::expert_kinds(arch, e));
         }
         kinds
     }
@@ -304,6 +345,7 @@ impl LayerLayout {
                 && !matches!(
                     s.kind,
                     SegmentKind::Router
+                        | SegmentKind::RouterBias
                         | SegmentKind::SharedGate
                         | SegmentKind::SharedUp
                         | SegmentKind::SharedDown
@@ -312,9 +354,9 @@ impl LayerLayout {
         })
     }
 
-    /// Bytes of the router.
+    /// Bytes of the router (and its bias).
     pub fn router_range(&self) -> Range<usize> {
-        self.span(|s| s.kind == SegmentKind::Router)
+        self.span(|s| matches!(s.kind, SegmentKind::Router | SegmentKind::RouterBias))
     }
 
     /// Bytes of the dense part (attention, router, shared expert): everything before the
@@ -400,6 +442,7 @@ impl<'a> DenseWeights<'a> {
                     gate: layout.matrix(bytes, 0, SegmentKind::SharedGate)?,
                     up: layout.matrix(bytes, 0, SegmentKind::SharedUp)?,
                     down: layout.matrix(bytes, 0, SegmentKind::SharedDown)?,
+                    fused: None,
                 },
                 gate: if has(SegmentKind::SharedExpertGate) {
                     Some(layout.matrix(bytes, 0, SegmentKind::SharedExpertGate)?)
@@ -415,9 +458,12 @@ impl<'a> DenseWeights<'a> {
             qkv,
             qkv_bias,
             qk_norm,
+            sinks: vector(SegmentKind::Sinks)?,
             o_proj: layout.matrix(bytes, 0, SegmentKind::OProj)?,
+            o_bias: vector(SegmentKind::OBias)?,
             ffn_norm: layout.view(bytes, 0, SegmentKind::FfnNorm)?,
             router: layout.matrix(bytes, 0, SegmentKind::Router)?,
+            router_bias: vector(SegmentKind::RouterBias)?,
             shared,
         })
     }
@@ -438,10 +484,27 @@ impl<'a> ExpertWeights<'a> {
             });
         }
         let base = layout.expert_range(expert).start;
+        if layout.segment(SegmentKind::ExpertGateUp(expert)).is_some() {
+            return Ok(ExpertWeights {
+                gate: Matrix::empty(),
+                up: Matrix::empty(),
+                down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
+                fused: Some(FusedExpert {
+                    gate_up: layout.matrix(bytes, base, SegmentKind::ExpertGateUp(expert))?,
+                    gate_up_bias: layout.view(
+                        bytes,
+                        base,
+                        SegmentKind::ExpertGateUpBias(expert),
+                    )?,
+                    down_bias: layout.view(bytes, base, SegmentKind::ExpertDownBias(expert))?,
+                }),
+            });
+        }
         Ok(ExpertWeights {
             gate: layout.matrix(bytes, base, SegmentKind::ExpertGate(expert))?,
             up: layout.matrix(bytes, base, SegmentKind::ExpertUp(expert))?,
             down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
+            fused: None,
         })
     }
 }

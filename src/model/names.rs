@@ -3,7 +3,8 @@
 //! Takes an [`ArchSpec`]; gives the full list `(name, shape)` that a Hugging Face
 //! checkpoint of that architecture holds (Mixtral per-expert `w1/w2/w3`; Qwen2-MoE,
 //! Qwen3-MoE and OLMoE per-expert `gate_proj/up_proj/down_proj` with their q/k norms,
-//! q/k/v biases and shared expert; DBRX fused `[experts * ffn, hidden]` expert tensors
+//! q/k/v biases and shared expert; gpt-oss 3-D `mlp.experts.gate_up_proj` /
+//! `down_proj` with biases, router bias, sinks; DBRX fused `[experts * ffn, hidden]` expert tensors
 //! without a `.weight` suffix). Used to write synthetic checkpoints; the reader resolves
 //! the same names segment by segment.
 
@@ -86,6 +87,42 @@ pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
                 }),
             }
         }
+        Family::GptOss => {
+            let p = format!("model.layers.{layer}");
+            let (d, f, e_n) = (a.hidden, a.ffn, a.experts);
+            // Expert tensors are 3-D `[experts, in, out]` / 2-D `[experts, n]`; a segment
+            // is expert e's block of rows of the tensor seen as `[leading dims, last dim]`.
+            let fused = |name: &str, shape: Vec<usize>, e: usize, rows: usize| Source {
+                name: format!("{p}.mlp.experts.{name}"),
+                shape,
+                rows: e * rows..(e + 1) * rows,
+            };
+            match kind {
+                SegmentKind::ExpertGateUp(e) => fused("gate_up_proj", vec![e_n, d, 2 * f], e, d),
+                SegmentKind::ExpertGateUpBias(e) => {
+                    fused("gate_up_proj_bias", vec![e_n, 2 * f], e, 1)
+                }
+                SegmentKind::ExpertDown(e) => fused("down_proj", vec![e_n, f, d], e, f),
+                SegmentKind::ExpertDownBias(e) => fused("down_proj_bias", vec![e_n, d], e, 1),
+                other => whole(match other {
+                    SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
+                    SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
+                    SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
+                    SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
+                    SegmentKind::QBias => format!("{p}.self_attn.q_proj.bias"),
+                    SegmentKind::KBias => format!("{p}.self_attn.k_proj.bias"),
+                    SegmentKind::VBias => format!("{p}.self_attn.v_proj.bias"),
+                    SegmentKind::Sinks => format!("{p}.self_attn.sinks"),
+                    SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
+                    SegmentKind::OBias => format!("{p}.self_attn.o_proj.bias"),
+                    SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                    SegmentKind::Router => format!("{p}.mlp.router.weight"),
+                    SegmentKind::RouterBias => format!("{p}.mlp.router.bias"),
+                    // Kinds gpt-oss's layout never lists (names for completeness).
+                    _ => format!("{p}.(no {kind:?} in gpt-oss)"),
+                }),
+            }
+        }
         family => {
             let p = format!("model.layers.{layer}");
             let moe = if family == Family::Mixtral {
@@ -122,6 +159,8 @@ pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
                 SegmentKind::ExpertGate(e) => expert(e, "w1", "gate_proj"),
                 SegmentKind::ExpertUp(e) => expert(e, "w3", "up_proj"),
                 SegmentKind::ExpertDown(e) => expert(e, "w2", "down_proj"),
+                // Kinds only gpt-oss's layout lists.
+                other => format!("{p}.(no {other:?} in {family:?})"),
             })
         }
     }

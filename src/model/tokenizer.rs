@@ -58,7 +58,9 @@ pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
         // A checkpoint folder's own tokenizer.json always wins (see `TextTokenizer::load`).
         match card.family {
             Family::Mixtral | Family::Olmoe => MIXTRAL_TOKENIZER_JSON,
-            Family::Dbrx | Family::Qwen2Moe | Family::Qwen3Moe => DBRX_TOKENIZER_JSON,
+            Family::Dbrx | Family::Qwen2Moe | Family::Qwen3Moe | Family::GptOss => {
+                DBRX_TOKENIZER_JSON
+            }
         }
     }
 }

@@ -208,7 +208,7 @@ fn pre_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64)
     match role {
         Role::W => CheckpointLayout::new(card).pre_bytes as f64,
         Role::H => d.rows(d.h),
-        Role::Out => d.n * (d.q + 2.0 * d.kv) * d.a,
+        Role::Out => d.n * card.qkv_width() as f64 * d.a,
         _ => len as f64,
     }
 }
@@ -300,7 +300,7 @@ fn attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> 
     match role {
         // Every part appends the new tokens' K/V and reads each sequence's context.
         Role::Kv => d.n * 2.0 * d.kv * d.a + d.s * d.c * 2.0 * d.kv * d.a,
-        Role::Qkv => d.n * (d.q + 2.0 * d.kv) * d.a,
+        Role::Qkv => d.n * card.qkv_width() as f64 * d.a,
         Role::Out => d.rows(d.q),
         _ => len as f64,
     }

@@ -55,7 +55,7 @@ pub fn size_helper(
     let layout = crate::ir::CheckpointLayout::new(card);
     Some(match name {
         "hidden" => one(&|n| raw(n.saturating_mul(card.hidden * a))),
-        "qkv" => one(&|n| raw(n.saturating_mul((card.q_dim() + 2 * card.kv_dim()) * a))),
+        "qkv" => one(&|n| raw(n.saturating_mul(card.qkv_width() * a))),
         "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
         "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),

@@ -102,6 +102,33 @@ pub fn route(
     }
 }
 
+/// gpt-oss's routing: top-k of the raw logits (ties to the lower index), softmax over
+/// those k only.
+pub fn route_topk_softmax(router_logits: &[f32], n_experts: usize, top_k: usize) -> Routing {
+    let n = router_logits.len() / n_experts.max(1);
+    let mut experts = Vec::with_capacity(n * top_k);
+    let mut weights = Vec::with_capacity(n * top_k);
+    let mut order: Vec<usize> = Vec::with_capacity(n_experts);
+    for row in router_logits.chunks_exact(n_experts) {
+        order.clear();
+        order.extend(0..n_experts);
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let max = chosen.first().map_or(0.0, |&e| row[e]);
+        let exps: Vec<f32> = chosen.iter().map(|&e| (row[e] - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        for (&e, x) in chosen.iter().zip(&exps) {
+            experts.push(e as u32);
+            weights.push(x / sum);
+        }
+    }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
+}
+
 /// [`Kernels::gate`] with the process's kernels.
 pub fn gate(
     arch: &ArchSpec,
@@ -156,6 +183,18 @@ impl Kernels {
         normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
         let mut logits = vec![0.0f32; n * arch.experts];
         self.linear(x_norm, n, &dense.router, &mut logits)?;
+        if arch.router_bias_topk_softmax {
+            if let Some(bias) = dense.router_bias {
+                let bias = bias.to_f32_vec();
+                check_len("router bias", bias.len(), arch.experts)?;
+                for row in logits.chunks_exact_mut(arch.experts) {
+                    for (v, b) in row.iter_mut().zip(&bias) {
+                        *v += b;
+                    }
+                }
+            }
+            return Ok(route_topk_softmax(&logits, arch.experts, arch.top_k));
+        }
         Ok(route(&logits, arch.experts, arch.top_k, arch.router_norm_p))
     }
 
@@ -194,8 +233,36 @@ impl Kernels {
             gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
         }
         let mut h_gate = vec![0.0f32; n * f];
-        self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
-        self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+        match (&expert.fused, arch.clamped_swiglu) {
+            (Some(fused), Some((alpha, limit))) => {
+                // gpt-oss: gate_up = x W + b, gate/up interleaved; clamped SwiGLU; then
+                // down with its bias.
+                let mut gate_up = vec![0.0f32; n * 2 * f];
+                self.linear(&gathered, n, &fused.gate_up, &mut gate_up)?;
+                let b = fused.gate_up_bias.to_f32_vec();
+                check_len("expert gate_up bias", b.len(), 2 * f)?;
+                for (row, out) in gate_up.chunks_exact(2 * f).zip(h_gate.chunks_exact_mut(f)) {
+                    for (i, o) in out.iter_mut().enumerate() {
+                        let g = (row[2 * i] + b[2 * i]).min(limit);
+                        let u = (row[2 * i + 1] + b[2 * i + 1]).clamp(-limit, limit);
+                        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+                        *o = (u + 1.0) * glu;
+                    }
+                }
+                self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+                let b = fused.down_bias.to_f32_vec();
+                check_len("expert down bias", b.len(), d)?;
+                for row in gathered.chunks_exact_mut(d) {
+                    for (v, bv) in row.iter_mut().zip(&b) {
+                        *v += bv;
+                    }
+                }
+            }
+            _ => {
+                self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
+                self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+            }
+        }
         for (i, r) in rows.iter().enumerate() {
             let at = (r.row as usize * k + r.slot as usize) * d;
             for (o, y) in slots[at..at + d]

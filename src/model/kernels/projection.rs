@@ -52,7 +52,9 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         let n = positions.len();
         let (d, q, kv) = (arch.hidden, arch.q_dim(), arch.kv_dim());
-        let width = q + 2 * kv;
+        // Row stride of `qkv_out`: q | k | v, then the sinks with them (gpt-oss).
+        let width = arch.attn.qkv_width();
+        let proj = q + 2 * kv;
         check_len("pre_attn input", x.len(), n * d)?;
         check_len("pre_attn scratch", x_norm.len(), n * d)?;
         check_len("pre_attn qkv", qkv_out.len(), n * width)?;
@@ -64,7 +66,15 @@ impl Kernels {
         }
         normalize(arch.norm, x, dense.attn_norm, arch.norm_eps, x_norm);
         match &dense.qkv {
-            QkvWeights::Fused(w) => self.linear(x_norm, n, w, qkv_out)?,
+            QkvWeights::Fused(w) if width == proj => self.linear(x_norm, n, w, qkv_out)?,
+            QkvWeights::Fused(w) => {
+                let mut part = vec![0.0f32; n * proj];
+                self.linear(x_norm, n, w, &mut part)?;
+                for t in 0..n {
+                    qkv_out[t * width..t * width + proj]
+                        .copy_from_slice(&part[t * proj..(t + 1) * proj]);
+                }
+            }
             QkvWeights::Separate {
                 q: wq,
                 k: wk,
@@ -113,8 +123,17 @@ impl Kernels {
             }
         }
         if let Some(clip) = arch.clip_qkv {
-            for v in qkv_out.iter_mut() {
-                *v = v.clamp(-clip, clip);
+            for row in qkv_out.chunks_exact_mut(width) {
+                for v in &mut row[..proj] {
+                    *v = v.clamp(-clip, clip);
+                }
+            }
+        }
+        if arch.attn.sinks {
+            let sinks = dense.sinks.map(|s| s.to_f32_vec()).unwrap_or_default();
+            check_len("attention sinks", sinks.len(), arch.attn.heads)?;
+            for row in qkv_out.chunks_exact_mut(width) {
+                row[proj..].copy_from_slice(&sinks);
             }
         }
         let hd = arch.attn.head_dim;
@@ -140,6 +159,15 @@ impl Kernels {
         check_len("o_proj residual", residual.len(), n * arch.hidden)?;
         let mut projected = vec![0.0f32; n * arch.hidden];
         self.linear(attn_out, n, &dense.o_proj, &mut projected)?;
+        if let Some(bias) = dense.o_bias {
+            let bias = bias.to_f32_vec();
+            check_len("o_proj bias", bias.len(), arch.hidden)?;
+            for row in projected.chunks_exact_mut(arch.hidden) {
+                for (v, b) in row.iter_mut().zip(&bias) {
+                    *v += b;
+                }
+            }
+        }
         for (r, p) in residual.iter_mut().zip(&projected) {
             *r += p;
         }

@@ -42,6 +42,74 @@ impl RopeTable {
         }
     }
 
+    /// The table of an architecture: plain, or with YaRN scaling when the card has it.
+    pub fn for_arch(arch: &crate::model::arch::ArchSpec, max_positions: usize) -> Self {
+        match &arch.yarn {
+            None => Self::new(arch.rope_theta, arch.attn.head_dim, max_positions),
+            Some(y) => Self::yarn(arch.rope_theta, arch.attn.head_dim, max_positions, y),
+        }
+    }
+
+    /// YaRN tables as transformers' `_compute_yarn_parameters` builds them: frequencies
+    /// `base^(2i/d)` in f32, extrapolated (`1/f`) and interpolated (`1/(factor f)`) ones
+    /// blended by `1 - clamp((i - low) / (high - low), 0, 1)` between the correction
+    /// dimensions of `beta_fast` and `beta_slow` rotations (computed in f64 as Python does),
+    /// cos and sin multiplied by `0.1 ln(factor) + 1`.
+    pub fn yarn(
+        theta: f64,
+        head_dim: usize,
+        max_positions: usize,
+        y: &crate::model::card::Yarn,
+    ) -> Self {
+        let half = head_dim / 2;
+        let dim = head_dim as f64;
+        let correction = |rotations: f64| {
+            dim * (y.original_max_positions as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (correction(y.beta_fast), correction(y.beta_slow));
+        if y.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        let (low, high) = (low as f32, high as f32);
+        let factor = y.factor as f32;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                let pos_freq = (theta as f32).powf((2 * i) as f32 / head_dim as f32);
+                let extrapolation = 1.0 / pos_freq;
+                let interpolation = 1.0 / (factor * pos_freq);
+                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let extrapolation_share = 1.0 - ramp;
+                interpolation * (1.0 - extrapolation_share) + extrapolation * extrapolation_share
+            })
+            .collect();
+        let scaling = if y.factor <= 1.0 {
+            1.0
+        } else {
+            (0.1 * y.factor.ln() + 1.0) as f32
+        };
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for pos in 0..max_positions {
+            for &f in &inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos() * scaling);
+                sin.push(angle.sin() * scaling);
+            }
+        }
+        RopeTable {
+            half,
+            max_positions,
+            cos,
+            sin,
+        }
+    }
+
     /// Positions the table covers.
     pub fn max_positions(&self) -> usize {
         self.max_positions

@@ -36,10 +36,18 @@ impl Kernels {
     /// `row = softmax(row)`: `exp(v - max)` normalised by the sum. An empty row is left
     /// as is.
     pub fn softmax_in_place(self, row: &mut [f32]) {
+        self.softmax_with_sink_in_place(row, None);
+    }
+
+    /// [`Kernels::softmax_in_place`] with an optional attention sink: one more logit that
+    /// takes part in the max and the denominator but has no output (gpt-oss:
+    /// `softmax(cat(row, sink))[..-1]`).
+    pub fn softmax_with_sink_in_place(self, row: &mut [f32], sink: Option<f32>) {
         if row.is_empty() {
             return;
         }
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let row_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = sink.map_or(row_max, |s| row_max.max(s));
         let sum = match self.isa() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a `Kernels` value names only an instruction set this CPU has; the
@@ -54,6 +62,7 @@ impl Kernels {
                 reduce16(&lanes)
             }
         };
+        let sum = sum + sink.map_or(0.0, |s| exp_scalar(s, max));
         let inv = 1.0 / sum;
         for v in row.iter_mut() {
             *v *= inv;

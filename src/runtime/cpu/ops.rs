@@ -28,7 +28,9 @@ use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::KernelError;
 use crate::model::layout::SegmentKind;
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
-use crate::model::weights::{DenseWeights, ExpertWeights, QkvWeights, SharedExpertWeights};
+use crate::model::weights::{
+    DenseWeights, ExpertWeights, FusedExpert, QkvWeights, SharedExpertWeights,
+};
 use crate::runtime::args::MissingArg;
 use crate::runtime::driver::state::{lock, StepState};
 
@@ -355,6 +357,7 @@ impl OpContext<'_> {
                     gate: self.required(weights, layer, SegmentKind::SharedGate)?,
                     up: self.required(weights, layer, SegmentKind::SharedUp)?,
                     down: self.required(weights, layer, SegmentKind::SharedDown)?,
+                    fused: None,
                 },
                 gate: if present(SegmentKind::SharedExpertGate) {
                     Some(self.required(weights, layer, SegmentKind::SharedExpertGate)?)
@@ -365,23 +368,49 @@ impl OpContext<'_> {
         } else {
             None
         };
+        let optional = |with: SegmentKind, kind: SegmentKind| -> Result<_, OpError> {
+            if needs.contains(&with) && present(kind) {
+                vector(kind).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         Ok(DenseWeights {
             attn_norm: get(SegmentKind::AttnNorm)?.data,
             qkv,
             qkv_bias,
             qk_norm,
+            sinks: optional(SegmentKind::AttnNorm, SegmentKind::Sinks)?,
             o_proj: get(SegmentKind::OProj)?,
+            o_bias: optional(SegmentKind::OProj, SegmentKind::OBias)?,
             ffn_norm: get(SegmentKind::FfnNorm)?.data,
             router: get(SegmentKind::Router)?,
+            router_bias: optional(SegmentKind::Router, SegmentKind::RouterBias)?,
             shared,
         })
     }
 
     fn expert(&self, weights: &[View], layer: u32, e: usize) -> Result<ExpertWeights<'_>, OpError> {
+        if self.arch.clamped_swiglu.is_some() {
+            let vector = |kind| -> Result<TypedSlice<'_>, OpError> {
+                Ok(self.required(weights, layer, kind)?.data)
+            };
+            return Ok(ExpertWeights {
+                gate: Matrix::empty(),
+                up: Matrix::empty(),
+                down: self.required(weights, layer, SegmentKind::ExpertDown(e))?,
+                fused: Some(FusedExpert {
+                    gate_up: self.required(weights, layer, SegmentKind::ExpertGateUp(e))?,
+                    gate_up_bias: vector(SegmentKind::ExpertGateUpBias(e))?,
+                    down_bias: vector(SegmentKind::ExpertDownBias(e))?,
+                }),
+            });
+        }
         Ok(ExpertWeights {
             gate: self.required(weights, layer, SegmentKind::ExpertGate(e))?,
             up: self.required(weights, layer, SegmentKind::ExpertUp(e))?,
             down: self.required(weights, layer, SegmentKind::ExpertDown(e))?,
+            fused: None,
         })
     }
 
@@ -432,8 +461,10 @@ impl OpContext<'_> {
     /// selected: VSLPipe's CPU task stores the prefill tokens' K/V while attending only the
     /// decode rows); without one (GPU prefill attention over whole prompts) a scratch cache
     /// holds the call's own K/V.
+    #[allow(clippy::too_many_arguments)]
     fn attn(
         &self,
+        layer: u32,
         ub: u32,
         part: AttnPart,
         qkv: View,
@@ -442,7 +473,8 @@ impl OpContext<'_> {
     ) -> Result<(), OpError> {
         let mb = self.ub(ub)?;
         let n = mb.n_tokens();
-        let shape = self.arch.attn;
+        // The layer's geometry: gpt-oss slides its window on even layers only.
+        let shape = self.arch.attn_of(layer as usize);
         let (qw, ow) = (shape.qkv_width(), shape.q_width());
         let qkv = self.act(qkv, "qkv", n * qw)?;
         let out = self.act_mut(out, "out", n * ow)?;
@@ -616,10 +648,11 @@ fn pre_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resu
 }
 
 fn attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
-    let Op::Attn { ub, part, .. } = task.op else {
+    let Op::Attn { layer, ub, part } = task.op else {
         return Err(wrong_op(OpKind::Attn, task));
     };
     cx.attn(
+        layer,
         ub,
         part,
         args.need(Role::Qkv)?,
