@@ -125,6 +125,7 @@ fn layer_image_views_compute_the_same_as_mapped_tensors() {
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
+        "gpt-oss-tiny",
     ] {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());
@@ -409,6 +410,7 @@ fn synthetic_layer_image_matches_the_written_checkpoint() {
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
+        "gpt-oss-tiny",
     ] {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());

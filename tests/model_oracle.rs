@@ -34,6 +34,7 @@ fn generation_is_not_degenerate_for_either_family() {
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
+        "gpt-oss-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -101,6 +102,7 @@ fn batched_generation_equals_one_prompt_at_a_time() {
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
+        "gpt-oss-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -135,6 +137,7 @@ fn row_kernels_are_batch_invariant() {
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
+        "gpt-oss-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -389,6 +392,7 @@ fn simd_and_portable_kernels_give_the_same_generation() {
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
+        "gpt-oss-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();

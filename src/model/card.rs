@@ -597,7 +597,8 @@ mod tests {
 
     /// Published totals and active parameters of the newer families (model cards on the
     /// Hub): Qwen3-30B-A3B 30.5B / 3.3B, Qwen3-235B-A22B 235B / 22B, OLMoE-1B-7B 6.9B /
-    /// 1.3B, Qwen2-57B-A14B 57.4B / 14.2B; within 2% (published figures are rounded).
+    /// 1.3B, Qwen2-57B-A14B 57.4B / 14.2B, gpt-oss-20b 20.91B / 3.61B, gpt-oss-120b 116.83B /
+    /// 5.13B (OpenAI's model card); within 2% (published figures are rounded).
     #[test]
     fn new_family_parameter_counts_match_published_figures() {
         let expect = [
@@ -605,12 +606,21 @@ mod tests {
             ("qwen3-235b-a22b", 235.0e9, 22.0e9),
             ("olmoe-1b-7b", 6.9e9, 1.3e9),
             ("qwen2-57b-a14b", 57.4e9, 14.2e9),
+            ("gpt-oss-20b", 20.91e9, 3.61e9),
+            ("gpt-oss-120b", 116.83e9, 5.13e9),
         ];
         for (name, total, active) in expect {
             let card = ModelCard::load(name).unwrap();
             let got = card.total_params() as f64;
             assert!((got / total - 1.0).abs() < 0.02, "{name}: {got} vs {total}");
-            let got = card.active_params() as f64;
+            // OpenAI counts gpt-oss's active parameters without the embedding table (a
+            // lookup, not a matmul); the others count it.
+            let lookup = if card.family == Family::GptOss {
+                card.vocab * card.hidden
+            } else {
+                0
+            };
+            let got = (card.active_params() - lookup) as f64;
             assert!(
                 (got / active - 1.0).abs() < 0.02,
                 "{name} active: {got} vs {active}"

@@ -641,6 +641,8 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
         Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => qwen,
         Family::GptOss => match card_field {
             "experts" => "num_local_experts",
+            "yarn" => "rope_scaling",
+            "clamped_swiglu" => "swiglu_alpha / swiglu_limit",
             _ => mixtral,
         },
     }
@@ -721,6 +723,20 @@ pub fn check_agreement(
             "qkv_bias",
             from_config.qkv_bias.to_string(),
             card.qkv_bias.to_string(),
+        ));
+    }
+    if from_config.yarn != card.yarn {
+        return Err(mismatch(
+            "yarn",
+            format!("{:?}", from_config.yarn),
+            format!("{:?}", card.yarn),
+        ));
+    }
+    if from_config.clamped_swiglu != card.clamped_swiglu {
+        return Err(mismatch(
+            "clamped_swiglu",
+            format!("{:?}", from_config.clamped_swiglu),
+            format!("{:?}", card.clamped_swiglu),
         ));
     }
     if card.family != Family::Mixtral && from_config.router_norm_p != card.router_norm_p {
@@ -975,6 +991,61 @@ mod tests {
       "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,
       "use_sliding_window":false,"vocab_size":151936}"#;
 
+    /// gpt-oss-20b's config.json as published on the Hub (same provenance), with its 24
+    /// alternating `layer_types` written out by [`gpt_oss_20b`].
+    const GPT_OSS_20B: &str = r#"{"architectures":["GptOssForCausalLM"],"attention_bias":true,
+      "attention_dropout":0.0,"eos_token_id":200002,"experts_per_token":4,"head_dim":64,
+      "hidden_act":"silu","hidden_size":2880,"initial_context_length":4096,"initializer_range":0.02,
+      "intermediate_size":2880,"layer_types":LAYER_TYPES,"max_position_embeddings":131072,
+      "model_type":"gpt_oss","num_attention_heads":64,"num_experts_per_tok":4,"num_hidden_layers":24,
+      "num_key_value_heads":8,"num_local_experts":32,"output_router_logits":false,"pad_token_id":199999,
+      "quantization_config":{"modules_to_not_convert":["model.layers.*.self_attn",
+        "model.layers.*.mlp.router","model.embed_tokens","lm_head"],"quant_method":"mxfp4"},
+      "rms_norm_eps":1e-05,"rope_scaling":{"beta_fast":32.0,"beta_slow":1.0,"factor":32.0,
+        "original_max_position_embeddings":4096,"rope_type":"yarn","truncate":false},
+      "rope_theta":150000,"router_aux_loss_coef":0.9,"sliding_window":128,"swiglu_limit":7.0,
+      "tie_word_embeddings":false,"transformers_version":"4.55.0.dev0","use_cache":true,
+      "vocab_size":201088}"#;
+
+    fn gpt_oss_20b() -> String {
+        let types: Vec<&str> = (0..24)
+            .map(|i| {
+                if i % 2 == 0 {
+                    "\"sliding_attention\""
+                } else {
+                    "\"full_attention\""
+                }
+            })
+            .collect();
+        GPT_OSS_20B.replace("LAYER_TYPES", &format!("[{}]", types.join(",")))
+    }
+
+    /// The Hub's gpt-oss ships MXFP4 experts: refused by name. The same config without
+    /// `quantization_config` (a bf16 conversion) is the built-in card.
+    #[test]
+    fn gpt_oss_hub_config_is_refused_for_mxfp4_and_agrees_in_bf16() {
+        let hub = gpt_oss_20b();
+        let err = card_from_config(&hub, "c.json", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("quantization_config.quant_method") && err.contains("mxfp4"),
+            "{err}"
+        );
+        let start = hub.find(r#""quantization_config""#).unwrap();
+        let end = hub.find(r#""rms_norm_eps""#).unwrap();
+        let bf16 = format!("{}{}", &hub[..start], &hub[end..]);
+        let card = card_from_config(&bf16, "c.json", "x").unwrap();
+        check_agreement(&card, &ModelCard::load("gpt-oss-20b").unwrap(), "c.json").unwrap();
+        assert!(card.sinks && card.alternate_sliding && card.o_bias);
+        assert_eq!(card.sliding_window, Some(128));
+        let bad = bf16.replacen(r#""full_attention""#, r#""sliding_attention""#, 1);
+        let err = card_from_config(&bad, "c.json", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer_types"), "{err}");
+    }
+
     #[test]
     fn new_family_hub_configs_agree_with_the_builtin_cards() {
         for (text, name) in [
@@ -1149,6 +1220,8 @@ mod tests {
             "olmoe-1b-7b",
             "qwen2-moe-tiny",
             "qwen2-57b-a14b",
+            "gpt-oss-tiny",
+            "gpt-oss-20b",
         ] {
             let card = ModelCard::load(name).unwrap();
             let text = config_for_card(&card, WeightDtype::Bf16).to_string();
