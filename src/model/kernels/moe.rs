@@ -396,6 +396,40 @@ pub fn combine_shared(
 mod tests {
     use super::*;
 
+    /// gpt-oss: logits [1, 3, 2, 0], top-2 = experts 1 and 2, softmax over (3, 2) only:
+    /// e / (e + 1) = 0.731059 and 1 / (e + 1) = 0.268941.
+    #[test]
+    fn gpt_oss_routing_softmaxes_over_the_top_k_only() {
+        let r = route_topk_softmax(&[1.0, 3.0, 2.0, 0.0], 4, 2);
+        assert_eq!(r.experts, vec![1, 2]);
+        let e = std::f32::consts::E;
+        assert!(
+            (r.weights[0] - e / (e + 1.0)).abs() < 1e-6,
+            "{:?}",
+            r.weights
+        );
+        assert!(
+            (r.weights[1] - 1.0 / (e + 1.0)).abs() < 1e-6,
+            "{:?}",
+            r.weights
+        );
+    }
+
+    /// The shared expert's rows are added to the routed sum before the residual:
+    /// residual 1, one slot 2 (weight already applied), shared row 4 gives 7.
+    #[test]
+    fn combine_adds_the_shared_expert_row() {
+        let routing = Routing {
+            top_k: 1,
+            experts: vec![0],
+            weights: vec![1.0],
+        };
+        let mut residual = [1.0f32, 1.0];
+        combine_shared(&routing, &[2.0, 2.0], Some(&[4.0, 4.0]), &mut residual).unwrap();
+        assert_eq!(residual, [7.0, 7.0]);
+        assert!(combine_shared(&routing, &[2.0, 2.0], Some(&[4.0]), &mut residual).is_err());
+    }
+
     /// Logits [ln 1, ln 2, ln 3, ln 4]: probabilities 0.1..0.4; top-2 = experts 3, 2 with
     /// 0.4 and 0.3, renormalised by their sum to 4/7 and 3/7.
     #[test]

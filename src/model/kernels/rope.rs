@@ -148,6 +148,39 @@ mod tests {
         assert!((head[0] - 3f32.cos()).abs() < 1e-6 && (head[1] - 3f32.sin()).abs() < 1e-6);
     }
 
+    /// gpt-oss's YaRN on a 16-wide head (theta 1.5e5, factor 32, original 4096 positions,
+    /// beta 32 / 1, no truncation), worked by hand: the correction dimensions are
+    /// low = 16 ln(4096 / (32 * 2 pi)) / (2 ln 1.5e5) = 2.0218 and
+    /// high = 16 ln(4096 / (2 pi)) / (2 ln 1.5e5) = 4.3499, so frequencies 0-2 keep
+    /// `theta^(-2i/16)` (extrapolation), 5-7 are divided by 32 (interpolation), 3 and 4
+    /// blend with ramp (i - low) / (high - low); cos and sin are scaled by
+    /// 0.1 ln 32 + 1 = 1.346574.
+    #[test]
+    fn yarn_frequencies_and_scale_match_hand_computation() {
+        let y = crate::model::card::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_positions: 4096,
+            truncate: false,
+        };
+        let table = RopeTable::yarn(150000.0, 16, 2, &y);
+        let (cos, sin) = table.tables();
+        let scale = 1.346_574_f64;
+        let (low, high) = (2.021_8_f64, 4.349_9_f64);
+        for i in 0..8 {
+            let base = 150000f64.powf(-((2 * i) as f64) / 16.0);
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let f = base / 32.0 * ramp + base * (1.0 - ramp);
+            // Position 1: angle = f.
+            let (c, s) = (cos[8 + i] as f64, sin[8 + i] as f64);
+            assert!((c - f.cos() * scale).abs() < 1e-4, "cos {i}: {c}");
+            assert!((s - f.sin() * scale).abs() < 1e-4, "sin {i}: {s}");
+            // Position 0: cos = the scale itself, sin = 0.
+            assert!((cos[i] as f64 - scale).abs() < 1e-5 && sin[i] == 0.0);
+        }
+    }
+
     /// Rotation preserves the norm of each (i, i + half) pair.
     #[test]
     fn rotation_preserves_pair_norms() {

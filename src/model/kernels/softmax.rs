@@ -240,6 +240,28 @@ mod avx2 {
 mod tests {
     use super::*;
 
+    /// Scores [0, ln 2] with a sink of logit 0: exponentials 1, 2 and the sink's 1, so the
+    /// probabilities are 1/4 and 2/4 (the sink's quarter has no output); a sink far above
+    /// the scores takes almost everything, one far below changes nothing.
+    #[test]
+    fn a_sink_takes_its_share_of_the_denominator() {
+        for isa in Isa::supported() {
+            let k = Kernels::new(isa).unwrap();
+            let mut r = [0.0f32, 2f32.ln()];
+            k.softmax_with_sink_in_place(&mut r, Some(0.0));
+            assert!(
+                (r[0] - 0.25).abs() < 1e-6 && (r[1] - 0.5).abs() < 1e-6,
+                "{r:?}"
+            );
+            let mut high = [0.0f32, 2f32.ln()];
+            k.softmax_with_sink_in_place(&mut high, Some(40.0));
+            assert!(high.iter().all(|p| *p < 1e-15), "{high:?}");
+            let mut low = [0.0f32, 2f32.ln()];
+            k.softmax_with_sink_in_place(&mut low, Some(-1e30));
+            assert!((low[0] - 1.0 / 3.0).abs() < 1e-6 && (low[1] - 2.0 / 3.0).abs() < 1e-6);
+        }
+    }
+
     fn row(n: usize, span: f32) -> Vec<f32> {
         (0..n)
             .map(|i| ((i * 7919) % 2003) as f32 / 2003.0 * span - 0.75 * span)

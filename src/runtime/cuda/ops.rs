@@ -146,12 +146,13 @@ fn wrong_op(kernel: OpKind, task: &PlanTask) -> OpError {
 impl GpuCx<'_> {
     /// Submits one task: its op's launches, then forgets weight labels of what it wrote.
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
-        // The CUDA kernels implement Mixtral's and DBRX's numerics only: q/k norms, q/k/v
-        // biases and shared experts have no device kernels yet, so those families are
-        // refused before any launch rather than run with wrong numerics.
+        // The CUDA kernels implement Mixtral's and DBRX's numerics only: q/k norms, biases,
+        // shared experts, sinks, per-layer windows, YaRN and the clamped SwiGLU have no
+        // device kernels yet, so those families are refused before any launch rather than
+        // run with wrong numerics.
         if !matches!(self.arch.family, Family::Mixtral | Family::Dbrx) {
             return Err(OpError::Unsupported(format!(
-                "the {:?} family (q/k norms, biases or shared experts); run it with --backend cpu",
+                "the {:?} family yet (only Mixtral and DBRX); run it with --backend cpu",
                 self.arch.family
             )));
         }
