@@ -4,7 +4,8 @@
 What it takes: nothing but the pinned packages in scripts/requirements-parity.txt (CPU
 torch, transformers, safetensors). No network, no tokenizer, no Hub download.
 
-What it gives, for each family (mixtral, dbrx), in tests/fixtures/parity/<family>/:
+What it gives, for each family (mixtral, dbrx, qwen3_moe, olmoe, qwen2_moe, gpt_oss), in
+tests/fixtures/parity/<family>/:
   config.json, generation_config.json, model.safetensors  -- a small random model written by
       `save_pretrained` in bf16, i.e. exactly the Hub layout moec reads with `--weights DIR`;
   expected.json -- for 3 prompts of different lengths (token ids from a seeded RNG): the prompt
@@ -73,8 +74,16 @@ from transformers import (
     DbrxConfig,
     DbrxForCausalLM,
     DynamicCache,
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 from transformers.models.mixtral import modeling_mixtral
 
@@ -176,6 +185,166 @@ def dbrx_family() -> Family:
     return Family("dbrx", 2000, config, DbrxForCausalLM, names)
 
 
+def llama_style_names(config, shared: bool, bias: bool) -> list[str]:
+    """Hub names of a Qwen2-MoE / Qwen3-MoE / OLMoE checkpoint (per-expert projections)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}"
+        names += [
+            f"{prefix}.input_layernorm.weight",
+            f"{prefix}.post_attention_layernorm.weight",
+            f"{prefix}.mlp.gate.weight",
+        ]
+        names += [f"{prefix}.self_attn.{p}_proj.weight" for p in "qkvo"]
+        if bias:
+            names += [f"{prefix}.self_attn.{p}_proj.bias" for p in "qkv"]
+        else:
+            names += [f"{prefix}.self_attn.{p}_norm.weight" for p in "qk"]
+        if shared:
+            names += [f"{prefix}.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+            names.append(f"{prefix}.mlp.shared_expert_gate.weight")
+        for expert_idx in range(config.num_experts):
+            names += [
+                f"{prefix}.mlp.experts.{expert_idx}.{w}_proj.weight" for w in ("gate", "up", "down")
+            ]
+    return names
+
+
+def qwen3_moe_family() -> Family:
+    # Qwen3-30B-A3B's structure: head_dim set apart from hidden / heads, per-head q/k norm,
+    # many experts with top-8 and norm_topk_prob (renormalised top-k weights).
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=32,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return Family("qwen3_moe", 3000, config, Qwen3MoeForCausalLM, llama_style_names(config, False, False))
+
+
+def olmoe_family() -> Family:
+    # OLMoE-1B-7B's structure: q/k RMSNorm over the whole projection, 64 experts top-8
+    # without renormalisation; clip_qkv (null in the released model, supported by both).
+    config = OlmoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        eos_token_id=2,
+        pad_token_id=1,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return Family("olmoe", 4000, config, OlmoeForCausalLM, llama_style_names(config, False, False))
+
+
+def qwen2_moe_family() -> Family:
+    # Qwen2-57B-A14B's structure: q/k/v biases, a sigmoid-gated shared expert, no
+    # renormalisation of the top-k weights.
+    config = Qwen2MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        qkv_bias=True,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return Family("qwen2_moe", 5000, config, Qwen2MoeForCausalLM, llama_style_names(config, True, True))
+
+
+def gpt_oss_family() -> Family:
+    # gpt-oss's structure at a small size: sinks, sliding window (8 tokens, so the 19- and
+    # 43-token prompts are cut) on even layers and full attention on odd ones, biases on
+    # q/k/v/o, router and experts, top-k-then-softmax routing, YaRN (gpt-oss's own
+    # parameters), the clamped SwiGLU with a low limit so that the clamp acts.
+    config = GptOssConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        sliding_window=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        swiglu_limit=1.5,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}"
+        names += [
+            f"{prefix}.input_layernorm.weight",
+            f"{prefix}.post_attention_layernorm.weight",
+            f"{prefix}.mlp.router.weight",
+            f"{prefix}.mlp.router.bias",
+            f"{prefix}.self_attn.sinks",
+        ]
+        names += [f"{prefix}.self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")]
+        names += [
+            f"{prefix}.mlp.experts.{w}"
+            for w in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        ]
+    return Family("gpt_oss", 6000, config, GptOssForCausalLM, names)
+
+
+LLAMA_STYLE = ("qwen3_moe", "olmoe", "qwen2_moe")
+
+
+def top_k_of(family: Family) -> int:
+    if family.name == "dbrx":
+        return family.config.ffn_config.moe_top_k
+    return family.config.num_experts_per_tok
+
+
 # ---------------------------------------------------------------------------------------
 # Initialisation
 
@@ -190,8 +359,22 @@ def init_weights(model: torch.nn.Module, family: str, seed: int) -> None:
 
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if param.dim() == 1:
-                # Only the norms have 1-D weights (no biases anywhere in either model).
+            if name.endswith("self_attn.sinks"):
+                # Sink logits of the size of the attention scores, so they take a real share.
+                normal(param, 1.0)
+            elif name.endswith("mlp.router.weight"):
+                normal(param, ROUTER_GAIN / math.sqrt(param.shape[-1]))
+            elif name.endswith("_bias") or name.endswith(".bias"):
+                # Biases (q/k/v/o, router, gpt-oss experts): small.
+                normal(param, 0.1)
+            elif family == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # gpt-oss experts are [experts, in, out]: fan-in is the middle dimension.
+                normal(param, 1.0 / math.sqrt(param.shape[-2]))
+            elif param.dim() == 1 and name.endswith(".bias"):
+                # Qwen2-MoE's q/k/v biases: small, so attention still depends on the input.
+                normal(param, 0.1)
+            elif param.dim() == 1:
+                # The other 1-D weights are norms (input, post-attention, q/k, final).
                 normal(param, 0.1, mean=1.0)
             elif name.endswith(("embed_tokens.weight", "wte.weight")):
                 normal(param, 1.0)
@@ -227,11 +410,12 @@ class Probe:
         self.expert_hits: dict[int, np.ndarray] = {}
         self.clip_counts: dict[int, list[int]] = {}
         self.handles = []
-        if family.name == "mixtral":
+        if family.name == "mixtral" or family.name in LLAMA_STYLE or family.name == "gpt_oss":
             self.top_k = family.config.num_experts_per_tok
             for layer_idx, layer in enumerate(model.model.layers):
+                router = layer.mlp.router if family.name == "gpt_oss" else layer.mlp.gate
                 self.handles.append(
-                    layer.mlp.gate.register_forward_hook(self._router_hook(layer_idx, tuple_out=True))
+                    router.register_forward_hook(self._router_hook(layer_idx, tuple_out=True))
                 )
         else:
             self.top_k = family.config.ffn_config.moe_top_k
@@ -358,6 +542,20 @@ def _mixtral_router_without_renorm(self, hidden_states):
     return router_logits, router_top_value, router_indices
 
 
+class _Zeros(torch.nn.Module):
+    """A shared expert that contributes nothing."""
+
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+class _Ungated(torch.nn.Module):
+    """A shared-expert gate of +inf logits: sigmoid = 1, the output unscaled."""
+
+    def forward(self, x):
+        return torch.full((*x.shape[:-1], 1), 1e30, dtype=x.dtype)
+
+
 def break_model(model: torch.nn.Module, family: str, what: str):
     """Apply one breakage in place; return a function that undoes it."""
     if what == "no_router_renorm" and family == "mixtral":
@@ -391,8 +589,110 @@ def break_model(model: torch.nn.Module, family: str, what: str):
                 attn.clip_qkv = clip
 
         return undo
+    if what == "flip_router_renorm":
+        routers = [layer.mlp.gate for layer in model.model.layers]
+        for router in routers:
+            router.norm_topk_prob = not router.norm_topk_prob
+
+        def undo():
+            for router in routers:
+                router.norm_topk_prob = not router.norm_topk_prob
+
+        return undo
+    if what == "no_qk_norm":
+        attns = [layer.self_attn for layer in model.model.layers]
+        saved = [(attn.q_norm, attn.k_norm) for attn in attns]
+        for attn in attns:
+            attn.q_norm = torch.nn.Identity()
+            attn.k_norm = torch.nn.Identity()
+
+        def undo():
+            for attn, (q_norm, k_norm) in zip(attns, saved):
+                attn.q_norm, attn.k_norm = q_norm, k_norm
+
+        return undo
+    if what in ("no_shared_expert", "no_shared_expert_gate"):
+        blocks = [layer.mlp for layer in model.model.layers]
+        saved = [(block.shared_expert, block.shared_expert_gate) for block in blocks]
+        for block in blocks:
+            if what == "no_shared_expert":
+                block.shared_expert = _Zeros()
+            else:
+                block.shared_expert_gate = _Ungated()
+
+        def undo():
+            for block, (expert, gate) in zip(blocks, saved):
+                block.shared_expert, block.shared_expert_gate = expert, gate
+
+        return undo
+    if what == "no_qkv_bias":
+        projs = [
+            getattr(layer.self_attn, f"{p}_proj") for layer in model.model.layers for p in "qkv"
+        ]
+        saved = [proj.bias.detach().clone() for proj in projs]
+        with torch.no_grad():
+            for proj in projs:
+                proj.bias.zero_()
+
+        def undo():
+            with torch.no_grad():
+                for proj, bias in zip(projs, saved):
+                    proj.bias.copy_(bias)
+
+        return undo
+    if what == "no_sinks":
+        sinks = [layer.self_attn.sinks for layer in model.model.layers]
+        saved = [p.detach().clone() for p in sinks]
+        with torch.no_grad():
+            for p in sinks:
+                p.fill_(-1e30)
+
+        def undo():
+            with torch.no_grad():
+                for p, v in zip(sinks, saved):
+                    p.copy_(v)
+
+        return undo
+    if what == "no_sliding_window":
+        saved = list(model.config.layer_types)
+        attns = [layer.self_attn for layer in model.model.layers]
+        windows = [attn.sliding_window for attn in attns]
+        model.config.layer_types = ["full_attention"] * len(saved)
+        for attn in attns:
+            attn.sliding_window = None
+
+        def undo():
+            model.config.layer_types = saved
+            for attn, window in zip(attns, windows):
+                attn.sliding_window = window
+
+        return undo
+    if what == "no_swiglu_clamp":
+        experts = [layer.mlp.experts for layer in model.model.layers]
+        limit = experts[0].limit
+        for e in experts:
+            e.limit = 1e30
+
+        def undo():
+            for e in experts:
+                e.limit = limit
+
+        return undo
+    if what == "no_yarn":
+        rotary = model.model.rotary_emb
+        saved = (rotary.inv_freq.clone(), rotary.attention_scaling)
+        dim = saved[0].numel() * 2
+        base = model.config.rope_parameters["rope_theta"]
+        rotary.inv_freq.copy_(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)))
+        rotary.attention_scaling = 1.0
+
+        def undo():
+            rotary.inv_freq.copy_(saved[0])
+            rotary.attention_scaling = saved[1]
+
+        return undo
     if what == "rope_theta_10000":
-        rotary = model.model.rotary_emb if family == "mixtral" else model.transformer.rotary_emb
+        rotary = model.transformer.rotary_emb if family == "dbrx" else model.model.rotary_emb
         saved = rotary.inv_freq.clone()
         dim = saved.numel() * 2
         rotary.inv_freq.copy_(1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)))
@@ -405,9 +705,20 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
 
 def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -> dict:
-    breakages = ["no_router_renorm", "rope_theta_10000"]
-    if family == "dbrx":
-        breakages.insert(1, "no_clip_qkv")
+    breakages = {
+        "mixtral": ["no_router_renorm", "rope_theta_10000"],
+        "dbrx": ["no_router_renorm", "no_clip_qkv", "rope_theta_10000"],
+        "qwen3_moe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
+        "olmoe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
+        "gpt_oss": ["no_sinks", "no_sliding_window", "no_swiglu_clamp", "no_yarn"],
+        "qwen2_moe": [
+            "flip_router_renorm",
+            "no_shared_expert",
+            "no_shared_expert_gate",
+            "no_qkv_bias",
+            "rope_theta_10000",
+        ],
+    }[family]
     report = {}
     for what in breakages:
         undo = break_model(model, family, what)
@@ -471,6 +782,18 @@ def check_widening(model: torch.nn.Module, family: Family, saved: dict[str, torc
             gate = saved[f"model.layers.{layer_idx}.block_sparse_moe.gate.weight"].float()
             assert torch.equal(layer.mlp.gate.weight, gate)
         checked = [n for n in saved if "block_sparse_moe" not in n]
+    elif family.name in LLAMA_STYLE:
+        # In memory the experts are fused (`mlp.experts.gate_up_proj` [E, 2F, D] and
+        # `down_proj` [E, D, F]); on disk they are per expert.
+        for layer_idx, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{layer_idx}.mlp.experts"
+            for expert_idx in range(family.config.num_experts):
+                gate = saved[f"{prefix}.{expert_idx}.gate_proj.weight"].float()
+                up = saved[f"{prefix}.{expert_idx}.up_proj.weight"].float()
+                down = saved[f"{prefix}.{expert_idx}.down_proj.weight"].float()
+                assert torch.equal(layer.mlp.experts.gate_up_proj[expert_idx], torch.cat([gate, up]))
+                assert torch.equal(layer.mlp.experts.down_proj[expert_idx], down)
+        checked = [n for n in saved if ".mlp.experts." not in n]
     else:
         checked = list(saved)
     for name in checked:
@@ -616,15 +939,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_out = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "parity"
     parser.add_argument("--out", type=Path, default=default_out)
-    parser.add_argument("--family", choices=["mixtral", "dbrx"], action="append")
+    parser.add_argument(
+        "--family",
+        choices=["mixtral", "dbrx", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"],
+        action="append",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    families = {"mixtral": mixtral_family, "dbrx": dbrx_family}
-    for name in args.family or ["mixtral", "dbrx"]:
+    families = {
+        "mixtral": mixtral_family,
+        "dbrx": dbrx_family,
+        "qwen3_moe": qwen3_moe_family,
+        "olmoe": olmoe_family,
+        "qwen2_moe": qwen2_moe_family,
+        "gpt_oss": gpt_oss_family,
+    }
+    for name in args.family or list(families):
         expected = build_family(families[name](), args.out)
         margins = expected["margins"]
         print(

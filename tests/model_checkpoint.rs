@@ -4,6 +4,7 @@
 //! naming the file and tensor.
 
 use moec::model::checkpoint::CheckpointError;
+use moec::model::kernels::isa::Kernels;
 use moec::model::kernels::moe::{expert_ffn, RoutedRow};
 use moec::model::kernels::projection::pre_attn;
 use moec::model::kernels::rope::RopeTable;
@@ -118,7 +119,14 @@ fn synthesis_is_deterministic_and_seeded() {
 #[test]
 fn layer_image_views_compute_the_same_as_mapped_tensors() {
     let tmp = tempfile::tempdir().unwrap();
-    for family in ["mixtral-tiny", "dbrx-tiny"] {
+    for family in [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+    ] {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());
         let ck = Checkpoint::open(&dir).unwrap();
@@ -165,7 +173,14 @@ fn layer_image_views_compute_the_same_as_mapped_tensors() {
                 },
             ];
             expert_ffn(&arch, &w.experts[3], &x, &rows, &mut moe).unwrap();
-            (qkv, moe)
+            // The shared expert (Qwen2-MoE) is read from the image's dense part too.
+            let mut shared = vec![0.0; n * d];
+            if let Some(s) = &w.dense.shared {
+                Kernels::process()
+                    .shared_expert(&arch, s, &x, &mut shared)
+                    .unwrap();
+            }
+            (qkv, moe, shared)
         };
         assert_eq!(run(&from_image), run(&mapped), "{family}");
         // Too short or misaligned buffers are errors, not panics.
@@ -389,7 +404,14 @@ fn config_contradicting_the_card_names_the_field() {
 #[test]
 fn synthetic_layer_image_matches_the_written_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
-    for family in ["mixtral-tiny", "dbrx-tiny"] {
+    for family in [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+    ] {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());
         let ck = Checkpoint::open(&dir).unwrap();

@@ -28,7 +28,14 @@ fn tiny(name: &str) -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn generation_is_not_degenerate_for_either_family() {
-    for name in ["mixtral-tiny", "dbrx-tiny"] {
+    for name in [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+    ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
         let tok = TextTokenizer::load(ck.card(), Some(&dir)).unwrap();
@@ -89,7 +96,14 @@ fn seeded_sampling_repeats_and_seeds_differ() {
 /// tokens, logprobs and logits to each prompt generated alone.
 #[test]
 fn batched_generation_equals_one_prompt_at_a_time() {
-    for name in ["mixtral-tiny", "dbrx-tiny"] {
+    for name in [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+    ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
         let oracle = Oracle::new(&ck).unwrap();
@@ -117,7 +131,14 @@ type RowOp<'a> = Box<dyn Fn(usize, usize) -> Vec<f32> + 'a>;
 /// one call of 37 rows, 37 calls of one row, and calls of 5 + 32 rows.
 #[test]
 fn row_kernels_are_batch_invariant() {
-    for name in ["mixtral-tiny", "dbrx-tiny"] {
+    for name in [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+    ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
         let a = ck.arch().clone();
@@ -365,7 +386,14 @@ fn expert_execution_order_does_not_change_the_result() {
 #[test]
 fn simd_and_portable_kernels_give_the_same_generation() {
     use moec::model::kernels::isa::{Isa, Kernels};
-    for name in ["mixtral-tiny", "dbrx-tiny"] {
+    for name in [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+    ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
         let prompts = vec![vec![1, 415, 5565, 302, 4843], vec![1, 28705, 13, 9]];

@@ -228,3 +228,23 @@ fn mixtral_oracle_matches_transformers() {
 fn dbrx_oracle_matches_transformers() {
     check_family("dbrx");
 }
+
+#[test]
+fn qwen3_moe_oracle_matches_transformers() {
+    check_family("qwen3_moe");
+}
+
+#[test]
+fn olmoe_oracle_matches_transformers() {
+    check_family("olmoe");
+}
+
+#[test]
+fn qwen2_moe_oracle_matches_transformers() {
+    check_family("qwen2_moe");
+}
+
+#[test]
+fn gpt_oss_oracle_matches_transformers() {
+    check_family("gpt_oss");
+}

@@ -30,7 +30,7 @@ fn human_params(p: u64) -> String {
 /// Runs `moec models`.
 pub fn run(_args: &ModelsArgs) -> ExitCode {
     println!(
-        "{:<14} {:<8} {:>6} {:>10} {:>10} {:>11} {:>10} {:>14} {:>10}",
+        "{:<15} {:<8} {:>6} {:>10} {:>10} {:>11} {:>10} {:>10} {:>14} {:>10}",
         "card",
         "family",
         "layers",
@@ -38,12 +38,13 @@ pub fn run(_args: &ModelsArgs) -> ExitCode {
         "active",
         "attn/layer",
         "router",
+        "shared",
         "experts/layer",
         "total"
     );
     for card in ModelCard::builtins() {
         println!(
-            "{:<14} {:<8} {:>6} {:>10} {:>10} {:>11} {:>10} {:>14} {:>10}",
+            "{:<15} {:<8} {:>6} {:>10} {:>10} {:>11} {:>10} {:>10} {:>14} {:>10}",
             card.name,
             format!("{:?}", card.family),
             card.layers,
@@ -51,12 +52,18 @@ pub fn run(_args: &ModelsArgs) -> ExitCode {
             human_params(card.active_params()),
             human_bytes(card.attn_bytes()),
             human_bytes(card.router_bytes()),
+            if card.shared_ffn > 0 {
+                human_bytes(card.shared_params() * card.dtype.bytes())
+            } else {
+                "-".to_string()
+            },
             format!("{}x{}", card.experts, human_bytes(card.expert_bytes())),
             human_bytes(card.total_bytes()),
         );
     }
     println!(
-        "(bytes in each card's dtype; params = all / active per token incl. embedding and lm_head)"
+        "(bytes in each card's dtype; params = all / active per token incl. embedding and lm_head; \
+         shared = the shared expert every token runs, part of the layer's dense weights)"
     );
     ExitCode::SUCCESS
 }

@@ -259,6 +259,7 @@ pub fn measure_expert_latency(
         gate: matrix("gate", gate, f, d, Orientation::OutIn)?,
         up: matrix("up", up, f, d, Orientation::OutIn)?,
         down: down_matrix,
+        fused: None,
     };
     let time = |tokens: usize| -> Result<f64, ProbeError> {
         let x = vec![0.01f32; tokens * d];

@@ -305,8 +305,8 @@ pub struct Buffer {
 /// Byte layout of the checkpoint buffer `W`: `[embedding | layer 0 | ... | layer L-1 |
 /// final norm + lm_head]`, every part starting on a 64-byte boundary. A layer is the
 /// model's packed image ([`crate::model::layout::LayerLayout`]): `[pre | o | gate | expert 0
-/// | ... | expert E-1]` where `pre` = input norm + Q/K/V (DBRX: Wqkv), `o` = O projection,
-/// `gate` = post-attention norm + router; so `W[i].expert(e)` is exactly the image's
+/// | ... | expert E-1]` where `pre` = input norm + Q/K/V (DBRX: Wqkv) with their biases and
+/// norms, `o` = O projection, `gate` = post-attention norm + router + shared expert; so `W[i].expert(e)` is exactly the image's
 /// `expert_range(e)` and the runtime can copy byte ranges of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckpointLayout {
@@ -341,18 +341,16 @@ impl CheckpointLayout {
         // starting on a SEGMENT_ALIGN boundary), computed without allocating because the
         // op catalog asks for it per task; `matches_the_model_layer_image` pins the two.
         let dt = card.dtype.bytes();
-        let (h, f, e) = (card.hidden, card.ffn, card.experts);
-        let (q, kv) = (card.q_dim(), card.kv_dim());
         let place =
             |offset: u64, elems: &[u64]| elems.iter().fold(offset, |at, n| align_up(at + n * dt));
-        let qkv: &[u64] = match card.family {
-            crate::model::card::Family::Mixtral => &[q * h, kv * h, kv * h],
-            crate::model::card::Family::Dbrx => &[(q + 2 * kv) * h],
-        };
-        let o_start = place(place(0, &[h]), qkv);
-        let gate_start = place(o_start, &[h * q]);
-        let experts_start = place(gate_start, &[h, e * h]);
-        let expert_bytes = place(0, &[f * h, f * h, h * f]);
+        // The element counts of each part's segments come from the model's layout (small
+        // vectors: one entry per dense segment and per expert projection).
+        let arch = crate::model::arch::ArchSpec::from_card(card);
+        let [pre, o, gate, expert] = crate::model::layout::LayerLayout::part_elems(&arch);
+        let o_start = place(0, &pre);
+        let gate_start = place(o_start, &o);
+        let experts_start = place(gate_start, &gate);
+        let expert_bytes = place(0, &expert);
         CheckpointLayout {
             embed_bytes: align_up(card.vocab * card.hidden * dt),
             pre_bytes: o_start,

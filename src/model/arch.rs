@@ -1,9 +1,10 @@
 //! The numbers the kernels need from a card, in the types they use.
 //!
 //! Takes a [`ModelCard`]; gives an [`ArchSpec`] (norm kind, eps, head geometry, clip,
-//! router renormalisation) so kernels never interpret family names themselves.
+//! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
+//! family names themselves.
 
-use crate::model::card::{Family, ModelCard};
+use crate::model::card::{Family, ModelCard, QkNorm, Yarn};
 use crate::model::kernels::attention::AttnShape;
 use crate::model::kernels::norm::NormKind;
 
@@ -39,6 +40,25 @@ pub struct ArchSpec {
     pub max_positions: usize,
     /// Rotary base.
     pub rope_theta: f64,
+    /// RMSNorm of q and k after the projections (and biases), before clip and rotary.
+    pub qk_norm: QkNorm,
+    /// q, k and v projections carry biases.
+    pub qkv_bias: bool,
+    /// Shared expert width (0: none).
+    pub shared_ffn: usize,
+    /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)`.
+    pub shared_gate: bool,
+    /// The output projection carries a bias.
+    pub o_bias: bool,
+    /// `attn.sliding_window` applies to even layers only (gpt-oss).
+    pub alternate_sliding: bool,
+    /// Router bias, top-k over logits, softmax over the k chosen (gpt-oss).
+    pub router_bias_topk_softmax: bool,
+    /// gpt-oss experts: `(alpha, limit)` of the clamped SwiGLU over fused interleaved
+    /// gate/up with biases.
+    pub clamped_swiglu: Option<(f32, f32)>,
+    /// YaRN rotary scaling.
+    pub yarn: Option<Yarn>,
 }
 
 impl ArchSpec {
@@ -47,8 +67,12 @@ impl ArchSpec {
         ArchSpec {
             family: card.family,
             norm: match card.family {
-                Family::Mixtral => NormKind::Rms,
                 Family::Dbrx => NormKind::LayerNoBias,
+                Family::Mixtral
+                | Family::Qwen2Moe
+                | Family::Qwen3Moe
+                | Family::Olmoe
+                | Family::GptOss => NormKind::Rms,
             },
             norm_eps: card.norm_eps as f32,
             hidden: card.hidden as usize,
@@ -58,6 +82,7 @@ impl ArchSpec {
                 kv_heads: card.kv_heads as usize,
                 head_dim: card.head_dim as usize,
                 sliding_window: card.sliding_window.map(|w| w as usize),
+                sinks: card.sinks,
             },
             experts: card.experts as usize,
             top_k: card.top_k as usize,
@@ -66,16 +91,43 @@ impl ArchSpec {
             clip_qkv: card.clip_qkv.map(|c| c as f32),
             router_norm_p: match card.family {
                 Family::Mixtral => Some(1.0),
-                Family::Dbrx => card.router_norm_p,
+                _ => card.router_norm_p,
             },
             max_positions: card.max_positions as usize,
             rope_theta: card.rope_theta,
+            qk_norm: card.qk_norm,
+            qkv_bias: card.qkv_bias,
+            shared_ffn: card.shared_ffn as usize,
+            shared_gate: card.shared_gate,
+            o_bias: card.o_bias,
+            alternate_sliding: card.alternate_sliding,
+            router_bias_topk_softmax: card.router_bias_topk_softmax,
+            clamped_swiglu: card
+                .clamped_swiglu
+                .map(|c| (c.alpha as f32, c.limit as f32)),
+            yarn: card.yarn,
         }
+    }
+
+    /// The attention geometry of layer `layer`: the sliding window only on even layers
+    /// when the family alternates (gpt-oss), else on every layer.
+    pub fn attn_of(&self, layer: usize) -> AttnShape {
+        let mut shape = self.attn;
+        if self.alternate_sliding && layer % 2 == 1 {
+            shape.sliding_window = None;
+        }
+        shape
     }
 
     /// Query width `heads * head_dim`.
     pub fn q_dim(&self) -> usize {
         self.attn.heads * self.attn.head_dim
+    }
+
+    /// Rows per token of an expert accumulator: normalised row, `top_k` routed outputs and,
+    /// with a shared expert, its output row last (see `ModelCard::acc_rows_per_token`).
+    pub fn acc_rows(&self) -> usize {
+        1 + self.top_k + usize::from(self.shared_ffn > 0)
     }
 
     /// K (or V) width `kv_heads * head_dim`.

@@ -1,4 +1,5 @@
-//! Model cards: the architecture of a Mixtral- or DBRX-family model as plain data.
+//! Model cards: the architecture of one MoE model (Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE or
+//! OLMoE family) as plain data.
 //!
 //! A card is read from RON (`models/*.ron`; the shipped cards are embedded in the binary so
 //! `moec` works from any directory) and gives every dimension the compiler, the cost model
@@ -14,6 +15,77 @@ pub enum Family {
     Mixtral,
     /// Databricks' DBRX: LayerNorm without bias, fused Wqkv with `clip_qkv`, fused experts.
     Dbrx,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): RMSNorm, q/k/v biases, per-expert
+    /// `gate_proj/up_proj/down_proj`, a shared expert scaled by `sigmoid(shared_expert_gate)`.
+    Qwen2Moe,
+    /// Qwen3-MoE (30B-A3B, 235B-A22B): RMSNorm, per-head RMSNorm of q and k before rotary,
+    /// many small experts with top-8 routing.
+    Qwen3Moe,
+    /// AllenAI's OLMoE: RMSNorm, RMSNorm over the whole q and k projections, 64 experts top-8.
+    Olmoe,
+    /// OpenAI's gpt-oss: attention sinks, sliding window on every other layer, biases on
+    /// q/k/v/o, router and experts, top-k-then-softmax routing, a clamped SwiGLU over fused
+    /// interleaved gate/up experts, YaRN rotary scaling.
+    GptOss,
+}
+
+impl Family {
+    /// The `model_type` of the family's Hub `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Mixtral => "mixtral",
+            Family::Dbrx => "dbrx",
+            Family::Qwen2Moe => "qwen2_moe",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Olmoe => "olmoe",
+            Family::GptOss => "gpt_oss",
+        }
+    }
+
+    /// True for the families whose Hub checkpoints use the Llama-style names
+    /// (`model.layers.{i}.self_attn.q_proj`, ...), i.e. every family but DBRX.
+    pub fn llama_names(self) -> bool {
+        self != Family::Dbrx
+    }
+}
+
+/// YaRN rotary scaling (`rope_scaling` / `rope_parameters` with `rope_type: "yarn"`), as
+/// transformers computes it: interpolated and extrapolated frequencies blended over a
+/// linear ramp between the correction dimensions, cos/sin scaled by `0.1 ln(factor) + 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Yarn {
+    /// Context extension factor.
+    pub factor: f64,
+    /// Rotations at which extrapolation stops (`beta_fast`).
+    pub beta_fast: f64,
+    /// Rotations at which interpolation starts (`beta_slow`).
+    pub beta_slow: f64,
+    /// Context length of pre-training.
+    pub original_max_positions: u64,
+    /// Round the correction range outwards to whole dimensions.
+    pub truncate: bool,
+}
+
+/// gpt-oss's clamped SwiGLU: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+/// `g = min(gate, limit)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ClampedSwiglu {
+    /// Slope inside the sigmoid (`swiglu_alpha`).
+    pub alpha: f64,
+    /// Clamp bound (`swiglu_limit`).
+    pub limit: f64,
+}
+
+/// Where a family normalises queries and keys after their projections (before rotary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum QkNorm {
+    /// No q/k norm (Mixtral, DBRX, Qwen2-MoE).
+    #[default]
+    None,
+    /// RMSNorm of each head (`head_dim` weights), Qwen3.
+    PerHead,
+    /// RMSNorm of the whole projection (`q_dim` / `kv_dim` weights), OLMoE.
+    Full,
 }
 
 /// Element type of the weights as stored in a checkpoint.
@@ -90,6 +162,40 @@ pub struct ModelCard {
     /// p-norm with this p (`None`: no renormalisation). Mixtral always divides by the sum.
     #[serde(default = "default_router_norm_p")]
     pub router_norm_p: Option<f64>,
+    /// RMSNorm of q and k after their projections (Qwen3 per head, OLMoE whole).
+    #[serde(default)]
+    pub qk_norm: QkNorm,
+    /// The q, k and v projections carry biases (Qwen2-MoE).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Width of the shared expert every token runs besides its routed ones (Qwen2-MoE's
+    /// `shared_expert_intermediate_size`); 0 for none.
+    #[serde(default)]
+    pub shared_ffn: u64,
+    /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)` (Qwen2-MoE).
+    #[serde(default)]
+    pub shared_gate: bool,
+    /// The output projection carries a bias (gpt-oss).
+    #[serde(default)]
+    pub o_bias: bool,
+    /// Each head has a learned attention sink: an extra logit in its softmax (gpt-oss).
+    #[serde(default)]
+    pub sinks: bool,
+    /// `sliding_window` applies to even layers only, odd layers attend fully (gpt-oss's
+    /// alternating `layer_types`).
+    #[serde(default)]
+    pub alternate_sliding: bool,
+    /// The router carries a bias, takes the top-k logits and softmaxes over those k only
+    /// (gpt-oss); otherwise softmax over all experts, then top-k.
+    #[serde(default)]
+    pub router_bias_topk_softmax: bool,
+    /// Experts are gpt-oss's: fused interleaved gate/up with biases, down with a bias, and
+    /// this clamped SwiGLU.
+    #[serde(default)]
+    pub clamped_swiglu: Option<ClampedSwiglu>,
+    /// YaRN rotary scaling.
+    #[serde(default)]
+    pub yarn: Option<Yarn>,
 }
 
 fn default_router_norm_p() -> Option<f64> {
@@ -114,6 +220,47 @@ const BUILTIN_CARDS: &[(&str, &str)] = &[
         include_str!("../../models/mixtral-tiny.ron"),
     ),
     ("dbrx-tiny", include_str!("../../models/dbrx-tiny.ron")),
+    (
+        "qwen3-30b-a3b",
+        include_str!("../../models/qwen3-30b-a3b.ron"),
+    ),
+    (
+        "qwen3-235b-a22b",
+        include_str!("../../models/qwen3-235b-a22b.ron"),
+    ),
+    (
+        "qwen3-moe-mid",
+        include_str!("../../models/qwen3-moe-mid.ron"),
+    ),
+    (
+        "qwen3-moe-tiny",
+        include_str!("../../models/qwen3-moe-tiny.ron"),
+    ),
+    (
+        "qwen2-57b-a14b",
+        include_str!("../../models/qwen2-57b-a14b.ron"),
+    ),
+    (
+        "qwen2-moe-mid",
+        include_str!("../../models/qwen2-moe-mid.ron"),
+    ),
+    (
+        "qwen2-moe-tiny",
+        include_str!("../../models/qwen2-moe-tiny.ron"),
+    ),
+    ("olmoe-1b-7b", include_str!("../../models/olmoe-1b-7b.ron")),
+    ("olmoe-mid", include_str!("../../models/olmoe-mid.ron")),
+    ("olmoe-tiny", include_str!("../../models/olmoe-tiny.ron")),
+    ("gpt-oss-20b", include_str!("../../models/gpt-oss-20b.ron")),
+    (
+        "gpt-oss-120b",
+        include_str!("../../models/gpt-oss-120b.ron"),
+    ),
+    ("gpt-oss-mid", include_str!("../../models/gpt-oss-mid.ron")),
+    (
+        "gpt-oss-tiny",
+        include_str!("../../models/gpt-oss-tiny.ron"),
+    ),
 ];
 
 /// Errors from finding or reading a model card.
@@ -247,6 +394,42 @@ impl ModelCard {
                 "sliding_window must be at least 1 (or null for full attention)".to_string(),
             );
         }
+        if self.qk_norm == QkNorm::Full
+            && self.family == Family::Olmoe
+            && self.q_dim() != self.hidden
+        {
+            return Err(format!(
+                "OLMoE's q norm spans hidden ({}) weights, so heads x head_dim ({}) must equal it",
+                self.hidden,
+                self.q_dim()
+            ));
+        }
+        if let Some(y) = self.yarn {
+            let ok = y.factor.is_finite()
+                && y.factor >= 1.0
+                && y.beta_fast.is_finite()
+                && y.beta_slow.is_finite()
+                && y.beta_fast > 0.0
+                && y.beta_slow > 0.0
+                && y.original_max_positions > 0;
+            if !ok {
+                return Err(format!("yarn rope scaling {y:?} is not usable"));
+            }
+        }
+        if self.alternate_sliding && self.sliding_window.is_none() {
+            return Err("alternate_sliding needs a sliding_window".to_string());
+        }
+        if let Some(c) = self.clamped_swiglu {
+            if !(c.alpha.is_finite() && c.limit.is_finite() && c.limit > 0.0) {
+                return Err(format!("clamped_swiglu {c:?} is not usable"));
+            }
+        }
+        if (self.family == Family::GptOss) != self.clamped_swiglu.is_some() {
+            return Err("clamped_swiglu is set exactly for the GptOss family".to_string());
+        }
+        if self.shared_gate && self.shared_ffn == 0 {
+            return Err("shared_gate needs a shared expert (shared_ffn > 0)".to_string());
+        }
         if let Some(clip) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(format!(
                 "clip_qkv ({clip}) must be a positive finite bound (or null for none)"
@@ -260,31 +443,75 @@ impl ModelCard {
         self.heads * self.head_dim
     }
 
+    /// Width of one `qkv` activation row: Q, K and V, plus one sink value per head for
+    /// families with attention sinks (gpt-oss; `pre_attn` carries them to `attn`).
+    pub fn qkv_width(&self) -> u64 {
+        self.q_dim() + 2 * self.kv_dim() + if self.sinks { self.heads } else { 0 }
+    }
+
     /// Width of one of K or V (`kv_heads * head_dim`).
     pub fn kv_dim(&self) -> u64 {
         self.kv_heads * self.head_dim
     }
 
-    /// Parameters of one layer's attention: Q, K, V and O projections plus the two norms.
+    /// Parameters of one layer's attention: Q, K, V and O projections, the two layer norms,
+    /// and the q/k biases and norms of the families that have them.
     pub fn attn_params(&self) -> u64 {
         let qkv = self.hidden * (self.q_dim() + 2 * self.kv_dim());
         let o = self.q_dim() * self.hidden;
-        qkv + o + 2 * self.hidden
+        let bias = if self.qkv_bias {
+            self.q_dim() + 2 * self.kv_dim()
+        } else {
+            0
+        };
+        let qk_norm = match self.qk_norm {
+            QkNorm::None => 0,
+            QkNorm::PerHead => 2 * self.head_dim,
+            QkNorm::Full => self.q_dim() + self.kv_dim(),
+        };
+        let o_bias = if self.o_bias { self.hidden } else { 0 };
+        let sinks = if self.sinks { self.heads } else { 0 };
+        qkv + o + 2 * self.hidden + bias + qk_norm + o_bias + sinks
     }
 
-    /// Parameters of one layer's router (`experts x hidden`).
+    /// Parameters of one layer's shared expert (gate, up, down and its sigmoid gate); 0
+    /// for families without one. It is part of the layer's dense weights: every token uses it.
+    pub fn shared_params(&self) -> u64 {
+        3 * self.hidden * self.shared_ffn + if self.shared_gate { self.hidden } else { 0 }
+    }
+
+    /// Rows per token of an expert accumulator (`expert_acc`): the normalised row, one
+    /// output row per routed expert, and one for the shared expert when there is one.
+    pub fn acc_rows_per_token(&self) -> u64 {
+        1 + self.top_k + u64::from(self.shared_ffn > 0)
+    }
+
+    /// Parameters of one layer's router (`experts x hidden`, plus its bias if any).
     pub fn router_params(&self) -> u64 {
         self.experts * self.hidden
+            + if self.router_bias_topk_softmax {
+                self.experts
+            } else {
+                0
+            }
     }
 
-    /// Parameters of one expert (gate, up and down projections).
+    /// Parameters of one expert (gate, up and down projections, plus gpt-oss's biases).
     pub fn expert_params(&self) -> u64 {
         3 * self.hidden * self.ffn
+            + if self.clamped_swiglu.is_some() {
+                2 * self.ffn + self.hidden
+            } else {
+                0
+            }
     }
 
     /// Parameters of one decoder layer.
     pub fn layer_params(&self) -> u64 {
-        self.attn_params() + self.router_params() + self.experts * self.expert_params()
+        self.attn_params()
+            + self.router_params()
+            + self.shared_params()
+            + self.experts * self.expert_params()
     }
 
     /// Parameters outside the layers: embedding, final norm, lm_head (never tied here).
@@ -297,10 +524,14 @@ impl ModelCard {
         self.layers * self.layer_params() + self.outer_params()
     }
 
-    /// Parameters a single token touches (attention, router, `top_k` experts, plus outer).
+    /// Parameters a single token touches (attention, router, shared expert, `top_k`
+    /// experts, plus outer).
     pub fn active_params(&self) -> u64 {
         self.layers
-            * (self.attn_params() + self.router_params() + self.top_k * self.expert_params())
+            * (self.attn_params()
+                + self.router_params()
+                + self.shared_params()
+                + self.top_k * self.expert_params())
             + self.outer_params()
     }
 
@@ -360,6 +591,39 @@ mod tests {
             assert!(
                 (got / published - 1.0).abs() < 0.005,
                 "{name}: {got} vs {published}"
+            );
+        }
+    }
+
+    /// Published totals and active parameters of the newer families (model cards on the
+    /// Hub): Qwen3-30B-A3B 30.5B / 3.3B, Qwen3-235B-A22B 235B / 22B, OLMoE-1B-7B 6.9B /
+    /// 1.3B, Qwen2-57B-A14B 57.4B / 14.2B, gpt-oss-20b 20.91B / 3.61B, gpt-oss-120b 116.83B /
+    /// 5.13B (OpenAI's model card); within 2% (published figures are rounded).
+    #[test]
+    fn new_family_parameter_counts_match_published_figures() {
+        let expect = [
+            ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+            ("qwen3-235b-a22b", 235.0e9, 22.0e9),
+            ("olmoe-1b-7b", 6.9e9, 1.3e9),
+            ("qwen2-57b-a14b", 57.4e9, 14.2e9),
+            ("gpt-oss-20b", 20.91e9, 3.61e9),
+            ("gpt-oss-120b", 116.83e9, 5.13e9),
+        ];
+        for (name, total, active) in expect {
+            let card = ModelCard::load(name).unwrap();
+            let got = card.total_params() as f64;
+            assert!((got / total - 1.0).abs() < 0.02, "{name}: {got} vs {total}");
+            // OpenAI counts gpt-oss's active parameters without the embedding table (a
+            // lookup, not a matmul); the others count it.
+            let lookup = if card.family == Family::GptOss {
+                card.vocab * card.hidden
+            } else {
+                0
+            };
+            let got = (card.active_params() - lookup) as f64;
+            assert!(
+                (got / active - 1.0).abs() < 0.02,
+                "{name} active: {got} vs {active}"
             );
         }
     }

@@ -3,18 +3,21 @@
 //! Takes a folder holding `config.json` and either `model.safetensors` or shards listed
 //! by `model.safetensors.index.json`; gives the card (from config.json, or checked
 //! against a chosen card), typed zero-copy views of every tensor (bf16, f16, f32), the
-//! model's [`ModelWeights`] with Mixtral or DBRX Hub names, and byte copies of a layer
+//! model's [`ModelWeights`] with each family's Hub names, and byte copies of a layer
 //! into the canonical packed image ([`LayerLayout`]). A missing tensor, a wrong shape or
 //! dtype, a truncated or corrupt file, or a bad config is an error naming the file and the
 //! tensor; nothing panics.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, WeightDtype};
+use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
 use crate::model::config::{self, ConfigError};
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
-use crate::model::names::{segment_source, Source};
+use crate::model::names::{head_names, segment_source, Source};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
-use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
+use crate::model::weights::{
+    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, ModelWeights, QkvWeights,
+    SharedExpertWeights,
+};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensorError};
 use std::collections::{BTreeMap, BTreeSet};
@@ -269,10 +272,7 @@ impl Checkpoint {
             }
             shards.push(Shard { path, mmap });
         }
-        let embed_name = match card.family {
-            Family::Mixtral => "model.embed_tokens.weight",
-            Family::Dbrx => "transformer.wte.weight",
-        };
+        let (embed_name, _) = head_names(card.family);
         if let Some(Ok(dtype)) = tensors.get(embed_name).map(|e| e.dtype) {
             card.dtype = dtype;
         }
@@ -394,7 +394,9 @@ impl Checkpoint {
         let (bytes, cols) = if src.shape.len() == 1 {
             (bytes, src.shape[0])
         } else {
-            let cols: usize = src.shape.iter().skip(1).product();
+            // Rows over the leading dimensions flattened (gpt-oss's 3-D expert tensors are
+            // `[experts * in, out]` this way), columns the last dimension.
+            let cols: usize = src.shape.last().copied().unwrap_or(1);
             let row_bytes = cols * dtype.bytes() as usize;
             (
                 &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes],
@@ -463,26 +465,89 @@ impl Checkpoint {
     pub fn layer_weights(&self, layer: usize) -> Result<LayerWeights<'_>, CheckpointError> {
         self.check_layer(layer)?;
         let qkv = match self.arch.family {
-            Family::Mixtral => QkvWeights::Separate {
+            Family::Dbrx => QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?),
+            _ => QkvWeights::Separate {
                 q: self.segment_matrix(layer, SegmentKind::QProj)?,
                 k: self.segment_matrix(layer, SegmentKind::KProj)?,
                 v: self.segment_matrix(layer, SegmentKind::VProj)?,
             },
-            Family::Dbrx => QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?),
+        };
+        let a = &self.arch;
+        let qkv_bias = if a.qkv_bias {
+            Some([
+                self.segment_vector(layer, SegmentKind::QBias)?,
+                self.segment_vector(layer, SegmentKind::KBias)?,
+                self.segment_vector(layer, SegmentKind::VBias)?,
+            ])
+        } else {
+            None
+        };
+        let qk_norm = if a.qk_norm != QkNorm::None {
+            Some([
+                self.segment_vector(layer, SegmentKind::QNorm)?,
+                self.segment_vector(layer, SegmentKind::KNorm)?,
+            ])
+        } else {
+            None
+        };
+        let shared = if a.shared_ffn > 0 {
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: self.segment_matrix(layer, SegmentKind::SharedGate)?,
+                    up: self.segment_matrix(layer, SegmentKind::SharedUp)?,
+                    down: self.segment_matrix(layer, SegmentKind::SharedDown)?,
+                    fused: None,
+                },
+                gate: if a.shared_gate {
+                    Some(self.segment_matrix(layer, SegmentKind::SharedExpertGate)?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            None
+        };
+        let optional = |present: bool, kind| -> Result<Option<TypedSlice<'_>>, CheckpointError> {
+            if present {
+                self.segment_vector(layer, kind).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         let dense = DenseWeights {
             attn_norm: self.segment_vector(layer, SegmentKind::AttnNorm)?,
             qkv,
+            qkv_bias,
+            qk_norm,
+            sinks: optional(a.attn.sinks, SegmentKind::Sinks)?,
             o_proj: self.segment_matrix(layer, SegmentKind::OProj)?,
+            o_bias: optional(a.o_bias, SegmentKind::OBias)?,
             ffn_norm: self.segment_vector(layer, SegmentKind::FfnNorm)?,
             router: self.segment_matrix(layer, SegmentKind::Router)?,
+            router_bias: optional(a.router_bias_topk_softmax, SegmentKind::RouterBias)?,
+            shared,
         };
         let experts = (0..self.arch.experts)
             .map(|e| {
+                if a.clamped_swiglu.is_some() {
+                    return Ok(ExpertWeights {
+                        gate: Matrix::empty(),
+                        up: Matrix::empty(),
+                        down: self.segment_matrix(layer, SegmentKind::ExpertDown(e))?,
+                        fused: Some(FusedExpert {
+                            gate_up: self.segment_matrix(layer, SegmentKind::ExpertGateUp(e))?,
+                            gate_up_bias: self
+                                .segment_vector(layer, SegmentKind::ExpertGateUpBias(e))?,
+                            down_bias: self
+                                .segment_vector(layer, SegmentKind::ExpertDownBias(e))?,
+                        }),
+                    });
+                }
                 Ok(ExpertWeights {
                     gate: self.segment_matrix(layer, SegmentKind::ExpertGate(e))?,
                     up: self.segment_matrix(layer, SegmentKind::ExpertUp(e))?,
                     down: self.segment_matrix(layer, SegmentKind::ExpertDown(e))?,
+                    fused: None,
                 })
             })
             .collect::<Result<Vec<_>, CheckpointError>>()?;
@@ -493,10 +558,7 @@ impl Checkpoint {
     /// embedding when a tied checkpoint (`tie_word_embeddings = true`) ships none).
     fn head_sources(&self) -> (Source, Source, Source) {
         let a = &self.arch;
-        let (embed, norm) = match a.family {
-            Family::Mixtral => ("model.embed_tokens.weight", "model.norm.weight"),
-            Family::Dbrx => ("transformer.wte.weight", "transformer.norm_f.weight"),
-        };
+        let (embed, norm) = head_names(a.family);
         let table = |name: &str| Source {
             name: name.into(),
             shape: vec![a.vocab, a.hidden],
@@ -587,8 +649,9 @@ impl Checkpoint {
                 dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
             });
         }
-        // The tensor's own row width (checked against the card above), not the layout's.
-        let cols: usize = src.shape.iter().skip(1).product();
+        // The tensor's own row width (checked against the card above), not the layout's:
+        // its last dimension, rows over the leading ones flattened.
+        let cols: usize = src.shape.last().copied().unwrap_or(1);
         let row_bytes = cols * dtype.bytes() as usize;
         let part = if src.shape.len() == 1 {
             Some(bytes)

@@ -1,14 +1,19 @@
 //! Hugging Face `config.json` <-> [`ModelCard`].
 //!
-//! Takes the text of a Hub `config.json` in either family's spelling (Mixtral's flat
-//! fields with `rope_theta` at top level or under `rope_parameters`, `sliding_window` null
-//! or an integer; DBRX's nested `attn_config` / `ffn_config`, whose serialized junk fields
-//! are ignored); gives a card with any dimensions. Also checks that a config agrees with a
+//! Takes the text of a Hub `config.json` in its family's spelling (Mixtral's flat fields
+//! with `rope_theta` at top level or under `rope_parameters`, `sliding_window` null or an
+//! integer; DBRX's nested `attn_config` / `ffn_config`, whose serialized junk fields are
+//! ignored; Qwen2-MoE's, Qwen3-MoE's and OLMoE's flat fields with `num_experts` (or
+//! `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_*`);
+//! gives a card with any dimensions. Whatever moec does not implement is refused with
+//! the field named: an unknown `model_type`, a rope scaling type other than the default, a
+//! `quantization_config`, an activation other than SiLU, sliding-window or dense-only
+//! layers in the Qwen families, attention biases where the family has none. Also checks that a config agrees with a
 //! chosen card (naming the first field that differs) and writes a config in the family's
 //! real spelling for synthetic checkpoints. Every problem is an error naming the file and
 //! field.
 
-use crate::model::card::{Family, ModelCard, WeightDtype};
+use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
 use serde_json::{json, Map, Value};
 
 /// Problems with a `config.json`.
@@ -22,8 +27,8 @@ pub enum ConfigError {
         /// Parser message.
         message: String,
     },
-    /// `model_type` is neither `mixtral` nor `dbrx`.
-    #[error("{path}: model_type `{model_type}` is not supported (expected `mixtral` or `dbrx`)")]
+    /// `model_type` names no family moec implements.
+    #[error("{path}: model_type `{model_type}` is not supported (expected one of mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe, gpt_oss)")]
     ModelType {
         /// The file.
         path: String,
@@ -148,9 +153,19 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     })?;
     let f = Fields { path, root };
     let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if matches!(
+        model_type,
+        "mixtral" | "dbrx" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "gpt_oss"
+    ) {
+        refuse_unimplemented(&f, model_type == "gpt_oss")?;
+    }
     let card = match model_type {
         "mixtral" => mixtral_card(&f, name)?,
         "dbrx" => dbrx_card(&f, name)?,
+        "qwen2_moe" => qwen_olmoe_card(&f, name, Family::Qwen2Moe)?,
+        "qwen3_moe" => qwen_olmoe_card(&f, name, Family::Qwen3Moe)?,
+        "olmoe" => qwen_olmoe_card(&f, name, Family::Olmoe)?,
+        "gpt_oss" => gpt_oss_card(&f, name)?,
         other => {
             return Err(ConfigError::ModelType {
                 path: path.into(),
@@ -161,6 +176,328 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     card.validate()
         .map_err(|message| f.invalid("(dimensions)", &message))?;
     Ok(card)
+}
+
+/// The card fields only gpt-oss sets, all off (the other readers spread this in).
+fn gpt_oss_off() -> ModelCard {
+    ModelCard {
+        name: String::new(),
+        family: Family::Mixtral,
+        description: String::new(),
+        layers: 0,
+        hidden: 0,
+        ffn: 0,
+        heads: 0,
+        kv_heads: 0,
+        head_dim: 0,
+        experts: 0,
+        top_k: 0,
+        vocab: 0,
+        max_positions: 0,
+        rope_theta: 0.0,
+        norm_eps: 0.0,
+        clip_qkv: None,
+        dtype: WeightDtype::Bf16,
+        tokenizer: String::new(),
+        bos_token_id: None,
+        eos_token_id: 0,
+        sliding_window: None,
+        router_norm_p: None,
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_ffn: 0,
+        shared_gate: false,
+        o_bias: false,
+        sinks: false,
+        alternate_sliding: false,
+        router_bias_topk_softmax: false,
+        clamped_swiglu: None,
+        yarn: None,
+    }
+}
+
+/// gpt-oss: flat fields, YaRN in `rope_scaling` (Hub) or `rope_parameters` (transformers
+/// 5), alternating `layer_types`, clamped SwiGLU parameters.
+fn gpt_oss_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("hidden_size")?;
+    let heads = f.uint("num_attention_heads")?;
+    if heads == 0 {
+        return Err(f.invalid("num_attention_heads", "must be positive"));
+    }
+    let layers = f.uint("num_hidden_layers")?;
+    if !flag(f, "attention_bias", true)? {
+        return Err(f.invalid(
+            "attention_bias",
+            "is false: gpt-oss without attention biases is not supported",
+        ));
+    }
+    if let Some(types) = f.get("layer_types") {
+        let alternating = types.as_array().is_some_and(|a| {
+            a.len() as u64 == layers
+                && a.iter().enumerate().all(|(i, t)| {
+                    t.as_str()
+                        == Some(if i % 2 == 0 {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        })
+                })
+        });
+        if !alternating {
+            return Err(f.invalid(
+                "layer_types",
+                "is not sliding/full alternating from layer 0: only that pattern is supported",
+            ));
+        }
+    }
+    let (scaling, theta) = if f.get("rope_scaling").is_some() {
+        ("rope_scaling", f.opt_float("rope_theta")?)
+    } else {
+        (
+            "rope_parameters",
+            match f.opt_float("rope_theta")? {
+                Some(t) => Some(t),
+                None => f.opt_float("rope_parameters.rope_theta")?,
+            },
+        )
+    };
+    let yarn = match f.get(&format!("{scaling}.rope_type")) {
+        Some(Value::String(t)) if t == "yarn" => {
+            for unsupported in ["attention_factor", "mscale", "mscale_all_dim"] {
+                if f.get(&format!("{scaling}.{unsupported}")).is_some() {
+                    return Err(f.invalid(
+                        &format!("{scaling}.{unsupported}"),
+                        "is not supported (YaRN with its default attention factor only)",
+                    ));
+                }
+            }
+            Some(Yarn {
+                factor: f.opt_float(&format!("{scaling}.factor"))?.ok_or_else(|| {
+                    ConfigError::Missing {
+                        path: f.path.to_string(),
+                        field: format!("{scaling}.factor"),
+                    }
+                })?,
+                beta_fast: f
+                    .opt_float(&format!("{scaling}.beta_fast"))?
+                    .unwrap_or(32.0),
+                beta_slow: f.opt_float(&format!("{scaling}.beta_slow"))?.unwrap_or(1.0),
+                original_max_positions: f
+                    .uint(&format!("{scaling}.original_max_position_embeddings"))?,
+                truncate: flag(f, &format!("{scaling}.truncate"), true)?,
+            })
+        }
+        _ => None,
+    };
+    let sliding_window = f.opt_uint("sliding_window")?;
+    Ok(ModelCard {
+        name: name.to_string(),
+        family: Family::GptOss,
+        description: format!("gpt-oss checkpoint `{name}` (from config.json)"),
+        layers,
+        hidden,
+        ffn: f.uint("intermediate_size")?,
+        heads,
+        kv_heads: f.opt_uint("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: f.opt_uint("head_dim")?.unwrap_or(hidden / heads),
+        experts: match f.opt_uint("num_local_experts")? {
+            Some(e) => e,
+            None => f.uint("num_experts")?,
+        },
+        top_k: match f.opt_uint("num_experts_per_tok")? {
+            Some(k) => k,
+            None => f.uint("experts_per_token")?,
+        },
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_position_embeddings")?,
+        rope_theta: theta.unwrap_or(150000.0),
+        norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-5),
+        clip_qkv: None,
+        dtype: WeightDtype::Bf16,
+        tokenizer: "tokenizers/dbrx/tokenizer.json".into(),
+        bos_token_id: None,
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(200002),
+        sliding_window,
+        router_norm_p: None,
+        qk_norm: QkNorm::None,
+        qkv_bias: true,
+        shared_ffn: 0,
+        shared_gate: false,
+        o_bias: true,
+        sinks: true,
+        alternate_sliding: sliding_window.is_some(),
+        router_bias_topk_softmax: true,
+        clamped_swiglu: Some(ClampedSwiglu {
+            alpha: f.opt_float("swiglu_alpha")?.unwrap_or(1.702),
+            limit: f.opt_float("swiglu_limit")?.unwrap_or(7.0),
+        }),
+        yarn,
+    })
+}
+
+/// Refuses, naming the field, what no family's numerics here implement: quantised weights,
+/// rope scaling (YaRN only where `allow_yarn`), activations other than SiLU.
+fn refuse_unimplemented(f: &Fields<'_>, allow_yarn: bool) -> Result<(), ConfigError> {
+    if let Some(q) = f.get("quantization_config") {
+        let method = q
+            .get("quant_method")
+            .and_then(Value::as_str)
+            .unwrap_or("(unnamed)");
+        return Err(f.invalid(
+            "quantization_config.quant_method",
+            &format!("`{method}` is not supported (moec reads bf16, f16 and f32 weights only)"),
+        ));
+    }
+    for field in [
+        "rope_scaling.rope_type",
+        "rope_scaling.type",
+        "rope_parameters.rope_type",
+    ] {
+        if let Some(v) = f.get(field) {
+            let kind = v.as_str().unwrap_or("(not a string)");
+            if kind != "default" && !(allow_yarn && kind == "yarn") {
+                return Err(f.invalid(
+                    field,
+                    &format!("`{kind}` is not supported (only the default rotary embedding)"),
+                ));
+            }
+        }
+    }
+    if let Some(Value::Object(_)) = f.root.get("rope_scaling") {
+        if f.get("rope_scaling.rope_type").is_none() && f.get("rope_scaling.type").is_none() {
+            return Err(f.invalid(
+                "rope_scaling",
+                "has no rope type (only the default rotary embedding is supported)",
+            ));
+        }
+    }
+    if let Some(act) = f.get("hidden_act") {
+        if act.as_str() != Some("silu") {
+            return Err(f.invalid(
+                "hidden_act",
+                &format!("{act} is not supported (SwiGLU with SiLU only)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn flag(f: &Fields<'_>, field: &str, default: bool) -> Result<bool, ConfigError> {
+    match f.get(field) {
+        None => Ok(default),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| f.invalid(field, "must be true or false")),
+    }
+}
+
+/// Qwen2-MoE, Qwen3-MoE and OLMoE: Llama-style flat fields.
+fn qwen_olmoe_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("hidden_size")?;
+    let heads = f.uint("num_attention_heads")?;
+    if heads == 0 {
+        return Err(f.invalid("num_attention_heads", "must be positive"));
+    }
+    let rope_theta = match f.opt_float("rope_theta")? {
+        Some(t) => t,
+        None => f
+            .opt_float("rope_parameters.rope_theta")?
+            .unwrap_or(10000.0),
+    };
+    // Every layer sparse and full attention: what moec's uniform layers implement.
+    if family != Family::Olmoe {
+        if flag(f, "use_sliding_window", false)? {
+            return Err(f.invalid(
+                "use_sliding_window",
+                "is true: sliding-window layers of this family are not supported",
+            ));
+        }
+        if let Some(step) = f.opt_uint("decoder_sparse_step")? {
+            if step != 1 {
+                return Err(f.invalid(
+                    "decoder_sparse_step",
+                    &format!("is {step}: only every layer sparse (1) is supported"),
+                ));
+            }
+        }
+        if let Some(layers) = f.get("mlp_only_layers") {
+            if layers.as_array().is_none_or(|a| !a.is_empty()) {
+                return Err(f.invalid(
+                    "mlp_only_layers",
+                    "lists dense layers: only every layer sparse is supported",
+                ));
+            }
+        }
+    }
+    let (experts_field, ffn_field) = match family {
+        Family::Olmoe => ("num_experts", "intermediate_size"),
+        _ => ("num_experts", "moe_intermediate_size"),
+    };
+    let experts = match f.opt_uint(experts_field)? {
+        Some(e) => e,
+        None => f.uint("num_local_experts")?,
+    };
+    let qkv_bias = match family {
+        Family::Qwen2Moe => flag(f, "qkv_bias", true)?,
+        _ => false,
+    };
+    if family != Family::Qwen2Moe && flag(f, "attention_bias", false)? {
+        return Err(f.invalid(
+            "attention_bias",
+            "is true: attention biases of this family are not supported",
+        ));
+    }
+    let shared_ffn = match family {
+        Family::Qwen2Moe => f.uint("shared_expert_intermediate_size")?,
+        _ => 0,
+    };
+    let clip_qkv = match family {
+        Family::Olmoe => f.opt_float("clip_qkv")?,
+        _ => None,
+    };
+    let (tokenizer, default_eos, eps) = match family {
+        Family::Olmoe => ("tokenizers/mixtral/tokenizer.json", 50279, 1e-5),
+        _ => ("tokenizers/dbrx/tokenizer.json", 151643, 1e-6),
+    };
+    Ok(ModelCard {
+        name: name.to_string(),
+        family,
+        description: format!("{family:?}-family checkpoint `{name}` (from config.json)"),
+        layers: f.uint("num_hidden_layers")?,
+        hidden,
+        ffn: f.uint(ffn_field)?,
+        heads,
+        kv_heads: f.opt_uint("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: match family {
+            // OLMoE has no head_dim field: its q/k norms assume hidden / heads.
+            Family::Olmoe => hidden / heads,
+            _ => f.opt_uint("head_dim")?.unwrap_or(hidden / heads),
+        },
+        experts,
+        top_k: f.uint("num_experts_per_tok")?,
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_position_embeddings")?,
+        rope_theta,
+        norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(eps),
+        clip_qkv,
+        dtype: WeightDtype::Bf16,
+        tokenizer: tokenizer.into(),
+        // The Qwen and OLMoE tokenizers prepend nothing (config `bos_token_id` is only the
+        // id of a special token).
+        bos_token_id: None,
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(default_eos),
+        sliding_window: None,
+        router_norm_p: flag(f, "norm_topk_prob", false)?.then_some(1.0),
+        qk_norm: match family {
+            Family::Qwen3Moe => QkNorm::PerHead,
+            Family::Olmoe => QkNorm::Full,
+            _ => QkNorm::None,
+        },
+        qkv_bias,
+        shared_ffn,
+        shared_gate: shared_ffn > 0,
+        ..gpt_oss_off()
+    })
 }
 
 fn mixtral_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -196,6 +533,11 @@ fn mixtral_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(2),
         sliding_window: f.opt_uint("sliding_window")?,
         router_norm_p: Some(1.0),
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_ffn: 0,
+        shared_gate: false,
+        ..gpt_oss_off()
     })
 }
 
@@ -254,6 +596,11 @@ fn dbrx_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(100257),
         sliding_window: None,
         router_norm_p,
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_ffn: 0,
+        shared_gate: false,
+        ..gpt_oss_off()
     })
 }
 
@@ -279,9 +626,25 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
         ),
         _ => ("model_type", "model_type"),
     };
+    let qwen = match card_field {
+        "experts" => "num_experts",
+        "ffn" if family != Family::Olmoe => "moe_intermediate_size",
+        "router_norm_p" => "norm_topk_prob",
+        "clip_qkv" => "clip_qkv",
+        "shared_ffn" => "shared_expert_intermediate_size",
+        "qkv_bias" => "qkv_bias",
+        _ => mixtral,
+    };
     match family {
         Family::Mixtral => mixtral,
         Family::Dbrx => dbrx,
+        Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => qwen,
+        Family::GptOss => match card_field {
+            "experts" => "num_local_experts",
+            "yarn" => "rope_scaling",
+            "clamped_swiglu" => "swiglu_alpha / swiglu_limit",
+            _ => mixtral,
+        },
     }
 }
 
@@ -348,7 +711,35 @@ pub fn check_agreement(
             format!("{:?}", card.clip_qkv),
         ));
     }
-    if card.family == Family::Dbrx && from_config.router_norm_p != card.router_norm_p {
+    if from_config.shared_ffn != card.shared_ffn {
+        return Err(mismatch(
+            "shared_ffn",
+            from_config.shared_ffn.to_string(),
+            card.shared_ffn.to_string(),
+        ));
+    }
+    if from_config.qkv_bias != card.qkv_bias {
+        return Err(mismatch(
+            "qkv_bias",
+            from_config.qkv_bias.to_string(),
+            card.qkv_bias.to_string(),
+        ));
+    }
+    if from_config.yarn != card.yarn {
+        return Err(mismatch(
+            "yarn",
+            format!("{:?}", from_config.yarn),
+            format!("{:?}", card.yarn),
+        ));
+    }
+    if from_config.clamped_swiglu != card.clamped_swiglu {
+        return Err(mismatch(
+            "clamped_swiglu",
+            format!("{:?}", from_config.clamped_swiglu),
+            format!("{:?}", card.clamped_swiglu),
+        ));
+    }
+    if card.family != Family::Mixtral && from_config.router_norm_p != card.router_norm_p {
         return Err(mismatch(
             "router_norm_p",
             format!("{:?}", from_config.router_norm_p),
@@ -368,7 +759,114 @@ fn torch_dtype(dtype: WeightDtype) -> &'static str {
 
 /// A config.json for `card` in its family's Hub spelling (for synthetic checkpoints).
 pub fn config_for_card(card: &ModelCard, dtype: WeightDtype) -> Value {
+    let llama_style = || {
+        json!({
+            "architectures": [match card.family {
+                Family::Qwen2Moe => "Qwen2MoeForCausalLM",
+                Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+                _ => "OlmoeForCausalLM",
+            }],
+            "model_type": card.family.model_type(),
+            "hidden_size": card.hidden,
+            "num_hidden_layers": card.layers,
+            "num_attention_heads": card.heads,
+            "num_key_value_heads": card.kv_heads,
+            "num_experts": card.experts,
+            "num_experts_per_tok": card.top_k,
+            "norm_topk_prob": card.router_norm_p.is_some(),
+            "vocab_size": card.vocab,
+            "max_position_embeddings": card.max_positions,
+            "rms_norm_eps": card.norm_eps,
+            "rope_theta": card.rope_theta,
+            "eos_token_id": card.eos_token_id,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "output_router_logits": false,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        })
+    };
     match card.family {
+        Family::GptOss => json!({
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "hidden_size": card.hidden,
+            "intermediate_size": card.ffn,
+            "num_hidden_layers": card.layers,
+            "num_attention_heads": card.heads,
+            "num_key_value_heads": card.kv_heads,
+            "head_dim": card.head_dim,
+            "num_local_experts": card.experts,
+            "num_experts_per_tok": card.top_k,
+            "vocab_size": card.vocab,
+            "max_position_embeddings": card.max_positions,
+            "rms_norm_eps": card.norm_eps,
+            "rope_theta": card.rope_theta,
+            "rope_scaling": card.yarn.map(|y| json!({
+                "rope_type": "yarn",
+                "factor": y.factor,
+                "beta_fast": y.beta_fast,
+                "beta_slow": y.beta_slow,
+                "original_max_position_embeddings": y.original_max_positions,
+                "truncate": y.truncate,
+            })),
+            "sliding_window": card.sliding_window,
+            "layer_types": (0..card.layers)
+                .map(|i| if i % 2 == 0 && card.sliding_window.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                })
+                .collect::<Vec<_>>(),
+            "attention_bias": true,
+            "swiglu_alpha": card.clamped_swiglu.map(|c| c.alpha),
+            "swiglu_limit": card.clamped_swiglu.map(|c| c.limit),
+            "eos_token_id": card.eos_token_id,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "output_router_logits": false,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        }),
+        Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => {
+            let mut v = llama_style();
+            if let Some(obj) = v.as_object_mut() {
+                let extra = match card.family {
+                    Family::Qwen2Moe => json!({
+                        "moe_intermediate_size": card.ffn,
+                        "intermediate_size": card.shared_ffn,
+                        "shared_expert_intermediate_size": card.shared_ffn,
+                        "qkv_bias": card.qkv_bias,
+                        "head_dim": card.head_dim,
+                        "use_sliding_window": false,
+                        "decoder_sparse_step": 1,
+                        "mlp_only_layers": [],
+                    }),
+                    Family::Qwen3Moe => json!({
+                        "moe_intermediate_size": card.ffn,
+                        "intermediate_size": card.ffn * card.top_k,
+                        "head_dim": card.head_dim,
+                        "attention_bias": false,
+                        "use_sliding_window": false,
+                        "decoder_sparse_step": 1,
+                        "mlp_only_layers": [],
+                    }),
+                    _ => json!({
+                        "intermediate_size": card.ffn,
+                        "clip_qkv": card.clip_qkv,
+                        "attention_bias": false,
+                    }),
+                };
+                if let Value::Object(extra) = extra {
+                    obj.extend(extra);
+                }
+            }
+            v
+        }
         Family::Mixtral => json!({
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",
@@ -458,6 +956,191 @@ mod tests {
       "tie_word_embeddings":false,"torch_dtype":"bfloat16","transformers_version":"4.38.2",
       "use_cache":true,"vocab_size":100352}"#;
 
+    /// Qwen3-30B-A3B's config.json as published on the Hub (2025-04 revision; written
+    /// from the model card's published file, not downloaded here).
+    const QWEN3_30B_A3B: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"attention_bias":false,
+      "attention_dropout":0.0,"bos_token_id":151643,"decoder_sparse_step":1,"eos_token_id":151645,
+      "head_dim":128,"hidden_act":"silu","hidden_size":2048,"initializer_range":0.02,
+      "intermediate_size":6144,"max_position_embeddings":40960,"max_window_layers":48,
+      "mlp_only_layers":[],"model_type":"qwen3_moe","moe_intermediate_size":768,"norm_topk_prob":true,
+      "num_attention_heads":32,"num_experts":128,"num_experts_per_tok":8,"num_hidden_layers":48,
+      "num_key_value_heads":4,"output_router_logits":false,"rms_norm_eps":1e-06,"rope_scaling":null,
+      "rope_theta":1000000.0,"router_aux_loss_coef":0.001,"sliding_window":null,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","transformers_version":"4.51.0",
+      "use_cache":true,"use_sliding_window":false,"vocab_size":151936}"#;
+
+    /// OLMoE-1B-7B-0924's config.json as published on the Hub (same provenance).
+    const OLMOE_1B_7B: &str = r#"{"architectures":["OlmoeForCausalLM"],"attention_bias":false,
+      "attention_dropout":0.0,"clip_qkv":null,"eos_token_id":50279,"hidden_act":"silu",
+      "hidden_size":2048,"initializer_range":0.02,"intermediate_size":1024,
+      "max_position_embeddings":4096,"model_type":"olmoe","norm_topk_prob":false,
+      "num_attention_heads":16,"num_experts":64,"num_experts_per_tok":8,"num_hidden_layers":16,
+      "num_key_value_heads":16,"output_router_logits":false,"pad_token_id":1,"rms_norm_eps":1e-05,
+      "rope_scaling":null,"rope_theta":10000.0,"router_aux_loss_coef":0.01,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,"vocab_size":50304}"#;
+
+    /// Qwen2-57B-A14B's config.json as published on the Hub (same provenance; no
+    /// `qkv_bias` field: the biases are always there).
+    const QWEN2_57B_A14B: &str = r#"{"architectures":["Qwen2MoeForCausalLM"],"attention_dropout":0.0,
+      "bos_token_id":151643,"decoder_sparse_step":1,"eos_token_id":151643,"hidden_act":"silu",
+      "hidden_size":3584,"initializer_range":0.02,"intermediate_size":18944,
+      "max_position_embeddings":32768,"max_window_layers":28,"model_type":"qwen2_moe",
+      "moe_intermediate_size":2560,"norm_topk_prob":false,"num_attention_heads":28,"num_experts":64,
+      "num_experts_per_tok":8,"num_hidden_layers":28,"num_key_value_heads":4,"rms_norm_eps":1e-06,
+      "rope_theta":1000000.0,"shared_expert_intermediate_size":20480,"sliding_window":65536,
+      "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,
+      "use_sliding_window":false,"vocab_size":151936}"#;
+
+    /// gpt-oss-20b's config.json as published on the Hub (same provenance), with its 24
+    /// alternating `layer_types` written out by [`gpt_oss_20b`].
+    const GPT_OSS_20B: &str = r#"{"architectures":["GptOssForCausalLM"],"attention_bias":true,
+      "attention_dropout":0.0,"eos_token_id":200002,"experts_per_token":4,"head_dim":64,
+      "hidden_act":"silu","hidden_size":2880,"initial_context_length":4096,"initializer_range":0.02,
+      "intermediate_size":2880,"layer_types":LAYER_TYPES,"max_position_embeddings":131072,
+      "model_type":"gpt_oss","num_attention_heads":64,"num_experts_per_tok":4,"num_hidden_layers":24,
+      "num_key_value_heads":8,"num_local_experts":32,"output_router_logits":false,"pad_token_id":199999,
+      "quantization_config":{"modules_to_not_convert":["model.layers.*.self_attn",
+        "model.layers.*.mlp.router","model.embed_tokens","lm_head"],"quant_method":"mxfp4"},
+      "rms_norm_eps":1e-05,"rope_scaling":{"beta_fast":32.0,"beta_slow":1.0,"factor":32.0,
+        "original_max_position_embeddings":4096,"rope_type":"yarn","truncate":false},
+      "rope_theta":150000,"router_aux_loss_coef":0.9,"sliding_window":128,"swiglu_limit":7.0,
+      "tie_word_embeddings":false,"transformers_version":"4.55.0.dev0","use_cache":true,
+      "vocab_size":201088}"#;
+
+    fn gpt_oss_20b() -> String {
+        let types: Vec<&str> = (0..24)
+            .map(|i| {
+                if i % 2 == 0 {
+                    "\"sliding_attention\""
+                } else {
+                    "\"full_attention\""
+                }
+            })
+            .collect();
+        GPT_OSS_20B.replace("LAYER_TYPES", &format!("[{}]", types.join(",")))
+    }
+
+    /// The Hub's gpt-oss ships MXFP4 experts: refused by name. The same config without
+    /// `quantization_config` (a bf16 conversion) is the built-in card.
+    #[test]
+    fn gpt_oss_hub_config_is_refused_for_mxfp4_and_agrees_in_bf16() {
+        let hub = gpt_oss_20b();
+        let err = card_from_config(&hub, "c.json", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("quantization_config.quant_method") && err.contains("mxfp4"),
+            "{err}"
+        );
+        let start = hub.find(r#""quantization_config""#).unwrap();
+        let end = hub.find(r#""rms_norm_eps""#).unwrap();
+        let bf16 = format!("{}{}", &hub[..start], &hub[end..]);
+        let card = card_from_config(&bf16, "c.json", "x").unwrap();
+        check_agreement(&card, &ModelCard::load("gpt-oss-20b").unwrap(), "c.json").unwrap();
+        assert!(card.sinks && card.alternate_sliding && card.o_bias);
+        assert_eq!(card.sliding_window, Some(128));
+        let bad = bf16.replacen(r#""full_attention""#, r#""sliding_attention""#, 1);
+        let err = card_from_config(&bad, "c.json", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer_types"), "{err}");
+    }
+
+    #[test]
+    fn new_family_hub_configs_agree_with_the_builtin_cards() {
+        for (text, name) in [
+            (QWEN3_30B_A3B, "qwen3-30b-a3b"),
+            (OLMOE_1B_7B, "olmoe-1b-7b"),
+            (QWEN2_57B_A14B, "qwen2-57b-a14b"),
+        ] {
+            let from_config = card_from_config(text, "config.json", "x").unwrap();
+            check_agreement(&from_config, &ModelCard::load(name).unwrap(), "config.json")
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let qwen3 = card_from_config(QWEN3_30B_A3B, "c.json", "x").unwrap();
+        assert_eq!(
+            (qwen3.qk_norm, qwen3.router_norm_p, qwen3.bos_token_id),
+            (QkNorm::PerHead, Some(1.0), None)
+        );
+        let olmoe = card_from_config(OLMOE_1B_7B, "c.json", "x").unwrap();
+        assert_eq!((olmoe.qk_norm, olmoe.router_norm_p), (QkNorm::Full, None));
+        let qwen2 = card_from_config(QWEN2_57B_A14B, "c.json", "x").unwrap();
+        assert_eq!(
+            (
+                qwen2.qkv_bias,
+                qwen2.shared_ffn,
+                qwen2.shared_gate,
+                qwen2.sliding_window
+            ),
+            (true, 20480, true, None)
+        );
+    }
+
+    /// What moec does not implement is refused with the field named, never run.
+    #[test]
+    fn unimplemented_fields_are_refused_by_name() {
+        let cases = [
+            (
+                QWEN3_30B_A3B.replace(
+                    r#""rope_scaling":null"#,
+                    r#""rope_scaling":{"rope_type":"yarn","factor":4.0}"#,
+                ),
+                "rope_scaling.rope_type",
+            ),
+            (
+                MIXTRAL_8X7B.replace(
+                    r#""rope_theta":1000000.0,"#,
+                    r#""rope_parameters":{"rope_theta":1e6,"rope_type":"llama3"},"#,
+                ),
+                "rope_parameters.rope_type",
+            ),
+            (
+                OLMOE_1B_7B.replace(
+                    r#""clip_qkv":null,"#,
+                    r#""clip_qkv":null,"quantization_config":{"quant_method":"mxfp4"},"#,
+                ),
+                "quantization_config.quant_method",
+            ),
+            (
+                QWEN3_30B_A3B.replace(
+                    r#""use_sliding_window":false"#,
+                    r#""use_sliding_window":true"#,
+                ),
+                "use_sliding_window",
+            ),
+            (
+                QWEN2_57B_A14B.replace(r#""decoder_sparse_step":1"#, r#""decoder_sparse_step":2"#),
+                "decoder_sparse_step",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""mlp_only_layers":[]"#, r#""mlp_only_layers":[0]"#),
+                "mlp_only_layers",
+            ),
+            (
+                OLMOE_1B_7B.replace(r#""attention_bias":false"#, r#""attention_bias":true"#),
+                "attention_bias",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""hidden_act":"silu""#, r#""hidden_act":"gelu""#),
+                "hidden_act",
+            ),
+            (
+                QWEN3_30B_A3B.replace(
+                    r#""model_type":"qwen3_moe""#,
+                    r#""model_type":"deepseek_v3""#,
+                ),
+                "model_type `deepseek_v3`",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = card_from_config(&text, "c.json", "x")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{field}: {err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
     #[test]
     fn hub_configs_agree_with_the_builtin_cards() {
         let mixtral = card_from_config(MIXTRAL_8X7B, "config.json", "x").unwrap();
@@ -527,7 +1210,19 @@ mod tests {
 
     #[test]
     fn written_configs_read_back_as_the_same_card() {
-        for name in ["mixtral-tiny", "dbrx-tiny", "mixtral-mid"] {
+        for name in [
+            "mixtral-tiny",
+            "dbrx-tiny",
+            "mixtral-mid",
+            "qwen3-moe-tiny",
+            "qwen3-30b-a3b",
+            "olmoe-tiny",
+            "olmoe-1b-7b",
+            "qwen2-moe-tiny",
+            "qwen2-57b-a14b",
+            "gpt-oss-tiny",
+            "gpt-oss-20b",
+        ] {
             let card = ModelCard::load(name).unwrap();
             let text = config_for_card(&card, WeightDtype::Bf16).to_string();
             let back = card_from_config(&text, "c.json", name).unwrap();

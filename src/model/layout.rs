@@ -2,17 +2,19 @@
 //!
 //! Takes an [`ArchSpec`] and the stored dtype of each tensor; gives a [`LayerLayout`]:
 //! named segments with byte offsets, shapes, dtype and orientation, dense part first
-//! (norms, attention, router) then the experts expert-major, so one expert is one
-//! contiguous byte range. The image holds the checkpoint tensors' raw bytes (building it
+//! (norms, attention with its biases and q/k norms, router, shared expert) then the routed
+//! experts expert-major, so one expert is one contiguous byte range. The image holds the checkpoint tensors' raw bytes (building it
 //! is byte copies only, see `Checkpoint::copy_layer_image`); every segment starts on a
 //! [`SEGMENT_ALIGN`]-byte boundary relative to the image start. [`LayerWeights::from_image`]
 //! validates sizes and alignment and never panics, so the runtime can copy byte ranges
 //! of an image between memory spaces and compute from the copy.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, WeightDtype};
+use crate::model::card::{Family, QkNorm, WeightDtype};
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
-use crate::model::weights::{DenseWeights, ExpertWeights, LayerWeights, QkvWeights};
+use crate::model::weights::{
+    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
+};
 use std::ops::Range;
 
 /// Alignment of every segment inside an image (a cache line; enough for any dtype/SIMD).
@@ -31,28 +33,62 @@ pub enum SegmentKind {
     VProj,
     /// DBRX fused `Wqkv` `[q_dim + 2 kv_dim, hidden]`.
     QkvProj,
+    /// `q_proj` bias `[q_dim]` (Qwen2-MoE).
+    QBias,
+    /// `k_proj` bias `[kv_dim]`.
+    KBias,
+    /// `v_proj` bias `[kv_dim]`.
+    VBias,
+    /// Attention sinks `[heads]` (gpt-oss).
+    Sinks,
+    /// q RMSNorm weight: `[head_dim]` per head (Qwen3) or `[q_dim]` (OLMoE).
+    QNorm,
+    /// k RMSNorm weight: `[head_dim]` per head (Qwen3) or `[kv_dim]` (OLMoE).
+    KNorm,
     /// Output projection `[hidden, q_dim]`.
     OProj,
+    /// Output projection bias `[hidden]` (gpt-oss).
+    OBias,
     /// Pre-MoE norm weight `[hidden]`.
     FfnNorm,
     /// Router `[experts, hidden]`.
     Router,
+    /// Router bias `[experts]` (gpt-oss).
+    RouterBias,
+    /// Shared expert gate projection `[shared_ffn, hidden]` (Qwen2-MoE).
+    SharedGate,
+    /// Shared expert up projection `[shared_ffn, hidden]`.
+    SharedUp,
+    /// Shared expert down projection `[hidden, shared_ffn]`.
+    SharedDown,
+    /// The shared expert's sigmoid gate `[1, hidden]` (Qwen2-MoE `shared_expert_gate`).
+    SharedExpertGate,
     /// Expert gate projection (Mixtral `w1`, DBRX `w1` rows) `[ffn, hidden]`.
     ExpertGate(usize),
     /// Expert up projection (Mixtral `w3`, DBRX `v1` rows) `[ffn, hidden]`.
     ExpertUp(usize),
-    /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows
-    /// `[ffn, hidden]` (in, out), used as stored.
+    /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows and
+    /// gpt-oss `down_proj[e]` `[ffn, hidden]` (in, out), used as stored.
     ExpertDown(usize),
+    /// gpt-oss fused gate/up `gate_up_proj[e]` `[hidden, 2 ffn]` (in, out), gate and up
+    /// interleaved (even columns gate, odd columns up).
+    ExpertGateUp(usize),
+    /// gpt-oss `gate_up_proj_bias[e]` `[2 ffn]`, interleaved like the columns.
+    ExpertGateUpBias(usize),
+    /// gpt-oss `down_proj_bias[e]` `[hidden]`.
+    ExpertDownBias(usize),
 }
 
 impl SegmentKind {
     /// The expert this segment belongs to, if any.
     pub fn expert(&self) -> Option<usize> {
         match *self {
-            SegmentKind::ExpertGate(e) | SegmentKind::ExpertUp(e) | SegmentKind::ExpertDown(e) => {
-                Some(e)
-            }
+            SegmentKind::ExpertGate(e)
+            | SegmentKind::ExpertUp(e)
+            | SegmentKind::ExpertDown(e)
+            | SegmentKind::ExpertGateUp(e)
+            | SegmentKind::ExpertGateUpBias(e)
+            | SegmentKind::ExpertDownBias(e) => Some(e),
             _ => None,
         }
     }
@@ -139,8 +175,28 @@ impl LayerLayout {
         let (d, f) = (arch.hidden, arch.ffn);
         let (q, kv) = (arch.q_dim(), arch.kv_dim());
         let lin = Some(Orientation::OutIn);
+        let hd = arch.attn.head_dim;
+        let fs = arch.shared_ffn;
         match kind {
             SegmentKind::AttnNorm | SegmentKind::FfnNorm => (1, d, None),
+            SegmentKind::QBias => (1, q, None),
+            SegmentKind::Sinks => (1, arch.attn.heads, None),
+            SegmentKind::OBias | SegmentKind::ExpertDownBias(_) => (1, d, None),
+            SegmentKind::RouterBias => (1, arch.experts, None),
+            SegmentKind::ExpertGateUp(_) => (d, 2 * f, Some(Orientation::InOut)),
+            SegmentKind::ExpertGateUpBias(_) => (1, 2 * f, None),
+            SegmentKind::KBias | SegmentKind::VBias => (1, kv, None),
+            SegmentKind::QNorm => match arch.qk_norm {
+                QkNorm::Full => (1, q, None),
+                _ => (1, hd, None),
+            },
+            SegmentKind::KNorm => match arch.qk_norm {
+                QkNorm::Full => (1, kv, None),
+                _ => (1, hd, None),
+            },
+            SegmentKind::SharedGate | SegmentKind::SharedUp => (fs, d, lin),
+            SegmentKind::SharedDown => (d, fs, lin),
+            SegmentKind::SharedExpertGate => (1, d, lin),
             SegmentKind::QProj => (q, d, lin),
             SegmentKind::KProj | SegmentKind::VProj => (kv, d, lin),
             SegmentKind::QkvProj => (q + 2 * kv, d, lin),
@@ -148,32 +204,91 @@ impl LayerLayout {
             SegmentKind::Router => (arch.experts, d, lin),
             SegmentKind::ExpertGate(_) | SegmentKind::ExpertUp(_) => (f, d, lin),
             SegmentKind::ExpertDown(_) => match arch.family {
-                Family::Mixtral => (d, f, lin),
-                Family::Dbrx => (f, d, Some(Orientation::InOut)),
+                Family::Dbrx | Family::GptOss => (f, d, Some(Orientation::InOut)),
+                _ => (d, f, lin),
             },
         }
     }
 
-    /// Segment kinds of a layer in image order.
-    pub fn kinds(arch: &ArchSpec) -> Vec<SegmentKind> {
-        let mut kinds = vec![SegmentKind::AttnNorm];
+    /// The dense segment kinds of a layer in image order, grouped as the checkpoint buffer
+    /// `W` names its parts: `pre` (input norm, Q/K/V, their biases and norms), `o` (output
+    /// projection) and `gate` (post-attention norm, router, shared expert).
+    pub fn dense_parts(arch: &ArchSpec) -> [Vec<SegmentKind>; 3] {
+        let mut pre = vec![SegmentKind::AttnNorm];
         match arch.family {
-            Family::Mixtral => {
-                kinds.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj])
-            }
-            Family::Dbrx => kinds.push(SegmentKind::QkvProj),
+            Family::Dbrx => pre.push(SegmentKind::QkvProj),
+            _ => pre.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
         }
-        kinds.extend([
-            SegmentKind::OProj,
-            SegmentKind::FfnNorm,
-            SegmentKind::Router,
-        ]);
-        for e in 0..arch.experts {
-            kinds.extend([
+        if arch.qkv_bias {
+            pre.extend([SegmentKind::QBias, SegmentKind::KBias, SegmentKind::VBias]);
+        }
+        if arch.qk_norm != QkNorm::None {
+            pre.extend([SegmentKind::QNorm, SegmentKind::KNorm]);
+        }
+        if arch.attn.sinks {
+            pre.push(SegmentKind::Sinks);
+        }
+        let mut o = vec![SegmentKind::OProj];
+        if arch.o_bias {
+            o.push(SegmentKind::OBias);
+        }
+        let mut gate = vec![SegmentKind::FfnNorm, SegmentKind::Router];
+        if arch.router_bias_topk_softmax {
+            gate.push(SegmentKind::RouterBias);
+        }
+        if arch.shared_ffn > 0 {
+            gate.extend([
+                SegmentKind::SharedGate,
+                SegmentKind::SharedUp,
+                SegmentKind::SharedDown,
+            ]);
+            if arch.shared_gate {
+                gate.push(SegmentKind::SharedExpertGate);
+            }
+        }
+        [pre, o, gate]
+    }
+
+    /// The segment kinds of expert `e`, in image order (contiguous in the image).
+    pub fn expert_kinds(arch: &ArchSpec, e: usize) -> Vec<SegmentKind> {
+        if arch.clamped_swiglu.is_some() {
+            vec![
+                SegmentKind::ExpertGateUp(e),
+                SegmentKind::ExpertGateUpBias(e),
+                SegmentKind::ExpertDown(e),
+                SegmentKind::ExpertDownBias(e),
+            ]
+        } else {
+            vec![
                 SegmentKind::ExpertGate(e),
                 SegmentKind::ExpertUp(e),
                 SegmentKind::ExpertDown(e),
-            ]);
+            ]
+        }
+    }
+
+    /// Elements of each segment of [`LayerLayout::dense_parts`] and of one expert's segments,
+    /// in image order (what `ir::CheckpointLayout` sizes the parts of `W` from).
+    pub fn part_elems(arch: &ArchSpec) -> [Vec<u64>; 4] {
+        let elems = |kind: SegmentKind| {
+            let (rows, cols, _) = Self::shape_of(arch, kind);
+            (rows * cols) as u64
+        };
+        let [pre, o, gate] = Self::dense_parts(arch);
+        let expert = Self::expert_kinds(arch, 0);
+        [
+            pre.into_iter().map(elems).collect(),
+            o.into_iter().map(elems).collect(),
+            gate.into_iter().map(elems).collect(),
+            expert.into_iter().map(elems).collect(),
+        ]
+    }
+
+    /// Segment kinds of a layer in image order.
+    pub fn kinds(arch: &ArchSpec) -> Vec<SegmentKind> {
+        let mut kinds: Vec<SegmentKind> = Self::dense_parts(arch).into_iter().flatten().collect();
+        for e in 0..arch.experts {
+            kinds.extend(Self::expert_kinds(arch, e));
         }
         kinds
     }
@@ -222,17 +337,30 @@ impl LayerLayout {
         first.offset..align_up(last.offset + last.len_bytes)
     }
 
-    /// Bytes of the attention part: both norms, Q/K/V (or Wqkv) and O.
+    /// Bytes of the attention part: input norm, Q/K/V (or Wqkv) with their biases and
+    /// norms, O and the post-attention norm.
     pub fn attention_range(&self) -> Range<usize> {
-        self.span(|s| !matches!(s.kind, SegmentKind::Router) && s.kind.expert().is_none())
+        self.span(|s| {
+            s.kind.expert().is_none()
+                && !matches!(
+                    s.kind,
+                    SegmentKind::Router
+                        | SegmentKind::RouterBias
+                        | SegmentKind::SharedGate
+                        | SegmentKind::SharedUp
+                        | SegmentKind::SharedDown
+                        | SegmentKind::SharedExpertGate
+                )
+        })
     }
 
-    /// Bytes of the router.
+    /// Bytes of the router (and its bias).
     pub fn router_range(&self) -> Range<usize> {
-        self.span(|s| s.kind == SegmentKind::Router)
+        self.span(|s| matches!(s.kind, SegmentKind::Router | SegmentKind::RouterBias))
     }
 
-    /// Bytes of the dense part (attention and router): everything before the experts.
+    /// Bytes of the dense part (attention, router, shared expert): everything before the
+    /// routed experts.
     pub fn dense_range(&self) -> Range<usize> {
         self.span(|s| s.kind.expert().is_none())
     }
@@ -281,19 +409,62 @@ impl<'a> DenseWeights<'a> {
     /// (which starts at image offset 0), e.g. a copy of it in another memory space.
     pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
         let qkv = match layout.family {
-            Family::Mixtral => QkvWeights::Separate {
+            Family::Dbrx => QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?),
+            _ => QkvWeights::Separate {
                 q: layout.matrix(bytes, 0, SegmentKind::QProj)?,
                 k: layout.matrix(bytes, 0, SegmentKind::KProj)?,
                 v: layout.matrix(bytes, 0, SegmentKind::VProj)?,
             },
-            Family::Dbrx => QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?),
+        };
+        let has = |kind| layout.segment(kind).is_some();
+        let vector = |kind| -> Result<Option<TypedSlice<'a>>, LayoutError> {
+            if has(kind) {
+                layout.view(bytes, 0, kind).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let qkv_bias = match (
+            vector(SegmentKind::QBias)?,
+            vector(SegmentKind::KBias)?,
+            vector(SegmentKind::VBias)?,
+        ) {
+            (Some(q), Some(k), Some(v)) => Some([q, k, v]),
+            _ => None,
+        };
+        let qk_norm = match (vector(SegmentKind::QNorm)?, vector(SegmentKind::KNorm)?) {
+            (Some(q), Some(k)) => Some([q, k]),
+            _ => None,
+        };
+        let shared = if has(SegmentKind::SharedGate) {
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: layout.matrix(bytes, 0, SegmentKind::SharedGate)?,
+                    up: layout.matrix(bytes, 0, SegmentKind::SharedUp)?,
+                    down: layout.matrix(bytes, 0, SegmentKind::SharedDown)?,
+                    fused: None,
+                },
+                gate: if has(SegmentKind::SharedExpertGate) {
+                    Some(layout.matrix(bytes, 0, SegmentKind::SharedExpertGate)?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            None
         };
         Ok(DenseWeights {
             attn_norm: layout.view(bytes, 0, SegmentKind::AttnNorm)?,
             qkv,
+            qkv_bias,
+            qk_norm,
+            sinks: vector(SegmentKind::Sinks)?,
             o_proj: layout.matrix(bytes, 0, SegmentKind::OProj)?,
+            o_bias: vector(SegmentKind::OBias)?,
             ffn_norm: layout.view(bytes, 0, SegmentKind::FfnNorm)?,
             router: layout.matrix(bytes, 0, SegmentKind::Router)?,
+            router_bias: vector(SegmentKind::RouterBias)?,
+            shared,
         })
     }
 }
@@ -313,10 +484,27 @@ impl<'a> ExpertWeights<'a> {
             });
         }
         let base = layout.expert_range(expert).start;
+        if layout.segment(SegmentKind::ExpertGateUp(expert)).is_some() {
+            return Ok(ExpertWeights {
+                gate: Matrix::empty(),
+                up: Matrix::empty(),
+                down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
+                fused: Some(FusedExpert {
+                    gate_up: layout.matrix(bytes, base, SegmentKind::ExpertGateUp(expert))?,
+                    gate_up_bias: layout.view(
+                        bytes,
+                        base,
+                        SegmentKind::ExpertGateUpBias(expert),
+                    )?,
+                    down_bias: layout.view(bytes, base, SegmentKind::ExpertDownBias(expert))?,
+                }),
+            });
+        }
         Ok(ExpertWeights {
             gate: layout.matrix(bytes, base, SegmentKind::ExpertGate(expert))?,
             up: layout.matrix(bytes, base, SegmentKind::ExpertUp(expert))?,
             down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
+            fused: None,
         })
     }
 }

@@ -20,10 +20,13 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use arch::ArchSpec;
-pub use card::{CardError, Family, ModelCard, WeightDtype};
+pub use card::{CardError, ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use kernels::sampling::Sampling;
 pub use layout::{LayerLayout, Segment, SegmentKind};
 pub use oracle::{GenerateOptions, Generation, Oracle, OracleError};
 pub use tensor::{Matrix, Orientation, TypedSlice};
-pub use weights::{DenseWeights, ExpertWeights, LayerWeights, ModelWeights, QkvWeights};
+pub use weights::{
+    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, ModelWeights, QkvWeights,
+    SharedExpertWeights,
+};

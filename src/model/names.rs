@@ -1,9 +1,12 @@
 //! Hub tensor names and shapes of every tensor of a checkpoint, per family.
 //!
 //! Takes an [`ArchSpec`]; gives the full list `(name, shape)` that a Hugging Face
-//! checkpoint of that architecture holds (Mixtral per-expert `w1/w2/w3`, DBRX fused
-//! `[experts * ffn, hidden]` expert tensors without a `.weight` suffix). Used to write
-//! synthetic checkpoints; the reader resolves the same names segment by segment.
+//! checkpoint of that architecture holds (Mixtral per-expert `w1/w2/w3`; Qwen2-MoE,
+//! Qwen3-MoE and OLMoE per-expert `gate_proj/up_proj/down_proj` with their q/k norms,
+//! q/k/v biases and shared expert; gpt-oss 3-D `mlp.experts.gate_up_proj` /
+//! `down_proj` with biases, router bias, sinks; DBRX fused `[experts * ffn, hidden]` expert tensors
+//! without a `.weight` suffix). Used to write synthetic checkpoints; the reader resolves
+//! the same names segment by segment.
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::Family;
@@ -21,64 +24,41 @@ pub struct Source {
     pub rows: Range<usize>,
 }
 
-/// Every tensor of a checkpoint, embedding first, then layer by layer, then the head.
+/// Names of the embedding table and the final norm.
+pub fn head_names(family: Family) -> (&'static str, &'static str) {
+    match family {
+        Family::Dbrx => ("transformer.wte.weight", "transformer.norm_f.weight"),
+        _ => ("model.embed_tokens.weight", "model.norm.weight"),
+    }
+}
+
+/// Every tensor of a checkpoint, embedding first, then layer by layer (in the layer
+/// image's segment order, each tensor once), then the final norm and the head.
 pub fn checkpoint_tensors(a: &ArchSpec) -> Vec<(String, Vec<usize>)> {
-    let (d, f, e) = (a.hidden, a.ffn, a.experts);
-    let (q, kv) = (a.q_dim(), a.kv_dim());
-    let mut out = Vec::new();
-    match a.family {
-        Family::Mixtral => {
-            out.push(("model.embed_tokens.weight".to_string(), vec![a.vocab, d]));
-            for l in 0..a.layers {
-                let p = format!("model.layers.{l}");
-                out.push((format!("{p}.input_layernorm.weight"), vec![d]));
-                out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, d]));
-                out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, d]));
-                out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, d]));
-                out.push((format!("{p}.self_attn.o_proj.weight"), vec![d, q]));
-                out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
-                out.push((format!("{p}.block_sparse_moe.gate.weight"), vec![e, d]));
-                for x in 0..e {
-                    let pe = format!("{p}.block_sparse_moe.experts.{x}");
-                    out.push((format!("{pe}.w1.weight"), vec![f, d]));
-                    out.push((format!("{pe}.w2.weight"), vec![d, f]));
-                    out.push((format!("{pe}.w3.weight"), vec![f, d]));
-                }
+    let (embed, norm) = head_names(a.family);
+    let mut out = vec![(embed.to_string(), vec![a.vocab, a.hidden])];
+    let kinds = LayerLayout::kinds(a);
+    for l in 0..a.layers {
+        let first = out.len();
+        for &kind in &kinds {
+            let src = segment_source(a, l, kind);
+            // DBRX's fused expert tensors hold every expert: list them once.
+            if !out[first..].iter().any(|(n, _)| *n == src.name) {
+                out.push((src.name, src.shape));
             }
-            out.push(("model.norm.weight".to_string(), vec![d]));
-        }
-        Family::Dbrx => {
-            out.push(("transformer.wte.weight".to_string(), vec![a.vocab, d]));
-            for l in 0..a.layers {
-                let p = format!("transformer.blocks.{l}");
-                out.push((format!("{p}.norm_attn_norm.norm_1.weight"), vec![d]));
-                out.push((
-                    format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
-                    vec![q + 2 * kv, d],
-                ));
-                out.push((
-                    format!("{p}.norm_attn_norm.attn.out_proj.weight"),
-                    vec![d, q],
-                ));
-                out.push((format!("{p}.norm_attn_norm.norm_2.weight"), vec![d]));
-                out.push((format!("{p}.ffn.router.layer.weight"), vec![e, d]));
-                for w in ["w1", "v1", "w2"] {
-                    out.push((format!("{p}.ffn.experts.mlp.{w}"), vec![e * f, d]));
-                }
-            }
-            out.push(("transformer.norm_f.weight".to_string(), vec![d]));
         }
     }
-    out.push(("lm_head.weight".to_string(), vec![a.vocab, d]));
+    out.push((norm.to_string(), vec![a.hidden]));
+    out.push(("lm_head.weight".to_string(), vec![a.vocab, a.hidden]));
     out
 }
 
 /// Where segment `kind` of layer `layer` lives in a checkpoint: tensor name, its full
 /// shape, and the row range the segment takes (all rows except DBRX expert blocks).
 pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
-    let (rows, cols, _) = LayerLayout::shape_of(a, kind);
+    let (rows, cols, orientation) = LayerLayout::shape_of(a, kind);
     let whole = |name: String| Source {
-        shape: if kind == SegmentKind::AttnNorm || kind == SegmentKind::FfnNorm {
+        shape: if orientation.is_none() {
             vec![cols]
         } else {
             vec![rows, cols]
@@ -87,28 +67,6 @@ pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
         name,
     };
     match a.family {
-        Family::Mixtral => {
-            let p = format!("model.layers.{layer}");
-            whole(match kind {
-                SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
-                SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
-                SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
-                SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
-                SegmentKind::QkvProj => format!("{p}.self_attn.qkv_proj.weight"),
-                SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
-                SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
-                SegmentKind::Router => format!("{p}.block_sparse_moe.gate.weight"),
-                SegmentKind::ExpertGate(e) => {
-                    format!("{p}.block_sparse_moe.experts.{e}.w1.weight")
-                }
-                SegmentKind::ExpertUp(e) => {
-                    format!("{p}.block_sparse_moe.experts.{e}.w3.weight")
-                }
-                SegmentKind::ExpertDown(e) => {
-                    format!("{p}.block_sparse_moe.experts.{e}.w2.weight")
-                }
-            })
-        }
         Family::Dbrx => {
             let p = format!("transformer.blocks.{layer}");
             let fused = |w: &str, e: usize| Source {
@@ -128,6 +86,82 @@ pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
                     _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
                 }),
             }
+        }
+        Family::GptOss => {
+            let p = format!("model.layers.{layer}");
+            let (d, f, e_n) = (a.hidden, a.ffn, a.experts);
+            // Expert tensors are 3-D `[experts, in, out]` / 2-D `[experts, n]`; a segment
+            // is expert e's block of rows of the tensor seen as `[leading dims, last dim]`.
+            let fused = |name: &str, shape: Vec<usize>, e: usize, rows: usize| Source {
+                name: format!("{p}.mlp.experts.{name}"),
+                shape,
+                rows: e * rows..(e + 1) * rows,
+            };
+            match kind {
+                SegmentKind::ExpertGateUp(e) => fused("gate_up_proj", vec![e_n, d, 2 * f], e, d),
+                SegmentKind::ExpertGateUpBias(e) => {
+                    fused("gate_up_proj_bias", vec![e_n, 2 * f], e, 1)
+                }
+                SegmentKind::ExpertDown(e) => fused("down_proj", vec![e_n, f, d], e, f),
+                SegmentKind::ExpertDownBias(e) => fused("down_proj_bias", vec![e_n, d], e, 1),
+                other => whole(match other {
+                    SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
+                    SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
+                    SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
+                    SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
+                    SegmentKind::QBias => format!("{p}.self_attn.q_proj.bias"),
+                    SegmentKind::KBias => format!("{p}.self_attn.k_proj.bias"),
+                    SegmentKind::VBias => format!("{p}.self_attn.v_proj.bias"),
+                    SegmentKind::Sinks => format!("{p}.self_attn.sinks"),
+                    SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
+                    SegmentKind::OBias => format!("{p}.self_attn.o_proj.bias"),
+                    SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                    SegmentKind::Router => format!("{p}.mlp.router.weight"),
+                    SegmentKind::RouterBias => format!("{p}.mlp.router.bias"),
+                    // Kinds gpt-oss's layout never lists (names for completeness).
+                    _ => format!("{p}.(no {kind:?} in gpt-oss)"),
+                }),
+            }
+        }
+        family => {
+            let p = format!("model.layers.{layer}");
+            let moe = if family == Family::Mixtral {
+                "block_sparse_moe"
+            } else {
+                "mlp"
+            };
+            let expert = |e: usize, mixtral: &str, other: &str| {
+                let w = if family == Family::Mixtral {
+                    mixtral
+                } else {
+                    other
+                };
+                format!("{p}.{moe}.experts.{e}.{w}.weight")
+            };
+            whole(match kind {
+                SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
+                SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
+                SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
+                SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
+                SegmentKind::QkvProj => format!("{p}.self_attn.qkv_proj.weight"),
+                SegmentKind::QBias => format!("{p}.self_attn.q_proj.bias"),
+                SegmentKind::KBias => format!("{p}.self_attn.k_proj.bias"),
+                SegmentKind::VBias => format!("{p}.self_attn.v_proj.bias"),
+                SegmentKind::QNorm => format!("{p}.self_attn.q_norm.weight"),
+                SegmentKind::KNorm => format!("{p}.self_attn.k_norm.weight"),
+                SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
+                SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                SegmentKind::Router => format!("{p}.{moe}.gate.weight"),
+                SegmentKind::SharedGate => format!("{p}.{moe}.shared_expert.gate_proj.weight"),
+                SegmentKind::SharedUp => format!("{p}.{moe}.shared_expert.up_proj.weight"),
+                SegmentKind::SharedDown => format!("{p}.{moe}.shared_expert.down_proj.weight"),
+                SegmentKind::SharedExpertGate => format!("{p}.{moe}.shared_expert_gate.weight"),
+                SegmentKind::ExpertGate(e) => expert(e, "w1", "gate_proj"),
+                SegmentKind::ExpertUp(e) => expert(e, "w3", "up_proj"),
+                SegmentKind::ExpertDown(e) => expert(e, "w2", "down_proj"),
+                // Kinds only gpt-oss's layout lists.
+                other => format!("{p}.(no {other:?} in {family:?})"),
+            })
         }
     }
 }

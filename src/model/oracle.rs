@@ -126,11 +126,7 @@ impl<'a> Oracle<'a> {
         let arch = ArchSpec::from_card(card);
         // A config may claim any context length; tables past 2^20 positions would only
         // waste memory (longer sequences are then a clean position error).
-        let rope = RopeTable::new(
-            arch.rope_theta,
-            arch.attn.head_dim,
-            arch.max_positions.min(1 << 20),
-        );
+        let rope = RopeTable::for_arch(&arch, arch.max_positions.min(1 << 20));
         Oracle {
             card: card.clone(),
             arch,
@@ -227,7 +223,7 @@ impl<'a> Oracle<'a> {
                 &mut cache.layer_mut(layer_idx),
                 &attn_seqs,
                 &qkv,
-                &a.attn,
+                &a.attn_of(layer_idx),
                 &mut attn_out,
             )
             .map_err(KernelError::from)?;

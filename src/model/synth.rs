@@ -89,6 +89,9 @@ fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
     let sqrt3 = 3f32.sqrt();
     let fan_in = |n: usize| sqrt3 / (n as f32).sqrt();
     let d = a.hidden;
+    if name.ends_with(".bias") || name.ends_with("_bias") {
+        return (0.0, 0.1); // small biases (q/k/v/o, router, gpt-oss experts)
+    }
     if shape.len() == 1 {
         return (1.0, 0.1); // norm weights around 1
     }
@@ -100,6 +103,10 @@ fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
         (0.0, 2.0 * fan_in(d)) // router logits with std about 2: clear but varied routing
     } else if name.ends_with("w2.weight") || name.ends_with("mlp.w2") {
         (0.0, fan_in(a.ffn))
+    } else if name.ends_with("down_proj.weight") {
+        (0.0, fan_in(shape[1])) // routed or shared expert: fan-in is its own width
+    } else if name.ends_with("experts.down_proj") || name.ends_with("experts.gate_up_proj") {
+        (0.0, fan_in(shape[shape.len() - 2])) // gpt-oss `[experts, in, out]`
     } else if name.contains("o_proj") || name.contains("out_proj") {
         (0.0, fan_in(a.q_dim()))
     } else {

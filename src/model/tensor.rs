@@ -152,6 +152,17 @@ impl<'a> Matrix<'a> {
         })
     }
 
+    /// A 0 x 0 matrix: the placeholder for a projection a family does not have (gpt-oss's
+    /// separate gate and up, which it fuses).
+    pub fn empty() -> Matrix<'static> {
+        Matrix {
+            data: TypedSlice::F32(&[]),
+            rows: 0,
+            cols: 0,
+            orientation: Orientation::OutIn,
+        }
+    }
+
     /// Width of the input the matrix multiplies.
     pub fn in_dim(&self) -> usize {
         match self.orientation {

@@ -53,9 +53,14 @@ pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
     } else if card.tokenizer.contains("mixtral") {
         MIXTRAL_TOKENIZER_JSON
     } else {
+        // Qwen's own byte-level BPE is not shipped: cl100k (also byte-level BPE, ids below
+        // Qwen's 151936 rows) stands in; OLMoE's 50304 rows take the 32000-id Mixtral file.
+        // A checkpoint folder's own tokenizer.json always wins (see `TextTokenizer::load`).
         match card.family {
-            Family::Mixtral => MIXTRAL_TOKENIZER_JSON,
-            Family::Dbrx => DBRX_TOKENIZER_JSON,
+            Family::Mixtral | Family::Olmoe => MIXTRAL_TOKENIZER_JSON,
+            Family::Dbrx | Family::Qwen2Moe | Family::Qwen3Moe | Family::GptOss => {
+                DBRX_TOKENIZER_JSON
+            }
         }
     }
 }

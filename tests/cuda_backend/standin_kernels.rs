@@ -210,6 +210,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             kv_heads: akvh,
             head_dim: ahd,
             sliding_window: window,
+            sinks: false,
         };
         let qkv = rng.vec(ns * shape.qkv_width(), 1.0);
         let max_keys = 41usize;
@@ -824,6 +825,7 @@ fn prefill_attention_matches_the_cpu() {
             kv_heads: akvh,
             head_dim: ahd,
             sliding_window: window,
+            sinks: false,
         };
         let pool_len = n_blocks * layout.block_elems();
         let k_pool = rng.vec(pool_len, 1.0);

@@ -36,6 +36,10 @@ struct Dims {
     e: f64,
     k: f64,
     f: f64,
+    /// Shared expert width (0 without one).
+    fs: f64,
+    /// 1 with a sigmoid-gated shared expert, else 0.
+    sg: f64,
     a: f64,
     dt: f64,
     vocab: f64,
@@ -53,6 +57,8 @@ impl Dims {
             e: card.experts as f64,
             k: card.top_k as f64,
             f: card.ffn as f64,
+            fs: card.shared_ffn as f64,
+            sg: f64::from(u8::from(card.shared_gate)),
             a: shape.act_bytes as f64,
             dt: card.dtype.bytes() as f64,
             vocab: card.vocab as f64,
@@ -67,6 +73,11 @@ impl Dims {
     /// Flops of the experts' SwiGLU FFN over `routed` token-expert pairs.
     fn expert_flops(&self, routed: f64) -> f64 {
         2.0 * routed * 3.0 * self.h * self.f
+    }
+
+    /// Flops of the shared expert (every token, with its sigmoid gate); 0 without one.
+    fn shared_flops(&self) -> f64 {
+        2.0 * self.n * 3.0 * self.h * self.fs + self.sg * (2.0 * self.n * self.h + 4.0 * self.n)
     }
 
     /// Expert weights that can be active: at most one expert per routed (token, k).
@@ -197,7 +208,7 @@ fn pre_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64)
     match role {
         Role::W => CheckpointLayout::new(card).pre_bytes as f64,
         Role::H => d.rows(d.h),
-        Role::Out => d.n * (d.q + 2.0 * d.kv) * d.a,
+        Role::Out => d.n * card.qkv_width() as f64 * d.a,
         _ => len as f64,
     }
 }
@@ -289,7 +300,7 @@ fn attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> 
     match role {
         // Every part appends the new tokens' K/V and reads each sequence's context.
         Role::Kv => d.n * 2.0 * d.kv * d.a + d.s * d.c * 2.0 * d.kv * d.a,
-        Role::Qkv => d.n * (d.q + 2.0 * d.kv) * d.a,
+        Role::Qkv => d.n * card.qkv_width() as f64 * d.a,
         Role::Out => d.rows(d.q),
         _ => len as f64,
     }
@@ -325,6 +336,7 @@ const POST_ATTN: OpDef = OpDef {
                 + d.norm()
                 + 2.0 * d.n * d.h * d.e
                 + d.expert_flops(d.n * d.k)
+                + d.shared_flops()
                 + 3.0 * d.n * d.h
         },
         bytes: post_attn_bytes,
@@ -456,7 +468,7 @@ const GATE: OpDef = OpDef {
     work: WorkDef {
         flops: |_, card, shape| {
             let d = Dims::new(card, shape);
-            d.norm() + 2.0 * d.n * d.h * d.e + 5.0 * d.n * d.e
+            d.norm() + 2.0 * d.n * d.h * d.e + 5.0 * d.n * d.e + d.shared_flops()
         },
         bytes: gate_bytes,
         workspace: no_workspace,
@@ -489,8 +501,9 @@ fn gate_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> 
         Role::W => CheckpointLayout::new(card).gate_bytes as f64,
         Role::H => d.rows(d.h),
         Role::Route => d.routing_bytes(),
-        // The gate writes the normalised rows and zeroes every (token, k) slot.
-        Role::Acc => d.n * (1.0 + d.k) * d.h * d.a,
+        // The gate writes the normalised rows, zeroes every (token, k) slot and writes the
+        // shared expert's rows (families with one).
+        Role::Acc => d.n * card.acc_rows_per_token() as f64 * d.h * d.a,
         _ => len as f64,
     }
 }

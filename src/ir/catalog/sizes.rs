@@ -55,13 +55,15 @@ pub fn size_helper(
     let layout = crate::ir::CheckpointLayout::new(card);
     Some(match name {
         "hidden" => one(&|n| raw(n.saturating_mul(card.hidden * a))),
-        "qkv" => one(&|n| raw(n.saturating_mul((card.q_dim() + 2 * card.kv_dim()) * a))),
+        "qkv" => one(&|n| raw(n.saturating_mul(card.qkv_width() * a))),
         "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
         "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
         // The gate's normalised rows, then one slot per (token, k): expert outputs kept
         // apart so the sum order is fixed.
-        "expert_acc" => one(&|n| raw(n.saturating_mul((1 + card.top_k) * card.hidden * a))),
+        "expert_acc" => {
+            one(&|n| raw(n.saturating_mul(card.acc_rows_per_token() * card.hidden * a)))
+        }
         "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
         "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
         "layer_weights" => none(HelperSize {

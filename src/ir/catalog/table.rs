@@ -152,8 +152,8 @@ impl ArgType {
         Some(match self {
             ArgType::Weights | ArgType::Bytes => return None,
             ArgType::Hidden => n * card.hidden * a,
-            ArgType::ExpertAcc => n * (1 + card.top_k) * card.hidden * a,
-            ArgType::Qkv => n * (card.q_dim() + 2 * card.kv_dim()) * a,
+            ArgType::ExpertAcc => n * card.acc_rows_per_token() * card.hidden * a,
+            ArgType::Qkv => n * card.qkv_width() * a,
             ArgType::AttnOut => n * card.q_dim() * a,
             ArgType::KvCache => s * shape.context * card.kv_elems_per_token_layer() * a,
             ArgType::Routing => n * card.top_k * super::ROUTE_ENTRY_BYTES,

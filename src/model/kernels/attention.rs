@@ -35,12 +35,17 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Attend only to the last this-many positions (Mixtral's `sliding_window`).
     pub sliding_window: Option<usize>,
+    /// Each query head has a learned sink logit (gpt-oss). The attention op has no weight
+    /// argument, so `pre_attn` appends the layer's `heads` sink values to every `qkv` row
+    /// (`[q | k | v | sinks]`) and attention reads them from there.
+    pub sinks: bool,
 }
 
 impl AttnShape {
-    /// Width of one `qkv` row: `(heads + 2 * kv_heads) * head_dim`.
+    /// Width of one `qkv` row: `(heads + 2 * kv_heads) * head_dim`, plus `heads` sink
+    /// values with sinks.
     pub fn qkv_width(&self) -> usize {
-        (self.heads + 2 * self.kv_heads) * self.head_dim
+        (self.heads + 2 * self.kv_heads) * self.head_dim + if self.sinks { self.heads } else { 0 }
     }
 
     /// Width of one output row: `heads * head_dim`.
@@ -185,8 +190,10 @@ impl Kernels {
                         first - start,
                     );
                 }
-                for row in scores.chunks_exact_mut(n_keys) {
-                    self.softmax_in_place(row);
+                let sink_at = (first_rows[s] + j) * row_w + (shape.heads + 2 * shape.kv_heads) * hd;
+                for (g, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+                    let sink = shape.sinks.then(|| qkv[sink_at + h * group + g]);
+                    self.softmax_with_sink_in_place(row, sink);
                 }
                 let dst = &mut local[j * group * hd..(j + 1) * group * hd];
                 for bi in start / bs..=pos / bs {
@@ -343,6 +350,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 8,
             sliding_window: None,
+            sinks: false,
         };
         let layout = KvLayout {
             block_size: 4,
@@ -427,9 +435,11 @@ mod tests {
             kv_heads: 1,
             head_dim: 16,
             sliding_window: Some(3),
+            sinks: false,
         };
         let full = AttnShape {
             sliding_window: None,
+            sinks: false,
             ..shape
         };
         let layout = KvLayout {
@@ -470,6 +480,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 16,
             sliding_window: None,
+            sinks: false,
         };
         let layout = KvLayout {
             block_size: 4,
@@ -528,6 +539,7 @@ mod tests {
             kv_heads: 1,
             head_dim: 4,
             sliding_window: None,
+            sinks: false,
         };
         let layout = KvLayout {
             block_size: 2,

@@ -5,14 +5,16 @@
 //! [`Routing`]; [`expert_ffn`] runs one expert's SwiGLU on the rows routed to it (gathered
 //! into a contiguous block) and writes `weight * y` into that (row, slot)'s place of a
 //! `[n_tokens, top_k, hidden]` slot buffer; [`combine`] sums each row's slots in ascending
-//! expert index (Hugging Face's summation order) and adds the sum to the residual. So the
-//! result is bit-identical whatever order, grouping or micro-batch the experts run in.
+//! expert index (Hugging Face's summation order), adds the shared expert's row when the
+//! family has one ([`Kernels::shared_expert`], Qwen2-MoE: `sigmoid(x · g) * swiglu(x)`,
+//! added after the routed sum as transformers does) and adds the sum to the residual. So
+//! the result is bit-identical whatever order, grouping or micro-batch the experts run in.
 
 use crate::model::arch::ArchSpec;
 use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::norm::normalize;
 use crate::model::kernels::{check_len, KernelError};
-use crate::model::weights::{DenseWeights, ExpertWeights};
+use crate::model::weights::{DenseWeights, ExpertWeights, SharedExpertWeights};
 
 /// The router's decision for a batch of rows.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,6 +102,33 @@ pub fn route(
     }
 }
 
+/// gpt-oss's routing: top-k of the raw logits (ties to the lower index), softmax over
+/// those k only.
+pub fn route_topk_softmax(router_logits: &[f32], n_experts: usize, top_k: usize) -> Routing {
+    let n = router_logits.len() / n_experts.max(1);
+    let mut experts = Vec::with_capacity(n * top_k);
+    let mut weights = Vec::with_capacity(n * top_k);
+    let mut order: Vec<usize> = Vec::with_capacity(n_experts);
+    for row in router_logits.chunks_exact(n_experts) {
+        order.clear();
+        order.extend(0..n_experts);
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let max = chosen.first().map_or(0.0, |&e| row[e]);
+        let exps: Vec<f32> = chosen.iter().map(|&e| (row[e] - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        for (&e, x) in chosen.iter().zip(&exps) {
+            experts.push(e as u32);
+            weights.push(x / sum);
+        }
+    }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
+}
+
 /// [`Kernels::gate`] with the process's kernels.
 pub fn gate(
     arch: &ArchSpec,
@@ -154,6 +183,18 @@ impl Kernels {
         normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
         let mut logits = vec![0.0f32; n * arch.experts];
         self.linear(x_norm, n, &dense.router, &mut logits)?;
+        if arch.router_bias_topk_softmax {
+            if let Some(bias) = dense.router_bias {
+                let bias = bias.to_f32_vec();
+                check_len("router bias", bias.len(), arch.experts)?;
+                for row in logits.chunks_exact_mut(arch.experts) {
+                    for (v, b) in row.iter_mut().zip(&bias) {
+                        *v += b;
+                    }
+                }
+            }
+            return Ok(route_topk_softmax(&logits, arch.experts, arch.top_k));
+        }
         Ok(route(&logits, arch.experts, arch.top_k, arch.router_norm_p))
     }
 
@@ -192,8 +233,36 @@ impl Kernels {
             gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
         }
         let mut h_gate = vec![0.0f32; n * f];
-        self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
-        self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+        match (&expert.fused, arch.clamped_swiglu) {
+            (Some(fused), Some((alpha, limit))) => {
+                // gpt-oss: gate_up = x W + b, gate/up interleaved; clamped SwiGLU; then
+                // down with its bias.
+                let mut gate_up = vec![0.0f32; n * 2 * f];
+                self.linear(&gathered, n, &fused.gate_up, &mut gate_up)?;
+                let b = fused.gate_up_bias.to_f32_vec();
+                check_len("expert gate_up bias", b.len(), 2 * f)?;
+                for (row, out) in gate_up.chunks_exact(2 * f).zip(h_gate.chunks_exact_mut(f)) {
+                    for (i, o) in out.iter_mut().enumerate() {
+                        let g = (row[2 * i] + b[2 * i]).min(limit);
+                        let u = (row[2 * i + 1] + b[2 * i + 1]).clamp(-limit, limit);
+                        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+                        *o = (u + 1.0) * glu;
+                    }
+                }
+                self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+                let b = fused.down_bias.to_f32_vec();
+                check_len("expert down bias", b.len(), d)?;
+                for row in gathered.chunks_exact_mut(d) {
+                    for (v, bv) in row.iter_mut().zip(&b) {
+                        *v += bv;
+                    }
+                }
+            }
+            _ => {
+                self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
+                self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+            }
+        }
         for (i, r) in rows.iter().enumerate() {
             let at = (r.row as usize * k + r.slot as usize) * d;
             for (o, y) in slots[at..at + d]
@@ -201,6 +270,40 @@ impl Kernels {
                 .zip(&gathered[i * d..(i + 1) * d])
             {
                 *o = r.weight * y;
+            }
+        }
+        Ok(())
+    }
+
+    /// The shared expert on every row of `x_norm` (`[n_tokens, hidden]`) into `out`
+    /// (same shape): `down(silu(gate(x)) * up(x))`, times `sigmoid(x · shared_expert_gate)`
+    /// when the family gates it.
+    pub fn shared_expert(
+        self,
+        arch: &ArchSpec,
+        shared: &SharedExpertWeights<'_>,
+        x_norm: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let d = arch.hidden;
+        let n = x_norm.len() / d.max(1);
+        check_len("shared expert input", x_norm.len(), n * d)?;
+        check_len("shared expert output", out.len(), n * d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = shared.ffn.gate.out_dim();
+        let mut h = vec![0.0f32; n * f];
+        self.linear_gated(x_norm, n, &shared.ffn.gate, &shared.ffn.up, silu, &mut h)?;
+        self.linear(&h, n, &shared.ffn.down, out)?;
+        if let Some(gate) = &shared.gate {
+            let mut g = vec![0.0f32; n];
+            self.linear(x_norm, n, gate, &mut g)?;
+            for (row, &logit) in out.chunks_exact_mut(d).zip(&g) {
+                let s = 1.0 / (1.0 + (-logit).exp());
+                for v in row {
+                    *v *= s;
+                }
             }
         }
         Ok(())
@@ -228,7 +331,14 @@ impl Kernels {
                 self.expert_ffn(arch, &expert(e)?, &x_norm, rows, &mut slots)?;
             }
         }
-        combine(&routing, &slots, x)?;
+        match &dense.shared {
+            Some(shared) => {
+                let mut shared_out = vec![0.0f32; x.len()];
+                self.shared_expert(arch, shared, &x_norm, &mut shared_out)?;
+                combine_shared(&routing, &slots, Some(&shared_out), x)?;
+            }
+            None => combine(&routing, &slots, x)?,
+        }
         Ok(routing)
     }
 }
@@ -236,11 +346,26 @@ impl Kernels {
 /// `residual += Σ slots` per row, the slots summed in ascending expert index starting
 /// from zero (as Hugging Face's `index_add` loop over experts does).
 pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result<(), KernelError> {
+    combine_shared(routing, slots, None, residual)
+}
+
+/// [`combine`], with the shared expert's rows (`[n_tokens, hidden]`) added to each row's
+/// routed sum before the sum goes into the residual (Qwen2-MoE's
+/// `residual + (experts + shared)`).
+pub fn combine_shared(
+    routing: &Routing,
+    slots: &[f32],
+    shared: Option<&[f32]>,
+    residual: &mut [f32],
+) -> Result<(), KernelError> {
     let k = routing.top_k.max(1);
     let n = routing.n_tokens();
     let d = residual.len() / n.max(1);
     check_len("combine residual", residual.len(), n * d)?;
     check_len("combine slots", slots.len(), n * k * d)?;
+    if let Some(shared) = shared {
+        check_len("combine shared expert rows", shared.len(), n * d)?;
+    }
     let mut order: Vec<usize> = Vec::with_capacity(k);
     let mut sum = vec![0.0f32; d];
     for t in 0..n {
@@ -255,6 +380,11 @@ pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result
                 *acc += v;
             }
         }
+        if let Some(shared) = shared {
+            for (acc, v) in sum.iter_mut().zip(&shared[t * d..(t + 1) * d]) {
+                *acc += v;
+            }
+        }
         for (r, v) in residual[t * d..(t + 1) * d].iter_mut().zip(&sum) {
             *r += v;
         }
@@ -265,6 +395,40 @@ pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// gpt-oss: logits [1, 3, 2, 0], top-2 = experts 1 and 2, softmax over (3, 2) only:
+    /// e / (e + 1) = 0.731059 and 1 / (e + 1) = 0.268941.
+    #[test]
+    fn gpt_oss_routing_softmaxes_over_the_top_k_only() {
+        let r = route_topk_softmax(&[1.0, 3.0, 2.0, 0.0], 4, 2);
+        assert_eq!(r.experts, vec![1, 2]);
+        let e = std::f32::consts::E;
+        assert!(
+            (r.weights[0] - e / (e + 1.0)).abs() < 1e-6,
+            "{:?}",
+            r.weights
+        );
+        assert!(
+            (r.weights[1] - 1.0 / (e + 1.0)).abs() < 1e-6,
+            "{:?}",
+            r.weights
+        );
+    }
+
+    /// The shared expert's rows are added to the routed sum before the residual:
+    /// residual 1, one slot 2 (weight already applied), shared row 4 gives 7.
+    #[test]
+    fn combine_adds_the_shared_expert_row() {
+        let routing = Routing {
+            top_k: 1,
+            experts: vec![0],
+            weights: vec![1.0],
+        };
+        let mut residual = [1.0f32, 1.0];
+        combine_shared(&routing, &[2.0, 2.0], Some(&[4.0, 4.0]), &mut residual).unwrap();
+        assert_eq!(residual, [7.0, 7.0]);
+        assert!(combine_shared(&routing, &[2.0, 2.0], Some(&[4.0]), &mut residual).is_err());
+    }
 
     /// Logits [ln 1, ln 2, ln 3, ln 4]: probabilities 0.1..0.4; top-2 = experts 3, 2 with
     /// 0.4 and 0.3, renormalised by their sum to 4/7 and 3/7.

@@ -1,5 +1,5 @@
-//! The attention block's projections: pre-attention (norm, Q/K/V, DBRX clip, rotary) and
-//! the output projection with its residual add.
+//! The attention block's projections: pre-attention (norm, Q/K/V, their biases, q/k
+//! RMSNorm, DBRX/OLMoE clip, rotary) and the output projection with its residual add.
 //!
 //! Takes f32 rows `[n_tokens, hidden]`, one position per row and a layer's dense weights;
 //! gives `qkv` rows laid out `[q | k | v]` with rotary applied (what the attention kernel
@@ -7,7 +7,7 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::kernels::isa::Kernels;
-use crate::model::kernels::norm::normalize;
+use crate::model::kernels::norm::{normalize, NormKind};
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::{check_len, KernelError};
 use crate::model::weights::{DenseWeights, QkvWeights};
@@ -36,7 +36,8 @@ pub fn o_proj_residual(
 }
 
 impl Kernels {
-    /// Norm, QKV projection, clip (DBRX) and rotary for `n_tokens = positions.len()` rows of
+    /// Norm, QKV projection, q/k/v biases (Qwen2-MoE), q/k RMSNorm (Qwen3 per head, OLMoE
+    /// whole), clip (DBRX) and rotary for `n_tokens = positions.len()` rows of
     /// `x`. `x_norm` is scratch `[n_tokens, hidden]`; `qkv_out` is `[n_tokens, qkv_width]`.
     #[allow(clippy::too_many_arguments)]
     pub fn pre_attn(
@@ -51,7 +52,9 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         let n = positions.len();
         let (d, q, kv) = (arch.hidden, arch.q_dim(), arch.kv_dim());
-        let width = q + 2 * kv;
+        // Row stride of `qkv_out`: q | k | v, then the sinks with them (gpt-oss).
+        let width = arch.attn.qkv_width();
+        let proj = q + 2 * kv;
         check_len("pre_attn input", x.len(), n * d)?;
         check_len("pre_attn scratch", x_norm.len(), n * d)?;
         check_len("pre_attn qkv", qkv_out.len(), n * width)?;
@@ -63,7 +66,15 @@ impl Kernels {
         }
         normalize(arch.norm, x, dense.attn_norm, arch.norm_eps, x_norm);
         match &dense.qkv {
-            QkvWeights::Fused(w) => self.linear(x_norm, n, w, qkv_out)?,
+            QkvWeights::Fused(w) if width == proj => self.linear(x_norm, n, w, qkv_out)?,
+            QkvWeights::Fused(w) => {
+                let mut part = vec![0.0f32; n * proj];
+                self.linear(x_norm, n, w, &mut part)?;
+                for t in 0..n {
+                    qkv_out[t * width..t * width + proj]
+                        .copy_from_slice(&part[t * proj..(t + 1) * proj]);
+                }
+            }
             QkvWeights::Separate {
                 q: wq,
                 k: wk,
@@ -79,9 +90,50 @@ impl Kernels {
                 }
             }
         }
+        if let Some(biases) = &dense.qkv_bias {
+            let b: Vec<Vec<f32>> = biases.iter().map(|b| b.to_f32_vec()).collect();
+            for (part, (col, cols)) in b.iter().zip([(0, q), (q, kv), (q + kv, kv)]) {
+                check_len("q/k/v bias", part.len(), cols)?;
+                for row in qkv_out.chunks_exact_mut(width) {
+                    for (v, bv) in row[col..col + cols].iter_mut().zip(part) {
+                        *v += bv;
+                    }
+                }
+            }
+        }
+        if let Some([q_norm, k_norm]) = dense.qk_norm {
+            // Qwen3 normalises each head (weights of head_dim), OLMoE the whole q and k
+            // projections (weights of q_dim / kv_dim); both before clip and rotary.
+            let mut tmp = vec![0.0f32; q.max(kv)];
+            for row in qkv_out.chunks_exact_mut(width) {
+                for (col, cols, w) in [(0, q, q_norm), (q, kv, k_norm)] {
+                    let part = &mut row[col..col + cols];
+                    let chunk = w.len().max(1);
+                    if cols % chunk != 0 {
+                        return Err(KernelError::Shape {
+                            what: "q/k norm weight (a divisor of the q or k width)",
+                            expected: cols,
+                            got: w.len(),
+                        });
+                    }
+                    let out = &mut tmp[..cols];
+                    normalize(NormKind::Rms, part, w, arch.norm_eps, out);
+                    part.copy_from_slice(out);
+                }
+            }
+        }
         if let Some(clip) = arch.clip_qkv {
-            for v in qkv_out.iter_mut() {
-                *v = v.clamp(-clip, clip);
+            for row in qkv_out.chunks_exact_mut(width) {
+                for v in &mut row[..proj] {
+                    *v = v.clamp(-clip, clip);
+                }
+            }
+        }
+        if arch.attn.sinks {
+            let sinks = dense.sinks.map(|s| s.to_f32_vec()).unwrap_or_default();
+            check_len("attention sinks", sinks.len(), arch.attn.heads)?;
+            for row in qkv_out.chunks_exact_mut(width) {
+                row[proj..].copy_from_slice(&sinks);
             }
         }
         let hd = arch.attn.head_dim;
@@ -107,6 +159,15 @@ impl Kernels {
         check_len("o_proj residual", residual.len(), n * arch.hidden)?;
         let mut projected = vec![0.0f32; n * arch.hidden];
         self.linear(attn_out, n, &dense.o_proj, &mut projected)?;
+        if let Some(bias) = dense.o_bias {
+            let bias = bias.to_f32_vec();
+            check_len("o_proj bias", bias.len(), arch.hidden)?;
+            for row in projected.chunks_exact_mut(arch.hidden) {
+                for (v, b) in row.iter_mut().zip(&bias) {
+                    *v += b;
+                }
+            }
+        }
         for (r, p) in residual.iter_mut().zip(&projected) {
             *r += p;
         }

@@ -42,6 +42,74 @@ impl RopeTable {
         }
     }
 
+    /// The table of an architecture: plain, or with YaRN scaling when the card has it.
+    pub fn for_arch(arch: &crate::model::arch::ArchSpec, max_positions: usize) -> Self {
+        match &arch.yarn {
+            None => Self::new(arch.rope_theta, arch.attn.head_dim, max_positions),
+            Some(y) => Self::yarn(arch.rope_theta, arch.attn.head_dim, max_positions, y),
+        }
+    }
+
+    /// YaRN tables as transformers' `_compute_yarn_parameters` builds them: frequencies
+    /// `base^(2i/d)` in f32, extrapolated (`1/f`) and interpolated (`1/(factor f)`) ones
+    /// blended by `1 - clamp((i - low) / (high - low), 0, 1)` between the correction
+    /// dimensions of `beta_fast` and `beta_slow` rotations (computed in f64 as Python does),
+    /// cos and sin multiplied by `0.1 ln(factor) + 1`.
+    pub fn yarn(
+        theta: f64,
+        head_dim: usize,
+        max_positions: usize,
+        y: &crate::model::card::Yarn,
+    ) -> Self {
+        let half = head_dim / 2;
+        let dim = head_dim as f64;
+        let correction = |rotations: f64| {
+            dim * (y.original_max_positions as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (correction(y.beta_fast), correction(y.beta_slow));
+        if y.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        let (low, high) = (low as f32, high as f32);
+        let factor = y.factor as f32;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                let pos_freq = (theta as f32).powf((2 * i) as f32 / head_dim as f32);
+                let extrapolation = 1.0 / pos_freq;
+                let interpolation = 1.0 / (factor * pos_freq);
+                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let extrapolation_share = 1.0 - ramp;
+                interpolation * (1.0 - extrapolation_share) + extrapolation * extrapolation_share
+            })
+            .collect();
+        let scaling = if y.factor <= 1.0 {
+            1.0
+        } else {
+            (0.1 * y.factor.ln() + 1.0) as f32
+        };
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for pos in 0..max_positions {
+            for &f in &inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos() * scaling);
+                sin.push(angle.sin() * scaling);
+            }
+        }
+        RopeTable {
+            half,
+            max_positions,
+            cos,
+            sin,
+        }
+    }
+
     /// Positions the table covers.
     pub fn max_positions(&self) -> usize {
         self.max_positions
@@ -78,6 +146,39 @@ mod tests {
         let mut head = [1.0f32, 0.0];
         table.rotate(&mut head, 3);
         assert!((head[0] - 3f32.cos()).abs() < 1e-6 && (head[1] - 3f32.sin()).abs() < 1e-6);
+    }
+
+    /// gpt-oss's YaRN on a 16-wide head (theta 1.5e5, factor 32, original 4096 positions,
+    /// beta 32 / 1, no truncation), worked by hand: the correction dimensions are
+    /// low = 16 ln(4096 / (32 * 2 pi)) / (2 ln 1.5e5) = 2.0218 and
+    /// high = 16 ln(4096 / (2 pi)) / (2 ln 1.5e5) = 4.3499, so frequencies 0-2 keep
+    /// `theta^(-2i/16)` (extrapolation), 5-7 are divided by 32 (interpolation), 3 and 4
+    /// blend with ramp (i - low) / (high - low); cos and sin are scaled by
+    /// 0.1 ln 32 + 1 = 1.346574.
+    #[test]
+    fn yarn_frequencies_and_scale_match_hand_computation() {
+        let y = crate::model::card::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_positions: 4096,
+            truncate: false,
+        };
+        let table = RopeTable::yarn(150000.0, 16, 2, &y);
+        let (cos, sin) = table.tables();
+        let scale = 1.346_574_f64;
+        let (low, high) = (2.021_8_f64, 4.349_9_f64);
+        for i in 0..8 {
+            let base = 150000f64.powf(-((2 * i) as f64) / 16.0);
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let f = base / 32.0 * ramp + base * (1.0 - ramp);
+            // Position 1: angle = f.
+            let (c, s) = (cos[8 + i] as f64, sin[8 + i] as f64);
+            assert!((c - f.cos() * scale).abs() < 1e-4, "cos {i}: {c}");
+            assert!((s - f.sin() * scale).abs() < 1e-4, "sin {i}: {s}");
+            // Position 0: cos = the scale itself, sin = 0.
+            assert!((cos[i] as f64 - scale).abs() < 1e-5 && sin[i] == 0.0);
+        }
     }
 
     /// Rotation preserves the norm of each (i, i + half) pair.

@@ -36,10 +36,18 @@ impl Kernels {
     /// `row = softmax(row)`: `exp(v - max)` normalised by the sum. An empty row is left
     /// as is.
     pub fn softmax_in_place(self, row: &mut [f32]) {
+        self.softmax_with_sink_in_place(row, None);
+    }
+
+    /// [`Kernels::softmax_in_place`] with an optional attention sink: one more logit that
+    /// takes part in the max and the denominator but has no output (gpt-oss:
+    /// `softmax(cat(row, sink))[..-1]`).
+    pub fn softmax_with_sink_in_place(self, row: &mut [f32], sink: Option<f32>) {
         if row.is_empty() {
             return;
         }
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let row_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = sink.map_or(row_max, |s| row_max.max(s));
         let sum = match self.isa() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a `Kernels` value names only an instruction set this CPU has; the
@@ -54,6 +62,7 @@ impl Kernels {
                 reduce16(&lanes)
             }
         };
+        let sum = sum + sink.map_or(0.0, |s| exp_scalar(s, max));
         let inv = 1.0 / sum;
         for v in row.iter_mut() {
             *v *= inv;
@@ -230,6 +239,28 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Scores [0, ln 2] with a sink of logit 0: exponentials 1, 2 and the sink's 1, so the
+    /// probabilities are 1/4 and 2/4 (the sink's quarter has no output); a sink far above
+    /// the scores takes almost everything, one far below changes nothing.
+    #[test]
+    fn a_sink_takes_its_share_of_the_denominator() {
+        for isa in Isa::supported() {
+            let k = Kernels::new(isa).unwrap();
+            let mut r = [0.0f32, 2f32.ln()];
+            k.softmax_with_sink_in_place(&mut r, Some(0.0));
+            assert!(
+                (r[0] - 0.25).abs() < 1e-6 && (r[1] - 0.5).abs() < 1e-6,
+                "{r:?}"
+            );
+            let mut high = [0.0f32, 2f32.ln()];
+            k.softmax_with_sink_in_place(&mut high, Some(40.0));
+            assert!(high.iter().all(|p| *p < 1e-15), "{high:?}");
+            let mut low = [0.0f32, 2f32.ln()];
+            k.softmax_with_sink_in_place(&mut low, Some(-1e30));
+            assert!((low[0] - 1.0 / 3.0).abs() < 1e-6 && (low[1] - 2.0 / 3.0).abs() < 1e-6);
+        }
+    }
 
     fn row(n: usize, span: f32) -> Vec<f32> {
         (0..n)

@@ -86,7 +86,7 @@ impl<'c> CpuBackend<'c> {
         options: &BackendOptions,
     ) -> Result<Self, CpuSetupError> {
         let arch = ArchSpec::from_card(&plan.model);
-        let rope = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+        let rope = RopeTable::for_arch(&arch, arch.max_positions);
         let threads = options.threads.max(1);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -8,7 +8,8 @@
 //! an [`OpError`] naming what is wrong. Activations are f32 rows in the order of the
 //! micro-batch's sequences; a KV cache slice is `[K pool | V pool]` in the model's paged
 //! block layout; a routing slice is `(expert: u32, weight: f32)` per token and slot; an
-//! `acc` slice is `[normalised rows | one output row per (token, k)]` (`expert_acc`).
+//! `acc` slice is `[normalised rows | one output row per (token, k) | the shared expert's
+//! rows, for families with one]` (`expert_acc`).
 
 use super::memory::{CpuMemory, MemoryError, View};
 use super::weights::WeightTag;
@@ -19,14 +20,17 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::Family;
 use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
+use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
-use crate::model::kernels::moe::{combine, expert_ffn, gate, moe_block, Routing};
+use crate::model::kernels::moe::{combine_shared, expert_ffn, gate, moe_block, Routing};
 use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::KernelError;
 use crate::model::layout::SegmentKind;
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
-use crate::model::weights::{DenseWeights, ExpertWeights, QkvWeights};
+use crate::model::weights::{
+    DenseWeights, ExpertWeights, FusedExpert, QkvWeights, SharedExpertWeights,
+};
 use crate::runtime::args::MissingArg;
 use crate::runtime::driver::state::{lock, StepState};
 
@@ -310,34 +314,101 @@ impl OpContext<'_> {
                 Ok(empty_matrix)
             }
         };
-        let qkv = if needs.contains(&SegmentKind::AttnNorm) {
+        let pre = needs.contains(&SegmentKind::AttnNorm);
+        let qkv = if pre {
             match self.memory.layout().layer.family {
-                Family::Mixtral => QkvWeights::Separate {
+                Family::Dbrx => {
+                    QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
+                }
+                _ => QkvWeights::Separate {
                     q: self.required(weights, layer, SegmentKind::QProj)?,
                     k: self.required(weights, layer, SegmentKind::KProj)?,
                     v: self.required(weights, layer, SegmentKind::VProj)?,
                 },
-                Family::Dbrx => {
-                    QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
-                }
             }
         } else {
             QkvWeights::Fused(empty_matrix)
         };
+        // The optional segments of the families that have them: q/k/v biases and q/k norms
+        // with the pre-attention weights, the shared expert with the router's.
+        let present = |kind: SegmentKind| self.memory.layout().layer.segment(kind).is_some();
+        let vector = |kind: SegmentKind| -> Result<TypedSlice<'_>, OpError> {
+            Ok(self.required(weights, layer, kind)?.data)
+        };
+        let qkv_bias = if pre && present(SegmentKind::QBias) {
+            Some([
+                vector(SegmentKind::QBias)?,
+                vector(SegmentKind::KBias)?,
+                vector(SegmentKind::VBias)?,
+            ])
+        } else {
+            None
+        };
+        let qk_norm = if pre && present(SegmentKind::QNorm) {
+            Some([vector(SegmentKind::QNorm)?, vector(SegmentKind::KNorm)?])
+        } else {
+            None
+        };
+        let shared = if needs.contains(&SegmentKind::Router) && present(SegmentKind::SharedGate) {
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: self.required(weights, layer, SegmentKind::SharedGate)?,
+                    up: self.required(weights, layer, SegmentKind::SharedUp)?,
+                    down: self.required(weights, layer, SegmentKind::SharedDown)?,
+                    fused: None,
+                },
+                gate: if present(SegmentKind::SharedExpertGate) {
+                    Some(self.required(weights, layer, SegmentKind::SharedExpertGate)?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            None
+        };
+        let optional = |with: SegmentKind, kind: SegmentKind| -> Result<_, OpError> {
+            if needs.contains(&with) && present(kind) {
+                vector(kind).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         Ok(DenseWeights {
             attn_norm: get(SegmentKind::AttnNorm)?.data,
             qkv,
+            qkv_bias,
+            qk_norm,
+            sinks: optional(SegmentKind::AttnNorm, SegmentKind::Sinks)?,
             o_proj: get(SegmentKind::OProj)?,
+            o_bias: optional(SegmentKind::OProj, SegmentKind::OBias)?,
             ffn_norm: get(SegmentKind::FfnNorm)?.data,
             router: get(SegmentKind::Router)?,
+            router_bias: optional(SegmentKind::Router, SegmentKind::RouterBias)?,
+            shared,
         })
     }
 
     fn expert(&self, weights: &[View], layer: u32, e: usize) -> Result<ExpertWeights<'_>, OpError> {
+        if self.arch.clamped_swiglu.is_some() {
+            let vector = |kind| -> Result<TypedSlice<'_>, OpError> {
+                Ok(self.required(weights, layer, kind)?.data)
+            };
+            return Ok(ExpertWeights {
+                gate: Matrix::empty(),
+                up: Matrix::empty(),
+                down: self.required(weights, layer, SegmentKind::ExpertDown(e))?,
+                fused: Some(FusedExpert {
+                    gate_up: self.required(weights, layer, SegmentKind::ExpertGateUp(e))?,
+                    gate_up_bias: vector(SegmentKind::ExpertGateUpBias(e))?,
+                    down_bias: vector(SegmentKind::ExpertDownBias(e))?,
+                }),
+            });
+        }
         Ok(ExpertWeights {
             gate: self.required(weights, layer, SegmentKind::ExpertGate(e))?,
             up: self.required(weights, layer, SegmentKind::ExpertUp(e))?,
             down: self.required(weights, layer, SegmentKind::ExpertDown(e))?,
+            fused: None,
         })
     }
 
@@ -388,8 +459,10 @@ impl OpContext<'_> {
     /// selected: VSLPipe's CPU task stores the prefill tokens' K/V while attending only the
     /// decode rows); without one (GPU prefill attention over whole prompts) a scratch cache
     /// holds the call's own K/V.
+    #[allow(clippy::too_many_arguments)]
     fn attn(
         &self,
+        layer: u32,
         ub: u32,
         part: AttnPart,
         qkv: View,
@@ -398,7 +471,8 @@ impl OpContext<'_> {
     ) -> Result<(), OpError> {
         let mb = self.ub(ub)?;
         let n = mb.n_tokens();
-        let shape = self.arch.attn;
+        // The layer's geometry: gpt-oss slides its window on even layers only.
+        let shape = self.arch.attn_of(layer as usize);
         let (qw, ow) = (shape.qkv_width(), shape.q_width());
         let qkv = self.act(qkv, "qkv", n * qw)?;
         let out = self.act_mut(out, "out", n * ow)?;
@@ -572,10 +646,11 @@ fn pre_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resu
 }
 
 fn attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
-    let Op::Attn { ub, part, .. } = task.op else {
+    let Op::Attn { layer, ub, part } = task.op else {
         return Err(wrong_op(OpKind::Attn, task));
     };
     cx.attn(
+        layer,
         ub,
         part,
         args.need(Role::Qkv)?,
@@ -608,11 +683,17 @@ fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
         &[SegmentKind::FfnNorm, SegmentKind::Router],
     )?;
     let h = cx.act(args.need(Role::H)?, "h", n * d)?;
-    // `acc` = [normalised rows | one slot per (token, k)], see `expert_acc`.
-    let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
-    let (x_norm, slots) = acc.split_at_mut(n * d);
+    // `acc` = [normalised rows | one slot per (token, k) | shared rows], see `expert_acc`.
+    let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * cx.arch.acc_rows() * d)?;
+    let (x_norm, rest) = acc.split_at_mut(n * d);
+    let (slots, shared_out) = rest.split_at_mut(n * cx.arch.top_k * d);
     let routing = gate(cx.arch, &dense, h, x_norm)?;
     slots.fill(0.0);
+    // The shared expert is part of the dense weights every token uses: computed here, with
+    // the router, so schedules treat it like the gate's other weights.
+    if let Some(shared) = &dense.shared {
+        Kernels::process().shared_expert(cx.arch, shared, x_norm, shared_out)?;
+    }
     // The host learns this routing only through the plan's `ReadRouting` instruction, as
     // it would from a device.
     cx.write_routing(args.need(Role::Route)?, &routing)?;
@@ -649,25 +730,36 @@ fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     let d = cx.arch.hidden;
     let routing = cx.read_routing(args.need(Role::Route)?, n)?;
     let accs = args.all(Role::Acc);
-    let acc_elems = n * (1 + cx.arch.top_k) * d;
+    let k = cx.arch.top_k;
+    let acc_elems = n * cx.arch.acc_rows() * d;
+    let slots_end = n * (1 + k) * d;
+    let has_shared = cx.arch.shared_ffn > 0;
     let h = cx.act_mut(args.need(Role::H)?, "h", n * d)?;
+    let first = cx.act(
+        *accs.first().ok_or(OpError::MissingArg("acc"))?,
+        "acc",
+        acc_elems,
+    )?;
+    // The gate wrote the shared expert's rows into the accumulator it initialised; a partial
+    // accumulator copied from it holds the same rows, so they are taken from the first one.
+    let shared = has_shared.then(|| &first[slots_end..]);
     if let [one] = accs.as_slice() {
         let acc = cx.act(*one, "acc", acc_elems)?;
-        combine(&routing, &acc[n * d..], h)?;
+        combine_shared(&routing, &acc[n * d..slots_end], shared, h)?;
         return Ok(());
     }
     // Partial accumulators (`acc = [a, b]`): each (token, k) slot was written by one
     // expert into one of them and is zero (from the gate) in the others, so adding them
     // gives exactly that expert's output (x + 0 = x), and the sum below is bit-identical
     // to the single-accumulator one.
-    let mut slots = vec![0.0f32; n * cx.arch.top_k * d];
+    let mut slots = vec![0.0f32; n * k * d];
     for view in accs {
         let acc = cx.act(view, "acc", acc_elems)?;
-        for (s, v) in slots.iter_mut().zip(&acc[n * d..]) {
+        for (s, v) in slots.iter_mut().zip(&acc[n * d..slots_end]) {
             *s += v;
         }
     }
-    combine(&routing, &slots, h)?;
+    combine_shared(&routing, &slots, shared, h)?;
     Ok(())
 }
 

@@ -146,6 +146,16 @@ fn wrong_op(kernel: OpKind, task: &PlanTask) -> OpError {
 impl GpuCx<'_> {
     /// Submits one task: its op's launches, then forgets weight labels of what it wrote.
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
+        // The CUDA kernels implement Mixtral's and DBRX's numerics only: q/k norms, biases,
+        // shared experts, sinks, per-layer windows, YaRN and the clamped SwiGLU have no
+        // device kernels yet, so those families are refused before any launch rather than
+        // run with wrong numerics.
+        if !matches!(self.arch.family, Family::Mixtral | Family::Dbrx) {
+            return Err(OpError::Unsupported(format!(
+                "the {:?} family yet (only Mixtral and DBRX); run it with --backend cpu",
+                self.arch.family
+            )));
+        }
         let kind = task.op.kind();
         let kernel = gpu_kernel(kind).ok_or_else(|| {
             OpError::Unsupported(format!("the op `{}` (no CUDA kernel)", kind.name()))
@@ -548,6 +558,9 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         Family::Dbrx => {
             let w = cx.segment(&weights, layer, SegmentKind::QkvProj)?;
             cx.s.linear(x_norm.ptr(), n, &w, out, width, false)?;
+        }
+        other => {
+            return Err(OpError::Unsupported(format!("the {other:?} family")));
         }
     }
     if let Some(clip) = arch.clip_qkv {
