@@ -290,6 +290,7 @@ pub fn run(args: &ReproduceArgs) -> ExitCode {
             ),
             None => "-".to_string(),
         };
+        let held_cell = format!("{}{alone}", cell(r.held_out));
         let split = r.fitted_on.map_or("-".to_string(), |p| {
             format!("{:.0} / {:.2}", p.prefill_s, p.decode_step_s)
         });
@@ -302,7 +303,7 @@ pub fn run(args: &ReproduceArgs) -> ExitCode {
             policy,
             r.row.published,
             if r.row.from_figure { " (fig.)" } else { "" },
-            format!("{}{alone}", cell(r.held_out)),
+            held_cell,
             cell(r.fitted_on),
             split,
             r.bound,
