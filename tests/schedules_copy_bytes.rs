@@ -193,6 +193,28 @@ fn flexgen_cpu_attn_decode_moves_qkv_and_attention_rows() {
     );
 }
 
+/// FlexGen(c)'s prefill: attention on the GPU (`cpu_cache_compute` moves only the
+/// generation phase's attention), so FlexGen's prefill hidden traffic plus every batch's
+/// new KV lines to the CPU home; no QKV or attention rows cross the link.
+#[test]
+fn flexgen_cpu_attn_prefill_stores_the_new_kv_lines() {
+    let n = L * N_UB;
+    let hidden = UBS * PROMPT * HIDDEN_TOKEN;
+    expect(
+        "baselines/flexgen_cpu_attn",
+        StepKind::Prefill,
+        &[
+            (("weights", ToGpu), L * LAYER),
+            (("activations", ToGpu), n * hidden),
+            (
+                ("activations", FromGpu),
+                (L - 1) * N_UB * hidden + N_UB * UBS * SAMPLED_TOKEN,
+            ),
+            (("kv", FromGpu), n * UBS * CTX * KV_TOKEN),
+        ],
+    );
+}
+
 /// CGOPipe decode (MoE-Lightning §4.1, App. A.1): only experts stream, each byte once over
 /// the link and once through the pinned relay (3 h1 h2 E per layer); per micro-batch the
 /// embedding in, per (layer, micro-batch) the QKV out (D1) and the attention output in

@@ -165,7 +165,7 @@ pub fn run(args: &ReproduceArgs) -> ExitCode {
     let mut extra: Vec<(String, String, Option<String>)> = Vec::new();
     for (_, row) in &rows {
         let profile = match HardwareProfile::load(&row.hw) {
-            Ok(p) => p,
+            Ok(p) => row.profile(&p),
             Err(e) => return super::simulate::fail(e),
         };
         match compiled(row, &model, &profile) {

@@ -36,6 +36,23 @@ pub struct PublishedRow {
     /// The value was read off a figure, not a table.
     #[serde(default)]
     pub from_figure: bool,
+    /// The system's own CPU attention rate, TFLOPS, when it differs from the machine's
+    /// (FlexGen(c) computes attention in PyTorch on fp16 tensors, far below the rate of
+    /// MoE-Lightning's kernel), with its source in the file.
+    #[serde(default)]
+    pub cpu_attn_tflops: Option<f64>,
+}
+
+impl PublishedRow {
+    /// The row's hardware profile with the system's own rates (`cpu_attn_tflops`) in its
+    /// effective section.
+    pub fn profile(&self, profile: &HardwareProfile) -> HardwareProfile {
+        let mut out = profile.clone();
+        if let (Some(rate), Some(effective)) = (self.cpu_attn_tflops, out.effective.as_mut()) {
+            effective.cpu_tflops = Some(rate);
+        }
+        out
+    }
 }
 
 /// The model card every row uses (the papers' Mixtral-8x7B).
