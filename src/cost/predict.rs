@@ -168,6 +168,30 @@ pub enum Loads<'a> {
     /// What each micro-batch really held in one executed step (indexed by `ub`): every
     /// per-micro-batch compute task is re-costed at that load (see [`measured_shape`]).
     Measured(&'a [UbLoad]),
+    /// A mixed step's steady-state pass ([`steady_mixed_loads`]): compute re-costed as for
+    /// `Measured`, and activation copies scaled to the rows the pass holds (the papers'
+    /// systems copy the rows in use; the compiled buffers hold the worst case).
+    Steady(&'a [UbLoad]),
+}
+
+/// The steady state of MoE-Lens's resource-aware scheduler (§6.2) for one micro-batch
+/// group of `seqs` sequences: every sequence is prefilled once and then decodes `gen_len`
+/// tokens, so each pass admits `seqs / gen_len` new prompts (rounded up) while the rest
+/// decode at the mean context `prompt_len + gen_len / 2`.
+pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
+    let w = program.workload;
+    let seqs = program.micro_batches.size as usize;
+    let gen = w.gen_len.max(1) as usize;
+    let prompt = w.prompt_len as usize;
+    let prefill_seqs = seqs.div_ceil(gen).min(seqs);
+    let decode_seqs = seqs - prefill_seqs;
+    let load = UbLoad {
+        prefill_seqs,
+        prefill_tokens: prefill_seqs * prompt,
+        decode_seqs,
+        decode_context: decode_seqs * (prompt + gen.div_ceil(2)),
+    };
+    vec![load; program.micro_batches.count as usize]
 }
 
 /// The shape a per-micro-batch task has under a measured load. `attn(part = prefill)`
@@ -252,7 +276,7 @@ fn recost_shape(
                 ..task.shape
             })
         }
-        Loads::Measured(per_ub) => {
+        Loads::Measured(per_ub) | Loads::Steady(per_ub) => {
             let load = per_ub.get(task.op.ub()? as usize)?;
             Some(measured_shape(&task.op, task.shape, load))
         }
@@ -537,7 +561,7 @@ pub(crate) fn simulate_step_times(
     let readback = program.readback_gates();
     // A measured replay charges copies as the runtime makes them (whole declared lines);
     // the declared prediction models the paper's systems, which move the used rows.
-    let declared = matches!(loads, Loads::Declared);
+    let declared = matches!(loads, Loads::Declared | Loads::Steady(_));
     let kv_scale = if declared {
         kv_copy_scale(program, step.kind, settings)
     } else {
@@ -546,7 +570,8 @@ pub(crate) fn simulate_step_times(
     let overheads = profile.adjustments;
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let appended = declared && step.kind == StepKind::Decode;
-    let classes = if kv_scale < 1.0 || kv_store_rate > 0.0 || appended {
+    let steady = matches!(loads, Loads::Steady(_));
+    let classes = if kv_scale < 1.0 || kv_store_rate > 0.0 || appended || steady {
         buffer_classes(program)
     } else {
         Vec::new()
@@ -562,6 +587,16 @@ pub(crate) fn simulate_step_times(
                     expected_task_time(program, id, profile, settings, act)
                 }
                 Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
+                Loads::Steady(per_ub) => {
+                    let mut time = task_time_at(program, id, profile, settings, loads);
+                    if task.work.copy.is_some()
+                        && classes.get(task.args[0].slice.buffer.index())
+                            == Some(&BufferClass::Activations)
+                    {
+                        time.seconds *= steady_row_share(program, per_ub);
+                    }
+                    time
+                }
             };
             // A KV line is declared at the last step's context; a decode step moves what
             // the cache holds at the context `settings` assumes (FlexGen loads
@@ -626,6 +661,17 @@ pub(crate) fn simulate_step_times(
         source,
     })?;
     Ok(StepSim { ids, times, result })
+}
+
+/// The share of a mixed step's declared rows a steady pass holds: its new tokens per
+/// micro-batch over the declared `mixed_tokens`.
+fn steady_row_share(program: &Program, per_ub: &[UbLoad]) -> f64 {
+    let declared = program.micro_batches.mixed_tokens.max(1) as f64;
+    let tokens = per_ub
+        .iter()
+        .map(|l| (l.prefill_tokens + l.decode_seqs) as f64)
+        .fold(0.0, f64::max);
+    (tokens / declared).min(1.0)
 }
 
 /// The FLOP/s cap of a GPU task's kind in a step of `kind` (0: none). A mixed step's task
@@ -800,7 +846,7 @@ fn step_resource_bound(
         // simulation); a measured load is re-costed in full.
         let act = match loads {
             Loads::Declared => activation(program, id, task.shape.tokens),
-            Loads::Measured(_) => Activation::ALWAYS,
+            Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
         };
         if let Some(copy) = task.work.copy {
             let bytes = copy.bytes as f64 * act.runs;
@@ -870,15 +916,17 @@ pub fn predict(
         profile
     };
     let mut steps = Vec::with_capacity(program.steps.len());
+    let steady = steady_mixed_loads(program);
     for index in 0..program.steps.len() {
+        // A mixed step is declared at its worst case (every prompt token in the pass); its
+        // throughput is the scheduler's steady state.
+        let loads = if program.steps[index].kind == StepKind::Mixed {
+            Loads::Steady(&steady)
+        } else {
+            Loads::Declared
+        };
         steps.push(simulate_step(
-            program,
-            deps,
-            index,
-            profile,
-            settings,
-            &classes,
-            Loads::Declared,
+            program, deps, index, profile, settings, &classes, loads,
         )?);
     }
     let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;
