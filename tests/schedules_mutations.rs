@@ -46,8 +46,8 @@ const MUTATIONS: &[Mutation] = &[
     Mutation {
         name: "flexgen_other_weight_slot",
         schedule: "flexgen",
-        find: "post_attn(layer = j, ub = k, w = w_gpu[j % 2], a = a_g, h = h_g[g % 3]) on gpu",
-        replace: "post_attn(layer = j, ub = k, w = w_gpu[(j + 1) % 2], a = a_g, h = h_g[g % 3]) on gpu",
+        find: "post_attn(layer = j, ub = k, w = w_gpu[j % 2], a = a, h = h) on gpu",
+        replace: "post_attn(layer = j, ub = k, w = w_gpu[(j + 1) % 2], a = a, h = h) on gpu",
         code: Code::ValuesWrong,
         line_has: "w_gpu[(j + 1) % 2]",
     },

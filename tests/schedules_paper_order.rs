@@ -154,17 +154,17 @@ fn flexgen_follows_the_zigzag_loop() {
     let d = StepKind::Decode;
     expect(&p, d, "w_load", &["w_home[1]->w_gpu[1]", "w_home[0]->w_gpu[0]"]);
     expect(&p, d, "kv_load", &[
-        "kv[0][0]->kv_g[0]", "h_c[0]->h_g[0]", // before the loop: batch 0 of layer 0
-        "kv[0][1]->kv_g[1]", "h_c[1]->h_g[1]", // (0, 0)
-        "kv[0][2]->kv_g[2]", "h_c[2]->h_g[2]", // (0, 1)
-        "kv[1][0]->kv_g[0]", "h_c[0]->h_g[0]", // (0, 2): k + 1 wraps to layer 1
-        "kv[1][1]->kv_g[1]", "h_c[1]->h_g[1]", // (1, 0)
-        "kv[1][2]->kv_g[2]", "h_c[2]->h_g[2]", // (1, 1)
+        "kv[0][0]->kv_g[0]", "hd_c[0]->hd_g[0]", // before the loop: batch 0 of layer 0
+        "kv[0][1]->kv_g[1]", "hd_c[1]->hd_g[1]", // (0, 0)
+        "kv[0][2]->kv_g[2]", "hd_c[2]->hd_g[2]", // (0, 1)
+        "kv[1][0]->kv_g[0]", "hd_c[0]->hd_g[0]", // (0, 2): k + 1 wraps to layer 1
+        "kv[1][1]->kv_g[1]", "hd_c[1]->hd_g[1]", // (1, 0)
+        "kv[1][2]->kv_g[2]", "hd_c[2]->hd_g[2]", // (1, 1)
     ]);
     expect(&p, d, "kv_store", &[
-        "h_g[0]->h_c[0]", "kv_g[0]->kv[0][0]", // (0, 1): store (0, 0)
-        "h_g[1]->h_c[1]", "kv_g[1]->kv[0][1]", // (0, 2): store (0, 1)
-        "h_g[2]->h_c[2]", "tok[0]->tok_c[0]", "kv_g[2]->kv[0][2]", // (1, 0): k - 1 = (0, 2)
+        "hd_g[0]->hd_c[0]", "kv_g[0]->kv[0][0]", // (0, 1): store (0, 0)
+        "hd_g[1]->hd_c[1]", "kv_g[1]->kv[0][1]", // (0, 2): store (0, 1)
+        "hd_g[2]->hd_c[2]", "tok[0]->tok_c[0]", "kv_g[2]->kv[0][2]", // (1, 0): k - 1 = (0, 2)
         "tok[1]->tok_c[1]", "kv_g[0]->kv[1][0]", // (1, 1)
         "tok[2]->tok_c[2]", "kv_g[1]->kv[1][1]", // (1, 2)
         "kv_g[2]->kv[1][2]",                     // after the loop

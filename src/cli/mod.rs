@@ -19,6 +19,7 @@ pub mod output;
 pub mod plan;
 pub mod probe;
 pub mod profile;
+pub mod reproduce;
 pub mod run;
 pub mod simulate;
 
@@ -52,6 +53,8 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Search a schedule's params for the best predicted throughput within budget.
     Plan(plan::PlanArgs),
+    /// Predict the papers' published rows and compare (calibration scored leave-one-out).
+    Reproduce(reproduce::ReproduceArgs),
     /// Run a schedule as real inference on the CPU backend and report what it measured.
     Run(run::RunArgs),
     /// Run several schedules on one workload and compare them in one table.
@@ -82,6 +85,7 @@ pub fn main() -> ExitCode {
         Command::Models(args) => models::run(&args),
         Command::Simulate(args) => simulate::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Reproduce(args) => reproduce::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Ablate(args) => ablate::run(&args),
         Command::Devices(args) => devices::run(&args),

@@ -57,6 +57,11 @@ pub struct CostTarget {
     /// Context decode attention assumes: `average` (prompt + gen/2) or `worst`.
     #[arg(long, default_value = "average")]
     pub context: String,
+    /// Which rates the HRM divides by: `datasheet` (peaks) or `effective` (the profile's
+    /// fitted or measured rates, per-task overheads, shared host DRAM; see
+    /// docs/cost-model.md).
+    #[arg(long, default_value = "datasheet")]
+    pub rates: String,
 }
 
 /// Arguments of `moec simulate`.
@@ -102,6 +107,21 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
     let model = ModelCard::load(&target.model).map_err(|e| e.to_string())?;
     let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
+    let profile = match target.rates.as_str() {
+        "datasheet" => profile,
+        "effective" if profile.effective.is_some() => profile.effective(),
+        "effective" => {
+            return Err(format!(
+                "`--rates effective`: hardware profile `{}` has no `effective` section",
+                profile.name
+            ))
+        }
+        other => {
+            return Err(format!(
+                "`--rates {other}`: expected `datasheet` or `effective`"
+            ))
+        }
+    };
     let mut workload = Workload::default();
     if let Some(name) = &target.workload {
         let preset = workloads::preset(name).ok_or_else(|| {

@@ -87,6 +87,106 @@ pub struct HardwareProfile {
     /// measured it (gives the `lat.*` symbols).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency: Option<ExpertLatency>,
+    /// Rates real kernels and copies reach on this machine, fitted or measured (the
+    /// datasheet peaks above are what the HRM divides by unless [`Self::effective`] is
+    /// asked for); each number cites its source in the file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective: Option<EffectiveRates>,
+    /// What the effective model adds to the HRM: fixed costs per task and per
+    /// synchronisation, rates of op kinds slower than the roofline (GPU attention, KV
+    /// stores), and whether the host's copies and CPU compute share one DRAM. Nothing in a
+    /// datasheet profile; [`Self::effective`] fills it from `effective`.
+    #[serde(default, skip_serializing_if = "Adjustments::is_none")]
+    pub adjustments: Adjustments,
+}
+
+/// Effective rates of one machine: what its kernels and copies sustain, as opposed to the
+/// datasheet peaks. Every field is optional: an absent one keeps the datasheet number.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EffectiveRates {
+    /// Where the numbers come from (paper, table, regression), one line.
+    pub source: String,
+    /// Half-precision GEMM rate the GPU sustains in prefill, TFLOPS (FlexGen's
+    /// `mm_flops_p`); replaces the half peak.
+    #[serde(default)]
+    pub gpu_prefill_gemm_tflops: Option<f64>,
+    /// GEMM rate in decode (a few rows per weight), TFLOPS (FlexGen's `mm_flops_g`).
+    #[serde(default)]
+    pub gpu_decode_gemm_tflops: Option<f64>,
+    /// GPU attention rate in prefill, TFLOPS (FlexGen's `bmm_flops_p`).
+    #[serde(default)]
+    pub gpu_prefill_attn_tflops: Option<f64>,
+    /// Device memory bandwidth GPU kernels sustain, GB/s.
+    #[serde(default)]
+    pub gpu_mem_bw_gb_s: Option<f64>,
+    /// DRAM bandwidth CPU kernels (attention over the KV cache) sustain, GB/s.
+    #[serde(default)]
+    pub cpu_mem_bw_gb_s: Option<f64>,
+    /// FLOP/s CPU attention sustains, TFLOPS.
+    #[serde(default)]
+    pub cpu_tflops: Option<f64>,
+    /// Pinned host -> GPU copies, GB/s (FlexGen's `ctog_bdw`).
+    #[serde(default)]
+    pub host_to_gpu_gb_s: Option<f64>,
+    /// GPU -> pinned host copies, GB/s (FlexGen's `gtoc_bdw`).
+    #[serde(default)]
+    pub gpu_to_host_gb_s: Option<f64>,
+    /// Pageable -> pinned relay copies, GB/s.
+    #[serde(default)]
+    pub pageable_to_pinned_gb_s: Option<f64>,
+    /// GPU attention rate in decode (batched matrix-vector products over the KV cache),
+    /// TFLOPS (FlexGen's `bmm_flops_g`).
+    #[serde(default)]
+    pub gpu_decode_attn_tflops: Option<f64>,
+    /// GPU -> host copies of the KV cache, GB/s (FlexGen's `gtoc_bdw_cache`: strided
+    /// writes into the cache home are far slower than a contiguous copy).
+    #[serde(default)]
+    pub kv_store_gb_s: Option<f64>,
+    /// Fixed cost of launching one task (kernel launch, Python dispatch), microseconds.
+    #[serde(default)]
+    pub task_overhead_us: f64,
+    /// Fixed cost of one cross-stream wait (event record + wait), microseconds.
+    #[serde(default)]
+    pub sync_overhead_us: f64,
+    /// Whether pageable <-> pinned copies and CPU compute contend for one DRAM (they do on
+    /// every real host; MoE-Lens §7 measures it).
+    #[serde(default)]
+    pub shared_host_dram: bool,
+}
+
+/// What the effective model adds to the HRM: fixed costs, per-op-kind rate caps, host DRAM
+/// sharing. Zero (no cap) fields change nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Adjustments {
+    /// Seconds added to every task that does work.
+    #[serde(default)]
+    pub task_s: f64,
+    /// Seconds added to a task for each stream other than its own it waits on.
+    #[serde(default)]
+    pub sync_s: f64,
+    /// Pageable <-> pinned copies and CPU compute are one resource (one DRAM bus).
+    #[serde(default)]
+    pub shared_host_dram: bool,
+    /// FLOP/s caps of GPU work by kind (0: none): GEMM-like ops in decode, attention in
+    /// prefill, attention in decode.
+    #[serde(default)]
+    pub gpu_decode_gemm_flops: f64,
+    /// See `gpu_decode_gemm_flops`.
+    #[serde(default)]
+    pub gpu_prefill_attn_flops: f64,
+    /// See `gpu_decode_gemm_flops`.
+    #[serde(default)]
+    pub gpu_decode_attn_flops: f64,
+    /// Bytes/s of KV-cache copies GPU -> host; 0: the link's rate.
+    #[serde(default)]
+    pub kv_store_bytes_per_s: f64,
+}
+
+impl Adjustments {
+    /// True when nothing is added (the datasheet model).
+    pub fn is_none(&self) -> bool {
+        *self == Adjustments::default()
+    }
 }
 
 /// Fiddler's latency model (§3.3: "these constants are determined in the initialization
@@ -371,6 +471,62 @@ impl HardwareProfile {
                 self.level_bandwidth(Level::Host) / 2.0
             }
         }
+    }
+
+    /// This profile with its [`EffectiveRates`] in place of the datasheet numbers and its
+    /// overheads applied; the profile itself when it has none. The name gains `+eff`.
+    pub fn effective(&self) -> HardwareProfile {
+        let Some(rates) = &self.effective else {
+            return self.clone();
+        };
+        let mut out = self.clone();
+        let set = |slot: &mut f64, value: Option<f64>| {
+            if let Some(v) = value.filter(|v| v.is_finite() && *v > 0.0) {
+                *slot = v;
+            }
+        };
+        set(&mut out.gpu.half_tflops, rates.gpu_prefill_gemm_tflops);
+        set(&mut out.gpu.mem_bw_gb_s, rates.gpu_mem_bw_gb_s);
+        set(&mut out.cpu.mem_bw_gb_s, rates.cpu_mem_bw_gb_s);
+        set(&mut out.cpu.f32_tflops, rates.cpu_tflops);
+        set(&mut out.cpu.half_tflops, rates.cpu_tflops);
+        set(&mut out.links.host_to_gpu_gb_s, rates.host_to_gpu_gb_s);
+        set(&mut out.links.gpu_to_host_gb_s, rates.gpu_to_host_gb_s);
+        set(
+            &mut out.links.pageable_to_pinned_gb_s,
+            rates.pageable_to_pinned_gb_s,
+        );
+        // A pageable source is staged by the driver: never faster than a pinned one.
+        out.links.pageable_to_gpu_gb_s = out
+            .links
+            .pageable_to_gpu_gb_s
+            .min(out.links.host_to_gpu_gb_s);
+        let tflops =
+            |v: Option<f64>| v.filter(|v| v.is_finite() && *v > 0.0).unwrap_or(0.0) * TFLOPS;
+        out.adjustments = Adjustments {
+            task_s: rates.task_overhead_us.max(0.0) * 1e-6,
+            sync_s: rates.sync_overhead_us.max(0.0) * 1e-6,
+            shared_host_dram: rates.shared_host_dram,
+            gpu_decode_gemm_flops: tflops(rates.gpu_decode_gemm_tflops),
+            gpu_prefill_attn_flops: tflops(rates.gpu_prefill_attn_tflops),
+            gpu_decode_attn_flops: tflops(rates.gpu_decode_attn_tflops),
+            kv_store_bytes_per_s: rates.kv_store_gb_s.filter(|v| *v > 0.0).unwrap_or(0.0) * GB,
+        };
+        out.name = format!("{}+eff", self.name);
+        out
+    }
+
+    /// This profile with pinned host -> GPU copies at the pageable rate: what a schedule
+    /// gets when its pinned buffers exceed what the host lets it lock (the frameworks fall
+    /// back to pageable memory; FlexGen's `pin_weight` silently does).
+    pub fn pageable_fallback(&self) -> HardwareProfile {
+        let mut out = self.clone();
+        out.links.host_to_gpu_gb_s = out.links.pageable_to_gpu_gb_s;
+        out.links.gpu_to_host_gb_s = out
+            .links
+            .gpu_to_host_gb_s
+            .min(out.links.pageable_to_gpu_gb_s);
+        out
     }
 
     /// Hardware symbols a schedule may use (`gpu.mem`, ...), in bytes, bytes/s and FLOP/s.

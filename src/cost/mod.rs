@@ -13,6 +13,7 @@ pub mod plan;
 pub mod predict;
 pub mod probe;
 pub mod replay;
+pub mod reproduce;
 pub mod sim;
 pub mod workloads;
 

@@ -61,6 +61,9 @@ pub fn resource_of(engine: Engine, profile: &HardwareProfile) -> &'static str {
         Engine::GpuCopyOut if profile.links.duplex => "link d2h",
         Engine::GpuCopyIn | Engine::GpuCopyOut => "link (half duplex)",
         Engine::CpuCompute => "cpu",
+        // Relay copies and CPU kernels read and write the same DRAM; when the profile says
+        // so they share one resource (each bandwidth-bound, so taking turns is sharing).
+        Engine::CpuCopy if profile.adjustments.shared_host_dram => "cpu",
         Engine::CpuCopy => "cpu memcpy",
     }
 }
@@ -165,6 +168,30 @@ pub enum Loads<'a> {
     /// What each micro-batch really held in one executed step (indexed by `ub`): every
     /// per-micro-batch compute task is re-costed at that load (see [`measured_shape`]).
     Measured(&'a [UbLoad]),
+    /// A mixed step's steady-state pass ([`steady_mixed_loads`]): compute re-costed as for
+    /// `Measured`, and activation copies scaled to the rows the pass holds (the papers'
+    /// systems copy the rows in use; the compiled buffers hold the worst case).
+    Steady(&'a [UbLoad]),
+}
+
+/// The steady state of MoE-Lens's resource-aware scheduler (§6.2) for one micro-batch
+/// group of `seqs` sequences: every sequence is prefilled once and then decodes `gen_len`
+/// tokens, so each pass admits `seqs / gen_len` new prompts (rounded up) while the rest
+/// decode at the mean context `prompt_len + gen_len / 2`.
+pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
+    let w = program.workload;
+    let seqs = program.micro_batches.size as usize;
+    let gen = w.gen_len.max(1) as usize;
+    let prompt = w.prompt_len as usize;
+    let prefill_seqs = seqs.div_ceil(gen).min(seqs);
+    let decode_seqs = seqs - prefill_seqs;
+    let load = UbLoad {
+        prefill_seqs,
+        prefill_tokens: prefill_seqs * prompt,
+        decode_seqs,
+        decode_context: decode_seqs * (prompt + gen.div_ceil(2)),
+    };
+    vec![load; program.micro_batches.count as usize]
 }
 
 /// The shape a per-micro-batch task has under a measured load. `attn(part = prefill)`
@@ -249,7 +276,7 @@ fn recost_shape(
                 ..task.shape
             })
         }
-        Loads::Measured(per_ub) => {
+        Loads::Measured(per_ub) | Loads::Steady(per_ub) => {
             let load = per_ub.get(task.op.ub()? as usize)?;
             Some(measured_shape(&task.op, task.shape, load))
         }
@@ -456,6 +483,9 @@ pub struct Prediction {
     pub stage1: Option<Stage1Bound>,
     /// Context length decode attention assumed.
     pub decode_context: u64,
+    /// The pinned buffers exceed the profile's lockable memory, so pinned copies were
+    /// costed at the pageable rate.
+    pub pinned_fallback: bool,
 }
 
 /// Errors from predicting.
@@ -529,29 +559,99 @@ pub(crate) fn simulate_step_times(
         .collect();
     let mut times = Vec::with_capacity(ids.len());
     let readback = program.readback_gates();
+    // A measured replay charges copies as the runtime makes them (whole declared lines);
+    // the declared prediction models the paper's systems, which move the used rows.
+    let declared = matches!(loads, Loads::Declared | Loads::Steady(_));
+    let kv_scale = if declared {
+        kv_copy_scale(program, step.kind, settings)
+    } else {
+        1.0
+    };
+    let overheads = profile.adjustments;
+    let kv_store_rate = overheads.kv_store_bytes_per_s;
+    let appended = declared && step.kind == StepKind::Decode;
+    let steady = matches!(loads, Loads::Steady(_));
+    let classes = if kv_scale < 1.0 || kv_store_rate > 0.0 || appended || steady {
+        buffer_classes(program)
+    } else {
+        Vec::new()
+    };
     let tasks: Vec<SimTask> = ids
         .iter()
         .map(|&id| {
+            let task = program.task(id);
             let mut time = match loads {
                 Loads::Declared => {
-                    let tokens = program.task(id).shape.tokens;
+                    let tokens = task.shape.tokens;
                     let act = activation(program, id, tokens);
                     expected_task_time(program, id, profile, settings, act)
                 }
                 Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
+                Loads::Steady(per_ub) => {
+                    let mut time = task_time_at(program, id, profile, settings, loads);
+                    if task.work.copy.is_some()
+                        && classes.get(task.args[0].slice.buffer.index())
+                            == Some(&BufferClass::Activations)
+                    {
+                        time.seconds *= steady_row_share(program, per_ub);
+                    }
+                    time
+                }
             };
+            // A KV line is declared at the last step's context; a decode step moves what
+            // the cache holds at the context `settings` assumes (FlexGen loads
+            // `k_home[:src_s]`).
+            if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
+                let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
+                if class == Some(BufferClass::KvCache) {
+                    let store = copy.src == Space::Gpu && copy.dst != Space::Gpu;
+                    if kv_store_rate > 0.0 && store {
+                        time.seconds = time.seconds.max(copy.bytes as f64 / kv_store_rate);
+                    }
+                    // A decode step writes one token per sequence into the line: storing
+                    // it back needs only those rows (FlexGen stores `k_new`, `v_new`). The
+                    // language has no slice for them, so the line is declared whole and
+                    // charged here at the rows the step wrote.
+                    time.seconds *= if store && appended {
+                        kv_scale.min(kv_appended_share(program))
+                    } else {
+                        kv_scale
+                    };
+                }
+            }
+            // GPU kernels reach different rates by kind and phase (FlexGen fits four:
+            // GEMM and attention, prefill and decode); the profile may cap each.
+            if program.engine_of(id) == Engine::GpuCompute && task.work.copy.is_none() {
+                let cap = gpu_rate_cap(&task.op, &task.shape, step.kind, &overheads);
+                if cap > 0.0 {
+                    let flops = compute_load(program, id, settings, loads).flops;
+                    time.seconds = time.seconds.max(flops / cap);
+                }
+            }
             if readback.get(id.index()).copied().unwrap_or(false) {
                 time.seconds += readback_seconds(program, id, profile);
             }
+            let step_deps: Vec<usize> = deps[id.index()]
+                .iter()
+                .filter(|d| d.index() >= first)
+                .map(|d| d.index() - first)
+                .collect();
+            if time.seconds > 0.0 {
+                // Fixed costs: a launch per task, an event wait per other stream waited on.
+                let mut waited: Vec<usize> = step_deps
+                    .iter()
+                    .map(|&d| program.task(ids[d]).stream.index())
+                    .filter(|&s| s != task.stream.index())
+                    .collect();
+                waited.sort_unstable();
+                waited.dedup();
+                time.seconds += overheads.task_s + overheads.sync_s * waited.len() as f64;
+            }
             times.push(time);
             SimTask {
-                stream: program.task(id).stream.index(),
+                stream: task.stream.index(),
                 seconds: time.seconds,
-                deps: deps[id.index()]
-                    .iter()
-                    .filter(|d| d.index() >= first)
-                    .map(|d| d.index() - first)
-                    .collect(),
+                deps: step_deps,
             }
         })
         .collect();
@@ -561,6 +661,57 @@ pub(crate) fn simulate_step_times(
         source,
     })?;
     Ok(StepSim { ids, times, result })
+}
+
+/// The share of a mixed step's declared rows a steady pass holds: its new tokens per
+/// micro-batch over the declared `mixed_tokens`.
+fn steady_row_share(program: &Program, per_ub: &[UbLoad]) -> f64 {
+    let declared = program.micro_batches.mixed_tokens.max(1) as f64;
+    let tokens = per_ub
+        .iter()
+        .map(|l| (l.prefill_tokens + l.decode_seqs) as f64)
+        .fold(0.0, f64::max);
+    (tokens / declared).min(1.0)
+}
+
+/// The FLOP/s cap of a GPU task's kind in a step of `kind` (0: none). A mixed step's task
+/// counts as prefill when it carries more tokens than sequences.
+fn gpu_rate_cap(
+    op: &Op,
+    shape: &Shape,
+    kind: StepKind,
+    adjust: &super::hardware::Adjustments,
+) -> f64 {
+    let prefill = match kind {
+        StepKind::Prefill => true,
+        StepKind::Decode => false,
+        _ => shape.tokens > shape.seqs,
+    };
+    match (op, prefill) {
+        (Op::Attn { .. }, true) => adjust.gpu_prefill_attn_flops,
+        (Op::Attn { .. }, false) => adjust.gpu_decode_attn_flops,
+        (Op::Copy, _) | (_, true) => 0.0,
+        (_, false) => adjust.gpu_decode_gemm_flops,
+    }
+}
+
+/// The share of a declared KV line one decode step appends: one token of
+/// `prompt_len + gen_len`.
+fn kv_appended_share(program: &Program) -> f64 {
+    let w = program.workload;
+    1.0 / (w.prompt_len + w.gen_len).max(1) as f64
+}
+
+/// The share of a declared KV line a copy in a step of `kind` moves: the context
+/// `settings` assumes over the declared `prompt_len + gen_len` in a decode or mixed step,
+/// 1 elsewhere (prefill writes the prompt's lines whole).
+fn kv_copy_scale(program: &Program, kind: StepKind, settings: &CostSettings) -> f64 {
+    let w = program.workload;
+    let declared = w.prompt_len + w.gen_len;
+    if declared == 0 || !matches!(kind, StepKind::Decode | StepKind::Mixed) {
+        return 1.0;
+    }
+    (decode_context_len(program, settings) as f64 / declared as f64).min(1.0)
 }
 
 /// Simulates one step at `loads` and describes it (busy shares, bounds, timeline).
@@ -695,7 +846,7 @@ fn step_resource_bound(
         // simulation); a measured load is re-costed in full.
         let act = match loads {
             Loads::Declared => activation(program, id, task.shape.tokens),
-            Loads::Measured(_) => Activation::ALWAYS,
+            Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
         };
         if let Some(copy) = task.work.copy {
             let bytes = copy.bytes as f64 * act.runs;
@@ -752,16 +903,30 @@ pub fn predict(
         });
     }
     let classes = buffer_classes(program);
+    // Pinned buffers beyond what the host can lock (its capacity, not the planning
+    // share: a policy the paper ran may use more than the planner would) fall back to
+    // pageable memory, and every copy through them to the pageable rate.
+    let table = super::budget::budget_table(program, Some(profile), &Default::default());
+    let pinned_fallback = table.peak("pinned") as f64 > profile.capacity_bytes(Level::Pinned);
+    let fallback;
+    let profile = if pinned_fallback {
+        fallback = profile.pageable_fallback();
+        &fallback
+    } else {
+        profile
+    };
     let mut steps = Vec::with_capacity(program.steps.len());
+    let steady = steady_mixed_loads(program);
     for index in 0..program.steps.len() {
+        // A mixed step is declared at its worst case (every prompt token in the pass); its
+        // throughput is the scheduler's steady state.
+        let loads = if program.steps[index].kind == StepKind::Mixed {
+            Loads::Steady(&steady)
+        } else {
+            Loads::Declared
+        };
         steps.push(simulate_step(
-            program,
-            deps,
-            index,
-            profile,
-            settings,
-            &classes,
-            Loads::Declared,
+            program, deps, index, profile, settings, &classes, loads,
         )?);
     }
     let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;
@@ -816,6 +981,7 @@ pub fn predict(
         layer_bound_tokens_per_s,
         stage1,
         decode_context: decode_context_len(program, settings),
+        pinned_fallback,
     })
 }
 

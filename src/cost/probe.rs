@@ -223,6 +223,8 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
             pageable_to_pinned_gb_s: copy_gb_s,
         },
         latency: None,
+        effective: None,
+        adjustments: Default::default(),
     }
 }
 

@@ -1,0 +1,112 @@
+//! The paired rankings MoE-Lightning reports (Tab. 4 and 5: CGOPipe faster than FlexGen
+//! with the same policy or FlexGen's own, FlexGen faster than FlexGen with CPU attention)
+//! hold in the prediction of the checked-in rows (`reproduce/moe_lightning.ron`) on each
+//! profile's effective rates, before anything is fitted to the rows (prefill efficiency 1,
+//! no task overhead): the ordering comes from the schedules and the sourced constants, not
+//! from the calibration. The published values only decide which pairs to compare.
+
+use moec::compile::{compile, Options};
+use moec::cost::hardware::HardwareProfile;
+use moec::cost::predict::{predict, CostSettings};
+use moec::cost::reproduce::{calibrated, tables, Calibration, PublishedRow, ACT_BYTES, MODEL};
+use moec::ir::{TaskId, Workload};
+use moec::model::card::ModelCard;
+
+fn schedule_path(name: &str) -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules");
+    let top = root.join(format!("{name}.sched"));
+    if top.exists() {
+        top
+    } else {
+        root.join("baselines").join(format!("{name}.sched"))
+    }
+}
+
+/// Generation tokens/s of a row on its profile's effective rates, unfitted.
+fn predicted(row: &PublishedRow, card: &ModelCard) -> f64 {
+    let source = std::fs::read_to_string(schedule_path(&row.schedule)).expect("schedule");
+    let profile = row.profile(&HardwareProfile::load(&row.hw).expect("profile"));
+    let mut options = Options::new(card.clone());
+    options.act_bytes = ACT_BYTES;
+    options.workload = Workload {
+        batch: 1,
+        prompt_len: row.prompt_len,
+        gen_len: row.gen_len,
+    };
+    options.sets = row
+        .sets
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_string()))
+        .collect();
+    let compiled = compile(&source, &options).unwrap_or_else(|d| {
+        panic!(
+            "{}: {}",
+            row.row,
+            moec::diag::render_all(&d, &row.schedule, &source)
+        )
+    });
+    let dag = &compiled.info.dag;
+    let deps: Vec<Vec<TaskId>> = (0..compiled.program.tasks.len())
+        .map(|t| dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+        .collect();
+    let unfitted = Calibration {
+        prefill_efficiency: 1.0,
+        task_overhead_us: 0.0,
+    };
+    predict(
+        &compiled.program,
+        &deps,
+        &calibrated(&profile, unfitted),
+        &CostSettings::default(),
+    )
+    .expect("prediction")
+    .tokens_per_s
+    .expect("a decode step")
+}
+
+#[test]
+fn moe_lightning_rankings_hold_before_any_fit() {
+    let card = ModelCard::load(MODEL).expect("card");
+    let rows: Vec<PublishedRow> = tables()
+        .expect("tables parse")
+        .into_iter()
+        .flat_map(|(_, rows)| rows)
+        .collect();
+    let tokens: Vec<f64> = rows.iter().map(|r| predicted(r, &card)).collect();
+    let same_setting = |a: &PublishedRow, b: &PublishedRow| {
+        a.table == b.table && a.hw == b.hw && a.prompt_len == b.prompt_len && a.gen_len == b.gen_len
+    };
+    let mut pairs = 0;
+    for (faster, slower) in [("cgopipe", "flexgen"), ("flexgen", "flexgen_cpu_attn")] {
+        for (i, a) in rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.schedule == faster)
+        {
+            for (j, b) in rows
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.schedule == slower && same_setting(r, a))
+            {
+                assert!(
+                    a.published > b.published,
+                    "the table itself ranks {} above {}",
+                    a.row,
+                    b.row
+                );
+                assert!(
+                    tokens[i] > tokens[j],
+                    "{} predicted {:.2} tok/s, not above {} at {:.2}",
+                    a.row,
+                    tokens[i],
+                    b.row,
+                    tokens[j]
+                );
+                pairs += 1;
+            }
+        }
+    }
+    // Tab. 4: 4 settings x (CGOPipe/FlexGen, FlexGen/FlexGen(c)); Tab. 5: CGOPipe against
+    // three FlexGen policies.
+    assert_eq!(pairs, 11);
+}
