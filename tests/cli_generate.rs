@@ -335,3 +335,57 @@ fn models_lists_every_card_with_layer_bytes() {
         "{line}"
     );
 }
+
+/// A prompt file longer than one oracle batch (256 prompts) is generated batch by batch:
+/// every prompt gets its output, in file order, and greedy outputs do not depend on the
+/// batching (the last prompts, alone in a short file, give the same tokens; a too-long
+/// prompt deep in the file is named by its line's index, not its index in the batch).
+#[test]
+fn long_prompt_files_are_generated_in_batches_with_the_same_outputs() {
+    let cache = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..300)
+        .map(|i| format!("{{\"prompt\": \"number {i} is\"}}"))
+        .collect();
+    let long = cache.path().join("long.jsonl");
+    std::fs::write(&long, prompts.join("\n")).unwrap();
+    let short = cache.path().join("short.jsonl");
+    std::fs::write(&short, prompts[290..].join("\n")).unwrap();
+    let run = |file: &Path| {
+        let out = moec(
+            cache.path(),
+            &[
+                "generate",
+                "--prompts",
+                file.to_str().unwrap(),
+                "--max-new-tokens",
+                "2",
+                "--json",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        doc["outputs"].as_array().unwrap().clone()
+    };
+    let long_out = run(&long);
+    let short_out = run(&short);
+    assert_eq!(long_out.len(), 300);
+    assert_eq!(long_out[299]["prompt"], "number 299 is");
+    for (a, b) in long_out[290..].iter().zip(&short_out) {
+        assert_eq!(a["prompt"], b["prompt"]);
+        assert_eq!(a["token_ids"], b["token_ids"]);
+    }
+    let mut with_long = prompts.clone();
+    with_long[280] = format!("{{\"prompt\": \"{}\"}}", "word ".repeat(3000));
+    std::fs::write(&long, with_long.join("\n")).unwrap();
+    let out = moec(
+        cache.path(),
+        &["generate", "--prompts", long.to_str().unwrap()],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let line = stderr_line(&out);
+    assert!(line.contains("prompt 280"), "{line}");
+}

@@ -155,3 +155,106 @@ fn flipped_tokens_and_random_bytes_never_panic() {
         must_not_panic("random text", &ascii, &options);
     }
 }
+
+/// Runs `f` on a thread with a 2 MiB stack (a spawned thread's default; the main thread has
+/// 8 MiB): compiling must not need more than
+/// that for any accepted input, so a deep structure that slipped past the parser's limits
+/// shows as a failure here rather than as an abort on a user's machine.
+fn on_small_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap()
+}
+
+fn error_codes(source: &str, options: &Options) -> Vec<&'static str> {
+    match compile(source, options) {
+        Ok(_) => Vec::new(),
+        Err(diags) => diags
+            .iter()
+            .filter(|d| d.is_error())
+            .map(|d| d.code.as_str())
+            .collect(),
+    }
+}
+
+const HEADER: &str = "schedule h\nmicrobatches 1 of 1\nstream gpu: gpu.compute\n";
+
+/// 41 templates, each calling the next twice, would expand 2^41 times: elaboration stops at
+/// the expansion limit with one `elab::limit` error (it never finished before).
+#[test]
+fn exponential_template_expansion_stops_at_the_limit() {
+    let mut source = HEADER.to_string();
+    for i in 0..40 {
+        source.push_str(&format!(
+            "template t{i}() {{\n  t{}()\n  t{}()\n}}\n",
+            i + 1,
+            i + 1
+        ));
+    }
+    source.push_str("template t40() { }\ndecode { t0() }\n");
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.limits.max_expansions = 10_000;
+    let codes = on_small_stack(move || error_codes(&source, &options));
+    assert_eq!(codes, ["elab::limit"]);
+}
+
+/// A loop of 10^18 iterations whose body has an error stops at the first iteration: one
+/// error, not 20 million repeats of it (which took 53 s).
+#[test]
+fn a_loop_stops_at_the_first_error_in_its_body() {
+    let source = format!("{HEADER}decode {{ for i in 0..1000000000000000000 {{ bogus(i) }} }}\n");
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    // Were the loop to go on, it would hit this limit and report `elab::limit` too.
+    options.limits.max_iterations = 1_000;
+    let codes = on_small_stack(move || error_codes(&source, &options));
+    assert_eq!(codes, ["elab::unknown_name"]);
+}
+
+/// The flat `else if` takes the same branches, with the same guards on the same tasks, as
+/// the nested `else { if .. }` it replaced: fiddler's dynamic `else if active(..)` compiled
+/// both ways gives the same tasks.
+#[test]
+fn else_if_elaborates_as_the_nested_else_if() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/schedules/fiddler.sched");
+    let flat = std::fs::read_to_string(path).unwrap();
+    let from = "    } else if active(l, e, j) {";
+    assert!(flat.contains(from), "fiddler.sched no longer has {from:?}");
+    let nested = flat
+        .replace(from, "    } else { if active(l, e, j) {")
+        .replace(
+            "on cpu as on_cpu[l, j, e]\n      }\n    }",
+            "on cpu as on_cpu[l, j, e]\n      }\n    } }",
+        );
+    assert_ne!(nested, flat);
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let tasks = |source: &str| match compile(source, &options) {
+        Ok(compiled) => format!("{:?}", compiled.program.tasks),
+        Err(d) => panic!("{:?}", d.iter().map(|d| &d.message).collect::<Vec<_>>()),
+    };
+    let flat_tasks = tasks(&flat);
+    assert!(
+        flat_tasks.contains("negated: true"),
+        "fiddler has a guarded else"
+    );
+    assert_eq!(flat_tasks, tasks(&nested));
+}
+
+/// Deep but accepted inputs (a 500-deep expression, 200 nested blocks, a 1000-branch
+/// `else if`) compile on a 2 MiB stack.
+#[test]
+fn the_deepest_accepted_inputs_elaborate_on_a_small_stack() {
+    let expr = format!("1{}", " + 1".repeat(499));
+    let blocks = format!("{}{}", "if true { ".repeat(190), "}".repeat(190));
+    let chain = format!(
+        "if false {{ }}{} else {{ }}",
+        " else if false { }".repeat(1000)
+    );
+    let source = format!("{HEADER}let x = {expr}\ndecode {{\n{blocks}\n{chain}\n}}\n");
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let codes = on_small_stack(move || error_codes(&source, &options));
+    // Parsed and elaborated; the checker then finds the step samples nothing.
+    assert_eq!(codes, ["values::sampling"]);
+}

@@ -63,3 +63,58 @@ fn spans_exclude_trailing_comments() {
         "copy W[0] -> w on h2d"
     );
 }
+
+/// Long operator and postfix chains build left-deep trees: each is refused at a fixed depth
+/// with a `syntax::too_deep` diagnostic pointing into the chain (they overflowed the stack).
+#[test]
+fn long_operator_and_postfix_chains_are_refused_not_overflowing() {
+    let cases = [
+        format!("2{}", " + 0".repeat(15_000)),
+        format!("true{}", " && true".repeat(30_000)),
+        format!("x{}", ".a".repeat(15_000)),
+        format!("x{}", "[0]".repeat(15_000)),
+        format!("f(1{})", " * 2".repeat(15_000)),
+    ];
+    for expr in &cases {
+        let source = format!("schedule s\nlet la = {expr}\ndecode {{ }}\n");
+        let d = parse_file(&source).unwrap_err();
+        assert_eq!(d.code.as_str(), "syntax::too_deep", "{}", d.message);
+        assert!(d.message.contains("500"), "{}", d.message);
+        let at = d.labels[0].span.start as usize;
+        assert!(
+            at > "schedule s\nlet la = ".len() && at < source.len(),
+            "{at}"
+        );
+        // The same expression through `--set` is refused the same way.
+        let d = moec::syntax::parse_expr(expr).unwrap_err();
+        assert_eq!(d.code.as_str(), "syntax::too_deep");
+    }
+    // A chain within the limit still parses, left-associated.
+    let ok = format!("2{}", " + 1".repeat(400));
+    moec::syntax::parse_expr(&ok).unwrap_or_else(|d| panic!("{d}"));
+}
+
+/// `else if` is a flat list of branches: a chain of a thousand parses into one `IfStmt`
+/// (10,000 nested ones overflowed the stack); past the limit it is refused.
+#[test]
+fn else_if_chains_are_flat_and_bounded() {
+    use moec::syntax::ast::{Item, Stmt};
+    let chain = |n: usize| {
+        format!(
+            "schedule s\ndecode {{\n if a {{ }}{} else {{ }}\n}}\n",
+            " else if a { }".repeat(n)
+        )
+    };
+    let file = parse_file(&chain(1000)).unwrap_or_else(|d| panic!("{d}"));
+    let Some(Item::Step(step)) = file.items.last() else {
+        panic!("a step: {:?}", file.items.last())
+    };
+    let [Stmt::If(stmt)] = step.body.stmts.as_slice() else {
+        panic!("one if: {:?}", step.body.stmts)
+    };
+    assert_eq!(stmt.branches.len(), 1001);
+    assert!(stmt.otherwise.is_some());
+    let d = parse_file(&chain(10_000)).unwrap_err();
+    assert_eq!(d.code.as_str(), "syntax::too_deep");
+    assert!(d.message.contains("`else if`"), "{}", d.message);
+}

@@ -233,3 +233,39 @@ fn cli_reports_the_failed_task_with_its_schedule_line() {
         "the schedule line is shown: {stderr}"
     );
 }
+
+/// `--link-gbps 1e-6` makes one weight copy sleep for hours; the watchdog still ends the run
+/// (the throttle sleeps in slices, stops once the step is aborted, and never sleeps past the
+/// watchdog: here the copy stream is the only one busy, so no waiting stream would notice).
+/// Bounded by `timeout`: exit 124 would mean the run hung.
+#[test]
+fn a_throttled_copy_does_not_outlive_the_watchdog() {
+    let (dir, _checkpoint, _plan, _) = setup();
+    let out = Command::new("timeout")
+        .arg("60")
+        .arg(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .args([
+            "run",
+            SCHED,
+            "--weights",
+            dir.path().join("ck").to_str().unwrap(),
+            "--prompt",
+            "hello there",
+            "--gen-len",
+            "2",
+            "--link-gbps",
+            "1e-6",
+            "--watchdog",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("past the 1 s watchdog") && stderr.contains("--link-gbps"),
+        "{stderr}"
+    );
+}

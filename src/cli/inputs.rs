@@ -58,7 +58,9 @@ pub fn watchdog_seconds(text: &str) -> Result<f64, String> {
 /// emulated link and device memory, and the profile predictions are made for.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunSettings {
-    /// Synthetic prompts: `mtbench[:COUNT]` or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`.
+    /// Synthetic prompts: `mtbench[:COUNT]`, a paper preset `mtbench-GEN[:COUNT]` (GEN = 32,
+    /// 64, 128 or 256 generated tokens, as `simulate` and `plan` name them) or
+    /// `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`.
     #[arg(long, value_name = "SPEC")]
     pub workload: Option<String>,
     /// Override a schedule param: `--set n_ub=8` (repeatable; ablate applies it to every

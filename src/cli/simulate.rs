@@ -125,8 +125,15 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
     let mut workload = Workload::default();
     if let Some(name) = &target.workload {
         let preset = workloads::preset(name).ok_or_else(|| {
+            // `run`'s own specs (`mtbench:COUNT`, `count=..`) draw prompts; here only the
+            // paper presets apply, which `run` accepts too.
+            let hint = if name.starts_with("mtbench") || name.contains('=') {
+                "; `mtbench:COUNT` and `count=...` are `run`'s prompt specs, while `simulate` and `plan` take a paper preset (which `run` also accepts, as `mtbench-128` or `mtbench-128:COUNT`)"
+            } else {
+                ""
+            };
             format!(
-                "unknown workload `{name}` (known: {})",
+                "unknown workload `{name}` (known: {}){hint}",
                 workloads::preset_names()
             )
         })?;

@@ -128,6 +128,27 @@ impl Diagnostic {
         .help("split the expression with `let`")
     }
 
+    /// An expression whose tree is deeper than the compiler walks (a long operator or
+    /// postfix chain such as `1 + 1 + ... + 1`).
+    pub fn expression_too_deep(span: Span, limit: usize) -> Self {
+        Diagnostic::new(
+            Code::SyntaxTooDeep,
+            format!("an expression more than {limit} operators deep"),
+        )
+        .label(span, "too deep here")
+        .help("split the expression with `let`")
+    }
+
+    /// An `if` with more `else if` branches than the compiler accepts.
+    pub fn else_if_chain_too_long(span: Span, limit: usize) -> Self {
+        Diagnostic::new(
+            Code::SyntaxTooDeep,
+            format!("an `if` with more than {limit} `else if` branches"),
+        )
+        .label(span, "one branch too many")
+        .help("index a list or use a loop instead of a long `else if` chain")
+    }
+
     /// The source file is too large to be a schedule.
     pub fn source_too_large(bytes: usize) -> Self {
         Diagnostic::new(
@@ -321,6 +342,17 @@ impl Diagnostic {
         )
         .label(span, "while unrolling this")
         .help("check loop bounds and params")
+    }
+
+    /// Template expansion past its limit (templates calling each other several times grow
+    /// exponentially with the depth of the calls).
+    pub fn too_many_expansions(span: Span, limit: u64) -> Self {
+        Diagnostic::new(
+            Code::ElabLimit,
+            format!("the schedule expands templates more than {limit} times"),
+        )
+        .label(span, "while expanding this")
+        .help("a template that calls another several times doubles the work at each level; check the template calls")
     }
 
     /// An unknown engine or memory space.

@@ -25,6 +25,9 @@ use value::{SliceVal, Val};
 pub const MAX_TASKS: usize = 2_000_000;
 /// At most this many loop iterations in total (empty loops included).
 pub const MAX_ITERATIONS: u64 = 20_000_000;
+/// At most this many template expansions in total (a real schedule expands about one per
+/// task; 41 templates each calling the next twice would expand 2^41 times).
+pub const MAX_EXPANSIONS: u64 = 2_000_000;
 /// At most this many buffers (array elements).
 pub const MAX_BUFFERS: u64 = 1_000_000;
 /// Elaboration stops after this many errors.
@@ -58,6 +61,8 @@ pub struct Limits {
     pub max_tasks: usize,
     /// At most this many loop iterations in total.
     pub max_iterations: u64,
+    /// At most this many template expansions in total.
+    pub max_expansions: u64,
 }
 
 impl Default for Limits {
@@ -65,6 +70,7 @@ impl Default for Limits {
         Limits {
             max_tasks: MAX_TASKS,
             max_iterations: MAX_ITERATIONS,
+            max_expansions: MAX_EXPANSIONS,
         }
     }
 }
@@ -144,6 +150,11 @@ struct Elaborator<'a> {
     diags: Vec<Diagnostic>,
     seen: HashSet<(Code, u32, u32)>,
     iterations: u64,
+    /// Template expansions so far (bounded by `Limits::max_expansions`).
+    expansions: u64,
+    /// Errors reported so far, repeats included: a loop stops at the first iteration that
+    /// reports one (every later iteration would repeat it, up to the iteration limit).
+    errors: u64,
     aborted: bool,
 }
 
@@ -182,6 +193,8 @@ impl<'a> Elaborator<'a> {
             diags: Vec::new(),
             seen: HashSet::new(),
             iterations: 0,
+            expansions: 0,
+            errors: 0,
             aborted: false,
         };
         // The checkpoint is buffer 0, read-only, in pageable host memory.
@@ -209,6 +222,9 @@ impl<'a> Elaborator<'a> {
     /// Records a diagnostic once per (code, span); stops elaboration after too many errors.
     fn report(&mut self, diagnostic: Diagnostic) {
         let span = diagnostic.primary_span().unwrap_or_default();
+        if diagnostic.is_error() {
+            self.errors += 1;
+        }
         if self.seen.insert((diagnostic.code, span.start, span.end)) {
             self.diags.push(diagnostic);
         }

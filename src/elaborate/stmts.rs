@@ -93,44 +93,66 @@ impl<'a> Elaborator<'a> {
             let mut scope = HashMap::new();
             scope.insert(stmt.var.name.clone(), Val::Int(value));
             self.scopes.push(scope);
+            let errors_before = self.errors;
             self.exec_block(&stmt.body);
             self.scopes.pop();
+            if self.errors > errors_before {
+                // The body's errors are reported; later iterations would repeat them.
+                break;
+            }
         }
         Ok(())
     }
 
+    /// Takes the first branch whose condition holds. A dynamic condition guards its
+    /// branch's tasks and, negated, every later branch's (so `else if` and `else` only run
+    /// where the earlier conditions did not), which needs it to be a single literal when
+    /// anything follows. The chain is walked in a loop: a long one cannot overflow the stack.
     fn exec_if(&mut self, stmt: &'a IfStmt) -> Result<(), Diagnostic> {
-        match self.eval(&stmt.cond)? {
-            Val::Bool(true) => self.exec_block(&stmt.then_block),
-            Val::Bool(false) => {
-                if let Some(otherwise) = &stmt.otherwise {
-                    self.exec_block(otherwise);
-                }
+        let depth = self.guard.len();
+        let result = self.exec_branches(stmt);
+        self.guard.truncate(depth);
+        result
+    }
+
+    fn exec_branches(&mut self, stmt: &'a IfStmt) -> Result<(), Diagnostic> {
+        for (i, branch) in stmt.branches.iter().enumerate() {
+            if self.aborted {
+                return Ok(());
             }
-            Val::Cond(lits) => {
-                let depth = self.guard.len();
-                self.guard.extend(lits.iter().copied());
-                self.exec_block(&stmt.then_block);
-                self.guard.truncate(depth);
-                if let Some(otherwise) = &stmt.otherwise {
-                    let [lit] = lits.as_slice() else {
-                        return Err(Diagnostic::dynamic_else(stmt.cond.span));
-                    };
-                    self.guard.push(ir::GuardLit {
-                        atom: lit.atom,
-                        negated: !lit.negated,
-                    });
-                    self.exec_block(otherwise);
+            let more_follow = i + 1 < stmt.branches.len() || stmt.otherwise.is_some();
+            match self.eval(&branch.cond)? {
+                Val::Bool(true) => {
+                    self.exec_block(&branch.block);
+                    return Ok(());
+                }
+                Val::Bool(false) => {}
+                Val::Cond(lits) => {
+                    let depth = self.guard.len();
+                    self.guard.extend(lits.iter().copied());
+                    self.exec_block(&branch.block);
                     self.guard.truncate(depth);
+                    if more_follow {
+                        let [lit] = lits.as_slice() else {
+                            return Err(Diagnostic::dynamic_else(branch.cond.span));
+                        };
+                        self.guard.push(ir::GuardLit {
+                            atom: lit.atom,
+                            negated: !lit.negated,
+                        });
+                    }
+                }
+                other => {
+                    return Err(Diagnostic::type_mismatch(
+                        branch.cond.span,
+                        "a condition",
+                        other.type_name(),
+                    ))
                 }
             }
-            other => {
-                return Err(Diagnostic::type_mismatch(
-                    stmt.cond.span,
-                    "a condition",
-                    other.type_name(),
-                ))
-            }
+        }
+        if let Some(otherwise) = &stmt.otherwise {
+            self.exec_block(otherwise);
         }
         Ok(())
     }
@@ -164,6 +186,14 @@ impl<'a> Elaborator<'a> {
     ) -> Result<(), Diagnostic> {
         if stmt.tail != TaskTail::default() {
             return Err(Diagnostic::template_tail(stmt.tail_span, &stmt.name.name));
+        }
+        self.expansions += 1;
+        if self.expansions > self.options.limits.max_expansions {
+            self.aborted = true;
+            return Err(Diagnostic::too_many_expansions(
+                stmt.span,
+                self.options.limits.max_expansions,
+            ));
         }
         if self.template_stack.contains(&stmt.name.name) {
             return Err(Diagnostic::recursive_template(stmt.span, &stmt.name.name));

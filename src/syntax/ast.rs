@@ -229,17 +229,26 @@ pub struct ForStmt {
     pub span: Span,
 }
 
-/// `if COND { ... } else { ... }`; `else if` nests another `IfStmt` in `otherwise`.
+/// `if COND { ... } else if COND { ... } else { ... }`: the first branch whose condition
+/// holds is taken. The `else if` chain is a flat list (not nested `IfStmt`s) so that a long
+/// chain is walked, cloned and dropped without recursion.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IfStmt {
-    /// The condition (static bool, or a dynamic condition such as `active(i, e)`).
-    pub cond: Expr,
-    /// Taken when true.
-    pub then_block: Block,
-    /// Taken when false, if present.
+    /// The `if` branch, then each `else if` branch, in source order (never empty).
+    pub branches: Vec<IfBranch>,
+    /// Taken when no condition holds, if present.
     pub otherwise: Option<Block>,
     /// The whole statement.
     pub span: Span,
+}
+
+/// One `if COND { ... }` or `else if COND { ... }` branch of an [`IfStmt`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct IfBranch {
+    /// The condition (static bool, or a dynamic condition such as `active(i, e)`).
+    pub cond: Expr,
+    /// Taken when the condition holds and no earlier one did.
+    pub block: Block,
 }
 
 /// What follows a task: `on STREAM as LABEL after LABEL, LABEL if COND`.

@@ -22,6 +22,14 @@ const MAX_SOURCE_BYTES: usize = 64 << 20;
 /// Nesting deeper than this is refused so that deeply nested input cannot overflow the stack.
 const MAX_NESTING: usize = 200;
 
+/// Expression trees deeper than this are refused: elaboration walks them recursively, and a
+/// 15,000-term `1 + 1 + ...` chain (a left-deep tree) would overflow the stack.
+const MAX_EXPR_DEPTH: usize = 500;
+
+/// An `if` with more `else if` branches than this is refused. The chain is a flat list, so
+/// this is no stack bound; it bounds the guard each branch adds to the tasks after it.
+const MAX_ELSE_IF: usize = 1000;
+
 /// Parses a whole `.sched` file.
 pub fn parse_file(source: &str) -> Result<File, Diagnostic> {
     if source.len() > MAX_SOURCE_BYTES {
@@ -131,7 +139,7 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         | Rule::fetch_kind | Rule::call_stmt => {
             "a statement (`let`, `for`, `if`, `copy`, `fetch`, `prefetch` or a task)"
         }
-        Rule::else_part => "`else`",
+        Rule::else_if | Rule::else_part => "`else`",
         Rule::arg => "an argument",
         Rule::task_tail | Rule::on_clause => "`on STREAM`",
         Rule::as_clause => "`as LABEL`",
@@ -525,30 +533,32 @@ fn build_stmt(pair: P) -> Result<Stmt, Diagnostic> {
 
 fn build_if(pair: P) -> Result<IfStmt, Diagnostic> {
     let span = span_of(&pair);
+    let mut branches = Vec::new();
+    let mut otherwise = None;
     let mut it = pair.into_inner();
     let cond = build_expr(next(&mut it, span)?)?;
-    let then_block = build_block(next(&mut it, span)?)?;
-    let otherwise = match it.next() {
-        None => None,
-        Some(else_part) => {
-            let else_span = span_of(&else_part);
-            let inner = next(&mut else_part.into_inner(), else_span)?;
-            match inner.as_rule() {
-                Rule::block => Some(build_block(inner)?),
-                _ => {
-                    let nested = build_if(inner)?;
-                    let nested_span = nested.span;
-                    Some(Block {
-                        stmts: vec![Stmt::If(nested)],
-                        span: nested_span,
-                    })
+    let block = build_block(next(&mut it, span)?)?;
+    branches.push(IfBranch { cond, block });
+    for part in it {
+        let part_span = span_of(&part);
+        match part.as_rule() {
+            Rule::else_if => {
+                if branches.len() > MAX_ELSE_IF {
+                    return Err(Diagnostic::else_if_chain_too_long(part_span, MAX_ELSE_IF));
                 }
+                let mut inner = part.into_inner();
+                let cond = build_expr(next(&mut inner, part_span)?)?;
+                let block = build_block(next(&mut inner, part_span)?)?;
+                branches.push(IfBranch { cond, block });
             }
+            Rule::else_part => {
+                otherwise = Some(build_block(next(&mut part.into_inner(), part_span)?)?);
+            }
+            _ => return Err(internal(part_span)),
         }
-    };
+    }
     Ok(IfStmt {
-        cond,
-        then_block,
+        branches,
         otherwise,
         span,
     })
@@ -634,105 +644,147 @@ fn binop(rule: Rule) -> Option<(BinOp, u8)> {
     })
 }
 
-/// Builds an `expr` pair by precedence climbing over its flat `term (op term)*` children.
+/// Builds an `expr` pair (a whole expression; its depth is checked on the way).
 fn build_expr(pair: P) -> Result<Expr, Diagnostic> {
+    build_expr_depth(pair).map(|(expr, _)| expr)
+}
+
+/// `depth`, or the too-deep diagnostic at `span` when it exceeds [`MAX_EXPR_DEPTH`]. Checked
+/// as each node is built, so no tree deeper than the limit ever exists (dropping one would
+/// recurse as deep as building it).
+fn within_depth(depth: usize, span: Span) -> Result<usize, Diagnostic> {
+    if depth > MAX_EXPR_DEPTH {
+        Err(Diagnostic::expression_too_deep(span, MAX_EXPR_DEPTH))
+    } else {
+        Ok(depth)
+    }
+}
+
+/// Builds an `expr` pair by precedence climbing over its flat `term (op term)*` children;
+/// gives the expression and its tree depth.
+fn build_expr_depth(pair: P) -> Result<(Expr, usize), Diagnostic> {
     let span = span_of(&pair);
     match pair.as_rule() {
         Rule::expr => {}
         Rule::term => return build_term(pair),
         _ => return Err(internal(span)),
     }
-    let mut operands: Vec<Expr> = Vec::new();
-    let mut operators: Vec<(BinOp, u8)> = Vec::new();
-    fn reduce(operands: &mut Vec<Expr>, op: BinOp) -> Option<()> {
-        let rhs = operands.pop()?;
-        let lhs = operands.pop()?;
+    let mut operands: Vec<(Expr, usize)> = Vec::new();
+    let mut operators: Vec<(BinOp, u8, Span)> = Vec::new();
+    fn reduce(
+        operands: &mut Vec<(Expr, usize)>,
+        op: BinOp,
+        op_span: Span,
+        span: Span,
+    ) -> Result<(), Diagnostic> {
+        let (rhs, rhs_depth) = operands.pop().ok_or_else(|| internal(span))?;
+        let (lhs, lhs_depth) = operands.pop().ok_or_else(|| internal(span))?;
+        let depth = within_depth(1 + lhs_depth.max(rhs_depth), op_span)?;
         let span = lhs.span.join(rhs.span);
-        operands.push(Expr {
-            kind: ExprKind::Binary(op, Box::new(lhs), Box::new(rhs)),
-            span,
-        });
-        Some(())
+        operands.push((
+            Expr {
+                kind: ExprKind::Binary(op, Box::new(lhs), Box::new(rhs)),
+                span,
+            },
+            depth,
+        ));
+        Ok(())
     }
     for part in pair.into_inner() {
         if let Some((op, prec)) = binop(part.as_rule()) {
-            while let Some(&(top, top_prec)) = operators.last() {
+            while let Some(&(top, top_prec, top_span)) = operators.last() {
                 if top_prec >= prec {
                     operators.pop();
-                    reduce(&mut operands, top).ok_or_else(|| internal(span))?;
+                    reduce(&mut operands, top, top_span, span)?;
                 } else {
                     break;
                 }
             }
-            operators.push((op, prec));
+            operators.push((op, prec, span_of(&part)));
         } else {
             operands.push(build_term(part)?);
         }
     }
-    while let Some((op, _)) = operators.pop() {
-        reduce(&mut operands, op).ok_or_else(|| internal(span))?;
+    while let Some((op, _, op_span)) = operators.pop() {
+        reduce(&mut operands, op, op_span, span)?;
     }
     match (operands.pop(), operands.is_empty()) {
-        (Some(expr), true) => Ok(expr),
+        (Some(built), true) => Ok(built),
         _ => Err(internal(span)),
     }
 }
 
-fn build_term(pair: P) -> Result<Expr, Diagnostic> {
+/// The expressions of an argument or element list and the deepest one's depth.
+fn build_expr_list<'i>(
+    pairs: impl Iterator<Item = P<'i>>,
+) -> Result<(Vec<Expr>, usize), Diagnostic> {
+    let mut exprs = Vec::new();
+    let mut depth = 0;
+    for pair in pairs {
+        let (expr, d) = build_expr_depth(pair)?;
+        exprs.push(expr);
+        depth = depth.max(d);
+    }
+    Ok((exprs, depth))
+}
+
+fn build_term(pair: P) -> Result<(Expr, usize), Diagnostic> {
     let span = span_of(&pair);
     let mut prefixes = Vec::new();
-    let mut current: Option<Expr> = None;
+    let mut current: Option<(Expr, usize)> = None;
     for part in pair.into_inner() {
         let part_span = span_of(&part);
         match part.as_rule() {
             Rule::neg => prefixes.push((UnOp::Neg, part_span)),
             Rule::not => prefixes.push((UnOp::Not, part_span)),
             Rule::index | Rule::method | Rule::field => {
-                let base = current.take().ok_or_else(|| internal(span))?;
+                let (base, base_depth) = current.take().ok_or_else(|| internal(span))?;
                 let joined = base.span.join(part_span);
-                let kind = match part.as_rule() {
+                let (kind, inner_depth) = match part.as_rule() {
                     Rule::index => {
-                        let index = build_expr(next(&mut part.into_inner(), part_span)?)?;
-                        ExprKind::Index(Box::new(base), Box::new(index))
+                        let (index, d) =
+                            build_expr_depth(next(&mut part.into_inner(), part_span)?)?;
+                        (ExprKind::Index(Box::new(base), Box::new(index)), d)
                     }
                     Rule::method => {
                         let mut it = part.into_inner();
                         let name = build_ident(next(&mut it, part_span)?);
-                        let args = it.map(build_expr).collect::<Result<_, _>>()?;
-                        ExprKind::Method(Box::new(base), name, args)
+                        let (args, d) = build_expr_list(it)?;
+                        (ExprKind::Method(Box::new(base), name, args), d)
                     }
                     _ => {
                         let name = build_ident(next(&mut part.into_inner(), part_span)?);
-                        ExprKind::Field(Box::new(base), name)
+                        (ExprKind::Field(Box::new(base), name), 0)
                     }
                 };
-                current = Some(Expr { kind, span: joined });
+                let depth = within_depth(1 + base_depth.max(inner_depth), part_span)?;
+                current = Some((Expr { kind, span: joined }, depth));
             }
             _ => current = Some(build_primary(part)?),
         }
     }
-    let mut expr = current.ok_or_else(|| internal(span))?;
+    let (mut expr, mut depth) = current.ok_or_else(|| internal(span))?;
     while let Some((op, op_span)) = prefixes.pop() {
+        depth = within_depth(depth + 1, op_span)?;
         let joined = op_span.join(expr.span);
         expr = Expr {
             kind: ExprKind::Unary(op, Box::new(expr)),
             span: joined,
         };
     }
-    Ok(expr)
+    Ok((expr, depth))
 }
 
-fn build_primary(pair: P) -> Result<Expr, Diagnostic> {
+fn build_primary(pair: P) -> Result<(Expr, usize), Diagnostic> {
     let span = span_of(&pair);
     let text = pair.as_str();
-    let kind = match pair.as_rule() {
+    let (kind, inner_depth) = match pair.as_rule() {
         Rule::int => {
             let digits: String = text.chars().filter(|c| *c != '_').collect();
-            ExprKind::Int(
-                digits
-                    .parse()
-                    .map_err(|_| Diagnostic::bad_literal(span, text, "integer"))?,
-            )
+            let value = digits
+                .parse()
+                .map_err(|_| Diagnostic::bad_literal(span, text, "integer"))?;
+            (ExprKind::Int(value), 0)
         }
         Rule::float => {
             let digits: String = text.chars().filter(|c| *c != '_').collect();
@@ -742,26 +794,27 @@ fn build_primary(pair: P) -> Result<Expr, Diagnostic> {
             if !value.is_finite() {
                 return Err(Diagnostic::bad_literal(span, text, "float"));
             }
-            ExprKind::Float(value)
+            (ExprKind::Float(value), 0)
         }
-        Rule::boolean => ExprKind::Bool(text == "true"),
-        Rule::string => ExprKind::Str(unquote(text)),
-        Rule::ident => ExprKind::Name(text.to_string()),
-        Rule::list => ExprKind::List(
-            pair.into_inner()
-                .map(build_expr)
-                .collect::<Result<_, _>>()?,
-        ),
+        Rule::boolean => (ExprKind::Bool(text == "true"), 0),
+        Rule::string => (ExprKind::Str(unquote(text)), 0),
+        Rule::ident => (ExprKind::Name(text.to_string()), 0),
+        Rule::list => {
+            let (items, d) = build_expr_list(pair.into_inner())?;
+            (ExprKind::List(items), d)
+        }
         Rule::paren => {
-            return build_expr(next(&mut pair.into_inner(), span)?).map(|e| Expr { span, ..e })
+            let (inner, d) = build_expr_depth(next(&mut pair.into_inner(), span)?)?;
+            return Ok((Expr { span, ..inner }, d));
         }
         Rule::call => {
             let mut it = pair.into_inner();
             let name = build_ident(next(&mut it, span)?);
-            let args = it.map(build_expr).collect::<Result<_, _>>()?;
-            ExprKind::Call(name, args)
+            let (args, d) = build_expr_list(it)?;
+            (ExprKind::Call(name, args), d)
         }
         _ => return Err(internal(span)),
     };
-    Ok(Expr { kind, span })
+    let depth = within_depth(1 + inner_depth, span)?;
+    Ok((Expr { kind, span }, depth))
 }

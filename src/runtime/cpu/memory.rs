@@ -17,6 +17,7 @@ use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
 use crate::model::checkpoint::Checkpoint;
 use crate::runtime::backend::BackendOptions;
+use crate::runtime::driver::executor::SleepCut;
 use crate::runtime::driver::state::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -113,6 +114,18 @@ pub enum MemoryError {
         role: &'static str,
         /// Where it was.
         space: &'static str,
+    },
+    /// The emulated link (`--link-gbps`) would hold a copy past the watchdog.
+    #[error("at the emulated link's {gbps} GB/s (--link-gbps) this copy of {bytes} bytes takes {secs:.3e} s, past the {watchdog} s watchdog")]
+    Throttled {
+        /// Bytes copied.
+        bytes: u64,
+        /// The emulated link bandwidth.
+        gbps: f64,
+        /// Seconds the throttle would sleep in all.
+        secs: f64,
+        /// The watchdog's period in seconds.
+        watchdog: f64,
     },
     /// A copy whose source and destination bytes overlap.
     #[error("copy source and destination overlap ({len} bytes at {src} and {dst})")]
@@ -396,7 +409,19 @@ impl<'c> CpuMemory<'c> {
             let target = Duration::from_secs_f64(n as f64 / (gbps * 1e9));
             let spent = started.elapsed();
             if target > spent {
-                std::thread::sleep(target - spent);
+                // Watched: at 1e-6 GB/s one copy would sleep for hours; a failed task ends
+                // the sleep (the bytes are copied already), and so does the watchdog.
+                match crate::runtime::driver::executor::sleep_in_step(target - spent) {
+                    Ok(()) | Err(SleepCut::Aborted) => {}
+                    Err(SleepCut::Watchdog(watchdog)) => {
+                        return Err(MemoryError::Throttled {
+                            bytes: n as u64,
+                            gbps,
+                            secs: target.as_secs_f64(),
+                            watchdog: watchdog.as_secs_f64(),
+                        })
+                    }
+                }
             }
         }
         Ok(())
