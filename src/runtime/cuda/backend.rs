@@ -197,7 +197,8 @@ impl<'c> CudaBackend<'c> {
             host.host_memory(),
         )?;
         let arch = ArchSpec::from_card(&plan.model);
-        let table = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+        // The CPU's own tables (YaRN-scaled for gpt-oss), so rotary agrees bit for bit.
+        let table = RopeTable::for_arch(&arch, arch.max_positions);
         let (cos, sin) = table.tables();
         let rope = (
             setup_stream
