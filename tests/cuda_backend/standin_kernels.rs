@@ -1005,7 +1005,9 @@ fn family_kernels_run_like_the_cpu() {
             part.copy_from_slice(&out);
         }
         let err = max_abs_diff(&got, &want);
-        println!("qk_rms_norm_f32 (runs of {chunk} at column {col}): max abs diff vs CPU {err:.3e}");
+        println!(
+            "qk_rms_norm_f32 (runs of {chunk} at column {col}): max abs diff vs CPU {err:.3e}"
+        );
         assert!(err < 1e-5, "qk norm: {err}");
     }
 

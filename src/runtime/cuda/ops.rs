@@ -111,6 +111,39 @@ pub struct GpuCx<'a> {
     pub routing_syncs: &'a AtomicUsize,
 }
 
+/// What the CUDA kernels cannot run for this model, named before any launch (backend
+/// set-up calls this): the router and combine kernels take at most 64 experts, the norm
+/// kernels bf16 weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
+/// per-layer windows, YaRN, clamped SwiGLU) have kernels, so the family itself is no reason.
+pub fn unsupported(
+    arch: &ArchSpec,
+    layout: &crate::runtime::cpu::weights::ImageLayout,
+    dtype: WeightDtype,
+) -> Option<String> {
+    let (e, k) = (arch.experts, arch.top_k);
+    if e > 64 || k > e {
+        return Some(format!(
+            "{e} experts with top-{k} (the router kernel takes at most 64 experts)"
+        ));
+    }
+    for kind in [SegmentKind::AttnNorm, SegmentKind::FfnNorm] {
+        if let Some(seg) = layout.layer.segment(kind) {
+            if seg.dtype != WeightDtype::Bf16 {
+                return Some(format!(
+                    "{kind:?} weights stored as {:?} (the norm kernels take bf16)",
+                    seg.dtype
+                ));
+            }
+        }
+    }
+    if dtype != WeightDtype::Bf16 {
+        return Some(format!(
+            "the final norm stored as {dtype:?} (the norm kernels take bf16)"
+        ));
+    }
+    None
+}
+
 type GpuKernel = fn(&GpuCx<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
 
 /// The CUDA backend's implementation per op kind.
