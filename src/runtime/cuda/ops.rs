@@ -385,7 +385,7 @@ impl GpuCx<'_> {
         cols: usize,
     ) -> Result<(), OpError> {
         let (w, chunk, _keep) = self.vector_f32(weights, layer, kind)?;
-        if chunk == 0 || cols % chunk != 0 {
+        if chunk == 0 || !cols.is_multiple_of(chunk) {
             return Err(OpError::Unsupported(format!(
                 "{} of {chunk} values for {cols} columns (a divisor is needed)",
                 WeightTag::Layer { layer, kind }
