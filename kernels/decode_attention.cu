@@ -10,8 +10,10 @@
 // + slot]. Token pos of a sequence lives in block block_tables[seq][pos / block_size],
 // slot pos % block_size.
 //
-// Other operands: qkv is [n_seqs, (heads + 2 * kv_heads) * head_dim] f32 rows laid out
-// [q | k | v], rotary already applied. context_lens[seq] is the number of tokens cached
+// Other operands: qkv is [n_seqs, row_width] f32 rows laid out [q | k | v] (row_width =
+// (heads + 2 * kv_heads) * head_dim), then, for gpt-oss, `heads` sink logits at column
+// sink_col (sink_col < 0: no sinks; a sink joins the softmax's max and denominator and
+// has no value row), rotary already applied. context_lens[seq] is the number of tokens cached
 // before this one, so the query sits at pos = context_lens[seq]. block_tables is
 // [n_seqs, max_blocks] unsigned int; the caller guarantees it covers pos + 1 tokens with
 // block ids inside the pools (the CPU kernel checks the same and reports an error).
@@ -70,15 +72,15 @@ extern "C" __global__ void paged_kv_append(
     int kv_heads,
     int head_dim,
     int block_size,
-    int max_blocks) {
+    int max_blocks,
+    int row_width) {
     const size_t seq = blockIdx.x;
     const int head = blockIdx.y;
     const int pos = context_lens[seq];
     const size_t block = block_tables[seq * max_blocks + pos / block_size];
     const int slot = pos % block_size;
-    const size_t row_width = (size_t)(heads + 2 * kv_heads) * head_dim;
-    const float* k_src = qkv + seq * row_width + (size_t)(heads + head) * head_dim;
-    const float* v_src = qkv + seq * row_width + (size_t)(heads + kv_heads + head) * head_dim;
+    const float* k_src = qkv + seq * (size_t)row_width + (size_t)(heads + head) * head_dim;
+    const float* v_src = qkv + seq * (size_t)row_width + (size_t)(heads + kv_heads + head) * head_dim;
     const size_t tile = (block * kv_heads + head) * (size_t)block_size * head_dim;
     for (int dim = threadIdx.x; dim < head_dim; dim += blockDim.x) {
         v_pool[tile + (size_t)slot * head_dim + dim] = v_src[dim];
@@ -101,7 +103,9 @@ extern "C" __global__ void paged_decode_attention(
     int max_blocks,
     int max_keys,
     int sliding_window,
-    float scale) {
+    float scale,
+    int row_width,
+    int sink_col) {
     extern __shared__ float q_group[];
     const size_t seq = blockIdx.x;
     const int kv_head = blockIdx.y;
@@ -109,8 +113,7 @@ extern "C" __global__ void paged_decode_attention(
     const int pos = context_lens[seq];
     const int start = sliding_window > 0 && pos + 1 > sliding_window ? pos + 1 - sliding_window : 0;
     const int n_keys = pos + 1 - start;
-    const size_t row_width = (size_t)(heads + 2 * kv_heads) * head_dim;
-    const float* q_src = qkv + seq * row_width + (size_t)kv_head * group * head_dim;
+    const float* q_src = qkv + seq * (size_t)row_width + (size_t)kv_head * group * head_dim;
     for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
         q_group[i] = q_src[i];
     }
@@ -135,14 +138,19 @@ extern "C" __global__ void paged_decode_attention(
             head_scores[r] = score;
             local_max = fmaxf(local_max, score);
         }
-        const float max = block_reduce(local_max, 1);
+        // gpt-oss: the head's sink logit (carried in its qkv row) joins the max and the
+        // denominator but has no value row.
+        const float sink = sink_col >= 0 ? qkv[seq * (size_t)row_width + sink_col + q_head] : 0.0f;
+        const float row_max = block_reduce(local_max, 1);
+        const float max = sink_col >= 0 ? fmaxf(row_max, sink) : row_max;
         float local_sum = 0.0f;
         for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
             const float e = expf(head_scores[r] - max);
             head_scores[r] = e;
             local_sum += e;
         }
-        const float inv = 1.0f / block_reduce(local_sum, 0);
+        const float sum = block_reduce(local_sum, 0) + (sink_col >= 0 ? expf(sink - max) : 0.0f);
+        const float inv = 1.0f / sum;
         for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
             head_scores[r] *= inv;
         }

@@ -7,7 +7,8 @@
 //   clamp_in_place                       DBRX's clip_qkv: x = clamp(x, -limit, limit), NaN kept
 //   gather_rows                          an expert's routed rows into a contiguous block
 //   scatter_weighted                     weight * y into each (row, slot) of the slot buffer
-//   combine_slots                        moe::combine: residual += slots summed by expert
+//   combine_slots                        moe::combine_shared: residual += slots summed by
+//                                        expert (+ the shared expert's row)
 //   argmax_rows                          greedy sampling: sampling::argmax per row
 //   route_pack / route_experts           the `route` buffer's layout (backend::decode_routing):
 //                                        per (token, slot) an expert u32 then its f32 weight
@@ -232,10 +233,13 @@ extern "C" __global__ void sum_halves(
 }
 
 // residual[t] += sum of the token's top_k slots taken in ascending (expert, slot) order,
-// starting from zero: moe::combine's order, so the sums are bit-identical to the CPU's.
+// starting from zero, plus the shared expert's row when `shared` is not null (Qwen2-MoE,
+// [n_tokens, width]): moe::combine_shared's order, so the sums are bit-identical to the
+// CPU's.
 extern "C" __global__ void combine_slots(
     const float* __restrict__ slots,
     const unsigned int* __restrict__ experts,
+    const float* __restrict__ shared,
     float* __restrict__ residual,
     int top_k,
     int width) {
@@ -262,6 +266,9 @@ extern "C" __global__ void combine_slots(
         float sum = 0.0f;
         for (int s = 0; s < top_k; ++s) {
             sum += slots[(t * top_k + order[s]) * width + d];
+        }
+        if (shared != 0) {
+            sum += shared[t * width + d];
         }
         residual[t * width + d] += sum;
     }

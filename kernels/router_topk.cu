@@ -68,3 +68,47 @@ extern "C" __global__ void router_topk(
         weights[(size_t)token * top_k + k] = probs[chosen[k]] / denom;
     }
 }
+
+// gpt-oss's routing, as route_topk_softmax() in moe.rs: top-k of the raw logits (router
+// bias already added; ties to the lower expert index), then softmax over the k chosen
+// only (exp(v - max) / sum, max = the first chosen). Same layout, limits and launch as
+// router_topk.
+extern "C" __global__ void router_topk_softmax(
+    const float* __restrict__ logits,
+    unsigned int* __restrict__ experts,
+    float* __restrict__ weights,
+    int n_tokens,
+    int n_experts,
+    int top_k) {
+    const int token = blockIdx.x * blockDim.x + threadIdx.x;
+    if (token >= n_tokens || n_experts > ROUTER_MAX_EXPERTS || top_k > n_experts || top_k < 1) {
+        return;
+    }
+    const float* row = logits + (size_t)token * n_experts;
+    unsigned long long taken = 0ull;
+    unsigned int chosen[ROUTER_MAX_EXPERTS];
+    for (int k = 0; k < top_k; ++k) {
+        int best = -1;
+        for (int e = 0; e < n_experts; ++e) {
+            if ((taken >> e) & 1ull) {
+                continue;
+            }
+            if (best < 0 || row[e] > row[best]) {
+                best = e;
+            }
+        }
+        taken |= 1ull << best;
+        chosen[k] = (unsigned int)best;
+    }
+    const float max = row[chosen[0]];
+    float exps[ROUTER_MAX_EXPERTS];
+    float sum = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+        exps[k] = expf(row[chosen[k]] - max);
+        sum += exps[k];
+    }
+    for (int k = 0; k < top_k; ++k) {
+        experts[(size_t)token * top_k + k] = chosen[k];
+        weights[(size_t)token * top_k + k] = exps[k] / sum;
+    }
+}

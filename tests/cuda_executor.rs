@@ -1,6 +1,11 @@
-//! The CUDA executor end to end: every schedule in `schedules/` (baselines too) on both tiny
-//! cards through `moec run --backend cuda` gives the CPU backend's greedy tokens, and a plan
-//! with one cross-stream wait dropped fails or changes its tokens.
+//! The CUDA executor end to end: every schedule in `schedules/` (baselines too) on every
+//! family's tiny card (Mixtral, DBRX, Qwen3-MoE, OLMoE, Qwen2-MoE, gpt-oss) through
+//! `moec run --backend cuda` gives the CPU backend's greedy tokens with logits within 1e-2,
+//! and a plan with one cross-stream wait dropped fails or changes its tokens. The new
+//! families' cards run every schedule too (not a subset): a schedule and card pair takes
+//! about 4 s through the stand-in in a debug build, and the six cards are six tests that
+//! run in parallel. gpt-oss's prompt plus generated tokens pass its 8-token sliding
+//! window, so the windowed layers' decode attention is exercised.
 //!
 //! No machine of this project has a GPU, so the runs load the stand-in driver (standin/, a
 //! test tool built by `cargo test --workspace`) in place of libcuda, libcublas and libnvrtc:
@@ -178,6 +183,31 @@ fn every_schedule_on_mixtral_tiny_through_the_cuda_backend_gives_the_cpu_tokens(
 #[test]
 fn every_schedule_on_dbrx_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
     every_schedule_matches_the_cpu_on("dbrx-tiny");
+}
+
+/// Qwen3-MoE: per-head q/k RMSNorm.
+#[test]
+fn every_schedule_on_qwen3_moe_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
+    every_schedule_matches_the_cpu_on("qwen3-moe-tiny");
+}
+
+/// OLMoE: q/k RMSNorm over the whole projections.
+#[test]
+fn every_schedule_on_olmoe_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
+    every_schedule_matches_the_cpu_on("olmoe-tiny");
+}
+
+/// Qwen2-MoE: q/k/v biases and the sigmoid-gated shared expert in `gate` and `combine`.
+#[test]
+fn every_schedule_on_qwen2_moe_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
+    every_schedule_matches_the_cpu_on("qwen2-moe-tiny");
+}
+
+/// gpt-oss: attention sinks, sliding window on even layers, q/k/v/o, router and expert
+/// biases, top-k-then-softmax routing, clamped SwiGLU, YaRN rotary tables.
+#[test]
+fn every_schedule_on_gpt_oss_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
+    every_schedule_matches_the_cpu_on("gpt-oss-tiny");
 }
 
 /// Dropping one cross-stream event (event 6 of each step of `baselines/sequential`: a

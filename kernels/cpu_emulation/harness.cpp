@@ -47,8 +47,9 @@ int main(int argc, char** argv) {
       auto qkv = rd<float>(d, "attn_qkv.f32"); auto kp = rd<float>(d, "attn_k.f32"); auto vp = rd<float>(d, "attn_v.f32");
       auto bt = rd<unsigned>(d, "attn_tables.u32"); auto cl = rd<int>(d, "attn_ctx.i32");
       std::vector<float> scores((size_t)ns * h * mk), out((size_t)ns * h * hd);
-      launch({(unsigned)ns, (unsigned)kvh}, {32}, [&] { paged_kv_append(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), h, kvh, hd, bs, mb); });
-      launch({(unsigned)ns, (unsigned)kvh}, {64}, [&] { paged_decode_attention(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), scores.data(), out.data(), h, kvh, hd, bs, mb, mk, win, 1.0f / std::sqrt((float)hd)); });
+      const int rw = (h + 2 * kvh) * hd; // qkv rows without sinks (sink column -1)
+      launch({(unsigned)ns, (unsigned)kvh}, {32}, [&] { paged_kv_append(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), h, kvh, hd, bs, mb, rw); });
+      launch({(unsigned)ns, (unsigned)kvh}, {64}, [&] { paged_decode_attention(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), scores.data(), out.data(), h, kvh, hd, bs, mb, mk, win, 1.0f / std::sqrt((float)hd), rw, -1); });
       wr(d, "attn_out.f32", out); wr(d, "attn_kpool.f32", kp); wr(d, "attn_vpool.f32", vp); }
     return 0;
 }

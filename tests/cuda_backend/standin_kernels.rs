@@ -184,7 +184,8 @@ fn every_kernel_runs_like_the_cpu_kernels() {
 
     // Decode attention over a paged cache: 3 sequences with 0, 17 and 40 cached tokens,
     // 8 q heads, 2 kv heads of 32, blocks of 16, without and with a sliding window of 20.
-    for window in [None, Some(20usize)] {
+    // The last case carries gpt-oss's sinks (one logit per head after q | k | v).
+    for (window, sinks) in [(None, false), (Some(20usize), false), (Some(20), true)] {
         let (ns, ah, akvh, ahd, bs, n_blocks, mb) =
             (3usize, 8usize, 2usize, 32usize, 16usize, 20usize, 6usize);
         let layout = KvLayout {
@@ -210,7 +211,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             kv_heads: akvh,
             head_dim: ahd,
             sliding_window: window,
-            sinks: false,
+            sinks,
         };
         let qkv = rng.vec(ns * shape.qkv_width(), 1.0);
         let max_keys = 41usize;
@@ -224,6 +225,12 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             .expect("alloc");
         let mut out_dev = stream.alloc_zeros::<f32>(ns * ah * ahd).expect("alloc");
         let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+        let row_width = shape.qkv_width() as i32;
+        let sink_col = if sinks {
+            ((ah + 2 * akvh) * ahd) as i32
+        } else {
+            -1
+        };
         let append = function(&modules, "decode_attention.cu", "paged_kv_append");
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {
@@ -239,6 +246,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
                 .arg(&ints[2])
                 .arg(&ints[3])
                 .arg(&ints[4])
+                .arg(&row_width)
                 .launch(cfg((ns as u32, akvh as u32, 1), 32, 0))
         }
         .expect("launch");
@@ -268,6 +276,8 @@ fn every_kernel_runs_like_the_cpu_kernels() {
                 .arg(&mk)
                 .arg(&win)
                 .arg(&scale)
+                .arg(&row_width)
+                .arg(&sink_col)
                 .launch(cfg((ns as u32, akvh as u32, 1), 64, shared))
         }
         .expect("launch");
@@ -298,7 +308,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             "appended V"
         );
         let err = max_abs_diff(&got, &want);
-        println!("paged_decode_attention (window {window:?}): max abs diff vs CPU {err:.3e}");
+        println!("paged_decode_attention (window {window:?}, sinks {sinks}): max abs diff vs CPU {err:.3e}");
         assert!(err < 1e-4, "attention: {err}");
     }
 }
@@ -544,6 +554,7 @@ fn op_kernels_run_like_the_cpu() {
             .launch_builder(&f("combine_slots"))
             .arg(&slots_dev)
             .arg(&experts_dev)
+            .arg(&0u64)
             .arg(&mut residual_dev)
             .arg(&k_i)
             .arg(&w_i)
@@ -819,13 +830,14 @@ fn prefill_attention_matches_the_cpu() {
         }
     }
     let n_rows = row_seq.len();
-    for window in [None, Some(12usize)] {
+    // The last case carries gpt-oss's sinks (one logit per head after q | k | v).
+    for (window, sinks) in [(None, false), (Some(12usize), false), (None, true)] {
         let shape = AttnShape {
             heads: ah,
             kv_heads: akvh,
             head_dim: ahd,
             sliding_window: window,
-            sinks: false,
+            sinks,
         };
         let pool_len = n_blocks * layout.block_elems();
         let k_pool = rng.vec(pool_len, 1.0);
@@ -843,6 +855,12 @@ fn prefill_attention_matches_the_cpu() {
             .expect("alloc");
         let mut out_dev = stream.alloc_zeros::<f32>(n_rows * ah * ahd).expect("alloc");
         let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+        let row_width = shape.qkv_width() as i32;
+        let sink_col = if sinks {
+            ((ah + 2 * akvh) * ahd) as i32
+        } else {
+            -1
+        };
         let append = module.load_function("paged_kv_append_rows").expect("entry");
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {
@@ -859,6 +877,7 @@ fn prefill_attention_matches_the_cpu() {
                 .arg(&ints[2])
                 .arg(&ints[3])
                 .arg(&ints[4])
+                .arg(&row_width)
                 .launch(cfg((n_rows as u32, akvh as u32, 1), 32, 0))
         }
         .expect("launch");
@@ -891,6 +910,8 @@ fn prefill_attention_matches_the_cpu() {
                 .arg(&mk)
                 .arg(&win)
                 .arg(&scale)
+                .arg(&row_width)
+                .arg(&sink_col)
                 .launch(cfg((n_rows as u32, akvh as u32, 1), 64, shared))
         }
         .expect("launch");
@@ -923,7 +944,195 @@ fn prefill_attention_matches_the_cpu() {
             "appended V"
         );
         let err = max_abs_diff(&got, &want);
-        println!("paged_prefill_attention ({n_rows} rows, window {window:?}): max abs diff vs CPU {err:.3e}");
+        println!("paged_prefill_attention ({n_rows} rows, window {window:?}, sinks {sinks}): max abs diff vs CPU {err:.3e}");
         assert!(err < 1e-4, "prefill attention: {err}");
     }
+}
+
+/// The kernels of the newer families (kernels/families.cu and `router_topk_softmax`), each
+/// against the CPU math it mirrors: q/k RMSNorm per head (Qwen3) and over a whole
+/// projection (OLMoE) against `norm::normalize` on the same strided columns, biases and
+/// sinks into strided rows, the shared expert's sigmoid gate, gpt-oss's clamped SwiGLU
+/// (the formula of `Kernels::expert_ffn`'s fused arm, with gates past the limit) and its
+/// top-k-then-softmax routing against `moe::route_topk_softmax`. Tolerances: 1e-5 (tree
+/// sums in the norm), element-wise kernels within 2 ulp-scale 1e-6 of O(1) values,
+/// routing choices exactly.
+#[test]
+fn family_kernels_run_like_the_cpu() {
+    const NAME: &str = "standin_kernels::family_kernels_run_like_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::model::kernels::moe::route_topk_softmax;
+    use moec::model::kernels::norm::{normalize, NormKind};
+    use moec::model::TypedSlice;
+
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let f = |name: &str| function(&modules, "families.cu", name);
+    let mut rng = Rng(0x51ed_2701_a3c4_9e11);
+
+    // q/k norms on rows of [q (4 heads of 16) | k (2 heads of 16) | v | 3 extra]: per head
+    // with 16 weights, and over the whole q with 64.
+    let (rows, q, kv, hd) = (3usize, 64usize, 32usize, 16usize);
+    let ld = q + 2 * kv + 3;
+    let x = rng.vec(rows * ld, 2.0);
+    for (chunk, col, cols) in [(hd, 0, q), (hd, q, kv), (q, 0, q)] {
+        let w: Vec<f32> = rng.vec(chunk, 0.5).iter().map(|v| v + 1.0).collect();
+        let mut x_dev = stream.clone_htod(&x).expect("htod");
+        let w_dev = stream.clone_htod(&w).expect("htod");
+        let (ld_i, col_i, chunk_i, eps) = (ld as i32, col as i32, chunk as i32, 1e-6f32);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("qk_rms_norm_f32"))
+                .arg(&mut x_dev)
+                .arg(&w_dev)
+                .arg(&ld_i)
+                .arg(&col_i)
+                .arg(&chunk_i)
+                .arg(&eps)
+                .launch(cfg((rows as u32, (cols / chunk) as u32, 1), 32, 0))
+        }
+        .expect("launch");
+        let got = stream.clone_dtoh(&x_dev).expect("dtoh");
+        let mut want = x.clone();
+        for row in want.chunks_exact_mut(ld) {
+            let part = &mut row[col..col + cols];
+            let mut out = vec![0.0f32; cols];
+            normalize(NormKind::Rms, part, TypedSlice::F32(&w), eps, &mut out);
+            part.copy_from_slice(&out);
+        }
+        let err = max_abs_diff(&got, &want);
+        println!(
+            "qk_rms_norm_f32 (runs of {chunk} at column {col}): max abs diff vs CPU {err:.3e}"
+        );
+        assert!(err < 1e-5, "qk norm: {err}");
+    }
+
+    // Biases added into columns 5..12 of rows 20 wide; sinks copied into the last 3.
+    let (rows, ld) = (4usize, 20usize);
+    let x = rng.vec(rows * ld, 1.0);
+    let bias = rng.vec(7, 1.0);
+    let sinks = rng.vec(3, 1.0);
+    let mut x_dev = stream.clone_htod(&x).expect("htod");
+    for (v, col, accumulate) in [(&bias, 5usize, 1i32), (&sinks, 17, 0)] {
+        let v_dev = stream.clone_htod(v).expect("htod");
+        let (ld_i, col_i, cols_i) = (ld as i32, col as i32, v.len() as i32);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("bias_rows"))
+                .arg(&mut x_dev)
+                .arg(&v_dev)
+                .arg(&ld_i)
+                .arg(&col_i)
+                .arg(&cols_i)
+                .arg(&accumulate)
+                .launch(cfg((rows as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+    }
+    let mut want = x.clone();
+    for row in want.chunks_exact_mut(ld) {
+        for (o, b) in row[5..12].iter_mut().zip(&bias) {
+            *o += b;
+        }
+        row[17..].copy_from_slice(&sinks);
+    }
+    assert_eq!(
+        bits(&stream.clone_dtoh(&x_dev).expect("dtoh")),
+        bits(&want),
+        "bias_rows"
+    );
+
+    // The shared expert's gate: each row times sigmoid(its logit).
+    let (rows, d) = (3usize, 40usize);
+    let x = rng.vec(rows * d, 1.0);
+    let logits = [-2.0f32, 0.0, 3.5];
+    let mut x_dev = stream.clone_htod(&x).expect("htod");
+    let l_dev = stream.clone_htod(&logits).expect("htod");
+    let d_i = d as i32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("sigmoid_scale_rows"))
+            .arg(&mut x_dev)
+            .arg(&l_dev)
+            .arg(&d_i)
+            .launch(cfg((rows as u32, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = x
+        .chunks_exact(d)
+        .zip(logits)
+        .flat_map(|(row, l)| {
+            let s = 1.0 / (1.0 + (-l).exp());
+            row.iter().map(move |v| v * s)
+        })
+        .collect();
+    let err = max_abs_diff(&stream.clone_dtoh(&x_dev).expect("dtoh"), &want);
+    println!("sigmoid_scale_rows: max abs diff vs CPU {err:.3e}");
+    assert!(err < 1e-6, "sigmoid gate: {err}");
+
+    // gpt-oss's clamped SwiGLU over interleaved gate/up, values up to +-12 so the limit
+    // of 7 clamps both.
+    let (rows, ffn, alpha, limit) = (3usize, 24usize, 1.702f32, 7.0f32);
+    let gate_up = rng.vec(rows * 2 * ffn, 12.0);
+    let gu_dev = stream.clone_htod(&gate_up).expect("htod");
+    let mut out_dev = stream.alloc_zeros::<f32>(rows * ffn).expect("alloc");
+    let ffn_i = ffn as i32;
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("clamped_swiglu"))
+            .arg(&gu_dev)
+            .arg(&mut out_dev)
+            .arg(&ffn_i)
+            .arg(&alpha)
+            .arg(&limit)
+            .launch(cfg((rows as u32, 1, 1), 32, 0))
+    }
+    .expect("launch");
+    let want: Vec<f32> = gate_up
+        .chunks_exact(2)
+        .map(|p| {
+            let g = p[0].min(limit);
+            let u = p[1].clamp(-limit, limit);
+            (u + 1.0) * (g * (1.0 / (1.0 + (-(g * alpha)).exp())))
+        })
+        .collect();
+    let err = max_abs_diff(&stream.clone_dtoh(&out_dev).expect("dtoh"), &want);
+    println!("clamped_swiglu: max abs diff vs CPU {err:.3e}");
+    assert!(err < 1e-5, "clamped swiglu: {err}");
+
+    // Top-4 of 16 raw logits, softmax over the four, with a tie between experts 3 and 9.
+    let (tokens, experts, top_k) = (5usize, 16usize, 4usize);
+    let mut logits = rng.vec(tokens * experts, 3.0);
+    logits[3] = 5.0;
+    logits[9] = 5.0;
+    let l_dev = stream.clone_htod(&logits).expect("htod");
+    let mut e_dev = stream.alloc_zeros::<u32>(tokens * top_k).expect("alloc");
+    let mut w_dev = stream.alloc_zeros::<f32>(tokens * top_k).expect("alloc");
+    let ints = [tokens, experts, top_k].map(|v| v as i32);
+    let router = function(&modules, "router_topk.cu", "router_topk_softmax");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&router)
+            .arg(&l_dev)
+            .arg(&mut e_dev)
+            .arg(&mut w_dev)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .launch(cfg((1, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let want = route_topk_softmax(&logits, experts, top_k);
+    assert_eq!(stream.clone_dtoh(&e_dev).expect("dtoh"), want.experts);
+    let err = max_abs_diff(&stream.clone_dtoh(&w_dev).expect("dtoh"), &want.weights);
+    println!("router_topk_softmax: experts equal, max weight diff {err:.3e}");
+    assert!(err < 1e-6, "routing weights: {err}");
 }

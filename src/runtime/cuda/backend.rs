@@ -53,6 +53,9 @@ pub enum CudaSetupError {
     /// Device memory.
     #[error(transparent)]
     Memory(#[from] DeviceMemoryError),
+    /// What the CUDA kernels cannot run for this model (named before any launch).
+    #[error("the CUDA kernels do not support {0}; run it with --backend cpu")]
+    Unsupported(String),
     /// A driver or cuBLAS call during set-up.
     #[error("CUDA set-up failed while {doing}: {detail}")]
     Call {
@@ -170,6 +173,12 @@ impl<'c> CudaBackend<'c> {
             }
         };
         let host = CpuBackend::host_side(plan, checkpoint, options)?;
+        let arch = ArchSpec::from_card(&plan.model);
+        if let Some(what) =
+            super::ops::unsupported(&arch, host.host_memory().layout(), plan.model.dtype)
+        {
+            return Err(CudaSetupError::Unsupported(what));
+        }
         let mut streams = Vec::with_capacity(plan.streams.len());
         for s in &plan.streams {
             if is_device(s.engine) {
@@ -196,8 +205,8 @@ impl<'c> CudaBackend<'c> {
             options.gpu_capacity,
             host.host_memory(),
         )?;
-        let arch = ArchSpec::from_card(&plan.model);
-        let table = RopeTable::new(arch.rope_theta, arch.attn.head_dim, arch.max_positions);
+        // The CPU's own tables (YaRN-scaled for gpt-oss), so rotary agrees bit for bit.
+        let table = RopeTable::for_arch(&arch, arch.max_positions);
         let (cos, sin) = table.tables();
         let rope = (
             setup_stream

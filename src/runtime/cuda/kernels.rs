@@ -26,7 +26,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 7] = [
+pub const KERNELS: [KernelSource; 8] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
@@ -45,7 +45,7 @@ pub const KERNELS: [KernelSource; 7] = [
     KernelSource {
         file: "router_topk.cu",
         source: include_str!("../../../kernels/router_topk.cu"),
-        entries: &["router_topk"],
+        entries: &["router_topk", "router_topk_softmax"],
     },
     KernelSource {
         file: "swiglu.cu",
@@ -56,6 +56,16 @@ pub const KERNELS: [KernelSource; 7] = [
         file: "prefill_attention.cu",
         source: include_str!("../../../kernels/prefill_attention.cu"),
         entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+    },
+    KernelSource {
+        file: "families.cu",
+        source: include_str!("../../../kernels/families.cu"),
+        entries: &[
+            "qk_rms_norm_f32",
+            "bias_rows",
+            "sigmoid_scale_rows",
+            "clamped_swiglu",
+        ],
     },
     KernelSource {
         file: "ops.cu",
@@ -166,6 +176,11 @@ mod tests {
     #[test]
     fn router_topk_entries_match_the_source() {
         assert_entries_match("router_topk.cu");
+    }
+
+    #[test]
+    fn families_entries_match_the_source() {
+        assert_entries_match("families.cu");
     }
 
     #[test]

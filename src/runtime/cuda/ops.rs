@@ -18,7 +18,7 @@ use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::PlanTask;
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, WeightDtype};
+use crate::model::card::WeightDtype;
 use crate::model::kernels::moe::{RoutedRow, Routing};
 use crate::model::kernels::norm::NormKind;
 use crate::model::kernels::sampling::Sampling;
@@ -111,6 +111,39 @@ pub struct GpuCx<'a> {
     pub routing_syncs: &'a AtomicUsize,
 }
 
+/// What the CUDA kernels cannot run for this model, named before any launch (backend
+/// set-up calls this): the router and combine kernels take at most 64 experts, the norm
+/// kernels bf16 weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
+/// per-layer windows, YaRN, clamped SwiGLU) have kernels, so the family itself is no reason.
+pub fn unsupported(
+    arch: &ArchSpec,
+    layout: &crate::runtime::cpu::weights::ImageLayout,
+    dtype: WeightDtype,
+) -> Option<String> {
+    let (e, k) = (arch.experts, arch.top_k);
+    if e > 64 || k > e {
+        return Some(format!(
+            "{e} experts with top-{k} (the router kernel takes at most 64 experts)"
+        ));
+    }
+    for kind in [SegmentKind::AttnNorm, SegmentKind::FfnNorm] {
+        if let Some(seg) = layout.layer.segment(kind) {
+            if seg.dtype != WeightDtype::Bf16 {
+                return Some(format!(
+                    "{kind:?} weights stored as {:?} (the norm kernels take bf16)",
+                    seg.dtype
+                ));
+            }
+        }
+    }
+    if dtype != WeightDtype::Bf16 {
+        return Some(format!(
+            "the final norm stored as {dtype:?} (the norm kernels take bf16)"
+        ));
+    }
+    None
+}
+
 type GpuKernel = fn(&GpuCx<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
 
 /// The CUDA backend's implementation per op kind.
@@ -146,16 +179,6 @@ fn wrong_op(kernel: OpKind, task: &PlanTask) -> OpError {
 impl GpuCx<'_> {
     /// Submits one task: its op's launches, then forgets weight labels of what it wrote.
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
-        // The CUDA kernels implement Mixtral's and DBRX's numerics only: q/k norms, biases,
-        // shared experts, sinks, per-layer windows, YaRN and the clamped SwiGLU have no
-        // device kernels yet, so those families are refused before any launch rather than
-        // run with wrong numerics.
-        if !matches!(self.arch.family, Family::Mixtral | Family::Dbrx) {
-            return Err(OpError::Unsupported(format!(
-                "the {:?} family yet (only Mixtral and DBRX); run it with --backend cpu",
-                self.arch.family
-            )));
-        }
         let kind = task.op.kind();
         let kernel = gpu_kernel(kind).ok_or_else(|| {
             OpError::Unsupported(format!("the op `{}` (no CUDA kernel)", kind.name()))
@@ -272,6 +295,213 @@ impl GpuCx<'_> {
         self.norm_weight(weights, WeightTag::Layer { layer, kind }, dtype)
     }
 
+    /// Whether the layer layout has a segment (the optional ones of some families).
+    fn has(&self, kind: SegmentKind) -> bool {
+        self.host.layout().layer.segment(kind).is_some()
+    }
+
+    /// A layer's vector segment (bias, sinks, q/k norm weight) as f32 on the device: the
+    /// stored one when it is f32, else widened into scratch on this stream. Gives the
+    /// address, the element count and the scratch keeping it alive.
+    fn vector_f32(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<(u64, usize, Option<Scratch>), OpError> {
+        let m = self.segment(weights, layer, kind)?;
+        let elems = m.rows * m.cols;
+        let entry = match m.dtype {
+            WeightDtype::F32 => return Ok((m.ptr, elems, None)),
+            WeightDtype::Bf16 => "widen_bf16",
+            WeightDtype::F16 => "widen_f16",
+        };
+        let wide = self.s.scratch(elems * 4)?;
+        self.s.launch_1d(
+            entry,
+            elems,
+            &[
+                Arg::Ptr(m.ptr),
+                Arg::Ptr(wide.ptr()),
+                Arg::I64(elems as i64),
+            ],
+        )?;
+        Ok((wide.ptr(), elems, Some(wide)))
+    }
+
+    /// `x[r, col + i] (+)= v[i]` for `n` rows `ld` floats apart, `v` a layer's vector
+    /// segment of `cols` values (a bias, or the sinks copied into each qkv row).
+    #[allow(clippy::too_many_arguments)]
+    fn bias_rows(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+        x: u64,
+        n: usize,
+        ld: usize,
+        col: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<(), OpError> {
+        let (v, elems, _keep) = self.vector_f32(weights, layer, kind)?;
+        if elems != cols {
+            return Err(OpError::Unsupported(format!(
+                "{} with {elems} values where {cols} are needed",
+                WeightTag::Layer { layer, kind }
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        Ok(self.s.launch(
+            "bias_rows",
+            (int("rows", n)? as u32, 1, 1),
+            row_block(cols),
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(v),
+                Arg::I32(int("ld", ld)?),
+                Arg::I32(int("col", col)?),
+                Arg::I32(int("cols", cols)?),
+                Arg::I32(accumulate as i32),
+            ],
+        )?)
+    }
+
+    /// RMSNorm in place of columns `col..col + cols` of `n` rows `ld` floats apart, in
+    /// runs as wide as the weight (Qwen3: per head; OLMoE: the whole q or k projection).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+        x: u64,
+        n: usize,
+        ld: usize,
+        col: usize,
+        cols: usize,
+    ) -> Result<(), OpError> {
+        let (w, chunk, _keep) = self.vector_f32(weights, layer, kind)?;
+        if chunk == 0 || !cols.is_multiple_of(chunk) {
+            return Err(OpError::Unsupported(format!(
+                "{} of {chunk} values for {cols} columns (a divisor is needed)",
+                WeightTag::Layer { layer, kind }
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        Ok(self.s.launch(
+            "qk_rms_norm_f32",
+            (int("rows", n)? as u32, int("runs", cols / chunk)? as u32, 1),
+            row_block(chunk),
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::I32(int("ld", ld)?),
+                Arg::I32(int("col", col)?),
+                Arg::I32(int("chunk", chunk)?),
+                Arg::F32(self.arch.norm_eps),
+            ],
+        )?)
+    }
+
+    /// `h[n, d] += a[n, q] · o_projᵀ (+ o_bias)`: with a bias the projection is summed with
+    /// its bias before the residual add, in the CPU's order.
+    fn o_proj_residual(
+        &self,
+        weights: &[View],
+        layer: u32,
+        a: u64,
+        h: u64,
+        n: usize,
+    ) -> Result<(), OpError> {
+        let d = self.arch.hidden;
+        let w = self.segment(weights, layer, SegmentKind::OProj)?;
+        if !(self.arch.o_bias && self.has(SegmentKind::OBias)) {
+            self.s.linear(a, n, &w, h, d, true)?;
+            return Ok(());
+        }
+        let projected = self.s.scratch(n * d * 4)?;
+        self.s.linear(a, n, &w, projected.ptr(), d, false)?;
+        self.bias_rows(
+            weights,
+            layer,
+            SegmentKind::OBias,
+            projected.ptr(),
+            n,
+            d,
+            0,
+            d,
+            true,
+        )?;
+        self.s.launch_1d(
+            "add_in_place",
+            n * d,
+            &[
+                Arg::Ptr(h),
+                Arg::Ptr(projected.ptr()),
+                Arg::I64((n * d) as i64),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// The shared expert (Qwen2-MoE) on `n` rows of `x_norm` into `out` (`[n, d]`):
+    /// `down(silu(gate(x)) * up(x))`, times `sigmoid(x · shared_expert_gate)` when the
+    /// layer has that gate (`Kernels::shared_expert`).
+    fn shared_expert(
+        &self,
+        weights: &[View],
+        layer: u32,
+        x_norm: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<(), OpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let d = self.arch.hidden;
+        let gate = self.segment(weights, layer, SegmentKind::SharedGate)?;
+        let up = self.segment(weights, layer, SegmentKind::SharedUp)?;
+        let down = self.segment(weights, layer, SegmentKind::SharedDown)?;
+        let f = gate.out_dim();
+        let (hg, hu) = (self.s.scratch(n * f * 4)?, self.s.scratch(n * f * 4)?);
+        self.s.linear(x_norm, n, &gate, hg.ptr(), f, false)?;
+        self.s.linear(x_norm, n, &up, hu.ptr(), f, false)?;
+        self.s.launch_1d(
+            "swiglu",
+            n * f,
+            &[
+                Arg::Ptr(hg.ptr()),
+                Arg::Ptr(hu.ptr()),
+                Arg::I32(int("n*shared_ffn", n * f)?),
+            ],
+        )?;
+        self.s.linear(hg.ptr(), n, &down, out, d, false)?;
+        if self.has(SegmentKind::SharedExpertGate) {
+            let g = self.segment(weights, layer, SegmentKind::SharedExpertGate)?;
+            let logits = self.s.scratch(n * 4)?;
+            self.s.linear(x_norm, n, &g, logits.ptr(), 1, false)?;
+            self.s.launch(
+                "sigmoid_scale_rows",
+                (int("rows", n)? as u32, 1, 1),
+                row_block(d),
+                0,
+                &[
+                    Arg::Ptr(out),
+                    Arg::Ptr(logits.ptr()),
+                    Arg::I32(int("hidden", d)?),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
     /// `out[n, d] = norm(x[n, d]) * w` with the architecture's norm.
     fn normalize(&self, x: u64, w: u64, out: u64, n: usize) -> Result<(), OpError> {
         let entry = match self.arch.norm {
@@ -315,21 +545,40 @@ impl GpuCx<'_> {
         self.s.linear(x_norm, n, &router, logits.ptr(), e, false)?;
         let experts = self.s.scratch(n * k * 4)?;
         let probs = self.s.scratch(n * k * 4)?;
-        let norm_p = self.arch.router_norm_p.map_or(0.0, |p| p as f32);
+        let mut operands = vec![
+            Arg::Ptr(logits.ptr()),
+            Arg::Ptr(experts.ptr()),
+            Arg::Ptr(probs.ptr()),
+            Arg::I32(int("rows", n)?),
+            Arg::I32(int("experts", e)?),
+            Arg::I32(int("top_k", k)?),
+        ];
+        let entry = if self.arch.router_bias_topk_softmax {
+            // gpt-oss: the router bias on the logits, top-k of them, softmax over the k.
+            if self.has(SegmentKind::RouterBias) {
+                self.bias_rows(
+                    weights,
+                    layer,
+                    SegmentKind::RouterBias,
+                    logits.ptr(),
+                    n,
+                    e,
+                    0,
+                    e,
+                    true,
+                )?;
+            }
+            "router_topk_softmax"
+        } else {
+            operands.push(Arg::F32(self.arch.router_norm_p.map_or(0.0, |p| p as f32)));
+            "router_topk"
+        };
         self.s.launch(
-            "router_topk",
+            entry,
             (int("rows", n.div_ceil(64))? as u32, 1, 1),
             64,
             0,
-            &[
-                Arg::Ptr(logits.ptr()),
-                Arg::Ptr(experts.ptr()),
-                Arg::Ptr(probs.ptr()),
-                Arg::I32(int("rows", n)?),
-                Arg::I32(int("experts", e)?),
-                Arg::I32(int("top_k", k)?),
-                Arg::F32(norm_p),
-            ],
+            &operands,
         )?;
         self.s.launch_1d(
             "route_pack",
@@ -385,8 +634,6 @@ impl GpuCx<'_> {
                     bad.row, bad.slot
                 )));
             }
-            let gate = self.segment(weights, layer, SegmentKind::ExpertGate(e as usize))?;
-            let up = self.segment(weights, layer, SegmentKind::ExpertUp(e as usize))?;
             let down = self.segment(weights, layer, SegmentKind::ExpertDown(e as usize))?;
             let m = rows.len();
             let idx: Vec<u32> = rows.iter().map(|r| r.row).collect();
@@ -411,21 +658,55 @@ impl GpuCx<'_> {
                     Arg::I32(di),
                 ],
             )?;
-            let (hg, hu) = (self.s.scratch(m * f * 4)?, self.s.scratch(m * f * 4)?);
-            self.s
-                .linear(gathered.ptr(), m, &gate, hg.ptr(), f, false)?;
-            self.s.linear(gathered.ptr(), m, &up, hu.ptr(), f, false)?;
-            self.s.launch_1d(
-                "swiglu",
-                m * f,
-                &[
-                    Arg::Ptr(hg.ptr()),
-                    Arg::Ptr(hu.ptr()),
-                    Arg::I32(int("m*ffn", m * f)?),
-                ],
-            )?;
+            let hg = self.s.scratch(m * f * 4)?;
             let y = self.s.scratch(m * d * 4)?;
-            self.s.linear(hg.ptr(), m, &down, y.ptr(), d, false)?;
+            match self.arch.clamped_swiglu {
+                Some((alpha, limit)) => {
+                    // gpt-oss: fused interleaved gate/up with its bias, the clamped SwiGLU,
+                    // then down with its bias (`Kernels::expert_ffn`'s fused arm).
+                    let e = e as usize;
+                    let gate_up = self.segment(weights, layer, SegmentKind::ExpertGateUp(e))?;
+                    let gu = self.s.scratch(m * 2 * f * 4)?;
+                    self.s
+                        .linear(gathered.ptr(), m, &gate_up, gu.ptr(), 2 * f, false)?;
+                    let bias = SegmentKind::ExpertGateUpBias(e);
+                    self.bias_rows(weights, layer, bias, gu.ptr(), m, 2 * f, 0, 2 * f, true)?;
+                    self.s.launch(
+                        "clamped_swiglu",
+                        (int("rows", m)? as u32, 1, 1),
+                        row_block(f),
+                        0,
+                        &[
+                            Arg::Ptr(gu.ptr()),
+                            Arg::Ptr(hg.ptr()),
+                            Arg::I32(int("ffn", f)?),
+                            Arg::F32(alpha),
+                            Arg::F32(limit),
+                        ],
+                    )?;
+                    self.s.linear(hg.ptr(), m, &down, y.ptr(), d, false)?;
+                    let bias = SegmentKind::ExpertDownBias(e);
+                    self.bias_rows(weights, layer, bias, y.ptr(), m, d, 0, d, true)?;
+                }
+                None => {
+                    let gate = self.segment(weights, layer, SegmentKind::ExpertGate(e as usize))?;
+                    let up = self.segment(weights, layer, SegmentKind::ExpertUp(e as usize))?;
+                    let hu = self.s.scratch(m * f * 4)?;
+                    self.s
+                        .linear(gathered.ptr(), m, &gate, hg.ptr(), f, false)?;
+                    self.s.linear(gathered.ptr(), m, &up, hu.ptr(), f, false)?;
+                    self.s.launch_1d(
+                        "swiglu",
+                        m * f,
+                        &[
+                            Arg::Ptr(hg.ptr()),
+                            Arg::Ptr(hu.ptr()),
+                            Arg::I32(int("m*ffn", m * f)?),
+                        ],
+                    )?;
+                    self.s.linear(hg.ptr(), m, &down, y.ptr(), d, false)?;
+                }
+            }
             self.s.launch(
                 "scatter_weighted",
                 (int("rows", m)? as u32, 1, 1),
@@ -445,11 +726,13 @@ impl GpuCx<'_> {
         Ok(())
     }
 
-    /// `residual[n, d] += sum of each token's slots` in the CPU's order.
+    /// `residual[n, d] += sum of each token's slots (+ its shared-expert row at `shared`,
+    /// when not 0)` in the CPU's order (`moe::combine_shared`).
     fn combine(
         &self,
         route_experts: u64,
         slots: u64,
+        shared: u64,
         residual: u64,
         n: usize,
     ) -> Result<(), OpError> {
@@ -467,6 +750,7 @@ impl GpuCx<'_> {
             &[
                 Arg::Ptr(slots),
                 Arg::Ptr(route_experts),
+                Arg::Ptr(shared),
                 Arg::Ptr(residual),
                 Arg::I32(int("top_k", k)?),
                 Arg::I32(int("hidden", d)?),
@@ -531,7 +815,9 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
     let n = positions.len();
     let arch = cx.arch;
     let (d, q, kv) = (arch.hidden, arch.q_dim(), arch.kv_dim());
-    let width = q + 2 * kv;
+    // Row stride: q | k | v, then the sinks with them (gpt-oss).
+    let width = arch.attn.qkv_width();
+    let proj = q + 2 * kv;
     if let Some(&p) = positions.iter().find(|&&p| p >= arch.max_positions) {
         return Err(OpError::Unsupported(format!(
             "position {p} (the rotary tables cover {})",
@@ -544,23 +830,30 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::AttnNorm)?;
     let x_norm = cx.s.scratch(n * d * 4)?;
     cx.normalize(x, norm_w, x_norm.ptr(), n)?;
-    match arch.family {
-        Family::Mixtral => {
-            for (kind, col) in [
-                (SegmentKind::QProj, 0),
-                (SegmentKind::KProj, q),
-                (SegmentKind::VProj, q + kv),
-            ] {
-                let w = cx.segment(&weights, layer, kind)?;
-                cx.s.linear(x_norm.ptr(), n, &w, out + (col * 4) as u64, width, false)?;
-            }
+    let parts = [
+        (SegmentKind::QProj, SegmentKind::QBias, 0, q),
+        (SegmentKind::KProj, SegmentKind::KBias, q, kv),
+        (SegmentKind::VProj, SegmentKind::VBias, q + kv, kv),
+    ];
+    if cx.has(SegmentKind::QkvProj) {
+        // DBRX: one fused projection, [q | k | v] in its output rows.
+        let w = cx.segment(&weights, layer, SegmentKind::QkvProj)?;
+        cx.s.linear(x_norm.ptr(), n, &w, out, width, false)?;
+    } else {
+        for (kind, _, col, _) in parts {
+            let w = cx.segment(&weights, layer, kind)?;
+            cx.s.linear(x_norm.ptr(), n, &w, out + (col * 4) as u64, width, false)?;
         }
-        Family::Dbrx => {
-            let w = cx.segment(&weights, layer, SegmentKind::QkvProj)?;
-            cx.s.linear(x_norm.ptr(), n, &w, out, width, false)?;
+    }
+    // Then, in the CPU's order: q/k/v biases, q/k RMSNorm, clip, sinks, rotary.
+    if cx.has(SegmentKind::QBias) {
+        for (_, bias, col, cols) in parts {
+            cx.bias_rows(&weights, layer, bias, out, n, width, col, cols, true)?;
         }
-        other => {
-            return Err(OpError::Unsupported(format!("the {other:?} family")));
+    }
+    if cx.has(SegmentKind::QNorm) {
+        for (norm, col, cols) in [(SegmentKind::QNorm, 0, q), (SegmentKind::KNorm, q, kv)] {
+            cx.qk_norm(&weights, layer, norm, out, n, width, col, cols)?;
         }
     }
     if let Some(clip) = arch.clip_qkv {
@@ -568,6 +861,20 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
             "clamp_in_place",
             n * width,
             &[Arg::Ptr(out), Arg::F32(clip), Arg::I64((n * width) as i64)],
+        )?;
+    }
+    if arch.attn.sinks {
+        let heads = arch.attn.heads;
+        cx.bias_rows(
+            &weights,
+            layer,
+            SegmentKind::Sinks,
+            out,
+            n,
+            width,
+            proj,
+            heads,
+            false,
         )?;
     }
     let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
@@ -640,12 +947,13 @@ fn runs(mb: &MicroBatchState, pick: impl Fn(usize) -> bool) -> Vec<std::ops::Ran
 }
 
 fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
-    let Op::Attn { ub, part, .. } = task.op else {
+    let Op::Attn { layer, ub, part } = task.op else {
         return Err(wrong_op(OpKind::Attn, task));
     };
     let mb = cx.ub(ub)?;
     let n = mb.n_tokens();
-    let shape = cx.arch.attn;
+    // The layer's geometry: gpt-oss slides its window on even layers only.
+    let shape = cx.arch.attn_of(layer as usize);
     let (qw, ow) = (shape.qkv_width(), shape.q_width());
     let qkv = cx.ptr(args.need(Role::Qkv)?, "qkv", n * qw * 4)?;
     let out = cx.ptr(args.need(Role::Out)?, "out", n * ow * 4)?;
@@ -727,6 +1035,16 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
         Arg::I32(int("block_size", block)?),
         Arg::I32(int("max_blocks", rt.max_blocks)?),
     ];
+    let row_width = Arg::I32(int("qkv_width", qw)?);
+    // gpt-oss's sinks follow q | k | v in each row; -1: none.
+    let sink_col = if shape.sinks {
+        int(
+            "sink column",
+            (shape.heads + 2 * shape.kv_heads) * shape.head_dim,
+        )?
+    } else {
+        -1
+    };
     let kvh = int("kv_heads", shape.kv_heads)? as u32;
     // A run whose sequences each bring one token (decode) uses the decode kernels: one
     // row per sequence, its block table and position indexed by the launch's sequence.
@@ -763,6 +1081,7 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
         let decode = one_token_each(r);
         let mut a = run_operands(r, decode);
         a.extend_from_slice(&dims);
+        a.push(row_width);
         let entry = if decode {
             "paged_kv_append"
         } else {
@@ -798,6 +1117,8 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
             Arg::I32(int("max_keys", max_keys)?),
             Arg::I32(int("sliding_window", window)?),
             Arg::F32(scale),
+            row_width,
+            Arg::I32(sink_col),
         ]);
         let entry = if decode {
             "paged_decode_attention"
@@ -821,11 +1142,9 @@ fn o_proj_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
     };
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
-    let w = cx.segment(&args.all(Role::W), layer, SegmentKind::OProj)?;
     let a = cx.ptr(args.need(Role::A)?, "a", n * cx.arch.q_dim() * 4)?;
     let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
-    cx.s.linear(a, n, &w, h, d, true)?;
-    Ok(())
+    cx.o_proj_residual(&args.all(Role::W), layer, a, h, n)
 }
 
 fn gate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
@@ -836,13 +1155,19 @@ fn gate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
     let (d, k) = (cx.arch.hidden, cx.arch.top_k);
     let weights = args.all(Role::W);
     let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
-    // `acc` = [normalised rows | one slot per (token, k)], as on the CPU.
-    let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * (1 + k) * d * 4)?;
+    // `acc` = [normalised rows | one slot per (token, k) | the shared expert's rows], as
+    // on the CPU (`expert_acc`).
+    let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * cx.arch.acc_rows() * d * 4)?;
     let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
     cx.normalize(h, norm_w, acc, n)?;
     cx.route(&weights, layer, acc, n, route)?;
     cx.s.zero(acc + (n * d * 4) as u64, n * k * d * 4)?;
+    // The shared expert is dense work every token does: computed with the router, as the
+    // CPU's gate does, so schedules move its weights with the gate's.
+    if cx.arch.shared_ffn > 0 {
+        cx.shared_expert(&weights, layer, acc, n, acc + (n * (1 + k) * d * 4) as u64)?;
+    }
     Ok(())
 }
 
@@ -876,8 +1201,14 @@ fn combine_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
     let accs = args
         .all(Role::Acc)
         .into_iter()
-        .map(|v| cx.ptr(v, "acc", n * (1 + k) * d * 4))
+        .map(|v| cx.ptr(v, "acc", n * cx.arch.acc_rows() * d * 4))
         .collect::<Result<Vec<_>, _>>()?;
+    // The gate wrote the shared expert's rows into the accumulator it initialised; a
+    // partial accumulator copied from it holds the same rows: taken from the first.
+    let shared = match accs.first() {
+        Some(first) if cx.arch.shared_ffn > 0 => first + (n * (1 + k) * d * 4) as u64,
+        _ => 0,
+    };
     let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
     let slot_offset = (n * d * 4) as u64;
     let slot_elems = n * k * d;
@@ -915,7 +1246,7 @@ fn combine_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
             Arg::I64((n * k) as i64),
         ],
     )?;
-    cx.combine(experts.ptr(), slots, h, n)
+    cx.combine(experts.ptr(), slots, shared, h, n)
 }
 
 fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
@@ -952,8 +1283,7 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
             merged.ptr()
         }
     };
-    let o = cx.segment(&weights, layer, SegmentKind::OProj)?;
-    cx.s.linear(a, n, &o, h, d, true)?;
+    cx.o_proj_residual(&weights, layer, a, h, n)?;
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
     let x_norm = cx.s.scratch(n * d * 4)?;
     cx.normalize(h, norm_w, x_norm.ptr(), n)?;
@@ -968,8 +1298,16 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
     cx.s.zero(slots.ptr(), n * k * d * 4)?;
     let all: Vec<u32> = (0..cx.arch.experts as u32).collect();
     cx.run_experts(&weights, layer, &all, &routing, x_norm.ptr(), slots.ptr())?;
+    let shared: Option<Scratch> = if cx.arch.shared_ffn > 0 {
+        let out = cx.s.scratch(n * d * 4)?;
+        cx.shared_expert(&weights, layer, x_norm.ptr(), n, out.ptr())?;
+        Some(out)
+    } else {
+        None
+    };
     let experts = cx.s.upload(&routing.experts)?;
-    cx.combine(experts.ptr(), slots.ptr(), h, n)
+    let shared_ptr = shared.as_ref().map_or(0, Scratch::ptr);
+    cx.combine(experts.ptr(), slots.ptr(), shared_ptr, h, n)
 }
 
 fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
