@@ -10,7 +10,7 @@
 //! chains, exponential templates, a huge loop with an error, endless and binary schedule
 //! files), flag values, checkpoint configs and safetensors headers (fixed cases plus
 //! generated mutants), run-time budgets (a generation past the model's positions, an
-//! emulated link slower than the watchdog).
+//! emulated link slower than the watchdog, a KV cache larger than the machine's memory).
 //!
 //! Last, a property-style fuzz of the parser and elaborator, in process: random schedules
 //! built from the language's constructs (deep expressions, `else if` chains, loops,
@@ -248,6 +248,20 @@ fn flag_cases() -> Vec<Case> {
             "--link-gbps",
         ),
         case(
+            "a KV cache larger than the machine's memory",
+            &[
+                "run",
+                "$SHARED/huge_kv.sched",
+                "--weights",
+                "$SHARED/ck",
+                "--prompt",
+                "hi",
+                "--gen-len",
+                "2",
+            ],
+            "MemAvailable",
+        ),
+        case(
             "check --batch 0",
             &["check", "$SHARED/seq.sched", "--batch", "0"],
             "--batch",
@@ -424,6 +438,14 @@ fn every_hostile_input_ends_in_a_clean_error() {
         shared.path().join("seq.sched"),
     )
     .unwrap();
+    // `kv_cache(ubs * ctx * 10^7)`: terabytes of host arena for a 2-token job.
+    let sequential = std::fs::read_to_string(shared.path().join("seq.sched")).unwrap();
+    let huge = sequential.replace("kv_cache(ubs * ctx)", "kv_cache(ubs * ctx * 10000000)");
+    assert_ne!(
+        huge, sequential,
+        "sequential.sched no longer has `kv_cache(ubs * ctx)`"
+    );
+    std::fs::write(shared.path().join("huge_kv.sched"), huge).unwrap();
     let mut cases = schedule_cases();
     cases.extend(flag_cases());
     cases.extend(checkpoint_cases(shared.path()));

@@ -277,6 +277,13 @@ pub fn execute_profiling(
             }
             None => msg(&e),
         })?;
+    refuse_what_the_machine_cannot_hold(
+        &plan,
+        &compiled.program,
+        profile.as_ref(),
+        prompt_ids.len(),
+        on_cuda,
+    )?;
     let mut run = RunOptions::greedy(gen_len);
     run.sampling = if args.temperature > 0.0 {
         Sampling::Temperature {
@@ -560,6 +567,52 @@ pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Valu
 /// device nodes).
 pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
     super::output::write_output(path, text)
+}
+
+/// Bytes of memory the OS can still give (`MemAvailable` of /proc/meminfo), if known.
+fn memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Refuses, before any arena is allocated, a plan whose arenas (the KV cache among their
+/// buffers) and per-sequence logits rows exceed the memory the machine has available, with
+/// the budget table `check` prints (issue 18: a schedule with `ctx x 10000` ran a 2-token
+/// job at 10 GB RSS, and larger ones were stopped by the OS). On the CUDA backend the `gpu`
+/// arena is on the device, so it is left out.
+fn refuse_what_the_machine_cannot_hold(
+    plan: &ExecPlan,
+    program: &crate::ir::Program,
+    profile: Option<&HardwareProfile>,
+    sequences: usize,
+    on_cuda: bool,
+) -> Result<(), Failure> {
+    let Some(available) = memory_available() else {
+        return Ok(());
+    };
+    let arenas: u64 = plan
+        .arenas
+        .iter()
+        .filter(|a| !(on_cuda && a.space == crate::ir::Space::Gpu))
+        .map(|a| a.bytes)
+        .fold(0, u64::saturating_add);
+    let logits = (sequences as u64)
+        .saturating_mul(program.model.vocab)
+        .saturating_mul(4);
+    let needed = arenas.saturating_add(logits);
+    if needed <= available {
+        return Ok(());
+    }
+    let table = crate::cost::budget::budget_table(
+        program,
+        profile,
+        &crate::cost::budget::BudgetOverrides::default(),
+    );
+    Err(Failure::Rendered(format!(
+        "error: this plan needs {needed} bytes of memory ({arenas} in arenas, {logits} for logits) but the machine has {available} available (MemAvailable, /proc/meminfo); nothing was allocated\nmemory (peak per space over the run)\n{table}"
+    )))
 }
 
 /// Runs `moec run`.
