@@ -187,7 +187,7 @@ pub fn execute_profiling(
         .collect::<Result<_, _>>()
         .map_err(|e| msg(&e))?;
     if let Some(spec) = &args.settings.workload {
-        let spec = WorkloadSpec::parse(spec).map_err(|e| msg(&e))?;
+        let spec = parse_workload(spec).map_err(Failure::Message)?;
         gen_len = spec.gen_len.unwrap_or(gen_len);
         let synthetic = spec.prompts(card.vocab as u32);
         texts.extend(
@@ -569,6 +569,37 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
     super::output::write_output(path, text)
 }
 
+/// Parses `--workload`: the runtime's specs (`mtbench[:COUNT]`, `count=...`) and the paper
+/// presets `simulate` and `plan` take, `mtbench-GEN[:COUNT]` (the MT-Bench-shaped prompts,
+/// generating the preset's GEN tokens), so one spelling works in every command. Resolved
+/// here because the runtime does not import the cost model (issue 10's layering).
+fn parse_workload(text: &str) -> Result<WorkloadSpec, String> {
+    let Some(tail) = text.strip_prefix("mtbench-") else {
+        return WorkloadSpec::parse(text).map_err(|e| e.to_string());
+    };
+    let (gen, count) = match tail.split_once(':') {
+        Some((gen, count)) => (gen, Some(count)),
+        None => (tail, None),
+    };
+    let name = format!("mtbench-{gen}");
+    let preset = crate::cost::workloads::preset(&name).ok_or_else(|| {
+        format!(
+            "bad --workload `{text}`: unknown preset `{name}` (known: {})",
+            crate::cost::workloads::preset_names()
+        )
+    })?;
+    let runtime_spec = match count {
+        Some(count) => format!("mtbench:{count}"),
+        None => "mtbench".to_string(),
+    };
+    let spec = WorkloadSpec::parse(&runtime_spec)
+        .map_err(|e| format!("bad --workload `{text}`: {}", e.reason))?;
+    Ok(WorkloadSpec {
+        gen_len: Some(preset.gen_len as usize),
+        ..spec
+    })
+}
+
 /// Bytes of memory the OS can still give (`MemAvailable` of /proc/meminfo), if known.
 fn memory_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -762,4 +793,24 @@ fn predicted_json(f: &Finished) -> serde_json::Value {
         "simulations": p.map(|p| p.simulations),
         "worst_case_step_seconds": f.worst_case_step_seconds,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_workload;
+
+    /// `run` takes the paper presets `simulate` and `plan` name, with an optional count, as
+    /// well as its own `mtbench:COUNT`; unknown presets and empty counts are refused.
+    #[test]
+    fn workload_presets_are_spelled_as_simulate_spells_them() {
+        let preset = parse_workload("mtbench-128").unwrap();
+        assert_eq!((preset.count, preset.gen_len), (80, Some(128)));
+        let preset = parse_workload("mtbench-32:5").unwrap();
+        assert_eq!((preset.count, preset.gen_len), (5, Some(32)));
+        assert_eq!(parse_workload("mtbench:7").unwrap().count, 7);
+        assert!(parse_workload("mtbench-33")
+            .unwrap_err()
+            .contains("unknown preset `mtbench-33`"));
+        assert!(parse_workload("mtbench-32:").is_err());
+    }
 }
