@@ -187,7 +187,7 @@ pub fn execute_profiling(
         .collect::<Result<_, _>>()
         .map_err(|e| msg(&e))?;
     if let Some(spec) = &args.settings.workload {
-        let spec = WorkloadSpec::parse(spec).map_err(|e| msg(&e))?;
+        let spec = parse_workload(spec).map_err(Failure::Message)?;
         gen_len = spec.gen_len.unwrap_or(gen_len);
         let synthetic = spec.prompts(card.vocab as u32);
         texts.extend(
@@ -277,6 +277,13 @@ pub fn execute_profiling(
             }
             None => msg(&e),
         })?;
+    refuse_what_the_machine_cannot_hold(
+        &plan,
+        &compiled.program,
+        profile.as_ref(),
+        prompt_ids.len(),
+        on_cuda,
+    )?;
     let mut run = RunOptions::greedy(gen_len);
     run.sampling = if args.temperature > 0.0 {
         Sampling::Temperature {
@@ -562,6 +569,83 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
     super::output::write_output(path, text)
 }
 
+/// Parses `--workload`: the runtime's specs (`mtbench[:COUNT]`, `count=...`) and the paper
+/// presets `simulate` and `plan` take, `mtbench-GEN[:COUNT]` (the MT-Bench-shaped prompts,
+/// generating the preset's GEN tokens), so one spelling works in every command. Resolved
+/// here because the runtime does not import the cost model (issue 10's layering).
+fn parse_workload(text: &str) -> Result<WorkloadSpec, String> {
+    let Some(tail) = text.strip_prefix("mtbench-") else {
+        return WorkloadSpec::parse(text).map_err(|e| e.to_string());
+    };
+    let (gen, count) = match tail.split_once(':') {
+        Some((gen, count)) => (gen, Some(count)),
+        None => (tail, None),
+    };
+    let name = format!("mtbench-{gen}");
+    let preset = crate::cost::workloads::preset(&name).ok_or_else(|| {
+        format!(
+            "bad --workload `{text}`: unknown preset `{name}` (known: {})",
+            crate::cost::workloads::preset_names()
+        )
+    })?;
+    let runtime_spec = match count {
+        Some(count) => format!("mtbench:{count}"),
+        None => "mtbench".to_string(),
+    };
+    let spec = WorkloadSpec::parse(&runtime_spec)
+        .map_err(|e| format!("bad --workload `{text}`: {}", e.reason))?;
+    Ok(WorkloadSpec {
+        gen_len: Some(preset.gen_len as usize),
+        ..spec
+    })
+}
+
+/// Bytes of memory the OS can still give (`MemAvailable` of /proc/meminfo), if known.
+fn memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Refuses, before any arena is allocated, a plan whose arenas (the KV cache among their
+/// buffers) and per-sequence logits rows exceed the memory the machine has available, with
+/// the budget table `check` prints (issue 18: a schedule with `ctx x 10000` ran a 2-token
+/// job at 10 GB RSS, and larger ones were stopped by the OS). On the CUDA backend the `gpu`
+/// arena is on the device, so it is left out.
+fn refuse_what_the_machine_cannot_hold(
+    plan: &ExecPlan,
+    program: &crate::ir::Program,
+    profile: Option<&HardwareProfile>,
+    sequences: usize,
+    on_cuda: bool,
+) -> Result<(), Failure> {
+    let Some(available) = memory_available() else {
+        return Ok(());
+    };
+    let arenas: u64 = plan
+        .arenas
+        .iter()
+        .filter(|a| !(on_cuda && a.space == crate::ir::Space::Gpu))
+        .map(|a| a.bytes)
+        .fold(0, u64::saturating_add);
+    let logits = (sequences as u64)
+        .saturating_mul(program.model.vocab)
+        .saturating_mul(4);
+    let needed = arenas.saturating_add(logits);
+    if needed <= available {
+        return Ok(());
+    }
+    let table = crate::cost::budget::budget_table(
+        program,
+        profile,
+        &crate::cost::budget::BudgetOverrides::default(),
+    );
+    Err(Failure::Rendered(format!(
+        "error: this plan needs {needed} bytes of memory ({arenas} in arenas, {logits} for logits) but the machine has {available} available (MemAvailable, /proc/meminfo); nothing was allocated\nmemory (peak per space over the run)\n{table}"
+    )))
+}
+
 /// Runs `moec run`.
 pub fn run(args: &RunArgs) -> ExitCode {
     let bar = indicatif::ProgressBar::new(0);
@@ -709,4 +793,24 @@ fn predicted_json(f: &Finished) -> serde_json::Value {
         "simulations": p.map(|p| p.simulations),
         "worst_case_step_seconds": f.worst_case_step_seconds,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_workload;
+
+    /// `run` takes the paper presets `simulate` and `plan` name, with an optional count, as
+    /// well as its own `mtbench:COUNT`; unknown presets and empty counts are refused.
+    #[test]
+    fn workload_presets_are_spelled_as_simulate_spells_them() {
+        let preset = parse_workload("mtbench-128").unwrap();
+        assert_eq!((preset.count, preset.gen_len), (80, Some(128)));
+        let preset = parse_workload("mtbench-32:5").unwrap();
+        assert_eq!((preset.count, preset.gen_len), (5, Some(32)));
+        assert_eq!(parse_workload("mtbench:7").unwrap().count, 7);
+        assert!(parse_workload("mtbench-33")
+            .unwrap_err()
+            .contains("unknown preset `mtbench-33`"));
+        assert!(parse_workload("mtbench-32:").is_err());
+    }
 }

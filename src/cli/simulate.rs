@@ -75,8 +75,9 @@ pub struct SimulateArgs {
     /// Write every step's timeline as a Chrome/Perfetto trace (JSON).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Which step the Gantt chart shows: decode (default), prefill or step.
-    #[arg(long)]
+    /// Which step the Gantt chart shows: decode (default), prefill or step (needs
+    /// `--timeline`; alone it would be silently ignored).
+    #[arg(long, requires = "timeline")]
     timeline_step: Option<String>,
     /// Zoom the Gantt chart to a time window in ms, `FROM:TO` (e.g. `0:150`).
     #[arg(long, value_name = "FROM:TO")]

@@ -1,9 +1,7 @@
 //! Synthetic workloads: `--workload SPEC` to prompts of token ids, so benchmarks need no
 //! data files.
 //!
-//! Takes a spec, `mtbench[:COUNT]` (MT-Bench-shaped prompts: mean 77, max 418 tokens), a
-//! paper preset `mtbench-GEN[:COUNT]` (the same prompts, generating GEN tokens: the names
-//! `simulate` and `plan` take, from [`crate::cost::workloads`]) or
+//! Takes a spec, `mtbench[:COUNT]` (MT-Bench-shaped prompts: mean 77, max 418 tokens) or
 //! `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`, and the vocabulary size; gives the
 //! prompts (deterministic for a seed) and the generation length if the spec sets one.
 //! Lengths are exponentially distributed around the mean (a long tail, like chat prompts)
@@ -30,7 +28,7 @@ pub struct WorkloadSpec {
 
 /// A malformed spec.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("bad --workload `{spec}`: {reason} (expected `mtbench[:COUNT]`, `mtbench-GEN[:COUNT]` with GEN one of 32, 64, 128, 256, or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`)")]
+#[error("bad --workload `{spec}`: {reason} (expected `mtbench[:COUNT]` or `count=N,mean=M,max=X[,min=A][,gen=G][,seed=S]`)")]
 pub struct WorkloadError {
     /// The spec.
     pub spec: String,
@@ -54,21 +52,6 @@ impl WorkloadSpec {
             seed: 0,
         };
         if let Some(rest) = spec.strip_prefix("mtbench") {
-            // `mtbench-128[:COUNT]`: the paper preset `simulate` and `plan` name.
-            let (preset, rest) = match rest.strip_prefix('-') {
-                Some(tail) => {
-                    let gen = tail.split(':').next().unwrap_or(tail);
-                    let name = format!("mtbench-{gen}");
-                    let preset = crate::cost::workloads::preset(&name)
-                        .ok_or_else(|| err(&format!("unknown preset `{name}`")))?;
-                    (Some(preset), &tail[gen.len()..])
-                }
-                None => (None, rest),
-            };
-            let mtbench = WorkloadSpec {
-                gen_len: preset.map(|p| p.gen_len as usize),
-                ..mtbench
-            };
             let count = match rest.strip_prefix(':') {
                 Some(n) => n.parse().map_err(|_| err("COUNT is not a number"))?,
                 None if rest.is_empty() => mtbench.count,
@@ -180,13 +163,6 @@ mod tests {
         assert!(WorkloadSpec::parse("count=2,mean=x").is_err());
         assert!(WorkloadSpec::parse("count=2,mean=3,bogus=1").is_err());
         assert!(WorkloadSpec::parse("mtbench:x").is_err());
-        // The paper presets of `simulate`/`plan`: the same prompts, their generation length.
-        let preset = WorkloadSpec::parse("mtbench-128").unwrap();
-        assert_eq!((preset.count, preset.gen_len), (80, Some(128)));
-        let preset = WorkloadSpec::parse("mtbench-32:5").unwrap();
-        assert_eq!((preset.count, preset.gen_len), (5, Some(32)));
-        assert!(WorkloadSpec::parse("mtbench-33").is_err());
-        assert!(WorkloadSpec::parse("mtbench-32:").is_err());
         // Issue 18: a count that would overflow the allocation, and a mean past max.
         assert!(WorkloadSpec::parse("count=18446744073709551615,mean=4,max=8").is_err());
         assert!(WorkloadSpec::parse("mtbench:18446744073709551615").is_err());
