@@ -11,6 +11,13 @@
 //! (a device-to-host copy that waits for the stream), counted in the run report as
 //! routing syncs. `sample` reads the chosen ids (greedy: `argmax_rows` on the device) or
 //! the logits (temperature sampling with the CPU's sampler) back, so tokens are the CPU's.
+//!
+//! Every family of `model::arch` runs: the optional pieces follow the layer layout's
+//! segments and the [`ArchSpec`] flags, in the CPU's order (`pre_attn`: projections, q/k/v
+//! biases, q/k RMSNorm, clip, sinks into the row, rotary; `gate`: norm, router (+ bias,
+//! top-k-then-softmax for gpt-oss), the shared expert into the accumulator's last rows;
+//! `combine`: routed slots by expert, then the shared row, then the residual). What the
+//! kernels cannot run ([`unsupported`]) is refused at backend set-up, before any launch.
 
 use super::launch::{int, row_block, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
 use super::memory::{DeviceMemory, DeviceMemoryError};
