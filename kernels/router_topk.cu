@@ -7,10 +7,10 @@
 // Layout: logits is [n_tokens, n_experts] f32 (the router's output); experts and weights
 // are [n_tokens, top_k], highest probability first (unsigned int expert index, f32 weight).
 // n_experts must be at most ROUTER_MAX_EXPERTS and top_k at most n_experts: the caller
-// checks both (Mixtral has 8 experts, DBRX 16).
+// checks both (Mixtral has 8 experts, DBRX 16, Qwen3-30B-A3B and gpt-oss-120b 128).
 // Launch: 1-D grid, one thread per token (experts are few; a token's work is tiny).
 
-#define ROUTER_MAX_EXPERTS 64
+#define ROUTER_MAX_EXPERTS 256
 
 extern "C" __global__ void router_topk(
     const float* __restrict__ logits,
@@ -40,19 +40,22 @@ extern "C" __global__ void router_topk(
     }
     // Selection by repeated arg-max: a strictly greater probability wins, so equal
     // probabilities go to the lower index, the CPU's sort order.
-    unsigned long long taken = 0ull;
+    bool taken[ROUTER_MAX_EXPERTS];
+    for (int e = 0; e < n_experts; ++e) {
+        taken[e] = false;
+    }
     unsigned int chosen[ROUTER_MAX_EXPERTS];
     for (int k = 0; k < top_k; ++k) {
         int best = -1;
         for (int e = 0; e < n_experts; ++e) {
-            if ((taken >> e) & 1ull) {
+            if (taken[e]) {
                 continue;
             }
             if (best < 0 || probs[e] > probs[best]) {
                 best = e;
             }
         }
-        taken |= 1ull << best;
+        taken[best] = true;
         chosen[k] = (unsigned int)best;
     }
     float denom = 1.0f;
@@ -85,19 +88,22 @@ extern "C" __global__ void router_topk_softmax(
         return;
     }
     const float* row = logits + (size_t)token * n_experts;
-    unsigned long long taken = 0ull;
+    bool taken[ROUTER_MAX_EXPERTS];
+    for (int e = 0; e < n_experts; ++e) {
+        taken[e] = false;
+    }
     unsigned int chosen[ROUTER_MAX_EXPERTS];
     for (int k = 0; k < top_k; ++k) {
         int best = -1;
         for (int e = 0; e < n_experts; ++e) {
-            if ((taken >> e) & 1ull) {
+            if (taken[e]) {
                 continue;
             }
             if (best < 0 || row[e] > row[best]) {
                 best = e;
             }
         }
-        taken |= 1ull << best;
+        taken[best] = true;
         chosen[k] = (unsigned int)best;
     }
     const float max = row[chosen[0]];

@@ -964,7 +964,7 @@ fn family_kernels_run_like_the_cpu() {
         run_under_standin(NAME);
         return;
     }
-    use moec::model::kernels::moe::route_topk_softmax;
+    use moec::model::kernels::moe::{route, route_topk_softmax};
     use moec::model::kernels::norm::{normalize, NormKind};
     use moec::model::TypedSlice;
 
@@ -1107,32 +1107,52 @@ fn family_kernels_run_like_the_cpu() {
     println!("clamped_swiglu: max abs diff vs CPU {err:.3e}");
     assert!(err < 1e-5, "clamped swiglu: {err}");
 
-    // Top-4 of 16 raw logits, softmax over the four, with a tie between experts 3 and 9.
-    let (tokens, experts, top_k) = (5usize, 16usize, 4usize);
-    let mut logits = rng.vec(tokens * experts, 3.0);
-    logits[3] = 5.0;
-    logits[9] = 5.0;
-    let l_dev = stream.clone_htod(&logits).expect("htod");
-    let mut e_dev = stream.alloc_zeros::<u32>(tokens * top_k).expect("alloc");
-    let mut w_dev = stream.alloc_zeros::<f32>(tokens * top_k).expect("alloc");
-    let ints = [tokens, experts, top_k].map(|v| v as i32);
-    let router = function(&modules, "router_topk.cu", "router_topk_softmax");
-    // SAFETY: argument types and order match the kernel's signature.
-    unsafe {
-        stream
-            .launch_builder(&router)
-            .arg(&l_dev)
-            .arg(&mut e_dev)
-            .arg(&mut w_dev)
-            .arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .launch(cfg((1, 1, 1), 64, 0))
+    // Top-k of 16 and of 128 raw logits (Qwen3-30B-A3B and gpt-oss-120b have 128
+    // experts), softmax over the k, with a tie between experts 3 and 9; and the softmax-
+    // first router over 128 experts (Qwen3: no renormalisation) against `moe::route`.
+    for (experts, top_k) in [(16usize, 4usize), (128, 8)] {
+        let tokens = 5usize;
+        let mut logits = rng.vec(tokens * experts, 3.0);
+        logits[3] = 5.0;
+        logits[9] = 5.0;
+        let l_dev = stream.clone_htod(&logits).expect("htod");
+        let ints = [tokens, experts, top_k].map(|v| v as i32);
+        for softmax_first in [false, true] {
+            let mut e_dev = stream.alloc_zeros::<u32>(tokens * top_k).expect("alloc");
+            let mut w_dev = stream.alloc_zeros::<f32>(tokens * top_k).expect("alloc");
+            let entry = if softmax_first {
+                "router_topk"
+            } else {
+                "router_topk_softmax"
+            };
+            let router = function(&modules, "router_topk.cu", entry);
+            let norm_p = 0.0f32;
+            let mut launch = stream.launch_builder(&router);
+            launch
+                .arg(&l_dev)
+                .arg(&mut e_dev)
+                .arg(&mut w_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2]);
+            if softmax_first {
+                launch.arg(&norm_p);
+            }
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe { launch.launch(cfg((1, 1, 1), 64, 0)) }.expect("launch");
+            let want = if softmax_first {
+                route(&logits, experts, top_k, None)
+            } else {
+                route_topk_softmax(&logits, experts, top_k)
+            };
+            assert_eq!(
+                stream.clone_dtoh(&e_dev).expect("dtoh"),
+                want.experts,
+                "{entry}, {experts} experts"
+            );
+            let err = max_abs_diff(&stream.clone_dtoh(&w_dev).expect("dtoh"), &want.weights);
+            println!("{entry} ({experts} experts, top-{top_k}): experts equal, max weight diff {err:.3e}");
+            assert!(err < 1e-6, "{entry}: routing weights {err}");
+        }
     }
-    .expect("launch");
-    let want = route_topk_softmax(&logits, experts, top_k);
-    assert_eq!(stream.clone_dtoh(&e_dev).expect("dtoh"), want.experts);
-    let err = max_abs_diff(&stream.clone_dtoh(&w_dev).expect("dtoh"), &want.weights);
-    println!("router_topk_softmax: experts equal, max weight diff {err:.3e}");
-    assert!(err < 1e-6, "routing weights: {err}");
 }

@@ -175,7 +175,7 @@ impl<'c> CudaBackend<'c> {
         let host = CpuBackend::host_side(plan, checkpoint, options)?;
         let arch = ArchSpec::from_card(&plan.model);
         if let Some(what) =
-            super::ops::unsupported(&arch, host.host_memory().layout(), plan.model.dtype)
+            super::ops::unsupported(&arch, &host.host_memory().layout().layer, plan.model.dtype)
         {
             return Err(CudaSetupError::Unsupported(what));
         }

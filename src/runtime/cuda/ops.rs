@@ -11,6 +11,13 @@
 //! (a device-to-host copy that waits for the stream), counted in the run report as
 //! routing syncs. `sample` reads the chosen ids (greedy: `argmax_rows` on the device) or
 //! the logits (temperature sampling with the CPU's sampler) back, so tokens are the CPU's.
+//!
+//! Every family of `model::arch` runs: the optional pieces follow the layer layout's
+//! segments and the [`ArchSpec`] flags, in the CPU's order (`pre_attn`: projections, q/k/v
+//! biases, q/k RMSNorm, clip, sinks into the row, rotary; `gate`: norm, router (+ bias,
+//! top-k-then-softmax for gpt-oss), the shared expert into the accumulator's last rows;
+//! `combine`: routed slots by expert, then the shared row, then the residual). What the
+//! kernels cannot run ([`unsupported`]) is refused at backend set-up, before any launch.
 
 use super::launch::{int, row_block, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
 use super::memory::{DeviceMemory, DeviceMemoryError};
@@ -111,23 +118,26 @@ pub struct GpuCx<'a> {
     pub routing_syncs: &'a AtomicUsize,
 }
 
+/// `ROUTER_MAX_EXPERTS` of kernels/router_topk.cu.
+const ROUTER_MAX_EXPERTS: usize = 256;
+
 /// What the CUDA kernels cannot run for this model, named before any launch (backend
-/// set-up calls this): the router and combine kernels take at most 64 experts, the norm
+/// set-up calls this): the router kernels take at most 256 experts, combine top-64, the norm
 /// kernels bf16 weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
 /// per-layer windows, YaRN, clamped SwiGLU) have kernels, so the family itself is no reason.
 pub fn unsupported(
     arch: &ArchSpec,
-    layout: &crate::runtime::cpu::weights::ImageLayout,
+    layer: &crate::model::layout::LayerLayout,
     dtype: WeightDtype,
 ) -> Option<String> {
     let (e, k) = (arch.experts, arch.top_k);
-    if e > 64 || k > e {
+    if e > ROUTER_MAX_EXPERTS || k > e || k > 64 {
         return Some(format!(
-            "{e} experts with top-{k} (the router kernel takes at most 64 experts)"
+            "{e} experts with top-{k} (the router kernel takes at most {ROUTER_MAX_EXPERTS} experts, combine top-64)"
         ));
     }
     for kind in [SegmentKind::AttnNorm, SegmentKind::FfnNorm] {
-        if let Some(seg) = layout.layer.segment(kind) {
+        if let Some(seg) = layer.segment(kind) {
             if seg.dtype != WeightDtype::Bf16 {
                 return Some(format!(
                     "{kind:?} weights stored as {:?} (the norm kernels take bf16)",
@@ -535,9 +545,9 @@ impl GpuCx<'_> {
         route: u64,
     ) -> Result<(), OpError> {
         let (e, k) = (self.arch.experts, self.arch.top_k);
-        if e > 64 || k > e {
+        if e > ROUTER_MAX_EXPERTS || k > e {
             return Err(OpError::Unsupported(format!(
-                "{e} experts with top-{k} (the router kernel takes at most 64 experts)"
+                "{e} experts with top-{k} (the router kernel takes at most {ROUTER_MAX_EXPERTS} experts)"
             )));
         }
         let router = self.segment(weights, layer, SegmentKind::Router)?;
@@ -1399,6 +1409,35 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every family's cards run on the CUDA kernels (the published ones too: up to 128
+    /// experts), and what the kernels cannot take is named.
+    #[test]
+    fn every_card_is_supported_and_what_is_not_is_named() {
+        use crate::model::card::ModelCard;
+        use crate::model::layout::LayerLayout;
+        for name in [
+            "mixtral-tiny",
+            "dbrx-tiny",
+            "qwen3-moe-tiny",
+            "olmoe-tiny",
+            "qwen2-moe-tiny",
+            "gpt-oss-tiny",
+            "qwen3-30b-a3b",
+            "gpt-oss-120b",
+        ] {
+            let card = ModelCard::load(name).unwrap();
+            let arch = ArchSpec::from_card(&card);
+            let layout = LayerLayout::uniform(&arch, card.dtype);
+            assert_eq!(unsupported(&arch, &layout, card.dtype), None, "{name}");
+            let mut wide = arch.clone();
+            wide.experts = 512;
+            let why = unsupported(&wide, &layout, card.dtype).unwrap();
+            assert!(why.contains("512 experts"), "{why}");
+            let why = unsupported(&arch, &layout, WeightDtype::F32).unwrap();
+            assert!(why.contains("final norm"), "{why}");
+        }
+    }
 
     /// Every op of the table has a CUDA implementation (a missing row fails here, not in
     /// a user's run), and no kind has two.
