@@ -14,21 +14,6 @@ use moec::ir::{GuardAtom, Op, Workload};
 use moec::model::card::ModelCard;
 use std::sync::Arc;
 
-/// 4 prompts of 9-12 tokens in micro-batches of 2 sequences: about 20 tokens per
-/// micro-batch, so an expert gets anywhere from 0 to 20 of them in prefill and at most 2
-/// in decode.
-fn prompts(card: &ModelCard) -> Vec<Vec<u32>> {
-    [12usize, 9, 11, 10]
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| {
-            (0..len)
-                .map(|t| ((i * 131 + t * 17 + 1) as u64 % card.vocab) as u32)
-                .collect()
-        })
-        .collect()
-}
-
 const GEN: usize = 3;
 
 fn options(card: &ModelCard, sets: &[(&str, String)], profile: Option<&RoutingProfile>) -> Options {
@@ -73,7 +58,7 @@ fn every_threshold_and_placement_gives_the_oracle_tokens() {
     for name in ["mixtral-tiny", "dbrx-tiny"] {
         let card = ModelCard::load(name).expect("card");
         let checkpoint = common::tiny_checkpoint(&card, dir.path());
-        let prompts = prompts(&card);
+        let prompts = common::varied_prompts(&card);
         let expected = common::oracle_tokens(&checkpoint, &prompts, GEN);
         let profile = reversed_profile(&card);
         // always copy, always the CPU, the paper's latency rule, the released code's rule
@@ -111,7 +96,7 @@ fn one_step_runs_some_experts_on_the_cpu_and_copies_others_in_the_same_layer() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let card = ModelCard::load("mixtral-tiny").expect("card");
     let checkpoint = common::tiny_checkpoint(&card, dir.path());
-    let prompts = prompts(&card);
+    let prompts = common::varied_prompts(&card);
     let expected = common::oracle_tokens(&checkpoint, &prompts, GEN);
     // No resident experts; copy at 6 tokens: prefill micro-batches of ~20 tokens route
     // 40 (token, expert) pairs over 8 experts, so some get 6 or more, some fewer.
@@ -273,7 +258,7 @@ fn a_profiling_run_counts_every_tokens_routing() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let card = ModelCard::load("dbrx-tiny").expect("card");
     let checkpoint = common::tiny_checkpoint(&card, dir.path());
-    let prompts = prompts(&card);
+    let prompts = common::varied_prompts(&card);
     let compiled = fiddler(&options(&card, &[], None));
     let lower_options = LowerOptions {
         read_all_routing: true,

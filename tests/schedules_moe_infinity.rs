@@ -14,19 +14,6 @@ use moec::lower::{lower, LowerOptions};
 use moec::model::card::ModelCard;
 use moec::runtime::{generate, RunOptions};
 
-/// 4 prompts of 9-12 tokens in batches of 2 sequences.
-fn prompts(card: &ModelCard) -> Vec<Vec<u32>> {
-    [12usize, 9, 11, 10]
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| {
-            (0..len)
-                .map(|t| ((i * 131 + t * 17 + 1) as u64 % card.vocab) as u32)
-                .collect()
-        })
-        .collect()
-}
-
 const GEN: usize = 4;
 
 fn compiled(card: &ModelCard, sets: &[(&str, String)]) -> Result<Compiled, String> {
@@ -65,7 +52,7 @@ fn every_cache_size_policy_and_predictor_gives_the_oracle_tokens() {
     for name in ["mixtral-tiny", "dbrx-tiny"] {
         let card = ModelCard::load(name).expect("card");
         let checkpoint = common::tiny_checkpoint(&card, dir.path());
-        let prompts = prompts(&card);
+        let prompts = common::varied_prompts(&card);
         let expected = common::oracle_tokens(&checkpoint, &prompts, GEN);
         let least = fewest_slots(&card);
         let all = card.layers * card.experts;
@@ -110,7 +97,7 @@ fn a_cache_smaller_than_the_working_set_misses_and_evicts_and_counts_its_fetches
     let dir = tempfile::tempdir().expect("temporary directory");
     let card = ModelCard::load("mixtral-tiny").expect("card");
     let checkpoint = common::tiny_checkpoint(&card, dir.path());
-    let prompts = prompts(&card);
+    let prompts = common::varied_prompts(&card);
     let expected = common::oracle_tokens(&checkpoint, &prompts, GEN);
     let slots = fewest_slots(&card);
     let c = compiled(&card, &[("n_cache", slots.to_string())]).expect("compiles");
@@ -159,7 +146,7 @@ fn a_cache_holding_every_expert_misses_each_expert_at_most_once() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let card = ModelCard::load("dbrx-tiny").expect("card");
     let checkpoint = common::tiny_checkpoint(&card, dir.path());
-    let prompts = prompts(&card);
+    let prompts = common::varied_prompts(&card);
     let all = card.layers * card.experts;
     // No prefetch: with room for the whole model nothing is ever evicted, so each
     // (layer, expert) is copied once, on its first fetch.

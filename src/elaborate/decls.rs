@@ -189,22 +189,11 @@ impl<'a> Elaborator<'a> {
 
     pub(super) fn declare_buffer(&mut self, decl: &BufferDecl) {
         let name = &decl.name.name;
-        if let Some(first) = self.is_declared(name) {
-            return self.report(Diagnostic::duplicate_name(
-                decl.name.span,
-                first,
-                "buffer",
-                name,
-            ));
+        if self.redeclared(&decl.name, "buffer") {
+            return;
         }
-        let Some(space) = Space::parse(&decl.space.name) else {
-            let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
-            return self.report(Diagnostic::bad_engine(
-                decl.space.span,
-                &decl.space.name,
-                "memory space",
-                &known,
-            ));
+        let Some(space) = self.space_of(&decl.space) else {
+            return;
         };
         let mut dims = Vec::new();
         let mut count: u64 = 1;
@@ -291,27 +280,42 @@ impl<'a> Elaborator<'a> {
         });
     }
 
+    /// Reports `name` if something of that name exists already; true then.
+    fn redeclared(&mut self, name: &crate::syntax::ast::Ident, kind: &str) -> bool {
+        let Some(first) = self.is_declared(&name.name) else {
+            return false;
+        };
+        self.report(Diagnostic::duplicate_name(
+            name.span, first, kind, &name.name,
+        ));
+        true
+    }
+
+    /// The memory space a declaration names, or `None` after reporting an unknown one.
+    fn space_of(&mut self, space: &crate::syntax::ast::Ident) -> Option<Space> {
+        let parsed = Space::parse(&space.name);
+        if parsed.is_none() {
+            let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
+            self.report(Diagnostic::bad_engine(
+                space.span,
+                &space.name,
+                "memory space",
+                &known,
+            ));
+        }
+        parsed
+    }
+
     /// `cache NAME[SLOTS]: SPACE evict POLICY [predict PREDICTOR]`: one buffer of SLOTS
     /// expert slots (it counts against its space's budget like any buffer) and the cache's
     /// policy and predictor, named by strings so a param can choose them (`select`).
     pub(super) fn declare_cache(&mut self, decl: &CacheDecl) {
         let name = &decl.name.name;
-        if let Some(first) = self.is_declared(name) {
-            return self.report(Diagnostic::duplicate_name(
-                decl.name.span,
-                first,
-                "cache",
-                name,
-            ));
+        if self.redeclared(&decl.name, "cache") {
+            return;
         }
-        let Some(space) = Space::parse(&decl.space.name) else {
-            let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
-            return self.report(Diagnostic::bad_engine(
-                decl.space.span,
-                &decl.space.name,
-                "memory space",
-                &known,
-            ));
+        let Some(space) = self.space_of(&decl.space) else {
+            return;
         };
         let slots = match self
             .eval(&decl.slots)

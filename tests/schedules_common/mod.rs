@@ -180,3 +180,18 @@ pub fn run_against_oracle(
     }
     Ok(())
 }
+
+/// 4 prompts of 9-12 tokens (ids spread over the vocabulary): in micro-batches of 2
+/// sequences, about 20 tokens each, so an expert gets anywhere from 0 to 20 of them in
+/// prefill and at most 2 in decode.
+pub fn varied_prompts(card: &ModelCard) -> Vec<Vec<u32>> {
+    [12usize, 9, 11, 10]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            (0..len)
+                .map(|t| ((i * 131 + t * 17 + 1) as u64 % card.vocab) as u32)
+                .collect()
+        })
+        .collect()
+}
