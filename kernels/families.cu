@@ -1,9 +1,7 @@
 // The pieces of the newer MoE families that Mixtral and DBRX do not have, with the CPU
 // backend's math (src/model/kernels/projection.rs, moe.rs):
-//   qk_rms_norm_f32     Qwen3's per-head and OLMoE's whole-projection q/k RMSNorm, in place:
-//                       each of `chunks` runs of `chunk` values starting at column `col` of a
-//                       row is normalised as rms_norm_bf16 does (w * (x * 1/sqrt(mean + eps)))
-//                       with the same `chunk` f32 weights
+//   (the q/k RMSNorm of Qwen3 and OLMoE, qk_rms_norm_f32, is in rms_norm.cu beside the
+//   other norms and shares their block reduction)
 //   bias_rows           x[r, col + i] (+)= b[i] for i < cols: q/k/v, o_proj, router and
 //                       expert biases (accumulate = 1), gpt-oss's sinks copied into each qkv
 //                       row (accumulate = 0)
@@ -15,60 +13,9 @@
 // Layout: activations are f32 rows, row-major; `ld` is a row's stride in floats (a qkv row
 // is wider than the part a kernel touches). Weights and biases are f32 (the caller widens
 // stored bf16/f16 vectors first with widen_bf16/widen_f16).
-// Launch: qk_rms_norm_f32: grid = (n_rows, chunks), block = (threads, a multiple of 32);
-// bias_rows, sigmoid_scale_rows and clamped_swiglu: grid = (n_rows), block = (threads)
+// Launch: bias_rows, sigmoid_scale_rows and clamped_swiglu: grid = (n_rows), block = (threads)
 // striding over the row. Sums are reduced as a tree, so norms agree with the CPU to
 // rounding, not bit for bit.
-
-// Sum of `value` over the block; every thread gets the result.
-__device__ float fam_block_sum(float value) {
-    __shared__ float warp_sums[32];
-    __shared__ float total;
-    const unsigned int lane = threadIdx.x % 32;
-    const unsigned int warp = threadIdx.x / 32;
-    for (int offset = 16; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(0xffffffffu, value, offset);
-    }
-    if (lane == 0) {
-        warp_sums[warp] = value;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const unsigned int n_warps = (blockDim.x + 31) / 32;
-        float partial = lane < n_warps ? warp_sums[lane] : 0.0f;
-        for (int offset = 16; offset > 0; offset /= 2) {
-            partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-        }
-        if (lane == 0) {
-            total = partial;
-        }
-    }
-    __syncthreads();
-    const float result = total;
-    __syncthreads();
-    return result;
-}
-
-extern "C" __global__ void qk_rms_norm_f32(
-    float* __restrict__ x,
-    const float* __restrict__ weight,
-    int ld,
-    int col,
-    int chunk,
-    float eps) {
-    const size_t row = blockIdx.x;
-    float* part = x + row * (size_t)ld + col + (size_t)blockIdx.y * chunk;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-        sum_sq += part[i] * part[i];
-    }
-    // Every thread has read its values before any writes (the reduction's barriers).
-    const float mean_sq = fam_block_sum(sum_sq) / (float)chunk;
-    const float scale = 1.0f / sqrtf(mean_sq + eps);
-    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-        part[i] = weight[i] * (part[i] * scale);
-    }
-}
 
 extern "C" __global__ void bias_rows(
     float* __restrict__ x,

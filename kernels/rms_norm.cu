@@ -90,3 +90,28 @@ extern "C" __global__ void layer_norm_bf16(
         dst[i] = (src[i] - mean) * scale * bf16_to_f32(weight[i]);
     }
 }
+
+// Qwen3's per-head and OLMoE's whole-projection q/k RMSNorm, in place, on f32 rows of stride
+// `ld`: each of `chunks` runs of `chunk` values starting at column `col` is normalised as
+// rms_norm_bf16 does (w * (x * 1/sqrt(mean + eps))) with the same `chunk` f32 weights.
+// Launch: grid = (n_rows, chunks), block = (threads, a multiple of 32).
+extern "C" __global__ void qk_rms_norm_f32(
+    float* __restrict__ x,
+    const float* __restrict__ weight,
+    int ld,
+    int col,
+    int chunk,
+    float eps) {
+    const size_t row = blockIdx.x;
+    float* part = x + row * (size_t)ld + col + (size_t)blockIdx.y * chunk;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
+        sum_sq += part[i] * part[i];
+    }
+    // Every thread has read its values before any writes (the reduction's barriers).
+    const float mean_sq = block_sum(sum_sq) / (float)chunk;
+    const float scale = 1.0f / sqrtf(mean_sq + eps);
+    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
+        part[i] = weight[i] * (part[i] * scale);
+    }
+}

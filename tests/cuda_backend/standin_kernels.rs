@@ -986,7 +986,7 @@ fn family_kernels_run_like_the_cpu() {
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {
             stream
-                .launch_builder(&f("qk_rms_norm_f32"))
+                .launch_builder(&function(&modules, "rms_norm.cu", "qk_rms_norm_f32"))
                 .arg(&mut x_dev)
                 .arg(&w_dev)
                 .arg(&ld_i)

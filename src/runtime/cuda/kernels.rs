@@ -30,7 +30,7 @@ pub const KERNELS: [KernelSource; 8] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
-        entries: &["rms_norm_bf16", "layer_norm_bf16"],
+        entries: &["rms_norm_bf16", "layer_norm_bf16", "qk_rms_norm_f32"],
     },
     KernelSource {
         file: "rope.cu",
@@ -60,12 +60,7 @@ pub const KERNELS: [KernelSource; 8] = [
     KernelSource {
         file: "families.cu",
         source: include_str!("../../../kernels/families.cu"),
-        entries: &[
-            "qk_rms_norm_f32",
-            "bias_rows",
-            "sigmoid_scale_rows",
-            "clamped_swiglu",
-        ],
+        entries: &["bias_rows", "sigmoid_scale_rows", "clamped_swiglu"],
     },
     KernelSource {
         file: "ops.cu",
