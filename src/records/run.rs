@@ -74,6 +74,19 @@ pub struct RunStats {
     pub paused: usize,
     /// Expert caches' hits, misses, prefetches and evictions.
     pub caches: Vec<CacheReport>,
+    /// Bytes the run's copies bound and moved, when the backend binds weight copies
+    /// (the CPU backend's default); `None` when every copy moved its bytes.
+    pub copies: Option<CopyTotals>,
+}
+
+/// Bytes the copies of a run covered, by how they were carried out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyTotals {
+    /// Weight bytes whose labels moved without the bytes (kernels read them from the
+    /// mapped checkpoint).
+    pub bound: u64,
+    /// Bytes copied (activations, KV and padding; every byte when nothing is bound).
+    pub moved: u64,
 }
 
 /// One layer's cache events in a run.

@@ -792,6 +792,7 @@ pub fn generate<B: Backend>(
         progress(produced.min(total_tokens), total_tokens);
     }
     stats.wall = origin.elapsed().as_secs_f64();
+    stats.copies = backend.memory().copies;
     stats.caches = state
         .caches
         .iter()
