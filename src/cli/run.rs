@@ -508,9 +508,17 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         human(host + pinned + f.stats.image_bytes),
         host_budget(|p| p.cpu.mem_gb, " DRAM")
     );
+    let populated = if f.stats.image_populated > 0 {
+        format!(
+            "; page tables of {} populated before the first step",
+            human(f.stats.image_populated)
+        )
+    } else {
+        "; pages faulted in as kernels read them".to_string()
+    };
     let _ = writeln!(
         out,
-        "  weights {:>10}  memory-mapped from the checkpoint (pageable, not allocated)",
+        "  weights {:>10}  memory-mapped from the checkpoint (pageable, not allocated){populated}",
         human(f.stats.image_bytes)
     );
     let _ = writeln!(
@@ -633,14 +641,6 @@ fn parse_workload(text: &str) -> Result<WorkloadSpec, String> {
     })
 }
 
-/// Bytes of memory the OS can still give (`MemAvailable` of /proc/meminfo), if known.
-fn memory_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib.saturating_mul(1024))
-}
-
 /// Refuses, before any arena is allocated, a plan whose arenas (the KV cache among their
 /// buffers) and per-sequence logits rows exceed the memory the machine has available, with
 /// the budget table `check` prints (issue 18: a schedule with `ctx x 10000` ran a 2-token
@@ -653,7 +653,7 @@ fn refuse_what_the_machine_cannot_hold(
     sequences: usize,
     on_cuda: bool,
 ) -> Result<(), Failure> {
-    let Some(available) = memory_available() else {
+    let Some(available) = crate::sysmem::available_bytes() else {
         return Ok(());
     };
     let arenas: u64 = plan

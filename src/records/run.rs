@@ -68,6 +68,8 @@ pub struct RunStats {
     pub arena_bytes: [u64; 3],
     /// Bytes of the weights image.
     pub image_bytes: u64,
+    /// Bytes of the weights image whose page tables were populated before the first step.
+    pub image_populated: u64,
     /// Sequences preempted because KV blocks ran out (mixed steps; each is prefilled again).
     pub preemptions: usize,
     /// Sequence-passes skipped waiting for KV blocks (mixed steps).

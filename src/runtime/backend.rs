@@ -65,6 +65,8 @@ pub struct MemoryReport {
     /// Bytes the copies so far bound (weights) and moved, when the backend binds weight
     /// copies; `None` when every copy moves its bytes (device backends).
     pub copies: Option<super::cpu::memory::CopyTotals>,
+    /// Bytes of the weights image whose page tables were populated before the first step.
+    pub populated: u64,
 }
 
 /// One task's device-measured times, seconds from the step's start.

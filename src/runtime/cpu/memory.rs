@@ -203,6 +203,8 @@ pub struct CpuMemory<'c> {
     /// Bytes bound and moved so far.
     bound: AtomicU64,
     moved: AtomicU64,
+    /// Bytes of the image whose page tables were populated before the first step.
+    populated: u64,
 }
 
 fn space_index(space: Space) -> usize {
@@ -256,6 +258,11 @@ impl<'c> CpuMemory<'c> {
         ];
         let layout = image_layout(checkpoint, plan.checkpoint)?;
         let image = MappedImage::new(checkpoint, &layout)?;
+        // Fault the weights in now rather than a page at a time inside the first step's
+        // kernels, unless they would crowd out half of what the machine has left (a
+        // checkpoint larger than memory is streamed from disk by the OS as it is read).
+        let fits = crate::sysmem::available_bytes().is_some_and(|a| image.len() <= a / 2);
+        let populated = if fits { image.populate() } else { 0 };
         let image_map = layout.map();
         let image_starts = layout
             .tags()
@@ -282,7 +289,14 @@ impl<'c> CpuMemory<'c> {
             image_starts,
             bound: AtomicU64::new(0),
             moved: AtomicU64::new(0),
+            populated,
         })
+    }
+
+    /// Bytes of the image whose page tables were populated before the first step (0: the
+    /// image was larger than half the available memory, or the OS refused).
+    pub fn populated(&self) -> u64 {
+        self.populated
     }
 
     /// How weight bytes are copied.

@@ -165,6 +165,7 @@ impl Backend for CpuBackend<'_> {
             pinned_locked: self.memory.pinned_locked(),
             copies: (self.memory.weight_copies() == memory::WeightCopies::Bind)
                 .then(|| self.memory.copy_totals()),
+            populated: self.memory.populated(),
         }
     }
 

@@ -313,6 +313,7 @@ impl Backend for CudaBackend<'_> {
             image_bytes: host.image_bytes,
             pinned_locked: self.memory.pinned_registered(),
             copies: None,
+            populated: host.populated,
         }
     }
 

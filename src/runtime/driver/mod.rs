@@ -580,6 +580,7 @@ pub fn generate<B: Backend>(
         pinned_locked: memory.pinned_locked,
         arena_bytes: memory.arena_bytes,
         image_bytes: memory.image_bytes,
+        image_populated: memory.populated,
         ..RunStats::default()
     };
     let origin = Instant::now();
