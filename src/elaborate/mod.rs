@@ -137,6 +137,8 @@ struct Elaborator<'a> {
     caches: Vec<ir::cache::Cache>,
     /// Set while a `fetch` or `prefetch` statement issues its copy.
     cache_op: Option<ir::cache::CacheOp>,
+    /// Set while a `copy` of `.context()` / `.appended()` issues its task.
+    kv_part: Option<ir::KvPart>,
     templates: HashMap<String, &'a TemplateDecl>,
     template_stack: Vec<String>,
     micro: Option<MicroBatches>,
@@ -180,6 +182,7 @@ impl<'a> Elaborator<'a> {
             buffer_spans: Vec::new(),
             caches: Vec::new(),
             cache_op: None,
+            kv_part: None,
             templates: HashMap::new(),
             template_stack: Vec::new(),
             micro: None,

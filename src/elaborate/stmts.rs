@@ -236,8 +236,35 @@ impl<'a> Elaborator<'a> {
     }
 
     fn exec_copy(&mut self, stmt: &'a CopyStmt) -> Result<(), Diagnostic> {
-        let src = self.eval_slice(&stmt.src)?;
-        let dst = self.eval_slice(&stmt.dst)?;
+        let (src_expr, src_part) = kv_part_of(&stmt.src)?;
+        let (dst_expr, dst_part) = kv_part_of(&stmt.dst)?;
+        let kv_part = match (src_part, dst_part) {
+            (Some((a, _)), Some((b, at))) if a != b => {
+                return Err(Diagnostic::type_mismatch(
+                    at,
+                    &format!("`.{}()` on both sides, or on one", a.as_str()),
+                    &format!("`.{}()`", b.as_str()),
+                ))
+            }
+            (a, b) => a.or(b),
+        };
+        if let Some((part, at)) = kv_part {
+            if matches!(stmt.kind, CopyKind::Fetch | CopyKind::Prefetch) {
+                return Err(Diagnostic::type_mismatch(
+                    at,
+                    "one expert's weights (a fetch fills an expert cache slot)",
+                    &format!("the `.{}()` of a KV cache", part.as_str()),
+                ));
+            }
+            if matches!(self.step, Some((StepKind::Setup, _)) | None) {
+                return Err(Diagnostic::dynamic_not_allowed(
+                    at,
+                    "a KV cache's context (`.context()`, `.appended()`) in `setup`, which has no sequences,",
+                ));
+            }
+        }
+        let src = self.eval_slice(src_expr)?;
+        let dst = self.eval_slice(dst_expr)?;
         let cache_op = match stmt.kind {
             CopyKind::Copy => None,
             CopyKind::Fetch => Some(CacheOp::Fetch),
@@ -278,6 +305,7 @@ impl<'a> Elaborator<'a> {
             ));
         }
         self.cache_op = cache_op;
+        self.kv_part = kv_part.map(|(part, _)| part);
         let args = vec![
             (
                 Arg {
@@ -298,6 +326,7 @@ impl<'a> Elaborator<'a> {
         ];
         let issued = self.issue(Op::Copy, args, &stmt.tail, stmt.span, keyword);
         self.cache_op = None;
+        self.kv_part = None;
         issued
     }
 
@@ -674,7 +703,14 @@ impl<'a> Elaborator<'a> {
                 )
             })
             .collect();
-        let work = catalog::work(&op, &self.card, &shape, &arg_info);
+        let mut work = catalog::work(&op, &self.card, &shape, &arg_info);
+        if let (Some(part), Some(copy)) = (self.kv_part, work.copy.as_mut()) {
+            // The positions the copy moves at the declared (worst-case) shape.
+            copy.bytes = catalog::kv_part_bytes(&self.card, &shape, part).min(copy.bytes);
+            for m in &mut work.mem {
+                m.bytes = copy.bytes as f64;
+            }
+        }
         let mut lits = self.guard.clone();
         lits.sort();
         lits.dedup();
@@ -690,6 +726,7 @@ impl<'a> Elaborator<'a> {
             work,
             label: label_text,
             cache_op: self.cache_op,
+            kv: self.kv_part,
         });
         self.spans.tasks.push(span);
         self.spans.task_args.push(arg_spans);
@@ -715,6 +752,31 @@ impl<'a> Elaborator<'a> {
         }
         Ok(format!("{}[{}]", label.name.name, parts.join(", ")))
     }
+}
+
+/// A KV part a copy side names, with the span of its method.
+type KvPartAt = (ir::KvPart, Span);
+
+/// A copy side written `SLICE.context()` or `SLICE.appended()`: the slice expression and
+/// the KV part it names (with the method's span), else the side itself.
+fn kv_part_of(expr: &ast::Expr) -> Result<(&ast::Expr, Option<KvPartAt>), Diagnostic> {
+    let ast::ExprKind::Method(base, method, args) = &expr.kind else {
+        return Ok((expr, None));
+    };
+    let part = match method.name.as_str() {
+        "context" => ir::KvPart::Context,
+        "appended" => ir::KvPart::Appended,
+        _ => return Ok((expr, None)),
+    };
+    if !args.is_empty() {
+        return Err(Diagnostic::arity(
+            expr.span,
+            &format!("`{}`", method.name),
+            0,
+            args.len(),
+        ));
+    }
+    Ok((base, Some((part, method.span))))
 }
 
 fn to_slice(s: SliceVal) -> Slice {
