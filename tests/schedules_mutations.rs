@@ -164,6 +164,37 @@ const MUTATIONS: &[Mutation] = &[
         code: Code::ValuesExpertGuard,
         line_has: "experts(layer = l, ub = k, set = hot(l, r)",
     },
+    // A store of the positions cached BEFORE the step (`.context()`) where the appended
+    // ones belong leaves the home without this token's line: the next step's load finds
+    // the cache of the run before.
+    Mutation {
+        name: "flexgen_store_context_not_appended",
+        schedule: "flexgen",
+        find: "copy kv_g[g % 3].appended() -> kv[g / n_batch][g % n_batch] on kv_store",
+        replace: "copy kv_g[g % 3].context() -> kv[g / n_batch][g % n_batch] on kv_store",
+        code: Code::ValuesStale,
+        line_has: "kv[g / n_batch][g % n_batch].context() -> kv_g[g % 3]",
+    },
+    // Loading only the appended positions of a home nobody updated this step.
+    Mutation {
+        name: "flexgen_load_appended_not_context",
+        schedule: "flexgen",
+        find: "copy kv[g / n_batch][g % n_batch].context() -> kv_g[g % 3] on kv_load",
+        replace: "copy kv[g / n_batch][g % n_batch].appended() -> kv_g[g % 3] on kv_load",
+        code: Code::ValuesStale,
+        line_has: "kv[g / n_batch][g % n_batch].appended() -> kv_g[g % 3]",
+    },
+    // Storing into the home of another batch: the prefill's store (all new positions)
+    // labels that home with this batch's cache, so the next decode step's attention finds
+    // another batch's cache loaded for it.
+    Mutation {
+        name: "klotski_append_to_another_home",
+        schedule: "klotski",
+        find: "copy kv_g[(l * n_batch + k) % 3].appended() -> kv[l][k] on kv_store",
+        replace: "copy kv_g[(l * n_batch + k) % 3].appended() -> kv[l][(k + 1) % n_batch] on kv_store",
+        code: Code::ValuesWrong,
+        line_has: "attn(layer = l, ub = k, part = part",
+    },
 ];
 
 /// The source line holding byte `at`.

@@ -811,6 +811,36 @@ mod tests {
         })
     }
 
+    /// `.context()` / `.appended()` belong to a side of a `copy` in a step with sequences:
+    /// inside an op argument, in `setup`, with arguments, or different on the two sides
+    /// they are refused at elaboration.
+    #[test]
+    fn kv_parts_only_name_a_side_of_a_copy_in_a_step() {
+        let compile_error = |body: &str| {
+            let source = format!(
+                "schedule t\nmicrobatches 1 of 1\nstream gpu: gpu.compute\nstream h2d: gpu.copy_in\n\
+                 buffer kv: pinned = kv_cache(8)\nbuffer kv_g: gpu = kv_cache(8)\n\
+                 buffer q: gpu = qkv(8)\nbuffer a: gpu = attn_out(8)\n{body}\n"
+            );
+            let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+            let diags = compile(&source, &options).err().unwrap_or_default();
+            diags
+                .iter()
+                .find(|d| d.is_error())
+                .map_or_else(String::new, |d| d.message.clone())
+        };
+        let in_arg = compile_error(
+            "prefill { attn(layer = 0, ub = 0, part = prefill, qkv = q, kv = kv_g.context(), out = a) on gpu }",
+        );
+        assert!(in_arg.contains("a side of a `copy`"), "{in_arg}");
+        let in_setup = compile_error("setup { copy kv.context() -> kv_g on h2d }");
+        assert!(in_setup.contains("`setup`"), "{in_setup}");
+        let with_args = compile_error("decode { copy kv.context(1) -> kv_g on h2d }");
+        assert!(with_args.contains("`context`"), "{with_args}");
+        let mixed = compile_error("decode { copy kv.context() -> kv_g.appended() on h2d }");
+        assert!(mixed.contains("`.appended()`"), "{mixed}");
+    }
+
     /// Static parameters are asked for in the order each op declares them, then the first
     /// required buffer argument of its signature (expected messages written by hand from
     /// the op catalog of DESIGN.md).
