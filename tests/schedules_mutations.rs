@@ -151,18 +151,20 @@ const MUTATIONS: &[Mutation] = &[
     Mutation {
         name: "klotski_negated_expert_guard",
         schedule: "klotski",
-        find: "    if active(l, hot(l, r)) {\n      for k in 0..n_batch {",
-        replace: "    if !active(l, hot(l, r)) {\n      for k in 0..n_batch {",
+        find: "    if active(l, hot(l, r)) {\n      experts(layer = l, ub = all",
+        replace: "    if !active(l, hot(l, r)) {\n      experts(layer = l, ub = all",
         code: Code::ValuesExpertGuard,
-        line_has: "experts(layer = l, ub = k, set = hot(l, r)",
+        line_has: "experts(layer = l, ub = all, set = hot(l, r)",
     },
+    // The group's per-batch guard is implicit (`ub = all` adds `active(l, e, k)` to batch
+    // k's part); narrowing the group's own guard to one batch loses the others' tokens.
     Mutation {
         name: "klotski_negated_ub_guard",
         schedule: "klotski",
-        find: "        if active(l, hot(l, r), k) {",
-        replace: "        if !active(l, hot(l, r), k) {",
+        find: "    if active(l, hot(l, r)) {\n      experts(layer = l, ub = all",
+        replace: "    if !active(l, hot(l, r), 0) {\n      experts(layer = l, ub = all",
         code: Code::ValuesExpertGuard,
-        line_has: "experts(layer = l, ub = k, set = hot(l, r)",
+        line_has: "experts(layer = l, ub = all, set = hot(l, r)",
     },
     // A store of the positions cached BEFORE the step (`.context()`) where the appended
     // ones belong leaves the home without this token's line: the next step's load finds

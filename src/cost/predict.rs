@@ -312,7 +312,12 @@ fn compute_load(
     // The host's pinned and pageable memory are one DRAM: a CPU task's traffic in both
     // adds up on one bus.
     let mut per_level: BTreeMap<Level, f64> = BTreeMap::new();
+    // An `experts(.., ub = all)` group reads its weights once, in its first task.
+    let shares_weights = task.group.is_some_and(|head| head != id);
     for traffic in &work.mem {
+        if shares_weights && traffic.class == catalog::DataClass::Weights {
+            continue;
+        }
         let mut level = level_of(traffic.space);
         if processor == Processor::Cpu && level == Level::Pinned {
             level = Level::Host;

@@ -4,7 +4,7 @@
 //! fails is reported and skipped, so one run shows every independent error. Dynamic `if`
 //! conditions become guards on the tasks inside; static ones pick a branch.
 
-use super::value::{as_int, check_index, SliceVal, Val};
+use super::value::{as_int, check_index, Context, SliceVal, Val};
 use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
 use crate::ir::cache::CacheOp;
@@ -356,6 +356,17 @@ impl<'a> Elaborator<'a> {
     /// them, then its buffer arguments checked against the table (unknown names, missing
     /// required ones) and against the op's value signature.
     fn exec_op(&mut self, stmt: &'a CallStmt, def: &'static OpDef) -> Result<(), Diagnostic> {
+        if self.group_ub.is_none() && def.kind == catalog::OpKind::Experts {
+            let ub = stmt
+                .args
+                .iter()
+                .find(|a| a.name.as_ref().is_some_and(|n| n.name == "ub"));
+            if let Some(ub) = ub {
+                if self.eval(&ub.value)? == Val::Word("all") {
+                    return self.exec_experts_group(stmt, def);
+                }
+            }
+        }
         let op_name = def.name;
         let allowed = def.arg_names();
         let mut named: HashMap<&str, &ast::Arg> = HashMap::new();
@@ -388,7 +399,10 @@ impl<'a> Elaborator<'a> {
                     parsed.layer = Some(self.static_index(arg, self.card.layers, "layer")?)
                 }
                 StaticParam::Ub => {
-                    parsed.ub = Some(self.static_index(arg, ub_limit, "micro-batch")?)
+                    parsed.ub = match self.group_ub {
+                        Some(k) => Some(k),
+                        None => Some(self.static_index(arg, ub_limit, "micro-batch")?),
+                    }
                 }
                 StaticParam::Part => parsed.part = Some(self.static_part(arg, param)?),
                 StaticParam::Set => parsed.set = Some(self.static_set(arg)?),
@@ -417,7 +431,14 @@ impl<'a> Elaborator<'a> {
                 }
                 return Err(Diagnostic::missing_argument(stmt.span, op_name, key));
             };
-            let value = self.eval(&arg.value)?;
+            let mut value = self.eval(&arg.value)?;
+            // In a group, `route` and `acc` name arrays indexed by micro-batch.
+            if let (Some(k), Val::Array { decl, indices }) = (self.group_ub, &value) {
+                if matches!(role_sig.role, Role::Route | Role::Acc) {
+                    value =
+                        self.index_array(*decl, indices.clone(), i64::from(k), arg.value.span)?;
+                }
+            }
             let slices = match value {
                 Val::Slice(s) => vec![(s, arg.value.span)],
                 Val::List(items)
@@ -484,6 +505,60 @@ impl<'a> Elaborator<'a> {
         }
         let i = as_int(value, arg.value.span)?;
         Ok(check_index(i, limit, what, arg.value.span)? as u32)
+    }
+
+    /// `experts(layer = l, ub = all, set = e, w = .., route = R, acc = A)`: one expert
+    /// computation over every micro-batch (Klotski §4: each expert's weights serve the
+    /// tokens of all batches of the group). It unrolls into one task per micro-batch k
+    /// (`route = R[k]`, `acc = A[k]`; with one expert, guarded by `active(l, e, k)` as
+    /// well, so a micro-batch without its tokens skips its part), marked as one group: the
+    /// checker and the runtime see ordinary tasks, the cost model reads the weights once.
+    fn exec_experts_group(
+        &mut self,
+        stmt: &'a CallStmt,
+        def: &'static OpDef,
+    ) -> Result<(), Diagnostic> {
+        let n = self.micro_count(stmt.name.span)?;
+        let arg = |name: &str| {
+            stmt.args
+                .iter()
+                .find(|a| a.name.as_ref().is_some_and(|n| n.name == name))
+        };
+        let (Some(layer), Some(set)) = (arg("layer"), arg("set")) else {
+            return Err(Diagnostic::missing_argument(
+                stmt.span,
+                def.name,
+                "layer or set",
+            ));
+        };
+        let layer = self.static_index(layer, self.card.layers, "layer")?;
+        let set = self.static_set(set)?;
+        let first = self.tasks.len();
+        for k in 0..n {
+            let depth = self.guard.len();
+            if let ExpertSet::One(expert) = set {
+                self.guard.push(ir::GuardLit {
+                    atom: ir::GuardAtom::Active {
+                        layer,
+                        expert,
+                        ub: Some(k),
+                    },
+                    negated: false,
+                });
+            }
+            self.group_ub = Some(k);
+            let result = self.exec_op(stmt, def);
+            self.group_ub = None;
+            self.guard.truncate(depth);
+            result?;
+        }
+        if self.tasks.len() > first {
+            let head = TaskId::new(first);
+            for task in &mut self.tasks[first..] {
+                task.group = Some(head);
+            }
+        }
+        Ok(())
     }
 
     /// `part = prefill | decode | all`.
@@ -727,6 +802,7 @@ impl<'a> Elaborator<'a> {
             label: label_text,
             cache_op: self.cache_op,
             kv: self.kv_part,
+            group: None,
         });
         self.spans.tasks.push(span);
         self.spans.task_args.push(arg_spans);

@@ -122,6 +122,9 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
             if let Some(label) = &task.label {
                 let _ = write!(line, " as {label}");
             }
+            if let Some(head) = task.group {
+                let _ = write!(line, " group={head}");
+            }
             let preds = dag.preds(id);
             if !preds.is_empty() {
                 let deps: Vec<String> = preds

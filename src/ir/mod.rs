@@ -701,6 +701,12 @@ pub struct Task {
     /// copies those positions of the micro-batch whose cache the source holds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv: Option<KvPart>,
+    /// Set on the tasks `experts(.., ub = all, ..)` unrolls into: the first task of the
+    /// group. The group is one expert computation over every micro-batch's tokens, so its
+    /// weights are read once (charged to the first task); each micro-batch's part is a
+    /// task of its own for the checker and the runtime.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<TaskId>,
 }
 
 /// A step template after unrolling.
