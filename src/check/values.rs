@@ -15,6 +15,12 @@
 //!   run; a KV cache is the one the previous run left (or this run already updated); the
 //!   tokens `embed` reads are the previous run's samples (else `values::stale`);
 //! - nothing is read (by an op or a copy) before anything was written to it;
+//! - a `.context()` / `.appended()` copy moves one layer and micro-batch's whole KV cache
+//!   value (recorded per task for the runtime, which follows that micro-batch's
+//!   sequences): after `.context()` the destination holds the cache as the previous run
+//!   left it; `.appended()` needs a source this run updated and, outside prefill, a
+//!   destination already holding the same cache as the previous run left it, so no
+//!   position is read that nobody wrote;
 //! - a value written under a run-time guard is read only under a guard implying it,
 //!   decided in the same run;
 //! - every expert accumulator carries the expert outputs it holds (task, experts, guard),
