@@ -192,3 +192,57 @@ fn bad_inputs_fail_cleanly() {
         "{err}"
     );
 }
+
+/// Klotski's `experts(.., ub = all)` (§4: an expert's weights serve every batch of the
+/// group) reads each expert's weights once: the group's first task is charged the read
+/// (at least one Mixtral-8x7B expert, 3 x 4096 x 14336 x 2 B = 352,321,536 B, over the
+/// GPU's memory bandwidth), the other batches' parts are charged no weight bytes (each
+/// takes less than that read alone), and the decode step holds one group per (layer, rank).
+#[test]
+fn klotski_reads_each_expert_once_per_batch_group() {
+    use moec::cost::hardware::Level;
+    use moec::cost::predict::task_time;
+    use moec::ir::Op;
+    let source = std::fs::read_to_string("schedules/klotski.sched").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-8x7b").unwrap());
+    options.act_bytes = 2;
+    options.workload = Workload {
+        batch: 64,
+        prompt_len: 512,
+        gen_len: 32,
+    };
+    options.sets = vec![("bs".into(), "16".into()), ("n_batch".into(), "4".into())];
+    let compiled = compile(&source, &options).unwrap_or_else(|d| panic!("klotski: {d:?}"));
+    let program = &compiled.program;
+    let profile = HardwareProfile::load("rtx3090").unwrap();
+    let expert_read = 352_321_536.0 / profile.level_bandwidth(Level::Gpu);
+    let decode = program
+        .steps
+        .iter()
+        .find(|s| s.kind == moec::ir::StepKind::Decode)
+        .unwrap();
+    let (mut heads, mut members) = (0, 0);
+    for id in decode.task_ids() {
+        let task = program.task(id);
+        if !matches!(task.op, Op::Experts { .. }) {
+            continue;
+        }
+        let head = task.group.expect("every klotski expert task is in a group");
+        let seconds = task_time(program, id, &profile, &CostSettings::default()).seconds;
+        if head == id {
+            heads += 1;
+            assert!(
+                seconds >= expert_read,
+                "{id}: {seconds} s < one expert read"
+            );
+        } else {
+            members += 1;
+            assert!(
+                seconds < expert_read,
+                "{id}: {seconds} s charges the weights again"
+            );
+        }
+    }
+    // 32 layers x 8 ranks groups of 4 batches.
+    assert_eq!((heads, members), (32 * 8, 32 * 8 * 3));
+}

@@ -121,15 +121,15 @@ use Dir::{FromGpu, Host, ToGpu};
 /// token, every layer's weights once (n_batch batches share each loaded layer); per
 /// (layer, batch) the batch's hidden state of ONE new token per sequence in
 /// (`load_hidden`) and, but at the last layer, out (`store_hidden`); the batch's KV cache
-/// in (`load_cache`) and back (`store_cache`). KV is declared at the last step's context
-/// (prompt + gen): the language has no slice that follows the step's context, so the
-/// store moves the whole line where FlexGen stores only the appended token (see
-/// docs/reproduce.md; the cost model charges KV copies at the current context).
+/// in (`load_cache`: `kv.context()`, the positions cached before the new token) and back
+/// (`store_cache`: `kv_g.appended()`, FlexGen's `k_new`, one position per sequence). At
+/// the declared worst case (the step whose context, new token included, is prompt + gen)
+/// a load moves `prompt + gen - 1` positions per sequence.
 #[test]
 fn flexgen_decode_moves_one_token_of_hidden_state_per_sequence() {
     let n = L * N_UB; // (layer, batch) steps
     let hidden = UBS * HIDDEN_TOKEN; // one new token per sequence
-    let kv = UBS * CTX * KV_TOKEN;
+    let (kv_in, kv_out) = (UBS * (CTX - 1) * KV_TOKEN, UBS * KV_TOKEN);
     expect(
         "flexgen",
         StepKind::Decode,
@@ -141,14 +141,15 @@ fn flexgen_decode_moves_one_token_of_hidden_state_per_sequence() {
                 ("activations", FromGpu),
                 (L - 1) * N_UB * hidden + N_UB * UBS * SAMPLED_TOKEN,
             ),
-            (("kv", ToGpu), n * kv),
-            (("kv", FromGpu), n * kv),
+            (("kv", ToGpu), n * kv_in),
+            (("kv", FromGpu), n * kv_out),
         ],
     );
 }
 
 /// FlexGen's prefill: the same zigzag with every prompt token in the hidden state, and no
-/// KV to load (the cache is being made).
+/// KV to load (the cache is being made); the store moves the prompt's positions only
+/// (`appended()`), not the line declared for prompt + gen.
 #[test]
 fn flexgen_prefill_moves_every_prompt_token() {
     let n = L * N_UB;
@@ -163,7 +164,7 @@ fn flexgen_prefill_moves_every_prompt_token() {
                 ("activations", FromGpu),
                 (L - 1) * N_UB * hidden + N_UB * UBS * SAMPLED_TOKEN,
             ),
-            (("kv", FromGpu), n * UBS * CTX * KV_TOKEN),
+            (("kv", FromGpu), n * UBS * PROMPT * KV_TOKEN),
         ],
     );
 }
@@ -195,7 +196,8 @@ fn flexgen_cpu_attn_decode_moves_qkv_and_attention_rows() {
 
 /// FlexGen(c)'s prefill: attention on the GPU (`cpu_cache_compute` moves only the
 /// generation phase's attention), so FlexGen's prefill hidden traffic plus every batch's
-/// new KV lines to the CPU home; no QKV or attention rows cross the link.
+/// new KV lines (the prompt's positions: `appended()`) to the CPU home; no QKV or attention
+/// rows cross the link.
 #[test]
 fn flexgen_cpu_attn_prefill_stores_the_new_kv_lines() {
     let n = L * N_UB;
@@ -210,7 +212,7 @@ fn flexgen_cpu_attn_prefill_stores_the_new_kv_lines() {
                 ("activations", FromGpu),
                 (L - 1) * N_UB * hidden + N_UB * UBS * SAMPLED_TOKEN,
             ),
-            (("kv", FromGpu), n * UBS * CTX * KV_TOKEN),
+            (("kv", FromGpu), n * UBS * PROMPT * KV_TOKEN),
         ],
     );
 }
@@ -267,11 +269,12 @@ fn moe_lightning_s2_decode_streams_the_same_bytes_as_cgopipe() {
 /// Klotski decode (Alg. 1): per layer the gate, every expert (hot ones before the gate,
 /// cold ones after it: the declared worst case has all of them active) and the next
 /// layer's attention weights; the batches' embeddings (one token per sequence) once; per
-/// (layer, batch) its KV cache in and out.
+/// (layer, batch) its cached positions in (`context()`) and the new token's out
+/// (`appended()`), as in FlexGen's zigzag it builds on.
 #[test]
 fn klotski_decode_moves_each_layer_once_per_group() {
     let n = L * N_UB;
-    let kv = UBS * CTX * KV_TOKEN;
+    let (kv_in, kv_out) = (UBS * (CTX - 1) * KV_TOKEN, UBS * KV_TOKEN);
     expect(
         "klotski",
         StepKind::Decode,
@@ -282,8 +285,8 @@ fn klotski_decode_moves_each_layer_once_per_group() {
             ),
             (("activations", ToGpu), N_UB * UBS * HIDDEN_TOKEN),
             (("activations", FromGpu), N_UB * UBS * SAMPLED_TOKEN),
-            (("kv", ToGpu), n * kv),
-            (("kv", FromGpu), n * kv),
+            (("kv", ToGpu), n * kv_in),
+            (("kv", FromGpu), n * kv_out),
         ],
     );
 }
@@ -342,4 +345,129 @@ fn dense_part_is_pre_plus_o_plus_gate() {
     // The hand figures above agree with each other (guards the arithmetic, not the code).
     assert_eq!(PRE + O_PROJ + GATE, DENSE);
     assert_eq!(DENSE + EXPERTS * EXPERT, LAYER);
+}
+
+/// Counts the bytes the runtime really moves in KV-part copies (`.context()`,
+/// `.appended()`), per step kind and direction, around the CPU backend.
+struct CountingKv<'c> {
+    inner: moec::runtime::cpu::CpuBackend<'c>,
+    /// (step kind, direction) -> bytes.
+    moved: std::sync::Mutex<BTreeMap<(&'static str, Dir), u64>>,
+    kinds: Vec<StepKind>,
+}
+
+impl moec::runtime::backend::Backend for CountingKv<'_> {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn capabilities(&self) -> moec::runtime::backend::Capabilities {
+        self.inner.capabilities()
+    }
+    fn memory(&self) -> moec::runtime::backend::MemoryReport {
+        self.inner.memory()
+    }
+    fn run(
+        &self,
+        stream: moec::ir::StreamId,
+        engine: moec::ir::Engine,
+        task: &moec::lower::PlanTask,
+        state: &moec::runtime::driver::state::StepState,
+    ) -> Result<(), moec::runtime::backend::BackendError> {
+        if task.kv.is_some() {
+            let dir = match engine {
+                moec::ir::Engine::GpuCopyIn => ToGpu,
+                moec::ir::Engine::GpuCopyOut => FromGpu,
+                _ => Host,
+            };
+            let kind = self.kinds[task.step.index()].as_str();
+            *self
+                .moved
+                .lock()
+                .expect("counter")
+                .entry((kind, dir))
+                .or_default() += task.args[0].len;
+        }
+        self.inner.run(stream, engine, task, state)
+    }
+    fn record(
+        &self,
+        stream: moec::ir::StreamId,
+        event: moec::lower::EventId,
+    ) -> Result<(), moec::runtime::backend::BackendError> {
+        self.inner.record(stream, event)
+    }
+    fn wait(
+        &self,
+        stream: moec::ir::StreamId,
+        event: moec::lower::EventId,
+    ) -> Result<(), moec::runtime::backend::BackendError> {
+        self.inner.wait(stream, event)
+    }
+    fn read_routing(
+        &self,
+        stream: moec::ir::StreamId,
+        gate: &moec::lower::PlanTask,
+        route: &moec::lower::PlanArg,
+        tokens: usize,
+        top_k: usize,
+    ) -> Result<moec::model::kernels::moe::Routing, moec::runtime::backend::BackendError> {
+        self.inner.read_routing(stream, gate, route, tokens, top_k)
+    }
+    fn finish_step(
+        &self,
+    ) -> Result<Option<Vec<moec::runtime::backend::DeviceTime>>, moec::runtime::backend::BackendError>
+    {
+        self.inner.finish_step()
+    }
+}
+
+/// What the runtime copies for `.context()` / `.appended()`, counted at the backend, over
+/// a whole run of 6 prompts of exactly 8 tokens (3 batches of 2 sequences) and 4 tokens
+/// each: prefill stores the 8 prompt positions; the 3 decode steps load the 8, 9 and 10
+/// positions cached before their token and store 1 each; per (layer, batch), 2 sequences
+/// x 512 bytes per position. The tokens stay the oracle's.
+#[test]
+fn the_runtime_copies_only_the_cached_and_appended_positions() {
+    use moec::lower::{lower, LowerOptions};
+    use moec::runtime::RunOptions;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let card = common::card_with_layers("mixtral-tiny", 2);
+    let checkpoint = common::tiny_checkpoint(&card, dir.path());
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|p| (0..8u32).map(|t| 100 + 37 * p + 11 * t).collect())
+        .collect();
+    let expected = common::oracle_tokens(&checkpoint, &prompts, 4);
+    let n = L * N_UB; // (layer, batch) pairs per step
+    let per_pair = |positions: u64| UBS * positions * KV_TOKEN;
+    for schedule in ["flexgen", "klotski"] {
+        let program = compiled(schedule);
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("schedules/{schedule}.sched"));
+        let compiled = common::compile_small(&common::read(&path)).expect("compiles");
+        let plan =
+            lower(&compiled.program, &compiled.info, &LowerOptions::default()).expect("lowers");
+        let mut run = RunOptions::greedy(4);
+        run.stop_at_eos = false;
+        run.backend.threads = 1;
+        let backend = CountingKv {
+            inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
+                .expect("backend"),
+            moved: Default::default(),
+            kinds: program.steps.iter().map(|s| s.kind).collect(),
+        };
+        let (outputs, _) =
+            moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
+                .expect("runs");
+        let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+        assert_eq!(got, expected, "{schedule}: the oracle's tokens");
+        let moved = backend.moved.into_inner().expect("counter");
+        let want: BTreeMap<(&'static str, Dir), u64> = [
+            (("prefill", FromGpu), n * per_pair(8)),
+            (("decode", ToGpu), n * per_pair(8 + 9 + 10)),
+            (("decode", FromGpu), 3 * n * per_pair(1)),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(moved, want, "{schedule}: KV bytes the runtime copied");
+    }
 }

@@ -151,18 +151,51 @@ const MUTATIONS: &[Mutation] = &[
     Mutation {
         name: "klotski_negated_expert_guard",
         schedule: "klotski",
-        find: "    if active(l, hot(l, r)) {\n      for k in 0..n_batch {",
-        replace: "    if !active(l, hot(l, r)) {\n      for k in 0..n_batch {",
+        find: "    if active(l, hot(l, r)) {\n      experts(layer = l, ub = all",
+        replace: "    if !active(l, hot(l, r)) {\n      experts(layer = l, ub = all",
         code: Code::ValuesExpertGuard,
-        line_has: "experts(layer = l, ub = k, set = hot(l, r)",
+        line_has: "experts(layer = l, ub = all, set = hot(l, r)",
     },
+    // The group's per-batch guard is implicit (`ub = all` adds `active(l, e, k)` to batch
+    // k's part); narrowing the group's own guard to one batch loses the others' tokens.
     Mutation {
         name: "klotski_negated_ub_guard",
         schedule: "klotski",
-        find: "        if active(l, hot(l, r), k) {",
-        replace: "        if !active(l, hot(l, r), k) {",
+        find: "    if active(l, hot(l, r)) {\n      experts(layer = l, ub = all",
+        replace: "    if !active(l, hot(l, r), 0) {\n      experts(layer = l, ub = all",
         code: Code::ValuesExpertGuard,
-        line_has: "experts(layer = l, ub = k, set = hot(l, r)",
+        line_has: "experts(layer = l, ub = all, set = hot(l, r)",
+    },
+    // A store of the positions cached BEFORE the step (`.context()`) where the appended
+    // ones belong leaves the home without this token's line: the next step's load finds
+    // the cache of the run before.
+    Mutation {
+        name: "flexgen_store_context_not_appended",
+        schedule: "flexgen",
+        find: "copy kv_g[g % 3].appended() -> kv[g / n_batch][g % n_batch] on kv_store",
+        replace: "copy kv_g[g % 3].context() -> kv[g / n_batch][g % n_batch] on kv_store",
+        code: Code::ValuesStale,
+        line_has: "kv[g / n_batch][g % n_batch].context() -> kv_g[g % 3]",
+    },
+    // Loading only the appended positions of a home nobody updated this step.
+    Mutation {
+        name: "flexgen_load_appended_not_context",
+        schedule: "flexgen",
+        find: "copy kv[g / n_batch][g % n_batch].context() -> kv_g[g % 3] on kv_load",
+        replace: "copy kv[g / n_batch][g % n_batch].appended() -> kv_g[g % 3] on kv_load",
+        code: Code::ValuesStale,
+        line_has: "kv[g / n_batch][g % n_batch].appended() -> kv_g[g % 3]",
+    },
+    // Storing into the home of another batch: the prefill's store (all new positions)
+    // labels that home with this batch's cache, so the next decode step's attention finds
+    // another batch's cache loaded for it.
+    Mutation {
+        name: "klotski_append_to_another_home",
+        schedule: "klotski",
+        find: "copy kv_g[(l * n_batch + k) % 3].appended() -> kv[l][k] on kv_store",
+        replace: "copy kv_g[(l * n_batch + k) % 3].appended() -> kv[l][(k + 1) % n_batch] on kv_store",
+        code: Code::ValuesWrong,
+        line_has: "attn(layer = l, ub = k, part = part",
     },
 ];
 

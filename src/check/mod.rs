@@ -32,6 +32,9 @@ pub struct ScheduleInfo {
     pub dag: Dag,
     /// Per task, where each weight tensor it reads sits inside its arguments.
     pub weight_locations: Vec<Vec<WeightLocation>>,
+    /// Per task, for a copy of part of a KV cache (`.context()` / `.appended()`), the
+    /// layer and micro-batch whose cache value tracking proved its source holds.
+    pub kv_sources: Vec<Option<values::KvSource>>,
     /// Warnings found (errors would have rejected the program).
     pub warnings: Vec<Diagnostic>,
     /// Private, so only `check` can build one (within the crate too, which
@@ -77,7 +80,7 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
         return Err(dedupe(diags));
     }
     let dag = deps::build(program);
-    let (value_diags, weight_locations) = values::check(program);
+    let (value_diags, tracked) = values::check(program);
     diags.extend(value_diags);
     routing::check(program, &dag, &mut diags);
     cache::check(program, &dag, &mut diags);
@@ -88,7 +91,8 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
     }
     Ok(ScheduleInfo {
         dag,
-        weight_locations,
+        weight_locations: tracked.weight_locations,
+        kv_sources: tracked.kv_sources,
         warnings: diags,
         _sealed: (),
     })

@@ -15,6 +15,12 @@
 //!   run; a KV cache is the one the previous run left (or this run already updated); the
 //!   tokens `embed` reads are the previous run's samples (else `values::stale`);
 //! - nothing is read (by an op or a copy) before anything was written to it;
+//! - a `.context()` / `.appended()` copy moves one layer and micro-batch's whole KV cache
+//!   value (recorded per task for the runtime, which follows that micro-batch's
+//!   sequences): after `.context()` the destination holds the cache as the previous run
+//!   left it; `.appended()` needs a source this run updated and, outside prefill, a
+//!   destination already holding the same cache as the previous run left it, so no
+//!   position is read that nobody wrote;
 //! - a value written under a run-time guard is read only under a guard implying it,
 //!   decided in the same run;
 //! - every expert accumulator carries the expert outputs it holds (task, experts, guard),
@@ -89,10 +95,30 @@ struct Tracker<'p> {
     /// `values::sampling` findings of the current run, reported only if nothing else was
     /// wrong.
     sampling: Vec<Diagnostic>,
+    /// Per task, for a copy of part of a KV cache: whose cache its source holds.
+    kv_sources: Vec<Option<KvSource>>,
 }
 
-/// Runs value tracking; returns diagnostics and per-task weight locations.
-pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
+/// The cache a `.context()` / `.appended()` copy moves: the runtime copies the positions
+/// of this micro-batch's sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KvSource {
+    /// The layer whose cache it is.
+    pub layer: u32,
+    /// The micro-batch whose sequences' positions are copied.
+    pub ub: u32,
+}
+
+/// What value tracking gives besides its diagnostics.
+pub struct Tracked {
+    /// Per task, where each weight tensor it reads sits inside its arguments.
+    pub weight_locations: Vec<Vec<WeightLocation>>,
+    /// Per task, for a copy of part of a KV cache, whose cache it moves.
+    pub kv_sources: Vec<Option<KvSource>>,
+}
+
+/// Runs value tracking; returns diagnostics and what lowering needs to find tensors.
+pub fn check(program: &Program) -> (Vec<Diagnostic>, Tracked) {
     let ubs = program.micro_batches.count as usize;
     let mut tracker = Tracker {
         program,
@@ -107,6 +133,7 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
         samples: Vec::new(),
         last_of_ub: Vec::new(),
         sampling: Vec::new(),
+        kv_sources: vec![None; program.tasks.len()],
     };
     for epoch in 0..tracker.plan.len() {
         let run = &tracker.plan[epoch];
@@ -131,7 +158,11 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Vec<Vec<WeightLocation>>) {
             tracker.sampling.clear();
         }
     }
-    (tracker.diags, tracker.locations)
+    let tracked = Tracked {
+        weight_locations: tracker.locations,
+        kv_sources: tracker.kv_sources,
+    };
+    (tracker.diags, tracked)
 }
 
 impl Tracker<'_> {
@@ -891,6 +922,9 @@ impl Tracker<'_> {
         if let Some(key) = dst.slice.cache_key {
             return self.cache_fill(id, key, &src.slice, &runs_in, arg_spans, span);
         }
+        if let Some(part) = task.kv {
+            return self.kv_copy(id, part, &runs_in, arg_spans, span);
+        }
         if runs_in.iter().all(|r| r.2.piece.is_none()) {
             let name = program.buffer(src.slice.buffer).name.clone();
             let d = Diagnostic::uninitialized(
@@ -934,6 +968,166 @@ impl Tracker<'_> {
         self.check_lost_outputs(id, dst_span, &dst.slice, &moved);
         let cells = self.cells_of(dst.slice.buffer);
         write(cells, dst.slice.start, moved);
+    }
+
+    /// A copy of part of a KV cache. The source must hold one layer and micro-batch's
+    /// cache, whole. `.context()` moves the positions cached before this run's new tokens:
+    /// the destination then holds the cache as the previous run left it (even when the
+    /// source was already updated by this run). `.appended()` moves only this run's new
+    /// positions: the source must have been updated by this run, and the destination must
+    /// already hold the same cache as the previous run left it (a prefill step, whose
+    /// new positions are the whole cache, or a mixed step's first run, excepted), so that
+    /// every position a later read finds was written by someone.
+    fn kv_copy(
+        &mut self,
+        id: TaskId,
+        part: crate::ir::KvPart,
+        runs_in: &[(u64, u64, Cell)],
+        arg_spans: &[Span],
+        span: Span,
+    ) {
+        let program = self.program;
+        let task = program.task(id);
+        let [src, dst] = task.args.as_slice() else {
+            return;
+        };
+        let (now, previous) = (self.epoch, self.epoch.checked_sub(1));
+        let name = program.task_name(id);
+        let src_span = arg_spans.first().copied().unwrap_or(span);
+        let dst_span = arg_spans.get(1).copied().unwrap_or(span);
+        let src_name = &program.buffer(src.slice.buffer).name;
+        let method = part.as_str();
+        let held = match runs_in {
+            [(lo, hi, cell)] if *lo == src.slice.start && *hi == src.slice.end() => {
+                match (&cell.piece, cell.epoch) {
+                    (
+                        Some(Piece {
+                            tensor: tensor @ Tensor::KvCache { .. },
+                            offset: 0,
+                        }),
+                        Some(epoch),
+                    ) => Some((*tensor, epoch, cell)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let Some((tensor, epoch, cell)) = held else {
+            let what = runs_in
+                .iter()
+                .map(|(lo, hi, c)| self.describe(c, *lo, *hi, src.slice.start, src.slice.len))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let writer = runs_in.first().and_then(|r| self.writer_of(&r.2));
+            let d = Diagnostic::wrong_value(
+                src_span,
+                &name,
+                src_name,
+                &format!("one layer and micro-batch's KV cache, whole (what `.{method}()` copies)"),
+                &what,
+                writer,
+            );
+            return self.emit(d);
+        };
+        let Tensor::KvCache { layer, ub } = tensor else {
+            return;
+        };
+        let source = KvSource { layer, ub };
+        match self.kv_sources[id.index()] {
+            Some(seen) if seen != source => {
+                let d = Diagnostic::wrong_value(
+                    src_span,
+                    &name,
+                    src_name,
+                    &format!(
+                        "kv cache of layer {}, ub {} (as in an earlier run)",
+                        seen.layer, seen.ub
+                    ),
+                    &tensor.to_string(),
+                    self.writer_of(cell),
+                );
+                return self.emit(d);
+            }
+            _ => self.kv_sources[id.index()] = Some(source),
+        }
+        let stale = |wanted: &str| {
+            Diagnostic::stale_value(
+                src_span,
+                &name,
+                src_name,
+                &tensor.to_string(),
+                wanted,
+                &self.run_name(Some(epoch)),
+                self.writer_of(cell),
+            )
+        };
+        let moved_epoch = match part {
+            crate::ir::KvPart::Context => {
+                if epoch != now && Some(epoch) != previous {
+                    let wanted = format!(
+                        "as {} left it (or as {} updated it)",
+                        self.run_name(previous),
+                        self.run_name(Some(now))
+                    );
+                    return self.emit(stale(&wanted));
+                }
+                previous.unwrap_or(epoch).min(epoch)
+            }
+            crate::ir::KvPart::Appended => {
+                if epoch != now {
+                    let wanted = format!("as {} updated it", self.run_name(Some(now)));
+                    return self.emit(stale(&wanted));
+                }
+                let kind = program.steps.get(task.step.index()).map(|s| s.kind);
+                let before = self.read_runs(&dst.slice);
+                let untouched = before.iter().all(|r| r.2.piece.is_none());
+                let whole_new = kind == Some(StepKind::Prefill)
+                    || (kind == Some(StepKind::Mixed) && self.first_run && untouched);
+                let ready = matches!(
+                    before.as_slice(),
+                    [(lo, hi, c)] if *lo == dst.slice.start && *hi == dst.slice.end()
+                        && c.piece.is_some_and(|p| p.tensor == tensor && p.offset == 0)
+                        && (c.epoch == previous || c.epoch == Some(now))
+                );
+                if !whole_new && !ready {
+                    let held = before
+                        .iter()
+                        .map(|(lo, hi, c)| {
+                            self.describe(c, *lo, *hi, dst.slice.start, dst.slice.len)
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let d = Diagnostic::wrong_value(
+                        dst_span,
+                        &name,
+                        &program.buffer(dst.slice.buffer).name,
+                        &format!(
+                            "{tensor} as {} left it (`.appended()` writes only the new positions)",
+                            self.run_name(previous)
+                        ),
+                        &held,
+                        before.first().and_then(|r| self.writer_of(&r.2)),
+                    );
+                    return self.emit(d);
+                }
+                now
+            }
+        };
+        let new = Cell {
+            end: dst.slice.end(),
+            piece: Some(Piece { tensor, offset: 0 }),
+            writer: Some(id),
+            guard: union(&task.guard, &cell.guard),
+            epoch: Some(moved_epoch),
+            guard_epoch: combined_guard_epoch([(&cell.guard, cell.guard_epoch)], now),
+            outputs: Rc::default(),
+        };
+        let cells = self.cells_of(dst.slice.buffer);
+        write(
+            cells,
+            dst.slice.start,
+            vec![(dst.slice.start, dst.slice.end(), new)],
+        );
     }
 
     /// A `fetch` or `prefetch` into `key`'s slot: its source must hold exactly that

@@ -20,7 +20,7 @@ use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
 use crate::ir::catalog::{self, ArgType, AttnPart, Shape, ACT_BYTES};
 use crate::ir::StepKind;
-use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId, Work};
+use crate::ir::{BufferKind, Engine, KvPart, Layout, Op, Program, Role, Space, TaskId, Work};
 use crate::records::timeline::{Span, Timeline};
 use crate::records::UbLoad;
 use serde::Serialize;
@@ -312,7 +312,12 @@ fn compute_load(
     // The host's pinned and pageable memory are one DRAM: a CPU task's traffic in both
     // adds up on one bus.
     let mut per_level: BTreeMap<Level, f64> = BTreeMap::new();
+    // An `experts(.., ub = all)` group reads its weights once, in its first task.
+    let shares_weights = task.group.is_some_and(|head| head != id);
     for traffic in &work.mem {
+        if shares_weights && traffic.class == catalog::DataClass::Weights {
+            continue;
+        }
         let mut level = level_of(traffic.space);
         if processor == Processor::Cpu && level == Level::Pinned {
             level = Level::Host;
@@ -559,23 +564,15 @@ pub(crate) fn simulate_step_times(
         .collect();
     let mut times = Vec::with_capacity(ids.len());
     let readback = program.readback_gates();
-    // A measured replay charges copies as the runtime makes them (whole declared lines);
-    // the declared prediction models the paper's systems, which move the used rows.
-    let declared = matches!(loads, Loads::Declared | Loads::Steady(_));
-    let kv_scale = if declared {
-        kv_copy_scale(program, step.kind, settings)
-    } else {
-        1.0
-    };
     let overheads = profile.adjustments;
     let kv_store_rate = overheads.kv_store_bytes_per_s;
-    let appended = declared && step.kind == StepKind::Decode;
     let steady = matches!(loads, Loads::Steady(_));
-    let classes = if kv_scale < 1.0 || kv_store_rate > 0.0 || appended || steady {
+    let classes = if kv_store_rate > 0.0 || steady {
         buffer_classes(program)
     } else {
         Vec::new()
     };
+    let kv_load = kv_part_load(program, step.kind, settings, loads);
     let tasks: Vec<SimTask> = ids
         .iter()
         .map(|&id| {
@@ -598,25 +595,21 @@ pub(crate) fn simulate_step_times(
                     time
                 }
             };
-            // A KV line is declared at the last step's context; a decode step moves what
-            // the cache holds at the context `settings` assumes (FlexGen loads
-            // `k_home[:src_s]`).
+            // `.context()` / `.appended()` move the positions the step's sequences hold
+            // (FlexGen loads `k_home[:src_s]`, stores `k_new`), not the declared line.
+            if let (Some(copy), Some(part)) = (task.work.copy, task.kv) {
+                let bytes = kv_part_bytes_at(program, &task.shape, part, &kv_load);
+                time = copy_time(profile, level_of(copy.src), level_of(copy.dst), bytes);
+            }
             if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
                 let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
-                if class == Some(BufferClass::KvCache) {
-                    let store = copy.src == Space::Gpu && copy.dst != Space::Gpu;
-                    if kv_store_rate > 0.0 && store {
-                        time.seconds = time.seconds.max(copy.bytes as f64 / kv_store_rate);
-                    }
-                    // A decode step writes one token per sequence into the line: storing
-                    // it back needs only those rows (FlexGen stores `k_new`, `v_new`). The
-                    // language has no slice for them, so the line is declared whole and
-                    // charged here at the rows the step wrote.
-                    time.seconds *= if store && appended {
-                        kv_scale.min(kv_appended_share(program))
-                    } else {
-                        kv_scale
+                let store = copy.src == Space::Gpu && copy.dst != Space::Gpu;
+                if class == Some(BufferClass::KvCache) && kv_store_rate > 0.0 && store {
+                    let bytes = match task.kv {
+                        Some(part) => kv_part_bytes_at(program, &task.shape, part, &kv_load),
+                        None => copy.bytes as f64,
                     };
+                    time.seconds = time.seconds.max(bytes / kv_store_rate);
                 }
             }
             // GPU kernels reach different rates by kind and phase (FlexGen fits four:
@@ -695,23 +688,51 @@ fn gpu_rate_cap(
     }
 }
 
-/// The share of a declared KV line one decode step appends: one token of
-/// `prompt_len + gen_len`.
-fn kv_appended_share(program: &Program) -> f64 {
-    let w = program.workload;
-    1.0 / (w.prompt_len + w.gen_len).max(1) as f64
+/// One micro-batch's load as a `.context()` / `.appended()` copy sees it: at the declared
+/// load, full micro-batches whose decoding sequences attend over the context `settings`
+/// assumes; at a measured or steady load, the mean over the step's micro-batches (a copy
+/// does not name its micro-batch in the program: value tracking finds it for the runtime).
+fn kv_part_load(
+    program: &Program,
+    kind: StepKind,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+) -> UbLoad {
+    let size = program.micro_batches.size as usize;
+    match loads {
+        Loads::Measured(per_ub) | Loads::Steady(per_ub) => {
+            let n = per_ub.len().max(1);
+            let sum = |f: fn(&UbLoad) -> usize| per_ub.iter().map(f).sum::<usize>() / n;
+            UbLoad {
+                prefill_seqs: sum(|l| l.prefill_seqs),
+                prefill_tokens: sum(|l| l.prefill_tokens),
+                decode_seqs: sum(|l| l.decode_seqs),
+                decode_context: sum(|l| l.decode_context),
+            }
+        }
+        Loads::Declared if kind == StepKind::Prefill => UbLoad {
+            prefill_seqs: size,
+            prefill_tokens: size * program.workload.prompt_len as usize,
+            ..UbLoad::default()
+        },
+        Loads::Declared => UbLoad {
+            decode_seqs: size,
+            decode_context: size * decode_context_len(program, settings) as usize,
+            ..UbLoad::default()
+        },
+    }
 }
 
-/// The share of a declared KV line a copy in a step of `kind` moves: the context
-/// `settings` assumes over the declared `prompt_len + gen_len` in a decode or mixed step,
-/// 1 elsewhere (prefill writes the prompt's lines whole).
-fn kv_copy_scale(program: &Program, kind: StepKind, settings: &CostSettings) -> f64 {
-    let w = program.workload;
-    let declared = w.prompt_len + w.gen_len;
-    if declared == 0 || !matches!(kind, StepKind::Decode | StepKind::Mixed) {
-        return 1.0;
-    }
-    (decode_context_len(program, settings) as f64 / declared as f64).min(1.0)
+/// Bytes a `.context()` (the positions cached before the step: decoding sequences'
+/// context less their new token) or `.appended()` (every new token's position) copy moves
+/// for a micro-batch at `load`, at the task's element size.
+fn kv_part_bytes_at(program: &Program, declared: &Shape, part: KvPart, load: &UbLoad) -> f64 {
+    let per_token = (program.model.kv_elems_per_token_layer() * declared.act_bytes) as f64;
+    let positions = match part {
+        KvPart::Context => load.decode_context.saturating_sub(load.decode_seqs),
+        KvPart::Appended => load.prefill_tokens + load.decode_seqs,
+    };
+    positions as f64 * per_token
 }
 
 /// Simulates one step at `loads` and describes it (busy shares, bounds, timeline).

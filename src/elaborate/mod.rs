@@ -137,6 +137,10 @@ struct Elaborator<'a> {
     caches: Vec<ir::cache::Cache>,
     /// Set while a `fetch` or `prefetch` statement issues its copy.
     cache_op: Option<ir::cache::CacheOp>,
+    /// Set while a `copy` of `.context()` / `.appended()` issues its task.
+    kv_part: Option<ir::KvPart>,
+    /// Set while `experts(.., ub = all, ..)` issues its task for one micro-batch.
+    group_ub: Option<u32>,
     templates: HashMap<String, &'a TemplateDecl>,
     template_stack: Vec<String>,
     micro: Option<MicroBatches>,
@@ -180,6 +184,8 @@ impl<'a> Elaborator<'a> {
             buffer_spans: Vec::new(),
             caches: Vec::new(),
             cache_op: None,
+            kv_part: None,
+            group_ub: None,
             templates: HashMap::new(),
             template_stack: Vec::new(),
             micro: None,

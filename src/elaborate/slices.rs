@@ -332,11 +332,17 @@ pub(super) fn method_of(
                 slots_taken,
             ))
         }
+        // Resolved by `copy` itself (`stmts::kv_part_of`): the positions follow the run.
+        "context" | "appended" => Err(Diagnostic::type_mismatch(
+            method_span,
+            "a side of a `copy` (a KV cache's positions are only known at run time)",
+            &format!("`.{method}()` inside an expression or an op argument"),
+        )),
         _ => Err(Diagnostic::unknown_name(
             method_span,
             "method",
             method,
-            &["page", "share", "expert", "experts"],
+            &["page", "share", "expert", "experts", "context", "appended"],
         )),
     }
 }

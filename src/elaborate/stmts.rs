@@ -4,7 +4,7 @@
 //! fails is reported and skipped, so one run shows every independent error. Dynamic `if`
 //! conditions become guards on the tasks inside; static ones pick a branch.
 
-use super::value::{as_int, check_index, SliceVal, Val};
+use super::value::{as_int, check_index, Context, SliceVal, Val};
 use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
 use crate::ir::cache::CacheOp;
@@ -236,8 +236,35 @@ impl<'a> Elaborator<'a> {
     }
 
     fn exec_copy(&mut self, stmt: &'a CopyStmt) -> Result<(), Diagnostic> {
-        let src = self.eval_slice(&stmt.src)?;
-        let dst = self.eval_slice(&stmt.dst)?;
+        let (src_expr, src_part) = kv_part_of(&stmt.src)?;
+        let (dst_expr, dst_part) = kv_part_of(&stmt.dst)?;
+        let kv_part = match (src_part, dst_part) {
+            (Some((a, _)), Some((b, at))) if a != b => {
+                return Err(Diagnostic::type_mismatch(
+                    at,
+                    &format!("`.{}()` on both sides, or on one", a.as_str()),
+                    &format!("`.{}()`", b.as_str()),
+                ))
+            }
+            (a, b) => a.or(b),
+        };
+        if let Some((part, at)) = kv_part {
+            if matches!(stmt.kind, CopyKind::Fetch | CopyKind::Prefetch) {
+                return Err(Diagnostic::type_mismatch(
+                    at,
+                    "one expert's weights (a fetch fills an expert cache slot)",
+                    &format!("the `.{}()` of a KV cache", part.as_str()),
+                ));
+            }
+            if matches!(self.step, Some((StepKind::Setup, _)) | None) {
+                return Err(Diagnostic::dynamic_not_allowed(
+                    at,
+                    "a KV cache's context (`.context()`, `.appended()`) in `setup`, which has no sequences,",
+                ));
+            }
+        }
+        let src = self.eval_slice(src_expr)?;
+        let dst = self.eval_slice(dst_expr)?;
         let cache_op = match stmt.kind {
             CopyKind::Copy => None,
             CopyKind::Fetch => Some(CacheOp::Fetch),
@@ -278,6 +305,7 @@ impl<'a> Elaborator<'a> {
             ));
         }
         self.cache_op = cache_op;
+        self.kv_part = kv_part.map(|(part, _)| part);
         let args = vec![
             (
                 Arg {
@@ -298,6 +326,7 @@ impl<'a> Elaborator<'a> {
         ];
         let issued = self.issue(Op::Copy, args, &stmt.tail, stmt.span, keyword);
         self.cache_op = None;
+        self.kv_part = None;
         issued
     }
 
@@ -327,6 +356,17 @@ impl<'a> Elaborator<'a> {
     /// them, then its buffer arguments checked against the table (unknown names, missing
     /// required ones) and against the op's value signature.
     fn exec_op(&mut self, stmt: &'a CallStmt, def: &'static OpDef) -> Result<(), Diagnostic> {
+        if self.group_ub.is_none() && def.kind == catalog::OpKind::Experts {
+            let ub = stmt
+                .args
+                .iter()
+                .find(|a| a.name.as_ref().is_some_and(|n| n.name == "ub"));
+            if let Some(ub) = ub {
+                if self.eval(&ub.value)? == Val::Word("all") {
+                    return self.exec_experts_group(stmt, def);
+                }
+            }
+        }
         let op_name = def.name;
         let allowed = def.arg_names();
         let mut named: HashMap<&str, &ast::Arg> = HashMap::new();
@@ -359,7 +399,10 @@ impl<'a> Elaborator<'a> {
                     parsed.layer = Some(self.static_index(arg, self.card.layers, "layer")?)
                 }
                 StaticParam::Ub => {
-                    parsed.ub = Some(self.static_index(arg, ub_limit, "micro-batch")?)
+                    parsed.ub = match self.group_ub {
+                        Some(k) => Some(k),
+                        None => Some(self.static_index(arg, ub_limit, "micro-batch")?),
+                    }
                 }
                 StaticParam::Part => parsed.part = Some(self.static_part(arg, param)?),
                 StaticParam::Set => parsed.set = Some(self.static_set(arg)?),
@@ -388,7 +431,14 @@ impl<'a> Elaborator<'a> {
                 }
                 return Err(Diagnostic::missing_argument(stmt.span, op_name, key));
             };
-            let value = self.eval(&arg.value)?;
+            let mut value = self.eval(&arg.value)?;
+            // In a group, `route` and `acc` name arrays indexed by micro-batch.
+            if let (Some(k), Val::Array { decl, indices }) = (self.group_ub, &value) {
+                if matches!(role_sig.role, Role::Route | Role::Acc) {
+                    value =
+                        self.index_array(*decl, indices.clone(), i64::from(k), arg.value.span)?;
+                }
+            }
             let slices = match value {
                 Val::Slice(s) => vec![(s, arg.value.span)],
                 Val::List(items)
@@ -455,6 +505,60 @@ impl<'a> Elaborator<'a> {
         }
         let i = as_int(value, arg.value.span)?;
         Ok(check_index(i, limit, what, arg.value.span)? as u32)
+    }
+
+    /// `experts(layer = l, ub = all, set = e, w = .., route = R, acc = A)`: one expert
+    /// computation over every micro-batch (Klotski §4: each expert's weights serve the
+    /// tokens of all batches of the group). It unrolls into one task per micro-batch k
+    /// (`route = R[k]`, `acc = A[k]`; with one expert, guarded by `active(l, e, k)` as
+    /// well, so a micro-batch without its tokens skips its part), marked as one group: the
+    /// checker and the runtime see ordinary tasks, the cost model reads the weights once.
+    fn exec_experts_group(
+        &mut self,
+        stmt: &'a CallStmt,
+        def: &'static OpDef,
+    ) -> Result<(), Diagnostic> {
+        let n = self.micro_count(stmt.name.span)?;
+        let arg = |name: &str| {
+            stmt.args
+                .iter()
+                .find(|a| a.name.as_ref().is_some_and(|n| n.name == name))
+        };
+        let (Some(layer), Some(set)) = (arg("layer"), arg("set")) else {
+            return Err(Diagnostic::missing_argument(
+                stmt.span,
+                def.name,
+                "layer or set",
+            ));
+        };
+        let layer = self.static_index(layer, self.card.layers, "layer")?;
+        let set = self.static_set(set)?;
+        let first = self.tasks.len();
+        for k in 0..n {
+            let depth = self.guard.len();
+            if let ExpertSet::One(expert) = set {
+                self.guard.push(ir::GuardLit {
+                    atom: ir::GuardAtom::Active {
+                        layer,
+                        expert,
+                        ub: Some(k),
+                    },
+                    negated: false,
+                });
+            }
+            self.group_ub = Some(k);
+            let result = self.exec_op(stmt, def);
+            self.group_ub = None;
+            self.guard.truncate(depth);
+            result?;
+        }
+        if self.tasks.len() > first {
+            let head = TaskId::new(first);
+            for task in &mut self.tasks[first..] {
+                task.group = Some(head);
+            }
+        }
+        Ok(())
     }
 
     /// `part = prefill | decode | all`.
@@ -674,7 +778,14 @@ impl<'a> Elaborator<'a> {
                 )
             })
             .collect();
-        let work = catalog::work(&op, &self.card, &shape, &arg_info);
+        let mut work = catalog::work(&op, &self.card, &shape, &arg_info);
+        if let (Some(part), Some(copy)) = (self.kv_part, work.copy.as_mut()) {
+            // The positions the copy moves at the declared (worst-case) shape.
+            copy.bytes = catalog::kv_part_bytes(&self.card, &shape, part).min(copy.bytes);
+            for m in &mut work.mem {
+                m.bytes = copy.bytes as f64;
+            }
+        }
         let mut lits = self.guard.clone();
         lits.sort();
         lits.dedup();
@@ -690,6 +801,8 @@ impl<'a> Elaborator<'a> {
             work,
             label: label_text,
             cache_op: self.cache_op,
+            kv: self.kv_part,
+            group: None,
         });
         self.spans.tasks.push(span);
         self.spans.task_args.push(arg_spans);
@@ -715,6 +828,31 @@ impl<'a> Elaborator<'a> {
         }
         Ok(format!("{}[{}]", label.name.name, parts.join(", ")))
     }
+}
+
+/// A KV part a copy side names, with the span of its method.
+type KvPartAt = (ir::KvPart, Span);
+
+/// A copy side written `SLICE.context()` or `SLICE.appended()`: the slice expression and
+/// the KV part it names (with the method's span), else the side itself.
+fn kv_part_of(expr: &ast::Expr) -> Result<(&ast::Expr, Option<KvPartAt>), Diagnostic> {
+    let ast::ExprKind::Method(base, method, args) = &expr.kind else {
+        return Ok((expr, None));
+    };
+    let part = match method.name.as_str() {
+        "context" => ir::KvPart::Context,
+        "appended" => ir::KvPart::Appended,
+        _ => return Ok((expr, None)),
+    };
+    if !args.is_empty() {
+        return Err(Diagnostic::arity(
+            expr.span,
+            &format!("`{}`", method.name),
+            0,
+            args.len(),
+        ));
+    }
+    Ok((base, Some((part, method.span))))
 }
 
 fn to_slice(s: SliceVal) -> Slice {
@@ -747,6 +885,36 @@ mod tests {
                 d.help.clone().unwrap_or_default()
             )
         })
+    }
+
+    /// `.context()` / `.appended()` belong to a side of a `copy` in a step with sequences:
+    /// inside an op argument, in `setup`, with arguments, or different on the two sides
+    /// they are refused at elaboration.
+    #[test]
+    fn kv_parts_only_name_a_side_of_a_copy_in_a_step() {
+        let compile_error = |body: &str| {
+            let source = format!(
+                "schedule t\nmicrobatches 1 of 1\nstream gpu: gpu.compute\nstream h2d: gpu.copy_in\n\
+                 buffer kv: pinned = kv_cache(8)\nbuffer kv_g: gpu = kv_cache(8)\n\
+                 buffer q: gpu = qkv(8)\nbuffer a: gpu = attn_out(8)\n{body}\n"
+            );
+            let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+            let diags = compile(&source, &options).err().unwrap_or_default();
+            diags
+                .iter()
+                .find(|d| d.is_error())
+                .map_or_else(String::new, |d| d.message.clone())
+        };
+        let in_arg = compile_error(
+            "prefill { attn(layer = 0, ub = 0, part = prefill, qkv = q, kv = kv_g.context(), out = a) on gpu }",
+        );
+        assert!(in_arg.contains("a side of a `copy`"), "{in_arg}");
+        let in_setup = compile_error("setup { copy kv.context() -> kv_g on h2d }");
+        assert!(in_setup.contains("`setup`"), "{in_setup}");
+        let with_args = compile_error("decode { copy kv.context(1) -> kv_g on h2d }");
+        assert!(with_args.contains("`context`"), "{with_args}");
+        let mixed = compile_error("decode { copy kv.context() -> kv_g.appended() on h2d }");
+        assert!(mixed.contains("`.appended()`"), "{mixed}");
     }
 
     /// Static parameters are asked for in the order each op declares them, then the first

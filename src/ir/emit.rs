@@ -101,8 +101,7 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
             let mut line = format!(
                 "  {id:<6} {:<name_width$}  {}",
                 program.stream(task.stream).name,
-                task.cache_op
-                    .map_or_else(|| task.op.describe(), |c| c.as_str().to_string())
+                copy_word(task).unwrap_or_else(|| task.op.describe())
             );
             for arg in &task.args {
                 let mark = match arg.access {
@@ -122,6 +121,9 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
             }
             if let Some(label) = &task.label {
                 let _ = write!(line, " as {label}");
+            }
+            if let Some(head) = task.group {
+                let _ = write!(line, " group={head}");
             }
             let preds = dag.preds(id);
             if !preds.is_empty() {
@@ -171,7 +173,7 @@ pub fn to_dot(program: &Program, dag: &Dag) -> String {
                 if let [src, dst] = task.args.as_slice() {
                     label = format!(
                         "t{i} {}\\n{} -> {}",
-                        task.cache_op.map_or("copy", |c| c.as_str()),
+                        copy_word(task).unwrap_or_else(|| "copy".to_string()),
                         slice_text(program, &src.slice),
                         slice_text(program, &dst.slice)
                     );
@@ -218,4 +220,14 @@ pub fn to_json(program: &Program, dag: &Dag) -> Result<String, serde_json::Error
         program,
         edges: &dag.edges,
     })
+}
+
+/// How a copy is named in the text and dot forms: `fetch`/`prefetch` for an expert cache,
+/// `copy .context()` / `copy .appended()` for part of a KV cache; `None` for a plain copy
+/// or any other op.
+fn copy_word(task: &super::Task) -> Option<String> {
+    if let Some(c) = task.cache_op {
+        return Some(c.as_str().to_string());
+    }
+    task.kv.map(|p| format!("copy .{}()", p.as_str()))
 }

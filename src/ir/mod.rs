@@ -651,6 +651,28 @@ impl Guard {
     }
 }
 
+/// Which positions of a KV cache a `copy` moves (`SLICE.context()`, `SLICE.appended()`):
+/// the bytes follow each sequence's context at run time, so a decode step moves the cache
+/// it attends over, or only the lines it appended, not the line declared for the longest
+/// context (FlexGen's `load_cache` of `k_home[:src_s]` and `store_cache` of `k_new`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KvPart {
+    /// Every position cached before this step's new tokens (what attention reads back).
+    Context,
+    /// Only this step's new tokens' positions (what attention appended).
+    Appended,
+}
+
+impl KvPart {
+    /// The method that names it: `context` or `appended`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvPart::Context => "context",
+            KvPart::Appended => "appended",
+        }
+    }
+}
+
 /// One task: an op applied to buffer slices on a stream.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Task {
@@ -675,6 +697,16 @@ pub struct Task {
     /// Set on a copy into an expert cache slot: `fetch` or `prefetch`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_op: Option<cache::CacheOp>,
+    /// Set on a copy of part of a KV cache (`.context()` / `.appended()`): the runtime
+    /// copies those positions of the micro-batch whose cache the source holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv: Option<KvPart>,
+    /// Set on the tasks `experts(.., ub = all, ..)` unrolls into: the first task of the
+    /// group. The group is one expert computation over every micro-batch's tokens, so its
+    /// weights are read once (charged to the first task); each micro-batch's part is a
+    /// task of its own for the checker and the runtime.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<TaskId>,
 }
 
 /// A step template after unrolling.

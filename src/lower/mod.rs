@@ -115,6 +115,19 @@ pub struct PlanArg {
     pub cache_fetch: Option<TaskId>,
 }
 
+/// A copy of part of one layer's KV cache (`.context()` / `.appended()`): the runtime
+/// copies those positions of the micro-batch's sequences (each through its block table),
+/// at the same offsets in both slices, and nothing else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PlanKvCopy {
+    /// Which positions.
+    pub part: crate::ir::KvPart,
+    /// The layer whose cache it is (its attention geometry lays the cache out).
+    pub layer: u32,
+    /// The micro-batch whose sequences' positions are copied.
+    pub ub: u32,
+}
+
 /// A `fetch` or `prefetch`: which cache and expert, and how many task arguments read the
 /// slot it makes resident (the runtime frees the slot once they ran or were skipped).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -170,6 +183,9 @@ pub struct PlanTask {
     /// Set on a copy into an expert cache slot.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache: Option<PlanCacheCopy>,
+    /// Set on a copy of part of a KV cache: which positions of whose cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv: Option<PlanKvCopy>,
     /// The worst-case shape the sizes assume.
     pub shape: Shape,
     /// Where it is written in the schedule.
@@ -382,14 +398,16 @@ pub fn lower(
                 .collect()
         })
         .collect();
-    lower_with_preds(program, &preds, options)
+    lower_with_preds(program, &preds, &info.kv_sources, options)
 }
 
 /// Lowers a program given each task's predecessors (indexed by task; every predecessor
-/// earlier in issue order). [`lower`] is the entry point for checked programs.
+/// earlier in issue order) and whose cache each KV-part copy moves. [`lower`] is the
+/// entry point for checked programs.
 pub(crate) fn lower_with_preds(
     program: &Program,
     preds: &[Vec<TaskId>],
+    kv_sources: &[Option<crate::check::values::KvSource>],
     options: &LowerOptions,
 ) -> Result<ExecPlan, LowerError> {
     if preds.len() != program.tasks.len() {
@@ -399,7 +417,7 @@ pub(crate) fn lower_with_preds(
         });
     }
     let (buffers, arenas) = place_buffers(program, options)?;
-    let tasks = plan_tasks(program);
+    let tasks = plan_tasks(program, kv_sources);
     let mut readback = program.readback_gates();
     if options.read_all_routing {
         for (read, task) in readback.iter_mut().zip(&program.tasks) {
@@ -526,7 +544,10 @@ fn overflow(program: &Program, space: Space, needed: u64, capacity: u64) -> Lowe
     }
 }
 
-fn plan_tasks(program: &Program) -> Vec<PlanTask> {
+fn plan_tasks(
+    program: &Program,
+    kv_sources: &[Option<crate::check::values::KvSource>],
+) -> Vec<PlanTask> {
     let bound = crate::ir::cache::bindings(program);
     let mut readers = vec![0u32; program.tasks.len()];
     for (i, b) in bound.iter().enumerate() {
@@ -573,6 +594,14 @@ fn plan_tasks(program: &Program) -> Vec<PlanTask> {
                     .collect(),
                 guard: task.guard.clone(),
                 cache,
+                kv: task
+                    .kv
+                    .zip(kv_sources.get(i).copied().flatten())
+                    .map(|(part, source)| PlanKvCopy {
+                        part,
+                        layer: source.layer,
+                        ub: source.ub,
+                    }),
                 shape: task.shape,
                 span: program.task_span(id),
             }

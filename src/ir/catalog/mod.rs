@@ -349,6 +349,22 @@ pub struct Shape {
     pub act_bytes: u64,
 }
 
+/// Bytes a copy of `part` of one layer's KV cache moves for a micro-batch of `shape`: the
+/// positions cached before the step's new tokens (`context`: `seqs x (context - new
+/// tokens per sequence)`) or only the new tokens' (`appended`), at `act_bytes` per element.
+/// At the declared (worst-case) shape this is what the memory check and the copy-bytes
+/// test count; the cost model passes the context it assumes, the runtime copies each
+/// sequence's real positions.
+pub fn kv_part_bytes(card: &ModelCard, shape: &Shape, part: crate::ir::KvPart) -> u64 {
+    let per_token = card.kv_elems_per_token_layer() * shape.act_bytes;
+    let new_per_seq = shape.tokens / shape.seqs.max(1);
+    let positions = match part {
+        crate::ir::KvPart::Context => shape.seqs * shape.context.saturating_sub(new_per_seq),
+        crate::ir::KvPart::Appended => shape.tokens,
+    };
+    positions * per_token
+}
+
 /// [`required_bytes`] for a task of a `kind` step. In a mixed step the runtime's
 /// resource-aware scheduler gives KV blocks as sequences grow and preempts the youngest
 /// when they run out (MoE-Lens §6.2), so a KV slice need only hold one whole sequence.

@@ -16,6 +16,7 @@ pub(crate) mod batching;
 pub mod cache;
 pub mod eam;
 pub mod executor;
+pub mod kv_copy;
 pub mod report;
 pub(crate) mod scheduler;
 pub mod state;
@@ -302,6 +303,39 @@ impl<B: Backend> Runner<'_, B> {
         Ok(true)
     }
 
+    /// A copy of part of a KV cache: one backend copy per run of bytes holding the wanted
+    /// positions of the micro-batch's sequences, at the same offsets in both slices.
+    fn kv_part_copy(
+        &self,
+        stream: StreamId,
+        t: &PlanTask,
+        kv: crate::lower::PlanKvCopy,
+    ) -> Result<(), BackendError> {
+        let Some(mb) = self.state.ubs.get(kv.ub as usize) else {
+            return Ok(()); // a micro-batch beyond the plan's holds no sequences
+        };
+        let card = &self.plan.model;
+        let layout = crate::model::kernels::kv_cache::KvLayout {
+            block_size: mb.block_size.max(1),
+            kv_heads: card.kv_heads as usize,
+            head_dim: card.head_dim as usize,
+        };
+        let (Some(src), Some(dst)) = (t.args.first(), t.args.get(1)) else {
+            return Ok(());
+        };
+        let runs = kv_copy::runs(&layout, src.len.min(dst.len), &mb.seqs, kv.part)
+            .map_err(|e| BackendError::Task(Box::new(e)))?;
+        let mut part = t.clone();
+        for (offset, len) in runs {
+            part.args[0].start = src.start + offset;
+            part.args[1].start = dst.start + offset;
+            part.args[0].len = len;
+            part.args[1].len = len;
+            self.backend.run(stream, t.engine, &part, self.state)?;
+        }
+        Ok(())
+    }
+
     /// After a task ran (`ran`) or was skipped: each cache slot it read counts down its
     /// fetch's readers (a read is fenced on this stream first); the last one frees the slot.
     fn release_reads(&self, stream: StreamId, t: &PlanTask, ran: bool) -> Result<(), BackendError> {
@@ -347,6 +381,10 @@ impl<B: Backend> StreamOps for Runner<'_, B> {
         }
         if let Some(copy) = t.cache {
             return self.cache_copy(stream, t, copy);
+        }
+        if let Some(kv) = t.kv {
+            self.kv_part_copy(stream, t, kv)?;
+            return Ok(true);
         }
         self.backend.run(stream, t.engine, t, self.state)?;
         self.release_reads(stream, t, true)?;
@@ -423,10 +461,18 @@ impl<B: Backend> StepRunner<'_, B> {
             self.origin,
         )?;
         if let Some(times) = self.backend.finish_step()? {
+            // A KV-part copy is submitted once per run of bytes: it spans from its first
+            // submission's start to its last one's end.
+            let mut seen = std::collections::HashSet::new();
             for t in &times {
                 if let Some(r) = tasks.iter_mut().find(|r| r.task == t.task) {
-                    r.start = start + t.start;
-                    r.end = start + t.end;
+                    if seen.insert(t.task) {
+                        r.start = start + t.start;
+                        r.end = start + t.end;
+                    } else {
+                        r.start = r.start.min(start + t.start);
+                        r.end = r.end.max(start + t.end);
+                    }
                 }
             }
         }
