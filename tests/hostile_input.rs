@@ -588,6 +588,150 @@ fn schedule(rng: &mut XorShift) -> String {
     s
 }
 
+/// `dir`'s model.safetensors rewritten with its header edited by `edit` and padded with
+/// spaces to `pad` mod 8 bytes: `pad` 1 starts the data at an odd offset (every bf16
+/// tensor misaligned, a file safetensors allows), `pad` 0 keeps it aligned.
+fn rewrite_safetensors(dir: &Path, pad: usize, edit: impl Fn(&mut serde_json::Value)) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    edit(&mut header);
+    let mut text = serde_json::to_vec(&header).unwrap();
+    while text.len() % 8 != pad {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + header_len..]);
+    std::fs::write(&path, out).unwrap();
+}
+
+/// A copy of `from` named `name` beside it.
+fn copy_checkpoint(from: &Path, name: &str) -> PathBuf {
+    let to = from.with_file_name(name);
+    std::fs::create_dir_all(&to).unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(from.join(file), to.join(file)).unwrap();
+    }
+    to
+}
+
+/// `moec ARGS` in `dir`: exit code, stdout, stderr.
+fn moec(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(args)
+        .current_dir(dir)
+        .env("MOEC_CACHE_DIR", dir.join(".cache"))
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The commands that read a checkpoint, each on `weights`: generate (the oracle), run and
+/// ablate (the runtime's layer images).
+fn readers(weights: &str) -> Vec<Vec<String>> {
+    let sched = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/schedules/baselines/sequential.sched"
+    );
+    [
+        vec![
+            "generate",
+            "--weights",
+            weights,
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "4",
+        ],
+        vec![
+            "run",
+            sched,
+            "--weights",
+            weights,
+            "--prompt",
+            "hi",
+            "--gen-len",
+            "4",
+        ],
+        vec![
+            "ablate",
+            sched,
+            "--weights",
+            weights,
+            "--prompt",
+            "hi",
+            "--gen-len",
+            "4",
+        ],
+    ]
+    .iter()
+    .map(|args| args.iter().map(|a| a.to_string()).collect())
+    .collect()
+}
+
+/// One validation of checkpoints: a file whose tensors sit at odd offsets is read by every
+/// command with the numerics of the aligned file, and a layer tensor stored in another
+/// dtype than the other layers' is refused by every command, naming that tensor.
+#[test]
+fn generate_run_and_ablate_judge_a_checkpoint_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = moec(dir.path(), &["synth", "--out", "ck"]);
+    assert_eq!(code, Some(0), "{err}");
+    let ck = dir.path().join("ck");
+
+    // Misaligned: the same generated text as the aligned checkpoint, from every reader.
+    let odd = copy_checkpoint(&ck, "odd");
+    rewrite_safetensors(&odd, 1, |_| {});
+    for (aligned, misaligned) in readers("ck").iter().zip(readers("odd")) {
+        let args: Vec<&str> = aligned.iter().map(String::as_str).collect();
+        let (code, want, err) = moec(dir.path(), &args);
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        let args: Vec<&str> = misaligned.iter().map(String::as_str).collect();
+        let (code, got, err) = moec(dir.path(), &args);
+        assert_eq!(code, Some(0), "{args:?} refused a misaligned file: {err}");
+        // generate and run print the generated text first; ablate prints a table of
+        // timings (its `same` column compares schedules with each other, not files).
+        if args[0] != "ablate" {
+            let first = |s: &str| s.lines().next().unwrap_or("").to_string();
+            assert_eq!(
+                first(&got),
+                first(&want),
+                "{args:?}: misaligned weights changed the text"
+            );
+        }
+    }
+
+    // One f16 tensor among bf16, in layer 0 and in layer 1: refused by all three, naming
+    // the changed tensor, not a layer next to it.
+    for layer in [0, 1] {
+        let name = format!("model.layers.{layer}.self_attn.q_proj.weight");
+        let f16 = copy_checkpoint(&ck, &format!("f16_{layer}"));
+        rewrite_safetensors(&f16, 0, |h| h[&name]["dtype"] = "F16".into());
+        for args in readers(&format!("f16_{layer}")) {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            // ablate reports a failed schedule in its table's row, on stdout.
+            let (code, out, err) = moec(dir.path(), &args);
+            let err = err + &out;
+            assert_eq!(
+                code,
+                Some(1),
+                "{args:?} accepted a mixed-dtype checkpoint: {err}"
+            );
+            assert!(
+                err.contains(&format!("`{name}` is F16")) && err.contains("Bf16"),
+                "{args:?} does not name {name}: {err}"
+            );
+        }
+    }
+}
+
 /// Random schedules compile to `Ok` or diagnostics on a 2 MiB stack, never a panic.
 #[test]
 fn random_schedules_compile_or_fail_cleanly() {
