@@ -12,6 +12,13 @@
 //! generated mutants), run-time budgets (a generation past the model's positions, an
 //! emulated link slower than the watchdog, a KV cache larger than the machine's memory).
 //!
+//! Two tests hold the commands to one answer and to clean files: `generate`, `run` and
+//! `ablate` accept the same checkpoints (a misaligned file, with the aligned file's text)
+//! and refuse the same ones (one layer's tensor in another dtype, named); SIGINT/SIGTERM
+//! during `synth`, a cache fill, `run --trace` and `ablate --out` remove the temporaries,
+//! and after SIGKILL the next run removes them with a line saying so (each child is
+//! signalled at its `MOEC_HOLD_TEMP` marker, not after a delay).
+//!
 //! Last, a property-style fuzz of the parser and elaborator, in process: random schedules
 //! built from the language's constructs (deep expressions, `else if` chains, loops,
 //! templates calling templates, random bytes) compile to `Ok` or diagnostics on a 2 MiB
@@ -729,6 +736,119 @@ fn generate_run_and_ablate_judge_a_checkpoint_alike() {
                 "{args:?} does not name {name}: {err}"
             );
         }
+    }
+}
+
+/// Files under `dir` whose name marks them as moec's temporaries (`.NAME.tmp-...` folders,
+/// `.NAME.moec-...` files).
+fn temporaries(dir: &Path) -> Vec<PathBuf> {
+    listing(dir)
+        .into_iter()
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with('.') && (name.contains(".tmp-") || name.contains(".moec-"))
+        })
+        .collect()
+}
+
+/// Starts `moec ARGS` in `dir` with `MOEC_HOLD_TEMP=1`, waits for its marker line (it has
+/// created and registered a temporary and waits), sends `signal` and gives how it ended
+/// and its stderr.
+fn interrupt(dir: &Path, args: &[&str], signal: i32) -> (std::process::ExitStatus, String) {
+    use std::io::BufRead as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(args)
+        .current_dir(dir)
+        .env("MOEC_CACHE_DIR", dir.join(".cache"))
+        .env("MOEC_HOLD_TEMP", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    let mut line = String::new();
+    while !seen.contains("moec: holding temporary") {
+        line.clear();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            panic!("{args:?} ended without writing a temporary:\n{seen}");
+        }
+        seen.push_str(&line);
+    }
+    let pid = child.id() as i32;
+    // SAFETY: `kill` on our own child's pid, which cannot be reused before `wait` reaps it.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    let status = child.wait().unwrap();
+    std::io::Read::read_to_string(&mut stderr, &mut seen).unwrap();
+    (status, seen)
+}
+
+/// SIGINT and SIGTERM during a write remove what was being written (the process still
+/// dies of the signal); after a SIGKILL, the next run of the same command removes the
+/// dead process's temporary and says so. Covers `synth`, the implicit cache fill of a
+/// synthetic model, `run --trace` and `ablate --out`.
+#[test]
+fn interrupted_writes_leave_no_temporaries() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = moec(dir.path(), &["synth", "--out", "ck"]);
+    assert_eq!(code, Some(0), "{err}");
+    let sched = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/schedules/baselines/sequential.sched"
+    );
+    let run = |out: &'static str| -> Vec<&'static str> {
+        let mut args = vec![sched, "--weights", "ck", "--prompt", "hi", "--gen-len", "2"];
+        args.extend(match out {
+            "trace" => ["--trace", "t.json"],
+            _ => ["--out", "exp"],
+        });
+        args
+    };
+    let mut trace = vec!["run"];
+    trace.extend(run("trace"));
+    let mut ablate = vec!["ablate"];
+    ablate.extend(run("out"));
+    let cache_fill = vec!["generate", "--prompt", "hi", "--max-new-tokens", "1"];
+    let synth = vec!["synth", "--out", "ck2"];
+    let cases: [(&Vec<&str>, i32); 5] = [
+        (&synth, libc::SIGINT),
+        (&synth, libc::SIGTERM),
+        (&cache_fill, libc::SIGINT),
+        (&trace, libc::SIGTERM),
+        (&ablate, libc::SIGINT),
+    ];
+    for (args, signal) in cases {
+        let before = listing(dir.path());
+        let (status, err) = interrupt(dir.path(), args, signal);
+        assert_eq!(status.signal(), Some(signal), "{args:?}: {status:?}\n{err}");
+        assert!(
+            err.contains("moec: interrupted; removed"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(temporaries(dir.path()), Vec::<PathBuf>::new(), "{args:?}");
+        // Nothing but empty cache folders is new (no output renamed into place).
+        let new: Vec<_> = listing(dir.path())
+            .into_iter()
+            .filter(|p| !before.contains(p) && !p.is_dir())
+            .collect();
+        assert_eq!(new, Vec::<PathBuf>::new(), "{args:?}");
+    }
+    for args in [&synth, &trace] {
+        let (status, _) = interrupt(dir.path(), args, libc::SIGKILL);
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        assert_eq!(
+            temporaries(dir.path()).len(),
+            1,
+            "{args:?}: kill -9 leaves it"
+        );
+        let (code, _, err) = moec(dir.path(), args);
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        assert!(
+            err.contains("which is gone"),
+            "{args:?} said nothing: {err}"
+        );
+        assert_eq!(temporaries(dir.path()), Vec::<PathBuf>::new(), "{args:?}");
     }
 }
 
