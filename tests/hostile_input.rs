@@ -34,6 +34,9 @@ use std::process::Command;
 
 /// Address space each child may map (debug binary, thread pools and the tiny model fit).
 const ADDRESS_SPACE_KIB: u64 = 6 << 20;
+/// Largest file each child may write, in the 512-byte blocks of `ulimit -f` (2 GiB): a
+/// case that writes where it should refuse dies of SIGXFSZ instead of filling the disk.
+const FILE_SIZE_BLOCKS: u64 = 4 << 20;
 /// Seconds each child may run.
 const TIME_LIMIT_S: u64 = 60;
 /// Fuzz cases in a normal `cargo test`.
@@ -95,7 +98,7 @@ fn run_case(c: &Case, shared: &Path) -> Option<String> {
     let before = listing(dir.path());
     let shared_before = listing(shared);
     let command = format!(
-        "ulimit -v {ADDRESS_SPACE_KIB}; exec timeout {TIME_LIMIT_S} {} {}",
+        "ulimit -v {ADDRESS_SPACE_KIB}; ulimit -f {FILE_SIZE_BLOCKS}; exec timeout {TIME_LIMIT_S} {} {}",
         sh_quote(env!("CARGO_BIN_EXE_moec")),
         c.args
             .iter()
@@ -215,6 +218,17 @@ fn schedule_cases() -> Vec<Case> {
     ]
 }
 
+/// The T4 profile with 10 MB of host DRAM and pinned memory: less than the tiny model's
+/// pinned arena (about 15 MB under `sequential.sched`).
+fn small_profile() -> String {
+    let t4 = include_str!("../hardware/t4.ron");
+    let small = t4
+        .replace("mem_gb: 192.0,", "mem_gb: 0.01,")
+        .replace("pinned_gb: 192.0,", "pinned_gb: 0.01,");
+    assert_ne!(small, t4, "hardware/t4.ron no longer has `mem_gb: 192.0`");
+    small
+}
+
 fn flag_cases() -> Vec<Case> {
     let run = |name: &'static str, flags: &[&str], names: &'static str| {
         let mut args = vec![
@@ -266,7 +280,23 @@ fn flag_cases() -> Vec<Case> {
                 "--gen-len",
                 "2",
             ],
-            "MemAvailable",
+            // The measured profile's host budget refuses it first; MemAvailable would next.
+            "nothing was allocated",
+        ),
+        with_file(
+            run(
+                "a plan over the chosen profile's pinned budget",
+                &["--hw", "small.ron", "--gen-len", "2"],
+                "pinned over by",
+            ),
+            "small.ron",
+            small_profile(),
+        ),
+        // 470 GB of bf16: more than any disk a test runs on has free.
+        case(
+            "synth larger than the free disk space",
+            &["synth", "--model", "qwen3-235b-a22b", "--out", "big"],
+            "bytes free",
         ),
         case(
             "check --batch 0",

@@ -267,6 +267,7 @@ pub fn write_checkpoint(
         return Err(SynthError::NoSpace {
             dir: tmp
                 .parent()
+                .filter(|p| !p.as_os_str().is_empty())
                 .map_or_else(|| ".".into(), |p| p.display().to_string()),
             free,
             needed,
