@@ -10,9 +10,11 @@
 //!   and the lines after it, up to the next `$ `, are its shown output (stdout, then
 //!   stderr). A line `...` stands for any number of lines; `[..]` inside a line for any
 //!   text. Decimal figures (`0.414 s`, `463.8 tokens/s`, `5.89 GiB`) are masked on both
-//!   sides: timings, throughputs and sizes move between runs and machines. Integers (task,
-//!   edge, token and step counts) must match.
-//! - `moec` is the built binary; `cargo run --release -- ARGS` is run as `moec ARGS`.
+//!   sides: timings, throughputs and sizes move between runs and machines; so is the width
+//!   of a run of spaces (columns move with them). Integers (task, edge, token and step
+//!   counts) must match.
+//! - `moec` is the built binary (`printf` and `echo` lines, which write a next command's
+//!   input file, run too); `cargo run --release -- ARGS` is run as `moec ARGS`.
 //!   Commands run through `sh` in a scratch folder holding copies of the repository's
 //!   `schedules/`, `hardware/`, `docs/`, ... (so `schedules/x.sched` resolves and outputs
 //!   land in the scratch folder, never in the repository), with a cache of its own; `/tmp/`
@@ -168,7 +170,9 @@ fn split_comment(command: &str) -> (String, String) {
 fn not_run(command: &str, marked_slow: bool, slow_mode: bool) -> Option<&'static str> {
     let words: Vec<&str> = command.split_whitespace().collect();
     let first = words.first().copied().unwrap_or("");
-    if first != "moec" && !command.starts_with("cargo run --release -- ") {
+    // `printf`/`echo` write the small input files a page's next command reads.
+    let runs = matches!(first, "moec" | "printf" | "echo");
+    if !runs && !command.starts_with("cargo run --release -- ") {
         return Some("not a moec command (another tool, a script or a build)");
     }
     if command.contains("--backend cuda") {
@@ -186,8 +190,16 @@ fn not_run(command: &str, marked_slow: bool, slow_mode: bool) -> Option<&'static
     None
 }
 
-/// Decimal figures masked: every `D.D` becomes `#.#`.
+/// Decimal figures masked (every `D.D` becomes `#.#`) and runs of spaces made one, since
+/// a figure of another width moves the columns after it.
 fn mask(line: &str) -> String {
+    masked_decimals(line)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn masked_decimals(line: &str) -> String {
     let chars: Vec<char> = line.trim_end().chars().collect();
     let mut out = String::new();
     let mut i = 0;
