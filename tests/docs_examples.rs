@@ -322,7 +322,14 @@ fn scratch() -> tempfile::TempDir {
     }
     let dir = tempfile::tempdir().unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for name in ["schedules", "hardware", "docs", "reproduce", "scripts", "kernels"] {
+    for name in [
+        "schedules",
+        "hardware",
+        "docs",
+        "reproduce",
+        "scripts",
+        "kernels",
+    ] {
         if root.join(name).is_dir() {
             copy(&root.join(name), &dir.path().join(name));
         }

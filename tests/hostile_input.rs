@@ -677,18 +677,19 @@ fn readers(weights: &str) -> Vec<Vec<String>> {
         env!("CARGO_MANIFEST_DIR"),
         "/schedules/baselines/sequential.sched"
     );
-    [
+    [vec![
+        "generate",
+        "--weights",
+        weights,
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+    ]]
+    .into_iter()
+    .chain(["run", "ablate"].map(|command| {
         vec![
-            "generate",
-            "--weights",
-            weights,
-            "--prompt",
-            "hi",
-            "--max-new-tokens",
-            "4",
-        ],
-        vec![
-            "run",
+            command,
             sched,
             "--weights",
             weights,
@@ -696,19 +697,8 @@ fn readers(weights: &str) -> Vec<Vec<String>> {
             "hi",
             "--gen-len",
             "4",
-        ],
-        vec![
-            "ablate",
-            sched,
-            "--weights",
-            weights,
-            "--prompt",
-            "hi",
-            "--gen-len",
-            "4",
-        ],
-    ]
-    .iter()
+        ]
+    }))
     .map(|args| args.iter().map(|a| a.to_string()).collect())
     .collect()
 }
