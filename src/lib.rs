@@ -20,5 +20,6 @@ pub mod records;
 pub mod runtime;
 pub mod span;
 pub mod syntax;
+pub mod sysmem;
 pub mod tempfiles;
 pub mod textfile;
