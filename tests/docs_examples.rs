@@ -399,10 +399,14 @@ fn every_command_the_docs_show_runs_and_prints_what_they_show() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             let want = expected_code(&comment);
             if code != want {
+                // ablate reports a failed schedule in its table, on stdout: show both ends.
+                let stdout = String::from_utf8_lossy(&output.stdout);
+                let tail: Vec<&str> = stdout.lines().rev().take(5).collect();
                 failures.push(format!(
-                    "{}: `{command}` exited {code}, the page implies {want}\n  {}",
+                    "{}: `{command}` exited {code}, the page implies {want}\n  stderr: {}\n  stdout (last lines): {}",
                     example.place,
-                    stderr.lines().take(5).collect::<Vec<_>>().join("\n  ")
+                    stderr.lines().take(5).collect::<Vec<_>>().join("\n  "),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
                 ));
                 continue;
             }
