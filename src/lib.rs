@@ -21,4 +21,5 @@ pub mod runtime;
 pub mod span;
 pub mod syntax;
 pub mod sysmem;
+pub mod tempfiles;
 pub mod textfile;

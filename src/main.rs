@@ -9,5 +9,8 @@ fn main() -> std::process::ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Before any thread exists (see its doc): SIGINT/SIGTERM remove the temporary files and
+    // folders being written, then end the process as the signal would have.
+    moec::tempfiles::install_interrupt_cleanup();
     moec::cli::main()
 }

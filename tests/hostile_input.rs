@@ -12,6 +12,13 @@
 //! generated mutants), run-time budgets (a generation past the model's positions, an
 //! emulated link slower than the watchdog, a KV cache larger than the machine's memory).
 //!
+//! Two tests hold the commands to one answer and to clean files: `generate`, `run` and
+//! `ablate` accept the same checkpoints (a misaligned file, with the aligned file's text)
+//! and refuse the same ones (one layer's tensor in another dtype, named); SIGINT/SIGTERM
+//! during `synth`, a cache fill, `run --trace` and `ablate --out` remove the temporaries,
+//! and after SIGKILL the next run removes them with a line saying so (each child is
+//! signalled at its `MOEC_HOLD_TEMP` marker, not after a delay).
+//!
 //! Last, a property-style fuzz of the parser and elaborator, in process: random schedules
 //! built from the language's constructs (deep expressions, `else if` chains, loops,
 //! templates calling templates, random bytes) compile to `Ok` or diagnostics on a 2 MiB
@@ -27,6 +34,9 @@ use std::process::Command;
 
 /// Address space each child may map (debug binary, thread pools and the tiny model fit).
 const ADDRESS_SPACE_KIB: u64 = 6 << 20;
+/// Largest file each child may write, in the 512-byte blocks of `ulimit -f` (2 GiB): a
+/// case that writes where it should refuse dies of SIGXFSZ instead of filling the disk.
+const FILE_SIZE_BLOCKS: u64 = 4 << 20;
 /// Seconds each child may run.
 const TIME_LIMIT_S: u64 = 60;
 /// Fuzz cases in a normal `cargo test`.
@@ -88,7 +98,7 @@ fn run_case(c: &Case, shared: &Path) -> Option<String> {
     let before = listing(dir.path());
     let shared_before = listing(shared);
     let command = format!(
-        "ulimit -v {ADDRESS_SPACE_KIB}; exec timeout {TIME_LIMIT_S} {} {}",
+        "ulimit -v {ADDRESS_SPACE_KIB}; ulimit -f {FILE_SIZE_BLOCKS}; exec timeout {TIME_LIMIT_S} {} {}",
         sh_quote(env!("CARGO_BIN_EXE_moec")),
         c.args
             .iter()
@@ -208,6 +218,17 @@ fn schedule_cases() -> Vec<Case> {
     ]
 }
 
+/// The T4 profile with 10 MB of host DRAM and pinned memory: less than the tiny model's
+/// pinned arena (about 15 MB under `sequential.sched`).
+fn small_profile() -> String {
+    let t4 = include_str!("../hardware/t4.ron");
+    let small = t4
+        .replace("mem_gb: 192.0,", "mem_gb: 0.01,")
+        .replace("pinned_gb: 192.0,", "pinned_gb: 0.01,");
+    assert_ne!(small, t4, "hardware/t4.ron no longer has `mem_gb: 192.0`");
+    small
+}
+
 fn flag_cases() -> Vec<Case> {
     let run = |name: &'static str, flags: &[&str], names: &'static str| {
         let mut args = vec![
@@ -259,7 +280,23 @@ fn flag_cases() -> Vec<Case> {
                 "--gen-len",
                 "2",
             ],
-            "MemAvailable",
+            // The measured profile's host budget refuses it first; MemAvailable would next.
+            "nothing was allocated",
+        ),
+        with_file(
+            run(
+                "a plan over the chosen profile's pinned budget",
+                &["--hw", "small.ron", "--gen-len", "2"],
+                "pinned over by",
+            ),
+            "small.ron",
+            small_profile(),
+        ),
+        // 470 GB of bf16: more than any disk a test runs on has free.
+        case(
+            "synth larger than the free disk space",
+            &["synth", "--model", "qwen3-235b-a22b", "--out", "big"],
+            "bytes free",
         ),
         case(
             "check --batch 0",
@@ -586,6 +623,253 @@ fn schedule(rng: &mut XorShift) -> String {
         s.insert_str(at, &noise);
     }
     s
+}
+
+/// `dir`'s model.safetensors rewritten with its header edited by `edit` and padded with
+/// spaces to `pad` mod 8 bytes: `pad` 1 starts the data at an odd offset (every bf16
+/// tensor misaligned, a file safetensors allows), `pad` 0 keeps it aligned.
+fn rewrite_safetensors(dir: &Path, pad: usize, edit: impl Fn(&mut serde_json::Value)) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    edit(&mut header);
+    let mut text = serde_json::to_vec(&header).unwrap();
+    while text.len() % 8 != pad {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + header_len..]);
+    std::fs::write(&path, out).unwrap();
+}
+
+/// A copy of `from` named `name` beside it.
+fn copy_checkpoint(from: &Path, name: &str) -> PathBuf {
+    let to = from.with_file_name(name);
+    std::fs::create_dir_all(&to).unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(from.join(file), to.join(file)).unwrap();
+    }
+    to
+}
+
+/// `moec ARGS` in `dir`: exit code, stdout, stderr.
+fn moec(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(args)
+        .current_dir(dir)
+        .env("MOEC_CACHE_DIR", dir.join(".cache"))
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The commands that read a checkpoint, each on `weights`: generate (the oracle), run and
+/// ablate (the runtime's layer images).
+fn readers(weights: &str) -> Vec<Vec<String>> {
+    let sched = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/schedules/baselines/sequential.sched"
+    );
+    [vec![
+        "generate",
+        "--weights",
+        weights,
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+    ]]
+    .into_iter()
+    .chain(["run", "ablate"].map(|command| {
+        vec![
+            command,
+            sched,
+            "--weights",
+            weights,
+            "--prompt",
+            "hi",
+            "--gen-len",
+            "4",
+        ]
+    }))
+    .map(|args| args.iter().map(|a| a.to_string()).collect())
+    .collect()
+}
+
+/// One validation of checkpoints: a file whose tensors sit at odd offsets is read by every
+/// command with the numerics of the aligned file, and a layer tensor stored in another
+/// dtype than the other layers' is refused by every command, naming that tensor.
+#[test]
+fn generate_run_and_ablate_judge_a_checkpoint_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = moec(dir.path(), &["synth", "--out", "ck"]);
+    assert_eq!(code, Some(0), "{err}");
+    let ck = dir.path().join("ck");
+
+    // Misaligned: the same generated text as the aligned checkpoint, from every reader.
+    let odd = copy_checkpoint(&ck, "odd");
+    rewrite_safetensors(&odd, 1, |_| {});
+    for (aligned, misaligned) in readers("ck").iter().zip(readers("odd")) {
+        let args: Vec<&str> = aligned.iter().map(String::as_str).collect();
+        let (code, want, err) = moec(dir.path(), &args);
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        let args: Vec<&str> = misaligned.iter().map(String::as_str).collect();
+        let (code, got, err) = moec(dir.path(), &args);
+        assert_eq!(code, Some(0), "{args:?} refused a misaligned file: {err}");
+        // generate and run print the generated text first; ablate prints a table of
+        // timings (its `same` column compares schedules with each other, not files).
+        if args[0] != "ablate" {
+            let first = |s: &str| s.lines().next().unwrap_or("").to_string();
+            assert_eq!(
+                first(&got),
+                first(&want),
+                "{args:?}: misaligned weights changed the text"
+            );
+        }
+    }
+
+    // One f16 tensor among bf16, in layer 0 and in layer 1: refused by all three, naming
+    // the changed tensor, not a layer next to it.
+    for layer in [0, 1] {
+        let name = format!("model.layers.{layer}.self_attn.q_proj.weight");
+        let f16 = copy_checkpoint(&ck, &format!("f16_{layer}"));
+        rewrite_safetensors(&f16, 0, |h| h[&name]["dtype"] = "F16".into());
+        for args in readers(&format!("f16_{layer}")) {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            // ablate reports a failed schedule in its table's row, on stdout.
+            let (code, out, err) = moec(dir.path(), &args);
+            let err = err + &out;
+            assert_eq!(
+                code,
+                Some(1),
+                "{args:?} accepted a mixed-dtype checkpoint: {err}"
+            );
+            assert!(
+                err.contains(&format!("`{name}` is F16")) && err.contains("Bf16"),
+                "{args:?} does not name {name}: {err}"
+            );
+        }
+    }
+}
+
+/// Files under `dir` whose name marks them as moec's temporaries (`.NAME.tmp-...` folders,
+/// `.NAME.moec-...` files).
+fn temporaries(dir: &Path) -> Vec<PathBuf> {
+    listing(dir)
+        .into_iter()
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with('.') && (name.contains(".tmp-") || name.contains(".moec-"))
+        })
+        .collect()
+}
+
+/// Starts `moec ARGS` in `dir` with `MOEC_HOLD_TEMP=1`, waits for its marker line (it has
+/// created and registered a temporary and waits), sends `signal` and gives how it ended
+/// and its stderr.
+fn interrupt(dir: &Path, args: &[&str], signal: i32) -> (std::process::ExitStatus, String) {
+    use std::io::BufRead as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(args)
+        .current_dir(dir)
+        .env("MOEC_CACHE_DIR", dir.join(".cache"))
+        .env("MOEC_HOLD_TEMP", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    let mut line = String::new();
+    while !seen.contains("moec: holding temporary") {
+        line.clear();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            panic!("{args:?} ended without writing a temporary:\n{seen}");
+        }
+        seen.push_str(&line);
+    }
+    let pid = child.id() as i32;
+    // SAFETY: `kill` on our own child's pid, which cannot be reused before `wait` reaps it.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    let status = child.wait().unwrap();
+    std::io::Read::read_to_string(&mut stderr, &mut seen).unwrap();
+    (status, seen)
+}
+
+/// SIGINT and SIGTERM during a write remove what was being written (the process still
+/// dies of the signal); after a SIGKILL, the next run of the same command removes the
+/// dead process's temporary and says so. Covers `synth`, the implicit cache fill of a
+/// synthetic model, `run --trace` and `ablate --out`.
+#[test]
+fn interrupted_writes_leave_no_temporaries() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = moec(dir.path(), &["synth", "--out", "ck"]);
+    assert_eq!(code, Some(0), "{err}");
+    let sched = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/schedules/baselines/sequential.sched"
+    );
+    let run = |out: &'static str| -> Vec<&'static str> {
+        let mut args = vec![sched, "--weights", "ck", "--prompt", "hi", "--gen-len", "2"];
+        args.extend(match out {
+            "trace" => ["--trace", "t.json"],
+            _ => ["--out", "exp"],
+        });
+        args
+    };
+    let mut trace = vec!["run"];
+    trace.extend(run("trace"));
+    let mut ablate = vec!["ablate"];
+    ablate.extend(run("out"));
+    let cache_fill = vec!["generate", "--prompt", "hi", "--max-new-tokens", "1"];
+    let synth = vec!["synth", "--out", "ck2"];
+    let cases: [(&Vec<&str>, i32); 5] = [
+        (&synth, libc::SIGINT),
+        (&synth, libc::SIGTERM),
+        (&cache_fill, libc::SIGINT),
+        (&trace, libc::SIGTERM),
+        (&ablate, libc::SIGINT),
+    ];
+    for (args, signal) in cases {
+        let before = listing(dir.path());
+        let (status, err) = interrupt(dir.path(), args, signal);
+        assert_eq!(status.signal(), Some(signal), "{args:?}: {status:?}\n{err}");
+        assert!(
+            err.contains("moec: interrupted; removed"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(temporaries(dir.path()), Vec::<PathBuf>::new(), "{args:?}");
+        // Nothing but empty cache folders is new (no output renamed into place).
+        let new: Vec<_> = listing(dir.path())
+            .into_iter()
+            .filter(|p| !before.contains(p) && !p.is_dir())
+            .collect();
+        assert_eq!(new, Vec::<PathBuf>::new(), "{args:?}");
+    }
+    for args in [&synth, &trace] {
+        let (status, _) = interrupt(dir.path(), args, libc::SIGKILL);
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        assert_eq!(
+            temporaries(dir.path()).len(),
+            1,
+            "{args:?}: kill -9 leaves it"
+        );
+        let (code, _, err) = moec(dir.path(), args);
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        assert!(
+            err.contains("which is gone"),
+            "{args:?} said nothing: {err}"
+        );
+        assert_eq!(temporaries(dir.path()), Vec::<PathBuf>::new(), "{args:?}");
+    }
 }
 
 /// Random schedules compile to `Ok` or diagnostics on a 2 MiB stack, never a panic.

@@ -4,13 +4,15 @@
 //! Takes a path and the text; gives the file written whole, or one line saying why not.
 //! Guarantees: a regular file (or a new one) is replaced atomically: the text goes to a
 //! temporary file beside it, created exclusively under a name no user file can have
-//! (`.NAME.moec-PID-NANOS`), then renamed over it, and the temporary file is removed on
-//! failure; a symbolic link is refused (moec never replaces a link or writes through one
+//! (`.NAME.moec-PID-NANOS-SEQ`, see [`crate::tempfiles`]), then renamed over it; the
+//! temporary file is removed on failure and on SIGINT/SIGTERM, and one a killed process
+//! left is removed by the next write of the same output; a symbolic link is refused (moec never replaces a link or writes through one
 //! silently: name its target instead); a special file (`/dev/null`, a FIFO) is written
 //! through, never replaced; a directory is refused.
 
+use crate::tempfiles;
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Writes `text` to `path` as the module doc says; the error names the path.
 pub fn write_output(path: &Path, text: &str) -> Result<(), String> {
@@ -30,12 +32,15 @@ pub fn write_output(path: &Path, text: &str) -> Result<(), String> {
         }
         _ => {}
     }
-    let tmp = temp_beside(path);
+    tempfiles::remove_stale(path, "moec", "a partial output");
+    let tmp = tempfiles::temp_beside(path, "moec");
+    let mut _guard = None;
     let written = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(&tmp)
         .and_then(|mut f| {
+            _guard = Some(tempfiles::register(&tmp));
             f.write_all(text.as_bytes())?;
             f.sync_all()
         })
@@ -44,18 +49,6 @@ pub fn write_output(path: &Path, text: &str) -> Result<(), String> {
         let _ = std::fs::remove_file(&tmp);
         fail(&e.to_string())
     })
-}
-
-/// `.NAME.moec-PID-NANOS` in `path`'s folder: hidden, unique per process and moment.
-fn temp_beside(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "output".into());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    path.with_file_name(format!(".{name}.moec-{}-{nanos}", std::process::id()))
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@
 use super::generate::fail;
 use super::inputs::{ModelArgs, PromptArgs, RunSettings};
 use crate::compile::{compile, Options};
-use crate::cost::hardware::HardwareProfile;
+use crate::cost::hardware::{HardwareProfile, Level};
 use crate::cost::predict::{predict, CostSettings};
 use crate::cost::probe::{measure, profile_from_measurements};
 use crate::cost::replay::{predict_run, RunPrediction};
@@ -289,12 +289,16 @@ pub fn execute_profiling(
             }
             None => msg(&e),
         })?;
-    refuse_what_the_machine_cannot_hold(
+    refuse_what_does_not_fit(
         &plan,
         &compiled.program,
         profile.as_ref(),
-        prompt_ids.len(),
-        on_cuda,
+        Budget {
+            sequences: prompt_ids.len(),
+            gpu_mem: gpu_capacity,
+            chosen_profile: args.settings.hw.is_some(),
+            on_cuda,
+        },
     )?;
     let mut run = RunOptions::greedy(gen_len);
     run.sampling = if args.temperature > 0.0 {
@@ -476,7 +480,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         .or_else(|| {
             f.profile
                 .as_ref()
-                .map(|p| format!("{} ({})", human((p.gpu.mem_gb * 1e9) as u64), p.name))
+                .map(|p| format!("{} ({})", human(p.budget_bytes(Level::Gpu) as u64), p.name))
         })
         .unwrap_or_else(|| "unlimited".into());
     let _ = writeln!(out, "{}", crate::model::kernels::isa::describe());
@@ -491,11 +495,12 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     } else {
         "NOT page-locked: the OS refused mlock (raise RLIMIT_MEMLOCK); copies still run".to_string()
     };
-    let host_budget = |gb: fn(&HardwareProfile) -> f64, what: &str| {
+    // The budgets `check` and the refusal before allocating use (usable share included).
+    let host_budget = |level: Level, what: &str| {
         f.profile.as_ref().map_or(String::new(), |p| {
             format!(
                 "; budget {} ({}{what})",
-                human((gb(p) * 1e9) as u64),
+                human(p.budget_bytes(level) as u64),
                 p.name
             )
         })
@@ -504,14 +509,14 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         out,
         "  pinned  {:>10}  {locked}{}",
         human(pinned),
-        host_budget(|p| p.cpu.pinned_gb, " pinned")
+        host_budget(Level::Pinned, " pinned")
     );
     let _ = writeln!(
         out,
         "  host    {:>10}  {} with pinned and the mapped weights{}",
         human(host),
         human(host + pinned + f.stats.image_bytes),
-        host_budget(|p| p.cpu.mem_gb, " DRAM")
+        host_budget(Level::Host, " DRAM")
     );
     let populated = if f.stats.image_populated > 0 {
         format!(
@@ -646,42 +651,69 @@ fn parse_workload(text: &str) -> Result<WorkloadSpec, String> {
     })
 }
 
-/// Refuses, before any arena is allocated, a plan whose arenas (the KV cache among their
-/// buffers) and per-sequence logits rows exceed the memory the machine has available, with
-/// the budget table `check` prints (issue 18: a schedule with `ctx x 10000` ran a 2-token
-/// job at 10 GB RSS, and larger ones were stopped by the OS). On the CUDA backend the `gpu`
-/// arena is on the device, so it is left out.
-fn refuse_what_the_machine_cannot_hold(
+/// Refuses, before any arena is allocated, a plan that does not fit: first the budgets the
+/// run report prints (the hardware profile's, `--gpu-mem` for the `gpu` space), with the
+/// table `check` prints; then the memory the machine has available, since a profile may
+/// describe a larger machine than this one (issue 18: a schedule with `ctx x 10000` ran a
+/// 2-token job at 10 GB RSS, and larger ones were stopped by the OS). On the CUDA backend
+/// the `gpu` arena is on the device: it is left out of the machine's memory, and without
+/// `--hw` or `--gpu-mem` (the measured profile knows no device) out of the budgets too.
+fn refuse_what_does_not_fit(
     plan: &ExecPlan,
     program: &crate::ir::Program,
     profile: Option<&HardwareProfile>,
-    sequences: usize,
-    on_cuda: bool,
+    budget: Budget,
 ) -> Result<(), Failure> {
+    use crate::cost::budget::{budget_table, check_budget, BudgetOverrides};
+    let device_unknown = budget.on_cuda && !budget.chosen_profile && budget.gpu_mem.is_none();
+    let overrides = BudgetOverrides {
+        gpu_bytes: match budget.gpu_mem {
+            Some(bytes) => Some(bytes as f64),
+            None if device_unknown => Some(f64::INFINITY),
+            None => None,
+        },
+        host_bytes: None,
+    };
+    if let Err(e) = check_budget(program, profile, &overrides) {
+        return Err(Failure::Rendered(format!(
+            "error: this plan does not fit the run's memory budgets: {}; nothing was allocated \
+             (pass --hw PROFILE or --gpu-mem for other budgets)\nmemory (peak per space over the run)\n{}",
+            e.summary, e.table
+        )));
+    }
     let Some(available) = crate::sysmem::available_bytes() else {
         return Ok(());
     };
     let arenas: u64 = plan
         .arenas
         .iter()
-        .filter(|a| !(on_cuda && a.space == crate::ir::Space::Gpu))
+        .filter(|a| !(budget.on_cuda && a.space == crate::ir::Space::Gpu))
         .map(|a| a.bytes)
         .fold(0, u64::saturating_add);
-    let logits = (sequences as u64)
+    let logits = (budget.sequences as u64)
         .saturating_mul(program.model.vocab)
         .saturating_mul(4);
     let needed = arenas.saturating_add(logits);
     if needed <= available {
         return Ok(());
     }
-    let table = crate::cost::budget::budget_table(
-        program,
-        profile,
-        &crate::cost::budget::BudgetOverrides::default(),
-    );
+    let table = budget_table(program, profile, &overrides);
     Err(Failure::Rendered(format!(
         "error: this plan needs {needed} bytes of memory ({arenas} in arenas, {logits} for logits) but the machine has {available} available (MemAvailable, /proc/meminfo); nothing was allocated\nmemory (peak per space over the run)\n{table}"
     )))
+}
+
+/// What [`refuse_what_does_not_fit`] needs to know of the run besides the plan.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    /// Sequences the run holds logits rows for.
+    sequences: usize,
+    /// `--gpu-mem`, in bytes.
+    gpu_mem: Option<u64>,
+    /// The profile was named with `--hw` (not measured on this machine).
+    chosen_profile: bool,
+    /// The `gpu` arena is on a CUDA device.
+    on_cuda: bool,
 }
 
 /// Runs `moec run`.

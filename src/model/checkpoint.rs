@@ -5,8 +5,10 @@
 //! against a chosen card), typed zero-copy views of every tensor (bf16, f16, f32), the
 //! model's [`ModelWeights`] with each family's Hub names, and byte copies of a layer
 //! into the canonical packed image ([`LayerLayout`]). A missing tensor, a wrong shape or
-//! dtype, a truncated or corrupt file, or a bad config is an error naming the file and the
-//! tensor; nothing panics.
+//! dtype, a layer tensor whose dtype differs from the other layers', a truncated or corrupt
+//! file, or a bad config is an error naming the file and the tensor; nothing panics. One
+//! validation for every reader: the oracle's typed views and the runtime's images accept
+//! the same checkpoints (a tensor stored at an odd offset is copied aligned for both).
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
@@ -23,6 +25,7 @@ use safetensors::tensor::{Dtype, SafeTensorError};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Problems opening or reading a checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -90,13 +93,22 @@ pub enum CheckpointError {
         /// Dtype in the file.
         dtype: String,
     },
-    /// A tensor's bytes are not aligned for its dtype inside the file.
-    #[error("{path}: tensor `{tensor}` is not aligned for its dtype in the file")]
-    Alignment {
+    /// One layer stores a tensor in another dtype than the other layers store it. The
+    /// oracle could compute with it, but the runtime's layer images share one layout across
+    /// layers, so both refuse it (one rule for `generate`, `run` and `ablate`).
+    #[error(
+        "{path}: tensor `{tensor}` is {dtype:?} while the other layers store it as {expected:?}; \
+         moec needs each layer tensor in one dtype across layers (convert the checkpoint)"
+    )]
+    MixedDtype {
         /// The file.
         path: String,
-        /// Tensor name.
+        /// The tensor whose dtype differs from the other layers'.
         tensor: String,
+        /// Its dtype.
+        dtype: WeightDtype,
+        /// The dtype most layers use for it.
+        expected: WeightDtype,
     },
     /// A destination buffer is too small for a layer image.
     #[error("layer image buffer has {got} bytes, layout needs {needed}")]
@@ -126,6 +138,10 @@ struct Entry {
     dtype: Result<WeightDtype, Dtype>,
     shape: Vec<usize>,
     range: Range<usize>,
+    /// An aligned copy of the bytes, made on first typed use when the file stores the
+    /// tensor at an offset its dtype cannot be read from (safetensors does not promise
+    /// alignment). Zero-copy views stay zero-copy for every aligned tensor.
+    aligned: OnceLock<ImageBuffer>,
 }
 
 /// A tensor's bytes exactly as stored in the checkpoint file (inside its memory map).
@@ -259,6 +275,7 @@ impl Checkpoint {
                         dtype: weight_dtype(info.dtype),
                         shape: info.shape.clone(),
                         range: data_start + s..data_start + e,
+                        aligned: OnceLock::new(),
                     },
                 );
             }
@@ -277,13 +294,50 @@ impl Checkpoint {
             card.dtype = dtype;
         }
         let arch = ArchSpec::from_card(&card);
-        Ok(Checkpoint {
+        let checkpoint = Checkpoint {
             dir: dir.to_path_buf(),
             card,
             arch,
             shards,
             tensors,
-        })
+        };
+        checkpoint.check_layer_dtypes()?;
+        Ok(checkpoint)
+    }
+
+    /// Refuses a checkpoint where some layer stores a tensor in another dtype than the other
+    /// layers do (an f16 `q_proj` among bf16 ones), naming that layer's tensor: the one that
+    /// differs from the most common dtype, ties going to the embedding's dtype. Checked at
+    /// open so every command that reads weights gives the same answer. Tensors absent or in
+    /// dtypes moec cannot compute with are left to the per-tensor errors.
+    fn check_layer_dtypes(&self) -> Result<(), CheckpointError> {
+        for kind in LayerLayout::kinds(&self.arch) {
+            let stored: Vec<(Source, WeightDtype, usize)> = (0..self.arch.layers)
+                .filter_map(|layer| {
+                    let src = self.source(layer, kind);
+                    let entry = self.tensors.get(&src.name)?;
+                    let dtype = entry.dtype.ok()?;
+                    Some((src, dtype, entry.shard))
+                })
+                .collect();
+            let count = |d: WeightDtype| stored.iter().filter(|(_, x, _)| *x == d).count();
+            let Some(expected) = stored
+                .iter()
+                .map(|(_, d, _)| *d)
+                .max_by_key(|d| (count(*d), *d == self.card.dtype))
+            else {
+                continue;
+            };
+            if let Some((src, dtype, shard)) = stored.iter().find(|(_, d, _)| *d != expected) {
+                return Err(CheckpointError::MixedDtype {
+                    path: self.shards[*shard].path.display().to_string(),
+                    tensor: src.name.clone(),
+                    dtype: *dtype,
+                    expected,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The safetensors files and, when sharded, which tensors each must hold.
@@ -388,9 +442,27 @@ impl Checkpoint {
         Ok((&shard.mmap[entry.range.clone()], dtype, &shard.path))
     }
 
+    /// The bytes of a checked tensor at an address its dtype can be read from: the memory
+    /// map itself, or for a tensor stored at an odd offset an aligned copy (made once).
+    fn aligned_bytes<'a>(&'a self, name: &str, bytes: &'a [u8], dtype: WeightDtype) -> &'a [u8] {
+        let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.bytes() as usize);
+        match self.tensors.get(name) {
+            Some(entry) if !aligned => entry
+                .aligned
+                .get_or_init(|| {
+                    let mut copy = ImageBuffer::zeroed(bytes.len());
+                    copy.as_bytes_mut().copy_from_slice(bytes);
+                    copy
+                })
+                .as_bytes(),
+            _ => bytes,
+        }
+    }
+
     /// Typed view of `src` and its column count (a vector's length for 1-D tensors).
     fn view(&self, src: &Source) -> Result<(TypedSlice<'_>, usize), CheckpointError> {
         let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
+        let bytes = self.aligned_bytes(&src.name, bytes, dtype);
         let (bytes, cols) = if src.shape.len() == 1 {
             (bytes, src.shape[0])
         } else {
@@ -398,16 +470,17 @@ impl Checkpoint {
             // `[experts * in, out]` this way), columns the last dimension.
             let cols: usize = src.shape.last().copied().unwrap_or(1);
             let row_bytes = cols * dtype.bytes() as usize;
-            (
-                &bytes[src.rows.start * row_bytes..src.rows.end * row_bytes],
-                cols,
-            )
+            let rows = bytes.get(src.rows.start * row_bytes..src.rows.end * row_bytes);
+            (rows.unwrap_or_default(), cols)
         };
-        let slice =
-            TypedSlice::from_bytes(bytes, dtype).map_err(|_| CheckpointError::Alignment {
-                path: path.display().to_string(),
-                tensor: src.name.clone(),
-            })?;
+        // `aligned_bytes` made the start aligned and rows are whole elements, so this fails
+        // only on a length that is not whole elements: a shape the header contradicts.
+        let slice = TypedSlice::from_bytes(bytes, dtype).map_err(|_| CheckpointError::Shape {
+            path: path.display().to_string(),
+            tensor: src.name.clone(),
+            expected: src.shape.clone(),
+            got: vec![bytes.len() / dtype.bytes() as usize],
+        })?;
         Ok((slice, cols))
     }
 

@@ -16,6 +16,7 @@ use crate::model::layout::{ImageBuffer, LayerLayout};
 use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::model::rng::Rng;
 use crate::model::tokenizer::embedded_tokenizer_json;
+use crate::tempfiles::{self, TempGuard};
 use half::{bf16, f16};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -217,50 +218,24 @@ fn write_safetensors(
     Ok(())
 }
 
-/// A fresh temporary folder next to `out` (same file system, so the rename is atomic).
-fn temp_dir_for(out: &Path) -> Result<PathBuf, SynthError> {
+/// A fresh temporary folder next to `out` (same file system, so the rename is atomic),
+/// registered for removal if the process is interrupted; partial folders that killed
+/// writers left beside `out` are removed first.
+fn temp_dir_for(out: &Path) -> Result<(PathBuf, TempGuard), SynthError> {
     let parent = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io(parent))?;
-    let stem = out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "checkpoint".into());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    remove_stale_temps(parent, &stem);
-    let tmp = parent.join(format!(".{stem}.tmp-{}-{nanos}", std::process::id()));
-    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
-    Ok(tmp)
-}
-
-/// Removes `.STEM.tmp-PID-NANOS` folders whose writing process is gone (killed mid-write),
-/// saying so on stderr; folders of live processes (a concurrent writer) are left alone.
-fn remove_stale_temps(parent: &Path, stem: &str) {
-    let prefix = format!(".{stem}.tmp-");
-    let Ok(entries) = std::fs::read_dir(parent) else {
-        return;
+    let out = match out.file_name() {
+        Some(_) => out.to_path_buf(),
+        None => parent.join("checkpoint"),
     };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(&prefix) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
-        if !alive && std::fs::remove_dir_all(entry.path()).is_ok() {
-            eprintln!(
-                "moec: removed {}, a partial checkpoint left by process {pid}, which is gone",
-                entry.path().display()
-            );
-        }
-    }
+    tempfiles::remove_stale(&out, "tmp", "a partial checkpoint");
+    let tmp = tempfiles::temp_beside(&out, "tmp");
+    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+    let guard = tempfiles::register(&tmp);
+    Ok((tmp, guard))
 }
 
 /// Free bytes of the file system holding `dir`, if the OS says.
@@ -284,7 +259,7 @@ pub fn write_checkpoint(
     if out.exists() {
         return Err(SynthError::Exists(out.display().to_string()));
     }
-    let tmp = temp_dir_for(out)?;
+    let (tmp, _guard) = temp_dir_for(out)?;
     // The whole checkpoint in the written dtype, plus config and tokenizer files.
     let needed = (card.total_params() * opts.dtype.bytes()).saturating_add(64 << 20);
     if let Some(free) = free_bytes(&tmp).filter(|&free| free < needed) {
@@ -292,6 +267,7 @@ pub fn write_checkpoint(
         return Err(SynthError::NoSpace {
             dir: tmp
                 .parent()
+                .filter(|p| !p.as_os_str().is_empty())
                 .map_or_else(|| ".".into(), |p| p.display().to_string()),
             free,
             needed,

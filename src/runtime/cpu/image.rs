@@ -545,8 +545,8 @@ mod tests {
         synth("mixtral-tiny", &odd_dir);
         misalign_and_tie(&odd_dir);
         let odd = Checkpoint::open(&odd_dir).unwrap();
-        // The typed zero-copy views refuse misaligned bytes; the image copies them.
-        assert!(odd.model_weights().is_err());
+        // The typed views (the oracle's) and the image both copy misaligned tensors aligned.
+        assert!(odd.model_weights().is_ok());
         let odd_layout = layout_of(&odd);
         let image = MappedImage::new(&odd, &odd_layout).unwrap();
         assert_eq!(image.owned_tensors(), odd_layout.tags().len());

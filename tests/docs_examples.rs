@@ -1,0 +1,460 @@
+//! What a user reads is true (issue 18): every command shown in `README.md`,
+//! `schedules/README.md` and `docs/*.md` is executed, and where the page shows its output,
+//! the output is compared.
+//!
+//! How a page is read:
+//! - A fenced block tagged `sh`, `console` or `bash` without `$ ` lines: each line is a
+//!   command (a trailing `\` continues it; `# ...` after a command is a comment). It must
+//!   exit 0, or the code its comment names (`# ... exit 1 ...`).
+//! - A fenced block (any tag) whose lines start with `$ `: a session. Each `$ COMMAND` is run
+//!   and the lines after it, up to the next `$ `, are its shown output (stdout, then
+//!   stderr). A line `...` stands for any number of lines; `[..]` inside a line for any
+//!   text. Decimal figures (`0.414 s`, `463.8 tokens/s`, `5.89 GiB`) are masked on both
+//!   sides: timings, throughputs and sizes move between runs and machines; so is the width
+//!   of a run of spaces (columns move with them). Integers (task, edge, token and step
+//!   counts) must match.
+//! - `moec` is the built binary (`printf` and `echo` lines, which write a next command's
+//!   input file, run too); `cargo run --release -- ARGS` is run as `moec ARGS`.
+//!   Commands run through `sh` in a scratch folder holding copies of the repository's
+//!   `schedules/`, `hardware/`, `docs/`, ... (so `schedules/x.sched` resolves and outputs
+//!   land in the scratch folder, never in the repository), with a cache of its own; `/tmp/`
+//!   in a command is the scratch folder.
+//!
+//! Not run, each listed in the test's output with the reason, never silently: commands of
+//! other tools (`cargo test`, `pip`, `huggingface-cli`, scripts), commands that need a GPU
+//! or downloaded weights, and slow commands (a block after an HTML comment
+//! `<!-- slow -->`, or `plan`, `reproduce` and the `*-mid` cards, which take minutes in a
+//! debug build). `MOEC_DOCS_SLOW=1 cargo test --test docs_examples -- --nocapture` runs the
+//! slow ones too.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The pages whose commands are executed.
+fn pages() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut pages = vec![root.join("README.md"), root.join("schedules/README.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    pages.extend(docs);
+    pages
+}
+
+/// One command found on a page, with what the page shows of its output.
+#[derive(Debug, Clone)]
+struct Example {
+    /// `page:line`.
+    place: String,
+    command: String,
+    /// Shown output lines (sessions only).
+    shown: Option<Vec<String>>,
+    /// The block was marked `<!-- slow -->`.
+    marked_slow: bool,
+}
+
+/// The examples of one page.
+fn examples(page: &Path) -> Vec<Example> {
+    let text = std::fs::read_to_string(page).unwrap();
+    let name = page
+        .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+        .unwrap_or(page)
+        .display()
+        .to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    let mut marked_slow = false;
+    while i < lines.len() {
+        let line = lines[i].trim_start();
+        if line.starts_with("<!--") && line.contains("slow") {
+            marked_slow = true;
+        }
+        let Some(tag) = line.strip_prefix("```") else {
+            if !line.is_empty() && !line.starts_with("<!--") {
+                marked_slow = false;
+            }
+            i += 1;
+            continue;
+        };
+        let tag = tag.trim().to_string();
+        let start = i + 1;
+        let mut end = start;
+        while end < lines.len() && !lines[end].trim_start().starts_with("```") {
+            end += 1;
+        }
+        let body = &lines[start..end.min(lines.len())];
+        let session = body.iter().any(|l| l.starts_with("$ "));
+        if session {
+            let mut k = 0;
+            while k < body.len() {
+                if let Some(first) = body[k].strip_prefix("$ ") {
+                    let line_no = start + k + 1;
+                    let mut command = first.to_string();
+                    while command.ends_with('\\') && k + 1 < body.len() {
+                        command.pop();
+                        k += 1;
+                        command.push_str(body[k].trim_start());
+                    }
+                    k += 1;
+                    let mut shown = Vec::new();
+                    while k < body.len() && !body[k].starts_with("$ ") {
+                        shown.push(body[k].to_string());
+                        k += 1;
+                    }
+                    while shown.last().is_some_and(|l| l.trim().is_empty()) {
+                        shown.pop();
+                    }
+                    out.push(Example {
+                        place: format!("{name}:{line_no}"),
+                        command,
+                        shown: Some(shown),
+                        marked_slow,
+                    });
+                } else {
+                    k += 1;
+                }
+            }
+        } else if matches!(tag.as_str(), "sh" | "console" | "bash") {
+            let mut k = 0;
+            while k < body.len() {
+                let line_no = start + k + 1;
+                let mut command = body[k].trim().to_string();
+                while command.ends_with('\\') && k + 1 < body.len() {
+                    command.pop();
+                    k += 1;
+                    command.push(' ');
+                    command.push_str(body[k].trim());
+                }
+                k += 1;
+                if command.is_empty() || command.starts_with('#') {
+                    continue;
+                }
+                out.push(Example {
+                    place: format!("{name}:{line_no}"),
+                    command,
+                    shown: None,
+                    marked_slow,
+                });
+            }
+        }
+        marked_slow = false;
+        i = end + 1;
+    }
+    out
+}
+
+/// The command without its trailing `# comment` (outside quotes), and the comment.
+fn split_comment(command: &str) -> (String, String) {
+    let mut quote = None;
+    for (i, c) in command.char_indices() {
+        match (quote, c) {
+            (None, '\'' | '"') => quote = Some(c),
+            (Some(q), c) if c == q => quote = None,
+            (None, '#') if i > 0 && command[..i].ends_with(char::is_whitespace) => {
+                return (
+                    command[..i].trim().to_string(),
+                    command[i + 1..].trim().to_string(),
+                )
+            }
+            _ => {}
+        }
+    }
+    (command.trim().to_string(), String::new())
+}
+
+/// Why a command is not run in this mode, if it is not.
+fn not_run(command: &str, marked_slow: bool, slow_mode: bool) -> Option<&'static str> {
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let first = words.first().copied().unwrap_or("");
+    // `printf`/`echo` write the small input files a page's next command reads.
+    let runs = matches!(first, "moec" | "printf" | "echo");
+    if !runs && !command.starts_with("cargo run --release -- ") {
+        return Some("not a moec command (another tool, a script or a build)");
+    }
+    if command.contains("--backend cuda") {
+        return Some("needs a CUDA device (none on the test machines)");
+    }
+    if command.contains("~/") || command.contains("$HOME") {
+        return Some("needs a checkpoint downloaded by the user");
+    }
+    let slow = marked_slow
+        || matches!(words.get(1).copied(), Some("plan" | "reproduce"))
+        || command.contains("-mid");
+    if slow && !slow_mode {
+        return Some("slow in a debug build (MOEC_DOCS_SLOW=1 runs it)");
+    }
+    None
+}
+
+/// Decimal figures masked (every `D.D` becomes `#.#`) and runs of spaces made one, since
+/// a figure of another width moves the columns after it.
+fn mask(line: &str) -> String {
+    masked_decimals(line)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn masked_decimals(line: &str) -> String {
+    let chars: Vec<char> = line.trim_end().chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let starts_number = chars[i].is_ascii_digit() && (i == 0 || !chars[i - 1].is_ascii_digit());
+        if starts_number {
+            let mut j = i;
+            while j < chars.len() && chars[j].is_ascii_digit() {
+                j += 1;
+            }
+            if j + 1 < chars.len() && chars[j] == '.' && chars[j + 1].is_ascii_digit() {
+                let mut k = j + 1;
+                while k < chars.len() && chars[k].is_ascii_digit() {
+                    k += 1;
+                }
+                out.push_str("#.#");
+                i = k;
+                continue;
+            }
+            out.extend(&chars[i..j]);
+            i = j;
+            continue;
+        }
+        out.push(chars[i]);
+        i += 1;
+    }
+    out
+}
+
+/// A shown line against an actual one: masked, with `[..]` matching any text.
+fn line_matches(shown: &str, actual: &str) -> bool {
+    let (shown, actual) = (mask(shown), mask(actual));
+    if !shown.contains("[..]") {
+        return shown == actual;
+    }
+    let parts: Vec<&str> = shown.split("[..]").collect();
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !actual.starts_with(first) || actual.len() < first.len() + last.len() {
+        return false;
+    }
+    let mut rest = &actual[first.len()..];
+    if !rest.ends_with(last) {
+        return false;
+    }
+    rest = &rest[..rest.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Where the shown lines fail to match the actual ones, if they do (`...` = any lines).
+fn mismatch(shown: &[String], actual: &[String]) -> Option<String> {
+    let chunks: Vec<&[String]> = shown.split(|l| l.trim() == "...").collect();
+    let open_start = shown.first().is_some_and(|l| l.trim() == "...");
+    let open_end = shown.last().is_some_and(|l| l.trim() == "...");
+    let fits = |chunk: &[String], at: usize| {
+        at + chunk.len() <= actual.len()
+            && chunk
+                .iter()
+                .zip(&actual[at..])
+                .all(|(s, a)| line_matches(s, a))
+    };
+    let mut pos = 0;
+    let n = chunks.len();
+    for (index, chunk) in chunks.iter().enumerate() {
+        if chunk.is_empty() {
+            continue;
+        }
+        let found = if index == 0 && !open_start {
+            fits(chunk, 0).then_some(0)
+        } else if index == n - 1 && !open_end {
+            let at = actual.len().checked_sub(chunk.len());
+            at.filter(|&at| at >= pos && fits(chunk, at))
+        } else {
+            (pos..=actual.len()).find(|&at| fits(chunk, at))
+        };
+        match found {
+            Some(at) => pos = at + chunk.len(),
+            None => {
+                // Name the first shown line of the chunk that has no match after `pos`.
+                let missing = chunk
+                    .iter()
+                    .find(|s| {
+                        !actual[pos.min(actual.len())..]
+                            .iter()
+                            .any(|a| line_matches(s, a))
+                    })
+                    .unwrap_or(&chunk[0]);
+                return Some(format!(
+                    "shown line not in the output (in order): {missing:?}"
+                ));
+            }
+        }
+    }
+    if !open_end && pos != actual.len() {
+        return Some("the output has more lines than shown".into());
+    }
+    None
+}
+
+/// A scratch folder with copies of the repository's small top-level folders (a command
+/// may write into them: `--timeline docs/x.svg` must not change the repository) and a
+/// link to `models/`, which no command writes.
+fn scratch() -> tempfile::TempDir {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            let target = to.join(entry.file_name());
+            if entry.path().is_dir() {
+                copy(&entry.path(), &target);
+            } else {
+                std::fs::copy(entry.path(), target).unwrap();
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for name in [
+        "schedules",
+        "hardware",
+        "docs",
+        "reproduce",
+        "scripts",
+        "kernels",
+    ] {
+        if root.join(name).is_dir() {
+            copy(&root.join(name), &dir.path().join(name));
+        }
+    }
+    std::os::unix::fs::symlink(root.join("models"), dir.path().join("models")).unwrap();
+    dir
+}
+
+/// The exit code a comment names (`exit 1`), else 0.
+fn expected_code(comment: &str) -> i32 {
+    comment
+        .split("exit ")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Every page's commands run (or are listed as not run, with why) and their shown output
+/// matches; every failure is listed before the test fails.
+#[test]
+fn every_command_the_docs_show_runs_and_prints_what_they_show() {
+    let slow_mode = std::env::var("MOEC_DOCS_SLOW").is_ok_and(|v| v == "1");
+    let dir = scratch();
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_moec")).parent().unwrap();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let scratch_prefix = format!("{}/", dir.path().display());
+    let mut failures = Vec::new();
+    let (mut ran, mut skipped) = (0, 0);
+    let mut seen = std::collections::BTreeMap::new();
+    for page in pages() {
+        for example in examples(&page) {
+            let (command, comment) = split_comment(&example.command);
+            let command = match command.strip_prefix("cargo run --release -- ") {
+                Some(rest) => format!("moec {rest}"),
+                None => command,
+            };
+            if let Some(why) = not_run(&command, example.marked_slow, slow_mode) {
+                println!("not run ({why}): {}  [{}]", command, example.place);
+                skipped += 1;
+                continue;
+            }
+            let command = command.replace("/tmp/", &scratch_prefix);
+            // A command shown twice (a `sh` block and its session) runs once.
+            let output = seen.entry(command.clone()).or_insert_with(|| {
+                ran += 1;
+                let started = std::time::Instant::now();
+                let out = Command::new("sh")
+                    .arg("-c")
+                    .arg(&command)
+                    .current_dir(dir.path())
+                    .env("PATH", &path)
+                    .env("MOEC_CACHE_DIR", dir.path().join(".cache"))
+                    .env("NO_COLOR", "1")
+                    .env("COLUMNS", "100")
+                    .output()
+                    .unwrap();
+                // Per-command times, shown with `--nocapture`, find a command to mark slow.
+                println!("ran in {:.1} s: {command}", started.elapsed().as_secs_f64());
+                out
+            });
+            let code = output.status.code().unwrap_or(-1);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let want = expected_code(&comment);
+            if code != want {
+                // ablate reports a failed schedule in its table, on stdout: show both ends.
+                let stdout = String::from_utf8_lossy(&output.stdout);
+                let tail: Vec<&str> = stdout.lines().rev().take(5).collect();
+                failures.push(format!(
+                    "{}: `{command}` exited {code}, the page implies {want}\n  stderr: {}\n  stdout (last lines): {}",
+                    example.place,
+                    stderr.lines().take(5).collect::<Vec<_>>().join("\n  "),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+                ));
+                continue;
+            }
+            let Some(shown) = &example.shown else {
+                continue;
+            };
+            let actual: Vec<String> = String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .chain(stderr.lines())
+                .map(str::to_string)
+                .collect();
+            if let Some(problem) = mismatch(shown, &actual) {
+                failures.push(format!(
+                    "{}: `{command}`: {problem}\n  actual output:\n    {}",
+                    example.place,
+                    actual.join("\n    ")
+                ));
+            }
+        }
+    }
+    println!("{ran} commands run, {skipped} not run (listed above)");
+    assert!(
+        failures.is_empty(),
+        "{} doc example(s) are not true:\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
+}
+
+#[test]
+fn the_matcher_masks_decimals_and_honours_ellipses_and_wildcards() {
+    let actual: Vec<String> = ["a 1.25 s", "b", "c 7 tasks", "d"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let lines = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(mismatch(&lines(&["a 9.99 s", "..."]), &actual), None);
+    assert_eq!(mismatch(&lines(&["...", "c 7 tasks", "d"]), &actual), None);
+    assert_eq!(
+        mismatch(&lines(&["a [..] s", "b", "c 7 tasks", "d"]), &actual),
+        None
+    );
+    assert!(mismatch(&lines(&["...", "c 8 tasks", "..."]), &actual).is_some());
+    assert!(mismatch(&lines(&["a 1.25 s", "c 7 tasks", "..."]), &actual).is_some());
+    assert!(mismatch(&lines(&["a 1.25 s", "b"]), &actual).is_some());
+    assert_eq!(
+        split_comment("moec x --y 'a # b'  # exit 1, no"),
+        ("moec x --y 'a # b'".into(), "exit 1, no".into())
+    );
+    assert_eq!(expected_code("without a driver: exit 1, \"...\""), 1);
+}
