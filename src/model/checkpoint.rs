@@ -11,9 +11,9 @@
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
 use crate::model::config::{self, ConfigError};
+use crate::model::kernels::mla::MlaWeights;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
-use crate::model::kernels::mla::MlaWeights;
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
     DenseWeights, ExpertWeights, FusedExpert, LayerWeights, ModelWeights, QkvWeights,

@@ -157,10 +157,19 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
     if matches!(
         model_type,
-        "mixtral" | "dbrx" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "gpt_oss" | "deepseek_v2"
+        "mixtral"
+            | "dbrx"
+            | "qwen2_moe"
+            | "qwen3_moe"
+            | "olmoe"
+            | "gpt_oss"
+            | "deepseek_v2"
             | "deepseek_v3"
     ) {
-        refuse_unimplemented(&f, matches!(model_type, "gpt_oss" | "deepseek_v2" | "deepseek_v3"))?;
+        refuse_unimplemented(
+            &f,
+            matches!(model_type, "gpt_oss" | "deepseek_v2" | "deepseek_v3"),
+        )?;
     }
     let card = match model_type {
         "mixtral" => mixtral_card(&f, name)?,
@@ -491,7 +500,10 @@ fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard
     Ok(ModelCard {
         name: name.to_string(),
         family,
-        description: format!("{} checkpoint `{name}` (from config.json)", family.model_type()),
+        description: format!(
+            "{} checkpoint `{name}` (from config.json)",
+            family.model_type()
+        ),
         layers: f.uint("num_hidden_layers")?,
         hidden,
         ffn: moe_ffn,
@@ -1305,6 +1317,80 @@ mod tests {
       "tie_word_embeddings":false,"transformers_version":"4.55.0.dev0","use_cache":true,
       "vocab_size":201088}"#;
 
+    /// DeepSeek-V2-Lite's Hub config.json (fields as published).
+    const DEEPSEEK_V2_LITE: &str = r#"{"architectures":["DeepseekV2ForCausalLM"],
+      "attention_bias":false,"attention_dropout":0.0,"aux_loss_alpha":0.001,
+      "bos_token_id":100000,"eos_token_id":100001,"first_k_dense_replace":1,"hidden_act":"silu",
+      "hidden_size":2048,"initializer_range":0.02,"intermediate_size":10944,"kv_lora_rank":512,
+      "max_position_embeddings":163840,"model_type":"deepseek_v2","moe_intermediate_size":1408,
+      "moe_layer_freq":1,"n_group":1,"n_routed_experts":64,"n_shared_experts":2,
+      "norm_topk_prob":false,"num_attention_heads":16,"num_experts_per_tok":6,
+      "num_hidden_layers":27,"num_key_value_heads":16,"pretraining_tp":1,"q_lora_rank":null,
+      "qk_nope_head_dim":128,"qk_rope_head_dim":64,"rms_norm_eps":1e-06,
+      "rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":0.707,
+        "mscale_all_dim":0.707,"original_max_position_embeddings":4096,"type":"yarn"},
+      "rope_theta":10000,"routed_scaling_factor":1.0,"scoring_func":"softmax","seq_aux":true,
+      "tie_word_embeddings":false,"topk_group":1,"topk_method":"greedy","torch_dtype":"bfloat16",
+      "transformers_version":"4.33.1","use_cache":true,"v_head_dim":128,"vocab_size":102400}"#;
+
+    /// DeepSeek-V3's Hub config.json (fields as published; fp8 block-quantised weights).
+    const DEEPSEEK_V3: &str = r#"{"architectures":["DeepseekV3ForCausalLM"],
+      "attention_bias":false,"attention_dropout":0.0,"aux_loss_alpha":0.001,"bos_token_id":0,
+      "eos_token_id":1,"ep_size":1,"first_k_dense_replace":3,"hidden_act":"silu",
+      "hidden_size":7168,"initializer_range":0.02,"intermediate_size":18432,"kv_lora_rank":512,
+      "max_position_embeddings":163840,"model_type":"deepseek_v3","moe_intermediate_size":2048,
+      "moe_layer_freq":1,"n_group":8,"n_routed_experts":256,"n_shared_experts":1,
+      "norm_topk_prob":true,"num_attention_heads":128,"num_experts_per_tok":8,
+      "num_hidden_layers":61,"num_key_value_heads":128,"num_nextn_predict_layers":1,
+      "q_lora_rank":1536,"qk_nope_head_dim":128,"qk_rope_head_dim":64,
+      "quantization_config":{"activation_scheme":"dynamic","fmt":"e4m3","quant_method":"fp8",
+        "weight_block_size":[128,128]},
+      "rms_norm_eps":1e-06,"rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":1.0,
+        "mscale_all_dim":1.0,"original_max_position_embeddings":4096,"type":"yarn"},
+      "rope_theta":10000,"routed_scaling_factor":2.5,"scoring_func":"sigmoid","seq_aux":true,
+      "tie_word_embeddings":false,"topk_group":4,"topk_method":"noaux_tc","torch_dtype":"bfloat16",
+      "transformers_version":"4.33.1","use_cache":true,"v_head_dim":128,"vocab_size":129280}"#;
+
+    /// V2-Lite's config with `first_k_dense_replace` 0: the part moec runs.
+    fn deepseek_v2_lite_moe_only() -> String {
+        DEEPSEEK_V2_LITE.replace(
+            r#""first_k_dense_replace":1"#,
+            r#""first_k_dense_replace":0"#,
+        )
+    }
+
+    /// The Hub DeepSeek configs give the built-in cards once what moec refuses is taken
+    /// out (V2-Lite's leading dense layer, V3's fp8 quantisation): MLA geometry as the
+    /// latent cache (kv_heads 1, head_dim 512 + 64), the softmax mscale of YaRN's
+    /// mscale_all_dim, the routers.
+    #[test]
+    fn deepseek_hub_configs_agree_with_the_builtin_cards() {
+        let lite = card_from_config(&deepseek_v2_lite_moe_only(), "c.json", "x").unwrap();
+        check_agreement(
+            &lite,
+            &ModelCard::load("deepseek-v2-lite").unwrap(),
+            "c.json",
+        )
+        .unwrap();
+        assert_eq!(
+            (lite.kv_heads, lite.head_dim, lite.shared_ffn),
+            (1, 576, 2816)
+        );
+        // (0.1 * 0.707 * ln 40 + 1)^2, by hand: ln 40 = 3.68888, so 1.260804^2 = 1.589627.
+        let mscale = lite.mla.unwrap().softmax_mscale;
+        assert!((mscale - 1.589627).abs() < 1e-5, "{mscale}");
+        let start = DEEPSEEK_V3.find(r#""quantization_config""#).unwrap();
+        let end = DEEPSEEK_V3.find(r#""rms_norm_eps""#).unwrap();
+        let bf16 = format!("{}{}", &DEEPSEEK_V3[..start], &DEEPSEEK_V3[end..]).replace(
+            r#""first_k_dense_replace":3"#,
+            r#""first_k_dense_replace":0"#,
+        );
+        let v3 = card_from_config(&bf16, "c.json", "x").unwrap();
+        check_agreement(&v3, &ModelCard::load("deepseek-v3").unwrap(), "c.json").unwrap();
+        assert_eq!(v3.deepseek_router.unwrap().topk, DeepseekTopk::NoauxTc);
+        assert!(v3.has_router_bias());
+    }
+
     fn gpt_oss_20b() -> String {
         let types: Vec<&str> = (0..24)
             .map(|i| {
@@ -1423,11 +1509,29 @@ mod tests {
                 "hidden_act",
             ),
             (
-                QWEN3_30B_A3B.replace(
-                    r#""model_type":"qwen3_moe""#,
-                    r#""model_type":"deepseek_v3""#,
-                ),
-                "model_type `deepseek_v3`",
+                QWEN3_30B_A3B.replace(r#""model_type":"qwen3_moe""#, r#""model_type":"jamba""#),
+                "model_type `jamba`",
+            ),
+            (DEEPSEEK_V2_LITE.to_string(), "first_k_dense_replace"),
+            (DEEPSEEK_V3.to_string(), "quantization_config.quant_method"),
+            (
+                deepseek_v2_lite_moe_only()
+                    .replace(r#""topk_method":"greedy""#, r#""topk_method":"noaux_tc""#),
+                "topk_method",
+            ),
+            (
+                deepseek_v2_lite_moe_only()
+                    .replace(r#""norm_topk_prob":false"#, r#""norm_topk_prob":true"#),
+                "norm_topk_prob",
+            ),
+            (
+                deepseek_v2_lite_moe_only()
+                    .replace(r#""moe_layer_freq":1"#, r#""moe_layer_freq":2"#),
+                "moe_layer_freq",
+            ),
+            (
+                deepseek_v2_lite_moe_only().replace(r#""type":"yarn""#, r#""type":"dynamic""#),
+                "rope_scaling.type",
             ),
         ];
         for (text, field) in cases {
@@ -1520,6 +1624,8 @@ mod tests {
             "qwen2-57b-a14b",
             "gpt-oss-tiny",
             "gpt-oss-20b",
+            "deepseek-v2-tiny",
+            "deepseek-v3-tiny",
         ] {
             let card = ModelCard::load(name).unwrap();
             let text = config_for_card(&card, WeightDtype::Bf16).to_string();

@@ -261,7 +261,11 @@ impl LayerLayout {
         match (arch.family, arch.mla) {
             (_, Some(m)) => {
                 if m.q_lora_rank.is_some() {
-                    pre.extend([SegmentKind::QAProj, SegmentKind::QANorm, SegmentKind::QBProj]);
+                    pre.extend([
+                        SegmentKind::QAProj,
+                        SegmentKind::QANorm,
+                        SegmentKind::QBProj,
+                    ]);
                 } else {
                     pre.push(SegmentKind::QProj);
                 }
@@ -465,10 +469,11 @@ impl<'a> DenseWeights<'a> {
         let has = |kind| layout.segment(kind).is_some();
         let qkv = match layout.family {
             Family::Dbrx => QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?),
-            _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(
-                has(SegmentKind::QAProj),
-                |kind| layout.matrix(bytes, 0, kind),
-            )?),
+            _ if has(SegmentKind::KvAProj) => {
+                QkvWeights::Mla(MlaWeights::build(has(SegmentKind::QAProj), |kind| {
+                    layout.matrix(bytes, 0, kind)
+                })?)
+            }
             _ => QkvWeights::Separate {
                 q: layout.matrix(bytes, 0, SegmentKind::QProj)?,
                 k: layout.matrix(bytes, 0, SegmentKind::KProj)?,

@@ -167,8 +167,7 @@ impl Kernels {
         };
         // transformers scales scores by mscale / sqrt(qk_head_dim); the kernel divides by
         // sqrt(head_dim), so the queries carry the ratio.
-        let q_scale =
-            (m.softmax_mscale * (hd as f64).sqrt() / (qk as f64).sqrt()) as f32;
+        let q_scale = (m.softmax_mscale * (hd as f64).sqrt() / (qk as f64).sqrt()) as f32;
         let mut q_nope = vec![0.0f32; n * nope];
         let mut q_abs = vec![0.0f32; n * r];
         for h in 0..heads {
