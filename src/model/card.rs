@@ -715,6 +715,31 @@ impl ModelCard {
         qkv + o + 2 * self.hidden + bias + qk_norm + o_bias + sinks
     }
 
+    /// Multiply-adds per token of `pre_attn`'s projections: `hidden x (q_dim + 2 kv_dim)`;
+    /// with MLA the query chain, `kv_a_proj_with_mqa` and the absorption of `W_uk` into each
+    /// head's query (`heads x qk_nope x kv_lora_rank`), which is what the kernels compute.
+    pub fn pre_attn_macs_per_token(&self) -> u64 {
+        match self.mla {
+            Some(m) => {
+                let q = match m.q_lora_rank {
+                    Some(r) => self.hidden * r + r * self.heads * m.qk_head_dim(),
+                    None => self.hidden * self.heads * m.qk_head_dim(),
+                };
+                q + self.hidden * m.latent_dim() + self.heads * m.qk_nope_head_dim * m.kv_lora_rank
+            }
+            None => self.hidden * (self.q_dim() + 2 * self.kv_dim()),
+        }
+    }
+
+    /// Multiply-adds per token of the output projection: `q_dim x hidden`; with MLA each
+    /// head's `W_uv` (`v_head_dim x kv_lora_rank`) first, then `o_proj`.
+    pub fn o_proj_macs_per_token(&self) -> u64 {
+        match self.mla {
+            Some(m) => self.heads * m.v_head_dim * (m.kv_lora_rank + self.hidden),
+            None => self.q_dim() * self.hidden,
+        }
+    }
+
     /// Parameters of one layer's shared expert (gate, up, down and its sigmoid gate); 0
     /// for families without one. It is part of the layer's dense weights: every token uses it.
     pub fn shared_params(&self) -> u64 {
@@ -900,6 +925,21 @@ mod tests {
         let params = card.total_params() as f64;
         assert!((params / 0.79e9 - 1.0).abs() < 0.02, "{params}");
         assert!((card.total_bytes() as f64 / 1.6e9 - 1.0).abs() < 0.03);
+    }
+
+    /// MLA's projection work by hand for DeepSeek-V2-Lite (d 2048, 16 heads, qk 128 + 64,
+    /// v 128, kv_lora 512, no query rank): pre = 2048 x 16 x 192 (q) + 2048 x 576 (kv_a) +
+    /// 16 x 128 x 512 (W_uk absorbed) = 8,519,680; o = 16 x 128 x (512 + 2048) = 5,242,880.
+    /// The KV cache holds 2 x 576 values per token and layer.
+    #[test]
+    fn mla_work_and_cache_match_hand_arithmetic() {
+        let lite = ModelCard::load("deepseek-v2-lite").unwrap();
+        assert_eq!(lite.pre_attn_macs_per_token(), 8_519_680);
+        assert_eq!(lite.o_proj_macs_per_token(), 5_242_880);
+        assert_eq!(lite.kv_elems_per_token_layer(), 1152);
+        assert!(lite.unrunnable().is_some());
+        let tiny = ModelCard::load("deepseek-v2-tiny").unwrap();
+        assert!(tiny.unrunnable().is_none());
     }
 
     #[test]
