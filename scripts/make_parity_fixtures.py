@@ -194,6 +194,15 @@ def dbrx_family() -> Family:
     return Family("dbrx", 2000, config, DbrxForCausalLM, names)
 
 
+def per_expert_names(prefix: str, n_experts: int) -> list[str]:
+    """`{prefix}.mlp.experts.{e}.gate_proj|up_proj|down_proj.weight` of every expert."""
+    return [
+        f"{prefix}.mlp.experts.{expert_idx}.{w}_proj.weight"
+        for expert_idx in range(n_experts)
+        for w in ("gate", "up", "down")
+    ]
+
+
 def llama_style_names(config, shared: bool, bias: bool) -> list[str]:
     """Hub names of a Qwen2-MoE / Qwen3-MoE / OLMoE checkpoint (per-expert projections)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -212,10 +221,7 @@ def llama_style_names(config, shared: bool, bias: bool) -> list[str]:
         if shared:
             names += [f"{prefix}.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
             names.append(f"{prefix}.mlp.shared_expert_gate.weight")
-        for expert_idx in range(config.num_experts):
-            names += [
-                f"{prefix}.mlp.experts.{expert_idx}.{w}_proj.weight" for w in ("gate", "up", "down")
-            ]
+        names += per_expert_names(prefix, config.num_experts)
     return names
 
 
@@ -361,10 +367,7 @@ def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
         names += [f"{prefix}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
         if score_bias:
             names.append(f"{prefix}.mlp.gate.e_score_correction_bias")
-        for expert_idx in range(config.n_routed_experts):
-            names += [
-                f"{prefix}.mlp.experts.{expert_idx}.{w}_proj.weight" for w in ("gate", "up", "down")
-            ]
+        names += per_expert_names(prefix, config.n_routed_experts)
     return names
 
 

@@ -111,9 +111,10 @@ impl Kernels {
     /// MLA's pre-attention for `positions.len()` rows of `x`: norm, query and latent
     /// projections, latent norm, rotary of `q_pe` and `k_pe`, `W_uk` folded into the
     /// queries, the softmax scale folded into them too; writes `[q | K | V]` rows of the
-    /// latent geometry into `qkv_out` (`[n, (heads + 2) * head_dim]`).
+    /// latent geometry into `qkv_out` (`[n, (heads + 2) * head_dim]`). Positions are
+    /// checked against the rotary table by the caller ([`Kernels::pre_attn`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn mla_pre_attn(
+    pub(crate) fn mla_pre_attn(
         self,
         arch: &ArchSpec,
         attn_norm: TypedSlice<'_>,
@@ -134,12 +135,6 @@ impl Kernels {
         check_len("MLA input", x.len(), n * d)?;
         check_len("MLA scratch", x_norm.len(), n * d)?;
         check_len("MLA qkv", qkv_out.len(), n * width)?;
-        if let Some(&position) = positions.iter().find(|&&p| p >= rope.max_positions()) {
-            return Err(KernelError::Position {
-                position,
-                max: rope.max_positions(),
-            });
-        }
         normalize(arch.norm, x, attn_norm, arch.norm_eps, x_norm);
         let mut q = vec![0.0f32; n * heads * qk];
         match &w.q {

@@ -50,6 +50,12 @@ impl Kernels {
         x_norm: &mut [f32],
         qkv_out: &mut [f32],
     ) -> Result<(), KernelError> {
+        if let Some(&position) = positions.iter().find(|&&p| p >= rope.max_positions()) {
+            return Err(KernelError::Position {
+                position,
+                max: rope.max_positions(),
+            });
+        }
         if let QkvWeights::Mla(mla) = &dense.qkv {
             return self.mla_pre_attn(
                 arch,
@@ -70,12 +76,6 @@ impl Kernels {
         check_len("pre_attn input", x.len(), n * d)?;
         check_len("pre_attn scratch", x_norm.len(), n * d)?;
         check_len("pre_attn qkv", qkv_out.len(), n * width)?;
-        if let Some(&position) = positions.iter().find(|&&p| p >= rope.max_positions()) {
-            return Err(KernelError::Position {
-                position,
-                max: rope.max_positions(),
-            });
-        }
         normalize(arch.norm, x, dense.attn_norm, arch.norm_eps, x_norm);
         match &dense.qkv {
             QkvWeights::Fused(w) if width == proj => self.linear(x_norm, n, w, qkv_out)?,
