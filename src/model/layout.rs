@@ -285,7 +285,7 @@ impl LayerLayout {
         }
         let mut o = vec![SegmentKind::OProj];
         if arch.mla.is_some() {
-            o.insert(0, SegmentKind::KvBOut);
+            o.push(SegmentKind::KvBOut);
         }
         if arch.o_bias {
             o.push(SegmentKind::OBias);
