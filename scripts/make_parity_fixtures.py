@@ -371,12 +371,12 @@ def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
     return names
 
 
-def deepseek_v2_family() -> Family:
-    # DeepSeek-V2-Lite's structure at a small size: MLA without a query rank, group-limited
-    # greedy softmax routing (4 groups, 2 kept) with a routed scaling factor, 2 shared
-    # experts, YaRN with mscale = mscale_all_dim (cos/sin unscaled, softmax scale mscale^2).
-    # No leading dense layer: moec refuses first_k_dense_replace > 0.
-    config = DeepseekV2Config(
+def deepseek_small(mscale: float, **family_fields):
+    """The size both DeepSeek fixtures share (3 layers, 16 routed experts top-4 in 4 groups
+    of which 2 are kept, MLA kv_lora 32 with qk 16 + rope 8 and v 16, YaRN factor 4 over 64
+    original positions with mscale = mscale_all_dim = `mscale`), plus each family's own
+    fields. No leading dense layer: moec refuses first_k_dense_replace > 0."""
+    return dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=96,
@@ -384,15 +384,11 @@ def deepseek_v2_family() -> Family:
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=4,
-        n_shared_experts=2,
         n_routed_experts=16,
         num_experts_per_tok=4,
-        routed_scaling_factor=1.5,
-        topk_method="group_limited_greedy",
         n_group=4,
         topk_group=2,
         first_k_dense_replace=0,
-        q_lora_rank=None,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
@@ -406,58 +402,45 @@ def deepseek_v2_family() -> Family:
             "original_max_position_embeddings": 64,
             "beta_fast": 32.0,
             "beta_slow": 1.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
         },
         eos_token_id=2,
         tie_word_embeddings=False,
         attn_implementation="eager",
+        **family_fields,
+    )
+
+
+def deepseek_v2_family() -> Family:
+    # DeepSeek-V2-Lite's structure at a small size: MLA without a query rank, group-limited
+    # greedy softmax routing with a routed scaling factor, 2 shared experts, YaRN mscale
+    # 0.707 (cos/sin unscaled, softmax scale mscale^2).
+    config = DeepseekV2Config(
+        **deepseek_small(
+            0.707,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy",
+            q_lora_rank=None,
+        )
     )
     return Family("deepseek_v2", 7000, config, DeepseekV2ForCausalLM, deepseek_names(config, False, False))
 
 
 def deepseek_v3_family() -> Family:
     # DeepSeek-V3's structure at a small size: MLA with a query rank, sigmoid routing with a
-    # selection-only correction bias over 4 groups (2 kept, ranked by their top-2 sums),
-    # renormalised and scaled weights, 1 shared expert, interleaved rotary, YaRN with
-    # mscale = mscale_all_dim = 1.
+    # selection-only correction bias (groups ranked by their top-2 sums), renormalised and
+    # scaled weights, 1 shared expert, interleaved rotary, YaRN mscale 1.
     config = DeepseekV3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        routed_scaling_factor=2.5,
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        first_k_dense_replace=0,
-        q_lora_rank=24,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        rope_interleave=True,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
+        **deepseek_small(
+            1.0,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=24,
+            rope_interleave=True,
+        )
     )
     return Family("deepseek_v3", 8000, config, DeepseekV3ForCausalLM, deepseek_names(config, True, True))
 
