@@ -175,9 +175,17 @@ for batch in $BATCHES; do
   fi
   for sched in $SCHEDULES; do
     skipped "$sched" && continue
-    # A micro-batch holds the whole batch where the schedule sizes micro-batches by `ubs`.
-    sets=()
-    grep -q '^param ubs:' "$REPO/schedules/$sched.sched" && sets=(--set "ubs=$batch")
+    # One micro-batch (or batch group) holds the whole batch where the schedule lets it:
+    # every expert's weights are then read once per step, as `resident` reads them.
+    # FlexGen needs two GPU batches and VSLPipe runs two groups: each holds half.
+    half=$(( batch / 2 > 0 ? batch / 2 : 1 ))
+    case $sched in
+      klotski) sets=(--set "bs=$batch" --set n_batch=1) ;;
+      flexgen|baselines/flexgen_cpu_attn) sets=(--set "bs=$half" --set n_batch=2) ;;
+      vslpipe) sets=(--set "seqs=$half") ;;
+      moe_infinity) sets=(--set "bs=$batch") ;;
+      *) sets=(--set "ubs=$batch" --set n_ub=1) ;;
+    esac
     measure "moec $sched" "$batch" moec "$MOEC" run "$REPO/schedules/$sched.sched" \
       --weights "$MODEL" --threads "$THREADS" --gen-len $GEN_LEN \
       --workload "count=$batch,mean=$PROMPT_LEN,min=$PROMPT_LEN,max=$PROMPT_LEN,gen=$GEN_LEN,seed=$batch" \
@@ -242,6 +250,8 @@ for s in [s for s in systems if s.startswith("moec")]:
         if not tps(s, b): continue
         parts = [f"/ {peer} = {tps(s, b) / tps(peer, b):.2f}" for peer in ("llama.cpp", "hf") if tps(peer, b)]
         parts.append(f"/ roofline = {tps(s, b) / roofline(b):.2f}")
+        if s != "moec baselines/resident" and tps("moec baselines/resident", b):
+            parts.append(f"/ resident = {tps(s, b) / tps('moec baselines/resident', b):.2f}")
         print(f"  {s} batch {b}: " + "; ".join(parts))
 print("\nprocess wall seconds (load + run):")
 for b in batches:

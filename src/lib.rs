@@ -20,4 +20,5 @@ pub mod records;
 pub mod runtime;
 pub mod span;
 pub mod syntax;
+pub mod sysmem;
 pub mod textfile;

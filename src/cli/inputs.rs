@@ -88,6 +88,30 @@ pub struct RunSettings {
     /// NVRTC and cuBLAS; without them one line names what is missing).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
+    /// How the CPU backend copies weights: `bind` moves a weight's label and lets the
+    /// kernels read it from the mapped checkpoint (a DMA engine's copy: no compute core
+    /// or memory bandwidth spent; `--link-gbps` still times it), `move` memcpys every
+    /// byte. Activations and KV are always copied.
+    #[arg(long, value_enum, default_value_t = WeightCopies::Bind)]
+    pub weight_copies: WeightCopies,
+}
+
+/// `--weight-copies` (the runtime's [`crate::runtime::cpu::memory::WeightCopies`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightCopies {
+    /// Move labels, read weights in place.
+    Bind,
+    /// Copy every byte.
+    Move,
+}
+
+impl From<WeightCopies> for crate::runtime::cpu::memory::WeightCopies {
+    fn from(w: WeightCopies) -> Self {
+        match w {
+            WeightCopies::Bind => Self::Bind,
+            WeightCopies::Move => Self::Move,
+        }
+    }
 }
 
 /// Which backend executes a lowered plan.

@@ -68,12 +68,27 @@ pub struct RunStats {
     pub arena_bytes: [u64; 3],
     /// Bytes of the weights image.
     pub image_bytes: u64,
+    /// Bytes of the weights image whose page tables were populated before the first step.
+    pub image_populated: u64,
     /// Sequences preempted because KV blocks ran out (mixed steps; each is prefilled again).
     pub preemptions: usize,
     /// Sequence-passes skipped waiting for KV blocks (mixed steps).
     pub paused: usize,
     /// Expert caches' hits, misses, prefetches and evictions.
     pub caches: Vec<CacheReport>,
+    /// Bytes the run's copies bound and moved, when the backend binds weight copies
+    /// (the CPU backend's default); `None` when every copy moved its bytes.
+    pub copies: Option<CopyTotals>,
+}
+
+/// Bytes the copies of a run covered, by how they were carried out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyTotals {
+    /// Weight bytes whose labels moved without the bytes (kernels read them from the
+    /// mapped checkpoint).
+    pub bound: u64,
+    /// Bytes copied (activations, KV and padding; every byte when nothing is bound).
+    pub moved: u64,
 }
 
 /// One layer's cache events in a run.

@@ -48,6 +48,9 @@ pub struct BackendOptions {
     pub link_gbps: Option<f64>,
     /// Device memory (`--gpu-mem` or the profile); `None`: what the plan needs.
     pub gpu_capacity: Option<u64>,
+    /// How a backend that computes on host memory copies weights (`--weight-copies`); a
+    /// device backend always moves the bytes.
+    pub weight_copies: super::cpu::memory::WeightCopies,
 }
 
 /// Bytes a backend allocated for a plan.
@@ -59,6 +62,11 @@ pub struct MemoryReport {
     pub image_bytes: u64,
     /// Whether the pinned arena is page-locked.
     pub pinned_locked: bool,
+    /// Bytes the copies so far bound (weights) and moved, when the backend binds weight
+    /// copies; `None` when every copy moves its bytes (device backends).
+    pub copies: Option<super::cpu::memory::CopyTotals>,
+    /// Bytes of the weights image whose page tables were populated before the first step.
+    pub populated: u64,
 }
 
 /// One task's device-measured times, seconds from the step's start.

@@ -9,6 +9,18 @@
 //! [`CpuMemory::pinned_locked`]). The weights image `W` is not allocated: it is a
 //! read-only [`MappedImage`] over the checkpoint's memory maps (pageable), viewed one
 //! tensor at a time and copied out of range by range.
+//!
+//! Weight copies ([`WeightCopies`]): the image is read-only and an arena range labelled
+//! with tensor `T` holds exactly `T`'s image bytes (labels move only with copies of those
+//! bytes and every other write clears them), so a kernel may read `T` from the image
+//! instead. In `Bind` mode (the default) a copy therefore moves the labels of the weight
+//! bytes it covers and copies only the unlabelled bytes (activations, KV, padding), and
+//! [`CpuMemory::find_weight`] answers with the image's bytes of a tensor found in an
+//! arena. That is the copy engines of a GPU box: a DMA transfer takes link time (the
+//! `--link-gbps` throttle still applies to the bytes the copy stands for) but neither
+//! the compute cores nor their memory bandwidth, which a memcpy on the CPU backend's two
+//! cores would take from the kernels. `Move` copies every byte (the CUDA backend's host
+//! side always does: the device copies from real pinned bytes).
 
 use super::arena::{Arena, ArenaError};
 use super::image::{ImageViewError, MappedImage};
@@ -19,8 +31,33 @@ use crate::model::checkpoint::Checkpoint;
 use crate::runtime::backend::BackendOptions;
 use crate::runtime::driver::executor::SleepCut;
 use crate::runtime::driver::state::lock;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// How the CPU backend carries out a copy of weight bytes (module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WeightCopies {
+    /// Move the labels of weight bytes, copy only the rest; kernels read weights from the
+    /// mapped checkpoint (a DMA engine's copy: no compute core spent on it).
+    #[default]
+    Bind,
+    /// Copy every byte with the copy stream's threads (memcpy at memory bandwidth).
+    Move,
+}
+
+impl WeightCopies {
+    /// The spelling of `--weight-copies`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WeightCopies::Bind => "bind",
+            WeightCopies::Move => "move",
+        }
+    }
+}
+
+pub use crate::records::run::CopyTotals;
 
 /// Copies at least this long are split over the machine's cores. One thread's memcpy
 /// stays well below the memory bandwidth (`moec probe` on the 2-core machine of
@@ -159,6 +196,15 @@ pub struct CpuMemory<'c> {
     link_gbps: Option<f64>,
     /// Byte offset of each buffer within its region.
     buffer_base: Vec<(Region, u64)>,
+    /// How weight bytes are copied.
+    weight_copies: WeightCopies,
+    /// Where each tensor starts in the image (what a bound weight is read from).
+    image_starts: HashMap<WeightTag, u64>,
+    /// Bytes bound and moved so far.
+    bound: AtomicU64,
+    moved: AtomicU64,
+    /// Bytes of the image whose page tables were populated before the first step.
+    populated: u64,
 }
 
 fn space_index(space: Space) -> usize {
@@ -183,18 +229,19 @@ impl<'c> CpuMemory<'c> {
                 capacity,
             });
         }
-        Self::build(plan, checkpoint, options, gpu.bytes)
+        Self::build(plan, checkpoint, options, gpu.bytes, options.weight_copies)
     }
 
     /// The host side only: the `pinned` and `host` arenas and the weights image, with an
     /// empty `gpu` arena (a device backend keeps `gpu` in device memory; a view into it
-    /// still resolves, to an offset the device backend owns).
+    /// still resolves, to an offset the device backend owns). Copies move every byte:
+    /// the device reads the pinned arena's real bytes.
     pub(crate) fn host_side(
         plan: &ExecPlan,
         checkpoint: &'c Checkpoint,
         options: &BackendOptions,
     ) -> Result<Self, MemoryError> {
-        Self::build(plan, checkpoint, options, 0)
+        Self::build(plan, checkpoint, options, 0, WeightCopies::Move)
     }
 
     fn build(
@@ -202,6 +249,7 @@ impl<'c> CpuMemory<'c> {
         checkpoint: &'c Checkpoint,
         options: &BackendOptions,
         gpu_bytes: u64,
+        weight_copies: WeightCopies,
     ) -> Result<Self, MemoryError> {
         let arenas = [
             Arena::new("gpu", gpu_bytes, false)?,
@@ -210,7 +258,17 @@ impl<'c> CpuMemory<'c> {
         ];
         let layout = image_layout(checkpoint, plan.checkpoint)?;
         let image = MappedImage::new(checkpoint, &layout)?;
+        // Fault the weights in now rather than a page at a time inside the first step's
+        // kernels, unless they would crowd out half of what the machine has left (a
+        // checkpoint larger than memory is streamed from disk by the OS as it is read).
+        let fits = crate::sysmem::available_bytes().is_some_and(|a| image.len() <= a / 2);
+        let populated = if fits { image.populate() } else { 0 };
         let image_map = layout.map();
+        let image_starts = layout
+            .tags()
+            .into_iter()
+            .map(|(start, _, tag)| (tag, start))
+            .collect();
         let buffer_base = plan
             .buffers
             .iter()
@@ -227,7 +285,31 @@ impl<'c> CpuMemory<'c> {
             image_map,
             link_gbps: options.link_gbps,
             buffer_base,
+            weight_copies,
+            image_starts,
+            bound: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
+            populated,
         })
+    }
+
+    /// Bytes of the image whose page tables were populated before the first step (0: the
+    /// image was larger than half the available memory, or the OS refused).
+    pub fn populated(&self) -> u64 {
+        self.populated
+    }
+
+    /// How weight bytes are copied.
+    pub fn weight_copies(&self) -> WeightCopies {
+        self.weight_copies
+    }
+
+    /// Bytes the copies so far bound and moved.
+    pub fn copy_totals(&self) -> CopyTotals {
+        CopyTotals {
+            bound: self.bound.load(Ordering::Relaxed),
+            moved: self.moved.load(Ordering::Relaxed),
+        }
     }
 
     /// Whether the pinned arena is page-locked (false when the OS refused or it is empty).
@@ -333,7 +415,9 @@ impl<'c> CpuMemory<'c> {
         }
     }
 
-    /// Where `tag` lies whole inside one of `views`: that view's region and absolute start.
+    /// Where `tag` lies whole inside one of `views`: that view's region and absolute
+    /// start. In `Bind` mode a tensor found in an arena is answered with its image bytes
+    /// (the labels vouch that the arena range stands for exactly those bytes).
     pub fn find_weight(&self, views: &[View], tag: WeightTag) -> Option<View> {
         let len = self.layout.tag_len(tag);
         for v in views {
@@ -344,10 +428,19 @@ impl<'c> CpuMemory<'c> {
                 }
             };
             if let Some(start) = found {
-                return Some(View {
-                    region: v.region,
-                    start,
-                    len,
+                let bound = self.weight_copies == WeightCopies::Bind
+                    && matches!(v.region, Region::Arena(_));
+                return Some(match self.image_starts.get(&tag) {
+                    Some(&image_start) if bound => View {
+                        region: Region::Image,
+                        start: image_start,
+                        len,
+                    },
+                    _ => View {
+                        region: v.region,
+                        start,
+                        len,
+                    },
                 });
             }
         }
@@ -368,35 +461,47 @@ impl<'c> CpuMemory<'c> {
                 len: src.len,
             });
         }
+        let labels = self.labels_in(src.region, src.start, src.len);
         // SAFETY: `src` and `dst` do not overlap (checked above), and the copy task's
         // waits have returned, so no other task touches either range now (the plan's
         // dependencies); `from` below is the only other view alive.
         let to = unsafe { self.bytes_mut(dst)? };
         let n = (src.len as usize).min(to.len());
+        let bind =
+            self.weight_copies == WeightCopies::Bind && matches!(dst.region, Region::Arena(_));
+        // The byte ranges to copy: all of them, or (binding) the gaps between weight labels.
+        let ranges = if bind {
+            unlabelled(&labels, n as u64)
+        } else {
+            vec![(0, n as u64)]
+        };
         let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
-        match src.region {
-            // Any range of W (several tensors and the padding between them): assembled
-            // from the maps.
-            Region::Image => split_fill(&mut to[..n], threads, PARALLEL_COPY_MIN, |at, part| {
-                self.image.copy_to(src.start + at as u64, part)
-            })?,
-            Region::Arena(_) => {
-                // SAFETY: as for `to`; the ranges are disjoint.
-                let from = unsafe { self.bytes(src)? };
-                let n = from.len().min(n);
-                split_fill(&mut to[..n], threads, PARALLEL_COPY_MIN, |at, part| {
-                    part.copy_from_slice(&from[at..at + part.len()]);
-                    Ok::<(), std::convert::Infallible>(())
-                })
-                .unwrap_or_else(|never| match never {});
+        let mut moved = 0u64;
+        for (lo, hi) in ranges {
+            let (lo, hi) = (lo as usize, hi as usize);
+            moved += (hi - lo) as u64;
+            let part = &mut to[lo..hi];
+            match src.region {
+                // Any range of W (several tensors and the padding between them): assembled
+                // from the maps.
+                Region::Image => split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
+                    self.image.copy_to(src.start + (lo + at) as u64, piece)
+                })?,
+                Region::Arena(_) => {
+                    // SAFETY: as for `to`; the ranges are disjoint.
+                    let from = unsafe { self.bytes(src)? };
+                    let from = from.get(lo..hi.min(from.len())).unwrap_or_default();
+                    let part = &mut part[..from.len()];
+                    split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
+                        piece.copy_from_slice(&from[at..at + piece.len()]);
+                        Ok::<(), std::convert::Infallible>(())
+                    })
+                    .unwrap_or_else(|never| match never {});
+                }
             }
         }
-        let labels = match src.region {
-            Region::Image => self.image_map.labels_in(src.start, src.len),
-            Region::Arena(space) => {
-                lock(&self.maps[space_index(space)]).labels_in(src.start, src.len)
-            }
-        };
+        self.moved.fetch_add(moved, Ordering::Relaxed);
+        self.bound.fetch_add(n as u64 - moved, Ordering::Relaxed);
         if let Region::Arena(space) = dst.region {
             let mut map = lock(&self.maps[space_index(space)]);
             map.clear(dst.start, dst.start + dst.len);
@@ -461,9 +566,41 @@ impl<'c> CpuMemory<'c> {
     }
 }
 
+/// The parts of `0..n` no label covers, as `(start, end)` offsets; `labels` are sorted
+/// and disjoint (a weight map's pieces).
+fn unlabelled(labels: &[(u64, u64, WeightTag, u64)], n: u64) -> Vec<(u64, u64)> {
+    let mut gaps = Vec::new();
+    let mut at = 0;
+    for &(offset, len, _, _) in labels {
+        if offset > at {
+            gaps.push((at, offset.min(n)));
+        }
+        at = at.max(offset + len);
+    }
+    if at < n {
+        gaps.push((at, n));
+    }
+    gaps.retain(|(lo, hi)| lo < hi);
+    gaps
+}
+
 #[cfg(test)]
 mod tests {
-    use super::split_fill;
+    use super::{split_fill, unlabelled, WeightTag};
+
+    /// A copy of 100 bytes whose labels cover 10..30 and 30..50 (two tensors) and 80..120
+    /// (clipped by the caller to what the copy covers) moves 0..10, 50..80 only.
+    #[test]
+    fn binding_copies_only_the_bytes_no_weight_label_covers() {
+        let labels = [
+            (10, 20, WeightTag::Embed, 0),
+            (30, 20, WeightTag::LmHead, 0),
+            (80, 40, WeightTag::FinalNorm, 5),
+        ];
+        assert_eq!(unlabelled(&labels, 100), vec![(0, 10), (50, 80)]);
+        assert_eq!(unlabelled(&[], 7), vec![(0, 7)]);
+        assert_eq!(unlabelled(&[(0, 7, WeightTag::Embed, 0)], 7), vec![]);
+    }
 
     /// Each byte is written exactly once with the value its offset names (offset mod 251),
     /// whether the fill runs in one call or is split over 1..=5 threads, including lengths

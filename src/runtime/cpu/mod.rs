@@ -163,6 +163,9 @@ impl Backend for CpuBackend<'_> {
             arena_bytes,
             image_bytes,
             pinned_locked: self.memory.pinned_locked(),
+            copies: (self.memory.weight_copies() == memory::WeightCopies::Bind)
+                .then(|| self.memory.copy_totals()),
+            populated: self.memory.populated(),
         }
     }
 

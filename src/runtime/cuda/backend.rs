@@ -312,6 +312,8 @@ impl Backend for CudaBackend<'_> {
             arena_bytes: [self.memory.len(), host.arena_bytes[1], host.arena_bytes[2]],
             image_bytes: host.image_bytes,
             pinned_locked: self.memory.pinned_registered(),
+            copies: None,
+            populated: host.populated,
         }
     }
 

@@ -580,6 +580,7 @@ pub fn generate<B: Backend>(
         pinned_locked: memory.pinned_locked,
         arena_bytes: memory.arena_bytes,
         image_bytes: memory.image_bytes,
+        image_populated: memory.populated,
         ..RunStats::default()
     };
     let origin = Instant::now();
@@ -792,6 +793,7 @@ pub fn generate<B: Backend>(
         progress(produced.min(total_tokens), total_tokens);
     }
     stats.wall = origin.elapsed().as_secs_f64();
+    stats.copies = backend.memory().copies;
     stats.caches = state
         .caches
         .iter()
