@@ -4,7 +4,8 @@
 What it takes: nothing but the pinned packages in scripts/requirements-parity.txt (CPU
 torch, transformers, safetensors). No network, no tokenizer, no Hub download.
 
-What it gives, for each family (mixtral, dbrx, qwen3_moe, olmoe, qwen2_moe, gpt_oss), in
+What it gives, for each family (mixtral, dbrx, qwen3_moe, olmoe, qwen2_moe, gpt_oss,
+deepseek_v2, deepseek_v3), in
 tests/fixtures/parity/<family>/:
   config.json, generation_config.json, model.safetensors  -- a small random model written by
       `save_pretrained` in bf16, i.e. exactly the Hub layout moec reads with `--weights DIR`;
@@ -73,6 +74,10 @@ from safetensors import safe_open
 from transformers import (
     DbrxConfig,
     DbrxForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     DynamicCache,
     GptOssConfig,
     GptOssForCausalLM,
@@ -90,6 +95,10 @@ from transformers.models.mixtral import modeling_mixtral
 PROMPT_LENGTHS = (5, 19, 43)
 MAX_NEW_TOKENS = 12
 MIN_ROUTER_LOGIT_GAP = 1e-3
+# DeepSeek routes 16 experts in groups over every prompt token of 3 layers: no seed keeps a
+# 1e-3 gap at every group and top-k boundary, so its fixtures keep 2e-4 (V2: on the logits;
+# V3: on sigmoid score + bias), still over 100x the f32 rounding of those values (~1e-6).
+MIN_DEEPSEEK_ROUTER_GAP = 2e-4
 MIN_GREEDY_GAP = 1e-3
 MIN_DISTINCT = 4
 MIN_CLIP_FRACTION = 0.05
@@ -185,6 +194,15 @@ def dbrx_family() -> Family:
     return Family("dbrx", 2000, config, DbrxForCausalLM, names)
 
 
+def per_expert_names(prefix: str, n_experts: int) -> list[str]:
+    """`{prefix}.mlp.experts.{e}.gate_proj|up_proj|down_proj.weight` of every expert."""
+    return [
+        f"{prefix}.mlp.experts.{expert_idx}.{w}_proj.weight"
+        for expert_idx in range(n_experts)
+        for w in ("gate", "up", "down")
+    ]
+
+
 def llama_style_names(config, shared: bool, bias: bool) -> list[str]:
     """Hub names of a Qwen2-MoE / Qwen3-MoE / OLMoE checkpoint (per-expert projections)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -203,10 +221,7 @@ def llama_style_names(config, shared: bool, bias: bool) -> list[str]:
         if shared:
             names += [f"{prefix}.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
             names.append(f"{prefix}.mlp.shared_expert_gate.weight")
-        for expert_idx in range(config.num_experts):
-            names += [
-                f"{prefix}.mlp.experts.{expert_idx}.{w}_proj.weight" for w in ("gate", "up", "down")
-            ]
+        names += per_expert_names(prefix, config.num_experts)
     return names
 
 
@@ -336,7 +351,102 @@ def gpt_oss_family() -> Family:
     return Family("gpt_oss", 6000, config, GptOssForCausalLM, names)
 
 
+def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
+    """Hub names of a DeepSeek-V2/V3 checkpoint (MLA projections, per-expert experts)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    attn = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+    attn += ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if q_lora else ["q_proj.weight"]
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}"
+        names += [
+            f"{prefix}.input_layernorm.weight",
+            f"{prefix}.post_attention_layernorm.weight",
+            f"{prefix}.mlp.gate.weight",
+        ]
+        names += [f"{prefix}.self_attn.{w}" for w in attn]
+        names += [f"{prefix}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if score_bias:
+            names.append(f"{prefix}.mlp.gate.e_score_correction_bias")
+        names += per_expert_names(prefix, config.n_routed_experts)
+    return names
+
+
+def deepseek_small(mscale: float, **family_fields):
+    """The size both DeepSeek fixtures share (3 layers, 16 routed experts top-4 in 4 groups
+    of which 2 are kept, MLA kv_lora 32 with qk 16 + rope 8 and v 16, YaRN factor 4 over 64
+    original positions with mscale = mscale_all_dim = `mscale`), plus each family's own
+    fields. No leading dense layer: moec refuses first_k_dense_replace > 0."""
+    return dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=0,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+        },
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **family_fields,
+    )
+
+
+def deepseek_v2_family() -> Family:
+    # DeepSeek-V2-Lite's structure at a small size: MLA without a query rank, group-limited
+    # greedy softmax routing with a routed scaling factor, 2 shared experts, YaRN mscale
+    # 0.707 (cos/sin unscaled, softmax scale mscale^2).
+    config = DeepseekV2Config(
+        **deepseek_small(
+            0.707,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy",
+            q_lora_rank=None,
+        )
+    )
+    return Family("deepseek_v2", 7000, config, DeepseekV2ForCausalLM, deepseek_names(config, False, False))
+
+
+def deepseek_v3_family() -> Family:
+    # DeepSeek-V3's structure at a small size: MLA with a query rank, sigmoid routing with a
+    # selection-only correction bias (groups ranked by their top-2 sums), renormalised and
+    # scaled weights, 1 shared expert, interleaved rotary, YaRN mscale 1.
+    config = DeepseekV3Config(
+        **deepseek_small(
+            1.0,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=24,
+            rope_interleave=True,
+        )
+    )
+    return Family("deepseek_v3", 8000, config, DeepseekV3ForCausalLM, deepseek_names(config, True, True))
+
+
 LLAMA_STYLE = ("qwen3_moe", "olmoe", "qwen2_moe")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
 def top_k_of(family: Family) -> int:
@@ -393,6 +503,11 @@ def init_weights(model: torch.nn.Module, family: str, seed: int) -> None:
                 normal(param, 1.0 / math.sqrt(param.shape[-1]))
             else:
                 raise ValueError(f"no init rule for parameter {name} {tuple(param.shape)}")
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                # DeepSeek-V3's selection bias: the size of the sigmoid scores' spread, so it
+                # changes which experts are chosen (transformers initialises it to zeros).
+                normal(buffer, 0.2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,7 +525,13 @@ class Probe:
         self.expert_hits: dict[int, np.ndarray] = {}
         self.clip_counts: dict[int, list[int]] = {}
         self.handles = []
-        if family.name == "mixtral" or family.name in LLAMA_STYLE or family.name == "gpt_oss":
+        if family.name in DEEPSEEK:
+            self.top_k = family.config.num_experts_per_tok
+            for layer_idx, layer in enumerate(model.model.layers):
+                self.handles.append(
+                    layer.mlp.gate.register_forward_hook(self._deepseek_hook(layer_idx, layer.mlp.gate))
+                )
+        elif family.name == "mixtral" or family.name in LLAMA_STYLE or family.name == "gpt_oss":
             self.top_k = family.config.num_experts_per_tok
             for layer_idx, layer in enumerate(model.model.layers):
                 router = layer.mlp.router if family.name == "gpt_oss" else layer.mlp.gate
@@ -437,6 +558,44 @@ class Probe:
             self.top1_prob_sum += torch.softmax(ranked, dim=-1)[:, 0].sum().item()
             self.n_router_rows += ranked.shape[0]
             hits = self.expert_hits.setdefault(layer_idx, np.zeros(ranked.shape[-1], dtype=np.int64))
+            for expert_idx in indices[:, : self.top_k].reshape(-1).tolist():
+                hits[expert_idx] += 1
+
+        return hook
+
+    def _deepseek_hook(self, layer_idx: int, router):
+        """DeepSeek selects on (masked) scores, not raw logits: the gaps that matter are the
+        k-th vs (k+1)-th selection score among the kept groups and the last kept vs first
+        dropped group score."""
+
+        def hook(_module, _inputs, output):
+            logits = output[0].double()
+            groups, kept = router.num_group, router.topk_group
+            if self.family.name == "deepseek_v2":
+                # Softmax is monotone: the top-k and the group maxima are decided on the
+                # logits, where the rounding noise lives (as for the other families).
+                choice = logits
+                group_scores = logits.view(logits.shape[0], groups, -1).max(dim=-1).values
+                masked_value = -math.inf
+            else:
+                scores = torch.sigmoid(logits)
+                choice = scores + router.e_score_correction_bias.double()
+                group_scores = choice.view(choice.shape[0], groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+                masked_value = -math.inf
+            ranked_groups = torch.sort(group_scores, dim=-1, descending=True).values
+            gap = math.inf
+            if kept < groups:
+                gap = (ranked_groups[:, kept - 1] - ranked_groups[:, kept]).min().item()
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(kept, dim=-1)[1], True)
+            keep = keep.unsqueeze(-1).expand(-1, groups, choice.shape[-1] // groups).reshape(choice.shape)
+            masked = choice.masked_fill(~keep, masked_value)
+            ranked, indices = torch.sort(masked, dim=-1, descending=True)
+            gap = min(gap, (ranked[:, self.top_k - 1] - ranked[:, self.top_k]).min().item())
+            self.min_router_gap = min(self.min_router_gap, gap)
+            self.top1_prob_sum += torch.softmax(logits, dim=-1).max(dim=-1).values.sum().item()
+            self.n_router_rows += logits.shape[0]
+            hits = self.expert_hits.setdefault(layer_idx, np.zeros(logits.shape[-1], dtype=np.int64))
             for expert_idx in indices[:, : self.top_k].reshape(-1).tolist():
                 hits[expert_idx] += 1
 
@@ -691,6 +850,58 @@ def break_model(model: torch.nn.Module, family: str, what: str):
             rotary.attention_scaling = saved[1]
 
         return undo
+    if what == "no_deepseek_shared_experts":
+        blocks = [layer.mlp for layer in model.model.layers]
+        saved = [block.shared_experts for block in blocks]
+        for block in blocks:
+            block.shared_experts = _Zeros()
+
+        def undo():
+            for block, expert in zip(blocks, saved):
+                block.shared_experts = expert
+
+        return undo
+    if what == "no_softmax_mscale":
+        attns = [layer.self_attn for layer in model.model.layers]
+        saved = [attn.scaling for attn in attns]
+        for attn in attns:
+            attn.scaling = attn.qk_head_dim ** (-0.5)
+
+        def undo():
+            for attn, scaling in zip(attns, saved):
+                attn.scaling = scaling
+
+        return undo
+    if what == "no_group_limit":
+        routers = [layer.mlp.gate for layer in model.model.layers]
+        saved = [router.topk_group for router in routers]
+        for router in routers:
+            router.topk_group = router.num_group
+
+        def undo():
+            for router, kept in zip(routers, saved):
+                router.topk_group = kept
+
+        return undo
+    if what in ("no_routed_scaling", "no_score_bias"):
+        routers = [layer.mlp.gate for layer in model.model.layers]
+        if what == "no_routed_scaling":
+            saved = [router.routed_scaling_factor for router in routers]
+            for router in routers:
+                router.routed_scaling_factor = 1.0
+        else:
+            saved = [router.e_score_correction_bias.clone() for router in routers]
+            for router in routers:
+                router.e_score_correction_bias.zero_()
+
+        def undo():
+            for router, value in zip(routers, saved):
+                if what == "no_routed_scaling":
+                    router.routed_scaling_factor = value
+                else:
+                    router.e_score_correction_bias.copy_(value)
+
+        return undo
     if what == "rope_theta_10000":
         rotary = model.transformer.rotary_emb if family == "dbrx" else model.model.rotary_emb
         saved = rotary.inv_freq.clone()
@@ -711,6 +922,19 @@ def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -
         "qwen3_moe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
         "olmoe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
         "gpt_oss": ["no_sinks", "no_sliding_window", "no_swiglu_clamp", "no_yarn"],
+        "deepseek_v2": [
+            "no_deepseek_shared_experts",
+            "no_softmax_mscale",
+            "no_group_limit",
+            "no_routed_scaling",
+        ],
+        "deepseek_v3": [
+            "no_deepseek_shared_experts",
+            "no_softmax_mscale",
+            "no_group_limit",
+            "no_score_bias",
+            "flip_router_renorm",
+        ],
         "qwen2_moe": [
             "flip_router_renorm",
             "no_shared_expert",
@@ -762,7 +986,7 @@ def check_saved_names(directory: Path, family: Family) -> dict[str, torch.Tensor
             f"unexpected {sorted(names - expected)[:5]}, missing {sorted(expected - names)[:5]}"
         )
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.bfloat16:
+        if tensor.dtype != torch.bfloat16 and not name.endswith("e_score_correction_bias"):
             raise RuntimeError(f"{family.name}: {name} saved as {tensor.dtype}, wanted bfloat16")
     return tensors
 
@@ -782,12 +1006,13 @@ def check_widening(model: torch.nn.Module, family: Family, saved: dict[str, torc
             gate = saved[f"model.layers.{layer_idx}.block_sparse_moe.gate.weight"].float()
             assert torch.equal(layer.mlp.gate.weight, gate)
         checked = [n for n in saved if "block_sparse_moe" not in n]
-    elif family.name in LLAMA_STYLE:
+    elif family.name in LLAMA_STYLE or family.name in DEEPSEEK:
         # In memory the experts are fused (`mlp.experts.gate_up_proj` [E, 2F, D] and
         # `down_proj` [E, D, F]); on disk they are per expert.
         for layer_idx, layer in enumerate(model.model.layers):
             prefix = f"model.layers.{layer_idx}.mlp.experts"
-            for expert_idx in range(family.config.num_experts):
+            n_experts = getattr(family.config, "n_routed_experts", None) or family.config.num_experts
+            for expert_idx in range(n_experts):
                 gate = saved[f"{prefix}.{expert_idx}.gate_proj.weight"].float()
                 up = saved[f"{prefix}.{expert_idx}.up_proj.weight"].float()
                 down = saved[f"{prefix}.{expert_idx}.down_proj.weight"].float()
@@ -825,7 +1050,8 @@ def try_seed(family: Family, seed: int, workdir: Path) -> tuple[dict | None, str
 
     eos = family.config.eos_token_id
     min_greedy_gap = min(run.min_greedy_gap for run in runs)
-    if probe.min_router_gap < MIN_ROUTER_LOGIT_GAP:
+    min_router_gap = MIN_DEEPSEEK_ROUTER_GAP if family.name in DEEPSEEK else MIN_ROUTER_LOGIT_GAP
+    if probe.min_router_gap < min_router_gap:
         return None, f"router gap {probe.min_router_gap:.2e}"
     if min_greedy_gap < MIN_GREEDY_GAP:
         return None, f"greedy gap {min_greedy_gap:.2e}"
@@ -941,7 +1167,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument(
         "--family",
-        choices=["mixtral", "dbrx", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"],
+        choices=[
+            "mixtral",
+            "dbrx",
+            "qwen3_moe",
+            "olmoe",
+            "qwen2_moe",
+            "gpt_oss",
+            "deepseek_v2",
+            "deepseek_v3",
+        ],
         action="append",
     )
     args = parser.parse_args()
@@ -957,6 +1192,8 @@ def main() -> None:
         "olmoe": olmoe_family,
         "qwen2_moe": qwen2_moe_family,
         "gpt_oss": gpt_oss_family,
+        "deepseek_v2": deepseek_v2_family,
+        "deepseek_v3": deepseek_v3_family,
     }
     for name in args.family or list(families):
         expected = build_family(families[name](), args.out)

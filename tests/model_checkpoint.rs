@@ -126,6 +126,8 @@ fn layer_image_views_compute_the_same_as_mapped_tensors() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
     ] {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());
@@ -411,6 +413,8 @@ fn synthetic_layer_image_matches_the_written_checkpoint() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
     ] {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());

@@ -35,6 +35,8 @@ fn generation_is_not_degenerate_for_either_family() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -103,6 +105,8 @@ fn batched_generation_equals_one_prompt_at_a_time() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -138,6 +142,8 @@ fn row_kernels_are_batch_invariant() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -393,6 +399,8 @@ fn simd_and_portable_kernels_give_the_same_generation() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
     ] {
         let (_tmp, dir) = tiny(name);
         let ck = Checkpoint::open(&dir).unwrap();

@@ -248,3 +248,13 @@ fn qwen2_moe_oracle_matches_transformers() {
 fn gpt_oss_oracle_matches_transformers() {
     check_family("gpt_oss");
 }
+
+#[test]
+fn deepseek_v2_oracle_matches_transformers() {
+    check_family("deepseek_v2");
+}
+
+#[test]
+fn deepseek_v3_oracle_matches_transformers() {
+    check_family("deepseek_v3");
+}

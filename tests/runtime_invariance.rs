@@ -1,5 +1,6 @@
 //! Schedule invariance: every schedule in `schedules/` (baselines included), compiled for the
-//! tiny cards of every family (Mixtral, DBRX, Qwen3-MoE, OLMoE, Qwen2-MoE, gpt-oss), lowered and run on the CPU backend with greedy decoding
+//! tiny cards of every family (Mixtral, DBRX, Qwen3-MoE, OLMoE, Qwen2-MoE, gpt-oss,
+//! DeepSeek-V2, DeepSeek-V3), lowered and run on the CPU backend with greedy decoding
 //! over prompts of different lengths, produces exactly the oracle's token ids; once more
 //! with a `gpu` arena too small to hold the model. Weight copies are bound (the CPU
 //! backend's default: kernels read the mapped checkpoint) except for Mixtral and the
@@ -218,6 +219,23 @@ fn every_schedule_matches_the_oracle_on_qwen2_moe_tiny() {
 #[test]
 fn every_schedule_matches_the_oracle_on_gpt_oss_tiny() {
     let (failures, _) = run_card(&Case::new("gpt-oss-tiny"), |_| None);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// DeepSeek's latent attention runs as one-kv-head attention whose `qkv` rows carry the
+/// absorbed queries and the latent; `o_proj` expands the latent with `kv_b_proj`'s value
+/// rows (a copy of that tensor in the `o` part): every placement of attention and `o_proj`
+/// must agree, as must the group-limited router and the shared experts in `gate`.
+#[test]
+fn every_schedule_matches_the_oracle_on_deepseek_v2_tiny() {
+    let (failures, _) = run_card(&Case::new("deepseek-v2-tiny"), |_| None);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// DeepSeek-V3's query rank and its router's correction bias (a `gate` part vector).
+#[test]
+fn every_schedule_matches_the_oracle_on_deepseek_v3_tiny() {
+    let (failures, _) = run_card(&Case::new("deepseek-v3-tiny"), |_| None);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

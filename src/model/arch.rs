@@ -4,7 +4,7 @@
 //! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
 //! family names themselves.
 
-use crate::model::card::{Family, ModelCard, QkNorm, Yarn};
+use crate::model::card::{DeepseekRouter, Family, Mla, ModelCard, QkNorm, Yarn};
 use crate::model::kernels::attention::AttnShape;
 use crate::model::kernels::norm::NormKind;
 
@@ -59,6 +59,10 @@ pub struct ArchSpec {
     pub clamped_swiglu: Option<(f32, f32)>,
     /// YaRN rotary scaling.
     pub yarn: Option<Yarn>,
+    /// DeepSeek's latent attention (`attn` is then the latent MQA geometry).
+    pub mla: Option<Mla>,
+    /// DeepSeek's router.
+    pub deepseek_router: Option<DeepseekRouter>,
 }
 
 impl ArchSpec {
@@ -72,7 +76,9 @@ impl ArchSpec {
                 | Family::Qwen2Moe
                 | Family::Qwen3Moe
                 | Family::Olmoe
-                | Family::GptOss => NormKind::Rms,
+                | Family::GptOss
+                | Family::DeepseekV2
+                | Family::DeepseekV3 => NormKind::Rms,
             },
             norm_eps: card.norm_eps as f32,
             hidden: card.hidden as usize,
@@ -106,7 +112,25 @@ impl ArchSpec {
                 .clamped_swiglu
                 .map(|c| (c.alpha as f32, c.limit as f32)),
             yarn: card.yarn,
+            mla: card.mla,
+            deepseek_router: card.deepseek_router,
         }
+    }
+
+    /// Width the rotary tables rotate: the whole head, or MLA's rotary part.
+    pub fn rope_dim(&self) -> usize {
+        match &self.mla {
+            Some(m) => m.qk_rope_head_dim as usize,
+            None => self.attn.head_dim,
+        }
+    }
+
+    /// The router carries a per-expert vector (gpt-oss's bias, DeepSeek-V3's correction).
+    pub fn has_router_bias(&self) -> bool {
+        self.router_bias_topk_softmax
+            || self
+                .deepseek_router
+                .is_some_and(|r| r.topk == crate::model::card::DeepseekTopk::NoauxTc)
     }
 
     /// The attention geometry of layer `layer`: the sliding window only on even layers

@@ -13,6 +13,7 @@
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
 use crate::model::config::{self, ConfigError};
+use crate::model::kernels::mla::MlaWeights;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
@@ -537,8 +538,13 @@ impl Checkpoint {
     /// Zero-copy views of layer `layer`, straight from the memory map.
     pub fn layer_weights(&self, layer: usize) -> Result<LayerWeights<'_>, CheckpointError> {
         self.check_layer(layer)?;
-        let qkv = match self.arch.family {
-            Family::Dbrx => QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?),
+        let qkv = match (self.arch.family, self.arch.mla) {
+            (Family::Dbrx, _) => {
+                QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?)
+            }
+            (_, Some(m)) => QkvWeights::Mla(MlaWeights::build(m.q_lora_rank.is_some(), |kind| {
+                self.segment_matrix(layer, kind)
+            })?),
             _ => QkvWeights::Separate {
                 q: self.segment_matrix(layer, SegmentKind::QProj)?,
                 k: self.segment_matrix(layer, SegmentKind::KProj)?,
@@ -597,8 +603,12 @@ impl Checkpoint {
             o_bias: optional(a.o_bias, SegmentKind::OBias)?,
             ffn_norm: self.segment_vector(layer, SegmentKind::FfnNorm)?,
             router: self.segment_matrix(layer, SegmentKind::Router)?,
-            router_bias: optional(a.router_bias_topk_softmax, SegmentKind::RouterBias)?,
+            router_bias: optional(a.has_router_bias(), SegmentKind::RouterBias)?,
             shared,
+            kv_b_out: match a.mla {
+                Some(_) => Some(self.segment_matrix(layer, SegmentKind::KvBOut)?),
+                None => None,
+            },
         };
         let experts = (0..self.arch.experts)
             .map(|e| {

@@ -13,7 +13,9 @@
 //! real spelling for synthetic checkpoints. Every problem is an error naming the file and
 //! field.
 
-use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
+use crate::model::card::{
+    ClampedSwiglu, DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, QkNorm, WeightDtype, Yarn,
+};
 use serde_json::{json, Map, Value};
 
 /// Problems with a `config.json`.
@@ -28,7 +30,7 @@ pub enum ConfigError {
         message: String,
     },
     /// `model_type` names no family moec implements.
-    #[error("{path}: model_type `{model_type}` is not supported (expected one of mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe, gpt_oss)")]
+    #[error("{path}: model_type `{model_type}` is not supported (expected one of mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe, gpt_oss, deepseek_v2, deepseek_v3)")]
     ModelType {
         /// The file.
         path: String,
@@ -155,9 +157,19 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
     let model_type = f.get("model_type").and_then(Value::as_str).unwrap_or("");
     if matches!(
         model_type,
-        "mixtral" | "dbrx" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "gpt_oss"
+        "mixtral"
+            | "dbrx"
+            | "qwen2_moe"
+            | "qwen3_moe"
+            | "olmoe"
+            | "gpt_oss"
+            | "deepseek_v2"
+            | "deepseek_v3"
     ) {
-        refuse_unimplemented(&f, model_type == "gpt_oss")?;
+        refuse_unimplemented(
+            &f,
+            matches!(model_type, "gpt_oss" | "deepseek_v2" | "deepseek_v3"),
+        )?;
     }
     let card = match model_type {
         "mixtral" => mixtral_card(&f, name)?,
@@ -166,6 +178,8 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
         "qwen3_moe" => qwen_olmoe_card(&f, name, Family::Qwen3Moe)?,
         "olmoe" => qwen_olmoe_card(&f, name, Family::Olmoe)?,
         "gpt_oss" => gpt_oss_card(&f, name)?,
+        "deepseek_v2" => deepseek_card(&f, name, Family::DeepseekV2)?,
+        "deepseek_v3" => deepseek_card(&f, name, Family::DeepseekV3)?,
         other => {
             return Err(ConfigError::ModelType {
                 path: path.into(),
@@ -213,6 +227,10 @@ fn gpt_oss_off() -> ModelCard {
         router_bias_topk_softmax: false,
         clamped_swiglu: None,
         yarn: None,
+        mla: None,
+        deepseek_router: None,
+        dense_layers: 0,
+        dense_ffn: 0,
     }
 }
 
@@ -285,6 +303,7 @@ fn gpt_oss_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
                 original_max_positions: f
                     .uint(&format!("{scaling}.original_max_position_embeddings"))?,
                 truncate: flag(f, &format!("{scaling}.truncate"), true)?,
+                mscale: None,
             })
         }
         _ => None,
@@ -332,6 +351,186 @@ fn gpt_oss_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
             limit: f.opt_float("swiglu_limit")?.unwrap_or(7.0),
         }),
         yarn,
+        ..gpt_oss_off()
+    })
+}
+
+/// YaRN parameters in `rope_scaling` (the Hub's spelling, `type` or `rope_type`) or
+/// `rope_parameters` (transformers 5), with DeepSeek's `mscale` / `mscale_all_dim`; `None`
+/// without YaRN. Returns the rotary base too (top level, or inside `rope_parameters`).
+fn deepseek_yarn(f: &Fields<'_>) -> Result<(Option<Yarn>, Option<f64>), ConfigError> {
+    let scaling = if f.get("rope_scaling").is_some() {
+        "rope_scaling"
+    } else {
+        "rope_parameters"
+    };
+    let theta = match f.opt_float("rope_theta")? {
+        Some(t) => Some(t),
+        None => f.opt_float("rope_parameters.rope_theta")?,
+    };
+    let kind = f
+        .get(&format!("{scaling}.rope_type"))
+        .or_else(|| f.get(&format!("{scaling}.type")))
+        .and_then(Value::as_str);
+    if kind != Some("yarn") {
+        return Ok((None, theta));
+    }
+    let field = |name: &str| format!("{scaling}.{name}");
+    if f.get(&field("attention_factor")).is_some() {
+        return Err(f.invalid(
+            &field("attention_factor"),
+            "is not supported (YaRN's attention factor is derived from mscale / mscale_all_dim)",
+        ));
+    }
+    let factor = f
+        .opt_float(&field("factor"))?
+        .ok_or_else(|| ConfigError::Missing {
+            path: f.path.to_string(),
+            field: field("factor"),
+        })?;
+    let mscale = match (
+        f.opt_float(&field("mscale"))?,
+        f.opt_float(&field("mscale_all_dim"))?,
+    ) {
+        (None, None) => None,
+        (m, all) => Some((m.unwrap_or(0.0), all.unwrap_or(0.0))),
+    };
+    let yarn = Yarn {
+        factor,
+        beta_fast: f.opt_float(&field("beta_fast"))?.unwrap_or(32.0),
+        beta_slow: f.opt_float(&field("beta_slow"))?.unwrap_or(1.0),
+        original_max_positions: f.uint(&field("original_max_position_embeddings"))?,
+        truncate: flag(f, &field("truncate"), true)?,
+        mscale,
+    };
+    Ok((Some(yarn), theta))
+}
+
+/// DeepSeek-V2 / V3: MLA fields, shared and routed experts, the router's method and groups,
+/// YaRN with mscale. Leading dense layers and what transformers' DeepSeek code ignores or
+/// does not implement (`moe_layer_freq`, biases, V2's `norm_topk_prob`) are refused by name.
+fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard, ConfigError> {
+    let hidden = f.uint("hidden_size")?;
+    let heads = f.uint("num_attention_heads")?;
+    let v3 = family == Family::DeepseekV3;
+    if let Some(k) = f.opt_uint("first_k_dense_replace")?.filter(|&k| k > 0) {
+        return Err(f.invalid(
+            "first_k_dense_replace",
+            &format!(
+                "is {k}: leading dense layers are not implemented yet (moec's packed checkpoint \
+                 layout is uniform per layer)"
+            ),
+        ));
+    }
+    if f.opt_uint("moe_layer_freq")?.is_some_and(|v| v != 1) {
+        return Err(f.invalid(
+            "moe_layer_freq",
+            "must be 1 (transformers ignores it; only every-layer MoE is implemented)",
+        ));
+    }
+    for field in ["attention_bias", "mlp_bias"] {
+        if flag(f, field, false)? {
+            return Err(f.invalid(field, "is true: DeepSeek with biases is not supported"));
+        }
+    }
+    let topk_method = f
+        .get("topk_method")
+        .and_then(Value::as_str)
+        .unwrap_or(if v3 { "noaux_tc" } else { "greedy" });
+    let topk = match (v3, topk_method) {
+        (false, "greedy") => DeepseekTopk::Greedy,
+        (false, "group_limited_greedy") => DeepseekTopk::GroupLimitedGreedy,
+        (true, "noaux_tc") => DeepseekTopk::NoauxTc,
+        (_, other) => {
+            return Err(f.invalid(
+                "topk_method",
+                &format!(
+                    "`{other}` is not supported for {} (V2: greedy or group_limited_greedy; V3: \
+                     noaux_tc)",
+                    family.model_type()
+                ),
+            ))
+        }
+    };
+    let scoring = f.get("scoring_func").and_then(Value::as_str);
+    let expected_scoring = if v3 { "sigmoid" } else { "softmax" };
+    if scoring.is_some_and(|s| s != expected_scoring) {
+        return Err(f.invalid(
+            "scoring_func",
+            &format!("must be {expected_scoring} for {}", family.model_type()),
+        ));
+    }
+    let norm_topk_prob = flag(f, "norm_topk_prob", v3)?;
+    if norm_topk_prob && !v3 {
+        return Err(f.invalid(
+            "norm_topk_prob",
+            "is true: transformers' DeepSeek-V2 router never renormalises, so its numerics are \
+             not defined here",
+        ));
+    }
+    let (yarn, theta) = deepseek_yarn(f)?;
+    let kv_lora_rank = f.uint("kv_lora_rank")?;
+    let qk_rope_head_dim = f.uint("qk_rope_head_dim")?;
+    let qk_nope_head_dim = f.uint("qk_nope_head_dim")?;
+    let mla = Mla {
+        q_lora_rank: f.opt_uint("q_lora_rank")?,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim: f.uint("v_head_dim")?,
+        rope_interleave: if v3 {
+            flag(f, "rope_interleave", true)?
+        } else {
+            true
+        },
+        softmax_mscale: yarn
+            .and_then(|y| y.mscale)
+            .filter(|&(_, all)| all != 0.0)
+            .map_or(1.0, |(_, all)| {
+                let m = Yarn::get_mscale(yarn.map_or(1.0, |y| y.factor), all);
+                m * m
+            }),
+    };
+    let moe_ffn = f.uint("moe_intermediate_size")?;
+    let experts = match f.opt_uint("n_routed_experts")? {
+        Some(e) => e,
+        None => f.uint("num_local_experts")?,
+    };
+    let n_group = f.opt_uint("n_group")?.unwrap_or(1);
+    Ok(ModelCard {
+        name: name.to_string(),
+        family,
+        description: format!(
+            "{} checkpoint `{name}` (from config.json)",
+            family.model_type()
+        ),
+        layers: f.uint("num_hidden_layers")?,
+        hidden,
+        ffn: moe_ffn,
+        heads,
+        kv_heads: 1,
+        head_dim: kv_lora_rank + qk_rope_head_dim,
+        experts,
+        top_k: f.uint("num_experts_per_tok")?,
+        vocab: f.uint("vocab_size")?,
+        max_positions: f.uint("max_position_embeddings")?,
+        rope_theta: theta.unwrap_or(10000.0),
+        norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-6),
+        dtype: WeightDtype::Bf16,
+        tokenizer: "tokenizers/dbrx/tokenizer.json".into(),
+        bos_token_id: f.opt_token("bos_token_id")?,
+        eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(1),
+        shared_ffn: f.opt_uint("n_shared_experts")?.unwrap_or(0) * moe_ffn,
+        yarn,
+        mla: Some(mla),
+        deepseek_router: Some(DeepseekRouter {
+            topk,
+            n_group,
+            topk_group: f.opt_uint("topk_group")?.unwrap_or(n_group),
+            routed_scaling_factor: f.opt_float("routed_scaling_factor")?.unwrap_or(1.0),
+            norm_topk_prob,
+        }),
+        ..gpt_oss_off()
     })
 }
 
@@ -645,6 +844,16 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
             "clamped_swiglu" => "swiglu_alpha / swiglu_limit",
             _ => mixtral,
         },
+        Family::DeepseekV2 | Family::DeepseekV3 => match card_field {
+            "experts" => "n_routed_experts",
+            "ffn" => "moe_intermediate_size",
+            "kv_heads" | "head_dim" => "kv_lora_rank + qk_rope_head_dim",
+            "shared_ffn" => "n_shared_experts",
+            "yarn" => "rope_scaling",
+            "mla" => "q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim",
+            "deepseek_router" => "topk_method / n_group / topk_group / routed_scaling_factor",
+            _ => mixtral,
+        },
     }
 }
 
@@ -732,6 +941,20 @@ pub fn check_agreement(
             format!("{:?}", card.yarn),
         ));
     }
+    if from_config.mla != card.mla {
+        return Err(mismatch(
+            "mla",
+            format!("{:?}", from_config.mla),
+            format!("{:?}", card.mla),
+        ));
+    }
+    if from_config.deepseek_router != card.deepseek_router {
+        return Err(mismatch(
+            "deepseek_router",
+            format!("{:?}", from_config.deepseek_router),
+            format!("{:?}", card.deepseek_router),
+        ));
+    }
     if from_config.clamped_swiglu != card.clamped_swiglu {
         return Err(mismatch(
             "clamped_swiglu",
@@ -747,6 +970,92 @@ pub fn check_agreement(
         ));
     }
     Ok(())
+}
+
+/// A DeepSeek config.json in the Hub's spelling (what transformers' `DeepseekV2Config` /
+/// `DeepseekV3Config` read): MLA ranks and head widths, router fields, YaRN in
+/// `rope_scaling` with `mscale` / `mscale_all_dim`.
+fn deepseek_config(card: &ModelCard, dtype: WeightDtype) -> Value {
+    let v3 = card.family == Family::DeepseekV3;
+    let mla = card.mla.unwrap_or(Mla {
+        q_lora_rank: None,
+        kv_lora_rank: card.head_dim,
+        qk_nope_head_dim: 0,
+        qk_rope_head_dim: 0,
+        v_head_dim: 0,
+        rope_interleave: true,
+        softmax_mscale: 1.0,
+    });
+    let router = card.deepseek_router.unwrap_or(DeepseekRouter {
+        topk: DeepseekTopk::Greedy,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 1.0,
+        norm_topk_prob: false,
+    });
+    let topk_method = match router.topk {
+        DeepseekTopk::Greedy => "greedy",
+        DeepseekTopk::GroupLimitedGreedy => "group_limited_greedy",
+        DeepseekTopk::NoauxTc => "noaux_tc",
+    };
+    let mut v = json!({
+        "architectures": [if v3 { "DeepseekV3ForCausalLM" } else { "DeepseekV2ForCausalLM" }],
+        "model_type": card.family.model_type(),
+        "hidden_size": card.hidden,
+        "intermediate_size": card.dense_ffn.max(card.ffn),
+        "moe_intermediate_size": card.ffn,
+        "num_hidden_layers": card.layers,
+        "num_attention_heads": card.heads,
+        "num_key_value_heads": card.heads,
+        "n_shared_experts": card.shared_ffn / card.ffn.max(1),
+        "n_routed_experts": card.experts,
+        "num_experts_per_tok": card.top_k,
+        "first_k_dense_replace": card.dense_layers,
+        "moe_layer_freq": 1,
+        "topk_method": topk_method,
+        "scoring_func": if v3 { "sigmoid" } else { "softmax" },
+        "n_group": router.n_group,
+        "topk_group": router.topk_group,
+        "routed_scaling_factor": router.routed_scaling_factor,
+        "norm_topk_prob": router.norm_topk_prob,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "vocab_size": card.vocab,
+        "max_position_embeddings": card.max_positions,
+        "rms_norm_eps": card.norm_eps,
+        "rope_theta": card.rope_theta,
+        "rope_scaling": card.yarn.map(|y| {
+            let mut r = json!({
+                "type": "yarn",
+                "factor": y.factor,
+                "beta_fast": y.beta_fast,
+                "beta_slow": y.beta_slow,
+                "original_max_position_embeddings": y.original_max_positions,
+                "truncate": y.truncate,
+            });
+            if let (Some((m, all)), Some(obj)) = (y.mscale, r.as_object_mut()) {
+                obj.insert("mscale".into(), json!(m));
+                obj.insert("mscale_all_dim".into(), json!(all));
+            }
+            r
+        }),
+        "attention_bias": false,
+        "bos_token_id": card.bos_token_id,
+        "eos_token_id": card.eos_token_id,
+        "hidden_act": "silu",
+        "tie_word_embeddings": false,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": true,
+        "torch_dtype": torch_dtype(dtype),
+    });
+    if let (true, Some(obj)) = (v3, v.as_object_mut()) {
+        obj.insert("rope_interleave".into(), json!(mla.rope_interleave));
+    }
+    v
 }
 
 fn torch_dtype(dtype: WeightDtype) -> &'static str {
@@ -832,6 +1141,7 @@ pub fn config_for_card(card: &ModelCard, dtype: WeightDtype) -> Value {
             "use_cache": true,
             "torch_dtype": torch_dtype(dtype),
         }),
+        Family::DeepseekV2 | Family::DeepseekV3 => deepseek_config(card, dtype),
         Family::Qwen2Moe | Family::Qwen3Moe | Family::Olmoe => {
             let mut v = llama_style();
             if let Some(obj) = v.as_object_mut() {
@@ -1007,6 +1317,80 @@ mod tests {
       "tie_word_embeddings":false,"transformers_version":"4.55.0.dev0","use_cache":true,
       "vocab_size":201088}"#;
 
+    /// DeepSeek-V2-Lite's Hub config.json (fields as published).
+    const DEEPSEEK_V2_LITE: &str = r#"{"architectures":["DeepseekV2ForCausalLM"],
+      "attention_bias":false,"attention_dropout":0.0,"aux_loss_alpha":0.001,
+      "bos_token_id":100000,"eos_token_id":100001,"first_k_dense_replace":1,"hidden_act":"silu",
+      "hidden_size":2048,"initializer_range":0.02,"intermediate_size":10944,"kv_lora_rank":512,
+      "max_position_embeddings":163840,"model_type":"deepseek_v2","moe_intermediate_size":1408,
+      "moe_layer_freq":1,"n_group":1,"n_routed_experts":64,"n_shared_experts":2,
+      "norm_topk_prob":false,"num_attention_heads":16,"num_experts_per_tok":6,
+      "num_hidden_layers":27,"num_key_value_heads":16,"pretraining_tp":1,"q_lora_rank":null,
+      "qk_nope_head_dim":128,"qk_rope_head_dim":64,"rms_norm_eps":1e-06,
+      "rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":0.707,
+        "mscale_all_dim":0.707,"original_max_position_embeddings":4096,"type":"yarn"},
+      "rope_theta":10000,"routed_scaling_factor":1.0,"scoring_func":"softmax","seq_aux":true,
+      "tie_word_embeddings":false,"topk_group":1,"topk_method":"greedy","torch_dtype":"bfloat16",
+      "transformers_version":"4.33.1","use_cache":true,"v_head_dim":128,"vocab_size":102400}"#;
+
+    /// DeepSeek-V3's Hub config.json (fields as published; fp8 block-quantised weights).
+    const DEEPSEEK_V3: &str = r#"{"architectures":["DeepseekV3ForCausalLM"],
+      "attention_bias":false,"attention_dropout":0.0,"aux_loss_alpha":0.001,"bos_token_id":0,
+      "eos_token_id":1,"ep_size":1,"first_k_dense_replace":3,"hidden_act":"silu",
+      "hidden_size":7168,"initializer_range":0.02,"intermediate_size":18432,"kv_lora_rank":512,
+      "max_position_embeddings":163840,"model_type":"deepseek_v3","moe_intermediate_size":2048,
+      "moe_layer_freq":1,"n_group":8,"n_routed_experts":256,"n_shared_experts":1,
+      "norm_topk_prob":true,"num_attention_heads":128,"num_experts_per_tok":8,
+      "num_hidden_layers":61,"num_key_value_heads":128,"num_nextn_predict_layers":1,
+      "q_lora_rank":1536,"qk_nope_head_dim":128,"qk_rope_head_dim":64,
+      "quantization_config":{"activation_scheme":"dynamic","fmt":"e4m3","quant_method":"fp8",
+        "weight_block_size":[128,128]},
+      "rms_norm_eps":1e-06,"rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":1.0,
+        "mscale_all_dim":1.0,"original_max_position_embeddings":4096,"type":"yarn"},
+      "rope_theta":10000,"routed_scaling_factor":2.5,"scoring_func":"sigmoid","seq_aux":true,
+      "tie_word_embeddings":false,"topk_group":4,"topk_method":"noaux_tc","torch_dtype":"bfloat16",
+      "transformers_version":"4.33.1","use_cache":true,"v_head_dim":128,"vocab_size":129280}"#;
+
+    /// V2-Lite's config with `first_k_dense_replace` 0: the part moec runs.
+    fn deepseek_v2_lite_moe_only() -> String {
+        DEEPSEEK_V2_LITE.replace(
+            r#""first_k_dense_replace":1"#,
+            r#""first_k_dense_replace":0"#,
+        )
+    }
+
+    /// The Hub DeepSeek configs give the built-in cards once what moec refuses is taken
+    /// out (V2-Lite's leading dense layer, V3's fp8 quantisation): MLA geometry as the
+    /// latent cache (kv_heads 1, head_dim 512 + 64), the softmax mscale of YaRN's
+    /// mscale_all_dim, the routers.
+    #[test]
+    fn deepseek_hub_configs_agree_with_the_builtin_cards() {
+        let lite = card_from_config(&deepseek_v2_lite_moe_only(), "c.json", "x").unwrap();
+        check_agreement(
+            &lite,
+            &ModelCard::load("deepseek-v2-lite").unwrap(),
+            "c.json",
+        )
+        .unwrap();
+        assert_eq!(
+            (lite.kv_heads, lite.head_dim, lite.shared_ffn),
+            (1, 576, 2816)
+        );
+        // (0.1 * 0.707 * ln 40 + 1)^2, by hand: ln 40 = 3.68888, so 1.260804^2 = 1.589627.
+        let mscale = lite.mla.unwrap().softmax_mscale;
+        assert!((mscale - 1.589627).abs() < 1e-5, "{mscale}");
+        let start = DEEPSEEK_V3.find(r#""quantization_config""#).unwrap();
+        let end = DEEPSEEK_V3.find(r#""rms_norm_eps""#).unwrap();
+        let bf16 = format!("{}{}", &DEEPSEEK_V3[..start], &DEEPSEEK_V3[end..]).replace(
+            r#""first_k_dense_replace":3"#,
+            r#""first_k_dense_replace":0"#,
+        );
+        let v3 = card_from_config(&bf16, "c.json", "x").unwrap();
+        check_agreement(&v3, &ModelCard::load("deepseek-v3").unwrap(), "c.json").unwrap();
+        assert_eq!(v3.deepseek_router.unwrap().topk, DeepseekTopk::NoauxTc);
+        assert!(v3.has_router_bias());
+    }
+
     fn gpt_oss_20b() -> String {
         let types: Vec<&str> = (0..24)
             .map(|i| {
@@ -1125,11 +1509,29 @@ mod tests {
                 "hidden_act",
             ),
             (
-                QWEN3_30B_A3B.replace(
-                    r#""model_type":"qwen3_moe""#,
-                    r#""model_type":"deepseek_v3""#,
-                ),
-                "model_type `deepseek_v3`",
+                QWEN3_30B_A3B.replace(r#""model_type":"qwen3_moe""#, r#""model_type":"jamba""#),
+                "model_type `jamba`",
+            ),
+            (DEEPSEEK_V2_LITE.to_string(), "first_k_dense_replace"),
+            (DEEPSEEK_V3.to_string(), "quantization_config.quant_method"),
+            (
+                deepseek_v2_lite_moe_only()
+                    .replace(r#""topk_method":"greedy""#, r#""topk_method":"noaux_tc""#),
+                "topk_method",
+            ),
+            (
+                deepseek_v2_lite_moe_only()
+                    .replace(r#""norm_topk_prob":false"#, r#""norm_topk_prob":true"#),
+                "norm_topk_prob",
+            ),
+            (
+                deepseek_v2_lite_moe_only()
+                    .replace(r#""moe_layer_freq":1"#, r#""moe_layer_freq":2"#),
+                "moe_layer_freq",
+            ),
+            (
+                deepseek_v2_lite_moe_only().replace(r#""type":"yarn""#, r#""type":"dynamic""#),
+                "rope_scaling.type",
             ),
         ];
         for (text, field) in cases {
@@ -1222,6 +1624,8 @@ mod tests {
             "qwen2-57b-a14b",
             "gpt-oss-tiny",
             "gpt-oss-20b",
+            "deepseek-v2-tiny",
+            "deepseek-v3-tiny",
         ] {
             let card = ModelCard::load(name).unwrap();
             let text = config_for_card(&card, WeightDtype::Bf16).to_string();

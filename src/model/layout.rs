@@ -11,6 +11,7 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, QkNorm, WeightDtype};
+use crate::model::kernels::mla::MlaWeights;
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
     DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
@@ -45,7 +46,24 @@ pub enum SegmentKind {
     QNorm,
     /// k RMSNorm weight: `[head_dim]` per head (Qwen3) or `[kv_dim]` (OLMoE).
     KNorm,
-    /// Output projection `[hidden, q_dim]`.
+    /// MLA query down-projection `q_a_proj` `[q_lora_rank, hidden]` (DeepSeek with a
+    /// query rank).
+    QAProj,
+    /// MLA `q_a_layernorm` `[q_lora_rank]`.
+    QANorm,
+    /// MLA query up-projection `q_b_proj` `[heads * qk_head_dim, q_lora_rank]`.
+    QBProj,
+    /// MLA `kv_a_proj_with_mqa` `[kv_lora_rank + qk_rope_head_dim, hidden]`.
+    KvAProj,
+    /// MLA `kv_a_layernorm` `[kv_lora_rank]`.
+    KvANorm,
+    /// MLA `kv_b_proj` `[heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` in the
+    /// `pre` part: its key rows are folded into the queries.
+    KvB,
+    /// The same `kv_b_proj` again in the `o` part: its value rows expand the attention
+    /// output before `o_proj` (the `o` op reads only its own part of `W`).
+    KvBOut,
+    /// Output projection `[hidden, q_dim]` (MLA: `[hidden, heads * v_head_dim]`).
     OProj,
     /// Output projection bias `[hidden]` (gpt-oss).
     OBias,
@@ -177,7 +195,32 @@ impl LayerLayout {
         let lin = Some(Orientation::OutIn);
         let hd = arch.attn.head_dim;
         let fs = arch.shared_ffn;
+        if let Some(m) = arch.mla {
+            let h = arch.attn.heads;
+            let q_out = h * m.qk_head_dim() as usize;
+            let kv_b_rows = h * (m.qk_nope_head_dim + m.v_head_dim) as usize;
+            let (q_rank, r) = (m.q_lora_rank.unwrap_or(0) as usize, m.kv_lora_rank as usize);
+            match kind {
+                SegmentKind::QProj => return (q_out, d, lin),
+                SegmentKind::QAProj => return (q_rank, d, lin),
+                SegmentKind::QANorm => return (1, q_rank, None),
+                SegmentKind::QBProj => return (q_out, q_rank, lin),
+                SegmentKind::KvAProj => return (m.latent_dim() as usize, d, lin),
+                SegmentKind::KvANorm => return (1, r, None),
+                SegmentKind::KvB | SegmentKind::KvBOut => return (kv_b_rows, r, lin),
+                SegmentKind::OProj => return (d, h * m.v_head_dim as usize, lin),
+                _ => {}
+            }
+        }
         match kind {
+            // MLA kinds of a layout without MLA: empty.
+            SegmentKind::QAProj
+            | SegmentKind::QANorm
+            | SegmentKind::QBProj
+            | SegmentKind::KvAProj
+            | SegmentKind::KvANorm
+            | SegmentKind::KvB
+            | SegmentKind::KvBOut => (0, 0, lin),
             SegmentKind::AttnNorm | SegmentKind::FfnNorm => (1, d, None),
             SegmentKind::QBias => (1, q, None),
             SegmentKind::Sinks => (1, arch.attn.heads, None),
@@ -215,8 +258,20 @@ impl LayerLayout {
     /// projection) and `gate` (post-attention norm, router, shared expert).
     pub fn dense_parts(arch: &ArchSpec) -> [Vec<SegmentKind>; 3] {
         let mut pre = vec![SegmentKind::AttnNorm];
-        match arch.family {
-            Family::Dbrx => pre.push(SegmentKind::QkvProj),
+        match (arch.family, arch.mla) {
+            (_, Some(m)) => {
+                if m.q_lora_rank.is_some() {
+                    pre.extend([
+                        SegmentKind::QAProj,
+                        SegmentKind::QANorm,
+                        SegmentKind::QBProj,
+                    ]);
+                } else {
+                    pre.push(SegmentKind::QProj);
+                }
+                pre.extend([SegmentKind::KvAProj, SegmentKind::KvANorm, SegmentKind::KvB]);
+            }
+            (Family::Dbrx, None) => pre.push(SegmentKind::QkvProj),
             _ => pre.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
         }
         if arch.qkv_bias {
@@ -229,11 +284,14 @@ impl LayerLayout {
             pre.push(SegmentKind::Sinks);
         }
         let mut o = vec![SegmentKind::OProj];
+        if arch.mla.is_some() {
+            o.push(SegmentKind::KvBOut);
+        }
         if arch.o_bias {
             o.push(SegmentKind::OBias);
         }
         let mut gate = vec![SegmentKind::FfnNorm, SegmentKind::Router];
-        if arch.router_bias_topk_softmax {
+        if arch.has_router_bias() {
             gate.push(SegmentKind::RouterBias);
         }
         if arch.shared_ffn > 0 {
@@ -408,15 +466,20 @@ impl<'a> DenseWeights<'a> {
     /// Views the dense part; `bytes` holds the image's [`LayerLayout::dense_range`]
     /// (which starts at image offset 0), e.g. a copy of it in another memory space.
     pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
+        let has = |kind| layout.segment(kind).is_some();
         let qkv = match layout.family {
             Family::Dbrx => QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?),
+            _ if has(SegmentKind::KvAProj) => {
+                QkvWeights::Mla(MlaWeights::build(has(SegmentKind::QAProj), |kind| {
+                    layout.matrix(bytes, 0, kind)
+                })?)
+            }
             _ => QkvWeights::Separate {
                 q: layout.matrix(bytes, 0, SegmentKind::QProj)?,
                 k: layout.matrix(bytes, 0, SegmentKind::KProj)?,
                 v: layout.matrix(bytes, 0, SegmentKind::VProj)?,
             },
         };
-        let has = |kind| layout.segment(kind).is_some();
         let vector = |kind| -> Result<Option<TypedSlice<'a>>, LayoutError> {
             if has(kind) {
                 layout.view(bytes, 0, kind).map(Some)
@@ -465,6 +528,11 @@ impl<'a> DenseWeights<'a> {
             router: layout.matrix(bytes, 0, SegmentKind::Router)?,
             router_bias: vector(SegmentKind::RouterBias)?,
             shared,
+            kv_b_out: if has(SegmentKind::KvBOut) {
+                Some(layout.matrix(bytes, 0, SegmentKind::KvBOut)?)
+            } else {
+                None
+            },
         })
     }
 }

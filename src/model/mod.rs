@@ -20,7 +20,10 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use arch::ArchSpec;
-pub use card::{CardError, ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
+pub use card::{
+    CardError, ClampedSwiglu, DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, QkNorm,
+    WeightDtype, Yarn,
+};
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use kernels::sampling::Sampling;
 pub use layout::{LayerLayout, Segment, SegmentKind};

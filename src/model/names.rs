@@ -3,7 +3,9 @@
 //! Takes an [`ArchSpec`]; gives the full list `(name, shape)` that a Hugging Face
 //! checkpoint of that architecture holds (Mixtral per-expert `w1/w2/w3`; Qwen2-MoE,
 //! Qwen3-MoE and OLMoE per-expert `gate_proj/up_proj/down_proj` with their q/k norms,
-//! q/k/v biases and shared expert; gpt-oss 3-D `mlp.experts.gate_up_proj` /
+//! q/k/v biases and shared expert; DeepSeek-V2/V3 MLA projections (`q_a_proj`/`q_b_proj`
+//! or `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`), `shared_experts` and V3's
+//! `e_score_correction_bias`; gpt-oss 3-D `mlp.experts.gate_up_proj` /
 //! `down_proj` with biases, router bias, sinks; DBRX fused `[experts * ffn, hidden]` expert tensors
 //! without a `.weight` suffix). Used to write synthetic checkpoints; the reader resolves
 //! the same names segment by segment.
@@ -138,9 +140,31 @@ pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
                 };
                 format!("{p}.{moe}.experts.{e}.{w}.weight")
             };
+            let deepseek = matches!(family, Family::DeepseekV2 | Family::DeepseekV3);
             whole(match kind {
                 SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
                 SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
+                SegmentKind::QAProj => format!("{p}.self_attn.q_a_proj.weight"),
+                SegmentKind::QANorm => format!("{p}.self_attn.q_a_layernorm.weight"),
+                SegmentKind::QBProj => format!("{p}.self_attn.q_b_proj.weight"),
+                SegmentKind::KvAProj => format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+                SegmentKind::KvANorm => format!("{p}.self_attn.kv_a_layernorm.weight"),
+                // One tensor, viewed by both the `pre` and the `o` part.
+                SegmentKind::KvB | SegmentKind::KvBOut => {
+                    format!("{p}.self_attn.kv_b_proj.weight")
+                }
+                SegmentKind::RouterBias if deepseek => {
+                    format!("{p}.mlp.gate.e_score_correction_bias")
+                }
+                SegmentKind::SharedGate if deepseek => {
+                    format!("{p}.mlp.shared_experts.gate_proj.weight")
+                }
+                SegmentKind::SharedUp if deepseek => {
+                    format!("{p}.mlp.shared_experts.up_proj.weight")
+                }
+                SegmentKind::SharedDown if deepseek => {
+                    format!("{p}.mlp.shared_experts.down_proj.weight")
+                }
                 SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
                 SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
                 SegmentKind::QkvProj => format!("{p}.self_attn.qkv_proj.weight"),

@@ -48,6 +48,9 @@ impl Default for SynthOptions {
 /// Problems writing a synthetic checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
+    /// The card describes structure the packed layout cannot hold (leading dense layers).
+    #[error("{0}")]
+    Unrunnable(String),
     /// The destination already exists.
     #[error("{0} already exists; choose another --out or remove it")]
     Exists(String),
@@ -256,6 +259,9 @@ pub fn write_checkpoint(
     out: &Path,
     opts: &SynthOptions,
 ) -> Result<(), SynthError> {
+    if let Some(why) = card.unrunnable() {
+        return Err(SynthError::Unrunnable(why));
+    }
     if out.exists() {
         return Err(SynthError::Exists(out.display().to_string()));
     }

@@ -58,9 +58,14 @@ pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
         // A checkpoint folder's own tokenizer.json always wins (see `TextTokenizer::load`).
         match card.family {
             Family::Mixtral | Family::Olmoe => MIXTRAL_TOKENIZER_JSON,
-            Family::Dbrx | Family::Qwen2Moe | Family::Qwen3Moe | Family::GptOss => {
-                DBRX_TOKENIZER_JSON
-            }
+            // DeepSeek's byte-level BPE is not shipped either: cl100k's ids fit its 102400
+            // (V2) and 129280 (V3) rows.
+            Family::Dbrx
+            | Family::Qwen2Moe
+            | Family::Qwen3Moe
+            | Family::GptOss
+            | Family::DeepseekV2
+            | Family::DeepseekV3 => DBRX_TOKENIZER_JSON,
         }
     }
 }

@@ -21,6 +21,8 @@ pub enum QkvWeights<'a> {
     },
     /// `Wqkv` `[q_dim + 2 kv_dim, hidden]`, rows ordered q, k, v.
     Fused(Matrix<'a>),
+    /// DeepSeek's multi-head latent attention projections.
+    Mla(crate::model::kernels::mla::MlaWeights<'a>),
 }
 
 /// The dense (non-expert) weights of one layer.
@@ -48,6 +50,9 @@ pub struct DenseWeights<'a> {
     pub router_bias: Option<TypedSlice<'a>>,
     /// The shared expert every token runs (Qwen2-MoE), if the family has one.
     pub shared: Option<SharedExpertWeights<'a>>,
+    /// MLA's `kv_b_proj` as the `o` part holds it: its value rows expand the latent
+    /// attention output before `o_proj` (`None` without MLA).
+    pub kv_b_out: Option<Matrix<'a>>,
 }
 
 /// A shared expert: a SwiGLU like a routed one (down stored out x in), optionally scaled

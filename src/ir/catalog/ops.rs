@@ -38,6 +38,10 @@ struct Dims {
     f: f64,
     /// Shared expert width (0 without one).
     fs: f64,
+    /// Multiply-adds per token of the `pre_attn` projections (MLA: its own chain).
+    pre_macs: f64,
+    /// Multiply-adds per token of the output projection (MLA: `W_uv` then `o_proj`).
+    o_macs: f64,
     /// 1 with a sigmoid-gated shared expert, else 0.
     sg: f64,
     a: f64,
@@ -54,6 +58,8 @@ impl Dims {
             h: card.hidden as f64,
             q: card.q_dim() as f64,
             kv: card.kv_dim() as f64,
+            pre_macs: card.pre_attn_macs_per_token() as f64,
+            o_macs: card.o_proj_macs_per_token() as f64,
             e: card.experts as f64,
             k: card.top_k as f64,
             f: card.ffn as f64,
@@ -187,7 +193,7 @@ const PRE_ATTN: OpDef = OpDef {
     work: WorkDef {
         flops: |_, card, shape| {
             let d = Dims::new(card, shape);
-            d.norm() + 2.0 * d.n * d.h * (d.q + 2.0 * d.kv) + 3.0 * d.n * (d.q + d.kv)
+            d.norm() + 2.0 * d.n * d.pre_macs + 3.0 * d.n * (d.q + d.kv)
         },
         bytes: pre_attn_bytes,
         workspace: no_workspace,
@@ -332,7 +338,7 @@ const POST_ATTN: OpDef = OpDef {
     work: WorkDef {
         flops: |_, card, shape| {
             let d = Dims::new(card, shape);
-            2.0 * d.n * d.q * d.h
+            2.0 * d.n * d.o_macs
                 + d.norm()
                 + 2.0 * d.n * d.h * d.e
                 + d.expert_flops(d.n * d.k)
@@ -411,7 +417,7 @@ const O_PROJ: OpDef = OpDef {
     work: WorkDef {
         flops: |_, card, shape| {
             let d = Dims::new(card, shape);
-            2.0 * d.n * d.q * d.h + d.n * d.h
+            2.0 * d.n * d.o_macs + d.n * d.h
         },
         bytes: o_proj_bytes,
         workspace: no_workspace,

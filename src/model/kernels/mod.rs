@@ -20,10 +20,12 @@
 //! | greedy / temperature + top-p | [`sampling::sample`] |
 
 pub mod attention;
+pub mod deepseek_route;
 pub mod head;
 pub mod isa;
 pub mod kv_cache;
 pub mod linear;
+pub mod mla;
 pub mod moe;
 pub mod norm;
 pub mod projection;

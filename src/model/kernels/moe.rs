@@ -183,6 +183,16 @@ impl Kernels {
         normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
         let mut logits = vec![0.0f32; n * arch.experts];
         self.linear(x_norm, n, &dense.router, &mut logits)?;
+        if let Some(router) = &arch.deepseek_router {
+            let bias = dense.router_bias.map(|b| b.to_f32_vec());
+            return Ok(crate::model::kernels::deepseek_route::route_deepseek(
+                &logits,
+                arch.experts,
+                arch.top_k,
+                router,
+                bias.as_deref(),
+            ));
+        }
         if arch.router_bias_topk_softmax {
             if let Some(bias) = dense.router_bias {
                 let bias = bias.to_f32_vec();

@@ -50,6 +50,24 @@ impl Kernels {
         x_norm: &mut [f32],
         qkv_out: &mut [f32],
     ) -> Result<(), KernelError> {
+        if let Some(&position) = positions.iter().find(|&&p| p >= rope.max_positions()) {
+            return Err(KernelError::Position {
+                position,
+                max: rope.max_positions(),
+            });
+        }
+        if let QkvWeights::Mla(mla) = &dense.qkv {
+            return self.mla_pre_attn(
+                arch,
+                dense.attn_norm,
+                mla,
+                rope,
+                x,
+                positions,
+                x_norm,
+                qkv_out,
+            );
+        }
         let n = positions.len();
         let (d, q, kv) = (arch.hidden, arch.q_dim(), arch.kv_dim());
         // Row stride of `qkv_out`: q | k | v, then the sinks with them (gpt-oss).
@@ -58,12 +76,6 @@ impl Kernels {
         check_len("pre_attn input", x.len(), n * d)?;
         check_len("pre_attn scratch", x_norm.len(), n * d)?;
         check_len("pre_attn qkv", qkv_out.len(), n * width)?;
-        if let Some(&position) = positions.iter().find(|&&p| p >= rope.max_positions()) {
-            return Err(KernelError::Position {
-                position,
-                max: rope.max_positions(),
-            });
-        }
         normalize(arch.norm, x, dense.attn_norm, arch.norm_eps, x_norm);
         match &dense.qkv {
             QkvWeights::Fused(w) if width == proj => self.linear(x_norm, n, w, qkv_out)?,
@@ -75,6 +87,7 @@ impl Kernels {
                         .copy_from_slice(&part[t * proj..(t + 1) * proj]);
                 }
             }
+            QkvWeights::Mla(_) => {}
             QkvWeights::Separate {
                 q: wq,
                 k: wk,
@@ -154,6 +167,9 @@ impl Kernels {
         attn_out: &[f32],
         residual: &mut [f32],
     ) -> Result<(), KernelError> {
+        if let Some(kv_b) = &dense.kv_b_out {
+            return self.mla_o_proj_residual(arch, kv_b, &dense.o_proj, attn_out, residual);
+        }
         let n = attn_out.len() / arch.q_dim().max(1);
         check_len("o_proj input", attn_out.len(), n * arch.q_dim())?;
         check_len("o_proj residual", residual.len(), n * arch.hidden)?;

@@ -45,8 +45,8 @@ impl RopeTable {
     /// The table of an architecture: plain, or with YaRN scaling when the card has it.
     pub fn for_arch(arch: &crate::model::arch::ArchSpec, max_positions: usize) -> Self {
         match &arch.yarn {
-            None => Self::new(arch.rope_theta, arch.attn.head_dim, max_positions),
-            Some(y) => Self::yarn(arch.rope_theta, arch.attn.head_dim, max_positions, y),
+            None => Self::new(arch.rope_theta, arch.rope_dim(), max_positions),
+            Some(y) => Self::yarn(arch.rope_theta, arch.rope_dim(), max_positions, y),
         }
     }
 
@@ -88,11 +88,7 @@ impl RopeTable {
                 interpolation * (1.0 - extrapolation_share) + extrapolation * extrapolation_share
             })
             .collect();
-        let scaling = if y.factor <= 1.0 {
-            1.0
-        } else {
-            (0.1 * y.factor.ln() + 1.0) as f32
-        };
+        let scaling = y.attention_factor() as f32;
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
         for pos in 0..max_positions {
@@ -119,6 +115,20 @@ impl RopeTable {
     /// a device backend uploads these exact values so its rotary agrees with this one.
     pub fn tables(&self) -> (&[f32], &[f32]) {
         (&self.cos, &self.sin)
+    }
+
+    /// Rotates one head whose rotary pairs are adjacent, `(x0, x1), (x2, x3), ...`
+    /// (DeepSeek's layout: transformers' complex product in V2, `rope_interleave` in V3),
+    /// pair `i` by frequency `i`, for `position` (< `max_positions`).
+    pub fn rotate_interleaved(&self, head: &mut [f32], position: usize) {
+        let half = self.half;
+        let cos = &self.cos[position * half..(position + 1) * half];
+        let sin = &self.sin[position * half..(position + 1) * half];
+        for (i, pair) in head.chunks_exact_mut(2).take(half).enumerate() {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos[i] - b * sin[i];
+            pair[1] = b * cos[i] + a * sin[i];
+        }
     }
 
     /// Rotates one head (`2 * half` values) for `position` (< `max_positions`).
@@ -163,6 +173,7 @@ mod tests {
             beta_slow: 1.0,
             original_max_positions: 4096,
             truncate: false,
+            mscale: None,
         };
         let table = RopeTable::yarn(150000.0, 16, 2, &y);
         let (cos, sin) = table.tables();

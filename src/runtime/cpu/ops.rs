@@ -22,6 +22,7 @@ use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
 use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+use crate::model::kernels::mla::MlaWeights;
 use crate::model::kernels::moe::{combine_shared, expert_ffn, gate, moe_block, Routing};
 use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
@@ -320,6 +321,13 @@ impl OpContext<'_> {
                 Family::Dbrx => {
                     QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
                 }
+                Family::DeepseekV2 | Family::DeepseekV3 => {
+                    let layout = &self.memory.layout().layer;
+                    QkvWeights::Mla(MlaWeights::build(
+                        layout.segment(SegmentKind::QAProj).is_some(),
+                        |kind| self.required(weights, layer, kind),
+                    )?)
+                }
                 _ => QkvWeights::Separate {
                     q: self.required(weights, layer, SegmentKind::QProj)?,
                     k: self.required(weights, layer, SegmentKind::KProj)?,
@@ -385,6 +393,11 @@ impl OpContext<'_> {
             router: get(SegmentKind::Router)?,
             router_bias: optional(SegmentKind::Router, SegmentKind::RouterBias)?,
             shared,
+            kv_b_out: if needs.contains(&SegmentKind::OProj) && present(SegmentKind::KvBOut) {
+                Some(self.required(weights, layer, SegmentKind::KvBOut)?)
+            } else {
+                None
+            },
         })
     }
 

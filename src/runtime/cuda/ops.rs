@@ -124,12 +124,21 @@ const ROUTER_MAX_EXPERTS: usize = 256;
 /// What the CUDA kernels cannot run for this model, named before any launch (backend
 /// set-up calls this): the router kernels take at most 256 experts, combine top-64, the norm
 /// kernels bf16 weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
-/// per-layer windows, YaRN, clamped SwiGLU) have kernels, so the family itself is no reason.
+/// per-layer windows, YaRN, clamped SwiGLU) have kernels, so the family itself is no reason,
+/// except DeepSeek's (MLA and its routers have no kernels: refused by family).
 pub fn unsupported(
     arch: &ArchSpec,
     layer: &crate::model::layout::LayerLayout,
     dtype: WeightDtype,
 ) -> Option<String> {
+    if arch.mla.is_some() || arch.deepseek_router.is_some() {
+        // No MLA or DeepSeek-router kernels yet: refuse rather than run wrong numerics.
+        return Some(format!(
+            "the {:?} family (multi-head latent attention and DeepSeek routing have no CUDA \
+             kernels yet; run it with --backend cpu)",
+            arch.family
+        ));
+    }
     let (e, k) = (arch.experts, arch.top_k);
     if e > ROUTER_MAX_EXPERTS || k > e || k > 64 {
         return Some(format!(
@@ -1436,6 +1445,13 @@ mod tests {
             assert!(why.contains("512 experts"), "{why}");
             let why = unsupported(&arch, &layout, WeightDtype::F32).unwrap();
             assert!(why.contains("final norm"), "{why}");
+        }
+        for name in ["deepseek-v2-tiny", "deepseek-v3-tiny"] {
+            let card = ModelCard::load(name).unwrap();
+            let arch = ArchSpec::from_card(&card);
+            let layout = LayerLayout::uniform(&arch, card.dtype);
+            let why = unsupported(&arch, &layout, card.dtype).unwrap();
+            assert!(why.contains("latent attention"), "{name}: {why}");
         }
     }
 
