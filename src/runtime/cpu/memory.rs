@@ -205,6 +205,10 @@ pub struct CpuMemory<'c> {
     moved: AtomicU64,
     /// Bytes of the image whose page tables were populated before the first step.
     populated: u64,
+    /// Threads a large copy is split over: the machine's cores, asked once (the query
+    /// reads cgroup files: tens of microseconds, and a KV-part copy makes thousands of
+    /// small copies per step).
+    copy_threads: usize,
 }
 
 fn space_index(space: Space) -> usize {
@@ -290,6 +294,7 @@ impl<'c> CpuMemory<'c> {
             bound: AtomicU64::new(0),
             moved: AtomicU64::new(0),
             populated,
+            copy_threads: std::thread::available_parallelism().map_or(1, |t| t.get()),
         })
     }
 
@@ -475,7 +480,7 @@ impl<'c> CpuMemory<'c> {
         } else {
             vec![(0, n as u64)]
         };
-        let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+        let threads = self.copy_threads;
         let mut moved = 0u64;
         for (lo, hi) in ranges {
             let (lo, hi) = (lo as usize, hi as usize);
