@@ -169,6 +169,7 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
         refuse_unimplemented(
             &f,
             matches!(model_type, "gpt_oss" | "deepseek_v2" | "deepseek_v3"),
+            model_type == "gpt_oss",
         )?;
     }
     let card = match model_type {
@@ -312,7 +313,12 @@ fn gpt_oss_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
     Ok(ModelCard {
         name: name.to_string(),
         family: Family::GptOss,
-        description: format!("gpt-oss checkpoint `{name}` (from config.json)"),
+        description: if f.get("quantization_config").is_some() {
+            // Only MXFP4 experts get here (refuse_unimplemented ran first).
+            format!("gpt-oss checkpoint `{name}` (from config.json; {MXFP4_NOTE})")
+        } else {
+            format!("gpt-oss checkpoint `{name}` (from config.json)")
+        },
         layers,
         hidden,
         ffn: f.uint("intermediate_size")?,
@@ -534,18 +540,41 @@ fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard
     })
 }
 
-/// Refuses, naming the field, what no family's numerics here implement: quantised weights,
-/// rope scaling (YaRN only where `allow_yarn`), activations other than SiLU.
-fn refuse_unimplemented(f: &Fields<'_>, allow_yarn: bool) -> Result<(), ConfigError> {
+/// The modules a gpt-oss MXFP4 checkpoint must keep unquantised, as the Hub's
+/// `quantization_config.modules_to_not_convert` spells them: MXFP4 is read for the routed
+/// experts only.
+const MXFP4_UNCONVERTED: [&str; 4] = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+];
+
+/// Refuses, naming the field, what no family's numerics here implement: quantised weights
+/// (except gpt-oss's MXFP4 experts where `allow_mxfp4`), rope scaling (YaRN only where
+/// `allow_yarn`), activations other than SiLU.
+fn refuse_unimplemented(
+    f: &Fields<'_>,
+    allow_yarn: bool,
+    allow_mxfp4: bool,
+) -> Result<(), ConfigError> {
     if let Some(q) = f.get("quantization_config") {
         let method = q
             .get("quant_method")
             .and_then(Value::as_str)
             .unwrap_or("(unnamed)");
-        return Err(f.invalid(
-            "quantization_config.quant_method",
-            &format!("`{method}` is not supported (moec reads bf16, f16 and f32 weights only)"),
-        ));
+        if !(allow_mxfp4 && method == "mxfp4") {
+            let only = if allow_mxfp4 {
+                "bf16, f16, f32 and MXFP4 experts"
+            } else {
+                "bf16, f16 and f32 weights"
+            };
+            return Err(f.invalid(
+                "quantization_config.quant_method",
+                &format!("`{method}` is not supported (moec reads {only} only)"),
+            ));
+        }
+        refuse_mxfp4_outside_experts(f)?;
     }
     for field in [
         "rope_scaling.rope_type",
@@ -580,6 +609,61 @@ fn refuse_unimplemented(f: &Fields<'_>, allow_yarn: bool) -> Result<(), ConfigEr
     }
     Ok(())
 }
+
+/// An MXFP4 config must leave every non-expert module unquantised (listing each in
+/// `modules_to_not_convert`), and the experts' input widths must be whole 32-weight blocks.
+fn refuse_mxfp4_outside_experts(f: &Fields<'_>) -> Result<(), ConfigError> {
+    let field = "quantization_config.modules_to_not_convert";
+    let listed: Vec<&str> = f
+        .get(field)
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    // transformers matches an entry against a module name's tail, so `lm_head` or
+    // `self_attn` alone also keep the module unquantised.
+    let kept = |module: &str| {
+        listed
+            .iter()
+            .any(|e| module == *e || module.ends_with(&format!(".{e}")))
+    };
+    if let Some(module) = MXFP4_UNCONVERTED.iter().find(|m| !kept(m)) {
+        return Err(f.invalid(
+            field,
+            &format!(
+                "does not list `{module}`: moec reads MXFP4 for the routed experts only \
+                 (mlp.experts.gate_up_proj / down_proj)"
+            ),
+        ));
+    }
+    for width in ["hidden_size", "intermediate_size"] {
+        if let Some(n) = f.opt_uint(width)? {
+            if n % crate::model::mxfp4::BLOCK as u64 != 0 {
+                return Err(f.invalid(
+                    width,
+                    &format!(
+                        "is {n}: MXFP4 experts need a multiple of {}",
+                        crate::model::mxfp4::BLOCK
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether a config.json that [`card_from_config`] accepted stores its experts as MXFP4
+/// (`quantization_config.quant_method: mxfp4`, gpt-oss only).
+pub fn experts_in_mxfp4(text: &str) -> bool {
+    serde_json::from_str::<Value>(text).is_ok_and(|v| {
+        v.pointer("/quantization_config/quant_method")
+            .and_then(Value::as_str)
+            == Some("mxfp4")
+    })
+}
+
+/// The sentence that says where MXFP4 experts went, for card descriptions and load lines.
+pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight on disk), \
+     dequantized to bf16 at load; memory and the cost model count bf16";
 
 fn flag(f: &Fields<'_>, field: &str, default: bool) -> Result<bool, ConfigError> {
     match f.get(field) {
