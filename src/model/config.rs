@@ -543,7 +543,7 @@ fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard
 /// The modules a gpt-oss MXFP4 checkpoint must keep unquantised, as the Hub's
 /// `quantization_config.modules_to_not_convert` spells them: MXFP4 is read for the routed
 /// experts only.
-const MXFP4_UNCONVERTED: [&str; 4] = [
+pub const MXFP4_UNCONVERTED: [&str; 4] = [
     "model.layers.*.self_attn",
     "model.layers.*.mlp.router",
     "model.embed_tokens",
