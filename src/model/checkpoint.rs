@@ -8,7 +8,11 @@
 //! dtype, a layer tensor whose dtype differs from the other layers', a truncated or corrupt
 //! file, or a bad config is an error naming the file and the tensor; nothing panics. One
 //! validation for every reader: the oracle's typed views and the runtime's images accept
-//! the same checkpoints (a tensor stored at an odd offset is copied aligned for both).
+//! the same checkpoints (a tensor stored at an odd offset is copied aligned for both). A
+//! gpt-oss checkpoint whose config says `quant_method: mxfp4` stores its expert tensors as
+//! U8 `_blocks` / `_scales` pairs: both are checked at open, and every reader sees the bf16
+//! tensor they decode to (as transformers dequantizes them), decoded once per tensor on
+//! first use into an owned aligned buffer; [`Checkpoint::storage_note`] says so.
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};

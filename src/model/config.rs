@@ -7,7 +7,9 @@
 //! `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_*`);
 //! gives a card with any dimensions. Whatever moec does not implement is refused with
 //! the field named: an unknown `model_type`, a rope scaling type other than the default, a
-//! `quantization_config`, an activation other than SiLU, sliding-window or dense-only
+//! `quantization_config` (except gpt-oss's MXFP4 experts with every other module listed in
+//! `modules_to_not_convert`; the card's description then says they are dequantized to bf16
+//! at load), an activation other than SiLU, sliding-window or dense-only
 //! layers in the Qwen families, attention biases where the family has none. Also checks that a config agrees with a
 //! chosen card (naming the first field that differs) and writes a config in the family's
 //! real spelling for synthetic checkpoints. Every problem is an error naming the file and
@@ -1488,23 +1490,25 @@ mod tests {
         GPT_OSS_20B.replace("LAYER_TYPES", &format!("[{}]", types.join(",")))
     }
 
-    /// The Hub's gpt-oss ships MXFP4 experts: refused by name. The same config without
-    /// `quantization_config` (a bf16 conversion) is the built-in card.
+    /// The Hub's gpt-oss-20b config.json, with its MXFP4 `quantization_config`, is read:
+    /// the card agrees with the built-in one and its description says the experts are
+    /// dequantized to bf16. The same config without `quantization_config` (a bf16
+    /// conversion) gives the same card.
     #[test]
-    fn gpt_oss_hub_config_is_refused_for_mxfp4_and_agrees_in_bf16() {
+    fn gpt_oss_hub_config_with_mxfp4_experts_is_accepted_and_agrees_in_bf16() {
         let hub = gpt_oss_20b();
-        let err = card_from_config(&hub, "c.json", "x")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("quantization_config.quant_method") && err.contains("mxfp4"),
-            "{err}"
-        );
+        let builtin = ModelCard::load("gpt-oss-20b").unwrap();
+        let card = card_from_config(&hub, "c.json", "x").unwrap();
+        check_agreement(&card, &builtin, "c.json").unwrap();
+        assert!(card.description.contains("MXFP4"), "{}", card.description);
+        assert!(experts_in_mxfp4(&hub));
         let start = hub.find(r#""quantization_config""#).unwrap();
         let end = hub.find(r#""rms_norm_eps""#).unwrap();
         let bf16 = format!("{}{}", &hub[..start], &hub[end..]);
         let card = card_from_config(&bf16, "c.json", "x").unwrap();
-        check_agreement(&card, &ModelCard::load("gpt-oss-20b").unwrap(), "c.json").unwrap();
+        assert!(!experts_in_mxfp4(&bf16));
+        assert!(!card.description.contains("MXFP4"));
+        check_agreement(&card, &builtin, "c.json").unwrap();
         assert!(card.sinks && card.alternate_sliding && card.o_bias);
         assert_eq!(card.sliding_window, Some(128));
         let bad = bf16.replacen(r#""full_attention""#, r#""sliding_attention""#, 1);
@@ -1512,6 +1516,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("layer_types"), "{err}");
+    }
+
+    /// gpt-oss quantised other than MXFP4, or MXFP4 reaching a module other than the
+    /// routed experts, or expert widths that are not whole 32-weight blocks, is refused
+    /// naming the field.
+    #[test]
+    fn gpt_oss_quantization_beyond_mxfp4_experts_is_refused_by_field() {
+        let hub = gpt_oss_20b();
+        let cases = [
+            (
+                hub.replace(r#""quant_method":"mxfp4""#, r#""quant_method":"fp8""#),
+                "quantization_config.quant_method",
+            ),
+            (
+                hub.replace(r#""model.layers.*.self_attn","#, ""),
+                "quantization_config.modules_to_not_convert",
+            ),
+            (
+                hub.replace(r#","lm_head"]"#, "]"),
+                "quantization_config.modules_to_not_convert",
+            ),
+            (
+                hub.replace(r#""intermediate_size":2880"#, r#""intermediate_size":2888"#),
+                "intermediate_size",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = card_from_config(&text, "c.json", "x")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        }
+        let err = card_from_config(&hub.replace(r#","lm_head"]"#, "]"), "c.json", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`lm_head`"), "{err}");
     }
 
     #[test]
