@@ -67,7 +67,11 @@ pub fn dequantize_into(
     // Each scale's 256 possible products of the 16 codes, built once per scale value met:
     // a table lookup per byte instead of a float multiply per weight.
     let mut table: Vec<Option<[[u8; 2]; 16]>> = vec![None; 256];
-    for (row, (scale, block)) in scales.iter().zip(blocks.chunks_exact(BLOCK_BYTES)).enumerate() {
+    for (row, (scale, block)) in scales
+        .iter()
+        .zip(blocks.chunks_exact(BLOCK_BYTES))
+        .enumerate()
+    {
         let values = table[usize::from(*scale)].get_or_insert_with(|| {
             std::array::from_fn(|code| value(code as u8, *scale).to_le_bytes())
         });

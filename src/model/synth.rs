@@ -12,11 +12,11 @@
 //! scales sized to the same fan-in (`*_blocks` / `*_scales`, U8) and a `quantization_config`.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::{ModelCard, WeightDtype};
 use crate::model::card::Family;
+use crate::model::card::{ModelCard, WeightDtype};
 use crate::model::config::{config_for_card, MXFP4_UNCONVERTED};
-use crate::model::mxfp4;
 use crate::model::layout::{ImageBuffer, LayerLayout};
+use crate::model::mxfp4;
 use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::model::rng::Rng;
 use crate::model::tokenizer::embedded_tokenizer_json;
@@ -364,8 +364,8 @@ pub fn write_checkpoint_as(
             needed,
         });
     }
-    let result =
-        write_into(card, &tmp, opts, experts).and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
+    let result = write_into(card, &tmp, opts, experts)
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -398,7 +398,11 @@ fn write_into(
         tensors = tensors.into_iter().flat_map(packed_pair).collect();
     }
     let size = |t: &(String, Vec<usize>)| {
-        let elem = if is_packed(&t.0) { 1 } else { opts.dtype.bytes() };
+        let elem = if is_packed(&t.0) {
+            1
+        } else {
+            opts.dtype.bytes()
+        };
         t.1.iter().product::<usize>() as u64 * elem
     };
     let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![Vec::new()];
