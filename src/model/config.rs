@@ -639,7 +639,7 @@ fn refuse_mxfp4_outside_experts(f: &Fields<'_>) -> Result<(), ConfigError> {
     }
     for width in ["hidden_size", "intermediate_size"] {
         if let Some(n) = f.opt_uint(width)? {
-            if n % crate::model::mxfp4::BLOCK as u64 != 0 {
+            if !n.is_multiple_of(crate::model::mxfp4::BLOCK as u64) {
                 return Err(f.invalid(
                     width,
                     &format!(

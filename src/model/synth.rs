@@ -340,7 +340,9 @@ pub fn write_checkpoint_as(
     }
     let block = mxfp4::BLOCK as u64;
     if experts == ExpertStorage::Mxfp4
-        && (card.family != Family::GptOss || card.hidden % block != 0 || card.ffn % block != 0)
+        && (card.family != Family::GptOss
+            || !card.hidden.is_multiple_of(block)
+            || !card.ffn.is_multiple_of(block))
     {
         return Err(SynthError::Mxfp4(format!(
             "`{}` is {:?} with hidden {} and ffn {}",
