@@ -1,14 +1,16 @@
 //! Checkpoint loading: synthetic checkpoints round-trip through the Hub format (single
 //! file and sharded, bf16/f16/f32), are deterministic, the packed layer image views give
-//! the same numbers as the memory-mapped tensors, and every malformed case is an error
-//! naming the file and tensor.
+//! the same numbers as the memory-mapped tensors, gpt-oss MXFP4 experts read as exactly
+//! their bf16 values, and every malformed case is an error naming the file and tensor.
 
 use moec::model::checkpoint::CheckpointError;
 use moec::model::kernels::isa::Kernels;
 use moec::model::kernels::moe::{expert_ffn, RoutedRow};
 use moec::model::kernels::projection::pre_attn;
 use moec::model::kernels::rope::RopeTable;
-use moec::model::synth::{synthetic_layer_image, write_checkpoint, SynthOptions};
+use moec::model::synth::{
+    synthetic_layer_image, write_checkpoint, write_checkpoint_as, ExpertStorage, SynthOptions,
+};
 use moec::model::{Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, WeightDtype};
 use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
@@ -478,4 +480,182 @@ fn foreign_layouts_are_errors() {
     let mut shrunk = real_layout.clone();
     shrunk.image_bytes = 64;
     assert!(LayerWeights::from_image(&image.as_bytes()[..64], &shrunk).is_err());
+}
+
+/// transformers' `_convert_moe_packed_tensors` (integrations/mxfp4.py) for one `_blocks` /
+/// `_scales` pair, step by step as its Python does, as the independent reference for
+/// moec's decoder: rows of 16 bytes, the low nibble at even and the high nibble at odd
+/// positions through `FP4_VALUES`, `ldexp` by `scale - 127`, the `[experts, out, in]`
+/// result transposed to `[experts, in, out]`, stored as bf16.
+fn transformers_dequantize(blocks: &[u8], scales: &[u8], shape: &[usize]) -> Vec<u8> {
+    const FP4_VALUES: [f64; 16] = [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    ];
+    let [experts, outputs, groups, 16] = shape[..] else {
+        panic!("blocks shape {shape:?}");
+    };
+    let inputs = groups * 32;
+    let mut rows = vec![0f64; experts * outputs * inputs];
+    for (r, row) in rows.chunks_exact_mut(32).enumerate() {
+        let exp = i32::from(scales[r]) - 127;
+        for b in 0..16 {
+            let byte = blocks[r * 16 + b];
+            row[2 * b] = FP4_VALUES[usize::from(byte & 0x0f)] * 2f64.powi(exp);
+            row[2 * b + 1] = FP4_VALUES[usize::from(byte >> 4)] * 2f64.powi(exp);
+        }
+    }
+    let mut out = Vec::with_capacity(rows.len() * 2);
+    for e in 0..experts {
+        for i in 0..inputs {
+            for o in 0..outputs {
+                let v = rows[(e * outputs + o) * inputs + i];
+                out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// A gpt-oss checkpoint with MXFP4 experts (`moec synth --mxfp4`) and its twin storing the
+/// same experts as their exact bf16 values (decoded by the reference above) give
+/// identical tokens and logprobs, and the runtime's layer bytes are the same.
+#[test]
+fn mxfp4_experts_generate_exactly_what_their_bf16_values_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("gpt-oss-tiny");
+    let packed = tmp.path().join("mxfp4");
+    write_checkpoint_as(
+        &card,
+        &packed,
+        &SynthOptions::default(),
+        ExpertStorage::Mxfp4,
+    )
+    .unwrap();
+    let dense = tmp.path().join("bf16");
+    std::fs::create_dir(&dense).unwrap();
+    std::fs::copy(packed.join("tokenizer.json"), dense.join("tokenizer.json")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(packed.join("config.json")).unwrap()).unwrap();
+    let quant = config
+        .as_object_mut()
+        .unwrap()
+        .remove("quantization_config")
+        .unwrap();
+    assert_eq!(quant["quant_method"], "mxfp4");
+    std::fs::write(dense.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(packed.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut pairs = 0;
+    for (name, view) in st.tensors() {
+        if name.ends_with("_scales") {
+            continue;
+        }
+        let Some(base) = name.strip_suffix("_blocks") else {
+            tensors.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            ));
+            continue;
+        };
+        pairs += 1;
+        let scales = st.tensor(&format!("{base}_scales")).unwrap();
+        assert_eq!((view.dtype(), scales.dtype()), (Dtype::U8, Dtype::U8));
+        let s = view.shape();
+        let shape = vec![s[0], s[2] * 32, s[1]];
+        let values = transformers_dequantize(view.data(), scales.data(), s);
+        tensors.push((base.to_string(), Dtype::BF16, shape, values));
+    }
+    assert_eq!(
+        pairs,
+        2 * card.layers as usize,
+        "gate_up and down per layer"
+    );
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dense.join("model.safetensors")).unwrap();
+
+    let packed_ck = Checkpoint::open(&packed).unwrap();
+    let dense_ck = Checkpoint::open(&dense).unwrap();
+    assert!(packed_ck.card().description.contains("MXFP4"));
+    assert!(packed_ck.storage_note().unwrap().contains("bf16"));
+    assert!(dense_ck.storage_note().is_none());
+    let prompts = vec![vec![1, 20, 300, 40, 5], vec![1, 7]];
+    let opts = GenerateOptions {
+        stop_at_eos: false,
+        ..GenerateOptions::greedy(8)
+    };
+    let from_packed = Oracle::new(&packed_ck)
+        .unwrap()
+        .generate(&prompts, &opts)
+        .unwrap();
+    let from_dense = Oracle::new(&dense_ck)
+        .unwrap()
+        .generate(&prompts, &opts)
+        .unwrap();
+    assert_eq!(from_packed, from_dense);
+    // Not a degenerate model: greedy decoding moves between tokens.
+    let distinct: std::collections::BTreeSet<_> = from_packed[0].token_ids.iter().collect();
+    assert!(distinct.len() > 2, "{:?}", from_packed[0].token_ids);
+    for layer in 0..card.layers as usize {
+        let (layout, image) = packed_ck.layer_image(layer).unwrap();
+        let (dense_layout, dense_image) = dense_ck.layer_image(layer).unwrap();
+        assert_eq!(layout, dense_layout);
+        assert!(image.as_bytes() == dense_image.as_bytes(), "layer {layer}");
+    }
+}
+
+/// An MXFP4 checkpoint whose blocks or scales are missing, not U8, or misshapen is an
+/// error naming the tensor, at open.
+#[test]
+fn malformed_mxfp4_experts_are_named() {
+    const SCALES: &str = "model.layers.1.mlp.experts.down_proj_scales";
+    const BLOCKS: &str = "model.layers.0.mlp.experts.gate_up_proj_blocks";
+    type Edit = fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>;
+    let cases: [(Edit, &str, &str); 3] = [
+        (
+            |n, d, s, b| (n != BLOCKS).then_some((d, s, b)),
+            BLOCKS,
+            "missing tensor",
+        ),
+        (
+            |n, d, s, b| Some((if n == SCALES { Dtype::I8 } else { d }, s, b)),
+            SCALES,
+            "expected U8",
+        ),
+        (
+            |n, d, mut s, b| {
+                if n == SCALES {
+                    s.swap(1, 2);
+                }
+                Some((d, s, b))
+            },
+            SCALES,
+            "shape",
+        ),
+    ];
+    let card = small_card("gpt-oss-tiny");
+    for (edit, tensor, what) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ck");
+        write_checkpoint_as(&card, &dir, &SynthOptions::default(), ExpertStorage::Mxfp4).unwrap();
+        rewrite(&dir, edit);
+        let msg = load_err(&dir);
+        assert!(msg.contains(tensor) && msg.contains(what), "{msg}");
+    }
+    // MXFP4 is for gpt-oss experts only.
+    let tmp = tempfile::tempdir().unwrap();
+    let err = write_checkpoint_as(
+        &small_card("mixtral-tiny"),
+        &tmp.path().join("m"),
+        &SynthOptions::default(),
+        ExpertStorage::Mxfp4,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("gpt-oss"), "{err}");
 }

@@ -194,8 +194,13 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
         } else {
             "weights"
         };
+        // Say how the weights were read when it is not byte for byte (MXFP4 experts).
+        let note = model
+            .checkpoint
+            .storage_note()
+            .map_or_else(String::new, |n| format!("; {n}"));
         println!(
-            "{generated_tokens} tokens in {seconds:.3} s: {tokens_per_s:.1} tokens/s ({} prompt tokens; {} from {origin} at {})",
+            "{generated_tokens} tokens in {seconds:.3} s: {tokens_per_s:.1} tokens/s ({} prompt tokens; {} from {origin} at {}{note})",
             prompt_tokens,
             card.name,
             model.checkpoint.dir().display()

@@ -1,10 +1,11 @@
 //! `moec synth`: write a deterministic synthetic checkpoint of a card in the Hub format.
 //!
-//! Takes `--model CARD --out DIR [--seed N] [--dtype bf16|f16|f32]`; writes the folder
-//! atomically (temporary folder renamed at the end) and prints what it wrote.
+//! Takes `--model CARD --out DIR [--seed N] [--dtype bf16|f16|f32] [--mxfp4]`; writes the
+//! folder atomically (temporary folder renamed at the end) and prints what it wrote.
+//! `--mxfp4` (gpt-oss cards) stores the experts as the Hub's gpt-oss checkpoints do.
 
 use crate::cli::generate::fail;
-use crate::model::synth::{write_checkpoint, SynthOptions};
+use crate::model::synth::{write_checkpoint_as, ExpertStorage, SynthOptions};
 use crate::model::{ModelCard, WeightDtype};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,6 +36,11 @@ pub struct SynthArgs {
     /// Stored dtype (default: the card's).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+    /// Store the routed experts as MXFP4 blocks and scales with a `quantization_config`,
+    /// like the Hub's gpt-oss checkpoints (gpt-oss cards only; moec dequantizes them to
+    /// bf16 when it loads them).
+    #[arg(long)]
+    pub mxfp4: bool,
 }
 
 /// Runs `moec synth`.
@@ -55,16 +61,30 @@ pub fn run(args: &SynthArgs) -> ExitCode {
         ..SynthOptions::default()
     };
     let start = std::time::Instant::now();
-    if let Err(e) = write_checkpoint(&card, &args.out, &opts) {
+    let experts = if args.mxfp4 {
+        ExpertStorage::Mxfp4
+    } else {
+        ExpertStorage::Dense
+    };
+    if let Err(e) = write_checkpoint_as(&card, &args.out, &opts, experts) {
         return fail(e);
     }
-    let bytes = card.total_params() * dtype.bytes();
+    // MXFP4 stores 32 four-bit codes and one byte of scale per block: 4.25 bits a weight.
+    let bytes = match experts {
+        ExpertStorage::Dense => card.total_params() * dtype.bytes(),
+        ExpertStorage::Mxfp4 => {
+            // The expert matrices only: their biases stay in the dtype.
+            let packed = card.layers * card.experts * 3 * card.hidden * card.ffn;
+            (card.total_params() - packed) * dtype.bytes() + packed * 17 / 32
+        }
+    };
     println!(
-        "wrote {} ({}, {:.1} MB of {:?} weights, seed {}) in {:.1} s",
+        "wrote {} ({}, {:.1} MB of {:?} weights{}, seed {}) in {:.1} s",
         args.out.display(),
         card.name,
         bytes as f64 / 1e6,
         dtype,
+        if args.mxfp4 { ", experts MXFP4" } else { "" },
         args.seed,
         start.elapsed().as_secs_f64()
     );

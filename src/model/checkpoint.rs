@@ -8,7 +8,11 @@
 //! dtype, a layer tensor whose dtype differs from the other layers', a truncated or corrupt
 //! file, or a bad config is an error naming the file and the tensor; nothing panics. One
 //! validation for every reader: the oracle's typed views and the runtime's images accept
-//! the same checkpoints (a tensor stored at an odd offset is copied aligned for both).
+//! the same checkpoints (a tensor stored at an odd offset is copied aligned for both). A
+//! gpt-oss checkpoint whose config says `quant_method: mxfp4` stores its expert tensors as
+//! U8 `_blocks` / `_scales` pairs: both are checked at open, and every reader sees the bf16
+//! tensor they decode to (as transformers dequantizes them), decoded once per tensor on
+//! first use into an owned aligned buffer; [`Checkpoint::storage_note`] says so.
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
@@ -111,6 +115,16 @@ pub enum CheckpointError {
         /// The dtype most layers use for it.
         expected: WeightDtype,
     },
+    /// An MXFP4 blocks or scales tensor is not stored as U8.
+    #[error("{path}: tensor `{tensor}` has dtype {dtype}, expected U8 (MXFP4 blocks and scales)")]
+    PackedDtype {
+        /// The file.
+        path: String,
+        /// Tensor name.
+        tensor: String,
+        /// Dtype in the file.
+        dtype: String,
+    },
     /// A destination buffer is too small for a layer image.
     #[error("layer image buffer has {got} bytes, layout needs {needed}")]
     ImageBuffer {
@@ -141,8 +155,19 @@ struct Entry {
     range: Range<usize>,
     /// An aligned copy of the bytes, made on first typed use when the file stores the
     /// tensor at an offset its dtype cannot be read from (safetensors does not promise
-    /// alignment). Zero-copy views stay zero-copy for every aligned tensor.
+    /// alignment). Zero-copy views stay zero-copy for every aligned tensor. For an MXFP4
+    /// expert tensor, its bf16 decoding, made on first use.
     aligned: OnceLock<ImageBuffer>,
+    /// For a gpt-oss expert tensor the checkpoint stores as MXFP4, where its scales are: the
+    /// entry's `shard` and `range` are then its blocks, and `dtype` and `shape` those of the
+    /// bf16 tensor they decode to (what a bf16 checkpoint stores under the same name).
+    mxfp4: Option<Mxfp4Scales>,
+}
+
+/// The scales tensor of an MXFP4 expert tensor (its blocks are the entry's own bytes).
+struct Mxfp4Scales {
+    shard: usize,
+    range: Range<usize>,
 }
 
 /// A tensor's bytes exactly as stored in the checkpoint file (inside its memory map).
@@ -172,6 +197,8 @@ pub struct Checkpoint {
     arch: ArchSpec,
     shards: Vec<Shard>,
     tensors: BTreeMap<String, Entry>,
+    /// The experts are stored as MXFP4 and read as their bf16 decoding.
+    mxfp4_experts: bool,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -277,6 +304,7 @@ impl Checkpoint {
                         shape: info.shape.clone(),
                         range: data_start + s..data_start + e,
                         aligned: OnceLock::new(),
+                        mxfp4: None,
                     },
                 );
             }
@@ -295,12 +323,20 @@ impl Checkpoint {
             card.dtype = dtype;
         }
         let arch = ArchSpec::from_card(&card);
+        let mxfp4_experts = config::experts_in_mxfp4(&text);
+        if mxfp4_experts {
+            mxfp4_entries(dir, &arch, &shards, &mut tensors)?;
+            if !card.description.contains(config::MXFP4_NOTE) {
+                card.description = format!("{}; {}", card.description, config::MXFP4_NOTE);
+            }
+        }
         let checkpoint = Checkpoint {
             dir: dir.to_path_buf(),
             card,
             arch,
             shards,
             tensors,
+            mxfp4_experts,
         };
         checkpoint.check_layer_dtypes()?;
         Ok(checkpoint)
@@ -401,6 +437,12 @@ impl Checkpoint {
         &self.arch
     }
 
+    /// What a user should be told about how the weights were read: for a gpt-oss Hub
+    /// checkpoint, that its MXFP4 experts are dequantized to bf16 (once, on first use).
+    pub fn storage_note(&self) -> Option<&'static str> {
+        self.mxfp4_experts.then_some(config::MXFP4_NOTE)
+    }
+
     /// The folder's own `tokenizer.json`, if it has one.
     pub fn tokenizer_path(&self) -> Option<PathBuf> {
         let p = self.dir.join("tokenizer.json");
@@ -412,12 +454,53 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
-    /// Raw bytes, dtype and shape of a tensor, with the shape checked against `shape`.
+    /// Bytes (an MXFP4 tensor's bf16 decoding), dtype and file of a tensor, with the shape
+    /// checked against `shape`.
     fn checked(
         &self,
         name: &str,
         shape: &[usize],
     ) -> Result<(&[u8], WeightDtype, &Path), CheckpointError> {
+        let (entry, dtype, path) = self.checked_entry(name, shape)?;
+        Ok((self.entry_bytes(entry), dtype, path))
+    }
+
+    /// The bytes `entry` holds: its memory-mapped range, or for an MXFP4 expert tensor its
+    /// bf16 decoding, made once on first use (open checked both lengths, so it succeeds).
+    fn entry_bytes<'a>(&'a self, entry: &'a Entry) -> &'a [u8] {
+        let stored = &self.shards[entry.shard].mmap[entry.range.clone()];
+        let Some(scales) = &entry.mxfp4 else {
+            return stored;
+        };
+        entry
+            .aligned
+            .get_or_init(|| {
+                let [experts, inputs, outputs] = entry.shape[..] else {
+                    return ImageBuffer::zeroed(0);
+                };
+                let mut out = ImageBuffer::zeroed(experts * inputs * outputs * 2);
+                let scale_bytes = &self.shards[scales.shard].mmap[scales.range.clone()];
+                // `mxfp4_entries` checked the blocks and scales shapes against this one.
+                let decoded = crate::model::mxfp4::dequantize_into(
+                    stored,
+                    scale_bytes,
+                    experts,
+                    inputs,
+                    outputs,
+                    out.as_bytes_mut(),
+                );
+                debug_assert!(decoded.is_some());
+                out
+            })
+            .as_bytes()
+    }
+
+    /// The entry, dtype and file of a tensor, with the shape checked against `shape`.
+    fn checked_entry(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(&Entry, WeightDtype, &Path), CheckpointError> {
         let entry = self
             .tensors
             .get(name)
@@ -440,7 +523,7 @@ impl Checkpoint {
                 got: entry.shape.clone(),
             });
         }
-        Ok((&shard.mmap[entry.range.clone()], dtype, &shard.path))
+        Ok((entry, dtype, &shard.path))
     }
 
     /// The bytes of a checked tensor at an address its dtype can be read from: the memory
@@ -706,7 +789,8 @@ impl Checkpoint {
         let mut dtypes = BTreeMap::new();
         for kind in LayerLayout::kinds(&self.arch) {
             let src = self.source(layer, kind);
-            let (_, dtype, _) = self.checked(&src.name, &src.shape)?;
+            // The entry only: an MXFP4 tensor is not decoded to learn its dtype.
+            let (_, dtype, _) = self.checked_entry(&src.name, &src.shape)?;
             dtypes.insert(format!("{kind:?}"), dtype);
         }
         Ok(LayerLayout::new(&self.arch, |k| {
@@ -788,4 +872,74 @@ impl Checkpoint {
         self.copy_layer_image(layer, &layout, image.as_bytes_mut())?;
         Ok((layout, image))
     }
+}
+
+/// Registers, for every layer of an MXFP4 gpt-oss checkpoint, an entry under each expert
+/// tensor's bf16 name (`mlp.experts.gate_up_proj`, `down_proj`) that decodes its
+/// `_blocks` / `_scales` pair, after checking both are U8 of the shapes the card implies.
+fn mxfp4_entries(
+    dir: &Path,
+    arch: &ArchSpec,
+    shards: &[Shard],
+    tensors: &mut BTreeMap<String, Entry>,
+) -> Result<(), CheckpointError> {
+    // The shard and byte range of packed tensor `name`, checked to be U8 of `shape`.
+    let packed = |tensors: &BTreeMap<String, Entry>, name: String, shape: Vec<usize>| {
+        let Some(entry) = tensors.get(&name) else {
+            return Err(CheckpointError::MissingTensor {
+                dir: dir.display().to_string(),
+                tensor: name,
+            });
+        };
+        let path = shards[entry.shard].path.display().to_string();
+        let dtype = match entry.dtype {
+            Err(Dtype::U8) => None,
+            Ok(d) => Some(format!("{d:?}")),
+            Err(d) => Some(format!("{d:?}")),
+        };
+        if let Some(dtype) = dtype {
+            return Err(CheckpointError::PackedDtype {
+                path,
+                tensor: name,
+                dtype,
+            });
+        }
+        if entry.shape != shape {
+            return Err(CheckpointError::Shape {
+                path,
+                tensor: name,
+                expected: shape,
+                got: entry.shape.clone(),
+            });
+        }
+        Ok((entry.shard, entry.range.clone()))
+    };
+    for layer in 0..arch.layers {
+        for kind in [SegmentKind::ExpertGateUp(0), SegmentKind::ExpertDown(0)] {
+            let src = segment_source(arch, layer, kind);
+            let [experts, inputs, outputs] = src.shape[..] else {
+                continue;
+            };
+            let (blocks_shape, scales_shape) =
+                crate::model::mxfp4::packed_shapes(experts, inputs, outputs);
+            let (shard, blocks) = packed(tensors, format!("{}_blocks", src.name), blocks_shape)?;
+            let (scales_shard, scales) =
+                packed(tensors, format!("{}_scales", src.name), scales_shape)?;
+            tensors.insert(
+                src.name,
+                Entry {
+                    shard,
+                    dtype: Ok(WeightDtype::Bf16),
+                    shape: src.shape,
+                    range: blocks,
+                    aligned: OnceLock::new(),
+                    mxfp4: Some(Mxfp4Scales {
+                        shard: scales_shard,
+                        range: scales,
+                    }),
+                },
+            );
+        }
+    }
+    Ok(())
 }

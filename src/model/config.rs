@@ -7,7 +7,9 @@
 //! `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_*`);
 //! gives a card with any dimensions. Whatever moec does not implement is refused with
 //! the field named: an unknown `model_type`, a rope scaling type other than the default, a
-//! `quantization_config`, an activation other than SiLU, sliding-window or dense-only
+//! `quantization_config` (except gpt-oss's MXFP4 experts with every other module listed in
+//! `modules_to_not_convert`; the card's description then says they are dequantized to bf16
+//! at load), an activation other than SiLU, sliding-window or dense-only
 //! layers in the Qwen families, attention biases where the family has none. Also checks that a config agrees with a
 //! chosen card (naming the first field that differs) and writes a config in the family's
 //! real spelling for synthetic checkpoints. Every problem is an error naming the file and
@@ -169,6 +171,7 @@ pub fn card_from_config(text: &str, path: &str, name: &str) -> Result<ModelCard,
         refuse_unimplemented(
             &f,
             matches!(model_type, "gpt_oss" | "deepseek_v2" | "deepseek_v3"),
+            model_type == "gpt_oss",
         )?;
     }
     let card = match model_type {
@@ -312,7 +315,12 @@ fn gpt_oss_card(f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
     Ok(ModelCard {
         name: name.to_string(),
         family: Family::GptOss,
-        description: format!("gpt-oss checkpoint `{name}` (from config.json)"),
+        description: if f.get("quantization_config").is_some() {
+            // Only MXFP4 experts get here (refuse_unimplemented ran first).
+            format!("gpt-oss checkpoint `{name}` (from config.json; {MXFP4_NOTE})")
+        } else {
+            format!("gpt-oss checkpoint `{name}` (from config.json)")
+        },
         layers,
         hidden,
         ffn: f.uint("intermediate_size")?,
@@ -534,18 +542,41 @@ fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard
     })
 }
 
-/// Refuses, naming the field, what no family's numerics here implement: quantised weights,
-/// rope scaling (YaRN only where `allow_yarn`), activations other than SiLU.
-fn refuse_unimplemented(f: &Fields<'_>, allow_yarn: bool) -> Result<(), ConfigError> {
+/// The modules a gpt-oss MXFP4 checkpoint must keep unquantised, as the Hub's
+/// `quantization_config.modules_to_not_convert` spells them: MXFP4 is read for the routed
+/// experts only.
+pub const MXFP4_UNCONVERTED: [&str; 4] = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+];
+
+/// Refuses, naming the field, what no family's numerics here implement: quantised weights
+/// (except gpt-oss's MXFP4 experts where `allow_mxfp4`), rope scaling (YaRN only where
+/// `allow_yarn`), activations other than SiLU.
+fn refuse_unimplemented(
+    f: &Fields<'_>,
+    allow_yarn: bool,
+    allow_mxfp4: bool,
+) -> Result<(), ConfigError> {
     if let Some(q) = f.get("quantization_config") {
         let method = q
             .get("quant_method")
             .and_then(Value::as_str)
             .unwrap_or("(unnamed)");
-        return Err(f.invalid(
-            "quantization_config.quant_method",
-            &format!("`{method}` is not supported (moec reads bf16, f16 and f32 weights only)"),
-        ));
+        if !(allow_mxfp4 && method == "mxfp4") {
+            let only = if allow_mxfp4 {
+                "bf16, f16, f32 and MXFP4 experts"
+            } else {
+                "bf16, f16 and f32 weights"
+            };
+            return Err(f.invalid(
+                "quantization_config.quant_method",
+                &format!("`{method}` is not supported (moec reads {only} only)"),
+            ));
+        }
+        refuse_mxfp4_outside_experts(f)?;
     }
     for field in [
         "rope_scaling.rope_type",
@@ -580,6 +611,61 @@ fn refuse_unimplemented(f: &Fields<'_>, allow_yarn: bool) -> Result<(), ConfigEr
     }
     Ok(())
 }
+
+/// An MXFP4 config must leave every non-expert module unquantised (listing each in
+/// `modules_to_not_convert`), and the experts' input widths must be whole 32-weight blocks.
+fn refuse_mxfp4_outside_experts(f: &Fields<'_>) -> Result<(), ConfigError> {
+    let field = "quantization_config.modules_to_not_convert";
+    let listed: Vec<&str> = f
+        .get(field)
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    // transformers matches an entry against a module name's tail, so `lm_head` or
+    // `self_attn` alone also keep the module unquantised.
+    let kept = |module: &str| {
+        listed
+            .iter()
+            .any(|e| module == *e || module.ends_with(&format!(".{e}")))
+    };
+    if let Some(module) = MXFP4_UNCONVERTED.iter().find(|m| !kept(m)) {
+        return Err(f.invalid(
+            field,
+            &format!(
+                "does not list `{module}`: moec reads MXFP4 for the routed experts only \
+                 (mlp.experts.gate_up_proj / down_proj)"
+            ),
+        ));
+    }
+    for width in ["hidden_size", "intermediate_size"] {
+        if let Some(n) = f.opt_uint(width)? {
+            if !n.is_multiple_of(crate::model::mxfp4::BLOCK as u64) {
+                return Err(f.invalid(
+                    width,
+                    &format!(
+                        "is {n}: MXFP4 experts need a multiple of {}",
+                        crate::model::mxfp4::BLOCK
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether a config.json that [`card_from_config`] accepted stores its experts as MXFP4
+/// (`quantization_config.quant_method: mxfp4`, gpt-oss only).
+pub fn experts_in_mxfp4(text: &str) -> bool {
+    serde_json::from_str::<Value>(text).is_ok_and(|v| {
+        v.pointer("/quantization_config/quant_method")
+            .and_then(Value::as_str)
+            == Some("mxfp4")
+    })
+}
+
+/// The sentence that says where MXFP4 experts went, for card descriptions and load lines.
+pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight on disk), \
+     dequantized to bf16 at load; memory and the cost model count bf16";
 
 fn flag(f: &Fields<'_>, field: &str, default: bool) -> Result<bool, ConfigError> {
     match f.get(field) {
@@ -1404,23 +1490,25 @@ mod tests {
         GPT_OSS_20B.replace("LAYER_TYPES", &format!("[{}]", types.join(",")))
     }
 
-    /// The Hub's gpt-oss ships MXFP4 experts: refused by name. The same config without
-    /// `quantization_config` (a bf16 conversion) is the built-in card.
+    /// The Hub's gpt-oss-20b config.json, with its MXFP4 `quantization_config`, is read:
+    /// the card agrees with the built-in one and its description says the experts are
+    /// dequantized to bf16. The same config without `quantization_config` (a bf16
+    /// conversion) gives the same card.
     #[test]
-    fn gpt_oss_hub_config_is_refused_for_mxfp4_and_agrees_in_bf16() {
+    fn gpt_oss_hub_config_with_mxfp4_experts_is_accepted_and_agrees_in_bf16() {
         let hub = gpt_oss_20b();
-        let err = card_from_config(&hub, "c.json", "x")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("quantization_config.quant_method") && err.contains("mxfp4"),
-            "{err}"
-        );
+        let builtin = ModelCard::load("gpt-oss-20b").unwrap();
+        let card = card_from_config(&hub, "c.json", "x").unwrap();
+        check_agreement(&card, &builtin, "c.json").unwrap();
+        assert!(card.description.contains("MXFP4"), "{}", card.description);
+        assert!(experts_in_mxfp4(&hub));
         let start = hub.find(r#""quantization_config""#).unwrap();
         let end = hub.find(r#""rms_norm_eps""#).unwrap();
         let bf16 = format!("{}{}", &hub[..start], &hub[end..]);
         let card = card_from_config(&bf16, "c.json", "x").unwrap();
-        check_agreement(&card, &ModelCard::load("gpt-oss-20b").unwrap(), "c.json").unwrap();
+        assert!(!experts_in_mxfp4(&bf16));
+        assert!(!card.description.contains("MXFP4"));
+        check_agreement(&card, &builtin, "c.json").unwrap();
         assert!(card.sinks && card.alternate_sliding && card.o_bias);
         assert_eq!(card.sliding_window, Some(128));
         let bad = bf16.replacen(r#""full_attention""#, r#""sliding_attention""#, 1);
@@ -1428,6 +1516,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("layer_types"), "{err}");
+    }
+
+    /// gpt-oss quantised other than MXFP4, or MXFP4 reaching a module other than the
+    /// routed experts, or expert widths that are not whole 32-weight blocks, is refused
+    /// naming the field.
+    #[test]
+    fn gpt_oss_quantization_beyond_mxfp4_experts_is_refused_by_field() {
+        let hub = gpt_oss_20b();
+        let cases = [
+            (
+                hub.replace(r#""quant_method":"mxfp4""#, r#""quant_method":"fp8""#),
+                "quantization_config.quant_method",
+            ),
+            (
+                hub.replace(r#""model.layers.*.self_attn","#, ""),
+                "quantization_config.modules_to_not_convert",
+            ),
+            (
+                hub.replace(r#","lm_head"]"#, "]"),
+                "quantization_config.modules_to_not_convert",
+            ),
+            (
+                hub.replace(r#""intermediate_size":2880"#, r#""intermediate_size":2888"#),
+                "intermediate_size",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = card_from_config(&text, "c.json", "x")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        }
+        let err = card_from_config(&hub.replace(r#","lm_head"]"#, "]"), "c.json", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`lm_head`"), "{err}");
     }
 
     #[test]

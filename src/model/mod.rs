@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod kernels;
 pub mod layout;
+pub mod mxfp4;
 pub mod names;
 pub mod oracle;
 pub mod rng;

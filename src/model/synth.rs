@@ -7,12 +7,16 @@
 //! never sees half a checkpoint. Each tensor's values come from our own PRNG seeded by
 //! (seed, tensor name), so the bytes never change with a crate upgrade or tensor order.
 //! Scales keep activations O(1) through the layers and give the router and lm_head
-//! enough spread that generation is not degenerate.
+//! enough spread that generation is not degenerate. With [`ExpertStorage::Mxfp4`] a gpt-oss
+//! card's expert tensors are written as the Hub ships them: random MXFP4 codes under e8m0
+//! scales sized to the same fan-in (`*_blocks` / `*_scales`, U8) and a `quantization_config`.
 
 use crate::model::arch::ArchSpec;
+use crate::model::card::Family;
 use crate::model::card::{ModelCard, WeightDtype};
-use crate::model::config::config_for_card;
+use crate::model::config::{config_for_card, MXFP4_UNCONVERTED};
 use crate::model::layout::{ImageBuffer, LayerLayout};
+use crate::model::mxfp4;
 use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::model::rng::Rng;
 use crate::model::tokenizer::embedded_tokenizer_json;
@@ -45,12 +49,25 @@ impl Default for SynthOptions {
     }
 }
 
+/// How a synthetic checkpoint stores its routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertStorage {
+    /// In the checkpoint's dtype, like every other tensor.
+    #[default]
+    Dense,
+    /// gpt-oss only: MXFP4 blocks and scales, as the Hub's gpt-oss checkpoints.
+    Mxfp4,
+}
+
 /// Problems writing a synthetic checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
     /// The card describes structure the packed layout cannot hold (leading dense layers).
     #[error("{0}")]
     Unrunnable(String),
+    /// MXFP4 experts were asked for a card that cannot store them.
+    #[error("MXFP4 experts need a gpt-oss card with hidden and ffn multiples of 32; {0}")]
+    Mxfp4(String),
     /// The destination already exists.
     #[error("{0} already exists; choose another --out or remove it")]
     Exists(String),
@@ -174,6 +191,30 @@ fn dtype_name(d: WeightDtype) -> &'static str {
     }
 }
 
+/// Whether `name` is an MXFP4 `_blocks` / `_scales` tensor (stored as U8).
+fn is_packed(name: &str) -> bool {
+    name.ends_with("_proj_blocks") || name.ends_with("_proj_scales")
+}
+
+/// The bytes of MXFP4 tensor `name` (endless): uniformly random codes for `_blocks`; for
+/// `_scales`, exponents one either side of the one that gives the dense tensor's variance
+/// (uniform codes have mean square 68.5 / 8, so a scale of 1 / (2.93 sqrt(fan_in)) matches
+/// the dense weights' 1 / sqrt(fan_in) root mean square). `shape` is the packed shape.
+fn packed_bytes(name: &str, shape: &[usize], seed: u64) -> impl Iterator<Item = u8> {
+    let mut rng = Rng::new(seed ^ fnv1a(name));
+    let blocks = name.ends_with("_blocks");
+    let fan_in = shape.get(2).copied().unwrap_or(1).max(1) * mxfp4::BLOCK;
+    let centre = 127.0 - (2.93 * (fan_in as f64).sqrt()).log2().round();
+    std::iter::repeat_with(move || {
+        let r = rng.next_u64();
+        if blocks {
+            r as u8
+        } else {
+            (centre + (r % 3) as f64 - 1.0).clamp(0.0, 254.0) as u8
+        }
+    })
+}
+
 /// Writes one safetensors file holding `tensors`, values generated on the fly.
 fn write_safetensors(
     path: &Path,
@@ -181,15 +222,26 @@ fn write_safetensors(
     a: &ArchSpec,
     opts: &SynthOptions,
 ) -> Result<(), SynthError> {
-    let elem = opts.dtype.bytes() as usize;
+    let elem_of = |name: &str| {
+        if is_packed(name) {
+            1
+        } else {
+            opts.dtype.bytes() as usize
+        }
+    };
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
     let mut offset = 0usize;
     for (name, shape) in tensors {
-        let bytes = shape.iter().product::<usize>() * elem;
+        let bytes = shape.iter().product::<usize>() * elem_of(name);
+        let dtype = if is_packed(name) {
+            "U8"
+        } else {
+            dtype_name(opts.dtype)
+        };
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": dtype_name(opts.dtype), "shape": shape, "data_offsets": [offset, offset + bytes]}),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
         );
         offset += bytes;
     }
@@ -205,6 +257,19 @@ fn write_safetensors(
     let mut buf = Vec::with_capacity(1 << 20);
     for (name, shape) in tensors {
         let n: usize = shape.iter().product();
+        if is_packed(name) {
+            let mut bytes = packed_bytes(name, shape, opts.seed);
+            let mut left = n;
+            while left > 0 {
+                let chunk = left.min(1 << 20);
+                buf.clear();
+                buf.extend(bytes.by_ref().take(chunk));
+                w.write_all(&buf).map_err(io(path))?;
+                left -= chunk;
+            }
+            continue;
+        }
+        let elem = elem_of(name);
         let mut values = tensor_values(a, name, shape, opts.seed);
         let mut left = n;
         while left > 0 {
@@ -259,8 +324,30 @@ pub fn write_checkpoint(
     out: &Path,
     opts: &SynthOptions,
 ) -> Result<(), SynthError> {
+    write_checkpoint_as(card, out, opts, ExpertStorage::Dense)
+}
+
+/// Writes the checkpoint of `card` to `out` (which must not exist), its routed experts
+/// stored as `experts` says.
+pub fn write_checkpoint_as(
+    card: &ModelCard,
+    out: &Path,
+    opts: &SynthOptions,
+    experts: ExpertStorage,
+) -> Result<(), SynthError> {
     if let Some(why) = card.unrunnable() {
         return Err(SynthError::Unrunnable(why));
+    }
+    let block = mxfp4::BLOCK as u64;
+    if experts == ExpertStorage::Mxfp4
+        && (card.family != Family::GptOss
+            || !card.hidden.is_multiple_of(block)
+            || !card.ffn.is_multiple_of(block))
+    {
+        return Err(SynthError::Mxfp4(format!(
+            "`{}` is {:?} with hidden {} and ffn {}",
+            card.name, card.family, card.hidden, card.ffn
+        )));
     }
     if out.exists() {
         return Err(SynthError::Exists(out.display().to_string()));
@@ -279,27 +366,47 @@ pub fn write_checkpoint(
             needed,
         });
     }
-    let result =
-        write_into(card, &tmp, opts).and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
+    let result = write_into(card, &tmp, opts, experts)
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(io(out)));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
 }
 
-fn write_into(card: &ModelCard, dir: &Path, opts: &SynthOptions) -> Result<(), SynthError> {
+fn write_into(
+    card: &ModelCard,
+    dir: &Path,
+    opts: &SynthOptions,
+    experts: ExpertStorage,
+) -> Result<(), SynthError> {
     let arch = ArchSpec::from_card(card);
     let mut config_card = card.clone();
     config_card.dtype = opts.dtype;
-    let config = serde_json::to_string_pretty(&config_for_card(&config_card, opts.dtype))
-        .unwrap_or_default();
+    let mut config = config_for_card(&config_card, opts.dtype);
+    if let (ExpertStorage::Mxfp4, Some(fields)) = (experts, config.as_object_mut()) {
+        fields.insert(
+            "quantization_config".into(),
+            serde_json::json!({"modules_to_not_convert": MXFP4_UNCONVERTED, "quant_method": "mxfp4"}),
+        );
+    }
+    let config = serde_json::to_string_pretty(&config).unwrap_or_default();
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, config + "\n").map_err(io(&config_path))?;
     let tok_path = dir.join("tokenizer.json");
     std::fs::write(&tok_path, embedded_tokenizer_json(card)).map_err(io(&tok_path))?;
-    let tensors = checkpoint_tensors(&arch);
-    let elem = opts.dtype.bytes();
-    let size = |t: &(String, Vec<usize>)| t.1.iter().product::<usize>() as u64 * elem;
+    let mut tensors = checkpoint_tensors(&arch);
+    if experts == ExpertStorage::Mxfp4 {
+        tensors = tensors.into_iter().flat_map(packed_pair).collect();
+    }
+    let size = |t: &(String, Vec<usize>)| {
+        let elem = if is_packed(&t.0) {
+            1
+        } else {
+            opts.dtype.bytes()
+        };
+        t.1.iter().product::<usize>() as u64 * elem
+    };
     let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![Vec::new()];
     let mut current = 0u64;
     for t in tensors {
@@ -336,6 +443,23 @@ fn write_into(card: &ModelCard, dir: &Path, opts: &SynthOptions) -> Result<(), S
     )
     .map_err(io(&index_path))?;
     Ok(())
+}
+
+/// A gpt-oss expert tensor `[experts, in, out]` as its MXFP4 `_blocks` and `_scales`
+/// (every other tensor as it is).
+fn packed_pair((name, shape): (String, Vec<usize>)) -> Vec<(String, Vec<usize>)> {
+    match shape[..] {
+        [experts, inputs, outputs]
+            if name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") =>
+        {
+            let (blocks, scales) = mxfp4::packed_shapes(experts, inputs, outputs);
+            vec![
+                (format!("{name}_blocks"), blocks),
+                (format!("{name}_scales"), scales),
+            ]
+        }
+        _ => vec![(name, shape)],
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,147 @@
+//! MXFP4 expert weights (gpt-oss Hub checkpoints), dequantized to bf16.
+//!
+//! Takes the two u8 tensors the Hub stores per expert projection: `*_blocks`
+//! `[experts, out, in/32, 16]` (two e2m1 4-bit codes per byte, low nibble first) and
+//! `*_scales` `[experts, out, in/32]` (e8m0 exponents, scale `2^(s - 127)` shared by 32
+//! weights); gives the bf16 tensor `[experts, in, out]` that a bf16 gpt-oss checkpoint
+//! stores under the projection's own name (`gate_up_proj`, `down_proj`), so the rest of
+//! moec (oracle views, layer images, the cost model) sees bf16 and nothing else.
+//! Guarantees the bytes transformers' `convert_moe_packed_tensors` produces
+//! (`integrations/mxfp4.py`): its FP4 table, `ldexp` by the exponent computed exactly (an
+//! exponent of 255 is `2^128`, not NaN; a product past bf16's range is infinite), and its
+//! final `transpose(1, 2)`. A bf16 gpt-oss tensor keeps gate and up interleaved along its
+//! last dimension, and so do the blocks' rows, so no de-interleaving happens here.
+
+use half::bf16;
+
+/// Weights that share one e8m0 scale (one block of 16 bytes).
+pub const BLOCK: usize = 32;
+
+/// Bytes per block: two 4-bit codes a byte.
+pub const BLOCK_BYTES: usize = BLOCK / 2;
+
+/// The e2m1 value of each 4-bit code, as transformers' `FP4_VALUES` lists them: codes 0-7
+/// are +0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8-15 the same with the sign bit set.
+pub const FP4_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// Shapes of the MXFP4 pair that holds a bf16 expert tensor `[experts, inputs, outputs]`:
+/// `(blocks, scales)`. `inputs` must be a multiple of [`BLOCK`] (config reading checks).
+pub fn packed_shapes(experts: usize, inputs: usize, outputs: usize) -> (Vec<usize>, Vec<usize>) {
+    let groups = inputs / BLOCK;
+    (
+        vec![experts, outputs, groups, BLOCK_BYTES],
+        vec![experts, outputs, groups],
+    )
+}
+
+/// The bf16 value of code `code` (low four bits used) under e8m0 exponent `scale`,
+/// rounded once from the exact product as `torch.ldexp` in bf16 does.
+pub fn value(code: u8, scale: u8) -> bf16 {
+    let exact = f64::from(FP4_VALUES[usize::from(code & 0x0f)]) * 2f64.powi(i32::from(scale) - 127);
+    bf16::from_f64(exact)
+}
+
+/// Dequantizes the pair `blocks` / `scales` of shapes [`packed_shapes`]`(experts, inputs,
+/// outputs)` into `out`, the little-endian bf16 bytes of `[experts, inputs, outputs]`.
+/// Returns `None` (writing nothing) when a length disagrees with the shapes, so a caller's
+/// bad slice is an error, never a panic.
+pub fn dequantize_into(
+    blocks: &[u8],
+    scales: &[u8],
+    experts: usize,
+    inputs: usize,
+    outputs: usize,
+    out: &mut [u8],
+) -> Option<()> {
+    let groups = inputs / BLOCK;
+    let scale_count = experts.checked_mul(outputs)?.checked_mul(groups)?;
+    if groups * BLOCK != inputs
+        || scales.len() != scale_count
+        || blocks.len() != scale_count.checked_mul(BLOCK_BYTES)?
+        || out.len() != scale_count.checked_mul(BLOCK)?.checked_mul(2)?
+    {
+        return None;
+    }
+    // Each scale's 256 possible products of the 16 codes, built once per scale value met:
+    // a table lookup per byte instead of a float multiply per weight.
+    let mut table: Vec<Option<[[u8; 2]; 16]>> = vec![None; 256];
+    for (row, (scale, block)) in scales
+        .iter()
+        .zip(blocks.chunks_exact(BLOCK_BYTES))
+        .enumerate()
+    {
+        let values = table[usize::from(*scale)].get_or_insert_with(|| {
+            std::array::from_fn(|code| value(code as u8, *scale).to_le_bytes())
+        });
+        // `row` walks `[expert, output, group]`; the output tensor is `[expert, input,
+        // output]` with input = group * 32 + position in the block (transformers'
+        // transpose of its `[expert, output, input]` intermediate).
+        let group = row % groups;
+        let output = (row / groups) % outputs;
+        let expert = row / (groups * outputs);
+        for (pair, byte) in block.iter().enumerate() {
+            for (half, code) in [byte & 0x0f, byte >> 4].into_iter().enumerate() {
+                let input = group * BLOCK + 2 * pair + half;
+                let at = 2 * ((expert * inputs + input) * outputs + output);
+                out[at..at + 2].copy_from_slice(&values[usize::from(code)]);
+            }
+        }
+    }
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hand-worked bytes against transformers' table (values also printed by
+    /// `convert_moe_packed_tensors` on the same bytes with torch 2.x): byte 0x21 under scale
+    /// 128 (x2) is code 1 (0.5) then code 2 (1.0), so 1.0 then 2.0; 0xF9 is code 9 (-0.5)
+    /// then 15 (-6): -1, -12; 0x7E is code 14 (-4) then 7 (6): -8, 12. Under scale 125
+    /// (x1/4), 0x83 is 1.5/4 then -0.0, and byte 15 = 0x5C is -2/4, 3/4 at inputs 30, 31.
+    #[test]
+    fn hand_worked_bytes_match_transformers_table_and_orientation() {
+        let mut blocks = [0u8; 2 * BLOCK_BYTES];
+        blocks[..3].copy_from_slice(&[0x21, 0xF9, 0x7E]);
+        blocks[BLOCK_BYTES] = 0x83;
+        blocks[2 * BLOCK_BYTES - 1] = 0x5C;
+        let scales = [128u8, 125];
+        // One expert, two outputs, 32 inputs: the result is `[32 inputs, 2 outputs]`.
+        let mut out = vec![0u8; 32 * 2 * 2];
+        dequantize_into(&blocks, &scales, 1, 32, 2, &mut out).unwrap();
+        let at = |input: usize, output: usize| {
+            let i = 2 * (input * 2 + output);
+            bf16::from_le_bytes([out[i], out[i + 1]]).to_f32()
+        };
+        let first_output: Vec<f32> = (0..6).map(|i| at(i, 0)).collect();
+        assert_eq!(first_output, [1.0, 2.0, -1.0, -12.0, -8.0, 12.0]);
+        assert_eq!((at(0, 1), at(1, 1)), (0.375, 0.0));
+        assert!(at(1, 1).is_sign_negative(), "code 8 is -0.0");
+        assert_eq!((at(30, 1), at(31, 1)), (-0.5, 0.75));
+        assert_eq!(at(29, 0), 0.0);
+    }
+
+    /// The scale's extremes as transformers computes them: exponent 0 gives subnormal bf16
+    /// (0.5 * 2^-127 = 2^-128), 255 is 2^128 (no NaN), products past bf16 are infinite.
+    #[test]
+    fn extreme_scales_follow_exact_ldexp() {
+        assert_eq!(value(1, 0).to_f64(), 2f64.powi(-128));
+        assert_eq!(value(7, 0).to_f64(), 6.0 * 2f64.powi(-127));
+        assert_eq!(value(1, 127).to_f32(), 0.5);
+        assert_eq!(value(1, 254).to_f64(), 2f64.powi(126));
+        assert_eq!(value(1, 255).to_f64(), 2f64.powi(127));
+        assert!(value(7, 254).to_f32().is_infinite());
+        assert_eq!(value(0, 255).to_f32(), 0.0);
+    }
+
+    #[test]
+    fn lengths_that_disagree_with_the_shapes_are_refused() {
+        let mut out = vec![0u8; 128];
+        assert!(dequantize_into(&[0; 16], &[127], 1, 32, 1, &mut out[..64]).is_some());
+        assert!(dequantize_into(&[0; 15], &[127], 1, 32, 1, &mut out[..64]).is_none());
+        assert!(dequantize_into(&[0; 16], &[127], 1, 32, 1, &mut out).is_none());
+        assert!(dequantize_into(&[0; 16], &[127], 1, 33, 1, &mut out[..66]).is_none());
+    }
+}
