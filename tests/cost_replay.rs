@@ -379,6 +379,7 @@ fn measured_kernels() -> HardwareProfile {
 ///   2,048 B) = 35,072 B dense at 2 rows (1.3333e-8 s/B) = 467.627 us; experts: 2 tokens
 ///   x top-2 = 4 active of 8, one row each, 4 * 3 * 128 * 256 * 2 = 786,432 B at 1 row
 ///   (5e-9 s/B) = 3.93216 ms; 4.399787 ms per layer, 17.599147 ms for 4 layers.
+///
 /// Prefill of 2 prompts of 5 tokens: attention 4 q s c (c + 1) / 2 = 15,360 FLOPs per
 /// layer at 0.02 GFLOP/s = 768 us, 3.072 ms for 4; lm_head (2 rows) as in decode.
 #[test]
