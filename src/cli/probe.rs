@@ -93,27 +93,10 @@ pub fn run(args: ProbeArgs) -> ExitCode {
         );
         println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
         if let Some(k) = &profile.kernels {
-            let curve = |points: &[crate::cost::hardware::RowsRate]| {
-                points
-                    .iter()
-                    .map(|p| {
-                        format!(
-                            "{} rows {:.1} GB/s ({:.0} GFLOP/s)",
-                            p.rows,
-                            p.weight_gb_s,
-                            p.weight_gb_s * f64::from(p.rows)
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
             println!("moec's kernels (weight bytes per second by rows per weight):");
-            println!("  linear      {}", curve(&k.linear));
-            println!("  expert ffn  {}", curve(&k.expert_ffn));
-            println!(
-                "  attention   decode {:.1} GFLOP/s, prefill {:.1} GFLOP/s",
-                k.attn_decode_gflops, k.attn_prefill_gflops
-            );
+            for line in k.summary() {
+                println!("  {line}");
+            }
         }
         if let Some(lat) = &profile.latency {
             println!(

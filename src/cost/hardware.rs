@@ -167,6 +167,34 @@ impl KernelRates {
         Some(per_byte(a) + t * (per_byte(b) - per_byte(a)))
     }
 
+    /// One line per curve for reports: `linear 1 rows 10.1 GB/s (10 GFLOP/s), ...`, then the
+    /// attention rates.
+    pub fn summary(&self) -> Vec<String> {
+        let curve = |name: &str, points: &[RowsRate]| {
+            let text = points
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{} rows {:.2} GB/s ({:.1} GFLOP/s)",
+                        p.rows,
+                        p.weight_gb_s,
+                        p.weight_gb_s * f64::from(p.rows)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!("{name:<11} {text}")
+        };
+        vec![
+            curve("linear", &self.linear),
+            curve("expert ffn", &self.expert_ffn),
+            format!(
+                "{:<11} decode {:.2} GFLOP/s, prefill {:.2} GFLOP/s",
+                "attention", self.attn_decode_gflops, self.attn_prefill_gflops
+            ),
+        ]
+    }
+
     /// Checks every rate is finite and positive and each curve's rows strictly ascend.
     pub fn validate(&self) -> Result<(), String> {
         for (name, curve) in [("linear", &self.linear), ("expert_ffn", &self.expert_ffn)] {

@@ -555,6 +555,20 @@ mod tests {
         assert_eq!(lat.model, "mixtral-tiny");
     }
 
+    /// The kernel probe gives a rate at every row count, rows ascending (the figures are
+    /// the machine's, not asserted), and a profile carrying them validates.
+    #[test]
+    fn kernel_probe_gives_a_valid_curve_per_op_kind() {
+        let rates = measure_kernels(1).unwrap();
+        let rows: Vec<u32> = rates.linear.iter().map(|p| p.rows).collect();
+        assert_eq!(rows, KERNEL_ROWS);
+        assert_eq!(rates.expert_ffn.len(), KERNEL_ROWS.len());
+        rates.validate().unwrap();
+        let mut profile = profile_from_measurements("probe-test", &measure(1 << 20, 1).unwrap());
+        profile.kernels = Some(rates);
+        assert!(HardwareProfile::from_ron(&profile.to_ron(), "probe").is_ok());
+    }
+
     #[test]
     fn rejects_tiny_buffers() {
         assert!(matches!(measure(1000, 1), Err(ProbeError::TooSmall(1000))));
