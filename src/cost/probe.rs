@@ -258,8 +258,8 @@ const KERNEL_ROWS: [u32; 5] = [1, 4, 16, 64, 256];
 /// ~20 GB/s is ~320 GFLOP/s, above the cores' peak), so where its weights live does not
 /// matter: those points run on a narrower expert ([`KERNEL_COMPUTE_FFN`]) to stay quick.
 const KERNEL_COMPUTE_ROWS: u32 = 16;
-/// FFN width of the compute-bound points' expert (3 MB of bf16 weights).
-const KERNEL_COMPUTE_FFN: usize = 512;
+/// FFN width of the compute-bound points' expert (1.5 MB of bf16 weights).
+const KERNEL_COMPUTE_FFN: usize = 256;
 /// Attention head geometry of the probe (mixtral-mid's: 16 query heads, 4 KV heads of 64).
 const ATTN_HEADS: (usize, usize, usize) = (16, 4, 64);
 /// Decode attention point: this many sequences, each one new token over this context.
@@ -360,7 +360,7 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let prefill_flops = 4.0 * q * t * (t + 1.0) / 2.0;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows 1 and 4 over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} (44 MB), rows 16+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2",
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows 1 and 4 over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} (44 MB), rows 16+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings at rows 1 and 4, one above",
             kernels.isa()
         ),
         linear,
