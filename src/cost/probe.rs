@@ -67,6 +67,17 @@ fn best_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// A rayon pool of `threads` threads for the probe's parallel kernels.
+fn probe_pool(threads: usize) -> Result<rayon::ThreadPool, ProbeError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| ProbeError::Threads {
+            threads,
+            message: e.to_string(),
+        })
+}
+
 /// Parallel streaming read: each thread sums its chunk with independent accumulators so
 /// the loads, not the adds, set the pace.
 fn stream_read(data: &[f32]) -> f32 {
@@ -138,13 +149,7 @@ pub fn measure(buffer_bytes: usize, threads: usize) -> Result<Measurements, Prob
     if buffer_bytes < (1 << 20) {
         return Err(ProbeError::TooSmall(buffer_bytes));
     }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| ProbeError::Threads {
-            threads,
-            message: e.to_string(),
-        })?;
+    let pool = probe_pool(threads)?;
     let elems = buffer_bytes / 4;
     let source: Vec<f32> = (0..elems).map(|i| (i % 1024) as f32 * 1e-3).collect();
     let mut sink = vec![0.0f32; elems];
@@ -276,13 +281,7 @@ const ATTN_PREFILL_TOKENS: usize = 256;
 pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     use crate::model::kernels::isa::Kernels;
     use crate::model::tensor::Matrix;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| ProbeError::Threads {
-            threads,
-            message: e.to_string(),
-        })?;
+    let pool = probe_pool(threads)?;
     let kernels = Kernels::process();
     let (d, f) = (KERNEL_HIDDEN, KERNEL_FFN);
     let elems = d * f;
