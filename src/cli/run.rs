@@ -464,20 +464,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         r.makespan_over_critical_path
     );
     match &f.prediction {
-        Some(p) => {
-            out.push_str(&prediction_text(p));
-            // The measured rates the replay charged moec's kernels at (the quick probe's).
-            if let Some(k) = f.profile.as_ref().and_then(|p| p.kernels.as_ref()) {
-                let _ = writeln!(
-                    out,
-                    "  kernel rates of `{}` (charged as a floor per op kind):",
-                    p.hardware
-                );
-                for line in k.summary() {
-                    let _ = writeln!(out, "    {line}");
-                }
-            }
-        }
+        Some(p) => out.push_str(&prediction_text(p)),
         None => {
             let _ = writeln!(out, "HRM prediction: unavailable (pass --hw PROFILE)");
         }
