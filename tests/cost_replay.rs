@@ -2,7 +2,7 @@
 //! tasks, checked against times worked by hand from the catalog's formulas and the profile.
 
 use moec::compile::{compile, Compiled, Options};
-use moec::cost::hardware::HardwareProfile;
+use moec::cost::hardware::{HardwareProfile, KernelRates, RowsRate};
 use moec::cost::predict::{predict, CostSettings, DecodeContext};
 use moec::cost::replay::{predict_run, predict_step_at};
 use moec::ir::{TaskId, Workload};
@@ -348,4 +348,126 @@ fn vslpipe_pass_is_costed_at_the_steady_state_mix() {
     // The replay copies whole declared rows (what the CPU backend does); the steady
     // prediction only the rows in use, so it is at most the replay.
     assert!(declared.steps[index].seconds <= replay.seconds);
+}
+
+/// `slow_cpu` with measured kernel rates far below its roofline (round numbers for hand
+/// work): `linear` 0.1 GB/s at 1 row and 0.05 GB/s at 4 rows (1e-8 and 2e-8 s per weight
+/// byte), `expert_ffn` 0.2 GB/s at 1 row and 0.05 GB/s at 16, attention 0.01 GFLOP/s in
+/// decode and 0.02 in prefill.
+fn measured_kernels() -> HardwareProfile {
+    let mut p = slow_cpu();
+    let point = |rows, weight_gb_s| RowsRate { rows, weight_gb_s };
+    p.kernels = Some(KernelRates {
+        source: "hand-made for the test".to_string(),
+        linear: vec![point(1, 0.1), point(4, 0.05)],
+        expert_ffn: vec![point(1, 0.2), point(16, 0.05)],
+        attn_decode_gflops: 0.01,
+        attn_prefill_gflops: 0.02,
+    });
+    p.validate().unwrap();
+    p
+}
+
+/// A profile with measured kernel rates charges each task its weight bytes over the rate
+/// of its op kind at its rows, when that is slower than the roofline. Decode of 2
+/// sequences at context 50 on mixtral-tiny (hidden 128, ffn 256, 8 experts, top-2, bf16):
+/// - lm_head: head weights (32000 * 128 + 128 norm) * 2 = 8,192,256 B at 2 rows: between
+///   the linear points 1 (1e-8 s/B) and 4 (2e-8 s/B), 1e-8 + (1/3) 1e-8 = 1.3333e-8 s/B
+///   -> 109.23008 ms (the roofline gave 16.385024 ms, see above).
+/// - attn: 4 q n c = 51,200 FLOPs per layer at 0.01 GFLOP/s = 5.12 ms, 4 layers 20.48 ms.
+/// - post_attn: o_proj 128 * 128 * 2 = 32,768 B + gate (norm 256 B + router 8 * 128 * 2 =
+///   2,048 B) = 35,072 B dense at 2 rows (1.3333e-8 s/B) = 467.627 us; experts: 2 tokens
+///   x top-2 = 4 active of 8, one row each, 4 * 3 * 128 * 256 * 2 = 786,432 B at 1 row
+///   (5e-9 s/B) = 3.93216 ms; 4.399787 ms per layer, 17.599147 ms for 4 layers.
+///
+/// Prefill of 2 prompts of 5 tokens: attention 4 q s c (c + 1) / 2 = 15,360 FLOPs per
+/// layer at 0.02 GFLOP/s = 768 us, 3.072 ms for 4; lm_head (2 rows) as in decode.
+#[test]
+fn measured_kernel_rates_charge_bytes_over_the_rate_of_the_op_kind() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let profile = measured_kernels();
+    let settings = CostSettings::default();
+    let decode = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Decode),
+        &profile,
+        &settings,
+        &[decoding(2, 50), UbLoad::default()],
+    )
+    .unwrap();
+    let close = |got: f64, want: f64| (got - want).abs() < 1e-9 * want.max(1e-3);
+    let head = &decode.op_seconds["lm_head"];
+    assert!(close(head.0, 8_192_256.0 * 4.0 / 3.0 * 1e-8), "{head:?}");
+    assert_eq!(head.1, "kernel");
+    let attn = &decode.op_seconds["attn"];
+    assert!(close(attn.0, 20.48e-3), "{attn:?}");
+    assert_eq!(attn.1, "kernel");
+    let post = decode.op_seconds["post_attn"].0;
+    let per_layer = 35_072.0 * 4.0 / 3.0 * 1e-8 + 786_432.0 * 5e-9;
+    assert!(close(post, 4.0 * per_layer), "post_attn {post}");
+
+    let prefill = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Prefill),
+        &profile,
+        &settings,
+        &[
+            UbLoad::default(),
+            UbLoad {
+                prefill_seqs: 2,
+                prefill_tokens: 10,
+                ..UbLoad::default()
+            },
+        ],
+    )
+    .unwrap();
+    let attn = prefill.op_seconds["attn"].0;
+    assert!(close(attn, 4.0 * 15_360.0 / 0.02e9), "prefill attn {attn}");
+    let head = prefill.op_seconds["lm_head"].0;
+    assert!(
+        close(head, 8_192_256.0 * 4.0 / 3.0 * 1e-8),
+        "prefill lm_head {head}"
+    );
+
+    // Without the measured rates the same decode step is the roofline's (first test).
+    let roofline = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Decode),
+        &slow_cpu(),
+        &settings,
+        &[decoding(2, 50), UbLoad::default()],
+    )
+    .unwrap();
+    assert!((roofline.op_seconds["lm_head"].0 - 16.385024e-3).abs() < 1e-9);
+}
+
+/// Between measured points the time per weight byte is linear in rows; past the last one
+/// it grows with the rows (the last point's FLOP/s); below the first it is the first's.
+/// Points 1 row at 0.1 GB/s (1e-8 s/B) and 4 rows at 0.05 GB/s (2e-8 s/B):
+/// 2.5 rows -> 1.5e-8; 8 rows -> 2e-8 * 8 / 4 = 4e-8; 0.5 rows -> 1e-8.
+#[test]
+fn kernel_rate_interpolation_by_hand() {
+    let profile = measured_kernels();
+    let curve = &profile.kernels.as_ref().unwrap().linear;
+    let at = |rows| KernelRates::seconds_per_weight_byte(curve, rows).unwrap();
+    assert!((at(2.5) - 1.5e-8).abs() < 1e-20);
+    assert!((at(8.0) - 4e-8).abs() < 1e-20);
+    assert!((at(0.5) - 1e-8).abs() < 1e-20);
+    assert!(KernelRates::seconds_per_weight_byte(&[], 3.0).is_none());
+    // A profile file without `kernels` keeps today's behaviour; one with them round-trips,
+    // and rows that do not ascend are refused.
+    let again = HardwareProfile::from_ron(&profile.to_ron(), "round trip").unwrap();
+    assert_eq!(again, profile);
+    let mut bad = profile.clone();
+    if let Some(k) = bad.kernels.as_mut() {
+        k.linear.reverse();
+    }
+    let err = HardwareProfile::from_ron(&bad.to_ron(), "bad")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ascend"), "{err}");
 }

@@ -1,7 +1,7 @@
 //! `moec probe`: measures this machine and writes a hardware profile.
 
 use crate::cost::hardware::{Level, GB, TFLOPS};
-use crate::cost::probe::{measure, profile_from_measurements};
+use crate::cost::probe::probe_profile;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,14 +35,14 @@ pub fn run(args: ProbeArgs) -> ExitCode {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let measured = match measure(args.size_mib.saturating_mul(1 << 20), threads) {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("{:?}", miette::Report::msg(e.to_string()));
-            return ExitCode::FAILURE;
-        }
-    };
-    let mut profile = profile_from_measurements(&args.name, &measured);
+    let (measured, mut profile) =
+        match probe_profile(&args.name, args.size_mib.saturating_mul(1 << 20), threads) {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::msg(e.to_string()));
+                return ExitCode::FAILURE;
+            }
+        };
     if let Some(model) = &args.model {
         let card = match crate::model::card::ModelCard::load(model) {
             Ok(card) => card,
@@ -92,6 +92,12 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             profile.link_bandwidth(Level::Pinned, Level::Gpu) / GB
         );
         println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
+        if let Some(k) = &profile.kernels {
+            println!("moec's kernels (weight bytes per second by rows per weight):");
+            for line in k.summary() {
+                println!("  {line}");
+            }
+        }
         if let Some(lat) = &profile.latency {
             println!(
                 "expert latency of {} (lat.*): cpu {:.3} ms per token, gpu {:.3} ms at batch 4, copy {:.3} ms",

@@ -19,7 +19,7 @@ use super::inputs::{ModelArgs, PromptArgs, RunSettings};
 use crate::compile::{compile, Options};
 use crate::cost::hardware::{HardwareProfile, Level};
 use crate::cost::predict::{predict, CostSettings};
-use crate::cost::probe::{measure, profile_from_measurements};
+use crate::cost::probe::probe_profile;
 use crate::cost::replay::{predict_run, RunPrediction};
 use crate::diag;
 use crate::ir::{TaskId, Workload};
@@ -248,9 +248,15 @@ pub fn execute_profiling(
         Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| msg(&e))?),
         // Four times a 64 MiB last-level cache: a buffer the size of the cache measured
         // the cache, not DRAM (32 MiB gave 27 GB/s on a machine that streams 21 GB/s).
-        None => measure(QUICK_PROBE_BYTES, args.settings.threads.unwrap_or(2).max(1))
-            .ok()
-            .map(|m| profile_from_measurements("this-machine", &m)),
+        // The quick probe also times moec's own kernels per op kind (`cost::probe`), so
+        // the replay charges each task at the rate its kernel reaches here.
+        None => probe_profile(
+            "this-machine",
+            QUICK_PROBE_BYTES,
+            args.settings.threads.unwrap_or(2).max(1),
+        )
+        .ok()
+        .map(|(_, profile)| profile),
     };
     // Bound weight copies take no time on this machine unless the link is throttled, so
     // the replay on this machine's profile charges them at BOUND_COPY_GB_S (the report

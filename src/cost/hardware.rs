@@ -98,6 +98,131 @@ pub struct HardwareProfile {
     /// datasheet profile; [`Self::effective`] fills it from `effective`.
     #[serde(default, skip_serializing_if = "Adjustments::is_none")]
     pub adjustments: Adjustments,
+    /// Rates moec's own CPU kernels reach on this machine per op kind and rows per weight,
+    /// measured by `moec probe` (micro-benchmarks, never fitted to end-to-end runs). When
+    /// present the HRM charges each compute task at least its kernel time at these rates
+    /// (see [`KernelRates`]); absent, the roofline alone stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<KernelRates>,
+}
+
+/// One measured point of a kernel's rate curve: how fast it streams its weights at a given
+/// number of activation rows per weight matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RowsRate {
+    /// Activation rows multiplied by each weight matrix in the timed call.
+    pub rows: u32,
+    /// Weight bytes processed per second at that many rows, GB/s (a bf16 weight byte
+    /// carries `rows` FLOPs, so GFLOP/s = `rows * weight_gb_s`).
+    pub weight_gb_s: f64,
+}
+
+/// Effective rates of moec's own kernels on one machine, by op kind. The HRM's roofline
+/// divides by the machine's streaming bandwidth and GEMM peak; moec's kernels reach less,
+/// by an amount that depends on the rows per weight (a GEMV cannot hide its loads the way
+/// a 256-row GEMM can). Each curve is a list of measured points, rows ascending.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelRates {
+    /// How the points were measured (command, shapes, threads), one line.
+    pub source: String,
+    /// `Kernels::linear` on bf16 `[out, in]` matrices: the dense projections (Q/K/V, O,
+    /// router, lm_head).
+    pub linear: Vec<RowsRate>,
+    /// One expert's SwiGLU FFN: `Kernels::linear_gated` over gate and up, then
+    /// `Kernels::linear` over down, rows = tokens routed to the expert.
+    pub expert_ffn: Vec<RowsRate>,
+    /// Decode attention (one new token per sequence over its cached context): FLOP/s as
+    /// the op catalog counts them (`4 x heads x head_dim x context` per token), GFLOP/s.
+    pub attn_decode_gflops: f64,
+    /// Prefill attention (causal over the prompt): FLOP/s as the op catalog counts them,
+    /// GFLOP/s.
+    pub attn_prefill_gflops: f64,
+}
+
+impl KernelRates {
+    /// Seconds per weight byte on `curve` at `rows` rows per weight (`None` for an empty
+    /// curve). Between two measured points the time per byte is interpolated linearly in
+    /// rows (a kernel's time is a fixed streaming part plus a part per row); below the
+    /// first point it is the first point's; above the last it grows in proportion to the
+    /// rows (the last point's FLOP/s, as a compute-bound GEMM keeps).
+    pub fn seconds_per_weight_byte(curve: &[RowsRate], rows: f64) -> Option<f64> {
+        let per_byte = |p: &RowsRate| 1.0 / (p.weight_gb_s * GB);
+        let first = curve.first()?;
+        let last = curve.last()?;
+        let rows = rows.max(0.0);
+        if rows <= f64::from(first.rows) {
+            return Some(per_byte(first));
+        }
+        if rows >= f64::from(last.rows) {
+            return Some(per_byte(last) * rows / f64::from(last.rows));
+        }
+        let upper = curve.iter().position(|p| f64::from(p.rows) >= rows)?;
+        let (a, b) = (&curve[upper.checked_sub(1)?], &curve[upper]);
+        let span = f64::from(b.rows) - f64::from(a.rows);
+        let t = if span > 0.0 {
+            (rows - f64::from(a.rows)) / span
+        } else {
+            0.0
+        };
+        Some(per_byte(a) + t * (per_byte(b) - per_byte(a)))
+    }
+
+    /// One line per curve for reports: `linear 1 rows 10.1 GB/s (10 GFLOP/s), ...`, then the
+    /// attention rates.
+    pub fn summary(&self) -> Vec<String> {
+        let curve = |name: &str, points: &[RowsRate]| {
+            let text = points
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{} rows {:.2} GB/s ({:.1} GFLOP/s)",
+                        p.rows,
+                        p.weight_gb_s,
+                        p.weight_gb_s * f64::from(p.rows)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!("{name:<11} {text}")
+        };
+        vec![
+            curve("linear", &self.linear),
+            curve("expert ffn", &self.expert_ffn),
+            format!(
+                "{:<11} decode {:.2} GFLOP/s, prefill {:.2} GFLOP/s",
+                "attention", self.attn_decode_gflops, self.attn_prefill_gflops
+            ),
+        ]
+    }
+
+    /// Checks every rate is finite and positive and each curve's rows strictly ascend.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, curve) in [("linear", &self.linear), ("expert_ffn", &self.expert_ffn)] {
+            if let Some(p) = curve
+                .iter()
+                .find(|p| p.rows == 0 || !(p.weight_gb_s.is_finite() && p.weight_gb_s > 0.0))
+            {
+                return Err(format!(
+                    "`kernels.{name}`: point at {} rows needs rows > 0 and a positive rate, got {}",
+                    p.rows, p.weight_gb_s
+                ));
+            }
+            if curve.windows(2).any(|w| w[0].rows >= w[1].rows) {
+                return Err(format!("`kernels.{name}`: rows must strictly ascend"));
+            }
+        }
+        for (name, value) in [
+            ("attn_decode_gflops", self.attn_decode_gflops),
+            ("attn_prefill_gflops", self.attn_prefill_gflops),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!(
+                    "`kernels.{name}` must be a positive number, got {value}"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Effective rates of one machine: what its kernels and copies sustain, as opposed to the
@@ -403,6 +528,9 @@ impl HardwareProfile {
         }
         if self.gpu.count == 0 || self.cpu.cores == 0 {
             return Err("`gpu.count` and `cpu.cores` must be positive".to_string());
+        }
+        if let Some(kernels) = &self.kernels {
+            kernels.validate()?;
         }
         if self.cpu.pinned_gb > self.cpu.mem_gb {
             return Err(format!(

@@ -31,6 +31,9 @@ pub enum Roof {
     Memory(Level),
     /// Bandwidth of the link from another level (eq. 6), or a copy's link.
     Link(Level, Level),
+    /// The measured rate of moec's own kernel for the task's op kind and rows
+    /// ([`super::hardware::KernelRates`]), slower than every roof above.
+    Kernel,
     /// Nothing to do.
     Idle,
 }
@@ -42,6 +45,7 @@ impl Roof {
             Roof::Compute => "compute".to_string(),
             Roof::Memory(level) => format!("mem:{}", level.name()),
             Roof::Link(from, to) => format!("link:{}->{}", from.name(), to.name()),
+            Roof::Kernel => "kernel".to_string(),
             Roof::Idle => "idle".to_string(),
         }
     }

@@ -15,7 +15,7 @@
 
 use super::activation::{activation, Activation};
 use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
-use super::hardware::{ComputeDtype, HardwareProfile, Level, Processor};
+use super::hardware::{ComputeDtype, HardwareProfile, KernelRates, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
 use crate::ir::catalog::{self, ArgType, AttnPart, Shape, ACT_BYTES};
@@ -293,18 +293,7 @@ fn compute_load(
     loads: Loads<'_>,
 ) -> ComputeLoad {
     let task = program.task(id);
-    let work = match recost_shape(program, id, settings, loads) {
-        Some(shape) if shape.tokens == 0 && shape.seqs == 0 => Work::default(),
-        Some(shape) => {
-            let args: Vec<(Role, Space, u64)> = task
-                .args
-                .iter()
-                .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
-                .collect();
-            catalog::work(&task.op, &program.model, &shape, &args)
-        }
-        None => task.work.clone(),
-    };
+    let (_, work) = task_work(program, id, settings, loads);
     let processor = match program.engine_of(id) {
         Engine::GpuCompute => Processor::Gpu,
         _ => Processor::Cpu,
@@ -334,6 +323,112 @@ fn compute_load(
         },
         flops: work.flops,
         bytes: per_level.into_iter().collect(),
+    }
+}
+
+/// The shape a compute task runs at under `loads` and its catalog work there. A task whose
+/// micro-batch holds nothing (no tokens, no sequences) does nothing: the kernels see zero
+/// rows and touch no weights.
+fn task_work(
+    program: &Program,
+    id: TaskId,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+) -> (Shape, Work) {
+    let task = program.task(id);
+    match recost_shape(program, id, settings, loads) {
+        Some(shape) if shape.tokens == 0 && shape.seqs == 0 => (shape, Work::default()),
+        Some(shape) => {
+            let args: Vec<(Role, Space, u64)> = task
+                .args
+                .iter()
+                .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
+                .collect();
+            (
+                shape,
+                catalog::work(&task.op, &program.model, &shape, &args),
+            )
+        }
+        None => (task.shape, task.work.clone()),
+    }
+}
+
+/// Time of a compute task at the measured rates of moec's own kernels for its op kind
+/// ([`KernelRates`]): dense projections (`pre_attn`, `o_proj`, `gate`'s router, `lm_head`)
+/// stream their weight bytes at the `linear` curve's rate for their rows (tokens; sequences
+/// for `lm_head`); experts at the `expert_ffn` rate for the tokens routed to each active
+/// expert (uniform routing, as the catalog counts them); `post_attn` is both, its expert
+/// weights at the FFN rate and the rest at the dense one; attention is its catalog FLOPs
+/// at the decode rate, or the prefill rate when it carries more tokens than sequences.
+/// Other ops (embed, combine, sample) have no measured kernel: 0, the roofline stands.
+pub fn kernel_seconds(
+    program: &Program,
+    id: TaskId,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+    kernels: &KernelRates,
+) -> f64 {
+    let task = program.task(id);
+    if task.work.copy.is_some() || task.op == Op::Copy {
+        return 0.0;
+    }
+    let (shape, work) = task_work(program, id, settings, loads);
+    let card = &program.model;
+    // An `experts(.., ub = all)` group reads its weights once, in its first task.
+    let shares_weights = task.group.is_some_and(|head| head != id);
+    let weights: f64 = if shares_weights {
+        0.0
+    } else {
+        work.mem
+            .iter()
+            .filter(|m| m.class == catalog::DataClass::Weights)
+            .map(|m| m.bytes)
+            .sum()
+    };
+    let at = |curve: &[super::hardware::RowsRate], bytes: f64, rows: f64| {
+        if bytes <= 0.0 || rows <= 0.0 {
+            return 0.0;
+        }
+        KernelRates::seconds_per_weight_byte(curve, rows).map_or(0.0, |s| s * bytes)
+    };
+    let tokens = shape.tokens as f64;
+    let routed_per_active = |set: &catalog::ExpertSet| {
+        let routed = catalog::routed_tokens(set, card, &shape);
+        let active = (set.len(card.experts) as f64).min(tokens * card.top_k as f64);
+        (active > 0.0).then(|| (active, routed / active))
+    };
+    match task.op {
+        Op::PreAttn { .. } | Op::OProj { .. } | Op::Gate { .. } => {
+            at(&kernels.linear, weights, tokens)
+        }
+        Op::LmHead { .. } => at(&kernels.linear, weights, shape.seqs as f64),
+        Op::Experts { set, .. } => match routed_per_active(&set) {
+            Some((_, rows)) => at(&kernels.expert_ffn, weights, rows),
+            None => 0.0,
+        },
+        Op::PostAttn { .. } => match routed_per_active(&catalog::ExpertSet::All) {
+            Some((active, rows)) => {
+                let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
+                let experts = (active * expert_bytes).min(weights);
+                at(&kernels.linear, weights - experts, tokens)
+                    + at(&kernels.expert_ffn, experts, rows)
+            }
+            None => 0.0,
+        },
+        Op::Attn { .. } => {
+            let prefill = shape.tokens > shape.seqs;
+            let gflops = if prefill {
+                kernels.attn_prefill_gflops
+            } else {
+                kernels.attn_decode_gflops
+            };
+            if gflops > 0.0 {
+                work.flops / (gflops * 1e9)
+            } else {
+                0.0
+            }
+        }
+        _ => 0.0,
     }
 }
 
@@ -619,6 +714,20 @@ pub(crate) fn simulate_step_times(
                 if cap > 0.0 {
                     let flops = compute_load(program, id, settings, loads).flops;
                     time.seconds = time.seconds.max(flops / cap);
+                }
+            }
+            // moec's own kernels on this machine reach less than the roofline by op kind
+            // and rows: a measured profile charges each compute task at least that.
+            if let Some(kernels) = &profile.kernels {
+                let mut seconds = kernel_seconds(program, id, settings, loads, kernels);
+                if let Loads::Declared = loads {
+                    seconds *= activation(program, id, task.shape.tokens).runs;
+                }
+                if seconds > time.seconds {
+                    time = TaskTime {
+                        seconds,
+                        roof: Roof::Kernel,
+                    };
                 }
             }
             if readback.get(id.index()).copied().unwrap_or(false) {

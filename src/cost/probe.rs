@@ -7,7 +7,9 @@
 //! the machine's peak rather than its average. No GPU is involved: the profile describes
 //! the CPU backend's emulated GPU (see [`profile_from_measurements`]).
 
-use super::hardware::{CpuSpec, GpuSpec, HardwareProfile, LinkSpec, GB, TFLOPS};
+use super::hardware::{
+    CpuSpec, GpuSpec, HardwareProfile, KernelRates, LinkSpec, RowsRate, GB, TFLOPS,
+};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::time::Instant;
@@ -63,6 +65,17 @@ fn best_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
             start.elapsed().as_secs_f64()
         })
         .fold(f64::INFINITY, f64::min)
+}
+
+/// A rayon pool of `threads` threads for the probe's parallel kernels.
+fn probe_pool(threads: usize) -> Result<rayon::ThreadPool, ProbeError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| ProbeError::Threads {
+            threads,
+            message: e.to_string(),
+        })
 }
 
 /// Parallel streaming read: each thread sums its chunk with independent accumulators so
@@ -136,13 +149,7 @@ pub fn measure(buffer_bytes: usize, threads: usize) -> Result<Measurements, Prob
     if buffer_bytes < (1 << 20) {
         return Err(ProbeError::TooSmall(buffer_bytes));
     }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| ProbeError::Threads {
-            threads,
-            message: e.to_string(),
-        })?;
+    let pool = probe_pool(threads)?;
     let elems = buffer_bytes / 4;
     let source: Vec<f32> = (0..elems).map(|i| (i % 1024) as f32 * 1e-3).collect();
     let mut sink = vec![0.0f32; elems];
@@ -225,7 +232,234 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
         latency: None,
         effective: None,
         adjustments: Default::default(),
+        kernels: None,
     }
+}
+
+/// [`measure`] and [`measure_kernels`] on `threads` threads, made into this machine's
+/// profile named `name` (what `moec probe` writes and `moec run` predicts with).
+pub fn probe_profile(
+    name: &str,
+    buffer_bytes: usize,
+    threads: usize,
+) -> Result<(Measurements, HardwareProfile), ProbeError> {
+    let measured = measure(buffer_bytes, threads)?;
+    let mut profile = profile_from_measurements(name, &measured);
+    profile.kernels = Some(measure_kernels(threads)?);
+    Ok((measured, profile))
+}
+
+/// Hidden width of the kernel probe's matrices (mixtral-mid's, the card this machine runs).
+const KERNEL_HIDDEN: usize = 1024;
+/// FFN width of the kernel probe's experts (mixtral-mid's).
+const KERNEL_FFN: usize = 3584;
+/// Experts the decode points stream through in turn: 2 x 3 x 1024 x 3584 bf16 = 44 MB,
+/// past a 32 MiB last-level cache, so every weight byte of a GEMV comes from DRAM.
+const KERNEL_DECODE_EXPERTS: usize = 2;
+/// Rows per weight of the measured points: decode (1, 4, 16 tokens per matrix), the rows
+/// a dense projection sees in a batch-64 decode step (64) and a prefill GEMM (256).
+const KERNEL_ROWS: [u32; 5] = [1, 4, 16, 64, 256];
+/// From this many rows a kernel is compute-bound (16 FLOPs per bf16 weight byte against
+/// ~20 GB/s is ~320 GFLOP/s, above the cores' peak), so where its weights live does not
+/// matter: those points run on a narrower expert ([`KERNEL_COMPUTE_FFN`]) to stay quick.
+const KERNEL_COMPUTE_ROWS: u32 = 16;
+/// FFN width of the compute-bound points' expert (1.5 MB of bf16 weights).
+const KERNEL_COMPUTE_FFN: usize = 256;
+/// Attention head geometry of the probe (mixtral-mid's: 16 query heads, 4 KV heads of 64).
+const ATTN_HEADS: (usize, usize, usize) = (16, 4, 64);
+/// Decode attention point: this many sequences, each one new token over this context.
+const ATTN_DECODE: (usize, usize) = (16, 512);
+/// Prefill attention point: one sequence's prompt of this many tokens, causal.
+const ATTN_PREFILL_TOKENS: usize = 256;
+
+/// Measures the rates of moec's own kernels (`model::kernels`, the runtime's, with the
+/// process's instruction set) on `threads` threads: [`KernelRates`] with the `linear` and
+/// `expert_ffn` curves at [`KERNEL_ROWS`] rows on bf16 mixtral-mid-sized matrices, decode
+/// attention (16 sequences x 512 cached positions) and prefill attention (256 tokens,
+/// causal). A memory-bound point is the best of two timings after a warm-up, a
+/// compute-bound one a single timing after a warm-up.
+pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
+    use crate::model::kernels::isa::Kernels;
+    use crate::model::tensor::Matrix;
+    let pool = probe_pool(threads)?;
+    let kernels = Kernels::process();
+    let (d, f) = (KERNEL_HIDDEN, KERNEL_FFN);
+    let elems = d * f;
+    // Three matrices per expert, [out, in] as Hugging Face stores them: gate, up, down.
+    let weights: Vec<half::bf16> =
+        vec![half::bf16::from_f32(1e-3); 3 * elems * KERNEL_DECODE_EXPERTS];
+    let decode_set: Vec<[Matrix<'_>; 3]> = weights
+        .chunks_exact(3 * elems)
+        .map(|e| probe_expert(e, d, f))
+        .collect::<Result<_, ProbeError>>()?;
+    let compute_set = [probe_expert(&weights, d, KERNEL_COMPUTE_FFN)?];
+    let max_rows = KERNEL_ROWS[KERNEL_ROWS.len() - 1] as usize;
+    let x = vec![0.01f32; max_rows * f];
+    let mut h = vec![0.0f32; max_rows * f];
+    let mut y = vec![0.0f32; max_rows * f];
+    let silu = |v: f32| v / (1.0 + (-v).exp());
+    let mut failed: Option<String> = None;
+    let mut point = |rows: u32, gated: bool| -> f64 {
+        let n = rows as usize;
+        let (set, reps): (&[[Matrix<'_>; 3]], usize) = if rows >= KERNEL_COMPUTE_ROWS {
+            (&compute_set, 1)
+        } else {
+            (&decode_set, 2)
+        };
+        let seconds = pool.install(|| {
+            best_seconds(reps, || {
+                for [gate, up, down] in set {
+                    let (o, i) = (gate.rows, gate.cols);
+                    let result = if gated {
+                        kernels
+                            .linear_gated(&x[..n * i], n, gate, up, silu, &mut h[..n * o])
+                            .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
+                    } else {
+                        kernels
+                            .linear(&x[..n * i], n, gate, &mut h[..n * o])
+                            .and_then(|()| kernels.linear(&x[..n * i], n, up, &mut h[..n * o]))
+                            .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
+                    };
+                    if let Err(e) = result {
+                        failed = Some(e.to_string());
+                    }
+                }
+            })
+        });
+        let bytes: usize = set
+            .iter()
+            .map(|m| m.iter().map(|w| w.rows * w.cols * 2).sum::<usize>())
+            .sum();
+        bytes as f64 / seconds.max(1e-12) / GB
+    };
+    let mut linear = Vec::with_capacity(KERNEL_ROWS.len());
+    let mut expert_ffn = Vec::with_capacity(KERNEL_ROWS.len());
+    for rows in KERNEL_ROWS {
+        linear.push(RowsRate {
+            rows,
+            weight_gb_s: point(rows, false),
+        });
+        expert_ffn.push(RowsRate {
+            rows,
+            weight_gb_s: point(rows, true),
+        });
+    }
+    std::hint::black_box(&y);
+    if let Some(e) = failed {
+        return Err(ProbeError::Kernel(e));
+    }
+    let (decode_seconds, prefill_seconds) = pool.install(time_attention)?;
+    let (heads, _, head_dim) = ATTN_HEADS;
+    let q = (heads * head_dim) as f64;
+    let (seqs, context) = ATTN_DECODE;
+    // The op catalog's FLOPs: decode 4 q n c over the positions each token sees (its
+    // context and itself); prefill 4 q c (c + 1) / 2, causal.
+    let decode_flops = 4.0 * q * seqs as f64 * (context + 1) as f64;
+    let t = ATTN_PREFILL_TOKENS as f64;
+    let prefill_flops = 4.0 * q * t * (t + 1.0) / 2.0;
+    Ok(KernelRates {
+        source: format!(
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows 1 and 4 over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} (44 MB), rows 16+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings at rows 1 and 4, one above",
+            kernels.isa()
+        ),
+        linear,
+        expert_ffn,
+        attn_decode_gflops: decode_flops / decode_seconds.max(1e-12) / 1e9,
+        attn_prefill_gflops: prefill_flops / prefill_seconds.max(1e-12) / 1e9,
+    })
+}
+
+/// One synthetic expert of the kernel probe over `data` (at least `3 x hidden x ffn`
+/// elements): gate and up `[ffn, hidden]`, down `[hidden, ffn]`.
+fn probe_expert(
+    data: &[half::bf16],
+    hidden: usize,
+    ffn: usize,
+) -> Result<[crate::model::tensor::Matrix<'_>; 3], ProbeError> {
+    use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+    let n = hidden * ffn;
+    let part = |i: usize, rows, cols| {
+        let slice = data
+            .get(i * n..(i + 1) * n)
+            .ok_or(ProbeError::Expert("probe"))?;
+        Matrix::new(TypedSlice::Bf16(slice), rows, cols, Orientation::OutIn)
+            .ok_or(ProbeError::Expert("probe"))
+    };
+    Ok([
+        part(0, ffn, hidden)?,
+        part(1, ffn, hidden)?,
+        part(2, hidden, ffn)?,
+    ])
+}
+
+/// Best seconds of the decode and the prefill attention point (see [`ATTN_DECODE`] and
+/// [`ATTN_PREFILL_TOKENS`]) through the runtime's attention kernel and paged KV cache.
+fn time_attention() -> Result<(f64, f64), ProbeError> {
+    use crate::model::kernels::attention::{AttnSeq, AttnShape};
+    use crate::model::kernels::isa::Kernels;
+    use crate::model::kernels::kv_cache::{KvLayout, PagedKvCache};
+    let (heads, kv_heads, head_dim) = ATTN_HEADS;
+    let shape = AttnShape {
+        heads,
+        kv_heads,
+        head_dim,
+        sliding_window: None,
+        sinks: false,
+    };
+    let layout = KvLayout {
+        block_size: 16,
+        kv_heads,
+        head_dim,
+    };
+    let (seqs, context) = ATTN_DECODE;
+    let per_seq = layout.blocks_for(context + 1);
+    let n_blocks = (seqs * per_seq).max(layout.blocks_for(ATTN_PREFILL_TOKENS));
+    let mut cache = PagedKvCache::new(layout, 1, n_blocks);
+    let mut tables: Vec<Vec<u32>> = Vec::with_capacity(seqs);
+    for _ in 0..seqs {
+        let mut table = Vec::new();
+        cache
+            .allocator
+            .grow(&layout, &mut table, context + 1)
+            .map_err(|e| ProbeError::Kernel(e.to_string()))?;
+        tables.push(table);
+    }
+    let kernels = Kernels::process();
+    let mut run = |attn: &[AttnSeq<'_>], rows: usize| -> Result<f64, ProbeError> {
+        let qkv = vec![0.01f32; rows * shape.qkv_width()];
+        let mut out = vec![0.0f32; rows * shape.q_width()];
+        let mut failed = None;
+        let seconds = best_seconds(2, || {
+            let mut blocks = cache.layer_mut(0);
+            if let Err(e) = kernels.attention(&mut blocks, attn, &qkv, &shape, &mut out) {
+                failed = Some(e.to_string());
+            }
+        });
+        std::hint::black_box(&out);
+        match failed {
+            Some(e) => Err(ProbeError::Kernel(e)),
+            None => Ok(seconds),
+        }
+    };
+    let decode: Vec<AttnSeq<'_>> = tables
+        .iter()
+        .map(|table| AttnSeq {
+            block_table: table,
+            context_len: context,
+            n_new: 1,
+        })
+        .collect();
+    let decode_seconds = run(&decode, seqs)?;
+    // The prefill sequence reuses the first blocks of the pool (the decode tables'
+    // contents do not matter to the timing).
+    let prefill_table: Vec<u32> = (0..layout.blocks_for(ATTN_PREFILL_TOKENS) as u32).collect();
+    let prefill = [AttnSeq {
+        block_table: &prefill_table,
+        context_len: 0,
+        n_new: ATTN_PREFILL_TOKENS,
+    }];
+    let prefill_seconds = run(&prefill, ATTN_PREFILL_TOKENS)?;
+    Ok((decode_seconds, prefill_seconds))
 }
 
 /// Times one expert of `card` as Fiddler's cppExpert does at start-up, on this machine:
@@ -318,6 +552,20 @@ mod tests {
         assert!(lat.cpu_s_per_token > 0.0 && lat.gpu_s > 0.0);
         assert!((lat.copy_s - 196_608.0 / 1e9).abs() < 1e-15);
         assert_eq!(lat.model, "mixtral-tiny");
+    }
+
+    /// The kernel probe gives a rate at every row count, rows ascending (the figures are
+    /// the machine's, not asserted), and a profile carrying them validates.
+    #[test]
+    fn kernel_probe_gives_a_valid_curve_per_op_kind() {
+        let rates = measure_kernels(1).unwrap();
+        let rows: Vec<u32> = rates.linear.iter().map(|p| p.rows).collect();
+        assert_eq!(rows, KERNEL_ROWS);
+        assert_eq!(rates.expert_ffn.len(), KERNEL_ROWS.len());
+        rates.validate().unwrap();
+        let mut profile = profile_from_measurements("probe-test", &measure(1 << 20, 1).unwrap());
+        profile.kernels = Some(rates);
+        assert!(HardwareProfile::from_ron(&profile.to_ron(), "probe").is_ok());
     }
 
     #[test]
