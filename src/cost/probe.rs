@@ -127,23 +127,6 @@ fn gemm_f32(size: usize, a: &[f32], b: &[f32], c: &mut [f32], threads: usize) {
     }
 }
 
-/// Total RAM from `/proc/meminfo`, bytes; 0 where that file does not exist.
-fn total_ram_bytes() -> u64 {
-    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
-        return 0;
-    };
-    text.lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))
-        .and_then(|rest| {
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 /// Runs the three kernels on `threads` threads with buffers of `buffer_bytes` each.
 pub fn measure(buffer_bytes: usize, threads: usize) -> Result<Measurements, ProbeError> {
     if buffer_bytes < (1 << 20) {
@@ -175,7 +158,7 @@ pub fn measure(buffer_bytes: usize, threads: usize) -> Result<Measurements, Prob
         memcpy_bytes_per_s: bytes / copy_seconds,
         gemm_f32_flops: 2.0 * (gemm_size as f64).powi(3) / gemm_seconds,
         gemm_size,
-        total_ram_bytes: total_ram_bytes(),
+        total_ram_bytes: crate::sysmem::total_bytes().unwrap_or(0),
     })
 }
 
