@@ -435,17 +435,20 @@ impl<'c> CpuMemory<'c> {
             if let Some(start) = found {
                 let bound = self.weight_copies == WeightCopies::Bind
                     && matches!(v.region, Region::Arena(_));
-                return Some(match self.image_starts.get(&tag) {
-                    Some(&image_start) if bound => View {
-                        region: Region::Image,
-                        start: image_start,
-                        len,
-                    },
-                    _ => View {
+                if !bound {
+                    return Some(View {
                         region: v.region,
                         start,
                         len,
-                    },
+                    });
+                }
+                // A bound arena range holds no bytes: only the image's own copy of the
+                // tensor may answer (labels come only from image tensors, so it exists;
+                // if not, the tensor is missing, never the arena's stale bytes).
+                return self.image_starts.get(&tag).map(|&image_start| View {
+                    region: Region::Image,
+                    start: image_start,
+                    len,
                 });
             }
         }
