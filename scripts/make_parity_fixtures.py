@@ -5,7 +5,7 @@ What it takes: nothing but the pinned packages in scripts/requirements-parity.tx
 torch, transformers, safetensors). No network, no tokenizer, no Hub download.
 
 What it gives, for each family (mixtral, dbrx, qwen3_moe, olmoe, qwen2_moe, gpt_oss,
-deepseek_v2, deepseek_v3), in
+gpt_oss_mxfp4, deepseek_v2, deepseek_v3), in
 tests/fixtures/parity/<family>/:
   config.json, generation_config.json, model.safetensors  -- a small random model written by
       `save_pretrained` in bf16, i.e. exactly the Hub layout moec reads with `--weights DIR`;
@@ -43,6 +43,20 @@ Selection. Seeds are tried in order until the fixture is robust and has teeth:
   * removing router renormalisation (and DBRX clip_qkv) moves the prefill logits by more
     than TEETH_MIN_LOGIT_SHIFT, far above the Rust test's tolerance.
 
+MXFP4 (gpt_oss_mxfp4). gpt-oss's architecture with its routed experts stored as the Hub's
+gpt-oss checkpoints store them. transformers can only quantize to MXFP4 on a GPU (triton
+kernels), so this script quantizes the bf16 experts itself, by the OCP Microscaling Formats
+v1.0 spec (`quantize_mxfp4`: per 32 weights along the input dimension a shared e8m0 scale
+2^(floor(log2 max|w|) - 2), each weight rounded to the nearest E2M1 value, ties to even,
+saturating at +-6), writes `*_blocks` [experts, out, in/32, 16] and `*_scales`
+[experts, out, in/32] as U8 with the Hub's `quantization_config` ({"quant_method": "mxfp4"},
+`modules_to_not_convert` as the Hub lists them), and loads the folder back through
+transformers' own MXFP4 path: `from_pretrained(dtype=float32,
+quantization_config=Mxfp4Config(dequantize=True))`, whose quantizer dequantizes the blocks
+and scales on load. The loaded expert weights are checked to equal, exactly, the values this
+script's own decoder reads from the blocks (E2M1 value x 2^(scale - 127)), and two more
+breakages show the fixture sees the decoding (nibbles swapped, scale bias off by one).
+
 Tensor names: transformers 5.23 fuses Mixtral experts in memory (mlp.experts.gate_up_proj)
 but `save_pretrained` converts back and writes the Hub names
 (model.layers.{i}.block_sparse_moe.experts.{e}.w1|w2|w3.weight; DBRX
@@ -68,6 +82,7 @@ from pathlib import Path
 
 import numpy as np
 import safetensors
+import safetensors.torch
 import torch
 import transformers
 from safetensors import safe_open
@@ -83,6 +98,7 @@ from transformers import (
     GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Mxfp4Config,
     OlmoeConfig,
     OlmoeForCausalLM,
     Qwen2MoeConfig,
@@ -120,6 +136,14 @@ class Family:
     config: object
     model_class: type
     expected_names: list[str] = field(default_factory=list)
+    # The architecture whose init, probes and breakages apply (`name` unless a variant of it).
+    arch: str = ""
+    # Routed experts stored as MXFP4 blocks + scales and loaded through transformers' MXFP4
+    # path (gpt-oss only; see `write_mxfp4_experts`).
+    mxfp4: bool = False
+
+    def __post_init__(self):
+        self.arch = self.arch or self.name
 
 
 def mixtral_family() -> Family:
@@ -301,7 +325,7 @@ def qwen2_moe_family() -> Family:
     return Family("qwen2_moe", 5000, config, Qwen2MoeForCausalLM, llama_style_names(config, True, True))
 
 
-def gpt_oss_family() -> Family:
+def gpt_oss_family(mxfp4: bool = False) -> Family:
     # gpt-oss's structure at a small size: sinks, sliding window (8 tokens, so the 19- and
     # 43-token prompts are cut) on even layers and full attention on odd ones, biases on
     # q/k/v/o, router and experts, top-k-then-softmax routing, YaRN (gpt-oss's own
@@ -344,10 +368,15 @@ def gpt_oss_family() -> Family:
             f"{prefix}.self_attn.sinks",
         ]
         names += [f"{prefix}.self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")]
+        packed = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
         names += [
             f"{prefix}.mlp.experts.{w}"
-            for w in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            for w in (packed if mxfp4 else ("gate_up_proj", "down_proj")) + ("gate_up_proj_bias", "down_proj_bias")
         ]
+    if mxfp4:
+        # The same architecture with its routed experts in MXFP4, as the Hub's gpt-oss
+        # checkpoints store them (hidden 64 and expert ffn 32 are whole 32-weight blocks).
+        return Family("gpt_oss_mxfp4", 9000, config, GptOssForCausalLM, names, arch="gpt_oss", mxfp4=True)
     return Family("gpt_oss", 6000, config, GptOssForCausalLM, names)
 
 
@@ -531,10 +560,10 @@ class Probe:
                 self.handles.append(
                     layer.mlp.gate.register_forward_hook(self._deepseek_hook(layer_idx, layer.mlp.gate))
                 )
-        elif family.name == "mixtral" or family.name in LLAMA_STYLE or family.name == "gpt_oss":
+        elif family.name == "mixtral" or family.name in LLAMA_STYLE or family.arch == "gpt_oss":
             self.top_k = family.config.num_experts_per_tok
             for layer_idx, layer in enumerate(model.model.layers):
-                router = layer.mlp.router if family.name == "gpt_oss" else layer.mlp.gate
+                router = layer.mlp.router if family.arch == "gpt_oss" else layer.mlp.gate
                 self.handles.append(
                     router.register_forward_hook(self._router_hook(layer_idx, tuple_out=True))
                 )
@@ -912,6 +941,32 @@ def break_model(model: torch.nn.Module, family: str, what: str):
             rotary.inv_freq.copy_(saved)
 
         return undo
+    if what in ("mxfp4_nibbles_swapped", "mxfp4_scales_off_by_one"):
+        # A decoder that reads the high nibble first, or the e8m0 bias as 126: the experts
+        # decoded that way from the very blocks and scales on disk.
+        packed = model.moec_mxfp4_packed
+        experts = [layer.mlp.experts for layer in model.model.layers]
+        saved = [(e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for e in experts]
+        with torch.no_grad():
+            for layer_idx, module in enumerate(experts):
+                for proj in ("gate_up_proj", "down_proj"):
+                    prefix = f"model.layers.{layer_idx}.mlp.experts.{proj}"
+                    blocks = packed[f"{prefix}_blocks"].numpy()
+                    scales = packed[f"{prefix}_scales"].numpy()
+                    if what == "mxfp4_nibbles_swapped":
+                        blocks = (blocks >> 4) | (blocks << 4)
+                    else:
+                        scales = scales + 1
+                    values = torch.from_numpy(decode_mxfp4(blocks, scales)).transpose(1, 2)
+                    getattr(module, proj).copy_(values)
+
+        def undo():
+            with torch.no_grad():
+                for module, (gate_up, down) in zip(experts, saved):
+                    module.gate_up_proj.copy_(gate_up)
+                    module.down_proj.copy_(down)
+
+        return undo
     raise ValueError(f"unknown breakage {what} for {family}")
 
 
@@ -922,6 +977,14 @@ def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -
         "qwen3_moe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
         "olmoe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
         "gpt_oss": ["no_sinks", "no_sliding_window", "no_swiglu_clamp", "no_yarn"],
+        "gpt_oss_mxfp4": [
+            "no_sinks",
+            "no_sliding_window",
+            "no_swiglu_clamp",
+            "no_yarn",
+            "mxfp4_nibbles_swapped",
+            "mxfp4_scales_off_by_one",
+        ],
         "deepseek_v2": [
             "no_deepseek_shared_experts",
             "no_softmax_mscale",
@@ -964,12 +1027,98 @@ def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -
 
 
 # ---------------------------------------------------------------------------------------
+# MXFP4 experts (gpt_oss_mxfp4): this script quantizes, transformers dequantizes
+
+# E2M1 magnitudes by code 0-7 (code 8-15: the same with the sign bit set).
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+MXFP4_BLOCK = 32
+# Exponent of the largest E2M1 magnitude (6 = 1.5 x 2^2): OCP MX's emax_elem for FP4.
+E2M1_EMAX = 2
+# What the Hub's gpt-oss configs keep unquantised (`quantization_config`).
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def quantize_mxfp4(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 of `weights` [.., n] along the last axis, by the OCP Microscaling Formats v1.0
+    spec (section 6.3): per block of 32 values, shared scale X = 2^(floor(log2(max |v|)) -
+    emax_elem) with emax_elem = 2, stored as e8m0 (exponent + 127; an all-zero block gets
+    2^-127); each v / X rounded to the nearest E2M1 value, ties to the even code, and
+    saturated at +-6. Returns (blocks [.., n/32, 16] u8, two codes a byte, low nibble first
+    as transformers reads them; scales [.., n/32] u8)."""
+    v = weights.astype(np.float64).reshape(*weights.shape[:-1], -1, MXFP4_BLOCK)
+    amax = np.abs(v).max(axis=-1)
+    # frexp: amax = m 2^e with m in [0.5, 1), so floor(log2(amax)) = e - 1, exactly.
+    exponent = np.where(amax > 0, np.frexp(amax)[1] - 1 - E2M1_EMAX, -127)
+    exponent = np.clip(exponent, -127, 127)
+    scaled = np.abs(v) / np.exp2(exponent)[..., None]
+    distance = np.abs(scaled[..., None] - E2M1_VALUES)
+    nearest = distance == distance.min(axis=-1, keepdims=True)
+    # Among the nearest codes take an even one when there is one (round half to even).
+    magnitude = np.where(nearest, np.arange(8) % 2, 2).argmin(axis=-1).astype(np.uint8)
+    codes = (np.signbit(v).astype(np.uint8) << 3) | magnitude
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).astype(np.uint8)
+
+
+def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The values MXFP4 `blocks` [.., g, 16] / `scales` [.., g] encode, [.., g * 32] in f64:
+    E2M1 value of each code (low nibble first) x 2^(scale - 127)."""
+    table = np.concatenate([E2M1_VALUES, -E2M1_VALUES])
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], MXFP4_BLOCK)
+    values = table[codes] * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def write_mxfp4_experts(directory: Path, family: Family) -> dict:
+    """Rewrites the bf16 checkpoint `save_pretrained` wrote so that every layer's routed
+    experts are MXFP4, as the Hub's gpt-oss checkpoints store them: `mlp.experts.gate_up_proj`
+    and `down_proj` ([experts, in, out] bf16) become `*_blocks` [experts, out, in/32, 16] and
+    `*_scales` [experts, out, in/32] (U8, quantized by `quantize_mxfp4` along `in`), and
+    config.json gets the Hub's `quantization_config`. Returns what expected.json records."""
+    path = directory / "model.safetensors"
+    with safe_open(path, "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    exponents, saturated, total = [], 0, 0
+    for layer_idx in range(family.config.num_hidden_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer_idx}.mlp.experts.{proj}"
+            rows = tensors.pop(name).float().transpose(1, 2).contiguous().numpy()
+            blocks, scales = quantize_mxfp4(rows)
+            tensors[f"{name}_blocks"] = torch.from_numpy(blocks)
+            tensors[f"{name}_scales"] = torch.from_numpy(scales)
+            exponents += [int(scales.min()) - 127, int(scales.max()) - 127]
+            scaled = np.abs(rows.reshape(scales.shape + (MXFP4_BLOCK,))) / np.exp2(scales.astype(np.float64) - 127)[..., None]
+            saturated += int((scaled > 7.0).sum())
+            total += rows.size
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"modules_to_not_convert": MXFP4_NOT_CONVERTED, "quant_method": "mxfp4"}
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return {
+        "experts_storage": "mxfp4: U8 *_blocks + e8m0 *_scales, quantized from the bf16 experts by "
+        "OCP MX v1.0 (shared scale 2^(floor(log2 amax) - 2), E2M1 round-half-even, saturating)",
+        "reference_load": "from_pretrained(dtype=float32, quantization_config=Mxfp4Config(dequantize=True))",
+        "mxfp4": {
+            "scale_exponent_range": [min(exponents), max(exponents)],
+            "saturated_fraction": saturated / total,
+        },
+    }
+
+
+def mxfp4_load_args(family: Family) -> dict:
+    """transformers' own MXFP4 path: the quantizer dequantizes the blocks and scales on load
+    (the only MXFP4 path on a machine without a GPU)."""
+    return {"quantization_config": Mxfp4Config(dequantize=True)} if family.mxfp4 else {}
+
+
+# ---------------------------------------------------------------------------------------
 # One family: build, save, reload, run, check, write
 
 
 def load_f32(directory: Path, family: Family) -> torch.nn.Module:
     model = family.model_class.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager"
+        directory, dtype=torch.float32, attn_implementation="eager", **mxfp4_load_args(family)
     )
     model.eval()
     return model
@@ -986,7 +1135,10 @@ def check_saved_names(directory: Path, family: Family) -> dict[str, torch.Tensor
             f"unexpected {sorted(names - expected)[:5]}, missing {sorted(expected - names)[:5]}"
         )
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.bfloat16 and not name.endswith("e_score_correction_bias"):
+        if family.mxfp4 and name.endswith(("_blocks", "_scales")):
+            if tensor.dtype != torch.uint8:
+                raise RuntimeError(f"{family.name}: {name} saved as {tensor.dtype}, wanted uint8")
+        elif tensor.dtype != torch.bfloat16 and not name.endswith("e_score_correction_bias"):
             raise RuntimeError(f"{family.name}: {name} saved as {tensor.dtype}, wanted bfloat16")
     return tensors
 
@@ -1019,6 +1171,22 @@ def check_widening(model: torch.nn.Module, family: Family, saved: dict[str, torc
                 assert torch.equal(layer.mlp.experts.gate_up_proj[expert_idx], torch.cat([gate, up]))
                 assert torch.equal(layer.mlp.experts.down_proj[expert_idx], down)
         checked = [n for n in saved if ".mlp.experts." not in n]
+    elif family.mxfp4:
+        # transformers' own MXFP4 load (Mxfp4Config(dequantize=True): the plain
+        # GptOssExperts, its weights from `convert_moe_packed_tensors`) must hold exactly
+        # the values the blocks and scales encode by this script's decoder (OCP MX:
+        # E2M1 value x 2^(scale - 127)), widened to f32, in [experts, in, out].
+        for layer_idx, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            if type(experts).__name__ != "GptOssExperts":
+                raise RuntimeError(f"{family.name}: experts loaded as {type(experts).__name__}")
+            for proj in ("gate_up_proj", "down_proj"):
+                prefix = f"model.layers.{layer_idx}.mlp.experts.{proj}"
+                values = decode_mxfp4(saved[f"{prefix}_blocks"].numpy(), saved[f"{prefix}_scales"].numpy())
+                param = getattr(experts, proj)
+                assert param.dtype == torch.float32, (prefix, param.dtype)
+                assert torch.equal(param.double(), torch.from_numpy(values).transpose(1, 2)), prefix
+        checked = [n for n in saved if not n.endswith(("_blocks", "_scales"))]
     else:
         checked = list(saved)
     for name in checked:
@@ -1036,12 +1204,15 @@ def try_seed(family: Family, seed: int, workdir: Path) -> tuple[dict | None, str
     """Build one candidate fixture in workdir; return (expected.json dict, reason)."""
     torch.manual_seed(seed)
     model = family.model_class(family.config)
-    init_weights(model, family.name, seed)
+    init_weights(model, family.arch, seed)
     model.to(torch.bfloat16).save_pretrained(workdir)
+    quantization = write_mxfp4_experts(workdir, family) if family.mxfp4 else None
     saved = check_saved_names(workdir, family)
 
     model = load_f32(workdir, family)
     check_widening(model, family, saved)
+    if family.mxfp4:
+        model.moec_mxfp4_packed = saved
     prompts = random_prompts(seed, family.config.vocab_size)
 
     probe = Probe(model, family)
@@ -1081,7 +1252,7 @@ def try_seed(family: Family, seed: int, workdir: Path) -> tuple[dict | None, str
     # How far a bf16-compute run lands from the f32 reference: the scale of error the
     # Rust tolerance must stay far below (an oracle computing in bf16 should fail).
     model_bf16 = family.model_class.from_pretrained(
-        workdir, dtype=torch.bfloat16, attn_implementation="eager"
+        workdir, dtype=torch.bfloat16, attn_implementation="eager", **mxfp4_load_args(family)
     ).eval()
     bf16_shift = max(
         (greedy(model_bf16, p, 1).prefill_logits - r.prefill_logits).abs().max().item()
@@ -1100,6 +1271,7 @@ def try_seed(family: Family, seed: int, workdir: Path) -> tuple[dict | None, str
         },
         "seed": seed,
         "weights_dtype": "bfloat16",
+        **(quantization or {}),
         "compute_dtype": "float32",
         "attention": "eager",
         "max_new_tokens": MAX_NEW_TOKENS,
@@ -1174,6 +1346,7 @@ def main() -> None:
             "olmoe",
             "qwen2_moe",
             "gpt_oss",
+            "gpt_oss_mxfp4",
             "deepseek_v2",
             "deepseek_v3",
         ],
@@ -1192,6 +1365,7 @@ def main() -> None:
         "olmoe": olmoe_family,
         "qwen2_moe": qwen2_moe_family,
         "gpt_oss": gpt_oss_family,
+        "gpt_oss_mxfp4": lambda: gpt_oss_family(mxfp4=True),
         "deepseek_v2": deepseek_v2_family,
         "deepseek_v3": deepseek_v3_family,
     }
