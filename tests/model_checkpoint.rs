@@ -1,7 +1,7 @@
 //! Checkpoint loading: synthetic checkpoints round-trip through the Hub format (single
 //! file and sharded, bf16/f16/f32), are deterministic, the packed layer image views give
 //! the same numbers as the memory-mapped tensors, gpt-oss MXFP4 experts read as exactly
-//! their bf16 values, and every malformed case is an error naming the file and tensor.
+//! their bf16 values (decoded once, the packed bytes then released), and every malformed case is an error naming the file and tensor.
 
 use moec::model::checkpoint::CheckpointError;
 use moec::model::kernels::isa::Kernels;
@@ -11,7 +11,9 @@ use moec::model::kernels::rope::RopeTable;
 use moec::model::synth::{
     synthetic_layer_image, write_checkpoint, write_checkpoint_as, ExpertStorage, SynthOptions,
 };
-use moec::model::{Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, WeightDtype};
+use moec::model::{
+    Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, SegmentKind, WeightDtype,
+};
 use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
 
@@ -607,6 +609,89 @@ fn mxfp4_experts_generate_exactly_what_their_bf16_values_do() {
         assert_eq!(layout, dense_layout);
         assert!(image.as_bytes() == dense_image.as_bytes(), "layer {layer}");
     }
+}
+
+/// Resident bytes (`Rss`) of this process's mappings of `file`, from /proc/self/smaps.
+fn resident_bytes_of_mapping(file: &Path) -> u64 {
+    let file = file.canonicalize().unwrap();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            inside = line.ends_with(file.to_str().unwrap());
+        } else if inside && first == "Rss:" {
+            kib += line
+                .split_whitespace()
+                .nth(1)
+                .unwrap()
+                .parse::<u64>()
+                .unwrap();
+        }
+    }
+    kib * 1024
+}
+
+/// Decoded MXFP4 experts live once: every reader (the oracle's typed views, the layer
+/// image's segment bytes) gets the one bf16 decoding, and once decoded the packed blocks
+/// and scales are no longer resident in the process. Widths of 512 make the packed
+/// tensors (13 MB) far larger than what may legitimately stay mapped: the header, the
+/// partial pages at each tensor's ends and the kernel's fault-around (up to 64 KiB around
+/// each fault) into the neighbouring tensors.
+#[test]
+fn decoded_mxfp4_experts_are_held_once_and_the_packed_bytes_released() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut card = small_card("gpt-oss-tiny");
+    (card.hidden, card.ffn) = (512, 512);
+    let dir = tmp.path().join("mxfp4");
+    write_checkpoint_as(&card, &dir, &SynthOptions::default(), ExpertStorage::Mxfp4).unwrap();
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let packed: u64 = st
+        .tensors()
+        .iter()
+        .filter(|(name, _)| name.ends_with("_blocks") || name.ends_with("_scales"))
+        .map(|(_, view)| view.data().len() as u64)
+        .sum();
+    drop(st);
+    drop(bytes);
+
+    let ck = Checkpoint::open(&dir).unwrap();
+    let layers = card.layers as usize;
+    assert_eq!(
+        ck.decoded_bytes(),
+        card.layers * card.experts * 3 * card.hidden * card.ffn * 2
+    );
+    assert!(ck.segment_is_decoded(0, SegmentKind::ExpertGateUp(3)));
+    assert!(ck.segment_is_decoded(1, SegmentKind::ExpertDown(0)));
+    assert!(!ck.segment_is_decoded(0, SegmentKind::OProj));
+    assert!(!ck.segment_is_decoded(0, SegmentKind::ExpertGateUpBias(0)));
+
+    // The typed views decode every expert tensor (each from all of its blocks and scales).
+    for layer in 0..layers {
+        let layout = ck.layer_layout(layer).unwrap();
+        let weights = ck.layer_weights(layer).unwrap();
+        for expert in [0, card.experts as usize - 1] {
+            let seg = layout.segment(SegmentKind::ExpertDown(expert)).unwrap();
+            let image_bytes = ck.segment_bytes(layer, seg).unwrap();
+            let moec::model::TypedSlice::Bf16(typed) = weights.experts[expert].down.data else {
+                panic!("decoded MXFP4 experts are bf16");
+            };
+            assert_eq!(
+                image_bytes.as_ptr(),
+                typed.as_ptr().cast::<u8>(),
+                "one decoding"
+            );
+        }
+    }
+    let resident = resident_bytes_of_mapping(&file);
+    assert!(
+        resident < packed / 4,
+        "{resident} bytes of the checkpoint resident after decoding {packed} bytes of MXFP4 \
+         blocks and scales"
+    );
 }
 
 /// An MXFP4 checkpoint whose blocks or scales are missing, not U8, or misshapen is an

@@ -1,7 +1,7 @@
 //! `moec run` and `moec ablate` end to end: the JSON output's tokens equal `moec generate`'s
 //! (the oracle) for the same prompts, the trace is a Chrome trace of every stream, and the
-//! ablation table marks identical outputs and lands in CSV/JSON. Bad flags are one-line
-//! errors with exit 1.
+//! ablation table marks identical outputs and lands in CSV/JSON; decoded MXFP4 experts are
+//! reported as decoded, not mapped. Bad flags are one-line errors with exit 1.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -70,6 +70,8 @@ fn run_json_matches_generate_and_writes_a_trace() {
         got["stats"]["generated_tokens"],
         expected["stats"]["generated_tokens"]
     );
+    // Every weight of a bf16 checkpoint is mapped, none decoded.
+    assert_eq!(got["memory"]["weights_decoded_bytes"], 0);
     let report = &got["report"];
     assert!(report["decode_steps"].as_u64().unwrap() >= 1);
     assert!(report["makespan_over_critical_path"].as_f64().unwrap() >= 0.99);
@@ -80,6 +82,65 @@ fn run_json_matches_generate_and_writes_a_trace() {
     assert!(events
         .iter()
         .any(|e| e["name"].as_str().is_some_and(|n| n.contains("attn"))));
+}
+
+/// A gpt-oss checkpoint with MXFP4 experts: the report says the experts were decoded to
+/// bf16 at load and how many bytes (4 layers x 16 experts x 3 x 128 x 64 bf16 weights of
+/// gpt-oss-tiny), in the text and in `--json`, instead of calling them memory-mapped.
+#[test]
+fn run_reports_mxfp4_experts_as_decoded_not_mapped() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = cache.path().join("gpt-oss-tiny-mxfp4");
+    let dir_arg = dir.to_str().unwrap();
+    let synth = moec(
+        cache.path(),
+        &[
+            "synth",
+            "--model",
+            "gpt-oss-tiny",
+            "--mxfp4",
+            "--out",
+            dir_arg,
+        ],
+    );
+    assert!(
+        synth.status.success(),
+        "{}",
+        String::from_utf8_lossy(&synth.stderr)
+    );
+    let run = [
+        "run",
+        "schedules/baselines/resident.sched",
+        "--weights",
+        dir_arg,
+        "--prompt",
+        "Hello",
+        "--gen-len",
+        "2",
+    ];
+    let out = moec(cache.path(), &run);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("weights "))
+        .expect("a weights line");
+    assert!(
+        line.contains("3.00 MiB MXFP4 experts decoded to bf16 at load")
+            && line.contains("the rest memory-mapped"),
+        "{line}"
+    );
+    let mut with_json = run.to_vec();
+    with_json.push("--json");
+    let doc = json(&moec(cache.path(), &with_json));
+    assert_eq!(
+        doc["memory"]["weights_decoded_bytes"],
+        4 * 16 * 3 * 128 * 64 * 2
+    );
 }
 
 #[test]

@@ -12,7 +12,9 @@
 //! gpt-oss checkpoint whose config says `quant_method: mxfp4` stores its expert tensors as
 //! U8 `_blocks` / `_scales` pairs: both are checked at open, and every reader sees the bf16
 //! tensor they decode to (as transformers dequantizes them), decoded once per tensor on
-//! first use into an owned aligned buffer; [`Checkpoint::storage_note`] says so.
+//! first use into an owned aligned buffer that every reader shares, after which the packed
+//! pages are released from the process's resident memory; [`Checkpoint::storage_note`] and
+//! [`Checkpoint::decoded_bytes`] say so.
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
@@ -443,6 +445,23 @@ impl Checkpoint {
         self.mxfp4_experts.then_some(config::MXFP4_NOTE)
     }
 
+    /// Bytes of bf16 the checkpoint's MXFP4 expert tensors decode to: memory the process
+    /// allocates (once per tensor, on first use) rather than maps. 0 without MXFP4 experts.
+    pub fn decoded_bytes(&self) -> u64 {
+        self.tensors
+            .values()
+            .filter(|e| e.mxfp4.is_some())
+            .map(|e| e.shape.iter().product::<usize>() as u64 * 2)
+            .sum()
+    }
+
+    /// Whether the bytes of segment `kind` of layer `layer` are a decoding held in memory
+    /// (an MXFP4 expert tensor) rather than the file's own bytes in its memory map.
+    pub fn segment_is_decoded(&self, layer: usize, kind: SegmentKind) -> bool {
+        let name = self.source(layer, kind).name;
+        self.tensors.get(&name).is_some_and(|e| e.mxfp4.is_some())
+    }
+
     /// The folder's own `tokenizer.json`, if it has one.
     pub fn tokenizer_path(&self) -> Option<PathBuf> {
         let p = self.dir.join("tokenizer.json");
@@ -490,6 +509,9 @@ impl Checkpoint {
                     out.as_bytes_mut(),
                 );
                 debug_assert!(decoded.is_some());
+                // Every reader now takes the decoding: the packed bytes were read once.
+                release_pages(&self.shards[entry.shard].mmap, entry.range.clone());
+                release_pages(&self.shards[scales.shard].mmap, scales.range.clone());
                 out
             })
             .as_bytes()
@@ -872,6 +894,30 @@ impl Checkpoint {
         self.copy_layer_image(layer, &layout, image.as_bytes_mut())?;
         Ok((layout, image))
     }
+}
+
+/// Takes the whole pages inside `range` of `map` out of this process's resident memory
+/// (`MADV_DONTNEED`): the packed MXFP4 bytes there were just decoded, and without this
+/// they would stay resident beside their bf16 decoding until the process ends. The bytes
+/// stay valid (a later read faults the same file bytes back in from the page cache or the
+/// disk), so this is only about memory; where the OS refuses, the pages simply stay.
+fn release_pages(map: &Mmap, range: Range<usize>) {
+    const PAGE: usize = 4096;
+    let base = map.as_ptr() as usize;
+    let start = (base + range.start).next_multiple_of(PAGE) - base;
+    let end = (base + range.end) / PAGE * PAGE - base;
+    if start >= end {
+        return;
+    }
+    #[cfg(unix)]
+    // SAFETY: `map` is a read-only `MAP_SHARED` mapping of a checkpoint file that moec never
+    // writes (the same assumption as the mapping itself, see `Checkpoint::open_with_card`),
+    // and `start..end` lies inside it. MADV_DONTNEED on a shared file mapping only drops
+    // page-table entries: the next access reads the file's unchanged bytes again, so every
+    // slice into the map (including ones other readers hold) keeps seeing the same values.
+    let _ = unsafe {
+        map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+    };
 }
 
 /// Registers, for every layer of an MXFP4 gpt-oss checkpoint, an entry under each expert

@@ -8,9 +8,12 @@
 //! A view is served only when it lies inside one tensor (ops read weights whole, through the
 //! weight maps); a copy out of the image assembles any byte range tensor by tensor and
 //! zero-fills the padding between segments, so its destination holds exactly the bytes of the
-//! packed image. The one exception to "no copy" is a tensor whose stored bytes are not aligned
-//! for its dtype: that tensor alone is held as an owned, aligned copy (safetensors aligns
-//! tensors in practice, so this is a fallback, not the normal path).
+//! packed image. Tensors the file stores packed (gpt-oss MXFP4 experts) are served from the
+//! checkpoint's one bf16 decoding of them, in place: allocated once at load, never copied
+//! again, and not file pages (so not populated). The one exception to "no copy" is a tensor
+//! whose stored bytes are not aligned for its dtype: that tensor alone is held as an owned,
+//! aligned copy (safetensors aligns tensors in practice, so this is a fallback, not the
+//! normal path).
 
 use super::weights::{ImageError, ImageLayout, WeightTag};
 use crate::model::card::WeightDtype;
@@ -44,6 +47,9 @@ pub enum ImageViewError {
 enum TensorBytes<'c> {
     /// Inside the checkpoint's memory map.
     Mapped(&'c [u8]),
+    /// The checkpoint's own decoding of a tensor the file stores packed (MXFP4 experts):
+    /// allocated memory, viewed in place, never copied again and not the file's pages.
+    Decoded(&'c [u8]),
     /// An aligned copy (the stored bytes were misaligned for the dtype).
     Owned(ImageBuffer),
 }
@@ -51,7 +57,7 @@ enum TensorBytes<'c> {
 impl TensorBytes<'_> {
     fn as_bytes(&self) -> &[u8] {
         match self {
-            TensorBytes::Mapped(bytes) => bytes,
+            TensorBytes::Mapped(bytes) | TensorBytes::Decoded(bytes) => bytes,
             TensorBytes::Owned(buffer) => buffer.as_bytes(),
         }
     }
@@ -123,6 +129,7 @@ impl<'c> MappedImage<'c> {
         let head = checkpoint.head_tensors()?;
         let mut tensors = Vec::new();
         for (start, len, tag) in layout.tags() {
+            let mut decoded = false;
             let (bytes, dtype) = match tag {
                 WeightTag::Embed => (head.embed.bytes, head.embed.dtype),
                 WeightTag::FinalNorm => (head.final_norm.bytes, head.final_norm.dtype),
@@ -131,6 +138,7 @@ impl<'c> MappedImage<'c> {
                     let Some(seg) = layout.layer.segment(kind) else {
                         continue;
                     };
+                    decoded = checkpoint.segment_is_decoded(layer as usize, kind);
                     (checkpoint.segment_bytes(layer as usize, seg)?, seg.dtype)
                 }
             };
@@ -142,7 +150,10 @@ impl<'c> MappedImage<'c> {
                     expected: len,
                 });
             }
-            let bytes = if (bytes.as_ptr() as usize).is_multiple_of(dtype_align(dtype)) {
+            let bytes = if decoded {
+                // Aligned by construction, and already in memory: not a file page to fault in.
+                TensorBytes::Decoded(bytes)
+            } else if (bytes.as_ptr() as usize).is_multiple_of(dtype_align(dtype)) {
                 TensorBytes::Mapped(bytes)
             } else {
                 // Kernels view weights as typed slices, which need dtype alignment; a file
