@@ -3,7 +3,11 @@
 //! Takes the fixtures in `tests/fixtures/parity/<family>/` written by
 //! `scripts/make_parity_fixtures.py`: a small random checkpoint in the Hub layout (bf16
 //! `model.safetensors` + `config.json`) and `expected.json`, the greedy output of
-//! transformers run in f32 on the widened bf16 weights (the oracle's own numerics).
+//! transformers run in f32 on the widened bf16 weights (the oracle's own numerics). The
+//! `gpt_oss_mxfp4` fixture stores its routed experts as MXFP4 (`*_blocks` / `*_scales`,
+//! `quantization_config.quant_method: mxfp4`, as the Hub's gpt-oss checkpoints) and its
+//! reference is transformers' own MXFP4 load (`Mxfp4Config(dequantize=True)`), so moec's
+//! decoder is under test, not a bf16 transcription of it.
 //! Loads each checkpoint the way `--weights DIR` does (architecture from config.json, no
 //! card, no tokenizer), runs greedy generation with the oracle and checks, per prompt:
 //!
@@ -40,6 +44,9 @@ const LOGIT_TOLERANCE: f64 = 1e-3;
 struct Expected {
     family: String,
     generator: Generator,
+    /// How transformers loaded the checkpoint when not the plain f32 widening (MXFP4).
+    #[serde(default)]
+    reference_load: Option<String>,
     max_new_tokens: usize,
     cases: Vec<Case>,
 }
@@ -157,8 +164,14 @@ fn check_family(family: &str) {
         "fixture folder and expected.json disagree"
     );
     let origin = format!(
-        "reference: transformers {} / torch {}, f32 compute on bf16 weights",
-        expected.generator.transformers, expected.generator.torch
+        "reference: transformers {} / torch {}, f32 compute on bf16 weights{}",
+        expected.generator.transformers,
+        expected.generator.torch,
+        expected
+            .reference_load
+            .as_deref()
+            .map(|load| format!(", MXFP4 experts through {load}"))
+            .unwrap_or_default()
     );
 
     let checkpoint = Checkpoint::open(&dir)
@@ -247,6 +260,18 @@ fn qwen2_moe_oracle_matches_transformers() {
 #[test]
 fn gpt_oss_oracle_matches_transformers() {
     check_family("gpt_oss");
+}
+
+/// The MXFP4 fixture is read as MXFP4 (every expert tensor decoded from its blocks and
+/// scales), not as a bf16 checkpoint, and then matches transformers' own MXFP4 load.
+#[test]
+fn gpt_oss_mxfp4_oracle_matches_transformers_mxfp4_load() {
+    let dir = fixture_dir("gpt_oss_mxfp4");
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    assert!(checkpoint.storage_note().is_some(), "not read as MXFP4");
+    // 4 layers x 16 experts x (64 x 64 gate/up + 32 x 64 down) bf16 weights.
+    assert_eq!(checkpoint.decoded_bytes(), 4 * 16 * (64 * 64 + 32 * 64) * 2);
+    check_family("gpt_oss_mxfp4");
 }
 
 #[test]
