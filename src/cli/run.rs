@@ -25,7 +25,8 @@ use crate::diag;
 use crate::ir::{TaskId, Workload};
 use crate::lower::{lower, ExecPlan, LowerOptions};
 use crate::model::card::ModelCard;
-use crate::model::source::load_model;
+use crate::model::source::{load_model, LoadedModel};
+use crate::model::tokenizer::TextTokenizer;
 use crate::model::Sampling;
 use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, timeline, RunReport};
@@ -180,13 +181,17 @@ pub fn execute_profiling(
     let name = args.sched.display().to_string();
     let source = crate::textfile::read_capped(&args.sched, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
-    let model = load_model(&args.model.source()).map_err(|e| msg(&e))?;
-    let card: ModelCard = model.checkpoint.card().clone();
+    let LoadedModel {
+        checkpoint,
+        tokenizer,
+        ..
+    } = load_model(&args.model.source()).map_err(|e| msg(&e))?;
+    let card: ModelCard = checkpoint.card().clone();
     let mut texts = args.prompt.texts().map_err(Failure::Message)?;
     let mut gen_len = args.gen_len;
     let mut prompt_ids: Vec<Vec<u32>> = texts
         .iter()
-        .map(|t| model.tokenizer.encode(t))
+        .map(|t| tokenizer.encode(t))
         .collect::<Result<_, _>>()
         .map_err(|e| msg(&e))?;
     if let Some(spec) = &args.settings.workload {
@@ -204,9 +209,15 @@ pub fn execute_profiling(
         // The README's main command: a small built-in prompt set of different lengths.
         for text in DEFAULT_PROMPTS {
             texts.push(text.to_string());
-            prompt_ids.push(model.tokenizer.encode(text).map_err(|e| msg(&e))?);
+            prompt_ids.push(tokenizer.encode(text).map_err(|e| msg(&e))?);
         }
     }
+    // A tokenizer takes 32 MiB (Mixtral's) to 95 MiB (cl100k) of heap, as much as the
+    // workspaces of a small model's run: it is dropped once the prompts are encoded and
+    // loaded again for decoding after the checkpoint is unmapped, so it never adds to the
+    // peak the weights set.
+    let tokenizer_dir = checkpoint.dir().to_path_buf();
+    drop(tokenizer);
     if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
         p.iter()
             .find(|&&id| u64::from(id) >= card.vocab)
@@ -341,11 +352,14 @@ pub fn execute_profiling(
         .map(parse_kill)
         .transpose()
         .map_err(Failure::Message)?;
+    // The tokenizer's and the quick probe's freed pages leave the resident set before the
+    // weights enter it.
+    release_freed_heap();
     let ran = if on_cuda {
-        crate::runtime::cuda::generate(&plan, &model.checkpoint, &prompt_ids, &run, progress)
+        crate::runtime::cuda::generate(&plan, &checkpoint, &prompt_ids, &run, progress)
             .map(|(outputs, stats, report)| (outputs, stats, cuda_line(&report)))
     } else {
-        generate(&plan, &model.checkpoint, &prompt_ids, &run, progress).map(|(outputs, stats)| {
+        generate(&plan, &checkpoint, &prompt_ids, &run, progress).map(|(outputs, stats)| {
             (
                 outputs,
                 stats,
@@ -378,15 +392,14 @@ pub fn execute_profiling(
             .and_then(|pred| pred.step_seconds);
     }
     let outputs: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    let decoded_weight_bytes = checkpoint.decoded_bytes();
+    drop(checkpoint);
+    let tokenizer =
+        TextTokenizer::load(&card, Some(tokenizer_dir.as_path())).map_err(|e| msg(&e))?;
     let texts_out = outputs
         .iter()
         .zip(&prompt_ids)
-        .map(|(o, p)| {
-            model
-                .tokenizer
-                .decode_continuation(p, o)
-                .unwrap_or_default()
-        })
+        .map(|(o, p)| tokenizer.decode_continuation(p, o).unwrap_or_default())
         .collect::<Vec<_>>();
     let texts = texts.into_iter().zip(texts_out).collect();
     Ok((
@@ -400,10 +413,22 @@ pub fn execute_profiling(
             worst_case_step_seconds,
             profile,
             pools,
-            decoded_weight_bytes: model.checkpoint.decoded_bytes(),
+            decoded_weight_bytes,
         },
         texts,
     ))
+}
+
+/// Gives the pages of freed heap chunks back to the OS: glibc keeps a freed chunk below
+/// the heap's top mapped, so without this the dropped tokenizer's and the quick probe's
+/// pages would stay in the run's resident set.
+fn release_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory of glibc's own arenas to the OS; it
+    // touches no live allocation and is thread-safe (it takes each arena's lock).
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// How the run's copies were carried out, when the backend bound weight copies.
