@@ -352,7 +352,8 @@ def gpt_oss_family() -> Family:
 
 
 def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
-    """Hub names of a DeepSeek-V2/V3 checkpoint (MLA projections, per-expert experts)."""
+    """Hub names of a DeepSeek-V2/V3 checkpoint (MLA projections, per-expert experts; the
+    leading dense layers' `mlp.gate_proj/up_proj/down_proj`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     attn = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
     attn += ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if q_lora else ["q_proj.weight"]
@@ -361,9 +362,12 @@ def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
         names += [
             f"{prefix}.input_layernorm.weight",
             f"{prefix}.post_attention_layernorm.weight",
-            f"{prefix}.mlp.gate.weight",
         ]
         names += [f"{prefix}.self_attn.{w}" for w in attn]
+        if layer_idx < config.first_k_dense_replace:
+            names += [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+            continue
+        names.append(f"{prefix}.mlp.gate.weight")
         names += [f"{prefix}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
         if score_bias:
             names.append(f"{prefix}.mlp.gate.e_score_correction_bias")
@@ -375,7 +379,8 @@ def deepseek_small(mscale: float, **family_fields):
     """The size both DeepSeek fixtures share (3 layers, 16 routed experts top-4 in 4 groups
     of which 2 are kept, MLA kv_lora 32 with qk 16 + rope 8 and v 16, YaRN factor 4 over 64
     original positions with mscale = mscale_all_dim = `mscale`), plus each family's own
-    fields. No leading dense layer: moec refuses first_k_dense_replace > 0."""
+    fields. Layer 0 is dense (first_k_dense_replace 1: a SwiGLU of intermediate_size 96),
+    layers 1-2 are MoE."""
     return dict(
         vocab_size=512,
         hidden_size=64,
@@ -388,7 +393,7 @@ def deepseek_small(mscale: float, **family_fields):
         num_experts_per_tok=4,
         n_group=4,
         topk_group=2,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
@@ -528,6 +533,8 @@ class Probe:
         if family.name in DEEPSEEK:
             self.top_k = family.config.num_experts_per_tok
             for layer_idx, layer in enumerate(model.model.layers):
+                if layer_idx < family.config.first_k_dense_replace:
+                    continue  # a dense layer: no router
                 self.handles.append(
                     layer.mlp.gate.register_forward_hook(self._deepseek_hook(layer_idx, layer.mlp.gate))
                 )

@@ -99,6 +99,23 @@ impl Dims {
     fn routing_bytes(&self) -> f64 {
         self.n * self.k * ROUTE_ENTRY_BYTES as f64
     }
+
+    /// The dimensions of `op`'s layer: a leading dense layer has no router and no routed
+    /// expert, and its SwiGLU of `dense_ffn` takes the shared expert's place (ungated).
+    fn at_layer(mut self, op: &Op, card: &ModelCard) -> Dims {
+        if dense_layer(op, card) {
+            self.e = 0.0;
+            self.fs = card.dense_ffn as f64;
+            self.sg = 0.0;
+        }
+        self
+    }
+}
+
+/// True when `op` works on one of the card's leading dense layers.
+fn dense_layer(op: &Op, card: &ModelCard) -> bool {
+    op.layer()
+        .is_some_and(|l| card.is_dense_layer(u64::from(l)))
 }
 
 fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor>) -> RoleSig {
@@ -336,12 +353,17 @@ const POST_ATTN: OpDef = OpDef {
     },
     signature: post_attn_signature,
     work: WorkDef {
-        flops: |_, card, shape| {
-            let d = Dims::new(card, shape);
+        flops: |op, card, shape| {
+            let d = Dims::new(card, shape).at_layer(op, card);
+            let routed = if dense_layer(op, card) {
+                0.0
+            } else {
+                d.n * d.k
+            };
             2.0 * d.n * d.o_macs
                 + d.norm()
                 + 2.0 * d.n * d.h * d.e
-                + d.expert_flops(d.n * d.k)
+                + d.expert_flops(routed)
                 + d.shared_flops()
                 + 3.0 * d.n * d.h
         },
@@ -354,7 +376,12 @@ const POST_ATTN: OpDef = OpDef {
 fn post_attn_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
     let mut weights = vec![Tensor::O { layer }, Tensor::Gate { layer }];
-    weights.extend((0..card.experts as u32).map(|e| Tensor::Expert {
+    let routed = if dense_layer(op, card) {
+        0
+    } else {
+        card.experts as u32
+    };
+    weights.extend((0..routed).map(|e| Tensor::Expert {
         layer,
         expert: ExpertRef::Index(e),
     }));
@@ -378,12 +405,13 @@ fn attn_out_all(layer: u32, ub: u32) -> Tensor {
     }
 }
 
-fn post_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
-    let d = Dims::new(card, shape);
+fn post_attn_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape).at_layer(op, card);
     let layout = CheckpointLayout::new(card);
+    let layer = u64::from(op.layer().unwrap_or(0));
     match role {
         Role::W => {
-            (layout.o_bytes + layout.gate_bytes) as f64
+            (layout.o_bytes + layout.gate_bytes_of(layer)) as f64
                 + d.active_experts(d.e) * layout.expert_bytes as f64
         }
         Role::A => d.rows(d.q),
@@ -472,8 +500,8 @@ const GATE: OpDef = OpDef {
     },
     signature: gate_signature,
     work: WorkDef {
-        flops: |_, card, shape| {
-            let d = Dims::new(card, shape);
+        flops: |op, card, shape| {
+            let d = Dims::new(card, shape).at_layer(op, card);
             d.norm() + 2.0 * d.n * d.h * d.e + 5.0 * d.n * d.e + d.shared_flops()
         },
         bytes: gate_bytes,
@@ -501,10 +529,11 @@ fn gate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn gate_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn gate_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
+    let layer = u64::from(op.layer().unwrap_or(0));
     match role {
-        Role::W => CheckpointLayout::new(card).gate_bytes as f64,
+        Role::W => CheckpointLayout::new(card).gate_bytes_of(layer) as f64,
         Role::H => d.rows(d.h),
         Role::Route => d.routing_bytes(),
         // The gate writes the normalised rows, zeroes every (token, k) slot and writes the
@@ -539,12 +568,12 @@ const EXPERTS: OpDef = OpDef {
     signature: experts_signature,
     work: WorkDef {
         flops: |op, card, shape| {
-            Dims::new(card, shape).expert_flops(routed_tokens(&expert_set(op), card, shape))
+            Dims::new(card, shape).expert_flops(layer_routed_tokens(op, card, shape))
         },
         bytes: experts_bytes,
         // The gate/up intermediates of the routed tokens, at most one row per token.
         workspace: |op, card, shape| {
-            let routed = routed_tokens(&expert_set(op), card, shape).ceil() as u64;
+            let routed = layer_routed_tokens(op, card, shape).ceil() as u64;
             routed.min(shape.tokens) * card.ffn * 2 * shape.act_bytes
         },
     },
@@ -557,10 +586,24 @@ fn expert_set(op: &Op) -> ExpertSet {
     }
 }
 
+/// Token-expert pairs an `experts` task computes on average; none on a dense layer.
+fn layer_routed_tokens(op: &Op, card: &ModelCard, shape: &Shape) -> f64 {
+    if dense_layer(op, card) {
+        0.0
+    } else {
+        routed_tokens(&expert_set(op), card, shape)
+    }
+}
+
 fn experts_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
-    let weights = expert_set(op)
-        .members(card.experts)
+    // A dense layer routes no token to any expert: the task reads no expert's weights.
+    let members = if dense_layer(op, card) {
+        Vec::new()
+    } else {
+        expert_set(op).members(card.experts)
+    };
+    let weights = members
         .into_iter()
         .map(|expert| Tensor::Expert { layer, expert })
         .collect();
@@ -581,13 +624,15 @@ fn experts_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
 fn experts_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     let set = expert_set(op);
+    let in_set = if dense_layer(op, card) {
+        0.0
+    } else {
+        set.len(card.experts) as f64
+    };
     match role {
-        Role::W => {
-            d.active_experts(set.len(card.experts) as f64)
-                * CheckpointLayout::new(card).expert_bytes as f64
-        }
+        Role::W => d.active_experts(in_set) * CheckpointLayout::new(card).expert_bytes as f64,
         Role::Route => d.routing_bytes(),
-        Role::Acc => 2.0 * routed_tokens(&set, card, shape) * d.h * d.a,
+        Role::Acc => 2.0 * layer_routed_tokens(op, card, shape) * d.h * d.a,
         _ => len as f64,
     }
 }

@@ -128,7 +128,7 @@ impl<'c> MappedImage<'c> {
                 WeightTag::FinalNorm => (head.final_norm.bytes, head.final_norm.dtype),
                 WeightTag::LmHead => (head.lm_head.bytes, head.lm_head.dtype),
                 WeightTag::Layer { layer, kind } => {
-                    let Some(seg) = layout.layer.segment(kind) else {
+                    let Some(seg) = layout.layer_of(layer).segment(kind) else {
                         continue;
                     };
                     (checkpoint.segment_bytes(layer as usize, seg)?, seg.dtype)
@@ -345,9 +345,10 @@ mod tests {
         dst[..embed.len()].copy_from_slice(embed);
         for layer in 0..c.layers {
             let start = c.layer_offset(layer) as usize;
-            let end = start + c.layer_bytes() as usize;
+            let end = start + c.layer_bytes_of(layer) as usize;
+            let image = layout.layer_of(layer as u32);
             checkpoint
-                .copy_layer_image(layer as usize, &layout.layer, &mut dst[start..end])
+                .copy_layer_image(layer as usize, image, &mut dst[start..end])
                 .unwrap();
         }
         let head = c.head_offset() as usize;
@@ -467,6 +468,14 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_image_with_a_dense_layer_is_the_mapped_checkpoint() {
+        // Layer 0 is dense: `[pre | o | norm + SwiGLU]`, no experts; layers 1-3 are MoE.
+        let card = ModelCard::load("deepseek-v3-tiny").unwrap();
+        assert_eq!(card.dense_layers, 1);
+        check_card(&card);
+    }
+
+    #[test]
     fn padding_between_tensors_is_zero_filled() {
         // Widths whose tensors are not multiples of the 64-byte segment alignment, so the
         // packed image has padding after norms, projections and experts.
@@ -481,7 +490,7 @@ mod tests {
         ) = (36, 50, 3, 1, 12);
         card.layers = 2;
         let layout = CheckpointLayout::new(&card);
-        let padded = layout.layer_bytes()
+        let padded = layout.moe_layer_bytes()
             - (card.hidden * 2 + (card.heads + 2 * card.kv_heads) * card.head_dim * card.hidden)
                 * 2
             - (card.heads * card.head_dim * card.hidden + card.experts * card.hidden) * 2
