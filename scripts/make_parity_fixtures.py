@@ -756,7 +756,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what == "flip_router_renorm":
-        routers = [layer.mlp.gate for layer in model.model.layers]
+        routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         for router in routers:
             router.norm_topk_prob = not router.norm_topk_prob
 
@@ -858,7 +858,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what == "no_deepseek_shared_experts":
-        blocks = [layer.mlp for layer in model.model.layers]
+        blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         saved = [block.shared_experts for block in blocks]
         for block in blocks:
             block.shared_experts = _Zeros()
@@ -866,6 +866,18 @@ def break_model(model: torch.nn.Module, family: str, what: str):
         def undo():
             for block, expert in zip(blocks, saved):
                 block.shared_experts = expert
+
+        return undo
+    if what == "no_dense_ffn":
+        # DeepSeek's leading dense layers (no router): their SwiGLU contributes nothing.
+        layers = [layer for layer in model.model.layers if not hasattr(layer.mlp, "gate")]
+        saved = [layer.mlp for layer in layers]
+        for layer in layers:
+            layer.mlp = _Zeros()
+
+        def undo():
+            for layer, mlp in zip(layers, saved):
+                layer.mlp = mlp
 
         return undo
     if what == "no_softmax_mscale":
@@ -880,7 +892,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what == "no_group_limit":
-        routers = [layer.mlp.gate for layer in model.model.layers]
+        routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         saved = [router.topk_group for router in routers]
         for router in routers:
             router.topk_group = router.num_group
@@ -891,7 +903,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what in ("no_routed_scaling", "no_score_bias"):
-        routers = [layer.mlp.gate for layer in model.model.layers]
+        routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         if what == "no_routed_scaling":
             saved = [router.routed_scaling_factor for router in routers]
             for router in routers:
@@ -930,12 +942,14 @@ def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -
         "olmoe": ["flip_router_renorm", "no_qk_norm", "rope_theta_10000"],
         "gpt_oss": ["no_sinks", "no_sliding_window", "no_swiglu_clamp", "no_yarn"],
         "deepseek_v2": [
+            "no_dense_ffn",
             "no_deepseek_shared_experts",
             "no_softmax_mscale",
             "no_group_limit",
             "no_routed_scaling",
         ],
         "deepseek_v3": [
+            "no_dense_ffn",
             "no_deepseek_shared_experts",
             "no_softmax_mscale",
             "no_group_limit",
@@ -1017,6 +1031,8 @@ def check_widening(model: torch.nn.Module, family: Family, saved: dict[str, torc
         # In memory the experts are fused (`mlp.experts.gate_up_proj` [E, 2F, D] and
         # `down_proj` [E, D, F]); on disk they are per expert.
         for layer_idx, layer in enumerate(model.model.layers):
+            if layer_idx < getattr(family.config, "first_k_dense_replace", 0):
+                continue  # DeepSeek's dense layer: its mlp.* are checked with the rest below
             prefix = f"model.layers.{layer_idx}.mlp.experts"
             n_experts = getattr(family.config, "n_routed_experts", None) or family.config.num_experts
             for expert_idx in range(n_experts):

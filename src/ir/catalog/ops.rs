@@ -112,6 +112,21 @@ impl Dims {
     }
 }
 
+/// Bytes of MLA's `kv_b_proj` key rows (`W_uk`, heads x qk_nope) and value rows (`W_uv`,
+/// heads x v_head_dim); (0, 0) without MLA. The packed layer holds the whole tensor in both
+/// its `pre` and its `o` part (each op reads its part of `W` only), but `pre_attn` reads
+/// only the key rows and `o_proj` only the value rows, so each is charged its own rows and
+/// the tensor is counted once per layer.
+fn kv_b_rows_bytes(card: &ModelCard) -> (u64, u64) {
+    card.mla.map_or((0, 0), |m| {
+        let per_row = m.kv_lora_rank * card.dtype.bytes();
+        (
+            card.heads * m.qk_nope_head_dim * per_row,
+            card.heads * m.v_head_dim * per_row,
+        )
+    })
+}
+
 /// True when `op` works on one of the card's leading dense layers.
 fn dense_layer(op: &Op, card: &ModelCard) -> bool {
     op.layer()
@@ -229,7 +244,8 @@ fn pre_attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
 fn pre_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => CheckpointLayout::new(card).pre_bytes as f64,
+        // MLA: `pre` holds all of `kv_b_proj` but reads only its key rows (`W_uk`).
+        Role::W => (CheckpointLayout::new(card).pre_bytes - kv_b_rows_bytes(card).1) as f64,
         Role::H => d.rows(d.h),
         Role::Out => d.n * card.qkv_width() as f64 * d.a,
         _ => len as f64,
@@ -411,7 +427,7 @@ fn post_attn_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u6
     let layer = u64::from(op.layer().unwrap_or(0));
     match role {
         Role::W => {
-            (layout.o_bytes + layout.gate_bytes_of(layer)) as f64
+            (layout.o_bytes - kv_b_rows_bytes(card).0 + layout.gate_bytes_of(layer)) as f64
                 + d.active_experts(d.e) * layout.expert_bytes as f64
         }
         Role::A => d.rows(d.q),
@@ -469,7 +485,8 @@ fn o_proj_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
 fn o_proj_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => CheckpointLayout::new(card).o_bytes as f64,
+        // MLA: `o` holds all of `kv_b_proj` but reads only its value rows (`W_uv`).
+        Role::W => (CheckpointLayout::new(card).o_bytes - kv_b_rows_bytes(card).0) as f64,
         Role::A => d.rows(d.q),
         Role::H => 2.0 * d.rows(d.h),
         _ => len as f64,
@@ -852,6 +869,43 @@ mod tests {
             .collect(),
             _ => vec![base],
         }
+    }
+
+    /// DeepSeek-V2-Lite by hand: `kv_b_proj` is 16 heads x (128 + 128) rows x 512 x 2 bytes
+    /// = 4,194,304 bytes, counted once over `pre_attn` (key rows) and `o_proj` (value
+    /// rows); its dense layer 0 charges its own `gate` (norm + 3 x 2048 x 10944 x 2 bytes)
+    /// and no expert, its MoE layer 1 the router, shared experts and its active experts.
+    #[test]
+    fn deepseek_weights_are_charged_once_and_per_layer() {
+        let card = ModelCard::load("deepseek-v2-lite").unwrap();
+        let layout = CheckpointLayout::new(&card);
+        let shape = Shape {
+            tokens: 1,
+            seqs: 1,
+            context: 0,
+            act_bytes: 4,
+        };
+        let w = |op: Op| super::super::role_traffic(&op, Role::W, &card, &shape, u64::MAX).1;
+        let pre = w(Op::PreAttn { layer: 1, ub: 0 });
+        let o = w(Op::OProj { layer: 1, ub: 0 });
+        let kv_b = 16 * 256 * 512 * 2;
+        assert_eq!((pre + o) as u64, layout.pre_bytes + layout.o_bytes - kv_b);
+        assert_eq!(layout.dense_gate_bytes, 2048 * 2 + 3 * 2048 * 10944 * 2);
+        assert_eq!(w(Op::Gate { layer: 0, ub: 0 }) as u64, layout.dense_gate_bytes);
+        assert_eq!(w(Op::Gate { layer: 1, ub: 0 }) as u64, layout.gate_bytes);
+        let all = ExpertSet::All;
+        assert_eq!(w(Op::Experts { layer: 0, ub: 0, set: all }), 0.0);
+        // One token: its top-6 experts.
+        assert_eq!(
+            w(Op::Experts { layer: 1, ub: 0, set: all }) as u64,
+            6 * layout.expert_bytes
+        );
+        let flops = |op: Op| super::super::flops(&op, &card, &shape);
+        assert_eq!(flops(Op::Experts { layer: 0, ub: 0, set: all }), 0.0);
+        // The dense SwiGLU of layer 0 (2 x 3 x 2048 x 10944) against the router, 6 experts
+        // and 2 shared of width 1408 of layer 1.
+        let gate0 = flops(Op::Gate { layer: 0, ub: 0 });
+        assert!((gate0 - (4.0 * 2048.0 + 2.0 * 3.0 * 2048.0 * 10944.0)).abs() < 1.0);
     }
 
     #[test]
