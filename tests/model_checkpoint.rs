@@ -470,6 +470,8 @@ fn dense_layer_tensors_are_read_by_their_hub_names_and_checked() {
         "{msg}"
     );
     let victim = "model.layers.0.mlp.down_proj.weight";
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = synth(tmp.path(), &card, SynthOptions::default());
     rewrite(&dir, |n, d, s, b| (n != victim).then_some((d, s, b)));
     let msg = load_err(&dir);
     assert!(

@@ -891,17 +891,38 @@ mod tests {
         let kv_b = 16 * 256 * 512 * 2;
         assert_eq!((pre + o) as u64, layout.pre_bytes + layout.o_bytes - kv_b);
         assert_eq!(layout.dense_gate_bytes, 2048 * 2 + 3 * 2048 * 10944 * 2);
-        assert_eq!(w(Op::Gate { layer: 0, ub: 0 }) as u64, layout.dense_gate_bytes);
+        assert_eq!(
+            w(Op::Gate { layer: 0, ub: 0 }) as u64,
+            layout.dense_gate_bytes
+        );
         assert_eq!(w(Op::Gate { layer: 1, ub: 0 }) as u64, layout.gate_bytes);
         let all = ExpertSet::All;
-        assert_eq!(w(Op::Experts { layer: 0, ub: 0, set: all }), 0.0);
+        assert_eq!(
+            w(Op::Experts {
+                layer: 0,
+                ub: 0,
+                set: all
+            }),
+            0.0
+        );
         // One token: its top-6 experts.
         assert_eq!(
-            w(Op::Experts { layer: 1, ub: 0, set: all }) as u64,
+            w(Op::Experts {
+                layer: 1,
+                ub: 0,
+                set: all
+            }) as u64,
             6 * layout.expert_bytes
         );
         let flops = |op: Op| super::super::flops(&op, &card, &shape);
-        assert_eq!(flops(Op::Experts { layer: 0, ub: 0, set: all }), 0.0);
+        assert_eq!(
+            flops(Op::Experts {
+                layer: 0,
+                ub: 0,
+                set: all
+            }),
+            0.0
+        );
         // The dense SwiGLU of layer 0 (2 x 3 x 2048 x 10944) against the router, 6 experts
         // and 2 shared of width 1408 of layer 1.
         let gate0 = flops(Op::Gate { layer: 0, ub: 0 });

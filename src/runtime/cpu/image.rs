@@ -468,14 +468,6 @@ mod tests {
     }
 
     #[test]
-    fn deepseek_image_with_a_dense_layer_is_the_mapped_checkpoint() {
-        // Layer 0 is dense: `[pre | o | norm + SwiGLU]`, no experts; layers 1-3 are MoE.
-        let card = ModelCard::load("deepseek-v3-tiny").unwrap();
-        assert_eq!(card.dense_layers, 1);
-        check_card(&card);
-    }
-
-    #[test]
     fn padding_between_tensors_is_zero_filled() {
         // Widths whose tensors are not multiples of the 64-byte segment alignment, so the
         // packed image has padding after norms, projections and experts.
