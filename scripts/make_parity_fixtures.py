@@ -381,7 +381,8 @@ def gpt_oss_family(mxfp4: bool = False) -> Family:
 
 
 def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
-    """Hub names of a DeepSeek-V2/V3 checkpoint (MLA projections, per-expert experts)."""
+    """Hub names of a DeepSeek-V2/V3 checkpoint (MLA projections, per-expert experts; the
+    leading dense layers' `mlp.gate_proj/up_proj/down_proj`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     attn = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
     attn += ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if q_lora else ["q_proj.weight"]
@@ -390,9 +391,12 @@ def deepseek_names(config, q_lora: bool, score_bias: bool) -> list[str]:
         names += [
             f"{prefix}.input_layernorm.weight",
             f"{prefix}.post_attention_layernorm.weight",
-            f"{prefix}.mlp.gate.weight",
         ]
         names += [f"{prefix}.self_attn.{w}" for w in attn]
+        if layer_idx < config.first_k_dense_replace:
+            names += [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+            continue
+        names.append(f"{prefix}.mlp.gate.weight")
         names += [f"{prefix}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
         if score_bias:
             names.append(f"{prefix}.mlp.gate.e_score_correction_bias")
@@ -404,7 +408,8 @@ def deepseek_small(mscale: float, **family_fields):
     """The size both DeepSeek fixtures share (3 layers, 16 routed experts top-4 in 4 groups
     of which 2 are kept, MLA kv_lora 32 with qk 16 + rope 8 and v 16, YaRN factor 4 over 64
     original positions with mscale = mscale_all_dim = `mscale`), plus each family's own
-    fields. No leading dense layer: moec refuses first_k_dense_replace > 0."""
+    fields. Layer 0 is dense (first_k_dense_replace 1: a SwiGLU of intermediate_size 96),
+    layers 1-2 are MoE."""
     return dict(
         vocab_size=512,
         hidden_size=64,
@@ -417,7 +422,7 @@ def deepseek_small(mscale: float, **family_fields):
         num_experts_per_tok=4,
         n_group=4,
         topk_group=2,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
@@ -557,6 +562,8 @@ class Probe:
         if family.name in DEEPSEEK:
             self.top_k = family.config.num_experts_per_tok
             for layer_idx, layer in enumerate(model.model.layers):
+                if layer_idx < family.config.first_k_dense_replace:
+                    continue  # a dense layer: no router
                 self.handles.append(
                     layer.mlp.gate.register_forward_hook(self._deepseek_hook(layer_idx, layer.mlp.gate))
                 )
@@ -778,7 +785,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what == "flip_router_renorm":
-        routers = [layer.mlp.gate for layer in model.model.layers]
+        routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         for router in routers:
             router.norm_topk_prob = not router.norm_topk_prob
 
@@ -880,7 +887,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what == "no_deepseek_shared_experts":
-        blocks = [layer.mlp for layer in model.model.layers]
+        blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         saved = [block.shared_experts for block in blocks]
         for block in blocks:
             block.shared_experts = _Zeros()
@@ -888,6 +895,18 @@ def break_model(model: torch.nn.Module, family: str, what: str):
         def undo():
             for block, expert in zip(blocks, saved):
                 block.shared_experts = expert
+
+        return undo
+    if what == "no_dense_ffn":
+        # DeepSeek's leading dense layers (no router): their SwiGLU contributes nothing.
+        layers = [layer for layer in model.model.layers if not hasattr(layer.mlp, "gate")]
+        saved = [layer.mlp for layer in layers]
+        for layer in layers:
+            layer.mlp = _Zeros()
+
+        def undo():
+            for layer, mlp in zip(layers, saved):
+                layer.mlp = mlp
 
         return undo
     if what == "no_softmax_mscale":
@@ -902,7 +921,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what == "no_group_limit":
-        routers = [layer.mlp.gate for layer in model.model.layers]
+        routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         saved = [router.topk_group for router in routers]
         for router in routers:
             router.topk_group = router.num_group
@@ -913,7 +932,7 @@ def break_model(model: torch.nn.Module, family: str, what: str):
 
         return undo
     if what in ("no_routed_scaling", "no_score_bias"):
-        routers = [layer.mlp.gate for layer in model.model.layers]
+        routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         if what == "no_routed_scaling":
             saved = [router.routed_scaling_factor for router in routers]
             for router in routers:
@@ -986,12 +1005,14 @@ def sensitivity(model, family: str, prompts: list[list[int]], runs: list[Run]) -
             "mxfp4_scales_off_by_one",
         ],
         "deepseek_v2": [
+            "no_dense_ffn",
             "no_deepseek_shared_experts",
             "no_softmax_mscale",
             "no_group_limit",
             "no_routed_scaling",
         ],
         "deepseek_v3": [
+            "no_dense_ffn",
             "no_deepseek_shared_experts",
             "no_softmax_mscale",
             "no_group_limit",
@@ -1162,6 +1183,8 @@ def check_widening(model: torch.nn.Module, family: Family, saved: dict[str, torc
         # In memory the experts are fused (`mlp.experts.gate_up_proj` [E, 2F, D] and
         # `down_proj` [E, D, F]); on disk they are per expert.
         for layer_idx, layer in enumerate(model.model.layers):
+            if layer_idx < getattr(family.config, "first_k_dense_replace", 0):
+                continue  # DeepSeek's dense layer: its mlp.* are checked with the rest below
             prefix = f"model.layers.{layer_idx}.mlp.experts"
             n_experts = getattr(family.config, "n_routed_experts", None) or family.config.num_experts
             for expert_idx in range(n_experts):

@@ -423,11 +423,63 @@ fn synthetic_layer_image_matches_the_written_checkpoint() {
         let card = small_card(family);
         let dir = synth(tmp.path(), &card, SynthOptions::default());
         let ck = Checkpoint::open(&dir).unwrap();
-        let (layout, image) = ck.layer_image(1).unwrap();
-        let (mem_layout, mem_image) = synthetic_layer_image(&card, 1, &SynthOptions::default());
-        assert_eq!(layout, mem_layout);
-        assert!(image.as_bytes() == mem_image.as_bytes(), "{family}");
+        // Layer 0 of the DeepSeek cards is dense (norm + SwiGLU, no experts).
+        for layer in [0, 1] {
+            let (layout, image) = ck.layer_image(layer).unwrap();
+            let (mem_layout, mem_image) =
+                synthetic_layer_image(&card, layer, &SynthOptions::default());
+            assert_eq!(layout, mem_layout);
+            assert!(image.as_bytes() == mem_image.as_bytes(), "{family}");
+        }
     }
+}
+
+/// DeepSeek's leading dense layer is read under its Hub names (`mlp.gate_proj`, `up_proj`,
+/// `down_proj`, no router, no experts); a missing or misshapen one is named.
+#[test]
+fn dense_layer_tensors_are_read_by_their_hub_names_and_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let card = small_card("deepseek-v2-tiny");
+    assert_eq!((card.dense_layers, card.dense_ffn), (1, 192));
+    let dir = synth(tmp.path(), &card, SynthOptions::default());
+    let ck = Checkpoint::open(&dir).unwrap();
+    let names: Vec<&str> = ck.tensor_names().collect();
+    for name in ["gate_proj", "up_proj", "down_proj"] {
+        assert!(names.contains(&format!("model.layers.0.mlp.{name}.weight").as_str()));
+        assert!(!names.contains(&format!("model.layers.1.mlp.{name}.weight").as_str()));
+    }
+    assert!(!names
+        .iter()
+        .any(|n| n.starts_with("model.layers.0.mlp.experts")
+            || n.starts_with("model.layers.0.mlp.gate.")
+            || n.starts_with("model.layers.0.mlp.shared_experts")));
+    let weights = ck.layer_weights(0).unwrap();
+    assert!(weights.experts.is_empty());
+    let ffn = weights.dense.shared.expect("the dense SwiGLU").ffn;
+    assert_eq!((ffn.gate.out_dim(), ffn.down.out_dim()), (192, 128));
+    drop(ck);
+    let victim = "model.layers.0.mlp.up_proj.weight";
+    rewrite(&dir, |n, d, s, b| {
+        if n == victim {
+            Some((d, vec![s[0] / 2, s[1]], b[..b.len() / 2].to_vec()))
+        } else {
+            Some((d, s, b))
+        }
+    });
+    let msg = load_err(&dir);
+    assert!(
+        msg.contains(victim) && msg.contains("[192, 128]") && msg.contains("[96, 128]"),
+        "{msg}"
+    );
+    let victim = "model.layers.0.mlp.down_proj.weight";
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = synth(tmp.path(), &card, SynthOptions::default());
+    rewrite(&dir, |n, d, s, b| (n != victim).then_some((d, s, b)));
+    let msg = load_err(&dir);
+    assert!(
+        msg.contains("missing tensor") && msg.contains(victim),
+        "{msg}"
+    );
 }
 
 /// A checkpoint folder's own tokenizer.json wins over the card's embedded one.

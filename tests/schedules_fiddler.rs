@@ -238,9 +238,11 @@ fn the_paper_setting_checks_and_fits_a_24_gb_gpu_on_the_real_cards() {
             })
             .expect("slot 0 is filled in setup");
         let src = first_copy.args[0].slice;
-        let staged_layer_offset = layout.dense_bytes() + u64::from(e_last) * layout.expert_bytes;
+        // `d_pin` is a layer slot (`layer_weights()`): experts where a MoE layer's are.
+        let staged_layer_offset =
+            layout.slot_experts_offset() + u64::from(e_last) * layout.expert_bytes;
         assert_eq!(
-            src.start % layout.layer_bytes(),
+            src.start % layout.slot_layer_bytes(),
             staged_layer_offset,
             "{name}: slot 0 holds expert {e_last} (of layer {last})"
         );

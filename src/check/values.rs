@@ -27,7 +27,8 @@
 //!   moved by copies; a write that replaces outputs of this run's accumulator with a value
 //!   of the same accumulator lacking them is `values::lost_output`, naming both tasks;
 //! - the outputs reaching each `combine` (through every accumulator it adds) compute each
-//!   expert exactly once per layer and ub whenever it receives tokens: literal by literal
+//!   expert exactly once per layer and ub whenever it receives tokens (a leading dense
+//!   layer has no routed expert; its `gate` computes its SwiGLU): literal by literal
 //!   for `active` guards (`values::expert_guard`, `values::expert_coverage`), and for
 //!   load arms on `routed(..)` over every interval of the counts they read (`arms`);
 //! - every prefill, decode or mixed run samples every micro-batch exactly once, by an
@@ -925,7 +926,19 @@ impl Tracker<'_> {
         if let Some(part) = task.kv {
             return self.kv_copy(id, part, &runs_in, arg_spans, span);
         }
-        if runs_in.iter().all(|r| r.2.piece.is_none()) {
+        // Copying bytes nobody wrote is an error, unless the destination holds nothing
+        // either: then the copy changes nothing (a relay slot of a dense layer's experts,
+        // which the layer does not have, copied on before anything was staged in it).
+        let mut changes_nothing = || {
+            runs(
+                self.cells_of(dst.slice.buffer),
+                dst.slice.start,
+                dst.slice.end(),
+            )
+            .iter()
+            .all(|r| r.2.piece.is_none())
+        };
+        if runs_in.iter().all(|r| r.2.piece.is_none()) && !changes_nothing() {
             let name = program.buffer(src.slice.buffer).name.clone();
             let d = Diagnostic::uninitialized(
                 arg_spans.first().copied().unwrap_or(span),
@@ -1199,6 +1212,8 @@ impl Tracker<'_> {
                     self.emit(d);
                 }
             }
+            // A dense layer routes no token to any expert: nothing to cover.
+            Op::Combine { layer, .. } if program.model.is_dense_layer(u64::from(layer)) => {}
             Op::Combine { layer, ub } => {
                 // The outputs that reach this combine, through every accumulator it reads.
                 let mut outputs: Vec<Output> = Vec::new();

@@ -264,6 +264,10 @@ pub fn arm_key(program: &Program, id: TaskId) -> String {
 /// The probability a token routes to `expert` of `layer`.
 fn share(program: &Program, layer: u32, expert: ExpertRef) -> f64 {
     let card = &program.model;
+    // No token is routed to an expert of a leading dense layer.
+    if card.is_dense_layer(u64::from(layer)) {
+        return 0.0;
+    }
     let uniform = (card.top_k as f64 / card.experts.max(1) as f64).min(1.0);
     let Some(shares) = program
         .expert_shares

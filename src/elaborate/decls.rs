@@ -220,14 +220,18 @@ impl<'a> Elaborator<'a> {
         let (bytes, layout) = match self.eval(&decl.size) {
             Ok(Val::Bytes(size)) => (size.bytes, size.layout),
             Ok(Val::Int(n)) if n >= 0 => (n as u64, Layout::Raw),
-            // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`.
+            // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`, a slot for
+            // that part of any layer (also when layer 0 is dense and has no experts).
             Ok(Val::Slice(slice)) if slice.dynamic_expert.is_none() => {
-                let layout = if slice.layout == Layout::Checkpoint {
-                    Layout::Raw
-                } else {
-                    slice.layout
+                let layout = match slice.layout {
+                    Layout::Checkpoint => Layout::Raw,
+                    Layout::Experts { .. } => Layout::Experts {
+                        slots: u32::try_from(slice.slot_len / self.checkpoint.expert_bytes.max(1))
+                            .unwrap_or(u32::MAX),
+                    },
+                    other => other,
                 };
-                (slice.len, layout)
+                (slice.slot_len, layout)
             }
             Ok(Val::Int(n)) => {
                 return self.report(Diagnostic::out_of_range(

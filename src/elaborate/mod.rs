@@ -372,14 +372,11 @@ impl<'a> Elaborator<'a> {
             let array = &self.arrays[decl];
             if array.dims.is_empty() {
                 let buffer = &self.buffers[array.first.index()];
-                return Some(Val::Slice(SliceVal {
-                    buffer: array.first,
-                    start: 0,
-                    len: buffer.bytes,
-                    layout: array.layout,
-                    dynamic_expert: None,
-                    cache_key: None,
-                }));
+                return Some(Val::Slice(SliceVal::whole(
+                    array.first,
+                    buffer.bytes,
+                    array.layout,
+                )));
             }
             return Some(Val::Array {
                 decl,
@@ -500,14 +497,7 @@ impl value::Context for Elaborator<'_> {
         }
         let id = BufferId(array.first.0 + flat as u32);
         let buffer = &self.buffers[id.index()];
-        Ok(Val::Slice(SliceVal {
-            buffer: id,
-            start: 0,
-            len: buffer.bytes,
-            layout: array.layout,
-            dynamic_expert: None,
-            cache_key: None,
-        }))
+        Ok(Val::Slice(SliceVal::whole(id, buffer.bytes, array.layout)))
     }
 
     fn checkpoint(&self) -> ir::CheckpointLayout {

@@ -10,8 +10,48 @@ use crate::diag::Diagnostic;
 use crate::ir::Layout;
 use crate::syntax::ast::{Expr, Span};
 
-/// Where the expert slots of a slice start and how many there are: a layer's experts
-/// follow its dense part; an expert-slot buffer is all slots.
+/// Where the parts of a layer-shaped slice are: layer `l`'s own image for a slice of
+/// `W[l]`, else a slot that holds any layer (the largest `gate`, experts where a MoE
+/// layer's are).
+struct Geometry {
+    pre: u64,
+    o: u64,
+    gate: u64,
+    experts_start: u64,
+    experts: u64,
+    total: u64,
+}
+
+fn geometry(layout: &crate::ir::CheckpointLayout, layer: Option<u32>) -> Geometry {
+    let (pre, o) = (layout.pre_bytes, layout.o_bytes);
+    match layer.map(u64::from) {
+        Some(l) => Geometry {
+            pre,
+            o,
+            gate: layout.gate_bytes_of(l),
+            experts_start: layout.dense_bytes_of(l),
+            experts: layout.experts_of(l),
+            total: layout.layer_bytes_of(l),
+        },
+        None => Geometry {
+            pre,
+            o,
+            gate: layout.slot_gate_bytes(),
+            experts_start: layout.slot_experts_offset(),
+            experts: layout.experts,
+            total: layout.slot_layer_bytes(),
+        },
+    }
+}
+
+/// True when `s` is a slice of a dense layer of `W`: its experts are empty.
+fn of_dense_layer(s: &SliceVal, layout: &crate::ir::CheckpointLayout) -> bool {
+    s.layer.is_some_and(|l| layout.is_dense(u64::from(l)))
+}
+
+/// Where the expert slots of a slice start and how many indices it takes: a layer's
+/// experts follow its dense part; an expert-slot buffer is all slots. A dense layer of
+/// `W` takes every expert index and holds none of them (see [`of_dense_layer`]).
 fn expert_region(
     s: &SliceVal,
     layout: &crate::ir::CheckpointLayout,
@@ -19,7 +59,10 @@ fn expert_region(
     method: &str,
 ) -> Result<(u64, u64), Diagnostic> {
     match s.layout {
-        Layout::Layer => Ok((layout.dense_bytes(), layout.experts)),
+        Layout::Layer => {
+            let g = geometry(layout, s.layer);
+            Ok((g.experts_start, layout.experts))
+        }
         Layout::Experts { slots } => Ok((0, u64::from(slots))),
         _ => {
             let call = if method == "expert" {
@@ -36,7 +79,8 @@ fn expert_region(
     }
 }
 
-fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
+/// The part `[start, start + len)` of `s`, `slot_len` bytes long in a slot.
+fn sub_slice(s: SliceVal, start: u64, len: u64, slot_len: u64, layout: Layout) -> Val {
     Val::Slice(SliceVal {
         buffer: s.buffer,
         start: s.start + start,
@@ -44,6 +88,8 @@ fn sub_slice(s: SliceVal, start: u64, len: u64, layout: Layout) -> Val {
         layout,
         dynamic_expert: None,
         cache_key: None,
+        layer: s.layer,
+        slot_len,
     })
 }
 
@@ -129,6 +175,8 @@ fn cache_method(
             layer,
             expert,
         }),
+        layer: None,
+        slot_len: cx.checkpoint().expert_bytes,
     }))
 }
 
@@ -153,26 +201,58 @@ pub(super) fn field_of(
         Layout::Dense => &["pre", "o", "gate", "attn"],
         _ => &[],
     };
-    let (pre, o, gate) = (layout.pre_bytes, layout.o_bytes, layout.gate_bytes);
-    let experts = layout.experts * layout.expert_bytes;
+    let (g, slot) = (geometry(&layout, s.layer), geometry(&layout, None));
+    let (pre, o) = (g.pre, g.o);
+    let experts = g.experts * layout.expert_bytes;
+    let slot_experts = layout.experts * layout.expert_bytes;
+    // A dense layer's experts are empty; the slot keeps every expert's room.
     let all_experts = Layout::Experts {
         slots: layout.experts as u32,
     };
     match (s.layout, field) {
-        (Layout::Checkpoint, "embed") => Ok(sub_slice(s, 0, layout.embed_bytes, Layout::Raw)),
+        (Layout::Checkpoint, "embed") => Ok(sub_slice(
+            s,
+            0,
+            layout.embed_bytes,
+            layout.embed_bytes,
+            Layout::Raw,
+        )),
         (Layout::Checkpoint, "head") => Ok(sub_slice(
             s,
             layout.head_offset(),
             layout.head_bytes,
+            layout.head_bytes,
             Layout::Raw,
         )),
-        (Layout::Layer | Layout::Dense, "pre") => Ok(sub_slice(s, 0, pre, Layout::Raw)),
-        (Layout::Layer | Layout::Dense, "o") => Ok(sub_slice(s, pre, o, Layout::Raw)),
-        (Layout::Layer | Layout::Dense, "gate") => Ok(sub_slice(s, pre + o, gate, Layout::Raw)),
-        (Layout::Layer | Layout::Dense, "attn") => Ok(sub_slice(s, 0, pre + o, Layout::Raw)),
-        (Layout::Layer, "post") => Ok(sub_slice(s, pre, o + gate + experts, Layout::Raw)),
-        (Layout::Layer, "dense") => Ok(sub_slice(s, 0, layout.dense_bytes(), Layout::Dense)),
-        (Layout::Layer, "experts") => Ok(sub_slice(s, layout.dense_bytes(), experts, all_experts)),
+        (Layout::Layer | Layout::Dense, "pre") => Ok(sub_slice(s, 0, pre, pre, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "o") => Ok(sub_slice(s, pre, o, o, Layout::Raw)),
+        (Layout::Layer | Layout::Dense, "gate") => {
+            Ok(sub_slice(s, pre + o, g.gate, slot.gate, Layout::Raw))
+        }
+        (Layout::Layer | Layout::Dense, "attn") => {
+            Ok(sub_slice(s, 0, pre + o, pre + o, Layout::Raw))
+        }
+        (Layout::Layer, "post") => Ok(sub_slice(
+            s,
+            pre,
+            g.total - pre,
+            slot.total - pre,
+            Layout::Raw,
+        )),
+        (Layout::Layer, "dense") => Ok(sub_slice(
+            s,
+            0,
+            pre + o + g.gate,
+            layout.slot_dense_bytes(),
+            Layout::Dense,
+        )),
+        (Layout::Layer, "experts") => Ok(sub_slice(
+            s,
+            g.experts_start,
+            experts,
+            slot_experts,
+            all_experts,
+        )),
         _ if fields.is_empty() => Err(Diagnostic::type_mismatch(
             field_span,
             "a field of a structured slice (`W`, a layer, its dense part)",
@@ -231,10 +311,19 @@ pub(super) fn method_of(
                 arg_span(0),
             )?;
             let n = n as u64;
-            let page = s.len.div_ceil(n);
-            let start = (k * page).min(s.len);
-            let end = ((k + 1) * page).min(s.len);
-            Ok(sub_slice(s, start, end - start, Layout::Raw))
+            let page_of = |len: u64| {
+                let page = len.div_ceil(n);
+                ((k * page).min(len), ((k + 1) * page).min(len))
+            };
+            let (start, end) = page_of(s.len);
+            let (slot_start, slot_end) = page_of(s.slot_len);
+            Ok(sub_slice(
+                s,
+                start,
+                end - start,
+                slot_end - slot_start,
+                Layout::Raw,
+            ))
         }
         "expert" => {
             if values.len() != 1 {
@@ -242,6 +331,30 @@ pub(super) fn method_of(
             }
             let layout = cx.checkpoint();
             let (base, slots) = expert_region(&s, &layout, method_span, "expert")?;
+            let eb = layout.expert_bytes;
+            let one = Layout::Experts { slots: 1 };
+            // A run-time expert names its layer: an expert of a dense layer holds nothing.
+            let ref_layer = match &values[0] {
+                Val::Expert(crate::ir::ExpertRef::Hot { layer, .. })
+                | Val::Expert(crate::ir::ExpertRef::Predicted { layer, .. }) => Some(*layer),
+                _ => None,
+            };
+            if let Some(l) = ref_layer.filter(|&l| layout.is_dense(u64::from(l))) {
+                let mut empty = s;
+                empty.layer = Some(l);
+                return Ok(sub_slice(empty, base, 0, eb, one));
+            }
+            if of_dense_layer(&s, &layout) {
+                if !matches!(values[0], Val::Expert(_)) {
+                    check_index(
+                        as_int(values[0].clone(), arg_span(0))?,
+                        slots,
+                        "expert",
+                        arg_span(0),
+                    )?;
+                }
+                return Ok(sub_slice(s, base, 0, eb, one));
+            }
             match &values[0] {
                 Val::Expert(e) => {
                     if s.layout != Layout::Layer {
@@ -253,10 +366,12 @@ pub(super) fn method_of(
                     Ok(Val::Slice(SliceVal {
                         buffer: s.buffer,
                         start: s.start + base,
-                        len: layout.expert_bytes,
-                        layout: Layout::Experts { slots: 1 },
+                        len: eb,
+                        layout: one,
                         dynamic_expert: Some(*e),
                         cache_key: None,
+                        layer: s.layer,
+                        slot_len: eb,
                     }))
                 }
                 other => {
@@ -266,12 +381,7 @@ pub(super) fn method_of(
                         "expert",
                         arg_span(0),
                     )?;
-                    Ok(sub_slice(
-                        s,
-                        base + e * layout.expert_bytes,
-                        layout.expert_bytes,
-                        Layout::Experts { slots: 1 },
-                    ))
+                    Ok(sub_slice(s, base + e * eb, eb, eb, one))
                 }
             }
         }
@@ -280,6 +390,7 @@ pub(super) fn method_of(
                 return Err(Diagnostic::arity(span, "`share`", 2, values.len()));
             }
             let mut bounds = [0u64; 2];
+            let mut slot_bounds = [0u64; 2];
             for (k, v) in values.iter().enumerate() {
                 let f = match v {
                     Val::Int(i) => *i as f64,
@@ -301,9 +412,11 @@ pub(super) fn method_of(
                     ));
                 }
                 bounds[k] = (f * s.len as f64).floor() as u64;
+                slot_bounds[k] = (f * s.slot_len as f64).floor() as u64;
             }
             let (lo, hi) = (bounds[0], bounds[1].max(bounds[0]));
-            Ok(sub_slice(s, lo, hi - lo, Layout::Raw))
+            let slot = slot_bounds[1].max(slot_bounds[0]) - slot_bounds[0];
+            Ok(sub_slice(s, lo, hi - lo, slot, Layout::Raw))
         }
         "experts" => {
             if values.len() != 2 {
@@ -325,12 +438,15 @@ pub(super) fn method_of(
             let slots_taken = Layout::Experts {
                 slots: (hi - lo) as u32,
             };
-            Ok(sub_slice(
-                s,
-                base + lo * layout.expert_bytes,
-                (hi - lo) * layout.expert_bytes,
-                slots_taken,
-            ))
+            let eb = layout.expert_bytes;
+            // A dense layer's experts are empty, at the end of its image.
+            let len = if of_dense_layer(&s, &layout) {
+                0
+            } else {
+                (hi - lo) * eb
+            };
+            let start = if len == 0 { base } else { base + lo * eb };
+            Ok(sub_slice(s, start, len, (hi - lo) * eb, slots_taken))
         }
         // Resolved by `copy` itself (`stmts::kv_part_of`): the positions follow the run.
         "context" | "appended" => Err(Diagnostic::type_mismatch(

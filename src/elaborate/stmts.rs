@@ -264,7 +264,22 @@ impl<'a> Elaborator<'a> {
             }
         }
         let src = self.eval_slice(src_expr)?;
-        let dst = self.eval_slice(dst_expr)?;
+        let mut dst = self.eval_slice(dst_expr)?;
+        // A part of `W[l]` that layer does not have (a dense layer's experts) is empty:
+        // like an arm that never runs, the copy issues nothing.
+        if src.layer.is_some() && src.len == 0 && src.slot_len > 0 {
+            return Ok(());
+        }
+        // A part of `W[l]` fills the first bytes of a slot shaped for that part of any
+        // layer (a dense layer's `gate` is not a MoE layer's): the copy moves its bytes.
+        if src.layer.is_some()
+            && dst.layer.is_none()
+            && dst.cache_key.is_none()
+            && src.len < dst.len
+            && src.slot_len == dst.len
+        {
+            dst.len = src.len;
+        }
         let cache_op = match stmt.kind {
             CopyKind::Copy => None,
             CopyKind::Fetch => Some(CacheOp::Fetch),

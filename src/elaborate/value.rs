@@ -25,6 +25,31 @@ pub struct SliceVal {
     pub dynamic_expert: Option<ExpertRef>,
     /// Set for `CACHE.slot(layer, expert)`: the slot holding that expert.
     pub cache_key: Option<crate::ir::cache::CacheKey>,
+    /// Set for a slice of `W[layer]` (or of a run-time expert of `layer`): the bytes are
+    /// laid out as that layer's own image. `None`: a buffer's bytes, which a layer-shaped
+    /// buffer lays out as a slot that holds any layer (`CheckpointLayout::slot_*`).
+    pub layer: Option<u32>,
+    /// The length of the same slice in a slot that holds it for any layer: `len` for a
+    /// buffer's bytes; for `W[i]`'s parts what the part takes in the largest kind of layer
+    /// (a dense layer's experts are empty, their slot is not). Buffer shapes and `bytes(..)`
+    /// use it, and a copy of `W[i]`'s part fills the first `len` bytes of such a slot.
+    pub slot_len: u64,
+}
+
+impl SliceVal {
+    /// The whole of buffer `buffer` of `len` bytes.
+    pub fn whole(buffer: BufferId, len: u64, layout: Layout) -> SliceVal {
+        SliceVal {
+            buffer,
+            start: 0,
+            len,
+            layout,
+            dynamic_expert: None,
+            cache_key: None,
+            layer: None,
+            slot_len: len,
+        }
+    }
 }
 
 /// A value during elaboration.
@@ -243,10 +268,12 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                     Ok(Val::Slice(SliceVal {
                         buffer: slice.buffer,
                         start: layout.layer_offset(layer),
-                        len: layout.layer_bytes(),
+                        len: layout.layer_bytes_of(layer),
                         layout: Layout::Layer,
                         dynamic_expert: None,
                         cache_key: None,
+                        layer: Some(layer as u32),
+                        slot_len: layout.slot_layer_bytes(),
                     }))
                 }
                 Val::List(items) => {
@@ -615,6 +642,10 @@ fn call(
                 return Err(Diagnostic::arity(span, "`active`", 2, values.len()));
             }
             let (layer, expert, ub) = expert_scope(&values, &arg_span, cx.card())?;
+            // No token is ever routed to an expert of a dense layer.
+            if cx.card().is_dense_layer(u64::from(layer)) {
+                return Ok(Val::Bool(false));
+            }
             Ok(Val::Cond(vec![GuardLit {
                 atom: GuardAtom::Active { layer, expert, ub },
                 negated: false,
@@ -661,7 +692,15 @@ fn call(
             };
             let (layers, experts) = (card.layers as u32, card.experts as u32);
             let rank = if name == "rank" {
-                crate::ir::profile::rank_over_layers(cx.profile(), layers, experts, layer, expert)
+                let dense = card.dense_layers.min(card.layers) as u32;
+                crate::ir::profile::rank_over_layers(
+                    cx.profile(),
+                    layers,
+                    experts,
+                    dense,
+                    layer,
+                    expert,
+                )
             } else {
                 crate::ir::profile::rank_in_layer(cx.profile(), experts, layer, expert)
             };
@@ -672,12 +711,19 @@ fn call(
                 return Err(Diagnostic::arity(span, "`routed`", 2, values.len()));
             }
             let (layer, expert, ub) = expert_scope(&values, &arg_span, cx.card())?;
+            // A dense layer routes no token: its counts are 0 at compile time.
+            if cx.card().is_dense_layer(u64::from(layer)) {
+                return Ok(Val::Int(0));
+            }
             Ok(Val::Routed { layer, expert, ub })
         }
         "bytes" => {
             arity(1)?;
             match &values[0] {
-                Val::Slice(slice) => Ok(Val::Int(i64::try_from(slice.len).unwrap_or(i64::MAX))),
+                // A slot's size: what the part takes for any layer.
+                Val::Slice(slice) => {
+                    Ok(Val::Int(i64::try_from(slice.slot_len).unwrap_or(i64::MAX)))
+                }
                 Val::Bytes(size) => Ok(Val::Int(i64::try_from(size.bytes).unwrap_or(i64::MAX))),
                 other => Err(Diagnostic::type_mismatch(
                     arg_span(0),

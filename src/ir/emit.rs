@@ -33,8 +33,10 @@ fn slice_text(program: &Program, slice: &Slice) -> String {
         if buffer.kind != BufferKind::Checkpoint {
             return format!("{}.expert({expert})", buffer.name);
         }
-        let layer = slice.start.saturating_sub(program.checkpoint().embed_bytes)
-            / program.checkpoint().layer_bytes().max(1);
+        let layer = program
+            .checkpoint()
+            .layer_at(slice.start)
+            .unwrap_or_default();
         return format!("{}[{layer}].expert({expert})", buffer.name);
     }
     if slice.start == 0 && slice.len == buffer.bytes {

@@ -306,8 +306,15 @@ pub struct Buffer {
 /// final norm + lm_head]`, every part starting on a 64-byte boundary. A layer is the
 /// model's packed image ([`crate::model::layout::LayerLayout`]): `[pre | o | gate | expert 0
 /// | ... | expert E-1]` where `pre` = input norm + Q/K/V (DBRX: Wqkv) with their biases and
-/// norms, `o` = O projection, `gate` = post-attention norm + router + shared expert; so `W[i].expert(e)` is exactly the image's
-/// `expert_range(e)` and the runtime can copy byte ranges of it.
+/// norms, `o` = O projection, `gate` = post-attention norm + router + shared expert; so
+/// `W[i].expert(e)` is exactly the image's `expert_range(e)` and the runtime can copy byte
+/// ranges of it. A leading dense layer (`dense_layers`, DeepSeek's `first_k_dense_replace`)
+/// is `[pre | o | gate]` with `gate` = post-attention norm + its dense SwiGLU and no
+/// experts, so each layer's offset and size come from what the layers before it hold.
+///
+/// A buffer shaped like a layer (`layer_weights()`, `dense_weights()`) is a *slot* that can
+/// hold any layer: the `slot_*` sizes, whose `gate` is the larger of the two kinds' and whose
+/// experts sit where a MoE layer's do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckpointLayout {
     /// Bytes of the embedding table (padded to 64).
@@ -316,14 +323,20 @@ pub struct CheckpointLayout {
     pub pre_bytes: u64,
     /// Bytes of a layer's O projection, padding included.
     pub o_bytes: u64,
-    /// Bytes of a layer's `gate` part (post-attention norm, router), padding included.
+    /// Bytes of a MoE layer's `gate` part (post-attention norm, router, shared expert),
+    /// padding included.
     pub gate_bytes: u64,
+    /// Bytes of a dense layer's `gate` part (post-attention norm, dense SwiGLU), padding
+    /// included; 0 for a card without dense layers.
+    pub dense_gate_bytes: u64,
     /// Bytes of one expert (gate, up, down projections), padding included.
     pub expert_bytes: u64,
-    /// Experts per layer.
+    /// Experts per MoE layer.
     pub experts: u64,
     /// Number of decoder layers.
     pub layers: u64,
+    /// Leading dense layers (`0..dense_layers`).
+    pub dense_layers: u64,
     /// Bytes of the final norm plus lm_head.
     pub head_bytes: u64,
 }
@@ -346,41 +359,112 @@ impl CheckpointLayout {
         // The element counts of each part's segments come from the model's layout (small
         // vectors: one entry per dense segment and per expert projection).
         let arch = crate::model::arch::ArchSpec::from_card(card);
-        let [pre, o, gate, expert] = crate::model::layout::LayerLayout::part_elems(&arch);
+        let [pre, o, gate, expert, dense_gate] =
+            crate::model::layout::LayerLayout::part_elems(&arch);
         let o_start = place(0, &pre);
         let gate_start = place(o_start, &o);
         let experts_start = place(gate_start, &gate);
         let expert_bytes = place(0, &expert);
+        let dense_gate_bytes = if card.dense_layers > 0 {
+            place(gate_start, &dense_gate) - gate_start
+        } else {
+            0
+        };
         CheckpointLayout {
             embed_bytes: align_up(card.vocab * card.hidden * dt),
             pre_bytes: o_start,
             o_bytes: gate_start - o_start,
             gate_bytes: experts_start - gate_start,
+            dense_gate_bytes,
             expert_bytes,
             experts: card.experts,
             layers: card.layers,
+            dense_layers: card.dense_layers.min(card.layers),
             head_bytes: (card.vocab * card.hidden + card.hidden) * dt,
         }
     }
 
-    /// Bytes of `[pre | o | gate]`.
-    pub fn dense_bytes(&self) -> u64 {
+    /// True for a leading dense layer.
+    pub fn is_dense(&self, layer: u64) -> bool {
+        layer < self.dense_layers
+    }
+
+    /// Bytes of layer `layer`'s `gate` part.
+    pub fn gate_bytes_of(&self, layer: u64) -> u64 {
+        if self.is_dense(layer) {
+            self.dense_gate_bytes
+        } else {
+            self.gate_bytes
+        }
+    }
+
+    /// Routed experts of layer `layer` (0 for a dense layer).
+    pub fn experts_of(&self, layer: u64) -> u64 {
+        if self.is_dense(layer) {
+            0
+        } else {
+            self.experts
+        }
+    }
+
+    /// Bytes of layer `layer`'s `[pre | o | gate]` (where its experts start).
+    pub fn dense_bytes_of(&self, layer: u64) -> u64 {
+        self.pre_bytes + self.o_bytes + self.gate_bytes_of(layer)
+    }
+
+    /// Bytes of the whole layer `layer`.
+    pub fn layer_bytes_of(&self, layer: u64) -> u64 {
+        self.dense_bytes_of(layer) + self.experts_of(layer) * self.expert_bytes
+    }
+
+    /// Bytes of one MoE layer.
+    pub fn moe_layer_bytes(&self) -> u64 {
+        self.pre_bytes + self.o_bytes + self.gate_bytes + self.experts * self.expert_bytes
+    }
+
+    /// Bytes of one dense layer.
+    pub fn dense_layer_bytes(&self) -> u64 {
+        self.pre_bytes + self.o_bytes + self.dense_gate_bytes
+    }
+
+    /// Bytes of a slot's `gate` part: room for either kind of layer's.
+    pub fn slot_gate_bytes(&self) -> u64 {
+        self.gate_bytes.max(self.dense_gate_bytes)
+    }
+
+    /// Bytes of a slot's `[pre | o | gate]` (`dense_weights()`).
+    pub fn slot_dense_bytes(&self) -> u64 {
+        self.pre_bytes + self.o_bytes + self.slot_gate_bytes()
+    }
+
+    /// Offset of the experts inside a slot: where a MoE layer's are.
+    pub fn slot_experts_offset(&self) -> u64 {
         self.pre_bytes + self.o_bytes + self.gate_bytes
     }
 
-    /// Offset of the experts inside a layer.
-    pub fn experts_offset(&self) -> u64 {
-        self.dense_bytes()
-    }
-
-    /// Bytes of one whole layer.
-    pub fn layer_bytes(&self) -> u64 {
-        self.dense_bytes() + self.experts * self.expert_bytes
+    /// Bytes of a slot that holds any layer (`layer_weights()`).
+    pub fn slot_layer_bytes(&self) -> u64 {
+        self.slot_dense_bytes().max(self.moe_layer_bytes())
     }
 
     /// Offset of layer `layer` in the checkpoint.
     pub fn layer_offset(&self, layer: u64) -> u64 {
-        self.embed_bytes + layer * self.layer_bytes()
+        let dense = layer.min(self.dense_layers);
+        self.embed_bytes
+            + dense * self.dense_layer_bytes()
+            + (layer - dense) * self.moe_layer_bytes()
+    }
+
+    /// The layer whose bytes hold checkpoint offset `offset`, if any.
+    pub fn layer_at(&self, offset: u64) -> Option<u64> {
+        let rel = offset.checked_sub(self.embed_bytes)?;
+        let dense_total = self.dense_layers * self.dense_layer_bytes();
+        let layer = if rel < dense_total {
+            rel / self.dense_layer_bytes().max(1)
+        } else {
+            self.dense_layers + (rel - dense_total) / self.moe_layer_bytes().max(1)
+        };
+        (layer < self.layers).then_some(layer)
     }
 
     /// Offset of the final norm + lm_head.
@@ -845,43 +929,42 @@ mod tests {
     fn matches_the_model_layer_image() {
         for card in ModelCard::builtins() {
             let layout = CheckpointLayout::new(&card);
-            let image =
-                LayerLayout::uniform(&crate::model::arch::ArchSpec::from_card(&card), card.dtype);
-            let offset = |kind| image.segment(kind).map(|s| s.offset as u64).unwrap();
-            assert_eq!(
-                layout.pre_bytes,
-                offset(SegmentKind::OProj),
-                "{}",
-                card.name
-            );
-            assert_eq!(
-                layout.pre_bytes + layout.o_bytes,
-                offset(SegmentKind::FfnNorm),
-                "{}",
-                card.name
-            );
-            assert_eq!(
-                layout.dense_bytes(),
-                image.dense_range().end as u64,
-                "{}",
-                card.name
-            );
-            for e in [0, card.experts as usize - 1] {
-                let range = image.expert_range(e);
+            let arch = crate::model::arch::ArchSpec::from_card(&card);
+            // The first layer (dense on the DeepSeek cards) and the last (MoE).
+            for layer in [0, card.layers - 1] {
+                let image = LayerLayout::uniform_for(&arch, layer as usize, card.dtype);
+                let offset = |kind| image.segment(kind).map(|s| s.offset as u64).unwrap();
+                let name = format!("{} layer {layer}", card.name);
+                assert_eq!(layout.pre_bytes, offset(SegmentKind::OProj), "{name}");
                 assert_eq!(
-                    layout.dense_bytes() + e as u64 * layout.expert_bytes,
-                    range.start as u64,
-                    "{}",
-                    card.name
+                    layout.pre_bytes + layout.o_bytes,
+                    offset(SegmentKind::FfnNorm),
+                    "{name}"
                 );
-                assert_eq!(layout.expert_bytes, range.len() as u64, "{}", card.name);
+                assert_eq!(
+                    layout.dense_bytes_of(layer),
+                    image.dense_range().end as u64,
+                    "{name}"
+                );
+                assert_eq!(layout.experts_of(layer), image.n_experts as u64, "{name}");
+                for e in (0..image.n_experts).filter(|&e| e == 0 || e + 1 == image.n_experts) {
+                    let range = image.expert_range(e);
+                    assert_eq!(
+                        layout.dense_bytes_of(layer) + e as u64 * layout.expert_bytes,
+                        range.start as u64,
+                        "{name}"
+                    );
+                    assert_eq!(layout.expert_bytes, range.len() as u64, "{name}");
+                }
+                assert_eq!(
+                    layout.layer_bytes_of(layer),
+                    image.image_bytes as u64,
+                    "{name}"
+                );
+                let next = layout.layer_offset(layer + 1) - layout.layer_offset(layer);
+                assert_eq!(next, image.image_bytes as u64, "{name}");
+                assert_eq!(layout.layer_at(layout.layer_offset(layer)), Some(layer));
             }
-            assert_eq!(
-                layout.layer_bytes(),
-                image.image_bytes as u64,
-                "{}",
-                card.name
-            );
         }
     }
 }

@@ -144,16 +144,22 @@ pub fn rank_over_layers(
     profile: Option<&RoutingProfile>,
     layers: u32,
     experts: u32,
+    dense_layers: u32,
     layer: u32,
     expert: u32,
 ) -> u64 {
+    // A leading dense layer has no routed expert to place: its experts rank after every
+    // expert of every MoE layer, which rank among themselves.
+    if layer < dense_layers {
+        return u64::from(layers) * u64::from(experts);
+    }
     let key = |l: u32, e: u32| {
         let count = profile.map_or(0, |p| p.count(l, e));
         (std::cmp::Reverse(count), e, l)
     };
     let me = key(layer, expert);
     // Counting the keys smaller than ours is the rank without sorting.
-    (0..layers)
+    (dense_layers..layers)
         .flat_map(|l| (0..experts).map(move |e| (l, e)))
         .filter(|&(l, e)| key(l, e) < me)
         .count() as u64
@@ -215,7 +221,7 @@ mod tests {
         let order: Vec<(u32, u32)> = {
             let mut all: Vec<((u32, u32), u64)> = (0..2)
                 .flat_map(|l| (0..3).map(move |e| (l, e)))
-                .map(|(l, e)| ((l, e), rank_over_layers(Some(&p), 2, 3, l, e)))
+                .map(|(l, e)| ((l, e), rank_over_layers(Some(&p), 2, 3, 0, l, e)))
                 .collect();
             all.sort_by_key(|x| x.1);
             all.into_iter().map(|x| x.0).collect()
@@ -228,7 +234,9 @@ mod tests {
 
     #[test]
     fn without_a_profile_expert_zero_of_every_layer_comes_first() {
-        let ranks: Vec<u64> = (0..3).map(|e| rank_over_layers(None, 2, 3, 1, e)).collect();
+        let ranks: Vec<u64> = (0..3)
+            .map(|e| rank_over_layers(None, 2, 3, 0, 1, e))
+            .collect();
         // (0,0)=0, (1,0)=1, (0,1)=2, (1,1)=3, (0,2)=4, (1,2)=5.
         assert_eq!(ranks, vec![1, 3, 5]);
         assert!((expected_share(None, 2, 8, 0, 0) - 0.25).abs() < 1e-12);

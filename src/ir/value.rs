@@ -48,7 +48,8 @@ pub enum Tensor {
         /// Layer.
         layer: u32,
     },
-    /// A layer's post-attention norm and router.
+    /// A layer's post-attention norm and router (and shared expert); a dense layer's
+    /// post-attention norm and SwiGLU.
     Gate {
         /// Layer.
         layer: u32,
@@ -133,14 +134,15 @@ impl Tensor {
         )
     }
 
-    /// Size of a weight tensor; `None` for activations (their size is the slice's).
+    /// Size of a weight tensor; `None` for activations (their size is the slice's). A
+    /// layer's `gate` part has its own layer's size (a dense layer's holds its SwiGLU).
     pub fn weight_bytes(&self, layout: &CheckpointLayout) -> Option<u64> {
         Some(match self {
             Tensor::Embedding => layout.embed_bytes,
             Tensor::Head => layout.head_bytes,
             Tensor::Pre { .. } => layout.pre_bytes,
             Tensor::O { .. } => layout.o_bytes,
-            Tensor::Gate { .. } => layout.gate_bytes,
+            Tensor::Gate { layer } => layout.gate_bytes_of(u64::from(*layer)),
             Tensor::Expert { .. } => layout.expert_bytes,
             _ => return None,
         })
@@ -206,7 +208,7 @@ pub fn checkpoint_pieces(
     dynamic_expert: Option<ExpertRef>,
 ) -> Vec<(u64, u64, Piece)> {
     if let Some(expert) = dynamic_expert {
-        let layer = start.saturating_sub(layout.embed_bytes) / layout.layer_bytes().max(1);
+        let layer = layout.layer_at(start).unwrap_or_default();
         let tensor = Tensor::Expert {
             layer: layer as u32,
             expert,
@@ -232,10 +234,13 @@ pub fn checkpoint_pieces(
         }
     };
     push(0, layout.embed_bytes, Tensor::Embedding);
-    let layer_bytes = layout.layer_bytes().max(1);
-    let first_layer = start.saturating_sub(layout.embed_bytes) / layer_bytes;
-    let last_layer =
-        (end.saturating_sub(layout.embed_bytes) / layer_bytes).min(layout.layers.saturating_sub(1));
+    let last = layout.layers.saturating_sub(1);
+    let first_layer = layout
+        .layer_at(start)
+        .unwrap_or(if start < layout.embed_bytes { 0 } else { last });
+    let last_layer = layout
+        .layer_at(end.saturating_sub(1))
+        .unwrap_or(if end <= layout.embed_bytes { 0 } else { last });
     for layer in first_layer..=last_layer {
         if layer >= layout.layers {
             break;
@@ -250,15 +255,16 @@ pub fn checkpoint_pieces(
         );
         push(
             base + layout.pre_bytes + layout.o_bytes,
-            layout.gate_bytes,
+            layout.gate_bytes_of(layer),
             Tensor::Gate { layer: l },
         );
-        let experts_base = base + layout.dense_bytes();
+        let experts = layout.experts_of(layer);
+        let experts_base = base + layout.dense_bytes_of(layer);
         let eb = layout.expert_bytes.max(1);
         let first_e = start.saturating_sub(experts_base) / eb;
-        let last_e = (end.saturating_sub(experts_base) / eb).min(layout.experts.saturating_sub(1));
+        let last_e = (end.saturating_sub(experts_base) / eb).min(experts.saturating_sub(1));
         for e in first_e..=last_e {
-            if e >= layout.experts {
+            if e >= experts {
                 break;
             }
             push(

@@ -63,6 +63,10 @@ pub struct ArchSpec {
     pub mla: Option<Mla>,
     /// DeepSeek's router.
     pub deepseek_router: Option<DeepseekRouter>,
+    /// Leading dense layers (`first_k_dense_replace`): no router, no routed experts.
+    pub dense_layers: usize,
+    /// Width of the dense layers' SwiGLU (`intermediate_size`).
+    pub dense_ffn: usize,
 }
 
 impl ArchSpec {
@@ -114,7 +118,14 @@ impl ArchSpec {
             yarn: card.yarn,
             mla: card.mla,
             deepseek_router: card.deepseek_router,
+            dense_layers: card.dense_layers as usize,
+            dense_ffn: card.dense_ffn as usize,
         }
+    }
+
+    /// True for a leading dense layer: its FFN is one SwiGLU of `dense_ffn`, no router.
+    pub fn is_dense(&self, layer: usize) -> bool {
+        layer < self.dense_layers
     }
 
     /// Width the rotary tables rotate: the whole head, or MLA's rotary part.
@@ -149,9 +160,9 @@ impl ArchSpec {
     }
 
     /// Rows per token of an expert accumulator: normalised row, `top_k` routed outputs and,
-    /// with a shared expert, its output row last (see `ModelCard::acc_rows_per_token`).
+    /// with a shared expert (or dense layers' SwiGLU), its output row last (see `ModelCard::acc_rows_per_token`).
     pub fn acc_rows(&self) -> usize {
-        1 + self.top_k + usize::from(self.shared_ffn > 0)
+        1 + self.top_k + usize::from(self.shared_ffn > 0 || self.dense_layers > 0)
     }
 
     /// K (or V) width `kv_heads * head_dim`.

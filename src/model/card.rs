@@ -312,10 +312,9 @@ pub struct ModelCard {
     /// DeepSeek's router (replaces the softmax-top-k rule).
     #[serde(default)]
     pub deepseek_router: Option<DeepseekRouter>,
-    /// Leading dense layers (`first_k_dense_replace`): their FFN is one dense SwiGLU of
-    /// width `dense_ffn` instead of router + experts. Only the cost figures of a card use
-    /// them today: the packed checkpoint layout is uniform per layer, so the runtime and the
-    /// oracle refuse a card with dense layers (see `ModelCard::runnable`).
+    /// Leading dense layers (`first_k_dense_replace`): layers `0..dense_layers` have no
+    /// router and no routed experts; their FFN is one dense SwiGLU of width `dense_ffn`
+    /// (`mlp.gate_proj/up_proj/down_proj`), held in the layer's `gate` part.
     #[serde(default)]
     pub dense_layers: u64,
     /// Width of the leading dense layers' FFN (`intermediate_size`).
@@ -654,18 +653,20 @@ impl ModelCard {
         Ok(())
     }
 
-    /// Why the runtime and the oracle cannot run this card, if they cannot: leading dense
-    /// layers (`first_k_dense_replace`) need a per-layer checkpoint layout that moec does
-    /// not have yet, so such a card serves `check`, `simulate` and `plan` only.
-    pub fn unrunnable(&self) -> Option<String> {
-        (self.dense_layers > 0).then(|| {
-            format!(
-                "card `{}` has {} leading dense layer(s) (first_k_dense_replace): moec's \
-                 packed checkpoint layout is uniform per layer, so it cannot run them yet \
-                 (check, simulate and plan use the card)",
-                self.name, self.dense_layers
-            )
-        })
+    /// True for a leading dense layer (`layer < dense_layers`): no router, no routed
+    /// experts, one dense SwiGLU of width `dense_ffn`.
+    pub fn is_dense_layer(&self, layer: u64) -> bool {
+        layer < self.dense_layers
+    }
+
+    /// Leading dense layers, then MoE layers: `layers - dense_layers`.
+    pub fn moe_layers(&self) -> u64 {
+        self.layers.saturating_sub(self.dense_layers)
+    }
+
+    /// Parameters of a dense layer's `gate` part: post-attention norm and the dense SwiGLU.
+    pub fn dense_ffn_params(&self) -> u64 {
+        self.hidden + 3 * self.hidden * self.dense_ffn
     }
 
     /// Width of the query projection output (`heads * head_dim`).
@@ -747,9 +748,10 @@ impl ModelCard {
     }
 
     /// Rows per token of an expert accumulator (`expert_acc`): the normalised row, one
-    /// output row per routed expert, and one for the shared expert when there is one.
+    /// output row per routed expert, and one for the shared expert when there is one (or
+    /// for a dense layer's SwiGLU, which a card with leading dense layers puts there).
     pub fn acc_rows_per_token(&self) -> u64 {
-        1 + self.top_k + u64::from(self.shared_ffn > 0)
+        1 + self.top_k + u64::from(self.shared_ffn > 0 || self.dense_layers > 0)
     }
 
     /// Parameters of one layer's router (`experts x hidden`, plus its bias if any).
@@ -937,9 +939,6 @@ mod tests {
         assert_eq!(lite.pre_attn_macs_per_token(), 8_519_680);
         assert_eq!(lite.o_proj_macs_per_token(), 5_242_880);
         assert_eq!(lite.kv_elems_per_token_layer(), 1152);
-        assert!(lite.unrunnable().is_some());
-        let tiny = ModelCard::load("deepseek-v2-tiny").unwrap();
-        assert!(tiny.unrunnable().is_none());
     }
 
     #[test]

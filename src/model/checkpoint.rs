@@ -350,7 +350,15 @@ impl Checkpoint {
     /// open so every command that reads weights gives the same answer. Tensors absent or in
     /// dtypes moec cannot compute with are left to the per-tensor errors.
     fn check_layer_dtypes(&self) -> Result<(), CheckpointError> {
-        for kind in LayerLayout::kinds(&self.arch) {
+        // Every kind some layer has (a dense layer's FFN, a MoE layer's router and
+        // experts); a layer without the kind has no tensor of its name.
+        let mut kinds = LayerLayout::kinds(&self.arch, 0);
+        for kind in LayerLayout::kinds(&self.arch, self.arch.dense_layers) {
+            if !kinds.contains(&kind) {
+                kinds.push(kind);
+            }
+        }
+        for kind in kinds {
             let stored: Vec<(Source, WeightDtype, usize)> = (0..self.arch.layers)
                 .filter_map(|layer| {
                     let src = self.source(layer, kind);
@@ -674,7 +682,19 @@ impl Checkpoint {
         } else {
             None
         };
-        let shared = if a.shared_ffn > 0 {
+        let dense_layer = a.is_dense(layer);
+        let shared = if dense_layer {
+            // A leading dense layer's SwiGLU runs where a shared expert would: every token.
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: self.segment_matrix(layer, SegmentKind::DenseGate)?,
+                    up: self.segment_matrix(layer, SegmentKind::DenseUp)?,
+                    down: self.segment_matrix(layer, SegmentKind::DenseDown)?,
+                    fused: None,
+                },
+                gate: None,
+            })
+        } else if a.shared_ffn > 0 {
             Some(SharedExpertWeights {
                 ffn: ExpertWeights {
                     gate: self.segment_matrix(layer, SegmentKind::SharedGate)?,
@@ -707,15 +727,20 @@ impl Checkpoint {
             o_proj: self.segment_matrix(layer, SegmentKind::OProj)?,
             o_bias: optional(a.o_bias, SegmentKind::OBias)?,
             ffn_norm: self.segment_vector(layer, SegmentKind::FfnNorm)?,
-            router: self.segment_matrix(layer, SegmentKind::Router)?,
-            router_bias: optional(a.has_router_bias(), SegmentKind::RouterBias)?,
+            router: if dense_layer {
+                Matrix::empty()
+            } else {
+                self.segment_matrix(layer, SegmentKind::Router)?
+            },
+            router_bias: optional(!dense_layer && a.has_router_bias(), SegmentKind::RouterBias)?,
             shared,
             kv_b_out: match a.mla {
                 Some(_) => Some(self.segment_matrix(layer, SegmentKind::KvBOut)?),
                 None => None,
             },
         };
-        let experts = (0..self.arch.experts)
+        let routed = if dense_layer { 0 } else { self.arch.experts };
+        let experts = (0..routed)
             .map(|e| {
                 if a.clamped_swiglu.is_some() {
                     return Ok(ExpertWeights {
@@ -809,13 +834,13 @@ impl Checkpoint {
     pub fn layer_layout(&self, layer: usize) -> Result<LayerLayout, CheckpointError> {
         self.check_layer(layer)?;
         let mut dtypes = BTreeMap::new();
-        for kind in LayerLayout::kinds(&self.arch) {
+        for kind in LayerLayout::kinds(&self.arch, layer) {
             let src = self.source(layer, kind);
             // The entry only: an MXFP4 tensor is not decoded to learn its dtype.
             let (_, dtype, _) = self.checked_entry(&src.name, &src.shape)?;
             dtypes.insert(format!("{kind:?}"), dtype);
         }
-        Ok(LayerLayout::new(&self.arch, |k| {
+        Ok(LayerLayout::new(&self.arch, layer, |k| {
             dtypes
                 .get(&format!("{k:?}"))
                 .copied()

@@ -415,21 +415,27 @@ fn deepseek_yarn(f: &Fields<'_>) -> Result<(Option<Yarn>, Option<f64>), ConfigEr
 }
 
 /// DeepSeek-V2 / V3: MLA fields, shared and routed experts, the router's method and groups,
-/// YaRN with mscale. Leading dense layers and what transformers' DeepSeek code ignores or
+/// YaRN with mscale, leading dense layers (`first_k_dense_replace`, of `intermediate_size`).
+/// What transformers' DeepSeek code ignores or
 /// does not implement (`moe_layer_freq`, biases, V2's `norm_topk_prob`) are refused by name.
 fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard, ConfigError> {
     let hidden = f.uint("hidden_size")?;
     let heads = f.uint("num_attention_heads")?;
     let v3 = family == Family::DeepseekV3;
-    if let Some(k) = f.opt_uint("first_k_dense_replace")?.filter(|&k| k > 0) {
+    // Layers 0..k are dense: one SwiGLU of `intermediate_size` instead of the MoE block.
+    let dense_layers = f.opt_uint("first_k_dense_replace")?.unwrap_or(0);
+    let layers = f.uint("num_hidden_layers")?;
+    if dense_layers > layers {
         return Err(f.invalid(
             "first_k_dense_replace",
-            &format!(
-                "is {k}: leading dense layers are not implemented yet (moec's packed checkpoint \
-                 layout is uniform per layer)"
-            ),
+            &format!("is {dense_layers}, more than num_hidden_layers ({layers})"),
         ));
     }
+    let dense_ffn = if dense_layers > 0 {
+        f.uint("intermediate_size")?
+    } else {
+        0
+    };
     if f.opt_uint("moe_layer_freq")?.is_some_and(|v| v != 1) {
         return Err(f.invalid(
             "moe_layer_freq",
@@ -531,6 +537,8 @@ fn deepseek_card(f: &Fields<'_>, name: &str, family: Family) -> Result<ModelCard
         shared_ffn: f.opt_uint("n_shared_experts")?.unwrap_or(0) * moe_ffn,
         yarn,
         mla: Some(mla),
+        dense_layers,
+        dense_ffn,
         deepseek_router: Some(DeepseekRouter {
             topk,
             n_group,
@@ -935,6 +943,8 @@ fn field_name(family: Family, card_field: &str) -> &'static str {
             "ffn" => "moe_intermediate_size",
             "kv_heads" | "head_dim" => "kv_lora_rank + qk_rope_head_dim",
             "shared_ffn" => "n_shared_experts",
+            "dense_layers" => "first_k_dense_replace",
+            "dense_ffn" => "intermediate_size",
             "yarn" => "rope_scaling",
             "mla" => "q_lora_rank / kv_lora_rank / qk_*_head_dim / v_head_dim",
             "deepseek_router" => "topk_method / n_group / topk_group / routed_scaling_factor",
@@ -973,6 +983,8 @@ pub fn check_agreement(
         ("experts", from_config.experts, card.experts),
         ("top_k", from_config.top_k, card.top_k),
         ("vocab", from_config.vocab, card.vocab),
+        ("dense_layers", from_config.dense_layers, card.dense_layers),
+        ("dense_ffn", from_config.dense_ffn, card.dense_ffn),
         (
             "max_positions",
             from_config.max_positions,
@@ -1437,21 +1449,14 @@ mod tests {
       "tie_word_embeddings":false,"topk_group":4,"topk_method":"noaux_tc","torch_dtype":"bfloat16",
       "transformers_version":"4.33.1","use_cache":true,"v_head_dim":128,"vocab_size":129280}"#;
 
-    /// V2-Lite's config with `first_k_dense_replace` 0: the part moec runs.
-    fn deepseek_v2_lite_moe_only() -> String {
-        DEEPSEEK_V2_LITE.replace(
-            r#""first_k_dense_replace":1"#,
-            r#""first_k_dense_replace":0"#,
-        )
-    }
-
     /// The Hub DeepSeek configs give the built-in cards once what moec refuses is taken
-    /// out (V2-Lite's leading dense layer, V3's fp8 quantisation): MLA geometry as the
-    /// latent cache (kv_heads 1, head_dim 512 + 64), the softmax mscale of YaRN's
-    /// mscale_all_dim, the routers.
+    /// out (V3's fp8 quantisation): MLA geometry as the latent cache (kv_heads 1, head_dim
+    /// 512 + 64), the softmax mscale of YaRN's mscale_all_dim, the routers, the leading
+    /// dense layers (V2-Lite 1 of width 10944, V3 3 of 18432).
     #[test]
     fn deepseek_hub_configs_agree_with_the_builtin_cards() {
-        let lite = card_from_config(&deepseek_v2_lite_moe_only(), "c.json", "x").unwrap();
+        let lite = card_from_config(DEEPSEEK_V2_LITE, "c.json", "x").unwrap();
+        assert_eq!((lite.dense_layers, lite.dense_ffn), (1, 10944));
         check_agreement(
             &lite,
             &ModelCard::load("deepseek-v2-lite").unwrap(),
@@ -1467,11 +1472,9 @@ mod tests {
         assert!((mscale - 1.589627).abs() < 1e-5, "{mscale}");
         let start = DEEPSEEK_V3.find(r#""quantization_config""#).unwrap();
         let end = DEEPSEEK_V3.find(r#""rms_norm_eps""#).unwrap();
-        let bf16 = format!("{}{}", &DEEPSEEK_V3[..start], &DEEPSEEK_V3[end..]).replace(
-            r#""first_k_dense_replace":3"#,
-            r#""first_k_dense_replace":0"#,
-        );
+        let bf16 = format!("{}{}", &DEEPSEEK_V3[..start], &DEEPSEEK_V3[end..]);
         let v3 = card_from_config(&bf16, "c.json", "x").unwrap();
+        assert_eq!((v3.dense_layers, v3.dense_ffn), (3, 18432));
         check_agreement(&v3, &ModelCard::load("deepseek-v3").unwrap(), "c.json").unwrap();
         assert_eq!(v3.deepseek_router.unwrap().topk, DeepseekTopk::NoauxTc);
         assert!(v3.has_router_bias());
@@ -1636,25 +1639,36 @@ mod tests {
                 QWEN3_30B_A3B.replace(r#""model_type":"qwen3_moe""#, r#""model_type":"jamba""#),
                 "model_type `jamba`",
             ),
-            (DEEPSEEK_V2_LITE.to_string(), "first_k_dense_replace"),
+            (
+                DEEPSEEK_V2_LITE.replace(
+                    r#""first_k_dense_replace":1"#,
+                    r#""first_k_dense_replace":28"#,
+                ),
+                "first_k_dense_replace",
+            ),
             (DEEPSEEK_V3.to_string(), "quantization_config.quant_method"),
             (
-                deepseek_v2_lite_moe_only()
+                DEEPSEEK_V2_LITE
+                    .to_string()
                     .replace(r#""topk_method":"greedy""#, r#""topk_method":"noaux_tc""#),
                 "topk_method",
             ),
             (
-                deepseek_v2_lite_moe_only()
+                DEEPSEEK_V2_LITE
+                    .to_string()
                     .replace(r#""norm_topk_prob":false"#, r#""norm_topk_prob":true"#),
                 "norm_topk_prob",
             ),
             (
-                deepseek_v2_lite_moe_only()
+                DEEPSEEK_V2_LITE
+                    .to_string()
                     .replace(r#""moe_layer_freq":1"#, r#""moe_layer_freq":2"#),
                 "moe_layer_freq",
             ),
             (
-                deepseek_v2_lite_moe_only().replace(r#""type":"yarn""#, r#""type":"dynamic""#),
+                DEEPSEEK_V2_LITE
+                    .to_string()
+                    .replace(r#""type":"yarn""#, r#""type":"dynamic""#),
                 "rope_scaling.type",
             ),
         ];

@@ -81,6 +81,13 @@ pub enum SegmentKind {
     SharedDown,
     /// The shared expert's sigmoid gate `[1, hidden]` (Qwen2-MoE `shared_expert_gate`).
     SharedExpertGate,
+    /// A dense layer's gate projection `mlp.gate_proj` `[dense_ffn, hidden]` (DeepSeek's
+    /// leading dense layers).
+    DenseGate,
+    /// A dense layer's up projection `mlp.up_proj` `[dense_ffn, hidden]`.
+    DenseUp,
+    /// A dense layer's down projection `mlp.down_proj` `[hidden, dense_ffn]`.
+    DenseDown,
     /// Expert gate projection (Mixtral `w1`, DBRX `w1` rows) `[ffn, hidden]`.
     ExpertGate(usize),
     /// Expert up projection (Mixtral `w3`, DBRX `v1` rows) `[ffn, hidden]`.
@@ -145,8 +152,10 @@ pub struct LayerLayout {
     pub segments: Vec<Segment>,
     /// Model family (decides Q/K/V fused or separate).
     pub family: Family,
-    /// Experts in the layer.
+    /// Experts in the layer (0 for a dense layer).
     pub n_experts: usize,
+    /// A leading dense layer's layout: its `gate` part holds the dense SwiGLU, no router.
+    pub dense_ffn: bool,
     /// Image size in bytes (a multiple of [`SEGMENT_ALIGN`]).
     pub image_bytes: usize,
 }
@@ -237,6 +246,8 @@ impl LayerLayout {
                 QkNorm::Full => (1, kv, None),
                 _ => (1, hd, None),
             },
+            SegmentKind::DenseGate | SegmentKind::DenseUp => (arch.dense_ffn, d, lin),
+            SegmentKind::DenseDown => (d, arch.dense_ffn, lin),
             SegmentKind::SharedGate | SegmentKind::SharedUp => (fs, d, lin),
             SegmentKind::SharedDown => (d, fs, lin),
             SegmentKind::SharedExpertGate => (1, d, lin),
@@ -255,8 +266,9 @@ impl LayerLayout {
 
     /// The dense segment kinds of a layer in image order, grouped as the checkpoint buffer
     /// `W` names its parts: `pre` (input norm, Q/K/V, their biases and norms), `o` (output
-    /// projection) and `gate` (post-attention norm, router, shared expert).
-    pub fn dense_parts(arch: &ArchSpec) -> [Vec<SegmentKind>; 3] {
+    /// projection) and `gate` (post-attention norm, router, shared expert; for a leading
+    /// dense layer, `dense_layer`, the post-attention norm and the dense SwiGLU).
+    pub fn dense_parts(arch: &ArchSpec, dense_layer: bool) -> [Vec<SegmentKind>; 3] {
         let mut pre = vec![SegmentKind::AttnNorm];
         match (arch.family, arch.mla) {
             (_, Some(m)) => {
@@ -289,6 +301,15 @@ impl LayerLayout {
         }
         if arch.o_bias {
             o.push(SegmentKind::OBias);
+        }
+        if dense_layer {
+            let gate = vec![
+                SegmentKind::FfnNorm,
+                SegmentKind::DenseGate,
+                SegmentKind::DenseUp,
+                SegmentKind::DenseDown,
+            ];
+            return [pre, o, gate];
         }
         let mut gate = vec![SegmentKind::FfnNorm, SegmentKind::Router];
         if arch.has_router_bias() {
@@ -325,37 +346,52 @@ impl LayerLayout {
         }
     }
 
-    /// Elements of each segment of [`LayerLayout::dense_parts`] and of one expert's segments,
-    /// in image order (what `ir::CheckpointLayout` sizes the parts of `W` from).
-    pub fn part_elems(arch: &ArchSpec) -> [Vec<u64>; 4] {
+    /// Elements of each segment of [`LayerLayout::dense_parts`] of a MoE layer, of one
+    /// expert's segments and of a dense layer's `gate` part, in image order (what
+    /// `ir::CheckpointLayout` sizes the parts of `W` from; `pre` and `o` are the same in
+    /// both kinds of layer).
+    pub fn part_elems(arch: &ArchSpec) -> [Vec<u64>; 5] {
         let elems = |kind: SegmentKind| {
             let (rows, cols, _) = Self::shape_of(arch, kind);
             (rows * cols) as u64
         };
-        let [pre, o, gate] = Self::dense_parts(arch);
+        let [pre, o, gate] = Self::dense_parts(arch, false);
+        let [_, _, dense_gate] = Self::dense_parts(arch, true);
         let expert = Self::expert_kinds(arch, 0);
         [
             pre.into_iter().map(elems).collect(),
             o.into_iter().map(elems).collect(),
             gate.into_iter().map(elems).collect(),
             expert.into_iter().map(elems).collect(),
+            dense_gate.into_iter().map(elems).collect(),
         ]
     }
 
-    /// Segment kinds of a layer in image order.
-    pub fn kinds(arch: &ArchSpec) -> Vec<SegmentKind> {
-        let mut kinds: Vec<SegmentKind> = Self::dense_parts(arch).into_iter().flatten().collect();
-        for e in 0..arch.experts {
-            kinds.extend(Self::expert_kinds(arch, e));
+    /// Segment kinds of layer `layer` in image order (a dense layer has no experts).
+    pub fn kinds(arch: &ArchSpec, layer: usize) -> Vec<SegmentKind> {
+        let dense = arch.is_dense(layer);
+        let mut kinds: Vec<SegmentKind> = Self::dense_parts(arch, dense)
+            .into_iter()
+            .flatten()
+            .collect();
+        if !dense {
+            for e in 0..arch.experts {
+                kinds.extend(Self::expert_kinds(arch, e));
+            }
         }
         kinds
     }
 
-    /// Layout with each segment's dtype given by `dtype_of`.
-    pub fn new(arch: &ArchSpec, dtype_of: impl Fn(SegmentKind) -> WeightDtype) -> Self {
+    /// Layout of layer `layer` with each segment's dtype given by `dtype_of`.
+    pub fn new(
+        arch: &ArchSpec,
+        layer: usize,
+        dtype_of: impl Fn(SegmentKind) -> WeightDtype,
+    ) -> Self {
+        let dense = arch.is_dense(layer);
         let mut offset = 0;
         let mut segments = Vec::new();
-        for kind in Self::kinds(arch) {
+        for kind in Self::kinds(arch, layer) {
             let (rows, cols, orientation) = Self::shape_of(arch, kind);
             let dtype = dtype_of(kind);
             let len_bytes = rows * cols * dtype.bytes() as usize;
@@ -373,14 +409,21 @@ impl LayerLayout {
         LayerLayout {
             segments,
             family: arch.family,
-            n_experts: arch.experts,
+            n_experts: if dense { 0 } else { arch.experts },
+            dense_ffn: dense,
             image_bytes: offset,
         }
     }
 
-    /// Layout with every segment in `dtype`.
+    /// Layout of a MoE layer (the first after the leading dense ones) with every segment
+    /// in `dtype`.
     pub fn uniform(arch: &ArchSpec, dtype: WeightDtype) -> Self {
-        Self::new(arch, |_| dtype)
+        Self::new(arch, arch.dense_layers, |_| dtype)
+    }
+
+    /// Layout of layer `layer` with every segment in `dtype`.
+    pub fn uniform_for(arch: &ArchSpec, layer: usize, dtype: WeightDtype) -> Self {
+        Self::new(arch, layer, |_| dtype)
     }
 
     /// The segment of `kind`, if the layout has one.
@@ -404,6 +447,9 @@ impl LayerLayout {
                     s.kind,
                     SegmentKind::Router
                         | SegmentKind::RouterBias
+                        | SegmentKind::DenseGate
+                        | SegmentKind::DenseUp
+                        | SegmentKind::DenseDown
                         | SegmentKind::SharedGate
                         | SegmentKind::SharedUp
                         | SegmentKind::SharedDown
@@ -513,6 +559,17 @@ impl<'a> DenseWeights<'a> {
                     None
                 },
             })
+        } else if has(SegmentKind::DenseGate) {
+            // A dense layer's SwiGLU runs where a shared expert would: on every token.
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: layout.matrix(bytes, 0, SegmentKind::DenseGate)?,
+                    up: layout.matrix(bytes, 0, SegmentKind::DenseUp)?,
+                    down: layout.matrix(bytes, 0, SegmentKind::DenseDown)?,
+                    fused: None,
+                },
+                gate: None,
+            })
         } else {
             None
         };
@@ -525,7 +582,11 @@ impl<'a> DenseWeights<'a> {
             o_proj: layout.matrix(bytes, 0, SegmentKind::OProj)?,
             o_bias: vector(SegmentKind::OBias)?,
             ffn_norm: layout.view(bytes, 0, SegmentKind::FfnNorm)?,
-            router: layout.matrix(bytes, 0, SegmentKind::Router)?,
+            router: if layout.dense_ffn {
+                Matrix::empty()
+            } else {
+                layout.matrix(bytes, 0, SegmentKind::Router)?
+            },
             router_bias: vector(SegmentKind::RouterBias)?,
             shared,
             kv_b_out: if has(SegmentKind::KvBOut) {

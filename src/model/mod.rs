@@ -8,6 +8,7 @@ pub mod arch;
 pub mod card;
 pub mod checkpoint;
 pub mod config;
+pub mod dense;
 pub mod kernels;
 pub mod layout;
 pub mod mxfp4;

@@ -5,7 +5,7 @@
 //! Qwen3-MoE and OLMoE per-expert `gate_proj/up_proj/down_proj` with their q/k norms,
 //! q/k/v biases and shared expert; DeepSeek-V2/V3 MLA projections (`q_a_proj`/`q_b_proj`
 //! or `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`), `shared_experts` and V3's
-//! `e_score_correction_bias`; gpt-oss 3-D `mlp.experts.gate_up_proj` /
+//! `e_score_correction_bias`, and the leading dense layers' `mlp.gate_proj/up_proj/down_proj`; gpt-oss 3-D `mlp.experts.gate_up_proj` /
 //! `down_proj` with biases, router bias, sinks; DBRX fused `[experts * ffn, hidden]` expert tensors
 //! without a `.weight` suffix). Used to write synthetic checkpoints; the reader resolves
 //! the same names segment by segment.
@@ -39,10 +39,9 @@ pub fn head_names(family: Family) -> (&'static str, &'static str) {
 pub fn checkpoint_tensors(a: &ArchSpec) -> Vec<(String, Vec<usize>)> {
     let (embed, norm) = head_names(a.family);
     let mut out = vec![(embed.to_string(), vec![a.vocab, a.hidden])];
-    let kinds = LayerLayout::kinds(a);
     for l in 0..a.layers {
         let first = out.len();
-        for &kind in &kinds {
+        for kind in LayerLayout::kinds(a, l) {
             let src = segment_source(a, l, kind);
             // DBRX's fused expert tensors hold every expert: list them once.
             if !out[first..].iter().any(|(n, _)| *n == src.name) {
@@ -153,6 +152,10 @@ pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
                 SegmentKind::KvB | SegmentKind::KvBOut => {
                     format!("{p}.self_attn.kv_b_proj.weight")
                 }
+                // A leading dense layer's FFN (`DeepseekV2MLP` of `intermediate_size`).
+                SegmentKind::DenseGate => format!("{p}.mlp.gate_proj.weight"),
+                SegmentKind::DenseUp => format!("{p}.mlp.up_proj.weight"),
+                SegmentKind::DenseDown => format!("{p}.mlp.down_proj.weight"),
                 SegmentKind::RouterBias if deepseek => {
                     format!("{p}.mlp.gate.e_score_correction_bias")
                 }

@@ -228,6 +228,10 @@ impl<'a> Oracle<'a> {
             )
             .map_err(KernelError::from)?;
             k.o_proj_residual(a, &layer.dense, &attn_out, &mut x)?;
+            if a.is_dense(layer_idx) {
+                crate::model::dense::dense_block(k, a, &layer.dense, &mut x)?;
+                continue;
+            }
             k.moe_block(a, &layer.dense, &mut x, |e| {
                 layer.experts.get(e).cloned().ok_or(KernelError::Shape {
                     what: "expert index",

@@ -62,9 +62,6 @@ pub enum ExpertStorage {
 /// Problems writing a synthetic checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
-    /// The card describes structure the packed layout cannot hold (leading dense layers).
-    #[error("{0}")]
-    Unrunnable(String),
     /// MXFP4 experts were asked for a card that cannot store them.
     #[error("MXFP4 experts need a gpt-oss card with hidden and ffn multiples of 32; {0}")]
     Mxfp4(String),
@@ -156,7 +153,7 @@ pub fn synthetic_layer_image(
     opts: &SynthOptions,
 ) -> (LayerLayout, ImageBuffer) {
     let arch = ArchSpec::from_card(card);
-    let layout = LayerLayout::uniform(&arch, opts.dtype);
+    let layout = LayerLayout::uniform_for(&arch, layer, opts.dtype);
     let mut image = ImageBuffer::zeroed(layout.image_bytes);
     let bytes = image.as_bytes_mut();
     let mut buf = Vec::new();
@@ -335,9 +332,6 @@ pub fn write_checkpoint_as(
     opts: &SynthOptions,
     experts: ExpertStorage,
 ) -> Result<(), SynthError> {
-    if let Some(why) = card.unrunnable() {
-        return Err(SynthError::Unrunnable(why));
-    }
     let block = mxfp4::BLOCK as u64;
     if experts == ExpertStorage::Mxfp4
         && (card.family != Family::GptOss

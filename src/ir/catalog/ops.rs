@@ -99,6 +99,38 @@ impl Dims {
     fn routing_bytes(&self) -> f64 {
         self.n * self.k * ROUTE_ENTRY_BYTES as f64
     }
+
+    /// The dimensions of `op`'s layer: a leading dense layer has no router and no routed
+    /// expert, and its SwiGLU of `dense_ffn` takes the shared expert's place (ungated).
+    fn at_layer(mut self, op: &Op, card: &ModelCard) -> Dims {
+        if dense_layer(op, card) {
+            self.e = 0.0;
+            self.fs = card.dense_ffn as f64;
+            self.sg = 0.0;
+        }
+        self
+    }
+}
+
+/// Bytes of MLA's `kv_b_proj` key rows (`W_uk`, heads x qk_nope) and value rows (`W_uv`,
+/// heads x v_head_dim); (0, 0) without MLA. The packed layer holds the whole tensor in both
+/// its `pre` and its `o` part (each op reads its part of `W` only), but `pre_attn` reads
+/// only the key rows and `o_proj` only the value rows, so each is charged its own rows and
+/// the tensor is counted once per layer.
+fn kv_b_rows_bytes(card: &ModelCard) -> (u64, u64) {
+    card.mla.map_or((0, 0), |m| {
+        let per_row = m.kv_lora_rank * card.dtype.bytes();
+        (
+            card.heads * m.qk_nope_head_dim * per_row,
+            card.heads * m.v_head_dim * per_row,
+        )
+    })
+}
+
+/// True when `op` works on one of the card's leading dense layers.
+fn dense_layer(op: &Op, card: &ModelCard) -> bool {
+    op.layer()
+        .is_some_and(|l| card.is_dense_layer(u64::from(l)))
 }
 
 fn sig(role: Role, access: Access, expects: Vec<Tensor>, produces: Option<Tensor>) -> RoleSig {
@@ -212,7 +244,8 @@ fn pre_attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
 fn pre_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => CheckpointLayout::new(card).pre_bytes as f64,
+        // MLA: `pre` holds all of `kv_b_proj` but reads only its key rows (`W_uk`).
+        Role::W => (CheckpointLayout::new(card).pre_bytes - kv_b_rows_bytes(card).1) as f64,
         Role::H => d.rows(d.h),
         Role::Out => d.n * card.qkv_width() as f64 * d.a,
         _ => len as f64,
@@ -336,12 +369,17 @@ const POST_ATTN: OpDef = OpDef {
     },
     signature: post_attn_signature,
     work: WorkDef {
-        flops: |_, card, shape| {
-            let d = Dims::new(card, shape);
+        flops: |op, card, shape| {
+            let d = Dims::new(card, shape).at_layer(op, card);
+            let routed = if dense_layer(op, card) {
+                0.0
+            } else {
+                d.n * d.k
+            };
             2.0 * d.n * d.o_macs
                 + d.norm()
                 + 2.0 * d.n * d.h * d.e
-                + d.expert_flops(d.n * d.k)
+                + d.expert_flops(routed)
                 + d.shared_flops()
                 + 3.0 * d.n * d.h
         },
@@ -354,7 +392,12 @@ const POST_ATTN: OpDef = OpDef {
 fn post_attn_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
     let mut weights = vec![Tensor::O { layer }, Tensor::Gate { layer }];
-    weights.extend((0..card.experts as u32).map(|e| Tensor::Expert {
+    let routed = if dense_layer(op, card) {
+        0
+    } else {
+        card.experts as u32
+    };
+    weights.extend((0..routed).map(|e| Tensor::Expert {
         layer,
         expert: ExpertRef::Index(e),
     }));
@@ -378,12 +421,13 @@ fn attn_out_all(layer: u32, ub: u32) -> Tensor {
     }
 }
 
-fn post_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
-    let d = Dims::new(card, shape);
+fn post_attn_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape).at_layer(op, card);
     let layout = CheckpointLayout::new(card);
+    let layer = u64::from(op.layer().unwrap_or(0));
     match role {
         Role::W => {
-            (layout.o_bytes + layout.gate_bytes) as f64
+            (layout.o_bytes - kv_b_rows_bytes(card).0 + layout.gate_bytes_of(layer)) as f64
                 + d.active_experts(d.e) * layout.expert_bytes as f64
         }
         Role::A => d.rows(d.q),
@@ -441,7 +485,8 @@ fn o_proj_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
 fn o_proj_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => CheckpointLayout::new(card).o_bytes as f64,
+        // MLA: `o` holds all of `kv_b_proj` but reads only its value rows (`W_uv`).
+        Role::W => (CheckpointLayout::new(card).o_bytes - kv_b_rows_bytes(card).0) as f64,
         Role::A => d.rows(d.q),
         Role::H => 2.0 * d.rows(d.h),
         _ => len as f64,
@@ -472,8 +517,8 @@ const GATE: OpDef = OpDef {
     },
     signature: gate_signature,
     work: WorkDef {
-        flops: |_, card, shape| {
-            let d = Dims::new(card, shape);
+        flops: |op, card, shape| {
+            let d = Dims::new(card, shape).at_layer(op, card);
             d.norm() + 2.0 * d.n * d.h * d.e + 5.0 * d.n * d.e + d.shared_flops()
         },
         bytes: gate_bytes,
@@ -501,10 +546,11 @@ fn gate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn gate_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn gate_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
+    let layer = u64::from(op.layer().unwrap_or(0));
     match role {
-        Role::W => CheckpointLayout::new(card).gate_bytes as f64,
+        Role::W => CheckpointLayout::new(card).gate_bytes_of(layer) as f64,
         Role::H => d.rows(d.h),
         Role::Route => d.routing_bytes(),
         // The gate writes the normalised rows, zeroes every (token, k) slot and writes the
@@ -539,12 +585,12 @@ const EXPERTS: OpDef = OpDef {
     signature: experts_signature,
     work: WorkDef {
         flops: |op, card, shape| {
-            Dims::new(card, shape).expert_flops(routed_tokens(&expert_set(op), card, shape))
+            Dims::new(card, shape).expert_flops(layer_routed_tokens(op, card, shape))
         },
         bytes: experts_bytes,
         // The gate/up intermediates of the routed tokens, at most one row per token.
         workspace: |op, card, shape| {
-            let routed = routed_tokens(&expert_set(op), card, shape).ceil() as u64;
+            let routed = layer_routed_tokens(op, card, shape).ceil() as u64;
             routed.min(shape.tokens) * card.ffn * 2 * shape.act_bytes
         },
     },
@@ -557,10 +603,24 @@ fn expert_set(op: &Op) -> ExpertSet {
     }
 }
 
+/// Token-expert pairs an `experts` task computes on average; none on a dense layer.
+fn layer_routed_tokens(op: &Op, card: &ModelCard, shape: &Shape) -> f64 {
+    if dense_layer(op, card) {
+        0.0
+    } else {
+        routed_tokens(&expert_set(op), card, shape)
+    }
+}
+
 fn experts_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
-    let weights = expert_set(op)
-        .members(card.experts)
+    // A dense layer routes no token to any expert: the task reads no expert's weights.
+    let members = if dense_layer(op, card) {
+        Vec::new()
+    } else {
+        expert_set(op).members(card.experts)
+    };
+    let weights = members
         .into_iter()
         .map(|expert| Tensor::Expert { layer, expert })
         .collect();
@@ -581,13 +641,15 @@ fn experts_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
 fn experts_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     let set = expert_set(op);
+    let in_set = if dense_layer(op, card) {
+        0.0
+    } else {
+        set.len(card.experts) as f64
+    };
     match role {
-        Role::W => {
-            d.active_experts(set.len(card.experts) as f64)
-                * CheckpointLayout::new(card).expert_bytes as f64
-        }
+        Role::W => d.active_experts(in_set) * CheckpointLayout::new(card).expert_bytes as f64,
         Role::Route => d.routing_bytes(),
-        Role::Acc => 2.0 * routed_tokens(&set, card, shape) * d.h * d.a,
+        Role::Acc => 2.0 * layer_routed_tokens(op, card, shape) * d.h * d.a,
         _ => len as f64,
     }
 }
@@ -807,6 +869,64 @@ mod tests {
             .collect(),
             _ => vec![base],
         }
+    }
+
+    /// DeepSeek-V2-Lite by hand: `kv_b_proj` is 16 heads x (128 + 128) rows x 512 x 2 bytes
+    /// = 4,194,304 bytes, counted once over `pre_attn` (key rows) and `o_proj` (value
+    /// rows); its dense layer 0 charges its own `gate` (norm + 3 x 2048 x 10944 x 2 bytes)
+    /// and no expert, its MoE layer 1 the router, shared experts and its active experts.
+    #[test]
+    fn deepseek_weights_are_charged_once_and_per_layer() {
+        let card = ModelCard::load("deepseek-v2-lite").unwrap();
+        let layout = CheckpointLayout::new(&card);
+        let shape = Shape {
+            tokens: 1,
+            seqs: 1,
+            context: 0,
+            act_bytes: 4,
+        };
+        let w = |op: Op| super::super::role_traffic(&op, Role::W, &card, &shape, u64::MAX).1;
+        let pre = w(Op::PreAttn { layer: 1, ub: 0 });
+        let o = w(Op::OProj { layer: 1, ub: 0 });
+        let kv_b = 16 * 256 * 512 * 2;
+        assert_eq!((pre + o) as u64, layout.pre_bytes + layout.o_bytes - kv_b);
+        assert_eq!(layout.dense_gate_bytes, 2048 * 2 + 3 * 2048 * 10944 * 2);
+        assert_eq!(
+            w(Op::Gate { layer: 0, ub: 0 }) as u64,
+            layout.dense_gate_bytes
+        );
+        assert_eq!(w(Op::Gate { layer: 1, ub: 0 }) as u64, layout.gate_bytes);
+        let all = ExpertSet::All;
+        assert_eq!(
+            w(Op::Experts {
+                layer: 0,
+                ub: 0,
+                set: all
+            }),
+            0.0
+        );
+        // One token: its top-6 experts.
+        assert_eq!(
+            w(Op::Experts {
+                layer: 1,
+                ub: 0,
+                set: all
+            }) as u64,
+            6 * layout.expert_bytes
+        );
+        let flops = |op: Op| super::super::flops(&op, &card, &shape);
+        assert_eq!(
+            flops(Op::Experts {
+                layer: 0,
+                ub: 0,
+                set: all
+            }),
+            0.0
+        );
+        // The dense SwiGLU of layer 0 (2 x 3 x 2048 x 10944) against the router, 6 experts
+        // and 2 shared of width 1408 of layer 1.
+        let gate0 = flops(Op::Gate { layer: 0, ub: 0 });
+        assert!((gate0 - (4.0 * 2048.0 + 2.0 * 3.0 * 2048.0 * 10944.0)).abs() < 1.0);
     }
 
     #[test]

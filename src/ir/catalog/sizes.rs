@@ -67,11 +67,11 @@ pub fn size_helper(
         "logits" => one(&|s| raw(s.saturating_mul(card.vocab * a))),
         "tokens" => one(&|s| raw(s.saturating_mul(TOKEN_BYTES))),
         "layer_weights" => none(HelperSize {
-            bytes: layout.layer_bytes(),
+            bytes: layout.slot_layer_bytes(),
             layout: Layout::Layer,
         }),
         "dense_weights" => none(HelperSize {
-            bytes: layout.dense_bytes(),
+            bytes: layout.slot_dense_bytes(),
             layout: Layout::Dense,
         }),
         "expert_weights" => one(&|m| HelperSize {

@@ -135,7 +135,7 @@ impl<'c> MappedImage<'c> {
                 WeightTag::FinalNorm => (head.final_norm.bytes, head.final_norm.dtype),
                 WeightTag::LmHead => (head.lm_head.bytes, head.lm_head.dtype),
                 WeightTag::Layer { layer, kind } => {
-                    let Some(seg) = layout.layer.segment(kind) else {
+                    let Some(seg) = layout.layer_of(layer).segment(kind) else {
                         continue;
                     };
                     decoded = checkpoint.segment_is_decoded(layer as usize, kind);
@@ -356,9 +356,10 @@ mod tests {
         dst[..embed.len()].copy_from_slice(embed);
         for layer in 0..c.layers {
             let start = c.layer_offset(layer) as usize;
-            let end = start + c.layer_bytes() as usize;
+            let end = start + c.layer_bytes_of(layer) as usize;
+            let image = layout.layer_of(layer as u32);
             checkpoint
-                .copy_layer_image(layer as usize, &layout.layer, &mut dst[start..end])
+                .copy_layer_image(layer as usize, image, &mut dst[start..end])
                 .unwrap();
         }
         let head = c.head_offset() as usize;
@@ -492,7 +493,7 @@ mod tests {
         ) = (36, 50, 3, 1, 12);
         card.layers = 2;
         let layout = CheckpointLayout::new(&card);
-        let padded = layout.layer_bytes()
+        let padded = layout.moe_layer_bytes()
             - (card.hidden * 2 + (card.heads + 2 * card.kv_heads) * card.head_dim * card.hidden)
                 * 2
             - (card.heads * card.head_dim * card.hidden + card.experts * card.hidden) * 2

@@ -18,6 +18,7 @@ use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
 use crate::model::card::Family;
+use crate::model::dense::{dense_block, dense_ffn_rows, no_expert_routing};
 use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
 use crate::model::kernels::isa::Kernels;
@@ -270,7 +271,7 @@ impl OpContext<'_> {
         layer: u32,
         kind: SegmentKind,
     ) -> Result<Option<Matrix<'_>>, OpError> {
-        let Some(seg) = self.memory.layout().layer.segment(kind).cloned() else {
+        let Some(seg) = self.memory.layout().layer_of(layer).segment(kind).cloned() else {
             return Ok(None);
         };
         let data = self.typed(weights, WeightTag::Layer { layer, kind }, seg.dtype)?;
@@ -317,12 +318,12 @@ impl OpContext<'_> {
         };
         let pre = needs.contains(&SegmentKind::AttnNorm);
         let qkv = if pre {
-            match self.memory.layout().layer.family {
+            match self.memory.layout().layer_of(layer).family {
                 Family::Dbrx => {
                     QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
                 }
                 Family::DeepseekV2 | Family::DeepseekV3 => {
-                    let layout = &self.memory.layout().layer;
+                    let layout = self.memory.layout().layer_of(layer);
                     QkvWeights::Mla(MlaWeights::build(
                         layout.segment(SegmentKind::QAProj).is_some(),
                         |kind| self.required(weights, layer, kind),
@@ -339,7 +340,9 @@ impl OpContext<'_> {
         };
         // The optional segments of the families that have them: q/k/v biases and q/k norms
         // with the pre-attention weights, the shared expert with the router's.
-        let present = |kind: SegmentKind| self.memory.layout().layer.segment(kind).is_some();
+        let present =
+            |kind: SegmentKind| self.memory.layout().layer_of(layer).segment(kind).is_some();
+        let dense_layer = self.arch.is_dense(layer as usize);
         let vector = |kind: SegmentKind| -> Result<TypedSlice<'_>, OpError> {
             Ok(self.required(weights, layer, kind)?.data)
         };
@@ -357,7 +360,18 @@ impl OpContext<'_> {
         } else {
             None
         };
-        let shared = if needs.contains(&SegmentKind::Router) && present(SegmentKind::SharedGate) {
+        let shared = if needs.contains(&SegmentKind::Router) && dense_layer {
+            // A dense layer's SwiGLU, which its gate computes where a shared expert would.
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: self.required(weights, layer, SegmentKind::DenseGate)?,
+                    up: self.required(weights, layer, SegmentKind::DenseUp)?,
+                    down: self.required(weights, layer, SegmentKind::DenseDown)?,
+                    fused: None,
+                },
+                gate: None,
+            })
+        } else if needs.contains(&SegmentKind::Router) && present(SegmentKind::SharedGate) {
             Some(SharedExpertWeights {
                 ffn: ExpertWeights {
                     gate: self.required(weights, layer, SegmentKind::SharedGate)?,
@@ -390,7 +404,11 @@ impl OpContext<'_> {
             o_proj: get(SegmentKind::OProj)?,
             o_bias: optional(SegmentKind::OProj, SegmentKind::OBias)?,
             ffn_norm: get(SegmentKind::FfnNorm)?.data,
-            router: get(SegmentKind::Router)?,
+            router: if dense_layer {
+                empty_matrix
+            } else {
+                get(SegmentKind::Router)?
+            },
             router_bias: optional(SegmentKind::Router, SegmentKind::RouterBias)?,
             shared,
             kv_b_out: if needs.contains(&SegmentKind::OProj) && present(SegmentKind::KvBOut) {
@@ -700,13 +718,24 @@ fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
     let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * cx.arch.acc_rows() * d)?;
     let (x_norm, rest) = acc.split_at_mut(n * d);
     let (slots, shared_out) = rest.split_at_mut(n * cx.arch.top_k * d);
-    let routing = gate(cx.arch, &dense, h, x_norm)?;
     slots.fill(0.0);
-    // The shared expert is part of the dense weights every token uses: computed here, with
-    // the router, so schedules treat it like the gate's other weights.
-    if let Some(shared) = &dense.shared {
-        Kernels::process().shared_expert(cx.arch, shared, x_norm, shared_out)?;
-    }
+    let routing = if cx.arch.is_dense(layer as usize) {
+        // A dense layer: its SwiGLU into the shared row, a routing that chooses no expert.
+        dense_ffn_rows(Kernels::process(), cx.arch, &dense, h, x_norm, shared_out)?;
+        no_expert_routing(n, cx.arch.top_k)
+    } else {
+        let routing = gate(cx.arch, &dense, h, x_norm)?;
+        // The shared expert is part of the dense weights every token uses: computed here,
+        // with the router, so schedules treat it like the gate's other weights.
+        match &dense.shared {
+            Some(shared) => {
+                Kernels::process().shared_expert(cx.arch, shared, x_norm, shared_out)?
+            }
+            // The row a card with dense layers keeps for their SwiGLU: nothing to add here.
+            None => shared_out.fill(0.0),
+        }
+        routing
+    };
     // The host learns this routing only through the plan's `ReadRouting` instruction, as
     // it would from a device.
     cx.write_routing(args.need(Role::Route)?, &routing)?;
@@ -746,7 +775,7 @@ fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     let k = cx.arch.top_k;
     let acc_elems = n * cx.arch.acc_rows() * d;
     let slots_end = n * (1 + k) * d;
-    let has_shared = cx.arch.shared_ffn > 0;
+    let has_shared = cx.arch.acc_rows() > 1 + k;
     let h = cx.act_mut(args.need(Role::H)?, "h", n * d)?;
     let first = cx.act(
         *accs.first().ok_or(OpError::MissingArg("acc"))?,
@@ -795,6 +824,10 @@ fn post_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Res
     let merged = cx.merge_attention_rows(ub, &args.all(Role::A))?;
     let h = cx.act_mut(args.need(Role::H)?, "h", n * d)?;
     o_proj_residual(cx.arch, &dense, &merged, h)?;
+    if cx.arch.is_dense(layer as usize) {
+        dense_block(Kernels::process(), cx.arch, &dense, h)?;
+        return Ok(());
+    }
     moe_block(cx.arch, &dense, h, |e| cx.expert(&weights, layer, e))?;
     Ok(())
 }

@@ -178,20 +178,30 @@ impl WeightMap {
 pub struct ImageLayout {
     /// The IR's view (offsets of embed, layers, head).
     pub checkpoint: CheckpointLayout,
-    /// Each layer's packed layout (identical for all layers of a card).
+    /// The packed layout of every MoE layer (identical for all of them).
     pub layer: LayerLayout,
+    /// The packed layout of every leading dense layer, if the card has any.
+    pub dense_layer: Option<LayerLayout>,
     /// Bytes of the final norm (first part of the head region).
     pub final_norm_bytes: u64,
 }
 
 impl ImageLayout {
+    /// The packed layout of layer `layer`.
+    pub fn layer_of(&self, layer: u32) -> &LayerLayout {
+        match &self.dense_layer {
+            Some(dense) if self.checkpoint.is_dense(u64::from(layer)) => dense,
+            _ => &self.layer,
+        }
+    }
+
     /// Every tensor of the image with its offset and length.
     pub fn tags(&self) -> Vec<(u64, u64, WeightTag)> {
         let c = &self.checkpoint;
         let mut out = vec![(0, c.embed_bytes, WeightTag::Embed)];
         for layer in 0..c.layers {
             let base = c.layer_offset(layer);
-            for seg in &self.layer.segments {
+            for seg in &self.layer_of(layer as u32).segments {
                 let tag = WeightTag::Layer {
                     layer: layer as u32,
                     kind: seg.kind,
@@ -215,8 +225,8 @@ impl ImageLayout {
             WeightTag::Embed => self.checkpoint.embed_bytes,
             WeightTag::FinalNorm => self.final_norm_bytes,
             WeightTag::LmHead => self.checkpoint.head_bytes - self.final_norm_bytes,
-            WeightTag::Layer { kind, .. } => self
-                .layer
+            WeightTag::Layer { layer, kind } => self
+                .layer_of(layer)
                 .segment(kind)
                 .map(|s| s.len_bytes as u64)
                 .unwrap_or(0),
@@ -281,27 +291,45 @@ pub fn image_layout(
     layout: CheckpointLayout,
 ) -> Result<ImageLayout, ImageError> {
     let dir = checkpoint.dir().display().to_string();
-    let layer = checkpoint.layer_layout(0)?;
     let mismatch = |what, got: u64, expected: u64| ImageError::Mismatch {
         dir: dir.clone(),
         what,
         got,
         expected,
     };
-    if layer.image_bytes as u64 != layout.layer_bytes() {
-        return Err(mismatch(
-            "one layer",
-            layer.image_bytes as u64,
-            layout.layer_bytes(),
-        ));
-    }
-    let expert = layer.expert_range(0);
-    if (expert.end - expert.start) as u64 != layout.expert_bytes {
-        return Err(mismatch(
-            "one expert",
-            (expert.end - expert.start) as u64,
-            layout.expert_bytes,
-        ));
+    // The first MoE layer's layout stands for every MoE layer's (and the first layer's
+    // for every dense one's): the checkpoint checks each layer's tensors at open.
+    let moe_layer = layout.dense_layers.min(layout.layers.saturating_sub(1));
+    let layer = checkpoint.layer_layout(moe_layer as usize)?;
+    let dense_layer = if layout.dense_layers > 0 {
+        let dense = checkpoint.layer_layout(0)?;
+        if dense.image_bytes as u64 != layout.layer_bytes_of(0) {
+            return Err(mismatch(
+                "one dense layer",
+                dense.image_bytes as u64,
+                layout.layer_bytes_of(0),
+            ));
+        }
+        Some(dense)
+    } else {
+        None
+    };
+    if !layout.is_dense(moe_layer) {
+        if layer.image_bytes as u64 != layout.layer_bytes_of(moe_layer) {
+            return Err(mismatch(
+                "one layer",
+                layer.image_bytes as u64,
+                layout.layer_bytes_of(moe_layer),
+            ));
+        }
+        let expert = layer.expert_range(0);
+        if (expert.end - expert.start) as u64 != layout.expert_bytes {
+            return Err(mismatch(
+                "one expert",
+                (expert.end - expert.start) as u64,
+                layout.expert_bytes,
+            ));
+        }
     }
     let head = checkpoint.head_tensors()?;
     let embed = head.embed.bytes.len() as u64;
@@ -317,6 +345,7 @@ pub fn image_layout(
     Ok(ImageLayout {
         checkpoint: layout,
         layer,
+        dense_layer,
         final_norm_bytes,
     })
 }
