@@ -8,7 +8,8 @@
 //!   weight byte comes from DRAM once: bytes / time over the streaming read is the GEMV's
 //!   efficiency (goal >= 85%). The ratio is taken in [`RATIO_ROUNDS`] interleaved rounds,
 //!   each timing the probe's streaming read over a buffer of the same 132 MB and then the
-//!   GEMV, both on the same rayon pool (all threads), best of [`RATIO_REPS`] each; the
+//!   GEMV, both on the same rayon pool (all threads), [`RATIO_REPS`] timing each after a
+//!   warm-up call; the
 //!   headline is the median of the rounds' ratios (this machine's bandwidth drifts by
 //!   10-30% between seconds, so only a ratio within one round compares like with like),
 //!   printed with the lowest and highest;
@@ -38,9 +39,10 @@ const PREFILL_ROWS: usize = 256;
 /// Rows of the few-row expert GEMM point (a batch-16 decode step's rows per expert).
 const FEW_ROWS: usize = 4;
 /// Interleaved rounds of the decode-GEMV-over-streaming-read ratio.
-const RATIO_ROUNDS: usize = 11;
-/// Timings per side and round (the best is kept).
-const RATIO_REPS: usize = 3;
+const RATIO_ROUNDS: usize = 31;
+/// Timings per side and round (the best is kept). One: the two sides of a round are then
+/// a few milliseconds apart, closer than this machine's bandwidth drifts.
+const RATIO_REPS: usize = 1;
 
 /// One expert's three bf16 matrices, `[out, in]` as Hugging Face stores them.
 struct Expert {
