@@ -20,8 +20,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Activation rows from which the widened f32 panels of the general body take over (at
-/// 8 rows and more a weight row widened once serves enough register blocks).
+/// The most activation rows this body takes; from 8 rows on, the general body's widened
+/// f32 panels take over (a weight row widened once then serves enough register blocks).
 pub(super) const MAX_ROWS: usize = 7;
 
 /// Weight rows ahead of the row being multiplied that each pass prefetches, at every

@@ -703,9 +703,7 @@ mod avx2 {
         unsafe {
             match w.data {
                 TypedSlice::F32(_) => blocked::<F32>(x, n_rows, w.data, k_len, block, local, out),
-                TypedSlice::Bf16(_) if n_rows < WIDEN_MIN_ROWS => {
-                    blocked::<BF16>(x, n_rows, w.data, k_len, block, local, out)
-                }
+                // bf16 below `WIDEN_MIN_ROWS` rows runs the few-row body (see `prepare`).
                 TypedSlice::F16(_) if n_rows < WIDEN_MIN_ROWS => {
                     blocked::<F16>(x, n_rows, w.data, k_len, block, local, out)
                 }
