@@ -267,7 +267,7 @@ mod tests {
             .map(|&v| v as f32)
             .collect();
         assert_eq!(&rows.data[..16], &want_first[..]);
-        let mut want_tail = vec![0.0f32; 16];
+        let mut want_tail = [0.0f32; 16];
         want_tail[0] = 16.0;
         want_tail[8] = 17.0;
         assert_eq!(&rows.data[16..32], &want_tail[..]);
