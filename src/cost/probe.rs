@@ -78,9 +78,12 @@ fn probe_pool(threads: usize) -> Result<rayon::ThreadPool, ProbeError> {
         })
 }
 
-/// Parallel streaming read: each thread sums its chunk with independent accumulators so
-/// the loads, not the adds, set the pace.
-fn stream_read(data: &[f32]) -> f32 {
+/// Parallel streaming read of `data` on the current rayon pool's threads (what `moec
+/// probe` times for its streaming bandwidth): each thread sums its chunks with independent
+/// accumulators so the loads, not the adds, set the pace. Returns the sum, which the
+/// caller must consume (`std::hint::black_box`) so the reads are not optimised away.
+/// Public so a benchmark can time it beside a kernel over the same bytes and threads.
+pub fn stream_read(data: &[f32]) -> f32 {
     data.par_chunks(1 << 16)
         .map(|chunk| {
             let mut acc = [0.0f32; 16];

@@ -166,7 +166,12 @@ pub fn selection() -> Result<&'static Selection, &'static IsaError> {
 /// report), or the refusal when `MOEC_KERNELS` asks for something this CPU cannot run.
 pub fn describe() -> String {
     match selection() {
-        Ok(s) => format!("CPU kernels: {} ({})", s.kernels.isa().name(), s.reason),
+        Ok(s) => format!(
+            "CPU kernels: {} ({}); {}",
+            s.kernels.isa().name(),
+            s.reason,
+            crate::model::kernels::linear::bodies(s.kernels.isa())
+        ),
         Err(e) => format!("CPU kernels: refused: {e}"),
     }
 }

@@ -12,10 +12,13 @@
 //! `k ≡ l mod 16`, zero-padded tail), then reduces the lanes with a fixed tree; `InOut`
 //! accumulates sequentially over the input index with fused multiply-adds. We use our own
 //! register-blocked kernels (AVX-512, AVX2+FMA and portable bodies of the same per-element
-//! structure, chosen by the [`Kernels`] context; they give the same bits) instead of
+//! structure, chosen by the [`Kernels`] context; they give the same bits; with AVX2, bf16
+//! weights and 1 to 7 rows the few-row body of [`few_rows`] runs, see [`bodies`]) instead of
 //! `gemm`, because `gemm` switches between GEMV, "horizontal" and packed kernels and picks
 //! its k-blocking by shape, which changes the summation order with the number of rows.
 
+#[cfg(target_arch = "x86_64")]
+use crate::model::kernels::few_rows;
 use crate::model::kernels::isa::{Isa, Kernels};
 use crate::model::kernels::{check_len, KernelError};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
@@ -65,6 +68,39 @@ impl Kernels {
     }
 }
 
+/// Which `OutIn` bodies (the projections of every model) an instruction set runs, by rows
+/// per call, in words for the run report and `moec devices`.
+pub fn bodies(isa: Isa) -> &'static str {
+    match isa {
+        Isa::Avx512 => "matrix products: 4 x 4 register blocks at every row count",
+        Isa::Avx2 => {
+            "matrix products: bf16 weights with 1-7 rows through the few-row kernel (each \
+             weight loaded once for up to 4 rows, bf16 widened in registers, 16 rows \
+             prefetched ahead), 8+ rows or f16/f32 weights through 2 x 3 register blocks"
+        }
+        Isa::Portable => "matrix products: plain loops",
+    }
+}
+
+/// The activation rows of an `OutIn` product as the chosen body reads them.
+enum Acts<'a> {
+    /// Row-major, as given.
+    Plain(&'a [f32]),
+    /// Laid out for the few-row bf16 body (and as given, for a matrix of another dtype).
+    #[cfg(target_arch = "x86_64")]
+    EvenOdd(few_rows::EvenOddRows, &'a [f32]),
+}
+
+/// Picks the body for `n_rows` rows of `w` (see [`bodies`]) and lays `x` out for it.
+fn prepare<'a>(isa: Isa, x: &'a [f32], n_rows: usize, w: &Matrix<'_>) -> Acts<'a> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && n_rows <= few_rows::MAX_ROWS && matches!(w.data, TypedSlice::Bf16(_)) {
+        return Acts::EvenOdd(few_rows::EvenOddRows::new(x, n_rows, w.cols), x);
+    }
+    let _ = (isa, n_rows, w);
+    Acts::Plain(x)
+}
+
 /// Floating-point operations of one `linear` call (multiply and add counted apart).
 pub fn linear_flops(n_rows: usize, w: &Matrix<'_>) -> u64 {
     2 * n_rows as u64 * w.rows as u64 * w.cols as u64
@@ -88,13 +124,37 @@ where
 /// [`Kernels::linear`] have passed and `o0 + rows <= w.rows`.
 fn out_in_rows(
     isa: Isa,
-    x: &[f32],
+    acts: &Acts<'_>,
     n_rows: usize,
     w: &Matrix<'_>,
     o0: usize,
     rows: usize,
 ) -> Vec<f32> {
     let mut local = vec![0.0f32; n_rows * rows];
+    let x = match acts {
+        Acts::Plain(x) => *x,
+        #[cfg(target_arch = "x86_64")]
+        Acts::EvenOdd(rows_eo, x) => {
+            if let TypedSlice::Bf16(data) = w.data {
+                // SAFETY: `prepare` chose this body only for AVX2 (which a `Kernels` value
+                // vouches this CPU has) and bf16 weights; `rows_eo` was laid out from
+                // `n_rows` rows of `w.cols` values; o0 + rows <= w.rows and `local` holds
+                // n_rows * rows values.
+                unsafe {
+                    few_rows::panel(
+                        rows_eo,
+                        bytemuck::cast_slice(data),
+                        w.cols,
+                        o0,
+                        rows,
+                        &mut local,
+                    )
+                };
+                return local;
+            }
+            *x
+        }
+    };
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set is this CPU's (a `Kernels` invariant); the panel
@@ -126,9 +186,10 @@ fn scatter_panels(panels: &[Vec<f32>], n_rows: usize, out_dim: usize, out: &mut 
 fn out_in(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (out_dim, in_dim) = (w.rows, w.cols);
     let n_panels = out_dim.div_ceil(PANEL_ROWS);
+    let acts = prepare(isa, x, n_rows, w);
     let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
         let o0 = p * PANEL_ROWS;
-        out_in_rows(isa, x, n_rows, w, o0, PANEL_ROWS.min(out_dim - o0))
+        out_in_rows(isa, &acts, n_rows, w, o0, PANEL_ROWS.min(out_dim - o0))
     });
     scatter_panels(&panels, n_rows, out_dim, out);
 }
@@ -170,11 +231,13 @@ impl Kernels {
         let (out_dim, in_dim) = (gate.rows, gate.cols);
         let isa = self.isa();
         let n_panels = out_dim.div_ceil(PANEL_ROWS);
+        // Gate and up have one shape and dtype, so one layout serves both.
+        let acts = prepare(isa, x, n_rows, gate);
         let panels = for_chunks(n_panels, 2 * n_rows * out_dim * in_dim, |p| {
             let o0 = p * PANEL_ROWS;
             let rows = PANEL_ROWS.min(out_dim - o0);
-            let mut g = out_in_rows(isa, x, n_rows, gate, o0, rows);
-            let u = out_in_rows(isa, x, n_rows, up, o0, rows);
+            let mut g = out_in_rows(isa, &acts, n_rows, gate, o0, rows);
+            let u = out_in_rows(isa, &acts, n_rows, up, o0, rows);
             for (g, u) in g.iter_mut().zip(&u) {
                 *g = act(*g) * u;
             }
@@ -640,9 +703,7 @@ mod avx2 {
         unsafe {
             match w.data {
                 TypedSlice::F32(_) => blocked::<F32>(x, n_rows, w.data, k_len, block, local, out),
-                TypedSlice::Bf16(_) if n_rows < WIDEN_MIN_ROWS => {
-                    blocked::<BF16>(x, n_rows, w.data, k_len, block, local, out)
-                }
+                // bf16 below `WIDEN_MIN_ROWS` rows runs the few-row body (see `prepare`).
                 TypedSlice::F16(_) if n_rows < WIDEN_MIN_ROWS => {
                     blocked::<F16>(x, n_rows, w.data, k_len, block, local, out)
                 }
@@ -1065,7 +1126,7 @@ mod tests {
         for &(rows, cols) in &[(37usize, 29usize), (70, 300), (9, 16)] {
             let (wf, wb, wh) = weights(rows, cols);
             for orient in [Orientation::OutIn, Orientation::InOut] {
-                for n_rows in [1usize, 2, 3, 4, 5, 7, 8, 9, 17] {
+                for n_rows in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 17] {
                     let m_in = if orient == Orientation::OutIn {
                         cols
                     } else {

@@ -21,6 +21,8 @@
 
 pub mod attention;
 pub mod deepseek_route;
+#[cfg(target_arch = "x86_64")]
+mod few_rows;
 pub mod head;
 pub mod isa;
 pub mod kv_cache;
