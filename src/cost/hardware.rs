@@ -104,6 +104,57 @@ pub struct HardwareProfile {
     /// (see [`KernelRates`]); absent, the roofline alone stands.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernels: Option<KernelRates>,
+    /// What the runtime itself costs around the work (per task, per blocking cross-stream
+    /// wait, per stream thread of a step), measured by `moec probe` on this machine or
+    /// taken from a stated source; absent, the HRM charges no fixed costs beyond
+    /// `adjustments`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<DispatchCosts>,
+}
+
+/// Fixed costs of the runtime that runs a schedule, independent of the work: what a
+/// no-op task, a blocking wait and a step's stream threads cost. `moec probe` measures
+/// them on this machine (`runtime::cpu::dispatch`: no-op tasks through the real executor
+/// and compute pool); a paper's profile may carry figures with their source.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DispatchCosts {
+    /// How the figures were obtained, one line.
+    pub source: String,
+    /// Added to every task that does work, microseconds.
+    pub task_us: f64,
+    /// Lost by a stream that blocks on another stream's event, from the record to the
+    /// waiting stream running again, microseconds (charged only where the simulation
+    /// finds the stream idle waiting for that event).
+    pub wake_us: f64,
+    /// Added to a step per stream that has work in it (its thread started and joined),
+    /// microseconds.
+    pub stream_thread_us: f64,
+}
+
+impl DispatchCosts {
+    /// Checks every figure is finite and non-negative.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in [
+            ("task_us", self.task_us),
+            ("wake_us", self.wake_us),
+            ("stream_thread_us", self.stream_thread_us),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!(
+                    "`dispatch.{name}` must be a non-negative number, got {value}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One line for reports.
+    pub fn summary(&self) -> String {
+        format!(
+            "per task {:.1} us, per blocking wait {:.1} us, per stream thread of a step {:.1} us",
+            self.task_us, self.wake_us, self.stream_thread_us
+        )
+    }
 }
 
 /// One measured point of a kernel's rate curve: how fast it streams its weights at a given
@@ -531,6 +582,9 @@ impl HardwareProfile {
         }
         if let Some(kernels) = &self.kernels {
             kernels.validate()?;
+        }
+        if let Some(dispatch) = &self.dispatch {
+            dispatch.validate()?;
         }
         if self.cpu.pinned_gb > self.cpu.mem_gb {
             return Err(format!(

@@ -626,6 +626,34 @@ fn readback_seconds(program: &Program, id: TaskId, profile: &HardwareProfile) ->
     copy_time(profile, Level::Gpu, Level::Pinned, bytes as f64).seconds
 }
 
+/// The fixed costs the simulation adds to the HRM's task times, seconds: the effective
+/// model's per-task overhead ([`super::hardware::Adjustments`]) and the runtime's measured
+/// or sourced dispatch costs ([`super::hardware::DispatchCosts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FixedCosts {
+    /// Added to every task that does work (the effective model's launch overhead).
+    pub task_s: f64,
+    /// Added to every task the runtime runs (its dispatch), work or none.
+    pub dispatch_s: f64,
+    /// Lost by a stream each time it blocks on another stream's task.
+    pub wake_s: f64,
+    /// Added to a step per stream with tasks in it.
+    pub stream_thread_s: f64,
+}
+
+impl FixedCosts {
+    /// The fixed costs `profile` charges.
+    pub fn of(profile: &HardwareProfile) -> FixedCosts {
+        let dispatch = profile.dispatch.clone().unwrap_or_default();
+        FixedCosts {
+            task_s: profile.adjustments.task_s,
+            dispatch_s: dispatch.task_us * 1e-6,
+            wake_s: dispatch.wake_us * 1e-6,
+            stream_thread_s: dispatch.stream_thread_us * 1e-6,
+        }
+    }
+}
+
 /// One step's tasks, their HRM times and the simulated schedule.
 pub(crate) struct StepSim {
     /// The step's tasks in issue order.
@@ -660,6 +688,7 @@ pub(crate) fn simulate_step_times(
     let mut times = Vec::with_capacity(ids.len());
     let readback = program.readback_gates();
     let overheads = profile.adjustments;
+    let fixed = FixedCosts::of(profile);
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let steady = matches!(loads, Loads::Steady(_));
     let classes = if kv_store_rate > 0.0 || steady {
@@ -747,7 +776,17 @@ pub(crate) fn simulate_step_times(
                     .collect();
                 waited.sort_unstable();
                 waited.dedup();
-                time.seconds += overheads.task_s + overheads.sync_s * waited.len() as f64;
+                time.seconds += fixed.task_s + overheads.sync_s * waited.len() as f64;
+            }
+            // The runtime dispatches every task it runs, work or none (an empty
+            // micro-batch's kernels still enter the pool); at the declared load a guarded
+            // task runs with its expected probability.
+            if fixed.dispatch_s > 0.0 {
+                let runs = match loads {
+                    Loads::Declared => activation(program, id, task.shape.tokens).runs,
+                    Loads::Measured(_) | Loads::Steady(_) => 1.0,
+                };
+                time.seconds += fixed.dispatch_s * runs;
             }
             times.push(time);
             SimTask {
@@ -757,11 +796,22 @@ pub(crate) fn simulate_step_times(
             }
         })
         .collect();
-    let input = SimInput { streams, tasks };
-    let result: SimResult = simulate(&input).map_err(|source| PredictError::Sim {
+    let mut used_streams: Vec<usize> = tasks.iter().map(|t| t.stream).collect();
+    used_streams.sort_unstable();
+    used_streams.dedup();
+    let input = SimInput {
+        streams,
+        tasks,
+        wake_seconds: fixed.wake_s,
+    };
+    let mut result: SimResult = simulate(&input).map_err(|source| PredictError::Sim {
         step: step.kind.as_str().to_string(),
         source,
     })?;
+    // The runtime starts and joins one thread per stream with work in the step.
+    if !ids.is_empty() {
+        result.makespan += fixed.stream_thread_s * used_streams.len() as f64;
+    }
     Ok(StepSim { ids, times, result })
 }
 

@@ -216,6 +216,7 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
         effective: None,
         adjustments: Default::default(),
         kernels: None,
+        dispatch: None,
     }
 }
 
