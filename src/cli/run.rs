@@ -273,11 +273,11 @@ pub fn execute_profiling(
         && measured_here
         && args.settings.weight_copies == super::inputs::WeightCopies::Bind;
     let profile = profile.map(|mut p| {
-        if binds {
-            p.links.pageable_to_pinned_gb_s = BOUND_COPY_GB_S;
+        // Activations and KV are still copied at the probed memcpy rate.
+        if binds && args.settings.link_gbps.is_none() {
+            p.adjustments.weight_copy_bytes_per_s = BOUND_COPY_GB_S * crate::cost::hardware::GB;
         }
-        let link = args.settings.link_gbps.or(binds.then_some(BOUND_COPY_GB_S));
-        if let Some(gbps) = link {
+        if let Some(gbps) = args.settings.link_gbps {
             p.links.host_to_gpu_gb_s = gbps;
             p.links.gpu_to_host_gb_s = gbps;
             p.links.pageable_to_gpu_gb_s = gbps;
@@ -414,7 +414,7 @@ pub fn execute_profiling(
 fn weight_copies_line(stats: &crate::records::run::RunStats) -> Option<String> {
     let c = stats.copies?;
     Some(format!(
-        "weight copies: bound, not moved ({} of weights: labels moved, kernels read the mapped checkpoint, as a DMA engine leaves the compute cores alone; {} of activations, KV and padding copied; the HRM replay charges bound copies at {BOUND_COPY_GB_S} GB/s unless --link-gbps; --weight-copies move copies every byte)",
+        "weight copies: bound, not moved ({} of weights: labels moved, kernels read the mapped checkpoint, as a DMA engine leaves the compute cores alone; {} of activations, KV and padding copied; the HRM replay charges bound weight copies at {BOUND_COPY_GB_S} GB/s and the rest at the probed memcpy rate unless --link-gbps; --weight-copies move copies every byte)",
         human(c.bound),
         human(c.moved)
     ))

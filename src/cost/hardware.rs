@@ -356,6 +356,12 @@ pub struct Adjustments {
     /// Bytes/s of KV-cache copies GPU -> host; 0: the link's rate.
     #[serde(default)]
     pub kv_store_bytes_per_s: f64,
+    /// Bytes/s of copies of weights, in place of the link's rate (0: the link's). The CPU
+    /// backend binds weight copies (it moves labels, not bytes) while it still moves
+    /// activations and KV at the memcpy rate, so a replay on this machine charges the two
+    /// classes differently.
+    #[serde(default)]
+    pub weight_copy_bytes_per_s: f64,
 }
 
 impl Adjustments {
@@ -693,6 +699,7 @@ impl HardwareProfile {
             gpu_prefill_attn_flops: tflops(rates.gpu_prefill_attn_tflops),
             gpu_decode_attn_flops: tflops(rates.gpu_decode_attn_tflops),
             kv_store_bytes_per_s: rates.kv_store_gb_s.filter(|v| *v > 0.0).unwrap_or(0.0) * GB,
+            weight_copy_bytes_per_s: self.adjustments.weight_copy_bytes_per_s,
         };
         out.name = format!("{}+eff", self.name);
         out

@@ -674,6 +674,21 @@ pub(crate) fn simulate_step_times(
     settings: &CostSettings,
     loads: Loads<'_>,
 ) -> Result<StepSim, PredictError> {
+    simulate_step_ran(program, deps, step_index, profile, settings, loads, None)
+}
+
+/// [`simulate_step_times`] of an executed step whose guards the run decided: `ran[k]`
+/// false for the step's `k`-th task means its guard skipped it, so it does nothing and
+/// costs nothing (the runtime only evaluated its guard).
+pub(crate) fn simulate_step_ran(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    step_index: usize,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+    ran: Option<&[bool]>,
+) -> Result<StepSim, PredictError> {
     let step = &program.steps[step_index];
     let first = step.first as usize;
     let ids: Vec<TaskId> = step.task_ids().collect();
@@ -691,7 +706,8 @@ pub(crate) fn simulate_step_times(
     let fixed = FixedCosts::of(profile);
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let steady = matches!(loads, Loads::Steady(_));
-    let classes = if kv_store_rate > 0.0 || steady {
+    let weight_copy_rate = overheads.weight_copy_bytes_per_s;
+    let classes = if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 {
         buffer_classes(program)
     } else {
         Vec::new()
@@ -699,8 +715,25 @@ pub(crate) fn simulate_step_times(
     let kv_load = kv_part_load(program, step.kind, settings, loads);
     let tasks: Vec<SimTask> = ids
         .iter()
-        .map(|&id| {
+        .enumerate()
+        .map(|(k, &id)| {
             let task = program.task(id);
+            let step_deps: Vec<usize> = deps[id.index()]
+                .iter()
+                .filter(|d| d.index() >= first)
+                .map(|d| d.index() - first)
+                .collect();
+            if ran.and_then(|r| r.get(k)) == Some(&false) {
+                times.push(TaskTime {
+                    seconds: 0.0,
+                    roof: Roof::Idle,
+                });
+                return SimTask {
+                    stream: task.stream.index(),
+                    seconds: 0.0,
+                    deps: step_deps,
+                };
+            }
             let mut time = match loads {
                 Loads::Declared => {
                     let tokens = task.shape.tokens;
@@ -727,6 +760,12 @@ pub(crate) fn simulate_step_times(
             }
             if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
                 let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
+                if class == Some(BufferClass::Weights) && weight_copy_rate > 0.0 {
+                    time = TaskTime {
+                        seconds: copy.bytes as f64 / weight_copy_rate,
+                        roof: time.roof,
+                    };
+                }
                 let store = copy.src == Space::Gpu && copy.dst != Space::Gpu;
                 if class == Some(BufferClass::KvCache) && kv_store_rate > 0.0 && store {
                     let bytes = match task.kv {
@@ -762,11 +801,6 @@ pub(crate) fn simulate_step_times(
             if readback.get(id.index()).copied().unwrap_or(false) {
                 time.seconds += readback_seconds(program, id, profile);
             }
-            let step_deps: Vec<usize> = deps[id.index()]
-                .iter()
-                .filter(|d| d.index() >= first)
-                .map(|d| d.index() - first)
-                .collect();
             if time.seconds > 0.0 {
                 // Fixed costs: a launch per task, an event wait per other stream waited on.
                 let mut waited: Vec<usize> = step_deps
