@@ -12,8 +12,9 @@
 # micro-batches runs two of B/2 (one of 1 at batch 1; FlexGen needs two, so at batch 1 its
 # second is empty); resident, Fiddler and MoE-Infinity run one of B. Each cell is one run:
 # the decode step is the mean of the run's decode steps, prefill its one prefill step
-# (VSLPipe has no prefill step: its column is its mixed steps with prompts... shown as the
-# run's `step` kind, every pass). Raw JSON goes to $OUT/<schedule>-<batch>.json.
+# (VSLPipe has no prefill step: its prefill column is the mean of its mixed steps, the
+# run's `step` kind, prompts and decodes together). Raw JSON goes to
+# $OUT/<schedule>-<batch>.json; the probed profile to $OUT/this-machine.ron.
 #
 # Usage: scripts/replay-table.sh [--batches "1 16 64"] [--schedules "cgopipe ..."]
 #            [--threads 2] [--out DIR] [--no-build]

@@ -414,7 +414,7 @@ pub fn execute_profiling(
 fn weight_copies_line(stats: &crate::records::run::RunStats) -> Option<String> {
     let c = stats.copies?;
     Some(format!(
-        "weight copies: bound, not moved ({} of weights: labels moved, kernels read the mapped checkpoint, as a DMA engine leaves the compute cores alone; {} of activations, KV and padding copied; the HRM replay charges bound weight copies at {BOUND_COPY_GB_S} GB/s and the rest at the probed memcpy rate unless --link-gbps; --weight-copies move copies every byte)",
+        "weight copies: bound, not moved ({} of weights: labels moved, kernels read the mapped checkpoint, as a DMA engine leaves the compute cores alone; {} of activations, KV and padding copied; the HRM replay charges bound copies at {BOUND_COPY_GB_S} GB/s unless --link-gbps; --weight-copies move copies every byte)",
         human(c.bound),
         human(c.moved)
     ))

@@ -343,6 +343,10 @@ pub struct Adjustments {
     /// Pageable <-> pinned copies and CPU compute are one resource (one DRAM bus).
     #[serde(default)]
     pub shared_host_dram: bool,
+    /// `gpu.compute` and `cpu.compute` are one resource: the GPU is emulated on the host's
+    /// cores, and the CPU backend runs both engines' tasks in one shared pool.
+    #[serde(default)]
+    pub shared_compute: bool,
     /// FLOP/s caps of GPU work by kind (0: none): GEMM-like ops in decode, attention in
     /// prefill, attention in decode.
     #[serde(default)]
@@ -695,6 +699,7 @@ impl HardwareProfile {
             task_s: rates.task_overhead_us.max(0.0) * 1e-6,
             sync_s: rates.sync_overhead_us.max(0.0) * 1e-6,
             shared_host_dram: rates.shared_host_dram,
+            shared_compute: self.adjustments.shared_compute,
             gpu_decode_gemm_flops: tflops(rates.gpu_decode_gemm_tflops),
             gpu_prefill_attn_flops: tflops(rates.gpu_prefill_attn_tflops),
             gpu_decode_attn_flops: tflops(rates.gpu_decode_attn_tflops),

@@ -56,6 +56,8 @@ pub fn level_of(space: Space) -> Level {
 /// link unless the profile says the link is full duplex.
 pub fn resource_of(engine: Engine, profile: &HardwareProfile) -> &'static str {
     match engine {
+        // On the CPU backend both compute engines are one pool on the same cores.
+        Engine::GpuCompute if profile.adjustments.shared_compute => "cpu",
         Engine::GpuCompute => "gpu",
         Engine::GpuCopyIn if profile.links.duplex => "link h2d",
         Engine::GpuCopyOut if profile.links.duplex => "link d2h",
