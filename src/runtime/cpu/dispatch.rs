@@ -102,7 +102,7 @@ fn synthetic_plan(streams: usize, tasks: usize) -> Result<ExecPlan, DispatchProb
     let model =
         ModelCard::load("mixtral-tiny").map_err(|e| DispatchProbeError::Card(e.to_string()))?;
     let engine = |s: usize| {
-        if s % 2 == 0 {
+        if s.is_multiple_of(2) {
             Engine::GpuCompute
         } else {
             Engine::CpuCompute
