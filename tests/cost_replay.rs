@@ -2,7 +2,7 @@
 //! tasks, checked against times worked by hand from the catalog's formulas and the profile.
 
 use moec::compile::{compile, Compiled, Options};
-use moec::cost::hardware::{HardwareProfile, KernelRates, RowsRate};
+use moec::cost::hardware::{DispatchCosts, HardwareProfile, KernelRates, RowsRate};
 use moec::cost::predict::{predict, CostSettings, DecodeContext};
 use moec::cost::replay::{predict_run, predict_step_at};
 use moec::ir::{TaskId, Workload};
@@ -470,4 +470,121 @@ fn kernel_rate_interpolation_by_hand() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("ascend"), "{err}");
+}
+
+/// `slow_cpu` with the runtime's fixed costs (round numbers for hand work): 100 us per
+/// task, 50 us per blocking wait, 1 ms per stream thread of a step.
+fn with_dispatch(task_us: f64, wake_us: f64, stream_thread_us: f64) -> HardwareProfile {
+    let mut p = slow_cpu();
+    p.dispatch = Some(DispatchCosts {
+        source: "hand-made for the test".to_string(),
+        task_us,
+        wake_us,
+        stream_thread_us,
+    });
+    p.validate().unwrap();
+    p
+}
+
+/// Per task and per stream thread, by hand: the one-stream decode step runs 2 micro-batches
+/// x (embed + 4 layers x (pre_attn, attn, post_attn) + lm_head + sample) = 2 x 15 = 30
+/// tasks in a chain on one stream, the second micro-batch empty (its tasks do no work but
+/// the runtime still dispatches them). With 100 us per task and 1 ms per stream thread the
+/// step is 30 x 100 us + 1 x 1 ms = 4 ms longer than without fixed costs, whatever the
+/// tasks' own times; a profile file carrying the costs round-trips.
+#[test]
+fn dispatch_costs_add_per_task_and_per_stream_thread_by_hand() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let settings = CostSettings::default();
+    let decode = step(&c, StepKind::Decode);
+    assert_eq!(c.program.steps[decode].count, 30);
+    let loads = [decoding(2, 50), UbLoad::default()];
+    let at = |profile: &HardwareProfile| {
+        predict_step_at(&c.program, &deps, decode, profile, &settings, &loads)
+            .unwrap()
+            .seconds
+    };
+    let without = at(&slow_cpu());
+    let with = at(&with_dispatch(100.0, 50.0, 1000.0));
+    assert!(
+        ((with - without) - 4e-3).abs() < 1e-12,
+        "{with} - {without}"
+    );
+    let profile = with_dispatch(100.0, 50.0, 1000.0);
+    let again = HardwareProfile::from_ron(&profile.to_ron(), "round trip").unwrap();
+    assert_eq!(again, profile);
+    let mut bad = profile;
+    if let Some(d) = bad.dispatch.as_mut() {
+        d.wake_us = -1.0;
+    }
+    let err = HardwareProfile::from_ron(&bad.to_ron(), "bad")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("dispatch.wake_us"), "{err}");
+}
+
+/// ONE_STREAM with attention on a second CPU stream: every layer hands the micro-batch to
+/// the other stream and back, and both streams take turns on the one `cpu` resource.
+const TWO_STREAMS: &str = r#"
+schedule two_streams "attention on a second CPU stream"
+
+microbatches 2 of 2
+
+stream cpu: cpu.compute
+stream att: cpu.compute
+
+let ctx = prompt_len + gen_len
+let pre = 2 * prompt_len
+
+buffer h[2]:   host = hidden(pre)
+buffer qkv:    host = qkv(pre)
+buffer a:      host = attn_out(pre)
+buffer logit:  host = logits(2)
+buffer tok[2]: host = tokens(2)
+buffer kv[layers][2]: host = kv_cache(2 * ctx)
+
+template forward(part, dec) {
+  for j in 0..2 {
+    if dec == 1 {
+      embed(ub = j, w = W.embed, tokens = tok[j], h = h[j]) on cpu
+    } else {
+      embed(ub = j, w = W.embed, h = h[j]) on cpu
+    }
+    for l in 0..layers {
+      pre_attn(layer = l, ub = j, w = W[l], h = h[j], out = qkv) on cpu
+      attn(layer = l, ub = j, part = part, qkv = qkv, kv = kv[l][j], out = a) on att
+      post_attn(layer = l, ub = j, w = W[l], a = a, h = h[j]) on cpu
+    }
+    lm_head(ub = j, w = W.head, h = h[j], logits = logit) on cpu
+    sample(ub = j, logits = logit, tokens = tok[j]) on cpu
+  }
+}
+
+prefill { forward(prefill, 0) }
+decode { forward(decode, 1) }
+"#;
+
+/// Per blocking wait, by hand: with both micro-batches decoding, the step is one chain
+/// that crosses streams twice per layer and micro-batch (pre_attn -> attn, attn ->
+/// post_attn), each time onto a stream that is idle waiting for it: 2 x 4 x 2 = 16
+/// wake-ups, so 50 us per blocking wait adds exactly 16 x 50 us = 0.8 ms.
+#[test]
+fn a_blocking_cross_stream_wait_costs_one_wake_up_by_hand() {
+    let c = compiled(TWO_STREAMS, 64, 16);
+    let deps = deps(&c);
+    let settings = CostSettings::default();
+    let decode = step(&c, StepKind::Decode);
+    let loads = [decoding(2, 50), decoding(2, 50)];
+    let at = |profile: &HardwareProfile| {
+        predict_step_at(&c.program, &deps, decode, profile, &settings, &loads)
+            .unwrap()
+            .seconds
+    };
+    let without = at(&slow_cpu());
+    let with = at(&with_dispatch(0.0, 50.0, 0.0));
+    assert!(
+        ((with - without) - 16.0 * 50e-6).abs() < 1e-12,
+        "{with} - {without}"
+    );
 }

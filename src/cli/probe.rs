@@ -43,6 +43,13 @@ pub fn run(args: ProbeArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+    match measured_dispatch(threads) {
+        Ok(dispatch) => profile.dispatch = Some(dispatch),
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::msg(e));
+            return ExitCode::FAILURE;
+        }
+    }
     if let Some(model) = &args.model {
         let card = match crate::model::card::ModelCard::load(model) {
             Ok(card) => card,
@@ -98,6 +105,12 @@ pub fn run(args: ProbeArgs) -> ExitCode {
                 println!("  {line}");
             }
         }
+        if let Some(d) = &profile.dispatch {
+            println!(
+                "moec's runtime (no-op tasks through the executor): {}",
+                d.summary()
+            );
+        }
         if let Some(lat) = &profile.latency {
             println!(
                 "expert latency of {} (lat.*): cpu {:.3} ms per token, gpu {:.3} ms at batch 4, copy {:.3} ms",
@@ -131,4 +144,24 @@ pub fn run(args: ProbeArgs) -> ExitCode {
 /// device nodes).
 pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> Result<(), String> {
     super::output::write_output(path, text)
+}
+
+/// The runtime's fixed costs on this machine (`runtime::cpu::dispatch`: no-op tasks through
+/// the real executor and a compute pool of `threads` threads), in the profile's terms and
+/// with their source. The CLI joins the two halves: `cost` and `runtime` do not import
+/// each other.
+pub(crate) fn measured_dispatch(
+    threads: usize,
+) -> Result<crate::cost::hardware::DispatchCosts, String> {
+    let times =
+        crate::runtime::cpu::dispatch::measure_dispatch(threads).map_err(|e| e.to_string())?;
+    Ok(crate::cost::hardware::DispatchCosts {
+        source: format!(
+            "moec probe: runtime::cpu::dispatch on {} threads, no-op tasks through the executor (best of 5): a chain on one stream, a two-stream ping-pong of blocking waits, one task on each of 6 streams",
+            times.threads
+        ),
+        task_us: times.task_s * 1e6,
+        wake_us: times.wake_s * 1e6,
+        stream_thread_us: times.stream_thread_s * 1e6,
+    })
 }

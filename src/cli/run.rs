@@ -264,26 +264,34 @@ pub fn execute_profiling(
         // the cache, not DRAM (32 MiB gave 27 GB/s on a machine that streams 21 GB/s).
         // The quick probe also times moec's own kernels per op kind (`cost::probe`), so
         // the replay charges each task at the rate its kernel reaches here.
-        None => probe_profile(
-            "this-machine",
-            QUICK_PROBE_BYTES,
-            args.settings.threads.unwrap_or(2).max(1),
-        )
-        .ok()
-        .map(|(_, profile)| profile),
+        // And the runtime's fixed costs per task, blocking wait and stream thread.
+        None => {
+            let threads = args.settings.threads.unwrap_or(2).max(1);
+            probe_profile("this-machine", QUICK_PROBE_BYTES, threads)
+                .ok()
+                .and_then(|(_, mut profile)| {
+                    profile.dispatch = Some(super::probe::measured_dispatch(threads).ok()?);
+                    Some(profile)
+                })
+        }
     };
     // Bound weight copies take no time on this machine unless the link is throttled, so
-    // the replay on this machine's profile charges them at BOUND_COPY_GB_S (the report
-    // says so); a named profile (`--hw`) is left as it is.
+    // the replay on a profile of this machine's CPU backend (the quick probe, or a `moec
+    // probe` file: it carries moec's own kernel rates) charges them at BOUND_COPY_GB_S
+    // (the report says so); a paper's profile (`--hw t4`) is left as it is.
+    let measured_here = args.settings.hw.is_none()
+        || profile
+            .as_ref()
+            .is_some_and(|p| p.kernels.is_some() && p.dispatch.is_some());
     let binds = !on_cuda
-        && args.settings.hw.is_none()
+        && measured_here
         && args.settings.weight_copies == super::inputs::WeightCopies::Bind;
     let profile = profile.map(|mut p| {
-        if binds {
-            p.links.pageable_to_pinned_gb_s = BOUND_COPY_GB_S;
+        // Activations and KV are still copied at the probed memcpy rate.
+        if binds && args.settings.link_gbps.is_none() {
+            p.adjustments.weight_copy_bytes_per_s = BOUND_COPY_GB_S * crate::cost::hardware::GB;
         }
-        let link = args.settings.link_gbps.or(binds.then_some(BOUND_COPY_GB_S));
-        if let Some(gbps) = link {
+        if let Some(gbps) = args.settings.link_gbps {
             p.links.host_to_gpu_gb_s = gbps;
             p.links.gpu_to_host_gb_s = gbps;
             p.links.pageable_to_gpu_gb_s = gbps;

@@ -104,6 +104,57 @@ pub struct HardwareProfile {
     /// (see [`KernelRates`]); absent, the roofline alone stands.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernels: Option<KernelRates>,
+    /// What the runtime itself costs around the work (per task, per blocking cross-stream
+    /// wait, per stream thread of a step), measured by `moec probe` on this machine or
+    /// taken from a stated source; absent, the HRM charges no fixed costs beyond
+    /// `adjustments`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<DispatchCosts>,
+}
+
+/// Fixed costs of the runtime that runs a schedule, independent of the work: what a
+/// no-op task, a blocking wait and a step's stream threads cost. `moec probe` measures
+/// them on this machine (`runtime::cpu::dispatch`: no-op tasks through the real executor
+/// and compute pool); a paper's profile may carry figures with their source.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DispatchCosts {
+    /// How the figures were obtained, one line.
+    pub source: String,
+    /// Added to every task that does work, microseconds.
+    pub task_us: f64,
+    /// Lost by a stream that blocks on another stream's event, from the record to the
+    /// waiting stream running again, microseconds (charged only where the simulation
+    /// finds the stream idle waiting for that event).
+    pub wake_us: f64,
+    /// Added to a step per stream that has work in it (its thread started and joined),
+    /// microseconds.
+    pub stream_thread_us: f64,
+}
+
+impl DispatchCosts {
+    /// Checks every figure is finite and non-negative.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in [
+            ("task_us", self.task_us),
+            ("wake_us", self.wake_us),
+            ("stream_thread_us", self.stream_thread_us),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!(
+                    "`dispatch.{name}` must be a non-negative number, got {value}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One line for reports.
+    pub fn summary(&self) -> String {
+        format!(
+            "per task {:.1} us, per blocking wait {:.1} us, per stream thread of a step {:.1} us",
+            self.task_us, self.wake_us, self.stream_thread_us
+        )
+    }
 }
 
 /// One measured point of a kernel's rate curve: how fast it streams its weights at a given
@@ -292,6 +343,10 @@ pub struct Adjustments {
     /// Pageable <-> pinned copies and CPU compute are one resource (one DRAM bus).
     #[serde(default)]
     pub shared_host_dram: bool,
+    /// `gpu.compute` and `cpu.compute` are one resource: the GPU is emulated on the host's
+    /// cores, and the CPU backend runs both engines' tasks in one shared pool.
+    #[serde(default)]
+    pub shared_compute: bool,
     /// FLOP/s caps of GPU work by kind (0: none): GEMM-like ops in decode, attention in
     /// prefill, attention in decode.
     #[serde(default)]
@@ -305,6 +360,12 @@ pub struct Adjustments {
     /// Bytes/s of KV-cache copies GPU -> host; 0: the link's rate.
     #[serde(default)]
     pub kv_store_bytes_per_s: f64,
+    /// Bytes/s of copies of weights, in place of the link's rate (0: the link's). The CPU
+    /// backend binds weight copies (it moves labels, not bytes) while it still moves
+    /// activations and KV at the memcpy rate, so a replay on this machine charges the two
+    /// classes differently.
+    #[serde(default)]
+    pub weight_copy_bytes_per_s: f64,
 }
 
 impl Adjustments {
@@ -532,6 +593,9 @@ impl HardwareProfile {
         if let Some(kernels) = &self.kernels {
             kernels.validate()?;
         }
+        if let Some(dispatch) = &self.dispatch {
+            dispatch.validate()?;
+        }
         if self.cpu.pinned_gb > self.cpu.mem_gb {
             return Err(format!(
                 "`cpu.pinned_gb` ({}) exceeds `cpu.mem_gb` ({}): pinned memory is host DRAM",
@@ -635,10 +699,12 @@ impl HardwareProfile {
             task_s: rates.task_overhead_us.max(0.0) * 1e-6,
             sync_s: rates.sync_overhead_us.max(0.0) * 1e-6,
             shared_host_dram: rates.shared_host_dram,
+            shared_compute: self.adjustments.shared_compute,
             gpu_decode_gemm_flops: tflops(rates.gpu_decode_gemm_tflops),
             gpu_prefill_attn_flops: tflops(rates.gpu_prefill_attn_tflops),
             gpu_decode_attn_flops: tflops(rates.gpu_decode_attn_tflops),
             kv_store_bytes_per_s: rates.kv_store_gb_s.filter(|v| *v > 0.0).unwrap_or(0.0) * GB,
+            weight_copy_bytes_per_s: self.adjustments.weight_copy_bytes_per_s,
         };
         out.name = format!("{}+eff", self.name);
         out

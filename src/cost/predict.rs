@@ -56,6 +56,8 @@ pub fn level_of(space: Space) -> Level {
 /// link unless the profile says the link is full duplex.
 pub fn resource_of(engine: Engine, profile: &HardwareProfile) -> &'static str {
     match engine {
+        // On the CPU backend both compute engines are one pool on the same cores.
+        Engine::GpuCompute if profile.adjustments.shared_compute => "cpu",
         Engine::GpuCompute => "gpu",
         Engine::GpuCopyIn if profile.links.duplex => "link h2d",
         Engine::GpuCopyOut if profile.links.duplex => "link d2h",
@@ -626,6 +628,34 @@ fn readback_seconds(program: &Program, id: TaskId, profile: &HardwareProfile) ->
     copy_time(profile, Level::Gpu, Level::Pinned, bytes as f64).seconds
 }
 
+/// The fixed costs the simulation adds to the HRM's task times, seconds: the effective
+/// model's per-task overhead ([`super::hardware::Adjustments`]) and the runtime's measured
+/// or sourced dispatch costs ([`super::hardware::DispatchCosts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FixedCosts {
+    /// Added to every task that does work (the effective model's launch overhead).
+    pub task_s: f64,
+    /// Added to every task the runtime runs (its dispatch), work or none.
+    pub dispatch_s: f64,
+    /// Lost by a stream each time it blocks on another stream's task.
+    pub wake_s: f64,
+    /// Added to a step per stream with tasks in it.
+    pub stream_thread_s: f64,
+}
+
+impl FixedCosts {
+    /// The fixed costs `profile` charges.
+    pub fn of(profile: &HardwareProfile) -> FixedCosts {
+        let dispatch = profile.dispatch.clone().unwrap_or_default();
+        FixedCosts {
+            task_s: profile.adjustments.task_s,
+            dispatch_s: dispatch.task_us * 1e-6,
+            wake_s: dispatch.wake_us * 1e-6,
+            stream_thread_s: dispatch.stream_thread_us * 1e-6,
+        }
+    }
+}
+
 /// One step's tasks, their HRM times and the simulated schedule.
 pub(crate) struct StepSim {
     /// The step's tasks in issue order.
@@ -646,6 +676,21 @@ pub(crate) fn simulate_step_times(
     settings: &CostSettings,
     loads: Loads<'_>,
 ) -> Result<StepSim, PredictError> {
+    simulate_step_ran(program, deps, step_index, profile, settings, loads, None)
+}
+
+/// [`simulate_step_times`] of an executed step whose guards the run decided: `ran[k]`
+/// false for the step's `k`-th task means its guard skipped it, so it does nothing and
+/// costs nothing (the runtime only evaluated its guard).
+pub(crate) fn simulate_step_ran(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    step_index: usize,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+    ran: Option<&[bool]>,
+) -> Result<StepSim, PredictError> {
     let step = &program.steps[step_index];
     let first = step.first as usize;
     let ids: Vec<TaskId> = step.task_ids().collect();
@@ -660,9 +705,11 @@ pub(crate) fn simulate_step_times(
     let mut times = Vec::with_capacity(ids.len());
     let readback = program.readback_gates();
     let overheads = profile.adjustments;
+    let fixed = FixedCosts::of(profile);
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let steady = matches!(loads, Loads::Steady(_));
-    let classes = if kv_store_rate > 0.0 || steady {
+    let weight_copy_rate = overheads.weight_copy_bytes_per_s;
+    let classes = if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 {
         buffer_classes(program)
     } else {
         Vec::new()
@@ -670,8 +717,25 @@ pub(crate) fn simulate_step_times(
     let kv_load = kv_part_load(program, step.kind, settings, loads);
     let tasks: Vec<SimTask> = ids
         .iter()
-        .map(|&id| {
+        .enumerate()
+        .map(|(k, &id)| {
             let task = program.task(id);
+            let step_deps: Vec<usize> = deps[id.index()]
+                .iter()
+                .filter(|d| d.index() >= first)
+                .map(|d| d.index() - first)
+                .collect();
+            if ran.and_then(|r| r.get(k)) == Some(&false) {
+                times.push(TaskTime {
+                    seconds: 0.0,
+                    roof: Roof::Idle,
+                });
+                return SimTask {
+                    stream: task.stream.index(),
+                    seconds: 0.0,
+                    deps: step_deps,
+                };
+            }
             let mut time = match loads {
                 Loads::Declared => {
                     let tokens = task.shape.tokens;
@@ -698,6 +762,12 @@ pub(crate) fn simulate_step_times(
             }
             if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
                 let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
+                if class == Some(BufferClass::Weights) && weight_copy_rate > 0.0 {
+                    time = TaskTime {
+                        seconds: copy.bytes as f64 / weight_copy_rate,
+                        roof: time.roof,
+                    };
+                }
                 let store = copy.src == Space::Gpu && copy.dst != Space::Gpu;
                 if class == Some(BufferClass::KvCache) && kv_store_rate > 0.0 && store {
                     let bytes = match task.kv {
@@ -733,11 +803,6 @@ pub(crate) fn simulate_step_times(
             if readback.get(id.index()).copied().unwrap_or(false) {
                 time.seconds += readback_seconds(program, id, profile);
             }
-            let step_deps: Vec<usize> = deps[id.index()]
-                .iter()
-                .filter(|d| d.index() >= first)
-                .map(|d| d.index() - first)
-                .collect();
             if time.seconds > 0.0 {
                 // Fixed costs: a launch per task, an event wait per other stream waited on.
                 let mut waited: Vec<usize> = step_deps
@@ -747,7 +812,17 @@ pub(crate) fn simulate_step_times(
                     .collect();
                 waited.sort_unstable();
                 waited.dedup();
-                time.seconds += overheads.task_s + overheads.sync_s * waited.len() as f64;
+                time.seconds += fixed.task_s + overheads.sync_s * waited.len() as f64;
+            }
+            // The runtime dispatches every task it runs, work or none (an empty
+            // micro-batch's kernels still enter the pool); at the declared load a guarded
+            // task runs with its expected probability.
+            if fixed.dispatch_s > 0.0 {
+                let runs = match loads {
+                    Loads::Declared => activation(program, id, task.shape.tokens).runs,
+                    Loads::Measured(_) | Loads::Steady(_) => 1.0,
+                };
+                time.seconds += fixed.dispatch_s * runs;
             }
             times.push(time);
             SimTask {
@@ -757,11 +832,22 @@ pub(crate) fn simulate_step_times(
             }
         })
         .collect();
-    let input = SimInput { streams, tasks };
-    let result: SimResult = simulate(&input).map_err(|source| PredictError::Sim {
+    let mut used_streams: Vec<usize> = tasks.iter().map(|t| t.stream).collect();
+    used_streams.sort_unstable();
+    used_streams.dedup();
+    let input = SimInput {
+        streams,
+        tasks,
+        wake_seconds: fixed.wake_s,
+    };
+    let mut result: SimResult = simulate(&input).map_err(|source| PredictError::Sim {
         step: step.kind.as_str().to_string(),
         source,
     })?;
+    // The runtime starts and joins one thread per stream with work in the step.
+    if !ids.is_empty() {
+        result.makespan += fixed.stream_thread_s * used_streams.len() as f64;
+    }
     Ok(StepSim { ids, times, result })
 }
 

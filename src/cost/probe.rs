@@ -217,8 +217,13 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
         },
         latency: None,
         effective: None,
-        adjustments: Default::default(),
+        // One compute pool serves both engines on the CPU backend.
+        adjustments: super::hardware::Adjustments {
+            shared_compute: true,
+            ..Default::default()
+        },
         kernels: None,
+        dispatch: None,
     }
 }
 
@@ -244,11 +249,14 @@ const KERNEL_FFN: usize = 3584;
 const KERNEL_DECODE_EXPERTS: usize = 2;
 /// Rows per weight of the measured points: decode (1, 4, 16 tokens per matrix), the rows
 /// a dense projection sees in a batch-64 decode step (64) and a prefill GEMM (256).
-const KERNEL_ROWS: [u32; 5] = [1, 4, 16, 64, 256];
-/// From this many rows a kernel is compute-bound (16 FLOPs per bf16 weight byte against
-/// ~20 GB/s is ~320 GFLOP/s, above the cores' peak), so where its weights live does not
-/// matter: those points run on a narrower expert ([`KERNEL_COMPUTE_FFN`]) to stay quick.
-const KERNEL_COMPUTE_ROWS: u32 = 16;
+const KERNEL_ROWS: [u32; 6] = [1, 4, 8, 16, 64, 256];
+/// From this many rows a kernel is compute-bound (64 FLOPs per bf16 weight byte against
+/// ~20 GB/s is ~1.3 TFLOP/s, far above the cores' peak), so where its weights live does
+/// not matter: those points run on a narrower expert ([`KERNEL_COMPUTE_FFN`]) to stay
+/// quick. Below it (8 and 16 rows: the tokens an expert meets in a batch-16 to batch-64
+/// decode step) the kernel neither streams at DRAM speed nor computes at its peak, and a
+/// cache-resident expert measured it too fast, so those points stream from DRAM too.
+const KERNEL_COMPUTE_ROWS: u32 = 64;
 /// FFN width of the compute-bound points' expert (1.5 MB of bf16 weights).
 const KERNEL_COMPUTE_FFN: usize = 256;
 /// Attention head geometry of the probe (mixtral-mid's: 16 query heads, 4 KV heads of 64).
@@ -345,7 +353,7 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let prefill_flops = 4.0 * q * t * (t + 1.0) / 2.0;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows 1 and 4 over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} (44 MB), rows 16+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings at rows 1 and 4, one above",
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} (44 MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings below {KERNEL_COMPUTE_ROWS} rows, one above",
             kernels.isa()
         ),
         linear,

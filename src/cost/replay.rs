@@ -10,8 +10,8 @@
 
 use super::hardware::HardwareProfile;
 use super::predict::{
-    buffer_classes, simulate_step, simulate_step_times, task_kind, CostSettings, Loads,
-    PredictError, StepPrediction,
+    buffer_classes, simulate_step, simulate_step_ran, task_kind, CostSettings, Loads, PredictError,
+    StepPrediction,
 };
 use crate::ir::StepKind;
 use crate::ir::{Program, TaskId};
@@ -89,8 +89,9 @@ pub struct RunPrediction {
     pub simulations: usize,
 }
 
-/// A step template and its micro-batches' loads as plain numbers (`UbLoad` is not `Hash`).
-type LoadKey = (usize, Vec<[usize; 4]>);
+/// A step template, its micro-batches' loads as plain numbers (`UbLoad` is not `Hash`)
+/// and which of its tasks ran (guards skip some).
+type LoadKey = (usize, Vec<[usize; 4]>, Vec<bool>);
 
 /// Index in `program.steps` of the step template the runtime runs for `kind` (the first
 /// one of that kind, as the driver picks it).
@@ -176,16 +177,25 @@ pub fn predict_run(
         } else {
             Loads::Measured(&record.ubs)
         };
-        let (predicted, times) = match cache.entry((index, key)) {
+        // A task the run's guards skipped costs nothing (tasks the record does not hold
+        // count as run).
+        let first = program.steps[index].first as usize;
+        let mut ran = vec![true; program.steps[index].count as usize];
+        for task in &record.tasks {
+            if let Some(slot) = ran.get_mut(task.task.index().wrapping_sub(first)) {
+                *slot = task.ran;
+            }
+        }
+        let (predicted, times) = match cache.entry((index, key, ran.clone())) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
-                let sim = simulate_step_times(program, deps, index, profile, settings, loads)?;
+                let sim =
+                    simulate_step_ran(program, deps, index, profile, settings, loads, Some(&ran))?;
                 let times = sim.times.iter().map(|t| t.seconds).collect();
                 e.insert((sim.result.makespan, times))
             }
         };
         let predicted = *predicted;
-        let first = program.steps[index].first as usize;
         for task in record.tasks.iter().filter(|t| t.ran) {
             let id = task.task.index();
             let (Some(op), Some(&time)) = (op_of.get(id), times.get(id.wrapping_sub(first))) else {

@@ -40,6 +40,10 @@ pub struct SimInput {
     pub streams: Vec<SimStream>,
     /// Tasks in issue order.
     pub tasks: Vec<SimTask>,
+    /// Seconds a stream loses when it blocks on a task of another stream: a task whose
+    /// latest cross-stream dependency ends after its stream became free starts this much
+    /// after that dependency's end (the waiting thread's wake-up); 0: none.
+    pub wake_seconds: f64,
 }
 
 /// The simulated timeline.
@@ -147,8 +151,14 @@ pub fn simulate(input: &SimInput) -> Result<SimResult, SimError> {
     let mut stream_free = vec![0.0f64; n_streams];
     let mut stream_busy = vec![0.0f64; n_streams];
     let mut heads = vec![0usize; n_streams];
-    // Latest end among a task's finished dependencies.
+    // Latest end among a task's finished dependencies, and among those on other streams.
     let mut deps_ready = vec![0.0f64; n_tasks];
+    let mut cross_ready = vec![0.0f64; n_tasks];
+    let wake = if input.wake_seconds.is_finite() {
+        input.wake_seconds.max(0.0)
+    } else {
+        0.0
+    };
     let mut start = vec![0.0f64; n_tasks];
     let mut end = vec![0.0f64; n_tasks];
     let mut done = 0usize;
@@ -162,7 +172,16 @@ pub fn simulate(input: &SimInput) -> Result<SimResult, SimError> {
             if waiting[task] > 0 {
                 continue;
             }
+            // A stream that ran out of work before the event it waits for was recorded
+            // has blocked, and runs again only after its wake-up.
+            let blocked = cross_ready[task] > stream_free[stream];
+            let woken = if blocked {
+                cross_ready[task] + wake
+            } else {
+                0.0
+            };
             let can_start = deps_ready[task]
+                .max(woken)
                 .max(stream_free[stream])
                 .max(resource_free[resource_of_stream[stream]]);
             if best.is_none_or(|(s, t, _)| can_start < s || (can_start == s && task < t)) {
@@ -186,6 +205,9 @@ pub fn simulate(input: &SimInput) -> Result<SimResult, SimError> {
         for &next in &dependents[task] {
             waiting[next] -= 1;
             deps_ready[next] = deps_ready[next].max(task_end);
+            if input.tasks[next].stream != stream {
+                cross_ready[next] = cross_ready[next].max(task_end);
+            }
         }
     }
     let first = start.iter().copied().fold(f64::INFINITY, f64::min);
@@ -266,6 +288,7 @@ mod tests {
                 task(0, 2.0, &[]),
                 task(1, 3.0, &[2]),
             ],
+            wake_seconds: 0.0,
         };
         let result = simulate(&input).unwrap();
         assert_eq!(result.start, vec![0.0, 2.0, 2.0, 5.0]);
@@ -280,6 +303,7 @@ mod tests {
         let input = SimInput {
             streams: vec![stream("a", "link"), stream("b", "link")],
             tasks: vec![task(0, 1.0, &[]), task(1, 1.0, &[])],
+            wake_seconds: 0.0,
         };
         let result = simulate(&input).unwrap();
         assert_eq!(result.end, vec![1.0, 2.0]);
@@ -292,6 +316,7 @@ mod tests {
         let input = SimInput {
             streams: vec![stream("a", "x"), stream("b", "y")],
             tasks: vec![task(0, 1.0, &[2]), task(1, 1.0, &[0]), task(1, 1.0, &[])],
+            wake_seconds: 0.0,
         };
         let err = simulate(&input).unwrap_err();
         assert!(
@@ -305,6 +330,7 @@ mod tests {
         let bad_stream = SimInput {
             streams: vec![],
             tasks: vec![task(0, 1.0, &[])],
+            wake_seconds: 0.0,
         };
         assert!(matches!(
             simulate(&bad_stream),
@@ -313,6 +339,7 @@ mod tests {
         let bad_time = SimInput {
             streams: vec![stream("a", "x")],
             tasks: vec![task(0, f64::NAN, &[])],
+            wake_seconds: 0.0,
         };
         assert!(matches!(
             simulate(&bad_time),
@@ -321,10 +348,32 @@ mod tests {
         let self_dep = SimInput {
             streams: vec![stream("a", "x")],
             tasks: vec![task(0, 1.0, &[0])],
+            wake_seconds: 0.0,
         };
         assert!(matches!(
             simulate(&self_dep),
             Err(SimError::BadDependency { .. })
         ));
+    }
+
+    /// A blocked stream loses its wake-up, a stream that arrives late does not. Task 1 on
+    /// `b` waits for task 0 (`a`, 0-2 s) with `b` idle: it starts at 2 + 0.5 = 2.5 and
+    /// ends at 3.5. Task 3 on `b` waits for task 2 (`a`, 2-2.5 s), but `b` is busy until
+    /// 3.5, after that event: no wake-up, it starts at 3.5 and ends at 4.5.
+    #[test]
+    fn a_blocked_stream_starts_after_its_wake_up() {
+        let input = SimInput {
+            streams: vec![stream("a", "x"), stream("b", "y")],
+            tasks: vec![
+                task(0, 2.0, &[]),
+                task(1, 1.0, &[0]),
+                task(0, 0.5, &[]),
+                task(1, 1.0, &[2]),
+            ],
+            wake_seconds: 0.5,
+        };
+        let result = simulate(&input).unwrap();
+        assert_eq!(result.start, vec![0.0, 2.5, 2.0, 3.5]);
+        assert_eq!(result.makespan, 4.5);
     }
 }

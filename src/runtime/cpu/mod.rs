@@ -13,6 +13,7 @@
 //! so in the run report). Copies run on the calling stream thread.
 
 pub(crate) mod arena;
+pub mod dispatch;
 pub(crate) mod image;
 pub mod memory;
 pub(crate) mod ops;
