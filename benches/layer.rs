@@ -19,8 +19,25 @@ use moec::model::synth::{synthetic_layer_image, SynthOptions};
 use moec::model::{ArchSpec, LayerWeights, ModelCard};
 use std::time::Instant;
 
-/// Clock the peak estimate assumes (this machine's Xeon, per the project notes).
-const CLOCK_GHZ: f64 = 2.3;
+/// Clock the peak estimate assumes when /proc/cpuinfo gives none (this machine's AMD EPYC
+/// reports 2.45 GHz there).
+const DEFAULT_CLOCK_GHZ: f64 = 2.45;
+
+/// The first core's clock from /proc/cpuinfo, and where it came from.
+fn clock_ghz() -> (f64, &'static str) {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("cpu MHz"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .map_or(
+            (DEFAULT_CLOCK_GHZ, "assumed: no cpu MHz in /proc/cpuinfo"),
+            |mhz| (mhz / 1e3, "/proc/cpuinfo"),
+        )
+}
 
 struct Setup {
     arch: ArchSpec,
@@ -78,9 +95,10 @@ fn peak_gflops() -> (f64, String) {
         .map(|n| n.get())
         .unwrap_or(1) as f64;
     let lanes = if avx512_available() { 16.0 } else { 8.0 };
-    let per_core = 2.0 * lanes * 2.0 * CLOCK_GHZ;
+    let (clock, clock_source) = clock_ghz();
+    let per_core = 2.0 * lanes * 2.0 * clock;
     let basis = format!(
-        "{cores} cores x 2 FMA ports x {lanes} f32 lanes ({}) x 2 flops x {CLOCK_GHZ} GHz = {per_core:.0} GFLOP/s per core",
+        "{cores} cores x 2 FMA ports x {lanes} f32 lanes ({}) x 2 flops x {clock:.2} GHz ({clock_source}) = {per_core:.0} GFLOP/s per core",
         if lanes == 16.0 { "AVX-512 detected" } else { "no AVX-512: AVX2 assumed" }
     );
     (cores * per_core, basis)

@@ -526,44 +526,20 @@ fn dispatch_costs_add_per_task_and_per_stream_thread_by_hand() {
 
 /// ONE_STREAM with attention on a second CPU stream: every layer hands the micro-batch to
 /// the other stream and back, and both streams take turns on the one `cpu` resource.
-const TWO_STREAMS: &str = r#"
-schedule two_streams "attention on a second CPU stream"
-
-microbatches 2 of 2
-
-stream cpu: cpu.compute
-stream att: cpu.compute
-
-let ctx = prompt_len + gen_len
-let pre = 2 * prompt_len
-
-buffer h[2]:   host = hidden(pre)
-buffer qkv:    host = qkv(pre)
-buffer a:      host = attn_out(pre)
-buffer logit:  host = logits(2)
-buffer tok[2]: host = tokens(2)
-buffer kv[layers][2]: host = kv_cache(2 * ctx)
-
-template forward(part, dec) {
-  for j in 0..2 {
-    if dec == 1 {
-      embed(ub = j, w = W.embed, tokens = tok[j], h = h[j]) on cpu
-    } else {
-      embed(ub = j, w = W.embed, h = h[j]) on cpu
-    }
-    for l in 0..layers {
-      pre_attn(layer = l, ub = j, w = W[l], h = h[j], out = qkv) on cpu
-      attn(layer = l, ub = j, part = part, qkv = qkv, kv = kv[l][j], out = a) on att
-      post_attn(layer = l, ub = j, w = W[l], a = a, h = h[j]) on cpu
-    }
-    lm_head(ub = j, w = W.head, h = h[j], logits = logit) on cpu
-    sample(ub = j, logits = logit, tokens = tok[j]) on cpu
-  }
+fn two_streams() -> String {
+    let source = ONE_STREAM
+        .replace(
+            r#"schedule one_stream "every task on one CPU stream""#,
+            r#"schedule two_streams "attention on a second CPU stream""#,
+        )
+        .replace(
+            "stream cpu: cpu.compute\n",
+            "stream cpu: cpu.compute\nstream att: cpu.compute\n",
+        )
+        .replace("out = a) on cpu", "out = a) on att");
+    assert!(source.contains("on att") && source.contains("stream att"));
+    source
 }
-
-prefill { forward(prefill, 0) }
-decode { forward(decode, 1) }
-"#;
 
 /// Per blocking wait, by hand: with both micro-batches decoding, the step is one chain
 /// that crosses streams twice per layer and micro-batch (pre_attn -> attn, attn ->
@@ -571,7 +547,7 @@ decode { forward(decode, 1) }
 /// wake-ups, so 50 us per blocking wait adds exactly 16 x 50 us = 0.8 ms.
 #[test]
 fn a_blocking_cross_stream_wait_costs_one_wake_up_by_hand() {
-    let c = compiled(TWO_STREAMS, 64, 16);
+    let c = compiled(&two_streams(), 64, 16);
     let deps = deps(&c);
     let settings = CostSettings::default();
     let decode = step(&c, StepKind::Decode);
