@@ -137,6 +137,9 @@ pub struct Finished {
     /// Bytes of the weights image that are not mapped from the checkpoint but decoded into
     /// memory at load (gpt-oss MXFP4 experts, dequantized to bf16); 0 when all are mapped.
     pub decoded_weight_bytes: u64,
+    /// Where the tokenizer came from: the weights folder's `tokenizer.json`, or the card's
+    /// embedded file when the folder has none (the run report says which).
+    pub tokenizer: String,
 }
 
 /// A failure ready to print.
@@ -422,6 +425,7 @@ pub fn execute_profiling(
             profile,
             pools,
             decoded_weight_bytes,
+            tokenizer: tokenizer.origin().to_string(),
         },
         texts,
     ))
@@ -590,6 +594,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         "tasks: {} run, {} skipped by guards",
         r.tasks_run, r.tasks_skipped
     );
+    let _ = writeln!(out, "tokenizer: {}", f.tokenizer);
     if r.preemptions + r.paused_passes > 0 {
         let _ = writeln!(
             out,
@@ -660,6 +665,7 @@ pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Valu
             "weights_decoded_bytes": f.decoded_weight_bytes,
             "pinned_locked": f.stats.pinned_locked,
         },
+        "tokenizer": f.tokenizer,
         "weight_copies": f.stats.copies.map(|c| serde_json::json!({
             "mode": "bind",
             "bound_bytes": c.bound,

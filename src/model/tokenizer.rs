@@ -87,7 +87,14 @@ impl TextTokenizer {
                 (t, origin)
             }
             None => {
-                let origin = format!("embedded {}", card.tokenizer);
+                let origin = match dir {
+                    Some(d) => format!(
+                        "embedded {} ({} has no tokenizer.json)",
+                        card.tokenizer,
+                        d.display()
+                    ),
+                    None => format!("embedded {}", card.tokenizer),
+                };
                 let t = tokenizers::Tokenizer::from_bytes(embedded_tokenizer_json(card)).map_err(
                     |e| TokenizerError::Load {
                         origin: origin.clone(),
