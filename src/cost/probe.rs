@@ -244,9 +244,11 @@ pub fn probe_profile(
 const KERNEL_HIDDEN: usize = 1024;
 /// FFN width of the kernel probe's experts (mixtral-mid's).
 const KERNEL_FFN: usize = 3584;
-/// Experts the decode points stream through in turn: 2 x 3 x 1024 x 3584 bf16 = 44 MB,
-/// past a 32 MiB last-level cache, so every weight byte of a GEMV comes from DRAM.
-const KERNEL_DECODE_EXPERTS: usize = 2;
+/// Experts the decode points stream through in turn: 6 x 3 x 1024 x 3584 bf16 = 132 MB,
+/// four times a 32 MiB last-level cache (a batch-1 decode step's 6 active experts), so
+/// every weight byte of a GEMV comes from DRAM. Two experts (44 MB) barely passed the
+/// cache: the one-row rate then moved between 16 and 32 GB/s from one probe to the next.
+const KERNEL_DECODE_EXPERTS: usize = 6;
 /// Rows per weight of the measured points: decode (1, 4, 16 tokens per matrix), the rows
 /// a dense projection sees in a batch-64 decode step (64) and a prefill GEMM (256).
 const KERNEL_ROWS: [u32; 6] = [1, 4, 8, 16, 64, 256];
@@ -351,9 +353,10 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let decode_flops = 4.0 * q * seqs as f64 * (context + 1) as f64;
     let t = ATTN_PREFILL_TOKENS as f64;
     let prefill_flops = 4.0 * q * t * (t + 1.0) / 2.0;
+    let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} (44 MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings below {KERNEL_COMPUTE_ROWS} rows, one above",
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings below {KERNEL_COMPUTE_ROWS} rows, one above",
             kernels.isa()
         ),
         linear,
