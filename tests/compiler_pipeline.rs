@@ -308,6 +308,82 @@ fn an_after_naming_a_missing_task_is_an_error() {
     );
 }
 
+/// Whether every task of `c`'s step that holds task `at`, issued from `boundary` on, is
+/// ordered (transitively, in the checked DAG) after every task of that step issued before it.
+fn barrier_holds(c: &Compiled, at: usize, boundary: usize) -> bool {
+    let program = &c.program;
+    let n = program.tasks.len();
+    let preds: Vec<Vec<usize>> = (0..n)
+        .map(|t| {
+            c.info
+                .dag
+                .preds(TaskId::new(t))
+                .iter()
+                .map(|e| e.from.index())
+                .collect()
+        })
+        .collect();
+    let reach = closure(n, &preds);
+    let step = program
+        .steps
+        .iter()
+        .find(|s| (s.first as usize..(s.first + s.count) as usize).contains(&at))
+        .unwrap();
+    let (first, end) = (step.first as usize, (step.first + step.count) as usize);
+    (boundary..end).all(|b| (first..boundary).all(|a| reach[b][a]))
+}
+
+#[test]
+fn a_sync_orders_every_later_task_of_the_step_after_every_earlier_one() {
+    // A barrier after the first layer's attention and gates in decode: nothing of the
+    // experts, combines or later layers may start before all of it has finished.
+    let anchor = "    // Experts in run-time order (predicted hot first)";
+    let synced = replace_once(
+        &source(),
+        anchor,
+        &format!("    if i == 0 {{ sync }}\n{anchor}"),
+    );
+    let offset = synced.find("if i == 0 { sync }").unwrap() as u32;
+    let with = compiled(&synced);
+    let without = compiled(&source());
+    assert_eq!(with.program.tasks.len(), without.program.tasks.len());
+    // The first task issued after the `sync` (spans are in source order within a step).
+    let decode = with
+        .program
+        .steps
+        .iter()
+        .find(|s| s.kind == moec::ir::StepKind::Decode)
+        .unwrap();
+    let boundary = (decode.first as usize..(decode.first + decode.count) as usize)
+        .find(|&t| with.program.spans.tasks[t].start > offset)
+        .unwrap();
+    assert!(barrier_holds(&with, boundary, boundary));
+    // Without it the data dependencies alone leave some pair unordered, so the test bites.
+    assert!(!barrier_holds(&without, boundary, boundary));
+    check_reduction(&with);
+}
+
+#[test]
+fn a_sync_under_a_runtime_condition_is_an_error() {
+    let anchor = "        copy e_pin[r % 2] -> e_gpu[r % 2] on h2d\n";
+    let mutated = replace_once(&source(), anchor, &format!("{anchor}        sync\n"));
+    let errors = errors(&mutated);
+    let d = errors
+        .iter()
+        .find(|d| d.code == Code::ElabDynamic)
+        .expect("elab::dynamic");
+    let span = d.primary_span().unwrap();
+    assert_eq!(&mutated[span.start as usize..span.end as usize], "sync");
+}
+
+#[test]
+fn sync_is_not_a_keyword() {
+    // A template or param may still be called `sync`; `sync(..)` is a call.
+    let renamed = source().replace("finish(", "sync(");
+    assert!(renamed.contains("template sync("));
+    compiled(&renamed);
+}
+
 /// Every `.rs` file under `src/<dir>`, with its text.
 fn sources_under(dir: &str) -> Vec<(String, String)> {
     let mut found = Vec::new();

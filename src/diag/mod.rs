@@ -378,6 +378,17 @@ impl Diagnostic {
         .label(span, "the negation of this condition is not a conjunction")
     }
 
+    /// `sync` inside a run-time guard: a barrier every later task waits on cannot exist
+    /// only when routing says so.
+    pub fn guarded_sync(span: Span) -> Self {
+        Diagnostic::new(
+            Code::ElabDynamic,
+            "`sync` cannot be under a run-time condition",
+        )
+        .label(span, "inside an `if` on `active(..)` or `routed(..)`")
+        .help("a barrier orders every later task of the step; move it out of the dynamic `if`")
+    }
+
     /// `after` naming a task that does not exist.
     pub fn after_missing(span: Span, label: &str) -> Self {
         Diagnostic::new(

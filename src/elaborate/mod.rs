@@ -150,6 +150,9 @@ struct Elaborator<'a> {
     pending_after: Vec<PendingAfter>,
     guard: Vec<ir::GuardLit>,
     step: Option<(crate::syntax::ast::StepKind, ir::StepId)>,
+    /// The latest `sync` of the current step: the last task of each stream issued before
+    /// it (every later task of the step is ordered after them), and the keyword's span.
+    sync: Option<(Vec<TaskId>, Span)>,
     steps: Vec<ir::Step>,
     diags: Vec<Diagnostic>,
     seen: HashSet<(Code, u32, u32)>,
@@ -195,6 +198,7 @@ impl<'a> Elaborator<'a> {
             pending_after: Vec::new(),
             guard: Vec::new(),
             step: None,
+            sync: None,
             steps: Vec::new(),
             diags: Vec::new(),
             seen: HashSet::new(),

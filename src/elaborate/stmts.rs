@@ -23,8 +23,10 @@ impl<'a> Elaborator<'a> {
         let id = StepId::new(self.steps.len());
         let first = self.tasks.len() as u32;
         self.step = Some((decl.kind, id));
+        self.sync = None;
         self.exec_block(&decl.body);
         self.step = None;
+        self.sync = None;
         let count = self.tasks.len() as u32 - first;
         self.steps.push(ir::Step {
             kind: decl.kind,
@@ -53,7 +55,33 @@ impl<'a> Elaborator<'a> {
             Stmt::If(s) => self.exec_if(s),
             Stmt::Copy(s) => self.exec_copy(s),
             Stmt::Call(s) => self.exec_call(s),
+            Stmt::Sync(span) => self.exec_sync(*span),
         }
+    }
+
+    /// `sync`: FlexGen's `torch.cuda.synchronize()` after each (layer, batch) step. Every
+    /// later task of the step is ordered after the last task each stream issued before it
+    /// (streams run in issue order, so that is every earlier task of the step).
+    fn exec_sync(&mut self, span: Span) -> Result<(), Diagnostic> {
+        if !self.guard.is_empty() {
+            return Err(Diagnostic::guarded_sync(span));
+        }
+        let first = self.step_first_task();
+        let mut last: Vec<Option<TaskId>> = vec![None; self.streams.len()];
+        for (i, task) in self.tasks.iter().enumerate().skip(first) {
+            if let Some(slot) = last.get_mut(task.stream.index()) {
+                *slot = Some(TaskId::new(i));
+            }
+        }
+        self.sync = Some((last.into_iter().flatten().collect(), span));
+        Ok(())
+    }
+
+    /// Index of the current step's first task.
+    fn step_first_task(&self) -> usize {
+        self.steps
+            .last()
+            .map_or(0, |s| (s.first + s.count) as usize)
     }
 
     pub(super) fn exec_let(&mut self, stmt: &LetStmt) -> Result<(), Diagnostic> {
@@ -805,12 +833,21 @@ impl<'a> Elaborator<'a> {
         lits.sort();
         lits.dedup();
         let (arg_list, arg_spans): (Vec<Arg>, Vec<Span>) = args.into_iter().unzip();
+        // After a `sync`, the barrier's tasks on other streams (stream order covers its own).
+        let (synced, sync_spans): (Vec<TaskId>, Vec<Span>) = match &self.sync {
+            Some((before, sync_span)) => before
+                .iter()
+                .filter(|t| self.tasks[t.index()].stream != stream)
+                .map(|&t| (t, *sync_span))
+                .unzip(),
+            None => (Vec::new(), Vec::new()),
+        };
         self.tasks.push(Task {
             op,
             stream,
             step: self.step.map_or(StepId(0), |s| s.1),
             args: arg_list,
-            after: Vec::new(),
+            after: synced,
             guard: Guard { lits },
             shape,
             work,
@@ -822,7 +859,7 @@ impl<'a> Elaborator<'a> {
         self.spans.tasks.push(span);
         self.spans.task_args.push(arg_spans);
         self.spans.task_streams.push(on.span);
-        self.spans.task_after.push(Vec::new());
+        self.spans.task_after.push(sync_spans);
         Ok(())
     }
 

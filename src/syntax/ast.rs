@@ -203,6 +203,8 @@ pub enum Stmt {
     Copy(CopyStmt),
     /// `NAME(args) on STREAM ...`: an op task, or a template call (no tail allowed).
     Call(CallStmt),
+    /// `sync`: a full barrier; the span is the keyword's.
+    Sync(Span),
 }
 
 /// `let NAME = EXPR`.

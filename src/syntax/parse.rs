@@ -136,8 +136,8 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         }
         Rule::block => "a block `{ ... }`",
         Rule::let_stmt | Rule::for_stmt | Rule::if_stmt | Rule::copy_stmt | Rule::fetch_stmt
-        | Rule::fetch_kind | Rule::call_stmt => {
-            "a statement (`let`, `for`, `if`, `copy`, `fetch`, `prefetch` or a task)"
+        | Rule::fetch_kind | Rule::sync_stmt | Rule::sync_kw | Rule::call_stmt => {
+            "a statement (`let`, `for`, `if`, `copy`, `fetch`, `prefetch`, `sync` or a task)"
         }
         Rule::else_if | Rule::else_part => "`else`",
         Rule::arg => "an argument",
@@ -480,6 +480,7 @@ fn build_stmt(pair: P) -> Result<Stmt, Diagnostic> {
             })
         }
         Rule::if_stmt => Stmt::If(build_if(pair)?),
+        Rule::sync_stmt => Stmt::Sync(span),
         Rule::copy_stmt | Rule::fetch_stmt => {
             let fetch = pair.as_rule() == Rule::fetch_stmt;
             let mut it = pair.into_inner();
