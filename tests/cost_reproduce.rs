@@ -8,7 +8,9 @@
 use moec::compile::{compile, Options};
 use moec::cost::hardware::HardwareProfile;
 use moec::cost::predict::{predict, CostSettings};
-use moec::cost::reproduce::{calibrated, tables, Calibration, PublishedRow, ACT_BYTES, MODEL};
+use moec::cost::reproduce::{
+    calibrated, fitted_points, grid, tables, Calibration, PublishedRow, ACT_BYTES, MODEL,
+};
 use moec::ir::{TaskId, Workload};
 use moec::model::card::ModelCard;
 
@@ -24,6 +26,15 @@ fn schedule_path(name: &str) -> std::path::PathBuf {
 
 /// Generation tokens/s of a row on its profile's effective rates, unfitted.
 fn predicted(row: &PublishedRow, card: &ModelCard) -> f64 {
+    let unfitted = Calibration {
+        prefill_efficiency: 1.0,
+        task_overhead_us: 0.0,
+    };
+    predicted_at(row, card, &[unfitted])[0]
+}
+
+/// Generation tokens/s of a row at each calibration point (compiled once).
+fn predicted_at(row: &PublishedRow, card: &ModelCard, points: &[Calibration]) -> Vec<f64> {
     let source = std::fs::read_to_string(schedule_path(&row.schedule)).expect("schedule");
     let profile = row.profile(&HardwareProfile::load(&row.hw).expect("profile"));
     let mut options = Options::new(card.clone());
@@ -49,19 +60,20 @@ fn predicted(row: &PublishedRow, card: &ModelCard) -> f64 {
     let deps: Vec<Vec<TaskId>> = (0..compiled.program.tasks.len())
         .map(|t| dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
         .collect();
-    let unfitted = Calibration {
-        prefill_efficiency: 1.0,
-        task_overhead_us: 0.0,
-    };
-    predict(
-        &compiled.program,
-        &deps,
-        &calibrated(&profile, unfitted),
-        &CostSettings::default(),
-    )
-    .expect("prediction")
-    .tokens_per_s
-    .expect("a decode step")
+    points
+        .iter()
+        .map(|&point| {
+            predict(
+                &compiled.program,
+                &deps,
+                &calibrated(&profile, point),
+                &CostSettings::default(),
+            )
+            .expect("prediction")
+            .tokens_per_s
+            .expect("a decode step")
+        })
+        .collect()
 }
 
 #[test]
@@ -109,4 +121,82 @@ fn moe_lightning_rankings_hold_before_any_fit() {
     // Tab. 4: 4 settings x (CGOPipe/FlexGen, FlexGen/FlexGen(c)); Tab. 5: CGOPipe against
     // three FlexGen policies.
     assert_eq!(pairs, 11);
+}
+
+/// `reproduce/calibration.ron` (what `--rates calibrated` predicts with) holds, for each
+/// machine, a point where the fit's error over that machine's rows (summed squared log
+/// ratio, as `moec reproduce` fits) is no higher than at any neighbouring grid point: a
+/// schedule or model change that moves the fit fails here instead of leaving a stale point.
+/// (The whole grid is `moec reproduce`'s job; the neighbours keep this test short.)
+#[test]
+fn checked_in_calibration_is_where_the_fit_is_lowest_locally() {
+    let card = ModelCard::load(MODEL).expect("card");
+    let rows: Vec<PublishedRow> = tables()
+        .expect("tables parse")
+        .into_iter()
+        .flat_map(|(_, rows)| rows)
+        .collect();
+    let grid = grid();
+    let efficiencies: Vec<f64> = {
+        let mut v: Vec<f64> = grid.iter().map(|p| p.prefill_efficiency).collect();
+        v.sort_by(f64::total_cmp);
+        v.dedup();
+        v
+    };
+    let overheads: Vec<f64> = {
+        let mut v: Vec<f64> = grid.iter().map(|p| p.task_overhead_us).collect();
+        v.sort_by(f64::total_cmp);
+        v.dedup();
+        v
+    };
+    let neighbours = |values: &[f64], x: f64| -> Vec<f64> {
+        let i = values
+            .iter()
+            .position(|v| (v - x).abs() < 1e-9)
+            .unwrap_or_else(|| panic!("{x} is not on the fit's grid"));
+        [
+            i.checked_sub(1),
+            Some(i),
+            Some(i + 1).filter(|&j| j < values.len()),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|j| values[j])
+        .collect()
+    };
+    let points = fitted_points().expect("calibration.ron parses");
+    assert_eq!(
+        points.keys().collect::<Vec<_>>(),
+        ["l4", "t4"],
+        "one point per machine of the rows"
+    );
+    for (machine, stored) in &points {
+        let mut candidates = vec![*stored];
+        for e in neighbours(&efficiencies, stored.prefill_efficiency) {
+            for o in neighbours(&overheads, stored.task_overhead_us) {
+                if (e, o) != (stored.prefill_efficiency, stored.task_overhead_us) {
+                    candidates.push(Calibration {
+                        prefill_efficiency: e,
+                        task_overhead_us: o,
+                    });
+                }
+            }
+        }
+        let mut error = vec![0.0; candidates.len()];
+        for row in rows.iter().filter(|r| &r.hw == machine) {
+            for (i, tokens) in predicted_at(row, &card, &candidates)
+                .into_iter()
+                .enumerate()
+            {
+                error[i] += (tokens / row.published).ln().powi(2);
+            }
+        }
+        for (point, e) in candidates.iter().zip(&error).skip(1) {
+            assert!(
+                error[0] <= *e,
+                "{machine}: the checked-in point {stored:?} has error {:.4}, {point:?} has {e:.4}",
+                error[0]
+            );
+        }
+    }
 }

@@ -132,6 +132,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
             "schedule": program.name,
             "model": program.model.name,
             "hardware": resolved.profile.name,
+            "rates": resolved.rates,
             "workload": program.workload,
             "seconds": elapsed,
             "rejected_by_check": rejected,
@@ -158,6 +159,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
         result.invalid,
         elapsed
     );
+    println!("  rates: {}", resolved.rates);
     for reason in &result.invalid_reasons {
         println!("  invalid: {reason}");
     }

@@ -57,9 +57,10 @@ pub struct CostTarget {
     /// Context decode attention assumes: `average` (prompt + gen/2) or `worst`.
     #[arg(long, default_value = "average")]
     pub context: String,
-    /// Which rates the HRM divides by: `datasheet` (peaks) or `effective` (the profile's
+    /// Which rates the HRM divides by: `datasheet` (peaks), `effective` (the profile's
     /// fitted or measured rates, per-task overheads, shared host DRAM; see
-    /// docs/cost-model.md).
+    /// docs/cost-model.md) or `calibrated` (effective, with the prefill efficiency and
+    /// task overhead `moec reproduce` fits on the papers' rows, reproduce/calibration.ron).
     #[arg(long, default_value = "datasheet")]
     pub rates: String,
 }
@@ -93,6 +94,8 @@ pub(crate) struct Resolved {
     pub origin: String,
     pub options: Options,
     pub profile: HardwareProfile,
+    /// Which rates the profile carries, in words (the output says so: no silent choice).
+    pub rates: String,
     pub overrides: BudgetOverrides,
     pub settings: CostSettings,
 }
@@ -108,18 +111,41 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
     let model = ModelCard::load(&target.model).map_err(|e| e.to_string())?;
     let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
-    let profile = match target.rates.as_str() {
-        "datasheet" => profile,
-        "effective" if profile.effective.is_some() => profile.effective(),
+    let (profile, rates) = match target.rates.as_str() {
+        "datasheet" => (profile, "datasheet peaks".to_string()),
+        "effective" if profile.effective.is_some() => {
+            let rates = format!(
+                "effective ({})",
+                profile.effective.as_ref().map_or("", |e| e.source.as_str())
+            );
+            (profile.effective(), rates)
+        }
         "effective" => {
             return Err(format!(
                 "`--rates effective`: hardware profile `{}` has no `effective` section",
                 profile.name
             ))
         }
+        "calibrated" => {
+            let points = crate::cost::reproduce::fitted_points()?;
+            let (Some(point), true) = (points.get(&profile.name), profile.effective.is_some())
+            else {
+                let known: Vec<&str> = points.keys().map(String::as_str).collect();
+                return Err(format!(
+                    "`--rates calibrated`: hardware profile `{}` has no calibration point (fitted by `moec reproduce` for: {})",
+                    profile.name,
+                    known.join(", ")
+                ));
+            };
+            let rates = format!(
+                "calibrated: effective, prefill efficiency {}, task overhead {} us (fitted by `moec reproduce` on the papers' {} rows, reproduce/calibration.ron)",
+                point.prefill_efficiency, point.task_overhead_us, profile.name
+            );
+            (crate::cost::reproduce::calibrated(&profile, *point), rates)
+        }
         other => {
             return Err(format!(
-                "`--rates {other}`: expected `datasheet` or `effective`"
+                "`--rates {other}`: expected `datasheet`, `effective` or `calibrated`"
             ))
         }
     };
@@ -193,6 +219,7 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         origin: target.schedule.display().to_string(),
         options,
         profile,
+        rates,
         overrides,
         settings: CostSettings { decode_context },
     })

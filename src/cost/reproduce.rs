@@ -79,7 +79,7 @@ pub fn tables() -> Result<Vec<(String, Vec<PublishedRow>)>, String> {
 
 /// One calibration point: what the effective profile does not know and the rows fit, one
 /// point per machine (a T4's sustained tensor rate is not an L4's).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
 pub struct Calibration {
     /// Share of the profile's effective prefill GPU rates (GEMM and attention) the
     /// papers' prefill reaches (FlexGen fitted its prefill rates on OPT's dense layers;
@@ -87,6 +87,12 @@ pub struct Calibration {
     pub prefill_efficiency: f64,
     /// Fixed cost per task, microseconds (kernel launches, Python dispatch).
     pub task_overhead_us: f64,
+}
+
+/// The checked-in fitted point of every machine (`reproduce/calibration.ron`).
+pub fn fitted_points() -> Result<std::collections::BTreeMap<String, Calibration>, String> {
+    ron::from_str(include_str!("../../reproduce/calibration.ron"))
+        .map_err(|e| format!("reproduce/calibration.ron: {e}"))
 }
 
 /// The grid the fit searches: prefill efficiency in 0.1 steps, task overhead on a
