@@ -117,9 +117,17 @@ fn opt(v: Option<f64>, scale: f64) -> String {
 pub fn table(rows: &[Row]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    // Schedules given by path (`/abs/dir/x.sched`) are longer than the usual names: the
+    // first column takes the longest, so every row keeps its columns.
+    let w = rows
+        .iter()
+        .map(|r| r.schedule.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(26);
     let _ = writeln!(
         out,
-        "{:<26} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  {:<34} {:>9} {:>9} {:>9} {:>5}",
+        "{:<w$} {:>9} {:>9} {:>9} {:>10} {:>9} {:>6}  {:<34} {:>9} {:>9} {:>9} {:>5}",
         "schedule",
         "tok/s",
         "dec tok/s",
@@ -135,7 +143,7 @@ pub fn table(rows: &[Row]) -> String {
     );
     for r in rows {
         if let Some(e) = &r.error {
-            let _ = writeln!(out, "{:<26} FAILED: {e}", r.schedule);
+            let _ = writeln!(out, "{:<w$} FAILED: {e}", r.schedule);
             continue;
         }
         let busy = r
@@ -152,7 +160,7 @@ pub fn table(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<26} {:>9.1} {:>9.1} {:>9.2} {:>9} {:>9} {:>6.3}  {:<34} {:>9.1} {:>9.1} {:>9.1} {:>5}",
+            "{:<w$} {:>9.1} {:>9.1} {:>9.2} {:>10} {:>9} {:>6.3}  {:<34} {:>9.1} {:>9.1} {:>9.1} {:>5}",
             r.schedule,
             r.tokens_per_s,
             r.decode_tokens_per_s,
@@ -299,5 +307,48 @@ fn empty_row(schedule: String) -> Row {
         busy: Vec::new(),
         arena_bytes: [0; 3],
         identical: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{table, Row};
+
+    fn row(schedule: &str) -> Row {
+        Row {
+            schedule: schedule.to_string(),
+            error: None,
+            tokens_per_s: 12.5,
+            decode_tokens_per_s: 20.0,
+            decode_step_seconds: 0.05,
+            predicted_tokens_per_s: Some(14.0),
+            predicted_step_seconds: Some(0.045),
+            makespan_over_critical_path: 1.1,
+            busy: vec![("gpu.compute".into(), 0.9), ("gpu.copy_in".into(), 0.1)],
+            arena_bytes: [1 << 20, 2 << 20, 3 << 20],
+            identical: Some(true),
+        }
+    }
+
+    /// A schedule given by a long absolute path keeps every row's columns where the
+    /// header's are (each column ends at the same character).
+    #[test]
+    fn columns_stay_aligned_with_long_schedule_paths() {
+        let rows = [
+            row("schedules/cgopipe.sched"),
+            row("/a/long/absolute/path/to/my/own/schedules/variant.sched"),
+        ];
+        let text = table(&rows);
+        let lines: Vec<&str> = text.lines().take(3).collect();
+        let ends = |line: &str| -> Vec<usize> {
+            let chars: Vec<char> = line.chars().collect();
+            (1..chars.len())
+                .filter(|&i| chars[i] == ' ' && chars[i - 1] != ' ')
+                .collect()
+        };
+        // Column 2 (tok/s) ends at the same place in the header and both rows.
+        let second = |line: &str| ends(line)[1];
+        assert_eq!(second(lines[1]), second(lines[2]), "{text}");
+        assert_eq!(second(lines[0]), second(lines[1]), "{text}");
     }
 }
