@@ -7,7 +7,7 @@ use moec::cost::predict::{predict, CostSettings, DecodeContext};
 use moec::cost::replay::{predict_run, predict_step_at};
 use moec::ir::{TaskId, Workload};
 use moec::model::card::ModelCard;
-use moec::records::{RunStats, StepRecord, UbLoad};
+use moec::records::{RunStats, StepRecord, TaskRecord, UbLoad};
 use moec::syntax::ast::StepKind;
 
 /// Two micro-batches of two sequences, every task on one CPU stream over host buffers, so
@@ -313,6 +313,109 @@ fn a_run_is_the_sum_of_its_steps_at_their_own_loads() {
     assert_eq!(kinds, [("prefill", 1), ("decode", 3)]);
     // Fewer decoding sequences at a shorter context: a shorter step.
     assert!(b < a, "{b} vs {a}");
+}
+
+/// The step's tasks as the runtime records them: each ran and took `each` seconds.
+fn ran_tasks(c: &moec::compile::Compiled, kind: StepKind, each: f64) -> Vec<TaskRecord> {
+    let s = &c.program.steps[step(c, kind)];
+    (s.first..s.first + s.count)
+        .enumerate()
+        .map(|(k, t)| {
+            let task = TaskId::new(t as usize);
+            TaskRecord {
+                task,
+                stream: c.program.task(task).stream,
+                start: k as f64 * each,
+                end: (k + 1) as f64 * each,
+                ran: true,
+            }
+        })
+        .collect()
+}
+
+/// Each step kind carries its own per-op breakdown (what a user reads to see where a
+/// batch-1 decode step's time goes, which the run-wide one mixes with prefill's). One
+/// prefill (2 prompts of 5 tokens in micro-batch 1) and two decode steps (2 sequences at
+/// context 50 in micro-batch 0); each task measured 1 ms in prefill and 2 ms in decode.
+/// Per kind: attention ran 2 micro-batches x 4 layers = 8 times per step, so prefill
+/// 8 runs measured 8 ms, decode 16 runs measured 32 ms; predicted prefill 4 x 25600 B /
+/// 1.5 GB/s = 68.2667 us and decode 2 x 204.8 us (the hand-worked roofline above; empty
+/// micro-batches cost nothing). The run-wide line is their sum: 24 runs, 40 ms.
+#[test]
+fn each_step_kind_has_its_own_op_breakdown_by_hand() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let profile = slow_cpu();
+    let prefill_load = UbLoad {
+        prefill_seqs: 2,
+        prefill_tokens: 10,
+        ..UbLoad::default()
+    };
+    let with_tasks = |kind, each, ubs| StepRecord {
+        tasks: ran_tasks(&c, kind, each),
+        ..record(kind, 1.0, ubs)
+    };
+    let decode_loads = vec![decoding(2, 50), UbLoad::default()];
+    let stats = RunStats {
+        steps: vec![
+            with_tasks(
+                StepKind::Prefill,
+                1e-3,
+                vec![UbLoad::default(), prefill_load],
+            ),
+            with_tasks(StepKind::Decode, 2e-3, decode_loads.clone()),
+            with_tasks(StepKind::Decode, 2e-3, decode_loads),
+        ],
+        wall: 3.0,
+        ..RunStats::default()
+    };
+    let run = predict_run(
+        &c.program,
+        &deps,
+        &profile,
+        &CostSettings::default(),
+        &stats,
+        4,
+    )
+    .unwrap();
+    let attn = |ops: &[moec::cost::replay::OpReplay]| {
+        let o = ops.iter().find(|o| o.op == "attn").unwrap().clone();
+        (o.runs, o.measured_seconds, o.predicted_seconds)
+    };
+    let close = |got: f64, want: f64| (got - want).abs() < 1e-9 * want.max(1e-6);
+    let (prefill, decode) = (&run.kinds[0], &run.kinds[1]);
+    assert_eq!(
+        (prefill.kind.as_str(), decode.kind.as_str()),
+        ("prefill", "decode")
+    );
+    let (runs, measured, predicted) = attn(&prefill.ops);
+    assert_eq!(runs, 8);
+    assert!(close(measured, 8e-3) && close(predicted, 4.0 * 25600.0 / 1.5e9));
+    let (runs, measured, predicted) = attn(&decode.ops);
+    assert_eq!(runs, 16);
+    assert!(
+        close(measured, 32e-3) && close(predicted, 2.0 * 204.8e-6),
+        "{predicted}"
+    );
+    let (runs, measured, _) = attn(&run.ops);
+    assert_eq!(runs, 24);
+    assert!(close(measured, 40e-3));
+    // Every op of every kind adds up to the run-wide line, largest measured time first.
+    for o in &run.ops {
+        let sum: f64 = run
+            .kinds
+            .iter()
+            .flat_map(|k| k.ops.iter().filter(|p| p.op == o.op))
+            .map(|p| p.predicted_seconds)
+            .sum();
+        assert!(close(sum, o.predicted_seconds), "{}", o.op);
+    }
+    for k in &run.kinds {
+        assert!(k
+            .ops
+            .windows(2)
+            .all(|w| w[0].measured_seconds >= w[1].measured_seconds));
+    }
 }
 
 /// `predict` costs VSLPipe's mixed step at MoE-Lens's steady state (§6.2): with 32

@@ -67,6 +67,17 @@ fn best_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// The median of `times` (the mean of the middle two for an even count; 0 if empty).
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    let mid = times.len() / 2;
+    match times.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => times[mid],
+        _ => (times[mid - 1] + times[mid]) / 2.0,
+    }
+}
+
 /// A rayon pool of `threads` threads for the probe's parallel kernels.
 fn probe_pool(threads: usize) -> Result<rayon::ThreadPool, ProbeError> {
     rayon::ThreadPoolBuilder::new()
@@ -249,6 +260,12 @@ const KERNEL_FFN: usize = 3584;
 /// every weight byte of a GEMV comes from DRAM. Two experts (44 MB) barely passed the
 /// cache: the one-row rate then moved between 16 and 32 GB/s from one probe to the next.
 const KERNEL_DECODE_EXPERTS: usize = 6;
+/// Timed passes per kernel point, taken round-robin over the points after one untimed
+/// pass of each; the probe keeps the median. Single passes over the DRAM-streamed
+/// experts moved by up to 2x (the first point's first passes, measured under
+/// `/work/quiet.sh`), and the best of two kept the lucky ones; a run calls each kernel
+/// hundreds of times and pays the typical pass.
+const KERNEL_REPS: usize = 7;
 /// Rows per weight of the measured points: decode (1, 4, 16 tokens per matrix), the rows
 /// a dense projection sees in a batch-64 decode step (64) and a prefill GEMM (256).
 const KERNEL_ROWS: [u32; 6] = [1, 4, 8, 16, 64, 256];
@@ -295,50 +312,74 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let mut y = vec![0.0f32; max_rows * f];
     let silu = |v: f32| v / (1.0 + (-v).exp());
     let mut failed: Option<String> = None;
-    let mut point = |rows: u32, gated: bool| -> f64 {
+    // One timed pass of a point over its set: decode points stream the six experts,
+    // compute-bound ones the narrow expert.
+    let mut pass = |rows: u32, gated: bool| -> f64 {
         let n = rows as usize;
-        let (set, reps): (&[[Matrix<'_>; 3]], usize) = if rows >= KERNEL_COMPUTE_ROWS {
-            (&compute_set, 1)
+        let set: &[[Matrix<'_>; 3]] = if rows >= KERNEL_COMPUTE_ROWS {
+            &compute_set
         } else {
-            (&decode_set, 2)
+            &decode_set
         };
-        let seconds = pool.install(|| {
-            best_seconds(reps, || {
-                for [gate, up, down] in set {
-                    let (o, i) = (gate.rows, gate.cols);
-                    let result = if gated {
-                        kernels
-                            .linear_gated(&x[..n * i], n, gate, up, silu, &mut h[..n * o])
-                            .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
-                    } else {
-                        kernels
-                            .linear(&x[..n * i], n, gate, &mut h[..n * o])
-                            .and_then(|()| kernels.linear(&x[..n * i], n, up, &mut h[..n * o]))
-                            .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
-                    };
-                    if let Err(e) = result {
-                        failed = Some(e.to_string());
-                    }
+        let start = Instant::now();
+        pool.install(|| {
+            for [gate, up, down] in set {
+                let (o, i) = (gate.rows, gate.cols);
+                let result = if gated {
+                    kernels
+                        .linear_gated(&x[..n * i], n, gate, up, silu, &mut h[..n * o])
+                        .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
+                } else {
+                    kernels
+                        .linear(&x[..n * i], n, gate, &mut h[..n * o])
+                        .and_then(|()| kernels.linear(&x[..n * i], n, up, &mut h[..n * o]))
+                        .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
+                };
+                if let Err(e) = result {
+                    failed = Some(e.to_string());
                 }
-            })
+            }
         });
+        start.elapsed().as_secs_f64()
+    };
+    let points: Vec<(u32, bool)> = KERNEL_ROWS
+        .iter()
+        .flat_map(|&rows| [(rows, false), (rows, true)])
+        .collect();
+    for &(rows, gated) in &points {
+        pass(rows, gated);
+    }
+    // Round-robin: a slow phase of the machine (a neighbour's burst, the first passes
+    // after start-up) costs every point one sample rather than one point all of its own.
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(KERNEL_REPS); points.len()];
+    for _ in 0..KERNEL_REPS {
+        for (times, &(rows, gated)) in samples.iter_mut().zip(&points) {
+            times.push(pass(rows, gated));
+        }
+    }
+    let rate = |rows: u32, times: Vec<f64>| {
+        let set = if rows >= KERNEL_COMPUTE_ROWS {
+            &compute_set[..]
+        } else {
+            &decode_set[..]
+        };
         let bytes: usize = set
             .iter()
             .map(|m| m.iter().map(|w| w.rows * w.cols * 2).sum::<usize>())
             .sum();
-        bytes as f64 / seconds.max(1e-12) / GB
+        RowsRate {
+            rows,
+            weight_gb_s: bytes as f64 / median(times).max(1e-12) / GB,
+        }
     };
     let mut linear = Vec::with_capacity(KERNEL_ROWS.len());
     let mut expert_ffn = Vec::with_capacity(KERNEL_ROWS.len());
-    for rows in KERNEL_ROWS {
-        linear.push(RowsRate {
-            rows,
-            weight_gb_s: point(rows, false),
-        });
-        expert_ffn.push(RowsRate {
-            rows,
-            weight_gb_s: point(rows, true),
-        });
+    for (times, &(rows, gated)) in samples.into_iter().zip(&points) {
+        if gated {
+            expert_ffn.push(rate(rows, times));
+        } else {
+            linear.push(rate(rows, times));
+        }
     }
     std::hint::black_box(&y);
     if let Some(e) = failed {
@@ -356,7 +397,7 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings below {KERNEL_COMPUTE_ROWS} rows, one above",
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; median of {KERNEL_REPS} passes per point, taken round-robin",
             kernels.isa()
         ),
         linear,
