@@ -466,6 +466,7 @@ fn measured_kernels() -> HardwareProfile {
         expert_ffn: vec![point(1, 0.2), point(16, 0.05)],
         attn_decode_gflops: 0.01,
         attn_prefill_gflops: 0.02,
+        attn_call_us: 0.0,
     });
     p.validate().unwrap();
     p
@@ -549,6 +550,52 @@ fn measured_kernel_rates_charge_bytes_over_the_rate_of_the_op_kind() {
     )
     .unwrap();
     assert!((roofline.op_seconds["lm_head"].0 - 16.385024e-3).abs() < 1e-9);
+}
+
+/// An attention call costs at least the probe's smallest one (`attn_call_us`), and an
+/// empty micro-batch makes no call. With a 1 ms floor on the profile above: decode of 2
+/// sequences at context 50 stays 5.12 ms per layer (51,200 FLOPs at 0.01 GFLOP/s, above
+/// the floor), 20.48 ms for 4 layers; prefill of 2 prompts of 5 tokens rises from 768 us
+/// (15,360 FLOPs at 0.02 GFLOP/s) to the 1 ms floor per layer, 4 ms for 4 layers; the
+/// empty micro-batch's 4 attention tasks add nothing to either.
+#[test]
+fn an_attention_call_costs_at_least_the_smallest_measured_call_by_hand() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let mut profile = measured_kernels();
+    if let Some(k) = profile.kernels.as_mut() {
+        k.attn_call_us = 1000.0;
+    }
+    profile.validate().unwrap();
+    let settings = CostSettings::default();
+    let at = |kind, loads: &[UbLoad]| {
+        predict_step_at(
+            &c.program,
+            &deps,
+            step(&c, kind),
+            &profile,
+            &settings,
+            loads,
+        )
+        .unwrap()
+        .op_seconds["attn"]
+            .0
+    };
+    let decode = at(StepKind::Decode, &[decoding(2, 50), UbLoad::default()]);
+    assert!((decode - 20.48e-3).abs() < 1e-12, "decode attn {decode}");
+    let prefill_load = UbLoad {
+        prefill_seqs: 2,
+        prefill_tokens: 10,
+        ..UbLoad::default()
+    };
+    let prefill = at(StepKind::Prefill, &[UbLoad::default(), prefill_load]);
+    assert!((prefill - 4e-3).abs() < 1e-12, "prefill attn {prefill}");
+    // A negative floor is refused by name.
+    if let Some(k) = profile.kernels.as_mut() {
+        k.attn_call_us = -1.0;
+    }
+    let err = profile.validate().unwrap_err().to_string();
+    assert!(err.contains("attn_call_us"), "{err}");
 }
 
 /// Between measured points the time per weight byte is linear in rows; past the last one

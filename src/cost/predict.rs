@@ -362,7 +362,8 @@ fn task_work(
 /// expert (uniform independent routing: the expected distinct active experts, each at
 /// the routed tokens over them); `post_attn` is both, its expert
 /// weights at the FFN rate and the rest at the dense one; attention is its catalog FLOPs
-/// at the decode rate, or the prefill rate when it carries more tokens than sequences.
+/// at the decode rate, or the prefill rate when it carries more tokens than sequences,
+/// and at least one measured smallest call (`attn_call_us`).
 /// Other ops (embed, combine, sample) have no measured kernel: 0, the roofline stands.
 pub fn kernel_seconds(
     program: &Program,
@@ -435,8 +436,16 @@ pub fn kernel_seconds(
             } else {
                 kernels.attn_decode_gflops
             };
-            if gflops > 0.0 {
+            let at_rate = if gflops > 0.0 {
                 work.flops / (gflops * 1e9)
+            } else {
+                0.0
+            };
+            // A call costs at least the probe's smallest one (its fixed work); the rate
+            // points (16 sequences x 512 positions, 256 prompt tokens) are far above it.
+            // An empty micro-batch makes no call.
+            if work.flops > 0.0 {
+                at_rate.max(kernels.attn_call_us * 1e-6)
             } else {
                 0.0
             }

@@ -284,13 +284,27 @@ const ATTN_HEADS: (usize, usize, usize) = (16, 4, 64);
 const ATTN_DECODE: (usize, usize) = (16, 512);
 /// Prefill attention point: one sequence's prompt of this many tokens, causal.
 const ATTN_PREFILL_TOKENS: usize = 256;
+/// The smallest attention call: one sequence, one new token over this many cached
+/// positions (a batch-1 decode step on a short prompt). Its FLOPs at the decode rate take
+/// a few microseconds; the call takes tens (the KV append, the heads split over the pool
+/// and joined), which a batch-1 step pays once per layer and micro-batch.
+const ATTN_CALL_CONTEXT: usize = 32;
+/// Timed calls of the smallest attention point, of which the probe keeps the median.
+const ATTN_CALL_REPS: usize = 101;
+/// Bytes streamed before each timed smallest call (twice a 32 MiB last-level cache), as
+/// a step streams a layer's weights between two attention calls: back to back, the call
+/// finds its KV blocks and buffers cached (10.7 us in one quiet probe; 13-23 us after the
+/// stream in two).
+const ATTN_EVICT_BYTES: usize = 64 << 20;
 
 /// Measures the rates of moec's own kernels (`model::kernels`, the runtime's, with the
 /// process's instruction set) on `threads` threads: [`KernelRates`] with the `linear` and
 /// `expert_ffn` curves at [`KERNEL_ROWS`] rows on bf16 mixtral-mid-sized matrices, decode
-/// attention (16 sequences x 512 cached positions) and prefill attention (256 tokens,
-/// causal). A memory-bound point is the best of two timings after a warm-up, a
-/// compute-bound one a single timing after a warm-up.
+/// attention (16 sequences x 512 cached positions), prefill attention (256 tokens,
+/// causal) and the smallest attention call ([`ATTN_CALL_CONTEXT`]). Each curve point is
+/// the median of [`KERNEL_REPS`] passes taken round-robin over the points after an
+/// untimed pass of each; the two attention rate points the best of two timings, the
+/// smallest call the median of [`ATTN_CALL_REPS`].
 pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     use crate::model::kernels::isa::Kernels;
     use crate::model::tensor::Matrix;
@@ -385,7 +399,7 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     if let Some(e) = failed {
         return Err(ProbeError::Kernel(e));
     }
-    let (decode_seconds, prefill_seconds) = pool.install(time_attention)?;
+    let (decode_seconds, prefill_seconds, call_seconds) = pool.install(time_attention)?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -397,13 +411,14 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; median of {KERNEL_REPS} passes per point, taken round-robin",
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {ATTN_CALL_REPS}, each after 64 MiB streamed); linear and expert_ffn the median of {KERNEL_REPS} passes per point, taken round-robin",
             kernels.isa()
         ),
         linear,
         expert_ffn,
         attn_decode_gflops: decode_flops / decode_seconds.max(1e-12) / 1e9,
         attn_prefill_gflops: prefill_flops / prefill_seconds.max(1e-12) / 1e9,
+        attn_call_us: call_seconds * 1e6,
     })
 }
 
@@ -432,7 +447,7 @@ fn probe_expert(
 
 /// Best seconds of the decode and the prefill attention point (see [`ATTN_DECODE`] and
 /// [`ATTN_PREFILL_TOKENS`]) through the runtime's attention kernel and paged KV cache.
-fn time_attention() -> Result<(f64, f64), ProbeError> {
+fn time_attention() -> Result<(f64, f64, f64), ProbeError> {
     use crate::model::kernels::attention::{AttnSeq, AttnShape};
     use crate::model::kernels::isa::Kernels;
     use crate::model::kernels::kv_cache::{KvLayout, PagedKvCache};
@@ -463,16 +478,38 @@ fn time_attention() -> Result<(f64, f64), ProbeError> {
         tables.push(table);
     }
     let kernels = Kernels::process();
-    let mut run = |attn: &[AttnSeq<'_>], rows: usize| -> Result<f64, ProbeError> {
+    // Non-zero: a zeroed allocation maps one shared zero page, which never leaves cache.
+    let evict = vec![1.0f32; ATTN_EVICT_BYTES / 4];
+    // `reps` timed calls after a warm-up; the median of them for a call that takes
+    // microseconds (single timings of it scatter), the best for one that takes
+    // milliseconds.
+    let mut run = |attn: &[AttnSeq<'_>], rows: usize, reps: usize| -> Result<f64, ProbeError> {
         let qkv = vec![0.01f32; rows * shape.qkv_width()];
         let mut out = vec![0.0f32; rows * shape.q_width()];
         let mut failed = None;
-        let seconds = best_seconds(2, || {
+        let mut call = || {
             let mut blocks = cache.layer_mut(0);
             if let Err(e) = kernels.attention(&mut blocks, attn, &qkv, &shape, &mut out) {
                 failed = Some(e.to_string());
             }
-        });
+        };
+        let seconds = if reps > 2 {
+            call();
+            median(
+                (0..reps)
+                    .map(|_| {
+                        // In a step the layer's weights stream between two attention
+                        // calls and leave nothing of the last one in the caches.
+                        std::hint::black_box(stream_read(&evict));
+                        let start = Instant::now();
+                        call();
+                        start.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            )
+        } else {
+            best_seconds(reps, call)
+        };
         std::hint::black_box(&out);
         match failed {
             Some(e) => Err(ProbeError::Kernel(e)),
@@ -487,7 +524,13 @@ fn time_attention() -> Result<(f64, f64), ProbeError> {
             n_new: 1,
         })
         .collect();
-    let decode_seconds = run(&decode, seqs)?;
+    let decode_seconds = run(&decode, seqs, 2)?;
+    let smallest = [AttnSeq {
+        block_table: &tables[0],
+        context_len: ATTN_CALL_CONTEXT,
+        n_new: 1,
+    }];
+    let call_seconds = run(&smallest, 1, ATTN_CALL_REPS)?;
     // The prefill sequence reuses the first blocks of the pool (the decode tables'
     // contents do not matter to the timing).
     let prefill_table: Vec<u32> = (0..layout.blocks_for(ATTN_PREFILL_TOKENS) as u32).collect();
@@ -496,8 +539,8 @@ fn time_attention() -> Result<(f64, f64), ProbeError> {
         context_len: 0,
         n_new: ATTN_PREFILL_TOKENS,
     }];
-    let prefill_seconds = run(&prefill, ATTN_PREFILL_TOKENS)?;
-    Ok((decode_seconds, prefill_seconds))
+    let prefill_seconds = run(&prefill, ATTN_PREFILL_TOKENS, 2)?;
+    Ok((decode_seconds, prefill_seconds, call_seconds))
 }
 
 /// Times one expert of `card` as Fiddler's cppExpert does at start-up, on this machine:
