@@ -266,9 +266,12 @@ const KERNEL_DECODE_EXPERTS: usize = 6;
 /// `/work/quiet.sh`), and the best of two kept the lucky ones; a run calls each kernel
 /// hundreds of times and pays the typical pass.
 const KERNEL_REPS: usize = 7;
-/// Rows per weight of the measured points: decode (1, 4, 16 tokens per matrix), the rows
-/// a dense projection sees in a batch-64 decode step (64) and a prefill GEMM (256).
-const KERNEL_ROWS: [u32; 6] = [1, 4, 8, 16, 64, 256];
+/// Rows per weight of the measured points: decode (1 to 16 tokens per matrix; 2 and 3
+/// are the rows of a batch-1 prompt's projections and of an expert in a batch-16 step of
+/// two micro-batches, where the time per byte is 5-10% above the line from 1 to 4 rows),
+/// the rows a dense projection sees in a batch-64 decode step (64) and a prefill GEMM
+/// (256).
+const KERNEL_ROWS: [u32; 8] = [1, 2, 3, 4, 8, 16, 64, 256];
 /// From this many rows a kernel is compute-bound (64 FLOPs per bf16 weight byte against
 /// ~20 GB/s is ~1.3 TFLOP/s, far above the cores' peak), so where its weights live does
 /// not matter: those points run on a narrower expert ([`KERNEL_COMPUTE_FFN`]) to stay
