@@ -598,6 +598,81 @@ fn an_attention_call_costs_at_least_the_smallest_measured_call_by_hand() {
     assert!(err.contains("attn_call_us"), "{err}");
 }
 
+/// One micro-batch, every expert its own task, on one CPU stream.
+const PER_EXPERT: &str = r#"
+schedule per_expert "one task per expert on one CPU stream"
+
+microbatches 1 of 4
+
+stream cpu: cpu.compute
+
+let ctx = prompt_len + gen_len
+let n = 4
+let pre = n * prompt_len
+
+buffer h:      host = hidden(pre)
+buffer qkv:    host = qkv(pre)
+buffer a:      host = attn_out(pre)
+buffer route:  host = routing(pre)
+buffer acc:    host = expert_acc(pre)
+buffer logit:  host = logits(n)
+buffer tok:    host = tokens(n)
+buffer kv[layers]: host = kv_cache(n * ctx)
+
+template forward(part, dec) {
+  if dec == 1 {
+    embed(ub = 0, w = W.embed, tokens = tok, h = h) on cpu
+  } else {
+    embed(ub = 0, w = W.embed, h = h) on cpu
+  }
+  for l in 0..layers {
+    pre_attn(layer = l, ub = 0, w = W[l], h = h, out = qkv) on cpu
+    attn(layer = l, ub = 0, part = part, qkv = qkv, kv = kv[l], out = a) on cpu
+    o_proj(layer = l, ub = 0, w = W[l], a = a, h = h) on cpu
+    gate(layer = l, ub = 0, w = W[l], h = h, route = route, acc = acc) on cpu
+    for e in 0..experts {
+      experts(layer = l, ub = 0, set = e, w = W[l].expert(e), route = route, acc = acc) on cpu
+    }
+    combine(layer = l, ub = 0, route = route, acc = acc, h = h) on cpu
+  }
+  lm_head(ub = 0, w = W.head, h = h, logits = logit) on cpu
+  sample(ub = 0, logits = logit, tokens = tok) on cpu
+}
+
+prefill { forward(prefill, 0) }
+decode { forward(decode, 1) }
+"#;
+
+/// An expert task that runs meets the tokens routed to it given that it is active, under
+/// the routing model of `cost::activation`. Decode of 3 sequences on mixtral-tiny (8
+/// experts, top-2): each token picks a given expert with q = 2/8, so it is active with
+/// probability 1 - 0.75^3 = 0.578125 and meets 3 x 2/8 = 0.75 routed tokens on average,
+/// 0.75 / 0.578125 = 1.297297 given it runs. On the expert curve (1 row 5e-9 s/B, 16 rows
+/// 2e-8) that is 5e-9 + 0.297297 / 15 x 1.5e-8 = 5.297297e-9 s/B, times the expert's
+/// 3 x 128 x 256 x 2 = 196,608 B = 1.041492 ms per task (the catalog's 0.75 rows, below
+/// the first point, gave 0.98304 ms), 8 experts x 4 layers = 33.327713 ms.
+#[test]
+fn an_expert_task_meets_its_routed_tokens_given_it_is_active_by_hand() {
+    let c = compiled(PER_EXPERT, 64, 16);
+    let deps = deps(&c);
+    let decode = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Decode),
+        &measured_kernels(),
+        &CostSettings::default(),
+        &[decoding(3, 40)],
+    )
+    .unwrap();
+    let (seconds, roof) = &decode.op_seconds["experts"];
+    let rows = 0.75 / (1.0 - 0.75f64.powi(3));
+    let per_byte = 5e-9 + (rows - 1.0) / 15.0 * 1.5e-8;
+    let want = 32.0 * 196_608.0 * per_byte;
+    assert!((seconds - want).abs() < 1e-9 * want, "{seconds} vs {want}");
+    assert!((want - 33.327713e-3).abs() < 1e-9, "{want}");
+    assert_eq!(roof, "kernel");
+}
+
 /// Between measured points the time per weight byte is linear in rows; past the last one
 /// it grows with the rows (the last point's FLOP/s); below the first it is the first's.
 /// Points 1 row at 0.1 GB/s (1e-8 s/B) and 4 rows at 0.05 GB/s (2e-8 s/B):
