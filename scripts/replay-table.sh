@@ -6,24 +6,31 @@
 # What it does: builds moec in release, probes this machine once (`moec probe`: streaming
 # bandwidth, memcpy, GEMM, moec's own kernels by op kind and rows, the runtime's dispatch
 # costs; micro-benchmarks only, nothing fitted to a run) into $OUT/this-machine.ron, then
-# runs every (schedule, batch) once with `moec run --hw $OUT/this-machine.ron --json`:
-# B synthetic prompts of 16 tokens, 4 generated, greedy, 2 threads, the synthetic
+# runs every (schedule, batch) N times (`--runs`, default 3) with
+# `moec run --hw $OUT/this-machine.ron --json`: B synthetic prompts of 16 tokens, G
+# generated (`--gen`, default 8: 7 decode steps per run), greedy, 2 threads, the synthetic
 # mixtral-mid checkpoint (generated into the cache on first use). A schedule with
 # micro-batches runs two of B/2 (one of 1 at batch 1; FlexGen needs two, so at batch 1 its
-# second is empty); resident, Fiddler and MoE-Infinity run one of B. Each cell is one run:
-# the decode step is the mean of the run's decode steps, prefill its one prefill step
-# (VSLPipe has no prefill step: its prefill column is the mean of its mixed steps, the
-# run's `step` kind, prompts and decodes together). Raw JSON goes to
-# $OUT/<schedule>-<batch>.json; the probed profile to $OUT/this-machine.ron.
+# second is empty); resident, Fiddler and MoE-Infinity run one of B. In each run the
+# decode step is the mean of the run's decode steps, prefill its one prefill step (VSLPipe
+# has no prefill step: its prefill column is the mean of its mixed steps, the run's `step`
+# kind, prompts and decodes together). A cell shows the median over its N runs of the
+# measured ms, the predicted ms and the measured / predicted ratio (each median taken on
+# its own), and the range of the N ratios: a single batch-1 run moves by ~15% from one run
+# to the next. Raw JSON goes to $OUT/<schedule>-<batch>-<run>.json; the probed profile to
+# $OUT/this-machine.ron.
 #
 # Usage: scripts/replay-table.sh [--batches "1 16 64"] [--schedules "cgopipe ..."]
-#            [--threads 2] [--out DIR] [--no-build]
-# Environment: QUIET=/work/quiet.sh (or any wrapper) runs each `moec run` through it.
+#            [--runs 3] [--gen 8] [--threads 2] [--out DIR] [--no-build]
+# Environment: QUIET=/work/quiet.sh (or any wrapper) runs the probe and each `moec run`
+# through it.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BATCHES="1 16 64"
 THREADS=2
+RUNS=3
+GEN=8
 OUT=${TMPDIR:-/tmp}/moec-replay-table
 BUILD=1
 SCHEDULES="baselines/resident baselines/sequential cgopipe baselines/moe_lightning_s2 flexgen baselines/flexgen_cpu_attn klotski vslpipe fiddler moe_infinity"
@@ -33,12 +40,16 @@ while [ $# -gt 0 ]; do
         --batches) BATCHES=$2; shift 2 ;;
         --schedules) SCHEDULES=$2; shift 2 ;;
         --threads) THREADS=$2; shift 2 ;;
+        --runs) RUNS=$2; shift 2 ;;
+        --gen) GEN=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         *) echo "replay-table.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
 
+case "$RUNS$GEN" in *[!0-9]*) echo "replay-table.sh: --runs and --gen take whole numbers" >&2; exit 2 ;; esac
+[ "$RUNS" -ge 1 ] && [ "$GEN" -ge 2 ] || { echo "replay-table.sh: needs --runs >= 1 and --gen >= 2 (a decode step)" >&2; exit 2; }
 command -v jq >/dev/null || { echo "replay-table.sh: needs jq" >&2; exit 1; }
 cd "$REPO"
 if [ "$BUILD" = 1 ]; then
@@ -64,30 +75,68 @@ params() {
     esac
 }
 
-ms() { jq -r "$1 // empty | . * 1000 | (. * 10 | round) / 10" "$2"; }
-ratio() { jq -r "if ($1 // 0) > 0 and ($2 // 0) > 0 then ($1 / $2 * 100 | round) / 100 else \"-\" end" "$3"; }
 
-echo "| schedule | batch | params | decode step measured / predicted (ms) | ratio | prefill measured / predicted (ms) | ratio |"
-echo "| --- | --- | --- | --- | --- | --- | --- |"
+# One run's four figures (decode measured, predicted; prefill measured, predicted; in
+# seconds per step), tab-separated, "-" where the run has no such step.
+figures() {
+    local kind=prefill
+    if [ "$1" = vslpipe ]; then kind=step; fi
+    jq -r --arg kind "$kind" '
+        (.predicted.steps_by_kind // [] | map(select(.kind == $kind)) | first) as $p
+        | [.predicted.decode_step_measured_seconds, .predicted.decode_step_seconds,
+           (if $p then $p.measured_seconds / $p.steps else null end),
+           (if $p then $p.predicted_seconds / $p.steps else null end)]
+        | map(if . == null then "-" else tostring end) | @tsv' "$2"
+}
+
+# Medians over the runs' figure lines on stdin: "measured / predicted (ms) | ratio |
+# ratio range" for decode, then for prefill (a median of an even count is the mean of
+# the middle two).
+cells() {
+    awk -F '\t' '
+        function median(a, n,    i, j, t) {
+            for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j-1] > a[j]; j--) { t = a[j]; a[j] = a[j-1]; a[j-1] = t }
+            return n % 2 ? a[(n+1)/2] : (a[n/2] + a[n/2+1]) / 2
+        }
+        { for (c = 0; c < 2; c++) if ($(2*c+1) != "-" && $(2*c+2) != "-" && $(2*c+2) > 0) {
+              n[c]++; m[c, n[c]] = $(2*c+1); p[c, n[c]] = $(2*c+2); r[c, n[c]] = $(2*c+1) / $(2*c+2) } }
+        END {
+            out = ""
+            for (c = 0; c < 2; c++) {
+                if (!n[c]) { out = out " - | - | - |"; continue }
+                delete a; for (i = 1; i <= n[c]; i++) a[i] = m[c, i]; mm = median(a, n[c])
+                delete a; for (i = 1; i <= n[c]; i++) a[i] = p[c, i]; pm = median(a, n[c])
+                delete a; for (i = 1; i <= n[c]; i++) a[i] = r[c, i]; rm = median(a, n[c])
+                out = out sprintf(" %.1f / %.1f | %.2f | %.2f-%.2f |", mm * 1000, pm * 1000, rm, a[1], a[n[c]])
+            }
+            print out
+        }'
+}
+
+echo "Median of $RUNS runs per cell ($GEN generated tokens each); ratio = measured / predicted, range = the runs' lowest and highest ratio."
+echo
+echo "| schedule | batch | params | decode step measured / predicted (ms) | ratio | range | prefill measured / predicted (ms) | ratio | range |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for s in $SCHEDULES; do
     for b in $BATCHES; do
-        json="$OUT/$(echo "$s" | tr / _)-$b.json"
-        # shellcheck disable=SC2046
-        if ! ${QUIET:-} "$MOEC" run "schedules/$s.sched" --model mixtral-mid \
-            --workload "count=$b,mean=16,max=16,gen=4" $(params "$s" "$b") \
-            --threads "$THREADS" --hw "$PROFILE" --json > "$json" 2> "$json.err"; then
-            echo "| $s | $b | $(params "$s" "$b" | sed 's/--set //g') | failed: $(head -c 120 "$json.err" | tr '\n' ' ') | | | |"
+        shown=$(params "$s" "$b" | sed 's/--set //g')
+        lines=""
+        failure=""
+        for run in $(seq 1 "$RUNS"); do
+            json="$OUT/$(echo "$s" | tr / _)-$b-$run.json"
+            # shellcheck disable=SC2046
+            if ! ${QUIET:-} "$MOEC" run "schedules/$s.sched" --model mixtral-mid \
+                --workload "count=$b,mean=16,max=16,gen=$GEN" $(params "$s" "$b") \
+                --threads "$THREADS" --hw "$PROFILE" --json > "$json" 2> "$json.err"; then
+                failure=$(head -c 120 "$json.err" | tr '\n' ' ')
+                break
+            fi
+            lines="$lines$(figures "$s" "$json")"$'\n'
+        done
+        if [ -n "$failure" ]; then
+            echo "| $s | $b | $shown | failed: $failure | | | | | |"
             continue
         fi
-        dm=$(ms '.predicted.decode_step_measured_seconds' "$json")
-        dp=$(ms '.predicted.decode_step_seconds' "$json")
-        dr=$(ratio '.predicted.decode_step_measured_seconds' '.predicted.decode_step_seconds' "$json")
-        kind=prefill
-        if [ "$s" = vslpipe ]; then kind=step; fi
-        sel="(.predicted.steps_by_kind // [] | map(select(.kind == \"$kind\")) | first)"
-        pm=$(ms "($sel | .measured_seconds / .steps)" "$json")
-        pp=$(ms "($sel | .predicted_seconds / .steps)" "$json")
-        pr=$(ratio "$sel.measured_seconds" "$sel.predicted_seconds" "$json")
-        echo "| $s | $b | $(params "$s" "$b" | sed 's/--set //g') | $dm / $dp | $dr | $pm / $pp | $pr |"
+        echo "| $s | $b | $shown |$(printf '%s' "$lines" | cells)"
     done
 done

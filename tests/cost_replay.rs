@@ -7,7 +7,7 @@ use moec::cost::predict::{predict, CostSettings, DecodeContext};
 use moec::cost::replay::{predict_run, predict_step_at};
 use moec::ir::{TaskId, Workload};
 use moec::model::card::ModelCard;
-use moec::records::{RunStats, StepRecord, UbLoad};
+use moec::records::{RunStats, StepRecord, TaskRecord, UbLoad};
 use moec::syntax::ast::StepKind;
 
 /// Two micro-batches of two sequences, every task on one CPU stream over host buffers, so
@@ -315,6 +315,109 @@ fn a_run_is_the_sum_of_its_steps_at_their_own_loads() {
     assert!(b < a, "{b} vs {a}");
 }
 
+/// The step's tasks as the runtime records them: each ran and took `each` seconds.
+fn ran_tasks(c: &moec::compile::Compiled, kind: StepKind, each: f64) -> Vec<TaskRecord> {
+    let s = &c.program.steps[step(c, kind)];
+    (s.first..s.first + s.count)
+        .enumerate()
+        .map(|(k, t)| {
+            let task = TaskId::new(t as usize);
+            TaskRecord {
+                task,
+                stream: c.program.task(task).stream,
+                start: k as f64 * each,
+                end: (k + 1) as f64 * each,
+                ran: true,
+            }
+        })
+        .collect()
+}
+
+/// Each step kind carries its own per-op breakdown (what a user reads to see where a
+/// batch-1 decode step's time goes, which the run-wide one mixes with prefill's). One
+/// prefill (2 prompts of 5 tokens in micro-batch 1) and two decode steps (2 sequences at
+/// context 50 in micro-batch 0); each task measured 1 ms in prefill and 2 ms in decode.
+/// Per kind: attention ran 2 micro-batches x 4 layers = 8 times per step, so prefill
+/// 8 runs measured 8 ms, decode 16 runs measured 32 ms; predicted prefill 4 x 25600 B /
+/// 1.5 GB/s = 68.2667 us and decode 2 x 204.8 us (the hand-worked roofline above; empty
+/// micro-batches cost nothing). The run-wide line is their sum: 24 runs, 40 ms.
+#[test]
+fn each_step_kind_has_its_own_op_breakdown_by_hand() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let profile = slow_cpu();
+    let prefill_load = UbLoad {
+        prefill_seqs: 2,
+        prefill_tokens: 10,
+        ..UbLoad::default()
+    };
+    let with_tasks = |kind, each, ubs| StepRecord {
+        tasks: ran_tasks(&c, kind, each),
+        ..record(kind, 1.0, ubs)
+    };
+    let decode_loads = vec![decoding(2, 50), UbLoad::default()];
+    let stats = RunStats {
+        steps: vec![
+            with_tasks(
+                StepKind::Prefill,
+                1e-3,
+                vec![UbLoad::default(), prefill_load],
+            ),
+            with_tasks(StepKind::Decode, 2e-3, decode_loads.clone()),
+            with_tasks(StepKind::Decode, 2e-3, decode_loads),
+        ],
+        wall: 3.0,
+        ..RunStats::default()
+    };
+    let run = predict_run(
+        &c.program,
+        &deps,
+        &profile,
+        &CostSettings::default(),
+        &stats,
+        4,
+    )
+    .unwrap();
+    let attn = |ops: &[moec::cost::replay::OpReplay]| {
+        let o = ops.iter().find(|o| o.op == "attn").unwrap().clone();
+        (o.runs, o.measured_seconds, o.predicted_seconds)
+    };
+    let close = |got: f64, want: f64| (got - want).abs() < 1e-9 * want.max(1e-6);
+    let (prefill, decode) = (&run.kinds[0], &run.kinds[1]);
+    assert_eq!(
+        (prefill.kind.as_str(), decode.kind.as_str()),
+        ("prefill", "decode")
+    );
+    let (runs, measured, predicted) = attn(&prefill.ops);
+    assert_eq!(runs, 8);
+    assert!(close(measured, 8e-3) && close(predicted, 4.0 * 25600.0 / 1.5e9));
+    let (runs, measured, predicted) = attn(&decode.ops);
+    assert_eq!(runs, 16);
+    assert!(
+        close(measured, 32e-3) && close(predicted, 2.0 * 204.8e-6),
+        "{predicted}"
+    );
+    let (runs, measured, _) = attn(&run.ops);
+    assert_eq!(runs, 24);
+    assert!(close(measured, 40e-3));
+    // Every op of every kind adds up to the run-wide line, largest measured time first.
+    for o in &run.ops {
+        let sum: f64 = run
+            .kinds
+            .iter()
+            .flat_map(|k| k.ops.iter().filter(|p| p.op == o.op))
+            .map(|p| p.predicted_seconds)
+            .sum();
+        assert!(close(sum, o.predicted_seconds), "{}", o.op);
+    }
+    for k in &run.kinds {
+        assert!(k
+            .ops
+            .windows(2)
+            .all(|w| w[0].measured_seconds >= w[1].measured_seconds));
+    }
+}
+
 /// `predict` costs VSLPipe's mixed step at MoE-Lens's steady state (§6.2): with 32
 /// sequences per group (the default `seqs`), prompts of 24 and 8 generated tokens, each
 /// sequence lives 8 passes, so a pass admits ceil(32 / 8) = 4 prompts (96 prompt tokens)
@@ -363,6 +466,7 @@ fn measured_kernels() -> HardwareProfile {
         expert_ffn: vec![point(1, 0.2), point(16, 0.05)],
         attn_decode_gflops: 0.01,
         attn_prefill_gflops: 0.02,
+        attn_call_us: 0.0,
     });
     p.validate().unwrap();
     p
@@ -377,8 +481,11 @@ fn measured_kernels() -> HardwareProfile {
 /// - attn: 4 q n c = 51,200 FLOPs per layer at 0.01 GFLOP/s = 5.12 ms, 4 layers 20.48 ms.
 /// - post_attn: o_proj 128 * 128 * 2 = 32,768 B + gate (norm 256 B + router 8 * 128 * 2 =
 ///   2,048 B) = 35,072 B dense at 2 rows (1.3333e-8 s/B) = 467.627 us; experts: 2 tokens
-///   x top-2 = 4 active of 8, one row each, 4 * 3 * 128 * 256 * 2 = 786,432 B at 1 row
-///   (5e-9 s/B) = 3.93216 ms; 4.399787 ms per layer, 17.599147 ms for 4 layers.
+///   x top-2 routed independently (each picks an expert with q = 2/8), so an expert is
+///   active with probability 1 - 0.75^2 = 0.4375: 3.5 of 8 expected, each meeting 4 / 3.5
+///   = 8/7 rows; 3.5 * 3 * 128 * 256 * 2 = 688,128 B at 8/7 rows (5e-9 + (1/7)/15 x
+///   1.5e-8 = 36/7 x 1e-9 s/B) = 3.538944 ms; 4.006571 ms per layer, 16.026283 ms for 4
+///   layers (counting 4 distinct experts at one row, as the catalog does, gave 17.599 ms).
 ///
 /// Prefill of 2 prompts of 5 tokens: attention 4 q s c (c + 1) / 2 = 15,360 FLOPs per
 /// layer at 0.02 GFLOP/s = 768 us, 3.072 ms for 4; lm_head (2 rows) as in decode.
@@ -405,7 +512,7 @@ fn measured_kernel_rates_charge_bytes_over_the_rate_of_the_op_kind() {
     assert!(close(attn.0, 20.48e-3), "{attn:?}");
     assert_eq!(attn.1, "kernel");
     let post = decode.op_seconds["post_attn"].0;
-    let per_layer = 35_072.0 * 4.0 / 3.0 * 1e-8 + 786_432.0 * 5e-9;
+    let per_layer = 35_072.0 * 4.0 / 3.0 * 1e-8 + 688_128.0 * 36.0 / 7.0 * 1e-9;
     assert!(close(post, 4.0 * per_layer), "post_attn {post}");
 
     let prefill = predict_step_at(
@@ -443,6 +550,127 @@ fn measured_kernel_rates_charge_bytes_over_the_rate_of_the_op_kind() {
     )
     .unwrap();
     assert!((roofline.op_seconds["lm_head"].0 - 16.385024e-3).abs() < 1e-9);
+}
+
+/// An attention call costs at least the probe's smallest one (`attn_call_us`), and an
+/// empty micro-batch makes no call. With a 1 ms floor on the profile above: decode of 2
+/// sequences at context 50 stays 5.12 ms per layer (51,200 FLOPs at 0.01 GFLOP/s, above
+/// the floor), 20.48 ms for 4 layers; prefill of 2 prompts of 5 tokens rises from 768 us
+/// (15,360 FLOPs at 0.02 GFLOP/s) to the 1 ms floor per layer, 4 ms for 4 layers; the
+/// empty micro-batch's 4 attention tasks add nothing to either.
+#[test]
+fn an_attention_call_costs_at_least_the_smallest_measured_call_by_hand() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let mut profile = measured_kernels();
+    if let Some(k) = profile.kernels.as_mut() {
+        k.attn_call_us = 1000.0;
+    }
+    profile.validate().unwrap();
+    let settings = CostSettings::default();
+    let at = |kind, loads: &[UbLoad]| {
+        predict_step_at(
+            &c.program,
+            &deps,
+            step(&c, kind),
+            &profile,
+            &settings,
+            loads,
+        )
+        .unwrap()
+        .op_seconds["attn"]
+            .0
+    };
+    let decode = at(StepKind::Decode, &[decoding(2, 50), UbLoad::default()]);
+    assert!((decode - 20.48e-3).abs() < 1e-12, "decode attn {decode}");
+    let prefill_load = UbLoad {
+        prefill_seqs: 2,
+        prefill_tokens: 10,
+        ..UbLoad::default()
+    };
+    let prefill = at(StepKind::Prefill, &[UbLoad::default(), prefill_load]);
+    assert!((prefill - 4e-3).abs() < 1e-12, "prefill attn {prefill}");
+    // A negative floor is refused by name.
+    if let Some(k) = profile.kernels.as_mut() {
+        k.attn_call_us = -1.0;
+    }
+    let err = profile.validate().unwrap_err().to_string();
+    assert!(err.contains("attn_call_us"), "{err}");
+}
+
+/// One micro-batch, every expert its own task, on one CPU stream.
+const PER_EXPERT: &str = r#"
+schedule per_expert "one task per expert on one CPU stream"
+
+microbatches 1 of 4
+
+stream cpu: cpu.compute
+
+let ctx = prompt_len + gen_len
+let n = 4
+let pre = n * prompt_len
+
+buffer h:      host = hidden(pre)
+buffer qkv:    host = qkv(pre)
+buffer a:      host = attn_out(pre)
+buffer route:  host = routing(pre)
+buffer acc:    host = expert_acc(pre)
+buffer logit:  host = logits(n)
+buffer tok:    host = tokens(n)
+buffer kv[layers]: host = kv_cache(n * ctx)
+
+template forward(part, dec) {
+  if dec == 1 {
+    embed(ub = 0, w = W.embed, tokens = tok, h = h) on cpu
+  } else {
+    embed(ub = 0, w = W.embed, h = h) on cpu
+  }
+  for l in 0..layers {
+    pre_attn(layer = l, ub = 0, w = W[l], h = h, out = qkv) on cpu
+    attn(layer = l, ub = 0, part = part, qkv = qkv, kv = kv[l], out = a) on cpu
+    o_proj(layer = l, ub = 0, w = W[l], a = a, h = h) on cpu
+    gate(layer = l, ub = 0, w = W[l], h = h, route = route, acc = acc) on cpu
+    for e in 0..experts {
+      experts(layer = l, ub = 0, set = e, w = W[l].expert(e), route = route, acc = acc) on cpu
+    }
+    combine(layer = l, ub = 0, route = route, acc = acc, h = h) on cpu
+  }
+  lm_head(ub = 0, w = W.head, h = h, logits = logit) on cpu
+  sample(ub = 0, logits = logit, tokens = tok) on cpu
+}
+
+prefill { forward(prefill, 0) }
+decode { forward(decode, 1) }
+"#;
+
+/// An expert task that runs meets the tokens routed to it given that it is active, under
+/// the routing model of `cost::activation`. Decode of 3 sequences on mixtral-tiny (8
+/// experts, top-2): each token picks a given expert with q = 2/8, so it is active with
+/// probability 1 - 0.75^3 = 0.578125 and meets 3 x 2/8 = 0.75 routed tokens on average,
+/// 0.75 / 0.578125 = 1.297297 given it runs. On the expert curve (1 row 5e-9 s/B, 16 rows
+/// 2e-8) that is 5e-9 + 0.297297 / 15 x 1.5e-8 = 5.297297e-9 s/B, times the expert's
+/// 3 x 128 x 256 x 2 = 196,608 B = 1.041492 ms per task (the catalog's 0.75 rows, below
+/// the first point, gave 0.98304 ms), 8 experts x 4 layers = 33.327713 ms.
+#[test]
+fn an_expert_task_meets_its_routed_tokens_given_it_is_active_by_hand() {
+    let c = compiled(PER_EXPERT, 64, 16);
+    let deps = deps(&c);
+    let decode = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Decode),
+        &measured_kernels(),
+        &CostSettings::default(),
+        &[decoding(3, 40)],
+    )
+    .unwrap();
+    let (seconds, roof) = &decode.op_seconds["experts"];
+    let rows = 0.75 / (1.0 - 0.75f64.powi(3));
+    let per_byte = 5e-9 + (rows - 1.0) / 15.0 * 1.5e-8;
+    let want = 32.0 * 196_608.0 * per_byte;
+    assert!((seconds - want).abs() < 1e-9 * want, "{seconds} vs {want}");
+    assert!((want - 33.327713e-3).abs() < 1e-9, "{want}");
+    assert_eq!(roof, "kernel");
 }
 
 /// Between measured points the time per weight byte is linear in rows; past the last one

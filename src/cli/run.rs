@@ -9,7 +9,7 @@
 //! with `outputs[]`, `stats` (as `moec generate`), `report` and `predicted` (the replay:
 //! `decode_step_seconds` and `decode_step_measured_seconds` over the same steps,
 //! `run_seconds`/`run_measured_seconds`, `tokens_per_s`/`measured_tokens_per_s`,
-//! `steps_by_kind`, `ops`, and `worst_case_step_seconds`, the program's declared worst
+//! `steps_by_kind` (each with its own `ops`), `ops`, and `worst_case_step_seconds`, the program's declared worst
 //! case). `--trace FILE` writes the Chrome/Perfetto
 //! timeline. Errors render with miette (with the schedule's source span when there is
 //! one) and exit 1.
@@ -897,9 +897,35 @@ fn prediction_text(p: &RunPrediction) -> String {
             )
         })
         .collect();
+    // The same per step of the decode-like kind: the run-wide figures mix in prefill,
+    // whose ops are the decode step's at other shapes.
+    let per_step = p
+        .kinds
+        .iter()
+        .find(|k| k.kind == "decode")
+        .or_else(|| p.kinds.iter().find(|k| k.kind == "step"))
+        .filter(|k| k.steps > 0)
+        .map(|k| {
+            let n = k.steps as f64;
+            let ops: Vec<String> = k
+                .ops
+                .iter()
+                .take(6)
+                .map(|o| {
+                    format!(
+                        "{} {:.2} / {:.2}",
+                        o.op,
+                        o.measured_seconds * 1e3 / n,
+                        o.predicted_seconds * 1e3 / n
+                    )
+                })
+                .collect();
+            format!("; per {} step (ms): {}", k.kind, ops.join(", "))
+        })
+        .unwrap_or_default();
     let _ = writeln!(
         out,
-        "  busiest ops (task seconds measured / predicted): {}",
+        "  busiest ops (task seconds measured / predicted): {}{per_step}",
         ops.join(", ")
     );
     out

@@ -188,6 +188,13 @@ pub struct KernelRates {
     /// Prefill attention (causal over the prompt): FLOP/s as the op catalog counts them,
     /// GFLOP/s.
     pub attn_prefill_gflops: f64,
+    /// One attention call at the smallest shape a step gives it (one sequence, one new
+    /// token over a few dozen cached positions), microseconds: the floor of any attention
+    /// task, which its FLOPs at the rates above put at a few microseconds while the call
+    /// (the KV append, the split of the heads over the pool and the join) takes tens. 0
+    /// when not measured (profiles written before it was).
+    #[serde(default)]
+    pub attn_call_us: f64,
 }
 
 impl KernelRates {
@@ -240,8 +247,8 @@ impl KernelRates {
             curve("linear", &self.linear),
             curve("expert ffn", &self.expert_ffn),
             format!(
-                "{:<11} decode {:.2} GFLOP/s, prefill {:.2} GFLOP/s",
-                "attention", self.attn_decode_gflops, self.attn_prefill_gflops
+                "{:<11} decode {:.2} GFLOP/s, prefill {:.2} GFLOP/s, one call at least {:.1} us",
+                "attention", self.attn_decode_gflops, self.attn_prefill_gflops, self.attn_call_us
             ),
         ]
     }
@@ -271,6 +278,12 @@ impl KernelRates {
                     "`kernels.{name}` must be a positive number, got {value}"
                 ));
             }
+        }
+        if !(self.attn_call_us.is_finite() && self.attn_call_us >= 0.0) {
+            return Err(format!(
+                "`kernels.attn_call_us` must be a number >= 0, got {}",
+                self.attn_call_us
+            ));
         }
         Ok(())
     }

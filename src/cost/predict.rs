@@ -359,9 +359,11 @@ fn task_work(
 /// ([`KernelRates`]): dense projections (`pre_attn`, `o_proj`, `gate`'s router, `lm_head`)
 /// stream their weight bytes at the `linear` curve's rate for their rows (tokens; sequences
 /// for `lm_head`); experts at the `expert_ffn` rate for the tokens routed to each active
-/// expert (uniform routing, as the catalog counts them); `post_attn` is both, its expert
+/// expert (uniform independent routing: the expected distinct active experts, each at
+/// the routed tokens over them); `post_attn` is both, its expert
 /// weights at the FFN rate and the rest at the dense one; attention is its catalog FLOPs
-/// at the decode rate, or the prefill rate when it carries more tokens than sequences.
+/// at the decode rate, or the prefill rate when it carries more tokens than sequences,
+/// and at least one measured smallest call (`attn_call_us`).
 /// Other ops (embed, combine, sample) have no measured kernel: 0, the roofline stands.
 pub fn kernel_seconds(
     program: &Program,
@@ -394,9 +396,16 @@ pub fn kernel_seconds(
         KernelRates::seconds_per_weight_byte(curve, rows).map_or(0.0, |s| s * bytes)
     };
     let tokens = shape.tokens as f64;
+    // Under the routing model of `cost::activation` (each token picks a given expert with
+    // probability q = top_k / experts, independently), an expert is active with
+    // probability 1 - (1 - q)^tokens: the set's expected active experts, each meeting
+    // the routed tokens over them (a task that ran meets that many given it ran). The
+    // catalog's `min(experts, tokens x top_k)` counts every routed token on a distinct
+    // expert, which 3 prompt tokens (6 routed, 4.6 distinct of 8 expected) are not.
     let routed_per_active = |set: &catalog::ExpertSet| {
         let routed = catalog::routed_tokens(set, card, &shape);
-        let active = (set.len(card.experts) as f64).min(tokens * card.top_k as f64);
+        let q = (card.top_k as f64 / card.experts.max(1) as f64).min(1.0);
+        let active = set.len(card.experts) as f64 * (1.0 - (1.0 - q).powf(tokens));
         (active > 0.0).then(|| (active, routed / active))
     };
     match task.op {
@@ -410,10 +419,13 @@ pub fn kernel_seconds(
         },
         Op::PostAttn { .. } => match routed_per_active(&catalog::ExpertSet::All) {
             Some((active, rows)) => {
+                // The catalog's weight bytes hold min(experts, tokens x top_k) experts;
+                // the rest is the dense part (o_proj, norms, router).
                 let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
-                let experts = (active * expert_bytes).min(weights);
-                at(&kernels.linear, weights - experts, tokens)
-                    + at(&kernels.expert_ffn, experts, rows)
+                let counted = (card.experts as f64).min(tokens * card.top_k as f64);
+                let dense = weights - (counted * expert_bytes).min(weights);
+                at(&kernels.linear, dense, tokens)
+                    + at(&kernels.expert_ffn, active * expert_bytes, rows)
             }
             None => 0.0,
         },
@@ -424,8 +436,16 @@ pub fn kernel_seconds(
             } else {
                 kernels.attn_decode_gflops
             };
-            if gflops > 0.0 {
+            let at_rate = if gflops > 0.0 {
                 work.flops / (gflops * 1e9)
+            } else {
+                0.0
+            };
+            // A call costs at least the probe's smallest one (its fixed work); the rate
+            // points (16 sequences x 512 positions, 256 prompt tokens) are far above it.
+            // An empty micro-batch makes no call.
+            if work.flops > 0.0 {
+                at_rate.max(kernels.attn_call_us * 1e-6)
             } else {
                 0.0
             }

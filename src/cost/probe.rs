@@ -67,6 +67,17 @@ fn best_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// The median of `times` (the mean of the middle two for an even count; 0 if empty).
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    let mid = times.len() / 2;
+    match times.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => times[mid],
+        _ => (times[mid - 1] + times[mid]) / 2.0,
+    }
+}
+
 /// A rayon pool of `threads` threads for the probe's parallel kernels.
 fn probe_pool(threads: usize) -> Result<rayon::ThreadPool, ProbeError> {
     rayon::ThreadPoolBuilder::new()
@@ -249,9 +260,18 @@ const KERNEL_FFN: usize = 3584;
 /// every weight byte of a GEMV comes from DRAM. Two experts (44 MB) barely passed the
 /// cache: the one-row rate then moved between 16 and 32 GB/s from one probe to the next.
 const KERNEL_DECODE_EXPERTS: usize = 6;
-/// Rows per weight of the measured points: decode (1, 4, 16 tokens per matrix), the rows
-/// a dense projection sees in a batch-64 decode step (64) and a prefill GEMM (256).
-const KERNEL_ROWS: [u32; 6] = [1, 4, 8, 16, 64, 256];
+/// Timed passes per kernel point, taken round-robin over the points after one untimed
+/// pass of each; the probe keeps the median. Single passes over the DRAM-streamed
+/// experts moved by up to 2x (the first point's first passes, measured under
+/// `/work/quiet.sh`), and the best of two kept the lucky ones; a run calls each kernel
+/// hundreds of times and pays the typical pass.
+const KERNEL_REPS: usize = 7;
+/// Rows per weight of the measured points: decode (1 to 16 tokens per matrix; 2 and 3
+/// are the rows of a batch-1 prompt's projections and of an expert in a batch-16 step of
+/// two micro-batches, where the time per byte is 5-10% above the line from 1 to 4 rows),
+/// the rows a dense projection sees in a batch-64 decode step (64) and a prefill GEMM
+/// (256).
+const KERNEL_ROWS: [u32; 8] = [1, 2, 3, 4, 8, 16, 64, 256];
 /// From this many rows a kernel is compute-bound (64 FLOPs per bf16 weight byte against
 /// ~20 GB/s is ~1.3 TFLOP/s, far above the cores' peak), so where its weights live does
 /// not matter: those points run on a narrower expert ([`KERNEL_COMPUTE_FFN`]) to stay
@@ -267,13 +287,27 @@ const ATTN_HEADS: (usize, usize, usize) = (16, 4, 64);
 const ATTN_DECODE: (usize, usize) = (16, 512);
 /// Prefill attention point: one sequence's prompt of this many tokens, causal.
 const ATTN_PREFILL_TOKENS: usize = 256;
+/// The smallest attention call: one sequence, one new token over this many cached
+/// positions (a batch-1 decode step on a short prompt). Its FLOPs at the decode rate take
+/// a few microseconds; the call takes tens (the KV append, the heads split over the pool
+/// and joined), which a batch-1 step pays once per layer and micro-batch.
+const ATTN_CALL_CONTEXT: usize = 32;
+/// Timed calls of the smallest attention point, of which the probe keeps the median.
+const ATTN_CALL_REPS: usize = 101;
+/// Bytes streamed before each timed smallest call (twice a 32 MiB last-level cache), as
+/// a step streams a layer's weights between two attention calls: back to back, the call
+/// finds its KV blocks and buffers cached (10.7 us in one quiet probe; 13-23 us after the
+/// stream in two).
+const ATTN_EVICT_BYTES: usize = 64 << 20;
 
 /// Measures the rates of moec's own kernels (`model::kernels`, the runtime's, with the
 /// process's instruction set) on `threads` threads: [`KernelRates`] with the `linear` and
 /// `expert_ffn` curves at [`KERNEL_ROWS`] rows on bf16 mixtral-mid-sized matrices, decode
-/// attention (16 sequences x 512 cached positions) and prefill attention (256 tokens,
-/// causal). A memory-bound point is the best of two timings after a warm-up, a
-/// compute-bound one a single timing after a warm-up.
+/// attention (16 sequences x 512 cached positions), prefill attention (256 tokens,
+/// causal) and the smallest attention call ([`ATTN_CALL_CONTEXT`]). Each curve point is
+/// the median of [`KERNEL_REPS`] passes taken round-robin over the points after an
+/// untimed pass of each; the two attention rate points the best of two timings, the
+/// smallest call the median of [`ATTN_CALL_REPS`].
 pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     use crate::model::kernels::isa::Kernels;
     use crate::model::tensor::Matrix;
@@ -295,56 +329,80 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let mut y = vec![0.0f32; max_rows * f];
     let silu = |v: f32| v / (1.0 + (-v).exp());
     let mut failed: Option<String> = None;
-    let mut point = |rows: u32, gated: bool| -> f64 {
+    // One timed pass of a point over its set: decode points stream the six experts,
+    // compute-bound ones the narrow expert.
+    let mut pass = |rows: u32, gated: bool| -> f64 {
         let n = rows as usize;
-        let (set, reps): (&[[Matrix<'_>; 3]], usize) = if rows >= KERNEL_COMPUTE_ROWS {
-            (&compute_set, 1)
+        let set: &[[Matrix<'_>; 3]] = if rows >= KERNEL_COMPUTE_ROWS {
+            &compute_set
         } else {
-            (&decode_set, 2)
+            &decode_set
         };
-        let seconds = pool.install(|| {
-            best_seconds(reps, || {
-                for [gate, up, down] in set {
-                    let (o, i) = (gate.rows, gate.cols);
-                    let result = if gated {
-                        kernels
-                            .linear_gated(&x[..n * i], n, gate, up, silu, &mut h[..n * o])
-                            .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
-                    } else {
-                        kernels
-                            .linear(&x[..n * i], n, gate, &mut h[..n * o])
-                            .and_then(|()| kernels.linear(&x[..n * i], n, up, &mut h[..n * o]))
-                            .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
-                    };
-                    if let Err(e) = result {
-                        failed = Some(e.to_string());
-                    }
+        let start = Instant::now();
+        pool.install(|| {
+            for [gate, up, down] in set {
+                let (o, i) = (gate.rows, gate.cols);
+                let result = if gated {
+                    kernels
+                        .linear_gated(&x[..n * i], n, gate, up, silu, &mut h[..n * o])
+                        .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
+                } else {
+                    kernels
+                        .linear(&x[..n * i], n, gate, &mut h[..n * o])
+                        .and_then(|()| kernels.linear(&x[..n * i], n, up, &mut h[..n * o]))
+                        .and_then(|()| kernels.linear(&h[..n * o], n, down, &mut y[..n * i]))
+                };
+                if let Err(e) = result {
+                    failed = Some(e.to_string());
                 }
-            })
+            }
         });
+        start.elapsed().as_secs_f64()
+    };
+    let points: Vec<(u32, bool)> = KERNEL_ROWS
+        .iter()
+        .flat_map(|&rows| [(rows, false), (rows, true)])
+        .collect();
+    for &(rows, gated) in &points {
+        pass(rows, gated);
+    }
+    // Round-robin: a slow phase of the machine (a neighbour's burst, the first passes
+    // after start-up) costs every point one sample rather than one point all of its own.
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(KERNEL_REPS); points.len()];
+    for _ in 0..KERNEL_REPS {
+        for (times, &(rows, gated)) in samples.iter_mut().zip(&points) {
+            times.push(pass(rows, gated));
+        }
+    }
+    let rate = |rows: u32, times: Vec<f64>| {
+        let set = if rows >= KERNEL_COMPUTE_ROWS {
+            &compute_set[..]
+        } else {
+            &decode_set[..]
+        };
         let bytes: usize = set
             .iter()
             .map(|m| m.iter().map(|w| w.rows * w.cols * 2).sum::<usize>())
             .sum();
-        bytes as f64 / seconds.max(1e-12) / GB
+        RowsRate {
+            rows,
+            weight_gb_s: bytes as f64 / median(times).max(1e-12) / GB,
+        }
     };
     let mut linear = Vec::with_capacity(KERNEL_ROWS.len());
     let mut expert_ffn = Vec::with_capacity(KERNEL_ROWS.len());
-    for rows in KERNEL_ROWS {
-        linear.push(RowsRate {
-            rows,
-            weight_gb_s: point(rows, false),
-        });
-        expert_ffn.push(RowsRate {
-            rows,
-            weight_gb_s: point(rows, true),
-        });
+    for (times, &(rows, gated)) in samples.into_iter().zip(&points) {
+        if gated {
+            expert_ffn.push(rate(rows, times));
+        } else {
+            linear.push(rate(rows, times));
+        }
     }
     std::hint::black_box(&y);
     if let Some(e) = failed {
         return Err(ProbeError::Kernel(e));
     }
-    let (decode_seconds, prefill_seconds) = pool.install(time_attention)?;
+    let (decode_seconds, prefill_seconds, call_seconds) = pool.install(time_attention)?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -356,13 +414,14 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens; best of 2 timings below {KERNEL_COMPUTE_ROWS} rows, one above",
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {ATTN_CALL_REPS}, each after 64 MiB streamed); linear and expert_ffn the median of {KERNEL_REPS} passes per point, taken round-robin",
             kernels.isa()
         ),
         linear,
         expert_ffn,
         attn_decode_gflops: decode_flops / decode_seconds.max(1e-12) / 1e9,
         attn_prefill_gflops: prefill_flops / prefill_seconds.max(1e-12) / 1e9,
+        attn_call_us: call_seconds * 1e6,
     })
 }
 
@@ -391,7 +450,7 @@ fn probe_expert(
 
 /// Best seconds of the decode and the prefill attention point (see [`ATTN_DECODE`] and
 /// [`ATTN_PREFILL_TOKENS`]) through the runtime's attention kernel and paged KV cache.
-fn time_attention() -> Result<(f64, f64), ProbeError> {
+fn time_attention() -> Result<(f64, f64, f64), ProbeError> {
     use crate::model::kernels::attention::{AttnSeq, AttnShape};
     use crate::model::kernels::isa::Kernels;
     use crate::model::kernels::kv_cache::{KvLayout, PagedKvCache};
@@ -422,16 +481,38 @@ fn time_attention() -> Result<(f64, f64), ProbeError> {
         tables.push(table);
     }
     let kernels = Kernels::process();
-    let mut run = |attn: &[AttnSeq<'_>], rows: usize| -> Result<f64, ProbeError> {
+    // Non-zero: a zeroed allocation maps one shared zero page, which never leaves cache.
+    let evict = vec![1.0f32; ATTN_EVICT_BYTES / 4];
+    // `reps` timed calls after a warm-up; the median of them for a call that takes
+    // microseconds (single timings of it scatter), the best for one that takes
+    // milliseconds.
+    let mut run = |attn: &[AttnSeq<'_>], rows: usize, reps: usize| -> Result<f64, ProbeError> {
         let qkv = vec![0.01f32; rows * shape.qkv_width()];
         let mut out = vec![0.0f32; rows * shape.q_width()];
         let mut failed = None;
-        let seconds = best_seconds(2, || {
+        let mut call = || {
             let mut blocks = cache.layer_mut(0);
             if let Err(e) = kernels.attention(&mut blocks, attn, &qkv, &shape, &mut out) {
                 failed = Some(e.to_string());
             }
-        });
+        };
+        let seconds = if reps > 2 {
+            call();
+            median(
+                (0..reps)
+                    .map(|_| {
+                        // In a step the layer's weights stream between two attention
+                        // calls and leave nothing of the last one in the caches.
+                        std::hint::black_box(stream_read(&evict));
+                        let start = Instant::now();
+                        call();
+                        start.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            )
+        } else {
+            best_seconds(reps, call)
+        };
         std::hint::black_box(&out);
         match failed {
             Some(e) => Err(ProbeError::Kernel(e)),
@@ -446,7 +527,13 @@ fn time_attention() -> Result<(f64, f64), ProbeError> {
             n_new: 1,
         })
         .collect();
-    let decode_seconds = run(&decode, seqs)?;
+    let decode_seconds = run(&decode, seqs, 2)?;
+    let smallest = [AttnSeq {
+        block_table: &tables[0],
+        context_len: ATTN_CALL_CONTEXT,
+        n_new: 1,
+    }];
+    let call_seconds = run(&smallest, 1, ATTN_CALL_REPS)?;
     // The prefill sequence reuses the first blocks of the pool (the decode tables'
     // contents do not matter to the timing).
     let prefill_table: Vec<u32> = (0..layout.blocks_for(ATTN_PREFILL_TOKENS) as u32).collect();
@@ -455,8 +542,8 @@ fn time_attention() -> Result<(f64, f64), ProbeError> {
         context_len: 0,
         n_new: ATTN_PREFILL_TOKENS,
     }];
-    let prefill_seconds = run(&prefill, ATTN_PREFILL_TOKENS)?;
-    Ok((decode_seconds, prefill_seconds))
+    let prefill_seconds = run(&prefill, ATTN_PREFILL_TOKENS, 2)?;
+    Ok((decode_seconds, prefill_seconds, call_seconds))
 }
 
 /// Times one expert of `card` as Fiddler's cppExpert does at start-up, on this machine:

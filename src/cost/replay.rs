@@ -31,6 +31,10 @@ pub struct KindReplay {
     pub measured_seconds: f64,
     /// Their predicted seconds, summed.
     pub predicted_seconds: f64,
+    /// Per op kind over these steps' executed tasks, largest measured time first: where a
+    /// step kind's measured and predicted times part ways (a batch-1 decode step's
+    /// `lm_head` is hidden in the run-wide [`RunPrediction::ops`] by prefill's).
+    pub ops: Vec<OpReplay>,
 }
 
 /// The mean of the run's decode steps, measured and predicted over the same steps.
@@ -196,41 +200,34 @@ pub fn predict_run(
             }
         };
         let predicted = *predicted;
+        let measured = (record.end - record.start).max(0.0);
+        predicted_seconds += predicted;
+        let name = record.kind.as_str();
+        let at = match kinds.iter().position(|k| k.kind == name) {
+            Some(at) => at,
+            None => {
+                kinds.push(KindReplay {
+                    kind: name.to_string(),
+                    steps: 0,
+                    measured_seconds: 0.0,
+                    predicted_seconds: 0.0,
+                    ops: Vec::new(),
+                });
+                kinds.len() - 1
+            }
+        };
+        let kind = &mut kinds[at];
+        kind.steps += 1;
+        kind.measured_seconds += measured;
+        kind.predicted_seconds += predicted;
         for task in record.tasks.iter().filter(|t| t.ran) {
             let id = task.task.index();
             let (Some(op), Some(&time)) = (op_of.get(id), times.get(id.wrapping_sub(first))) else {
                 continue;
             };
             let measured = (task.end - task.start).max(0.0);
-            match ops.iter_mut().find(|o| o.op == *op) {
-                Some(o) => {
-                    o.runs += 1;
-                    o.measured_seconds += measured;
-                    o.predicted_seconds += time;
-                }
-                None => ops.push(OpReplay {
-                    op: op.clone(),
-                    runs: 1,
-                    measured_seconds: measured,
-                    predicted_seconds: time,
-                }),
-            }
-        }
-        let measured = (record.end - record.start).max(0.0);
-        predicted_seconds += predicted;
-        let name = record.kind.as_str();
-        match kinds.iter_mut().find(|k| k.kind == name) {
-            Some(k) => {
-                k.steps += 1;
-                k.measured_seconds += measured;
-                k.predicted_seconds += predicted;
-            }
-            None => kinds.push(KindReplay {
-                kind: name.to_string(),
-                steps: 1,
-                measured_seconds: measured,
-                predicted_seconds: predicted,
-            }),
+            add_op(&mut ops, op, measured, time);
+            add_op(&mut kind.ops, op, measured, time);
         }
         let decode_like = matches!(record.kind, StepKind::Decode | StepKind::Mixed);
         if decode_like && record.decode_tokens > 0 && record.prefill_tokens == 0 {
@@ -256,6 +253,10 @@ pub fn predict_run(
         }
     };
     ops.sort_by(|a, b| b.measured_seconds.total_cmp(&a.measured_seconds));
+    for kind in &mut kinds {
+        kind.ops
+            .sort_by(|a, b| b.measured_seconds.total_cmp(&a.measured_seconds));
+    }
     Ok(RunPrediction {
         hardware: profile.name.clone(),
         kinds,
@@ -268,4 +269,21 @@ pub fn predict_run(
         ops,
         simulations: cache.len(),
     })
+}
+
+/// Counts one executed task of op kind `op` into `ops`.
+fn add_op(ops: &mut Vec<OpReplay>, op: &str, measured: f64, predicted: f64) {
+    match ops.iter_mut().find(|o| o.op == op) {
+        Some(o) => {
+            o.runs += 1;
+            o.measured_seconds += measured;
+            o.predicted_seconds += predicted;
+        }
+        None => ops.push(OpReplay {
+            op: op.to_string(),
+            runs: 1,
+            measured_seconds: measured,
+            predicted_seconds: predicted,
+        }),
+    }
 }
