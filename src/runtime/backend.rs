@@ -128,6 +128,22 @@ pub trait Backend: Sync {
         state: &StepState,
     ) -> Result<(), BackendError>;
 
+    /// Runs or submits, as one command on `stream`, a copy of `runs` of `task`'s `src`
+    /// argument to the same offsets of its `dst` argument: each run is (offset from both
+    /// arguments' starts, length), the runs sorted and disjoint (what a copy of part of a
+    /// KV cache moves, `runtime::driver::kv_copy::runs`). Bytes of `dst` outside the runs
+    /// are left alone; weight labels move with the bytes inside them. A run outside
+    /// either argument is an error, and so are runs whose source and destination overlap.
+    /// It is one task of the run's timeline, however many runs it has.
+    fn copy_runs(
+        &self,
+        stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        runs: &[(u64, u64)],
+        state: &StepState,
+    ) -> Result<(), BackendError>;
+
     /// Marks `event` on `stream`: it completes when everything submitted before it on
     /// that stream has finished.
     fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
