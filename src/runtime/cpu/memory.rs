@@ -623,14 +623,23 @@ impl<'c> CpuMemory<'c> {
         runs: &[(u64, u64)],
         labels: &[(u64, u64, WeightTag, u64)],
     ) {
-        if let Region::Arena(space) = view.region {
-            let mut map = lock(&self.maps[space_index(space)]);
-            for &(at, len) in runs {
-                map.clear(view.start + at, view.start + at + len);
-            }
-            for &(offset, len, tag, tag_offset) in labels {
-                map.insert(view.start + offset, len, tag, tag_offset);
-            }
+        let (Region::Arena(space), Some(&(first, _)), Some(end)) = (
+            view.region,
+            runs.first(),
+            runs.iter().map(|r| r.0 + r.1).max(),
+        ) else {
+            return;
+        };
+        let mut map = lock(&self.maps[space_index(space)]);
+        // Nothing to clear or insert (a KV cache: thousands of runs, never a weight).
+        if labels.is_empty() && map.labels_in(view.start + first, end - first).is_empty() {
+            return;
+        }
+        for &(at, len) in runs {
+            map.clear(view.start + at, view.start + at + len);
+        }
+        for &(offset, len, tag, tag_offset) in labels {
+            map.insert(view.start + offset, len, tag, tag_offset);
         }
     }
 
