@@ -7,8 +7,9 @@
 //! The driver owns the plan: it walks each stream's instructions on one host thread per
 //! stream, keeps the host-side event table (a `Wait` blocks its thread until the matching
 //! `Record` was *submitted*), decides guards from routing it read back, and assembles the
-//! report. A backend only executes commands on a stream: run a task, record or wait an
-//! event, read a gate's routing back to the host, and say when a step's work is done.
+//! report. A backend only executes commands on a stream: run a task, copy a list of byte
+//! runs (a KV-part copy, [`Backend::copy_runs`]), record or wait an event, read a gate's
+//! routing back to the host, and say when a step's work is done.
 //! On a synchronous backend (the CPU: capabilities all false) submission is completion,
 //! so `record`/`wait` are no-ops and host timings are the task times; an asynchronous
 //! backend (CUDA) maps `record`/`wait` to device events and reports device task times

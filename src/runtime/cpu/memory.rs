@@ -526,26 +526,34 @@ impl<'c> CpuMemory<'c> {
         } else {
             runs.iter().map(|&(at, len)| (at, at + len)).collect()
         };
-        // SAFETY: `src` and `dst` do not overlap where the runs are (checked above), and
-        // the copy task's waits have returned, so no other task touches either view now
-        // (the plan's dependencies); `from` below is the only other view alive.
-        let to = unsafe { self.bytes_mut(dst)? };
+        // Only the spans the runs cover are viewed: the views themselves may overlap
+        // outside them.
+        let span_of = |v: View| View {
+            start: v.start + first,
+            len: end - first,
+            ..v
+        };
+        // SAFETY: the two spans do not overlap (checked above), and the copy task's waits
+        // have returned, so no other task touches either now (the plan's dependencies);
+        // `from` below is the only other view alive.
+        let to = unsafe { self.bytes_mut(span_of(dst))? };
         let from = match src.region {
             Region::Image => None,
             // SAFETY: as for `to`.
-            Region::Arena(_) => Some(unsafe { self.bytes(src)? }),
+            Region::Arena(_) => Some(unsafe { self.bytes(span_of(src))? }),
         };
         let threads = self.copy_threads;
         let mut moved = 0u64;
         for (lo, hi) in ranges {
-            let (lo, hi) = (lo as usize, hi as usize);
-            moved += (hi - lo) as u64;
+            moved += hi - lo;
+            let (lo, hi) = ((lo - first) as usize, (hi - first) as usize);
             let part = &mut to[lo..hi];
             match from {
                 // Any range of W (several tensors and the padding between them): assembled
                 // from the maps.
                 None => split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
-                    self.image.copy_to(src.start + (lo + at) as u64, piece)
+                    self.image
+                        .copy_to(src.start + first + (lo + at) as u64, piece)
                 })?,
                 Some(from) => {
                     let from = &from[lo..hi];
