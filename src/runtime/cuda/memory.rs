@@ -309,11 +309,12 @@ impl DeviceMemory {
     /// Copies `runs` of `src` to the same offsets of `dst` on `stream` as one command
     /// (each run (offset from both views' starts, length); sorted and disjoint) and
     /// moves the weight labels of those bytes along. A device side submits one
-    /// asynchronous copy per run back to back (the stand-in driver and the CUDA 12 driver
-    /// API cudarc binds have no batched copy of scattered runs; `cuMemcpy2DAsync` needs
-    /// one pitch, and the runs of a KV cache's transposed keys are not evenly spaced
-    /// across blocks), with no host work between them: the views are resolved, bounds
-    /// and overlap checked and the labels moved once for the whole copy. A pageable host
+    /// asynchronous copy per run back to back, with no host work between them: the
+    /// views are resolved, bounds and overlap checked and the labels moved once for the
+    /// whole copy. (`cuMemcpyBatchAsync`, which cudarc binds, needs a CUDA 12.8 driver
+    /// and the stand-in driver the tests run under does not implement it;
+    /// `cuMemcpy2DAsync` needs one pitch, and the runs of a KV cache's transposed keys
+    /// are not evenly spaced across blocks.) A pageable host
     /// side makes each run's call return only when CUDA has staged or delivered it. A
     /// copy between two host regions waits for the stream's earlier work, then is the
     /// host side's one copy of the runs.
