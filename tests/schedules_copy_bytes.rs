@@ -373,6 +373,21 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         task: &moec::lower::PlanTask,
         state: &moec::runtime::driver::state::StepState,
     ) -> Result<(), moec::runtime::backend::BackendError> {
+        assert!(
+            task.kv.is_none(),
+            "{}: a KV-part copy is one `copy_runs` command, never a whole-slice `run`",
+            task.name
+        );
+        self.inner.run(stream, engine, task, state)
+    }
+    fn copy_runs(
+        &self,
+        stream: moec::ir::StreamId,
+        engine: moec::ir::Engine,
+        task: &moec::lower::PlanTask,
+        runs: &[(u64, u64)],
+        state: &moec::runtime::driver::state::StepState,
+    ) -> Result<(), moec::runtime::backend::BackendError> {
         if task.kv.is_some() {
             let dir = match engine {
                 moec::ir::Engine::GpuCopyIn => ToGpu,
@@ -385,9 +400,9 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
                 .lock()
                 .expect("counter")
                 .entry((kind, dir))
-                .or_default() += task.args[0].len;
+                .or_default() += runs.iter().map(|r| r.1).sum::<u64>();
         }
-        self.inner.run(stream, engine, task, state)
+        self.inner.copy_runs(stream, engine, task, runs, state)
     }
     fn record(
         &self,

@@ -7,8 +7,9 @@
 //! The driver owns the plan: it walks each stream's instructions on one host thread per
 //! stream, keeps the host-side event table (a `Wait` blocks its thread until the matching
 //! `Record` was *submitted*), decides guards from routing it read back, and assembles the
-//! report. A backend only executes commands on a stream: run a task, record or wait an
-//! event, read a gate's routing back to the host, and say when a step's work is done.
+//! report. A backend only executes commands on a stream: run a task, copy a list of byte
+//! runs (a KV-part copy, [`Backend::copy_runs`]), record or wait an event, read a gate's
+//! routing back to the host, and say when a step's work is done.
 //! On a synchronous backend (the CPU: capabilities all false) submission is completion,
 //! so `record`/`wait` are no-ops and host timings are the task times; an asynchronous
 //! backend (CUDA) maps `record`/`wait` to device events and reports device task times
@@ -125,6 +126,22 @@ pub trait Backend: Sync {
         stream: StreamId,
         engine: Engine,
         task: &PlanTask,
+        state: &StepState,
+    ) -> Result<(), BackendError>;
+
+    /// Runs or submits, as one command on `stream`, a copy of `runs` of `task`'s `src`
+    /// argument to the same offsets of its `dst` argument: each run is (offset from both
+    /// arguments' starts, length), the runs sorted and disjoint (what a copy of part of a
+    /// KV cache moves, `runtime::driver::kv_copy::runs`). Bytes of `dst` outside the runs
+    /// are left alone; weight labels move with the bytes inside them. A run outside
+    /// either argument is an error, and so are runs whose source and destination overlap.
+    /// It is one task of the run's timeline, however many runs it has.
+    fn copy_runs(
+        &self,
+        stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        runs: &[(u64, u64)],
         state: &StepState,
     ) -> Result<(), BackendError>;
 

@@ -164,6 +164,16 @@ pub enum MemoryError {
         /// The watchdog's period in seconds.
         watchdog: f64,
     },
+    /// A run of a copy that lies past the end of the source or destination view.
+    #[error("copy run of {len} bytes at offset {offset} lies outside the {view}-byte views")]
+    RunOutside {
+        /// Offset of the run from the views' starts.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// Bytes of the shorter view.
+        view: u64,
+    },
     /// A copy whose source and destination bytes overlap.
     #[error("copy source and destination overlap ({len} bytes at {src} and {dst})")]
     Overlap {
@@ -206,8 +216,7 @@ pub struct CpuMemory<'c> {
     /// Bytes of the image whose page tables were populated before the first step.
     populated: u64,
     /// Threads a large copy is split over: the machine's cores, asked once (the query
-    /// reads cgroup files: tens of microseconds, and a KV-part copy makes thousands of
-    /// small copies per step).
+    /// reads cgroup files: tens of microseconds, and a step makes hundreds of copies).
     copy_threads: usize,
 }
 
@@ -458,68 +467,114 @@ impl<'c> CpuMemory<'c> {
     /// Copies `src` to `dst` (equal lengths), throttled to the link for host<->device
     /// engines, and moves the weight labels along.
     pub fn copy(&self, engine: Engine, src: View, dst: View) -> Result<(), MemoryError> {
+        self.copy_runs(engine, src, dst, &[(0, src.len)])
+    }
+
+    /// Copies `runs` of `src` to the same offsets of `dst` as one copy, throttled to the
+    /// link for host<->device engines, and moves the weight labels of those bytes along;
+    /// bytes of `dst` outside the runs, and their labels, are left alone. Each run is
+    /// (offset from both views' starts, length); runs are sorted and disjoint (what
+    /// `runtime::driver::kv_copy::runs` gives). One command however many runs: one
+    /// overlap check over the span they cover, each label map locked once, one throttle
+    /// sleep for their total bytes, and the bytes copied directly (a run of at least
+    /// [`PARALLEL_COPY_MIN`] bytes split over the cores, a shorter one by this thread).
+    pub fn copy_runs(
+        &self,
+        engine: Engine,
+        src: View,
+        dst: View,
+        runs: &[(u64, u64)],
+    ) -> Result<(), MemoryError> {
         let started = Instant::now();
-        let overlap = src.region == dst.region
-            && src.start < dst.start + dst.len
-            && dst.start < src.start + src.len;
-        if overlap && src.len > 0 {
-            return Err(MemoryError::Overlap {
-                src: src.start,
-                dst: dst.start,
-                len: src.len,
+        let (Some(&(first, _)), Some(end)) = (runs.first(), runs.iter().map(|r| r.0 + r.1).max())
+        else {
+            return Ok(());
+        };
+        let within = src.len.min(dst.len);
+        if let Some(&(offset, len)) = runs
+            .iter()
+            .find(|(offset, len)| offset.saturating_add(*len) > within)
+        {
+            return Err(MemoryError::RunOutside {
+                offset,
+                len,
+                view: within,
             });
         }
-        let labels = self.labels_in(src.region, src.start, src.len);
-        // SAFETY: `src` and `dst` do not overlap (checked above), and the copy task's
-        // waits have returned, so no other task touches either range now (the plan's
-        // dependencies); `from` below is the only other view alive.
-        let to = unsafe { self.bytes_mut(dst)? };
-        let n = (src.len as usize).min(to.len());
+        // The runs sit at the same offsets in both views, so they are disjoint exactly
+        // when the spans they cover are (conservatively: a gap inside the span could let
+        // interleaved runs pass, and no plan copies that way).
+        let overlap = src.region == dst.region
+            && src.start + first < dst.start + end
+            && dst.start + first < src.start + end;
+        if overlap && end > first {
+            return Err(MemoryError::Overlap {
+                src: src.start + first,
+                dst: dst.start + first,
+                len: end - first,
+            });
+        }
+        // The labels of the span, clipped to the runs, as offsets from the views' starts.
+        let span = self.labels_in(src.region, src.start + first, end - first);
+        let labels = clip_to_runs(&span, first, runs);
+        let total: u64 = runs.iter().map(|r| r.1).sum();
         let bind =
             self.weight_copies == WeightCopies::Bind && matches!(dst.region, Region::Arena(_));
-        // The byte ranges to copy: all of them, or (binding) the gaps between weight labels.
+        // The byte ranges to copy: the runs, or (binding) their parts no weight label covers.
         let ranges = if bind {
-            unlabelled(&labels, n as u64)
+            unlabelled_runs(&labels, runs)
         } else {
-            vec![(0, n as u64)]
+            runs.iter().map(|&(at, len)| (at, at + len)).collect()
+        };
+        // Only the spans the runs cover are viewed: the views themselves may overlap
+        // outside them.
+        let span_of = |v: View| View {
+            start: v.start + first,
+            len: end - first,
+            ..v
+        };
+        // SAFETY: the two spans do not overlap (checked above), and the copy task's waits
+        // have returned, so no other task touches either now (the plan's dependencies);
+        // `from` below is the only other view alive.
+        let to = unsafe { self.bytes_mut(span_of(dst))? };
+        let from = match src.region {
+            Region::Image => None,
+            // SAFETY: as for `to`.
+            Region::Arena(_) => Some(unsafe { self.bytes(span_of(src))? }),
         };
         let threads = self.copy_threads;
         let mut moved = 0u64;
         for (lo, hi) in ranges {
-            let (lo, hi) = (lo as usize, hi as usize);
-            moved += (hi - lo) as u64;
+            moved += hi - lo;
+            let (lo, hi) = ((lo - first) as usize, (hi - first) as usize);
             let part = &mut to[lo..hi];
-            match src.region {
+            match from {
                 // Any range of W (several tensors and the padding between them): assembled
                 // from the maps.
-                Region::Image => split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
-                    self.image.copy_to(src.start + (lo + at) as u64, piece)
+                None => split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
+                    self.image
+                        .copy_to(src.start + first + (lo + at) as u64, piece)
                 })?,
-                Region::Arena(_) => {
-                    // SAFETY: as for `to`; the ranges are disjoint.
-                    let from = unsafe { self.bytes(src)? };
-                    let from = from.get(lo..hi.min(from.len())).unwrap_or_default();
-                    let part = &mut part[..from.len()];
-                    split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
-                        piece.copy_from_slice(&from[at..at + piece.len()]);
-                        Ok::<(), std::convert::Infallible>(())
-                    })
-                    .unwrap_or_else(|never| match never {});
+                Some(from) => {
+                    let from = &from[lo..hi];
+                    if part.len() < PARALLEL_COPY_MIN {
+                        part.copy_from_slice(from);
+                    } else {
+                        split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
+                            piece.copy_from_slice(&from[at..at + piece.len()]);
+                            Ok::<(), std::convert::Infallible>(())
+                        })
+                        .unwrap_or_else(|never| match never {});
+                    }
                 }
             }
         }
         self.moved.fetch_add(moved, Ordering::Relaxed);
-        self.bound.fetch_add(n as u64 - moved, Ordering::Relaxed);
-        if let Region::Arena(space) = dst.region {
-            let mut map = lock(&self.maps[space_index(space)]);
-            map.clear(dst.start, dst.start + dst.len);
-            for (offset, len, tag, tag_offset) in labels {
-                map.insert(dst.start + offset, len, tag, tag_offset);
-            }
-        }
+        self.bound.fetch_add(total - moved, Ordering::Relaxed);
+        self.relabel_runs(dst, runs, &labels);
         let crosses_link = matches!(engine, Engine::GpuCopyIn | Engine::GpuCopyOut);
         if let (true, Some(gbps)) = (crosses_link, self.link_gbps.filter(|g| *g > 0.0)) {
-            let target = Duration::from_secs_f64(n as f64 / (gbps * 1e9));
+            let target = Duration::from_secs_f64(total as f64 / (gbps * 1e9));
             let spent = started.elapsed();
             if target > spent {
                 // Watched: at 1e-6 GB/s one copy would sleep for hours; a failed task ends
@@ -528,7 +583,7 @@ impl<'c> CpuMemory<'c> {
                     Ok(()) | Err(SleepCut::Aborted) => {}
                     Err(SleepCut::Watchdog(watchdog)) => {
                         return Err(MemoryError::Throttled {
-                            bytes: n as u64,
+                            bytes: total,
                             gbps,
                             secs: target.as_secs_f64(),
                             watchdog: watchdog.as_secs_f64(),
@@ -566,6 +621,36 @@ impl<'c> CpuMemory<'c> {
         }
     }
 
+    /// Replaces the labels of `runs` of an arena view (offset from its start, length) by
+    /// `labels` (offsets from the view's start, inside the runs), under one lock: the
+    /// bytes a copy of those runs wrote now hold those tensors; labels outside the runs
+    /// stay.
+    pub(crate) fn relabel_runs(
+        &self,
+        view: View,
+        runs: &[(u64, u64)],
+        labels: &[(u64, u64, WeightTag, u64)],
+    ) {
+        let (Region::Arena(space), Some(&(first, _)), Some(end)) = (
+            view.region,
+            runs.first(),
+            runs.iter().map(|r| r.0 + r.1).max(),
+        ) else {
+            return;
+        };
+        let mut map = lock(&self.maps[space_index(space)]);
+        // Nothing to clear or insert (a KV cache: thousands of runs, never a weight).
+        if labels.is_empty() && map.labels_in(view.start + first, end - first).is_empty() {
+            return;
+        }
+        for &(at, len) in runs {
+            map.clear(view.start + at, view.start + at + len);
+        }
+        for &(offset, len, tag, tag_offset) in labels {
+            map.insert(view.start + offset, len, tag, tag_offset);
+        }
+    }
+
     /// Forgets weight labels of bytes an op overwrote with activations.
     pub fn clobber(&self, view: View) {
         if let Region::Arena(space) = view.region {
@@ -574,40 +659,108 @@ impl<'c> CpuMemory<'c> {
     }
 }
 
-/// The parts of `0..n` no label covers, as `(start, end)` offsets; `labels` are sorted
-/// and disjoint (a weight map's pieces).
-fn unlabelled(labels: &[(u64, u64, WeightTag, u64)], n: u64) -> Vec<(u64, u64)> {
-    let mut gaps = Vec::new();
-    let mut at = 0;
-    for &(offset, len, _, _) in labels {
-        if offset > at {
-            gaps.push((at, offset.min(n)));
+/// The labels `span` (offsets from `base`, sorted and disjoint: a weight map's pieces)
+/// clipped to `runs` (offsets from the view's start, sorted and disjoint), as offsets from
+/// the view's start: what a copy of the runs carries along.
+pub(crate) fn clip_to_runs(
+    span: &[(u64, u64, WeightTag, u64)],
+    base: u64,
+    runs: &[(u64, u64)],
+) -> Vec<(u64, u64, WeightTag, u64)> {
+    let mut out = Vec::new();
+    let mut rest = runs;
+    for &(offset, len, tag, tag_offset) in span {
+        let (lo, hi) = (base + offset, base + offset + len);
+        // Runs that end at or before this label cannot meet a later one either.
+        while rest.first().is_some_and(|&(at, n)| at + n <= lo) {
+            rest = &rest[1..];
         }
-        at = at.max(offset + len);
+        for &(at, n) in rest {
+            if at >= hi {
+                break;
+            }
+            let (a, b) = (lo.max(at), hi.min(at + n));
+            if a < b {
+                out.push((a, b - a, tag, tag_offset + (a - lo)));
+            }
+        }
     }
-    if at < n {
-        gaps.push((at, n));
+    out
+}
+
+/// The parts of `runs` (offset, length; sorted and disjoint) no label covers, as
+/// `(start, end)` offsets; `labels` are sorted, disjoint and lie inside the runs.
+fn unlabelled_runs(labels: &[(u64, u64, WeightTag, u64)], runs: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut gaps = Vec::with_capacity(runs.len());
+    let mut labels = labels.iter().peekable();
+    for &(start, len) in runs {
+        let end = start + len;
+        let mut at = start;
+        while let Some(&&(offset, n, _, _)) = labels.peek() {
+            if offset >= end {
+                break;
+            }
+            if offset > at {
+                gaps.push((at, offset));
+            }
+            at = at.max(offset + n);
+            labels.next();
+        }
+        if at < end {
+            gaps.push((at, end));
+        }
     }
-    gaps.retain(|(lo, hi)| lo < hi);
     gaps
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{split_fill, unlabelled, WeightTag};
+    use super::{clip_to_runs, split_fill, unlabelled_runs, WeightTag};
 
-    /// A copy of 100 bytes whose labels cover 10..30 and 30..50 (two tensors) and 80..120
-    /// (clipped by the caller to what the copy covers) moves 0..10, 50..80 only.
+    /// A copy of 100 bytes whose labels cover 10..30 and 30..50 (two tensors) and 80..100
+    /// moves 0..10, 50..80 only; with several runs, each run's own gaps.
     #[test]
     fn binding_copies_only_the_bytes_no_weight_label_covers() {
         let labels = [
             (10, 20, WeightTag::Embed, 0),
             (30, 20, WeightTag::LmHead, 0),
-            (80, 40, WeightTag::FinalNorm, 5),
+            (80, 20, WeightTag::FinalNorm, 5),
         ];
-        assert_eq!(unlabelled(&labels, 100), vec![(0, 10), (50, 80)]);
-        assert_eq!(unlabelled(&[], 7), vec![(0, 7)]);
-        assert_eq!(unlabelled(&[(0, 7, WeightTag::Embed, 0)], 7), vec![]);
+        assert_eq!(
+            unlabelled_runs(&labels, &[(0, 100)]),
+            vec![(0, 10), (50, 80)]
+        );
+        assert_eq!(unlabelled_runs(&[], &[(0, 7)]), vec![(0, 7)]);
+        assert_eq!(
+            unlabelled_runs(&[(0, 7, WeightTag::Embed, 0)], &[(0, 7)]),
+            vec![]
+        );
+        // Runs 0..20 and 40..60 with labels 10..20 and 40..45: gaps 0..10 and 45..60.
+        let labels = [(10, 10, WeightTag::Embed, 0), (40, 5, WeightTag::LmHead, 0)];
+        assert_eq!(
+            unlabelled_runs(&labels, &[(0, 20), (40, 20)]),
+            vec![(0, 10), (45, 60)]
+        );
+    }
+
+    /// Labels of a span that starts at byte 100 of the view (an embedding label over
+    /// 100..135 and a final-norm one over 145..155), clipped to runs 100..110 and 130..150:
+    /// 100..110 and 130..135 of the embedding, each with its own offset into the tensor,
+    /// and 145..150 of the norm.
+    #[test]
+    fn labels_are_clipped_to_the_runs() {
+        let span = [
+            (0, 35, WeightTag::Embed, 7),
+            (45, 10, WeightTag::FinalNorm, 0),
+        ];
+        assert_eq!(
+            clip_to_runs(&span, 100, &[(100, 10), (130, 20)]),
+            vec![
+                (100, 10, WeightTag::Embed, 7),
+                (130, 5, WeightTag::Embed, 37),
+                (145, 5, WeightTag::FinalNorm, 0),
+            ]
+        );
     }
 
     /// Each byte is written exactly once with the value its offset names (offset mod 251),
@@ -656,5 +809,195 @@ mod tests {
             |at, _| if at > 0 { Err(at) } else { Ok(()) },
         );
         assert_eq!(err, Err(4096));
+    }
+
+    /// A [`CpuMemory`](super::CpuMemory) of the tiny Mixtral checkpoint with 4 KiB `gpu`
+    /// and `pinned` arenas, default options (weight copies bound).
+    mod runs {
+        use super::super::{CpuMemory, MemoryError, Region, View, WeightCopies};
+        use crate::ir::{Engine, Space};
+        use crate::lower::{ArenaPlan, ExecPlan};
+        use crate::model::card::ModelCard;
+        use crate::model::checkpoint::Checkpoint;
+        use crate::model::synth::{write_checkpoint, SynthOptions};
+        use crate::runtime::backend::BackendOptions;
+        use crate::runtime::cpu::weights::WeightTag;
+
+        const ARENA: u64 = 4096;
+
+        fn checkpoint(dir: &std::path::Path) -> Checkpoint {
+            let card = ModelCard::load("mixtral-tiny").expect("built-in card");
+            write_checkpoint(
+                &card,
+                dir,
+                &SynthOptions {
+                    seed: 3,
+                    dtype: card.dtype,
+                    max_shard_bytes: u64::MAX,
+                },
+            )
+            .expect("synthetic checkpoint");
+            Checkpoint::open(dir).expect("opens")
+        }
+
+        fn plan(card: &ModelCard) -> ExecPlan {
+            let arena = |space| ArenaPlan {
+                space,
+                bytes: ARENA,
+                capacity: None,
+            };
+            ExecPlan {
+                name: "copy-runs".to_string(),
+                checkpoint: crate::ir::CheckpointLayout::new(card),
+                model: card.clone(),
+                micro_batches: crate::ir::MicroBatches {
+                    count: 1,
+                    size: 1,
+                    mixed_tokens: 1,
+                },
+                workload: Default::default(),
+                streams: Vec::new(),
+                tasks: Vec::new(),
+                buffers: Vec::new(),
+                arenas: vec![arena(Space::Gpu), arena(Space::Pinned)],
+                steps: Vec::new(),
+                preds: Vec::new(),
+                caches: Vec::new(),
+            }
+        }
+
+        fn whole(space: Space) -> View {
+            View {
+                region: Region::Arena(space),
+                start: 0,
+                len: ARENA,
+            }
+        }
+
+        fn fill(memory: &CpuMemory<'_>, space: Space, byte: impl Fn(usize) -> u8) {
+            // SAFETY: the test holds no other view of the arena.
+            let bytes = unsafe { memory.bytes_mut(whole(space)) }.expect("arena");
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = byte(i);
+            }
+        }
+
+        fn bytes(memory: &CpuMemory<'_>, space: Space) -> Vec<u8> {
+            // SAFETY: the test holds no other view of the arena.
+            unsafe { memory.bytes(whole(space)) }
+                .expect("arena")
+                .to_vec()
+        }
+
+        /// Runs 0..100, 500..600 and 2000..2100 of `pinned` copied to `gpu`: the source's
+        /// labels inside the runs move (0..100 and 500..600 of an embedding label over
+        /// 0..1000, each with its own offset into the tensor); a destination label outside
+        /// every run (300..400) stays; a destination label inside a run whose source bytes
+        /// are unlabelled (2000..2100) is cleared and those bytes are copied; bytes outside
+        /// the runs are untouched. Only the unlabelled 100 bytes move; 200 are bound.
+        #[test]
+        fn labels_inside_the_runs_move_and_labels_outside_stay() {
+            let dir = tempfile::tempdir().expect("temporary directory");
+            let ck = checkpoint(&dir.path().join("ck"));
+            let plan = plan(ck.card());
+            let memory = CpuMemory::new(&plan, &ck, &BackendOptions::default()).expect("memory");
+            assert_eq!(memory.weight_copies(), WeightCopies::Bind);
+            let (pinned, gpu) = (whole(Space::Pinned), whole(Space::Gpu));
+            fill(&memory, Space::Pinned, |i| (i % 251) as u8);
+            fill(&memory, Space::Gpu, |_| 0xEE);
+            memory.relabel(pinned, &[(0, 1000, WeightTag::Embed, 0)]);
+            memory.relabel(
+                gpu,
+                &[
+                    (300, 100, WeightTag::LmHead, 0),
+                    (2000, 100, WeightTag::FinalNorm, 0),
+                ],
+            );
+            let runs = [(0, 100), (500, 100), (2000, 100)];
+            memory
+                .copy_runs(Engine::GpuCopyIn, pinned, gpu, &runs)
+                .expect("copies");
+            assert_eq!(
+                memory.labels_in(gpu.region, 0, ARENA),
+                vec![
+                    (0, 100, WeightTag::Embed, 0),
+                    (300, 100, WeightTag::LmHead, 0),
+                    (500, 100, WeightTag::Embed, 500),
+                ]
+            );
+            let got = bytes(&memory, Space::Gpu);
+            for (i, &b) in got.iter().enumerate() {
+                let want = if (2000..2100).contains(&i) {
+                    (i % 251) as u8
+                } else {
+                    0xEE // outside the runs, or a bound (labelled) run: not written
+                };
+                assert_eq!(b, want, "gpu byte {i}");
+            }
+            let totals = memory.copy_totals();
+            assert_eq!((totals.moved, totals.bound), (100, 200));
+            // The source keeps its labels.
+            assert_eq!(
+                memory.labels_in(pinned.region, 0, ARENA),
+                vec![(0, 1000, WeightTag::Embed, 0)]
+            );
+        }
+
+        /// Two views of one arena whose runs' spans overlap are refused (nothing copied),
+        /// as is a run past the end of a view; views that overlap only outside the runs'
+        /// span copy.
+        #[test]
+        fn overlapping_or_outside_runs_are_refused() {
+            let dir = tempfile::tempdir().expect("temporary directory");
+            let ck = checkpoint(&dir.path().join("ck"));
+            let plan = plan(ck.card());
+            let memory = CpuMemory::new(&plan, &ck, &BackendOptions::default()).expect("memory");
+            fill(&memory, Space::Pinned, |i| (i % 251) as u8);
+            let before = bytes(&memory, Space::Pinned);
+            let view = |start| View {
+                region: Region::Arena(Space::Pinned),
+                start,
+                len: 1024,
+            };
+            // Runs 0..10 and 300..310 of views at 0 and 200: source span 0..310 meets
+            // destination span 200..510.
+            let err = memory
+                .copy_runs(Engine::CpuCopy, view(0), view(200), &[(0, 10), (300, 10)])
+                .expect_err("overlap");
+            assert!(
+                matches!(
+                    err,
+                    MemoryError::Overlap {
+                        src: 0,
+                        dst: 200,
+                        len: 310
+                    }
+                ),
+                "{err}"
+            );
+            let err = memory
+                .copy_runs(Engine::CpuCopy, view(0), view(2048), &[(1000, 100)])
+                .expect_err("outside");
+            assert!(
+                matches!(
+                    err,
+                    MemoryError::RunOutside {
+                        offset: 1000,
+                        len: 100,
+                        view: 1024
+                    }
+                ),
+                "{err}"
+            );
+            assert_eq!(bytes(&memory, Space::Pinned), before, "nothing copied");
+            // Views 0..1024 and 200..1224 overlap, but the runs' spans (0..100 and
+            // 200..300) do not.
+            memory
+                .copy_runs(Engine::CpuCopy, view(0), view(200), &[(0, 100)])
+                .expect("disjoint runs copy");
+            let after = bytes(&memory, Space::Pinned);
+            assert_eq!(after[200..300], before[0..100]);
+            assert_eq!(after[300..], before[300..]);
+        }
     }
 }

@@ -140,6 +140,27 @@ impl<'c> CpuBackend<'c> {
     }
 }
 
+impl CpuBackend<'_> {
+    /// The resolved `src` and `dst` arguments of a copy task.
+    pub(crate) fn copy_views(
+        &self,
+        task: &PlanTask,
+        state: &StepState,
+    ) -> Result<(memory::View, memory::View), BackendError> {
+        let view = |role: crate::ir::Role| {
+            let arg = task
+                .args
+                .iter()
+                .find(|a| a.role == role)
+                .ok_or(ops::OpError::MissingArg(role.as_str()))
+                .map_err(task_error)?;
+            let expert = state.arg_index(task.id, arg, self.arch.experts as u32);
+            self.memory.view(task, arg, expert).map_err(task_error)
+        };
+        Ok((view(crate::ir::Role::Src)?, view(crate::ir::Role::Dst)?))
+    }
+}
+
 fn task_error(e: impl std::error::Error + Send + Sync + 'static) -> BackendError {
     BackendError::Task(Box::new(e))
 }
@@ -183,6 +204,21 @@ impl Backend for CpuBackend<'_> {
             Engine::GpuCompute | Engine::CpuCompute => self.pool.install(run),
             Engine::GpuCopyIn | Engine::GpuCopyOut | Engine::CpuCopy => run(),
         }
+    }
+
+    fn copy_runs(
+        &self,
+        _stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        runs: &[(u64, u64)],
+        state: &StepState,
+    ) -> Result<(), BackendError> {
+        let (src, dst) = self.copy_views(task, state)?;
+        // On the calling stream thread, as every copy (module docs).
+        self.memory
+            .copy_runs(engine, src, dst, runs)
+            .map_err(task_error)
     }
 
     fn record(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {

@@ -363,6 +363,40 @@ impl Backend for CudaBackend<'_> {
         Ok(())
     }
 
+    fn copy_runs(
+        &self,
+        stream: StreamId,
+        engine: Engine,
+        task: &PlanTask,
+        runs: &[(u64, u64)],
+        state: &StepState,
+    ) -> Result<(), BackendError> {
+        let Some(dev) = self.stream(stream) else {
+            return self.host.copy_runs(stream, engine, task, runs, state);
+        };
+        let (src, dst) = self.host.copy_views(task, state)?;
+        self.bind()?;
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
+        {
+            let mut timing = lock(&self.timing);
+            if timing.origin.is_none() {
+                // As in `run`: every stream is idle at a step's start.
+                let origin = self.timing_event()?;
+                origin
+                    .record(&dev.stream)
+                    .map_err(driver("cuEventRecord"))?;
+                timing.origin = Some(origin);
+            }
+        }
+        start.record(&dev.stream).map_err(driver("cuEventRecord"))?;
+        self.memory
+            .copy_runs(self.host.host_memory(), &dev.stream, src, dst, runs)
+            .map_err(|e| task_error(OpError::Memory(e)))?;
+        end.record(&dev.stream).map_err(driver("cuEventRecord"))?;
+        lock(&self.timing).tasks.push((task.id, start, end));
+        Ok(())
+    }
+
     fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         let ev = self.event(event)?;
         match self.stream(stream) {

@@ -13,7 +13,7 @@
 
 use super::device::Device;
 use crate::ir::Space;
-use crate::runtime::cpu::memory::{CpuMemory, MemoryError, Region, View};
+use crate::runtime::cpu::memory::{clip_to_runs, CpuMemory, MemoryError, Region, View};
 use crate::runtime::cpu::weights::{WeightMap, WeightTag};
 use crate::runtime::driver::state::lock;
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
@@ -301,6 +301,138 @@ impl DeviceMemory {
             }
         }
         self.relabel(host, dst, &labels);
+        Ok(())
+    }
+}
+
+impl DeviceMemory {
+    /// Copies `runs` of `src` to the same offsets of `dst` on `stream` as one command
+    /// (each run (offset from both views' starts, length); sorted and disjoint) and
+    /// moves the weight labels of those bytes along. A device side submits one
+    /// asynchronous copy per run back to back, with no host work between them: the
+    /// views are resolved, bounds and overlap checked and the labels moved once for the
+    /// whole copy. (`cuMemcpyBatchAsync`, which cudarc binds, needs a CUDA 12.8 driver
+    /// and the stand-in driver the tests run under does not implement it;
+    /// `cuMemcpy2DAsync` needs one pitch, and the runs of a KV cache's transposed keys
+    /// are not evenly spaced across blocks.) A pageable host
+    /// side makes each run's call return only when CUDA has staged or delivered it. A
+    /// copy between two host regions waits for the stream's earlier work, then is the
+    /// host side's one copy of the runs.
+    pub fn copy_runs(
+        &self,
+        host: &CpuMemory<'_>,
+        stream: &CudaStream,
+        src: View,
+        dst: View,
+        runs: &[(u64, u64)],
+    ) -> Result<(), DeviceMemoryError> {
+        let on_device = |v: View| v.region == Region::Arena(Space::Gpu);
+        if !on_device(src) && !on_device(dst) {
+            stream
+                .synchronize()
+                .map_err(driver("cuStreamSynchronize"))?;
+            host.copy_runs(crate::ir::Engine::CpuCopy, src, dst, runs)?;
+            return Ok(());
+        }
+        let (Some(&(first, _)), Some(end)) = (runs.first(), runs.iter().map(|r| r.0 + r.1).max())
+        else {
+            return Ok(());
+        };
+        let within = src.len.min(dst.len);
+        if let Some(&(offset, len)) = runs
+            .iter()
+            .find(|(offset, len)| offset.saturating_add(*len) > within)
+        {
+            return Err(MemoryError::RunOutside {
+                offset,
+                len,
+                view: within,
+            }
+            .into());
+        }
+        let span = View {
+            start: src.start + first,
+            len: end - first,
+            ..src
+        };
+        let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
+        match (on_device(src), on_device(dst)) {
+            (true, true) => {
+                let (s, d) = (self.ptr(src)?, self.ptr(dst)?);
+                if src.start + first < dst.start + end && dst.start + first < src.start + end {
+                    return Err(DeviceMemoryError::Overlap {
+                        src: src.start + first,
+                        dst: dst.start + first,
+                        len: end - first,
+                    });
+                }
+                for &(at, len) in runs {
+                    // SAFETY: both runs are inside the arena (`ptr` checked the views, the
+                    // runs lie inside both) and disjoint (the spans do not meet); the plan
+                    // orders every other user of them around this copy.
+                    unsafe {
+                        result::memcpy_dtod_async(d + at, s + at, len as usize, stream.cu_stream())
+                    }
+                    .map_err(driver("cuMemcpyDtoDAsync"))?;
+                }
+            }
+            (false, _) => {
+                let d = self.ptr(dst)?;
+                let staged;
+                // SAFETY: the copy task's waits have returned, so no task writes the
+                // source now; the plan keeps writers away until this copy's event.
+                let (bytes, base): (&[u8], u64) = match unsafe { host.bytes(src) } {
+                    Ok(b) => (b, 0),
+                    Err(MemoryError::ImageView(_)) if src.region == Region::Image => {
+                        // A range of the image spanning several tensors: the runs' span
+                        // assembled from the maps first (CUDA stages pageable bytes anyway).
+                        let mut buf = vec![0u8; (end - first) as usize];
+                        host.image()
+                            .copy_to(src.start + first, &mut buf)
+                            .map_err(MemoryError::from)?;
+                        staged = buf;
+                        (&staged, first)
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                for &(at, len) in runs {
+                    let from = &bytes[(at - base) as usize..(at - base + len) as usize];
+                    // SAFETY: `d + at` addresses `len` arena bytes (the run lies inside
+                    // `dst`, which `ptr` checked); `from` stays valid and unwritten until
+                    // the copy completes (pinned: the plan's events; pageable: CUDA copies
+                    // it before the call returns).
+                    unsafe { result::memcpy_htod_async(d + at, from, stream.cu_stream()) }
+                        .map_err(driver("cuMemcpyHtoDAsync"))?;
+                }
+            }
+            (true, false) => {
+                let s = self.ptr(src)?;
+                // SAFETY: the copy task's waits have returned and the plan gives it the
+                // destination alone until its event.
+                let to = unsafe { host.bytes_mut(dst)? };
+                for &(at, len) in runs {
+                    let part = &mut to[at as usize..(at + len) as usize];
+                    // SAFETY: `s + at` addresses `len` arena bytes and `part` holds `len`
+                    // bytes that no one reads before this copy's event completes (host
+                    // readers synchronise on it; a pageable destination is complete when
+                    // the call returns).
+                    unsafe { result::memcpy_dtoh_async(part, s + at, stream.cu_stream()) }
+                        .map_err(driver("cuMemcpyDtoHAsync"))?;
+                }
+            }
+        }
+        match dst.region {
+            Region::Arena(Space::Gpu) => {
+                let mut map = lock(&self.map);
+                for &(at, len) in runs {
+                    map.clear(dst.start + at, dst.start + at + len);
+                }
+                for &(offset, len, tag, tag_offset) in &labels {
+                    map.insert(dst.start + offset, len, tag, tag_offset);
+                }
+            }
+            _ => host.relabel_runs(dst, runs, &labels),
+        }
         Ok(())
     }
 }

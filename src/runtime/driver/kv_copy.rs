@@ -44,7 +44,14 @@ pub fn runs(
     let pool_blocks = slice_len / ELEM / 2 / block_elems;
     let v_base = pool_blocks * block_elems * ELEM;
     let (bs, dim) = (layout.block_size.max(1), layout.head_dim);
-    let mut out: Vec<(u64, u64)> = Vec::new();
+    // Runs are gathered per block, K and V apart, each list ascending within its block
+    // (a block's K tiles, head-major, then dimension-major inside a tile; its V rows
+    // head-major); ordering the few blocks then gives every run in offset order without
+    // sorting thousands of runs (a partial block is kv_heads x (head_dim + 1) of them).
+    let mut keys: Vec<(u64, u64)> = Vec::new();
+    let mut values: Vec<(u64, u64)> = Vec::new();
+    // (block, its K runs, its V runs) as ranges of `keys` and `values`.
+    let mut blocks: Vec<(u64, std::ops::Range<usize>, std::ops::Range<usize>)> = Vec::new();
     for seq in seqs {
         let (from, to) = match part {
             KvPart::Context => (0, seq.context_len),
@@ -67,27 +74,40 @@ pub fn runs(
                 })?;
             let lo = position - index * bs;
             let hi = to.min((index + 1) * bs) - index * bs;
+            let (k0, v0) = (keys.len(), values.len());
             if lo == 0 && hi == bs {
                 // A whole block: every head's K tile, then every head's V tile.
                 let start = layout.tile(block as usize, 0) as u64 * ELEM;
-                out.push((start, block_elems * ELEM));
-                out.push((v_base + start, block_elems * ELEM));
+                keys.push((start, block_elems * ELEM));
+                values.push((v_base + start, block_elems * ELEM));
             } else {
                 let slots = (hi - lo) as u64;
                 for head in 0..layout.kv_heads {
                     // Keys are transposed: each dimension holds the slots side by side.
                     for d in 0..dim {
                         let k = layout.key_offset(block as usize, head, lo, d) as u64;
-                        out.push((k * ELEM, slots * ELEM));
+                        keys.push((k * ELEM, slots * ELEM));
                     }
                     let v = layout.offset(block as usize, head, lo) as u64;
-                    out.push((v_base + v * ELEM, slots * dim as u64 * ELEM));
+                    values.push((v_base + v * ELEM, slots * dim as u64 * ELEM));
                 }
             }
+            blocks.push((block, k0..keys.len(), v0..values.len()));
             position = (index + 1) * bs;
         }
     }
-    out.sort_unstable();
+    blocks.sort_unstable_by_key(|b| (b.0, b.1.start));
+    let ordered = blocks
+        .iter()
+        .flat_map(|b| keys[b.1.clone()].iter())
+        .chain(blocks.iter().flat_map(|b| values[b.2.clone()].iter()));
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(keys.len() + values.len());
+    out.extend(ordered);
+    // A block named twice (no block table the runtime builds does that) breaks the order:
+    // then the runs are sorted, so the result is the same either way.
+    if !out.windows(2).all(|w| w[0] <= w[1]) {
+        out.sort_unstable();
+    }
     let mut merged: Vec<(u64, u64)> = Vec::with_capacity(out.len());
     for (start, len) in out {
         match merged.last_mut() {
@@ -174,6 +194,34 @@ mod tests {
         // A block id past the pool (3 blocks) is refused too.
         s.block_table = vec![1, 3];
         assert!(runs(&LAYOUT, SLICE, &[s], KvPart::Appended).is_err());
+    }
+
+    /// Two sequences whose blocks are out of order in the pool (the second's block 0
+    /// before the first's block 2): the runs come out in offset order, the same as
+    /// sorting every run, K pool before V pool.
+    #[test]
+    fn runs_are_in_offset_order_across_sequences() {
+        let mut other = seq();
+        other.request = 1;
+        other.block_table = vec![0];
+        other.context_len = 2;
+        let seqs = [seq(), other];
+        for part in [KvPart::Context, KvPart::Appended] {
+            let got = runs(&LAYOUT, SLICE, &seqs, part).unwrap();
+            let mut sorted = got.clone();
+            sorted.sort_unstable();
+            assert_eq!(got, sorted, "{part:?}");
+            assert!(
+                got.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0),
+                "{part:?}"
+            );
+        }
+        // Appended: position 5 of the first (block 2, slot 1) and position 2 of the
+        // second (block 0, slot 2): 2 positions x 48 bytes.
+        let appended = runs(&LAYOUT, SLICE, &seqs, KvPart::Appended).unwrap();
+        assert_eq!(appended.iter().map(|r| r.1).sum::<u64>(), 2 * 48);
+        // Block 0's key runs (bytes 0..96) come first.
+        assert_eq!(appended[0], (2 * 4, 4));
     }
 
     #[test]

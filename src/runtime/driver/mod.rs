@@ -303,8 +303,9 @@ impl<B: Backend> Runner<'_, B> {
         Ok(true)
     }
 
-    /// A copy of part of a KV cache: one backend copy per run of bytes holding the wanted
-    /// positions of the micro-batch's sequences, at the same offsets in both slices.
+    /// A copy of part of a KV cache: the runs of bytes that hold the wanted positions of
+    /// the micro-batch's sequences, at the same offsets in both slices, as one backend
+    /// command.
     fn kv_part_copy(
         &self,
         stream: StreamId,
@@ -325,15 +326,11 @@ impl<B: Backend> Runner<'_, B> {
         };
         let runs = kv_copy::runs(&layout, src.len.min(dst.len), &mb.seqs, kv.part)
             .map_err(|e| BackendError::Task(Box::new(e)))?;
-        let mut part = t.clone();
-        for (offset, len) in runs {
-            part.args[0].start = src.start + offset;
-            part.args[1].start = dst.start + offset;
-            part.args[0].len = len;
-            part.args[1].len = len;
-            self.backend.run(stream, t.engine, &part, self.state)?;
+        if runs.is_empty() {
+            return Ok(()); // no wanted positions (a prefill's context): no command at all
         }
-        Ok(())
+        self.backend
+            .copy_runs(stream, t.engine, t, &runs, self.state)
     }
 
     /// After a task ran (`ran`) or was skipped: each cache slot it read counts down its
