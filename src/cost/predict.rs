@@ -378,17 +378,15 @@ pub fn kernel_seconds(
     }
     let (shape, work) = task_work(program, id, settings, loads);
     let card = &program.model;
-    // An `experts(.., ub = all)` group reads its weights once, in its first task.
-    let shares_weights = task.group.is_some_and(|head| head != id);
-    let weights: f64 = if shares_weights {
-        0.0
-    } else {
-        work.mem
-            .iter()
-            .filter(|m| m.class == catalog::DataClass::Weights)
-            .map(|m| m.bytes)
-            .sum()
-    };
+    // Every part of an `experts(.., ub = all)` group streams its expert's weights here:
+    // moec's backends compute each micro-batch's part as a kernel call of its own (the
+    // roofline above charges the group's read once, as the papers' fused kernel reads it).
+    let weights: f64 = work
+        .mem
+        .iter()
+        .filter(|m| m.class == catalog::DataClass::Weights)
+        .map(|m| m.bytes)
+        .sum();
     let at = |curve: &[super::hardware::RowsRate], bytes: f64, rows: f64| {
         if bytes <= 0.0 || rows <= 0.0 {
             return 0.0;
