@@ -1,7 +1,7 @@
 //! `moec probe`: measures this machine and writes a hardware profile.
 
 use crate::cost::hardware::{Level, GB, TFLOPS};
-use crate::cost::probe::probe_profile;
+use crate::cost::probe::{probe_profile, ProbeEffort};
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,14 +35,18 @@ pub fn run(args: ProbeArgs) -> ExitCode {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let (measured, mut profile) =
-        match probe_profile(&args.name, args.size_mib.saturating_mul(1 << 20), threads) {
-            Ok(m) => m,
-            Err(e) => {
-                eprintln!("{:?}", miette::Report::msg(e.to_string()));
-                return ExitCode::FAILURE;
-            }
-        };
+    let (measured, mut profile) = match probe_profile(
+        &args.name,
+        args.size_mib.saturating_mul(1 << 20),
+        threads,
+        ProbeEffort::FULL,
+    ) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::msg(e.to_string()));
+            return ExitCode::FAILURE;
+        }
+    };
     match measured_dispatch(threads) {
         Ok(dispatch) => profile.dispatch = Some(dispatch),
         Err(e) => {

@@ -19,7 +19,7 @@ use super::inputs::{ModelArgs, PromptArgs, RunSettings};
 use crate::compile::{compile, Options};
 use crate::cost::hardware::{HardwareProfile, Level};
 use crate::cost::predict::{predict, CostSettings};
-use crate::cost::probe::probe_profile;
+use crate::cost::probe::{probe_profile, ProbeEffort};
 use crate::cost::replay::{predict_run, RunPrediction};
 use crate::diag;
 use crate::ir::{TaskId, Workload};
@@ -270,12 +270,17 @@ pub fn execute_profiling(
         // And the runtime's fixed costs per task, blocking wait and stream thread.
         None => {
             let threads = args.settings.threads.unwrap_or(2).max(1);
-            probe_profile("this-machine", QUICK_PROBE_BYTES, threads)
-                .ok()
-                .and_then(|(_, mut profile)| {
-                    profile.dispatch = Some(super::probe::measured_dispatch(threads).ok()?);
-                    Some(profile)
-                })
+            probe_profile(
+                "this-machine",
+                QUICK_PROBE_BYTES,
+                threads,
+                ProbeEffort::QUICK,
+            )
+            .ok()
+            .and_then(|(_, mut profile)| {
+                profile.dispatch = Some(super::probe::measured_dispatch(threads).ok()?);
+                Some(profile)
+            })
         }
     };
     // Bound weight copies take no time on this machine unless the link is throttled, so

@@ -238,16 +238,40 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
     }
 }
 
+/// How many timed passes the kernel probe takes per point (it keeps the median).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbeEffort {
+    /// Passes per `linear` / `expert_ffn` point, round-robin over the points.
+    pub kernel_reps: usize,
+    /// Timed smallest attention calls.
+    pub attn_call_reps: usize,
+}
+
+impl ProbeEffort {
+    /// `moec probe`: the profile a replay table or a user's `--hw` file is made from.
+    pub const FULL: ProbeEffort = ProbeEffort {
+        kernel_reps: KERNEL_REPS,
+        attn_call_reps: ATTN_CALL_REPS,
+    };
+    /// The probe `moec run` takes when no `--hw` is given: the same points with fewer
+    /// passes (about a third of the time), since every such run pays it.
+    pub const QUICK: ProbeEffort = ProbeEffort {
+        kernel_reps: 3,
+        attn_call_reps: 21,
+    };
+}
+
 /// [`measure`] and [`measure_kernels`] on `threads` threads, made into this machine's
 /// profile named `name` (what `moec probe` writes and `moec run` predicts with).
 pub fn probe_profile(
     name: &str,
     buffer_bytes: usize,
     threads: usize,
+    effort: ProbeEffort,
 ) -> Result<(Measurements, HardwareProfile), ProbeError> {
     let measured = measure(buffer_bytes, threads)?;
     let mut profile = profile_from_measurements(name, &measured);
-    profile.kernels = Some(measure_kernels(threads)?);
+    profile.kernels = Some(measure_kernels(threads, effort)?);
     Ok((measured, profile))
 }
 
@@ -305,10 +329,10 @@ const ATTN_EVICT_BYTES: usize = 64 << 20;
 /// `expert_ffn` curves at [`KERNEL_ROWS`] rows on bf16 mixtral-mid-sized matrices, decode
 /// attention (16 sequences x 512 cached positions), prefill attention (256 tokens,
 /// causal) and the smallest attention call ([`ATTN_CALL_CONTEXT`]). Each curve point is
-/// the median of [`KERNEL_REPS`] passes taken round-robin over the points after an
+/// the median of `effort.kernel_reps` passes taken round-robin over the points after an
 /// untimed pass of each; the two attention rate points the best of two timings, the
-/// smallest call the median of [`ATTN_CALL_REPS`].
-pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
+/// smallest call the median of `effort.attn_call_reps` ([`ProbeEffort`]).
+pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRates, ProbeError> {
     use crate::model::kernels::isa::Kernels;
     use crate::model::tensor::Matrix;
     let pool = probe_pool(threads)?;
@@ -368,8 +392,9 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     }
     // Round-robin: a slow phase of the machine (a neighbour's burst, the first passes
     // after start-up) costs every point one sample rather than one point all of its own.
-    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(KERNEL_REPS); points.len()];
-    for _ in 0..KERNEL_REPS {
+    let reps = effort.kernel_reps.max(1);
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(reps); points.len()];
+    for _ in 0..reps {
         for (times, &(rows, gated)) in samples.iter_mut().zip(&points) {
             times.push(pass(rows, gated));
         }
@@ -402,7 +427,8 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     if let Some(e) = failed {
         return Err(ProbeError::Kernel(e));
     }
-    let (decode_seconds, prefill_seconds, call_seconds) = pool.install(time_attention)?;
+    let (decode_seconds, prefill_seconds, call_seconds) =
+        pool.install(|| time_attention(effort.attn_call_reps.max(1)))?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -414,8 +440,9 @@ pub fn measure_kernels(threads: usize) -> Result<KernelRates, ProbeError> {
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {ATTN_CALL_REPS}, each after 64 MiB streamed); linear and expert_ffn the median of {KERNEL_REPS} passes per point, taken round-robin",
-            kernels.isa()
+            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
+            kernels.isa(),
+            effort.attn_call_reps.max(1)
         ),
         linear,
         expert_ffn,
@@ -450,7 +477,7 @@ fn probe_expert(
 
 /// Best seconds of the decode and the prefill attention point (see [`ATTN_DECODE`] and
 /// [`ATTN_PREFILL_TOKENS`]) through the runtime's attention kernel and paged KV cache.
-fn time_attention() -> Result<(f64, f64, f64), ProbeError> {
+fn time_attention(call_reps: usize) -> Result<(f64, f64, f64), ProbeError> {
     use crate::model::kernels::attention::{AttnSeq, AttnShape};
     use crate::model::kernels::isa::Kernels;
     use crate::model::kernels::kv_cache::{KvLayout, PagedKvCache};
@@ -533,7 +560,7 @@ fn time_attention() -> Result<(f64, f64, f64), ProbeError> {
         context_len: ATTN_CALL_CONTEXT,
         n_new: 1,
     }];
-    let call_seconds = run(&smallest, 1, ATTN_CALL_REPS)?;
+    let call_seconds = run(&smallest, 1, call_reps)?;
     // The prefill sequence reuses the first blocks of the pool (the decode tables'
     // contents do not matter to the timing).
     let prefill_table: Vec<u32> = (0..layout.blocks_for(ATTN_PREFILL_TOKENS) as u32).collect();
@@ -642,7 +669,7 @@ mod tests {
     /// the machine's, not asserted), and a profile carrying them validates.
     #[test]
     fn kernel_probe_gives_a_valid_curve_per_op_kind() {
-        let rates = measure_kernels(1).unwrap();
+        let rates = measure_kernels(1, ProbeEffort::QUICK).unwrap();
         let rows: Vec<u32> = rates.linear.iter().map(|p| p.rows).collect();
         assert_eq!(rows, KERNEL_ROWS);
         assert_eq!(rates.expert_ffn.len(), KERNEL_ROWS.len());
