@@ -40,7 +40,7 @@ enum Driver<'a> {
     Machine,
 }
 
-/// `moec run SCHED --model CARD --json --gen-len 4 --dump-logits FILE [extra]`; gives the
+/// `moec run SCHED --model CARD --json --gen-len 4 --hw t4 --dump-logits FILE [extra]`; gives the
 /// process output and the logits file.
 fn run(
     cache: &Path,
@@ -58,6 +58,9 @@ fn run(
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
         .args(["run", schedule, "--model", card, "--json", "--gen-len", "4"])
+        // Tokens and logits only: a paper profile spares each run the quick probe of this
+        // machine behind the report's replay (about 2 s in the test build, 120 runs here).
+        .args(["--hw", "hardware/t4.ron"])
         .arg("--dump-logits")
         .arg(&logits);
     for p in PROMPTS {
