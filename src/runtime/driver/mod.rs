@@ -359,6 +359,34 @@ impl<B: Backend> Runner<'_, B> {
     }
 }
 
+/// Fills each micro-batch's distinct routed experts per layer from the step's routing
+/// (what the cost model's replay charges a whole-layer expert task for); a dense layer's
+/// routing ([`crate::model::dense::NO_EXPERT`]) reaches none.
+fn count_active_experts(
+    loads: &mut [UbLoad],
+    routing: &std::collections::HashMap<(u32, u32), crate::model::kernels::moe::Routing>,
+    experts: u64,
+) {
+    for (&(layer, ub), r) in routing {
+        let Some(load) = loads.get_mut(ub as usize) else {
+            continue;
+        };
+        let mut seen: Vec<u32> = r
+            .experts
+            .iter()
+            .copied()
+            .filter(|&e| u64::from(e) < experts)
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        let layer = layer as usize;
+        if load.active_experts.len() <= layer {
+            load.active_experts.resize(layer + 1, 0);
+        }
+        load.active_experts[layer] = seen.len() as u32;
+    }
+}
+
 /// A plan naming a cache the run did not set up (an internal error).
 #[derive(Debug, thiserror::Error)]
 #[error("the plan names expert cache {0}, which this run has not set up")]
@@ -774,6 +802,7 @@ pub fn generate<B: Backend>(
             });
         }
         let (start, end, tasks) = steps.run(&state, step)?;
+        count_active_experts(&mut loads, &lock(&state.routing), plan.model.experts);
         stats.steps.push(StepRecord {
             kind: plan.steps[step].kind,
             start,
