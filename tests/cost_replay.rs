@@ -628,7 +628,8 @@ fn a_seen_routing_sets_the_experts_a_fused_post_attn_reads_by_hand() {
     .unwrap();
     let (post, roof) = &decode.op_seconds["post_attn"];
     let dense = 35_072.0 * 4.0 / 3.0 * 1e-8;
-    let experts = 393_216.0 * 6e-9 + 786_432.0 * 5e-9 + 196_608.0 * 8e-9 + 688_128.0 * 36.0 / 7.0 * 1e-9;
+    let experts =
+        393_216.0 * 6e-9 + 786_432.0 * 5e-9 + 196_608.0 * 8e-9 + 688_128.0 * 36.0 / 7.0 * 1e-9;
     let want = 4.0 * dense + experts;
     assert!((post - want).abs() < 1e-9 * want, "{post} vs {want}");
     assert!((experts - 11.403264e-3).abs() < 1e-12, "{experts}");

@@ -359,31 +359,34 @@ impl<B: Backend> Runner<'_, B> {
     }
 }
 
-/// Fills each micro-batch's distinct routed experts per layer from the step's routing
-/// (what the cost model's replay charges a whole-layer expert task for); a dense layer's
-/// routing ([`crate::model::dense::NO_EXPERT`]) reaches none.
-fn count_active_experts(
-    loads: &mut [UbLoad],
-    routing: &std::collections::HashMap<(u32, u32), crate::model::kernels::moe::Routing>,
-    experts: u64,
-) {
-    for (&(layer, ub), r) in routing {
+/// Fills each micro-batch's distinct routed experts per layer from what the step's ops
+/// noted ([`StepState::note_active_experts`]) and, where an op did not (a CUDA `gate`),
+/// from the routing the plan read back; what the cost model's replay charges a whole-layer
+/// expert task for.
+fn count_active_experts(loads: &mut [UbLoad], state: &StepState, experts: usize) {
+    let mut seen = lock(&state.active_experts).clone();
+    for (&key, r) in lock(&state.routing).iter() {
+        seen.entry(key).or_insert_with(|| {
+            let mut e: Vec<u32> = r
+                .experts
+                .iter()
+                .copied()
+                .filter(|&e| (e as usize) < experts)
+                .collect();
+            e.sort_unstable();
+            e.dedup();
+            e.len() as u32
+        });
+    }
+    for ((layer, ub), n) in seen {
         let Some(load) = loads.get_mut(ub as usize) else {
             continue;
         };
-        let mut seen: Vec<u32> = r
-            .experts
-            .iter()
-            .copied()
-            .filter(|&e| u64::from(e) < experts)
-            .collect();
-        seen.sort_unstable();
-        seen.dedup();
         let layer = layer as usize;
         if load.active_experts.len() <= layer {
             load.active_experts.resize(layer + 1, 0);
         }
-        load.active_experts[layer] = seen.len() as u32;
+        load.active_experts[layer] = n;
     }
 }
 
@@ -802,7 +805,7 @@ pub fn generate<B: Backend>(
             });
         }
         let (start, end, tasks) = steps.run(&state, step)?;
-        count_active_experts(&mut loads, &lock(&state.routing), plan.model.experts);
+        count_active_experts(&mut loads, &state, plan.model.experts as usize);
         stats.steps.push(StepRecord {
             kind: plan.steps[step].kind,
             start,
