@@ -598,6 +598,44 @@ fn an_attention_call_costs_at_least_the_smallest_measured_call_by_hand() {
     assert!(err.contains("attn_call_us"), "{err}");
 }
 
+/// A measured step that saw a micro-batch's routing charges a whole-layer expert task
+/// (fused `post_attn`) the experts its tokens reached, each at the routed tokens over
+/// them, instead of the routing model's expectation. Decode of 2 sequences (4 routed
+/// tokens per layer) on mixtral-tiny, expert curve 1 row 5e-9 s/B and 16 rows 2e-8 s/B,
+/// an expert 3 x 128 x 256 x 2 = 196,608 B; the run saw 2, 4 and 1 distinct experts in
+/// layers 0-2 and nothing in layer 3:
+/// - layer 0: 2 experts at 2 rows, 5e-9 + 1/15 x 1.5e-8 = 6e-9 s/B: 393,216 B -> 2.359296 ms
+/// - layer 1: 4 at 1 row, 5e-9: 786,432 B -> 3.93216 ms
+/// - layer 2: 1 at 4 rows, 8e-9: 196,608 B -> 1.572864 ms
+/// - layer 3: the routing model's 3.5 at 8/7 rows, 3.538944 ms (as in
+///   `measured_kernel_rates_charge_bytes_over_the_rate_of_the_op_kind`)
+///
+/// plus each layer's dense 35,072 B at 2 rows (1.3333e-8 s/B) = 467.627 us.
+#[test]
+fn a_seen_routing_sets_the_experts_a_fused_post_attn_reads_by_hand() {
+    let c = compiled(ONE_STREAM, 64, 16);
+    let deps = deps(&c);
+    let mut load = decoding(2, 50);
+    load.active_experts = vec![2, 4, 1, 0];
+    let decode = predict_step_at(
+        &c.program,
+        &deps,
+        step(&c, StepKind::Decode),
+        &measured_kernels(),
+        &CostSettings::default(),
+        &[load, UbLoad::default()],
+    )
+    .unwrap();
+    let (post, roof) = &decode.op_seconds["post_attn"];
+    let dense = 35_072.0 * 4.0 / 3.0 * 1e-8;
+    let experts =
+        393_216.0 * 6e-9 + 786_432.0 * 5e-9 + 196_608.0 * 8e-9 + 688_128.0 * 36.0 / 7.0 * 1e-9;
+    let want = 4.0 * dense + experts;
+    assert!((post - want).abs() < 1e-9 * want, "{post} vs {want}");
+    assert!((experts - 11.403264e-3).abs() < 1e-12, "{experts}");
+    assert_eq!(roof, "kernel");
+}
+
 /// One micro-batch, every expert its own task, on one CPU stream.
 const PER_EXPERT: &str = r#"
 schedule per_expert "one task per expert on one CPU stream"

@@ -163,6 +163,9 @@ fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<
         match generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}) {
             Ok((outputs, stats)) => {
                 preemptions += stats.preemptions;
+                if let Some(bad) = active_experts_out_of_bounds(&card, &stats) {
+                    failures.push(format!("{name}: {bad}"));
+                }
                 let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
                 if got != expected {
                     failures.push(format!(
@@ -174,6 +177,42 @@ fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<
         }
     }
     (failures, preemptions)
+}
+
+/// The run record's distinct routed experts (what the cost model's replay charges a fused
+/// `post_attn` or a whole-layer expert task for): on the CPU backend every MoE layer's
+/// routing is computed by a `gate` or a fused `post_attn`, which note it, so every
+/// micro-batch with tokens has, in every MoE layer, between 1 and min(experts, tokens x
+/// top_k) experts; a dense layer none.
+fn active_experts_out_of_bounds(
+    card: &ModelCard,
+    stats: &moec::records::RunStats,
+) -> Option<String> {
+    for (s, step) in stats.steps.iter().enumerate() {
+        for (ub, load) in step.ubs.iter().enumerate() {
+            let tokens = (load.prefill_tokens + load.decode_seqs) as u64;
+            for layer in 0..card.layers {
+                let n = u64::from(
+                    load.active_experts
+                        .get(layer as usize)
+                        .copied()
+                        .unwrap_or(0),
+                );
+                let ok = if tokens == 0 || card.is_dense_layer(layer) {
+                    n == 0
+                } else {
+                    (1..=card.experts.min(tokens * card.top_k)).contains(&n)
+                };
+                if !ok {
+                    return Some(format!(
+                        "step {s} ub {ub} layer {layer}: {n} active experts recorded for {tokens} tokens ({:?})",
+                        load.active_experts
+                    ));
+                }
+            }
+        }
+    }
+    None
 }
 
 #[test]

@@ -192,6 +192,7 @@ pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
         prefill_tokens: prefill_seqs * prompt,
         decode_seqs,
         decode_context: decode_seqs * (prompt + gen.div_ceil(2)),
+        active_experts: Vec::new(),
     };
     vec![load; program.micro_batches.count as usize]
 }
@@ -400,10 +401,26 @@ pub fn kernel_seconds(
     // the routed tokens over them (a task that ran meets that many given it ran). The
     // catalog's `min(experts, tokens x top_k)` counts every routed token on a distinct
     // expert, which 3 prompt tokens (6 routed, 4.6 distinct of 8 expected) are not.
+    // A measured step that saw this micro-batch's routing in this layer knows how many
+    // distinct experts its tokens reached: a whole-set task reads exactly those.
+    let seen_active = match (loads, task.op.layer(), task.op.ub()) {
+        (Loads::Measured(per_ub), Some(layer), Some(ub)) => per_ub
+            .get(ub as usize)
+            .and_then(|l| l.active_experts.get(layer as usize))
+            .map(|&n| f64::from(n))
+            .filter(|&n| n > 0.0),
+        _ => None,
+    };
     let routed_per_active = |set: &catalog::ExpertSet| {
         let routed = catalog::routed_tokens(set, card, &shape);
-        let q = (card.top_k as f64 / card.experts.max(1) as f64).min(1.0);
-        let active = set.len(card.experts) as f64 * (1.0 - (1.0 - q).powf(tokens));
+        let whole = set.len(card.experts) == card.experts;
+        let active = match seen_active {
+            Some(n) if whole => n,
+            _ => {
+                let q = (card.top_k as f64 / card.experts.max(1) as f64).min(1.0);
+                set.len(card.experts) as f64 * (1.0 - (1.0 - q).powf(tokens))
+            }
+        };
         (active > 0.0).then(|| (active, routed / active))
     };
     match task.op {
@@ -412,6 +429,11 @@ pub fn kernel_seconds(
         }
         Op::LmHead { .. } => at(&kernels.linear, weights, shape.seqs as f64),
         Op::Experts { set, .. } => match routed_per_active(&set) {
+            // Every expert of the layer, with the routing seen: the experts it reached.
+            Some((active, rows)) if seen_active.is_some() && set == catalog::ExpertSet::All => {
+                let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
+                at(&kernels.expert_ffn, active * expert_bytes, rows)
+            }
             Some((_, rows)) => at(&kernels.expert_ffn, weights, rows),
             None => 0.0,
         },
@@ -921,6 +943,7 @@ fn kv_part_load(
                 prefill_tokens: sum(|l| l.prefill_tokens),
                 decode_seqs: sum(|l| l.decode_seqs),
                 decode_context: sum(|l| l.decode_context),
+                active_experts: Vec::new(),
             }
         }
         Loads::Declared if kind == StepKind::Prefill => UbLoad {

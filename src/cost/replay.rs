@@ -95,7 +95,7 @@ pub struct RunPrediction {
 
 /// A step template, its micro-batches' loads as plain numbers (`UbLoad` is not `Hash`)
 /// and which of its tasks ran (guards skip some).
-type LoadKey = (usize, Vec<[usize; 4]>, Vec<bool>);
+type LoadKey = (usize, Vec<([usize; 4], Vec<u32>)>, Vec<bool>);
 
 /// Index in `program.steps` of the step template the runtime runs for `kind` (the first
 /// one of that kind, as the driver picks it).
@@ -164,16 +164,19 @@ pub fn predict_run(
         let Some(index) = step_index(program, record.kind) else {
             continue;
         };
-        let key: Vec<[usize; 4]> = record
+        let key: Vec<([usize; 4], Vec<u32>)> = record
             .ubs
             .iter()
             .map(|u| {
-                [
-                    u.prefill_seqs,
-                    u.prefill_tokens,
-                    u.decode_seqs,
-                    u.decode_context,
-                ]
+                (
+                    [
+                        u.prefill_seqs,
+                        u.prefill_tokens,
+                        u.decode_seqs,
+                        u.decode_context,
+                    ],
+                    u.active_experts.clone(),
+                )
             })
             .collect();
         let loads = if record.kind == StepKind::Setup {

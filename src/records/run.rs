@@ -43,7 +43,7 @@ pub struct StepRecord {
 
 /// The real contents of one micro-batch in one executed step: what the cost model needs
 /// to predict the same step (the compiled program assumes its declared worst case).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UbLoad {
     /// Sequences running their prompt (or a re-prefill after preemption).
     pub prefill_seqs: usize,
@@ -53,6 +53,10 @@ pub struct UbLoad {
     pub decode_seqs: usize,
     /// Sum over decoding sequences of the tokens they attend to (cached + the new one).
     pub decode_context: usize,
+    /// Distinct experts this micro-batch's tokens were routed to, per layer, where the run
+    /// saw the routing (a `gate` read back to the host, or a fused `post_attn`); empty, or
+    /// 0 for a layer, where it did not (the cost model then uses its routing model).
+    pub active_experts: Vec<u32>,
 }
 
 /// What a run measured.

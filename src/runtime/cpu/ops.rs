@@ -725,6 +725,8 @@ fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
         no_expert_routing(n, cx.arch.top_k)
     } else {
         let routing = gate(cx.arch, &dense, h, x_norm)?;
+        cx.state
+            .note_active_experts(layer, ub, &routing, cx.arch.experts);
         // The shared expert is part of the dense weights every token uses: computed here,
         // with the router, so schedules treat it like the gate's other weights.
         match &dense.shared {
@@ -828,7 +830,9 @@ fn post_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Res
         dense_block(Kernels::process(), cx.arch, &dense, h)?;
         return Ok(());
     }
-    moe_block(cx.arch, &dense, h, |e| cx.expert(&weights, layer, e))?;
+    let routing = moe_block(cx.arch, &dense, h, |e| cx.expert(&weights, layer, e))?;
+    cx.state
+        .note_active_experts(layer, ub, &routing, cx.arch.experts);
     Ok(())
 }
 

@@ -1313,6 +1313,8 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
     cx.s.download(route.ptr(), &mut bytes)?;
     cx.routing_syncs.fetch_add(1, Ordering::Relaxed);
     let routing = decode_routing(&bytes, n, k)?;
+    cx.state
+        .note_active_experts(layer, ub, &routing, cx.arch.experts);
     let slots = cx.s.scratch(n * k * d * 4)?;
     cx.s.zero(slots.ptr(), n * k * d * 4)?;
     let all: Vec<u32> = (0..cx.arch.experts as u32).collect();

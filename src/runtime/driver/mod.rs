@@ -359,6 +359,37 @@ impl<B: Backend> Runner<'_, B> {
     }
 }
 
+/// Fills each micro-batch's distinct routed experts per layer from what the step's ops
+/// noted ([`StepState::note_active_experts`]) and, where an op did not (a CUDA `gate`),
+/// from the routing the plan read back; what the cost model's replay charges a whole-layer
+/// expert task for.
+fn count_active_experts(loads: &mut [UbLoad], state: &StepState, experts: usize) {
+    let mut seen = lock(&state.active_experts).clone();
+    for (&key, r) in lock(&state.routing).iter() {
+        seen.entry(key).or_insert_with(|| {
+            let mut e: Vec<u32> = r
+                .experts
+                .iter()
+                .copied()
+                .filter(|&e| (e as usize) < experts)
+                .collect();
+            e.sort_unstable();
+            e.dedup();
+            e.len() as u32
+        });
+    }
+    for ((layer, ub), n) in seen {
+        let Some(load) = loads.get_mut(ub as usize) else {
+            continue;
+        };
+        let layer = layer as usize;
+        if load.active_experts.len() <= layer {
+            load.active_experts.resize(layer + 1, 0);
+        }
+        load.active_experts[layer] = n;
+    }
+}
+
 /// A plan naming a cache the run did not set up (an internal error).
 #[derive(Debug, thiserror::Error)]
 #[error("the plan names expert cache {0}, which this run has not set up")]
@@ -774,6 +805,7 @@ pub fn generate<B: Backend>(
             });
         }
         let (start, end, tasks) = steps.run(&state, step)?;
+        count_active_experts(&mut loads, &state, plan.model.experts as usize);
         stats.steps.push(StepRecord {
             kind: plan.steps[step].kind,
             start,

@@ -165,6 +165,11 @@ pub struct StepState {
     pub capture_logits: bool,
     /// With `capture_logits`: per ub, the logits `sample` read (`[seqs, vocab]`, row order).
     pub sampled_logits: Mutex<HashMap<u32, Vec<f32>>>,
+    /// Distinct experts each (layer, ub)'s routing reached this step, noted by the ops that
+    /// computed a routing and hold it anyway (a CPU `gate`, a fused `post_attn` on either
+    /// backend). A measurement for the run record and the cost model's replay only: no
+    /// decision reads it (the host decides from the plan's `ReadRouting` alone).
+    pub active_experts: Mutex<HashMap<(u32, u32), u32>>,
 }
 
 impl StepState {
@@ -183,7 +188,22 @@ impl StepState {
             sampled: Mutex::new(HashMap::new()),
             capture_logits: false,
             sampled_logits: Mutex::new(HashMap::new()),
+            active_experts: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Notes how many distinct experts below `experts` `routing` reached in (layer, ub)
+    /// (a dense layer's routing, which names no expert, reaches none).
+    pub fn note_active_experts(&self, layer: u32, ub: u32, routing: &Routing, experts: usize) {
+        let mut seen: Vec<u32> = routing
+            .experts
+            .iter()
+            .copied()
+            .filter(|&e| (e as usize) < experts)
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        lock(&self.active_experts).insert((layer, ub), seen.len() as u32);
     }
 
     /// Clears what one step produced (keeps ubs and samplers).
@@ -196,6 +216,7 @@ impl StepState {
         }
         lock(&self.sampled).clear();
         lock(&self.sampled_logits).clear();
+        lock(&self.active_experts).clear();
     }
 
     /// The token of each sequence of `mb` from its row of `logits` (`[seqs, vocab]`): the
@@ -284,4 +305,27 @@ impl StepState {
 /// section here is a single insert or lookup, so the data is consistent).
 pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::kernels::sampling::Sampling;
+
+    #[test]
+    fn active_experts_count_each_expert_once_and_no_dense_sentinel() {
+        let state = StepState::new(2, Sampling::Greedy, Vec::new());
+        // Three tokens, top-2 over 8 experts: {1, 5}, {5, 2}, {1, 2} reach 3 experts.
+        let routing = Routing {
+            top_k: 2,
+            experts: vec![1, 5, 5, 2, 1, 2],
+            weights: vec![0.5; 6],
+        };
+        state.note_active_experts(3, 1, &routing, 8);
+        let dense = crate::model::dense::no_expert_routing(3, 2);
+        state.note_active_experts(0, 1, &dense, 8);
+        let seen = lock(&state.active_experts).clone();
+        assert_eq!(seen.get(&(3, 1)), Some(&3));
+        assert_eq!(seen.get(&(0, 1)), Some(&0));
+    }
 }
