@@ -433,6 +433,7 @@ fn vslpipe_pass_is_costed_at_the_steady_state_mix() {
         prefill_tokens: 96,
         decode_seqs: 28,
         decode_context: 784,
+        active_experts: Vec::new(),
     };
     assert_eq!(steady, vec![expected; 2]);
     let deps = deps(&c);
