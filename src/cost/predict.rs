@@ -347,12 +347,62 @@ fn task_work(
                 .iter()
                 .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
                 .collect();
-            (
-                shape,
-                catalog::work(&task.op, &program.model, &shape, &args),
-            )
+            let mut work = catalog::work(&task.op, &program.model, &shape, &args);
+            if let Some(seen) = seen_active_experts(program, id, loads) {
+                read_seen_experts(&mut work, &task.op, &program.model, &shape, seen);
+            }
+            (shape, work)
         }
         None => (task.shape, task.work.clone()),
+    }
+}
+
+/// The distinct experts a measured step saw the routing of the task's (layer, micro-batch)
+/// reach (`UbLoad::active_experts`), for a task that reads a whole layer's experts (a
+/// fused `post_attn`, `experts(set = all)`); `None` where the run did not note it.
+fn seen_active_experts(program: &Program, id: TaskId, loads: Loads<'_>) -> Option<f64> {
+    let op = &program.task(id).op;
+    let whole = match op {
+        Op::PostAttn { .. } => true,
+        Op::Experts { set, .. } => set.len(program.model.experts) == program.model.experts,
+        _ => false,
+    };
+    match (whole, loads, op.layer(), op.ub()) {
+        (true, Loads::Measured(per_ub), Some(layer), Some(ub)) => per_ub
+            .get(ub as usize)
+            .and_then(|l| l.active_experts.get(layer as usize))
+            .map(|&n| f64::from(n))
+            .filter(|&n| n > 0.0),
+        _ => None,
+    }
+}
+
+/// The catalog charges a whole-layer expert read `min(experts, tokens x top_k)` experts
+/// (every routed token on an expert of its own): with the routing seen, the weight traffic
+/// holds the `seen` experts the tokens reached instead (the dense part unchanged), split
+/// over the `w` arguments in the catalog's proportions.
+fn read_seen_experts(
+    work: &mut Work,
+    op: &Op,
+    card: &crate::model::card::ModelCard,
+    shape: &Shape,
+    seen: f64,
+) {
+    let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
+    let counted = (card.experts as f64).min(shape.tokens as f64 * card.top_k as f64);
+    let is_weights = |m: &&mut catalog::MemTraffic| m.class == catalog::DataClass::Weights;
+    let total: f64 = work
+        .mem
+        .iter_mut()
+        .filter(is_weights)
+        .map(|m| m.bytes)
+        .sum();
+    if total <= 0.0 || !matches!(op, Op::PostAttn { .. } | Op::Experts { .. }) {
+        return;
+    }
+    let target = (total - counted * expert_bytes).max(0.0) + seen * expert_bytes;
+    for m in work.mem.iter_mut().filter(is_weights) {
+        m.bytes *= target / total;
     }
 }
 
@@ -361,7 +411,8 @@ fn task_work(
 /// stream their weight bytes at the `linear` curve's rate for their rows (tokens; sequences
 /// for `lm_head`); experts at the `expert_ffn` rate for the tokens routed to each active
 /// expert (uniform independent routing: the expected distinct active experts, each at
-/// the routed tokens over them); `post_attn` is both, its expert
+/// the routed tokens over them; a whole-layer task of a measured step that noted its
+/// routing: the experts it reached); `post_attn` is both, its expert
 /// weights at the FFN rate and the rest at the dense one; attention is its catalog FLOPs
 /// at the decode rate, or the prefill rate when it carries more tokens than sequences,
 /// and at least one measured smallest call (`attn_call_us`).
@@ -402,15 +453,9 @@ pub fn kernel_seconds(
     // catalog's `min(experts, tokens x top_k)` counts every routed token on a distinct
     // expert, which 3 prompt tokens (6 routed, 4.6 distinct of 8 expected) are not.
     // A measured step that saw this micro-batch's routing in this layer knows how many
-    // distinct experts its tokens reached: a whole-set task reads exactly those.
-    let seen_active = match (loads, task.op.layer(), task.op.ub()) {
-        (Loads::Measured(per_ub), Some(layer), Some(ub)) => per_ub
-            .get(ub as usize)
-            .and_then(|l| l.active_experts.get(layer as usize))
-            .map(|&n| f64::from(n))
-            .filter(|&n| n > 0.0),
-        _ => None,
-    };
+    // distinct experts its tokens reached: a whole-set task reads exactly those (its
+    // weight traffic already holds them, `read_seen_experts`).
+    let seen_active = seen_active_experts(program, id, loads);
     let routed_per_active = |set: &catalog::ExpertSet| {
         let routed = catalog::routed_tokens(set, card, &shape);
         let whole = set.len(card.experts) == card.experts;
@@ -429,11 +474,6 @@ pub fn kernel_seconds(
         }
         Op::LmHead { .. } => at(&kernels.linear, weights, shape.seqs as f64),
         Op::Experts { set, .. } => match routed_per_active(&set) {
-            // Every expert of the layer, with the routing seen: the experts it reached.
-            Some((active, rows)) if seen_active.is_some() && set == catalog::ExpertSet::All => {
-                let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
-                at(&kernels.expert_ffn, active * expert_bytes, rows)
-            }
             Some((_, rows)) => at(&kernels.expert_ffn, weights, rows),
             None => 0.0,
         },
@@ -442,7 +482,8 @@ pub fn kernel_seconds(
                 // The catalog's weight bytes hold min(experts, tokens x top_k) experts;
                 // the rest is the dense part (o_proj, norms, router).
                 let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
-                let counted = (card.experts as f64).min(tokens * card.top_k as f64);
+                let counted =
+                    seen_active.unwrap_or((card.experts as f64).min(tokens * card.top_k as f64));
                 let dense = weights - (counted * expert_bytes).min(weights);
                 at(&kernels.linear, dense, tokens)
                     + at(&kernels.expert_ffn, active * expert_bytes, rows)
@@ -1283,4 +1324,49 @@ fn stage1_for(
         gpu_tokens_per_s: profile.peak_flops(Processor::Gpu, ComputeDtype::Half)
             / gpu_flops_per_token.max(1.0),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::card::ModelCard;
+
+    /// mixtral-tiny (8 experts, top-2, an expert 3 x 128 x 256 x 2 = 196,608 B): a fused
+    /// `post_attn` of 3 tokens is charged min(8, 3 x 2) = 6 experts (1,179,648 B) plus its
+    /// dense 35,072 B, split 1:3 over two `w` arguments. The run saw 4 experts: 35,072 +
+    /// 4 x 196,608 = 821,504 B, split 205,376 / 616,128; activations untouched.
+    #[test]
+    fn seen_experts_replace_the_catalogs_count_in_the_weight_traffic_by_hand() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        assert_eq!(
+            crate::ir::CheckpointLayout::new(&card).expert_bytes,
+            196_608
+        );
+        let traffic = |class, bytes| catalog::MemTraffic {
+            space: Space::Gpu,
+            class,
+            bytes,
+        };
+        let mut work = Work {
+            flops: 1.0,
+            mem: vec![
+                traffic(catalog::DataClass::Weights, 303_680.0),
+                traffic(catalog::DataClass::Weights, 911_040.0),
+                traffic(catalog::DataClass::Activations, 1_000.0),
+            ],
+            copy: None,
+        };
+        let shape = Shape {
+            tokens: 3,
+            seqs: 1,
+            context: 3,
+            act_bytes: 4,
+        };
+        let op = Op::PostAttn { layer: 0, ub: 0 };
+        read_seen_experts(&mut work, &op, &card, &shape, 4.0);
+        let bytes: Vec<f64> = work.mem.iter().map(|m| m.bytes).collect();
+        assert!((bytes[0] - 205_376.0).abs() < 1e-6, "{bytes:?}");
+        assert!((bytes[1] - 616_128.0).abs() < 1e-6, "{bytes:?}");
+        assert_eq!(bytes[2], 1_000.0);
+    }
 }
