@@ -18,7 +18,8 @@
 # measured ms, the predicted ms and the measured / predicted ratio (each median taken on
 # its own), and the range of the N ratios: a single batch-1 run moves by ~15% from one run
 # to the next. Raw JSON goes to $OUT/<schedule>-<batch>-<run>.json; the probed profile to
-# $OUT/this-machine.ron.
+# $OUT/this-machine.ron. Before each run the checkpoint is read once into the page cache
+# (see `warm` below).
 #
 # Usage: scripts/replay-table.sh [--batches "1 16 64"] [--schedules "cgopipe ..."]
 #            [--runs 3] [--gen 8] [--threads 2] [--out DIR] [--no-build]
@@ -59,6 +60,18 @@ MOEC="$REPO/target/release/moec"
 mkdir -p "$OUT"
 PROFILE="$OUT/this-machine.ron"
 ${QUIET:-} "$MOEC" probe --threads "$THREADS" --size-mib 256 --out "$PROFILE" >&2
+
+# The checkpoint's folder (one untimed run generates it on first use; its JSON names the
+# tokenizer beside the weights). Each timed run starts with the weights in the page cache:
+# the profile models weights in DRAM, and an OS that pages out cold file pages between runs
+# (this machine runs a DAMON `pageout` kdamond) would otherwise make a run's first step read
+# them back from disk, a level no profile holds.
+"$MOEC" run schedules/cgopipe.sched --model mixtral-mid --gen-len 2 --prompt warm-up \
+    --hw "$PROFILE" --json > "$OUT/warm-up.json"
+CHECKPOINT=$(python3 -c 'import json, os, sys; print(os.path.dirname(json.load(open(sys.argv[1]))["tokenizer"]))' "$OUT/warm-up.json")
+warm() {
+    cat "$CHECKPOINT"/*.safetensors > /dev/null
+}
 
 # The schedule params for batch $2: two micro-batches of half the batch, one at batch 1.
 params() {
@@ -124,6 +137,7 @@ for s in $SCHEDULES; do
         failure=""
         for run in $(seq 1 "$RUNS"); do
             json="$OUT/$(echo "$s" | tr / _)-$b-$run.json"
+            warm
             # shellcheck disable=SC2046
             if ! ${QUIET:-} "$MOEC" run "schedules/$s.sched" --model mixtral-mid \
                 --workload "count=$b,mean=16,max=16,gen=$GEN" $(params "$s" "$b") \
