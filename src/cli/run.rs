@@ -270,17 +270,22 @@ pub fn execute_profiling(
         // And the runtime's fixed costs per task, blocking wait and stream thread.
         None => {
             let threads = args.settings.threads.unwrap_or(2).max(1);
-            probe_profile(
+            let probed = probe_profile(
                 "this-machine",
                 QUICK_PROBE_BYTES,
                 threads,
                 ProbeEffort::QUICK,
             )
-            .ok()
+            .map_err(|e| e.to_string())
             .and_then(|(_, mut profile)| {
-                profile.dispatch = Some(super::probe::measured_dispatch(threads).ok()?);
-                Some(profile)
-            })
+                profile.dispatch = Some(super::probe::measured_dispatch(threads)?);
+                Ok(profile)
+            });
+            // The run goes on without a prediction (the report says it is unavailable);
+            // why is said here, not dropped.
+            probed
+                .map_err(|e| eprintln!("moec: the quick probe of this machine failed ({e}): no HRM prediction; pass --hw PROFILE for one"))
+                .ok()
         }
     };
     // Bound weight copies take no time on this machine unless the link is throttled, so

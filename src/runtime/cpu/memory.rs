@@ -486,21 +486,9 @@ impl<'c> CpuMemory<'c> {
         runs: &[(u64, u64)],
     ) -> Result<(), MemoryError> {
         let started = Instant::now();
-        let (Some(&(first, _)), Some(end)) = (runs.first(), runs.iter().map(|r| r.0 + r.1).max())
-        else {
+        let Some((first, end)) = runs_span(runs, src, dst)? else {
             return Ok(());
         };
-        let within = src.len.min(dst.len);
-        if let Some(&(offset, len)) = runs
-            .iter()
-            .find(|(offset, len)| offset.saturating_add(*len) > within)
-        {
-            return Err(MemoryError::RunOutside {
-                offset,
-                len,
-                view: within,
-            });
-        }
         // The runs sit at the same offsets in both views, so they are disjoint exactly
         // when the spans they cover are (conservatively: a gap inside the span could let
         // interleaved runs pass, and no plan copies that way).
@@ -657,6 +645,31 @@ impl<'c> CpuMemory<'c> {
             lock(&self.maps[space_index(space)]).clear(view.start, view.start + view.len);
         }
     }
+}
+
+/// The span `(first, end)` that `runs` (offsets from both views' starts, sorted) cover, or
+/// `None` for no runs; an error names the first run past the shorter view.
+pub(crate) fn runs_span(
+    runs: &[(u64, u64)],
+    src: View,
+    dst: View,
+) -> Result<Option<(u64, u64)>, MemoryError> {
+    let (Some(&(first, _)), Some(end)) = (runs.first(), runs.iter().map(|r| r.0 + r.1).max())
+    else {
+        return Ok(None);
+    };
+    let within = src.len.min(dst.len);
+    if let Some(&(offset, len)) = runs
+        .iter()
+        .find(|(offset, len)| offset.saturating_add(*len) > within)
+    {
+        return Err(MemoryError::RunOutside {
+            offset,
+            len,
+            view: within,
+        });
+    }
+    Ok(Some((first, end)))
 }
 
 /// The labels `span` (offsets from `base`, sorted and disjoint: a weight map's pieces)

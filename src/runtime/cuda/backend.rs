@@ -290,6 +290,24 @@ impl<'c> CudaBackend<'c> {
             .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(driver("cuEventCreate"))
     }
+
+    /// A task's start and end events on `stream`, the start recorded (and the step's
+    /// origin, on its first task); the caller records the end after the task's work.
+    fn start_timing(&self, stream: &CudaStream) -> Result<(CudaEvent, CudaEvent), BackendError> {
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
+        {
+            let mut timing = lock(&self.timing);
+            if timing.origin.is_none() {
+                // Every stream is idle at a step's start (the last step was finished), so
+                // this event completes before any of the step's device work.
+                let origin = self.timing_event()?;
+                origin.record(stream).map_err(driver("cuEventRecord"))?;
+                timing.origin = Some(origin);
+            }
+        }
+        start.record(stream).map_err(driver("cuEventRecord"))?;
+        Ok((start, end))
+    }
 }
 
 impl Backend for CudaBackend<'_> {
@@ -329,20 +347,7 @@ impl Backend for CudaBackend<'_> {
             return self.host.run(stream, engine, task, state);
         };
         self.bind()?;
-        let (start, end) = (self.timing_event()?, self.timing_event()?);
-        {
-            let mut timing = lock(&self.timing);
-            if timing.origin.is_none() {
-                // Every stream is idle at a step's start (the last step was finished), so
-                // this event completes before any of the step's device work.
-                let origin = self.timing_event()?;
-                origin
-                    .record(&dev.stream)
-                    .map_err(driver("cuEventRecord"))?;
-                timing.origin = Some(origin);
-            }
-        }
-        start.record(&dev.stream).map_err(driver("cuEventRecord"))?;
+        let (start, end) = self.start_timing(&dev.stream)?;
         let cx = GpuCx {
             s: StreamCx {
                 device: &self.device,
@@ -376,19 +381,7 @@ impl Backend for CudaBackend<'_> {
         };
         let (src, dst) = self.host.copy_views(task, state)?;
         self.bind()?;
-        let (start, end) = (self.timing_event()?, self.timing_event()?);
-        {
-            let mut timing = lock(&self.timing);
-            if timing.origin.is_none() {
-                // As in `run`: every stream is idle at a step's start.
-                let origin = self.timing_event()?;
-                origin
-                    .record(&dev.stream)
-                    .map_err(driver("cuEventRecord"))?;
-                timing.origin = Some(origin);
-            }
-        }
-        start.record(&dev.stream).map_err(driver("cuEventRecord"))?;
+        let (start, end) = self.start_timing(&dev.stream)?;
         self.memory
             .copy_runs(self.host.host_memory(), &dev.stream, src, dst, runs)
             .map_err(|e| task_error(OpError::Memory(e)))?;

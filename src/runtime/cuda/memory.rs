@@ -13,7 +13,7 @@
 
 use super::device::Device;
 use crate::ir::Space;
-use crate::runtime::cpu::memory::{clip_to_runs, CpuMemory, MemoryError, Region, View};
+use crate::runtime::cpu::memory::{clip_to_runs, runs_span, CpuMemory, MemoryError, Region, View};
 use crate::runtime::cpu::weights::{WeightMap, WeightTag};
 use crate::runtime::driver::state::lock;
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
@@ -334,22 +334,9 @@ impl DeviceMemory {
             host.copy_runs(crate::ir::Engine::CpuCopy, src, dst, runs)?;
             return Ok(());
         }
-        let (Some(&(first, _)), Some(end)) = (runs.first(), runs.iter().map(|r| r.0 + r.1).max())
-        else {
+        let Some((first, end)) = runs_span(runs, src, dst)? else {
             return Ok(());
         };
-        let within = src.len.min(dst.len);
-        if let Some(&(offset, len)) = runs
-            .iter()
-            .find(|(offset, len)| offset.saturating_add(*len) > within)
-        {
-            return Err(MemoryError::RunOutside {
-                offset,
-                len,
-                view: within,
-            }
-            .into());
-        }
         let span = View {
             start: src.start + first,
             len: end - first,

@@ -366,17 +366,8 @@ impl<B: Backend> Runner<'_, B> {
 fn count_active_experts(loads: &mut [UbLoad], state: &StepState, experts: usize) {
     let mut seen = lock(&state.active_experts).clone();
     for (&key, r) in lock(&state.routing).iter() {
-        seen.entry(key).or_insert_with(|| {
-            let mut e: Vec<u32> = r
-                .experts
-                .iter()
-                .copied()
-                .filter(|&e| (e as usize) < experts)
-                .collect();
-            e.sort_unstable();
-            e.dedup();
-            e.len() as u32
-        });
+        seen.entry(key)
+            .or_insert_with(|| state::distinct_experts(r, experts));
     }
     for ((layer, ub), n) in seen {
         let Some(load) = loads.get_mut(ub as usize) else {

@@ -172,6 +172,20 @@ pub struct StepState {
     pub active_experts: Mutex<HashMap<(u32, u32), u32>>,
 }
 
+/// Distinct experts below `experts` that `routing` chose (a dense layer's routing, which
+/// names no expert, chooses none).
+pub fn distinct_experts(routing: &Routing, experts: usize) -> u32 {
+    let mut seen: Vec<u32> = routing
+        .experts
+        .iter()
+        .copied()
+        .filter(|&e| (e as usize) < experts)
+        .collect();
+    seen.sort_unstable();
+    seen.dedup();
+    seen.len() as u32
+}
+
 impl StepState {
     /// Empty state for `n_ubs` micro-batches.
     pub fn new(n_ubs: usize, sampling: Sampling, rngs: Vec<Rng>) -> Self {
@@ -193,17 +207,9 @@ impl StepState {
     }
 
     /// Notes how many distinct experts below `experts` `routing` reached in (layer, ub)
-    /// (a dense layer's routing, which names no expert, reaches none).
+    /// ([`distinct_experts`]).
     pub fn note_active_experts(&self, layer: u32, ub: u32, routing: &Routing, experts: usize) {
-        let mut seen: Vec<u32> = routing
-            .experts
-            .iter()
-            .copied()
-            .filter(|&e| (e as usize) < experts)
-            .collect();
-        seen.sort_unstable();
-        seen.dedup();
-        lock(&self.active_experts).insert((layer, ub), seen.len() as u32);
+        lock(&self.active_experts).insert((layer, ub), distinct_experts(routing, experts));
     }
 
     /// Clears what one step produced (keeps ubs and samplers).
