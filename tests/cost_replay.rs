@@ -418,6 +418,51 @@ fn each_step_kind_has_its_own_op_breakdown_by_hand() {
     }
 }
 
+/// A pass bounded to fewer new tokens, or a KV cache smaller, than the steady state
+/// wants admits fewer prompts:
+/// VSLPipe with 32 sequences per group, prompts of 24, 8 generated tokens and `tok_pct =
+/// 10` holds max(32 + 24, 32 x 24 x 10 / 100) = 76 new tokens per pass. The unbounded
+/// steady state would admit ceil(32 / 8) = 4 prompts; a admitted prompts keep a x 7
+/// sequences decoding, and a x (24 + 7) <= 76 gives a = 2: 48 prompt tokens, 14 sequences
+/// decoding at 24 + 8 / 2 = 28 (392 attended tokens), 62 tokens in all.
+#[test]
+fn vslpipe_pass_token_and_kv_budgets_cap_the_steady_state_by_hand() {
+    let source = std::fs::read_to_string("schedules/vslpipe.sched").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.workload = Workload {
+        batch: 4,
+        prompt_len: 24,
+        gen_len: 8,
+    };
+    options.sets = vec![("tok_pct".to_string(), "10".to_string())];
+    let c = compile(&source, &options).unwrap_or_else(|d| panic!("{d:?}"));
+    assert_eq!(c.program.micro_batches.mixed_tokens, 76);
+    let steady = moec::cost::predict::steady_mixed_loads(&c.program);
+    let expected = UbLoad {
+        prefill_seqs: 2,
+        prefill_tokens: 48,
+        decode_seqs: 14,
+        decode_context: 392,
+        active_experts: Vec::new(),
+    };
+    assert_eq!(steady, vec![expected; 2]);
+    // A KV cache of `kv_pct = 25`: max(32, 32 x 32 x 25 / 100) = 256 tokens per layer and
+    // group. A prompt in flight holds 24 of them and each of the 7 sequences it keeps
+    // decoding 28 on average: 220 per admitted prompt, so 1 prompt per pass, 7 decoding
+    // (196 attended tokens).
+    options.sets = vec![("kv_pct".to_string(), "25".to_string())];
+    let c = compile(&source, &options).unwrap_or_else(|d| panic!("{d:?}"));
+    let steady = moec::cost::predict::steady_mixed_loads(&c.program);
+    let expected = UbLoad {
+        prefill_seqs: 1,
+        prefill_tokens: 24,
+        decode_seqs: 7,
+        decode_context: 196,
+        active_experts: Vec::new(),
+    };
+    assert_eq!(steady, vec![expected; 2]);
+}
+
 /// `predict` costs VSLPipe's mixed step at MoE-Lens's steady state (§6.2): with 32
 /// sequences per group (the default `seqs`), prompts of 24 and 8 generated tokens, each
 /// sequence lives 8 passes, so a pass admits ceil(32 / 8) = 4 prompts (96 prompt tokens)

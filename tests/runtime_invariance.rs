@@ -166,6 +166,18 @@ fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<
                 if let Some(bad) = active_experts_out_of_bounds(&card, &stats) {
                     failures.push(format!("{name}: {bad}"));
                 }
+                // A mixed pass holds at most the micro-batch's declared new tokens.
+                let room = compiled.program.micro_batches.mixed_tokens as usize;
+                for (i, step) in stats.steps.iter().enumerate() {
+                    for (ub, l) in step.ubs.iter().enumerate() {
+                        let held = l.prefill_tokens + l.decode_seqs;
+                        if step.kind == moec::ir::StepKind::Mixed && held > room {
+                            failures.push(format!(
+                                "{name}: step {i} ub {ub} holds {held} new tokens, room {room}"
+                            ));
+                        }
+                    }
+                }
                 let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
                 if got != expected {
                     failures.push(format!(
@@ -309,5 +321,23 @@ fn vslpipe_preempts_when_kv_blocks_run_out_and_still_matches_the_oracle() {
         let (failures, preemptions) = run_card(&case, |_| None);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         assert!(preemptions > 0, "{card}: no sequence was preempted");
+    }
+}
+
+/// VSLPipe with a pass bounded to fewer tokens than its prompts (`tok_pct`): 3 sequences
+/// per group, prompts of 7, 3, 12, 5 and 9 tokens, max(3 + 12, 3 * 12 * 40 / 100) = 15
+/// new tokens per group and pass, so the scheduler spreads the prompts over several
+/// passes (the bound is checked in `run_card`). Tokens must still be the oracle's.
+#[test]
+fn vslpipe_with_a_pass_token_budget_still_matches_the_oracle() {
+    for card in ["mixtral-tiny", "dbrx-tiny"] {
+        let case = Case {
+            seqs_per_ub: Some("3"),
+            sets: &[("tok_pct", "40")],
+            only: Some("vslpipe"),
+            ..Case::new(card)
+        };
+        let (failures, _) = run_card(&case, |_| None);
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -177,24 +177,56 @@ pub enum Loads<'a> {
 }
 
 /// The steady state of MoE-Lens's resource-aware scheduler (§6.2) for one micro-batch
-/// group of `seqs` sequences: every sequence is prefilled once and then decodes `gen_len`
-/// tokens, so each pass admits `seqs / gen_len` new prompts (rounded up) while the rest
-/// decode at the mean context `prompt_len + gen_len / 2`.
+/// group of `seqs` sequences: every sequence is prefilled once and then decodes, living
+/// `gen_len` passes, so each pass admits `seqs / gen_len` new prompts (rounded up) while
+/// the rest decode at the mean context `prompt_len + gen_len / 2`. A group whose pass
+/// holds fewer new tokens than that (`microbatches .. tokens T`) admits only the `a`
+/// prompts for which `a` prompts and the `a x (gen_len - 1)` sequences they keep decoding
+/// fit in `T` (at least one), and has fewer sequences decoding. Likewise a group whose KV
+/// cache holds fewer tokens than its sequences in flight need (`kv_pct` below 100): the
+/// scheduler keeps only as many in flight as the cache holds, `a` prompts and `a x
+/// (gen_len - 1)` sequences at the mean context (MoE-Lens eq. 8-13: the KV capacity
+/// bounds the concurrency).
 pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
     let w = program.workload;
     let seqs = program.micro_batches.size as usize;
     let gen = w.gen_len.max(1) as usize;
     let prompt = w.prompt_len as usize;
-    let prefill_seqs = seqs.div_ceil(gen).min(seqs);
-    let decode_seqs = seqs - prefill_seqs;
+    let context = prompt + gen.div_ceil(2);
+    let tokens = program.micro_batches.mixed_tokens as usize;
+    let by_tokens = (tokens / (prompt + gen - 1).max(1)).max(1);
+    let by_kv = kv_capacity_tokens(program).map_or(usize::MAX, |kv| {
+        (kv / (prompt + (gen - 1) * context).max(1)).max(1)
+    });
+    let prefill_seqs = seqs.div_ceil(gen).min(by_tokens).min(by_kv).min(seqs);
+    let decode_seqs = (seqs - prefill_seqs).min(prefill_seqs * (gen - 1));
     let load = UbLoad {
         prefill_seqs,
         prefill_tokens: prefill_seqs * prompt,
         decode_seqs,
-        decode_context: decode_seqs * (prompt + gen.div_ceil(2)),
+        decode_context: decode_seqs * context,
         active_experts: Vec::new(),
     };
     vec![load; program.micro_batches.count as usize]
+}
+
+/// Tokens the smallest KV cache an attention task reads holds (its `kv` argument's bytes
+/// over a token's K and V of one layer), as the runtime's scheduler sizes a micro-batch's
+/// pool; `None` for a program whose attention reads no cache argument.
+fn kv_capacity_tokens(program: &Program) -> Option<usize> {
+    let per_token = program.model.kv_elems_per_token_layer();
+    program
+        .tasks
+        .iter()
+        .filter(|t| matches!(t.op, Op::Attn { .. }))
+        .flat_map(|t| {
+            let bytes = (per_token * t.shape.act_bytes).max(1);
+            t.args
+                .iter()
+                .filter(|a| a.role == Role::Kv)
+                .map(move |a| (a.slice.len / bytes) as usize)
+        })
+        .min()
 }
 
 /// The shape a per-micro-batch task has under a measured load. `attn(part = prefill)`
@@ -1245,6 +1277,15 @@ pub fn predict(
         .filter(|(s, _)| s.kind == StepKind::Prefill)
         .map(|(_, p)| p.seconds)
         .sum();
+    // A mixed pass gives a token to each sequence it holds in the scheduler's steady state
+    // (fewer than the group's slots when its tokens or KV cache bound it).
+    let sequences = match repeated.map(|i| program.steps[i].kind) {
+        Some(StepKind::Mixed) => steady
+            .iter()
+            .map(|l| (l.prefill_seqs + l.decode_seqs) as u64)
+            .sum(),
+        _ => sequences,
+    };
     let step_seconds = repeated.map(|i| steps[i].seconds);
     let decode_tokens_per_s = step_seconds.map(|s| sequences as f64 / s);
     let tokens_per_s =
