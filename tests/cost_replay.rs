@@ -421,7 +421,7 @@ fn each_step_kind_has_its_own_op_breakdown_by_hand() {
 /// A pass bounded to fewer new tokens, or a KV cache smaller, than the steady state
 /// wants admits fewer prompts:
 /// VSLPipe with 32 sequences per group, prompts of 24, 8 generated tokens and `tok_pct =
-/// 10` holds max(32 + 24, 32 x 24 x 10 / 100) = 76 new tokens per pass. The unbounded
+/// 10` holds max(32 + 24 + 8, 32 x 24 x 10 / 100) = 76 new tokens per pass. The unbounded
 /// steady state would admit ceil(32 / 8) = 4 prompts; a admitted prompts keep a x 7
 /// sequences decoding, and a x (24 + 7) <= 76 gives a = 2: 48 prompt tokens, 14 sequences
 /// decoding at 24 + 8 / 2 = 28 (392 attended tokens), 62 tokens in all.
