@@ -24,6 +24,22 @@ fn schedule_path(name: &str) -> std::path::PathBuf {
     }
 }
 
+/// `source` compiled with `options` (a failure panics with its rendered diagnostics) and
+/// each task's predecessors, as `predict` takes them.
+fn compiled_with_deps(
+    name: &str,
+    source: &str,
+    options: &Options,
+) -> (moec::compile::Compiled, Vec<Vec<TaskId>>) {
+    let compiled = compile(source, options)
+        .unwrap_or_else(|d| panic!("{name}: {}", moec::diag::render_all(&d, name, source)));
+    let dag = &compiled.info.dag;
+    let deps = (0..compiled.program.tasks.len())
+        .map(|t| dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
+        .collect();
+    (compiled, deps)
+}
+
 /// Generation tokens/s of a row on its profile's effective rates, unfitted.
 fn predicted(row: &PublishedRow, card: &ModelCard) -> f64 {
     let unfitted = Calibration {
@@ -49,17 +65,7 @@ fn predicted_at(row: &PublishedRow, card: &ModelCard, points: &[Calibration]) ->
         .iter()
         .map(|(k, v)| (k.clone(), v.to_string()))
         .collect();
-    let compiled = compile(&source, &options).unwrap_or_else(|d| {
-        panic!(
-            "{}: {}",
-            row.row,
-            moec::diag::render_all(&d, &row.schedule, &source)
-        )
-    });
-    let dag = &compiled.info.dag;
-    let deps: Vec<Vec<TaskId>> = (0..compiled.program.tasks.len())
-        .map(|t| dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
-        .collect();
+    let (compiled, deps) = compiled_with_deps(&row.schedule, &source, &options);
     points
         .iter()
         .map(|&point| {
@@ -256,11 +262,7 @@ fn predicted_policy(
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    let compiled = compile(&source, &options).expect("compiles");
-    let dag = &compiled.info.dag;
-    let deps: Vec<Vec<TaskId>> = (0..compiled.program.tasks.len())
-        .map(|t| dag.preds(TaskId::new(t)).iter().map(|d| d.from).collect())
-        .collect();
+    let (compiled, deps) = compiled_with_deps(schedule, &source, &options);
     predict(&compiled.program, &deps, &profile, &CostSettings::default())
         .expect("prediction")
         .tokens_per_s
