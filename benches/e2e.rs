@@ -1,14 +1,14 @@
-//! End to end: `generate` of 8 prompts x 8 tokens on mixtral-tiny through the sequential
-//! baseline and FlexGen-with-CPU-attention schedules (real weights, real kernels).
+//! End to end through the run API (`engine::run`, what `moec run` calls): 8 prompts x 8
+//! tokens on a synthetic mixtral-tiny checkpoint through the sequential baseline and
+//! FlexGen-with-CPU-attention schedules on the CPU backend (real weights, real kernels).
+//! Each iteration loads the checkpoint, compiles, lowers, runs and replays on the `t4`
+//! profile (named, so no quick probe of this machine runs inside the measurement).
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use moec::compile::{compile, Options};
-use moec::ir::Workload;
-use moec::lower::{lower, LowerOptions};
+use moec::engine::{run, RunRequest};
 use moec::model::card::ModelCard;
-use moec::model::checkpoint::Checkpoint;
+use moec::model::source::ModelSource;
 use moec::model::synth::{write_checkpoint, SynthOptions};
-use moec::runtime::{generate, RunOptions};
 
 fn bench(c: &mut Criterion) {
     let card = ModelCard::load("mixtral-tiny").expect("card");
@@ -23,12 +23,13 @@ fn bench(c: &mut Criterion) {
         },
     )
     .expect("synth");
-    let checkpoint = Checkpoint::open(&dir.path().join("ck")).expect("checkpoint");
-    let prompts: Vec<Vec<u32>> = (0..8)
+    // Prompt texts of 8 to 29 words, as the former token-id prompts' lengths.
+    let prompts: Vec<String> = (0..8)
         .map(|i| {
             (0..(8 + 3 * i))
-                .map(|t| (5 + i * 31 + t * 7) as u32)
-                .collect()
+                .map(|t| format!("w{}", (5 + i * 31 + t * 7) % 97))
+                .collect::<Vec<_>>()
+                .join(" ")
         })
         .collect();
     for sched in [
@@ -37,19 +38,21 @@ fn bench(c: &mut Criterion) {
     ] {
         let source = std::fs::read_to_string(format!("{}/{sched}", env!("CARGO_MANIFEST_DIR")))
             .expect("schedule");
-        let mut options = Options::new(card.clone());
-        options.workload = Workload {
-            batch: 8,
-            prompt_len: 29,
-            gen_len: 8,
+        let mut request = RunRequest::new(sched, &source, 8);
+        request.model = ModelSource {
+            card: None,
+            weights: Some(dir.path().join("ck")),
         };
-        let compiled = compile(&source, &options).unwrap_or_else(|_| panic!("{sched} compiles"));
-        let plan =
-            lower(&compiled.program, &compiled.info, &LowerOptions::default()).expect("lowers");
-        let mut run = RunOptions::greedy(8);
-        run.stop_at_eos = false;
-        c.bench_function(&format!("e2e/{}/8x8_tokens", plan.name), |b| {
-            b.iter(|| generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}).expect("runs"))
+        request.prompts = prompts.clone();
+        request.hw = Some("t4".to_string());
+        request.stop_at_eos = false;
+        let name = std::path::Path::new(sched)
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or(sched)
+            .to_string();
+        c.bench_function(&format!("e2e/{name}/8x8_tokens"), |b| {
+            b.iter(|| run(&request, &mut |_, _| {}).expect("runs"))
         });
     }
 }

@@ -3,7 +3,8 @@
 //! The crate is organised as a pipeline of stages, each handing the next a plain data
 //! type (see `ARCHITECTURE.md`): `syntax` (text -> AST), `elaborate` (AST -> IR),
 //! `check` (IR -> `ScheduleInfo`), `cost` (HRM, simulator, planner), `lower`
-//! (checked IR -> execution plan) and `runtime` (plan -> real inference). `model` holds
+//! (checked IR -> execution plan) and `runtime` (plan -> real inference); `engine` is the
+//! run API that chains them for a model and a backend. `model` holds
 //! the model cards, checkpoints, tokenizers, kernels and the reference forward pass; it
 //! knows nothing of the schedule language.
 
@@ -13,6 +14,7 @@ pub mod compile;
 pub mod cost;
 pub mod diag;
 pub mod elaborate;
+pub mod engine;
 pub mod ir;
 pub mod lower;
 pub mod model;

@@ -405,6 +405,15 @@ fn sources_under(dir: &str) -> Vec<(String, String)> {
     found
 }
 
+/// One source file under `src/`, as `(path, text)`.
+fn source_of(file: &str) -> (String, String) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src")
+        .join(file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    (path.display().to_string(), text)
+}
+
 /// The files of `dir` that name `module` in a path (`crate::module` or `moec::module`).
 fn importers(dir: &str, module: &str) -> Vec<String> {
     sources_under(dir)
@@ -442,6 +451,37 @@ fn stages_import_only_what_the_layering_allows() {
             assert!(
                 !text.contains(cpu_name),
                 "{path} names the CPU backend ({cpu_name})"
+            );
+        }
+    }
+    // Issue 27: backends side by side. The interface (`runtime/backend.rs`) and the CUDA
+    // backend name nothing of the CPU backend (host memory they share is `runtime::host`);
+    // no module of the runtime outside the driver imports the driver (the step a task
+    // reads is `runtime::step`). The runtime's root, which declares the driver and
+    // re-exports its API, is the one exception.
+    let mut cpu_namers = sources_under("runtime/cuda");
+    cpu_namers.push(source_of("runtime/backend.rs"));
+    for (path, text) in cpu_namers {
+        for (n, line) in text.lines().enumerate() {
+            assert!(
+                !line.contains("cpu::") && !line.contains("CpuBackend"),
+                "{path}:{}: names the CPU backend: {line}",
+                n + 1
+            );
+        }
+    }
+    for (path, text) in sources_under("runtime") {
+        if path.contains("runtime/driver/") || path.ends_with("src/runtime/mod.rs") {
+            continue;
+        }
+        for (n, line) in text.lines().enumerate() {
+            let imports_driver = ["runtime::driver", "super::driver", "super::super::driver"]
+                .iter()
+                .any(|p| line.contains(p));
+            assert!(
+                !imports_driver,
+                "{path}:{}: the driver is imported outside it: {line}",
+                n + 1
             );
         }
     }

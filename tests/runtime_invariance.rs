@@ -13,7 +13,7 @@ use moec::model::card::ModelCard;
 use moec::model::checkpoint::Checkpoint;
 use moec::model::oracle::{GenerateOptions, Oracle};
 use moec::model::synth::{write_checkpoint, SynthOptions};
-use moec::runtime::cpu::memory::WeightCopies;
+use moec::runtime::WeightCopies;
 use moec::runtime::{generate, RunOptions};
 use std::path::{Path, PathBuf};
 

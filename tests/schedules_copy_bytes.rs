@@ -349,6 +349,7 @@ fn dense_part_is_pre_plus_o_plus_gate() {
 
 /// Counts the bytes the runtime really moves in KV-part copies (`.context()`,
 /// `.appended()`), per step kind and direction, around the CPU backend.
+#[derive(Debug)]
 struct CountingKv<'c> {
     inner: moec::runtime::cpu::CpuBackend<'c>,
     /// (step kind, direction) -> bytes.
@@ -366,12 +367,15 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
     fn memory(&self) -> moec::runtime::backend::MemoryReport {
         self.inner.memory()
     }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
     fn run(
         &self,
         stream: moec::ir::StreamId,
         engine: moec::ir::Engine,
         task: &moec::lower::PlanTask,
-        state: &moec::runtime::driver::state::StepState,
+        state: &dyn moec::runtime::step::StepContext,
     ) -> Result<(), moec::runtime::backend::BackendError> {
         assert!(
             task.kv.is_none(),
@@ -386,7 +390,7 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         engine: moec::ir::Engine,
         task: &moec::lower::PlanTask,
         runs: &[(u64, u64)],
-        state: &moec::runtime::driver::state::StepState,
+        state: &dyn moec::runtime::step::StepContext,
     ) -> Result<(), moec::runtime::backend::BackendError> {
         if task.kv.is_some() {
             let dir = match engine {

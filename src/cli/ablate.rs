@@ -245,7 +245,7 @@ pub fn run(args: &AblateArgs) -> ExitCode {
         };
         let name = sched.display().to_string();
         match execute(&run_args, &mut |_, _| {}) {
-            Ok((finished, _)) => {
+            Ok(finished) => {
                 rows.push(row(name, &finished, reference.as_ref()));
                 if reference.is_none() {
                     reference = Some(finished.outputs);

@@ -104,10 +104,3 @@ fn cublas_line(status: &CudaStatus) -> String {
         (false, _) => "cuBLAS: not found".to_string(),
     }
 }
-
-/// Why `--backend cuda` cannot run a plan here, in one line: what is missing.
-pub(crate) fn cuda_run_refusal() -> Option<String> {
-    detect()
-        .missing()
-        .map(|missing| format!("cannot run on the CUDA backend: {missing}"))
-}

@@ -85,9 +85,10 @@ pub struct RunSettings {
     #[arg(long = "profile", value_name = "FILE")]
     pub routing_profile: Option<std::path::PathBuf>,
     /// Backend that executes the plan: `cpu`, or `cuda` (needs a CUDA driver, a device,
-    /// NVRTC and cuBLAS; without them one line names what is missing).
-    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
-    pub backend: Backend,
+    /// NVRTC and cuBLAS; without them one line names what is missing). The names are the
+    /// registry's (`runtime::registry`).
+    #[arg(long, default_value = "cpu", value_parser = backend())]
+    pub backend: &'static crate::runtime::Registration,
     /// How the CPU backend copies weights: `bind` moves a weight's label and lets the
     /// kernels read it from the mapped checkpoint (a DMA engine's copy: no compute core
     /// or memory bandwidth spent; `--link-gbps` still times it), `move` memcpys every
@@ -96,7 +97,7 @@ pub struct RunSettings {
     pub weight_copies: WeightCopies,
 }
 
-/// `--weight-copies` (the runtime's [`crate::runtime::cpu::memory::WeightCopies`]).
+/// `--weight-copies` (the runtime's [`crate::runtime::WeightCopies`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum WeightCopies {
     /// Move labels, read weights in place.
@@ -105,7 +106,7 @@ pub enum WeightCopies {
     Move,
 }
 
-impl From<WeightCopies> for crate::runtime::cpu::memory::WeightCopies {
+impl From<WeightCopies> for crate::runtime::WeightCopies {
     fn from(w: WeightCopies) -> Self {
         match w {
             WeightCopies::Bind => Self::Bind,
@@ -114,13 +115,13 @@ impl From<WeightCopies> for crate::runtime::cpu::memory::WeightCopies {
     }
 }
 
-/// Which backend executes a lowered plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Backend {
-    /// The CPU backend (`runtime`).
-    Cpu,
-    /// The CUDA backend (`runtime::cuda`: CUDA streams, events, kernels, cuBLAS).
-    Cuda,
+/// `--backend NAME`: a backend of the registry (clap lists the registry's names as the
+/// possible values).
+pub fn backend() -> impl clap::builder::TypedValueParser<Value = &'static crate::runtime::Registration>
+{
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(crate::runtime::registry::names())
+        .try_map(|name: String| crate::runtime::registry::find(&name))
 }
 
 /// `--prompt` / `--prompts`: prompt texts given on the command line or in a file.
@@ -177,14 +178,5 @@ pub fn load_routing_profile(
     path: &std::path::Path,
     card: &crate::model::card::ModelCard,
 ) -> Result<std::sync::Arc<crate::ir::profile::RoutingProfile>, String> {
-    // A profile of the largest card is a few MB of counts; the config cap bounds a wrong
-    // path (`/dev/zero`).
-    let text = crate::textfile::read_capped(path, crate::textfile::CONFIG_LIMIT)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let profile = crate::ir::profile::RoutingProfile::from_json(&text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    profile
-        .check_shape(card.layers, card.experts)
-        .map_err(|e| format!("{} does not fit {}: {e}", path.display(), card.name))?;
-    Ok(std::sync::Arc::new(profile))
+    crate::ir::profile::load_for_card(path, card)
 }

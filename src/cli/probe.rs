@@ -47,7 +47,7 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match measured_dispatch(threads) {
+    match crate::engine::dispatch::measured_dispatch(threads) {
         Ok(dispatch) => profile.dispatch = Some(dispatch),
         Err(e) => {
             eprintln!("{:?}", miette::Report::msg(e));
@@ -148,24 +148,4 @@ pub fn run(args: ProbeArgs) -> ExitCode {
 /// device nodes).
 pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> Result<(), String> {
     super::output::write_output(path, text)
-}
-
-/// The runtime's fixed costs on this machine (`runtime::cpu::dispatch`: no-op tasks through
-/// the real executor and a compute pool of `threads` threads), in the profile's terms and
-/// with their source. The CLI joins the two halves: `cost` and `runtime` do not import
-/// each other.
-pub(crate) fn measured_dispatch(
-    threads: usize,
-) -> Result<crate::cost::hardware::DispatchCosts, String> {
-    let times =
-        crate::runtime::cpu::dispatch::measure_dispatch(threads).map_err(|e| e.to_string())?;
-    Ok(crate::cost::hardware::DispatchCosts {
-        source: format!(
-            "moec probe: runtime::cpu::dispatch on {} threads, no-op tasks through the executor (best of 5): a chain on one stream, a two-stream ping-pong of blocking waits, one task on each of 6 streams",
-            times.threads
-        ),
-        task_us: times.task_s * 1e6,
-        wake_us: times.wake_s * 1e6,
-        stream_thread_us: times.stream_thread_s * 1e6,
-    })
 }

@@ -8,7 +8,7 @@
 //! the model really computed; a schedule without `gate` tasks (only `post_attn`) has no
 //! routing on the host and is refused rather than written as an empty profile.
 
-use super::run::{execute_profiling, Failure, RunArgs};
+use super::run::{request, Failure, RunArgs};
 use crate::ir::profile::RoutingProfile;
 use crate::model::card::ModelCard;
 use clap::Args;
@@ -40,9 +40,12 @@ pub fn run(args: &ProfileArgs) -> ExitCode {
         card.layers,
         card.experts,
     )));
-    let result = execute_profiling(&args.run, &mut |_, _| {}, Some(Arc::clone(&profile)));
+    let result = request(&args.run).and_then(|mut request| {
+        request.collect_routing = Some(Arc::clone(&profile));
+        crate::engine::run(&request, &mut |_, _| {})
+    });
     let finished = match result {
-        Ok((finished, _)) => finished,
+        Ok(finished) => finished,
         Err(Failure::Rendered(text)) => {
             eprint!("{text}");
             return ExitCode::from(1);

@@ -16,54 +16,15 @@
 
 use super::generate::fail;
 use super::inputs::{ModelArgs, PromptArgs, RunSettings};
-use crate::compile::{compile, Options};
-use crate::cost::hardware::{HardwareProfile, Level};
-use crate::cost::predict::{predict, CostSettings};
-use crate::cost::probe::{probe_profile, ProbeEffort};
-use crate::cost::replay::{predict_run, RunPrediction};
-use crate::diag;
-use crate::ir::{TaskId, Workload};
-use crate::lower::{lower, ExecPlan, LowerOptions};
-use crate::model::card::ModelCard;
-use crate::model::source::{load_model, LoadedModel};
-use crate::model::tokenizer::TextTokenizer;
-use crate::model::Sampling;
-use crate::records::RunStats;
-use crate::runtime::driver::report::{summarize, timeline, RunReport};
+use crate::cost::hardware::Level;
+use crate::cost::replay::RunPrediction;
+pub use crate::engine::{RunFailure as Failure, RunResult as Finished, DEFAULT_PROMPTS};
+use crate::engine::{RunRequest, BOUND_COPY_GB_S};
+use crate::runtime::driver::report::timeline;
 use crate::runtime::driver::workload::WorkloadSpec;
-use crate::runtime::BackendOptions;
-use crate::runtime::{generate, RunError, RunOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-
-/// Prompts used when none are given (varied lengths, so micro-batches mix sequence lengths).
-pub const DEFAULT_PROMPTS: [&str; 6] = [
-    "The capital of France is",
-    "Mixture-of-experts models route each token to a few experts, which",
-    "Once upon a time",
-    "To offload a large model from GPU memory to the CPU, an inference engine must overlap weight transfers with computation so that",
-    "The quick brown fox",
-    "In 1969, the first humans landed on the Moon. The mission was called",
-];
-
-/// The CUDA backend's line of the run report: the device, where the kernels came from,
-/// and the routing syncs ops made themselves.
-fn cuda_line(r: &crate::runtime::cuda::CudaReport) -> String {
-    format!(
-        "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
-         pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert)",
-        r.device,
-        r.arch,
-        r.ptx.compiled,
-        r.ptx.cached,
-        if r.pinned_registered {
-            "registered with the driver"
-        } else {
-            "empty or pageable"
-        },
-        r.routing_syncs
-    )
-}
+use std::time::Duration;
 
 /// Arguments of `moec run`.
 #[derive(Debug, Clone, clap::Args)]
@@ -110,46 +71,6 @@ pub struct RunArgs {
     pub dump_logits: Option<PathBuf>,
 }
 
-/// Everything a finished run produced (shared with `moec ablate`).
-#[derive(Debug)]
-pub struct Finished {
-    /// The lowered plan.
-    pub plan: ExecPlan,
-    /// Prompt token ids.
-    pub prompt_ids: Vec<Vec<u32>>,
-    /// Generated ids per prompt.
-    pub outputs: Vec<Vec<u32>>,
-    /// Measured stats.
-    pub stats: RunStats,
-    /// The summary.
-    pub report: RunReport,
-    /// The HRM replay of the executed steps on the profile (each at its real loads), if
-    /// predicted.
-    pub prediction: Option<RunPrediction>,
-    /// HRM seconds of the repeated step at the program's declared worst case (every
-    /// micro-batch full), if predicted.
-    pub worst_case_step_seconds: Option<f64>,
-    /// Profile used for the prediction.
-    pub profile: Option<HardwareProfile>,
-    /// How the CPU backend's compute pools use the cores, or the CUDA device and kernels
-    /// (the run report says it).
-    pub pools: String,
-    /// Bytes of the weights image that are not mapped from the checkpoint but decoded into
-    /// memory at load (gpt-oss MXFP4 experts, dequantized to bf16); 0 when all are mapped.
-    pub decoded_weight_bytes: u64,
-    /// Where the tokenizer came from: the weights folder's `tokenizer.json`, or the card's
-    /// embedded file when the folder has none (the run report says which).
-    pub tokenizer: String,
-}
-
-/// A failure ready to print.
-pub enum Failure {
-    /// Rendered diagnostics (schedule errors with spans).
-    Rendered(String),
-    /// A one-line message.
-    Message(String),
-}
-
 fn parse_kill(text: &str) -> Result<(u32, u32), String> {
     let (t, n) = text.split_once(':').unwrap_or((text, "1"));
     let bad = || format!("--kill-task `{text}`: expected N or N:M");
@@ -159,91 +80,25 @@ fn parse_kill(text: &str) -> Result<(u32, u32), String> {
     ))
 }
 
-/// Compiles, lowers and runs; `progress` sees (tokens done, tokens at most).
-pub fn execute(
-    args: &RunArgs,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<(Finished, Vec<(String, String)>), Failure> {
-    execute_profiling(args, progress, None)
-}
-
-/// [`execute`], adding every gate's routing to `routing` when given (`moec profile`).
-pub fn execute_profiling(
-    args: &RunArgs,
-    progress: &mut dyn FnMut(usize, usize),
-    routing: Option<std::sync::Arc<std::sync::Mutex<crate::ir::profile::RoutingProfile>>>,
-) -> Result<(Finished, Vec<(String, String)>), Failure> {
-    let on_cuda = args.settings.backend == super::inputs::Backend::Cuda;
-    if on_cuda {
-        // Before loading anything: a machine without a driver or device gets one line.
-        if let Some(refusal) = super::devices::cuda_run_refusal() {
-            return Err(Failure::Message(refusal));
-        }
-    }
-    let msg = |e: &dyn std::fmt::Display| Failure::Message(e.to_string());
+/// The run API's request for `moec run`'s flags (parsed and checked here, so the engine
+/// gets plain data).
+pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     let name = args.sched.display().to_string();
-    let source = crate::textfile::read_capped(&args.sched, crate::textfile::SOURCE_LIMIT)
+    let schedule = crate::textfile::read_capped(&args.sched, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| Failure::Message(format!("cannot read {name}: {e}")))?;
-    let LoadedModel {
-        checkpoint,
-        tokenizer,
-        ..
-    } = load_model(&args.model.source()).map_err(|e| msg(&e))?;
-    let card: ModelCard = checkpoint.card().clone();
-    let mut texts = args.prompt.texts().map_err(Failure::Message)?;
-    let mut gen_len = args.gen_len;
-    let mut prompt_ids: Vec<Vec<u32>> = texts
-        .iter()
-        .map(|t| tokenizer.encode(t))
-        .collect::<Result<_, _>>()
-        .map_err(|e| msg(&e))?;
-    if let Some(spec) = &args.settings.workload {
-        let spec = parse_workload(spec).map_err(Failure::Message)?;
-        gen_len = spec.gen_len.unwrap_or(gen_len);
-        let synthetic = spec.prompts(card.vocab as u32);
-        texts.extend(
-            synthetic
-                .iter()
-                .map(|p| format!("<{} synthetic tokens>", p.len())),
-        );
-        prompt_ids.extend(synthetic);
-    }
-    if prompt_ids.is_empty() {
-        // The README's main command: a small built-in prompt set of different lengths.
-        for text in DEFAULT_PROMPTS {
-            texts.push(text.to_string());
-            prompt_ids.push(tokenizer.encode(text).map_err(|e| msg(&e))?);
-        }
-    }
-    // A tokenizer takes 32 MiB (Mixtral's) to 95 MiB (cl100k) of heap, as much as the
-    // workspaces of a small model's run: it is dropped once the prompts are encoded and
-    // loaded again for decoding after the checkpoint is unmapped, so it never adds to the
-    // peak the weights set.
-    let tokenizer_dir = checkpoint.dir().to_path_buf();
-    drop(tokenizer);
-    if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
-        p.iter()
-            .find(|&&id| u64::from(id) >= card.vocab)
-            .map(|b| (i, b))
-    }) {
-        return Err(Failure::Message(format!(
-            "prompt {i}: token id {bad} is outside the checkpoint's vocabulary of {}",
-            card.vocab
-        )));
-    }
-    let mut options = Options::new(card.clone());
-    if let Some(path) = &args.settings.routing_profile {
-        options.profile =
-            Some(super::inputs::load_routing_profile(path, &card).map_err(Failure::Message)?);
-    }
-    options.workload = Workload {
-        batch: prompt_ids.len() as u64,
-        prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
-        gen_len: gen_len as u64,
-    };
+    let mut request = RunRequest::new(&name, &schedule, args.gen_len);
+    request.model = args.model.source();
+    request.prompts = args.prompt.texts().map_err(Failure::Message)?;
+    request.workload = args
+        .settings
+        .workload
+        .as_deref()
+        .map(parse_workload)
+        .transpose()
+        .map_err(Failure::Message)?;
     for set in &args.settings.sets {
         match set.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => options
+            Some((k, v)) if !k.trim().is_empty() => request
                 .sets
                 .push((k.trim().to_string(), v.trim().to_string())),
             _ => {
@@ -253,204 +108,59 @@ pub fn execute_profiling(
             }
         }
     }
-    let compiled = compile(&source, &options).map_err(|diags| {
-        let errors = diags.iter().filter(|d| d.is_error()).count();
-        let mut text = diag::render_all(&diags, &name, &source);
-        text.push_str(&format!(
-            "\n{name}: {errors} error(s); the schedule was rejected\n"
-        ));
-        Failure::Rendered(text)
-    })?;
-    let profile = match &args.settings.hw {
-        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| msg(&e))?),
-        // Four times a 64 MiB last-level cache: a buffer the size of the cache measured
-        // the cache, not DRAM (32 MiB gave 27 GB/s on a machine that streams 21 GB/s).
-        // The quick probe also times moec's own kernels per op kind (`cost::probe`), so
-        // the replay charges each task at the rate its kernel reaches here.
-        // And the runtime's fixed costs per task, blocking wait and stream thread.
-        None => {
-            let threads = args.settings.threads.unwrap_or(2).max(1);
-            let probed = probe_profile(
-                "this-machine",
-                QUICK_PROBE_BYTES,
-                threads,
-                ProbeEffort::QUICK,
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|(_, mut profile)| {
-                profile.dispatch = Some(super::probe::measured_dispatch(threads)?);
-                Ok(profile)
-            });
-            // The run goes on without a prediction (the report says it is unavailable);
-            // why is said here, not dropped.
-            probed
-                .map_err(|e| eprintln!("moec: the quick probe of this machine failed ({e}): no HRM prediction; pass --hw PROFILE for one"))
-                .ok()
-        }
-    };
-    // Bound weight copies take no time on this machine unless the link is throttled, so
-    // the replay on a profile of this machine's CPU backend (the quick probe, or a `moec
-    // probe` file: it carries moec's own kernel rates) charges them at BOUND_COPY_GB_S
-    // (the report says so); a paper's profile (`--hw t4`) is left as it is.
-    let measured_here = args.settings.hw.is_none()
-        || profile
-            .as_ref()
-            .is_some_and(|p| p.kernels.is_some() && p.dispatch.is_some());
-    let binds = !on_cuda
-        && measured_here
-        && args.settings.weight_copies == super::inputs::WeightCopies::Bind;
-    let profile = profile.map(|mut p| {
-        // Activations and KV are still copied at the probed memcpy rate.
-        if binds && args.settings.link_gbps.is_none() {
-            p.adjustments.weight_copy_bytes_per_s = BOUND_COPY_GB_S * crate::cost::hardware::GB;
-        }
-        if let Some(gbps) = args.settings.link_gbps {
-            p.links.host_to_gpu_gb_s = gbps;
-            p.links.gpu_to_host_gb_s = gbps;
-            p.links.pageable_to_gpu_gb_s = gbps;
-        }
-        p
-    });
-    let gpu_capacity = match &args.settings.gpu_mem {
-        Some(text) => Some(
-            crate::cost::budget::parse_bytes(text)
-                .map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))? as u64,
-        ),
-        None => None,
-    };
-    let lower_options = LowerOptions {
-        gpu_capacity,
-        read_all_routing: routing.is_some(),
-        ..LowerOptions::default()
-    };
-    let plan =
-        lower(&compiled.program, &compiled.info, &lower_options).map_err(|e| match e.span() {
-            Some(span) => {
-                Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
-            }
-            None => msg(&e),
-        })?;
-    refuse_what_does_not_fit(
-        &plan,
-        &compiled.program,
-        profile.as_ref(),
-        Budget {
-            sequences: prompt_ids.len(),
-            gpu_mem: gpu_capacity,
-            chosen_profile: args.settings.hw.is_some(),
-            on_cuda,
-        },
-    )?;
-    let mut run = RunOptions::greedy(gen_len);
-    run.sampling = if args.temperature > 0.0 {
-        Sampling::Temperature {
+    request.routing_profile = args.settings.routing_profile.clone();
+    request.hw = args.settings.hw.clone();
+    request.threads = args.settings.threads;
+    request.link_gbps = args.settings.link_gbps;
+    request.gpu_mem = gpu_capacity(args)?;
+    request.backend = args.settings.backend;
+    request.weight_copies = args.settings.weight_copies.into();
+    request.sampling = if args.temperature > 0.0 {
+        crate::model::Sampling::Temperature {
             temperature: args.temperature,
             top_p: 1.0,
         }
     } else {
-        Sampling::Greedy
+        crate::model::Sampling::Greedy
     };
-    run.seed = args.seed;
-    run.routing_profile = routing;
-    if let Some(p) = &options.profile {
-        run.eam_seed = p.requests.clone();
-    }
-    if let Some(t) = args.settings.threads {
-        run.backend.threads = t.max(1);
-    }
-    run.backend = BackendOptions {
-        link_gbps: args.settings.link_gbps,
-        gpu_capacity,
-        weight_copies: args.settings.weight_copies.into(),
-        ..run.backend
-    };
-    run.exec.watchdog = std::time::Duration::from_secs_f64(args.watchdog.max(0.01));
-    run.exec.drop_wait = args.test_drop_event;
-    run.capture_logits = args.dump_logits.is_some();
-    run.kill_task = args
+    request.seed = args.seed;
+    request.watchdog = Duration::from_secs_f64(args.watchdog.max(0.01));
+    request.kill_task = args
         .kill_task
         .as_deref()
         .map(parse_kill)
         .transpose()
         .map_err(Failure::Message)?;
-    // The tokenizer's and the quick probe's freed pages leave the resident set before the
-    // weights enter it.
-    release_freed_heap();
-    let ran = if on_cuda {
-        crate::runtime::cuda::generate(&plan, &checkpoint, &prompt_ids, &run, progress)
-            .map(|(outputs, stats, report)| (outputs, stats, cuda_line(&report)))
-    } else {
-        generate(&plan, &checkpoint, &prompt_ids, &run, progress).map(|(outputs, stats)| {
-            (
-                outputs,
-                stats,
-                crate::runtime::cpu::pool_split(run.backend.threads),
-            )
-        })
-    };
-    let (outputs, stats, pools) =
-        ran.map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
-            Some(span) => {
-                Failure::Rendered(render_span_error(&e.to_string(), span, &name, &source))
-            }
-            None => msg(&e),
-        })?;
-    if let Some(path) = &args.dump_logits {
-        let logits: Vec<&Option<Vec<f32>>> = outputs.iter().map(|o| &o.logits).collect();
-        let text = serde_json::json!({ "logits": logits }).to_string();
-        write_atomic(path, &text).map_err(Failure::Message)?;
-    }
-    let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
-    let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
-    let report = summarize(&plan, &stats, prompt_tokens, generated);
-    let (mut prediction, mut worst_case_step_seconds) = (None, None);
-    if let Some(p) = &profile {
-        let deps: &[Vec<TaskId>] = &plan.preds;
-        let settings = CostSettings::default();
-        prediction = predict_run(&compiled.program, deps, p, &settings, &stats, generated).ok();
-        worst_case_step_seconds = predict(&compiled.program, deps, p, &settings)
-            .ok()
-            .and_then(|pred| pred.step_seconds);
-    }
-    let outputs: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
-    let decoded_weight_bytes = checkpoint.decoded_bytes();
-    drop(checkpoint);
-    let tokenizer =
-        TextTokenizer::load(&card, Some(tokenizer_dir.as_path())).map_err(|e| msg(&e))?;
-    let texts_out = outputs
-        .iter()
-        .zip(&prompt_ids)
-        .map(|(o, p)| tokenizer.decode_continuation(p, o).unwrap_or_default())
-        .collect::<Vec<_>>();
-    let texts = texts.into_iter().zip(texts_out).collect();
-    Ok((
-        Finished {
-            plan,
-            prompt_ids,
-            outputs,
-            stats,
-            report,
-            prediction,
-            worst_case_step_seconds,
-            profile,
-            pools,
-            decoded_weight_bytes,
-            tokenizer: tokenizer.origin().to_string(),
-        },
-        texts,
-    ))
+    request.drop_event = args.test_drop_event;
+    request.capture_logits = args.dump_logits.is_some();
+    Ok(request)
 }
 
-/// Gives the pages of freed heap chunks back to the OS: glibc keeps a freed chunk below
-/// the heap's top mapped, so without this the dropped tokenizer's and the quick probe's
-/// pages would stay in the run's resident set.
-fn release_freed_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free memory of glibc's own arenas to the OS; it
-    // touches no live allocation and is thread-safe (it takes each arena's lock).
-    unsafe {
-        libc::malloc_trim(0);
+/// `--gpu-mem` in bytes.
+fn gpu_capacity(args: &RunArgs) -> Result<Option<u64>, Failure> {
+    args.settings
+        .gpu_mem
+        .as_deref()
+        .map(|text| {
+            crate::cost::budget::parse_bytes(text)
+                .map(|b| b as u64)
+                .map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))
+        })
+        .transpose()
+}
+
+/// Runs `moec run`'s request through the run API; `progress` sees (tokens done, tokens at
+/// most). Writes `--dump-logits`.
+pub fn execute(
+    args: &RunArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Finished, Failure> {
+    let finished = crate::engine::run(&request(args)?, progress)?;
+    if let Some(path) = &args.dump_logits {
+        let text = serde_json::json!({ "logits": finished.logits }).to_string();
+        write_atomic(path, &text).map_err(Failure::Message)?;
     }
+    Ok(finished)
 }
 
 /// How the run's copies were carried out, when the backend bound weight copies.
@@ -461,36 +171,6 @@ fn weight_copies_line(stats: &crate::records::run::RunStats) -> Option<String> {
         human(c.bound),
         human(c.moved)
     ))
-}
-
-/// Buffer of the quick probe behind the HRM replay on this machine.
-const QUICK_PROBE_BYTES: usize = 256 << 20;
-
-/// The rate at which the HRM replay on this machine charges copies whose weight bytes are
-/// bound rather than moved (`--weight-copies bind`): they move labels, not bytes.
-const BOUND_COPY_GB_S: f64 = 1e4;
-
-fn render_span_error(
-    message: &str,
-    span: crate::syntax::ast::Span,
-    name: &str,
-    source: &str,
-) -> String {
-    let report = miette::miette!(
-        labels = vec![miette::LabeledSpan::at(
-            span.start as usize..span.end as usize,
-            "this task"
-        )],
-        "{message}"
-    )
-    .with_source_code(miette::NamedSource::new(name, source.to_string()));
-    let handler =
-        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor());
-    let mut out = String::new();
-    if handler.render_report(&mut out, report.as_ref()).is_err() {
-        out = format!("error: {message}\n");
-    }
-    out
 }
 
 fn human(bytes: u64) -> String {
@@ -541,7 +221,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
         })
         .unwrap_or_else(|| "unlimited".into());
     let _ = writeln!(out, "{}", crate::model::kernels::isa::describe());
-    let _ = writeln!(out, "{}", f.pools);
+    let _ = writeln!(out, "{}", f.stats.backend);
     if let Some(line) = weight_copies_line(&f.stats) {
         let _ = writeln!(out, "{line}");
     }
@@ -650,11 +330,11 @@ fn cache_report_text(c: &crate::records::run::CacheReport) -> String {
 }
 
 /// The `--json` document.
-pub fn report_json(f: &Finished, texts: &[(String, String)]) -> serde_json::Value {
+pub fn report_json(f: &Finished) -> serde_json::Value {
     let outs: Vec<serde_json::Value> = f
         .outputs
         .iter()
-        .zip(texts)
+        .zip(&f.texts)
         .map(|(ids, (prompt, text))| serde_json::json!({"prompt": prompt, "token_ids": ids, "text": text}))
         .collect();
     serde_json::json!({
@@ -722,71 +402,6 @@ fn parse_workload(text: &str) -> Result<WorkloadSpec, String> {
     })
 }
 
-/// Refuses, before any arena is allocated, a plan that does not fit: first the budgets the
-/// run report prints (the hardware profile's, `--gpu-mem` for the `gpu` space), with the
-/// table `check` prints; then the memory the machine has available, since a profile may
-/// describe a larger machine than this one (issue 18: a schedule with `ctx x 10000` ran a
-/// 2-token job at 10 GB RSS, and larger ones were stopped by the OS). On the CUDA backend
-/// the `gpu` arena is on the device: it is left out of the machine's memory, and without
-/// `--hw` or `--gpu-mem` (the measured profile knows no device) out of the budgets too.
-fn refuse_what_does_not_fit(
-    plan: &ExecPlan,
-    program: &crate::ir::Program,
-    profile: Option<&HardwareProfile>,
-    budget: Budget,
-) -> Result<(), Failure> {
-    use crate::cost::budget::{budget_table, check_budget, BudgetOverrides};
-    let device_unknown = budget.on_cuda && !budget.chosen_profile && budget.gpu_mem.is_none();
-    let overrides = BudgetOverrides {
-        gpu_bytes: match budget.gpu_mem {
-            Some(bytes) => Some(bytes as f64),
-            None if device_unknown => Some(f64::INFINITY),
-            None => None,
-        },
-        host_bytes: None,
-    };
-    if let Err(e) = check_budget(program, profile, &overrides) {
-        return Err(Failure::Rendered(format!(
-            "error: this plan does not fit the run's memory budgets: {}; nothing was allocated \
-             (pass --hw PROFILE or --gpu-mem for other budgets)\nmemory (peak per space over the run)\n{}",
-            e.summary, e.table
-        )));
-    }
-    let Some(available) = crate::sysmem::available_bytes() else {
-        return Ok(());
-    };
-    let arenas: u64 = plan
-        .arenas
-        .iter()
-        .filter(|a| !(budget.on_cuda && a.space == crate::ir::Space::Gpu))
-        .map(|a| a.bytes)
-        .fold(0, u64::saturating_add);
-    let logits = (budget.sequences as u64)
-        .saturating_mul(program.model.vocab)
-        .saturating_mul(4);
-    let needed = arenas.saturating_add(logits);
-    if needed <= available {
-        return Ok(());
-    }
-    let table = budget_table(program, profile, &overrides);
-    Err(Failure::Rendered(format!(
-        "error: this plan needs {needed} bytes of memory ({arenas} in arenas, {logits} for logits) but the machine has {available} available (MemAvailable, /proc/meminfo); nothing was allocated\nmemory (peak per space over the run)\n{table}"
-    )))
-}
-
-/// What [`refuse_what_does_not_fit`] needs to know of the run besides the plan.
-#[derive(Debug, Clone, Copy)]
-struct Budget {
-    /// Sequences the run holds logits rows for.
-    sequences: usize,
-    /// `--gpu-mem`, in bytes.
-    gpu_mem: Option<u64>,
-    /// The profile was named with `--hw` (not measured on this machine).
-    chosen_profile: bool,
-    /// The `gpu` arena is on a CUDA device.
-    on_cuda: bool,
-}
-
 /// Runs `moec run`.
 pub fn run(args: &RunArgs) -> ExitCode {
     let bar = indicatif::ProgressBar::new(0);
@@ -803,7 +418,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
     };
     let result = execute(args, &mut progress);
     bar.finish_and_clear();
-    let (finished, texts) = match result {
+    let finished = match result {
         Ok(x) => x,
         Err(Failure::Rendered(text)) => {
             eprint!("{text}");
@@ -821,16 +436,14 @@ pub fn run(args: &RunArgs) -> ExitCode {
             return fail(e);
         }
     }
-    let gpu_capacity = args
-        .settings
-        .gpu_mem
-        .as_deref()
-        .and_then(|t| crate::cost::budget::parse_bytes(t).ok())
-        .map(|b| b as u64);
+    for note in &finished.notes {
+        eprintln!("moec: {note}");
+    }
+    let gpu_capacity = gpu_capacity(args).ok().flatten();
     if args.json {
-        println!("{}", report_json(&finished, &texts));
+        println!("{}", report_json(&finished));
     } else {
-        for (prompt, continuation) in &texts {
+        for (prompt, continuation) in &finished.texts {
             println!("{prompt}{continuation}");
         }
         print!("{}", report_text(&finished, gpu_capacity));

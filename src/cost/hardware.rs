@@ -114,7 +114,7 @@ pub struct HardwareProfile {
 
 /// Fixed costs of the runtime that runs a schedule, independent of the work: what a
 /// no-op task, a blocking wait and a step's stream threads cost. `moec probe` measures
-/// them on this machine (`runtime::cpu::dispatch`: no-op tasks through the real executor
+/// them on this machine (`engine::dispatch`: no-op tasks through the real executor
 /// and compute pool); a paper's profile may carry figures with their source.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DispatchCosts {

@@ -198,6 +198,24 @@ pub fn expected_share(
     }
 }
 
+/// Reads a routing profile file (`--profile FILE`, written by `moec profile`) and checks it
+/// has `card`'s layers and experts; errors name the file.
+pub fn load_for_card(
+    path: &std::path::Path,
+    card: &crate::model::card::ModelCard,
+) -> Result<std::sync::Arc<RoutingProfile>, String> {
+    // A profile of the largest card is a few MB of counts; the config cap bounds a wrong
+    // path (`/dev/zero`).
+    let text = crate::textfile::read_capped(path, crate::textfile::CONFIG_LIMIT)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let profile =
+        RoutingProfile::from_json(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    profile
+        .check_shape(card.layers, card.experts)
+        .map_err(|e| format!("{} does not fit {}: {e}", path.display(), card.name))?;
+    Ok(std::sync::Arc::new(profile))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

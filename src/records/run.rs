@@ -83,6 +83,9 @@ pub struct RunStats {
     /// Bytes the run's copies bound and moved, when the backend binds weight copies
     /// (the CPU backend's default); `None` when every copy moved its bytes.
     pub copies: Option<CopyTotals>,
+    /// The backend's own line for the run report: what ran the plan (the CPU backend's
+    /// pools, or a device, its kernels and what the run did there).
+    pub backend: String,
 }
 
 /// Bytes the copies of a run covered, by how they were carried out.

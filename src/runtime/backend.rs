@@ -20,7 +20,7 @@
 //! `read_routing` returns only once the routing is in host memory; after `finish_step`
 //! returns, every submitted task of the step has finished.
 
-use super::driver::state::StepState;
+use super::step::StepContext;
 use crate::ir::{Engine, StreamId, TaskId};
 use crate::lower::{EventId, PlanArg, PlanTask};
 use crate::model::kernels::moe::Routing;
@@ -51,8 +51,33 @@ pub struct BackendOptions {
     pub gpu_capacity: Option<u64>,
     /// How a backend that computes on host memory copies weights (`--weight-copies`); a
     /// device backend always moves the bytes.
-    pub weight_copies: super::cpu::memory::WeightCopies,
+    pub weight_copies: WeightCopies,
 }
+
+/// How a backend that computes on host memory carries out a copy of weight bytes
+/// (`--weight-copies`; `runtime::host::memory` says why binding is sound).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WeightCopies {
+    /// Move the labels of weight bytes, copy only the rest; kernels read weights from the
+    /// mapped checkpoint (a DMA engine's copy: no compute core spent on it).
+    #[default]
+    Bind,
+    /// Copy every byte with the copy stream's threads (memcpy at memory bandwidth).
+    Move,
+}
+
+impl WeightCopies {
+    /// The spelling of `--weight-copies`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WeightCopies::Bind => "bind",
+            WeightCopies::Move => "move",
+        }
+    }
+}
+
+/// Bytes the copies of a run bound (weights: labels moved) and moved (the rest).
+pub use crate::records::run::CopyTotals;
 
 /// Bytes a backend allocated for a plan.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -65,7 +90,7 @@ pub struct MemoryReport {
     pub pinned_locked: bool,
     /// Bytes the copies so far bound (weights) and moved, when the backend binds weight
     /// copies; `None` when every copy moves its bytes (device backends).
-    pub copies: Option<super::cpu::memory::CopyTotals>,
+    pub copies: Option<CopyTotals>,
     /// Bytes of the weights image whose page tables were populated before the first step.
     pub populated: u64,
 }
@@ -108,7 +133,7 @@ pub enum BackendError {
 /// An executing backend. Every method is called from the stream thread the driver runs
 /// for `stream`, except [`Backend::finish_step`] (the driver's thread, after every
 /// stream thread of the step has ended).
-pub trait Backend: Sync {
+pub trait Backend: Sync + std::fmt::Debug {
     /// A short name for reports (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
 
@@ -118,6 +143,11 @@ pub trait Backend: Sync {
     /// What it allocated for the plan.
     fn memory(&self) -> MemoryReport;
 
+    /// One line for the run report saying what runs the plan: the CPU backend's pools,
+    /// or a device, where its kernels came from and what the run did there. The driver
+    /// asks before the first step and again after the last.
+    fn describe(&self) -> String;
+
     /// Runs (synchronous backend) or submits (asynchronous) `task` on `stream`, whose
     /// engine is `engine`. The driver has already decided the task's guard; `state` is
     /// the step's control plane (micro-batch contents, sampler, read-back routing).
@@ -126,13 +156,13 @@ pub trait Backend: Sync {
         stream: StreamId,
         engine: Engine,
         task: &PlanTask,
-        state: &StepState,
+        state: &dyn StepContext,
     ) -> Result<(), BackendError>;
 
     /// Runs or submits, as one command on `stream`, a copy of `runs` of `task`'s `src`
     /// argument to the same offsets of its `dst` argument: each run is (offset from both
     /// arguments' starts, length), the runs sorted and disjoint (what a copy of part of a
-    /// KV cache moves, `runtime::driver::kv_copy::runs`). Bytes of `dst` outside the runs
+    /// KV cache moves, as the driver's KV-copy expansion gives them). Bytes of `dst` outside the runs
     /// are left alone; weight labels move with the bytes inside them. A run outside
     /// either argument is an error, and so are runs whose source and destination overlap.
     /// It is one task of the run's timeline, however many runs it has.
@@ -142,7 +172,7 @@ pub trait Backend: Sync {
         engine: Engine,
         task: &PlanTask,
         runs: &[(u64, u64)],
-        state: &StepState,
+        state: &dyn StepContext,
     ) -> Result<(), BackendError>;
 
     /// Marks `event` on `stream`: it completes when everything submitted before it on

@@ -2,8 +2,9 @@
 //!
 //! Takes a plan, the checkpoint and the [`BackendOptions`]; gives a [`CpuBackend`] that
 //! implements [`Backend`]. Every memory space is a host arena ([`memory`]), the weights
-//! image is the checkpoint's own memory maps ([`image`]), and ops call the model's kernels
-//! ([`ops`]): the oracle's kernels, so no second copy of the math. It is synchronous
+//! image is the checkpoint's own memory maps (`runtime::host`, which device backends share),
+//! and ops call the model's kernels ([`ops`]): the oracle's kernels, so no second copy of
+//! the math. It is synchronous
 //! (submission is completion): `record`/`wait` do nothing because the driver's host-side
 //! event table already orders the stream threads, and task times are the driver's host
 //! timings. `gpu.compute` and `cpu.compute` ops run in one shared rayon pool of `threads`
@@ -12,17 +13,15 @@
 //! shared pool instead lets whichever engine has work use every core ([`pool_split`] says
 //! so in the run report). Copies run on the calling stream thread.
 
-pub(crate) mod arena;
-pub mod dispatch;
-pub(crate) mod image;
-pub mod memory;
 pub(crate) mod ops;
-pub(crate) mod weights;
 
 use super::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
+    WeightCopies,
 };
-use super::driver::state::StepState;
+use super::host::memory::{HostMemory, MemoryError};
+use super::registry::{GpuSpace, HostEngine, Registration};
+use super::step::StepContext;
 use crate::ir::{Engine, StreamId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
@@ -30,8 +29,8 @@ use crate::model::card::WeightDtype;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::kernels::moe::Routing;
 use crate::model::kernels::rope::RopeTable;
-use memory::{CpuMemory, MemoryError};
 use ops::OpContext;
+use std::sync::Arc;
 
 /// Why the CPU backend could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +46,7 @@ pub enum CpuSetupError {
 /// The CPU backend for one plan and checkpoint.
 #[derive(Debug)]
 pub struct CpuBackend<'c> {
-    memory: CpuMemory<'c>,
+    memory: Arc<HostMemory<'c>>,
     arch: ArchSpec,
     rope: RopeTable,
     dtype: WeightDtype,
@@ -70,6 +69,44 @@ pub fn pool_split(threads: usize) -> String {
     )
 }
 
+/// The CPU backend in the registry (`runtime::registry`): the default, always available;
+/// every space is host memory, so weight copies may bind.
+pub const REGISTRATION: Registration = Registration {
+    name: "cpu",
+    about: "the CPU backend: every space in host memory, one compute pool for both engines",
+    gpu_space: GpuSpace::Host,
+    binds_weight_copies: true,
+    refusal: || None,
+    open: open_cpu,
+};
+
+fn setup_error(e: CpuSetupError) -> BackendError {
+    BackendError::Setup(Box::new(e))
+}
+
+fn open_cpu<'c>(
+    plan: &ExecPlan,
+    checkpoint: &'c Checkpoint,
+    options: &BackendOptions,
+    _host: HostEngine,
+) -> Result<Box<dyn Backend + 'c>, BackendError> {
+    Ok(Box::new(
+        CpuBackend::new(plan, checkpoint, options).map_err(setup_error)?,
+    ))
+}
+
+/// The CPU backend as a device backend's host engine (`registry::HostEngine`): it runs the
+/// plan's `cpu.*` streams over the host memory the device backend shares.
+pub fn host_engine<'c>(
+    plan: &ExecPlan,
+    memory: Arc<HostMemory<'c>>,
+    options: &BackendOptions,
+) -> Result<Box<dyn Backend + 'c>, BackendError> {
+    Ok(Box::new(
+        CpuBackend::over(plan, memory, options).map_err(setup_error)?,
+    ))
+}
+
 impl<'c> CpuBackend<'c> {
     /// Allocates the plan's arenas, maps the weights image onto `checkpoint` and builds
     /// the compute pool.
@@ -78,12 +115,16 @@ impl<'c> CpuBackend<'c> {
         checkpoint: &'c Checkpoint,
         options: &BackendOptions,
     ) -> Result<Self, CpuSetupError> {
-        Self::with_memory(plan, CpuMemory::new(plan, checkpoint, options)?, options)
+        let memory = HostMemory::new(plan, checkpoint, options)?;
+        Self::over(plan, Arc::new(memory), options)
     }
 
-    fn with_memory(
+    /// The CPU backend over host memory another backend shares: a device backend's host
+    /// side, running its plan's `cpu.compute` and `cpu.copy` tasks (`runtime::registry`
+    /// wires it in; with [`HostMemory::host_side`] there is no `gpu` arena here).
+    pub fn over(
         plan: &ExecPlan,
-        memory: CpuMemory<'c>,
+        memory: Arc<HostMemory<'c>>,
         options: &BackendOptions,
     ) -> Result<Self, CpuSetupError> {
         let arch = ArchSpec::from_card(&plan.model);
@@ -104,32 +145,12 @@ impl<'c> CpuBackend<'c> {
         })
     }
 
-    /// The host side of a device backend: the CPU backend over the `pinned` and `host`
-    /// arenas and the weights image, with no `gpu` arena (its tasks on `cpu.compute` and
-    /// `cpu.copy` run here; `gpu` lives in device memory).
-    pub(crate) fn host_side(
-        plan: &ExecPlan,
-        checkpoint: &'c Checkpoint,
-        options: &BackendOptions,
-    ) -> Result<Self, CpuSetupError> {
-        Self::with_memory(
-            plan,
-            CpuMemory::host_side(plan, checkpoint, options)?,
-            options,
-        )
-    }
-
-    /// The backend's memory (arenas, image, weight labels).
-    pub(crate) fn host_memory(&self) -> &CpuMemory<'c> {
-        &self.memory
-    }
-
     /// Threads of the shared compute pool.
     pub fn threads(&self) -> usize {
         self.threads
     }
 
-    fn ops<'s>(&'s self, state: &'s StepState) -> OpContext<'s> {
+    fn ops<'s>(&'s self, state: &'s dyn StepContext) -> OpContext<'s> {
         OpContext {
             arch: &self.arch,
             rope: &self.rope,
@@ -137,27 +158,6 @@ impl<'c> CpuBackend<'c> {
             state,
             dtype: self.dtype,
         }
-    }
-}
-
-impl CpuBackend<'_> {
-    /// The resolved `src` and `dst` arguments of a copy task.
-    pub(crate) fn copy_views(
-        &self,
-        task: &PlanTask,
-        state: &StepState,
-    ) -> Result<(memory::View, memory::View), BackendError> {
-        let view = |role: crate::ir::Role| {
-            let arg = task
-                .args
-                .iter()
-                .find(|a| a.role == role)
-                .ok_or(ops::OpError::MissingArg(role.as_str()))
-                .map_err(task_error)?;
-            let expert = state.arg_index(task.id, arg, self.arch.experts as u32);
-            self.memory.view(task, arg, expert).map_err(task_error)
-        };
-        Ok((view(crate::ir::Role::Src)?, view(crate::ir::Role::Dst)?))
     }
 }
 
@@ -179,13 +179,17 @@ impl Backend for CpuBackend<'_> {
         }
     }
 
+    fn describe(&self) -> String {
+        pool_split(self.threads)
+    }
+
     fn memory(&self) -> MemoryReport {
         let (arena_bytes, image_bytes) = self.memory.sizes();
         MemoryReport {
             arena_bytes,
             image_bytes,
             pinned_locked: self.memory.pinned_locked(),
-            copies: (self.memory.weight_copies() == memory::WeightCopies::Bind)
+            copies: (self.memory.weight_copies() == WeightCopies::Bind)
                 .then(|| self.memory.copy_totals()),
             populated: self.memory.populated(),
         }
@@ -196,7 +200,7 @@ impl Backend for CpuBackend<'_> {
         _stream: StreamId,
         engine: Engine,
         task: &PlanTask,
-        state: &StepState,
+        state: &dyn StepContext,
     ) -> Result<(), BackendError> {
         let ops = self.ops(state);
         let run = || ops.run(task).map_err(task_error);
@@ -212,9 +216,12 @@ impl Backend for CpuBackend<'_> {
         engine: Engine,
         task: &PlanTask,
         runs: &[(u64, u64)],
-        state: &StepState,
+        state: &dyn StepContext,
     ) -> Result<(), BackendError> {
-        let (src, dst) = self.copy_views(task, state)?;
+        let (src, dst) = self
+            .memory
+            .copy_views(task, state, self.arch.experts as u32)
+            .map_err(task_error)?;
         // On the calling stream thread, as every copy (module docs).
         self.memory
             .copy_runs(engine, src, dst, runs)

@@ -11,8 +11,6 @@
 //! `acc` slice is `[normalised rows | one output row per (token, k) | the shared expert's
 //! rows, for families with one]` (`expert_acc`).
 
-use super::memory::{CpuMemory, MemoryError, View};
-use super::weights::WeightTag;
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
@@ -34,7 +32,9 @@ use crate::model::weights::{
     DenseWeights, ExpertWeights, FusedExpert, QkvWeights, SharedExpertWeights,
 };
 use crate::runtime::args::MissingArg;
-use crate::runtime::driver::state::{lock, StepState};
+use crate::runtime::host::memory::{HostMemory, MemoryError, View};
+use crate::runtime::host::weights::WeightTag;
+use crate::runtime::step::{MicroBatchState, StepContext};
 
 /// A task's arguments with this backend's views.
 pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
@@ -111,9 +111,9 @@ pub struct OpContext<'a> {
     /// Rotary tables.
     pub rope: &'a RopeTable,
     /// Backend memory.
-    pub memory: &'a CpuMemory<'a>,
+    pub memory: &'a HostMemory<'a>,
     /// The step state.
-    pub state: &'a StepState,
+    pub state: &'a dyn StepContext,
     /// Stored dtype of the embedding, final norm and lm_head.
     pub dtype: crate::model::card::WeightDtype,
 }
@@ -129,8 +129,7 @@ fn f32s_mut<'a>(bytes: &'a mut [u8], role: &'static str) -> Result<&'a mut [f32]
 impl OpContext<'_> {
     /// An expert of an op's set (predictions never name one: elaboration refuses them).
     fn resolve_expert(&self, expert: ExpertRef) -> u32 {
-        self.state
-            .resolve_expert(None, expert, self.arch.experts as u32)
+        self.state.resolve_expert(expert, self.arch.experts as u32)
     }
 
     /// Resolves every argument of a task.
@@ -152,7 +151,7 @@ impl OpContext<'_> {
         let kernel = cpu_kernel(kind).ok_or(OpError::NoKernel(kind.name()))?;
         let args = TaskArgs::new(self.views(task)?);
         kernel(self, task, &args)?;
-        // A copy moves the weight labels with the bytes (`CpuMemory::copy`); every other
+        // A copy moves the weight labels with the bytes (`HostMemory::copy`); every other
         // op's writes leave activations where weights may have been.
         if kind != OpKind::Copy {
             for (a, v) in args.iter() {
@@ -164,8 +163,8 @@ impl OpContext<'_> {
         Ok(())
     }
 
-    fn ub(&self, ub: u32) -> Result<&crate::runtime::driver::state::MicroBatchState, OpError> {
-        self.state.ubs.get(ub as usize).ok_or(OpError::Ub(ub))
+    fn ub(&self, ub: u32) -> Result<&MicroBatchState, OpError> {
+        self.state.micro_batch(ub).ok_or(OpError::Ub(ub))
     }
 
     fn members(&self, set: ExpertSet) -> Vec<u32> {
@@ -873,9 +872,9 @@ fn sample_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result
         bytemuck::try_cast_slice_mut(out).map_err(|_| OpError::Align("tokens"))?;
     let tokens = cx.state.sample_rows(mb, l, vocab);
     ids[..tokens.len()].copy_from_slice(&tokens);
-    lock(&cx.state.sampled).insert(ub, tokens);
-    if cx.state.capture_logits {
-        lock(&cx.state.sampled_logits).insert(ub, l.to_vec());
+    cx.state.put_sampled(ub, tokens);
+    if cx.state.wants_logits() {
+        cx.state.put_logits(ub, l.to_vec());
     }
     Ok(())
 }

@@ -1,12 +1,14 @@
 //! The CUDA backend: runs a plan's `gpu.*` streams as CUDA streams and its `cpu.*` streams
-//! as host threads of the CPU backend, with the plan's events as CUDA events.
+//! as host threads of the host engine it is given, with the plan's events as CUDA events.
 //!
-//! Takes a plan, the checkpoint and the [`BackendOptions`]; gives a [`CudaBackend`] that
-//! implements [`Backend`], or a [`CudaSetupError`] naming what is missing (driver, device,
-//! NVRTC, cuBLAS) or what does not fit. Memory: `gpu` is one device allocation, `pinned`
-//! the CPU backend's arena registered with the driver, `host` and the checkpoint pageable
-//! ([`super::memory`]). Ops are [`super::ops`]; tasks on `cpu.compute`/`cpu.copy` run on
-//! the CPU backend's pools over the same host memory.
+//! Takes a plan, the host memory, a host engine and the [`BackendOptions`]; gives a
+//! [`CudaBackend`] that implements [`Backend`], or a [`CudaSetupError`] naming what is
+//! missing (driver, device, NVRTC, cuBLAS) or what does not fit. Memory: `gpu` is one
+//! device allocation, `pinned` the host memory's arena registered with the driver, `host`
+//! and the checkpoint pageable ([`super::memory`]). Ops are [`super::ops`]; tasks on
+//! `cpu.compute`/`cpu.copy` run on the host engine over the same host memory (the
+//! registry, `runtime::registry`, gives this backend the CPU backend's `over` that memory:
+//! the two backends sit side by side, neither inside the other).
 //!
 //! Cross-stream order, without spinning:
 //! - CUDA stream waits for CUDA stream: `cuStreamWaitEvent` on the recorded event;
@@ -28,14 +30,14 @@ use crate::ir::{Engine, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
-use crate::model::checkpoint::Checkpoint;
 use crate::model::kernels::moe::Routing;
 use crate::model::kernels::rope::RopeTable;
 use crate::runtime::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
 };
-use crate::runtime::cpu::{CpuBackend, CpuSetupError};
-use crate::runtime::driver::state::{lock, StepState};
+use crate::runtime::host::HostMemory;
+use crate::runtime::lock;
+use crate::runtime::step::StepContext;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
@@ -47,9 +49,6 @@ pub enum CudaSetupError {
     /// The device or its libraries.
     #[error(transparent)]
     Device(#[from] DeviceError),
-    /// The host side (pinned and host arenas, the weights image, pools).
-    #[error(transparent)]
-    Host(#[from] CpuSetupError),
     /// Device memory.
     #[error(transparent)]
     Memory(#[from] DeviceMemoryError),
@@ -135,7 +134,7 @@ pub struct CudaReport {
 #[derive(Debug)]
 pub struct CudaBackend<'c> {
     // Field order is drop order: device memory (unregisters the pinned arena) before the
-    // host side (which unmaps it); events and streams before the context.
+    // host side (whose memory unmaps it); events and streams before the context.
     memory: DeviceMemory,
     events: Vec<PlanEvent>,
     timing: Mutex<Timing>,
@@ -143,7 +142,9 @@ pub struct CudaBackend<'c> {
     /// Keeps the rotary tables alive; ops use `rope_ptrs`.
     _rope: (CudaSlice<f32>, CudaSlice<f32>),
     rope_ptrs: (u64, u64),
-    host: CpuBackend<'c>,
+    /// Runs the plan's host-stream tasks over `host_memory`.
+    host: Box<dyn Backend + 'c>,
+    host_memory: Arc<HostMemory<'c>>,
     arch: ArchSpec,
     dtype: WeightDtype,
     routing_syncs: AtomicUsize,
@@ -159,10 +160,13 @@ fn is_device(engine: Engine) -> bool {
 
 impl<'c> CudaBackend<'c> {
     /// Opens the device, loads the kernels, allocates the `gpu` arena and creates one CUDA
-    /// stream (and cuBLAS handle) per device stream of the plan.
+    /// stream (and cuBLAS handle) per device stream of the plan. `host_memory` is the
+    /// plan's host side (`HostMemory::host_side`: no `gpu` arena) and `host` the engine
+    /// that runs the plan's `cpu.*` streams over it.
     pub fn new(
         plan: &ExecPlan,
-        checkpoint: &'c Checkpoint,
+        host_memory: Arc<HostMemory<'c>>,
+        host: Box<dyn Backend + 'c>,
         options: &BackendOptions,
     ) -> Result<Self, CudaSetupError> {
         let device = Device::open()?;
@@ -172,10 +176,9 @@ impl<'c> CudaBackend<'c> {
                 detail: e.to_string(),
             }
         };
-        let host = CpuBackend::host_side(plan, checkpoint, options)?;
         let arch = ArchSpec::from_card(&plan.model);
         if let Some(what) =
-            super::ops::unsupported(&arch, &host.host_memory().layout().layer, plan.model.dtype)
+            super::ops::unsupported(&arch, &host_memory.layout().layer, plan.model.dtype)
         {
             return Err(CudaSetupError::Unsupported(what));
         }
@@ -203,7 +206,7 @@ impl<'c> CudaBackend<'c> {
             &setup_stream,
             gpu_bytes,
             options.gpu_capacity,
-            host.host_memory(),
+            &host_memory,
         )?;
         // The CPU's own tables (YaRN-scaled for gpt-oss), so rotary agrees bit for bit.
         let table = RopeTable::for_arch(&arch, arch.max_positions);
@@ -243,6 +246,7 @@ impl<'c> CudaBackend<'c> {
             _rope: rope,
             rope_ptrs,
             host,
+            host_memory,
             dtype: plan.model.dtype,
             arch,
             routing_syncs: AtomicUsize::new(0),
@@ -260,11 +264,6 @@ impl<'c> CudaBackend<'c> {
             routing_syncs: self.routing_syncs.load(Ordering::Relaxed),
             pinned_registered: self.memory.pinned_registered(),
         }
-    }
-
-    /// Threads of each host compute pool (`cpu.compute` tasks).
-    pub fn threads(&self) -> usize {
-        self.host.threads()
     }
 
     fn stream(&self, stream: StreamId) -> Option<&DevStream> {
@@ -324,6 +323,24 @@ impl Backend for CudaBackend<'_> {
         }
     }
 
+    fn describe(&self) -> String {
+        let r = self.report();
+        format!(
+            "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
+             pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert)",
+            r.device,
+            r.arch,
+            r.ptx.compiled,
+            r.ptx.cached,
+            if r.pinned_registered {
+                "registered with the driver"
+            } else {
+                "empty or pageable"
+            },
+            r.routing_syncs
+        )
+    }
+
     fn memory(&self) -> MemoryReport {
         let host = self.host.memory();
         MemoryReport {
@@ -340,10 +357,10 @@ impl Backend for CudaBackend<'_> {
         stream: StreamId,
         engine: Engine,
         task: &PlanTask,
-        state: &StepState,
+        state: &dyn StepContext,
     ) -> Result<(), BackendError> {
         let Some(dev) = self.stream(stream) else {
-            // A host stream: the CPU backend's pools over the same host memory.
+            // A host stream: the host engine over the same host memory.
             return self.host.run(stream, engine, task, state);
         };
         self.bind()?;
@@ -355,7 +372,7 @@ impl Backend for CudaBackend<'_> {
                 blas: &dev.blas,
             },
             mem: &self.memory,
-            host: self.host.host_memory(),
+            host: &self.host_memory,
             arch: &self.arch,
             rope: self.rope_ptrs,
             state,
@@ -374,16 +391,19 @@ impl Backend for CudaBackend<'_> {
         engine: Engine,
         task: &PlanTask,
         runs: &[(u64, u64)],
-        state: &StepState,
+        state: &dyn StepContext,
     ) -> Result<(), BackendError> {
         let Some(dev) = self.stream(stream) else {
             return self.host.copy_runs(stream, engine, task, runs, state);
         };
-        let (src, dst) = self.host.copy_views(task, state)?;
+        let (src, dst) = self
+            .host_memory
+            .copy_views(task, state, self.arch.experts as u32)
+            .map_err(|e| task_error(OpError::Memory(e.into())))?;
         self.bind()?;
         let (start, end) = self.start_timing(&dev.stream)?;
         self.memory
-            .copy_runs(self.host.host_memory(), &dev.stream, src, dst, runs)
+            .copy_runs(&self.host_memory, &dev.stream, src, dst, runs)
             .map_err(|e| task_error(OpError::Memory(e)))?;
         end.record(&dev.stream).map_err(driver("cuEventRecord"))?;
         lock(&self.timing).tasks.push((task.id, start, end));
@@ -436,8 +456,7 @@ impl Backend for CudaBackend<'_> {
         };
         self.bind()?;
         let view = self
-            .host
-            .host_memory()
+            .host_memory
             .view(gate, route, None)
             .map_err(|e| task_error(OpError::Memory(e.into())))?;
         let ptr = self

@@ -1,8 +1,8 @@
-//! The CUDA backend's memory: the `gpu` arena in device memory, the host side (the CPU
-//! backend's `pinned` and `host` arenas and the memory-mapped weights image), and copies
-//! between any two of them on a CUDA stream.
+//! The CUDA backend's memory: the `gpu` arena in device memory, the host side (the
+//! `pinned` and `host` arenas and the memory-mapped weights image of `runtime::host`), and
+//! copies between any two of them on a CUDA stream.
 //!
-//! Takes the plan's `gpu` arena size and the host side ([`CpuMemory`]); gives device
+//! Takes the plan's `gpu` arena size and the host side ([`HostMemory`]); gives device
 //! pointers for views into `gpu` ([`DeviceMemory::ptr`]), the weight labels of the device
 //! arena (so ops find their weights by tensor, as on the CPU), and [`DeviceMemory::copy`].
 //! The `pinned` arena is registered with the driver (`cuMemHostRegister`), so copies from
@@ -13,9 +13,11 @@
 
 use super::device::Device;
 use crate::ir::Space;
-use crate::runtime::cpu::memory::{clip_to_runs, runs_span, CpuMemory, MemoryError, Region, View};
-use crate::runtime::cpu::weights::{WeightMap, WeightTag};
-use crate::runtime::driver::state::lock;
+use crate::runtime::host::memory::{
+    clip_to_runs, runs_span, HostMemory, MemoryError, Region, View,
+};
+use crate::runtime::host::weights::{WeightMap, WeightTag};
+use crate::runtime::lock;
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::{Arc, Mutex};
 
@@ -100,7 +102,7 @@ impl DeviceMemory {
         stream: &Arc<CudaStream>,
         bytes: u64,
         capacity: Option<u64>,
-        host: &CpuMemory<'_>,
+        host: &HostMemory<'_>,
     ) -> Result<Self, DeviceMemoryError> {
         let (free, total) = result::mem_get_info().map_err(driver("cuMemGetInfo"))?;
         let (limit, why) = match capacity {
@@ -202,14 +204,14 @@ impl DeviceMemory {
         }
     }
 
-    fn labels_in(&self, host: &CpuMemory<'_>, view: View) -> Vec<(u64, u64, WeightTag, u64)> {
+    fn labels_in(&self, host: &HostMemory<'_>, view: View) -> Vec<(u64, u64, WeightTag, u64)> {
         match view.region {
             Region::Arena(Space::Gpu) => lock(&self.map).labels_in(view.start, view.len),
             region => host.labels_in(region, view.start, view.len),
         }
     }
 
-    fn relabel(&self, host: &CpuMemory<'_>, view: View, labels: &[(u64, u64, WeightTag, u64)]) {
+    fn relabel(&self, host: &HostMemory<'_>, view: View, labels: &[(u64, u64, WeightTag, u64)]) {
         match view.region {
             Region::Arena(Space::Gpu) => {
                 let mut map = lock(&self.map);
@@ -228,7 +230,7 @@ impl DeviceMemory {
     /// stream's earlier work, then copies on this thread.
     pub fn copy(
         &self,
-        host: &CpuMemory<'_>,
+        host: &HostMemory<'_>,
         stream: &CudaStream,
         src: View,
         dst: View,
@@ -320,7 +322,7 @@ impl DeviceMemory {
     /// host side's one copy of the runs.
     pub fn copy_runs(
         &self,
-        host: &CpuMemory<'_>,
+        host: &HostMemory<'_>,
         stream: &CudaStream,
         src: View,
         dst: View,
@@ -424,7 +426,7 @@ impl DeviceMemory {
     }
 }
 
-fn register_pinned(host: &CpuMemory<'_>) -> Result<Option<(usize, usize)>, DeviceMemoryError> {
+fn register_pinned(host: &HostMemory<'_>) -> Result<Option<(usize, usize)>, DeviceMemoryError> {
     let len = host.sizes().0[1] as usize;
     if len == 0 {
         return Ok(None);
@@ -438,7 +440,7 @@ fn register_pinned(host: &CpuMemory<'_>) -> Result<Option<(usize, usize)>, Devic
     let bytes = unsafe { host.bytes_mut(view)? };
     let ptr = bytes.as_mut_ptr();
     // SAFETY: `ptr` addresses `len` bytes of a live mapping that outlives the registration
-    // (the CPU memory is owned by the same backend and dropped after `DeviceMemory`).
+    // (the host memory is held by the same backend and dropped after `DeviceMemory`).
     unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, 0) }
         .result()
         .map_err(driver("cuMemHostRegister"))?;

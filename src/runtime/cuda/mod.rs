@@ -4,7 +4,7 @@
 //! Takes the machine, a plan and a checkpoint; gives a [`detect::CudaStatus`] (which of
 //! the driver, NVRTC and cuBLAS libraries load, and the devices the driver reports), PTX for
 //! every kernel ([`kernels::compile_all`]) and the executing [`CudaBackend`] (streams,
-//! events, device arenas, kernels and cuBLAS GEMMs; [`generate`] runs the driver on it).
+//! events, device arenas, kernels and cuBLAS GEMMs), registered as [`REGISTRATION`].
 //! Guarantees that nothing here panics when a library is missing: cudarc is built with
 //! dynamic loading and panics on any call into a library it cannot load, so every call is
 //! behind that library's presence check. The kernels mirror `model::kernels` (the CPU
@@ -23,32 +23,50 @@ pub use backend::{CudaBackend, CudaReport, CudaSetupError};
 
 use crate::lower::ExecPlan;
 use crate::model::checkpoint::Checkpoint;
-use crate::records::RunStats;
-use crate::runtime::{BackendError, RunError, RunOptions, RunOutput};
+use crate::runtime::backend::{Backend, BackendError, BackendOptions};
+use crate::runtime::host::HostMemory;
+use crate::runtime::registry::{GpuSpace, HostEngine, Registration};
+use std::sync::Arc;
 
-/// Runs `plan` on the CUDA backend over `prompts` (token ids), as `runtime::generate` does
-/// on the CPU; also gives what the backend found and did. Fails with
-/// [`BackendError::Unavailable`] (one line naming what is missing) when there is no usable
-/// driver, device, NVRTC or cuBLAS.
-pub fn generate(
+/// The CUDA backend in the registry (`runtime::registry`): the `gpu` space on the device,
+/// weight copies always move bytes, and it refuses to start, in one line naming what is
+/// missing, on a machine without a driver or device.
+pub const REGISTRATION: Registration = Registration {
+    name: "cuda",
+    about: "the CUDA backend: gpu.* streams as CUDA streams (NVRTC kernels, cuBLAS), cpu.* on the CPU backend beside it",
+    gpu_space: GpuSpace::Device,
+    binds_weight_copies: false,
+    refusal: run_refusal,
+    open: open_cuda,
+};
+
+/// Why a plan cannot run on the CUDA backend here, in one line: what is missing.
+pub fn run_refusal() -> Option<String> {
+    detect::detect()
+        .missing()
+        .map(|missing| format!("cannot run on the CUDA backend: {missing}"))
+}
+
+/// Sets the CUDA backend up over the plan's host side (no `gpu` arena in host memory)
+/// with `host` running its `cpu.*` streams. Fails with [`BackendError::Unavailable`] (one
+/// line naming what is missing) when there is no usable driver, device, NVRTC or cuBLAS.
+fn open_cuda<'c>(
     plan: &ExecPlan,
-    checkpoint: &Checkpoint,
-    prompts: &[Vec<u32>],
-    options: &RunOptions,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<(Vec<RunOutput>, RunStats, CudaReport), RunError> {
-    crate::runtime::driver::check_prompts(&plan.model, prompts, options.max_new_tokens)?;
-    let backend = CudaBackend::new(plan, checkpoint, &options.backend).map_err(|e| {
-        RunError::Backend(match e {
-            CudaSetupError::Device(device::DeviceError::Missing(what)) => {
-                BackendError::Unavailable(what)
-            }
-            other => BackendError::Setup(Box::new(other)),
-        })
+    checkpoint: &'c Checkpoint,
+    options: &BackendOptions,
+    host: HostEngine,
+) -> Result<Box<dyn Backend + 'c>, BackendError> {
+    let memory = HostMemory::host_side(plan, checkpoint, options)
+        .map_err(|e| BackendError::Setup(Box::new(e)))?;
+    let memory = Arc::new(memory);
+    let host = host(plan, Arc::clone(&memory), options)?;
+    let backend = CudaBackend::new(plan, memory, host, options).map_err(|e| match e {
+        CudaSetupError::Device(device::DeviceError::Missing(what)) => {
+            BackendError::Unavailable(what)
+        }
+        other => BackendError::Setup(Box::new(other)),
     })?;
-    let (outputs, stats) =
-        crate::runtime::driver::generate(plan, &backend, prompts, options, progress)?;
-    Ok((outputs, stats, backend.report()))
+    Ok(Box::new(backend))
 }
 
 /// What can go wrong finding CUDA or compiling the kernels.

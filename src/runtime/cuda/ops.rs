@@ -33,9 +33,9 @@ use crate::model::layout::SegmentKind;
 use crate::model::tensor::Orientation;
 use crate::runtime::args::MissingArg;
 use crate::runtime::backend::{decode_routing, ShortRoute};
-use crate::runtime::cpu::memory::{CpuMemory, View};
-use crate::runtime::cpu::weights::WeightTag;
-use crate::runtime::driver::state::{lock, MicroBatchState, StepState};
+use crate::runtime::host::memory::{HostMemory, View};
+use crate::runtime::host::weights::WeightTag;
+use crate::runtime::step::{MicroBatchState, StepContext};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A task's arguments with this backend's views.
@@ -105,13 +105,13 @@ pub struct GpuCx<'a> {
     /// The gpu arena.
     pub mem: &'a DeviceMemory,
     /// The host side (views, image layout).
-    pub host: &'a CpuMemory<'a>,
+    pub host: &'a HostMemory<'a>,
     /// Kernel-facing architecture.
     pub arch: &'a ArchSpec,
     /// Device addresses of the rotary cos and sin tables.
     pub rope: (u64, u64),
     /// The step state.
-    pub state: &'a StepState,
+    pub state: &'a dyn StepContext,
     /// Stored dtype of the embedding, final norm and lm_head.
     pub dtype: WeightDtype,
     /// Routing read back by an op itself (no plan read-back for its gate).
@@ -230,12 +230,11 @@ impl GpuCx<'_> {
 
     /// An expert of an op's set (predictions never name one: elaboration refuses them).
     fn resolve_expert(&self, expert: ExpertRef) -> u32 {
-        self.state
-            .resolve_expert(None, expert, self.arch.experts as u32)
+        self.state.resolve_expert(expert, self.arch.experts as u32)
     }
 
     fn ub(&self, ub: u32) -> Result<&MicroBatchState, OpError> {
-        self.state.ubs.get(ub as usize).ok_or(OpError::Ub(ub))
+        self.state.micro_batch(ub).ok_or(OpError::Ub(ub))
     }
 
     /// The device address of an argument holding at least `needed` bytes.
@@ -615,8 +614,8 @@ impl GpuCx<'_> {
     /// The routing of (layer, ub) on the host: the plan's read-back if there was one, else
     /// read from `route` on this stream (waits for the stream).
     fn host_routing(&self, layer: u32, ub: u32, route: u64, n: usize) -> Result<Routing, OpError> {
-        if let Some(r) = lock(&self.state.routing).get(&(layer, ub)) {
-            return Ok(r.clone());
+        if let Some(r) = self.state.read_back_routing(layer, ub) {
+            return Ok(r);
         }
         let k = self.arch.top_k;
         let mut bytes = vec![0u8; n * k * 8];
@@ -1385,12 +1384,12 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
     let logits = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
     let tokens_ptr = cx.ptr(args.need(Role::Tokens)?, "tokens", seqs * 4)?;
     let mut tokens = vec![0u32; seqs];
-    if cx.state.capture_logits {
+    if cx.state.wants_logits() {
         let mut host = vec![0f32; seqs * vocab];
         cx.s.download(logits, &mut host)?;
-        lock(&cx.state.sampled_logits).insert(ub, host);
+        cx.state.put_logits(ub, host);
     }
-    match cx.state.sampling {
+    match cx.state.sampling() {
         Sampling::Greedy => {
             cx.s.launch(
                 "argmax_rows",
@@ -1413,7 +1412,7 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
             cx.s.copy(tokens_ptr, up.ptr(), seqs * 4)?;
         }
     }
-    lock(&cx.state.sampled).insert(ub, tokens);
+    cx.state.put_sampled(ub, tokens);
     Ok(())
 }
 

@@ -16,62 +16,9 @@ use crate::lower::{EventId, ExecPlan, Instr, StepPlan};
 use crate::records::TaskRecord;
 use crate::runtime::backend::BackendError;
 use crate::span::Span;
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-thread_local! {
-    /// The step this stream thread runs (set for the thread's lifetime by [`run_step`]), so
-    /// a long wait inside a task — the CPU backend's link throttle — ends once the step is
-    /// abandoned, and is itself bounded by the watchdog, instead of holding up the join.
-    static STEP: RefCell<Option<StepWatch>> = const { RefCell::new(None) };
-}
-
-/// What a wait inside a task needs to know of its step.
-#[derive(Clone)]
-struct StepWatch {
-    aborted: Arc<AtomicBool>,
-    watchdog: Duration,
-}
-
-/// Why [`sleep_in_step`] returned before sleeping the whole time.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum SleepCut {
-    /// The step was aborted (a task failed or a waiting stream's watchdog fired).
-    Aborted,
-    /// The sleep alone would have outlasted the watchdog: it slept that long, no longer.
-    Watchdog(Duration),
-}
-
-/// Sleeps for `duration` in short slices inside a task on a stream thread, returning
-/// early once the step is aborted, and never longer than the watchdog (a task that
-/// sleeps past it would otherwise hold up the whole run with nobody waiting to notice).
-/// Off a stream thread it simply sleeps.
-pub fn sleep_in_step(duration: Duration) -> Result<(), SleepCut> {
-    const SLICE: Duration = Duration::from_millis(20);
-    let watch = STEP.with(|w| w.borrow().clone());
-    let limit = watch
-        .as_ref()
-        .map_or(duration, |w| duration.min(w.watchdog));
-    let until = Instant::now() + limit;
-    loop {
-        if watch
-            .as_ref()
-            .is_some_and(|w| w.aborted.load(Ordering::Relaxed))
-        {
-            return Err(SleepCut::Aborted);
-        }
-        let now = Instant::now();
-        if now >= until {
-            return match watch {
-                Some(w) if duration > w.watchdog => Err(SleepCut::Watchdog(w.watchdog)),
-                _ => Ok(()),
-            };
-        }
-        std::thread::sleep((until - now).min(SLICE));
-    }
-}
 
 /// Why a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +74,7 @@ struct Events {
     /// The event each stream is blocked on, if any.
     waiting_on: Vec<Option<u32>>,
     aborted: bool,
-    /// `aborted`, readable without the lock by [`sleep_in_step`].
+    /// `aborted`, readable without the lock by [`crate::runtime::step::sleep_in_step`].
     aborted_flag: Arc<AtomicBool>,
     last_progress: Instant,
     error: Option<ExecError>,
@@ -276,17 +223,10 @@ fn stream_thread(
             .unwrap_or_else(|e| e.into_inner())
             .aborted_flag,
     );
-    STEP.with(|w| {
-        *w.borrow_mut() = Some(StepWatch {
-            aborted,
-            watchdog: options.watchdog,
-        })
-    });
-    let records = stream_instructions(
+    let _watch = crate::runtime::step::watch_step(aborted, options.watchdog);
+    stream_instructions(
         plan, step, stream, program, runner, events, conds, options, origin,
-    );
-    STEP.with(|w| *w.borrow_mut() = None);
-    records
+    )
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -112,6 +112,9 @@ pub struct RunOptions {
     pub seed: u64,
     /// Stop a sequence at the card's EOS token.
     pub stop_at_eos: bool,
+    /// Which backend runs the plan (`runtime::generate` sets it up; the driver itself
+    /// runs on whatever backend it is given).
+    pub on: &'static super::registry::Registration,
     /// What the backend is set up with (threads, link throttle, device capacity).
     pub backend: super::backend::BackendOptions,
     /// Stall detection.
@@ -139,6 +142,7 @@ impl RunOptions {
             sampling: Sampling::Greedy,
             seed: 0,
             stop_at_eos: true,
+            on: super::registry::default_backend(),
             backend: super::backend::BackendOptions {
                 threads: std::thread::available_parallelism()
                     .map(|n| n.get())
@@ -165,7 +169,7 @@ pub struct RunOutput {
 
 /// The driver's side of a step: guards, the kill hook and routing read-back, around the
 /// backend's commands.
-struct Runner<'a, B: Backend> {
+struct Runner<'a, B: Backend + ?Sized> {
     plan: &'a ExecPlan,
     backend: &'a B,
     state: &'a StepState,
@@ -184,7 +188,7 @@ struct UnknownRouting {
     layer: u32,
 }
 
-impl<B: Backend> Runner<'_, B> {
+impl<B: Backend + ?Sized> Runner<'_, B> {
     fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
         for lit in &task.guard.lits {
             let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
@@ -203,7 +207,7 @@ impl<B: Backend> Runner<'_, B> {
     }
 }
 
-impl<B: Backend> Runner<'_, B> {
+impl<B: Backend + ?Sized> Runner<'_, B> {
     /// A `fetch` or `prefetch`: resolve the expert, take a slot (a hit takes the resident
     /// one), and on a copy wait for every reader of the slot's previous expert and fence
     /// the fill, so a device never overwrites a slot still read nor reads one still filled.
@@ -386,7 +390,7 @@ fn count_active_experts(loads: &mut [UbLoad], state: &StepState, experts: usize)
 #[error("the plan names expert cache {0}, which this run has not set up")]
 struct UnknownCache(u32);
 
-impl<B: Backend> StreamOps for Runner<'_, B> {
+impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
     fn run_task(&self, stream: StreamId, task: TaskId) -> Result<bool, BackendError> {
         let t = &self.plan.tasks[task.index()];
         if let Some((kill, nth)) = self.kill {
@@ -446,7 +450,7 @@ impl<B: Backend> StreamOps for Runner<'_, B> {
 
 /// Everything a step's [`Runner`] needs but the step state, which the driver mutates
 /// between steps.
-struct StepRunner<'a, B: Backend> {
+struct StepRunner<'a, B: Backend + ?Sized> {
     plan: &'a ExecPlan,
     backend: &'a B,
     kill: Option<(u32, u32)>,
@@ -455,7 +459,7 @@ struct StepRunner<'a, B: Backend> {
     origin: Instant,
 }
 
-impl<B: Backend> StepRunner<'_, B> {
+impl<B: Backend + ?Sized> StepRunner<'_, B> {
     /// Runs step `index` over `state`: (start, end) seconds from the origin and its tasks
     /// (device-measured times replace the host's when the backend has them).
     fn run(
@@ -572,7 +576,7 @@ pub fn check_prompts(
 /// Runs `plan` on `backend` (set up for this plan) over `prompts` (token ids) and returns
 /// the outputs in prompt order. `progress` is called after every step with (tokens
 /// generated so far, tokens at most).
-pub fn generate<B: Backend>(
+pub fn generate<B: Backend + ?Sized>(
     plan: &ExecPlan,
     backend: &B,
     prompts: &[Vec<u32>],
@@ -646,6 +650,7 @@ pub fn generate<B: Backend>(
         arena_bytes: memory.arena_bytes,
         image_bytes: memory.image_bytes,
         image_populated: memory.populated,
+        backend: backend.describe(),
         ..RunStats::default()
     };
     let origin = Instant::now();
@@ -860,6 +865,8 @@ pub fn generate<B: Backend>(
     }
     stats.wall = origin.elapsed().as_secs_f64();
     stats.copies = backend.memory().copies;
+    // Said again at the end: a device backend's line counts what the run did.
+    stats.backend = backend.describe();
     stats.caches = state
         .caches
         .iter()

@@ -9,58 +9,16 @@
 //! writes `ubs` only between steps (no stream thread is running then); everything ops
 //! write during a step is behind a mutex, held only for a lookup or an insert.
 
+use crate::ir::{ExpertRef, TaskId};
+use crate::lower::PlanArg;
 use crate::model::kernels::moe::Routing;
 use crate::model::kernels::sampling::Sampling;
 use crate::model::rng::Rng;
+pub use crate::runtime::lock;
+use crate::runtime::step::StepContext;
+pub use crate::runtime::step::{MicroBatchState, SeqSlot};
 use std::collections::HashMap;
 use std::sync::Mutex;
-
-/// One sequence's part of a micro-batch in one step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeqSlot {
-    /// Index of the request (prompt) this sequence answers.
-    pub request: usize,
-    /// Tokens already in its KV cache.
-    pub context_len: usize,
-    /// New tokens this step runs (the prompt, or the last sampled token).
-    pub new_tokens: Vec<u32>,
-    /// Its blocks in the micro-batch's KV cache slice (same ids in every layer).
-    pub block_table: Vec<u32>,
-    /// True while its prompt is being run (selects `attn(part = prefill)`).
-    pub prefill: bool,
-}
-
-/// A micro-batch's sequences in one step.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct MicroBatchState {
-    /// Sequences, in row order.
-    pub seqs: Vec<SeqSlot>,
-    /// Tokens per KV block in this micro-batch's cache slices.
-    pub block_size: usize,
-}
-
-impl MicroBatchState {
-    /// New tokens in the step.
-    pub fn n_tokens(&self) -> usize {
-        self.seqs.iter().map(|s| s.new_tokens.len()).sum()
-    }
-
-    /// Token ids in row order.
-    pub fn token_ids(&self) -> Vec<u32> {
-        self.seqs
-            .iter()
-            .flat_map(|s| s.new_tokens.iter().copied())
-            .collect()
-    }
-
-    /// Positions in row order.
-    pub fn positions(&self) -> Vec<usize> {
-        self.seqs
-            .iter()
-            .flat_map(|s| (0..s.new_tokens.len()).map(move |j| s.context_len + j))
-            .collect()
-    }
-}
 
 /// Hot-expert prediction for `hot(layer, rank)` (Klotski): running statistics of how often
 /// each expert is chosen, and of which experts follow which from one layer to the next.
@@ -307,10 +265,47 @@ impl StepState {
     }
 }
 
-/// Locks a mutex, recovering the data if a panicking thread poisoned it (every critical
-/// section here is a single insert or lookup, so the data is consistent).
-pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// The step as a backend's ops see it: the driver's state behind the interface's trait.
+impl StepContext for StepState {
+    fn micro_batch(&self, ub: u32) -> Option<&MicroBatchState> {
+        self.ubs.get(ub as usize)
+    }
+
+    fn resolve_expert(&self, expert: ExpertRef, experts: u32) -> u32 {
+        StepState::resolve_expert(self, None, expert, experts)
+    }
+
+    fn arg_index(&self, task: TaskId, arg: &PlanArg, experts: u32) -> Option<u32> {
+        StepState::arg_index(self, task, arg, experts)
+    }
+
+    fn read_back_routing(&self, layer: u32, ub: u32) -> Option<Routing> {
+        lock(&self.routing).get(&(layer, ub)).cloned()
+    }
+
+    fn sampling(&self) -> &Sampling {
+        &self.sampling
+    }
+
+    fn sample_rows(&self, mb: &MicroBatchState, logits: &[f32], vocab: usize) -> Vec<u32> {
+        StepState::sample_rows(self, mb, logits, vocab)
+    }
+
+    fn put_sampled(&self, ub: u32, tokens: Vec<u32>) {
+        lock(&self.sampled).insert(ub, tokens);
+    }
+
+    fn wants_logits(&self) -> bool {
+        self.capture_logits
+    }
+
+    fn put_logits(&self, ub: u32, logits: Vec<f32>) {
+        lock(&self.sampled_logits).insert(ub, logits);
+    }
+
+    fn note_active_experts(&self, layer: u32, ub: u32, routing: &Routing, experts: usize) {
+        StepState::note_active_experts(self, layer, ub, routing, experts);
+    }
 }
 
 #[cfg(test)]

@@ -1,12 +1,15 @@
-//! The CPU backend's memory: one arena per space, the weights image, and the weight maps.
+//! Host memory every backend uses: one arena per space, the weights image, and the weight
+//! maps. The CPU backend computes on all of it; a device backend keeps `gpu` in device
+//! memory and uses the `pinned` and `host` arenas and the image from here
+//! ([`HostMemory::host_side`]).
 //!
-//! Takes a plan, a checkpoint and the backend options; gives a [`CpuMemory`] that resolves
+//! Takes a plan, a checkpoint and the backend options; gives a [`HostMemory`] that resolves
 //! a task argument to bytes in exactly one arena (or the weights image), enforcing the
 //! engine/space discipline at run time (a `gpu.compute` op only ever gets views into the
 //! `gpu` arena), and copies bytes between arenas (with an optional link throttle so
 //! transfers take the time a PCIe link would). The `gpu` arena has the plan's capacity;
 //! the `pinned` arena is page-locked when the OS allows (reported by
-//! [`CpuMemory::pinned_locked`]). The weights image `W` is not allocated: it is a
+//! [`HostMemory::pinned_locked`]). The weights image `W` is not allocated: it is a
 //! read-only [`MappedImage`] over the checkpoint's memory maps (pageable), viewed one
 //! tensor at a time and copied out of range by range.
 //!
@@ -15,7 +18,7 @@
 //! bytes and every other write clears them), so a kernel may read `T` from the image
 //! instead. In `Bind` mode (the default) a copy therefore moves the labels of the weight
 //! bytes it covers and copies only the unlabelled bytes (activations, KV, padding), and
-//! [`CpuMemory::find_weight`] answers with the image's bytes of a tensor found in an
+//! [`HostMemory::find_weight`] answers with the image's bytes of a tensor found in an
 //! arena. That is the copy engines of a GPU box: a DMA transfer takes link time (the
 //! `--link-gbps` throttle still applies to the bytes the copy stands for) but neither
 //! the compute cores nor their memory bandwidth, which a memcpy on the CPU backend's two
@@ -28,36 +31,13 @@ use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
 use crate::model::checkpoint::Checkpoint;
-use crate::runtime::backend::BackendOptions;
-use crate::runtime::driver::executor::SleepCut;
-use crate::runtime::driver::state::lock;
+use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
+use crate::runtime::lock;
+use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// How the CPU backend carries out a copy of weight bytes (module docs).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum WeightCopies {
-    /// Move the labels of weight bytes, copy only the rest; kernels read weights from the
-    /// mapped checkpoint (a DMA engine's copy: no compute core spent on it).
-    #[default]
-    Bind,
-    /// Copy every byte with the copy stream's threads (memcpy at memory bandwidth).
-    Move,
-}
-
-impl WeightCopies {
-    /// The spelling of `--weight-copies`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WeightCopies::Bind => "bind",
-            WeightCopies::Move => "move",
-        }
-    }
-}
-
-pub use crate::records::run::CopyTotals;
 
 /// Copies at least this long are split over the machine's cores. One thread's memcpy
 /// stays well below the memory bandwidth (`moec probe` on the 2-core machine of
@@ -122,9 +102,12 @@ pub struct View {
     pub len: u64,
 }
 
-/// Problems of the CPU backend's memory.
+/// Problems of host memory.
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
+    /// A copy task without its `src` or `dst` argument (the catalog gives every copy both).
+    #[error("the copy has no `{0}` argument")]
+    MissingArg(&'static str),
     /// An arena could not be allocated or viewed.
     #[error(transparent)]
     Arena(#[from] ArenaError),
@@ -196,7 +179,7 @@ pub enum MemoryError {
 
 /// Arenas, image and weight maps; the image borrows the checkpoint's memory maps.
 #[derive(Debug)]
-pub struct CpuMemory<'c> {
+pub struct HostMemory<'c> {
     arenas: [Arena; 3],
     image: MappedImage<'c>,
     layout: ImageLayout,
@@ -228,7 +211,7 @@ fn space_index(space: Space) -> usize {
     }
 }
 
-impl<'c> CpuMemory<'c> {
+impl<'c> HostMemory<'c> {
     /// Allocates the arenas of `plan` and maps the weights image onto `checkpoint`.
     pub fn new(
         plan: &ExecPlan,
@@ -249,7 +232,7 @@ impl<'c> CpuMemory<'c> {
     /// empty `gpu` arena (a device backend keeps `gpu` in device memory; a view into it
     /// still resolves, to an offset the device backend owns). Copies move every byte:
     /// the device reads the pinned arena's real bytes.
-    pub(crate) fn host_side(
+    pub fn host_side(
         plan: &ExecPlan,
         checkpoint: &'c Checkpoint,
         options: &BackendOptions,
@@ -290,7 +273,7 @@ impl<'c> CpuMemory<'c> {
                 Placement::Arena { space, offset } => (Region::Arena(space), offset),
             })
             .collect();
-        Ok(CpuMemory {
+        Ok(HostMemory {
             arenas,
             image,
             layout,
@@ -391,8 +374,27 @@ impl<'c> CpuMemory<'c> {
         Ok(view)
     }
 
+    /// The resolved `src` and `dst` arguments of a copy task (a run-time expert or cache
+    /// slot resolved through the step).
+    pub fn copy_views(
+        &self,
+        task: &PlanTask,
+        step: &dyn StepContext,
+        experts: u32,
+    ) -> Result<(View, View), MemoryError> {
+        let view = |role: crate::ir::Role| {
+            let arg = task
+                .args
+                .iter()
+                .find(|a| a.role == role)
+                .ok_or(MemoryError::MissingArg(role.as_str()))?;
+            self.view(task, arg, step.arg_index(task.id, arg, experts))
+        };
+        Ok((view(crate::ir::Role::Src)?, view(crate::ir::Role::Dst)?))
+    }
+
     /// Shared bytes of a view; a view of the image must lie inside one tensor (what
-    /// [`CpuMemory::find_weight`] returns).
+    /// [`HostMemory::find_weight`] returns).
     ///
     /// # Safety
     ///
@@ -474,7 +476,7 @@ impl<'c> CpuMemory<'c> {
     /// link for host<->device engines, and moves the weight labels of those bytes along;
     /// bytes of `dst` outside the runs, and their labels, are left alone. Each run is
     /// (offset from both views' starts, length); runs are sorted and disjoint (what
-    /// `runtime::driver::kv_copy::runs` gives). One command however many runs: one
+    /// the driver's KV-copy expansion gives). One command however many runs: one
     /// overlap check over the span they cover, each label map locked once, one throttle
     /// sleep for their total bytes, and the bytes copied directly (a run of at least
     /// [`PARALLEL_COPY_MIN`] bytes split over the cores, a shorter one by this thread).
@@ -567,7 +569,7 @@ impl<'c> CpuMemory<'c> {
             if target > spent {
                 // Watched: at 1e-6 GB/s one copy would sleep for hours; a failed task ends
                 // the sleep (the bytes are copied already), and so does the watchdog.
-                match crate::runtime::driver::executor::sleep_in_step(target - spent) {
+                match sleep_in_step(target - spent) {
                     Ok(()) | Err(SleepCut::Aborted) => {}
                     Err(SleepCut::Watchdog(watchdog)) => {
                         return Err(MemoryError::Throttled {
@@ -824,17 +826,17 @@ mod tests {
         assert_eq!(err, Err(4096));
     }
 
-    /// A [`CpuMemory`](super::CpuMemory) of the tiny Mixtral checkpoint with 4 KiB `gpu`
+    /// A [`HostMemory`](super::HostMemory) of the tiny Mixtral checkpoint with 4 KiB `gpu`
     /// and `pinned` arenas, default options (weight copies bound).
     mod runs {
-        use super::super::{CpuMemory, MemoryError, Region, View, WeightCopies};
+        use super::super::{HostMemory, MemoryError, Region, View, WeightCopies};
         use crate::ir::{Engine, Space};
         use crate::lower::{ArenaPlan, ExecPlan};
         use crate::model::card::ModelCard;
         use crate::model::checkpoint::Checkpoint;
         use crate::model::synth::{write_checkpoint, SynthOptions};
         use crate::runtime::backend::BackendOptions;
-        use crate::runtime::cpu::weights::WeightTag;
+        use crate::runtime::host::weights::WeightTag;
 
         const ARENA: u64 = 4096;
 
@@ -887,7 +889,7 @@ mod tests {
             }
         }
 
-        fn fill(memory: &CpuMemory<'_>, space: Space, byte: impl Fn(usize) -> u8) {
+        fn fill(memory: &HostMemory<'_>, space: Space, byte: impl Fn(usize) -> u8) {
             // SAFETY: the test holds no other view of the arena.
             let bytes = unsafe { memory.bytes_mut(whole(space)) }.expect("arena");
             for (i, b) in bytes.iter_mut().enumerate() {
@@ -895,7 +897,7 @@ mod tests {
             }
         }
 
-        fn bytes(memory: &CpuMemory<'_>, space: Space) -> Vec<u8> {
+        fn bytes(memory: &HostMemory<'_>, space: Space) -> Vec<u8> {
             // SAFETY: the test holds no other view of the arena.
             unsafe { memory.bytes(whole(space)) }
                 .expect("arena")
@@ -913,7 +915,7 @@ mod tests {
             let dir = tempfile::tempdir().expect("temporary directory");
             let ck = checkpoint(&dir.path().join("ck"));
             let plan = plan(ck.card());
-            let memory = CpuMemory::new(&plan, &ck, &BackendOptions::default()).expect("memory");
+            let memory = HostMemory::new(&plan, &ck, &BackendOptions::default()).expect("memory");
             assert_eq!(memory.weight_copies(), WeightCopies::Bind);
             let (pinned, gpu) = (whole(Space::Pinned), whole(Space::Gpu));
             fill(&memory, Space::Pinned, |i| (i % 251) as u8);
@@ -964,7 +966,7 @@ mod tests {
             let dir = tempfile::tempdir().expect("temporary directory");
             let ck = checkpoint(&dir.path().join("ck"));
             let plan = plan(ck.card());
-            let memory = CpuMemory::new(&plan, &ck, &BackendOptions::default()).expect("memory");
+            let memory = HostMemory::new(&plan, &ck, &BackendOptions::default()).expect("memory");
             fill(&memory, Space::Pinned, |i| (i % 251) as u8);
             let before = bytes(&memory, Space::Pinned);
             let view = |start| View {

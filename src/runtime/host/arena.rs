@@ -75,6 +75,11 @@ impl Arena {
         })
     }
 
+    /// Whether the arena holds no bytes (a space the plan does not use).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Bytes in the arena.
     pub fn len(&self) -> usize {
         self.len

@@ -291,7 +291,7 @@ mod tests {
     use crate::model::synth::{write_checkpoint, SynthOptions};
     use crate::model::tensor::TypedSlice;
     use crate::model::weights::QkvWeights;
-    use crate::runtime::cpu::weights::image_layout;
+    use crate::runtime::host::weights::image_layout;
     use std::path::Path;
 
     fn synth(card_name: &str, dir: &Path) -> Checkpoint {

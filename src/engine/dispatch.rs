@@ -248,6 +248,23 @@ pub fn measure_dispatch(threads: usize) -> Result<DispatchTimes, DispatchProbeEr
     })
 }
 
+/// The runtime's fixed costs on this machine ([`measure_dispatch`]: no-op tasks through the
+/// real executor and a compute pool of `threads` threads), in the hardware profile's terms
+/// and with their source. Joined here because `cost` and `runtime` do not import each
+/// other.
+pub fn measured_dispatch(threads: usize) -> Result<crate::cost::hardware::DispatchCosts, String> {
+    let times = measure_dispatch(threads).map_err(|e| e.to_string())?;
+    Ok(crate::cost::hardware::DispatchCosts {
+        source: format!(
+            "moec probe: engine::dispatch on {} threads, no-op tasks through the executor (best of 5): a chain on one stream, a two-stream ping-pong of blocking waits, one task on each of 6 streams",
+            times.threads
+        ),
+        task_us: times.task_s * 1e6,
+        wake_us: times.wake_s * 1e6,
+        stream_thread_us: times.stream_thread_s * 1e6,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,145 @@
+//! The backends a plan can run on, by name: the one place that picks a backend.
+//!
+//! Takes a `--backend` name; gives its [`Registration`]: what the backend is before it
+//! exists (where its `gpu` space lives, whether weight copies can bind, why it cannot run
+//! on this machine) and how to set it up for a plan. Nothing outside this module (and the
+//! backend's own) branches on which backend runs: the run API (`crate::engine`), the CLI
+//! and the report ask the registration or the [`Backend`] itself.
+//!
+//! Adding a backend is a module `runtime/<name>/` with a `REGISTRATION` constant and one
+//! line in [`BACKENDS`]. A device backend is given a host engine ([`HostEngine`]) for its
+//! plan's `cpu.*` streams: the registry hands it the CPU backend over the same host
+//! memory, so device backends sit beside the CPU backend rather than on top of it.
+
+use super::backend::{Backend, BackendError, BackendOptions};
+use super::host::HostMemory;
+use crate::lower::ExecPlan;
+use crate::model::checkpoint::Checkpoint;
+use std::sync::Arc;
+
+/// Where a backend keeps the plan's `gpu` space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuSpace {
+    /// In host memory (an emulated device): it counts against the machine's memory, and
+    /// without a profile or `--gpu-mem` its budget is the profile's.
+    Host,
+    /// On a device: the machine's memory does not hold it, and without a profile or
+    /// `--gpu-mem` its budget is what the device has (found at set-up).
+    Device,
+}
+
+/// Sets a backend up for a plan: `(plan, checkpoint, options, host engine)`.
+pub type Open = for<'c> fn(
+    &ExecPlan,
+    &'c Checkpoint,
+    &BackendOptions,
+    HostEngine,
+) -> Result<Box<dyn Backend + 'c>, BackendError>;
+
+/// Builds the engine that runs a device backend's host streams (`cpu.compute`,
+/// `cpu.copy`) over host memory the device backend shares.
+pub type HostEngine = for<'c> fn(
+    &ExecPlan,
+    Arc<HostMemory<'c>>,
+    &BackendOptions,
+) -> Result<Box<dyn Backend + 'c>, BackendError>;
+
+/// One backend, as the registry knows it before it is set up.
+pub struct Registration {
+    /// The `--backend` value.
+    pub name: &'static str,
+    /// One line for `--help` and `moec devices`.
+    pub about: &'static str,
+    /// Where the plan's `gpu` space lives.
+    pub gpu_space: GpuSpace,
+    /// Whether `--weight-copies bind` takes effect (a backend computing on host memory
+    /// can read a bound weight from the mapped checkpoint; a device must get the bytes).
+    pub binds_weight_copies: bool,
+    /// Why the backend cannot run on this machine, in one line, asked before anything is
+    /// loaded (`None`: it may).
+    pub refusal: fn() -> Option<String>,
+    /// Sets it up for a plan.
+    pub open: Open,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("name", &self.name)
+            .field("gpu_space", &self.gpu_space)
+            .field("binds_weight_copies", &self.binds_weight_copies)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Registration {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+/// Every backend, the default first.
+pub const BACKENDS: &[&Registration] = &[&super::cpu::REGISTRATION, &super::cuda::REGISTRATION];
+
+/// The default backend (the CPU's: always available).
+pub fn default_backend() -> &'static Registration {
+    BACKENDS[0]
+}
+
+/// A `--backend` name no backend has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend `{name}` (known: {known})")]
+pub struct UnknownBackend {
+    /// The name asked for.
+    pub name: String,
+    /// The names there are, comma separated.
+    pub known: String,
+}
+
+/// The backend called `name`.
+pub fn find(name: &str) -> Result<&'static Registration, UnknownBackend> {
+    BACKENDS
+        .iter()
+        .copied()
+        .find(|b| b.name == name)
+        .ok_or_else(|| UnknownBackend {
+            name: name.to_string(),
+            known: names().join(", "),
+        })
+}
+
+/// Every backend's name, the default first.
+pub fn names() -> Vec<&'static str> {
+    BACKENDS.iter().map(|b| b.name).collect()
+}
+
+/// Sets `backend` up for `plan` over `checkpoint`, giving a device backend the CPU
+/// backend as its host engine.
+pub fn open<'c>(
+    backend: &Registration,
+    plan: &ExecPlan,
+    checkpoint: &'c Checkpoint,
+    options: &BackendOptions,
+) -> Result<Box<dyn Backend + 'c>, BackendError> {
+    (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_found_and_unknown_names_list_the_known() {
+        let all = names();
+        let mut unique = all.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), all.len(), "{all:?}");
+        for name in &all {
+            assert_eq!(find(name).map(|b| b.name), Ok(*name));
+        }
+        assert_eq!(default_backend().name, "cpu");
+        let err = find("tpu").expect_err("no such backend");
+        assert_eq!(err.to_string(), "unknown backend `tpu` (known: cpu, cuda)");
+    }
+}
