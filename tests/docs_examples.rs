@@ -458,3 +458,240 @@ fn the_matcher_masks_decimals_and_honours_ellipses_and_wildcards() {
     );
     assert_eq!(expected_code("without a driver: exit 1, \"...\""), 1);
 }
+
+/// Top-level folders a path in ARCHITECTURE.md may start with, checked against the tree.
+const TREE_ROOTS: [&str; 8] = [
+    "src/",
+    "tests/",
+    "benches/",
+    "kernels/",
+    "schedules/",
+    "standin/",
+    "hardware/",
+    "docs/",
+];
+
+/// Crates and std a `a::b` path in ARCHITECTURE.md may name; any other lowercase first
+/// segment must be a module of `src/`.
+const EXTERNAL: [&str; 10] = [
+    "std", "cudarc", "miette", "petgraph", "pest", "rayon", "serde", "insta", "half", "ron",
+];
+
+/// The words of a Rust source text (identifiers), for finding an item's name.
+fn words(text: &str) -> std::collections::HashSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Whether a Rust source text declares `name` (an item, a method, a field, a variant) or
+/// imports it as a leaf of a `use` (a re-export), not merely mentions it.
+fn declares(text: &str, name: &str) -> bool {
+    let is_word_end = |rest: &str| {
+        !rest.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let mut in_use = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with("//") {
+            continue;
+        }
+        let t = t
+            .strip_prefix("pub(crate) ")
+            .or_else(|| t.strip_prefix("pub(super) "))
+            .or_else(|| t.strip_prefix("pub "))
+            .unwrap_or(t);
+        if t.starts_with("use ") {
+            in_use = true;
+        }
+        if in_use {
+            // A leaf: the word, not followed by `::`.
+            let mut rest = t;
+            while let Some(at) = rest.find(name) {
+                let before = rest[..at].chars().last();
+                let after = &rest[at + name.len()..];
+                let starts_word = before.is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+                if starts_word && is_word_end(after) && !after.starts_with("::") {
+                    return true;
+                }
+                rest = after;
+            }
+            if t.contains(';') {
+                in_use = false;
+            }
+            continue;
+        }
+        for kw in [
+            "fn ", "struct ", "enum ", "trait ", "type ", "const ", "static ", "mod ",
+            "unsafe fn ", "const fn ",
+        ] {
+            if let Some(rest) = t.strip_prefix(kw).and_then(|r| r.strip_prefix(name)) {
+                if is_word_end(rest) {
+                    return true;
+                }
+            }
+        }
+        // A field (`name: T`) or a variant (`Name,`, `Name {`, `Name(`).
+        if let Some(rest) = t.strip_prefix(name) {
+            if rest.starts_with(':') && !rest.starts_with("::")
+                || rest.starts_with(',')
+                || rest.starts_with(" {")
+                || rest.starts_with('(')
+                || rest.is_empty()
+            {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// Every `.rs` text of a module: `src/a/b.rs`, or every file under `src/a/b/`.
+fn module_text(path: &Path) -> String {
+    if path.is_file() {
+        return std::fs::read_to_string(path).unwrap_or_default();
+    }
+    let mut text = String::new();
+    let mut dirs = vec![path.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                text.push_str(&std::fs::read_to_string(&p).unwrap_or_default());
+            }
+        }
+    }
+    text
+}
+
+/// `x a::{b, c::d} y` -> `x a::b a::c::d y` (one level of braces, as the doc writes them).
+fn expand_braces(quoted: &str) -> String {
+    let mut out = String::new();
+    let mut rest = quoted;
+    while let Some(open) = rest.find("::{") {
+        let Some(close) = rest[open..].find('}').map(|c| open + c) else {
+            break;
+        };
+        let start = rest[..open]
+            .rfind(|c: char| c.is_whitespace() || "(`".contains(c))
+            .map_or(0, |i| i + 1);
+        out.push_str(&rest[..start]);
+        let prefix = &rest[start..open];
+        for part in rest[open + 3..close].split(',') {
+            out.push_str(&format!(" {prefix}::{} ", part.trim()));
+        }
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Why a `module::path` does not name what exists, if it does not: its modules are
+/// files or folders of `src/`, and the rest are names in the last module's source.
+fn unresolved(path: &str, src: &Path) -> Option<String> {
+    let segments: Vec<&str> = path
+        .trim_start_matches("crate::")
+        .trim_start_matches("moec::")
+        .split("::")
+        .filter(|s| !s.is_empty())
+        .collect();
+    let first = *segments.first()?;
+    if EXTERNAL.contains(&first) {
+        return None;
+    }
+    if first.starts_with(|c: char| c.is_ascii_uppercase()) {
+        // `Type::item`: the type and its item are named somewhere in the crate.
+        let all = words(&module_text(src));
+        return segments
+            .iter()
+            .find(|s| !all.contains(**s))
+            .map(|s| format!("`{s}` is named nowhere in src/"));
+    }
+    let mut module = src.join(first);
+    if !module.is_dir() && !module.with_extension("rs").is_file() {
+        return Some(format!("no module src/{first}"));
+    }
+    if !module.is_dir() {
+        module = module.with_extension("rs");
+    }
+    let mut rest = &segments[1..];
+    while let Some((next, tail)) = rest.split_first() {
+        let dir = if module.is_dir() {
+            module.clone()
+        } else {
+            break;
+        };
+        if dir.join(next).is_dir() {
+            module = dir.join(next);
+        } else if dir.join(format!("{next}.rs")).is_file() {
+            module = dir.join(format!("{next}.rs"));
+        } else {
+            break;
+        }
+        rest = tail;
+    }
+    // A folder module's names are those its `mod.rs` declares or re-exports.
+    let file = if module.is_dir() {
+        module.join("mod.rs")
+    } else {
+        module
+    };
+    let text = module_text(&file);
+    rest.iter()
+        .find(|s| !declares(&text, s))
+        .map(|s| format!("`{s}` is not named in {}", file.display()))
+}
+
+/// ARCHITECTURE.md names only what exists (issue 27: it had named nine paths that were
+/// gone): every path of the tree it cites (`src/...`, `tests/...::test_name`, ...) exists,
+/// and every `module::path` in backticks resolves to modules of `src/` and names in them.
+#[test]
+fn architecture_names_only_paths_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let src = root.join("src");
+    // Diagnostic codes (`values::lost_output`) are spelled like paths: they are checked
+    // against the code table instead.
+    let codes = std::fs::read_to_string(src.join("diag/codes.rs")).unwrap();
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for (n, line) in doc.lines().enumerate() {
+        let cited = line.split('`').skip(1).step_by(2);
+        for quoted in cited {
+            let quoted = expand_braces(quoted);
+            for token in quoted.split(|c: char| c.is_whitespace() || "(),;".contains(c)) {
+                let token = token.trim_end_matches(['.', ':']);
+                if TREE_ROOTS.iter().any(|r| token.starts_with(r)) {
+                    checked += 1;
+                    let (file, item) = token.split_once("::").unwrap_or((token, ""));
+                    if file.contains('*') || file.contains('<') {
+                        continue;
+                    }
+                    let path = root.join(file);
+                    if !path.exists() {
+                        missing.push(format!("line {}: {file} does not exist", n + 1));
+                    } else if !item.is_empty() && !words(&module_text(&path)).contains(item) {
+                        missing.push(format!("line {}: {item} is not in {file}", n + 1));
+                    }
+                } else if token.contains("::") && !token.contains('/') {
+                    checked += 1;
+                    if codes.contains(&format!("\"{token}\"")) {
+                        continue;
+                    }
+                    if let Some(why) = unresolved(token, &src) {
+                        missing.push(format!("line {}: `{token}`: {why}", n + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 50, "only {checked} paths found: the reader is broken");
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names what does not exist:\n{}",
+        missing.join("\n")
+    );
+}
