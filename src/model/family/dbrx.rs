@@ -9,6 +9,7 @@ use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
 use crate::model::kernels::norm::NormKind;
 use crate::model::layout::SegmentKind;
 use crate::model::names::{SegmentTensor, Source};
+use crate::model::tensor::Orientation;
 use serde_json::{json, Value};
 
 /// The DBRX family.
@@ -174,6 +175,14 @@ impl FamilySpec for Dbrx {
                 _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
             }),
         }
+    }
+
+    fn fused_qkv(&self) -> bool {
+        true
+    }
+
+    fn expert_down(&self) -> Orientation {
+        Orientation::InOut
     }
 
     fn norm(&self) -> NormKind {

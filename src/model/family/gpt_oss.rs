@@ -10,6 +10,7 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
 use crate::model::layout::SegmentKind;
 use crate::model::names::{SegmentTensor, Source};
+use crate::model::tensor::Orientation;
 use serde_json::{json, Value};
 
 /// The gpt-oss family.
@@ -134,6 +135,10 @@ impl FamilySpec for GptOss {
             yarn,
             ..blank_card()
         })
+    }
+
+    fn expert_down(&self) -> Orientation {
+        Orientation::InOut
     }
 
     fn config_for_card(&self, card: &ModelCard, dtype: WeightDtype) -> Value {

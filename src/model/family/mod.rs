@@ -26,6 +26,7 @@ use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
 use crate::model::kernels::norm::NormKind;
 use crate::model::layout::SegmentKind;
 use crate::model::names::SegmentTensor;
+use crate::model::tensor::Orientation;
 use serde_json::Value;
 
 /// The card fields a config.json must agree on with a chosen card, in the order
@@ -121,6 +122,18 @@ pub trait FamilySpec: Sync {
 
     /// The tensor that holds segment `kind` of layer `layer` in the family's checkpoints.
     fn segment_tensor(&self, a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor;
+
+    /// Whether the family's checkpoints store q, k and v as one projection
+    /// (`SegmentKind::QkvProj`) rather than three.
+    fn fused_qkv(&self) -> bool {
+        false
+    }
+
+    /// How routed experts' down projections are stored: `OutIn` is transformers'
+    /// `nn.Linear` (`[hidden, ffn]`), `InOut` a fused `[ffn, hidden]` block per expert.
+    fn expert_down(&self) -> Orientation {
+        Orientation::OutIn
+    }
 
     /// The norm of every layer.
     fn norm(&self) -> NormKind {
