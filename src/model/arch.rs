@@ -72,18 +72,10 @@ pub struct ArchSpec {
 impl ArchSpec {
     /// Derives the spec from a (validated) card.
     pub fn from_card(card: &ModelCard) -> Self {
+        let family = crate::model::family::spec(card.family);
         ArchSpec {
             family: card.family,
-            norm: match card.family {
-                Family::Dbrx => NormKind::LayerNoBias,
-                Family::Mixtral
-                | Family::Qwen2Moe
-                | Family::Qwen3Moe
-                | Family::Olmoe
-                | Family::GptOss
-                | Family::DeepseekV2
-                | Family::DeepseekV3 => NormKind::Rms,
-            },
+            norm: family.norm(),
             norm_eps: card.norm_eps as f32,
             hidden: card.hidden as usize,
             ffn: card.ffn as usize,
@@ -99,10 +91,7 @@ impl ArchSpec {
             vocab: card.vocab as usize,
             layers: card.layers as usize,
             clip_qkv: card.clip_qkv.map(|c| c as f32),
-            router_norm_p: match card.family {
-                Family::Mixtral => Some(1.0),
-                _ => card.router_norm_p,
-            },
+            router_norm_p: family.router_norm_p(card.router_norm_p),
             max_positions: card.max_positions as usize,
             rope_theta: card.rope_theta,
             qk_norm: card.qk_norm,

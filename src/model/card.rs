@@ -38,16 +38,7 @@ pub enum Family {
 impl Family {
     /// The `model_type` of the family's Hub `config.json`.
     pub fn model_type(self) -> &'static str {
-        match self {
-            Family::Mixtral => "mixtral",
-            Family::Dbrx => "dbrx",
-            Family::Qwen2Moe => "qwen2_moe",
-            Family::Qwen3Moe => "qwen3_moe",
-            Family::Olmoe => "olmoe",
-            Family::GptOss => "gpt_oss",
-            Family::DeepseekV2 => "deepseek_v2",
-            Family::DeepseekV3 => "deepseek_v3",
-        }
+        crate::model::family::spec(self).model_type()
     }
 
     /// True for the families whose Hub checkpoints use the Llama-style names
@@ -531,16 +522,6 @@ impl ModelCard {
                 "sliding_window must be at least 1 (or null for full attention)".to_string(),
             );
         }
-        if self.qk_norm == QkNorm::Full
-            && self.family == Family::Olmoe
-            && self.q_dim() != self.hidden
-        {
-            return Err(format!(
-                "OLMoE's q norm spans hidden ({}) weights, so heads x head_dim ({}) must equal it",
-                self.hidden,
-                self.q_dim()
-            ));
-        }
         if let Some(y) = self.yarn {
             let ok = y.factor.is_finite()
                 && y.factor >= 1.0
@@ -567,7 +548,8 @@ impl ModelCard {
         if self.shared_gate && self.shared_ffn == 0 {
             return Err("shared_gate needs a shared expert (shared_ffn > 0)".to_string());
         }
-        self.validate_deepseek()?;
+        self.validate_family_fields()?;
+        crate::model::family::spec(self.family).check_card(self)?;
         if let Some(clip) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(format!(
                 "clip_qkv ({clip}) must be a positive finite bound (or null for none)"
@@ -576,79 +558,15 @@ impl ModelCard {
         Ok(())
     }
 
-    /// DeepSeek's fields: present exactly for the DeepSeek families, consistent with the
-    /// latent attention geometry and the expert groups.
-    fn validate_deepseek(&self) -> Result<(), String> {
+    /// DeepSeek's fields are set exactly for the DeepSeek families (what they must then
+    /// satisfy is the family's own check).
+    fn validate_family_fields(&self) -> Result<(), String> {
         let deepseek = matches!(self.family, Family::DeepseekV2 | Family::DeepseekV3);
         if deepseek != (self.mla.is_some() && self.deepseek_router.is_some()) {
             return Err("mla and deepseek_router are set exactly for the DeepSeek families".into());
         }
         if !deepseek && (self.dense_layers > 0 || self.dense_ffn > 0) {
             return Err("dense_layers / dense_ffn are DeepSeek fields".into());
-        }
-        let (Some(m), Some(r)) = (self.mla, self.deepseek_router) else {
-            return Ok(());
-        };
-        let dims = [
-            ("mla.kv_lora_rank", m.kv_lora_rank),
-            ("mla.qk_nope_head_dim", m.qk_nope_head_dim),
-            ("mla.qk_rope_head_dim", m.qk_rope_head_dim),
-            ("mla.v_head_dim", m.v_head_dim),
-            ("mla.q_lora_rank", m.q_lora_rank.unwrap_or(1)),
-            ("deepseek_router.n_group", r.n_group),
-            ("deepseek_router.topk_group", r.topk_group),
-        ];
-        if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("`{name}` must be positive"));
-        }
-        if !m.qk_rope_head_dim.is_multiple_of(2) {
-            return Err(format!(
-                "mla.qk_rope_head_dim ({}) must be even for rotary embeddings",
-                m.qk_rope_head_dim
-            ));
-        }
-        if self.kv_heads != 1 || self.head_dim != m.latent_dim() {
-            return Err(format!(
-                "an MLA card's attention runs over its latent: kv_heads must be 1 and head_dim \
-                 kv_lora_rank + qk_rope_head_dim = {} (got {} and {})",
-                m.latent_dim(),
-                self.kv_heads,
-                self.head_dim
-            ));
-        }
-        if !(m.softmax_mscale.is_finite() && m.softmax_mscale > 0.0) {
-            return Err(format!(
-                "mla.softmax_mscale ({}) must be positive and finite",
-                m.softmax_mscale
-            ));
-        }
-        if !self.experts.is_multiple_of(r.n_group) || r.topk_group > r.n_group {
-            return Err(format!(
-                "deepseek_router: n_group ({}) must divide experts ({}) and topk_group ({}) \
-                 must not exceed it",
-                r.n_group, self.experts, r.topk_group
-            ));
-        }
-        let reachable = r.topk_group * (self.experts / r.n_group);
-        let per_group = self.experts / r.n_group;
-        if self.top_k > reachable || (r.topk == DeepseekTopk::NoauxTc && per_group < 2) {
-            return Err(format!(
-                "deepseek_router: top_k ({}) must fit in topk_group x experts per group ({}), \
-                 and noaux_tc needs 2 experts per group",
-                self.top_k, reachable
-            ));
-        }
-        if !(r.routed_scaling_factor.is_finite() && r.routed_scaling_factor > 0.0) {
-            return Err(format!(
-                "deepseek_router.routed_scaling_factor ({}) must be positive and finite",
-                r.routed_scaling_factor
-            ));
-        }
-        if self.dense_layers > self.layers || (self.dense_layers > 0) != (self.dense_ffn > 0) {
-            return Err(format!(
-                "dense_layers ({}) must not exceed layers ({}) and come with dense_ffn ({})",
-                self.dense_layers, self.layers, self.dense_ffn
-            ));
         }
         Ok(())
     }

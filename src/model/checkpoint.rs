@@ -17,8 +17,9 @@
 //! [`Checkpoint::decoded_bytes`] say so.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{ModelCard, QkNorm, WeightDtype};
 use crate::model::config::{self, ConfigError};
+use crate::model::family;
 use crate::model::kernels::mla::MlaWeights;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
@@ -652,7 +653,7 @@ impl Checkpoint {
     pub fn layer_weights(&self, layer: usize) -> Result<LayerWeights<'_>, CheckpointError> {
         self.check_layer(layer)?;
         let qkv = match (self.arch.family, self.arch.mla) {
-            (Family::Dbrx, _) => {
+            _ if family::spec(self.arch.family).fused_qkv() => {
                 QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?)
             }
             (_, Some(m)) => QkvWeights::Mla(MlaWeights::build(m.q_lora_rank.is_some(), |kind| {

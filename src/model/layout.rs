@@ -11,6 +11,7 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, QkNorm, WeightDtype};
+use crate::model::family;
 use crate::model::kernels::mla::MlaWeights;
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
@@ -257,9 +258,9 @@ impl LayerLayout {
             SegmentKind::OProj => (d, q, lin),
             SegmentKind::Router => (arch.experts, d, lin),
             SegmentKind::ExpertGate(_) | SegmentKind::ExpertUp(_) => (f, d, lin),
-            SegmentKind::ExpertDown(_) => match arch.family {
-                Family::Dbrx | Family::GptOss => (f, d, Some(Orientation::InOut)),
-                _ => (d, f, lin),
+            SegmentKind::ExpertDown(_) => match family::spec(arch.family).expert_down() {
+                Orientation::InOut => (f, d, Some(Orientation::InOut)),
+                Orientation::OutIn => (d, f, lin),
             },
         }
     }
@@ -283,7 +284,7 @@ impl LayerLayout {
                 }
                 pre.extend([SegmentKind::KvAProj, SegmentKind::KvANorm, SegmentKind::KvB]);
             }
-            (Family::Dbrx, None) => pre.push(SegmentKind::QkvProj),
+            (_, None) if family::spec(arch.family).fused_qkv() => pre.push(SegmentKind::QkvProj),
             _ => pre.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
         }
         if arch.qkv_bias {
@@ -514,7 +515,9 @@ impl<'a> DenseWeights<'a> {
     pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
         let has = |kind| layout.segment(kind).is_some();
         let qkv = match layout.family {
-            Family::Dbrx => QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?),
+            _ if family::spec(layout.family).fused_qkv() => {
+                QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?)
+            }
             _ if has(SegmentKind::KvAProj) => {
                 QkvWeights::Mla(MlaWeights::build(has(SegmentKind::QAProj), |kind| {
                     layout.matrix(bytes, 0, kind)

@@ -9,6 +9,7 @@ pub mod card;
 pub mod checkpoint;
 pub mod config;
 pub mod dense;
+pub mod family;
 pub mod kernels;
 pub mod layout;
 pub mod mxfp4;

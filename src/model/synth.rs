@@ -12,7 +12,6 @@
 //! scales sized to the same fan-in (`*_blocks` / `*_scales`, U8) and a `quantization_config`.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::Family;
 use crate::model::card::{ModelCard, WeightDtype};
 use crate::model::config::{config_for_card, MXFP4_UNCONVERTED};
 use crate::model::layout::{ImageBuffer, LayerLayout};
@@ -334,7 +333,9 @@ pub fn write_checkpoint_as(
 ) -> Result<(), SynthError> {
     let block = mxfp4::BLOCK as u64;
     if experts == ExpertStorage::Mxfp4
-        && (card.family != Family::GptOss
+        && (crate::model::family::spec(card.family)
+            .mxfp4_unconverted()
+            .is_none()
             || !card.hidden.is_multiple_of(block)
             || !card.ffn.is_multiple_of(block))
     {

@@ -5,7 +5,7 @@
 //! the binary (so `moec` runs from any directory). Encoding adds the card's BOS exactly
 //! once (Mixtral `<s>`; DBRX adds none); decoding skips special tokens.
 
-use crate::model::card::{Family, ModelCard};
+use crate::model::card::ModelCard;
 use std::path::Path;
 
 /// The Mixtral tokenizer shipped in `models/tokenizers/mixtral/` (see PROVENANCE.md).
@@ -46,28 +46,22 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
-/// The embedded tokenizer.json bytes for a card (by its `tokenizer` path, else family).
+/// The embedded tokenizer.json bytes for a card: the one its `tokenizer` path names,
+/// else its family's stand-in (`FamilySpec::tokenizer`; a checkpoint folder's own
+/// tokenizer.json always wins, see `TextTokenizer::load`).
 pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
-    if card.tokenizer.contains("dbrx") {
-        DBRX_TOKENIZER_JSON
-    } else if card.tokenizer.contains("mixtral") {
-        MIXTRAL_TOKENIZER_JSON
-    } else {
-        // Qwen's own byte-level BPE is not shipped: cl100k (also byte-level BPE, ids below
-        // Qwen's 151936 rows) stands in; OLMoE's 50304 rows take the 32000-id Mixtral file.
-        // A checkpoint folder's own tokenizer.json always wins (see `TextTokenizer::load`).
-        match card.family {
-            Family::Mixtral | Family::Olmoe => MIXTRAL_TOKENIZER_JSON,
-            // DeepSeek's byte-level BPE is not shipped either: cl100k's ids fit its 102400
-            // (V2) and 129280 (V3) rows.
-            Family::Dbrx
-            | Family::Qwen2Moe
-            | Family::Qwen3Moe
-            | Family::GptOss
-            | Family::DeepseekV2
-            | Family::DeepseekV3 => DBRX_TOKENIZER_JSON,
+    let shipped = |path: &str| {
+        if path.contains("dbrx") {
+            Some(DBRX_TOKENIZER_JSON)
+        } else if path.contains("mixtral") {
+            Some(MIXTRAL_TOKENIZER_JSON)
+        } else {
+            None
         }
-    }
+    };
+    shipped(&card.tokenizer)
+        .or_else(|| shipped(crate::model::family::spec(card.family).tokenizer()))
+        .unwrap_or(DBRX_TOKENIZER_JSON)
 }
 
 impl TextTokenizer {

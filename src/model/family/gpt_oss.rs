@@ -1,0 +1,260 @@
+//! OpenAI's gpt-oss: flat fields, YaRN in `rope_scaling` (Hub) or `rope_parameters`
+//! (transformers 5), alternating `layer_types`, clamped SwiGLU parameters, MXFP4 routed
+//! experts (dequantized to bf16 at load); 3-D `mlp.experts.gate_up_proj` / `down_proj`
+//! with biases, a router bias and attention sinks.
+
+use super::fields::{torch_dtype, ConfigError, Fields};
+use super::llama;
+use super::{blank_card, CardField, FamilySpec};
+use crate::model::arch::ArchSpec;
+use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
+use crate::model::layout::SegmentKind;
+use crate::model::names::{SegmentTensor, Source};
+use crate::model::tensor::Orientation;
+use serde_json::{json, Value};
+
+/// The gpt-oss family.
+pub(super) struct GptOss;
+
+/// The modules a gpt-oss MXFP4 checkpoint must keep unquantised, as the Hub's
+/// `quantization_config.modules_to_not_convert` spells them: MXFP4 is read for the routed
+/// experts only.
+pub const MXFP4_UNCONVERTED: [&str; 4] = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+];
+
+impl FamilySpec for GptOss {
+    fn family(&self) -> Family {
+        Family::GptOss
+    }
+
+    fn model_type(&self) -> &'static str {
+        "gpt_oss"
+    }
+
+    fn allows_yarn(&self) -> bool {
+        true
+    }
+
+    fn mxfp4_unconverted(&self) -> Option<&'static [&'static str]> {
+        Some(&MXFP4_UNCONVERTED)
+    }
+
+    fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
+        let hidden = f.uint("hidden_size")?;
+        let heads = f.uint("num_attention_heads")?;
+        if heads == 0 {
+            return Err(f.invalid("num_attention_heads", "must be positive"));
+        }
+        let layers = f.uint("num_hidden_layers")?;
+        if !f.flag("attention_bias", true)? {
+            return Err(f.invalid(
+                "attention_bias",
+                "is false: gpt-oss without attention biases is not supported",
+            ));
+        }
+        if let Some(types) = f.get("layer_types") {
+            let alternating = types.as_array().is_some_and(|a| {
+                a.len() as u64 == layers
+                    && a.iter().enumerate().all(|(i, t)| {
+                        t.as_str()
+                            == Some(if i % 2 == 0 {
+                                "sliding_attention"
+                            } else {
+                                "full_attention"
+                            })
+                    })
+            });
+            if !alternating {
+                return Err(f.invalid(
+                    "layer_types",
+                    "is not sliding/full alternating from layer 0: only that pattern is supported",
+                ));
+            }
+        }
+        let (scaling, theta) = if f.get("rope_scaling").is_some() {
+            ("rope_scaling", f.opt_float("rope_theta")?)
+        } else {
+            ("rope_parameters", f.rope_theta()?)
+        };
+        let yarn = match f.str(&format!("{scaling}.rope_type")) {
+            Some("yarn") => Some(yarn(f, scaling)?),
+            _ => None,
+        };
+        let sliding_window = f.opt_uint("sliding_window")?;
+        Ok(ModelCard {
+            name: name.to_string(),
+            family: Family::GptOss,
+            description: if f.get("quantization_config").is_some() {
+                // Only MXFP4 experts get here (the shared refusals ran first).
+                format!(
+                    "gpt-oss checkpoint `{name}` (from config.json; {})",
+                    crate::model::config::MXFP4_NOTE
+                )
+            } else {
+                format!("gpt-oss checkpoint `{name}` (from config.json)")
+            },
+            layers,
+            hidden,
+            ffn: f.uint("intermediate_size")?,
+            heads,
+            kv_heads: f.opt_uint("num_key_value_heads")?.unwrap_or(heads),
+            head_dim: f.opt_uint("head_dim")?.unwrap_or(hidden / heads),
+            experts: match f.opt_uint("num_local_experts")? {
+                Some(e) => e,
+                None => f.uint("num_experts")?,
+            },
+            top_k: match f.opt_uint("num_experts_per_tok")? {
+                Some(k) => k,
+                None => f.uint("experts_per_token")?,
+            },
+            vocab: f.uint("vocab_size")?,
+            max_positions: f.uint("max_position_embeddings")?,
+            rope_theta: theta.unwrap_or(150000.0),
+            norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-5),
+            clip_qkv: None,
+            dtype: WeightDtype::Bf16,
+            tokenizer: self.tokenizer().into(),
+            bos_token_id: None,
+            eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(200002),
+            sliding_window,
+            router_norm_p: None,
+            qk_norm: QkNorm::None,
+            qkv_bias: true,
+            o_bias: true,
+            sinks: true,
+            alternate_sliding: sliding_window.is_some(),
+            router_bias_topk_softmax: true,
+            clamped_swiglu: Some(ClampedSwiglu {
+                alpha: f.opt_float("swiglu_alpha")?.unwrap_or(1.702),
+                limit: f.opt_float("swiglu_limit")?.unwrap_or(7.0),
+            }),
+            yarn,
+            ..blank_card()
+        })
+    }
+
+    fn expert_down(&self) -> Orientation {
+        Orientation::InOut
+    }
+
+    fn config_for_card(&self, card: &ModelCard, dtype: WeightDtype) -> Value {
+        json!({
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "hidden_size": card.hidden,
+            "intermediate_size": card.ffn,
+            "num_hidden_layers": card.layers,
+            "num_attention_heads": card.heads,
+            "num_key_value_heads": card.kv_heads,
+            "head_dim": card.head_dim,
+            "num_local_experts": card.experts,
+            "num_experts_per_tok": card.top_k,
+            "vocab_size": card.vocab,
+            "max_position_embeddings": card.max_positions,
+            "rms_norm_eps": card.norm_eps,
+            "rope_theta": card.rope_theta,
+            "rope_scaling": card.yarn.map(|y| json!({
+                "rope_type": "yarn",
+                "factor": y.factor,
+                "beta_fast": y.beta_fast,
+                "beta_slow": y.beta_slow,
+                "original_max_position_embeddings": y.original_max_positions,
+                "truncate": y.truncate,
+            })),
+            "sliding_window": card.sliding_window,
+            "layer_types": (0..card.layers)
+                .map(|i| if i % 2 == 0 && card.sliding_window.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                })
+                .collect::<Vec<_>>(),
+            "attention_bias": true,
+            "swiglu_alpha": card.clamped_swiglu.map(|c| c.alpha),
+            "swiglu_limit": card.clamped_swiglu.map(|c| c.limit),
+            "eos_token_id": card.eos_token_id,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "output_router_logits": false,
+            "use_cache": true,
+            "torch_dtype": torch_dtype(dtype),
+        })
+    }
+
+    fn config_key(&self, field: CardField) -> Option<&'static str> {
+        Some(match field {
+            CardField::Experts => "num_local_experts",
+            CardField::Yarn => "rope_scaling",
+            CardField::ClampedSwiglu => "swiglu_alpha / swiglu_limit",
+            other => llama::flat_key(other),
+        })
+    }
+
+    fn segment_tensor(&self, a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor {
+        let p = format!("model.layers.{layer}");
+        let (d, f, e_n) = (a.hidden, a.ffn, a.experts);
+        // Expert tensors are 3-D `[experts, in, out]` / 2-D `[experts, n]`; a segment is
+        // expert e's block of rows of the tensor seen as `[leading dims, last dim]`.
+        let fused = |name: &str, shape: Vec<usize>, e: usize, rows: usize| {
+            SegmentTensor::Rows(Source {
+                name: format!("{p}.mlp.experts.{name}"),
+                shape,
+                rows: e * rows..(e + 1) * rows,
+            })
+        };
+        match kind {
+            SegmentKind::ExpertGateUp(e) => fused("gate_up_proj", vec![e_n, d, 2 * f], e, d),
+            SegmentKind::ExpertGateUpBias(e) => fused("gate_up_proj_bias", vec![e_n, 2 * f], e, 1),
+            SegmentKind::ExpertDown(e) => fused("down_proj", vec![e_n, f, d], e, f),
+            SegmentKind::ExpertDownBias(e) => fused("down_proj_bias", vec![e_n, d], e, 1),
+            other => SegmentTensor::Whole(match other {
+                SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),
+                SegmentKind::QProj => format!("{p}.self_attn.q_proj.weight"),
+                SegmentKind::KProj => format!("{p}.self_attn.k_proj.weight"),
+                SegmentKind::VProj => format!("{p}.self_attn.v_proj.weight"),
+                SegmentKind::QBias => format!("{p}.self_attn.q_proj.bias"),
+                SegmentKind::KBias => format!("{p}.self_attn.k_proj.bias"),
+                SegmentKind::VBias => format!("{p}.self_attn.v_proj.bias"),
+                SegmentKind::Sinks => format!("{p}.self_attn.sinks"),
+                SegmentKind::OProj => format!("{p}.self_attn.o_proj.weight"),
+                SegmentKind::OBias => format!("{p}.self_attn.o_proj.bias"),
+                SegmentKind::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                SegmentKind::Router => format!("{p}.mlp.router.weight"),
+                SegmentKind::RouterBias => format!("{p}.mlp.router.bias"),
+                // Kinds gpt-oss's layout never lists (names for completeness).
+                _ => format!("{p}.(no {kind:?} in gpt-oss)"),
+            }),
+        }
+    }
+}
+
+/// YaRN as gpt-oss configs write it, under `scaling` (`rope_scaling` or
+/// `rope_parameters`): the default attention factor only.
+fn yarn(f: &Fields<'_>, scaling: &str) -> Result<Yarn, ConfigError> {
+    for unsupported in ["attention_factor", "mscale", "mscale_all_dim"] {
+        if f.get(&format!("{scaling}.{unsupported}")).is_some() {
+            return Err(f.invalid(
+                &format!("{scaling}.{unsupported}"),
+                "is not supported (YaRN with its default attention factor only)",
+            ));
+        }
+    }
+    Ok(Yarn {
+        factor: f
+            .opt_float(&format!("{scaling}.factor"))?
+            .ok_or_else(|| f.missing(&format!("{scaling}.factor")))?,
+        beta_fast: f
+            .opt_float(&format!("{scaling}.beta_fast"))?
+            .unwrap_or(32.0),
+        beta_slow: f.opt_float(&format!("{scaling}.beta_slow"))?.unwrap_or(1.0),
+        original_max_positions: f.uint(&format!("{scaling}.original_max_position_embeddings"))?,
+        truncate: f.flag(&format!("{scaling}.truncate"), true)?,
+        mscale: None,
+    })
+}
