@@ -15,7 +15,7 @@ use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
-use crate::model::card::Family;
+use crate::model::family;
 use crate::model::dense::{dense_block, dense_ffn_rows, no_expert_routing};
 use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
@@ -317,16 +317,18 @@ impl OpContext<'_> {
         };
         let pre = needs.contains(&SegmentKind::AttnNorm);
         let qkv = if pre {
-            match self.memory.layout().layer_of(layer).family {
-                Family::Dbrx => {
+            // As the checkpoint's own views choose (`model::layout`): the family's spec
+            // says whether q|k|v is one tensor, the layout whether attention is latent.
+            let layout = self.memory.layout().layer_of(layer);
+            let has = |kind| layout.segment(kind).is_some();
+            match layout.family {
+                f if family::spec(f).fused_qkv() => {
                     QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
                 }
-                Family::DeepseekV2 | Family::DeepseekV3 => {
-                    let layout = self.memory.layout().layer_of(layer);
-                    QkvWeights::Mla(MlaWeights::build(
-                        layout.segment(SegmentKind::QAProj).is_some(),
-                        |kind| self.required(weights, layer, kind),
-                    )?)
+                _ if has(SegmentKind::KvAProj) => {
+                    QkvWeights::Mla(MlaWeights::build(has(SegmentKind::QAProj), |kind| {
+                        self.required(weights, layer, kind)
+                    })?)
                 }
                 _ => QkvWeights::Separate {
                     q: self.required(weights, layer, SegmentKind::QProj)?,
