@@ -246,3 +246,69 @@ fn klotski_reads_each_expert_once_per_batch_group() {
     // 32 layers x 8 ranks groups of 4 batches.
     assert_eq!((heads, members), (32 * 8, 32 * 8 * 3));
 }
+
+/// `moec plan` takes the workload specs `moec run` takes (issue 27): for 16 prompts of 64
+/// tokens generating 32, on the mid card under a 600 MB GPU budget, it plans that run
+/// (batch 16, prompt 64, gen 32), keeps its best policy inside the budget, and prints a
+/// `moec run` line with the same card, profile, budget, spec and every param, and a
+/// `moec check` line that the checker accepts under the same budget.
+#[test]
+fn plan_for_a_run_spec_prints_commands_that_check_accepts() {
+    let spec = "count=16,mean=64,max=64,min=64,gen=32";
+    let out = moec(&[
+        "plan",
+        "schedules/cgopipe.sched",
+        "--model",
+        "mixtral-mid",
+        "--hw",
+        "h200",
+        "--gpu-mem",
+        "600MB",
+        "--workload",
+        spec,
+        "--top",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        json["workload"],
+        serde_json::json!({"batch": 16, "prompt_len": 64, "gen_len": 32})
+    );
+    let best = &json["result"]["top"][0];
+    assert!(best["gpu_bytes"].as_u64().unwrap() <= 600_000_000, "{best}");
+    let run = json["run_command"].as_str().unwrap();
+    let prefix = format!(
+        "moec run schedules/cgopipe.sched --model mixtral-mid --hw h200 --gpu-mem 600MB --workload {spec} --set "
+    );
+    assert!(run.starts_with(&prefix), "{run}");
+    for name in ["ubs", "n_ub", "r_w"] {
+        assert!(run.contains(&format!(" --set {name}=")), "{run}");
+    }
+    let check = json["check_command"].as_str().unwrap();
+    assert!(
+        check.contains("--gpu-mem 600MB --batch 16 --prompt-len 64 --gen-len 32 --set "),
+        "{check}"
+    );
+    // Every word is plain (no quoting), so splitting on spaces gives the arguments.
+    let words: Vec<&str> = check.split(' ').collect();
+    assert_eq!(words[..2], ["moec", "check"]);
+    let out = moec(&words[1..]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{check}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("cgopipe: ok"), "{stdout}");
+    let gpu = stdout
+        .lines()
+        .find(|l| l.contains("(--gpu-mem)"))
+        .unwrap_or_default();
+    assert!(gpu.contains("600.00 MB") && gpu.contains(" ok"), "{stdout}");
+}

@@ -22,6 +22,7 @@ pub mod profile;
 pub mod reproduce;
 pub mod run;
 pub mod simulate;
+pub mod workload;
 
 /// moec: compile, check, simulate and run MoE offload schedules.
 #[derive(Debug, Parser)]

@@ -1,14 +1,18 @@
-//! `moec plan SCHED --model CARD --hw PROFILE [--workload ...]`: searches the schedule's
-//! declared params for the best predicted throughput within the memory budgets and prints
-//! the top candidates (`--json` for machines).
+//! `moec plan SCHED --model CARD --hw PROFILE [--gpu-mem X] [--workload SPEC]`: searches
+//! the schedule's declared params for the best predicted throughput within the memory
+//! budgets, prints the top candidates (`--json` for machines) and the `moec run` and
+//! `moec check` command lines of the best, for the same workload and budgets.
 
-use super::simulate::{compile_for_cost, fail, resolve, CostTarget};
+use super::simulate::{compile_for_cost, fail, resolve, CostTarget, Resolved};
+use super::workload::{spec_for, CostWorkload};
 use crate::compile;
 use crate::cost::budget::budget_table;
 use crate::cost::hardware::GB;
-use crate::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
+use crate::cost::plan::{
+    param_spaces, search, share_of_slots_used, Candidate, Outcome, SearchOptions,
+};
 use crate::cost::predict::predict;
-use crate::ir::{deps, TaskId};
+use crate::ir::{deps, Scalar, StepKind, TaskId};
 use clap::Args;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -52,6 +56,12 @@ pub fn run(args: PlanArgs) -> ExitCode {
         .map(|(name, _)| name.clone())
         .collect();
     let spaces = param_spaces(&program.params, &fixed);
+    // A run's spec fixes how many prompts there are: slots beyond them earn nothing, so a
+    // candidate is scored by the share of its slots the run fills.
+    let prompts = match resolved.workload {
+        Some(CostWorkload::Run(_)) => Some(resolved.options.workload.batch),
+        _ => None,
+    };
     let Ok(file) = compile::source_to_ast(&resolved.source) else {
         return fail("the schedule stopped parsing between two reads");
     };
@@ -92,14 +102,20 @@ pub fn run(args: PlanArgs) -> ExitCode {
         }
         match predict(&program, &deps, &resolved.profile, &resolved.settings) {
             Ok(prediction) => match (prediction.tokens_per_s, prediction.decode_tokens_per_s) {
-                (Some(total), Some(decode)) => Outcome::Fits(Candidate {
-                    values: values.to_vec(),
-                    tokens_per_s: total,
-                    decode_tokens_per_s: decode,
-                    gpu_bytes: table.peak("gpu"),
-                    pinned_bytes: table.peak("pinned"),
-                    host_bytes: table.peak("host"),
-                }),
+                (Some(total), Some(decode)) => {
+                    let continuous = program.steps.iter().any(|s| s.kind == StepKind::Mixed);
+                    let used = prompts.map_or(1.0, |p| {
+                        share_of_slots_used(p, prediction.sequences, continuous)
+                    });
+                    Outcome::Fits(Candidate {
+                        values: values.to_vec(),
+                        tokens_per_s: total * used,
+                        decode_tokens_per_s: decode * used,
+                        gpu_bytes: table.peak("gpu"),
+                        pinned_bytes: table.peak("pinned"),
+                        host_bytes: table.peak("host"),
+                    })
+                }
                 _ => Outcome::Invalid("the schedule has no decode step".to_string()),
             },
             Err(e) => Outcome::Invalid(e.to_string()),
@@ -108,6 +124,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
     // The full compiler check on the winners, best first.
     let mut rejected = 0;
     let mut checked = Vec::new();
+    let mut best_slots = resolved.options.workload.batch;
     for candidate in std::mem::take(&mut result.top) {
         if checked.len() == wanted {
             break;
@@ -119,14 +136,22 @@ pub fn run(args: PlanArgs) -> ExitCode {
                 .iter()
                 .map(|(name, value)| (name.clone(), value.to_string())),
         );
-        if compile::compile(&resolved.source, &compile_options).is_ok() {
-            checked.push(candidate);
-        } else {
-            rejected += 1;
+        match compile::compile(&resolved.source, &compile_options) {
+            Ok(compiled) => {
+                if checked.is_empty() {
+                    best_slots = sequence_slots(&compiled.program);
+                }
+                checked.push(candidate);
+            }
+            Err(_) => rejected += 1,
         }
     }
     result.top = checked;
     let elapsed = started.elapsed().as_secs_f64();
+    let commands = result
+        .top
+        .first()
+        .map(|best| commands_for(&args.target, &resolved, &best.values, best_slots));
     if args.json {
         let value = serde_json::json!({
             "schedule": program.name,
@@ -137,6 +162,8 @@ pub fn run(args: PlanArgs) -> ExitCode {
             "seconds": elapsed,
             "rejected_by_check": rejected,
             "result": result,
+            "run_command": commands.as_ref().map(|c| &c.run),
+            "check_command": commands.as_ref().map(|c| &c.check),
         });
         println!(
             "{}",
@@ -191,5 +218,142 @@ pub fn run(args: PlanArgs) -> ExitCode {
             candidate.host_bytes as f64 / GB
         );
     }
+    if let Some(commands) = &commands {
+        if prompts.is_some() {
+            println!(
+                "  (throughput counts only the slots the run's {} prompts fill)",
+                resolved.options.workload.batch
+            );
+        }
+        println!("run the best:\n  {}", commands.run);
+        println!("check it under the same budgets:\n  {}", commands.check);
+        if let Some(note) = &commands.note {
+            println!("  note: {note}");
+        }
+    }
     ExitCode::SUCCESS
+}
+
+/// The command lines that run and check a planned policy.
+struct Commands {
+    /// `moec run ...`: the schedule at the policy, on the planned workload and budgets.
+    run: String,
+    /// `moec check ...`: the same compile under the same budgets.
+    check: String,
+    /// What `run` cannot reproduce of the plan, if anything.
+    note: Option<String>,
+}
+
+/// Sequences a program holds at once (micro-batches x their size; the `batch` symbol
+/// without micro-batches), as the prediction counts them.
+fn sequence_slots(program: &crate::ir::Program) -> u64 {
+    match u64::from(program.micro_batches.count) * program.micro_batches.size {
+        0 => program.workload.batch,
+        slots => slots,
+    }
+}
+
+/// The `moec run` and `moec check` lines for `values` (the searched params; the user's own
+/// `--set`s come first), whose program holds `slots` sequences. The workload is the user's
+/// spec when it is one `run` draws and no flag changed it; else a spec that draws exactly
+/// what was predicted: one prompt per slot (the prediction fills every slot), each of the
+/// planned length, so the run compiles the schedule for what was planned.
+fn commands_for(
+    target: &CostTarget,
+    resolved: &Resolved,
+    values: &[(String, Scalar)],
+    slots: u64,
+) -> Commands {
+    let mut workload = resolved.options.workload;
+    let flags_changed =
+        target.batch.is_some() || target.prompt_len.is_some() || target.gen_len.is_some();
+    let (spec, gen_flag) = match (&resolved.workload, &target.workload) {
+        (Some(CostWorkload::Run(spec)), Some(text)) if !flags_changed => {
+            // `run`'s own default generation length applies when the spec names none: say
+            // the planned one.
+            let gen = spec.gen_len.is_none().then_some(workload.gen_len);
+            (text.clone(), gen)
+        }
+        (Some(CostWorkload::Run(_)), _) => (spec_for(&workload), None),
+        _ => {
+            workload.batch = slots;
+            (spec_for(&workload), None)
+        }
+    };
+    let schedule = target.schedule.display().to_string();
+    let mut common = vec![
+        schedule,
+        "--model".to_string(),
+        target.model.clone(),
+        "--hw".to_string(),
+        target.hw.clone(),
+    ];
+    if let Some(gpu_mem) = &target.gpu_mem {
+        common.extend(["--gpu-mem".to_string(), gpu_mem.clone()]);
+    }
+    if let Some(path) = &target.routing_profile {
+        common.extend(["--profile".to_string(), path.display().to_string()]);
+    }
+    let sets = resolved
+        .options
+        .sets
+        .iter()
+        .map(|(name, value)| format!("{name}={value}"))
+        .chain(values.iter().map(|(name, value)| format!("{name}={value}")))
+        .flat_map(|set| ["--set".to_string(), set]);
+    let mut run = vec!["moec".to_string(), "run".to_string()];
+    run.extend(common.iter().cloned());
+    run.extend(["--workload".to_string(), spec]);
+    if let Some(gen) = gen_flag {
+        run.extend(["--gen-len".to_string(), gen.to_string()]);
+    }
+    run.extend(sets.clone());
+    let mut check = vec!["moec".to_string(), "check".to_string()];
+    check.extend(common);
+    if let Some(host_mem) = &target.host_mem {
+        check.extend(["--host-mem".to_string(), host_mem.clone()]);
+    }
+    check.extend([
+        "--batch".to_string(),
+        workload.batch.to_string(),
+        "--prompt-len".to_string(),
+        workload.prompt_len.to_string(),
+        "--gen-len".to_string(),
+        workload.gen_len.to_string(),
+    ]);
+    check.extend(sets);
+    let mut notes = Vec::new();
+    if target.act_bytes != crate::ir::catalog::ACT_BYTES {
+        notes.push(format!(
+            "planned with --act-bytes {}; `run` and `check` size activations at {} bytes, so their buffers are larger",
+            target.act_bytes,
+            crate::ir::catalog::ACT_BYTES
+        ));
+    }
+    if target.host_mem.is_some() {
+        notes.push("`run` takes no --host-mem: it checks the profile's host budget".to_string());
+    }
+    Commands {
+        run: shell_words(&run),
+        check: shell_words(&check),
+        note: (!notes.is_empty()).then(|| notes.join("; ")),
+    }
+}
+
+/// `words` as one shell command line, quoting the words a shell would split or expand.
+fn shell_words(words: &[String]) -> String {
+    words
+        .iter()
+        .map(|w| {
+            let plain = !w.is_empty()
+                && w.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_-./=,:+@%".contains(c));
+            if plain {
+                w.clone()
+            } else {
+                format!("'{}'", w.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -2,10 +2,11 @@
 //! tokens/s, busy share per stream and resource, analytical bounds and the memory table;
 //! `--timeline out.svg` (Gantt), `--trace out.json` (Chrome/Perfetto), `--json`.
 
+use super::workload::CostWorkload;
 use crate::cost::budget::{budget_table, parse_bytes, BudgetOverrides, BudgetTable};
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::predict::{predict, CostSettings, DecodeContext, Prediction};
-use crate::cost::workloads;
+use crate::cost::rates::{at_rates, Rates};
 use crate::elaborate::Options;
 use crate::ir::{Program, TaskId, Workload};
 use crate::model::card::ModelCard;
@@ -31,9 +32,13 @@ pub struct CostTarget {
     /// Override a schedule param: `--set ubs=32` (repeatable).
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub sets: Vec<String>,
-    /// A paper workload (sets prompt and generation length): mtbench-32, mtbench-64,
-    /// mtbench-128, mtbench-256, synthetic-reasoning, summarization.
-    #[arg(long)]
+    /// The workload, as `run` takes it: a paper preset alone (`mtbench-32`, `mtbench-64`,
+    /// `mtbench-128`, `mtbench-256`, `synthetic-reasoning`, `summarization`: the paper's
+    /// average prompt and generation length), or the prompts a run draws
+    /// (`mtbench[:COUNT]`, `mtbench-GEN:COUNT`, `count=N,mean=M,max=X[,min=A][,gen=G]`:
+    /// N sequences of the longest prompt X). `--batch`, `--prompt-len` and `--gen-len`
+    /// override it.
+    #[arg(long, value_name = "SPEC")]
     pub workload: Option<String>,
     /// Sequences in the batch (the `batch` symbol).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -61,8 +66,10 @@ pub struct CostTarget {
     /// fitted or measured rates, per-task overheads, shared host DRAM; see
     /// docs/cost-model.md) or `calibrated` (effective, with the prefill efficiency and
     /// task overhead `moec reproduce` fits on the papers' rows, reproduce/calibration.ron).
-    #[arg(long, default_value = "datasheet")]
-    pub rates: String,
+    /// Default: the best the profile has (calibrated, else effective, else datasheet); the
+    /// output's `rates:` line says which.
+    #[arg(long, value_name = "RATES")]
+    pub rates: Option<String>,
 }
 
 /// Arguments of `moec simulate`.
@@ -96,6 +103,8 @@ pub(crate) struct Resolved {
     pub profile: HardwareProfile,
     /// Which rates the profile carries, in words (the output says so: no silent choice).
     pub rates: String,
+    /// The `--workload` spec as read, if one was given.
+    pub workload: Option<CostWorkload>,
     pub overrides: BudgetOverrides,
     pub settings: CostSettings,
 }
@@ -111,61 +120,25 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
     let model = ModelCard::load(&target.model).map_err(|e| e.to_string())?;
     let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
-    let (profile, rates) = match target.rates.as_str() {
-        "datasheet" => (profile, "datasheet peaks".to_string()),
-        "effective" if profile.effective.is_some() => {
-            let rates = format!(
-                "effective ({})",
-                profile.effective.as_ref().map_or("", |e| e.source.as_str())
-            );
-            (profile.effective(), rates)
-        }
-        "effective" => {
-            return Err(format!(
-                "`--rates effective`: hardware profile `{}` has no `effective` section",
-                profile.name
-            ))
-        }
-        "calibrated" => {
-            let points = crate::cost::reproduce::fitted_points()?;
-            let (Some(point), true) = (points.get(&profile.name), profile.effective.is_some())
-            else {
-                let known: Vec<&str> = points.keys().map(String::as_str).collect();
-                return Err(format!(
-                    "`--rates calibrated`: hardware profile `{}` has no calibration point (fitted by `moec reproduce` for: {})",
-                    profile.name,
-                    known.join(", ")
-                ));
-            };
-            let rates = format!(
-                "calibrated: effective, prefill efficiency {}, task overhead {} us (fitted by `moec reproduce` on the papers' {} rows, reproduce/calibration.ron)",
-                point.prefill_efficiency, point.task_overhead_us, profile.name
-            );
-            (crate::cost::reproduce::calibrated(&profile, *point), rates)
-        }
-        other => {
-            return Err(format!(
-                "`--rates {other}`: expected `datasheet`, `effective` or `calibrated`"
-            ))
-        }
-    };
+    // The schedule sees the profile's own numbers (`gpu.mem`, `link.h2d`, ...), as `check`
+    // and `run` with `--hw` show them, whatever rates the prediction divides by: a planned
+    // policy then elaborates to the same program in all three.
+    let symbols: std::collections::BTreeMap<String, f64> = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let requested = target.rates.as_deref().map(Rates::parse).transpose()?;
+    let rated = at_rates(profile, requested)?;
+    let (profile, rates) = (rated.profile, rated.description);
     let mut workload = Workload::default();
-    if let Some(name) = &target.workload {
-        let preset = workloads::preset(name).ok_or_else(|| {
-            // `run`'s own specs (`mtbench:COUNT`, `count=..`) draw prompts; here only the
-            // paper presets apply, which `run` accepts too.
-            let hint = if name.starts_with("mtbench") || name.contains('=') {
-                "; `mtbench:COUNT` and `count=...` are `run`'s prompt specs, while `simulate` and `plan` take a paper preset (which `run` also accepts, as `mtbench-128` or `mtbench-128:COUNT`)"
-            } else {
-                ""
-            };
-            format!(
-                "unknown workload `{name}` (known: {}){hint}",
-                workloads::preset_names()
-            )
-        })?;
-        workload.prompt_len = preset.prompt_len;
-        workload.gen_len = preset.gen_len;
+    let spec = target
+        .workload
+        .as_deref()
+        .map(CostWorkload::parse)
+        .transpose()?;
+    if let Some(spec) = &spec {
+        spec.apply(&mut workload);
     }
     if let Some(batch) = target.batch {
         workload.batch = batch;
@@ -209,17 +182,14 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
     options.act_bytes = target.act_bytes;
     options.workload = workload;
     options.sets = sets;
-    options.hardware = profile
-        .symbols()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+    options.hardware = symbols;
     Ok(Resolved {
         source,
         origin: target.schedule.display().to_string(),
         options,
         profile,
         rates,
+        workload: spec,
         overrides,
         settings: CostSettings { decode_context },
     })
@@ -338,6 +308,7 @@ pub fn run(args: SimulateArgs) -> ExitCode {
             "schedule": program.name,
             "model": program.model.name,
             "hardware": resolved.profile.name,
+            "rates": resolved.rates,
             "workload": program.workload,
             "params": program.params.iter().map(|p| (p.name.clone(), p.value.to_string())).collect::<std::collections::BTreeMap<_, _>>(),
             "tokens_per_s": prediction.tokens_per_s,
@@ -481,6 +452,8 @@ fn print_report(
             stage1.bottleneck
         );
     }
+    // Last but the memory table, so the figures above keep their lines (docs quote them).
+    println!("rates: {}", resolved.rates);
     println!("memory:");
     print!("{table}");
 }

@@ -12,6 +12,7 @@ pub mod hrm;
 pub mod plan;
 pub mod predict;
 pub mod probe;
+pub mod rates;
 pub mod replay;
 pub mod reproduce;
 pub mod sim;

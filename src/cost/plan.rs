@@ -141,6 +141,24 @@ pub struct Candidate {
     pub host_bytes: u64,
 }
 
+/// The share of a candidate's predicted throughput a run of `prompts` prompts keeps when
+/// the candidate holds `slots` sequences at once. A prediction charges every step as if
+/// each slot were full (the declared worst case), so empty slots cost time and give no
+/// tokens. With static batches (prefill, then decode) the runtime runs the prompts in
+/// `ceil(prompts / slots)` batches, the last one part empty; with `continuous` batching (a
+/// mixed step) a freed slot takes the next waiting prompt, so only a run of fewer prompts
+/// than slots leaves some empty. 1 when the prompts fill every slot; 0 for no slots.
+pub fn share_of_slots_used(prompts: u64, slots: u64, continuous: bool) -> f64 {
+    if slots == 0 {
+        return 0.0;
+    }
+    if continuous {
+        return (prompts as f64 / slots as f64).min(1.0);
+    }
+    let batches = prompts.div_ceil(slots);
+    prompts as f64 / (batches * slots) as f64
+}
+
 /// What evaluating a point gave.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
@@ -399,6 +417,20 @@ fn midpoint(space: &ParamSpace, from: Scalar, to: Scalar) -> Option<Scalar> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// By hand: 16 prompts in 64 slots use a quarter of one batch; 16 in 16, all; 20 in 16
+    /// take two static batches of 16 (20 of 32 slots used), or keep 16 slots busy under
+    /// continuous batching; no slots give nothing.
+    #[test]
+    fn slots_beyond_the_prompts_earn_nothing() {
+        for continuous in [false, true] {
+            assert_eq!(share_of_slots_used(16, 64, continuous), 0.25);
+            assert_eq!(share_of_slots_used(16, 16, continuous), 1.0);
+            assert_eq!(share_of_slots_used(16, 0, continuous), 0.0);
+        }
+        assert_eq!(share_of_slots_used(20, 16, false), 20.0 / 32.0);
+        assert_eq!(share_of_slots_used(20, 16, true), 1.0);
+    }
 
     fn candidate(values: &[(String, Scalar)], tokens_per_s: f64) -> Candidate {
         Candidate {

@@ -18,7 +18,7 @@ use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, KernelRates, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
-use crate::ir::catalog::{self, ArgType, AttnPart, Shape, ACT_BYTES};
+use crate::ir::catalog::{self, ArgType, AttnPart, CostClass, Shape, ACT_BYTES};
 use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, KvPart, Layout, Op, Program, Role, Space, TaskId, Work};
 use crate::records::timeline::{Span, Timeline};
@@ -448,7 +448,8 @@ fn read_seen_experts(
 /// weights at the FFN rate and the rest at the dense one; attention is its catalog FLOPs
 /// at the decode rate, or the prefill rate when it carries more tokens than sequences,
 /// and at least one measured smallest call (`attn_call_us`).
-/// Other ops (embed, combine, sample) have no measured kernel: 0, the roofline stands.
+/// The op's [`catalog::CostClass`] picks the term; the roofline-only classes (embed,
+/// combine, sample) have no measured kernel: 0, the roofline stands.
 pub fn kernel_seconds(
     program: &Program,
     id: TaskId,
@@ -457,7 +458,8 @@ pub fn kernel_seconds(
     kernels: &KernelRates,
 ) -> f64 {
     let task = program.task(id);
-    if task.work.copy.is_some() || task.op == Op::Copy {
+    let class = task.op.def().cost;
+    if task.work.copy.is_some() || class == CostClass::Copy {
         return 0.0;
     }
     let (shape, work) = task_work(program, id, settings, loads);
@@ -500,16 +502,18 @@ pub fn kernel_seconds(
         };
         (active > 0.0).then(|| (active, routed / active))
     };
-    match task.op {
-        Op::PreAttn { .. } | Op::OProj { .. } | Op::Gate { .. } => {
-            at(&kernels.linear, weights, tokens)
+    // No wildcard: a new class must say here what it costs.
+    match class {
+        CostClass::Linear => at(&kernels.linear, weights, tokens),
+        CostClass::LinearPerSequence => at(&kernels.linear, weights, shape.seqs as f64),
+        CostClass::ExpertFfn => {
+            let set = task.op.statics().set.unwrap_or(catalog::ExpertSet::All);
+            match routed_per_active(&set) {
+                Some((_, rows)) => at(&kernels.expert_ffn, weights, rows),
+                None => 0.0,
+            }
         }
-        Op::LmHead { .. } => at(&kernels.linear, weights, shape.seqs as f64),
-        Op::Experts { set, .. } => match routed_per_active(&set) {
-            Some((_, rows)) => at(&kernels.expert_ffn, weights, rows),
-            None => 0.0,
-        },
-        Op::PostAttn { .. } => match routed_per_active(&catalog::ExpertSet::All) {
+        CostClass::FusedPostAttn => match routed_per_active(&catalog::ExpertSet::All) {
             Some((active, rows)) => {
                 // The catalog's weight bytes hold min(experts, tokens x top_k) experts;
                 // the rest is the dense part (o_proj, norms, router).
@@ -522,7 +526,7 @@ pub fn kernel_seconds(
             }
             None => 0.0,
         },
-        Op::Attn { .. } => {
+        CostClass::Attention => {
             let prefill = shape.tokens > shape.seqs;
             let gflops = if prefill {
                 kernels.attn_prefill_gflops
@@ -543,7 +547,10 @@ pub fn kernel_seconds(
                 0.0
             }
         }
-        _ => 0.0,
+        // Returned above: a copy is timed by its link (`copy_time`).
+        CostClass::Copy => 0.0,
+        // No measured kernel: the roofline of the catalog's work is the op's time.
+        CostClass::Roofline(_) => 0.0,
     }
 }
 
@@ -988,11 +995,29 @@ fn gpu_rate_cap(
         StepKind::Decode => false,
         _ => shape.tokens > shape.seqs,
     };
-    match (op, prefill) {
-        (Op::Attn { .. }, true) => adjust.gpu_prefill_attn_flops,
-        (Op::Attn { .. }, false) => adjust.gpu_decode_attn_flops,
-        (Op::Copy, _) | (_, true) => 0.0,
-        (_, false) => adjust.gpu_decode_gemm_flops,
+    // No wildcard: a new class must say which cap (if any) its flops meet.
+    match (op.def().cost, prefill) {
+        (CostClass::Attention, true) => adjust.gpu_prefill_attn_flops,
+        (CostClass::Attention, false) => adjust.gpu_decode_attn_flops,
+        (CostClass::Copy, _) => 0.0,
+        // Prefill GEMMs run at the prefill rate the profile's peak already holds
+        // (`HardwareProfile::effective`); decode ones are capped at the decode GEMM rate.
+        (
+            CostClass::Linear
+            | CostClass::LinearPerSequence
+            | CostClass::ExpertFfn
+            | CostClass::FusedPostAttn
+            | CostClass::Roofline(_),
+            true,
+        ) => 0.0,
+        (
+            CostClass::Linear
+            | CostClass::LinearPerSequence
+            | CostClass::ExpertFfn
+            | CostClass::FusedPostAttn
+            | CostClass::Roofline(_),
+            false,
+        ) => adjust.gpu_decode_gemm_flops,
     }
 }
 

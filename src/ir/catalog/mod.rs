@@ -18,8 +18,8 @@ mod work;
 
 pub use ops::OPS;
 pub use table::{
-    callable_op_names, op_by_name, ArgDef, ArgType, OpDef, OpForm, OpKind, StaticArgs, StaticParam,
-    WorkDef,
+    callable_op_names, op_by_name, ArgDef, ArgType, CostClass, OpDef, OpForm, OpKind,
+    RooflineReason, StaticArgs, StaticParam, WorkDef,
 };
 
 pub use sizes::{size_helper, HelperSize, SIZE_HELPERS};

@@ -2,11 +2,15 @@
 //! value signature, flops, bytes, workspace).
 //!
 //! Takes nothing; gives [`OPS`], indexed by [`OpKind`]. Adding an op is one entry here
-//! (plus its `Op` variant and `OpKind`) and one kernel per backend; the tests at the end
-//! pin that the table is consistent with itself (kinds in order, unique names, signatures
-//! that list exactly the declared arguments, builds that round-trip).
+//! (plus its `Op` variant and `OpKind`) and one kernel per backend; the entry names its
+//! [`CostClass`], which the cost model matches on exhaustively. The tests at the end pin
+//! that the table is consistent with itself (kinds in order, unique names, signatures
+//! that list exactly the declared arguments, builds that round-trip, cost classes that
+//! fit the work formulas).
 
-use super::table::{ArgDef, ArgType, OpDef, OpForm, OpKind, StaticParam, WorkDef};
+use super::table::{
+    ArgDef, ArgType, CostClass, OpDef, OpForm, OpKind, RooflineReason, StaticParam, WorkDef,
+};
 use super::work::routed_tokens;
 use super::{AttnPart, ExpertRef, ExpertSet, Op, RoleSig, Shape, ROUTE_ENTRY_BYTES, TOKEN_BYTES};
 use crate::ir::value::{Point, Rows, Tensor};
@@ -176,6 +180,7 @@ const EMBED: OpDef = OpDef {
         bytes: embed_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::Roofline(RooflineReason::Gather),
 };
 
 fn embed_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
@@ -230,6 +235,7 @@ const PRE_ATTN: OpDef = OpDef {
         bytes: pre_attn_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::Linear,
 };
 
 fn pre_attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
@@ -292,6 +298,7 @@ const ATTN: OpDef = OpDef {
             shape.tokens * card.heads * shape.context.min(1024) * shape.act_bytes
         },
     },
+    cost: CostClass::Attention,
 };
 
 fn attn_part(op: &Op) -> AttnPart {
@@ -387,6 +394,7 @@ const POST_ATTN: OpDef = OpDef {
         // The experts' gate/up intermediates of every routed (token, k).
         workspace: |_, card, shape| shape.tokens * card.top_k * card.ffn * 2 * shape.act_bytes,
     },
+    cost: CostClass::FusedPostAttn,
 };
 
 fn post_attn_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
@@ -466,6 +474,7 @@ const O_PROJ: OpDef = OpDef {
         bytes: o_proj_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::Linear,
 };
 
 fn o_proj_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
@@ -524,6 +533,7 @@ const GATE: OpDef = OpDef {
         bytes: gate_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::Linear,
 };
 
 fn gate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
@@ -594,6 +604,7 @@ const EXPERTS: OpDef = OpDef {
             routed.min(shape.tokens) * card.ffn * 2 * shape.act_bytes
         },
     },
+    cost: CostClass::ExpertFfn,
 };
 
 fn expert_set(op: &Op) -> ExpertSet {
@@ -686,6 +697,7 @@ const COMBINE: OpDef = OpDef {
         bytes: combine_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::Roofline(RooflineReason::Elementwise),
 };
 
 fn combine_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
@@ -738,6 +750,7 @@ const LM_HEAD: OpDef = OpDef {
         bytes: lm_head_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::LinearPerSequence,
 };
 
 fn lm_head_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
@@ -786,6 +799,7 @@ const SAMPLE: OpDef = OpDef {
         bytes: sample_bytes,
         workspace: no_workspace,
     },
+    cost: CostClass::Roofline(RooflineReason::RowReduction),
 };
 
 fn sample_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
@@ -834,6 +848,7 @@ const COPY: OpDef = OpDef {
         bytes: |_, _, _, _, len| len as f64,
         workspace: no_workspace,
     },
+    cost: CostClass::Copy,
 };
 
 #[cfg(test)]
@@ -981,6 +996,110 @@ mod tests {
                         a.access
                     );
                     assert!(a.optional || !s.optional, "{}", op.describe());
+                }
+            }
+        }
+    }
+
+    /// Every entry's cost class fits its work formulas (Mixtral-8x7B, layer 1): an op that
+    /// reads weights is timed by a kernel rate for them, unless it gathers one row per token
+    /// (weights in proportion to the tokens); the dense classes stream whole matrices
+    /// (weights that do not grow with the tokens, flops that do: with the tokens, or with
+    /// the sequences for the per-sequence head); the expert classes read more experts, never
+    /// fewer, as tokens grow; attention reads a KV cache and no weights, with flops that grow
+    /// with the context; roofline-only ops without weights do at most one flop per byte
+    /// moved (memory bound on any machine); and no op but a copy is free.
+    #[test]
+    fn cost_classes_agree_with_the_work_formulas() {
+        let card = ModelCard::load("mixtral-8x7b").unwrap();
+        let at = |tokens, seqs, context| Shape {
+            tokens,
+            seqs,
+            context,
+            act_bytes: 4,
+        };
+        let class_bytes = |op: &Op, shape: &Shape, class: super::super::DataClass| -> f64 {
+            op.def()
+                .args
+                .iter()
+                .map(|a| super::super::role_traffic(op, a.role, &card, shape, 0))
+                .filter(|(c, _)| *c == class)
+                .map(|(_, bytes)| bytes)
+                .sum()
+        };
+        let weights =
+            |op: &Op, shape: &Shape| class_bytes(op, shape, super::super::DataClass::Weights);
+        let all_bytes = |op: &Op, shape: &Shape| {
+            op.def()
+                .args
+                .iter()
+                .map(|a| super::super::role_traffic(op, a.role, &card, shape, 0).1)
+                .sum::<f64>()
+        };
+        let flops = |op: &Op, shape: &Shape| super::super::flops(op, &card, shape);
+        let (one, many) = (at(1, 1, 64), at(64, 64, 64));
+        for def in &OPS {
+            for statics in samples(def.kind) {
+                let op = (def.build)(&statics).unwrap();
+                let name = op.describe();
+                let class = def.cost;
+                if class != CostClass::Copy {
+                    assert!(
+                        flops(&op, &many) + all_bytes(&op, &many) > 0.0,
+                        "{name}: no work at all"
+                    );
+                }
+                let reads_weights = weights(&op, &one) > 0.0 || weights(&op, &many) > 0.0;
+                match class {
+                    CostClass::Linear => {
+                        assert!(reads_weights, "{name}");
+                        assert_eq!(weights(&op, &one), weights(&op, &many), "{name}");
+                        let ratio = flops(&op, &many) / flops(&op, &one);
+                        assert!((ratio - 64.0).abs() < 1e-9, "{name}: flops x{ratio}");
+                    }
+                    CostClass::LinearPerSequence => {
+                        assert!(reads_weights, "{name}");
+                        assert_eq!(weights(&op, &one), weights(&op, &many), "{name}");
+                        let (few_tokens, more_tokens) = (at(2, 2, 64), at(64, 2, 64));
+                        assert!(flops(&op, &few_tokens) > 0.0, "{name}");
+                        assert_eq!(
+                            flops(&op, &few_tokens),
+                            flops(&op, &more_tokens),
+                            "{name}: flops follow the sequences, not the tokens"
+                        );
+                    }
+                    CostClass::ExpertFfn | CostClass::FusedPostAttn => {
+                        assert!(weights(&op, &one) > 0.0, "{name}");
+                        assert!(weights(&op, &many) >= weights(&op, &one), "{name}");
+                        assert!(flops(&op, &one) > 0.0, "{name}");
+                    }
+                    CostClass::Attention => {
+                        assert!(!reads_weights, "{name}");
+                        let kv = super::super::DataClass::KvCache;
+                        assert!(class_bytes(&op, &many, kv) > 0.0, "{name}");
+                        let longer = at(64, 64, 512);
+                        assert!(flops(&op, &longer) > flops(&op, &many), "{name}");
+                    }
+                    CostClass::Copy => {
+                        assert_eq!(def.form, OpForm::CopyStatement, "{name}");
+                        assert!(!reads_weights && flops(&op, &many) == 0.0, "{name}");
+                    }
+                    CostClass::Roofline(RooflineReason::Gather) => {
+                        assert!(weights(&op, &one) > 0.0, "{name}");
+                        assert_eq!(weights(&op, &many), 64.0 * weights(&op, &one), "{name}");
+                        assert_eq!(flops(&op, &many), 0.0, "{name}");
+                    }
+                    CostClass::Roofline(
+                        RooflineReason::Elementwise | RooflineReason::RowReduction,
+                    ) => {
+                        assert!(!reads_weights, "{name}: reads weights but has no rate");
+                        for shape in [one, many] {
+                            assert!(
+                                flops(&op, &shape) <= all_bytes(&op, &shape),
+                                "{name}: more flops than bytes, not memory bound"
+                            );
+                        }
+                    }
                 }
             }
         }

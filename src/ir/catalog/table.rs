@@ -266,6 +266,54 @@ pub struct WorkDef {
     pub workspace: fn(&Op, &ModelCard, &Shape) -> u64,
 }
 
+/// Which measured kernel rate the cost model times an op's compute at, beside the roofline
+/// of its work formulas (`cost::predict::kernel_seconds`, `gpu_rate_cap`). Every entry
+/// names one and the cost model matches on it without a wildcard, so a new op cannot be
+/// charged nothing by omission: adding a variant here fails to compile there, and the test
+/// `cost_classes_agree_with_the_work_formulas` (`ops.rs`) fails when an entry's class does
+/// not fit its flops and bytes (an op that streams weight matrices in a roofline-only
+/// class, say).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostClass {
+    /// A dense projection that streams its weight matrices once per call over one row per
+    /// new token (`pre_attn`, `o_proj`, `gate`'s router and shared expert): the `linear`
+    /// kernel curve at the micro-batch's tokens.
+    Linear,
+    /// A dense projection over one row per sequence (`lm_head`: the last token of each):
+    /// the `linear` curve at the micro-batch's sequences.
+    LinearPerSequence,
+    /// Routed expert FFNs (`experts`): the `expert_ffn` curve at the tokens routed to each
+    /// active expert.
+    ExpertFfn,
+    /// The fused post-attention block (`post_attn`): its active experts' weights at the
+    /// `expert_ffn` rate, the rest (o_proj, norms, router) at the `linear` rate.
+    FusedPostAttn,
+    /// Attention over the KV cache (`attn`): its flops at the measured prefill or decode
+    /// attention rate, at least one smallest call.
+    Attention,
+    /// A byte copy between memory spaces (`copy`): timed by the link it crosses, never by
+    /// a kernel rate.
+    Copy,
+    /// No kernel of its own is measured: the roofline of the op's flops and bytes is its
+    /// whole time, for the reason given.
+    Roofline(RooflineReason),
+}
+
+/// Why the roofline alone times an op of [`CostClass::Roofline`]: each reason is a claim
+/// about the op's work formulas that the table's tests check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RooflineReason {
+    /// A lookup of one weight row per token (`embed`): its weight bytes grow with the
+    /// tokens, not with a matrix streamed whole, and it does no arithmetic.
+    Gather,
+    /// Elementwise over activation rows (`combine`): no weights, at most one flop per
+    /// byte moved, so memory bound on every profile.
+    Elementwise,
+    /// A reduction over each sequence's logits row (`sample`): no weights, at most one
+    /// flop per byte moved.
+    RowReduction,
+}
+
 /// One entry of the op table: everything the compiler and the backends know about an op.
 #[derive(Clone, Copy)]
 pub struct OpDef {
@@ -290,6 +338,8 @@ pub struct OpDef {
     pub signature: fn(&Op, &ModelCard) -> Vec<RoleSig>,
     /// Flops, bytes and workspace.
     pub work: WorkDef,
+    /// Which kernel rate the cost model times the op at (beside the roofline of `work`).
+    pub cost: CostClass,
 }
 
 impl std::fmt::Debug for OpDef {
@@ -300,6 +350,7 @@ impl std::fmt::Debug for OpDef {
             .field("params", &self.params)
             .field("args", &self.args)
             .field("engines", &self.engines)
+            .field("cost", &self.cost)
             .finish_non_exhaustive()
     }
 }
