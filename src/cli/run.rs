@@ -16,12 +16,12 @@
 
 use super::generate::fail;
 use super::inputs::{ModelArgs, PromptArgs, RunSettings};
+use super::workload::parse_workload;
 use crate::cost::hardware::Level;
 use crate::cost::replay::RunPrediction;
 pub use crate::engine::{RunFailure as Failure, RunResult as Finished, DEFAULT_PROMPTS};
 use crate::engine::{RunRequest, BOUND_COPY_GB_S};
 use crate::runtime::driver::report::timeline;
-use crate::runtime::driver::workload::WorkloadSpec;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -371,37 +371,6 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
     super::output::write_output(path, text)
 }
 
-/// Parses `--workload`: the runtime's specs (`mtbench[:COUNT]`, `count=...`) and the paper
-/// presets `simulate` and `plan` take, `mtbench-GEN[:COUNT]` (the MT-Bench-shaped prompts,
-/// generating the preset's GEN tokens), so one spelling works in every command. Resolved
-/// here because the runtime does not import the cost model (issue 10's layering).
-fn parse_workload(text: &str) -> Result<WorkloadSpec, String> {
-    let Some(tail) = text.strip_prefix("mtbench-") else {
-        return WorkloadSpec::parse(text).map_err(|e| e.to_string());
-    };
-    let (gen, count) = match tail.split_once(':') {
-        Some((gen, count)) => (gen, Some(count)),
-        None => (tail, None),
-    };
-    let name = format!("mtbench-{gen}");
-    let preset = crate::cost::workloads::preset(&name).ok_or_else(|| {
-        format!(
-            "bad --workload `{text}`: unknown preset `{name}` (known: {})",
-            crate::cost::workloads::preset_names()
-        )
-    })?;
-    let runtime_spec = match count {
-        Some(count) => format!("mtbench:{count}"),
-        None => "mtbench".to_string(),
-    };
-    let spec = WorkloadSpec::parse(&runtime_spec)
-        .map_err(|e| format!("bad --workload `{text}`: {}", e.reason))?;
-    Ok(WorkloadSpec {
-        gen_len: Some(preset.gen_len as usize),
-        ..spec
-    })
-}
-
 /// Runs `moec run`.
 pub fn run(args: &RunArgs) -> ExitCode {
     let bar = indicatif::ProgressBar::new(0);
@@ -573,24 +542,4 @@ fn predicted_json(f: &Finished) -> serde_json::Value {
         "simulations": p.map(|p| p.simulations),
         "worst_case_step_seconds": f.worst_case_step_seconds,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_workload;
-
-    /// `run` takes the paper presets `simulate` and `plan` name, with an optional count, as
-    /// well as its own `mtbench:COUNT`; unknown presets and empty counts are refused.
-    #[test]
-    fn workload_presets_are_spelled_as_simulate_spells_them() {
-        let preset = parse_workload("mtbench-128").unwrap();
-        assert_eq!((preset.count, preset.gen_len), (80, Some(128)));
-        let preset = parse_workload("mtbench-32:5").unwrap();
-        assert_eq!((preset.count, preset.gen_len), (5, Some(32)));
-        assert_eq!(parse_workload("mtbench:7").unwrap().count, 7);
-        assert!(parse_workload("mtbench-33")
-            .unwrap_err()
-            .contains("unknown preset `mtbench-33`"));
-        assert!(parse_workload("mtbench-32:").is_err());
-    }
 }

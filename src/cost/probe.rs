@@ -598,9 +598,11 @@ pub fn measure_expert_latency(
     let matrix = |m: &'static str, slice, rows, cols, o| {
         Matrix::new(TypedSlice::Bf16(slice), rows, cols, o).ok_or(ProbeError::Expert(m))
     };
-    let down_matrix = match card.family {
-        crate::model::card::Family::Dbrx => matrix("down", down, f, d, Orientation::InOut)?,
-        _ => matrix("down", down, d, f, Orientation::OutIn)?,
+    // The family's own orientation (DBRX and gpt-oss store `[in, out]`), as the checkpoint
+    // views read it, so the probe times the layout the kernels will see.
+    let down_matrix = match crate::model::family::spec(card.family).expert_down() {
+        Orientation::InOut => matrix("down", down, f, d, Orientation::InOut)?,
+        Orientation::OutIn => matrix("down", down, d, f, Orientation::OutIn)?,
     };
     let expert = ExpertWeights {
         gate: matrix("gate", gate, f, d, Orientation::OutIn)?,
