@@ -388,35 +388,6 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
     );
     assert_eq!(again.json()["choices"][0]["text"], expected[1].as_str());
 
-    // A client that leaves mid-stream: its sequence is cancelled and freed.
-    let before = metric(addr, "moec_cancelled_total", key);
-    {
-        let mut s = TcpStream::connect(addr).unwrap();
-        let body = serde_json::json!({"prompt": prompts[2], "max_tokens": 12, "temperature": 0, "stream": true}).to_string();
-        write!(
-            s,
-            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        // Headers only come after the first token: the sequence is running.
-        let mut first = [0u8; 16];
-        s.read_exact(&mut first).unwrap();
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let running = metric(addr, "moec_running_sequences", key);
-        let cancelled = metric(addr, "moec_cancelled_total", key);
-        let generated = metric(addr, "moec_generated_tokens_total", key);
-        if running == 0.0 && (cancelled > before || generated > 0.0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the sequence of a client that left still runs"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
     // And the next request is admitted and served.
     let after = post(
         addr,
@@ -428,7 +399,8 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
 }
 
 /// VSLPipe admits a request that arrives while another decodes (its first token comes
-/// before the other's last), and SIGTERM with requests in flight exits 0 with every
+/// before the other's last), a client that leaves mid-stream is cancelled and its
+/// sequence freed (the next request is served), and SIGTERM with requests in flight exits 0 with every
 /// stream ended cleanly.
 #[test]
 fn vslpipe_admits_while_decoding_and_sigterm_exits_zero() {
@@ -479,6 +451,42 @@ fn vslpipe_admits_while_decoding_and_sigterm_exits_zero() {
         first_of_second < last_of_first,
         "the second request waited for the first to finish"
     );
+
+    // A client that leaves mid-stream: its sequence is cancelled and freed.
+    let before = metric(addr, "moec_cancelled_total", None);
+    {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true}).to_string();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        // Headers only come after the first token: the sequence is running.
+        let mut first = [0u8; 16];
+        s.read_exact(&mut first).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let running = metric(addr, "moec_running_sequences", None);
+        let cancelled = metric(addr, "moec_cancelled_total", None);
+        if running == 0.0 && cancelled > before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sequence of a client that left still runs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let next = post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+        None,
+    );
+    assert_eq!(next.status, 200, "{}", next.body);
 
     // SIGTERM while a stream runs: the stream ends cleanly, the server exits 0.
     let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true});
