@@ -523,3 +523,184 @@ fn vslpipe_admits_while_decoding_and_sigterm_exits_zero() {
         "finish reason {finish:?}"
     );
 }
+
+/// Where the real `openai` Python package is: `MOEC_OPENAI_PYTHONPATH` (`.ci/run` installs
+/// it there from PyPI), the system's, or installed here with pip into the target folder.
+/// `None` (the test skips, saying why) only when there is no Python with pip.
+fn openai_python() -> Option<Option<String>> {
+    let importable = |path: Option<&str>| {
+        let mut c = Command::new("python3");
+        c.args(["-c", "import openai"]);
+        if let Some(p) = path {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().is_ok_and(|o| o.status.success())
+    };
+    if let Ok(path) = std::env::var("MOEC_OPENAI_PYTHONPATH") {
+        assert!(
+            importable(Some(&path)),
+            "MOEC_OPENAI_PYTHONPATH={path} has no openai package"
+        );
+        return Some(Some(path));
+    }
+    if importable(None) {
+        return Some(None);
+    }
+    let pip = Command::new("python3")
+        .args(["-m", "pip", "--version"])
+        .output();
+    if !pip.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: no python3 with pip to install the openai client");
+        return None;
+    }
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-py");
+    let target_str = target.to_str().expect("a UTF-8 path").to_string();
+    if !importable(Some(&target_str)) {
+        let out = Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--target",
+                &target_str,
+                "openai==2.8.0",
+            ])
+            .output()
+            .expect("pip runs");
+        assert!(
+            out.status.success(),
+            "pip install openai: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Some(Some(target_str))
+}
+
+/// The real `openai` Python client against the server: completions and chat completions
+/// (the chat template from the checkpoint's `tokenizer_config.json`), streaming and not;
+/// the greedy completion equals `moec run`'s, and a chat streamed equals the chat whole.
+#[test]
+fn openai_python_client_gets_completions_and_chats() {
+    let Some(pythonpath) = openai_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let weights = dir.path().join("tiny");
+    let synth = moec()
+        .args([
+            "synth",
+            "--model",
+            "mixtral-tiny",
+            "--out",
+            weights.to_str().unwrap(),
+        ])
+        .output()
+        .expect("moec synth");
+    assert!(
+        synth.status.success(),
+        "{}",
+        String::from_utf8_lossy(&synth.stderr)
+    );
+    std::fs::write(
+        weights.join("tokenizer_config.json"),
+        serde_json::json!({
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'].strip() }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let sched = "schedules/cgopipe.sched";
+    let w = weights.to_str().unwrap();
+    let server = serve(
+        sched,
+        &[
+            "--weights",
+            w,
+            "--max-batch",
+            "2",
+            "--max-prompt",
+            "32",
+            "--max-tokens",
+            "8",
+            "--api-key",
+            KEY,
+        ],
+    );
+    let prompt = "The capital of France is";
+    let expected = {
+        let out = moec()
+            .args([
+                "run",
+                sched,
+                "--weights",
+                w,
+                "--json",
+                "--hw",
+                "t4",
+                "--gen-len",
+                "6",
+                "--prompt",
+                prompt,
+            ])
+            .output()
+            .expect("moec run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        doc["outputs"][0]["text"].as_str().unwrap().to_string()
+    };
+    let script = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0)
+out = {}
+c = client.completions.create(model="m", prompt=sys.argv[3], max_tokens=6, temperature=0)
+out["completion"] = c.choices[0].text
+out["usage"] = c.usage.completion_tokens
+out["streamed"] = "".join(ch.choices[0].text for ch in client.completions.create(
+    model="m", prompt=sys.argv[3], max_tokens=6, temperature=0, stream=True) if ch.choices)
+msgs = [{"role": "user", "content": "  Hello there  "}]
+chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=5, temperature=0)
+out["chat"] = chat.choices[0].message.content
+out["chat_finish"] = chat.choices[0].finish_reason
+out["chat_streamed"] = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+    model="m", messages=msgs, max_tokens=5, temperature=0, stream=True) if ch.choices)
+try:
+    client.completions.create(model="m", prompt="hi", max_tokens=10**9)
+    out["refused"] = None
+except Exception as e:
+    out["refused"] = getattr(e, "status_code", str(e))
+print(json.dumps(out))
+"#;
+    let mut python = Command::new("python3");
+    python.args([
+        "-c",
+        script,
+        &format!("http://{}/v1", server.addr),
+        KEY,
+        prompt,
+    ]);
+    if let Some(p) = &pythonpath {
+        python.env("PYTHONPATH", p);
+    }
+    let out = python.output().expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    assert_eq!(got["completion"], expected.as_str());
+    assert_eq!(got["streamed"], expected.as_str());
+    assert!(got["usage"].as_u64().is_some_and(|n| (1..=6).contains(&n)));
+    assert!(got["chat"].as_str().is_some());
+    assert_eq!(got["chat"], got["chat_streamed"]);
+    assert!(["length", "stop"].contains(&got["chat_finish"].as_str().unwrap_or("")));
+    assert_eq!(got["refused"], 400);
+}
