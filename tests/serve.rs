@@ -299,6 +299,13 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
     });
     assert_eq!(got, expected);
 
+    // The metrics count what ran.
+    assert!(metric(addr, "moec_generated_tokens_total", key) > 0.0);
+    assert!(metric(addr, "moec_tokens_per_second", key) > 0.0);
+    assert!(metric(addr, "moec_step_seconds_last", key) > 0.0);
+    assert_eq!(metric(addr, "moec_running_sequences", key), 0.0);
+    assert!(metric(addr, "moec_arena_bytes{space=\"host\"}", key) > 0.0);
+
     // Refusals: each a 4xx with an OpenAI error body.
     let bad: Vec<(&str, Vec<u8>, Option<&str>, u16)> = vec![
         ("malformed JSON", b"{\"prompt\": ".to_vec(), key, 400),

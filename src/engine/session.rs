@@ -168,8 +168,20 @@ impl Session {
                 )));
             }
         };
+        // A template that does not load or parse leaves completions served and chats
+        // answered with why (the CLI says it at start).
+        let mut info = info;
         let template = match &info.chat_template {
-            Ok(_) => Some(ChatTemplate::load(&info.tokenizer_dir()).map_err(RunFailure::Message)?),
+            Ok(_) => match ChatTemplate::load(&info.tokenizer_dir()) {
+                Ok(mut t) => {
+                    t.tokenizer_adds_bos = tokenizer.encode("").is_ok_and(|ids| !ids.is_empty());
+                    Some(t)
+                }
+                Err(why) => {
+                    info.chat_template = Err(why);
+                    None
+                }
+            },
             Err(_) => None,
         };
         Ok(Session {
@@ -492,6 +504,8 @@ struct ChatTemplate {
     source: String,
     bos: String,
     eos: String,
+    /// The tokenizer puts a BOS first when it encodes (set once the tokenizer is known).
+    tokenizer_adds_bos: bool,
 }
 
 impl ChatTemplate {
@@ -531,6 +545,7 @@ impl ChatTemplate {
             source,
             bos: token("bos_token"),
             eos: token("eos_token"),
+            tokenizer_adds_bos: false,
         };
         // A template that does not parse is refused at start, not at the first chat.
         template.environment()?;
@@ -562,14 +577,21 @@ impl ChatTemplate {
             .iter()
             .map(|(role, content)| minijinja::context! { role => role, content => content })
             .collect();
-        template
+        let text = template
             .render(minijinja::context! {
                 messages => messages,
                 add_generation_prompt => true,
                 bos_token => self.bos,
                 eos_token => self.eos,
             })
-            .map_err(|e| format!("the chat template failed: {e}"))
+            .map_err(|e| format!("the chat template failed: {e}"))?;
+        // Templates write the BOS token themselves and the tokenizer adds it again when it
+        // encodes (as it does for every prompt): the template's copy goes, so the prompt
+        // starts with one BOS, as the model was trained.
+        Ok(match text.strip_prefix(self.bos.as_str()) {
+            Some(rest) if self.tokenizer_adds_bos && !self.bos.is_empty() => rest.to_string(),
+            _ => text,
+        })
     }
 }
 

@@ -375,6 +375,14 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         "HTTP requests accepted.",
         load(&shared.requests).to_string(),
     );
+    text.push_str("# HELP moec_arena_bytes Bytes of the plan's arenas per memory space.\n");
+    text.push_str("# TYPE moec_arena_bytes gauge\n");
+    for (space, bytes) in ["gpu", "pinned", "host"].iter().zip(&g.arena_bytes) {
+        text.push_str(&format!(
+            "moec_arena_bytes{{space=\"{space}\"}} {}\n",
+            load(bytes)
+        ));
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -128,6 +128,8 @@ pub struct Gauges {
     pub preemptions: AtomicU64,
     /// Sequences cancelled since the session began.
     pub cancelled: AtomicU64,
+    /// Bytes of the plan's gpu, pinned and host arenas (fixed for the session).
+    pub arena_bytes: [AtomicU64; 3],
 }
 
 impl Gauges {
@@ -242,6 +244,9 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             ..RunStats::default()
         };
         let gauges = Arc::new(Gauges::default());
+        for (gauge, bytes) in gauges.arena_bytes.iter().zip(memory.arena_bytes) {
+            gauge.store(bytes, Ordering::Relaxed);
+        }
         gauges.kv_blocks_total.store(
             pools.iter().map(|p| p.total as u64).sum(),
             Ordering::Relaxed,
