@@ -634,6 +634,8 @@ fn openai_python_client_gets_completions_and_chats() {
             "8",
             "--api-key",
             KEY,
+            "--max-connections",
+            "1",
         ],
     );
     let prompt = "The capital of France is";
@@ -710,4 +712,30 @@ print(json.dumps(out))
     assert_eq!(got["chat"], got["chat_streamed"]);
     assert!(["length", "stop"].contains(&got["chat_finish"].as_str().unwrap_or("")));
     assert_eq!(got["refused"], 400);
+
+    // --max-connections 1: while one request is being read (its body half sent), another
+    // gets 429 in OpenAI's shape; once that client is gone the server serves again.
+    {
+        let mut held = TcpStream::connect(server.addr).unwrap();
+        write!(
+            held,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n{{\"prompt\""
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let busy = request(server.addr, "GET", "/health", &[], b"");
+            if busy.status == 429 {
+                assert!(busy.json()["error"]["message"].is_string(), "{}", busy.body);
+                break;
+            }
+            assert!(Instant::now() < deadline, "no 429 while a request is held");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while request(server.addr, "GET", "/health", &[], b"").status != 200 {
+        assert!(Instant::now() < deadline, "the server did not serve again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
