@@ -20,6 +20,7 @@ pub mod lower;
 pub mod model;
 pub mod records;
 pub mod runtime;
+pub mod serve;
 pub mod span;
 pub mod syntax;
 pub mod sysmem;

@@ -143,6 +143,22 @@ fn remove_registered() {
     }
 }
 
+/// What the first SIGINT/SIGTERM calls instead of ending the process, if set.
+type InterruptHandler = Box<dyn FnOnce(libc::c_int) + Send>;
+static ON_INTERRUPT: Mutex<Option<InterruptHandler>> = Mutex::new(None);
+
+/// Makes the first SIGINT or SIGTERM call `handler` (after the temporaries are removed)
+/// instead of ending the process; a second one ends it as usual. For a process that
+/// shuts down by itself (`moec serve` drains its requests and exits 0). Only with
+/// [`install_interrupt_cleanup`], which owns the signals: without it nothing calls this.
+pub fn on_first_interrupt(handler: impl FnOnce(libc::c_int) + Send + 'static) {
+    let mut slot = match ON_INTERRUPT.lock() {
+        Ok(h) => h,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    *slot = Some(Box::new(handler));
+}
+
 /// Blocks SIGINT and SIGTERM in this thread (and so in every thread spawned after it) and
 /// starts a thread that waits for them, removes the registered temporaries and lets the
 /// signal end the process as it would have (exit status 130 or 143 in a shell).
@@ -173,6 +189,20 @@ pub fn install_interrupt_cleanup() {
                 return;
             }
             remove_registered();
+            // A process that shuts down by itself (`moec serve`) is told once; a second
+            // signal ends it as usual.
+            let handler = match ON_INTERRUPT.lock() {
+                Ok(mut h) => h.take(),
+                Err(poisoned) => poisoned.into_inner().take(),
+            };
+            if let Some(handler) = handler {
+                handler(signal);
+                // SAFETY: as above.
+                if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
+                    return;
+                }
+                remove_registered();
+            }
             // SAFETY: restoring the default action and unblocking the one signal in this
             // thread, then sending it to our own process: the process dies of it, as it
             // would have without this handler (the caller's shell sees 128 + signal).

@@ -21,6 +21,7 @@ pub mod probe;
 pub mod profile;
 pub mod reproduce;
 pub mod run;
+pub mod serve;
 pub mod simulate;
 pub mod workload;
 
@@ -62,6 +63,8 @@ enum Command {
     Ablate(ablate::AblateArgs),
     /// Show the backends this machine can run: CPU features, CUDA driver, NVRTC, cuBLAS.
     Devices(devices::DevicesArgs),
+    /// Serve a schedule over HTTP with the OpenAI API, batching requests as they come.
+    Serve(serve::ServeArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -90,5 +93,6 @@ pub fn main() -> ExitCode {
         Command::Run(args) => run::run(&args),
         Command::Ablate(args) => ablate::run(&args),
         Command::Devices(args) => devices::run(&args),
+        Command::Serve(args) => serve::run(&args),
     }
 }

@@ -16,6 +16,7 @@
 
 pub mod dispatch;
 mod fit;
+pub mod session;
 
 use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;

@@ -19,21 +19,19 @@ pub mod executor;
 pub mod kv_copy;
 pub mod report;
 pub(crate) mod scheduler;
+pub mod session;
 pub mod state;
 pub mod workload;
 
 use super::backend::{Backend, BackendError};
-use crate::ir::{ExpertRef, Op, Role, StepKind, StreamId, TaskId};
+use crate::ir::{ExpertRef, Op, Role, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanTask};
 use crate::model::kernels::sampling::Sampling;
-use crate::model::rng::Rng;
-use crate::records::{RunStats, StepRecord, TaskRecord, UbLoad};
+use crate::records::{RunStats, TaskRecord, UbLoad};
 use crate::span::Span;
-use batching::{admit, block_size, UbCapacity};
+use batching::UbCapacity;
 use executor::{run_step, ExecError, ExecOptions, StreamOps};
-use scheduler::{admit_fifo, grow_decoding, KvPool, Pending, Seq};
-use state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState};
-use std::collections::VecDeque;
+use state::{lock, MicroBatchState, StepState};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
@@ -81,6 +79,9 @@ pub enum RunError {
         /// The model's positions.
         max: usize,
     },
+    /// A sequence was refused by the session it was submitted to.
+    #[error("a sequence was refused: {0}")]
+    Refused(String),
     /// Every running sequence is paused for KV blocks and none can be admitted.
     #[error("the KV cache is too small for the running sequences: {paused} sequences wait for blocks and none can be preempted (their re-prefill exceeds the token cap of {max_tokens}); give the schedule more KV cache")]
     KvStall {
@@ -575,7 +576,8 @@ pub fn check_prompts(
 
 /// Runs `plan` on `backend` (set up for this plan) over `prompts` (token ids) and returns
 /// the outputs in prompt order. `progress` is called after every step with (tokens
-/// generated so far, tokens at most).
+/// generated so far, tokens at most). A [`session::Session`] that every prompt is
+/// submitted to before the first step (prompt `i` samples with the oracle's stream `i`).
 pub fn generate<B: Backend + ?Sized>(
     plan: &ExecPlan,
     backend: &B,
@@ -584,59 +586,9 @@ pub fn generate<B: Backend + ?Sized>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Vec<RunOutput>, RunStats), RunError> {
     check_prompts(&plan.model, prompts, options.max_new_tokens)?;
-    let step_idx = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
-    let mode = match (
-        step_idx(StepKind::Prefill),
-        step_idx(StepKind::Decode),
-        step_idx(StepKind::Mixed),
-    ) {
-        (Some(p), Some(d), _) => (p, d, false),
-        (_, _, Some(m)) => (m, m, true),
-        _ => return Err(RunError::Steps(plan.name.clone())),
-    };
-    let (prefill_step, decode_step, mixed) = mode;
-    let card = &plan.model;
-    let n_ubs = plan.micro_batches.count as usize;
-    let rngs = (0..prompts.len())
-        .map(|i| Rng::new(options.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
-        .collect();
-    let mut state = StepState::new(n_ubs, options.sampling, rngs);
-    state.capture_logits = options.capture_logits;
-    let mut last_logits: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
-    state.predictor = HotPredictor::new(card.layers as usize, card.experts as usize);
-    state.caches = plan
-        .caches
-        .iter()
-        .map(|c| cache::CacheRuntime::new(c.clone(), card.layers as usize))
-        .collect();
-    {
-        let mut eam = eam::Eam::new(
-            card.layers as usize,
-            card.experts as usize,
-            eam::DEFAULT_CAPACITY,
-        );
-        eam.seed(&options.eam_seed);
-        *lock(&state.eam) = eam;
-    }
-    let prefill_caps = capacities(plan, prefill_step);
     let gen_len = options.max_new_tokens;
-    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    for (index, &len) in lens.iter().enumerate() {
-        let ok = prefill_caps.iter().any(|c| {
-            c.seqs > 0 && len <= c.tokens && block_size(c.kv_tokens, &[len + gen_len]).is_some()
-        });
-        if !ok {
-            let max_tokens = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
-            let kv_tokens = prefill_caps.iter().map(|c| c.kv_tokens).max().unwrap_or(0);
-            return Err(RunError::PromptTooLarge {
-                index,
-                tokens: len,
-                gen_len,
-                max_tokens,
-                kv_tokens,
-            });
-        }
-    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut session = session::Session::new(plan, backend, options, gen_len, longest)?;
     let mut outputs: Vec<RunOutput> = prompts
         .iter()
         .map(|_| RunOutput {
@@ -644,235 +596,66 @@ pub fn generate<B: Backend + ?Sized>(
             logits: None,
         })
         .collect();
-    let memory = backend.memory();
-    let mut stats = RunStats {
-        pinned_locked: memory.pinned_locked,
-        arena_bytes: memory.arena_bytes,
-        image_bytes: memory.image_bytes,
-        image_populated: memory.populated,
-        backend: backend.describe(),
-        ..RunStats::default()
-    };
-    let origin = Instant::now();
-    let mut waiting: VecDeque<Pending> = (0..prompts.len())
-        .map(|request| Pending {
-            request,
-            generated: Vec::new(),
-        })
-        .collect();
-    let mut running: Vec<Seq> = Vec::new();
-    // Static batches: pools reset when a batch starts, each sequence reserves its whole
-    // generation (Alg. 2). Mixed steps: pools fixed for the run, blocks given as sequences
-    // grow, preemption when they run out (`scheduler`).
-    let mut pools: Vec<KvPool> = prefill_caps
-        .iter()
-        .map(|c| {
-            let longest = plan.workload.prompt_len as usize + gen_len;
-            let longest = longest.max(lens.iter().max().copied().unwrap_or(0) + gen_len);
-            KvPool::new(
-                c.kv_tokens,
-                block_size(c.kv_tokens, &[longest]).unwrap_or(1),
-            )
-        })
-        .collect();
-    let max_prefill = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
-    let mut next_age = 0u64;
+    // Every prompt is refused or accepted before anything runs; ids are prompt indices
+    // (no sequence ends before all are submitted, so none is reused).
+    let mut index_of = Vec::with_capacity(prompts.len());
+    for (index, prompt) in prompts.iter().enumerate() {
+        let request = session::SeqRequest {
+            prompt: prompt.clone(),
+            max_new_tokens: gen_len,
+            sampling: options.sampling,
+            seed: options.seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            stop_at_eos: options.stop_at_eos,
+        };
+        let id = session.submit(request).map_err(|e| match e {
+            session::SubmitError::Prompt(RunError::PromptTooLarge {
+                tokens,
+                gen_len,
+                max_tokens,
+                kv_tokens,
+                ..
+            }) => RunError::PromptTooLarge {
+                index,
+                tokens,
+                gen_len,
+                max_tokens,
+                kv_tokens,
+            },
+            session::SubmitError::Prompt(e) => e,
+            // Every prompt asks for the session's own length, so this is not reached.
+            e @ session::SubmitError::TooManyTokens { .. } => RunError::Refused(e.to_string()),
+        })?;
+        if index_of.len() <= id {
+            index_of.resize(id + 1, usize::MAX);
+        }
+        index_of[id] = index;
+    }
+    if gen_len == 0 {
+        return Ok((outputs, session.finish()));
+    }
     let total_tokens = prompts.len() * gen_len;
     let mut produced = 0usize;
-    let kill_count = AtomicU32::new(0);
-    if gen_len == 0 {
-        return Ok((outputs, stats));
-    }
-    let steps = StepRunner {
-        plan,
-        backend,
-        kill: options.kill_task,
-        kill_count: &kill_count,
-        exec: options.exec,
-        origin,
-    };
-    if let Some(setup) = plan.steps.iter().position(|s| s.kind == StepKind::Setup) {
-        let (start, end, tasks) = steps.run(&state, setup)?;
-        stats.steps.push(StepRecord {
-            kind: StepKind::Setup,
-            start,
-            end,
-            prefill_tokens: 0,
-            decode_tokens: 0,
-            ubs: Vec::new(),
-            tasks,
-        });
-    }
-    while !waiting.is_empty() || !running.is_empty() {
-        if mixed {
-            let decided = grow_decoding(&mut running, &mut pools, &lens, max_prefill);
-            stats.preemptions += decided.preempted.len();
-            stats.paused += decided.paused;
-            for p in decided.preempted.into_iter().rev() {
-                waiting.push_front(p);
-            }
-            admit_fifo(
-                &mut waiting,
-                &mut running,
-                &mut pools,
-                &prefill_caps,
-                &lens,
-                gen_len,
-                &mut next_age,
-            );
-            if !running.is_empty() && running.iter().all(|s| s.paused) {
-                return Err(RunError::KvStall {
-                    paused: running.len(),
-                    max_tokens: max_prefill,
-                });
-            }
-        } else if running.is_empty() {
-            // Static batches admit only into an empty plan.
-            let ids: Vec<usize> = waiting.iter().map(|p| p.request).collect();
-            let (batch, left) = admit(&lens, &ids, gen_len, &prefill_caps);
-            for (u, reqs) in batch.iter().enumerate() {
-                if reqs.is_empty() {
-                    continue;
-                }
-                let budgets: Vec<usize> = reqs.iter().map(|&r| lens[r] + gen_len).collect();
-                let kv_tokens = prefill_caps[u].kv_tokens;
-                pools[u] = KvPool::new(kv_tokens, block_size(kv_tokens, &budgets).unwrap_or(1));
-                for &r in reqs {
-                    let needed = pools[u].blocks_for(lens[r] + gen_len);
-                    let block_table = pools[u].take(needed).unwrap_or_default();
-                    running.push(Seq {
-                        request: r,
-                        ub: u,
-                        block_table,
-                        generated: Vec::new(),
-                        prompt_done: false,
-                        age: next_age,
-                        paused: false,
-                    });
-                    next_age += 1;
+    while !session.is_idle() {
+        for event in session.step()? {
+            match event {
+                session::SeqEvent::Token { .. } => produced += 1,
+                session::SeqEvent::Done {
+                    id,
+                    token_ids,
+                    logits,
+                    ..
+                } => {
+                    // A sequence that stopped early counts its unused tokens as done.
+                    produced += gen_len.saturating_sub(token_ids.len());
+                    if let Some(out) = index_of.get(id).and_then(|&i| outputs.get_mut(i)) {
+                        *out = RunOutput { token_ids, logits };
+                    }
                 }
             }
-            waiting = left
-                .into_iter()
-                .map(|request| Pending {
-                    request,
-                    generated: Vec::new(),
-                })
-                .collect();
         }
-        if running.is_empty() {
-            break;
-        }
-        // Build the step's micro-batches.
-        let any_prefill = running.iter().any(|s| !s.prompt_done && !s.paused);
-        let step = if any_prefill {
-            prefill_step
-        } else {
-            decode_step
-        };
-        state.reset_step();
-        for ub in state.ubs.iter_mut() {
-            *ub = MicroBatchState::default();
-        }
-        running.sort_by_key(|s| (s.ub, s.request));
-        let (mut n_prefill, mut n_decode) = (0, 0);
-        let mut loads = vec![UbLoad::default(); n_ubs];
-        for s in running.iter().filter(|s| !s.paused) {
-            let prompt_len = lens[s.request];
-            let new_tokens = s.new_tokens(&prompts[s.request]);
-            let load = &mut loads[s.ub];
-            if s.prompt_done {
-                n_decode += 1;
-                load.decode_seqs += 1;
-                load.decode_context += prompt_len + s.generated.len();
-            } else {
-                n_prefill += new_tokens.len();
-                load.prefill_seqs += 1;
-                load.prefill_tokens += new_tokens.len();
-            }
-            let mb = &mut state.ubs[s.ub];
-            mb.block_size = pools[s.ub].block_size;
-            mb.seqs.push(SeqSlot {
-                request: s.request,
-                context_len: s.context_len(prompt_len),
-                new_tokens,
-                block_table: s.block_table.clone(),
-                prefill: !s.prompt_done,
-            });
-        }
-        let (start, end, tasks) = steps.run(&state, step)?;
-        count_active_experts(&mut loads, &state, plan.model.experts as usize);
-        stats.steps.push(StepRecord {
-            kind: plan.steps[step].kind,
-            start,
-            end,
-            prefill_tokens: n_prefill,
-            decode_tokens: n_decode,
-            ubs: loads,
-            tasks,
-        });
-        // Collect the sampled tokens.
-        let sampled = std::mem::take(&mut *lock(&state.sampled));
-        let sampled_logits = std::mem::take(&mut *lock(&state.sampled_logits));
-        let routing = std::mem::take(&mut *lock(&state.routing));
-        state.predictor.update(&routing);
-        record_activations(&state, &routing);
-        if let Some(profile) = &options.routing_profile {
-            let mut profile = lock(profile);
-            for (&(layer, _), r) in &routing {
-                profile.add(layer, &r.experts, r.top_k);
-            }
-        }
-        let mut row_in_ub = vec![0usize; n_ubs];
-        let mut still = Vec::new();
-        for mut s in running.drain(..) {
-            if s.paused {
-                still.push(s);
-                continue;
-            }
-            let k = row_in_ub[s.ub];
-            row_in_ub[s.ub] += 1;
-            let token = sampled.get(&(s.ub as u32)).and_then(|t| t.get(k)).copied();
-            let Some(token) = token else {
-                return Err(RunError::Exec(ExecError::NoToken {
-                    ub: s.ub as u32,
-                    row: k,
-                }));
-            };
-            if let Some(rows) = sampled_logits.get(&(s.ub as u32)) {
-                let vocab = card.vocab as usize;
-                last_logits[s.request] = rows.get(k * vocab..(k + 1) * vocab).map(<[f32]>::to_vec);
-            }
-            s.prompt_done = true;
-            s.generated.push(token);
-            produced += 1;
-            let eos = options.stop_at_eos && token == card.eos_token_id;
-            if eos || s.generated.len() >= gen_len {
-                let matrix = lock(&state.eam).finish(s.request);
-                if let (Some(profile), Some(m)) = (&options.routing_profile, matrix) {
-                    lock(profile).requests.push(m);
-                }
-                outputs[s.request].token_ids = std::mem::take(&mut s.generated);
-                outputs[s.request].logits = last_logits[s.request].take();
-                produced += gen_len - outputs[s.request].token_ids.len();
-                pools[s.ub].give(&mut s.block_table);
-            } else {
-                still.push(s);
-            }
-        }
-        running = still;
         progress(produced.min(total_tokens), total_tokens);
     }
-    stats.wall = origin.elapsed().as_secs_f64();
-    stats.copies = backend.memory().copies;
-    // Said again at the end: a device backend's line counts what the run did.
-    stats.backend = backend.describe();
-    stats.caches = state
-        .caches
-        .iter()
-        .map(cache::CacheRuntime::report)
-        .collect();
-    Ok((outputs, stats))
+    Ok((outputs, session.finish()))
 }
 
 /// Adds a step's routing to each request's activation matrix: a micro-batch's rows are

@@ -100,8 +100,13 @@ impl HotPredictor {
 pub struct StepState {
     /// Micro-batches (indexed by `ub`).
     pub ubs: Vec<MicroBatchState>,
-    /// Sampling rule.
+    /// Sampling rule of the step: what a backend picks its sampling path by (greedy: a
+    /// device may take the argmax itself; otherwise every row goes through
+    /// [`StepState::sample_rows`]).
     pub sampling: Sampling,
+    /// Each request's own rule (by request index), which [`StepState::sample_rows`]
+    /// follows; a request without one samples by `sampling`.
+    pub request_sampling: Vec<Sampling>,
     /// Per request sampler state.
     pub rngs: Mutex<Vec<Rng>>,
     /// Routing per (layer, ub), recorded by `gate` and `post_attn`.
@@ -150,6 +155,7 @@ impl StepState {
         StepState {
             ubs: vec![MicroBatchState::default(); n_ubs],
             sampling,
+            request_sampling: Vec::new(),
             rngs: Mutex::new(rngs),
             routing: Mutex::new(HashMap::new()),
             hot_order: Mutex::new(HashMap::new()),
@@ -193,8 +199,12 @@ impl StepState {
             .enumerate()
             .map(|(k, s)| {
                 let row = &logits[k * vocab..(k + 1) * vocab];
+                let rule = self
+                    .request_sampling
+                    .get(s.request)
+                    .unwrap_or(&self.sampling);
                 match rngs.get_mut(s.request) {
-                    Some(rng) => crate::model::kernels::sampling::sample(row, &self.sampling, rng),
+                    Some(rng) => crate::model::kernels::sampling::sample(row, rule, rng),
                     None => crate::model::kernels::sampling::argmax(row),
                 }
             })

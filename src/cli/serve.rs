@@ -1,0 +1,159 @@
+//! `moec serve`: opens an engine session for a schedule and serves it over HTTP with the
+//! OpenAI API (`crate::serve`) until SIGINT or SIGTERM.
+
+use super::generate::fail;
+use super::inputs::{positive_finite, ModelArgs};
+use crate::engine::session::{Session, SessionRequest};
+use crate::engine::{RunFailure, RunRequest};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The environment variable `--api-key` falls back to.
+pub const API_KEY_ENV: &str = "MOEC_API_KEY";
+
+/// `moec serve` flags.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The `.sched` file.
+    pub sched: PathBuf,
+    /// Which model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to bind (loopback by default: pass 0.0.0.0 to serve other machines).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port (0: any free port; the bound address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` (default: the MOEC_API_KEY environment
+    /// variable, if set).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Most sequences at once: the plan is compiled for this batch.
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Longest prompt in tokens: the plan is compiled for it; longer prompts get 400.
+    #[arg(long, default_value_t = 256)]
+    pub max_prompt: usize,
+    /// Most tokens a completion generates: the plan is compiled for it.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body: usize,
+    /// Requests handled at once; more get 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_connections: usize,
+    /// Seconds in-flight completions may run after SIGINT/SIGTERM before they are
+    /// cancelled.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_finite)]
+    pub grace: f64,
+    /// Override a schedule param: `--set n_ub=8` (repeatable).
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub sets: Vec<String>,
+    /// Threads of the compute pool (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Emulated host<->GPU link bandwidth, GB/s (copy streams are throttled to it).
+    #[arg(long, value_name = "GBPS", value_parser = positive_finite)]
+    pub link_gbps: Option<f64>,
+    /// Hardware profile whose budgets the plan must fit (name or .ron path); default:
+    /// only this machine's memory is checked.
+    #[arg(long, value_name = "PROFILE")]
+    pub hw: Option<String>,
+    /// Backend that executes the plan (the registry's names).
+    #[arg(long, default_value = "cpu", value_parser = super::inputs::backend())]
+    pub backend: &'static crate::runtime::Registration,
+    /// Seconds without progress before a stalled step is an error.
+    #[arg(long, default_value_t = 60.0, value_parser = super::inputs::watchdog_seconds)]
+    pub watchdog: f64,
+}
+
+/// The session's request for the flags.
+fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
+    let name = args.sched.display().to_string();
+    let schedule = crate::textfile::read_capped(&args.sched, crate::textfile::SOURCE_LIMIT)
+        .map_err(|e| format!("cannot read {name}: {e}"))?;
+    let mut run = RunRequest::new(&name, &schedule, args.max_tokens);
+    run.model = args.model.source();
+    for set in &args.sets {
+        match set.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => {
+                run.sets.push((k.trim().to_string(), v.trim().to_string()))
+            }
+            _ => return Err(format!("--set `{set}`: expected NAME=VALUE")),
+        }
+    }
+    run.hw = args.hw.clone();
+    run.threads = args.threads;
+    run.link_gbps = args.link_gbps;
+    run.backend = args.backend;
+    run.watchdog = Duration::from_secs_f64(args.watchdog.max(0.01));
+    Ok(SessionRequest {
+        run,
+        max_batch: args.max_batch,
+        max_prompt: args.max_prompt,
+    })
+}
+
+/// Runs `moec serve`: exit 0 after a clean shutdown, 1 when the session cannot open or
+/// the run fails.
+pub fn run(args: &ServeArgs) -> ExitCode {
+    let request = match request(args) {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var(API_KEY_ENV).ok())
+        .filter(|k| !k.is_empty());
+    let session = match Session::open(request) {
+        Ok(s) => Arc::new(s),
+        Err(RunFailure::Rendered(text)) => {
+            eprint!("{text}");
+            return ExitCode::from(1);
+        }
+        Err(RunFailure::Message(m)) => return fail(m),
+    };
+    let info = session.info().clone();
+    let config = crate::serve::ServeConfig {
+        addr: SocketAddr::new(args.host, args.port),
+        api_key,
+        max_body_bytes: args.max_body,
+        max_connections: args.max_connections,
+        grace: Duration::from_secs_f64(args.grace),
+    };
+    let keyed = config.api_key.is_some();
+    let result = crate::serve::run(session, config, |addr| {
+        eprintln!(
+            "moec serve: {} with {} on {} (batch {}, prompts up to {} tokens, up to {} generated)",
+            info.model,
+            info.schedule,
+            info.backend,
+            info.max_batch,
+            info.max_prompt,
+            info.max_tokens
+        );
+        if let Err(why) = &info.chat_template {
+            eprintln!("moec serve: no chat completions: {why}");
+        }
+        if !keyed {
+            eprintln!(
+                "moec serve: no API key (--api-key or {API_KEY_ENV}): every client is served"
+            );
+        }
+        // The line a script or test waits for.
+        println!("listening on http://{addr}");
+    });
+    match result {
+        Ok(()) => {
+            eprintln!("moec serve: shut down");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
+}

@@ -1,0 +1,611 @@
+//! The serving API: a model loaded, a schedule compiled, lowered and its backend opened
+//! once, then completions submitted while it runs.
+//!
+//! Takes a [`SessionRequest`] (a [`RunRequest`] for everything a run shares, plus the
+//! most sequences and the longest prompt it serves); the plan is compiled once for that
+//! workload (`batch` = `max_batch`, `prompt_len` = `max_prompt`, `gen_len` = the request's
+//! `gen_len`), so what the checker proved and the budgets `fit` checked hold for every
+//! admission: a longer prompt or more tokens are refused at submission, and sequences
+//! beyond what the plan holds wait in the queue. One worker thread owns the checkpoint,
+//! the backend and the driver's session ([`crate::runtime::driver::session::serve`]); a
+//! [`Completion`] goes to it over a channel and its text comes back, piece by piece, on
+//! the receiver [`Session::submit`] returns. Stop strings and incremental detokenization
+//! are done here, so a caller (the HTTP server) sees only text. Chat prompts are rendered
+//! with the checkpoint's `tokenizer_config.json` template ([`Session::chat_prompt`]).
+
+use super::{fit, message, run_options, RunFailure, RunRequest};
+use crate::compile::{compile, Options};
+use crate::cost::hardware::HardwareProfile;
+use crate::diag;
+use crate::ir::Workload;
+use crate::lower::{lower, LowerOptions};
+use crate::model::source::{load_model, LoadedModel};
+use crate::model::tokenizer::TextTokenizer;
+use crate::model::Sampling;
+pub use crate::runtime::driver::session::Gauges;
+use crate::runtime::driver::session::{
+    serve, Command, SeqEnd, SeqError, SeqRequest, Session as DriverSession, TokenSink,
+};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// A serving session's settings.
+#[derive(Debug, Clone)]
+pub struct SessionRequest {
+    /// Schedule, model, params, backend and its options; `gen_len` is the most tokens a
+    /// completion may ask for. Prompts and workload are not read.
+    pub run: RunRequest,
+    /// Most sequences the plan holds at once (its `batch`).
+    pub max_batch: usize,
+    /// Longest prompt in tokens (its `prompt_len`).
+    pub max_prompt: usize,
+}
+
+/// What a session was opened with, for `/v1/models` and the startup line.
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    /// The card's name.
+    pub model: String,
+    /// The schedule's name.
+    pub schedule: String,
+    /// The backend's report line.
+    pub backend: String,
+    /// Longest prompt in tokens.
+    pub max_prompt: usize,
+    /// Most tokens a completion generates.
+    pub max_tokens: usize,
+    /// Most sequences at once.
+    pub max_batch: usize,
+    /// Where the tokenizer came from.
+    pub tokenizer: String,
+    /// Where the chat template came from, or why there is none.
+    pub chat_template: Result<String, String>,
+}
+
+/// One completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Greedy or temperature/top-p.
+    pub sampling: Sampling,
+    /// Sampler seed.
+    pub seed: u64,
+    /// Text that ends the completion (not included in it).
+    pub stop: Vec<String>,
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The client went away, or the session shut down first.
+    Cancelled,
+    /// Refused at submission (a caller error: the text says why).
+    Refused(String),
+    /// The run failed (a server error).
+    Failed(String),
+}
+
+/// A piece of a completion's output.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// More text.
+    Text(String),
+    /// The end: why, and how many tokens were generated.
+    End {
+        /// Why.
+        reason: FinishReason,
+        /// Tokens generated (the stop string's tokens included).
+        completion_tokens: usize,
+    },
+}
+
+/// Why a completion was refused before it was queued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitRefusal {
+    /// A caller error (too long, too many tokens, empty).
+    #[error("{0}")]
+    Invalid(String),
+    /// The session has stopped.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// An open serving session (see the module doc).
+pub struct Session {
+    commands: Mutex<mpsc::Sender<Command>>,
+    tokenizer: Arc<TextTokenizer>,
+    gauges: Arc<Gauges>,
+    info: SessionInfo,
+    template: Option<ChatTemplate>,
+    worker: Mutex<Option<JoinHandle<Result<(), String>>>>,
+}
+
+/// What the worker hands back once the backend is open.
+type Ready = Result<(SessionInfo, Arc<TextTokenizer>, Arc<Gauges>), RunFailure>;
+
+impl Session {
+    /// Loads the model, compiles the schedule for the session's workload, lowers it,
+    /// refuses what does not fit, opens the backend and starts serving on a worker thread.
+    pub fn open(request: SessionRequest) -> Result<Session, RunFailure> {
+        if let Some(refusal) = (request.run.backend.refusal)() {
+            return Err(RunFailure::Message(refusal));
+        }
+        if request.max_batch == 0 || request.max_prompt == 0 || request.run.gen_len == 0 {
+            return Err(RunFailure::Message(
+                "a serving session needs a batch, a prompt length and a generation length of at least 1".to_string(),
+            ));
+        }
+        let (ready_tx, ready_rx) = mpsc::channel::<Ready>();
+        let (commands, incoming) = mpsc::channel::<Command>();
+        let worker = std::thread::Builder::new()
+            .name("moec-session".to_string())
+            .spawn(move || worker(request, ready_tx, incoming))
+            .map_err(|e| RunFailure::Message(format!("cannot start the session thread: {e}")))?;
+        let (info, tokenizer, gauges) = match ready_rx.recv() {
+            Ok(Ok(ready)) => ready,
+            Ok(Err(failure)) => {
+                let _ = worker.join();
+                return Err(failure);
+            }
+            Err(_) => {
+                let why = match worker.join() {
+                    Ok(Err(e)) => e,
+                    Ok(Ok(())) => "it ended".to_string(),
+                    Err(_) => "it panicked".to_string(),
+                };
+                return Err(RunFailure::Message(format!(
+                    "the session thread stopped before it was ready: {why}"
+                )));
+            }
+        };
+        // A template that does not load or parse leaves completions served and chats
+        // answered with why (the CLI says it at start).
+        let mut info = info;
+        let template = match &info.chat_template {
+            Ok(_) => match ChatTemplate::load(&info.tokenizer_dir()) {
+                Ok(mut t) => {
+                    t.tokenizer_adds_bos = tokenizer.encode("").is_ok_and(|ids| !ids.is_empty());
+                    Some(t)
+                }
+                Err(why) => {
+                    info.chat_template = Err(why);
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        Ok(Session {
+            commands: Mutex::new(commands),
+            tokenizer,
+            gauges,
+            info,
+            template,
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// What the session was opened with.
+    pub fn info(&self) -> &SessionInfo {
+        &self.info
+    }
+
+    /// The live counts (queue, running, tokens, steps, KV blocks).
+    pub fn gauges(&self) -> &Gauges {
+        &self.gauges
+    }
+
+    /// Token ids of `text` (BOS first where the card uses one).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer.encode(text).map_err(|e| e.to_string())
+    }
+
+    /// The prompt text of a chat: the checkpoint's template rendered over `messages`
+    /// (role, content) with the generation prompt added; without a template, why not.
+    pub fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, String> {
+        match (&self.template, &self.info.chat_template) {
+            (Some(t), _) => t.render(messages),
+            (None, Err(why)) => Err(why.clone()),
+            (None, Ok(_)) => Err("the chat template was not loaded".to_string()),
+        }
+    }
+
+    /// Queues a completion; its text arrives on the receiver, ending with
+    /// [`Piece::End`]. Dropping the receiver cancels it before its next step.
+    pub fn submit(
+        &self,
+        completion: Completion,
+    ) -> Result<UnboundedReceiver<Piece>, SubmitRefusal> {
+        let info = &self.info;
+        if completion.prompt.len() > info.max_prompt {
+            return Err(SubmitRefusal::Invalid(format!(
+                "the prompt has {} tokens; this server's schedule was compiled for prompts of at most {} (--max-prompt)",
+                completion.prompt.len(),
+                info.max_prompt
+            )));
+        }
+        if completion.max_tokens == 0 || completion.max_tokens > info.max_tokens {
+            return Err(SubmitRefusal::Invalid(format!(
+                "max_tokens must be between 1 and {} (--max-tokens), not {}",
+                info.max_tokens, completion.max_tokens
+            )));
+        }
+        let (tx, rx) = unbounded_channel();
+        let sink = TextSink {
+            tokenizer: Arc::clone(&self.tokenizer),
+            prompt: completion.prompt.clone(),
+            generated: Vec::new(),
+            emitted: 0,
+            stop: completion
+                .stop
+                .into_iter()
+                .filter(|s| !s.is_empty())
+                .collect(),
+            stopped: false,
+            tx,
+        };
+        let request = SeqRequest {
+            prompt: completion.prompt,
+            max_new_tokens: completion.max_tokens,
+            sampling: completion.sampling,
+            seed: completion.seed,
+            stop_at_eos: true,
+        };
+        let commands = crate::runtime::lock(&self.commands);
+        commands
+            .send(Command::Submit(request, Box::new(sink)))
+            .map_err(|_| SubmitRefusal::Unavailable("the session has stopped".to_string()))?;
+        Ok(rx)
+    }
+
+    /// Takes no more completions; the live ones finish until `deadline`, then are
+    /// cancelled. Returns once the worker has ended, with its error if the run failed.
+    pub fn shutdown(&self, deadline: Instant) -> Result<(), String> {
+        {
+            let commands = crate::runtime::lock(&self.commands);
+            // A worker already gone has nothing left to drain.
+            let _ = commands.send(Command::Drain { deadline });
+        }
+        let Some(worker) = crate::runtime::lock(&self.worker).take() else {
+            return Ok(());
+        };
+        worker
+            .join()
+            .map_err(|_| "the session thread panicked".to_string())?
+    }
+
+    /// Whether the worker is still serving.
+    pub fn is_running(&self) -> bool {
+        crate::runtime::lock(&self.worker)
+            .as_ref()
+            .is_some_and(|w| !w.is_finished())
+    }
+}
+
+impl SessionInfo {
+    fn tokenizer_dir(&self) -> std::path::PathBuf {
+        match &self.chat_template {
+            Ok(path) => std::path::Path::new(path)
+                .parent()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default(),
+            Err(_) => std::path::PathBuf::new(),
+        }
+    }
+}
+
+/// The worker thread: prepares everything, says it is ready, then serves until drained.
+fn worker(
+    request: SessionRequest,
+    ready: mpsc::Sender<Ready>,
+    incoming: mpsc::Receiver<Command>,
+) -> Result<(), String> {
+    let fail = |failure: RunFailure| {
+        let text = match &failure {
+            RunFailure::Rendered(t) | RunFailure::Message(t) => t.clone(),
+        };
+        let _ = ready.send(Err(failure));
+        text
+    };
+    let run = &request.run;
+    let LoadedModel {
+        checkpoint,
+        tokenizer,
+        ..
+    } = load_model(&run.model).map_err(|e| fail(message(&e)))?;
+    let card = checkpoint.card().clone();
+    let mut options = Options::new(card.clone());
+    if let Some(path) = &run.routing_profile {
+        options.profile = Some(
+            crate::ir::profile::load_for_card(path, &card)
+                .map_err(|e| fail(RunFailure::Message(e)))?,
+        );
+    }
+    options.workload = Workload {
+        batch: request.max_batch as u64,
+        prompt_len: request.max_prompt as u64,
+        gen_len: run.gen_len as u64,
+    };
+    options.sets = run.sets.clone();
+    let (name, source) = (&run.schedule_name, &run.schedule);
+    let compiled = compile(source, &options).map_err(|diags| {
+        let mut text = diag::render_all(&diags, name, source);
+        text.push_str(&format!("\n{name}: the schedule was rejected\n"));
+        fail(RunFailure::Rendered(text))
+    })?;
+    let plan = lower(
+        &compiled.program,
+        &compiled.info,
+        &LowerOptions {
+            gpu_capacity: run.gpu_mem,
+            ..LowerOptions::default()
+        },
+    )
+    .map_err(|e| fail(message(&e)))?;
+    // A named profile's budgets are checked; without one the machine's memory still is
+    // (a server does not probe the machine: that would delay every start by seconds).
+    let profile = match &run.hw {
+        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| fail(message(&e)))?),
+        None => None,
+    };
+    fit::refuse_what_does_not_fit(
+        &plan,
+        &compiled.program,
+        profile.as_ref(),
+        fit::Budget {
+            sequences: request.max_batch,
+            gpu_mem: run.gpu_mem,
+            chosen_profile: run.hw.is_some(),
+            gpu_space: run.backend.gpu_space,
+        },
+    )
+    .map_err(fail)?;
+    let options_run = run_options(run, run.gen_len, &options);
+    let backend =
+        crate::runtime::registry::open(run.backend, &plan, &checkpoint, &options_run.backend)
+            .map_err(|e| fail(message(&e)))?;
+    let session = DriverSession::new(
+        &plan,
+        &*backend,
+        &options_run,
+        run.gen_len,
+        request.max_prompt,
+    )
+    .map_err(|e| fail(message(&e)))?
+    .without_step_records();
+    let config = checkpoint.dir().join("tokenizer_config.json");
+    let chat_template = if config.is_file() {
+        Ok(config.display().to_string())
+    } else {
+        Err(format!(
+            "the checkpoint has no chat template ({} is absent); use /v1/completions with a prompt",
+            config.display()
+        ))
+    };
+    let info = SessionInfo {
+        model: card.name.clone(),
+        schedule: name.clone(),
+        backend: backend.describe(),
+        max_prompt: request.max_prompt,
+        max_tokens: run.gen_len,
+        max_batch: request.max_batch,
+        tokenizer: tokenizer.origin().to_string(),
+        chat_template,
+    };
+    let gauges = session.gauges();
+    if ready.send(Ok((info, Arc::new(tokenizer), gauges))).is_err() {
+        return Ok(()); // nobody waits for this session any more
+    }
+    serve(session, incoming)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Turns a sequence's tokens into text pieces: decoded in context, held back while the
+/// text ends in an incomplete character or in what may be the start of a stop string, cut
+/// at the first stop string (which then cancels the sequence).
+struct TextSink {
+    tokenizer: Arc<TextTokenizer>,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    /// Bytes of the continuation already sent.
+    emitted: usize,
+    stop: Vec<String>,
+    stopped: bool,
+    tx: UnboundedSender<Piece>,
+}
+
+impl TextSink {
+    fn text(&self) -> String {
+        self.tokenizer
+            .decode_continuation(&self.prompt, &self.generated)
+            .unwrap_or_default()
+    }
+
+    /// Sends `text[emitted..upto]`.
+    fn send_upto(&mut self, text: &str, upto: usize) {
+        if upto > self.emitted {
+            if let Some(piece) = text.get(self.emitted..upto) {
+                let _ = self.tx.send(Piece::Text(piece.to_string()));
+                self.emitted = upto;
+            }
+        }
+    }
+}
+
+/// Bytes of `text` that are safe to send: before a trailing replacement character (an
+/// incomplete UTF-8 sequence the next token completes) and before a suffix that is the
+/// start of a stop string.
+fn safe_prefix(text: &str, stop: &[String]) -> usize {
+    let mut end = text.trim_end_matches('\u{FFFD}').len();
+    for s in stop {
+        for (i, _) in text[..end].char_indices() {
+            if s.starts_with(&text[i..end]) {
+                end = i;
+                break;
+            }
+        }
+    }
+    end
+}
+
+impl TokenSink for TextSink {
+    fn token(&mut self, token: u32) -> bool {
+        self.generated.push(token);
+        let text = self.text();
+        let first_stop = self.stop.iter().filter_map(|s| text.find(s.as_str())).min();
+        if let Some(at) = first_stop {
+            self.send_upto(&text, at);
+            self.stopped = true;
+            return false;
+        }
+        let upto = safe_prefix(&text, &self.stop);
+        self.send_upto(&text, upto);
+        !self.tx.is_closed()
+    }
+
+    fn end(&mut self, end: Result<SeqEnd, SeqError>) {
+        let reason = match end {
+            _ if self.stopped => FinishReason::Stop,
+            Ok(SeqEnd::Eos) => FinishReason::Stop,
+            Ok(SeqEnd::Length) => FinishReason::Length,
+            Ok(SeqEnd::Cancelled) => FinishReason::Cancelled,
+            Err(SeqError::Refused(why)) => FinishReason::Refused(why),
+            Err(SeqError::Failed(why)) => FinishReason::Failed(why),
+        };
+        if matches!(reason, FinishReason::Length | FinishReason::Stop) && !self.stopped {
+            let text = self.text();
+            let len = text.len();
+            self.send_upto(&text, len);
+        }
+        let _ = self.tx.send(Piece::End {
+            reason,
+            completion_tokens: self.generated.len(),
+        });
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// A checkpoint's chat template (`tokenizer_config.json`'s `chat_template`, a string or
+/// the entry named `default` of a list), with its BOS and EOS token texts.
+struct ChatTemplate {
+    source: String,
+    bos: String,
+    eos: String,
+    /// The tokenizer puts a BOS first when it encodes (set once the tokenizer is known).
+    tokenizer_adds_bos: bool,
+}
+
+impl ChatTemplate {
+    fn load(dir: &std::path::Path) -> Result<ChatTemplate, String> {
+        let path = dir.join("tokenizer_config.json");
+        let text = crate::textfile::read_capped(&path, crate::textfile::SOURCE_LIMIT)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let config: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let source = match &config["chat_template"] {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Array(list) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    format!("{}: `chat_template` has no `default` entry", path.display())
+                })?,
+            _ => {
+                return Err(format!(
+                    "{}: no string `chat_template`; chat completions need one",
+                    path.display()
+                ))
+            }
+        };
+        let token = |key: &str| match &config[key] {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Object(o) => o
+                .get("content")
+                .and_then(|c| c.as_str())
+                .unwrap_or_default()
+                .to_string(),
+            _ => String::new(),
+        };
+        let template = ChatTemplate {
+            source,
+            bos: token("bos_token"),
+            eos: token("eos_token"),
+            tokenizer_adds_bos: false,
+        };
+        // A template that does not parse is refused at start, not at the first chat.
+        template.environment()?;
+        Ok(template)
+    }
+
+    fn environment(&self) -> Result<minijinja::Environment<'_>, String> {
+        let mut env = minijinja::Environment::new();
+        // Hugging Face templates call Python string methods (`.strip()`, `.startswith()`).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", &self.source)
+            .map_err(|e| format!("the chat template does not parse: {e}"))?;
+        Ok(env)
+    }
+
+    fn render(&self, messages: &[(String, String)]) -> Result<String, String> {
+        let env = self.environment()?;
+        let template = env.get_template("chat").map_err(|e| e.to_string())?;
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        let text = template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => self.bos,
+                eos_token => self.eos,
+            })
+            .map_err(|e| format!("the chat template failed: {e}"))?;
+        // Templates write the BOS token themselves and the tokenizer adds it again when it
+        // encodes (as it does for every prompt): the template's copy goes, so the prompt
+        // starts with one BOS, as the model was trained.
+        Ok(match text.strip_prefix(self.bos.as_str()) {
+            Some(rest) if self.tokenizer_adds_bos && !self.bos.is_empty() => rest.to_string(),
+            _ => text,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_back_text_is_an_incomplete_character_or_a_stop_prefix() {
+        let stop = vec!["\n\nUser:".to_string()];
+        assert_eq!(safe_prefix("Hello", &stop), 5);
+        assert_eq!(safe_prefix("Hello\n", &stop), 5);
+        assert_eq!(safe_prefix("Hello\n\nUs", &stop), 5);
+        assert_eq!(safe_prefix("Hello\u{FFFD}", &stop), 5);
+        assert_eq!(safe_prefix("Hello\nX", &stop), 7);
+    }
+}

@@ -1,0 +1,871 @@
+//! A long-lived run: sequences are submitted while the plan runs, each with its own
+//! generation length, sampling rule and seed, and leave when they stop, are cancelled, or
+//! the session ends.
+//!
+//! [`Session`] holds what a run keeps across steps (step state, KV pools, the waiting
+//! queue, the running sequences, the records) and advances one step per
+//! [`Session::step`], handing back what each sequence produced as [`SeqEvent`]s. A plan
+//! with a mixed `step` (VSLPipe) admits waiting sequences before every pass (the
+//! `scheduler`'s FIFO admission, with preemption when KV blocks run out); a plan with
+//! `prefill` + `decode` takes the waiting sequences at each batch boundary, when the
+//! previous batch has finished (`batching::admit`, longest first, up to each micro-batch's
+//! sequences, tokens and KV). Budgets are those the plan was compiled for: every
+//! reservation is for the session's `gen_len` (the most any sequence may generate), so a
+//! sequence asking for fewer tokens only stops earlier. [`generate`](super::generate)
+//! submits a fixed list and steps to the end; [`serve`] feeds a session from a channel
+//! and hands tokens to each request's [`TokenSink`].
+
+use super::batching::{admit, block_size, UbCapacity};
+use super::executor::ExecError;
+use super::scheduler::{admit_fifo, grow_decoding, KvPool, Pending, Seq};
+use super::state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState};
+use super::{cache, capacities, check_prompts, count_active_experts, eam, record_activations};
+use super::{RunError, RunOptions, StepRunner};
+use crate::ir::StepKind;
+use crate::lower::ExecPlan;
+use crate::model::kernels::sampling::Sampling;
+use crate::model::rng::Rng;
+use crate::records::{RunStats, StepRecord, UbLoad};
+use crate::runtime::backend::Backend;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A sequence's id within its session (reused once the sequence has ended).
+pub type SeqId = usize;
+
+/// One sequence to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at most the session's `gen_len`).
+    pub max_new_tokens: usize,
+    /// Greedy or temperature/top-p.
+    pub sampling: Sampling,
+    /// The seed of this sequence's sampler (`generate` gives prompt `i` the oracle's
+    /// stream `i`).
+    pub seed: u64,
+    /// Stop at the card's EOS token.
+    pub stop_at_eos: bool,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqEnd {
+    /// It sampled the card's EOS token (included in its tokens).
+    Eos,
+    /// It generated its `max_new_tokens`.
+    Length,
+    /// It was cancelled (its client went away, a stop string matched, the session shut
+    /// down).
+    Cancelled,
+}
+
+/// What a step produced for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// A new token.
+    Token {
+        /// The sequence.
+        id: SeqId,
+        /// The token.
+        token: u32,
+    },
+    /// The sequence ended; its id is free again after this event.
+    Done {
+        /// The sequence.
+        id: SeqId,
+        /// Why.
+        end: SeqEnd,
+        /// Every token it generated.
+        token_ids: Vec<u32>,
+        /// With `RunOptions::capture_logits`: the logits its last token was sampled from.
+        logits: Option<Vec<f32>>,
+    },
+}
+
+/// Why a sequence was refused at submission (the session goes on).
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The prompt is empty, runs past the model's positions, or fits no micro-batch.
+    #[error(transparent)]
+    Prompt(RunError),
+    /// More tokens asked for than the plan was compiled for.
+    #[error("max_new_tokens {asked} is more than the {gen_len} tokens this session's plan was compiled for")]
+    TooManyTokens {
+        /// Asked for.
+        asked: usize,
+        /// The session's generation length.
+        gen_len: usize,
+    },
+}
+
+/// Live counts of a session, readable from any thread while it runs (a server's
+/// `/metrics`).
+#[derive(Debug, Default)]
+pub struct Gauges {
+    /// Sequences waiting for admission.
+    pub waiting: AtomicU64,
+    /// Sequences admitted and not ended.
+    pub running: AtomicU64,
+    /// Tokens generated since the session began.
+    pub generated_tokens: AtomicU64,
+    /// Prompt tokens prefilled since the session began (re-prefills included).
+    pub prefill_tokens: AtomicU64,
+    /// Steps run (setup excluded).
+    pub steps: AtomicU64,
+    /// Seconds of the last step, as `f64` bits.
+    pub last_step_seconds: AtomicU64,
+    /// Seconds of all steps, as `f64` bits.
+    pub step_seconds_total: AtomicU64,
+    /// KV blocks held by running sequences.
+    pub kv_blocks_used: AtomicU64,
+    /// KV blocks in all micro-batches' pools.
+    pub kv_blocks_total: AtomicU64,
+    /// Sequences preempted since the session began.
+    pub preemptions: AtomicU64,
+    /// Sequences cancelled since the session began.
+    pub cancelled: AtomicU64,
+    /// Bytes of the plan's gpu, pinned and host arenas (fixed for the session).
+    pub arena_bytes: [AtomicU64; 3],
+}
+
+impl Gauges {
+    /// Reads an `f64` gauge.
+    pub fn seconds(gauge: &AtomicU64) -> f64 {
+        f64::from_bits(gauge.load(Ordering::Relaxed))
+    }
+}
+
+/// Per-slot bookkeeping of a submitted sequence.
+#[derive(Debug, Clone)]
+struct Live {
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
+    sampling: Sampling,
+    stop_at_eos: bool,
+    logits: Option<Vec<f32>>,
+}
+
+/// A run that takes sequences while it runs (see the module doc).
+pub struct Session<'a, B: Backend + ?Sized> {
+    plan: &'a ExecPlan,
+    backend: &'a B,
+    options: &'a RunOptions,
+    state: StepState,
+    /// Most tokens any sequence generates: every KV reservation is for this many.
+    gen_len: usize,
+    prefill_step: usize,
+    decode_step: usize,
+    mixed: bool,
+    prefill_caps: Vec<UbCapacity>,
+    max_prefill: usize,
+    pools: Vec<KvPool>,
+    /// Slots by sequence id; `None` is free.
+    slots: Vec<Option<Live>>,
+    /// Prompt length per slot (what the scheduler reads), 0 for a free slot.
+    lens: Vec<usize>,
+    waiting: VecDeque<Pending>,
+    running: Vec<Seq>,
+    next_age: u64,
+    kill_count: AtomicU32,
+    origin: Instant,
+    setup_done: bool,
+    /// Keep every step's record in the stats (`generate`); a long-lived server does not.
+    record_steps: bool,
+    stats: RunStats,
+    gauges: Arc<Gauges>,
+}
+
+impl<'a, B: Backend + ?Sized> Session<'a, B> {
+    /// A session over `plan` on `backend` in which sequences generate at most `gen_len`
+    /// tokens and prompts are at most `longest_prompt` tokens (or the plan's `prompt_len`,
+    /// whichever is larger): the KV block size is chosen for them.
+    pub fn new(
+        plan: &'a ExecPlan,
+        backend: &'a B,
+        options: &'a RunOptions,
+        gen_len: usize,
+        longest_prompt: usize,
+    ) -> Result<Self, RunError> {
+        let step_idx = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
+        let (prefill_step, decode_step, mixed) = match (
+            step_idx(StepKind::Prefill),
+            step_idx(StepKind::Decode),
+            step_idx(StepKind::Mixed),
+        ) {
+            (Some(p), Some(d), _) => (p, d, false),
+            (_, _, Some(m)) => (m, m, true),
+            _ => return Err(RunError::Steps(plan.name.clone())),
+        };
+        let card = &plan.model;
+        let n_ubs = plan.micro_batches.count as usize;
+        let mut state = StepState::new(n_ubs, options.sampling, Vec::new());
+        state.capture_logits = options.capture_logits;
+        state.predictor = HotPredictor::new(card.layers as usize, card.experts as usize);
+        state.caches = plan
+            .caches
+            .iter()
+            .map(|c| cache::CacheRuntime::new(c.clone(), card.layers as usize))
+            .collect();
+        {
+            let mut eam = eam::Eam::new(
+                card.layers as usize,
+                card.experts as usize,
+                eam::DEFAULT_CAPACITY,
+            );
+            eam.seed(&options.eam_seed);
+            *lock(&state.eam) = eam;
+        }
+        let prefill_caps = capacities(plan, prefill_step);
+        // Static batches: pools reset when a batch starts, each sequence reserves its whole
+        // generation (Alg. 2). Mixed steps: pools fixed for the run, blocks given as
+        // sequences grow, preemption when they run out (`scheduler`).
+        let longest = (plan.workload.prompt_len as usize).max(longest_prompt) + gen_len;
+        let pools: Vec<KvPool> = prefill_caps
+            .iter()
+            .map(|c| {
+                KvPool::new(
+                    c.kv_tokens,
+                    block_size(c.kv_tokens, &[longest]).unwrap_or(1),
+                )
+            })
+            .collect();
+        let max_prefill = prefill_caps.iter().map(|c| c.tokens).max().unwrap_or(0);
+        let memory = backend.memory();
+        let stats = RunStats {
+            pinned_locked: memory.pinned_locked,
+            arena_bytes: memory.arena_bytes,
+            image_bytes: memory.image_bytes,
+            image_populated: memory.populated,
+            backend: backend.describe(),
+            ..RunStats::default()
+        };
+        let gauges = Arc::new(Gauges::default());
+        for (gauge, bytes) in gauges.arena_bytes.iter().zip(memory.arena_bytes) {
+            gauge.store(bytes, Ordering::Relaxed);
+        }
+        gauges.kv_blocks_total.store(
+            pools.iter().map(|p| p.total as u64).sum(),
+            Ordering::Relaxed,
+        );
+        Ok(Session {
+            plan,
+            backend,
+            options,
+            state,
+            gen_len,
+            prefill_step,
+            decode_step,
+            mixed,
+            prefill_caps,
+            max_prefill,
+            pools,
+            slots: Vec::new(),
+            lens: Vec::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_age: 0,
+            kill_count: AtomicU32::new(0),
+            origin: Instant::now(),
+            setup_done: false,
+            record_steps: true,
+            stats,
+            gauges,
+        })
+    }
+
+    /// Keeps no per-step records (a long-lived session would grow without bound); the
+    /// gauges still count.
+    pub fn without_step_records(mut self) -> Self {
+        self.record_steps = false;
+        self
+    }
+
+    /// The live counts.
+    pub fn gauges(&self) -> Arc<Gauges> {
+        Arc::clone(&self.gauges)
+    }
+
+    /// Most tokens a sequence may generate.
+    pub fn gen_len(&self) -> usize {
+        self.gen_len
+    }
+
+    /// Sequences waiting for admission.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences admitted and not ended.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// No sequence waits or runs.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Refuses what can never run (empty, past the model's positions, too many tokens,
+    /// fits no micro-batch); otherwise queues the sequence for the next admission.
+    pub fn submit(&mut self, request: SeqRequest) -> Result<SeqId, SubmitError> {
+        let len = request.prompt.len();
+        if request.max_new_tokens > self.gen_len {
+            return Err(SubmitError::TooManyTokens {
+                asked: request.max_new_tokens,
+                gen_len: self.gen_len,
+            });
+        }
+        let index = self
+            .slots
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(self.slots.len());
+        check_prompts(
+            &self.plan.model,
+            std::slice::from_ref(&request.prompt),
+            self.gen_len,
+        )
+        .map_err(|e| SubmitError::Prompt(renumber(e, index)))?;
+        let gen_len = self.gen_len;
+        let fits = self.prefill_caps.iter().any(|c| {
+            c.seqs > 0 && len <= c.tokens && block_size(c.kv_tokens, &[len + gen_len]).is_some()
+        });
+        if !fits {
+            return Err(SubmitError::Prompt(RunError::PromptTooLarge {
+                index,
+                tokens: len,
+                gen_len,
+                max_tokens: self
+                    .prefill_caps
+                    .iter()
+                    .map(|c| c.tokens)
+                    .max()
+                    .unwrap_or(0),
+                kv_tokens: self
+                    .prefill_caps
+                    .iter()
+                    .map(|c| c.kv_tokens)
+                    .max()
+                    .unwrap_or(0),
+            }));
+        }
+        let live = Live {
+            prompt: request.prompt,
+            max_new_tokens: request.max_new_tokens,
+            sampling: request.sampling,
+            stop_at_eos: request.stop_at_eos,
+            logits: None,
+        };
+        let rng = Rng::new(request.seed);
+        if index == self.slots.len() {
+            self.slots.push(Some(live));
+            self.lens.push(len);
+            lock(&self.state.rngs).push(rng);
+            self.state.request_sampling.push(request.sampling);
+        } else {
+            self.slots[index] = Some(live);
+            self.lens[index] = len;
+            if let Some(r) = lock(&self.state.rngs).get_mut(index) {
+                *r = rng;
+            }
+            if let Some(s) = self.state.request_sampling.get_mut(index) {
+                *s = request.sampling;
+            }
+        }
+        self.waiting.push_back(Pending {
+            request: index,
+            generated: Vec::new(),
+        });
+        self.update_gauges();
+        Ok(index)
+    }
+
+    /// Cancels a sequence: a waiting one leaves the queue, a running one gives its KV
+    /// blocks back now (the next step no longer holds it). Returns its `Done` event, or
+    /// `None` if no such sequence is live.
+    pub fn cancel(&mut self, id: SeqId) -> Option<SeqEvent> {
+        let generated = if let Some(at) = self.waiting.iter().position(|p| p.request == id) {
+            self.waiting
+                .remove(at)
+                .map(|p| p.generated)
+                .unwrap_or_default()
+        } else if let Some(at) = self.running.iter().position(|s| s.request == id) {
+            let mut s = self.running.remove(at);
+            if let Some(pool) = self.pools.get_mut(s.ub) {
+                pool.give(&mut s.block_table);
+            }
+            s.generated
+        } else {
+            return None;
+        };
+        lock(&self.state.eam).finish(id);
+        self.gauges.cancelled.fetch_add(1, Ordering::Relaxed);
+        let live = self.free(id)?;
+        self.update_gauges();
+        Some(SeqEvent::Done {
+            id,
+            end: SeqEnd::Cancelled,
+            token_ids: generated,
+            logits: live.logits,
+        })
+    }
+
+    /// Frees a slot.
+    fn free(&mut self, id: SeqId) -> Option<Live> {
+        let live = self.slots.get_mut(id)?.take();
+        if let Some(len) = self.lens.get_mut(id) {
+            *len = 0;
+        }
+        live
+    }
+
+    fn update_gauges(&self) {
+        let g = &self.gauges;
+        g.waiting
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
+        g.running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        let used: usize = self.running.iter().map(|s| s.block_table.len()).sum();
+        g.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+    }
+
+    fn runner(&self) -> StepRunner<'_, B> {
+        StepRunner {
+            plan: self.plan,
+            backend: self.backend,
+            kill: self.options.kill_task,
+            kill_count: &self.kill_count,
+            exec: self.options.exec,
+            origin: self.origin,
+        }
+    }
+
+    /// Admits what the schedule allows, runs one step and hands back what each sequence
+    /// produced; no events when nothing waits or runs. The plan's `setup` step runs before
+    /// the first.
+    pub fn step(&mut self) -> Result<Vec<SeqEvent>, RunError> {
+        if self.is_idle() {
+            return Ok(Vec::new());
+        }
+        if !self.setup_done {
+            self.setup_done = true;
+            if let Some(setup) = self
+                .plan
+                .steps
+                .iter()
+                .position(|s| s.kind == StepKind::Setup)
+            {
+                let (start, end, tasks) = self.runner().run(&self.state, setup)?;
+                self.stats.steps.push(StepRecord {
+                    kind: StepKind::Setup,
+                    start,
+                    end,
+                    prefill_tokens: 0,
+                    decode_tokens: 0,
+                    ubs: Vec::new(),
+                    tasks,
+                });
+            }
+        }
+        self.admit()?;
+        self.update_gauges();
+        if self.running.is_empty() {
+            return Ok(Vec::new());
+        }
+        let events = self.run_pass()?;
+        self.update_gauges();
+        Ok(events)
+    }
+
+    /// Mixed steps: grow the decoding sequences (preempting where blocks run out) and
+    /// admit from the queue's head; static batches: a new batch only into an empty plan.
+    fn admit(&mut self) -> Result<(), RunError> {
+        let gen_len = self.gen_len;
+        if self.mixed {
+            let decided = grow_decoding(
+                &mut self.running,
+                &mut self.pools,
+                &self.lens,
+                self.max_prefill,
+            );
+            self.stats.preemptions += decided.preempted.len();
+            self.gauges
+                .preemptions
+                .fetch_add(decided.preempted.len() as u64, Ordering::Relaxed);
+            self.stats.paused += decided.paused;
+            for p in decided.preempted.into_iter().rev() {
+                self.waiting.push_front(p);
+            }
+            admit_fifo(
+                &mut self.waiting,
+                &mut self.running,
+                &mut self.pools,
+                &self.prefill_caps,
+                &self.lens,
+                gen_len,
+                &mut self.next_age,
+            );
+            if !self.running.is_empty() && self.running.iter().all(|s| s.paused) {
+                return Err(RunError::KvStall {
+                    paused: self.running.len(),
+                    max_tokens: self.max_prefill,
+                });
+            }
+        } else if self.running.is_empty() {
+            let ids: Vec<usize> = self.waiting.iter().map(|p| p.request).collect();
+            let (batch, left) = admit(&self.lens, &ids, gen_len, &self.prefill_caps);
+            for (u, reqs) in batch.iter().enumerate() {
+                if reqs.is_empty() {
+                    continue;
+                }
+                let budgets: Vec<usize> = reqs.iter().map(|&r| self.lens[r] + gen_len).collect();
+                let kv_tokens = self.prefill_caps[u].kv_tokens;
+                self.pools[u] =
+                    KvPool::new(kv_tokens, block_size(kv_tokens, &budgets).unwrap_or(1));
+                for &r in reqs {
+                    let needed = self.pools[u].blocks_for(self.lens[r] + gen_len);
+                    let block_table = self.pools[u].take(needed).unwrap_or_default();
+                    self.running.push(Seq {
+                        request: r,
+                        ub: u,
+                        block_table,
+                        generated: Vec::new(),
+                        prompt_done: false,
+                        age: self.next_age,
+                        paused: false,
+                    });
+                    self.next_age += 1;
+                }
+            }
+            // What did not fit waits for the next batch, in submission order.
+            self.waiting.retain(|p| left.contains(&p.request));
+        }
+        Ok(())
+    }
+
+    /// Runs one step over the running sequences and collects their tokens.
+    fn run_pass(&mut self) -> Result<Vec<SeqEvent>, RunError> {
+        let n_ubs = self.plan.micro_batches.count as usize;
+        let any_prefill = self.running.iter().any(|s| !s.prompt_done && !s.paused);
+        let step = if any_prefill {
+            self.prefill_step
+        } else {
+            self.decode_step
+        };
+        self.state.reset_step();
+        for ub in self.state.ubs.iter_mut() {
+            *ub = MicroBatchState::default();
+        }
+        // A backend picks its sampling path from the run's rule (a device argmax for
+        // greedy); with any sampled sequence in the step every row goes through the
+        // per-sequence rules of `StepState::sample_rows`.
+        self.state.sampling = self
+            .running
+            .iter()
+            .filter(|s| !s.paused)
+            .filter_map(|s| self.slots.get(s.request).and_then(Option::as_ref))
+            .map(|l| l.sampling)
+            .find(|s| *s != Sampling::Greedy)
+            .unwrap_or(Sampling::Greedy);
+        self.running.sort_by_key(|s| (s.ub, s.request));
+        let (mut n_prefill, mut n_decode) = (0, 0);
+        let mut loads = vec![UbLoad::default(); n_ubs];
+        for s in self.running.iter().filter(|s| !s.paused) {
+            let Some(live) = self.slots.get(s.request).and_then(Option::as_ref) else {
+                continue;
+            };
+            let prompt_len = live.prompt.len();
+            let new_tokens = s.new_tokens(&live.prompt);
+            let load = &mut loads[s.ub];
+            if s.prompt_done {
+                n_decode += 1;
+                load.decode_seqs += 1;
+                load.decode_context += prompt_len + s.generated.len();
+            } else {
+                n_prefill += new_tokens.len();
+                load.prefill_seqs += 1;
+                load.prefill_tokens += new_tokens.len();
+            }
+            let mb = &mut self.state.ubs[s.ub];
+            mb.block_size = self.pools[s.ub].block_size;
+            mb.seqs.push(SeqSlot {
+                request: s.request,
+                context_len: s.context_len(prompt_len),
+                new_tokens,
+                block_table: s.block_table.clone(),
+                prefill: !s.prompt_done,
+            });
+        }
+        let (start, end, tasks) = self.runner().run(&self.state, step)?;
+        count_active_experts(&mut loads, &self.state, self.plan.model.experts as usize);
+        let g = &self.gauges;
+        g.steps.fetch_add(1, Ordering::Relaxed);
+        g.prefill_tokens
+            .fetch_add(n_prefill as u64, Ordering::Relaxed);
+        g.last_step_seconds
+            .store((end - start).to_bits(), Ordering::Relaxed);
+        let total = Gauges::seconds(&g.step_seconds_total) + (end - start);
+        g.step_seconds_total
+            .store(total.to_bits(), Ordering::Relaxed);
+        if self.record_steps {
+            self.stats.steps.push(StepRecord {
+                kind: self.plan.steps[step].kind,
+                start,
+                end,
+                prefill_tokens: n_prefill,
+                decode_tokens: n_decode,
+                ubs: loads,
+                tasks,
+            });
+        }
+        let sampled = std::mem::take(&mut *lock(&self.state.sampled));
+        let sampled_logits = std::mem::take(&mut *lock(&self.state.sampled_logits));
+        let routing = std::mem::take(&mut *lock(&self.state.routing));
+        self.state.predictor.update(&routing);
+        record_activations(&self.state, &routing);
+        if let Some(profile) = &self.options.routing_profile {
+            let mut profile = lock(profile);
+            for (&(layer, _), r) in &routing {
+                profile.add(layer, &r.experts, r.top_k);
+            }
+        }
+        let plan = self.plan;
+        let card = &plan.model;
+        let mut events = Vec::new();
+        let mut row_in_ub = vec![0usize; n_ubs];
+        let mut still = Vec::new();
+        for mut s in std::mem::take(&mut self.running) {
+            if s.paused {
+                still.push(s);
+                continue;
+            }
+            let k = row_in_ub[s.ub];
+            row_in_ub[s.ub] += 1;
+            let Some(token) = sampled.get(&(s.ub as u32)).and_then(|t| t.get(k)).copied() else {
+                return Err(RunError::Exec(ExecError::NoToken {
+                    ub: s.ub as u32,
+                    row: k,
+                }));
+            };
+            let Some(live) = self.slots.get_mut(s.request).and_then(Option::as_mut) else {
+                continue;
+            };
+            if let Some(rows) = sampled_logits.get(&(s.ub as u32)) {
+                let vocab = card.vocab as usize;
+                live.logits = rows.get(k * vocab..(k + 1) * vocab).map(<[f32]>::to_vec);
+            }
+            s.prompt_done = true;
+            s.generated.push(token);
+            self.gauges.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            events.push(SeqEvent::Token {
+                id: s.request,
+                token,
+            });
+            let eos = live.stop_at_eos && token == card.eos_token_id;
+            if eos || s.generated.len() >= live.max_new_tokens {
+                let matrix = lock(&self.state.eam).finish(s.request);
+                if let (Some(profile), Some(m)) = (&self.options.routing_profile, matrix) {
+                    lock(profile).requests.push(m);
+                }
+                if let Some(pool) = self.pools.get_mut(s.ub) {
+                    pool.give(&mut s.block_table);
+                }
+                let live = self.free(s.request);
+                events.push(SeqEvent::Done {
+                    id: s.request,
+                    end: if eos { SeqEnd::Eos } else { SeqEnd::Length },
+                    token_ids: std::mem::take(&mut s.generated),
+                    logits: live.and_then(|l| l.logits),
+                });
+            } else {
+                still.push(s);
+            }
+        }
+        self.running = still;
+        Ok(events)
+    }
+
+    /// Ends the session: the measured stats (the backend's line said again, as a device
+    /// backend's counts what the run did).
+    pub fn finish(mut self) -> RunStats {
+        self.stats.wall = self.origin.elapsed().as_secs_f64();
+        self.stats.copies = self.backend.memory().copies;
+        self.stats.backend = self.backend.describe();
+        self.stats.caches = self
+            .state
+            .caches
+            .iter()
+            .map(cache::CacheRuntime::report)
+            .collect();
+        self.stats
+    }
+}
+
+/// A prompt error names the prompt by its index in the list checked; a submitted
+/// sequence is named by its id instead.
+fn renumber(e: RunError, id: SeqId) -> RunError {
+    match e {
+        RunError::EmptyPrompt(_) => RunError::EmptyPrompt(id),
+        RunError::PastPositions {
+            tokens,
+            gen_len,
+            needed,
+            max,
+            ..
+        } => RunError::PastPositions {
+            index: id,
+            tokens,
+            gen_len,
+            needed,
+            max,
+        },
+        other => other,
+    }
+}
+
+/// Where a served sequence's output goes. Called on the session's thread between steps.
+pub trait TokenSink: Send {
+    /// A new token; `false` cancels the sequence (its client went away, a stop string
+    /// matched), freeing its KV before the next step.
+    fn token(&mut self, token: u32) -> bool;
+    /// The sequence ended (after its last token), or was refused or failed (`Err`).
+    fn end(&mut self, end: Result<SeqEnd, SeqError>);
+    /// Whether the client is gone (checked between steps, so a waiting or running
+    /// sequence whose client left is cancelled without waiting for its next token).
+    fn is_closed(&self) -> bool;
+}
+
+/// Why a served sequence produced no (more) tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeqError {
+    /// Refused at submission (a caller error, or the session is draining).
+    Refused(String),
+    /// The run failed.
+    Failed(String),
+}
+
+/// What a serving session is told.
+pub enum Command {
+    /// A new sequence and where its tokens go.
+    Submit(SeqRequest, Box<dyn TokenSink>),
+    /// Take no more sequences; let the running and waiting ones finish until `deadline`,
+    /// then cancel what is left and return.
+    Drain {
+        /// When the session cancels what is left.
+        deadline: Instant,
+    },
+}
+
+/// The sinks of a serving session, by sequence id.
+type Sinks = Vec<Option<Box<dyn TokenSink>>>;
+
+/// Submits a sequence (refused while draining) or starts the drain.
+fn take_command<B: Backend + ?Sized>(
+    command: Command,
+    session: &mut Session<'_, B>,
+    sinks: &mut Sinks,
+    deadline: &mut Option<Instant>,
+) {
+    match command {
+        Command::Submit(_, mut sink) if deadline.is_some() => {
+            sink.end(Err(SeqError::Refused(
+                "the server is shutting down".to_string(),
+            )));
+        }
+        Command::Submit(request, mut sink) => match session.submit(request) {
+            Ok(id) => {
+                if sinks.len() <= id {
+                    sinks.resize_with(id + 1, || None);
+                }
+                sinks[id] = Some(sink);
+            }
+            Err(e) => sink.end(Err(SeqError::Refused(e.to_string()))),
+        },
+        Command::Drain { deadline: d } => *deadline = Some(d),
+    }
+}
+
+/// Runs a session that takes its sequences from `incoming` until it is drained (or every
+/// sender is gone, which cancels what is left). Blocks on the channel while idle; between
+/// steps it takes every submitted sequence, cancels those whose sink closed, and hands
+/// each token to its sink. A failing step ends every live sequence with the error and
+/// returns it.
+pub fn serve<B: Backend + ?Sized>(
+    mut session: Session<'_, B>,
+    incoming: std::sync::mpsc::Receiver<Command>,
+) -> Result<RunStats, RunError> {
+    use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+    let mut sinks: Sinks = Vec::new();
+    let mut deadline: Option<Instant> = None;
+    loop {
+        // Idle: wait for work (a drain with nothing live ends the session).
+        if session.is_idle() {
+            if deadline.is_some() {
+                break;
+            }
+            match incoming.recv_timeout(Duration::from_millis(200)) {
+                Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let mut disconnected = false;
+        loop {
+            match incoming.try_recv() {
+                Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    disconnected = true;
+                    break;
+                }
+            }
+        }
+        let past_deadline = deadline.is_some_and(|d| Instant::now() >= d);
+        for (id, slot) in sinks.iter_mut().enumerate() {
+            let gone = slot.as_ref().is_some_and(|s| s.is_closed());
+            if gone || ((disconnected || past_deadline) && slot.is_some()) {
+                session.cancel(id);
+                if let Some(mut sink) = slot.take() {
+                    sink.end(Ok(SeqEnd::Cancelled));
+                }
+            }
+        }
+        if disconnected || past_deadline {
+            break;
+        }
+        let events = match session.step() {
+            Ok(events) => events,
+            Err(e) => {
+                for mut sink in sinks.iter_mut().filter_map(Option::take) {
+                    sink.end(Err(SeqError::Failed(format!("the run failed: {e}"))));
+                }
+                return Err(e);
+            }
+        };
+        for event in events {
+            match event {
+                SeqEvent::Token { id, token } => {
+                    let keep = sinks
+                        .get_mut(id)
+                        .and_then(Option::as_mut)
+                        .is_some_and(|s| s.token(token));
+                    if !keep && session.cancel(id).is_some() {
+                        if let Some(mut sink) = sinks.get_mut(id).and_then(Option::take) {
+                            sink.end(Ok(SeqEnd::Cancelled));
+                        }
+                    }
+                }
+                SeqEvent::Done { id, end, .. } => {
+                    if let Some(mut sink) = sinks.get_mut(id).and_then(Option::take) {
+                        sink.end(Ok(end));
+                    }
+                }
+            }
+        }
+    }
+    Ok(session.finish())
+}

@@ -1,0 +1,831 @@
+//! `moec serve`'s HTTP side: an OpenAI-compatible server over an engine
+//! [`Session`](crate::engine::session::Session).
+//!
+//! Takes an open session and a [`ServeConfig`]; serves `/v1/completions`,
+//! `/v1/chat/completions` (streaming as server-sent events ending in `data: [DONE]`, or
+//! one JSON body), `/v1/models`, `/health` and `/metrics` (Prometheus text) until SIGINT
+//! or SIGTERM, then stops accepting, lets in-flight completions finish until the grace
+//! deadline, cancels the rest and returns. Only HTTP lives here: tokens, batching and
+//! stop strings are the session's. Every refusal is a 4xx in OpenAI's error shape: a body
+//! over `max_body_bytes` (413), JSON that does not parse or has a field of the wrong type
+//! (400), a prompt longer than the schedule was compiled for or `max_tokens` outside
+//! 1..=the compiled generation length (400), a missing or wrong API key (401), more than
+//! `max_connections` requests at once (429). A client that goes away drops its receiver,
+//! which cancels its sequence before the session's next step.
+
+pub mod openai;
+
+use crate::engine::session::{Completion, FinishReason, Piece, Session, SubmitRefusal};
+use crate::model::Sampling;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use openai::{ApiError, ChatRequest, CompletionRequest};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::Semaphore;
+
+/// How the server listens and what it bounds.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Address to bind (loopback unless told otherwise).
+    pub addr: SocketAddr,
+    /// Bearer token every `/v1/*` and `/metrics` request must carry, if set.
+    pub api_key: Option<String>,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Requests handled at once; more get 429.
+    pub max_connections: usize,
+    /// After SIGINT/SIGTERM, how long in-flight completions may run before they are
+    /// cancelled.
+    pub grace: Duration,
+}
+
+/// What every handler shares.
+struct Shared {
+    session: Arc<Session>,
+    api_key: Option<String>,
+    slots: Semaphore,
+    in_flight: AtomicU64,
+    requests: AtomicU64,
+    next_id: AtomicU64,
+}
+
+/// Serves until SIGINT/SIGTERM (or `stop` resolves), then drains the session. `listening`
+/// is told the bound address once the socket accepts (the CLI prints it).
+pub fn run(
+    session: Arc<Session>,
+    config: ServeConfig,
+    listening: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    runtime.block_on(serve(session, config, listening))
+}
+
+async fn serve(
+    session: Arc<Session>,
+    config: ServeConfig,
+    listening: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
+    let listener = tokio::net::TcpListener::bind(config.addr)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.addr))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    let shared = Arc::new(Shared {
+        session: Arc::clone(&session),
+        api_key: config.api_key.clone(),
+        slots: Semaphore::new(config.max_connections.max(1)),
+        in_flight: AtomicU64::new(0),
+        requests: AtomicU64::new(0),
+        next_id: AtomicU64::new(0),
+    });
+    let app = router(Arc::clone(&shared), config.max_body_bytes);
+    listening(addr);
+    let (signalled_tx, signalled_rx) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        shutdown_signal().await;
+        let _ = signalled_tx.send(true);
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let grace = config.grace;
+    let drained = async move {
+        let mut rx = signalled_rx;
+        // Wait for the signal, then drain the session (blocking: it joins the worker).
+        while !*rx.borrow() {
+            if rx.changed().await.is_err() {
+                return Ok(());
+            }
+        }
+        let deadline = Instant::now() + grace;
+        let session = Arc::clone(&session);
+        tokio::task::spawn_blocking(move || session.shutdown(deadline))
+            .await
+            .map_err(|e| format!("the drain failed: {e}"))?
+    };
+    let (served, drained) = tokio::join!(
+        async {
+            // Connections that outlive the drain (an idle keep-alive client) do not hold
+            // the exit past the grace deadline and a little more.
+            server.await.map_err(|e| format!("the server failed: {e}"))
+        },
+        drained
+    );
+    served?;
+    drained
+}
+
+/// SIGINT or SIGTERM: through the process's signal watcher (`tempfiles`, which `main`
+/// installs and which then owns both signals), or tokio's handlers where no watcher runs.
+async fn shutdown_signal() {
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let told = Arc::clone(&notify);
+    crate::tempfiles::on_first_interrupt(move |_| told.notify_one());
+    let interrupt = async {
+        tokio::select! {
+            _ = notify.notified() => {},
+            _ = tokio::signal::ctrl_c() => {},
+        }
+    };
+    #[cfg(unix)]
+    {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                // Without a SIGTERM handler SIGINT still works.
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {},
+            _ = term => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
+
+fn router(shared: Arc<Shared>, max_body_bytes: usize) -> Router {
+    let api = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&shared),
+            authorize,
+        ));
+    Router::new()
+        .merge(api)
+        .route("/health", get(health))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&shared),
+            bound_connections,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::max(max_body_bytes))
+        .with_state(shared)
+}
+
+/// 429 past `max_connections` requests at once; counts what is in flight.
+async fn bound_connections(
+    State(shared): State<Arc<Shared>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Ok(_permit) = shared.slots.try_acquire() else {
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "too many requests at once; retry later",
+        )
+        .into_response();
+    };
+    shared.requests.fetch_add(1, Ordering::Relaxed);
+    shared.in_flight.fetch_add(1, Ordering::Relaxed);
+    let response = next.run(request).await;
+    shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+    // A streamed body outlives this: the permit bounds requests being set up, and the
+    // session's queue bounds the sequences.
+    response
+}
+
+/// `Authorization: Bearer KEY`, compared in constant time, where a key is set.
+async fn authorize(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
+    if let Some(key) = &shared.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !keys_match(given.as_bytes(), key.as_bytes()) {
+            let mut e = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "a valid API key is required: `Authorization: Bearer KEY`",
+            );
+            e.code = Some("invalid_api_key");
+            return e.into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Equal keys, in time that does not depend on where they differ (only a difference in
+/// length, which says nothing of the key's bytes, returns early).
+fn keys_match(given: &[u8], key: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    given.ct_eq(key).into()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "no such endpoint; moec serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics",
+    )
+}
+
+async fn health(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.session.is_running() {
+        (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the session has stopped",
+        )
+        .into_response()
+    }
+}
+
+async fn models(State(shared): State<Arc<Shared>>) -> axum::Json<Value> {
+    let info = shared.session.info();
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": info.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "moec",
+            "schedule": info.schedule,
+            "max_prompt_tokens": info.max_prompt,
+            "max_tokens": info.max_tokens,
+            "max_batch": info.max_batch,
+        }]
+    }))
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    use crate::engine::session::Gauges;
+    let g = shared.session.gauges();
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let step_total = Gauges::seconds(&g.step_seconds_total);
+    let tokens = load(&g.generated_tokens);
+    let rate = if step_total > 0.0 {
+        tokens as f64 / step_total
+    } else {
+        0.0
+    };
+    let mut text = String::new();
+    let mut put = |name: &str, kind: &str, help: &str, value: String| {
+        text.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    };
+    put(
+        "moec_queue_length",
+        "gauge",
+        "Sequences waiting for admission.",
+        load(&g.waiting).to_string(),
+    );
+    put(
+        "moec_running_sequences",
+        "gauge",
+        "Sequences admitted and not ended.",
+        load(&g.running).to_string(),
+    );
+    put(
+        "moec_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        tokens.to_string(),
+    );
+    put(
+        "moec_prefill_tokens_total",
+        "counter",
+        "Prompt tokens prefilled (re-prefills included).",
+        load(&g.prefill_tokens).to_string(),
+    );
+    put(
+        "moec_steps_total",
+        "counter",
+        "Steps run.",
+        load(&g.steps).to_string(),
+    );
+    put(
+        "moec_step_seconds_last",
+        "gauge",
+        "Seconds of the last step.",
+        format!("{}", Gauges::seconds(&g.last_step_seconds)),
+    );
+    put(
+        "moec_step_seconds_total",
+        "counter",
+        "Seconds spent in steps.",
+        format!("{step_total}"),
+    );
+    put(
+        "moec_tokens_per_second",
+        "gauge",
+        "Generated tokens per second of step time.",
+        format!("{rate}"),
+    );
+    put(
+        "moec_kv_blocks_used",
+        "gauge",
+        "KV blocks held by running sequences.",
+        load(&g.kv_blocks_used).to_string(),
+    );
+    put(
+        "moec_kv_blocks_total",
+        "gauge",
+        "KV blocks in all micro-batches.",
+        load(&g.kv_blocks_total).to_string(),
+    );
+    put(
+        "moec_preemptions_total",
+        "counter",
+        "Sequences preempted.",
+        load(&g.preemptions).to_string(),
+    );
+    put(
+        "moec_cancelled_total",
+        "counter",
+        "Sequences cancelled.",
+        load(&g.cancelled).to_string(),
+    );
+    put(
+        "moec_http_requests_in_flight",
+        "gauge",
+        "HTTP requests being handled.",
+        load(&shared.in_flight).to_string(),
+    );
+    put(
+        "moec_http_requests_total",
+        "counter",
+        "HTTP requests accepted.",
+        load(&shared.requests).to_string(),
+    );
+    text.push_str("# HELP moec_arena_bytes Bytes of the plan's arenas per memory space.\n");
+    text.push_str("# TYPE moec_arena_bytes gauge\n");
+    for (space, bytes) in ["gpu", "pinned", "host"].iter().zip(&g.arena_bytes) {
+        text.push_str(&format!(
+            "moec_arena_bytes{{space=\"{space}\"}} {}\n",
+            load(bytes)
+        ));
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The body, or 413 past the limit.
+fn body_or_413(
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.status();
+        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is larger than this server accepts (--max-body)".to_string()
+        } else {
+            format!("cannot read the request body: {e}")
+        };
+        ApiError::new(status, "invalid_request_error", kind)
+    })
+}
+
+/// Checks the shared fields and builds the session's completion.
+fn completion(
+    shared: &Shared,
+    prompt: Vec<u32>,
+    s: &openai::Sampling,
+    default_max: usize,
+) -> Result<Completion, ApiError> {
+    if let Some(n) = s.n {
+        if n != 1 {
+            return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+        }
+    }
+    let max_tokens = s.max_completion_tokens.or(s.max_tokens);
+    let info = shared.session.info();
+    let max_tokens = match max_tokens {
+        None => default_max.min(info.max_tokens),
+        Some(m) if m == 0 || m > info.max_tokens as u64 => {
+            return Err(ApiError::invalid(
+                format!(
+                    "max_tokens must be between 1 and {} (this server's --max-tokens), not {m}",
+                    info.max_tokens
+                ),
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) => m as usize,
+    };
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            format!("temperature must be between 0 and 2, not {temperature}"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            format!("top_p must be in (0, 1], not {top_p}"),
+            Some("top_p"),
+        ));
+    }
+    let stop = s
+        .stop
+        .clone()
+        .map(openai::OneOrMany::into_vec)
+        .unwrap_or_default();
+    if stop.len() > 4 {
+        return Err(ApiError::invalid("at most 4 stop strings", Some("stop")));
+    }
+    let sampling = if temperature == 0.0 {
+        Sampling::Greedy
+    } else {
+        Sampling::Temperature {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+        }
+    };
+    // Without a seed each request samples differently, as OpenAI's API does.
+    let seed = match s.seed {
+        Some(seed) => seed as u64,
+        None => {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+                ^ shared
+                    .next_id
+                    .load(Ordering::Relaxed)
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        }
+    };
+    Ok(Completion {
+        prompt,
+        max_tokens,
+        sampling,
+        seed,
+        stop,
+    })
+}
+
+/// Submits and waits for the first piece, so a refusal is a 4xx status, not a stream.
+async fn start(
+    shared: &Shared,
+    completion: Completion,
+) -> Result<(UnboundedReceiver<Piece>, Piece), ApiError> {
+    let mut rx = shared.session.submit(completion).map_err(|e| match e {
+        SubmitRefusal::Invalid(m) => ApiError::invalid(m, Some("prompt")),
+        SubmitRefusal::Unavailable(m) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", m)
+        }
+    })?;
+    let first = rx.recv().await.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the session ended the completion without a word",
+        )
+    })?;
+    match &first {
+        Piece::End {
+            reason: FinishReason::Refused(why),
+            ..
+        } => Err(ApiError::invalid(why.clone(), Some("prompt"))),
+        Piece::End {
+            reason: FinishReason::Failed(why),
+            ..
+        } => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            why.clone(),
+        )),
+        _ => Ok((rx, first)),
+    }
+}
+
+/// Which endpoint a response is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(
+    State(shared): State<Arc<Shared>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_or_413(body)?;
+    let request: CompletionRequest = openai::parse(&body)?;
+    let prompts = request.prompt.into_vec();
+    let [prompt] = prompts.as_slice() else {
+        return Err(ApiError::invalid(
+            "exactly one prompt per request is supported",
+            Some("prompt"),
+        ));
+    };
+    let ids = shared
+        .session
+        .encode(prompt)
+        .map_err(|e| ApiError::invalid(e, Some("prompt")))?;
+    let prompt_tokens = ids.len();
+    let c = completion(&shared, ids, &request.sampling, 16)?;
+    respond(
+        &shared,
+        Kind::Completion,
+        c,
+        prompt_tokens,
+        &request.sampling,
+    )
+    .await
+}
+
+async fn chat_completions(
+    State(shared): State<Arc<Shared>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_or_413(body)?;
+    let request: ChatRequest = openai::parse(&body)?;
+    if request.messages.is_empty() {
+        return Err(ApiError::invalid("messages is empty", Some("messages")));
+    }
+    let mut messages = Vec::with_capacity(request.messages.len());
+    for m in request.messages {
+        messages.push((m.role, m.content.text()?));
+    }
+    let text = shared
+        .session
+        .chat_prompt(&messages)
+        .map_err(|e| ApiError::invalid(e, Some("messages")))?;
+    let ids = shared
+        .session
+        .encode(&text)
+        .map_err(|e| ApiError::invalid(e, Some("messages")))?;
+    let prompt_tokens = ids.len();
+    let max = shared.session.info().max_tokens;
+    let c = completion(&shared, ids, &request.sampling, max)?;
+    respond(&shared, Kind::Chat, c, prompt_tokens, &request.sampling).await
+}
+
+fn finish_reason(reason: &FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        // Not an OpenAI value: the server shut down (or the client left) first.
+        FinishReason::Cancelled => "cancelled",
+        FinishReason::Refused(_) | FinishReason::Failed(_) => "error",
+    }
+}
+
+async fn respond(
+    shared: &Shared,
+    kind: Kind,
+    c: Completion,
+    prompt_tokens: usize,
+    s: &openai::Sampling,
+) -> Result<Response, ApiError> {
+    let id_number = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = match kind {
+        Kind::Completion => format!("cmpl-{id_number}"),
+        Kind::Chat => format!("chatcmpl-{id_number}"),
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let model = s
+        .model
+        .clone()
+        .unwrap_or_else(|| shared.session.info().model.clone());
+    let (rx, first) = start(shared, c).await?;
+    let meta = Meta {
+        kind,
+        id,
+        created,
+        model,
+        prompt_tokens,
+        include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    };
+    if s.stream {
+        Ok(stream_response(meta, rx, first))
+    } else {
+        whole_response(meta, rx, first).await
+    }
+}
+
+/// What every chunk of one response repeats.
+struct Meta {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+    include_usage: bool,
+}
+
+impl Meta {
+    fn usage(&self, completion_tokens: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        })
+    }
+
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+            }),
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                })
+            }
+        }
+    }
+}
+
+async fn whole_response(
+    meta: Meta,
+    mut rx: UnboundedReceiver<Piece>,
+    first: Piece,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut piece = Some(first);
+    loop {
+        let next = match piece.take() {
+            Some(p) => Some(p),
+            None => rx.recv().await,
+        };
+        match next {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::End {
+                reason,
+                completion_tokens,
+            }) => {
+                match &reason {
+                    FinishReason::Cancelled => {
+                        return Err(ApiError::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "server_error",
+                            "the server shut down before the completion finished",
+                        ))
+                    }
+                    FinishReason::Failed(why) | FinishReason::Refused(why) => {
+                        return Err(ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "server_error",
+                            why.clone(),
+                        ))
+                    }
+                    _ => {}
+                }
+                let finish = finish_reason(&reason);
+                let choice = match meta.kind {
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                    }
+                    Kind::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": finish,
+                    }),
+                };
+                let object = match meta.kind {
+                    Kind::Completion => "text_completion",
+                    Kind::Chat => "chat.completion",
+                };
+                return Ok(axum::Json(json!({
+                    "id": meta.id, "object": object, "created": meta.created,
+                    "model": meta.model, "choices": [choice],
+                    "usage": meta.usage(completion_tokens),
+                }))
+                .into_response());
+            }
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "the session dropped the completion",
+                ))
+            }
+        }
+    }
+}
+
+/// Server-sent events: one chunk per text piece, a last chunk with the finish reason,
+/// a usage chunk if asked for, then `data: [DONE]`. Dropping the body (the client went
+/// away) drops the receiver, which cancels the sequence.
+fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Response {
+    struct St {
+        meta: Meta,
+        rx: UnboundedReceiver<Piece>,
+        pending: Option<Piece>,
+        first_chunk: bool,
+        done: bool,
+    }
+    let event = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
+    let state = St {
+        meta,
+        rx,
+        pending: Some(first),
+        first_chunk: true,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(state, move |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let piece = match st.pending.take() {
+            Some(p) => Some(p),
+            None => st.rx.recv().await,
+        };
+        let bytes = match piece {
+            Some(Piece::Text(t)) => {
+                let chunk = st.meta.chunk(Some(&t), None, st.first_chunk);
+                st.first_chunk = false;
+                event(&chunk)
+            }
+            Some(Piece::End {
+                reason,
+                completion_tokens,
+            }) => {
+                st.done = true;
+                let mut out = String::new();
+                let last = match &reason {
+                    FinishReason::Failed(why) | FinishReason::Refused(why) => ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        why.clone(),
+                    )
+                    .body(),
+                    _ => st
+                        .meta
+                        .chunk(None, Some(finish_reason(&reason)), st.first_chunk),
+                };
+                out.push_str(&format!("data: {last}\n\n"));
+                if st.meta.include_usage {
+                    let mut usage = st.meta.chunk(None, None, false);
+                    usage["choices"] = json!([]);
+                    usage["usage"] = st.meta.usage(completion_tokens);
+                    out.push_str(&format!("data: {usage}\n\n"));
+                }
+                out.push_str("data: [DONE]\n\n");
+                Bytes::from(out)
+            }
+            None => {
+                st.done = true;
+                Bytes::from_static(b"data: [DONE]\n\n")
+            }
+        };
+        Some((Ok::<Bytes, std::convert::Infallible>(bytes), st))
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-cache"),
+    );
+    (headers, Body::from_stream(stream)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_match_only_when_equal() {
+        assert!(keys_match(b"secret", b"secret"));
+        assert!(!keys_match(b"secreT", b"secret"));
+        assert!(!keys_match(b"secret-longer", b"secret"));
+        assert!(!keys_match(b"", b"secret"));
+    }
+}

@@ -1,0 +1,741 @@
+//! `moec serve` end to end on the tiny card: a server on a free loopback port, spoken to
+//! with plain HTTP/1.1 over a `TcpStream` (what any client sends). Greedy completions equal
+//! `moec run`'s continuation of the same prompt with the same schedule; concurrent
+//! streaming clients each get what they get alone; a client that goes away is cancelled
+//! and its sequence freed; every bad request is a 4xx with OpenAI's error body and the
+//! server keeps serving; with VSLPipe a request that arrives while another decodes gets
+//! its first token before the other's last; SIGTERM with requests in flight exits 0.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One cache for every server and run of this file, so the tiny checkpoint is written once.
+fn cache() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("serve-cache")
+}
+
+fn moec() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_moec"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache())
+        .env_remove("MOEC_API_KEY");
+    c
+}
+
+/// A running `moec serve`, killed when dropped (a test that failed mid-way leaves no
+/// server behind).
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(sched: &str, extra: &[&str]) -> Server {
+    let mut child = moec()
+        .args([
+            "serve",
+            sched,
+            "--port",
+            "0",
+            "--hw",
+            "t4",
+            "--threads",
+            "2",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("moec serve starts");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("the server says where it listens");
+    let addr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .parse()
+        .expect("an address");
+    Server { child, addr }
+}
+
+/// A response: status, headers (lower-case names), body.
+struct Reply {
+    status: u16,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Reply {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    // A server may answer (413) before reading a large body, and close: a failed write
+    // of the rest is fine.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {head:?}"));
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    Reply {
+        status,
+        body: if chunked {
+            dechunk(body)
+        } else {
+            body.to_string()
+        },
+    }
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+fn post(addr: SocketAddr, path: &str, body: &serde_json::Value, key: Option<&str>) -> Reply {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    request(addr, "POST", path, &headers, body.to_string().as_bytes())
+}
+
+/// A streaming completion read event by event: `on_text` is called per text piece with
+/// the time it arrived; returns the whole text and the finish reason.
+fn stream(
+    addr: SocketAddr,
+    body: &serde_json::Value,
+    key: Option<&str>,
+    mut on_text: impl FnMut(&str, Instant),
+) -> (String, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = body.to_string();
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(s);
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.contains(" 200 "), "status line {line:?}");
+    let (mut text, mut finish) = (String::new(), String::new());
+    let mut done = false;
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        let Some(data) = line.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).expect("a JSON chunk");
+        let choice = &chunk["choices"][0];
+        if let Some(t) = choice["text"].as_str().filter(|t| !t.is_empty()) {
+            on_text(t, Instant::now());
+            text.push_str(t);
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    assert!(done, "the stream ended without data: [DONE]");
+    (text, finish)
+}
+
+fn metric(addr: SocketAddr, name: &str, key: Option<&str>) -> f64 {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    let reply = request(addr, "GET", "/metrics", &headers, b"");
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    reply
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no {name} in {}", reply.body))
+}
+
+/// `moec run`'s continuation of `prompt`, greedy, `gen` tokens.
+fn run_text(sched: &str, prompt: &str, gen: usize) -> String {
+    let out = moec()
+        .args([
+            "run",
+            sched,
+            "--json",
+            "--hw",
+            "t4",
+            "--gen-len",
+            &gen.to_string(),
+            "--prompt",
+            prompt,
+        ])
+        .output()
+        .expect("moec run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    doc["outputs"][0]["text"]
+        .as_str()
+        .expect("a text")
+        .to_string()
+}
+
+const KEY: &str = "test-key-0123";
+
+/// The fixed-batch schedule (CGOPipe): equality with `moec run`, concurrent streams, every
+/// refusal, the API key, a client that leaves.
+#[test]
+fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
+    let sched = "schedules/cgopipe.sched";
+    let server = serve(
+        sched,
+        &[
+            "--max-batch",
+            "4",
+            "--max-prompt",
+            "24",
+            "--max-tokens",
+            "12",
+            "--api-key",
+            KEY,
+            "--max-body",
+            "65536",
+        ],
+    );
+    let addr = server.addr;
+    let key = Some(KEY);
+    let prompts = [
+        "The capital of France is",
+        "Mixture of experts",
+        "Once upon a time",
+        "The quick brown fox",
+    ];
+    let expected: Vec<String> = prompts.iter().map(|p| run_text(sched, p, 6)).collect();
+
+    // Non-streaming, greedy: moec run's continuation, with usage.
+    let reply = post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "x", "prompt": prompts[0], "max_tokens": 6, "temperature": 0}),
+        key,
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let doc = reply.json();
+    assert_eq!(doc["choices"][0]["text"], expected[0].as_str());
+    assert_eq!(doc["object"], "text_completion");
+    assert!(doc["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    assert!(doc["usage"]["completion_tokens"].as_u64().unwrap() <= 6);
+
+    // Four concurrent streams: each gets exactly what it gets alone.
+    let got: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                s.spawn(move || {
+                    let body = serde_json::json!({"prompt": p, "max_tokens": 6, "temperature": 0, "stream": true});
+                    stream(addr, &body, Some(KEY), |_, _| {}).0
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, expected);
+
+    // The metrics count what ran.
+    assert!(metric(addr, "moec_generated_tokens_total", key) > 0.0);
+    assert!(metric(addr, "moec_tokens_per_second", key) > 0.0);
+    assert!(metric(addr, "moec_step_seconds_last", key) > 0.0);
+    assert_eq!(metric(addr, "moec_running_sequences", key), 0.0);
+    assert!(metric(addr, "moec_arena_bytes{space=\"host\"}", key) > 0.0);
+
+    // Refusals: each a 4xx with an OpenAI error body.
+    let bad: Vec<(&str, Vec<u8>, Option<&str>, u16)> = vec![
+        ("malformed JSON", b"{\"prompt\": ".to_vec(), key, 400),
+        (
+            "wrong type",
+            br#"{"prompt": "hi", "max_tokens": "many"}"#.to_vec(),
+            key,
+            400,
+        ),
+        ("missing prompt", br#"{"max_tokens": 3}"#.to_vec(), key, 400),
+        (
+            "max_tokens 0",
+            br#"{"prompt": "hi", "max_tokens": 0}"#.to_vec(),
+            key,
+            400,
+        ),
+        (
+            "max_tokens 10^9",
+            br#"{"prompt": "hi", "max_tokens": 1000000000}"#.to_vec(),
+            key,
+            400,
+        ),
+        ("n = 2", br#"{"prompt": "hi", "n": 2}"#.to_vec(), key, 400),
+        (
+            "prompt too long",
+            serde_json::json!({"prompt": "word ".repeat(200), "max_tokens": 2})
+                .to_string()
+                .into_bytes(),
+            key,
+            400,
+        ),
+        (
+            "10 MB body",
+            format!("{{\"prompt\": \"{}\"}}", "a".repeat(10 << 20)).into_bytes(),
+            key,
+            413,
+        ),
+        ("no key", br#"{"prompt": "hi"}"#.to_vec(), None, 401),
+        (
+            "wrong key",
+            br#"{"prompt": "hi"}"#.to_vec(),
+            Some("test-key-0124"),
+            401,
+        ),
+    ];
+    for (what, body, k, status) in bad {
+        let auth = k.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+        let reply = request(addr, "POST", "/v1/completions", &headers, &body);
+        assert_eq!(reply.status, status, "{what}: {}", reply.body);
+        let doc = reply.json();
+        assert!(
+            doc["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}: {}",
+            reply.body
+        );
+        assert!(doc["error"]["type"].is_string(), "{what}");
+    }
+    // Chat without a template in the checkpoint: a 400 that says so.
+    let reply = post(
+        addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+        key,
+    );
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(reply.body.contains("chat template"), "{}", reply.body);
+    // Still serving.
+    assert_eq!(request(addr, "GET", "/health", &[], b"").status, 200);
+    let models = request(
+        addr,
+        "GET",
+        "/v1/models",
+        &[("Authorization", &format!("Bearer {KEY}"))],
+        b"",
+    );
+    assert_eq!(models.status, 200);
+    assert_eq!(models.json()["data"][0]["object"], "model");
+    let again = post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompts[1], "max_tokens": 6, "temperature": 0}),
+        key,
+    );
+    assert_eq!(again.json()["choices"][0]["text"], expected[1].as_str());
+
+    // And the next request is admitted and served.
+    let after = post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompts[3], "max_tokens": 6, "temperature": 0}),
+        key,
+    );
+    assert_eq!(after.json()["choices"][0]["text"], expected[3].as_str());
+}
+
+/// VSLPipe admits a request that arrives while another decodes (its first token comes
+/// before the other's last), a client that leaves mid-stream is cancelled and its
+/// sequence freed (the next request is served), and SIGTERM with requests in flight exits 0 with every
+/// stream ended cleanly.
+#[test]
+fn vslpipe_admits_while_decoding_and_sigterm_exits_zero() {
+    let sched = "schedules/vslpipe.sched";
+    let mut server = serve(
+        sched,
+        &[
+            "--max-batch",
+            "4",
+            "--max-prompt",
+            "16",
+            "--max-tokens",
+            "48",
+            "--set",
+            "seqs=4",
+        ],
+    );
+    let addr = server.addr;
+    let long = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true});
+    let short = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "stream": true});
+    let (first_of_second, last_of_first) = std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let a = s.spawn(move || {
+            let mut last = None;
+            let mut told = false;
+            stream(addr, &long, None, |_, at| {
+                last = Some(at);
+                if !told {
+                    told = true;
+                    let _ = tx.send(());
+                }
+            });
+            last.expect("the long request produced text")
+        });
+        // The second request is sent once the first is decoding.
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the long request started");
+        let b = s.spawn(move || {
+            let mut first = None;
+            stream(addr, &short, None, |_, at| {
+                first.get_or_insert(at);
+            });
+            first.expect("the short request produced text")
+        });
+        (b.join().unwrap(), a.join().unwrap())
+    });
+    assert!(
+        first_of_second < last_of_first,
+        "the second request waited for the first to finish"
+    );
+
+    // A client that leaves mid-stream: its sequence is cancelled and freed.
+    let before = metric(addr, "moec_cancelled_total", None);
+    {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true}).to_string();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        // Headers only come after the first token: the sequence is running.
+        let mut first = [0u8; 16];
+        s.read_exact(&mut first).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let running = metric(addr, "moec_running_sequences", None);
+        let cancelled = metric(addr, "moec_cancelled_total", None);
+        if running == 0.0 && cancelled > before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sequence of a client that left still runs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let next = post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+        None,
+    );
+    assert_eq!(next.status, 200, "{}", next.body);
+
+    // SIGTERM while a stream runs: the stream ends cleanly, the server exits 0.
+    let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true});
+    let pid = server.child.id().to_string();
+    let (started_tx, started) = std::sync::mpsc::channel::<()>();
+    let client = std::thread::spawn(move || {
+        stream(addr, &body, None, |_, _| {
+            let _ = started_tx.send(());
+        })
+    });
+    started
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the request is in flight");
+    let kill = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill runs");
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = server.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status}");
+    let (_, finish) = client.join().expect("the client ended cleanly");
+    assert!(
+        ["length", "stop", "cancelled"].contains(&finish.as_str()),
+        "finish reason {finish:?}"
+    );
+}
+
+/// Where the real `openai` Python package is: `MOEC_OPENAI_PYTHONPATH` (`.ci/run` installs
+/// it there from PyPI), the system's, or installed here with pip into the target folder.
+/// `None` (the test skips, saying why) only when there is no Python with pip.
+fn openai_python() -> Option<Option<String>> {
+    let importable = |path: Option<&str>| {
+        let mut c = Command::new("python3");
+        c.args(["-c", "import openai"]);
+        if let Some(p) = path {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().is_ok_and(|o| o.status.success())
+    };
+    if let Ok(path) = std::env::var("MOEC_OPENAI_PYTHONPATH") {
+        assert!(
+            importable(Some(&path)),
+            "MOEC_OPENAI_PYTHONPATH={path} has no openai package"
+        );
+        return Some(Some(path));
+    }
+    if importable(None) {
+        return Some(None);
+    }
+    let pip = Command::new("python3")
+        .args(["-m", "pip", "--version"])
+        .output();
+    if !pip.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: no python3 with pip to install the openai client");
+        return None;
+    }
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-py");
+    let target_str = target.to_str().expect("a UTF-8 path").to_string();
+    if !importable(Some(&target_str)) {
+        let out = Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--target",
+                &target_str,
+                "openai==2.8.0",
+            ])
+            .output()
+            .expect("pip runs");
+        assert!(
+            out.status.success(),
+            "pip install openai: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Some(Some(target_str))
+}
+
+/// The real `openai` Python client against the server: completions and chat completions
+/// (the chat template from the checkpoint's `tokenizer_config.json`), streaming and not;
+/// the greedy completion equals `moec run`'s, and a chat streamed equals the chat whole.
+#[test]
+fn openai_python_client_gets_completions_and_chats() {
+    let Some(pythonpath) = openai_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let weights = dir.path().join("tiny");
+    let synth = moec()
+        .args([
+            "synth",
+            "--model",
+            "mixtral-tiny",
+            "--out",
+            weights.to_str().unwrap(),
+        ])
+        .output()
+        .expect("moec synth");
+    assert!(
+        synth.status.success(),
+        "{}",
+        String::from_utf8_lossy(&synth.stderr)
+    );
+    std::fs::write(
+        weights.join("tokenizer_config.json"),
+        serde_json::json!({
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'].strip() }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let sched = "schedules/cgopipe.sched";
+    let w = weights.to_str().unwrap();
+    let server = serve(
+        sched,
+        &[
+            "--weights",
+            w,
+            "--max-batch",
+            "2",
+            "--max-prompt",
+            "32",
+            "--max-tokens",
+            "8",
+            "--api-key",
+            KEY,
+            "--max-connections",
+            "1",
+        ],
+    );
+    let prompt = "The capital of France is";
+    let expected = {
+        let out = moec()
+            .args([
+                "run",
+                sched,
+                "--weights",
+                w,
+                "--json",
+                "--hw",
+                "t4",
+                "--gen-len",
+                "6",
+                "--prompt",
+                prompt,
+            ])
+            .output()
+            .expect("moec run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        doc["outputs"][0]["text"].as_str().unwrap().to_string()
+    };
+    let script = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0)
+out = {}
+c = client.completions.create(model="m", prompt=sys.argv[3], max_tokens=6, temperature=0)
+out["completion"] = c.choices[0].text
+out["usage"] = c.usage.completion_tokens
+out["streamed"] = "".join(ch.choices[0].text for ch in client.completions.create(
+    model="m", prompt=sys.argv[3], max_tokens=6, temperature=0, stream=True) if ch.choices)
+msgs = [{"role": "user", "content": "  Hello there  "}]
+chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=5, temperature=0)
+out["chat"] = chat.choices[0].message.content
+out["chat_finish"] = chat.choices[0].finish_reason
+out["chat_streamed"] = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+    model="m", messages=msgs, max_tokens=5, temperature=0, stream=True) if ch.choices)
+try:
+    client.completions.create(model="m", prompt="hi", max_tokens=10**9)
+    out["refused"] = None
+except Exception as e:
+    out["refused"] = getattr(e, "status_code", str(e))
+print(json.dumps(out))
+"#;
+    let mut python = Command::new("python3");
+    python.args([
+        "-c",
+        script,
+        &format!("http://{}/v1", server.addr),
+        KEY,
+        prompt,
+    ]);
+    if let Some(p) = &pythonpath {
+        python.env("PYTHONPATH", p);
+    }
+    let out = python.output().expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    assert_eq!(got["completion"], expected.as_str());
+    assert_eq!(got["streamed"], expected.as_str());
+    assert!(got["usage"].as_u64().is_some_and(|n| (1..=6).contains(&n)));
+    assert!(got["chat"].as_str().is_some());
+    assert_eq!(got["chat"], got["chat_streamed"]);
+    assert!(["length", "stop"].contains(&got["chat_finish"].as_str().unwrap_or("")));
+    assert_eq!(got["refused"], 400);
+
+    // --max-connections 1: while one request is being read (its body half sent), another
+    // gets 429 in OpenAI's shape; once that client is gone the server serves again.
+    {
+        let mut held = TcpStream::connect(server.addr).unwrap();
+        write!(
+            held,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n{{\"prompt\""
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let busy = request(server.addr, "GET", "/health", &[], b"");
+            if busy.status == 429 {
+                assert!(busy.json()["error"]["message"].is_string(), "{}", busy.body);
+                break;
+            }
+            assert!(Instant::now() < deadline, "no 429 while a request is held");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while request(server.addr, "GET", "/health", &[], b"").status != 200 {
+        assert!(Instant::now() < deadline, "the server did not serve again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
