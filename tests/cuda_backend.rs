@@ -224,7 +224,10 @@ fn devices_finds_the_cuda_13_library_names_without_links() {
         )),
         "{cuda}"
     );
-    assert!(cuda.contains("cuBLAS") && cuda.ends_with(": found"), "{cuda}");
+    assert!(
+        cuda.contains("cuBLAS") && cuda.ends_with(": found"),
+        "{cuda}"
+    );
     assert!(
         stdout.contains("  device 0: moec-standin") && stdout.contains(", sm_80, "),
         "{stdout}"

@@ -844,7 +844,7 @@ impl GpuCx<'_> {
                 }
             }
         }
-        let Some([(dtype, orient), _, _]) = shapes else {
+        let Some(shapes) = shapes else {
             // No member this layer has: nothing to run.
             return Ok(true);
         };
@@ -853,7 +853,11 @@ impl GpuCx<'_> {
             WeightDtype::F16 => 1,
             WeightDtype::F32 => 2,
         };
-        let out_in = i32::from(orient == Orientation::OutIn);
+        // Each projection's own storage (DBRX stores down [in, out], gate and up [out, in]).
+        let (dtype_of, out_in_of) = (
+            |which: usize| shapes[which.min(2)].0,
+            |which: usize| i32::from(shapes[which.min(2)].1 == Orientation::OutIn),
+        );
         let entries = n * k;
         let n_members = members.iter().filter(|&&m| (m as usize) < e).count();
         let max_tiles = entries.div_ceil(MOE_TILE_M) + n_members;
@@ -911,8 +915,8 @@ impl GpuCx<'_> {
                     Arg::I32(mode),
                     Arg::I32(int("in", in_dim)?),
                     Arg::I32(int("out", out_dim)?),
-                    Arg::I32(code(dtype)),
-                    Arg::I32(out_in),
+                    Arg::I32(code(dtype_of(which))),
+                    Arg::I32(out_in_of(which)),
                     Arg::I32(code(bias_dtype)),
                     Arg::I32(int("top_k", k)?),
                 ],
