@@ -18,12 +18,17 @@ mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 per_run=${GPU_BENCH_RUN_TIMEOUT:-40}
+# A smaller card and fewer batches for a dry run of the script itself (e.g. under the
+# stand-in driver: GPU_BENCH_MODEL=mixtral-tiny GPU_BENCH_BATCHES=1).
+model=${GPU_BENCH_MODEL:-mixtral-mid}
+batches=${GPU_BENCH_BATCHES:-1 16 64}
+n_gpu=${GPU_BENCH_N_GPU:-64}
 
 "$moec" devices > "$out/devices.txt" 2>&1
 echo "moec devices: exit $?" >> "$out/devices.txt"
 
 # Synthetic weights in seconds (1.47 GiB bf16), read by the runs below.
-"$moec" synth --model mixtral-mid --out "$work/mid" > "$out/synth.txt" 2>&1 || {
+"$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
     echo "moec synth failed: see $out/synth.txt" >&2
     exit 1
 }
@@ -54,9 +59,9 @@ print(json.dumps({"name": sys.argv[1], "batch": int(sys.argv[2]), "exit": int(sy
         | tee -a "$out/summary.txt"
 }
 
-for b in 1 16 64; do
+for b in $batches; do
     run gpu_resident schedules/baselines/gpu_resident.sched "$b" --set "ubs=$b"
-    run fiddler_all schedules/fiddler.sched "$b" --set n_gpu=64 --set "ubs=$b"
+    run fiddler_all schedules/fiddler.sched "$b" --set "n_gpu=$n_gpu" --set "ubs=$b"
 done
 run cgopipe schedules/cgopipe.sched 16 --set ubs=4 --set n_ub=4 --gpu-mem 600MB
 run vslpipe schedules/vslpipe.sched 16 --set seqs=16 --set tok_pct=50 --gpu-mem 600MB
