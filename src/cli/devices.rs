@@ -8,7 +8,8 @@
 
 use super::generate::fail;
 use crate::model::kernels::isa::{describe, Isa};
-use crate::runtime::cuda::detect::{detect, CudaStatus};
+use crate::runtime::cuda::detect::{detect, use_versioned_libraries, CudaStatus};
+use crate::runtime::cuda::device::arch_name;
 use crate::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
 use crate::runtime::cuda::CudaError;
 use std::process::ExitCode;
@@ -19,6 +20,11 @@ pub struct DevicesArgs {}
 
 /// Runs `moec devices`.
 pub fn run(_args: &DevicesArgs) -> ExitCode {
+    // CUDA 13 names and pip wheel folders: linked where cudarc looks, in a re-run of this
+    // command, before anything is printed or loaded for good.
+    if let Some(why) = use_versioned_libraries() {
+        eprintln!("moec: {why}");
+    }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let has = |isa: Isa| if isa.is_supported() { "yes" } else { "no" };
     println!(
@@ -78,17 +84,25 @@ fn nvrtc_line(status: &CudaStatus) -> (String, Option<CudaError>) {
     let version = status
         .nvrtc_version
         .map_or(String::new(), |(major, minor)| format!(" {major}.{minor}"));
-    match compile_all(DEFAULT_ARCH) {
+    // The architecture the backend compiles for: device 0's, as `Device::open` does; the
+    // default only when the driver reports no device.
+    let arch = match &status.devices {
+        Some(Ok(devices)) => devices
+            .first()
+            .map_or(DEFAULT_ARCH, |d| arch_name(d.compute_capability)),
+        _ => DEFAULT_ARCH,
+    };
+    match compile_all(arch) {
         Ok(modules) => (
             format!(
-                "NVRTC{version}: found, {} kernels compile for {DEFAULT_ARCH}",
+                "NVRTC{version}: found, {} kernel files compile for {arch}",
                 modules.len()
             ),
             None,
         ),
         Err(e) => (
             format!(
-                "NVRTC{version}: found, but the {} kernels do not compile for {DEFAULT_ARCH}",
+                "NVRTC{version}: found, but the {} kernel files do not compile for {arch}",
                 KERNELS.len()
             ),
             Some(e),

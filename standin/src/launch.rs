@@ -128,6 +128,7 @@ unsafe extern "C" fn cuLaunchKernel(
         };
         let kernel = Arc::clone(&function.kernel);
         let call = format!("cuLaunchKernel({})", kernel.name);
+        crate::counters::count(&format!("launch:{}", kernel.name));
         if MODULES.get(function.module).is_none() {
             log(&format!("{call} refused: its module was unloaded"));
             return Err(code::INVALID_HANDLE);

@@ -18,6 +18,7 @@
 //! panics across the C boundary: every entry point catches panics and reports them as an
 //! error code.
 
+pub mod counters;
 pub mod cublas;
 pub mod driver;
 pub mod launch;
@@ -91,6 +92,10 @@ impl<T> Handles<T> {
 /// Runs `body`, turning a panic into `on_panic` (unwinding across `extern "C"` would abort
 /// the caller's process with no message; this logs the panic and returns an error code).
 pub fn guard<R>(call: &str, on_panic: R, body: impl FnOnce() -> R) -> R {
+    // Exported entry points are one word; internal uses ("stream work") are not counted.
+    if !call.contains(' ') {
+        counters::count(call);
+    }
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
         Ok(result) => result,
         Err(panic) => {

@@ -82,6 +82,159 @@ pub fn libraries() -> Libraries {
     }
 }
 
+/// The environment variable set on a process [`use_versioned_libraries`] re-executed, so it
+/// never does it twice.
+pub const LINKED_ENV: &str = "MOEC_CUDA_LIBRARIES_LINKED";
+
+/// cudarc (built with the CUDA 12.8 names) looks for `libcublas.so`, `libcublas.so.12`,
+/// ..., never `.so.13`: the names it tries, per library, and the versioned names and pip
+/// wheel folders a CUDA 12 or 13 machine has them under.
+const WANTED: [(&str, &[&str], &[&str]); 3] = [
+    ("libcuda.so", &["libcuda.so.1"], &[]),
+    (
+        "libcublas.so",
+        &["libcublas.so.13", "libcublas.so.12"],
+        &["nvidia/cublas/lib", "nvidia/cu13/lib"],
+    ),
+    (
+        "libnvrtc.so",
+        &["libnvrtc.so.13", "libnvrtc.so.12"],
+        &["nvidia/cuda_nvrtc/lib", "nvidia/cu13/lib"],
+    ),
+];
+
+/// Directories the CUDA libraries are looked for in: the loader path, the toolkit's usual
+/// homes, and the `nvidia/*/lib` folders of pip wheels in the Python environments moec
+/// can see (the active virtual environment, the user's and the system's).
+fn search_dirs(wheel_dirs: &[&str]) -> Vec<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    for fixed in [
+        "/usr/local/cuda/lib64",
+        "/usr/local/cuda/targets/x86_64-linux/lib",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib/wsl/lib",
+    ] {
+        dirs.push(PathBuf::from(fixed));
+    }
+    let mut roots: Vec<PathBuf> = Vec::new();
+    if let Some(venv) = std::env::var_os("VIRTUAL_ENV") {
+        roots.push(PathBuf::from(venv).join("lib"));
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        roots.push(PathBuf::from(home).join(".local/lib"));
+    }
+    roots.extend(["/usr/local/lib", "/usr/lib"].map(PathBuf::from));
+    for root in roots {
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            continue;
+        };
+        for python in entries.filter_map(Result::ok) {
+            if !python.file_name().to_string_lossy().starts_with("python3") {
+                continue;
+            }
+            for packages in ["site-packages", "dist-packages"] {
+                for wheel in wheel_dirs {
+                    dirs.push(python.path().join(packages).join(wheel));
+                }
+            }
+        }
+    }
+    dirs
+}
+
+/// On a machine whose CUDA libraries exist only under names cudarc does not try (CUDA 13's
+/// `libcublas.so.13` and `libnvrtc.so.13`, or a pip wheel's folder off the loader path),
+/// links them under the names it does try in a private directory and re-executes this
+/// process with that directory (and the libraries' own, for what they load themselves)
+/// first on `LD_LIBRARY_PATH`; the loader reads that variable only at start-up, so a
+/// running process cannot use it otherwise. Does nothing when every library already
+/// loads, when none is found, or in a process it re-executed. Returns only when it did
+/// not re-execute (the reason, for a message, when it tried and failed). Call it only
+/// from the `moec` program before it has printed or started anything (`moec devices`,
+/// the CUDA backend's refusal check at the start of a run): it restarts the process.
+pub fn use_versioned_libraries() -> Option<String> {
+    if std::env::var_os(LINKED_ENV).is_some() {
+        return None;
+    }
+    let present = libraries();
+    let missing = [present.driver, present.cublas, present.nvrtc];
+    if missing.iter().all(|&p| p) {
+        return None;
+    }
+    let mut links = Vec::new();
+    for ((name, versioned, wheels), present) in WANTED.iter().zip(missing) {
+        if present {
+            continue;
+        }
+        let found = search_dirs(wheels).into_iter().find_map(|dir| {
+            versioned
+                .iter()
+                .map(|v| dir.join(v))
+                .find(|path| path.exists())
+        });
+        if let Some(path) = found {
+            links.push((*name, path));
+        }
+    }
+    if links.is_empty() {
+        return None;
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    // One directory per set of targets (a stable name: reruns reuse it, other sets do not
+    // clash with it).
+    let key = links
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, (name, target)| {
+            format!("{name}={}", target.display())
+                .bytes()
+                .fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        });
+    let dir = base.join("moec").join(format!("cuda-libraries-{key:016x}"));
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        return Some(format!("cannot create {}: {e}", dir.display()));
+    }
+    let mut path_dirs = vec![dir.clone()];
+    for (name, target) in &links {
+        let link = dir.join(name);
+        if std::fs::read_link(&link).ok().as_ref() != Some(target) {
+            let _ = std::fs::remove_file(&link);
+            if let Err(e) = std::os::unix::fs::symlink(target, &link) {
+                return Some(format!("cannot link {}: {e}", link.display()));
+            }
+        }
+        if let Some(parent) = target.parent() {
+            path_dirs.push(parent.to_path_buf());
+        }
+    }
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path_dirs.extend(std::env::split_paths(&old));
+    }
+    let joined = match std::env::join_paths(path_dirs) {
+        Ok(joined) => joined,
+        Err(e) => return Some(format!("cannot build LD_LIBRARY_PATH: {e}")),
+    };
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return Some(format!("cannot find this program to re-run it: {e}")),
+    };
+    use std::os::unix::process::CommandExt;
+    let error = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("LD_LIBRARY_PATH", joined)
+        .env(LINKED_ENV, &dir)
+        .exec();
+    Some(format!(
+        "cannot re-run with the CUDA libraries linked: {error}"
+    ))
+}
+
 /// Libraries, NVRTC version and devices.
 pub fn detect() -> CudaStatus {
     let libraries = libraries();

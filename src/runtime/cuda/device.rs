@@ -120,7 +120,7 @@ impl Device {
 
 /// `sm_XY` for a compute capability; interned once per process (NVRTC's options take a
 /// `&'static str`).
-fn arch_name((major, minor): (i32, i32)) -> &'static str {
+pub fn arch_name((major, minor): (i32, i32)) -> &'static str {
     static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
     let name = format!("sm_{major}{minor}");
     let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());

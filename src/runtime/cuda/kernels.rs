@@ -26,7 +26,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 8] = [
+pub const KERNELS: [KernelSource; 9] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
@@ -83,6 +83,11 @@ pub const KERNELS: [KernelSource; 8] = [
             "combine_slots",
             "argmax_rows",
         ],
+    },
+    KernelSource {
+        file: "moe_grouped.cu",
+        source: include_str!("../../../kernels/moe_grouped.cu"),
+        entries: &["moe_group", "moe_grouped_linear"],
     },
 ];
 
@@ -176,6 +181,11 @@ mod tests {
     #[test]
     fn families_entries_match_the_source() {
         assert_entries_match("families.cu");
+    }
+
+    #[test]
+    fn moe_grouped_entries_match_the_source() {
+        assert_entries_match("moe_grouped.cu");
     }
 
     #[test]

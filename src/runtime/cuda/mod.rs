@@ -42,6 +42,17 @@ pub const REGISTRATION: Registration = Registration {
 
 /// Why a plan cannot run on the CUDA backend here, in one line: what is missing.
 pub fn run_refusal() -> Option<String> {
+    // The `moec` program only (never a test binary or an embedding program, which a
+    // re-run would restart): CUDA 13 names and pip wheel folders linked where cudarc looks.
+    let is_moec = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.file_stem().map(|s| s == "moec"))
+        .unwrap_or(false);
+    if is_moec {
+        if let Some(why) = detect::use_versioned_libraries() {
+            return Some(format!("cannot run on the CUDA backend: {why}"));
+        }
+    }
     detect::detect()
         .missing()
         .map(|missing| format!("cannot run on the CUDA backend: {missing}"))

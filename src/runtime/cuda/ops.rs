@@ -5,11 +5,14 @@
 //! Takes a task, the step's state and the device memory; gives the task's launches,
 //! submitted in order on its stream (asynchronous), or an [`OpError`] naming what is
 //! wrong. Host-side data an op needs (token ids, positions, block tables, routed rows) is
-//! uploaded per task from pageable memory (CUDA stages it at the call). Grouping an
-//! expert's tokens needs the routing on the host: `experts` and the fused `post_attn` use
-//! the plan's read-back when there is one, else they read the route on their own stream
-//! (a device-to-host copy that waits for the stream), counted in the run report as
-//! routing syncs. `sample` reads the chosen ids (greedy: `argmax_rows` on the device) or
+//! uploaded per task from pageable memory (CUDA stages it at the call). `experts` and the
+//! fused `post_attn` group their tokens per expert on the device (`moe_group`) and run
+//! each expert projection as one grouped launch over every expert's segment
+//! (`moe_grouped_linear`, kernels/moe_grouped.cu): no routing read-back, one upload (the
+//! experts' weight addresses) and a fixed number of launches whatever the routing. Only
+//! when a member expert's weights are not all in the task's arguments do they fall back to
+//! grouping on the host (the plan's read-back, else a read of the route on their own
+//! stream, counted in the run report as routing syncs). `sample` reads the chosen ids (greedy: `argmax_rows` on the device) or
 //! the logits (temperature sampling with the CPU's sampler) back, so tokens are the CPU's.
 //!
 //! Every family of `model::arch` runs: the optional pieces follow the layer layout's
@@ -120,6 +123,11 @@ pub struct GpuCx<'a> {
 
 /// `ROUTER_MAX_EXPERTS` of kernels/router_topk.cu.
 const ROUTER_MAX_EXPERTS: usize = 256;
+
+/// `MOE_MAX_EXPERTS` and `MOE_TILE_M` / `MOE_TILE_N` of kernels/moe_grouped.cu.
+const MOE_MAX_EXPERTS: usize = 256;
+const MOE_TILE_M: usize = 16;
+const MOE_TILE_N: usize = 64;
 
 /// What the CUDA kernels cannot run for this model, named before any launch (backend
 /// set-up calls this): the router kernels take at most 256 experts, combine top-64, the norm
@@ -744,6 +752,206 @@ impl GpuCx<'_> {
         Ok(())
     }
 
+    /// Every routed expert of `members` over `x_norm` (`[n, d]`), `weight * y` into each
+    /// (row, slot) of `slots` (`[n, top_k, d]`), entirely on the device: `moe_group` groups
+    /// the route's entries per member expert (count, prefix sum, permute) and
+    /// `moe_grouped_linear` runs each projection over every expert's segment in one launch,
+    /// reading the stored weights through a table of their addresses (one upload). No
+    /// routing is read on the host, and the launches do not depend on how many experts are
+    /// active: 4 (5 with gpt-oss's clamped SwiGLU) per call. Gives false, having launched
+    /// nothing, when a member's weights are not all in `weights` (the caller then groups on
+    /// the host, which looks up only the experts that are routed to).
+    #[allow(clippy::too_many_arguments)]
+    fn device_experts(
+        &self,
+        weights: &[View],
+        layer: u32,
+        members: &[u32],
+        route: u64,
+        n: usize,
+        x_norm: u64,
+        slots: u64,
+    ) -> Result<bool, OpError> {
+        let (d, f, k, e) = (
+            self.arch.hidden,
+            self.arch.ffn,
+            self.arch.top_k,
+            self.arch.experts,
+        );
+        if e > MOE_MAX_EXPERTS || members.is_empty() || n == 0 {
+            return Ok(members.is_empty() || n == 0);
+        }
+        let fused = self.arch.clamped_swiglu;
+        // Per expert: [first projection, second (gate/up split only), down, first's bias,
+        // down's bias]; 0 where an expert is not a member (or has no bias).
+        let mut table = vec![0u64; 5 * e];
+        let mut shapes: Option<[(WeightDtype, Orientation); 3]> = None;
+        let mut bias_dtype = WeightDtype::F32;
+        for &m in members {
+            let m = m as usize;
+            if m >= e {
+                continue;
+            }
+            let found = |kind| match self.segment(weights, layer, kind) {
+                Ok(w) => Ok(Some(w)),
+                Err(OpError::MissingWeight { .. }) => Ok(None),
+                Err(other) => Err(other),
+            };
+            let (first, second) = match fused {
+                Some(_) => (found(SegmentKind::ExpertGateUp(m))?, None),
+                None => (
+                    found(SegmentKind::ExpertGate(m))?,
+                    found(SegmentKind::ExpertUp(m))?,
+                ),
+            };
+            let down = found(SegmentKind::ExpertDown(m))?;
+            let (Some(first), Some(down)) = (first, down) else {
+                return Ok(false);
+            };
+            let second = match (fused, second) {
+                (Some(_), _) => first,
+                (None, Some(up)) => up,
+                (None, None) => return Ok(false),
+            };
+            let shape = [first, second, down].map(|w| (w.dtype, w.orientation));
+            if *shapes.get_or_insert(shape) != shape {
+                return Err(OpError::Unsupported(
+                    "experts of one layer stored in different dtypes or orientations".into(),
+                ));
+            }
+            table[m] = first.ptr;
+            table[e + m] = second.ptr;
+            table[2 * e + m] = down.ptr;
+            if fused.is_some() {
+                for (slot, kind) in [
+                    (3, SegmentKind::ExpertGateUpBias(m)),
+                    (4, SegmentKind::ExpertDownBias(m)),
+                ] {
+                    if self.has(kind) {
+                        let b = found(kind)?.ok_or(OpError::MissingWeight {
+                            tag: WeightTag::Layer { layer, kind },
+                        })?;
+                        if b.rows * b.cols != if slot == 3 { 2 * f } else { d } {
+                            return Err(OpError::Unsupported(format!(
+                                "{} with {} values",
+                                WeightTag::Layer { layer, kind },
+                                b.rows * b.cols
+                            )));
+                        }
+                        bias_dtype = b.dtype;
+                        table[slot * e + m] = b.ptr;
+                    }
+                }
+            }
+        }
+        let Some(shapes) = shapes else {
+            // No member this layer has: nothing to run.
+            return Ok(true);
+        };
+        let code = |dt: WeightDtype| match dt {
+            WeightDtype::Bf16 => 0,
+            WeightDtype::F16 => 1,
+            WeightDtype::F32 => 2,
+        };
+        // Each projection's own storage (DBRX stores down [in, out], gate and up [out, in]).
+        let (dtype_of, out_in_of) = (
+            |which: usize| shapes[which.min(2)].0,
+            |which: usize| i32::from(shapes[which.min(2)].1 == Orientation::OutIn),
+        );
+        let entries = n * k;
+        let n_members = members.iter().filter(|&&m| (m as usize) < e).count();
+        let max_tiles = entries.div_ceil(MOE_TILE_M) + n_members;
+        let table = self.s.upload(&table)?;
+        let perm_row = self.s.scratch(entries * 4)?;
+        let perm_slot = self.s.scratch(entries * 4)?;
+        let perm_weight = self.s.scratch(entries * 4)?;
+        let tiles = self.s.scratch((2 + 3 * max_tiles) * 4)?;
+        self.s.launch(
+            "moe_group",
+            (1, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(route),
+                Arg::Ptr(table.ptr() + (2 * e * 8) as u64),
+                Arg::Ptr(perm_row.ptr()),
+                Arg::Ptr(perm_slot.ptr()),
+                Arg::Ptr(perm_weight.ptr()),
+                Arg::Ptr(tiles.ptr()),
+                Arg::I64(entries as i64),
+                Arg::I32(int("top_k", k)?),
+                Arg::I32(int("experts", e)?),
+            ],
+        )?;
+        let tiles_x = int("tiles", max_tiles)? as u32;
+        let grouped = |x: u64,
+                       gather: bool,
+                       mode: i32,
+                       which: usize,
+                       bias: usize,
+                       y: u64,
+                       in_dim: usize,
+                       out_dim: usize| {
+            let bias_ptr = if bias == 0 {
+                0
+            } else {
+                table.ptr() + (bias * e * 8) as u64
+            };
+            self.s.launch(
+                "moe_grouped_linear",
+                (tiles_x, int("out", out_dim.div_ceil(MOE_TILE_N))? as u32, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(perm_row.ptr()),
+                    Arg::Ptr(perm_slot.ptr()),
+                    Arg::Ptr(perm_weight.ptr()),
+                    Arg::Ptr(tiles.ptr()),
+                    Arg::Ptr(table.ptr() + (which * e * 8) as u64),
+                    Arg::Ptr(bias_ptr),
+                    Arg::Ptr(y),
+                    Arg::I32(i32::from(gather)),
+                    Arg::I32(mode),
+                    Arg::I32(int("in", in_dim)?),
+                    Arg::I32(int("out", out_dim)?),
+                    Arg::I32(code(dtype_of(which))),
+                    Arg::I32(out_in_of(which)),
+                    Arg::I32(code(bias_dtype)),
+                    Arg::I32(int("top_k", k)?),
+                ],
+            )
+        };
+        let hidden = self.s.scratch(entries * f * 4)?;
+        match fused {
+            Some((alpha, limit)) => {
+                let gu = self.s.scratch(entries * 2 * f * 4)?;
+                grouped(x_norm, true, 0, 0, 3, gu.ptr(), d, 2 * f)?;
+                // Positions past the routed ones hold scratch; their results are never read.
+                self.s.launch(
+                    "clamped_swiglu",
+                    (int("rows", entries)? as u32, 1, 1),
+                    row_block(f),
+                    0,
+                    &[
+                        Arg::Ptr(gu.ptr()),
+                        Arg::Ptr(hidden.ptr()),
+                        Arg::I32(int("ffn", f)?),
+                        Arg::F32(alpha),
+                        Arg::F32(limit),
+                    ],
+                )?;
+                grouped(hidden.ptr(), false, 2, 2, 4, slots, f, d)?;
+            }
+            None => {
+                grouped(x_norm, true, 0, 0, 0, hidden.ptr(), d, f)?;
+                grouped(x_norm, true, 1, 1, 0, hidden.ptr(), d, f)?;
+                grouped(hidden.ptr(), false, 2, 2, 0, slots, f, d)?;
+            }
+        }
+        Ok(true)
+    }
+
     /// `residual[n, d] += sum of each token's slots (+ its shared-expert row at `shared`,
     /// when not 0)` in the CPU's order (`moe::combine_shared`).
     fn combine(
@@ -1197,8 +1405,13 @@ fn experts_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
     let (d, k) = (cx.arch.hidden, cx.arch.top_k);
     let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
     let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * (1 + k) * d * 4)?;
-    let routing = cx.host_routing(layer, ub, route, n)?;
     let members = cx.members(set);
+    let weights = args.all(Role::W);
+    let slots = acc + (n * d * 4) as u64;
+    if cx.device_experts(&weights, layer, &members, route, n, acc, slots)? {
+        return Ok(());
+    }
+    let routing = cx.host_routing(layer, ub, route, n)?;
     cx.run_experts(
         &args.all(Role::W),
         layer,
@@ -1307,17 +1520,29 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
     cx.normalize(h, norm_w, x_norm.ptr(), n)?;
     let route = cx.s.scratch(n * k * 8)?;
     cx.route(&weights, layer, x_norm.ptr(), n, route.ptr())?;
-    // The fused op's own routing: read on this stream (a plan read-back covers only gates).
-    let mut bytes = vec![0u8; n * k * 8];
-    cx.s.download(route.ptr(), &mut bytes)?;
-    cx.routing_syncs.fetch_add(1, Ordering::Relaxed);
-    let routing = decode_routing(&bytes, n, k)?;
-    cx.state
-        .note_active_experts(layer, ub, &routing, cx.arch.experts);
     let slots = cx.s.scratch(n * k * d * 4)?;
     cx.s.zero(slots.ptr(), n * k * d * 4)?;
     let all: Vec<u32> = (0..cx.arch.experts as u32).collect();
-    cx.run_experts(&weights, layer, &all, &routing, x_norm.ptr(), slots.ptr())?;
+    let on_device = cx.device_experts(
+        &weights,
+        layer,
+        &all,
+        route.ptr(),
+        n,
+        x_norm.ptr(),
+        slots.ptr(),
+    )?;
+    if !on_device {
+        // The fused op's own routing: read on this stream (a plan read-back covers only
+        // gates).
+        let mut bytes = vec![0u8; n * k * 8];
+        cx.s.download(route.ptr(), &mut bytes)?;
+        cx.routing_syncs.fetch_add(1, Ordering::Relaxed);
+        let routing = decode_routing(&bytes, n, k)?;
+        cx.state
+            .note_active_experts(layer, ub, &routing, cx.arch.experts);
+        cx.run_experts(&weights, layer, &all, &routing, x_norm.ptr(), slots.ptr())?;
+    }
     let shared: Option<Scratch> = if cx.arch.shared_ffn > 0 {
         let out = cx.s.scratch(n * d * 4)?;
         cx.shared_expert(&weights, layer, x_norm.ptr(), n, out.ptr())?;
@@ -1325,7 +1550,16 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
     } else {
         None
     };
-    let experts = cx.s.upload(&routing.experts)?;
+    let experts = cx.s.scratch(n * k * 4)?;
+    cx.s.launch_1d(
+        "route_experts",
+        n * k,
+        &[
+            Arg::Ptr(route.ptr()),
+            Arg::Ptr(experts.ptr()),
+            Arg::I64((n * k) as i64),
+        ],
+    )?;
     let shared_ptr = shared.as_ref().map_or(0, Scratch::ptr);
     cx.combine(experts.ptr(), slots.ptr(), shared_ptr, h, n)
 }

@@ -1,0 +1,217 @@
+// MoE on the device: tokens grouped per expert and the experts' FFNs as grouped GEMMs over
+// device-side segment offsets, so a layer's routed experts cost a fixed number of launches
+// whatever the routing, and the host never reads the routing.
+//
+//   moe_group            the route's (token, slot) entries of the member experts, grouped by
+//                        expert (count, prefix sum, permute; stable, as Routing::by_expert),
+//                        and the tiles of at most MOE_TILE_M positions of one expert that
+//                        moe_grouped_linear runs
+//   moe_grouped_linear   y[p] = x[row(p)] . W_e^T (+ b_e) for every grouped position p of each
+//                        expert e, bf16/f16/f32 weights read as stored, f32 activations and
+//                        f32 accumulation; epilogues: store, SwiGLU into the gate product
+//                        (silu(y) * acc, swiglu.cu's formula), or weight * (acc + b) scattered
+//                        into the slot buffer (scatter_weighted's)
+//
+// Layouts: `route` is backend::decode_routing's ([n_entries] pairs of an expert u32 and its
+// f32 weight's bits; entry i is token i / top_k, slot i % top_k). Weight tables are one
+// device u64 address per expert (0: not a member of the task's set / no bias), every
+// expert's matrix stored alike (dtype 0 bf16, 1 f16, 2 f32; `out_in` 1: [out, in]
+// row-major, 0: [in, out]); a null bias table means no biases. `tiles` = [n_tiles, n_positions, then (expert, first position,
+// rows) per tile]. Grouped activations are [position, width] f32 rows.
+// Launch: moe_group: grid 1, block 256 (experts <= 256). moe_grouped_linear: grid
+// (max tiles, ceil(out / MOE_TILE_N)), block 256; blocks past the tile count return, so the
+// host sizes the grid for the worst case without reading anything back.
+
+#define MOE_MAX_EXPERTS 256
+#define MOE_TILE_M 16
+#define MOE_TILE_N 64
+#define MOE_TILE_K 32
+
+__device__ __forceinline__ float moe_bf16_to_f32(unsigned short bits) {
+    return __uint_as_float(((unsigned int)bits) << 16);
+}
+
+// IEEE binary16 to f32, exactly (ops.cu's ops_f16_to_f32).
+__device__ float moe_f16_to_f32(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    const unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int mantissa = (unsigned int)h & 0x3ffu;
+    if (exponent == 0x1fu) {
+        return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+    }
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            return __uint_as_float(sign);
+        }
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -magnitude : magnitude;
+    }
+    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+__device__ __forceinline__ float moe_load(const void* base, long long i, int dtype) {
+    if (dtype == 2) {
+        return ((const float*)base)[i];
+    }
+    const unsigned short bits = ((const unsigned short*)base)[i];
+    return dtype == 0 ? moe_bf16_to_f32(bits) : moe_f16_to_f32(bits);
+}
+
+extern "C" __global__ void moe_group(
+    const unsigned int* __restrict__ route,
+    const unsigned long long* __restrict__ members,
+    unsigned int* __restrict__ perm_row,
+    unsigned int* __restrict__ perm_slot,
+    float* __restrict__ perm_weight,
+    int* __restrict__ tiles,
+    long long n_entries,
+    int top_k,
+    int experts) {
+    __shared__ int moe_counts[MOE_MAX_EXPERTS];
+    __shared__ int moe_offsets[MOE_MAX_EXPERTS + 1];
+    // One thread per expert scans the route: no atomics, and each expert's positions keep
+    // the route's (token, slot) order, so the result does not depend on thread timing.
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        int count = 0;
+        if (members[e] != 0) {
+            for (long long i = 0; i < n_entries; ++i) {
+                count += route[2 * i] == (unsigned int)e;
+            }
+        }
+        moe_counts[e] = count;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int position = 0;
+        int n_tiles = 0;
+        for (int e = 0; e < experts; ++e) {
+            moe_offsets[e] = position;
+            for (int first = 0; first < moe_counts[e]; first += MOE_TILE_M) {
+                const int rest = moe_counts[e] - first;
+                tiles[2 + 3 * n_tiles] = e;
+                tiles[2 + 3 * n_tiles + 1] = position + first;
+                tiles[2 + 3 * n_tiles + 2] = rest < MOE_TILE_M ? rest : MOE_TILE_M;
+                ++n_tiles;
+            }
+            position += moe_counts[e];
+        }
+        moe_offsets[experts] = position;
+        tiles[0] = n_tiles;
+        tiles[1] = position;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        if (moe_counts[e] == 0) {
+            continue;
+        }
+        int position = moe_offsets[e];
+        for (long long i = 0; i < n_entries; ++i) {
+            if (route[2 * i] == (unsigned int)e) {
+                perm_row[position] = (unsigned int)(i / top_k);
+                perm_slot[position] = (unsigned int)(i % top_k);
+                perm_weight[position] = __uint_as_float(route[2 * i + 1]);
+                ++position;
+            }
+        }
+    }
+}
+
+// mode 0: y[p, o] = acc + b[o]
+// mode 1: y[p, o] = silu(y[p, o]) * (acc + b[o])         (y holds the gate product)
+// mode 2: slots[row(p), slot(p), o] = weight(p) * (acc + b[o])
+// `gather` 1: x row of position p is x[perm_row[p]] (the layer's normalised tokens);
+// 0: x[p] (a grouped activation).
+extern "C" __global__ void moe_grouped_linear(
+    const float* __restrict__ x,
+    const unsigned int* __restrict__ perm_row,
+    const unsigned int* __restrict__ perm_slot,
+    const float* __restrict__ perm_weight,
+    const int* __restrict__ tiles,
+    const unsigned long long* __restrict__ weights,
+    const unsigned long long* __restrict__ biases,
+    float* __restrict__ y,
+    int gather,
+    int mode,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int out_in,
+    int bias_dtype,
+    int top_k) {
+    __shared__ float moe_x[MOE_TILE_M][MOE_TILE_K];
+    __shared__ float moe_w[MOE_TILE_N][MOE_TILE_K + 1];
+    const int tile = blockIdx.x;
+    if (tile >= tiles[0]) {
+        return;
+    }
+    const int expert = tiles[2 + 3 * tile];
+    const int first = tiles[2 + 3 * tile + 1];
+    const int rows = tiles[2 + 3 * tile + 2];
+    const void* w = (const void*)weights[expert];
+    const int o0 = blockIdx.y * MOE_TILE_N;
+    const int tid = threadIdx.x;
+    const int col = tid % MOE_TILE_N;
+    const int row_group = tid / MOE_TILE_N;  // 4 groups of 4 rows
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = 0; k0 < in_dim; k0 += MOE_TILE_K) {
+        for (int i = tid; i < MOE_TILE_M * MOE_TILE_K; i += blockDim.x) {
+            const int r = i / MOE_TILE_K;
+            const int c = i % MOE_TILE_K;
+            float v = 0.0f;
+            if (r < rows && k0 + c < in_dim) {
+                const long long src = gather ? (long long)perm_row[first + r] : (long long)(first + r);
+                v = x[src * in_dim + k0 + c];
+            }
+            moe_x[r][c] = v;
+        }
+        for (int i = tid; i < MOE_TILE_N * MOE_TILE_K; i += blockDim.x) {
+            // Consecutive threads read consecutive stored elements in either orientation.
+            int o, c;
+            if (out_in) {
+                o = i / MOE_TILE_K;
+                c = i % MOE_TILE_K;
+            } else {
+                c = i / MOE_TILE_N;
+                o = i % MOE_TILE_N;
+            }
+            float v = 0.0f;
+            if (o0 + o < out_dim && k0 + c < in_dim) {
+                const long long at = out_in ? (long long)(o0 + o) * in_dim + k0 + c
+                                            : (long long)(k0 + c) * out_dim + o0 + o;
+                v = moe_load(w, at, dtype);
+            }
+            moe_w[o][c] = v;
+        }
+        __syncthreads();
+        for (int c = 0; c < MOE_TILE_K; ++c) {
+            const float wv = moe_w[col][c];
+            for (int j = 0; j < 4; ++j) {
+                acc[j] += moe_x[row_group * 4 + j][c] * wv;
+            }
+        }
+        __syncthreads();
+    }
+    const int o = o0 + col;
+    if (o >= out_dim) {
+        return;
+    }
+    const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
+    const float bias = b != 0 ? moe_load((const void*)b, o, bias_dtype) : 0.0f;
+    for (int j = 0; j < 4; ++j) {
+        const int r = row_group * 4 + j;
+        if (r >= rows) {
+            continue;
+        }
+        const long long p = first + r;
+        const float v = acc[j] + bias;
+        if (mode == 0) {
+            y[p * out_dim + o] = v;
+        } else if (mode == 1) {
+            const float g = y[p * out_dim + o];
+            y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
+        } else {
+            const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
+            y[to] = perm_weight[p] * v;
+        }
+    }
+}

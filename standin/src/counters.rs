@@ -1,0 +1,68 @@
+//! Call counters: how many times each exported entry point was called, and each kernel
+//! launched, so a test can assert how many launches, GEMMs, synchronisations and uploads
+//! an op costs (a figure a GPU profiler would give, read without one).
+//!
+//! Counting is on only when `MOEC_STANDIN_COUNTERS` names a file: at process exit the
+//! counts are written there, one `name count` line each, sorted by name (`cuLaunchKernel`
+//! also once per kernel as `launch:<entry>`). Calls the process made before the variable
+//! was read count too: it is read on the first call.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Where the counts go, if counting is on.
+fn target() -> Option<&'static str> {
+    static TARGET: OnceLock<Option<String>> = OnceLock::new();
+    TARGET
+        .get_or_init(|| {
+            let path = std::env::var("MOEC_STANDIN_COUNTERS")
+                .ok()
+                .filter(|p| !p.is_empty())?;
+            extern "C" {
+                fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
+            }
+            // SAFETY: `dump` is an `extern "C" fn()` that never unwinds (it catches
+            // everything through `guard`) and touches only this module's statics, which
+            // live until the process ends.
+            unsafe { atexit(dump) };
+            Some(path)
+        })
+        .as_deref()
+}
+
+fn counts() -> &'static Mutex<BTreeMap<String, u64>> {
+    static COUNTS: OnceLock<Mutex<BTreeMap<String, u64>>> = OnceLock::new();
+    COUNTS.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+/// Counts one call of `name` (an entry point, or `launch:<kernel>`), if counting is on.
+pub fn count(name: &str) {
+    if target().is_none() {
+        return;
+    }
+    let mut map = crate::lock(counts());
+    match map.get_mut(name) {
+        Some(n) => *n += 1,
+        None => {
+            map.insert(name.to_string(), 1);
+        }
+    }
+}
+
+/// The counts so far, as `name count` lines.
+pub fn render() -> String {
+    crate::lock(counts())
+        .iter()
+        .map(|(name, n)| format!("{name} {n}\n"))
+        .collect()
+}
+
+extern "C" fn dump() {
+    crate::guard("counters at exit", (), || {
+        if let Some(path) = target() {
+            if let Err(e) = std::fs::write(path, render()) {
+                crate::log(&format!("cannot write the call counters to {path}: {e}"));
+            }
+        }
+    });
+}
