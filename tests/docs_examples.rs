@@ -488,9 +488,8 @@ fn words(text: &str) -> std::collections::HashSet<String> {
 /// Whether a Rust source text declares `name` (an item, a method, a field, a variant) or
 /// imports it as a leaf of a `use` (a re-export), not merely mentions it.
 fn declares(text: &str, name: &str) -> bool {
-    let is_word_end = |rest: &str| {
-        !rest.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
-    };
+    let is_word_end =
+        |rest: &str| !rest.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
     let mut in_use = false;
     for line in text.lines() {
         let t = line.trim_start();
@@ -523,8 +522,16 @@ fn declares(text: &str, name: &str) -> bool {
             continue;
         }
         for kw in [
-            "fn ", "struct ", "enum ", "trait ", "type ", "const ", "static ", "mod ",
-            "unsafe fn ", "const fn ",
+            "fn ",
+            "struct ",
+            "enum ",
+            "trait ",
+            "type ",
+            "const ",
+            "static ",
+            "mod ",
+            "unsafe fn ",
+            "const fn ",
         ] {
             if let Some(rest) = t.strip_prefix(kw).and_then(|r| r.strip_prefix(name)) {
                 if is_word_end(rest) {
@@ -688,7 +695,10 @@ fn architecture_names_only_paths_that_exist() {
             }
         }
     }
-    assert!(checked > 50, "only {checked} paths found: the reader is broken");
+    assert!(
+        checked > 50,
+        "only {checked} paths found: the reader is broken"
+    );
     assert!(
         missing.is_empty(),
         "ARCHITECTURE.md names what does not exist:\n{}",

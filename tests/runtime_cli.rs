@@ -351,3 +351,158 @@ fn numeric_run_flags_out_of_range_are_refused_naming_the_flag() {
         );
     }
 }
+
+/// The result lines of a `moec batch` output, by id; every line must be valid JSON with
+/// the result's fields, and no id may appear twice.
+fn batch_results(path: &Path) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.ends_with('\n'), "a partial last line was left");
+    let mut results = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let value: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        for field in [
+            "prompt_tokens",
+            "output_text",
+            "output_ids",
+            "finish_reason",
+        ] {
+            assert!(value.get(field).is_some(), "{field} missing in {line}");
+        }
+        let id = value["id"].to_string();
+        assert!(results.insert(id.clone(), value).is_none(), "{id} twice");
+    }
+    results
+}
+
+/// `moec batch` over 200 prompts (batches of 20, 4 tokens each), killed with SIGKILL once
+/// some batches are on disk and left with a partial last line (as a kill mid-write leaves
+/// it), then run again with the same command: the output holds every id exactly once,
+/// each line valid JSON, with the tokens of a run that was never killed; a third run has
+/// nothing left to do. An input with a repeated id is refused before anything runs.
+#[test]
+fn batch_resumes_after_a_kill_without_losing_or_repeating_a_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("prompts.jsonl");
+    let mut lines = String::new();
+    for i in 0..200 {
+        // Half the prompts carry an id, half default to their line number.
+        let line = if i % 2 == 0 {
+            serde_json::json!({"id": format!("q{i}"), "prompt": format!("Question {i}: why is the sky")})
+        } else {
+            serde_json::json!({"prompt": format!("Story {i} begins")})
+        };
+        lines.push_str(&format!("{line}\n"));
+    }
+    std::fs::write(&input, lines).unwrap();
+    let args = |output: &Path| -> Vec<String> {
+        [
+            "batch",
+            "schedules/cgopipe.sched",
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+            "--batch",
+            "20",
+            "--gen-len",
+            "4",
+            "--hw",
+            "hardware/t4.ron",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let whole = dir.path().join("whole.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .args(args(&whole))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = batch_results(&whole);
+    assert_eq!(expected.len(), 200);
+    assert!(expected.contains_key("\"q0\"") && expected.contains_key("2"));
+
+    let killed = dir.path().join("killed.jsonl");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .args(args(&killed))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let written = std::fs::read_to_string(&killed).unwrap_or_default();
+        if written.lines().count() >= 40 {
+            break;
+        }
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "no two batches written in 2 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "killed before it finished: {status:?}");
+    let after_kill = batch_results(&killed).len();
+    assert!((40..200).contains(&after_kill), "{after_kill} lines");
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&killed)
+        .unwrap();
+    std::io::Write::write_all(&mut file, b"{\"finish_reason\":\"len").unwrap();
+    drop(file);
+
+    let resumed = moec_in(dir.path(), &args(&killed));
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&resumed.stderr);
+    assert!(stderr.contains("dropped a partial last line"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(
+        stdout.contains(&format!("{after_kill} already in")),
+        "{stdout}"
+    );
+    assert_eq!(batch_results(&killed), expected);
+
+    let again = moec_in(dir.path(), &args(&killed));
+    assert!(again.status.success());
+    assert!(String::from_utf8_lossy(&again.stdout).contains("0 run in 0 batch(es)"));
+    assert_eq!(batch_results(&killed), expected);
+
+    let twice = dir.path().join("twice.jsonl");
+    std::fs::write(
+        &twice,
+        "{\"id\": 7, \"prompt\": \"a\"}\n{\"id\": 7, \"prompt\": \"b\"}\n",
+    )
+    .unwrap();
+    let mut bad = args(&dir.path().join("never.jsonl"));
+    bad[3] = twice.to_str().unwrap().to_string();
+    let refused = moec_in(dir.path(), &bad);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("twice.jsonl:2: id 7 appears twice"));
+    assert!(
+        !dir.path().join("never.jsonl").exists(),
+        "no empty output left"
+    );
+}
+
+fn moec_in(cache: &Path, args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache)
+        .args(args)
+        .output()
+        .expect("moec runs")
+}

@@ -117,8 +117,8 @@ impl From<WeightCopies> for crate::runtime::WeightCopies {
 
 /// `--backend NAME`: a backend of the registry (clap lists the registry's names as the
 /// possible values).
-pub fn backend() -> impl clap::builder::TypedValueParser<Value = &'static crate::runtime::Registration>
-{
+pub fn backend(
+) -> impl clap::builder::TypedValueParser<Value = &'static crate::runtime::Registration> {
     use clap::builder::TypedValueParser as _;
     clap::builder::PossibleValuesParser::new(crate::runtime::registry::names())
         .try_map(|name: String| crate::runtime::registry::find(&name))

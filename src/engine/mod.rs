@@ -79,6 +79,10 @@ pub struct RunRequest {
     /// Hardware profile for the replay (name or `.ron` path); `None`: probe this machine
     /// quickly.
     pub hw: Option<String>,
+    /// A hardware profile already loaded or probed (an earlier run's
+    /// [`RunResult::profile`]): used instead of [`RunRequest::hw`], so a caller running
+    /// many batches (`moec batch`) probes this machine once, not per batch.
+    pub profile: Option<HardwareProfile>,
     /// Threads of each compute pool; `None`: all cores.
     pub threads: Option<usize>,
     /// Emulated host<->device link, GB/s.
@@ -122,6 +126,7 @@ impl RunRequest {
             sets: Vec::new(),
             routing_profile: None,
             hw: None,
+            profile: None,
             threads: None,
             link_gbps: None,
             gpu_mem: None,
@@ -354,6 +359,7 @@ fn replay_profile(
     notes: &mut Vec<String>,
 ) -> Result<Option<HardwareProfile>, RunFailure> {
     let profile = match &request.hw {
+        _ if request.profile.is_some() => request.profile.clone(),
         Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| message(&e))?),
         None => {
             let threads = request.threads.unwrap_or(2).max(1);
