@@ -69,6 +69,10 @@ pub struct BatchArgs {
     /// Seconds without progress before a stalled plan is an error.
     #[arg(long, default_value_t = 60.0, value_parser = super::inputs::watchdog_seconds)]
     pub watchdog: f64,
+    /// Let the planner pick the params the `--set`s leave open for each batch, even when
+    /// the defaults fit (without it: only when they do not, saying so).
+    #[arg(long)]
+    pub fit: bool,
 }
 
 /// One prompt of the input, with where it came from.
@@ -120,6 +124,7 @@ fn run_args(args: &BatchArgs) -> RunArgs {
         kill_task: None,
         test_drop_event: None,
         dump_logits: None,
+        fit: args.fit,
     }
 }
 

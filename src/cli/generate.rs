@@ -113,6 +113,34 @@ fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>, String> {
     Ok(prompts)
 }
 
+/// Refuses, before anything is generated, a prompt too long for the model's positions
+/// with its new tokens: the error a batch deep in the file would give, but before the
+/// batches ahead of it ran. Only prompts whose bytes could make that many tokens are
+/// tokenised here (a token is at least one byte, plus a few special tokens), so a long
+/// file of short prompts costs one pass over their lengths.
+fn refuse_too_long(
+    prompts: &[String],
+    model: &crate::model::source::LoadedModel,
+    max_new_tokens: usize,
+) -> Result<(), String> {
+    /// Tokens a tokenizer may add to the text's own (BOS, EOS, a prefix space).
+    const SPECIAL_TOKENS: usize = 8;
+    let max = usize::try_from(model.checkpoint.card().max_positions)
+        .unwrap_or(usize::MAX)
+        .min(1 << 20);
+    for (index, p) in prompts.iter().enumerate() {
+        if p.len() + SPECIAL_TOKENS + max_new_tokens <= max {
+            continue;
+        }
+        let tokens = model.tokenizer.encode(p).map_err(|e| e.to_string())?.len();
+        let tokens = tokens.saturating_add(max_new_tokens);
+        if tokens > max {
+            return Err(crate::model::OracleError::TooLong { index, tokens, max }.to_string());
+        }
+    }
+    Ok(())
+}
+
 /// Runs `moec generate`.
 pub fn run(args: &GenerateArgs) -> ExitCode {
     match generate(args) {
@@ -144,6 +172,7 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
             top_p: args.top_p,
         }
     };
+    refuse_too_long(&prompts, &model, args.max_new_tokens)?;
     let start = std::time::Instant::now();
     let progress = Progress::new(prompts.len());
     // In batches: the oracle holds every sequence of a call at once (KV blocks and a row of

@@ -16,6 +16,7 @@
 
 pub mod dispatch;
 mod fit;
+pub mod fit_params;
 
 use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;
@@ -34,6 +35,7 @@ use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
 use crate::runtime::driver::workload::WorkloadSpec;
 use crate::runtime::{BackendOptions, Registration, RunError, RunOptions, RunOutput, WeightCopies};
+pub use fit_params::{FitMode, FittedParams};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -74,6 +76,8 @@ pub struct RunRequest {
     pub gen_len: usize,
     /// Param overrides, `(name, value)` in order.
     pub sets: Vec<(String, String)>,
+    /// When the planner picks the params the overrides leave open ([`fit_params`]).
+    pub fit: FitMode,
     /// A routing profile (`moec profile` output) that placement and the cost model read.
     pub routing_profile: Option<std::path::PathBuf>,
     /// Hardware profile for the replay (name or `.ron` path); `None`: probe this machine
@@ -124,6 +128,7 @@ impl RunRequest {
             workload: None,
             gen_len,
             sets: Vec::new(),
+            fit: FitMode::WhenOver,
             routing_profile: None,
             hw: None,
             profile: None,
@@ -178,6 +183,8 @@ pub struct RunResult {
     pub tokenizer: String,
     /// What the caller should tell the user (a failed quick probe, say).
     pub notes: Vec<String>,
+    /// The params the planner picked, when it did ([`fit_params`]).
+    pub fitted: Option<FittedParams>,
 }
 
 /// A failure ready to print.
@@ -273,6 +280,19 @@ pub fn run(
     })?;
     let mut notes = Vec::new();
     let profile = replay_profile(request, &mut notes)?;
+    let (compiled, fitted) = fit_params::fit_params(
+        source,
+        &options,
+        compiled,
+        fit_params::FitBudget {
+            profile: profile.as_ref(),
+            gpu_mem: request.gpu_mem,
+            chosen_profile: request.hw.is_some(),
+            gpu_space: request.backend.gpu_space,
+            mode: request.fit,
+        },
+        &mut notes,
+    )?;
     let lower_options = LowerOptions {
         gpu_capacity: request.gpu_mem,
         read_all_routing: request.collect_routing.is_some(),
@@ -348,6 +368,7 @@ pub fn run(
         decoded_weight_bytes,
         tokenizer: tokenizer.origin().to_string(),
         notes,
+        fitted,
     })
 }
 
