@@ -129,7 +129,11 @@ fn refuse_too_long(
         .unwrap_or(usize::MAX)
         .min(1 << 20);
     for (index, p) in prompts.iter().enumerate() {
-        if p.len() + SPECIAL_TOKENS + max_new_tokens <= max {
+        if p.len()
+            .saturating_add(SPECIAL_TOKENS)
+            .saturating_add(max_new_tokens)
+            <= max
+        {
             continue;
         }
         let tokens = model.tokenizer.encode(p).map_err(|e| e.to_string())?.len();
