@@ -618,7 +618,7 @@ fn ray_shards_a_batch_job_retries_a_killed_shard_and_merges_in_order() {
 
     let merged = dir.path().join("merged.jsonl");
     let workdir = dir.path().join("shards");
-    let mut child = Command::new(&python)
+    let child = Command::new(&python)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", dir.path())
         .arg("scripts/ray_batch.py")
