@@ -919,3 +919,41 @@ fn random_schedules_compile_or_fail_cleanly() {
         .unwrap();
     outcome.unwrap();
 }
+
+/// `moec generate` over 40,000 one-line prompts shows progress within 5 s of starting
+/// (prompts are tokenised a batch at a time and the first batch is small) instead of
+/// tokenising every prompt and generating 256 before saying anything; the test stops it
+/// there.
+#[test]
+fn generate_over_forty_thousand_prompts_shows_progress_within_seconds() {
+    use std::io::BufRead as _;
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: String = (0..40_000)
+        .map(|i| format!("{{\"prompt\": \"Prompt number {i} says\"}}\n"))
+        .collect();
+    std::fs::write(dir.path().join("p.jsonl"), prompts).unwrap();
+    let started = std::time::Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .args(["generate", "--prompts", "p.jsonl"])
+        .current_dir(dir.path())
+        .env("MOEC_CACHE_DIR", dir.path().join(".cache"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let read = stderr.read_line(&mut line).unwrap();
+    let elapsed = started.elapsed();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(read > 0, "generate ended without a word");
+    assert!(
+        line.starts_with("moec: generated 16/40000 prompts"),
+        "first line: {line}"
+    );
+    assert!(
+        elapsed < std::time::Duration::from_secs(5),
+        "first progress after {elapsed:?}"
+    );
+}

@@ -351,3 +351,323 @@ fn numeric_run_flags_out_of_range_are_refused_naming_the_flag() {
         );
     }
 }
+
+/// The result lines of a `moec batch` output, by id; every line must be valid JSON with
+/// the result's fields, and no id may appear twice.
+fn batch_results(path: &Path) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.ends_with('\n'), "a partial last line was left");
+    let mut results = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let value: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        for field in [
+            "prompt_tokens",
+            "output_text",
+            "output_ids",
+            "finish_reason",
+        ] {
+            assert!(value.get(field).is_some(), "{field} missing in {line}");
+        }
+        let id = value["id"].to_string();
+        assert!(results.insert(id.clone(), value).is_none(), "{id} twice");
+    }
+    results
+}
+
+/// `moec batch` over 200 prompts (batches of 20, 4 tokens each), killed with SIGKILL once
+/// some batches are on disk and left with a partial last line (as a kill mid-write leaves
+/// it), then run again with the same command: the output holds every id exactly once,
+/// each line valid JSON, with the tokens of a run that was never killed; a third run has
+/// nothing left to do. An input with a repeated id is refused before anything runs.
+#[test]
+fn batch_resumes_after_a_kill_without_losing_or_repeating_a_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("prompts.jsonl");
+    let mut lines = String::new();
+    for i in 0..200 {
+        // Half the prompts carry an id, half default to their line number.
+        let line = if i % 2 == 0 {
+            serde_json::json!({"id": format!("q{i}"), "prompt": format!("Question {i}: why is the sky")})
+        } else {
+            serde_json::json!({"prompt": format!("Story {i} begins")})
+        };
+        lines.push_str(&format!("{line}\n"));
+    }
+    std::fs::write(&input, lines).unwrap();
+    let args = |output: &Path| -> Vec<String> {
+        [
+            "batch",
+            "schedules/cgopipe.sched",
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+            "--batch",
+            "20",
+            "--gen-len",
+            "4",
+            "--hw",
+            "hardware/t4.ron",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let whole = dir.path().join("whole.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .args(args(&whole))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = batch_results(&whole);
+    assert_eq!(expected.len(), 200);
+    assert!(expected.contains_key("\"q0\"") && expected.contains_key("2"));
+
+    let killed = dir.path().join("killed.jsonl");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .args(args(&killed))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let written = std::fs::read_to_string(&killed).unwrap_or_default();
+        if written.lines().count() >= 40 {
+            break;
+        }
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "no two batches written in 2 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "killed before it finished: {status:?}");
+    let after_kill = batch_results(&killed).len();
+    assert!((40..200).contains(&after_kill), "{after_kill} lines");
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&killed)
+        .unwrap();
+    std::io::Write::write_all(&mut file, b"{\"finish_reason\":\"len").unwrap();
+    drop(file);
+
+    let resumed = moec_in(dir.path(), &args(&killed));
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&resumed.stderr);
+    assert!(stderr.contains("dropped a partial last line"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(
+        stdout.contains(&format!("{after_kill} already in")),
+        "{stdout}"
+    );
+    assert_eq!(batch_results(&killed), expected);
+
+    let again = moec_in(dir.path(), &args(&killed));
+    assert!(again.status.success());
+    assert!(String::from_utf8_lossy(&again.stdout).contains("0 run in 0 batch(es)"));
+    assert_eq!(batch_results(&killed), expected);
+
+    let twice = dir.path().join("twice.jsonl");
+    std::fs::write(
+        &twice,
+        "{\"id\": 7, \"prompt\": \"a\"}\n{\"id\": 7, \"prompt\": \"b\"}\n",
+    )
+    .unwrap();
+    let mut bad = args(&dir.path().join("never.jsonl"));
+    bad[3] = twice.to_str().unwrap().to_string();
+    let refused = moec_in(dir.path(), &bad);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("twice.jsonl:2: id 7 appears twice"));
+    assert!(
+        !dir.path().join("never.jsonl").exists(),
+        "no empty output left"
+    );
+}
+
+fn moec_in(cache: &Path, args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache)
+        .args(args)
+        .output()
+        .expect("moec runs")
+}
+
+/// Runs that fit: cgopipe's defaults need about 17 MB of `gpu` arena on mixtral-tiny, so
+/// at `--gpu-mem 14MB` the run does not refuse but lets the planner pick params for this
+/// workload and budget, says so and names them (stderr, the report, `--json`), and
+/// generates the tokens of the defaults' run; at 4 MB no params fit (the LM head alone is
+/// 8 MB) and the refusal says the planner searched, with the budget table.
+#[test]
+fn a_run_over_its_gpu_budget_runs_at_params_the_planner_picked() {
+    let cache = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "schedules/cgopipe.sched",
+            "--hw",
+            "hardware/t4.ron",
+            "--gen-len",
+            "3",
+            "--prompt",
+            "The capital of France is",
+            "--json",
+        ];
+        args.extend(extra);
+        moec(cache.path(), &args)
+    };
+    let defaults = json(&run(&[]));
+    assert_eq!(defaults["fitted_params"], serde_json::Value::Null);
+    let fitted_out = run(&["--gpu-mem", "14MB"]);
+    let fitted = json(&fitted_out);
+    let stderr = String::from_utf8_lossy(&fitted_out.stderr);
+    assert!(
+        stderr.contains("do not fit (gpu over by") && stderr.contains("the planner picked"),
+        "{stderr}"
+    );
+    let params = fitted["fitted_params"].as_object().expect("fitted params");
+    assert!(
+        params.contains_key("n_ub") && params.contains_key("ubs"),
+        "{params:?}"
+    );
+    assert!(fitted["memory"]["gpu_bytes"].as_u64().unwrap() <= 14_000_000);
+    assert_eq!(token_ids(&fitted), token_ids(&defaults));
+    let refused = run(&["--gpu-mem", "4MB"]);
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("the planner found no params that fit") && stderr.contains("OVER by"),
+        "{stderr}"
+    );
+}
+
+/// `scripts/ray_batch.py` on a local Ray cluster of 2 workers: 40 prompts in 4 shards
+/// (batches of 2), one shard's `moec batch` killed with SIGKILL by the test once its first
+/// batch is on disk; the script runs that shard again (it resumes from its own output)
+/// and the merged output equals one `moec batch` over the whole input (in batches of 10),
+/// line for line, in input order.
+/// Needs Python with `ray` (`.ci/run` installs it and sets `MOEC_REQUIRE_RAY=1`, which
+/// makes a missing Ray a failure); elsewhere the test says it skipped and returns.
+#[test]
+fn ray_shards_a_batch_job_retries_a_killed_shard_and_merges_in_order() {
+    let python = std::env::var("MOEC_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_ray = Command::new(&python)
+        .args(["-c", "import ray"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_ray {
+        assert!(
+            std::env::var_os("MOEC_REQUIRE_RAY").is_none(),
+            "MOEC_REQUIRE_RAY is set but `{python} -c 'import ray'` fails"
+        );
+        eprintln!("skipped: no `ray` for {python} (set MOEC_PYTHON, or run .ci/run)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("prompts.jsonl");
+    let lines: String = (0..40)
+        .map(|i| {
+            if i % 3 == 0 {
+                format!("{}\n", serde_json::json!(format!("Line {i} of the story")))
+            } else {
+                format!("{}\n", serde_json::json!({"id": format!("r{i}"), "prompt": format!("Request {i} asks")}))
+            }
+        })
+        .collect();
+    std::fs::write(&input, lines).unwrap();
+    let moec_flags = [
+        "schedules/cgopipe.sched",
+        "--gen-len",
+        "3",
+        "--threads",
+        "1",
+        "--hw",
+        "hardware/t4.ron",
+    ];
+    let whole = dir.path().join("whole.jsonl");
+    let mut args: Vec<String> = vec!["batch".into()];
+    args.extend(moec_flags.iter().map(|s| s.to_string()));
+    args.extend([
+        "--batch".into(),
+        "10".into(),
+        "--input".into(),
+        input.display().to_string(),
+        "--output".into(),
+        whole.display().to_string(),
+    ]);
+    let out = moec_in(dir.path(), &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let merged = dir.path().join("merged.jsonl");
+    let workdir = dir.path().join("shards");
+    let child = Command::new(&python)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", dir.path())
+        .arg("scripts/ray_batch.py")
+        .args(["--input", input.to_str().unwrap()])
+        .args(["--output", merged.to_str().unwrap()])
+        .args(["--workdir", workdir.to_str().unwrap()])
+        .args(["--shards", "4", "--num-cpus", "2", "--retries", "2"])
+        .args(["--moec", env!("CARGO_BIN_EXE_moec"), "--"])
+        .args(moec_flags)
+        .args(["--batch", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kill shard 1's moec once its first batch is on disk.
+    let (pid_file, shard_out) = (
+        workdir.join("shard-1.pid"),
+        workdir.join("shard-1.out.jsonl"),
+    );
+    let started = std::time::Instant::now();
+    loop {
+        let lines = std::fs::read_to_string(&shard_out)
+            .unwrap_or_default()
+            .lines()
+            .count();
+        let pid = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok());
+        if let (true, Some(pid)) = (lines >= 2, pid) {
+            // SAFETY: kill(2) on a process id the script wrote for its running shard.
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+            break;
+        }
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "shard 1 never wrote a batch"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("shard 1 failed (exit -9, run 1)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("shard 1 done (run 2)"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(&merged).unwrap(),
+        std::fs::read_to_string(&whole).unwrap()
+    );
+}

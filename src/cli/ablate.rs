@@ -242,6 +242,9 @@ pub fn run(args: &AblateArgs) -> ExitCode {
             kill_task: None,
             test_drop_event: None,
             dump_logits: None,
+            // Schedules are compared at their own params; the planner steps in only where
+            // they do not fit (the run says so).
+            fit: false,
         };
         let name = sched.display().to_string();
         match execute(&run_args, &mut |_, _| {}) {

@@ -5,8 +5,9 @@
 //! line) and sampling flags; prints the continuation and a tokens/s line, or with `--json`
 //! `{"outputs": [{prompt, token_ids, text, logprobs}], "stats": {prompt_tokens,
 //! generated_tokens, seconds, tokens_per_s}}`. Errors print one line and exit 1. Prompts
-//! go to the oracle in batches of 256, so a long prompt file holds one batch's sequences in
-//! memory at a time.
+//! are tokenised and go to the oracle in batches (16, then 256 at a time), so a long
+//! prompt file holds one batch's sequences in memory at a time and shows progress (a bar
+//! on a terminal, a line per batch on stderr otherwise) from its first seconds.
 
 use super::inputs::{ModelArgs, PromptArgs};
 use crate::model::source::load_model;
@@ -16,6 +17,49 @@ use std::process::ExitCode;
 /// Prompts given to the oracle in one call: bounds the memory of a long prompt file (the
 /// oracle keeps a row of logits and the KV blocks of every sequence of a call).
 const PROMPTS_PER_BATCH: usize = 256;
+
+/// Prompts of the first call: small, so the first progress comes within seconds of the
+/// start (256 prompts of 32 tokens took 5 s of one core in a debug build).
+const FIRST_BATCH: usize = 16;
+
+/// Progress over the prompts: a bar on a terminal, otherwise one line per batch on stderr
+/// (a log shows how far a long file got).
+struct Progress {
+    bar: indicatif::ProgressBar,
+    total: usize,
+}
+
+impl Progress {
+    fn new(total: usize) -> Self {
+        let bar = indicatif::ProgressBar::new(total as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} generating [{bar:30}] {pos}/{len} prompts ({per_sec}, ETA {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Progress { bar, total }
+    }
+
+    fn update(&self, prompts_done: usize, tokens: usize, seconds: f64) {
+        self.bar.set_position(prompts_done as u64);
+        if self.bar.is_hidden() {
+            let rate = if seconds > 0.0 {
+                tokens as f64 / seconds
+            } else {
+                0.0
+            };
+            eprintln!(
+                "moec: generated {prompts_done}/{} prompts, {tokens} tokens in {seconds:.1} s ({rate:.1} tokens/s)",
+                self.total
+            );
+        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
 
 /// Arguments of `moec generate`.
 #[derive(Debug, clap::Args)]
@@ -69,6 +113,38 @@ fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>, String> {
     Ok(prompts)
 }
 
+/// Refuses, before anything is generated, a prompt too long for the model's positions
+/// with its new tokens: the error a batch deep in the file would give, but before the
+/// batches ahead of it ran. Only prompts whose bytes could make that many tokens are
+/// tokenised here (a token is at least one byte, plus a few special tokens), so a long
+/// file of short prompts costs one pass over their lengths.
+fn refuse_too_long(
+    prompts: &[String],
+    model: &crate::model::source::LoadedModel,
+    max_new_tokens: usize,
+) -> Result<(), String> {
+    /// Tokens a tokenizer may add to the text's own (BOS, EOS, a prefix space).
+    const SPECIAL_TOKENS: usize = 8;
+    let max = usize::try_from(model.checkpoint.card().max_positions)
+        .unwrap_or(usize::MAX)
+        .min(1 << 20);
+    for (index, p) in prompts.iter().enumerate() {
+        if p.len()
+            .saturating_add(SPECIAL_TOKENS)
+            .saturating_add(max_new_tokens)
+            <= max
+        {
+            continue;
+        }
+        let tokens = model.tokenizer.encode(p).map_err(|e| e.to_string())?.len();
+        let tokens = tokens.saturating_add(max_new_tokens);
+        if tokens > max {
+            return Err(crate::model::OracleError::TooLong { index, tokens, max }.to_string());
+        }
+    }
+    Ok(())
+}
+
 /// Runs `moec generate`.
 pub fn run(args: &GenerateArgs) -> ExitCode {
     match generate(args) {
@@ -91,20 +167,7 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
     let source = args.model.source();
     let model = load_model(&source).map_err(|e| e.to_string())?;
     let oracle = Oracle::new(&model.checkpoint).map_err(|e| e.to_string())?;
-    let ids = prompts
-        .iter()
-        .map(|p| model.tokenizer.encode(p))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
     let vocab = model.checkpoint.card().vocab;
-    for (i, p) in ids.iter().enumerate() {
-        if let Some(bad) = p.iter().find(|&&id| id as u64 >= vocab) {
-            return Err(format!(
-                "prompt {i}: token id {bad} from tokenizer {} is outside the checkpoint's vocabulary of {vocab}; put the model's own tokenizer.json in the weights folder",
-                model.tokenizer.origin()
-            ));
-        }
-    }
     let sampling = if args.temperature == 0.0 {
         Sampling::Greedy
     } else {
@@ -113,13 +176,39 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
             top_p: args.top_p,
         }
     };
+    refuse_too_long(&prompts, &model, args.max_new_tokens)?;
     let start = std::time::Instant::now();
+    let progress = Progress::new(prompts.len());
     // In batches: the oracle holds every sequence of a call at once (KV blocks and a row of
-    // logits each), and 40,000 prompts in one call took 5.1 GB. Batch `b` samples with the
-    // seed `seed ^ b * K` (batch 0 with `seed` itself, so up to PROMPTS_PER_BATCH prompts
-    // sample exactly as one call would).
-    let mut outputs = Vec::with_capacity(ids.len());
-    for (batch, chunk) in ids.chunks(PROMPTS_PER_BATCH).enumerate() {
+    // logits each), and 40,000 prompts in one call took 5.1 GB. Prompts are tokenised a
+    // batch at a time, just before it runs, and the first batch is small, so a long file
+    // shows progress within seconds rather than after tokenising every prompt and
+    // generating 256. Batch `b` samples with the seed `seed ^ b * K` (batch 0 with `seed`
+    // itself, so up to FIRST_BATCH prompts sample exactly as one call would).
+    let mut outputs = Vec::with_capacity(prompts.len());
+    let mut ids: Vec<Vec<u32>> = Vec::with_capacity(prompts.len());
+    let mut first = 0;
+    let mut batch = 0usize;
+    let mut tokens_so_far = 0usize;
+    while first < prompts.len() {
+        let size = if batch == 0 {
+            FIRST_BATCH
+        } else {
+            PROMPTS_PER_BATCH
+        };
+        let end = prompts.len().min(first + size);
+        for (i, p) in prompts[first..end].iter().enumerate() {
+            let encoded = model.tokenizer.encode(p).map_err(|e| e.to_string())?;
+            if let Some(bad) = encoded.iter().find(|&&id| id as u64 >= vocab) {
+                return Err(format!(
+                    "prompt {}: token id {bad} from tokenizer {} is outside the checkpoint's vocabulary of {vocab}; put the model's own tokenizer.json in the weights folder",
+                    first + i,
+                    model.tokenizer.origin()
+                ));
+            }
+            ids.push(encoded);
+        }
+        let chunk = &ids[first..end];
         let options = GenerateOptions {
             max_new_tokens: args.max_new_tokens,
             sampling,
@@ -130,13 +219,13 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
             // The oracle numbers prompts within the batch; the user numbers them in the file.
             crate::model::OracleError::EmptyPrompt { index } => {
                 crate::model::OracleError::EmptyPrompt {
-                    index: index + batch * PROMPTS_PER_BATCH,
+                    index: index + first,
                 }
                 .to_string()
             }
             crate::model::OracleError::TooLong { index, tokens, max } => {
                 crate::model::OracleError::TooLong {
-                    index: index + batch * PROMPTS_PER_BATCH,
+                    index: index + first,
                     tokens,
                     max,
                 }
@@ -146,11 +235,16 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
         })?;
         // Each output carries its prompt's last logits row (vocab floats, for parity
         // checks); nothing here prints them, and kept for 40,000 prompts they were 5.1 GB.
+        tokens_so_far += generated.iter().map(|g| g.token_ids.len()).sum::<usize>();
         outputs.extend(generated.into_iter().map(|mut g| {
             g.prompt_logits = Vec::new();
             g
         }));
+        progress.update(end, tokens_so_far, start.elapsed().as_secs_f64());
+        first = end;
+        batch += 1;
     }
+    progress.finish();
     let seconds = start.elapsed().as_secs_f64();
     let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
     let generated_tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();

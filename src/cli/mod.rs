@@ -12,6 +12,7 @@ pub mod compile;
 use std::process::ExitCode;
 
 pub mod ablate;
+pub mod batch;
 pub mod devices;
 pub mod hw;
 pub mod inputs;
@@ -59,6 +60,8 @@ enum Command {
     Reproduce(reproduce::ReproduceArgs),
     /// Run a schedule as real inference on the CPU backend and report what it measured.
     Run(run::RunArgs),
+    /// Run a schedule over a JSON-lines prompt file batch by batch, appending results (resumable).
+    Batch(batch::BatchArgs),
     /// Run several schedules on one workload and compare them in one table.
     Ablate(ablate::AblateArgs),
     /// Show the backends this machine can run: CPU features, CUDA driver, NVRTC, cuBLAS.
@@ -92,6 +95,7 @@ pub fn main() -> ExitCode {
         Command::Reproduce(args) => reproduce::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Ablate(args) => ablate::run(&args),
+        Command::Batch(args) => batch::run(&args),
         Command::Devices(args) => devices::run(&args),
         Command::Serve(args) => serve::run(&args),
     }

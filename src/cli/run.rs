@@ -65,6 +65,11 @@ pub struct RunArgs {
     /// runs streams concurrently: the run must fail or change its tokens).
     #[arg(long, hide = true, value_name = "N")]
     pub test_drop_event: Option<u32>,
+    /// Let the planner pick the params the `--set`s leave open (the best predicted that
+    /// fit this workload and budget), even when the defaults fit; without it, it does so
+    /// only when they do not fit, and says so.
+    #[arg(long)]
+    pub fit: bool,
     /// Write the logits each prompt's last token was sampled from to FILE (JSON: one
     /// array of vocab floats per prompt), e.g. to compare `--backend cpu` and `cuda`.
     #[arg(long, value_name = "FILE")]
@@ -107,6 +112,9 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
                 )))
             }
         }
+    }
+    if args.fit {
+        request.fit = crate::engine::FitMode::Always;
     }
     request.routing_profile = args.settings.routing_profile.clone();
     request.hw = args.settings.hw.clone();
@@ -220,6 +228,19 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
                 .map(|p| format!("{} ({})", human(p.budget_bytes(Level::Gpu) as u64), p.name))
         })
         .unwrap_or_else(|| "unlimited".into());
+    if let Some(fitted) = &f.fitted {
+        let spelled: Vec<String> = fitted
+            .values
+            .iter()
+            .map(|(n, v)| format!("{n}={v}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "params picked by the planner: {} ({:.1} tokens/s predicted)",
+            spelled.join(" "),
+            fitted.predicted_tokens_per_s
+        );
+    }
     let _ = writeln!(out, "{}", crate::model::kernels::isa::describe());
     let _ = writeln!(out, "{}", f.stats.backend);
     if let Some(line) = weight_copies_line(&f.stats) {
@@ -356,6 +377,7 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
             "pinned_locked": f.stats.pinned_locked,
         },
         "tokenizer": f.tokenizer,
+        "fitted_params": f.fitted.as_ref().map(|p| p.values.iter().cloned().collect::<std::collections::BTreeMap<_, _>>()),
         "weight_copies": f.stats.copies.map(|c| serde_json::json!({
             "mode": "bind",
             "bound_bytes": c.bound,

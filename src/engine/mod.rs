@@ -16,6 +16,7 @@
 
 pub mod dispatch;
 mod fit;
+pub mod fit_params;
 pub mod session;
 
 use crate::compile::{compile, Options};
@@ -35,6 +36,7 @@ use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
 use crate::runtime::driver::workload::WorkloadSpec;
 use crate::runtime::{BackendOptions, Registration, RunError, RunOptions, RunOutput, WeightCopies};
+pub use fit_params::{FitMode, FittedParams};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -75,11 +77,17 @@ pub struct RunRequest {
     pub gen_len: usize,
     /// Param overrides, `(name, value)` in order.
     pub sets: Vec<(String, String)>,
+    /// When the planner picks the params the overrides leave open ([`fit_params`]).
+    pub fit: FitMode,
     /// A routing profile (`moec profile` output) that placement and the cost model read.
     pub routing_profile: Option<std::path::PathBuf>,
     /// Hardware profile for the replay (name or `.ron` path); `None`: probe this machine
     /// quickly.
     pub hw: Option<String>,
+    /// A hardware profile already loaded or probed (an earlier run's
+    /// [`RunResult::profile`]): used instead of [`RunRequest::hw`], so a caller running
+    /// many batches (`moec batch`) probes this machine once, not per batch.
+    pub profile: Option<HardwareProfile>,
     /// Threads of each compute pool; `None`: all cores.
     pub threads: Option<usize>,
     /// Emulated host<->device link, GB/s.
@@ -121,8 +129,10 @@ impl RunRequest {
             workload: None,
             gen_len,
             sets: Vec::new(),
+            fit: FitMode::WhenOver,
             routing_profile: None,
             hw: None,
+            profile: None,
             threads: None,
             link_gbps: None,
             gpu_mem: None,
@@ -174,6 +184,8 @@ pub struct RunResult {
     pub tokenizer: String,
     /// What the caller should tell the user (a failed quick probe, say).
     pub notes: Vec<String>,
+    /// The params the planner picked, when it did ([`fit_params`]).
+    pub fitted: Option<FittedParams>,
 }
 
 /// A failure ready to print.
@@ -269,6 +281,19 @@ pub fn run(
     })?;
     let mut notes = Vec::new();
     let profile = replay_profile(request, &mut notes)?;
+    let (compiled, fitted) = fit_params::fit_params(
+        source,
+        &options,
+        compiled,
+        fit_params::FitBudget {
+            profile: profile.as_ref(),
+            gpu_mem: request.gpu_mem,
+            chosen_profile: request.hw.is_some(),
+            gpu_space: request.backend.gpu_space,
+            mode: request.fit,
+        },
+        &mut notes,
+    )?;
     let lower_options = LowerOptions {
         gpu_capacity: request.gpu_mem,
         read_all_routing: request.collect_routing.is_some(),
@@ -344,6 +369,7 @@ pub fn run(
         decoded_weight_bytes,
         tokenizer: tokenizer.origin().to_string(),
         notes,
+        fitted,
     })
 }
 
@@ -355,6 +381,7 @@ fn replay_profile(
     notes: &mut Vec<String>,
 ) -> Result<Option<HardwareProfile>, RunFailure> {
     let profile = match &request.hw {
+        _ if request.profile.is_some() => request.profile.clone(),
         Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| message(&e))?),
         None => {
             let threads = request.threads.unwrap_or(2).max(1);

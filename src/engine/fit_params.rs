@@ -1,0 +1,202 @@
+//! Runs that fit: when a schedule's params do not fit the run's memory budgets (or the
+//! caller asks, `--fit`), the planner searches them for the run's own workload and
+//! budgets before anything is lowered, and the run uses the best candidate that fits.
+//!
+//! Takes the schedule, the compile options of the run (card, workload from the prompts,
+//! the user's `--set`, which stay fixed), the replay profile and `--gpu-mem`; gives the
+//! compiled program to run and, when the planner chose, the values it chose and a note
+//! saying why and what. The search is `moec plan`'s (`cost::plan::{param_spaces,
+//! search}`: elaborate and cost each point, then the full check on the winners), so a run
+//! and `moec plan` pick the same params for the same workload and budget.
+
+use super::RunFailure;
+use crate::compile::{self, Compiled, Options};
+use crate::cost::budget::{budget_table, BudgetOverrides};
+use crate::cost::hardware::HardwareProfile;
+use crate::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
+use crate::cost::predict::{predict, CostSettings};
+use crate::ir::{deps, TaskId};
+use crate::runtime::registry::GpuSpace;
+
+/// Points of the coarse grid (`moec plan`'s default): bisection refines the best three.
+const MAX_GRID: usize = 120;
+
+/// Candidates kept in case the full check rejects the best ones.
+const KEEP: usize = 6;
+
+/// When the planner picks the params.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FitMode {
+    /// Only when the schedule's params (defaults and `--set`) do not fit; the note says so.
+    WhenOver,
+    /// Always (`--fit`): the best predicted params that fit, even when the defaults fit.
+    Always,
+}
+
+/// What the planner chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FittedParams {
+    /// `(name, value)` of every searched param, as `--set` would spell them.
+    pub values: Vec<(String, String)>,
+    /// The planner's predicted tokens/s for them on the replay profile.
+    pub predicted_tokens_per_s: f64,
+}
+
+/// The run's budgets as `refuse_what_does_not_fit` counts them: `--gpu-mem` for the `gpu`
+/// space, unlimited for a device whose memory no profile or flag names.
+fn overrides(gpu_mem: Option<u64>, chosen_profile: bool, gpu_space: GpuSpace) -> BudgetOverrides {
+    let device_unknown = gpu_space == GpuSpace::Device && !chosen_profile && gpu_mem.is_none();
+    BudgetOverrides {
+        gpu_bytes: match gpu_mem {
+            Some(bytes) => Some(bytes as f64),
+            None if device_unknown => Some(f64::INFINITY),
+            None => None,
+        },
+        host_bytes: None,
+    }
+}
+
+/// The run's budgets and how to fit them.
+#[derive(Debug, Clone, Copy)]
+pub struct FitBudget<'a> {
+    /// The replay profile (its budgets); without one nothing can be planned.
+    pub profile: Option<&'a HardwareProfile>,
+    /// `--gpu-mem`, bytes.
+    pub gpu_mem: Option<u64>,
+    /// The profile was named (`--hw`), not measured here.
+    pub chosen_profile: bool,
+    /// Where the backend keeps the `gpu` space.
+    pub gpu_space: GpuSpace,
+    /// When to plan.
+    pub mode: FitMode,
+}
+
+/// Gives the program to run: `compiled` itself when it fits and `--fit` was not asked,
+/// otherwise the planner's best fitting params compiled (with a note in `notes` naming
+/// them). When no params fit, the run is refused with the defaults' budget table, before
+/// anything is allocated.
+pub fn fit_params(
+    source: &str,
+    options: &Options,
+    compiled: Compiled,
+    budget: FitBudget<'_>,
+    notes: &mut Vec<String>,
+) -> Result<(Compiled, Option<FittedParams>), RunFailure> {
+    let overrides = overrides(budget.gpu_mem, budget.chosen_profile, budget.gpu_space);
+    let defaults = budget_table(&compiled.program, budget.profile, &overrides);
+    let why = match (budget.mode, defaults.fits()) {
+        (FitMode::WhenOver, true) => return Ok((compiled, None)),
+        (FitMode::Always, _) => "--fit".to_string(),
+        (FitMode::WhenOver, false) => {
+            let over: Vec<String> = defaults
+                .spaces
+                .iter()
+                .filter(|s| s.over() > 0.0)
+                .map(|s| {
+                    format!(
+                        "{} over by {}",
+                        s.space,
+                        crate::ir::emit::human_bytes(s.over() as u64)
+                    )
+                })
+                .collect();
+            format!("the schedule's params do not fit ({})", over.join(", "))
+        }
+    };
+    let Some(profile) = budget.profile else {
+        let text = format!(
+            "{why}, and without a hardware profile the planner cannot search (pass --hw PROFILE)"
+        );
+        return match budget.mode {
+            FitMode::Always => Err(RunFailure::Message(text)),
+            FitMode::WhenOver => {
+                notes.push(text);
+                Ok((compiled, None))
+            }
+        };
+    };
+    let fixed: Vec<String> = options.sets.iter().map(|(name, _)| name.clone()).collect();
+    let spaces = param_spaces(&compiled.program.params, &fixed);
+    let file = compile::source_to_ast(source).map_err(|_| {
+        RunFailure::Message("the schedule stopped parsing between two reads".into())
+    })?;
+    let settings = CostSettings::default();
+    let with = |values: &[(String, crate::ir::Scalar)]| {
+        let mut o = options.clone();
+        o.sets
+            .extend(values.iter().map(|(n, v)| (n.clone(), v.to_string())));
+        o
+    };
+    let searched = search(
+        &spaces,
+        &SearchOptions {
+            max_grid: MAX_GRID,
+            refine_from: 3,
+            top: KEEP,
+        },
+        |values| {
+            let program = match compile::ast_to_ir(&file, &with(values)) {
+                Ok((program, _)) => program,
+                Err(diagnostics) => {
+                    let first = diagnostics.iter().find(|d| d.is_error());
+                    return Outcome::Invalid(first.map_or_else(String::new, |d| d.message.clone()));
+                }
+            };
+            let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+                .into_iter()
+                .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+                .collect();
+            let table = budget_table(&program, Some(profile), &overrides);
+            if !table.fits() {
+                return Outcome::OverBudget;
+            }
+            match predict(&program, &deps, profile, &settings) {
+                Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
+                    (Some(total), Some(decode)) => Outcome::Fits(Candidate {
+                        values: values.to_vec(),
+                        tokens_per_s: total,
+                        decode_tokens_per_s: decode,
+                        gpu_bytes: table.peak("gpu"),
+                        pinned_bytes: table.peak("pinned"),
+                        host_bytes: table.peak("host"),
+                    }),
+                    _ => Outcome::Invalid("the schedule has no decode step".into()),
+                },
+                Err(e) => Outcome::Invalid(e.to_string()),
+            }
+        },
+    );
+    // The full check on the winners, best first: the first that passes runs.
+    for candidate in &searched.top {
+        let Ok(chosen) = compile::compile(source, &with(&candidate.values)) else {
+            continue;
+        };
+        let values: Vec<(String, String)> = candidate
+            .values
+            .iter()
+            .map(|(n, v)| (n.clone(), v.to_string()))
+            .collect();
+        let spelled: Vec<String> = values.iter().map(|(n, v)| format!("{n}={v}")).collect();
+        notes.push(format!(
+            "{why}: the planner picked {} for this workload and budget on `{}` ({:.1} tokens/s predicted; {} points searched, {} fit)",
+            spelled.join(" "),
+            profile.name,
+            candidate.tokens_per_s,
+            searched.evaluated,
+            searched.feasible
+        ));
+        return Ok((
+            chosen,
+            Some(FittedParams {
+                values,
+                predicted_tokens_per_s: candidate.tokens_per_s,
+            }),
+        ));
+    }
+    // Nothing fits: the refusal names what the search saw and shows the defaults' table
+    // (what the user would change by hand).
+    Err(RunFailure::Rendered(format!(
+        "error: {why}, and the planner found no params that fit ({} points searched: {} over budget, {} invalid); nothing was allocated\nmemory (peak per space over the run, the schedule's own params)\n{defaults}\n",
+        searched.evaluated, searched.over_budget, searched.invalid
+    )))
+}
