@@ -249,6 +249,11 @@ pub fn run(args: &AblateArgs) -> ExitCode {
         let name = sched.display().to_string();
         match execute(&run_args, &mut |_, _| {}) {
             Ok(finished) => {
+                // What the run API says of a schedule (a failed probe, params the planner
+                // picked because the defaults did not fit) belongs beside its row.
+                for note in &finished.notes {
+                    bar.suspend(|| eprintln!("moec: {name}: {note}"));
+                }
                 rows.push(row(name, &finished, reference.as_ref()));
                 if reference.is_none() {
                     reference = Some(finished.outputs);

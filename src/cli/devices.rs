@@ -20,7 +20,7 @@ pub struct DevicesArgs {}
 
 /// Runs `moec devices`.
 pub fn run(_args: &DevicesArgs) -> ExitCode {
-    // CUDA 13 names and pip wheel folders: linked where cudarc looks, in a re-run of this
+    // CUDA 13 names and pip wheel folders: linked under the names the CUDA backend loads, in a re-run of this
     // command, before anything is printed or loaded for good.
     if let Some(why) = use_versioned_libraries() {
         eprintln!("moec: {why}");

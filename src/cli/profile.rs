@@ -45,7 +45,12 @@ pub fn run(args: &ProfileArgs) -> ExitCode {
         crate::engine::run(&request, &mut |_, _| {})
     });
     let finished = match result {
-        Ok(finished) => finished,
+        Ok(finished) => {
+            for note in &finished.notes {
+                eprintln!("moec: {note}");
+            }
+            finished
+        }
         Err(Failure::Rendered(text)) => {
             eprint!("{text}");
             return ExitCode::from(1);
