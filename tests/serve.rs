@@ -1,6 +1,6 @@
 //! `moec serve` end to end on the tiny card: a server on a free loopback port, spoken to
 //! with plain HTTP/1.1 over a `TcpStream` (what any client sends). Greedy completions equal
-//! `moec run`'s continuation of the same prompt with the same schedule; concurrent
+//! `moec run`'s continuation of the same prompt with the same schedule; 16 concurrent
 //! streaming clients each get what they get alone; a client that goes away is cancelled
 //! and its sequence freed; every bad request is a 4xx with OpenAI's error body and the
 //! server keeps serving; with VSLPipe a request that arrives while another decodes gets
@@ -284,10 +284,13 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
     assert!(doc["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
     assert!(doc["usage"]["completion_tokens"].as_u64().unwrap() <= 6);
 
-    // Four concurrent streams: each gets exactly what it gets alone.
+    // Sixteen concurrent streams (the four prompts four times each, more than the batch of
+    // four holds at once, so most wait in the queue): each gets exactly what it gets alone.
     let got: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts
             .iter()
+            .cycle()
+            .take(16)
             .map(|p| {
                 s.spawn(move || {
                     let body = serde_json::json!({"prompt": p, "max_tokens": 6, "temperature": 0, "stream": true});
@@ -297,7 +300,8 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(got, expected);
+    let want: Vec<String> = expected.iter().cycle().take(16).cloned().collect();
+    assert_eq!(got, want);
 
     // The metrics count what ran.
     assert!(metric(addr, "moec_generated_tokens_total", key) > 0.0);
