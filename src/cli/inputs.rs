@@ -115,6 +115,19 @@ impl From<WeightCopies> for crate::runtime::WeightCopies {
     }
 }
 
+/// `--set NAME=VALUE` flags as (name, value) pairs, trimmed; an empty name or a missing
+/// `=` is an error naming the flag.
+pub fn parse_sets(sets: &[String]) -> Result<Vec<(String, String)>, String> {
+    sets.iter()
+        .map(|set| match set.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => {
+                Ok((k.trim().to_string(), v.trim().to_string()))
+            }
+            _ => Err(format!("--set `{set}`: expected NAME=VALUE")),
+        })
+        .collect()
+}
+
 /// `--backend NAME`: a backend of the registry (clap lists the registry's names as the
 /// possible values).
 pub fn backend(

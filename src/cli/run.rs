@@ -101,18 +101,7 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
         .map(parse_workload)
         .transpose()
         .map_err(Failure::Message)?;
-    for set in &args.settings.sets {
-        match set.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => request
-                .sets
-                .push((k.trim().to_string(), v.trim().to_string())),
-            _ => {
-                return Err(Failure::Message(format!(
-                    "--set `{set}`: expected NAME=VALUE"
-                )))
-            }
-        }
-    }
+    request.sets = super::inputs::parse_sets(&args.settings.sets).map_err(Failure::Message)?;
     if args.fit {
         request.fit = crate::engine::FitMode::Always;
     }

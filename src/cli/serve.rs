@@ -79,14 +79,7 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
         .map_err(|e| format!("cannot read {name}: {e}"))?;
     let mut run = RunRequest::new(&name, &schedule, args.max_tokens);
     run.model = args.model.source();
-    for set in &args.sets {
-        match set.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => {
-                run.sets.push((k.trim().to_string(), v.trim().to_string()))
-            }
-            _ => return Err(format!("--set `{set}`: expected NAME=VALUE")),
-        }
-    }
+    run.sets = super::inputs::parse_sets(&args.sets)?;
     run.hw = args.hw.clone();
     run.threads = args.threads;
     run.link_gbps = args.link_gbps;

@@ -260,25 +260,12 @@ pub fn run(
             card.vocab
         )));
     }
-    let mut options = Options::new(card.clone());
-    if let Some(path) = &request.routing_profile {
-        options.profile =
-            Some(crate::ir::profile::load_for_card(path, &card).map_err(RunFailure::Message)?);
-    }
-    options.workload = Workload {
+    let workload = Workload {
         batch: prompt_ids.len() as u64,
         prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
         gen_len: gen_len as u64,
     };
-    options.sets = request.sets.clone();
-    let compiled = compile(source, &options).map_err(|diags| {
-        let errors = diags.iter().filter(|d| d.is_error()).count();
-        let mut text = diag::render_all(&diags, name, source);
-        text.push_str(&format!(
-            "\n{name}: {errors} error(s); the schedule was rejected\n"
-        ));
-        RunFailure::Rendered(text)
-    })?;
+    let (options, compiled) = compile_for(request, &card, workload)?;
     let mut notes = Vec::new();
     let profile = replay_profile(request, &mut notes)?;
     let (compiled, fitted) = fit_params::fit_params(
@@ -371,6 +358,34 @@ pub fn run(
         notes,
         fitted,
     })
+}
+
+/// Compiles the request's schedule for `card` and `workload` with its `--set`s and routing
+/// profile: the compile options (the run's options are derived from them) and the program,
+/// or the rendered diagnostics. Shared by one-shot runs and serving sessions, so both
+/// compile a schedule the same way.
+pub(crate) fn compile_for(
+    request: &RunRequest,
+    card: &ModelCard,
+    workload: Workload,
+) -> Result<(Options, crate::compile::Compiled), RunFailure> {
+    let (name, source) = (&request.schedule_name, &request.schedule);
+    let mut options = Options::new(card.clone());
+    if let Some(path) = &request.routing_profile {
+        options.profile =
+            Some(crate::ir::profile::load_for_card(path, card).map_err(RunFailure::Message)?);
+    }
+    options.workload = workload;
+    options.sets = request.sets.clone();
+    let compiled = compile(source, &options).map_err(|diags| {
+        let errors = diags.iter().filter(|d| d.is_error()).count();
+        let mut text = diag::render_all(&diags, name, source);
+        text.push_str(&format!(
+            "\n{name}: {errors} error(s); the schedule was rejected\n"
+        ));
+        RunFailure::Rendered(text)
+    })?;
+    Ok((options, compiled))
 }
 
 /// The profile the run is replayed on: the named one, or a quick probe of this machine

@@ -14,9 +14,7 @@
 //! with the checkpoint's `tokenizer_config.json` template ([`Session::chat_prompt`]).
 
 use super::{fit, message, run_options, RunFailure, RunRequest};
-use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;
-use crate::diag;
 use crate::ir::Workload;
 use crate::lower::{lower, LowerOptions};
 use crate::model::source::{load_model, LoadedModel};
@@ -323,25 +321,13 @@ fn worker(
         ..
     } = load_model(&run.model).map_err(|e| fail(message(&e)))?;
     let card = checkpoint.card().clone();
-    let mut options = Options::new(card.clone());
-    if let Some(path) = &run.routing_profile {
-        options.profile = Some(
-            crate::ir::profile::load_for_card(path, &card)
-                .map_err(|e| fail(RunFailure::Message(e)))?,
-        );
-    }
-    options.workload = Workload {
+    let workload = Workload {
         batch: request.max_batch as u64,
         prompt_len: request.max_prompt as u64,
         gen_len: run.gen_len as u64,
     };
-    options.sets = run.sets.clone();
-    let (name, source) = (&run.schedule_name, &run.schedule);
-    let compiled = compile(source, &options).map_err(|diags| {
-        let mut text = diag::render_all(&diags, name, source);
-        text.push_str(&format!("\n{name}: the schedule was rejected\n"));
-        fail(RunFailure::Rendered(text))
-    })?;
+    let (options, compiled) = super::compile_for(run, &card, workload).map_err(fail)?;
+    let name = &run.schedule_name;
     let plan = lower(
         &compiled.program,
         &compiled.info,
