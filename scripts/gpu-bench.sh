@@ -1,68 +1,193 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (H100/H200): tokens/s of moec's CUDA backend on a synthetic
-# mixtral-mid checkpoint, for the GPU-resident baseline and the offload schedules, plus the
-# stand-in-free facts (`moec devices`). No network, no Rust: it takes a release binary.
+# One command for a GPU machine (H100/H200, issue 28 item 9): is moec's CUDA backend right,
+# and how fast is it beside Hugging Face transformers on the same GPU? No network and no
+# Rust toolchain needed: it takes a release binary built elsewhere.
 #
 #   scripts/gpu-bench.sh path/to/moec [OUT_DIR]
 #
-# Writes OUT_DIR (default: $OUT, else ./gpu-bench-out) /devices.txt, /runs.jsonl (one
-# `moec run --json` object per line, with the schedule, batch and exit status) and
-# /summary.txt (schedule, batch, tokens/s). Each run is bounded by `timeout`; the whole
-# script is meant to finish in under 6 minutes on an H100 or H200 (debug builds will not).
-# The .sched files are read from the repository this script sits in.
+# Sections (GPU_BENCH_SECTIONS, default "tokens resident hf offload", run in that order):
+#   tokens  every schedule x every family's tiny card, `--backend cuda` against
+#           `--backend cpu` on the same machine: greedy token ids equal or not, per pair.
+#   resident  the synthetic mixtral-mid checkpoint (1.47 GiB bf16), prompts of 64 tokens,
+#           32 new, at batch 1, 16 and 64 (GPU_BENCH_BATCHES): `gpu_resident`; tokens/s,
+#           and the decode step measured against the HRM replay on the machine's profile.
+#   hf      transformers eager bf16 on the same checkpoint and workload: the whole model on
+#           the GPU, and accelerate's offload with the GPU capped at 600 MiB (when
+#           `python3 -c "import torch, transformers"` works).
+#   offload every offload schedule at `--gpu-mem 600MB` (GPU_BENCH_OFFLOAD_BATCHES), then
+#           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
+#           for that workload and budget (`--fit`).
+# It writes OUT_DIR (default $OUT, else ./gpu-bench-out): devices.txt, tokens.jsonl,
+# runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
+# hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
+# Each run is bounded by `timeout`; the whole script is meant to take under 6 minutes.
+# Smaller dry runs (e.g. under the stand-in driver): GPU_BENCH_MODEL=mixtral-tiny
+# GPU_BENCH_BATCHES=1 GPU_BENCH_FAMILIES=mixtral.
 set -u
-moec=${1:?usage: gpu-bench.sh path/to/moec [OUT_DIR]}
+moec=$(realpath "${1:?usage: gpu-bench.sh path/to/moec [OUT_DIR]}")
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${2:-${OUT:-$PWD/gpu-bench-out}}
 mkdir -p "$out"
+out=$(realpath "$out")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+sections=${GPU_BENCH_SECTIONS:-tokens resident hf offload}
 per_run=${GPU_BENCH_RUN_TIMEOUT:-40}
-# A smaller card and fewer batches for a dry run of the script itself (e.g. under the
-# stand-in driver: GPU_BENCH_MODEL=mixtral-tiny GPU_BENCH_BATCHES=1).
+jobs=${GPU_BENCH_JOBS:-8}
 model=${GPU_BENCH_MODEL:-mixtral-mid}
 batches=${GPU_BENCH_BATCHES:-1 16 64}
-n_gpu=${GPU_BENCH_N_GPU:-64}
+cap=${GPU_BENCH_CAP:-600MB}
+families=${GPU_BENCH_FAMILIES:-mixtral dbrx qwen3-moe olmoe qwen2-moe gpt-oss deepseek-v2 deepseek-v3}
+offload=${GPU_BENCH_SCHEDULES:-cgopipe vslpipe klotski flexgen fiddler moe_infinity}
+# The replay's profile: the device's own (moec probe) when one is given, else the named one.
+hw=${GPU_BENCH_HW:-}
+if [ -z "$hw" ]; then
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null)" in
+        *H100*) hw=h100 ;;
+        *) hw=h200 ;;
+    esac
+fi
+has() { case " $sections " in *" $1 "*) return 0 ;; esac; return 1; }
+started=$(date +%s)
 
-"$moec" devices > "$out/devices.txt" 2>&1
-echo "moec devices: exit $?" >> "$out/devices.txt"
+{
+    date -u +%FT%TZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    "$moec" devices 2>&1
+    echo "moec devices: exit $?"
+} > "$out/devices.txt"
 
-# Synthetic weights in seconds (1.47 GiB bf16), read by the runs below.
-"$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
-    echo "moec synth failed: see $out/synth.txt" >&2
-    exit 1
-}
+# --- (a) tokens: CUDA against CPU on every tiny card -------------------------------------
+if has tokens; then
+    mkdir -p "$work/tok"
+    for f in $families; do
+        for s in "$root"/schedules/*.sched "$root"/schedules/baselines/*.sched; do
+            name=$(basename "$s" .sched)
+            for b in cpu cuda; do echo "$f $s $name $b"; done
+        done
+    done > "$work/tok/jobs"
+    # Four prompts of 12 tokens, 8 new: every step kind, a few decode steps, in a second.
+    # shellcheck disable=SC2016
+    xargs -P "$jobs" -L 1 sh -c '
+        timeout '"$per_run"' "$0" run "$2" --model "$1-tiny" --backend "$4" --json --threads 2 \
+            --gen-len 8 --workload count=4,mean=12,max=12,min=12,gen=8,seed=3 \
+            > "'"$work"'/tok/$1__$3__$4.json" 2> "'"$work"'/tok/$1__$3__$4.err"
+        echo $? > "'"$work"'/tok/$1__$3__$4.rc"' "$moec" < "$work/tok/jobs"
+    python3 - "$work/tok" "$out/tokens.jsonl" <<'EOF'
+import json, os, sys
+d, dest = sys.argv[1], sys.argv[2]
+rows = []
+for line in open(os.path.join(d, "jobs")):
+    fam, _, name, backend = line.split()
+    if backend != "cuda":
+        continue
+    def load(b):
+        base = os.path.join(d, f"{fam}__{name}__{b}")
+        rc = int(open(base + ".rc").read().strip() or 1)
+        err = open(base + ".err").read()[-600:]
+        try:
+            rep = json.load(open(base + ".json"))
+            ids = [o["token_ids"] for o in rep["outputs"]]
+        except Exception:
+            ids = None
+        return rc, err, ids
+    crc, cerr, cids = load("cpu")
+    grc, gerr, gids = load("cuda")
+    if crc != 0:
+        verdict = "cpu timed out" if crc in (124, 137) else "cpu failed"
+    elif grc != 0:
+        verdict = ("cuda timed out" if grc in (124, 137) else
+                   "cuda refused" if "support" in gerr else "cuda failed")
+    else:
+        verdict = "same" if cids == gids else "DIFFERENT"
+    rows.append({"family": fam, "schedule": name, "verdict": verdict,
+                 "cpu_exit": crc, "cuda_exit": grc, "cuda_stderr": gerr if grc else "",
+                 "cpu_stderr": cerr if crc else "", "cpu": cids, "cuda": gids})
+with open(dest, "w") as f:
+    for r in rows:
+        f.write(json.dumps(r) + "\n")
+EOF
+fi
 
+# --- (b) mixtral-mid on moec -------------------------------------------------------------
+if has resident || has offload || has hf; then
+    "$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
+        echo "moec synth failed: see $out/synth.txt" >&2
+        exit 1
+    }
+    # Read it once so the first run does not pay the disk.
+    cat "$work"/mid/*.safetensors > /dev/null
+fi
 : > "$out/runs.jsonl"
-: > "$out/summary.txt"
-# run NAME SCHED BATCH [--set ...]: BATCH prompts of the workload, 32 new tokens each.
+mkdir -p "$out/traces.d"
+# run NAME SCHED BATCH CAP [args...]: BATCH prompts of 64 tokens, 32 new; CAP "-" = none.
 run() {
-    local name=$1 sched=$2 batch=$3
-    shift 3
-    local json
-    json=$(timeout "$per_run" "$moec" run "$root/$sched" --weights "$work/mid" \
-        --backend cuda --json --gen-len 32 \
-        --workload "count=$batch,mean=64,max=64,min=64,gen=32,seed=1" "$@" 2> "$work/err")
+    local name=$1 sched=$2 batch=$3 cap=$4
+    shift 4
+    local capargs=() trace=()
+    [ "$cap" != "-" ] && capargs=(--gpu-mem "$cap")
+    case " ${GPU_BENCH_TRACE:-gpu_resident:16:- fiddler:16:- cgopipe:16:$cap} " in
+        *" $name:$batch:$cap "*) trace=(--trace "$out/traces.d/$name-$batch-${cap/-/all}.json") ;;
+    esac
+    local t0 t1
+    t0=$(date +%s.%N)
+    timeout "$per_run" "$moec" run "$root/$sched" --weights "$work/mid" --backend cuda \
+        --json --hw "$hw" --gen-len 32 \
+        --workload "count=$batch,mean=64,max=64,min=64,gen=32,seed=1" \
+        "${capargs[@]}" "${trace[@]}" "$@" > "$work/report" 2> "$work/err"
     local rc=$?
-    local tps
-    tps=$(printf '%s' "$json" | python3 -c 'import json,sys
+    t1=$(date +%s.%N)
+    python3 - "$name" "$batch" "$cap" "$rc" "$work/err" "$work/report" "$t0" "$t1" \
+        >> "$out/runs.jsonl" <<'EOF'
+import json, sys
+name, batch, cap, rc, err, rep, t0, t1 = sys.argv[1:]
 try:
-    d = json.load(sys.stdin)
-    print(d["stats"]["tokens_per_s"])
+    report = json.load(open(rep))
 except Exception:
-    print("?")' 2> /dev/null)
-    python3 -c 'import json,sys
-print(json.dumps({"name": sys.argv[1], "batch": int(sys.argv[2]), "exit": int(sys.argv[3]),
-                  "stderr": open(sys.argv[4]).read()[-2000:], "report": sys.argv[5]}))' \
-        "$name" "$batch" "$rc" "$work/err" "$json" >> "$out/runs.jsonl"
-    printf '%-14s batch %3s  exit %3s  tokens/s %s\n' "$name" "$batch" "$rc" "$tps" \
-        | tee -a "$out/summary.txt"
+    report = None
+print(json.dumps({"name": name, "batch": int(batch), "cap": cap, "exit": int(rc),
+                  "wall_s": float(t1) - float(t0),
+                  "stderr": open(err).read()[-3000:], "report": report}))
+EOF
 }
+if has resident; then
+    for b in $batches; do
+        run gpu_resident schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
+    done
+fi
 
-for b in $batches; do
-    run gpu_resident schedules/baselines/gpu_resident.sched "$b" --set "ubs=$b"
-    run fiddler_all schedules/fiddler.sched "$b" --set "n_gpu=$n_gpu" --set "ubs=$b"
-done
-run cgopipe schedules/cgopipe.sched 16 --set ubs=4 --set n_ub=4 --gpu-mem 600MB
-run vslpipe schedules/vslpipe.sched 16 --set seqs=16 --set tok_pct=50 --gpu-mem 600MB
-echo "results in $out"
+# --- (c) Hugging Face transformers on the same GPU -----------------------------------------
+: > "$out/hf.jsonl"
+if has hf && python3 -c "import torch, transformers" 2> /dev/null; then
+    blist=$(echo $batches | tr ' ' ',')
+    # One process per placement: the model loads once and runs every batch.
+    timeout 150 python3 "$root/scripts/peer_bench_hf.py" --model "$work/mid" --batch "$blist" \
+        --prompt-len 64 --gen-len 32 --threads 16 --device cuda \
+        >> "$out/hf.jsonl" 2>> "$out/hf.err" || echo "hf: exit $?" >> "$out/hf.err"
+    timeout 150 python3 "$root/scripts/peer_bench_hf.py" --model "$work/mid" --batch "$blist" \
+        --prompt-len 64 --gen-len 32 --threads 16 --device cuda --max-gpu-mem 600MiB \
+        >> "$out/hf.jsonl" 2>> "$out/hf.err" || echo "hf-offload: exit $?" >> "$out/hf.err"
+elif has hf; then
+    echo "hf: skipped (python3 cannot import torch and transformers)" > "$out/hf.err"
+fi
+
+# --- (d) the offload schedules, uncapped and capped ------------------------------------------
+if has offload; then
+    for b in ${GPU_BENCH_OFFLOAD_BATCHES:-$batches}; do
+        for s in $offload; do
+            run "$s" "schedules/$s.sched" "$b" "$cap" --fit
+        done
+    done
+    for b in ${GPU_BENCH_UNCAPPED_BATCHES:-$batches}; do
+        for s in $offload; do
+            run "$s" "schedules/$s.sched" "$b" - --fit
+        done
+    done
+fi
+
+if compgen -G "$out/traces.d/*.json" > /dev/null; then
+    tar -C "$out/traces.d" -czf "$out/traces.tar.gz" .
+fi
+rm -rf "$out/traces.d"
+python3 "$root/scripts/gpu_bench_table.py" "$out" "$(($(date +%s) - started))" \
+    | tee "$out/summary.txt"

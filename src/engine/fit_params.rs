@@ -56,6 +56,17 @@ fn overrides(gpu_mem: Option<u64>, chosen_profile: bool, gpu_space: GpuSpace) ->
     }
 }
 
+/// The share of a candidate's full-batch throughput the run's `prompts` get: the run
+/// takes `ceil(prompts / sequences)` passes of `sequences` slots each, so slots past the
+/// workload carry no tokens (without this, 2 prompts would pick the 4096-slot batch that
+/// a full workload would want, with its memory).
+fn workload_share(prompts: u64, sequences: u64) -> f64 {
+    if prompts == 0 || sequences == 0 {
+        return 1.0;
+    }
+    prompts as f64 / (sequences * prompts.div_ceil(sequences)) as f64
+}
+
 /// The run's budgets and how to fit them.
 #[derive(Debug, Clone, Copy)]
 pub struct FitBudget<'a> {
@@ -121,6 +132,8 @@ pub fn fit_params(
         RunFailure::Message("the schedule stopped parsing between two reads".into())
     })?;
     let settings = CostSettings::default();
+    let prompts = options.workload.batch;
+    let available = crate::sysmem::available_bytes();
     let with = |values: &[(String, crate::ir::Scalar)]| {
         let mut o = options.clone();
         o.sets
@@ -150,12 +163,24 @@ pub fn fit_params(
             if !table.fits() {
                 return Outcome::OverBudget;
             }
+            // The run happens on this machine whatever the profile says it has: a candidate
+            // whose host arenas exceed the memory available here would be refused (or
+            // killed) after the search chose it.
+            let host_here = table.peak("host")
+                + if budget.gpu_space == GpuSpace::Host {
+                    table.peak("gpu")
+                } else {
+                    0
+                };
+            if available.is_some_and(|a| host_here > a) {
+                return Outcome::OverBudget;
+            }
             match predict(&program, &deps, profile, &settings) {
                 Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
                     (Some(total), Some(decode)) => Outcome::Fits(Candidate {
                         values: values.to_vec(),
-                        tokens_per_s: total,
-                        decode_tokens_per_s: decode,
+                        tokens_per_s: total * workload_share(prompts, p.sequences),
+                        decode_tokens_per_s: decode * workload_share(prompts, p.sequences),
                         gpu_bytes: table.peak("gpu"),
                         pinned_bytes: table.peak("pinned"),
                         host_bytes: table.peak("host"),
@@ -199,4 +224,19 @@ pub fn fit_params(
         "error: {why}, and the planner found no params that fit ({} points searched: {} over budget, {} invalid); nothing was allocated\nmemory (peak per space over the run, the schedule's own params)\n{defaults}\n",
         searched.evaluated, searched.over_budget, searched.invalid
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::workload_share;
+
+    #[test]
+    fn slots_past_the_workload_carry_no_tokens() {
+        // 2 prompts in one pass of 64 slots: 2 of the 64 slots generate.
+        assert_eq!(workload_share(2, 64), 2.0 / 64.0);
+        // 16 prompts in passes of 6: 3 passes, 18 slots, 16 used.
+        assert_eq!(workload_share(16, 6), 16.0 / 18.0);
+        assert_eq!(workload_share(64, 16), 1.0);
+        assert_eq!(workload_share(0, 16), 1.0);
+    }
 }
