@@ -215,3 +215,209 @@ extern "C" __global__ void moe_grouped_linear(
         }
     }
 }
+
+// The few-row form of moe_grouped_linear (decode, small prefills): one warp per (tile,
+// output feature), the lanes striding over the input features with 16-byte weight loads,
+// each lane keeping one partial sum per tile row, then a warp reduction. Every weight is
+// read once per tile and the launch has tiles x out warps, so a decode step's projection is
+// bandwidth-bound instead of waiting on the tiled kernel's long serial K loop over few
+// blocks. Same arguments, tiles and epilogues as moe_grouped_linear; only `out_in` 1
+// weights (rows are outputs: a warp reads one contiguous row).
+// Launch: grid (max tiles, ceil(out / MOE_GEMV_WARPS)), block 32 * MOE_GEMV_WARPS.
+#define MOE_GEMV_WARPS 8
+
+__device__ __forceinline__ void moe_load8(const void* base, long long i, int dtype, float* v) {
+    if (dtype == 2) {
+        const float4 a = *(const float4*)((const float*)base + i);
+        const float4 b = *(const float4*)((const float*)base + i + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+    const uint4 raw = *(const uint4*)((const unsigned short*)base + i);
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int j = 0; j < 4; ++j) {
+        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
+        const unsigned short hi = (unsigned short)(words[j] >> 16);
+        v[2 * j] = dtype == 0 ? moe_bf16_to_f32(lo) : moe_f16_to_f32(lo);
+        v[2 * j + 1] = dtype == 0 ? moe_bf16_to_f32(hi) : moe_f16_to_f32(hi);
+    }
+}
+
+extern "C" __global__ void moe_grouped_gemv(
+    const float* __restrict__ x,
+    const unsigned int* __restrict__ perm_row,
+    const unsigned int* __restrict__ perm_slot,
+    const float* __restrict__ perm_weight,
+    const int* __restrict__ tiles,
+    const unsigned long long* __restrict__ weights,
+    const unsigned long long* __restrict__ biases,
+    float* __restrict__ y,
+    int gather,
+    int mode,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int out_in,
+    int bias_dtype,
+    int top_k) {
+    const int tile = blockIdx.x;
+    if (tile >= tiles[0]) {
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    if (o >= out_dim) {
+        return;
+    }
+    const int expert = tiles[2 + 3 * tile];
+    const int first = tiles[2 + 3 * tile + 1];
+    const int rows = tiles[2 + 3 * tile + 2];
+    const void* w = (const void*)weights[expert];
+    long long src[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        const int p = first + (r < rows ? r : 0);
+        src[r] = (gather ? (long long)perm_row[p] : (long long)p) * in_dim;
+    }
+    float acc[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        acc[r] = 0.0f;
+    }
+    const long long row = (long long)o * in_dim;
+    // 16-byte loads need 8-element alignment of every row start (in_dim % 8 == 0) and of
+    // the matrix itself; otherwise one element at a time.
+    const bool vec = (in_dim % 8 == 0) && ((unsigned long long)w % 16 == 0)
+                     && ((unsigned long long)x % 16 == 0);
+    if (vec) {
+        for (int k = lane * 8; k < in_dim; k += 256) {
+            float wv[8];
+            moe_load8(w, row + k, dtype, wv);
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    const float4 a = *(const float4*)(x + src[r] + k);
+                    const float4 b = *(const float4*)(x + src[r] + k + 4);
+                    acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
+                            + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+                }
+            }
+        }
+    } else {
+        for (int k = lane; k < in_dim; k += 32) {
+            const float wv = moe_load(w, row + k, dtype);
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    acc[r] += wv * x[src[r] + k];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        for (int off = 16; off > 0; off >>= 1) {
+            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        }
+    }
+    if (lane >= rows) {
+        return;
+    }
+    // Lane r writes row r: its sum is acc[lane], picked without dynamic register indexing.
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        if (r == lane) {
+            v = acc[r];
+        }
+    }
+    const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
+    v += b != 0 ? moe_load((const void*)b, o, bias_dtype) : 0.0f;
+    const long long p = first + lane;
+    if (mode == 0) {
+        y[p * out_dim + o] = v;
+    } else if (mode == 1) {
+        const float g = y[p * out_dim + o];
+        y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
+    } else {
+        const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
+        y[to] = perm_weight[p] * v;
+    }
+}
+
+// The few-row dense projection (a decode step's q|k|v, o, router, shared expert and head
+// with at most MOE_TILE_M tokens): y[r, o] (=|+=) x[r] . W[o] for r < n, bf16/f16/f32
+// weights stored [out, in] read once with 16-byte loads, f32 activations and accumulation,
+// one warp per output feature. One launch where the cuBLAS path takes three (split the
+// activations into a bf16 pair, the GEMM, sum the halves) and two scratch buffers. `y`
+// rows are `ldy` floats apart; `accumulate` adds to them (a residual).
+// Launch: grid ceil(out / MOE_GEMV_WARPS), block 32 * MOE_GEMV_WARPS.
+extern "C" __global__ void linear_gemv(
+    const float* __restrict__ x,
+    const void* __restrict__ w,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int ldy,
+    int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    if (o >= out_dim) {
+        return;
+    }
+    const int rows = n < MOE_TILE_M ? n : MOE_TILE_M;
+    float acc[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        acc[r] = 0.0f;
+    }
+    const long long row = (long long)o * in_dim;
+    const bool vec = (in_dim % 8 == 0) && ((unsigned long long)w % 16 == 0)
+                     && ((unsigned long long)x % 16 == 0);
+    if (vec) {
+        for (int k = lane * 8; k < in_dim; k += 256) {
+            float wv[8];
+            moe_load8(w, row + k, dtype, wv);
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    const float4 a = *(const float4*)(x + (long long)r * in_dim + k);
+                    const float4 b = *(const float4*)(x + (long long)r * in_dim + k + 4);
+                    acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
+                            + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+                }
+            }
+        }
+    } else {
+        for (int k = lane; k < in_dim; k += 32) {
+            const float wv = moe_load(w, row + k, dtype);
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    acc[r] += wv * x[(long long)r * in_dim + k];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        for (int off = 16; off > 0; off >>= 1) {
+            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        }
+    }
+    if (lane >= rows) {
+        return;
+    }
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        if (r == lane) {
+            v = acc[r];
+        }
+    }
+    float* out = y + (long long)lane * ldy + o;
+    *out = accumulate ? *out + v : v;
+}

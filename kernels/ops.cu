@@ -308,3 +308,40 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, unsigne
         out[row] = best_index[0] == 0xffffffffu ? 0u : best_index[0];
     }
 }
+
+// Many small copies in one launch (DeviceMemory::copy_runs): `runs` holds n (offset,
+// length) pairs in bytes; run i copies src[offset, offset + length) to the same offsets of
+// dst. Either side may be page-locked host memory mapped into the device's address space
+// (a KV cache's context between the pinned and gpu arenas). 16-byte moves where both ends
+// and the length allow, else 4-byte, else bytes.
+// Launch: grid min(n, 65535) (blocks stride over the runs), block 256.
+extern "C" __global__ void copy_runs(
+    const unsigned long long* __restrict__ runs,
+    long long n,
+    const char* __restrict__ src,
+    char* __restrict__ dst) {
+    for (long long i = blockIdx.x; i < n; i += gridDim.x) {
+        const unsigned long long at = runs[2 * i];
+        const unsigned long long len = runs[2 * i + 1];
+        const char* s = src + at;
+        char* d = dst + at;
+        const unsigned long long align = (unsigned long long)s | (unsigned long long)d | len;
+        if (align % 16 == 0) {
+            const uint4* s16 = (const uint4*)s;
+            uint4* d16 = (uint4*)d;
+            for (unsigned long long j = threadIdx.x; j < len / 16; j += blockDim.x) {
+                d16[j] = s16[j];
+            }
+        } else if (align % 4 == 0) {
+            const unsigned int* s4 = (const unsigned int*)s;
+            unsigned int* d4 = (unsigned int*)d;
+            for (unsigned long long j = threadIdx.x; j < len / 4; j += blockDim.x) {
+                d4[j] = s4[j];
+            }
+        } else {
+            for (unsigned long long j = threadIdx.x; j < len; j += blockDim.x) {
+                d[j] = s[j];
+            }
+        }
+    }
+}

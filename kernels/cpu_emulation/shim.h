@@ -18,6 +18,9 @@
 #include <vector>
 #include <ucontext.h>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
+// CUDA's 16-byte vector types (NVRTC has them built in), for the kernels' vector loads.
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 // Set by the scheduler before it resumes a fiber, so each fiber sees its own values.
 dim3 threadIdx, blockIdx;
 // The thread's linear index within its block (warps are runs of 32 of it, as on a GPU).

@@ -23,7 +23,7 @@
 //! [`Backend::finish_step`] synchronises every stream and returns them.
 
 use super::device::{Device, DeviceError, PtxSources};
-use super::launch::StreamCx;
+use super::launch::{StreamCx, Workspace};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::ops::{GpuCx, OpError};
 use crate::ir::{Engine, StreamId, TaskId};
@@ -97,6 +97,7 @@ fn driver(call: &'static str) -> impl FnOnce(DriverError) -> BackendError {
 struct DevStream {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    workspace: Workspace,
 }
 
 /// Where an event was last recorded (0: never, 1: host stream, 2: CUDA stream).
@@ -191,7 +192,11 @@ impl<'c> CudaBackend<'c> {
                         doing: "creating a cuBLAS handle",
                         detail: format!("{e:?}"),
                     })?;
-                streams.push(Some(DevStream { stream, blas }));
+                streams.push(Some(DevStream {
+                    stream,
+                    blas,
+                    workspace: Workspace::default(),
+                }));
             } else {
                 streams.push(None);
             }
@@ -365,11 +370,13 @@ impl Backend for CudaBackend<'_> {
         };
         self.bind()?;
         let (start, end) = self.start_timing(&dev.stream)?;
+        dev.workspace.reset();
         let cx = GpuCx {
             s: StreamCx {
                 device: &self.device,
                 stream: &dev.stream,
                 blas: &dev.blas,
+                workspace: &dev.workspace,
             },
             mem: &self.memory,
             host: &self.host_memory,
@@ -403,7 +410,7 @@ impl Backend for CudaBackend<'_> {
         self.bind()?;
         let (start, end) = self.start_timing(&dev.stream)?;
         self.memory
-            .copy_runs(&self.host_memory, &dev.stream, src, dst, runs)
+            .copy_runs(&self.device, &self.host_memory, &dev.stream, src, dst, runs)
             .map_err(|e| task_error(OpError::Memory(e)))?;
         end.record(&dev.stream).map_err(driver("cuEventRecord"))?;
         lock(&self.timing).tasks.push((task.id, start, end));

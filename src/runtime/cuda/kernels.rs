@@ -82,12 +82,18 @@ pub const KERNELS: [KernelSource; 9] = [
             "sum_halves",
             "combine_slots",
             "argmax_rows",
+            "copy_runs",
         ],
     },
     KernelSource {
         file: "moe_grouped.cu",
         source: include_str!("../../../kernels/moe_grouped.cu"),
-        entries: &["moe_group", "moe_grouped_linear"],
+        entries: &[
+            "moe_group",
+            "moe_grouped_linear",
+            "moe_grouped_gemv",
+            "linear_gemv",
+        ],
     },
 ];
 

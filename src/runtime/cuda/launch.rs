@@ -1,14 +1,18 @@
 //! What a CUDA op needs on its stream: the device, the stream and its cuBLAS handle, kernel
-//! launches with plain arguments, scratch allocations and the cuBLAS GEMMs.
+//! launches with plain arguments, scratch memory and the cuBLAS GEMMs.
 //!
 //! Takes a stream's resources; gives [`StreamCx`]: [`StreamCx::launch`] (a kernel entry of
 //! `kernels/*.cu` with its arguments in the kernel's order), [`StreamCx::scratch`]
-//! (stream-ordered device memory, freed on the stream when dropped) and
+//! (a piece of the stream's workspace) and
 //! [`StreamCx::linear`] (`y = x Wᵀ` for a stored weight matrix). Guarantees: every launch
 //! goes to this stream in call order; scratch is never reused before the work that used it
-//! has run (allocation and free are both stream-ordered).
+//! has run (it is reused only by the stream's next task, queued after it; see
+//! [`Workspace`]).
 //!
-//! Projections run as bf16 GEMMs with f32 accumulation (`cublasGemmEx`): the f32
+//! Projections of at most [`GEMV_MAX_ROWS`] rows (decode steps) with weights stored
+//! `[out, in]` run as one `linear_gemv` launch (a warp per output feature, the weights read
+//! once as stored, f32 activations and accumulation). Larger ones run as bf16 GEMMs with
+//! f32 accumulation (`cublasGemmEx`): the f32
 //! activations are split into a bf16 pair (hi = bf16(x), lo = bf16(x - hi), `split_bf16`),
 //! both multiplied in one GEMM of twice the columns and summed (`sum_halves`), so the
 //! weights are read once and the result agrees with the CPU's f32-activation product to
@@ -104,11 +108,9 @@ impl DevMatrix {
     }
 }
 
-/// Device scratch memory, freed on its stream when dropped.
+/// Device scratch memory of one task, a piece of its stream's [`Workspace`].
 #[derive(Debug)]
 pub struct Scratch {
-    /// Owns the allocation; dropping it frees on the stream, after the work using it.
-    _slice: Option<CudaSlice<u8>>,
     ptr: u64,
 }
 
@@ -116,6 +118,78 @@ impl Scratch {
     /// Its device address (0 for an empty scratch, never dereferenced).
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+}
+
+/// Alignment of every scratch piece (cuBLAS and the kernels' vector loads want 16 bytes;
+/// 256 is what the driver's own allocations give).
+const SCRATCH_ALIGN: usize = 256;
+
+/// A stream's scratch memory: one device buffer that a task's [`StreamCx::scratch`] calls
+/// take pieces of by bumping an offset, handed out again from the start at the next task
+/// on the stream ([`Workspace::reset`]). That is safe because a stream runs its work in
+/// order: the next task's kernels, which reuse the bytes, run after the last task's
+/// kernels that used them, and no other stream touches a task's scratch. It replaces a
+/// stream-ordered allocation and free per piece (a dozen per op, and the driver's pool
+/// gives its memory back at every step's synchronisation, so each step paid to map it
+/// again). When a task needs more than the buffer holds, a buffer of twice the size (at
+/// least what the task has taken so far plus the request) replaces it; the old one is
+/// freed on the stream after the work queued on it, so after a step or two a stream stops
+/// allocating.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    inner: std::sync::Mutex<WorkspaceInner>,
+}
+
+#[derive(Debug, Default)]
+struct WorkspaceInner {
+    buffer: Option<CudaSlice<u8>>,
+    base: u64,
+    size: usize,
+    used: usize,
+    /// Buffers replaced during the current task: their pieces are still in use by its
+    /// queued work, so they are freed (stream-ordered) at the next reset.
+    retired: Vec<CudaSlice<u8>>,
+    grown: usize,
+}
+
+impl Workspace {
+    /// Starts a task: every piece is free again (see the type's safety argument).
+    pub fn reset(&self) {
+        let mut w = crate::runtime::lock(&self.inner);
+        w.used = 0;
+        w.retired.clear();
+    }
+
+    /// Bytes the buffer holds, and how many times it grew.
+    pub fn size(&self) -> (usize, usize) {
+        let w = crate::runtime::lock(&self.inner);
+        (w.size, w.grown)
+    }
+
+    fn take(&self, stream: &Arc<CudaStream>, bytes: usize) -> Result<u64, LaunchError> {
+        let bytes = bytes.next_multiple_of(SCRATCH_ALIGN);
+        let mut w = crate::runtime::lock(&self.inner);
+        if w.used + bytes > w.size {
+            let size = (2 * w.size).max(w.used + bytes).max(1 << 20);
+            // SAFETY: scratch is written by this stream's kernels before they read it.
+            let buffer =
+                unsafe { stream.alloc::<u8>(size) }.map_err(|source| LaunchError::Driver {
+                    call: "cuMemAllocAsync",
+                    source,
+                })?;
+            let base = buffer.device_ptr(stream).0;
+            if let Some(old) = w.buffer.replace(buffer) {
+                w.retired.push(old);
+            }
+            w.base = base;
+            w.size = size;
+            w.used = 0;
+            w.grown += 1;
+        }
+        let ptr = w.base + w.used as u64;
+        w.used += bytes;
+        Ok(ptr)
     }
 }
 
@@ -128,6 +202,11 @@ fn block_for(n: usize) -> u32 {
     n.clamp(32, 256).next_power_of_two().min(256) as u32
 }
 
+/// Rows up to which [`StreamCx::linear`] runs `linear_gemv` (kernels/moe_grouped.cu's
+/// `MOE_TILE_M`) instead of cuBLAS, and that kernel's warps per block (`MOE_GEMV_WARPS`).
+pub const GEMV_MAX_ROWS: usize = 16;
+const GEMV_WARPS: usize = 8;
+
 /// One CUDA stream's resources.
 #[derive(Debug)]
 pub struct StreamCx<'a> {
@@ -137,6 +216,8 @@ pub struct StreamCx<'a> {
     pub stream: &'a Arc<CudaStream>,
     /// Its cuBLAS handle (bound to this stream).
     pub blas: &'a CudaBlas,
+    /// Its scratch memory.
+    pub workspace: &'a Workspace,
 }
 
 impl StreamCx<'_> {
@@ -195,27 +276,14 @@ impl StreamCx<'_> {
         self.launch(entry, (blocks, 1, 1), 256, 0, args)
     }
 
-    /// `bytes` of stream-ordered device scratch (uninitialised).
+    /// `bytes` of device scratch (uninitialised) from the stream's workspace, valid until
+    /// the stream's next task.
     pub fn scratch(&self, bytes: usize) -> Result<Scratch, LaunchError> {
         if bytes == 0 {
-            return Ok(Scratch {
-                _slice: None,
-                ptr: 0,
-            });
+            return Ok(Scratch { ptr: 0 });
         }
-        // SAFETY: scratch is written by this stream's kernels before they read it.
-        let slice =
-            unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|source| LaunchError::Driver {
-                call: "cuMemAllocAsync",
-                source,
-            })?;
-        let ptr = {
-            let (ptr, _sync) = slice.device_ptr(self.stream);
-            ptr
-        };
         Ok(Scratch {
-            _slice: Some(slice),
-            ptr,
+            ptr: self.workspace.take(self.stream, bytes)?,
         })
     }
 
@@ -302,6 +370,31 @@ impl StreamCx<'_> {
             return Ok(());
         }
         let (m, k) = (w.out_dim(), w.in_dim());
+        if n <= GEMV_MAX_ROWS && w.orientation == Orientation::OutIn {
+            // A decode step's few rows: one launch reading the stored weights once.
+            let dtype = match w.dtype {
+                WeightDtype::Bf16 => 0,
+                WeightDtype::F16 => 1,
+                WeightDtype::F32 => 2,
+            };
+            return self.launch(
+                "linear_gemv",
+                (int("out", m.div_ceil(GEMV_WARPS))? as u32, 1, 1),
+                (32 * GEMV_WARPS) as u32,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w.ptr),
+                    Arg::Ptr(y),
+                    Arg::I32(int("n", n)?),
+                    Arg::I32(int("in", k)?),
+                    Arg::I32(int("out", m)?),
+                    Arg::I32(dtype),
+                    Arg::I32(int("ldy", ldy)?),
+                    Arg::I32(i32::from(accumulate)),
+                ],
+            );
+        }
         let (transa, lda) = match w.orientation {
             Orientation::OutIn => (cublasOperation_t::CUBLAS_OP_T, w.cols),
             Orientation::InOut => (cublasOperation_t::CUBLAS_OP_N, w.cols),

@@ -18,7 +18,7 @@ use crate::runtime::host::memory::{
 };
 use crate::runtime::host::weights::{WeightMap, WeightTag};
 use crate::runtime::lock;
-use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError, PushKernelArg};
 use std::sync::{Arc, Mutex};
 
 /// Why a device memory operation failed.
@@ -91,6 +91,9 @@ pub struct DeviceMemory {
     map: Mutex<WeightMap>,
     /// The registered pinned arena (address, bytes), unregistered on drop.
     pinned: Option<(usize, usize)>,
+    /// The pinned arena's device address (it is registered device-mapped), for
+    /// [`DeviceMemory::copy_runs`]' one-launch copies; 0 when not registered.
+    pinned_device: u64,
     ctx: Arc<cudarc::driver::CudaContext>,
 }
 
@@ -138,12 +141,25 @@ impl DeviceMemory {
             (Some(slice), ptr)
         };
         let pinned = register_pinned(host)?;
+        let pinned_device = match pinned {
+            Some((ptr, _)) => {
+                let mut dev = 0u64;
+                // SAFETY: `ptr` was registered device-mapped just above; the call writes
+                // the device address of its first byte to `dev`.
+                unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr as *mut _, 0) }
+                    .result()
+                    .map_err(driver("cuMemHostGetDevicePointer"))?;
+                dev
+            }
+            None => 0,
+        };
         Ok(DeviceMemory {
             arena,
             base,
             len: bytes,
             map: Mutex::default(),
             pinned,
+            pinned_device,
             ctx: Arc::clone(&device.ctx),
         })
     }
@@ -313,7 +329,9 @@ impl DeviceMemory {
     /// moves the weight labels of those bytes along. A device side submits one
     /// asynchronous copy per run back to back, with no host work between them: the
     /// views are resolved, bounds and overlap checked and the labels moved once for the
-    /// whole copy. (`cuMemcpyBatchAsync`, which cudarc binds, needs a CUDA 12.8 driver
+    /// whole copy; with [`KERNEL_COPY_MIN_RUNS`] runs or more between the gpu arena and the
+    /// (device-mapped) pinned arena, one `copy_runs` kernel moves them all instead.
+    /// (`cuMemcpyBatchAsync`, which cudarc binds, needs a CUDA 12.8 driver
     /// and the stand-in driver the tests run under does not implement it;
     /// `cuMemcpy2DAsync` needs one pitch, and the runs of a KV cache's transposed keys
     /// are not evenly spaced across blocks.) A pageable host
@@ -322,8 +340,9 @@ impl DeviceMemory {
     /// host side's one copy of the runs.
     pub fn copy_runs(
         &self,
+        device: &Device,
         host: &HostMemory<'_>,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         src: View,
         dst: View,
         runs: &[(u64, u64)],
@@ -345,6 +364,25 @@ impl DeviceMemory {
             ..src
         };
         let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
+        let mapped = |v: View| {
+            (self.pinned_device != 0 && v.region == Region::Arena(Space::Pinned))
+                .then(|| self.pinned_device + v.start)
+        };
+        let ends = (
+            on_device(src).then(|| self.ptr(src)),
+            on_device(dst).then(|| self.ptr(dst)),
+        );
+        let kernel_ends = match ends {
+            (Some(s), None) => mapped(dst).map(|d| s.map(|s| (s, d))),
+            (None, Some(d)) => mapped(src).map(|s| d.map(|d| (s, d))),
+            _ => None,
+        };
+        if let (Some(ends), true) = (kernel_ends, runs.len() >= KERNEL_COPY_MIN_RUNS) {
+            let (s, d) = ends?;
+            copy_runs_kernel(device, stream, s, d, runs)?;
+            self.move_run_labels(host, dst, runs, &labels);
+            return Ok(());
+        }
         match (on_device(src), on_device(dst)) {
             (true, true) => {
                 let (s, d) = (self.ptr(src)?, self.ptr(dst)?);
@@ -410,20 +448,81 @@ impl DeviceMemory {
                 }
             }
         }
+        self.move_run_labels(host, dst, runs, &labels);
+        Ok(())
+    }
+
+    fn move_run_labels(
+        &self,
+        host: &HostMemory<'_>,
+        dst: View,
+        runs: &[(u64, u64)],
+        labels: &[(u64, u64, WeightTag, u64)],
+    ) {
         match dst.region {
             Region::Arena(Space::Gpu) => {
                 let mut map = lock(&self.map);
                 for &(at, len) in runs {
                     map.clear(dst.start + at, dst.start + at + len);
                 }
-                for &(offset, len, tag, tag_offset) in &labels {
+                for &(offset, len, tag, tag_offset) in labels {
                     map.insert(dst.start + offset, len, tag, tag_offset);
                 }
             }
-            _ => host.relabel_runs(dst, runs, &labels),
+            _ => host.relabel_runs(dst, runs, labels),
         }
-        Ok(())
     }
+}
+
+/// Runs past which [`DeviceMemory::copy_runs`] moves the bytes between the gpu arena and
+/// the device-mapped pinned arena with one `copy_runs` kernel instead of one
+/// `cuMemcpyAsync` per run: a KV cache's context is a run per (sequence, head, block) or
+/// per token for transposed keys, thousands per layer, and at a few microseconds of driver
+/// time each the calls cost 90 ms of a 16-sequence decode step on an H200 where the bytes
+/// take under 1 ms.
+const KERNEL_COPY_MIN_RUNS: usize = 16;
+
+/// Copies `runs` (offset from both starts, length) from device address `src` to `dst` on
+/// `stream` with one launch of `copy_runs` (kernels/ops.cu); one side may be the mapped
+/// pinned arena. The run table goes up from pageable memory (staged by the call) into a
+/// stream-ordered allocation freed after the launch.
+fn copy_runs_kernel(
+    device: &Device,
+    stream: &Arc<CudaStream>,
+    src: u64,
+    dst: u64,
+    runs: &[(u64, u64)],
+) -> Result<(), DeviceMemoryError> {
+    let table: Vec<u64> = runs.iter().flat_map(|&(at, len)| [at, len]).collect();
+    let table = stream
+        .clone_htod(&table)
+        .map_err(driver("cuMemcpyHtoDAsync"))?;
+    let table_ptr = table.device_ptr(stream).0;
+    let f = device
+        .function("copy_runs")
+        .ok_or(DeviceMemoryError::Driver {
+            call: "copy_runs (kernel not loaded)",
+            source: DriverError(sys::cudaError_enum::CUDA_ERROR_NOT_FOUND),
+        })?;
+    let n = runs.len() as i64;
+    let mut builder = stream.launch_builder(f);
+    builder.arg(&table_ptr).arg(&n).arg(&src).arg(&dst);
+    let blocks = runs.len().min(65_535) as u32;
+    // SAFETY: `copy_runs(const u64* runs, long long n, const char* src, char* dst)` reads
+    // n (offset, length) pairs from the table (2n u64 uploaded above) and copies each
+    // run's bytes from src + offset to dst + offset; the caller checked every run lies
+    // inside both views (`runs_span`), which lie inside the gpu arena and the registered
+    // pinned arena.
+    unsafe {
+        builder.launch(cudarc::driver::LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(driver("cuLaunchKernel(copy_runs)"))?;
+    drop(table);
+    Ok(())
 }
 
 fn register_pinned(host: &HostMemory<'_>) -> Result<Option<(usize, usize)>, DeviceMemoryError> {
@@ -441,7 +540,9 @@ fn register_pinned(host: &HostMemory<'_>) -> Result<Option<(usize, usize)>, Devi
     let ptr = bytes.as_mut_ptr();
     // SAFETY: `ptr` addresses `len` bytes of a live mapping that outlives the registration
     // (the host memory is held by the same backend and dropped after `DeviceMemory`).
-    unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, 0) }
+    // Device-mapped, so a kernel can move many small runs in one launch (copy_runs).
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
         .result()
         .map_err(driver("cuMemHostRegister"))?;
     Ok(Some((ptr as usize, len)))

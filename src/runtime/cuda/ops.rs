@@ -124,10 +124,19 @@ pub struct GpuCx<'a> {
 /// `ROUTER_MAX_EXPERTS` of kernels/router_topk.cu.
 const ROUTER_MAX_EXPERTS: usize = 256;
 
-/// `MOE_MAX_EXPERTS` and `MOE_TILE_M` / `MOE_TILE_N` of kernels/moe_grouped.cu.
+/// `MOE_MAX_EXPERTS`, `MOE_TILE_M` / `MOE_TILE_N` and `MOE_GEMV_WARPS` of
+/// kernels/moe_grouped.cu.
 const MOE_MAX_EXPERTS: usize = 256;
 const MOE_TILE_M: usize = 16;
 const MOE_TILE_N: usize = 64;
+const MOE_GEMV_WARPS: usize = 8;
+
+/// Routed (token, slot) entries of one call past which the grouped SIMT kernels lose to
+/// per-expert tensor-core GEMMs (cuBLAS) enough to pay for one routing read-back: a
+/// prefill of 64 x 64 tokens at top-2 spent 17 ms per layer in `moe_grouped_linear` on an
+/// H200 (10.6 TFLOP/s of f32 FMAs) where the GEMMs take about 1 ms. Decode steps (a token
+/// per sequence) stay under it up to 512 sequences per micro-batch at top-2.
+const GROUPED_MAX_ENTRIES: usize = 1024;
 
 /// What the CUDA kernels cannot run for this model, named before any launch (backend
 /// set-up calls this): the router kernels take at most 256 experts, combine top-64, the norm
@@ -760,7 +769,9 @@ impl GpuCx<'_> {
     /// routing is read on the host, and the launches do not depend on how many experts are
     /// active: 4 (5 with gpt-oss's clamped SwiGLU) per call. Gives false, having launched
     /// nothing, when a member's weights are not all in `weights` (the caller then groups on
-    /// the host, which looks up only the experts that are routed to).
+    /// the host, which looks up only the experts that are routed to), or when the call has
+    /// more than [`GROUPED_MAX_ENTRIES`] routed entries (a prefill: the caller's per-expert
+    /// cuBLAS GEMMs are faster there than the grouped kernels, after one read-back).
     #[allow(clippy::too_many_arguments)]
     fn device_experts(
         &self,
@@ -780,6 +791,9 @@ impl GpuCx<'_> {
         );
         if e > MOE_MAX_EXPERTS || members.is_empty() || n == 0 {
             return Ok(members.is_empty() || n == 0);
+        }
+        if n * k > GROUPED_MAX_ENTRIES {
+            return Ok(false);
         }
         let fused = self.arch.clamped_swiglu;
         // Per expert: [first projection, second (gate/up split only), down, first's bias,
@@ -897,9 +911,15 @@ impl GpuCx<'_> {
             } else {
                 table.ptr() + (bias * e * 8) as u64
             };
+            // A warp per output feature reads a stored row: rows must be outputs.
+            let (entry, per_block) = if out_in_of(which) == 1 {
+                ("moe_grouped_gemv", MOE_GEMV_WARPS)
+            } else {
+                ("moe_grouped_linear", MOE_TILE_N)
+            };
             self.s.launch(
-                "moe_grouped_linear",
-                (tiles_x, int("out", out_dim.div_ceil(MOE_TILE_N))? as u32, 1),
+                entry,
+                (tiles_x, int("out", out_dim.div_ceil(per_block))? as u32, 1),
                 256,
                 0,
                 &[
