@@ -182,6 +182,8 @@ mod standin_common;
 
 #[path = "cuda_backend/standin.rs"]
 mod standin;
+#[path = "cuda_backend/standin_deepseek.rs"]
+mod standin_deepseek;
 #[path = "cuda_backend/standin_kernels.rs"]
 mod standin_kernels;
 

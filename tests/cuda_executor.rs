@@ -1,9 +1,9 @@
 //! The CUDA executor end to end: every schedule in `schedules/` (baselines too) on every
-//! family's tiny card (Mixtral, DBRX, Qwen3-MoE, OLMoE, Qwen2-MoE, gpt-oss) through
-//! `moec run --backend cuda` gives the CPU backend's greedy tokens with logits within 1e-2,
-//! and a plan with one cross-stream wait dropped fails or changes its tokens. The new
-//! families' cards run every schedule too (not a subset): a schedule and card pair takes
-//! about 4 s through the stand-in in a debug build, and the six cards are six tests that
+//! family's tiny card (Mixtral, DBRX, Qwen3-MoE, OLMoE, Qwen2-MoE, gpt-oss, DeepSeek-V2,
+//! DeepSeek-V3) through `moec run --backend cuda` gives the CPU backend's greedy tokens with
+//! logits within 1e-2, and a plan with one cross-stream wait dropped fails or changes its
+//! tokens. The new families' cards run every schedule too (not a subset): a schedule and card pair takes
+//! about 4 s through the stand-in in a debug build, and the eight cards are eight tests that
 //! run in parallel. gpt-oss's prompt plus generated tokens pass its 8-token sliding
 //! window, so the windowed layers' decode attention is exercised.
 //!
@@ -211,6 +211,20 @@ fn every_schedule_on_qwen2_moe_tiny_through_the_cuda_backend_gives_the_cpu_token
 #[test]
 fn every_schedule_on_gpt_oss_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
     every_schedule_matches_the_cpu_on("gpt-oss-tiny");
+}
+
+/// DeepSeek-V2: multi-head latent attention (no query rank), group-limited greedy softmax
+/// routing, two shared experts, a leading dense layer, YaRN.
+#[test]
+fn every_schedule_on_deepseek_v2_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
+    every_schedule_matches_the_cpu_on("deepseek-v2-tiny");
+}
+
+/// DeepSeek-V3: MLA with the query rank, sigmoid routing with the correction bias over
+/// groups, renormalised and scaled, two shared experts, a leading dense layer, YaRN.
+#[test]
+fn every_schedule_on_deepseek_v3_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
+    every_schedule_matches_the_cpu_on("deepseek-v3-tiny");
 }
 
 /// Dropping one cross-stream event (event 6 of each step of `baselines/sequential`: a

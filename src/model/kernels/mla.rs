@@ -23,7 +23,7 @@ use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 
 /// Epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with the
 /// RMSNorm default, not the config's `rms_norm_eps`.
-const LORA_NORM_EPS: f32 = 1e-6;
+pub const LORA_NORM_EPS: f32 = 1e-6;
 
 /// How the queries are projected.
 #[derive(Debug, Clone, Copy)]

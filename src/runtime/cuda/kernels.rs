@@ -26,7 +26,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 9] = [
+pub const KERNELS: [KernelSource; 11] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
@@ -94,6 +94,21 @@ pub const KERNELS: [KernelSource; 9] = [
             "moe_grouped_gemv",
             "linear_gemv",
         ],
+    },
+    KernelSource {
+        file: "mla_attention.cu",
+        source: include_str!("../../../kernels/mla_attention.cu"),
+        entries: &[
+            "mla_rms_norm",
+            "mla_head_linear",
+            "mla_qkv_rows",
+            "mla_paged_attention",
+        ],
+    },
+    KernelSource {
+        file: "deepseek_router.cu",
+        source: include_str!("../../../kernels/deepseek_router.cu"),
+        entries: &["deepseek_route", "deepseek_no_route"],
     },
 ];
 

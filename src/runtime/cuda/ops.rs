@@ -41,6 +41,10 @@ use crate::runtime::host::weights::WeightTag;
 use crate::runtime::step::{MicroBatchState, StepContext};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+// DeepSeek's MLA, routers and dense layers: a child module so it shares these helpers.
+#[path = "deepseek.rs"]
+mod deepseek;
+
 /// A task's arguments with this backend's views.
 pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
 
@@ -141,20 +145,15 @@ const GROUPED_MAX_ENTRIES: usize = 1024;
 /// What the CUDA kernels cannot run for this model, named before any launch (backend
 /// set-up calls this): the router kernels take at most 256 experts, combine top-64, the norm
 /// kernels bf16 weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
-/// per-layer windows, YaRN, clamped SwiGLU) have kernels, so the family itself is no reason,
-/// except DeepSeek's (MLA and its routers have no kernels: refused by family).
+/// per-layer windows, YaRN, clamped SwiGLU, DeepSeek's MLA, routers and dense layers) have
+/// kernels, so the family itself is no reason.
 pub fn unsupported(
     arch: &ArchSpec,
     layer: &crate::model::layout::LayerLayout,
     dtype: WeightDtype,
 ) -> Option<String> {
-    if arch.mla.is_some() || arch.deepseek_router.is_some() {
-        // No MLA or DeepSeek-router kernels yet: refuse rather than run wrong numerics.
-        return Some(format!(
-            "the {:?} family (multi-head latent attention and DeepSeek routing have no CUDA \
-             kernels yet; run it with --backend cpu)",
-            arch.family
-        ));
+    if let Some(why) = deepseek::unsupported(arch) {
+        return Some(why);
     }
     let (e, k) = (arch.experts, arch.top_k);
     if e > ROUTER_MAX_EXPERTS || k > e || k > 64 {
@@ -285,7 +284,7 @@ impl GpuCx<'_> {
         let seg = self
             .host
             .layout()
-            .layer
+            .layer_of(layer)
             .segment(kind)
             .cloned()
             .ok_or(OpError::MissingWeight { tag })?;
@@ -323,7 +322,7 @@ impl GpuCx<'_> {
         let dtype = self
             .host
             .layout()
-            .layer
+            .layer_of(layer)
             .segment(kind)
             .map(|s| s.dtype)
             .unwrap_or(WeightDtype::Bf16);
@@ -455,6 +454,9 @@ impl GpuCx<'_> {
         h: u64,
         n: usize,
     ) -> Result<(), OpError> {
+        if self.arch.mla.is_some() {
+            return deepseek::mla_o_proj_residual(self, weights, layer, a, h, n);
+        }
         let d = self.arch.hidden;
         let w = self.segment(weights, layer, SegmentKind::OProj)?;
         if !(self.arch.o_bias && self.has(SegmentKind::OBias)) {
@@ -569,6 +571,9 @@ impl GpuCx<'_> {
         n: usize,
         route: u64,
     ) -> Result<(), OpError> {
+        if let Some(router) = &self.arch.deepseek_router {
+            return deepseek::route(self, weights, layer, router, x_norm, n, route);
+        }
         let (e, k) = (self.arch.experts, self.arch.top_k);
         if e > ROUTER_MAX_EXPERTS || k > e {
             return Err(OpError::Unsupported(format!(
@@ -1073,6 +1078,9 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
     let weights = args.all(Role::W);
     let x = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
     let out = cx.ptr(args.need(Role::Out)?, "out", n * width * 4)?;
+    if arch.mla.is_some() {
+        return deepseek::mla_pre_attn(cx, &weights, layer, x, &positions, out);
+    }
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::AttnNorm)?;
     let x_norm = cx.s.scratch(n * d * 4)?;
     cx.normalize(x, norm_w, x_norm.ptr(), n)?;
@@ -1352,7 +1360,8 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
             .max()
             .unwrap_or(1);
         let scores = cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
-        let decode = one_token_each(r);
+        // MLA's kernel takes the row operands for decode too.
+        let decode = one_token_each(r) && cx.arch.mla.is_none();
         let mut a = run_operands(r, decode);
         a.extend_from_slice(&[
             Arg::Ptr(scores.ptr()),
@@ -1366,6 +1375,10 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
             row_width,
             Arg::I32(sink_col),
         ]);
+        if cx.arch.mla.is_some() {
+            deepseek::mla_attention(cx, r.len(), shape.heads, shape.head_dim, &mut a)?;
+            continue;
+        }
         let entry = if decode {
             "paged_decode_attention"
         } else {
@@ -1405,6 +1418,9 @@ fn gate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
     // on the CPU (`expert_acc`).
     let acc = cx.ptr(args.need(Role::Acc)?, "acc", n * cx.arch.acc_rows() * d * 4)?;
     let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
+    if cx.arch.is_dense(layer as usize) {
+        return deepseek::dense_gate(cx, &weights, layer, h, acc, route, n);
+    }
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
     cx.normalize(h, norm_w, acc, n)?;
     cx.route(&weights, layer, acc, n, route)?;
@@ -1421,6 +1437,10 @@ fn experts_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
     let Op::Experts { layer, ub, set } = task.op else {
         return Err(wrong_op(OpKind::Experts, task));
     };
+    if cx.arch.is_dense(layer as usize) {
+        // A dense layer's route chooses no expert: nothing to compute.
+        return Ok(());
+    }
     let n = cx.ub(ub)?.n_tokens();
     let (d, k) = (cx.arch.hidden, cx.arch.top_k);
     let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
@@ -1535,6 +1555,9 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
         }
     };
     cx.o_proj_residual(&weights, layer, a, h, n)?;
+    if cx.arch.is_dense(layer as usize) {
+        return deepseek::dense_block(cx, &weights, layer, h, n);
+    }
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
     let x_norm = cx.s.scratch(n * d * 4)?;
     cx.normalize(h, norm_w, x_norm.ptr(), n)?;
@@ -1674,7 +1697,7 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
 mod tests {
     use super::*;
 
-    /// Every family's cards run on the CUDA kernels (the published ones too: up to 128
+    /// Every family's cards run on the CUDA kernels (the published ones too: up to 256
     /// experts), and what the kernels cannot take is named.
     #[test]
     fn every_card_is_supported_and_what_is_not_is_named() {
@@ -1689,6 +1712,9 @@ mod tests {
             "gpt-oss-tiny",
             "qwen3-30b-a3b",
             "gpt-oss-120b",
+            "deepseek-v2-tiny",
+            "deepseek-v3-tiny",
+            "deepseek-v3",
         ] {
             let card = ModelCard::load(name).unwrap();
             let arch = ArchSpec::from_card(&card);
@@ -1700,13 +1726,6 @@ mod tests {
             assert!(why.contains("512 experts"), "{why}");
             let why = unsupported(&arch, &layout, WeightDtype::F32).unwrap();
             assert!(why.contains("final norm"), "{why}");
-        }
-        for name in ["deepseek-v2-tiny", "deepseek-v3-tiny"] {
-            let card = ModelCard::load(name).unwrap();
-            let arch = ArchSpec::from_card(&card);
-            let layout = LayerLayout::uniform(&arch, card.dtype);
-            let why = unsupported(&arch, &layout, card.dtype).unwrap();
-            assert!(why.contains("latent attention"), "{name}: {why}");
         }
     }
 
