@@ -350,6 +350,7 @@ fn op_kernels_run_like_the_cpu() {
             "sum_halves",
             "combine_slots",
             "argmax_rows",
+            "copy_runs",
         ],
     };
     assert_eq!(
@@ -641,6 +642,37 @@ fn op_kernels_run_like_the_cpu() {
     assert_eq!(want[..2], [17, vocab as u32 - 1]);
     assert_eq!(stream.clone_dtoh(&picks_dev).expect("dtoh"), want, "argmax");
     println!("argmax_rows: equal to sampling::argmax");
+
+    // Many runs in one launch: 16-byte, 4-byte and byte-aligned runs (offset, length) of a
+    // source copied to the same offsets of the destination, nothing else touched.
+    let src: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
+    let runs: [(u64, u64); 6] = [(0, 16), (32, 48), (100, 3), (203, 17), (400, 256), (1020, 4)];
+    let table: Vec<u64> = runs.iter().flat_map(|&(at, len)| [at, len]).collect();
+    let (src_dev, table_dev) = (
+        stream.clone_htod(&src).expect("htod"),
+        stream.clone_htod(&table).expect("htod"),
+    );
+    let mut dst_dev = stream.alloc_zeros::<u8>(src.len()).expect("alloc");
+    let n_runs = runs.len() as i64;
+    // SAFETY: argument types and order match the kernel's signature; every run lies inside
+    // both buffers.
+    unsafe {
+        stream
+            .launch_builder(&f("copy_runs"))
+            .arg(&table_dev)
+            .arg(&n_runs)
+            .arg(&src_dev)
+            .arg(&mut dst_dev)
+            .launch(cfg((4, 1, 1), 64, 0))
+    }
+    .expect("launch");
+    let mut want = vec![0u8; src.len()];
+    for &(at, len) in &runs {
+        let r = at as usize..(at + len) as usize;
+        want[r.clone()].copy_from_slice(&src[r]);
+    }
+    assert_eq!(stream.clone_dtoh(&dst_dev).expect("dtoh"), want, "copy_runs");
+    println!("copy_runs: each run copied, nothing else written");
 
     // The route layout: pack (expert, weight) pairs, then read the experts back; both
     // against backend::decode_routing, the layout's one decoder.
