@@ -15,6 +15,7 @@ pub mod layout;
 pub mod mxfp4;
 pub mod names;
 pub mod oracle;
+pub mod quant;
 pub mod rng;
 pub mod source;
 pub mod synth;
