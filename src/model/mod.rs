@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dense;
 pub mod family;
+pub mod gguf;
 pub mod kernels;
 pub mod layout;
 pub mod mxfp4;
