@@ -96,7 +96,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
         key: key.into(),
         message,
     };
-    if arch_name != "llama" || file.metadata.get("llama.expert_count").is_none() {
+    if arch_name != "llama" || !file.metadata.contains_key("llama.expert_count") {
         return Err(meta_err(
             "general.architecture",
             format!(

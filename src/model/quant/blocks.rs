@@ -325,7 +325,8 @@ pub(super) mod tests {
     /// has the power to catch either mistake.
     #[test]
     fn broken_decoders_fail_the_golden_blocks() {
-        let broken: [(&str, fn(&[u8], &mut [f32])); 2] = [
+        type Decoder = fn(&[u8], &mut [f32]);
+        let broken: [(&str, Decoder); 2] = [
             ("swapped nibbles", q4_k_swapped_nibbles),
             ("scale high bits dropped", q4_k_low_scale_bits_only),
         ];
