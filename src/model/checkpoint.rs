@@ -23,6 +23,7 @@ use crate::model::family;
 use crate::model::kernels::mla::MlaWeights;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
+use crate::model::quant::{QuantFormat, QuantSlice};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
     DenseWeights, ExpertWeights, FusedExpert, LayerWeights, ModelWeights, QkvWeights,
@@ -41,6 +42,9 @@ pub enum CheckpointError {
     /// config.json is unreadable, malformed, or contradicts the card.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A GGUF file is unreadable, malformed, or holds what moec does not read.
+    #[error(transparent)]
+    Gguf(Box<crate::model::gguf::GgufError>),
     /// A file could not be read.
     #[error("{path}: {source}")]
     Io {
@@ -165,6 +169,23 @@ struct Entry {
     /// entry's `shard` and `range` are then its blocks, and `dtype` and `shape` those of the
     /// bf16 tensor they decode to (what a bf16 checkpoint stores under the same name).
     mxfp4: Option<Mxfp4Scales>,
+    /// For a tensor of a GGUF file stored block-quantised, its format (`dtype` is then
+    /// f32, what it decodes to).
+    quant: Option<QuantFormat>,
+    /// For a GGUF `q_proj`/`k_proj`: the head count whose row interleaving the converter
+    /// applied; the Hub's row order is restored once, on first use, into `aligned`.
+    unpermute_heads: Option<usize>,
+}
+
+impl Entry {
+    /// Bytes of one stored row of `cols` elements in this entry's storage (`None` when a
+    /// quantised row is not whole blocks).
+    fn row_bytes(&self, cols: usize, dtype: WeightDtype) -> Option<usize> {
+        match self.quant {
+            Some(format) => format.bytes_for(cols),
+            None => Some(cols * dtype.bytes() as usize),
+        }
+    }
 }
 
 /// The scales tensor of an MXFP4 expert tensor (its blocks are the entry's own bytes).
@@ -308,6 +329,8 @@ impl Checkpoint {
                         range: data_start + s..data_start + e,
                         aligned: OnceLock::new(),
                         mxfp4: None,
+                        quant: None,
+                        unpermute_heads: None,
                     },
                 );
             }
@@ -343,6 +366,80 @@ impl Checkpoint {
         };
         checkpoint.check_layer_dtypes()?;
         Ok(checkpoint)
+    }
+
+    /// Opens a llama.cpp GGUF file (`--weights model.gguf`): the architecture from its
+    /// metadata, every tensor the family's Hub checkpoint names mapped to its bytes in the
+    /// file (merged expert tensors split by rows, `q`/`k` rows put back in the Hub's order
+    /// once on first use), quantised tensors viewed as [`TypedSlice::Quant`]. Only the
+    /// families [`crate::model::gguf::llama::import`] reads are accepted; with `card`, the
+    /// metadata must describe the same architecture.
+    pub fn open_gguf(path: &Path, card: Option<&ModelCard>) -> Result<Self, CheckpointError> {
+        let gguf_err = |e: crate::model::gguf::GgufError| CheckpointError::Gguf(Box::new(e));
+        let file = crate::model::gguf::GgufFile::open(path).map_err(gguf_err)?;
+        let name = path
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "gguf".into());
+        let imported = crate::model::gguf::llama::import(&file, &name).map_err(gguf_err)?;
+        let mut chosen = imported.card;
+        if let Some(card) = card {
+            config::check_agreement(&chosen, card, &path.display().to_string())?;
+            let mut c = card.clone();
+            c.bos_token_id = chosen.bos_token_id.or(card.bos_token_id);
+            c.eos_token_id = chosen.eos_token_id;
+            chosen = c;
+        }
+        let mut tensors = BTreeMap::new();
+        for t in imported.tensors {
+            let (dtype, quant) = match t.storage {
+                crate::model::gguf::Storage::Float(d) => (d, None),
+                crate::model::gguf::Storage::Quant(f) => (WeightDtype::F32, Some(f)),
+            };
+            if let Some(heads) = t.unpermute_heads {
+                let rows = t.shape.first().copied().unwrap_or(0);
+                if heads == 0 || rows % (2 * heads) != 0 {
+                    return Err(CheckpointError::Shape {
+                        path: path.display().to_string(),
+                        tensor: t.gguf_name,
+                        expected: vec![2 * heads, rows / (2 * heads).max(1)],
+                        got: t.shape,
+                    });
+                }
+            }
+            tensors.insert(
+                t.name,
+                Entry {
+                    shard: 0,
+                    dtype: Ok(dtype),
+                    shape: t.shape,
+                    range: t.range,
+                    aligned: OnceLock::new(),
+                    mxfp4: None,
+                    quant,
+                    unpermute_heads: t.unpermute_heads,
+                },
+            );
+        }
+        // The card's dtype is what the head computes in: the embedding's float dtype, f32
+        // when the embedding is quantised.
+        let (embed_name, _) = head_names(chosen.family);
+        if let Some(Ok(dtype)) = tensors.get(embed_name).map(|e| e.dtype) {
+            chosen.dtype = dtype;
+        }
+        let arch = ArchSpec::from_card(&chosen);
+        let (path_buf, mmap) = file.into_map();
+        Ok(Checkpoint {
+            dir: path_buf.clone(),
+            card: chosen,
+            arch,
+            shards: vec![Shard {
+                path: path_buf,
+                mmap,
+            }],
+            tensors,
+            mxfp4_experts: false,
+        })
     }
 
     /// Refuses a checkpoint where some layer stores a tensor in another dtype than the other
@@ -477,6 +574,29 @@ impl Checkpoint {
         p.is_file().then_some(p)
     }
 
+    /// The first tensor (by name) stored block-quantised, with its format; `None` for a
+    /// checkpoint of plain floats.
+    pub fn quantised_tensor(&self) -> Option<(&str, QuantFormat)> {
+        self.tensors
+            .iter()
+            .find_map(|(name, e)| e.quant.map(|f| (name.as_str(), f)))
+    }
+
+    /// Bytes of the model's tensors per storage format (`BF16`, `Q4_K`, ...), for what a
+    /// GGUF checkpoint holds.
+    pub fn bytes_by_format(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for e in self.tensors.values() {
+            let name = match (e.quant, e.dtype) {
+                (Some(f), _) => f.name().to_string(),
+                (None, Ok(d)) => format!("{d:?}").to_uppercase(),
+                (None, Err(d)) => format!("{d:?}"),
+            };
+            *out.entry(name).or_insert(0) += e.range.len() as u64;
+        }
+        out
+    }
+
     /// Names of all tensors.
     pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)
@@ -497,6 +617,24 @@ impl Checkpoint {
     /// bf16 decoding, made once on first use (open checked both lengths, so it succeeds).
     fn entry_bytes<'a>(&'a self, entry: &'a Entry) -> &'a [u8] {
         let stored = &self.shards[entry.shard].mmap[entry.range.clone()];
+        if let Some(heads) = entry.unpermute_heads {
+            return entry
+                .aligned
+                .get_or_init(|| {
+                    let rows = entry.shape.first().copied().unwrap_or(0).max(1);
+                    // `open_gguf` checked that the rows split into whole heads of pairs.
+                    let restored = crate::model::gguf::llama::unpermute_rows(
+                        stored,
+                        heads,
+                        stored.len() / rows,
+                    )
+                    .unwrap_or_default();
+                    let mut out = ImageBuffer::zeroed(restored.len());
+                    out.as_bytes_mut().copy_from_slice(&restored);
+                    out
+                })
+                .as_bytes();
+        }
         let Some(scales) = &entry.mxfp4 else {
             return stored;
         };
@@ -577,17 +715,41 @@ impl Checkpoint {
     /// Typed view of `src` and its column count (a vector's length for 1-D tensors).
     fn view(&self, src: &Source) -> Result<(TypedSlice<'_>, usize), CheckpointError> {
         let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
-        let bytes = self.aligned_bytes(&src.name, bytes, dtype);
+        let quant = self.tensors.get(&src.name).and_then(|e| e.quant);
+        let bytes = match quant {
+            // Blocks are bytes: any address will do.
+            Some(_) => bytes,
+            None => self.aligned_bytes(&src.name, bytes, dtype),
+        };
         let (bytes, cols) = if src.shape.len() == 1 {
             (bytes, src.shape[0])
         } else {
             // Rows over the leading dimensions flattened (gpt-oss's 3-D expert tensors are
             // `[experts * in, out]` this way), columns the last dimension.
             let cols: usize = src.shape.last().copied().unwrap_or(1);
-            let row_bytes = cols * dtype.bytes() as usize;
+            let row_bytes = self
+                .tensors
+                .get(&src.name)
+                .and_then(|e| e.row_bytes(cols, dtype))
+                .unwrap_or(0);
             let rows = bytes.get(src.rows.start * row_bytes..src.rows.end * row_bytes);
             (rows.unwrap_or_default(), cols)
         };
+        if let Some(format) = quant {
+            let elems = if src.shape.len() == 1 {
+                cols
+            } else {
+                src.rows.len() * cols
+            };
+            let slice =
+                QuantSlice::new(bytes, format, elems).map_err(|e| CheckpointError::Shape {
+                    path: path.display().to_string(),
+                    tensor: format!("{} ({e})", src.name),
+                    expected: src.shape.clone(),
+                    got: vec![bytes.len()],
+                })?;
+            return Ok((TypedSlice::Quant(slice), cols));
+        }
         // `aligned_bytes` made the start aligned and rows are whole elements, so this fails
         // only on a length that is not whole elements: a shape the header contradicts.
         let slice = TypedSlice::from_bytes(bytes, dtype).map_err(|_| CheckpointError::Shape {
@@ -838,15 +1000,16 @@ impl Checkpoint {
         for kind in LayerLayout::kinds(&self.arch, layer) {
             let src = self.source(layer, kind);
             // The entry only: an MXFP4 tensor is not decoded to learn its dtype.
-            let (_, dtype, _) = self.checked_entry(&src.name, &src.shape)?;
-            dtypes.insert(format!("{kind:?}"), dtype);
+            let (entry, dtype, _) = self.checked_entry(&src.name, &src.shape)?;
+            dtypes.insert(format!("{kind:?}"), (dtype, entry.quant));
         }
-        Ok(LayerLayout::new(&self.arch, layer, |k| {
-            dtypes
-                .get(&format!("{k:?}"))
-                .copied()
-                .unwrap_or(self.card.dtype)
-        }))
+        let format = |k: SegmentKind| dtypes.get(&format!("{k:?}")).copied();
+        Ok(LayerLayout::with_quant(
+            &self.arch,
+            layer,
+            |k| format(k).map_or(self.card.dtype, |f| f.0),
+            |k| format(k).and_then(|f| f.1),
+        ))
     }
 
     /// The stored bytes of segment `seg` of layer `layer`, straight from the memory map: the
@@ -857,7 +1020,8 @@ impl Checkpoint {
         self.check_layer(layer)?;
         let src = self.source(layer, seg.kind);
         let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
-        if dtype != seg.dtype {
+        let entry_quant = self.tensors.get(&src.name).and_then(|e| e.quant);
+        if dtype != seg.dtype || entry_quant != seg.quant {
             return Err(CheckpointError::Dtype {
                 path: path.display().to_string(),
                 tensor: src.name,
@@ -867,7 +1031,11 @@ impl Checkpoint {
         // The tensor's own row width (checked against the card above), not the layout's:
         // its last dimension, rows over the leading ones flattened.
         let cols: usize = src.shape.last().copied().unwrap_or(1);
-        let row_bytes = cols * dtype.bytes() as usize;
+        let row_bytes = self
+            .tensors
+            .get(&src.name)
+            .and_then(|e| e.row_bytes(cols, dtype))
+            .unwrap_or(0);
         let part = if src.shape.len() == 1 {
             Some(bytes)
         } else {
@@ -1009,6 +1177,8 @@ fn mxfp4_entries(
                         shard: scales_shard,
                         range: scales,
                     }),
+                    quant: None,
+                    unpermute_heads: None,
                 },
             );
         }

@@ -13,6 +13,7 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, QkNorm, WeightDtype};
 use crate::model::family;
 use crate::model::kernels::mla::MlaWeights;
+use crate::model::quant::QuantFormat;
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
     DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
@@ -133,8 +134,10 @@ pub struct Segment {
     pub rows: usize,
     /// Stored columns.
     pub cols: usize,
-    /// Stored dtype.
+    /// Stored dtype (f32 for a quantised segment: what it decodes to).
     pub dtype: WeightDtype,
+    /// The block format of a quantised segment (`None`: plain `dtype` elements).
+    pub quant: Option<QuantFormat>,
     /// Matrix orientation; `None` for vectors (norm weights).
     pub orientation: Option<Orientation>,
 }
@@ -389,13 +392,33 @@ impl LayerLayout {
         layer: usize,
         dtype_of: impl Fn(SegmentKind) -> WeightDtype,
     ) -> Self {
+        Self::with_quant(arch, layer, dtype_of, |_| None)
+    }
+
+    /// Layout of layer `layer` with each segment's dtype given by `dtype_of` and, for a
+    /// block-quantised segment, its format by `quant_of` (its bytes are then whole blocks).
+    pub fn with_quant(
+        arch: &ArchSpec,
+        layer: usize,
+        dtype_of: impl Fn(SegmentKind) -> WeightDtype,
+        quant_of: impl Fn(SegmentKind) -> Option<QuantFormat>,
+    ) -> Self {
         let dense = arch.is_dense(layer);
         let mut offset = 0;
         let mut segments = Vec::new();
         for kind in Self::kinds(arch, layer) {
             let (rows, cols, orientation) = Self::shape_of(arch, kind);
-            let dtype = dtype_of(kind);
-            let len_bytes = rows * cols * dtype.bytes() as usize;
+            let quant = quant_of(kind);
+            let dtype = if quant.is_some() {
+                WeightDtype::F32
+            } else {
+                dtype_of(kind)
+            };
+            let len_bytes = match quant {
+                // A quantised tensor's rows are whole blocks (the reader checked).
+                Some(format) => format.bytes_for(cols).unwrap_or(0) * rows,
+                None => rows * cols * dtype.bytes() as usize,
+            };
             segments.push(Segment {
                 kind,
                 offset,
@@ -403,6 +426,7 @@ impl LayerLayout {
                 rows,
                 cols,
                 dtype,
+                quant,
                 orientation,
             });
             offset = align_up(offset + len_bytes);

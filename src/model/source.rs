@@ -163,7 +163,14 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
             (dir, true)
         }
     };
-    let checkpoint = Checkpoint::open_with_card(&dir, card.as_ref())?;
+    // A `.gguf` file is llama.cpp's single-file checkpoint; its tokenizer is the family's
+    // embedded one (reading the GGUF vocabulary is not done yet), which the tokenizer's
+    // origin line says.
+    let checkpoint = if dir.is_file() && dir.extension().is_some_and(|e| e == "gguf") {
+        Checkpoint::open_gguf(&dir, card.as_ref())?
+    } else {
+        Checkpoint::open_with_card(&dir, card.as_ref())?
+    };
     let tokenizer = TextTokenizer::load(checkpoint.card(), Some(Path::new(&dir)))?;
     Ok(LoadedModel {
         checkpoint,

@@ -1,11 +1,14 @@
 //! Typed, borrowed views of weight tensors: what the kernels read.
 //!
 //! Takes raw little-endian bytes (from a memory map or any byte buffer) and gives typed
-//! slices in the checkpoint's dtype (bf16, f16 or f32) plus matrix views that know their
-//! storage orientation. Nothing here copies or converts weights; kernels widen to f32 tile
-//! by tile. Casting checks length and alignment and never panics.
+//! slices in the checkpoint's dtype (bf16, f16 or f32, or a GGUF block-quantised format,
+//! see `model::quant`) plus matrix views that know their storage orientation. Nothing here
+//! copies or converts weights; kernels widen (or dequantise) to f32 tile by tile. Casting
+//! checks length and alignment and never panics; a quantised matrix's rows are whole
+//! blocks, checked when it is built.
 
 use crate::model::card::WeightDtype;
+use crate::model::quant::{QuantFormat, QuantSlice};
 use half::{bf16, f16};
 
 /// A borrowed run of weights in their stored dtype.
@@ -17,6 +20,8 @@ pub enum TypedSlice<'a> {
     F16(&'a [f16]),
     /// IEEE single elements.
     F32(&'a [f32]),
+    /// Block-quantised weights (llama.cpp's GGUF formats), decoded to f32 as read.
+    Quant(QuantSlice<'a>),
 }
 
 /// Why bytes cannot be viewed as a typed slice.
@@ -75,6 +80,7 @@ impl<'a> TypedSlice<'a> {
             TypedSlice::Bf16(s) => s.len(),
             TypedSlice::F16(s) => s.len(),
             TypedSlice::F32(s) => s.len(),
+            TypedSlice::Quant(q) => q.len,
         }
     }
 
@@ -83,21 +89,38 @@ impl<'a> TypedSlice<'a> {
         self.len() == 0
     }
 
-    /// The stored dtype.
+    /// The stored float dtype; f32 for quantised weights (what they decode to; see
+    /// [`TypedSlice::quant_format`]).
     pub fn dtype(&self) -> WeightDtype {
         match self {
             TypedSlice::Bf16(_) => WeightDtype::Bf16,
             TypedSlice::F16(_) => WeightDtype::F16,
-            TypedSlice::F32(_) => WeightDtype::F32,
+            TypedSlice::F32(_) | TypedSlice::Quant(_) => WeightDtype::F32,
         }
     }
 
-    /// Elements `range` of this slice (caller guarantees the range is in bounds).
+    /// The block format of quantised weights; `None` for float ones.
+    pub fn quant_format(&self) -> Option<QuantFormat> {
+        match self {
+            TypedSlice::Quant(q) => Some(q.format),
+            _ => None,
+        }
+    }
+
+    /// Elements `range` of this slice (caller guarantees the range is in bounds and, for
+    /// quantised weights, on block boundaries: whole rows of a [`Matrix`] always are).
     pub fn slice(&self, range: std::ops::Range<usize>) -> TypedSlice<'a> {
         match self {
             TypedSlice::Bf16(s) => TypedSlice::Bf16(&s[range]),
             TypedSlice::F16(s) => TypedSlice::F16(&s[range]),
             TypedSlice::F32(s) => TypedSlice::F32(&s[range]),
+            TypedSlice::Quant(q) => match q.slice(range.clone()) {
+                Some(part) => TypedSlice::Quant(part),
+                None => panic!(
+                    "weights {range:?} of {} {} weights are not whole blocks",
+                    q.len, q.format
+                ),
+            },
         }
     }
 
@@ -137,13 +160,19 @@ pub struct Matrix<'a> {
 }
 
 impl<'a> Matrix<'a> {
-    /// Builds a matrix view; `None` if the element count does not match.
+    /// Builds a matrix view; `None` if the element count does not match, or for quantised
+    /// weights when a stored row is not whole blocks.
     pub fn new(
         data: TypedSlice<'a>,
         rows: usize,
         cols: usize,
         orientation: Orientation,
     ) -> Option<Self> {
+        if let TypedSlice::Quant(q) = data {
+            if !cols.is_multiple_of(q.format.block_elems()) {
+                return None;
+            }
+        }
         (rows.checked_mul(cols)? == data.len()).then_some(Matrix {
             data,
             rows,

@@ -60,6 +60,7 @@ impl Kernels {
             out.fill(0.0);
             return Ok(());
         }
+        check_quant(w)?;
         match w.orientation {
             Orientation::OutIn => out_in(self.isa(), x, n_rows, w, out),
             Orientation::InOut => in_out(self.isa(), x, n_rows, w, out),
@@ -67,6 +68,31 @@ impl Kernels {
         Ok(())
     }
 }
+
+/// Refuses quantised weights the products cannot read block by block: stored in-out
+/// (GGUF stores every matrix out-in), or with rows that are not whole blocks.
+fn check_quant(w: &Matrix<'_>) -> Result<(), KernelError> {
+    let Some(format) = w.data.quant_format() else {
+        return Ok(());
+    };
+    if w.orientation == Orientation::InOut {
+        return Err(KernelError::QuantLayout {
+            format,
+            what: "in-out",
+        });
+    }
+    if !w.cols.is_multiple_of(format.block_elems()) {
+        return Err(KernelError::QuantLayout {
+            format,
+            what: "with rows that are not whole blocks",
+        });
+    }
+    Ok(())
+}
+
+/// Weight rows a quantised panel decodes at a time: 16 rows of a 4096-wide matrix are
+/// 256 KiB of f32, which stays in L2 while every activation row is multiplied with them.
+const QUANT_SUB_ROWS: usize = 16;
 
 /// Which `OutIn` bodies (the projections of every model) an instruction set runs, by rows
 /// per call, in words for the run report and `moec devices`.
@@ -130,6 +156,9 @@ fn out_in_rows(
     o0: usize,
     rows: usize,
 ) -> Vec<f32> {
+    if let TypedSlice::Quant(q) = w.data {
+        return quant_rows(isa, acts, n_rows, q, w.cols, o0, rows);
+    }
     let mut local = vec![0.0f32; n_rows * rows];
     let x = match acts {
         Acts::Plain(x) => *x,
@@ -165,6 +194,44 @@ fn out_in_rows(
         // SAFETY: as above.
         Isa::Avx2 => unsafe { avx2::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
         _ => portable::out_in_panel(x, n_rows, w, o0, rows, &mut local),
+    }
+    local
+}
+
+/// [`out_in_rows`] for quantised weights: each group of [`QUANT_SUB_ROWS`] weight rows is
+/// decoded to f32 once (ggml's reference decoding) and multiplied by the f32 body, so a
+/// quantised product sums every element exactly as the same matrix stored as f32 would:
+/// batch invariance and equal bits across instruction sets carry over unchanged.
+fn quant_rows(
+    isa: Isa,
+    acts: &Acts<'_>,
+    n_rows: usize,
+    q: crate::model::quant::QuantSlice<'_>,
+    cols: usize,
+    o0: usize,
+    rows: usize,
+) -> Vec<f32> {
+    let mut local = vec![0.0f32; n_rows * rows];
+    let mut decoded = vec![0.0f32; QUANT_SUB_ROWS.min(rows) * cols];
+    for s0 in (0..rows).step_by(QUANT_SUB_ROWS) {
+        let sub = QUANT_SUB_ROWS.min(rows - s0);
+        let part = &mut decoded[..sub * cols];
+        // `check_quant` made rows whole blocks and `Kernels::linear` checked the element
+        // count, so this range is inside `q` on block boundaries.
+        TypedSlice::Quant(q)
+            .slice((o0 + s0) * cols..(o0 + s0 + sub) * cols)
+            .widen_into(part);
+        let m = Matrix {
+            data: TypedSlice::F32(part),
+            rows: sub,
+            cols,
+            orientation: Orientation::OutIn,
+        };
+        let block = out_in_rows(isa, acts, n_rows, &m, 0, sub);
+        for t in 0..n_rows {
+            local[t * rows + s0..t * rows + s0 + sub]
+                .copy_from_slice(&block[t * sub..(t + 1) * sub]);
+        }
     }
     local
 }
@@ -227,6 +294,7 @@ impl Kernels {
             check_len("matmul input", x.len(), n_rows * w.in_dim())?;
             check_len("matmul output", out.len(), n_rows * w.out_dim())?;
             check_len("matmul weights", w.data.len(), w.rows * w.cols)?;
+            check_quant(w)?;
         }
         let (out_dim, in_dim) = (gate.rows, gate.cols);
         let isa = self.isa();
@@ -403,6 +471,9 @@ mod avx512 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
+            // Never read as typed elements: the dispatchers send quantised weights to the
+            // portable body (`quant_rows` decodes them to f32 before any SIMD body runs).
+            TypedSlice::Quant(q) => q.bytes.as_ptr(),
         }
     }
 
@@ -445,6 +516,9 @@ mod avx512 {
                 TypedSlice::Bf16(_) => out_in_panel_t::<BF16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F16(_) => out_in_panel_t::<F16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F32(_) => out_in_panel_t::<F32>(x, n_rows, w, o0, rows, local),
+                // `quant_rows` decodes quantised panels before this body; the portable
+                // body gives the same bits if one ever arrives here.
+                TypedSlice::Quant(_) => portable::out_in_panel(x, n_rows, w, o0, rows, local),
             }
         }
     }
@@ -552,6 +626,8 @@ mod avx512 {
                 TypedSlice::Bf16(_) => in_out_band_t::<BF16>(x, n_rows, w, c0, width, local),
                 TypedSlice::F16(_) => in_out_band_t::<F16>(x, n_rows, w, c0, width, local),
                 TypedSlice::F32(_) => in_out_band_t::<F32>(x, n_rows, w, c0, width, local),
+                // `Kernels::linear` refuses quantised in-out matrices before any body.
+                TypedSlice::Quant(_) => portable::in_out_band(x, n_rows, w, c0, width, local),
             }
         }
     }
@@ -660,6 +736,9 @@ mod avx2 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
+            // Never read as typed elements: the dispatchers send quantised weights to the
+            // portable body (`quant_rows` decodes them to f32 before any SIMD body runs).
+            TypedSlice::Quant(q) => q.bytes.as_ptr(),
         }
     }
 
@@ -815,6 +894,8 @@ mod avx2 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
+            // Not reached: see `base`.
+            TypedSlice::Quant(q) => q.bytes.as_ptr(),
         };
         let xp = x.as_ptr();
         let n_rows = t_rows.end;
@@ -933,6 +1014,8 @@ mod avx2 {
                 TypedSlice::Bf16(_) => in_out_band_t::<BF16>(x, n_rows, w, c0, width, local),
                 TypedSlice::F16(_) => in_out_band_t::<F16>(x, n_rows, w, c0, width, local),
                 TypedSlice::F32(_) => in_out_band_t::<F32>(x, n_rows, w, c0, width, local),
+                // `Kernels::linear` refuses quantised in-out matrices before any body.
+                TypedSlice::Quant(_) => portable::in_out_band(x, n_rows, w, c0, width, local),
             }
         }
     }
@@ -1249,5 +1332,87 @@ mod tests {
         );
         linear(&[1.0; 3], 1, &m, &mut out).unwrap();
         assert_eq!(out, vec![1.5, 1.5]);
+    }
+
+    /// Quantised matrices (every format, rows of one and several blocks, panels cut
+    /// mid-way): the product equals, bit for bit, the product of the same matrix decoded
+    /// to f32 (so batch invariance and equal bits across instruction sets carry over), at
+    /// every row count and instruction set, plain and gated; and agrees with a naive f64
+    /// product of the decoded weights.
+    #[test]
+    fn quantised_products_are_the_decoded_f32_products() {
+        use crate::model::kernels::isa::{Isa, Kernels};
+        use crate::model::quant::{random_blocks, QuantFormat, QuantSlice};
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for format in QuantFormat::ALL {
+            for &(rows, blocks_per_row) in &[(3usize, 1usize), (70, 2)] {
+                let cols = blocks_per_row * format.block_elems();
+                let bytes = random_blocks(format, rows * blocks_per_row, rows as u64);
+                let q = QuantSlice::new(&bytes, format, rows * cols).unwrap();
+                let mut decoded = vec![0.0f32; rows * cols];
+                q.dequantize_into(&mut decoded).unwrap();
+                let m = Matrix::new(TypedSlice::Quant(q), rows, cols, Orientation::OutIn).unwrap();
+                let f =
+                    Matrix::new(TypedSlice::F32(&decoded), rows, cols, Orientation::OutIn).unwrap();
+                for n_rows in [1usize, 2, 5, 9] {
+                    let x: Vec<f32> = (0..n_rows * cols)
+                        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                        .collect();
+                    let want_naive = naive(&x, n_rows, &decoded, rows, cols, Orientation::OutIn);
+                    for isa in Isa::supported() {
+                        let k = Kernels::new(isa).unwrap();
+                        let (mut got, mut want) =
+                            (vec![0.0; n_rows * rows], vec![0.0; n_rows * rows]);
+                        k.linear(&x, n_rows, &m, &mut got).unwrap();
+                        k.linear(&x, n_rows, &f, &mut want).unwrap();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{format} {isa} {n_rows}x{rows}x{cols}"
+                        );
+                        for (g, n) in got.iter().zip(&want_naive) {
+                            assert!(
+                                (g - n).abs() <= 1e-4 * (1.0 + n.abs()),
+                                "{format}: {g} vs {n}"
+                            );
+                        }
+                        let silu = |v: f32| v / (1.0 + (-v).exp());
+                        k.linear_gated(&x, n_rows, &m, &m, silu, &mut got).unwrap();
+                        k.linear_gated(&x, n_rows, &f, &f, silu, &mut want).unwrap();
+                        assert_eq!(bits(&got), bits(&want), "gated {format} {isa}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Quantised weights stored in-out, or with rows that are not whole blocks, are an
+    /// error naming the format, never a panic.
+    #[test]
+    fn quantised_layouts_the_products_do_not_take_are_errors() {
+        use crate::model::quant::{random_blocks, QuantFormat, QuantSlice};
+        let bytes = random_blocks(QuantFormat::Q8_0, 4, 2);
+        let q = QuantSlice::new(&bytes, QuantFormat::Q8_0, 128).unwrap();
+        let in_out = Matrix {
+            data: TypedSlice::Quant(q),
+            rows: 4,
+            cols: 32,
+            orientation: Orientation::InOut,
+        };
+        let mut out = vec![0.0; 32];
+        let err = linear(&[0.5; 4], 1, &in_out, &mut out).unwrap_err();
+        assert!(
+            err.to_string().contains("Q8_0 weights stored in-out"),
+            "{err}"
+        );
+        assert!(Matrix::new(TypedSlice::Quant(q), 8, 16, Orientation::OutIn).is_none());
+        let ragged = Matrix {
+            data: TypedSlice::Quant(q),
+            rows: 8,
+            cols: 16,
+            orientation: Orientation::OutIn,
+        };
+        let mut out = vec![0.0; 8];
+        assert!(linear(&[0.5; 16], 1, &ragged, &mut out).is_err());
     }
 }

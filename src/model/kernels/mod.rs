@@ -68,6 +68,14 @@ pub enum KernelError {
         /// Length given.
         got: usize,
     },
+    /// Quantised weights in a layout the quantised products do not take.
+    #[error("{format} weights stored {what}: moec multiplies quantised matrices only as stored [out, in] rows of whole blocks")]
+    QuantLayout {
+        /// The block format.
+        format: crate::model::quant::QuantFormat,
+        /// What is unsupported about the layout.
+        what: &'static str,
+    },
 }
 
 /// Checks a buffer length.

@@ -58,7 +58,8 @@ pub fn weighted_rows(
 }
 
 impl Kernels {
-    /// Widens `src` into `dst` (equal lengths) as f32; exact for every dtype.
+    /// Widens `src` into `dst` (equal lengths) as f32; exact for every float dtype, and
+    /// ggml's reference decoding for quantised weights (the same bits for every `isa`).
     pub fn widen(self, src: TypedSlice<'_>, dst: &mut [f32]) {
         debug_assert_eq!(src.len(), dst.len());
         match src {
@@ -81,6 +82,12 @@ impl Kernels {
                     Isa::Avx2 => unsafe { avx2::widen_bf16(bits, dst) },
                     _ => portable::widen_bf16(bits, dst),
                 }
+            }
+            TypedSlice::Quant(q) => {
+                // Lengths were checked against each other above (debug) and by every
+                // caller's view; a mismatch leaves `dst` as it was rather than panicking.
+                let n = q.len.min(dst.len());
+                let _ = q.dequantize_into(&mut dst[..n]);
             }
         }
     }

@@ -321,6 +321,7 @@ mod tests {
             TypedSlice::Bf16(s) => bytemuck::cast_slice(s),
             TypedSlice::F16(s) => bytemuck::cast_slice(s),
             TypedSlice::F32(s) => bytemuck::cast_slice(s),
+            TypedSlice::Quant(q) => q.bytes,
         }
     }
 

@@ -249,6 +249,21 @@ pub enum ImageError {
     /// The checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The checkpoint stores block-quantised tensors, which the packed image and the
+    /// compiled schedule's byte counts do not carry yet.
+    #[error(
+        "checkpoint {dir}: tensor `{tensor}` is stored as {format}; quantised checkpoints run \
+         with `moec generate` (the reference forward pass) only so far: schedules need the \
+         packed image to carry a format per tensor, which is not done yet"
+    )]
+    Quantised {
+        /// The checkpoint.
+        dir: String,
+        /// The first quantised tensor.
+        tensor: String,
+        /// Its format.
+        format: crate::model::quant::QuantFormat,
+    },
     /// The checkpoint's stored layout does not match the card the schedule was compiled for.
     #[error("checkpoint {dir}: {what} takes {got} bytes but the compiled schedule assumes {expected} (is the checkpoint stored in the card's dtype?)")]
     Mismatch {
@@ -291,6 +306,13 @@ pub fn image_layout(
     layout: CheckpointLayout,
 ) -> Result<ImageLayout, ImageError> {
     let dir = checkpoint.dir().display().to_string();
+    if let Some((tensor, format)) = checkpoint.quantised_tensor() {
+        return Err(ImageError::Quantised {
+            dir,
+            tensor: tensor.to_string(),
+            format,
+        });
+    }
     let mismatch = |what, got: u64, expected: u64| ImageError::Mismatch {
         dir: dir.clone(),
         what,

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GGUF fixtures made by llama.cpp's own tools (issue 29), and llama.cpp's greedy tokens on
+# them. Takes: python3, g++, a moec binary (MOEC, default target/debug/moec). Uses the
+# llama-cpp-python sdist from PyPI as scripts/peer-bench.sh does, cached under
+# $MOEC_PEER_CACHE (default ~/.cache/moec-peer): a venv (q-venv) with cmake, ninja, numpy,
+# torch, transformers, safetensors, sentencepiece and the sdist's gguf-py; llama-quantize
+# built there (build-0.3.36, peer-bench's folder and flags); scripts/llama_greedy.cpp linked
+# against its static libraries.
+# Gives, in $OUT (default $MOEC_PEER_CACHE/gguf-fixtures): the synthetic checkpoint of
+# tests/fixtures/gguf/mixtral-q4-tiny.ron (`moec synth`, seed 0), its f32 GGUF
+# (convert_hf_to_gguf.py), its Q8_0 and Q4_K_M GGUFs (llama-quantize), and llama-<type>.json,
+# llama.cpp's 16 greedy tokens after tests/fixtures/gguf/llama_greedy.json's prompt ids.
+# Checks the GGUFs against tests/fixtures/gguf/SHA256SUMS.
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${MOEC_PEER_CACHE:-$HOME/.cache/moec-peer}
+OUT=${OUT:-$CACHE/gguf-fixtures}
+MOEC=${MOEC:-$REPO/target/debug/moec}
+VER=0.3.36
+PY=$CACHE/q-venv/bin/python
+LLAMA=$CACHE/llama_cpp_python-$VER/vendor/llama.cpp
+BUILD=$CACHE/build-$VER
+mkdir -p "$CACHE" "$OUT"
+if [ ! -x "$PY" ]; then
+  python3 -m venv "$CACHE/q-venv"
+  "$PY" -m pip install -q cmake ninja numpy torch transformers safetensors sentencepiece pyyaml requests
+fi
+if [ ! -d "$LLAMA" ]; then
+  "$PY" -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VER" -d "$CACHE/sdist"
+  tar -xzf "$CACHE/sdist/llama_cpp_python-$VER.tar.gz" -C "$CACHE"
+fi
+"$PY" -c "import gguf" 2>/dev/null || "$PY" -m pip install -q --no-deps "$LLAMA/gguf-py"
+if [ ! -x "$BUILD/bin/llama-quantize" ]; then
+  PATH=$CACHE/q-venv/bin:$PATH cmake -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DBUILD_SHARED_LIBS=OFF > "$CACHE/build-configure.log"
+  PATH=$CACHE/q-venv/bin:$PATH nice -n 15 ninja -C "$BUILD" -j 1 llama-quantize > "$CACHE/build-quantize.log"
+fi
+g++ -O2 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$REPO/scripts/llama_greedy.cpp" \
+  "$BUILD/src/libllama.a" "$BUILD/ggml/src/libggml.a" "$BUILD/ggml/src/libggml-cpu.a" \
+  "$BUILD/ggml/src/libggml-base.a" -fopenmp -lpthread -ldl -o "$OUT/llama_greedy"
+rm -rf "$OUT/mixtral-q4-hf"
+"$MOEC" synth --model "$REPO/tests/fixtures/gguf/mixtral-q4-tiny.ron" --out "$OUT/mixtral-q4-hf"
+"$PY" "$LLAMA/convert_hf_to_gguf.py" "$OUT/mixtral-q4-hf" --outtype f32 \
+  --outfile "$OUT/mixtral-q4-f32.gguf" > "$OUT/convert.log" 2>&1
+for t in Q8_0 Q4_K_M; do
+  "$BUILD/bin/llama-quantize" "$OUT/mixtral-q4-f32.gguf" "$OUT/mixtral-q4-$t.gguf" "$t" > "$OUT/quantize-$t.log" 2>&1
+done
+ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy.json'))['prompt_ids'])")
+for t in f32 Q8_0 Q4_K_M; do
+  # shellcheck disable=SC2086
+  "$OUT/llama_greedy" "$OUT/mixtral-q4-$t.gguf" 16 $ids 2>/dev/null > "$OUT/llama-$t.json"
+done
+(cd "$OUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS")
+echo "gguf-fixtures: written to $OUT"

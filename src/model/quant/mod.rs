@@ -1,0 +1,225 @@
+//! Block-quantised weights in llama.cpp's GGUF formats (Q8_0, Q4_K, Q5_K, Q6_K).
+//!
+//! Takes the raw bytes of a tensor stored in one of these formats (a run of fixed-size
+//! blocks, each holding [`QuantFormat::block_elems`] weights of one row); gives
+//! [`QuantSlice`], a borrowed view the kernels accept beside bf16/f16/f32 slices, and
+//! the dequantisation of whole blocks to f32. Guarantees: the byte layouts and the
+//! arithmetic are those of ggml's reference decoders (`ggml-common.h` block structs,
+//! `dequantize_row_*` in `ggml-quants.c`), written here from that format description, so
+//! a block decodes to the values llama.cpp computes with (the unit tests hold hand-worked
+//! blocks and gguf-py's own `dequantize` output); a length that is not whole blocks is an
+//! error, never a panic. Every decoder multiplies and subtracts in separate f32 steps
+//! (no fused multiply-add), so the portable and SIMD decoders give the same bits.
+
+mod blocks;
+
+pub use blocks::dequantize_blocks;
+
+/// A block-quantised storage format (ggml's `GGML_TYPE_*` of the same name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum QuantFormat {
+    /// Blocks of 32 weights: an f16 scale and 32 signed bytes (8.5 bits a weight).
+    Q8_0,
+    /// Super-blocks of 256 weights: f16 scale and min, eight 6-bit sub-block scales and
+    /// mins, 4-bit codes (4.5 bits a weight).
+    Q4K,
+    /// As [`QuantFormat::Q4K`] with a fifth bit per code (5.5 bits a weight).
+    Q5K,
+    /// Super-blocks of 256 weights: 6-bit codes, sixteen 8-bit sub-block scales and an
+    /// f16 scale (6.5625 bits a weight).
+    Q6K,
+}
+
+/// Weights per super-block of the K formats (ggml's `QK_K`).
+pub const QK_K: usize = 256;
+
+impl QuantFormat {
+    /// Every format, in ggml type-id order.
+    pub const ALL: [QuantFormat; 4] = [
+        QuantFormat::Q8_0,
+        QuantFormat::Q4K,
+        QuantFormat::Q5K,
+        QuantFormat::Q6K,
+    ];
+
+    /// Weights per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 2 + 32,
+            QuantFormat::Q4K => 2 + 2 + 12 + QK_K / 2,
+            QuantFormat::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
+            QuantFormat::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+        }
+    }
+
+    /// Bytes of `elems` weights, when `elems` is whole blocks.
+    pub fn bytes_for(self, elems: usize) -> Option<usize> {
+        elems
+            .is_multiple_of(self.block_elems())
+            .then(|| elems / self.block_elems() * self.block_bytes())
+    }
+
+    /// The ggml type id (`GGML_TYPE_Q8_0` = 8, `Q4_K` = 12, `Q5_K` = 13, `Q6_K` = 14).
+    pub fn ggml_type(self) -> u32 {
+        match self {
+            QuantFormat::Q8_0 => 8,
+            QuantFormat::Q4K => 12,
+            QuantFormat::Q5K => 13,
+            QuantFormat::Q6K => 14,
+        }
+    }
+
+    /// The format of a ggml type id, if moec computes with it.
+    pub fn from_ggml_type(id: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.ggml_type() == id)
+    }
+
+    /// The name llama.cpp prints (`Q4_K`).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Q8_0 => "Q8_0",
+            QuantFormat::Q4K => "Q4_K",
+            QuantFormat::Q5K => "Q5_K",
+            QuantFormat::Q6K => "Q6_K",
+        }
+    }
+}
+
+impl std::fmt::Display for QuantFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why bytes cannot be viewed or decoded as quantised weights.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    /// The element count is not whole blocks, or the bytes disagree with it.
+    #[error("{elems} {format} weights need whole blocks of {block} ({bytes} bytes given)")]
+    Blocks {
+        /// The format.
+        format: QuantFormat,
+        /// Weights asked for.
+        elems: usize,
+        /// Weights per block.
+        block: usize,
+        /// Bytes given.
+        bytes: usize,
+    },
+}
+
+/// A borrowed run of quantised weights: `len` weights in whole blocks of `format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantSlice<'a> {
+    /// The storage format.
+    pub format: QuantFormat,
+    /// The blocks, `len / block_elems * block_bytes` bytes.
+    pub bytes: &'a [u8],
+    /// Weights (a multiple of the format's block).
+    pub len: usize,
+}
+
+impl<'a> QuantSlice<'a> {
+    /// Views `bytes` as `elems` weights of `format`; the bytes must be exactly whole blocks.
+    pub fn new(bytes: &'a [u8], format: QuantFormat, elems: usize) -> Result<Self, QuantError> {
+        match format.bytes_for(elems) {
+            Some(n) if n == bytes.len() => Ok(QuantSlice {
+                format,
+                bytes,
+                len: elems,
+            }),
+            _ => Err(QuantError::Blocks {
+                format,
+                elems,
+                block: format.block_elems(),
+                bytes: bytes.len(),
+            }),
+        }
+    }
+
+    /// Weights `range` of this slice, when both ends fall on block boundaries (a matrix
+    /// row of a quantised tensor always does: rows are whole blocks); `None` otherwise.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Option<QuantSlice<'a>> {
+        let block = self.format.block_elems();
+        if !range.start.is_multiple_of(block)
+            || !range.end.is_multiple_of(block)
+            || range.start > range.end
+            || range.end > self.len
+        {
+            return None;
+        }
+        let bb = self.format.block_bytes();
+        Some(QuantSlice {
+            format: self.format,
+            bytes: &self.bytes[range.start / block * bb..range.end / block * bb],
+            len: range.len(),
+        })
+    }
+
+    /// Decodes every weight into `dst` (`len` values).
+    pub fn dequantize_into(&self, dst: &mut [f32]) -> Result<(), QuantError> {
+        dequantize_blocks(self.format, self.bytes, dst)
+    }
+}
+
+/// Test blocks: `n_blocks` blocks of `format` with pseudo-random codes and scale bytes and
+/// finite f16 super-block scales of magnitude below `0.05` (any such bytes are a valid
+/// block), deterministic in `seed`.
+#[cfg(test)]
+pub(crate) fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> Vec<u8> {
+    let mut rng = crate::model::rng::Rng::new(seed);
+    let bb = format.block_bytes();
+    let mut bytes: Vec<u8> = (0..n_blocks * bb)
+        .map(|_| (rng.next_u64() >> 56) as u8)
+        .collect();
+    let f16_fields: &[usize] = match format {
+        QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q6K => &[208],
+    };
+    for block in bytes.chunks_exact_mut(bb) {
+        for &at in f16_fields {
+            let v = ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+            block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_fall_on_block_boundaries_only() {
+        let bytes = random_blocks(QuantFormat::Q4K, 4, 1);
+        let q = QuantSlice::new(&bytes, QuantFormat::Q4K, 1024).unwrap();
+        let part = q.slice(256..768).unwrap();
+        assert_eq!((part.len, part.bytes.len()), (512, 288));
+        assert_eq!(part.bytes, &bytes[144..432]);
+        assert!(q.slice(0..100).is_none());
+        assert!(q.slice(256..1280).is_none());
+        assert!(QuantSlice::new(&bytes[..143], QuantFormat::Q4K, 256).is_err());
+        assert!(QuantSlice::new(&bytes, QuantFormat::Q4K, 1000).is_err());
+    }
+
+    #[test]
+    fn ggml_type_ids_round_trip() {
+        for f in QuantFormat::ALL {
+            assert_eq!(QuantFormat::from_ggml_type(f.ggml_type()), Some(f));
+        }
+        assert_eq!(
+            QuantFormat::from_ggml_type(2),
+            None,
+            "Q4_0 is not supported yet"
+        );
+    }
+}

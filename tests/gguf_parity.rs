@@ -1,0 +1,73 @@
+//! moec's greedy tokens on GGUF files made by llama.cpp's own tools equal llama.cpp's.
+//!
+//! The fixtures (a tiny Mixtral as f32, Q8_0 and Q4_K_M GGUFs, the last mixing Q4_K and
+//! Q6_K tensors) and llama.cpp's greedy tokens on them come from `scripts/gguf_fixtures.sh`;
+//! the tokens are checked in (`tests/fixtures/gguf/llama_greedy.json`), the GGUFs are found
+//! by their sha256 (`SHA256SUMS`) in `$MOEC_GGUF_FIXTURES` (default
+//! `~/.cache/moec-peer/gguf-fixtures`). Without them the test says why and passes: building
+//! llama.cpp takes longer than CI allows on 2 cores.
+//!
+//! Tolerance: at least 95% of the 16 positions (issue 29's bar). moec decodes blocks as
+//! ggml's reference decoder does and multiplies in f32; llama.cpp multiplies quantised
+//! weights with activations it quantises to 8 bits, so the logits differ slightly and a
+//! near tie may flip a token; on these fixtures all 16 agree for every type.
+
+use moec::model::oracle::{GenerateOptions, Oracle};
+use moec::model::Checkpoint;
+use std::path::PathBuf;
+
+fn fixtures() -> Option<PathBuf> {
+    let dir = std::env::var_os("MOEC_GGUF_FIXTURES")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/moec-peer/gguf-fixtures"))
+        })?;
+    dir.join("mixtral-q4-Q4_K_M.gguf").is_file().then_some(dir)
+}
+
+#[test]
+fn greedy_tokens_match_llama_cpp_on_its_own_ggufs() {
+    let Some(dir) = fixtures() else {
+        eprintln!(
+            "gguf_parity: skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh, or set \
+             MOEC_GGUF_FIXTURES)"
+        );
+        return;
+    };
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy.json")).unwrap();
+    let prompt: Vec<u32> = golden["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    for ty in ["f32", "Q8_0", "Q4_K_M"] {
+        let want: Vec<u32> = golden["greedy"][ty]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let path = dir.join(format!("mixtral-q4-{ty}.gguf"));
+        let ck = Checkpoint::open_gguf(&path, None).unwrap();
+        let mut opts = GenerateOptions::greedy(want.len());
+        opts.stop_at_eos = false;
+        let got = Oracle::new(&ck)
+            .unwrap()
+            .generate(std::slice::from_ref(&prompt), &opts)
+            .unwrap();
+        let got = &got[0].token_ids;
+        let agree = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        eprintln!(
+            "gguf_parity: {ty}: {agree} of {} greedy tokens equal llama.cpp's",
+            want.len()
+        );
+        assert!(
+            agree * 100 >= 95 * want.len(),
+            "{ty}: {agree} of {} tokens agree\nmoec  {got:?}\nllama {want:?}",
+            want.len()
+        );
+    }
+}
