@@ -17,6 +17,9 @@ use moec::model::{
 use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
 
+/// moec against llama.cpp on GGUF files llama.cpp made (skips, saying why, without them).
+mod gguf_parity;
+
 /// A small Mixtral card (vocab 512) so rewriting checkpoints in tests is cheap.
 fn small_card(family: &str) -> ModelCard {
     let mut card = ModelCard::load(family).unwrap();

@@ -311,6 +311,82 @@ fn every_kernel_runs_like_the_cpu_kernels() {
         println!("paged_decode_attention (window {window:?}, sinks {sinks}): max abs diff vs CPU {err:.3e}");
         assert!(err < 1e-4, "attention: {err}");
     }
+
+    // The few-row projection: y[r] (=|+=) x[r] . W^T for weights stored [out, in] in each
+    // dtype, against an f64 sum of the same decoded weights. 64 inputs take the 16-byte
+    // path, 36 the one-element path; 1, 5 and 16 rows; y rows wider than out (ldy), and
+    // accumulation onto what is there. Tolerance 1e-5 on sums of O(1) terms: f32
+    // accumulation in another order than the f64 reference.
+    let f = function(&modules, "moe_grouped.cu", "linear_gemv");
+    for (in_dim, out_dim, n) in [(64usize, 19usize, 1usize), (64, 40, 5), (36, 9, 16)] {
+        let x = rng.vec(n * in_dim, 1.0);
+        let w = rng.vec(out_dim * in_dim, 0.5);
+        let ldy = out_dim + 3;
+        let y0 = rng.vec(n * ldy, 1.0);
+        let x_dev = stream.clone_htod(&x).expect("htod");
+        for (dtype, accumulate) in [(0i32, 0i32), (1, 1), (2, 0)] {
+            // The weights as stored, and their decoded values for the reference.
+            let (w_dev, decoded): (CudaSlice<u8>, Vec<f32>) = match dtype {
+                0 => {
+                    let v: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
+                    let bytes: Vec<u8> = v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect();
+                    (
+                        stream.clone_htod(&bytes).expect("htod"),
+                        v.iter().map(|b| b.to_f32()).collect(),
+                    )
+                }
+                1 => {
+                    let v: Vec<half::f16> = w.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    let bytes: Vec<u8> = v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect();
+                    (
+                        stream.clone_htod(&bytes).expect("htod"),
+                        v.iter().map(|b| b.to_f32()).collect(),
+                    )
+                }
+                _ => {
+                    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    (stream.clone_htod(&bytes).expect("htod"), w.clone())
+                }
+            };
+            let mut y_dev = stream.clone_htod(&y0).expect("htod");
+            let (n_i, in_i, out_i, ldy_i) = (n as i32, in_dim as i32, out_dim as i32, ldy as i32);
+            // SAFETY: argument types and order match the kernel's signature; x holds n x
+            // in floats, w out x in stored values, y n rows of ldy floats.
+            unsafe {
+                stream
+                    .launch_builder(&f)
+                    .arg(&x_dev)
+                    .arg(&w_dev)
+                    .arg(&mut y_dev)
+                    .arg(&n_i)
+                    .arg(&in_i)
+                    .arg(&out_i)
+                    .arg(&dtype)
+                    .arg(&ldy_i)
+                    .arg(&accumulate)
+                    .launch(cfg((out_dim.div_ceil(8) as u32, 1, 1), 256, 0))
+            }
+            .expect("launch");
+            let got = stream.clone_dtoh(&y_dev).expect("dtoh");
+            let mut want = y0.clone();
+            for r in 0..n {
+                for o in 0..out_dim {
+                    let dot: f64 = (0..in_dim)
+                        .map(|k| f64::from(x[r * in_dim + k]) * f64::from(decoded[o * in_dim + k]))
+                        .sum();
+                    let base = if accumulate == 1 {
+                        f64::from(y0[r * ldy + o])
+                    } else {
+                        0.0
+                    };
+                    want[r * ldy + o] = (base + dot) as f32;
+                }
+            }
+            let err = max_abs_diff(&got, &want);
+            println!("linear_gemv (in {in_dim}, out {out_dim}, rows {n}, dtype {dtype}): max abs diff {err:.3e}");
+            assert!(err < 1e-5, "linear_gemv: {err}");
+        }
+    }
 }
 
 /// The catalog's non-GEMM ops in kernels/ops.cu, through the stand-in, against the CPU
@@ -646,7 +722,14 @@ fn op_kernels_run_like_the_cpu() {
     // Many runs in one launch: 16-byte, 4-byte and byte-aligned runs (offset, length) of a
     // source copied to the same offsets of the destination, nothing else touched.
     let src: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
-    let runs: [(u64, u64); 6] = [(0, 16), (32, 48), (100, 3), (203, 17), (400, 256), (1020, 4)];
+    let runs: [(u64, u64); 6] = [
+        (0, 16),
+        (32, 48),
+        (100, 3),
+        (203, 17),
+        (400, 256),
+        (1020, 4),
+    ];
     let table: Vec<u64> = runs.iter().flat_map(|&(at, len)| [at, len]).collect();
     let (src_dev, table_dev) = (
         stream.clone_htod(&src).expect("htod"),
@@ -671,7 +754,11 @@ fn op_kernels_run_like_the_cpu() {
         let r = at as usize..(at + len) as usize;
         want[r.clone()].copy_from_slice(&src[r]);
     }
-    assert_eq!(stream.clone_dtoh(&dst_dev).expect("dtoh"), want, "copy_runs");
+    assert_eq!(
+        stream.clone_dtoh(&dst_dev).expect("dtoh"),
+        want,
+        "copy_runs"
+    );
     println!("copy_runs: each run copied, nothing else written");
 
     // The route layout: pack (expert, weight) pairs, then read the experts back; both
