@@ -498,6 +498,74 @@ fn batch_resumes_after_a_kill_without_losing_or_repeating_a_prompt() {
     );
 }
 
+/// `moec batch` runs a job on one engine session, compiled for prompts of 64 tokens and
+/// reopened when a later batch holds a longer prompt (here the second batch's 100-word
+/// prompt): every line's tokens are `moec run`'s for the same prompt.
+#[test]
+fn batch_reopens_its_session_for_a_longer_prompt_with_run_s_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = (0..100)
+        .map(|i| format!("word{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time",
+        long.as_str(),
+    ];
+    let input = dir.path().join("prompts.jsonl");
+    let lines: String = prompts
+        .iter()
+        .map(|p| format!("{}\n", serde_json::json!(p)))
+        .collect();
+    std::fs::write(&input, lines).unwrap();
+    let output = dir.path().join("results.jsonl");
+    let common = [
+        "schedules/cgopipe.sched",
+        "--hw",
+        "hardware/t4.ron",
+        "--gen-len",
+        "4",
+    ];
+    let mut args: Vec<&str> = vec!["batch"];
+    args.extend(common);
+    args.extend([
+        "--batch",
+        "2",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    let out = moec(dir.path(), &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results = batch_results(&output);
+    let long_tokens = results["3"]["prompt_tokens"].as_array().unwrap().len();
+    assert!(long_tokens > 64, "the long prompt has {long_tokens} tokens");
+    let mut args: Vec<&str> = vec!["run"];
+    args.extend(common);
+    for p in &prompts {
+        args.extend(["--prompt", p]);
+    }
+    args.push("--json");
+    let run = token_ids(&json(&moec(dir.path(), &args)));
+    let batch: Vec<Vec<u64>> = (1..=3)
+        .map(|line| {
+            results[&line.to_string()]["output_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect()
+        })
+        .collect();
+    assert_eq!(batch, run);
+}
+
 fn moec_in(cache: &Path, args: &[String]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moec"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))

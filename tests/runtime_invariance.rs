@@ -354,3 +354,189 @@ fn vslpipe_with_a_pass_token_budget_still_matches_the_oracle() {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }
+
+/// The driver's long-lived session (`runtime::driver::session::Session`, what `generate`
+/// and the server both run on) on mixtral-tiny, sequences submitted and cancelled while it
+/// runs. CGOPipe (static batches of two sequences, one per micro-batch): of three
+/// submitted, the first step admits the two longest and the third waits; cancelling a
+/// running one ends it at once with what it generated and gives its KV blocks back, and the
+/// waiting one is admitted only when the batch is over. VSLPipe (mixed steps): a sequence
+/// submitted while another decodes runs in the very next pass. Every sequence that finishes
+/// has the oracle's tokens; refusals (more tokens than the plan was compiled for, an empty
+/// prompt) leave the session serving.
+#[test]
+fn a_driver_session_admits_cancels_and_steps_with_the_oracle_s_tokens() {
+    use moec::runtime::driver::session::{SeqEnd, SeqEvent, SeqRequest, Session, SubmitError};
+    use std::collections::BTreeMap;
+    use std::sync::atomic::Ordering;
+
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ck_dir = dir.path().join("ck");
+    write_checkpoint(
+        &card,
+        &ck_dir,
+        &SynthOptions {
+            seed: 7,
+            dtype: card.dtype,
+            ..SynthOptions::default()
+        },
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let prompts: Vec<Vec<u32>> = prompts(card.vocab as u32).into_iter().take(3).collect();
+    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
+        .unwrap()
+        .generate(
+            &prompts,
+            &GenerateOptions {
+                stop_at_eos: false,
+                ..GenerateOptions::greedy(GEN_LEN)
+            },
+        )
+        .unwrap()
+        .into_iter()
+        .map(|g| g.token_ids)
+        .collect();
+    let request = |i: usize| SeqRequest {
+        prompt: prompts[i].clone(),
+        max_new_tokens: GEN_LEN,
+        sampling: moec::model::Sampling::Greedy,
+        seed: 0,
+        stop_at_eos: false,
+    };
+    let mut run = RunOptions::greedy(GEN_LEN);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let plan_for = |sched: &str, sets: &[(&str, &str)]| {
+        let source = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("schedules")
+                .join(sched),
+        )
+        .unwrap();
+        let mut options = Options::new(card.clone());
+        options.workload = Workload {
+            batch: 2,
+            prompt_len: 12,
+            gen_len: GEN_LEN as u64,
+        };
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let compiled = compile(&source, &options).unwrap();
+        lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap()
+    };
+    /// Steps until nothing waits or runs; every event in order.
+    fn drain<B: moec::runtime::Backend + ?Sized>(session: &mut Session<'_, B>) -> Vec<SeqEvent> {
+        let mut events = Vec::new();
+        while !session.is_idle() {
+            events.extend(session.step().unwrap());
+        }
+        events
+    }
+    let finished = |events: &[SeqEvent]| -> BTreeMap<usize, (SeqEnd, Vec<u32>)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                SeqEvent::Done {
+                    id, end, token_ids, ..
+                } => Some((*id, (*end, token_ids.clone()))),
+                SeqEvent::Token { .. } => None,
+            })
+            .collect()
+    };
+
+    // Static batches.
+    let plan = plan_for("cgopipe.sched", &[("ubs", "1"), ("n_ub", "2")]);
+    let backend = moec::runtime::registry::open(run.on, &plan, &checkpoint, &run.backend).unwrap();
+    let mut session = Session::new(&plan, &*backend, &run, GEN_LEN, 12).unwrap();
+    let too_many = SeqRequest {
+        max_new_tokens: GEN_LEN + 1,
+        ..request(0)
+    };
+    assert!(matches!(
+        session.submit(too_many),
+        Err(SubmitError::TooManyTokens { .. })
+    ));
+    let empty = SeqRequest {
+        prompt: Vec::new(),
+        ..request(0)
+    };
+    assert!(matches!(session.submit(empty), Err(SubmitError::Prompt(_))));
+    assert!(session.is_idle());
+    let ids: Vec<usize> = (0..3)
+        .map(|i| session.submit(request(i)).unwrap())
+        .collect();
+    assert_eq!(session.waiting(), 3);
+    let first = session.step().unwrap();
+    assert_eq!((session.running(), session.waiting()), (2, 1));
+    // MoE-Lightning's Alg. 2 takes the longest prompts first: 7 and 12 tokens, not 3.
+    let mut prefilled: Vec<usize> = first
+        .iter()
+        .filter_map(|e| match e {
+            SeqEvent::Token { id, .. } => Some(*id),
+            SeqEvent::Done { .. } => None,
+        })
+        .collect();
+    prefilled.sort_unstable();
+    assert_eq!(prefilled, [ids[0], ids[2]]);
+    let gauges = session.gauges();
+    let held = gauges.kv_blocks_used.load(Ordering::Relaxed);
+    match session.cancel(ids[2]) {
+        Some(SeqEvent::Done {
+            id,
+            end: SeqEnd::Cancelled,
+            token_ids,
+            ..
+        }) => {
+            assert_eq!(id, ids[2]);
+            assert_eq!(token_ids, expected[2][..1]);
+        }
+        other => panic!("cancel gave {other:?}"),
+    }
+    assert!(gauges.kv_blocks_used.load(Ordering::Relaxed) < held);
+    assert_eq!(session.running(), 1);
+    assert!(session.cancel(ids[2]).is_none(), "cancelled twice");
+    let rest = drain(&mut session);
+    let done = finished(&rest);
+    assert_eq!(done[&ids[0]], (SeqEnd::Length, expected[0].clone()));
+    assert_eq!(done[&ids[1]], (SeqEnd::Length, expected[1].clone()));
+    let first_done = rest
+        .iter()
+        .position(|e| matches!(e, SeqEvent::Done { id, .. } if *id == ids[0]))
+        .unwrap();
+    let waiting_starts = rest
+        .iter()
+        .position(|e| matches!(e, SeqEvent::Token { id, .. } if *id == ids[1]))
+        .unwrap();
+    assert!(
+        waiting_starts > first_done,
+        "the waiting sequence joined a batch already running"
+    );
+    drop(session);
+    drop(backend);
+
+    // Mixed steps: one group of two sequences.
+    let plan = plan_for("vslpipe.sched", &[("seqs", "2")]);
+    let backend = moec::runtime::registry::open(run.on, &plan, &checkpoint, &run.backend).unwrap();
+    let mut session = Session::new(&plan, &*backend, &run, GEN_LEN, 12).unwrap();
+    let a = session.submit(request(0)).unwrap();
+    let mut events = session.step().unwrap();
+    events.extend(session.step().unwrap());
+    assert_eq!(session.running(), 1, "the first sequence decodes");
+    let b = session.submit(request(2)).unwrap();
+    let next = session.step().unwrap();
+    assert_eq!(session.running(), 2);
+    assert!(
+        next.iter()
+            .any(|e| matches!(e, SeqEvent::Token { id, .. } if *id == b)),
+        "the second sequence waited: {next:?}"
+    );
+    events.extend(next);
+    events.extend(drain(&mut session));
+    let done = finished(&events);
+    assert_eq!(done[&a], (SeqEnd::Length, expected[0].clone()));
+    assert_eq!(done[&b], (SeqEnd::Length, expected[2].clone()));
+}

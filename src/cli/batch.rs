@@ -5,24 +5,32 @@
 //! "..."}`, `id` a string or an integer and optional: the line number by default; a bare
 //! JSON string is a prompt with the line number as its id) and `--batch N`. Reads the input
 //! a line at a time (never whole), gathers N prompts whose ids are not in the output yet,
-//! runs them as one `engine::run` (the schedule compiled for that batch) and appends one
+//! runs them on one `engine::session::Session` kept for the whole job and appends one
 //! JSON line per prompt to the output: `{"id", "prompt_tokens", "output_text",
 //! "output_ids", "finish_reason"}` (`stop` when the sequence ended at the card's EOS token,
 //! `length` when it reached `--gen-len`), then fsyncs, so a batch is on disk before the
 //! next starts.
+//!
+//! The session (model mapped, schedule compiled for `--batch` sequences and a prompt
+//! length, plan lowered, arenas allocated) is opened once: a job's memory is that of one
+//! batch whatever the input's length, and no batch pays a compile. It is compiled for
+//! prompts of at least 64 tokens, the first batch's longest rounded up to a power of two;
+//! a later, longer prompt reopens it for the next power of two (a few times at most).
 //!
 //! Resuming is re-running the same command: the ids already in the output are skipped.
 //! A kill can leave at most a partial last line (each batch is written as whole lines,
 //! then synced); it is cut off before anything is appended, so no line is duplicated or
 //! truncated. Greedy outputs do not depend on how prompts were grouped into batches (every
 //! schedule reproduces the oracle's tokens), so a resumed job writes the same tokens as
-//! one never killed. A progress bar (prompts, rate, ETA) draws on a terminal; elsewhere
+//! one never killed; a sampled prompt's seed derives from `--seed` and its line number,
+//! not from its batch. A progress bar (prompts, rate, ETA) draws on a terminal; elsewhere
 //! one line per batch goes to stderr. A summary ends the run on stdout.
 
 use super::generate::fail;
 use super::inputs::{ModelArgs, PromptArgs, RunSettings};
 use super::run::{Failure, RunArgs};
-use crate::engine::RunRequest;
+use crate::engine::session::{Completion, FinishReason, Piece, Session, SessionRequest};
+use crate::engine::{RunFailure, RunRequest};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
@@ -33,6 +41,10 @@ use std::time::Instant;
 /// The longest input or output line read, in bytes: a line past it is an error naming it,
 /// not an allocation the size of a corrupt file.
 const LINE_LIMIT: u64 = 16 << 20;
+
+/// The shortest prompt length a job's session is compiled for: short prompts share one
+/// plan, and the first longer one reopens the session at most a few times.
+const MIN_PROMPT_LEN: usize = 64;
 
 /// Arguments of `moec batch`.
 #[derive(Debug, Clone, clap::Args)]
@@ -80,6 +92,38 @@ struct Pending {
     /// The id as JSON (a string or an integer), written back as it was given.
     id: serde_json::Value,
     prompt: String,
+    /// Its line in the input: its sampler's seed derives from it.
+    line_no: u64,
+}
+
+/// The ids a job has seen (the input's, to refuse a repeated one) or finished (the
+/// output's, to skip them), by a 128-bit fingerprint of their JSON text: 16 bytes an id
+/// rather than a string, so a job over millions of prompts keeps a few MB, not tens (two
+/// ids share a fingerprint with probability about n^2 / 2^129: never, in practice).
+#[derive(Default)]
+struct IdSet(HashSet<u128>);
+
+impl IdSet {
+    fn fingerprint(key: &str) -> u128 {
+        use std::hash::{Hash as _, Hasher as _};
+        // Two SipHash streams told apart by a leading byte make the 128 bits.
+        let half = |salt: u8| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            salt.hash(&mut h);
+            key.hash(&mut h);
+            h.finish()
+        };
+        (u128::from(half(0)) << 64) | u128::from(half(1))
+    }
+
+    /// Adds `key`; `false` if it was there.
+    fn insert(&mut self, key: &str) -> bool {
+        self.0.insert(Self::fingerprint(key))
+    }
+
+    fn contains(&self, key: &str) -> bool {
+        self.0.contains(&Self::fingerprint(key))
+    }
 }
 
 /// What a finished (or stopped) job did, for the summary.
@@ -144,7 +188,7 @@ fn batch(args: &BatchArgs) -> Result<(), Failure> {
             args.output.display()
         )));
     }
-    let mut request = super::run::request(&run_args(args))?;
+    let request = super::run::request(&run_args(args))?;
     let input_name = args.input.display().to_string();
     let input = File::open(&args.input).map_err(|e| msg(format!("{input_name}: {e}")))?;
     if !input.metadata().map(|m| m.is_file()).unwrap_or(false) {
@@ -155,7 +199,15 @@ fn batch(args: &BatchArgs) -> Result<(), Failure> {
     let total = count_lines(&args.input).map_err(|e| msg(format!("{input_name}: {e}")))?;
     let existed = args.output.exists();
     let (mut output, done) = open_output(&args.output)?;
-    let result = run_input(args, &mut request, input, total, &mut output, &done);
+    let mut job = JobSession {
+        request,
+        max_batch: usize::try_from(args.batch).unwrap_or(usize::MAX),
+        session: None,
+    };
+    let mut result = run_input(args, &mut job, input, total, &mut output, &done);
+    if let Err(e) = job.close() {
+        result = result.and(Err(e));
+    }
     // A job that failed before writing a line leaves no empty output it created.
     if result.is_err() && !existed && output.metadata().is_ok_and(|m| m.len() == 0) {
         let _ = std::fs::remove_file(&args.output);
@@ -167,18 +219,18 @@ fn batch(args: &BatchArgs) -> Result<(), Failure> {
 /// prints the summary.
 fn run_input(
     args: &BatchArgs,
-    request: &mut RunRequest,
+    job: &mut JobSession,
     input: File,
     total: u64,
     output: &mut File,
-    done: &HashSet<String>,
+    done: &IdSet,
 ) -> Result<(), Failure> {
     let msg = Failure::Message;
     let input_name = args.input.display().to_string();
     let start = Instant::now();
     let bar = progress_bar(total, &args.sched);
     let mut tally = Tally::default();
-    let mut seen: HashSet<String> = HashSet::new();
+    let mut seen = IdSet::default();
     let mut pending: Vec<Pending> = Vec::new();
     let mut reader = BufReader::new(input);
     let mut line = Vec::new();
@@ -203,7 +255,7 @@ fn run_input(
         }
         let prompt = parse_input_line(text, line_no).map_err(|m| at(&m))?;
         let key = prompt.id.to_string();
-        if !seen.insert(key.clone()) {
+        if !seen.insert(&key) {
             return Err(at(&format!(
                 "id {key} appears twice in the input; ids name results, so each must be unique"
             )));
@@ -216,13 +268,13 @@ fn run_input(
         }
         pending.push(prompt);
         if pending.len() as u64 == args.batch {
-            run_batch(request, &mut pending, output, args, &mut tally)?;
+            run_batch(job, &mut pending, output, args, &mut tally)?;
             advance(&bar, &tally, args.batch);
         }
     }
     if !pending.is_empty() {
         let n = pending.len() as u64;
-        run_batch(request, &mut pending, output, args, &mut tally)?;
+        run_batch(job, &mut pending, output, args, &mut tally)?;
         advance(&bar, &tally, n);
     }
     bar.finish_and_clear();
@@ -299,14 +351,18 @@ fn parse_input_line(text: &str, line_no: u64) -> Result<Pending, String> {
     if prompt.is_empty() {
         return Err("empty prompt".into());
     }
-    Ok(Pending { id, prompt })
+    Ok(Pending {
+        id,
+        prompt,
+        line_no,
+    })
 }
 
 /// Opens the output for appending and gives the ids it already holds. A last line without
 /// its newline is what a kill mid-write leaves: it is cut off (and said), so the next
 /// line appended starts on a line of its own. Any other line that is not a result is an
 /// error: appending to a file moec did not write would mix two things.
-fn open_output(path: &Path) -> Result<(File, HashSet<String>), Failure> {
+fn open_output(path: &Path) -> Result<(File, IdSet), Failure> {
     let name = path.display().to_string();
     let msg = |e: &dyn std::fmt::Display| Failure::Message(format!("{name}: {e}"));
     if let Ok(meta) = std::fs::symlink_metadata(path) {
@@ -322,7 +378,7 @@ fn open_output(path: &Path) -> Result<(File, HashSet<String>), Failure> {
         .create(true)
         .open(path)
         .map_err(|e| msg(&e))?;
-    let mut done = HashSet::new();
+    let mut done = IdSet::default();
     let mut reader = BufReader::new(&mut file);
     let mut line = Vec::new();
     let (mut complete_bytes, mut line_no) = (0u64, 0u64);
@@ -353,7 +409,7 @@ fn open_output(path: &Path) -> Result<(File, HashSet<String>), Failure> {
             .and_then(|v| v.get("id").cloned());
         match id {
             Some(id) => {
-                done.insert(id.to_string());
+                done.insert(&id.to_string());
             }
             None => {
                 return Err(msg(&format!(
@@ -376,39 +432,140 @@ fn open_output(path: &Path) -> Result<(File, HashSet<String>), Failure> {
     Ok((file, done))
 }
 
-/// Runs one batch through the run API and appends its results, then syncs them.
+/// The job's engine session and what it is opened with.
+struct JobSession {
+    /// Schedule, model, params, backend, sampling and `gen_len` of every batch.
+    request: RunRequest,
+    /// `--batch`: the most sequences the plan holds.
+    max_batch: usize,
+    /// Opened at the first batch; reopened for a longer prompt.
+    session: Option<Session>,
+}
+
+impl JobSession {
+    /// The session, compiled for prompts of at least `longest` tokens: the open one when
+    /// it holds them, else a new one for the next power of two (the old one is closed
+    /// first, so two plans never hold memory at once).
+    fn session_for(&mut self, longest: usize) -> Result<&Session, Failure> {
+        if self
+            .session
+            .as_ref()
+            .is_some_and(|s| s.info().max_prompt < longest)
+        {
+            self.close()?;
+        }
+        if self.session.is_none() {
+            let request = SessionRequest {
+                run: self.request.clone(),
+                max_batch: self.max_batch,
+                max_prompt: longest.max(MIN_PROMPT_LEN).next_power_of_two(),
+            };
+            let session = Session::open(request).map_err(|f| match f {
+                RunFailure::Rendered(t) => Failure::Rendered(t),
+                RunFailure::Message(m) => Failure::Message(m),
+            })?;
+            for note in &session.info().notes {
+                eprintln!("moec: {note}");
+            }
+            self.session = Some(session);
+        }
+        self.session
+            .as_ref()
+            .ok_or_else(|| Failure::Message("the session did not open".into()))
+    }
+
+    /// Ends the session (nothing is in flight between batches), with its error if the run
+    /// failed.
+    fn close(&mut self) -> Result<(), Failure> {
+        match self.session.take() {
+            Some(session) => session
+                .shutdown(std::time::Instant::now())
+                .map_err(Failure::Message),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A session's tokenizer knows the prompt's tokens; encoding needs it open, so the first
+/// batch opens it before its prompts' lengths are known and may reopen it once.
+fn encode_batch(job: &mut JobSession, pending: &[Pending]) -> Result<Vec<Vec<u32>>, Failure> {
+    let session = job.session_for(MIN_PROMPT_LEN)?;
+    let encoded = pending
+        .iter()
+        .map(|p| {
+            session
+                .encode(&p.prompt)
+                .map_err(|e| Failure::Message(format!("id {}: {e}", p.id)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
+    job.session_for(longest)?;
+    Ok(encoded)
+}
+
+/// One prompt's result: its text, ids and finish reason.
+fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Piece>,
+    id: &serde_json::Value,
+) -> Result<(String, Vec<u32>, &'static str), Failure> {
+    let mut text = String::new();
+    loop {
+        match rx.blocking_recv() {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::End { reason, token_ids }) => {
+                let finish = match reason {
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                    FinishReason::Cancelled => {
+                        return Err(Failure::Message(format!(
+                            "id {id}: the session stopped before the prompt finished"
+                        )))
+                    }
+                    FinishReason::Refused(why) | FinishReason::Failed(why) => {
+                        return Err(Failure::Message(format!("id {id}: {why}")))
+                    }
+                };
+                return Ok((text, token_ids, finish));
+            }
+            None => {
+                return Err(Failure::Message(format!(
+                    "id {id}: the session ended without finishing the prompt"
+                )))
+            }
+        }
+    }
+}
+
+/// Runs one batch on the job's session and appends its results, then syncs them.
 fn run_batch(
-    request: &mut RunRequest,
+    job: &mut JobSession,
     pending: &mut Vec<Pending>,
     output: &mut File,
     args: &BatchArgs,
     tally: &mut Tally,
 ) -> Result<(), Failure> {
-    request.prompts = pending.iter().map(|p| p.prompt.clone()).collect();
-    let result = crate::engine::run(request, &mut |_, _| {})?;
-    // Later batches replay on the profile the first one loaded or probed.
-    if request.profile.is_none() {
-        request.profile = result.profile.clone();
-    }
-    let eos = result.plan.model.eos_token_id;
+    let encoded = encode_batch(job, pending)?;
+    let (sampling, seed) = (job.request.sampling, job.request.seed);
+    let session = job.session_for(0)?;
+    let completions = pending
+        .iter()
+        .zip(&encoded)
+        .map(|(p, prompt)| Completion {
+            prompt: prompt.clone(),
+            max_tokens: args.gen_len,
+            sampling,
+            // The oracle's per-sequence stream, keyed by the line rather than the batch.
+            seed: seed ^ p.line_no.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            stop: Vec::new(),
+        })
+        .collect();
+    // Submitted together: a schedule with static batches runs them as one batch.
+    let receivers = session
+        .submit_all(completions)
+        .map_err(|e| Failure::Message(e.to_string()))?;
     let mut lines = String::new();
-    for (i, p) in pending.iter().enumerate() {
-        let (Some(ids), Some(prompt_ids), Some((_, text))) = (
-            result.outputs.get(i),
-            result.prompt_ids.get(i),
-            result.texts.get(i),
-        ) else {
-            return Err(Failure::Message(format!(
-                "the run gave {} outputs for a batch of {} prompts",
-                result.outputs.len(),
-                pending.len()
-            )));
-        };
-        let finish = if request.stop_at_eos && ids.last() == Some(&eos) {
-            "stop"
-        } else {
-            "length"
-        };
+    for ((p, prompt_ids), rx) in pending.iter().zip(&encoded).zip(receivers) {
+        let (text, ids, finish) = collect(rx, &p.id)?;
         let line = serde_json::json!({
             "id": p.id,
             "prompt_tokens": prompt_ids,
@@ -427,13 +584,9 @@ fn run_batch(
         .write_all(lines.as_bytes())
         .and_then(|()| output.sync_data())
         .map_err(|e| Failure::Message(format!("{name}: {e}")))?;
-    for note in &result.notes {
-        eprintln!("moec: {note}");
-    }
     tally.run += pending.len() as u64;
     tally.batches += 1;
     pending.clear();
-    drop(result);
     release_freed_heap();
     Ok(())
 }

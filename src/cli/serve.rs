@@ -70,6 +70,11 @@ pub struct ServeArgs {
     /// Seconds without progress before a stalled step is an error.
     #[arg(long, default_value_t = 60.0, value_parser = super::inputs::watchdog_seconds)]
     pub watchdog: f64,
+    /// Let the planner pick the params the `--set`s leave open for this server's batch,
+    /// prompt and generation lengths, even when the defaults fit (without it: only when
+    /// they do not, saying so).
+    #[arg(long)]
+    pub fit: bool,
 }
 
 /// The session's request for the flags.
@@ -85,6 +90,9 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
     run.link_gbps = args.link_gbps;
     run.backend = args.backend;
     run.watchdog = Duration::from_secs_f64(args.watchdog.max(0.01));
+    if args.fit {
+        run.fit = crate::engine::FitMode::Always;
+    }
     Ok(SessionRequest {
         run,
         max_batch: args.max_batch,
@@ -113,6 +121,9 @@ pub fn run(args: &ServeArgs) -> ExitCode {
         Err(RunFailure::Message(m)) => return fail(m),
     };
     let info = session.info().clone();
+    for note in &info.notes {
+        eprintln!("moec serve: {note}");
+    }
     let config = crate::serve::ServeConfig {
         addr: SocketAddr::new(args.host, args.port),
         api_key,

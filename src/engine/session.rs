@@ -1,20 +1,22 @@
 //! The serving API: a model loaded, a schedule compiled, lowered and its backend opened
 //! once, then completions submitted while it runs.
 //!
-//! Takes a [`SessionRequest`] (a [`RunRequest`] for everything a run shares, plus the
-//! most sequences and the longest prompt it serves); the plan is compiled once for that
-//! workload (`batch` = `max_batch`, `prompt_len` = `max_prompt`, `gen_len` = the request's
-//! `gen_len`), so what the checker proved and the budgets `fit` checked hold for every
-//! admission: a longer prompt or more tokens are refused at submission, and sequences
-//! beyond what the plan holds wait in the queue. One worker thread owns the checkpoint,
-//! the backend and the driver's session ([`crate::runtime::driver::session::serve`]); a
-//! [`Completion`] goes to it over a channel and its text comes back, piece by piece, on
-//! the receiver [`Session::submit`] returns. Stop strings and incremental detokenization
-//! are done here, so a caller (the HTTP server) sees only text. Chat prompts are rendered
-//! with the checkpoint's `tokenizer_config.json` template ([`Session::chat_prompt`]).
+//! Takes a [`SessionRequest`] (a [`RunRequest`] for everything a run shares, plus the most
+//! sequences and the longest prompt it serves); the plan is compiled once for that workload
+//! (`batch` = `max_batch`, `prompt_len` = `max_prompt`, `gen_len` = the request's
+//! `gen_len`; params the planner picks when the defaults do not fit or with `--fit`, as
+//! [`super::fit_params`] does for a run), so what the checker proved and the budgets `fit`
+//! checked hold for every admission: a longer prompt or more tokens are refused at
+//! submission, and sequences beyond what the plan holds wait in the queue. One worker
+//! thread owns the checkpoint, the backend and the driver's session
+//! ([`crate::runtime::driver::session::serve`]); a [`Completion`] goes to it over a channel
+//! and its text comes back, piece by piece, on the receiver [`Session::submit`] returns.
+//! Stop strings and incremental detokenization are done here, so a caller (the HTTP server)
+//! sees only text; the token ids come with the end (`moec batch` stores them). Chat prompts
+//! are rendered with the checkpoint's `tokenizer_config.json` template
+//! ([`Session::chat_prompt`]).
 
 use super::{fit, message, run_options, RunFailure, RunRequest};
-use crate::cost::hardware::HardwareProfile;
 use crate::ir::Workload;
 use crate::lower::{lower, LowerOptions};
 use crate::model::source::{load_model, LoadedModel};
@@ -61,6 +63,8 @@ pub struct SessionInfo {
     pub tokenizer: String,
     /// Where the chat template came from, or why there is none.
     pub chat_template: Result<String, String>,
+    /// What the caller should tell the user (params the planner picked, a failed probe).
+    pub notes: Vec<String>,
 }
 
 /// One completion.
@@ -98,12 +102,13 @@ pub enum FinishReason {
 pub enum Piece {
     /// More text.
     Text(String),
-    /// The end: why, and how many tokens were generated.
+    /// The end: why, and the tokens generated.
     End {
         /// Why.
         reason: FinishReason,
-        /// Tokens generated (the stop string's tokens included).
-        completion_tokens: usize,
+        /// Every token generated (the stop string's tokens included): their count is the
+        /// completion's usage, and a caller that stores ids (`moec batch`) reads them here.
+        token_ids: Vec<u32>,
     },
 }
 
@@ -223,46 +228,67 @@ impl Session {
         &self,
         completion: Completion,
     ) -> Result<UnboundedReceiver<Piece>, SubmitRefusal> {
+        self.submit_all(vec![completion])?
+            .pop()
+            .ok_or_else(|| SubmitRefusal::Unavailable("nothing was queued".to_string()))
+    }
+
+    /// Queues completions together (one receiver each, in order), so they start in the
+    /// same step or batch (`moec batch` submits a batch this way); refused whole, before
+    /// anything is queued, if any of them is.
+    pub fn submit_all(
+        &self,
+        completions: Vec<Completion>,
+    ) -> Result<Vec<UnboundedReceiver<Piece>>, SubmitRefusal> {
         let info = &self.info;
-        if completion.prompt.len() > info.max_prompt {
-            return Err(SubmitRefusal::Invalid(format!(
-                "the prompt has {} tokens; this server's schedule was compiled for prompts of at most {} (--max-prompt)",
-                completion.prompt.len(),
-                info.max_prompt
-            )));
+        for completion in &completions {
+            if completion.prompt.len() > info.max_prompt {
+                return Err(SubmitRefusal::Invalid(format!(
+                    "the prompt has {} tokens; this server's schedule was compiled for prompts of at most {} (--max-prompt)",
+                    completion.prompt.len(),
+                    info.max_prompt
+                )));
+            }
+            if completion.max_tokens == 0 || completion.max_tokens > info.max_tokens {
+                return Err(SubmitRefusal::Invalid(format!(
+                    "max_tokens must be between 1 and {} (--max-tokens), not {}",
+                    info.max_tokens, completion.max_tokens
+                )));
+            }
         }
-        if completion.max_tokens == 0 || completion.max_tokens > info.max_tokens {
-            return Err(SubmitRefusal::Invalid(format!(
-                "max_tokens must be between 1 and {} (--max-tokens), not {}",
-                info.max_tokens, completion.max_tokens
-            )));
+        let mut receivers = Vec::with_capacity(completions.len());
+        let mut sequences: Vec<(SeqRequest, Box<dyn TokenSink>)> =
+            Vec::with_capacity(completions.len());
+        for completion in completions {
+            let (tx, rx) = unbounded_channel();
+            let sink = TextSink {
+                tokenizer: Arc::clone(&self.tokenizer),
+                prompt: completion.prompt.clone(),
+                generated: Vec::new(),
+                emitted: 0,
+                stop: completion
+                    .stop
+                    .into_iter()
+                    .filter(|s| !s.is_empty())
+                    .collect(),
+                stopped: false,
+                tx,
+            };
+            let request = SeqRequest {
+                prompt: completion.prompt,
+                max_new_tokens: completion.max_tokens,
+                sampling: completion.sampling,
+                seed: completion.seed,
+                stop_at_eos: true,
+            };
+            sequences.push((request, Box::new(sink)));
+            receivers.push(rx);
         }
-        let (tx, rx) = unbounded_channel();
-        let sink = TextSink {
-            tokenizer: Arc::clone(&self.tokenizer),
-            prompt: completion.prompt.clone(),
-            generated: Vec::new(),
-            emitted: 0,
-            stop: completion
-                .stop
-                .into_iter()
-                .filter(|s| !s.is_empty())
-                .collect(),
-            stopped: false,
-            tx,
-        };
-        let request = SeqRequest {
-            prompt: completion.prompt,
-            max_new_tokens: completion.max_tokens,
-            sampling: completion.sampling,
-            seed: completion.seed,
-            stop_at_eos: true,
-        };
         let commands = crate::runtime::lock(&self.commands);
         commands
-            .send(Command::Submit(request, Box::new(sink)))
+            .send(Command::Submit(sequences))
             .map_err(|_| SubmitRefusal::Unavailable("the session has stopped".to_string()))?;
-        Ok(rx)
+        Ok(receivers)
     }
 
     /// Takes no more completions; the live ones finish until `deadline`, then are
@@ -328,6 +354,33 @@ fn worker(
     };
     let (options, compiled) = super::compile_for(run, &card, workload).map_err(fail)?;
     let name = &run.schedule_name;
+    // A named profile's budgets are checked; without one the machine's memory still is.
+    // This machine is probed (seconds) only when the planner must search: with `--fit`,
+    // or a `--gpu-mem` the defaults may exceed; a plain start stays fast.
+    let mut notes = Vec::new();
+    let needs_profile = run.hw.is_some()
+        || run.profile.is_some()
+        || run.fit == super::FitMode::Always
+        || run.gpu_mem.is_some();
+    let profile = if needs_profile {
+        super::replay_profile(run, &mut notes).map_err(fail)?
+    } else {
+        None
+    };
+    let (compiled, _) = super::fit_params::fit_params(
+        &run.schedule,
+        &options,
+        compiled,
+        super::fit_params::FitBudget {
+            profile: profile.as_ref(),
+            gpu_mem: run.gpu_mem,
+            chosen_profile: run.hw.is_some(),
+            gpu_space: run.backend.gpu_space,
+            mode: run.fit,
+        },
+        &mut notes,
+    )
+    .map_err(fail)?;
     let plan = lower(
         &compiled.program,
         &compiled.info,
@@ -337,12 +390,6 @@ fn worker(
         },
     )
     .map_err(|e| fail(message(&e)))?;
-    // A named profile's budgets are checked; without one the machine's memory still is
-    // (a server does not probe the machine: that would delay every start by seconds).
-    let profile = match &run.hw {
-        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| fail(message(&e)))?),
-        None => None,
-    };
     fit::refuse_what_does_not_fit(
         &plan,
         &compiled.program,
@@ -386,6 +433,7 @@ fn worker(
         max_batch: request.max_batch,
         tokenizer: tokenizer.origin().to_string(),
         chat_template,
+        notes,
     };
     let gauges = session.gauges();
     if ready.send(Ok((info, Arc::new(tokenizer), gauges))).is_err() {
@@ -475,7 +523,7 @@ impl TokenSink for TextSink {
         }
         let _ = self.tx.send(Piece::End {
             reason,
-            completion_tokens: self.generated.len(),
+            token_ids: std::mem::take(&mut self.generated),
         });
     }
 

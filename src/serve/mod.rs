@@ -683,10 +683,8 @@ async fn whole_response(
         };
         match next {
             Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::End {
-                reason,
-                completion_tokens,
-            }) => {
+            Some(Piece::End { reason, token_ids }) => {
+                let completion_tokens = token_ids.len();
                 match &reason {
                     FinishReason::Cancelled => {
                         return Err(ApiError::new(
@@ -771,10 +769,8 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
                 st.first_chunk = false;
                 event(&chunk)
             }
-            Some(Piece::End {
-                reason,
-                completion_tokens,
-            }) => {
+            Some(Piece::End { reason, token_ids }) => {
+                let completion_tokens = token_ids.len();
                 st.done = true;
                 let mut out = String::new();
                 let last = match &reason {

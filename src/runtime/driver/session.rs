@@ -750,8 +750,10 @@ pub enum SeqError {
 
 /// What a serving session is told.
 pub enum Command {
-    /// A new sequence and where its tokens go.
-    Submit(SeqRequest, Box<dyn TokenSink>),
+    /// New sequences, each with where its tokens go. They are queued together, before the
+    /// next step: a plan with static batches admits them into one batch rather than
+    /// starting a batch with the first and leaving the rest for the next.
+    Submit(Vec<(SeqRequest, Box<dyn TokenSink>)>),
     /// Take no more sequences; let the running and waiting ones finish until `deadline`,
     /// then cancel what is left and return.
     Drain {
@@ -771,20 +773,25 @@ fn take_command<B: Backend + ?Sized>(
     deadline: &mut Option<Instant>,
 ) {
     match command {
-        Command::Submit(_, mut sink) if deadline.is_some() => {
-            sink.end(Err(SeqError::Refused(
-                "the server is shutting down".to_string(),
-            )));
-        }
-        Command::Submit(request, mut sink) => match session.submit(request) {
-            Ok(id) => {
-                if sinks.len() <= id {
-                    sinks.resize_with(id + 1, || None);
+        Command::Submit(sequences) => {
+            for (request, mut sink) in sequences {
+                if deadline.is_some() {
+                    sink.end(Err(SeqError::Refused(
+                        "the server is shutting down".to_string(),
+                    )));
+                    continue;
                 }
-                sinks[id] = Some(sink);
+                match session.submit(request) {
+                    Ok(id) => {
+                        if sinks.len() <= id {
+                            sinks.resize_with(id + 1, || None);
+                        }
+                        sinks[id] = Some(sink);
+                    }
+                    Err(e) => sink.end(Err(SeqError::Refused(e.to_string()))),
+                }
             }
-            Err(e) => sink.end(Err(SeqError::Refused(e.to_string()))),
-        },
+        }
         Command::Drain { deadline: d } => *deadline = Some(d),
     }
 }
