@@ -315,10 +315,13 @@ extern "C" __global__ void moe_grouped_gemv(
             }
         }
     }
+    // `rows` is the same for the whole warp, so every lane takes the same branches.
 #pragma unroll
     for (int r = 0; r < MOE_TILE_M; ++r) {
-        for (int off = 16; off > 0; off >>= 1) {
-            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        if (r < rows) {
+            for (int off = 16; off > 0; off >>= 1) {
+                acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+            }
         }
     }
     if (lane >= rows) {
@@ -402,10 +405,13 @@ extern "C" __global__ void linear_gemv(
             }
         }
     }
+    // `rows` is the same for the whole warp, so every lane takes the same branches.
 #pragma unroll
     for (int r = 0; r < MOE_TILE_M; ++r) {
-        for (int off = 16; off > 0; off >>= 1) {
-            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        if (r < rows) {
+            for (int off = 16; off > 0; off >>= 1) {
+                acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+            }
         }
     }
     if (lane >= rows) {

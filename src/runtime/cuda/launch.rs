@@ -9,8 +9,8 @@
 //! has run (it is reused only by the stream's next task, queued after it; see
 //! [`Workspace`]).
 //!
-//! Projections of at most [`GEMV_MAX_ROWS`] rows (decode steps) with weights stored
-//! `[out, in]` run as one `linear_gemv` launch (a warp per output feature, the weights read
+//! Projections of at most [`GEMV_MAX_ROWS`] rows (decode steps) and [`GEMV_MAX_OUT`]
+//! outputs with weights stored `[out, in]` run as one `linear_gemv` launch (a warp per output feature, the weights read
 //! once as stored, f32 activations and accumulation). Larger ones run as bf16 GEMMs with
 //! f32 accumulation (`cublasGemmEx`): the f32
 //! activations are split into a bf16 pair (hi = bf16(x), lo = bf16(x - hi), `split_bf16`),
@@ -205,6 +205,12 @@ fn block_for(n: usize) -> u32 {
 /// Rows up to which [`StreamCx::linear`] runs `linear_gemv` (kernels/moe_grouped.cu's
 /// `MOE_TILE_M`) instead of cuBLAS, and that kernel's warps per block (`MOE_GEMV_WARPS`).
 pub const GEMV_MAX_ROWS: usize = 16;
+
+/// Output features up to which `linear_gemv` is used: a layer's projections. A vocabulary
+/// head (32k to 200k outputs) stays on cuBLAS: reading its tens of MB dwarfs the two extra
+/// launches, and a warp per output there is a million emulated threads per call on the
+/// stand-in, which would slow every CUDA test by minutes.
+pub const GEMV_MAX_OUT: usize = 16_384;
 const GEMV_WARPS: usize = 8;
 
 /// One CUDA stream's resources.
@@ -370,7 +376,7 @@ impl StreamCx<'_> {
             return Ok(());
         }
         let (m, k) = (w.out_dim(), w.in_dim());
-        if n <= GEMV_MAX_ROWS && w.orientation == Orientation::OutIn {
+        if n <= GEMV_MAX_ROWS && m <= GEMV_MAX_OUT && w.orientation == Orientation::OutIn {
             // A decode step's few rows: one launch reading the stored weights once.
             let dtype = match w.dtype {
                 WeightDtype::Bf16 => 0,
