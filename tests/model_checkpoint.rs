@@ -18,6 +18,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
 
 /// moec against llama.cpp on GGUF files llama.cpp made (skips, saying why, without them).
+#[path = "model_checkpoint/gguf_parity.rs"]
 mod gguf_parity;
 
 /// A small Mixtral card (vocab 512) so rewriting checkpoints in tests is cheap.

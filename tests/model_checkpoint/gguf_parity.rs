@@ -36,7 +36,7 @@ fn greedy_tokens_match_llama_cpp_on_its_own_ggufs() {
         return;
     };
     let golden: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy.json")).unwrap();
+        serde_json::from_str(include_str!("../fixtures/gguf/llama_greedy.json")).unwrap();
     let prompt: Vec<u32> = golden["prompt_ids"]
         .as_array()
         .unwrap()
