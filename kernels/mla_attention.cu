@@ -45,36 +45,6 @@
 #define MLA_TILE_K 32
 #define MLA_MAX_HEADS_PER_BLOCK 16
 
-__device__ __forceinline__ float mla_bf16_to_f32(unsigned short bits) {
-    return __uint_as_float(((unsigned int)bits) << 16);
-}
-
-// IEEE binary16 to f32, exactly (ops.cu's ops_f16_to_f32).
-__device__ float mla_f16_to_f32(unsigned short h) {
-    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
-    const unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
-    unsigned int mantissa = (unsigned int)h & 0x3ffu;
-    if (exponent == 0x1fu) {
-        return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
-    }
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            return __uint_as_float(sign);
-        }
-        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -magnitude : magnitude;
-    }
-    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
-__device__ __forceinline__ float mla_load(const void* base, long long i, int dtype) {
-    if (dtype == 2) {
-        return ((const float*)base)[i];
-    }
-    const unsigned short bits = ((const unsigned short*)base)[i];
-    return dtype == 0 ? mla_bf16_to_f32(bits) : mla_f16_to_f32(bits);
-}
-
 // Reduces `value` over the block with `op` (0: sum, 1: max); every thread gets the result.
 __device__ float mla_block_reduce(float value, int op) {
     __shared__ float warp_parts[32];
@@ -123,7 +93,7 @@ extern "C" __global__ void mla_rms_norm(
     }
     const float scale = 1.0f / sqrtf(mla_block_reduce(sum_sq, 0) / (float)width + eps);
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        dst[i] = mla_load(weight, i, dtype) * (src[i] * scale);
+        dst[i] = moec_load(weight, i, dtype) * (src[i] * scale);
     }
 }
 
@@ -188,7 +158,7 @@ extern "C" __global__ void mla_head_linear(
             if (o0 + o < out_dim && k0 + c < in_dim) {
                 const long long at = out_in ? (w_row0 + o0 + o) * w_cols + k0 + c
                                             : (w_row0 + k0 + c) * w_cols + o0 + o;
-                v = mla_load(w, at, dtype);
+                v = moec_load(w, at, dtype);
             }
             mla_w[o][c] = v;
         }
@@ -281,7 +251,7 @@ extern "C" __global__ void mla_qkv_rows(
     }
     const float scale = 1.0f / sqrtf(mla_block_reduce(sum_sq, 0) / (float)r + eps);
     for (int i = threadIdx.x; i < r; i += blockDim.x) {
-        const float c = mla_load(kv_norm, i, norm_dtype) * (latent[i] * scale);
+        const float c = moec_load(kv_norm, i, norm_dtype) * (latent[i] * scale);
         k[i] = c;
         v[i] = c;
     }

@@ -27,36 +27,6 @@
 #define MOE_TILE_N 64
 #define MOE_TILE_K 32
 
-__device__ __forceinline__ float moe_bf16_to_f32(unsigned short bits) {
-    return __uint_as_float(((unsigned int)bits) << 16);
-}
-
-// IEEE binary16 to f32, exactly (ops.cu's ops_f16_to_f32).
-__device__ float moe_f16_to_f32(unsigned short h) {
-    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
-    const unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
-    unsigned int mantissa = (unsigned int)h & 0x3ffu;
-    if (exponent == 0x1fu) {
-        return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
-    }
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            return __uint_as_float(sign);
-        }
-        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -magnitude : magnitude;
-    }
-    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
-__device__ __forceinline__ float moe_load(const void* base, long long i, int dtype) {
-    if (dtype == 2) {
-        return ((const float*)base)[i];
-    }
-    const unsigned short bits = ((const unsigned short*)base)[i];
-    return dtype == 0 ? moe_bf16_to_f32(bits) : moe_f16_to_f32(bits);
-}
-
 extern "C" __global__ void moe_group(
     const unsigned int* __restrict__ route,
     const unsigned long long* __restrict__ members,
@@ -178,7 +148,7 @@ extern "C" __global__ void moe_grouped_linear(
             if (o0 + o < out_dim && k0 + c < in_dim) {
                 const long long at = out_in ? (long long)(o0 + o) * in_dim + k0 + c
                                             : (long long)(k0 + c) * out_dim + o0 + o;
-                v = moe_load(w, at, dtype);
+                v = moec_load(w, at, dtype);
             }
             moe_w[o][c] = v;
         }
@@ -196,7 +166,7 @@ extern "C" __global__ void moe_grouped_linear(
         return;
     }
     const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
-    const float bias = b != 0 ? moe_load((const void*)b, o, bias_dtype) : 0.0f;
+    const float bias = b != 0 ? moec_load((const void*)b, o, bias_dtype) : 0.0f;
     for (int j = 0; j < 4; ++j) {
         const int r = row_group * 4 + j;
         if (r >= rows) {
@@ -239,9 +209,70 @@ __device__ __forceinline__ void moe_load8(const void* base, long long i, int dty
     for (int j = 0; j < 4; ++j) {
         const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
         const unsigned short hi = (unsigned short)(words[j] >> 16);
-        v[2 * j] = dtype == 0 ? moe_bf16_to_f32(lo) : moe_f16_to_f32(lo);
-        v[2 * j + 1] = dtype == 0 ? moe_bf16_to_f32(hi) : moe_f16_to_f32(hi);
+        v[2 * j] = dtype == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
+        v[2 * j + 1] = dtype == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
     }
+}
+
+// The dot products of stored row `row` of `w` (format `dtype`) with up to MOE_TILE_M
+// activation rows x + src[r], r < rows, over `in_dim` inputs, each lane striding over the
+// inputs (16-byte weight loads where the row starts and `x` allow) and the partial sums
+// reduced across the warp: lane r (< rows) gets row r's sum. Every lane of the warp calls
+// it with the same `rows`.
+__device__ float moe_warp_rows_dot(const void* w, long long row, int dtype, const float* x,
+                                   const long long* src, int rows, int in_dim, int lane) {
+    float acc[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        acc[r] = 0.0f;
+    }
+    // 16-byte loads need 8-element alignment of every row start (in_dim % 8 == 0) and of
+    // the matrix itself; otherwise one element at a time.
+    const bool vec = (in_dim % 8 == 0) && ((unsigned long long)w % 16 == 0)
+                     && ((unsigned long long)x % 16 == 0);
+    if (vec) {
+        for (int k = lane * 8; k < in_dim; k += 256) {
+            float wv[8];
+            moe_load8(w, row + k, dtype, wv);
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    const float4 a = *(const float4*)(x + src[r] + k);
+                    const float4 b = *(const float4*)(x + src[r] + k + 4);
+                    acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
+                            + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+                }
+            }
+        }
+    } else {
+        for (int k = lane; k < in_dim; k += 32) {
+            const float wv = moec_load(w, row + k, dtype);
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    acc[r] += wv * x[src[r] + k];
+                }
+            }
+        }
+    }
+    // `rows` is the same for the whole warp, so every lane takes the same branches.
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        if (r < rows) {
+            for (int off = 16; off > 0; off >>= 1) {
+                acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+            }
+        }
+    }
+    // Lane r takes row r's sum, acc[lane], picked without dynamic register indexing.
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        if (r == lane) {
+            v = acc[r];
+        }
+    }
+    return v;
 }
 
 extern "C" __global__ void moe_grouped_gemv(
@@ -280,63 +311,12 @@ extern "C" __global__ void moe_grouped_gemv(
         const int p = first + (r < rows ? r : 0);
         src[r] = (gather ? (long long)perm_row[p] : (long long)p) * in_dim;
     }
-    float acc[MOE_TILE_M];
-#pragma unroll
-    for (int r = 0; r < MOE_TILE_M; ++r) {
-        acc[r] = 0.0f;
-    }
-    const long long row = (long long)o * in_dim;
-    // 16-byte loads need 8-element alignment of every row start (in_dim % 8 == 0) and of
-    // the matrix itself; otherwise one element at a time.
-    const bool vec = (in_dim % 8 == 0) && ((unsigned long long)w % 16 == 0)
-                     && ((unsigned long long)x % 16 == 0);
-    if (vec) {
-        for (int k = lane * 8; k < in_dim; k += 256) {
-            float wv[8];
-            moe_load8(w, row + k, dtype, wv);
-#pragma unroll
-            for (int r = 0; r < MOE_TILE_M; ++r) {
-                if (r < rows) {
-                    const float4 a = *(const float4*)(x + src[r] + k);
-                    const float4 b = *(const float4*)(x + src[r] + k + 4);
-                    acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
-                            + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
-                }
-            }
-        }
-    } else {
-        for (int k = lane; k < in_dim; k += 32) {
-            const float wv = moe_load(w, row + k, dtype);
-#pragma unroll
-            for (int r = 0; r < MOE_TILE_M; ++r) {
-                if (r < rows) {
-                    acc[r] += wv * x[src[r] + k];
-                }
-            }
-        }
-    }
-    // `rows` is the same for the whole warp, so every lane takes the same branches.
-#pragma unroll
-    for (int r = 0; r < MOE_TILE_M; ++r) {
-        if (r < rows) {
-            for (int off = 16; off > 0; off >>= 1) {
-                acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-            }
-        }
-    }
+    float v = moe_warp_rows_dot(w, (long long)o * in_dim, dtype, x, src, rows, in_dim, lane);
     if (lane >= rows) {
         return;
     }
-    // Lane r writes row r: its sum is acc[lane], picked without dynamic register indexing.
-    float v = 0.0f;
-#pragma unroll
-    for (int r = 0; r < MOE_TILE_M; ++r) {
-        if (r == lane) {
-            v = acc[r];
-        }
-    }
     const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
-    v += b != 0 ? moe_load((const void*)b, o, bias_dtype) : 0.0f;
+    v += b != 0 ? moec_load((const void*)b, o, bias_dtype) : 0.0f;
     const long long p = first + lane;
     if (mode == 0) {
         y[p * out_dim + o] = v;
@@ -372,57 +352,14 @@ extern "C" __global__ void linear_gemv(
         return;
     }
     const int rows = n < MOE_TILE_M ? n : MOE_TILE_M;
-    float acc[MOE_TILE_M];
+    long long src[MOE_TILE_M];
 #pragma unroll
     for (int r = 0; r < MOE_TILE_M; ++r) {
-        acc[r] = 0.0f;
+        src[r] = (long long)(r < rows ? r : 0) * in_dim;
     }
-    const long long row = (long long)o * in_dim;
-    const bool vec = (in_dim % 8 == 0) && ((unsigned long long)w % 16 == 0)
-                     && ((unsigned long long)x % 16 == 0);
-    if (vec) {
-        for (int k = lane * 8; k < in_dim; k += 256) {
-            float wv[8];
-            moe_load8(w, row + k, dtype, wv);
-#pragma unroll
-            for (int r = 0; r < MOE_TILE_M; ++r) {
-                if (r < rows) {
-                    const float4 a = *(const float4*)(x + (long long)r * in_dim + k);
-                    const float4 b = *(const float4*)(x + (long long)r * in_dim + k + 4);
-                    acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
-                            + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
-                }
-            }
-        }
-    } else {
-        for (int k = lane; k < in_dim; k += 32) {
-            const float wv = moe_load(w, row + k, dtype);
-#pragma unroll
-            for (int r = 0; r < MOE_TILE_M; ++r) {
-                if (r < rows) {
-                    acc[r] += wv * x[(long long)r * in_dim + k];
-                }
-            }
-        }
-    }
-    // `rows` is the same for the whole warp, so every lane takes the same branches.
-#pragma unroll
-    for (int r = 0; r < MOE_TILE_M; ++r) {
-        if (r < rows) {
-            for (int off = 16; off > 0; off >>= 1) {
-                acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-            }
-        }
-    }
+    const float v = moe_warp_rows_dot(w, (long long)o * in_dim, dtype, x, src, rows, in_dim, lane);
     if (lane >= rows) {
         return;
-    }
-    float v = 0.0f;
-#pragma unroll
-    for (int r = 0; r < MOE_TILE_M; ++r) {
-        if (r == lane) {
-            v = acc[r];
-        }
     }
     float* out = y + (long long)lane * ldy + o;
     *out = accumulate ? *out + v : v;

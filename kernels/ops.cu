@@ -27,29 +27,6 @@
 // The caller keeps ids below vocab, rows below n_tokens and slots below top_k (the CPU
 // kernels check the same and report errors; the host has the ids before the launch).
 
-__device__ __forceinline__ float ops_bf16_to_f32(unsigned short bits) {
-    return __uint_as_float(((unsigned int)bits) << 16);
-}
-
-// IEEE binary16 to f32, exactly (normals, subnormals, infinities, NaN).
-__device__ float ops_f16_to_f32(unsigned short h) {
-    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
-    const unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
-    unsigned int mantissa = (unsigned int)h & 0x3ffu;
-    if (exponent == 0x1fu) {
-        return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
-    }
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            return __uint_as_float(sign);
-        }
-        // Subnormal: value = mantissa * 2^-24, exact in f32.
-        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -magnitude : magnitude;
-    }
-    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
 extern "C" __global__ void embed_bf16(
     const unsigned short* __restrict__ table,
     const unsigned int* __restrict__ ids,
@@ -58,7 +35,7 @@ extern "C" __global__ void embed_bf16(
     const size_t token = blockIdx.x;
     const unsigned short* row = table + (size_t)ids[token] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        out[token * hidden + i] = ops_bf16_to_f32(row[i]);
+        out[token * hidden + i] = moec_bf16_to_f32(row[i]);
     }
 }
 
@@ -70,7 +47,7 @@ extern "C" __global__ void embed_f16(
     const size_t token = blockIdx.x;
     const unsigned short* row = table + (size_t)ids[token] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        out[token * hidden + i] = ops_f16_to_f32(row[i]);
+        out[token * hidden + i] = moec_f16_to_f32(row[i]);
     }
 }
 
@@ -89,14 +66,14 @@ extern "C" __global__ void embed_f32(
 extern "C" __global__ void widen_bf16(const unsigned short* __restrict__ src, float* __restrict__ dst, long long n) {
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        dst[i] = ops_bf16_to_f32(src[i]);
+        dst[i] = moec_bf16_to_f32(src[i]);
     }
 }
 
 extern "C" __global__ void widen_f16(const unsigned short* __restrict__ src, float* __restrict__ dst, long long n) {
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        dst[i] = ops_f16_to_f32(src[i]);
+        dst[i] = moec_f16_to_f32(src[i]);
     }
 }
 
@@ -208,7 +185,7 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned shor
         const float v = x[i];
         const unsigned short hi = ops_f32_to_bf16(v);
         out[i] = hi;
-        out[n + i] = ops_f32_to_bf16(v - ops_bf16_to_f32(hi));
+        out[n + i] = ops_f32_to_bf16(v - moec_bf16_to_f32(hi));
     }
 }
 

@@ -12,10 +12,6 @@
 // which is approximate). Sums are reduced in a tree, so results agree with the CPU to
 // rounding, not bit for bit.
 
-__device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
-    return __uint_as_float(((unsigned int)bits) << 16);
-}
-
 // Sum of `value` over the block; every thread gets the result.
 __device__ float block_sum(float value) {
     __shared__ float warp_sums[32];
@@ -61,7 +57,7 @@ extern "C" __global__ void rms_norm_bf16(
     const float mean_sq = block_sum(sum_sq) / (float)d;
     const float scale = 1.0f / sqrtf(mean_sq + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = bf16_to_f32(weight[i]) * (src[i] * scale);
+        dst[i] = moec_bf16_to_f32(weight[i]) * (src[i] * scale);
     }
 }
 
@@ -87,7 +83,7 @@ extern "C" __global__ void layer_norm_bf16(
     const float var = block_sum(sum_sq) / (float)d;
     const float scale = 1.0f / sqrtf(var + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = (src[i] - mean) * scale * bf16_to_f32(weight[i]);
+        dst[i] = (src[i] - mean) * scale * moec_bf16_to_f32(weight[i]);
     }
 }
 

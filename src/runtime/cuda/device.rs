@@ -143,7 +143,7 @@ fn cache_path(
 ) -> Option<PathBuf> {
     let dir = crate::model::source::cache_dir().ok()?.join("cuda-kernels");
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (kernel.source, arch, nvrtc, device).hash(&mut hasher);
+    (super::kernels::PRELUDE, kernel.source, arch, nvrtc, device).hash(&mut hasher);
     Some(dir.join(format!(
         "{}-{}-{:016x}.ptx",
         kernel.file.trim_end_matches(".cu"),

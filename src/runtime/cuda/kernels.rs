@@ -125,16 +125,27 @@ pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, CudaE
         .collect()
 }
 
-/// Compiles one source to PTX for `arch`. Call only after NVRTC was found to load
-/// (`detect::libraries().nvrtc`): cudarc panics on a call into a library it cannot load.
-/// [`compile_all`] checks this first.
+/// Device functions every kernel file may call (kernels/prelude.cuh: the stored weight
+/// formats decoded to f32), put before each file's source when it is compiled, so the
+/// files share one copy instead of each keeping its own.
+pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
+
+/// What NVRTC compiles for `kernel`: [`PRELUDE`], then the file, its lines numbered as in
+/// the file (`#line`), so NVRTC's messages point into the file itself.
+pub fn full_source(kernel: &KernelSource) -> String {
+    format!("{PRELUDE}\n#line 1 \"{}\"\n{}", kernel.file, kernel.source)
+}
+
+/// Compiles one source (after [`PRELUDE`]) to PTX for `arch`. Call only after NVRTC was
+/// found to load (`detect::libraries().nvrtc`): cudarc panics on a call into a library it
+/// cannot load. [`compile_all`] checks this first.
 pub fn compile_kernel(kernel: &KernelSource, arch: &'static str) -> Result<Ptx, CudaError> {
     let options = CompileOptions {
         arch: Some(arch),
         name: Some(kernel.file.to_string()),
         ..CompileOptions::default()
     };
-    compile_ptx_with_opts(kernel.source, options).map_err(|e| match e {
+    compile_ptx_with_opts(full_source(kernel), options).map_err(|e| match e {
         CompileError::CompileError { nvrtc, log, .. } => CudaError::Compile {
             file: kernel.file,
             arch,
@@ -230,6 +241,7 @@ mod tests {
         embedded.sort();
         assert_eq!(on_disk, embedded);
         assert!(KERNELS.iter().all(|k| !k.source.contains('\0')));
+        assert!(!PRELUDE.contains('\0'));
     }
 
     #[test]
