@@ -30,38 +30,6 @@
 // max and sum are reduced as a tree and expf is CUDA's, so probabilities agree with the
 // CPU to rounding, not bit for bit.
 
-// Reduces `value` over the block with `op` (0: sum, 1: max); every thread gets the result.
-__device__ float block_reduce(float value, int op) {
-    __shared__ float warp_parts[32];
-    __shared__ float total;
-    const unsigned int lane = threadIdx.x % 32;
-    const unsigned int warp = threadIdx.x / 32;
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
-        value = op == 0 ? value + other : fmaxf(value, other);
-    }
-    if (lane == 0) {
-        warp_parts[warp] = value;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const unsigned int n_warps = (blockDim.x + 31) / 32;
-        const float identity = op == 0 ? 0.0f : __int_as_float(0xff800000);
-        float part = lane < n_warps ? warp_parts[lane] : identity;
-        for (int offset = 16; offset > 0; offset /= 2) {
-            const float other = __shfl_xor_sync(0xffffffffu, part, offset);
-            part = op == 0 ? part + other : fmaxf(part, other);
-        }
-        if (lane == 0) {
-            total = part;
-        }
-    }
-    __syncthreads();
-    const float result = total;
-    __syncthreads();
-    return result;
-}
-
 extern "C" __global__ void paged_kv_append(
     const float* __restrict__ qkv,
     float* __restrict__ k_pool,
@@ -141,7 +109,7 @@ extern "C" __global__ void paged_decode_attention(
         // gpt-oss: the head's sink logit (carried in its qkv row) joins the max and the
         // denominator but has no value row.
         const float sink = sink_col >= 0 ? qkv[seq * (size_t)row_width + sink_col + q_head] : 0.0f;
-        const float row_max = block_reduce(local_max, 1);
+        const float row_max = moec_block_reduce(local_max, 1);
         const float max = sink_col >= 0 ? fmaxf(row_max, sink) : row_max;
         float local_sum = 0.0f;
         for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
@@ -149,7 +117,7 @@ extern "C" __global__ void paged_decode_attention(
             head_scores[r] = e;
             local_sum += e;
         }
-        const float sum = block_reduce(local_sum, 0) + (sink_col >= 0 ? expf(sink - max) : 0.0f);
+        const float sum = moec_block_reduce(local_sum, 0) + (sink_col >= 0 ? expf(sink - max) : 0.0f);
         const float inv = 1.0f / sum;
         for (int r = threadIdx.x; r < n_keys; r += blockDim.x) {
             head_scores[r] *= inv;

@@ -45,38 +45,6 @@
 #define MLA_TILE_K 32
 #define MLA_MAX_HEADS_PER_BLOCK 16
 
-// Reduces `value` over the block with `op` (0: sum, 1: max); every thread gets the result.
-__device__ float mla_block_reduce(float value, int op) {
-    __shared__ float warp_parts[32];
-    __shared__ float total;
-    const unsigned int lane = threadIdx.x % 32;
-    const unsigned int warp = threadIdx.x / 32;
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
-        value = op == 0 ? value + other : fmaxf(value, other);
-    }
-    if (lane == 0) {
-        warp_parts[warp] = value;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const unsigned int n_warps = (blockDim.x + 31) / 32;
-        const float identity = op == 0 ? 0.0f : __int_as_float(0xff800000);
-        float part = lane < n_warps ? warp_parts[lane] : identity;
-        for (int offset = 16; offset > 0; offset /= 2) {
-            const float other = __shfl_xor_sync(0xffffffffu, part, offset);
-            part = op == 0 ? part + other : fmaxf(part, other);
-        }
-        if (lane == 0) {
-            total = part;
-        }
-    }
-    __syncthreads();
-    const float result = total;
-    __syncthreads();
-    return result;
-}
-
 extern "C" __global__ void mla_rms_norm(
     const float* __restrict__ x,
     const void* __restrict__ weight,
@@ -91,7 +59,7 @@ extern "C" __global__ void mla_rms_norm(
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         sum_sq += src[i] * src[i];
     }
-    const float scale = 1.0f / sqrtf(mla_block_reduce(sum_sq, 0) / (float)width + eps);
+    const float scale = 1.0f / sqrtf(moec_block_reduce(sum_sq, 0) / (float)width + eps);
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         dst[i] = moec_load(weight, i, dtype) * (src[i] * scale);
     }
@@ -249,7 +217,7 @@ extern "C" __global__ void mla_qkv_rows(
     for (int i = threadIdx.x; i < r; i += blockDim.x) {
         sum_sq += latent[i] * latent[i];
     }
-    const float scale = 1.0f / sqrtf(mla_block_reduce(sum_sq, 0) / (float)r + eps);
+    const float scale = 1.0f / sqrtf(moec_block_reduce(sum_sq, 0) / (float)r + eps);
     for (int i = threadIdx.x; i < r; i += blockDim.x) {
         const float c = moec_load(kv_norm, i, norm_dtype) * (latent[i] * scale);
         k[i] = c;
@@ -342,7 +310,7 @@ extern "C" __global__ void mla_paged_attention(
             local_max = fmaxf(local_max, head_scores[k]);
         }
         const float sink = sink_col >= 0 ? qkv[row * (size_t)row_width + sink_col + q_head] : 0.0f;
-        const float row_max = mla_block_reduce(local_max, 1);
+        const float row_max = moec_block_reduce(local_max, 1);
         const float max = sink_col >= 0 ? fmaxf(row_max, sink) : row_max;
         float local_sum = 0.0f;
         for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
@@ -350,7 +318,7 @@ extern "C" __global__ void mla_paged_attention(
             head_scores[k] = e;
             local_sum += e;
         }
-        const float sum = mla_block_reduce(local_sum, 0) + (sink_col >= 0 ? expf(sink - max) : 0.0f);
+        const float sum = moec_block_reduce(local_sum, 0) + (sink_col >= 0 ? expf(sink - max) : 0.0f);
         const float inv = 1.0f / sum;
         for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
             head_scores[k] *= inv;

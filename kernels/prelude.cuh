@@ -1,6 +1,7 @@
 // Prepended to every kernels/*.cu file before NVRTC compiles it (runtime::cuda::kernels::
 // PRELUDE), so each file's kernels share one copy of these: the stored weight formats
-// decoded to f32 exactly as the CPU kernels decode them (half::bf16 / half::f16).
+// decoded to f32 exactly as the CPU kernels decode them (half::bf16 / half::f16), and the
+// block-wide reduction the norms and attention kernels use.
 // dtype codes: 0 bf16, 1 f16, 2 f32.
 
 __device__ __forceinline__ float moec_bf16_to_f32(unsigned short bits) {
@@ -33,4 +34,38 @@ __device__ __forceinline__ float moec_load(const void* base, long long i, int dt
     }
     const unsigned short bits = ((const unsigned short*)base)[i];
     return dtype == 0 ? moec_bf16_to_f32(bits) : moec_f16_to_f32(bits);
+}
+
+// Reduces `value` over the block with `op` (0: sum, 1: max); every thread gets the result.
+// Warps reduce as trees, then warp 0 reduces the warps' results, so sums agree with the
+// CPU's in-order sums to rounding, not bit for bit.
+__device__ float moec_block_reduce(float value, int op) {
+    __shared__ float warp_parts[32];
+    __shared__ float total;
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = op == 0 ? value + other : fmaxf(value, other);
+    }
+    if (lane == 0) {
+        warp_parts[warp] = value;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned int n_warps = (blockDim.x + 31) / 32;
+        const float identity = op == 0 ? 0.0f : __int_as_float(0xff800000);
+        float part = lane < n_warps ? warp_parts[lane] : identity;
+        for (int offset = 16; offset > 0; offset /= 2) {
+            const float other = __shfl_xor_sync(0xffffffffu, part, offset);
+            part = op == 0 ? part + other : fmaxf(part, other);
+        }
+        if (lane == 0) {
+            total = part;
+        }
+    }
+    __syncthreads();
+    const float result = total;
+    __syncthreads();
+    return result;
 }

@@ -12,35 +12,6 @@
 // which is approximate). Sums are reduced in a tree, so results agree with the CPU to
 // rounding, not bit for bit.
 
-// Sum of `value` over the block; every thread gets the result.
-__device__ float block_sum(float value) {
-    __shared__ float warp_sums[32];
-    __shared__ float total;
-    const unsigned int lane = threadIdx.x % 32;
-    const unsigned int warp = threadIdx.x / 32;
-    for (int offset = 16; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(0xffffffffu, value, offset);
-    }
-    if (lane == 0) {
-        warp_sums[warp] = value;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const unsigned int n_warps = (blockDim.x + 31) / 32;
-        float partial = lane < n_warps ? warp_sums[lane] : 0.0f;
-        for (int offset = 16; offset > 0; offset /= 2) {
-            partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-        }
-        if (lane == 0) {
-            total = partial;
-        }
-    }
-    __syncthreads();
-    const float result = total;
-    __syncthreads();
-    return result;
-}
-
 extern "C" __global__ void rms_norm_bf16(
     const float* __restrict__ x,
     const unsigned short* __restrict__ weight,
@@ -54,7 +25,7 @@ extern "C" __global__ void rms_norm_bf16(
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         sum_sq += src[i] * src[i];
     }
-    const float mean_sq = block_sum(sum_sq) / (float)d;
+    const float mean_sq = moec_block_reduce(sum_sq, 0) / (float)d;
     const float scale = 1.0f / sqrtf(mean_sq + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         dst[i] = moec_bf16_to_f32(weight[i]) * (src[i] * scale);
@@ -74,13 +45,13 @@ extern "C" __global__ void layer_norm_bf16(
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         sum += src[i];
     }
-    const float mean = block_sum(sum) / (float)d;
+    const float mean = moec_block_reduce(sum, 0) / (float)d;
     float sum_sq = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const float centred = src[i] - mean;
         sum_sq += centred * centred;
     }
-    const float var = block_sum(sum_sq) / (float)d;
+    const float var = moec_block_reduce(sum_sq, 0) / (float)d;
     const float scale = 1.0f / sqrtf(var + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         dst[i] = (src[i] - mean) * scale * moec_bf16_to_f32(weight[i]);
@@ -105,7 +76,7 @@ extern "C" __global__ void qk_rms_norm_f32(
         sum_sq += part[i] * part[i];
     }
     // Every thread has read its values before any writes (the reduction's barriers).
-    const float mean_sq = block_sum(sum_sq) / (float)chunk;
+    const float mean_sq = moec_block_reduce(sum_sq, 0) / (float)chunk;
     const float scale = 1.0f / sqrtf(mean_sq + eps);
     for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
         part[i] = weight[i] * (part[i] * scale);

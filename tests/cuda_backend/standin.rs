@@ -686,3 +686,88 @@ fn kernel_overrun_faults_at_the_guard_page() {
 fn libc_sigsegv() -> i32 {
     11
 }
+
+/// A paged-attention case for the attention kernels' tests: the block tables of sequences
+/// of (cached, new) tokens (`max_blocks` slots each, blocks spread over `n_blocks`), and the
+/// sequence and position of each new row.
+pub(crate) struct PagedRows {
+    pub(crate) tables: Vec<u32>,
+    pub(crate) row_seq: Vec<u32>,
+    pub(crate) row_pos: Vec<i32>,
+}
+
+pub(crate) fn paged_rows(
+    seqs: &[(usize, usize)],
+    block_size: usize,
+    n_blocks: usize,
+    max_blocks: usize,
+) -> PagedRows {
+    let mut tables = vec![0u32; seqs.len() * max_blocks];
+    let mut next = 0u32;
+    for (s, &(cached, new)) in seqs.iter().enumerate() {
+        for b in 0..(cached + new).div_ceil(block_size) {
+            tables[s * max_blocks + b] = (next * 5 + 1) % n_blocks as u32;
+            next += 1;
+        }
+    }
+    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
+    for (s, &(cached, new)) in seqs.iter().enumerate() {
+        for j in 0..new {
+            row_seq.push(s as u32);
+            row_pos.push((cached + j) as i32);
+        }
+    }
+    PagedRows {
+        tables,
+        row_seq,
+        row_pos,
+    }
+}
+
+/// The reference for a paged attention kernel: the CPU's `attention` over copies of the
+/// pools the device started from (it appends the new rows' K and V, as the kernels must),
+/// after asserting the device pools now hold exactly the K and V the CPU appended. Gives
+/// the CPU's output rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cpu_attention_checking_appends(
+    stream: &Arc<CudaStream>,
+    layout: moec::model::kernels::kv_cache::KvLayout,
+    shape: &moec::model::kernels::attention::AttnShape,
+    rows: &PagedRows,
+    seqs: &[(usize, usize)],
+    max_blocks: usize,
+    qkv: &[f32],
+    start_pools: (&[f32], &[f32]),
+    device_pools: (&CudaSlice<f32>, &CudaSlice<f32>),
+) -> Vec<f32> {
+    use moec::model::kernels::attention::{attention, AttnSeq};
+    use moec::model::kernels::kv_cache::KvBlocksMut;
+    let (mut k_cpu, mut v_cpu) = (start_pools.0.to_vec(), start_pools.1.to_vec());
+    let mut want = vec![0.0f32; rows.row_seq.len() * shape.heads * shape.head_dim];
+    let attn_seqs: Vec<AttnSeq<'_>> = seqs
+        .iter()
+        .enumerate()
+        .map(|(s, &(cached, new))| AttnSeq {
+            block_table: &rows.tables[s * max_blocks..(s + 1) * max_blocks],
+            context_len: cached,
+            n_new: new,
+        })
+        .collect();
+    let mut cache = KvBlocksMut {
+        layout,
+        k: &mut k_cpu,
+        v: &mut v_cpu,
+    };
+    attention(&mut cache, &attn_seqs, qkv, shape, &mut want).expect("CPU attention");
+    assert_eq!(
+        stream.clone_dtoh(device_pools.0).expect("dtoh"),
+        k_cpu,
+        "appended K"
+    );
+    assert_eq!(
+        stream.clone_dtoh(device_pools.1).expect("dtoh"),
+        v_cpu,
+        "appended V"
+    );
+    want
+}

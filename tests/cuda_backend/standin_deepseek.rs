@@ -11,15 +11,16 @@
 //! sums and a different summation order of the products).
 
 use crate::standin::{
-    cfg, in_standin_child, max_abs_diff, run_under_standin, standin_context, Rng,
+    cfg, cpu_attention_checking_appends, in_standin_child, max_abs_diff, paged_rows,
+    run_under_standin, standin_context, Rng,
 };
 use cudarc::driver::PushKernelArg;
 use half::bf16;
 use moec::model::card::{DeepseekRouter, DeepseekTopk, ModelCard};
-use moec::model::kernels::attention::{attention, AttnSeq, AttnShape};
+use moec::model::kernels::attention::AttnShape;
 use moec::model::kernels::deepseek_route::route_deepseek;
 use moec::model::kernels::isa::Kernels;
-use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+use moec::model::kernels::kv_cache::KvLayout;
 use moec::model::kernels::mla::{MlaQuery, MlaWeights, LORA_NORM_EPS};
 use moec::model::kernels::norm::{normalize, NormKind};
 use moec::model::kernels::rope::RopeTable;
@@ -495,22 +496,8 @@ fn mla_attention_matches_the_cpu() {
         sinks: false,
     };
     let seqs_spec = [(0usize, 9usize), (17, 5), (40, 1)];
-    let mut tables = vec![0u32; seqs_spec.len() * mb];
-    let mut next = 0u32;
-    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
-        for b in 0..(cached + new).div_ceil(bs) {
-            tables[s * mb + b] = (next * 5 + 1) % n_blocks as u32;
-            next += 1;
-        }
-    }
-    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
-    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
-        for j in 0..new {
-            row_seq.push(s as u32);
-            row_pos.push((cached + j) as i32);
-        }
-    }
-    let n_rows = row_seq.len();
+    let rows = paged_rows(&seqs_spec, bs, n_blocks, mb);
+    let n_rows = rows.row_seq.len();
     let pool_len = n_blocks * layout.block_elems();
     let k_pool = rng.vec(pool_len, 1.0);
     // V = [c | 0]: zero rotary columns in the cache (values per slot, head_dim apart) and in
@@ -530,9 +517,9 @@ fn mla_attention_matches_the_cpu() {
     let qkv_dev = stream.clone_htod(&qkv).expect("htod");
     let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
     let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
-    let tables_dev = stream.clone_htod(&tables).expect("htod");
-    let seq_dev = stream.clone_htod(&row_seq).expect("htod");
-    let pos_dev = stream.clone_htod(&row_pos).expect("htod");
+    let tables_dev = stream.clone_htod(&rows.tables).expect("htod");
+    let seq_dev = stream.clone_htod(&rows.row_seq).expect("htod");
+    let pos_dev = stream.clone_htod(&rows.row_pos).expect("htod");
     let mut scores_dev = stream
         .alloc_zeros::<f32>(n_rows * heads * max_keys)
         .expect("alloc");
@@ -600,32 +587,16 @@ fn mla_attention_matches_the_cpu() {
     }
     .expect("launch");
     let got = stream.clone_dtoh(&out_dev).expect("dtoh");
-    let (mut k_cpu, mut v_cpu) = (k_pool.clone(), v_pool.clone());
-    let mut want = vec![0.0f32; n_rows * heads * hd];
-    let seqs: Vec<AttnSeq<'_>> = seqs_spec
-        .iter()
-        .enumerate()
-        .map(|(s, &(cached, new))| AttnSeq {
-            block_table: &tables[s * mb..(s + 1) * mb],
-            context_len: cached,
-            n_new: new,
-        })
-        .collect();
-    let mut cache = KvBlocksMut {
+    let want = cpu_attention_checking_appends(
+        &stream,
         layout,
-        k: &mut k_cpu,
-        v: &mut v_cpu,
-    };
-    attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
-    assert_eq!(
-        stream.clone_dtoh(&k_dev).expect("dtoh"),
-        k_cpu,
-        "appended K"
-    );
-    assert_eq!(
-        stream.clone_dtoh(&v_dev).expect("dtoh"),
-        v_cpu,
-        "appended V"
+        &shape,
+        &rows,
+        &seqs_spec,
+        mb,
+        &qkv,
+        (&k_pool, &v_pool),
+        (&k_dev, &v_dev),
     );
     let err = max_abs_diff(&got, &want);
     println!("mla_paged_attention ({n_rows} rows, {heads} heads in {groups} groups): max abs diff vs CPU {err:.3e}");

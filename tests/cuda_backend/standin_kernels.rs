@@ -2,8 +2,8 @@
 //! against the CPU kernel of `moec::model::kernels` it mirrors.
 
 use crate::standin::{
-    cfg, function, in_standin_child, load_kernels, max_abs_diff, run_under_standin,
-    standin_context, Rng,
+    cfg, cpu_attention_checking_appends, function, in_standin_child, load_kernels, max_abs_diff,
+    paged_rows, run_under_standin, standin_context, Rng,
 };
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
@@ -909,8 +909,8 @@ fn prefill_attention_matches_the_cpu() {
         run_under_standin(NAME);
         return;
     }
-    use moec::model::kernels::attention::{attention, AttnSeq, AttnShape};
-    use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
+    use moec::model::kernels::attention::AttnShape;
+    use moec::model::kernels::kv_cache::KvLayout;
     const PREFILL: KernelSource = KernelSource {
         file: "prefill_attention.cu",
         source: include_str!("../../kernels/prefill_attention.cu"),
@@ -933,22 +933,8 @@ fn prefill_attention_matches_the_cpu() {
     };
     // (cached tokens, new tokens) per sequence.
     let seqs_spec = [(0usize, 9usize), (17, 5), (40, 1)];
-    let mut tables = vec![0u32; seqs_spec.len() * mb];
-    let mut next = 0u32;
-    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
-        for b in 0..(cached + new).div_ceil(bs) {
-            tables[s * mb + b] = (next * 5 + 1) % n_blocks as u32;
-            next += 1;
-        }
-    }
-    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
-    for (s, &(cached, new)) in seqs_spec.iter().enumerate() {
-        for j in 0..new {
-            row_seq.push(s as u32);
-            row_pos.push((cached + j) as i32);
-        }
-    }
-    let n_rows = row_seq.len();
+    let rows = paged_rows(&seqs_spec, bs, n_blocks, mb);
+    let n_rows = rows.row_seq.len();
     // The last case carries gpt-oss's sinks (one logit per head after q | k | v).
     for (window, sinks) in [(None, false), (Some(12usize), false), (None, true)] {
         let shape = AttnShape {
@@ -966,9 +952,9 @@ fn prefill_attention_matches_the_cpu() {
         let qkv_dev = stream.clone_htod(&qkv).expect("htod");
         let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
         let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
-        let tables_dev = stream.clone_htod(&tables).expect("htod");
-        let seq_dev = stream.clone_htod(&row_seq).expect("htod");
-        let pos_dev = stream.clone_htod(&row_pos).expect("htod");
+        let tables_dev = stream.clone_htod(&rows.tables).expect("htod");
+        let seq_dev = stream.clone_htod(&rows.row_seq).expect("htod");
+        let pos_dev = stream.clone_htod(&rows.row_pos).expect("htod");
         let mut scores_dev = stream
             .alloc_zeros::<f32>(n_rows * ah * max_keys)
             .expect("alloc");
@@ -1035,32 +1021,16 @@ fn prefill_attention_matches_the_cpu() {
         }
         .expect("launch");
         let got = stream.clone_dtoh(&out_dev).expect("dtoh");
-        let (mut k_cpu, mut v_cpu) = (k_pool.clone(), v_pool.clone());
-        let mut want = vec![0.0f32; n_rows * ah * ahd];
-        let seqs: Vec<AttnSeq<'_>> = seqs_spec
-            .iter()
-            .enumerate()
-            .map(|(s, &(cached, new))| AttnSeq {
-                block_table: &tables[s * mb..(s + 1) * mb],
-                context_len: cached,
-                n_new: new,
-            })
-            .collect();
-        let mut cache = KvBlocksMut {
+        let want = cpu_attention_checking_appends(
+            &stream,
             layout,
-            k: &mut k_cpu,
-            v: &mut v_cpu,
-        };
-        attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
-        assert_eq!(
-            stream.clone_dtoh(&k_dev).expect("dtoh"),
-            k_cpu,
-            "appended K"
-        );
-        assert_eq!(
-            stream.clone_dtoh(&v_dev).expect("dtoh"),
-            v_cpu,
-            "appended V"
+            &shape,
+            &rows,
+            &seqs_spec,
+            mb,
+            &qkv,
+            (&k_pool, &v_pool),
+            (&k_dev, &v_dev),
         );
         let err = max_abs_diff(&got, &want);
         println!("paged_prefill_attention ({n_rows} rows, window {window:?}, sinks {sinks}): max abs diff vs CPU {err:.3e}");

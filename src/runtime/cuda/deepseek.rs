@@ -435,25 +435,10 @@ fn dense_swiglu(
     n: usize,
     out: u64,
 ) -> Result<(), OpError> {
-    let d = cx.arch.hidden;
     let gate = cx.segment(weights, layer, SegmentKind::DenseGate)?;
     let up = cx.segment(weights, layer, SegmentKind::DenseUp)?;
     let down = cx.segment(weights, layer, SegmentKind::DenseDown)?;
-    let f = gate.out_dim();
-    let (hg, hu) = (cx.s.scratch(n * f * 4)?, cx.s.scratch(n * f * 4)?);
-    cx.s.linear(x_norm, n, &gate, hg.ptr(), f, false)?;
-    cx.s.linear(x_norm, n, &up, hu.ptr(), f, false)?;
-    cx.s.launch_1d(
-        "swiglu",
-        n * f,
-        &[
-            Arg::Ptr(hg.ptr()),
-            Arg::Ptr(hu.ptr()),
-            Arg::I32(int("n*dense_ffn", n * f)?),
-        ],
-    )?;
-    cx.s.linear(hg.ptr(), n, &down, out, d, false)?;
-    Ok(())
+    cx.swiglu_mlp([gate, up, down], x_norm, n, out)
 }
 
 /// A dense layer's `gate` (`model::dense`): the post-attention norm of `h` into the

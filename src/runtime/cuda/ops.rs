@@ -506,20 +506,7 @@ impl GpuCx<'_> {
         let gate = self.segment(weights, layer, SegmentKind::SharedGate)?;
         let up = self.segment(weights, layer, SegmentKind::SharedUp)?;
         let down = self.segment(weights, layer, SegmentKind::SharedDown)?;
-        let f = gate.out_dim();
-        let (hg, hu) = (self.s.scratch(n * f * 4)?, self.s.scratch(n * f * 4)?);
-        self.s.linear(x_norm, n, &gate, hg.ptr(), f, false)?;
-        self.s.linear(x_norm, n, &up, hu.ptr(), f, false)?;
-        self.s.launch_1d(
-            "swiglu",
-            n * f,
-            &[
-                Arg::Ptr(hg.ptr()),
-                Arg::Ptr(hu.ptr()),
-                Arg::I32(int("n*shared_ffn", n * f)?),
-            ],
-        )?;
-        self.s.linear(hg.ptr(), n, &down, out, d, false)?;
+        self.swiglu_mlp([gate, up, down], x_norm, n, out)?;
         if self.has(SegmentKind::SharedExpertGate) {
             let g = self.segment(weights, layer, SegmentKind::SharedExpertGate)?;
             let logits = self.s.scratch(n * 4)?;
@@ -536,6 +523,33 @@ impl GpuCx<'_> {
                 ],
             )?;
         }
+        Ok(())
+    }
+
+    /// `out[n, d] = down(silu(gate(x)) * up(x))` over `n` rows of `x_norm`: the SwiGLU MLP
+    /// of a shared expert and of a dense layer (`Kernels::shared_expert`).
+    pub(super) fn swiglu_mlp(
+        &self,
+        [gate, up, down]: [DevMatrix; 3],
+        x_norm: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<(), OpError> {
+        let f = gate.out_dim();
+        let (hg, hu) = (self.s.scratch(n * f * 4)?, self.s.scratch(n * f * 4)?);
+        self.s.linear(x_norm, n, &gate, hg.ptr(), f, false)?;
+        self.s.linear(x_norm, n, &up, hu.ptr(), f, false)?;
+        self.s.launch_1d(
+            "swiglu",
+            n * f,
+            &[
+                Arg::Ptr(hg.ptr()),
+                Arg::Ptr(hu.ptr()),
+                Arg::I32(int("n*ffn", n * f)?),
+            ],
+        )?;
+        self.s
+            .linear(hg.ptr(), n, &down, out, self.arch.hidden, false)?;
         Ok(())
     }
 
