@@ -1,6 +1,7 @@
 //! The CUDA backend's checks that need no GPU: detection never panics and names what is
 //! missing, `moec devices` and `moec run --backend cuda` report it in plain words, the
-//! kernels compile through NVRTC when NVRTC is present, and (modules `standin` and
+//! kernels compile through NVRTC when NVRTC is present, `moec probe --backend cuda` writes
+//! the device into a profile (module `gpu_probe`), and (modules `standin` and
 //! `standin_kernels`) the CUDA path runs through cudarc against the stand-in driver
 //! (standin/, built by `cargo test --workspace`): every kernel against the CPU kernels,
 //! streams and events, cuBLAS, and what a driver refuses.
@@ -180,6 +181,8 @@ fn a_rejected_source_names_its_file_and_carries_the_nvrtc_log() {
 #[path = "standin_common/mod.rs"]
 mod standin_common;
 
+#[path = "cuda_backend/gpu_probe.rs"]
+mod gpu_probe;
 #[path = "cuda_backend/standin.rs"]
 mod standin;
 #[path = "cuda_backend/standin_deepseek.rs"]

@@ -2,6 +2,7 @@
 
 use crate::cost::hardware::{Level, GB, TFLOPS};
 use crate::cost::probe::{probe_profile, ProbeEffort};
+use crate::runtime::cuda::probe::GpuProbeSizes;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,6 +29,16 @@ pub struct ProbeArgs {
     /// token, GPU time, weight copy), giving the profile's `lat.*` symbols.
     #[arg(long, value_name = "CARD")]
     pub model: Option<String>,
+    /// `cuda`: also time moec's CUDA kernels and copies on device 0 and write them as the
+    /// profile's GPU (its `gpu`, `links` and `effective` rates); `cpu` (the default): the
+    /// GPU is the CPU backend's emulation.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub backend: String,
+    /// Sizes of the CUDA figures: `full` (Mixtral-8x7B's projection and attention, 256 MiB
+    /// copies) or `tiny` (the stand-in driver's test sizes: launch costs, not a device's
+    /// rates).
+    #[arg(long, default_value = "full", value_parser = ["full", "tiny"])]
+    pub gpu_sizes: String,
 }
 
 /// Runs `moec probe`.
@@ -70,8 +81,26 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             }
         }
     }
+    let gpu = if args.backend == "cuda" {
+        let sizes = match args.gpu_sizes.as_str() {
+            "tiny" => GpuProbeSizes::TINY,
+            _ => GpuProbeSizes::FULL,
+        };
+        match crate::runtime::cuda::probe::probe(sizes) {
+            Ok(gpu) => Some(gpu),
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::msg(e.to_string()));
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(gpu) = &gpu {
+        profile = crate::engine::gpu_probe::cuda_profile(profile, gpu);
+    }
     if args.json {
-        let value = serde_json::json!({ "measurements": measured, "profile": profile });
+        let value = serde_json::json!({ "measurements": measured, "gpu": gpu, "profile": profile });
         println!(
             "{}",
             serde_json::to_string_pretty(&value).unwrap_or_default()
@@ -94,15 +123,17 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             measured.gemm_f32_flops / 1e9,
             n = measured.gemm_size
         );
-        println!(
-            "profile `{}`: emulated gpu {:.1} GB at {:.1} GB/s, {:.3} TFLOPS; links {:.1} GB/s",
-            profile.name,
-            profile.capacity_bytes(Level::Gpu) / GB,
-            profile.level_bandwidth(Level::Gpu) / GB,
-            profile.gpu.f32_tflops * TFLOPS / TFLOPS,
-            profile.link_bandwidth(Level::Pinned, Level::Gpu) / GB
-        );
-        println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
+        if gpu.is_none() {
+            println!(
+                "profile `{}`: emulated gpu {:.1} GB at {:.1} GB/s, {:.3} TFLOPS; links {:.1} GB/s",
+                profile.name,
+                profile.capacity_bytes(Level::Gpu) / GB,
+                profile.level_bandwidth(Level::Gpu) / GB,
+                profile.gpu.f32_tflops * TFLOPS / TFLOPS,
+                profile.link_bandwidth(Level::Pinned, Level::Gpu) / GB
+            );
+            println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
+        }
         if let Some(k) = &profile.kernels {
             println!("moec's kernels (weight bytes per second by rows per weight):");
             for line in k.summary() {
@@ -125,8 +156,31 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             );
         }
     }
+    if let Some(gpu) = &gpu {
+        if !args.json {
+            println!("moec's CUDA kernels and copies ({} sizes):", args.gpu_sizes);
+            for line in gpu.summary() {
+                println!("  {line}");
+            }
+            println!(
+                "profile `{}`: gpu {} {:.1} GB usable; effective rates from these figures",
+                profile.name,
+                profile.gpu.model,
+                profile.capacity_bytes(Level::Gpu) / GB
+            );
+        }
+    }
+    let gpu_line = match &gpu {
+        Some(g) => format!(
+            "// The GPU: {} ({}), timed by `moec probe --backend cuda --gpu-sizes {}`.",
+            g.device, g.arch, args.gpu_sizes
+        ),
+        None => {
+            "// The GPU is the CPU backend's emulation: same cores and DRAM as the host.".into()
+        }
+    };
     let text = format!(
-        "// Measured by `moec probe` ({threads} threads, {} MiB buffers).\n// The GPU is the CPU backend's emulation: same cores and DRAM as the host.\n{}\n",
+        "// Measured by `moec probe` ({threads} threads, {} MiB buffers).\n{gpu_line}\n{}\n",
         measured.buffer_bytes >> 20,
         profile.to_ron()
     );

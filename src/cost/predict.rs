@@ -907,8 +907,12 @@ pub(crate) fn simulate_step_ran(
                 }
             }
             // moec's own kernels on this machine reach less than the roofline by op kind
-            // and rows: a measured profile charges each compute task at least that.
-            if let Some(kernels) = &profile.kernels {
+            // and rows: a measured profile charges each compute task at least that. The
+            // curves are the CPU kernels': they time a `gpu` stream's task only where the
+            // GPU is the CPU backend's emulation on the same cores (`shared_compute`).
+            let cpu_kernels =
+                profile.adjustments.shared_compute || program.engine_of(id) != Engine::GpuCompute;
+            if let (Some(kernels), true) = (&profile.kernels, cpu_kernels) {
                 let mut seconds = kernel_seconds(program, id, settings, loads, kernels);
                 if let Loads::Declared = loads {
                     seconds *= activation(program, id, task.shape.tokens).runs;

@@ -17,6 +17,7 @@
 pub mod dispatch;
 mod fit;
 pub mod fit_params;
+pub mod gpu_probe;
 pub mod session;
 
 use crate::compile::{compile, Options};

@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod launch;
 pub mod memory;
 pub mod ops;
+pub mod probe;
 
 pub use backend::{CudaBackend, CudaReport, CudaSetupError};
 
