@@ -5,7 +5,11 @@
 #
 #   scripts/gpu-bench.sh path/to/moec [OUT_DIR]
 #
-# Sections (GPU_BENCH_SECTIONS, default "tokens resident hf offload", run in that order):
+# Sections (GPU_BENCH_SECTIONS, default "probe tokens resident hf offload", run in that
+# order):
+#   probe   `moec probe --backend cuda`: the host and moec's CUDA kernels and copies on this
+#           device, written to OUT_DIR/probe.ron; the replays below predict on it (unless
+#           GPU_BENCH_HW names another profile).
 #   tokens  every schedule x every family's tiny card, `--backend cuda` against
 #           `--backend cpu` on the same machine: greedy token ids equal or not, per pair.
 #   resident  the synthetic mixtral-mid checkpoint (1.47 GiB bf16), prompts of 64 tokens,
@@ -18,7 +22,7 @@
 #           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
 #           for that workload and budget (`--fit`).
 # It writes OUT_DIR (default $OUT, else ./gpu-bench-out): devices.txt, tokens.jsonl,
-# runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
+# probe.txt and probe.ron, runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
 # hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
 # Each run is bounded by `timeout`; the whole script is meant to take under 6 minutes.
 # Smaller dry runs (e.g. under the stand-in driver): GPU_BENCH_MODEL=mixtral-tiny
@@ -31,7 +35,7 @@ mkdir -p "$out"
 out=$(realpath "$out")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-sections=${GPU_BENCH_SECTIONS:-tokens resident hf offload}
+sections=${GPU_BENCH_SECTIONS:-probe tokens resident hf offload}
 per_run=${GPU_BENCH_RUN_TIMEOUT:-40}
 jobs=${GPU_BENCH_JOBS:-8}
 model=${GPU_BENCH_MODEL:-mixtral-mid}
@@ -49,6 +53,16 @@ if [ -z "$hw" ]; then
 fi
 has() { case " $sections " in *" $1 "*) return 0 ;; esac; return 1; }
 started=$(date +%s)
+
+# --- probe: this machine's profile, for the replays ------------------------------------
+if has probe; then
+    if timeout 300 "$moec" probe --backend cuda --name "probed-$hw" --size-mib 1024 \
+        --out "$out/probe.ron" > "$out/probe.txt" 2>&1; then
+        [ -n "${GPU_BENCH_HW:-}" ] || hw=$out/probe.ron
+    else
+        echo "moec probe --backend cuda failed (exit $?); the replays use the profile $hw" >> "$out/probe.txt"
+    fi
+fi
 
 {
     date -u +%FT%TZ
