@@ -26,7 +26,7 @@
 # hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
 # Each run is bounded by `timeout`; the whole script is meant to take under 6 minutes.
 # Smaller dry runs (e.g. under the stand-in driver): GPU_BENCH_MODEL=mixtral-tiny
-# GPU_BENCH_BATCHES=1 GPU_BENCH_FAMILIES=mixtral.
+# GPU_BENCH_BATCHES=1 GPU_BENCH_FAMILIES=mixtral GPU_BENCH_PROBE_SIZES=tiny GPU_BENCH_PROBE_MIB=16.
 set -u
 moec=$(realpath "${1:?usage: gpu-bench.sh path/to/moec [OUT_DIR]}")
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -56,7 +56,8 @@ started=$(date +%s)
 
 # --- probe: this machine's profile, for the replays ------------------------------------
 if has probe; then
-    if timeout 300 "$moec" probe --backend cuda --name "probed-$hw" --size-mib 1024 \
+    if timeout 300 "$moec" probe --backend cuda --name "probed-$hw" --size-mib "${GPU_BENCH_PROBE_MIB:-1024}" \
+        --gpu-sizes "${GPU_BENCH_PROBE_SIZES:-full}" \
         --out "$out/probe.ron" > "$out/probe.txt" 2>&1; then
         [ -n "${GPU_BENCH_HW:-}" ] || hw=$out/probe.ron
     else
