@@ -5,6 +5,7 @@
 //! `moec` works from any directory) and gives every dimension the compiler, the cost model
 //! and the runtime size things by. Byte counts assume the card's weight dtype.
 
+use crate::model::formats::{Storage, WeightFormats, WeightTensor};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -311,6 +312,11 @@ pub struct ModelCard {
     /// Width of the leading dense layers' FFN (`intermediate_size`).
     #[serde(default)]
     pub dense_ffn: u64,
+    /// Storage of the weights not held in `dtype`: block-quantised classes or tensors
+    /// (a GGUF checkpoint's, or `--weight-format` when planning from a card). Empty for
+    /// the shipped cards: every tensor in `dtype`.
+    #[serde(default, skip_serializing_if = "WeightFormats::is_empty")]
+    pub formats: WeightFormats,
 }
 
 fn default_router_norm_p() -> Option<f64> {
@@ -736,6 +742,11 @@ impl ModelCard {
                 + self.top_k * self.expert_params())
             + self.dense_layers * self.dense_layer_params()
             + self.outer_params()
+    }
+
+    /// How `tensor` is stored: its entry in [`ModelCard::formats`], else the card's dtype.
+    pub fn storage(&self, tensor: WeightTensor) -> Storage {
+        self.formats.storage(self.dtype, tensor)
     }
 
     /// Bytes of one layer's attention weights in the card's dtype.
