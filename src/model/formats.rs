@@ -349,6 +349,46 @@ impl WeightFormats {
     }
 }
 
+/// Bytes of each weight class in the checkpoint buffer `W` of `card` (padding excluded;
+/// a tensor in the room its format takes there), with the formats the class holds, in
+/// [`WeightClass::ALL`] order; classes the model lacks are left out.
+pub fn bytes_by_class(card: &crate::model::card::ModelCard) -> Vec<(WeightClass, u64, Vec<Storage>)> {
+    let arch = ArchSpec::from_card(card);
+    let mut out: BTreeMap<WeightClass, (u64, Vec<Storage>)> = BTreeMap::new();
+    let mut add = |tensor: WeightTensor, bytes: u64, times: u64| {
+        let storage = card.storage(tensor);
+        let entry = out.entry(tensor.class()).or_default();
+        entry.0 += bytes * times;
+        if !entry.1.contains(&storage) {
+            entry.1.push(storage);
+        }
+    };
+    let table = |t: WeightTensor| {
+        card.storage(t)
+            .matrix_bytes(card.vocab, card.hidden)
+            .unwrap_or(0)
+    };
+    add(WeightTensor::Embed, table(WeightTensor::Embed), 1);
+    add(WeightTensor::LmHead, table(WeightTensor::LmHead), 1);
+    let norm = card.storage(WeightTensor::FinalNorm).bytes_for(card.hidden);
+    add(WeightTensor::FinalNorm, norm.unwrap_or(0), 1);
+    // Layers of one kind (dense, MoE) share their layout: one of each, times its count.
+    let dense = card.dense_layers.min(card.layers);
+    for (layer, count) in [(0, dense), (dense, card.layers - dense)] {
+        if count == 0 {
+            continue;
+        }
+        let layout = LayerLayout::for_card(card, &arch, layer as usize);
+        for seg in &layout.segments {
+            add(WeightTensor::layer(seg.kind), seg.len_bytes as u64, count);
+        }
+    }
+    WeightClass::ALL
+        .into_iter()
+        .filter_map(|c| out.remove(&c).filter(|e| e.0 > 0).map(|(b, s)| (c, b, s)))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,5 +461,31 @@ mod tests {
         let gpt = crate::model::card::ModelCard::load("gpt-oss-tiny").unwrap();
         let e = f.check(&ArchSpec::from_card(&gpt), gpt.dtype).unwrap_err();
         assert!(e.contains("[in, out]"), "{e}");
+    }
+
+    /// Mixtral-8x7B's expert bytes are its 45.1B expert weights at 2 bytes (bf16) or
+    /// 144/256 bytes (Q4_K): the quantised experts take 4.5/16 of the bf16 bytes.
+    #[test]
+    fn class_bytes_follow_the_formats() {
+        let card = crate::model::card::ModelCard::load("mixtral-8x7b").unwrap();
+        let experts = |c: &crate::model::card::ModelCard| {
+            bytes_by_class(c)
+                .into_iter()
+                .find(|(class, _, _)| *class == WeightClass::Experts)
+                .unwrap()
+        };
+        let bf16 = experts(&card);
+        assert_eq!(bf16.1, 32 * 8 * 3 * 4096 * 14336 * 2);
+        let mut q = card.clone();
+        q.formats.parse_classes("experts=q4_k").unwrap();
+        let q4 = experts(&q);
+        assert_eq!(q4.1 * 64, bf16.1 * 18);
+        assert_eq!(q4.2, vec![Storage::Quant(QuantFormat::Q4K)]);
+        let norms: u64 = bytes_by_class(&q)
+            .iter()
+            .filter(|(c, _, _)| *c == WeightClass::Norms)
+            .map(|(_, b, _)| *b)
+            .sum();
+        assert_eq!(norms, (2 * 32 + 1) * 4096 * 2);
     }
 }
