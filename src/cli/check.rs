@@ -175,7 +175,11 @@ pub fn summary(compiled: &Compiled) -> String {
     ));
     out.push_str(&format!(
         "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {}\n",
-        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches
+        program.model.label(),
+        w.batch,
+        w.prompt_len,
+        w.gen_len,
+        program.micro_batches
     ));
     if !program.params.is_empty() {
         let params: Vec<String> = program
@@ -214,7 +218,7 @@ pub fn summary(compiled: &Compiled) -> String {
 
 /// The checkpoint's bytes per weight class, with the formats each holds.
 pub fn weights_text(card: &ModelCard) -> String {
-    let mut out = String::from("weights (checkpoint bytes per class, as stored)\n");
+    let mut out = String::from("weights (bytes per class in the checkpoint buffer W)\n");
     for (class, bytes, formats) in crate::model::formats::bytes_by_class(card) {
         let names: Vec<&str> = formats.iter().map(|f| f.name()).collect();
         out.push_str(&format!(

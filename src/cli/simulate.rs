@@ -356,7 +356,7 @@ fn print_report(
         "{} on {} ({}), {params}; {} sequences, prompt {} + gen {} (decode context {})",
         program.name,
         resolved.profile.name,
-        program.model.name,
+        program.model.label(),
         prediction.sequences,
         w.prompt_len,
         w.gen_len,

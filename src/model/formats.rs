@@ -283,6 +283,29 @@ impl WeightFormats {
         }
     }
 
+    /// The formats other than `dtype`, per class (`experts Q4_K Q6_K, head Q6_K`);
+    /// `None` when every tensor is in `dtype`.
+    pub fn summary(&self, dtype: WeightDtype) -> Option<String> {
+        let mut by_class: BTreeMap<WeightClass, Vec<&'static str>> = BTreeMap::new();
+        let entries = self
+            .classes
+            .iter()
+            .map(|(c, s)| (*c, *s))
+            .chain(self.tensors.iter().map(|(t, s)| (t.class(), *s)));
+        for (class, storage) in entries {
+            let names = by_class.entry(class).or_default();
+            if storage != Storage::Float(dtype) && !names.contains(&storage.name()) {
+                names.push(storage.name());
+            }
+        }
+        let parts: Vec<String> = by_class
+            .into_iter()
+            .filter(|(_, names)| !names.is_empty())
+            .map(|(c, names)| format!("{} {}", c.name(), names.join(" ")))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join(", "))
+    }
+
     /// Reads `experts=q4_k,attention=q8_0` (classes as [`WeightClass::name`], formats as
     /// [`Storage::parse`]) into the class entries.
     pub fn parse_classes(&mut self, spec: &str) -> Result<(), String> {
@@ -352,7 +375,9 @@ impl WeightFormats {
 /// Bytes of each weight class in the checkpoint buffer `W` of `card` (padding excluded;
 /// a tensor in the room its format takes there), with the formats the class holds, in
 /// [`WeightClass::ALL`] order; classes the model lacks are left out.
-pub fn bytes_by_class(card: &crate::model::card::ModelCard) -> Vec<(WeightClass, u64, Vec<Storage>)> {
+pub fn bytes_by_class(
+    card: &crate::model::card::ModelCard,
+) -> Vec<(WeightClass, u64, Vec<Storage>)> {
     let arch = ArchSpec::from_card(card);
     let mut out: BTreeMap<WeightClass, (u64, Vec<Storage>)> = BTreeMap::new();
     let mut add = |tensor: WeightTensor, bytes: u64, times: u64| {
