@@ -25,6 +25,8 @@
 use super::dot;
 use super::q8::{ActFormat, Q8Rows};
 use super::select::{QuantBody, QuantKernels};
+#[cfg(target_arch = "x86_64")]
+use super::x86::GroupedActs;
 use super::{QuantFormat, QuantSlice};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
@@ -113,7 +115,7 @@ impl<'a> QuantMatrix<'a> {
     }
 
     /// The bytes of row `o` (`o < rows`).
-    fn row(&self, o: usize) -> &'a [u8] {
+    pub(super) fn row(&self, o: usize) -> &'a [u8] {
         let rb = self.row_bytes();
         &self.data.bytes[o * rb..(o + 1) * rb]
     }
@@ -160,12 +162,19 @@ impl QuantKernels {
             return Ok(());
         }
         let acts = Q8Rows::quantize(ActFormat::for_weights(w.format()), x, n_rows, w.cols);
+        #[cfg(target_arch = "x86_64")]
+        let grouped = (self.body() != QuantBody::Portable).then(|| GroupedActs::new(&acts));
         let n_panels = w.rows.div_ceil(PANEL_ROWS);
         let task = |p: usize| {
             let o0 = p * PANEL_ROWS;
             let rows = PANEL_ROWS.min(w.rows - o0);
             let mut local = vec![0.0f32; n_rows * rows];
-            self.panel(&w, &acts, o0, rows, &mut local);
+            #[cfg(target_arch = "x86_64")]
+            if let Some(g) = &grouped {
+                simd_panel(self.body(), &w, g, o0, rows, &mut local);
+                return local;
+            }
+            portable_panel(&w, &acts, o0, rows, &mut local);
             local
         };
         let panels: Vec<Vec<f32>> = if n_rows * w.rows * w.cols < PARALLEL_MIN_WORK || n_panels == 1
@@ -183,15 +192,36 @@ impl QuantKernels {
         }
         Ok(())
     }
+}
 
-    /// Weight rows `o0..o0 + rows` times every activation row into `local[r * rows + i]`.
-    fn panel(self, w: &QuantMatrix<'_>, acts: &Q8Rows, o0: usize, rows: usize, local: &mut [f32]) {
-        match self.body() {
-            QuantBody::Avx512Vnni | QuantBody::Avx2 | QuantBody::Portable => {
-                portable_panel(w, acts, o0, rows, local)
-            }
-        }
-    }
+/// A SIMD body's panel (`body` is not portable and this CPU runs it: a [`QuantKernels`]
+/// value vouches for that).
+#[cfg(target_arch = "x86_64")]
+fn simd_panel(
+    body: QuantBody,
+    w: &QuantMatrix<'_>,
+    acts: &GroupedActs<'_>,
+    o0: usize,
+    rows: usize,
+    local: &mut [f32],
+) {
+    use super::{dot_avx2, dot_avx512};
+    type Panel = unsafe fn(&QuantMatrix<'_>, &GroupedActs<'_>, usize, usize, &mut [f32]);
+    let f: Panel = match (body, w.format()) {
+        (QuantBody::Avx512Vnni, QuantFormat::Q8_0) => dot_avx512::panel::<8>,
+        (QuantBody::Avx512Vnni, QuantFormat::Q4K) => dot_avx512::panel::<12>,
+        (QuantBody::Avx512Vnni, QuantFormat::Q5K) => dot_avx512::panel::<13>,
+        (QuantBody::Avx512Vnni, QuantFormat::Q6K) => dot_avx512::panel::<14>,
+        (_, QuantFormat::Q8_0) => dot_avx2::panel::<8>,
+        (_, QuantFormat::Q4K) => dot_avx2::panel::<12>,
+        (_, QuantFormat::Q5K) => dot_avx2::panel::<13>,
+        (_, QuantFormat::Q6K) => dot_avx2::panel::<14>,
+    };
+    // SAFETY: the body's features are this CPU's (the `QuantKernels` invariant; the
+    // portable body never gets here); the panel's format is `w`'s by the match above;
+    // `acts` was quantised from `n_rows` rows of `w.cols` for this format; the caller made
+    // o0 + rows <= w.rows and `local` n_rows * rows long.
+    unsafe { f(w, acts, o0, rows, local) }
 }
 
 /// The reference body: each output summed block by block as the module documents.

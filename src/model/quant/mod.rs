@@ -18,11 +18,17 @@
 
 mod blocks;
 mod dot;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx512;
 pub mod matmul;
 #[cfg(test)]
 mod matmul_tests;
 pub mod q8;
 pub mod select;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use blocks::dequantize_blocks;
 pub use matmul::{quant_linear, QuantMatmulError, QuantMatrix};
