@@ -7,7 +7,7 @@
 //! Guarantees: the integer sums are exact, and the loop, the reduction and the f32 block
 //! values are those of [`super::x86`], so the results are the portable body's bits.
 
-use super::x86::{f16_at, k4_coef, k4_scales_mins, panel_body, q6k_coef};
+use super::x86::{k4_scales_mins, panel_body};
 use std::arch::x86_64::*;
 
 /// A decoded weight block.
@@ -16,9 +16,6 @@ pub(super) struct Dec {
     codes: [__m256i; 8],
     /// The 16-bit scale of each code pair of `codes[i]`.
     scales: [__m256i; 8],
-    pub dx: f32,
-    pub dmin: f32,
-    pub coef: [i32; 8],
 }
 
 /// Decodes block `b` of format `FMT` (ggml type id).
@@ -32,18 +29,12 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
     let mut d = Dec {
         codes: [z; 8],
         scales: [z; 8],
-        dx: 0.0,
-        dmin: 0.0,
-        coef: [0; 8],
     };
     let m4 = _mm256_set1_epi8(0x0f);
     // SAFETY (loads): every offset below lies inside the block, whose size the format fixes.
     match FMT {
         12 | 13 => {
-            d.dx = f16_at(b, 0);
-            d.dmin = f16_at(b, 2);
-            let (sc, mins) = k4_scales_mins(&b[4..16]);
-            d.coef = k4_coef(&mins);
+            let (sc, _) = k4_scales_mins(&b[4..16]);
             let sc16 = _mm256_cvtepu8_epi16(_mm_set1_epi64x(i64::from_le_bytes(sc)));
             // Both halves hold the eight 16-bit scales; a byte shuffle broadcasts one.
             let dup = _mm256_permute2x128_si256::<0x00>(sc16, sc16);
@@ -69,8 +60,6 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
             }
         }
         14 => {
-            d.dx = f16_at(b, 208);
-            d.coef = q6k_coef(&b[192..208]);
             let sc = unsafe { _mm_loadu_si128(b.as_ptr().add(192) as *const __m128i) };
             let dup = _mm256_set_m128i(sc, sc);
             for c in 0..8 {
@@ -99,7 +88,6 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
             }
         }
         _ => {
-            d.dx = f16_at(b, 0);
             let w = unsafe { _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i) };
             d.codes[0] = _mm256_abs_epi8(w);
             d.codes[1] = w;

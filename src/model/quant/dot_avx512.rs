@@ -15,7 +15,7 @@
 //! Guarantees: the integer sums are exact and everything after them is [`super::x86`]'s,
 //! so the results are the portable body's bits.
 
-use super::x86::{f16_at, k4_coef, k4_scales_mins, panel_body, q6k_coef};
+use super::x86::{k4_scales_mins, panel_body};
 use std::arch::x86_64::*;
 
 /// A decoded weight block.
@@ -26,9 +26,6 @@ pub(super) struct Dec {
     scales: [__m512i; 4],
     /// Q8_0: `|w|` and `w`.
     q8: [__m256i; 2],
-    pub dx: f32,
-    pub dmin: f32,
-    pub coef: [i32; 8],
 }
 
 /// 16-bit lanes `0..16` = `lo`, `16..32` = `hi`.
@@ -50,19 +47,13 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
         codes: [z; 4],
         scales: [z; 4],
         q8: [_mm256_setzero_si256(); 2],
-        dx: 0.0,
-        dmin: 0.0,
-        coef: [0; 8],
     };
     let m4 = _mm512_set1_epi8(0x0f);
     let p = b.as_ptr();
     // SAFETY (loads): every offset below lies inside the block, whose size the format fixes.
     match FMT {
         12 | 13 => {
-            d.dx = f16_at(b, 0);
-            d.dmin = f16_at(b, 2);
-            let (sc, mins) = k4_scales_mins(&b[4..16]);
-            d.coef = k4_coef(&mins);
+            let (sc, _) = k4_scales_mins(&b[4..16]);
             let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(
                 i64::from_le_bytes(sc),
             )));
@@ -86,8 +77,6 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
             }
         }
         14 => {
-            d.dx = f16_at(b, 208);
-            d.coef = q6k_coef(&b[192..208]);
             let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(unsafe {
                 _mm_loadu_si128(p.add(192) as *const __m128i)
             }));
@@ -114,7 +103,6 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
             }
         }
         _ => {
-            d.dx = f16_at(b, 0);
             let w = unsafe { _mm256_loadu_si256(p.add(2) as *const __m256i) };
             d.q8 = [_mm256_abs_epi8(w), w];
         }

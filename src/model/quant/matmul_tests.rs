@@ -293,14 +293,14 @@ fn extreme_blocks(format: QuantFormat, n: usize, seed: u64) -> Vec<u8> {
 
 /// Every SIMD body gives the portable body's bits: every format, 1 to 16 rows, several
 /// shapes (output rows not a multiple of any register block, one and many blocks per
-/// row), random and extreme-scale blocks, activations of very different magnitudes.
+/// row, rows long enough to be cut into several k-chunks), random and extreme-scale blocks, activations of very different magnitudes.
 #[test]
 fn every_body_gives_the_portable_bits() {
     let portable = QuantKernels::portable();
     let mut rng = Rng::new(17);
     for format in QuantFormat::ALL {
         let be = format.block_elems();
-        for &(rows, blocks) in &[(1usize, 1usize), (5, 2), (67, 3), (130, 1)] {
+        for &(rows, blocks) in &[(1usize, 1usize), (5, 2), (67, 3), (130, 1), (3, 36)] {
             let cols = blocks * be.max(256) / be * be;
             for extreme in [false, true] {
                 let n = rows * cols / be;

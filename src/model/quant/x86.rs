@@ -87,26 +87,174 @@ impl<'a> GroupedActs<'a> {
     }
 
     /// `Σ_p coef[p] · pair_p` per row of group `g`, block `b` (Q8_K rows): pairs of code
-    /// sums times pairs of 16-bit coefficients (`coef[p]` = low | high << 16).
+    /// sums times pairs of 16-bit coefficients (each `coef[p]` a broadcast of
+    /// `low | high << 16`, see [`coef_vectors`]).
     ///
     /// # Safety
     /// AVX2 available; the rows are Q8_K; `b` and `g` in range.
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub unsafe fn pair_dot(&self, b: usize, g: usize, coef: &[i32; 8]) -> __m256i {
+    pub unsafe fn pair_dot(&self, b: usize, g: usize, coef: &[__m256i; 8]) -> __m256i {
         let padded = self.groups * GROUP;
         let base = b * 8 * padded + g * GROUP;
         debug_assert!(base + 7 * padded + GROUP <= self.pairs.len());
         let mut acc = _mm256_setzero_si256();
-        for (p, &c) in coef.iter().enumerate() {
+        for (p, c) in coef.iter().enumerate() {
             // SAFETY: `pairs` holds `nb * 8 * padded` values; b < nb, p < 8, g < groups.
             let v = unsafe {
                 _mm256_loadu_si256(self.pairs.as_ptr().add(base + p * padded) as *const __m256i)
             };
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi32(c)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, *c));
         }
         acc
     }
+
+    /// Q8_K: the 16 code sums of block `b` of row `r`, as 16-bit lanes.
+    ///
+    /// # Safety
+    /// AVX available; the rows are Q8_K; `r` and `b` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn bsums(&self, r: usize, b: usize) -> __m256i {
+        // SAFETY: `block_bsums` is a checked slice of 16 i16 (32 bytes).
+        unsafe { _mm256_loadu_si256(self.q.block_bsums(r, b).as_ptr() as *const __m256i) }
+    }
+}
+
+/// The scalars of a weight block every body needs: its f16 scales widened, and (Q8_K
+/// formats) `lin`, the coefficient of each of the 16 code sums (16-bit lanes): min
+/// `t / 2` for code sum `t` of a Q4_K/Q5_K block, `32 · scale_t` for Q6_K.
+pub(super) struct Side {
+    pub dx: f32,
+    pub dmin: f32,
+    pub lin: __m256i,
+}
+
+/// The [`Side`] of block `b` of format `FMT` (ggml type id).
+///
+/// # Safety
+/// AVX2 available; `b` is one whole block of the format.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
+    match FMT {
+        12 | 13 => {
+            let (_, mins) = k4_scales_mins(&b[4..16]);
+            let m = _mm_set1_epi64x(i64::from_le_bytes(mins));
+            let dup = _mm_shuffle_epi8(
+                m,
+                _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+            );
+            Side {
+                dx: f16_at(b, 0),
+                dmin: f16_at(b, 2),
+                lin: _mm256_cvtepu8_epi16(dup),
+            }
+        }
+        14 => {
+            // SAFETY: bytes 192..208 of the 210-byte block are its 16 scales.
+            let sc = unsafe { _mm_loadu_si128(b.as_ptr().add(192) as *const __m128i) };
+            Side {
+                dx: f16_at(b, 208),
+                dmin: 0.0,
+                lin: _mm256_slli_epi16::<5>(_mm256_cvtepi8_epi16(sc)),
+            }
+        }
+        _ => Side {
+            dx: f16_at(b, 0),
+            dmin: 0.0,
+            lin: _mm256_setzero_si256(),
+        },
+    }
+}
+
+/// `lin`'s eight 32-bit lanes (pairs of coefficients) each broadcast, for
+/// [`GroupedActs::pair_dot`].
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn coef_vectors(s: &Side) -> [__m256i; 8] {
+    std::array::from_fn(|p| _mm256_permutevar8x32_epi32(s.lin, _mm256_set1_epi32(p as i32)))
+}
+
+/// The sum of the eight lanes of `v`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
+}
+
+/// The sums of the eight lanes of `a` and of `b`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
+    let h = _mm256_hadd_epi32(a, b);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    let t = _mm_hadd_epi32(s, s);
+    (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t))
+}
+
+/// The value of block `b` for a single activation row (row 0), from the lanes of its code
+/// dot product: [`super::dot`]'s scalar arithmetic on the exact totals.
+///
+/// # Safety
+/// AVX2 available; `acts` holds row 0 quantised for `FMT`; `b` in range.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn one_row_value<const FMT: u32>(
+    s: &Side,
+    lanes: __m256i,
+    acts: &GroupedActs<'_>,
+    b: usize,
+) -> f32 {
+    let dy = acts.q.block_d(0, b);
+    match FMT {
+        12 | 13 => {
+            // SAFETY: Q8_K rows (the formats' activations), row 0 and block b exist.
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            let (isum, imin) = hsum2(lanes, mins);
+            super::dot::k4_value(s.dx, s.dmin, dy, isum, imin)
+        }
+        14 => {
+            // SAFETY: as above.
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            (s.dx * dy) * hsum(_mm256_sub_epi32(lanes, mins)) as f32
+        }
+        _ => (s.dx * dy) * hsum(lanes) as f32,
+    }
+}
+
+/// The values of block `b` for the eight rows of group `g` from their exact totals.
+///
+/// # Safety
+/// AVX2 available; `acts` quantised for `FMT`; `b`, `g` in range.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn group_values<const FMT: u32>(
+    s: &Side,
+    coef: &[__m256i; 8],
+    isum: __m256i,
+    acts: &GroupedActs<'_>,
+    b: usize,
+    g: usize,
+) -> __m256 {
+    // SAFETY: the caller's bounds; Q8_K rows for the K formats.
+    unsafe {
+        let dy = acts.dy(b, g);
+        match FMT {
+            12 | 13 => k4_values(s.dx, s.dmin, dy, isum, acts.pair_dot(b, g, coef)),
+            14 => d_values(s.dx, dy, _mm256_sub_epi32(isum, acts.pair_dot(b, g, coef))),
+            _ => d_values(s.dx, dy, isum),
+        }
+    }
+}
+
+/// Blocks per k-chunk for `n_rows` activation rows: about 128 KiB of activation codes
+/// (they stay in L2 while a panel's weight rows pass over them; a whole 14336-wide row
+/// of 64 activation rows would be 900 KiB and spill).
+pub(super) fn chunk_blocks(n_rows: usize, block_elems: usize) -> usize {
+    ((128 << 10) / n_rows.max(1) / block_elems).max(1)
 }
 
 /// The totals of eight rows' lanes: lane `l` of the result is the sum of the eight lanes
@@ -174,21 +322,6 @@ pub(super) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     (join(sc_lo, sc_hi), join(m_lo, m_hi))
 }
 
-/// The code-sum coefficients of a Q4_K/Q5_K block: pair `p` (code sums `2p`, `2p + 1`,
-/// sub-block `p`) times min `p` in both halves.
-pub(super) fn k4_coef(mins: &[u8; 8]) -> [i32; 8] {
-    std::array::from_fn(|p| i32::from(mins[p]) * 0x0001_0001)
-}
-
-/// The code-sum coefficients of a Q6_K block: code sum `t` times `32 · scale_t`.
-pub(super) fn q6k_coef(scales: &[u8]) -> [i32; 8] {
-    std::array::from_fn(|p| {
-        let lo = (32 * i32::from(scales[2 * p] as i8)) as u16 as u32;
-        let hi = (32 * i32::from(scales[2 * p + 1] as i8)) as u16 as u32;
-        (lo | (hi << 16)) as i32
-    })
-}
-
 /// One panel of weight rows through a body's block decoder and row dot product: for
 /// each weight row, each block is decoded once, then every group of eight activation
 /// rows takes its dot products, [`reduce8`] and the block values of its format, added
@@ -214,50 +347,64 @@ macro_rules! panel_body {
             rows: usize,
             local: &mut [f32],
         ) {
-            use crate::model::quant::x86::{d_values, k4_values, reduce8, GROUP};
+            use crate::model::quant::x86::{
+                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, GROUP,
+            };
             use std::arch::x86_64::*;
             let bb = w.format().block_bytes();
             let nb = w.cols / w.format().block_elems();
-            let mut acc = vec![_mm256_setzero_ps(); acts.groups];
-            for i in 0..rows {
-                let row = w.row(o0 + i);
-                acc.fill(_mm256_setzero_ps());
-                for b in 0..nb {
-                    let block = &row[b * bb..(b + 1) * bb];
-                    // SAFETY (this block): the features are the caller's contract; the
-                    // code pointers are whole activation blocks of rows < n_rows.
-                    unsafe {
-                        let dec: $dec = $decode::<FMT>(block);
-                        for (g, a) in acc.iter_mut().enumerate() {
-                            let mut sums = [_mm256_setzero_si256(); GROUP];
-                            for (l, s) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
-                                *s = $dot::<FMT>(&dec, acts.codes(g * GROUP + l, b));
-                            }
-                            let isum = reduce8(&sums);
-                            let dy = acts.dy(b, g);
-                            let v = match FMT {
-                                12 | 13 => k4_values(
-                                    dec.dx,
-                                    dec.dmin,
-                                    dy,
-                                    isum,
-                                    acts.pair_dot(b, g, &dec.coef),
-                                ),
-                                14 => d_values(
-                                    dec.dx,
-                                    dy,
-                                    _mm256_sub_epi32(isum, acts.pair_dot(b, g, &dec.coef)),
-                                ),
-                                _ => d_values(dec.dx, dy, isum),
+            // SAFETY (the unsafe blocks below): the features are the caller's contract;
+            // blocks are whole (rows are whole blocks); activation rows and blocks are
+            // inside `acts`.
+            if acts.q.n_rows == 1 {
+                for i in 0..rows {
+                    let row = w.row(o0 + i);
+                    let mut acc = 0.0f32;
+                    for (b, block) in row.chunks_exact(bb).enumerate() {
+                        acc += unsafe {
+                            let lanes = $dot::<FMT>(&$decode::<FMT>(block), acts.codes(0, b));
+                            one_row_value::<FMT>(&side::<FMT>(block), lanes, acts, b)
+                        };
+                    }
+                    local[i] = acc;
+                }
+                return;
+            }
+            let groups = acts.groups;
+            let chunk = chunk_blocks(acts.q.n_rows, w.format().block_elems());
+            let mut accs = vec![_mm256_setzero_ps(); rows * groups];
+            for c0 in (0..nb).step_by(chunk) {
+                for i in 0..rows {
+                    let row = w.row(o0 + i);
+                    let acc = &mut accs[i * groups..(i + 1) * groups];
+                    for b in c0..(c0 + chunk).min(nb) {
+                        let block = &row[b * bb..(b + 1) * bb];
+                        unsafe {
+                            let dec: $dec = $decode::<FMT>(block);
+                            let s = side::<FMT>(block);
+                            // Q8_0 has no code-sum term.
+                            let coef = if FMT == 8 {
+                                [_mm256_setzero_si256(); 8]
+                            } else {
+                                coef_vectors(&s)
                             };
-                            *a = _mm256_add_ps(*a, v);
+                            for (g, a) in acc.iter_mut().enumerate() {
+                                let mut sums = [_mm256_setzero_si256(); GROUP];
+                                for (l, v) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
+                                    *v = $dot::<FMT>(&dec, acts.codes(g * GROUP + l, b));
+                                }
+                                let v = group_values::<FMT>(&s, &coef, reduce8(&sums), acts, b, g);
+                                *a = _mm256_add_ps(*a, v);
+                            }
                         }
                     }
                 }
-                for (g, a) in acc.iter().enumerate() {
+            }
+            for i in 0..rows {
+                for g in 0..groups {
                     let mut lanes = [0.0f32; GROUP];
                     // SAFETY: `lanes` holds eight f32.
-                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), accs[i * groups + g]) };
                     for (l, v) in lanes.iter().enumerate().take(acts.group_len(g)) {
                         local[(g * GROUP + l) * rows + i] = *v;
                     }
