@@ -15,7 +15,7 @@
 //! Guarantees: the integer sums are exact and everything after them is [`super::x86`]'s,
 //! so the results are the portable body's bits.
 
-use super::x86::{k4_scales_mins, panel_body};
+use super::x86::{panel_body, Side};
 use std::arch::x86_64::*;
 
 /// A decoded weight block.
@@ -35,13 +35,13 @@ fn halves16(lo: i16, hi: i16) -> __m512i {
     _mm512_mask_blend_epi16(0xFFFF_0000, _mm512_set1_epi16(lo), _mm512_set1_epi16(hi))
 }
 
-/// Decodes block `b` of format `FMT` (ggml type id).
+/// Decodes block `b` of format `FMT` (ggml type id) whose scalars are `side`.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and VNNI available; `b` is one whole block of the format.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
+pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
     let z = _mm512_setzero_si512();
     let mut d = Dec {
         codes: [z; 4],
@@ -53,7 +53,7 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
     // SAFETY (loads): every offset below lies inside the block, whose size the format fixes.
     match FMT {
         12 | 13 => {
-            let (sc, _) = k4_scales_mins(&b[4..16]);
+            let sc = side.sc;
             let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(
                 i64::from_le_bytes(sc),
             )));
