@@ -423,8 +423,10 @@ macro_rules! panel_body {
                             };
                             for (g, a) in acc.iter_mut().enumerate() {
                                 let mut sums = [_mm256_setzero_si256(); GROUP];
+                                // The group's rows are `cols` codes apart.
+                                let first = acts.codes(g * GROUP, b);
                                 for (l, v) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
-                                    *v = $dot::<FMT>(&dec, acts.codes(g * GROUP + l, b));
+                                    *v = $dot::<FMT>(&dec, first.add(l * w.cols));
                                 }
                                 let v = group_values::<FMT>(&s, &coef, reduce8(&sums), acts, b, g);
                                 *a = _mm256_add_ps(*a, v);
