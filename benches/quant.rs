@@ -125,6 +125,63 @@ impl Set {
     }
 }
 
+/// CPU seconds the calling thread has run (robust against other processes sharing the
+/// cores, unlike wall time; used on a one-thread pool, where the work runs on one thread).
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// Quantised against bf16 on one thread, timed by that thread's CPU time.
+fn one_thread(set: &Set, qk: QuantKernels, k: Kernels) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    println!(
+        "one thread, CPU time: {} [{}, {}] x {} experts, body {}:",
+        set.format,
+        set.out,
+        set.inp,
+        set.quant.len(),
+        qk.body()
+    );
+    let qb = set.quant_bytes() as f64;
+    for rows in ROWS {
+        let x = activations(rows, set.inp);
+        let mut y = vec![0.0f32; rows * set.out];
+        let (mut tq, mut td) = (Vec::new(), Vec::new());
+        pool.install(|| {
+            set.run_quant(qk, &x, rows, &mut y);
+            set.run_dense(k, &x, rows, &mut y);
+            for _ in 0..ROUNDS {
+                let t0 = thread_cpu_seconds();
+                set.run_quant(qk, &x, rows, &mut y);
+                let t1 = thread_cpu_seconds();
+                set.run_dense(k, &x, rows, &mut y);
+                tq.push(t1 - t0);
+                td.push(thread_cpu_seconds() - t1);
+            }
+        });
+        let (tq, td) = (median(tq), median(td));
+        let macs = (rows * set.out * set.inp * set.quant.len()) as f64;
+        println!(
+            "  {rows:>2} rows: {:>8.2} ms ({:>5.1} GMAC/s, {:>5.2} GB/s) | bf16 {:>8.2} ms ({:>5.1} GMAC/s) | bf16 time / quant time {:.2}",
+            tq * 1e3,
+            macs / tq / 1e9,
+            qb / tq / 1e9,
+            td * 1e3,
+            macs / td / 1e9,
+            td / tq
+        );
+    }
+}
+
 fn seconds(f: impl FnOnce()) -> f64 {
     let t = Instant::now();
     f();
@@ -220,6 +277,10 @@ fn bench(c: &mut Criterion) {
     println!("{}", describe(k));
     println!("threads: {}", rayon::current_num_threads());
     let small = Set::new(QuantFormat::Q4K, 1024, 3584, true);
+    one_thread(&small, qk, k);
+    if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() {
+        return;
+    }
     against_bf16(&small, qk, k);
     let big = Set::new(QuantFormat::Q4K, 4096, 14336, true);
     against_bf16(&big, qk, k);

@@ -7,7 +7,7 @@
 //! Guarantees: the integer sums are exact, and the loop, the reduction and the f32 block
 //! values are those of [`super::x86`], so the results are the portable body's bits.
 
-use super::x86::{k4_scales_mins, panel_body};
+use super::x86::{panel_body, Side};
 use std::arch::x86_64::*;
 
 /// A decoded weight block.
@@ -18,13 +18,13 @@ pub(super) struct Dec {
     scales: [__m256i; 8],
 }
 
-/// Decodes block `b` of format `FMT` (ggml type id).
+/// Decodes block `b` of format `FMT` (ggml type id) whose scalars are `side`.
 ///
 /// # Safety
 /// AVX2 available; `b` is one whole block of the format.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
+pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
     let z = _mm256_setzero_si256();
     let mut d = Dec {
         codes: [z; 8],
@@ -34,7 +34,7 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
     // SAFETY (loads): every offset below lies inside the block, whose size the format fixes.
     match FMT {
         12 | 13 => {
-            let (sc, _) = k4_scales_mins(&b[4..16]);
+            let sc = side.sc;
             let sc16 = _mm256_cvtepu8_epi16(_mm_set1_epi64x(i64::from_le_bytes(sc)));
             // Both halves hold the eight 16-bit scales; a byte shuffle broadcasts one.
             let dup = _mm256_permute2x128_si256::<0x00>(sc16, sc16);

@@ -1,28 +1,24 @@
 //! The AVX-512 VNNI body of the quantised products: a weight block's codes widened to
 //! unsigned bytes once, 64 per register (two Q4_K/Q5_K sub-blocks, four Q6_K ones), then
-//! per activation row `vpmaddubsw` (code × activation, adjacent pairs to 16 bits: at most
-//! 2 · 63 · 127 = 16002, never saturating) and VNNI's `vpdpwssd` (16-bit pairs times the
-//! sub-block scales, accumulated into 32 bits in one instruction); Q8_0 blocks (32 signed
-//! codes, one scale) go through VNNI's `vpdpbusd` (`|w|` times the activation with `w`'s
-//! sign, four products per 32-bit lane). The 16 lanes are folded to 8 (integer adds) and
-//! handed to the loop of [`super::x86`].
-//!
-//! Why `vpdpwssd` after `vpmaddubsw` rather than `vpdpbusd` for the K-quants: the scales
-//! change every 16 or 32 codes, so `vpdpbusd`'s unscaled sums would need a 32-bit
-//! multiply (`vpmulld`) and an add per register: three instructions per 64 codes against
-//! two.
+//! per activation row VNNI's `vpdpbusd` (code × activation, four products per 32-bit
+//! lane), the four registers' lanes packed pairwise to 16 bits (`vpackssdw`) and scaled
+//! by the sub-block scales with VNNI's `vpdpwssd`: six multiplying instructions per 256
+//! codes, against eight for `vpmaddubsw` + `vpdpwssd` per register. Q8_0 blocks (32
+//! signed codes, one scale) take one `vpdpbusd` (`|w|` times the activation with `w`'s
+//! sign). The 16 lanes are folded to 8 (integer adds) and handed to the loop of
+//! [`super::x86`].
 //!
 //! Guarantees: the integer sums are exact and everything after them is [`super::x86`]'s,
 //! so the results are the portable body's bits.
 
-use super::x86::{k4_scales_mins, panel_body};
+use super::x86::{panel_body, Side};
 use std::arch::x86_64::*;
 
 /// A decoded weight block.
 pub(super) struct Dec {
     /// Codes as unsigned bytes, 64 per register, in weight order.
     codes: [__m512i; 4],
-    /// The 16-bit scale of each code pair of `codes[i]`.
+    /// The 16-bit scale of each 16-bit lane of the two packs of `dot` (the first two).
     scales: [__m512i; 4],
     /// Q8_0: `|w|` and `w`.
     q8: [__m256i; 2],
@@ -35,13 +31,13 @@ fn halves16(lo: i16, hi: i16) -> __m512i {
     _mm512_mask_blend_epi16(0xFFFF_0000, _mm512_set1_epi16(lo), _mm512_set1_epi16(hi))
 }
 
-/// Decodes block `b` of format `FMT` (ggml type id).
+/// Decodes block `b` of format `FMT` (ggml type id) whose scalars are `side`.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and VNNI available; `b` is one whole block of the format.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
+pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
     let z = _mm512_setzero_si512();
     let mut d = Dec {
         codes: [z; 4],
@@ -53,7 +49,7 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
     // SAFETY (loads): every offset below lies inside the block, whose size the format fixes.
     match FMT {
         12 | 13 => {
-            let (sc, _) = k4_scales_mins(&b[4..16]);
+            let sc = side.sc;
             let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(
                 i64::from_le_bytes(sc),
             )));
@@ -72,8 +68,16 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
                     codes = _mm512_or_si512(codes, _mm512_slli_epi16::<4>(bit));
                 }
                 d.codes[i] = codes;
-                d.scales[i] =
-                    _mm512_permutexvar_epi16(halves16(2 * i as i16, 2 * i as i16 + 1), sc16);
+            }
+            // See `dot`: pack P's 16-bit lane t (128-bit lane k = t / 8, second four `hi`)
+            // holds sums of sub-block 4P + 2 hi + k / 2.
+            let t = lane_index();
+            let k = _mm512_srli_epi16::<3>(t);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<2>(t), _mm512_set1_epi16(1));
+            let base = _mm512_add_epi16(_mm512_slli_epi16::<1>(hi), _mm512_srli_epi16::<1>(k));
+            for (pk, sv) in d.scales.iter_mut().take(2).enumerate() {
+                let idx = _mm512_add_epi16(base, _mm512_set1_epi16(4 * pk as i16));
+                *sv = _mm512_permutexvar_epi16(idx, sc16);
             }
         }
         14 => {
@@ -94,12 +98,16 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8]) -> Dec {
                 let shift = halves16(2 * s0 as i16, 2 * s0 as i16 + 2);
                 let high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
                 d.codes[c] = _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
-                // 16-bit lane t covers weights 64c + 2t, 64c + 2t + 1: sub-block 4c + t / 8.
-                let idx = _mm512_add_epi16(
-                    _mm512_set1_epi16(4 * c as i16),
-                    _mm512_srli_epi16::<3>(lane_index()),
-                );
-                d.scales[c] = _mm512_permutexvar_epi16(idx, sc16);
+            }
+            // See `dot`: pack P's 16-bit lane t (128-bit lane k = t / 8, second four `hi`)
+            // holds sums of sub-block 8P + 4 hi + k.
+            let t = lane_index();
+            let k = _mm512_srli_epi16::<3>(t);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<2>(t), _mm512_set1_epi16(1));
+            let base = _mm512_add_epi16(_mm512_slli_epi16::<2>(hi), k);
+            for (pk, sv) in d.scales.iter_mut().take(2).enumerate() {
+                let idx = _mm512_add_epi16(base, _mm512_set1_epi16(8 * pk as i16));
+                *sv = _mm512_permutexvar_epi16(idx, sc16);
             }
         }
         _ => {
@@ -131,11 +139,19 @@ pub(super) unsafe fn dot<const FMT: u32>(d: &Dec, a: *const i8) -> __m256i {
     // SAFETY (loads): 64-byte parts of a 256-code block, or the 32 codes of a Q8_0 block.
     match FMT {
         12..=14 => {
-            let mut acc = _mm512_setzero_si512();
-            for i in 0..4 {
+            let mut r = [_mm512_setzero_si512(); 4];
+            for (i, ri) in r.iter_mut().enumerate() {
                 let x = unsafe { _mm512_loadu_si512(a.add(64 * i) as *const __m512i) };
-                acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(d.codes[i], x), d.scales[i]);
+                *ri = _mm512_dpbusd_epi32(_mm512_setzero_si512(), d.codes[i], x);
             }
+            // Each 32-bit lane sums four code x activation products: |sum| <= 4 · 63 · 128
+            // = 32256, so packing to 16 bits never saturates; the packs interleave per
+            // 128-bit lane (four lanes of the first operand, four of the second), which
+            // `decode`'s scale vectors follow.
+            let p01 = _mm512_packs_epi32(r[0], r[1]);
+            let p23 = _mm512_packs_epi32(r[2], r[3]);
+            let acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p01, d.scales[0]);
+            let acc = _mm512_dpwssd_epi32(acc, p23, d.scales[1]);
             _mm256_add_epi32(
                 _mm512_castsi512_si256(acc),
                 _mm512_extracti64x4_epi64::<1>(acc),

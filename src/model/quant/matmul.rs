@@ -163,7 +163,8 @@ impl QuantKernels {
         }
         let acts = Q8Rows::quantize(ActFormat::for_weights(w.format()), x, n_rows, w.cols);
         #[cfg(target_arch = "x86_64")]
-        let grouped = (self.body() != QuantBody::Portable).then(|| GroupedActs::new(&acts));
+        let grouped =
+            (self.body() != QuantBody::Portable).then(|| GroupedActs::new(&acts, w.format()));
         let n_panels = w.rows.div_ceil(PANEL_ROWS);
         let task = |p: usize| {
             let o0 = p * PANEL_ROWS;

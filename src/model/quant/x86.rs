@@ -10,7 +10,7 @@
 //! same operations in the same order, so the same bits as the portable body).
 
 use super::q8::{ActFormat, Q8Rows};
-use super::QK_K;
+use super::{QuantFormat, QK_K};
 use std::arch::x86_64::*;
 
 /// Rows per group (the f32 lanes of a 256-bit register).
@@ -18,8 +18,10 @@ pub(super) const GROUP: usize = 8;
 
 /// The per-block scalars of the activation rows, transposed so a group's eight rows
 /// are adjacent: `d[(b * groups + g) * 8 + l]` and, for Q8_K, the code sums in pairs
-/// `pairs[((b * 8 + p) * groups + g) * 8 + l]` = `bsum[2p]` (low 16 bits) and
-/// `bsum[2p + 1]` (high 16 bits) of row `8g + l`. Rows past the last are zero.
+/// `pairs[((b * 8 + p) * groups + g) * 8 + l]` of row `8g + l`: for Q6_K `bsum[2p]` (low
+/// 16 bits) and `bsum[2p + 1]` (high 16 bits), p < 8; for Q4_K/Q5_K, whose mins cover 32
+/// codes, the sums of sub-blocks `2p` and `2p + 1` (`bsum[4p] + bsum[4p + 1]`, ...), p < 4
+/// (a sub-block sums at most 32 · 127, so 16 bits hold it). Rows past the last are zero.
 pub(super) struct GroupedActs<'a> {
     /// The quantised rows (codes read from here, row-major).
     pub q: &'a Q8Rows,
@@ -30,8 +32,8 @@ pub(super) struct GroupedActs<'a> {
 }
 
 impl<'a> GroupedActs<'a> {
-    /// Transposes the scalars of `q`.
-    pub fn new(q: &'a Q8Rows) -> Self {
+    /// Transposes the scalars of `q`, quantised for weights of `format`.
+    pub fn new(q: &'a Q8Rows, format: QuantFormat) -> Self {
         let groups = q.n_rows.div_ceil(GROUP);
         let nb = q.blocks_per_row();
         let padded = groups * GROUP;
@@ -47,9 +49,14 @@ impl<'a> GroupedActs<'a> {
             for r in 0..q.n_rows {
                 for b in 0..nb {
                     let s = q.block_bsums(r, b);
+                    let sub = |j: usize| s[2 * j] + s[2 * j + 1];
                     for p in 0..QK_K / 32 {
-                        let packed =
-                            (s[2 * p] as u16 as u32) | ((s[2 * p + 1] as u16 as u32) << 16);
+                        let (lo, hi) = match format {
+                            QuantFormat::Q6K => (s[2 * p], s[2 * p + 1]),
+                            _ if p < 4 => (sub(2 * p), sub(2 * p + 1)),
+                            _ => (0, 0),
+                        };
+                        let packed = (lo as u16 as u32) | ((hi as u16 as u32) << 16);
                         pairs[(b * 8 + p) * padded + r] = packed as i32;
                     }
                 }
@@ -94,12 +101,17 @@ impl<'a> GroupedActs<'a> {
     /// AVX2 available; the rows are Q8_K; `b` and `g` in range.
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub unsafe fn pair_dot(&self, b: usize, g: usize, coef: &[__m256i; 8]) -> __m256i {
+    pub unsafe fn pair_dot<const N: usize>(
+        &self,
+        b: usize,
+        g: usize,
+        coef: &[__m256i; 8],
+    ) -> __m256i {
         let padded = self.groups * GROUP;
         let base = b * 8 * padded + g * GROUP;
         debug_assert!(base + 7 * padded + GROUP <= self.pairs.len());
         let mut acc = _mm256_setzero_si256();
-        for (p, c) in coef.iter().enumerate() {
+        for (p, c) in coef.iter().enumerate().take(N) {
             // SAFETY: `pairs` holds `nb * 8 * padded` values; b < nb, p < 8, g < groups.
             let v = unsafe {
                 _mm256_loadu_si256(self.pairs.as_ptr().add(base + p * padded) as *const __m256i)
@@ -121,25 +133,36 @@ impl<'a> GroupedActs<'a> {
     }
 }
 
-/// The scalars of a weight block every body needs: its f16 scales widened, and (Q8_K
-/// formats) `lin`, the coefficient of each of the 16 code sums (16-bit lanes): min
-/// `t / 2` for code sum `t` of a Q4_K/Q5_K block, `32 · scale_t` for Q6_K.
+/// The scalars of a weight block every body needs: its f16 scales widened, the 6-bit
+/// sub-block scales (Q4_K/Q5_K), `lin`, the coefficient of each of the 16 code sums
+/// (16-bit lanes: min `t / 2` for code sum `t` of a Q4_K/Q5_K block, `32 · scale_t` for
+/// Q6_K), and `pairs`, the coefficients of [`GroupedActs`]' pairs as 32-bit lanes.
 pub(super) struct Side {
     pub dx: f32,
     pub dmin: f32,
+    pub sc: [u8; 8],
     pub lin: __m256i,
+    pub pairs: __m256i,
+}
+
+/// The f16 at `b[at..at + 2]` widened (exact, as `half` widens it).
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
 /// The [`Side`] of block `b` of format `FMT` (ggml type id).
 ///
 /// # Safety
-/// AVX2 available; `b` is one whole block of the format.
-#[target_feature(enable = "avx2")]
+/// AVX2 and F16C available; `b` is one whole block of the format.
+#[target_feature(enable = "avx2,f16c")]
 #[inline]
 pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
     match FMT {
         12 | 13 => {
-            let (_, mins) = k4_scales_mins(&b[4..16]);
+            let (sc, mins) = k4_scales_mins(&b[4..16]);
             let m = _mm_set1_epi64x(i64::from_le_bytes(mins));
             let dup = _mm_shuffle_epi8(
                 m,
@@ -148,32 +171,42 @@ pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
             Side {
                 dx: f16_at(b, 0),
                 dmin: f16_at(b, 2),
+                sc,
                 lin: _mm256_cvtepu8_epi16(dup),
+                pairs: _mm256_castsi128_si256(_mm_cvtepu8_epi16(m)),
             }
         }
         14 => {
             // SAFETY: bytes 192..208 of the 210-byte block are its 16 scales.
             let sc = unsafe { _mm_loadu_si128(b.as_ptr().add(192) as *const __m128i) };
+            let lin = _mm256_slli_epi16::<5>(_mm256_cvtepi8_epi16(sc));
             Side {
                 dx: f16_at(b, 208),
                 dmin: 0.0,
-                lin: _mm256_slli_epi16::<5>(_mm256_cvtepi8_epi16(sc)),
+                sc: [0; 8],
+                lin,
+                pairs: lin,
             }
         }
         _ => Side {
             dx: f16_at(b, 0),
             dmin: 0.0,
+            sc: [0; 8],
             lin: _mm256_setzero_si256(),
+            pairs: _mm256_setzero_si256(),
         },
     }
 }
 
-/// `lin`'s eight 32-bit lanes (pairs of coefficients) each broadcast, for
-/// [`GroupedActs::pair_dot`].
+/// The first `N` 32-bit lanes of `pairs` each broadcast, for [`GroupedActs::pair_dot`].
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) fn coef_vectors(s: &Side) -> [__m256i; 8] {
-    std::array::from_fn(|p| _mm256_permutevar8x32_epi32(s.lin, _mm256_set1_epi32(p as i32)))
+pub(super) fn coef_vectors<const N: usize>(s: &Side) -> [__m256i; 8] {
+    let mut c = [_mm256_setzero_si256(); 8];
+    for (p, v) in c.iter_mut().enumerate().take(N) {
+        *v = _mm256_permutevar8x32_epi32(s.pairs, _mm256_set1_epi32(p as i32));
+    }
+    c
 }
 
 /// The sum of the eight lanes of `v`.
@@ -243,8 +276,12 @@ pub(super) unsafe fn group_values<const FMT: u32>(
     unsafe {
         let dy = acts.dy(b, g);
         match FMT {
-            12 | 13 => k4_values(s.dx, s.dmin, dy, isum, acts.pair_dot(b, g, coef)),
-            14 => d_values(s.dx, dy, _mm256_sub_epi32(isum, acts.pair_dot(b, g, coef))),
+            12 | 13 => k4_values(s.dx, s.dmin, dy, isum, acts.pair_dot::<4>(b, g, coef)),
+            14 => d_values(
+                s.dx,
+                dy,
+                _mm256_sub_epi32(isum, acts.pair_dot::<8>(b, g, coef)),
+            ),
             _ => d_values(s.dx, dy, isum),
         }
     }
@@ -297,11 +334,6 @@ pub(super) fn d_values(dx: f32, dy: __m256, isum: __m256i) -> __m256 {
         _mm256_mul_ps(_mm256_set1_ps(dx), dy),
         _mm256_cvtepi32_ps(isum),
     )
-}
-
-/// The f16 at `b[at..at + 2]` widened.
-pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block from its 12 packed bytes,
@@ -362,8 +394,9 @@ macro_rules! panel_body {
                     let mut acc = 0.0f32;
                     for (b, block) in row.chunks_exact(bb).enumerate() {
                         acc += unsafe {
-                            let lanes = $dot::<FMT>(&$decode::<FMT>(block), acts.codes(0, b));
-                            one_row_value::<FMT>(&side::<FMT>(block), lanes, acts, b)
+                            let s = side::<FMT>(block);
+                            let lanes = $dot::<FMT>(&$decode::<FMT>(block, &s), acts.codes(0, b));
+                            one_row_value::<FMT>(&s, lanes, acts, b)
                         };
                     }
                     local[i] = acc;
@@ -380,18 +413,20 @@ macro_rules! panel_body {
                     for b in c0..(c0 + chunk).min(nb) {
                         let block = &row[b * bb..(b + 1) * bb];
                         unsafe {
-                            let dec: $dec = $decode::<FMT>(block);
                             let s = side::<FMT>(block);
-                            // Q8_0 has no code-sum term.
-                            let coef = if FMT == 8 {
-                                [_mm256_setzero_si256(); 8]
-                            } else {
-                                coef_vectors(&s)
+                            let dec: $dec = $decode::<FMT>(block, &s);
+                            // Pairs of code sums: 4 (Q4_K, Q5_K), 8 (Q6_K), none (Q8_0).
+                            let coef = match FMT {
+                                12 | 13 => coef_vectors::<4>(&s),
+                                14 => coef_vectors::<8>(&s),
+                                _ => [_mm256_setzero_si256(); 8],
                             };
                             for (g, a) in acc.iter_mut().enumerate() {
                                 let mut sums = [_mm256_setzero_si256(); GROUP];
+                                // The group's rows are `cols` codes apart.
+                                let first = acts.codes(g * GROUP, b);
                                 for (l, v) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
-                                    *v = $dot::<FMT>(&dec, acts.codes(g * GROUP + l, b));
+                                    *v = $dot::<FMT>(&dec, first.add(l * w.cols));
                                 }
                                 let v = group_values::<FMT>(&s, &coef, reduce8(&sums), acts, b, g);
                                 *a = _mm256_add_ps(*a, v);
