@@ -17,6 +17,9 @@ use moec::runtime::WeightCopies;
 use moec::runtime::{generate, RunOptions};
 use std::path::{Path, PathBuf};
 
+#[path = "gguf_common/mod.rs"]
+mod gguf_common;
+
 const GEN_LEN: usize = 6;
 
 /// One invariance run: which card, which schedules, how they are compiled and run.
@@ -326,17 +329,10 @@ fn every_schedule_matches_the_oracle_with_a_gpu_smaller_than_the_model() {
 }
 
 /// The tiny Mixtral as llama.cpp's Q4_K_M (`scripts/gguf_fixtures.sh`: Q4_K tensors, Q6_K
-/// `ffn_down`/`attn_v` on layer 1 and a Q6_K lm_head), in `$MOEC_GGUF_FIXTURES` or
-/// `~/.cache/moec-peer/gguf-fixtures`; `None` (the caller says why) without it.
+/// `ffn_down`/`attn_v` on layer 1 and a Q6_K lm_head); `None` (the caller says why)
+/// without it.
 fn q4_k_m_fixture() -> Option<PathBuf> {
-    let dir = std::env::var_os("MOEC_GGUF_FIXTURES")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/moec-peer/gguf-fixtures"))
-        })?;
-    let path = dir.join("mixtral-q4-Q4_K_M.gguf");
-    path.is_file().then_some(path)
+    gguf_common::fixtures().map(|dir| dir.join("mixtral-q4-Q4_K_M.gguf"))
 }
 
 /// Every schedule runs llama.cpp's Q4_K_M checkpoint from its quantised bytes (layer

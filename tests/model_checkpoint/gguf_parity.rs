@@ -14,17 +14,8 @@
 
 use moec::model::oracle::{GenerateOptions, Oracle};
 use moec::model::Checkpoint;
-use std::path::PathBuf;
 
-fn fixtures() -> Option<PathBuf> {
-    let dir = std::env::var_os("MOEC_GGUF_FIXTURES")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/moec-peer/gguf-fixtures"))
-        })?;
-    dir.join("mixtral-q4-Q4_K_M.gguf").is_file().then_some(dir)
-}
+use crate::gguf_common::fixtures;
 
 #[test]
 fn greedy_tokens_match_llama_cpp_on_its_own_ggufs() {
