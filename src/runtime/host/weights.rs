@@ -193,6 +193,8 @@ pub struct ImageLayout {
     pub final_norm_bytes: u64,
     /// How the embedding, the final norm and the lm_head are stored.
     pub head_storage: [Storage; 3],
+    /// Rows of the embedding and lm_head (the card's vocabulary) and their width.
+    pub vocab_hidden: (usize, usize),
 }
 
 impl ImageLayout {
@@ -230,6 +232,9 @@ impl ImageLayout {
             }
             Some(Storage::Quant(format)) => {
                 let elems = self.tag_elems(tag);
+                // The tensor's own blocks: a view may run on into the padding after it.
+                let len = format.bytes_for(elems).unwrap_or(0);
+                let bytes = bytes.get(..len).unwrap_or(bytes);
                 QuantSlice::new(bytes, format, elems)
                     .map(TypedSlice::Quant)
                     .map_err(|e| format!("{tag}: {e}"))
@@ -239,20 +244,10 @@ impl ImageLayout {
 
     /// Elements of tensor `tag`.
     fn tag_elems(&self, tag: WeightTag) -> usize {
-        let hidden = self
-            .layer
-            .segment(SegmentKind::AttnNorm)
-            .map_or(0, |s| s.cols);
+        let (vocab, hidden) = self.vocab_hidden;
         match tag {
             WeightTag::FinalNorm => hidden,
-            WeightTag::Embed | WeightTag::LmHead => {
-                let bytes = self.tag_len(tag);
-                let row = self
-                    .storage(tag)
-                    .and_then(|s| s.bytes_for(hidden as u64))
-                    .unwrap_or(0);
-                (bytes.checked_div(row).unwrap_or(0) as usize) * hidden
-            }
+            WeightTag::Embed | WeightTag::LmHead => vocab * hidden,
             WeightTag::Layer { layer, kind } => self
                 .layer_of(layer)
                 .segment(kind)
@@ -442,5 +437,6 @@ pub fn image_layout(
             storage(&head.final_norm),
             storage(&head.lm_head),
         ],
+        vocab_hidden: (checkpoint.arch().vocab, checkpoint.arch().hidden),
     })
 }
