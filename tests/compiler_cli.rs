@@ -287,3 +287,72 @@ fn a_zero_batch_and_an_unknown_timeline_step_are_refused() {
     );
     assert!(!svg.exists(), "nothing is written for a refused step");
 }
+
+/// `--weight-format` sizes the checkpoint from the formats' block structs (ggml's
+/// `block_q8_0`: 34 bytes per 32 weights; bf16 2 bytes a weight): mixtral-tiny's experts
+/// (4 layers x 8 experts x 3 x 128 x 256 weights) take 17/32 of their bf16 bytes, the
+/// other classes are unchanged; bad specs and widths that are not whole blocks are one
+/// error naming the class, format or tensor.
+#[test]
+fn weight_formats_size_the_checkpoint_by_class() {
+    let class = |stdout: &str, name: &str| -> String {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} line in\n{stdout}"))
+            .to_string()
+    };
+    let sched = "schedules/cgopipe.sched";
+    let (code, bf16, _) = moec(&["check", sched]);
+    assert_eq!(code, 0, "{bf16}");
+    let (code, q8, stderr) = moec(&["check", sched, "--weight-format", "experts=q8_0"]);
+    assert_eq!(code, 0, "{stderr}");
+    let experts = 4 * 8 * 3 * 128 * 256;
+    let human = moec::ir::emit::human_bytes;
+    assert!(
+        class(&bf16, "experts").ends_with(&format!(" {}  BF16", human(experts * 2))),
+        "{bf16}"
+    );
+    assert!(
+        class(&q8, "experts").ends_with(&format!(" {}  Q8_0", human(experts / 32 * 34))),
+        "{q8}"
+    );
+    assert_eq!(class(&bf16, "attention"), class(&q8, "attention"));
+    assert!(q8.contains("model mixtral-tiny; experts Q8_0"), "{q8}");
+    for (spec, says) in [
+        (
+            "experts=q4_k",
+            "ExpertGate as Q4_K: rows of 128 weights are not whole 256-weight blocks",
+        ),
+        ("expert=q8_0", "unknown weight class `expert`"),
+        ("norms=q8_0", "stay in a float format"),
+    ] {
+        let (code, _, stderr) = moec(&["check", sched, "--weight-format", spec]);
+        assert_eq!(code, 1, "{spec}");
+        assert!(stderr.contains(says), "{spec}: {stderr}");
+    }
+}
+
+/// `--model FILE.gguf` reads the file's header: a wrong magic or a file cut inside its
+/// header is one error naming the file and what is wrong.
+#[test]
+fn a_broken_gguf_model_is_one_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let magic = dir.path().join("magic.gguf");
+    std::fs::write(&magic, b"GGML\x03\0\0\0").unwrap();
+    let cut = dir.path().join("cut.gguf");
+    let mut header = b"GGUF".to_vec();
+    header.extend(3u32.to_le_bytes());
+    header.extend(1u64.to_le_bytes());
+    std::fs::write(&cut, &header).unwrap();
+    for (path, says) in [
+        (&magic, "not a GGUF file (starts with \"GGML\""),
+        (&cut, "truncated GGUF file"),
+    ] {
+        let p = path.display().to_string();
+        let (code, _, stderr) = moec(&["check", "schedules/cgopipe.sched", "--model", &p]);
+        assert_eq!(code, 1, "{stderr}");
+        assert!(stderr.contains(&p) && stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

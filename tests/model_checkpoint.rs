@@ -18,6 +18,8 @@ use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
 
 /// moec against llama.cpp on GGUF files llama.cpp made (skips, saying why, without them).
+#[path = "gguf_common/mod.rs"]
+mod gguf_common;
 #[path = "model_checkpoint/gguf_parity.rs"]
 mod gguf_parity;
 

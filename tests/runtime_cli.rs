@@ -739,3 +739,35 @@ fn ray_shards_a_batch_job_retries_a_killed_shard_and_merges_in_order() {
         std::fs::read_to_string(&whole).unwrap()
     );
 }
+
+/// `run --weights X.gguf` with a file that is not a GGUF, or one cut inside its header, is
+/// one error naming the file and what is wrong (the GGUF reader's), never a panic.
+#[test]
+fn run_on_a_broken_gguf_is_one_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let magic = dir.path().join("magic.gguf");
+    std::fs::write(&magic, b"GGML\x03\0\0\0").unwrap();
+    let cut = dir.path().join("cut.gguf");
+    let mut header = b"GGUF".to_vec();
+    header.extend(3u32.to_le_bytes());
+    header.extend(2u64.to_le_bytes());
+    std::fs::write(&cut, &header).unwrap();
+    for (path, says) in [(&magic, "not a GGUF file"), (&cut, "truncated GGUF file")] {
+        let p = path.display().to_string();
+        let out = moec(
+            dir.path(),
+            &[
+                "run",
+                "schedules/baselines/resident.sched",
+                "--weights",
+                &p,
+                "--prompt",
+                "hi",
+            ],
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(&p) && stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

@@ -17,6 +17,9 @@ use moec::runtime::WeightCopies;
 use moec::runtime::{generate, RunOptions};
 use std::path::{Path, PathBuf};
 
+#[path = "gguf_common/mod.rs"]
+mod gguf_common;
+
 const GEN_LEN: usize = 6;
 
 /// One invariance run: which card, which schedules, how they are compiled and run.
@@ -95,8 +98,19 @@ fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<
     )
     .unwrap();
     let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    run_checkpoint(case, &checkpoint, gpu_capacity)
+}
+
+/// [`run_card`] on an opened checkpoint, compiled for the checkpoint's own card (its
+/// formats included: a GGUF's quantised tensors size the schedule's buffers).
+fn run_checkpoint(
+    case: &Case<'_>,
+    checkpoint: &Checkpoint,
+    gpu_capacity: impl Fn(u64) -> Option<u64>,
+) -> (Vec<String>, usize) {
+    let card = checkpoint.card().clone();
     let prompts = prompts(card.vocab as u32);
-    let oracle = Oracle::new(&checkpoint).unwrap();
+    let oracle = Oracle::new(checkpoint).unwrap();
     let expected: Vec<Vec<u32>> = oracle
         .generate(
             &prompts,
@@ -167,7 +181,7 @@ fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<
         run.backend.threads = 1;
         run.backend.gpu_capacity = capacity;
         run.backend.weight_copies = case.copies;
-        match generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}) {
+        match generate(&plan, checkpoint, &prompts, &run, &mut |_, _| {}) {
             Ok((outputs, stats)) => {
                 preemptions += stats.preemptions;
                 if let Some(bad) = active_experts_out_of_bounds(&card, &stats) {
@@ -311,6 +325,55 @@ fn every_schedule_matches_the_oracle_with_a_gpu_smaller_than_the_model() {
         ..Case::new("dbrx-tiny")
     };
     let (failures, _) = run_card(&case, |model_bytes| Some(model_bytes * 9 / 10));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The tiny Mixtral as llama.cpp's Q4_K_M (`scripts/gguf_fixtures.sh`: Q4_K tensors, Q6_K
+/// `ffn_down`/`attn_v` on layer 1 and a Q6_K lm_head); `None` (the caller says why)
+/// without it.
+fn q4_k_m_fixture() -> Option<PathBuf> {
+    gguf_common::fixtures().map(|dir| dir.join("mixtral-q4-Q4_K_M.gguf"))
+}
+
+/// Every schedule runs llama.cpp's Q4_K_M checkpoint from its quantised bytes (layer
+/// images hold the file's blocks; copies move them) with the oracle's tokens for that
+/// checkpoint: the oracle decodes the same blocks with the gguf-py-verified decoder and
+/// computes in f32. Once with copies that move every byte, once with a `gpu` arena of 95%
+/// of the (quantised) weights: the fixture's embedding and lm_head (vocabulary 32000) are
+/// 83% of its bytes, so a smaller arena leaves no room for the schedules that keep both
+/// on the device.
+#[test]
+fn every_schedule_matches_the_oracle_on_a_q4_k_m_gguf() {
+    let Some(path) = q4_k_m_fixture() else {
+        println!(
+            "q4_k_m gguf: skipped: no mixtral-q4-Q4_K_M.gguf (run scripts/gguf_fixtures.sh, \
+             or set MOEC_GGUF_FIXTURES)"
+        );
+        return;
+    };
+    let checkpoint = Checkpoint::open_gguf(&path, None).unwrap();
+    let case = Case {
+        copies: WeightCopies::Move,
+        gen_len: 4,
+        ..Case::new("mixtral-q4-Q4_K_M")
+    };
+    let (failures, _) = run_checkpoint(&case, &checkpoint, |_| None);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let small = Case {
+        seqs_per_ub: Some("2"),
+        except: &[
+            (
+                "gpu_resident.sched",
+                "the GPU-resident bound holds every weight on the device by definition",
+            ),
+            (
+                "moe_infinity.sched",
+                "keeps the embedding, the lm_head and an expert cache on the device: more than this fixture's whole model",
+            ),
+        ],
+        ..case
+    };
+    let (failures, _) = run_checkpoint(&small, &checkpoint, |bytes| Some(bytes * 95 / 100));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

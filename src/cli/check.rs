@@ -15,9 +15,15 @@ use std::process::ExitCode;
 pub struct SchedArgs {
     /// The `.sched` file.
     pub sched: PathBuf,
-    /// Model card: a built-in name or a `.ron` path.
+    /// Model card: a built-in name, a `.ron` path, or a llama.cpp `.gguf` file (its
+    /// architecture and tensor formats, read from its header).
     #[arg(long, default_value = "mixtral-tiny")]
     pub model: String,
+    /// Storage formats per weight class, on top of the card's dtype:
+    /// `experts=q4_k,attention=q8_0` (classes experts, attention, shared, router, norms,
+    /// embedding, head; formats bf16, f16, f32, q8_0, q4_k, q5_k, q6_k).
+    #[arg(long, value_name = "CLASS=FORMAT,..")]
+    pub weight_format: Option<String>,
     /// Override a param: `--set n_ub=8` (repeatable).
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub sets: Vec<String>,
@@ -54,9 +60,10 @@ impl SchedArgs {
             .map_err(|e| Failure {
                 text: format!("error: cannot read {name}: {e}\n"),
             })?;
-        let model = ModelCard::load(&self.model).map_err(|e| Failure {
-            text: format!("error: {e}\n"),
-        })?;
+        let model = super::inputs::planning_card(&self.model, self.weight_format.as_deref())
+            .map_err(|e| Failure {
+                text: format!("error: {e}\n"),
+            })?;
         let mut options = Options::new(model);
         if let Some(path) = &self.routing_profile {
             options.profile = Some(
@@ -168,7 +175,11 @@ pub fn summary(compiled: &Compiled) -> String {
     ));
     out.push_str(&format!(
         "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {}\n",
-        program.model.name, w.batch, w.prompt_len, w.gen_len, program.micro_batches
+        program.model.label(),
+        w.batch,
+        w.prompt_len,
+        w.gen_len,
+        program.micro_batches
     ));
     if !program.params.is_empty() {
         let params: Vec<String> = program
@@ -200,7 +211,23 @@ pub fn summary(compiled: &Compiled) -> String {
         "host",
         human_bytes(program.buffers[0].bytes)
     ));
+    out.push_str(&weights_text(&program.model));
     out.push_str(&format!("warnings: {}\n", info.warnings.len()));
+    out
+}
+
+/// The checkpoint's bytes per weight class, with the formats each holds.
+pub fn weights_text(card: &ModelCard) -> String {
+    let mut out = String::from("weights (bytes per class in the checkpoint buffer W)\n");
+    for (class, bytes, formats) in crate::model::formats::bytes_by_class(card) {
+        let names: Vec<&str> = formats.iter().map(|f| f.name()).collect();
+        out.push_str(&format!(
+            "  {:<12} {:>12}  {}\n",
+            class.name(),
+            human_bytes(bytes),
+            names.join(" ")
+        ));
+    }
     out
 }
 

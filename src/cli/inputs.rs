@@ -11,7 +11,8 @@ pub struct ModelArgs {
     /// Model card (built-in name or .ron path); default mixtral-tiny when --weights is absent.
     #[arg(long)]
     pub model: Option<String>,
-    /// Hugging Face checkpoint folder (config.json + safetensors).
+    /// Hugging Face checkpoint folder (config.json + safetensors), or a llama.cpp `.gguf`
+    /// file (its quantised tensors run as stored, see README "Quantised weights").
     #[arg(long, value_name = "DIR")]
     pub weights: Option<PathBuf>,
 }
@@ -24,6 +25,35 @@ impl ModelArgs {
             weights: self.weights.clone(),
         }
     }
+}
+
+/// The card a planning command (`check`, `compile`, `simulate`, `plan`) compiles for:
+/// `--model` names a built-in card, a `.ron` path or a llama.cpp `.gguf` file (its
+/// architecture and each tensor's format come from its header; no weights are read), and
+/// `--weight-format` (`experts=q4_k,attention=q8_0`) sets classes' formats on top.
+pub fn planning_card(
+    model: &str,
+    weight_format: Option<&str>,
+) -> Result<crate::model::card::ModelCard, String> {
+    let path = Path::new(model);
+    let mut card = if path.extension().is_some_and(|e| e == "gguf") {
+        crate::model::Checkpoint::open_gguf(path, None)
+            .map_err(|e| e.to_string())?
+            .card()
+            .clone()
+    } else {
+        crate::model::card::ModelCard::load(model).map_err(|e| e.to_string())?
+    };
+    if let Some(spec) = weight_format {
+        card.formats
+            .parse_classes(spec)
+            .map_err(|e| format!("--weight-format: {e}"))?;
+        let arch = crate::model::ArchSpec::from_card(&card);
+        card.formats
+            .check(&arch, card.dtype)
+            .map_err(|e| format!("--weight-format: {}: {e}", card.name))?;
+    }
+    Ok(card)
 }
 
 /// A flag value that must be a positive finite number (`--link-gbps`, `--watchdog`).

@@ -176,7 +176,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
         "plan for {} on {} ({}), prompt {} + gen {}: searched {} ({} points: {} fit, {} over budget, {} invalid) in {:.2} s",
         program.name,
         resolved.profile.name,
-        program.model.name,
+        program.model.label(),
         program.workload.prompt_len,
         program.workload.gen_len,
         if names.is_empty() { "nothing".to_string() } else { names.join(", ") },

@@ -9,7 +9,6 @@ use crate::cost::predict::{predict, CostSettings, DecodeContext, Prediction};
 use crate::cost::rates::{at_rates, Rates};
 use crate::elaborate::Options;
 use crate::ir::{Program, TaskId, Workload};
-use crate::model::card::ModelCard;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -19,9 +18,15 @@ use std::process::ExitCode;
 pub struct CostTarget {
     /// The schedule (`.sched` file).
     pub schedule: PathBuf,
-    /// Model card: built-in name or `.ron` path.
+    /// Model card: built-in name, `.ron` path, or a llama.cpp `.gguf` file (its
+    /// architecture and tensor formats, read from its header).
     #[arg(long, default_value = "mixtral-tiny")]
     pub model: String,
+    /// Storage formats per weight class, on top of the card's dtype:
+    /// `experts=q4_k,attention=q8_0` (classes experts, attention, shared, router, norms,
+    /// embedding, head; formats bf16, f16, f32, q8_0, q4_k, q5_k, q6_k).
+    #[arg(long, value_name = "CLASS=FORMAT,..")]
+    pub weight_format: Option<String>,
     /// Hardware profile: built-in name (see `moec hw`) or `.ron` path.
     #[arg(long, default_value = "t4")]
     pub hw: String,
@@ -118,7 +123,7 @@ pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
 pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
     let source = crate::textfile::read_capped(&target.schedule, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
-    let model = ModelCard::load(&target.model).map_err(|e| e.to_string())?;
+    let model = super::inputs::planning_card(&target.model, target.weight_format.as_deref())?;
     let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
     // The schedule sees the profile's own numbers (`gpu.mem`, `link.h2d`, ...), as `check`
     // and `run` with `--hw` show them, whatever rates the prediction divides by: a planned
@@ -351,7 +356,7 @@ fn print_report(
         "{} on {} ({}), {params}; {} sequences, prompt {} + gen {} (decode context {})",
         program.name,
         resolved.profile.name,
-        program.model.name,
+        program.model.label(),
         prediction.sequences,
         w.prompt_len,
         w.gen_len,

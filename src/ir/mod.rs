@@ -350,17 +350,18 @@ fn align_up(x: u64) -> u64 {
 impl CheckpointLayout {
     /// The layout for a model card (from the model's packed layer image).
     pub fn new(card: &ModelCard) -> Self {
-        // Same rule as `model::layout::LayerLayout::new` (segments in image order, each
-        // starting on a SEGMENT_ALIGN boundary), computed without allocating because the
-        // op catalog asks for it per task; `matches_the_model_layer_image` pins the two.
-        let dt = card.dtype.bytes();
+        // Same rule as `model::layout::LayerLayout::for_card` (segments in image order,
+        // each in the bytes the card's formats give it, starting on a SEGMENT_ALIGN
+        // boundary), computed without allocating the layout because the op catalog asks
+        // for it per task; `matches_the_model_layer_image` pins the two.
+        use crate::model::formats::WeightTensor;
         let place =
-            |offset: u64, elems: &[u64]| elems.iter().fold(offset, |at, n| align_up(at + n * dt));
-        // The element counts of each part's segments come from the model's layout (small
-        // vectors: one entry per dense segment and per expert projection).
+            |offset: u64, bytes: &[u64]| bytes.iter().fold(offset, |at, n| align_up(at + n));
         let arch = crate::model::arch::ArchSpec::from_card(card);
         let [pre, o, gate, expert, dense_gate] =
-            crate::model::layout::LayerLayout::part_elems(&arch);
+            crate::model::layout::LayerLayout::part_bytes(&arch, |k| {
+                card.storage(WeightTensor::layer(k))
+            });
         let o_start = place(0, &pre);
         let gate_start = place(o_start, &o);
         let experts_start = place(gate_start, &gate);
@@ -370,8 +371,17 @@ impl CheckpointLayout {
         } else {
             0
         };
+        let table = |t: WeightTensor| {
+            card.storage(t)
+                .matrix_bytes(card.vocab, card.hidden)
+                .unwrap_or(0)
+        };
+        let norm = card
+            .storage(WeightTensor::FinalNorm)
+            .bytes_for(card.hidden)
+            .unwrap_or(0);
         CheckpointLayout {
-            embed_bytes: align_up(card.vocab * card.hidden * dt),
+            embed_bytes: align_up(table(WeightTensor::Embed)),
             pre_bytes: o_start,
             o_bytes: gate_start - o_start,
             gate_bytes: experts_start - gate_start,
@@ -380,7 +390,7 @@ impl CheckpointLayout {
             experts: card.experts,
             layers: card.layers,
             dense_layers: card.dense_layers.min(card.layers),
-            head_bytes: (card.vocab * card.hidden + card.hidden) * dt,
+            head_bytes: norm + table(WeightTensor::LmHead),
         }
     }
 
@@ -927,12 +937,30 @@ mod tests {
 
     #[test]
     fn matches_the_model_layer_image() {
+        // Every shipped card, and each once more with quantised classes where its widths
+        // allow them (Q8_0 blocks of 32; Q4_K super-blocks of 256 on the big cards).
+        let mut cards = Vec::new();
         for card in ModelCard::builtins() {
+            for spec in [
+                "",
+                "experts=q8_0,attention=q8_0,embedding=q8_0",
+                "experts=q4_k,head=q6_k",
+            ] {
+                let mut c = card.clone();
+                c.formats.parse_classes(spec).unwrap();
+                let arch = crate::model::arch::ArchSpec::from_card(&c);
+                if c.formats.check(&arch, c.dtype).is_ok() {
+                    cards.push(c);
+                }
+            }
+        }
+        assert!(cards.len() > 2 * ModelCard::builtins().len());
+        for card in cards {
             let layout = CheckpointLayout::new(&card);
             let arch = crate::model::arch::ArchSpec::from_card(&card);
             // The first layer (dense on the DeepSeek cards) and the last (MoE).
             for layer in [0, card.layers - 1] {
-                let image = LayerLayout::uniform_for(&arch, layer as usize, card.dtype);
+                let image = LayerLayout::for_card(&card, &arch, layer as usize);
                 let offset = |kind| image.segment(kind).map(|s| s.offset as u64).unwrap();
                 let name = format!("{} layer {layer}", card.name);
                 assert_eq!(layout.pre_bytes, offset(SegmentKind::OProj), "{name}");

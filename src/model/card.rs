@@ -3,8 +3,10 @@
 //!
 //! A card is read from RON (`models/*.ron`; the shipped cards are embedded in the binary so
 //! `moec` works from any directory) and gives every dimension the compiler, the cost model
-//! and the runtime size things by. Byte counts assume the card's weight dtype.
+//! and the runtime size things by. Byte counts assume the card's weight dtype, except for
+//! the tensors its [`ModelCard::formats`] name (block-quantised classes or tensors).
 
+use crate::model::formats::{Storage, WeightFormats, WeightTensor};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -311,6 +313,11 @@ pub struct ModelCard {
     /// Width of the leading dense layers' FFN (`intermediate_size`).
     #[serde(default)]
     pub dense_ffn: u64,
+    /// Storage of the weights not held in `dtype`: block-quantised classes or tensors
+    /// (a GGUF checkpoint's, or `--weight-format` when planning from a card). Empty for
+    /// the shipped cards: every tensor in `dtype`.
+    #[serde(default, skip_serializing_if = "WeightFormats::is_empty")]
+    pub formats: WeightFormats,
 }
 
 fn default_router_norm_p() -> Option<f64> {
@@ -736,6 +743,20 @@ impl ModelCard {
                 + self.top_k * self.expert_params())
             + self.dense_layers * self.dense_layer_params()
             + self.outer_params()
+    }
+
+    /// How `tensor` is stored: its entry in [`ModelCard::formats`], else the card's dtype.
+    pub fn storage(&self, tensor: WeightTensor) -> Storage {
+        self.formats.storage(self.dtype, tensor)
+    }
+
+    /// The card's name, with the formats of the weights not in its dtype where it has any
+    /// (`mixtral-8x7b; experts Q4_K`): how the planning commands' headers name the model.
+    pub fn label(&self) -> String {
+        match self.formats.summary(self.dtype) {
+            Some(formats) => format!("{}; {formats}", self.name),
+            None => self.name.clone(),
+        }
     }
 
     /// Bytes of one layer's attention weights in the card's dtype.

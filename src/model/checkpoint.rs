@@ -20,6 +20,8 @@ use crate::model::arch::ArchSpec;
 use crate::model::card::{ModelCard, QkNorm, WeightDtype};
 use crate::model::config::{self, ConfigError};
 use crate::model::family;
+use crate::model::formats::{Storage, WeightTensor};
+use crate::model::gguf::GgufError;
 use crate::model::kernels::mla::MlaWeights;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
@@ -199,8 +201,10 @@ struct Mxfp4Scales {
 pub struct StoredTensor<'a> {
     /// The bytes (no alignment promised: safetensors normally aligns, but may not).
     pub bytes: &'a [u8],
-    /// Stored dtype.
+    /// Stored dtype (f32 for a quantised tensor: what its blocks decode to).
     pub dtype: WeightDtype,
+    /// The block format of a quantised tensor.
+    pub quant: Option<QuantFormat>,
 }
 
 /// The stored bytes of the model's tensors outside the decoder layers.
@@ -393,8 +397,8 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         for t in imported.tensors {
             let (dtype, quant) = match t.storage {
-                crate::model::gguf::Storage::Float(d) => (d, None),
-                crate::model::gguf::Storage::Quant(f) => (WeightDtype::F32, Some(f)),
+                Storage::Float(d) => (d, None),
+                Storage::Quant(f) => (WeightDtype::F32, Some(f)),
             };
             if let Some(heads) = t.unpermute_heads {
                 let rows = t.shape.first().copied().unwrap_or(0);
@@ -428,6 +432,17 @@ impl Checkpoint {
             chosen.dtype = dtype;
         }
         let arch = ArchSpec::from_card(&chosen);
+        chosen.formats = gguf_formats(&arch, chosen.dtype, &tensors);
+        chosen
+            .formats
+            .check(&arch, chosen.dtype)
+            .map_err(|message| {
+                CheckpointError::Gguf(Box::new(GgufError::Tensor {
+                    path: path.display().to_string(),
+                    tensor: "(formats)".into(),
+                    message,
+                }))
+            })?;
         let (path_buf, mmap) = file.into_map();
         Ok(Checkpoint {
             dir: path_buf.clone(),
@@ -976,7 +991,12 @@ impl Checkpoint {
         let (embed, norm, lm_head) = self.head_sources();
         let stored = |src: &Source| -> Result<StoredTensor<'_>, CheckpointError> {
             let (bytes, dtype, _) = self.checked(&src.name, &src.shape)?;
-            Ok(StoredTensor { bytes, dtype })
+            let quant = self.tensors.get(&src.name).and_then(|e| e.quant);
+            Ok(StoredTensor {
+                bytes,
+                dtype,
+                quant,
+            })
         };
         Ok(HeadTensors {
             embed: stored(&embed)?,
@@ -993,22 +1013,30 @@ impl Checkpoint {
             .unwrap_or(false)
     }
 
-    /// The packed-image layout of layer `layer`, with each segment in its stored dtype.
+    /// The packed-image layout of layer `layer`, with each segment in its stored format,
+    /// in the slot the card's formats give it (a GGUF's widest format of that tensor over
+    /// the layers), so every layer's image has the same offsets.
     pub fn layer_layout(&self, layer: usize) -> Result<LayerLayout, CheckpointError> {
         self.check_layer(layer)?;
-        let mut dtypes = BTreeMap::new();
+        let mut stored = BTreeMap::new();
         for kind in LayerLayout::kinds(&self.arch, layer) {
             let src = self.source(layer, kind);
             // The entry only: an MXFP4 tensor is not decoded to learn its dtype.
             let (entry, dtype, _) = self.checked_entry(&src.name, &src.shape)?;
-            dtypes.insert(format!("{kind:?}"), (dtype, entry.quant));
+            let storage = entry.quant.map_or(Storage::Float(dtype), Storage::Quant);
+            stored.insert(kind, storage);
         }
-        let format = |k: SegmentKind| dtypes.get(&format!("{k:?}")).copied();
-        Ok(LayerLayout::with_quant(
+        let card = &self.card;
+        Ok(LayerLayout::with_storage(
             &self.arch,
             layer,
-            |k| format(k).map_or(self.card.dtype, |f| f.0),
-            |k| format(k).and_then(|f| f.1),
+            |k| card.storage(WeightTensor::layer(k)),
+            |k| {
+                stored
+                    .get(&k)
+                    .copied()
+                    .unwrap_or_else(|| card.storage(WeightTensor::layer(k)))
+            },
         ))
     }
 
@@ -1087,6 +1115,58 @@ impl Checkpoint {
         let mut image = ImageBuffer::zeroed(layout.image_bytes);
         self.copy_layer_image(layer, &layout, image.as_bytes_mut())?;
         Ok((layout, image))
+    }
+}
+
+/// The formats of a GGUF checkpoint's card: for the embedding, final norm, lm_head and
+/// every layer tensor kind, the widest storage any layer holds it in (by bytes per row),
+/// where that is not the card's `dtype`. Each layer's image reserves that much room for
+/// the tensor, so layers whose formats differ (llama.cpp's Q4_K_M keeps `attn_v` and
+/// `ffn_down` in Q6_K on some layers) share one geometry.
+fn gguf_formats(
+    arch: &ArchSpec,
+    dtype: WeightDtype,
+    tensors: &BTreeMap<String, Entry>,
+) -> crate::model::formats::WeightFormats {
+    let storage_of = |name: &str| {
+        let e = tensors.get(name)?;
+        match (e.quant, e.dtype) {
+            (Some(f), _) => Some(Storage::Quant(f)),
+            (None, Ok(d)) => Some(Storage::Float(d)),
+            (None, Err(_)) => None,
+        }
+    };
+    let mut widest: BTreeMap<WeightTensor, (u64, Storage)> = BTreeMap::new();
+    let mut note = |tensor: WeightTensor, cols: usize, storage: Option<Storage>| {
+        let Some(storage) = storage else { return };
+        let bytes = storage.bytes_for(cols as u64).unwrap_or(0);
+        let slot = widest.entry(tensor).or_insert((bytes, storage));
+        if bytes > slot.0 {
+            *slot = (bytes, storage);
+        }
+    };
+    let (embed, norm) = head_names(arch.family);
+    note(WeightTensor::Embed, arch.hidden, storage_of(embed));
+    note(WeightTensor::FinalNorm, arch.hidden, storage_of(norm));
+    note(
+        WeightTensor::LmHead,
+        arch.hidden,
+        storage_of("lm_head.weight"),
+    );
+    for layer in 0..arch.layers {
+        for kind in LayerLayout::kinds(arch, layer) {
+            let (_, cols, _) = LayerLayout::shape_of(arch, kind);
+            let src = segment_source(arch, layer, kind);
+            note(WeightTensor::layer(kind), cols, storage_of(&src.name));
+        }
+    }
+    crate::model::formats::WeightFormats {
+        classes: BTreeMap::new(),
+        tensors: widest
+            .into_iter()
+            .filter(|(_, (_, s))| *s != Storage::Float(dtype))
+            .map(|(t, (_, s))| (t, s))
+            .collect(),
     }
 }
 

@@ -10,10 +10,12 @@
 //! of an image between memory spaces and compute from the copy.
 
 use crate::model::arch::ArchSpec;
+use crate::model::card::ModelCard;
 use crate::model::card::{Family, QkNorm, WeightDtype};
 use crate::model::family;
+use crate::model::formats::{Storage, WeightTensor};
 use crate::model::kernels::mla::MlaWeights;
-use crate::model::quant::QuantFormat;
+use crate::model::quant::{QuantError, QuantFormat, QuantSlice};
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
     DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
@@ -24,7 +26,9 @@ use std::ops::Range;
 pub const SEGMENT_ALIGN: usize = 64;
 
 /// What a segment of the layer image holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum SegmentKind {
     /// Pre-attention norm weight `[hidden]`.
     AttnNorm,
@@ -130,6 +134,11 @@ pub struct Segment {
     pub offset: usize,
     /// Bytes of data (padding excluded).
     pub len_bytes: usize,
+    /// Bytes the image reserves for it before the next segment's alignment: `len_bytes`,
+    /// or more where another layer stores the same tensor in a wider format (a GGUF
+    /// Q4_K_M keeps some layers' `ffn_down` in Q6_K), so every layer's image has the same
+    /// offsets and size.
+    pub slot_bytes: usize,
     /// Stored rows (1 for a vector).
     pub rows: usize,
     /// Stored columns.
@@ -183,6 +192,14 @@ pub enum LayoutError {
         /// The underlying cause, as the library or the OS reported it.
         source: CastError,
     },
+    /// A quantised segment's bytes are not whole blocks of its format.
+    #[error("segment {kind:?}: {source}")]
+    Quant {
+        /// The segment.
+        kind: SegmentKind,
+        /// What is wrong.
+        source: QuantError,
+    },
     /// The layout lacks a segment the family needs (a hand-built layout).
     #[error("layout has no {0:?} segment")]
     Missing(SegmentKind),
@@ -198,6 +215,12 @@ pub enum LayoutError {
 
 fn align_up(x: usize) -> usize {
     x.div_ceil(SEGMENT_ALIGN) * SEGMENT_ALIGN
+}
+
+/// Bytes of a `[rows, cols]` segment stored as `storage` (0 for a quantised row width
+/// that is not whole blocks: `WeightFormats::check` and the readers refuse those first).
+fn segment_bytes(storage: Storage, rows: usize, cols: usize) -> usize {
+    storage.matrix_bytes(rows as u64, cols as u64).unwrap_or(0) as usize
 }
 
 impl LayerLayout {
@@ -350,24 +373,27 @@ impl LayerLayout {
         }
     }
 
-    /// Elements of each segment of [`LayerLayout::dense_parts`] of a MoE layer, of one
-    /// expert's segments and of a dense layer's `gate` part, in image order (what
-    /// `ir::CheckpointLayout` sizes the parts of `W` from; `pre` and `o` are the same in
-    /// both kinds of layer).
-    pub fn part_elems(arch: &ArchSpec) -> [Vec<u64>; 5] {
-        let elems = |kind: SegmentKind| {
+    /// Bytes of each segment of [`LayerLayout::dense_parts`] of a MoE layer, of one
+    /// expert's segments and of a dense layer's `gate` part, in image order, each stored as
+    /// `storage_of` says (what `ir::CheckpointLayout` sizes the parts of `W` from; `pre`
+    /// and `o` are the same in both kinds of layer).
+    pub fn part_bytes(
+        arch: &ArchSpec,
+        storage_of: impl Fn(SegmentKind) -> Storage,
+    ) -> [Vec<u64>; 5] {
+        let bytes = |kind: SegmentKind| {
             let (rows, cols, _) = Self::shape_of(arch, kind);
-            (rows * cols) as u64
+            segment_bytes(storage_of(kind), rows, cols) as u64
         };
         let [pre, o, gate] = Self::dense_parts(arch, false);
         let [_, _, dense_gate] = Self::dense_parts(arch, true);
         let expert = Self::expert_kinds(arch, 0);
         [
-            pre.into_iter().map(elems).collect(),
-            o.into_iter().map(elems).collect(),
-            gate.into_iter().map(elems).collect(),
-            expert.into_iter().map(elems).collect(),
-            dense_gate.into_iter().map(elems).collect(),
+            pre.into_iter().map(bytes).collect(),
+            o.into_iter().map(bytes).collect(),
+            gate.into_iter().map(bytes).collect(),
+            expert.into_iter().map(bytes).collect(),
+            dense_gate.into_iter().map(bytes).collect(),
         ]
     }
 
@@ -392,44 +418,48 @@ impl LayerLayout {
         layer: usize,
         dtype_of: impl Fn(SegmentKind) -> WeightDtype,
     ) -> Self {
-        Self::with_quant(arch, layer, dtype_of, |_| None)
+        let storage = |k| Storage::Float(dtype_of(k));
+        Self::with_storage(arch, layer, storage, storage)
     }
 
-    /// Layout of layer `layer` with each segment's dtype given by `dtype_of` and, for a
-    /// block-quantised segment, its format by `quant_of` (its bytes are then whole blocks).
-    pub fn with_quant(
+    /// Layout of layer `layer` of a model `card` describes: every segment stored as the
+    /// card's formats say (its dtype, or a class's or tensor's format).
+    pub fn for_card(card: &ModelCard, arch: &ArchSpec, layer: usize) -> Self {
+        let storage = |k| card.storage(WeightTensor::layer(k));
+        Self::with_storage(arch, layer, storage, storage)
+    }
+
+    /// Layout of layer `layer` whose segments are stored as `storage_of` says, each in a
+    /// slot of the bytes `slot_of`'s storage takes (at least as many: the widest format
+    /// any layer stores that tensor in), so layers that store a tensor in different
+    /// formats still share offsets and size. A quantised segment's rows are whole blocks
+    /// (the readers checked); its `dtype` is f32, what the blocks decode to.
+    pub fn with_storage(
         arch: &ArchSpec,
         layer: usize,
-        dtype_of: impl Fn(SegmentKind) -> WeightDtype,
-        quant_of: impl Fn(SegmentKind) -> Option<QuantFormat>,
+        slot_of: impl Fn(SegmentKind) -> Storage,
+        storage_of: impl Fn(SegmentKind) -> Storage,
     ) -> Self {
         let dense = arch.is_dense(layer);
         let mut offset = 0;
         let mut segments = Vec::new();
         for kind in Self::kinds(arch, layer) {
             let (rows, cols, orientation) = Self::shape_of(arch, kind);
-            let quant = quant_of(kind);
-            let dtype = if quant.is_some() {
-                WeightDtype::F32
-            } else {
-                dtype_of(kind)
-            };
-            let len_bytes = match quant {
-                // A quantised tensor's rows are whole blocks (the reader checked).
-                Some(format) => format.bytes_for(cols).unwrap_or(0) * rows,
-                None => rows * cols * dtype.bytes() as usize,
-            };
+            let storage = storage_of(kind);
+            let len_bytes = segment_bytes(storage, rows, cols);
+            let slot_bytes = segment_bytes(slot_of(kind), rows, cols).max(len_bytes);
             segments.push(Segment {
                 kind,
                 offset,
                 len_bytes,
+                slot_bytes,
                 rows,
                 cols,
-                dtype,
-                quant,
+                dtype: storage.dtype(),
+                quant: storage.quant(),
                 orientation,
             });
-            offset = align_up(offset + len_bytes);
+            offset = align_up(offset + slot_bytes);
         }
         LayerLayout {
             segments,
@@ -460,7 +490,7 @@ impl LayerLayout {
         let mut it = self.segments.iter().filter(|s| pred(s));
         let Some(first) = it.next() else { return 0..0 };
         let last = it.last().unwrap_or(first);
-        first.offset..align_up(last.offset + last.len_bytes)
+        first.offset..align_up(last.offset + last.slot_bytes)
     }
 
     /// Bytes of the attention part: input norm, Q/K/V (or Wqkv) with their biases and
@@ -517,7 +547,13 @@ impl LayerLayout {
                 needed: start + seg.len_bytes,
                 got: bytes.len(),
             })?;
-        TypedSlice::from_bytes(raw, seg.dtype).map_err(|source| LayoutError::Cast { kind, source })
+        match seg.quant {
+            Some(format) => QuantSlice::new(raw, format, seg.rows * seg.cols)
+                .map(TypedSlice::Quant)
+                .map_err(|source| LayoutError::Quant { kind, source }),
+            None => TypedSlice::from_bytes(raw, seg.dtype)
+                .map_err(|source| LayoutError::Cast { kind, source }),
+        }
     }
 
     fn matrix<'a>(

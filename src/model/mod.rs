@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dense;
 pub mod family;
+pub mod formats;
 pub mod gguf;
 pub mod kernels;
 pub mod layout;

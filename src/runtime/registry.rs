@@ -114,13 +114,25 @@ pub fn names() -> Vec<&'static str> {
 }
 
 /// Sets `backend` up for `plan` over `checkpoint`, giving a device backend the CPU
-/// backend as its host engine.
+/// backend as its host engine. A device backend is refused a checkpoint with
+/// block-quantised tensors (a GGUF's), naming the first tensor and its format: the device
+/// kernels read float weights only, and would read blocks as floats.
 pub fn open<'c>(
     backend: &Registration,
     plan: &ExecPlan,
     checkpoint: &'c Checkpoint,
     options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'c>, BackendError> {
+    if backend.gpu_space == GpuSpace::Device {
+        if let Some((tensor, format)) = checkpoint.quantised_tensor() {
+            return Err(BackendError::Unavailable(format!(
+                "{}: tensor `{tensor}` is stored as {format}; {} quant kernels are not built \
+                 yet; run with --backend cpu",
+                checkpoint.dir().display(),
+                backend.name.to_uppercase()
+            )));
+        }
+    }
     (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
 }
 

@@ -14,17 +14,8 @@
 
 use moec::model::oracle::{GenerateOptions, Oracle};
 use moec::model::Checkpoint;
-use std::path::PathBuf;
 
-fn fixtures() -> Option<PathBuf> {
-    let dir = std::env::var_os("MOEC_GGUF_FIXTURES")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/moec-peer/gguf-fixtures"))
-        })?;
-    dir.join("mixtral-q4-Q4_K_M.gguf").is_file().then_some(dir)
-}
+use crate::gguf_common::fixtures;
 
 #[test]
 fn greedy_tokens_match_llama_cpp_on_its_own_ggufs() {
@@ -70,4 +61,42 @@ fn greedy_tokens_match_llama_cpp_on_its_own_ggufs() {
             want.len()
         );
     }
+}
+
+/// The Q4_K_M file's layer images hold each layer's own formats as llama.cpp's quantize
+/// log lists them (layer 0: Q4_K `ffn_down_exps`; layer 1: Q6_K), in one geometry: every
+/// layer reserves Q6_K room for `ffn_down`, so offsets and sizes agree and the compiled
+/// schedule's checkpoint layout (from the card the file gives) matches the image. Byte
+/// counts are ggml's block structs: 144 bytes per 256 Q4_K weights, 210 per 256 Q6_K.
+#[test]
+fn q4_k_m_layer_images_keep_each_layer_s_formats_in_one_geometry() {
+    use moec::model::layout::SegmentKind;
+    use moec::model::quant::QuantFormat;
+    let Some(dir) = fixtures() else {
+        eprintln!("gguf_parity: skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let ck = Checkpoint::open_gguf(&dir.join("mixtral-q4-Q4_K_M.gguf"), None).unwrap();
+    let (l0, l1) = (ck.layer_layout(0).unwrap(), ck.layer_layout(1).unwrap());
+    let down = SegmentKind::ExpertDown(3);
+    let (d0, d1) = (l0.segment(down).unwrap(), l1.segment(down).unwrap());
+    assert_eq!(
+        (d0.quant, d1.quant),
+        (Some(QuantFormat::Q4K), Some(QuantFormat::Q6K))
+    );
+    // 256 rows of 512 weights: 2 super-blocks a row.
+    assert_eq!((d0.len_bytes, d1.len_bytes), (256 * 2 * 144, 256 * 2 * 210));
+    assert_eq!((d0.slot_bytes, d0.offset), (d1.slot_bytes, d1.offset));
+    assert_eq!(l0.image_bytes, l1.image_bytes);
+    let v = |l: &moec::model::LayerLayout| l.segment(SegmentKind::VProj).unwrap().quant;
+    assert_eq!(
+        (v(&l0), v(&l1)),
+        (Some(QuantFormat::Q4K), Some(QuantFormat::Q6K))
+    );
+    let layout = moec::ir::CheckpointLayout::new(ck.card());
+    assert_eq!(layout.layer_bytes_of(0), l0.image_bytes as u64);
+    assert_eq!(layout.expert_bytes, l1.expert_range(0).len() as u64);
+    // The embedding (Q4_K) and lm_head (Q6_K) as the quantize log sizes them.
+    assert_eq!(layout.embed_bytes, 32000 * 144);
+    assert_eq!(layout.head_bytes, 256 * 4 + 32000 * 210);
 }

@@ -16,6 +16,8 @@ use super::{AttnPart, ExpertRef, ExpertSet, Op, RoleSig, Shape, ROUTE_ENTRY_BYTE
 use crate::ir::value::{Point, Rows, Tensor};
 use crate::ir::{Access, CheckpointLayout, Engine, Role};
 use crate::model::card::ModelCard;
+use crate::model::formats::WeightTensor;
+use crate::model::layout::SegmentKind;
 
 use Access::{Read, ReadWrite, Write};
 use StaticParam::{Layer, Part, Set, Ub};
@@ -49,7 +51,6 @@ struct Dims {
     /// 1 with a sigmoid-gated shared expert, else 0.
     sg: f64,
     a: f64,
-    dt: f64,
     vocab: f64,
 }
 
@@ -70,7 +71,6 @@ impl Dims {
             fs: card.shared_ffn as f64,
             sg: f64::from(u8::from(card.shared_gate)),
             a: shape.act_bytes as f64,
-            dt: card.dtype.bytes() as f64,
             vocab: card.vocab as f64,
         }
     }
@@ -123,12 +123,20 @@ impl Dims {
 /// the tensor is counted once per layer.
 fn kv_b_rows_bytes(card: &ModelCard) -> (u64, u64) {
     card.mla.map_or((0, 0), |m| {
-        let per_row = m.kv_lora_rank * card.dtype.bytes();
+        let per_row = card
+            .storage(WeightTensor::Layer(SegmentKind::KvB))
+            .bytes_for(m.kv_lora_rank)
+            .unwrap_or(0);
         (
             card.heads * m.qk_nope_head_dim * per_row,
             card.heads * m.v_head_dim * per_row,
         )
     })
+}
+
+/// Bytes of one `hidden`-wide row of `tensor` as the card stores it.
+fn row_bytes(card: &ModelCard, tensor: WeightTensor) -> f64 {
+    card.storage(tensor).bytes_for(card.hidden).unwrap_or(0) as f64
 }
 
 /// True when `op` works on one of the card's leading dense layers.
@@ -198,7 +206,8 @@ fn embed_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
 fn embed_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => d.n * d.h * d.dt,
+        // One row of the table per token, in its stored format.
+        Role::W => d.n * row_bytes(card, WeightTensor::Embed),
         Role::Tokens => d.s * TOKEN_BYTES as f64,
         Role::H => d.rows(d.h),
         _ => len as f64,
@@ -770,7 +779,7 @@ fn lm_head_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
 fn lm_head_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => (d.vocab * d.h + d.h) * d.dt,
+        Role::W => CheckpointLayout::new(card).head_bytes as f64,
         // Only the last row of each sequence.
         Role::H => d.s * d.h * d.a,
         Role::Logits => d.s * d.vocab * d.a,

@@ -231,6 +231,7 @@ fn blank_card() -> ModelCard {
         deepseek_router: None,
         dense_layers: 0,
         dense_ffn: 0,
+        formats: Default::default(),
     }
 }
 

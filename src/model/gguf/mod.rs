@@ -160,34 +160,7 @@ impl Value {
     }
 }
 
-/// How a tensor's elements are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Storage {
-    /// Plain floats.
-    Float(WeightDtype),
-    /// Blocks of a quantised format.
-    Quant(QuantFormat),
-}
-
-impl Storage {
-    /// Bytes of `elems` elements (`None` for a quantised count that is not whole blocks).
-    pub fn bytes_for(self, elems: u64) -> Option<u64> {
-        match self {
-            Storage::Float(d) => elems.checked_mul(d.bytes()),
-            Storage::Quant(f) => f.bytes_for(usize::try_from(elems).ok()?).map(|b| b as u64),
-        }
-    }
-
-    /// The name ggml uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            Storage::Float(WeightDtype::F32) => "F32",
-            Storage::Float(WeightDtype::F16) => "F16",
-            Storage::Float(WeightDtype::Bf16) => "BF16",
-            Storage::Quant(f) => f.name(),
-        }
-    }
-}
+pub use crate::model::formats::Storage;
 
 /// ggml's name of type id `id` (for messages about types moec does not read).
 pub fn ggml_type_name(id: u32) -> String {

@@ -10,10 +10,29 @@
 //! blocks and gguf-py's own `dequantize` output); a length that is not whole blocks is an
 //! error, never a panic. Every decoder multiplies and subtracts in separate f32 steps
 //! (no fused multiply-add), so the portable and SIMD decoders give the same bits.
+//!
+//! Matrix products from these blocks without decoding them to f32 are in [`matmul`]
+//! ([`quant_linear`]): activations quantised to 8 bits ([`q8`]), integer dot products
+//! inside a block, f32 accumulation, with portable, AVX2 and AVX-512 VNNI bodies
+//! ([`select`]) that give the same bits.
 
 mod blocks;
+mod dot;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx512;
+pub mod matmul;
+#[cfg(test)]
+mod matmul_tests;
+pub mod q8;
+pub mod select;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use blocks::dequantize_blocks;
+pub use matmul::{quant_linear, QuantMatmulError, QuantMatrix};
+pub use select::{QuantBody, QuantKernels};
 
 /// A block-quantised storage format (ggml's `GGML_TYPE_*` of the same name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

@@ -25,7 +25,6 @@ use super::step::StepContext;
 use crate::ir::{Engine, StreamId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
-use crate::model::card::WeightDtype;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::kernels::moe::Routing;
 use crate::model::kernels::rope::RopeTable;
@@ -49,7 +48,6 @@ pub struct CpuBackend<'c> {
     memory: Arc<HostMemory<'c>>,
     arch: ArchSpec,
     rope: RopeTable,
-    dtype: WeightDtype,
     /// The one compute pool both `gpu.compute` and `cpu.compute` ops run in.
     pool: rayon::ThreadPool,
     threads: usize,
@@ -139,7 +137,6 @@ impl<'c> CpuBackend<'c> {
             memory,
             arch,
             rope,
-            dtype: plan.model.dtype,
             pool,
             threads,
         })
@@ -156,7 +153,6 @@ impl<'c> CpuBackend<'c> {
             rope: &self.rope,
             memory: &self.memory,
             state,
-            dtype: self.dtype,
         }
     }
 }

@@ -114,8 +114,6 @@ pub struct OpContext<'a> {
     pub memory: &'a HostMemory<'a>,
     /// The step state.
     pub state: &'a dyn StepContext,
-    /// Stored dtype of the embedding, final norm and lm_head.
-    pub dtype: crate::model::card::WeightDtype,
 }
 
 fn f32s<'a>(bytes: &'a [u8], role: &'static str) -> Result<&'a [f32], OpError> {
@@ -247,12 +245,7 @@ impl OpContext<'_> {
         )?)
     }
 
-    fn typed(
-        &self,
-        weights: &[View],
-        tag: WeightTag,
-        dtype_of: crate::model::card::WeightDtype,
-    ) -> Result<TypedSlice<'_>, OpError> {
+    fn typed(&self, weights: &[View], tag: WeightTag) -> Result<TypedSlice<'_>, OpError> {
         let view = self
             .memory
             .find_weight(weights, tag)
@@ -261,7 +254,11 @@ impl OpContext<'_> {
         // in an arena the plan orders every writer of these bytes before or after this
         // task (no task writes an argument another of its arguments overlaps).
         let bytes = unsafe { self.memory.bytes(view)? };
-        TypedSlice::from_bytes(bytes, dtype_of).map_err(|_| OpError::Align("w"))
+        // In the format the image stores `tag` in (a float dtype or quantised blocks).
+        self.memory
+            .layout()
+            .typed(tag, bytes)
+            .map_err(|_| OpError::Align("w"))
     }
 
     fn segment(
@@ -273,7 +270,7 @@ impl OpContext<'_> {
         let Some(seg) = self.memory.layout().layer_of(layer).segment(kind).cloned() else {
             return Ok(None);
         };
-        let data = self.typed(weights, WeightTag::Layer { layer, kind }, seg.dtype)?;
+        let data = self.typed(weights, WeightTag::Layer { layer, kind })?;
         Ok(Matrix::new(
             data,
             seg.rows,
@@ -451,12 +448,12 @@ impl OpContext<'_> {
         rows: usize,
         cols: usize,
     ) -> Result<Matrix<'_>, OpError> {
-        let data = self.typed(weights, tag, self.dtype)?;
+        let data = self.typed(weights, tag)?;
         Matrix::new(data, rows, cols, Orientation::OutIn).ok_or(OpError::MissingWeight { tag })
     }
 
     fn vector(&self, weights: &[View], tag: WeightTag) -> Result<TypedSlice<'_>, OpError> {
-        self.typed(weights, tag, self.dtype)
+        self.typed(weights, tag)
     }
 
     /// `post_attn`'s attention rows: one `a` argument holds all rows; two (VSLPipe) hold

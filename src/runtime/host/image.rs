@@ -118,8 +118,13 @@ fn populate_read(_bytes: &[u8]) -> bool {
     false
 }
 
-fn dtype_align(dtype: WeightDtype) -> usize {
-    dtype.bytes() as usize
+/// The alignment a typed view of a tensor needs: its dtype's, or 1 for quantised blocks
+/// (read as bytes).
+fn storage_align(dtype: WeightDtype, quant: Option<crate::model::quant::QuantFormat>) -> usize {
+    match quant {
+        Some(_) => 1,
+        None => dtype.bytes() as usize,
+    }
 }
 
 impl<'c> MappedImage<'c> {
@@ -130,18 +135,27 @@ impl<'c> MappedImage<'c> {
         let mut tensors = Vec::new();
         for (start, len, tag) in layout.tags() {
             let mut decoded = false;
-            let (bytes, dtype) = match tag {
-                WeightTag::Embed => (head.embed.bytes, head.embed.dtype),
-                WeightTag::FinalNorm => (head.final_norm.bytes, head.final_norm.dtype),
-                WeightTag::LmHead => (head.lm_head.bytes, head.lm_head.dtype),
+            let (bytes, dtype, quant) = match tag {
+                WeightTag::Embed => (head.embed.bytes, head.embed.dtype, head.embed.quant),
+                WeightTag::FinalNorm => (
+                    head.final_norm.bytes,
+                    head.final_norm.dtype,
+                    head.final_norm.quant,
+                ),
+                WeightTag::LmHead => (head.lm_head.bytes, head.lm_head.dtype, head.lm_head.quant),
                 WeightTag::Layer { layer, kind } => {
                     let Some(seg) = layout.layer_of(layer).segment(kind) else {
                         continue;
                     };
                     decoded = checkpoint.segment_is_decoded(layer as usize, kind);
-                    (checkpoint.segment_bytes(layer as usize, seg)?, seg.dtype)
+                    (
+                        checkpoint.segment_bytes(layer as usize, seg)?,
+                        seg.dtype,
+                        seg.quant,
+                    )
                 }
             };
+            let align = storage_align(dtype, quant);
             if bytes.len() as u64 != len {
                 return Err(ImageError::Tensor {
                     dir: checkpoint.dir().display().to_string(),
@@ -153,7 +167,7 @@ impl<'c> MappedImage<'c> {
             let bytes = if decoded {
                 // Aligned by construction, and already in memory: not a file page to fault in.
                 TensorBytes::Decoded(bytes)
-            } else if (bytes.as_ptr() as usize).is_multiple_of(dtype_align(dtype)) {
+            } else if (bytes.as_ptr() as usize).is_multiple_of(align) {
                 TensorBytes::Mapped(bytes)
             } else {
                 // Kernels view weights as typed slices, which need dtype alignment; a file

@@ -13,7 +13,10 @@
 
 use crate::ir::CheckpointLayout;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
+use crate::model::formats::Storage;
 use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::quant::{QuantFormat, QuantSlice};
+use crate::model::tensor::TypedSlice;
 use std::collections::BTreeMap;
 
 /// A weight tensor that ops look up.
@@ -178,21 +181,85 @@ impl WeightMap {
 pub struct ImageLayout {
     /// The IR's view (offsets of embed, layers, head).
     pub checkpoint: CheckpointLayout,
-    /// The packed layout of every MoE layer (identical for all of them).
+    /// The packed layout of the first MoE layer (every MoE layer has its offsets and size;
+    /// a tensor's format may differ per layer, see [`ImageLayout::layer_of`]).
     pub layer: LayerLayout,
-    /// The packed layout of every leading dense layer, if the card has any.
+    /// The packed layout of the first leading dense layer, if the card has any.
     pub dense_layer: Option<LayerLayout>,
+    /// Every layer's packed layout: the same geometry as `layer` (or `dense_layer`), with
+    /// each segment in the format that layer stores it in.
+    pub layers: Vec<LayerLayout>,
     /// Bytes of the final norm (first part of the head region).
     pub final_norm_bytes: u64,
+    /// How the embedding, the final norm and the lm_head are stored.
+    pub head_storage: [Storage; 3],
+    /// Rows of the embedding and lm_head (the card's vocabulary) and their width.
+    pub vocab_hidden: (usize, usize),
 }
 
 impl ImageLayout {
     /// The packed layout of layer `layer`.
     pub fn layer_of(&self, layer: u32) -> &LayerLayout {
+        if let Some(l) = self.layers.get(layer as usize) {
+            return l;
+        }
         match &self.dense_layer {
             Some(dense) if self.checkpoint.is_dense(u64::from(layer)) => dense,
             _ => &self.layer,
         }
+    }
+
+    /// How tensor `tag` is stored (`None` for a segment the layer does not have).
+    pub fn storage(&self, tag: WeightTag) -> Option<Storage> {
+        match tag {
+            WeightTag::Embed => Some(self.head_storage[0]),
+            WeightTag::FinalNorm => Some(self.head_storage[1]),
+            WeightTag::LmHead => Some(self.head_storage[2]),
+            WeightTag::Layer { layer, kind } => self
+                .layer_of(layer)
+                .segment(kind)
+                .map(|s| s.quant.map_or(Storage::Float(s.dtype), Storage::Quant)),
+        }
+    }
+
+    /// Views `bytes` (all of tensor `tag`) as the elements it stores: floats of its dtype
+    /// or blocks of its quantised format.
+    pub fn typed<'a>(&self, tag: WeightTag, bytes: &'a [u8]) -> Result<TypedSlice<'a>, String> {
+        match self.storage(tag) {
+            None => Err(format!("{tag}: not in this layer's image")),
+            Some(Storage::Float(dtype)) => {
+                TypedSlice::from_bytes(bytes, dtype).map_err(|e| format!("{tag}: {e}"))
+            }
+            Some(Storage::Quant(format)) => {
+                let elems = self.tag_elems(tag);
+                // The tensor's own blocks: a view may run on into the padding after it.
+                let len = format.bytes_for(elems).unwrap_or(0);
+                let bytes = bytes.get(..len).unwrap_or(bytes);
+                QuantSlice::new(bytes, format, elems)
+                    .map(TypedSlice::Quant)
+                    .map_err(|e| format!("{tag}: {e}"))
+            }
+        }
+    }
+
+    /// Elements of tensor `tag`.
+    fn tag_elems(&self, tag: WeightTag) -> usize {
+        let (vocab, hidden) = self.vocab_hidden;
+        match tag {
+            WeightTag::FinalNorm => hidden,
+            WeightTag::Embed | WeightTag::LmHead => vocab * hidden,
+            WeightTag::Layer { layer, kind } => self
+                .layer_of(layer)
+                .segment(kind)
+                .map_or(0, |s| s.rows * s.cols),
+        }
+    }
+
+    /// The first tensor stored block-quantised, with its format (`None`: all floats).
+    pub fn quantised_tensor(&self) -> Option<(WeightTag, QuantFormat)> {
+        self.tags()
+            .into_iter()
+            .find_map(|(_, _, tag)| self.storage(tag).and_then(|s| s.quant()).map(|f| (tag, f)))
     }
 
     /// Every tensor of the image with its offset and length.
@@ -249,21 +316,6 @@ pub enum ImageError {
     /// The checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    /// The checkpoint stores block-quantised tensors, which the packed image and the
-    /// compiled schedule's byte counts do not carry yet.
-    #[error(
-        "checkpoint {dir}: tensor `{tensor}` is stored as {format}; quantised checkpoints run \
-         with `moec generate` (the reference forward pass) only so far: schedules need the \
-         packed image to carry a format per tensor, which is not done yet"
-    )]
-    Quantised {
-        /// The checkpoint.
-        dir: String,
-        /// The first quantised tensor.
-        tensor: String,
-        /// Its format.
-        format: crate::model::quant::QuantFormat,
-    },
     /// The checkpoint's stored layout does not match the card the schedule was compiled for.
     #[error("checkpoint {dir}: {what} takes {got} bytes but the compiled schedule assumes {expected} (is the checkpoint stored in the card's dtype?)")]
     Mismatch {
@@ -306,13 +358,6 @@ pub fn image_layout(
     layout: CheckpointLayout,
 ) -> Result<ImageLayout, ImageError> {
     let dir = checkpoint.dir().display().to_string();
-    if let Some((tensor, format)) = checkpoint.quantised_tensor() {
-        return Err(ImageError::Quantised {
-            dir,
-            tensor: tensor.to_string(),
-            format,
-        });
-    }
     let mismatch = |what, got: u64, expected: u64| ImageError::Mismatch {
         dir: dir.clone(),
         what,
@@ -364,10 +409,34 @@ pub fn image_layout(
     if lm_head != expected_lm_head {
         return Err(mismatch("the lm_head", lm_head, expected_lm_head));
     }
+    // Every layer's own formats, in the shared geometry (checked per layer: a layer whose
+    // tensors need more room than the compiled schedule gives it is an error naming it).
+    let mut layers = Vec::with_capacity(layout.layers as usize);
+    for l in 0..layout.layers {
+        let own = checkpoint.layer_layout(l as usize)?;
+        if own.image_bytes as u64 != layout.layer_bytes_of(l) {
+            return Err(mismatch(
+                "a layer",
+                own.image_bytes as u64,
+                layout.layer_bytes_of(l),
+            ));
+        }
+        layers.push(own);
+    }
+    let storage = |t: &crate::model::checkpoint::StoredTensor<'_>| {
+        t.quant.map_or(Storage::Float(t.dtype), Storage::Quant)
+    };
     Ok(ImageLayout {
         checkpoint: layout,
         layer,
         dense_layer,
+        layers,
         final_norm_bytes,
+        head_storage: [
+            storage(&head.embed),
+            storage(&head.final_norm),
+            storage(&head.lm_head),
+        ],
+        vocab_hidden: (checkpoint.arch().vocab, checkpoint.arch().hidden),
     })
 }

@@ -1,0 +1,311 @@
+//! Quantised expert products ([`QuantKernels::quant_linear`]) against the bf16 product
+//! of the same shape ([`Kernels::linear`]), measured in the same run.
+//!
+//! Shapes: the expert down projections of `mixtral-mid` (`[1024, 3584]`, out x in) and of
+//! Mixtral-8x7B (`[4096, 14336]`), Q4_K as llama.cpp's Q4_K_M stores `ffn_gate/up_exps`
+//! (and Q6_K, Q5_K, Q8_0 for the small shape). Each timed call multiplies the same
+//! activation rows with every matrix of a set of distinct experts in turn, enough experts
+//! that the quantised set (>= 64 MB) exceeds the 32 MiB L3, so the weights stream from
+//! DRAM as an offloaded expert's would. Rows: 1, 2, 8, 16, 64 (a decode step's rows per
+//! expert at batch 1 to 512).
+//!
+//! Printed per point: the quantised product's time and GB/s of weight bytes, the bf16
+//! product's time and GB/s, and the speed-up (bf16 time / quantised time), each the
+//! median of [`ROUNDS`] interleaved rounds (quantised then bf16 in each round, so both
+//! see the same machine load). Then the bodies against each other (portable, AVX2,
+//! AVX-512 VNNI where this CPU has them) at the small shape, and criterion's timing of
+//! the selected body at 1 and 16 rows.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use half::bf16;
+use moec::model::kernels::isa::Kernels;
+use moec::model::quant::select::describe;
+use moec::model::quant::{QuantBody, QuantFormat, QuantKernels, QuantMatrix, QuantSlice};
+use moec::model::tensor::{Matrix, Orientation, TypedSlice};
+use std::time::Instant;
+
+/// Interleaved rounds per point (the median is printed).
+const ROUNDS: usize = 5;
+
+/// Rows per product.
+const ROWS: [usize; 5] = [1, 2, 8, 16, 64];
+
+/// Bytes the quantised set of experts must exceed (twice the L3).
+const SET_BYTES: usize = 64 << 20;
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 24
+    }
+}
+
+/// Random blocks of `format` with f16 scales of magnitude below 0.01 (any bytes are a
+/// valid block once the scales are finite).
+fn quant_bytes(format: QuantFormat, elems: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Lcg(seed);
+    let bb = format.block_bytes();
+    let mut bytes: Vec<u8> = (0..elems / format.block_elems() * bb)
+        .map(|_| rng.next() as u8)
+        .collect();
+    let fields: &[usize] = match format {
+        QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q6K => &[208],
+    };
+    for block in bytes.chunks_exact_mut(bb) {
+        for &at in fields {
+            let v = (rng.next() % 1000) as f32 / 1.0e5 + 1.0e-4;
+            block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+fn bf16_matrix(elems: usize, seed: u64) -> Vec<bf16> {
+    let mut rng = Lcg(seed);
+    (0..elems)
+        .map(|_| bf16::from_f32((rng.next() % 2001) as f32 / 20000.0 - 0.05))
+        .collect()
+}
+
+/// One shape's expert set in both storages.
+struct Set {
+    out: usize,
+    inp: usize,
+    format: QuantFormat,
+    quant: Vec<Vec<u8>>,
+    dense: Vec<Vec<bf16>>,
+}
+
+impl Set {
+    fn new(format: QuantFormat, out: usize, inp: usize, with_dense: bool) -> Self {
+        let bytes = format.bytes_for(out * inp).expect("whole blocks");
+        let n = SET_BYTES.div_ceil(bytes);
+        Set {
+            out,
+            inp,
+            format,
+            quant: (0..n)
+                .map(|e| quant_bytes(format, out * inp, e as u64 + 1))
+                .collect(),
+            dense: if with_dense {
+                (0..n)
+                    .map(|e| bf16_matrix(out * inp, e as u64 + 7))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    fn quant_bytes(&self) -> usize {
+        self.quant.iter().map(Vec::len).sum()
+    }
+
+    fn run_quant(&self, k: QuantKernels, x: &[f32], rows: usize, y: &mut [f32]) {
+        for q in &self.quant {
+            let slice = QuantSlice::new(q, self.format, self.out * self.inp).expect("slice");
+            let m = QuantMatrix::new(slice, self.out, self.inp).expect("matrix");
+            k.quant_linear(&m, x, rows, y).expect("quant product");
+        }
+    }
+
+    fn run_dense(&self, k: Kernels, x: &[f32], rows: usize, y: &mut [f32]) {
+        for d in &self.dense {
+            let m = Matrix::new(TypedSlice::Bf16(d), self.out, self.inp, Orientation::OutIn)
+                .expect("matrix");
+            k.linear(x, rows, &m, y).expect("bf16 product");
+        }
+    }
+}
+
+/// CPU seconds the calling thread has run (robust against other processes sharing the
+/// cores, unlike wall time; used on a one-thread pool, where the work runs on one thread).
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// Quantised against bf16 on one thread, timed by that thread's CPU time.
+fn one_thread(set: &Set, qk: QuantKernels, k: Kernels) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    println!(
+        "one thread, CPU time: {} [{}, {}] x {} experts, body {}:",
+        set.format,
+        set.out,
+        set.inp,
+        set.quant.len(),
+        qk.body()
+    );
+    let qb = set.quant_bytes() as f64;
+    for rows in ROWS {
+        let x = activations(rows, set.inp);
+        let mut y = vec![0.0f32; rows * set.out];
+        let (mut tq, mut td) = (Vec::new(), Vec::new());
+        pool.install(|| {
+            set.run_quant(qk, &x, rows, &mut y);
+            set.run_dense(k, &x, rows, &mut y);
+            for _ in 0..ROUNDS {
+                let t0 = thread_cpu_seconds();
+                set.run_quant(qk, &x, rows, &mut y);
+                let t1 = thread_cpu_seconds();
+                set.run_dense(k, &x, rows, &mut y);
+                tq.push(t1 - t0);
+                td.push(thread_cpu_seconds() - t1);
+            }
+        });
+        let (tq, td) = (median(tq), median(td));
+        let macs = (rows * set.out * set.inp * set.quant.len()) as f64;
+        println!(
+            "  {rows:>2} rows: {:>8.2} ms ({:>5.1} GMAC/s, {:>5.2} GB/s) | bf16 {:>8.2} ms ({:>5.1} GMAC/s) | bf16 time / quant time {:.2}",
+            tq * 1e3,
+            macs / tq / 1e9,
+            qb / tq / 1e9,
+            td * 1e3,
+            macs / td / 1e9,
+            td / tq
+        );
+    }
+}
+
+fn seconds(f: impl FnOnce()) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn activations(rows: usize, inp: usize) -> Vec<f32> {
+    let mut rng = Lcg(99);
+    (0..rows * inp)
+        .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// Quantised against bf16 for every row count of one shape.
+fn against_bf16(set: &Set, qk: QuantKernels, k: Kernels) {
+    let (qb, db) = (
+        set.quant_bytes() as f64,
+        (set.dense.len() * set.out * set.inp * 2) as f64,
+    );
+    println!(
+        "{} [{}, {}] x {} experts ({:.0} MB; bf16 {:.0} MB), body {}:",
+        set.format,
+        set.out,
+        set.inp,
+        set.quant.len(),
+        qb / 1e6,
+        db / 1e6,
+        qk.body()
+    );
+    for rows in ROWS {
+        let x = activations(rows, set.inp);
+        let mut y = vec![0.0f32; rows * set.out];
+        set.run_quant(qk, &x, rows, &mut y);
+        set.run_dense(k, &x, rows, &mut y);
+        let (mut tq, mut td) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            tq.push(seconds(|| set.run_quant(qk, &x, rows, &mut y)));
+            td.push(seconds(|| set.run_dense(k, &x, rows, &mut y)));
+        }
+        let ratios: Vec<f64> = td.iter().zip(&tq).map(|(d, q)| d / q).collect();
+        let (tq, td) = (median(tq), median(td));
+        println!(
+            "  {rows:>2} rows: {:>8.2} ms {:>6.2} GB/s | bf16 {:>8.2} ms {:>6.2} GB/s | bf16 time / quant time {:.2} (median of {ROUNDS} rounds)",
+            tq * 1e3,
+            qb / tq / 1e9,
+            td * 1e3,
+            db / td / 1e9,
+            median(ratios)
+        );
+    }
+}
+
+/// Every body this CPU has at the small shape, against the selected one.
+fn bodies(set: &Set) {
+    println!(
+        "bodies, {} [{}, {}] x {} experts:",
+        set.format,
+        set.out,
+        set.inp,
+        set.quant.len()
+    );
+    for rows in [1, 16] {
+        let x = activations(rows, set.inp);
+        let mut y = vec![0.0f32; rows * set.out];
+        let mut line = format!("  {rows:>2} rows:");
+        for body in QuantBody::supported() {
+            let qk = QuantKernels::new(body).expect("supported");
+            set.run_quant(qk, &x, rows, &mut y);
+            let t = median(
+                (0..ROUNDS)
+                    .map(|_| seconds(|| set.run_quant(qk, &x, rows, &mut y)))
+                    .collect(),
+            );
+            line += &format!(
+                " {body} {:.2} ms ({:.2} GB/s);",
+                t * 1e3,
+                set.quant_bytes() as f64 / t / 1e9
+            );
+        }
+        println!("{line}");
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let k = Kernels::process();
+    let qk = QuantKernels::process();
+    println!("{}", moec::model::kernels::isa::describe());
+    println!("{}", describe(k));
+    println!("threads: {}", rayon::current_num_threads());
+    let small = Set::new(QuantFormat::Q4K, 1024, 3584, true);
+    one_thread(&small, qk, k);
+    if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() {
+        return;
+    }
+    against_bf16(&small, qk, k);
+    let big = Set::new(QuantFormat::Q4K, 4096, 14336, true);
+    against_bf16(&big, qk, k);
+    drop(big);
+    for format in [QuantFormat::Q6K, QuantFormat::Q5K, QuantFormat::Q8_0] {
+        against_bf16(&Set::new(format, 1024, 3584, true), qk, k);
+    }
+    bodies(&small);
+
+    let mut group = c.benchmark_group("quant");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(small.quant_bytes() as u64));
+    for rows in [1, 16] {
+        let x = activations(rows, small.inp);
+        let mut y = vec![0.0f32; rows * small.out];
+        group.bench_function(
+            format!(
+                "Q4_K [1024, 3584] x {} experts, {rows} rows",
+                small.quant.len()
+            ),
+            |b| b.iter(|| small.run_quant(qk, &x, rows, &mut y)),
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

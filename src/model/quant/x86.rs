@@ -1,0 +1,451 @@
+//! What the AVX2 and AVX-512 quantised-product bodies share: the activation side laid out
+//! for eight rows at a time, the reduction of eight rows' integer lanes, the f32 block
+//! values of eight rows, and the loop over weight rows, blocks and row groups.
+//!
+//! Why eight rows at a time: a block's integer sums come out of the dot-product
+//! instructions as lanes of partial sums, one register per activation row; reducing
+//! eight rows' registers together (one transposing tree of horizontal adds) gives the
+//! eight rows' exact totals in one register, and the f32 block value of [`super::dot`]
+//! is then computed for the eight rows with one vector operation per scalar step (the
+//! same operations in the same order, so the same bits as the portable body).
+
+use super::q8::{ActFormat, Q8Rows};
+use super::{QuantFormat, QK_K};
+use std::arch::x86_64::*;
+
+/// Rows per group (the f32 lanes of a 256-bit register).
+pub(super) const GROUP: usize = 8;
+
+/// The per-block scalars of the activation rows, transposed so a group's eight rows
+/// are adjacent: `d[(b * groups + g) * 8 + l]` and, for Q8_K, the code sums in pairs
+/// `pairs[((b * 8 + p) * groups + g) * 8 + l]` of row `8g + l`: for Q6_K `bsum[2p]` (low
+/// 16 bits) and `bsum[2p + 1]` (high 16 bits), p < 8; for Q4_K/Q5_K, whose mins cover 32
+/// codes, the sums of sub-blocks `2p` and `2p + 1` (`bsum[4p] + bsum[4p + 1]`, ...), p < 4
+/// (a sub-block sums at most 32 · 127, so 16 bits hold it). Rows past the last are zero.
+pub(super) struct GroupedActs<'a> {
+    /// The quantised rows (codes read from here, row-major).
+    pub q: &'a Q8Rows,
+    /// Groups of eight rows.
+    pub groups: usize,
+    d: Vec<f32>,
+    pairs: Vec<i32>,
+}
+
+impl<'a> GroupedActs<'a> {
+    /// Transposes the scalars of `q`, quantised for weights of `format`.
+    pub fn new(q: &'a Q8Rows, format: QuantFormat) -> Self {
+        let groups = q.n_rows.div_ceil(GROUP);
+        let nb = q.blocks_per_row();
+        let padded = groups * GROUP;
+        let mut d = vec![0.0f32; nb * padded];
+        let mut pairs = Vec::new();
+        for r in 0..q.n_rows {
+            for b in 0..nb {
+                d[b * padded + r] = q.block_d(r, b);
+            }
+        }
+        if q.format == ActFormat::Q8K {
+            pairs = vec![0i32; nb * 8 * padded];
+            for r in 0..q.n_rows {
+                for b in 0..nb {
+                    let s = q.block_bsums(r, b);
+                    let sub = |j: usize| s[2 * j] + s[2 * j + 1];
+                    for p in 0..QK_K / 32 {
+                        let (lo, hi) = match format {
+                            QuantFormat::Q6K => (s[2 * p], s[2 * p + 1]),
+                            _ if p < 4 => (sub(2 * p), sub(2 * p + 1)),
+                            _ => (0, 0),
+                        };
+                        let packed = (lo as u16 as u32) | ((hi as u16 as u32) << 16);
+                        pairs[(b * 8 + p) * padded + r] = packed as i32;
+                    }
+                }
+            }
+        }
+        GroupedActs {
+            q,
+            groups,
+            d,
+            pairs,
+        }
+    }
+
+    /// Rows in group `g`.
+    pub fn group_len(&self, g: usize) -> usize {
+        GROUP.min(self.q.n_rows - g * GROUP)
+    }
+
+    /// The codes of block `b` of row `r`.
+    pub fn codes(&self, r: usize, b: usize) -> *const i8 {
+        self.q.block_qs(r, b).as_ptr()
+    }
+
+    /// The eight scales of group `g`, block `b`.
+    ///
+    /// # Safety
+    /// AVX available; `b` and `g` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn dy(&self, b: usize, g: usize) -> __m256 {
+        let at = (b * self.groups + g) * GROUP;
+        debug_assert!(at + GROUP <= self.d.len());
+        // SAFETY: `d` holds `nb * groups * 8` values and b < nb, g < groups.
+        unsafe { _mm256_loadu_ps(self.d.as_ptr().add(at)) }
+    }
+
+    /// `Σ_p coef[p] · pair_p` per row of group `g`, block `b` (Q8_K rows): pairs of code
+    /// sums times pairs of 16-bit coefficients (each `coef[p]` a broadcast of
+    /// `low | high << 16`, see [`coef_vectors`]).
+    ///
+    /// # Safety
+    /// AVX2 available; the rows are Q8_K; `b` and `g` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn pair_dot<const N: usize>(
+        &self,
+        b: usize,
+        g: usize,
+        coef: &[__m256i; 8],
+    ) -> __m256i {
+        let padded = self.groups * GROUP;
+        let base = b * 8 * padded + g * GROUP;
+        debug_assert!(base + 7 * padded + GROUP <= self.pairs.len());
+        let mut acc = _mm256_setzero_si256();
+        for (p, c) in coef.iter().enumerate().take(N) {
+            // SAFETY: `pairs` holds `nb * 8 * padded` values; b < nb, p < 8, g < groups.
+            let v = unsafe {
+                _mm256_loadu_si256(self.pairs.as_ptr().add(base + p * padded) as *const __m256i)
+            };
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, *c));
+        }
+        acc
+    }
+
+    /// Q8_K: the 16 code sums of block `b` of row `r`, as 16-bit lanes.
+    ///
+    /// # Safety
+    /// AVX available; the rows are Q8_K; `r` and `b` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn bsums(&self, r: usize, b: usize) -> __m256i {
+        // SAFETY: `block_bsums` is a checked slice of 16 i16 (32 bytes).
+        unsafe { _mm256_loadu_si256(self.q.block_bsums(r, b).as_ptr() as *const __m256i) }
+    }
+}
+
+/// The scalars of a weight block every body needs: its f16 scales widened, the 6-bit
+/// sub-block scales (Q4_K/Q5_K), `lin`, the coefficient of each of the 16 code sums
+/// (16-bit lanes: min `t / 2` for code sum `t` of a Q4_K/Q5_K block, `32 · scale_t` for
+/// Q6_K), and `pairs`, the coefficients of [`GroupedActs`]' pairs as 32-bit lanes.
+pub(super) struct Side {
+    pub dx: f32,
+    pub dmin: f32,
+    pub sc: [u8; 8],
+    pub lin: __m256i,
+    pub pairs: __m256i,
+}
+
+/// The f16 at `b[at..at + 2]` widened (exact, as `half` widens it).
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The [`Side`] of block `b` of format `FMT` (ggml type id).
+///
+/// # Safety
+/// AVX2 and F16C available; `b` is one whole block of the format.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
+    match FMT {
+        12 | 13 => {
+            let (sc, mins) = k4_scales_mins(&b[4..16]);
+            let m = _mm_set1_epi64x(i64::from_le_bytes(mins));
+            let dup = _mm_shuffle_epi8(
+                m,
+                _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+            );
+            Side {
+                dx: f16_at(b, 0),
+                dmin: f16_at(b, 2),
+                sc,
+                lin: _mm256_cvtepu8_epi16(dup),
+                pairs: _mm256_castsi128_si256(_mm_cvtepu8_epi16(m)),
+            }
+        }
+        14 => {
+            // SAFETY: bytes 192..208 of the 210-byte block are its 16 scales.
+            let sc = unsafe { _mm_loadu_si128(b.as_ptr().add(192) as *const __m128i) };
+            let lin = _mm256_slli_epi16::<5>(_mm256_cvtepi8_epi16(sc));
+            Side {
+                dx: f16_at(b, 208),
+                dmin: 0.0,
+                sc: [0; 8],
+                lin,
+                pairs: lin,
+            }
+        }
+        _ => Side {
+            dx: f16_at(b, 0),
+            dmin: 0.0,
+            sc: [0; 8],
+            lin: _mm256_setzero_si256(),
+            pairs: _mm256_setzero_si256(),
+        },
+    }
+}
+
+/// The first `N` 32-bit lanes of `pairs` each broadcast, for [`GroupedActs::pair_dot`].
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn coef_vectors<const N: usize>(s: &Side) -> [__m256i; 8] {
+    let mut c = [_mm256_setzero_si256(); 8];
+    for (p, v) in c.iter_mut().enumerate().take(N) {
+        *v = _mm256_permutevar8x32_epi32(s.pairs, _mm256_set1_epi32(p as i32));
+    }
+    c
+}
+
+/// The sum of the eight lanes of `v`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
+}
+
+/// The sums of the eight lanes of `a` and of `b`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
+    let h = _mm256_hadd_epi32(a, b);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    let t = _mm_hadd_epi32(s, s);
+    (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t))
+}
+
+/// The value of block `b` for a single activation row (row 0), from the lanes of its code
+/// dot product: [`super::dot`]'s scalar arithmetic on the exact totals.
+///
+/// # Safety
+/// AVX2 available; `acts` holds row 0 quantised for `FMT`; `b` in range.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn one_row_value<const FMT: u32>(
+    s: &Side,
+    lanes: __m256i,
+    acts: &GroupedActs<'_>,
+    b: usize,
+) -> f32 {
+    let dy = acts.q.block_d(0, b);
+    match FMT {
+        12 | 13 => {
+            // SAFETY: Q8_K rows (the formats' activations), row 0 and block b exist.
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            let (isum, imin) = hsum2(lanes, mins);
+            super::dot::k4_value(s.dx, s.dmin, dy, isum, imin)
+        }
+        14 => {
+            // SAFETY: as above.
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            (s.dx * dy) * hsum(_mm256_sub_epi32(lanes, mins)) as f32
+        }
+        _ => (s.dx * dy) * hsum(lanes) as f32,
+    }
+}
+
+/// The values of block `b` for the eight rows of group `g` from their exact totals.
+///
+/// # Safety
+/// AVX2 available; `acts` quantised for `FMT`; `b`, `g` in range.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn group_values<const FMT: u32>(
+    s: &Side,
+    coef: &[__m256i; 8],
+    isum: __m256i,
+    acts: &GroupedActs<'_>,
+    b: usize,
+    g: usize,
+) -> __m256 {
+    // SAFETY: the caller's bounds; Q8_K rows for the K formats.
+    unsafe {
+        let dy = acts.dy(b, g);
+        match FMT {
+            12 | 13 => k4_values(s.dx, s.dmin, dy, isum, acts.pair_dot::<4>(b, g, coef)),
+            14 => d_values(
+                s.dx,
+                dy,
+                _mm256_sub_epi32(isum, acts.pair_dot::<8>(b, g, coef)),
+            ),
+            _ => d_values(s.dx, dy, isum),
+        }
+    }
+}
+
+/// Blocks per k-chunk for `n_rows` activation rows: about 128 KiB of activation codes
+/// (they stay in L2 while a panel's weight rows pass over them; a whole 14336-wide row
+/// of 64 activation rows would be 900 KiB and spill).
+pub(super) fn chunk_blocks(n_rows: usize, block_elems: usize) -> usize {
+    ((128 << 10) / n_rows.max(1) / block_elems).max(1)
+}
+
+/// The totals of eight rows' lanes: lane `l` of the result is the sum of the eight lanes
+/// of `v[l]` (integer adds, exact in any order).
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn reduce8(v: &[__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi32(v[0], v[1]);
+    let h23 = _mm256_hadd_epi32(v[2], v[3]);
+    let h45 = _mm256_hadd_epi32(v[4], v[5]);
+    let h67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Per 128-bit half: rows 0-3 (resp. 4-7), each the sum of that half's four lanes.
+    let q0 = _mm256_hadd_epi32(h01, h23);
+    let q1 = _mm256_hadd_epi32(h45, h67);
+    let lo = _mm256_permute2x128_si256::<0x20>(q0, q1);
+    let hi = _mm256_permute2x128_si256::<0x31>(q0, q1);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// The Q4_K/Q5_K block value of eight rows: `(dx·dy)·f32(isum) − (dmin·dy)·f32(imin)`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn k4_values(dx: f32, dmin: f32, dy: __m256, isum: __m256i, imin: __m256i) -> __m256 {
+    let a = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_set1_ps(dx), dy),
+        _mm256_cvtepi32_ps(isum),
+    );
+    let m = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_set1_ps(dmin), dy),
+        _mm256_cvtepi32_ps(imin),
+    );
+    _mm256_sub_ps(a, m)
+}
+
+/// The Q6_K/Q8_0 block value of eight rows: `(dx·dy)·f32(isum)`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn d_values(dx: f32, dy: __m256, isum: __m256i) -> __m256 {
+    _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_set1_ps(dx), dy),
+        _mm256_cvtepi32_ps(isum),
+    )
+}
+
+/// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block from its 12 packed bytes,
+/// four at a time in 32-bit words (the layout of `blocks::scale_min_k4`: words 0 and 1
+/// hold scales/mins 0-3 in their low 6 bits per byte and bits 4-5 of scales/mins 4-7 in
+/// their top 2; word 2 holds the low 4 bits of scale `4 + i` and min `4 + i`).
+pub(super) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let sc_lo = w0 & 0x3f3f_3f3f;
+    let m_lo = w1 & 0x3f3f_3f3f;
+    let sc_hi = (w2 & 0x0f0f_0f0f) | (((w0 >> 6) & 0x0303_0303) << 4);
+    let m_hi = ((w2 >> 4) & 0x0f0f_0f0f) | (((w1 >> 6) & 0x0303_0303) << 4);
+    let join = |lo: u32, hi: u32| {
+        let (a, b) = (lo.to_le_bytes(), hi.to_le_bytes());
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+    };
+    (join(sc_lo, sc_hi), join(m_lo, m_hi))
+}
+
+/// One panel of weight rows through a body's block decoder and row dot product: for
+/// each weight row, each block is decoded once, then every group of eight activation
+/// rows takes its dot products, [`reduce8`] and the block values of its format, added
+/// to the group's accumulators block by block (the order of `matmul`).
+///
+/// `$features` are the body's target features; `$decode(block: &[u8]) -> Dec` and
+/// `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
+/// functions, chosen by the `FMT` const parameter of the generated function.
+macro_rules! panel_body {
+    ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident) => {
+        /// Weight rows `o0..o0 + rows` of `w` (format `FMT` as `QuantFormat::ggml_type`)
+        /// times every row of `acts` into `local[r * rows + i]`.
+        ///
+        /// # Safety
+        /// The CPU has the body's features; `w`'s format is `FMT`'s; `acts` was
+        /// quantised for it from rows of `w.cols` values; `o0 + rows <= w.rows`;
+        /// `local.len() == acts.q.n_rows * rows`.
+        #[target_feature(enable = $features)]
+        pub(in crate::model::quant) unsafe fn $name<const FMT: u32>(
+            w: &crate::model::quant::matmul::QuantMatrix<'_>,
+            acts: &crate::model::quant::x86::GroupedActs<'_>,
+            o0: usize,
+            rows: usize,
+            local: &mut [f32],
+        ) {
+            use crate::model::quant::x86::{
+                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, GROUP,
+            };
+            use std::arch::x86_64::*;
+            let bb = w.format().block_bytes();
+            let nb = w.cols / w.format().block_elems();
+            // SAFETY (the unsafe blocks below): the features are the caller's contract;
+            // blocks are whole (rows are whole blocks); activation rows and blocks are
+            // inside `acts`.
+            if acts.q.n_rows == 1 {
+                for i in 0..rows {
+                    let row = w.row(o0 + i);
+                    let mut acc = 0.0f32;
+                    for (b, block) in row.chunks_exact(bb).enumerate() {
+                        acc += unsafe {
+                            let s = side::<FMT>(block);
+                            let lanes = $dot::<FMT>(&$decode::<FMT>(block, &s), acts.codes(0, b));
+                            one_row_value::<FMT>(&s, lanes, acts, b)
+                        };
+                    }
+                    local[i] = acc;
+                }
+                return;
+            }
+            let groups = acts.groups;
+            let chunk = chunk_blocks(acts.q.n_rows, w.format().block_elems());
+            let mut accs = vec![_mm256_setzero_ps(); rows * groups];
+            for c0 in (0..nb).step_by(chunk) {
+                for i in 0..rows {
+                    let row = w.row(o0 + i);
+                    let acc = &mut accs[i * groups..(i + 1) * groups];
+                    for b in c0..(c0 + chunk).min(nb) {
+                        let block = &row[b * bb..(b + 1) * bb];
+                        unsafe {
+                            let s = side::<FMT>(block);
+                            let dec: $dec = $decode::<FMT>(block, &s);
+                            // Pairs of code sums: 4 (Q4_K, Q5_K), 8 (Q6_K), none (Q8_0).
+                            let coef = match FMT {
+                                12 | 13 => coef_vectors::<4>(&s),
+                                14 => coef_vectors::<8>(&s),
+                                _ => [_mm256_setzero_si256(); 8],
+                            };
+                            for (g, a) in acc.iter_mut().enumerate() {
+                                let mut sums = [_mm256_setzero_si256(); GROUP];
+                                // The group's rows are `cols` codes apart.
+                                let first = acts.codes(g * GROUP, b);
+                                for (l, v) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
+                                    *v = $dot::<FMT>(&dec, first.add(l * w.cols));
+                                }
+                                let v = group_values::<FMT>(&s, &coef, reduce8(&sums), acts, b, g);
+                                *a = _mm256_add_ps(*a, v);
+                            }
+                        }
+                    }
+                }
+            }
+            for i in 0..rows {
+                for g in 0..groups {
+                    let mut lanes = [0.0f32; GROUP];
+                    // SAFETY: `lanes` holds eight f32.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), accs[i * groups + g]) };
+                    for (l, v) in lanes.iter().enumerate().take(acts.group_len(g)) {
+                        local[(g * GROUP + l) * rows + i] = *v;
+                    }
+                }
+            }
+        }
+    };
+}
+pub(super) use panel_body;
