@@ -21,6 +21,7 @@
 pub mod counters;
 pub mod cublas;
 pub mod driver;
+pub mod graph;
 pub mod launch;
 pub mod memory;
 pub mod module;
