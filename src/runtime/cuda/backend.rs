@@ -23,7 +23,7 @@
 //! [`Backend::finish_step`] synchronises every stream and returns them.
 
 use super::device::{Device, DeviceError, PtxSources};
-use super::graph::{self, Command, Deferred, GraphTally, Lane, Recorder};
+use super::graph::{self, Command, Deferred, Lane, Recorder};
 use super::launch::{StreamCx, Workspace};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::ops::{GpuCx, OpError};
@@ -38,6 +38,8 @@ use crate::runtime::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
     StepEnd,
 };
+use crate::records::GraphStep;
+use crate::runtime::driver::report::{graph_summary, render_graphs};
 use crate::runtime::host::HostMemory;
 use crate::runtime::lock;
 use crate::runtime::step::StepContext;
@@ -146,8 +148,8 @@ pub struct CudaBackend<'c> {
     /// The step being run (its index in the plan) and whether it is recorded.
     step: AtomicUsize,
     recording_step: AtomicBool,
-    /// How the steps so far reached the device, per step kind.
-    graphs: Mutex<GraphTally>,
+    /// How each step so far reached the device.
+    graphs: Mutex<Vec<GraphStep>>,
     /// Per step index, why the plan alone keeps it from a graph (`None`: it does not).
     plan_reasons: Mutex<std::collections::HashMap<usize, (StepKind, Option<String>)>>,
     events: Vec<PlanEvent>,
@@ -400,7 +402,7 @@ impl Backend for CudaBackend<'_> {
                 "empty or pageable"
             },
             r.routing_syncs,
-            match lock(&self.graphs).render() {
+            match render_graphs(&graph_summary(&lock(&self.graphs))) {
                 t if t.is_empty() => "no step run yet".to_string(),
                 t => t,
             }
@@ -664,7 +666,10 @@ impl Backend for CudaBackend<'_> {
             }
         }
         if let Some((kind, _)) = lock(&self.plan_reasons).get(&step) {
-            lock(&self.graphs).add(*kind, &graph);
+            lock(&self.graphs).push(GraphStep {
+                kind: *kind,
+                graph: graph.clone(),
+            });
         }
         Ok(StepEnd {
             times,
