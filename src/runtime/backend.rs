@@ -211,6 +211,19 @@ pub trait Backend: Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Whether this backend runs `task` whatever its guard in the current step, because it
+    /// computes nothing for it when the guard is false (the driver then runs it without
+    /// the routing on the host). False by default.
+    fn decides_guard_on_device(&self, _task: &PlanTask) -> bool {
+        false
+    }
+
+    /// Whether the plan's read-back of `gate`'s routing is skipped in the current step
+    /// (every guard it served is decided on the device). False by default.
+    fn skips_read_back(&self, _gate: &PlanTask) -> bool {
+        false
+    }
+
     /// Called by the driver after every stream thread of the step has ended, in place of
     /// [`Backend::finish_step`]: submits what the step recorded (a graph launch), waits
     /// for it, hands the step's read-backs (sampled tokens, logits) to `state`, and says

@@ -151,7 +151,9 @@ pub struct CudaBackend<'c> {
     /// How each step so far reached the device.
     graphs: Mutex<Vec<GraphStep>>,
     /// Per step index, why the plan alone keeps it from a graph (`None`: it does not).
-    plan_reasons: Mutex<std::collections::HashMap<usize, (StepKind, Option<String>)>>,
+    plan_reasons: Mutex<std::collections::HashMap<usize, (StepKind, graph::StepPlanGraph)>>,
+    /// The current step's guards are decided on the device (its read-backs skipped).
+    device_guards: AtomicBool,
     events: Vec<PlanEvent>,
     timing: Mutex<Timing>,
     streams: Vec<Option<DevStream>>,
@@ -287,6 +289,7 @@ impl<'c> CudaBackend<'c> {
             recorder,
             step: AtomicUsize::new(0),
             recording_step: AtomicBool::new(false),
+            device_guards: AtomicBool::new(false),
             graphs: Mutex::default(),
             plan_reasons: Mutex::default(),
             events,
@@ -620,20 +623,22 @@ impl Backend for CudaBackend<'_> {
         step: usize,
         state: &dyn StepContext,
     ) -> Result<(), BackendError> {
-        let (_, reason) = lock(&self.plan_reasons)
+        let (_, planned) = lock(&self.plan_reasons)
             .entry(step)
             .or_insert_with(|| {
                 let kind = plan.steps.get(step).map_or(StepKind::Decode, |s| s.kind);
-                (kind, graph::plan_reason(plan, step))
+                (kind, graph::plan_graph(plan, step))
             })
             .clone();
-        let reason = reason.or_else(|| {
+        let reason = planned.reason.or_else(|| {
             (!matches!(state.sampling(), Sampling::Greedy))
                 .then(|| "temperature sampling reads the logits back to the host".to_string())
         });
         self.step.store(step, Ordering::Release);
         self.recording_step
             .store(reason.is_none(), Ordering::Release);
+        self.device_guards
+            .store(reason.is_none() && planned.device_guards, Ordering::Release);
         self.recorder.begin(reason);
         Ok(())
     }
@@ -647,6 +652,7 @@ impl Backend for CudaBackend<'_> {
             .map_err(|e| task_error(OpError::Launch(e)))?;
         let times = self.finish_step()?;
         self.recording_step.store(false, Ordering::Release);
+        self.device_guards.store(false, Ordering::Release);
         for dev in self.streams.iter().flatten() {
             dev.workspace.release_retired();
         }
@@ -675,5 +681,14 @@ impl Backend for CudaBackend<'_> {
             times,
             graph: Some(graph),
         })
+    }
+
+    fn decides_guard_on_device(&self, task: &PlanTask) -> bool {
+        self.device_guards.load(Ordering::Acquire)
+            && graph::guard_decided_on_device(task, |s| self.stream(StreamId::new(s)).is_some())
+    }
+
+    fn skips_read_back(&self, _gate: &PlanTask) -> bool {
+        self.device_guards.load(Ordering::Acquire)
     }
 }

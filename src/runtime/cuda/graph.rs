@@ -25,6 +25,8 @@
 //! fallback). Staging buffers live as long as the backend (graphs hold their addresses).
 
 use super::launch::{Arg, LaunchError};
+use crate::ir::{Engine, ExpertRef, ExpertSet, GuardAtom, Op, StepKind};
+use crate::lower::{ExecPlan, Instr, PlanTask};
 use crate::records::GraphUse;
 use crate::runtime::lock;
 use cudarc::cublas::result as blas;
@@ -591,9 +593,7 @@ impl Recorder {
         commands: Vec<(usize, Command)>,
         deferred: Vec<Deferred>,
     ) -> Result<(GraphUse, Vec<Deferred>), LaunchError> {
-        let equal = |a: &[(usize, Command)], b: &[(usize, Command)]| {
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1.same(&y.1))
-        };
+        let equal = |a: &[(usize, Command)], b: &[(usize, Command)]| same_work(a, b);
         if commands.is_empty() {
             return Ok((GraphUse::Plain("no device work".into()), deferred));
         }
@@ -610,14 +610,15 @@ impl Recorder {
             .is_some_and(|last| equal(last, &commands));
         if !repeat {
             self.submit_all(&commands)?;
-            s.last_plain.insert(step, commands);
-            return Ok((
-                GraphUse::Plain(
-                    "its launches differ from every earlier step's (a graph is captured when a step repeats them)"
-                        .into(),
+            let why = match s.last_plain.get(&step) {
+                None => "the first of its step: a graph is captured when a step repeats its launches".to_string(),
+                Some(last) => format!(
+                    "its launches differ from the previous step's ({})",
+                    first_difference(last, &commands)
                 ),
-                deferred,
-            ));
+            };
+            s.last_plain.insert(step, commands);
+            return Ok((GraphUse::Plain(why), deferred));
         }
         match self.capture(&commands) {
             Ok(graph) => {
@@ -694,6 +695,58 @@ impl Recorder {
     }
 }
 
+/// Each stream's commands, in issue order, by stream index.
+fn by_lane(commands: &[(usize, Command)]) -> Vec<Vec<&Command>> {
+    let mut lanes: Vec<Vec<&Command>> = Vec::new();
+    for (lane, c) in commands {
+        if lanes.len() <= *lane {
+            lanes.resize_with(lane + 1, Vec::new);
+        }
+        lanes[*lane].push(c);
+    }
+    lanes
+}
+
+/// Whether two steps' commands do the same work: each stream's commands equal in order.
+/// How the stream threads interleaved them does not matter: a plan event is recorded once
+/// per step, so each wait binds to the same record whatever the interleaving (and every
+/// submission keeps its own step's order, in which each record precedes its waits).
+fn same_work(a: &[(usize, Command)], b: &[(usize, Command)]) -> bool {
+    let (a, b) = (by_lane(a), by_lane(b));
+    let empty = Vec::new();
+    (0..a.len().max(b.len())).all(|l| {
+        let (x, y) = (a.get(l).unwrap_or(&empty), b.get(l).unwrap_or(&empty));
+        x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.same(q))
+    })
+}
+
+/// Where two steps' commands first differ, in words (which stream, which command and its
+/// kernel or kind).
+fn first_difference(a: &[(usize, Command)], b: &[(usize, Command)]) -> String {
+    let (a, b) = (by_lane(a), by_lane(b));
+    let empty = Vec::new();
+    for l in 0..a.len().max(b.len()) {
+        let (x, y) = (a.get(l).unwrap_or(&empty), b.get(l).unwrap_or(&empty));
+        if let Some(at) = x.iter().zip(y).position(|(p, q)| !p.same(q)) {
+            return format!("stream {l}, command {at}, {}", describe(y[at]));
+        }
+        if x.len() != y.len() {
+            return format!("stream {l}: {} commands against {}", y.len(), x.len());
+        }
+    }
+    "none".into()
+}
+
+fn describe(c: &Command) -> String {
+    match c {
+        Command::Launch { entry, .. } => format!("`{entry}`"),
+        Command::Gemm(_) => "a GEMM".into(),
+        Command::HtoD { .. } | Command::DtoH { .. } | Command::DtoD { .. } => "a copy".into(),
+        Command::Zero { .. } => "a memset".into(),
+        Command::Record(_) | Command::Wait(_) => "an event".into(),
+    }
+}
+
 /// Native-endian `u32`s of `bytes` (sampled ids read back).
 pub fn words(bytes: &[u8]) -> Vec<u32> {
     bytes
@@ -707,19 +760,61 @@ pub fn floats(bytes: &[u8]) -> Vec<f32> {
     words(bytes).into_iter().map(f32::from_bits).collect()
 }
 
-/// Why step `step` of `plan` cannot be recorded for a graph, judged from the plan alone:
-/// it is not a decode step (the others run once per batch), or it holds a host decision
-/// (a routing read-back for guards, an expert cache's fetch, a KV-part copy whose runs the
-/// host computes per step, a host stream waiting for device work). `None`: it can.
-pub fn plan_reason(plan: &crate::lower::ExecPlan, step: usize) -> Option<String> {
-    use crate::ir::{Engine, StepKind};
-    use crate::lower::Instr;
+/// Whether the device computes nothing for `task` when its guard is false, so the task
+/// may run whatever its guard and its routing need not come to the host: an `experts`
+/// task of one fixed expert on a device stream whose every literal is `active` of that
+/// expert in its own layer and micro-batch (Fiddler's resident arm). Its kernels group the
+/// routed tokens on the device ([`super::ops`]' `moe_group`): for an expert no token was
+/// routed to they find no rows and write nothing, which is what skipping it leaves.
+pub fn guard_decided_on_device(task: &PlanTask, on_device: impl Fn(usize) -> bool) -> bool {
+    if task.guard.is_always() || task.cache.is_some() || !on_device(task.stream.index()) {
+        return false;
+    }
+    let Op::Experts {
+        layer,
+        ub,
+        set: ExpertSet::One(ExpertRef::Index(e)),
+    } = task.op
+    else {
+        return false;
+    };
+    task.guard.lits.iter().all(|lit| {
+        !lit.negated
+            && lit.atom
+                == GuardAtom::Active {
+                    layer,
+                    expert: ExpertRef::Index(e),
+                    ub: Some(ub),
+                }
+    })
+}
+
+/// What the plan alone says about recording a step for a graph.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepPlanGraph {
+    /// Why the step cannot be recorded (`None`: it can).
+    pub reason: Option<String>,
+    /// Its guards are all [`guard_decided_on_device`]: the routing read-backs it has for
+    /// them are skipped and the guarded tasks run.
+    pub device_guards: bool,
+}
+
+/// Whether step `step` of `plan` can be recorded for a graph, judged from the plan alone:
+/// not when it is not a decode step (the others do not repeat), or holds a host decision
+/// (a routing read-back for guards the device cannot decide, an expert cache's fetch, a
+/// KV-part copy whose runs the host computes per step, a host stream waiting for device
+/// work).
+pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
+    let no = |why: String| StepPlanGraph {
+        reason: Some(why),
+        device_guards: false,
+    };
     let Some(sp) = plan.steps.get(step) else {
-        return Some("not a step of the plan".into());
+        return no("not a step of the plan".into());
     };
     if sp.kind != StepKind::Decode {
-        return Some(format!(
-            "{} steps run once per batch; graphs are for the decode steps that repeat",
+        return no(format!(
+            "{} steps do not repeat within a batch; graphs are for decode steps",
             sp.kind.as_str()
         ));
     }
@@ -732,7 +827,7 @@ pub fn plan_reason(plan: &crate::lower::ExecPlan, step: usize) -> Option<String>
         })
     };
     let task = |t: crate::ir::TaskId| plan.tasks.get(t.index());
-    let (mut readbacks, mut caches, mut kv) = (0, 0, 0);
+    let (mut readbacks, mut caches, mut kv, mut host_guards, mut hot) = (0, 0, 0, 0, 0);
     let mut host_wait = None;
     for (s, program) in sp.programs.iter().enumerate() {
         for instr in program {
@@ -742,6 +837,21 @@ pub fn plan_reason(plan: &crate::lower::ExecPlan, step: usize) -> Option<String>
                     if let Some(t) = task(t) {
                         caches += usize::from(t.cache.is_some());
                         kv += usize::from(t.kv.is_some() && on_device(s));
+                        host_guards += usize::from(
+                            !t.guard.is_always() && !guard_decided_on_device(t, on_device),
+                        );
+                        let hot_set = matches!(
+                            t.op,
+                            Op::Experts {
+                                set: ExpertSet::One(ExpertRef::Hot { .. }),
+                                ..
+                            }
+                        );
+                        let hot_arg = t
+                            .args
+                            .iter()
+                            .any(|a| matches!(a.dynamic_expert, Some(ExpertRef::Hot { .. })));
+                        hot += usize::from(hot_set || hot_arg);
                     }
                 }
                 Instr::Wait(e) if !on_device(s) && host_wait.is_none() => {
@@ -757,20 +867,28 @@ pub fn plan_reason(plan: &crate::lower::ExecPlan, step: usize) -> Option<String>
             }
         }
     }
-    if readbacks > 0 {
-        return Some(format!(
-            "the routing of {readbacks} gates is read back to the host for the plan's guards"
+    if readbacks > 0 && (host_guards > 0 || hot > 0) {
+        return no(format!(
+            "the routing of {readbacks} gates is read back to the host for {} tasks' guards \
+             or hot() experts, which the host decides",
+            host_guards + hot
         ));
     }
     if caches > 0 {
-        return Some(format!(
+        return no(format!(
             "{caches} expert-cache fetches pick their slots on the host"
         ));
     }
     if kv > 0 {
-        return Some(format!(
+        return no(format!(
             "{kv} KV-part copies move runs the host computes per step"
         ));
     }
-    host_wait
+    match host_wait {
+        Some(why) => no(why),
+        None => StepPlanGraph {
+            reason: None,
+            device_guards: readbacks > 0,
+        },
+    }
 }

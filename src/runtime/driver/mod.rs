@@ -191,6 +191,9 @@ struct UnknownRouting {
 
 impl<B: Backend + ?Sized> Runner<'_, B> {
     fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
+        if self.backend.decides_guard_on_device(task) {
+            return Ok(true);
+        }
         for lit in &task.guard.lits {
             let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
             let expert = self.state.resolve_expert(
@@ -428,6 +431,9 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
         let Op::Gate { layer, ub } = t.op else {
             return Ok(());
         };
+        if self.backend.skips_read_back(t) {
+            return Ok(());
+        }
         let tokens = self
             .state
             .ubs
