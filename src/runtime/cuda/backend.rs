@@ -24,7 +24,7 @@
 
 use super::device::{Device, DeviceError, PtxSources};
 use super::graph::{self, Command, Deferred, Lane, Recorder};
-use super::launch::{StreamCx, Workspace};
+use super::launch::{Arg, StreamCx, Workspace};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::ops::{GpuCx, OpError};
 use crate::ir::{Engine, StepKind, StreamId, TaskId};
@@ -152,6 +152,8 @@ pub struct CudaBackend<'c> {
     graphs: Mutex<Vec<GraphStep>>,
     /// Per step index, why the plan alone keeps it from a graph (`None`: it does not).
     plan_reasons: Mutex<std::collections::HashMap<usize, (StepKind, graph::StepPlanGraph)>>,
+    /// Per KV-part copy task, the run-table capacity of its recorded launches.
+    run_capacity: Mutex<std::collections::HashMap<TaskId, usize>>,
     /// The current step's guards are decided on the device (its read-backs skipped).
     device_guards: AtomicBool,
     events: Vec<PlanEvent>,
@@ -290,6 +292,7 @@ impl<'c> CudaBackend<'c> {
             step: AtomicUsize::new(0),
             recording_step: AtomicBool::new(false),
             device_guards: AtomicBool::new(false),
+            run_capacity: Mutex::default(),
             graphs: Mutex::default(),
             plan_reasons: Mutex::default(),
             events,
@@ -340,6 +343,59 @@ impl<'c> CudaBackend<'c> {
             .ctx
             .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(driver("cuEventCreate"))
+    }
+
+    /// A KV-part copy of a recorded step as one `copy_runs` launch whose arguments do not
+    /// change from step to step: the run table (staged, so each step writes its own runs
+    /// at the same address) holds `capacity` entries, the unused ones empty, where
+    /// `capacity` is the most runs this task has had, rounded up to a power of two (a
+    /// context grows by a run now and then; the capacity, and so the graph, changes only
+    /// when it doubles).
+    fn record_copy_runs(
+        &self,
+        stream: StreamId,
+        dev: &DevStream,
+        task: &PlanTask,
+        (src, dst): (u64, u64),
+        runs: &[(u64, u64)],
+    ) -> Result<(), BackendError> {
+        let capacity = {
+            let mut caps = lock(&self.run_capacity);
+            let cap = caps.entry(task.id).or_insert(16);
+            *cap = (*cap).max(runs.len().next_power_of_two());
+            *cap
+        };
+        let mut table = vec![0u64; 2 * capacity];
+        for (slot, &(at, len)) in table.chunks_exact_mut(2).zip(runs) {
+            slot[0] = at;
+            slot[1] = len;
+        }
+        dev.workspace.reset(true);
+        let s = StreamCx {
+            device: &self.device,
+            stream: &dev.stream,
+            blas: &dev.blas,
+            workspace: &dev.workspace,
+            recorder: &self.recorder,
+            lane: stream.index(),
+        };
+        let table = s.upload(&table).map_err(|e| task_error(OpError::Launch(e)))?;
+        // copy_runs(const u64* runs, long long n, const char* src, char* dst): n (offset,
+        // length) pairs; empty pairs copy nothing. The ends were checked by
+        // `copy_runs_ends` (every run inside both views).
+        s.launch(
+            "copy_runs",
+            (capacity.min(65_535) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(table.ptr()),
+                Arg::I64(capacity as i64),
+                Arg::Ptr(src),
+                Arg::Ptr(dst),
+            ],
+        )
+        .map_err(|e| task_error(OpError::Launch(e)))
     }
 
     /// Records a task's end event after its work (when it was timed) and keeps the pair.
@@ -479,9 +535,18 @@ impl Backend for CudaBackend<'_> {
             .copy_views(task, state, self.arch.experts as u32)
             .map_err(|e| task_error(OpError::Memory(e.into())))?;
         self.bind()?;
-        // The runs are the host's per step: submitted as they are, after what was recorded.
+        if self.recording_step.load(Ordering::Acquire) {
+            if let Some(ends) = self
+                .memory
+                .copy_runs_ends(&self.host_memory, src, dst, runs)
+                .map_err(|e| task_error(OpError::Memory(e)))?
+            {
+                return self.record_copy_runs(stream, dev, task, ends, runs);
+            }
+        }
+        // Not a copy a graph can hold: submitted as it is, after what was recorded.
         self.recorder
-            .flush("a KV-part copy moves runs the host computes per step")
+            .flush("a KV-part copy touches pageable host memory")
             .map_err(|e| task_error(OpError::Launch(e)))?;
         let timing = if self.recording_step.load(Ordering::Acquire) {
             None

@@ -429,11 +429,22 @@ const MAX_GRAPHS: usize = 16;
 struct State {
     mode: Mode,
     commands: Vec<(usize, Command)>,
-    staging: Staging,
+    /// Per stream (lane): each stream's staging offsets follow its own commands only, so
+    /// they do not depend on how the stream threads interleave.
+    staging: Vec<Staging>,
     deferred: Vec<Deferred>,
     graphs: Graphs,
     /// Per step index, the commands of its last plain step (a repeat is captured).
     last_plain: HashMap<usize, Vec<(usize, Command)>>,
+}
+
+impl State {
+    fn staging_of(&mut self, lane: usize) -> &mut Staging {
+        if self.staging.len() <= lane {
+            self.staging.resize_with(lane + 1, Staging::default);
+        }
+        &mut self.staging[lane]
+    }
 }
 
 /// A device stream as the recorder submits to it.
@@ -476,7 +487,7 @@ impl Recorder {
             state: Mutex::new(State {
                 mode: Mode::Plain(String::new()),
                 commands: Vec::new(),
-                staging: Staging::default(),
+                staging: Vec::new(),
                 deferred: Vec::new(),
                 graphs: Graphs::default(),
                 last_plain: HashMap::new(),
@@ -496,7 +507,9 @@ impl Recorder {
         };
         s.commands.clear();
         s.deferred.clear();
-        s.staging.used = 0;
+        for st in &mut s.staging {
+            st.used = 0;
+        }
     }
 
     /// Whether the step is being recorded.
@@ -515,13 +528,14 @@ impl Recorder {
         None
     }
 
-    /// `data` copied into pinned staging, when the step is being recorded: its address.
-    pub fn stage(&self, data: &[u8]) -> Result<Option<usize>, LaunchError> {
+    /// `data` copied into `lane`'s pinned staging, when the step is being recorded: its
+    /// address.
+    pub fn stage(&self, lane: usize, data: &[u8]) -> Result<Option<usize>, LaunchError> {
         let mut s = lock(&self.state);
         if s.mode != Mode::Recording {
             return Ok(None);
         }
-        let at = s.staging.take(data.len())?;
+        let at = s.staging_of(lane).take(data.len())?;
         // SAFETY: `at` starts `data.len()` bytes of a live pinned buffer that no queued
         // work touches: the previous step's work finished at its end, and this step's
         // copies from it are submitted after this write.
@@ -533,6 +547,7 @@ impl Recorder {
     /// caller records the copy into it and `then` is handed to the state at the step's end.
     pub fn read_back(
         &self,
+        lane: usize,
         bytes: usize,
         then: impl FnOnce(usize) -> Deferred,
     ) -> Result<Option<usize>, LaunchError> {
@@ -540,7 +555,7 @@ impl Recorder {
         if s.mode != Mode::Recording {
             return Ok(None);
         }
-        let at = s.staging.take(bytes)?;
+        let at = s.staging_of(lane).take(bytes)?;
         s.deferred.push(then(at));
         Ok(Some(at))
     }
@@ -802,8 +817,7 @@ pub struct StepPlanGraph {
 /// Whether step `step` of `plan` can be recorded for a graph, judged from the plan alone:
 /// not when it is not a decode step (the others do not repeat), or holds a host decision
 /// (a routing read-back for guards the device cannot decide, an expert cache's fetch, a
-/// KV-part copy whose runs the host computes per step, a host stream waiting for device
-/// work).
+/// host stream waiting for device work).
 pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
     let no = |why: String| StepPlanGraph {
         reason: Some(why),
@@ -827,7 +841,7 @@ pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
         })
     };
     let task = |t: crate::ir::TaskId| plan.tasks.get(t.index());
-    let (mut readbacks, mut caches, mut kv, mut host_guards, mut hot) = (0, 0, 0, 0, 0);
+    let (mut readbacks, mut caches, mut host_guards, mut hot) = (0, 0, 0, 0);
     let mut host_wait = None;
     for (s, program) in sp.programs.iter().enumerate() {
         for instr in program {
@@ -836,7 +850,6 @@ pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
                 Instr::Run(t) => {
                     if let Some(t) = task(t) {
                         caches += usize::from(t.cache.is_some());
-                        kv += usize::from(t.kv.is_some() && on_device(s));
                         host_guards += usize::from(
                             !t.guard.is_always() && !guard_decided_on_device(t, on_device),
                         );
@@ -877,11 +890,6 @@ pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
     if caches > 0 {
         return no(format!(
             "{caches} expert-cache fetches pick their slots on the host"
-        ));
-    }
-    if kv > 0 {
-        return no(format!(
-            "{kv} KV-part copies move runs the host computes per step"
         ));
     }
     match host_wait {

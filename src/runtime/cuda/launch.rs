@@ -314,7 +314,7 @@ impl StreamCx<'_> {
         }
         // SAFETY: `data` is `bytes` initialised bytes of plain values (DeviceRepr types).
         let raw = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), bytes) };
-        if let Some(at) = self.recorder.stage(raw)? {
+        if let Some(at) = self.recorder.stage(self.lane, raw)? {
             self.issue(Command::HtoD {
                 dst: s.ptr,
                 src: at,
@@ -362,7 +362,7 @@ impl StreamCx<'_> {
         bytes: usize,
         then: impl FnOnce(usize) -> Deferred,
     ) -> Result<Option<Vec<u8>>, LaunchError> {
-        if let Some(at) = self.recorder.read_back(bytes, then)? {
+        if let Some(at) = self.recorder.read_back(self.lane, bytes, then)? {
             self.issue(Command::DtoH { dst: at, src, bytes })?;
             return Ok(None);
         }

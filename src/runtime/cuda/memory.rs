@@ -427,20 +427,7 @@ impl DeviceMemory {
             ..src
         };
         let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
-        let mapped = |v: View| {
-            (self.pinned_device != 0 && v.region == Region::Arena(Space::Pinned))
-                .then(|| self.pinned_device + v.start)
-        };
-        let ends = (
-            on_device(src).then(|| self.ptr(src)),
-            on_device(dst).then(|| self.ptr(dst)),
-        );
-        let kernel_ends = match ends {
-            (Some(s), None) => mapped(dst).map(|d| s.map(|s| (s, d))),
-            (None, Some(d)) => mapped(src).map(|s| d.map(|d| (s, d))),
-            _ => None,
-        };
-        if let (Some(ends), true) = (kernel_ends, runs.len() >= KERNEL_COPY_MIN_RUNS) {
+        if let (Some(ends), true) = (self.kernel_ends(src, dst), runs.len() >= KERNEL_COPY_MIN_RUNS) {
             let (s, d) = ends?;
             copy_runs_kernel(device, stream, s, d, runs)?;
             self.move_run_labels(host, dst, runs, &labels);
@@ -513,6 +500,54 @@ impl DeviceMemory {
         }
         self.move_run_labels(host, dst, runs, &labels);
         Ok(())
+    }
+
+    /// The device addresses the `copy_runs` kernel copies between when one of `src` and
+    /// `dst` is in the gpu arena and the other in the registered pinned arena (through
+    /// its device mapping); `None` for any other pair.
+    fn kernel_ends(&self, src: View, dst: View) -> Option<Result<(u64, u64), DeviceMemoryError>> {
+        let on_device = |v: View| v.region == Region::Arena(Space::Gpu);
+        let mapped = |v: View| {
+            (self.pinned_device != 0 && v.region == Region::Arena(Space::Pinned))
+                .then(|| self.pinned_device + v.start)
+        };
+        let ends = (
+            on_device(src).then(|| self.ptr(src)),
+            on_device(dst).then(|| self.ptr(dst)),
+        );
+        match ends {
+            (Some(s), None) => mapped(dst).map(|d| s.map(|s| (s, d))),
+            (None, Some(d)) => mapped(src).map(|s| d.map(|d| (s, d))),
+            _ => None,
+        }
+    }
+
+    /// For a copy of `runs` that a graph can hold (one side in the gpu arena, the other in
+    /// the registered pinned arena): the addresses the `copy_runs` kernel copies between,
+    /// with the weight labels of the runs moved as [`DeviceMemory::copy_runs`] moves
+    /// them; `None` (nothing done) for any other pair or no runs.
+    pub fn copy_runs_ends(
+        &self,
+        host: &HostMemory<'_>,
+        src: View,
+        dst: View,
+        runs: &[(u64, u64)],
+    ) -> Result<Option<(u64, u64)>, DeviceMemoryError> {
+        let Some(ends) = self.kernel_ends(src, dst) else {
+            return Ok(None);
+        };
+        let Some((first, end)) = runs_span(runs, src, dst)? else {
+            return Ok(None);
+        };
+        let ends = ends?;
+        let span = View {
+            start: src.start + first,
+            len: end - first,
+            ..src
+        };
+        let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
+        self.move_run_labels(host, dst, runs, &labels);
+        Ok(Some(ends))
     }
 
     fn move_run_labels(
