@@ -528,16 +528,26 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
         for p in PROMPTS {
             cpu.args(["--prompt", p]);
         }
-        let want = token_ids(&cpu.output().expect("moec runs"), &format!("{schedule}, CPU"));
+        let want = token_ids(
+            &cpu.output().expect("moec runs"),
+            &format!("{schedule}, CPU"),
+        );
         let (got, counts, doc) =
             counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 6, extra);
-        assert_eq!(got, want, "{schedule}: CUDA graph tokens differ from the CPU's");
+        assert_eq!(
+            got, want,
+            "{schedule}: CUDA graph tokens differ from the CPU's"
+        );
         let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
         println!("{schedule}: decode steps {replayed} replayed, {captured} captured, {plain} plain {why}");
         assert_eq!((replayed, captured, plain), (3, 1, 1), "{schedule}: {why}");
         assert!(why.contains("the first of its step"), "{schedule}: {why}");
         assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 1, "{schedule}");
-        assert_eq!(calls(&counts, "cuGraphInstantiateWithFlags"), 1, "{schedule}");
+        assert_eq!(
+            calls(&counts, "cuGraphInstantiateWithFlags"),
+            1,
+            "{schedule}"
+        );
         assert_eq!(calls(&counts, "cuGraphLaunch"), 4, "{schedule}");
         let refused: Vec<_> = counts
             .keys()
@@ -546,7 +556,10 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
         assert!(refused.is_empty(), "{schedule}: {refused:?}");
         let (more, more_counts, more_doc) =
             counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, extra);
-        assert_eq!(more.iter().map(|t| t[..6].to_vec()).collect::<Vec<_>>(), want);
+        assert_eq!(
+            more.iter().map(|t| t[..6].to_vec()).collect::<Vec<_>>(),
+            want
+        );
         assert_eq!(graph_counts(&more_doc, "decode").0, 4, "{schedule}");
         for name in [
             "cuLaunchKernel",
@@ -570,7 +583,14 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
         "schedules/fiddler.sched",
         &PROMPTS,
         6,
-        &["--set", "n_gpu=8", "--set", "ubs=2", "--set", "t_copy=1000000"],
+        &[
+            "--set",
+            "n_gpu=8",
+            "--set",
+            "ubs=2",
+            "--set",
+            "t_copy=1000000",
+        ],
     );
     let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
     assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");

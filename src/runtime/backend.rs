@@ -23,8 +23,8 @@
 use super::step::StepContext;
 use crate::ir::{Engine, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
-use crate::records::GraphUse;
 use crate::model::kernels::moe::Routing;
+use crate::records::GraphUse;
 
 /// What a backend can do, as data (the driver and reports read it; nothing branches on
 /// a backend's type).

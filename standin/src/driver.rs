@@ -10,13 +10,13 @@
 //! use after free, unknown handles or kernels) return the driver's error code and log one
 //! line on stderr. Modules and launches are in [`crate::launch`].
 
-use crate::memory::{self, Kind};
 use crate::graph;
+use crate::memory::{self, Kind};
 use crate::stream::{self, Node};
-use std::sync::Arc;
 use crate::{guard, log};
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::Arc;
 
 /// CUresult values the stand-in returns.
 pub mod code {

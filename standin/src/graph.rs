@@ -123,7 +123,13 @@ impl Capture {
     }
 
     /// `lane` (joining the capture if it is not in it yet) waits for record `id`.
-    pub fn add_wait(&self, lane: usize, stream: &Arc<Stream>, id: usize, call: &str) -> Result<(), u32> {
+    pub fn add_wait(
+        &self,
+        lane: usize,
+        stream: &Arc<Stream>,
+        id: usize,
+        call: &str,
+    ) -> Result<(), u32> {
         self.check_valid(call)?;
         let mut state = lock(&self.state);
         if !state.lanes.iter().any(|(h, _)| *h == lane) {
@@ -244,8 +250,7 @@ static EXECS: Handles<Exec> = Handles::new(0xd000_0000);
 extern "C" fn cuStreamBeginCapture_v2(handle: *mut c_void, mode: c_uint) -> CuResult {
     entry("cuStreamBeginCapture_v2", || {
         let handle = handle as usize;
-        if handle == 0 || handle == stream::LEGACY_HANDLE || handle == stream::PER_THREAD_HANDLE
-        {
+        if handle == 0 || handle == stream::LEGACY_HANDLE || handle == stream::PER_THREAD_HANDLE {
             log("cuStreamBeginCapture_v2 refused: the legacy and per-thread default streams cannot be captured");
             return Err(capture_code::UNSUPPORTED);
         }
@@ -367,7 +372,9 @@ unsafe extern "C" fn cuStreamIsCapturing(handle: *mut c_void, status: *mut c_uin
 
 fn graph(handle: usize, call: &str) -> Result<Arc<Graph>, u32> {
     GRAPHS.get(handle).ok_or_else(|| {
-        log(&format!("{call} refused: unknown or destroyed graph {handle:#x}"));
+        log(&format!(
+            "{call} refused: unknown or destroyed graph {handle:#x}"
+        ));
         code::INVALID_HANDLE
     })
 }

@@ -862,7 +862,10 @@ fn graph_capture_replays_work_and_refuses_host_synchronisation() {
             CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
         );
         let (r, g) = end(s);
-        assert_eq!((r, g.is_null()), (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, true));
+        assert_eq!(
+            (r, g.is_null()),
+            (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, true)
+        );
 
         stream.begin_capture(THREAD_LOCAL).expect("begin");
         assert_eq!(
@@ -891,13 +894,19 @@ fn graph_capture_replays_work_and_refuses_host_synchronisation() {
         stream.begin_capture(THREAD_LOCAL).expect("begin");
         fork.record(&stream).expect("fork");
         other.wait(&fork).expect("join the capture");
-        assert_eq!(cu::cuMemsetD8Async(d, 1, 16, other.cu_stream()), CUDA_SUCCESS);
+        assert_eq!(
+            cu::cuMemsetD8Async(d, 1, 16, other.cu_stream()),
+            CUDA_SUCCESS
+        );
         assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
 
         stream.begin_capture(THREAD_LOCAL).expect("begin");
         fork.record(&stream).expect("fork");
         other.wait(&fork).expect("join the capture");
-        assert_eq!(cu::cuMemsetD8Async(d, 1, 16, other.cu_stream()), CUDA_SUCCESS);
+        assert_eq!(
+            cu::cuMemsetD8Async(d, 1, 16, other.cu_stream()),
+            CUDA_SUCCESS
+        );
         join.record(&other).expect("join");
         stream.wait(&join).expect("wait for the join");
         assert_eq!(cu::cuMemcpyDtoDAsync_v2(d2, d, 16, s), CUDA_SUCCESS);
@@ -910,7 +919,10 @@ fn graph_capture_replays_work_and_refuses_host_synchronisation() {
     // SAFETY: a live stream and a status slot.
     let r = unsafe { cu::cuStreamIsCapturing(other.cu_stream(), &mut status) };
     assert_eq!(r, CUDA_SUCCESS);
-    assert_eq!(status, cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+    assert_eq!(
+        status,
+        cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    );
     assert_eq!(read(d2), [0; 4], "captured work ran before the launch");
     graph.launch().expect("launch");
     stream.synchronize().expect("sync");

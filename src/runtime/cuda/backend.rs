@@ -32,14 +32,14 @@ use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
 use crate::model::kernels::moe::Routing;
-use crate::model::kernels::sampling::Sampling;
 use crate::model::kernels::rope::RopeTable;
+use crate::model::kernels::sampling::Sampling;
+use crate::records::GraphStep;
 use crate::runtime::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
     StepEnd,
 };
-use crate::records::GraphStep;
-use crate::runtime::driver::report::{graph_summary, render_graphs};
+use crate::runtime::driver::report::{add_graph_step, render_graphs, GraphSummary};
 use crate::runtime::host::HostMemory;
 use crate::runtime::lock;
 use crate::runtime::step::StepContext;
@@ -148,8 +148,8 @@ pub struct CudaBackend<'c> {
     /// The step being run (its index in the plan) and whether it is recorded.
     step: AtomicUsize,
     recording_step: AtomicBool,
-    /// How each step so far reached the device.
-    graphs: Mutex<Vec<GraphStep>>,
+    /// How the steps so far reached the device, per step kind.
+    graphs: Mutex<Vec<GraphSummary>>,
     /// Per step index, why the plan alone keeps it from a graph (`None`: it does not).
     plan_reasons: Mutex<std::collections::HashMap<usize, (StepKind, graph::StepPlanGraph)>>,
     /// Per KV-part copy task, the run-table capacity of its recorded launches.
@@ -379,7 +379,9 @@ impl<'c> CudaBackend<'c> {
             recorder: &self.recorder,
             lane: stream.index(),
         };
-        let table = s.upload(&table).map_err(|e| task_error(OpError::Launch(e)))?;
+        let table = s
+            .upload(&table)
+            .map_err(|e| task_error(OpError::Launch(e)))?;
         // copy_runs(const u64* runs, long long n, const char* src, char* dst): n (offset,
         // length) pairs; empty pairs copy nothing. The ends were checked by
         // `copy_runs_ends` (every run inside both views).
@@ -461,7 +463,7 @@ impl Backend for CudaBackend<'_> {
                 "empty or pageable"
             },
             r.routing_syncs,
-            match render_graphs(&graph_summary(&lock(&self.graphs))) {
+            match render_graphs(&lock(&self.graphs)) {
                 t if t.is_empty() => "no step run yet".to_string(),
                 t => t,
             }
@@ -737,10 +739,11 @@ impl Backend for CudaBackend<'_> {
             }
         }
         if let Some((kind, _)) = lock(&self.plan_reasons).get(&step) {
-            lock(&self.graphs).push(GraphStep {
+            let step = GraphStep {
                 kind: *kind,
                 graph: graph.clone(),
-            });
+            };
+            add_graph_step(&mut lock(&self.graphs), &step);
         }
         Ok(StepEnd {
             times,

@@ -170,15 +170,30 @@ impl Command {
                     && x.beta.to_bits() == y.beta.to_bits()
                     && x == y
             }
-            (C::HtoD { dst, src, bytes }, C::HtoD { dst: d, src: s, bytes: b }) => {
-                (dst, src, bytes) == (d, s, b)
-            }
-            (C::DtoH { dst, src, bytes }, C::DtoH { dst: d, src: s, bytes: b }) => {
-                (dst, src, bytes) == (d, s, b)
-            }
-            (C::DtoD { dst, src, bytes }, C::DtoD { dst: d, src: s, bytes: b }) => {
-                (dst, src, bytes) == (d, s, b)
-            }
+            (
+                C::HtoD { dst, src, bytes },
+                C::HtoD {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => (dst, src, bytes) == (d, s, b),
+            (
+                C::DtoH { dst, src, bytes },
+                C::DtoH {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => (dst, src, bytes) == (d, s, b),
+            (
+                C::DtoD { dst, src, bytes },
+                C::DtoD {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => (dst, src, bytes) == (d, s, b),
             (C::Zero { dst, bytes }, C::Zero { dst: d, bytes: b }) => (dst, bytes) == (d, b),
             (C::Record(a), C::Record(b)) | (C::Wait(a), C::Wait(b)) => a == b,
             _ => false,
@@ -372,18 +387,20 @@ const STAGING_ALIGN: usize = 64;
 impl Staging {
     fn take(&mut self, bytes: usize) -> Result<usize, LaunchError> {
         let bytes = bytes.max(1).next_multiple_of(STAGING_ALIGN);
-        let fits = self.buffers.last().is_some_and(|b| self.used + bytes <= b.len);
+        let fits = self
+            .buffers
+            .last()
+            .is_some_and(|b| self.used + bytes <= b.len);
         if !fits {
             let len = (2 * self.buffers.last().map_or(0, |b| b.len))
                 .max(bytes)
                 .max(64 << 10);
             // SAFETY: a plain page-locked allocation; freed by `Pinned::drop`.
-            let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|source| {
-                LaunchError::Driver {
+            let ptr =
+                unsafe { result::malloc_host(len, 0) }.map_err(|source| LaunchError::Driver {
                     call: "cuMemHostAlloc",
                     source,
-                }
-            })?;
+                })?;
             self.buffers.push(Pinned {
                 ptr: ptr as usize,
                 len,
@@ -626,7 +643,10 @@ impl Recorder {
         if !repeat {
             self.submit_all(&commands)?;
             let why = match s.last_plain.get(&step) {
-                None => "the first of its step: a graph is captured when a step repeats its launches".to_string(),
+                None => {
+                    "the first of its step: a graph is captured when a step repeats its launches"
+                        .to_string()
+                }
                 Some(last) => format!(
                     "its launches differ from the previous step's ({})",
                     first_difference(last, &commands)
@@ -683,10 +703,13 @@ impl Recorder {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("cuStreamBeginCapture"))?;
         let body = || -> Result<(), LaunchError> {
-            fork.record(&origin.stream).map_err(driver("cuEventRecord"))?;
+            fork.record(&origin.stream)
+                .map_err(driver("cuEventRecord"))?;
             for &l in &others {
                 if let Some(lane) = self.lane(l) {
-                    lane.stream.wait(fork).map_err(driver("cuStreamWaitEvent"))?;
+                    lane.stream
+                        .wait(fork)
+                        .map_err(driver("cuStreamWaitEvent"))?;
                 }
             }
             self.submit_all(commands)?;
@@ -695,7 +718,10 @@ impl Recorder {
                     return Err(LaunchError::NoEntry("a join event"));
                 };
                 join.record(&lane.stream).map_err(driver("cuEventRecord"))?;
-                origin.stream.wait(join).map_err(driver("cuStreamWaitEvent"))?;
+                origin
+                    .stream
+                    .wait(join)
+                    .map_err(driver("cuStreamWaitEvent"))?;
             }
             Ok(())
         };
@@ -706,7 +732,9 @@ impl Recorder {
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .map_err(driver("cuStreamEndCapture"));
         recorded?;
-        ended?.ok_or(LaunchError::NoEntry("a captured graph (the capture was empty)"))
+        ended?.ok_or(LaunchError::NoEntry(
+            "a captured graph (the capture was empty)",
+        ))
     }
 }
 

@@ -363,7 +363,11 @@ impl StreamCx<'_> {
         then: impl FnOnce(usize) -> Deferred,
     ) -> Result<Option<Vec<u8>>, LaunchError> {
         if let Some(at) = self.recorder.read_back(self.lane, bytes, then)? {
-            self.issue(Command::DtoH { dst: at, src, bytes })?;
+            self.issue(Command::DtoH {
+                dst: at,
+                src,
+                bytes,
+            })?;
             return Ok(None);
         }
         let mut out = vec![0u8; bytes];

@@ -427,7 +427,10 @@ impl DeviceMemory {
             ..src
         };
         let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
-        if let (Some(ends), true) = (self.kernel_ends(src, dst), runs.len() >= KERNEL_COPY_MIN_RUNS) {
+        if let (Some(ends), true) = (
+            self.kernel_ends(src, dst),
+            runs.len() >= KERNEL_COPY_MIN_RUNS,
+        ) {
             let (s, d) = ends?;
             copy_runs_kernel(device, stream, s, d, runs)?;
             self.move_run_labels(host, dst, runs, &labels);

@@ -1046,8 +1046,7 @@ fn copy_op(cx: &GpuCx<'_>, _task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
             }
             return Ok(());
         }
-        cx.s
-            .recorder
+        cx.s.recorder
             .flush("a copy to or from pageable host memory")?;
     }
     cx.mem.copy(cx.host, cx.s.stream, src, dst)?;
@@ -1702,7 +1701,8 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
     let tokens_ptr = cx.ptr(args.need(Role::Tokens)?, "tokens", seqs * 4)?;
     if cx.state.wants_logits() {
         let count = seqs * vocab;
-        let read = cx.s.read_back(logits, count * 4, |at| Deferred::Logits { ub, at, count })?;
+        let read =
+            cx.s.read_back(logits, count * 4, |at| Deferred::Logits { ub, at, count })?;
         if let Some(bytes) = read {
             cx.state.put_logits(ub, floats(&bytes));
         }
@@ -1720,11 +1720,12 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
                     Arg::I32(int("vocab", vocab)?),
                 ],
             )?;
-            let read = cx.s.read_back(tokens_ptr, seqs * 4, |at| Deferred::Sampled {
-                ub,
-                at,
-                count: seqs,
-            })?;
+            let read =
+                cx.s.read_back(tokens_ptr, seqs * 4, |at| Deferred::Sampled {
+                    ub,
+                    at,
+                    count: seqs,
+                })?;
             if let Some(bytes) = read {
                 cx.state.put_sampled(ub, words(&bytes));
             }

@@ -509,7 +509,12 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
                 }
             }
         }
-        Ok((start, self.origin.elapsed().as_secs_f64(), tasks, ended.graph))
+        Ok((
+            start,
+            self.origin.elapsed().as_secs_f64(),
+            tasks,
+            ended.graph,
+        ))
     }
 }
 

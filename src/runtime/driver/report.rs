@@ -116,39 +116,45 @@ pub struct PlainReason {
 
 /// The per-kind [`GraphSummary`] of a run's steps, in order of first appearance.
 pub fn graph_summary(steps: &[GraphStep]) -> Vec<GraphSummary> {
-    let mut out: Vec<GraphSummary> = Vec::new();
+    let mut out = Vec::new();
     for g in steps {
-        let step = g.kind.as_str();
-        let at = match out.iter().position(|s| s.step == step) {
-            Some(at) => at,
-            None => {
-                out.push(GraphSummary {
-                    step,
-                    replayed: 0,
-                    captured: 0,
-                    plain: 0,
-                    plain_reasons: Vec::new(),
-                });
-                out.len() - 1
-            }
-        };
-        let row = &mut out[at];
-        match &g.graph {
-            GraphUse::Replayed => row.replayed += 1,
-            GraphUse::Captured => row.captured += 1,
-            GraphUse::Plain(why) => {
-                row.plain += 1;
-                match row.plain_reasons.iter_mut().find(|r| &r.reason == why) {
-                    Some(r) => r.steps += 1,
-                    None => row.plain_reasons.push(PlainReason {
-                        reason: why.clone(),
-                        steps: 1,
-                    }),
-                }
+        add_graph_step(&mut out, g);
+    }
+    out
+}
+
+/// Counts one more step into per-kind summaries (a long-lived session keeps these
+/// instead of every step).
+pub fn add_graph_step(summaries: &mut Vec<GraphSummary>, g: &GraphStep) {
+    let step = g.kind.as_str();
+    let at = match summaries.iter().position(|s| s.step == step) {
+        Some(at) => at,
+        None => {
+            summaries.push(GraphSummary {
+                step,
+                replayed: 0,
+                captured: 0,
+                plain: 0,
+                plain_reasons: Vec::new(),
+            });
+            summaries.len() - 1
+        }
+    };
+    let row = &mut summaries[at];
+    match &g.graph {
+        GraphUse::Replayed => row.replayed += 1,
+        GraphUse::Captured => row.captured += 1,
+        GraphUse::Plain(why) => {
+            row.plain += 1;
+            match row.plain_reasons.iter_mut().find(|r| &r.reason == why) {
+                Some(r) => r.steps += 1,
+                None => row.plain_reasons.push(PlainReason {
+                    reason: why.clone(),
+                    steps: 1,
+                }),
             }
         }
     }
-    out
 }
 
 /// The longest chain of measured durations through a step's tasks (seconds).

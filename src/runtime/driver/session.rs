@@ -607,7 +607,8 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             });
         }
         let (start, end, tasks, graph) = self.runner().run_graphed(&self.state, step)?;
-        if let Some(graph) = graph {
+        // A long-lived session keeps no per-step records (the backend's line counts them).
+        if let Some(graph) = graph.filter(|_| self.record_steps) {
             self.stats.graph_steps.push(GraphStep {
                 kind: self.plan.steps[step].kind,
                 graph,
