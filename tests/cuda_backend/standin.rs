@@ -68,6 +68,13 @@ pub(crate) fn run_under_standin_status(name: &str) -> (std::process::ExitStatus,
     )
 }
 
+/// Asserts the child's stderr holds each of `lines` (the stand-in's refusal messages).
+pub(crate) fn assert_logged(stderr: &str, lines: &[&str]) {
+    for line in lines {
+        assert!(stderr.contains(line), "no log line `{line}` in:\n{stderr}");
+    }
+}
+
 /// True in the child process of test `name`.
 pub(crate) fn in_standin_child(name: &str) -> bool {
     std::env::var(STANDIN_CHILD).as_deref() == Ok(name)
@@ -500,19 +507,19 @@ fn cublas_gemms_match_references() {
 fn refuses_what_a_driver_refuses() {
     const NAME: &str = "standin::refuses_what_a_driver_refuses";
     if !in_standin_child(NAME) {
-        let stderr = run_under_standin(NAME);
-        for line in [
-            "cuMemcpyHtoDAsync_v2 refused: destination",
-            "runs past the end of the device allocation",
-            "cuMemcpyDtoHAsync_v2 refused: source",
-            "cuLaunchKernel(swiglu) refused: pointer parameter 0",
-            "use after free",
-            "cuModuleGetFunction refused: unknown kernel",
-            "never registered",
-            "cuModuleLoadData refused: the image is not a moec-standin module",
-        ] {
-            assert!(stderr.contains(line), "no log line `{line}` in:\n{stderr}");
-        }
+        assert_logged(
+            &run_under_standin(NAME),
+            &[
+                "cuMemcpyHtoDAsync_v2 refused: destination",
+                "runs past the end of the device allocation",
+                "cuMemcpyDtoHAsync_v2 refused: source",
+                "cuLaunchKernel(swiglu) refused: pointer parameter 0",
+                "use after free",
+                "cuModuleGetFunction refused: unknown kernel",
+                "never registered",
+                "cuModuleLoadData refused: the image is not a moec-standin module",
+            ],
+        );
         return;
     }
     use CUresult::*;
@@ -785,15 +792,15 @@ pub(crate) fn cpu_attention_checking_appends(
 fn graph_capture_replays_work_and_refuses_host_synchronisation() {
     const NAME: &str = "standin::graph_capture_replays_work_and_refuses_host_synchronisation";
     if !in_standin_child(NAME) {
-        let stderr = run_under_standin(NAME);
-        for line in [
-            "cuStreamSynchronize refused: synchronising it while the stream captures",
-            "cuMemcpyHtoDAsync_v2 refused: a copy from pageable host memory while the stream captures",
-            "cuEventSynchronize refused: the event was last recorded in a capturing stream",
-            "was not joined back into the origin stream",
-        ] {
-            assert!(stderr.contains(line), "no log line `{line}` in:\n{stderr}");
-        }
+        assert_logged(
+            &run_under_standin(NAME),
+            &[
+                "cuStreamSynchronize refused: synchronising it while the stream captures",
+                "cuMemcpyHtoDAsync_v2 refused: a copy from pageable host memory while the stream captures",
+                "cuEventSynchronize refused: the event was last recorded in a capturing stream",
+                "was not joined back into the origin stream",
+            ],
+        );
         return;
     }
     use cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL as THREAD_LOCAL;

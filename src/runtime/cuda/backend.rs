@@ -371,14 +371,7 @@ impl<'c> CudaBackend<'c> {
             slot[1] = len;
         }
         dev.workspace.reset(true);
-        let s = StreamCx {
-            device: &self.device,
-            stream: &dev.stream,
-            blas: &dev.blas,
-            workspace: &dev.workspace,
-            recorder: &self.recorder,
-            lane: stream.index(),
-        };
+        let s = self.stream_cx(stream, dev);
         let table = s
             .upload(&table)
             .map_err(|e| task_error(OpError::Launch(e)))?;
@@ -398,6 +391,18 @@ impl<'c> CudaBackend<'c> {
             ],
         )
         .map_err(|e| task_error(OpError::Launch(e)))
+    }
+
+    /// What an op needs of device stream `stream` (`dev`).
+    fn stream_cx<'a>(&'a self, stream: StreamId, dev: &'a DevStream) -> StreamCx<'a> {
+        StreamCx {
+            device: &self.device,
+            stream: &dev.stream,
+            blas: &dev.blas,
+            workspace: &dev.workspace,
+            recorder: &self.recorder,
+            lane: stream.index(),
+        }
     }
 
     /// Records a task's end event after its work (when it was timed) and keeps the pair.
@@ -501,14 +506,7 @@ impl Backend for CudaBackend<'_> {
         };
         dev.workspace.reset(recorded);
         let cx = GpuCx {
-            s: StreamCx {
-                device: &self.device,
-                stream: &dev.stream,
-                blas: &dev.blas,
-                workspace: &dev.workspace,
-                recorder: &self.recorder,
-                lane: stream.index(),
-            },
+            s: self.stream_cx(stream, dev),
             mem: &self.memory,
             host: &self.host_memory,
             arch: &self.arch,

@@ -644,7 +644,7 @@ impl Recorder {
             self.submit_all(&commands)?;
             let why = match s.last_plain.get(&step) {
                 None => {
-                    "the first of its step: a graph is captured when a step repeats its launches"
+                    "the first step with these launches (a graph is captured when the next step repeats them)"
                         .to_string()
                 }
                 Some(last) => format!(
