@@ -928,3 +928,78 @@ pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemm(m: i32) -> Command {
+        Command::Gemm(Gemm {
+            bf16: true,
+            transa: true,
+            m,
+            n: 2,
+            k: 8,
+            alpha: 1.0,
+            beta: 0.0,
+            a: (0x1000, 8),
+            b: (0x2000, 8),
+            c: (0x3000, m),
+        })
+    }
+
+    /// Two steps whose streams issued the same commands match however the stream threads
+    /// interleaved them; one changed argument breaks the match, and the difference is
+    /// named by stream, position and kind.
+    #[test]
+    fn steps_match_stream_by_stream_and_a_difference_is_named() {
+        let copy = Command::HtoD {
+            dst: 0x4000,
+            src: 0x5000,
+            bytes: 64,
+        };
+        let a = vec![
+            (0, gemm(4)),
+            (1, Command::Wait(0)),
+            (0, Command::Record(0)),
+            (1, copy.clone()),
+        ];
+        let b = vec![
+            (0, gemm(4)),
+            (0, Command::Record(0)),
+            (1, Command::Wait(0)),
+            (1, copy.clone()),
+        ];
+        assert!(same_work(&a, &b));
+        let c = vec![
+            (0, gemm(4)),
+            (0, Command::Record(0)),
+            (1, Command::Wait(0)),
+            (
+                1,
+                Command::HtoD {
+                    dst: 0x4000,
+                    src: 0x5040,
+                    bytes: 64,
+                },
+            ),
+        ];
+        assert!(!same_work(&a, &c));
+        assert_eq!(first_difference(&a, &c), "stream 1, command 1, a copy");
+        let d = vec![(0, gemm(8)), (0, Command::Record(0))];
+        assert!(!same_work(&a, &d));
+        assert_eq!(first_difference(&a, &d), "stream 0, command 0, a GEMM");
+        assert!(!same_work(&a, &a[..3]));
+    }
+
+    /// Read-backs decode as native-endian words.
+    #[test]
+    fn read_backs_decode_as_native_words() {
+        let bytes: Vec<u8> = [7u32, 1.5f32.to_bits()]
+            .iter()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        assert_eq!(words(&bytes), vec![7, 1.5f32.to_bits()]);
+        assert_eq!(floats(&bytes)[1], 1.5);
+    }
+}

@@ -306,3 +306,44 @@ pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
         spans,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steps are counted per kind in order of first appearance, plain ones with their
+    /// reasons, and rendered one clause per kind.
+    #[test]
+    fn graph_use_is_summarised_per_step_kind() {
+        let step = |kind, graph| GraphStep { kind, graph };
+        let plain = |why: &str| GraphUse::Plain(why.to_string());
+        let steps = [
+            step(StepKind::Prefill, plain("once per batch")),
+            step(StepKind::Decode, plain("first")),
+            step(StepKind::Decode, GraphUse::Captured),
+            step(StepKind::Decode, GraphUse::Replayed),
+            step(StepKind::Decode, GraphUse::Replayed),
+            step(StepKind::Decode, plain("first")),
+        ];
+        let s = graph_summary(&steps);
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].step, s[0].plain), ("prefill", 1));
+        assert_eq!(
+            (s[1].step, s[1].replayed, s[1].captured, s[1].plain),
+            ("decode", 2, 1, 2)
+        );
+        assert_eq!(
+            s[1].plain_reasons,
+            vec![PlainReason {
+                reason: "first".into(),
+                steps: 2
+            }]
+        );
+        assert_eq!(
+            render_graphs(&s),
+            "prefill: 0 replayed a graph, 0 captured one, 1 launched plainly (1: once per batch); \
+             decode: 2 replayed a graph, 1 captured one, 2 launched plainly (2: first)"
+        );
+        assert_eq!(render_graphs(&[]), "");
+    }
+}
