@@ -684,9 +684,9 @@ impl Recorder {
     fn capture(&self, commands: &[(usize, Command)]) -> Result<CudaGraph, LaunchError> {
         let driver = |call| move |source| LaunchError::Driver { call, source };
         let origin_lane = commands.first().map_or(0, |c| c.0);
-        let origin = self
-            .lane(origin_lane)
-            .ok_or(LaunchError::NoEntry("a device stream"))?;
+        let origin = self.lane(origin_lane).ok_or(LaunchError::Capture(
+            "its first command is on no device stream",
+        ))?;
         let mut others: Vec<usize> = commands
             .iter()
             .map(|c| c.0)
@@ -697,7 +697,7 @@ impl Recorder {
         let fork = self
             .fork_join
             .first()
-            .ok_or(LaunchError::NoEntry("a fork event"))?;
+            .ok_or(LaunchError::Capture("no fork event"))?;
         origin
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -715,7 +715,7 @@ impl Recorder {
             self.submit_all(commands)?;
             for (i, &l) in others.iter().enumerate() {
                 let (Some(lane), Some(join)) = (self.lane(l), self.fork_join.get(1 + i)) else {
-                    return Err(LaunchError::NoEntry("a join event"));
+                    return Err(LaunchError::Capture("no join event for a stream"));
                 };
                 join.record(&lane.stream).map_err(driver("cuEventRecord"))?;
                 origin
@@ -732,9 +732,7 @@ impl Recorder {
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .map_err(driver("cuStreamEndCapture"));
         recorded?;
-        ended?.ok_or(LaunchError::NoEntry(
-            "a captured graph (the capture was empty)",
-        ))
+        ended?.ok_or(LaunchError::Capture("the capture was empty"))
     }
 }
 

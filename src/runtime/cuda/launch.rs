@@ -50,6 +50,9 @@ pub enum LaunchError {
         /// cuBLAS's status.
         source: CublasError,
     },
+    /// A graph capture could not be set up (an internal inconsistency, named).
+    #[error("CUDA graph capture: {0}")]
+    Capture(&'static str),
     /// A dimension past what the kernels or cuBLAS take (32-bit).
     #[error("{what} = {value} exceeds the 32-bit range the kernels take")]
     Range {
