@@ -348,14 +348,19 @@ fn the_expert_cache_keeps_slots_consistent_across_device_streams() {
 }
 
 /// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`):
-/// entry point or `launch:<kernel>` -> calls.
+/// entry point or `launch:<kernel>` -> calls; with its tokens and `--json` document.
 fn counted_run(
     cache: &Path,
     dir: &Path,
     schedule: &str,
     prompts: &[&str],
     gen_len: u32,
-) -> (Vec<Vec<u32>>, std::collections::BTreeMap<String, u64>) {
+    extra: &[&str],
+) -> (
+    Vec<Vec<u32>>,
+    std::collections::BTreeMap<String, u64>,
+    serde_json::Value,
+) {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -363,6 +368,7 @@ fn counted_run(
         .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
         .args(["--gen-len", &gen_len.to_string(), "--hw", "hardware/t4.ron"])
         .args(["--backend", "cuda"])
+        .args(extra)
         .env("LD_LIBRARY_PATH", loader_path(dir))
         .env("MOEC_STANDIN_CACHE", standin_cache())
         .env("MOEC_STANDIN_COUNTERS", counters.path());
@@ -371,6 +377,8 @@ fn counted_run(
     }
     let out = cmd.output().expect("moec runs");
     let tokens = token_ids(&out, &format!("{schedule} (counted)"));
+    let doc: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).expect("--json");
     let text = std::fs::read_to_string(counters.path()).expect("counters file");
     let counts = text
         .lines()
@@ -379,7 +387,25 @@ fn counted_run(
             Some((name.to_string(), n.parse().ok()?))
         })
         .collect();
-    (tokens, counts)
+    (tokens, counts, doc)
+}
+
+/// The run report's graph counts of one step kind: (replayed, captured, plain, reasons).
+fn graph_counts(doc: &serde_json::Value, step: &str) -> (u64, u64, u64, String) {
+    let row = doc["report"]["graphs"]
+        .as_array()
+        .expect("report.graphs")
+        .iter()
+        .find(|g| g["step"] == step)
+        .cloned()
+        .unwrap_or_default();
+    let n = |k: &str| row[k].as_u64().unwrap_or(0);
+    (
+        n("replayed"),
+        n("captured"),
+        n("plain"),
+        row["plain_reasons"].to_string(),
+    )
 }
 
 fn calls(counts: &std::collections::BTreeMap<String, u64>, name: &str) -> u64 {
@@ -409,16 +435,20 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
         ("schedules/baselines/gpu_resident.sched", 1u64),
         ("schedules/baselines/sequential.sched", 2),
     ] {
-        let (_, a) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4);
-        let (_, b) = counted_run(
+        let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[]);
+        let (_, b, _) = counted_run(
             cache.path(),
             dir.path(),
             schedule,
             &["Mixture of apples", "The capital of Spain is"],
             4,
+            &[],
         );
-        let (_, short) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2);
-        let steps = 4u64; // prefill + 3 decode steps for 4 tokens
+        let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &[]);
+        // prefill + 3 decode steps for 4 tokens; a decode step that replays a CUDA graph
+        // makes no launch call (its kernels run from the graph).
+        let (replayed, _, _, _) = graph_counts(&doc, "decode");
+        let steps = 4u64 - replayed;
         let moe_tasks = mixtral_layers * n_ub * steps;
         assert_eq!(
             calls(&a, "launch:moe_group"),
@@ -465,4 +495,108 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             per_step("cuMemcpyHtoDAsync_v2"),
         );
     }
+}
+
+/// CUDA graphs (issue 28): decode steps of `baselines/gpu_resident`, `fiddler` with every
+/// expert resident (mixtral-tiny: 4 layers x 8 experts = 32) and `flexgen` are recorded,
+/// captured into a graph when a step repeats the previous one's launches, and replayed
+/// after that, with the CPU backend's tokens. Six tokens are five decode steps: the first
+/// launched plainly, the second captured, three replayed; the run report says so and the
+/// stand-in's counters agree (one capture and instantiation, a graph launch per captured
+/// or replayed step, nothing refused while capturing), and a seventh token, one more
+/// replayed step, costs one graph launch and no kernel launch, GEMM or copy call. A step
+/// with a host decision inside it (fiddler with most experts off the GPU: its guards need
+/// the routing on the host) is not captured, and the report says why.
+#[test]
+fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    for (schedule, extra) in [
+        ("schedules/baselines/gpu_resident.sched", &[][..]),
+        (
+            "schedules/fiddler.sched",
+            &["--set", "n_gpu=32", "--set", "ubs=2"][..],
+        ),
+        ("schedules/flexgen.sched", &[][..]),
+    ] {
+        let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
+        cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MOEC_CACHE_DIR", cache.path())
+            .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
+            .args(["--gen-len", "6", "--hw", "hardware/t4.ron"])
+            .args(extra);
+        for p in PROMPTS {
+            cpu.args(["--prompt", p]);
+        }
+        let want = token_ids(
+            &cpu.output().expect("moec runs"),
+            &format!("{schedule}, CPU"),
+        );
+        let (got, counts, doc) =
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 6, extra);
+        assert_eq!(
+            got, want,
+            "{schedule}: CUDA graph tokens differ from the CPU's"
+        );
+        let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
+        println!("{schedule}: decode steps {replayed} replayed, {captured} captured, {plain} plain {why}");
+        assert_eq!((replayed, captured, plain), (3, 1, 1), "{schedule}: {why}");
+        assert!(
+            why.contains("the first step with these launches"),
+            "{schedule}: {why}"
+        );
+        assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 1, "{schedule}");
+        assert_eq!(
+            calls(&counts, "cuGraphInstantiateWithFlags"),
+            1,
+            "{schedule}"
+        );
+        assert_eq!(calls(&counts, "cuGraphLaunch"), 4, "{schedule}");
+        let refused: Vec<_> = counts
+            .keys()
+            .filter(|k| k.starts_with("capture refused:"))
+            .collect();
+        assert!(refused.is_empty(), "{schedule}: {refused:?}");
+        let (more, more_counts, more_doc) =
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, extra);
+        assert_eq!(
+            more.iter().map(|t| t[..6].to_vec()).collect::<Vec<_>>(),
+            want
+        );
+        assert_eq!(graph_counts(&more_doc, "decode").0, 4, "{schedule}");
+        for name in [
+            "cuLaunchKernel",
+            "cublasGemmEx",
+            "cublasSgemm_v2",
+            "cuMemcpyHtoDAsync_v2",
+            "cuMemcpyDtoHAsync_v2",
+        ] {
+            assert_eq!(
+                calls(&more_counts, name),
+                calls(&counts, name),
+                "{schedule}: a replayed step called {name}"
+            );
+        }
+        assert_eq!(calls(&more_counts, "cuGraphLaunch"), 5, "{schedule}");
+    }
+    // A host decision inside the step: no graph, and why.
+    let (_, counts, doc) = counted_run(
+        cache.path(),
+        dir.path(),
+        "schedules/fiddler.sched",
+        &PROMPTS,
+        6,
+        &[
+            "--set",
+            "n_gpu=8",
+            "--set",
+            "ubs=2",
+            "--set",
+            "t_copy=1000000",
+        ],
+    );
+    let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
+    assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");
+    assert!(why.contains("read back to the host"), "{why}");
+    assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
 }

@@ -86,6 +86,29 @@ pub struct RunStats {
     /// The backend's own line for the run report: what ran the plan (the CPU backend's
     /// pools, or a device, its kernels and what the run did there).
     pub backend: String,
+    /// How each step's device work was submitted, in step order, where the backend
+    /// submits to a device (CUDA graphs); empty on the CPU backend.
+    pub graph_steps: Vec<GraphStep>,
+}
+
+/// How one step's device work reached the device.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum GraphUse {
+    /// A graph captured from an earlier step with the same launches was launched.
+    Replayed,
+    /// The step's launches were captured into a graph, which was then launched.
+    Captured,
+    /// The launches were submitted one by one, for this reason.
+    Plain(String),
+}
+
+/// One step's [`GraphUse`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphStep {
+    /// The step's kind.
+    pub kind: StepKind,
+    /// How its device work was submitted.
+    pub graph: GraphUse,
 }
 
 /// Bytes the copies of a run covered, by how they were carried out.

@@ -22,8 +22,9 @@
 
 use super::step::StepContext;
 use crate::ir::{Engine, StreamId, TaskId};
-use crate::lower::{EventId, PlanArg, PlanTask};
+use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::model::kernels::moe::Routing;
+use crate::records::GraphUse;
 
 /// What a backend can do, as data (the driver and reports read it; nothing branches on
 /// a backend's type).
@@ -197,6 +198,51 @@ pub trait Backend: Sync + std::fmt::Debug {
     /// Waits until every task of the step has finished; gives device-measured task times
     /// when the backend has them (`None`: the driver's host timings are the task times).
     fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError>;
+
+    /// Called by the driver before step `step` of `plan` runs over `state`: a device
+    /// backend decides here whether the step's device work is recorded for a graph
+    /// (CUDA graphs). Nothing to do on a backend that submits work as it comes.
+    fn begin_step(
+        &self,
+        _plan: &ExecPlan,
+        _step: usize,
+        _state: &dyn StepContext,
+    ) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Whether this backend runs `task` whatever its guard in the current step, because it
+    /// computes nothing for it when the guard is false (the driver then runs it without
+    /// the routing on the host). False by default.
+    fn decides_guard_on_device(&self, _task: &PlanTask) -> bool {
+        false
+    }
+
+    /// Whether the plan's read-back of `gate`'s routing is skipped in the current step
+    /// (every guard it served is decided on the device). False by default.
+    fn skips_read_back(&self, _gate: &PlanTask) -> bool {
+        false
+    }
+
+    /// Called by the driver after every stream thread of the step has ended, in place of
+    /// [`Backend::finish_step`]: submits what the step recorded (a graph launch), waits
+    /// for it, hands the step's read-backs (sampled tokens, logits) to `state`, and says
+    /// how the device work was submitted. The default is `finish_step` with no graph.
+    fn end_step(&self, _state: &dyn StepContext) -> Result<StepEnd, BackendError> {
+        Ok(StepEnd {
+            times: self.finish_step()?,
+            graph: None,
+        })
+    }
+}
+
+/// What [`Backend::end_step`] gives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepEnd {
+    /// Device-measured task times (`None`: the driver's host timings are the task times).
+    pub times: Option<Vec<DeviceTime>>,
+    /// How the step's device work was submitted; `None` on a backend with no device.
+    pub graph: Option<GraphUse>,
 }
 
 /// A `route` slice that holds fewer entries than its tokens need.

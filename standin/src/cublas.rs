@@ -352,7 +352,7 @@ fn enqueue(handle: *mut c_void, call: &str, gemm: Gemm) -> Result<(), c_int> {
     if gemm.m == 0 || gemm.n == 0 || gemm.batches == 0 {
         return Ok(());
     }
-    stream::submit(stream_handle, call, Box::new(move || gemm.run()))
+    stream::submit(stream_handle, call, Arc::new(move || gemm.run()))
         .map_err(|_| EXECUTION_FAILED)?;
     Ok(())
 }

@@ -10,11 +10,13 @@
 //! use after free, unknown handles or kernels) return the driver's error code and log one
 //! line on stderr. Modules and launches are in [`crate::launch`].
 
+use crate::graph;
 use crate::memory::{self, Kind};
-use crate::stream::{self, Work};
+use crate::stream::{self, Node};
 use crate::{guard, log};
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::Arc;
 
 /// CUresult values the stand-in returns.
 pub mod code {
@@ -96,8 +98,8 @@ pub(crate) unsafe fn put<T>(out: *mut T, value: T, call: &str) -> Result<(), u32
 #[derive(Clone, Copy)]
 struct Addr(usize);
 
-fn copy_work(dst: Addr, src: Addr, bytes: usize) -> Work {
-    Box::new(move || {
+fn copy_work(dst: Addr, src: Addr, bytes: usize) -> Node {
+    Arc::new(move || {
         // SAFETY: both ranges were checked at submission (device ranges against live
         // allocations; host ranges are the caller's, valid until the stream reaches this).
         unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) }
@@ -301,6 +303,7 @@ unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
 #[no_mangle]
 extern "C" fn cuCtxSynchronize() -> CuResult {
     entry("cuCtxSynchronize", || {
+        graph::refuse_context_sync("cuCtxSynchronize")?;
         stream::synchronize_all();
         Ok(())
     })
@@ -427,7 +430,8 @@ unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, bytes: usize) -> CuResult {
 #[no_mangle]
 unsafe extern "C" fn cuMemAllocAsync(out: *mut u64, bytes: usize, handle: *mut c_void) -> CuResult {
     entry("cuMemAllocAsync", || {
-        stream::resolve(handle as usize, "cuMemAllocAsync")?;
+        let s = stream::resolve(handle as usize, "cuMemAllocAsync")?;
+        refuse_memory_node(&s, "cuMemAllocAsync")?;
         let ptr = memory::alloc_device(bytes)?;
         // SAFETY: cudarc passes a live CUdeviceptr slot.
         unsafe { put(out, ptr as u64, "cuMemAllocAsync") }
@@ -437,6 +441,7 @@ unsafe extern "C" fn cuMemAllocAsync(out: *mut u64, bytes: usize, handle: *mut c
 #[no_mangle]
 extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
     entry("cuMemFree_v2", || {
+        graph::refuse_unsafe_call("cuMemFree_v2")?;
         let unmap = memory::release(ptr as usize, Kind::Device, "cuMemFree_v2")?;
         // cuMemFree synchronises: work still using the memory finishes first.
         stream::synchronize_all();
@@ -448,9 +453,10 @@ extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
 #[no_mangle]
 extern "C" fn cuMemFreeAsync(ptr: u64, handle: *mut c_void) -> CuResult {
     entry("cuMemFreeAsync", || {
-        stream::resolve(handle as usize, "cuMemFreeAsync")?;
+        let s = stream::resolve(handle as usize, "cuMemFreeAsync")?;
+        refuse_memory_node(&s, "cuMemFreeAsync")?;
         let unmap = memory::release(ptr as usize, Kind::Device, "cuMemFreeAsync")?;
-        stream::submit(handle as usize, "cuMemFreeAsync", Box::new(unmap))?;
+        stream::submit_plain(handle as usize, "cuMemFreeAsync", Box::new(unmap))?;
         Ok(())
     })
 }
@@ -477,6 +483,7 @@ unsafe extern "C" fn cuMemAllocHost_v2(out: *mut *mut c_void, bytes: usize) -> C
 #[no_mangle]
 extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CuResult {
     entry("cuMemFreeHost", || {
+        graph::refuse_unsafe_call("cuMemFreeHost")?;
         let unmap = memory::release(ptr as usize, Kind::PinnedOwned, "cuMemFreeHost")?;
         stream::synchronize_all();
         unmap();
@@ -519,6 +526,19 @@ unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
     })
 }
 
+/// Refuses a stream-ordered allocation or free on a capturing stream: graph memory nodes
+/// are not modelled, so the capture is invalidated rather than recorded wrong.
+fn refuse_memory_node(stream: &stream::Stream, call: &str) -> Result<(), u32> {
+    if let Some(capture) = stream.capture() {
+        capture.invalidate(call, "stream-ordered allocation (graph memory nodes)");
+        log(&format!(
+            "{call} refused: graph memory nodes are not modelled by the stand-in (CUDA_ERROR_NOT_SUPPORTED)"
+        ));
+        return Err(code::NOT_SUPPORTED);
+    }
+    Ok(())
+}
+
 fn host_range_ok(ptr: usize, bytes: usize, call: &str) -> Result<(), u32> {
     if ptr == 0 || ptr.checked_add(bytes).is_none() {
         log(&format!(
@@ -537,13 +557,15 @@ fn htod(dst: u64, src: usize, bytes: usize, handle: usize, call: &str) -> Result
     }
     memory::check_device(dst as usize, bytes, call, "destination")?;
     host_range_ok(src, bytes, call)?;
-    let work: Work = if memory::is_pinned(src, bytes) {
+    let work: Node = if memory::is_pinned(src, bytes) {
         copy_work(Addr(dst as usize), Addr(src), bytes)
     } else {
+        let s = stream::resolve(handle, call)?;
+        graph::refuse_on(&s, call, "a copy from pageable host memory")?;
         // SAFETY: the caller guarantees `src` is readable for `bytes` during the call.
         let snapshot = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
         let dst = Addr(dst as usize);
-        Box::new(move || {
+        Arc::new(move || {
             // SAFETY: the destination range was checked against a live allocation.
             unsafe { std::ptr::copy_nonoverlapping(snapshot.as_ptr(), dst.0 as *mut u8, bytes) }
         })
@@ -565,9 +587,9 @@ fn copy_delay() -> Option<std::time::Duration> {
     })
 }
 
-fn delayed(work: Work) -> Work {
+fn delayed(work: Node) -> Node {
     match copy_delay() {
-        Some(delay) => Box::new(move || {
+        Some(delay) => Arc::new(move || {
             std::thread::sleep(delay);
             work()
         }),
@@ -591,6 +613,15 @@ fn dtoh(
     memory::check_device(src as usize, bytes, call, "source")?;
     host_range_ok(dst, bytes, call)?;
     let pinned = memory::is_pinned(dst, bytes);
+    if blocking || !pinned {
+        let s = stream::resolve(handle, call)?;
+        let why = if pinned {
+            "a synchronous copy to the host"
+        } else {
+            "a copy to pageable host memory"
+        };
+        graph::refuse_on(&s, call, why)?;
+    }
     let (stream, ticket) = stream::submit(
         handle,
         call,
@@ -638,6 +669,7 @@ extern "C" fn cuMemcpyHtoDAsync_v2(
 #[no_mangle]
 extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, bytes: usize) -> CuResult {
     entry("cuMemcpyHtoD_v2", || {
+        graph::refuse_unsafe_call("cuMemcpyHtoD_v2")?;
         htod(dst, src as usize, bytes, 0, "cuMemcpyHtoD_v2")?;
         stream::synchronize(0)
     })
@@ -665,6 +697,7 @@ extern "C" fn cuMemcpyDtoHAsync_v2(
 #[no_mangle]
 extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, bytes: usize) -> CuResult {
     entry("cuMemcpyDtoH_v2", || {
+        graph::refuse_unsafe_call("cuMemcpyDtoH_v2")?;
         dtoh(dst as usize, src, bytes, 0, "cuMemcpyDtoH_v2", true)
     })
 }
@@ -684,6 +717,7 @@ extern "C" fn cuMemcpyDtoDAsync_v2(
 #[no_mangle]
 extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, bytes: usize) -> CuResult {
     entry("cuMemcpyDtoD_v2", || {
+        graph::refuse_unsafe_call("cuMemcpyDtoD_v2")?;
         dtod(dst, src, bytes, 0, "cuMemcpyDtoD_v2")?;
         stream::synchronize(0)
     })
@@ -698,7 +732,7 @@ fn memset(dst: u64, value: u8, bytes: usize, handle: usize, call: &str) -> Resul
     stream::submit(
         handle,
         call,
-        Box::new(move || {
+        Arc::new(move || {
             // SAFETY: the range was checked against a live device allocation.
             unsafe { std::ptr::write_bytes(dst.0 as *mut u8, value, bytes) }
         }),
@@ -716,6 +750,7 @@ extern "C" fn cuMemsetD8Async(dst: u64, value: u8, bytes: usize, handle: *mut c_
 #[no_mangle]
 extern "C" fn cuMemsetD8_v2(dst: u64, value: u8, bytes: usize) -> CuResult {
     entry("cuMemsetD8_v2", || {
+        graph::refuse_unsafe_call("cuMemsetD8_v2")?;
         memset(dst, value, bytes, 0, "cuMemsetD8_v2")?;
         stream::synchronize(0)
     })

@@ -198,9 +198,10 @@ unsafe extern "C" fn cuLaunchKernel(
         stream::submit(
             handle as usize,
             &call,
-            Box::new(move || {
-                let mut launch = launch;
-                let base = launch.storage.as_mut_ptr().cast::<u8>();
+            Arc::new(move || {
+                // A copy per run: a graph may run the launch again with the same bytes.
+                let mut storage = launch.storage.clone();
+                let base = storage.as_mut_ptr().cast::<u8>();
                 // SAFETY: every offset lies inside `storage`, which lives until the end of
                 // this closure, after the launch returned.
                 let mut pointers: Vec<*mut c_void> = launch
@@ -236,8 +237,8 @@ extern "C" fn cuLaunchHostFunc(
         stream::submit(
             handle as usize,
             "cuLaunchHostFunc",
-            Box::new(move || {
-                let call = call;
+            Arc::new(move || {
+                let call = &call;
                 // SAFETY: the caller's contract: the function may be called once with its
                 // data from a driver thread when the stream reaches it.
                 unsafe { (call.0)(call.1 as *mut c_void) }

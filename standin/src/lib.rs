@@ -8,7 +8,8 @@
 //! memory, one OS thread per CUDA stream running its work in submission order, CUDA's event
 //! semantics, and kernels that are the `.cu` source itself compiled for the CPU with the
 //! builtin emulation of `kernels/cpu_emulation/shim.h` (see [`module`]). cuBLAS GEMMs are
-//! plain reference loops ([`cublas`]).
+//! plain reference loops ([`cublas`]). Stream capture makes graphs whose work runs only
+//! when they are launched ([`graph`]).
 //!
 //! Guarantees: what a real driver refuses is refused with the real error code and a line
 //! on stderr starting `moec-standin:` (out-of-bounds copies, launches whose pointer
@@ -21,6 +22,7 @@
 pub mod counters;
 pub mod cublas;
 pub mod driver;
+pub mod graph;
 pub mod launch;
 pub mod memory;
 pub mod module;

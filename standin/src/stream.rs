@@ -10,13 +10,17 @@
 //! thread finishes the queued work and exits.
 
 use crate::driver::code;
+use crate::graph::{self, capture_code, Capture};
 use crate::{lock, log, Handles};
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-/// A unit of stream work.
+/// A unit of stream work run once.
 pub type Work = Box<dyn FnOnce() + Send>;
+
+/// Stream work that a graph may run again: what a capturing stream records.
+pub type Node = Arc<dyn Fn() + Send + Sync>;
 
 struct Queue {
     work: VecDeque<Work>,
@@ -31,9 +35,21 @@ pub struct Stream {
     pub non_blocking: bool,
     queue: Mutex<Queue>,
     changed: Condvar,
+    /// The stream capture this stream takes part in (began it or joined it), if any.
+    capture: Mutex<Option<Arc<Capture>>>,
 }
 
 impl Stream {
+    /// The capture this stream records into, if it is capturing.
+    pub fn capture(&self) -> Option<Arc<Capture>> {
+        lock(&self.capture).clone()
+    }
+
+    /// Starts (`Some`) or ends (`None`) this stream's part in a capture.
+    pub fn set_capture(&self, capture: Option<Arc<Capture>>) {
+        *lock(&self.capture) = capture;
+    }
+
     fn spawn(non_blocking: bool, name: String) -> Result<Arc<Stream>, u32> {
         let stream = Arc::new(Stream {
             non_blocking,
@@ -44,6 +60,7 @@ impl Stream {
                 closed: false,
             }),
             changed: Condvar::new(),
+            capture: Mutex::new(None),
         });
         let worker = Arc::clone(&stream);
         std::thread::Builder::new()
@@ -185,11 +202,24 @@ pub fn resolve(handle: usize, call: &str) -> Result<Arc<Stream>, u32> {
     }
 }
 
-/// Submits `work` to the stream behind `handle`, after the legacy default stream's implicit
-/// synchronisation: work on the legacy stream waits for all earlier work of blocking
-/// streams, and work on a blocking stream waits for earlier legacy work. Returns the stream
-/// and the work's ticket.
-pub fn submit(handle: usize, call: &str, work: Work) -> Result<(Arc<Stream>, u64), u32> {
+/// Submits `work` to the stream behind `handle`; on a capturing stream it is recorded
+/// into the capture instead (run only when the graph is launched) and the ticket is 0.
+/// See [`submit_plain`] for the order it runs in.
+pub fn submit(handle: usize, call: &str, work: Node) -> Result<(Arc<Stream>, u64), u32> {
+    let stream = resolve(handle, call)?;
+    if let Some(capture) = stream.capture() {
+        capture.add_node(handle, work, call)?;
+        return Ok((stream, 0));
+    }
+    submit_plain(handle, call, Box::new(move || work()))
+}
+
+/// Submits `work` to the stream behind `handle` for one run, after the legacy default
+/// stream's implicit synchronisation: work on the legacy stream waits for all earlier work
+/// of blocking streams, and work on a blocking stream waits for earlier legacy work.
+/// Returns the stream and the work's ticket. Capture is not consulted: callers refuse
+/// what cannot be captured first.
+pub fn submit_plain(handle: usize, call: &str, work: Work) -> Result<(Arc<Stream>, u64), u32> {
     let stream = resolve(handle, call)?;
     let legacy_stream = legacy()?;
     if Arc::ptr_eq(&stream, &legacy_stream) {
@@ -212,6 +242,7 @@ pub fn submit(handle: usize, call: &str, work: Work) -> Result<(Arc<Stream>, u64
 /// Blocks until all work submitted to the stream so far has run.
 pub fn synchronize(handle: usize) -> Result<(), u32> {
     let stream = resolve(handle, "cuStreamSynchronize")?;
+    graph::refuse_on(&stream, "cuStreamSynchronize", "synchronising it")?;
     let ticket = stream.submitted();
     stream.wait_for(ticket);
     Ok(())
@@ -244,6 +275,8 @@ struct EventState {
     done_above: BTreeSet<u64>,
     /// When the latest record ran (set only if it was still the latest when it ran).
     at: Option<Instant>,
+    /// The latest record was made in a capture: (capture id, record id within it).
+    captured: Option<(u64, usize)>,
 }
 
 impl EventState {
@@ -295,6 +328,7 @@ pub fn event_create(flags: u32) -> usize {
             done_upto: 0,
             done_above: BTreeSet::new(),
             at: None,
+            captured: None,
         }),
         changed: Condvar::new(),
     }))
@@ -319,16 +353,25 @@ pub fn event_destroy(handle: usize) -> Result<(), u32> {
     })
 }
 
-/// Records the event on a stream: it completes when the stream reaches this point.
+/// Records the event on a stream: it completes when the stream reaches this point. On a
+/// capturing stream the record is part of the capture (a later wait on it is a captured
+/// dependency, or makes the waiting stream join the capture).
 pub fn event_record(handle: usize, stream: usize) -> Result<(), u32> {
     let event = event(handle, "cuEventRecord")?;
+    let target = resolve(stream, "cuEventRecord")?;
+    if let Some(capture) = target.capture() {
+        let id = capture.add_record(stream, "cuEventRecord")?;
+        lock(&event.state).captured = Some((capture.id(), id));
+        return Ok(());
+    }
     let generation = {
         let mut state = lock(&event.state);
         state.recorded += 1;
+        state.captured = None;
         state.recorded
     };
     let target = Arc::clone(&event);
-    submit(
+    submit_plain(
         stream,
         "cuEventRecord",
         Box::new(move || {
@@ -339,14 +382,63 @@ pub fn event_record(handle: usize, stream: usize) -> Result<(), u32> {
     Ok(())
 }
 
+/// The capture in progress that the event's latest record belongs to, if any.
+fn captured_in(event: &Event) -> Option<(Arc<Capture>, usize)> {
+    let (capture, id) = lock(&event.state).captured?;
+    graph::active_capture(capture).map(|c| (c, id))
+}
+
+/// Refuses querying or synchronising an event last recorded in a capture in progress
+/// (`CUDA_ERROR_CAPTURED_EVENT`), invalidating that capture.
+fn refuse_captured(event: &Event, call: &str) -> Result<(), u32> {
+    if let Some((capture, _)) = captured_in(event) {
+        capture.invalidate(call, "the event was last recorded in a capturing stream");
+        log(&format!(
+            "{call} refused: the event was last recorded in a capturing stream (CUDA_ERROR_CAPTURED_EVENT)"
+        ));
+        return Err(capture_code::CAPTURED_EVENT);
+    }
+    Ok(())
+}
+
 /// Makes later work on `stream` wait for the event's latest record submitted before this
-/// call (a never-recorded event imposes no wait).
+/// call (a never-recorded event imposes no wait). A record made in a capture makes the
+/// wait part of that capture, and a stream not capturing joins it; a capturing stream
+/// waiting on a record made outside its capture is refused
+/// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`).
 pub fn stream_wait_event(stream: usize, handle: usize) -> Result<(), u32> {
-    let event = event(handle, "cuStreamWaitEvent")?;
+    const CALL: &str = "cuStreamWaitEvent";
+    let event = event(handle, CALL)?;
+    let waiting = resolve(stream, CALL)?;
+    let mine = waiting.capture();
+    if let Some((capture, id)) = captured_in(&event) {
+        match &mine {
+            Some(c) if c.id() != capture.id() => {
+                log(&format!(
+                    "{CALL} refused: the stream captures into another capture (CUDA_ERROR_STREAM_CAPTURE_MERGE)"
+                ));
+                return Err(capture_code::MERGE);
+            }
+            Some(_) => {}
+            None => waiting.set_capture(Some(Arc::clone(&capture))),
+        }
+        return capture.add_wait(stream, &waiting, id, CALL);
+    }
     let generation = lock(&event.state).recorded;
-    submit(
+    if let Some(capture) = mine {
+        if generation == 0 {
+            return Ok(());
+        }
+        capture.invalidate(CALL, "the event was recorded outside the capture");
+        log(&format!(
+            "{CALL} refused: a capturing stream waits on an event recorded outside its capture \
+             (CUDA_ERROR_STREAM_CAPTURE_ISOLATION)"
+        ));
+        return Err(capture_code::ISOLATION);
+    }
+    submit_plain(
         stream,
-        "cuStreamWaitEvent",
+        CALL,
         Box::new(move || event.wait_generation(generation)),
     )?;
     Ok(())
@@ -355,6 +447,7 @@ pub fn stream_wait_event(stream: usize, handle: usize) -> Result<(), u32> {
 /// Whether the event's latest record has run.
 pub fn event_query(handle: usize) -> Result<bool, u32> {
     let event = event(handle, "cuEventQuery")?;
+    refuse_captured(&event, "cuEventQuery")?;
     let state = lock(&event.state);
     Ok(state.is_done(state.recorded))
 }
@@ -362,6 +455,7 @@ pub fn event_query(handle: usize) -> Result<bool, u32> {
 /// Blocks until the event's latest record (as of this call) has run.
 pub fn event_synchronize(handle: usize) -> Result<(), u32> {
     let event = event(handle, "cuEventSynchronize")?;
+    refuse_captured(&event, "cuEventSynchronize")?;
     let generation = lock(&event.state).recorded;
     event.wait_generation(generation);
     Ok(())
@@ -374,6 +468,7 @@ pub fn event_elapsed(start: usize, end: usize) -> Result<f32, u32> {
     let mut times = [None; 2];
     for (slot, handle) in times.iter_mut().zip([start, end]) {
         let event = event(handle, "cuEventElapsedTime")?;
+        refuse_captured(&event, "cuEventElapsedTime")?;
         let state = lock(&event.state);
         if !event.timing || state.recorded == 0 {
             log(&format!(

@@ -68,6 +68,13 @@ pub(crate) fn run_under_standin_status(name: &str) -> (std::process::ExitStatus,
     )
 }
 
+/// Asserts the child's stderr holds each of `lines` (the stand-in's refusal messages).
+pub(crate) fn assert_logged(stderr: &str, lines: &[&str]) {
+    for line in lines {
+        assert!(stderr.contains(line), "no log line `{line}` in:\n{stderr}");
+    }
+}
+
 /// True in the child process of test `name`.
 pub(crate) fn in_standin_child(name: &str) -> bool {
     std::env::var(STANDIN_CHILD).as_deref() == Ok(name)
@@ -500,19 +507,19 @@ fn cublas_gemms_match_references() {
 fn refuses_what_a_driver_refuses() {
     const NAME: &str = "standin::refuses_what_a_driver_refuses";
     if !in_standin_child(NAME) {
-        let stderr = run_under_standin(NAME);
-        for line in [
-            "cuMemcpyHtoDAsync_v2 refused: destination",
-            "runs past the end of the device allocation",
-            "cuMemcpyDtoHAsync_v2 refused: source",
-            "cuLaunchKernel(swiglu) refused: pointer parameter 0",
-            "use after free",
-            "cuModuleGetFunction refused: unknown kernel",
-            "never registered",
-            "cuModuleLoadData refused: the image is not a moec-standin module",
-        ] {
-            assert!(stderr.contains(line), "no log line `{line}` in:\n{stderr}");
-        }
+        assert_logged(
+            &run_under_standin(NAME),
+            &[
+                "cuMemcpyHtoDAsync_v2 refused: destination",
+                "runs past the end of the device allocation",
+                "cuMemcpyDtoHAsync_v2 refused: source",
+                "cuLaunchKernel(swiglu) refused: pointer parameter 0",
+                "use after free",
+                "cuModuleGetFunction refused: unknown kernel",
+                "never registered",
+                "cuModuleLoadData refused: the image is not a moec-standin module",
+            ],
+        );
         return;
     }
     use CUresult::*;
@@ -770,4 +777,164 @@ pub(crate) fn cpu_attention_checking_appends(
         "appended V"
     );
     want
+}
+
+/// CUDA graphs by stream capture on the stand-in, as the driver documents them: captured
+/// work runs only when the graph is launched, and each launch runs it again (a copy from
+/// pinned memory reads it at launch time); a stream that waits on an event recorded in the
+/// capture joins it and must be joined back before the capture ends
+/// (`CUDA_ERROR_STREAM_CAPTURE_UNJOINED`); while a stream captures, synchronising it, a copy
+/// from pageable host memory and synchronising an event recorded in the capture are
+/// refused (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, `CUDA_ERROR_CAPTURED_EVENT`) and
+/// invalidate the capture, so later calls and the end of the capture say so
+/// (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, no graph).
+#[test]
+fn graph_capture_replays_work_and_refuses_host_synchronisation() {
+    const NAME: &str = "standin::graph_capture_replays_work_and_refuses_host_synchronisation";
+    if !in_standin_child(NAME) {
+        assert_logged(
+            &run_under_standin(NAME),
+            &[
+                "cuStreamSynchronize refused: synchronising it while the stream captures",
+                "cuMemcpyHtoDAsync_v2 refused: a copy from pageable host memory while the stream captures",
+                "cuEventSynchronize refused: the event was last recorded in a capturing stream",
+                "was not joined back into the origin stream",
+            ],
+        );
+        return;
+    }
+    use cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL as THREAD_LOCAL;
+    use CUresult::*;
+    let (ctx, stream) = standin_context();
+    let other = ctx.new_stream().expect("second stream");
+    let s = stream.cu_stream();
+    let dev: CudaSlice<u32> = stream.alloc_zeros(4).expect("alloc");
+    let copy: CudaSlice<u32> = stream.alloc_zeros(4).expect("alloc");
+    let (d, _sync) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
+    let (d2, _sync) = cudarc::driver::DevicePtr::device_ptr(&copy, &stream);
+    stream.synchronize().expect("sync");
+    // SAFETY: a plain 16-byte page-locked allocation, freed at the end.
+    let pinned = unsafe { cudarc::driver::result::malloc_host(16, 0) }.expect("pinned") as *mut u32;
+    let fill = |v: u32| {
+        for i in 0..4 {
+            // SAFETY: 4 u32 fit the 16 bytes; no copy from it is in flight (synchronised).
+            unsafe { pinned.add(i).write(v + i as u32) };
+        }
+    };
+    let read = |ptr: u64| {
+        let mut back = [0u32; 4];
+        // SAFETY: `ptr` holds 4 u32 and `back` 16 bytes; a synchronous copy.
+        let r = unsafe { cu::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), ptr, 16) };
+        assert_eq!(r, CUDA_SUCCESS);
+        back
+    };
+    let end = |st: cu::CUstream| {
+        let mut g: cu::CUgraph = std::ptr::null_mut();
+        // SAFETY: a live stream and a graph slot.
+        let r = unsafe { cu::cuStreamEndCapture(st, &mut g) };
+        (r, g)
+    };
+
+    // Captured work runs at launch, again at every launch, reading the pinned source then.
+    fill(10);
+    stream.begin_capture(THREAD_LOCAL).expect("begin");
+    // SAFETY: 16 pinned bytes into a 16-byte allocation.
+    let r = unsafe { cu::cuMemcpyHtoDAsync_v2(d, pinned.cast(), 16, s) };
+    assert_eq!(r, CUDA_SUCCESS);
+    let graph = stream
+        .end_capture(cu::CUgraphInstantiate_flags(0))
+        .expect("end")
+        .expect("a graph");
+    assert_eq!(read(d), [0; 4], "captured work ran before the launch");
+    graph.launch().expect("launch");
+    stream.synchronize().expect("sync");
+    assert_eq!(read(d), [10, 11, 12, 13]);
+    fill(20);
+    graph.launch().expect("launch again");
+    stream.synchronize().expect("sync");
+    assert_eq!(read(d), [20, 21, 22, 23]);
+
+    // Refusals while capturing; each invalidates the capture.
+    let host = [7u32; 4];
+    let ev = ctx.new_event(None).expect("event");
+    // SAFETY (the raw calls): live streams, events and buffers of the sizes passed.
+    unsafe {
+        stream.begin_capture(THREAD_LOCAL).expect("begin");
+        assert_eq!(
+            cu::cuStreamSynchronize(s),
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        );
+        assert_eq!(
+            cu::cuMemsetD8Async(d, 0, 16, s),
+            CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+        );
+        let (r, g) = end(s);
+        assert_eq!(
+            (r, g.is_null()),
+            (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, true)
+        );
+
+        stream.begin_capture(THREAD_LOCAL).expect("begin");
+        assert_eq!(
+            cu::cuMemcpyHtoDAsync_v2(d, host.as_ptr().cast(), 16, s),
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        );
+        assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+
+        stream.begin_capture(THREAD_LOCAL).expect("begin");
+        ev.record(&stream).expect("record in the capture");
+        assert_eq!(
+            cu::cuEventSynchronize(ev.cu_event()),
+            CUDA_ERROR_CAPTURED_EVENT
+        );
+        assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    assert_eq!(read(d), [20, 21, 22, 23], "refused work ran");
+
+    // Fork and join: a second stream joins by waiting on an event of the capture; ended
+    // without joining it back, the capture is refused; joined, both streams' work is in
+    // the graph, in order.
+    let fork = ctx.new_event(None).expect("event");
+    let join = ctx.new_event(None).expect("event");
+    // SAFETY (the raw calls): live streams and 16-byte device buffers.
+    unsafe {
+        stream.begin_capture(THREAD_LOCAL).expect("begin");
+        fork.record(&stream).expect("fork");
+        other.wait(&fork).expect("join the capture");
+        assert_eq!(
+            cu::cuMemsetD8Async(d, 1, 16, other.cu_stream()),
+            CUDA_SUCCESS
+        );
+        assert_eq!(end(s).0, CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
+
+        stream.begin_capture(THREAD_LOCAL).expect("begin");
+        fork.record(&stream).expect("fork");
+        other.wait(&fork).expect("join the capture");
+        assert_eq!(
+            cu::cuMemsetD8Async(d, 1, 16, other.cu_stream()),
+            CUDA_SUCCESS
+        );
+        join.record(&other).expect("join");
+        stream.wait(&join).expect("wait for the join");
+        assert_eq!(cu::cuMemcpyDtoDAsync_v2(d2, d, 16, s), CUDA_SUCCESS);
+    }
+    let graph = stream
+        .end_capture(cu::CUgraphInstantiate_flags(0))
+        .expect("end")
+        .expect("a graph");
+    let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    // SAFETY: a live stream and a status slot.
+    let r = unsafe { cu::cuStreamIsCapturing(other.cu_stream(), &mut status) };
+    assert_eq!(r, CUDA_SUCCESS);
+    assert_eq!(
+        status,
+        cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    );
+    assert_eq!(read(d2), [0; 4], "captured work ran before the launch");
+    graph.launch().expect("launch");
+    stream.synchronize().expect("sync");
+    assert_eq!(read(d2), [0x0101_0101; 4]);
+    drop(graph);
+    // SAFETY: allocated above; every copy from it has finished.
+    unsafe { cudarc::driver::result::free_host(pinned.cast()) }.expect("free");
 }

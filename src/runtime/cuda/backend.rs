@@ -23,24 +23,29 @@
 //! [`Backend::finish_step`] synchronises every stream and returns them.
 
 use super::device::{Device, DeviceError, PtxSources};
-use super::launch::{StreamCx, Workspace};
+use super::graph::{self, Command, Deferred, Lane, Recorder};
+use super::launch::{Arg, StreamCx, Workspace};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::ops::{GpuCx, OpError};
-use crate::ir::{Engine, StreamId, TaskId};
+use crate::ir::{Engine, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
 use crate::model::kernels::moe::Routing;
 use crate::model::kernels::rope::RopeTable;
+use crate::model::kernels::sampling::Sampling;
+use crate::records::GraphStep;
 use crate::runtime::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
+    StepEnd,
 };
+use crate::runtime::driver::report::{add_graph_step, render_graphs, GraphSummary};
 use crate::runtime::host::HostMemory;
 use crate::runtime::lock;
 use crate::runtime::step::StepContext;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Why the CUDA backend could not be set up.
@@ -96,7 +101,7 @@ fn driver(call: &'static str) -> impl FnOnce(DriverError) -> BackendError {
 #[derive(Debug)]
 struct DevStream {
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    blas: Arc<CudaBlas>,
     workspace: Workspace,
 }
 
@@ -106,7 +111,7 @@ const ON_DEVICE: u8 = 2;
 
 #[derive(Debug)]
 struct PlanEvent {
-    event: CudaEvent,
+    event: Arc<CudaEvent>,
     recorded_on: AtomicU8,
 }
 
@@ -137,6 +142,20 @@ pub struct CudaBackend<'c> {
     // Field order is drop order: device memory (unregisters the pinned arena) before the
     // host side (whose memory unmaps it); events and streams before the context.
     memory: DeviceMemory,
+    /// Records decode steps for CUDA graphs (holds the streams, events and graphs, so it
+    /// drops before them).
+    recorder: Recorder,
+    /// The step being run (its index in the plan) and whether it is recorded.
+    step: AtomicUsize,
+    recording_step: AtomicBool,
+    /// How the steps so far reached the device, per step kind.
+    graphs: Mutex<Vec<GraphSummary>>,
+    /// Per step index, why the plan alone keeps it from a graph (`None`: it does not).
+    plan_reasons: Mutex<std::collections::HashMap<usize, (StepKind, graph::StepPlanGraph)>>,
+    /// Per KV-part copy task, the run-table capacity of its recorded launches.
+    run_capacity: Mutex<std::collections::HashMap<TaskId, usize>>,
+    /// The current step's guards are decided on the device (its read-backs skipped).
+    device_guards: AtomicBool,
     events: Vec<PlanEvent>,
     timing: Mutex<Timing>,
     streams: Vec<Option<DevStream>>,
@@ -194,7 +213,7 @@ impl<'c> CudaBackend<'c> {
                     })?;
                 streams.push(Some(DevStream {
                     stream,
-                    blas,
+                    blas: Arc::new(blas),
                     workspace: Workspace::default(),
                 }));
             } else {
@@ -235,16 +254,47 @@ impl<'c> CudaBackend<'c> {
         let events = (0..n_events)
             .map(|_| {
                 Ok(PlanEvent {
-                    event: device
-                        .ctx
-                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                        .map_err(call("creating an event"))?,
+                    event: Arc::new(
+                        device
+                            .ctx
+                            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                            .map_err(call("creating an event"))?,
+                    ),
                     recorded_on: AtomicU8::new(0),
                 })
             })
             .collect::<Result<Vec<_>, CudaSetupError>>()?;
+        let lanes: Vec<Option<Lane>> = streams
+            .iter()
+            .map(|s| {
+                s.as_ref().map(|d| Lane {
+                    stream: Arc::clone(&d.stream),
+                    blas: Arc::clone(&d.blas),
+                })
+            })
+            .collect();
+        let fork_join = (0..=lanes.len())
+            .map(|_| {
+                device
+                    .ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(call("creating an event"))
+            })
+            .collect::<Result<Vec<_>, CudaSetupError>>()?;
+        let recorder = Recorder::new(
+            lanes,
+            events.iter().map(|e| Arc::clone(&e.event)).collect(),
+            fork_join,
+        );
         Ok(CudaBackend {
             memory,
+            recorder,
+            step: AtomicUsize::new(0),
+            recording_step: AtomicBool::new(false),
+            device_guards: AtomicBool::new(false),
+            run_capacity: Mutex::default(),
+            graphs: Mutex::default(),
+            plan_reasons: Mutex::default(),
             events,
             timing: Mutex::default(),
             streams,
@@ -295,6 +345,80 @@ impl<'c> CudaBackend<'c> {
             .map_err(driver("cuEventCreate"))
     }
 
+    /// A KV-part copy of a recorded step as one `copy_runs` launch whose arguments do not
+    /// change from step to step: the run table (staged, so each step writes its own runs
+    /// at the same address) holds `capacity` entries, the unused ones empty, where
+    /// `capacity` is the most runs this task has had, rounded up to a power of two (a
+    /// context grows by a run now and then; the capacity, and so the graph, changes only
+    /// when it doubles).
+    fn record_copy_runs(
+        &self,
+        stream: StreamId,
+        dev: &DevStream,
+        task: &PlanTask,
+        (src, dst): (u64, u64),
+        runs: &[(u64, u64)],
+    ) -> Result<(), BackendError> {
+        let capacity = {
+            let mut caps = lock(&self.run_capacity);
+            let cap = caps.entry(task.id).or_insert(16);
+            *cap = (*cap).max(runs.len().next_power_of_two());
+            *cap
+        };
+        let mut table = vec![0u64; 2 * capacity];
+        for (slot, &(at, len)) in table.chunks_exact_mut(2).zip(runs) {
+            slot[0] = at;
+            slot[1] = len;
+        }
+        dev.workspace.reset(true);
+        let s = self.stream_cx(stream, dev);
+        let table = s
+            .upload(&table)
+            .map_err(|e| task_error(OpError::Launch(e)))?;
+        // copy_runs(const u64* runs, long long n, const char* src, char* dst): n (offset,
+        // length) pairs; empty pairs copy nothing. The ends were checked by
+        // `copy_runs_ends` (every run inside both views).
+        s.launch(
+            "copy_runs",
+            (capacity.min(65_535) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(table.ptr()),
+                Arg::I64(capacity as i64),
+                Arg::Ptr(src),
+                Arg::Ptr(dst),
+            ],
+        )
+        .map_err(|e| task_error(OpError::Launch(e)))
+    }
+
+    /// What an op needs of device stream `stream` (`dev`).
+    fn stream_cx<'a>(&'a self, stream: StreamId, dev: &'a DevStream) -> StreamCx<'a> {
+        StreamCx {
+            device: &self.device,
+            stream: &dev.stream,
+            blas: &dev.blas,
+            workspace: &dev.workspace,
+            recorder: &self.recorder,
+            lane: stream.index(),
+        }
+    }
+
+    /// Records a task's end event after its work (when it was timed) and keeps the pair.
+    fn end_timing(
+        &self,
+        stream: &CudaStream,
+        task: &PlanTask,
+        timing: Option<(CudaEvent, CudaEvent)>,
+    ) -> Result<(), BackendError> {
+        if let Some((start, end)) = timing {
+            end.record(stream).map_err(driver("cuEventRecord"))?;
+            lock(&self.timing).tasks.push((task.id, start, end));
+        }
+        Ok(())
+    }
+
     /// A task's start and end events on `stream`, the start recorded (and the step's
     /// origin, on its first task); the caller records the end after the task's work.
     fn start_timing(&self, stream: &CudaStream) -> Result<(CudaEvent, CudaEvent), BackendError> {
@@ -332,7 +456,8 @@ impl Backend for CudaBackend<'_> {
         let r = self.report();
         format!(
             "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
-             pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert)",
+             pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert); \
+             CUDA graphs: {}",
             r.device,
             r.arch,
             r.ptx.compiled,
@@ -342,7 +467,11 @@ impl Backend for CudaBackend<'_> {
             } else {
                 "empty or pageable"
             },
-            r.routing_syncs
+            r.routing_syncs,
+            match render_graphs(&lock(&self.graphs)) {
+                t if t.is_empty() => "no step run yet".to_string(),
+                t => t,
+            }
         )
     }
 
@@ -369,15 +498,15 @@ impl Backend for CudaBackend<'_> {
             return self.host.run(stream, engine, task, state);
         };
         self.bind()?;
-        let (start, end) = self.start_timing(&dev.stream)?;
-        dev.workspace.reset();
+        let recorded = self.recording_step.load(Ordering::Acquire);
+        let timing = if recorded {
+            None
+        } else {
+            Some(self.start_timing(&dev.stream)?)
+        };
+        dev.workspace.reset(recorded);
         let cx = GpuCx {
-            s: StreamCx {
-                device: &self.device,
-                stream: &dev.stream,
-                blas: &dev.blas,
-                workspace: &dev.workspace,
-            },
+            s: self.stream_cx(stream, dev),
             mem: &self.memory,
             host: &self.host_memory,
             arch: &self.arch,
@@ -387,9 +516,7 @@ impl Backend for CudaBackend<'_> {
             routing_syncs: &self.routing_syncs,
         };
         cx.run(task).map_err(task_error)?;
-        end.record(&dev.stream).map_err(driver("cuEventRecord"))?;
-        lock(&self.timing).tasks.push((task.id, start, end));
-        Ok(())
+        self.end_timing(&dev.stream, task, timing)
     }
 
     fn copy_runs(
@@ -408,13 +535,28 @@ impl Backend for CudaBackend<'_> {
             .copy_views(task, state, self.arch.experts as u32)
             .map_err(|e| task_error(OpError::Memory(e.into())))?;
         self.bind()?;
-        let (start, end) = self.start_timing(&dev.stream)?;
+        if self.recording_step.load(Ordering::Acquire) {
+            if let Some(ends) = self
+                .memory
+                .copy_runs_ends(&self.host_memory, src, dst, runs)
+                .map_err(|e| task_error(OpError::Memory(e)))?
+            {
+                return self.record_copy_runs(stream, dev, task, ends, runs);
+            }
+        }
+        // Not a copy a graph can hold: submitted as it is, after what was recorded.
+        self.recorder
+            .flush("a KV-part copy touches pageable host memory")
+            .map_err(|e| task_error(OpError::Launch(e)))?;
+        let timing = if self.recording_step.load(Ordering::Acquire) {
+            None
+        } else {
+            Some(self.start_timing(&dev.stream)?)
+        };
         self.memory
             .copy_runs(&self.device, &self.host_memory, &dev.stream, src, dst, runs)
             .map_err(|e| task_error(OpError::Memory(e)))?;
-        end.record(&dev.stream).map_err(driver("cuEventRecord"))?;
-        lock(&self.timing).tasks.push((task.id, start, end));
-        Ok(())
+        self.end_timing(&dev.stream, task, timing)
     }
 
     fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
@@ -422,9 +564,15 @@ impl Backend for CudaBackend<'_> {
         match self.stream(stream) {
             Some(dev) => {
                 self.bind()?;
-                ev.event
-                    .record(&dev.stream)
-                    .map_err(driver("cuEventRecord"))?;
+                if self
+                    .recorder
+                    .record(stream.index(), Command::Record(event.0 as usize))
+                    .is_some()
+                {
+                    ev.event
+                        .record(&dev.stream)
+                        .map_err(driver("cuEventRecord"))?;
+                }
                 ev.recorded_on.store(ON_DEVICE, Ordering::Release);
             }
             // Host work before this point has finished: nothing to mark on the device.
@@ -442,11 +590,24 @@ impl Backend for CudaBackend<'_> {
         }
         self.bind()?;
         match self.stream(stream) {
-            Some(dev) => dev
-                .stream
-                .wait(&ev.event)
-                .map_err(driver("cuStreamWaitEvent")),
-            None => ev.event.synchronize().map_err(driver("cuEventSynchronize")),
+            Some(dev) => {
+                if self
+                    .recorder
+                    .record(stream.index(), Command::Wait(event.0 as usize))
+                    .is_none()
+                {
+                    return Ok(());
+                }
+                dev.stream
+                    .wait(&ev.event)
+                    .map_err(driver("cuStreamWaitEvent"))
+            }
+            None => {
+                self.recorder
+                    .flush("a host stream waits for device work inside the step")
+                    .map_err(|e| task_error(OpError::Launch(e)))?;
+                ev.event.synchronize().map_err(driver("cuEventSynchronize"))
+            }
         }
     }
 
@@ -462,6 +623,9 @@ impl Backend for CudaBackend<'_> {
             return self.host.read_routing(stream, gate, route, tokens, top_k);
         };
         self.bind()?;
+        self.recorder
+            .flush("the routing of a gate is read back for the plan's guards")
+            .map_err(|e| task_error(OpError::Launch(e)))?;
         let view = self
             .host_memory
             .view(gate, route, None)
@@ -516,5 +680,81 @@ impl Backend for CudaBackend<'_> {
             });
         }
         Ok(Some(times))
+    }
+
+    fn begin_step(
+        &self,
+        plan: &ExecPlan,
+        step: usize,
+        state: &dyn StepContext,
+    ) -> Result<(), BackendError> {
+        let (_, planned) = lock(&self.plan_reasons)
+            .entry(step)
+            .or_insert_with(|| {
+                let kind = plan.steps.get(step).map_or(StepKind::Decode, |s| s.kind);
+                (kind, graph::plan_graph(plan, step))
+            })
+            .clone();
+        let reason = planned.reason.or_else(|| {
+            (!matches!(state.sampling(), Sampling::Greedy))
+                .then(|| "temperature sampling reads the logits back to the host".to_string())
+        });
+        self.step.store(step, Ordering::Release);
+        self.recording_step
+            .store(reason.is_none(), Ordering::Release);
+        self.device_guards
+            .store(reason.is_none() && planned.device_guards, Ordering::Release);
+        self.recorder.begin(reason);
+        Ok(())
+    }
+
+    fn end_step(&self, state: &dyn StepContext) -> Result<StepEnd, BackendError> {
+        self.bind()?;
+        let step = self.step.load(Ordering::Acquire);
+        let (graph, deferred) = self
+            .recorder
+            .finish(step)
+            .map_err(|e| task_error(OpError::Launch(e)))?;
+        let times = self.finish_step()?;
+        self.recording_step.store(false, Ordering::Release);
+        self.device_guards.store(false, Ordering::Release);
+        for dev in self.streams.iter().flatten() {
+            dev.workspace.release_retired();
+        }
+        for d in deferred {
+            // SAFETY: each address starts the staging bytes a recorded copy filled; every
+            // stream was synchronised above, so the copies have finished.
+            let bytes = |at: usize, count: usize| unsafe {
+                std::slice::from_raw_parts(at as *const u8, count * 4)
+            };
+            match d {
+                Deferred::Sampled { ub, at, count } => {
+                    state.put_sampled(ub, graph::words(bytes(at, count)));
+                }
+                Deferred::Logits { ub, at, count } => {
+                    state.put_logits(ub, graph::floats(bytes(at, count)));
+                }
+            }
+        }
+        if let Some((kind, _)) = lock(&self.plan_reasons).get(&step) {
+            let step = GraphStep {
+                kind: *kind,
+                graph: graph.clone(),
+            };
+            add_graph_step(&mut lock(&self.graphs), &step);
+        }
+        Ok(StepEnd {
+            times,
+            graph: Some(graph),
+        })
+    }
+
+    fn decides_guard_on_device(&self, task: &PlanTask) -> bool {
+        self.device_guards.load(Ordering::Acquire)
+            && graph::guard_decided_on_device(task, |s| self.stream(StreamId::new(s)).is_some())
+    }
+
+    fn skips_read_back(&self, _gate: &PlanTask) -> bool {
+        self.device_guards.load(Ordering::Acquire)
     }
 }

@@ -20,14 +20,12 @@
 //! are widened to f32 first.
 
 use super::device::Device;
+use super::graph::{Command, Deferred, Gemm, Recorder};
 use crate::model::card::WeightDtype;
 use crate::model::tensor::Orientation;
-use cudarc::cublas::result::{self as blas, CublasError};
-use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-};
+use cudarc::cublas::result::CublasError;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::Arc;
 
 /// Why a launch, allocation or GEMM failed.
@@ -52,6 +50,9 @@ pub enum LaunchError {
         /// cuBLAS's status.
         source: CublasError,
     },
+    /// A graph capture could not be set up (an internal inconsistency, named).
+    #[error("CUDA graph capture: {0}")]
+    Capture(&'static str),
     /// A dimension past what the kernels or cuBLAS take (32-bit).
     #[error("{what} = {value} exceeds the 32-bit range the kernels take")]
     Range {
@@ -63,7 +64,7 @@ pub enum LaunchError {
 }
 
 /// A kernel argument, in the kernel signature's order.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Arg {
     /// A device pointer.
     Ptr(u64),
@@ -154,11 +155,21 @@ struct WorkspaceInner {
 }
 
 impl Workspace {
-    /// Starts a task: every piece is free again (see the type's safety argument).
-    pub fn reset(&self) {
+    /// Starts a task: every piece is free again (see the type's safety argument). In a
+    /// step recorded for a graph (`keep_retired`) nothing has been submitted yet, so
+    /// buffers replaced during the step are kept until [`Workspace::release_retired`]
+    /// after its end (freeing one now would queue the free before the work using it).
+    pub fn reset(&self, keep_retired: bool) {
         let mut w = crate::runtime::lock(&self.inner);
         w.used = 0;
-        w.retired.clear();
+        if !keep_retired {
+            w.retired.clear();
+        }
+    }
+
+    /// Frees the buffers replaced during a recorded step, after its work was submitted.
+    pub fn release_retired(&self) {
+        crate::runtime::lock(&self.inner).retired.clear();
     }
 
     /// Bytes the buffer holds, and how many times it grew.
@@ -224,9 +235,22 @@ pub struct StreamCx<'a> {
     pub blas: &'a CudaBlas,
     /// Its scratch memory.
     pub workspace: &'a Workspace,
+    /// The backend's step recorder (CUDA graphs): commands go there while a step is
+    /// recorded, to the stream otherwise.
+    pub recorder: &'a Recorder,
+    /// This stream's index in the plan (its lane in the recorder).
+    pub lane: usize,
 }
 
 impl StreamCx<'_> {
+    /// Submits `command` on the stream, or records it when the step is recorded.
+    pub fn issue(&self, command: Command) -> Result<(), LaunchError> {
+        match self.recorder.record(self.lane, command) {
+            Some(c) => c.submit(self.stream, self.blas, &[]),
+            None => Ok(()),
+        }
+    }
+
     /// Launches `entry` with `args` (in the kernel's order) on the stream.
     pub fn launch(
         &self,
@@ -239,33 +263,18 @@ impl StreamCx<'_> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let f = self
+        let func = self
             .device
             .function(entry)
             .ok_or(LaunchError::NoEntry(entry))?;
-        let mut builder = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) => builder.arg(p),
-                Arg::I32(v) => builder.arg(v),
-                Arg::I64(v) => builder.arg(v),
-                Arg::F32(v) => builder.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: shared,
-        };
-        // SAFETY: each call site passes the arguments of the kernel's signature in order
-        // (pointers as 8-byte device addresses, ints and floats by value), with pointers to
-        // buffers at least as large as the launch touches (sizes checked by the op).
-        unsafe { builder.launch(cfg) }
-            .map(|_| ())
-            .map_err(|source| LaunchError::Driver {
-                call: entry,
-                source,
-            })
+        self.issue(Command::Launch {
+            entry,
+            func: func.clone(),
+            grid,
+            block,
+            shared,
+            args: args.to_vec(),
+        })
     }
 
     /// A 1-D grid-stride launch over `n` elements.
@@ -293,36 +302,51 @@ impl StreamCx<'_> {
         })
     }
 
-    /// Scratch holding `data` (copied from pageable memory: CUDA stages it before the call
-    /// returns, so `data` may be dropped right after).
+    /// Scratch holding `data`, copied now from pageable memory (CUDA stages it before the
+    /// call returns, so `data` may be dropped right after); in a recorded step, written
+    /// to pinned staging now and copied by a recorded command (the same staging offsets
+    /// every step, so a replayed graph reads this step's values).
     pub fn upload<T: cudarc::driver::DeviceRepr>(
         &self,
         data: &[T],
     ) -> Result<Scratch, LaunchError> {
-        let s = self.scratch(std::mem::size_of_val(data))?;
-        if !data.is_empty() {
-            // SAFETY: the scratch holds exactly `data`'s bytes.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(s.ptr, data, self.stream.cu_stream())
-            }
+        let bytes = std::mem::size_of_val(data);
+        let s = self.scratch(bytes)?;
+        if data.is_empty() {
+            return Ok(s);
+        }
+        // SAFETY: `data` is `bytes` initialised bytes of plain values (DeviceRepr types).
+        let raw = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), bytes) };
+        if let Some(at) = self.recorder.stage(self.lane, raw)? {
+            self.issue(Command::HtoD {
+                dst: s.ptr,
+                src: at,
+                bytes,
+            })?;
+            return Ok(s);
+        }
+        // SAFETY: the scratch holds exactly `data`'s bytes.
+        unsafe { cudarc::driver::result::memcpy_htod_async(s.ptr, data, self.stream.cu_stream()) }
             .map_err(|source| LaunchError::Driver {
                 call: "cuMemcpyHtoDAsync",
                 source,
             })?;
-        }
         Ok(s)
     }
 
     /// Copies `dst.len()` elements from device address `src` to the host and waits for
-    /// them (and so for everything queued on the stream before).
+    /// them (and so for everything queued on the stream before). A host decision inside
+    /// the step: a recorded step is flushed first and reported plain because of `why`.
     pub fn download<T: cudarc::driver::DeviceRepr>(
         &self,
         src: u64,
         dst: &mut [T],
+        why: &str,
     ) -> Result<(), LaunchError> {
         if dst.is_empty() {
             return Ok(());
         }
+        self.recorder.flush(why)?;
         let driver = |call| move |source| LaunchError::Driver { call, source };
         // SAFETY: the caller passes an address holding `dst.len()` elements.
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
@@ -332,20 +356,34 @@ impl StreamCx<'_> {
             .map_err(driver("cuStreamSynchronize"))
     }
 
+    /// `bytes` from device address `src` for the host after the step: in a recorded step a
+    /// recorded copy into pinned staging, handed over as `then(address)` at the step's end
+    /// (gives `None`); otherwise read now (gives the bytes).
+    pub fn read_back(
+        &self,
+        src: u64,
+        bytes: usize,
+        then: impl FnOnce(usize) -> Deferred,
+    ) -> Result<Option<Vec<u8>>, LaunchError> {
+        if let Some(at) = self.recorder.read_back(self.lane, bytes, then)? {
+            self.issue(Command::DtoH {
+                dst: at,
+                src,
+                bytes,
+            })?;
+            return Ok(None);
+        }
+        let mut out = vec![0u8; bytes];
+        self.download(src, &mut out, "")?;
+        Ok(Some(out))
+    }
+
     /// Copies `bytes` bytes from device address `src` to `dst` on the stream.
     pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), LaunchError> {
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: the caller passes two addresses holding `bytes` bytes each, not
-        // overlapping, that no other stream touches until this one's next event.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
-        }
-        .map_err(|source| LaunchError::Driver {
-            call: "cuMemcpyDtoDAsync",
-            source,
-        })
+        self.issue(Command::DtoD { dst, src, bytes })
     }
 
     /// Sets `bytes` bytes at `ptr` to zero on the stream.
@@ -353,12 +391,7 @@ impl StreamCx<'_> {
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: the caller passes an address holding `bytes` bytes.
-        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|source| LaunchError::Driver {
-                call: "cuMemsetD8Async",
-                source,
-            })
+        self.issue(Command::Zero { dst: ptr, bytes })
     }
 
     /// `y[n, out] (=|+=) x[n, in] · Wᵀ` with `y` rows `ldy` floats apart (a slice of a wider
@@ -402,12 +435,10 @@ impl StreamCx<'_> {
             );
         }
         let (transa, lda) = match w.orientation {
-            Orientation::OutIn => (cublasOperation_t::CUBLAS_OP_T, w.cols),
-            Orientation::InOut => (cublasOperation_t::CUBLAS_OP_N, w.cols),
+            Orientation::OutIn => (true, w.cols),
+            Orientation::InOut => (false, w.cols),
         };
         let (mi, ki, ldai) = (int("out", m)?, int("in", k)?, int("lda", lda)?);
-        let handle = *self.blas.handle();
-        let blas_err = |call| move |source| LaunchError::Blas { call, source };
         match w.dtype {
             WeightDtype::Bf16 => {
                 let elems = n * k;
@@ -418,34 +449,20 @@ impl StreamCx<'_> {
                     &[Arg::Ptr(x), Arg::Ptr(pair.ptr()), Arg::I64(elems as i64)],
                 )?;
                 let products = self.scratch(m * 2 * n * 4)?;
-                let (alpha, beta) = (1.0f32, 0.0f32);
-                // SAFETY: A is m x k bf16 (lda as stored), B the 2n columns of the pair
-                // (k bf16 each), C m x 2n f32 scratch; the scalars are host f32 (the
-                // handle's default pointer mode) as CUBLAS_COMPUTE_32F requires.
-                unsafe {
-                    blas::gemm_ex(
-                        handle,
-                        transa,
-                        cublasOperation_t::CUBLAS_OP_N,
-                        mi,
-                        int("2n", 2 * n)?,
-                        ki,
-                        (&alpha as *const f32).cast(),
-                        w.ptr as *const std::ffi::c_void,
-                        cudaDataType_t::CUDA_R_16BF,
-                        ldai,
-                        pair.ptr() as *const std::ffi::c_void,
-                        cudaDataType_t::CUDA_R_16BF,
-                        ki,
-                        (&beta as *const f32).cast(),
-                        products.ptr() as *mut std::ffi::c_void,
-                        cudaDataType_t::CUDA_R_32F,
-                        mi,
-                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
-                .map_err(blas_err("cublasGemmEx"))?;
+                // A is m x k bf16 (lda as stored), B the 2n columns of the pair (k bf16
+                // each), C m x 2n f32 scratch.
+                self.issue(Command::Gemm(Gemm {
+                    bf16: true,
+                    transa,
+                    m: mi,
+                    n: int("2n", 2 * n)?,
+                    k: ki,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    a: (w.ptr, ldai),
+                    b: (pair.ptr(), ki),
+                    c: (products.ptr(), mi),
+                }))?;
                 self.launch(
                     "sum_halves",
                     (int("n", n)? as u32, 1, 1),
@@ -479,28 +496,20 @@ impl StreamCx<'_> {
                 } else {
                     w.ptr
                 };
-                let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-                // SAFETY: A is m x k f32 (lda as stored), B is k x n f32 (x rows), C is
-                // y with its row stride; scalars are host f32.
-                unsafe {
-                    blas::sgemm(
-                        handle,
-                        transa,
-                        cublasOperation_t::CUBLAS_OP_N,
-                        mi,
-                        int("n", n)?,
-                        ki,
-                        &alpha,
-                        a as *const f32,
-                        ldai,
-                        x as *const f32,
-                        ki,
-                        &beta,
-                        y as *mut f32,
-                        int("ldy", ldy)?,
-                    )
-                }
-                .map_err(blas_err("cublasSgemm"))
+                // A is m x k f32 (lda as stored), B is k x n f32 (x rows), C is y with
+                // its row stride.
+                self.issue(Command::Gemm(Gemm {
+                    bf16: false,
+                    transa,
+                    m: mi,
+                    n: int("n", n)?,
+                    k: ki,
+                    alpha: 1.0,
+                    beta: if accumulate { 1.0 } else { 0.0 },
+                    a: (a, ldai),
+                    b: (x, ki),
+                    c: (y, int("ldy", ldy)?),
+                }))
             }
         }
     }

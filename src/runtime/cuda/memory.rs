@@ -12,6 +12,7 @@
 //! host-side event order), so it finds the labels the copy will have written.
 
 use super::device::Device;
+use super::graph::Command;
 use crate::ir::Space;
 use crate::runtime::host::memory::{
     clip_to_runs, runs_span, HostMemory, MemoryError, Region, View,
@@ -324,6 +325,68 @@ impl DeviceMemory {
 }
 
 impl DeviceMemory {
+    /// The copy of `src` to `dst` as device commands (none for zero bytes) when neither
+    /// side is pageable, i.e. both are in the gpu arena or one is and the other in the
+    /// registered pinned arena, with the weight labels moved as [`DeviceMemory::copy`]
+    /// moves them; `None` (nothing done) when a side is pageable host memory or the
+    /// checkpoint: such a copy is a host call, not a command a graph can hold.
+    pub fn copy_commands(
+        &self,
+        host: &HostMemory<'_>,
+        src: View,
+        dst: View,
+    ) -> Result<Option<Vec<Command>>, DeviceMemoryError> {
+        if src.len != dst.len {
+            return Err(DeviceMemoryError::Length {
+                src: src.len,
+                dst: dst.len,
+            });
+        }
+        let on_device = |v: View| v.region == Region::Arena(Space::Gpu);
+        let pinned = |v: View| self.pinned.is_some() && v.region == Region::Arena(Space::Pinned);
+        let n = src.len as usize;
+        let command = match (on_device(src), on_device(dst)) {
+            (true, true) => {
+                if src.start < dst.start + dst.len && dst.start < src.start + src.len && n > 0 {
+                    return Err(DeviceMemoryError::Overlap {
+                        src: src.start,
+                        dst: dst.start,
+                        len: src.len,
+                    });
+                }
+                Command::DtoD {
+                    dst: self.ptr(dst)?,
+                    src: self.ptr(src)?,
+                    bytes: n,
+                }
+            }
+            (false, true) if pinned(src) => {
+                // SAFETY: only the address is taken; the plan keeps writers of the source
+                // away until this copy's event, which follows the copy on its stream.
+                let bytes = unsafe { host.bytes(src)? };
+                Command::HtoD {
+                    dst: self.ptr(dst)?,
+                    src: bytes.as_ptr() as usize,
+                    bytes: n,
+                }
+            }
+            (true, false) if pinned(dst) => {
+                // SAFETY: only the address is taken; the plan gives the copy the
+                // destination alone until its event.
+                let to = unsafe { host.bytes_mut(dst)? };
+                Command::DtoH {
+                    dst: to.as_mut_ptr() as usize,
+                    src: self.ptr(src)?,
+                    bytes: n,
+                }
+            }
+            _ => return Ok(None),
+        };
+        let labels = self.labels_in(host, src);
+        self.relabel(host, dst, &labels);
+        Ok(Some(if n == 0 { Vec::new() } else { vec![command] }))
+    }
+
     /// Copies `runs` of `src` to the same offsets of `dst` on `stream` as one command
     /// (each run (offset from both views' starts, length); sorted and disjoint) and
     /// moves the weight labels of those bytes along. A device side submits one
@@ -364,20 +427,10 @@ impl DeviceMemory {
             ..src
         };
         let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
-        let mapped = |v: View| {
-            (self.pinned_device != 0 && v.region == Region::Arena(Space::Pinned))
-                .then(|| self.pinned_device + v.start)
-        };
-        let ends = (
-            on_device(src).then(|| self.ptr(src)),
-            on_device(dst).then(|| self.ptr(dst)),
-        );
-        let kernel_ends = match ends {
-            (Some(s), None) => mapped(dst).map(|d| s.map(|s| (s, d))),
-            (None, Some(d)) => mapped(src).map(|s| d.map(|d| (s, d))),
-            _ => None,
-        };
-        if let (Some(ends), true) = (kernel_ends, runs.len() >= KERNEL_COPY_MIN_RUNS) {
+        if let (Some(ends), true) = (
+            self.kernel_ends(src, dst),
+            runs.len() >= KERNEL_COPY_MIN_RUNS,
+        ) {
             let (s, d) = ends?;
             copy_runs_kernel(device, stream, s, d, runs)?;
             self.move_run_labels(host, dst, runs, &labels);
@@ -450,6 +503,54 @@ impl DeviceMemory {
         }
         self.move_run_labels(host, dst, runs, &labels);
         Ok(())
+    }
+
+    /// The device addresses the `copy_runs` kernel copies between when one of `src` and
+    /// `dst` is in the gpu arena and the other in the registered pinned arena (through
+    /// its device mapping); `None` for any other pair.
+    fn kernel_ends(&self, src: View, dst: View) -> Option<Result<(u64, u64), DeviceMemoryError>> {
+        let on_device = |v: View| v.region == Region::Arena(Space::Gpu);
+        let mapped = |v: View| {
+            (self.pinned_device != 0 && v.region == Region::Arena(Space::Pinned))
+                .then(|| self.pinned_device + v.start)
+        };
+        let ends = (
+            on_device(src).then(|| self.ptr(src)),
+            on_device(dst).then(|| self.ptr(dst)),
+        );
+        match ends {
+            (Some(s), None) => mapped(dst).map(|d| s.map(|s| (s, d))),
+            (None, Some(d)) => mapped(src).map(|s| d.map(|d| (s, d))),
+            _ => None,
+        }
+    }
+
+    /// For a copy of `runs` that a graph can hold (one side in the gpu arena, the other in
+    /// the registered pinned arena): the addresses the `copy_runs` kernel copies between,
+    /// with the weight labels of the runs moved as [`DeviceMemory::copy_runs`] moves
+    /// them; `None` (nothing done) for any other pair or no runs.
+    pub fn copy_runs_ends(
+        &self,
+        host: &HostMemory<'_>,
+        src: View,
+        dst: View,
+        runs: &[(u64, u64)],
+    ) -> Result<Option<(u64, u64)>, DeviceMemoryError> {
+        let Some(ends) = self.kernel_ends(src, dst) else {
+            return Ok(None);
+        };
+        let Some((first, end)) = runs_span(runs, src, dst)? else {
+            return Ok(None);
+        };
+        let ends = ends?;
+        let span = View {
+            start: src.start + first,
+            len: end - first,
+            ..src
+        };
+        let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
+        self.move_run_labels(host, dst, runs, &labels);
+        Ok(Some(ends))
     }
 
     fn move_run_labels(

@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod detect;
 pub mod device;
+pub mod graph;
 pub mod kernels;
 pub mod launch;
 pub mod memory;

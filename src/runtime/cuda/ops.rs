@@ -22,6 +22,7 @@
 //! `combine`: routed slots by expert, then the shared row, then the residual). What the
 //! kernels cannot run ([`unsupported`]) is refused at backend set-up, before any launch.
 
+use super::graph::{floats, words, Deferred};
 use super::launch::{int, row_block, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use crate::ir::catalog::OpKind;
@@ -655,7 +656,11 @@ impl GpuCx<'_> {
         }
         let k = self.arch.top_k;
         let mut bytes = vec![0u8; n * k * 8];
-        self.s.download(route, &mut bytes)?;
+        self.s.download(
+            route,
+            &mut bytes,
+            "`experts` reads its routing back to group tokens per expert on the host",
+        )?;
         self.routing_syncs.fetch_add(1, Ordering::Relaxed);
         Ok(decode_routing(&bytes, n, k)?)
     }
@@ -1033,6 +1038,17 @@ impl GpuCx<'_> {
 
 fn copy_op(cx: &GpuCx<'_>, _task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
+    if cx.s.recorder.recording() {
+        // Between the gpu and pinned arenas: a device command like any launch.
+        if let Some(commands) = cx.mem.copy_commands(cx.host, src, dst)? {
+            for c in commands {
+                cx.s.issue(c)?;
+            }
+            return Ok(());
+        }
+        cx.s.recorder
+            .flush("a copy to or from pageable host memory")?;
+    }
     cx.mem.copy(cx.host, cx.s.stream, src, dst)?;
     Ok(())
 }
@@ -1361,14 +1377,19 @@ fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpErr
     let scale = 1.0 / (shape.head_dim as f32).sqrt();
     let group_bytes = (shape.heads / shape.kv_heads.max(1)) * shape.head_dim * 4;
     for r in &attend {
-        let max_keys = rt.row_pos[r.clone()]
-            .iter()
-            .map(|&p| {
-                let span = p as usize + 1;
+        // The scores' row stride: the most keys any row's block table can hold (at least
+        // its span), not the span itself, so a decode step's launch is the same every
+        // step of a batch (CUDA graphs replay it) while positions grow.
+        let max_keys = r
+            .clone()
+            .map(|row| {
+                let seq = rt.row_seq.get(row).copied().unwrap_or(0) as usize;
+                let span = rt.row_pos.get(row).map_or(1, |&p| p as usize + 1);
+                let held = tables.get(seq).map_or(0, |t| t.len() * block).max(span);
                 if window > 0 {
-                    span.min(window)
+                    held.min(window)
                 } else {
-                    span
+                    held
                 }
             })
             .max()
@@ -1593,7 +1614,11 @@ fn post_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), 
         // The fused op's own routing: read on this stream (a plan read-back covers only
         // gates).
         let mut bytes = vec![0u8; n * k * 8];
-        cx.s.download(route.ptr(), &mut bytes)?;
+        cx.s.download(
+            route.ptr(),
+            &mut bytes,
+            "`post_attn` reads its routing back to group tokens per expert on the host",
+        )?;
         cx.routing_syncs.fetch_add(1, Ordering::Relaxed);
         let routing = decode_routing(&bytes, n, k)?;
         cx.state
@@ -1674,11 +1699,13 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
     let (seqs, vocab) = (mb.seqs.len(), cx.arch.vocab);
     let logits = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
     let tokens_ptr = cx.ptr(args.need(Role::Tokens)?, "tokens", seqs * 4)?;
-    let mut tokens = vec![0u32; seqs];
     if cx.state.wants_logits() {
-        let mut host = vec![0f32; seqs * vocab];
-        cx.s.download(logits, &mut host)?;
-        cx.state.put_logits(ub, host);
+        let count = seqs * vocab;
+        let read =
+            cx.s.read_back(logits, count * 4, |at| Deferred::Logits { ub, at, count })?;
+        if let Some(bytes) = read {
+            cx.state.put_logits(ub, floats(&bytes));
+        }
     }
     match cx.state.sampling() {
         Sampling::Greedy => {
@@ -1693,17 +1720,29 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
                     Arg::I32(int("vocab", vocab)?),
                 ],
             )?;
-            cx.s.download(tokens_ptr, &mut tokens)?;
+            let read =
+                cx.s.read_back(tokens_ptr, seqs * 4, |at| Deferred::Sampled {
+                    ub,
+                    at,
+                    count: seqs,
+                })?;
+            if let Some(bytes) = read {
+                cx.state.put_sampled(ub, words(&bytes));
+            }
         }
         Sampling::Temperature { .. } => {
             let mut host = vec![0f32; seqs * vocab];
-            cx.s.download(logits, &mut host)?;
-            tokens = cx.state.sample_rows(mb, &host, vocab);
+            cx.s.download(
+                logits,
+                &mut host,
+                "temperature sampling reads the logits back to the host",
+            )?;
+            let tokens = cx.state.sample_rows(mb, &host, vocab);
             let up = cx.s.upload(&tokens)?;
             cx.s.copy(tokens_ptr, up.ptr(), seqs * 4)?;
+            cx.state.put_sampled(ub, tokens);
         }
     }
-    cx.state.put_sampled(ub, tokens);
     Ok(())
 }
 

@@ -27,7 +27,7 @@ use super::backend::{Backend, BackendError};
 use crate::ir::{ExpertRef, Op, Role, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanTask};
 use crate::model::kernels::sampling::Sampling;
-use crate::records::{RunStats, TaskRecord, UbLoad};
+use crate::records::{GraphUse, RunStats, TaskRecord, UbLoad};
 use crate::span::Span;
 use batching::UbCapacity;
 use executor::{run_step, ExecError, ExecOptions, StreamOps};
@@ -191,6 +191,9 @@ struct UnknownRouting {
 
 impl<B: Backend + ?Sized> Runner<'_, B> {
     fn guard_holds(&self, task: &PlanTask) -> Result<bool, BackendError> {
+        if self.backend.decides_guard_on_device(task) {
+            return Ok(true);
+        }
         for lit in &task.guard.lits {
             let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
             let expert = self.state.resolve_expert(
@@ -428,6 +431,9 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
         let Op::Gate { layer, ub } = t.op else {
             return Ok(());
         };
+        if self.backend.skips_read_back(t) {
+            return Ok(());
+        }
         let tokens = self
             .state
             .ubs
@@ -463,11 +469,12 @@ struct StepRunner<'a, B: Backend + ?Sized> {
 impl<B: Backend + ?Sized> StepRunner<'_, B> {
     /// Runs step `index` over `state`: (start, end) seconds from the origin and its tasks
     /// (device-measured times replace the host's when the backend has them).
-    fn run(
+    /// With how the backend submitted the step's device work (`None`: no device).
+    fn run_graphed(
         &self,
         state: &StepState,
         index: usize,
-    ) -> Result<(f64, f64, Vec<TaskRecord>), RunError> {
+    ) -> Result<(f64, f64, Vec<TaskRecord>, Option<GraphUse>), RunError> {
         let runner = Runner {
             plan: self.plan,
             backend: self.backend,
@@ -477,6 +484,7 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
             patience: self.exec.watchdog,
         };
         let start = self.origin.elapsed().as_secs_f64();
+        self.backend.begin_step(self.plan, index, state)?;
         let mut tasks = run_step(
             self.plan,
             &self.plan.steps[index],
@@ -484,7 +492,8 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
             self.exec,
             self.origin,
         )?;
-        if let Some(times) = self.backend.finish_step()? {
+        let ended = self.backend.end_step(state)?;
+        if let Some(times) = ended.times {
             // A KV-part copy is submitted once per run of bytes: it spans from its first
             // submission's start to its last one's end.
             let mut seen = std::collections::HashSet::new();
@@ -500,7 +509,12 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
                 }
             }
         }
-        Ok((start, self.origin.elapsed().as_secs_f64(), tasks))
+        Ok((
+            start,
+            self.origin.elapsed().as_secs_f64(),
+            tasks,
+            ended.graph,
+        ))
     }
 }
 

@@ -11,7 +11,7 @@ use crate::ir::StepKind;
 use crate::ir::{Op, StreamId, TaskId};
 use crate::lower::ExecPlan;
 use crate::records::timeline::{Span as TimelineSpan, Timeline};
-use crate::records::{RunStats, StepRecord};
+use crate::records::{GraphStep, GraphUse, RunStats, StepRecord};
 use serde::Serialize;
 
 /// One stream's share of the decode steps' wall time spent running tasks.
@@ -60,6 +60,101 @@ pub struct RunReport {
     pub preemptions: usize,
     /// Sequence-passes skipped waiting for KV blocks.
     pub paused_passes: usize,
+    /// Per step kind, how its device work reached the device (CUDA graphs); empty on a
+    /// backend with no device.
+    pub graphs: Vec<GraphSummary>,
+}
+
+/// How the steps of one kind reached the device over a run: replaying a captured CUDA
+/// graph, capturing one, or launch by launch (with why).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GraphSummary {
+    /// The step kind (`decode`, `prefill`, ...).
+    pub step: &'static str,
+    /// Steps that launched a graph captured from an earlier step.
+    pub replayed: usize,
+    /// Steps captured into a graph (then launched).
+    pub captured: usize,
+    /// Steps launched kernel by kernel.
+    pub plain: usize,
+    /// Why steps were launched plainly, with how many steps each.
+    pub plain_reasons: Vec<PlainReason>,
+}
+
+/// The summaries as one clause per step kind, e.g. `decode: 5 replayed a graph, 1
+/// captured one, 1 launched plainly (1: why)`; empty when there are none.
+pub fn render_graphs(summaries: &[GraphSummary]) -> String {
+    summaries
+        .iter()
+        .map(|g| {
+            let mut text = format!(
+                "{}: {} replayed a graph, {} captured one, {} launched plainly",
+                g.step, g.replayed, g.captured, g.plain
+            );
+            if !g.plain_reasons.is_empty() {
+                let list: Vec<String> = g
+                    .plain_reasons
+                    .iter()
+                    .map(|r| format!("{}: {}", r.steps, r.reason))
+                    .collect();
+                text.push_str(&format!(" ({})", list.join("; ")));
+            }
+            text
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One reason steps were launched without a graph.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlainReason {
+    /// Why.
+    pub reason: String,
+    /// Steps it applied to.
+    pub steps: usize,
+}
+
+/// The per-kind [`GraphSummary`] of a run's steps, in order of first appearance.
+pub fn graph_summary(steps: &[GraphStep]) -> Vec<GraphSummary> {
+    let mut out = Vec::new();
+    for g in steps {
+        add_graph_step(&mut out, g);
+    }
+    out
+}
+
+/// Counts one more step into per-kind summaries (a long-lived session keeps these
+/// instead of every step).
+pub fn add_graph_step(summaries: &mut Vec<GraphSummary>, g: &GraphStep) {
+    let step = g.kind.as_str();
+    let at = match summaries.iter().position(|s| s.step == step) {
+        Some(at) => at,
+        None => {
+            summaries.push(GraphSummary {
+                step,
+                replayed: 0,
+                captured: 0,
+                plain: 0,
+                plain_reasons: Vec::new(),
+            });
+            summaries.len() - 1
+        }
+    };
+    let row = &mut summaries[at];
+    match &g.graph {
+        GraphUse::Replayed => row.replayed += 1,
+        GraphUse::Captured => row.captured += 1,
+        GraphUse::Plain(why) => {
+            row.plain += 1;
+            match row.plain_reasons.iter_mut().find(|r| &r.reason == why) {
+                Some(r) => r.steps += 1,
+                None => row.plain_reasons.push(PlainReason {
+                    reason: why.clone(),
+                    steps: 1,
+                }),
+            }
+        }
+    }
 }
 
 /// The longest chain of measured durations through a step's tasks (seconds).
@@ -176,6 +271,7 @@ pub fn summarize(
         tasks_skipped: skipped,
         preemptions: stats.preemptions,
         paused_passes: stats.paused,
+        graphs: graph_summary(&stats.graph_steps),
     }
 }
 
@@ -208,5 +304,46 @@ pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
         title: title.to_string(),
         streams: plan.streams.iter().map(|s| s.name.clone()).collect(),
         spans,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steps are counted per kind in order of first appearance, plain ones with their
+    /// reasons, and rendered one clause per kind.
+    #[test]
+    fn graph_use_is_summarised_per_step_kind() {
+        let step = |kind, graph| GraphStep { kind, graph };
+        let plain = |why: &str| GraphUse::Plain(why.to_string());
+        let steps = [
+            step(StepKind::Prefill, plain("once per batch")),
+            step(StepKind::Decode, plain("first")),
+            step(StepKind::Decode, GraphUse::Captured),
+            step(StepKind::Decode, GraphUse::Replayed),
+            step(StepKind::Decode, GraphUse::Replayed),
+            step(StepKind::Decode, plain("first")),
+        ];
+        let s = graph_summary(&steps);
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].step, s[0].plain), ("prefill", 1));
+        assert_eq!(
+            (s[1].step, s[1].replayed, s[1].captured, s[1].plain),
+            ("decode", 2, 1, 2)
+        );
+        assert_eq!(
+            s[1].plain_reasons,
+            vec![PlainReason {
+                reason: "first".into(),
+                steps: 2
+            }]
+        );
+        assert_eq!(
+            render_graphs(&s),
+            "prefill: 0 replayed a graph, 0 captured one, 1 launched plainly (1: once per batch); \
+             decode: 2 replayed a graph, 1 captured one, 2 launched plainly (2: first)"
+        );
+        assert_eq!(render_graphs(&[]), "");
     }
 }

@@ -25,7 +25,7 @@ use crate::ir::StepKind;
 use crate::lower::ExecPlan;
 use crate::model::kernels::sampling::Sampling;
 use crate::model::rng::Rng;
-use crate::records::{RunStats, StepRecord, UbLoad};
+use crate::records::{GraphStep, RunStats, StepRecord, UbLoad};
 use crate::runtime::backend::Backend;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -459,7 +459,13 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 .iter()
                 .position(|s| s.kind == StepKind::Setup)
             {
-                let (start, end, tasks) = self.runner().run(&self.state, setup)?;
+                let (start, end, tasks, graph) = self.runner().run_graphed(&self.state, setup)?;
+                if let Some(graph) = graph {
+                    self.stats.graph_steps.push(GraphStep {
+                        kind: StepKind::Setup,
+                        graph,
+                    });
+                }
                 self.stats.steps.push(StepRecord {
                     kind: StepKind::Setup,
                     start,
@@ -600,7 +606,14 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 prefill: !s.prompt_done,
             });
         }
-        let (start, end, tasks) = self.runner().run(&self.state, step)?;
+        let (start, end, tasks, graph) = self.runner().run_graphed(&self.state, step)?;
+        // A long-lived session keeps no per-step records (the backend's line counts them).
+        if let Some(graph) = graph.filter(|_| self.record_steps) {
+            self.stats.graph_steps.push(GraphStep {
+                kind: self.plan.steps[step].kind,
+                graph,
+            });
+        }
         count_active_experts(&mut loads, &self.state, self.plan.model.experts as usize);
         let g = &self.gauges;
         g.steps.fetch_add(1, Ordering::Relaxed);

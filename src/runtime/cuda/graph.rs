@@ -1,0 +1,1003 @@
+//! CUDA graphs for steps with no host decision inside them: a step's device commands are
+//! recorded as data while its tasks run, then submitted at the step's end as one graph.
+//!
+//! Takes the commands the ops issue through [`super::launch::StreamCx`] (kernel launches
+//! with their arguments, GEMMs, copies, memsets) and the plan's cross-stream event records
+//! and waits, in the order the stream threads issue them; gives, at [`Recorder::finish`],
+//! the step's work on the device and how it got there ([`GraphUse`]). A step whose
+//! commands equal, argument for argument, those of a captured graph replays that graph
+//! (`cuGraphLaunch`); a step whose commands equal the previous plain step's is captured
+//! (`cuStreamBeginCapture` on the first stream, the others forked from it and joined back,
+//! the commands replayed into the capture, `cuStreamEndCapture`, instantiate) and launched;
+//! otherwise the commands are submitted one by one, as without graphs. The key is the
+//! commands themselves, so a replay computes exactly what the launches would: every
+//! pointer, size and scalar is compared, and a step whose scratch or staging addresses
+//! moved is not replayed. Data that changes per step (token ids, positions, block tables)
+//! is written by the host into pinned staging at the same offsets every step and copied to
+//! the device by a captured copy, so the graph reads the new step's values. Read-backs the
+//! step needs (sampled ids, logits) are captured copies into pinned staging, handed to the
+//! step state after the graph has run ([`Deferred`]).
+//!
+//! Guarantees: no command is lost or reordered: when an op needs the host inside a
+//! recording step (a routing read-back, a pageable copy), [`Recorder::flush`] submits
+//! every command recorded so far in issue order and the rest of the step runs plainly,
+//! and the step is reported as launched plainly with that reason (never a silent
+//! fallback). Staging buffers live as long as the backend (graphs hold their addresses).
+
+use super::launch::{Arg, LaunchError};
+use crate::ir::{Engine, ExpertRef, ExpertSet, GuardAtom, Op, StepKind};
+use crate::lower::{ExecPlan, Instr, PlanTask};
+use crate::records::GraphUse;
+use crate::runtime::lock;
+use cudarc::cublas::result as blas;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    result, sys, CudaEvent, CudaFunction, CudaGraph, CudaStream, LaunchConfig, PushKernelArg,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A GEMM as the ops issue it: bf16 weights times a bf16 pair into f32 (`cublasGemmEx`), or
+/// f32 throughout (`cublasSgemm`); column-major, B never transposed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemm {
+    /// `cublasGemmEx` with bf16 A and B and f32 C; else `cublasSgemm`.
+    pub bf16: bool,
+    /// A transposed.
+    pub transa: bool,
+    /// Rows of C.
+    pub m: i32,
+    /// Columns of C.
+    pub n: i32,
+    /// Inner dimension.
+    pub k: i32,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of C before adding.
+    pub beta: f32,
+    /// A and its leading dimension.
+    pub a: (u64, i32),
+    /// B and its leading dimension.
+    pub b: (u64, i32),
+    /// C and its leading dimension.
+    pub c: (u64, i32),
+}
+
+/// One device command of a step.
+#[derive(Debug, Clone)]
+pub enum Command {
+    /// A kernel launch.
+    Launch {
+        /// The kernel's entry name.
+        entry: &'static str,
+        /// The loaded function.
+        func: CudaFunction,
+        /// Grid.
+        grid: (u32, u32, u32),
+        /// Threads per block.
+        block: u32,
+        /// Dynamic shared memory bytes.
+        shared: u32,
+        /// Arguments in the kernel's order.
+        args: Vec<Arg>,
+    },
+    /// A cuBLAS GEMM on the stream's handle.
+    Gemm(Gemm),
+    /// Pinned host to device.
+    HtoD {
+        /// Device destination.
+        dst: u64,
+        /// Pinned host source.
+        src: usize,
+        /// Bytes.
+        bytes: usize,
+    },
+    /// Device to pinned host.
+    DtoH {
+        /// Pinned host destination.
+        dst: usize,
+        /// Device source.
+        src: u64,
+        /// Bytes.
+        bytes: usize,
+    },
+    /// Device to device.
+    DtoD {
+        /// Destination.
+        dst: u64,
+        /// Source.
+        src: u64,
+        /// Bytes.
+        bytes: usize,
+    },
+    /// Zero bytes.
+    Zero {
+        /// Destination.
+        dst: u64,
+        /// Bytes.
+        bytes: usize,
+    },
+    /// Record a plan event.
+    Record(usize),
+    /// Wait for a plan event.
+    Wait(usize),
+}
+
+fn arg_bits(a: &Arg) -> (u8, u64) {
+    match *a {
+        Arg::Ptr(p) => (0, p),
+        Arg::I32(v) => (1, v as u32 as u64),
+        Arg::I64(v) => (2, v as u64),
+        Arg::F32(v) => (3, u64::from(v.to_bits())),
+    }
+}
+
+impl Command {
+    /// Whether two commands do exactly the same (floats compared by bits).
+    fn same(&self, other: &Command) -> bool {
+        use Command as C;
+        match (self, other) {
+            (
+                C::Launch {
+                    entry: e1,
+                    grid: g1,
+                    block: b1,
+                    shared: s1,
+                    args: a1,
+                    ..
+                },
+                C::Launch {
+                    entry: e2,
+                    grid: g2,
+                    block: b2,
+                    shared: s2,
+                    args: a2,
+                    ..
+                },
+            ) => {
+                e1 == e2
+                    && g1 == g2
+                    && b1 == b2
+                    && s1 == s2
+                    && a1.len() == a2.len()
+                    && a1.iter().zip(a2).all(|(x, y)| arg_bits(x) == arg_bits(y))
+            }
+            (C::Gemm(x), C::Gemm(y)) => {
+                x.alpha.to_bits() == y.alpha.to_bits()
+                    && x.beta.to_bits() == y.beta.to_bits()
+                    && x == y
+            }
+            (
+                C::HtoD { dst, src, bytes },
+                C::HtoD {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => (dst, src, bytes) == (d, s, b),
+            (
+                C::DtoH { dst, src, bytes },
+                C::DtoH {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => (dst, src, bytes) == (d, s, b),
+            (
+                C::DtoD { dst, src, bytes },
+                C::DtoD {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => (dst, src, bytes) == (d, s, b),
+            (C::Zero { dst, bytes }, C::Zero { dst: d, bytes: b }) => (dst, bytes) == (d, b),
+            (C::Record(a), C::Record(b)) | (C::Wait(a), C::Wait(b)) => a == b,
+            _ => false,
+        }
+    }
+
+    /// Submits the command on `stream` (its cuBLAS handle `blas`; `events`: the plan's).
+    pub fn submit(
+        &self,
+        stream: &Arc<CudaStream>,
+        blas: &CudaBlas,
+        events: &[Arc<CudaEvent>],
+    ) -> Result<(), LaunchError> {
+        let driver = |call| move |source| LaunchError::Driver { call, source };
+        let cu = stream.cu_stream();
+        match self {
+            Command::Launch {
+                entry,
+                func,
+                grid,
+                block,
+                shared,
+                args,
+            } => {
+                let mut builder = stream.launch_builder(func);
+                for a in args {
+                    match a {
+                        Arg::Ptr(p) => builder.arg(p),
+                        Arg::I32(v) => builder.arg(v),
+                        Arg::I64(v) => builder.arg(v),
+                        Arg::F32(v) => builder.arg(v),
+                    };
+                }
+                let cfg = LaunchConfig {
+                    grid_dim: *grid,
+                    block_dim: (*block, 1, 1),
+                    shared_mem_bytes: *shared,
+                };
+                // SAFETY: each op issues the arguments of the kernel's signature in order
+                // (pointers as 8-byte device addresses, ints and floats by value), with
+                // pointers to buffers at least as large as the launch touches (sizes
+                // checked by the op); the buffers outlive the step (arenas, the stream's
+                // workspace, kept until the step's end).
+                unsafe { builder.launch(cfg) }
+                    .map(|_| ())
+                    .map_err(driver(entry))
+            }
+            Command::Gemm(g) => gemm(blas, g),
+            // SAFETY (the four copies): the op checked every range against its buffer;
+            // pinned sources and destinations are staging or arena bytes that live until
+            // the step's work has finished.
+            Command::HtoD { dst, src, bytes } => unsafe {
+                sys::cuMemcpyHtoDAsync_v2(*dst, *src as *const std::ffi::c_void, *bytes, cu)
+                    .result()
+                    .map_err(driver("cuMemcpyHtoDAsync"))
+            },
+            Command::DtoH { dst, src, bytes } => unsafe {
+                sys::cuMemcpyDtoHAsync_v2(*dst as *mut std::ffi::c_void, *src, *bytes, cu)
+                    .result()
+                    .map_err(driver("cuMemcpyDtoHAsync"))
+            },
+            Command::DtoD { dst, src, bytes } => unsafe {
+                result::memcpy_dtod_async(*dst, *src, *bytes, cu)
+                    .map_err(driver("cuMemcpyDtoDAsync"))
+            },
+            Command::Zero { dst, bytes } => unsafe {
+                result::memset_d8_async(*dst, 0, *bytes, cu).map_err(driver("cuMemsetD8Async"))
+            },
+            Command::Record(e) => match events.get(*e) {
+                Some(ev) => ev.record(stream).map_err(driver("cuEventRecord")),
+                None => Ok(()),
+            },
+            Command::Wait(e) => match events.get(*e) {
+                Some(ev) => stream.wait(ev).map_err(driver("cuStreamWaitEvent")),
+                None => Ok(()),
+            },
+        }
+    }
+}
+
+fn gemm(handle: &CudaBlas, g: &Gemm) -> Result<(), LaunchError> {
+    let h = *handle.handle();
+    let transa = if g.transa {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    };
+    let n_op = cublasOperation_t::CUBLAS_OP_N;
+    let err = |call| move |source| LaunchError::Blas { call, source };
+    if g.bf16 {
+        // SAFETY: A is m x k bf16 (lda as stored), B k x n bf16, C m x n f32, all inside
+        // their buffers (the op sized them); the scalars are host f32 (the handle's
+        // default pointer mode) as CUBLAS_COMPUTE_32F requires.
+        unsafe {
+            blas::gemm_ex(
+                h,
+                transa,
+                n_op,
+                g.m,
+                g.n,
+                g.k,
+                (&g.alpha as *const f32).cast(),
+                g.a.0 as *const std::ffi::c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                g.a.1,
+                g.b.0 as *const std::ffi::c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                g.b.1,
+                (&g.beta as *const f32).cast(),
+                g.c.0 as *mut std::ffi::c_void,
+                cudaDataType_t::CUDA_R_32F,
+                g.c.1,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(err("cublasGemmEx"))
+    } else {
+        // SAFETY: A is m x k f32, B k x n f32, C m x n f32 with their leading dimensions,
+        // inside their buffers; scalars are host f32.
+        unsafe {
+            blas::sgemm(
+                h,
+                transa,
+                n_op,
+                g.m,
+                g.n,
+                g.k,
+                &g.alpha,
+                g.a.0 as *const f32,
+                g.a.1,
+                g.b.0 as *const f32,
+                g.b.1,
+                &g.beta,
+                g.c.0 as *mut f32,
+                g.c.1,
+            )
+        }
+        .map_err(err("cublasSgemm"))
+    }
+}
+
+/// A read-back of a recorded step, handed to the step state after its work has run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deferred {
+    /// `count` sampled ids (u32) of micro-batch `ub` at staging address `at`.
+    Sampled {
+        /// Micro-batch.
+        ub: u32,
+        /// Pinned address.
+        at: usize,
+        /// Ids.
+        count: usize,
+    },
+    /// `count` logits (f32) of micro-batch `ub` at staging address `at`.
+    Logits {
+        /// Micro-batch.
+        ub: u32,
+        /// Pinned address.
+        at: usize,
+        /// Floats.
+        count: usize,
+    },
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, freed on drop.
+#[derive(Debug)]
+struct Pinned {
+    ptr: usize,
+    len: usize,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `malloc_host` and is freed once; the backend synchronised
+        // its streams (every copy from or to it finished) before dropping the recorder.
+        let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Bump-allocated pinned staging, reset per step; grown buffers are kept (graphs read
+/// their addresses).
+#[derive(Debug, Default)]
+struct Staging {
+    buffers: Vec<Pinned>,
+    used: usize,
+}
+
+const STAGING_ALIGN: usize = 64;
+
+impl Staging {
+    fn take(&mut self, bytes: usize) -> Result<usize, LaunchError> {
+        let bytes = bytes.max(1).next_multiple_of(STAGING_ALIGN);
+        let fits = self
+            .buffers
+            .last()
+            .is_some_and(|b| self.used + bytes <= b.len);
+        if !fits {
+            let len = (2 * self.buffers.last().map_or(0, |b| b.len))
+                .max(bytes)
+                .max(64 << 10);
+            // SAFETY: a plain page-locked allocation; freed by `Pinned::drop`.
+            let ptr =
+                unsafe { result::malloc_host(len, 0) }.map_err(|source| LaunchError::Driver {
+                    call: "cuMemHostAlloc",
+                    source,
+                })?;
+            self.buffers.push(Pinned {
+                ptr: ptr as usize,
+                len,
+            });
+            self.used = 0;
+        }
+        let base = self.buffers.last().map_or(0, |b| b.ptr);
+        let at = base + self.used;
+        self.used += bytes;
+        Ok(at)
+    }
+}
+
+/// How the current step submits its device work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Mode {
+    /// As issued (not a graph step), for this reason.
+    Plain(String),
+    /// Recorded for a graph.
+    Recording,
+    /// Recording stopped: everything recorded was submitted, the rest goes as issued.
+    Flushed(String),
+}
+
+/// A captured graph and the commands it was captured from.
+struct Cached {
+    commands: Vec<(usize, Command)>,
+    graph: CudaGraph,
+}
+
+/// The graphs of a backend, newest last.
+#[derive(Default)]
+struct Graphs(Vec<Cached>);
+
+// SAFETY: a `CudaGraph` is not internally synchronised; it is only touched under the
+// recorder's mutex (`Recorder::finish`), one thread at a time.
+unsafe impl Send for Graphs {}
+
+/// Most graphs kept: a decode step's shape changes when sequences end, and each shape is
+/// one graph.
+const MAX_GRAPHS: usize = 16;
+
+struct State {
+    mode: Mode,
+    commands: Vec<(usize, Command)>,
+    /// Per stream (lane): each stream's staging offsets follow its own commands only, so
+    /// they do not depend on how the stream threads interleave.
+    staging: Vec<Staging>,
+    deferred: Vec<Deferred>,
+    graphs: Graphs,
+    /// Per step index, the commands of its last plain step (a repeat is captured).
+    last_plain: HashMap<usize, Vec<(usize, Command)>>,
+}
+
+impl State {
+    fn staging_of(&mut self, lane: usize) -> &mut Staging {
+        if self.staging.len() <= lane {
+            self.staging.resize_with(lane + 1, Staging::default);
+        }
+        &mut self.staging[lane]
+    }
+}
+
+/// A device stream as the recorder submits to it.
+#[derive(Debug, Clone)]
+pub struct Lane {
+    /// The stream.
+    pub stream: Arc<CudaStream>,
+    /// Its cuBLAS handle.
+    pub blas: Arc<CudaBlas>,
+}
+
+/// The step recorder of one backend (see the module doc).
+pub struct Recorder {
+    state: Mutex<State>,
+    /// By plan stream index; `None` for host streams.
+    lanes: Vec<Option<Lane>>,
+    /// The plan's events.
+    events: Vec<Arc<CudaEvent>>,
+    /// Fork (index 0) and one join per lane, for captures over several streams.
+    fork_join: Vec<CudaEvent>,
+}
+
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder")
+            .field("lanes", &self.lanes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Recorder {
+    /// A recorder over the plan's device streams and events; `fork_join` holds at least
+    /// one event per stream plus one.
+    pub fn new(
+        lanes: Vec<Option<Lane>>,
+        events: Vec<Arc<CudaEvent>>,
+        fork_join: Vec<CudaEvent>,
+    ) -> Self {
+        Recorder {
+            state: Mutex::new(State {
+                mode: Mode::Plain(String::new()),
+                commands: Vec::new(),
+                staging: Vec::new(),
+                deferred: Vec::new(),
+                graphs: Graphs::default(),
+                last_plain: HashMap::new(),
+            }),
+            lanes,
+            events,
+            fork_join,
+        }
+    }
+
+    /// Starts a step: recorded for a graph (`None`) or submitted as issued, for a reason.
+    pub fn begin(&self, plain: Option<String>) {
+        let mut s = lock(&self.state);
+        s.mode = match plain {
+            Some(why) => Mode::Plain(why),
+            None => Mode::Recording,
+        };
+        s.commands.clear();
+        s.deferred.clear();
+        for st in &mut s.staging {
+            st.used = 0;
+        }
+    }
+
+    /// Whether the step is being recorded.
+    pub fn recording(&self) -> bool {
+        lock(&self.state).mode == Mode::Recording
+    }
+
+    /// Records `command` on `lane` if the step is being recorded; gives it back otherwise
+    /// (the caller submits it now).
+    pub fn record(&self, lane: usize, command: Command) -> Option<Command> {
+        let mut s = lock(&self.state);
+        if s.mode != Mode::Recording {
+            return Some(command);
+        }
+        s.commands.push((lane, command));
+        None
+    }
+
+    /// `data` copied into `lane`'s pinned staging, when the step is being recorded: its
+    /// address.
+    pub fn stage(&self, lane: usize, data: &[u8]) -> Result<Option<usize>, LaunchError> {
+        let mut s = lock(&self.state);
+        if s.mode != Mode::Recording {
+            return Ok(None);
+        }
+        let at = s.staging_of(lane).take(data.len())?;
+        // SAFETY: `at` starts `data.len()` bytes of a live pinned buffer that no queued
+        // work touches: the previous step's work finished at its end, and this step's
+        // copies from it are submitted after this write.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
+        Ok(Some(at))
+    }
+
+    /// Pinned staging of `bytes` for a read-back, when the step is being recorded; the
+    /// caller records the copy into it and `then` is handed to the state at the step's end.
+    pub fn read_back(
+        &self,
+        lane: usize,
+        bytes: usize,
+        then: impl FnOnce(usize) -> Deferred,
+    ) -> Result<Option<usize>, LaunchError> {
+        let mut s = lock(&self.state);
+        if s.mode != Mode::Recording {
+            return Ok(None);
+        }
+        let at = s.staging_of(lane).take(bytes)?;
+        s.deferred.push(then(at));
+        Ok(Some(at))
+    }
+
+    /// Stops recording: submits every recorded command in issue order; the rest of the
+    /// step goes as issued, and the step is reported plain because of `why`.
+    pub fn flush(&self, why: &str) -> Result<(), LaunchError> {
+        let mut s = lock(&self.state);
+        if s.mode != Mode::Recording {
+            return Ok(());
+        }
+        let commands = std::mem::take(&mut s.commands);
+        s.mode = Mode::Flushed(why.to_string());
+        self.submit_all(&commands)
+    }
+
+    fn lane(&self, lane: usize) -> Option<&Lane> {
+        self.lanes.get(lane).and_then(Option::as_ref)
+    }
+
+    fn submit_all(&self, commands: &[(usize, Command)]) -> Result<(), LaunchError> {
+        for (lane, c) in commands {
+            if let Some(l) = self.lane(*lane) {
+                c.submit(&l.stream, &l.blas, &self.events)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends step `step`: submits what it recorded (replaying, capturing or one by one)
+    /// and gives how, with the read-backs to hand over once the streams are synchronised.
+    /// Called on the driver's thread after every stream thread of the step has ended.
+    pub fn finish(&self, step: usize) -> Result<(GraphUse, Vec<Deferred>), LaunchError> {
+        let mut s = lock(&self.state);
+        let deferred = std::mem::take(&mut s.deferred);
+        let mode = std::mem::replace(&mut s.mode, Mode::Plain(String::new()));
+        match mode {
+            Mode::Plain(why) | Mode::Flushed(why) => Ok((GraphUse::Plain(why), deferred)),
+            Mode::Recording => {
+                let commands = std::mem::take(&mut s.commands);
+                self.submit_recorded(&mut s, step, commands, deferred)
+            }
+        }
+    }
+
+    fn submit_recorded(
+        &self,
+        s: &mut State,
+        step: usize,
+        commands: Vec<(usize, Command)>,
+        deferred: Vec<Deferred>,
+    ) -> Result<(GraphUse, Vec<Deferred>), LaunchError> {
+        let equal = |a: &[(usize, Command)], b: &[(usize, Command)]| same_work(a, b);
+        if commands.is_empty() {
+            return Ok((GraphUse::Plain("no device work".into()), deferred));
+        }
+        if let Some(c) = s.graphs.0.iter().find(|c| equal(&c.commands, &commands)) {
+            c.graph.launch().map_err(|source| LaunchError::Driver {
+                call: "cuGraphLaunch",
+                source,
+            })?;
+            return Ok((GraphUse::Replayed, deferred));
+        }
+        let repeat = s
+            .last_plain
+            .get(&step)
+            .is_some_and(|last| equal(last, &commands));
+        if !repeat {
+            self.submit_all(&commands)?;
+            let why = match s.last_plain.get(&step) {
+                None => {
+                    "the first step with these launches (a graph is captured when the next step repeats them)"
+                        .to_string()
+                }
+                Some(last) => format!(
+                    "its launches differ from the previous step's ({})",
+                    first_difference(last, &commands)
+                ),
+            };
+            s.last_plain.insert(step, commands);
+            return Ok((GraphUse::Plain(why), deferred));
+        }
+        match self.capture(&commands) {
+            Ok(graph) => {
+                graph.launch().map_err(|source| LaunchError::Driver {
+                    call: "cuGraphLaunch",
+                    source,
+                })?;
+                if s.graphs.0.len() >= MAX_GRAPHS {
+                    s.graphs.0.remove(0);
+                }
+                s.graphs.0.push(Cached { commands, graph });
+                s.last_plain.remove(&step);
+                Ok((GraphUse::Captured, deferred))
+            }
+            Err(e) => {
+                // Nothing of a failed capture ran: the commands go one by one.
+                self.submit_all(&commands)?;
+                Ok((
+                    GraphUse::Plain(format!("capturing its graph failed: {e}")),
+                    deferred,
+                ))
+            }
+        }
+    }
+
+    /// Captures `commands` into a graph: the first command's stream begins the capture,
+    /// every other stream used forks from it and joins back at the end.
+    fn capture(&self, commands: &[(usize, Command)]) -> Result<CudaGraph, LaunchError> {
+        let driver = |call| move |source| LaunchError::Driver { call, source };
+        let origin_lane = commands.first().map_or(0, |c| c.0);
+        let origin = self.lane(origin_lane).ok_or(LaunchError::Capture(
+            "its first command is on no device stream",
+        ))?;
+        let mut others: Vec<usize> = commands
+            .iter()
+            .map(|c| c.0)
+            .filter(|&l| l != origin_lane)
+            .collect();
+        others.sort_unstable();
+        others.dedup();
+        let fork = self
+            .fork_join
+            .first()
+            .ok_or(LaunchError::Capture("no fork event"))?;
+        origin
+            .stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("cuStreamBeginCapture"))?;
+        let body = || -> Result<(), LaunchError> {
+            fork.record(&origin.stream)
+                .map_err(driver("cuEventRecord"))?;
+            for &l in &others {
+                if let Some(lane) = self.lane(l) {
+                    lane.stream
+                        .wait(fork)
+                        .map_err(driver("cuStreamWaitEvent"))?;
+                }
+            }
+            self.submit_all(commands)?;
+            for (i, &l) in others.iter().enumerate() {
+                let (Some(lane), Some(join)) = (self.lane(l), self.fork_join.get(1 + i)) else {
+                    return Err(LaunchError::Capture("no join event for a stream"));
+                };
+                join.record(&lane.stream).map_err(driver("cuEventRecord"))?;
+                origin
+                    .stream
+                    .wait(join)
+                    .map_err(driver("cuStreamWaitEvent"))?;
+            }
+            Ok(())
+        };
+        let recorded = body();
+        // The capture is ended whatever happened, so the streams leave capture mode.
+        let ended = origin
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(driver("cuStreamEndCapture"));
+        recorded?;
+        ended?.ok_or(LaunchError::Capture("the capture was empty"))
+    }
+}
+
+/// Each stream's commands, in issue order, by stream index.
+fn by_lane(commands: &[(usize, Command)]) -> Vec<Vec<&Command>> {
+    let mut lanes: Vec<Vec<&Command>> = Vec::new();
+    for (lane, c) in commands {
+        if lanes.len() <= *lane {
+            lanes.resize_with(lane + 1, Vec::new);
+        }
+        lanes[*lane].push(c);
+    }
+    lanes
+}
+
+/// Whether two steps' commands do the same work: each stream's commands equal in order.
+/// How the stream threads interleaved them does not matter: a plan event is recorded once
+/// per step, so each wait binds to the same record whatever the interleaving (and every
+/// submission keeps its own step's order, in which each record precedes its waits).
+fn same_work(a: &[(usize, Command)], b: &[(usize, Command)]) -> bool {
+    let (a, b) = (by_lane(a), by_lane(b));
+    let empty = Vec::new();
+    (0..a.len().max(b.len())).all(|l| {
+        let (x, y) = (a.get(l).unwrap_or(&empty), b.get(l).unwrap_or(&empty));
+        x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.same(q))
+    })
+}
+
+/// Where two steps' commands first differ, in words (which stream, which command and its
+/// kernel or kind).
+fn first_difference(a: &[(usize, Command)], b: &[(usize, Command)]) -> String {
+    let (a, b) = (by_lane(a), by_lane(b));
+    let empty = Vec::new();
+    for l in 0..a.len().max(b.len()) {
+        let (x, y) = (a.get(l).unwrap_or(&empty), b.get(l).unwrap_or(&empty));
+        if let Some(at) = x.iter().zip(y).position(|(p, q)| !p.same(q)) {
+            return format!("stream {l}, command {at}, {}", describe(y[at]));
+        }
+        if x.len() != y.len() {
+            return format!("stream {l}: {} commands against {}", y.len(), x.len());
+        }
+    }
+    "none".into()
+}
+
+fn describe(c: &Command) -> String {
+    match c {
+        Command::Launch { entry, .. } => format!("`{entry}`"),
+        Command::Gemm(_) => "a GEMM".into(),
+        Command::HtoD { .. } | Command::DtoH { .. } | Command::DtoD { .. } => "a copy".into(),
+        Command::Zero { .. } => "a memset".into(),
+        Command::Record(_) | Command::Wait(_) => "an event".into(),
+    }
+}
+
+/// Native-endian `u32`s of `bytes` (sampled ids read back).
+pub fn words(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Native-endian `f32`s of `bytes` (logits read back).
+pub fn floats(bytes: &[u8]) -> Vec<f32> {
+    words(bytes).into_iter().map(f32::from_bits).collect()
+}
+
+/// Whether the device computes nothing for `task` when its guard is false, so the task
+/// may run whatever its guard and its routing need not come to the host: an `experts`
+/// task of one fixed expert on a device stream whose every literal is `active` of that
+/// expert in its own layer and micro-batch (Fiddler's resident arm). Its kernels group the
+/// routed tokens on the device ([`super::ops`]' `moe_group`): for an expert no token was
+/// routed to they find no rows and write nothing, which is what skipping it leaves.
+pub fn guard_decided_on_device(task: &PlanTask, on_device: impl Fn(usize) -> bool) -> bool {
+    if task.guard.is_always() || task.cache.is_some() || !on_device(task.stream.index()) {
+        return false;
+    }
+    let Op::Experts {
+        layer,
+        ub,
+        set: ExpertSet::One(ExpertRef::Index(e)),
+    } = task.op
+    else {
+        return false;
+    };
+    task.guard.lits.iter().all(|lit| {
+        !lit.negated
+            && lit.atom
+                == GuardAtom::Active {
+                    layer,
+                    expert: ExpertRef::Index(e),
+                    ub: Some(ub),
+                }
+    })
+}
+
+/// What the plan alone says about recording a step for a graph.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepPlanGraph {
+    /// Why the step cannot be recorded (`None`: it can).
+    pub reason: Option<String>,
+    /// Its guards are all [`guard_decided_on_device`]: the routing read-backs it has for
+    /// them are skipped and the guarded tasks run.
+    pub device_guards: bool,
+}
+
+/// Whether step `step` of `plan` can be recorded for a graph, judged from the plan alone:
+/// not when it is not a decode step (the others do not repeat), or holds a host decision
+/// (a routing read-back for guards the device cannot decide, an expert cache's fetch, a
+/// host stream waiting for device work).
+pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
+    let no = |why: String| StepPlanGraph {
+        reason: Some(why),
+        device_guards: false,
+    };
+    let Some(sp) = plan.steps.get(step) else {
+        return no("not a step of the plan".into());
+    };
+    if sp.kind != StepKind::Decode {
+        return no(format!(
+            "{} steps do not repeat within a batch; graphs are for decode steps",
+            sp.kind.as_str()
+        ));
+    }
+    let on_device = |s: usize| {
+        plan.streams.get(s).is_some_and(|s| {
+            matches!(
+                s.engine,
+                Engine::GpuCompute | Engine::GpuCopyIn | Engine::GpuCopyOut
+            )
+        })
+    };
+    let task = |t: crate::ir::TaskId| plan.tasks.get(t.index());
+    let (mut readbacks, mut caches, mut host_guards, mut hot) = (0, 0, 0, 0);
+    let mut host_wait = None;
+    for (s, program) in sp.programs.iter().enumerate() {
+        for instr in program {
+            match *instr {
+                Instr::ReadRouting(_) => readbacks += 1,
+                Instr::Run(t) => {
+                    if let Some(t) = task(t) {
+                        caches += usize::from(t.cache.is_some());
+                        host_guards += usize::from(
+                            !t.guard.is_always() && !guard_decided_on_device(t, on_device),
+                        );
+                        let hot_set = matches!(
+                            t.op,
+                            Op::Experts {
+                                set: ExpertSet::One(ExpertRef::Hot { .. }),
+                                ..
+                            }
+                        );
+                        let hot_arg = t
+                            .args
+                            .iter()
+                            .any(|a| matches!(a.dynamic_expert, Some(ExpertRef::Hot { .. })));
+                        hot += usize::from(hot_set || hot_arg);
+                    }
+                }
+                Instr::Wait(e) if !on_device(s) && host_wait.is_none() => {
+                    let recorder = sp.events.get(e.0 as usize).and_then(|&t| task(t));
+                    if let Some(r) = recorder.filter(|r| on_device(r.stream.index())) {
+                        host_wait = Some(format!(
+                            "a host stream (`{}`) waits for device task `{}` inside the step",
+                            plan.streams[s].name, r.name
+                        ));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    if readbacks > 0 && (host_guards > 0 || hot > 0) {
+        return no(format!(
+            "the routing of {readbacks} gates is read back to the host for {} tasks' guards \
+             or hot() experts, which the host decides",
+            host_guards + hot
+        ));
+    }
+    if caches > 0 {
+        return no(format!(
+            "{caches} expert-cache fetches pick their slots on the host"
+        ));
+    }
+    match host_wait {
+        Some(why) => no(why),
+        None => StepPlanGraph {
+            reason: None,
+            device_guards: readbacks > 0,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemm(m: i32) -> Command {
+        Command::Gemm(Gemm {
+            bf16: true,
+            transa: true,
+            m,
+            n: 2,
+            k: 8,
+            alpha: 1.0,
+            beta: 0.0,
+            a: (0x1000, 8),
+            b: (0x2000, 8),
+            c: (0x3000, m),
+        })
+    }
+
+    /// Two steps whose streams issued the same commands match however the stream threads
+    /// interleaved them; one changed argument breaks the match, and the difference is
+    /// named by stream, position and kind.
+    #[test]
+    fn steps_match_stream_by_stream_and_a_difference_is_named() {
+        let copy = Command::HtoD {
+            dst: 0x4000,
+            src: 0x5000,
+            bytes: 64,
+        };
+        let a = vec![
+            (0, gemm(4)),
+            (1, Command::Wait(0)),
+            (0, Command::Record(0)),
+            (1, copy.clone()),
+        ];
+        let b = vec![
+            (0, gemm(4)),
+            (0, Command::Record(0)),
+            (1, Command::Wait(0)),
+            (1, copy.clone()),
+        ];
+        assert!(same_work(&a, &b));
+        let c = vec![
+            (0, gemm(4)),
+            (0, Command::Record(0)),
+            (1, Command::Wait(0)),
+            (
+                1,
+                Command::HtoD {
+                    dst: 0x4000,
+                    src: 0x5040,
+                    bytes: 64,
+                },
+            ),
+        ];
+        assert!(!same_work(&a, &c));
+        assert_eq!(first_difference(&a, &c), "stream 1, command 1, a copy");
+        let d = vec![(0, gemm(8)), (0, Command::Record(0))];
+        assert!(!same_work(&a, &d));
+        assert_eq!(first_difference(&a, &d), "stream 0, command 0, a GEMM");
+        assert!(!same_work(&a, &a[..3]));
+    }
+
+    /// Read-backs decode as native-endian words.
+    #[test]
+    fn read_backs_decode_as_native_words() {
+        let bytes: Vec<u8> = [7u32, 1.5f32.to_bits()]
+            .iter()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        assert_eq!(words(&bytes), vec![7, 1.5f32.to_bits()]);
+        assert_eq!(floats(&bytes)[1], 1.5);
+    }
+}
