@@ -14,6 +14,7 @@
 //! (the error names it); every buffer is freed on return.
 
 use super::device::{Device, DeviceError};
+use super::graph::Recorder;
 use super::launch::{int, Arg, DevMatrix, LaunchError, StreamCx, Workspace};
 use crate::model::card::WeightDtype;
 use crate::model::tensor::Orientation;
@@ -237,11 +238,15 @@ pub fn probe(sizes: GpuProbeSizes) -> Result<GpuProbe, GpuProbeError> {
     let blas =
         CudaBlas::new(Arc::clone(&stream)).map_err(|e| GpuProbeError::Blas(e.to_string()))?;
     let workspace = Workspace::default();
+    // Never recording: every call goes to the stream as issued.
+    let recorder = Recorder::new(Vec::new(), Vec::new(), Vec::new());
     let cx = StreamCx {
         device: &device,
         stream: &stream,
         blas: &blas,
         workspace: &workspace,
+        recorder: &recorder,
+        lane: 0,
     };
     let timer = Timer {
         stream: &stream,
@@ -396,7 +401,7 @@ fn projections(
     let (xp, yp) = (addr(cx.stream, &x), addr(cx.stream, &y));
     let call = |rows: usize| {
         move || -> Result<(), GpuProbeError> {
-            cx.workspace.reset();
+            cx.workspace.reset(false);
             Ok(cx.linear(xp, rows, &w, yp, out, false)?)
         }
     };
@@ -649,6 +654,8 @@ fn fixed_costs(
         stream: &other,
         blas: &other_blas,
         workspace: &other_ws,
+        recorder: cx.recorder,
+        lane: 1,
     };
     let ev = || device.ctx.new_event(None).map_err(driver("cuEventCreate"));
     let (there, back) = (ev()?, ev()?);
