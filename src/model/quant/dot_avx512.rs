@@ -50,9 +50,7 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
     match FMT {
         12 | 13 => {
             let sc = side.sc;
-            let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(
-                i64::from_le_bytes(sc),
-            )));
+            let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(sc as i64)));
             let qs_at = if FMT == 13 { 48 } else { 16 };
             let qh =
                 _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p.add(16) as *const __m256i) });

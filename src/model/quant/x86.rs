@@ -134,36 +134,51 @@ impl<'a> GroupedActs<'a> {
 }
 
 /// The scalars of a weight block every body needs: its f16 scales widened, the 6-bit
-/// sub-block scales (Q4_K/Q5_K), `lin`, the coefficient of each of the 16 code sums
+/// sub-block scales (Q4_K/Q5_K, byte j = scale j), `lin`, the coefficient of each of the 16 code sums
 /// (16-bit lanes: min `t / 2` for code sum `t` of a Q4_K/Q5_K block, `32 · scale_t` for
 /// Q6_K), and `pairs`, the coefficients of [`GroupedActs`]' pairs as 32-bit lanes.
 pub(super) struct Side {
     pub dx: f32,
     pub dmin: f32,
-    pub sc: [u8; 8],
+    pub sc: u64,
     pub lin: __m256i,
     pub pairs: __m256i,
 }
 
 /// The f16 at `b[at..at + 2]` widened (exact, as `half` widens it).
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+///
+/// # Safety
+/// F16C available. (Always inlined, without a target feature of its own, so that it
+/// compiles inside its caller's features: as a separate function the `Side` it feeds
+/// came back through memory, and one wide reload of it stalled store forwarding.)
+#[inline(always)]
+unsafe fn f16_at(b: &[u8], at: usize) -> f32 {
     let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    // SAFETY: F16C, the caller's contract.
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits)))) }
 }
 
 /// The [`Side`] of block `b` of format `FMT` (ggml type id).
 ///
 /// # Safety
-/// AVX2 and F16C available; `b` is one whole block of the format.
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
+/// AVX2 and F16C available; `b` is one whole block of the format. Always inlined (see
+/// [`f16_at`]).
+#[inline(always)]
 pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
+    // SAFETY (the intrinsics): AVX2 and F16C, the caller's contract.
+    unsafe { side_body::<FMT>(b) }
+}
+
+/// [`side`]'s body.
+///
+/// # Safety
+/// As [`side`].
+#[inline(always)]
+unsafe fn side_body<const FMT: u32>(b: &[u8]) -> Side {
     match FMT {
         12 | 13 => {
             let (sc, mins) = k4_scales_mins(&b[4..16]);
-            let m = _mm_set1_epi64x(i64::from_le_bytes(mins));
+            let m = _mm_set1_epi64x(mins as i64);
             let dup = _mm_shuffle_epi8(
                 m,
                 _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
@@ -183,7 +198,7 @@ pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
             Side {
                 dx: f16_at(b, 208),
                 dmin: 0.0,
-                sc: [0; 8],
+                sc: 0,
                 lin,
                 pairs: lin,
             }
@@ -191,7 +206,7 @@ pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
         _ => Side {
             dx: f16_at(b, 0),
             dmin: 0.0,
-            sc: [0; 8],
+            sc: 0,
             lin: _mm256_setzero_si256(),
             pairs: _mm256_setzero_si256(),
         },
@@ -339,18 +354,17 @@ pub(super) fn d_values(dx: f32, dy: __m256, isum: __m256i) -> __m256 {
 /// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block from its 12 packed bytes,
 /// four at a time in 32-bit words (the layout of `blocks::scale_min_k4`: words 0 and 1
 /// hold scales/mins 0-3 in their low 6 bits per byte and bits 4-5 of scales/mins 4-7 in
-/// their top 2; word 2 holds the low 4 bits of scale `4 + i` and min `4 + i`).
-pub(super) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+/// their top 2; word 2 holds the low 4 bits of scale `4 + i` and min `4 + i`). Byte `j`
+/// of each result (little-endian) is scale/min `j`; kept in integer registers (a byte
+/// array read back as one word cost a store-forwarding stall per block).
+pub(super) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
     let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
     let (w0, w1, w2) = (word(0), word(1), word(2));
     let sc_lo = w0 & 0x3f3f_3f3f;
     let m_lo = w1 & 0x3f3f_3f3f;
     let sc_hi = (w2 & 0x0f0f_0f0f) | (((w0 >> 6) & 0x0303_0303) << 4);
     let m_hi = ((w2 >> 4) & 0x0f0f_0f0f) | (((w1 >> 6) & 0x0303_0303) << 4);
-    let join = |lo: u32, hi: u32| {
-        let (a, b) = (lo.to_le_bytes(), hi.to_le_bytes());
-        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
-    };
+    let join = |lo: u32, hi: u32| u64::from(lo) | (u64::from(hi) << 32);
     (join(sc_lo, sc_hi), join(m_lo, m_hi))
 }
 
