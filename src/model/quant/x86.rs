@@ -16,6 +16,11 @@ use std::arch::x86_64::*;
 /// Rows per group (the f32 lanes of a 256-bit register).
 pub(super) const GROUP: usize = 8;
 
+/// Up to this many activation rows, each row's block values are formed on their own
+/// (scalar, from its exact totals) rather than eight rows at a time: padding a group of
+/// eight costs more than it saves below four rows.
+pub(super) const FEW_ROWS: usize = 3;
+
 /// The per-block scalars of the activation rows, transposed so a group's eight rows
 /// are adjacent: `d[(b * groups + g) * 8 + l]` and, for Q8_K, the code sums in pairs
 /// `pairs[((b * 8 + p) * groups + g) * 8 + l]` of row `8g + l`: for Q6_K `bsum[2p]` (low
@@ -243,30 +248,31 @@ fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
     (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t))
 }
 
-/// The value of block `b` for a single activation row (row 0), from the lanes of its code
-/// dot product: [`super::dot`]'s scalar arithmetic on the exact totals.
+/// The value of block `b` for activation row `r` alone, from the lanes of its code dot
+/// product: [`super::dot`]'s scalar arithmetic on the exact totals.
 ///
 /// # Safety
-/// AVX2 available; `acts` holds row 0 quantised for `FMT`; `b` in range.
+/// AVX2 available; `acts` holds row `r` quantised for `FMT`; `b` in range.
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) unsafe fn one_row_value<const FMT: u32>(
     s: &Side,
     lanes: __m256i,
     acts: &GroupedActs<'_>,
+    r: usize,
     b: usize,
 ) -> f32 {
-    let dy = acts.q.block_d(0, b);
+    let dy = acts.q.block_d(r, b);
     match FMT {
         12 | 13 => {
             // SAFETY: Q8_K rows (the formats' activations), row 0 and block b exist.
-            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(r, b) }, s.lin);
             let (isum, imin) = hsum2(lanes, mins);
             super::dot::k4_value(s.dx, s.dmin, dy, isum, imin)
         }
         14 => {
             // SAFETY: as above.
-            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(r, b) }, s.lin);
             (s.dx * dy) * hsum(_mm256_sub_epi32(lanes, mins)) as f32
         }
         _ => (s.dx * dy) * hsum(lanes) as f32,
@@ -394,7 +400,8 @@ macro_rules! panel_body {
             local: &mut [f32],
         ) {
             use crate::model::quant::x86::{
-                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, GROUP,
+                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, FEW_ROWS,
+                GROUP,
             };
             use std::arch::x86_64::*;
             let bb = w.format().block_bytes();
@@ -402,18 +409,26 @@ macro_rules! panel_body {
             // SAFETY (the unsafe blocks below): the features are the caller's contract;
             // blocks are whole (rows are whole blocks); activation rows and blocks are
             // inside `acts`.
-            if acts.q.n_rows == 1 {
+            let n_rows = acts.q.n_rows;
+            if n_rows <= FEW_ROWS {
+                // Few rows: each row's block value from its own totals (no group of eight
+                // to fill), the block decoded once for all of them.
                 for i in 0..rows {
                     let row = w.row(o0 + i);
-                    let mut acc = 0.0f32;
+                    let mut acc = [0.0f32; FEW_ROWS];
                     for (b, block) in row.chunks_exact(bb).enumerate() {
-                        acc += unsafe {
+                        unsafe {
                             let s = side::<FMT>(block);
-                            let lanes = $dot::<FMT>(&$decode::<FMT>(block, &s), acts.codes(0, b));
-                            one_row_value::<FMT>(&s, lanes, acts, b)
-                        };
+                            let dec: $dec = $decode::<FMT>(block, &s);
+                            for (r, a) in acc.iter_mut().enumerate().take(n_rows) {
+                                let lanes = $dot::<FMT>(&dec, acts.codes(r, b));
+                                *a += one_row_value::<FMT>(&s, lanes, acts, r, b);
+                            }
+                        }
                     }
-                    local[i] = acc;
+                    for (r, a) in acc.iter().enumerate().take(n_rows) {
+                        local[r * rows + i] = *a;
+                    }
                 }
                 return;
             }
