@@ -1,6 +1,7 @@
 //! What the AVX2 and AVX-512 quantised-product bodies share: the activation side laid out
-//! for eight rows at a time, the reduction of eight rows' integer lanes, the f32 block
-//! values of eight rows, and the loop over weight rows, blocks and row groups.
+//! for eight rows at a time, a block's scalars ([`Side`]), the reduction of eight rows'
+//! integer lanes, the f32 block values of one row or of eight, and the loop over weight
+//! rows, blocks and row groups ([`panel_body`]).
 //!
 //! Why eight rows at a time: a block's integer sums come out of the dot-product
 //! instructions as lanes of partial sums, one register per activation row; reducing
@@ -375,12 +376,16 @@ pub(super) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
 }
 
 /// One panel of weight rows through a body's block decoder and row dot product: for
-/// each weight row, each block is decoded once, then every group of eight activation
-/// rows takes its dot products, [`reduce8`] and the block values of its format, added
-/// to the group's accumulators block by block (the order of `matmul`).
+/// each weight row, each block is decoded once, then (up to [`FEW_ROWS`] rows) each
+/// row's block value is formed from its own totals, or (more rows) every group of eight
+/// activation rows takes its dot products, [`reduce8`] and the block values of its
+/// format; either way each output adds its block values one by one in block order (the
+/// order of `matmul`). With many rows the blocks are taken in k-chunks
+/// ([`chunk_blocks`]) so the activation codes a chunk reads stay in L2; the order per
+/// output does not change.
 ///
-/// `$features` are the body's target features; `$decode(block: &[u8]) -> Dec` and
-/// `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
+/// `$features` are the body's target features; `$decode(block: &[u8], &Side) -> Dec`
+/// and `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
 /// functions, chosen by the `FMT` const parameter of the generated function.
 macro_rules! panel_body {
     ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident) => {
