@@ -278,6 +278,7 @@ fn bench(c: &mut Criterion) {
     let small = Set::new(QuantFormat::Q4K, 1024, 3584);
     one_thread(&small, qk, k);
     one_thread(&Set::new(QuantFormat::Q6K, 1024, 3584), qk, k);
+    one_thread(&Set::new(QuantFormat::Q8_0, 1024, 3584), qk, k);
     if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() {
         return;
     }

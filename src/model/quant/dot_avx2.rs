@@ -123,4 +123,4 @@ pub(super) unsafe fn dot<const FMT: u32>(d: &Dec, a: *const i8) -> __m256i {
     }
 }
 
-panel_body!(panel, "avx2,fma,f16c", Dec, decode, dot);
+panel_body!(panel, "avx2,fma,f16c", Dec, decode, dot, false);

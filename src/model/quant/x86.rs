@@ -35,6 +35,12 @@ pub(super) struct GroupedActs<'a> {
     pub groups: usize,
     d: Vec<f32>,
     pairs: Vec<i32>,
+    /// Q8_0: `128 · Σ codes` of each block, laid out as `d`.
+    offsets: Vec<i32>,
+    /// The codes block-major, `[block][row][block_elems]`: one block of consecutive rows
+    /// is contiguous. (Row-major, rows 3584 bytes apart mapped a block of 64 rows onto 8
+    /// of L1's 64 sets, and Q8_0's 32-byte blocks thrashed them.)
+    codes: Vec<i8>,
 }
 
 impl<'a> GroupedActs<'a> {
@@ -68,11 +74,31 @@ impl<'a> GroupedActs<'a> {
                 }
             }
         }
+        let mut offsets = Vec::new();
+        if q.format == ActFormat::Q8_0 {
+            offsets = vec![0i32; nb * padded];
+            for r in 0..q.n_rows {
+                for b in 0..nb {
+                    let sum: i32 = q.block_qs(r, b).iter().map(|&c| i32::from(c)).sum();
+                    offsets[b * padded + r] = 128 * sum;
+                }
+            }
+        }
+        let be = q.format.block_elems();
+        let mut codes = vec![0i8; q.qs.len()];
+        for b in 0..nb {
+            for r in 0..q.n_rows {
+                let at = (b * q.n_rows + r) * be;
+                codes[at..at + be].copy_from_slice(q.block_qs(r, b));
+            }
+        }
         GroupedActs {
             q,
             groups,
             d,
             pairs,
+            offsets,
+            codes,
         }
     }
 
@@ -81,9 +107,11 @@ impl<'a> GroupedActs<'a> {
         GROUP.min(self.q.n_rows - g * GROUP)
     }
 
-    /// The codes of block `b` of row `r`.
+    /// The codes of block `b` of row `r` (the rows of a block are consecutive).
     pub fn codes(&self, r: usize, b: usize) -> *const i8 {
-        self.q.block_qs(r, b).as_ptr()
+        let be = self.q.format.block_elems();
+        let at = (b * self.q.n_rows + r) * be;
+        self.codes[at..at + be].as_ptr()
     }
 
     /// The eight scales of group `g`, block `b`.
@@ -125,6 +153,24 @@ impl<'a> GroupedActs<'a> {
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, *c));
         }
         acc
+    }
+
+    /// Q8_0: `128 · Σ codes` of block `b` of row `r`.
+    pub fn offset(&self, r: usize, b: usize) -> i32 {
+        self.offsets[b * self.groups * GROUP + r]
+    }
+
+    /// Q8_0: `128 · Σ codes` of block `b` of the eight rows of group `g`.
+    ///
+    /// # Safety
+    /// AVX available; the rows are Q8_0; `b` and `g` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn offsets(&self, b: usize, g: usize) -> __m256i {
+        let at = (b * self.groups + g) * GROUP;
+        debug_assert!(at + GROUP <= self.offsets.len());
+        // SAFETY: `offsets` holds `nb * groups * 8` values and b < nb, g < groups.
+        unsafe { _mm256_loadu_si256(self.offsets.as_ptr().add(at) as *const __m256i) }
     }
 
     /// Q8_K: the 16 code sums of block `b` of row `r`, as 16-bit lanes.
@@ -386,9 +432,11 @@ pub(super) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
 ///
 /// `$features` are the body's target features; `$decode(block: &[u8], &Side) -> Dec`
 /// and `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
-/// functions, chosen by the `FMT` const parameter of the generated function.
+/// functions, chosen by the `FMT` const parameter of the generated function;
+/// `$q8_0_offset`: the body's Q8_0 dot multiplies `w + 128`, so `128 · Σ a` of the
+/// activation block ([`GroupedActs::offsets`]) is subtracted from each total.
 macro_rules! panel_body {
-    ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident) => {
+    ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident, $q8_0_offset:literal) => {
         /// Weight rows `o0..o0 + rows` of `w` (format `FMT` as `QuantFormat::ggml_type`)
         /// times every row of `acts` into `local[r * rows + i]`.
         ///
@@ -426,7 +474,15 @@ macro_rules! panel_body {
                             let s = side::<FMT>(block);
                             let dec: $dec = $decode::<FMT>(block, &s);
                             for (r, a) in acc.iter_mut().enumerate().take(n_rows) {
-                                let lanes = $dot::<FMT>(&dec, acts.codes(r, b));
+                                let mut lanes = $dot::<FMT>(&dec, acts.codes(r, b));
+                                if FMT == 8 && $q8_0_offset {
+                                    lanes = _mm256_sub_epi32(
+                                        lanes,
+                                        _mm256_castsi128_si256(_mm_cvtsi32_si128(
+                                            acts.offset(r, b),
+                                        )),
+                                    );
+                                }
                                 *a += one_row_value::<FMT>(&s, lanes, acts, r, b);
                             }
                         }
@@ -457,12 +513,17 @@ macro_rules! panel_body {
                             };
                             for (g, a) in acc.iter_mut().enumerate() {
                                 let mut sums = [_mm256_setzero_si256(); GROUP];
-                                // The group's rows are `cols` codes apart.
+                                // The group's rows of block b are one block apart.
                                 let first = acts.codes(g * GROUP, b);
+                                let be = w.format().block_elems();
                                 for (l, v) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
-                                    *v = $dot::<FMT>(&dec, first.add(l * w.cols));
+                                    *v = $dot::<FMT>(&dec, first.add(l * be));
                                 }
-                                let v = group_values::<FMT>(&s, &coef, reduce8(&sums), acts, b, g);
+                                let mut isum = reduce8(&sums);
+                                if FMT == 8 && $q8_0_offset {
+                                    isum = _mm256_sub_epi32(isum, acts.offsets(b, g));
+                                }
+                                let v = group_values::<FMT>(&s, &coef, isum, acts, b, g);
                                 *a = _mm256_add_ps(*a, v);
                             }
                         }
