@@ -12,9 +12,12 @@
 //! Printed per point: the quantised product's time and GB/s of weight bytes, the bf16
 //! product's time and GB/s, and the speed-up (bf16 time / quantised time), each the
 //! median of [`ROUNDS`] interleaved rounds (quantised then bf16 in each round, so both
-//! see the same machine load). Then the bodies against each other (portable, AVX2,
-//! AVX-512 VNNI where this CPU has them) at the small shape, and criterion's timing of
-//! the selected body at 1 and 16 rows.
+//! see the same machine load). First, the small shape on a one-thread pool timed by that
+//! thread's CPU time (other processes on shared cores inflate wall time far more than
+//! CPU time; `QUANT_BENCH_ONE_THREAD_ONLY=1` stops after it); then wall time on all
+//! threads; then the bodies against each other (portable, AVX2, AVX-512 VNNI where this
+//! CPU has them) at the small shape, and criterion's timing of the selected body at 1
+//! and 16 rows.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
@@ -84,7 +87,7 @@ struct Set {
 }
 
 impl Set {
-    fn new(format: QuantFormat, out: usize, inp: usize, with_dense: bool) -> Self {
+    fn new(format: QuantFormat, out: usize, inp: usize) -> Self {
         let bytes = format.bytes_for(out * inp).expect("whole blocks");
         let n = SET_BYTES.div_ceil(bytes);
         Set {
@@ -94,13 +97,9 @@ impl Set {
             quant: (0..n)
                 .map(|e| quant_bytes(format, out * inp, e as u64 + 1))
                 .collect(),
-            dense: if with_dense {
-                (0..n)
-                    .map(|e| bf16_matrix(out * inp, e as u64 + 7))
-                    .collect()
-            } else {
-                Vec::new()
-            },
+            dense: (0..n)
+                .map(|e| bf16_matrix(out * inp, e as u64 + 7))
+                .collect(),
         }
     }
 
@@ -276,17 +275,19 @@ fn bench(c: &mut Criterion) {
     println!("{}", moec::model::kernels::isa::describe());
     println!("{}", describe(k));
     println!("threads: {}", rayon::current_num_threads());
-    let small = Set::new(QuantFormat::Q4K, 1024, 3584, true);
+    let small = Set::new(QuantFormat::Q4K, 1024, 3584);
     one_thread(&small, qk, k);
+    one_thread(&Set::new(QuantFormat::Q6K, 1024, 3584), qk, k);
+    one_thread(&Set::new(QuantFormat::Q8_0, 1024, 3584), qk, k);
     if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() {
         return;
     }
     against_bf16(&small, qk, k);
-    let big = Set::new(QuantFormat::Q4K, 4096, 14336, true);
+    let big = Set::new(QuantFormat::Q4K, 4096, 14336);
     against_bf16(&big, qk, k);
     drop(big);
     for format in [QuantFormat::Q6K, QuantFormat::Q5K, QuantFormat::Q8_0] {
-        against_bf16(&Set::new(format, 1024, 3584, true), qk, k);
+        against_bf16(&Set::new(format, 1024, 3584), qk, k);
     }
     bodies(&small);
 

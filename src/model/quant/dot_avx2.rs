@@ -35,7 +35,7 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
     match FMT {
         12 | 13 => {
             let sc = side.sc;
-            let sc16 = _mm256_cvtepu8_epi16(_mm_set1_epi64x(i64::from_le_bytes(sc)));
+            let sc16 = _mm256_cvtepu8_epi16(_mm_set1_epi64x(sc as i64));
             // Both halves hold the eight 16-bit scales; a byte shuffle broadcasts one.
             let dup = _mm256_permute2x128_si256::<0x00>(sc16, sc16);
             let qs_at = if FMT == 13 { 48 } else { 16 };
@@ -123,4 +123,4 @@ pub(super) unsafe fn dot<const FMT: u32>(d: &Dec, a: *const i8) -> __m256i {
     }
 }
 
-panel_body!(panel, "avx2,fma,f16c", Dec, decode, dot);
+panel_body!(panel, "avx2,fma,f16c", Dec, decode, dot, false);

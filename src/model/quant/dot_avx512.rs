@@ -4,8 +4,9 @@
 //! lane), the four registers' lanes packed pairwise to 16 bits (`vpackssdw`) and scaled
 //! by the sub-block scales with VNNI's `vpdpwssd`: six multiplying instructions per 256
 //! codes, against eight for `vpmaddubsw` + `vpdpwssd` per register. Q8_0 blocks (32
-//! signed codes, one scale) take one `vpdpbusd` (`|w|` times the activation with `w`'s
-//! sign). The 16 lanes are folded to 8 (integer adds) and handed to the loop of
+//! signed codes, one scale) take one `vpdpbusd` of the unsigned codes `w + 128` with the
+//! activation (no intermediate saturation, unlike `vpmaddubsw`), and the `128 · Σ a`
+//! this adds is taken off eight rows' totals at once. The 16 lanes are folded to 8 (integer adds) and handed to the loop of
 //! [`super::x86`].
 //!
 //! Guarantees: the integer sums are exact and everything after them is [`super::x86`]'s,
@@ -50,9 +51,7 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
     match FMT {
         12 | 13 => {
             let sc = side.sc;
-            let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(
-                i64::from_le_bytes(sc),
-            )));
+            let sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_set1_epi64x(sc as i64)));
             let qs_at = if FMT == 13 { 48 } else { 16 };
             let qh =
                 _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p.add(16) as *const __m256i) });
@@ -112,7 +111,9 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
         }
         _ => {
             let w = unsafe { _mm256_loadu_si256(p.add(2) as *const __m256i) };
-            d.q8 = [_mm256_abs_epi8(w), w];
+            // Unsigned codes `w + 128` (the top bit flipped); the `128 · Σ a` this adds is
+            // taken off the totals (`Q8_0_OFFSET` of `panel_body!`).
+            d.q8 = [_mm256_xor_si256(w, _mm256_set1_epi8(-128)), w];
         }
     }
     d
@@ -159,11 +160,7 @@ pub(super) unsafe fn dot<const FMT: u32>(d: &Dec, a: *const i8) -> __m256i {
         }
         _ => {
             let x = unsafe { _mm256_loadu_si256(a as *const __m256i) };
-            _mm256_dpbusd_epi32(
-                _mm256_setzero_si256(),
-                d.q8[0],
-                _mm256_sign_epi8(x, d.q8[1]),
-            )
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), d.q8[0], x)
         }
     }
 }
@@ -173,5 +170,6 @@ panel_body!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     Dec,
     decode,
-    dot
+    dot,
+    true
 );

@@ -1,6 +1,7 @@
 //! What the AVX2 and AVX-512 quantised-product bodies share: the activation side laid out
-//! for eight rows at a time, the reduction of eight rows' integer lanes, the f32 block
-//! values of eight rows, and the loop over weight rows, blocks and row groups.
+//! for eight rows at a time, a block's scalars ([`Side`]), the reduction of eight rows'
+//! integer lanes, the f32 block values of one row or of eight, and the loop over weight
+//! rows, blocks and row groups ([`panel_body`]).
 //!
 //! Why eight rows at a time: a block's integer sums come out of the dot-product
 //! instructions as lanes of partial sums, one register per activation row; reducing
@@ -16,6 +17,11 @@ use std::arch::x86_64::*;
 /// Rows per group (the f32 lanes of a 256-bit register).
 pub(super) const GROUP: usize = 8;
 
+/// Up to this many activation rows, each row's block values are formed on their own
+/// (scalar, from its exact totals) rather than eight rows at a time: padding a group of
+/// eight costs more than it saves below four rows.
+pub(super) const FEW_ROWS: usize = 3;
+
 /// The per-block scalars of the activation rows, transposed so a group's eight rows
 /// are adjacent: `d[(b * groups + g) * 8 + l]` and, for Q8_K, the code sums in pairs
 /// `pairs[((b * 8 + p) * groups + g) * 8 + l]` of row `8g + l`: for Q6_K `bsum[2p]` (low
@@ -29,6 +35,12 @@ pub(super) struct GroupedActs<'a> {
     pub groups: usize,
     d: Vec<f32>,
     pairs: Vec<i32>,
+    /// Q8_0: `128 · Σ codes` of each block, laid out as `d`.
+    offsets: Vec<i32>,
+    /// The codes block-major, `[block][row][block_elems]`: one block of consecutive rows
+    /// is contiguous. (Row-major, rows 3584 bytes apart mapped a block of 64 rows onto 8
+    /// of L1's 64 sets, and Q8_0's 32-byte blocks thrashed them.)
+    codes: Vec<i8>,
 }
 
 impl<'a> GroupedActs<'a> {
@@ -62,11 +74,31 @@ impl<'a> GroupedActs<'a> {
                 }
             }
         }
+        let mut offsets = Vec::new();
+        if q.format == ActFormat::Q8_0 {
+            offsets = vec![0i32; nb * padded];
+            for r in 0..q.n_rows {
+                for b in 0..nb {
+                    let sum: i32 = q.block_qs(r, b).iter().map(|&c| i32::from(c)).sum();
+                    offsets[b * padded + r] = 128 * sum;
+                }
+            }
+        }
+        let be = q.format.block_elems();
+        let mut codes = vec![0i8; q.qs.len()];
+        for b in 0..nb {
+            for r in 0..q.n_rows {
+                let at = (b * q.n_rows + r) * be;
+                codes[at..at + be].copy_from_slice(q.block_qs(r, b));
+            }
+        }
         GroupedActs {
             q,
             groups,
             d,
             pairs,
+            offsets,
+            codes,
         }
     }
 
@@ -75,9 +107,11 @@ impl<'a> GroupedActs<'a> {
         GROUP.min(self.q.n_rows - g * GROUP)
     }
 
-    /// The codes of block `b` of row `r`.
+    /// The codes of block `b` of row `r` (the rows of a block are consecutive).
     pub fn codes(&self, r: usize, b: usize) -> *const i8 {
-        self.q.block_qs(r, b).as_ptr()
+        let be = self.q.format.block_elems();
+        let at = (b * self.q.n_rows + r) * be;
+        self.codes[at..at + be].as_ptr()
     }
 
     /// The eight scales of group `g`, block `b`.
@@ -121,6 +155,24 @@ impl<'a> GroupedActs<'a> {
         acc
     }
 
+    /// Q8_0: `128 · Σ codes` of block `b` of row `r`.
+    pub fn offset(&self, r: usize, b: usize) -> i32 {
+        self.offsets[b * self.groups * GROUP + r]
+    }
+
+    /// Q8_0: `128 · Σ codes` of block `b` of the eight rows of group `g`.
+    ///
+    /// # Safety
+    /// AVX available; the rows are Q8_0; `b` and `g` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn offsets(&self, b: usize, g: usize) -> __m256i {
+        let at = (b * self.groups + g) * GROUP;
+        debug_assert!(at + GROUP <= self.offsets.len());
+        // SAFETY: `offsets` holds `nb * groups * 8` values and b < nb, g < groups.
+        unsafe { _mm256_loadu_si256(self.offsets.as_ptr().add(at) as *const __m256i) }
+    }
+
     /// Q8_K: the 16 code sums of block `b` of row `r`, as 16-bit lanes.
     ///
     /// # Safety
@@ -134,36 +186,51 @@ impl<'a> GroupedActs<'a> {
 }
 
 /// The scalars of a weight block every body needs: its f16 scales widened, the 6-bit
-/// sub-block scales (Q4_K/Q5_K), `lin`, the coefficient of each of the 16 code sums
+/// sub-block scales (Q4_K/Q5_K, byte j = scale j), `lin`, the coefficient of each of the 16 code sums
 /// (16-bit lanes: min `t / 2` for code sum `t` of a Q4_K/Q5_K block, `32 · scale_t` for
 /// Q6_K), and `pairs`, the coefficients of [`GroupedActs`]' pairs as 32-bit lanes.
 pub(super) struct Side {
     pub dx: f32,
     pub dmin: f32,
-    pub sc: [u8; 8],
+    pub sc: u64,
     pub lin: __m256i,
     pub pairs: __m256i,
 }
 
 /// The f16 at `b[at..at + 2]` widened (exact, as `half` widens it).
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+///
+/// # Safety
+/// F16C available. (Always inlined, without a target feature of its own, so that it
+/// compiles inside its caller's features: as a separate function the `Side` it feeds
+/// came back through memory, and one wide reload of it stalled store forwarding.)
+#[inline(always)]
+unsafe fn f16_at(b: &[u8], at: usize) -> f32 {
     let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    // SAFETY: F16C, the caller's contract.
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits)))) }
 }
 
 /// The [`Side`] of block `b` of format `FMT` (ggml type id).
 ///
 /// # Safety
-/// AVX2 and F16C available; `b` is one whole block of the format.
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
+/// AVX2 and F16C available; `b` is one whole block of the format. Always inlined (see
+/// [`f16_at`]).
+#[inline(always)]
 pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
+    // SAFETY (the intrinsics): AVX2 and F16C, the caller's contract.
+    unsafe { side_body::<FMT>(b) }
+}
+
+/// [`side`]'s body.
+///
+/// # Safety
+/// As [`side`].
+#[inline(always)]
+unsafe fn side_body<const FMT: u32>(b: &[u8]) -> Side {
     match FMT {
         12 | 13 => {
             let (sc, mins) = k4_scales_mins(&b[4..16]);
-            let m = _mm_set1_epi64x(i64::from_le_bytes(mins));
+            let m = _mm_set1_epi64x(mins as i64);
             let dup = _mm_shuffle_epi8(
                 m,
                 _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
@@ -183,7 +250,7 @@ pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
             Side {
                 dx: f16_at(b, 208),
                 dmin: 0.0,
-                sc: [0; 8],
+                sc: 0,
                 lin,
                 pairs: lin,
             }
@@ -191,7 +258,7 @@ pub(super) unsafe fn side<const FMT: u32>(b: &[u8]) -> Side {
         _ => Side {
             dx: f16_at(b, 0),
             dmin: 0.0,
-            sc: [0; 8],
+            sc: 0,
             lin: _mm256_setzero_si256(),
             pairs: _mm256_setzero_si256(),
         },
@@ -228,30 +295,31 @@ fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
     (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t))
 }
 
-/// The value of block `b` for a single activation row (row 0), from the lanes of its code
-/// dot product: [`super::dot`]'s scalar arithmetic on the exact totals.
+/// The value of block `b` for activation row `r` alone, from the lanes of its code dot
+/// product: [`super::dot`]'s scalar arithmetic on the exact totals.
 ///
 /// # Safety
-/// AVX2 available; `acts` holds row 0 quantised for `FMT`; `b` in range.
+/// AVX2 available; `acts` holds row `r` quantised for `FMT`; `b` in range.
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) unsafe fn one_row_value<const FMT: u32>(
     s: &Side,
     lanes: __m256i,
     acts: &GroupedActs<'_>,
+    r: usize,
     b: usize,
 ) -> f32 {
-    let dy = acts.q.block_d(0, b);
+    let dy = acts.q.block_d(r, b);
     match FMT {
         12 | 13 => {
             // SAFETY: Q8_K rows (the formats' activations), row 0 and block b exist.
-            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(r, b) }, s.lin);
             let (isum, imin) = hsum2(lanes, mins);
             super::dot::k4_value(s.dx, s.dmin, dy, isum, imin)
         }
         14 => {
             // SAFETY: as above.
-            let mins = _mm256_madd_epi16(unsafe { acts.bsums(0, b) }, s.lin);
+            let mins = _mm256_madd_epi16(unsafe { acts.bsums(r, b) }, s.lin);
             (s.dx * dy) * hsum(_mm256_sub_epi32(lanes, mins)) as f32
         }
         _ => (s.dx * dy) * hsum(lanes) as f32,
@@ -339,31 +407,36 @@ pub(super) fn d_values(dx: f32, dy: __m256, isum: __m256i) -> __m256 {
 /// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block from its 12 packed bytes,
 /// four at a time in 32-bit words (the layout of `blocks::scale_min_k4`: words 0 and 1
 /// hold scales/mins 0-3 in their low 6 bits per byte and bits 4-5 of scales/mins 4-7 in
-/// their top 2; word 2 holds the low 4 bits of scale `4 + i` and min `4 + i`).
-pub(super) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+/// their top 2; word 2 holds the low 4 bits of scale `4 + i` and min `4 + i`). Byte `j`
+/// of each result (little-endian) is scale/min `j`; kept in integer registers (a byte
+/// array read back as one word cost a store-forwarding stall per block).
+pub(super) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
     let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
     let (w0, w1, w2) = (word(0), word(1), word(2));
     let sc_lo = w0 & 0x3f3f_3f3f;
     let m_lo = w1 & 0x3f3f_3f3f;
     let sc_hi = (w2 & 0x0f0f_0f0f) | (((w0 >> 6) & 0x0303_0303) << 4);
     let m_hi = ((w2 >> 4) & 0x0f0f_0f0f) | (((w1 >> 6) & 0x0303_0303) << 4);
-    let join = |lo: u32, hi: u32| {
-        let (a, b) = (lo.to_le_bytes(), hi.to_le_bytes());
-        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
-    };
+    let join = |lo: u32, hi: u32| u64::from(lo) | (u64::from(hi) << 32);
     (join(sc_lo, sc_hi), join(m_lo, m_hi))
 }
 
 /// One panel of weight rows through a body's block decoder and row dot product: for
-/// each weight row, each block is decoded once, then every group of eight activation
-/// rows takes its dot products, [`reduce8`] and the block values of its format, added
-/// to the group's accumulators block by block (the order of `matmul`).
+/// each weight row, each block is decoded once, then (up to [`FEW_ROWS`] rows) each
+/// row's block value is formed from its own totals, or (more rows) every group of eight
+/// activation rows takes its dot products, [`reduce8`] and the block values of its
+/// format; either way each output adds its block values one by one in block order (the
+/// order of `matmul`). With many rows the blocks are taken in k-chunks
+/// ([`chunk_blocks`]) so the activation codes a chunk reads stay in L2; the order per
+/// output does not change.
 ///
-/// `$features` are the body's target features; `$decode(block: &[u8]) -> Dec` and
-/// `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
-/// functions, chosen by the `FMT` const parameter of the generated function.
+/// `$features` are the body's target features; `$decode(block: &[u8], &Side) -> Dec`
+/// and `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
+/// functions, chosen by the `FMT` const parameter of the generated function;
+/// `$q8_0_offset`: the body's Q8_0 dot multiplies `w + 128`, so `128 · Σ a` of the
+/// activation block ([`GroupedActs::offsets`]) is subtracted from each total.
 macro_rules! panel_body {
-    ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident) => {
+    ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident, $q8_0_offset:literal) => {
         /// Weight rows `o0..o0 + rows` of `w` (format `FMT` as `QuantFormat::ggml_type`)
         /// times every row of `acts` into `local[r * rows + i]`.
         ///
@@ -380,7 +453,8 @@ macro_rules! panel_body {
             local: &mut [f32],
         ) {
             use crate::model::quant::x86::{
-                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, GROUP,
+                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, FEW_ROWS,
+                GROUP,
             };
             use std::arch::x86_64::*;
             let bb = w.format().block_bytes();
@@ -388,18 +462,34 @@ macro_rules! panel_body {
             // SAFETY (the unsafe blocks below): the features are the caller's contract;
             // blocks are whole (rows are whole blocks); activation rows and blocks are
             // inside `acts`.
-            if acts.q.n_rows == 1 {
+            let n_rows = acts.q.n_rows;
+            if n_rows <= FEW_ROWS {
+                // Few rows: each row's block value from its own totals (no group of eight
+                // to fill), the block decoded once for all of them.
                 for i in 0..rows {
                     let row = w.row(o0 + i);
-                    let mut acc = 0.0f32;
+                    let mut acc = [0.0f32; FEW_ROWS];
                     for (b, block) in row.chunks_exact(bb).enumerate() {
-                        acc += unsafe {
+                        unsafe {
                             let s = side::<FMT>(block);
-                            let lanes = $dot::<FMT>(&$decode::<FMT>(block, &s), acts.codes(0, b));
-                            one_row_value::<FMT>(&s, lanes, acts, b)
-                        };
+                            let dec: $dec = $decode::<FMT>(block, &s);
+                            for (r, a) in acc.iter_mut().enumerate().take(n_rows) {
+                                let mut lanes = $dot::<FMT>(&dec, acts.codes(r, b));
+                                if FMT == 8 && $q8_0_offset {
+                                    lanes = _mm256_sub_epi32(
+                                        lanes,
+                                        _mm256_castsi128_si256(_mm_cvtsi32_si128(
+                                            acts.offset(r, b),
+                                        )),
+                                    );
+                                }
+                                *a += one_row_value::<FMT>(&s, lanes, acts, r, b);
+                            }
+                        }
                     }
-                    local[i] = acc;
+                    for (r, a) in acc.iter().enumerate().take(n_rows) {
+                        local[r * rows + i] = *a;
+                    }
                 }
                 return;
             }
@@ -423,12 +513,17 @@ macro_rules! panel_body {
                             };
                             for (g, a) in acc.iter_mut().enumerate() {
                                 let mut sums = [_mm256_setzero_si256(); GROUP];
-                                // The group's rows are `cols` codes apart.
+                                // The group's rows of block b are one block apart.
                                 let first = acts.codes(g * GROUP, b);
+                                let be = w.format().block_elems();
                                 for (l, v) in sums.iter_mut().enumerate().take(acts.group_len(g)) {
-                                    *v = $dot::<FMT>(&dec, first.add(l * w.cols));
+                                    *v = $dot::<FMT>(&dec, first.add(l * be));
                                 }
-                                let v = group_values::<FMT>(&s, &coef, reduce8(&sums), acts, b, g);
+                                let mut isum = reduce8(&sums);
+                                if FMT == 8 && $q8_0_offset {
+                                    isum = _mm256_sub_epi32(isum, acts.offsets(b, g));
+                                }
+                                let v = group_values::<FMT>(&s, &coef, isum, acts, b, g);
                                 *a = _mm256_add_ps(*a, v);
                             }
                         }
