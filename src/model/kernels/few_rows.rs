@@ -42,6 +42,21 @@ pub(super) struct EvenOddRows {
 }
 
 impl EvenOddRows {
+    /// Activation rows held.
+    pub(super) fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+
+    /// Values per padded row (a multiple of 16).
+    pub(super) fn padded(&self) -> usize {
+        self.padded
+    }
+
+    /// The rows, `padded` values each.
+    pub(super) fn data(&self) -> &[f32] {
+        &self.data
+    }
+
     /// Lays out `n_rows` rows of `k_len` values of `x` (`x.len() >= n_rows * k_len`).
     pub(super) fn new(x: &[f32], n_rows: usize, k_len: usize) -> Self {
         let padded = k_len.div_ceil(16) * 16;
@@ -239,7 +254,7 @@ impl Ctx {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn reduce(even: __m256, odd: __m256) -> f32 {
+pub(super) fn reduce(even: __m256, odd: __m256) -> f32 {
     let e8 = _mm_add_ps(
         _mm256_castps256_ps128(even),
         _mm256_extractf128_ps::<1>(even),
