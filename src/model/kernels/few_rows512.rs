@@ -4,9 +4,12 @@
 //! products.
 //!
 //! The design of the AVX2 body ([`super::few_rows`]) at 512 bits, with the 32 registers
-//! spent on wider register blocks: all of a call's rows (up to 8 at a time) in one block, so
-//! each weight is loaded and widened once per 8 activation rows and no block computes rows
-//! only to discard them (the general AVX-512 body's 4 x 4 blocks did at 1, 2 and 3 rows).
+//! spent on register blocks that fit the rows: groups of up to 4 activation rows, each in
+//! one block (8 weight rows x 1 activation row, 4 x 2, 4 x 3 or 4 x 4), so each weight is
+//! loaded and widened once per group and no block computes rows only to discard them (the
+//! general AVX-512 body's 4 x 4 blocks did at 1, 2 and 3 rows). A group of activation rows
+//! stays in L1 while the panel's weight rows stream past it; the panel stays in L2 for the
+//! next group.
 //! A 16-block of bf16 weights is widened by one 256-bit broadcast load and one byte shuffle
 //! (`vpshufb` puts the 8 even elements in the low half of the register and the 8 odd ones
 //! in the high half, each as the high 16 bits of an f32 with zeroed low bits), against the
@@ -23,13 +26,17 @@
 use super::few_rows::{self, EvenOddRows};
 use std::arch::x86_64::*;
 
-/// Activation rows per call from which the general body's 4 x 4 blocks take over. Above
-/// 8 the rows go through blocks of 8 (a weight block stays in L1 between them), so the
-/// bound is where the measured crossover lies (docs/performance.md).
+/// The most activation rows this body takes; from 17 rows on the general body's 4 x 4
+/// blocks take over. Measured with `benches/few_rows.rs` (docs/performance.md), the
+/// expert FFN at 1, 2, 4, 8 and 16 rows ran 1.5-1.7x, 1.1-1.2x, 1.2x, 1.2x and 1.2x faster
+/// than through the 4 x 4 blocks, the lm_head at 8 rows 1.24x; more rows were not measured.
 pub(super) const MAX_ROWS: usize = 16;
 
 /// Activation rows one register block takes at most.
-const GROUP_ROWS: usize = 8;
+const GROUP_ROWS: usize = 4;
+
+// `Ctx::dispatch` has register blocks for up to 4 activation rows.
+const _: () = assert!(GROUP_ROWS <= 4);
 
 /// As [`few_rows`]'s prefetch distance (the same measurement).
 const PREFETCH_ROWS: usize = 16;
@@ -62,30 +69,32 @@ pub(super) unsafe fn panel(
         shuffle: widen_control(),
     };
     let mut out = Out { local, rows };
-    // Weight rows outermost: a block of weight rows stays in L1 while every group of
-    // activation rows passes it.
-    let mut o = 0;
-    while o < rows {
-        let wr = block_rows(n_rows.min(GROUP_ROWS)).min(rows - o);
-        let mut t = 0;
-        while t < n_rows {
-            let xr = (n_rows - t).min(GROUP_ROWS);
+    // Groups of up to 4 activation rows outermost: a group stays in L1 while the panel's
+    // weight rows stream past it once, and the panel (64 weight rows) stays in L2 for the
+    // next group. (Weight rows outermost with 8-row blocks kept the activation rows in L2
+    // instead, which measured slower than the general body from 8 rows on.)
+    let mut t = 0;
+    while t < n_rows {
+        let xr = (n_rows - t).min(GROUP_ROWS);
+        let full_block = block_rows(xr);
+        let mut o = 0;
+        while o < rows {
+            let wr = full_block.min(rows - o);
             // SAFETY: weight rows o0 + o .. o0 + o + wr <= o0 + rows and activation rows
             // t .. t + xr <= n_rows, the bounds this function's contract gives.
             unsafe { ctx.dispatch(o0 + o, wr, t, xr, &mut out, o) };
-            t += xr;
+            o += wr;
         }
-        o += wr;
+        t += xr;
     }
 }
 
 /// Weight rows per register block for `xr` activation rows: enough accumulators to hide
-/// the FMA latency (8 chains at one row, 8 to 24 above) and at most 32 registers in all.
+/// the FMA latency (8 chains at one row, 8 to 16 above) within the 32 registers.
 fn block_rows(xr: usize) -> usize {
     match xr {
         1 => 8,
-        2..=5 => 4,
-        _ => 3,
+        _ => 4,
     }
 }
 
@@ -158,12 +167,11 @@ impl Ctx {
         }
         match wr {
             8 if xr == 1 => go!(8, 1, w0, o),
-            4 if xr <= 5 => rows_of!(4, w0, o; 1 2 3 4 5),
-            3 => rows_of!(3, w0, o; 1 2 3 4 5 6 7 8),
+            4 => rows_of!(4, w0, o; 1 2 3 4),
             // The panel's last few weight rows: one at a time.
             _ => {
                 for i in 0..wr {
-                    rows_of!(1, w0 + i, o + i; 1 2 3 4 5 6 7 8);
+                    rows_of!(1, w0 + i, o + i; 1 2 3 4);
                 }
             }
         }

@@ -101,9 +101,9 @@ pub fn bodies(isa: Isa) -> &'static str {
     match isa {
         Isa::Avx512 => {
             "matrix products: bf16 weights with 1-16 rows through the AVX-512 few-row kernel \
-             (up to 8 rows in one register block, each weight loaded once per 8 rows and \
-             widened by one byte shuffle, 16 rows prefetched ahead), 17+ rows or f16/f32 \
-             weights through 4 x 4 register blocks"
+             (groups of up to 4 rows in one register block, each weight widened by one byte \
+             shuffle, 16 rows prefetched ahead), 17+ rows or f16/f32 weights through 4 x 4 \
+             register blocks"
         }
         Isa::Avx2 => {
             "matrix products: bf16 weights with 1-7 rows through the few-row kernel (each \
