@@ -12,10 +12,12 @@
 //! ([`Kernels::general_blocks`], what the AVX-512 kernels ran at every row count before the
 //! AVX-512 few-row body). In each of [`ROUNDS`] interleaved rounds the probe's streaming
 //! read ([`stream_read`]) times a buffer of the same bytes on the same threads, then each
-//! body runs once after a warm-up; the report is the median over rounds of each body's
-//! GB/s, its ratio to the round's streaming read, and its ratio to the general blocks of
-//! its instruction set in the same round (this machine's bandwidth drifts between seconds,
-//! so only figures within one round compare like with like). Criterion then times the
+//! body runs once after a warm-up (in reverse order every other round); the report is the
+//! median over rounds of each body's GB/s, its ratio to the round's streaming read, and its
+//! ratio to the general blocks of its instruction set in the same round (this machine's
+//! bandwidth drifts between seconds, so only figures within one round compare like with
+//! like). Where an instruction set has no few-row body at a row count (AVX2 from 8 rows)
+//! its two bodies are the same code: their ratio is the noise floor of the run. Criterion then times the
 //! process's kernels at 2 rows, few-row against general.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -120,10 +122,19 @@ fn compare(label: &str, bytes: usize, source: &[f32], mut run: impl FnMut(Kernel
     let mut of_read = vec![Vec::new(); bodies.len()];
     let mut of_general = vec![Vec::new(); bodies.len()];
     let mut reads = Vec::new();
-    for _ in 0..ROUNDS {
+    for round in 0..ROUNDS {
         let read = time(|| checksum += stream_read(source));
         reads.push(bytes as f64 / read / 1e9);
-        let secs: Vec<f64> = bodies.iter().map(|(_, k)| time(|| run(*k))).collect();
+        // Every other round runs the bodies in reverse order, so no body always runs
+        // first or last after the streaming read.
+        let mut secs = vec![0.0f64; bodies.len()];
+        let mut order: Vec<usize> = (0..bodies.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            secs[i] = time(|| run(bodies[i].1));
+        }
         for (i, s) in secs.iter().enumerate() {
             gbs[i].push(bytes as f64 / s / 1e9);
             of_read[i].push(read / s);
