@@ -20,41 +20,20 @@
 //! its two bodies are the same code: their ratio is the noise floor of the run. Criterion then times the
 //! process's kernels at 2 rows, few-row against general.
 
+mod mixtral_mid;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use half::bf16;
+use mixtral_mid::{expert_rows, matrix, view, Expert, D, F};
 use moec::cost::probe::stream_read;
 use moec::model::kernels::isa::{Isa, Kernels};
-use moec::model::tensor::{Matrix, Orientation, TypedSlice};
 use std::time::Instant;
 
-const D: usize = 1024;
-const F: usize = 3584;
 const VOCAB: usize = 32000;
 const EXPERTS: usize = 6;
 const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
 const HEAD_ROWS: usize = 8;
 /// Interleaved rounds.
 const ROUNDS: usize = 9;
-
-struct Expert {
-    gate: Vec<bf16>,
-    up: Vec<bf16>,
-    down: Vec<bf16>,
-}
-
-fn matrix(seed: usize, n: usize) -> Vec<bf16> {
-    (0..n)
-        .map(|i| bf16::from_f32((((i + seed) * 7919) % 2003) as f32 / 20030.0 - 0.05))
-        .collect()
-}
-
-fn view(w: &[bf16], rows: usize, cols: usize) -> Matrix<'_> {
-    Matrix::new(TypedSlice::Bf16(w), rows, cols, Orientation::OutIn).expect("shape")
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
 
 /// `rows` rows through every expert's FFN in turn.
 fn experts_pass(
@@ -66,22 +45,7 @@ fn experts_pass(
     y: &mut [f32],
 ) {
     for e in experts {
-        k.linear_gated(
-            &x[..rows * D],
-            rows,
-            &view(&e.gate, F, D),
-            &view(&e.up, F, D),
-            silu,
-            &mut h[..rows * F],
-        )
-        .expect("gate and up");
-        k.linear(
-            &h[..rows * F],
-            rows,
-            &view(&e.down, D, F),
-            &mut y[..rows * D],
-        )
-        .expect("down");
+        expert_rows(k, e, rows, x, h, y);
     }
 }
 
@@ -168,13 +132,7 @@ fn bench(c: &mut Criterion) {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let experts: Vec<Expert> = (0..EXPERTS)
-        .map(|e| Expert {
-            gate: matrix(3 * e, F * D),
-            up: matrix(3 * e + 1, F * D),
-            down: matrix(3 * e + 2, D * F),
-        })
-        .collect();
+    let experts: Vec<Expert> = (0..EXPERTS).map(Expert::new).collect();
     let max_rows = ROWS[ROWS.len() - 1];
     let x: Vec<f32> = (0..max_rows * F)
         .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)

@@ -219,10 +219,8 @@ impl Ctx {
             // The ragged last block from zero-padded copies: lanes past `k_len` add 0 * 0
             // (the activation rows are zero-padded already), as the other bodies do.
             for i in 0..WR {
-                let mut buf = [0u16; 16];
                 // SAFETY: the row's last `tail` elements are inside the matrix.
-                let src = unsafe { std::slice::from_raw_parts(wp[i].add(self.full * 16), tail) };
-                buf[..tail].copy_from_slice(src);
+                let buf = unsafe { padded_tail(wp[i], self.full * 16, tail) };
                 // SAFETY: `buf` holds 16 values; the padded activation rows hold the block.
                 unsafe {
                     let raw = _mm256_loadu_si256(buf.as_ptr() as *const __m256i);
@@ -245,6 +243,19 @@ impl Ctx {
         }
         out
     }
+}
+
+/// Elements `start .. start + tail` (`tail < 16`) of a weight row, zero-padded to a
+/// 16-block: the ragged last block of a row, whose padding lanes add 0 * 0.
+///
+/// # Safety
+/// `row.add(start) .. row.add(start + tail)` lies inside the matrix.
+pub(super) unsafe fn padded_tail(row: *const u16, start: usize, tail: usize) -> [u16; 16] {
+    let mut buf = [0u16; 16];
+    // SAFETY: the caller's contract.
+    let src = unsafe { std::slice::from_raw_parts(row.add(start), tail) };
+    buf[..tail].copy_from_slice(src);
+    buf
 }
 
 /// The portable body's tree over lanes held as even (0, 2, .., 14) and odd (1, 3, .., 15)

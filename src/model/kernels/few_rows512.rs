@@ -182,6 +182,9 @@ impl Ctx {
     ///
     /// # Safety
     /// AVX-512F/BW/VL available; the rows are inside the matrix and the activation rows.
+    // Indices name a register block's accumulator `acc[weight row][activation row]`, as
+    // the AVX2 body's do: iterators over the two axes would hide which is which.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[inline]
     unsafe fn block<const WR: usize, const XR: usize>(
@@ -219,10 +222,8 @@ impl Ctx {
             // The ragged last block from zero-padded copies: lanes past `k_len` add 0 * 0
             // (the activation rows are zero-padded already), as the other bodies do.
             for i in 0..WR {
-                let mut buf = [0u16; 16];
                 // SAFETY: the row's last `tail` elements are inside the matrix.
-                let src = unsafe { std::slice::from_raw_parts(wp[i].add(self.full * 16), tail) };
-                buf[..tail].copy_from_slice(src);
+                let buf = unsafe { few_rows::padded_tail(wp[i], self.full * 16, tail) };
                 // SAFETY: `buf` holds 16 values; the padded activation rows hold the block.
                 unsafe {
                     let wv = self.widen(_mm256_loadu_si256(buf.as_ptr() as *const __m256i));
