@@ -25,15 +25,14 @@
 //! and a best-of summary (other jobs share the cores). Criterion then times the selected
 //! kernels.
 
+mod mixtral_mid;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use half::bf16;
+use mixtral_mid::{expert_rows, silu, view, Expert, D, F};
 use moec::cost::probe::{measure, stream_read};
 use moec::model::kernels::isa::{Isa, Kernels};
-use moec::model::tensor::{Matrix, Orientation, TypedSlice};
 use std::time::Instant;
 
-const D: usize = 1024;
-const F: usize = 3584;
 const EXPERTS: usize = 6;
 const PREFILL_ROWS: usize = 256;
 /// Rows of the few-row expert GEMM point (a batch-16 decode step's rows per expert).
@@ -44,28 +43,6 @@ const RATIO_ROUNDS: usize = 31;
 /// a few milliseconds apart, closer than this machine's bandwidth drifts.
 const RATIO_REPS: usize = 1;
 
-/// One expert's three bf16 matrices, `[out, in]` as Hugging Face stores them.
-struct Expert {
-    gate: Vec<bf16>,
-    up: Vec<bf16>,
-    down: Vec<bf16>,
-}
-
-fn matrix(seed: usize, n: usize) -> Vec<bf16> {
-    (0..n)
-        .map(|i| bf16::from_f32((((i + seed) * 7919) % 2003) as f32 / 20030.0 - 0.05))
-        .collect()
-}
-
-fn view(w: &[bf16], rows: usize, cols: usize) -> Matrix<'_> {
-    Matrix::new(TypedSlice::Bf16(w), rows, cols, Orientation::OutIn).expect("shape")
-}
-
-/// `silu(x) = x * sigmoid(x)`, the experts' activation.
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
 /// Decode: one row through every expert's gate and up (one fused pass, as the MoE block
 /// runs them) and down.
 fn decode(k: Kernels, experts: &[Expert], x: &[f32], h: &mut [f32], y: &mut [f32]) {
@@ -74,26 +51,6 @@ fn decode(k: Kernels, experts: &[Expert], x: &[f32], h: &mut [f32], y: &mut [f32
             .expect("gate and up");
         k.linear(h, 1, &view(&e.down, D, F), y).expect("down");
     }
-}
-
-/// One expert's gate and up (fused) then down over `rows` gathered rows.
-fn expert_rows(k: Kernels, e: &Expert, rows: usize, x: &[f32], h: &mut [f32], y: &mut [f32]) {
-    k.linear_gated(
-        &x[..rows * D],
-        rows,
-        &view(&e.gate, F, D),
-        &view(&e.up, F, D),
-        silu,
-        &mut h[..rows * F],
-    )
-    .expect("gate and up");
-    k.linear(
-        &h[..rows * F],
-        rows,
-        &view(&e.down, D, F),
-        &mut y[..rows * D],
-    )
-    .expect("down");
 }
 
 /// The decode GEMV against the probe's streaming read over the same bytes on the same
@@ -153,13 +110,7 @@ fn best(reps: usize, mut f: impl FnMut()) -> f64 {
 
 fn bench(c: &mut Criterion) {
     let threads = rayon::current_num_threads();
-    let experts: Vec<Expert> = (0..EXPERTS)
-        .map(|e| Expert {
-            gate: matrix(3 * e, F * D),
-            up: matrix(3 * e + 1, F * D),
-            down: matrix(3 * e + 2, D * F),
-        })
-        .collect();
+    let experts: Vec<Expert> = (0..EXPERTS).map(Expert::new).collect();
     let x: Vec<f32> = (0..PREFILL_ROWS * D)
         .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
         .collect();

@@ -42,6 +42,21 @@ pub(super) struct EvenOddRows {
 }
 
 impl EvenOddRows {
+    /// Activation rows held.
+    pub(super) fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+
+    /// Values per padded row (a multiple of 16).
+    pub(super) fn padded(&self) -> usize {
+        self.padded
+    }
+
+    /// The rows, `padded` values each.
+    pub(super) fn data(&self) -> &[f32] {
+        &self.data
+    }
+
     /// Lays out `n_rows` rows of `k_len` values of `x` (`x.len() >= n_rows * k_len`).
     pub(super) fn new(x: &[f32], n_rows: usize, k_len: usize) -> Self {
         let padded = k_len.div_ceil(16) * 16;
@@ -204,10 +219,8 @@ impl Ctx {
             // The ragged last block from zero-padded copies: lanes past `k_len` add 0 * 0
             // (the activation rows are zero-padded already), as the other bodies do.
             for i in 0..WR {
-                let mut buf = [0u16; 16];
                 // SAFETY: the row's last `tail` elements are inside the matrix.
-                let src = unsafe { std::slice::from_raw_parts(wp[i].add(self.full * 16), tail) };
-                buf[..tail].copy_from_slice(src);
+                let buf = unsafe { padded_tail(wp[i], self.full * 16, tail) };
                 // SAFETY: `buf` holds 16 values; the padded activation rows hold the block.
                 unsafe {
                     let raw = _mm256_loadu_si256(buf.as_ptr() as *const __m256i);
@@ -232,6 +245,19 @@ impl Ctx {
     }
 }
 
+/// Elements `start .. start + tail` (`tail < 16`) of a weight row, zero-padded to a
+/// 16-block: the ragged last block of a row, whose padding lanes add 0 * 0.
+///
+/// # Safety
+/// `row.add(start) .. row.add(start + tail)` lies inside the matrix.
+pub(super) unsafe fn padded_tail(row: *const u16, start: usize, tail: usize) -> [u16; 16] {
+    let mut buf = [0u16; 16];
+    // SAFETY: the caller's contract.
+    let src = unsafe { std::slice::from_raw_parts(row.add(start), tail) };
+    buf[..tail].copy_from_slice(src);
+    buf
+}
+
 /// The portable body's tree over lanes held as even (0, 2, .., 14) and odd (1, 3, .., 15)
 /// registers: halves added give lanes `l + (l + 8)` (evens 0, 2, 4, 6 and odds 1, 3, 5,
 /// 7), the high pair added to the low pair gives `l + (l + 4)` for l < 4, interleaving
@@ -239,7 +265,7 @@ impl Ctx {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn reduce(even: __m256, odd: __m256) -> f32 {
+pub(super) fn reduce(even: __m256, odd: __m256) -> f32 {
     let e8 = _mm_add_ps(
         _mm256_castps256_ps128(even),
         _mm256_extractf128_ps::<1>(even),

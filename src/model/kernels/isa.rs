@@ -145,7 +145,10 @@ pub fn select(setting: Option<&str>) -> Result<Selection, IsaError> {
                 }
             };
             Ok(Selection {
-                kernels: Kernels { isa },
+                kernels: Kernels {
+                    isa,
+                    few_rows: true,
+                },
                 reason,
             })
         }
@@ -185,13 +188,19 @@ pub fn describe() -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Kernels {
     isa: Isa,
+    /// Whether bf16 products at few rows take the instruction set's few-row body (the
+    /// default); off, every row count runs the general register blocks (same bits).
+    few_rows: bool,
 }
 
 impl Kernels {
     /// Kernels for `isa`, refused when this CPU lacks it.
     pub fn new(isa: Isa) -> Result<Self, IsaError> {
         if isa.is_supported() {
-            Ok(Kernels { isa })
+            Ok(Kernels {
+                isa,
+                few_rows: true,
+            })
         } else {
             Err(IsaError::Unsupported { isa })
         }
@@ -199,7 +208,25 @@ impl Kernels {
 
     /// The portable kernels (every CPU runs them).
     pub fn portable() -> Self {
-        Kernels { isa: Isa::Portable }
+        Kernels {
+            isa: Isa::Portable,
+            few_rows: true,
+        }
+    }
+
+    /// These kernels with every row count through the general register blocks, never
+    /// the few-row bodies: the same bits (every body sums in one order), for benches that
+    /// compare the two bodies in one run.
+    pub fn general_blocks(self) -> Self {
+        Kernels {
+            few_rows: false,
+            ..self
+        }
+    }
+
+    /// Whether products at few rows take the few-row body (see [`Kernels::general_blocks`]).
+    pub fn few_rows(self) -> bool {
+        self.few_rows
     }
 
     /// The kernels chosen for this process ([`selection`]). When `MOEC_KERNELS` is

@@ -12,15 +12,16 @@
 //! `k ≡ l mod 16`, zero-padded tail), then reduces the lanes with a fixed tree; `InOut`
 //! accumulates sequentially over the input index with fused multiply-adds. We use our own
 //! register-blocked kernels (AVX-512, AVX2+FMA and portable bodies of the same per-element
-//! structure, chosen by the [`Kernels`] context; they give the same bits; with AVX2, bf16
-//! weights and 1 to 7 rows the few-row body of [`few_rows`] runs, see [`bodies`]) instead of
+//! structure, chosen by the [`Kernels`] context; they give the same bits; with bf16 weights
+//! and few rows the few-row bodies of [`few_rows`] (AVX2, 1 to 7 rows) and [`few_rows512`]
+//! (AVX-512, 1 to 16 rows) run, see [`bodies`]) instead of
 //! `gemm`, because `gemm` switches between GEMV, "horizontal" and packed kernels and picks
 //! its k-blocking by shape, which changes the summation order with the number of rows.
 
-#[cfg(target_arch = "x86_64")]
-use crate::model::kernels::few_rows;
 use crate::model::kernels::isa::{Isa, Kernels};
 use crate::model::kernels::{check_len, KernelError};
+#[cfg(target_arch = "x86_64")]
+use crate::model::kernels::{few_rows, few_rows512};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
@@ -62,7 +63,7 @@ impl Kernels {
         }
         check_quant(w)?;
         match w.orientation {
-            Orientation::OutIn => out_in(self.isa(), x, n_rows, w, out),
+            Orientation::OutIn => out_in(self, x, n_rows, w, out),
             Orientation::InOut => in_out(self.isa(), x, n_rows, w, out),
         }
         Ok(())
@@ -98,7 +99,12 @@ const QUANT_SUB_ROWS: usize = 16;
 /// per call, in words for the run report and `moec devices`.
 pub fn bodies(isa: Isa) -> &'static str {
     match isa {
-        Isa::Avx512 => "matrix products: 4 x 4 register blocks at every row count",
+        Isa::Avx512 => {
+            "matrix products: bf16 weights with 1-16 rows through the AVX-512 few-row kernel \
+             (groups of up to 4 rows in one register block, each weight widened by one byte \
+             shuffle, 16 rows prefetched ahead), 17+ rows or f16/f32 weights through 4 x 4 \
+             register blocks"
+        }
         Isa::Avx2 => {
             "matrix products: bf16 weights with 1-7 rows through the few-row kernel (each \
              weight loaded once for up to 4 rows, bf16 widened in registers, 16 rows \
@@ -118,12 +124,19 @@ enum Acts<'a> {
 }
 
 /// Picks the body for `n_rows` rows of `w` (see [`bodies`]) and lays `x` out for it.
-fn prepare<'a>(isa: Isa, x: &'a [f32], n_rows: usize, w: &Matrix<'_>) -> Acts<'a> {
+fn prepare<'a>(k: Kernels, x: &'a [f32], n_rows: usize, w: &Matrix<'_>) -> Acts<'a> {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && n_rows <= few_rows::MAX_ROWS && matches!(w.data, TypedSlice::Bf16(_)) {
-        return Acts::EvenOdd(few_rows::EvenOddRows::new(x, n_rows, w.cols), x);
+    {
+        let max = match k.isa() {
+            Isa::Avx512 => few_rows512::MAX_ROWS,
+            Isa::Avx2 => few_rows::MAX_ROWS,
+            Isa::Portable => 0,
+        };
+        if k.few_rows() && n_rows <= max && matches!(w.data, TypedSlice::Bf16(_)) {
+            return Acts::EvenOdd(few_rows::EvenOddRows::new(x, n_rows, w.cols), x);
+        }
     }
-    let _ = (isa, n_rows, w);
+    let _ = (k, n_rows, w);
     Acts::Plain(x)
 }
 
@@ -165,19 +178,18 @@ fn out_in_rows(
         #[cfg(target_arch = "x86_64")]
         Acts::EvenOdd(rows_eo, x) => {
             if let TypedSlice::Bf16(data) = w.data {
-                // SAFETY: `prepare` chose this body only for AVX2 (which a `Kernels` value
-                // vouches this CPU has) and bf16 weights; `rows_eo` was laid out from
-                // `n_rows` rows of `w.cols` values; o0 + rows <= w.rows and `local` holds
-                // n_rows * rows values.
+                let bits: &[u16] = bytemuck::cast_slice(data);
+                // SAFETY: `prepare` chose these bodies only for AVX-512 or AVX2 (which a
+                // `Kernels` value vouches this CPU has) and bf16 weights; `rows_eo` was
+                // laid out from `n_rows` rows of `w.cols` values; o0 + rows <= w.rows and
+                // `local` holds n_rows * rows values.
                 unsafe {
-                    few_rows::panel(
-                        rows_eo,
-                        bytemuck::cast_slice(data),
-                        w.cols,
-                        o0,
-                        rows,
-                        &mut local,
-                    )
+                    match isa {
+                        Isa::Avx512 => {
+                            few_rows512::panel(rows_eo, bits, w.cols, o0, rows, &mut local)
+                        }
+                        _ => few_rows::panel(rows_eo, bits, w.cols, o0, rows, &mut local),
+                    }
                 };
                 return local;
             }
@@ -248,12 +260,12 @@ fn scatter_panels(panels: &[Vec<f32>], n_rows: usize, out_dim: usize, out: &mut 
     }
 }
 
-/// `isa` must be one a `Kernels` value vouched for (this CPU has it); the length checks of
-/// [`Kernels::linear`] have passed.
-fn out_in(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
+/// The length checks of [`Kernels::linear`] have passed.
+fn out_in(k: Kernels, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (out_dim, in_dim) = (w.rows, w.cols);
     let n_panels = out_dim.div_ceil(PANEL_ROWS);
-    let acts = prepare(isa, x, n_rows, w);
+    let isa = k.isa();
+    let acts = prepare(k, x, n_rows, w);
     let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
         let o0 = p * PANEL_ROWS;
         out_in_rows(isa, &acts, n_rows, w, o0, PANEL_ROWS.min(out_dim - o0))
@@ -300,7 +312,7 @@ impl Kernels {
         let isa = self.isa();
         let n_panels = out_dim.div_ceil(PANEL_ROWS);
         // Gate and up have one shape and dtype, so one layout serves both.
-        let acts = prepare(isa, x, n_rows, gate);
+        let acts = prepare(self, x, n_rows, gate);
         let panels = for_chunks(n_panels, 2 * n_rows * out_dim * in_dim, |p| {
             let o0 = p * PANEL_ROWS;
             let rows = PANEL_ROWS.min(out_dim - o0);
@@ -1243,6 +1255,47 @@ mod tests {
                                 m.data.dtype()
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The few-row bodies (AVX-512 and AVX2, bf16) and the general register blocks give
+    /// the portable body's bits at every row count from 1 to past the largest few-row
+    /// bound, for widths that are odd, not a multiple of 16, a multiple of 16 but not of
+    /// 32, and a single element; panels cut mid-block (37 and 70 weight rows), plain and
+    /// gated.
+    #[test]
+    fn few_row_bodies_give_the_portable_bits_at_every_row_count() {
+        use crate::model::kernels::isa::{Isa, Kernels};
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for &(rows, cols) in &[(37usize, 29usize), (70, 300), (9, 48), (11, 1), (5, 33)] {
+            let (_, wb, _) = weights(rows, cols);
+            let mut ub = wb.clone();
+            ub.reverse();
+            let m = Matrix::new(TypedSlice::Bf16(&wb), rows, cols, Orientation::OutIn).unwrap();
+            let u = Matrix::new(TypedSlice::Bf16(&ub), rows, cols, Orientation::OutIn).unwrap();
+            for n_rows in 1..=18usize {
+                let x: Vec<f32> = (0..n_rows * cols)
+                    .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+                    .collect();
+                let p = Kernels::portable();
+                let mut want = vec![0.0; n_rows * rows];
+                p.linear(&x, n_rows, &m, &mut want).unwrap();
+                let mut want_gated = vec![0.0; n_rows * rows];
+                p.linear_gated(&x, n_rows, &m, &u, double, &mut want_gated)
+                    .unwrap();
+                for isa in Isa::supported() {
+                    let k = Kernels::new(isa).unwrap();
+                    for k in [k, k.general_blocks()] {
+                        let mut got = vec![0.0; n_rows * rows];
+                        k.linear(&x, n_rows, &m, &mut got).unwrap();
+                        let what = format!("{isa} few-row {} {n_rows}x{rows}x{cols}", k.few_rows());
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                        k.linear_gated(&x, n_rows, &m, &u, double, &mut got)
+                            .unwrap();
+                        assert_eq!(bits(&got), bits(&want_gated), "gated {what}");
                     }
                 }
             }

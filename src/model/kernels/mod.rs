@@ -23,6 +23,8 @@ pub mod attention;
 pub mod deepseek_route;
 #[cfg(target_arch = "x86_64")]
 mod few_rows;
+#[cfg(target_arch = "x86_64")]
+mod few_rows512;
 pub mod head;
 pub mod isa;
 pub mod kv_cache;
