@@ -180,3 +180,95 @@ pub struct CacheReport {
     /// Summed over layers.
     pub total: LayerCacheStats,
 }
+
+/// How the steps of one kind reached the device over a run: replaying a captured CUDA
+/// graph, capturing one, or launch by launch (with why).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct GraphSummary {
+    /// The step kind (`decode`, `prefill`, ...).
+    pub step: &'static str,
+    /// Steps that launched a graph captured from an earlier step.
+    pub replayed: usize,
+    /// Steps captured into a graph (then launched).
+    pub captured: usize,
+    /// Steps launched kernel by kernel.
+    pub plain: usize,
+    /// Why steps were launched plainly, with how many steps each.
+    pub plain_reasons: Vec<PlainReason>,
+}
+
+/// The summaries as one clause per step kind, e.g. `decode: 5 replayed a graph, 1
+/// captured one, 1 launched plainly (1: why)`; empty when there are none.
+pub fn render_graphs(summaries: &[GraphSummary]) -> String {
+    summaries
+        .iter()
+        .map(|g| {
+            let mut text = format!(
+                "{}: {} replayed a graph, {} captured one, {} launched plainly",
+                g.step, g.replayed, g.captured, g.plain
+            );
+            if !g.plain_reasons.is_empty() {
+                let list: Vec<String> = g
+                    .plain_reasons
+                    .iter()
+                    .map(|r| format!("{}: {}", r.steps, r.reason))
+                    .collect();
+                text.push_str(&format!(" ({})", list.join("; ")));
+            }
+            text
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One reason steps were launched without a graph.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PlainReason {
+    /// Why.
+    pub reason: String,
+    /// Steps it applied to.
+    pub steps: usize,
+}
+
+/// The per-kind [`GraphSummary`] of a run's steps, in order of first appearance.
+pub fn graph_summary(steps: &[GraphStep]) -> Vec<GraphSummary> {
+    let mut out = Vec::new();
+    for g in steps {
+        add_graph_step(&mut out, g);
+    }
+    out
+}
+
+/// Counts one more step into per-kind summaries (a long-lived session keeps these
+/// instead of every step).
+pub fn add_graph_step(summaries: &mut Vec<GraphSummary>, g: &GraphStep) {
+    let step = g.kind.as_str();
+    let at = match summaries.iter().position(|s| s.step == step) {
+        Some(at) => at,
+        None => {
+            summaries.push(GraphSummary {
+                step,
+                replayed: 0,
+                captured: 0,
+                plain: 0,
+                plain_reasons: Vec::new(),
+            });
+            summaries.len() - 1
+        }
+    };
+    let row = &mut summaries[at];
+    match &g.graph {
+        GraphUse::Replayed => row.replayed += 1,
+        GraphUse::Captured => row.captured += 1,
+        GraphUse::Plain(why) => {
+            row.plain += 1;
+            match row.plain_reasons.iter_mut().find(|r| &r.reason == why) {
+                Some(r) => r.steps += 1,
+                None => row.plain_reasons.push(PlainReason {
+                    reason: why.clone(),
+                    steps: 1,
+                }),
+            }
+        }
+    }
+}

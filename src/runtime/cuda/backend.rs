@@ -34,12 +34,12 @@ use crate::model::card::WeightDtype;
 use crate::model::kernels::moe::Routing;
 use crate::model::kernels::rope::RopeTable;
 use crate::model::kernels::sampling::Sampling;
+use crate::records::run::{add_graph_step, render_graphs, GraphSummary};
 use crate::records::GraphStep;
 use crate::runtime::backend::{
     decode_routing, Backend, BackendError, BackendOptions, Capabilities, DeviceTime, MemoryReport,
     StepEnd,
 };
-use crate::runtime::driver::report::{add_graph_step, render_graphs, GraphSummary};
 use crate::runtime::host::HostMemory;
 use crate::runtime::lock;
 use crate::runtime::step::StepContext;
