@@ -14,7 +14,7 @@ pub use crate::records::run::{
     add_graph_step, graph_summary, render_graphs, GraphSummary, PlainReason,
 };
 use crate::records::timeline::{Span as TimelineSpan, Timeline};
-use crate::records::{GraphStep, GraphUse, RunStats, StepRecord};
+use crate::records::{RunStats, StepRecord};
 use serde::Serialize;
 
 /// One stream's share of the decode steps' wall time spent running tasks.
@@ -221,6 +221,7 @@ pub fn timeline(plan: &ExecPlan, stats: &RunStats, title: &str) -> Timeline {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::records::{GraphStep, GraphUse};
 
     /// Steps are counted per kind in order of first appearance, plain ones with their
     /// reasons, and rendered one clause per kind.
