@@ -170,11 +170,10 @@ pub fn selection() -> Result<&'static Selection, &'static IsaError> {
 pub fn describe() -> String {
     match selection() {
         Ok(s) => format!(
-            "CPU kernels: {} ({}); {}; {}",
+            "CPU kernels: {} ({}); {}",
             s.kernels.isa().name(),
             s.reason,
-            crate::model::kernels::linear::bodies(s.kernels.isa()),
-            crate::model::quant::select::describe(s.kernels)
+            crate::model::kernels::linear::bodies(s.kernels.isa())
         ),
         Err(e) => format!("CPU kernels: refused: {e}"),
     }
