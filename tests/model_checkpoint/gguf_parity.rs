@@ -10,7 +10,12 @@
 //! Tolerance: at least 95% of the 16 positions (issue 29's bar). moec decodes blocks as
 //! ggml's reference decoder does and multiplies in f32; llama.cpp multiplies quantised
 //! weights with activations it quantises to 8 bits, so the logits differ slightly and a
-//! near tie may flip a token; on these fixtures all 16 agree for every type.
+//! near tie may flip a token; on these fixtures all 16 agree for every type. The test
+//! also prints how far the first step's logits are from llama.cpp's (the harness writes
+//! them beside the tokens): 0.0053 on the f32 file, 0.135 (Q8_0) and 0.198 (Q4_K_M) of a
+//! spread of 28.6 on 2026-11-26. It does not bound them yet: where the quantised files part
+//! from llama.cpp is still to be found (issue 29), and a bound that only states today's
+//! figure would prove nothing.
 
 use moec::model::oracle::{GenerateOptions, Oracle};
 use moec::model::Checkpoint;
@@ -49,6 +54,29 @@ fn greedy_tokens_match_llama_cpp_on_its_own_ggufs() {
             .unwrap()
             .generate(std::slice::from_ref(&prompt), &opts)
             .unwrap();
+        // llama.cpp's logits at the last prompt position, where the harness wrote them.
+        let llama_logits: Option<Vec<f32>> =
+            std::fs::read_to_string(dir.join(format!("llama-{ty}.json")))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| {
+                    v["first_logits"].as_array().map(|a| {
+                        a.iter()
+                            .map(|x| x.as_f64().unwrap_or(f64::NAN) as f32)
+                            .collect()
+                    })
+                });
+        if let Some(want_logits) = &llama_logits {
+            let ours = &got[0].prompt_logits;
+            let max_diff = ours
+                .iter()
+                .zip(want_logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            let spread = want_logits.iter().fold(f32::MIN, |a, &b| a.max(b))
+                - want_logits.iter().fold(f32::MAX, |a, &b| a.min(b));
+            eprintln!("gguf_parity: {ty}: first-step logits differ from llama.cpp's by at most {max_diff} (their spread {spread})");
+        }
         let got = &got[0].token_ids;
         let agree = got.iter().zip(&want).filter(|(a, b)| a == b).count();
         eprintln!(
