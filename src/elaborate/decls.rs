@@ -249,7 +249,9 @@ impl<'a> Elaborator<'a> {
                         .index_names
                         .iter()
                         .zip(&index)
-                        .filter_map(|(n, &i)| n.as_ref().map(|n| (n.name.clone(), Val::Int(i64::from(i)))))
+                        .filter_map(|(n, &i)| {
+                            n.as_ref().map(|n| (n.name.clone(), Val::Int(i64::from(i))))
+                        })
                         .collect();
                     self.scopes.push(scope);
                     let size = self.buffer_size(decl);

@@ -377,7 +377,11 @@ impl<'a> Elaborator<'a> {
             let array = &self.arrays[decl];
             if array.dims.is_empty() {
                 let buffer = &self.buffers[array.first.index()];
-                return Some(Val::Slice(SliceVal::of_buffer(array.first, buffer, array.layout)));
+                return Some(Val::Slice(SliceVal::of_buffer(
+                    array.first,
+                    buffer,
+                    array.layout,
+                )));
             }
             return Some(Val::Array {
                 decl,

@@ -763,7 +763,7 @@ fn call(
                         arg_span(0),
                         "layer",
                         i64::try_from(l).unwrap_or(i64::MAX),
-                        &format!("0..{layers} (the model's layers)"),
+                        &format!("0..{layers}, the model's layers"),
                     ));
                 }
             }
