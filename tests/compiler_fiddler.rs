@@ -120,3 +120,53 @@ fn a_not_equal_guard_is_rejected() {
     let (codes, rendered) = errors("fiddler_not_equal", &text);
     assert_eq!(codes, vec![Code::ElabDynamic], "{rendered}");
 }
+
+/// `buffer w_dense[layers as l]: gpu = dense_weights(l)`: on a card with a leading dense
+/// layer (deepseek-v2-tiny: layer 0 dense) each slot is its own layer's `[pre | o | gate]`,
+/// worked from the checkpoint layout: layer 0's gate holds the dense SwiGLU, the others
+/// the router and shared expert, so the slots differ in size and the dense one is the
+/// `dense_weights()` slot that holds any layer.
+#[test]
+fn per_layer_dense_slots_are_each_layers_own_size() {
+    let card = moec::model::card::ModelCard::load("deepseek-v2-tiny").expect("card");
+    let layout = moec::ir::CheckpointLayout::new(&card);
+    assert!(layout.is_dense(0) && !layout.is_dense(1));
+    let compiled = moec::compile::compile(&source(), &common::small_options(&source(), card))
+        .unwrap_or_else(|d| panic!("{}", d[0]));
+    let slots: Vec<_> = compiled
+        .program
+        .buffers
+        .iter()
+        .filter(|b| b.array == "w_dense")
+        .collect();
+    assert_eq!(slots.len() as u64, layout.layers);
+    for (l, b) in slots.iter().enumerate() {
+        assert_eq!(b.layer, Some(l as u32), "{}", b.name);
+        assert_eq!(b.bytes, layout.dense_bytes_of(l as u64), "{}", b.name);
+    }
+    assert_eq!(slots[0].bytes, layout.slot_dense_bytes());
+    assert!(slots[1].bytes < slots[0].bytes);
+    let text = moec::ir::emit::to_text(&compiled.program, &compiled.info.dag);
+    assert!(
+        text.contains("w_dense[1]: gpu") && text.contains("Dense of layer 1"),
+        "{text}"
+    );
+}
+
+/// `dense_weights(l)` names a layer of the model; a layer past the last is an error at
+/// the argument.
+#[test]
+fn a_dense_slot_of_a_layer_the_model_lacks_is_rejected() {
+    let text = edit(
+        &source(),
+        "= dense_weights(l)",
+        "= dense_weights(l + layers)",
+    );
+    let (codes, rendered) = errors("fiddler_dense_slot_layer", &text);
+    // The first error is at the declaration (the uses of the undeclared array follow).
+    assert_eq!(codes.first(), Some(&Code::ElabOutOfRange), "{rendered}");
+    assert!(
+        rendered.contains("layer 2 is out of range (0..2, the model's layers)"),
+        "{rendered}"
+    );
+}

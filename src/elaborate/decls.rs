@@ -217,40 +217,18 @@ impl<'a> Elaborator<'a> {
         if count.saturating_add(self.buffers.len() as u64) > MAX_BUFFERS {
             return self.report(Diagnostic::too_many_tasks(decl.span, MAX_BUFFERS as usize));
         }
-        let (bytes, layout) = match self.eval(&decl.size) {
-            Ok(Val::Bytes(size)) => (size.bytes, size.layout),
-            Ok(Val::Int(n)) if n >= 0 => (n as u64, Layout::Raw),
-            // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`, a slot for
-            // that part of any layer (also when layer 0 is dense and has no experts).
-            Ok(Val::Slice(slice)) if slice.dynamic_expert.is_none() => {
-                let layout = match slice.layout {
-                    Layout::Checkpoint => Layout::Raw,
-                    Layout::Experts { .. } => Layout::Experts {
-                        slots: u32::try_from(slice.slot_len / self.checkpoint.expert_bytes.max(1))
-                            .unwrap_or(u32::MAX),
-                    },
-                    other => other,
-                };
-                (slice.slot_len, layout)
+        let indexed = decl.index_names.iter().any(Option::is_some);
+        // Without index names the size is one value for every element.
+        let shared = if indexed {
+            None
+        } else {
+            match self.buffer_size(decl) {
+                Some(size) => Some(size),
+                None => return,
             }
-            Ok(Val::Int(n)) => {
-                return self.report(Diagnostic::out_of_range(
-                    decl.size.span,
-                    "buffer size",
-                    n,
-                    "0 or more bytes",
-                ))
-            }
-            Ok(v) => {
-                return self.report(Diagnostic::type_mismatch(
-                    decl.size.span,
-                    "a size in bytes",
-                    v.type_name(),
-                ))
-            }
-            Err(d) => return self.report(d),
         };
         let first = BufferId::new(self.buffers.len());
+        let mut array_layout: Option<Layout> = None;
         for flat in 0..count {
             let mut index = Vec::with_capacity(dims.len());
             let mut rest = flat;
@@ -263,6 +241,35 @@ impl<'a> Elaborator<'a> {
                 "{name}{}",
                 index.iter().map(|i| format!("[{i}]")).collect::<String>()
             );
+            let (bytes, layout, layer) = match shared {
+                Some(size) => size,
+                None => {
+                    // `[n as i]`: this element's indices bound for its own size.
+                    let scope = decl
+                        .index_names
+                        .iter()
+                        .zip(&index)
+                        .filter_map(|(n, &i)| {
+                            n.as_ref().map(|n| (n.name.clone(), Val::Int(i64::from(i))))
+                        })
+                        .collect();
+                    self.scopes.push(scope);
+                    let size = self.buffer_size(decl);
+                    self.scopes.pop();
+                    let Some(size) = size else { return };
+                    size
+                }
+            };
+            if let Some(first_layout) = array_layout {
+                if first_layout != layout {
+                    return self.report(Diagnostic::type_mismatch(
+                        decl.size.span,
+                        "one layout for every element of an array (sizes may differ, kinds may not)",
+                        &format!("{element_name} laid out otherwise than the first element"),
+                    ));
+                }
+            }
+            array_layout = Some(layout);
             self.buffers.push(Buffer {
                 name: element_name,
                 array: name.clone(),
@@ -271,9 +278,15 @@ impl<'a> Elaborator<'a> {
                 bytes,
                 layout,
                 kind: BufferKind::Declared,
+                layer,
             });
             self.buffer_spans.push(decl.span);
         }
+        let layout = match (array_layout, shared) {
+            (Some(layout), _) | (None, Some((_, layout, _))) => layout,
+            // An empty array with named indices: nothing was sized.
+            (None, None) => Layout::Raw,
+        };
         self.array_index.insert(name.clone(), self.arrays.len());
         self.arrays.push(ArrayDecl {
             name: name.clone(),
@@ -282,6 +295,50 @@ impl<'a> Elaborator<'a> {
             layout,
             span: decl.span,
         });
+    }
+
+    /// The size of a buffer declaration's element (its index names bound, if any): bytes,
+    /// layout and the layer a slot is declared for; `None` after reporting why not.
+    fn buffer_size(&mut self, decl: &BufferDecl) -> Option<(u64, Layout, Option<u32>)> {
+        let size = match self.eval(&decl.size) {
+            Ok(Val::Bytes(size)) => (size.bytes, size.layout, size.layer),
+            Ok(Val::Int(n)) if n >= 0 => (n as u64, Layout::Raw, None),
+            // A buffer shaped like a weight slice: `= W[0].experts(0, n_res)`, a slot for
+            // that part of any layer (also when layer 0 is dense and has no experts).
+            Ok(Val::Slice(slice)) if slice.dynamic_expert.is_none() => {
+                let layout = match slice.layout {
+                    Layout::Checkpoint => Layout::Raw,
+                    Layout::Experts { .. } => Layout::Experts {
+                        slots: u32::try_from(slice.slot_len / self.checkpoint.expert_bytes.max(1))
+                            .unwrap_or(u32::MAX),
+                    },
+                    other => other,
+                };
+                (slice.slot_len, layout, None)
+            }
+            Ok(Val::Int(n)) => {
+                self.report(Diagnostic::out_of_range(
+                    decl.size.span,
+                    "buffer size",
+                    n,
+                    "0 or more bytes",
+                ));
+                return None;
+            }
+            Ok(v) => {
+                self.report(Diagnostic::type_mismatch(
+                    decl.size.span,
+                    "a size in bytes",
+                    v.type_name(),
+                ));
+                return None;
+            }
+            Err(d) => {
+                self.report(d);
+                return None;
+            }
+        };
+        Some(size)
     }
 
     /// Reports `name` if something of that name exists already; true then.
@@ -371,6 +428,7 @@ impl<'a> Elaborator<'a> {
             bytes: u64::from(slots).saturating_mul(self.checkpoint.expert_bytes),
             layout,
             kind: BufferKind::Declared,
+            layer: None,
         });
         self.buffer_spans.push(decl.span);
         self.array_index.insert(name.clone(), self.arrays.len());

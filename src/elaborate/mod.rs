@@ -224,6 +224,7 @@ impl<'a> Elaborator<'a> {
             bytes: elab.checkpoint.total_bytes(),
             layout: Layout::Checkpoint,
             kind: BufferKind::Checkpoint,
+            layer: None,
         });
         elab.buffer_spans.push(Span::default());
         elab
@@ -376,9 +377,9 @@ impl<'a> Elaborator<'a> {
             let array = &self.arrays[decl];
             if array.dims.is_empty() {
                 let buffer = &self.buffers[array.first.index()];
-                return Some(Val::Slice(SliceVal::whole(
+                return Some(Val::Slice(SliceVal::of_buffer(
                     array.first,
-                    buffer.bytes,
+                    buffer,
                     array.layout,
                 )));
             }
@@ -391,6 +392,7 @@ impl<'a> Elaborator<'a> {
         let w = &self.options.workload;
         let symbol = match name {
             "layers" => card.layers,
+            "dense_layers" => card.dense_layers.min(card.layers),
             "experts" => card.experts,
             "top_k" => card.top_k,
             "hidden" => card.hidden,
@@ -414,6 +416,7 @@ impl<'a> Elaborator<'a> {
         names.extend(
             [
                 "layers",
+                "dense_layers",
                 "experts",
                 "top_k",
                 "hidden",
@@ -501,7 +504,7 @@ impl value::Context for Elaborator<'_> {
         }
         let id = BufferId(array.first.0 + flat as u32);
         let buffer = &self.buffers[id.index()];
-        Ok(Val::Slice(SliceVal::whole(id, buffer.bytes, array.layout)))
+        Ok(Val::Slice(SliceVal::of_buffer(id, buffer, array.layout)))
     }
 
     fn checkpoint(&self) -> ir::CheckpointLayout {

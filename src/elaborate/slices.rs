@@ -201,7 +201,13 @@ pub(super) fn field_of(
         Layout::Dense => &["pre", "o", "gate", "attn"],
         _ => &[],
     };
-    let (g, slot) = (geometry(&layout, s.layer), geometry(&layout, None));
+    // A part's size in a slot: for `W[l]`'s parts, a slot for any layer; a slot declared
+    // for one layer (`dense_weights(l)`) is that layer's own size.
+    let of_checkpoint = s.buffer.index() == 0;
+    let (g, slot) = (
+        geometry(&layout, s.layer),
+        geometry(&layout, if of_checkpoint { None } else { s.layer }),
+    );
     let (pre, o) = (g.pre, g.o);
     let experts = g.experts * layout.expert_bytes;
     let slot_experts = layout.experts * layout.expert_bytes;

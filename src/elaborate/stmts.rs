@@ -308,6 +308,20 @@ impl<'a> Elaborator<'a> {
         {
             dst.len = src.len;
         }
+        // A slot for any layer into a slot declared for one layer (`dense_weights(l)`):
+        // the first bytes, where a copy of that layer's part put it (the checker proves
+        // which layer the source holds there).
+        let mut src = src;
+        if src.layer.is_none()
+            && dst.layer.is_some()
+            && dst.buffer.index() != 0
+            && src.buffer.index() != 0
+            && src.layout == dst.layout
+            && src.len > dst.len
+        {
+            src.len = dst.len;
+            src.slot_len = dst.len;
+        }
         let cache_op = match stmt.kind {
             CopyKind::Copy => None,
             CopyKind::Fetch => Some(CacheOp::Fetch),

@@ -37,6 +37,15 @@ pub struct SliceVal {
 }
 
 impl SliceVal {
+    /// The whole of declared buffer `buffer` (id `id`) laid out as `layout`: a slot
+    /// declared for one layer has that layer's geometry.
+    pub fn of_buffer(id: BufferId, buffer: &crate::ir::Buffer, layout: Layout) -> SliceVal {
+        SliceVal {
+            layer: buffer.layer,
+            ..SliceVal::whole(id, buffer.bytes, layout)
+        }
+    }
+
     /// The whole of buffer `buffer` of `len` bytes.
     pub fn whole(buffer: BufferId, len: u64, layout: Layout) -> SliceVal {
         SliceVal {
@@ -745,6 +754,18 @@ fn call(
                     ));
                 }
                 ints.push(n as u64);
+            }
+            // `dense_weights(l)` names a layer of the model.
+            if let (Some(&l), "dense_weights") = (ints.first(), name) {
+                let layers = cx.card().layers;
+                if l >= layers {
+                    return Err(Diagnostic::out_of_range(
+                        arg_span(0),
+                        "layer",
+                        i64::try_from(l).unwrap_or(i64::MAX),
+                        &format!("0..{layers}, the model's layers"),
+                    ));
+                }
             }
             match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes()) {
                 Some(Ok(size)) => Ok(Val::Bytes(size)),

@@ -70,10 +70,10 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
     }
     let _ = writeln!(out, "buffers");
     for (i, b) in program.buffers.iter().enumerate() {
-        let kind = if b.kind == BufferKind::Checkpoint {
-            " (checkpoint, read-only)"
-        } else {
-            ""
+        let kind = match (b.kind, b.layer) {
+            (BufferKind::Checkpoint, _) => " (checkpoint, read-only)".to_string(),
+            (_, Some(l)) => format!(" of layer {l}"),
+            (_, None) => String::new(),
         };
         let _ = writeln!(
             out,

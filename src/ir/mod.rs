@@ -300,6 +300,12 @@ pub struct Buffer {
     pub layout: Layout,
     /// Built-in checkpoint or declared.
     pub kind: BufferKind,
+    /// For a layer-shaped slot declared for one layer (`dense_weights(l)` in
+    /// `buffer w_dense[layers as l]`): that layer, whose own geometry the slot has (a MoE
+    /// layer's `gate` is not sized for a dense layer's). `None`: a slot for any layer, or
+    /// not layer-shaped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layer: Option<u32>,
 }
 
 /// Byte layout of the checkpoint buffer `W`: `[embedding | layer 0 | ... | layer L-1 |

@@ -117,6 +117,9 @@ pub struct BufferDecl {
     pub name: Ident,
     /// Array dimensions, outermost first; empty for a single buffer.
     pub dims: Vec<Expr>,
+    /// Per dimension, the name its index takes in the size expression (`[layers as l]`):
+    /// each element is then sized on its own (`dense_weights(l)`).
+    pub index_names: Vec<Option<Ident>>,
     /// The memory space as written (`gpu`, `pinned`, `host`).
     pub space: Ident,
     /// The size expression (bytes, usually from a size helper such as `hidden(ubs)`).

@@ -151,6 +151,7 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         Rule::neg | Rule::not => "an expression",
         Rule::index | Rule::method | Rule::field => "`[`, `.` or an operator",
         Rule::dim => "`[SIZE]`",
+        Rule::buffer_dim => "`[SIZE]` or `[SIZE as NAME]`",
         Rule::EOI => "the end of the file",
         _ => return None,
     })
@@ -301,16 +302,20 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                 let mut it = item.into_inner().peekable();
                 let name = build_ident(next_peek(&mut it, item_span)?);
                 let mut dims = Vec::new();
-                while it.peek().is_some_and(|p| p.as_rule() == Rule::dim) {
+                let mut index_names = Vec::new();
+                while it.peek().is_some_and(|p| p.as_rule() == Rule::buffer_dim) {
                     let dim = next_peek(&mut it, item_span)?;
                     let dim_span = span_of(&dim);
-                    dims.push(build_expr(next(&mut dim.into_inner(), dim_span)?)?);
+                    let mut parts = dim.into_inner();
+                    dims.push(build_expr(next(&mut parts, dim_span)?)?);
+                    index_names.push(parts.next().map(build_ident));
                 }
                 let space = build_ident(next_peek(&mut it, item_span)?);
                 let size = build_expr(next_peek(&mut it, item_span)?)?;
                 Item::Buffer(BufferDecl {
                     name,
                     dims,
+                    index_names,
                     space,
                     size,
                     span: item_span,

@@ -11,6 +11,8 @@ pub struct HelperSize {
     pub bytes: u64,
     /// Layout (see [`crate::ir::Layout`]).
     pub layout: crate::ir::Layout,
+    /// The layer a layer-shaped slot is sized for (`dense_weights(l)`); `None`: any layer.
+    pub layer: Option<u32>,
 }
 
 /// Names of the size helpers, for "unknown function" suggestions.
@@ -33,7 +35,8 @@ pub const SIZE_HELPERS: [&str; 13] = [
 /// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
 /// tokens), `kv_cache(t)` (t tokens of one layer), `routing(n)`, `expert_acc(n)` (n tokens: the
 /// gate's normalised rows and top_k output slots each), `logits(s)` and
-/// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()`, `expert_weights(m)`,
+/// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()` (or `dense_weights(l)`:
+/// layer l's own), `expert_weights(m)`,
 /// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
 pub fn size_helper(
     name: &str,
@@ -46,6 +49,7 @@ pub fn size_helper(
     let raw = |bytes| HelperSize {
         bytes,
         layout: Layout::Raw,
+        layer: None,
     };
     let one = |f: &dyn Fn(u64) -> HelperSize| match args {
         [n] => Ok(f(*n)),
@@ -69,16 +73,29 @@ pub fn size_helper(
         "layer_weights" => none(HelperSize {
             bytes: layout.slot_layer_bytes(),
             layout: Layout::Layer,
+            layer: None,
         }),
-        "dense_weights" => none(HelperSize {
-            bytes: layout.slot_dense_bytes(),
-            layout: Layout::Dense,
-        }),
+        // With a layer, the slot of that layer's own `[pre | o | gate]` (a MoE layer's
+        // `gate` is not sized for a dense layer's SwiGLU); without, a slot for any layer.
+        "dense_weights" => match args {
+            [] => Ok(HelperSize {
+                bytes: layout.slot_dense_bytes(),
+                layout: Layout::Dense,
+                layer: None,
+            }),
+            [l] => Ok(HelperSize {
+                bytes: layout.dense_bytes_of(*l),
+                layout: Layout::Dense,
+                layer: Some(u32::try_from(*l).unwrap_or(u32::MAX)),
+            }),
+            _ => Err(1),
+        },
         "expert_weights" => one(&|m| HelperSize {
             bytes: m.saturating_mul(layout.expert_bytes),
             layout: Layout::Experts {
                 slots: u32::try_from(m).unwrap_or(u32::MAX),
             },
+            layer: None,
         }),
         "embed_weights" => none(raw(layout.embed_bytes)),
         "head_weights" => none(raw(layout.head_bytes)),
