@@ -28,7 +28,11 @@
 # Smaller dry runs (e.g. under the stand-in driver): GPU_BENCH_MODEL=mixtral-tiny
 # GPU_BENCH_BATCHES=1 GPU_BENCH_FAMILIES=mixtral GPU_BENCH_PROBE_SIZES=tiny GPU_BENCH_PROBE_MIB=16.
 set -u
-moec=$(realpath "${1:?usage: gpu-bench.sh path/to/moec [OUT_DIR]}")
+moec=$(realpath "${1:?usage: gpu-bench.sh path/to/moec [OUT_DIR]}" 2> /dev/null)
+if [ ! -x "$moec" ]; then
+    echo "gpu-bench.sh: $1 is not an executable moec binary" >&2
+    exit 2
+fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${2:-${OUT:-$PWD/gpu-bench-out}}
 mkdir -p "$out"
