@@ -20,6 +20,7 @@ pub mod output;
 pub mod plan;
 pub mod probe;
 pub mod profile;
+pub mod quantize;
 pub mod reproduce;
 pub mod run;
 pub mod serve;
@@ -50,6 +51,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Write a deterministic synthetic checkpoint of a card (Hugging Face format).
     Synth(synth::SynthArgs),
+    /// Write a Hugging Face checkpoint as a quantised llama.cpp GGUF (formats per weight class).
+    Quantize(quantize::QuantizeArgs),
     /// List the built-in model cards with parameter counts and bytes per layer.
     Models(models::ModelsArgs),
     /// Predict a schedule's speed on a hardware profile (HRM + discrete-event simulation).
@@ -89,6 +92,7 @@ pub fn main() -> ExitCode {
         Command::Profile(args) => profile::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Synth(args) => synth::run(&args),
+        Command::Quantize(args) => quantize::run(&args),
         Command::Models(args) => models::run(&args),
         Command::Simulate(args) => simulate::run(args),
         Command::Plan(args) => plan::run(args),

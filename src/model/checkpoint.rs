@@ -612,6 +612,13 @@ impl Checkpoint {
         out
     }
 
+    /// The values of `src` as f32 (bf16/f16 widened, quantised blocks decoded), checked
+    /// against its shape: what `moec quantize` reads.
+    pub fn source_f32(&self, src: &Source) -> Result<Vec<f32>, CheckpointError> {
+        let (view, _) = self.view(src)?;
+        Ok(view.to_f32_vec())
+    }
+
     /// Names of all tensors.
     pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)

@@ -14,7 +14,9 @@
 //! `quantized::gguf_file` brings candle's tensor types and its own dequantisers) or read
 //! the file into owned buffers rather than a map; moec needs only the byte ranges.
 
+pub mod export;
 pub mod llama;
+pub mod write;
 
 use crate::model::card::WeightDtype;
 use crate::model::quant::QuantFormat;

@@ -22,6 +22,7 @@ mod dot;
 mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx512;
+pub mod encode;
 pub mod matmul;
 #[cfg(test)]
 mod matmul_tests;

@@ -1,0 +1,118 @@
+//! `moec quantize`: write a Hugging Face checkpoint as a quantised llama.cpp GGUF.
+//!
+//! Takes `--weights DIR --out FILE.gguf` and the formats per weight class
+//! (`--weight-format experts=q4_k,attention=q8_0`, default experts only as Q4_K; or
+//! `--all FORMAT` for every linear weight); writes the file atomically (nothing is left
+//! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
+//! runs in moec (`--weights FILE.gguf`) and in llama.cpp.
+
+use crate::cli::generate::fail;
+use crate::model::formats::{Storage, WeightClass, WeightFormats};
+use crate::model::gguf::export::export;
+use crate::model::Checkpoint;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Arguments of `moec quantize`.
+#[derive(Debug, clap::Args)]
+pub struct QuantizeArgs {
+    /// The Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, value_name = "DIR")]
+    pub weights: PathBuf,
+    /// The GGUF file to write (must not exist).
+    #[arg(long, value_name = "FILE.gguf")]
+    pub out: PathBuf,
+    /// Formats per weight class (classes experts, attention, shared, router, embedding,
+    /// head; formats q8_0, q4_k, q5_k, q6_k, bf16, f16, f32). Classes not named keep the
+    /// checkpoint's dtype, the router f32; norms are always f32.
+    #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]
+    pub weight_format: Option<String>,
+    /// Every linear weight (experts, attention, shared experts, embedding, head) in this
+    /// format; the router stays f32, as llama-quantize keeps it.
+    #[arg(long, value_name = "FORMAT")]
+    pub all: Option<String>,
+    /// `general.name` in the file (default: the folder's name).
+    #[arg(long)]
+    pub name: Option<String>,
+}
+
+/// The formats the flags ask for.
+fn formats(args: &QuantizeArgs) -> Result<WeightFormats, String> {
+    let mut formats = WeightFormats::default();
+    match (&args.all, &args.weight_format) {
+        (Some(all), _) => {
+            let storage = Storage::parse(all).map_err(|e| format!("--all: {e}"))?;
+            for class in [
+                WeightClass::Experts,
+                WeightClass::Attention,
+                WeightClass::Shared,
+                WeightClass::Embedding,
+                WeightClass::Head,
+            ] {
+                formats.classes.insert(class, storage);
+            }
+        }
+        (None, Some(spec)) => formats
+            .parse_classes(spec)
+            .map_err(|e| format!("--weight-format: {e}"))?,
+        (None, None) => formats
+            .parse_classes("experts=q4_k")
+            .map_err(|e| format!("--weight-format: {e}"))?,
+    }
+    Ok(formats)
+}
+
+/// Runs `moec quantize`.
+pub fn run(args: &QuantizeArgs) -> ExitCode {
+    if args.out.exists() {
+        return fail(format!(
+            "{}: already exists; moec quantize does not overwrite a file",
+            args.out.display()
+        ));
+    }
+    let formats = match formats(args) {
+        Ok(f) => f,
+        Err(e) => return fail(e),
+    };
+    let ckpt = match Checkpoint::open(&args.weights) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let name = args.name.clone().unwrap_or_else(|| {
+        args.weights
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| ckpt.card().name.clone())
+    });
+    let start = std::time::Instant::now();
+    let bar = std::io::stderr()
+        .is_terminal()
+        .then(|| indicatif::ProgressBar::new(0));
+    let result = export(&ckpt, &formats, &name, &args.out, |i, total, tensor| {
+        if let Some(bar) = &bar {
+            bar.set_length(total as u64);
+            bar.set_position(i as u64);
+            bar.set_message(tensor.to_string());
+        }
+    });
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let summary = match result {
+        Ok(s) => s,
+        Err(e) => return fail(e),
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "wrote {} ({} tensors, {:.3} GiB) in {:.1} s",
+        args.out.display(),
+        summary.tensors,
+        gib(summary.file_bytes),
+        start.elapsed().as_secs_f64()
+    );
+    for (ty, bytes) in &summary.bytes_by_type {
+        println!("  {ty:<5} {:>10.3} GiB", gib(*bytes));
+    }
+    ExitCode::SUCCESS
+}

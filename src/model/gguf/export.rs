@@ -1,0 +1,585 @@
+//! A Hugging Face checkpoint written as llama.cpp's GGUF, each weight class in its own
+//! format (`moec quantize`).
+//!
+//! Takes an opened [`Checkpoint`] of a family llama.cpp reads as its `llama` architecture
+//! (Mixtral), the formats per class ([`WeightFormats`]) and an output path; gives the file
+//! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would lay out: the same metadata
+//! keys, llama.cpp's tensor names with the experts merged into `ffn_{gate,up,down}_exps`,
+//! `q_proj`/`k_proj` rows interleaved per head as the converter does (the inverse of
+//! [`super::llama::unpermute_rows`]), norms in f32, the vocabulary from `tokenizer.json`
+//! as the converter's `LlamaHfVocab` writes it, and each matrix in the format its class
+//! asks for (unnamed classes keep the checkpoint's float dtype; the router, unless named,
+//! is f32 as llama-quantize keeps it). Guarantees: the plan
+//! (every tensor, its type and size) is checked before a byte is written, so a row that is
+//! not whole blocks of its format, a family or tokenizer it cannot write, or a missing
+//! tensor is one error naming it; the file is written atomically ([`super::write`]).
+
+use super::write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_BF16, GGML_F16, GGML_F32};
+use crate::model::arch::ArchSpec;
+use crate::model::card::{Family, WeightDtype};
+use crate::model::checkpoint::Checkpoint;
+use crate::model::formats::{Storage, WeightClass, WeightFormats, WeightTensor};
+use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::names::{head_names, segment_source, Source};
+use crate::model::quant::{encode::quantize_row, QuantFormat};
+use std::path::Path;
+
+/// Why a checkpoint cannot be written as GGUF.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// The family, tokenizer or a tensor cannot be written as asked.
+    #[error("{0}")]
+    Unsupported(String),
+    /// Writing failed (the file system, or reading a source tensor).
+    #[error(transparent)]
+    Write(#[from] WriteError),
+}
+
+/// Where one GGUF tensor's values come from.
+#[derive(Debug, Clone)]
+enum Origin {
+    /// One Hub tensor; `permute_heads` for `q_proj`/`k_proj`.
+    Whole {
+        src: Source,
+        permute_heads: Option<usize>,
+    },
+    /// Every expert's tensor of one kind, stacked (expert outermost).
+    Stacked(Vec<Source>),
+}
+
+/// What [`export`] wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExportSummary {
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes of tensor data per ggml type name (`Q4_K`, `BF16`, `F32`).
+    pub bytes_by_type: Vec<(String, u64)>,
+    /// The file's size.
+    pub file_bytes: u64,
+}
+
+/// The ggml type a tensor of `storage` is written as (vectors always f32, as the converter
+/// writes norms).
+fn ggml_type(storage: Storage, vector: bool) -> u32 {
+    if vector {
+        return GGML_F32;
+    }
+    match storage {
+        Storage::Float(WeightDtype::F32) => GGML_F32,
+        Storage::Float(WeightDtype::F16) => GGML_F16,
+        Storage::Float(WeightDtype::Bf16) => GGML_BF16,
+        Storage::Quant(q) => q.ggml_type(),
+    }
+}
+
+fn type_name(id: u32) -> String {
+    match id {
+        GGML_F32 => "F32".into(),
+        GGML_F16 => "F16".into(),
+        GGML_BF16 => "BF16".into(),
+        other => QuantFormat::from_ggml_type(other)
+            .map(|q| q.name().to_string())
+            .unwrap_or_else(|| format!("type {other}")),
+    }
+}
+
+/// llama.cpp's `general.file_type` (`llama_ftype`) for a file whose experts are stored as
+/// `storage`: the "mostly" type its largest class has.
+fn file_type(storage: Storage) -> u32 {
+    match storage {
+        Storage::Float(WeightDtype::F32) => 0,
+        Storage::Float(WeightDtype::F16) => 1,
+        Storage::Float(WeightDtype::Bf16) => 32,
+        Storage::Quant(QuantFormat::Q8_0) => 7,
+        Storage::Quant(QuantFormat::Q4K) => 14,
+        Storage::Quant(QuantFormat::Q5K) => 16,
+        Storage::Quant(QuantFormat::Q6K) => 18,
+    }
+}
+
+/// The converter's row order for `q_proj`/`k_proj`: within each head of `2h` rows, Hub row
+/// `p * h + i` goes to position `2i + p` (rows of `cols` values).
+fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
+    let rows = values.len().checked_div(cols)?;
+    let per_head = rows.checked_div(heads)?;
+    if per_head * heads != rows || !per_head.is_multiple_of(2) {
+        return None;
+    }
+    let half = per_head / 2;
+    let mut out = vec![0.0; values.len()];
+    for h in 0..heads {
+        for p in 0..2 {
+            for i in 0..half {
+                let hub = h * per_head + p * half + i;
+                let stored = h * per_head + 2 * i + p;
+                out[stored * cols..(stored + 1) * cols]
+                    .copy_from_slice(&values[hub * cols..(hub + 1) * cols]);
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The `llama` architecture's hyper-parameter keys, from the card.
+fn arch_metadata(arch: &ArchSpec, name: &str, experts: Storage) -> Vec<(String, MetaValue)> {
+    let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
+    vec![
+        (
+            "general.architecture".into(),
+            MetaValue::Str("llama".into()),
+        ),
+        ("general.type".into(), MetaValue::Str("model".into())),
+        ("general.name".into(), MetaValue::Str(name.into())),
+        u("block_count", arch.layers),
+        u("context_length", arch.max_positions),
+        u("embedding_length", arch.hidden),
+        u("feed_forward_length", arch.ffn),
+        u("attention.head_count", arch.attn.heads),
+        u("attention.head_count_kv", arch.attn.kv_heads),
+        (
+            "llama.rope.freq_base".into(),
+            MetaValue::F32(arch.rope_theta as f32),
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            MetaValue::F32(arch.norm_eps),
+        ),
+        u("expert_count", arch.experts),
+        u("expert_used_count", arch.top_k),
+        u("attention.key_length", arch.attn.head_dim),
+        u("attention.value_length", arch.attn.head_dim),
+        u("vocab_size", arch.vocab),
+        u("rope.dimension_count", arch.attn.head_dim),
+        ("general.quantization_version".into(), MetaValue::U32(2)),
+        (
+            "general.file_type".into(),
+            MetaValue::U32(file_type(experts)),
+        ),
+    ]
+}
+
+/// The vocabulary keys as the converter's `LlamaHfVocab` writes them from `tokenizer.json`
+/// (a BPE tokenizer with byte fallback): every token in id order, score -1000, type BYTE
+/// for `<0xXX>`, CONTROL for the special tokens `tokenizer_config.json` names, USER_DEFINED
+/// for other added tokens past the base vocabulary, NORMAL otherwise; ids past the
+/// tokenizer's up to the model's vocabulary are `[PADi]`, UNUSED.
+fn vocab_metadata(
+    ckpt: &Checkpoint,
+    vocab: usize,
+) -> Result<Vec<(String, MetaValue)>, ExportError> {
+    let path = ckpt.tokenizer_path().ok_or_else(|| {
+        ExportError::Unsupported(format!(
+            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
+            ckpt.dir().display()
+        ))
+    })?;
+    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let model = &json["model"];
+    let kind = model["type"].as_str().unwrap_or("?");
+    if kind != "BPE" || model["byte_fallback"].as_bool() != Some(true) {
+        return Err(bad(format!(
+            "a `{kind}` tokenizer{}: moec quantize writes llama.cpp's `llama` vocabulary, a BPE \
+             tokenizer with byte fallback (Mixtral's)",
+            if kind == "BPE" {
+                " without byte fallback"
+            } else {
+                ""
+            }
+        )));
+    }
+    // Which tokens are special is what `tokenizer_config.json` names (transformers'
+    // `all_special_ids`, what the converter asks): none without that file.
+    let config_path = ckpt.dir().join("tokenizer_config.json");
+    let config: serde_json::Value = std::fs::read_to_string(&config_path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let token_text = |v: &serde_json::Value| -> Option<String> {
+        v.as_str()
+            .or_else(|| v["content"].as_str())
+            .map(str::to_string)
+    };
+    let mut special: Vec<String> = ["bos", "eos", "unk", "pad", "sep", "cls", "mask"]
+        .iter()
+        .filter_map(|k| token_text(&config[format!("{k}_token")]))
+        .collect();
+    special.extend(
+        config["additional_special_tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(token_text),
+    );
+    let mut tokens: Vec<Option<String>> = vec![None; vocab];
+    let mut types = vec![1i32; vocab];
+    let mut place = |id: u64, text: &str, ty: i32| -> Result<(), ExportError> {
+        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
+            bad(format!(
+                "token `{text}` has id {id}, past the model's vocabulary of {vocab}"
+            ))
+        })?;
+        *slot = Some(text.to_string());
+        types[id as usize] = ty;
+        Ok(())
+    };
+    let Some(entries) = model["vocab"].as_object() else {
+        return Err(bad("`model.vocab` is not a map of tokens to ids".into()));
+    };
+    let mut base = 0u64;
+    for (text, id) in entries {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| bad(format!("token `{text}`: its id is not a number")))?;
+        let is_byte = text.len() == 6
+            && text.starts_with("<0x")
+            && text.ends_with('>')
+            && text[3..5].chars().all(|c| c.is_ascii_hexdigit());
+        let ty = if is_byte {
+            6
+        } else if special.contains(text) {
+            3
+        } else {
+            1
+        };
+        place(id, text, ty)?;
+        base = base.max(id + 1);
+    }
+    // Added tokens inside the base vocabulary are already there; those past it are
+    // CONTROL when special, USER_DEFINED otherwise.
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            return Err(bad("an `added_tokens` entry without id or content".into()));
+        };
+        if id >= base {
+            place(
+                id,
+                text,
+                if special.iter().any(|s| s == text) {
+                    3
+                } else {
+                    4
+                },
+            )?;
+        }
+    }
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.unwrap_or_else(|| {
+                types[i] = 5;
+                format!("[PAD{i}]")
+            })
+        })
+        .collect();
+    let card = ckpt.card();
+    let mut meta = vec![
+        (
+            "tokenizer.ggml.model".into(),
+            MetaValue::Str("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            MetaValue::Str("default".into()),
+        ),
+        ("tokenizer.ggml.tokens".into(), MetaValue::Strs(tokens)),
+        (
+            "tokenizer.ggml.scores".into(),
+            MetaValue::F32s(vec![-1000.0; vocab]),
+        ),
+        ("tokenizer.ggml.token_type".into(), MetaValue::I32s(types)),
+    ];
+    if let Some(bos) = card.bos_token_id {
+        meta.push(("tokenizer.ggml.bos_token_id".into(), MetaValue::U32(bos)));
+    }
+    meta.push((
+        "tokenizer.ggml.eos_token_id".into(),
+        MetaValue::U32(card.eos_token_id),
+    ));
+    let add_bos = config["add_bos_token"].as_bool().unwrap_or(true);
+    meta.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        MetaValue::Bool(add_bos),
+    ));
+    meta.push((
+        "tokenizer.ggml.add_sep_token".into(),
+        MetaValue::Bool(false),
+    ));
+    if let Some(template) = config["chat_template"].as_str() {
+        meta.push((
+            "tokenizer.chat_template".into(),
+            MetaValue::Str(template.into()),
+        ));
+    }
+    Ok(meta)
+}
+
+/// The tensor table and each tensor's origin, in the converter's order (head tensors, then
+/// each layer's).
+fn plan(
+    ckpt: &Checkpoint,
+    formats: &WeightFormats,
+) -> Result<(Vec<TensorEntry>, Vec<Origin>), ExportError> {
+    let arch = ckpt.arch();
+    let dtype = ckpt.card().dtype;
+    let (d, f, e, vocab) = (arch.hidden, arch.ffn, arch.experts, arch.vocab);
+    let mut entries = Vec::new();
+    let mut origins = Vec::new();
+    let mut add = |name: String, dims: Vec<u64>, tensor: WeightTensor, origin: Origin| {
+        // llama-quantize keeps the router in f32 unless told otherwise: routing is where a
+        // rounding error changes which experts run.
+        let storage = match tensor.class() {
+            WeightClass::Router if !formats.classes.contains_key(&WeightClass::Router) => {
+                Storage::Float(WeightDtype::F32)
+            }
+            _ => formats.storage(dtype, tensor),
+        };
+        let entry = TensorEntry {
+            name,
+            dims,
+            ggml_type: ggml_type(storage, tensor.is_vector()),
+        };
+        if entry.bytes().is_none() {
+            return Err(ExportError::Unsupported(format!(
+                "tensor `{}`: rows of {} values are not whole {} blocks; keep its class in a \
+                 float format",
+                entry.name,
+                entry.dims.first().copied().unwrap_or(0),
+                storage.name()
+            )));
+        }
+        entries.push(entry);
+        origins.push(origin);
+        Ok(())
+    };
+    let whole = |name: &str, shape: Vec<usize>| Origin::Whole {
+        src: Source {
+            name: name.into(),
+            rows: 0..shape.first().copied().unwrap_or(1),
+            shape,
+        },
+        permute_heads: None,
+    };
+    let (embed, norm) = head_names(Family::Mixtral);
+    add(
+        "token_embd.weight".into(),
+        vec![d as u64, vocab as u64],
+        WeightTensor::Embed,
+        whole(embed, vec![vocab, d]),
+    )?;
+    add(
+        "output_norm.weight".into(),
+        vec![d as u64],
+        WeightTensor::FinalNorm,
+        whole(norm, vec![d]),
+    )?;
+    if ckpt.tensor_names().any(|n| n == "lm_head.weight") {
+        add(
+            "output.weight".into(),
+            vec![d as u64, vocab as u64],
+            WeightTensor::LmHead,
+            whole("lm_head.weight", vec![vocab, d]),
+        )?;
+    }
+    for layer in 0..arch.layers {
+        let b = |t: &str| format!("blk.{layer}.{t}.weight");
+        let mut stacks: [Vec<Source>; 3] = Default::default();
+        for kind in LayerLayout::kinds(arch, layer) {
+            let src = segment_source(arch, layer, kind);
+            let dims: Vec<u64> = src.shape.iter().rev().map(|&x| x as u64).collect();
+            let tensor = WeightTensor::layer(kind);
+            let (name, heads) = match kind {
+                SegmentKind::AttnNorm => (b("attn_norm"), None),
+                SegmentKind::FfnNorm => (b("ffn_norm"), None),
+                SegmentKind::QProj => (b("attn_q"), Some(arch.attn.heads)),
+                SegmentKind::KProj => (b("attn_k"), Some(arch.attn.kv_heads)),
+                SegmentKind::VProj => (b("attn_v"), None),
+                SegmentKind::OProj => (b("attn_output"), None),
+                SegmentKind::Router => (b("ffn_gate_inp"), None),
+                SegmentKind::ExpertGate(_) => {
+                    stacks[0].push(src);
+                    continue;
+                }
+                SegmentKind::ExpertUp(_) => {
+                    stacks[1].push(src);
+                    continue;
+                }
+                SegmentKind::ExpertDown(_) => {
+                    stacks[2].push(src);
+                    continue;
+                }
+                other => {
+                    return Err(ExportError::Unsupported(format!(
+                        "layer {layer}: a {other:?} segment has no tensor in llama.cpp's `llama` \
+                         architecture"
+                    )))
+                }
+            };
+            add(
+                name,
+                dims,
+                tensor,
+                Origin::Whole {
+                    src,
+                    permute_heads: heads,
+                },
+            )?;
+        }
+        for (i, (gguf, dims, kind)) in [
+            ("ffn_gate_exps", [d, f, e], SegmentKind::ExpertGate(0)),
+            ("ffn_up_exps", [d, f, e], SegmentKind::ExpertUp(0)),
+            ("ffn_down_exps", [f, d, e], SegmentKind::ExpertDown(0)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let sources = std::mem::take(&mut stacks[i]);
+            if sources.len() != e {
+                return Err(ExportError::Unsupported(format!(
+                    "layer {layer}: {} experts' `{gguf}` tensors, the card has {e}",
+                    sources.len()
+                )));
+            }
+            add(
+                b(gguf),
+                dims.iter().map(|&x| x as u64).collect(),
+                WeightTensor::layer(kind),
+                Origin::Stacked(sources),
+            )?;
+        }
+    }
+    Ok((entries, origins))
+}
+
+/// The values of one tensor in GGUF order (stacked, rows permuted where the converter
+/// permutes them).
+fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, WriteError> {
+    let read = |src: &Source| {
+        ckpt.source_f32(src)
+            .map_err(|e| WriteError::Source(format!("reading `{}` for `{name}`: {e}", src.name)))
+    };
+    match origin {
+        Origin::Whole { src, permute_heads } => {
+            let v = read(src)?;
+            match permute_heads {
+                None => Ok(v),
+                Some(heads) => {
+                    let cols = src.shape.last().copied().unwrap_or(1);
+                    permute_rows(&v, *heads, cols).ok_or_else(|| WriteError::Tensor {
+                        tensor: name.into(),
+                        message: format!("its rows do not split into {heads} heads of pairs"),
+                    })
+                }
+            }
+        }
+        Origin::Stacked(sources) => {
+            let mut out = Vec::new();
+            for src in sources {
+                out.extend(read(src)?);
+            }
+            Ok(out)
+        }
+    }
+}
+
+fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteError> {
+    Ok(match ggml_type {
+        GGML_F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        GGML_F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        GGML_BF16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        id => {
+            let format = QuantFormat::from_ggml_type(id).ok_or_else(|| WriteError::Tensor {
+                tensor: name.into(),
+                message: format!("ggml type {id} is not one moec writes"),
+            })?;
+            quantize_row(format, values).map_err(|e| WriteError::Tensor {
+                tensor: name.into(),
+                message: e.to_string(),
+            })?
+        }
+    })
+}
+
+/// Writes `ckpt` to `out` as a llama.cpp GGUF with `formats` per class; `progress` hears
+/// each tensor's name as it is written.
+pub fn export(
+    ckpt: &Checkpoint,
+    formats: &WeightFormats,
+    name: &str,
+    out: &Path,
+    mut progress: impl FnMut(usize, usize, &str),
+) -> Result<ExportSummary, ExportError> {
+    let arch = ckpt.arch();
+    if arch.family != Family::Mixtral {
+        return Err(ExportError::Unsupported(format!(
+            "{}: a {:?}-family checkpoint: moec quantize writes llama.cpp's `llama` architecture \
+             (the Mixtral family) so far",
+            ckpt.dir().display(),
+            arch.family
+        )));
+    }
+    if let Err(e) = formats.check(arch, ckpt.card().dtype) {
+        return Err(ExportError::Unsupported(e));
+    }
+    let (entries, origins) = plan(ckpt, formats)?;
+    let experts = formats.storage(
+        ckpt.card().dtype,
+        WeightTensor::layer(SegmentKind::ExpertGate(0)),
+    );
+    let mut metadata = arch_metadata(arch, name, experts);
+    metadata.extend(vocab_metadata(ckpt, arch.vocab)?);
+    let total = entries.len();
+    write_gguf(out, &metadata, &entries, |i| {
+        let entry = &entries[i];
+        progress(i, total, &entry.name);
+        let v = values(ckpt, &origins[i], &entry.name)?;
+        encode(&v, entry.ggml_type, &entry.name)
+    })?;
+    let mut by_type: Vec<(String, u64)> = Vec::new();
+    for entry in &entries {
+        let ty = type_name(entry.ggml_type);
+        let bytes = entry.bytes().unwrap_or(0);
+        match by_type.iter_mut().find(|(t, _)| *t == ty) {
+            Some((_, b)) => *b += bytes,
+            None => by_type.push((ty, bytes)),
+        }
+    }
+    let file_bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+    Ok(ExportSummary {
+        tensors: total,
+        bytes_by_type: by_type,
+        file_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permute_is_the_inverse_of_the_readers_unpermute() {
+        let (heads, rows, cols) = (2usize, 8usize, 3usize);
+        let v: Vec<f32> = (0..rows * cols).map(|x| x as f32).collect();
+        let p = permute_rows(&v, heads, cols).unwrap();
+        let bytes: Vec<u8> = p.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let back = super::super::llama::unpermute_rows(&bytes, heads, cols * 4).unwrap();
+        let back: Vec<f32> = back
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(back, v);
+        // Head 0's rows are [0, 1, 2, 3] (half 0: 0, 1; half 1: 2, 3): stored 0, 2, 1, 3.
+        assert_eq!(
+            &p[..cols * 4],
+            &[0., 1., 2., 6., 7., 8., 3., 4., 5., 9., 10., 11.]
+        );
+    }
+}
