@@ -7,6 +7,7 @@
 //! runs in moec (`--weights FILE.gguf`) and in llama.cpp.
 
 use crate::cli::generate::fail;
+use crate::ir::emit::human_bytes;
 use crate::model::formats::{Storage, WeightClass, WeightFormats};
 use crate::model::gguf::export::export;
 use crate::model::Checkpoint;
@@ -103,16 +104,15 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail(e),
     };
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     println!(
-        "wrote {} ({} tensors, {:.3} GiB) in {:.1} s",
+        "wrote {} ({} tensors, {}) in {:.1} s",
         args.out.display(),
         summary.tensors,
-        gib(summary.file_bytes),
+        human_bytes(summary.file_bytes),
         start.elapsed().as_secs_f64()
     );
     for (ty, bytes) in &summary.bytes_by_type {
-        println!("  {ty:<5} {:>10.3} GiB", gib(*bytes));
+        println!("  {ty:<5} {:>12}", human_bytes(*bytes));
     }
     ExitCode::SUCCESS
 }
