@@ -396,6 +396,28 @@ fn long_prompt_files_are_generated_in_batches_with_the_same_outputs() {
     assert!(line.contains("prompt 280"), "{line}");
 }
 
+/// `moec quantize --weights HF --out OUT --all FORMAT`, which must succeed.
+fn quantize_all(cache: &Path, hf: &Path, out: &Path, format: &str) -> Output {
+    let run = moec(
+        cache,
+        &[
+            "quantize",
+            "--weights",
+            hf.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--all",
+            format,
+        ],
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    run
+}
+
 /// `moec quantize --all q8_0` of the Hugging Face folder `scripts/gguf_fixtures.sh` made
 /// its GGUFs from gives, tensor for tensor, the bytes `convert_hf_to_gguf.py` +
 /// `llama-quantize Q8_0` wrote (Q8_0's scale and rounding are the format's definition, so
@@ -411,23 +433,7 @@ fn quantize_q8_0_writes_llama_quantizes_bytes_and_llama_cpp_runs_it() {
     let tmp = tempfile::tempdir().unwrap();
     let ours = tmp.path().join("q8.gguf");
     let hf = fx.join("mixtral-q4-hf");
-    let out = moec(
-        tmp.path(),
-        &[
-            "quantize",
-            "--weights",
-            hf.to_str().unwrap(),
-            "--out",
-            ours.to_str().unwrap(),
-            "--all",
-            "q8_0",
-        ],
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = quantize_all(tmp.path(), &hf, &ours, "q8_0");
     assert!(String::from_utf8_lossy(&out.stdout).contains("Q8_0"));
     let (a, b) = (
         GgufFile::open(&ours).unwrap(),
@@ -525,23 +531,7 @@ fn quantize_k_formats_err_no_more_than_llama_quantize() {
     let mut compared = 0;
     for format in [QuantFormat::Q4K, QuantFormat::Q6K] {
         let ours = tmp.path().join(format!("{}.gguf", format.name()));
-        let out = moec(
-            tmp.path(),
-            &[
-                "quantize",
-                "--weights",
-                hf.to_str().unwrap(),
-                "--out",
-                ours.to_str().unwrap(),
-                "--all",
-                &format.name().to_lowercase(),
-            ],
-        );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        quantize_all(tmp.path(), &hf, &ours, &format.name().to_lowercase());
         let ours = GgufFile::open(&ours).unwrap();
         for (name, t) in &theirs.tensors {
             if QuantFormat::from_ggml_type(t.ggml_type) != Some(format) {
