@@ -21,8 +21,13 @@
 # measurement is one process, so each RSS is that configuration's own. Raw results are
 # appended to $MOEC_PEER_CACHE/results/<date>.jsonl.
 #
+# With --quant TYPE (a llama-quantize type, e.g. Q4_K_M; issue 29), llama.cpp and moec both
+# run the GGUF that llama-quantize makes of the bf16 conversion (moec with --weights FILE),
+# HF stays on the bf16 checkpoint, and the roofline counts the quantised file's bytes.
+#
 # Usage: scripts/peer-bench.sh [--batches "1 16 64"] [--threads 2]
 #            [--schedules "baselines/resident baselines/sequential"] [--skip SYSTEM]...
+#            [--quant Q4_K_M]
 # Environment: MOEC_PEER_CACHE (cache folder), MOEC_PEER_JOBS (build jobs, default 2).
 set -euo pipefail
 
@@ -35,6 +40,7 @@ SCHEDULES="baselines/resident baselines/sequential"
 PROMPT_LEN=64
 GEN_LEN=32
 SKIP=""
+QUANT=""
 
 # Pinned versions: the sdist fixes llama.cpp's source; the Python packages are the ones
 # scripts/requirements-parity.txt pins (the parity fixtures were made with them).
@@ -48,7 +54,8 @@ while [ $# -gt 0 ]; do
     --threads) THREADS=$2; shift 2 ;;
     --schedules) SCHEDULES=$2; shift 2 ;;
     --skip) SKIP="$SKIP $2"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --quant) QUANT=$2; shift 2 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "peer-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -100,6 +107,11 @@ if [ ! -x "$BENCH" ]; then
   PATH=$VENV/bin:$PATH nice -n 10 ninja -C "$BUILD" -j "$JOBS" llama-batched-bench \
     > "$CACHE/build.log"
 fi
+if [ -n "$QUANT" ] && [ ! -x "$BUILD/bin/llama-quantize" ]; then
+  log "building llama-quantize"
+  PATH=$VENV/bin:$PATH nice -n 10 ninja -C "$BUILD" -j "$JOBS" llama-quantize \
+    >> "$CACHE/build.log"
+fi
 
 # 3. The checkpoint, written by transformers, and its GGUF conversion.
 "$PY" "$REPO/scripts/peer_bench_checkpoint.py" --out "$MODEL" \
@@ -110,6 +122,21 @@ if [ ! -f "$GGUF" ] || [ "$GGUF" -ot "$MODEL/.complete" ]; then
     > "$CACHE/convert.log" 2>&1 || { tail -20 "$CACHE/convert.log" >&2; exit 1; }
   mv "$GGUF.tmp" "$GGUF"
 fi
+# What llama.cpp and moec run: the bf16 GGUF / the Hub folder, or both the quantised GGUF.
+RUN_GGUF=$GGUF
+MOEC_WEIGHTS=$MODEL
+if [ -n "$QUANT" ]; then
+  RUN_GGUF=$CACHE/mixtral-mid-$QUANT.gguf
+  if [ ! -f "$RUN_GGUF" ] || [ "$RUN_GGUF" -ot "$GGUF" ]; then
+    log "quantising the bf16 GGUF to $QUANT with llama-quantize"
+    "$BUILD/bin/llama-quantize" "$GGUF" "$RUN_GGUF.tmp" "$QUANT" "$THREADS" \
+      > "$CACHE/quantize-$QUANT.log" 2>&1 || { tail -20 "$CACHE/quantize-$QUANT.log" >&2; exit 1; }
+    mv "$RUN_GGUF.tmp" "$RUN_GGUF"
+  fi
+  MOEC_WEIGHTS=$RUN_GGUF
+fi
+# The roofline's weight bytes: bf16's, scaled by the file run against the bf16 file.
+WEIGHT_SCALE=$("$PY" -c 'import os, sys; print(os.path.getsize(sys.argv[1]) / os.path.getsize(sys.argv[2]))' "$RUN_GGUF" "$GGUF")
 
 # 4. moec itself, release build.
 log "building moec (cargo build --release)"
@@ -165,7 +192,7 @@ EOF
 
 for batch in $BATCHES; do
   if ! skipped llama.cpp; then
-    measure llama.cpp "$batch" llama "$BENCH" -m "$GGUF" -c $((batch * (PROMPT_LEN + GEN_LEN))) \
+    measure llama.cpp "$batch" llama "$BENCH" -m "$RUN_GGUF" -c $((batch * (PROMPT_LEN + GEN_LEN))) \
       -b 2048 -ub 512 -npp $PROMPT_LEN -ntg $GEN_LEN -npl "$batch" -t "$THREADS" -tb "$THREADS" \
       --output-format jsonl
   fi
@@ -187,7 +214,7 @@ for batch in $BATCHES; do
       *) sets=(--set "ubs=$batch" --set n_ub=1) ;;
     esac
     measure "moec $sched" "$batch" moec "$MOEC" run "$REPO/schedules/$sched.sched" \
-      --weights "$MODEL" --threads "$THREADS" --gen-len $GEN_LEN \
+      --weights "$MOEC_WEIGHTS" --threads "$THREADS" --gen-len $GEN_LEN \
       --workload "count=$batch,mean=$PROMPT_LEN,min=$PROMPT_LEN,max=$PROMPT_LEN,gen=$GEN_LEN,seed=$batch" \
       "${sets[@]}" --json
   done
@@ -199,9 +226,10 @@ probe after
 # steps) takes at least max(bytes / bandwidth, FLOPs / peak) for the weights it must read
 # (dense + lm_head + the experts its tokens route to, uniform routing assumed: a layer
 # touches 8 (1 - (6/8)^tokens) experts on average) and the KV cache (f32 K and V).
-"$PY" - "$RESULTS" "$PROMPT_LEN" "$GEN_LEN" "$THREADS" <<'EOF'
+"$PY" - "$RESULTS" "$PROMPT_LEN" "$GEN_LEN" "$THREADS" "$WEIGHT_SCALE" "${QUANT:-bf16}" <<'EOF'
 import json, sys
 prompt_len, gen_len, threads = map(int, sys.argv[2:5])
+weight_scale, weights_name = float(sys.argv[5]), sys.argv[6]
 rows = [json.loads(l) for l in open(sys.argv[1])]
 probes = [r for r in rows if r["system"] == "probe"]
 rows = [r for r in rows if r["system"] != "probe"]
@@ -216,7 +244,7 @@ head = vocab * d
 
 def step(tokens, seqs, ctx):
     touched = experts * (1 - (1 - top_k / experts) ** tokens)
-    weight_bytes = 2 * (dense + layers * touched * expert + head)
+    weight_bytes = 2 * weight_scale * (dense + layers * touched * expert + head)
     kv_bytes = seqs * layers * ctx * 2 * kv_heads * head_dim * 4
     flops = 2 * tokens * (dense + layers * top_k * expert) + 2 * seqs * head
     return max((weight_bytes + kv_bytes) / bw, flops / peak)
@@ -237,7 +265,8 @@ def fmt(s, b):
     if r is None: return "-"
     if r.get("failed"): return "failed"
     return f"{r['tokens_per_s']:.1f} ({r['peak_rss_kb'] / 1024:.0f} MiB)"
-print(f"\nB prompts of {prompt_len} tokens, {gen_len} new tokens each, greedy, {threads} threads; "
+print(f"\nweights: {weights_name} for llama.cpp and moec (HF: bf16); {weight_scale:.3f} of the bf16 file's bytes")
+print(f"B prompts of {prompt_len} tokens, {gen_len} new tokens each, greedy, {threads} threads; "
       f"tok/s = B x {gen_len} / (prefill + decode s), peak RSS in brackets")
 print(f"roofline: streaming read {bw / 1e9:.2f} GB/s, f32 GEMM peak {peak / 1e9:.1f} GFLOP/s (moec probe, better of before/after)")
 print("| batch | " + " | ".join(systems) + " | roofline |")
