@@ -617,3 +617,93 @@ fn quantize_refuses_clearly_and_what_it_writes_runs() {
         String::from_utf8_lossy(&gen.stderr)
     );
 }
+
+/// `moec perplexity --json` of `weights` against `reference` on the embedded text.
+fn perplexity_json(cache: &Path, weights: &Path, reference: &Path) -> serde_json::Value {
+    let out = moec(
+        cache,
+        &[
+            "perplexity",
+            "--weights",
+            weights.to_str().unwrap(),
+            "--reference",
+            reference.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Each of llama.cpp's GGUFs of the tiny Mixtral against the bf16 folder they were made
+/// from, on the embedded text (252 predictions). The f32 file holds the folder's values
+/// exactly, so its distributions are the folder's to the bit (KL 0, every top token the
+/// same). The quantised files are bounded by what this random-weight model measured with
+/// about 3x headroom (Q8_0: mean KL 3.4e-4 nats, top-1 99.2%; Q4_K_M: 0.085 nats, 74.6%):
+/// a random model's logits spread over 28, so its KL is far above a trained model's
+/// (llama.cpp reports about 1e-3 for Q8_0 and 1e-2 for Q4_K_M on LLaMA), and the bounds are
+/// regression bounds for this fixture. What holds for any model is the order: Q8_0's 8.5
+/// bits a weight stay closer than Q4_K_M's 4.9.
+#[test]
+fn perplexity_of_llama_cpps_ggufs_against_their_bf16_source() {
+    let Some(fx) = gguf_common::fixtures() else {
+        eprintln!("skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = fx.join("mixtral-q4-hf");
+    let report = |t: &str| {
+        let j = perplexity_json(tmp.path(), &fx.join(format!("mixtral-q4-{t}.gguf")), &hf);
+        assert_eq!(j["report"]["predictions"], 252);
+        j["report"]["reference"].clone()
+    };
+    let exact = report("f32");
+    assert_eq!(exact["mean_kl"].as_f64(), Some(0.0));
+    assert_eq!(exact["top1_agreement"].as_f64(), Some(1.0));
+    let (q8, q4) = (report("Q8_0"), report("Q4_K_M"));
+    let kl = |r: &serde_json::Value| r["mean_kl"].as_f64().unwrap();
+    let top1 = |r: &serde_json::Value| r["top1_agreement"].as_f64().unwrap();
+    assert!(kl(&q8) < 1e-3 && top1(&q8) >= 0.95, "Q8_0: {q8}");
+    assert!(kl(&q4) < 0.25 && top1(&q4) >= 0.6, "Q4_K_M: {q4}");
+    assert!(kl(&q8) < kl(&q4), "Q8_0 {q8} against Q4_K_M {q4}");
+}
+
+/// With no fixture: the embedded default scores, a checkpoint against itself is at KL 0,
+/// and a window that predicts nothing or a text shorter than a window is one line, exit 1.
+#[test]
+fn perplexity_runs_on_the_default_and_refuses_bad_windows() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = synth_into(cache.path(), "ck");
+    let same = perplexity_json(cache.path(), &dir, &dir);
+    assert_eq!(same["report"]["reference"]["mean_kl"].as_f64(), Some(0.0));
+    assert!(same["report"]["perplexity"].as_f64().unwrap() > 1.0);
+    let d = dir.to_str().unwrap();
+    let bad = moec(
+        cache.path(),
+        &["perplexity", "--weights", d, "--window", "1"],
+    );
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(stderr_line(&bad).contains("window of 1"));
+    let short = cache.path().join("short.txt");
+    std::fs::write(&short, "Hello there").unwrap();
+    let out = moec(
+        cache.path(),
+        &[
+            "perplexity",
+            "--weights",
+            d,
+            "--text",
+            short.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr_line(&out).contains("fewer than one window"),
+        "{}",
+        stderr_line(&out)
+    );
+}

@@ -17,6 +17,7 @@ pub mod devices;
 pub mod hw;
 pub mod inputs;
 pub mod output;
+pub mod perplexity;
 pub mod plan;
 pub mod probe;
 pub mod profile;
@@ -53,6 +54,8 @@ enum Command {
     Synth(synth::SynthArgs),
     /// Write a Hugging Face checkpoint as a quantised llama.cpp GGUF (formats per weight class).
     Quantize(quantize::QuantizeArgs),
+    /// A checkpoint's perplexity on a fixed text, and its distance from a reference checkpoint.
+    Perplexity(perplexity::PerplexityArgs),
     /// List the built-in model cards with parameter counts and bytes per layer.
     Models(models::ModelsArgs),
     /// Predict a schedule's speed on a hardware profile (HRM + discrete-event simulation).
@@ -93,6 +96,7 @@ pub fn main() -> ExitCode {
         Command::Generate(args) => generate::run(&args),
         Command::Synth(args) => synth::run(&args),
         Command::Quantize(args) => quantize::run(&args),
+        Command::Perplexity(args) => perplexity::run(&args),
         Command::Models(args) => models::run(&args),
         Command::Simulate(args) => simulate::run(args),
         Command::Plan(args) => plan::run(args),

@@ -17,6 +17,7 @@ pub mod layout;
 pub mod mxfp4;
 pub mod names;
 pub mod oracle;
+pub mod perplexity;
 pub mod quant;
 pub mod rng;
 pub mod source;
