@@ -16,6 +16,8 @@
 //! present the same comparison also runs against them; where not, the output says it was
 //! skipped and why.
 
+#[path = "gguf_common/mod.rs"]
+mod gguf_common;
 #[path = "schedules_common/mod.rs"]
 mod schedules_common;
 #[path = "standin_common/mod.rs"]
@@ -40,8 +42,9 @@ enum Driver<'a> {
     Machine,
 }
 
-/// `moec run SCHED --model CARD --json --gen-len 4 --hw t4 --dump-logits FILE [extra]`; gives the
-/// process output and the logits file.
+/// `moec run SCHED --model CARD --json --gen-len 4 --hw t4 --dump-logits FILE [extra]`
+/// (`--weights CARD` for a `.gguf` path; `--gen-len` from `extra` when it has one); gives
+/// the process output and the logits file.
 fn run(
     cache: &Path,
     schedule: &str,
@@ -55,9 +58,19 @@ fn run(
         .keep()
         .expect("keep");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
+    // A `.gguf` file is a checkpoint (`--weights`), anything else a card.
+    let model = if card.ends_with(".gguf") {
+        "--weights"
+    } else {
+        "--model"
+    };
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
-        .args(["run", schedule, "--model", card, "--json", "--gen-len", "4"])
+        .args(["run", schedule, model, card, "--json"]);
+    if !extra.contains(&"--gen-len") {
+        cmd.args(["--gen-len", "4"]);
+    }
+    cmd
         // Tokens and logits only: a paper profile spares each run the quick probe of this
         // machine behind the report's replay (about 2 s in the test build, 120 runs here).
         .args(["--hw", "hardware/t4.ron"])
@@ -133,19 +146,24 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// Every schedule on `card`: CPU and CUDA (stand-in) tokens equal, logits close.
 fn every_schedule_matches_the_cpu_on(card: &str) {
+    every_schedule_matches_the_cpu_with(card, &[]);
+}
+
+/// [`every_schedule_matches_the_cpu_on`] with `extra` flags on both runs.
+fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
     let cache = tempfile::tempdir().expect("cache");
     let dir = standin_dir();
     let real = detect();
     let mut rows = Vec::new();
     for (name, path) in schedules_common::schedule_files() {
         let schedule = path.to_string_lossy().into_owned();
-        let (cpu, cpu_logits) = run(cache.path(), &schedule, card, Driver::Cpu, &[]);
+        let (cpu, cpu_logits) = run(cache.path(), &schedule, card, Driver::Cpu, extra);
         let (cuda, cuda_logits) = run(
             cache.path(),
             &schedule,
             card,
             Driver::Standin(dir.path(), 0),
-            &[],
+            extra,
         );
         let want = token_ids(&cpu, &format!("{schedule} on {card}, CPU"));
         let got = token_ids(&cuda, &format!("{schedule} on {card}, CUDA (stand-in)"));
@@ -160,7 +178,7 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
         );
         assert!(diff < 1e-2, "{schedule} on {card}: logits differ by {diff}");
         if real.missing().is_none() {
-            let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, &[]);
+            let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, extra);
             assert_eq!(
                 token_ids(&gpu, &format!("{schedule} on {card}, real GPU")),
                 want,
@@ -176,6 +194,26 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
         Some(why) => println!("SKIPPED the real-GPU runs of these schedules: {why}"),
         None => println!("also ran every schedule on the real GPU: tokens equal"),
     }
+}
+
+/// llama.cpp's Q4_K_M tiny Mixtral (`scripts/gguf_fixtures.sh`: Q4_K attention, experts and
+/// embedding, Q6_K `ffn_down`/`attn_v` on layer 1, a Q6_K lm_head, f32 norms and router)
+/// through every schedule: the CUDA kernels decode the blocks inside their products
+/// (`linear_gemv`, `moe_grouped_gemv`; `dequant_f32` + cuBLAS for the prompt's head and
+/// any product past 16 rows; `embed_quant`) and give the CPU backend's tokens, whichever
+/// quantised product the CPU backend runs, within the same run; 2 new tokens per prompt
+/// keep the 10 schedules' 20 runs cheap. Skipped, saying so, without the fixture.
+#[test]
+fn every_schedule_on_a_q4_k_m_gguf_through_the_cuda_backend_gives_the_cpu_tokens() {
+    let Some(dir) = gguf_common::fixtures() else {
+        println!(
+            "q4_k_m gguf on cuda: SKIPPED: no mixtral-q4-Q4_K_M.gguf (run \
+             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FIXTURES)"
+        );
+        return;
+    };
+    let path = dir.join("mixtral-q4-Q4_K_M.gguf");
+    every_schedule_matches_the_cpu_with(&path.to_string_lossy(), &["--gen-len", "2"]);
 }
 
 #[test]
