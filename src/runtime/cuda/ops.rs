@@ -325,16 +325,23 @@ impl GpuCx<'_> {
     /// store norms in bf16, GGUF files in f32; a vector is never block-quantised, and one
     /// that claims to be is refused by name).
     fn norm_weight(&self, weights: &[View], tag: WeightTag) -> Result<(u64, i32), OpError> {
-        let code = match self.host.layout().storage(tag) {
-            Some(Storage::Float(dtype)) => storage_code(dtype, None),
-            Some(Storage::Quant(format)) => {
+        let code = match self.storage(tag)? {
+            Storage::Float(dtype) => storage_code(dtype, None),
+            Storage::Quant(format) => {
                 return Err(OpError::Unsupported(format!(
                     "{tag} stored as {format} (the norm kernels take float weights)"
                 )))
             }
-            None => return Err(OpError::MissingWeight { tag }),
         };
         Ok((self.weight(weights, tag)?, code))
+    }
+
+    /// How tensor `tag` is stored (a float dtype or a block format).
+    fn storage(&self, tag: WeightTag) -> Result<Storage, OpError> {
+        self.host
+            .layout()
+            .storage(tag)
+            .ok_or(OpError::MissingWeight { tag })
     }
 
     fn layer_norm_weight(
@@ -1082,13 +1089,7 @@ fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
     }
     let table = cx.weight(&args.all(Role::W), WeightTag::Embed)?;
     let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
-    let storage = cx
-        .host
-        .layout()
-        .storage(WeightTag::Embed)
-        .ok_or(OpError::MissingWeight {
-            tag: WeightTag::Embed,
-        })?;
+    let storage = cx.storage(WeightTag::Embed)?;
     let mut operands = vec![
         Arg::Ptr(table),
         Arg::Ptr(0),
@@ -1691,13 +1692,7 @@ fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
     }
     let weights = args.all(Role::W);
     let norm = cx.norm_weight(&weights, WeightTag::FinalNorm)?;
-    let storage = cx
-        .host
-        .layout()
-        .storage(WeightTag::LmHead)
-        .ok_or(OpError::MissingWeight {
-            tag: WeightTag::LmHead,
-        })?;
+    let storage = cx.storage(WeightTag::LmHead)?;
     let head = DevMatrix {
         ptr: cx.weight(&weights, WeightTag::LmHead)?,
         dtype: storage.dtype(),
