@@ -385,8 +385,9 @@ fn the_expert_cache_keeps_slots_consistent_across_device_streams() {
     assert!(used > 0, "no prefetched expert was hit: {}", doc["caches"]);
 }
 
-/// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`):
-/// entry point or `launch:<kernel>` -> calls; with its tokens and `--json` document.
+/// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`)
+/// on mixtral-tiny (or the `--weights` in `extra`): entry point or `launch:<kernel>` ->
+/// calls; with its tokens and `--json` document.
 fn counted_run(
     cache: &Path,
     dir: &Path,
@@ -400,10 +401,17 @@ fn counted_run(
     serde_json::Value,
 ) {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
+    // mixtral-tiny unless `extra` names a checkpoint (`--weights`).
+    let model: &[&str] = if extra.contains(&"--weights") {
+        &[]
+    } else {
+        &["--model", "mixtral-tiny"]
+    };
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
-        .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
+        .args(["run", schedule, "--json"])
+        .args(model)
         .args(["--gen-len", &gen_len.to_string(), "--hw", "hardware/t4.ron"])
         .args(["--backend", "cuda"])
         .args(extra)
@@ -533,6 +541,59 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             per_step("cuMemcpyHtoDAsync_v2"),
         );
     }
+}
+
+/// Quantised weights add no host synchronisation and no call per expert: on llama.cpp's
+/// Q4_K_M tiny Mixtral (2 layers) `baselines/gpu_resident` runs its experts as the bf16
+/// model does (per (layer, step) one `moe_group` and three grouped launches that decode
+/// the blocks), a decode step synchronises only for `sample` and at its end, and the one
+/// product that decodes a whole matrix is the vocabulary head (32,000 outputs, past
+/// `linear_gemv`'s 16,384): one `dequant_f32` per step that launches kernels. Skipped,
+/// saying so, without the fixture.
+#[test]
+fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
+    let Some(fixtures) = gguf_common::fixtures() else {
+        println!(
+            "quantised MoE counters: SKIPPED: no mixtral-q4-Q4_K_M.gguf (run \
+             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FIXTURES)"
+        );
+        return;
+    };
+    let path = fixtures.join("mixtral-q4-Q4_K_M.gguf");
+    let weights = ["--weights", path.to_str().expect("UTF-8 path")];
+    let (cache, dir) = (tempfile::tempdir().expect("cache"), standin_dir());
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &weights);
+    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &weights);
+    let (replayed, _, _, _) = graph_counts(&doc, "decode");
+    let steps = 4u64 - replayed;
+    let moe_tasks = 2 * steps;
+    assert_eq!(calls(&a, "launch:moe_group"), moe_tasks, "{a:?}");
+    assert_eq!(
+        calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
+        3 * moe_tasks
+    );
+    assert_eq!(
+        calls(&a, "launch:gather_rows"),
+        steps,
+        "the head's last rows only: {a:?}"
+    );
+    assert_eq!(calls(&a, "launch:dequant_f32"), steps, "{a:?}");
+    assert_eq!(calls(&a, "launch:embed_quant"), steps, "{a:?}");
+    let per_step = |name: &str| (calls(&a, name) - calls(&short, name)) / 2;
+    assert!(
+        per_step("cuStreamSynchronize") <= 1 + 3,
+        "{} stream synchronisations per decode step",
+        per_step("cuStreamSynchronize")
+    );
+    println!(
+        "q4_k_m gpu_resident: {replayed} decode steps replayed a graph; per decode step {} \
+         stream syncs; {} moe_group, {} grouped, {} dequant_f32 launches in {steps} launched steps",
+        per_step("cuStreamSynchronize"),
+        calls(&a, "launch:moe_group"),
+        calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
+        calls(&a, "launch:dequant_f32"),
+    );
 }
 
 /// CUDA graphs (issue 28): decode steps of `baselines/gpu_resident`, `fiddler` with every
