@@ -7,7 +7,8 @@
 //                        and the tiles of at most MOE_TILE_M positions of one expert that
 //                        moe_grouped_linear runs
 //   moe_grouped_linear   y[p] = x[row(p)] . W_e^T (+ b_e) for every grouped position p of each
-//                        expert e, bf16/f16/f32 weights read as stored, f32 activations and
+//                        expert e, bf16/f16/f32 or ggml-block weights read as stored (blocks
+//                        decoded into the shared-memory tile), f32 activations and
 //                        f32 accumulation; epilogues: store, SwiGLU into the gate product
 //                        (silu(y) * acc, swiglu.cu's formula), or weight * (acc + b) scattered
 //                        into the slot buffer (scatter_weighted's)
@@ -15,7 +16,8 @@
 // Layouts: `route` is backend::decode_routing's ([n_entries] pairs of an expert u32 and its
 // f32 weight's bits; entry i is token i / top_k, slot i % top_k). Weight tables are one
 // device u64 address per expert (0: not a member of the task's set / no bias), every
-// expert's matrix stored alike (dtype 0 bf16, 1 f16, 2 f32; `out_in` 1: [out, in]
+// expert's matrix stored alike (dtype 0 bf16, 1 f16, 2 f32, or ggml blocks 3 Q8_0, 4 Q4_K,
+// 5 Q5_K, 6 Q6_K decoded inside the product by the prelude's moec_quant_load; `out_in` 1: [out, in]
 // row-major, 0: [in, out]); a null bias table means no biases. `tiles` = [n_tiles, n_positions, then (expert, first position,
 // rows) per tile]. Grouped activations are [position, width] f32 rows.
 // Launch: moe_group: grid 1, block 256 (experts <= 256). moe_grouped_linear: grid
@@ -197,6 +199,10 @@ extern "C" __global__ void moe_grouped_linear(
 #define MOE_GEMV_WARPS 8
 
 __device__ __forceinline__ void moe_load8(const void* base, long long i, int dtype, float* v) {
+    if (dtype >= 3) {
+        moec_quant_load(base, i, dtype, 8, v);
+        return;
+    }
     if (dtype == 2) {
         const float4 a = *(const float4*)((const float*)base + i);
         const float4 b = *(const float4*)((const float*)base + i + 4);
@@ -227,8 +233,9 @@ __device__ float moe_warp_rows_dot(const void* w, long long row, int dtype, cons
         acc[r] = 0.0f;
     }
     // 16-byte loads need 8-element alignment of every row start (in_dim % 8 == 0) and of
-    // the matrix itself; otherwise one element at a time.
-    const bool vec = (in_dim % 8 == 0) && ((unsigned long long)w % 16 == 0)
+    // the matrix itself; otherwise one element at a time. Quantised rows are whole blocks
+    // (multiples of 32 weights) read bytewise, 8 weights of one sub-block per lane and step.
+    const bool vec = (in_dim % 8 == 0) && (dtype >= 3 || (unsigned long long)w % 16 == 0)
                      && ((unsigned long long)x % 16 == 0);
     if (vec) {
         for (int k = lane * 8; k < in_dim; k += 256) {
@@ -330,8 +337,8 @@ extern "C" __global__ void moe_grouped_gemv(
 }
 
 // The few-row dense projection (a decode step's q|k|v, o, router, shared expert and head
-// with at most MOE_TILE_M tokens): y[r, o] (=|+=) x[r] . W[o] for r < n, bf16/f16/f32
-// weights stored [out, in] read once with 16-byte loads, f32 activations and accumulation,
+// with at most MOE_TILE_M tokens): y[r, o] (=|+=) x[r] . W[o] for r < n, bf16/f16/f32 or
+// ggml-block (dtype 3-6, decoded 8 weights a lane inside the product) weights stored [out, in] read once with 16-byte loads, f32 activations and accumulation,
 // one warp per output feature. One launch where the cuBLAS path takes three (split the
 // activations into a bf16 pair, the GEMM, sum the halves) and two scratch buffers. `y`
 // rows are `ldy` floats apart; `accumulate` adds to them (a residual).

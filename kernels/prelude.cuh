@@ -2,7 +2,7 @@
 // PRELUDE), so each file's kernels share one copy of these: the stored weight formats
 // decoded to f32 exactly as the CPU kernels decode them (half::bf16 / half::f16), and the
 // block-wide reduction the norms and attention kernels use.
-// dtype codes: 0 bf16, 1 f16, 2 f32.
+// dtype codes: 0 bf16, 1 f16, 2 f32, 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K.
 
 __device__ __forceinline__ float moec_bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned int)bits) << 16);
@@ -27,8 +27,92 @@ __device__ __forceinline__ float moec_f16_to_f32(unsigned short h) {
     return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+// Block-quantised weights (dtype codes 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K), ggml's block
+// layouts as src/model/quant/blocks.rs decodes them. A quantised matrix is stored [out, in]
+// with rows of whole blocks, so element i of the matrix is weight i % elems of block
+// i / elems counted from the start: no row stride is needed. Products and differences are
+// rounded one at a time (__fmul_rn, __fsub_rn: NVRTC would otherwise contract
+// `scale * q - min` into one fused multiply-add), so a weight decodes to the CPU's bits.
+__device__ __forceinline__ int moec_quant_block_elems(int dtype) {
+    return dtype == 3 ? 32 : 256;
+}
+
+__device__ __forceinline__ int moec_quant_block_bytes(int dtype) {
+    return dtype == 3 ? 34 : (dtype == 4 ? 144 : (dtype == 5 ? 176 : 210));
+}
+
+__device__ __forceinline__ float moec_f16_at(const unsigned char* p) {
+    return moec_f16_to_f32((unsigned short)(p[0] | ((unsigned int)p[1] << 8)));
+}
+
+// The 6-bit scale and min of sub-block j (0..8) of a Q4_K/Q5_K block from its 12 packed
+// bytes s (blocks.rs scale_min_k4).
+__device__ __forceinline__ void moec_scale_min_k4(int j, const unsigned char* s, int* sc, int* m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// Weights e0 .. e0 + n - 1 of the block at b into v, with n 1 or 8 and an 8-run starting
+// at a multiple of 8 (so the run shares one sub-block and one scale in every format).
+__device__ __forceinline__ void moec_quant_decode(const unsigned char* b, int dtype, int e0, int n, float* v) {
+    if (dtype == 3) {
+        const float d = moec_f16_at(b);
+        for (int i = 0; i < n; ++i) {
+            v[i] = __fmul_rn(d, (float)(signed char)b[2 + e0 + i]);
+        }
+    } else if (dtype == 4 || dtype == 5) {
+        const int j = e0 / 32;
+        const int l0 = e0 % 32;
+        int sc, m;
+        moec_scale_min_k4(j, b + 4, &sc, &m);
+        const float scale = __fmul_rn(moec_f16_at(b), (float)sc);
+        const float min = __fmul_rn(moec_f16_at(b + 2), (float)m);
+        const unsigned char* qs = b + (dtype == 4 ? 16 : 48) + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < n; ++i) {
+            const int l = l0 + i;
+            int q = (qs[l] >> shift) & 0x0f;
+            if (dtype == 5) {
+                q |= ((b[16 + l] >> j) & 1) << 4;
+            }
+            v[i] = __fsub_rn(__fmul_rn(scale, (float)q), min);
+        }
+    } else {
+        const int half = e0 / 128;
+        const int s = (e0 % 128) / 32;
+        const int l0 = e0 % 32;
+        const unsigned char* ql = b + 64 * half + 32 * (s % 2);
+        const unsigned char* qh = b + 128 + 32 * half;
+        const float d = moec_f16_at(b + 208);
+        const float scale = __fmul_rn(d, (float)(signed char)b[192 + 8 * half + 2 * s + l0 / 16]);
+        for (int i = 0; i < n; ++i) {
+            const int l = l0 + i;
+            const int low = (ql[l] >> (4 * (s / 2))) & 0x0f;
+            const int high = (qh[l] >> (2 * s)) & 3;
+            v[i] = __fmul_rn(scale, (float)((low | (high << 4)) - 32));
+        }
+    }
+}
+
+// Weights i .. i + n - 1 (n 1 or 8, i a multiple of n) of a quantised matrix at base.
+__device__ __forceinline__ void moec_quant_load(const void* base, long long i, int dtype, int n, float* v) {
+    const long long elems = moec_quant_block_elems(dtype);
+    const unsigned char* block = (const unsigned char*)base + (i / elems) * moec_quant_block_bytes(dtype);
+    moec_quant_decode(block, dtype, (int)(i % elems), n, v);
+}
+
 // Element i of a stored matrix in format `dtype`, as f32.
 __device__ __forceinline__ float moec_load(const void* base, long long i, int dtype) {
+    if (dtype >= 3) {
+        float v;
+        moec_quant_load(base, i, dtype, 1, &v);
+        return v;
+    }
     if (dtype == 2) {
         return ((const float*)base)[i];
     }

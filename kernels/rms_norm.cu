@@ -1,23 +1,24 @@
-// Row normalisation of f32 activations with a stored bf16 per-channel weight, as
+// Row normalisation of f32 activations with a stored per-channel weight, as
 // src/model/kernels/norm.rs computes it:
-//   rms_norm_bf16   (Mixtral RMSNorm)          out = w * (x * rsqrt(mean(x^2) + eps))
-//   layer_norm_bf16 (DBRX LayerNorm, no bias)  out = (x - mean) * rsqrt(var + eps) * w
+//   rms_norm   (Mixtral RMSNorm)          out = w * (x * rsqrt(mean(x^2) + eps))
+//   layer_norm (DBRX LayerNorm, no bias)  out = (x - mean) * rsqrt(var + eps) * w
 // with the biased variance (divide by d), statistics in f32.
 //
-// Layout: x and out are [n_rows, d] f32, row-major, contiguous. weight is d bf16 values
-// passed as unsigned short (NVRTC has no cuda_bf16.h without the toolkit); a bf16 is the
-// high half of an f32, so it widens exactly by a 16-bit shift.
+// Layout: x and out are [n_rows, d] f32, row-major, contiguous. weight is d values of
+// `dtype` (the prelude's codes 0 bf16, 1 f16, 2 f32: Hub checkpoints store norms in bf16,
+// GGUF files in f32), widened exactly by moec_load.
 // Launch: grid = (n_rows), block = (threads), threads a multiple of 32 and <= 1024; one
 // block normalises one row. The scale is 1 / sqrtf(...) as in the Rust kernel (not rsqrtf,
 // which is approximate). Sums are reduced in a tree, so results agree with the CPU to
 // rounding, not bit for bit.
 
-extern "C" __global__ void rms_norm_bf16(
+extern "C" __global__ void rms_norm(
     const float* __restrict__ x,
-    const unsigned short* __restrict__ weight,
+    const void* __restrict__ weight,
     float* __restrict__ out,
     int d,
-    float eps) {
+    float eps,
+    int dtype) {
     const size_t row = blockIdx.x;
     const float* src = x + row * (size_t)d;
     float* dst = out + row * (size_t)d;
@@ -28,16 +29,17 @@ extern "C" __global__ void rms_norm_bf16(
     const float mean_sq = moec_block_reduce(sum_sq, 0) / (float)d;
     const float scale = 1.0f / sqrtf(mean_sq + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = moec_bf16_to_f32(weight[i]) * (src[i] * scale);
+        dst[i] = moec_load(weight, i, dtype) * (src[i] * scale);
     }
 }
 
-extern "C" __global__ void layer_norm_bf16(
+extern "C" __global__ void layer_norm(
     const float* __restrict__ x,
-    const unsigned short* __restrict__ weight,
+    const void* __restrict__ weight,
     float* __restrict__ out,
     int d,
-    float eps) {
+    float eps,
+    int dtype) {
     const size_t row = blockIdx.x;
     const float* src = x + row * (size_t)d;
     float* dst = out + row * (size_t)d;
@@ -54,13 +56,13 @@ extern "C" __global__ void layer_norm_bf16(
     const float var = moec_block_reduce(sum_sq, 0) / (float)d;
     const float scale = 1.0f / sqrtf(var + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = (src[i] - mean) * scale * moec_bf16_to_f32(weight[i]);
+        dst[i] = (src[i] - mean) * scale * moec_load(weight, i, dtype);
     }
 }
 
 // Qwen3's per-head and OLMoE's whole-projection q/k RMSNorm, in place, on f32 rows of stride
 // `ld`: each of `chunks` runs of `chunk` values starting at column `col` is normalised as
-// rms_norm_bf16 does (w * (x * 1/sqrt(mean + eps))) with the same `chunk` f32 weights.
+// rms_norm does (w * (x * 1/sqrt(mean + eps))) with the same `chunk` f32 weights.
 // Launch: grid = (n_rows, chunks), block = (threads, a multiple of 32).
 extern "C" __global__ void qk_rms_norm_f32(
     float* __restrict__ x,

@@ -16,6 +16,8 @@
 //! present the same comparison also runs against them; where not, the output says it was
 //! skipped and why.
 
+#[path = "gguf_common/mod.rs"]
+mod gguf_common;
 #[path = "schedules_common/mod.rs"]
 mod schedules_common;
 #[path = "standin_common/mod.rs"]
@@ -40,8 +42,9 @@ enum Driver<'a> {
     Machine,
 }
 
-/// `moec run SCHED --model CARD --json --gen-len 4 --hw t4 --dump-logits FILE [extra]`; gives the
-/// process output and the logits file.
+/// `moec run SCHED --model CARD --json --gen-len 4 --hw t4 --dump-logits FILE [extra]`
+/// (`--weights CARD` for a `.gguf` path; `--gen-len` from `extra` when it has one); gives
+/// the process output and the logits file.
 fn run(
     cache: &Path,
     schedule: &str,
@@ -55,9 +58,19 @@ fn run(
         .keep()
         .expect("keep");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
+    // A `.gguf` file is a checkpoint (`--weights`), anything else a card.
+    let model = if card.ends_with(".gguf") {
+        "--weights"
+    } else {
+        "--model"
+    };
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
-        .args(["run", schedule, "--model", card, "--json", "--gen-len", "4"])
+        .args(["run", schedule, model, card, "--json"]);
+    if !extra.contains(&"--gen-len") {
+        cmd.args(["--gen-len", "4"]);
+    }
+    cmd
         // Tokens and logits only: a paper profile spares each run the quick probe of this
         // machine behind the report's replay (about 2 s in the test build, 120 runs here).
         .args(["--hw", "hardware/t4.ron"])
@@ -133,19 +146,24 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// Every schedule on `card`: CPU and CUDA (stand-in) tokens equal, logits close.
 fn every_schedule_matches_the_cpu_on(card: &str) {
+    every_schedule_matches_the_cpu_with(card, &[]);
+}
+
+/// [`every_schedule_matches_the_cpu_on`] with `extra` flags on both runs.
+fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
     let cache = tempfile::tempdir().expect("cache");
     let dir = standin_dir();
     let real = detect();
     let mut rows = Vec::new();
     for (name, path) in schedules_common::schedule_files() {
         let schedule = path.to_string_lossy().into_owned();
-        let (cpu, cpu_logits) = run(cache.path(), &schedule, card, Driver::Cpu, &[]);
+        let (cpu, cpu_logits) = run(cache.path(), &schedule, card, Driver::Cpu, extra);
         let (cuda, cuda_logits) = run(
             cache.path(),
             &schedule,
             card,
             Driver::Standin(dir.path(), 0),
-            &[],
+            extra,
         );
         let want = token_ids(&cpu, &format!("{schedule} on {card}, CPU"));
         let got = token_ids(&cuda, &format!("{schedule} on {card}, CUDA (stand-in)"));
@@ -160,7 +178,7 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
         );
         assert!(diff < 1e-2, "{schedule} on {card}: logits differ by {diff}");
         if real.missing().is_none() {
-            let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, &[]);
+            let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, extra);
             assert_eq!(
                 token_ids(&gpu, &format!("{schedule} on {card}, real GPU")),
                 want,
@@ -176,6 +194,26 @@ fn every_schedule_matches_the_cpu_on(card: &str) {
         Some(why) => println!("SKIPPED the real-GPU runs of these schedules: {why}"),
         None => println!("also ran every schedule on the real GPU: tokens equal"),
     }
+}
+
+/// llama.cpp's Q4_K_M tiny Mixtral (`scripts/gguf_fixtures.sh`: Q4_K attention, experts and
+/// embedding, Q6_K `ffn_down`/`attn_v` on layer 1, a Q6_K lm_head, f32 norms and router)
+/// through every schedule: the CUDA kernels decode the blocks inside their products
+/// (`linear_gemv`, `moe_grouped_gemv`; `dequant_f32` + cuBLAS for the prompt's head and
+/// any product past 16 rows; `embed_quant`) and give the CPU backend's tokens, whichever
+/// quantised product the CPU backend runs, within the same run; 2 new tokens per prompt
+/// keep the 10 schedules' 20 runs cheap. Skipped, saying so, without the fixture.
+#[test]
+fn every_schedule_on_a_q4_k_m_gguf_through_the_cuda_backend_gives_the_cpu_tokens() {
+    let Some(dir) = gguf_common::fixtures() else {
+        println!(
+            "q4_k_m gguf on cuda: SKIPPED: no mixtral-q4-Q4_K_M.gguf (run \
+             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FIXTURES)"
+        );
+        return;
+    };
+    let path = dir.join("mixtral-q4-Q4_K_M.gguf");
+    every_schedule_matches_the_cpu_with(&path.to_string_lossy(), &["--gen-len", "2"]);
 }
 
 #[test]
@@ -347,8 +385,9 @@ fn the_expert_cache_keeps_slots_consistent_across_device_streams() {
     assert!(used > 0, "no prefetched expert was hit: {}", doc["caches"]);
 }
 
-/// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`):
-/// entry point or `launch:<kernel>` -> calls; with its tokens and `--json` document.
+/// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`)
+/// on mixtral-tiny (or the `--weights` in `extra`): entry point or `launch:<kernel>` ->
+/// calls; with its tokens and `--json` document.
 fn counted_run(
     cache: &Path,
     dir: &Path,
@@ -362,10 +401,17 @@ fn counted_run(
     serde_json::Value,
 ) {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
+    // mixtral-tiny unless `extra` names a checkpoint (`--weights`).
+    let model: &[&str] = if extra.contains(&"--weights") {
+        &[]
+    } else {
+        &["--model", "mixtral-tiny"]
+    };
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
-        .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
+        .args(["run", schedule, "--json"])
+        .args(model)
         .args(["--gen-len", &gen_len.to_string(), "--hw", "hardware/t4.ron"])
         .args(["--backend", "cuda"])
         .args(extra)
@@ -495,6 +541,59 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             per_step("cuMemcpyHtoDAsync_v2"),
         );
     }
+}
+
+/// Quantised weights add no host synchronisation and no call per expert: on llama.cpp's
+/// Q4_K_M tiny Mixtral (2 layers) `baselines/gpu_resident` runs its experts as the bf16
+/// model does (per (layer, step) one `moe_group` and three grouped launches that decode
+/// the blocks), a decode step synchronises only for `sample` and at its end, and the one
+/// product that decodes a whole matrix is the vocabulary head (32,000 outputs, past
+/// `linear_gemv`'s 16,384): one `dequant_f32` per step that launches kernels. Skipped,
+/// saying so, without the fixture.
+#[test]
+fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
+    let Some(fixtures) = gguf_common::fixtures() else {
+        println!(
+            "quantised MoE counters: SKIPPED: no mixtral-q4-Q4_K_M.gguf (run \
+             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FIXTURES)"
+        );
+        return;
+    };
+    let path = fixtures.join("mixtral-q4-Q4_K_M.gguf");
+    let weights = ["--weights", path.to_str().expect("UTF-8 path")];
+    let (cache, dir) = (tempfile::tempdir().expect("cache"), standin_dir());
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &weights);
+    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &weights);
+    let (replayed, _, _, _) = graph_counts(&doc, "decode");
+    let steps = 4u64 - replayed;
+    let moe_tasks = 2 * steps;
+    assert_eq!(calls(&a, "launch:moe_group"), moe_tasks, "{a:?}");
+    assert_eq!(
+        calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
+        3 * moe_tasks
+    );
+    assert_eq!(
+        calls(&a, "launch:gather_rows"),
+        steps,
+        "the head's last rows only: {a:?}"
+    );
+    assert_eq!(calls(&a, "launch:dequant_f32"), steps, "{a:?}");
+    assert_eq!(calls(&a, "launch:embed_quant"), steps, "{a:?}");
+    let per_step = |name: &str| (calls(&a, name) - calls(&short, name)) / 2;
+    assert!(
+        per_step("cuStreamSynchronize") <= 1 + 3,
+        "{} stream synchronisations per decode step",
+        per_step("cuStreamSynchronize")
+    );
+    println!(
+        "q4_k_m gpu_resident: {replayed} decode steps replayed a graph; per decode step {} \
+         stream syncs; {} moe_group, {} grouped, {} dequant_f32 launches in {steps} launched steps",
+        per_step("cuStreamSynchronize"),
+        calls(&a, "launch:moe_group"),
+        calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
+        calls(&a, "launch:dequant_f32"),
+    );
 }
 
 /// CUDA graphs (issue 28): decode steps of `baselines/gpu_resident`, `fiddler` with every

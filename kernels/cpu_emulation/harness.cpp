@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
     { int n = p[0], dim = p[1];
       auto x = rd<float>(d, "norm_x.f32"); auto w = rd<unsigned short>(d, "norm_w.bf16");
       std::vector<float> o(x.size()), o2(x.size());
-      launch({(unsigned)n}, {64}, [&] { rms_norm_bf16(x.data(), w.data(), o.data(), dim, 1e-5f); });
-      launch({(unsigned)n}, {96}, [&] { layer_norm_bf16(x.data(), w.data(), o2.data(), dim, 1e-5f); });
+      launch({(unsigned)n}, {64}, [&] { rms_norm(x.data(), w.data(), o.data(), dim, 1e-5f, 0); });
+      launch({(unsigned)n}, {96}, [&] { layer_norm(x.data(), w.data(), o2.data(), dim, 1e-5f, 0); });
       wr(d, "rms_out.f32", o); wr(d, "ln_out.f32", o2); }
     // rope: n_tok, heads, kv_heads, head_dim, max_pos
     { int n = p[2], h = p[3], kvh = p[4], hd = p[5];

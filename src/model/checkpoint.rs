@@ -592,9 +592,14 @@ impl Checkpoint {
     /// The first tensor (by name) stored block-quantised, with its format; `None` for a
     /// checkpoint of plain floats.
     pub fn quantised_tensor(&self) -> Option<(&str, QuantFormat)> {
+        self.quantised_tensors().next()
+    }
+
+    /// Every tensor stored block-quantised (by name), with its format.
+    pub fn quantised_tensors(&self) -> impl Iterator<Item = (&str, QuantFormat)> {
         self.tensors
             .iter()
-            .find_map(|(name, e)| e.quant.map(|f| (name.as_str(), f)))
+            .filter_map(|(name, e)| e.quant.map(|f| (name.as_str(), f)))
     }
 
     /// Bytes of the model's tensors per storage format (`BF16`, `Q4_K`, ...), for what a

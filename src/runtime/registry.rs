@@ -15,6 +15,7 @@ use super::backend::{Backend, BackendError, BackendOptions};
 use super::host::HostMemory;
 use crate::lower::ExecPlan;
 use crate::model::checkpoint::Checkpoint;
+use crate::model::quant::QuantFormat;
 use std::sync::Arc;
 
 /// Where a backend keeps the plan's `gpu` space.
@@ -55,6 +56,9 @@ pub struct Registration {
     /// Whether `--weight-copies bind` takes effect (a backend computing on host memory
     /// can read a bound weight from the mapped checkpoint; a device must get the bytes).
     pub binds_weight_copies: bool,
+    /// The ggml block formats its kernels compute with; a checkpoint holding a tensor in
+    /// any other is refused before set-up, naming the tensor and its format.
+    pub quant_formats: &'static [QuantFormat],
     /// Why the backend cannot run on this machine, in one line, asked before anything is
     /// loaded (`None`: it may).
     pub refusal: fn() -> Option<String>,
@@ -114,26 +118,43 @@ pub fn names() -> Vec<&'static str> {
 }
 
 /// Sets `backend` up for `plan` over `checkpoint`, giving a device backend the CPU
-/// backend as its host engine. A device backend is refused a checkpoint with
-/// block-quantised tensors (a GGUF's), naming the first tensor and its format: the device
-/// kernels read float weights only, and would read blocks as floats.
+/// backend as its host engine. A backend is refused a checkpoint with a block-quantised
+/// tensor in a format its kernels do not compute with ([`Registration::quant_formats`]),
+/// naming the first such tensor and its format: it would read the blocks as something
+/// else.
 pub fn open<'c>(
     backend: &Registration,
     plan: &ExecPlan,
     checkpoint: &'c Checkpoint,
     options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'c>, BackendError> {
-    if backend.gpu_space == GpuSpace::Device {
-        if let Some((tensor, format)) = checkpoint.quantised_tensor() {
-            return Err(BackendError::Unavailable(format!(
-                "{}: tensor `{tensor}` is stored as {format}; {} quant kernels are not built \
-                 yet; run with --backend cpu",
-                checkpoint.dir().display(),
-                backend.name.to_uppercase()
-            )));
-        }
+    if let Some(why) = quant_refusal(backend, checkpoint.quantised_tensors()) {
+        return Err(BackendError::Unavailable(format!(
+            "{}: {why}",
+            checkpoint.dir().display()
+        )));
     }
     (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
+}
+
+/// Why `backend` cannot compute with `tensors` (name, block format), naming the first it
+/// has no kernels for.
+fn quant_refusal<'a>(
+    backend: &Registration,
+    mut tensors: impl Iterator<Item = (&'a str, QuantFormat)>,
+) -> Option<String> {
+    let (tensor, format) = tensors.find(|(_, f)| !backend.quant_formats.contains(f))?;
+    let known: Vec<&str> = backend.quant_formats.iter().map(|f| f.name()).collect();
+    Some(format!(
+        "tensor `{tensor}` is stored as {format}; the {} backend computes with {} only; \
+         run with --backend cpu",
+        backend.name,
+        if known.is_empty() {
+            "float weights".to_string()
+        } else {
+            format!("float weights and {}", known.join(", "))
+        }
+    ))
 }
 
 #[cfg(test)]
@@ -153,5 +174,29 @@ mod tests {
         assert_eq!(default_backend().name, "cpu");
         let err = find("tpu").expect_err("no such backend");
         assert_eq!(err.to_string(), "unknown backend `tpu` (known: cpu, cuda)");
+    }
+
+    /// Every backend computes with every block format moec reads (a GGUF's Q4_K_M runs on
+    /// the CUDA backend too); a backend without a format's kernels is refused, naming the
+    /// tensor and the format.
+    #[test]
+    fn quantised_tensors_are_refused_only_in_formats_a_backend_lacks() {
+        let tensors = [
+            ("blk.0.attn_q.weight", QuantFormat::Q4K),
+            ("output.weight", QuantFormat::Q6K),
+        ];
+        for b in BACKENDS {
+            assert_eq!(quant_refusal(b, tensors.into_iter()), None, "{}", b.name);
+        }
+        let partial = Registration {
+            name: "partial",
+            quant_formats: &[QuantFormat::Q4K],
+            ..*BACKENDS[1]
+        };
+        let why = quant_refusal(&partial, tensors.into_iter()).expect("Q6_K refused");
+        assert!(
+            why.starts_with("tensor `output.weight` is stored as Q6_K; the partial backend computes with float weights and Q4_K only"),
+            "{why}"
+        );
     }
 }

@@ -44,33 +44,36 @@ fn every_kernel_runs_like_the_cpu_kernels() {
         .map(|v| bf16::from_f32(v + 1.0))
         .collect();
     let w_bits: Vec<u16> = w.iter().map(|v| v.to_bits()).collect();
+    // The same weights as f32, as a GGUF stores norms (dtype code 2).
+    let w32: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
     let x_dev = stream.clone_htod(&x).expect("htod");
     let w_dev = stream.clone_htod(&w_bits).expect("htod");
+    let w32_dev = stream.clone_htod(&w32).expect("htod");
     for (entry, kind, threads) in [
-        ("rms_norm_bf16", NormKind::Rms, 64),
-        ("layer_norm_bf16", NormKind::LayerNoBias, 96),
+        ("rms_norm", NormKind::Rms, 64),
+        ("layer_norm", NormKind::LayerNoBias, 96),
     ] {
-        let f = function(&modules, "rms_norm.cu", entry);
-        let mut out_dev = stream.alloc_zeros::<f32>(rows * d).expect("alloc");
-        let (dim, eps) = (d as i32, 1e-5f32);
-        // SAFETY: argument types and order match the kernel's signature.
-        unsafe {
-            stream
-                .launch_builder(&f)
-                .arg(&x_dev)
-                .arg(&w_dev)
-                .arg(&mut out_dev)
-                .arg(&dim)
-                .arg(&eps)
-                .launch(cfg((rows as u32, 1, 1), threads, 0))
+        for code in [0i32, 2] {
+            let f = function(&modules, "rms_norm.cu", entry);
+            let mut out_dev = stream.alloc_zeros::<f32>(rows * d).expect("alloc");
+            let (dim, eps) = (d as i32, 1e-5f32);
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&x_dev);
+            if code == 0 {
+                launch.arg(&w_dev);
+            } else {
+                launch.arg(&w32_dev);
+            }
+            launch.arg(&mut out_dev).arg(&dim).arg(&eps).arg(&code);
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe { launch.launch(cfg((rows as u32, 1, 1), threads, 0)) }.expect("launch");
+            let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+            let mut want = vec![0.0f32; rows * d];
+            normalize(kind, &x, TypedSlice::Bf16(&w), eps, &mut want);
+            let err = max_abs_diff(&got, &want);
+            println!("{entry} (weights code {code}): max abs diff vs CPU {err:.3e}");
+            assert!(err < 1e-4, "{entry} code {code}: {err}");
         }
-        .expect("launch");
-        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
-        let mut want = vec![0.0f32; rows * d];
-        normalize(kind, &x, TypedSlice::Bf16(&w), eps, &mut want);
-        let err = max_abs_diff(&got, &want);
-        println!("{entry}: max abs diff vs CPU {err:.3e}");
-        assert!(err < 1e-4, "{entry}: {err}");
     }
 
     // Rotary: 4 tokens, 8 q heads + 2 kv heads of 16, positions up to 63.
@@ -1242,6 +1245,198 @@ fn family_kernels_run_like_the_cpu() {
             let err = max_abs_diff(&stream.clone_dtoh(&w_dev).expect("dtoh"), &want.weights);
             println!("{entry} ({experts} experts, top-{top_k}): experts equal, max weight diff {err:.3e}");
             assert!(err < 1e-6, "{entry}: routing weights {err}");
+        }
+    }
+}
+
+/// Random blocks of `format`: every code and scale byte random (every bit position
+/// exercised), the f16 super-block scales set to small normal values so products stay
+/// finite. ggml's layouts: Q8_0 `d` at 0; Q4_K/Q5_K `d`, `dmin` at 0 and 2; Q6_K `d` at 208.
+fn random_blocks(format: moec::model::quant::QuantFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+    use moec::model::quant::QuantFormat;
+    let bb = format.block_bytes();
+    let mut out = Vec::with_capacity(blocks * bb);
+    for _ in 0..blocks {
+        let mut block: Vec<u8> = (0..bb)
+            .map(|_| (rng.next_f32() * 128.0 + 128.0) as u8)
+            .collect();
+        let scale =
+            |rng: &mut Rng| half::f16::from_f32(0.004 + 0.002 * rng.next_f32()).to_le_bytes();
+        match format {
+            QuantFormat::Q8_0 => block[..2].copy_from_slice(&scale(rng)),
+            QuantFormat::Q4K | QuantFormat::Q5K => {
+                block[..2].copy_from_slice(&scale(rng));
+                block[2..4].copy_from_slice(&scale(rng));
+            }
+            QuantFormat::Q6K => block[208..210].copy_from_slice(&scale(rng)),
+        }
+        out.extend(block);
+    }
+    out
+}
+
+/// `y[r, o] = x[r] . w[o]` in f64 over a decoded `[out, in]` matrix, and `sum |x w|` per
+/// output (what bounds f32 rounding of the sum).
+fn reference_product(w: &[f32], x: &[f32], n: usize, inp: usize) -> (Vec<f64>, Vec<f64>) {
+    let out = w.len() / inp;
+    let (mut y, mut mag) = (vec![0.0; n * out], vec![0.0; n * out]);
+    for r in 0..n {
+        for o in 0..out {
+            for i in 0..inp {
+                let p = f64::from(x[r * inp + i]) * f64::from(w[o * inp + i]);
+                y[r * out + o] += p;
+                mag[r * out + o] += p.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+/// The quantised-weight kernels (`linear_gemv` decoding blocks inside the product,
+/// `dequant_f32` for the cuBLAS path, `embed_quant`) on random blocks of every format,
+/// against the CPU's f32 decoding of the same blocks (`moec::model::quant`, checked bit
+/// for bit against gguf-py in its unit tests). `dequant_f32` and `embed_quant` give the
+/// CPU's bits exactly (the kernels round each product and difference as the CPU does);
+/// the GEMV's sums agree within 2e-6 * sum |x w| per output (f32 rounding of a 512-term
+/// sum split over 32 lanes: at most ~21 roundings of 2^-24 each, plus margin). The
+/// reference from a deliberately broken decoder (Q4_K's nibbles swapped, or its 6-bit
+/// scales' high bits dropped) misses that bound, so the comparison would catch a kernel
+/// making either mistake.
+#[test]
+fn quantised_weight_kernels_match_the_cpu_decoded_product() {
+    const NAME: &str = "standin_kernels::quantised_weight_kernels_match_the_cpu_decoded_product";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::model::card::WeightDtype;
+    use moec::model::quant::{dequantize_blocks, QuantFormat};
+    use moec::runtime::cuda::launch::storage_code;
+
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x5151_2929_7f4a_7c15);
+    // 37 outputs (a partial block of 8 warps), 512 inputs (2 super-blocks, 16 Q8_0 blocks)
+    // and 3 activation rows.
+    let (out, inp, n) = (37usize, 512usize, 3usize);
+    let x = rng.vec(n * inp, 1.0);
+    let x_dev = stream.clone_htod(&x).expect("htod");
+    let bound_of = |mag: f64| 2e-6 * mag;
+    for format in QuantFormat::ALL {
+        let code = storage_code(WeightDtype::F32, Some(format));
+        let bytes = random_blocks(format, out * inp / format.block_elems(), &mut rng);
+        let mut w = vec![0.0f32; out * inp];
+        dequantize_blocks(format, &bytes, &mut w).expect("whole blocks");
+        let w_dev = stream.clone_htod(&bytes).expect("htod");
+
+        // dequant_f32: the CPU's decoded bits.
+        let groups = (out * inp / 8) as i64;
+        let mut dec_dev = stream.alloc_zeros::<f32>(out * inp).expect("alloc");
+        let f = function(&modules, "quant.cu", "dequant_f32");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f)
+                .arg(&w_dev)
+                .arg(&mut dec_dev)
+                .arg(&groups)
+                .arg(&code)
+                .launch(cfg((8, 1, 1), 256, 0))
+        }
+        .expect("launch");
+        let dec = stream.clone_dtoh(&dec_dev).expect("dtoh");
+        assert_eq!(
+            bits(&dec),
+            bits(&w),
+            "{format}: dequant_f32 differs from the CPU decode"
+        );
+
+        // embed_quant: rows 5, 0 and 36 of the matrix as a table.
+        let ids = [5u32, 0, 36];
+        let ids_dev = stream.clone_htod(&ids).expect("htod");
+        let mut emb_dev = stream.alloc_zeros::<f32>(ids.len() * inp).expect("alloc");
+        let f = function(&modules, "quant.cu", "embed_quant");
+        let hidden = inp as i32;
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f)
+                .arg(&w_dev)
+                .arg(&ids_dev)
+                .arg(&mut emb_dev)
+                .arg(&hidden)
+                .arg(&code)
+                .launch(cfg((ids.len() as u32, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let emb = stream.clone_dtoh(&emb_dev).expect("dtoh");
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| w[i as usize * inp..(i as usize + 1) * inp].to_vec())
+            .collect();
+        assert_eq!(
+            bits(&emb),
+            bits(&want),
+            "{format}: embed_quant differs from the CPU decode"
+        );
+
+        // linear_gemv: blocks decoded inside the product.
+        let mut y_dev = stream.alloc_zeros::<f32>(n * out).expect("alloc");
+        let f = function(&modules, "moe_grouped.cu", "linear_gemv");
+        let (ni, ini, outi, ldy, acc) = (n as i32, inp as i32, out as i32, out as i32, 0i32);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f)
+                .arg(&x_dev)
+                .arg(&w_dev)
+                .arg(&mut y_dev)
+                .arg(&ni)
+                .arg(&ini)
+                .arg(&outi)
+                .arg(&code)
+                .arg(&ldy)
+                .arg(&acc)
+                .launch(cfg((out.div_ceil(8) as u32, 1, 1), 256, 0))
+        }
+        .expect("launch");
+        let y = stream.clone_dtoh(&y_dev).expect("dtoh");
+        let (want, mag) = reference_product(&w, &x, n, inp);
+        let worst = y
+            .iter()
+            .zip(&want)
+            .zip(&mag)
+            .map(|((g, e), m)| (f64::from(*g) - e).abs() / bound_of(*m))
+            .fold(0.0, f64::max);
+        println!("{format}: linear_gemv error {worst:.3} of the bound");
+        assert!(worst <= 1.0, "{format}: linear_gemv {worst} x the bound");
+
+        if format == QuantFormat::Q4K {
+            // Broken decoders: the nibbles of each code byte swapped; the scale bytes'
+            // top two bits (bits 4-5 of sub-blocks 4-7's scales and mins) dropped.
+            type Break = fn(&mut [u8]);
+            let swap: Break = |b| b[16..].iter_mut().for_each(|q| *q = q.rotate_left(4));
+            let low: Break = |b| b[4..12].iter_mut().for_each(|s| *s &= 0x3f);
+            for (what, broken) in [("swapped nibbles", swap), ("scale high bits dropped", low)] {
+                let mut bad = bytes.clone();
+                bad.chunks_exact_mut(144).for_each(broken);
+                let mut wb = vec![0.0f32; out * inp];
+                dequantize_blocks(format, &bad, &mut wb).expect("whole blocks");
+                let (bad_want, _) = reference_product(&wb, &x, n, inp);
+                let misses = y
+                    .iter()
+                    .zip(&bad_want)
+                    .zip(&mag)
+                    .filter(|((g, e), m)| (f64::from(**g) - **e).abs() > bound_of(**m))
+                    .count();
+                println!(
+                    "{format} {what}: {misses} of {} outputs outside the bound",
+                    n * out
+                );
+                assert!(misses > n * out / 2, "{what}: only {misses} outputs differ");
+            }
         }
     }
 }

@@ -74,6 +74,7 @@ pub const REGISTRATION: Registration = Registration {
     about: "the CPU backend: every space in host memory, one compute pool for both engines",
     gpu_space: GpuSpace::Host,
     binds_weight_copies: true,
+    quant_formats: &crate::model::quant::QuantFormat::ALL,
     refusal: || None,
     open: open_cpu,
 };

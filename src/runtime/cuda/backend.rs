@@ -197,9 +197,7 @@ impl<'c> CudaBackend<'c> {
             }
         };
         let arch = ArchSpec::from_card(&plan.model);
-        if let Some(what) =
-            super::ops::unsupported(&arch, &host_memory.layout().layer, plan.model.dtype)
-        {
+        if let Some(what) = super::ops::unsupported(&arch, &host_memory.layout().layer) {
             return Err(CudaSetupError::Unsupported(what));
         }
         let mut streams = Vec::with_capacity(plan.streams.len());
@@ -472,7 +470,8 @@ impl Backend for CudaBackend<'_> {
                 t if t.is_empty() => "no step run yet".to_string(),
                 t => t,
             }
-        )
+        ) + &super::ops::quant_kernels(self.host_memory.layout())
+            .map_or(String::new(), |q| format!("; {q}"))
     }
 
     fn memory(&self) -> MemoryReport {

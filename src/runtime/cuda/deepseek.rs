@@ -17,7 +17,7 @@
 
 use super::{GpuCx, OpError};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{DeepseekRouter, DeepseekTopk, WeightDtype};
+use crate::model::card::{DeepseekRouter, DeepseekTopk};
 use crate::model::kernels::mla::LORA_NORM_EPS;
 use crate::model::layout::SegmentKind;
 use crate::runtime::cuda::launch::{int, row_block, Arg, DevMatrix};
@@ -34,15 +34,6 @@ const MAX_SHARED_BYTES: usize = 48 * 1024;
 const DEEPSEEK_MAX_EXPERTS: usize = 256;
 /// Threads per block of the attention kernel.
 const ATTENTION_THREADS: u32 = 128;
-
-/// The kernels' code for a stored dtype (0 bf16, 1 f16, 2 f32).
-fn dtype_code(dtype: WeightDtype) -> i32 {
-    match dtype {
-        WeightDtype::Bf16 => 0,
-        WeightDtype::F16 => 1,
-        WeightDtype::F32 => 2,
-    }
-}
 
 /// What the DeepSeek kernels cannot run for this architecture (None for every other
 /// family, and for every shipped DeepSeek card).
@@ -154,7 +145,7 @@ fn head_linear(
             Arg::I32(int("x head", x.2)?),
             Arg::I32(0),
             Arg::Ptr(w.ptr),
-            Arg::I32(dtype_code(w.dtype)),
+            Arg::I32(w.code()),
             Arg::I32(int("kv_b_proj columns", w.cols)?),
             Arg::I32(int("kv_b_proj rows per head", w_head_rows)?),
             Arg::I32(int("kv_b_proj row offset", w_row_off)?),
@@ -251,7 +242,7 @@ pub(super) fn mla_pre_attn(
                 Arg::Ptr(norm.ptr),
                 Arg::Ptr(qa_norm.ptr()),
                 Arg::I32(int("q_lora_rank", rank)?),
-                Arg::I32(dtype_code(norm.dtype)),
+                Arg::I32(norm.code()),
                 Arg::F32(LORA_NORM_EPS),
             ],
         )?;
@@ -303,7 +294,7 @@ pub(super) fn mla_pre_attn(
             Arg::Ptr(q.ptr()),
             Arg::Ptr(ckv.ptr()),
             Arg::Ptr(kv_norm.ptr),
-            Arg::I32(dtype_code(kv_norm.dtype)),
+            Arg::I32(kv_norm.code()),
             Arg::Ptr(pos.ptr()),
             Arg::Ptr(cx.rope.0),
             Arg::Ptr(cx.rope.1),

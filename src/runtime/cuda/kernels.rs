@@ -26,11 +26,11 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 11] = [
+pub const KERNELS: [KernelSource; 12] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
-        entries: &["rms_norm_bf16", "layer_norm_bf16", "qk_rms_norm_f32"],
+        entries: &["rms_norm", "layer_norm", "qk_rms_norm_f32"],
     },
     KernelSource {
         file: "rope.cu",
@@ -109,6 +109,11 @@ pub const KERNELS: [KernelSource; 11] = [
         file: "deepseek_router.cu",
         source: include_str!("../../../kernels/deepseek_router.cu"),
         entries: &["deepseek_route", "deepseek_no_route"],
+    },
+    KernelSource {
+        file: "quant.cu",
+        source: include_str!("../../../kernels/quant.cu"),
+        entries: &["dequant_f32", "embed_quant"],
     },
 ];
 
@@ -218,6 +223,11 @@ mod tests {
     #[test]
     fn moe_grouped_entries_match_the_source() {
         assert_entries_match("moe_grouped.cu");
+    }
+
+    #[test]
+    fn quant_entries_match_the_source() {
+        assert_entries_match("quant.cu");
     }
 
     #[test]

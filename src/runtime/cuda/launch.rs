@@ -22,6 +22,7 @@
 use super::device::Device;
 use super::graph::{Command, Deferred, Gemm, Recorder};
 use crate::model::card::WeightDtype;
+use crate::model::quant::QuantFormat;
 use crate::model::tensor::Orientation;
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::CudaBlas;
@@ -81,8 +82,11 @@ pub enum Arg {
 pub struct DevMatrix {
     /// Device address of element 0.
     pub ptr: u64,
-    /// Element type.
+    /// Element type (f32 for a quantised matrix: what its blocks decode to).
     pub dtype: WeightDtype,
+    /// The ggml block format of a quantised matrix (`None`: plain `dtype` elements). Such
+    /// a matrix is stored `[out, in]` with rows of whole blocks (`model::formats`).
+    pub quant: Option<QuantFormat>,
     /// Stored rows.
     pub rows: usize,
     /// Stored columns.
@@ -106,6 +110,40 @@ impl DevMatrix {
             Orientation::OutIn => self.cols,
             Orientation::InOut => self.rows,
         }
+    }
+
+    /// The kernels' `dtype` code of its storage (`kernels/prelude.cuh`).
+    pub fn code(&self) -> i32 {
+        storage_code(self.dtype, self.quant)
+    }
+}
+
+/// The kernels' `dtype` code of a storage (`kernels/prelude.cuh`): 0 bf16, 1 f16, 2 f32,
+/// 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K.
+pub fn storage_code(dtype: WeightDtype, quant: Option<QuantFormat>) -> i32 {
+    match (quant, dtype) {
+        (Some(QuantFormat::Q8_0), _) => 3,
+        (Some(QuantFormat::Q4K), _) => 4,
+        (Some(QuantFormat::Q5K), _) => 5,
+        (Some(QuantFormat::Q6K), _) => 6,
+        (None, WeightDtype::Bf16) => 0,
+        (None, WeightDtype::F16) => 1,
+        (None, WeightDtype::F32) => 2,
+    }
+}
+
+/// The kernel [`StreamCx::linear`] runs for `n` rows of `w` (the run report and
+/// `moec devices` name it): `linear_gemv` for a decode step's few rows (quantised blocks
+/// decoded inside the product), else a cuBLAS GEMM, after `dequant_f32` for blocks.
+pub fn linear_kernel(w: &DevMatrix, n: usize) -> &'static str {
+    if n <= GEMV_MAX_ROWS && w.out_dim() <= GEMV_MAX_OUT && w.orientation == Orientation::OutIn {
+        return "linear_gemv";
+    }
+    match (w.quant, w.dtype) {
+        (Some(_), _) => "dequant_f32 + cublasSgemm",
+        (None, WeightDtype::Bf16) => "cublasGemmEx (bf16 pair)",
+        (None, WeightDtype::F16) => "widen_f16 + cublasSgemm",
+        (None, WeightDtype::F32) => "cublasSgemm",
     }
 }
 
@@ -409,13 +447,10 @@ impl StreamCx<'_> {
             return Ok(());
         }
         let (m, k) = (w.out_dim(), w.in_dim());
-        if n <= GEMV_MAX_ROWS && m <= GEMV_MAX_OUT && w.orientation == Orientation::OutIn {
-            // A decode step's few rows: one launch reading the stored weights once.
-            let dtype = match w.dtype {
-                WeightDtype::Bf16 => 0,
-                WeightDtype::F16 => 1,
-                WeightDtype::F32 => 2,
-            };
+        if linear_kernel(w, n) == "linear_gemv" {
+            // A decode step's few rows: one launch reading the stored weights (or blocks)
+            // once.
+            let dtype = w.code();
             return self.launch(
                 "linear_gemv",
                 (int("out", m.div_ceil(GEMV_WARPS))? as u32, 1, 1),
@@ -439,6 +474,9 @@ impl StreamCx<'_> {
             Orientation::InOut => (false, w.cols),
         };
         let (mi, ki, ldai) = (int("out", m)?, int("in", k)?, int("lda", lda)?);
+        if w.quant.is_some() {
+            return self.quant_gemm(x, n, w, y, ldy, accumulate);
+        }
         match w.dtype {
             WeightDtype::Bf16 => {
                 let elems = n * k;
@@ -512,6 +550,54 @@ impl StreamCx<'_> {
                 }))
             }
         }
+    }
+}
+
+impl StreamCx<'_> {
+    /// [`StreamCx::linear`] of a quantised `w` over more rows than the GEMV takes: the
+    /// blocks decoded to f32 into this task's scratch (`dequant_f32`, the CPU's decoded
+    /// bits), then one `cublasSgemm`. Chosen over decoding tiles into shared memory (SIMT
+    /// f32 FMAs, about a tenth of the GEMM's rate on an H200 at prefill shapes, see
+    /// `GROUPED_MAX_ENTRIES` in `ops`) and over a bf16 copy for the bf16 GEMM (which would
+    /// round the decoded weights to 8 bits of mantissa, where the CPU computes with their
+    /// f32 values): the scratch is `out x in` floats for one matrix, reused by the
+    /// stream's next task.
+    fn quant_gemm(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), LaunchError> {
+        let (m, k) = (w.out_dim(), w.in_dim());
+        let elems = w.rows * w.cols;
+        let decoded = self.scratch(elems * 4)?;
+        self.launch_1d(
+            "dequant_f32",
+            elems / 8,
+            &[
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(decoded.ptr()),
+                Arg::I64((elems / 8) as i64),
+                Arg::I32(w.code()),
+            ],
+        )?;
+        // A is m x k f32 stored [out, in] (quantised matrices always are), B is k x n f32
+        // (x rows), C is y with its row stride.
+        self.issue(Command::Gemm(Gemm {
+            bf16: false,
+            transa: true,
+            m: int("out", m)?,
+            n: int("n", n)?,
+            k: int("in", k)?,
+            alpha: 1.0,
+            beta: if accumulate { 1.0 } else { 0.0 },
+            a: (decoded.ptr(), int("lda", w.cols)?),
+            b: (x, int("in", k)?),
+            c: (y, int("ldy", ldy)?),
+        }))
     }
 }
 

@@ -38,6 +38,7 @@ pub const REGISTRATION: Registration = Registration {
     about: "the CUDA backend: gpu.* streams as CUDA streams (NVRTC kernels, cuBLAS), cpu.* on the CPU backend beside it",
     gpu_space: GpuSpace::Device,
     binds_weight_copies: false,
+    quant_formats: &ops::QUANT_FORMATS,
     refusal: run_refusal,
     open: open_cuda,
 };

@@ -23,13 +23,14 @@
 //! kernels cannot run ([`unsupported`]) is refused at backend set-up, before any launch.
 
 use super::graph::{floats, words, Deferred};
-use super::launch::{int, row_block, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
+use super::launch::{int, row_block, storage_code, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::PlanTask;
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
+use crate::model::formats::Storage;
 use crate::model::kernels::moe::{RoutedRow, Routing};
 use crate::model::kernels::norm::NormKind;
 use crate::model::kernels::sampling::Sampling;
@@ -145,14 +146,11 @@ const GROUPED_MAX_ENTRIES: usize = 1024;
 
 /// What the CUDA kernels cannot run for this model, named before any launch (backend
 /// set-up calls this): the router kernels take at most 256 experts, combine top-64, the norm
-/// kernels bf16 weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
+/// kernels float weights. Every family's numerics (q/k norms, biases, shared experts, sinks,
 /// per-layer windows, YaRN, clamped SwiGLU, DeepSeek's MLA, routers and dense layers) have
-/// kernels, so the family itself is no reason.
-pub fn unsupported(
-    arch: &ArchSpec,
-    layer: &crate::model::layout::LayerLayout,
-    dtype: WeightDtype,
-) -> Option<String> {
+/// kernels, and every weight storage moec reads (bf16, f16, f32 and the ggml blocks Q8_0,
+/// Q4_K, Q5_K, Q6_K, decoded inside the products) too, so neither is a reason.
+pub fn unsupported(arch: &ArchSpec, layer: &crate::model::layout::LayerLayout) -> Option<String> {
     if let Some(why) = deepseek::unsupported(arch) {
         return Some(why);
     }
@@ -163,21 +161,45 @@ pub fn unsupported(
         ));
     }
     for kind in [SegmentKind::AttnNorm, SegmentKind::FfnNorm] {
-        if let Some(seg) = layer.segment(kind) {
-            if seg.dtype != WeightDtype::Bf16 {
-                return Some(format!(
-                    "{kind:?} weights stored as {:?} (the norm kernels take bf16)",
-                    seg.dtype
-                ));
-            }
+        if let Some(format) = layer.segment(kind).and_then(|seg| seg.quant) {
+            return Some(format!(
+                "{kind:?} weights stored as {format} (the norm kernels take float weights)"
+            ));
         }
     }
-    if dtype != WeightDtype::Bf16 {
-        return Some(format!(
-            "the final norm stored as {dtype:?} (the norm kernels take bf16)"
-        ));
-    }
     None
+}
+
+/// The ggml block formats the kernels decode inside their products (the prelude's dtype
+/// codes 3-6): every format moec reads.
+pub const QUANT_FORMATS: [crate::model::quant::QuantFormat; 4] =
+    crate::model::quant::QuantFormat::ALL;
+
+/// What computes with the image's block-quantised weights, for the run report: the
+/// formats with how many of the image's tensors hold each, and the kernels that decode
+/// them ([`StreamCx::linear`]'s choice by rows; `None` for float weights).
+pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Option<String> {
+    let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+    for (_, _, tag) in layout.tags() {
+        if let Some(format) = layout.storage(tag).and_then(|s| s.quant()) {
+            *counts.entry(format.name()).or_insert(0) += 1;
+        }
+    }
+    if counts.is_empty() {
+        return None;
+    }
+    let formats: Vec<String> = counts
+        .iter()
+        .map(|(name, n)| format!("{name} ({n} tensors)"))
+        .collect();
+    Some(format!(
+        "quantised weights {} decoded inside the products: linear_gemv and moe_grouped_gemv \
+         up to {GEMV_ROWS} rows, moe_grouped_linear's shared-memory tiles, dequant_f32 + \
+         cublasSgemm for more rows or over {GEMV_OUT} outputs, embed_quant",
+        formats.join(", "),
+        GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
+        GEMV_OUT = super::launch::GEMV_MAX_OUT,
+    ))
 }
 
 type GpuKernel = fn(&GpuCx<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
@@ -292,26 +314,34 @@ impl GpuCx<'_> {
         Ok(DevMatrix {
             ptr: self.weight(weights, tag)?,
             dtype: seg.dtype,
+            quant: seg.quant,
             rows: seg.rows,
             cols: seg.cols,
             orientation: seg.orientation.unwrap_or(Orientation::OutIn),
         })
     }
 
-    /// A norm weight (bf16: the norm kernels take bf16 weights, as every supported card
-    /// stores them).
-    fn norm_weight(
-        &self,
-        weights: &[View],
-        tag: WeightTag,
-        dtype: WeightDtype,
-    ) -> Result<u64, OpError> {
-        if dtype != WeightDtype::Bf16 {
-            return Err(OpError::Unsupported(format!(
-                "{tag} stored as {dtype:?} (the norm kernels take bf16)"
-            )));
-        }
-        self.weight(weights, tag)
+    /// A norm weight's address and the kernels' code of its float dtype (Hub checkpoints
+    /// store norms in bf16, GGUF files in f32; a vector is never block-quantised, and one
+    /// that claims to be is refused by name).
+    fn norm_weight(&self, weights: &[View], tag: WeightTag) -> Result<(u64, i32), OpError> {
+        let code = match self.storage(tag)? {
+            Storage::Float(dtype) => storage_code(dtype, None),
+            Storage::Quant(format) => {
+                return Err(OpError::Unsupported(format!(
+                    "{tag} stored as {format} (the norm kernels take float weights)"
+                )))
+            }
+        };
+        Ok((self.weight(weights, tag)?, code))
+    }
+
+    /// How tensor `tag` is stored (a float dtype or a block format).
+    fn storage(&self, tag: WeightTag) -> Result<Storage, OpError> {
+        self.host
+            .layout()
+            .storage(tag)
+            .ok_or(OpError::MissingWeight { tag })
     }
 
     fn layer_norm_weight(
@@ -319,15 +349,8 @@ impl GpuCx<'_> {
         weights: &[View],
         layer: u32,
         kind: SegmentKind,
-    ) -> Result<u64, OpError> {
-        let dtype = self
-            .host
-            .layout()
-            .layer_of(layer)
-            .segment(kind)
-            .map(|s| s.dtype)
-            .unwrap_or(WeightDtype::Bf16);
-        self.norm_weight(weights, WeightTag::Layer { layer, kind }, dtype)
+    ) -> Result<(u64, i32), OpError> {
+        self.norm_weight(weights, WeightTag::Layer { layer, kind })
     }
 
     /// Whether the layer layout has a segment (the optional ones of some families).
@@ -554,11 +577,12 @@ impl GpuCx<'_> {
         Ok(())
     }
 
-    /// `out[n, d] = norm(x[n, d]) * w` with the architecture's norm.
-    fn normalize(&self, x: u64, w: u64, out: u64, n: usize) -> Result<(), OpError> {
+    /// `out[n, d] = norm(x[n, d]) * w` with the architecture's norm, `w` a norm weight's
+    /// address and dtype code ([`GpuCx::norm_weight`]).
+    fn normalize(&self, x: u64, (w, code): (u64, i32), out: u64, n: usize) -> Result<(), OpError> {
         let entry = match self.arch.norm {
-            NormKind::Rms => "rms_norm_bf16",
-            NormKind::LayerNoBias => "layer_norm_bf16",
+            NormKind::Rms => "rms_norm",
+            NormKind::LayerNoBias => "layer_norm",
         };
         let d = self.arch.hidden;
         Ok(self.s.launch(
@@ -572,6 +596,7 @@ impl GpuCx<'_> {
                 Arg::Ptr(out),
                 Arg::I32(int("hidden", d)?),
                 Arg::F32(self.arch.norm_eps),
+                Arg::I32(code),
             ],
         )?)
     }
@@ -823,7 +848,7 @@ impl GpuCx<'_> {
         // Per expert: [first projection, second (gate/up split only), down, first's bias,
         // down's bias]; 0 where an expert is not a member (or has no bias).
         let mut table = vec![0u64; 5 * e];
-        let mut shapes: Option<[(WeightDtype, Orientation); 3]> = None;
+        let mut shapes: Option<[(i32, Orientation); 3]> = None;
         let mut bias_dtype = WeightDtype::F32;
         for &m in members {
             let m = m as usize;
@@ -851,10 +876,10 @@ impl GpuCx<'_> {
                 (None, Some(up)) => up,
                 (None, None) => return Ok(false),
             };
-            let shape = [first, second, down].map(|w| (w.dtype, w.orientation));
+            let shape = [first, second, down].map(|w| (w.code(), w.orientation));
             if *shapes.get_or_insert(shape) != shape {
                 return Err(OpError::Unsupported(
-                    "experts of one layer stored in different dtypes or orientations".into(),
+                    "experts of one layer stored in different formats or orientations".into(),
                 ));
             }
             table[m] = first.ptr;
@@ -886,13 +911,10 @@ impl GpuCx<'_> {
             // No member this layer has: nothing to run.
             return Ok(true);
         };
-        let code = |dt: WeightDtype| match dt {
-            WeightDtype::Bf16 => 0,
-            WeightDtype::F16 => 1,
-            WeightDtype::F32 => 2,
-        };
-        // Each projection's own storage (DBRX stores down [in, out], gate and up [out, in]).
-        let (dtype_of, out_in_of) = (
+        let code = |dt: WeightDtype| storage_code(dt, None);
+        // Each projection's own storage (DBRX stores down [in, out], gate and up [out, in];
+        // a Q4_K_M GGUF some layers' down in Q6_K and their gate and up in Q4_K).
+        let (code_of, out_in_of) = (
             |which: usize| shapes[which.min(2)].0,
             |which: usize| i32::from(shapes[which.min(2)].1 == Orientation::OutIn),
         );
@@ -959,7 +981,7 @@ impl GpuCx<'_> {
                     Arg::I32(mode),
                     Arg::I32(int("in", in_dim)?),
                     Arg::I32(int("out", out_dim)?),
-                    Arg::I32(code(dtype_of(which))),
+                    Arg::I32(code_of(which)),
                     Arg::I32(out_in_of(which)),
                     Arg::I32(code(bias_dtype)),
                     Arg::I32(int("top_k", k)?),
@@ -1067,23 +1089,30 @@ fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
     }
     let table = cx.weight(&args.all(Role::W), WeightTag::Embed)?;
     let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
-    let entry = match cx.dtype {
-        WeightDtype::Bf16 => "embed_bf16",
-        WeightDtype::F16 => "embed_f16",
-        WeightDtype::F32 => "embed_f32",
+    let storage = cx.storage(WeightTag::Embed)?;
+    let mut operands = vec![
+        Arg::Ptr(table),
+        Arg::Ptr(0),
+        Arg::Ptr(h),
+        Arg::I32(int("hidden", d)?),
+    ];
+    let entry = match storage {
+        Storage::Float(WeightDtype::Bf16) => "embed_bf16",
+        Storage::Float(WeightDtype::F16) => "embed_f16",
+        Storage::Float(WeightDtype::F32) => "embed_f32",
+        Storage::Quant(format) => {
+            operands.push(Arg::I32(storage_code(WeightDtype::F32, Some(format))));
+            "embed_quant"
+        }
     };
     let ids = cx.s.upload(&ids)?;
+    operands[1] = Arg::Ptr(ids.ptr());
     cx.s.launch(
         entry,
         (int("tokens", n)? as u32, 1, 1),
         row_block(d),
         0,
-        &[
-            Arg::Ptr(table),
-            Arg::Ptr(ids.ptr()),
-            Arg::Ptr(h),
-            Arg::I32(int("hidden", d)?),
-        ],
+        &operands,
     )?;
     Ok(())
 }
@@ -1662,10 +1691,12 @@ fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
         last.push(row.saturating_sub(1));
     }
     let weights = args.all(Role::W);
-    let norm = cx.norm_weight(&weights, WeightTag::FinalNorm, cx.dtype)?;
+    let norm = cx.norm_weight(&weights, WeightTag::FinalNorm)?;
+    let storage = cx.storage(WeightTag::LmHead)?;
     let head = DevMatrix {
         ptr: cx.weight(&weights, WeightTag::LmHead)?,
-        dtype: cx.dtype,
+        dtype: storage.dtype(),
+        quant: storage.quant(),
         rows: vocab,
         cols: d,
         orientation: Orientation::OutIn,
@@ -1772,13 +1803,20 @@ mod tests {
             let card = ModelCard::load(name).unwrap();
             let arch = ArchSpec::from_card(&card);
             let layout = LayerLayout::uniform(&arch, card.dtype);
-            assert_eq!(unsupported(&arch, &layout, card.dtype), None, "{name}");
+            assert_eq!(unsupported(&arch, &layout), None, "{name}");
             let mut wide = arch.clone();
             wide.experts = 512;
-            let why = unsupported(&wide, &layout, card.dtype).unwrap();
+            let why = unsupported(&wide, &layout).unwrap();
             assert!(why.contains("512 experts"), "{why}");
-            let why = unsupported(&arch, &layout, WeightDtype::F32).unwrap();
-            assert!(why.contains("final norm"), "{why}");
+            // Float norms of any width run (a GGUF's are f32); blocks are named.
+            let mut quant_norm = layout.clone();
+            for seg in &mut quant_norm.segments {
+                if seg.kind == SegmentKind::AttnNorm {
+                    seg.quant = Some(crate::model::quant::QuantFormat::Q8_0);
+                }
+            }
+            let why = unsupported(&arch, &quant_norm).unwrap();
+            assert!(why.contains("AttnNorm weights stored as Q8_0"), "{why}");
         }
     }
 

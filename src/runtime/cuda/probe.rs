@@ -394,6 +394,7 @@ fn projections(
     let w = DevMatrix {
         ptr: addr(cx.stream, &weights),
         dtype: WeightDtype::Bf16,
+        quant: None,
         rows: out,
         cols: inp,
         orientation: Orientation::OutIn,
