@@ -361,8 +361,26 @@ fn counted_run(
     std::collections::BTreeMap<String, u64>,
     serde_json::Value,
 ) {
+    counted_run_with(cache, dir, schedule, prompts, gen_len, extra, &[])
+}
+
+/// [`counted_run`] with extra environment variables.
+fn counted_run_with(
+    cache: &Path,
+    dir: &Path,
+    schedule: &str,
+    prompts: &[&str],
+    gen_len: u32,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (
+    Vec<Vec<u32>>,
+    std::collections::BTreeMap<String, u64>,
+    serde_json::Value,
+) {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cmd.envs(env.iter().copied());
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
         .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
@@ -599,4 +617,97 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
     assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");
     assert!(why.contains("read back to the host"), "{why}");
     assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
+}
+
+/// No relay memcpy when the host can hold the weights (issue 28, item 4). `cgopipe`
+/// streams every layer's experts from the checkpoint through pinned pages (`W_CToPin` on
+/// its `cpu.copy` stream, then `W_PinToG`). On the stand-in:
+/// - by default the checkpoint is registered with the driver read-only
+///   (`CU_MEMHOSTREGISTER_READ_ONLY`, at least the image's bytes), the pinned hop only
+///   moves weight labels, and the device copies read the registered checkpoint: no byte of
+///   the weights goes through a host memcpy (the run report's count is 0), the device never
+///   writes the registration, and the tokens are the CPU backend's;
+/// - with read-only registration refused (`MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER=1`, a
+///   device without `READ_ONLY_HOST_REGISTER_SUPPORTED`) the run falls back to one
+///   page-locked copy of the checkpoint, the report says so and why, and still no host relay
+///   and the same tokens;
+/// - `MOEC_HOST_WEIGHTS=relay` (what every run did before) relays the streamed experts
+///   through host memcpys, with the same tokens: the baseline of the figure printed.
+#[test]
+fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_host_relay() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/cgopipe.sched";
+    let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache.path())
+        .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
+        .args(["--gen-len", "4", "--hw", "hardware/t4.ron"]);
+    for p in PROMPTS {
+        cpu.args(["--prompt", p]);
+    }
+    let want = token_ids(&cpu.output().expect("moec runs"), "cgopipe, CPU");
+    let relayed = |doc: &serde_json::Value| -> u64 {
+        let line = doc["backend"].as_str().expect("backend line");
+        let (_, rest) = line
+            .split_once("host relay memcpy of weights: ")
+            .unwrap_or_else(|| panic!("no relay count in {line}"));
+        rest.split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("bytes")
+    };
+    let mut figures = Vec::new();
+    for (what, env) in [
+        ("registered", &[][..]),
+        (
+            "pinned copy",
+            &[("MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER", "1")][..],
+        ),
+        ("relay", &[("MOEC_HOST_WEIGHTS", "relay")][..]),
+    ] {
+        let (got, counts, doc) =
+            counted_run_with(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[], env);
+        assert_eq!(
+            got, want,
+            "{what}: CUDA (stand-in) tokens differ from the CPU's"
+        );
+        let line = doc["backend"].as_str().expect("backend line").to_string();
+        let image = doc["memory"]["weights_image_bytes"]
+            .as_u64()
+            .expect("image");
+        assert_eq!(calls(&counts, "read_only:writes_refused"), 0, "{what}");
+        match what {
+            "registered" => {
+                assert!(line.contains("registered read-only"), "{line}");
+                assert!(calls(&counts, "register:read_only_calls") >= 1);
+                assert!(calls(&counts, "register:read_only_bytes") >= image);
+                assert_eq!(relayed(&doc), 0, "{line}");
+            }
+            "pinned copy" => {
+                assert!(calls(&counts, "register:refused") >= 1, "{counts:?}");
+                assert_eq!(calls(&counts, "register:read_only_bytes"), 0);
+                assert!(
+                    line.contains("read once into page-locked memory")
+                        && line.contains("CUDA_ERROR_NOT_SUPPORTED"),
+                    "{line}"
+                );
+                assert_eq!(relayed(&doc), 0, "{line}");
+            }
+            _ => {
+                assert!(line.contains("relayed through host memcpys"), "{line}");
+                assert!(relayed(&doc) > 0, "{line}");
+            }
+        }
+        figures.push(format!(
+            "{what}: host memcpy of weights {} bytes, driver-staged (pageable) host-to-device {} bytes in {} calls",
+            relayed(&doc),
+            calls(&counts, "relay:htod_bytes"),
+            calls(&counts, "relay:htod_calls")
+        ));
+    }
+    println!(
+        "cgopipe on mixtral-tiny, 4 tokens, stand-in:\n  {}",
+        figures.join("\n  ")
+    );
 }

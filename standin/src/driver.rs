@@ -901,3 +901,55 @@ unsafe extern "C" fn cuGetErrorName(result: u32, out: *mut *const c_char) -> CuR
         put(out, describe(result).0.as_ptr(), "cuGetErrorName")
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A range registered read-only may be copied to the device but never written by it:
+    /// a device-to-host copy or a memset into it fails with CUDA_ERROR_ILLEGAL_ADDRESS and
+    /// leaves its bytes alone, while the same copy into a range registered without the
+    /// flag succeeds; unknown flags are refused.
+    #[test]
+    fn a_read_only_registration_is_never_written_by_the_device() {
+        let mut host = vec![7u8; 8192];
+        let mut plain = vec![0u8; 4096];
+        let mut dev = 0u64;
+        // SAFETY: `dev` is a live slot; the host buffers outlive their registrations.
+        unsafe {
+            assert_eq!(cuMemAlloc_v2(&mut dev, 4096), code::SUCCESS);
+        }
+        assert_eq!(cuMemsetD8_v2(dev, 1, 4096), code::SUCCESS);
+        let ptr = host.as_mut_ptr().cast::<c_void>();
+        assert_eq!(
+            cuMemHostRegister_v2(ptr, 8192, 0x100),
+            code::INVALID_VALUE,
+            "unknown flag"
+        );
+        assert_eq!(
+            cuMemHostRegister_v2(ptr, 8192, REGISTER_READ_ONLY | 1),
+            code::SUCCESS
+        );
+        assert_eq!(
+            cuMemcpyHtoD_v2(dev, ptr.cast_const(), 4096),
+            code::SUCCESS,
+            "reading it is allowed"
+        );
+        // SAFETY: the destination is the registered buffer, 8192 bytes long.
+        let into = unsafe { ptr.cast::<u8>().add(1000) }.cast::<c_void>();
+        assert_eq!(cuMemcpyDtoH_v2(into, dev, 100), code::ILLEGAL_ADDRESS);
+        assert_eq!(
+            cuMemsetD8_v2(into as u64, 0, 100),
+            code::ILLEGAL_ADDRESS,
+            "a memset through its (device-mapped) address"
+        );
+        assert!(host.iter().all(|&b| b == 7), "the device wrote it");
+        let other = plain.as_mut_ptr().cast::<c_void>();
+        assert_eq!(cuMemHostRegister_v2(other, 4096, 1), code::SUCCESS);
+        assert_eq!(cuMemcpyDtoH_v2(other, dev, 4096), code::SUCCESS);
+        assert!(plain.iter().all(|&b| b == 1));
+        assert_eq!(cuMemHostUnregister(other), code::SUCCESS);
+        assert_eq!(cuMemHostUnregister(ptr), code::SUCCESS);
+        assert_eq!(cuMemFree_v2(dev), code::SUCCESS);
+    }
+}

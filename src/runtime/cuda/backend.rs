@@ -134,6 +134,11 @@ pub struct CudaReport {
     pub routing_syncs: usize,
     /// Whether the pinned arena is registered with the driver.
     pub pinned_registered: bool,
+    /// How the weights reach the device (registered, pinned copy, relay) and why.
+    pub weights: super::host_weights::WeightPath,
+    /// Bytes of the weights image copied by host memcpys so far (relayed into pinned
+    /// staging, or staged for a device copy).
+    pub relayed: u64,
 }
 
 /// The CUDA backend for one plan and checkpoint.
@@ -318,6 +323,8 @@ impl<'c> CudaBackend<'c> {
             ptx: self.device.ptx,
             routing_syncs: self.routing_syncs.load(Ordering::Relaxed),
             pinned_registered: self.memory.pinned_registered(),
+            weights: self.memory.weight_path().clone(),
+            relayed: self.host_memory.relayed(),
         }
     }
 
@@ -456,7 +463,8 @@ impl Backend for CudaBackend<'_> {
         let r = self.report();
         format!(
             "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
-             pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert); \
+             pinned arena {}; {}; host relay memcpy of weights: {} bytes; \
+             {} routing read-backs by experts/post_attn (grouping tokens per expert); \
              CUDA graphs: {}",
             r.device,
             r.arch,
@@ -467,6 +475,8 @@ impl Backend for CudaBackend<'_> {
             } else {
                 "empty or pageable"
             },
+            r.weights.describe(),
+            r.relayed,
             r.routing_syncs,
             match render_graphs(&lock(&self.graphs)) {
                 t if t.is_empty() => "no step run yet".to_string(),

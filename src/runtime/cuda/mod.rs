@@ -15,6 +15,7 @@ pub mod backend;
 pub mod detect;
 pub mod device;
 pub mod graph;
+pub mod host_weights;
 pub mod kernels;
 pub mod launch;
 pub mod memory;
