@@ -631,7 +631,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
 ///   device without `READ_ONLY_HOST_REGISTER_SUPPORTED`) the run falls back to one
 ///   page-locked copy of the checkpoint, the report says so and why, and still no host relay
 ///   and the same tokens;
-/// - `MOEC_HOST_WEIGHTS=relay` (what every run did before) relays the streamed experts
+/// - `--weight-copies move` (what every run did before) relays the streamed experts
 ///   through host memcpys, with the same tokens: the baseline of the figure printed.
 #[test]
 fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_host_relay() {
@@ -658,16 +658,17 @@ fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_ho
             .expect("bytes")
     };
     let mut figures = Vec::new();
-    for (what, env) in [
-        ("registered", &[][..]),
+    for (what, env, extra) in [
+        ("registered", &[][..], &[][..]),
         (
             "pinned copy",
             &[("MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER", "1")][..],
+            &[][..],
         ),
-        ("relay", &[("MOEC_HOST_WEIGHTS", "relay")][..]),
+        ("relay", &[][..], &["--weight-copies", "move"][..]),
     ] {
         let (got, counts, doc) =
-            counted_run_with(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[], env);
+            counted_run_with(cache.path(), dir.path(), schedule, &PROMPTS, 4, extra, env);
         assert_eq!(
             got, want,
             "{what}: CUDA (stand-in) tokens differ from the CPU's"
@@ -699,11 +700,18 @@ fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_ho
                 assert!(relayed(&doc) > 0, "{line}");
             }
         }
+        // The `pin` stream (`cpu.copy`: W_CToPin) over the decode steps, on the stand-in.
+        let pin_busy = doc["report"]["streams"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["stream"] == "pin"))
+            .and_then(|s| s["busy_seconds"].as_f64())
+            .unwrap_or(f64::NAN);
         figures.push(format!(
-            "{what}: host memcpy of weights {} bytes, driver-staged (pageable) host-to-device {} bytes in {} calls",
+            "{what}: host memcpy of weights {} bytes, driver-staged (pageable) host-to-device {} bytes in {} calls, `pin` stream busy {:.2} ms over the decode steps",
             relayed(&doc),
             calls(&counts, "relay:htod_bytes"),
-            calls(&counts, "relay:htod_calls")
+            calls(&counts, "relay:htod_calls"),
+            pin_busy * 1e3
         ));
     }
     println!(

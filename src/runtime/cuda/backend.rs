@@ -5,7 +5,8 @@
 //! [`CudaBackend`] that implements [`Backend`], or a [`CudaSetupError`] naming what is
 //! missing (driver, device, NVRTC, cuBLAS) or what does not fit. Memory: `gpu` is one
 //! device allocation, `pinned` the host memory's arena registered with the driver, `host`
-//! and the checkpoint pageable ([`super::memory`]). Ops are [`super::ops`]; tasks on
+//! pageable, the checkpoint registered read-only where the host can hold it
+//! ([`super::host_weights`]; the run report's `weights:` clause says which way, and why). Ops are [`super::ops`]; tasks on
 //! `cpu.compute`/`cpu.copy` run on the host engine over the same host memory (the
 //! registry, `runtime::registry`, gives this backend the CPU backend's `over` that memory:
 //! the two backends sit side by side, neither inside the other).
@@ -236,6 +237,7 @@ impl<'c> CudaBackend<'c> {
             gpu_bytes,
             options.gpu_capacity,
             &host_memory,
+            options.weight_copies,
         )?;
         // The CPU's own tables (YaRN-scaled for gpt-oss), so rotary agrees bit for bit.
         let table = RopeTable::for_arch(&arch, arch.max_positions);

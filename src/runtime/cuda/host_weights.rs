@@ -14,8 +14,9 @@
 //!   `READ_ONLY_HOST_REGISTER_SUPPORTED`, a file system whose pages cannot be pinned), the
 //!   image read once into an anonymous buffer registered with the driver;
 //! - **relay**: where the host cannot hold the weights (the image is over half the
-//!   memory available, the criterion `runtime::host` uses to populate it) or
-//!   `MOEC_HOST_WEIGHTS=relay` asks for it (to measure the relay): the image stays
+//!   memory available, the criterion `runtime::host` uses to populate it), or
+//!   `--weight-copies move` or `MOEC_HOST_WEIGHTS=relay` asks for it (to measure the
+//!   relay): the image stays
 //!   pageable, a schedule's `cpu.copy` relays pages into its pinned staging with host
 //!   memcpys (on the run's copy pool) and a direct copy is staged by the driver.
 //!
@@ -25,6 +26,7 @@
 //! and the reason for every fallback.
 
 use crate::ir::emit::human_bytes;
+use crate::runtime::backend::WeightCopies;
 use crate::runtime::host::arena::Arena;
 use crate::runtime::host::image::{ImagePiece, ImageViewError};
 use crate::runtime::host::memory::PARALLEL_COPY_MIN;
@@ -179,7 +181,7 @@ fn unregister(ptrs: &[usize]) {
 impl HostWeights {
     /// Picks the path for `host`'s image and sets it up (registrations, or the copy); never
     /// fails: a refused step falls back to the next path, with the reason kept.
-    pub fn new(host: &HostMemory<'_>, ctx: &Arc<CudaContext>) -> Self {
+    pub fn new(host: &HostMemory<'_>, ctx: &Arc<CudaContext>, weight_copies: WeightCopies) -> Self {
         let mut weights = HostWeights {
             path: WeightPath::Relay { why: String::new() },
             registered: Vec::new(),
@@ -189,6 +191,9 @@ impl HostWeights {
         let image = host.image().len();
         let available = crate::sysmem::available_bytes();
         weights.path = match forced() {
+            _ if weight_copies == WeightCopies::Move => WeightPath::Relay {
+                why: "--weight-copies move asks for every byte to be copied".to_string(),
+            },
             Some("relay") => WeightPath::Relay {
                 why: "MOEC_HOST_WEIGHTS=relay asks for it".to_string(),
             },

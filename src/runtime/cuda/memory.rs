@@ -6,8 +6,12 @@
 //! pointers for views into `gpu` ([`DeviceMemory::ptr`]), the weight labels of the device
 //! arena (so ops find their weights by tensor, as on the CPU), and [`DeviceMemory::copy`].
 //! The `pinned` arena is registered with the driver (`cuMemHostRegister`), so copies from
-//! and to it are asynchronous DMA; `host` and the checkpoint stay pageable, and a copy that
-//! touches them is synchronous (CUDA stages it), as `moec check` warns. Labels move at
+//! and to it are asynchronous DMA; `host` stays pageable, and a copy that touches it is
+//! synchronous (CUDA stages it), as `moec check` warns. The checkpoint is registered
+//! read-only where the host can hold it ([`super::host_weights`]), so copies of weights
+//! read it in place: a host copy of weights into pinned staging then moves only their
+//! labels (`HostMemory::bind_weight_copies`) and the device copy out of staging reads the
+//! registered tensors those labels name. Labels move at
 //! submission: every reader of the destination is submitted after the copy (the driver's
 //! host-side event order), so it finds the labels the copy will have written.
 
@@ -103,14 +107,16 @@ pub struct DeviceMemory {
 }
 
 impl DeviceMemory {
-    /// Allocates the `gpu` arena (`bytes`) on `stream` and registers the host side's
-    /// pinned arena with the driver.
+    /// Allocates the `gpu` arena (`bytes`) on `stream`, registers the host side's pinned
+    /// arena with the driver, and sets up the weights' way to the device
+    /// ([`HostWeights`]; `weight_copies` `Move` keeps the relay).
     pub fn new(
         device: &Device,
         stream: &Arc<CudaStream>,
         bytes: u64,
         capacity: Option<u64>,
         host: &HostMemory<'_>,
+        weight_copies: crate::runtime::backend::WeightCopies,
     ) -> Result<Self, DeviceMemoryError> {
         let (free, total) = result::mem_get_info().map_err(driver("cuMemGetInfo"))?;
         let (limit, why) = match capacity {
@@ -158,7 +164,7 @@ impl DeviceMemory {
             }
             None => 0,
         };
-        let weights = HostWeights::new(host, &device.ctx);
+        let weights = HostWeights::new(host, &device.ctx, weight_copies);
         if weights.readable() {
             // The device reads weights from the image's page-locked bytes, so a host copy
             // of weights into staging need only move their labels.
