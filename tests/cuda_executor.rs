@@ -347,8 +347,16 @@ fn the_expert_cache_keeps_slots_consistent_across_device_streams() {
     assert!(used > 0, "no prefetched expert was hit: {}", doc["caches"]);
 }
 
-/// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`):
-/// entry point or `launch:<kernel>` -> calls; with its tokens and `--json` document.
+/// A counted run's tokens, the stand-in's counters (name -> count) and its `--json`.
+type Counted = (
+    Vec<Vec<u32>>,
+    std::collections::BTreeMap<String, u64>,
+    serde_json::Value,
+);
+
+/// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`),
+/// with `env` set: entry point or `launch:<kernel>` -> calls; with its tokens and `--json`
+/// document.
 fn counted_run(
     cache: &Path,
     dir: &Path,
@@ -356,28 +364,8 @@ fn counted_run(
     prompts: &[&str],
     gen_len: u32,
     extra: &[&str],
-) -> (
-    Vec<Vec<u32>>,
-    std::collections::BTreeMap<String, u64>,
-    serde_json::Value,
-) {
-    counted_run_with(cache, dir, schedule, prompts, gen_len, extra, &[])
-}
-
-/// [`counted_run`] with extra environment variables.
-fn counted_run_with(
-    cache: &Path,
-    dir: &Path,
-    schedule: &str,
-    prompts: &[&str],
-    gen_len: u32,
-    extra: &[&str],
     env: &[(&str, &str)],
-) -> (
-    Vec<Vec<u32>>,
-    std::collections::BTreeMap<String, u64>,
-    serde_json::Value,
-) {
+) -> Counted {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
     cmd.envs(env.iter().copied());
@@ -453,7 +441,7 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
         ("schedules/baselines/gpu_resident.sched", 1u64),
         ("schedules/baselines/sequential.sched", 2),
     ] {
-        let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[]);
+        let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[], &[]);
         let (_, b, _) = counted_run(
             cache.path(),
             dir.path(),
@@ -461,8 +449,9 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             &["Mixture of apples", "The capital of Spain is"],
             4,
             &[],
+            &[],
         );
-        let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &[]);
+        let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &[], &[]);
         // prefill + 3 decode steps for 4 tokens; a decode step that replays a CUDA graph
         // makes no launch call (its kernels run from the graph).
         let (replayed, _, _, _) = graph_counts(&doc, "decode");
@@ -551,7 +540,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             &format!("{schedule}, CPU"),
         );
         let (got, counts, doc) =
-            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 6, extra);
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 6, extra, &[]);
         assert_eq!(
             got, want,
             "{schedule}: CUDA graph tokens differ from the CPU's"
@@ -576,7 +565,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             .collect();
         assert!(refused.is_empty(), "{schedule}: {refused:?}");
         let (more, more_counts, more_doc) =
-            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, extra);
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, extra, &[]);
         assert_eq!(
             more.iter().map(|t| t[..6].to_vec()).collect::<Vec<_>>(),
             want
@@ -612,6 +601,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             "--set",
             "t_copy=1000000",
         ],
+        &[],
     );
     let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
     assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");
@@ -668,7 +658,7 @@ fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_ho
         ("relay", &[][..], &["--weight-copies", "move"][..]),
     ] {
         let (got, counts, doc) =
-            counted_run_with(cache.path(), dir.path(), schedule, &PROMPTS, 4, extra, env);
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, extra, env);
         assert_eq!(
             got, want,
             "{what}: CUDA (stand-in) tokens differ from the CPU's"

@@ -23,7 +23,8 @@
 //! `--link-gbps` throttle still applies to the bytes the copy stands for) but neither
 //! the compute cores nor their memory bandwidth, which a memcpy on the CPU backend's two
 //! cores would take from the kernels. `Move` copies every byte (the CUDA backend's host
-//! side always does: the device copies from real pinned bytes).
+//! side starts so, and binds once its device reads the image's own page-locked memory:
+//! [`HostMemory::bind_weight_copies`]).
 
 use super::arena::{Arena, ArenaError};
 use super::copy_pool::CopyPool;
@@ -201,8 +202,8 @@ impl<'c> HostMemory<'c> {
 
     /// The host side only: the `pinned` and `host` arenas and the weights image, with an
     /// empty `gpu` arena (a device backend keeps `gpu` in device memory; a view into it
-    /// still resolves, to an offset the device backend owns). Copies move every byte:
-    /// the device reads the pinned arena's real bytes.
+    /// still resolves, to an offset the device backend owns). Copies move every byte
+    /// until the device backend binds them ([`HostMemory::bind_weight_copies`]).
     pub fn host_side(
         plan: &ExecPlan,
         checkpoint: &'c Checkpoint,
