@@ -197,7 +197,7 @@ impl HostWeights {
             Some("relay") => WeightPath::Relay {
                 why: "MOEC_HOST_WEIGHTS=relay asks for it".to_string(),
             },
-            _ if !available.is_some_and(|a| image <= a / 2) => WeightPath::Relay {
+            _ if available.is_none_or(|a| image > a / 2) => WeightPath::Relay {
                 why: match available {
                     Some(a) => format!(
                         "the weights ({}) are more than half the memory available ({})",
