@@ -385,9 +385,16 @@ fn the_expert_cache_keeps_slots_consistent_across_device_streams() {
     assert!(used > 0, "no prefetched expert was hit: {}", doc["caches"]);
 }
 
+/// A counted run's tokens, the stand-in's counters (name -> count) and its `--json`.
+type Counted = (
+    Vec<Vec<u32>>,
+    std::collections::BTreeMap<String, u64>,
+    serde_json::Value,
+);
+
 /// The stand-in's call counters of one `moec run --backend cuda` (`MOEC_STANDIN_COUNTERS`)
-/// on mixtral-tiny (or the `--weights` in `extra`): entry point or `launch:<kernel>` ->
-/// calls; with its tokens and `--json` document.
+/// on mixtral-tiny (or the `--weights` in `extra`), with `env` set: entry point or
+/// `launch:<kernel>` -> calls; with its tokens and `--json` document.
 fn counted_run(
     cache: &Path,
     dir: &Path,
@@ -395,11 +402,8 @@ fn counted_run(
     prompts: &[&str],
     gen_len: u32,
     extra: &[&str],
-) -> (
-    Vec<Vec<u32>>,
-    std::collections::BTreeMap<String, u64>,
-    serde_json::Value,
-) {
+    env: &[(&str, &str)],
+) -> Counted {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
     // mixtral-tiny unless `extra` names a checkpoint (`--weights`).
     let model: &[&str] = if extra.contains(&"--weights") {
@@ -408,6 +412,7 @@ fn counted_run(
         &["--model", "mixtral-tiny"]
     };
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cmd.envs(env.iter().copied());
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
         .args(["run", schedule, "--json"])
@@ -481,7 +486,7 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
         ("schedules/baselines/gpu_resident.sched", 1u64),
         ("schedules/baselines/sequential.sched", 2),
     ] {
-        let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[]);
+        let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[], &[]);
         let (_, b, _) = counted_run(
             cache.path(),
             dir.path(),
@@ -489,8 +494,9 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             &["Mixture of apples", "The capital of Spain is"],
             4,
             &[],
+            &[],
         );
-        let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &[]);
+        let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &[], &[]);
         // prefill + 3 decode steps for 4 tokens; a decode step that replays a CUDA graph
         // makes no launch call (its kernels run from the graph).
         let (replayed, _, _, _) = graph_counts(&doc, "decode");
@@ -563,8 +569,8 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     let weights = ["--weights", path.to_str().expect("UTF-8 path")];
     let (cache, dir) = (tempfile::tempdir().expect("cache"), standin_dir());
     let schedule = "schedules/baselines/gpu_resident.sched";
-    let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &weights);
-    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &weights);
+    let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &weights, &[]);
+    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &weights, &[]);
     let (replayed, _, _, _) = graph_counts(&doc, "decode");
     let steps = 4u64 - replayed;
     let moe_tasks = 2 * steps;
@@ -632,7 +638,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             &format!("{schedule}, CPU"),
         );
         let (got, counts, doc) =
-            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 6, extra);
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 6, extra, &[]);
         assert_eq!(
             got, want,
             "{schedule}: CUDA graph tokens differ from the CPU's"
@@ -657,7 +663,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             .collect();
         assert!(refused.is_empty(), "{schedule}: {refused:?}");
         let (more, more_counts, more_doc) =
-            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, extra);
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, extra, &[]);
         assert_eq!(
             more.iter().map(|t| t[..6].to_vec()).collect::<Vec<_>>(),
             want
@@ -693,9 +699,111 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             "--set",
             "t_copy=1000000",
         ],
+        &[],
     );
     let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
     assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");
     assert!(why.contains("read back to the host"), "{why}");
     assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
+}
+
+/// No relay memcpy when the host can hold the weights (issue 28, item 4). `cgopipe`
+/// streams every layer's experts from the checkpoint through pinned pages (`W_CToPin` on
+/// its `cpu.copy` stream, then `W_PinToG`). On the stand-in:
+/// - by default the checkpoint is registered with the driver read-only
+///   (`CU_MEMHOSTREGISTER_READ_ONLY`, at least the image's bytes), the pinned hop only
+///   moves weight labels, and the device copies read the registered checkpoint: no byte of
+///   the weights goes through a host memcpy (the run report's count is 0), the device never
+///   writes the registration, and the tokens are the CPU backend's;
+/// - with read-only registration refused (`MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER=1`, a
+///   device without `READ_ONLY_HOST_REGISTER_SUPPORTED`) the run falls back to one
+///   page-locked copy of the checkpoint, the report says so and why, and still no host relay
+///   and the same tokens;
+/// - `--weight-copies move` (what every run did before) relays the streamed experts
+///   through host memcpys, with the same tokens: the baseline of the figure printed.
+#[test]
+fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_host_relay() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/cgopipe.sched";
+    let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache.path())
+        .args(["run", schedule, "--model", "mixtral-tiny", "--json"])
+        .args(["--gen-len", "4", "--hw", "hardware/t4.ron"]);
+    for p in PROMPTS {
+        cpu.args(["--prompt", p]);
+    }
+    let want = token_ids(&cpu.output().expect("moec runs"), "cgopipe, CPU");
+    let relayed = |doc: &serde_json::Value| -> u64 {
+        let line = doc["backend"].as_str().expect("backend line");
+        let (_, rest) = line
+            .split_once("host relay memcpy of weights: ")
+            .unwrap_or_else(|| panic!("no relay count in {line}"));
+        rest.split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("bytes")
+    };
+    let mut figures = Vec::new();
+    for (what, env, extra) in [
+        ("registered", &[][..], &[][..]),
+        (
+            "pinned copy",
+            &[("MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER", "1")][..],
+            &[][..],
+        ),
+        ("relay", &[][..], &["--weight-copies", "move"][..]),
+    ] {
+        let (got, counts, doc) =
+            counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, extra, env);
+        assert_eq!(
+            got, want,
+            "{what}: CUDA (stand-in) tokens differ from the CPU's"
+        );
+        let line = doc["backend"].as_str().expect("backend line").to_string();
+        let image = doc["memory"]["weights_image_bytes"]
+            .as_u64()
+            .expect("image");
+        assert_eq!(calls(&counts, "read_only:writes_refused"), 0, "{what}");
+        match what {
+            "registered" => {
+                assert!(line.contains("registered read-only"), "{line}");
+                assert!(calls(&counts, "register:read_only_calls") >= 1);
+                assert!(calls(&counts, "register:read_only_bytes") >= image);
+                assert_eq!(relayed(&doc), 0, "{line}");
+            }
+            "pinned copy" => {
+                assert!(calls(&counts, "register:refused") >= 1, "{counts:?}");
+                assert_eq!(calls(&counts, "register:read_only_bytes"), 0);
+                assert!(
+                    line.contains("read once into page-locked memory")
+                        && line.contains("CUDA_ERROR_NOT_SUPPORTED"),
+                    "{line}"
+                );
+                assert_eq!(relayed(&doc), 0, "{line}");
+            }
+            _ => {
+                assert!(line.contains("relayed through host memcpys"), "{line}");
+                assert!(relayed(&doc) > 0, "{line}");
+            }
+        }
+        // The `pin` stream (`cpu.copy`: W_CToPin) over the decode steps, on the stand-in.
+        let pin_busy = doc["report"]["streams"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["stream"] == "pin"))
+            .and_then(|s| s["busy_seconds"].as_f64())
+            .unwrap_or(f64::NAN);
+        figures.push(format!(
+            "{what}: host memcpy of weights {} bytes, driver-staged (pageable) host-to-device {} bytes in {} calls, `pin` stream busy {:.2} ms over the decode steps",
+            relayed(&doc),
+            calls(&counts, "relay:htod_bytes"),
+            calls(&counts, "relay:htod_calls"),
+            pin_busy * 1e3
+        ));
+    }
+    println!(
+        "cgopipe on mixtral-tiny, 4 tokens, stand-in:\n  {}",
+        figures.join("\n  ")
+    );
 }

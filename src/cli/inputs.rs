@@ -122,7 +122,9 @@ pub struct RunSettings {
     /// How the CPU backend copies weights: `bind` moves a weight's label and lets the
     /// kernels read it from the mapped checkpoint (a DMA engine's copy: no compute core
     /// or memory bandwidth spent; `--link-gbps` still times it), `move` memcpys every
-    /// byte. Activations and KV are always copied.
+    /// byte. Activations and KV are always copied. On `--backend cuda`, `bind` lets the
+    /// device read weights from the checkpoint registered with the driver, and `move`
+    /// keeps the host relay.
     #[arg(long, value_enum, default_value_t = WeightCopies::Bind)]
     pub weight_copies: WeightCopies,
 }

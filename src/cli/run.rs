@@ -366,6 +366,7 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
             "pinned_locked": f.stats.pinned_locked,
         },
         "tokenizer": f.tokenizer,
+        "backend": f.stats.backend,
         "fitted_params": f.fitted.as_ref().map(|p| p.values.iter().cloned().collect::<std::collections::BTreeMap<_, _>>()),
         "weight_copies": f.stats.copies.map(|c| serde_json::json!({
             "mode": "bind",

@@ -37,14 +37,29 @@ fn counts() -> &'static Mutex<BTreeMap<String, u64>> {
 
 /// Counts one call of `name` (an entry point, or `launch:<kernel>`), if counting is on.
 pub fn count(name: &str) {
+    add(name, 1);
+}
+
+/// Adds `n` to the count of `name` (bytes, for the byte counters), if counting is on.
+///
+/// Besides the entry points, the memory counters a test reads:
+/// - `register:calls`, `register:bytes`: successful `cuMemHostRegister` calls and the
+///   bytes they page-locked; `register:read_only_calls`, `register:read_only_bytes`: those
+///   with `CU_MEMHOSTREGISTER_READ_ONLY`; `register:refused`: calls refused;
+/// - `relay:htod_calls`, `relay:htod_bytes`, `relay:dtoh_calls`, `relay:dtoh_bytes`:
+///   copies whose host side is pageable, which a real driver stages through its own
+///   pinned buffer with a host memcpy (the relay a registered source avoids);
+/// - `read_only:writes_refused`: device writes (a copy, a memset, a kernel) into a range
+///   registered read-only.
+pub fn add(name: &str, n: u64) {
     if target().is_none() {
         return;
     }
     let mut map = crate::lock(counts());
     match map.get_mut(name) {
-        Some(n) => *n += 1,
+        Some(count) => *count += n,
         None => {
-            map.insert(name.to_string(), 1);
+            map.insert(name.to_string(), n);
         }
     }
 }

@@ -13,7 +13,7 @@
 use crate::graph;
 use crate::memory::{self, Kind};
 use crate::stream::{self, Node};
-use crate::{guard, log};
+use crate::{counters, guard, log};
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Arc;
@@ -50,6 +50,29 @@ pub mod code {
     pub const NOT_SUPPORTED: u32 = 801;
     /// CUDA_ERROR_UNKNOWN.
     pub const UNKNOWN: u32 = 999;
+}
+
+/// The context's sticky error (0: none): a fault in device work that ran on a stream
+/// thread, returned by every later synchronisation, as a real context stays broken after
+/// an illegal address.
+static STICKY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Breaks the context with `error` (the first fault wins).
+pub(crate) fn set_sticky(error: u32) {
+    let _ = STICKY.compare_exchange(
+        0,
+        error,
+        std::sync::atomic::Ordering::AcqRel,
+        std::sync::atomic::Ordering::Acquire,
+    );
+}
+
+/// The sticky error, if device work faulted.
+fn sticky() -> Result<(), u32> {
+    match STICKY.load(std::sync::atomic::Ordering::Acquire) {
+        0 => Ok(()),
+        error => Err(error),
+    }
 }
 
 /// A CUresult as the C API returns it.
@@ -174,35 +197,36 @@ unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, device: c_in
 /// it; `None` for attributes the stand-in does not model.
 fn attribute(attribute: c_int) -> Option<c_int> {
     Some(match attribute {
-        1 => MAX_THREADS_PER_BLOCK as c_int, // MAX_THREADS_PER_BLOCK
-        2 | 3 => 1024,                       // MAX_BLOCK_DIM_X, _Y
-        4 => 64,                             // MAX_BLOCK_DIM_Z
-        5 => i32::MAX,                       // MAX_GRID_DIM_X
-        6 | 7 => 65535,                      // MAX_GRID_DIM_Y, _Z
-        8 => MAX_SHARED_PER_BLOCK as c_int,  // MAX_SHARED_MEMORY_PER_BLOCK
-        9 => 65536,                          // TOTAL_CONSTANT_MEMORY
-        10 => 32,                            // WARP_SIZE
-        12 => 65536,                         // MAX_REGISTERS_PER_BLOCK
-        13 => 1_410_000,                     // CLOCK_RATE (kHz)
-        14 => 256,                           // TEXTURE_ALIGNMENT
-        15 => 1,                             // GPU_OVERLAP
-        16 => 1,                             // MULTIPROCESSOR_COUNT
-        17 => 0,                             // KERNEL_EXEC_TIMEOUT
-        18 => 0,                             // INTEGRATED
-        19 => 1,                             // CAN_MAP_HOST_MEMORY
-        20 => 0,                             // COMPUTE_MODE (default)
-        31 => 1,                             // CONCURRENT_KERNELS
-        33 | 34 | 50 => 0,                   // PCI bus / device / domain id
-        39 => 2048,                          // MAX_THREADS_PER_MULTIPROCESSOR
-        40 => 2,                             // ASYNC_ENGINE_COUNT
-        41 => 1,                             // UNIFIED_ADDRESSING
-        75 => 8,                             // COMPUTE_CAPABILITY_MAJOR
-        76 => 0,                             // COMPUTE_CAPABILITY_MINOR
-        81 => 164 * 1024,                    // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
-        82 => 65536,                         // MAX_REGISTERS_PER_MULTIPROCESSOR
-        83 => 1,                             // MANAGED_MEMORY
-        97 => MAX_SHARED_PER_BLOCK as c_int, // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN (no opt-in)
-        115 => 1,                            // MEMORY_POOLS_SUPPORTED
+        1 => MAX_THREADS_PER_BLOCK as c_int,     // MAX_THREADS_PER_BLOCK
+        2 | 3 => 1024,                           // MAX_BLOCK_DIM_X, _Y
+        4 => 64,                                 // MAX_BLOCK_DIM_Z
+        5 => i32::MAX,                           // MAX_GRID_DIM_X
+        6 | 7 => 65535,                          // MAX_GRID_DIM_Y, _Z
+        8 => MAX_SHARED_PER_BLOCK as c_int,      // MAX_SHARED_MEMORY_PER_BLOCK
+        9 => 65536,                              // TOTAL_CONSTANT_MEMORY
+        10 => 32,                                // WARP_SIZE
+        12 => 65536,                             // MAX_REGISTERS_PER_BLOCK
+        13 => 1_410_000,                         // CLOCK_RATE (kHz)
+        14 => 256,                               // TEXTURE_ALIGNMENT
+        15 => 1,                                 // GPU_OVERLAP
+        16 => 1,                                 // MULTIPROCESSOR_COUNT
+        17 => 0,                                 // KERNEL_EXEC_TIMEOUT
+        18 => 0,                                 // INTEGRATED
+        19 => 1,                                 // CAN_MAP_HOST_MEMORY
+        20 => 0,                                 // COMPUTE_MODE (default)
+        31 => 1,                                 // CONCURRENT_KERNELS
+        33 | 34 | 50 => 0,                       // PCI bus / device / domain id
+        39 => 2048,                              // MAX_THREADS_PER_MULTIPROCESSOR
+        40 => 2,                                 // ASYNC_ENGINE_COUNT
+        41 => 1,                                 // UNIFIED_ADDRESSING
+        75 => 8,                                 // COMPUTE_CAPABILITY_MAJOR
+        76 => 0,                                 // COMPUTE_CAPABILITY_MINOR
+        81 => 164 * 1024,                        // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+        82 => 65536,                             // MAX_REGISTERS_PER_MULTIPROCESSOR
+        83 => 1,                                 // MANAGED_MEMORY
+        97 => MAX_SHARED_PER_BLOCK as c_int,     // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN (no opt-in)
+        113 => c_int::from(!refuse_read_only()), // READ_ONLY_HOST_REGISTER_SUPPORTED
+        115 => 1,                                // MEMORY_POOLS_SUPPORTED
         _ => return None,
     })
 }
@@ -305,7 +329,7 @@ extern "C" fn cuCtxSynchronize() -> CuResult {
     entry("cuCtxSynchronize", || {
         graph::refuse_context_sync("cuCtxSynchronize")?;
         stream::synchronize_all();
-        Ok(())
+        sticky()
     })
 }
 
@@ -336,7 +360,8 @@ extern "C" fn cuStreamDestroy_v2(handle: *mut c_void) -> CuResult {
 #[no_mangle]
 extern "C" fn cuStreamSynchronize(handle: *mut c_void) -> CuResult {
     entry("cuStreamSynchronize", || {
-        stream::synchronize(handle as usize)
+        stream::synchronize(handle as usize)?;
+        sticky()
     })
 }
 
@@ -394,7 +419,8 @@ extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
 #[no_mangle]
 extern "C" fn cuEventSynchronize(event: *mut c_void) -> CuResult {
     entry("cuEventSynchronize", || {
-        stream::event_synchronize(event as usize)
+        stream::event_synchronize(event as usize)?;
+        sticky()
     })
 }
 
@@ -491,11 +517,70 @@ extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CuResult {
     })
 }
 
+/// `MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER=1`: the device does not support read-only host
+/// registration (`CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED` is 0), so
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY` fails with
+/// `CUDA_ERROR_NOT_SUPPORTED`, as the driver documents for such a device.
+fn refuse_read_only() -> bool {
+    std::env::var("MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER").is_ok_and(|v| v.trim() == "1")
+}
+
+/// The flags `cuMemHostRegister` knows: PORTABLE, DEVICEMAP, IOMEMORY, READ_ONLY.
+const REGISTER_FLAGS: c_uint = 1 | 2 | 4 | 8;
+const REGISTER_IOMEMORY: c_uint = 4;
+const REGISTER_READ_ONLY: c_uint = 8;
+
 #[no_mangle]
-extern "C" fn cuMemHostRegister_v2(ptr: *mut c_void, bytes: usize, _flags: c_uint) -> CuResult {
+extern "C" fn cuMemHostRegister_v2(ptr: *mut c_void, bytes: usize, flags: c_uint) -> CuResult {
     entry("cuMemHostRegister_v2", || {
-        memory::register(ptr as usize, bytes)
+        let read_only = flags & REGISTER_READ_ONLY != 0;
+        let refused = if flags & !REGISTER_FLAGS != 0 {
+            log(&format!(
+                "cuMemHostRegister_v2 refused: unknown flags {flags:#x} (CUDA_ERROR_INVALID_VALUE)"
+            ));
+            Err(code::INVALID_VALUE)
+        } else if flags & REGISTER_IOMEMORY != 0 {
+            log("cuMemHostRegister_v2 refused: CU_MEMHOSTREGISTER_IOMEMORY is not modelled (CUDA_ERROR_NOT_SUPPORTED)");
+            Err(code::NOT_SUPPORTED)
+        } else if read_only && refuse_read_only() {
+            log(
+                "cuMemHostRegister_v2 refused: CU_MEMHOSTREGISTER_READ_ONLY on a device without \
+                 READ_ONLY_HOST_REGISTER_SUPPORTED (MOEC_STANDIN_REFUSE_READ_ONLY_REGISTER; \
+                 CUDA_ERROR_NOT_SUPPORTED)",
+            );
+            Err(code::NOT_SUPPORTED)
+        } else {
+            memory::register(ptr as usize, bytes, read_only)
+        };
+        if refused.is_err() {
+            counters::count("register:refused");
+            return refused;
+        }
+        counters::count("register:calls");
+        counters::add("register:bytes", bytes as u64);
+        if read_only {
+            counters::count("register:read_only_calls");
+            counters::add("register:read_only_bytes", bytes as u64);
+        }
+        Ok(())
     })
+}
+
+/// Refuses a device write (`what`) into `[ptr, ptr + bytes)` where it meets a range
+/// registered read-only: the driver maps such a range read-only for the device, so the
+/// write faults (`CUDA_ERROR_ILLEGAL_ADDRESS`); counted as `read_only:writes_refused`.
+fn refuse_read_only_write(ptr: usize, bytes: usize, call: &str, what: &str) -> Result<(), u32> {
+    match memory::read_only_overlap(ptr, bytes) {
+        Some((start, size)) => {
+            counters::count("read_only:writes_refused");
+            log(&format!(
+                "{call} refused: {what} [{ptr:#x}, +{bytes}) writes into host memory registered \
+                 read-only ({size} bytes at {start:#x}) (CUDA_ERROR_ILLEGAL_ADDRESS)"
+            ));
+            Err(code::ILLEGAL_ADDRESS)
+        }
+        None => Ok(()),
+    }
 }
 
 #[no_mangle]
@@ -562,6 +647,8 @@ fn htod(dst: u64, src: usize, bytes: usize, handle: usize, call: &str) -> Result
     } else {
         let s = stream::resolve(handle, call)?;
         graph::refuse_on(&s, call, "a copy from pageable host memory")?;
+        counters::count("relay:htod_calls");
+        counters::add("relay:htod_bytes", bytes as u64);
         // SAFETY: the caller guarantees `src` is readable for `bytes` during the call.
         let snapshot = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
         let dst = Addr(dst as usize);
@@ -612,7 +699,12 @@ fn dtoh(
     }
     memory::check_device(src as usize, bytes, call, "source")?;
     host_range_ok(dst, bytes, call)?;
+    refuse_read_only_write(dst, bytes, call, "destination")?;
     let pinned = memory::is_pinned(dst, bytes);
+    if !pinned {
+        counters::count("relay:dtoh_calls");
+        counters::add("relay:dtoh_bytes", bytes as u64);
+    }
     if blocking || !pinned {
         let s = stream::resolve(handle, call)?;
         let why = if pinned {
@@ -637,6 +729,7 @@ fn dtod(dst: u64, src: u64, bytes: usize, handle: usize, call: &str) -> Result<(
     if bytes == 0 {
         return Ok(());
     }
+    refuse_read_only_write(dst as usize, bytes, call, "destination")?;
     memory::check_device(dst as usize, bytes, call, "destination")?;
     memory::check_device(src as usize, bytes, call, "source")?;
     stream::submit(
@@ -727,6 +820,7 @@ fn memset(dst: u64, value: u8, bytes: usize, handle: usize, call: &str) -> Resul
     if bytes == 0 {
         return Ok(());
     }
+    refuse_read_only_write(dst as usize, bytes, call, "destination")?;
     memory::check_device(dst as usize, bytes, call, "destination")?;
     let dst = Addr(dst as usize);
     stream::submit(
@@ -806,4 +900,57 @@ unsafe extern "C" fn cuGetErrorName(result: u32, out: *mut *const c_char) -> CuR
     entry("cuGetErrorName", || unsafe {
         put(out, describe(result).0.as_ptr(), "cuGetErrorName")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A range registered read-only may be copied to the device but never written by it:
+    /// a device-to-host copy or a memset into it fails with CUDA_ERROR_ILLEGAL_ADDRESS and
+    /// leaves its bytes alone, while the same copy into a range registered without the
+    /// flag succeeds; unknown flags are refused.
+    #[test]
+    fn a_read_only_registration_is_never_written_by_the_device() {
+        let mut host = vec![7u8; 8192];
+        let mut plain = vec![0u8; 4096];
+        let mut dev = 0u64;
+        // SAFETY: `dev` is a live slot; the host buffers outlive their registrations.
+        unsafe {
+            assert_eq!(cuMemAlloc_v2(&mut dev, 4096), code::SUCCESS);
+        }
+        assert_eq!(cuMemsetD8_v2(dev, 1, 4096), code::SUCCESS);
+        let ptr = host.as_mut_ptr().cast::<c_void>();
+        assert_eq!(
+            cuMemHostRegister_v2(ptr, 8192, 0x100),
+            code::INVALID_VALUE,
+            "unknown flag"
+        );
+        assert_eq!(
+            cuMemHostRegister_v2(ptr, 8192, REGISTER_READ_ONLY | 1),
+            code::SUCCESS
+        );
+        assert_eq!(
+            cuMemcpyHtoD_v2(dev, ptr.cast_const(), 4096),
+            code::SUCCESS,
+            "reading it is allowed"
+        );
+        // SAFETY: the destination is the registered buffer, 8192 bytes long.
+        let into = unsafe { ptr.cast::<u8>().add(1000) }.cast::<c_void>();
+        assert_eq!(cuMemcpyDtoH_v2(into, dev, 100), code::ILLEGAL_ADDRESS);
+        assert_eq!(
+            cuMemsetD8_v2(into as u64, 0, 100),
+            code::ILLEGAL_ADDRESS,
+            "a memset through its (device-mapped) address"
+        );
+        assert!(host.iter().all(|&b| b == 7), "the device wrote it");
+        let other = plain.as_mut_ptr().cast::<c_void>();
+        assert_eq!(cuMemHostRegister_v2(other, 4096, 1), code::SUCCESS);
+        assert_eq!(cuMemcpyDtoH_v2(other, dev, 4096), code::SUCCESS);
+        // The device holds the 7s it read from the read-only range.
+        assert!(plain.iter().all(|&b| b == 7));
+        assert_eq!(cuMemHostUnregister(other), code::SUCCESS);
+        assert_eq!(cuMemHostUnregister(ptr), code::SUCCESS);
+        assert_eq!(cuMemFree_v2(dev), code::SUCCESS);
+    }
 }

@@ -170,6 +170,9 @@ unsafe extern "C" fn cuLaunchKernel(
             total += size.div_ceil(16) * 16;
         }
         let mut storage = vec![0u128; total / 16 + 1];
+        // Ranges registered read-only that a pointer parameter points into: the kernel may
+        // read them, and a write is found by comparing them before and after it runs.
+        let mut read_only: Vec<(usize, usize)> = Vec::new();
         let bytes = storage.as_mut_ptr().cast::<u8>();
         for (i, (&size, &offset)) in kernel.sizes.iter().zip(&offsets).enumerate() {
             // SAFETY: `params` holds one pointer per parameter (the launch contract).
@@ -191,9 +194,13 @@ unsafe extern "C" fn cuLaunchKernel(
                     ));
                     return Err(code::ILLEGAL_ADDRESS);
                 }
+                if let Some(range) = memory::read_only_overlap(addr, 1) {
+                    read_only.push(range);
+                }
             }
         }
         let launch = Params { storage, offsets };
+        let name = call.clone();
         let dims = [gx, gy, gz, bx, by, bz];
         stream::submit(
             handle as usize,
@@ -210,9 +217,11 @@ unsafe extern "C" fn cuLaunchKernel(
                     .map(|&o| unsafe { base.add(o) }.cast())
                     .collect();
                 let _one_at_a_time = lock(&DEVICE);
+                let before = crate::memory::snapshot(&read_only);
                 // SAFETY: one pointer per parameter, each to its copied bytes; pointer
                 // parameters were checked against live allocations at submission.
                 unsafe { kernel.run(&dims, pointers.as_mut_ptr()) };
+                crate::memory::check_unwritten(&read_only, before, &name);
             }),
         )?;
         Ok(())

@@ -32,6 +32,8 @@ struct Region {
     /// The whole mapping (start, length, guard page included); zero for registered ranges.
     map_start: usize,
     map_len: usize,
+    /// Registered with `CU_MEMHOSTREGISTER_READ_ONLY`: the device may read it, never write.
+    read_only: bool,
 }
 
 struct Table {
@@ -144,6 +146,7 @@ fn allocate(size: usize, kind: Kind) -> Result<usize, u32> {
             kind,
             map_start,
             map_len,
+            read_only: false,
         },
     );
     Ok(ptr)
@@ -187,8 +190,9 @@ pub fn release(ptr: usize, kind: Kind, call: &str) -> Result<impl FnOnce() + Sen
     })
 }
 
-/// Registers caller memory `[ptr, ptr + size)` as page-locked.
-pub fn register(ptr: usize, size: usize) -> Result<(), u32> {
+/// Registers caller memory `[ptr, ptr + size)` as page-locked; with `read_only`, as memory
+/// the device may only read (`CU_MEMHOSTREGISTER_READ_ONLY`).
+pub fn register(ptr: usize, size: usize, read_only: bool) -> Result<(), u32> {
     if ptr == 0 || size == 0 {
         log("cuMemHostRegister of a null or empty range refused");
         return Err(code::INVALID_VALUE);
@@ -209,6 +213,7 @@ pub fn register(ptr: usize, size: usize) -> Result<(), u32> {
             kind: Kind::PinnedRegistered,
             map_start: 0,
             map_len: 0,
+            read_only,
         },
     );
     Ok(())
@@ -228,6 +233,64 @@ pub fn unregister(ptr: usize) -> Result<(), u32> {
                  (CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)"
             ));
             Err(code::HOST_MEMORY_NOT_REGISTERED)
+        }
+    }
+}
+
+/// The first range registered read-only that `[ptr, ptr + len)` meets, as (start, size).
+pub fn read_only_overlap(ptr: usize, len: usize) -> Option<(usize, usize)> {
+    let table = lock(&TABLE);
+    let end = ptr.saturating_add(len.max(1));
+    containing(&table, ptr)
+        .into_iter()
+        .chain(table.live.range(ptr..end).map(|(&s, r)| (s, *r)))
+        .find(|(start, region)| region.read_only && *start < end && start + region.size > ptr)
+        .map(|(start, region)| (start, region.size))
+}
+
+/// Every range registered read-only, as (start, size): what a kernel must leave as it was.
+pub fn read_only_ranges() -> Vec<(usize, usize)> {
+    lock(&TABLE)
+        .live
+        .iter()
+        .filter(|(_, r)| r.read_only)
+        .map(|(&s, r)| (s, r.size))
+        .collect()
+}
+
+/// The bytes of each of `ranges` (registered read-only ranges a kernel may read), taken
+/// before the kernel runs; empty when there are none (the common case costs nothing).
+pub fn snapshot(ranges: &[(usize, usize)]) -> Vec<Vec<u8>> {
+    ranges
+        .iter()
+        .map(|&(start, size)| {
+            // SAFETY: the range is a live registration (checked at the launch's
+            // submission); registered memory stays mapped until it is unregistered,
+            // which synchronises every stream first, so not while this kernel runs.
+            unsafe { std::slice::from_raw_parts(start as *const u8, size) }.to_vec()
+        })
+        .collect()
+}
+
+/// After a kernel: a range registered read-only whose bytes differ from `before` was
+/// written by the device, which a real device refuses (the range is mapped read-only for
+/// it): the bytes are put back, the write is logged and counted
+/// (`read_only:writes_refused`) and the context gets the sticky
+/// `CUDA_ERROR_ILLEGAL_ADDRESS` its next synchronisation returns.
+pub fn check_unwritten(ranges: &[(usize, usize)], before: Vec<Vec<u8>>, call: &str) {
+    for (&(start, size), old) in ranges.iter().zip(before) {
+        // SAFETY: as in `snapshot`: a live registration of `size` bytes.
+        let now = unsafe { std::slice::from_raw_parts_mut(start as *mut u8, size) };
+        if let Some(at) = now.iter().zip(&old).position(|(a, b)| a != b) {
+            now.copy_from_slice(&old);
+            crate::counters::count("read_only:writes_refused");
+            log(&format!(
+                "{call}: the kernel wrote byte {:#x} of host memory registered read-only \
+                 ({size} bytes at {start:#x}); a device faults there (CUDA_ERROR_ILLEGAL_ADDRESS, \
+                 sticky)",
+                start + at
+            ));
+            crate::driver::set_sticky(code::ILLEGAL_ADDRESS);
         }
     }
 }

@@ -5,7 +5,8 @@
 //! [`CudaBackend`] that implements [`Backend`], or a [`CudaSetupError`] naming what is
 //! missing (driver, device, NVRTC, cuBLAS) or what does not fit. Memory: `gpu` is one
 //! device allocation, `pinned` the host memory's arena registered with the driver, `host`
-//! and the checkpoint pageable ([`super::memory`]). Ops are [`super::ops`]; tasks on
+//! pageable, the checkpoint registered read-only where the host can hold it
+//! ([`super::host_weights`]; the run report's `weights:` clause says which way, and why). Ops are [`super::ops`]; tasks on
 //! `cpu.compute`/`cpu.copy` run on the host engine over the same host memory (the
 //! registry, `runtime::registry`, gives this backend the CPU backend's `over` that memory:
 //! the two backends sit side by side, neither inside the other).
@@ -134,6 +135,11 @@ pub struct CudaReport {
     pub routing_syncs: usize,
     /// Whether the pinned arena is registered with the driver.
     pub pinned_registered: bool,
+    /// How the weights reach the device (registered, pinned copy, relay) and why.
+    pub weights: super::host_weights::WeightPath,
+    /// Bytes of the weights image copied by host memcpys so far (relayed into pinned
+    /// staging, or staged for a device copy).
+    pub relayed: u64,
 }
 
 /// The CUDA backend for one plan and checkpoint.
@@ -229,6 +235,7 @@ impl<'c> CudaBackend<'c> {
             gpu_bytes,
             options.gpu_capacity,
             &host_memory,
+            options.weight_copies,
         )?;
         // The CPU's own tables (YaRN-scaled for gpt-oss), so rotary agrees bit for bit.
         let table = RopeTable::for_arch(&arch, arch.max_positions);
@@ -316,6 +323,8 @@ impl<'c> CudaBackend<'c> {
             ptx: self.device.ptx,
             routing_syncs: self.routing_syncs.load(Ordering::Relaxed),
             pinned_registered: self.memory.pinned_registered(),
+            weights: self.memory.weight_path().clone(),
+            relayed: self.host_memory.relayed(),
         }
     }
 
@@ -454,7 +463,8 @@ impl Backend for CudaBackend<'_> {
         let r = self.report();
         format!(
             "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
-             pinned arena {}; {} routing read-backs by experts/post_attn (grouping tokens per expert); \
+             pinned arena {}; {}; host relay memcpy of weights: {} bytes; \
+             {} routing read-backs by experts/post_attn (grouping tokens per expert); \
              CUDA graphs: {}",
             r.device,
             r.arch,
@@ -465,6 +475,8 @@ impl Backend for CudaBackend<'_> {
             } else {
                 "empty or pageable"
             },
+            r.weights.describe(),
+            r.relayed,
             r.routing_syncs,
             match render_graphs(&lock(&self.graphs)) {
                 t if t.is_empty() => "no step run yet".to_string(),

@@ -6,13 +6,18 @@
 //! pointers for views into `gpu` ([`DeviceMemory::ptr`]), the weight labels of the device
 //! arena (so ops find their weights by tensor, as on the CPU), and [`DeviceMemory::copy`].
 //! The `pinned` arena is registered with the driver (`cuMemHostRegister`), so copies from
-//! and to it are asynchronous DMA; `host` and the checkpoint stay pageable, and a copy that
-//! touches them is synchronous (CUDA stages it), as `moec check` warns. Labels move at
+//! and to it are asynchronous DMA; `host` stays pageable, and a copy that touches it is
+//! synchronous (CUDA stages it), as `moec check` warns. The checkpoint is registered
+//! read-only where the host can hold it ([`super::host_weights`]), so copies of weights
+//! read it in place: a host copy of weights into pinned staging then moves only their
+//! labels (`HostMemory::bind_weight_copies`) and the device copy out of staging reads the
+//! registered tensors those labels name. Labels move at
 //! submission: every reader of the destination is submitted after the copy (the driver's
 //! host-side event order), so it finds the labels the copy will have written.
 
 use super::device::Device;
 use super::graph::Command;
+use super::host_weights::{HostWeights, Piece, WeightPath};
 use crate::ir::Space;
 use crate::runtime::host::memory::{
     clip_to_runs, runs_span, HostMemory, MemoryError, Region, View,
@@ -95,18 +100,23 @@ pub struct DeviceMemory {
     /// The pinned arena's device address (it is registered device-mapped), for
     /// [`DeviceMemory::copy_runs`]' one-launch copies; 0 when not registered.
     pinned_device: u64,
+    /// How the weights reach the device (registered, pinned copy, relay); dropped after
+    /// the pinned arena's registration is undone, before the host memory.
+    weights: HostWeights,
     ctx: Arc<cudarc::driver::CudaContext>,
 }
 
 impl DeviceMemory {
-    /// Allocates the `gpu` arena (`bytes`) on `stream` and registers the host side's
-    /// pinned arena with the driver.
+    /// Allocates the `gpu` arena (`bytes`) on `stream`, registers the host side's pinned
+    /// arena with the driver, and sets up the weights' way to the device
+    /// ([`HostWeights`]; `weight_copies` `Move` keeps the relay).
     pub fn new(
         device: &Device,
         stream: &Arc<CudaStream>,
         bytes: u64,
         capacity: Option<u64>,
         host: &HostMemory<'_>,
+        weight_copies: crate::runtime::backend::WeightCopies,
     ) -> Result<Self, DeviceMemoryError> {
         let (free, total) = result::mem_get_info().map_err(driver("cuMemGetInfo"))?;
         let (limit, why) = match capacity {
@@ -154,6 +164,12 @@ impl DeviceMemory {
             }
             None => 0,
         };
+        let weights = HostWeights::new(host, &device.ctx, weight_copies);
+        if weights.readable() {
+            // The device reads weights from the image's page-locked bytes, so a host copy
+            // of weights into staging need only move their labels.
+            host.bind_weight_copies();
+        }
         Ok(DeviceMemory {
             arena,
             base,
@@ -161,8 +177,132 @@ impl DeviceMemory {
             map: Mutex::default(),
             pinned,
             pinned_device,
+            weights,
             ctx: Arc::clone(&device.ctx),
         })
+    }
+
+    /// How the weights reach the device, and why.
+    pub fn weight_path(&self) -> &WeightPath {
+        self.weights.path()
+    }
+
+    /// Host bytes `[start, start + len)` of `region` as the pieces a device copy reads: in
+    /// the image, the tensors' own (registered or page-locked) bytes and zeros for
+    /// padding; in an arena, its bytes, except that a weight label, when copies bind,
+    /// stands for the image's bytes of that tensor (the arena never got them). Offsets
+    /// are from `start`.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`HostMemory::bytes`] for the arena bytes: the calling copy's
+    /// waits have returned, so no task writes them while the copy reads them.
+    unsafe fn host_pieces<'a>(
+        &'a self,
+        host: &'a HostMemory<'_>,
+        region: Region,
+        start: u64,
+        len: u64,
+    ) -> Result<Vec<Piece<'a>>, DeviceMemoryError> {
+        let image = |at: u64, n: u64| {
+            self.weights
+                .pieces(host, at, n)
+                .map_err(|e| DeviceMemoryError::Host(e.into()))
+        };
+        let space = match region {
+            Region::Image => return image(start, len),
+            Region::Arena(space) => space,
+        };
+        let pinned = space == Space::Pinned && self.pinned.is_some();
+        let arena = |offset: u64, n: u64| -> Result<Piece<'a>, DeviceMemoryError> {
+            let view = View {
+                region,
+                start: start + offset,
+                len: n,
+            };
+            // SAFETY: forwarded to the caller (this fn's contract).
+            let bytes = unsafe { host.bytes(view)? };
+            Ok(Piece::Bytes {
+                offset,
+                bytes,
+                pinned,
+            })
+        };
+        let labels = if host.binds() {
+            host.labels_in(region, start, len)
+        } else {
+            Vec::new()
+        };
+        let mut pieces = Vec::with_capacity(2 * labels.len() + 1);
+        let mut at = 0u64;
+        for (offset, n, tag, tag_offset) in labels {
+            if offset > at {
+                pieces.push(arena(at, offset - at)?);
+            }
+            let from =
+                host.image_start(tag)
+                    .ok_or(DeviceMemoryError::Host(MemoryError::ImageView(
+                        crate::runtime::host::image::ImageViewError::NotOneTensor {
+                            start: start + offset,
+                            end: start + offset + n,
+                        },
+                    )))?
+                    + tag_offset;
+            for piece in image(from, n)? {
+                pieces.push(match piece {
+                    Piece::Bytes {
+                        offset: o,
+                        bytes,
+                        pinned,
+                    } => Piece::Bytes {
+                        offset: offset + o,
+                        bytes,
+                        pinned,
+                    },
+                    Piece::Zeros { offset: o, len } => Piece::Zeros {
+                        offset: offset + o,
+                        len,
+                    },
+                });
+            }
+            at = offset + n;
+        }
+        if at < len {
+            pieces.push(arena(at, len - at)?);
+        }
+        Ok(pieces)
+    }
+
+    /// Copies `pieces` (offsets from device address `dst`) on `stream`: bytes by
+    /// `cuMemcpyHtoDAsync` (page-locked: asynchronous DMA; pageable: staged by the driver
+    /// before the call returns), zeros by `cuMemsetD8Async`.
+    fn put_pieces(
+        stream: &CudaStream,
+        dst: u64,
+        pieces: &[Piece<'_>],
+    ) -> Result<(), DeviceMemoryError> {
+        for piece in pieces {
+            match *piece {
+                Piece::Bytes { offset, bytes, .. } => {
+                    // SAFETY: `dst + offset` addresses `bytes.len()` bytes of the gpu
+                    // arena (the pieces tile a view the caller checked with `ptr`);
+                    // `bytes` stay valid and unwritten until the copy completes (the
+                    // read-only image; pinned arena bytes: the plan's events; pageable:
+                    // CUDA copies them before the call returns).
+                    unsafe { result::memcpy_htod_async(dst + offset, bytes, stream.cu_stream()) }
+                        .map_err(driver("cuMemcpyHtoDAsync"))?;
+                }
+                Piece::Zeros { offset, len } => {
+                    // SAFETY: `dst + offset` addresses `len` bytes of the gpu arena, as
+                    // above.
+                    unsafe {
+                        result::memset_d8_async(dst + offset, 0, len as usize, stream.cu_stream())
+                    }
+                    .map_err(driver("cuMemsetD8Async"))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether the pinned arena is registered (page-locked for the device's DMA).
@@ -278,28 +418,10 @@ impl DeviceMemory {
             }
             (false, true) => {
                 let d = self.ptr(dst)?;
-                let staged;
                 // SAFETY: the copy task's waits have returned, so no task writes the
                 // source now; the plan keeps writers away until this copy's event.
-                let bytes: &[u8] = match unsafe { host.bytes(src) } {
-                    Ok(b) => b,
-                    Err(MemoryError::ImageView(_)) if src.region == Region::Image => {
-                        // A range of the image spanning several tensors: assembled from
-                        // the maps first (CUDA stages pageable bytes anyway).
-                        let mut buf = vec![0u8; n];
-                        host.image()
-                            .copy_to(src.start, &mut buf)
-                            .map_err(MemoryError::from)?;
-                        staged = buf;
-                        &staged
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                // SAFETY: `d` addresses `n` arena bytes; `bytes` holds `n` bytes that stay
-                // valid and unwritten until the copy completes (pinned: the plan's events;
-                // pageable: CUDA copies them before the call returns).
-                unsafe { result::memcpy_htod_async(d, &bytes[..n], stream.cu_stream()) }
-                    .map_err(driver("cuMemcpyHtoDAsync"))?;
+                let pieces = unsafe { self.host_pieces(host, src.region, src.start, src.len)? };
+                Self::put_pieces(stream, d, &pieces)?;
             }
             (true, false) => {
                 let s = self.ptr(src)?;
@@ -360,15 +482,40 @@ impl DeviceMemory {
                     bytes: n,
                 }
             }
-            (false, true) if pinned(src) => {
-                // SAFETY: only the address is taken; the plan keeps writers of the source
+            (false, true) => {
+                // SAFETY: only the addresses are taken; the plan keeps writers of the source
                 // away until this copy's event, which follows the copy on its stream.
-                let bytes = unsafe { host.bytes(src)? };
-                Command::HtoD {
-                    dst: self.ptr(dst)?,
-                    src: bytes.as_ptr() as usize,
-                    bytes: n,
+                let pieces = unsafe { self.host_pieces(host, src.region, src.start, src.len)? };
+                if pieces
+                    .iter()
+                    .any(|p| matches!(p, Piece::Bytes { pinned: false, .. }))
+                {
+                    return Ok(None);
                 }
+                let d = self.ptr(dst)?;
+                let commands = pieces
+                    .iter()
+                    .map(|p| match *p {
+                        Piece::Bytes { offset, bytes, .. } => Command::HtoD {
+                            dst: d + offset,
+                            src: bytes.as_ptr() as usize,
+                            bytes: bytes.len(),
+                        },
+                        Piece::Zeros { offset, len } => Command::Zero {
+                            dst: d + offset,
+                            bytes: len as usize,
+                        },
+                    })
+                    .filter(|c| {
+                        !matches!(
+                            c,
+                            Command::HtoD { bytes: 0, .. } | Command::Zero { bytes: 0, .. }
+                        )
+                    })
+                    .collect();
+                let labels = self.labels_in(host, src);
+                self.relabel(host, dst, &labels);
+                return Ok(Some(commands));
             }
             (true, false) if pinned(dst) => {
                 // SAFETY: only the address is taken; the plan gives the copy the
@@ -427,9 +574,13 @@ impl DeviceMemory {
             ..src
         };
         let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
-        if let (Some(ends), true) = (
+        // A bound weight label in the pinned source stands for the image's bytes, which
+        // the kernel cannot see through the arena's mapping.
+        let bound_source = host.binds() && !on_device(src) && !labels.is_empty();
+        if let (Some(ends), true, false) = (
             self.kernel_ends(src, dst),
             runs.len() >= KERNEL_COPY_MIN_RUNS,
+            bound_source,
         ) {
             let (s, d) = ends?;
             copy_runs_kernel(device, stream, s, d, runs)?;
@@ -458,31 +609,12 @@ impl DeviceMemory {
             }
             (false, _) => {
                 let d = self.ptr(dst)?;
-                let staged;
-                // SAFETY: the copy task's waits have returned, so no task writes the
-                // source now; the plan keeps writers away until this copy's event.
-                let (bytes, base): (&[u8], u64) = match unsafe { host.bytes(src) } {
-                    Ok(b) => (b, 0),
-                    Err(MemoryError::ImageView(_)) if src.region == Region::Image => {
-                        // A range of the image spanning several tensors: the runs' span
-                        // assembled from the maps first (CUDA stages pageable bytes anyway).
-                        let mut buf = vec![0u8; (end - first) as usize];
-                        host.image()
-                            .copy_to(src.start + first, &mut buf)
-                            .map_err(MemoryError::from)?;
-                        staged = buf;
-                        (&staged, first)
-                    }
-                    Err(e) => return Err(e.into()),
-                };
                 for &(at, len) in runs {
-                    let from = &bytes[(at - base) as usize..(at - base + len) as usize];
-                    // SAFETY: `d + at` addresses `len` arena bytes (the run lies inside
-                    // `dst`, which `ptr` checked); `from` stays valid and unwritten until
-                    // the copy completes (pinned: the plan's events; pageable: CUDA copies
-                    // it before the call returns).
-                    unsafe { result::memcpy_htod_async(d + at, from, stream.cu_stream()) }
-                        .map_err(driver("cuMemcpyHtoDAsync"))?;
+                    // SAFETY: the copy task's waits have returned, so no task writes the
+                    // source now; the plan keeps writers away until this copy's event.
+                    let pieces =
+                        unsafe { self.host_pieces(host, src.region, src.start + at, len)? };
+                    Self::put_pieces(stream, d + at, &pieces)?;
                 }
             }
             (true, false) => {
@@ -549,6 +681,11 @@ impl DeviceMemory {
             ..src
         };
         let labels = clip_to_runs(&self.labels_in(host, span), first, runs);
+        if host.binds() && src.region != Region::Arena(Space::Gpu) && !labels.is_empty() {
+            // Bound weights in the pinned source: their bytes are in the image, which
+            // the kernel cannot see through the arena's mapping.
+            return Ok(None);
+        }
         self.move_run_labels(host, dst, runs, &labels);
         Ok(Some(ends))
     }

@@ -15,6 +15,7 @@ pub mod backend;
 pub mod detect;
 pub mod device;
 pub mod graph;
+pub mod host_weights;
 pub mod kernels;
 pub mod launch;
 pub mod memory;
@@ -31,8 +32,10 @@ use crate::runtime::registry::{GpuSpace, HostEngine, Registration};
 use std::sync::Arc;
 
 /// The CUDA backend in the registry (`runtime::registry`): the `gpu` space on the device,
-/// weight copies always move bytes, and it refuses to start, in one line naming what is
-/// missing, on a machine without a driver or device.
+/// weight copies reach the device as bytes (a device kernel cannot read the mapped
+/// checkpoint, so the replay charges them as copies; on the host side they bind when the
+/// checkpoint is registered: `runtime::cuda::host_weights`), and it refuses to start, in
+/// one line naming what is missing, on a machine without a driver or device.
 pub const REGISTRATION: Registration = Registration {
     name: "cuda",
     about: "the CUDA backend: gpu.* streams as CUDA streams (NVRTC kernels, cuBLAS), cpu.* on the CPU backend beside it",

@@ -268,13 +268,13 @@ impl<'c> MappedImage<'c> {
         inside.ok_or(ImageViewError::NotOneTensor { start, end })
     }
 
-    /// Copies image bytes `[start, start + dst.len())` into `dst`, tensor by tensor from the
-    /// maps, with zeros for the padding between tensors.
-    pub fn copy_to(&self, start: u64, dst: &mut [u8]) -> Result<(), ImageViewError> {
-        let end = self.bounds(start, dst.len() as u64)?;
-        // Every index below is an image offset in [start, end) minus `start`, so it fits
-        // `dst` (whose length is end - start).
-        let rel = |at: u64| (at - start) as usize;
+    /// Image bytes `[start, start + len)` as consecutive pieces, tensor by tensor: each
+    /// (offset from `start`, bytes of one tensor) or (offset, length) of padding between
+    /// tensors, which reads as zeros. What a copy that reads the tensors' own memory
+    /// (a device copy from a registered checkpoint) needs instead of an assembled buffer.
+    pub fn pieces(&self, start: u64, len: u64) -> Result<Vec<ImagePiece<'_>>, ImageViewError> {
+        let end = self.bounds(start, len)?;
+        let mut out = Vec::new();
         let mut filled = start;
         let first = self.tensor_at(start).unwrap_or(0);
         for tensor in self.tensors[first..].iter().take_while(|t| t.start < end) {
@@ -284,16 +284,78 @@ impl<'c> MappedImage<'c> {
             }
             let lo = tensor.start.max(filled);
             let hi = tensor_end.min(end);
-            dst[rel(filled)..rel(lo)].fill(0);
+            if lo > filled {
+                out.push(ImagePiece::Zeros {
+                    offset: filled - start,
+                    len: lo - filled,
+                });
+            }
             let bytes = tensor.bytes.as_bytes();
-            let from = (lo - tensor.start) as usize;
-            let to = (hi - tensor.start) as usize;
-            dst[rel(lo)..rel(hi)].copy_from_slice(&bytes[from..to]);
+            out.push(ImagePiece::Bytes {
+                offset: lo - start,
+                bytes: &bytes[(lo - tensor.start) as usize..(hi - tensor.start) as usize],
+            });
             filled = hi;
         }
-        dst[rel(filled)..].fill(0);
+        if end > filled {
+            out.push(ImagePiece::Zeros {
+                offset: filled - start,
+                len: end - filled,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Copies image bytes `[start, start + dst.len())` into `dst`, tensor by tensor from the
+    /// maps, with zeros for the padding between tensors.
+    pub fn copy_to(&self, start: u64, dst: &mut [u8]) -> Result<(), ImageViewError> {
+        for piece in self.pieces(start, dst.len() as u64)? {
+            // Pieces cover [start, start + dst.len()) in order, so every range fits `dst`.
+            match piece {
+                ImagePiece::Bytes { offset, bytes } => {
+                    let at = offset as usize;
+                    dst[at..at + bytes.len()].copy_from_slice(bytes);
+                }
+                ImagePiece::Zeros { offset, len } => {
+                    dst[offset as usize..(offset + len) as usize].fill(0);
+                }
+            }
+        }
         Ok(())
     }
+
+    /// Where every tensor's bytes are in this process's memory (address, length), in image
+    /// order: what a device backend registers with its driver so copies read the weights
+    /// where they are.
+    pub fn host_ranges(&self) -> Vec<(usize, usize)> {
+        self.tensors
+            .iter()
+            .map(|t| {
+                let bytes = t.bytes.as_bytes();
+                (bytes.as_ptr() as usize, bytes.len())
+            })
+            .filter(|&(_, len)| len > 0)
+            .collect()
+    }
+}
+
+/// A consecutive piece of a range of the image ([`MappedImage::pieces`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImagePiece<'a> {
+    /// Bytes of one tensor, where they are in memory.
+    Bytes {
+        /// Offset from the range's start.
+        offset: u64,
+        /// The tensor's bytes in the range.
+        bytes: &'a [u8],
+    },
+    /// Padding between tensors: zeros.
+    Zeros {
+        /// Offset from the range's start.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
 }
 
 #[cfg(test)]

@@ -23,9 +23,11 @@
 //! `--link-gbps` throttle still applies to the bytes the copy stands for) but neither
 //! the compute cores nor their memory bandwidth, which a memcpy on the CPU backend's two
 //! cores would take from the kernels. `Move` copies every byte (the CUDA backend's host
-//! side always does: the device copies from real pinned bytes).
+//! side starts so, and binds once its device reads the image's own page-locked memory:
+//! [`HostMemory::bind_weight_copies`]).
 
 use super::arena::{Arena, ArenaError};
+use super::copy_pool::CopyPool;
 use super::image::{ImageViewError, MappedImage};
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
@@ -35,7 +37,7 @@ use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
 use crate::runtime::lock;
 use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -44,43 +46,7 @@ use std::time::{Duration, Instant};
 /// docs/performance.md: 5.2 GB/s one-thread memcpy against 12.5 GB/s streaming read on
 /// two), and a copy stream otherwise leaves the other cores idle whenever compute waits on
 /// it (every weight load of `baselines/sequential`, every setup copy).
-const PARALLEL_COPY_MIN: usize = 8 << 20;
-
-/// Fills `dst` by calling `fill(offset, part)` on disjoint parts that cover it exactly
-/// once, each part on its own thread (the calling one takes the first) when `dst` is at
-/// least `min` bytes long, else in one call. Parts are whole pages, so no two threads
-/// write one page. The first error (in part order) is returned after every part ran.
-fn split_fill<E: Send>(
-    dst: &mut [u8],
-    threads: usize,
-    min: usize,
-    fill: impl Fn(usize, &mut [u8]) -> Result<(), E> + Sync,
-) -> Result<(), E> {
-    let parts = if dst.len() >= min { threads.max(1) } else { 1 };
-    if parts == 1 || dst.is_empty() {
-        return fill(0, dst);
-    }
-    let part = dst.len().div_ceil(parts).next_multiple_of(4096);
-    std::thread::scope(|scope| {
-        let fill = &fill;
-        let mut chunks = dst.chunks_mut(part).enumerate();
-        let first = chunks.next();
-        let others: Vec<_> = chunks
-            .map(|(i, chunk)| scope.spawn(move || fill(i * part, chunk)))
-            .collect();
-        let mut result = first.map_or(Ok(()), |(_, chunk)| fill(0, chunk));
-        for handle in others {
-            // A panic in a part is a bug in `fill`; it goes on to the caller as a panic.
-            let done = handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            if result.is_ok() {
-                result = done;
-            }
-        }
-        result
-    })
-}
+pub const PARALLEL_COPY_MIN: usize = 8 << 20;
 
 /// Where an argument's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,8 +155,10 @@ pub struct HostMemory<'c> {
     link_gbps: Option<f64>,
     /// Byte offset of each buffer within its region.
     buffer_base: Vec<(Region, u64)>,
-    /// How weight bytes are copied.
-    weight_copies: WeightCopies,
+    /// Whether weight copies bind (`WeightCopies::Bind`): set at construction, or by a
+    /// device backend before the first task once its device reads the image's own
+    /// memory ([`HostMemory::bind_weight_copies`]).
+    bind: AtomicBool,
     /// Where each tensor starts in the image (what a bound weight is read from).
     image_starts: HashMap<WeightTag, u64>,
     /// Bytes bound and moved so far.
@@ -198,9 +166,13 @@ pub struct HostMemory<'c> {
     moved: AtomicU64,
     /// Bytes of the image whose page tables were populated before the first step.
     populated: u64,
-    /// Threads a large copy is split over: the machine's cores, asked once (the query
-    /// reads cgroup files: tens of microseconds, and a step makes hundreds of copies).
-    copy_threads: usize,
+    /// Bytes of the image copied by a host memcpy (to an arena, or staged for a device
+    /// copy): the relay a device that reads the image's own memory does without.
+    relayed: AtomicU64,
+    /// The threads a large copy is split over, made once per run: the machine's cores,
+    /// asked once (the query reads cgroup files: tens of microseconds, and a step makes
+    /// hundreds of copies).
+    copy_pool: CopyPool,
 }
 
 fn space_index(space: Space) -> usize {
@@ -230,8 +202,8 @@ impl<'c> HostMemory<'c> {
 
     /// The host side only: the `pinned` and `host` arenas and the weights image, with an
     /// empty `gpu` arena (a device backend keeps `gpu` in device memory; a view into it
-    /// still resolves, to an offset the device backend owns). Copies move every byte:
-    /// the device reads the pinned arena's real bytes.
+    /// still resolves, to an offset the device backend owns). Copies move every byte
+    /// until the device backend binds them ([`HostMemory::bind_weight_copies`]).
     pub fn host_side(
         plan: &ExecPlan,
         checkpoint: &'c Checkpoint,
@@ -281,12 +253,13 @@ impl<'c> HostMemory<'c> {
             image_map,
             link_gbps: options.link_gbps,
             buffer_base,
-            weight_copies,
+            bind: AtomicBool::new(weight_copies == WeightCopies::Bind),
             image_starts,
             bound: AtomicU64::new(0),
             moved: AtomicU64::new(0),
             populated,
-            copy_threads: std::thread::available_parallelism().map_or(1, |t| t.get()),
+            relayed: AtomicU64::new(0),
+            copy_pool: CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get())),
         })
     }
 
@@ -298,7 +271,46 @@ impl<'c> HostMemory<'c> {
 
     /// How weight bytes are copied.
     pub fn weight_copies(&self) -> WeightCopies {
-        self.weight_copies
+        if self.bind.load(Ordering::Acquire) {
+            WeightCopies::Bind
+        } else {
+            WeightCopies::Move
+        }
+    }
+
+    /// Makes weight copies bind from now on: a copy moves the labels of weight bytes and
+    /// copies only the rest, and a bound arena range is read from the image. A device
+    /// backend calls this during set-up, before any task, once its device copies from the
+    /// image's own memory (registered or page-locked), so a weight never needs its bytes
+    /// in an arena on the host.
+    pub fn bind_weight_copies(&self) {
+        self.bind.store(true, Ordering::Release);
+    }
+
+    /// Whether a weight label in an arena stands for bytes that are only in the image.
+    pub fn binds(&self) -> bool {
+        self.bind.load(Ordering::Acquire)
+    }
+
+    /// Where tensor `tag` starts in the image (what a bound arena label stands for).
+    pub fn image_start(&self, tag: WeightTag) -> Option<u64> {
+        self.image_starts.get(&tag).copied()
+    }
+
+    /// Bytes of the image relayed by a host memcpy so far (into an arena, or staged for a
+    /// device copy).
+    pub fn relayed(&self) -> u64 {
+        self.relayed.load(Ordering::Relaxed)
+    }
+
+    /// Counts `bytes` of the image a device backend staged through a host buffer.
+    pub fn count_relayed(&self, bytes: u64) {
+        self.relayed.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The run's copy pool (threads made once, on the first large copy).
+    pub fn copy_pool(&self) -> &CopyPool {
+        &self.copy_pool
     }
 
     /// Bytes the copies so far bound and moved.
@@ -444,8 +456,7 @@ impl<'c> HostMemory<'c> {
                 }
             };
             if let Some(start) = found {
-                let bound = self.weight_copies == WeightCopies::Bind
-                    && matches!(v.region, Region::Arena(_));
+                let bound = self.binds() && matches!(v.region, Region::Arena(_));
                 if !bound {
                     return Some(View {
                         region: v.region,
@@ -508,8 +519,7 @@ impl<'c> HostMemory<'c> {
         let span = self.labels_in(src.region, src.start + first, end - first);
         let labels = clip_to_runs(&span, first, runs);
         let total: u64 = runs.iter().map(|r| r.1).sum();
-        let bind =
-            self.weight_copies == WeightCopies::Bind && matches!(dst.region, Region::Arena(_));
+        let bind = self.binds() && matches!(dst.region, Region::Arena(_));
         // The byte ranges to copy: the runs, or (binding) their parts no weight label covers.
         let ranges = if bind {
             unlabelled_runs(&labels, runs)
@@ -532,7 +542,7 @@ impl<'c> HostMemory<'c> {
             // SAFETY: as for `to`.
             Region::Arena(_) => Some(unsafe { self.bytes(span_of(src))? }),
         };
-        let threads = self.copy_threads;
+        let pool = &self.copy_pool;
         let mut moved = 0u64;
         for (lo, hi) in ranges {
             moved += hi - lo;
@@ -541,16 +551,19 @@ impl<'c> HostMemory<'c> {
             match from {
                 // Any range of W (several tensors and the padding between them): assembled
                 // from the maps.
-                None => split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
-                    self.image
-                        .copy_to(src.start + first + (lo + at) as u64, piece)
-                })?,
+                None => {
+                    self.relayed.fetch_add(part.len() as u64, Ordering::Relaxed);
+                    pool.fill(part, PARALLEL_COPY_MIN, |at, piece| {
+                        self.image
+                            .copy_to(src.start + first + (lo + at) as u64, piece)
+                    })?
+                }
                 Some(from) => {
                     let from = &from[lo..hi];
                     if part.len() < PARALLEL_COPY_MIN {
                         part.copy_from_slice(from);
                     } else {
-                        split_fill(part, threads, PARALLEL_COPY_MIN, |at, piece| {
+                        pool.fill(part, PARALLEL_COPY_MIN, |at, piece| {
                             piece.copy_from_slice(&from[at..at + piece.len()]);
                             Ok::<(), std::convert::Infallible>(())
                         })
@@ -730,7 +743,7 @@ fn unlabelled_runs(labels: &[(u64, u64, WeightTag, u64)], runs: &[(u64, u64)]) -
 
 #[cfg(test)]
 mod tests {
-    use super::{clip_to_runs, split_fill, unlabelled_runs, WeightTag};
+    use super::{clip_to_runs, unlabelled_runs, WeightTag};
 
     /// A copy of 100 bytes whose labels cover 10..30 and 30..50 (two tensors) and 80..100
     /// moves 0..10, 50..80 only; with several runs, each run's own gaps.
@@ -776,54 +789,6 @@ mod tests {
                 (145, 5, WeightTag::FinalNorm, 0),
             ]
         );
-    }
-
-    /// Each byte is written exactly once with the value its offset names (offset mod 251),
-    /// whether the fill runs in one call or is split over 1..=5 threads, including lengths
-    /// that are not a multiple of the page-sized parts and fewer pages than threads.
-    #[test]
-    fn split_fill_covers_every_byte_once() {
-        for len in [0usize, 1, 4095, 4096, 10_000, 3 * 4096 + 7] {
-            for threads in 1..=5 {
-                let mut dst = vec![0u8; len];
-                let calls = std::sync::atomic::AtomicUsize::new(0);
-                split_fill(&mut dst, threads, 1, |at, part| {
-                    calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    for (i, b) in part.iter_mut().enumerate() {
-                        assert_eq!(*b, 0, "byte {} written twice", at + i);
-                        *b = ((at + i) % 251) as u8;
-                    }
-                    Ok::<(), ()>(())
-                })
-                .unwrap();
-                let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-                assert_eq!(dst, want, "{len} bytes over {threads} threads");
-                let parts = calls.load(std::sync::atomic::Ordering::Relaxed);
-                assert!(parts >= 1 && parts <= threads.max(1), "{parts} parts");
-            }
-        }
-    }
-
-    /// Below the threshold the fill is one call on the whole range; an error of any part
-    /// reaches the caller.
-    #[test]
-    fn split_fill_is_one_call_below_the_threshold_and_returns_errors() {
-        let mut dst = vec![0u8; 10_000];
-        let mut seen = Vec::new();
-        let calls = std::sync::Mutex::new(&mut seen);
-        split_fill(&mut dst, 4, 10_001, |at, part| {
-            calls.lock().unwrap().push((at, part.len()));
-            Ok::<(), ()>(())
-        })
-        .unwrap();
-        assert_eq!(seen, vec![(0, 10_000)]);
-        let err = split_fill(
-            &mut dst,
-            3,
-            1,
-            |at, _| if at > 0 { Err(at) } else { Ok(()) },
-        );
-        assert_eq!(err, Err(4096));
     }
 
     /// A [`HostMemory`](super::HostMemory) of the tiny Mixtral checkpoint with 4 KiB `gpu`

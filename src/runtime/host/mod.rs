@@ -9,6 +9,7 @@
 //! Neither backend owns what the other needs: both hold the same `HostMemory`.
 
 pub mod arena;
+pub mod copy_pool;
 pub mod image;
 pub mod memory;
 pub mod weights;
