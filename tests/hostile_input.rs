@@ -1118,7 +1118,7 @@ fn gguf_cases() -> Vec<Case> {
         run(
             "gguf expert_count contradicts the tensors",
             "m.gguf",
-            "tensor `blk.0.ffn_gate_exps.weight`: has shape [4, 32, 32]",
+            "tensor `blk.0.ffn_gate_inp.weight`: has shape [4, 32] (outermost first), the metadata implies [8, 32]",
             tiny_qwen3_gguf(|k, _| set_u32(k, "qwen3moe.expert_count", 8)),
         ),
         run(

@@ -866,6 +866,7 @@ fn logit_distance(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
 ///   equal those of the dequantised run 16 of 16). Agreement with llama.cpp's quantised runs is
 ///   printed, not asserted: it is issue 29's open item (`gguf_parity`, helper
 ///   `quant-parity`), which switching `quant_linear` on addresses.
+///
 /// Without the fixtures the test says why and passes.
 #[test]
 fn gguf_families_greedy_tokens_match_llama_cpp() {

@@ -166,17 +166,12 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
     // A `.gguf` file is llama.cpp's checkpoint; its tokenizer is the vocabulary it
     // carries where moec reads that kind, else the family's embedded one, which the
     // tokenizer's origin line says.
-    let gguf = dir.is_file() && dir.extension().is_some_and(|e| e == "gguf");
-    let checkpoint = if gguf {
+    let checkpoint = if dir.is_file() && dir.extension().is_some_and(|e| e == "gguf") {
         Checkpoint::open_gguf(&dir, card.as_ref())?
     } else {
         Checkpoint::open_with_card(&dir, card.as_ref())?
     };
-    let tokenizer = if gguf {
-        TextTokenizer::load_gguf(checkpoint.card(), &dir)?
-    } else {
-        TextTokenizer::load(checkpoint.card(), Some(Path::new(&dir)))?
-    };
+    let tokenizer = TextTokenizer::load(checkpoint.card(), Some(Path::new(&dir)))?;
     Ok(LoadedModel {
         checkpoint,
         tokenizer,

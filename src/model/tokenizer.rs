@@ -66,8 +66,14 @@ pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
 }
 
 impl TextTokenizer {
-    /// The folder's `tokenizer.json` if present, else the card's embedded one.
+    /// The folder's `tokenizer.json` if present, else the card's embedded one; for a
+    /// `.gguf` file in place of a folder, [`TextTokenizer::load_gguf`].
     pub fn load(card: &ModelCard, dir: Option<&Path>) -> Result<Self, TokenizerError> {
+        if let Some(file) =
+            dir.filter(|d| d.is_file() && d.extension().is_some_and(|e| e == "gguf"))
+        {
+            return Self::load_gguf(card, file);
+        }
         let own = dir
             .map(|d| d.join("tokenizer.json"))
             .filter(|p| p.is_file());

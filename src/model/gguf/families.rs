@@ -284,7 +284,7 @@ fn deepseek(m: &Meta<'_>, family: Family) -> Result<serde_json::Value, GgufError
         "q_lora_rank": m.opt_u("attention.q_lora_rank")?,
         "kv_lora_rank": m.u("attention.kv_lora_rank")?,
         "qk_rope_head_dim": rope,
-        "qk_nope_head_dim": key_mla.checked_sub(rope).unwrap_or(0),
+        "qk_nope_head_dim": key_mla.saturating_sub(rope),
         "v_head_dim": m.u("attention.value_length_mla")?,
         "vocab_size": m.vocab()?,
         "max_position_embeddings": m.u("context_length")?,
