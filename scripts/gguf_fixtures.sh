@@ -12,7 +12,7 @@
 # llama.cpp's 16 greedy tokens after tests/fixtures/gguf/llama_greedy.json's prompt ids.
 # Checks the GGUFs against tests/fixtures/gguf/SHA256SUMS.
 # Then the other families, in $FAMILIES_OUT (default $MOEC_PEER_CACHE/gguf-fixtures-families):
-# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
+# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
 # GGUFs, llama-<family>-<type>.json after tests/fixtures/gguf/llama_greedy_families.json's
 # prompt ids, and llama-<family>-<type>-deq.json, the same on the quantised files dequantised
 # to f32 by llama-quantize --allow-requantize; and the Q8_0 Qwen3-MoE file split by llama-gguf-split (--split-max-tensors 16)
@@ -62,7 +62,7 @@ echo "gguf-fixtures: written to $OUT"
 
 FOUT=${FAMILIES_OUT:-$CACHE/gguf-fixtures-families}
 mkdir -p "$FOUT"
-for fam in qwen3-moe deepseek-v2; do
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe; do
   rm -rf "$FOUT/$fam-q4-hf"
   "$MOEC" synth --model "$REPO/tests/fixtures/gguf/$fam-q4-tiny.ron" --out "$FOUT/$fam-q4-hf"
   "$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/$fam-q4-hf" --outtype f32 \

@@ -54,12 +54,21 @@ impl Meta<'_> {
         self.file.get_u64(&format!("{}.{key}", self.arch))
     }
 
-    fn opt_u(&self, key: &str) -> Result<Option<u64>, GgufError> {
+    /// `{arch}.{key}` read by `get` when present (absent is `None`, a wrong type an error).
+    fn opt<T>(
+        &self,
+        key: &str,
+        get: fn(&GgufFile, &str) -> Result<T, GgufError>,
+    ) -> Result<Option<T>, GgufError> {
         let full = format!("{}.{key}", self.arch);
         match self.file.metadata.get(&full) {
-            Some(_) => self.file.get_u64(&full).map(Some),
+            Some(_) => get(self.file, &full).map(Some),
             None => Ok(None),
         }
+    }
+
+    fn opt_u(&self, key: &str) -> Result<Option<u64>, GgufError> {
+        self.opt(key, GgufFile::get_u64)
     }
 
     fn f(&self, key: &str) -> Result<f64, GgufError> {
@@ -67,11 +76,7 @@ impl Meta<'_> {
     }
 
     fn opt_f(&self, key: &str) -> Result<Option<f64>, GgufError> {
-        let full = format!("{}.{key}", self.arch);
-        match self.file.metadata.get(&full) {
-            Some(_) => self.file.get_f64(&full).map(Some),
-            None => Ok(None),
-        }
+        self.opt(key, GgufFile::get_f64)
     }
 
     /// `{arch}.vocab_size`, else the length of the token list (llama.cpp's own rule).

@@ -137,6 +137,15 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                    rows: Option<Range<usize>>,
                    unpermute_heads: Option<usize>|
      -> Result<(), GgufError> {
+        // Dimensions of 1 are the writer's choice (llama-quantize drops the leading 1 of
+        // Qwen2-MoE's `[1, hidden]` shared-expert gate): compare the others.
+        let squeezed = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        let gguf_shape = match file.tensors.get(gguf) {
+            Some(info) if squeezed(&info.torch_shape()) == squeezed(&gguf_shape) => {
+                info.torch_shape()
+            }
+            _ => gguf_shape,
+        };
         let (info, storage) = file.tensor(gguf, &gguf_shape)?;
         let cols = *gguf_shape.last().unwrap_or(&1);
         let row_bytes = storage
