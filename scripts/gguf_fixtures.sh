@@ -11,6 +11,12 @@
 # (convert_hf_to_gguf.py), its Q8_0 and Q4_K_M GGUFs (llama-quantize), and llama-<type>.json,
 # llama.cpp's 16 greedy tokens after tests/fixtures/gguf/llama_greedy.json's prompt ids.
 # Checks the GGUFs against tests/fixtures/gguf/SHA256SUMS.
+# Then the other families, in $FAMILIES_OUT (default $MOEC_PEER_CACHE/gguf-fixtures-families):
+# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
+# GGUFs, llama-<family>-<type>.json after tests/fixtures/gguf/llama_greedy_families.json's
+# prompt ids, and llama-<family>-<type>-deq.json, the same on the quantised files dequantised
+# to f32 by llama-quantize --allow-requantize; and the Q8_0 Qwen3-MoE file split by llama-gguf-split (--split-max-tensors 16)
+# into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_PEER_CACHE:-$HOME/.cache/moec-peer}
@@ -30,11 +36,11 @@ if [ ! -d "$LLAMA" ]; then
   tar -xzf "$CACHE/sdist/llama_cpp_python-$VER.tar.gz" -C "$CACHE"
 fi
 "$PY" -c "import gguf" 2>/dev/null || "$PY" -m pip install -q --no-deps "$LLAMA/gguf-py"
-if [ ! -x "$BUILD/bin/llama-quantize" ]; then
+if [ ! -x "$BUILD/bin/llama-quantize" ] || [ ! -x "$BUILD/bin/llama-gguf-split" ]; then
   PATH=$CACHE/q-venv/bin:$PATH cmake -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DBUILD_SHARED_LIBS=OFF > "$CACHE/build-configure.log"
-  PATH=$CACHE/q-venv/bin:$PATH nice -n 15 ninja -C "$BUILD" -j 1 llama-quantize > "$CACHE/build-quantize.log"
+  PATH=$CACHE/q-venv/bin:$PATH nice -n 15 ninja -C "$BUILD" -j 1 llama-quantize llama-gguf-split > "$CACHE/build-quantize.log"
 fi
 g++ -O2 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$REPO/scripts/llama_greedy.cpp" \
   "$BUILD/src/libllama.a" "$BUILD/ggml/src/libggml.a" "$BUILD/ggml/src/libggml-cpu.a" \
@@ -53,3 +59,34 @@ for t in f32 Q8_0 Q4_K_M; do
 done
 (cd "$OUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS")
 echo "gguf-fixtures: written to $OUT"
+
+FOUT=${FAMILIES_OUT:-$CACHE/gguf-fixtures-families}
+mkdir -p "$FOUT"
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe; do
+  rm -rf "$FOUT/$fam-q4-hf"
+  "$MOEC" synth --model "$REPO/tests/fixtures/gguf/$fam-q4-tiny.ron" --out "$FOUT/$fam-q4-hf"
+  "$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/$fam-q4-hf" --outtype f32 \
+    --outfile "$FOUT/$fam-q4-f32.gguf" > "$FOUT/convert-$fam.log" 2>&1
+  for t in Q8_0 Q4_K_M; do
+    "$BUILD/bin/llama-quantize" "$FOUT/$fam-q4-f32.gguf" "$FOUT/$fam-q4-$t.gguf" "$t" \
+      > "$FOUT/quantize-$fam-$t.log" 2>&1
+  done
+  ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['$fam']['prompt_ids'])")
+  for t in f32 Q8_0 Q4_K_M; do
+    # shellcheck disable=SC2086
+    "$OUT/llama_greedy" "$FOUT/$fam-q4-$t.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-$fam-$t.json"
+  done
+  # llama.cpp on each quantised file dequantised to f32 (its own decoder, f32 products).
+  for t in Q8_0 Q4_K_M; do
+    "$BUILD/bin/llama-quantize" --allow-requantize "$FOUT/$fam-q4-$t.gguf" "$FOUT/$fam-q4-$t-deq.gguf" F32 \
+      > "$FOUT/dequantize-$fam-$t.log" 2>&1
+    # shellcheck disable=SC2086
+    "$OUT/llama_greedy" "$FOUT/$fam-q4-$t-deq.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-$fam-$t-deq.json"
+    rm -f "$FOUT/$fam-q4-$t-deq.gguf"
+  done
+done
+rm -f "$FOUT"/qwen3-moe-q4-Q8_0-split-*.gguf
+"$BUILD/bin/llama-gguf-split" --split --split-max-tensors 16 "$FOUT/qwen3-moe-q4-Q8_0.gguf" \
+  "$FOUT/qwen3-moe-q4-Q8_0-split" > "$FOUT/split.log" 2>&1
+(cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
+echo "gguf-fixtures: families written to $FOUT"

@@ -487,6 +487,7 @@ fn every_hostile_input_ends_in_a_clean_error() {
     let mut cases = schedule_cases();
     cases.extend(flag_cases());
     cases.extend(checkpoint_cases(shared.path()));
+    cases.extend(gguf_cases());
     let mut failures = Vec::new();
     for c in &cases {
         let started = std::time::Instant::now();
@@ -955,5 +956,202 @@ fn generate_over_forty_thousand_prompts_shows_progress_within_seconds() {
     assert!(
         elapsed < std::time::Duration::from_secs(5),
         "first progress after {elapsed:?}"
+    );
+}
+
+/// A GGUF v3 file: metadata as (key, type id, value bytes), tensors as (name, ggml dims,
+/// ggml type, data), data aligned to 32 (the layout `gguf-py`'s writer produces).
+fn gguf_bytes(
+    kvs: &[(String, u32, Vec<u8>)],
+    tensors: &[(String, Vec<u64>, u32, Vec<u8>)],
+) -> Vec<u8> {
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kvs.len() as u64).to_le_bytes());
+    let text = |out: &mut Vec<u8>, s: &str| {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    };
+    for (key, ty, value) in kvs {
+        text(&mut out, key);
+        out.extend(ty.to_le_bytes());
+        out.extend(value);
+    }
+    let mut offset = 0u64;
+    for (name, dims, ty, data) in tensors {
+        text(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
+        out.extend(ty.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offset += (data.len() as u64).div_ceil(32) * 32;
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    for (_, _, _, data) in tensors {
+        out.extend(data);
+        out.resize(out.len().div_ceil(32) * 32, 0);
+    }
+    out
+}
+
+/// The metadata and tensors of a tiny `qwen3moe` GGUF (1 layer, hidden 32, 2 heads of 16,
+/// 4 experts of 32, vocab 64, all f32 zeros), as `convert_hf_to_gguf.py` names them;
+/// `edit` changes them before writing.
+#[allow(clippy::type_complexity)]
+fn tiny_qwen3_gguf(
+    edit: impl FnOnce(&mut Vec<(String, u32, Vec<u8>)>, &mut Vec<(String, Vec<u64>, u32, Vec<u8>)>),
+) -> Vec<u8> {
+    let u32v = |v: u32| (4u32, v.to_le_bytes().to_vec());
+    let f32v = |v: f32| (6u32, v.to_le_bytes().to_vec());
+    let s = |v: &str| {
+        let mut b = (v.len() as u64).to_le_bytes().to_vec();
+        b.extend(v.as_bytes());
+        (8u32, b)
+    };
+    let mut tokens = 8u32.to_le_bytes().to_vec();
+    tokens.extend(64u64.to_le_bytes());
+    for i in 0..64 {
+        let t = format!("t{i}");
+        tokens.extend((t.len() as u64).to_le_bytes());
+        tokens.extend(t.as_bytes());
+    }
+    let mut kvs: Vec<(String, u32, Vec<u8>)> = vec![("general.architecture".into(), s("qwen3moe"))]
+        .into_iter()
+        .chain(
+            [
+                ("block_count", u32v(1)),
+                ("context_length", u32v(256)),
+                ("embedding_length", u32v(32)),
+                ("feed_forward_length", u32v(64)),
+                ("expert_feed_forward_length", u32v(32)),
+                ("attention.head_count", u32v(2)),
+                ("attention.head_count_kv", u32v(1)),
+                ("attention.key_length", u32v(16)),
+                ("rope.freq_base", f32v(10000.0)),
+                ("attention.layer_norm_rms_epsilon", f32v(1e-6)),
+                ("expert_count", u32v(4)),
+                ("expert_used_count", u32v(2)),
+            ]
+            .into_iter()
+            .map(|(k, v)| (format!("qwen3moe.{k}"), v)),
+        )
+        .map(|(k, (t, v))| (k, t, v))
+        .collect();
+    kvs.push(("tokenizer.ggml.tokens".into(), 9, tokens));
+    let t = |name: &str, dims: &[u64]| {
+        let n: u64 = dims.iter().product();
+        (
+            name.to_string(),
+            dims.to_vec(),
+            0u32,
+            vec![0u8; n as usize * 4],
+        )
+    };
+    let mut tensors = vec![
+        t("token_embd.weight", &[32, 64]),
+        t("output_norm.weight", &[32]),
+        t("output.weight", &[32, 64]),
+        t("blk.0.attn_norm.weight", &[32]),
+        t("blk.0.attn_q.weight", &[32, 32]),
+        t("blk.0.attn_k.weight", &[32, 16]),
+        t("blk.0.attn_v.weight", &[32, 16]),
+        t("blk.0.attn_q_norm.weight", &[16]),
+        t("blk.0.attn_k_norm.weight", &[16]),
+        t("blk.0.attn_output.weight", &[32, 32]),
+        t("blk.0.ffn_norm.weight", &[32]),
+        t("blk.0.ffn_gate_inp.weight", &[32, 4]),
+        t("blk.0.ffn_gate_exps.weight", &[32, 32, 4]),
+        t("blk.0.ffn_up_exps.weight", &[32, 32, 4]),
+        t("blk.0.ffn_down_exps.weight", &[32, 32, 4]),
+    ];
+    edit(&mut kvs, &mut tensors);
+    gguf_bytes(&kvs, &tensors)
+}
+
+fn set_u32(kvs: &mut [(String, u32, Vec<u8>)], key: &str, v: u32) {
+    if let Some(kv) = kvs.iter_mut().find(|kv| kv.0 == key) {
+        kv.2 = v.to_le_bytes().to_vec();
+    }
+}
+
+/// Hostile GGUF files (issue 29): each is one error naming what is wrong.
+fn gguf_cases() -> Vec<Case> {
+    let run = |name: &'static str, file: &str, names: &str, bytes: Vec<u8>| {
+        with_file(
+            case(
+                name,
+                &["generate", "--weights", file, "--prompt", "hi"],
+                names,
+            ),
+            file,
+            bytes,
+        )
+    };
+    let good = tiny_qwen3_gguf(|_, _| {});
+    let mut magic = good.clone();
+    magic[..4].copy_from_slice(b"GGML");
+    vec![
+        run("gguf wrong magic", "m.gguf", "not a GGUF file", magic),
+        run(
+            "gguf truncated",
+            "m.gguf",
+            "truncated GGUF file",
+            good[..good.len() - 100].to_vec(),
+        ),
+        run(
+            "gguf unsupported tensor type",
+            "m.gguf",
+            "`blk.0.ffn_up_exps.weight` is stored as Q4_0",
+            tiny_qwen3_gguf(|_, t| {
+                // Q4_0: 18 bytes per 32 weights.
+                t[13].2 = 2;
+                t[13].3 = vec![0; 32 * 4 * 18];
+            }),
+        ),
+        run(
+            "gguf embedding_length contradicts the tensors",
+            "m.gguf",
+            "tensor `token_embd.weight`: has shape [64, 32]",
+            tiny_qwen3_gguf(|k, _| set_u32(k, "qwen3moe.embedding_length", 64)),
+        ),
+        run(
+            "gguf expert_count contradicts the tensors",
+            "m.gguf",
+            "tensor `blk.0.ffn_gate_inp.weight`: has shape [4, 32] (outermost first), the metadata implies [8, 32]",
+            tiny_qwen3_gguf(|k, _| set_u32(k, "qwen3moe.expert_count", 8)),
+        ),
+        run(
+            "gguf split part missing",
+            "m-00001-of-00002.gguf",
+            "m-00002-of-00002.gguf: split GGUF part 2 of 2: missing",
+            tiny_qwen3_gguf(|k, _| {
+                k.push(("split.no".into(), 2, 0u16.to_le_bytes().to_vec()));
+                k.push(("split.count".into(), 2, 2u16.to_le_bytes().to_vec()));
+            }),
+        ),
+    ]
+}
+
+/// The hand-built GGUF the hostile cases start from opens (so each of them fails for its
+/// own reason): llama.cpp's `qwen3moe` names and keys read as a Qwen3-MoE card.
+#[test]
+fn the_hand_built_gguf_of_the_hostile_cases_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    std::fs::write(&path, tiny_qwen3_gguf(|_, _| {})).unwrap();
+    let ck = moec::model::Checkpoint::open_gguf(&path, None).unwrap();
+    let card = ck.card();
+    assert_eq!(card.family, moec::model::card::Family::Qwen3Moe);
+    assert_eq!(
+        (
+            card.hidden,
+            card.heads,
+            card.kv_heads,
+            card.head_dim,
+            card.experts,
+            card.vocab
+        ),
+        (32, 2, 1, 16, 4, 64)
     );
 }

@@ -802,3 +802,266 @@ fn malformed_mxfp4_experts_are_named() {
     .to_string();
     assert!(err.contains("gpt-oss"), "{err}");
 }
+
+// ---- GGUF import of the other families, split files (helper gguf-families, issue 29) ----
+
+/// The fixtures of `scripts/gguf_fixtures.sh` for Qwen3-MoE and DeepSeek-V2:
+/// `$MOEC_GGUF_FAMILY_FIXTURES`, else `~/.cache/moec-peer/gguf-fixtures-families`, when it
+/// holds them.
+fn family_fixtures() -> Option<PathBuf> {
+    let dir = std::env::var_os("MOEC_GGUF_FAMILY_FIXTURES")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/moec-peer/gguf-fixtures-families"))
+        })?;
+    dir.join("deepseek-v2-q4-Q4_K_M.gguf")
+        .is_file()
+        .then_some(dir)
+}
+
+/// llama.cpp's first-step logits on `file`, as the harness wrote them.
+fn llama_first_logits(path: &Path) -> Option<Vec<f32>> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(
+        v["first_logits"]
+            .as_array()?
+            .iter()
+            .map(|x| x.as_f64().unwrap_or(f64::NAN) as f32)
+            .collect(),
+    )
+}
+
+/// How far `ours` is from `theirs` (max |difference|, and their spread).
+fn logit_distance(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
+    let max_diff = ours
+        .iter()
+        .zip(theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let spread = theirs.iter().fold(f32::MIN, |a, &b| a.max(b))
+        - theirs.iter().fold(f32::MAX, |a, &b| a.min(b));
+    (max_diff, spread)
+}
+
+/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE and OLMoE GGUFs
+/// (`convert_hf_to_gguf.py` and `llama-quantize` on moec's synthetic checkpoints of
+/// `tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron`), against
+/// llama.cpp:
+/// - f32 files: moec's 16 greedy tokens equal llama.cpp's for at least 95% of positions
+///   (issue 29's bar), and the first step's logits are within 1% of their spread (about
+///   0.25). llama.cpp keeps its KV cache in f16 (each cached key and value rounded by up to
+///   2^-11 relative) and sums in another order; moec computes in f32. Measured: 0.0072
+///   (Qwen3-MoE), 0.0031 (DeepSeek-V2), 0.0050 (Qwen2-MoE), 0.0052 (OLMoE). A wrong mapping (an unpermuted or swapped head,
+///   `kv_b`'s key half not transposed back, a wrong expert block) moves logits by whole units.
+/// - Q8_0 and Q4_K_M files (Q4_K_M mixes Q4_K, Q5_K, Q6_K and Q8_0 tensors): the same two
+///   bounds against llama.cpp on the same file dequantized to f32 by `llama-quantize
+///   --allow-requantize ... F32` (`greedy_dequantized`; the first-step logits of that run are
+///   in `llama-<family>-<type>-deq.json`). This checks what the import decides (names, shapes,
+///   block decoding, row blocks, formats per layer) against llama.cpp's own decoder, apart
+///   from how ggml multiplies quantised weights: ggml quantises activations to 8 bits, moec
+///   multiplies the decoded weights in f32, and on these random-weight models that alone
+///   moves the logits far (4.16 on the Qwen3-MoE Q4_K_M file, where llama.cpp's own f32
+///   run on its dequantisation differs from its quantised run by 4.158, and moec's tokens
+///   equal those of the dequantised run 16 of 16). Agreement with llama.cpp's quantised runs is
+///   printed, not asserted: it is issue 29's open item (`gguf_parity`, helper
+///   `quant-parity`), which switching `quant_linear` on addresses.
+///
+/// Without the fixtures the test says why and passes.
+#[test]
+fn gguf_families_greedy_tokens_match_llama_cpp() {
+    let Some(dir) = family_fixtures() else {
+        eprintln!(
+            "gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh, or \
+             set MOEC_GGUF_FAMILY_FIXTURES)"
+        );
+        return;
+    };
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut failures = Vec::new();
+    for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe"] {
+        let prompt = ids(&golden[fam]["prompt_ids"]);
+        for ty in ["f32", "Q8_0", "Q4_K_M"] {
+            let ck = Checkpoint::open_gguf(&dir.join(format!("{fam}-q4-{ty}.gguf")), None).unwrap();
+            let mut opts = GenerateOptions::greedy(16);
+            opts.stop_at_eos = false;
+            let got = Oracle::new(&ck)
+                .unwrap()
+                .generate(std::slice::from_ref(&prompt), &opts)
+                .unwrap();
+            let (tokens, logits) = (&got[0].token_ids, &got[0].prompt_logits);
+            // (reference, its tokens, its logits file, asserted)
+            let mut refs = vec![(
+                "llama.cpp",
+                ids(&golden[fam]["greedy"][ty]),
+                format!("llama-{fam}-{ty}.json"),
+                ty == "f32",
+            )];
+            if ty != "f32" {
+                refs.push((
+                    "llama.cpp on its f32 dequantisation",
+                    ids(&golden[fam]["greedy_dequantized"][ty]),
+                    format!("llama-{fam}-{ty}-deq.json"),
+                    true,
+                ));
+            }
+            for (name, want, logits_file, asserted) in refs {
+                let agree = tokens.iter().zip(&want).filter(|(a, b)| a == b).count();
+                let distance = llama_first_logits(&dir.join(&logits_file))
+                    .map(|theirs| logit_distance(logits, &theirs));
+                eprintln!(
+                    "gguf_families: {fam} {ty} vs {name}: {agree} of {} greedy tokens equal; \
+                     first-step logits (max |diff|, their spread): {distance:?}",
+                    want.len()
+                );
+                if !asserted {
+                    continue;
+                }
+                if agree * 100 < 95 * want.len() {
+                    failures.push(format!(
+                        "{fam} {ty} vs {name}: {agree} of {} tokens agree\n  moec  {tokens:?}\n  \
+                         llama {want:?}",
+                        want.len()
+                    ));
+                }
+                match distance {
+                    Some((d, spread)) if d > 0.01 * spread => failures.push(format!(
+                        "{fam} {ty} vs {name}: logits differ by {d}, over 1% of the spread {spread}"
+                    )),
+                    Some(_) => {}
+                    None => failures.push(format!("{fam} {ty}: no logits in {logits_file}")),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A GGUF that `llama-gguf-split --split` cut into parts opens from its first part and
+/// reads exactly as the unsplit file llama.cpp made it from: the same card, every layer
+/// image byte for byte, the same head tensors. A missing part is one error naming that
+/// part's file.
+#[test]
+fn a_split_gguf_reads_as_the_whole_file() {
+    let Some(dir) = family_fixtures() else {
+        eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let parts: Vec<PathBuf> = {
+        let mut p: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("qwen3-moe-q4-Q8_0-split-"))
+            })
+            .collect();
+        p.sort();
+        p
+    };
+    assert!(
+        parts.len() >= 2,
+        "the split fixture has {} parts",
+        parts.len()
+    );
+    let whole = Checkpoint::open_gguf(&dir.join("qwen3-moe-q4-Q8_0.gguf"), None).unwrap();
+    let split = Checkpoint::open_gguf(&parts[0], None).unwrap();
+    let (a, b) = (whole.card(), split.card());
+    assert_eq!(
+        (a.layers, a.hidden, a.experts, a.vocab, &a.formats),
+        (b.layers, b.hidden, b.experts, b.vocab, &b.formats)
+    );
+    for layer in 0..a.layers as usize {
+        let (la, ia) = whole.layer_image(layer).unwrap();
+        let (lb, ib) = split.layer_image(layer).unwrap();
+        assert_eq!(la, lb, "layer {layer} layout");
+        assert!(ia.as_bytes() == ib.as_bytes(), "layer {layer} image");
+    }
+    assert_eq!(whole.head_tensors().unwrap(), split.head_tensors().unwrap());
+    // Without its last part.
+    let tmp = tempfile::tempdir().unwrap();
+    for p in &parts[..parts.len() - 1] {
+        std::fs::copy(p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let first = tmp.path().join(parts[0].file_name().unwrap());
+    let err = Checkpoint::open_gguf(&first, None).unwrap_err().to_string();
+    let last = parts[parts.len() - 1]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(err.contains(&last) && err.contains("missing"), "{err}");
+    // A later part given as the model.
+    let err = Checkpoint::open_gguf(&parts[1], None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not the first part"), "{err}");
+}
+
+/// A lone Qwen3-MoE `.gguf` brings its own tokenizer: `moec` builds it from the vocabulary
+/// llama.cpp's converter wrote (`tokenizer.ggml.model` `gpt2`, `pre` `dbrx`, tokens,
+/// merges, token types), and it encodes texts to the same ids as the Hugging Face
+/// `tokenizer.json` the checkpoint was converted from (`models/tokenizers/dbrx/`, cl100k):
+/// the fixture's parity prompt (whose ids `llama_greedy_families.json` holds, so llama.cpp
+/// and moec start from the same ids), and texts that exercise the split expression
+/// (contractions, digit runs, whitespace runs and newlines, accents, CJK, a special token).
+#[test]
+fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
+    let Some(dir) = family_fixtures() else {
+        eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let path = dir.join("qwen3-moe-q4-Q4_K_M.gguf");
+    let ck = Checkpoint::open_gguf(&path, None).unwrap();
+    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), &path).unwrap();
+    assert!(
+        ours.origin().contains("GGUF vocabulary"),
+        "{}",
+        ours.origin()
+    );
+    let hf = tokenizers::Tokenizer::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/tokenizers/dbrx/tokenizer.json"
+    ))
+    .unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
+    let prompt: Vec<u32> = golden["qwen3-moe"]["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ours.encode("The capital of France is").unwrap(), prompt);
+    for text in [
+        "The capital of France is",
+        "I'm sure they'll say it's twelve or pi, won't they?",
+        "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
+        "émigré café naïve — “quotes” 日本語のテキスト 😀",
+        "<|endoftext|> after a special token",
+        "def f(x):\n    return x**2  # square\n",
+    ] {
+        let want = hf.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(ours.encode(text).unwrap(), want, "{text:?}");
+        assert_eq!(
+            ours.decode(&want).unwrap(),
+            hf.decode(&want, true).unwrap(),
+            "{text:?}"
+        );
+    }
+    // Digit runs are where the file says otherwise: llama.cpp's converter labels cl100k
+    // `stablelm2` (their hash texts encode alike), and llama.cpp splits `stablelm2` text with
+    // Qwen2's expression, one digit per piece (`\p{N}`), where cl100k takes up to three
+    // (`\p{N}{1,3}`). moec reads the file as llama.cpp does.
+    assert_eq!(ours.encode("12345").unwrap(), vec![16, 17, 18, 19, 20]);
+    assert_eq!(hf.encode("12345", true).unwrap().get_ids(), &[4513, 1774]);
+}

@@ -177,6 +177,9 @@ struct Entry {
     /// For a GGUF `q_proj`/`k_proj`: the head count whose row interleaving the converter
     /// applied; the Hub's row order is restored once, on first use, into `aligned`.
     unpermute_heads: Option<usize>,
+    /// The bytes were built at open (a GGUF DeepSeek `kv_b_proj`) and live in `aligned`;
+    /// `range` is then only their length, not a place in the map.
+    owned: bool,
 }
 
 impl Entry {
@@ -335,6 +338,7 @@ impl Checkpoint {
                         mxfp4: None,
                         quant: None,
                         unpermute_heads: None,
+                        owned: false,
                     },
                 );
             }
@@ -411,17 +415,25 @@ impl Checkpoint {
                     });
                 }
             }
+            let owned = t.owned.is_some();
+            let aligned = OnceLock::new();
+            if let Some(bytes) = t.owned {
+                let mut buf = ImageBuffer::zeroed(bytes.len());
+                buf.as_bytes_mut().copy_from_slice(&bytes);
+                let _ = aligned.set(buf);
+            }
             tensors.insert(
                 t.name,
                 Entry {
-                    shard: 0,
+                    shard: t.part,
                     dtype: Ok(dtype),
                     shape: t.shape,
                     range: t.range,
-                    aligned: OnceLock::new(),
+                    aligned,
                     mxfp4: None,
                     quant,
                     unpermute_heads: t.unpermute_heads,
+                    owned,
                 },
             );
         }
@@ -443,15 +455,16 @@ impl Checkpoint {
                     message,
                 }))
             })?;
-        let (path_buf, mmap) = file.into_map();
+        let shards: Vec<Shard> = file
+            .into_maps()
+            .into_iter()
+            .map(|(path, mmap)| Shard { path, mmap })
+            .collect();
         Ok(Checkpoint {
-            dir: path_buf.clone(),
+            dir: path.to_path_buf(),
             card: chosen,
             arch,
-            shards: vec![Shard {
-                path: path_buf,
-                mmap,
-            }],
+            shards,
             tensors,
             mxfp4_experts: false,
         })
@@ -643,6 +656,9 @@ impl Checkpoint {
     /// The bytes `entry` holds: its memory-mapped range, or for an MXFP4 expert tensor its
     /// bf16 decoding, made once on first use (open checked both lengths, so it succeeds).
     fn entry_bytes<'a>(&'a self, entry: &'a Entry) -> &'a [u8] {
+        if entry.owned {
+            return entry.aligned.get().map_or(&[], ImageBuffer::as_bytes);
+        }
         let stored = &self.shards[entry.shard].mmap[entry.range.clone()];
         if let Some(heads) = entry.unpermute_heads {
             return entry
@@ -1271,6 +1287,7 @@ fn mxfp4_entries(
                     }),
                     quant: None,
                     unpermute_heads: None,
+                    owned: false,
                 },
             );
         }

@@ -163,9 +163,9 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
             (dir, true)
         }
     };
-    // A `.gguf` file is llama.cpp's single-file checkpoint; its tokenizer is the family's
-    // embedded one (reading the GGUF vocabulary is not done yet), which the tokenizer's
-    // origin line says.
+    // A `.gguf` file is llama.cpp's checkpoint; its tokenizer is the vocabulary it
+    // carries where moec reads that kind, else the family's embedded one, which the
+    // tokenizer's origin line says.
     let checkpoint = if dir.is_file() && dir.extension().is_some_and(|e| e == "gguf") {
         Checkpoint::open_gguf(&dir, card.as_ref())?
     } else {

@@ -2,7 +2,8 @@
 //!
 //! Takes a card and optionally a checkpoint folder; gives a [`TextTokenizer`] from the
 //! folder's own `tokenizer.json` when it has one, else from the family's file embedded in
-//! the binary (so `moec` runs from any directory). Encoding adds the card's BOS exactly
+//! the binary (so `moec` runs from any directory); for a GGUF file, from the vocabulary it
+//! carries when moec reads that kind ([`TextTokenizer::load_gguf`]). Encoding adds the card's BOS exactly
 //! once (Mixtral `<s>`; DBRX adds none); decoding skips special tokens.
 
 use crate::model::card::ModelCard;
@@ -65,8 +66,14 @@ pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
 }
 
 impl TextTokenizer {
-    /// The folder's `tokenizer.json` if present, else the card's embedded one.
+    /// The folder's `tokenizer.json` if present, else the card's embedded one; for a
+    /// `.gguf` file in place of a folder, [`TextTokenizer::load_gguf`].
     pub fn load(card: &ModelCard, dir: Option<&Path>) -> Result<Self, TokenizerError> {
+        if let Some(file) =
+            dir.filter(|d| d.is_file() && d.extension().is_some_and(|e| e == "gguf"))
+        {
+            return Self::load_gguf(card, file);
+        }
         let own = dir
             .map(|d| d.join("tokenizer.json"))
             .filter(|p| p.is_file());
@@ -103,6 +110,43 @@ impl TextTokenizer {
             bos: card.bos_token_id,
             origin,
         })
+    }
+
+    /// The tokenizer of a llama.cpp GGUF file: its own vocabulary when moec builds one from
+    /// it (see [`crate::model::gguf::vocab`]), else the card's embedded one, the origin
+    /// saying which and why. A vocabulary that contradicts itself is an error.
+    pub fn load_gguf(card: &ModelCard, path: &Path) -> Result<Self, TokenizerError> {
+        let load_err = |message: String| TokenizerError::Load {
+            origin: path.display().to_string(),
+            message,
+        };
+        let file = crate::model::gguf::GgufFile::open(path).map_err(|e| load_err(e.to_string()))?;
+        match crate::model::gguf::vocab::tokenizer_json(&file)
+            .map_err(|e| load_err(e.to_string()))?
+        {
+            Ok((json, origin)) => {
+                let inner = tokenizers::Tokenizer::from_bytes(&json)
+                    .map_err(|e| load_err(format!("its vocabulary: {e}")))?;
+                Ok(TextTokenizer {
+                    inner,
+                    bos: card.bos_token_id,
+                    origin,
+                })
+            }
+            Err(reason) => {
+                let origin = format!("embedded {} ({}: {reason})", card.tokenizer, path.display());
+                let inner = tokenizers::Tokenizer::from_bytes(embedded_tokenizer_json(card))
+                    .map_err(|e| TokenizerError::Load {
+                        origin: origin.clone(),
+                        message: e.to_string(),
+                    })?;
+                Ok(TextTokenizer {
+                    inner,
+                    bos: card.bos_token_id,
+                    origin,
+                })
+            }
+        }
     }
 
     /// Where the tokenizer came from (file path or "embedded ...").

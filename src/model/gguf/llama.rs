@@ -1,5 +1,5 @@
-//! llama.cpp's `llama` architecture (how `convert_hf_to_gguf.py` writes Mixtral) read as a
-//! moec checkpoint.
+//! llama.cpp's GGUF tensors read as a moec checkpoint of one of its families (Mixtral from
+//! the `llama` architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3).
 //!
 //! Takes an opened [`GgufFile`]; gives the model card (built from the GGUF metadata
 //! through the same config reader as a Hugging Face `config.json`, so every card check
@@ -28,13 +28,18 @@ pub struct ImportedTensor {
     pub shape: Vec<usize>,
     /// How its elements are stored.
     pub storage: Storage,
-    /// Its bytes inside the file's map.
+    /// Its bytes inside its part's map.
     pub range: Range<usize>,
+    /// Which part of a split GGUF holds it (0 for a single file).
+    pub part: usize,
     /// For `q_proj`/`k_proj`: the head count whose per-head row interleaving the converter
     /// applied (rows must be un-interleaved before use).
     pub unpermute_heads: Option<usize>,
     /// The GGUF tensor it comes from (for messages).
     pub gguf_name: String,
+    /// Bytes built at import rather than viewed in the map (DeepSeek's `kv_b_proj`, put
+    /// back together from the converter's split halves); `range` is then `0..len`.
+    pub owned: Option<Vec<u8>>,
 }
 
 /// A GGUF file read as a checkpoint of one of moec's families.
@@ -46,73 +51,85 @@ pub struct Imported {
     pub tensors: Vec<ImportedTensor>,
 }
 
-/// The `config.json` keys of a Mixtral config, from the GGUF metadata keys of the `llama`
-/// architecture.
-fn mixtral_config(file: &GgufFile) -> Result<serde_json::Value, GgufError> {
-    let a = "llama";
-    let u = |k: &str| file.get_u64(&format!("{a}.{k}"));
-    let heads = u("attention.head_count")?;
-    let hidden = u("embedding_length")?;
-    let head_dim = match file.metadata.get(&format!("{a}.attention.key_length")) {
-        Some(_) => u("attention.key_length")?,
-        None if heads > 0 => hidden / heads,
-        None => 0,
-    };
-    let vocab = match file.metadata.get(&format!("{a}.vocab_size")) {
-        Some(_) => u("vocab_size")?,
-        None => match file.get("tokenizer.ggml.tokens")? {
-            super::Value::Array(tokens) => tokens.len() as u64,
-            _ => 0,
-        },
-    };
-    let opt_u = |k: &str| file.metadata.get(k).and_then(|v| v.as_u64());
-    Ok(serde_json::json!({
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "hidden_size": hidden,
-        "intermediate_size": u("feed_forward_length")?,
-        "num_attention_heads": heads,
-        "num_key_value_heads": u("attention.head_count_kv")?,
-        "head_dim": head_dim,
-        "num_hidden_layers": u("block_count")?,
-        "num_local_experts": u("expert_count")?,
-        "num_experts_per_tok": u("expert_used_count")?,
-        "vocab_size": vocab,
-        "max_position_embeddings": u("context_length")?,
-        "rope_theta": file.get_f64(&format!("{a}.rope.freq_base"))?,
-        "rms_norm_eps": file.get_f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?,
-        "bos_token_id": opt_u("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": opt_u("tokenizer.ggml.eos_token_id").unwrap_or(2),
-        "tie_word_embeddings": !file.tensors.contains_key("output.weight"),
-    }))
+/// Where a segment's bytes are in the GGUF file.
+enum Place {
+    /// A whole GGUF tensor of the Hub shape (`unpermute`: the head count whose rotary
+    /// row interleaving Mixtral's converter applied).
+    Whole(String, Option<usize>),
+    /// Expert `x`'s block of `rows` rows of a merged `[experts, rows, cols]` tensor.
+    Expert(String, usize, usize, usize),
+    /// DeepSeek's `kv_b_proj`, which the converter split into `attn_k_b` (transposed)
+    /// and `attn_v_b`: put back together in f32 (see [`super::mla`]).
+    KvB,
 }
 
-/// Reads `file` as a moec checkpoint; only llama.cpp's `llama` architecture with experts
-/// (Mixtral) is read so far, anything else is an error naming the architecture.
+/// The GGUF tensor of segment `kind` of layer `layer` (`None` for a kind no llama.cpp
+/// architecture of this family has).
+fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<Place> {
+    let b = |t: &str| format!("blk.{layer}.{t}.weight");
+    let bias = |t: &str| format!("blk.{layer}.{t}.bias");
+    let whole = |t: &str| Some(Place::Whole(b(t), None));
+    let (d, f) = (arch.hidden, arch.ffn);
+    // Only Mixtral's converter permutes q/k rows (llama.cpp's `llama` rotates pairs);
+    // Qwen, OLMoE and DeepSeek are written as the Hub stores them.
+    let permuted = arch.family == Family::Mixtral;
+    match kind {
+        SegmentKind::AttnNorm => whole("attn_norm"),
+        SegmentKind::FfnNorm => whole("ffn_norm"),
+        SegmentKind::QProj => Some(Place::Whole(
+            b("attn_q"),
+            permuted.then_some(arch.attn.heads),
+        )),
+        SegmentKind::KProj => Some(Place::Whole(
+            b("attn_k"),
+            permuted.then_some(arch.attn.kv_heads),
+        )),
+        SegmentKind::VProj => whole("attn_v"),
+        SegmentKind::QBias => Some(Place::Whole(bias("attn_q"), None)),
+        SegmentKind::KBias => Some(Place::Whole(bias("attn_k"), None)),
+        SegmentKind::VBias => Some(Place::Whole(bias("attn_v"), None)),
+        SegmentKind::QNorm => whole("attn_q_norm"),
+        SegmentKind::KNorm => whole("attn_k_norm"),
+        SegmentKind::QAProj => whole("attn_q_a"),
+        SegmentKind::QANorm => whole("attn_q_a_norm"),
+        SegmentKind::QBProj => whole("attn_q_b"),
+        SegmentKind::KvAProj => whole("attn_kv_a_mqa"),
+        SegmentKind::KvANorm => whole("attn_kv_a_norm"),
+        SegmentKind::KvB | SegmentKind::KvBOut => Some(Place::KvB),
+        SegmentKind::OProj => whole("attn_output"),
+        SegmentKind::Router => whole("ffn_gate_inp"),
+        SegmentKind::RouterBias => Some(Place::Whole(bias("exp_probs_b"), None)),
+        SegmentKind::SharedGate => whole("ffn_gate_shexp"),
+        SegmentKind::SharedUp => whole("ffn_up_shexp"),
+        SegmentKind::SharedDown => whole("ffn_down_shexp"),
+        SegmentKind::SharedExpertGate => whole("ffn_gate_inp_shexp"),
+        SegmentKind::DenseGate => whole("ffn_gate"),
+        SegmentKind::DenseUp => whole("ffn_up"),
+        SegmentKind::DenseDown => whole("ffn_down"),
+        SegmentKind::ExpertGate(x) => Some(Place::Expert(b("ffn_gate_exps"), x, f, d)),
+        SegmentKind::ExpertUp(x) => Some(Place::Expert(b("ffn_up_exps"), x, f, d)),
+        SegmentKind::ExpertDown(x) => Some(Place::Expert(b("ffn_down_exps"), x, d, f)),
+        _ => None,
+    }
+}
+
+/// Reads `file` as a moec checkpoint of the family its `general.architecture` names
+/// (llama.cpp's `llama` with experts, `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2`);
+/// any other architecture is an error naming it.
 pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
-    let arch_name = file.get_str("general.architecture")?;
+    let family = super::families::family_of(file)?;
     let meta_err = |key: &str, message: String| GgufError::Metadata {
         path: file.path().display().to_string(),
         key: key.into(),
         message,
     };
-    if arch_name != "llama" || !file.metadata.contains_key("llama.expert_count") {
-        return Err(meta_err(
-            "general.architecture",
-            format!(
-                "`{arch_name}` is not read yet: moec imports llama.cpp's `llama` architecture with \
-                 experts (Mixtral); Qwen3-MoE, DeepSeek-V2 and the other families are to come"
-            ),
-        ));
-    }
-    let config = mixtral_config(file)?;
+    let config = super::families::config(file, family)?;
     let path = file.path().display().to_string();
     let mut card = crate::model::config::card_from_config(&config.to_string(), &path, name)
         .map_err(|e| meta_err("(hyper-parameters)", e.to_string()))?;
-    card.description = format!("Mixtral-family GGUF `{name}` (from its metadata)");
+    card.description = format!("{family:?}-family GGUF `{name}` (from its metadata)");
     let arch = ArchSpec::from_card(&card);
-    let (q_heads, kv_heads) = (arch.attn.heads, arch.attn.kv_heads);
-    let mut tensors = Vec::new();
+    let mut tensors: Vec<ImportedTensor> = Vec::new();
     let mut add = |name: String,
                    shape: Vec<usize>,
                    gguf: &str,
@@ -120,6 +137,15 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                    rows: Option<Range<usize>>,
                    unpermute_heads: Option<usize>|
      -> Result<(), GgufError> {
+        // Dimensions of 1 are the writer's choice (llama-quantize drops the leading 1 of
+        // Qwen2-MoE's `[1, hidden]` shared-expert gate): compare the others.
+        let squeezed = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        let gguf_shape = match file.tensors.get(gguf) {
+            Some(info) if squeezed(&info.torch_shape()) == squeezed(&gguf_shape) => {
+                info.torch_shape()
+            }
+            _ => gguf_shape,
+        };
         let (info, storage) = file.tensor(gguf, &gguf_shape)?;
         let cols = *gguf_shape.last().unwrap_or(&1);
         let row_bytes = storage
@@ -138,13 +164,15 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
             shape,
             storage,
             range,
+            part: info.part,
             unpermute_heads,
             gguf_name: gguf.into(),
+            owned: None,
         });
         Ok(())
     };
-    let (d, f, e, vocab) = (arch.hidden, arch.ffn, arch.experts, arch.vocab);
-    let (embed_name, norm_name) = head_names(Family::Mixtral);
+    let (d, vocab) = (arch.hidden, arch.vocab);
+    let (embed_name, norm_name) = head_names(family);
     add(
         embed_name.into(),
         vec![vocab, d],
@@ -174,31 +202,52 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
         None,
         None,
     )?;
+    let mut assembled = Vec::new();
+    let mut built = Vec::new();
     for layer in 0..arch.layers {
         for kind in LayerLayout::kinds(&arch, layer) {
             let src = segment_source(&arch, layer, kind);
-            let b = |t: &str| format!("blk.{layer}.{t}.weight");
-            let (gguf, gguf_shape, rows, heads) = match kind {
-                SegmentKind::AttnNorm => (b("attn_norm"), src.shape.clone(), None, None),
-                SegmentKind::FfnNorm => (b("ffn_norm"), src.shape.clone(), None, None),
-                SegmentKind::QProj => (b("attn_q"), src.shape.clone(), None, Some(q_heads)),
-                SegmentKind::KProj => (b("attn_k"), src.shape.clone(), None, Some(kv_heads)),
-                SegmentKind::VProj => (b("attn_v"), src.shape.clone(), None, None),
-                SegmentKind::OProj => (b("attn_output"), src.shape.clone(), None, None),
-                SegmentKind::Router => (b("ffn_gate_inp"), src.shape.clone(), None, None),
-                SegmentKind::ExpertGate(x) => (b("ffn_gate_exps"), vec![e, f, d], Some(x * f..(x + 1) * f), None),
-                SegmentKind::ExpertUp(x) => (b("ffn_up_exps"), vec![e, f, d], Some(x * f..(x + 1) * f), None),
-                SegmentKind::ExpertDown(x) => (b("ffn_down_exps"), vec![e, d, f], Some(x * d..(x + 1) * d), None),
-                other => {
+            match place(&arch, layer, kind) {
+                Some(Place::Whole(gguf, heads)) => {
+                    add(src.name, src.shape.clone(), &gguf, src.shape, None, heads)?
+                }
+                Some(Place::Expert(gguf, x, rows, cols)) => add(
+                    src.name,
+                    src.shape,
+                    &gguf,
+                    vec![arch.experts, rows, cols],
+                    Some(x * rows..(x + 1) * rows),
+                    None,
+                )?,
+                // `pre` and `o` view the same tensor: put it together once.
+                Some(Place::KvB) if assembled.contains(&layer) => {}
+                Some(Place::KvB) => {
+                    assembled.push(layer);
+                    let bytes = super::mla::kv_b(file, &arch, layer)?;
+                    built.push(ImportedTensor {
+                        name: src.name,
+                        shape: src.shape,
+                        storage: Storage::Float(crate::model::card::WeightDtype::F32),
+                        range: 0..bytes.len(),
+                        part: 0,
+                        unpermute_heads: None,
+                        gguf_name: format!("blk.{layer}.attn_k_b.weight + attn_v_b.weight"),
+                        owned: Some(bytes),
+                    });
+                }
+                None => {
                     return Err(meta_err(
                         "general.architecture",
-                        format!("the Mixtral layout has a {other:?} segment moec cannot map to a GGUF tensor"),
+                        format!(
+                            "the {family:?} layout has a {kind:?} segment moec cannot map to a \
+                             GGUF tensor"
+                        ),
                     ))
                 }
-            };
-            add(src.name, src.shape, &gguf, gguf_shape, rows, heads)?;
+            }
         }
     }
+    tensors.extend(built);
     Ok(Imported { card, tensors })
 }
 

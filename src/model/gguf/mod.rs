@@ -15,7 +15,11 @@
 //! the file into owned buffers rather than a map; moec needs only the byte ranges.
 
 pub mod export;
+pub mod families;
 pub mod llama;
+pub mod mla;
+pub mod split;
+pub mod vocab;
 pub mod write;
 
 use crate::model::card::WeightDtype;
@@ -101,6 +105,18 @@ pub enum GgufError {
         path: String,
         /// The key.
         key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A part of a split GGUF (`-0000i-of-0000N.gguf`) is absent or does not belong.
+    #[error("{path}: split GGUF part {part} of {count}: {message}")]
+    Split {
+        /// The part's file (the one expected, when it is missing).
+        path: String,
+        /// Its number, from 1.
+        part: u64,
+        /// How many parts the first one says there are.
+        count: u64,
         /// What is wrong.
         message: String,
     },
@@ -233,8 +249,10 @@ pub struct TensorInfo {
     pub dims: Vec<u64>,
     /// ggml type id.
     pub ggml_type: u32,
-    /// Byte range inside the file (checked to lie inside it, for types moec reads).
+    /// Byte range inside its part's file (checked to lie inside it, for types moec reads).
     pub range: Range<usize>,
+    /// Which part of a split GGUF holds it (0 for a single file).
+    pub part: usize,
 }
 
 impl TensorInfo {
@@ -249,10 +267,12 @@ impl TensorInfo {
     }
 }
 
-/// An opened GGUF file.
+/// An opened GGUF file, or all parts of a split one (metadata from the first part,
+/// tensors from all).
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    /// Each part's path and map (one for a single file).
+    parts: Vec<(PathBuf, Mmap)>,
     /// The header's version (2 or 3).
     pub version: u32,
     /// Metadata by key.
@@ -382,8 +402,56 @@ impl<'a> Cursor<'a> {
 }
 
 impl GgufFile {
-    /// Opens and maps `path`, reading and checking the whole header.
+    /// Opens and maps `path`, reading and checking the whole header. When its metadata
+    /// says it is part 1 of a split GGUF (`split.count` > 1, as `llama-gguf-split
+    /// --split` writes), the other parts are found beside it by name
+    /// (`-00002-of-0000N.gguf`, ...) and opened too; a missing or foreign part is an error
+    /// naming the file.
     pub fn open(path: &Path) -> Result<Self, GgufError> {
+        let (mmap, (version, metadata, mut tensors)) = Self::map_and_parse(path, 0)?;
+        let mut parts = vec![(path.to_path_buf(), mmap)];
+        let count = split::count(path, &metadata)?;
+        for (i, part_path) in split::sibling_paths(path, count)?
+            .into_iter()
+            .enumerate()
+            .skip(1)
+        {
+            let (map, (_, part_meta, part_tensors)) = Self::map_and_parse(&part_path, i)
+                .map_err(|e| split::missing(e, &part_path, i, count))?;
+            split::check_part(&part_path, &part_meta, i, count)?;
+            for (name, info) in part_tensors {
+                if tensors.contains_key(&name) {
+                    return Err(GgufError::Malformed {
+                        path: part_path.display().to_string(),
+                        message: format!("tensor `{name}` is also in an earlier part"),
+                    });
+                }
+                tensors.insert(name, info);
+            }
+            parts.push((part_path, map));
+        }
+        split::check_total(path, &metadata, tensors.len())?;
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            parts,
+            version,
+            metadata,
+            tensors,
+        })
+    }
+
+    /// Maps one file and parses its header, its tensors marked as part `part`.
+    #[allow(clippy::type_complexity)]
+    fn map_and_parse(
+        path: &Path,
+        part: usize,
+    ) -> Result<
+        (
+            Mmap,
+            (u32, BTreeMap<String, Value>, BTreeMap<String, TensorInfo>),
+        ),
+        GgufError,
+    > {
         let io = |source| GgufError::Io {
             path: path.display().to_string(),
             source,
@@ -393,14 +461,11 @@ impl GgufFile {
         // GGUF file while it is open. Another process truncating it concurrently is outside
         // what any mmap reader can defend against (as for safetensors checkpoints).
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let (version, metadata, tensors) = Self::parse(path, &mmap)?;
-        Ok(GgufFile {
-            path: path.to_path_buf(),
-            mmap,
-            version,
-            metadata,
-            tensors,
-        })
+        let mut parsed = Self::parse(path, &mmap)?;
+        for info in parsed.2.values_mut() {
+            info.part = part;
+        }
+        Ok((mmap, parsed))
     }
 
     #[allow(clippy::type_complexity)]
@@ -508,6 +573,7 @@ impl GgufFile {
                     dims,
                     ggml_type,
                     range,
+                    part: 0,
                 },
             );
         }
@@ -519,14 +585,28 @@ impl GgufFile {
         &self.path
     }
 
-    /// The whole map (tensor ranges index into it).
+    /// The first part's whole map (the ranges of its tensors index into it).
     pub fn bytes(&self) -> &[u8] {
-        &self.mmap
+        &self.parts[0].1
     }
 
-    /// The file's path and memory map, for a reader that keeps the tensor ranges.
-    pub fn into_map(self) -> (PathBuf, Mmap) {
-        (self.path, self.mmap)
+    /// A tensor's bytes, from whichever part holds it.
+    pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
+        self.parts
+            .get(info.part)
+            .and_then(|(_, map)| map.get(info.range.clone()))
+            .unwrap_or(&[])
+    }
+
+    /// How many files the model is in (1 unless split).
+    pub fn part_count(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// Each part's path and memory map, in part order, for a reader that keeps the
+    /// tensor ranges (a tensor's `part` indexes this list).
+    pub fn into_maps(self) -> Vec<(PathBuf, Mmap)> {
+        self.parts
     }
 
     fn meta_err(&self, key: &str, message: String) -> GgufError {

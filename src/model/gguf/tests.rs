@@ -197,3 +197,131 @@ fn unpermuting_restores_the_hub_row_order() {
     assert_eq!(llama::unpermute_rows(&stored, 2, 2), Some(hub));
     assert_eq!(llama::unpermute_rows(&[0, 1, 2], 1, 1), None);
 }
+
+/// A part of a split: `split.no`, `split.count` (u16, as llama-gguf-split writes them),
+/// `split.tensors.count` on the first part, and one f32 tensor `name` holding `value`.
+fn split_part(no: u16, count: u16, total: Option<i32>, name: &str, value: f32) -> Vec<u8> {
+    let mut kvs = vec![
+        ("split.no", 2, no.to_le_bytes().to_vec()),
+        ("split.count", 2, count.to_le_bytes().to_vec()),
+    ];
+    if let Some(t) = total {
+        kvs.push(("split.tensors.count", 5, t.to_le_bytes().to_vec()));
+    }
+    build(
+        &kvs,
+        &[(
+            name,
+            vec![4],
+            0,
+            [value; 4].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )],
+    )
+}
+
+#[test]
+fn a_split_file_opens_from_its_first_part_with_every_part_s_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |i: u16| dir.path().join(format!("m-{i:05}-of-00002.gguf"));
+    std::fs::write(p(1), split_part(0, 2, Some(2), "a", 1.0)).unwrap();
+    std::fs::write(p(2), split_part(1, 2, None, "b", 2.0)).unwrap();
+    let f = GgufFile::open(&p(1)).unwrap();
+    assert_eq!(f.part_count(), 2);
+    let (a, _) = f.tensor("a", &[4]).unwrap();
+    let (b, _) = f.tensor("b", &[4]).unwrap();
+    assert_eq!((a.part, b.part), (0, 1));
+    assert_eq!(&f.tensor_bytes(b)[..4], &2f32.to_le_bytes());
+    assert_eq!(&f.tensor_bytes(a)[..4], &1f32.to_le_bytes());
+    // A later part given as the model.
+    let err = GgufFile::open(&p(2)).unwrap_err().to_string();
+    assert!(err.contains("not the first part"), "{err}");
+    // A part from another split (it says it is part 1).
+    std::fs::write(p(2), split_part(0, 2, None, "b", 2.0)).unwrap();
+    let err = GgufFile::open(&p(1)).unwrap_err().to_string();
+    assert!(
+        err.contains("m-00002-of-00002.gguf") && err.contains("says part 1 of 2"),
+        "{err}"
+    );
+    // Fewer tensors than the first part promises.
+    std::fs::write(p(2), split_part(1, 2, None, "b", 2.0)).unwrap();
+    std::fs::write(p(1), split_part(0, 2, Some(3), "a", 1.0)).unwrap();
+    let err = GgufFile::open(&p(1)).unwrap_err().to_string();
+    assert!(
+        err.contains("split.tensors.count") && err.contains("promises 3"),
+        "{err}"
+    );
+    // A missing part, and a first part whose name does not give the others'.
+    std::fs::remove_file(p(2)).unwrap();
+    std::fs::write(p(1), split_part(0, 2, Some(2), "a", 1.0)).unwrap();
+    let err = GgufFile::open(&p(1)).unwrap_err().to_string();
+    assert!(
+        err.contains("m-00002-of-00002.gguf") && err.contains("part 2 of 2: missing"),
+        "{err}"
+    );
+    let odd = dir.path().join("renamed.gguf");
+    std::fs::copy(p(1), &odd).unwrap();
+    let err = GgufFile::open(&odd).unwrap_err().to_string();
+    assert!(
+        err.contains("does not end in `-00001-of-00002.gguf`"),
+        "{err}"
+    );
+}
+
+/// DeepSeek's `kv_b_proj` rebuilt from llama.cpp's halves: head `h` of the Hub tensor is
+/// `attn_k_b[h]` transposed, then `attn_v_b[h]` (the converter's `view`, `split` and
+/// `transpose(1, 2)` undone by hand on numbered elements).
+#[test]
+fn mla_kv_b_is_rebuilt_from_the_split_halves() {
+    let (heads, rank, nope, v) = (2usize, 3usize, 2usize, 1usize);
+    // Hub kv_b[h][r][c] = 100 h + 10 r + c.
+    let hub = |h: usize, r: usize, c: usize| (100 * h + 10 * r + c) as f32;
+    let mut k_b = Vec::new(); // [heads, rank, nope]
+    let mut v_b = Vec::new(); // [heads, v, rank]
+    for h in 0..heads {
+        for c in 0..rank {
+            for r in 0..nope {
+                k_b.push(hub(h, r, c));
+            }
+        }
+        for r in 0..v {
+            for c in 0..rank {
+                v_b.push(hub(h, nope + r, c));
+            }
+        }
+    }
+    let f32s = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+    let bytes = build(
+        &[],
+        &[
+            (
+                "blk.1.attn_k_b.weight",
+                vec![nope as u64, rank as u64, heads as u64],
+                0,
+                f32s(&k_b),
+            ),
+            (
+                "blk.1.attn_v_b.weight",
+                vec![rank as u64, v as u64, heads as u64],
+                0,
+                f32s(&v_b),
+            ),
+        ],
+    );
+    let f = open_bytes(&bytes).unwrap();
+    let mut card = crate::model::card::ModelCard::load("deepseek-v2-tiny").unwrap();
+    card.heads = heads as u64;
+    if let Some(m) = card.mla.as_mut() {
+        (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim) = (rank as u64, nope as u64, v as u64);
+    }
+    let arch = crate::model::arch::ArchSpec::from_card(&card);
+    let got = mla::kv_b(&f, &arch, 1).unwrap();
+    let want: Vec<f32> = (0..heads)
+        .flat_map(|h| (0..nope + v).flat_map(move |r| (0..rank).map(move |c| hub(h, r, c))))
+        .collect();
+    assert_eq!(got, f32s(&want));
+    let err = mla::kv_b(&f, &arch, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("blk.0.attn_k_b.weight") && err.contains("missing"),
+        "{err}"
+    );
+}

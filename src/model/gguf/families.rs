@@ -1,0 +1,303 @@
+//! llama.cpp's architectures as moec's families: which `general.architecture` is which
+//! family, and the Hugging Face `config.json` of each, built from the GGUF metadata keys
+//! `convert_hf_to_gguf.py` writes (`llama.*`, `qwen3moe.*`, `qwen2moe.*`, `olmoe.*`,
+//! `deepseek2.*`).
+//!
+//! Takes an opened [`GgufFile`]; gives the family and its config as JSON, which the
+//! family's own config reader then checks like any `config.json` (so a GGUF gets every
+//! card check a Hub checkpoint gets). Where llama.cpp hard-codes what the Hub config
+//! says (Qwen3-MoE always renormalises its top-k weights, Qwen2-MoE and OLMoE never do;
+//! Qwen and DeepSeek rotate split halves or pairs without a row permutation), the config
+//! says the same.
+
+use super::{GgufError, GgufFile, Value};
+use crate::model::card::Family;
+use serde_json::json;
+
+/// The family of `file`'s architecture, or an error naming an architecture moec does
+/// not import.
+pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
+    let arch = file.get_str("general.architecture")?;
+    Ok(match arch {
+        "llama" if file.metadata.contains_key("llama.expert_count") => Family::Mixtral,
+        "qwen3moe" => Family::Qwen3Moe,
+        "qwen2moe" => Family::Qwen2Moe,
+        "olmoe" => Family::Olmoe,
+        "deepseek2" => {
+            // llama.cpp writes V3 as `deepseek2` with sigmoid gating (2) and groups.
+            match file.metadata.get("deepseek2.expert_gating_func") {
+                Some(v) if v.as_u64() == Some(2) => Family::DeepseekV3,
+                _ => Family::DeepseekV2,
+            }
+        }
+        other => {
+            return Err(GgufError::Metadata {
+                path: file.path().display().to_string(),
+                key: "general.architecture".into(),
+                message: format!(
+                    "`{other}` is not imported: moec reads llama.cpp's `llama` with experts \
+                     (Mixtral), `qwen3moe`, `qwen2moe`, `olmoe` and `deepseek2`"
+                ),
+            })
+        }
+    })
+}
+
+/// The architecture's metadata keys, `{arch}.{key}`.
+struct Meta<'a> {
+    file: &'a GgufFile,
+    arch: &'static str,
+}
+
+impl Meta<'_> {
+    fn u(&self, key: &str) -> Result<u64, GgufError> {
+        self.file.get_u64(&format!("{}.{key}", self.arch))
+    }
+
+    /// `{arch}.{key}` read by `get` when present (absent is `None`, a wrong type an error).
+    fn opt<T>(
+        &self,
+        key: &str,
+        get: fn(&GgufFile, &str) -> Result<T, GgufError>,
+    ) -> Result<Option<T>, GgufError> {
+        let full = format!("{}.{key}", self.arch);
+        match self.file.metadata.get(&full) {
+            Some(_) => get(self.file, &full).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn opt_u(&self, key: &str) -> Result<Option<u64>, GgufError> {
+        self.opt(key, GgufFile::get_u64)
+    }
+
+    fn f(&self, key: &str) -> Result<f64, GgufError> {
+        self.file.get_f64(&format!("{}.{key}", self.arch))
+    }
+
+    fn opt_f(&self, key: &str) -> Result<Option<f64>, GgufError> {
+        self.opt(key, GgufFile::get_f64)
+    }
+
+    /// `{arch}.vocab_size`, else the length of the token list (llama.cpp's own rule).
+    fn vocab(&self) -> Result<u64, GgufError> {
+        if let Some(v) = self.opt_u("vocab_size")? {
+            return Ok(v);
+        }
+        match self.file.get("tokenizer.ggml.tokens")? {
+            Value::Array(tokens) => Ok(tokens.len() as u64),
+            other => Err(GgufError::Metadata {
+                path: self.file.path().display().to_string(),
+                key: "tokenizer.ggml.tokens".into(),
+                message: format!("{other:?} is not an array"),
+            }),
+        }
+    }
+
+    /// The attention head width: `attention.key_length`, else hidden / heads.
+    fn head_dim(&self, hidden: u64, heads: u64) -> Result<u64, GgufError> {
+        Ok(match self.opt_u("attention.key_length")? {
+            Some(k) => k,
+            None => hidden.checked_div(heads).unwrap_or(0),
+        })
+    }
+
+    /// The BOS id when the vocabulary says to add it (`tokenizer.ggml.add_bos_token`;
+    /// absent, llama.cpp adds it for SentencePiece `llama` vocabularies only).
+    fn bos(&self) -> Option<u64> {
+        let add = match self.file.metadata.get("tokenizer.ggml.add_bos_token") {
+            Some(Value::Bool(b)) => *b,
+            _ => {
+                self.file
+                    .metadata
+                    .get("tokenizer.ggml.model")
+                    .and_then(Value::as_str)
+                    == Some("llama")
+            }
+        };
+        if add {
+            self.token("bos_token_id")
+        } else {
+            None
+        }
+    }
+
+    fn token(&self, key: &str) -> Option<u64> {
+        self.file
+            .metadata
+            .get(&format!("tokenizer.ggml.{key}"))
+            .and_then(Value::as_u64)
+    }
+}
+
+/// The `config.json` of `family` from `file`'s metadata.
+pub fn config(file: &GgufFile, family: Family) -> Result<serde_json::Value, GgufError> {
+    match family {
+        Family::Mixtral => mixtral(&Meta {
+            file,
+            arch: "llama",
+        }),
+        Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => qwen_olmoe(file, family),
+        _ => deepseek(
+            &Meta {
+                file,
+                arch: "deepseek2",
+            },
+            family,
+        ),
+    }
+}
+
+fn mixtral(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
+    let heads = m.u("attention.head_count")?;
+    let hidden = m.u("embedding_length")?;
+    Ok(json!({
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": hidden,
+        "intermediate_size": m.u("feed_forward_length")?,
+        "num_attention_heads": heads,
+        "num_key_value_heads": m.u("attention.head_count_kv")?,
+        "head_dim": m.head_dim(hidden, heads)?,
+        "num_hidden_layers": m.u("block_count")?,
+        "num_local_experts": m.u("expert_count")?,
+        "num_experts_per_tok": m.u("expert_used_count")?,
+        "vocab_size": m.vocab()?,
+        "max_position_embeddings": m.u("context_length")?,
+        "rope_theta": m.f("rope.freq_base")?,
+        "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+        "bos_token_id": m.bos(),
+        "eos_token_id": m.token("eos_token_id").unwrap_or(2),
+        "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+    }))
+}
+
+fn qwen_olmoe(file: &GgufFile, family: Family) -> Result<serde_json::Value, GgufError> {
+    let (arch, model_type, hf_arch) = match family {
+        Family::Qwen3Moe => ("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM"),
+        Family::Qwen2Moe => ("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM"),
+        _ => ("olmoe", "olmoe", "OlmoeForCausalLM"),
+    };
+    let m = Meta { file, arch };
+    let heads = m.u("attention.head_count")?;
+    let hidden = m.u("embedding_length")?;
+    // OLMoE's converter writes the expert width as `feed_forward_length`.
+    let expert_ffn = match m.opt_u("expert_feed_forward_length")? {
+        Some(f) => f,
+        None => m.u("feed_forward_length")?,
+    };
+    let mut v = json!({
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": m.opt_u("attention.head_count_kv")?.unwrap_or(heads),
+        "head_dim": m.head_dim(hidden, heads)?,
+        "num_hidden_layers": m.u("block_count")?,
+        "num_experts": m.u("expert_count")?,
+        "num_experts_per_tok": m.u("expert_used_count")?,
+        "moe_intermediate_size": expert_ffn,
+        "intermediate_size": expert_ffn,
+        // llama.cpp's build_moe_ffn: `true` for qwen3moe, `false` for qwen2moe and olmoe.
+        "norm_topk_prob": family == Family::Qwen3Moe,
+        "vocab_size": m.vocab()?,
+        "max_position_embeddings": m.u("context_length")?,
+        "rope_theta": m.f("rope.freq_base")?,
+        "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+        "eos_token_id": m.token("eos_token_id"),
+        "tie_word_embeddings": !file.tensors.contains_key("output.weight"),
+    });
+    let obj = v.as_object_mut();
+    if let Some(obj) = obj {
+        if family == Family::Qwen2Moe {
+            obj.insert(
+                "shared_expert_intermediate_size".into(),
+                json!(m.u("expert_shared_feed_forward_length")?),
+            );
+            obj.insert(
+                "qkv_bias".into(),
+                json!(file.tensors.contains_key("blk.0.attn_q.bias")),
+            );
+        }
+        if family == Family::Olmoe {
+            obj.insert("clip_qkv".into(), json!(m.opt_f("attention.clamp_kqv")?));
+        }
+    }
+    Ok(v)
+}
+
+fn deepseek(m: &Meta<'_>, family: Family) -> Result<serde_json::Value, GgufError> {
+    let v3 = family == Family::DeepseekV3;
+    let rope = m.u("rope.dimension_count")?;
+    let key_mla = m.u("attention.key_length_mla")?;
+    let n_group = m.opt_u("expert_group_count")?.unwrap_or(1).max(1);
+    let topk_method = match (v3, n_group) {
+        (true, _) => "noaux_tc",
+        (false, 1) => "greedy",
+        (false, _) => "group_limited_greedy",
+    };
+    let rope_scaling = match m
+        .file
+        .metadata
+        .get("deepseek2.rope.scaling.type")
+        .and_then(Value::as_str)
+    {
+        Some("yarn") => {
+            // The converter writes `yarn_log_multiplier` as 0.1 * mscale_all_dim and drops
+            // `mscale`; llama.cpp then uses the one value for both, and so does this.
+            let all = m.opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) / 0.1;
+            json!({
+                "type": "yarn",
+                "factor": m.f("rope.scaling.factor")?,
+                "original_max_position_embeddings": m.u("rope.scaling.original_context_length")?,
+                "beta_fast": m.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                "beta_slow": m.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                "mscale": all,
+                "mscale_all_dim": all,
+            })
+        }
+        None | Some("none") => serde_json::Value::Null,
+        Some(other) => {
+            return Err(GgufError::Metadata {
+                path: m.file.path().display().to_string(),
+                key: "deepseek2.rope.scaling.type".into(),
+                message: format!("`{other}` rope scaling is not supported (none or yarn)"),
+            })
+        }
+    };
+    Ok(json!({
+        "architectures": [if v3 { "DeepseekV3ForCausalLM" } else { "DeepseekV2ForCausalLM" }],
+        "model_type": if v3 { "deepseek_v3" } else { "deepseek_v2" },
+        "hidden_size": m.u("embedding_length")?,
+        "intermediate_size": m.u("feed_forward_length")?,
+        "moe_intermediate_size": m.u("expert_feed_forward_length")?,
+        "num_hidden_layers": m.u("block_count")?,
+        "num_attention_heads": m.u("attention.head_count")?,
+        "n_shared_experts": m.opt_u("expert_shared_count")?.unwrap_or(0),
+        "n_routed_experts": m.u("expert_count")?,
+        "num_experts_per_tok": m.u("expert_used_count")?,
+        "first_k_dense_replace": m.opt_u("leading_dense_block_count")?.unwrap_or(0),
+        "topk_method": topk_method,
+        "n_group": n_group,
+        "topk_group": m.opt_u("expert_group_used_count")?.unwrap_or(n_group),
+        "routed_scaling_factor": m.opt_f("expert_weights_scale")?.unwrap_or(1.0),
+        "norm_topk_prob": m
+            .file
+            .metadata
+            .get("deepseek2.expert_weights_norm")
+            .is_some_and(|v| *v == Value::Bool(true)),
+        "q_lora_rank": m.opt_u("attention.q_lora_rank")?,
+        "kv_lora_rank": m.u("attention.kv_lora_rank")?,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key_mla.saturating_sub(rope),
+        "v_head_dim": m.u("attention.value_length_mla")?,
+        "vocab_size": m.vocab()?,
+        "max_position_embeddings": m.u("context_length")?,
+        "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+        "rope_theta": m.f("rope.freq_base")?,
+        "rope_scaling": rope_scaling,
+        "bos_token_id": m.bos(),
+        "eos_token_id": m.token("eos_token_id"),
+        "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+    }))
+}

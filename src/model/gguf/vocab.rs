@@ -1,0 +1,141 @@
+//! The tokenizer a GGUF file carries (`tokenizer.ggml.*`), as a Hugging Face
+//! `tokenizer.json` the `tokenizers` crate loads.
+//!
+//! Takes an opened [`GgufFile`]; gives the JSON and a line saying what it is, or the reason
+//! moec does not build one from this vocabulary (the caller then uses the family's embedded
+//! tokenizer and says so). Built: llama.cpp's `gpt2` vocabularies (byte-level BPE: `tokens`
+//! in the GPT-2 byte-to-unicode spelling, `merges` as `"a b"`, `token_type`) whose
+//! pre-tokenizer `pre` is one whose split expression Hugging Face's own files spell as
+//! below. Control (3) and user-defined (4) tokens become added tokens, matched whole; BOS
+//! is left to the card (`TextTokenizer` adds it). Not built: SentencePiece `llama`
+//! vocabularies (they carry scores, not merges; Mixtral's card keeps its shipped file) and
+//! other pre-tokenizers (DeepSeek-V3's, GPT-2's byte-level variants), each named in the
+//! reason. A vocabulary that contradicts itself (lengths that differ, a token spelled
+//! twice) is an error naming the key.
+
+use super::{GgufError, GgufFile, Value};
+use serde_json::json;
+
+/// Split expressions by `tokenizer.ggml.pre`, as Hugging Face's `tokenizer.json` files of
+/// those families write them (the `Split` pre-tokenizer before `ByteLevel`), with whether
+/// the BPE model ignores merges for whole-vocabulary words (`ignore_merges`, set in the
+/// Llama-3/cl100k files).
+fn split_of(pre: &str) -> Option<(&'static str, bool)> {
+    const CL100K: &str = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    match pre {
+        "dbrx" | "llama3" | "llama-bpe" | "smaug-bpe" => Some((CL100K, true)),
+        // llama.cpp gives `stablelm2` Qwen2's expression; its converter also labels cl100k
+        // itself so (the two files encode its hash text alike).
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => Some((QWEN2, false)),
+        _ => None,
+    }
+}
+
+fn meta_err(file: &GgufFile, key: &str, message: String) -> GgufError {
+    GgufError::Metadata {
+        path: file.path().display().to_string(),
+        key: key.into(),
+        message,
+    }
+}
+
+/// The strings of array `key`.
+fn strings<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, GgufError> {
+    match file.get(key)? {
+        Value::Array(items) => items
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| meta_err(file, key, format!("holds {v:?}, not a string")))
+            })
+            .collect(),
+        other => Err(meta_err(file, key, format!("{other:?} is not an array"))),
+    }
+}
+
+/// `tokenizer.json` bytes for `file`'s vocabulary and a description of it, or `Err` of
+/// the reason none is built (`Ok(Err(reason))`); a vocabulary that contradicts itself is
+/// the outer error.
+pub fn tokenizer_json(file: &GgufFile) -> Result<Result<(Vec<u8>, String), String>, GgufError> {
+    let Some(model) = file.metadata.get("tokenizer.ggml.model") else {
+        return Ok(Err(
+            "it carries no vocabulary (`tokenizer.ggml.model`)".into()
+        ));
+    };
+    let model = model.as_str().unwrap_or("");
+    if model != "gpt2" {
+        return Ok(Err(format!(
+            "its `{model}` vocabulary is not read (moec builds llama.cpp's `gpt2` byte-level \
+             BPE vocabularies)"
+        )));
+    }
+    let pre = file
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let Some((split, ignore_merges)) = split_of(pre) else {
+        return Ok(Err(format!(
+            "its pre-tokenizer `{pre}` is not read (moec knows dbrx, llama3, llama-bpe, \
+             smaug-bpe, qwen2, stablelm2)"
+        )));
+    };
+    let tokens = strings(file, "tokenizer.ggml.tokens")?;
+    let merges = strings(file, "tokenizer.ggml.merges")?;
+    let types: Vec<u64> = match file.metadata.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(items)) => items.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+        _ => vec![1; tokens.len()],
+    };
+    if types.len() != tokens.len() {
+        return Err(meta_err(
+            file,
+            "tokenizer.ggml.token_type",
+            format!("has {} entries for {} tokens", types.len(), tokens.len()),
+        ));
+    }
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (id, (&token, &ty)) in tokens.iter().zip(&types).enumerate() {
+        if vocab.insert(token.to_string(), json!(id)).is_some() {
+            return Err(meta_err(
+                file,
+                "tokenizer.ggml.tokens",
+                format!("token {token:?} is listed twice (the second time as id {id})"),
+            ));
+        }
+        // llama.cpp's token types: 3 control, 4 user-defined.
+        if ty == 3 || ty == 4 {
+            added.push(json!({
+                "id": id, "content": token, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty == 3,
+            }));
+        }
+    }
+    let text = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        ]},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": ignore_merges,
+            "vocab": vocab, "merges": merges,
+        },
+    });
+    let description = format!(
+        "the GGUF vocabulary of {} (byte-level BPE, pre-tokenizer `{pre}`, {} tokens, {} merges)",
+        file.path().display(),
+        tokens.len(),
+        merges.len()
+    );
+    Ok(Ok((text.to_string().into_bytes(), description)))
+}
