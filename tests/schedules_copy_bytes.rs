@@ -17,7 +17,15 @@
 //!   multiple of 64, the image's alignment);
 //! - a whole layer: 100,864 + 8 * 196,608 = 1,673,728 B;
 //! - per token: hidden 128 * 4 = 512 B, QKV (128 + 2 * 64) * 4 = 1,024 B, attention output
-//!   128 * 4 = 512 B, KV cache of one layer 2 * 64 * 4 = 512 B; a sampled token 4 B.
+//!   128 * 4 = 512 B, KV cache of one layer 2 * 64 * 4 = 512 B; routing top_k 2 entries
+//!   of 8 B (expert id and weight) = 16 B; expert sums (`expert_acc`: the normalised row
+//!   and one output row per (token, k), no shared row on Mixtral) (1 + 2) * 128 * 4 =
+//!   1,536 B; a sampled token 4 B.
+//!
+//! An activation copy moves the rows of the step's tokens (`ir::LiveRows`): a decode step
+//! of 2 sequences moves 2 rows of a buffer declared for the 16 prompt tokens of a prefill
+//! (Fiddler's `acc`, `route`), so the totals are per token of the step, whatever the
+//! buffer's declared size.
 
 mod schedules_common;
 use schedules_common as common;
@@ -38,6 +46,8 @@ const HIDDEN_TOKEN: u64 = 512;
 const QKV_TOKEN: u64 = 1_024;
 const ATTN_OUT_TOKEN: u64 = 512;
 const KV_TOKEN: u64 = 512;
+const ROUTE_TOKEN: u64 = 16;
+const ACC_TOKEN: u64 = 1_536;
 const SAMPLED_TOKEN: u64 = 4;
 
 /// The small configuration (tests/schedules_common).
@@ -73,9 +83,9 @@ fn compiled(schedule: &str) -> Program {
     }
 }
 
-/// Declared bytes copied in the first step of `kind`, by (class, direction). Guarded copies
-/// count in full: this is the declared worst case the memory check and the runtime's
-/// slices use.
+/// Bytes copied in the first step of `kind` at its declared (worst-case) shape, by (class,
+/// direction): KV parts and activations at the positions and rows of a full micro-batch's
+/// tokens, everything else its whole slice. Guarded copies count in full.
 fn copy_totals(program: &Program, kind: StepKind) -> Totals {
     let classes = buffer_classes(program);
     let step = program
@@ -340,6 +350,112 @@ fn sequential_decode_moves_one_token_rows() {
     );
 }
 
+/// Fiddler's decode (§3.3, Alg. 1) with 6 of the 16 experts resident (the small
+/// configuration's `n_gpu`; ranked by expert then layer without a profile: experts 0-2 of
+/// both layers), so 5 experts per layer are not: each may be copied (checkpoint -> pinned
+/// -> the staging slot, counted in full as guarded copies are). Per (layer, micro-batch)
+/// the CPU arm's inputs go out (`route[j] -> route_c[j]`, `acc[j] -> acc_c[j]`) and its
+/// outputs come back (`acc_c[j] -> acc_cg[j]`): the rows of the step's 2 tokens, not the
+/// 16 prompt tokens `expert_acc(pre)` and `routing(pre)` are declared for (issue 28: 8x
+/// fewer activation bytes per decode step here). The KV cache stays on the GPU.
+#[test]
+fn fiddler_decode_moves_the_rows_of_its_tokens() {
+    let n = L * N_UB;
+    let staged = n * 5 * EXPERT;
+    expect(
+        "fiddler",
+        StepKind::Decode,
+        &[
+            (("weights", Host), staged),
+            (("weights", ToGpu), staged),
+            (
+                ("activations", FromGpu),
+                n * UBS * (ROUTE_TOKEN + ACC_TOKEN),
+            ),
+            (("activations", ToGpu), n * UBS * ACC_TOKEN),
+        ],
+    );
+}
+
+/// Fiddler's prefill: the same copies with every prompt token's row (the buffers' whole
+/// declared size).
+#[test]
+fn fiddler_prefill_moves_every_prompt_row() {
+    let n = L * N_UB;
+    let staged = n * 5 * EXPERT;
+    let tok = UBS * PROMPT;
+    expect(
+        "fiddler",
+        StepKind::Prefill,
+        &[
+            (("weights", Host), staged),
+            (("weights", ToGpu), staged),
+            (
+                ("activations", FromGpu),
+                n * tok * (ROUTE_TOKEN + ACC_TOKEN),
+            ),
+            (("activations", ToGpu), n * tok * ACC_TOKEN),
+        ],
+    );
+}
+
+/// MoE-Infinity's decode (Alg. 1, §4.6): no activation or KV copy at all (everything but
+/// experts is resident); per layer every expert may be fetched from its pinned home into
+/// the cache (8 guarded fetches), and each layer but the last prefetches `n_pf = 2`
+/// experts of the next (`lookahead = 1`).
+#[test]
+fn moe_infinity_decode_moves_only_experts() {
+    expect(
+        "moe_infinity",
+        StepKind::Decode,
+        &[(("weights", ToGpu), (L * EXPERTS + (L - 1) * 2) * EXPERT)],
+    );
+}
+
+/// The resident baselines copy nothing after setup.
+#[test]
+fn resident_baselines_copy_nothing_per_step() {
+    for schedule in ["baselines/gpu_resident", "baselines/resident"] {
+        for kind in [StepKind::Prefill, StepKind::Decode] {
+            expect(schedule, kind, &[]);
+        }
+    }
+}
+
+/// Every schedule of `schedules/` has its per-step copies worked out above, so a new one
+/// (or one that starts copying activations) cannot go unchecked.
+#[test]
+fn every_schedule_is_covered() {
+    const COVERED: &[&str] = &[
+        "cgopipe",
+        "fiddler",
+        "flexgen",
+        "klotski",
+        "moe_infinity",
+        "vslpipe",
+        "baselines/flexgen_cpu_attn",
+        "baselines/gpu_resident",
+        "baselines/moe_lightning_s2",
+        "baselines/resident",
+        "baselines/sequential",
+    ];
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules");
+    let mut found = Vec::new();
+    for dir in ["", "baselines/"] {
+        for entry in std::fs::read_dir(root.join(dir)).expect("schedules folder") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_some_and(|e| e == "sched") {
+                let stem = path.file_stem().expect("stem").to_string_lossy();
+                found.push(format!("{dir}{stem}"));
+            }
+        }
+    }
+    found.sort();
+    let mut covered: Vec<String> = COVERED.iter().map(|s| s.to_string()).collect();
+    covered.sort();
+    assert_eq!(found, covered, "schedules without copy totals here");
+}
+
 #[test]
 fn dense_part_is_pre_plus_o_plus_gate() {
     // The hand figures above agree with each other (guards the arithmetic, not the code).
@@ -348,10 +464,13 @@ fn dense_part_is_pre_plus_o_plus_gate() {
 }
 
 /// Counts the bytes the runtime really moves in KV-part copies (`.context()`,
-/// `.appended()`), per step kind and direction, around the CPU backend.
+/// `.appended()`) or in copies of activation rows (`LiveRows`), per step kind and
+/// direction, around the CPU backend.
 #[derive(Debug)]
 struct CountingKv<'c> {
     inner: moec::runtime::cpu::CpuBackend<'c>,
+    /// Count KV-part copies (else live-row copies).
+    kv: bool,
     /// (step kind, direction) -> bytes.
     moved: std::sync::Mutex<BTreeMap<(&'static str, Dir), u64>>,
     kinds: Vec<StepKind>,
@@ -378,8 +497,8 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         state: &dyn moec::runtime::step::StepContext,
     ) -> Result<(), moec::runtime::backend::BackendError> {
         assert!(
-            task.kv.is_none(),
-            "{}: a KV-part copy is one `copy_runs` command, never a whole-slice `run`",
+            task.kv.is_none() && task.live.is_none(),
+            "{}: a KV-part or live-row copy is one `copy_runs` command, never a whole-slice `run`",
             task.name
         );
         self.inner.run(stream, engine, task, state)
@@ -392,7 +511,7 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         runs: &[(u64, u64)],
         state: &dyn moec::runtime::step::StepContext,
     ) -> Result<(), moec::runtime::backend::BackendError> {
-        if task.kv.is_some() {
+        if task.kv.is_some() == self.kv {
             let dir = match engine {
                 moec::ir::Engine::GpuCopyIn => ToGpu,
                 moec::ir::Engine::GpuCopyOut => FromGpu,
@@ -471,6 +590,7 @@ fn the_runtime_copies_only_the_cached_and_appended_positions() {
         let backend = CountingKv {
             inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
                 .expect("backend"),
+            kv: true,
             moved: Default::default(),
             kinds: program.steps.iter().map(|s| s.kind).collect(),
         };
@@ -489,4 +609,58 @@ fn the_runtime_copies_only_the_cached_and_appended_positions() {
         .collect();
         assert_eq!(moved, want, "{schedule}: KV bytes the runtime copied");
     }
+}
+
+/// What the runtime copies of activations in Fiddler (`route`, `acc` out to the CPU arm,
+/// `acc_c` back), counted at the backend over the same run of 6 prompts of 8 tokens and 4
+/// generated tokens (3 micro-batches of 2 sequences): per (layer, micro-batch) the rows of
+/// the step's tokens, 16 prompt tokens in prefill and 2 in each of the 3 decode steps, at
+/// 16 B of routing and 1,536 B of expert sums out and 1,536 B back per token. Before issue
+/// 28's live-row copies every decode step moved the 16 rows the buffers are declared for
+/// (8x these bytes). The tokens stay the oracle's.
+#[test]
+fn the_runtime_copies_only_the_rows_of_the_steps_tokens() {
+    use moec::lower::{lower, LowerOptions};
+    use moec::runtime::RunOptions;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let card = common::card_with_layers("mixtral-tiny", 2);
+    let checkpoint = common::tiny_checkpoint(&card, dir.path());
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|p| (0..8u32).map(|t| 100 + 37 * p + 11 * t).collect())
+        .collect();
+    let expected = common::oracle_tokens(&checkpoint, &prompts, 4);
+    let n = L * N_UB;
+    let compiled = compiled("fiddler");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/fiddler.sched");
+    let checked = common::compile_small(&common::read(&path)).expect("compiles");
+    let plan = lower(&checked.program, &checked.info, &LowerOptions::default()).expect("lowers");
+    let mut run = RunOptions::greedy(4);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let backend = CountingKv {
+        inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
+            .expect("backend"),
+        kv: false,
+        moved: Default::default(),
+        kinds: compiled.steps.iter().map(|s| s.kind).collect(),
+    };
+    let (outputs, _) =
+        moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
+            .expect("runs");
+    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    assert_eq!(got, expected, "fiddler: the oracle's tokens");
+    let moved = backend.moved.into_inner().expect("counter");
+    let (prefill, decode) = (UBS * PROMPT, 3 * UBS);
+    let want: BTreeMap<(&'static str, Dir), u64> = [
+        (
+            ("prefill", FromGpu),
+            n * prefill * (ROUTE_TOKEN + ACC_TOKEN),
+        ),
+        (("prefill", ToGpu), n * prefill * ACC_TOKEN),
+        (("decode", FromGpu), n * decode * (ROUTE_TOKEN + ACC_TOKEN)),
+        (("decode", ToGpu), n * decode * ACC_TOKEN),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(moved, want, "fiddler: activation bytes the runtime copied");
 }

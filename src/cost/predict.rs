@@ -18,7 +18,7 @@ use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, KernelRates, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
-use crate::ir::catalog::{self, ArgType, AttnPart, CostClass, Shape, ACT_BYTES};
+use crate::ir::catalog::{self, ArgType, AttnPart, CopyWork, CostClass, Shape, ACT_BYTES};
 use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, KvPart, Layout, Op, Program, Role, Space, TaskId, Work};
 use crate::records::timeline::{Span, Timeline};
@@ -607,7 +607,7 @@ pub fn task_time_at(
             profile,
             level_of(copy.src),
             level_of(copy.dst),
-            copy.bytes as f64,
+            copy_bytes_at(task, copy, loads),
         );
     }
     if task.op == Op::Copy {
@@ -617,6 +617,23 @@ pub fn task_time_at(
         };
     }
     compute_time(profile, &compute_load(program, id, settings, loads))
+}
+
+/// Bytes a copy moves at `loads`: a copy of an activation's live rows (`Task::live`)
+/// moves the rows its micro-batch holds at a measured or steady load (none for a
+/// micro-batch the load does not have), at most its declared bytes, which are those rows
+/// at the declared shape; every other copy its declared bytes.
+pub fn copy_bytes_at(task: &crate::ir::Task, copy: CopyWork, loads: Loads<'_>) -> f64 {
+    match (task.live, loads) {
+        (Some(live), Loads::Measured(per_ub) | Loads::Steady(per_ub)) => {
+            per_ub.get(live.ub as usize).map_or(0.0, |load| {
+                let tokens = load.prefill_tokens + load.decode_seqs;
+                let seqs = load.prefill_seqs + load.decode_seqs;
+                live.bytes(tokens as u64, seqs as u64).min(copy.bytes) as f64
+            })
+        }
+        _ => copy.bytes as f64,
+    }
 }
 
 /// The colour key of a task in timelines: the op name, copies by what they carry.
@@ -865,7 +882,9 @@ pub(crate) fn simulate_step_ran(
                 Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
                 Loads::Steady(per_ub) => {
                     let mut time = task_time_at(program, id, profile, settings, loads);
+                    // A live-row copy is already at its micro-batch's rows.
                     if task.work.copy.is_some()
+                        && task.live.is_none()
                         && classes.get(task.args[0].slice.buffer.index())
                             == Some(&BufferClass::Activations)
                     {
@@ -1208,7 +1227,7 @@ fn step_resource_bound(
             Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
         };
         if let Some(copy) = task.work.copy {
-            let bytes = copy.bytes as f64 * act.runs;
+            let bytes = copy_bytes_at(task, copy, loads) * act.runs;
             match (copy.src, copy.dst) {
                 (Space::Gpu, Space::Gpu) => {}
                 (_, Space::Gpu) => work.host_to_gpu_bytes += bytes,
