@@ -350,53 +350,34 @@ fn sequential_decode_moves_one_token_rows() {
     );
 }
 
-/// Fiddler's decode (§3.3, Alg. 1) with 6 of the 16 experts resident (the small
-/// configuration's `n_gpu`; ranked by expert then layer without a profile: experts 0-2 of
-/// both layers), so 5 experts per layer are not: each may be copied (checkpoint -> pinned
-/// -> the staging slot, counted in full as guarded copies are). Per (layer, micro-batch)
-/// the CPU arm's inputs go out (`route[j] -> route_c[j]`, `acc[j] -> acc_c[j]`) and its
-/// outputs come back (`acc_c[j] -> acc_cg[j]`): the rows of the step's 2 tokens, not the
-/// 16 prompt tokens `expert_acc(pre)` and `routing(pre)` are declared for (issue 28: 8x
-/// fewer activation bytes per decode step here). The KV cache stays on the GPU.
+/// Fiddler (§3.3, Alg. 1) with 6 of the 16 experts resident (the small configuration's
+/// `n_gpu`; ranked by expert then layer without a profile: experts 0-2 of both layers), so
+/// 5 experts per layer are not: each may be copied (checkpoint -> pinned -> the staging
+/// slot, counted in full as guarded copies are). Per (layer, micro-batch) the CPU arm's
+/// inputs go out (`route[j] -> route_c[j]`, `acc[j] -> acc_c[j]`) and its outputs come
+/// back (`acc_c[j] -> acc_cg[j]`): the rows of the step's tokens, 2 in decode, not the 16
+/// prompt tokens `expert_acc(pre)` and `routing(pre)` are declared for (issue 28: 8x
+/// fewer activation bytes per decode step here); every prompt token's row in prefill (the
+/// buffers' whole declared size). The KV cache stays on the GPU.
 #[test]
-fn fiddler_decode_moves_the_rows_of_its_tokens() {
+fn fiddler_moves_the_rows_of_its_tokens() {
     let n = L * N_UB;
     let staged = n * 5 * EXPERT;
-    expect(
-        "fiddler",
-        StepKind::Decode,
-        &[
-            (("weights", Host), staged),
-            (("weights", ToGpu), staged),
-            (
-                ("activations", FromGpu),
-                n * UBS * (ROUTE_TOKEN + ACC_TOKEN),
-            ),
-            (("activations", ToGpu), n * UBS * ACC_TOKEN),
-        ],
-    );
-}
-
-/// Fiddler's prefill: the same copies with every prompt token's row (the buffers' whole
-/// declared size).
-#[test]
-fn fiddler_prefill_moves_every_prompt_row() {
-    let n = L * N_UB;
-    let staged = n * 5 * EXPERT;
-    let tok = UBS * PROMPT;
-    expect(
-        "fiddler",
-        StepKind::Prefill,
-        &[
-            (("weights", Host), staged),
-            (("weights", ToGpu), staged),
-            (
-                ("activations", FromGpu),
-                n * tok * (ROUTE_TOKEN + ACC_TOKEN),
-            ),
-            (("activations", ToGpu), n * tok * ACC_TOKEN),
-        ],
-    );
+    for (kind, tok) in [(StepKind::Decode, UBS), (StepKind::Prefill, UBS * PROMPT)] {
+        expect(
+            "fiddler",
+            kind,
+            &[
+                (("weights", Host), staged),
+                (("weights", ToGpu), staged),
+                (
+                    ("activations", FromGpu),
+                    n * tok * (ROUTE_TOKEN + ACC_TOKEN),
+                ),
+                (("activations", ToGpu), n * tok * ACC_TOKEN),
+            ],
+        );
+    }
 }
 
 /// MoE-Infinity's decode (Alg. 1, §4.6): no activation or KV copy at all (everything but
@@ -559,13 +540,11 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
     }
 }
 
-/// What the runtime copies for `.context()` / `.appended()`, counted at the backend, over
-/// a whole run of 6 prompts of exactly 8 tokens (3 batches of 2 sequences) and 4 tokens
-/// each: prefill stores the 8 prompt positions; the 3 decode steps load the 8, 9 and 10
-/// positions cached before their token and store 1 each; per (layer, batch), 2 sequences
-/// x 512 bytes per position. The tokens stay the oracle's.
-#[test]
-fn the_runtime_copies_only_the_cached_and_appended_positions() {
+/// Runs `schedule` on the small configuration over 6 prompts of exactly 8 tokens (3
+/// batches of 2 sequences) and 4 generated tokens each, on the CPU backend behind a
+/// counter of KV-part copies (`kv`) or live-row copies; checks the tokens are the
+/// oracle's and gives the bytes counted per (step kind, direction).
+fn counted_run(schedule: &str, kv: bool) -> BTreeMap<(&'static str, Dir), u64> {
     use moec::lower::{lower, LowerOptions};
     use moec::runtime::RunOptions;
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -575,31 +554,37 @@ fn the_runtime_copies_only_the_cached_and_appended_positions() {
         .map(|p| (0..8u32).map(|t| 100 + 37 * p + 11 * t).collect())
         .collect();
     let expected = common::oracle_tokens(&checkpoint, &prompts, 4);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("schedules/{schedule}.sched"));
+    let compiled = common::compile_small(&common::read(&path)).expect("compiles");
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).expect("lowers");
+    let mut run = RunOptions::greedy(4);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let backend = CountingKv {
+        inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
+            .expect("backend"),
+        kv,
+        moved: Default::default(),
+        kinds: compiled.program.steps.iter().map(|s| s.kind).collect(),
+    };
+    let (outputs, _) =
+        moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
+            .expect("runs");
+    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    assert_eq!(got, expected, "{schedule}: the oracle's tokens");
+    backend.moved.into_inner().expect("counter")
+}
+
+/// What the runtime copies for `.context()` / `.appended()`, counted at the backend over
+/// [`counted_run`]: prefill stores the 8 prompt positions; the 3 decode steps load the 8,
+/// 9 and 10 positions cached before their token and store 1 each; per (layer, batch), 2
+/// sequences x 512 bytes per position.
+#[test]
+fn the_runtime_copies_only_the_cached_and_appended_positions() {
     let n = L * N_UB; // (layer, batch) pairs per step
     let per_pair = |positions: u64| UBS * positions * KV_TOKEN;
     for schedule in ["flexgen", "klotski"] {
-        let program = compiled(schedule);
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("schedules/{schedule}.sched"));
-        let compiled = common::compile_small(&common::read(&path)).expect("compiles");
-        let plan =
-            lower(&compiled.program, &compiled.info, &LowerOptions::default()).expect("lowers");
-        let mut run = RunOptions::greedy(4);
-        run.stop_at_eos = false;
-        run.backend.threads = 1;
-        let backend = CountingKv {
-            inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
-                .expect("backend"),
-            kv: true,
-            moved: Default::default(),
-            kinds: program.steps.iter().map(|s| s.kind).collect(),
-        };
-        let (outputs, _) =
-            moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
-                .expect("runs");
-        let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
-        assert_eq!(got, expected, "{schedule}: the oracle's tokens");
-        let moved = backend.moved.into_inner().expect("counter");
         let want: BTreeMap<(&'static str, Dir), u64> = [
             (("prefill", FromGpu), n * per_pair(8)),
             (("decode", ToGpu), n * per_pair(8 + 9 + 10)),
@@ -607,49 +592,23 @@ fn the_runtime_copies_only_the_cached_and_appended_positions() {
         ]
         .into_iter()
         .collect();
-        assert_eq!(moved, want, "{schedule}: KV bytes the runtime copied");
+        assert_eq!(
+            counted_run(schedule, true),
+            want,
+            "{schedule}: KV bytes the runtime copied"
+        );
     }
 }
 
 /// What the runtime copies of activations in Fiddler (`route`, `acc` out to the CPU arm,
-/// `acc_c` back), counted at the backend over the same run of 6 prompts of 8 tokens and 4
-/// generated tokens (3 micro-batches of 2 sequences): per (layer, micro-batch) the rows of
-/// the step's tokens, 16 prompt tokens in prefill and 2 in each of the 3 decode steps, at
-/// 16 B of routing and 1,536 B of expert sums out and 1,536 B back per token. Before issue
-/// 28's live-row copies every decode step moved the 16 rows the buffers are declared for
-/// (8x these bytes). The tokens stay the oracle's.
+/// `acc_c` back), counted at the backend over [`counted_run`] (3 micro-batches of 2
+/// sequences): per (layer, micro-batch) the rows of the step's tokens, 16 prompt tokens in
+/// prefill and 2 in each of the 3 decode steps, at 16 B of routing and 1,536 B of expert
+/// sums out and 1,536 B back per token. Before issue 28's live-row copies every decode
+/// step moved the 16 rows the buffers are declared for (8x these bytes).
 #[test]
 fn the_runtime_copies_only_the_rows_of_the_steps_tokens() {
-    use moec::lower::{lower, LowerOptions};
-    use moec::runtime::RunOptions;
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let card = common::card_with_layers("mixtral-tiny", 2);
-    let checkpoint = common::tiny_checkpoint(&card, dir.path());
-    let prompts: Vec<Vec<u32>> = (0..6u32)
-        .map(|p| (0..8u32).map(|t| 100 + 37 * p + 11 * t).collect())
-        .collect();
-    let expected = common::oracle_tokens(&checkpoint, &prompts, 4);
     let n = L * N_UB;
-    let compiled = compiled("fiddler");
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/fiddler.sched");
-    let checked = common::compile_small(&common::read(&path)).expect("compiles");
-    let plan = lower(&checked.program, &checked.info, &LowerOptions::default()).expect("lowers");
-    let mut run = RunOptions::greedy(4);
-    run.stop_at_eos = false;
-    run.backend.threads = 1;
-    let backend = CountingKv {
-        inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
-            .expect("backend"),
-        kv: false,
-        moved: Default::default(),
-        kinds: compiled.steps.iter().map(|s| s.kind).collect(),
-    };
-    let (outputs, _) =
-        moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
-            .expect("runs");
-    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
-    assert_eq!(got, expected, "fiddler: the oracle's tokens");
-    let moved = backend.moved.into_inner().expect("counter");
     let (prefill, decode) = (UBS * PROMPT, 3 * UBS);
     let want: BTreeMap<(&'static str, Dir), u64> = [
         (
@@ -662,5 +621,9 @@ fn the_runtime_copies_only_the_rows_of_the_steps_tokens() {
     ]
     .into_iter()
     .collect();
-    assert_eq!(moved, want, "fiddler: activation bytes the runtime copied");
+    assert_eq!(
+        counted_run("fiddler", false),
+        want,
+        "fiddler: activation bytes the runtime copied"
+    );
 }

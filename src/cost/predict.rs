@@ -672,6 +672,10 @@ pub struct StepPrediction {
     /// Summed task seconds per op kind (the timeline's colour keys), with the roof that
     /// bounds most of that time.
     pub op_seconds: BTreeMap<String, (f64, String)>,
+    /// Bytes the copies of each copy kind move over the step, as the times above charge
+    /// them (KV parts at the context of the load, activations at its rows, guarded copies
+    /// by expected activation at the declared load).
+    pub copy_bytes: BTreeMap<String, f64>,
     /// Guarded tasks grouped by the kind of guard they have (see
     /// [`super::activation::arm_key`]), with how often they are expected to run; empty at
     /// a measured load, where the run's routing decided.
@@ -1150,6 +1154,7 @@ pub(crate) fn simulate_step(
                 .unwrap_or_default();
         }
     }
+    let copy_bytes = step_copy_bytes(program, &ids, step.kind, settings, classes, loads);
     let timeline = Timeline {
         title: format!(
             "{} ({} step) on {}: {:.3} ms",
@@ -1197,8 +1202,39 @@ pub(crate) fn simulate_step(
         resource_busy,
         resource_bound: step_resource_bound(program, &ids, profile, settings, loads),
         op_seconds,
+        copy_bytes,
         timeline,
     })
+}
+
+/// Bytes moved per copy kind over a step's tasks `ids`, as `simulate_step_ran` charges
+/// them.
+fn step_copy_bytes(
+    program: &Program,
+    ids: &[TaskId],
+    kind: StepKind,
+    settings: &CostSettings,
+    classes: &[BufferClass],
+    loads: Loads<'_>,
+) -> BTreeMap<String, f64> {
+    let kv_load = kv_part_load(program, kind, settings, loads);
+    let mut bytes: BTreeMap<String, f64> = BTreeMap::new();
+    for &id in ids {
+        let task = program.task(id);
+        let Some(copy) = task.work.copy else {
+            continue;
+        };
+        let runs = match loads {
+            Loads::Declared => activation(program, id, task.shape.tokens).runs,
+            Loads::Measured(_) | Loads::Steady(_) => 1.0,
+        };
+        let moved = match task.kv {
+            Some(part) => kv_part_bytes_at(program, &task.shape, part, &kv_load),
+            None => copy_bytes_at(task, copy, loads),
+        };
+        *bytes.entry(task_kind(program, id, classes)).or_default() += moved * runs;
+    }
+    bytes
 }
 
 fn spans_iter<'a>(
