@@ -627,3 +627,51 @@ fn the_runtime_copies_only_the_rows_of_the_steps_tokens() {
         "fiddler: activation bytes the runtime copied"
     );
 }
+
+/// The replay charges a live-row copy at what its own micro-batch held in the measured
+/// step (`cost::predict::copy_bytes_at`): Fiddler's decode `acc[0] -> acc_c[0]` copies of
+/// micro-batch 0 with 1 decoding sequence are 1 row of 1,536 B, while micro-batch 1 held 2
+/// (the declared worst case); a micro-batch the step did not have moves nothing. Copies
+/// that are not live rows (weights, sampled tokens) stay at their declared bytes.
+#[test]
+fn the_replay_charges_each_micro_batchs_own_rows() {
+    use moec::cost::predict::{copy_bytes_at, Loads};
+    use moec::records::UbLoad;
+    let program = compiled("fiddler");
+    let decode = |seqs: usize| UbLoad {
+        decode_seqs: seqs,
+        decode_context: seqs * 9,
+        ..UbLoad::default()
+    };
+    let loads = [decode(1), decode(2)];
+    let step = program
+        .steps
+        .iter()
+        .find(|s| s.kind == StepKind::Decode)
+        .expect("decode step");
+    let mut by_ub: BTreeMap<u32, (u64, f64)> = BTreeMap::new();
+    let mut whole = 0;
+    for id in step.task_ids() {
+        let task = &program.tasks[id.index()];
+        let Some(copy) = task.work.copy else { continue };
+        let bytes = copy_bytes_at(task, copy, Loads::Measured(&loads));
+        match task.live {
+            Some(live) if live.row_bytes == ACC_TOKEN => {
+                let entry = by_ub.entry(live.ub).or_default();
+                entry.0 += 1;
+                entry.1 += bytes;
+            }
+            Some(_) => {}
+            None => {
+                assert_eq!(bytes, copy.bytes as f64, "{}", program.task_name(id));
+                whole += 1;
+            }
+        }
+    }
+    // Per micro-batch: `acc -> acc_c` and `acc_c -> acc_cg` in each of the 2 layers.
+    let per_ub = |rows: f64| (2 * L, 2.0 * L as f64 * rows * ACC_TOKEN as f64);
+    assert_eq!(by_ub.get(&0), Some(&per_ub(1.0)));
+    assert_eq!(by_ub.get(&1), Some(&per_ub(2.0)));
+    assert_eq!(by_ub.get(&2), Some(&per_ub(0.0)));
+    assert!(whole > 0, "the staged expert copies are not live rows");
+}
