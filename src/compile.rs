@@ -41,21 +41,39 @@ pub fn ast_to_ir(
     elaborate::elaborate(file, options)
 }
 
-/// IR to a checked program.
+/// IR to a checked program. The copies the checker proved may move only the rows of
+/// the step's tokens ([`ScheduleInfo::live_rows`]) say so in the IR (`Task::live`) and
+/// count those rows at the declared shape, as `.context()` / `.appended()` copies do, so
+/// the cost model and every report see the bytes the runtime moves.
 pub fn ir_to_checked(
-    program: Program,
+    mut program: Program,
     mut warnings: Vec<Diagnostic>,
 ) -> Result<Compiled, Vec<Diagnostic>> {
     match check::check(&program) {
         Ok(mut info) => {
             warnings.append(&mut info.warnings);
             info.warnings = check::dedupe(warnings);
+            mark_live_copies(&mut program, &info);
             Ok(Compiled { program, info })
         }
         Err(mut diags) => {
             diags.extend(warnings);
             Err(check::dedupe(diags))
         }
+    }
+}
+
+/// Sets `Task::live` and trims `work.copy.bytes` to the live rows at the task's declared
+/// shape (the worst case of the step: every token of a full micro-batch).
+fn mark_live_copies(program: &mut Program, info: &ScheduleInfo) {
+    for (task, rows) in program.tasks.iter_mut().zip(&info.live_rows) {
+        let (Some(rows), Some(copy)) = (rows, task.work.copy.as_mut()) else {
+            continue;
+        };
+        task.live = Some(*rows);
+        copy.bytes = copy
+            .bytes
+            .min(rows.bytes(task.shape.tokens, task.shape.seqs));
     }
 }
 

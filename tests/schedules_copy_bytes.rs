@@ -17,7 +17,15 @@
 //!   multiple of 64, the image's alignment);
 //! - a whole layer: 100,864 + 8 * 196,608 = 1,673,728 B;
 //! - per token: hidden 128 * 4 = 512 B, QKV (128 + 2 * 64) * 4 = 1,024 B, attention output
-//!   128 * 4 = 512 B, KV cache of one layer 2 * 64 * 4 = 512 B; a sampled token 4 B.
+//!   128 * 4 = 512 B, KV cache of one layer 2 * 64 * 4 = 512 B; routing top_k 2 entries
+//!   of 8 B (expert id and weight) = 16 B; expert sums (`expert_acc`: the normalised row
+//!   and one output row per (token, k), no shared row on Mixtral) (1 + 2) * 128 * 4 =
+//!   1,536 B; a sampled token 4 B.
+//!
+//! An activation copy moves the rows of the step's tokens (`ir::LiveRows`): a decode step
+//! of 2 sequences moves 2 rows of a buffer declared for the 16 prompt tokens of a prefill
+//! (Fiddler's `acc`, `route`), so the totals are per token of the step, whatever the
+//! buffer's declared size.
 
 mod schedules_common;
 use schedules_common as common;
@@ -38,6 +46,8 @@ const HIDDEN_TOKEN: u64 = 512;
 const QKV_TOKEN: u64 = 1_024;
 const ATTN_OUT_TOKEN: u64 = 512;
 const KV_TOKEN: u64 = 512;
+const ROUTE_TOKEN: u64 = 16;
+const ACC_TOKEN: u64 = 1_536;
 const SAMPLED_TOKEN: u64 = 4;
 
 /// The small configuration (tests/schedules_common).
@@ -73,9 +83,9 @@ fn compiled(schedule: &str) -> Program {
     }
 }
 
-/// Declared bytes copied in the first step of `kind`, by (class, direction). Guarded copies
-/// count in full: this is the declared worst case the memory check and the runtime's
-/// slices use.
+/// Bytes copied in the first step of `kind` at its declared (worst-case) shape, by (class,
+/// direction): KV parts and activations at the positions and rows of a full micro-batch's
+/// tokens, everything else its whole slice. Guarded copies count in full.
 fn copy_totals(program: &Program, kind: StepKind) -> Totals {
     let classes = buffer_classes(program);
     let step = program
@@ -340,6 +350,93 @@ fn sequential_decode_moves_one_token_rows() {
     );
 }
 
+/// Fiddler (§3.3, Alg. 1) with 6 of the 16 experts resident (the small configuration's
+/// `n_gpu`; ranked by expert then layer without a profile: experts 0-2 of both layers), so
+/// 5 experts per layer are not: each may be copied (checkpoint -> pinned -> the staging
+/// slot, counted in full as guarded copies are). Per (layer, micro-batch) the CPU arm's
+/// inputs go out (`route[j] -> route_c[j]`, `acc[j] -> acc_c[j]`) and its outputs come
+/// back (`acc_c[j] -> acc_cg[j]`): the rows of the step's tokens, 2 in decode, not the 16
+/// prompt tokens `expert_acc(pre)` and `routing(pre)` are declared for (issue 28: 8x
+/// fewer activation bytes per decode step here); every prompt token's row in prefill (the
+/// buffers' whole declared size). The KV cache stays on the GPU.
+#[test]
+fn fiddler_moves_the_rows_of_its_tokens() {
+    let n = L * N_UB;
+    let staged = n * 5 * EXPERT;
+    for (kind, tok) in [(StepKind::Decode, UBS), (StepKind::Prefill, UBS * PROMPT)] {
+        expect(
+            "fiddler",
+            kind,
+            &[
+                (("weights", Host), staged),
+                (("weights", ToGpu), staged),
+                (
+                    ("activations", FromGpu),
+                    n * tok * (ROUTE_TOKEN + ACC_TOKEN),
+                ),
+                (("activations", ToGpu), n * tok * ACC_TOKEN),
+            ],
+        );
+    }
+}
+
+/// MoE-Infinity's decode (Alg. 1, §4.6): no activation or KV copy at all (everything but
+/// experts is resident); per layer every expert may be fetched from its pinned home into
+/// the cache (8 guarded fetches), and each layer but the last prefetches `n_pf = 2`
+/// experts of the next (`lookahead = 1`).
+#[test]
+fn moe_infinity_decode_moves_only_experts() {
+    expect(
+        "moe_infinity",
+        StepKind::Decode,
+        &[(("weights", ToGpu), (L * EXPERTS + (L - 1) * 2) * EXPERT)],
+    );
+}
+
+/// The resident baselines copy nothing after setup.
+#[test]
+fn resident_baselines_copy_nothing_per_step() {
+    for schedule in ["baselines/gpu_resident", "baselines/resident"] {
+        for kind in [StepKind::Prefill, StepKind::Decode] {
+            expect(schedule, kind, &[]);
+        }
+    }
+}
+
+/// Every schedule of `schedules/` has its per-step copies worked out above, so a new one
+/// (or one that starts copying activations) cannot go unchecked.
+#[test]
+fn every_schedule_is_covered() {
+    const COVERED: &[&str] = &[
+        "cgopipe",
+        "fiddler",
+        "flexgen",
+        "klotski",
+        "moe_infinity",
+        "vslpipe",
+        "baselines/flexgen_cpu_attn",
+        "baselines/gpu_resident",
+        "baselines/moe_lightning_s2",
+        "baselines/resident",
+        "baselines/sequential",
+    ];
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules");
+    let mut found = Vec::new();
+    for dir in ["", "baselines/"] {
+        for entry in std::fs::read_dir(root.join(dir)).expect("schedules folder") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_some_and(|e| e == "sched") {
+                let stem = path.file_stem().expect("stem").to_string_lossy();
+                found.push(format!("{dir}{stem}"));
+            }
+        }
+    }
+    found.sort();
+    let mut covered: Vec<String> = COVERED.iter().map(|s| s.to_string()).collect();
+    covered.sort();
+    assert_eq!(found, covered, "schedules without copy totals here");
+}
+
 #[test]
 fn dense_part_is_pre_plus_o_plus_gate() {
     // The hand figures above agree with each other (guards the arithmetic, not the code).
@@ -348,10 +445,13 @@ fn dense_part_is_pre_plus_o_plus_gate() {
 }
 
 /// Counts the bytes the runtime really moves in KV-part copies (`.context()`,
-/// `.appended()`), per step kind and direction, around the CPU backend.
+/// `.appended()`) or in copies of activation rows (`LiveRows`), per step kind and
+/// direction, around the CPU backend.
 #[derive(Debug)]
 struct CountingKv<'c> {
     inner: moec::runtime::cpu::CpuBackend<'c>,
+    /// Count KV-part copies (else live-row copies).
+    kv: bool,
     /// (step kind, direction) -> bytes.
     moved: std::sync::Mutex<BTreeMap<(&'static str, Dir), u64>>,
     kinds: Vec<StepKind>,
@@ -378,8 +478,8 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         state: &dyn moec::runtime::step::StepContext,
     ) -> Result<(), moec::runtime::backend::BackendError> {
         assert!(
-            task.kv.is_none(),
-            "{}: a KV-part copy is one `copy_runs` command, never a whole-slice `run`",
+            task.kv.is_none() && task.live.is_none(),
+            "{}: a KV-part or live-row copy is one `copy_runs` command, never a whole-slice `run`",
             task.name
         );
         self.inner.run(stream, engine, task, state)
@@ -392,7 +492,7 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         runs: &[(u64, u64)],
         state: &dyn moec::runtime::step::StepContext,
     ) -> Result<(), moec::runtime::backend::BackendError> {
-        if task.kv.is_some() {
+        if task.kv.is_some() == self.kv {
             let dir = match engine {
                 moec::ir::Engine::GpuCopyIn => ToGpu,
                 moec::ir::Engine::GpuCopyOut => FromGpu,
@@ -440,13 +540,11 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
     }
 }
 
-/// What the runtime copies for `.context()` / `.appended()`, counted at the backend, over
-/// a whole run of 6 prompts of exactly 8 tokens (3 batches of 2 sequences) and 4 tokens
-/// each: prefill stores the 8 prompt positions; the 3 decode steps load the 8, 9 and 10
-/// positions cached before their token and store 1 each; per (layer, batch), 2 sequences
-/// x 512 bytes per position. The tokens stay the oracle's.
-#[test]
-fn the_runtime_copies_only_the_cached_and_appended_positions() {
+/// Runs `schedule` on the small configuration over 6 prompts of exactly 8 tokens (3
+/// batches of 2 sequences) and 4 generated tokens each, on the CPU backend behind a
+/// counter of KV-part copies (`kv`) or live-row copies; checks the tokens are the
+/// oracle's and gives the bytes counted per (step kind, direction).
+fn counted_run(schedule: &str, kv: bool) -> BTreeMap<(&'static str, Dir), u64> {
     use moec::lower::{lower, LowerOptions};
     use moec::runtime::RunOptions;
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -456,30 +554,37 @@ fn the_runtime_copies_only_the_cached_and_appended_positions() {
         .map(|p| (0..8u32).map(|t| 100 + 37 * p + 11 * t).collect())
         .collect();
     let expected = common::oracle_tokens(&checkpoint, &prompts, 4);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("schedules/{schedule}.sched"));
+    let compiled = common::compile_small(&common::read(&path)).expect("compiles");
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).expect("lowers");
+    let mut run = RunOptions::greedy(4);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let backend = CountingKv {
+        inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
+            .expect("backend"),
+        kv,
+        moved: Default::default(),
+        kinds: compiled.program.steps.iter().map(|s| s.kind).collect(),
+    };
+    let (outputs, _) =
+        moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
+            .expect("runs");
+    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    assert_eq!(got, expected, "{schedule}: the oracle's tokens");
+    backend.moved.into_inner().expect("counter")
+}
+
+/// What the runtime copies for `.context()` / `.appended()`, counted at the backend over
+/// [`counted_run`]: prefill stores the 8 prompt positions; the 3 decode steps load the 8,
+/// 9 and 10 positions cached before their token and store 1 each; per (layer, batch), 2
+/// sequences x 512 bytes per position.
+#[test]
+fn the_runtime_copies_only_the_cached_and_appended_positions() {
     let n = L * N_UB; // (layer, batch) pairs per step
     let per_pair = |positions: u64| UBS * positions * KV_TOKEN;
     for schedule in ["flexgen", "klotski"] {
-        let program = compiled(schedule);
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("schedules/{schedule}.sched"));
-        let compiled = common::compile_small(&common::read(&path)).expect("compiles");
-        let plan =
-            lower(&compiled.program, &compiled.info, &LowerOptions::default()).expect("lowers");
-        let mut run = RunOptions::greedy(4);
-        run.stop_at_eos = false;
-        run.backend.threads = 1;
-        let backend = CountingKv {
-            inner: moec::runtime::cpu::CpuBackend::new(&plan, &checkpoint, &run.backend)
-                .expect("backend"),
-            moved: Default::default(),
-            kinds: program.steps.iter().map(|s| s.kind).collect(),
-        };
-        let (outputs, _) =
-            moec::runtime::driver::generate(&plan, &backend, &prompts, &run, &mut |_, _| {})
-                .expect("runs");
-        let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
-        assert_eq!(got, expected, "{schedule}: the oracle's tokens");
-        let moved = backend.moved.into_inner().expect("counter");
         let want: BTreeMap<(&'static str, Dir), u64> = [
             (("prefill", FromGpu), n * per_pair(8)),
             (("decode", ToGpu), n * per_pair(8 + 9 + 10)),
@@ -487,6 +592,86 @@ fn the_runtime_copies_only_the_cached_and_appended_positions() {
         ]
         .into_iter()
         .collect();
-        assert_eq!(moved, want, "{schedule}: KV bytes the runtime copied");
+        assert_eq!(
+            counted_run(schedule, true),
+            want,
+            "{schedule}: KV bytes the runtime copied"
+        );
     }
+}
+
+/// What the runtime copies of activations in Fiddler (`route`, `acc` out to the CPU arm,
+/// `acc_c` back), counted at the backend over [`counted_run`] (3 micro-batches of 2
+/// sequences): per (layer, micro-batch) the rows of the step's tokens, 16 prompt tokens in
+/// prefill and 2 in each of the 3 decode steps, at 16 B of routing and 1,536 B of expert
+/// sums out and 1,536 B back per token. Before issue 28's live-row copies every decode
+/// step moved the 16 rows the buffers are declared for (8x these bytes).
+#[test]
+fn the_runtime_copies_only_the_rows_of_the_steps_tokens() {
+    let n = L * N_UB;
+    let (prefill, decode) = (UBS * PROMPT, 3 * UBS);
+    let want: BTreeMap<(&'static str, Dir), u64> = [
+        (
+            ("prefill", FromGpu),
+            n * prefill * (ROUTE_TOKEN + ACC_TOKEN),
+        ),
+        (("prefill", ToGpu), n * prefill * ACC_TOKEN),
+        (("decode", FromGpu), n * decode * (ROUTE_TOKEN + ACC_TOKEN)),
+        (("decode", ToGpu), n * decode * ACC_TOKEN),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(
+        counted_run("fiddler", false),
+        want,
+        "fiddler: activation bytes the runtime copied"
+    );
+}
+
+/// The replay charges a live-row copy at what its own micro-batch held in the measured
+/// step (`cost::predict::copy_bytes_at`): Fiddler's decode `acc[0] -> acc_c[0]` copies of
+/// micro-batch 0 with 1 decoding sequence are 1 row of 1,536 B, while micro-batch 1 held 2
+/// (the declared worst case); a micro-batch the step did not have moves nothing. Copies
+/// that are not live rows (weights, sampled tokens) stay at their declared bytes.
+#[test]
+fn the_replay_charges_each_micro_batchs_own_rows() {
+    use moec::cost::predict::{copy_bytes_at, Loads};
+    use moec::records::UbLoad;
+    let program = compiled("fiddler");
+    let decode = |seqs: usize| UbLoad {
+        decode_seqs: seqs,
+        decode_context: seqs * 9,
+        ..UbLoad::default()
+    };
+    let loads = [decode(1), decode(2)];
+    let step = program
+        .steps
+        .iter()
+        .find(|s| s.kind == StepKind::Decode)
+        .expect("decode step");
+    let mut by_ub: BTreeMap<u32, (u64, f64)> = BTreeMap::new();
+    let mut whole = 0;
+    for id in step.task_ids() {
+        let task = &program.tasks[id.index()];
+        let Some(copy) = task.work.copy else { continue };
+        let bytes = copy_bytes_at(task, copy, Loads::Measured(&loads));
+        match task.live {
+            Some(live) if live.row_bytes == ACC_TOKEN => {
+                let entry = by_ub.entry(live.ub).or_default();
+                entry.0 += 1;
+                entry.1 += bytes;
+            }
+            Some(_) => {}
+            None => {
+                assert_eq!(bytes, copy.bytes as f64, "{}", program.task_name(id));
+                whole += 1;
+            }
+        }
+    }
+    // Per micro-batch: `acc -> acc_c` and `acc_c -> acc_cg` in each of the 2 layers.
+    let per_ub = |rows: f64| (2 * L, 2.0 * L as f64 * rows * ACC_TOKEN as f64);
+    assert_eq!(by_ub.get(&0), Some(&per_ub(1.0)));
+    assert_eq!(by_ub.get(&1), Some(&per_ub(2.0)));
+    assert_eq!(by_ub.get(&2), Some(&per_ub(0.0)));
+    assert!(whole > 0, "the staged expert copies are not live rows");
 }

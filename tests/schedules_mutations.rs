@@ -197,6 +197,17 @@ const MUTATIONS: &[Mutation] = &[
         code: Code::ValuesWrong,
         line_has: "attn(layer = l, ub = k, part = part",
     },
+    // Issue 28: an activation copy moves only the rows of its source micro-batch's tokens
+    // (`check::live`), so bringing another micro-batch's CPU results back would leave the
+    // reader's extra rows uncopied; the checker rejects the reader, as it always did.
+    Mutation {
+        name: "fiddler_cpu_results_of_another_micro_batch",
+        schedule: "fiddler",
+        find: "copy acc_c[j] -> acc_cg[j] on h2d",
+        replace: "copy acc_c[(j + 1) % n_ub] -> acc_cg[j] on h2d",
+        code: Code::ValuesWrong,
+        line_has: "combine(layer = l, ub = j",
+    },
 ];
 
 /// The source line holding byte `at`.

@@ -11,6 +11,7 @@ pub mod cache;
 mod cells;
 mod epochs;
 pub mod lints;
+mod live;
 pub mod overlap;
 pub mod routing;
 pub mod structure;
@@ -35,6 +36,10 @@ pub struct ScheduleInfo {
     /// Per task, for a copy of part of a KV cache (`.context()` / `.appended()`), the
     /// layer and micro-batch whose cache value tracking proved its source holds.
     pub kv_sources: Vec<Option<values::KvSource>>,
+    /// Per task, for a copy whose source holds one activation of the running step in
+    /// every run (`check::live`): the rows the runtime copies (the step's tokens' or
+    /// sequences' rows of that micro-batch), not the whole slice.
+    pub live_rows: Vec<Option<crate::ir::LiveRows>>,
     /// Warnings found (errors would have rejected the program).
     pub warnings: Vec<Diagnostic>,
     /// Private, so only `check` can build one (within the crate too, which
@@ -93,6 +98,7 @@ pub fn check(program: &Program) -> Result<ScheduleInfo, Vec<Diagnostic>> {
         dag,
         weight_locations: tracked.weight_locations,
         kv_sources: tracked.kv_sources,
+        live_rows: tracked.live_rows,
         warnings: diags,
         _sealed: (),
     })

@@ -98,6 +98,8 @@ struct Tracker<'p> {
     sampling: Vec<Diagnostic>,
     /// Per task, for a copy of part of a KV cache: whose cache its source holds.
     kv_sources: Vec<Option<KvSource>>,
+    /// Per task, for a copy: the activation rows every run found its source holding.
+    live: Vec<super::live::Seen>,
 }
 
 /// The cache a `.context()` / `.appended()` copy moves: the runtime copies the positions
@@ -116,6 +118,8 @@ pub struct Tracked {
     pub weight_locations: Vec<Vec<WeightLocation>>,
     /// Per task, for a copy of part of a KV cache, whose cache it moves.
     pub kv_sources: Vec<Option<KvSource>>,
+    /// Per task, for a copy that may move only the rows of the step's tokens, which.
+    pub live_rows: Vec<Option<crate::ir::LiveRows>>,
 }
 
 /// Runs value tracking; returns diagnostics and what lowering needs to find tensors.
@@ -135,6 +139,7 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Tracked) {
         last_of_ub: Vec::new(),
         sampling: Vec::new(),
         kv_sources: vec![None; program.tasks.len()],
+        live: vec![super::live::Seen::Unseen; program.tasks.len()],
     };
     for epoch in 0..tracker.plan.len() {
         let run = &tracker.plan[epoch];
@@ -162,6 +167,7 @@ pub fn check(program: &Program) -> (Vec<Diagnostic>, Tracked) {
     let tracked = Tracked {
         weight_locations: tracker.locations,
         kv_sources: tracker.kv_sources,
+        live_rows: tracker.live.iter().map(|s| s.rows()).collect(),
     };
     (tracker.diags, tracked)
 }
@@ -950,6 +956,8 @@ impl Tracker<'_> {
         }
         let len = src.slice.len.min(dst.slice.len);
         let now = self.epoch;
+        let rows = super::live::held_rows(program, task, &runs_in, src.slice.start, len, now);
+        self.live[id.index()] = self.live[id.index()].join(rows);
         let shift = |pos: u64| pos - src.slice.start + dst.slice.start;
         let moved: Vec<(u64, u64, Cell)> = runs_in
             .into_iter()

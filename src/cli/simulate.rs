@@ -401,7 +401,16 @@ fn print_report(
         let mut ops: Vec<_> = step.op_seconds.iter().collect();
         ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         for (op, (total, roof)) in ops {
-            println!("  {:<36} {:>11}  {}", op, seconds(*total), roof);
+            match step.copy_bytes.get(op) {
+                Some(bytes) => println!(
+                    "  {:<36} {:>11}  {} ({} moved)",
+                    op,
+                    seconds(*total),
+                    roof,
+                    crate::ir::emit::human_bytes(*bytes as u64)
+                ),
+                None => println!("  {:<36} {:>11}  {}", op, seconds(*total), roof),
+            }
         }
     }
     for step in &prediction.steps {

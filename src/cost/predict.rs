@@ -18,7 +18,7 @@ use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, KernelRates, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
 use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
-use crate::ir::catalog::{self, ArgType, AttnPart, CostClass, Shape, ACT_BYTES};
+use crate::ir::catalog::{self, ArgType, AttnPart, CopyWork, CostClass, Shape, ACT_BYTES};
 use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, KvPart, Layout, Op, Program, Role, Space, TaskId, Work};
 use crate::records::timeline::{Span, Timeline};
@@ -607,7 +607,7 @@ pub fn task_time_at(
             profile,
             level_of(copy.src),
             level_of(copy.dst),
-            copy.bytes as f64,
+            copy_bytes_at(task, copy, loads),
         );
     }
     if task.op == Op::Copy {
@@ -617,6 +617,23 @@ pub fn task_time_at(
         };
     }
     compute_time(profile, &compute_load(program, id, settings, loads))
+}
+
+/// Bytes a copy moves at `loads`: a copy of an activation's live rows (`Task::live`)
+/// moves the rows its micro-batch holds at a measured or steady load (none for a
+/// micro-batch the load does not have), at most its declared bytes, which are those rows
+/// at the declared shape; every other copy its declared bytes.
+pub fn copy_bytes_at(task: &crate::ir::Task, copy: CopyWork, loads: Loads<'_>) -> f64 {
+    match (task.live, loads) {
+        (Some(live), Loads::Measured(per_ub) | Loads::Steady(per_ub)) => {
+            per_ub.get(live.ub as usize).map_or(0.0, |load| {
+                let tokens = load.prefill_tokens + load.decode_seqs;
+                let seqs = load.prefill_seqs + load.decode_seqs;
+                live.bytes(tokens as u64, seqs as u64).min(copy.bytes) as f64
+            })
+        }
+        _ => copy.bytes as f64,
+    }
 }
 
 /// The colour key of a task in timelines: the op name, copies by what they carry.
@@ -655,6 +672,10 @@ pub struct StepPrediction {
     /// Summed task seconds per op kind (the timeline's colour keys), with the roof that
     /// bounds most of that time.
     pub op_seconds: BTreeMap<String, (f64, String)>,
+    /// Bytes the copies of each copy kind move over the step, as the times above charge
+    /// them (KV parts at the context of the load, activations at its rows, guarded copies
+    /// by expected activation at the declared load).
+    pub copy_bytes: BTreeMap<String, f64>,
     /// Guarded tasks grouped by the kind of guard they have (see
     /// [`super::activation::arm_key`]), with how often they are expected to run; empty at
     /// a measured load, where the run's routing decided.
@@ -865,7 +886,9 @@ pub(crate) fn simulate_step_ran(
                 Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
                 Loads::Steady(per_ub) => {
                     let mut time = task_time_at(program, id, profile, settings, loads);
+                    // A live-row copy is already at its micro-batch's rows.
                     if task.work.copy.is_some()
+                        && task.live.is_none()
                         && classes.get(task.args[0].slice.buffer.index())
                             == Some(&BufferClass::Activations)
                     {
@@ -1131,6 +1154,7 @@ pub(crate) fn simulate_step(
                 .unwrap_or_default();
         }
     }
+    let copy_bytes = step_copy_bytes(program, &ids, step.kind, settings, classes, loads);
     let timeline = Timeline {
         title: format!(
             "{} ({} step) on {}: {:.3} ms",
@@ -1178,8 +1202,39 @@ pub(crate) fn simulate_step(
         resource_busy,
         resource_bound: step_resource_bound(program, &ids, profile, settings, loads),
         op_seconds,
+        copy_bytes,
         timeline,
     })
+}
+
+/// Bytes moved per copy kind over a step's tasks `ids`, as `simulate_step_ran` charges
+/// them.
+fn step_copy_bytes(
+    program: &Program,
+    ids: &[TaskId],
+    kind: StepKind,
+    settings: &CostSettings,
+    classes: &[BufferClass],
+    loads: Loads<'_>,
+) -> BTreeMap<String, f64> {
+    let kv_load = kv_part_load(program, kind, settings, loads);
+    let mut bytes: BTreeMap<String, f64> = BTreeMap::new();
+    for &id in ids {
+        let task = program.task(id);
+        let Some(copy) = task.work.copy else {
+            continue;
+        };
+        let runs = match loads {
+            Loads::Declared => activation(program, id, task.shape.tokens).runs,
+            Loads::Measured(_) | Loads::Steady(_) => 1.0,
+        };
+        let moved = match task.kv {
+            Some(part) => kv_part_bytes_at(program, &task.shape, part, &kv_load),
+            None => copy_bytes_at(task, copy, loads),
+        };
+        *bytes.entry(task_kind(program, id, classes)).or_default() += moved * runs;
+    }
+    bytes
 }
 
 fn spans_iter<'a>(
@@ -1208,7 +1263,7 @@ fn step_resource_bound(
             Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
         };
         if let Some(copy) = task.work.copy {
-            let bytes = copy.bytes as f64 * act.runs;
+            let bytes = copy_bytes_at(task, copy, loads) * act.runs;
             match (copy.src, copy.dst) {
                 (Space::Gpu, Space::Gpu) => {}
                 (_, Space::Gpu) => work.host_to_gpu_bytes += bytes,

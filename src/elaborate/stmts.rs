@@ -868,6 +868,7 @@ impl<'a> Elaborator<'a> {
             label: label_text,
             cache_op: self.cache_op,
             kv: self.kv_part,
+            live: None,
             group: None,
         });
         self.spans.tasks.push(span);

@@ -142,6 +142,7 @@ fn synthetic_plan(streams: usize, tasks: usize) -> Result<ExecPlan, DispatchProb
                 guard: Guard::default(),
                 cache: None,
                 kv: None,
+                live: None,
                 shape,
                 span: Default::default(),
             })

@@ -225,11 +225,22 @@ pub fn to_json(program: &Program, dag: &Dag) -> Result<String, serde_json::Error
 }
 
 /// How a copy is named in the text and dot forms: `fetch`/`prefetch` for an expert cache,
-/// `copy .context()` / `copy .appended()` for part of a KV cache; `None` for a plain copy
-/// or any other op.
+/// `copy .context()` / `copy .appended()` for part of a KV cache, `copy rows(ub=J, B
+/// B/token)` for the live rows of an activation (what the checker inferred); `None` for a
+/// plain copy or any other op.
 fn copy_word(task: &super::Task) -> Option<String> {
     if let Some(c) = task.cache_op {
         return Some(c.as_str().to_string());
+    }
+    if let Some(live) = task.live {
+        let unit = match live.unit {
+            super::RowUnit::Token => "token",
+            super::RowUnit::Sequence => "sequence",
+        };
+        return Some(format!(
+            "copy rows(ub={}, {} B/{unit})",
+            live.ub, live.row_bytes
+        ));
     }
     task.kv.map(|p| format!("copy .{}()", p.as_str()))
 }

@@ -773,6 +773,44 @@ impl KvPart {
     }
 }
 
+/// What one row of an activation is: a new token's (hidden, QKV, attention output,
+/// routing, expert sums) or a sequence's (logits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RowUnit {
+    /// One row per new token of the micro-batch.
+    Token,
+    /// One row per sequence of the micro-batch.
+    Sequence,
+}
+
+/// The rows of a micro-batch's activation a copy moves: every backend's kernels lay an
+/// activation of `n` rows out packed by `n` (`expert_acc`'s normalised rows, then its
+/// `(token, k)` slots, then its shared rows all start at multiples of `n`), so the bytes a
+/// step's rows occupy are the first `rows x row_bytes` of the tensor, one run. Set on a
+/// copy whose source value tracking proved holds one such tensor of the step that runs it,
+/// from its first byte (`check::live`): a decode step then moves its tokens' rows, not the
+/// buffer's prefill-sized worst case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LiveRows {
+    /// The micro-batch whose tensor the source holds.
+    pub ub: u32,
+    /// Token rows or sequence rows.
+    pub unit: RowUnit,
+    /// Bytes of one row.
+    pub row_bytes: u64,
+}
+
+impl LiveRows {
+    /// Bytes of the rows of a micro-batch holding `tokens` new tokens of `seqs` sequences.
+    pub fn bytes(&self, tokens: u64, seqs: u64) -> u64 {
+        let rows = match self.unit {
+            RowUnit::Token => tokens,
+            RowUnit::Sequence => seqs,
+        };
+        rows.saturating_mul(self.row_bytes)
+    }
+}
+
 /// One task: an op applied to buffer slices on a stream.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Task {
@@ -801,6 +839,12 @@ pub struct Task {
     /// copies those positions of the micro-batch whose cache the source holds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv: Option<KvPart>,
+    /// Set on a copy of an activation by `compile::ir_to_checked` from what the checker
+    /// proved its source holds ([`crate::check::ScheduleInfo::live_rows`]): the runtime
+    /// copies the rows of the step's tokens only, and `work.copy.bytes` is those rows at
+    /// the declared shape.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<LiveRows>,
     /// Set on the tasks `experts(.., ub = all, ..)` unrolls into: the first task of the
     /// group. The group is one expert computation over every micro-batch's tokens, so its
     /// weights are read once (charged to the first task); each micro-batch's part is a

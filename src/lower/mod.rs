@@ -186,6 +186,11 @@ pub struct PlanTask {
     /// Set on a copy of part of a KV cache: which positions of whose cache.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv: Option<PlanKvCopy>,
+    /// Set on a copy of an activation the checker proved holds one micro-batch's rows of
+    /// the running step: the runtime copies those rows (the first `rows x row_bytes`
+    /// bytes of both slices), not the whole slice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<crate::ir::LiveRows>,
     /// The worst-case shape the sizes assume.
     pub shape: Shape,
     /// Where it is written in the schedule.
@@ -398,16 +403,17 @@ pub fn lower(
                 .collect()
         })
         .collect();
-    lower_with_preds(program, &preds, &info.kv_sources, options)
+    lower_with_preds(program, &preds, &info.kv_sources, &info.live_rows, options)
 }
 
 /// Lowers a program given each task's predecessors (indexed by task; every predecessor
-/// earlier in issue order) and whose cache each KV-part copy moves. [`lower`] is the
-/// entry point for checked programs.
+/// earlier in issue order), whose cache each KV-part copy moves and which activation rows
+/// each trimmed copy moves. [`lower`] is the entry point for checked programs.
 pub(crate) fn lower_with_preds(
     program: &Program,
     preds: &[Vec<TaskId>],
     kv_sources: &[Option<crate::check::values::KvSource>],
+    live_rows: &[Option<crate::ir::LiveRows>],
     options: &LowerOptions,
 ) -> Result<ExecPlan, LowerError> {
     if preds.len() != program.tasks.len() {
@@ -417,7 +423,7 @@ pub(crate) fn lower_with_preds(
         });
     }
     let (buffers, arenas) = place_buffers(program, options)?;
-    let tasks = plan_tasks(program, kv_sources);
+    let tasks = plan_tasks(program, kv_sources, live_rows);
     let mut readback = program.readback_gates();
     if options.read_all_routing {
         for (read, task) in readback.iter_mut().zip(&program.tasks) {
@@ -547,6 +553,7 @@ fn overflow(program: &Program, space: Space, needed: u64, capacity: u64) -> Lowe
 fn plan_tasks(
     program: &Program,
     kv_sources: &[Option<crate::check::values::KvSource>],
+    live_rows: &[Option<crate::ir::LiveRows>],
 ) -> Vec<PlanTask> {
     let bound = crate::ir::cache::bindings(program);
     let mut readers = vec![0u32; program.tasks.len()];
@@ -602,6 +609,7 @@ fn plan_tasks(
                         layer: source.layer,
                         ub: source.ub,
                     }),
+                live: live_rows.get(i).copied().flatten(),
                 shape: task.shape,
                 span: program.task_span(id),
             }

@@ -10,7 +10,7 @@
 //! and every entry's signature lists exactly its declared arguments, in order.
 
 use super::{AttnPart, ExpertSet, Op, RoleSig, Shape};
-use crate::ir::{Access, Engine, Role};
+use crate::ir::{Access, Engine, Role, RowUnit};
 use crate::model::card::ModelCard;
 
 /// An op without its static parameters: the key of the op table and of every backend's
@@ -146,19 +146,33 @@ impl ArgType {
     /// The smallest slice this argument needs for a task of `shape`, or `None` when its
     /// size is not fixed by the shape (weights are checked by value, copies by lengths).
     pub fn min_bytes(self, card: &ModelCard, shape: &Shape) -> Option<u64> {
-        let n = shape.tokens;
-        let s = shape.seqs;
-        let a = shape.act_bytes;
+        if self == ArgType::KvCache {
+            let per_position = card.kv_elems_per_token_layer() * shape.act_bytes;
+            return Some(shape.seqs * shape.context * per_position);
+        }
+        let (unit, row_bytes) = self.row(card, shape.act_bytes)?;
+        let rows = match unit {
+            RowUnit::Token => shape.tokens,
+            RowUnit::Sequence => shape.seqs,
+        };
+        Some(rows * row_bytes)
+    }
+
+    /// What one row of an activation of this type is and its bytes at `act_bytes` per
+    /// element; `None` for weights, KV caches and untyped bytes, which have no rows. An
+    /// activation of `n` rows is those rows packed (the backends' kernels lay every part
+    /// of it out by the step's `n`), so its first `n x row` bytes are all of it.
+    pub fn row(self, card: &ModelCard, act_bytes: u64) -> Option<(RowUnit, u64)> {
+        let a = act_bytes;
         Some(match self {
-            ArgType::Weights | ArgType::Bytes => return None,
-            ArgType::Hidden => n * card.hidden * a,
-            ArgType::ExpertAcc => n * card.acc_rows_per_token() * card.hidden * a,
-            ArgType::Qkv => n * card.qkv_width() * a,
-            ArgType::AttnOut => n * card.q_dim() * a,
-            ArgType::KvCache => s * shape.context * card.kv_elems_per_token_layer() * a,
-            ArgType::Routing => n * card.top_k * super::ROUTE_ENTRY_BYTES,
-            ArgType::Logits => s * card.vocab * a,
-            ArgType::Tokens => s * super::TOKEN_BYTES,
+            ArgType::Weights | ArgType::Bytes | ArgType::KvCache => return None,
+            ArgType::Hidden => (RowUnit::Token, card.hidden * a),
+            ArgType::ExpertAcc => (RowUnit::Token, card.acc_rows_per_token() * card.hidden * a),
+            ArgType::Qkv => (RowUnit::Token, card.qkv_width() * a),
+            ArgType::AttnOut => (RowUnit::Token, card.q_dim() * a),
+            ArgType::Routing => (RowUnit::Token, card.top_k * super::ROUTE_ENTRY_BYTES),
+            ArgType::Logits => (RowUnit::Sequence, card.vocab * a),
+            ArgType::Tokens => (RowUnit::Sequence, super::TOKEN_BYTES),
         })
     }
 

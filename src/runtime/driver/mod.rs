@@ -341,6 +341,32 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
             .copy_runs(stream, t.engine, t, &runs, self.state)
     }
 
+    /// A copy of an activation's live rows: the first `rows x row_bytes` bytes of both
+    /// slices, the rows the micro-batch's tokens (or sequences) occupy in this step, as
+    /// one backend command; the rest of the slice holds nothing this step reads
+    /// (`check::live`).
+    fn live_copy(
+        &self,
+        stream: StreamId,
+        t: &PlanTask,
+        live: crate::ir::LiveRows,
+    ) -> Result<(), BackendError> {
+        let Some(mb) = self.state.ubs.get(live.ub as usize) else {
+            return Ok(()); // a micro-batch beyond the plan's holds no rows
+        };
+        let (Some(src), Some(dst)) = (t.args.first(), t.args.get(1)) else {
+            return Ok(());
+        };
+        let bytes = live
+            .bytes(mb.n_tokens() as u64, mb.seqs.len() as u64)
+            .min(src.len.min(dst.len));
+        if bytes == 0 {
+            return Ok(()); // an empty micro-batch: no rows, no command
+        }
+        self.backend
+            .copy_runs(stream, t.engine, t, &[(0, bytes)], self.state)
+    }
+
     /// After a task ran (`ran`) or was skipped: each cache slot it read counts down its
     /// fetch's readers (a read is fenced on this stream first); the last one frees the slot.
     fn release_reads(&self, stream: StreamId, t: &PlanTask, ran: bool) -> Result<(), BackendError> {
@@ -411,6 +437,10 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
         }
         if let Some(kv) = t.kv {
             self.kv_part_copy(stream, t, kv)?;
+            return Ok(true);
+        }
+        if let Some(live) = t.live {
+            self.live_copy(stream, t, live)?;
             return Ok(true);
         }
         self.backend.run(stream, t.engine, t, self.state)?;
