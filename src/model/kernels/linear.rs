@@ -17,11 +17,15 @@
 //! (AVX-512, 1 to 16 rows) run, see [`bodies`]) instead of
 //! `gemm`, because `gemm` switches between GEMV, "horizontal" and packed kernels and picks
 //! its k-blocking by shape, which changes the summation order with the number of rows.
+//! Quantised (GGML block) weights run `model::quant::matmul` instead: activations
+//! quantised per row to 8 bits, exact integer sums per block, the blocks summed in order,
+//! which is as batch-invariant and gives the same bits on every body.
 
 use crate::model::kernels::isa::{Isa, Kernels};
 use crate::model::kernels::{check_len, KernelError};
 #[cfg(target_arch = "x86_64")]
 use crate::model::kernels::{few_rows, few_rows512};
+use crate::model::quant::{QuantKernels, QuantMatrix};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
@@ -62,6 +66,12 @@ impl Kernels {
             return Ok(());
         }
         check_quant(w)?;
+        // Quantised weights run the way their format is meant to (activations to 8 bits,
+        // integer block sums: `model::quant::matmul`), on this process's bodies.
+        if let Some(q) = QuantMatrix::from_matrix(w) {
+            QuantKernels::for_kernels(self).quant_linear(&q, x, n_rows, out)?;
+            return Ok(());
+        }
         match w.orientation {
             Orientation::OutIn => out_in(self, x, n_rows, w, out),
             Orientation::InOut => in_out(self.isa(), x, n_rows, w, out),
@@ -90,10 +100,6 @@ fn check_quant(w: &Matrix<'_>) -> Result<(), KernelError> {
     }
     Ok(())
 }
-
-/// Weight rows a quantised panel decodes at a time: 16 rows of a 4096-wide matrix are
-/// 256 KiB of f32, which stays in L2 while every activation row is multiplied with them.
-const QUANT_SUB_ROWS: usize = 16;
 
 /// Which `OutIn` bodies (the projections of every model) an instruction set runs, by rows
 /// per call, in words for the run report and `moec devices`.
@@ -169,9 +175,6 @@ fn out_in_rows(
     o0: usize,
     rows: usize,
 ) -> Vec<f32> {
-    if let TypedSlice::Quant(q) = w.data {
-        return quant_rows(isa, acts, n_rows, q, w.cols, o0, rows);
-    }
     let mut local = vec![0.0f32; n_rows * rows];
     let x = match acts {
         Acts::Plain(x) => *x,
@@ -206,44 +209,6 @@ fn out_in_rows(
         // SAFETY: as above.
         Isa::Avx2 => unsafe { avx2::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
         _ => portable::out_in_panel(x, n_rows, w, o0, rows, &mut local),
-    }
-    local
-}
-
-/// [`out_in_rows`] for quantised weights: each group of [`QUANT_SUB_ROWS`] weight rows is
-/// decoded to f32 once (ggml's reference decoding) and multiplied by the f32 body, so a
-/// quantised product sums every element exactly as the same matrix stored as f32 would:
-/// batch invariance and equal bits across instruction sets carry over unchanged.
-fn quant_rows(
-    isa: Isa,
-    acts: &Acts<'_>,
-    n_rows: usize,
-    q: crate::model::quant::QuantSlice<'_>,
-    cols: usize,
-    o0: usize,
-    rows: usize,
-) -> Vec<f32> {
-    let mut local = vec![0.0f32; n_rows * rows];
-    let mut decoded = vec![0.0f32; QUANT_SUB_ROWS.min(rows) * cols];
-    for s0 in (0..rows).step_by(QUANT_SUB_ROWS) {
-        let sub = QUANT_SUB_ROWS.min(rows - s0);
-        let part = &mut decoded[..sub * cols];
-        // `check_quant` made rows whole blocks and `Kernels::linear` checked the element
-        // count, so this range is inside `q` on block boundaries.
-        TypedSlice::Quant(q)
-            .slice((o0 + s0) * cols..(o0 + s0 + sub) * cols)
-            .widen_into(part);
-        let m = Matrix {
-            data: TypedSlice::F32(part),
-            rows: sub,
-            cols,
-            orientation: Orientation::OutIn,
-        };
-        let block = out_in_rows(isa, acts, n_rows, &m, 0, sub);
-        for t in 0..n_rows {
-            local[t * rows + s0..t * rows + s0 + sub]
-                .copy_from_slice(&block[t * sub..(t + 1) * sub]);
-        }
     }
     local
 }
@@ -290,9 +255,12 @@ impl Kernels {
         act: fn(f32) -> f32,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
+        // Quantised matrices go through `linear` (their own products) one at a time.
         let fused = gate.orientation == Orientation::OutIn
             && up.orientation == Orientation::OutIn
-            && (gate.rows, gate.cols) == (up.rows, up.cols);
+            && (gate.rows, gate.cols) == (up.rows, up.cols)
+            && gate.data.quant_format().is_none()
+            && up.data.quant_format().is_none();
         if !fused || n_rows == 0 || gate.rows == 0 || gate.cols == 0 {
             let mut u = vec![0.0f32; out.len()];
             self.linear(x, n_rows, gate, out)?;
