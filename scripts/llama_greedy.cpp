@@ -51,6 +51,19 @@ int main(int argc, char ** argv) {
     cp.n_batch = 512;
     cp.n_threads = 1;
     cp.n_threads_batch = 1;
+    // LLAMA_GREEDY_ATTN=f32: attention all in f32 (f32 KV cache, flash attention off).
+    // By default llama.cpp's CPU attention is flash attention on f16 K and V (it casts
+    // even an f32 cache to f16), with Q rounded to f16 and V accumulated in f16; moec's
+    // attention is f32, so this variant isolates that one difference.
+    const char * attn = getenv("LLAMA_GREEDY_ATTN");
+    if (attn && strcmp(attn, "f32") == 0) {
+        cp.type_k = GGML_TYPE_F32;
+        cp.type_v = GGML_TYPE_F32;
+        cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    } else if (attn) {
+        fprintf(stderr, "LLAMA_GREEDY_ATTN must be f32 or unset, not %s\n", attn);
+        return 2;
+    }
     const char * dump_path = getenv("LLAMA_GREEDY_DUMP");
     if (dump_path) {
         g_dump = fopen(dump_path, "wb");
