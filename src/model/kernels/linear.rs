@@ -451,8 +451,8 @@ mod avx512 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
-            // Never read as typed elements: the dispatchers send quantised weights to the
-            // portable body (`quant_rows` decodes them to f32 before any SIMD body runs).
+            // Never read as typed elements: `Kernels::linear` sends quantised weights to
+            // `quant_linear` (out-in) or refuses them (in-out) before any body runs.
             TypedSlice::Quant(q) => q.bytes.as_ptr(),
         }
     }
@@ -496,8 +496,8 @@ mod avx512 {
                 TypedSlice::Bf16(_) => out_in_panel_t::<BF16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F16(_) => out_in_panel_t::<F16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F32(_) => out_in_panel_t::<F32>(x, n_rows, w, o0, rows, local),
-                // `quant_rows` decodes quantised panels before this body; the portable
-                // body gives the same bits if one ever arrives here.
+                // `Kernels::linear` sends quantised matrices to `quant_linear` before
+                // any body; the portable body gives the same bits if one ever arrives.
                 TypedSlice::Quant(_) => portable::out_in_panel(x, n_rows, w, o0, rows, local),
             }
         }
@@ -716,8 +716,8 @@ mod avx2 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
-            // Never read as typed elements: the dispatchers send quantised weights to the
-            // portable body (`quant_rows` decodes them to f32 before any SIMD body runs).
+            // Never read as typed elements: `Kernels::linear` sends quantised weights to
+            // `quant_linear` (out-in) or refuses them (in-out) before any body runs.
             TypedSlice::Quant(q) => q.bytes.as_ptr(),
         }
     }
