@@ -109,7 +109,10 @@ fn greedy_tokens_and_logits_match_llama_cpp_on_its_own_ggufs() {
             at.len(),
             spread + ROUNDING_BOUND
         );
-        assert!(to_f32 <= ROUNDING_BOUND, "{ty}: {to_f32} from f32 attention");
+        assert!(
+            to_f32 <= ROUNDING_BOUND,
+            "{ty}: {to_f32} from f32 attention"
+        );
         assert!(
             to_default <= spread + ROUNDING_BOUND,
             "{ty}: {to_default} from the default mode"
@@ -123,11 +126,18 @@ fn greedy_tokens_and_logits_match_llama_cpp_on_its_own_ggufs() {
             assert_eq!(full.len(), logits.len(), "{ty}: vocabulary");
             let d = max_diff(logits.iter().copied(), full);
             eprintln!("gguf_parity: {ty}: whole vocabulary: {d:.4} from the default mode");
-            assert!(d <= spread + ROUNDING_BOUND, "{ty}: {d} over the vocabulary");
+            assert!(
+                d <= spread + ROUNDING_BOUND,
+                "{ty}: {d} over the vocabulary"
+            );
         }
         let got = &got[0].token_ids;
         let agree = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-        let agree_default = got.iter().zip(&default_tokens).filter(|(a, b)| a == b).count();
+        let agree_default = got
+            .iter()
+            .zip(&default_tokens)
+            .filter(|(a, b)| a == b)
+            .count();
         eprintln!(
             "gguf_parity: {ty}: {agree} of {} greedy tokens equal llama.cpp's with f32 \
              attention, {agree_default} its default run's",
