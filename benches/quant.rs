@@ -14,7 +14,8 @@
 //! median of [`ROUNDS`] interleaved rounds (quantised then bf16 in each round, so both
 //! see the same machine load). First, the small shape on a one-thread pool timed by that
 //! thread's CPU time (other processes on shared cores inflate wall time far more than
-//! CPU time; `QUANT_BENCH_ONE_THREAD_ONLY=1` stops after it); then wall time on all
+//! CPU time; `QUANT_BENCH_ONE_THREAD_ONLY=1` stops after it, `QUANT_BENCH_FORMAT=Q8_0`
+//! runs only that format's set and stops); then wall time on all
 //! threads; then the bodies against each other (portable, AVX2, AVX-512 VNNI where this
 //! CPU has them) at the small shape, and criterion's timing of the selected body at 1
 //! and 16 rows.
@@ -275,13 +276,17 @@ fn bench(c: &mut Criterion) {
     println!("{}", moec::model::kernels::isa::describe());
     println!("{}", describe(k));
     println!("threads: {}", rayon::current_num_threads());
-    let small = Set::new(QuantFormat::Q4K, 1024, 3584);
-    one_thread(&small, qk, k);
-    one_thread(&Set::new(QuantFormat::Q6K, 1024, 3584), qk, k);
-    one_thread(&Set::new(QuantFormat::Q8_0, 1024, 3584), qk, k);
-    if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() {
+    // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.
+    let only = std::env::var("QUANT_BENCH_FORMAT").ok();
+    for format in [QuantFormat::Q4K, QuantFormat::Q6K, QuantFormat::Q8_0] {
+        if only.as_deref().is_none_or(|name| name == format.name()) {
+            one_thread(&Set::new(format, 1024, 3584), qk, k);
+        }
+    }
+    if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() || only.is_some() {
         return;
     }
+    let small = Set::new(QuantFormat::Q4K, 1024, 3584);
     against_bf16(&small, qk, k);
     let big = Set::new(QuantFormat::Q4K, 4096, 14336);
     against_bf16(&big, qk, k);

@@ -337,8 +337,8 @@ fn q4_k_m_fixture() -> Option<PathBuf> {
 
 /// Every schedule runs llama.cpp's Q4_K_M checkpoint from its quantised bytes (layer
 /// images hold the file's blocks; copies move them) with the oracle's tokens for that
-/// checkpoint: the oracle decodes the same blocks with the gguf-py-verified decoder and
-/// computes in f32. Once with copies that move every byte, once with a `gpu` arena of 95%
+/// checkpoint: the oracle multiplies the same blocks with the same quantised product
+/// (`model::quant::quant_linear`: 8-bit activations, integer block sums). Once with copies that move every byte, once with a `gpu` arena of 95%
 /// of the (quantised) weights: the fixture's embedding and lm_head (vocabulary 32000) are
 /// 83% of its bytes, so a smaller arena leaves no room for the schedules that keep both
 /// on the device.

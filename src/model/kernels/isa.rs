@@ -170,10 +170,11 @@ pub fn selection() -> Result<&'static Selection, &'static IsaError> {
 pub fn describe() -> String {
     match selection() {
         Ok(s) => format!(
-            "CPU kernels: {} ({}); {}",
+            "CPU kernels: {} ({}); {}; {}",
             s.kernels.isa().name(),
             s.reason,
-            crate::model::kernels::linear::bodies(s.kernels.isa())
+            crate::model::kernels::linear::bodies(s.kernels.isa()),
+            crate::model::quant::select::describe(s.kernels)
         ),
         Err(e) => format!("CPU kernels: refused: {e}"),
     }

@@ -17,11 +17,15 @@
 //! (AVX-512, 1 to 16 rows) run, see [`bodies`]) instead of
 //! `gemm`, because `gemm` switches between GEMV, "horizontal" and packed kernels and picks
 //! its k-blocking by shape, which changes the summation order with the number of rows.
+//! Quantised (GGML block) weights run `model::quant::matmul` instead: activations
+//! quantised per row to 8 bits, exact integer sums per block, the blocks summed in order,
+//! which is as batch-invariant and gives the same bits on every body.
 
 use crate::model::kernels::isa::{Isa, Kernels};
 use crate::model::kernels::{check_len, KernelError};
 #[cfg(target_arch = "x86_64")]
 use crate::model::kernels::{few_rows, few_rows512};
+use crate::model::quant::{QuantKernels, QuantMatrix};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
@@ -62,6 +66,12 @@ impl Kernels {
             return Ok(());
         }
         check_quant(w)?;
+        // Quantised weights run the way their format is meant to (activations to 8 bits,
+        // integer block sums: `model::quant::matmul`), on this process's bodies.
+        if let Some(q) = QuantMatrix::from_matrix(w) {
+            QuantKernels::for_kernels(self).quant_linear(&q, x, n_rows, out)?;
+            return Ok(());
+        }
         match w.orientation {
             Orientation::OutIn => out_in(self, x, n_rows, w, out),
             Orientation::InOut => in_out(self.isa(), x, n_rows, w, out),
@@ -90,10 +100,6 @@ fn check_quant(w: &Matrix<'_>) -> Result<(), KernelError> {
     }
     Ok(())
 }
-
-/// Weight rows a quantised panel decodes at a time: 16 rows of a 4096-wide matrix are
-/// 256 KiB of f32, which stays in L2 while every activation row is multiplied with them.
-const QUANT_SUB_ROWS: usize = 16;
 
 /// Which `OutIn` bodies (the projections of every model) an instruction set runs, by rows
 /// per call, in words for the run report and `moec devices`.
@@ -169,9 +175,6 @@ fn out_in_rows(
     o0: usize,
     rows: usize,
 ) -> Vec<f32> {
-    if let TypedSlice::Quant(q) = w.data {
-        return quant_rows(isa, acts, n_rows, q, w.cols, o0, rows);
-    }
     let mut local = vec![0.0f32; n_rows * rows];
     let x = match acts {
         Acts::Plain(x) => *x,
@@ -206,44 +209,6 @@ fn out_in_rows(
         // SAFETY: as above.
         Isa::Avx2 => unsafe { avx2::out_in_panel(x, n_rows, w, o0, rows, &mut local) },
         _ => portable::out_in_panel(x, n_rows, w, o0, rows, &mut local),
-    }
-    local
-}
-
-/// [`out_in_rows`] for quantised weights: each group of [`QUANT_SUB_ROWS`] weight rows is
-/// decoded to f32 once (ggml's reference decoding) and multiplied by the f32 body, so a
-/// quantised product sums every element exactly as the same matrix stored as f32 would:
-/// batch invariance and equal bits across instruction sets carry over unchanged.
-fn quant_rows(
-    isa: Isa,
-    acts: &Acts<'_>,
-    n_rows: usize,
-    q: crate::model::quant::QuantSlice<'_>,
-    cols: usize,
-    o0: usize,
-    rows: usize,
-) -> Vec<f32> {
-    let mut local = vec![0.0f32; n_rows * rows];
-    let mut decoded = vec![0.0f32; QUANT_SUB_ROWS.min(rows) * cols];
-    for s0 in (0..rows).step_by(QUANT_SUB_ROWS) {
-        let sub = QUANT_SUB_ROWS.min(rows - s0);
-        let part = &mut decoded[..sub * cols];
-        // `check_quant` made rows whole blocks and `Kernels::linear` checked the element
-        // count, so this range is inside `q` on block boundaries.
-        TypedSlice::Quant(q)
-            .slice((o0 + s0) * cols..(o0 + s0 + sub) * cols)
-            .widen_into(part);
-        let m = Matrix {
-            data: TypedSlice::F32(part),
-            rows: sub,
-            cols,
-            orientation: Orientation::OutIn,
-        };
-        let block = out_in_rows(isa, acts, n_rows, &m, 0, sub);
-        for t in 0..n_rows {
-            local[t * rows + s0..t * rows + s0 + sub]
-                .copy_from_slice(&block[t * sub..(t + 1) * sub]);
-        }
     }
     local
 }
@@ -290,9 +255,12 @@ impl Kernels {
         act: fn(f32) -> f32,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
+        // Quantised matrices go through `linear` (their own products) one at a time.
         let fused = gate.orientation == Orientation::OutIn
             && up.orientation == Orientation::OutIn
-            && (gate.rows, gate.cols) == (up.rows, up.cols);
+            && (gate.rows, gate.cols) == (up.rows, up.cols)
+            && gate.data.quant_format().is_none()
+            && up.data.quant_format().is_none();
         if !fused || n_rows == 0 || gate.rows == 0 || gate.cols == 0 {
             let mut u = vec![0.0f32; out.len()];
             self.linear(x, n_rows, gate, out)?;
@@ -483,8 +451,8 @@ mod avx512 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
-            // Never read as typed elements: the dispatchers send quantised weights to the
-            // portable body (`quant_rows` decodes them to f32 before any SIMD body runs).
+            // Never read as typed elements: `Kernels::linear` sends quantised weights to
+            // `quant_linear` (out-in) or refuses them (in-out) before any body runs.
             TypedSlice::Quant(q) => q.bytes.as_ptr(),
         }
     }
@@ -528,8 +496,8 @@ mod avx512 {
                 TypedSlice::Bf16(_) => out_in_panel_t::<BF16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F16(_) => out_in_panel_t::<F16>(x, n_rows, w, o0, rows, local),
                 TypedSlice::F32(_) => out_in_panel_t::<F32>(x, n_rows, w, o0, rows, local),
-                // `quant_rows` decodes quantised panels before this body; the portable
-                // body gives the same bits if one ever arrives here.
+                // `Kernels::linear` sends quantised matrices to `quant_linear` before
+                // any body; the portable body gives the same bits if one ever arrives.
                 TypedSlice::Quant(_) => portable::out_in_panel(x, n_rows, w, o0, rows, local),
             }
         }
@@ -748,8 +716,8 @@ mod avx2 {
             TypedSlice::Bf16(s) => s.as_ptr() as *const u8,
             TypedSlice::F16(s) => s.as_ptr() as *const u8,
             TypedSlice::F32(s) => s.as_ptr() as *const u8,
-            // Never read as typed elements: the dispatchers send quantised weights to the
-            // portable body (`quant_rows` decodes them to f32 before any SIMD body runs).
+            // Never read as typed elements: `Kernels::linear` sends quantised weights to
+            // `quant_linear` (out-in) or refuses them (in-out) before any body runs.
             TypedSlice::Quant(q) => q.bytes.as_ptr(),
         }
     }
@@ -1387,15 +1355,19 @@ mod tests {
         assert_eq!(out, vec![1.5, 1.5]);
     }
 
-    /// Quantised matrices (every format, rows of one and several blocks, panels cut
-    /// mid-way): the product equals, bit for bit, the product of the same matrix decoded
-    /// to f32 (so batch invariance and equal bits across instruction sets carry over), at
-    /// every row count and instruction set, plain and gated; and agrees with a naive f64
-    /// product of the decoded weights.
+    /// Quantised weights (every format, one block per row and several, panels split
+    /// mid-way) multiply through `model::quant::quant_linear` with the kernels' own body:
+    /// the same bits as the portable body at every row count and instruction set, each
+    /// row's result the same alone as in a batch (batch invariance), the gated form equal
+    /// to `act(gate) * up` of two plain products, and within the 8-bit activation
+    /// rounding of a naive f64 product of the decoded weights (each activation moves by at
+    /// most half a step, `amax / 254`, so an output by at most `sum |w| * amax / 254`).
     #[test]
-    fn quantised_products_are_the_decoded_f32_products() {
+    fn quantised_products_are_the_quantised_bodies_products() {
         use crate::model::kernels::isa::{Isa, Kernels};
-        use crate::model::quant::{random_blocks, QuantFormat, QuantSlice};
+        use crate::model::quant::{
+            random_blocks, QuantFormat, QuantKernels, QuantMatrix, QuantSlice,
+        };
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for format in QuantFormat::ALL {
             for &(rows, blocks_per_row) in &[(3usize, 1usize), (70, 2)] {
@@ -1405,34 +1377,51 @@ mod tests {
                 let mut decoded = vec![0.0f32; rows * cols];
                 q.dequantize_into(&mut decoded).unwrap();
                 let m = Matrix::new(TypedSlice::Quant(q), rows, cols, Orientation::OutIn).unwrap();
-                let f =
-                    Matrix::new(TypedSlice::F32(&decoded), rows, cols, Orientation::OutIn).unwrap();
+                let qm = QuantMatrix::from_matrix(&m).unwrap();
                 for n_rows in [1usize, 2, 5, 9] {
                     let x: Vec<f32> = (0..n_rows * cols)
                         .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
                         .collect();
                     let want_naive = naive(&x, n_rows, &decoded, rows, cols, Orientation::OutIn);
+                    let mut portable = vec![0.0; n_rows * rows];
+                    QuantKernels::for_kernels(Kernels::portable())
+                        .quant_linear(&qm, &x, n_rows, &mut portable)
+                        .unwrap();
                     for isa in Isa::supported() {
                         let k = Kernels::new(isa).unwrap();
-                        let (mut got, mut want) =
-                            (vec![0.0; n_rows * rows], vec![0.0; n_rows * rows]);
+                        let mut got = vec![0.0; n_rows * rows];
                         k.linear(&x, n_rows, &m, &mut got).unwrap();
-                        k.linear(&x, n_rows, &f, &mut want).unwrap();
                         assert_eq!(
                             bits(&got),
-                            bits(&want),
+                            bits(&portable),
                             "{format} {isa} {n_rows}x{rows}x{cols}"
                         );
-                        for (g, n) in got.iter().zip(&want_naive) {
-                            assert!(
-                                (g - n).abs() <= 1e-4 * (1.0 + n.abs()),
-                                "{format}: {g} vs {n}"
-                            );
+                        let last = n_rows - 1;
+                        let mut alone = vec![0.0; rows];
+                        k.linear(&x[last * cols..], 1, &m, &mut alone).unwrap();
+                        assert_eq!(bits(&alone), bits(&got[last * rows..]), "batch invariance");
+                        for t in 0..n_rows {
+                            let row = &x[t * cols..(t + 1) * cols];
+                            let amax = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                            for o in 0..rows {
+                                let w_abs: f32 = decoded[o * cols..(o + 1) * cols]
+                                    .iter()
+                                    .map(|w| w.abs())
+                                    .sum();
+                                let (g, n) = (got[t * rows + o], want_naive[t * rows + o]);
+                                let bound = w_abs * amax / 254.0 * 1.01 + 1e-4 * (1.0 + n.abs());
+                                assert!(
+                                    (g - n).abs() <= bound,
+                                    "{format}: {g} vs {n} (bound {bound})"
+                                );
+                            }
                         }
                         let silu = |v: f32| v / (1.0 + (-v).exp());
-                        k.linear_gated(&x, n_rows, &m, &m, silu, &mut got).unwrap();
-                        k.linear_gated(&x, n_rows, &f, &f, silu, &mut want).unwrap();
-                        assert_eq!(bits(&got), bits(&want), "gated {format} {isa}");
+                        let mut gated = vec![0.0; n_rows * rows];
+                        k.linear_gated(&x, n_rows, &m, &m, silu, &mut gated)
+                            .unwrap();
+                        let want: Vec<f32> = got.iter().map(|&g| silu(g) * g).collect();
+                        assert_eq!(bits(&gated), bits(&want), "gated {format} {isa}");
                     }
                 }
             }

@@ -78,6 +78,9 @@ pub enum KernelError {
         /// What is unsupported about the layout.
         what: &'static str,
     },
+    /// A product from quantised weights failed (`model::quant::quant_linear`).
+    #[error(transparent)]
+    Quant(#[from] crate::model::quant::QuantMatmulError),
 }
 
 /// Checks a buffer length.

@@ -2,8 +2,14 @@
 //! bias (DBRX), both with a stored per-channel weight.
 //!
 //! Takes `[n_rows, d]` f32 and a weight of `d` elements in any stored dtype; gives
-//! `[n_rows, d]` f32. Statistics are computed in f32 exactly as Hugging Face does
-//! (mean of squares, biased variance), then the weight multiplies the normalised value.
+//! `[n_rows, d]` f32. Statistics are those Hugging Face computes (mean of squares, biased
+//! variance), then the weight multiplies the normalised value. RMSNorm sums the f32
+//! squares in f64 and rounds the mean to f32, as ggml's `rms_norm` does (llama.cpp): that
+//! is the correctly rounded mean in all but rare cases, and it keeps moec's normalised
+//! rows bit-equal to llama.cpp's, which matters for quantised weights: their products
+//! quantise these rows to 8 bits, and one ulp of difference flips a code (on llama.cpp's
+//! own Q8_0 Mixtral fixture an f32 running sum moved the first-step logits by 0.136, see
+//! ARCHITECTURE.md's quantised-weights section).
 
 use crate::model::tensor::TypedSlice;
 
@@ -24,7 +30,8 @@ pub fn normalize(kind: NormKind, x: &[f32], weight: TypedSlice<'_>, eps: f32, ou
     for (row, dst) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         match kind {
             NormKind::Rms => {
-                let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let sum: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
+                let mean_sq = (sum / d as f64) as f32;
                 let scale = 1.0 / (mean_sq + eps).sqrt();
                 for ((o, &v), &wv) in dst.iter_mut().zip(row).zip(&w) {
                     *o = wv * (v * scale);
@@ -72,5 +79,19 @@ mod tests {
             out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6),
             "{out:?}"
         );
+    }
+
+    /// RMSNorm's mean of squares is ggml's: f32 squares summed in f64, the mean rounded
+    /// to f32. With x = [4096, 1, 1, 1] an f32 running sum stays at 2^24 (each + 1 rounds
+    /// away); ggml's sum is 16777219, mean f32(4194304.75).
+    #[test]
+    fn rms_mean_of_squares_is_summed_as_ggml_does() {
+        let x = [4096.0f32, 1.0, 1.0, 1.0];
+        let mut out = [0.0f32; 4];
+        normalize(NormKind::Rms, &x, TypedSlice::F32(&[1.0; 4]), 0.0, &mut out);
+        let mean = (16_777_219.0f64 / 4.0) as f32;
+        let scale = 1.0f32 / mean.sqrt();
+        assert_eq!(out, [4096.0 * scale, scale, scale, scale]);
+        assert_ne!(mean, 16_777_216.0f32 / 4.0, "the f32 running sum differs");
     }
 }
