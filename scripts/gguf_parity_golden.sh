@@ -61,3 +61,42 @@ with open(out, "w") as fh:
     fh.write("\n")
 PY
 echo "gguf_parity_golden: wrote tests/fixtures/gguf/llama_attn_f32.json"
+
+# The same for the other families' fixtures (scripts/gguf_fixtures.sh's
+# gguf-fixtures-families, checked against SHA256SUMS-families): llama.cpp's f32-attention
+# run of each, against the default run the fixture folder already holds.
+FAMILIES=${FAMILY_FIXTURES:-$CACHE/gguf-fixtures-families}
+(cd "$FAMILIES" && sha256sum --quiet -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe; do
+  ids=$(python3 -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['$fam']['prompt_ids'])")
+  for t in f32 Q8_0 Q4_K_M; do
+    # shellcheck disable=SC2086
+    LLAMA_GREEDY_ATTN=f32 "$TMP/llama_greedy" "$FAMILIES/$fam-q4-$t.gguf" 16 $ids 2>/dev/null \
+      > "$TMP/$fam-$t.json"
+  done
+done
+python3 - "$TMP" "$FAMILIES" "$REPO/tests/fixtures/gguf/llama_attn_f32_families.json" <<'PY'
+import json, sys
+tmp, fixtures, out = sys.argv[1:4]
+doc = {"source": "scripts/gguf_parity_golden.sh (families): llama.cpp (llama-cpp-python 0.3.36 "
+                 "sdist) llama_greedy, default attention (fixtures' llama-FAMILY-TYPE.json) "
+                 "and LLAMA_GREEDY_ATTN=f32",
+       "families": {}}
+for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe"]:
+    doc["families"][fam] = {}
+    for t in ["f32", "Q8_0", "Q4_K_M"]:
+        f = json.load(open(f"{tmp}/{fam}-{t}.json"))
+        d = json.load(open(f"{fixtures}/llama-{fam}-{t}.json"))
+        a, b = d["first_logits"], f["first_logits"]
+        top = sorted(range(len(a)), key=lambda i: -a[i])[:32]
+        ids = sorted(set(top) | set(range(0, len(a), 1000)))
+        doc["families"][fam][t] = {
+            "tokens_attn_f32": f["tokens"],
+            "spread": max(abs(x - y) for x, y in zip(a, b)),
+            "ids": ids,
+            "logits_attn_f32": [b[i] for i in ids],
+            "logits_default": [a[i] for i in ids],
+        }
+json.dump(doc, open(out, "w"), indent=None, separators=(",", ":"))
+PY
+echo "gguf_parity_golden: wrote tests/fixtures/gguf/llama_attn_f32_families.json"

@@ -569,8 +569,24 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     let weights = ["--weights", path.to_str().expect("UTF-8 path")];
     let (cache, dir) = (tempfile::tempdir().expect("cache"), standin_dir());
     let schedule = "schedules/baselines/gpu_resident.sched";
-    let (_, a, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &weights, &[]);
-    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 2, &weights, &[]);
+    let (_, a, doc) = counted_run(
+        cache.path(),
+        dir.path(),
+        schedule,
+        &PROMPTS,
+        4,
+        &weights,
+        &[],
+    );
+    let (_, short, _) = counted_run(
+        cache.path(),
+        dir.path(),
+        schedule,
+        &PROMPTS,
+        2,
+        &weights,
+        &[],
+    );
     let (replayed, _, _, _) = graph_counts(&doc, "decode");
     let steps = 4u64 - replayed;
     let moe_tasks = 2 * steps;
