@@ -16,6 +16,12 @@ use std::sync::OnceLock;
 /// Environment variable that forces a kernel instruction set.
 pub const ENV_VAR: &str = "MOEC_KERNELS";
 
+/// The environment variable that picks the product of block-quantised weights:
+/// `int8` (the default: activations quantised to 8 bits as ggml does) or `decoded`
+/// (weights decoded to f32 per panel, activations kept in f32: the CUDA backend's
+/// arithmetic).
+pub const QUANT_PRODUCT_VAR: &str = "MOEC_QUANT_PRODUCT";
+
 /// An instruction set the CPU kernels have bodies for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
@@ -88,6 +94,12 @@ pub enum IsaError {
         /// The value given.
         value: String,
     },
+    /// `MOEC_QUANT_PRODUCT` names no product.
+    #[error("{QUANT_PRODUCT_VAR}={value:?} is not a quantised product: use int8 or decoded")]
+    UnknownQuantProduct {
+        /// The value given.
+        value: String,
+    },
     /// The setting names an instruction set this CPU lacks.
     #[error("{ENV_VAR}={isa}: this CPU lacks {} (it supports: {})", isa.features(), supported_names())]
     Unsupported {
@@ -148,6 +160,7 @@ pub fn select(setting: Option<&str>) -> Result<Selection, IsaError> {
                 kernels: Kernels {
                     isa,
                     few_rows: true,
+                    quant_decoded: false,
                 },
                 reason,
             })
@@ -161,7 +174,20 @@ pub fn select(setting: Option<&str>) -> Result<Selection, IsaError> {
 pub fn selection() -> Result<&'static Selection, &'static IsaError> {
     static SELECTION: OnceLock<Result<Selection, IsaError>> = OnceLock::new();
     SELECTION
-        .get_or_init(|| select(std::env::var(ENV_VAR).ok().as_deref()))
+        .get_or_init(|| {
+            let mut s = select(std::env::var(ENV_VAR).ok().as_deref())?;
+            let product = std::env::var(QUANT_PRODUCT_VAR).ok();
+            match product.as_deref().map(str::trim) {
+                None | Some("") | Some("int8") => {}
+                Some("decoded") => s.kernels.quant_decoded = true,
+                Some(other) => {
+                    return Err(IsaError::UnknownQuantProduct {
+                        value: other.to_string(),
+                    })
+                }
+            }
+            Ok(s)
+        })
         .as_ref()
 }
 
@@ -192,6 +218,9 @@ pub struct Kernels {
     /// Whether bf16 products at few rows take the instruction set's few-row body (the
     /// default); off, every row count runs the general register blocks (same bits).
     few_rows: bool,
+    /// Whether block-quantised weights are decoded to f32 and multiplied in f32
+    /// (`MOEC_QUANT_PRODUCT=decoded`) instead of with 8-bit activations.
+    quant_decoded: bool,
 }
 
 impl Kernels {
@@ -201,6 +230,7 @@ impl Kernels {
             Ok(Kernels {
                 isa,
                 few_rows: true,
+                quant_decoded: false,
             })
         } else {
             Err(IsaError::Unsupported { isa })
@@ -212,6 +242,7 @@ impl Kernels {
         Kernels {
             isa: Isa::Portable,
             few_rows: true,
+            quant_decoded: false,
         }
     }
 
@@ -228,6 +259,21 @@ impl Kernels {
     /// Whether products at few rows take the few-row body (see [`Kernels::general_blocks`]).
     pub fn few_rows(self) -> bool {
         self.few_rows
+    }
+
+    /// These kernels with block-quantised weights decoded to f32 per panel and multiplied
+    /// in f32 (`MOEC_QUANT_PRODUCT=decoded`), the CUDA backend's arithmetic.
+    pub fn quant_decoded(self) -> Self {
+        Kernels {
+            quant_decoded: true,
+            ..self
+        }
+    }
+
+    /// Whether block-quantised weights are decoded to f32 rather than multiplied with 8-bit
+    /// activations.
+    pub fn decodes_quant(self) -> bool {
+        self.quant_decoded
     }
 
     /// The kernels chosen for this process ([`selection`]). When `MOEC_KERNELS` is

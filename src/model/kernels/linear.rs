@@ -67,8 +67,10 @@ impl Kernels {
         }
         check_quant(w)?;
         // Quantised weights run the way their format is meant to (activations to 8 bits,
-        // integer block sums: `model::quant::matmul`), on this process's bodies.
-        if let Some(q) = QuantMatrix::from_matrix(w) {
+        // integer block sums: `model::quant::matmul`), on this process's bodies, unless
+        // `MOEC_QUANT_PRODUCT=decoded` asks for f32 products of the decoded weights (the
+        // portable panel, which decodes each panel with ggml's reference decoder).
+        if let (Some(q), false) = (QuantMatrix::from_matrix(w), self.decodes_quant()) {
             QuantKernels::for_kernels(self).quant_linear(&q, x, n_rows, out)?;
             return Ok(());
         }

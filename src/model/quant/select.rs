@@ -125,6 +125,12 @@ impl QuantKernels {
 /// One line naming the quantised-product body an f32 kernel choice runs, and why, for
 /// `moec devices` and the run report (`describe(Kernels::process())`).
 pub fn describe(k: Kernels) -> String {
+    if k.decodes_quant() {
+        return "quantised products: weights decoded to f32 per panel with ggml's reference \
+                decoder, activations in f32 (MOEC_QUANT_PRODUCT=decoded, the CUDA backend's \
+                arithmetic)"
+            .to_string();
+    }
     let body = QuantKernels::for_kernels(k).body();
     let why = match (k.isa(), body) {
         (Isa::Avx512, QuantBody::Avx512Vnni) => "AVX-512 kernels and this CPU has VNNI",
