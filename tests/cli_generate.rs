@@ -643,11 +643,12 @@ fn perplexity_json(cache: &Path, weights: &Path, reference: &Path) -> serde_json
 /// from, on the embedded text (252 predictions). The f32 file holds the folder's values
 /// exactly, so its distributions are the folder's to the bit (KL 0, every top token the
 /// same). The quantised files are bounded by what this random-weight model measured with
-/// about 3x headroom (Q8_0: mean KL 3.4e-4 nats, top-1 99.2%; Q4_K_M: 0.085 nats, 74.6%):
-/// a random model's logits spread over 28, so its KL is far above a trained model's
-/// (llama.cpp reports about 1e-3 for Q8_0 and 1e-2 for Q4_K_M on LLaMA), and the bounds are
-/// regression bounds for this fixture. What holds for any model is the order: Q8_0's 8.5
-/// bits a weight stay closer than Q4_K_M's 4.9.
+/// the default product (8-bit activations), with about 3x headroom on the KL (Q8_0: mean
+/// KL 7.7e-4 nats, top-1 96.4%; Q4_K_M: 0.085 nats, 73.8%; the f32-decoded product gives
+/// 3.4e-4 / 99.2% and 0.085 / 74.6%): a random model's logits spread over 28, so its KL is
+/// far above a trained model's (llama.cpp reports about 1e-3 for Q8_0 and 1e-2 for Q4_K_M
+/// on LLaMA), and the bounds are regression bounds for this fixture. What holds for any
+/// model is the order: Q8_0's 8.5 bits a weight stay closer than Q4_K_M's 4.9.
 #[test]
 fn perplexity_of_llama_cpps_ggufs_against_their_bf16_source() {
     let Some(fx) = gguf_common::fixtures() else {
@@ -667,7 +668,7 @@ fn perplexity_of_llama_cpps_ggufs_against_their_bf16_source() {
     let (q8, q4) = (report("Q8_0"), report("Q4_K_M"));
     let kl = |r: &serde_json::Value| r["mean_kl"].as_f64().unwrap();
     let top1 = |r: &serde_json::Value| r["top1_agreement"].as_f64().unwrap();
-    assert!(kl(&q8) < 1e-3 && top1(&q8) >= 0.95, "Q8_0: {q8}");
+    assert!(kl(&q8) < 2.5e-3 && top1(&q8) >= 0.9, "Q8_0: {q8}");
     assert!(kl(&q4) < 0.25 && top1(&q4) >= 0.6, "Q4_K_M: {q4}");
     assert!(kl(&q8) < kl(&q4), "Q8_0 {q8} against Q4_K_M {q4}");
 }
