@@ -31,6 +31,7 @@
 # Usage: scripts/serve-bench.sh [--clients 8] [--requests 32] [--prompt-words 48]
 #            [--max-tokens 32] [--threads 2] [--time-limit 600]
 #            [--schedules "vslpipe baselines/resident"] [--skip llama-server]
+#            [--set NAME=VALUE]... (replaces the per-schedule params below for every schedule)
 # Environment: MOEC_SERVE_BENCH_CACHE, MOEC_PEER_CACHE, MOEC_SERVE_BENCH_JOBS (build jobs,
 # default 2), MOEC_SERVE_BENCH_BIN (a moec binary to measure instead of building one).
 set -euo pipefail
@@ -47,6 +48,7 @@ THREADS=2
 TIME_LIMIT=600
 SCHEDULES="vslpipe baselines/resident"
 SKIP=""
+USER_SETS=()
 
 # Pinned versions: the sdist fixes llama.cpp's source (peer-bench's); the Python packages
 # are peer-bench's pins, plus the openai client the serve tests use.
@@ -64,7 +66,8 @@ while [ $# -gt 0 ]; do
     --time-limit) TIME_LIMIT=$2; shift 2 ;;
     --schedules) SCHEDULES=$2; shift 2 ;;
     --skip) SKIP="$SKIP $2"; shift 2 ;;
-    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+    --set) USER_SETS+=(--set "$2"); shift 2 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "serve-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -223,6 +226,7 @@ for sched in $SCHEDULES; do
     moe_infinity) sets=(--set "bs=$CLIENTS") ;;
     *) sets=(--set "ubs=$CLIENTS" --set n_ub=1) ;;
   esac
+  if [ ${#USER_SETS[@]} -gt 0 ]; then sets=("${USER_SETS[@]}"); fi
   port=$(free_port)
   measure "moec $sched" "$port" mixtral-mid "$MOEC" serve "$REPO/schedules/$sched.sched" \
     --weights "$MODEL" --threads "$THREADS" --host 127.0.0.1 --port "$port" \
