@@ -743,3 +743,56 @@ print(json.dumps(out))
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A schedule of static batches (`resident`: `prefill` + `decode`) about to start a batch
+/// with room waits up to `--batch-wait-ms` for more requests: a second request sent 300 ms
+/// after the first (well inside a 20 s window) joins the first one's batch, so the server
+/// runs one batch of 4 steps (1 prefill + 3 decode for 4 tokens), not two; with
+/// `--batch-wait-ms 0` and the second request sent once the first has ended, two batches
+/// (8 steps). The count of steps is the server's own `/metrics`, not a timing.
+#[test]
+fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
+    let body = |p: &str| serde_json::json!({"prompt": p, "max_tokens": 4, "temperature": 0});
+    for (wait, steps) in [("20000", 4.0), ("0", 8.0)] {
+        let server = serve(
+            "schedules/baselines/resident.sched",
+            &[
+                "--max-batch",
+                "2",
+                "--max-prompt",
+                "16",
+                "--max-tokens",
+                "4",
+                "--batch-wait-ms",
+                wait,
+                "--set",
+                "ubs=2",
+                "--set",
+                "n_ub=1",
+            ],
+        );
+        let addr = server.addr;
+        let mut first = Some(std::thread::spawn(move || {
+            post(addr, "/v1/completions", &body("Hello"), None)
+        }));
+        let mut join_first = || {
+            let reply = first.take().expect("joined once").join().expect("no panic");
+            assert_eq!(reply.status, 200, "{}", reply.body);
+        };
+        if wait == "0" {
+            join_first();
+        } else {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let second = post(addr, "/v1/completions", &body("Once upon a time"), None);
+        assert_eq!(second.status, 200, "{}", second.body);
+        if wait != "0" {
+            join_first();
+        }
+        assert_eq!(
+            metric(addr, "moec_steps_total", None),
+            steps,
+            "--batch-wait-ms {wait}"
+        );
+    }
+}

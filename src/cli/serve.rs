@@ -41,6 +41,11 @@ pub struct ServeArgs {
     /// Most tokens a completion generates: the plan is compiled for it.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// Milliseconds a static batch (a schedule with `prefill` + `decode`, which takes
+    /// requests only between batches) about to start with room waits for more requests;
+    /// schedules with a mixed `step` admit at every pass and never wait.
+    #[arg(long, default_value_t = 50)]
+    pub batch_wait_ms: u64,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body: usize,
@@ -97,6 +102,7 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
         run,
         max_batch: args.max_batch,
         max_prompt: args.max_prompt,
+        batch_wait: Duration::from_millis(args.batch_wait_ms),
     })
 }
 

@@ -29,7 +29,7 @@ use crate::runtime::driver::session::{
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// A serving session's settings.
@@ -42,6 +42,9 @@ pub struct SessionRequest {
     pub max_batch: usize,
     /// Longest prompt in tokens (its `prompt_len`).
     pub max_prompt: usize,
+    /// How long a static batch about to start with room waits for more requests (plans
+    /// with mixed steps admit at every pass and never wait).
+    pub batch_wait: Duration,
 }
 
 /// What a session was opened with, for `/v1/models` and the startup line.
@@ -439,7 +442,7 @@ fn worker(
     if ready.send(Ok((info, Arc::new(tokenizer), gauges))).is_err() {
         return Ok(()); // nobody waits for this session any more
     }
-    serve(session, incoming)
+    serve(session, incoming, request.batch_wait)
         .map(|_| ())
         .map_err(|e| e.to_string())
 }

@@ -304,6 +304,17 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         self.running.len()
     }
 
+    /// For a plan of static batches about to start a new batch that still has room: how
+    /// many more sequences it could take (`None` for mixed steps, a running batch, an empty
+    /// queue or a full batch).
+    pub fn batch_room(&self) -> Option<usize> {
+        if self.mixed || !self.running.is_empty() || self.waiting.is_empty() {
+            return None;
+        }
+        let seats: usize = self.prefill_caps.iter().map(|c| c.seqs).sum();
+        seats.checked_sub(self.waiting.len()).filter(|&r| r > 0)
+    }
+
     /// No sequence waits or runs.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
@@ -817,6 +828,7 @@ fn take_command<B: Backend + ?Sized>(
 pub fn serve<B: Backend + ?Sized>(
     mut session: Session<'_, B>,
     incoming: std::sync::mpsc::Receiver<Command>,
+    batch_wait: Duration,
 ) -> Result<RunStats, RunError> {
     use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
     let mut sinks: Sinks = Vec::new();
@@ -841,6 +853,27 @@ pub fn serve<B: Backend + ?Sized>(
                 Err(TryRecvError::Disconnected) => {
                     disconnected = true;
                     break;
+                }
+            }
+        }
+        // A static batch fixes its sequences until it ends: one about to start with room
+        // waits up to `batch_wait` for more requests (closed-loop clients resubmit within
+        // milliseconds of their answer), so it does not run half empty while they queue
+        // for a whole batch.
+        if !disconnected && deadline.is_none() && session.batch_room().is_some() {
+            let until = Instant::now() + batch_wait;
+            while session.batch_room().is_some() {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                match incoming.recv_timeout(left) {
+                    Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline),
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        disconnected = true;
+                        break;
+                    }
                 }
             }
         }
