@@ -418,6 +418,13 @@ fn worker(
     )
     .map_err(|e| fail(message(&e)))?
     .without_step_records();
+    if session.static_batches() && !request.batch_wait.is_zero() {
+        notes.push(format!(
+            "static batches: requests join between batches; one about to start with room \
+             waits up to {} ms for more (--batch-wait-ms)",
+            request.batch_wait.as_millis()
+        ));
+    }
     let config = checkpoint.dir().join("tokenizer_config.json");
     let chat_template = if config.is_file() {
         Ok(config.display().to_string())

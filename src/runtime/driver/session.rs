@@ -315,6 +315,12 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         seats.checked_sub(self.waiting.len()).filter(|&r| r > 0)
     }
 
+    /// True for a plan of static batches (`prefill` + `decode`), which takes new sequences
+    /// only between batches; false for mixed steps, which admit at every pass.
+    pub fn static_batches(&self) -> bool {
+        !self.mixed
+    }
+
     /// No sequence waits or runs.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
