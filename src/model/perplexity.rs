@@ -12,6 +12,7 @@
 //! position per step, so both models see exactly the same contexts. Log-probabilities are
 //! formed in f64 from the f32 logits (max-subtracted log-sum-exp).
 
+use crate::model::kernels::sampling::{argmax, log_softmax};
 use crate::model::oracle::{Oracle, OracleError, StepSeq};
 
 /// What [`perplexity`] measured.
@@ -75,24 +76,6 @@ pub enum PerplexityError {
     /// A forward pass failed.
     #[error(transparent)]
     Oracle(#[from] OracleError),
-}
-
-/// `log_softmax(row)[i]` for every `i`, in f64.
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    let lse = max + sum.ln();
-    row.iter().map(|&v| v as f64 - lse).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 /// Scores `tokens` under `model` (and `reference`) in windows of `window` tokens.
@@ -189,19 +172,4 @@ pub fn perplexity(
             max_logit_diff: max_diff,
         }),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn log_softmax_is_normalised_and_exact_on_a_hand_example() {
-        // logits [0, ln 3]: probabilities 1/4 and 3/4.
-        let lp = log_softmax(&[0.0, 3.0f32.ln()]);
-        assert!((lp[0] - 0.25f64.ln()).abs() < 1e-7);
-        assert!((lp[1] - 0.75f64.ln()).abs() < 1e-7);
-        let big = log_softmax(&[1000.0, 1000.0]);
-        assert!((big[0] - 0.5f64.ln()).abs() < 1e-9, "no overflow");
-    }
 }

@@ -171,7 +171,8 @@ pub fn synthetic_layer_image(
     (layout, image)
 }
 
-fn encode(v: f32, dtype: WeightDtype, out: &mut Vec<u8>) {
+/// Appends `v` stored as `dtype` (little-endian; bf16 and f16 rounded to nearest even).
+pub(crate) fn encode(v: f32, dtype: WeightDtype, out: &mut Vec<u8>) {
     match dtype {
         WeightDtype::Bf16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
         WeightDtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),

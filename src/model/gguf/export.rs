@@ -97,25 +97,14 @@ fn file_type(storage: Storage) -> u32 {
     }
 }
 
-/// The converter's row order for `q_proj`/`k_proj`: within each head of `2h` rows, Hub row
-/// `p * h + i` goes to position `2i + p` (rows of `cols` values).
+/// The converter's row order for `q_proj`/`k_proj` (rows of `cols` values), by
+/// [`super::llama::converter_row_order`], the order the reader undoes.
 fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
     let rows = values.len().checked_div(cols)?;
-    let per_head = rows.checked_div(heads)?;
-    if per_head * heads != rows || !per_head.is_multiple_of(2) {
-        return None;
-    }
-    let half = per_head / 2;
     let mut out = vec![0.0; values.len()];
-    for h in 0..heads {
-        for p in 0..2 {
-            for i in 0..half {
-                let hub = h * per_head + p * half + i;
-                let stored = h * per_head + 2 * i + p;
-                out[stored * cols..(stored + 1) * cols]
-                    .copy_from_slice(&values[hub * cols..(hub + 1) * cols]);
-            }
-        }
+    for (hub, stored) in super::llama::converter_row_order(rows, heads)? {
+        out[stored * cols..(stored + 1) * cols]
+            .copy_from_slice(&values[hub * cols..(hub + 1) * cols]);
     }
     Some(out)
 }
@@ -485,26 +474,26 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
 }
 
 fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteError> {
-    Ok(match ggml_type {
-        GGML_F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        GGML_F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        GGML_BF16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-        id => {
-            let format = QuantFormat::from_ggml_type(id).ok_or_else(|| WriteError::Tensor {
-                tensor: name.into(),
-                message: format!("ggml type {id} is not one moec writes"),
-            })?;
-            quantize_row(format, values).map_err(|e| WriteError::Tensor {
-                tensor: name.into(),
-                message: e.to_string(),
-            })?
+    let float = match ggml_type {
+        GGML_F32 => Some(WeightDtype::F32),
+        GGML_F16 => Some(WeightDtype::F16),
+        GGML_BF16 => Some(WeightDtype::Bf16),
+        _ => None,
+    };
+    if let Some(dtype) = float {
+        let mut out = Vec::with_capacity(values.len() * dtype.bytes() as usize);
+        for &v in values {
+            crate::model::synth::encode(v, dtype, &mut out);
         }
+        return Ok(out);
+    }
+    let format = QuantFormat::from_ggml_type(ggml_type).ok_or_else(|| WriteError::Tensor {
+        tensor: name.into(),
+        message: format!("ggml type {ggml_type} is not one moec writes"),
+    })?;
+    quantize_row(format, values).map_err(|e| WriteError::Tensor {
+        tensor: name.into(),
+        message: e.to_string(),
     })
 }
 

@@ -256,26 +256,35 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
 /// `p * h + i` (half `p`, pair `i`) at position `2i + p`. Rows are moved whole (`row_bytes`
 /// each), so this works for every storage. `None` when the sizes do not divide.
 pub fn unpermute_rows(bytes: &[u8], heads: usize, row_bytes: usize) -> Option<Vec<u8>> {
-    let rows = bytes.len().checked_div(row_bytes)?;
+    if row_bytes == 0 || !bytes.len().is_multiple_of(row_bytes) {
+        return None;
+    }
+    let mut out = vec![0u8; bytes.len()];
+    for (hub, stored) in converter_row_order(bytes.len() / row_bytes, heads)? {
+        out[hub * row_bytes..(hub + 1) * row_bytes]
+            .copy_from_slice(&bytes[stored * row_bytes..(stored + 1) * row_bytes]);
+    }
+    Some(out)
+}
+
+/// The converter's per-head row interleave of `rows` rows in `heads` heads, as
+/// `(hub row, stored row)` pairs: within each head of `2h` rows, Hub row `p * h + i`
+/// (half `p`, pair `i`) is stored at position `2i + p`. `None` when the rows do not split
+/// into whole heads of pairs. Reading ([`unpermute_rows`]) and writing
+/// (`gguf::export`) both move rows by it.
+pub fn converter_row_order(rows: usize, heads: usize) -> Option<Vec<(usize, usize)>> {
     let per_head = rows.checked_div(heads)?;
-    if row_bytes == 0
-        || rows * row_bytes != bytes.len()
-        || per_head * heads != rows
-        || per_head % 2 != 0
-    {
+    if per_head * heads != rows || !per_head.is_multiple_of(2) {
         return None;
     }
     let half = per_head / 2;
-    let mut out = vec![0u8; bytes.len()];
+    let mut order = Vec::with_capacity(rows);
     for h in 0..heads {
         for p in 0..2 {
             for i in 0..half {
-                let hub = h * per_head + p * half + i;
-                let stored = h * per_head + 2 * i + p;
-                out[hub * row_bytes..(hub + 1) * row_bytes]
-                    .copy_from_slice(&bytes[stored * row_bytes..(stored + 1) * row_bytes]);
+                order.push((h * per_head + p * half + i, h * per_head + 2 * i + p));
             }
         }
     }
-    Some(out)
+    Some(order)
 }

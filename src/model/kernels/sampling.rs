@@ -32,11 +32,22 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// `log softmax(logits)[token]`, computed in f64 for a stable reference value.
-pub fn log_prob(logits: &[f32], token: u32) -> f32 {
+/// `log(sum(exp(logits)))` in f64, max-subtracted so large logits do not overflow.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let z: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
-    (logits[token as usize] as f64 - max - z.ln()) as f32
+    max + z.ln()
+}
+
+/// `log softmax(logits)[token]`, computed in f64 for a stable reference value.
+pub fn log_prob(logits: &[f32], token: u32) -> f32 {
+    (logits[token as usize] as f64 - log_sum_exp(logits)) as f32
+}
+
+/// `log softmax(logits)` of every entry, in f64 (perplexity and KL divergence).
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let lse = log_sum_exp(logits);
+    logits.iter().map(|&v| v as f64 - lse).collect()
 }
 
 /// Picks the next token.
@@ -78,6 +89,16 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut Rng) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_softmax_is_normalised_and_exact_on_a_hand_example() {
+        // logits [0, ln 3]: probabilities 1/4 and 3/4.
+        let lp = log_softmax(&[0.0, 3.0f32.ln()]);
+        assert!((lp[0] - 0.25f64.ln()).abs() < 1e-7);
+        assert!((lp[1] - 0.75f64.ln()).abs() < 1e-7);
+        let big = log_softmax(&[1000.0, 1000.0]);
+        assert!((big[0] - 0.5f64.ln()).abs() < 1e-9, "no overflow");
+    }
 
     #[test]
     fn greedy_takes_the_first_maximum_and_logprob_is_normalised() {
