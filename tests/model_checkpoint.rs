@@ -1068,13 +1068,10 @@ fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
     .unwrap();
     let golden: serde_json::Value =
         serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
-    let prompt: Vec<u32> = golden["qwen3-moe"]["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
-    assert_eq!(ours.encode("The capital of France is").unwrap(), prompt);
+    assert_eq!(
+        ours.encode("The capital of France is").unwrap(),
+        gguf_parity::ids(&golden["qwen3-moe"]["prompt_ids"])
+    );
     for text in [
         "The capital of France is",
         "I'm sure they'll say it's twelve or pi, won't they?",
@@ -1097,4 +1094,49 @@ fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
     // (`\p{N}{1,3}`). moec reads the file as llama.cpp does.
     assert_eq!(ours.encode("12345").unwrap(), vec![16, 17, 18, 19, 20]);
     assert_eq!(hf.encode("12345", true).unwrap().get_ids(), &[4513, 1774]);
+}
+
+/// A Mixtral `.gguf` made by llama.cpp's converter brings its SentencePiece (`llama`)
+/// vocabulary, which moec reads instead of falling back to the card's file: it encodes the
+/// parity prompt to the ids llama.cpp gave it (`llama_greedy.json`) and texts that exercise
+/// byte fallback, whitespace runs and newlines to the Hub `tokenizer.json`'s ids. The
+/// converter wrote this vocabulary from that `tokenizer.json` (scores all -1000), and the
+/// run report says the merges are ranked by token id for that reason.
+#[test]
+fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
+    let Some(dir) = gguf_common::fixtures() else {
+        eprintln!("gguf: skipped: no Mixtral GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let path = dir.join("mixtral-q4-Q4_K_M.gguf");
+    let ck = Checkpoint::open_gguf(&path, None).unwrap();
+    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), &path).unwrap();
+    assert!(
+        ours.origin().contains("SentencePiece") && ours.origin().contains("by token id"),
+        "{}",
+        ours.origin()
+    );
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy.json")).unwrap();
+    assert_eq!(
+        ours.encode("The capital of France is").unwrap(),
+        gguf_parity::ids(&golden["prompt_ids"])
+    );
+    let hub = tokenizers::Tokenizer::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/tokenizers/mixtral/tokenizer.json"
+    ))
+    .unwrap();
+    for text in [
+        "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
+        "émigré café naïve — “quotes” 日本語のテキスト 😀",
+        "def f(x):\n    return x**2  # square 1234567890\n",
+    ] {
+        let want = hub.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(ours.encode(text).unwrap(), want, "{text:?}");
+        assert_eq!(
+            ours.decode(&want).unwrap(),
+            hub.decode(&want, true).unwrap()
+        );
+    }
 }

@@ -46,7 +46,8 @@ use crate::gguf_common::fixtures;
 /// module doc for the derivation).
 const ROUNDING_BOUND: f32 = 1e-4;
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
+/// A golden file's list of token ids.
+pub(crate) fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
         .iter()

@@ -325,3 +325,97 @@ fn mla_kv_b_is_rebuilt_from_the_split_halves() {
         "{err}"
     );
 }
+
+/// A GGUF array value of `elem_type` (GGUF type id) holding `items` already encoded.
+fn array_value(elem_type: u32, items: impl IntoIterator<Item = Vec<u8>>) -> Vec<u8> {
+    let items: Vec<Vec<u8>> = items.into_iter().collect();
+    let mut v = elem_type.to_le_bytes().to_vec();
+    v.extend((items.len() as u64).to_le_bytes());
+    v.extend(items.into_iter().flatten());
+    v
+}
+
+/// Mixtral's vocabulary as a `llama` GGUF vocabulary (as `convert_hf_to_gguf.py` writes
+/// one from `tokenizer.model`: NORMAL pieces scored by falling rank, or from
+/// `tokenizer.json`: every score -1000) gives a tokenizer that encodes and decodes as the
+/// Hub's `tokenizer.json` does: SentencePiece's best-score-first merges are the Hub file's
+/// BPE ranks, byte fallback included.
+#[test]
+fn a_sentencepiece_vocabulary_encodes_as_the_hub_tokenizer() {
+    let hub_json: serde_json::Value = serde_json::from_slice(include_bytes!(
+        "../../../models/tokenizers/mixtral/tokenizer.json"
+    ))
+    .unwrap();
+    let vocab = hub_json["model"]["vocab"].as_object().unwrap();
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = t.clone();
+    }
+    // llama.cpp's types: 2 unknown, 3 control, 6 byte, 1 normal.
+    let types: Vec<i32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| match id {
+            0 => 2,
+            1 | 2 => 3,
+            _ if t.starts_with("<0x") && t.len() == 6 => 6,
+            _ => 1,
+        })
+        .collect();
+    let hub = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&hub_json).unwrap()).unwrap();
+    let ranked: Vec<f32> = types
+        .iter()
+        .enumerate()
+        .map(|(id, &ty)| if ty == 1 { -(id as f32) } else { 0.0 })
+        .collect();
+    for scores in [ranked, vec![-1000.0; tokens.len()]] {
+        let bytes = build(
+            &[
+                ("general.architecture", 8, string_value("llama")),
+                ("tokenizer.ggml.model", 8, string_value("llama")),
+                (
+                    "tokenizer.ggml.tokens",
+                    9,
+                    array_value(8, tokens.iter().map(|t| string_value(t))),
+                ),
+                (
+                    "tokenizer.ggml.scores",
+                    9,
+                    array_value(6, scores.iter().map(|s| s.to_le_bytes().to_vec())),
+                ),
+                (
+                    "tokenizer.ggml.token_type",
+                    9,
+                    array_value(5, types.iter().map(|t| t.to_le_bytes().to_vec())),
+                ),
+                (
+                    "tokenizer.ggml.unknown_token_id",
+                    4,
+                    0u32.to_le_bytes().to_vec(),
+                ),
+            ],
+            &[],
+        );
+        let file = open_bytes(&bytes).unwrap();
+        let (json, description) = vocab::tokenizer_json(&file).unwrap().unwrap();
+        assert!(description.contains("SentencePiece"), "{description}");
+        let ours = tokenizers::Tokenizer::from_bytes(&json).unwrap();
+        for text in [
+            "The capital of France is",
+            "I'm sure they'll say it's twelve or pi, won't they?",
+            "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
+            "émigré café naïve — “quotes” 日本語のテキスト 😀 ꙮ",
+            "def f(x):\n    return x**2  # square 1234567890\n",
+            " leading space and trailing ",
+        ] {
+            let want = hub.encode(text, false).unwrap().get_ids().to_vec();
+            let got = ours.encode(text, false).unwrap().get_ids().to_vec();
+            assert_eq!(got, want, "{text:?} ({description})");
+            assert_eq!(
+                ours.decode(&want, true).unwrap(),
+                hub.decode(&want, true).unwrap(),
+                "{text:?}"
+            );
+        }
+    }
+}

@@ -32,6 +32,8 @@ fn split_of(pre: &str) -> Option<(&'static str, bool)> {
     }
 }
 
+mod spm;
+
 fn meta_err(file: &GgufFile, key: &str, message: String) -> GgufError {
     GgufError::Metadata {
         path: file.path().display().to_string(),
@@ -54,49 +56,53 @@ fn strings<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, GgufError>
     }
 }
 
-/// `tokenizer.json` bytes for `file`'s vocabulary and a description of it, or `Err` of
-/// the reason none is built (`Ok(Err(reason))`); a vocabulary that contradicts itself is
-/// the outer error.
-pub fn tokenizer_json(file: &GgufFile) -> Result<Result<(Vec<u8>, String), String>, GgufError> {
-    let Some(model) = file.metadata.get("tokenizer.ggml.model") else {
-        return Ok(Err(
-            "it carries no vocabulary (`tokenizer.ggml.model`)".into()
-        ));
-    };
-    let model = model.as_str().unwrap_or("");
-    if model != "gpt2" {
-        return Ok(Err(format!(
-            "its `{model}` vocabulary is not read (moec builds llama.cpp's `gpt2` byte-level \
-             BPE vocabularies)"
-        )));
-    }
-    let pre = file
-        .metadata
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let Some((split, ignore_merges)) = split_of(pre) else {
-        return Ok(Err(format!(
-            "its pre-tokenizer `{pre}` is not read (moec knows dbrx, llama3, llama-bpe, \
-             smaug-bpe, qwen2, stablelm2)"
-        )));
-    };
-    let tokens = strings(file, "tokenizer.ggml.tokens")?;
-    let merges = strings(file, "tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match file.metadata.get("tokenizer.ggml.token_type") {
+/// llama.cpp's token type of each token (`tokenizer.ggml.token_type`; NORMAL, 1, when the
+/// key is absent), one per token or an error naming the key. The tokens the metadata names
+/// as BOS, EOS, unknown or padding are CONTROL (3) whatever their type: a converter run
+/// without `tokenizer_config.json` writes them NORMAL, yet they are the Hub file's special
+/// tokens, matched whole and left out of decoded text.
+fn token_types(file: &GgufFile, n_tokens: usize) -> Result<Vec<u64>, GgufError> {
+    let mut types: Vec<u64> = match file.metadata.get("tokenizer.ggml.token_type") {
         Some(Value::Array(items)) => items.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
-        _ => vec![1; tokens.len()],
+        _ => vec![1; n_tokens],
     };
-    if types.len() != tokens.len() {
+    if types.len() != n_tokens {
         return Err(meta_err(
             file,
             "tokenizer.ggml.token_type",
-            format!("has {} entries for {} tokens", types.len(), tokens.len()),
+            format!("has {} entries for {n_tokens} tokens", types.len()),
         ));
     }
+    for key in ["bos", "eos", "unknown", "padding"] {
+        let id = file
+            .metadata
+            .get(&format!("tokenizer.ggml.{key}_token_id"))
+            .and_then(Value::as_u64)
+            .and_then(|id| usize::try_from(id).ok());
+        if let Some(ty) = id.and_then(|id| types.get_mut(id)) {
+            *ty = 3;
+        }
+    }
+    Ok(types)
+}
+
+/// The `model.vocab` map (token to id) and the `added_tokens` entries (control and
+/// user-defined tokens, matched whole) of a `tokenizer.json`; a token spelled twice is an
+/// error naming the key.
+fn vocab_map(
+    file: &GgufFile,
+    tokens: &[&str],
+    types: &[u64],
+) -> Result<
+    (
+        serde_json::Map<String, serde_json::Value>,
+        Vec<serde_json::Value>,
+    ),
+    GgufError,
+> {
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
-    for (id, (&token, &ty)) in tokens.iter().zip(&types).enumerate() {
+    for (id, (&token, &ty)) in tokens.iter().zip(types).enumerate() {
         if vocab.insert(token.to_string(), json!(id)).is_some() {
             return Err(meta_err(
                 file,
@@ -112,30 +118,89 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Result<(Vec<u8>, String), Strin
             }));
         }
     }
-    let text = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
-        ]},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null,
-            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
-            "byte_fallback": false, "ignore_merges": ignore_merges,
-            "vocab": vocab, "merges": merges,
-        },
-    });
+    Ok((vocab, added))
+}
+
+/// A `tokenizer.json` BPE model; byte fallback goes with fused unknowns, as the Hub's
+/// SentencePiece files have it.
+fn bpe(
+    vocab: serde_json::Map<String, serde_json::Value>,
+    merges: serde_json::Value,
+    unk: Option<&str>,
+    byte_fallback: bool,
+    ignore_merges: bool,
+) -> serde_json::Value {
+    json!({
+        "type": "BPE", "dropout": null, "unk_token": unk,
+        "continuing_subword_prefix": null, "end_of_word_suffix": null,
+        "fuse_unk": byte_fallback, "byte_fallback": byte_fallback,
+        "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
+    })
+}
+
+/// The bytes of a `tokenizer.json` of these parts (no normalizer or post-processor: BOS is
+/// the card's to add).
+fn document(
+    added: Vec<serde_json::Value>,
+    pre_tokenizer: serde_json::Value,
+    decoder: serde_json::Value,
+    model: serde_json::Value,
+) -> Vec<u8> {
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": pre_tokenizer, "post_processor": null,
+        "decoder": decoder, "model": model,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// `tokenizer.json` bytes for `file`'s vocabulary and a description of it, or `Err` of
+/// the reason none is built (`Ok(Err(reason))`); a vocabulary that contradicts itself is
+/// the outer error.
+pub fn tokenizer_json(file: &GgufFile) -> Result<Result<(Vec<u8>, String), String>, GgufError> {
+    let Some(model) = file.metadata.get("tokenizer.ggml.model") else {
+        return Ok(Err(
+            "it carries no vocabulary (`tokenizer.ggml.model`)".into()
+        ));
+    };
+    let model = model.as_str().unwrap_or("");
+    if model == "llama" {
+        return spm::tokenizer_json(file).map(Ok);
+    }
+    if model != "gpt2" {
+        return Ok(Err(format!(
+            "its `{model}` vocabulary is not read (moec builds llama.cpp's `gpt2` byte-level \
+             BPE and `llama` SentencePiece vocabularies)"
+        )));
+    }
+    let pre = file
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let Some((split, ignore_merges)) = split_of(pre) else {
+        return Ok(Err(format!(
+            "its pre-tokenizer `{pre}` is not read (moec knows dbrx, llama3, llama-bpe, \
+             smaug-bpe, qwen2, stablelm2)"
+        )));
+    };
+    let tokens = strings(file, "tokenizer.ggml.tokens")?;
+    let merges = strings(file, "tokenizer.ggml.merges")?;
+    let types = token_types(file, tokens.len())?;
+    let (vocab, added) = vocab_map(file, &tokens, &types)?;
+    let pre_tokenizer = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+    ]});
+    let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    let model = bpe(vocab, json!(merges), None, false, ignore_merges);
+    let text = document(added, pre_tokenizer, decoder, model);
     let description = format!(
         "the GGUF vocabulary of {} (byte-level BPE, pre-tokenizer `{pre}`, {} tokens, {} merges)",
         file.path().display(),
         tokens.len(),
         merges.len()
     );
-    Ok(Ok((text.to_string().into_bytes(), description)))
+    Ok(Ok((text, description)))
 }
