@@ -805,21 +805,6 @@ fn malformed_mxfp4_experts_are_named() {
 
 // ---- GGUF import of the other families, split files (helper gguf-families, issue 29) ----
 
-/// The fixtures of `scripts/gguf_fixtures.sh` for Qwen3-MoE and DeepSeek-V2:
-/// `$MOEC_GGUF_FAMILY_FIXTURES`, else `~/.cache/moec-peer/gguf-fixtures-families`, when it
-/// holds them.
-fn family_fixtures() -> Option<PathBuf> {
-    let dir = std::env::var_os("MOEC_GGUF_FAMILY_FIXTURES")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/moec-peer/gguf-fixtures-families"))
-        })?;
-    dir.join("deepseek-v2-q4-Q4_K_M.gguf")
-        .is_file()
-        .then_some(dir)
-}
-
 /// llama.cpp's first-step logits on `file`, as the harness wrote them.
 fn llama_first_logits(path: &Path) -> Option<Vec<f32>> {
     let text = std::fs::read_to_string(path).ok()?;
@@ -865,7 +850,7 @@ fn logit_distance(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
 /// Without the fixtures the test says why and passes.
 #[test]
 fn gguf_families_greedy_tokens_match_llama_cpp() {
-    let Some(dir) = family_fixtures() else {
+    let Some(dir) = gguf_common::family_fixtures() else {
         eprintln!(
             "gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh, or \
              set MOEC_GGUF_FAMILY_FIXTURES)"
@@ -977,7 +962,7 @@ const ATTN_F32_BOUND: f32 = 1e-4;
 /// part's file.
 #[test]
 fn a_split_gguf_reads_as_the_whole_file() {
-    let Some(dir) = family_fixtures() else {
+    let Some(dir) = gguf_common::family_fixtures() else {
         eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;
     };
@@ -1041,7 +1026,7 @@ fn a_split_gguf_reads_as_the_whole_file() {
 /// (contractions, digit runs, whitespace runs and newlines, accents, CJK, a special token).
 #[test]
 fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
-    let Some(dir) = family_fixtures() else {
+    let Some(dir) = gguf_common::family_fixtures() else {
         eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;
     };
