@@ -307,7 +307,7 @@ fn mla_projections_match_the_cpu() {
             kv_a_norm: TypedSlice::Bf16(&kv_a_norm),
             kv_b: KvUp::Merged(matrix(&kv_b, heads * (nope + v), r)),
         };
-        let mut dense = DenseWeights {
+        let dense = DenseWeights {
             attn_norm: TypedSlice::Bf16(&attn_norm),
             qkv: QkvWeights::Mla(mla),
             qkv_bias: None,
@@ -322,19 +322,16 @@ fn mla_projections_match_the_cpu() {
             kv_b_out: None,
         };
         let table = RopeTable::for_arch(&arch, 64);
-        let mut x_norm = vec![0.0f32; n * d];
-        let mut want = vec![0.0f32; n * width];
-        kernels
-            .pre_attn(
-                &arch,
-                &dense,
-                &table,
-                &x,
-                &positions,
-                &mut x_norm,
-                &mut want,
-            )
-            .expect("CPU pre_attn");
+        // The CPU's `pre_attn`: the normalised input and the qkv rows.
+        let cpu_pre_attn = |dense: &DenseWeights<'_>| {
+            let mut x_norm = vec![0.0f32; n * d];
+            let mut qkv = vec![0.0f32; n * width];
+            kernels
+                .pre_attn(&arch, dense, &table, &x, &positions, &mut x_norm, &mut qkv)
+                .expect("CPU pre_attn");
+            (x_norm, qkv)
+        };
+        let (x_norm, want) = cpu_pre_attn(&dense);
         // The projections around the kernels, as the CPU computes them.
         let mut q_rows = vec![0.0f32; n * heads * qk];
         if let MlaQuery::Lora { a, norm, b } = &mla.q {
@@ -428,36 +425,41 @@ fn mla_projections_match_the_cpu() {
         println!("mla_head_linear + mla_qkv_rows ({card}): max abs diff vs pre_attn {err:.3e}");
         assert!(err < 1e-4, "{card}: MLA qkv rows differ by {err}");
 
-        // The value expansion, then o_proj and the residual on the CPU.
+        // The value expansion with `w` (laid out `w_layout`: columns, rows per head, row
+        // offset), then o_proj and the residual on the CPU, against the CPU's
+        // `mla_o_proj_residual` with `up`: their largest difference.
         let attn_out = rng.vec(n * heads * hd, 1.0);
         let a_dev = stream.clone_htod(&attn_out).expect("htod");
-        let mut values_dev = stream.alloc_zeros::<f32>(n * heads * v).expect("alloc");
-        head_linear(
-            &stream,
-            &linear_fn,
-            &a_dev,
-            [heads * hd, hd],
-            &kv_b_dev,
-            [r, nope + v, nope],
-            true,
-            &mut values_dev,
-            [heads * v, v],
-            [heads, n, r, v],
-            1.0,
-        );
-        let values = stream.clone_dtoh(&values_dev).expect("dtoh");
         let o = matrix(&o_proj, d, heads * v);
         let residual = rng.vec(n * d, 1.0);
-        let mut got = vec![0.0f32; n * d];
-        kernels.linear(&values, n, &o, &mut got).expect("o_proj");
-        for (g, x) in got.iter_mut().zip(&residual) {
-            *g += x;
-        }
-        let mut want = residual.clone();
-        kernels
-            .mla_o_proj_residual(&arch, &mla.kv_b, &o, &attn_out, &mut want)
-            .expect("CPU o_proj");
-        let err = max_abs_diff(&got, &want);
+        let o_proj_diff = |w: &cudarc::driver::CudaSlice<u16>, w_layout, up: &KvUp<'_>| {
+            let mut values_dev = stream.alloc_zeros::<f32>(n * heads * v).expect("alloc");
+            head_linear(
+                &stream,
+                &linear_fn,
+                &a_dev,
+                [heads * hd, hd],
+                w,
+                w_layout,
+                true,
+                &mut values_dev,
+                [heads * v, v],
+                [heads, n, r, v],
+                1.0,
+            );
+            let values = stream.clone_dtoh(&values_dev).expect("dtoh");
+            let mut got = vec![0.0f32; n * d];
+            kernels.linear(&values, n, &o, &mut got).expect("o_proj");
+            for (g, x) in got.iter_mut().zip(&residual) {
+                *g += x;
+            }
+            let mut want = residual.clone();
+            kernels
+                .mla_o_proj_residual(&arch, up, &o, &attn_out, &mut want)
+                .expect("CPU o_proj");
+            max_abs_diff(&got, &want)
+        };
+        let err = o_proj_diff(&kv_b_dev, [r, nope + v, nope], &mla.kv_b);
         println!("mla_head_linear (values, {card}): max abs diff after o_proj vs CPU {err:.3e}");
         assert!(err < 1e-4, "{card}: MLA o_proj differs by {err}");
 
@@ -477,22 +479,13 @@ fn mla_projections_match_the_cpu() {
         }
         let k_b: Vec<bf16> = k_b_bits.iter().map(|&b| bf16::from_bits(b)).collect();
         let v_b: Vec<bf16> = v_b_bits.iter().map(|&b| bf16::from_bits(b)).collect();
-        dense.qkv = QkvWeights::Mla(MlaWeights {
-            kv_b: KvUp::Split(matrix(&k_b, heads * r, nope)),
-            ..mla
+        let (_, want) = cpu_pre_attn(&DenseWeights {
+            qkv: QkvWeights::Mla(MlaWeights {
+                kv_b: KvUp::Split(matrix(&k_b, heads * r, nope)),
+                ..mla
+            }),
+            ..dense
         });
-        let mut want = vec![0.0f32; n * width];
-        kernels
-            .pre_attn(
-                &arch,
-                &dense,
-                &table,
-                &x,
-                &positions,
-                &mut x_norm,
-                &mut want,
-            )
-            .expect("CPU pre_attn (split)");
         let k_b_dev = stream.clone_htod(&k_b_bits).expect("htod");
         let mut q_abs_dev = stream.alloc_zeros::<f32>(n * width).expect("alloc");
         head_linear(
@@ -525,32 +518,8 @@ fn mla_projections_match_the_cpu() {
             "{card}: absorbed queries from attn_k_b differ by {err}"
         );
         let v_b_dev = stream.clone_htod(&v_b_bits).expect("htod");
-        let mut values_dev = stream.alloc_zeros::<f32>(n * heads * v).expect("alloc");
-        head_linear(
-            &stream,
-            &linear_fn,
-            &a_dev,
-            [heads * hd, hd],
-            &v_b_dev,
-            [r, v, 0],
-            true,
-            &mut values_dev,
-            [heads * v, v],
-            [heads, n, r, v],
-            1.0,
-        );
-        let values = stream.clone_dtoh(&values_dev).expect("dtoh");
-        let mut got = vec![0.0f32; n * d];
-        kernels.linear(&values, n, &o, &mut got).expect("o_proj");
-        for (g, x) in got.iter_mut().zip(&residual) {
-            *g += x;
-        }
-        let mut want = residual.clone();
         let split = KvUp::Split(matrix(&v_b, heads * v, r));
-        kernels
-            .mla_o_proj_residual(&arch, &split, &o, &attn_out, &mut want)
-            .expect("CPU o_proj (split)");
-        let err = max_abs_diff(&got, &want);
+        let err = o_proj_diff(&v_b_dev, [r, v, 0], &split);
         println!("mla_head_linear (attn_v_b, {card}): max abs diff after o_proj vs CPU {err:.3e}");
         assert!(
             err < 1e-4,
