@@ -942,15 +942,10 @@ impl Checkpoint {
             },
             router_bias: optional(!dense_layer && a.has_router_bias(), SegmentKind::RouterBias)?,
             shared,
-            kv_b_out: match a.mla {
-                Some(m) if m.kv_b_split => {
-                    Some(KvUp::Split(self.segment_matrix(layer, SegmentKind::VB)?))
-                }
-                Some(_) => Some(KvUp::Merged(
-                    self.segment_matrix(layer, SegmentKind::KvBOut)?,
-                )),
-                None => None,
-            },
+            kv_b_out: a
+                .mla
+                .map(|m| KvUp::values(m.kv_b_split, |kind| self.segment_matrix(layer, kind)))
+                .transpose()?,
         };
         let routed = if dense_layer { 0 } else { self.arch.experts };
         let experts = (0..routed)

@@ -676,14 +676,10 @@ impl<'a> DenseWeights<'a> {
             },
             router_bias: vector(SegmentKind::RouterBias)?,
             shared,
-            kv_b_out: if has(SegmentKind::KvBOut) {
-                Some(KvUp::Merged(layout.matrix(
-                    bytes,
-                    0,
-                    SegmentKind::KvBOut,
-                )?))
-            } else if has(SegmentKind::VB) {
-                Some(KvUp::Split(layout.matrix(bytes, 0, SegmentKind::VB)?))
+            kv_b_out: if has(SegmentKind::KvBOut) || has(SegmentKind::VB) {
+                Some(KvUp::values(has(SegmentKind::VB), |kind| {
+                    layout.matrix(bytes, 0, kind)
+                })?)
             } else {
                 None
             },

@@ -73,6 +73,20 @@ pub enum KvUp<'a> {
 }
 
 impl<'a> KvUp<'a> {
+    /// The values' up-projection `W_uv` through `segment` (as [`MlaWeights::build`] takes
+    /// it): the `o` part's copy of `kv_b_proj` (`KvBOut`), or `attn_v_b` (`VB`) where the
+    /// checkpoint stores it `split`.
+    pub fn values<E>(
+        split: bool,
+        segment: impl FnOnce(SegmentKind) -> Result<Matrix<'a>, E>,
+    ) -> Result<Self, E> {
+        Ok(if split {
+            KvUp::Split(segment(SegmentKind::VB)?)
+        } else {
+            KvUp::Merged(segment(SegmentKind::KvBOut)?)
+        })
+    }
+
     /// Head `h`'s `W_uk` as a matrix from `qk_nope` inputs to `kv_lora_rank` outputs.
     fn key_head(&self, h: usize, g: &Geometry) -> Result<Matrix<'a>, KernelError> {
         match self {

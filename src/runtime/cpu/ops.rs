@@ -409,18 +409,14 @@ impl OpContext<'_> {
             },
             router_bias: optional(SegmentKind::Router, SegmentKind::RouterBias)?,
             shared,
-            kv_b_out: match needs.contains(&SegmentKind::OProj) {
-                true if present(SegmentKind::KvBOut) => Some(KvUp::Merged(self.required(
-                    weights,
-                    layer,
-                    SegmentKind::KvBOut,
-                )?)),
-                true if present(SegmentKind::VB) => Some(KvUp::Split(self.required(
-                    weights,
-                    layer,
-                    SegmentKind::VB,
-                )?)),
-                _ => None,
+            kv_b_out: if needs.contains(&SegmentKind::OProj)
+                && (present(SegmentKind::KvBOut) || present(SegmentKind::VB))
+            {
+                Some(KvUp::values(present(SegmentKind::VB), |kind| {
+                    self.required(weights, layer, kind)
+                })?)
+            } else {
+                None
             },
         })
     }
