@@ -23,7 +23,9 @@
 // here is read by the CPU backend's attention and the other way round. Stored weights are
 // raw element bits with a dtype code (0 bf16, 1 f16, 2 f32). kv_b_proj is stored
 // [heads * (qk_nope + v_head), r] row-major (out, in): head h's W_uk are rows
-// h * (qk_nope + v_head) + [0, qk_nope), its W_uv the next v_head rows. Rotary tables are
+// h * (qk_nope + v_head) + [0, qk_nope), its W_uv the next v_head rows; a GGUF stores it
+// split (attn_k_b [heads * r, qk_nope], attn_v_b [heads * v_head, r]), possibly quantised
+// (dtype codes 3..6, decoded block by block by moec_load). Rotary tables are
 // [max_positions, rope_dim / 2] f32 (RopeTable's, YaRN-scaled when the card has YaRN);
 // `interleave` 1 pairs elements (2i, 2i + 1) (rope_interleave, DeepSeek's checkpoints),
 // 0 pairs (i, i + half) (NeoX). The paged pools and block tables are decode_attention.cu's
@@ -70,8 +72,10 @@ extern "C" __global__ void mla_rms_norm(
 // of the stored [*, w_cols] matrix `w`:
 //   out_in 1: W_h(i, o) = w[(h * w_head_rows + w_row_off + o) * w_cols + i]  (in_dim <= w_cols)
 //   out_in 0: W_h(i, o) = w[(h * w_head_rows + w_row_off + i) * w_cols + o]  (out_dim <= w_cols)
-// The query absorption is out_in 0 (W_uk_h read as [qk_nope, r]), the value expansion
-// out_in 1 (W_uv_h as [v_head, r]). Tiled as moe_grouped_linear: MLA_TILE_M tokens by
+// From kv_b_proj, the query absorption is out_in 0 (W_uk_h read as [qk_nope, r]), the value
+// expansion out_in 1 (W_uv_h as [v_head, r]). From llama.cpp's split halves both are out_in
+// 1 with w_row_off 0: attn_k_b stores W_uk_h transposed ([r, qk_nope] per head, w_head_rows
+// r), attn_v_b stores W_uv_h ([v_head, r] per head, w_head_rows v_head). Tiled as moe_grouped_linear: MLA_TILE_M tokens by
 // MLA_TILE_N outputs per block, so each weight element is read once per token tile.
 extern "C" __global__ void mla_head_linear(
     const float* __restrict__ x,

@@ -125,6 +125,14 @@ pub struct Mla {
     /// Softmax scale multiplier on top of `(qk_nope + qk_rope)^-1/2`: YaRN's
     /// `(0.1 mscale_all_dim ln(factor) + 1)^2`, 1.0 without it.
     pub softmax_mscale: f64,
+    /// The checkpoint stores `kv_b_proj` as llama.cpp's converter writes it, split per head
+    /// into `attn_k_b` (`W_uk` transposed: `kv_lora_rank` rows of `qk_nope_head_dim`
+    /// weights) and `attn_v_b` (`W_uv`: `v_head_dim` rows of `kv_lora_rank` weights), each
+    /// possibly block-quantised. The layer layout then holds them as the `KB` and `VB`
+    /// segments, multiplied as stored (as llama.cpp does), instead of `kv_b_proj`. Set by
+    /// the GGUF reader; a Hub checkpoint has `kv_b_proj` (false).
+    #[serde(default)]
+    pub kv_b_split: bool,
 }
 
 impl Mla {

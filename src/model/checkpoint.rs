@@ -22,7 +22,7 @@ use crate::model::config::{self, ConfigError};
 use crate::model::family;
 use crate::model::formats::{Storage, WeightTensor};
 use crate::model::gguf::GgufError;
-use crate::model::kernels::mla::MlaWeights;
+use crate::model::kernels::mla::{KvUp, MlaWeights};
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
 use crate::model::quant::{QuantFormat, QuantSlice};
@@ -861,9 +861,11 @@ impl Checkpoint {
             _ if family::spec(self.arch.family).fused_qkv() => {
                 QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?)
             }
-            (_, Some(m)) => QkvWeights::Mla(MlaWeights::build(m.q_lora_rank.is_some(), |kind| {
-                self.segment_matrix(layer, kind)
-            })?),
+            (_, Some(m)) => QkvWeights::Mla(MlaWeights::build(
+                m.q_lora_rank.is_some(),
+                m.kv_b_split,
+                |kind| self.segment_matrix(layer, kind),
+            )?),
             _ => QkvWeights::Separate {
                 q: self.segment_matrix(layer, SegmentKind::QProj)?,
                 k: self.segment_matrix(layer, SegmentKind::KProj)?,
@@ -940,10 +942,10 @@ impl Checkpoint {
             },
             router_bias: optional(!dense_layer && a.has_router_bias(), SegmentKind::RouterBias)?,
             shared,
-            kv_b_out: match a.mla {
-                Some(_) => Some(self.segment_matrix(layer, SegmentKind::KvBOut)?),
-                None => None,
-            },
+            kv_b_out: a
+                .mla
+                .map(|m| KvUp::values(m.kv_b_split, |kind| self.segment_matrix(layer, kind)))
+                .transpose()?,
         };
         let routed = if dense_layer { 0 } else { self.arch.experts };
         let experts = (0..routed)

@@ -208,7 +208,16 @@ const AGREEMENT: [(CardField, Compare); 23] = [
     ),
     (
         CardField::Mla,
-        Compare::Other(|a, b| differ(&a.mla, &b.mla)),
+        // How the checkpoint stores `kv_b_proj` is not part of the architecture.
+        Compare::Other(|a, b| {
+            let geometry = |c: &ModelCard| {
+                c.mla.map(|m| crate::model::card::Mla {
+                    kv_b_split: false,
+                    ..m
+                })
+            };
+            differ(&geometry(a), &geometry(b))
+        }),
     ),
     (
         CardField::DeepseekRouter,

@@ -14,7 +14,7 @@ use crate::model::card::ModelCard;
 use crate::model::card::{Family, QkNorm, WeightDtype};
 use crate::model::family;
 use crate::model::formats::{Storage, WeightTensor};
-use crate::model::kernels::mla::MlaWeights;
+use crate::model::kernels::mla::{KvUp, MlaWeights};
 use crate::model::quant::{QuantError, QuantFormat, QuantSlice};
 use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
 use crate::model::weights::{
@@ -69,6 +69,14 @@ pub enum SegmentKind {
     /// The same `kv_b_proj` again in the `o` part: its value rows expand the attention
     /// output before `o_proj` (the `o` op reads only its own part of `W`).
     KvBOut,
+    /// llama.cpp's `attn_k_b` `[heads * kv_lora_rank, qk_nope_head_dim]` in the `pre` part
+    /// of a checkpoint that stores `kv_b_proj` split (`Mla::kv_b_split`): per head,
+    /// `kv_lora_rank` rows of `qk_nope_head_dim` weights (`W_uk_h` transposed), so
+    /// `q_nope W_uk_h` is an out-in product with it as stored.
+    KB,
+    /// llama.cpp's `attn_v_b` `[heads * v_head_dim, kv_lora_rank]` in the `o` part of such a
+    /// checkpoint: per head, `v_head_dim` rows of `kv_lora_rank` weights (`W_uv_h`).
+    VB,
     /// Output projection `[hidden, q_dim]` (MLA: `[hidden, heads * v_head_dim]`).
     OProj,
     /// Output projection bias `[hidden]` (gpt-oss).
@@ -244,6 +252,8 @@ impl LayerLayout {
                 SegmentKind::KvAProj => return (m.latent_dim() as usize, d, lin),
                 SegmentKind::KvANorm => return (1, r, None),
                 SegmentKind::KvB | SegmentKind::KvBOut => return (kv_b_rows, r, lin),
+                SegmentKind::KB => return (h * r, m.qk_nope_head_dim as usize, lin),
+                SegmentKind::VB => return (h * m.v_head_dim as usize, r, lin),
                 SegmentKind::OProj => return (d, h * m.v_head_dim as usize, lin),
                 _ => {}
             }
@@ -256,7 +266,9 @@ impl LayerLayout {
             | SegmentKind::KvAProj
             | SegmentKind::KvANorm
             | SegmentKind::KvB
-            | SegmentKind::KvBOut => (0, 0, lin),
+            | SegmentKind::KvBOut
+            | SegmentKind::KB
+            | SegmentKind::VB => (0, 0, lin),
             SegmentKind::AttnNorm | SegmentKind::FfnNorm => (1, d, None),
             SegmentKind::QBias => (1, q, None),
             SegmentKind::Sinks => (1, arch.attn.heads, None),
@@ -308,7 +320,8 @@ impl LayerLayout {
                 } else {
                     pre.push(SegmentKind::QProj);
                 }
-                pre.extend([SegmentKind::KvAProj, SegmentKind::KvANorm, SegmentKind::KvB]);
+                let (key_up, _) = Self::mla_up_kinds(&m);
+                pre.extend([SegmentKind::KvAProj, SegmentKind::KvANorm, key_up]);
             }
             (_, None) if family::spec(arch.family).fused_qkv() => pre.push(SegmentKind::QkvProj),
             _ => pre.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
@@ -323,8 +336,8 @@ impl LayerLayout {
             pre.push(SegmentKind::Sinks);
         }
         let mut o = vec![SegmentKind::OProj];
-        if arch.mla.is_some() {
-            o.push(SegmentKind::KvBOut);
+        if let Some(m) = arch.mla {
+            o.push(Self::mla_up_kinds(&m).1);
         }
         if arch.o_bias {
             o.push(SegmentKind::OBias);
@@ -353,6 +366,17 @@ impl LayerLayout {
             }
         }
         [pre, o, gate]
+    }
+
+    /// MLA's up-projection segments as the checkpoint stores them: the one in the `pre`
+    /// part (the keys' `W_uk`) and the one in the `o` part (the values' `W_uv`); `KvB` and
+    /// `KvBOut` (both `kv_b_proj`) or, split, `KB` and `VB`.
+    pub fn mla_up_kinds(m: &crate::model::card::Mla) -> (SegmentKind, SegmentKind) {
+        if m.kv_b_split {
+            (SegmentKind::KB, SegmentKind::VB)
+        } else {
+            (SegmentKind::KvB, SegmentKind::KvBOut)
+        }
     }
 
     /// The segment kinds of expert `e`, in image order (contiguous in the image).
@@ -578,11 +602,11 @@ impl<'a> DenseWeights<'a> {
             _ if family::spec(layout.family).fused_qkv() => {
                 QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?)
             }
-            _ if has(SegmentKind::KvAProj) => {
-                QkvWeights::Mla(MlaWeights::build(has(SegmentKind::QAProj), |kind| {
-                    layout.matrix(bytes, 0, kind)
-                })?)
-            }
+            _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(
+                has(SegmentKind::QAProj),
+                has(SegmentKind::KB),
+                |kind| layout.matrix(bytes, 0, kind),
+            )?),
             _ => QkvWeights::Separate {
                 q: layout.matrix(bytes, 0, SegmentKind::QProj)?,
                 k: layout.matrix(bytes, 0, SegmentKind::KProj)?,
@@ -652,8 +676,10 @@ impl<'a> DenseWeights<'a> {
             },
             router_bias: vector(SegmentKind::RouterBias)?,
             shared,
-            kv_b_out: if has(SegmentKind::KvBOut) {
-                Some(layout.matrix(bytes, 0, SegmentKind::KvBOut)?)
+            kv_b_out: if has(SegmentKind::KvBOut) || has(SegmentKind::VB) {
+                Some(KvUp::values(has(SegmentKind::VB), |kind| {
+                    layout.matrix(bytes, 0, kind)
+                })?)
             } else {
                 None
             },

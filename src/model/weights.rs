@@ -50,9 +50,10 @@ pub struct DenseWeights<'a> {
     pub router_bias: Option<TypedSlice<'a>>,
     /// The shared expert every token runs (Qwen2-MoE), if the family has one.
     pub shared: Option<SharedExpertWeights<'a>>,
-    /// MLA's `kv_b_proj` as the `o` part holds it: its value rows expand the latent
-    /// attention output before `o_proj` (`None` without MLA).
-    pub kv_b_out: Option<Matrix<'a>>,
+    /// MLA's `W_uv` as the `o` part holds it (`kv_b_proj`'s value rows, or llama.cpp's
+    /// `attn_v_b`): it expands the latent attention output before `o_proj` (`None` without
+    /// MLA).
+    pub kv_b_out: Option<crate::model::kernels::mla::KvUp<'a>>,
 }
 
 /// A shared expert: a SwiGLU like a routed one (down stored out x in), optionally scaled

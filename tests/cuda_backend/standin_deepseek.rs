@@ -3,7 +3,8 @@
 //! random inputs: the router against `route_deepseek` (V2's greedy and group-limited
 //! softmax routers, V3's sigmoid router with its correction bias, with and without
 //! renormalisation, and V3's real 256 experts in 8 groups), the MLA projections against
-//! `pre_attn` and `mla_o_proj_residual` on both tiny DeepSeek cards' geometry, and the
+//! `pre_attn` and `mla_o_proj_residual` on both tiny DeepSeek cards' geometry (from
+//! `kv_b_proj` and from llama.cpp's split `attn_k_b`/`attn_v_b`), and the
 //! latent attention against `attention` over the paged cache (prefill, continued prompt and
 //! decode rows in one launch, query heads split over two blocks). The GEMMs around them are
 //! the CPU's here (cuBLAS is checked on its own in standin.rs). Tolerances: routing choices
@@ -21,7 +22,7 @@ use moec::model::kernels::attention::AttnShape;
 use moec::model::kernels::deepseek_route::route_deepseek;
 use moec::model::kernels::isa::Kernels;
 use moec::model::kernels::kv_cache::KvLayout;
-use moec::model::kernels::mla::{MlaQuery, MlaWeights, LORA_NORM_EPS};
+use moec::model::kernels::mla::{KvUp, MlaQuery, MlaWeights, LORA_NORM_EPS};
 use moec::model::kernels::norm::{normalize, NormKind};
 use moec::model::kernels::rope::RopeTable;
 use moec::model::weights::{DenseWeights, QkvWeights};
@@ -304,7 +305,7 @@ fn mla_projections_match_the_cpu() {
             q,
             kv_a: matrix(&kv_a, r + rope, d),
             kv_a_norm: TypedSlice::Bf16(&kv_a_norm),
-            kv_b: matrix(&kv_b, heads * (nope + v), r),
+            kv_b: KvUp::Merged(matrix(&kv_b, heads * (nope + v), r)),
         };
         let dense = DenseWeights {
             attn_norm: TypedSlice::Bf16(&attn_norm),
@@ -321,19 +322,16 @@ fn mla_projections_match_the_cpu() {
             kv_b_out: None,
         };
         let table = RopeTable::for_arch(&arch, 64);
-        let mut x_norm = vec![0.0f32; n * d];
-        let mut want = vec![0.0f32; n * width];
-        kernels
-            .pre_attn(
-                &arch,
-                &dense,
-                &table,
-                &x,
-                &positions,
-                &mut x_norm,
-                &mut want,
-            )
-            .expect("CPU pre_attn");
+        // The CPU's `pre_attn`: the normalised input and the qkv rows.
+        let cpu_pre_attn = |dense: &DenseWeights<'_>| {
+            let mut x_norm = vec![0.0f32; n * d];
+            let mut qkv = vec![0.0f32; n * width];
+            kernels
+                .pre_attn(&arch, dense, &table, &x, &positions, &mut x_norm, &mut qkv)
+                .expect("CPU pre_attn");
+            (x_norm, qkv)
+        };
+        let (x_norm, want) = cpu_pre_attn(&dense);
         // The projections around the kernels, as the CPU computes them.
         let mut q_rows = vec![0.0f32; n * heads * qk];
         if let MlaQuery::Lora { a, norm, b } = &mla.q {
@@ -427,38 +425,106 @@ fn mla_projections_match_the_cpu() {
         println!("mla_head_linear + mla_qkv_rows ({card}): max abs diff vs pre_attn {err:.3e}");
         assert!(err < 1e-4, "{card}: MLA qkv rows differ by {err}");
 
-        // The value expansion, then o_proj and the residual on the CPU.
+        // The value expansion with `w` (laid out `w_layout`: columns, rows per head, row
+        // offset), then o_proj and the residual on the CPU, against the CPU's
+        // `mla_o_proj_residual` with `up`: their largest difference.
         let attn_out = rng.vec(n * heads * hd, 1.0);
         let a_dev = stream.clone_htod(&attn_out).expect("htod");
-        let mut values_dev = stream.alloc_zeros::<f32>(n * heads * v).expect("alloc");
+        let o = matrix(&o_proj, d, heads * v);
+        let residual = rng.vec(n * d, 1.0);
+        let o_proj_diff = |w: &cudarc::driver::CudaSlice<u16>, w_layout, up: &KvUp<'_>| {
+            let mut values_dev = stream.alloc_zeros::<f32>(n * heads * v).expect("alloc");
+            head_linear(
+                &stream,
+                &linear_fn,
+                &a_dev,
+                [heads * hd, hd],
+                w,
+                w_layout,
+                true,
+                &mut values_dev,
+                [heads * v, v],
+                [heads, n, r, v],
+                1.0,
+            );
+            let values = stream.clone_dtoh(&values_dev).expect("dtoh");
+            let mut got = vec![0.0f32; n * d];
+            kernels.linear(&values, n, &o, &mut got).expect("o_proj");
+            for (g, x) in got.iter_mut().zip(&residual) {
+                *g += x;
+            }
+            let mut want = residual.clone();
+            kernels
+                .mla_o_proj_residual(&arch, up, &o, &attn_out, &mut want)
+                .expect("CPU o_proj");
+            max_abs_diff(&got, &want)
+        };
+        let err = o_proj_diff(&kv_b_dev, [r, nope + v, nope], &mla.kv_b);
+        println!("mla_head_linear (values, {card}): max abs diff after o_proj vs CPU {err:.3e}");
+        assert!(err < 1e-4, "{card}: MLA o_proj differs by {err}");
+
+        // The same weights split as llama.cpp's converter stores them (`attn_k_b[h][c][i] =
+        // kv_b[h][i][c]` over the qk_nope key rows, `attn_v_b[h][j] = kv_b[h][qk_nope + j]`),
+        // which both backends read as stored (out-in; the kernel's out_in 1, row offset 0).
+        let mut k_b_bits = Vec::with_capacity(heads * r * nope);
+        let mut v_b_bits = Vec::with_capacity(heads * v * r);
+        for h in 0..heads {
+            let row = |i: usize| &kv_b_bits[(h * (nope + v) + i) * r..(h * (nope + v) + i + 1) * r];
+            for c in 0..r {
+                k_b_bits.extend((0..nope).map(|i| row(i)[c]));
+            }
+            for j in 0..v {
+                v_b_bits.extend_from_slice(row(nope + j));
+            }
+        }
+        let k_b: Vec<bf16> = k_b_bits.iter().map(|&b| bf16::from_bits(b)).collect();
+        let v_b: Vec<bf16> = v_b_bits.iter().map(|&b| bf16::from_bits(b)).collect();
+        let (_, want) = cpu_pre_attn(&DenseWeights {
+            qkv: QkvWeights::Mla(MlaWeights {
+                kv_b: KvUp::Split(matrix(&k_b, heads * r, nope)),
+                ..mla
+            }),
+            ..dense
+        });
+        let k_b_dev = stream.clone_htod(&k_b_bits).expect("htod");
+        let mut q_abs_dev = stream.alloc_zeros::<f32>(n * width).expect("alloc");
         head_linear(
             &stream,
             &linear_fn,
-            &a_dev,
-            [heads * hd, hd],
-            &kv_b_dev,
-            [r, nope + v, nope],
+            &q_dev,
+            [heads * qk, qk],
+            &k_b_dev,
+            [nope, r, 0],
             true,
-            &mut values_dev,
-            [heads * v, v],
-            [heads, n, r, v],
-            1.0,
+            &mut q_abs_dev,
+            [width, hd],
+            [heads, n, nope, r],
+            q_scale,
         );
-        let values = stream.clone_dtoh(&values_dev).expect("dtoh");
-        let o = matrix(&o_proj, d, heads * v);
-        let residual = rng.vec(n * d, 1.0);
-        let mut got = vec![0.0f32; n * d];
-        kernels.linear(&values, n, &o, &mut got).expect("o_proj");
-        for (g, x) in got.iter_mut().zip(&residual) {
-            *g += x;
-        }
-        let mut want = residual.clone();
-        kernels
-            .mla_o_proj_residual(&arch, &mla.kv_b, &o, &attn_out, &mut want)
-            .expect("CPU o_proj");
-        let err = max_abs_diff(&got, &want);
-        println!("mla_head_linear (values, {card}): max abs diff after o_proj vs CPU {err:.3e}");
-        assert!(err < 1e-4, "{card}: MLA o_proj differs by {err}");
+        // The absorbed query columns `mla_head_linear` writes: each head's first r.
+        let got = stream.clone_dtoh(&q_abs_dev).expect("dtoh");
+        let absorbed = |rows: &[f32]| -> Vec<f32> {
+            (0..n * heads)
+                .flat_map(|i| {
+                    let at = (i / heads) * width + (i % heads) * hd;
+                    rows[at..at + r].to_vec()
+                })
+                .collect()
+        };
+        let err = max_abs_diff(&absorbed(&got), &absorbed(&want));
+        println!("mla_head_linear (attn_k_b, {card}): max abs diff vs pre_attn {err:.3e}");
+        assert!(
+            err < 1e-4,
+            "{card}: absorbed queries from attn_k_b differ by {err}"
+        );
+        let v_b_dev = stream.clone_htod(&v_b_bits).expect("htod");
+        let split = KvUp::Split(matrix(&v_b, heads * v, r));
+        let err = o_proj_diff(&v_b_dev, [r, v, 0], &split);
+        println!("mla_head_linear (attn_v_b, {card}): max abs diff after o_proj vs CPU {err:.3e}");
+        assert!(
+            err < 1e-4,
+            "{card}: MLA o_proj from attn_v_b differs by {err}"
+        );
     }
 }
 

@@ -120,9 +120,11 @@ impl Dims {
 /// heads x v_head_dim); (0, 0) without MLA. The packed layer holds the whole tensor in both
 /// its `pre` and its `o` part (each op reads its part of `W` only), but `pre_attn` reads
 /// only the key rows and `o_proj` only the value rows, so each is charged its own rows and
-/// the tensor is counted once per layer.
+/// the tensor is counted once per layer. (0, 0) too where the checkpoint stores it split
+/// (`Mla::kv_b_split`): `pre` then holds only `attn_k_b` and `o` only `attn_v_b`, each read
+/// whole.
 fn kv_b_rows_bytes(card: &ModelCard) -> (u64, u64) {
-    card.mla.map_or((0, 0), |m| {
+    card.mla.filter(|m| !m.kv_b_split).map_or((0, 0), |m| {
         let per_row = card
             .storage(WeightTensor::Layer(SegmentKind::KvB))
             .bytes_for(m.kv_lora_rank)

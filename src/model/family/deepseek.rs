@@ -125,6 +125,7 @@ impl FamilySpec for Deepseek {
                     let m = Yarn::get_mscale(yarn.map_or(1.0, |y| y.factor), all);
                     m * m
                 }),
+            kv_b_split: false,
         };
         let moe_ffn = f.uint("moe_intermediate_size")?;
         let experts = match f.opt_uint("n_routed_experts")? {
@@ -184,6 +185,7 @@ impl FamilySpec for Deepseek {
             v_head_dim: 0,
             rope_interleave: true,
             softmax_mscale: 1.0,
+            kv_b_split: false,
         });
         let router = card.deepseek_router.unwrap_or(DeepseekRouter {
             topk: DeepseekTopk::Greedy,
@@ -284,6 +286,10 @@ impl FamilySpec for Deepseek {
             SegmentKind::KvANorm => format!("{p}.self_attn.kv_a_layernorm.weight"),
             // One tensor, viewed by both the `pre` and the `o` part.
             SegmentKind::KvB | SegmentKind::KvBOut => format!("{p}.self_attn.kv_b_proj.weight"),
+            // llama.cpp's split halves of `kv_b_proj` (GGUF files only; the Hub has no such
+            // tensors), named here so the GGUF reader can file them.
+            SegmentKind::KB => format!("{p}.self_attn.k_b_proj.weight"),
+            SegmentKind::VB => format!("{p}.self_attn.v_b_proj.weight"),
             // A leading dense layer's FFN (`DeepseekV2MLP` of `intermediate_size`).
             SegmentKind::DenseGate => format!("{p}.mlp.gate_proj.weight"),
             SegmentKind::DenseUp => format!("{p}.mlp.up_proj.weight"),

@@ -37,8 +37,8 @@ pub struct ImportedTensor {
     pub unpermute_heads: Option<usize>,
     /// The GGUF tensor it comes from (for messages).
     pub gguf_name: String,
-    /// Bytes built at import rather than viewed in the map (DeepSeek's `kv_b_proj`, put
-    /// back together from the converter's split halves); `range` is then `0..len`.
+    /// Bytes built at import rather than viewed in the map (DeepSeek's `kv_b_proj` from an
+    /// older converter's single `attn_kv_b`, decoded to f32); `range` is then `0..len`.
     pub owned: Option<Vec<u8>>,
 }
 
@@ -52,20 +52,25 @@ pub struct Imported {
 }
 
 /// Where a segment's bytes are in the GGUF file.
-enum Place {
+#[derive(Debug)]
+pub(super) enum Place {
     /// A whole GGUF tensor of the Hub shape (`unpermute`: the head count whose rotary
     /// row interleaving Mixtral's converter applied).
     Whole(String, Option<usize>),
     /// Expert `x`'s block of `rows` rows of a merged `[experts, rows, cols]` tensor.
     Expert(String, usize, usize, usize),
-    /// DeepSeek's `kv_b_proj`, which the converter split into `attn_k_b` (transposed)
-    /// and `attn_v_b`: put back together in f32 (see [`super::mla`]).
+    /// A whole GGUF tensor of this shape (outermost first), read as the segment's
+    /// `[rows, cols]` matrix: DeepSeek's per-head `attn_k_b` `[heads, kv_lora, qk_nope]`
+    /// and `attn_v_b` `[heads, v, kv_lora]`, whose heads are blocks of rows.
+    Stacked(String, Vec<usize>),
+    /// DeepSeek's `kv_b_proj` as an older converter's single `attn_kv_b`, decoded to f32
+    /// (see [`super::mla`]).
     KvB,
 }
 
 /// The GGUF tensor of segment `kind` of layer `layer` (`None` for a kind no llama.cpp
 /// architecture of this family has).
-fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<Place> {
+pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<Place> {
     let b = |t: &str| format!("blk.{layer}.{t}.weight");
     let bias = |t: &str| format!("blk.{layer}.{t}.bias");
     let whole = |t: &str| Some(Place::Whole(b(t), None));
@@ -96,6 +101,16 @@ fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<Place> {
         SegmentKind::KvAProj => whole("attn_kv_a_mqa"),
         SegmentKind::KvANorm => whole("attn_kv_a_norm"),
         SegmentKind::KvB | SegmentKind::KvBOut => Some(Place::KvB),
+        SegmentKind::KB | SegmentKind::VB => {
+            let m = arch.mla?;
+            let (heads, r) = (arch.attn.heads, m.kv_lora_rank as usize);
+            let (nope, v) = (m.qk_nope_head_dim as usize, m.v_head_dim as usize);
+            Some(if kind == SegmentKind::KB {
+                Place::Stacked(b("attn_k_b"), vec![heads, r, nope])
+            } else {
+                Place::Stacked(b("attn_v_b"), vec![heads, v, r])
+            })
+        }
         SegmentKind::OProj => whole("attn_output"),
         SegmentKind::Router => whole("ffn_gate_inp"),
         SegmentKind::RouterBias => Some(Place::Whole(bias("exp_probs_b"), None)),
@@ -128,6 +143,11 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
     let mut card = crate::model::config::card_from_config(&config.to_string(), &path, name)
         .map_err(|e| meta_err("(hyper-parameters)", e.to_string()))?;
     card.description = format!("{family:?}-family GGUF `{name}` (from its metadata)");
+    if let Some(m) = card.mla.as_mut() {
+        // llama.cpp's converter splits `kv_b_proj` into `attn_k_b`/`attn_v_b`; an older
+        // one wrote it whole as `attn_kv_b`.
+        m.kv_b_split = !file.tensors.contains_key("blk.0.attn_kv_b.weight");
+    }
     let arch = ArchSpec::from_card(&card);
     let mut tensors: Vec<ImportedTensor> = Vec::new();
     let mut add = |name: String,
@@ -211,6 +231,9 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                 Some(Place::Whole(gguf, heads)) => {
                     add(src.name, src.shape.clone(), &gguf, src.shape, None, heads)?
                 }
+                Some(Place::Stacked(gguf, gguf_shape)) => {
+                    add(src.name, src.shape, &gguf, gguf_shape, None, None)?
+                }
                 Some(Place::Expert(gguf, x, rows, cols)) => add(
                     src.name,
                     src.shape,
@@ -231,7 +254,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                         range: 0..bytes.len(),
                         part: 0,
                         unpermute_heads: None,
-                        gguf_name: format!("blk.{layer}.attn_k_b.weight + attn_v_b.weight"),
+                        gguf_name: format!("blk.{layer}.attn_kv_b.weight"),
                         owned: Some(bytes),
                     });
                 }

@@ -267,11 +267,17 @@ fn a_split_file_opens_from_its_first_part_with_every_part_s_tensors() {
     );
 }
 
-/// DeepSeek's `kv_b_proj` rebuilt from llama.cpp's halves: head `h` of the Hub tensor is
-/// `attn_k_b[h]` transposed, then `attn_v_b[h]` (the converter's `view`, `split` and
-/// `transpose(1, 2)` undone by hand on numbered elements).
+/// DeepSeek's `kv_b_proj` as llama.cpp's converter splits it, on numbered elements (the
+/// converter's `view`, `split` and `transpose(1, 2)` done by hand): the `KB` segment reads
+/// `attn_k_b` (ggml ne `[qk_nope, kv_lora, heads]`) as `[heads * kv_lora, qk_nope]`, whose
+/// row `h * kv_lora + c` holds the Hub's `kv_b[h][0..qk_nope][c]` (head `h`'s `W_uk`
+/// transposed), and `VB` reads `attn_v_b` (ne `[kv_lora, v, heads]`) as
+/// `[heads * v, kv_lora]`, row `h * v + j` being the Hub's `kv_b[h][qk_nope + j]`. An older
+/// converter's single `attn_kv_b` is the Hub tensor, decoded to f32 (`mla::kv_b`); a
+/// missing one is an error naming it.
 #[test]
-fn mla_kv_b_is_rebuilt_from_the_split_halves() {
+fn mla_kv_b_halves_are_read_as_stored() {
+    use crate::model::layout::{LayerLayout, SegmentKind};
     let (heads, rank, nope, v) = (2usize, 3usize, 2usize, 1usize);
     // Hub kv_b[h][r][c] = 100 h + 10 r + c.
     let hub = |h: usize, r: usize, c: usize| (100 * h + 10 * r + c) as f32;
@@ -289,6 +295,9 @@ fn mla_kv_b_is_rebuilt_from_the_split_halves() {
             }
         }
     }
+    let want: Vec<f32> = (0..heads)
+        .flat_map(|h| (0..nope + v).flat_map(move |r| (0..rank).map(move |c| hub(h, r, c))))
+        .collect();
     let f32s = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
     let bytes = build(
         &[],
@@ -305,6 +314,12 @@ fn mla_kv_b_is_rebuilt_from_the_split_halves() {
                 0,
                 f32s(&v_b),
             ),
+            (
+                "blk.2.attn_kv_b.weight",
+                vec![rank as u64, (heads * (nope + v)) as u64],
+                0,
+                f32s(&want),
+            ),
         ],
     );
     let f = open_bytes(&bytes).unwrap();
@@ -312,16 +327,48 @@ fn mla_kv_b_is_rebuilt_from_the_split_halves() {
     card.heads = heads as u64;
     if let Some(m) = card.mla.as_mut() {
         (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim) = (rank as u64, nope as u64, v as u64);
+        m.kv_b_split = true;
     }
     let arch = crate::model::arch::ArchSpec::from_card(&card);
-    let got = mla::kv_b(&f, &arch, 1).unwrap();
-    let want: Vec<f32> = (0..heads)
-        .flat_map(|h| (0..nope + v).flat_map(move |r| (0..rank).map(move |c| hub(h, r, c))))
-        .collect();
-    assert_eq!(got, f32s(&want));
+    let read = |kind: SegmentKind| -> (Vec<usize>, Vec<f32>) {
+        let Some(llama::Place::Stacked(name, shape)) = llama::place(&arch, 1, kind) else {
+            panic!("{kind:?} is not a stacked GGUF tensor");
+        };
+        let (info, storage) = f.tensor(&name, &shape).unwrap();
+        let elems = shape.iter().product();
+        let values = mla::decode_f32(f.tensor_bytes(info), storage, elems).unwrap();
+        let (rows, cols, _) = LayerLayout::shape_of(&arch, kind);
+        assert_eq!(rows * cols, elems, "{kind:?}");
+        (vec![rows, cols], values)
+    };
+    let (k_shape, k) = read(SegmentKind::KB);
+    assert_eq!(k_shape, [heads * rank, nope]);
+    let (v_shape, vb) = read(SegmentKind::VB);
+    assert_eq!(v_shape, [heads * v, rank]);
+    for h in 0..heads {
+        for c in 0..rank {
+            for r in 0..nope {
+                assert_eq!(
+                    k[(h * rank + c) * nope + r],
+                    hub(h, r, c),
+                    "k_b {h} {c} {r}"
+                );
+            }
+        }
+        for j in 0..v {
+            for c in 0..rank {
+                assert_eq!(
+                    vb[(h * v + j) * rank + c],
+                    hub(h, nope + j, c),
+                    "v_b {h} {j}"
+                );
+            }
+        }
+    }
+    assert_eq!(mla::kv_b(&f, &arch, 2).unwrap(), f32s(&want));
     let err = mla::kv_b(&f, &arch, 0).unwrap_err().to_string();
     assert!(
-        err.contains("blk.0.attn_k_b.weight") && err.contains("missing"),
+        err.contains("blk.0.attn_kv_b.weight") && err.contains("missing"),
         "{err}"
     );
 }

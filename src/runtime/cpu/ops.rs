@@ -21,7 +21,7 @@ use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
 use crate::model::kernels::head::{embed, logits};
 use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
-use crate::model::kernels::mla::MlaWeights;
+use crate::model::kernels::mla::{KvUp, MlaWeights};
 use crate::model::kernels::moe::{combine_shared, expert_ffn, gate, moe_block, Routing};
 use crate::model::kernels::projection::{o_proj_residual, pre_attn};
 use crate::model::kernels::rope::RopeTable;
@@ -322,11 +322,11 @@ impl OpContext<'_> {
                 f if family::spec(f).fused_qkv() => {
                     QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
                 }
-                _ if has(SegmentKind::KvAProj) => {
-                    QkvWeights::Mla(MlaWeights::build(has(SegmentKind::QAProj), |kind| {
-                        self.required(weights, layer, kind)
-                    })?)
-                }
+                _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(
+                    has(SegmentKind::QAProj),
+                    has(SegmentKind::KB),
+                    |kind| self.required(weights, layer, kind),
+                )?),
                 _ => QkvWeights::Separate {
                     q: self.required(weights, layer, SegmentKind::QProj)?,
                     k: self.required(weights, layer, SegmentKind::KProj)?,
@@ -409,8 +409,12 @@ impl OpContext<'_> {
             },
             router_bias: optional(SegmentKind::Router, SegmentKind::RouterBias)?,
             shared,
-            kv_b_out: if needs.contains(&SegmentKind::OProj) && present(SegmentKind::KvBOut) {
-                Some(self.required(weights, layer, SegmentKind::KvBOut)?)
+            kv_b_out: if needs.contains(&SegmentKind::OProj)
+                && (present(SegmentKind::KvBOut) || present(SegmentKind::VB))
+            {
+                Some(KvUp::values(present(SegmentKind::VB), |kind| {
+                    self.required(weights, layer, kind)
+                })?)
             } else {
                 None
             },

@@ -19,7 +19,7 @@ use super::{GpuCx, OpError};
 use crate::model::arch::ArchSpec;
 use crate::model::card::{DeepseekRouter, DeepseekTopk};
 use crate::model::kernels::mla::LORA_NORM_EPS;
-use crate::model::layout::SegmentKind;
+use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::runtime::cuda::launch::{int, row_block, Arg, DevMatrix};
 use crate::runtime::host::memory::View;
 
@@ -146,9 +146,9 @@ fn head_linear(
             Arg::I32(0),
             Arg::Ptr(w.ptr),
             Arg::I32(w.code()),
-            Arg::I32(int("kv_b_proj columns", w.cols)?),
-            Arg::I32(int("kv_b_proj rows per head", w_head_rows)?),
-            Arg::I32(int("kv_b_proj row offset", w_row_off)?),
+            Arg::I32(int("MLA weight columns", w.cols)?),
+            Arg::I32(int("MLA weight rows per head", w_head_rows)?),
+            Arg::I32(int("MLA weight row offset", w_row_off)?),
             Arg::I32(i32::from(out_in)),
             Arg::Ptr(y.0),
             Arg::I32(int("y row", y.1)?),
@@ -163,8 +163,13 @@ fn head_linear(
 }
 
 /// The MLA geometry `(kv_lora_rank, qk_nope, qk_rope, v_head)` of a card, and its
-/// `kv_b_proj` checked against it.
-fn geometry(cx: &GpuCx<'_>, kv_b: &DevMatrix) -> Result<(usize, usize, usize, usize), OpError> {
+/// up-projection segment `kind` (`kv_b_proj`, or llama.cpp's `attn_k_b`/`attn_v_b`) checked
+/// against it.
+fn geometry(
+    cx: &GpuCx<'_>,
+    w: &DevMatrix,
+    kind: SegmentKind,
+) -> Result<(usize, usize, usize, usize), OpError> {
     let m = cx.arch.mla.ok_or(OpError::MissingArg("MLA geometry"))?;
     let g = (
         m.kv_lora_rank as usize,
@@ -172,14 +177,11 @@ fn geometry(cx: &GpuCx<'_>, kv_b: &DevMatrix) -> Result<(usize, usize, usize, us
         m.qk_rope_head_dim as usize,
         m.v_head_dim as usize,
     );
-    let heads = cx.arch.attn.heads;
-    if kv_b.rows != heads * (g.1 + g.3) || kv_b.cols != g.0 {
+    let (rows, cols, _) = LayerLayout::shape_of(cx.arch, kind);
+    if w.rows != rows || w.cols != cols {
         return Err(OpError::Unsupported(format!(
-            "kv_b_proj of {} x {} (MLA needs {} x {})",
-            kv_b.rows,
-            kv_b.cols,
-            heads * (g.1 + g.3),
-            g.0
+            "{kind:?} of {} x {} (MLA needs {rows} x {cols})",
+            w.rows, w.cols
         )));
     }
     Ok(g)
@@ -205,8 +207,9 @@ pub(super) fn mla_pre_attn(
         return Ok(());
     }
     let (d, heads, hd) = (arch.hidden, arch.attn.heads, arch.attn.head_dim);
-    let kv_b = cx.segment(weights, layer, SegmentKind::KvB)?;
-    let (r, nope, rope, _) = geometry(cx, &kv_b)?;
+    let (key_kind, _) = LayerLayout::mla_up_kinds(&m);
+    let kv_b = cx.segment(weights, layer, key_kind)?;
+    let (r, nope, rope, v) = geometry(cx, &kv_b, key_kind)?;
     let qk = nope + rope;
     let width = arch.attn.qkv_width();
     if hd != r + rope || width != (heads + 2) * hd {
@@ -258,14 +261,21 @@ pub(super) fn mla_pre_attn(
     // transformers scales scores by mscale / sqrt(qk_head_dim); the attention kernel divides
     // by sqrt(head_dim), so the queries carry the ratio (computed as the CPU does).
     let q_scale = (m.softmax_mscale * (hd as f64).sqrt() / (qk as f64).sqrt()) as f32;
-    // q_nope W_uk_h for every head into the first r columns of its query.
+    // q_nope W_uk_h for every head into the first r columns of its query: W_uk_h is
+    // kv_b_proj's first qk_nope rows of head h read in-out, or attn_k_b's r rows of head h
+    // read as stored (out-in).
+    let (head_rows, out_in) = if m.kv_b_split {
+        (r, true)
+    } else {
+        (nope + v, false)
+    };
     head_linear(
         cx,
         (q.ptr(), heads * qk, qk),
         &kv_b,
-        kv_b.rows / heads,
+        head_rows,
         0,
-        false,
+        out_in,
         (out, width, hd),
         n,
         nope,
@@ -313,7 +323,8 @@ pub(super) fn mla_pre_attn(
 
 /// `h[n, d] += (per head: a_h[..kv_lora_rank] W_uv_hᵀ) · o_projᵀ` for `n` latent attention
 /// rows `a` (`[n, heads * head_dim]`), as `Kernels::mla_o_proj_residual`: `W_uv` comes
-/// from the copy of `kv_b_proj` that travels with `o_proj` (`KvBOut`).
+/// from the copy of `kv_b_proj` that travels with `o_proj` (`KvBOut`), or from
+/// llama.cpp's `attn_v_b` (`VB`) where the checkpoint stores `kv_b_proj` split.
 pub(super) fn mla_o_proj_residual(
     cx: &GpuCx<'_>,
     weights: &[View],
@@ -326,15 +337,23 @@ pub(super) fn mla_o_proj_residual(
         return Ok(());
     }
     let (heads, hd, d) = (cx.arch.attn.heads, cx.arch.attn.head_dim, cx.arch.hidden);
-    let kv_b = cx.segment(weights, layer, SegmentKind::KvBOut)?;
-    let (r, nope, _, v) = geometry(cx, &kv_b)?;
+    let m = cx.arch.mla.ok_or(OpError::MissingArg("MLA geometry"))?;
+    let (_, value_kind) = LayerLayout::mla_up_kinds(&m);
+    let kv_b = cx.segment(weights, layer, value_kind)?;
+    let (r, nope, _, v) = geometry(cx, &kv_b, value_kind)?;
+    // W_uv_h: kv_b_proj's v rows after head h's qk_nope key rows, or attn_v_b's v rows.
+    let (head_rows, row_off) = if m.kv_b_split {
+        (v, 0)
+    } else {
+        (nope + v, nope)
+    };
     let values = cx.s.scratch(n * heads * v * 4)?;
     head_linear(
         cx,
         (a, heads * hd, hd),
         &kv_b,
-        nope + v,
-        nope,
+        head_rows,
+        row_off,
         true,
         (values.ptr(), heads * v, v),
         n,
