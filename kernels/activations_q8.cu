@@ -11,6 +11,9 @@
 //                  round_half_even(x * 127 / amax))
 // Products are rounded on their own (__fmul_rn): NVRTC would otherwise fuse `iscale * x`
 // into the add that rounds it to an integer.
+// Layout: x holds rows `x_row` floats apart, each `heads` slices of `width` values `x_head`
+// floats apart (a plain product: heads 1, width = x_row); y is those slices packed,
+// [rows, heads, width]. `width` is whole blocks.
 // Launch: any 1-D grid, one thread per block of values, grid-stride over `n_blocks`.
 
 // ggml's nearest_int: round half to even through the 1.5 * 2^23 trick (src/model/quant/q8.rs).
@@ -43,13 +46,20 @@ __device__ __forceinline__ float moec_round_f16(float v) {
 
 extern "C" __global__ void q8_roundtrip(
     const float* __restrict__ x,
+    long long x_row,
+    long long x_head,
+    int heads,
+    int width,
     float* __restrict__ y,
     long long n_blocks,
     int kind) {
     const int block = kind == 0 ? 256 : 32;
+    const long long per_head = width / block;
     for (long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks;
          b += (long long)gridDim.x * blockDim.x) {
-        const float* xb = x + b * block;
+        const long long r = b / (per_head * heads);
+        const long long h = (b / per_head) % heads;
+        const float* xb = x + r * x_row + h * x_head + (b % per_head) * block;
         float* yb = y + b * block;
         float amax = 0.0f;
         float max = 0.0f;

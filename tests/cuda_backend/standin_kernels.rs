@@ -1457,14 +1457,27 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
         }
         x[3 * cols..].iter_mut().for_each(|v| *v *= 1e-6);
         let want = Q8Rows::quantize(act, &x, 4, cols).dequantize();
-        let x_dev = stream.clone_htod(&x).expect("htod");
+        // The four slices as 2 rows x 2 heads with gaps (MLA's per-head inputs): row
+        // stride 2 cols + 64, head stride cols + 32; the output is them packed.
+        let (row, head) = (2 * cols + 64, cols + 32);
+        let mut strided = vec![f32::NAN; 2 * row];
+        for (i, slice) in x.chunks_exact(cols).enumerate() {
+            let at = (i / 2) * row + (i % 2) * head;
+            strided[at..at + cols].copy_from_slice(slice);
+        }
+        let x_dev = stream.clone_htod(&strided).expect("htod");
         let mut y_dev = stream.alloc_zeros::<f32>(x.len()).expect("alloc");
         let blocks = (x.len() / act.block_elems()) as i64;
+        let (row, head, heads, width) = (row as i64, head as i64, 2i32, cols as i32);
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {
             stream
                 .launch_builder(&f)
                 .arg(&x_dev)
+                .arg(&row)
+                .arg(&head)
+                .arg(&heads)
+                .arg(&width)
                 .arg(&mut y_dev)
                 .arg(&blocks)
                 .arg(&kind)

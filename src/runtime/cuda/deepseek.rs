@@ -130,6 +130,11 @@ fn head_linear(
     scale: f32,
 ) -> Result<(), OpError> {
     let heads = cx.arch.attn.heads;
+    // Quantised halves (llama.cpp's attn_k_b/attn_v_b) multiply the CPU's 8-bit
+    // activation values, as StreamCx::linear does.
+    let x =
+        cx.s.quant_head_activations(x, n, heads, in_dim, w.quant)?
+            .unwrap_or(x);
     Ok(cx.s.launch(
         "mla_head_linear",
         (

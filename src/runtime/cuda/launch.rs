@@ -561,8 +561,8 @@ impl StreamCx<'_> {
     /// itself for float weights or when the process decodes quantised weights to f32
     /// (`MOEC_QUANT_PRODUCT=decoded`), else a scratch copy rounded through the 8-bit format
     /// the CPU's default product quantises them to (`q8_roundtrip`, kernels/activations_q8.cu:
-    /// Q8_K for K-quant weights, Q8_0 for Q8_0), so both backends multiply the same values.
-    /// `k` is whole blocks of that format: quantised rows are whole weight blocks.
+    /// Q8_K for K-quant weights, Q8_0 blocks otherwise), so both backends multiply the same
+    /// values. `k` is whole blocks of that format: quantised rows are whole weight blocks.
     pub fn quant_activations(
         &self,
         x: u64,
@@ -570,30 +570,54 @@ impl StreamCx<'_> {
         k: usize,
         weights: Option<QuantFormat>,
     ) -> Result<u64, LaunchError> {
+        Ok(self
+            .quant_head_activations((x, k, 0), n, 1, k, weights)?
+            .map_or(x, |(ptr, _, _)| ptr))
+    }
+
+    /// [`StreamCx::quant_activations`] of per-head slices: `x` = (pointer, row stride, head
+    /// stride) in floats, `heads` slices of `width` values per row. Gives the rounded copy
+    /// packed `[n, heads, width]` as (pointer, row stride, head stride), or `None` when the
+    /// product takes `x` as it is.
+    pub fn quant_head_activations(
+        &self,
+        x: (u64, usize, usize),
+        n: usize,
+        heads: usize,
+        width: usize,
+        weights: Option<QuantFormat>,
+    ) -> Result<Option<(u64, usize, usize)>, LaunchError> {
         let Some(format) = weights else {
-            return Ok(x);
+            return Ok(None);
         };
-        if n == 0 || Kernels::process().decodes_quant() {
-            return Ok(x);
+        if n == 0 || heads == 0 || Kernels::process().decodes_quant() {
+            return Ok(None);
         }
         let act = ActFormat::for_weights(format);
-        let blocks = n * k / act.block_elems();
-        let rounded = self.scratch(n * k * 4)?;
+        let elems = n * heads * width;
+        let blocks = elems / act.block_elems();
+        let rounded = self.scratch(elems * 4)?;
+        // Q8_1 (Q4_1 weights) has Q8_0's codes and scale; its f16 block sum only regroups
+        // the weights' minimum term, which the device sums from the rounded values.
         let kind = match act {
             ActFormat::Q8K => 0,
-            ActFormat::Q8_0 => 1,
+            _ => 1,
         };
         self.launch_1d(
             "q8_roundtrip",
             blocks,
             &[
-                Arg::Ptr(x),
+                Arg::Ptr(x.0),
+                Arg::I64(x.1 as i64),
+                Arg::I64(x.2 as i64),
+                Arg::I32(int("heads", heads)?),
+                Arg::I32(int("width", width)?),
                 Arg::Ptr(rounded.ptr()),
                 Arg::I64(blocks as i64),
                 Arg::I32(kind),
             ],
         )?;
-        Ok(rounded.ptr())
+        Ok(Some((rounded.ptr(), heads * width, width)))
     }
 
     /// [`StreamCx::linear`] of a quantised `w` over more rows than the GEMV takes: the
