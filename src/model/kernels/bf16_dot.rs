@@ -2,7 +2,7 @@
 //! rounded to bf16, pairs multiplied and summed as AVX-512 BF16's `vdpbf16ps` does, which
 //! is llama.cpp's arithmetic for bf16 weights and twice the f32 FMA rate per instruction.
 //!
-//! Takes activation rows laid out by [`Bf16Rows`] (each value rounded to bf16 once per
+//! Takes activation rows laid out by `Bf16Rows` (each value rounded to bf16 once per
 //! call, to nearest even, denormals to signed zero, as `vcvtneps2bf16` does) and bf16
 //! weight rows; writes `local[t * rows + o]` as `linear`'s `OutIn` bodies do.
 //!

@@ -19,7 +19,10 @@
 //! its k-blocking by shape, which changes the summation order with the number of rows.
 //! Quantised (GGML block) weights run `model::quant::matmul` instead: activations
 //! quantised per row to 8 bits, exact integer sums per block, the blocks summed in order,
-//! which is as batch-invariant and gives the same bits on every body.
+//! which is as batch-invariant and gives the same bits on every body. With
+//! `MOEC_BF16_PRODUCT=bf16` ([`Kernels::bf16_dot`]) bf16 `OutIn` products run
+//! [`bf16_dot`] instead at every row count (activations rounded to bf16, pairs summed as
+//! `vdpbf16ps` does; its own fixed order, as batch-invariant); `InOut` keeps this product.
 
 use crate::model::kernels::bf16_dot::{self, Bf16Rows};
 use crate::model::kernels::isa::{Isa, Kernels};
