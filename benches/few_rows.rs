@@ -19,6 +19,15 @@
 //! like). Where an instruction set has no few-row body at a row count (AVX2 from 8 rows)
 //! its two bodies are the same code: their ratio is the noise floor of the run. Criterion then times the
 //! process's kernels at 2 rows, few-row against general.
+//!
+//! Then the bf16 product (`MOEC_BF16_PRODUCT=bf16`, activations rounded to bf16, `vdpbf16ps`
+//! where the CPU has AVX-512 BF16) against the default f32 product, on the process's
+//! instruction set: one expert's FFN at 1, 8, 16, 98 (a 392-token prefill's rows per expert
+//! under top-2 of 8) and 392 rows (the prefill's attention projections' row count), each
+//! pass through the 6 experts in turn at up to 16 rows and through one expert beyond (the
+//! work is then compute-bound); [`ROUNDS`] interleaved rounds, alternating which product
+//! runs first; the report is each product's median GFLOP/s and the median per-round ratio.
+//! Criterion then times both at 392 rows.
 
 mod mixtral_mid;
 
@@ -122,6 +131,44 @@ fn compare(label: &str, bytes: usize, source: &[f32], mut run: impl FnMut(Kernel
     }
 }
 
+/// Activation rows of the f32-against-bf16 comparison (see the module doc).
+const PRODUCT_ROWS: [usize; 5] = [1, 8, 16, 98, 392];
+
+/// The bf16 product against the f32 one (see the module doc); prints the medians.
+fn compare_products(experts: &[Expert], x: &[f32], h: &mut [f32], y: &mut [f32]) {
+    let f32_product = Kernels::process();
+    let bf16_product = f32_product.bf16_product();
+    println!(
+        "f32 against bf16 product, expert FFN [{F} x {D}] x 3 ({} kernels; shared machine: medians of {ROUNDS} rounds)",
+        f32_product.isa()
+    );
+    for rows in PRODUCT_ROWS {
+        let pass = if rows <= 16 { experts } else { &experts[..1] };
+        let flops = (pass.len() * 2 * 3 * rows * D * F) as f64;
+        let (mut a, mut b, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            let mut run = |k: Kernels| time(|| experts_pass(k, pass, rows, x, h, y));
+            let (sa, sb) = if round % 2 == 0 {
+                let sa = run(f32_product);
+                (sa, run(bf16_product))
+            } else {
+                let sb = run(bf16_product);
+                (run(f32_product), sb)
+            };
+            a.push(flops / sa / 1e9);
+            b.push(flops / sb / 1e9);
+            ratio.push(sa / sb);
+        }
+        println!(
+            "  {rows:>3} rows x {} expert(s): f32 {:7.1} GFLOP/s, bf16 {:7.1} GFLOP/s, bf16 {:.2}x f32",
+            pass.len(),
+            median(a),
+            median(b),
+            median(ratio)
+        );
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let threads = rayon::current_num_threads();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -133,7 +180,7 @@ fn bench(c: &mut Criterion) {
             .join(" ")
     );
     let experts: Vec<Expert> = (0..EXPERTS).map(Expert::new).collect();
-    let max_rows = ROWS[ROWS.len() - 1];
+    let max_rows = PRODUCT_ROWS[PRODUCT_ROWS.len() - 1];
     let x: Vec<f32> = (0..max_rows * F)
         .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
         .collect();
@@ -166,7 +213,19 @@ fn bench(c: &mut Criterion) {
         },
     );
 
+    compare_products(&experts, &x, &mut h, &mut y);
+
     let k = Kernels::process();
+    let mut group = c.benchmark_group(format!("mixtral-mid expert at 392 rows ({})", k.isa()));
+    group.sample_size(10);
+    group.throughput(Throughput::Elements((2 * 3 * 392 * D * F) as u64));
+    for (name, kk) in [("f32 product", k), ("bf16 product", k.bf16_product())] {
+        group.bench_function(format!("{name}: 392 rows x 1 expert (elem = flop)"), |b| {
+            b.iter(|| experts_pass(kk, &experts[..1], 392, &x, &mut h, &mut y))
+        });
+    }
+    group.finish();
+
     let mut group = c.benchmark_group(format!("mixtral-mid experts at 2 rows ({})", k.isa()));
     group.sample_size(10);
     group.throughput(Throughput::Bytes(bytes as u64));

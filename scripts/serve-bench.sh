@@ -32,8 +32,12 @@
 #            [--max-tokens 32] [--threads 2] [--time-limit 600]
 #            [--schedules "vslpipe baselines/resident"] [--skip llama-server]
 #            [--set NAME=VALUE]... (replaces the per-schedule params below for every schedule)
+#            [--bf16-product "f32 bf16"] (each moec schedule once per listed product, run
+#            with MOEC_BF16_PRODUCT set to it; default: $MOEC_BF16_PRODUCT, else f32; a
+#            bf16 run is labelled "moec SCHED bf16")
 # Environment: MOEC_SERVE_BENCH_CACHE, MOEC_PEER_CACHE, MOEC_SERVE_BENCH_JOBS (build jobs,
-# default 2), MOEC_SERVE_BENCH_BIN (a moec binary to measure instead of building one).
+# default 2), MOEC_SERVE_BENCH_BIN (a moec binary to measure instead of building one),
+# MOEC_BF16_PRODUCT (see --bf16-product; every other MOEC_* variable reaches moec as set).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,6 +53,7 @@ TIME_LIMIT=600
 SCHEDULES="vslpipe baselines/resident"
 SKIP=""
 USER_SETS=()
+BF16_PRODUCTS=${MOEC_BF16_PRODUCT:-f32}
 
 # Pinned versions: the sdist fixes llama.cpp's source (peer-bench's); the Python packages
 # are peer-bench's pins, plus the openai client the serve tests use.
@@ -67,12 +72,19 @@ while [ $# -gt 0 ]; do
     --schedules) SCHEDULES=$2; shift 2 ;;
     --skip) SKIP="$SKIP $2"; shift 2 ;;
     --set) USER_SETS+=(--set "$2"); shift 2 ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    --bf16-product) BF16_PRODUCTS=$2; shift 2 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "serve-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
 log() { echo "serve-bench: $*" >&2; }
+for product in $BF16_PRODUCTS; do
+  case $product in
+    f32|bf16) ;;
+    *) echo "serve-bench: --bf16-product takes f32 and/or bf16, not $product" >&2; exit 2 ;;
+  esac
+done
 skipped() { case " $SKIP " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 mkdir -p "$CACHE/results"
@@ -227,10 +239,15 @@ for sched in $SCHEDULES; do
     *) sets=(--set "ubs=$CLIENTS" --set n_ub=1) ;;
   esac
   if [ ${#USER_SETS[@]} -gt 0 ]; then sets=("${USER_SETS[@]}"); fi
-  port=$(free_port)
-  measure "moec $sched" "$port" mixtral-mid "$MOEC" serve "$REPO/schedules/$sched.sched" \
-    --weights "$MODEL" --threads "$THREADS" --host 127.0.0.1 --port "$port" \
-    --max-batch "$CLIENTS" --max-prompt "$MAX_PROMPT" --max-tokens "$MAX_TOKENS" "${sets[@]}"
+  for product in $BF16_PRODUCTS; do
+    label="moec $sched"
+    [ "$product" = f32 ] || label="$label $product"
+    port=$(free_port)
+    measure "$label" "$port" mixtral-mid env MOEC_BF16_PRODUCT="$product" "$MOEC" serve \
+      "$REPO/schedules/$sched.sched" --weights "$MODEL" --threads "$THREADS" \
+      --host 127.0.0.1 --port "$port" --max-batch "$CLIENTS" --max-prompt "$MAX_PROMPT" \
+      --max-tokens "$MAX_TOKENS" "${sets[@]}"
+  done
 done
 
 # 6. The table.

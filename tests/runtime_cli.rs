@@ -1,7 +1,7 @@
 //! `moec run` and `moec ablate` end to end: the JSON output's tokens equal `moec generate`'s
 //! (the oracle) for the same prompts, the trace is a Chrome trace of every stream, and the
 //! ablation table marks identical outputs and lands in CSV/JSON; decoded MXFP4 experts are
-//! reported as decoded, not mapped. Bad flags are one-line errors with exit 1.
+//! reported as decoded, not mapped; the bf16 product keeps the oracle's tokens. Bad flags are one-line errors with exit 1.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -297,6 +297,82 @@ fn every_schedule_gives_the_same_tokens_with_portable_and_simd_kernels() {
     }
     println!(
         "{compared} (schedule, card) pairs: identical greedy tokens with portable and {chosen}"
+    );
+}
+
+/// `MOEC_BF16_PRODUCT=bf16` (activations rounded to bf16, pairs summed as `vdpbf16ps`
+/// does): the oracle (`moec generate`) computes with the same product, so three schedules
+/// of different shapes (one resident batch, CGOPipe's micro-batches, VSLPipe's mixed
+/// prefill and decode steps) give its tokens exactly; the product is in effect (its first
+/// logits differ from the f32 product's) and named on `moec devices`; an unknown value stops
+/// a command with the accepted values.
+#[test]
+fn bf16_product_runs_give_the_oracle_tokens() {
+    let cache = tempfile::tempdir().unwrap();
+    let with = |product: &str, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_moec"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MOEC_CACHE_DIR", cache.path())
+            .env("MOEC_BF16_PRODUCT", product)
+            .args(args)
+            .output()
+            .expect("moec runs")
+    };
+    let prompts = [
+        "--prompt",
+        "Mixture of experts",
+        "--prompt",
+        "The capital of France is",
+    ];
+    let mut gen = vec!["generate", "--json", "--max-new-tokens", "4"];
+    gen.extend(prompts);
+    let oracle = token_ids(&json(&with("bf16", &gen)));
+    let logits_of = |product: &str, schedule: &str| {
+        let dump = cache.path().join(format!("logits-{product}.json"));
+        let mut run = vec![
+            "run",
+            schedule,
+            "--json",
+            "--gen-len",
+            "4",
+            "--hw",
+            "hardware/t4.ron",
+            "--dump-logits",
+            dump.to_str().unwrap(),
+        ];
+        run.extend(prompts);
+        let doc = json(&with(product, &run));
+        let text = std::fs::read_to_string(&dump).expect("logits file");
+        let logits: serde_json::Value = serde_json::from_str(&text).expect("logits JSON");
+        (token_ids(&doc), logits["logits"][0].clone())
+    };
+    let mut first_logits = None;
+    for schedule in [
+        "schedules/baselines/resident.sched",
+        "schedules/cgopipe.sched",
+        "schedules/vslpipe.sched",
+    ] {
+        let (tokens, logits) = logits_of("bf16", schedule);
+        assert_eq!(tokens, oracle, "{schedule} under the bf16 product");
+        first_logits.get_or_insert(logits);
+    }
+    let (_, f32_logits) = logits_of("f32", "schedules/baselines/resident.sched");
+    assert_ne!(
+        first_logits,
+        Some(f32_logits),
+        "the bf16 product is in effect"
+    );
+    let devices = String::from_utf8_lossy(&with("bf16", &["devices"]).stdout).into_owned();
+    assert!(
+        devices.contains("bf16 weights: bf16 product (MOEC_BF16_PRODUCT=bf16"),
+        "{devices}"
+    );
+    let refused = with("fp8", &gen);
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("MOEC_BF16_PRODUCT=\"fp8\" is not a bf16 product: use f32 or bf16"),
+        "{err}"
     );
 }
 

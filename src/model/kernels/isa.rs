@@ -22,6 +22,12 @@ pub const ENV_VAR: &str = "MOEC_KERNELS";
 /// arithmetic).
 pub const QUANT_PRODUCT_VAR: &str = "MOEC_QUANT_PRODUCT";
 
+/// The environment variable that picks the product of bf16 weights: `f32` (the default:
+/// weights widened to f32, activations kept in f32) or `bf16` (activations rounded to
+/// bf16 and pairs multiplied and summed as AVX-512 BF16's `vdpbf16ps` does, llama.cpp's
+/// arithmetic for bf16 weights; see `kernels::bf16_dot`).
+pub const BF16_PRODUCT_VAR: &str = "MOEC_BF16_PRODUCT";
+
 /// An instruction set the CPU kernels have bodies for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
@@ -100,6 +106,12 @@ pub enum IsaError {
         /// The value given.
         value: String,
     },
+    /// `MOEC_BF16_PRODUCT` names no product.
+    #[error("{BF16_PRODUCT_VAR}={value:?} is not a bf16 product: use f32 or bf16")]
+    UnknownBf16Product {
+        /// The value given.
+        value: String,
+    },
     /// The setting names an instruction set this CPU lacks.
     #[error("{ENV_VAR}={isa}: this CPU lacks {} (it supports: {})", isa.features(), supported_names())]
     Unsupported {
@@ -161,6 +173,7 @@ pub fn select(setting: Option<&str>) -> Result<Selection, IsaError> {
                     isa,
                     few_rows: true,
                     quant_decoded: false,
+                    bf16_dot: false,
                 },
                 reason,
             })
@@ -186,9 +199,23 @@ pub fn selection() -> Result<&'static Selection, &'static IsaError> {
                     })
                 }
             }
+            s.kernels.bf16_dot =
+                parse_bf16_product(std::env::var(BF16_PRODUCT_VAR).ok().as_deref())?;
             Ok(s)
         })
         .as_ref()
+}
+
+/// Whether a `MOEC_BF16_PRODUCT` value (`None` = unset = `f32`) asks for the bf16
+/// product; an unknown value is an error, never a silent default.
+pub fn parse_bf16_product(setting: Option<&str>) -> Result<bool, IsaError> {
+    match setting.map(str::trim).unwrap_or("") {
+        "" | "f32" => Ok(false),
+        "bf16" => Ok(true),
+        other => Err(IsaError::UnknownBf16Product {
+            value: other.to_string(),
+        }),
+    }
 }
 
 /// One line naming the kernels this process uses and why (for `moec devices` and the run
@@ -196,10 +223,11 @@ pub fn selection() -> Result<&'static Selection, &'static IsaError> {
 pub fn describe() -> String {
     match selection() {
         Ok(s) => format!(
-            "CPU kernels: {} ({}); {}; {}",
+            "CPU kernels: {} ({}); {}; {}; {}",
             s.kernels.isa().name(),
             s.reason,
             crate::model::kernels::linear::bodies(s.kernels.isa()),
+            crate::model::kernels::bf16_dot::describe(s.kernels),
             crate::model::quant::select::describe(s.kernels)
         ),
         Err(e) => format!("CPU kernels: refused: {e}"),
@@ -221,6 +249,9 @@ pub struct Kernels {
     /// Whether block-quantised weights are decoded to f32 and multiplied in f32
     /// (`MOEC_QUANT_PRODUCT=decoded`) instead of with 8-bit activations.
     quant_decoded: bool,
+    /// Whether bf16 weights multiply bf16-rounded activations as `vdpbf16ps` does
+    /// (`MOEC_BF16_PRODUCT=bf16`) instead of f32 activations.
+    bf16_dot: bool,
 }
 
 impl Kernels {
@@ -231,6 +262,7 @@ impl Kernels {
                 isa,
                 few_rows: true,
                 quant_decoded: false,
+                bf16_dot: false,
             })
         } else {
             Err(IsaError::Unsupported { isa })
@@ -243,6 +275,7 @@ impl Kernels {
             isa: Isa::Portable,
             few_rows: true,
             quant_decoded: false,
+            bf16_dot: false,
         }
     }
 
@@ -276,6 +309,20 @@ impl Kernels {
         self.quant_decoded
     }
 
+    /// These kernels with bf16 weights multiplied by bf16-rounded activations as
+    /// `vdpbf16ps` does (`MOEC_BF16_PRODUCT=bf16`, see `kernels::bf16_dot`).
+    pub fn bf16_product(self) -> Self {
+        Kernels {
+            bf16_dot: true,
+            ..self
+        }
+    }
+
+    /// Whether bf16 weights take the bf16 product rather than the f32 one.
+    pub fn bf16_dot(self) -> bool {
+        self.bf16_dot
+    }
+
     /// The kernels chosen for this process ([`selection`]). When `MOEC_KERNELS` is
     /// invalid (commands refuse that at start-up; a library caller may not have checked)
     /// this warns once on stderr and uses the portable kernels.
@@ -301,6 +348,13 @@ impl Kernels {
 struct CpuCaps {
     avx512: bool,
     avx2_fma: bool,
+    avx512_bf16: bool,
+}
+
+/// Whether this CPU has AVX-512 BF16 (`vdpbf16ps`) on top of the AVX-512 kernels'
+/// features (detected once).
+pub fn has_avx512_bf16() -> bool {
+    cpu_caps().avx512_bf16
 }
 
 fn cpu_caps() -> CpuCaps {
@@ -315,6 +369,10 @@ fn cpu_caps() -> CpuCaps {
                 avx2_fma: is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c"),
+                avx512_bf16: is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512bf16"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -322,6 +380,7 @@ fn cpu_caps() -> CpuCaps {
             CpuCaps {
                 avx512: false,
                 avx2_fma: false,
+                avx512_bf16: false,
             }
         }
     })
@@ -344,6 +403,22 @@ mod tests {
             err.to_string(),
             "MOEC_KERNELS=\"sse9\" is not a kernel choice: use auto, avx512, avx2 or portable"
         );
+    }
+
+    /// `MOEC_BF16_PRODUCT`: unset and `f32` keep the f32 product, `bf16` picks the bf16
+    /// one, anything else is refused with the accepted values.
+    #[test]
+    fn bf16_product_settings_parse_and_unknown_values_are_refused() {
+        assert_eq!(parse_bf16_product(None), Ok(false));
+        assert_eq!(parse_bf16_product(Some(" f32 ")), Ok(false));
+        assert_eq!(parse_bf16_product(Some("bf16")), Ok(true));
+        let err = parse_bf16_product(Some("fp8")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "MOEC_BF16_PRODUCT=\"fp8\" is not a bf16 product: use f32 or bf16"
+        );
+        assert!(Kernels::portable().bf16_product().bf16_dot());
+        assert!(!Kernels::portable().bf16_dot());
     }
 
     /// Forcing an instruction set works exactly when the CPU has it; otherwise the error

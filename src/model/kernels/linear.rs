@@ -19,8 +19,12 @@
 //! its k-blocking by shape, which changes the summation order with the number of rows.
 //! Quantised (GGML block) weights run `model::quant::matmul` instead: activations
 //! quantised per row to 8 bits, exact integer sums per block, the blocks summed in order,
-//! which is as batch-invariant and gives the same bits on every body.
+//! which is as batch-invariant and gives the same bits on every body. With
+//! `MOEC_BF16_PRODUCT=bf16` ([`Kernels::bf16_dot`]) bf16 `OutIn` products run
+//! [`bf16_dot`] instead at every row count (activations rounded to bf16, pairs summed as
+//! `vdpbf16ps` does; its own fixed order, as batch-invariant); `InOut` keeps this product.
 
+use crate::model::kernels::bf16_dot::{self, Bf16Rows};
 use crate::model::kernels::isa::{Isa, Kernels};
 use crate::model::kernels::{check_len, KernelError};
 #[cfg(target_arch = "x86_64")]
@@ -129,10 +133,15 @@ enum Acts<'a> {
     /// Laid out for the few-row bf16 body (and as given, for a matrix of another dtype).
     #[cfg(target_arch = "x86_64")]
     EvenOdd(few_rows::EvenOddRows, &'a [f32]),
+    /// Rounded to bf16 for the bf16 product (and as given, for a matrix of another dtype).
+    Bf16(Bf16Rows, &'a [f32]),
 }
 
 /// Picks the body for `n_rows` rows of `w` (see [`bodies`]) and lays `x` out for it.
 fn prepare<'a>(k: Kernels, x: &'a [f32], n_rows: usize, w: &Matrix<'_>) -> Acts<'a> {
+    if k.bf16_dot() && matches!(w.data, TypedSlice::Bf16(_)) {
+        return Acts::Bf16(Bf16Rows::new(x, n_rows, w.cols), x);
+    }
     #[cfg(target_arch = "x86_64")]
     {
         let max = match k.isa() {
@@ -167,19 +176,27 @@ where
 
 /// Rows `o0..o0 + rows` of an `OutIn` product into `local` (`[n_rows, rows]`).
 ///
-/// `isa` must be one a `Kernels` value vouched for (this CPU has it); the length checks of
-/// [`Kernels::linear`] have passed and `o0 + rows <= w.rows`.
+/// The length checks of [`Kernels::linear`] have passed and `o0 + rows <= w.rows`.
 fn out_in_rows(
-    isa: Isa,
+    k: Kernels,
     acts: &Acts<'_>,
     n_rows: usize,
     w: &Matrix<'_>,
     o0: usize,
     rows: usize,
 ) -> Vec<f32> {
+    let isa = k.isa();
     let mut local = vec![0.0f32; n_rows * rows];
     let x = match acts {
         Acts::Plain(x) => *x,
+        Acts::Bf16(rows_bf, x) => {
+            if let TypedSlice::Bf16(data) = w.data {
+                let bits: &[u16] = bytemuck::cast_slice(data);
+                bf16_dot::panel(k, rows_bf, bits, w.cols, o0, rows, &mut local);
+                return local;
+            }
+            *x
+        }
         #[cfg(target_arch = "x86_64")]
         Acts::EvenOdd(rows_eo, x) => {
             if let TypedSlice::Bf16(data) = w.data {
@@ -231,11 +248,10 @@ fn scatter_panels(panels: &[Vec<f32>], n_rows: usize, out_dim: usize, out: &mut 
 fn out_in(k: Kernels, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
     let (out_dim, in_dim) = (w.rows, w.cols);
     let n_panels = out_dim.div_ceil(PANEL_ROWS);
-    let isa = k.isa();
     let acts = prepare(k, x, n_rows, w);
     let panels = for_chunks(n_panels, n_rows * out_dim * in_dim, |p| {
         let o0 = p * PANEL_ROWS;
-        out_in_rows(isa, &acts, n_rows, w, o0, PANEL_ROWS.min(out_dim - o0))
+        out_in_rows(k, &acts, n_rows, w, o0, PANEL_ROWS.min(out_dim - o0))
     });
     scatter_panels(&panels, n_rows, out_dim, out);
 }
@@ -279,15 +295,14 @@ impl Kernels {
             check_quant(w)?;
         }
         let (out_dim, in_dim) = (gate.rows, gate.cols);
-        let isa = self.isa();
         let n_panels = out_dim.div_ceil(PANEL_ROWS);
         // Gate and up have one shape and dtype, so one layout serves both.
         let acts = prepare(self, x, n_rows, gate);
         let panels = for_chunks(n_panels, 2 * n_rows * out_dim * in_dim, |p| {
             let o0 = p * PANEL_ROWS;
             let rows = PANEL_ROWS.min(out_dim - o0);
-            let mut g = out_in_rows(isa, &acts, n_rows, gate, o0, rows);
-            let u = out_in_rows(isa, &acts, n_rows, up, o0, rows);
+            let mut g = out_in_rows(self, &acts, n_rows, gate, o0, rows);
+            let u = out_in_rows(self, &acts, n_rows, up, o0, rows);
             for (g, u) in g.iter_mut().zip(&u) {
                 *g = act(*g) * u;
             }
@@ -328,7 +343,7 @@ fn in_out(isa: Isa, x: &[f32], n_rows: usize, w: &Matrix<'_>, out: &mut [f32]) {
 }
 
 /// Fallback with the same per-element structure (16 lanes, then a fixed reduction).
-mod portable {
+pub(super) mod portable {
     use super::*;
 
     fn widen_row(w: &Matrix<'_>, r: usize, buf: &mut [f32]) {
@@ -401,7 +416,7 @@ mod portable {
     }
 
     /// Lane `i` += lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`: every body's reduction tree.
-    pub(super) fn reduce16(l: &[f32; 16]) -> f32 {
+    pub(in crate::model::kernels) fn reduce16(l: &[f32; 16]) -> f32 {
         let mut v = *l;
         for half in [8, 4, 2, 1] {
             for i in 0..half {
@@ -681,7 +696,7 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
@@ -727,7 +742,7 @@ mod avx2 {
     /// The portable body's reduction tree over lanes `lo` (0..8) and `hi` (8..16).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn reduce(lo: __m256, hi: __m256) -> f32 {
+    pub(in crate::model::kernels) fn reduce(lo: __m256, hi: __m256) -> f32 {
         let s8 = _mm256_add_ps(lo, hi);
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));

@@ -20,6 +20,11 @@
 //! | greedy / temperature + top-p | [`sampling::sample`] |
 
 pub mod attention;
+pub mod bf16_dot;
+#[cfg(target_arch = "x86_64")]
+mod bf16_dot512;
+#[cfg(target_arch = "x86_64")]
+mod bf16_dot_avx2;
 pub mod deepseek_route;
 #[cfg(target_arch = "x86_64")]
 mod few_rows;
