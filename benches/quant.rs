@@ -6,7 +6,7 @@
 //! (and Q6_K, Q5_K, Q8_0 for the small shape). Each timed call multiplies the same
 //! activation rows with every matrix of a set of distinct experts in turn, enough experts
 //! that the quantised set (>= 64 MB) exceeds the 32 MiB L3, so the weights stream from
-//! DRAM as an offloaded expert's would. Rows: 1, 2, 8, 16, 64 (a decode step's rows per
+//! DRAM as an offloaded expert's would. Rows: 1, 2, 4, 8, 16, 64 (a decode step's rows per
 //! expert at batch 1 to 512).
 //!
 //! Printed per point: the quantised product's time and GB/s of weight bytes, the bf16
@@ -32,7 +32,7 @@ use std::time::Instant;
 const ROUNDS: usize = 5;
 
 /// Rows per product.
-const ROWS: [usize; 5] = [1, 2, 8, 16, 64];
+const ROWS: [usize; 6] = [1, 2, 4, 8, 16, 64];
 
 /// Bytes the quantised set of experts must exceed (twice the L3).
 const SET_BYTES: usize = 64 << 20;

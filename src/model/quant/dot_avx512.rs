@@ -1,5 +1,7 @@
 //! The AVX-512 VNNI body of the quantised products: a weight block's codes widened to
-//! unsigned bytes once, 64 per register (two Q4_K/Q5_K sub-blocks, four Q6_K ones), then
+//! unsigned bytes once, 64 per register (two Q4_K/Q5_K sub-blocks, four Q6_K ones; Q4_K
+//! and Q5_K as the low and the high nibbles of one 64-byte load, sub-blocks two apart, the
+//! activations laid out to match: [`super::x86::CodeOrder::SubBlockPairs`]), then
 //! per activation row VNNI's `vpdpbusd` (code × activation, four products per 32-bit
 //! lane), the four registers' lanes packed pairwise to 16 bits (`vpackssdw`) and scaled
 //! by the sub-block scales with VNNI's `vpdpwssd`: six multiplying instructions per 256
@@ -55,25 +57,30 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
             let qs_at = if FMT == 13 { 48 } else { 16 };
             let qh =
                 _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p.add(16) as *const __m256i) });
-            for i in 0..4 {
-                let raw = _mm512_broadcast_i64x4(unsafe {
-                    _mm256_loadu_si256(p.add(qs_at + 32 * i) as *const __m256i)
-                });
-                // Sub-block 2i from the low nibbles (low half), 2i + 1 from the high ones.
-                let mut codes = _mm512_and_si512(_mm512_srlv_epi16(raw, halves16(0, 4)), m4);
-                if FMT == 13 {
-                    let shift = halves16(2 * i as i16, 2 * i as i16 + 1);
-                    let bit = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(1));
-                    codes = _mm512_or_si512(codes, _mm512_slli_epi16::<4>(bit));
+            for h in 0..2 {
+                // 64 bytes: the low nibbles are sub-blocks 4h and 4h + 2, the high ones
+                // 4h + 1 and 4h + 3 (the activations' `CodeOrder::SubBlockPairs`).
+                let raw = unsafe { _mm512_loadu_si512(p.add(qs_at + 64 * h) as *const __m512i) };
+                let lo = _mm512_and_si512(raw, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                for (c, mut codes) in [(2 * h, lo), (2 * h + 1, hi)] {
+                    if FMT == 13 {
+                        let s = (4 * (c / 2) + c % 2) as i16;
+                        let bit = _mm512_and_si512(
+                            _mm512_srlv_epi16(qh, halves16(s, s + 2)),
+                            _mm512_set1_epi8(1),
+                        );
+                        codes = _mm512_or_si512(codes, _mm512_slli_epi16::<4>(bit));
+                    }
+                    d.codes[c] = codes;
                 }
-                d.codes[i] = codes;
             }
             // See `dot`: pack P's 16-bit lane t (128-bit lane k = t / 8, second four `hi`)
-            // holds sums of sub-block 4P + 2 hi + k / 2.
+            // holds sums of sub-block 4P + 2 (k / 2) + hi.
             let t = lane_index();
             let k = _mm512_srli_epi16::<3>(t);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<2>(t), _mm512_set1_epi16(1));
-            let base = _mm512_add_epi16(_mm512_slli_epi16::<1>(hi), _mm512_srli_epi16::<1>(k));
+            let base = _mm512_add_epi16(_mm512_slli_epi16::<1>(_mm512_srli_epi16::<1>(k)), hi);
             for (pk, sv) in d.scales.iter_mut().take(2).enumerate() {
                 let idx = _mm512_add_epi16(base, _mm512_set1_epi16(4 * pk as i16));
                 *sv = _mm512_permutexvar_epi16(idx, sc16);

@@ -26,7 +26,7 @@ use super::dot;
 use super::q8::{ActFormat, Q8Rows};
 use super::select::{QuantBody, QuantKernels};
 #[cfg(target_arch = "x86_64")]
-use super::x86::GroupedActs;
+use super::x86::{CodeOrder, GroupedActs};
 use super::{QuantFormat, QuantSlice};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
@@ -163,8 +163,8 @@ impl QuantKernels {
         }
         let acts = Q8Rows::quantize(ActFormat::for_weights(w.format()), x, n_rows, w.cols);
         #[cfg(target_arch = "x86_64")]
-        let grouped =
-            (self.body() != QuantBody::Portable).then(|| GroupedActs::new(&acts, w.format()));
+        let grouped = (self.body() != QuantBody::Portable)
+            .then(|| GroupedActs::new(&acts, w.format(), simd_code_order(self.body(), w.format())));
         let n_panels = w.rows.div_ceil(PANEL_ROWS);
         let task = |p: usize| {
             let o0 = p * PANEL_ROWS;
@@ -223,6 +223,16 @@ fn simd_panel(
     // `acts` was quantised from `n_rows` rows of `w.cols` for this format; the caller made
     // o0 + rows <= w.rows and `local` n_rows * rows long.
     unsafe { f(w, acts, o0, rows, local) }
+}
+
+/// The order a SIMD body's decoder gives a format's codes in (the activation codes are
+/// laid out to match).
+#[cfg(target_arch = "x86_64")]
+fn simd_code_order(body: QuantBody, format: QuantFormat) -> CodeOrder {
+    match (body, format) {
+        (QuantBody::Avx512Vnni, QuantFormat::Q4K | QuantFormat::Q5K) => CodeOrder::SubBlockPairs,
+        _ => CodeOrder::Natural,
+    }
 }
 
 /// The reference body: each output summed block by block as the module documents.

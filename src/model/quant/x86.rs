@@ -22,6 +22,17 @@ pub(super) const GROUP: usize = 8;
 /// eight costs more than it saves below four rows.
 pub(super) const FEW_ROWS: usize = 3;
 
+/// The order of the codes of a Q8_K activation block as a body reads them (any order
+/// gives the same exact integer sums, as long as the weight codes come in the same one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CodeOrder {
+    /// Weight order.
+    Natural,
+    /// Each 64 codes hold two 32-code sub-blocks two apart: `0, 2 | 1, 3 | 4, 6 | 5, 7`
+    /// (the low and the high nibbles of 64 bytes of Q4_K/Q5_K codes, one load each).
+    SubBlockPairs,
+}
+
 /// The per-block scalars of the activation rows, transposed so a group's eight rows
 /// are adjacent: `d[(b * groups + g) * 8 + l]` and, for Q8_K, the code sums in pairs
 /// `pairs[((b * 8 + p) * groups + g) * 8 + l]` of row `8g + l`: for Q6_K `bsum[2p]` (low
@@ -39,13 +50,16 @@ pub(super) struct GroupedActs<'a> {
     offsets: Vec<i32>,
     /// The codes block-major, `[block][row][block_elems]`: one block of consecutive rows
     /// is contiguous. (Row-major, rows 3584 bytes apart mapped a block of 64 rows onto 8
-    /// of L1's 64 sets, and Q8_0's 32-byte blocks thrashed them.)
+    /// of L1's 64 sets, and Q8_0's 32-byte blocks thrashed them.) Each Q8_K block's codes
+    /// in the [`CodeOrder`] the body asked for.
     codes: Vec<i8>,
 }
 
 impl<'a> GroupedActs<'a> {
-    /// Transposes the scalars of `q`, quantised for weights of `format`.
-    pub fn new(q: &'a Q8Rows, format: QuantFormat) -> Self {
+    /// Transposes the scalars of `q`, quantised for weights of `format`, and lays out
+    /// the codes of each Q8_K block in `order` (the order the body's decoder gives the
+    /// weight codes in).
+    pub fn new(q: &'a Q8Rows, format: QuantFormat, order: CodeOrder) -> Self {
         let groups = q.n_rows.div_ceil(GROUP);
         let nb = q.blocks_per_row();
         let padded = groups * GROUP;
@@ -89,7 +103,17 @@ impl<'a> GroupedActs<'a> {
         for b in 0..nb {
             for r in 0..q.n_rows {
                 let at = (b * q.n_rows + r) * be;
-                codes[at..at + be].copy_from_slice(q.block_qs(r, b));
+                let src = q.block_qs(r, b);
+                match order {
+                    CodeOrder::SubBlockPairs if q.format == ActFormat::Q8K => {
+                        for (c, chunk) in codes[at..at + be].chunks_exact_mut(64).enumerate() {
+                            let s = 4 * (c / 2) + c % 2;
+                            chunk[..32].copy_from_slice(&src[32 * s..32 * s + 32]);
+                            chunk[32..].copy_from_slice(&src[32 * (s + 2)..32 * (s + 2) + 32]);
+                        }
+                    }
+                    _ => codes[at..at + be].copy_from_slice(src),
+                }
             }
         }
         GroupedActs {
@@ -409,7 +433,9 @@ pub(super) fn d_values(dx: f32, dy: __m256, isum: __m256i) -> __m256 {
 /// hold scales/mins 0-3 in their low 6 bits per byte and bits 4-5 of scales/mins 4-7 in
 /// their top 2; word 2 holds the low 4 bits of scale `4 + i` and min `4 + i`). Byte `j`
 /// of each result (little-endian) is scale/min `j`; kept in integer registers (a byte
-/// array read back as one word cost a store-forwarding stall per block).
+/// array read back as one word cost a store-forwarding stall per block). Always inlined:
+/// left to the compiler it stayed a call per block (perf).
+#[inline(always)]
 pub(super) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
     let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
     let (w0, w1, w2) = (word(0), word(1), word(2));
