@@ -238,8 +238,9 @@ fn every_schedule_on_a_q4_k_m_gguf_through_the_cuda_backend_gives_the_cpu_tokens
 /// llama.cpp's Q4_K_M tiny DeepSeek-V2 (`scripts/gguf_fixtures.sh`: Q4_K `attn_k_b` and
 /// `attn_v_b`, which the CUDA backend multiplies as stored through `mla_head_linear`,
 /// decoding the blocks in the kernel, and the CPU through its quantised product) gives the
-/// CPU backend's tokens, both computing the decoded product (`MOEC_QUANT_PRODUCT=decoded`,
-/// as the Mixtral file above); 2 new tokens per prompt. Three schedules cover where the
+/// CPU backend's tokens, both with their default 8-bit product (the device rounds each
+/// head's activations through `q8_roundtrip` first, as the Mixtral file above); 2 new
+/// tokens per prompt. Three schedules cover where the
 /// split halves run and how their bytes travel (every op on the GPU from copies made once;
 /// CPU attention with paged weights; CPU experts) at a quarter of every schedule's cost
 /// (all 11 agreed, logits within 1.1e-5, when this was written). Skipped, saying so,
