@@ -29,6 +29,8 @@ pub fn dequantize_blocks(
         });
     }
     let decode: fn(&[u8], &mut [f32]) = match format {
+        QuantFormat::Q4_0 => q4_0,
+        QuantFormat::Q4_1 => q4_1,
         QuantFormat::Q8_0 => q8_0,
         QuantFormat::Q4K => q4_k,
         QuantFormat::Q5K => q5_k,
@@ -38,6 +40,29 @@ pub fn dequantize_blocks(
         decode(block, out);
     }
     Ok(())
+}
+
+/// Code `l` (0..32) of a Q4_0/Q4_1 block's 16 code bytes: weights 0..16 are the low
+/// nibbles of bytes 0..16, weights 16..32 their high nibbles (not Q4_K's interleaving).
+pub(super) fn q4_code(qs: &[u8], l: usize) -> u8 {
+    (qs[l % 16] >> (4 * (l / 16))) & 0x0f
+}
+
+/// `block_q4_0`: `d` (f16), then 16 code bytes; weight `l` = `d * (q_l - 8)`.
+fn q4_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = d * f32::from(q4_code(&b[2..18], l) as i8 - 8);
+    }
+}
+
+/// `block_q4_1`: `d`, `m` (f16), then 16 code bytes; weight `l` = `d * q_l + m` (a
+/// rounded product, then a rounded sum).
+fn q4_1(b: &[u8], out: &mut [f32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = d * f32::from(q4_code(&b[4..20], l)) + m;
+    }
 }
 
 /// `block_q8_0`: `d` (f16), then 32 `i8` codes; weight `i` = `d * q[i]`.
@@ -140,9 +165,9 @@ pub(super) mod tests {
 
     #[test]
     fn block_sizes_are_ggmls() {
-        // ggml-common.h's static_asserts: 34, 144, 176 and 210 bytes.
+        // ggml-common.h's static_asserts: 18, 20, 34, 144, 176 and 210 bytes.
         let sizes: Vec<usize> = QuantFormat::ALL.iter().map(|f| f.block_bytes()).collect();
-        assert_eq!(sizes, [34, 144, 176, 210]);
+        assert_eq!(sizes, [18, 20, 34, 144, 176, 210]);
         assert_eq!(QuantFormat::Q4K.bytes_for(4096), Some(16 * 144));
         assert_eq!(QuantFormat::Q4K.bytes_for(100), None);
     }
@@ -156,6 +181,32 @@ pub(super) mod tests {
         let out = decode(QuantFormat::Q8_0, &b);
         assert_eq!(&out[..5], &[0.0, 0.5, -0.5, 63.5, -64.0]);
         assert!(out[5..].iter().all(|v| *v == 0.0));
+    }
+
+    /// Q4_0 by hand: d = 0.25; byte 0 = 0xF0 (weight 0 code 0 -> -8 * 0.25 = -2, weight 16
+    /// code 15 -> 7 * 0.25 = 1.75); byte 5 = 0x89 (weight 5 code 9 -> 0.25, weight 21 code
+    /// 8 -> 0); code byte 0x88 elsewhere is zero.
+    #[test]
+    fn q4_0_by_hand() {
+        let mut b = vec![0x88u8; 18];
+        b[..2].copy_from_slice(&f16_bytes(0.25));
+        b[2] = 0xF0;
+        b[2 + 5] = 0x89;
+        let out = decode(QuantFormat::Q4_0, &b);
+        assert_eq!((out[0], out[16], out[5], out[21]), (-2.0, 1.75, 0.25, 0.0));
+        assert_eq!(out.iter().filter(|v| **v != 0.0).count(), 3);
+    }
+
+    /// Q4_1 by hand: d = 0.5, m = -1; byte 0 = 0x3C (weight 0 code 12 -> 5, weight 16 code
+    /// 3 -> 0.5); code 0 elsewhere is m = -1.
+    #[test]
+    fn q4_1_by_hand() {
+        let mut b = vec![0u8; 20];
+        b[..2].copy_from_slice(&f16_bytes(0.5));
+        b[2..4].copy_from_slice(&f16_bytes(-1.0));
+        b[4] = 0x3C;
+        let out = decode(QuantFormat::Q4_1, &b);
+        assert_eq!((out[0], out[16], out[1], out[31]), (5.0, 0.5, -1.0, -1.0));
     }
 
     /// A Q4_K block worked by hand from the layout. d = 1, dmin = 0.5.
@@ -291,7 +342,7 @@ pub(super) mod tests {
     #[test]
     fn random_blocks_decode_as_gguf_py_decodes_them() {
         let cases = golden();
-        assert_eq!(cases.len(), 4);
+        assert_eq!(cases.len(), QuantFormat::ALL.len());
         for (format, bytes, expected) in cases {
             let got = decode(format, &bytes);
             assert_eq!(got.len(), expected.len(), "{format}");

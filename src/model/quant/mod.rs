@@ -1,4 +1,5 @@
-//! Block-quantised weights in llama.cpp's GGUF formats (Q8_0, Q4_K, Q5_K, Q6_K).
+//! Block-quantised weights in llama.cpp's GGUF formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+//! Q6_K).
 //!
 //! Takes the raw bytes of a tensor stored in one of these formats (a run of fixed-size
 //! blocks, each holding [`QuantFormat::block_elems`] weights of one row); gives
@@ -38,6 +39,12 @@ pub use select::{QuantBody, QuantKernels};
 /// A block-quantised storage format (ggml's `GGML_TYPE_*` of the same name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum QuantFormat {
+    /// Group-wise symmetric int4: blocks of 32 weights, an f16 scale `d` and 32 4-bit
+    /// codes, weight = `d * (q - 8)` (4.5 bits a weight).
+    Q4_0,
+    /// Group-wise asymmetric int4: blocks of 32 weights, f16 `d` and `m` and 32 4-bit
+    /// codes, weight = `d * q + m` (5 bits a weight).
+    Q4_1,
     /// Blocks of 32 weights: an f16 scale and 32 signed bytes (8.5 bits a weight).
     Q8_0,
     /// Super-blocks of 256 weights: f16 scale and min, eight 6-bit sub-block scales and
@@ -55,7 +62,9 @@ pub const QK_K: usize = 256;
 
 impl QuantFormat {
     /// Every format, in ggml type-id order.
-    pub const ALL: [QuantFormat; 4] = [
+    pub const ALL: [QuantFormat; 6] = [
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
         QuantFormat::Q8_0,
         QuantFormat::Q4K,
         QuantFormat::Q5K,
@@ -65,7 +74,7 @@ impl QuantFormat {
     /// Weights per block.
     pub fn block_elems(self) -> usize {
         match self {
-            QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => 32,
             QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => QK_K,
         }
     }
@@ -73,6 +82,8 @@ impl QuantFormat {
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
+            QuantFormat::Q4_0 => 2 + 16,
+            QuantFormat::Q4_1 => 2 + 2 + 16,
             QuantFormat::Q8_0 => 2 + 32,
             QuantFormat::Q4K => 2 + 2 + 12 + QK_K / 2,
             QuantFormat::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
@@ -87,9 +98,12 @@ impl QuantFormat {
             .then(|| elems / self.block_elems() * self.block_bytes())
     }
 
-    /// The ggml type id (`GGML_TYPE_Q8_0` = 8, `Q4_K` = 12, `Q5_K` = 13, `Q6_K` = 14).
+    /// The ggml type id (`GGML_TYPE_Q4_0` = 2, `Q4_1` = 3, `Q8_0` = 8, `Q4_K` = 12, `Q5_K`
+    /// = 13, `Q6_K` = 14).
     pub fn ggml_type(self) -> u32 {
         match self {
+            QuantFormat::Q4_0 => 2,
+            QuantFormat::Q4_1 => 3,
             QuantFormat::Q8_0 => 8,
             QuantFormat::Q4K => 12,
             QuantFormat::Q5K => 13,
@@ -105,6 +119,8 @@ impl QuantFormat {
     /// The name llama.cpp prints (`Q4_K`).
     pub fn name(self) -> &'static str {
         match self {
+            QuantFormat::Q4_0 => "Q4_0",
+            QuantFormat::Q4_1 => "Q4_1",
             QuantFormat::Q8_0 => "Q8_0",
             QuantFormat::Q4K => "Q4_K",
             QuantFormat::Q5K => "Q5_K",
@@ -201,8 +217,8 @@ pub(crate) fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> 
         .map(|_| (rng.next_u64() >> 56) as u8)
         .collect();
     let f16_fields: &[usize] = match format {
-        QuantFormat::Q8_0 => &[0],
-        QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
     };
     for block in bytes.chunks_exact_mut(bb) {
@@ -236,10 +252,12 @@ mod tests {
         for f in QuantFormat::ALL {
             assert_eq!(QuantFormat::from_ggml_type(f.ggml_type()), Some(f));
         }
+        assert_eq!(QuantFormat::from_ggml_type(2), Some(QuantFormat::Q4_0));
+        assert_eq!(QuantFormat::from_ggml_type(3), Some(QuantFormat::Q4_1));
         assert_eq!(
-            QuantFormat::from_ggml_type(2),
+            QuantFormat::from_ggml_type(10),
             None,
-            "Q4_0 is not supported yet"
+            "Q2_K is not supported"
         );
     }
 }
