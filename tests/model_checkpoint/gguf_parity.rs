@@ -23,7 +23,7 @@
 //!
 //! Bounds:
 //! - tokens: at least 95% of the 16 positions equal llama.cpp's with f32 attention (issue
-//!   29's bar); 16 of 16 on all three files on 2026-11-26.
+//!   29's bar); 16 of 16 on all five files on 2026-11-26.
 //! - logits against f32 attention, at the checked-in ids: [`ROUNDING_BOUND`]. Both sides
 //!   compute the same codes and integer sums and part only in f32 rounding (ggml adds block
 //!   values in SIMD lanes with fused multiply-adds, moec block by block; attention and
