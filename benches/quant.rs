@@ -61,11 +61,16 @@ fn quant_bytes(format: QuantFormat, elems: usize, seed: u64) -> Vec<u8> {
         QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
         QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
     };
     for block in bytes.chunks_exact_mut(bb) {
         for &at in fields {
             let v = (rng.next() % 1000) as f32 / 1.0e5 + 1.0e-4;
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+        if format == QuantFormat::Mxfp4 {
+            // e8m0 exponent: half scales 2^-12 .. 2^-9, the size of the others' weights.
+            block[0] = 116 + (rng.next() % 4) as u8;
         }
     }
     bytes
@@ -284,6 +289,7 @@ fn bench(c: &mut Criterion) {
         QuantFormat::Q8_0,
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
+        QuantFormat::Mxfp4,
     ] {
         if only.as_deref().is_none_or(|name| name == format.name()) {
             one_thread(&Set::new(format, 1024, 3584), qk, k);
@@ -303,6 +309,7 @@ fn bench(c: &mut Criterion) {
         QuantFormat::Q8_0,
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
+        QuantFormat::Mxfp4,
     ] {
         against_bf16(&Set::new(format, 1024, 3584), qk, k);
     }

@@ -29,6 +29,8 @@ FORMATS = {
     # Appended after the first four so their blocks (drawn first) stay as they were.
     "Q4_0": (T.Q4_0, 18, [0]),
     "Q4_1": (T.Q4_1, 20, [0, 2]),
+    # MXFP4's scale is an e8m0 byte: every value 0..255 is drawn (subnormal to 2^127).
+    "MXFP4": (T.MXFP4, 17, []),
 }
 
 cases = []

@@ -68,8 +68,8 @@ impl Storage {
         }
     }
 
-    /// Parses `bf16`, `f16`, `f32`, `q4_0`, `q4_1`, `q8_0`, `q4_k`, `q5_k`, `q6_k` (any
-    /// case).
+    /// Parses `bf16`, `f16`, `f32`, `q4_0`, `q4_1`, `q8_0`, `q4_k`, `q5_k`, `q6_k`, `mxfp4`
+    /// (any case).
     pub fn parse(text: &str) -> Result<Self, String> {
         let t = text.trim().to_ascii_lowercase();
         Ok(match t.as_str() {
@@ -82,9 +82,10 @@ impl Storage {
             "q4_k" => Storage::Quant(QuantFormat::Q4K),
             "q5_k" => Storage::Quant(QuantFormat::Q5K),
             "q6_k" => Storage::Quant(QuantFormat::Q6K),
+            "mxfp4" => Storage::Quant(QuantFormat::Mxfp4),
             _ => {
                 return Err(format!(
-                    "unknown weight format `{text}` (one of bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k)"
+                    "unknown weight format `{text}` (one of bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4)"
                 ))
             }
         })

@@ -1270,6 +1270,8 @@ fn random_blocks(format: moec::model::quant::QuantFormat, blocks: usize, rng: &m
                 block[2..4].copy_from_slice(&scale(rng));
             }
             QuantFormat::Q6K => block[208..210].copy_from_slice(&scale(rng)),
+            // e8m0 exponent: half scales 2^-9 .. 2^-6.
+            QuantFormat::Mxfp4 => block[0] = 119 + (rng.next_f32() * 4.0) as u8,
         }
         out.extend(block);
     }

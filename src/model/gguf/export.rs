@@ -96,6 +96,7 @@ fn file_type(storage: Storage) -> u32 {
         Storage::Quant(QuantFormat::Q4K) => 14,
         Storage::Quant(QuantFormat::Q5K) => 16,
         Storage::Quant(QuantFormat::Q6K) => 18,
+        Storage::Quant(QuantFormat::Mxfp4) => 38,
     }
 }
 

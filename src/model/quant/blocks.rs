@@ -35,6 +35,7 @@ pub fn dequantize_blocks(
         QuantFormat::Q4K => q4_k,
         QuantFormat::Q5K => q5_k,
         QuantFormat::Q6K => q6_k,
+        QuantFormat::Mxfp4 => mxfp4,
     };
     for (block, out) in bytes.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
         decode(block, out);
@@ -62,6 +63,34 @@ fn q4_1(b: &[u8], out: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     for (l, o) in out.iter_mut().enumerate() {
         *o = d * f32::from(q4_code(&b[4..20], l)) + m;
+    }
+}
+
+/// Twice the e2m1 value of each 4-bit code (ggml's `kvalues_mxfp4`): codes 0-7 are 0, 0.5,
+/// 1, 1.5, 2, 3, 4, 6 and 8-15 their negatives, doubled so they are integers; the block
+/// scale is halved to match ([`e8m0_half`]).
+pub(super) const KVALUES_MXFP4: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the scale of e8m0 exponent `e`, `2^(e - 128)`, as ggml's `ggml_e8m0_to_fp32_half`
+/// builds it from bits (`e` 0 and 1 give the subnormals 2^-128 and 2^-127).
+pub(super) fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        u32::from(e - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
+/// `block_mxfp4`: the e8m0 exponent `e`, then 16 code bytes (Q4_0's nibble order); weight
+/// `l` = `kvalues_mxfp4[q_l] * 2^(e - 128)`, exact (a product of small integers and a power
+/// of two), so the same values transformers' `FP4_VALUES[q] * 2^(e - 127)` gives, but for
+/// code 8 (ggml's +0 where transformers has -0).
+fn mxfp4(b: &[u8], out: &mut [f32]) {
+    let d = e8m0_half(b[0]);
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = f32::from(KVALUES_MXFP4[usize::from(q4_code(&b[1..17], l))]) * d;
     }
 }
 
@@ -165,9 +194,9 @@ pub(super) mod tests {
 
     #[test]
     fn block_sizes_are_ggmls() {
-        // ggml-common.h's static_asserts: 18, 20, 34, 144, 176 and 210 bytes.
+        // ggml-common.h's static_asserts: 18, 20, 34, 144, 176, 210 and 17 bytes.
         let sizes: Vec<usize> = QuantFormat::ALL.iter().map(|f| f.block_bytes()).collect();
-        assert_eq!(sizes, [18, 20, 34, 144, 176, 210]);
+        assert_eq!(sizes, [18, 20, 34, 144, 176, 210, 17]);
         assert_eq!(QuantFormat::Q4K.bytes_for(4096), Some(16 * 144));
         assert_eq!(QuantFormat::Q4K.bytes_for(100), None);
     }
@@ -207,6 +236,41 @@ pub(super) mod tests {
         b[4] = 0x3C;
         let out = decode(QuantFormat::Q4_1, &b);
         assert_eq!((out[0], out[16], out[1], out[31]), (5.0, 0.5, -1.0, -1.0));
+    }
+
+    /// MXFP4 by hand: e = 128 (half scale 1): byte 0 = 0x7F (weight 0 code 15 -> -12,
+    /// weight 16 code 7 -> 12); e = 1 gives the subnormal 2^-127, e = 255 2^127.
+    #[test]
+    fn mxfp4_by_hand() {
+        let mut b = vec![0u8; 17];
+        b[0] = 128;
+        b[1] = 0x7F;
+        b[2] = 0x92;
+        let out = decode(QuantFormat::Mxfp4, &b);
+        assert_eq!((out[0], out[16], out[1], out[17]), (-12.0, 12.0, 2.0, -1.0));
+        assert_eq!(e8m0_half(1), 2f32.powi(-127));
+        assert_eq!(e8m0_half(0), 2f32.powi(-128));
+        assert_eq!(e8m0_half(255), 2f32.powi(127));
+    }
+
+    /// Every code under a range of exponents decodes to transformers' value (its FP4 table
+    /// times `2^(e - 127)`, `crate::model::mxfp4::value`), so packed gpt-oss experts compute
+    /// with the weights its bf16 decoding holds (the bf16 rounding is exact here: at most
+    /// two significant bits); only transformers' -0 for code 8 reads as +0.
+    #[test]
+    fn mxfp4_values_are_transformers_fp4_table() {
+        for e in (2u8..=250).step_by(8) {
+            let mut b = vec![e; 17];
+            for (j, byte) in b[1..].iter_mut().enumerate() {
+                *byte = j as u8 | ((15 - j as u8) << 4);
+            }
+            let out = decode(QuantFormat::Mxfp4, &b);
+            for (l, v) in out.iter().enumerate() {
+                let code = if l < 16 { l as u8 } else { 31 - l as u8 };
+                let want = crate::model::mxfp4::value(code, e).to_f32();
+                assert_eq!(*v, want, "e {e} code {code}");
+            }
+        }
     }
 
     /// A Q4_K block worked by hand from the layout. d = 1, dmin = 0.5.

@@ -16,12 +16,15 @@
 //! - Q4_1: `isum = Σ_k q_k a_k` (codes 0..15, Q8_1 activations); value =
 //!   `(dx · dy) · f32(isum) + m · sy`, `m` the block's f16 offset widened and `sy` the
 //!   activation block's Q8_1 `s` (ggml's `vec_dot_q4_1_q8_1`).
+//! - MXFP4: `isum = Σ_k kvalues_mxfp4[q_k] a_k` (table values −12..12, Q8_0 activations);
+//!   value = `(dx · dy) · f32(isum)` with `dx = 2^(e − 128)` (ggml's
+//!   `vec_dot_mxfp4_q8_0`).
 //!
 //! Every product and difference is one rounded f32 operation (no fused multiply-add);
 //! `f32(i)` is the round-to-nearest conversion of an `i32`; `dx`, `dmin` are the block's
 //! f16 scales widened, `dy` the activation block's scale.
 
-use super::blocks::{q4_code, scale_min_k4};
+use super::blocks::{e8m0_half, q4_code, scale_min_k4, KVALUES_MXFP4};
 use super::QuantFormat;
 use half::f16;
 
@@ -66,6 +69,15 @@ pub(super) fn block_value(
             k4_value(f16_at(w, 0), f16_at(w, 2), dy, isum, imin)
         }
         QuantFormat::Q6K => (f16_at(w, 208) * dy) * q6k_isum(w, a, bsums) as f32,
+        QuantFormat::Mxfp4 => {
+            let isum: i32 = (0..32)
+                .map(|l| {
+                    let kv = KVALUES_MXFP4[usize::from(q4_code(&w[1..17], l))];
+                    i32::from(kv) * i32::from(a[l])
+                })
+                .sum();
+            (e8m0_half(w[0]) * dy) * isum as f32
+        }
     }
 }
 

@@ -4,7 +4,8 @@
 //! sub-block scale (pairs to 32 bits), summed into eight 32-bit lanes. Q8_0 codes are
 //! signed: `|w|` times the activation with `w`'s sign (`vpsignb`), as ggml does. Q4_0 and
 //! Q4_1 codes are the stored nibbles 0..15 (Q4_0's `−8` comes off the totals as `8 · Σ a`,
-//! see `x86::offset_shift`).
+//! see `x86::offset_shift`). MXFP4 codes become their signed table values (a byte shuffle)
+//! and are dotted as Q8_0's are.
 //!
 //! Guarantees: the integer sums are exact, and the loop, the reduction and the f32 block
 //! values are those of [`super::x86`], so the results are the portable body's bits.
@@ -95,6 +96,13 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
             };
             d.codes[0] = q4_codes(raw);
         }
+        39 => {
+            // Signed table values, then dotted as Q8_0's signed codes are.
+            let raw = unsafe { _mm_loadu_si128(b.as_ptr().add(1) as *const __m128i) };
+            let w = mxfp4_values(raw);
+            d.codes[0] = _mm256_abs_epi8(w);
+            d.codes[1] = w;
+        }
         _ => {
             let w = unsafe { _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i) };
             d.codes[0] = _mm256_abs_epi8(w);
@@ -102,6 +110,17 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
         }
     }
     d
+}
+
+/// The 32 signed `kvalues_mxfp4` of an MXFP4 block's 16 code bytes, in weight order.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn mxfp4_values(raw: __m128i) -> __m256i {
+    let table = _mm256_setr_epi8(
+        0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
+        -2, -3, -4, -6, -8, -12,
+    );
+    _mm256_shuffle_epi8(table, q4_codes(raw))
 }
 
 /// The 32 codes of a Q4_0/Q4_1 block in weight order from its 16 code bytes: the low

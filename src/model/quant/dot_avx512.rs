@@ -115,6 +115,12 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
                 unsafe { _mm_loadu_si128(p.add(if FMT == 2 { 2 } else { 4 }) as *const __m128i) };
             d.q8[0] = super::dot_avx2::q4_codes(raw);
         }
+        39 => {
+            // The signed table values as Q8_0's codes: unsigned `w + 128`, `128 · Σ a` off.
+            let raw = unsafe { _mm_loadu_si128(p.add(1) as *const __m128i) };
+            let w = super::dot_avx2::mxfp4_values(raw);
+            d.q8 = [_mm256_xor_si256(w, _mm256_set1_epi8(-128)), w];
+        }
         _ => {
             let w = unsafe { _mm256_loadu_si256(p.add(2) as *const __m256i) };
             // Unsigned codes `w + 128` (the top bit flipped); the `128 · Σ a` this adds is

@@ -38,6 +38,7 @@ pub fn quantize_row(format: QuantFormat, src: &[f32]) -> Result<Vec<u8>, QuantEr
         QuantFormat::Q4K => |x, b| kq_asym(x, b, 15),
         QuantFormat::Q5K => |x, b| kq_asym(x, b, 31),
         QuantFormat::Q6K => q6_k,
+        QuantFormat::Mxfp4 => mxfp4,
     };
     for (x, b) in src
         .chunks_exact(format.block_elems())
@@ -110,6 +111,35 @@ fn q4_1(x: &[f32], b: &mut [u8]) {
         *c = q4_trunc((v - min) * id + 0.5);
     }
     pack_q4(&q, &mut b[4..20]);
+}
+
+/// MXFP4 as `quantize_row_mxfp4_ref`: exponent `e = floor(log2(amax)) - 2 + 127` (0 for an
+/// all-zero block; `as u8` saturates what C leaves undefined), each code the first table
+/// entry nearest to the weight under the half scale.
+fn mxfp4(x: &[f32], b: &mut [u8]) {
+    use super::blocks::{e8m0_half, KVALUES_MXFP4};
+    let amax = x
+        .iter()
+        .fold(0.0f32, |m, v| if m < v.abs() { v.abs() } else { m });
+    let e = if amax > 0.0 {
+        (amax.log2().floor() - 2.0 + 127.0) as u8
+    } else {
+        0
+    };
+    let d = e8m0_half(e);
+    b[0] = e;
+    let mut q = [0u8; 32];
+    for (c, &v) in q.iter_mut().zip(x) {
+        let err = |i: usize| (f32::from(KVALUES_MXFP4[i]) * d - v).abs();
+        let mut best = 0;
+        for i in 1..16 {
+            if err(i) < err(best) {
+                best = i;
+            }
+        }
+        *c = best as u8;
+    }
+    pack_q4(&q, &mut b[1..17]);
 }
 
 /// Least-squares fit of `x ≈ scale * q + offset` over the codes `q`, with `offset <= 0`
@@ -366,6 +396,7 @@ mod tests {
             (QuantFormat::Q8_0, 0.01),
             (QuantFormat::Q4_0, 0.25),
             (QuantFormat::Q4_1, 0.2),
+            (QuantFormat::Mxfp4, 0.3),
             (QuantFormat::Q6K, 0.04),
             (QuantFormat::Q5K, 0.08),
             (QuantFormat::Q4K, 0.16),

@@ -15,6 +15,7 @@ fn f16_fields(format: QuantFormat) -> &'static [usize] {
         QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
         QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
     }
 }
 
@@ -88,7 +89,7 @@ fn product(k: QuantKernels, w: &QuantMatrix<'_>, x: &[f32], n_rows: usize) -> Ve
     y
 }
 
-/// With power-of-two block scales and activations Q8 represents exactly, every step of
+/// With power-of-two block scales (one per format, MXFP4's always) and activations Q8 represents exactly, every step of
 /// the quantised product is exact, so it equals the f64 product of gguf-py's weights
 /// with the activations exactly, for every format and body.
 #[test]
@@ -107,6 +108,10 @@ fn representable_activations_give_the_exact_product() {
                 -1.0 / 16.0
             }
         });
+        if format == QuantFormat::Mxfp4 {
+            // Half scale 2^-4 in every block (e8m0 exponent 124).
+            bytes.chunks_exact_mut(17).for_each(|b| b[0] = 124);
+        }
         let w = view(&bytes, format, rows, cols);
         let x = representable(ActFormat::for_weights(format), n_rows * cols, &mut rng);
         let want = reference(&decoded(&w), rows, cols, &x, n_rows);

@@ -1,5 +1,5 @@
 //! Block-quantised weights in llama.cpp's GGUF formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-//! Q6_K).
+//! Q6_K, MXFP4).
 //!
 //! Takes the raw bytes of a tensor stored in one of these formats (a run of fixed-size
 //! blocks, each holding [`QuantFormat::block_elems`] weights of one row); gives
@@ -55,6 +55,9 @@ pub enum QuantFormat {
     /// Super-blocks of 256 weights: 6-bit codes, sixteen 8-bit sub-block scales and an
     /// f16 scale (6.5625 bits a weight).
     Q6K,
+    /// OCP microscaling FP4 (gpt-oss experts): blocks of 32 weights, one e8m0 exponent
+    /// byte and 32 e2m1 codes (4.25 bits a weight).
+    Mxfp4,
 }
 
 /// Weights per super-block of the K formats (ggml's `QK_K`).
@@ -62,19 +65,20 @@ pub const QK_K: usize = 256;
 
 impl QuantFormat {
     /// Every format, in ggml type-id order.
-    pub const ALL: [QuantFormat; 6] = [
+    pub const ALL: [QuantFormat; 7] = [
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
         QuantFormat::Q8_0,
         QuantFormat::Q4K,
         QuantFormat::Q5K,
         QuantFormat::Q6K,
+        QuantFormat::Mxfp4,
     ];
 
     /// Weights per block.
     pub fn block_elems(self) -> usize {
         match self {
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 | QuantFormat::Mxfp4 => 32,
             QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => QK_K,
         }
     }
@@ -88,6 +92,7 @@ impl QuantFormat {
             QuantFormat::Q4K => 2 + 2 + 12 + QK_K / 2,
             QuantFormat::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
             QuantFormat::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+            QuantFormat::Mxfp4 => 1 + 16,
         }
     }
 
@@ -99,7 +104,7 @@ impl QuantFormat {
     }
 
     /// The ggml type id (`GGML_TYPE_Q4_0` = 2, `Q4_1` = 3, `Q8_0` = 8, `Q4_K` = 12, `Q5_K`
-    /// = 13, `Q6_K` = 14).
+    /// = 13, `Q6_K` = 14, `MXFP4` = 39).
     pub fn ggml_type(self) -> u32 {
         match self {
             QuantFormat::Q4_0 => 2,
@@ -108,6 +113,7 @@ impl QuantFormat {
             QuantFormat::Q4K => 12,
             QuantFormat::Q5K => 13,
             QuantFormat::Q6K => 14,
+            QuantFormat::Mxfp4 => 39,
         }
     }
 
@@ -125,6 +131,7 @@ impl QuantFormat {
             QuantFormat::Q4K => "Q4_K",
             QuantFormat::Q5K => "Q5_K",
             QuantFormat::Q6K => "Q6_K",
+            QuantFormat::Mxfp4 => "MXFP4",
         }
     }
 }
@@ -220,11 +227,16 @@ pub(crate) fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> 
         QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
         QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
     };
     for block in bytes.chunks_exact_mut(bb) {
         for &at in f16_fields {
             let v = ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+        if format == QuantFormat::Mxfp4 {
+            // e8m0 exponents 118..134: scales 2^-10 .. 2^5 (times the half of the table).
+            block[0] = 118 + (rng.next_u64() % 16) as u8;
         }
     }
     bytes

@@ -140,7 +140,7 @@ pub fn describe(k: Kernels) -> String {
     };
     format!(
         "quantised products: {} ({why}); activations quantised to Q8_K (K-quants), Q8_0 \
-         (Q8_0, Q4_0 weights) or Q8_1 (Q4_1 weights), integer block dot products, f32 \
+         (Q8_0, Q4_0, MXFP4 weights) or Q8_1 (Q4_1 weights), integer block dot products, f32 \
          accumulation over blocks",
         body.name()
     )

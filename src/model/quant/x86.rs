@@ -280,6 +280,13 @@ unsafe fn side_body<const FMT: u32>(b: &[u8]) -> Side {
                 pairs: lin,
             }
         }
+        39 => Side {
+            dx: super::blocks::e8m0_half(b[0]),
+            dmin: 0.0,
+            sc: 0,
+            lin: _mm256_setzero_si256(),
+            pairs: _mm256_setzero_si256(),
+        },
         3 => Side {
             // Q4_1: `dmin` carries the offset `m`.
             dx: f16_at(b, 0),
@@ -395,11 +402,12 @@ pub(super) unsafe fn group_values<const FMT: u32>(
 
 /// The power of two times each activation block's code sum a body takes off its totals
 /// for format `FMT` (0: none): Q4_0's codes are stored `w + 8` and dotted as they are
-/// (`8 = 2^3`); a body whose Q8_0 dot multiplies `w + 128` (`q8_0_offset`) takes `2^7`.
+/// (`8 = 2^3`); a body whose Q8_0 (and MXFP4) dot multiplies `w + 128` (`q8_0_offset`)
+/// takes `2^7`.
 pub(super) const fn offset_shift(fmt: u32, q8_0_offset: bool) -> i32 {
     match fmt {
         2 => 3,
-        8 if q8_0_offset => 7,
+        8 | 39 if q8_0_offset => 7,
         _ => 0,
     }
 }

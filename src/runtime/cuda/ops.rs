@@ -171,7 +171,7 @@ pub fn unsupported(arch: &ArchSpec, layer: &crate::model::layout::LayerLayout) -
 }
 
 /// The ggml block formats the kernels decode inside their products (the prelude's dtype
-/// codes 3-8): every format moec reads.
+/// codes 3-9): every format moec reads.
 pub const QUANT_FORMATS: [crate::model::quant::QuantFormat;
     crate::model::quant::QuantFormat::ALL.len()] = crate::model::quant::QuantFormat::ALL;
 
