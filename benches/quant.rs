@@ -3,7 +3,7 @@
 //!
 //! Shapes: the expert down projections of `mixtral-mid` (`[1024, 3584]`, out x in) and of
 //! Mixtral-8x7B (`[4096, 14336]`), Q4_K as llama.cpp's Q4_K_M stores `ffn_gate/up_exps`
-//! (and Q6_K, Q5_K, Q8_0 for the small shape). Each timed call multiplies the same
+//! (and Q6_K, Q5_K, Q8_0 and the group-wise int4 Q4_0, Q4_1 for the small shape). Each timed call multiplies the same
 //! activation rows with every matrix of a set of distinct experts in turn, enough experts
 //! that the quantised set (>= 64 MB) exceeds the 32 MiB L3, so the weights stream from
 //! DRAM as an offloaded expert's would. Rows: 1, 2, 4, 8, 16, 64 (a decode step's rows per
@@ -58,14 +58,19 @@ fn quant_bytes(format: QuantFormat, elems: usize, seed: u64) -> Vec<u8> {
         .map(|_| rng.next() as u8)
         .collect();
     let fields: &[usize] = match format {
-        QuantFormat::Q8_0 => &[0],
-        QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
     };
     for block in bytes.chunks_exact_mut(bb) {
         for &at in fields {
             let v = (rng.next() % 1000) as f32 / 1.0e5 + 1.0e-4;
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+        if format == QuantFormat::Mxfp4 {
+            // e8m0 exponent: half scales 2^-12 .. 2^-9, the size of the others' weights.
+            block[0] = 116 + (rng.next() % 4) as u8;
         }
     }
     bytes
@@ -278,7 +283,14 @@ fn bench(c: &mut Criterion) {
     println!("threads: {}", rayon::current_num_threads());
     // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.
     let only = std::env::var("QUANT_BENCH_FORMAT").ok();
-    for format in [QuantFormat::Q4K, QuantFormat::Q6K, QuantFormat::Q8_0] {
+    for format in [
+        QuantFormat::Q4K,
+        QuantFormat::Q6K,
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
+        QuantFormat::Mxfp4,
+    ] {
         if only.as_deref().is_none_or(|name| name == format.name()) {
             one_thread(&Set::new(format, 1024, 3584), qk, k);
         }
@@ -291,7 +303,14 @@ fn bench(c: &mut Criterion) {
     let big = Set::new(QuantFormat::Q4K, 4096, 14336);
     against_bf16(&big, qk, k);
     drop(big);
-    for format in [QuantFormat::Q6K, QuantFormat::Q5K, QuantFormat::Q8_0] {
+    for format in [
+        QuantFormat::Q6K,
+        QuantFormat::Q5K,
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
+        QuantFormat::Mxfp4,
+    ] {
         against_bf16(&Set::new(format, 1024, 3584), qk, k);
     }
     bodies(&small);

@@ -2,7 +2,8 @@
 // PRELUDE), so each file's kernels share one copy of these: the stored weight formats
 // decoded to f32 exactly as the CPU kernels decode them (half::bf16 / half::f16), and the
 // block-wide reduction the norms and attention kernels use.
-// dtype codes: 0 bf16, 1 f16, 2 f32, 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K.
+// dtype codes: 0 bf16, 1 f16, 2 f32, 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K, 7 Q4_0, 8 Q4_1,
+// 9 MXFP4.
 
 __device__ __forceinline__ float moec_bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned int)bits) << 16);
@@ -27,23 +28,65 @@ __device__ __forceinline__ float moec_f16_to_f32(unsigned short h) {
     return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-// Block-quantised weights (dtype codes 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K), ggml's block
-// layouts as src/model/quant/blocks.rs decodes them. A quantised matrix is stored [out, in]
+// Block-quantised weights (dtype codes 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K; 7 Q4_0, 8 Q4_1 and
+// 9 MXFP4 in their own parts below), ggml's block layouts as src/model/quant/blocks.rs decodes
+// them. A quantised matrix is stored [out, in]
 // with rows of whole blocks, so element i of the matrix is weight i % elems of block
 // i / elems counted from the start: no row stride is needed. Products and differences are
 // rounded one at a time (__fmul_rn, __fsub_rn: NVRTC would otherwise contract
 // `scale * q - min` into one fused multiply-add), so a weight decodes to the CPU's bits.
 __device__ __forceinline__ int moec_quant_block_elems(int dtype) {
-    return dtype == 3 ? 32 : 256;
+    return (dtype == 3 || dtype >= 7) ? 32 : 256;
 }
 
 __device__ __forceinline__ int moec_quant_block_bytes(int dtype) {
-    return dtype == 3 ? 34 : (dtype == 4 ? 144 : (dtype == 5 ? 176 : 210));
+    switch (dtype) {
+    case 3: return 34;
+    case 4: return 144;
+    case 5: return 176;
+    case 6: return 210;
+    case 7: return 18;
+    case 8: return 20;
+    default: return 17;
+    }
 }
 
 __device__ __forceinline__ float moec_f16_at(const unsigned char* p) {
     return moec_f16_to_f32((unsigned short)(p[0] | ((unsigned int)p[1] << 8)));
 }
+
+// ---- Group-wise int4 (dtype codes 7 Q4_0, 8 Q4_1): blocks of 32 weights ----------------
+// ggml's block_q4_0 (f16 d, 16 code bytes; weight = d * (q - 8)) and block_q4_1 (f16 d and
+// m, 16 code bytes; weight = d * q + m, rounded product then rounded sum), as
+// src/model/quant/blocks.rs decodes them: weights 0..16 are the low nibbles of the code
+// bytes, weights 16..32 their high nibbles, so an 8-run (e0 a multiple of 8) shares one
+// nibble half.
+__device__ __forceinline__ void moec_q4_decode(const unsigned char* b, int dtype, int e0, int n, float* v) {
+    const float d = moec_f16_at(b);
+    const unsigned char* qs = b + (dtype == 7 ? 2 : 4);
+    const int shift = 4 * (e0 / 16);
+    for (int i = 0; i < n; ++i) {
+        const int q = (qs[(e0 + i) % 16] >> shift) & 0x0f;
+        v[i] = dtype == 7 ? __fmul_rn(d, (float)(q - 8)) : __fadd_rn(__fmul_rn(d, (float)q), moec_f16_at(b + 2));
+    }
+}
+// ---- end of group-wise int4 -------------------------------------------------------------
+
+// ---- MXFP4 (dtype code 9): blocks of 32 weights -----------------------------------------
+// ggml's block_mxfp4: one e8m0 exponent byte e, then 16 code bytes in Q4_0's nibble order;
+// weight = kvalues_mxfp4[q] * 2^(e - 128) (twice the e2m1 value times half the scale, as
+// ggml_e8m0_to_fp32_half builds it from bits), exact, as src/model/quant/blocks.rs decodes.
+__device__ __forceinline__ void moec_mxfp4_decode(const unsigned char* b, int e0, int n, float* v) {
+    const unsigned int e = b[0];
+    const float d = __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));
+    const int shift = 4 * (e0 / 16);
+    for (int i = 0; i < n; ++i) {
+        const int q = (b[1 + (e0 + i) % 16] >> shift) & 0x0f;
+        const int mag = (q & 7) < 4 ? (q & 7) : ((q & 7) < 6 ? 2 * (q & 7) - 4 : 4 * (q & 7) - 16);
+        v[i] = __fmul_rn(d, (float)(q & 8 ? -mag : mag));
+    }
+}
+// ---- end of MXFP4 -----------------------------------------------------------------------
 
 // The 6-bit scale and min of sub-block j (0..8) of a Q4_K/Q5_K block from its 12 packed
 // bytes s (blocks.rs scale_min_k4).
@@ -60,7 +103,11 @@ __device__ __forceinline__ void moec_scale_min_k4(int j, const unsigned char* s,
 // Weights e0 .. e0 + n - 1 of the block at b into v, with n 1 or 8 and an 8-run starting
 // at a multiple of 8 (so the run shares one sub-block and one scale in every format).
 __device__ __forceinline__ void moec_quant_decode(const unsigned char* b, int dtype, int e0, int n, float* v) {
-    if (dtype == 3) {
+    if (dtype == 9) {
+        moec_mxfp4_decode(b, e0, n, v);
+    } else if (dtype >= 7) {
+        moec_q4_decode(b, dtype, e0, n, v);
+    } else if (dtype == 3) {
         const float d = moec_f16_at(b);
         for (int i = 0; i < n; ++i) {
             v[i] = __fmul_rn(d, (float)(signed char)b[2 + e0 + i]);

@@ -27,7 +27,7 @@ g++ -O2 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$REPO/scripts/lla
   "$BUILD/src/libllama.a" "$BUILD/ggml/src/libggml.a" "$BUILD/ggml/src/libggml-cpu.a" \
   "$BUILD/ggml/src/libggml-base.a" -fopenmp -lpthread -ldl -o "$TMP/llama_greedy"
 ids=$(python3 -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy.json'))['prompt_ids'])")
-for t in f32 Q8_0 Q4_K_M; do
+for t in f32 Q8_0 Q4_0 Q4_1 Q4_K_M; do
   # shellcheck disable=SC2086
   "$TMP/llama_greedy" "$FIXTURES/mixtral-q4-$t.gguf" 16 $ids 2>/dev/null > "$TMP/default-$t.json"
   # shellcheck disable=SC2086
@@ -42,7 +42,7 @@ doc = {
               "llama_greedy, 1 thread, default attention and LLAMA_GREEDY_ATTN=f32",
     "types": {},
 }
-for t in ["f32", "Q8_0", "Q4_K_M"]:
+for t in ["f32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M"]:
     d = json.load(open(f"{tmp}/default-{t}.json"))
     f = json.load(open(f"{tmp}/attn_f32-{t}.json"))
     a, b = d["first_logits"], f["first_logits"]

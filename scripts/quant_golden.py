@@ -26,6 +26,11 @@ FORMATS = {
     "Q4_K": (T.Q4_K, 144, [0, 2]),
     "Q5_K": (T.Q5_K, 176, [0, 2]),
     "Q6_K": (T.Q6_K, 210, [208]),
+    # Appended after the first four so their blocks (drawn first) stay as they were.
+    "Q4_0": (T.Q4_0, 18, [0]),
+    "Q4_1": (T.Q4_1, 20, [0, 2]),
+    # MXFP4's scale is an e8m0 byte: every value 0..255 is drawn (subnormal to 2^127).
+    "MXFP4": (T.MXFP4, 17, []),
 }
 
 cases = []

@@ -418,26 +418,47 @@ fn quantize_all(cache: &Path, hf: &Path, out: &Path, format: &str) -> Output {
     run
 }
 
-/// `moec quantize --all q8_0` of the Hugging Face folder `scripts/gguf_fixtures.sh` made
-/// its GGUFs from gives, tensor for tensor, the bytes `convert_hf_to_gguf.py` +
-/// `llama-quantize Q8_0` wrote (Q8_0's scale and rounding are the format's definition, so
-/// they must agree to the bit), the same metadata values (but the cosmetic `general.*`
-/// names), and llama.cpp (`llama_greedy`, built by that script) loads it and gives its
-/// greedy tokens on llama-quantize's file.
+/// `moec quantize --all q8_0` (`q4_0`, `q4_1`) of the Hugging Face folder
+/// `scripts/gguf_fixtures.sh` made its GGUFs from gives, tensor for tensor, the bytes
+/// `convert_hf_to_gguf.py` + `llama-quantize Q8_0` (`--pure Q4_0`, `--pure Q4_1`) wrote
+/// (the formats' scales and rounding are ggml's reference definitions, so they must agree
+/// to the bit), the same metadata values (but the cosmetic `general.*` names), and
+/// llama.cpp (`llama_greedy`, built by that script) loads it and gives its greedy tokens
+/// on llama-quantize's file.
 #[test]
 fn quantize_q8_0_writes_llama_quantizes_bytes_and_llama_cpp_runs_it() {
+    quantize_writes_llama_quantizes_bytes("q8_0", "Q8_0");
+}
+
+/// As the Q8_0 test, for the group-wise int4 formats (`llama-quantize --pure`: the output
+/// matrix in the same format, as `--all` asks).
+#[test]
+fn quantize_q4_0_and_q4_1_write_llama_quantizes_bytes_and_llama_cpp_runs_them() {
+    quantize_writes_llama_quantizes_bytes("q4_0", "Q4_0");
+    quantize_writes_llama_quantizes_bytes("q4_1", "Q4_1");
+}
+
+fn quantize_writes_llama_quantizes_bytes(format: &str, ty: &str) {
     let Some(fx) = gguf_common::fixtures() else {
         eprintln!("skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;
     };
+    let theirs = fx.join(format!("mixtral-q4-{ty}.gguf"));
+    if !theirs.is_file() {
+        eprintln!(
+            "skipped {ty}: no {} (rerun scripts/gguf_fixtures.sh)",
+            theirs.display()
+        );
+        return;
+    }
     let tmp = tempfile::tempdir().unwrap();
-    let ours = tmp.path().join("q8.gguf");
+    let ours = tmp.path().join(format!("{format}.gguf"));
     let hf = fx.join("mixtral-q4-hf");
-    let out = quantize_all(tmp.path(), &hf, &ours, "q8_0");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("Q8_0"));
+    let out = quantize_all(tmp.path(), &hf, &ours, format);
+    assert!(String::from_utf8_lossy(&out.stdout).contains(ty));
     let (a, b) = (
         GgufFile::open(&ours).unwrap(),
-        GgufFile::open(&fx.join("mixtral-q4-Q8_0.gguf")).unwrap(),
+        GgufFile::open(&theirs).unwrap(),
     );
     assert_eq!(
         a.tensors.keys().collect::<Vec<_>>(),
@@ -448,19 +469,20 @@ fn quantize_q8_0_writes_llama_quantizes_bytes_and_llama_cpp_runs_it() {
         assert_eq!((ta.ggml_type, &ta.dims), (tb.ggml_type, &tb.dims), "{name}");
         assert!(
             a.bytes()[ta.range.clone()] == b.bytes()[tb.range.clone()],
-            "{name}: bytes differ from llama-quantize's"
+            "{ty} {name}: bytes differ from llama-quantize's"
         );
     }
     for (key, value) in &a.metadata {
         if key == "general.name" {
             continue;
         }
-        assert_eq!(Some(value), b.metadata.get(key), "metadata `{key}`");
+        assert_eq!(Some(value), b.metadata.get(key), "{ty} metadata `{key}`");
     }
     let greedy = fx.join("llama_greedy");
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fx.join("llama-Q8_0.json")).unwrap())
-            .unwrap();
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fx.join(format!("llama-{ty}.json"))).unwrap(),
+    )
+    .unwrap();
     if !greedy.is_file() {
         eprintln!("skipped the llama.cpp run: no {}", greedy.display());
         return;

@@ -145,9 +145,10 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     moec_arrive(b);
     return r;
 }
-// Rounded f32 multiply and subtract that are never contracted into a fused multiply-add.
+// Rounded f32 multiply, subtract and add that are never contracted into a fused multiply-add.
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }

@@ -25,7 +25,7 @@ pub struct QuantizeArgs {
     #[arg(long, value_name = "FILE.gguf")]
     pub out: PathBuf,
     /// Formats per weight class (classes experts, attention, shared, router, embedding,
-    /// head; formats q8_0, q4_k, q5_k, q6_k, bf16, f16, f32). Classes not named keep the
+    /// head; formats q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32). Classes not named keep the
     /// checkpoint's dtype, the router f32; norms are always f32.
     #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]
     pub weight_format: Option<String>,

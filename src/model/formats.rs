@@ -68,20 +68,24 @@ impl Storage {
         }
     }
 
-    /// Parses `bf16`, `f16`, `f32`, `q8_0`, `q4_k`, `q5_k`, `q6_k` (any case).
+    /// Parses `bf16`, `f16`, `f32`, `q4_0`, `q4_1`, `q8_0`, `q4_k`, `q5_k`, `q6_k`, `mxfp4`
+    /// (any case).
     pub fn parse(text: &str) -> Result<Self, String> {
         let t = text.trim().to_ascii_lowercase();
         Ok(match t.as_str() {
             "bf16" => Storage::Float(WeightDtype::Bf16),
             "f16" => Storage::Float(WeightDtype::F16),
             "f32" => Storage::Float(WeightDtype::F32),
+            "q4_0" => Storage::Quant(QuantFormat::Q4_0),
+            "q4_1" => Storage::Quant(QuantFormat::Q4_1),
             "q8_0" => Storage::Quant(QuantFormat::Q8_0),
             "q4_k" => Storage::Quant(QuantFormat::Q4K),
             "q5_k" => Storage::Quant(QuantFormat::Q5K),
             "q6_k" => Storage::Quant(QuantFormat::Q6K),
+            "mxfp4" => Storage::Quant(QuantFormat::Mxfp4),
             _ => {
                 return Err(format!(
-                    "unknown weight format `{text}` (one of bf16, f16, f32, q8_0, q4_k, q5_k, q6_k)"
+                    "unknown weight format `{text}` (one of bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4)"
                 ))
             }
         })
@@ -459,7 +463,7 @@ mod tests {
         for (spec, says) in [
             ("experts", "expected CLASS=FORMAT"),
             ("expert=q4_k", "unknown weight class `expert`"),
-            ("experts=q4_0", "unknown weight format `q4_0`"),
+            ("experts=q5_0", "unknown weight format `q5_0`"),
             ("norms=q8_0", "stay in a float format"),
         ] {
             let e = f.parse_classes(spec).unwrap_err();

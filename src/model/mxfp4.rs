@@ -92,9 +92,77 @@ pub fn dequantize_into(
     Some(())
 }
 
+/// Repacks the pair `blocks` / `scales` of shapes [`packed_shapes`]`(experts, inputs,
+/// outputs)` into ggml's `block_mxfp4` order ([`crate::model::quant::QuantFormat::Mxfp4`]):
+/// a matrix `[experts * outputs, inputs]` stored out-in, each row `inputs / 32` blocks of
+/// the exponent byte then 16 code bytes. The Hub packs weights `2j` and `2j + 1` of a block
+/// into byte `j` (low nibble first); ggml packs weight `l` and `l + 16` into byte `l`, so
+/// only the nibbles move: the values are the same codes under the same exponents (and
+/// decode to transformers' values, `quant::blocks`' tests). `None` when a length disagrees
+/// with the shapes.
+pub fn repack_ggml(
+    blocks: &[u8],
+    scales: &[u8],
+    experts: usize,
+    inputs: usize,
+    outputs: usize,
+) -> Option<Vec<u8>> {
+    let groups = inputs / BLOCK;
+    let scale_count = experts.checked_mul(outputs)?.checked_mul(groups)?;
+    if groups * BLOCK != inputs
+        || scales.len() != scale_count
+        || blocks.len() != scale_count.checked_mul(BLOCK_BYTES)?
+    {
+        return None;
+    }
+    let mut out = Vec::with_capacity(scale_count * (1 + BLOCK_BYTES));
+    for (scale, hub) in scales.iter().zip(blocks.chunks_exact(BLOCK_BYTES)) {
+        let code = |w: usize| (hub[w / 2] >> (4 * (w % 2))) & 0x0f;
+        out.push(*scale);
+        out.extend((0..BLOCK_BYTES).map(|l| code(l) | (code(l + BLOCK_BYTES) << 4)));
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Repacked blocks decoded by moec's MXFP4 decoder (ggml's arithmetic, checked against
+    /// gguf-py) hold, row `expert * outputs + output`, the values transformers' decoding
+    /// (`dequantize_into`) puts at `[expert, input, output]`.
+    #[test]
+    fn repacked_blocks_decode_to_transformers_values() {
+        use crate::model::quant::{dequantize_blocks, QuantFormat};
+        let (experts, inputs, outputs) = (2, 64, 3);
+        let mut rng = crate::model::rng::Rng::new(39);
+        let (bs, ss) = packed_shapes(experts, inputs, outputs);
+        let blocks: Vec<u8> = (0..bs.iter().product::<usize>())
+            .map(|_| (rng.next_u64() >> 56) as u8)
+            .collect();
+        let scales: Vec<u8> = (0..ss.iter().product::<usize>())
+            .map(|_| 110 + (rng.next_u64() % 30) as u8)
+            .collect();
+        let ggml = repack_ggml(&blocks, &scales, experts, inputs, outputs).unwrap();
+        assert_eq!(
+            Some(ggml.len()),
+            QuantFormat::Mxfp4.bytes_for(experts * inputs * outputs)
+        );
+        let mut got = vec![0.0f32; experts * outputs * inputs];
+        dequantize_blocks(QuantFormat::Mxfp4, &ggml, &mut got).unwrap();
+        let mut want = vec![0u8; experts * inputs * outputs * 2];
+        dequantize_into(&blocks, &scales, experts, inputs, outputs, &mut want).unwrap();
+        for e in 0..experts {
+            for i in 0..inputs {
+                for o in 0..outputs {
+                    let at = 2 * ((e * inputs + i) * outputs + o);
+                    let w = bf16::from_le_bytes([want[at], want[at + 1]]).to_f32();
+                    assert_eq!(got[(e * outputs + o) * inputs + i], w, "[{e}, {i}, {o}]");
+                }
+            }
+        }
+        assert!(repack_ggml(&blocks[1..], &scales, experts, inputs, outputs).is_none());
+    }
 
     /// Hand-worked bytes against transformers' table (values also printed by
     /// `convert_moe_packed_tensors` on the same bytes with torch 2.x): byte 0x21 under scale

@@ -1251,7 +1251,8 @@ fn family_kernels_run_like_the_cpu() {
 
 /// Random blocks of `format`: every code and scale byte random (every bit position
 /// exercised), the f16 super-block scales set to small normal values so products stay
-/// finite. ggml's layouts: Q8_0 `d` at 0; Q4_K/Q5_K `d`, `dmin` at 0 and 2; Q6_K `d` at 208.
+/// finite. ggml's layouts: Q4_0/Q8_0 `d` at 0; Q4_1 `d`, `m` and Q4_K/Q5_K `d`, `dmin` at 0
+/// and 2; Q6_K `d` at 208.
 fn random_blocks(format: moec::model::quant::QuantFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
     use moec::model::quant::QuantFormat;
     let bb = format.block_bytes();
@@ -1263,12 +1264,14 @@ fn random_blocks(format: moec::model::quant::QuantFormat, blocks: usize, rng: &m
         let scale =
             |rng: &mut Rng| half::f16::from_f32(0.004 + 0.002 * rng.next_f32()).to_le_bytes();
         match format {
-            QuantFormat::Q8_0 => block[..2].copy_from_slice(&scale(rng)),
-            QuantFormat::Q4K | QuantFormat::Q5K => {
+            QuantFormat::Q4_0 | QuantFormat::Q8_0 => block[..2].copy_from_slice(&scale(rng)),
+            QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => {
                 block[..2].copy_from_slice(&scale(rng));
                 block[2..4].copy_from_slice(&scale(rng));
             }
             QuantFormat::Q6K => block[208..210].copy_from_slice(&scale(rng)),
+            // e8m0 exponent: half scales 2^-9 .. 2^-6.
+            QuantFormat::Mxfp4 => block[0] = 119 + (rng.next_f32() * 4.0) as u8,
         }
         out.extend(block);
     }

@@ -90,10 +90,13 @@ fn file_type(storage: Storage) -> u32 {
         Storage::Float(WeightDtype::F32) => 0,
         Storage::Float(WeightDtype::F16) => 1,
         Storage::Float(WeightDtype::Bf16) => 32,
+        Storage::Quant(QuantFormat::Q4_0) => 2,
+        Storage::Quant(QuantFormat::Q4_1) => 3,
         Storage::Quant(QuantFormat::Q8_0) => 7,
         Storage::Quant(QuantFormat::Q4K) => 14,
         Storage::Quant(QuantFormat::Q5K) => 16,
         Storage::Quant(QuantFormat::Q6K) => 18,
+        Storage::Quant(QuantFormat::Mxfp4) => 38,
     }
 }
 

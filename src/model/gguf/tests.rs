@@ -148,7 +148,8 @@ fn absurd_counts_are_refused_before_allocating() {
 fn unsupported_types_and_contradicting_shapes_name_the_tensor() {
     let bytes = build(
         &[],
-        &[("blk.0.ffn_gate_exps.weight", vec![32, 1], 2, vec![0; 18])],
+        // Q5_0 (type 6, 22 bytes per 32 weights): a format moec does not read.
+        &[("blk.0.ffn_gate_exps.weight", vec![32, 1], 6, vec![0; 22])],
     );
     let f = open_bytes(&bytes).unwrap();
     let err = f
@@ -156,7 +157,7 @@ fn unsupported_types_and_contradicting_shapes_name_the_tensor() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("`blk.0.ffn_gate_exps.weight` is stored as Q4_0"),
+        err.contains("`blk.0.ffn_gate_exps.weight` is stored as Q5_0"),
         "{err}"
     );
     let f = open_bytes(&sample()).unwrap();

@@ -29,15 +29,69 @@ pub fn dequantize_blocks(
         });
     }
     let decode: fn(&[u8], &mut [f32]) = match format {
+        QuantFormat::Q4_0 => q4_0,
+        QuantFormat::Q4_1 => q4_1,
         QuantFormat::Q8_0 => q8_0,
         QuantFormat::Q4K => q4_k,
         QuantFormat::Q5K => q5_k,
         QuantFormat::Q6K => q6_k,
+        QuantFormat::Mxfp4 => mxfp4,
     };
     for (block, out) in bytes.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
         decode(block, out);
     }
     Ok(())
+}
+
+/// Code `l` (0..32) of a Q4_0/Q4_1 block's 16 code bytes: weights 0..16 are the low
+/// nibbles of bytes 0..16, weights 16..32 their high nibbles (not Q4_K's interleaving).
+pub(super) fn q4_code(qs: &[u8], l: usize) -> u8 {
+    (qs[l % 16] >> (4 * (l / 16))) & 0x0f
+}
+
+/// `block_q4_0`: `d` (f16), then 16 code bytes; weight `l` = `d * (q_l - 8)`.
+fn q4_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = d * f32::from(q4_code(&b[2..18], l) as i8 - 8);
+    }
+}
+
+/// `block_q4_1`: `d`, `m` (f16), then 16 code bytes; weight `l` = `d * q_l + m` (a
+/// rounded product, then a rounded sum).
+fn q4_1(b: &[u8], out: &mut [f32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = d * f32::from(q4_code(&b[4..20], l)) + m;
+    }
+}
+
+/// Twice the e2m1 value of each 4-bit code (ggml's `kvalues_mxfp4`): codes 0-7 are 0, 0.5,
+/// 1, 1.5, 2, 3, 4, 6 and 8-15 their negatives, doubled so they are integers; the block
+/// scale is halved to match ([`e8m0_half`]).
+pub(super) const KVALUES_MXFP4: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the scale of e8m0 exponent `e`, `2^(e - 128)`, as ggml's `ggml_e8m0_to_fp32_half`
+/// builds it from bits (`e` 0 and 1 give the subnormals 2^-128 and 2^-127).
+pub(super) fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        u32::from(e - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
+/// `block_mxfp4`: the e8m0 exponent `e`, then 16 code bytes (Q4_0's nibble order); weight
+/// `l` = `kvalues_mxfp4[q_l] * 2^(e - 128)`, exact (a product of small integers and a power
+/// of two), so the same values transformers' `FP4_VALUES[q] * 2^(e - 127)` gives, but for
+/// code 8 (ggml's +0 where transformers has -0).
+fn mxfp4(b: &[u8], out: &mut [f32]) {
+    let d = e8m0_half(b[0]);
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = f32::from(KVALUES_MXFP4[usize::from(q4_code(&b[1..17], l))]) * d;
+    }
 }
 
 /// `block_q8_0`: `d` (f16), then 32 `i8` codes; weight `i` = `d * q[i]`.
@@ -140,9 +194,9 @@ pub(super) mod tests {
 
     #[test]
     fn block_sizes_are_ggmls() {
-        // ggml-common.h's static_asserts: 34, 144, 176 and 210 bytes.
+        // ggml-common.h's static_asserts: 18, 20, 34, 144, 176, 210 and 17 bytes.
         let sizes: Vec<usize> = QuantFormat::ALL.iter().map(|f| f.block_bytes()).collect();
-        assert_eq!(sizes, [34, 144, 176, 210]);
+        assert_eq!(sizes, [18, 20, 34, 144, 176, 210, 17]);
         assert_eq!(QuantFormat::Q4K.bytes_for(4096), Some(16 * 144));
         assert_eq!(QuantFormat::Q4K.bytes_for(100), None);
     }
@@ -156,6 +210,67 @@ pub(super) mod tests {
         let out = decode(QuantFormat::Q8_0, &b);
         assert_eq!(&out[..5], &[0.0, 0.5, -0.5, 63.5, -64.0]);
         assert!(out[5..].iter().all(|v| *v == 0.0));
+    }
+
+    /// Q4_0 by hand: d = 0.25; byte 0 = 0xF0 (weight 0 code 0 -> -8 * 0.25 = -2, weight 16
+    /// code 15 -> 7 * 0.25 = 1.75); byte 5 = 0x89 (weight 5 code 9 -> 0.25, weight 21 code
+    /// 8 -> 0); code byte 0x88 elsewhere is zero.
+    #[test]
+    fn q4_0_by_hand() {
+        let mut b = vec![0x88u8; 18];
+        b[..2].copy_from_slice(&f16_bytes(0.25));
+        b[2] = 0xF0;
+        b[2 + 5] = 0x89;
+        let out = decode(QuantFormat::Q4_0, &b);
+        assert_eq!((out[0], out[16], out[5], out[21]), (-2.0, 1.75, 0.25, 0.0));
+        assert_eq!(out.iter().filter(|v| **v != 0.0).count(), 3);
+    }
+
+    /// Q4_1 by hand: d = 0.5, m = -1; byte 0 = 0x3C (weight 0 code 12 -> 5, weight 16 code
+    /// 3 -> 0.5); code 0 elsewhere is m = -1.
+    #[test]
+    fn q4_1_by_hand() {
+        let mut b = vec![0u8; 20];
+        b[..2].copy_from_slice(&f16_bytes(0.5));
+        b[2..4].copy_from_slice(&f16_bytes(-1.0));
+        b[4] = 0x3C;
+        let out = decode(QuantFormat::Q4_1, &b);
+        assert_eq!((out[0], out[16], out[1], out[31]), (5.0, 0.5, -1.0, -1.0));
+    }
+
+    /// MXFP4 by hand: e = 128 (half scale 1): byte 0 = 0x7F (weight 0 code 15 -> -12,
+    /// weight 16 code 7 -> 12); e = 1 gives the subnormal 2^-127, e = 255 2^127.
+    #[test]
+    fn mxfp4_by_hand() {
+        let mut b = vec![0u8; 17];
+        b[0] = 128;
+        b[1] = 0x7F;
+        b[2] = 0x92;
+        let out = decode(QuantFormat::Mxfp4, &b);
+        assert_eq!((out[0], out[16], out[1], out[17]), (-12.0, 12.0, 2.0, -1.0));
+        assert_eq!(e8m0_half(1), 2f32.powi(-127));
+        assert_eq!(e8m0_half(0), 2f32.powi(-128));
+        assert_eq!(e8m0_half(255), 2f32.powi(127));
+    }
+
+    /// Every code under a range of exponents decodes to transformers' value (its FP4 table
+    /// times `2^(e - 127)`, `crate::model::mxfp4::value`), so packed gpt-oss experts compute
+    /// with the weights its bf16 decoding holds (the bf16 rounding is exact here: at most
+    /// two significant bits); only transformers' -0 for code 8 reads as +0.
+    #[test]
+    fn mxfp4_values_are_transformers_fp4_table() {
+        for e in (2u8..=250).step_by(8) {
+            let mut b = vec![e; 17];
+            for (j, byte) in b[1..].iter_mut().enumerate() {
+                *byte = j as u8 | ((15 - j as u8) << 4);
+            }
+            let out = decode(QuantFormat::Mxfp4, &b);
+            for (l, v) in out.iter().enumerate() {
+                let code = if l < 16 { l as u8 } else { 31 - l as u8 };
+                let want = crate::model::mxfp4::value(code, e).to_f32();
+                assert_eq!(*v, want, "e {e} code {code}");
+            }
+        }
     }
 
     /// A Q4_K block worked by hand from the layout. d = 1, dmin = 0.5.
@@ -291,7 +406,7 @@ pub(super) mod tests {
     #[test]
     fn random_blocks_decode_as_gguf_py_decodes_them() {
         let cases = golden();
-        assert_eq!(cases.len(), 4);
+        assert_eq!(cases.len(), QuantFormat::ALL.len());
         for (format, bytes, expected) in cases {
             let got = decode(format, &bytes);
             assert_eq!(got.len(), expected.len(), "{format}");

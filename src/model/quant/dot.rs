@@ -11,12 +11,20 @@
 //! - Q6_K: `isum = Σ_j sc_j · (Σ_{k in sub-block j} q_k a_k − 32 · bsum_j)` (16 sub-blocks
 //!   of 16, codes 0..63, `sc_j` signed); value = `(dx · dy) · f32(isum)`.
 //! - Q8_0: `isum = Σ_k q_k a_k` (32 signed codes each); value = `(dx · dy) · f32(isum)`.
+//! - Q4_0: `isum = Σ_k (q_k − 8) a_k` (codes 0..15, Q8_0 activations); value =
+//!   `(dx · dy) · f32(isum)` (ggml's `vec_dot_q4_0_q8_0`).
+//! - Q4_1: `isum = Σ_k q_k a_k` (codes 0..15, Q8_1 activations); value =
+//!   `(dx · dy) · f32(isum) + m · sy`, `m` the block's f16 offset widened and `sy` the
+//!   activation block's Q8_1 `s` (ggml's `vec_dot_q4_1_q8_1`).
+//! - MXFP4: `isum = Σ_k kvalues_mxfp4[q_k] a_k` (table values −12..12, Q8_0 activations);
+//!   value = `(dx · dy) · f32(isum)` with `dx = 2^(e − 128)` (ggml's
+//!   `vec_dot_mxfp4_q8_0`).
 //!
 //! Every product and difference is one rounded f32 operation (no fused multiply-add);
 //! `f32(i)` is the round-to-nearest conversion of an `i32`; `dx`, `dmin` are the block's
 //! f16 scales widened, `dy` the activation block's scale.
 
-use super::blocks::scale_min_k4;
+use super::blocks::{e8m0_half, q4_code, scale_min_k4, KVALUES_MXFP4};
 use super::QuantFormat;
 use half::f16;
 
@@ -25,9 +33,29 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
 }
 
 /// The value of weight block `w` (whole block of `format`) times the activation block
-/// with codes `a`, Q8_K code sums `bsums` (ignored for Q8_0) and scale `dy`.
-pub(super) fn block_value(format: QuantFormat, w: &[u8], a: &[i8], bsums: &[i16], dy: f32) -> f32 {
+/// with codes `a`, Q8_K code sums `bsums` (K-quants only), scale `dy` and Q8_1 sum `sy`
+/// (Q4_1 only).
+pub(super) fn block_value(
+    format: QuantFormat,
+    w: &[u8],
+    a: &[i8],
+    bsums: &[i16],
+    dy: f32,
+    sy: f32,
+) -> f32 {
     match format {
+        QuantFormat::Q4_0 => {
+            let isum: i32 = (0..32)
+                .map(|l| (i32::from(q4_code(&w[2..18], l)) - 8) * i32::from(a[l]))
+                .sum();
+            (f16_at(w, 0) * dy) * isum as f32
+        }
+        QuantFormat::Q4_1 => {
+            let isum: i32 = (0..32)
+                .map(|l| i32::from(q4_code(&w[4..20], l)) * i32::from(a[l]))
+                .sum();
+            q4_1_value(f16_at(w, 0), f16_at(w, 2), dy, sy, isum)
+        }
         QuantFormat::Q8_0 => {
             let isum: i32 = w[2..34]
                 .iter()
@@ -41,7 +69,22 @@ pub(super) fn block_value(format: QuantFormat, w: &[u8], a: &[i8], bsums: &[i16]
             k4_value(f16_at(w, 0), f16_at(w, 2), dy, isum, imin)
         }
         QuantFormat::Q6K => (f16_at(w, 208) * dy) * q6k_isum(w, a, bsums) as f32,
+        QuantFormat::Mxfp4 => {
+            let isum: i32 = (0..32)
+                .map(|l| {
+                    let kv = KVALUES_MXFP4[usize::from(q4_code(&w[1..17], l))];
+                    i32::from(kv) * i32::from(a[l])
+                })
+                .sum();
+            (e8m0_half(w[0]) * dy) * isum as f32
+        }
     }
+}
+
+/// The f32 part of a Q4_1 block, shared by every body.
+#[inline]
+pub(super) fn q4_1_value(dx: f32, m: f32, dy: f32, sy: f32, isum: i32) -> f32 {
+    (dx * dy) * isum as f32 + m * sy
 }
 
 /// The f32 part of a Q4_K/Q5_K block, shared by every body.

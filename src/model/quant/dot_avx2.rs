@@ -2,7 +2,10 @@
 //! bytes once, then per activation row `vpmaddubsw` (code × activation, adjacent pairs to
 //! 16 bits: at most 2 · 63 · 127 = 16002, so never saturating) and `vpmaddwd` with the
 //! sub-block scale (pairs to 32 bits), summed into eight 32-bit lanes. Q8_0 codes are
-//! signed: `|w|` times the activation with `w`'s sign (`vpsignb`), as ggml does.
+//! signed: `|w|` times the activation with `w`'s sign (`vpsignb`), as ggml does. Q4_0 and
+//! Q4_1 codes are the stored nibbles 0..15 (Q4_0's `−8` comes off the totals as `8 · Σ a`,
+//! see `x86::offset_shift`). MXFP4 codes become their signed table values (a byte shuffle)
+//! and are dotted as Q8_0's are.
 //!
 //! Guarantees: the integer sums are exact, and the loop, the reduction and the f32 block
 //! values are those of [`super::x86`], so the results are the portable body's bits.
@@ -87,6 +90,19 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
                 d.scales[c] = _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(dup, sel));
             }
         }
+        2 | 3 => {
+            let raw = unsafe {
+                _mm_loadu_si128(b.as_ptr().add(if FMT == 2 { 2 } else { 4 }) as *const __m128i)
+            };
+            d.codes[0] = q4_codes(raw);
+        }
+        39 => {
+            // Signed table values, then dotted as Q8_0's signed codes are.
+            let raw = unsafe { _mm_loadu_si128(b.as_ptr().add(1) as *const __m128i) };
+            let w = mxfp4_values(raw);
+            d.codes[0] = _mm256_abs_epi8(w);
+            d.codes[1] = w;
+        }
         _ => {
             let w = unsafe { _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i) };
             d.codes[0] = _mm256_abs_epi8(w);
@@ -94,6 +110,28 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
         }
     }
     d
+}
+
+/// The 32 signed `kvalues_mxfp4` of an MXFP4 block's 16 code bytes, in weight order.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn mxfp4_values(raw: __m128i) -> __m256i {
+    let table = _mm256_setr_epi8(
+        0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
+        -2, -3, -4, -6, -8, -12,
+    );
+    _mm256_shuffle_epi8(table, q4_codes(raw))
+}
+
+/// The 32 codes of a Q4_0/Q4_1 block in weight order from its 16 code bytes: the low
+/// nibbles are weights 0..16, the high nibbles weights 16..32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn q4_codes(raw: __m128i) -> __m256i {
+    let m4 = _mm_set1_epi8(0x0f);
+    let lo = _mm_and_si128(raw, m4);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), m4);
+    _mm256_set_m128i(hi, lo)
 }
 
 /// The eight lanes of partial integer sums of block `d` with the activation codes at `a`
@@ -114,6 +152,12 @@ pub(super) unsafe fn dot<const FMT: u32>(d: &Dec, a: *const i8) -> __m256i {
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, d.scales[i]));
             }
             acc
+        }
+        2 | 3 => {
+            // Unsigned codes 0..15 times signed activations: pairs stay below 2^15.
+            let x = unsafe { _mm256_loadu_si256(a as *const __m256i) };
+            let p = _mm256_maddubs_epi16(d.codes[0], x);
+            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
         }
         _ => {
             let x = unsafe { _mm256_loadu_si256(a as *const __m256i) };

@@ -8,7 +8,8 @@
 //! codes, against eight for `vpmaddubsw` + `vpdpwssd` per register. Q8_0 blocks (32
 //! signed codes, one scale) take one `vpdpbusd` of the unsigned codes `w + 128` with the
 //! activation (no intermediate saturation, unlike `vpmaddubsw`), and the `128 · Σ a`
-//! this adds is taken off eight rows' totals at once. The 16 lanes are folded to 8 (integer adds) and handed to the loop of
+//! this adds is taken off eight rows' totals at once. Q4_0/Q4_1 blocks take one
+//! `vpdpbusd` of their nibbles 0..15 (Q4_0's `8 · Σ a` is taken off likewise). The 16 lanes are folded to 8 (integer adds) and handed to the loop of
 //! [`super::x86`].
 //!
 //! Guarantees: the integer sums are exact and everything after them is [`super::x86`]'s,
@@ -115,6 +116,17 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
                 let idx = _mm512_add_epi16(base, _mm512_set1_epi16(8 * pk as i16));
                 *sv = _mm512_permutexvar_epi16(idx, sc16);
             }
+        }
+        2 | 3 => {
+            let raw =
+                unsafe { _mm_loadu_si128(p.add(if FMT == 2 { 2 } else { 4 }) as *const __m128i) };
+            d.q8[0] = super::dot_avx2::q4_codes(raw);
+        }
+        39 => {
+            // The signed table values as Q8_0's codes: unsigned `w + 128`, `128 · Σ a` off.
+            let raw = unsafe { _mm_loadu_si128(p.add(1) as *const __m128i) };
+            let w = super::dot_avx2::mxfp4_values(raw);
+            d.q8 = [_mm256_xor_si256(w, _mm256_set1_epi8(-128)), w];
         }
         _ => {
             let w = unsafe { _mm256_loadu_si256(p.add(2) as *const __m256i) };

@@ -1,10 +1,15 @@
-//! Quantisers: f32 weights into ggml blocks (Q8_0, Q4_K, Q5_K, Q6_K), for `moec quantize`.
+//! Quantisers: f32 weights into ggml blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), for
+//! `moec quantize`.
 //!
 //! Takes rows of f32 weights whose length is whole blocks of the format; gives the blocks'
 //! bytes in ggml's layout (the one [`super::blocks`] decodes). Guarantees: Q8_0 follows the
 //! format's definition exactly (scale = the block's largest magnitude over 127, stored as
-//! f16 rounded to nearest; codes rounded half away from zero), so it gives llama-quantize's
-//! bytes for the same f32 input. The K formats pick each sub-block's scale (and, for Q4_K
+//! f16 rounded to nearest; codes rounded half away from zero), and Q4_0 and Q4_1 follow
+//! round-to-nearest as ggml's `quantize_row_q4_0_ref`/`quantize_row_q4_1_ref` define it
+//! (Q4_0: scale = the first value of largest magnitude over −8, codes `min(15, trunc(x /
+//! d + 8.5))`; Q4_1: scale = range / 15, offset = the block minimum, codes `min(15,
+//! trunc((x − min) / d + 0.5))`), so all three give llama-quantize's bytes for the same
+//! f32 input. The K formats pick each sub-block's scale (and, for Q4_K
 //! and Q5_K, its min) by least squares over the codes, refined a few rounds from the
 //! sub-block's range, then round the sub-block scales to the super-block's 6- or 8-bit grid
 //! and choose the final codes against the rounded scales, so the error the test bounds is
@@ -27,10 +32,13 @@ pub fn quantize_row(format: QuantFormat, src: &[f32]) -> Result<Vec<u8>, QuantEr
     };
     let mut out = vec![0u8; bytes];
     let encode: fn(&[f32], &mut [u8]) = match format {
+        QuantFormat::Q4_0 => q4_0,
+        QuantFormat::Q4_1 => q4_1,
         QuantFormat::Q8_0 => q8_0,
         QuantFormat::Q4K => |x, b| kq_asym(x, b, 15),
         QuantFormat::Q5K => |x, b| kq_asym(x, b, 31),
         QuantFormat::Q6K => q6_k,
+        QuantFormat::Mxfp4 => mxfp4,
     };
     for (x, b) in src
         .chunks_exact(format.block_elems())
@@ -57,6 +65,81 @@ fn q8_0(x: &[f32], b: &mut [u8]) {
         // `f32::round` rounds half away from zero, as C's `roundf` does.
         *q = ((v * id).round() as i8) as u8;
     }
+}
+
+/// The 32 codes `q` (0..15, weight order) into a Q4_0/Q4_1 block's 16 code bytes: weight
+/// `l < 16` in the low nibble of byte `l`, weight `16 + l` in its high nibble.
+fn pack_q4(q: &[u8; 32], qs: &mut [u8]) {
+    for (l, byte) in qs.iter_mut().enumerate() {
+        *byte = q[l] | (q[l + 16] << 4);
+    }
+}
+
+/// ggml's code of a scaled value: C's `(int8_t)` (truncation toward zero; `as` also
+/// saturates what C leaves undefined, so a NaN gives 0), capped at 15 as `MIN(15, ..)`.
+fn q4_trunc(v: f32) -> u8 {
+    (v as i8).clamp(0, 15) as u8
+}
+
+fn q4_0(x: &[f32], b: &mut [u8]) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    b[..2].copy_from_slice(&f16_store(d).0);
+    let mut q = [0u8; 32];
+    for (c, &v) in q.iter_mut().zip(x) {
+        *c = q4_trunc(v * id + 8.5);
+    }
+    pack_q4(&q, &mut b[2..18]);
+}
+
+fn q4_1(x: &[f32], b: &mut [u8]) {
+    let min = x.iter().fold(f32::MAX, |m, &v| if v < m { v } else { m });
+    let max = x.iter().fold(-f32::MAX, |m, &v| if v > m { v } else { m });
+    let d = (max - min) / 15.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    b[..2].copy_from_slice(&f16_store(d).0);
+    b[2..4].copy_from_slice(&f16_store(min).0);
+    let mut q = [0u8; 32];
+    for (c, &v) in q.iter_mut().zip(x) {
+        *c = q4_trunc((v - min) * id + 0.5);
+    }
+    pack_q4(&q, &mut b[4..20]);
+}
+
+/// MXFP4 as `quantize_row_mxfp4_ref`: exponent `e = floor(log2(amax)) - 2 + 127` (0 for an
+/// all-zero block; `as u8` saturates what C leaves undefined), each code the first table
+/// entry nearest to the weight under the half scale.
+fn mxfp4(x: &[f32], b: &mut [u8]) {
+    use super::blocks::{e8m0_half, KVALUES_MXFP4};
+    let amax = x
+        .iter()
+        .fold(0.0f32, |m, v| if m < v.abs() { v.abs() } else { m });
+    let e = if amax > 0.0 {
+        (amax.log2().floor() - 2.0 + 127.0) as u8
+    } else {
+        0
+    };
+    let d = e8m0_half(e);
+    b[0] = e;
+    let mut q = [0u8; 32];
+    for (c, &v) in q.iter_mut().zip(x) {
+        let err = |i: usize| (f32::from(KVALUES_MXFP4[i]) * d - v).abs();
+        let mut best = 0;
+        for i in 1..16 {
+            if err(i) < err(best) {
+                best = i;
+            }
+        }
+        *c = best as u8;
+    }
+    pack_q4(&q, &mut b[1..17]);
 }
 
 /// Least-squares fit of `x ≈ scale * q + offset` over the codes `q`, with `offset <= 0`
@@ -311,6 +394,9 @@ mod tests {
         let rms = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt();
         for (format, bound) in [
             (QuantFormat::Q8_0, 0.01),
+            (QuantFormat::Q4_0, 0.25),
+            (QuantFormat::Q4_1, 0.2),
+            (QuantFormat::Mxfp4, 0.3),
             (QuantFormat::Q6K, 0.04),
             (QuantFormat::Q5K, 0.08),
             (QuantFormat::Q4K, 0.16),
@@ -345,6 +431,39 @@ mod tests {
         assert_eq!(b[3] as i8, (-0.635f32 * (1.0 / 0.01f32)).round() as i8);
         assert_eq!(b[4] as i8, 0);
         assert!((d * 127.0 - 1.27).abs() < 1e-3);
+    }
+
+    /// Q4_0 worked by hand from `quantize_row_q4_0_ref`: the first value of largest
+    /// magnitude is -0.8 (ahead of +0.8), so d = 0.1 and id = 10; -0.8 -> trunc(0.5) = 0,
+    /// +0.8 -> trunc(16.5) capped at 15, 0.26 -> trunc(11.1) = 11, 0 -> 8.
+    #[test]
+    fn q4_0_is_the_reference_rounding_worked_by_hand() {
+        let mut x = [0.0f32; 32];
+        x[0] = -0.8;
+        x[17] = 0.8;
+        x[3] = 0.26;
+        let b = quantize_row(QuantFormat::Q4_0, &x).unwrap();
+        assert_eq!(&b[..2], &f16::from_f32(-0.8f32 / -8.0).to_le_bytes());
+        assert_eq!(b[2], 0x80, "weight 0 code 0, weight 16 code 8");
+        assert_eq!(b[3], 8 | (15 << 4), "weight 1 code 8, weight 17 code 15");
+        assert_eq!(b[5], 11 | (8 << 4));
+    }
+
+    /// Q4_1 by hand: min -0.5, max 1.0, d = 0.1, id = 10; -0.5 -> 0, 1.0 -> 15,
+    /// 0.14 -> trunc(6.9) = 6, 0.16 -> trunc(7.1) = 7.
+    #[test]
+    fn q4_1_is_the_reference_rounding_worked_by_hand() {
+        let mut x = [0.0f32; 32];
+        x[0] = -0.5;
+        x[16] = 1.0;
+        x[1] = 0.14;
+        x[2] = 0.16;
+        let b = quantize_row(QuantFormat::Q4_1, &x).unwrap();
+        assert_eq!(&b[..2], &f16::from_f32(1.5f32 / 15.0).to_le_bytes());
+        assert_eq!(&b[2..4], &f16::from_f32(-0.5).to_le_bytes());
+        assert_eq!((b[4], b[5] & 0x0f, b[6] & 0x0f), (15 << 4, 6, 7));
+        // Zeros elsewhere: (0 + 0.5) * 10 + 0.5 = 5.5 -> 5.
+        assert_eq!(b[7], 5 | (5 << 4));
     }
 
     #[test]

@@ -6,11 +6,13 @@
 //!
 //! How one output is computed (what an independent oracle must reproduce):
 //!
-//! 1. each activation row is quantised to Q8_K (K-quant weights) or Q8_0 (Q8_0 weights)
-//!    exactly as ggml does it (see [`super::q8`]);
+//! 1. each activation row is quantised to Q8_K (K-quant weights), Q8_0 (Q8_0 and Q4_0
+//!    and MXFP4 weights) or Q8_1 (Q4_1 weights) exactly as ggml does it (see [`super::q8`]);
 //! 2. each (weight block, activation block) pair gives one f32 value from exact integer
 //!    sums (see [`super::dot`]: `(dx·dy)·f32(isum) − (dmin·dy)·f32(imin)` for Q4_K/Q5_K,
-//!    `(dx·dy)·f32(isum)` for Q6_K and Q8_0, each operation rounded separately);
+//!    `(dx·dy)·f32(isum) + m·sy` for Q4_1, `(dx·dy)·f32(isum)` for Q6_K, Q8_0, Q4_0 and
+//!    MXFP4,
+//!    each operation rounded separately);
 //! 3. `y[r, o]` = the sum of the row's block values in block order, starting from `0.0`,
 //!    one rounded f32 addition per block (`((0 + v_0) + v_1) + ...`).
 //!
@@ -209,14 +211,20 @@ fn simd_panel(
     use super::{dot_avx2, dot_avx512};
     type Panel = unsafe fn(&QuantMatrix<'_>, &GroupedActs<'_>, usize, usize, &mut [f32]);
     let f: Panel = match (body, w.format()) {
+        (QuantBody::Avx512Vnni, QuantFormat::Q4_0) => dot_avx512::panel::<2>,
+        (QuantBody::Avx512Vnni, QuantFormat::Q4_1) => dot_avx512::panel::<3>,
         (QuantBody::Avx512Vnni, QuantFormat::Q8_0) => dot_avx512::panel::<8>,
         (QuantBody::Avx512Vnni, QuantFormat::Q4K) => dot_avx512::panel::<12>,
         (QuantBody::Avx512Vnni, QuantFormat::Q5K) => dot_avx512::panel::<13>,
         (QuantBody::Avx512Vnni, QuantFormat::Q6K) => dot_avx512::panel::<14>,
+        (QuantBody::Avx512Vnni, QuantFormat::Mxfp4) => dot_avx512::panel::<39>,
+        (_, QuantFormat::Q4_0) => dot_avx2::panel::<2>,
+        (_, QuantFormat::Q4_1) => dot_avx2::panel::<3>,
         (_, QuantFormat::Q8_0) => dot_avx2::panel::<8>,
         (_, QuantFormat::Q4K) => dot_avx2::panel::<12>,
         (_, QuantFormat::Q5K) => dot_avx2::panel::<13>,
         (_, QuantFormat::Q6K) => dot_avx2::panel::<14>,
+        (_, QuantFormat::Mxfp4) => dot_avx2::panel::<39>,
     };
     // SAFETY: the body's features are this CPU's (the `QuantKernels` invariant; the
     // portable body never gets here); the panel's format is `w`'s by the match above;
@@ -246,7 +254,8 @@ fn portable_panel(w: &QuantMatrix<'_>, acts: &Q8Rows, o0: usize, rows: usize, lo
             let mut acc = 0.0f32;
             for (b, wb) in row.chunks_exact(bb).enumerate() {
                 let bsums = if k_quant { acts.block_bsums(r, b) } else { &[] };
-                acc += dot::block_value(format, wb, acts.block_qs(r, b), bsums, acts.block_d(r, b));
+                let (dy, sy) = (acts.block_d(r, b), acts.block_s(r, b));
+                acc += dot::block_value(format, wb, acts.block_qs(r, b), bsums, dy, sy);
             }
             local[r * rows + i] = acc;
         }

@@ -12,9 +12,10 @@ use half::f16;
 /// Byte offsets of a block's f16 scales (`d`, and `dmin` for Q4_K/Q5_K).
 fn f16_fields(format: QuantFormat) -> &'static [usize] {
     match format {
-        QuantFormat::Q8_0 => &[0],
-        QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
     }
 }
 
@@ -88,7 +89,7 @@ fn product(k: QuantKernels, w: &QuantMatrix<'_>, x: &[f32], n_rows: usize) -> Ve
     y
 }
 
-/// With power-of-two block scales and activations Q8 represents exactly, every step of
+/// With power-of-two block scales (one per format, MXFP4's always) and activations Q8 represents exactly, every step of
 /// the quantised product is exact, so it equals the f64 product of gguf-py's weights
 /// with the activations exactly, for every format and body.
 #[test]
@@ -107,6 +108,10 @@ fn representable_activations_give_the_exact_product() {
                 -1.0 / 16.0
             }
         });
+        if format == QuantFormat::Mxfp4 {
+            // Half scale 2^-4 in every block (e8m0 exponent 124).
+            bytes.chunks_exact_mut(17).for_each(|b| b[0] = 124);
+        }
         let w = view(&bytes, format, rows, cols);
         let x = representable(ActFormat::for_weights(format), n_rows * cols, &mut rng);
         let want = reference(&decoded(&w), rows, cols, &x, n_rows);
@@ -125,6 +130,9 @@ fn representable_activations_give_the_exact_product() {
 /// dequantising), and the f32 sum over `nb` blocks adds `nb` more, so per output
 /// `(nb + 8) · 2^-24 · Σ_k (|W_k| + 2·63·|dmin_block|) · |xq_k|` bounds the difference
 /// (`63·|dmin|` is the largest min term a K-quant weight subtracts; 0 for Q6_K and Q8_0).
+/// Q4_1 adds the rounding of its activation sum: `s = f16(d32 · Σ a)` against the
+/// reference's `dy · Σ a` (`dy = f16(d32)`) differs by at most `2^-10` (two f16 roundings)
+/// of `|dy · Σ a| <= Σ |xq|`, times the block's `|m|` (with 1% margin).
 fn tolerance(
     format: QuantFormat,
     w: &QuantMatrix<'_>,
@@ -139,8 +147,13 @@ fn tolerance(
     for r in 0..n_rows {
         for o in 0..w.rows {
             let mut s = 0.0f64;
+            let mut extra = 0.0f64;
             for k in 0..w.cols {
                 let b = (o * w.cols + k) / be;
+                if format == QuantFormat::Q4_1 {
+                    extra +=
+                        block_m(w, b) * 2f64.powi(-10) * 1.01 * f64::from(xq[r * w.cols + k].abs());
+                }
                 let min = match format {
                     QuantFormat::Q4K | QuantFormat::Q5K => {
                         let at = b * bb + 2;
@@ -156,10 +169,20 @@ fn tolerance(
                 s += (f64::from(wf[o * w.cols + k].abs()) + min)
                     * f64::from(xq[r * w.cols + k].abs());
             }
-            tol[r * w.rows + o] = (nb as f64 + 8.0) * eps * s;
+            tol[r * w.rows + o] = (nb as f64 + 8.0) * eps * s + extra;
         }
     }
     tol
+}
+
+/// `|m|` of Q4_1 block `b` of `w`.
+fn block_m(w: &QuantMatrix<'_>, b: usize) -> f64 {
+    let at = b * QuantFormat::Q4_1.block_bytes() + 2;
+    f64::from(
+        f16::from_le_bytes([w.data.bytes[at], w.data.bytes[at + 1]])
+            .to_f32()
+            .abs(),
+    )
 }
 
 /// How many outputs of `got` fall outside the rounding bound around the f64 product of
@@ -210,6 +233,7 @@ fn random_products_are_within_the_stated_bounds() {
         // Q8_0's f16 scale adds up to 127 · amax/127 · 2^-11 per value.
         let exact = reference(&wf, rows, cols, &x, n_rows);
         let act = ActFormat::for_weights(format);
+        let q8_0_scale = act != ActFormat::Q8K;
         for r in 0..n_rows {
             for o in 0..rows {
                 let mut bound = 0.0f64;
@@ -218,17 +242,16 @@ fn random_products_are_within_the_stated_bounds() {
                     .enumerate()
                 {
                     let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-                    let step = amax / 254.0 * 1.001
-                        + if act == ActFormat::Q8_0 {
-                            amax / 2048.0
-                        } else {
-                            0.0
-                        };
+                    let step = amax / 254.0 * 1.001 + if q8_0_scale { amax / 2048.0 } else { 0.0 };
                     let k0 = blk * act.block_elems();
                     bound += step
                         * (k0..k0 + act.block_elems())
                             .map(|k| f64::from(wf[o * cols + k].abs()))
                             .sum::<f64>();
+                    if format == QuantFormat::Q4_1 {
+                        // Q8_1's f16 sum (see `tolerance`): 2^-10 of Σ |xq| <= 32 · amax.
+                        bound += block_m(&w, (o * cols + k0) / 32) * 2f64.powi(-10) * 32.0 * amax;
+                    }
                 }
                 let i = r * rows + o;
                 assert!(

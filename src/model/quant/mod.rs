@@ -1,4 +1,5 @@
-//! Block-quantised weights in llama.cpp's GGUF formats (Q8_0, Q4_K, Q5_K, Q6_K).
+//! Block-quantised weights in llama.cpp's GGUF formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+//! Q6_K, MXFP4).
 //!
 //! Takes the raw bytes of a tensor stored in one of these formats (a run of fixed-size
 //! blocks, each holding [`QuantFormat::block_elems`] weights of one row); gives
@@ -38,6 +39,12 @@ pub use select::{QuantBody, QuantKernels};
 /// A block-quantised storage format (ggml's `GGML_TYPE_*` of the same name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum QuantFormat {
+    /// Group-wise symmetric int4: blocks of 32 weights, an f16 scale `d` and 32 4-bit
+    /// codes, weight = `d * (q - 8)` (4.5 bits a weight).
+    Q4_0,
+    /// Group-wise asymmetric int4: blocks of 32 weights, f16 `d` and `m` and 32 4-bit
+    /// codes, weight = `d * q + m` (5 bits a weight).
+    Q4_1,
     /// Blocks of 32 weights: an f16 scale and 32 signed bytes (8.5 bits a weight).
     Q8_0,
     /// Super-blocks of 256 weights: f16 scale and min, eight 6-bit sub-block scales and
@@ -48,6 +55,9 @@ pub enum QuantFormat {
     /// Super-blocks of 256 weights: 6-bit codes, sixteen 8-bit sub-block scales and an
     /// f16 scale (6.5625 bits a weight).
     Q6K,
+    /// OCP microscaling FP4 (gpt-oss experts): blocks of 32 weights, one e8m0 exponent
+    /// byte and 32 e2m1 codes (4.25 bits a weight).
+    Mxfp4,
 }
 
 /// Weights per super-block of the K formats (ggml's `QK_K`).
@@ -55,17 +65,20 @@ pub const QK_K: usize = 256;
 
 impl QuantFormat {
     /// Every format, in ggml type-id order.
-    pub const ALL: [QuantFormat; 4] = [
+    pub const ALL: [QuantFormat; 7] = [
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
         QuantFormat::Q8_0,
         QuantFormat::Q4K,
         QuantFormat::Q5K,
         QuantFormat::Q6K,
+        QuantFormat::Mxfp4,
     ];
 
     /// Weights per block.
     pub fn block_elems(self) -> usize {
         match self {
-            QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 | QuantFormat::Mxfp4 => 32,
             QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => QK_K,
         }
     }
@@ -73,10 +86,13 @@ impl QuantFormat {
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
+            QuantFormat::Q4_0 => 2 + 16,
+            QuantFormat::Q4_1 => 2 + 2 + 16,
             QuantFormat::Q8_0 => 2 + 32,
             QuantFormat::Q4K => 2 + 2 + 12 + QK_K / 2,
             QuantFormat::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
             QuantFormat::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+            QuantFormat::Mxfp4 => 1 + 16,
         }
     }
 
@@ -87,13 +103,17 @@ impl QuantFormat {
             .then(|| elems / self.block_elems() * self.block_bytes())
     }
 
-    /// The ggml type id (`GGML_TYPE_Q8_0` = 8, `Q4_K` = 12, `Q5_K` = 13, `Q6_K` = 14).
+    /// The ggml type id (`GGML_TYPE_Q4_0` = 2, `Q4_1` = 3, `Q8_0` = 8, `Q4_K` = 12, `Q5_K`
+    /// = 13, `Q6_K` = 14, `MXFP4` = 39).
     pub fn ggml_type(self) -> u32 {
         match self {
+            QuantFormat::Q4_0 => 2,
+            QuantFormat::Q4_1 => 3,
             QuantFormat::Q8_0 => 8,
             QuantFormat::Q4K => 12,
             QuantFormat::Q5K => 13,
             QuantFormat::Q6K => 14,
+            QuantFormat::Mxfp4 => 39,
         }
     }
 
@@ -105,10 +125,13 @@ impl QuantFormat {
     /// The name llama.cpp prints (`Q4_K`).
     pub fn name(self) -> &'static str {
         match self {
+            QuantFormat::Q4_0 => "Q4_0",
+            QuantFormat::Q4_1 => "Q4_1",
             QuantFormat::Q8_0 => "Q8_0",
             QuantFormat::Q4K => "Q4_K",
             QuantFormat::Q5K => "Q5_K",
             QuantFormat::Q6K => "Q6_K",
+            QuantFormat::Mxfp4 => "MXFP4",
         }
     }
 }
@@ -201,14 +224,19 @@ pub(crate) fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> 
         .map(|_| (rng.next_u64() >> 56) as u8)
         .collect();
     let f16_fields: &[usize] = match format {
-        QuantFormat::Q8_0 => &[0],
-        QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
     };
     for block in bytes.chunks_exact_mut(bb) {
         for &at in f16_fields {
             let v = ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+        if format == QuantFormat::Mxfp4 {
+            // e8m0 exponents 118..134: scales 2^-10 .. 2^5 (times the half of the table).
+            block[0] = 118 + (rng.next_u64() % 16) as u8;
         }
     }
     bytes
@@ -236,10 +264,12 @@ mod tests {
         for f in QuantFormat::ALL {
             assert_eq!(QuantFormat::from_ggml_type(f.ggml_type()), Some(f));
         }
+        assert_eq!(QuantFormat::from_ggml_type(2), Some(QuantFormat::Q4_0));
+        assert_eq!(QuantFormat::from_ggml_type(3), Some(QuantFormat::Q4_1));
         assert_eq!(
-            QuantFormat::from_ggml_type(2),
+            QuantFormat::from_ggml_type(10),
             None,
-            "Q4_0 is not supported yet"
+            "Q2_K is not supported"
         );
     }
 }

@@ -1,5 +1,6 @@
 //! Activation rows quantised to 8 bits, as ggml quantises them before a quantised dot
-//! product: Q8_K for the K-quant weights, Q8_0 for Q8_0 weights.
+//! product: Q8_K for the K-quant weights, Q8_0 for Q8_0, Q4_0 and MXFP4 weights, Q8_1 for Q4_1
+//! weights (ggml's `vec_dot_type` of each).
 //!
 //! Takes f32 rows whose length is whole blocks; gives [`Q8Rows`], the int8 codes, one f32
 //! scale per block and (Q8_K) the sums of each 16 codes. Guarantees, for finite inputs:
@@ -29,6 +30,9 @@ pub enum ActFormat {
     Q8K,
     /// 32-value blocks with an f16 scale (ggml's `block_q8_0`).
     Q8_0,
+    /// 32-value blocks with an f16 scale and the f16 of scale times code sum (ggml's
+    /// `block_q8_1`).
+    Q8_1,
 }
 
 impl ActFormat {
@@ -36,7 +40,8 @@ impl ActFormat {
     /// `vec_dot_type`).
     pub fn for_weights(format: QuantFormat) -> Self {
         match format {
-            QuantFormat::Q8_0 => ActFormat::Q8_0,
+            QuantFormat::Q4_0 | QuantFormat::Q8_0 | QuantFormat::Mxfp4 => ActFormat::Q8_0,
+            QuantFormat::Q4_1 => ActFormat::Q8_1,
             QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => ActFormat::Q8K,
         }
     }
@@ -45,7 +50,7 @@ impl ActFormat {
     pub fn block_elems(self) -> usize {
         match self {
             ActFormat::Q8K => QK_K,
-            ActFormat::Q8_0 => QK8_0,
+            ActFormat::Q8_0 | ActFormat::Q8_1 => QK8_0,
         }
     }
 }
@@ -63,8 +68,11 @@ pub struct Q8Rows {
     pub qs: Vec<i8>,
     /// Block scales, `[n_rows, cols / block]` (Q8_0: the f16 scale widened).
     pub d: Vec<f32>,
-    /// Q8_K only: the sum of each 16 codes, `[n_rows, cols / 16]`; empty for Q8_0.
+    /// Q8_K only: the sum of each 16 codes, `[n_rows, cols / 16]`; empty otherwise.
     pub bsums: Vec<i16>,
+    /// Q8_1 only: each block's `s` (f16 of scale times code sum, widened), laid out as
+    /// `d`; empty otherwise.
+    pub s: Vec<f32>,
 }
 
 impl Q8Rows {
@@ -77,6 +85,7 @@ impl Q8Rows {
         let mut qs = vec![0i8; n_rows * cols];
         let mut d = vec![0.0f32; n_rows * cols / be];
         let mut bsums = Vec::new();
+        let mut s = Vec::new();
         match format {
             ActFormat::Q8K => {
                 bsums = vec![0i16; n_rows * cols / 16];
@@ -95,7 +104,21 @@ impl Q8Rows {
                     .zip(qs.chunks_exact_mut(QK8_0))
                     .zip(d.iter_mut())
                 {
-                    *db = q8_0_block(xb, qb);
+                    *db = q8_0_block(xb, qb).0;
+                }
+            }
+            ActFormat::Q8_1 => {
+                s = vec![0.0f32; d.len()];
+                for (((xb, qb), db), sb) in x
+                    .chunks_exact(QK8_0)
+                    .zip(qs.chunks_exact_mut(QK8_0))
+                    .zip(d.iter_mut())
+                    .zip(s.iter_mut())
+                {
+                    let (dh, d32) = q8_0_block(xb, qb);
+                    let sum: i32 = qb.iter().map(|&q| i32::from(q)).sum();
+                    *db = dh;
+                    *sb = half::f16::from_f32(d32 * sum as f32).to_f32();
                 }
             }
         }
@@ -106,6 +129,7 @@ impl Q8Rows {
             qs,
             d,
             bsums,
+            s,
         }
     }
 
@@ -130,6 +154,14 @@ impl Q8Rows {
     pub fn block_bsums(&self, r: usize, b: usize) -> &[i16] {
         let at = (r * self.blocks_per_row() + b) * (QK_K / 16);
         &self.bsums[at..at + QK_K / 16]
+    }
+
+    /// Q8_1: the `s` of block `b` of row `r` (0 for other formats).
+    pub fn block_s(&self, r: usize, b: usize) -> f32 {
+        self.s
+            .get(r * self.blocks_per_row() + b)
+            .copied()
+            .unwrap_or(0.0)
     }
 
     /// The f32 value of every code (`scale * code`), `[n_rows, cols]`: what the
@@ -176,16 +208,18 @@ fn q8k_block(x: &[f32], qs: &mut [i8], bsums: &mut [i16]) -> f32 {
     1.0 / iscale
 }
 
-/// One Q8_0 block: codes into `qs`; returns the scale (the f16 scale widened).
-fn q8_0_block(x: &[f32], qs: &mut [i8]) -> f32 {
+/// One Q8_0 block: codes into `qs`; returns the scale (the f16 scale widened) and the
+/// unrounded f32 scale `amax / 127` (Q8_1's `s` multiplies that one).
+fn q8_0_block(x: &[f32], qs: &mut [i8]) -> (f32, f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = half::f16::from_f32(amax / 127.0);
+    let d32 = amax / 127.0;
+    let d = half::f16::from_f32(d32);
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     for (q, &v) in qs.iter_mut().zip(x) {
         // Finite inputs give -127..=127 (|v * id| <= 127 up to rounding); `as` saturates.
         *q = (v * id).round_ties_even() as i8;
     }
-    d.to_f32()
+    (d.to_f32(), d32)
 }
 
 #[cfg(test)]
@@ -246,6 +280,23 @@ mod tests {
         assert_eq!(nearest_int(-3.5), -4);
     }
 
+    /// llama.cpp's x86 Q8_1 by hand: Q8_0's codes and scale; amax 31.75 gives d32 = 0.25,
+    /// id = 4, codes 127 (x = 31.75), -64 (x = -15.875: -63.5 rounds to even), 1 (x =
+    /// 0.25), so s = f16(0.25 · 64) = 16.
+    #[test]
+    fn q8_1_by_hand() {
+        let mut x = vec![0.0f32; 32];
+        x[0] = 31.75;
+        x[1] = -15.875;
+        x[5] = 0.25;
+        let q = Q8Rows::quantize(ActFormat::Q8_1, &x, 1, 32);
+        let q0 = Q8Rows::quantize(ActFormat::Q8_0, &x, 1, 32);
+        assert_eq!((&q.qs, &q.d), (&q0.qs, &q0.d));
+        assert_eq!((q.qs[0], q.qs[1], q.qs[5], q.d[0]), (127, -64, 1, 0.25));
+        assert_eq!(q.s, [16.0]);
+        assert_eq!(q.block_s(0, 0), 16.0);
+    }
+
     /// NaN and infinite activations quantise without panicking.
     #[test]
     fn non_finite_activations_do_not_panic() {
@@ -254,5 +305,6 @@ mod tests {
         x[4] = f32::INFINITY;
         let _ = Q8Rows::quantize(ActFormat::Q8K, &x, 1, 256);
         let _ = Q8Rows::quantize(ActFormat::Q8_0, &x, 1, 256);
+        let _ = Q8Rows::quantize(ActFormat::Q8_1, &x, 1, 256);
     }
 }

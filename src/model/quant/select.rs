@@ -139,8 +139,9 @@ pub fn describe(k: Kernels) -> String {
         (Isa::Portable, _) => "portable kernels",
     };
     format!(
-        "quantised products: {} ({why}); activations quantised to Q8_K (K-quants) or Q8_0 \
-         (Q8_0 weights), integer block dot products, f32 accumulation over blocks",
+        "quantised products: {} ({why}); activations quantised to Q8_K (K-quants), Q8_0 \
+         (Q8_0, Q4_0, MXFP4 weights) or Q8_1 (Q4_1 weights), integer block dot products, f32 \
+         accumulation over blocks",
         body.name()
     )
 }

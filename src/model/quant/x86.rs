@@ -46,8 +46,11 @@ pub(super) struct GroupedActs<'a> {
     pub groups: usize,
     d: Vec<f32>,
     pairs: Vec<i32>,
-    /// Q8_0: `128 · Σ codes` of each block, laid out as `d`.
+    /// Q8_0 and Q8_1: `Σ codes` of each block, laid out as `d` (a body whose codes are
+    /// offset by `2^k` takes `2^k` times this off its totals, see [`offset_shift`]).
     offsets: Vec<i32>,
+    /// Q8_1: each block's `s`, laid out as `d`.
+    svals: Vec<f32>,
     /// The codes block-major, `[block][row][block_elems]`: one block of consecutive rows
     /// is contiguous. (Row-major, rows 3584 bytes apart mapped a block of 64 rows onto 8
     /// of L1's 64 sets, and Q8_0's 32-byte blocks thrashed them.) Each Q8_K block's codes
@@ -89,12 +92,20 @@ impl<'a> GroupedActs<'a> {
             }
         }
         let mut offsets = Vec::new();
-        if q.format == ActFormat::Q8_0 {
+        let mut svals = Vec::new();
+        if q.format != ActFormat::Q8K {
             offsets = vec![0i32; nb * padded];
             for r in 0..q.n_rows {
                 for b in 0..nb {
-                    let sum: i32 = q.block_qs(r, b).iter().map(|&c| i32::from(c)).sum();
-                    offsets[b * padded + r] = 128 * sum;
+                    offsets[b * padded + r] = q.block_qs(r, b).iter().map(|&c| i32::from(c)).sum();
+                }
+            }
+        }
+        if q.format == ActFormat::Q8_1 {
+            svals = vec![0.0f32; nb * padded];
+            for r in 0..q.n_rows {
+                for b in 0..nb {
+                    svals[b * padded + r] = q.block_s(r, b);
                 }
             }
         }
@@ -122,6 +133,7 @@ impl<'a> GroupedActs<'a> {
             d,
             pairs,
             offsets,
+            svals,
             codes,
         }
     }
@@ -179,15 +191,28 @@ impl<'a> GroupedActs<'a> {
         acc
     }
 
-    /// Q8_0: `128 · Σ codes` of block `b` of row `r`.
+    /// Q8_0/Q8_1: `Σ codes` of block `b` of row `r`.
     pub fn offset(&self, r: usize, b: usize) -> i32 {
         self.offsets[b * self.groups * GROUP + r]
     }
 
-    /// Q8_0: `128 · Σ codes` of block `b` of the eight rows of group `g`.
+    /// Q8_1: the `s` of block `b` of the eight rows of group `g`.
     ///
     /// # Safety
-    /// AVX available; the rows are Q8_0; `b` and `g` in range.
+    /// AVX available; the rows are Q8_1; `b` and `g` in range.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn sy(&self, b: usize, g: usize) -> __m256 {
+        let at = (b * self.groups + g) * GROUP;
+        debug_assert!(at + GROUP <= self.svals.len());
+        // SAFETY: `svals` holds `nb * groups * 8` values and b < nb, g < groups.
+        unsafe { _mm256_loadu_ps(self.svals.as_ptr().add(at)) }
+    }
+
+    /// Q8_0/Q8_1: `Σ codes` of block `b` of the eight rows of group `g`.
+    ///
+    /// # Safety
+    /// AVX available; the rows are Q8_0 or Q8_1; `b` and `g` in range.
     #[target_feature(enable = "avx2")]
     #[inline]
     pub unsafe fn offsets(&self, b: usize, g: usize) -> __m256i {
@@ -279,6 +304,21 @@ unsafe fn side_body<const FMT: u32>(b: &[u8]) -> Side {
                 pairs: lin,
             }
         }
+        39 => Side {
+            dx: super::blocks::e8m0_half(b[0]),
+            dmin: 0.0,
+            sc: 0,
+            lin: _mm256_setzero_si256(),
+            pairs: _mm256_setzero_si256(),
+        },
+        3 => Side {
+            // Q4_1: `dmin` carries the offset `m`.
+            dx: f16_at(b, 0),
+            dmin: f16_at(b, 2),
+            sc: 0,
+            lin: _mm256_setzero_si256(),
+            pairs: _mm256_setzero_si256(),
+        },
         _ => Side {
             dx: f16_at(b, 0),
             dmin: 0.0,
@@ -346,6 +386,7 @@ pub(super) unsafe fn one_row_value<const FMT: u32>(
             let mins = _mm256_madd_epi16(unsafe { acts.bsums(r, b) }, s.lin);
             (s.dx * dy) * hsum(_mm256_sub_epi32(lanes, mins)) as f32
         }
+        3 => super::dot::q4_1_value(s.dx, s.dmin, dy, acts.q.block_s(r, b), hsum(lanes)),
         _ => (s.dx * dy) * hsum(lanes) as f32,
     }
 }
@@ -374,8 +415,24 @@ pub(super) unsafe fn group_values<const FMT: u32>(
                 dy,
                 _mm256_sub_epi32(isum, acts.pair_dot::<8>(b, g, coef)),
             ),
+            3 => _mm256_add_ps(
+                d_values(s.dx, dy, isum),
+                _mm256_mul_ps(_mm256_set1_ps(s.dmin), acts.sy(b, g)),
+            ),
             _ => d_values(s.dx, dy, isum),
         }
+    }
+}
+
+/// The power of two times each activation block's code sum a body takes off its totals
+/// for format `FMT` (0: none): Q4_0's codes are stored `w + 8` and dotted as they are
+/// (`8 = 2^3`); a body whose Q8_0 (and MXFP4) dot multiplies `w + 128` (`q8_0_offset`)
+/// takes `2^7`.
+pub(super) const fn offset_shift(fmt: u32, q8_0_offset: bool) -> i32 {
+    match fmt {
+        2 => 3,
+        8 | 39 if q8_0_offset => 7,
+        _ => 0,
     }
 }
 
@@ -460,7 +517,8 @@ pub(super) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
 /// and `$dot(&Dec, codes: *const i8) -> __m256i` (unsafe, same features) its format
 /// functions, chosen by the `FMT` const parameter of the generated function;
 /// `$q8_0_offset`: the body's Q8_0 dot multiplies `w + 128`, so `128 · Σ a` of the
-/// activation block ([`GroupedActs::offsets`]) is subtracted from each total.
+/// activation block ([`GroupedActs::offsets`]) is subtracted from each total (as `8 · Σ a`
+/// is for Q4_0 in every body: [`offset_shift`]).
 macro_rules! panel_body {
     ($name:ident, $features:literal, $dec:ty, $decode:ident, $dot:ident, $q8_0_offset:literal) => {
         /// Weight rows `o0..o0 + rows` of `w` (format `FMT` as `QuantFormat::ggml_type`)
@@ -479,9 +537,10 @@ macro_rules! panel_body {
             local: &mut [f32],
         ) {
             use crate::model::quant::x86::{
-                chunk_blocks, coef_vectors, group_values, one_row_value, reduce8, side, FEW_ROWS,
-                GROUP,
+                chunk_blocks, coef_vectors, group_values, offset_shift, one_row_value, reduce8,
+                side, FEW_ROWS, GROUP,
             };
+            let shift = offset_shift(FMT, $q8_0_offset);
             use std::arch::x86_64::*;
             let bb = w.format().block_bytes();
             let nb = w.cols / w.format().block_elems();
@@ -501,11 +560,11 @@ macro_rules! panel_body {
                             let dec: $dec = $decode::<FMT>(block, &s);
                             for (r, a) in acc.iter_mut().enumerate().take(n_rows) {
                                 let mut lanes = $dot::<FMT>(&dec, acts.codes(r, b));
-                                if FMT == 8 && $q8_0_offset {
+                                if shift != 0 {
                                     lanes = _mm256_sub_epi32(
                                         lanes,
                                         _mm256_castsi128_si256(_mm_cvtsi32_si128(
-                                            acts.offset(r, b),
+                                            acts.offset(r, b) << shift,
                                         )),
                                     );
                                 }
@@ -546,8 +605,14 @@ macro_rules! panel_body {
                                     *v = $dot::<FMT>(&dec, first.add(l * be));
                                 }
                                 let mut isum = reduce8(&sums);
-                                if FMT == 8 && $q8_0_offset {
-                                    isum = _mm256_sub_epi32(isum, acts.offsets(b, g));
+                                if shift != 0 {
+                                    isum = _mm256_sub_epi32(
+                                        isum,
+                                        _mm256_sll_epi32(
+                                            acts.offsets(b, g),
+                                            _mm_cvtsi32_si128(shift),
+                                        ),
+                                    );
                                 }
                                 let v = group_values::<FMT>(&s, &coef, isum, acts, b, g);
                                 *a = _mm256_add_ps(*a, v);

@@ -121,13 +121,16 @@ impl DevMatrix {
 }
 
 /// The kernels' `dtype` code of a storage (`kernels/prelude.cuh`): 0 bf16, 1 f16, 2 f32,
-/// 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K.
+/// 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K, 7 Q4_0, 8 Q4_1, 9 MXFP4.
 pub fn storage_code(dtype: WeightDtype, quant: Option<QuantFormat>) -> i32 {
     match (quant, dtype) {
         (Some(QuantFormat::Q8_0), _) => 3,
         (Some(QuantFormat::Q4K), _) => 4,
         (Some(QuantFormat::Q5K), _) => 5,
         (Some(QuantFormat::Q6K), _) => 6,
+        (Some(QuantFormat::Q4_0), _) => 7,
+        (Some(QuantFormat::Q4_1), _) => 8,
+        (Some(QuantFormat::Mxfp4), _) => 9,
         (None, WeightDtype::Bf16) => 0,
         (None, WeightDtype::F16) => 1,
         (None, WeightDtype::F32) => 2,

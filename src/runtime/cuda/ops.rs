@@ -172,9 +172,9 @@ pub fn unsupported(arch: &ArchSpec, layer: &crate::model::layout::LayerLayout) -
 }
 
 /// The ggml block formats the kernels decode inside their products (the prelude's dtype
-/// codes 3-6): every format moec reads.
-pub const QUANT_FORMATS: [crate::model::quant::QuantFormat; 4] =
-    crate::model::quant::QuantFormat::ALL;
+/// codes 3-9): every format moec reads.
+pub const QUANT_FORMATS: [crate::model::quant::QuantFormat;
+    crate::model::quant::QuantFormat::ALL.len()] = crate::model::quant::QuantFormat::ALL;
 
 /// What computes with the image's block-quantised weights, for the run report: the
 /// formats with how many of the image's tensors hold each, and the kernels that decode
