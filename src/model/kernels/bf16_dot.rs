@@ -225,6 +225,30 @@ pub(super) fn block_of(row: &[u16], start: usize) -> [u16; BLOCK] {
     buf
 }
 
+/// The weights and activation rows a SIMD body's register blocks share (each body adds
+/// its own `block` method).
+pub(super) struct Ctx<'a> {
+    pub(super) w: &'a [u16],
+    pub(super) k_len: usize,
+    /// Whole 32-blocks per weight row.
+    pub(super) full: usize,
+    pub(super) x: &'a [u16],
+    pub(super) padded: usize,
+}
+
+impl<'a> Ctx<'a> {
+    /// The panel's weights `w` (rows of `k_len`) and activation rows `x`.
+    pub(super) fn new(x: &'a Bf16Rows, w: &'a [u16], k_len: usize) -> Self {
+        Ctx {
+            w,
+            k_len,
+            full: k_len / BLOCK,
+            x: x.data(),
+            padded: x.padded(),
+        }
+    }
+}
+
 /// The reference body: each element's lanes stepped in the instruction's order.
 fn portable_panel(
     x: &Bf16Rows,

@@ -11,7 +11,7 @@
 //! order), the ragged last block is zero-padded, and the lanes are reduced with
 //! `linear`'s tree, so the bits are those of the portable body.
 
-use super::bf16_dot::{block_of, for_blocks, Bf16Rows, BLOCK};
+use super::bf16_dot::{block_of, for_blocks, Bf16Rows, Ctx, BLOCK};
 use super::linear::avx2::reduce;
 use std::arch::x86_64::*;
 
@@ -35,13 +35,7 @@ pub(super) unsafe fn panel(
     rows: usize,
     local: &mut [f32],
 ) {
-    let ctx = Ctx {
-        w,
-        k_len,
-        full: k_len / BLOCK,
-        x: x.data(),
-        padded: x.padded(),
-    };
+    let ctx = Ctx::new(x, w, k_len);
     let block_rows = |xr: usize| if xr <= 2 { 8 } else { 4 };
     for_blocks(
         x.n_rows(),
@@ -55,7 +49,7 @@ pub(super) unsafe fn panel(
                     // SAFETY: this CPU has the features (this function's contract); the
                     // block's rows lie inside `w` and `x` (`for_blocks` stays inside the
                     // panel and the activation rows).
-                    let s = unsafe { ctx.block::<$wr, $xr>($w0, t0) };
+                    let s = unsafe { ctx.block512::<$wr, $xr>($w0, t0) };
                     for (i, sums) in s.iter().enumerate() {
                         for (j, v) in sums.iter().enumerate() {
                             local[(t0 + j) * rows + $o + i] = *v;
@@ -90,16 +84,6 @@ pub(super) unsafe fn panel(
     );
 }
 
-/// The weights and activation rows a panel's register blocks share.
-struct Ctx<'a> {
-    w: &'a [u16],
-    k_len: usize,
-    /// Whole 32-blocks per weight row.
-    full: usize,
-    x: &'a [u16],
-    padded: usize,
-}
-
 impl Ctx<'_> {
     /// `WR` weight rows from `w0` times `XR` activation rows from `t0`.
     ///
@@ -110,7 +94,7 @@ impl Ctx<'_> {
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
-    unsafe fn block<const WR: usize, const XR: usize>(
+    unsafe fn block512<const WR: usize, const XR: usize>(
         &self,
         w0: usize,
         t0: usize,

@@ -13,7 +13,7 @@
 //! Guarantees: the bits of the portable body (the lanes are its lanes, reduced with
 //! `linear`'s tree).
 
-use super::bf16_dot::{block_of, for_blocks, Bf16Rows, BLOCK};
+use super::bf16_dot::{block_of, for_blocks, Bf16Rows, Ctx, BLOCK};
 use super::linear::avx2::reduce;
 use std::arch::x86_64::*;
 
@@ -34,13 +34,7 @@ pub(super) unsafe fn panel(
     rows: usize,
     local: &mut [f32],
 ) {
-    let ctx = Ctx {
-        w,
-        k_len,
-        full: k_len / BLOCK,
-        x: x.data(),
-        padded: x.padded(),
-    };
+    let ctx = Ctx::new(x, w, k_len);
     for_blocks(
         x.n_rows(),
         o0,
@@ -52,7 +46,7 @@ pub(super) unsafe fn panel(
                 ($wr:literal, $xr:literal, $w0:expr, $o:expr) => {{
                     // SAFETY: this CPU has AVX2 and FMA (this function's contract); the
                     // block's rows lie inside `w` and `x`.
-                    let s = unsafe { ctx.block::<$wr, $xr>($w0, t0) };
+                    let s = unsafe { ctx.block_avx2::<$wr, $xr>($w0, t0) };
                     for (i, sums) in s.iter().enumerate() {
                         for (j, v) in sums.iter().enumerate() {
                             local[(t0 + j) * rows + $o + i] = *v;
@@ -93,16 +87,6 @@ fn split(raw: __m256i) -> (__m256, __m256) {
     (_mm256_castsi256_ps(odd), _mm256_castsi256_ps(even))
 }
 
-/// The weights and activation rows a panel's register blocks share.
-struct Ctx<'a> {
-    w: &'a [u16],
-    k_len: usize,
-    /// Whole 32-blocks per weight row.
-    full: usize,
-    x: &'a [u16],
-    padded: usize,
-}
-
 impl Ctx<'_> {
     /// `WR` weight rows from `w0` times `XR` activation rows from `t0`.
     ///
@@ -111,7 +95,7 @@ impl Ctx<'_> {
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn block<const WR: usize, const XR: usize>(
+    unsafe fn block_avx2<const WR: usize, const XR: usize>(
         &self,
         w0: usize,
         t0: usize,
