@@ -867,3 +867,33 @@ fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_ho
         figures.join("\n  ")
     );
 }
+
+/// The bf16 product (`MOEC_BF16_PRODUCT=bf16`) is the CPU backend's: the device kernels keep
+/// f32 activations for bf16 weights, so `--backend cuda` refuses it, naming it, before any
+/// launch, rather than run host-side and device tasks with two arithmetics.
+#[test]
+fn the_cuda_backend_refuses_the_bf16_product() {
+    let dir = standin_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("LD_LIBRARY_PATH", loader_path(dir.path()))
+        .env("MOEC_STANDIN_CACHE", standin_cache())
+        .env("MOEC_BF16_PRODUCT", "bf16")
+        .args(["run", "schedules/cgopipe.sched", "--model", "mixtral-tiny"])
+        .args([
+            "--backend",
+            "cuda",
+            "--hw",
+            "hardware/t4.ron",
+            "--gen-len",
+            "2",
+        ])
+        .output()
+        .expect("moec runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("do not support the bf16 product (MOEC_BF16_PRODUCT=bf16"),
+        "{stderr}"
+    );
+}

@@ -195,6 +195,16 @@ impl<'c> CudaBackend<'c> {
         host: Box<dyn Backend + 'c>,
         options: &BackendOptions,
     ) -> Result<Self, CudaSetupError> {
+        // The device kernels multiply bf16 weights with f32 activations; with the CPU's bf16
+        // product selected the host-side tasks would compute another arithmetic than the
+        // device's, and the run would leave the oracle's tokens: refused before any launch.
+        if crate::model::kernels::isa::Kernels::process().bf16_dot() {
+            return Err(CudaSetupError::Unsupported(
+                "the bf16 product (MOEC_BF16_PRODUCT=bf16: its kernels keep f32 activations \
+                 for bf16 weights; unset it for --backend cuda)"
+                    .into(),
+            ));
+        }
         let device = Device::open()?;
         let call = |doing: &'static str| {
             move |e: DriverError| CudaSetupError::Call {
