@@ -1049,22 +1049,18 @@ fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
         ours.encode("The capital of France is").unwrap(),
         gguf_parity::ids(&golden["qwen3-moe"]["prompt_ids"])
     );
-    for text in [
-        "The capital of France is",
-        "I'm sure they'll say it's twelve or pi, won't they?",
-        "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
-        "émigré café naïve — “quotes” 日本語のテキスト 😀",
-        "<|endoftext|> after a special token",
-        "def f(x):\n    return x**2  # square\n",
-    ] {
-        let want = hf.encode(text, true).unwrap().get_ids().to_vec();
-        assert_eq!(ours.encode(text).unwrap(), want, "{text:?}");
-        assert_eq!(
-            ours.decode(&want).unwrap(),
-            hf.decode(&want, true).unwrap(),
-            "{text:?}"
-        );
-    }
+    encodes_as_the_hub_file(
+        &ours,
+        &hf,
+        &[
+            "The capital of France is",
+            "I'm sure they'll say it's twelve or pi, won't they?",
+            "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
+            "émigré café naïve — “quotes” 日本語のテキスト 😀",
+            "<|endoftext|> after a special token",
+            "def f(x):\n    return x**2  # square\n",
+        ],
+    );
     // Digit runs are where the file says otherwise: llama.cpp's converter labels cl100k
     // `stablelm2` (their hash texts encode alike), and llama.cpp splits `stablelm2` text with
     // Qwen2's expression, one digit per piece (`\p{N}`), where cl100k takes up to three
@@ -1104,16 +1100,31 @@ fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
         "/models/tokenizers/mixtral/tokenizer.json"
     ))
     .unwrap();
-    for text in [
-        "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
-        "émigré café naïve — “quotes” 日本語のテキスト 😀",
-        "def f(x):\n    return x**2  # square 1234567890\n",
-    ] {
-        let want = hub.encode(text, true).unwrap().get_ids().to_vec();
+    encodes_as_the_hub_file(
+        &ours,
+        &hub,
+        &[
+            "Hello,   world!\n\n\tindented\r\n  two  spaces   ",
+            "émigré café naïve — “quotes” 日本語のテキスト 😀",
+            "def f(x):\n    return x**2  # square 1234567890\n",
+        ],
+    );
+}
+
+/// Each of `texts` encodes (with the BOS the Hub file's post-processor adds, which
+/// `TextTokenizer` adds from the card) to `hub`'s ids, and those ids decode to `hub`'s text.
+fn encodes_as_the_hub_file(
+    ours: &moec::model::tokenizer::TextTokenizer,
+    hub: &tokenizers::Tokenizer,
+    texts: &[&str],
+) {
+    for text in texts {
+        let want = hub.encode(*text, true).unwrap().get_ids().to_vec();
         assert_eq!(ours.encode(text).unwrap(), want, "{text:?}");
         assert_eq!(
             ours.decode(&want).unwrap(),
-            hub.decode(&want, true).unwrap()
+            hub.decode(&want, true).unwrap(),
+            "{text:?}"
         );
     }
 }

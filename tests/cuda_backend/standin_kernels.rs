@@ -1442,14 +1442,19 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
             }
         }
     }
-    // q8_roundtrip: activation rows rounded through Q8_K and Q8_0 give the values the CPU's
+    // q8_roundtrip: activation rows rounded through Q8_K, Q8_0 and Q8_1 give the values the CPU's
     // 8-bit product multiplies (`Q8Rows::quantize(..).dequantize()`), bit for bit: random
     // rows, a block of zeros, a block whose largest magnitude comes first as -m then as +m
     // (the sign of Q8_K's scale follows the first), halves that round to even, and a block
     // whose Q8_0 scale is an f16 subnormal.
     use moec::model::quant::q8::{ActFormat, Q8Rows};
     let f = function(&modules, "activations_q8.cu", "q8_roundtrip");
-    for (act, kind) in [(ActFormat::Q8K, 0i32), (ActFormat::Q8_0, 1)] {
+    // Q8_1 (Q4_1 weights' activations) has Q8_0's codes and scale: the same kernel kind.
+    for (act, kind) in [
+        (ActFormat::Q8K, 0i32),
+        (ActFormat::Q8_0, 1),
+        (ActFormat::Q8_1, 1),
+    ] {
         let cols = 512usize;
         let mut x = rng.vec(4 * cols, 3.0);
         x[cols..2 * cols].fill(0.0);

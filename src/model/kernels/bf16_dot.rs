@@ -225,6 +225,22 @@ pub(super) fn block_of(row: &[u16], start: usize) -> [u16; BLOCK] {
     buf
 }
 
+/// A register block's sums (`sums[weight row][activation row]`, weight rows from panel
+/// row `o`, activation rows from `t0`) into `local[t * rows + o]`, as [`panel`] lays it out.
+pub(super) fn store_block<const WR: usize, const XR: usize>(
+    sums: &[[f32; XR]; WR],
+    local: &mut [f32],
+    rows: usize,
+    t0: usize,
+    o: usize,
+) {
+    for (i, row) in sums.iter().enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            local[(t0 + j) * rows + o + i] = *v;
+        }
+    }
+}
+
 /// The weights and activation rows a SIMD body's register blocks share (each body adds
 /// its own `block` method).
 pub(super) struct Ctx<'a> {

@@ -11,7 +11,7 @@
 //! order), the ragged last block is zero-padded, and the lanes are reduced with
 //! `linear`'s tree, so the bits are those of the portable body.
 
-use super::bf16_dot::{block_of, for_blocks, Bf16Rows, Ctx, BLOCK};
+use super::bf16_dot::{block_of, for_blocks, store_block, Bf16Rows, Ctx, BLOCK};
 use super::linear::avx2::reduce;
 use std::arch::x86_64::*;
 
@@ -50,11 +50,7 @@ pub(super) unsafe fn panel(
                     // block's rows lie inside `w` and `x` (`for_blocks` stays inside the
                     // panel and the activation rows).
                     let s = unsafe { ctx.block512::<$wr, $xr>($w0, t0) };
-                    for (i, sums) in s.iter().enumerate() {
-                        for (j, v) in sums.iter().enumerate() {
-                            local[(t0 + j) * rows + $o + i] = *v;
-                        }
-                    }
+                    store_block(&s, local, rows, t0, $o);
                 }};
             }
             macro_rules! rows_of {

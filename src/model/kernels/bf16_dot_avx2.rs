@@ -13,7 +13,7 @@
 //! Guarantees: the bits of the portable body (the lanes are its lanes, reduced with
 //! `linear`'s tree).
 
-use super::bf16_dot::{block_of, for_blocks, Bf16Rows, Ctx, BLOCK};
+use super::bf16_dot::{block_of, for_blocks, store_block, Bf16Rows, Ctx, BLOCK};
 use super::linear::avx2::reduce;
 use std::arch::x86_64::*;
 
@@ -47,11 +47,7 @@ pub(super) unsafe fn panel(
                     // SAFETY: this CPU has AVX2 and FMA (this function's contract); the
                     // block's rows lie inside `w` and `x`.
                     let s = unsafe { ctx.block_avx2::<$wr, $xr>($w0, t0) };
-                    for (i, sums) in s.iter().enumerate() {
-                        for (j, v) in sums.iter().enumerate() {
-                            local[(t0 + j) * rows + $o + i] = *v;
-                        }
-                    }
+                    store_block(&s, local, rows, t0, $o);
                 }};
             }
             match (wr, xr) {
