@@ -21,6 +21,12 @@
 #   offload every offload schedule at `--gpu-mem 600MB` (GPU_BENCH_OFFLOAD_BATCHES), then
 #           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
 #           for that workload and budget (`--fit`).
+#   quant   quantised weights on the GPU: every schedule on each GGUF file named in
+#           GPU_BENCH_GGUF (e.g. llama.cpp's Q4_K_M of the tiny Mixtral), `--backend cuda`
+#           against `--backend cpu` (tokens.jsonl, family `gguf:FILE`); and the mid checkpoint
+#           written by `moec quantize` (GPU_BENCH_QUANT, default experts and attention Q4_K,
+#           head Q6_K) run by `gpu_resident` at each batch (`gpu_resident_q4k` rows, beside
+#           the bf16 rows), with the CPU backend's tokens for the same file at the largest batch.
 # It writes OUT_DIR (default $OUT, else ./gpu-bench-out): devices.txt, tokens.jsonl,
 # probe.txt and probe.ron, runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
 # hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
@@ -39,7 +45,7 @@ mkdir -p "$out"
 out=$(realpath "$out")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-sections=${GPU_BENCH_SECTIONS:-probe tokens resident hf offload}
+sections=${GPU_BENCH_SECTIONS:-probe tokens quant resident hf offload}
 per_run=${GPU_BENCH_RUN_TIMEOUT:-40}
 jobs=${GPU_BENCH_JOBS:-8}
 model=${GPU_BENCH_MODEL:-mixtral-mid}
@@ -60,7 +66,7 @@ started=$(date +%s)
 
 # --- probe: this machine's profile, for the replays ------------------------------------
 if has probe; then
-    if timeout 300 "$moec" probe --backend cuda --name "probed-$hw" --size-mib "${GPU_BENCH_PROBE_MIB:-1024}" \
+    if timeout "${GPU_BENCH_PROBE_TIMEOUT:-300}" "$moec" probe --backend cuda --name "probed-$hw" --size-mib "${GPU_BENCH_PROBE_MIB:-1024}" \
         --gpu-sizes "${GPU_BENCH_PROBE_SIZES:-full}" \
         --out "$out/probe.ron" > "$out/probe.txt" 2>&1; then
         [ -n "${GPU_BENCH_HW:-}" ] || hw=$out/probe.ron
@@ -76,28 +82,37 @@ fi
     echo "moec devices: exit $?"
 } > "$out/devices.txt"
 
-# --- (a) tokens: CUDA against CPU on every tiny card -------------------------------------
-if has tokens; then
+# --- (a) tokens: CUDA against CPU on every tiny card (and each GGUF file) ---------------
+if has tokens || has quant; then
     mkdir -p "$work/tok"
-    for f in $families; do
+    token_jobs() { # LABEL WEIGHTS-FLAG: every schedule on both backends
         for s in "$root"/schedules/*.sched "$root"/schedules/baselines/*.sched; do
-            name=$(basename "$s" .sched)
-            for b in cpu cuda; do echo "$f $s $name $b"; done
+            for b in cpu cuda; do echo "$1 $2 $s $(basename "$s" .sched) $b"; done
         done
-    done > "$work/tok/jobs"
+    }
+    {
+        if has tokens; then
+            for f in $families; do token_jobs "$f" "--model=$f-tiny"; done
+        fi
+        if has quant; then
+            for g in ${GPU_BENCH_GGUF:-}; do
+                token_jobs "gguf:$(basename "$g" .gguf)" "--weights=$(realpath "$g")"
+            done
+        fi
+    } > "$work/tok/jobs"
     # Four prompts of 12 tokens, 8 new: every step kind, a few decode steps, in a second.
     # shellcheck disable=SC2016
     xargs -P "$jobs" -L 1 sh -c '
-        timeout '"$per_run"' "$0" run "$2" --model "$1-tiny" --backend "$4" --json --threads 2 \
+        timeout '"$per_run"' "$0" run "$3" "$2" --backend "$5" --json --threads 2 \
             --gen-len 8 --workload count=4,mean=12,max=12,min=12,gen=8,seed=3 \
-            > "'"$work"'/tok/$1__$3__$4.json" 2> "'"$work"'/tok/$1__$3__$4.err"
-        echo $? > "'"$work"'/tok/$1__$3__$4.rc"' "$moec" < "$work/tok/jobs"
+            > "'"$work"'/tok/$1__$4__$5.json" 2> "'"$work"'/tok/$1__$4__$5.err"
+        echo $? > "'"$work"'/tok/$1__$4__$5.rc"' "$moec" < "$work/tok/jobs"
     python3 - "$work/tok" "$out/tokens.jsonl" <<'EOF'
 import json, os, sys
 d, dest = sys.argv[1], sys.argv[2]
 rows = []
 for line in open(os.path.join(d, "jobs")):
-    fam, _, name, backend = line.split()
+    fam, _, _, name, backend = line.split()
     if backend != "cuda":
         continue
     def load(b):
@@ -129,7 +144,7 @@ EOF
 fi
 
 # --- (b) mixtral-mid on moec -------------------------------------------------------------
-if has resident || has offload || has hf; then
+if has resident || has offload || has hf || has quant; then
     "$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
         echo "moec synth failed: see $out/synth.txt" >&2
         exit 1
@@ -150,7 +165,7 @@ run() {
     esac
     local t0 t1
     t0=$(date +%s.%N)
-    timeout "$per_run" "$moec" run "$root/$sched" --weights "$work/mid" --backend cuda \
+    timeout "$per_run" "$moec" run "$root/$sched" --weights "${run_weights:-$work/mid}" --backend cuda \
         --json --hw "$hw" --gen-len 32 \
         --workload "count=$batch,mean=64,max=64,min=64,gen=32,seed=1" \
         "${capargs[@]}" "${trace[@]}" "$@" > "$work/report" 2> "$work/err"
@@ -173,6 +188,49 @@ if has resident; then
     for b in $batches; do
         run gpu_resident schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
     done
+fi
+
+# --- (b') the mid checkpoint quantised by moec, resident on the GPU ---------------------------
+if has quant; then
+    if timeout 300 "$moec" quantize --weights "$work/mid" --out "$work/mid-q.gguf" \
+        --weight-format "${GPU_BENCH_QUANT:-experts=q4_k,attention=q4_k,head=q6_k}" \
+        > "$out/quantize.txt" 2>&1; then
+        last=
+        for b in $batches; do
+            run_weights=$work/mid-q.gguf run gpu_resident_q4k schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
+            last=$b
+        done
+        # The same file on the CPU backend (all cores), for its tokens at the largest batch.
+        timeout 120 "$moec" run "$root/schedules/baselines/resident.sched" --weights "$work/mid-q.gguf" \
+            --json --gen-len 32 --set "ubs=$last" --set n_ub=1 \
+            --workload "count=$last,mean=64,max=64,min=64,gen=32,seed=1" > "$work/cpu-q.json" 2> "$out/cpu-q.err"
+        python3 - "$work/cpu-q.json" "$out/runs.jsonl" "$last" > "$out/quant-tokens.txt" <<'EOF'
+import json, sys
+cpu_path, runs_path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    cpu = [o["token_ids"] for o in json.load(open(cpu_path))["outputs"]]
+except Exception as e:
+    print(f"mid quantised, batch {batch}: the CPU run gave no report ({e})")
+    sys.exit(0)
+for line in open(runs_path):
+    r = json.loads(line)
+    if r["name"] == "gpu_resident_q4k" and r["batch"] == batch and r.get("report"):
+        gpu = [o["token_ids"] for o in r["report"]["outputs"]]
+        same = sum(a == b for x, y in zip(cpu, gpu) for a, b in zip(x, y))
+        total = sum(len(x) for x in cpu)
+        seqs = sum(x == y for x, y in zip(cpu, gpu))
+        first = sorted(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                       for x, y in zip(cpu, gpu))
+        print(f"mid quantised, batch {batch}: cuda gpu_resident vs cpu resident: "
+              f"{same}/{total} token positions equal, {seqs}/{len(cpu)} sequences identical; "
+              f"first differing position per sequence (sorted, {len(cpu[0]) if cpu else 0} = none): {first}")
+        break
+else:
+    print(f"mid quantised, batch {batch}: no CUDA report to compare")
+EOF
+    else
+        echo "moec quantize failed (exit $?): see quantize.txt" > "$out/quant-tokens.txt"
+    fi
 fi
 
 # --- (c) Hugging Face transformers on the same GPU -----------------------------------------

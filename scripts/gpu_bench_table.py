@@ -59,7 +59,8 @@ def main() -> int:
         verdicts = defaultdict(int)
         for t in tokens:
             verdicts[t["verdict"]] += 1
-        print("\n(a) tokens, --backend cuda against --backend cpu (tiny cards, 4 prompts, 8 new):")
+        print("\n(a) tokens, --backend cuda against --backend cpu (tiny cards and GGUF files, 4 "
+              "prompts, 8 new):")
         print("    " + ", ".join(f"{v}: {n}" for v, n in sorted(verdicts.items())))
         by_family = defaultdict(lambda: defaultdict(int))
         for t in tokens:
@@ -71,6 +72,13 @@ def main() -> int:
                 why = (t["cuda_stderr"] or t["cpu_stderr"]).strip().splitlines()
                 print(f"    {t['family']:12} {t['schedule']:18} {t['verdict']}: "
                       f"{why[-1][:150] if why else ''}")
+
+    for name in ("quantize.txt", "quant-tokens.txt"):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            print(f"\n{name}:")
+            for line in open(path).read().splitlines()[-6:]:
+                print("    " + line)
 
     runs = lines(os.path.join(out, "runs.jsonl"))
     hf = lines(os.path.join(out, "hf.jsonl"))
@@ -129,9 +137,15 @@ def main() -> int:
                          f"{best[0] / hf_tps[('hf-offload', b)]:.2f}x")
             print(line)
 
+        for b in sorted({r["batch"] for r in ok if r["name"] == "gpu_resident_q4k"}):
+            tps = {r["name"]: generation_tps(r["report"]) for r in ok if r["batch"] == b}
+            if tps.get("gpu_resident_q4k") and tps.get("gpu_resident"):
+                print(f"    batch {b:3}: gpu_resident quantised / bf16 = "
+                      f"{tps['gpu_resident_q4k'] / tps['gpu_resident']:.2f}x")
+
         print("\n    gpu_resident decode step by op (ms per step, measured / predicted):")
         for r in ok:
-            if r["name"] != "gpu_resident":
+            if not r["name"].startswith("gpu_resident"):
                 continue
             k = decode_kind(r["report"]["predicted"])
             if not k:
@@ -141,7 +155,7 @@ def main() -> int:
             cells = ", ".join(
                 f"{o['op']} {o['measured_seconds'] / steps * 1e3:.2f}/"
                 f"{o['predicted_seconds'] / steps * 1e3:.2f}" for o in ops)
-            print(f"    batch {r['batch']:3}: {cells}")
+            print(f"    {r['name']:16} batch {r['batch']:3}: {cells}")
     return 0
 
 
