@@ -198,11 +198,53 @@ extern "C" __global__ void moe_grouped_linear(
 // Launch: grid (max tiles, ceil(out / MOE_GEMV_WARPS)), block 32 * MOE_GEMV_WARPS.
 #define MOE_GEMV_WARPS 8
 
-__device__ __forceinline__ void moe_load8(const void* base, long long i, int dtype, float* v) {
-    if (dtype >= 3) {
-        moec_quant_load(base, i, dtype, 8, v);
+// Eight Q4_K weights e0 .. e0 + 7 (e0 a multiple of 8) of the block at b, which is 4-byte
+// aligned: moec_quant_decode's values (the same scale, min and rounded products) from
+// word loads instead of 20 byte loads, the bytes picked out of registers.
+__device__ __forceinline__ void moec_q4k_decode8_words(const unsigned char* b, int e0, float* v) {
+    const int j = e0 / 32;
+    const unsigned int dm = *(const unsigned int*)b;
+    const unsigned int s0 = *(const unsigned int*)(b + 4);
+    const unsigned int s1 = *(const unsigned int*)(b + 8);
+    const unsigned int s2 = *(const unsigned int*)(b + 12);
+    // Byte n (0..12) of the packed scales, n known per lane only at run time.
+#define MOEC_SCALE_BYTE(n) ((((n) < 4 ? s0 : ((n) < 8 ? s1 : s2)) >> (8 * ((n) & 3))) & 0xffu)
+    int sc, m;
+    if (j < 4) {
+        sc = (int)(MOEC_SCALE_BYTE(j) & 63u);
+        m = (int)(MOEC_SCALE_BYTE(j + 4) & 63u);
+    } else {
+        sc = (int)((MOEC_SCALE_BYTE(j + 4) & 0x0fu) | ((MOEC_SCALE_BYTE(j - 4) >> 6) << 4));
+        m = (int)((MOEC_SCALE_BYTE(j + 4) >> 4) | ((MOEC_SCALE_BYTE(j) >> 6) << 4));
+    }
+#undef MOEC_SCALE_BYTE
+    const float scale = __fmul_rn(moec_f16_to_f32((unsigned short)(dm & 0xffffu)), (float)sc);
+    const float min = __fmul_rn(moec_f16_to_f32((unsigned short)(dm >> 16)), (float)m);
+    const unsigned char* qs = b + 16 + 32 * (j / 2) + e0 % 32;
+    const unsigned int q[2] = {*(const unsigned int*)qs, *(const unsigned int*)(qs + 4)};
+    const int shift = 4 * (j % 2);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int code = (int)((q[i / 4] >> (8 * (i % 4) + shift)) & 0x0fu);
+        v[i] = __fsub_rn(__fmul_rn(scale, (float)code), min);
+    }
+}
+
+// Eight weights i .. i + 7 (i a multiple of 8) of a matrix in format DT, known when the
+// kernel is compiled, so the block size divides by a constant and the format's branch is
+// the only code left. `aligned`: the matrix starts on a 16-byte boundary (then every Q4_K
+// block, 144 bytes, starts on one too).
+template <int DT>
+__device__ __forceinline__ void moe_load8(const void* base, long long i, bool aligned, float* v) {
+    if (DT == 4 && aligned) {
+        moec_q4k_decode8_words((const unsigned char*)base + (i / 256) * 144, (int)(i % 256), v);
         return;
     }
+    if (DT >= 3) {
+        moec_quant_load(base, i, DT, 8, v);
+        return;
+    }
+    const int dtype = DT;
     if (dtype == 2) {
         const float4 a = *(const float4*)((const float*)base + i);
         const float4 b = *(const float4*)((const float*)base + i + 4);
@@ -225,8 +267,11 @@ __device__ __forceinline__ void moe_load8(const void* base, long long i, int dty
 // inputs (16-byte weight loads where the row starts and `x` allow) and the partial sums
 // reduced across the warp: lane r (< rows) gets row r's sum. Every lane of the warp calls
 // it with the same `rows`.
-__device__ float moe_warp_rows_dot(const void* w, long long row, int dtype, const float* x,
-                                   const long long* src, int rows, int in_dim, int lane) {
+template <int DT>
+__device__ float moe_warp_rows_dot_t(const void* w, long long row, const float* x,
+                                     const long long* src, int rows, int in_dim, int lane) {
+    const int dtype = DT;
+    const bool aligned = (unsigned long long)w % 16 == 0;
     float acc[MOE_TILE_M];
 #pragma unroll
     for (int r = 0; r < MOE_TILE_M; ++r) {
@@ -235,12 +280,12 @@ __device__ float moe_warp_rows_dot(const void* w, long long row, int dtype, cons
     // 16-byte loads need 8-element alignment of every row start (in_dim % 8 == 0) and of
     // the matrix itself; otherwise one element at a time. Quantised rows are whole blocks
     // (multiples of 32 weights) read bytewise, 8 weights of one sub-block per lane and step.
-    const bool vec = (in_dim % 8 == 0) && (dtype >= 3 || (unsigned long long)w % 16 == 0)
+    const bool vec = (in_dim % 8 == 0) && (dtype >= 3 || aligned)
                      && ((unsigned long long)x % 16 == 0);
     if (vec) {
         for (int k = lane * 8; k < in_dim; k += 256) {
             float wv[8];
-            moe_load8(w, row + k, dtype, wv);
+            moe_load8<DT>(w, row + k, aligned, wv);
 #pragma unroll
             for (int r = 0; r < MOE_TILE_M; ++r) {
                 if (r < rows) {
@@ -280,6 +325,25 @@ __device__ float moe_warp_rows_dot(const void* w, long long row, int dtype, cons
         }
     }
     return v;
+}
+
+// moe_warp_rows_dot_t for the format code `dtype` (prelude.cuh's codes 0-9): one copy of
+// the loop per format, so no lane decodes through a run-time switch or divides by a
+// run-time block size. The products are those of the generic loop, bit for bit.
+__device__ float moe_warp_rows_dot(const void* w, long long row, int dtype, const float* x,
+                                   const long long* src, int rows, int in_dim, int lane) {
+    switch (dtype) {
+    case 0: return moe_warp_rows_dot_t<0>(w, row, x, src, rows, in_dim, lane);
+    case 1: return moe_warp_rows_dot_t<1>(w, row, x, src, rows, in_dim, lane);
+    case 2: return moe_warp_rows_dot_t<2>(w, row, x, src, rows, in_dim, lane);
+    case 3: return moe_warp_rows_dot_t<3>(w, row, x, src, rows, in_dim, lane);
+    case 4: return moe_warp_rows_dot_t<4>(w, row, x, src, rows, in_dim, lane);
+    case 5: return moe_warp_rows_dot_t<5>(w, row, x, src, rows, in_dim, lane);
+    case 6: return moe_warp_rows_dot_t<6>(w, row, x, src, rows, in_dim, lane);
+    case 7: return moe_warp_rows_dot_t<7>(w, row, x, src, rows, in_dim, lane);
+    case 8: return moe_warp_rows_dot_t<8>(w, row, x, src, rows, in_dim, lane);
+    default: return moe_warp_rows_dot_t<9>(w, row, x, src, rows, in_dim, lane);
+    }
 }
 
 extern "C" __global__ void moe_grouped_gemv(
