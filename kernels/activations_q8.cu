@@ -14,7 +14,9 @@
 // Layout: x holds rows `x_row` floats apart, each `heads` slices of `width` values `x_head`
 // floats apart (a plain product: heads 1, width = x_row); y is those slices packed,
 // [rows, heads, width]. `width` is whole blocks.
-// Launch: any 1-D grid, one thread per block of values, grid-stride over `n_blocks`.
+// Launch: any 1-D grid of whole warps, one warp per block of values (8 values a lane for
+// Q8_K, 1 for Q8_0), grid-stride over `n_blocks`. (A thread per block, as first written, left
+// a decode step's 1024-value rows to 4 threads: 24 us a launch on an H100.)
 
 // ggml's nearest_int: round half to even through the 1.5 * 2^23 trick (src/model/quant/q8.rs).
 __device__ __forceinline__ int moec_nearest_int(float v) {
@@ -54,43 +56,76 @@ extern "C" __global__ void q8_roundtrip(
     long long n_blocks,
     int kind) {
     const int block = kind == 0 ? 256 : 32;
+    const int per_lane = block / 32;
+    const int lane = threadIdx.x & 31;
     const long long per_head = width / block;
-    for (long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks;
-         b += (long long)gridDim.x * blockDim.x) {
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long b = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < n_blocks;
+         b += warps) {
         const long long r = b / (per_head * heads);
         const long long h = (b / per_head) % heads;
-        const float* xb = x + r * x_row + h * x_head + (b % per_head) * block;
-        float* yb = y + b * block;
+        const float* xb = x + r * x_row + h * x_head + (b % per_head) * block + lane * per_lane;
+        float* yb = y + b * block + lane * per_lane;
+        // The block's first value of largest magnitude (as the CPU's in-order scan finds
+        // it): each lane scans its own values in order, then the warp keeps the larger
+        // magnitude, the lower index on a tie. A total order, so every lane ends with the
+        // same (amax, max); NaN never wins a comparison, as in the scan.
+        float v[8];
         float amax = 0.0f;
         float max = 0.0f;
-        for (int i = 0; i < block; ++i) {
-            const float a = fabsf(xb[i]);
-            if (a > amax) {
-                amax = a;
-                max = xb[i];
+        int at = block;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (i < per_lane) {
+                v[i] = xb[i];
+                const float a = fabsf(v[i]);
+                if (a > amax) {
+                    amax = a;
+                    max = v[i];
+                    at = lane * per_lane + i;
+                }
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float other_amax = __shfl_xor_sync(0xffffffffu, amax, off);
+            const float other_max = __shfl_xor_sync(0xffffffffu, max, off);
+            const int other_at = __shfl_xor_sync(0xffffffffu, at, off);
+            if (other_amax > amax || (other_amax == amax && other_at < at)) {
+                amax = other_amax;
+                max = other_max;
+                at = other_at;
             }
         }
         if (kind == 0) {
             if (amax == 0.0f) {
-                for (int i = 0; i < block; ++i) {
-                    yb[i] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (i < per_lane) {
+                        yb[i] = 0.0f;
+                    }
                 }
                 continue;
             }
             const float iscale = -127.0f / max;
             const float scale = 1.0f / iscale;
-            for (int i = 0; i < block; ++i) {
-                const int n = moec_nearest_int(__fmul_rn(iscale, xb[i]));
-                const int q = n < 127 ? n : 127;
-                yb[i] = __fmul_rn(scale, (float)(signed char)q);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (i < per_lane) {
+                    const int n = moec_nearest_int(__fmul_rn(iscale, v[i]));
+                    const int q = n < 127 ? n : 127;
+                    yb[i] = __fmul_rn(scale, (float)(signed char)q);
+                }
             }
         } else {
             const float d = moec_round_f16(amax / 127.0f);
             const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < block; ++i) {
-                // Through an integer, as the CPU's i8 codes: -0.4 gives code 0, not -0.
-                const int r = (int)fminf(127.0f, fmaxf(-128.0f, rintf(__fmul_rn(xb[i], id))));
-                yb[i] = __fmul_rn(d, (float)r);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (i < per_lane) {
+                    // Through an integer, as the CPU's i8 codes: -0.4 gives code 0, not -0.
+                    const int q = (int)fminf(127.0f, fmaxf(-128.0f, rintf(__fmul_rn(v[i], id))));
+                    yb[i] = __fmul_rn(d, (float)q);
+                }
             }
         }
     }

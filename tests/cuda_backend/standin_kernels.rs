@@ -1444,8 +1444,9 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
     }
     // q8_roundtrip: activation rows rounded through Q8_K, Q8_0 and Q8_1 give the values the CPU's
     // 8-bit product multiplies (`Q8Rows::quantize(..).dequantize()`), bit for bit: random
-    // rows, a block of zeros, a block whose largest magnitude comes first as -m then as +m
-    // (the sign of Q8_K's scale follows the first), halves that round to even, and a block
+    // rows, a block of zeros, blocks whose largest magnitude comes first as -m then as +m
+    // (the sign of Q8_K's scale follows the first; in one lane and across lanes of the
+    // kernel's warp per block), halves that round to even, and a block
     // whose Q8_0 scale is an f16 subnormal.
     use moec::model::quant::q8::{ActFormat, Q8Rows};
     let f = function(&modules, "activations_q8.cu", "q8_roundtrip");
@@ -1460,6 +1461,9 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
         x[cols..2 * cols].fill(0.0);
         x[2 * cols] = -2.0;
         x[2 * cols + 7] = 2.0;
+        // The same tie across two lanes of the kernel's warp (values 9 and 200 of a Q8_K block).
+        x[2 * cols + 256 + 9] = -5.0;
+        x[2 * cols + 256 + 200] = 5.0;
         for (i, v) in x[2 * cols + 8..2 * cols + 40].iter_mut().enumerate() {
             *v = (i as f32 - 16.0) / 127.0 * 2.0 + 1.0 / 127.0;
         }
@@ -1489,7 +1493,7 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
                 .arg(&mut y_dev)
                 .arg(&blocks)
                 .arg(&kind)
-                .launch(cfg((2, 1, 1), 32, 0))
+                .launch(cfg((2, 1, 1), 64, 0))
         }
         .expect("launch");
         let y = stream.clone_dtoh(&y_dev).expect("dtoh");

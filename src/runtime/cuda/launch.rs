@@ -606,9 +606,10 @@ impl StreamCx<'_> {
             ActFormat::Q8K => 0,
             _ => 1,
         };
+        // One warp per block of values.
         self.launch_1d(
             "q8_roundtrip",
-            blocks,
+            blocks * 32,
             &[
                 Arg::Ptr(x.0),
                 Arg::I64(x.1 as i64),
