@@ -445,6 +445,17 @@ fn quantize_k_formats_write_llama_quantizes_bytes_and_llama_cpp_runs_them() {
     quantize_writes_llama_quantizes_bytes("q6_k", "pure-Q6_K");
 }
 
+/// `moec quantize --mix q4_k_m` (`q4_k_s`, `q5_k_m`) gives `llama-quantize FILE Q4_K_M`'s
+/// file (`Q4_K_S`, `Q5_K_M`): each tensor in the type llama.cpp's rules pick (on this
+/// 2-layer model: output Q6_K, layer 1's attention V and FFN down Q6_K for the M mixes,
+/// both layers' attention V Q5_K for Q4_K_S) and with its bytes; llama.cpp runs it.
+#[test]
+fn quantize_mix_writes_llama_quantizes_types_and_bytes() {
+    quantize_matches_llama_quantize(&["--mix", "q4_k_m"], "Q4_K_M");
+    quantize_matches_llama_quantize(&["--mix", "q4_k_s"], "Q4_K_S");
+    quantize_matches_llama_quantize(&["--mix", "q5_k_m"], "Q5_K_M");
+}
+
 /// Compares `moec quantize --all FORMAT` with the fixture `mixtral-q4-{stem}.gguf`, and
 /// llama.cpp's tokens on it with `llama-{stem}.json`.
 fn quantize_writes_llama_quantizes_bytes(format: &str, stem: &str) {

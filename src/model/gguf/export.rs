@@ -24,6 +24,18 @@ use crate::model::names::{head_names, segment_source, Source};
 use crate::model::quant::{encode::quantize_row, QuantFormat};
 use std::path::Path;
 
+pub mod mix;
+pub use mix::Mix;
+
+/// How [`export`] picks each tensor's type.
+#[derive(Debug, Clone)]
+pub enum Types {
+    /// A format per weight class (unnamed classes keep the checkpoint's dtype).
+    Classes(WeightFormats),
+    /// llama-quantize's rules for one of its K-quant file types ([`mix::mix_types`]).
+    Mix(Mix),
+}
+
 /// Why a checkpoint cannot be written as GGUF.
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -113,7 +125,7 @@ fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
 }
 
 /// The `llama` architecture's hyper-parameter keys, from the card.
-fn arch_metadata(arch: &ArchSpec, name: &str, experts: Storage) -> Vec<(String, MetaValue)> {
+fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
     let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
     vec![
         (
@@ -143,10 +155,7 @@ fn arch_metadata(arch: &ArchSpec, name: &str, experts: Storage) -> Vec<(String, 
         u("vocab_size", arch.vocab),
         u("rope.dimension_count", arch.attn.head_dim),
         ("general.quantization_version".into(), MetaValue::U32(2)),
-        (
-            "general.file_type".into(),
-            MetaValue::U32(file_type(experts)),
-        ),
+        ("general.file_type".into(), MetaValue::U32(file_type)),
     ]
 }
 
@@ -328,23 +337,13 @@ fn plan(
             }
             _ => formats.storage(dtype, tensor),
         };
-        let entry = TensorEntry {
+        entries.push(TensorEntry {
             name,
             dims,
             ggml_type: ggml_type(storage, tensor.is_vector()),
-        };
-        if entry.bytes().is_none() {
-            return Err(ExportError::Unsupported(format!(
-                "tensor `{}`: rows of {} values are not whole {} blocks; keep its class in a \
-                 float format",
-                entry.name,
-                entry.dims.first().copied().unwrap_or(0),
-                storage.name()
-            )));
-        }
-        entries.push(entry);
+        });
         origins.push(origin);
-        Ok(())
+        Ok::<(), ExportError>(())
     };
     let whole = |name: &str, shape: Vec<usize>| Origin::Whole {
         src: Source {
@@ -445,6 +444,41 @@ fn plan(
     Ok((entries, origins))
 }
 
+/// Every entry's size, or an error naming the first whose rows are not whole blocks of
+/// its type.
+fn check_blocks(entries: &[TensorEntry]) -> Result<(), ExportError> {
+    match entries.iter().find(|e| e.bytes().is_none()) {
+        None => Ok(()),
+        Some(entry) => Err(ExportError::Unsupported(format!(
+            "tensor `{}`: rows of {} values are not whole {} blocks; keep its class in a \
+             float format",
+            entry.name,
+            entry.dims.first().copied().unwrap_or(0),
+            type_name(entry.ggml_type)
+        ))),
+    }
+}
+
+/// Retypes `entries` by `mix`'s rules (the tensors llama-quantize does not quantise keep
+/// theirs).
+fn apply_mix(arch: &ArchSpec, mix: Mix, entries: &mut [TensorEntry]) -> Result<(), ExportError> {
+    let table: Vec<(&str, &[u64])> = entries
+        .iter()
+        .map(|e| (e.name.as_str(), e.dims.as_slice()))
+        .collect();
+    let model = mix::MixModel {
+        experts: arch.experts,
+        layers: arch.layers,
+    };
+    let types = mix::mix_types(mix, model, &table).map_err(ExportError::Unsupported)?;
+    for (entry, ty) in entries.iter_mut().zip(types) {
+        if let Some(storage) = ty {
+            entry.ggml_type = ggml_type(storage, false);
+        }
+    }
+    Ok(())
+}
+
 /// The values of one tensor in GGUF order (stacked, rows permuted where the converter
 /// permutes them).
 fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, WriteError> {
@@ -504,7 +538,7 @@ fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteEr
 /// each tensor's name as it is written.
 pub fn export(
     ckpt: &Checkpoint,
-    formats: &WeightFormats,
+    types: &Types,
     name: &str,
     out: &Path,
     mut progress: impl FnMut(usize, usize, &str),
@@ -518,15 +552,27 @@ pub fn export(
             arch.family
         )));
     }
+    let floats = WeightFormats::default();
+    let formats = match types {
+        Types::Classes(formats) => formats,
+        Types::Mix(_) => &floats,
+    };
     if let Err(e) = formats.check(arch, ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));
     }
-    let (entries, origins) = plan(ckpt, formats)?;
-    let experts = formats.storage(
-        ckpt.card().dtype,
-        WeightTensor::layer(SegmentKind::ExpertGate(0)),
-    );
-    let mut metadata = arch_metadata(arch, name, experts);
+    let (mut entries, origins) = plan(ckpt, formats)?;
+    let file_type = match types {
+        Types::Classes(formats) => file_type(formats.storage(
+            ckpt.card().dtype,
+            WeightTensor::layer(SegmentKind::ExpertGate(0)),
+        )),
+        Types::Mix(mix) => {
+            apply_mix(arch, *mix, &mut entries)?;
+            mix.file_type()
+        }
+    };
+    check_blocks(&entries)?;
+    let mut metadata = arch_metadata(arch, name, file_type);
     metadata.extend(vocab_metadata(ckpt, arch.vocab)?);
     let total = entries.len();
     write_gguf(out, &metadata, &entries, |i| {
