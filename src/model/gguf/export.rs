@@ -14,6 +14,7 @@
 //! not whole blocks of its format, a family or tokenizer it cannot write, or a missing
 //! tensor is one error naming it; the file is written atomically ([`super::write`]).
 
+use super::llama::{place, Place};
 use super::write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_BF16, GGML_F16, GGML_F32};
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, WeightDtype};
@@ -24,6 +25,7 @@ use crate::model::names::{head_names, segment_source, Source};
 use crate::model::quant::{encode::quantize_row, QuantFormat};
 use std::path::Path;
 
+mod gpt2;
 pub mod mix;
 pub use mix::Mix;
 
@@ -157,6 +159,149 @@ fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, Me
         ("general.quantization_version".into(), MetaValue::U32(2)),
         ("general.file_type".into(), MetaValue::U32(file_type)),
     ]
+}
+
+/// llama.cpp's architecture name for the families moec writes.
+fn gguf_arch(family: Family) -> Option<&'static str> {
+    match family {
+        Family::Mixtral => Some("llama"),
+        Family::Qwen3Moe => Some("qwen3moe"),
+        Family::Qwen2Moe => Some("qwen2moe"),
+        Family::Olmoe => Some("olmoe"),
+        _ => None,
+    }
+}
+
+/// The hyper-parameter keys `convert_hf_to_gguf.py`'s `TextModel.set_gguf_parameters`
+/// (and the Qwen2-MoE/Qwen3-MoE and OLMoE subclasses) write from `config.json`: each key
+/// from the first of the config names the converter tries, written only when the config
+/// has it. Rope scaling and expert scoring functions, which these families' configs do
+/// not set, are an error rather than left out.
+fn text_metadata(
+    ckpt: &Checkpoint,
+    arch_name: &str,
+    family: Family,
+    name: &str,
+    file_type: u32,
+) -> Result<Vec<(String, MetaValue)>, ExportError> {
+    let path = ckpt.dir().join("config.json");
+    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let find = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| config.get(*k).filter(|v| !v.is_null()))
+    };
+    let mut meta: Vec<(String, MetaValue)> = vec![
+        (
+            "general.architecture".into(),
+            MetaValue::Str(arch_name.into()),
+        ),
+        ("general.type".into(), MetaValue::Str("model".into())),
+        ("general.name".into(), MetaValue::Str(name.into())),
+    ];
+    let mut u = |key: &str, keys: &[&str]| -> Result<(), ExportError> {
+        if let Some(v) = find(keys) {
+            let v = v
+                .as_u64()
+                .ok_or_else(|| bad(format!("`{}` is not a count", keys[0])))?;
+            meta.push((format!("{arch_name}.{key}"), MetaValue::U32(v as u32)));
+        }
+        Ok(())
+    };
+    u(
+        "block_count",
+        &["num_hidden_layers", "n_layers", "n_layer", "num_layers"],
+    )?;
+    u(
+        "context_length",
+        &[
+            "max_position_embeddings",
+            "n_ctx",
+            "n_positions",
+            "max_length",
+            "max_sequence_length",
+            "model_max_length",
+        ],
+    )?;
+    u("embedding_length", &["hidden_size", "n_embd", "dim"])?;
+    u(
+        "feed_forward_length",
+        &[
+            "prefix_dense_intermediate_size",
+            "dense_intermediate_size",
+            "intermediate_size",
+            "n_inner",
+            "hidden_dim",
+        ],
+    )?;
+    u(
+        "attention.head_count",
+        &["num_attention_heads", "n_head", "n_heads"],
+    )?;
+    u(
+        "attention.head_count_kv",
+        &["num_key_value_heads", "n_kv_heads"],
+    )?;
+    u(
+        "expert_count",
+        &["num_local_experts", "num_experts", "n_routed_experts"],
+    )?;
+    u(
+        "expert_used_count",
+        &[
+            "num_experts_per_tok",
+            "num_experts_per_token",
+            "top_k_experts",
+        ],
+    )?;
+    u("expert_group_count", &["n_group"])?;
+    u("expert_group_used_count", &["topk_group"])?;
+    u("attention.key_length", &["head_dim"])?;
+    u("attention.value_length", &["head_dim"])?;
+    if family != Family::Olmoe {
+        u("expert_feed_forward_length", &["moe_intermediate_size"])?;
+        u(
+            "expert_shared_feed_forward_length",
+            &["shared_expert_intermediate_size"],
+        )?;
+    }
+    for key in [
+        "rope_scaling",
+        "score_function",
+        "scoring_func",
+        "score_func",
+        "sliding_window_pattern",
+    ] {
+        if find(&[key]).is_some() {
+            return Err(bad(format!(
+                "`{key}` is set: moec quantize does not write its llama.cpp keys"
+            )));
+        }
+    }
+    let f = |keys: &[&str]| find(keys).and_then(serde_json::Value::as_f64);
+    let theta = f(&["rope_theta"]).or_else(|| config["rope_parameters"]["rope_theta"].as_f64());
+    if let Some(theta) = theta {
+        meta.push((
+            format!("{arch_name}.rope.freq_base"),
+            MetaValue::F32(theta as f32),
+        ));
+    }
+    // OLMoE's converter writes 1e-5 whatever the config says.
+    let eps = if family == Family::Olmoe {
+        Some(1e-5)
+    } else {
+        f(&["rms_norm_eps", "norm_eps"])
+    };
+    if let Some(eps) = eps {
+        meta.push((
+            format!("{arch_name}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(eps as f32),
+        ));
+    }
+    meta.push(("general.file_type".into(), MetaValue::U32(file_type)));
+    meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    Ok(meta)
 }
 
 /// The vocabulary keys as the converter's `LlamaHfVocab` writes them from `tokenizer.json`
@@ -325,7 +470,7 @@ fn plan(
 ) -> Result<(Vec<TensorEntry>, Vec<Origin>), ExportError> {
     let arch = ckpt.arch();
     let dtype = ckpt.card().dtype;
-    let (d, f, e, vocab) = (arch.hidden, arch.ffn, arch.experts, arch.vocab);
+    let (d, e, vocab) = (arch.hidden, arch.experts, arch.vocab);
     let mut entries = Vec::new();
     let mut origins = Vec::new();
     let mut add = |name: String, dims: Vec<u64>, tensor: WeightTensor, origin: Origin| {
@@ -337,10 +482,13 @@ fn plan(
             }
             _ => formats.storage(dtype, tensor),
         };
+        // A 1-D tensor is f32 whatever its class: the converter writes them so and
+        // llama-quantize quantises only matrices.
+        let vector = tensor.is_vector() || dims.len() == 1;
         entries.push(TensorEntry {
+            ggml_type: ggml_type(storage, vector),
             name,
             dims,
-            ggml_type: ggml_type(storage, tensor.is_vector()),
         });
         origins.push(origin);
         Ok::<(), ExportError>(())
@@ -353,7 +501,7 @@ fn plan(
         },
         permute_heads: None,
     };
-    let (embed, norm) = head_names(Family::Mixtral);
+    let (embed, norm) = head_names(arch.family);
     add(
         "token_embd.weight".into(),
         vec![d as u64, vocab as u64],
@@ -375,70 +523,55 @@ fn plan(
         )?;
     }
     for layer in 0..arch.layers {
-        let b = |t: &str| format!("blk.{layer}.{t}.weight");
-        let mut stacks: [Vec<Source>; 3] = Default::default();
+        // Merged expert tensors in the order their first expert appears, each expert's
+        // rows at its index.
+        let mut stacks: Vec<(String, WeightTensor, Vec<Option<Source>>)> = Vec::new();
         for kind in LayerLayout::kinds(arch, layer) {
             let src = segment_source(arch, layer, kind);
             let dims: Vec<u64> = src.shape.iter().rev().map(|&x| x as u64).collect();
             let tensor = WeightTensor::layer(kind);
-            let (name, heads) = match kind {
-                SegmentKind::AttnNorm => (b("attn_norm"), None),
-                SegmentKind::FfnNorm => (b("ffn_norm"), None),
-                SegmentKind::QProj => (b("attn_q"), Some(arch.attn.heads)),
-                SegmentKind::KProj => (b("attn_k"), Some(arch.attn.kv_heads)),
-                SegmentKind::VProj => (b("attn_v"), None),
-                SegmentKind::OProj => (b("attn_output"), None),
-                SegmentKind::Router => (b("ffn_gate_inp"), None),
-                SegmentKind::ExpertGate(_) => {
-                    stacks[0].push(src);
-                    continue;
+            match place(arch, layer, kind) {
+                Some(Place::Whole(name, permute_heads)) => {
+                    // The converter squeezes Qwen2-MoE's `[1, hidden]` shared-expert gate
+                    // to a vector.
+                    let dims = if kind == SegmentKind::SharedExpertGate {
+                        dims.into_iter().filter(|&x| x != 1).collect()
+                    } else {
+                        dims
+                    };
+                    add(name, dims, tensor, Origin::Whole { src, permute_heads })?;
                 }
-                SegmentKind::ExpertUp(_) => {
-                    stacks[1].push(src);
-                    continue;
+                Some(Place::Expert(name, x, _, _)) => {
+                    let at = match stacks.iter().position(|(n, _, _)| *n == name) {
+                        Some(at) => at,
+                        None => {
+                            stacks.push((name, tensor, vec![None; e]));
+                            stacks.len() - 1
+                        }
+                    };
+                    if let Some(slot) = stacks[at].2.get_mut(x) {
+                        *slot = Some(src);
+                    }
                 }
-                SegmentKind::ExpertDown(_) => {
-                    stacks[2].push(src);
-                    continue;
-                }
-                other => {
+                _ => {
                     return Err(ExportError::Unsupported(format!(
-                        "layer {layer}: a {other:?} segment has no tensor in llama.cpp's `llama` \
-                         architecture"
+                        "layer {layer}: moec quantize does not write the {kind:?} segment as \
+                         llama.cpp's converter does (DeepSeek's MLA `kv_b_proj` split is not \
+                         implemented)"
                     )))
                 }
-            };
-            add(
-                name,
-                dims,
-                tensor,
-                Origin::Whole {
-                    src,
-                    permute_heads: heads,
-                },
-            )?;
-        }
-        for (i, (gguf, dims, kind)) in [
-            ("ffn_gate_exps", [d, f, e], SegmentKind::ExpertGate(0)),
-            ("ffn_up_exps", [d, f, e], SegmentKind::ExpertUp(0)),
-            ("ffn_down_exps", [f, d, e], SegmentKind::ExpertDown(0)),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let sources = std::mem::take(&mut stacks[i]);
-            if sources.len() != e {
-                return Err(ExportError::Unsupported(format!(
-                    "layer {layer}: {} experts' `{gguf}` tensors, the card has {e}",
-                    sources.len()
-                )));
             }
-            add(
-                b(gguf),
-                dims.iter().map(|&x| x as u64).collect(),
-                WeightTensor::layer(kind),
-                Origin::Stacked(sources),
-            )?;
+        }
+        for (name, tensor, sources) in stacks {
+            let sources: Option<Vec<Source>> = sources.into_iter().collect();
+            let Some(sources) = sources else {
+                return Err(ExportError::Unsupported(format!(
+                    "layer {layer}: `{name}` lacks some of the card's {e} experts"
+                )));
+            };
+            let mut dims: Vec<u64> = sources[0].shape.iter().rev().map(|&x| x as u64).collect();
+            dims.push(e as u64);
+            add(name, dims, tensor, Origin::Stacked(sources))?;
         }
     }
     Ok((entries, origins))
@@ -544,14 +677,14 @@ pub fn export(
     mut progress: impl FnMut(usize, usize, &str),
 ) -> Result<ExportSummary, ExportError> {
     let arch = ckpt.arch();
-    if arch.family != Family::Mixtral {
+    let Some(arch_name) = gguf_arch(arch.family) else {
         return Err(ExportError::Unsupported(format!(
-            "{}: a {:?}-family checkpoint: moec quantize writes llama.cpp's `llama` architecture \
-             (the Mixtral family) so far",
+            "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE \
+             and OLMoE so far",
             ckpt.dir().display(),
             arch.family
         )));
-    }
+    };
     let floats = WeightFormats::default();
     let formats = match types {
         Types::Classes(formats) => formats,
@@ -572,8 +705,15 @@ pub fn export(
         }
     };
     check_blocks(&entries)?;
-    let mut metadata = arch_metadata(arch, name, file_type);
-    metadata.extend(vocab_metadata(ckpt, arch.vocab)?);
+    let metadata = if arch.family == Family::Mixtral {
+        let mut m = arch_metadata(arch, name, file_type);
+        m.extend(vocab_metadata(ckpt, arch.vocab)?);
+        m
+    } else {
+        let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;
+        m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
+        m
+    };
     let total = entries.len();
     write_gguf(out, &metadata, &entries, |i| {
         let entry = &entries[i];
