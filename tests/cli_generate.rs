@@ -6,7 +6,7 @@
 #[path = "gguf_common/mod.rs"]
 mod gguf_common;
 
-use moec::model::gguf::GgufFile;
+use moec::model::gguf::{GgufFile, Value};
 use moec::model::quant::QuantFormat;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -467,54 +467,6 @@ fn quantize_matches_llama_quantize(flags: &[&str], ty: &str) {
         eprintln!("skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;
     };
-    let theirs = fx.join(format!("mixtral-q4-{ty}.gguf"));
-    if !theirs.is_file() {
-        eprintln!(
-            "skipped {ty}: no {} (rerun scripts/gguf_fixtures.sh)",
-            theirs.display()
-        );
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let ours = tmp.path().join(format!("{ty}.gguf"));
-    let hf = fx.join("mixtral-q4-hf");
-    let out = quantize_with(tmp.path(), &hf, &ours, flags);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let (a, b) = (
-        GgufFile::open(&ours).unwrap(),
-        GgufFile::open(&theirs).unwrap(),
-    );
-    assert_eq!(
-        a.tensors.keys().collect::<Vec<_>>(),
-        b.tensors.keys().collect::<Vec<_>>()
-    );
-    for (name, tb) in &b.tensors {
-        // The summary names each quantised type the file holds.
-        if let Some(q) = QuantFormat::from_ggml_type(tb.ggml_type) {
-            assert!(stdout.contains(q.name()), "{stdout}");
-        }
-        let ta = &a.tensors[name];
-        assert_eq!((ta.ggml_type, &ta.dims), (tb.ggml_type, &tb.dims), "{name}");
-        assert!(
-            a.bytes()[ta.range.clone()] == b.bytes()[tb.range.clone()],
-            "{ty} {name}: bytes differ from llama-quantize's"
-        );
-    }
-    for (key, value) in &a.metadata {
-        if key == "general.name" {
-            continue;
-        }
-        assert_eq!(Some(value), b.metadata.get(key), "{ty} metadata `{key}`");
-    }
-    let greedy = fx.join("llama_greedy");
-    let expected: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fx.join(format!("llama-{ty}.json"))).unwrap(),
-    )
-    .unwrap();
-    if !greedy.is_file() {
-        eprintln!("skipped the llama.cpp run: no {}", greedy.display());
-        return;
-    }
     let ids: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/llama_greedy.json"),
@@ -522,22 +474,193 @@ fn quantize_matches_llama_quantize(flags: &[&str], ty: &str) {
         .unwrap(),
     )
     .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    compare_with_llama_quantize(&LlamaQuantized {
+        hf: &fx.join("mixtral-q4-hf"),
+        flags,
+        theirs: &fx.join(format!("mixtral-q4-{ty}.gguf")),
+        tokens: &fx.join(format!("llama-{ty}.json")),
+        prompt_ids: &ids["prompt_ids"],
+        greedy: &fx.join("llama_greedy"),
+        work: tmp.path(),
+    });
+}
+
+/// One `moec quantize` run to compare with the file llama.cpp's tools made.
+struct LlamaQuantized<'a> {
+    /// The Hugging Face folder both were made from.
+    hf: &'a Path,
+    /// moec quantize's type flags.
+    flags: &'a [&'a str],
+    /// llama-quantize's file.
+    theirs: &'a Path,
+    /// llama.cpp's greedy tokens on it (`llama_greedy`'s JSON).
+    tokens: &'a Path,
+    /// The prompt ids those tokens follow.
+    prompt_ids: &'a serde_json::Value,
+    /// The `llama_greedy` binary.
+    greedy: &'a Path,
+    /// A scratch folder.
+    work: &'a Path,
+}
+
+/// `moec quantize` of `c.hf` equals `c.theirs` tensor by tensor (names, types, dims,
+/// bytes) and metadata key by key, both ways, but for what the converter derives from
+/// the folder name and parameter count (`general.name`, `basename`, `finetune`,
+/// `size_label`) and the pre-tokenizer name it hashes from transformers' tokenisation
+/// (`tokenizer.ggml.pre`; moec names it by the split regex); OLMoE's `<|padding|>`, a
+/// token transformers' class adds that `tokenizer.json` lacks, may be moec's `[PADi]`.
+/// llama.cpp runs moec's file with its greedy tokens on llama-quantize's.
+fn compare_with_llama_quantize(c: &LlamaQuantized) {
+    if !c.theirs.is_file() {
+        eprintln!(
+            "skipped: no {} (rerun scripts/gguf_fixtures.sh)",
+            c.theirs.display()
+        );
+        return;
+    }
+    let what = c.theirs.file_name().unwrap().to_string_lossy().into_owned();
+    let ours = c.work.join(format!("ours-{what}"));
+    let out = quantize_with(c.work, c.hf, &ours, c.flags);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (a, b) = (
+        GgufFile::open(&ours).unwrap(),
+        GgufFile::open(c.theirs).unwrap(),
+    );
+    assert_eq!(
+        a.tensors.keys().collect::<Vec<_>>(),
+        b.tensors.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, tb) in &b.tensors {
+        // The summary names each quantised type the file holds.
+        if let Some(q) = QuantFormat::from_ggml_type(tb.ggml_type) {
+            assert!(stdout.contains(q.name()), "{stdout}");
+        }
+        let ta = &a.tensors[name];
+        assert_eq!(
+            (ta.ggml_type, &ta.dims),
+            (tb.ggml_type, &tb.dims),
+            "{what} {name}"
+        );
+        assert!(
+            a.bytes()[ta.range.clone()] == b.bytes()[tb.range.clone()],
+            "{what} {name}: bytes differ from llama-quantize's"
+        );
+    }
+    let cosmetic = [
+        "general.name",
+        "general.basename",
+        "general.finetune",
+        "general.size_label",
+        "tokenizer.ggml.pre",
+    ];
+    let keys: std::collections::BTreeSet<&String> =
+        a.metadata.keys().chain(b.metadata.keys()).collect();
+    for key in keys.into_iter().filter(|k| !cosmetic.contains(&k.as_str())) {
+        let (va, vb) = (a.metadata.get(key), b.metadata.get(key));
+        if let (Some(Value::Array(xa)), Some(Value::Array(xb))) = (va, vb) {
+            let differ: Vec<usize> = (0..xa.len().max(xb.len()))
+                .filter(|&i| xa.get(i) != xb.get(i))
+                .collect();
+            let padding = b
+                .metadata
+                .get("tokenizer.ggml.tokens")
+                .and_then(|t| match t {
+                    Value::Array(t) => t
+                        .iter()
+                        .position(|v| *v == Value::Str("<|padding|>".into())),
+                    _ => None,
+                });
+            let olmoe = a.metadata.get("general.architecture") == Some(&Value::Str("olmoe".into()));
+            let allowed = olmoe && padding.is_some() && differ == [padding.unwrap()];
+            assert!(
+                differ.is_empty() || allowed,
+                "{what} `{key}` differs at {differ:?}"
+            );
+        } else {
+            assert_eq!(va, vb, "{what} metadata `{key}`");
+        }
+    }
+    if !c.greedy.is_file() {
+        eprintln!("skipped the llama.cpp run: no {}", c.greedy.display());
+        return;
+    }
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(c.tokens).unwrap()).unwrap();
     let mut args = vec![ours.display().to_string(), "16".into()];
     args.extend(
-        ids["prompt_ids"]
+        c.prompt_ids
             .as_array()
             .unwrap()
             .iter()
             .map(|v| v.to_string()),
     );
-    let run = Command::new(&greedy).args(&args).output().unwrap();
+    let run = Command::new(c.greedy).args(&args).output().unwrap();
     assert!(
         run.status.success(),
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
     let got: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
-    assert_eq!(got["tokens"], expected["tokens"]);
+    assert_eq!(got["tokens"], expected["tokens"], "{what}");
+}
+
+/// The other families: for Qwen3-MoE, Qwen2-MoE and OLMoE, `moec quantize --all q8_0`
+/// (and for Qwen3-MoE `--mix q4_k_m`) of `moec synth`'s checkpoint equal
+/// `convert_hf_to_gguf.py` + `llama-quantize Q8_0` (`Q4_K_M`) of the same checkpoint (scripts/gguf_fixtures.sh's
+/// family files) tensor by tensor and key by key (as [`compare_with_llama_quantize`]
+/// says), and llama.cpp runs moec's files with its tokens on those.
+#[test]
+fn quantize_writes_every_family_as_llama_cpp_does() {
+    let (Some(fx), Some(ffx)) = (gguf_common::fixtures(), gguf_common::family_fixtures()) else {
+        eprintln!("skipped: no GGUF family fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ids: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/fixtures/gguf/llama_greedy_families.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    for family in ["qwen3-moe", "qwen2-moe", "olmoe"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let hf = tmp.path().join("hf");
+        let ron = root.join(format!("tests/fixtures/gguf/{family}-q4-tiny.ron"));
+        let synth = moec(
+            tmp.path(),
+            &[
+                "synth",
+                "--model",
+                ron.to_str().unwrap(),
+                "--out",
+                hf.to_str().unwrap(),
+            ],
+        );
+        assert!(
+            synth.status.success(),
+            "{}",
+            String::from_utf8_lossy(&synth.stderr)
+        );
+        // The Q4_K_M mix of one family (8 experts: attention K and V in Q8_0) keeps the
+        // test cheap; the Mixtral test covers the mixes' other rules.
+        let mixes: &[([&str; 2], &str)] = if family == "qwen3-moe" {
+            &[(["--all", "q8_0"], "Q8_0"), (["--mix", "q4_k_m"], "Q4_K_M")]
+        } else {
+            &[(["--all", "q8_0"], "Q8_0")]
+        };
+        for (flags, ty) in mixes {
+            compare_with_llama_quantize(&LlamaQuantized {
+                hf: &hf,
+                flags,
+                theirs: &ffx.join(format!("{family}-q4-{ty}.gguf")),
+                tokens: &ffx.join(format!("llama-{family}-{ty}.json")),
+                prompt_ids: &ids[family]["prompt_ids"],
+                greedy: &fx.join("llama_greedy"),
+                work: tmp.path(),
+            });
+        }
+    }
 }
 
 /// What `moec quantize` cannot do is one line and exit 1, with no file left behind; what it
