@@ -5,7 +5,8 @@
 //! `--all FORMAT` for every linear weight, or `--mix q4_k_m` for llama-quantize's per-tensor
 //! types of that file type); writes the file atomically (nothing is left
 //! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
-//! runs in moec (`--weights FILE.gguf`) and in llama.cpp.
+//! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
+//! Qwen2-MoE and OLMoE families.
 
 use crate::cli::generate::fail;
 use crate::ir::emit::human_bytes;
@@ -31,7 +32,9 @@ pub struct QuantizeArgs {
     #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]
     pub weight_format: Option<String>,
     /// Every linear weight (experts, attention, shared experts, embedding, head) in this
-    /// format; the router stays f32, as llama-quantize keeps it.
+    /// format; the router stays f32, as llama-quantize keeps it. q8_0, q4_0, q4_1, q4_k,
+    /// q5_k and q6_k give `llama-quantize --pure`'s bytes (Q8_0, Q4_0, Q4_1, Q4_K_S,
+    /// Q5_K_S, Q6_K).
     #[arg(long, value_name = "FORMAT")]
     pub all: Option<String>,
     /// One of llama-quantize's K-quant mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k): each
