@@ -59,6 +59,16 @@ enum Origin {
     },
     /// Every expert's tensor of one kind, stacked (expert outermost).
     Stacked(Vec<Source>),
+    /// DeepSeek's `kv_b_proj` `[heads * (nope + v), kv_lora]` split per head as the
+    /// converter splits it: `key` gives `attn_k_b`, each head's `nope` key rows transposed
+    /// (`[heads, kv_lora, nope]`); else `attn_v_b`, each head's `v` value rows
+    /// (`[heads, v, kv_lora]`).
+    KvBSplit {
+        src: Source,
+        heads: usize,
+        nope: usize,
+        key: bool,
+    },
 }
 
 /// What [`export`] wrote.
@@ -168,6 +178,7 @@ fn gguf_arch(family: Family) -> Option<&'static str> {
         Family::Qwen3Moe => Some("qwen3moe"),
         Family::Qwen2Moe => Some("qwen2moe"),
         Family::Olmoe => Some("olmoe"),
+        Family::DeepseekV2 | Family::DeepseekV3 => Some("deepseek2"),
         _ => None,
     }
 }
@@ -200,6 +211,7 @@ fn text_metadata(
         ("general.type".into(), MetaValue::Str("model".into())),
         ("general.name".into(), MetaValue::Str(name.into())),
     ];
+    let deepseek = matches!(family, Family::DeepseekV2 | Family::DeepseekV3);
     let mut u = |key: &str, keys: &[&str]| -> Result<(), ExportError> {
         if let Some(v) = find(keys) {
             let v = v
@@ -239,10 +251,13 @@ fn text_metadata(
         "attention.head_count",
         &["num_attention_heads", "n_head", "n_heads"],
     )?;
-    u(
-        "attention.head_count_kv",
-        &["num_key_value_heads", "n_kv_heads"],
-    )?;
+    // DeepSeek's is written with its other MLA keys.
+    if !deepseek {
+        u(
+            "attention.head_count_kv",
+            &["num_key_value_heads", "n_kv_heads"],
+        )?;
+    }
     u(
         "expert_count",
         &["num_local_experts", "num_experts", "n_routed_experts"],
@@ -257,22 +272,36 @@ fn text_metadata(
     )?;
     u("expert_group_count", &["n_group"])?;
     u("expert_group_used_count", &["topk_group"])?;
-    u("attention.key_length", &["head_dim"])?;
-    u("attention.value_length", &["head_dim"])?;
-    if family != Family::Olmoe {
+    if !deepseek {
+        u("attention.key_length", &["head_dim"])?;
+        u("attention.value_length", &["head_dim"])?;
+    }
+    if matches!(family, Family::Qwen2Moe | Family::Qwen3Moe) {
         u("expert_feed_forward_length", &["moe_intermediate_size"])?;
         u(
             "expert_shared_feed_forward_length",
             &["shared_expert_intermediate_size"],
         )?;
     }
-    for key in [
-        "rope_scaling",
-        "score_function",
-        "scoring_func",
-        "score_func",
-        "sliding_window_pattern",
-    ] {
+    if let Some(func) = find(&["score_function", "scoring_func", "score_func"]) {
+        let id = match func.as_str() {
+            Some("softmax") => 1,
+            Some("sigmoid") => 2,
+            _ => {
+                return Err(bad(format!(
+                    "expert scoring function {func} is not written"
+                )))
+            }
+        };
+        meta.push((
+            format!("{arch_name}.expert_gating_func"),
+            MetaValue::U32(id),
+        ));
+    }
+    if deepseek {
+        meta.extend(deepseek_metadata(&config, arch_name).map_err(bad)?);
+    }
+    for key in ["rope_scaling", "sliding_window_pattern"] {
         if find(&[key]).is_some() {
             return Err(bad(format!(
                 "`{key}` is set: moec quantize does not write its llama.cpp keys"
@@ -287,11 +316,12 @@ fn text_metadata(
             MetaValue::F32(theta as f32),
         ));
     }
-    // OLMoE's converter writes 1e-5 whatever the config says.
-    let eps = if family == Family::Olmoe {
-        Some(1e-5)
-    } else {
-        f(&["rms_norm_eps", "norm_eps"])
+    // OLMoE's converter writes 1e-5 whatever the config says; DeepSeek's 1e-6 when the
+    // config has none.
+    let eps = match family {
+        Family::Olmoe => Some(1e-5),
+        _ if deepseek => f(&["rms_norm_eps", "norm_eps"]).or(Some(1e-6)),
+        _ => f(&["rms_norm_eps", "norm_eps"]),
     };
     if let Some(eps) = eps {
         meta.push((
@@ -301,6 +331,77 @@ fn text_metadata(
     }
     meta.push(("general.file_type".into(), MetaValue::U32(file_type)));
     meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    Ok(meta)
+}
+
+/// The MLA and MoE keys `DeepseekV2Model.set_gguf_parameters` adds (and the one KV head
+/// it sets for MLA's shared latent).
+fn deepseek_metadata(
+    config: &serde_json::Value,
+    arch_name: &str,
+) -> Result<Vec<(String, MetaValue)>, String> {
+    let get = |k: &str| config.get(k).filter(|v| !v.is_null());
+    let count = |k: &str| -> Result<u32, String> {
+        get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|v| v as u32)
+            .ok_or_else(|| format!("`{k}` is missing or not a count"))
+    };
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let layers = count("num_hidden_layers")?;
+    let has_moe = get("n_routed_experts").is_some();
+    let leading = match get("first_k_dense_replace").and_then(serde_json::Value::as_u64) {
+        Some(k) => k as u32,
+        None if has_moe => 0,
+        None => layers,
+    };
+    let kv_lora = match get("kv_lora_rank") {
+        Some(_) => count("kv_lora_rank")?,
+        None => 512,
+    };
+    let (rope, nope, v) = (
+        count("qk_rope_head_dim")?,
+        count("qk_nope_head_dim")?,
+        count("v_head_dim")?,
+    );
+    let mut meta = vec![
+        (key("attention.head_count_kv"), MetaValue::U32(1)),
+        (key("leading_dense_block_count"), MetaValue::U32(leading)),
+        (key("vocab_size"), MetaValue::U32(count("vocab_size")?)),
+    ];
+    if get("q_lora_rank").is_some() {
+        meta.push((
+            key("attention.q_lora_rank"),
+            MetaValue::U32(count("q_lora_rank")?),
+        ));
+    }
+    meta.extend([
+        (key("attention.kv_lora_rank"), MetaValue::U32(kv_lora)),
+        (key("attention.key_length"), MetaValue::U32(kv_lora + rope)),
+        (key("attention.value_length"), MetaValue::U32(kv_lora)),
+        (key("attention.key_length_mla"), MetaValue::U32(nope + rope)),
+        (key("attention.value_length_mla"), MetaValue::U32(v)),
+    ]);
+    let expert_ffn = match get("moe_intermediate_size") {
+        Some(_) => count("moe_intermediate_size")?,
+        None => count("intermediate_size")?,
+    };
+    meta.push((
+        key("expert_feed_forward_length"),
+        MetaValue::U32(expert_ffn),
+    ));
+    let shared = match get("n_shared_experts") {
+        Some(_) => count("n_shared_experts")?,
+        None => 0,
+    };
+    meta.push((key("expert_shared_count"), MetaValue::U32(shared)));
+    if let Some(scale) = get("routed_scaling_factor").and_then(serde_json::Value::as_f64) {
+        meta.push((key("expert_weights_scale"), MetaValue::F32(scale as f32)));
+    }
+    if get("norm_topk_prob").and_then(serde_json::Value::as_bool) == Some(true) {
+        meta.push((key("expert_weights_norm"), MetaValue::Bool(true)));
+    }
+    meta.push((key("rope.dimension_count"), MetaValue::U32(rope)));
     Ok(meta)
 }
 
@@ -553,11 +654,32 @@ fn plan(
                         *slot = Some(src);
                     }
                 }
+                Some(Place::KvB) => {
+                    let Some(m) = arch.mla else {
+                        return Err(ExportError::Unsupported(format!(
+                            "layer {layer}: a `kv_b_proj` without MLA hyper-parameters"
+                        )));
+                    };
+                    let (heads, r) = (arch.attn.heads, m.kv_lora_rank as usize);
+                    let (nope, v) = (m.qk_nope_head_dim as usize, m.v_head_dim as usize);
+                    let key = kind == SegmentKind::KvB;
+                    let (name, dims) = if key {
+                        (format!("blk.{layer}.attn_k_b.weight"), [nope, r, heads])
+                    } else {
+                        (format!("blk.{layer}.attn_v_b.weight"), [r, v, heads])
+                    };
+                    let origin = Origin::KvBSplit {
+                        src,
+                        heads,
+                        nope,
+                        key,
+                    };
+                    add(name, dims.map(|x| x as u64).to_vec(), tensor, origin)?;
+                }
                 _ => {
                     return Err(ExportError::Unsupported(format!(
                         "layer {layer}: moec quantize does not write the {kind:?} segment as \
-                         llama.cpp's converter does (DeepSeek's MLA `kv_b_proj` split is not \
-                         implemented)"
+                         llama.cpp's converter does"
                     )))
                 }
             }
@@ -640,6 +762,38 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
             }
             Ok(out)
         }
+        Origin::KvBSplit {
+            src,
+            heads,
+            nope,
+            key,
+        } => {
+            let kv = read(src)?;
+            let (rows, cols) = (src.shape[0], src.shape.get(1).copied().unwrap_or(1));
+            let per_head = rows / heads.max(&1);
+            let v = per_head.saturating_sub(*nope);
+            if per_head * heads != rows || kv.len() != rows * cols {
+                return Err(WriteError::Tensor {
+                    tensor: name.into(),
+                    message: format!(
+                        "`{}`'s {rows} rows do not split into {heads} heads",
+                        src.name
+                    ),
+                });
+            }
+            let mut out = Vec::with_capacity(kv.len());
+            for h in 0..*heads {
+                let head = &kv[h * per_head * cols..(h + 1) * per_head * cols];
+                if *key {
+                    for c in 0..cols {
+                        out.extend((0..*nope).map(|r| head[r * cols + c]));
+                    }
+                } else {
+                    out.extend_from_slice(&head[nope * cols..(nope + v) * cols]);
+                }
+            }
+            Ok(out)
+        }
     }
 }
 
@@ -679,8 +833,8 @@ pub fn export(
     let arch = ckpt.arch();
     let Some(arch_name) = gguf_arch(arch.family) else {
         return Err(ExportError::Unsupported(format!(
-            "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE \
-             and OLMoE so far",
+            "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE, \
+             OLMoE and DeepSeek-V2/V3 so far",
             ckpt.dir().display(),
             arch.family
         )));

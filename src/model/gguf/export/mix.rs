@@ -182,7 +182,7 @@ pub fn mix_types(
         let cat = category(name);
         match cat {
             Category::Output | Category::TokenEmbd if cat == Category::Output || tied => {
-                ty = if cols % 256 != 0 {
+                ty = if !cols.is_multiple_of(256) {
                     QuantFormat::Q8_0
                 } else {
                     QuantFormat::Q6K
@@ -238,10 +238,10 @@ pub fn mix_types(
 /// Q8_0 for Q6_K (Q5_0 and Q5_1 for Q4_K and Q5_K, formats moec does not write: an
 /// error), and F16 where even the fallback's 32-weight blocks do not fit.
 fn fallback(name: &str, ty: QuantFormat, cols: usize) -> Result<Storage, String> {
-    if cols % ty.block_elems() == 0 {
+    if cols.is_multiple_of(ty.block_elems()) {
         return Ok(Storage::Quant(ty));
     }
-    if cols % 32 != 0 {
+    if !cols.is_multiple_of(32) {
         return Ok(Storage::Float(WeightDtype::F16));
     }
     match ty {
