@@ -582,8 +582,12 @@ fn compare_with_llama_quantize(c: &LlamaQuantized) {
             assert_eq!(va, vb, "{what} metadata `{key}`");
         }
     }
-    if !c.greedy.is_file() {
-        eprintln!("skipped the llama.cpp run: no {}", c.greedy.display());
+    if !c.greedy.is_file() || !c.tokens.is_file() {
+        eprintln!(
+            "skipped the llama.cpp run: no {} or {}",
+            c.greedy.display(),
+            c.tokens.display()
+        );
         return;
     }
     let expected: serde_json::Value =
@@ -606,11 +610,14 @@ fn compare_with_llama_quantize(c: &LlamaQuantized) {
     assert_eq!(got["tokens"], expected["tokens"], "{what}");
 }
 
-/// The other families: for Qwen3-MoE, Qwen2-MoE and OLMoE, `moec quantize --all q8_0`
-/// (and for Qwen3-MoE `--mix q4_k_m`) of `moec synth`'s checkpoint equal
-/// `convert_hf_to_gguf.py` + `llama-quantize Q8_0` (`Q4_K_M`) of the same checkpoint (scripts/gguf_fixtures.sh's
-/// family files) tensor by tensor and key by key (as [`compare_with_llama_quantize`]
-/// says), and llama.cpp runs moec's files with its tokens on those.
+/// The other families: for Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2 and DeepSeek-V3,
+/// `moec quantize --all q8_0` (and for Qwen3-MoE and DeepSeek-V2 `--mix q4_k_m`) of
+/// `moec synth`'s checkpoint equal `convert_hf_to_gguf.py` + `llama-quantize Q8_0`
+/// (`Q4_K_M`) of the same checkpoint (scripts/gguf_fixtures.sh's and
+/// scripts/gguf_deepseek_v3.sh's family files) tensor by tensor and key by key (as
+/// [`compare_with_llama_quantize`] says; DeepSeek's `kv_b_proj` split per head into
+/// `attn_k_b`/`attn_v_b` included), and llama.cpp runs moec's files with its tokens on
+/// those (but DeepSeek-V3, whose reference tokens are llama.cpp's with f32 attention).
 #[test]
 fn quantize_writes_every_family_as_llama_cpp_does() {
     let (Some(fx), Some(ffx)) = (gguf_common::fixtures(), gguf_common::family_fixtures()) else {
@@ -623,7 +630,13 @@ fn quantize_writes_every_family_as_llama_cpp_does() {
             .unwrap(),
     )
     .unwrap();
-    for family in ["qwen3-moe", "qwen2-moe", "olmoe"] {
+    for family in [
+        "qwen3-moe",
+        "qwen2-moe",
+        "olmoe",
+        "deepseek-v2",
+        "deepseek-v3",
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let hf = tmp.path().join("hf");
         let ron = root.join(format!("tests/fixtures/gguf/{family}-q4-tiny.ron"));
@@ -642,9 +655,10 @@ fn quantize_writes_every_family_as_llama_cpp_does() {
             "{}",
             String::from_utf8_lossy(&synth.stderr)
         );
-        // The Q4_K_M mix of one family (8 experts: attention K and V in Q8_0) keeps the
-        // test cheap; the Mixtral test covers the mixes' other rules.
-        let mixes: &[([&str; 2], &str)] = if family == "qwen3-moe" {
+        // The Q4_K_M mix of two families (Qwen3-MoE's 8 experts: attention K and V in
+        // Q8_0; DeepSeek's 3-D `attn_k_b`/`attn_v_b`) keeps the test cheap; the Mixtral
+        // test covers the mixes' other rules.
+        let mixes: &[([&str; 2], &str)] = if family == "qwen3-moe" || family == "deepseek-v2" {
             &[(["--all", "q8_0"], "Q8_0"), (["--mix", "q4_k_m"], "Q4_K_M")]
         } else {
             &[(["--all", "q8_0"], "Q8_0")]

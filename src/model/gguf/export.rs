@@ -1,17 +1,20 @@
 //! A Hugging Face checkpoint written as llama.cpp's GGUF, each weight class in its own
-//! format (`moec quantize`).
+//! format or by llama-quantize's K-quant mix rules (`moec quantize`).
 //!
-//! Takes an opened [`Checkpoint`] of a family llama.cpp reads as its `llama` architecture
-//! (Mixtral), the formats per class ([`WeightFormats`]) and an output path; gives the file
-//! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would lay out: the same metadata
-//! keys, llama.cpp's tensor names with the experts merged into `ffn_{gate,up,down}_exps`,
-//! `q_proj`/`k_proj` rows interleaved per head as the converter does (the inverse of
-//! [`super::llama::unpermute_rows`]), norms in f32, the vocabulary from `tokenizer.json`
-//! as the converter's `LlamaHfVocab` writes it, and each matrix in the format its class
-//! asks for (unnamed classes keep the checkpoint's float dtype; the router, unless named,
-//! is f32 as llama-quantize keeps it). Guarantees: the plan
-//! (every tensor, its type and size) is checked before a byte is written, so a row that is
-//! not whole blocks of its format, a family or tokenizer it cannot write, or a missing
+//! Takes an opened [`Checkpoint`] of a family llama.cpp converts (Mixtral as its `llama`
+//! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`), the types
+//! ([`Types`]: formats per class, or a [`Mix`]) and an output path; gives the file
+//! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would write: the converter's
+//! hyper-parameter keys, llama.cpp's tensor names (from the importer's own map,
+//! [`super::llama::place`]) with the experts merged into `ffn_{gate,up,down}_exps`,
+//! Mixtral's `q_proj`/`k_proj` rows interleaved per head (the inverse of
+//! [`super::llama::unpermute_rows`]), DeepSeek's `kv_b_proj` split per head into
+//! `attn_k_b`/`attn_v_b`, 1-D tensors in f32, the vocabulary from `tokenizer.json` as the
+//! converter writes it (`LlamaHfVocab` for Mixtral, [`gpt2`] for the others), and each
+//! matrix in its type (unnamed classes keep the checkpoint's float dtype; the router,
+//! unless named, is f32 as llama-quantize keeps it). Guarantees: the plan (every tensor,
+//! its type and size) is checked before a byte is written, so a row that is not whole
+//! blocks of its format, a family, config or tokenizer it cannot write, or a missing
 //! tensor is one error naming it; the file is written atomically ([`super::write`]).
 
 use super::llama::{place, Place};
