@@ -408,6 +408,37 @@ fn deepseek_metadata(
     Ok(meta)
 }
 
+/// `ckpt`'s `tokenizer.json`, its path and its JSON.
+fn read_tokenizer(
+    ckpt: &Checkpoint,
+) -> Result<(std::path::PathBuf, serde_json::Value), ExportError> {
+    let path = ckpt.tokenizer_path().ok_or_else(|| {
+        ExportError::Unsupported(format!(
+            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
+            ckpt.dir().display()
+        ))
+    })?;
+    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+    let json = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    Ok((path, json))
+}
+
+/// The token list with the ids the tokenizer lacks named `[PADi]` and typed UNUSED (5),
+/// as both of the converter's vocabularies write them.
+fn pad_unused(tokens: Vec<Option<String>>, types: &mut [i32]) -> Vec<String> {
+    tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.unwrap_or_else(|| {
+                types[i] = 5;
+                format!("[PAD{i}]")
+            })
+        })
+        .collect()
+}
+
 /// The vocabulary keys as the converter's `LlamaHfVocab` writes them from `tokenizer.json`
 /// (a BPE tokenizer with byte fallback): every token in id order, score -1000, type BYTE
 /// for `<0xXX>`, CONTROL for the special tokens `tokenizer_config.json` names, USER_DEFINED
@@ -417,15 +448,8 @@ fn vocab_metadata(
     ckpt: &Checkpoint,
     vocab: usize,
 ) -> Result<Vec<(String, MetaValue)>, ExportError> {
-    let path = ckpt.tokenizer_path().ok_or_else(|| {
-        ExportError::Unsupported(format!(
-            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
-            ckpt.dir().display()
-        ))
-    })?;
+    let (path, json) = read_tokenizer(ckpt)?;
     let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let model = &json["model"];
     let kind = model["type"].as_str().unwrap_or("?");
     if kind != "BPE" || model["byte_fallback"].as_bool() != Some(true) {
@@ -514,16 +538,7 @@ fn vocab_metadata(
             )?;
         }
     }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            t.unwrap_or_else(|| {
-                types[i] = 5;
-                format!("[PAD{i}]")
-            })
-        })
-        .collect();
+    let tokens = pad_unused(tokens, &mut types);
     let card = ckpt.card();
     let mut meta = vec![
         (
@@ -557,13 +572,17 @@ fn vocab_metadata(
         "tokenizer.ggml.add_sep_token".into(),
         MetaValue::Bool(false),
     ));
-    if let Some(template) = config["chat_template"].as_str() {
-        meta.push((
-            "tokenizer.chat_template".into(),
-            MetaValue::Str(template.into()),
-        ));
-    }
+    meta.extend(chat_template(&config));
     Ok(meta)
+}
+
+/// `tokenizer.chat_template` from `tokenizer_config.json`, when it has one.
+fn chat_template(config: &serde_json::Value) -> Option<(String, MetaValue)> {
+    let template = config["chat_template"].as_str()?;
+    Some((
+        "tokenizer.chat_template".into(),
+        MetaValue::Str(template.into()),
+    ))
 }
 
 /// The tensor table and each tensor's origin, in the converter's order (head tensors, then

@@ -17,7 +17,7 @@
 //! cl100k one); any other (GPT-NeoX's, which the real OLMoE uses, has no `Split` at all)
 //! is an error, as an unknown hash is for the converter.
 
-use super::ExportError;
+use super::{pad_unused, read_tokenizer, ExportError};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::gguf::write::MetaValue;
 
@@ -64,15 +64,8 @@ pub(super) fn gpt2_vocab(
     ckpt: &Checkpoint,
     vocab: usize,
 ) -> Result<Vec<(String, MetaValue)>, ExportError> {
-    let path = ckpt.tokenizer_path().ok_or_else(|| {
-        ExportError::Unsupported(format!(
-            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
-            ckpt.dir().display()
-        ))
-    })?;
+    let (path, json) = read_tokenizer(ckpt)?;
     let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let model = &json["model"];
     if model["type"].as_str() != Some("BPE") {
         return Err(bad(format!(
@@ -140,16 +133,7 @@ pub(super) fn gpt2_vocab(
         });
         types[i] = if special { 3 } else { 4 };
     }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            t.unwrap_or_else(|| {
-                types[i] = 5;
-                format!("[PAD{i}]")
-            })
-        })
-        .collect();
+    let tokens = pad_unused(tokens, &mut types);
     let merges: Vec<String> = match model["merges"].as_array() {
         None => Vec::new(),
         Some(list) => list
@@ -261,11 +245,6 @@ fn special_tokens(
             MetaValue::Bool(add),
         ));
     }
-    if let Some(template) = tc["chat_template"].as_str() {
-        meta.push((
-            "tokenizer.chat_template".into(),
-            MetaValue::Str(template.into()),
-        ));
-    }
+    meta.extend(super::chat_template(&tc));
     Ok(meta)
 }
