@@ -8,9 +8,11 @@
 # against its static libraries.
 # Gives, in $OUT (default $MOEC_PEER_CACHE/gguf-fixtures): the synthetic checkpoint of
 # tests/fixtures/gguf/mixtral-q4-tiny.ron (`moec synth`, seed 0), its f32 GGUF
-# (convert_hf_to_gguf.py), its Q8_0 and Q4_K_M GGUFs (llama-quantize), its Q4_0 and Q4_1
+# (convert_hf_to_gguf.py), its Q8_0, Q4_K_M, Q4_K_S and Q5_K_M GGUFs (llama-quantize), its Q4_0 and Q4_1
 # GGUFs (llama-quantize --pure: every linear weight in the group-wise int4 format, the
-# output matrix included, as `moec quantize --all q4_0` writes it), and llama-<type>.json,
+# output matrix included, as `moec quantize --all q4_0` writes it), its pure-Q4_K_S,
+# pure-Q5_K_S and pure-Q6_K GGUFs (llama-quantize --pure, as `moec quantize --all q4_k`
+# etc. write them), and llama-<type>.json,
 # llama.cpp's 16 greedy tokens after tests/fixtures/gguf/llama_greedy.json's prompt ids.
 # Checks the GGUFs against tests/fixtures/gguf/SHA256SUMS.
 # Then the other families, in $FAMILIES_OUT (default $MOEC_PEER_CACHE/gguf-fixtures-families):
@@ -51,14 +53,20 @@ rm -rf "$OUT/mixtral-q4-hf"
 "$MOEC" synth --model "$REPO/tests/fixtures/gguf/mixtral-q4-tiny.ron" --out "$OUT/mixtral-q4-hf"
 "$PY" "$LLAMA/convert_hf_to_gguf.py" "$OUT/mixtral-q4-hf" --outtype f32 \
   --outfile "$OUT/mixtral-q4-f32.gguf" > "$OUT/convert.log" 2>&1
-for t in Q8_0 Q4_K_M; do
+for t in Q8_0 Q4_K_M Q4_K_S Q5_K_M; do
   "$BUILD/bin/llama-quantize" "$OUT/mixtral-q4-f32.gguf" "$OUT/mixtral-q4-$t.gguf" "$t" > "$OUT/quantize-$t.log" 2>&1
 done
 for t in Q4_0 Q4_1; do
   "$BUILD/bin/llama-quantize" --pure "$OUT/mixtral-q4-f32.gguf" "$OUT/mixtral-q4-$t.gguf" "$t" > "$OUT/quantize-$t.log" 2>&1
 done
+# The K formats with --pure: every linear weight (the output matrix too) in the one format,
+# what `moec quantize --all q4_k|q5_k|q6_k` writes.
+for t in Q4_K_S Q5_K_S Q6_K; do
+  "$BUILD/bin/llama-quantize" --pure "$OUT/mixtral-q4-f32.gguf" "$OUT/mixtral-q4-pure-$t.gguf" "$t" \
+    > "$OUT/quantize-pure-$t.log" 2>&1
+done
 ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy.json'))['prompt_ids'])")
-for t in f32 Q8_0 Q4_0 Q4_1 Q4_K_M; do
+for t in f32 Q8_0 Q4_0 Q4_1 Q4_K_M Q4_K_S Q5_K_M pure-Q4_K_S pure-Q5_K_S pure-Q6_K; do
   # shellcheck disable=SC2086
   "$OUT/llama_greedy" "$OUT/mixtral-q4-$t.gguf" 16 $ids 2>/dev/null > "$OUT/llama-$t.json"
 done

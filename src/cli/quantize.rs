@@ -2,14 +2,16 @@
 //!
 //! Takes `--weights DIR --out FILE.gguf` and the formats per weight class
 //! (`--weight-format experts=q4_k,attention=q8_0`, default experts only as Q4_K; or
-//! `--all FORMAT` for every linear weight); writes the file atomically (nothing is left
+//! `--all FORMAT` for every linear weight, or `--mix q4_k_m` for llama-quantize's per-tensor
+//! types of that file type); writes the file atomically (nothing is left
 //! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
-//! runs in moec (`--weights FILE.gguf`) and in llama.cpp.
+//! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
+//! Qwen2-MoE, OLMoE and DeepSeek-V2/V3 families.
 
 use crate::cli::generate::fail;
 use crate::ir::emit::human_bytes;
 use crate::model::formats::{Storage, WeightClass, WeightFormats};
-use crate::model::gguf::export::export;
+use crate::model::gguf::export::{export, Mix, Types};
 use crate::model::Checkpoint;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -30,16 +32,29 @@ pub struct QuantizeArgs {
     #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]
     pub weight_format: Option<String>,
     /// Every linear weight (experts, attention, shared experts, embedding, head) in this
-    /// format; the router stays f32, as llama-quantize keeps it.
+    /// format; the router stays f32, as llama-quantize keeps it. q8_0, q4_0, q4_1, q4_k,
+    /// q5_k and q6_k give `llama-quantize --pure`'s bytes (Q8_0, Q4_0, Q4_1, Q4_K_S,
+    /// Q5_K_S, Q6_K).
     #[arg(long, value_name = "FORMAT")]
     pub all: Option<String>,
+    /// One of llama-quantize's K-quant mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k): each
+    /// tensor in the type `llama-quantize FILE Q4_K_M` (etc.) gives it, by llama.cpp's
+    /// rules (output Q6_K; attention V and FFN down in more bits in the layers llama.cpp
+    /// picks; Q8_0 attention K/V for 8-expert models), with llama-quantize's bytes.
+    #[arg(long, value_name = "MIX", conflicts_with_all = ["all", "weight_format"])]
+    pub mix: Option<String>,
     /// `general.name` in the file (default: the folder's name).
     #[arg(long)]
     pub name: Option<String>,
 }
 
-/// The formats the flags ask for.
-fn formats(args: &QuantizeArgs) -> Result<WeightFormats, String> {
+/// The types the flags ask for.
+fn types(args: &QuantizeArgs) -> Result<Types, String> {
+    if let Some(mix) = &args.mix {
+        return Mix::parse(mix)
+            .map(Types::Mix)
+            .map_err(|e| format!("--mix: {e}"));
+    }
     let mut formats = WeightFormats::default();
     match (&args.all, &args.weight_format) {
         (Some(all), _) => {
@@ -61,7 +76,7 @@ fn formats(args: &QuantizeArgs) -> Result<WeightFormats, String> {
             .parse_classes("experts=q4_k")
             .map_err(|e| format!("--weight-format: {e}"))?,
     }
-    Ok(formats)
+    Ok(Types::Classes(formats))
 }
 
 /// Runs `moec quantize`.
@@ -72,8 +87,8 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
             args.out.display()
         ));
     }
-    let formats = match formats(args) {
-        Ok(f) => f,
+    let types = match types(args) {
+        Ok(t) => t,
         Err(e) => return fail(e),
     };
     let ckpt = match Checkpoint::open(&args.weights) {
@@ -90,7 +105,7 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
     let bar = std::io::stderr()
         .is_terminal()
         .then(|| indicatif::ProgressBar::new(0));
-    let result = export(&ckpt, &formats, &name, &args.out, |i, total, tensor| {
+    let result = export(&ckpt, &types, &name, &args.out, |i, total, tensor| {
         if let Some(bar) = &bar {
             bar.set_length(total as u64);
             bar.set_position(i as u64);

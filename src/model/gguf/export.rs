@@ -1,19 +1,23 @@
 //! A Hugging Face checkpoint written as llama.cpp's GGUF, each weight class in its own
-//! format (`moec quantize`).
+//! format or by llama-quantize's K-quant mix rules (`moec quantize`).
 //!
-//! Takes an opened [`Checkpoint`] of a family llama.cpp reads as its `llama` architecture
-//! (Mixtral), the formats per class ([`WeightFormats`]) and an output path; gives the file
-//! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would lay out: the same metadata
-//! keys, llama.cpp's tensor names with the experts merged into `ffn_{gate,up,down}_exps`,
-//! `q_proj`/`k_proj` rows interleaved per head as the converter does (the inverse of
-//! [`super::llama::unpermute_rows`]), norms in f32, the vocabulary from `tokenizer.json`
-//! as the converter's `LlamaHfVocab` writes it, and each matrix in the format its class
-//! asks for (unnamed classes keep the checkpoint's float dtype; the router, unless named,
-//! is f32 as llama-quantize keeps it). Guarantees: the plan
-//! (every tensor, its type and size) is checked before a byte is written, so a row that is
-//! not whole blocks of its format, a family or tokenizer it cannot write, or a missing
+//! Takes an opened [`Checkpoint`] of a family llama.cpp converts (Mixtral as its `llama`
+//! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`), the types
+//! ([`Types`]: formats per class, or a [`Mix`]) and an output path; gives the file
+//! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would write: the converter's
+//! hyper-parameter keys, llama.cpp's tensor names (from the importer's own map,
+//! [`super::llama::place`]) with the experts merged into `ffn_{gate,up,down}_exps`,
+//! Mixtral's `q_proj`/`k_proj` rows interleaved per head (the inverse of
+//! [`super::llama::unpermute_rows`]), DeepSeek's `kv_b_proj` split per head into
+//! `attn_k_b`/`attn_v_b`, 1-D tensors in f32, the vocabulary from `tokenizer.json` as the
+//! converter writes it (`LlamaHfVocab` for Mixtral, [`gpt2`] for the others), and each
+//! matrix in its type (unnamed classes keep the checkpoint's float dtype; the router,
+//! unless named, is f32 as llama-quantize keeps it). Guarantees: the plan (every tensor,
+//! its type and size) is checked before a byte is written, so a row that is not whole
+//! blocks of its format, a family, config or tokenizer it cannot write, or a missing
 //! tensor is one error naming it; the file is written atomically ([`super::write`]).
 
+use super::llama::{place, Place};
 use super::write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_BF16, GGML_F16, GGML_F32};
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, WeightDtype};
@@ -23,6 +27,19 @@ use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
 use crate::model::quant::{encode::quantize_row, QuantFormat};
 use std::path::Path;
+
+mod gpt2;
+pub mod mix;
+pub use mix::Mix;
+
+/// How [`export`] picks each tensor's type.
+#[derive(Debug, Clone)]
+pub enum Types {
+    /// A format per weight class (unnamed classes keep the checkpoint's dtype).
+    Classes(WeightFormats),
+    /// llama-quantize's rules for one of its K-quant file types ([`mix::mix_types`]).
+    Mix(Mix),
+}
 
 /// Why a checkpoint cannot be written as GGUF.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +62,16 @@ enum Origin {
     },
     /// Every expert's tensor of one kind, stacked (expert outermost).
     Stacked(Vec<Source>),
+    /// DeepSeek's `kv_b_proj` `[heads * (nope + v), kv_lora]` split per head as the
+    /// converter splits it: `key` gives `attn_k_b`, each head's `nope` key rows transposed
+    /// (`[heads, kv_lora, nope]`); else `attn_v_b`, each head's `v` value rows
+    /// (`[heads, v, kv_lora]`).
+    KvBSplit {
+        src: Source,
+        heads: usize,
+        nope: usize,
+        key: bool,
+    },
 }
 
 /// What [`export`] wrote.
@@ -113,7 +140,7 @@ fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
 }
 
 /// The `llama` architecture's hyper-parameter keys, from the card.
-fn arch_metadata(arch: &ArchSpec, name: &str, experts: Storage) -> Vec<(String, MetaValue)> {
+fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
     let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
     vec![
         (
@@ -143,11 +170,273 @@ fn arch_metadata(arch: &ArchSpec, name: &str, experts: Storage) -> Vec<(String, 
         u("vocab_size", arch.vocab),
         u("rope.dimension_count", arch.attn.head_dim),
         ("general.quantization_version".into(), MetaValue::U32(2)),
-        (
-            "general.file_type".into(),
-            MetaValue::U32(file_type(experts)),
-        ),
+        ("general.file_type".into(), MetaValue::U32(file_type)),
     ]
+}
+
+/// llama.cpp's architecture name for the families moec writes.
+fn gguf_arch(family: Family) -> Option<&'static str> {
+    match family {
+        Family::Mixtral => Some("llama"),
+        Family::Qwen3Moe => Some("qwen3moe"),
+        Family::Qwen2Moe => Some("qwen2moe"),
+        Family::Olmoe => Some("olmoe"),
+        Family::DeepseekV2 | Family::DeepseekV3 => Some("deepseek2"),
+        _ => None,
+    }
+}
+
+/// The hyper-parameter keys `convert_hf_to_gguf.py`'s `TextModel.set_gguf_parameters`
+/// (and the Qwen2-MoE/Qwen3-MoE and OLMoE subclasses) write from `config.json`: each key
+/// from the first of the config names the converter tries, written only when the config
+/// has it. Rope scaling and expert scoring functions, which these families' configs do
+/// not set, are an error rather than left out.
+fn text_metadata(
+    ckpt: &Checkpoint,
+    arch_name: &str,
+    family: Family,
+    name: &str,
+    file_type: u32,
+) -> Result<Vec<(String, MetaValue)>, ExportError> {
+    let path = ckpt.dir().join("config.json");
+    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let find = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| config.get(*k).filter(|v| !v.is_null()))
+    };
+    let mut meta: Vec<(String, MetaValue)> = vec![
+        (
+            "general.architecture".into(),
+            MetaValue::Str(arch_name.into()),
+        ),
+        ("general.type".into(), MetaValue::Str("model".into())),
+        ("general.name".into(), MetaValue::Str(name.into())),
+    ];
+    let deepseek = matches!(family, Family::DeepseekV2 | Family::DeepseekV3);
+    let mut u = |key: &str, keys: &[&str]| -> Result<(), ExportError> {
+        if let Some(v) = find(keys) {
+            let v = v
+                .as_u64()
+                .ok_or_else(|| bad(format!("`{}` is not a count", keys[0])))?;
+            meta.push((format!("{arch_name}.{key}"), MetaValue::U32(v as u32)));
+        }
+        Ok(())
+    };
+    u(
+        "block_count",
+        &["num_hidden_layers", "n_layers", "n_layer", "num_layers"],
+    )?;
+    u(
+        "context_length",
+        &[
+            "max_position_embeddings",
+            "n_ctx",
+            "n_positions",
+            "max_length",
+            "max_sequence_length",
+            "model_max_length",
+        ],
+    )?;
+    u("embedding_length", &["hidden_size", "n_embd", "dim"])?;
+    u(
+        "feed_forward_length",
+        &[
+            "prefix_dense_intermediate_size",
+            "dense_intermediate_size",
+            "intermediate_size",
+            "n_inner",
+            "hidden_dim",
+        ],
+    )?;
+    u(
+        "attention.head_count",
+        &["num_attention_heads", "n_head", "n_heads"],
+    )?;
+    // DeepSeek's is written with its other MLA keys.
+    if !deepseek {
+        u(
+            "attention.head_count_kv",
+            &["num_key_value_heads", "n_kv_heads"],
+        )?;
+    }
+    u(
+        "expert_count",
+        &["num_local_experts", "num_experts", "n_routed_experts"],
+    )?;
+    u(
+        "expert_used_count",
+        &[
+            "num_experts_per_tok",
+            "num_experts_per_token",
+            "top_k_experts",
+        ],
+    )?;
+    u("expert_group_count", &["n_group"])?;
+    u("expert_group_used_count", &["topk_group"])?;
+    if !deepseek {
+        u("attention.key_length", &["head_dim"])?;
+        u("attention.value_length", &["head_dim"])?;
+    }
+    if matches!(family, Family::Qwen2Moe | Family::Qwen3Moe) {
+        u("expert_feed_forward_length", &["moe_intermediate_size"])?;
+        u(
+            "expert_shared_feed_forward_length",
+            &["shared_expert_intermediate_size"],
+        )?;
+    }
+    if let Some(func) = find(&["score_function", "scoring_func", "score_func"]) {
+        let id = match func.as_str() {
+            Some("softmax") => 1,
+            Some("sigmoid") => 2,
+            _ => {
+                return Err(bad(format!(
+                    "expert scoring function {func} is not written"
+                )))
+            }
+        };
+        meta.push((
+            format!("{arch_name}.expert_gating_func"),
+            MetaValue::U32(id),
+        ));
+    }
+    if deepseek {
+        meta.extend(deepseek_metadata(&config, arch_name).map_err(bad)?);
+    }
+    for key in ["rope_scaling", "sliding_window_pattern"] {
+        if find(&[key]).is_some() {
+            return Err(bad(format!(
+                "`{key}` is set: moec quantize does not write its llama.cpp keys"
+            )));
+        }
+    }
+    let f = |keys: &[&str]| find(keys).and_then(serde_json::Value::as_f64);
+    let theta = f(&["rope_theta"]).or_else(|| config["rope_parameters"]["rope_theta"].as_f64());
+    if let Some(theta) = theta {
+        meta.push((
+            format!("{arch_name}.rope.freq_base"),
+            MetaValue::F32(theta as f32),
+        ));
+    }
+    // OLMoE's converter writes 1e-5 whatever the config says; DeepSeek's 1e-6 when the
+    // config has none.
+    let eps = match family {
+        Family::Olmoe => Some(1e-5),
+        _ if deepseek => f(&["rms_norm_eps", "norm_eps"]).or(Some(1e-6)),
+        _ => f(&["rms_norm_eps", "norm_eps"]),
+    };
+    if let Some(eps) = eps {
+        meta.push((
+            format!("{arch_name}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(eps as f32),
+        ));
+    }
+    meta.push(("general.file_type".into(), MetaValue::U32(file_type)));
+    meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    Ok(meta)
+}
+
+/// The MLA and MoE keys `DeepseekV2Model.set_gguf_parameters` adds (and the one KV head
+/// it sets for MLA's shared latent).
+fn deepseek_metadata(
+    config: &serde_json::Value,
+    arch_name: &str,
+) -> Result<Vec<(String, MetaValue)>, String> {
+    let get = |k: &str| config.get(k).filter(|v| !v.is_null());
+    let count = |k: &str| -> Result<u32, String> {
+        get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|v| v as u32)
+            .ok_or_else(|| format!("`{k}` is missing or not a count"))
+    };
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let layers = count("num_hidden_layers")?;
+    let has_moe = get("n_routed_experts").is_some();
+    let leading = match get("first_k_dense_replace").and_then(serde_json::Value::as_u64) {
+        Some(k) => k as u32,
+        None if has_moe => 0,
+        None => layers,
+    };
+    let kv_lora = match get("kv_lora_rank") {
+        Some(_) => count("kv_lora_rank")?,
+        None => 512,
+    };
+    let (rope, nope, v) = (
+        count("qk_rope_head_dim")?,
+        count("qk_nope_head_dim")?,
+        count("v_head_dim")?,
+    );
+    let mut meta = vec![
+        (key("attention.head_count_kv"), MetaValue::U32(1)),
+        (key("leading_dense_block_count"), MetaValue::U32(leading)),
+        (key("vocab_size"), MetaValue::U32(count("vocab_size")?)),
+    ];
+    if get("q_lora_rank").is_some() {
+        meta.push((
+            key("attention.q_lora_rank"),
+            MetaValue::U32(count("q_lora_rank")?),
+        ));
+    }
+    meta.extend([
+        (key("attention.kv_lora_rank"), MetaValue::U32(kv_lora)),
+        (key("attention.key_length"), MetaValue::U32(kv_lora + rope)),
+        (key("attention.value_length"), MetaValue::U32(kv_lora)),
+        (key("attention.key_length_mla"), MetaValue::U32(nope + rope)),
+        (key("attention.value_length_mla"), MetaValue::U32(v)),
+    ]);
+    let expert_ffn = match get("moe_intermediate_size") {
+        Some(_) => count("moe_intermediate_size")?,
+        None => count("intermediate_size")?,
+    };
+    meta.push((
+        key("expert_feed_forward_length"),
+        MetaValue::U32(expert_ffn),
+    ));
+    let shared = match get("n_shared_experts") {
+        Some(_) => count("n_shared_experts")?,
+        None => 0,
+    };
+    meta.push((key("expert_shared_count"), MetaValue::U32(shared)));
+    if let Some(scale) = get("routed_scaling_factor").and_then(serde_json::Value::as_f64) {
+        meta.push((key("expert_weights_scale"), MetaValue::F32(scale as f32)));
+    }
+    if get("norm_topk_prob").and_then(serde_json::Value::as_bool) == Some(true) {
+        meta.push((key("expert_weights_norm"), MetaValue::Bool(true)));
+    }
+    meta.push((key("rope.dimension_count"), MetaValue::U32(rope)));
+    Ok(meta)
+}
+
+/// `ckpt`'s `tokenizer.json`, its path and its JSON.
+fn read_tokenizer(
+    ckpt: &Checkpoint,
+) -> Result<(std::path::PathBuf, serde_json::Value), ExportError> {
+    let path = ckpt.tokenizer_path().ok_or_else(|| {
+        ExportError::Unsupported(format!(
+            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
+            ckpt.dir().display()
+        ))
+    })?;
+    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+    let json = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    Ok((path, json))
+}
+
+/// The token list with the ids the tokenizer lacks named `[PADi]` and typed UNUSED (5),
+/// as both of the converter's vocabularies write them.
+fn pad_unused(tokens: Vec<Option<String>>, types: &mut [i32]) -> Vec<String> {
+    tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.unwrap_or_else(|| {
+                types[i] = 5;
+                format!("[PAD{i}]")
+            })
+        })
+        .collect()
 }
 
 /// The vocabulary keys as the converter's `LlamaHfVocab` writes them from `tokenizer.json`
@@ -159,15 +448,8 @@ fn vocab_metadata(
     ckpt: &Checkpoint,
     vocab: usize,
 ) -> Result<Vec<(String, MetaValue)>, ExportError> {
-    let path = ckpt.tokenizer_path().ok_or_else(|| {
-        ExportError::Unsupported(format!(
-            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
-            ckpt.dir().display()
-        ))
-    })?;
+    let (path, json) = read_tokenizer(ckpt)?;
     let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let model = &json["model"];
     let kind = model["type"].as_str().unwrap_or("?");
     if kind != "BPE" || model["byte_fallback"].as_bool() != Some(true) {
@@ -256,16 +538,7 @@ fn vocab_metadata(
             )?;
         }
     }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            t.unwrap_or_else(|| {
-                types[i] = 5;
-                format!("[PAD{i}]")
-            })
-        })
-        .collect();
+    let tokens = pad_unused(tokens, &mut types);
     let card = ckpt.card();
     let mut meta = vec![
         (
@@ -299,13 +572,17 @@ fn vocab_metadata(
         "tokenizer.ggml.add_sep_token".into(),
         MetaValue::Bool(false),
     ));
-    if let Some(template) = config["chat_template"].as_str() {
-        meta.push((
-            "tokenizer.chat_template".into(),
-            MetaValue::Str(template.into()),
-        ));
-    }
+    meta.extend(chat_template(&config));
     Ok(meta)
+}
+
+/// `tokenizer.chat_template` from `tokenizer_config.json`, when it has one.
+fn chat_template(config: &serde_json::Value) -> Option<(String, MetaValue)> {
+    let template = config["chat_template"].as_str()?;
+    Some((
+        "tokenizer.chat_template".into(),
+        MetaValue::Str(template.into()),
+    ))
 }
 
 /// The tensor table and each tensor's origin, in the converter's order (head tensors, then
@@ -316,7 +593,7 @@ fn plan(
 ) -> Result<(Vec<TensorEntry>, Vec<Origin>), ExportError> {
     let arch = ckpt.arch();
     let dtype = ckpt.card().dtype;
-    let (d, f, e, vocab) = (arch.hidden, arch.ffn, arch.experts, arch.vocab);
+    let (d, e, vocab) = (arch.hidden, arch.experts, arch.vocab);
     let mut entries = Vec::new();
     let mut origins = Vec::new();
     let mut add = |name: String, dims: Vec<u64>, tensor: WeightTensor, origin: Origin| {
@@ -328,23 +605,16 @@ fn plan(
             }
             _ => formats.storage(dtype, tensor),
         };
-        let entry = TensorEntry {
+        // A 1-D tensor is f32 whatever its class: the converter writes them so and
+        // llama-quantize quantises only matrices.
+        let vector = tensor.is_vector() || dims.len() == 1;
+        entries.push(TensorEntry {
+            ggml_type: ggml_type(storage, vector),
             name,
             dims,
-            ggml_type: ggml_type(storage, tensor.is_vector()),
-        };
-        if entry.bytes().is_none() {
-            return Err(ExportError::Unsupported(format!(
-                "tensor `{}`: rows of {} values are not whole {} blocks; keep its class in a \
-                 float format",
-                entry.name,
-                entry.dims.first().copied().unwrap_or(0),
-                storage.name()
-            )));
-        }
-        entries.push(entry);
+        });
         origins.push(origin);
-        Ok(())
+        Ok::<(), ExportError>(())
     };
     let whole = |name: &str, shape: Vec<usize>| Origin::Whole {
         src: Source {
@@ -354,7 +624,7 @@ fn plan(
         },
         permute_heads: None,
     };
-    let (embed, norm) = head_names(Family::Mixtral);
+    let (embed, norm) = head_names(arch.family);
     add(
         "token_embd.weight".into(),
         vec![d as u64, vocab as u64],
@@ -376,73 +646,114 @@ fn plan(
         )?;
     }
     for layer in 0..arch.layers {
-        let b = |t: &str| format!("blk.{layer}.{t}.weight");
-        let mut stacks: [Vec<Source>; 3] = Default::default();
+        // Merged expert tensors in the order their first expert appears, each expert's
+        // rows at its index.
+        let mut stacks: Vec<(String, WeightTensor, Vec<Option<Source>>)> = Vec::new();
         for kind in LayerLayout::kinds(arch, layer) {
             let src = segment_source(arch, layer, kind);
             let dims: Vec<u64> = src.shape.iter().rev().map(|&x| x as u64).collect();
             let tensor = WeightTensor::layer(kind);
-            let (name, heads) = match kind {
-                SegmentKind::AttnNorm => (b("attn_norm"), None),
-                SegmentKind::FfnNorm => (b("ffn_norm"), None),
-                SegmentKind::QProj => (b("attn_q"), Some(arch.attn.heads)),
-                SegmentKind::KProj => (b("attn_k"), Some(arch.attn.kv_heads)),
-                SegmentKind::VProj => (b("attn_v"), None),
-                SegmentKind::OProj => (b("attn_output"), None),
-                SegmentKind::Router => (b("ffn_gate_inp"), None),
-                SegmentKind::ExpertGate(_) => {
-                    stacks[0].push(src);
-                    continue;
+            match place(arch, layer, kind) {
+                Some(Place::Whole(name, permute_heads)) => {
+                    // The converter squeezes Qwen2-MoE's `[1, hidden]` shared-expert gate
+                    // to a vector.
+                    let dims = if kind == SegmentKind::SharedExpertGate {
+                        dims.into_iter().filter(|&x| x != 1).collect()
+                    } else {
+                        dims
+                    };
+                    add(name, dims, tensor, Origin::Whole { src, permute_heads })?;
                 }
-                SegmentKind::ExpertUp(_) => {
-                    stacks[1].push(src);
-                    continue;
+                Some(Place::Expert(name, x, _, _)) => {
+                    let at = match stacks.iter().position(|(n, _, _)| *n == name) {
+                        Some(at) => at,
+                        None => {
+                            stacks.push((name, tensor, vec![None; e]));
+                            stacks.len() - 1
+                        }
+                    };
+                    if let Some(slot) = stacks[at].2.get_mut(x) {
+                        *slot = Some(src);
+                    }
                 }
-                SegmentKind::ExpertDown(_) => {
-                    stacks[2].push(src);
-                    continue;
+                Some(Place::KvB) => {
+                    let Some(m) = arch.mla else {
+                        return Err(ExportError::Unsupported(format!(
+                            "layer {layer}: a `kv_b_proj` without MLA hyper-parameters"
+                        )));
+                    };
+                    let (heads, r) = (arch.attn.heads, m.kv_lora_rank as usize);
+                    let (nope, v) = (m.qk_nope_head_dim as usize, m.v_head_dim as usize);
+                    let key = kind == SegmentKind::KvB;
+                    let (name, dims) = if key {
+                        (format!("blk.{layer}.attn_k_b.weight"), [nope, r, heads])
+                    } else {
+                        (format!("blk.{layer}.attn_v_b.weight"), [r, v, heads])
+                    };
+                    let origin = Origin::KvBSplit {
+                        src,
+                        heads,
+                        nope,
+                        key,
+                    };
+                    add(name, dims.map(|x| x as u64).to_vec(), tensor, origin)?;
                 }
-                other => {
+                _ => {
                     return Err(ExportError::Unsupported(format!(
-                        "layer {layer}: a {other:?} segment has no tensor in llama.cpp's `llama` \
-                         architecture"
+                        "layer {layer}: moec quantize does not write the {kind:?} segment as \
+                         llama.cpp's converter does"
                     )))
                 }
-            };
-            add(
-                name,
-                dims,
-                tensor,
-                Origin::Whole {
-                    src,
-                    permute_heads: heads,
-                },
-            )?;
-        }
-        for (i, (gguf, dims, kind)) in [
-            ("ffn_gate_exps", [d, f, e], SegmentKind::ExpertGate(0)),
-            ("ffn_up_exps", [d, f, e], SegmentKind::ExpertUp(0)),
-            ("ffn_down_exps", [f, d, e], SegmentKind::ExpertDown(0)),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let sources = std::mem::take(&mut stacks[i]);
-            if sources.len() != e {
-                return Err(ExportError::Unsupported(format!(
-                    "layer {layer}: {} experts' `{gguf}` tensors, the card has {e}",
-                    sources.len()
-                )));
             }
-            add(
-                b(gguf),
-                dims.iter().map(|&x| x as u64).collect(),
-                WeightTensor::layer(kind),
-                Origin::Stacked(sources),
-            )?;
+        }
+        for (name, tensor, sources) in stacks {
+            let sources: Option<Vec<Source>> = sources.into_iter().collect();
+            let Some(sources) = sources else {
+                return Err(ExportError::Unsupported(format!(
+                    "layer {layer}: `{name}` lacks some of the card's {e} experts"
+                )));
+            };
+            let mut dims: Vec<u64> = sources[0].shape.iter().rev().map(|&x| x as u64).collect();
+            dims.push(e as u64);
+            add(name, dims, tensor, Origin::Stacked(sources))?;
         }
     }
     Ok((entries, origins))
+}
+
+/// Every entry's size, or an error naming the first whose rows are not whole blocks of
+/// its type.
+fn check_blocks(entries: &[TensorEntry]) -> Result<(), ExportError> {
+    match entries.iter().find(|e| e.bytes().is_none()) {
+        None => Ok(()),
+        Some(entry) => Err(ExportError::Unsupported(format!(
+            "tensor `{}`: rows of {} values are not whole {} blocks; keep its class in a \
+             float format",
+            entry.name,
+            entry.dims.first().copied().unwrap_or(0),
+            type_name(entry.ggml_type)
+        ))),
+    }
+}
+
+/// Retypes `entries` by `mix`'s rules (the tensors llama-quantize does not quantise keep
+/// theirs).
+fn apply_mix(arch: &ArchSpec, mix: Mix, entries: &mut [TensorEntry]) -> Result<(), ExportError> {
+    let table: Vec<(&str, &[u64])> = entries
+        .iter()
+        .map(|e| (e.name.as_str(), e.dims.as_slice()))
+        .collect();
+    let model = mix::MixModel {
+        experts: arch.experts,
+        layers: arch.layers,
+    };
+    let types = mix::mix_types(mix, model, &table).map_err(ExportError::Unsupported)?;
+    for (entry, ty) in entries.iter_mut().zip(types) {
+        if let Some(storage) = ty {
+            entry.ggml_type = ggml_type(storage, false);
+        }
+    }
+    Ok(())
 }
 
 /// The values of one tensor in GGUF order (stacked, rows permuted where the converter
@@ -470,6 +781,38 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
             let mut out = Vec::new();
             for src in sources {
                 out.extend(read(src)?);
+            }
+            Ok(out)
+        }
+        Origin::KvBSplit {
+            src,
+            heads,
+            nope,
+            key,
+        } => {
+            let kv = read(src)?;
+            let (rows, cols) = (src.shape[0], src.shape.get(1).copied().unwrap_or(1));
+            let per_head = rows / heads.max(&1);
+            let v = per_head.saturating_sub(*nope);
+            if per_head * heads != rows || kv.len() != rows * cols {
+                return Err(WriteError::Tensor {
+                    tensor: name.into(),
+                    message: format!(
+                        "`{}`'s {rows} rows do not split into {heads} heads",
+                        src.name
+                    ),
+                });
+            }
+            let mut out = Vec::with_capacity(kv.len());
+            for h in 0..*heads {
+                let head = &kv[h * per_head * cols..(h + 1) * per_head * cols];
+                if *key {
+                    for c in 0..cols {
+                        out.extend((0..*nope).map(|r| head[r * cols + c]));
+                    }
+                } else {
+                    out.extend_from_slice(&head[nope * cols..(nope + v) * cols]);
+                }
             }
             Ok(out)
         }
@@ -504,30 +847,49 @@ fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteEr
 /// each tensor's name as it is written.
 pub fn export(
     ckpt: &Checkpoint,
-    formats: &WeightFormats,
+    types: &Types,
     name: &str,
     out: &Path,
     mut progress: impl FnMut(usize, usize, &str),
 ) -> Result<ExportSummary, ExportError> {
     let arch = ckpt.arch();
-    if arch.family != Family::Mixtral {
+    let Some(arch_name) = gguf_arch(arch.family) else {
         return Err(ExportError::Unsupported(format!(
-            "{}: a {:?}-family checkpoint: moec quantize writes llama.cpp's `llama` architecture \
-             (the Mixtral family) so far",
+            "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE, \
+             OLMoE and DeepSeek-V2/V3 so far",
             ckpt.dir().display(),
             arch.family
         )));
-    }
+    };
+    let floats = WeightFormats::default();
+    let formats = match types {
+        Types::Classes(formats) => formats,
+        Types::Mix(_) => &floats,
+    };
     if let Err(e) = formats.check(arch, ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));
     }
-    let (entries, origins) = plan(ckpt, formats)?;
-    let experts = formats.storage(
-        ckpt.card().dtype,
-        WeightTensor::layer(SegmentKind::ExpertGate(0)),
-    );
-    let mut metadata = arch_metadata(arch, name, experts);
-    metadata.extend(vocab_metadata(ckpt, arch.vocab)?);
+    let (mut entries, origins) = plan(ckpt, formats)?;
+    let file_type = match types {
+        Types::Classes(formats) => file_type(formats.storage(
+            ckpt.card().dtype,
+            WeightTensor::layer(SegmentKind::ExpertGate(0)),
+        )),
+        Types::Mix(mix) => {
+            apply_mix(arch, *mix, &mut entries)?;
+            mix.file_type()
+        }
+    };
+    check_blocks(&entries)?;
+    let metadata = if arch.family == Family::Mixtral {
+        let mut m = arch_metadata(arch, name, file_type);
+        m.extend(vocab_metadata(ckpt, arch.vocab)?);
+        m
+    } else {
+        let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;
+        m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
+        m
+    };
     let total = entries.len();
     write_gguf(out, &metadata, &entries, |i| {
         let entry = &entries[i];

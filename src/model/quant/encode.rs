@@ -9,13 +9,14 @@
 //! (Q4_0: scale = the first value of largest magnitude over −8, codes `min(15, trunc(x /
 //! d + 8.5))`; Q4_1: scale = range / 15, offset = the block minimum, codes `min(15,
 //! trunc((x − min) / d + 0.5))`), so all three give llama-quantize's bytes for the same
-//! f32 input. The K formats pick each sub-block's scale (and, for Q4_K
-//! and Q5_K, its min) by least squares over the codes, refined a few rounds from the
-//! sub-block's range, then round the sub-block scales to the super-block's 6- or 8-bit grid
-//! and choose the final codes against the rounded scales, so the error the test bounds is
-//! the one a reader sees. The search is moec's own, not ggml's `make_qkx2_quants`: its
-//! bytes differ from llama-quantize's, its error is of the same size (the tests compare
-//! both against the f32 weights). A length that is not whole blocks is an error.
+//! f32 input. The K formats follow ggml's reference quantisers as llama-quantize runs them
+//! without an importance matrix (`quantize_row_q{4,5,6}_K_ref`): the same searches
+//! (`make_qkx2_quants` for Q4_K/Q5_K sub-block scales and mins, `make_qx_quants` for
+//! Q6_K's signed scales), ggml's round-half-to-even `nearest_int`, and every sum in ggml's
+//! order with f32 operations, so they too give llama-quantize's bytes (checked against
+//! ggml's own output in the tests). moec's earlier least-squares search is gone: its RMS
+//! error was 3-5% above ggml's on the tiny Mixtral's weights. A length that is not whole
+//! blocks is an error.
 
 use super::{QuantError, QuantFormat, QK_K};
 use half::f16;
@@ -142,95 +143,173 @@ fn mxfp4(x: &[f32], b: &mut [u8]) {
     pack_q4(&q, &mut b[1..17]);
 }
 
-/// Least-squares fit of `x ≈ scale * q + offset` over the codes `q`, with `offset <= 0`
-/// (the formats store `-offset` as an unsigned min). `None` when the codes are all equal.
-fn fit_affine(x: &[f32], q: &[u8]) -> Option<(f32, f32)> {
-    let n = x.len() as f32;
-    let (mut sq, mut sqq, mut sx, mut sqx) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
-    for (&v, &c) in x.iter().zip(q) {
-        let c = f32::from(c);
-        sq += c;
-        sqq += c * c;
-        sx += v;
-        sqx += c * v;
-    }
-    let det = n * sqq - sq * sq;
-    if det <= 0.0 {
-        return None;
-    }
-    let scale = (n * sqx - sq * sx) / det;
-    let offset = (sqq * sx - sq * sqx) / det;
-    if offset <= 0.0 {
-        Some((scale, offset))
-    } else if sqq > 0.0 {
-        Some((sqx / sqq, 0.0))
-    } else {
-        None
-    }
+/// ggml's `nearest_int`: the float's integer part after adding 1.5 * 2^23, read from
+/// its mantissa bits. That rounds half to even (not away from zero, as `f32::round`);
+/// for magnitudes past 2^22, where ggml's assert is compiled out, it gives ggml's same
+/// wrapped value, so even those weights encode as llama-quantize encodes them.
+fn nearest_int(v: f32) -> i32 {
+    let bits = (v + 12_582_912.0).to_bits() as i32;
+    (bits & 0x007f_ffff) - 0x0040_0000
 }
 
-fn codes_affine(x: &[f32], scale: f32, offset: f32, nmax: u8, q: &mut [u8]) {
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    for (c, &v) in q.iter_mut().zip(x) {
-        *c = ((v - offset) * inv).round().clamp(0.0, f32::from(nmax)) as u8;
-    }
+/// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below it is all zero.
+const GROUP_MAX_EPS: f32 = 1e-15;
+
+/// The scratch of one [`fit_scale_min`] search.
+struct AffineFit {
+    /// Codes of the best fit, `0..=nmax`.
+    codes: [u8; 32],
+    /// `weight ≈ scale * code - min`.
+    scale: f32,
+    min: f32,
 }
 
-fn sq_err_affine(x: &[f32], q: &[u8], scale: f32, offset: f32) -> f32 {
-    x.iter()
-        .zip(q)
-        .map(|(&v, &c)| {
-            let e = scale * f32::from(c) + offset - v;
-            e * e
-        })
-        .sum()
-}
-
-/// One sub-block's `(scale, min)` with `weight = scale * q - min`, `q` in `0..=nmax`.
-fn sub_scale_min(x: &[f32], nmax: u8) -> (f32, f32) {
-    let lo = x.iter().fold(0.0f32, |m, &v| m.min(v));
-    let hi = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    if hi <= lo {
-        return (0.0, -lo);
+/// ggml's `make_qkx2_quants` for one sub-block of 32: the `(scale, min)` of `weight ≈
+/// scale * code - min`, codes in `0..=nmax`, `min >= 0`, that minimises the
+/// `weights`-weighted squared error over `1 + nstep` candidate code grids (the range
+/// split into `nmax + rmin + k * rdelta` steps); each candidate's scale and min are its
+/// codes' weighted least-squares fit (scale alone, through zero, where the fitted min
+/// would be positive). The start, the range split in `nmax` steps, wins ties. Every sum
+/// runs in ggml's order with ggml's f32 operations, so the result is the same to the bit.
+fn fit_scale_min(
+    x: &[f32],
+    weights: &[f32],
+    nmax: u8,
+    rmin: f32,
+    rdelta: f32,
+    nstep: u32,
+) -> AffineFit {
+    let n = f32::from(nmax);
+    let mut codes = [0u8; 32];
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = weights[0];
+    let mut sum_x = sum_w * x[0];
+    for (&v, &w) in x.iter().zip(weights).skip(1) {
+        if v < min {
+            min = v;
+        }
+        if v > max {
+            max = v;
+        }
+        sum_w += w;
+        sum_x += w * v;
     }
-    let (mut scale, mut offset) = ((hi - lo) / f32::from(nmax), lo);
-    let mut q = vec![0u8; x.len()];
-    codes_affine(x, scale, offset, nmax, &mut q);
-    let mut best = (sq_err_affine(x, &q, scale, offset), scale, offset);
-    for _ in 0..6 {
-        let Some((s, o)) = fit_affine(x, &q) else {
-            break;
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        return AffineFit {
+            codes,
+            scale: 0.0,
+            min: -min,
         };
-        if s <= 0.0 {
-            break;
+    }
+    // `min` is the best fit's so far: ggml's later grids start from it, as here.
+    let code =
+        |iscale: f32, v: f32, min: f32| nearest_int(iscale * (v - min)).clamp(0, i32::from(nmax));
+    let err = |scale: f32, offset: f32, codes: &[u8]| -> f32 {
+        let mut e = 0.0f32;
+        for ((&v, &w), &c) in x.iter().zip(weights).zip(codes) {
+            let diff = scale * f32::from(c) + offset - v;
+            e += w * (diff * diff);
         }
-        (scale, offset) = (s, o);
-        codes_affine(x, scale, offset, nmax, &mut q);
-        let err = sq_err_affine(x, &q, scale, offset);
-        if err < best.0 {
-            best = (err, scale, offset);
+        e
+    };
+    let iscale = n / (max - min);
+    let mut scale = 1.0 / iscale;
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = code(iscale, v, min) as u8;
+    }
+    let mut best = err(scale, min, &codes);
+    let mut trial = [0u8; 32];
+    for step in 0..=nstep {
+        let iscale = (rmin + rdelta * step as f32 + n) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0.0f32, 0.0f32, 0.0f32);
+        for ((t, &v), &w) in trial.iter_mut().zip(x).zip(weights) {
+            let l = code(iscale, v, min);
+            *t = l as u8;
+            let l = l as f32;
+            sum_l += w * l;
+            sum_l2 += w * l * l;
+            sum_xl += w * l * v;
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let e = err(this_scale, this_min, &trial);
+            if e < best {
+                codes = trial;
+                best = e;
+                scale = this_scale;
+                min = this_min;
+            }
         }
     }
-    (best.1, -best.2)
+    AffineFit {
+        codes,
+        scale,
+        min: -min,
+    }
 }
 
-/// Q4_K (`nmax` 15) and Q5_K (`nmax` 31): eight sub-blocks of 32, 6-bit scales and mins
-/// under f16 `d` and `dmin`.
+/// Q4_K (`nmax` 15) and Q5_K (`nmax` 31) as `quantize_row_q4_K_ref` /
+/// `quantize_row_q5_K_ref` (llama-quantize without an importance matrix): each sub-block
+/// of 32 fitted by [`fit_scale_min`] under weights `rms + |x|` (search `-1 + 0.1k`,
+/// k ≤ 20, for Q4_K; `-0.5 + 0.1k`, k ≤ 15, for Q5_K), the scales and mins put on the
+/// super-block's 6-bit grids (`d = max scale / 63`, `dmin = max min / 63`, f16), then
+/// each weight's code chosen again against the rounded `d * sc` and `dmin * m` (a
+/// sub-block whose rounded scale is 0 keeps its fitted codes).
 fn kq_asym(x: &[f32], b: &mut [u8], nmax: u8) {
-    let subs: Vec<(f32, f32)> = x.chunks_exact(32).map(|s| sub_scale_min(s, nmax)).collect();
-    let max_scale = subs.iter().fold(0.0f32, |m, s| m.max(s.0));
-    let max_min = subs.iter().fold(0.0f32, |m, s| m.max(s.1));
+    let (rmin, nstep) = if nmax == 15 { (-1.0, 20) } else { (-0.5, 15) };
+    let mut q = [0u8; QK_K];
+    let mut fits = [(0.0f32, 0.0f32); QK_K / 32];
+    let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
+    for ((sub, codes), fit) in x
+        .chunks_exact(32)
+        .zip(q.chunks_exact_mut(32))
+        .zip(fits.iter_mut())
+    {
+        let mut sum_x2 = 0.0f32;
+        for &v in sub {
+            sum_x2 += v * v;
+        }
+        let av_x = (sum_x2 / 32.0).sqrt();
+        let mut weights = [0.0f32; 32];
+        for (w, &v) in weights.iter_mut().zip(sub) {
+            *w = av_x + v.abs();
+        }
+        let f = fit_scale_min(sub, &weights, nmax, rmin, 0.1, nstep);
+        codes.copy_from_slice(&f.codes);
+        *fit = (f.scale, f.min);
+        if f.scale > max_scale {
+            max_scale = f.scale;
+        }
+        if f.min > max_min {
+            max_min = f.min;
+        }
+    }
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    // `(uint8_t)nearest_int(..)` then `MIN(63, ..)`: C's conversion wraps, as `as u8` does.
+    let ls: Vec<u8> = fits
+        .iter()
+        .map(|f| (nearest_int(inv_scale * f.0) as u8).min(63))
+        .collect();
+    let lm: Vec<u8> = fits
+        .iter()
+        .map(|f| (nearest_int(inv_min * f.1) as u8).min(63))
+        .collect();
     let (d_bytes, d) = f16_store(max_scale / 63.0);
     let (dmin_bytes, dmin) = f16_store(max_min / 63.0);
-    let grid = |v: f32, step: f32| -> u8 {
-        if step > 0.0 {
-            (v / step).round().clamp(0.0, 63.0) as u8
-        } else {
-            0
-        }
-    };
-    let ls: Vec<u8> = subs.iter().map(|s| grid(s.0, d)).collect();
-    let lm: Vec<u8> = subs.iter().map(|s| grid(s.1, dmin)).collect();
     b[..2].copy_from_slice(&d_bytes);
     b[2..4].copy_from_slice(&dmin_bytes);
     let s = &mut b[4..16];
@@ -239,13 +318,15 @@ fn kq_asym(x: &[f32], b: &mut [u8], nmax: u8) {
         s[j + 4] = lm[j] | ((lm[j + 4] >> 4) << 6);
         s[j + 8] = (ls[j + 4] & 0x0f) | ((lm[j + 4] & 0x0f) << 4);
     }
-    let mut q = [0u8; QK_K];
     for (j, (sub, codes)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
-        // The reader forms `d * sc` and `dmin * m` as rounded f32 products: choose codes
-        // against exactly those.
         let scale = d * f32::from(ls[j]);
+        if scale == 0.0 {
+            continue;
+        }
         let min = dmin * f32::from(lm[j]);
-        codes_affine(sub, scale, -min, nmax, codes);
+        for (c, &v) in codes.iter_mut().zip(sub) {
+            *c = nearest_int((v + min) / scale).clamp(0, i32::from(nmax)) as u8;
+        }
     }
     let (qh, qs) = if nmax == 15 {
         (None, &mut b[16..16 + QK_K / 2])
@@ -269,76 +350,97 @@ fn kq_asym(x: &[f32], b: &mut [u8], nmax: u8) {
     }
 }
 
-/// One Q6_K sub-block's signed scale, `weight = scale * q`, `q` in `-32..=31`.
-fn sub_scale_sym(x: &[f32]) -> f32 {
-    let peak = x
-        .iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    if peak == 0.0 {
+/// ggml's `make_qx_quants` with `rmse_type` 1 and no importance weights, for `nmax` 32
+/// (Q6_K's sub-blocks of 16): the signed scale of `weight ≈ scale * code`, codes in
+/// `-32..=31` (returned offset by 32), chosen among the grids that map the largest
+/// magnitude to `-(32 + 0.1k)`, `|k| <= 9`, by the `x²`-weighted least-squares fit's
+/// gain `(Σ w x l)² / Σ w l²`; the start (k = 0) wins ties.
+fn fit_scale_sym(x: &[f32], codes: &mut [u8]) -> f32 {
+    const NMAX: i32 = 32;
+    let (mut max, mut amax) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        codes.fill(0);
         return 0.0;
     }
-    // The largest magnitude maps to -32, the one end the codes reach at full size.
-    let mut scale = peak / -32.0;
-    let codes = |scale: f32| -> Vec<f32> {
-        x.iter()
-            .map(|&v| (v / scale).round().clamp(-32.0, 31.0))
-            .collect()
-    };
-    let err = |scale: f32, q: &[f32]| -> f32 {
-        x.iter()
-            .zip(q)
-            .map(|(&v, &c)| (scale * c - v) * (scale * c - v))
-            .sum()
-    };
-    let mut q = codes(scale);
-    let mut best = (err(scale, &q), scale);
-    for _ in 0..6 {
-        let (sxq, sqq) = x
-            .iter()
-            .zip(&q)
-            .fold((0.0f32, 0.0f32), |(a, b), (&v, &c)| (a + v * c, b + c * c));
-        if sqq == 0.0 {
-            break;
+    let code = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-NMAX, NMAX - 1);
+    let sums = |iscale: f32| -> (f32, f32) {
+        let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
+        for &v in x {
+            let l = code(iscale, v) as f32;
+            let w = v * v;
+            sumlx += w * v * l;
+            suml2 += w * l * l;
         }
-        scale = sxq / sqq;
-        if scale == 0.0 {
-            break;
+        (sumlx, suml2)
+    };
+    let fill = |iscale: f32, codes: &mut [u8]| {
+        for (c, &v) in codes.iter_mut().zip(x) {
+            *c = (code(iscale, v) + NMAX) as u8;
         }
-        q = codes(scale);
-        let e = err(scale, &q);
-        if e < best.0 {
-            best = (e, scale);
+    };
+    let iscale = -(NMAX as f32) / max;
+    fill(iscale, codes);
+    let (sumlx, suml2) = sums(iscale);
+    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
+    let mut best = scale * sumlx;
+    for k in (-9..=9).filter(|&k| k != 0) {
+        let iscale = -(NMAX as f32 + 0.1 * k as f32) / max;
+        let (sumlx, suml2) = sums(iscale);
+        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
+            fill(iscale, codes);
+            scale = sumlx / suml2;
+            best = scale * sumlx;
         }
     }
-    best.1
+    scale
 }
 
-/// Q6_K: sixteen sub-blocks of 16, signed 8-bit scales under an f16 `d`.
+/// Q6_K as `quantize_row_q6_K_ref`: each sub-block of 16 fitted by [`fit_scale_sym`],
+/// the scales put on a signed 8-bit grid whose `-128` is the scale of largest magnitude
+/// (`d`, f16), each code chosen again against the rounded `d * sc` (a sub-block whose
+/// rounded scale is 0 keeps its fitted codes); a block whose scales are all below
+/// `GROUP_MAX_EPS` is all zero bytes.
 fn q6_k(x: &[f32], b: &mut [u8]) {
-    let subs: Vec<f32> = x.chunks_exact(16).map(sub_scale_sym).collect();
-    let peak = subs
-        .iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    let (d_bytes, d) = f16_store(peak / -128.0);
-    let ls: Vec<i8> = subs
-        .iter()
-        .map(|&s| {
-            if d != 0.0 {
-                (s / d).round().clamp(-128.0, 127.0) as i8
-            } else {
-                0
-            }
-        })
-        .collect();
     let mut q = [0u8; QK_K];
-    for (j, (sub, codes)) in x.chunks_exact(16).zip(q.chunks_exact_mut(16)).enumerate() {
-        let scale = d * f32::from(ls[j]);
-        let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-        for (c, &v) in codes.iter_mut().zip(sub) {
-            *c = ((v * inv).round().clamp(-32.0, 31.0) + 32.0) as u8;
+    let mut scales = [0.0f32; QK_K / 16];
+    let (mut max_scale, mut max_abs) = (0.0f32, 0.0f32);
+    for ((sub, codes), s) in x
+        .chunks_exact(16)
+        .zip(q.chunks_exact_mut(16))
+        .zip(scales.iter_mut())
+    {
+        *s = fit_scale_sym(sub, codes);
+        if s.abs() > max_abs {
+            max_abs = s.abs();
+            max_scale = *s;
         }
     }
     b.fill(0);
+    if max_abs < GROUP_MAX_EPS {
+        return;
+    }
+    let iscale = -128.0 / max_scale;
+    let (d_bytes, d) = f16_store(1.0 / iscale);
+    // `MIN(127, nearest_int(..))` stored in an `int8_t`: C's conversion wraps, as `as i8`.
+    let ls: Vec<i8> = scales
+        .iter()
+        .map(|&s| nearest_int(iscale * s).min(127) as i8)
+        .collect();
+    for (j, (sub, codes)) in x.chunks_exact(16).zip(q.chunks_exact_mut(16)).enumerate() {
+        let scale = d * f32::from(ls[j]);
+        if scale == 0.0 {
+            continue;
+        }
+        for (c, &v) in codes.iter_mut().zip(sub) {
+            *c = (nearest_int(v / scale).clamp(-32, 31) + 32) as u8;
+        }
+    }
     for half in 0..2 {
         for s in 0..4 {
             for l in 0..32 {
@@ -415,6 +517,38 @@ mod tests {
                 err / rms
             );
         }
+    }
+
+    /// ggml's own bytes (`ggml_quantize_chunk`, what llama-quantize runs without an
+    /// importance matrix) for `scripts/kquant_golden.c`'s 8 x 512 matrix: small and
+    /// spiky rows, all-positive and all-negative ones, zero sub-blocks, values below
+    /// ggml's `GROUP_MAX_EPS`, constant halves, and sub-blocks from 1e-3 to 1e3. Made by
+    /// `scripts/kquant_golden.sh`; moec's encoder must give them byte for byte.
+    #[test]
+    fn k_formats_give_ggmls_bytes() {
+        const GOLDEN: &[u8] = include_bytes!("../../../tests/fixtures/quant/kquant-golden.bin");
+        let n = 8 * 512;
+        let x: Vec<f32> = GOLDEN[..4 * n]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let mut at = 4 * n;
+        for format in [QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K] {
+            let len = format.bytes_for(n).unwrap();
+            let theirs = &GOLDEN[at..at + len];
+            at += len;
+            let ours = quantize_row(format, &x).unwrap();
+            let bb = format.block_bytes();
+            for (i, (a, b)) in ours.chunks(bb).zip(theirs.chunks(bb)).enumerate() {
+                assert!(
+                    a == b,
+                    "{format} block {i} (row {}): first differing byte {:?}",
+                    i / 2,
+                    a.iter().zip(b).position(|(p, q)| p != q)
+                );
+            }
+        }
+        assert_eq!(at, GOLDEN.len());
     }
 
     #[test]
