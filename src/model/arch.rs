@@ -57,6 +57,9 @@ pub struct ArchSpec {
     /// gpt-oss experts: `(alpha, limit)` of the clamped SwiGLU over fused interleaved
     /// gate/up with biases.
     pub clamped_swiglu: Option<(f32, f32)>,
+    /// gpt-oss experts stored `[out, in]` (`ClampedSwiglu::experts_out_in`: MXFP4 block
+    /// rows, GGUF); otherwise the Hub's bf16 `[in, out]`.
+    pub experts_out_in: bool,
     /// YaRN rotary scaling.
     pub yarn: Option<Yarn>,
     /// DeepSeek's latent attention (`attn` is then the latent MQA geometry).
@@ -104,6 +107,7 @@ impl ArchSpec {
             clamped_swiglu: card
                 .clamped_swiglu
                 .map(|c| (c.alpha as f32, c.limit as f32)),
+            experts_out_in: card.clamped_swiglu.is_some_and(|c| c.experts_out_in),
             yarn: card.yarn,
             mla: card.mla,
             deepseek_router: card.deepseek_router,

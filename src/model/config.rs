@@ -154,8 +154,8 @@ pub fn experts_in_mxfp4(text: &str) -> bool {
 }
 
 /// The sentence that says where MXFP4 experts went, for card descriptions and load lines.
-pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight on disk), \
-     dequantized to bf16 at load; memory and the cost model count bf16";
+pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight) and kept MXFP4 \
+     (repacked into ggml block rows at load); memory and the cost model count MXFP4";
 
 /// How one card field is compared, and how its two values are printed when they differ.
 enum Compare {
@@ -225,7 +225,11 @@ const AGREEMENT: [(CardField, Compare); 23] = [
     ),
     (
         CardField::ClampedSwiglu,
-        Compare::Other(|a, b| differ(&a.clamped_swiglu, &b.clamped_swiglu)),
+        Compare::Other(|a, b| {
+            // How the experts are stored is not part of the architecture.
+            let params = |c: &ModelCard| c.clamped_swiglu.map(|c| (c.alpha, c.limit));
+            differ(&params(a), &params(b))
+        }),
     ),
     (
         CardField::RouterNormP,
