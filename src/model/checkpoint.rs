@@ -404,6 +404,10 @@ impl Checkpoint {
             let mut c = card.clone();
             c.bos_token_id = chosen.bos_token_id.or(card.bos_token_id);
             c.eos_token_id = chosen.eos_token_id;
+            // How the file stores gpt-oss's experts is the file's, not the card's.
+            if let (Some(file), Some(chosen)) = (chosen.clamped_swiglu, c.clamped_swiglu.as_mut()) {
+                chosen.experts_out_in = file.experts_out_in;
+            }
             chosen = c;
         }
         let mut tensors = BTreeMap::new();
