@@ -876,10 +876,13 @@ fn logit_distance(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
     (max_diff, spread)
 }
 
-/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE and OLMoE GGUFs
+/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE, OLMoE and gpt-oss GGUFs
 /// (`convert_hf_to_gguf.py` and `llama-quantize` on moec's synthetic checkpoints of
 /// `tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron`; f32, Q8_0 and
-/// Q4_K_M, which mixes Q4_K, Q5_K, Q6_K and Q8_0 tensors), against llama.cpp as
+/// Q4_K_M, which mixes Q4_K, Q5_K, Q6_K and Q8_0 tensors; gpt-oss from
+/// `gpt-oss-q4-tiny.ron`: f32 from its bf16 checkpoint, and from its MXFP4 one (`--mxfp4`,
+/// as the Hub ships gpt-oss) the converter's own MXFP4 experts beside f32 (`MXFP4`) or
+/// Q8_0 (`Q8_0`) other weights), against llama.cpp as
 /// `gguf_parity` compares Mixtral: llama.cpp run with f32 attention
 /// (`LLAMA_GREEDY_ATTN=f32`, moec's arithmetic; `tests/fixtures/gguf/llama_attn_f32_families.json`,
 /// written by `scripts/gguf_parity_golden.sh`) must give the same greedy tokens for at least
@@ -916,9 +919,22 @@ fn gguf_families_greedy_tokens_match_llama_cpp() {
             .collect()
     };
     let mut failures = Vec::new();
-    for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe"] {
+    let k_quants = ["f32", "Q8_0", "Q4_K_M"];
+    let families = [
+        ("qwen3-moe", k_quants),
+        ("deepseek-v2", k_quants),
+        ("qwen2-moe", k_quants),
+        ("olmoe", k_quants),
+        ("gpt-oss", ["f32", "Q8_0", "MXFP4"]),
+    ];
+    for (fam, types) in families {
+        // Fixture folders made before gpt-oss joined `scripts/gguf_fixtures.sh` lack its files.
+        if !dir.join(format!("{fam}-q4-{}.gguf", types[0])).is_file() {
+            eprintln!("gguf_families: {fam} skipped: no {fam} fixtures in {}", dir.display());
+            continue;
+        }
         let prompt = ids(&golden[fam]["prompt_ids"]);
-        for ty in ["f32", "Q8_0", "Q4_K_M"] {
+        for ty in types {
             let ck = Checkpoint::open_gguf(&dir.join(format!("{fam}-q4-{ty}.gguf")), None).unwrap();
             let mut opts = GenerateOptions::greedy(16);
             opts.stop_at_eos = false;

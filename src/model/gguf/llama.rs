@@ -245,6 +245,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
         None,
     )?;
     let mut assembled = Vec::new();
+    let mut merged: Vec<String> = Vec::new();
     let mut built = Vec::new();
     for layer in 0..arch.layers {
         for kind in LayerLayout::kinds(&arch, layer) {
@@ -256,14 +257,32 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                 Some(Place::Stacked(gguf, gguf_shape)) => {
                     add(src.name, src.shape, &gguf, gguf_shape, None, None)?
                 }
-                Some(Place::Expert(gguf, x, rows, cols)) => add(
-                    src.name,
-                    src.shape,
-                    &gguf,
-                    vec![arch.experts, rows, cols],
-                    Some(x * rows..(x + 1) * rows),
-                    None,
-                )?,
+                Some(Place::Expert(gguf, x, rows, cols)) => {
+                    let leading: usize = src.shape.iter().rev().skip(1).product();
+                    if src.rows.len() == leading {
+                        // A Hub tensor of the expert's own: its rows of the merged tensor.
+                        add(
+                            src.name,
+                            src.shape,
+                            &gguf,
+                            vec![arch.experts, rows, cols],
+                            Some(x * rows..(x + 1) * rows),
+                            None,
+                        )?
+                    } else if !merged.contains(&src.name) {
+                        // gpt-oss's Hub tensor holds every expert, as the merged one does:
+                        // all of it, once (each expert's segment takes its rows).
+                        merged.push(src.name.clone());
+                        add(
+                            src.name,
+                            src.shape,
+                            &gguf,
+                            vec![arch.experts, rows, cols],
+                            None,
+                            None,
+                        )?
+                    }
+                }
                 // Every expert's segment views the same interleaved tensor: build it once.
                 Some(Place::GateUp { bias }) if assembled.contains(&(layer, kind_tag(bias))) => {}
                 Some(Place::GateUp { bias }) => {
