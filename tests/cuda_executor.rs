@@ -260,6 +260,32 @@ fn schedules_on_a_deepseek_v2_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_
     });
 }
 
+/// llama.cpp's tiny gpt-oss with the converter's MXFP4 experts (`scripts/gguf_fixtures.sh`:
+/// `ffn_gate_exps`/`ffn_up_exps` interleaved back into one out-in MXFP4 `gate_up` per expert
+/// at load, out-in MXFP4 `down`, f32 attention, sinks and biases) gives the CPU backend's
+/// tokens, both with their default 8-bit product: the grouped expert kernels decode the
+/// MXFP4 rows inside their products after `q8_roundtrip` rounds the activations through
+/// Q8_0, as the CPU multiplies them. The experts of a Hub gpt-oss folder read the same way
+/// (its `_blocks` / `_scales` repacked into these rows). Three schedules: every op on the
+/// GPU, CPU attention with paged weights, CPU experts; 2 new tokens per prompt. Skipped,
+/// saying so, without the fixture.
+#[test]
+fn schedules_on_a_gpt_oss_mxfp4_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
+    let Some(dir) = gguf_common::family_fixtures()
+        .filter(|d| d.join("gpt-oss-q4-MXFP4.gguf").is_file())
+    else {
+        println!(
+            "gpt-oss mxfp4 gguf on cuda: SKIPPED: no gpt-oss-q4-MXFP4.gguf (run \
+             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FAMILY_FIXTURES)"
+        );
+        return;
+    };
+    let path = dir.join("gpt-oss-q4-MXFP4.gguf");
+    schedules_match_the_cpu_with(&path.to_string_lossy(), &["--gen-len", "2"], |name| {
+        ["baselines/gpu_resident", "cgopipe", "fiddler"].contains(&name)
+    });
+}
+
 #[test]
 fn every_schedule_on_mixtral_tiny_through_the_cuda_backend_gives_the_cpu_tokens() {
     every_schedule_matches_the_cpu_on("mixtral-tiny");

@@ -87,7 +87,8 @@ fn run_json_matches_generate_and_writes_a_trace() {
 /// A gpt-oss checkpoint with MXFP4 experts: the report says the experts were repacked into
 /// ggml's MXFP4 blocks at load and how many bytes (4 layers x 16 experts x 3 x 128 x 64
 /// weights of gpt-oss-tiny, 17 bytes per 32), in the text and in `--json`, instead of
-/// calling them memory-mapped.
+/// calling them memory-mapped; its tokens are the oracle's (`moec generate`) on the same
+/// packed experts.
 #[test]
 fn run_reports_mxfp4_experts_as_repacked_not_mapped() {
     let cache = tempfile::tempdir().unwrap();
@@ -142,6 +143,18 @@ fn run_reports_mxfp4_experts_as_repacked_not_mapped() {
         doc["memory"]["weights_decoded_bytes"],
         4 * 16 * 3 * 128 * 64 / 32 * 17
     );
+    // The schedule computes from the packed experts what the oracle computes from them.
+    let gen = [
+        "generate",
+        "--weights",
+        dir_arg,
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ];
+    assert_eq!(token_ids(&doc), token_ids(&json(&moec(cache.path(), &gen))));
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! named: an unknown `model_type`, a rope scaling type other than the default (YaRN where
 //! the family allows it), a `quantization_config` (except MXFP4 experts where the family
 //! allows them, with every other module listed in `modules_to_not_convert`; the card's
-//! description then says they are dequantized to bf16 at load), an activation other than
+//! description then says they are kept MXFP4 at load), an activation other than
 //! SiLU. Also checks that a config agrees with a chosen card (naming the first field that
 //! differs, in the family's spelling) and writes a config in the family's real spelling
 //! for synthetic checkpoints. Every problem is an error naming the file and field.
@@ -437,7 +437,7 @@ mod tests {
 
     /// The Hub's gpt-oss-20b config.json, with its MXFP4 `quantization_config`, is read:
     /// the card agrees with the built-in one and its description says the experts are
-    /// dequantized to bf16. The same config without `quantization_config` (a bf16
+    /// kept MXFP4. The same config without `quantization_config` (a bf16
     /// conversion) gives the same card.
     #[test]
     fn gpt_oss_hub_config_with_mxfp4_experts_is_accepted_and_agrees_in_bf16() {

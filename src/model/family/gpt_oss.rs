@@ -1,6 +1,6 @@
 //! OpenAI's gpt-oss: flat fields, YaRN in `rope_scaling` (Hub) or `rope_parameters`
 //! (transformers 5), alternating `layer_types`, clamped SwiGLU parameters, MXFP4 routed
-//! experts (dequantized to bf16 at load); 3-D `mlp.experts.gate_up_proj` / `down_proj`
+//! experts (kept MXFP4 at load, stored out-in); 3-D `mlp.experts.gate_up_proj` / `down_proj`
 //! with biases, a router bias and attention sinks.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
