@@ -271,8 +271,8 @@ fn schedules_on_a_deepseek_v2_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_
 /// saying so, without the fixture.
 #[test]
 fn schedules_on_a_gpt_oss_mxfp4_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
-    let Some(dir) = gguf_common::family_fixtures()
-        .filter(|d| d.join("gpt-oss-q4-MXFP4.gguf").is_file())
+    let Some(dir) =
+        gguf_common::family_fixtures().filter(|d| d.join("gpt-oss-q4-MXFP4.gguf").is_file())
     else {
         println!(
             "gpt-oss mxfp4 gguf on cuda: SKIPPED: no gpt-oss-q4-MXFP4.gguf (run \

@@ -9,10 +9,10 @@ use moec::model::kernels::isa::Kernels;
 use moec::model::kernels::moe::{expert_ffn, RoutedRow};
 use moec::model::kernels::projection::pre_attn;
 use moec::model::kernels::rope::RopeTable;
+use moec::model::quant::{dequantize_blocks, QuantFormat};
 use moec::model::synth::{
     synthetic_layer_image, write_checkpoint, write_checkpoint_as, ExpertStorage, SynthOptions,
 };
-use moec::model::quant::{dequantize_blocks, QuantFormat};
 use moec::model::{
     Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, SegmentKind, WeightDtype,
 };
@@ -700,13 +700,21 @@ fn mxfp4_experts_stay_packed_and_decode_to_their_bf16_values() {
             assert_eq!((twin.rows, twin.cols), (cols, rows));
             assert_eq!(seg.len_bytes, rows * cols / 32 * 17, "MXFP4's bytes");
             let mut values = vec![0f32; rows * cols];
-            dequantize_blocks(QuantFormat::Mxfp4, &image.as_bytes()[seg.range()], &mut values)
-                .unwrap();
+            dequantize_blocks(
+                QuantFormat::Mxfp4,
+                &image.as_bytes()[seg.range()],
+                &mut values,
+            )
+            .unwrap();
             let twin_bytes = &dense_image.as_bytes()[twin.range()];
             for r in 0..rows {
                 for c in 0..cols {
                     let want = bf16_at(twin_bytes, c * rows + r);
-                    assert_eq!(values[r * cols + c], want, "layer {layer} {kind:?} [{r}, {c}]");
+                    assert_eq!(
+                        values[r * cols + c],
+                        want,
+                        "layer {layer} {kind:?} [{r}, {c}]"
+                    );
                 }
             }
         }
@@ -930,7 +938,10 @@ fn gguf_families_greedy_tokens_match_llama_cpp() {
     for (fam, types) in families {
         // Fixture folders made before gpt-oss joined `scripts/gguf_fixtures.sh` lack its files.
         if !dir.join(format!("{fam}-q4-{}.gguf", types[0])).is_file() {
-            eprintln!("gguf_families: {fam} skipped: no {fam} fixtures in {}", dir.display());
+            eprintln!(
+                "gguf_families: {fam} skipped: no {fam} fixtures in {}",
+                dir.display()
+            );
             continue;
         }
         let prompt = ids(&golden[fam]["prompt_ids"]);

@@ -285,7 +285,10 @@ fn gpt_oss_mxfp4_oracle_matches_transformers_mxfp4_load() {
     let checkpoint = Checkpoint::open(&dir).unwrap();
     assert!(checkpoint.storage_note().is_some(), "not read as MXFP4");
     // 4 layers x 16 experts x (64 x 64 gate/up + 32 x 64 down) weights, 17 bytes per 32.
-    assert_eq!(checkpoint.decoded_bytes(), 4 * 16 * (64 * 64 + 32 * 64) / 32 * 17);
+    assert_eq!(
+        checkpoint.decoded_bytes(),
+        4 * 16 * (64 * 64 + 32 * 64) / 32 * 17
+    );
     check_family_with("gpt_oss_mxfp4", Some(Kernels::process().quant_decoded()));
 }
 

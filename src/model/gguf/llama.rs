@@ -377,8 +377,12 @@ fn gate_up(
     // A bias is `f` values of one element each; a weight `f` rows of `d`.
     let unit = storage
         .bytes_for(if bias { 1 } else { d as u64 })
-        .ok_or_else(|| bad(format!("rows of {d} are not whole {} blocks", storage.name())))?
-        as usize;
+        .ok_or_else(|| {
+            bad(format!(
+                "rows of {d} are not whole {} blocks",
+                storage.name()
+            ))
+        })? as usize;
     let (gate, up) = (file.tensor_bytes(gate), file.tensor_bytes(up));
     let len = experts * f * unit;
     if gate.len() != len || up.len() != len {
