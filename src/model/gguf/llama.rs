@@ -345,7 +345,7 @@ fn kind_tag(bias: bool) -> u8 {
 /// per expert, gate row (or value) `i` then up row `i`, for every `i`, rows moved whole in
 /// their stored format (both must share it). Gives the bytes, their storage and the GGUF
 /// names (for messages).
-fn gate_up(
+pub(super) fn gate_up(
     file: &GgufFile,
     arch: &ArchSpec,
     layer: usize,
