@@ -247,14 +247,21 @@ fn every_schedule_on_a_q4_k_m_gguf_through_the_cuda_backend_gives_the_cpu_tokens
 /// without the fixture.
 #[test]
 fn schedules_on_a_deepseek_v2_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
-    let Some(dir) = gguf_common::family_fixtures() else {
+    three_schedules_on_a_family_gguf("deepseek-v2-q4-Q4_K_M.gguf");
+}
+
+/// The family fixture `file` (`scripts/gguf_fixtures.sh`) through three schedules (every op
+/// on the GPU from copies made once; CPU attention with paged weights; CPU experts) on both
+/// backends, 2 new tokens per prompt: tokens equal. Skipped, saying so, without the file.
+fn three_schedules_on_a_family_gguf(file: &str) {
+    let Some(dir) = gguf_common::family_fixtures().filter(|d| d.join(file).is_file()) else {
         println!(
-            "deepseek-v2 q4_k_m gguf on cuda: SKIPPED: no deepseek-v2-q4-Q4_K_M.gguf (run \
-             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FAMILY_FIXTURES)"
+            "{file} on cuda: SKIPPED: no {file} (run scripts/gguf_fixtures.sh, or set \
+             MOEC_GGUF_FAMILY_FIXTURES)"
         );
         return;
     };
-    let path = dir.join("deepseek-v2-q4-Q4_K_M.gguf");
+    let path = dir.join(file);
     schedules_match_the_cpu_with(&path.to_string_lossy(), &["--gen-len", "2"], |name| {
         ["baselines/gpu_resident", "cgopipe", "fiddler"].contains(&name)
     });
@@ -271,19 +278,7 @@ fn schedules_on_a_deepseek_v2_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_
 /// saying so, without the fixture.
 #[test]
 fn schedules_on_a_gpt_oss_mxfp4_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
-    let Some(dir) =
-        gguf_common::family_fixtures().filter(|d| d.join("gpt-oss-q4-MXFP4.gguf").is_file())
-    else {
-        println!(
-            "gpt-oss mxfp4 gguf on cuda: SKIPPED: no gpt-oss-q4-MXFP4.gguf (run \
-             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FAMILY_FIXTURES)"
-        );
-        return;
-    };
-    let path = dir.join("gpt-oss-q4-MXFP4.gguf");
-    schedules_match_the_cpu_with(&path.to_string_lossy(), &["--gen-len", "2"], |name| {
-        ["baselines/gpu_resident", "cgopipe", "fiddler"].contains(&name)
-    });
+    three_schedules_on_a_family_gguf("gpt-oss-q4-MXFP4.gguf");
 }
 
 #[test]

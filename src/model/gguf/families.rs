@@ -124,6 +124,29 @@ impl Meta<'_> {
         }
     }
 
+    /// `{arch}.rope.scaling.*` as the YaRN fields every Hub config spells alike (factor,
+    /// original context, both betas), `None` without scaling; another scaling type is an
+    /// error naming the key.
+    fn yarn(&self) -> Result<Option<serde_json::Map<String, serde_json::Value>>, GgufError> {
+        let key = format!("{}.rope.scaling.type", self.arch);
+        match self.file.metadata.get(&key).and_then(Value::as_str) {
+            Some("yarn") => Ok(json!({
+                "factor": self.f("rope.scaling.factor")?,
+                "original_max_position_embeddings": self.u("rope.scaling.original_context_length")?,
+                "beta_fast": self.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                "beta_slow": self.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+            })
+            .as_object()
+            .cloned()),
+            None | Some("none") => Ok(None),
+            Some(other) => Err(GgufError::Metadata {
+                path: self.file.path().display().to_string(),
+                key,
+                message: format!("`{other}` rope scaling is not supported (none or yarn)"),
+            }),
+        }
+    }
+
     fn token(&self, key: &str) -> Option<u64> {
         self.file
             .metadata
@@ -189,29 +212,11 @@ fn gpt_oss(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
     let hidden = m.u("embedding_length")?;
     let layers = m.u("block_count")?;
     let window = m.opt_u("attention.sliding_window")?;
-    let rope_scaling = match m
-        .file
-        .metadata
-        .get("gpt-oss.rope.scaling.type")
-        .and_then(Value::as_str)
-    {
-        Some("yarn") => json!({
-            "rope_type": "yarn",
-            "factor": m.f("rope.scaling.factor")?,
-            "original_max_position_embeddings": m.u("rope.scaling.original_context_length")?,
-            "beta_fast": m.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-            "beta_slow": m.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-            "truncate": true,
-        }),
-        None | Some("none") => serde_json::Value::Null,
-        Some(other) => {
-            return Err(GgufError::Metadata {
-                path: m.file.path().display().to_string(),
-                key: "gpt-oss.rope.scaling.type".into(),
-                message: format!("`{other}` rope scaling is not supported (none or yarn)"),
-            })
-        }
-    };
+    let rope_scaling = m.yarn()?.map_or(serde_json::Value::Null, |mut y| {
+        y.insert("rope_type".into(), json!("yarn"));
+        y.insert("truncate".into(), json!(true));
+        serde_json::Value::Object(y)
+    });
     let expert_ffn = match m.opt_u("expert_feed_forward_length")? {
         Some(f) => f,
         None => m.u("feed_forward_length")?,
@@ -318,35 +323,15 @@ fn deepseek(m: &Meta<'_>, family: Family) -> Result<serde_json::Value, GgufError
         (false, 1) => "greedy",
         (false, _) => "group_limited_greedy",
     };
-    let rope_scaling = match m
-        .file
-        .metadata
-        .get("deepseek2.rope.scaling.type")
-        .and_then(Value::as_str)
-    {
-        Some("yarn") => {
-            // The converter writes `yarn_log_multiplier` as 0.1 * mscale_all_dim and drops
-            // `mscale`; llama.cpp then uses the one value for both, and so does this.
-            let all = m.opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) / 0.1;
-            json!({
-                "type": "yarn",
-                "factor": m.f("rope.scaling.factor")?,
-                "original_max_position_embeddings": m.u("rope.scaling.original_context_length")?,
-                "beta_fast": m.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-                "beta_slow": m.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-                "mscale": all,
-                "mscale_all_dim": all,
-            })
-        }
-        None | Some("none") => serde_json::Value::Null,
-        Some(other) => {
-            return Err(GgufError::Metadata {
-                path: m.file.path().display().to_string(),
-                key: "deepseek2.rope.scaling.type".into(),
-                message: format!("`{other}` rope scaling is not supported (none or yarn)"),
-            })
-        }
-    };
+    // The converter writes `yarn_log_multiplier` as 0.1 * mscale_all_dim and drops
+    // `mscale`; llama.cpp then uses the one value for both, and so does this.
+    let all = m.opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) / 0.1;
+    let rope_scaling = m.yarn()?.map_or(serde_json::Value::Null, |mut y| {
+        y.insert("type".into(), json!("yarn"));
+        y.insert("mscale".into(), json!(all));
+        y.insert("mscale_all_dim".into(), json!(all));
+        serde_json::Value::Object(y)
+    });
     Ok(json!({
         "architectures": [if v3 { "DeepseekV3ForCausalLM" } else { "DeepseekV2ForCausalLM" }],
         "model_type": if v3 { "deepseek_v3" } else { "deepseek_v2" },
