@@ -21,6 +21,7 @@
 # prompt ids, and llama-<family>-<type>-deq.json, the same on the quantised files dequantised
 # to f32 by llama-quantize --allow-requantize; and the Q8_0 Qwen3-MoE file split by llama-gguf-split (--split-max-tensors 16)
 # into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families.
+# Then gpt-oss's f32, Q8_0 and MXFP4 files there (see its section; SHA256SUMS-gpt-oss).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_PEER_CACHE:-$HOME/.cache/moec-peer}
@@ -103,3 +104,35 @@ rm -f "$FOUT"/qwen3-moe-q4-Q8_0-split-*.gguf
   "$FOUT/qwen3-moe-q4-Q8_0-split" > "$FOUT/split.log" 2>&1
 (cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
 echo "gguf-fixtures: families written to $FOUT"
+
+# gpt-oss (tests/fixtures/gguf/gpt-oss-q4-tiny.ron), in $FOUT: the converter keeps gpt-oss's
+# MXFP4 experts as MXFP4 whatever --outtype says, so the files are: f32 from the bf16
+# checkpoint (`moec synth`), and from the MXFP4 one (`moec synth --mxfp4`, as the Hub ships
+# gpt-oss) MXFP4 experts beside f32 (`--outtype f32`, gpt-oss-q4-MXFP4.gguf) or Q8_0
+# (`--outtype q8_0`, gpt-oss-q4-Q8_0.gguf) other weights. llama-gpt-oss-<type>.json and
+# -deq.json as for the families above. Checked against SHA256SUMS-gpt-oss.
+rm -rf "$FOUT/gpt-oss-q4-hf" "$FOUT/gpt-oss-q4-hf-bf16"
+"$MOEC" synth --model "$REPO/tests/fixtures/gguf/gpt-oss-q4-tiny.ron" --mxfp4 --out "$FOUT/gpt-oss-q4-hf"
+"$MOEC" synth --model "$REPO/tests/fixtures/gguf/gpt-oss-q4-tiny.ron" --out "$FOUT/gpt-oss-q4-hf-bf16"
+# The folder names become `general.name` (`Gpt Oss Q4 Hf`, ...), part of the checked bytes.
+"$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/gpt-oss-q4-hf-bf16" --outtype f32 \
+  --outfile "$FOUT/gpt-oss-q4-f32.gguf" > "$FOUT/convert-gpt-oss-f32.log" 2>&1
+"$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/gpt-oss-q4-hf" --outtype f32 \
+  --outfile "$FOUT/gpt-oss-q4-MXFP4.gguf" > "$FOUT/convert-gpt-oss-MXFP4.log" 2>&1
+"$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/gpt-oss-q4-hf" --outtype q8_0 \
+  --outfile "$FOUT/gpt-oss-q4-Q8_0.gguf" > "$FOUT/convert-gpt-oss-Q8_0.log" 2>&1
+rm -rf "$FOUT/gpt-oss-q4-hf" "$FOUT/gpt-oss-q4-hf-bf16"
+ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['gpt-oss']['prompt_ids'])")
+for t in f32 Q8_0 MXFP4; do
+  # shellcheck disable=SC2086
+  "$OUT/llama_greedy" "$FOUT/gpt-oss-q4-$t.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-gpt-oss-$t.json"
+done
+for t in Q8_0 MXFP4; do
+  "$BUILD/bin/llama-quantize" --allow-requantize "$FOUT/gpt-oss-q4-$t.gguf" "$FOUT/gpt-oss-q4-$t-deq.gguf" F32 \
+    > "$FOUT/dequantize-gpt-oss-$t.log" 2>&1
+  # shellcheck disable=SC2086
+  "$OUT/llama_greedy" "$FOUT/gpt-oss-q4-$t-deq.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-gpt-oss-$t-deq.json"
+  rm -f "$FOUT/gpt-oss-q4-$t-deq.gguf"
+done
+(cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-gpt-oss")
+echo "gguf-fixtures: gpt-oss written to $FOUT"

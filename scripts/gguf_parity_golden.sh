@@ -67,9 +67,12 @@ echo "gguf_parity_golden: wrote tests/fixtures/gguf/llama_attn_f32.json"
 # run of each, against the default run the fixture folder already holds.
 FAMILIES=${FAMILY_FIXTURES:-$CACHE/gguf-fixtures-families}
 (cd "$FAMILIES" && sha256sum --quiet -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
-for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe; do
+(cd "$FAMILIES" && sha256sum --quiet -c "$REPO/tests/fixtures/gguf/SHA256SUMS-gpt-oss")
+# Each family's fixture types (gpt-oss: its converter keeps the experts MXFP4).
+types_of() { if [ "$1" = gpt-oss ]; then echo f32 Q8_0 MXFP4; else echo f32 Q8_0 Q4_K_M; fi; }
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe gpt-oss; do
   ids=$(python3 -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['$fam']['prompt_ids'])")
-  for t in f32 Q8_0 Q4_K_M; do
+  for t in $(types_of "$fam"); do
     # shellcheck disable=SC2086
     LLAMA_GREEDY_ATTN=f32 "$TMP/llama_greedy" "$FAMILIES/$fam-q4-$t.gguf" 16 $ids 2>/dev/null \
       > "$TMP/$fam-$t.json"
@@ -82,9 +85,9 @@ doc = {"source": "scripts/gguf_parity_golden.sh (families): llama.cpp (llama-cpp
                  "sdist) llama_greedy, default attention (fixtures' llama-FAMILY-TYPE.json) "
                  "and LLAMA_GREEDY_ATTN=f32",
        "families": {}}
-for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe"]:
+for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe", "gpt-oss"]:
     doc["families"][fam] = {}
-    for t in ["f32", "Q8_0", "Q4_K_M"]:
+    for t in ["f32", "Q8_0", "MXFP4"] if fam == "gpt-oss" else ["f32", "Q8_0", "Q4_K_M"]:
         f = json.load(open(f"{tmp}/{fam}-{t}.json"))
         d = json.load(open(f"{fixtures}/llama-{fam}-{t}.json"))
         a, b = d["first_logits"], f["first_logits"]

@@ -331,6 +331,26 @@ fn weight_formats_size_the_checkpoint_by_class() {
         assert_eq!(code, 1, "{spec}");
         assert!(stderr.contains(says), "{spec}: {stderr}");
     }
+    // gpt-oss's experts quantised are stored out-in, as the Hub's MXFP4 ones are read:
+    // gpt-oss-tiny's (4 layers x 16 experts x 3 x 128 x 64 weights) take ggml's
+    // `block_mxfp4`, 17 bytes per 32; their biases stay bf16.
+    let (code, mx, stderr) = moec(&[
+        "check",
+        sched,
+        "--model",
+        "gpt-oss-tiny",
+        "--weight-format",
+        "experts=mxfp4",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let (weights, biases) = (4 * 16 * 3 * 128 * 64, 4 * 16 * (2 * 64 + 128) * 2);
+    assert!(
+        class(&mx, "experts").ends_with(&format!(
+            " {}  MXFP4 BF16",
+            human(weights / 32 * 17 + biases)
+        )),
+        "{mx}"
+    );
 }
 
 /// `--model FILE.gguf` reads the file's header: a wrong magic or a file cut inside its

@@ -247,17 +247,38 @@ fn every_schedule_on_a_q4_k_m_gguf_through_the_cuda_backend_gives_the_cpu_tokens
 /// without the fixture.
 #[test]
 fn schedules_on_a_deepseek_v2_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
-    let Some(dir) = gguf_common::family_fixtures() else {
+    three_schedules_on_a_family_gguf("deepseek-v2-q4-Q4_K_M.gguf");
+}
+
+/// The family fixture `file` (`scripts/gguf_fixtures.sh`) through three schedules (every op
+/// on the GPU from copies made once; CPU attention with paged weights; CPU experts) on both
+/// backends, 2 new tokens per prompt: tokens equal. Skipped, saying so, without the file.
+fn three_schedules_on_a_family_gguf(file: &str) {
+    let Some(dir) = gguf_common::family_fixtures().filter(|d| d.join(file).is_file()) else {
         println!(
-            "deepseek-v2 q4_k_m gguf on cuda: SKIPPED: no deepseek-v2-q4-Q4_K_M.gguf (run \
-             scripts/gguf_fixtures.sh, or set MOEC_GGUF_FAMILY_FIXTURES)"
+            "{file} on cuda: SKIPPED: no {file} (run scripts/gguf_fixtures.sh, or set \
+             MOEC_GGUF_FAMILY_FIXTURES)"
         );
         return;
     };
-    let path = dir.join("deepseek-v2-q4-Q4_K_M.gguf");
+    let path = dir.join(file);
     schedules_match_the_cpu_with(&path.to_string_lossy(), &["--gen-len", "2"], |name| {
         ["baselines/gpu_resident", "cgopipe", "fiddler"].contains(&name)
     });
+}
+
+/// llama.cpp's tiny gpt-oss with the converter's MXFP4 experts (`scripts/gguf_fixtures.sh`:
+/// `ffn_gate_exps`/`ffn_up_exps` interleaved back into one out-in MXFP4 `gate_up` per expert
+/// at load, out-in MXFP4 `down`, f32 attention, sinks and biases) gives the CPU backend's
+/// tokens, both with their default 8-bit product: the grouped expert kernels decode the
+/// MXFP4 rows inside their products after `q8_roundtrip` rounds the activations through
+/// Q8_0, as the CPU multiplies them. The experts of a Hub gpt-oss folder read the same way
+/// (its `_blocks` / `_scales` repacked into these rows). Three schedules: every op on the
+/// GPU, CPU attention with paged weights, CPU experts; 2 new tokens per prompt. Skipped,
+/// saying so, without the fixture.
+#[test]
+fn schedules_on_a_gpt_oss_mxfp4_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
+    three_schedules_on_a_family_gguf("gpt-oss-q4-MXFP4.gguf");
 }
 
 #[test]

@@ -7,7 +7,8 @@
 //! `gpt_oss_mxfp4` fixture stores its routed experts as MXFP4 (`*_blocks` / `*_scales`,
 //! `quantization_config.quant_method: mxfp4`, as the Hub's gpt-oss checkpoints) and its
 //! reference is transformers' own MXFP4 load (`Mxfp4Config(dequantize=True)`), so moec's
-//! decoder is under test, not a bf16 transcription of it.
+//! MXFP4 reader (experts kept as ggml block rows, multiplied decoded) is under test, not a
+//! bf16 transcription of it.
 //! Loads each checkpoint the way `--weights DIR` does (architecture from config.json, no
 //! card, no tokenizer), runs greedy generation with the oracle and checks, per prompt:
 //!
@@ -23,6 +24,7 @@
 
 use std::path::{Path, PathBuf};
 
+use moec::model::kernels::isa::Kernels;
 use moec::model::{Checkpoint, GenerateOptions, Generation, Oracle};
 use serde::Deserialize;
 
@@ -157,6 +159,11 @@ impl Comparison {
 /// with all prompts in one batch and once with each prompt alone (different code paths:
 /// mixed-length prefill and per-sequence KV caches vs. a single sequence).
 fn check_family(family: &str) {
+    check_family_with(family, None);
+}
+
+/// [`check_family`] with the oracle on `kernels` (the process's when `None`).
+fn check_family_with(family: &str, kernels: Option<Kernels>) {
     let dir = fixture_dir(family);
     let expected = load_expected(&dir);
     assert_eq!(
@@ -178,6 +185,10 @@ fn check_family(family: &str) {
         .unwrap_or_else(|error| panic!("{family}: cannot open {}: {error}", dir.display()));
     let oracle = Oracle::new(&checkpoint)
         .unwrap_or_else(|error| panic!("{family}: cannot build the oracle: {error}"));
+    let oracle = match kernels {
+        Some(k) => oracle.with_kernels(k),
+        None => oracle,
+    };
     // The fixtures never generate EOS (checked by the script); not stopping keeps the
     // comparison about numerics only.
     let options = GenerateOptions {
@@ -262,16 +273,23 @@ fn gpt_oss_oracle_matches_transformers() {
     check_family("gpt_oss");
 }
 
-/// The MXFP4 fixture is read as MXFP4 (every expert tensor decoded from its blocks and
-/// scales), not as a bf16 checkpoint, and then matches transformers' own MXFP4 load.
+/// The MXFP4 fixture is read as MXFP4 and kept so (every expert tensor repacked from its
+/// blocks and scales into ggml block rows), not as a bf16 checkpoint; multiplied with the
+/// blocks decoded to f32 (`MOEC_QUANT_PRODUCT=decoded`: f32 activations, transformers'
+/// arithmetic) it matches transformers' own MXFP4 load within the tolerances above. The
+/// default product quantises activations to 8 bits as llama.cpp does and is held to
+/// llama.cpp's on the same weights instead (`tests/model_checkpoint.rs`, GGUF families).
 #[test]
 fn gpt_oss_mxfp4_oracle_matches_transformers_mxfp4_load() {
     let dir = fixture_dir("gpt_oss_mxfp4");
     let checkpoint = Checkpoint::open(&dir).unwrap();
     assert!(checkpoint.storage_note().is_some(), "not read as MXFP4");
-    // 4 layers x 16 experts x (64 x 64 gate/up + 32 x 64 down) bf16 weights.
-    assert_eq!(checkpoint.decoded_bytes(), 4 * 16 * (64 * 64 + 32 * 64) * 2);
-    check_family("gpt_oss_mxfp4");
+    // 4 layers x 16 experts x (64 x 64 gate/up + 32 x 64 down) weights, 17 bytes per 32.
+    assert_eq!(
+        checkpoint.decoded_bytes(),
+        4 * 16 * (64 * 64 + 32 * 64) / 32 * 17
+    );
+    check_family_with("gpt_oss_mxfp4", Some(Kernels::process().quant_decoded()));
 }
 
 #[test]

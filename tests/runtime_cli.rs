@@ -1,7 +1,7 @@
 //! `moec run` and `moec ablate` end to end: the JSON output's tokens equal `moec generate`'s
 //! (the oracle) for the same prompts, the trace is a Chrome trace of every stream, and the
-//! ablation table marks identical outputs and lands in CSV/JSON; decoded MXFP4 experts are
-//! reported as decoded, not mapped; the bf16 product keeps the oracle's tokens. Bad flags are one-line errors with exit 1.
+//! ablation table marks identical outputs and lands in CSV/JSON; MXFP4 experts are
+//! reported as repacked, not mapped; the bf16 product keeps the oracle's tokens. Bad flags are one-line errors with exit 1.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -84,11 +84,13 @@ fn run_json_matches_generate_and_writes_a_trace() {
         .any(|e| e["name"].as_str().is_some_and(|n| n.contains("attn"))));
 }
 
-/// A gpt-oss checkpoint with MXFP4 experts: the report says the experts were decoded to
-/// bf16 at load and how many bytes (4 layers x 16 experts x 3 x 128 x 64 bf16 weights of
-/// gpt-oss-tiny), in the text and in `--json`, instead of calling them memory-mapped.
+/// A gpt-oss checkpoint with MXFP4 experts: the report says the experts were repacked into
+/// ggml's MXFP4 blocks at load and how many bytes (4 layers x 16 experts x 3 x 128 x 64
+/// weights of gpt-oss-tiny, 17 bytes per 32), in the text and in `--json`, instead of
+/// calling them memory-mapped; its tokens are the oracle's (`moec generate`) on the same
+/// packed experts.
 #[test]
-fn run_reports_mxfp4_experts_as_decoded_not_mapped() {
+fn run_reports_mxfp4_experts_as_repacked_not_mapped() {
     let cache = tempfile::tempdir().unwrap();
     let dir = cache.path().join("gpt-oss-tiny-mxfp4");
     let dir_arg = dir.to_str().unwrap();
@@ -130,7 +132,7 @@ fn run_reports_mxfp4_experts_as_decoded_not_mapped() {
         .find(|l| l.trim_start().starts_with("weights "))
         .expect("a weights line");
     assert!(
-        line.contains("3.00 MiB MXFP4 experts decoded to bf16 at load")
+        line.contains("816.00 KiB MXFP4 experts repacked into ggml blocks at load")
             && line.contains("the rest memory-mapped"),
         "{line}"
     );
@@ -139,8 +141,20 @@ fn run_reports_mxfp4_experts_as_decoded_not_mapped() {
     let doc = json(&moec(cache.path(), &with_json));
     assert_eq!(
         doc["memory"]["weights_decoded_bytes"],
-        4 * 16 * 3 * 128 * 64 * 2
+        4 * 16 * 3 * 128 * 64 / 32 * 17
     );
+    // The schedule computes from the packed experts what the oracle computes from them.
+    let gen = [
+        "generate",
+        "--weights",
+        dir_arg,
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ];
+    assert_eq!(token_ids(&doc), token_ids(&json(&moec(cache.path(), &gen))));
 }
 
 #[test]

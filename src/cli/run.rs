@@ -280,11 +280,11 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
             human(f.stats.image_bytes)
         );
     } else {
-        // MXFP4 experts are not in the file as the kernels read them: their bf16 decoding
-        // is allocated once at load and read in place; the rest is mapped.
+        // MXFP4 experts are not in the file as the kernels read them: their ggml block
+        // rows are allocated once at load and read in place; the rest is mapped.
         let _ = writeln!(
             out,
-            "  weights {:>10}  {} MXFP4 experts decoded to bf16 at load (allocated, held once), the rest memory-mapped from the checkpoint (pageable, not allocated){populated}",
+            "  weights {:>10}  {} MXFP4 experts repacked into ggml blocks at load (allocated, held once), the rest memory-mapped from the checkpoint (pageable, not allocated){populated}",
             human(f.stats.image_bytes),
             human(f.decoded_weight_bytes)
         );

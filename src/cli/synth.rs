@@ -37,8 +37,8 @@ pub struct SynthArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
     /// Store the routed experts as MXFP4 blocks and scales with a `quantization_config`,
-    /// like the Hub's gpt-oss checkpoints (gpt-oss cards only; moec dequantizes them to
-    /// bf16 when it loads them).
+    /// like the Hub's gpt-oss checkpoints (gpt-oss cards only; moec keeps them MXFP4 when
+    /// it loads them).
     #[arg(long)]
     pub mxfp4: bool,
 }

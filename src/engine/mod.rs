@@ -177,8 +177,9 @@ pub struct RunResult {
     pub worst_case_step_seconds: Option<f64>,
     /// Profile used for the prediction.
     pub profile: Option<HardwareProfile>,
-    /// Bytes of the weights image that are not mapped from the checkpoint but decoded into
-    /// memory at load (gpt-oss MXFP4 experts, dequantized to bf16); 0 when all are mapped.
+    /// Bytes of the weights image that are not mapped from the checkpoint but built in
+    /// memory at load (gpt-oss Hub MXFP4 experts, repacked into ggml block rows); 0 when
+    /// all are mapped.
     pub decoded_weight_bytes: u64,
     /// Where the tokenizer came from: the weights folder's `tokenizer.json`, or the card's
     /// embedded file when the folder has none.

@@ -5,8 +5,10 @@
 //! family names themselves.
 
 use crate::model::card::{DeepseekRouter, Family, Mla, ModelCard, QkNorm, Yarn};
+use crate::model::formats::WeightTensor;
 use crate::model::kernels::attention::AttnShape;
 use crate::model::kernels::norm::NormKind;
+use crate::model::layout::SegmentKind;
 
 /// Kernel-facing description of one architecture.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +59,10 @@ pub struct ArchSpec {
     /// gpt-oss experts: `(alpha, limit)` of the clamped SwiGLU over fused interleaved
     /// gate/up with biases.
     pub clamped_swiglu: Option<(f32, f32)>,
+    /// gpt-oss experts stored `[out, in]` (`ClampedSwiglu::experts_out_in`: MXFP4 block
+    /// rows, GGUF; or a card whose formats quantise them, `--weight-format experts=mxfp4`);
+    /// otherwise the Hub's bf16 `[in, out]`.
+    pub experts_out_in: bool,
     /// YaRN rotary scaling.
     pub yarn: Option<Yarn>,
     /// DeepSeek's latent attention (`attn` is then the latent MQA geometry).
@@ -104,6 +110,15 @@ impl ArchSpec {
             clamped_swiglu: card
                 .clamped_swiglu
                 .map(|c| (c.alpha as f32, c.limit as f32)),
+            // Quantised experts are out-in by construction (moec multiplies blocks only
+            // along stored rows), so a card that plans them quantised stores them so.
+            experts_out_in: card.clamped_swiglu.is_some_and(|c| {
+                c.experts_out_in
+                    || card
+                        .storage(WeightTensor::layer(SegmentKind::ExpertGateUp(0)))
+                        .quant()
+                        .is_some()
+            }),
             yarn: card.yarn,
             mla: card.mla,
             deepseek_router: card.deepseek_router,

@@ -184,6 +184,14 @@ pub struct ClampedSwiglu {
     pub alpha: f64,
     /// Clamp bound (`swiglu_limit`).
     pub limit: f64,
+    /// The checkpoint stores each expert's projections `[out, in]`: `gate_up` as `2 ffn`
+    /// rows of `hidden` (gate and up rows still interleaved) and `down` as `hidden` rows of
+    /// `ffn`, as MXFP4 block rows (a Hub checkpoint's `_blocks` / `_scales`, kept packed)
+    /// and llama.cpp's GGUF store them. Set by the readers; false for the Hub's bf16
+    /// `[in, out]` tensors. A storage fact, not an architecture one: cards that agree on
+    /// everything else describe the same model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub experts_out_in: bool,
 }
 
 /// Where a family normalises queries and keys after their projections (before rotary).

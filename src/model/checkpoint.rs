@@ -10,11 +10,13 @@
 //! validation for every reader: the oracle's typed views and the runtime's images accept
 //! the same checkpoints (a tensor stored at an odd offset is copied aligned for both). A
 //! gpt-oss checkpoint whose config says `quant_method: mxfp4` stores its expert tensors as
-//! U8 `_blocks` / `_scales` pairs: both are checked at open, and every reader sees the bf16
-//! tensor they decode to (as transformers dequantizes them), decoded once per tensor on
-//! first use into an owned aligned buffer that every reader shares, after which the packed
-//! pages are released from the process's resident memory; [`Checkpoint::storage_note`] and
-//! [`Checkpoint::decoded_bytes`] say so.
+//! U8 `_blocks` / `_scales` pairs: both are checked at open, and the experts stay MXFP4:
+//! every reader sees ggml's `block_mxfp4` rows (the same codes under the same exponents,
+//! `mxfp4::repack_ggml`), stored out-in (`ClampedSwiglu::experts_out_in`), repacked once
+//! per tensor on first use into an owned buffer that every reader shares, after which the
+//! Hub's pages are released from the process's resident memory; the card's formats say the
+//! experts are MXFP4, so budgets, images and the cost model count MXFP4's bytes, and
+//! [`Checkpoint::storage_note`] and [`Checkpoint::decoded_bytes`] say so.
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{ModelCard, QkNorm, WeightDtype};
@@ -165,11 +167,11 @@ struct Entry {
     /// An aligned copy of the bytes, made on first typed use when the file stores the
     /// tensor at an offset its dtype cannot be read from (safetensors does not promise
     /// alignment). Zero-copy views stay zero-copy for every aligned tensor. For an MXFP4
-    /// expert tensor, its bf16 decoding, made on first use.
+    /// expert tensor, its ggml block rows, made on first use.
     aligned: OnceLock<ImageBuffer>,
     /// For a gpt-oss expert tensor the checkpoint stores as MXFP4, where its scales are: the
-    /// entry's `shard` and `range` are then its blocks, and `dtype` and `shape` those of the
-    /// bf16 tensor they decode to (what a bf16 checkpoint stores under the same name).
+    /// entry's `shard` and `range` are then its Hub blocks, `quant` MXFP4 and `shape`
+    /// `[experts, out, in]` (the rows ggml's blocks hold after the repack).
     mxfp4: Option<Mxfp4Scales>,
     /// For a tensor of a GGUF file stored block-quantised, its format (`dtype` is then
     /// f32, what it decodes to).
@@ -228,7 +230,7 @@ pub struct Checkpoint {
     arch: ArchSpec,
     shards: Vec<Shard>,
     tensors: BTreeMap<String, Entry>,
-    /// The experts are stored as MXFP4 and read as their bf16 decoding.
+    /// The experts are stored as MXFP4 and kept so (repacked into ggml's block rows).
     mxfp4_experts: bool,
 }
 
@@ -356,13 +358,19 @@ impl Checkpoint {
         if let Some(Ok(dtype)) = tensors.get(embed_name).map(|e| e.dtype) {
             card.dtype = dtype;
         }
-        let arch = ArchSpec::from_card(&card);
         let mxfp4_experts = config::experts_in_mxfp4(&text);
         if mxfp4_experts {
+            keep_mxfp4(&mut card).map_err(|message| {
+                CheckpointError::Config(ConfigError::Invalid {
+                    path: config_name.clone(),
+                    field: "quantization_config".into(),
+                    message: format!("cannot be kept: {message}"),
+                })
+            })?;
+        }
+        let arch = ArchSpec::from_card(&card);
+        if mxfp4_experts {
             mxfp4_entries(dir, &arch, &shards, &mut tensors)?;
-            if !card.description.contains(config::MXFP4_NOTE) {
-                card.description = format!("{}; {}", card.description, config::MXFP4_NOTE);
-            }
         }
         let checkpoint = Checkpoint {
             dir: dir.to_path_buf(),
@@ -396,6 +404,10 @@ impl Checkpoint {
             let mut c = card.clone();
             c.bos_token_id = chosen.bos_token_id.or(card.bos_token_id);
             c.eos_token_id = chosen.eos_token_id;
+            // How the file stores gpt-oss's experts is the file's, not the card's.
+            if let (Some(file), Some(chosen)) = (chosen.clamped_swiglu, c.clamped_swiglu.as_mut()) {
+                chosen.experts_out_in = file.experts_out_in;
+            }
             chosen = c;
         }
         let mut tensors = BTreeMap::new();
@@ -574,22 +586,24 @@ impl Checkpoint {
     }
 
     /// What a user should be told about how the weights were read: for a gpt-oss Hub
-    /// checkpoint, that its MXFP4 experts are dequantized to bf16 (once, on first use).
+    /// checkpoint, that its MXFP4 experts are kept MXFP4 (repacked once, on first use).
     pub fn storage_note(&self) -> Option<&'static str> {
         self.mxfp4_experts.then_some(config::MXFP4_NOTE)
     }
 
-    /// Bytes of bf16 the checkpoint's MXFP4 expert tensors decode to: memory the process
-    /// allocates (once per tensor, on first use) rather than maps. 0 without MXFP4 experts.
+    /// Bytes of ggml MXFP4 blocks the checkpoint's Hub MXFP4 expert tensors are repacked
+    /// into: memory the process allocates (once per tensor, on first use) rather than
+    /// maps. 0 without MXFP4 experts.
     pub fn decoded_bytes(&self) -> u64 {
         self.tensors
             .values()
             .filter(|e| e.mxfp4.is_some())
-            .map(|e| e.shape.iter().product::<usize>() as u64 * 2)
+            .filter_map(|e| QuantFormat::Mxfp4.bytes_for(e.shape.iter().product()))
+            .map(|b| b as u64)
             .sum()
     }
 
-    /// Whether the bytes of segment `kind` of layer `layer` are a decoding held in memory
+    /// Whether the bytes of segment `kind` of layer `layer` are a repacking held in memory
     /// (an MXFP4 expert tensor) rather than the file's own bytes in its memory map.
     pub fn segment_is_decoded(&self, layer: usize, kind: SegmentKind) -> bool {
         let name = self.source(layer, kind).name;
@@ -642,7 +656,7 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
-    /// Bytes (an MXFP4 tensor's bf16 decoding), dtype and file of a tensor, with the shape
+    /// Bytes (an MXFP4 tensor's ggml blocks), dtype and file of a tensor, with the shape
     /// checked against `shape`.
     fn checked(
         &self,
@@ -654,7 +668,7 @@ impl Checkpoint {
     }
 
     /// The bytes `entry` holds: its memory-mapped range, or for an MXFP4 expert tensor its
-    /// bf16 decoding, made once on first use (open checked both lengths, so it succeeds).
+    /// ggml block rows, made once on first use (open checked both lengths, so it succeeds).
     fn entry_bytes<'a>(&'a self, entry: &'a Entry) -> &'a [u8] {
         if entry.owned {
             return entry.aligned.get().map_or(&[], ImageBuffer::as_bytes);
@@ -684,22 +698,17 @@ impl Checkpoint {
         entry
             .aligned
             .get_or_init(|| {
-                let [experts, inputs, outputs] = entry.shape[..] else {
+                let [experts, outputs, inputs] = entry.shape[..] else {
                     return ImageBuffer::zeroed(0);
                 };
-                let mut out = ImageBuffer::zeroed(experts * inputs * outputs * 2);
                 let scale_bytes = &self.shards[scales.shard].mmap[scales.range.clone()];
                 // `mxfp4_entries` checked the blocks and scales shapes against this one.
-                let decoded = crate::model::mxfp4::dequantize_into(
-                    stored,
-                    scale_bytes,
-                    experts,
-                    inputs,
-                    outputs,
-                    out.as_bytes_mut(),
-                );
-                debug_assert!(decoded.is_some());
-                // Every reader now takes the decoding: the packed bytes were read once.
+                let rows =
+                    crate::model::mxfp4::repack_ggml(stored, scale_bytes, experts, inputs, outputs)
+                        .unwrap_or_default();
+                let mut out = ImageBuffer::zeroed(rows.len());
+                out.as_bytes_mut().copy_from_slice(&rows);
+                // Every reader now takes the repacking: the Hub's bytes were read once.
                 release_pages(&self.shards[entry.shard].mmap, entry.range.clone());
                 release_pages(&self.shards[scales.shard].mmap, scales.range.clone());
                 out
@@ -1224,9 +1233,31 @@ fn release_pages(map: &Mmap, range: Range<usize>) {
     };
 }
 
-/// Registers, for every layer of an MXFP4 gpt-oss checkpoint, an entry under each expert
-/// tensor's bf16 name (`mlp.experts.gate_up_proj`, `down_proj`) that decodes its
-/// `_blocks` / `_scales` pair, after checking both are U8 of the shapes the card implies.
+/// Marks `card` (a gpt-oss card whose checkpoint stores its experts as MXFP4) as keeping
+/// them so: stored out-in, both expert projections MXFP4 in its formats (what images,
+/// budgets, the op catalog and `moec check` count), the description saying so. Refuses,
+/// naming the tensor, widths that are not whole 32-weight blocks.
+fn keep_mxfp4(card: &mut ModelCard) -> Result<(), String> {
+    if let Some(c) = card.clamped_swiglu.as_mut() {
+        c.experts_out_in = true;
+    }
+    for kind in [SegmentKind::ExpertGateUp(0), SegmentKind::ExpertDown(0)] {
+        card.formats.tensors.insert(
+            WeightTensor::layer(kind),
+            Storage::Quant(QuantFormat::Mxfp4),
+        );
+    }
+    card.formats.check(&ArchSpec::from_card(card), card.dtype)?;
+    if !card.description.contains(config::MXFP4_NOTE) {
+        card.description = format!("{}; {}", card.description, config::MXFP4_NOTE);
+    }
+    Ok(())
+}
+
+/// Registers, for every layer of an MXFP4 gpt-oss checkpoint (`arch` out-in), an entry
+/// under each expert tensor's Hub name (`mlp.experts.gate_up_proj`, `down_proj`) that
+/// repacks its `_blocks` / `_scales` pair into ggml block rows, after checking both are U8
+/// of the shapes the card implies.
 fn mxfp4_entries(
     dir: &Path,
     arch: &ArchSpec,
@@ -1267,7 +1298,7 @@ fn mxfp4_entries(
     for layer in 0..arch.layers {
         for kind in [SegmentKind::ExpertGateUp(0), SegmentKind::ExpertDown(0)] {
             let src = segment_source(arch, layer, kind);
-            let [experts, inputs, outputs] = src.shape[..] else {
+            let [experts, outputs, inputs] = src.shape[..] else {
                 continue;
             };
             let (blocks_shape, scales_shape) =
@@ -1279,7 +1310,7 @@ fn mxfp4_entries(
                 src.name,
                 Entry {
                     shard,
-                    dtype: Ok(WeightDtype::Bf16),
+                    dtype: Ok(WeightDtype::F32),
                     shape: src.shape,
                     range: blocks,
                     aligned: OnceLock::new(),
@@ -1287,7 +1318,7 @@ fn mxfp4_entries(
                         shard: scales_shard,
                         range: scales,
                     }),
-                    quant: None,
+                    quant: Some(QuantFormat::Mxfp4),
                     unpermute_heads: None,
                     owned: false,
                 },

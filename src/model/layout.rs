@@ -107,10 +107,12 @@ pub enum SegmentKind {
     /// Expert up projection (Mixtral `w3`, DBRX `v1` rows) `[ffn, hidden]`.
     ExpertUp(usize),
     /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows and
-    /// gpt-oss `down_proj[e]` `[ffn, hidden]` (in, out), used as stored.
+    /// gpt-oss `down_proj[e]` `[ffn, hidden]` (in, out), used as stored (gpt-oss stored
+    /// out-in: `[hidden, ffn]`).
     ExpertDown(usize),
     /// gpt-oss fused gate/up `gate_up_proj[e]` `[hidden, 2 ffn]` (in, out), gate and up
-    /// interleaved (even columns gate, odd columns up).
+    /// interleaved (even columns gate, odd columns up); stored out-in
+    /// (`ArchSpec::experts_out_in`) `[2 ffn, hidden]`, even rows gate, odd rows up.
     ExpertGateUp(usize),
     /// gpt-oss `gate_up_proj_bias[e]` `[2 ffn]`, interleaved like the columns.
     ExpertGateUpBias(usize),
@@ -274,7 +276,9 @@ impl LayerLayout {
             SegmentKind::Sinks => (1, arch.attn.heads, None),
             SegmentKind::OBias | SegmentKind::ExpertDownBias(_) => (1, d, None),
             SegmentKind::RouterBias => (1, arch.experts, None),
+            SegmentKind::ExpertGateUp(_) if arch.experts_out_in => (2 * f, d, lin),
             SegmentKind::ExpertGateUp(_) => (d, 2 * f, Some(Orientation::InOut)),
+            SegmentKind::ExpertDown(_) if arch.experts_out_in => (d, f, lin),
             SegmentKind::ExpertGateUpBias(_) => (1, 2 * f, None),
             SegmentKind::KBias | SegmentKind::VBias => (1, kv, None),
             SegmentKind::QNorm => match arch.qk_norm {

@@ -1,12 +1,15 @@
-//! MXFP4 expert weights (gpt-oss Hub checkpoints), dequantized to bf16.
+//! MXFP4 expert weights (gpt-oss Hub checkpoints): repacked into ggml's blocks, or
+//! dequantized to bf16.
 //!
 //! Takes the two u8 tensors the Hub stores per expert projection: `*_blocks`
 //! `[experts, out, in/32, 16]` (two e2m1 4-bit codes per byte, low nibble first) and
 //! `*_scales` `[experts, out, in/32]` (e8m0 exponents, scale `2^(s - 127)` shared by 32
-//! weights); gives the bf16 tensor `[experts, in, out]` that a bf16 gpt-oss checkpoint
-//! stores under the projection's own name (`gate_up_proj`, `down_proj`), so the rest of
-//! moec (oracle views, layer images, the cost model) sees bf16 and nothing else.
-//! Guarantees the bytes transformers' `convert_moe_packed_tensors` produces
+//! weights). [`repack_ggml`] gives ggml's `block_mxfp4` rows `[experts * out, in]`, what
+//! the checkpoint reader keeps (the experts stay MXFP4 everywhere in moec).
+//! [`dequantize_into`] gives the bf16 tensor `[experts, in, out]` that a bf16 gpt-oss
+//! checkpoint stores under the projection's own name (`gate_up_proj`, `down_proj`), the
+//! reference the repacked blocks are tested against; it
+//! guarantees the bytes transformers' `convert_moe_packed_tensors` produces
 //! (`integrations/mxfp4.py`): its FP4 table, `ldexp` by the exponent computed exactly (an
 //! exponent of 255 is `2^128`, not NaN; a product past bf16's range is infinite), and its
 //! final `transpose(1, 2)`. A bf16 gpt-oss tensor keeps gate and up interleaved along its

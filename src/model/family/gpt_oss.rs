@@ -1,6 +1,6 @@
 //! OpenAI's gpt-oss: flat fields, YaRN in `rope_scaling` (Hub) or `rope_parameters`
 //! (transformers 5), alternating `layer_types`, clamped SwiGLU parameters, MXFP4 routed
-//! experts (dequantized to bf16 at load); 3-D `mlp.experts.gate_up_proj` / `down_proj`
+//! experts (kept MXFP4 at load, stored out-in); 3-D `mlp.experts.gate_up_proj` / `down_proj`
 //! with biases, a router bias and attention sinks.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
@@ -131,6 +131,7 @@ impl FamilySpec for GptOss {
             clamped_swiglu: Some(ClampedSwiglu {
                 alpha: f.opt_float("swiglu_alpha")?.unwrap_or(1.702),
                 limit: f.opt_float("swiglu_limit")?.unwrap_or(7.0),
+                experts_out_in: false,
             }),
             yarn,
             ..blank_card()
@@ -208,10 +209,17 @@ impl FamilySpec for GptOss {
                 rows: e * rows..(e + 1) * rows,
             })
         };
+        // Stored out-in (`ArchSpec::experts_out_in`, MXFP4 block rows): `[experts, out, in]`,
+        // the Hub's `_blocks` order, so expert e's block is its `out` rows.
+        let (gate_up, down) = if a.experts_out_in {
+            ((vec![e_n, 2 * f, d], 2 * f), (vec![e_n, d, f], d))
+        } else {
+            ((vec![e_n, d, 2 * f], d), (vec![e_n, f, d], f))
+        };
         match kind {
-            SegmentKind::ExpertGateUp(e) => fused("gate_up_proj", vec![e_n, d, 2 * f], e, d),
+            SegmentKind::ExpertGateUp(e) => fused("gate_up_proj", gate_up.0, e, gate_up.1),
             SegmentKind::ExpertGateUpBias(e) => fused("gate_up_proj_bias", vec![e_n, 2 * f], e, 1),
-            SegmentKind::ExpertDown(e) => fused("down_proj", vec![e_n, f, d], e, f),
+            SegmentKind::ExpertDown(e) => fused("down_proj", down.0, e, down.1),
             SegmentKind::ExpertDownBias(e) => fused("down_proj_bias", vec![e_n, d], e, 1),
             other => SegmentTensor::Whole(match other {
                 SegmentKind::AttnNorm => format!("{p}.input_layernorm.weight"),

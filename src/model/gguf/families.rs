@@ -1,14 +1,15 @@
 //! llama.cpp's architectures as moec's families: which `general.architecture` is which
 //! family, and the Hugging Face `config.json` of each, built from the GGUF metadata keys
 //! `convert_hf_to_gguf.py` writes (`llama.*`, `qwen3moe.*`, `qwen2moe.*`, `olmoe.*`,
-//! `deepseek2.*`).
+//! `deepseek2.*`, `gpt-oss.*`).
 //!
 //! Takes an opened [`GgufFile`]; gives the family and its config as JSON, which the
 //! family's own config reader then checks like any `config.json` (so a GGUF gets every
 //! card check a Hub checkpoint gets). Where llama.cpp hard-codes what the Hub config
 //! says (Qwen3-MoE always renormalises its top-k weights, Qwen2-MoE and OLMoE never do;
-//! Qwen and DeepSeek rotate split halves or pairs without a row permutation), the config
-//! says the same.
+//! Qwen and DeepSeek rotate split halves or pairs without a row permutation; gpt-oss's
+//! clamped SwiGLU is alpha 1.702, limit 7 and its YaRN correction range is truncated),
+//! the config says the same.
 
 use super::{GgufError, GgufFile, Value};
 use crate::model::card::Family;
@@ -23,6 +24,7 @@ pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
         "qwen3moe" => Family::Qwen3Moe,
         "qwen2moe" => Family::Qwen2Moe,
         "olmoe" => Family::Olmoe,
+        "gpt-oss" => Family::GptOss,
         "deepseek2" => {
             // llama.cpp writes V3 as `deepseek2` with sigmoid gating (2) and groups.
             match file.metadata.get("deepseek2.expert_gating_func") {
@@ -36,7 +38,7 @@ pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
                 key: "general.architecture".into(),
                 message: format!(
                     "`{other}` is not imported: moec reads llama.cpp's `llama` with experts \
-                     (Mixtral), `qwen3moe`, `qwen2moe`, `olmoe` and `deepseek2`"
+                     (Mixtral), `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2` and `gpt-oss`"
                 ),
             })
         }
@@ -122,6 +124,29 @@ impl Meta<'_> {
         }
     }
 
+    /// `{arch}.rope.scaling.*` as the YaRN fields every Hub config spells alike (factor,
+    /// original context, both betas), `None` without scaling; another scaling type is an
+    /// error naming the key.
+    fn yarn(&self) -> Result<Option<serde_json::Map<String, serde_json::Value>>, GgufError> {
+        let key = format!("{}.rope.scaling.type", self.arch);
+        match self.file.metadata.get(&key).and_then(Value::as_str) {
+            Some("yarn") => Ok(json!({
+                "factor": self.f("rope.scaling.factor")?,
+                "original_max_position_embeddings": self.u("rope.scaling.original_context_length")?,
+                "beta_fast": self.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                "beta_slow": self.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+            })
+            .as_object()
+            .cloned()),
+            None | Some("none") => Ok(None),
+            Some(other) => Err(GgufError::Metadata {
+                path: self.file.path().display().to_string(),
+                key,
+                message: format!("`{other}` rope scaling is not supported (none or yarn)"),
+            }),
+        }
+    }
+
     fn token(&self, key: &str) -> Option<u64> {
         self.file
             .metadata
@@ -138,6 +163,10 @@ pub fn config(file: &GgufFile, family: Family) -> Result<serde_json::Value, Gguf
             arch: "llama",
         }),
         Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => qwen_olmoe(file, family),
+        Family::GptOss => gpt_oss(&Meta {
+            file,
+            arch: "gpt-oss",
+        }),
         _ => deepseek(
             &Meta {
                 file,
@@ -170,6 +199,64 @@ fn mixtral(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
         "eos_token_id": m.token("eos_token_id").unwrap_or(2),
         "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
     }))
+}
+
+/// gpt-oss as llama.cpp's `gpt-oss` architecture runs it (`llm_build_openai_moe_iswa`):
+/// sliding-window attention on even layers (`set_swa_pattern(2)`), sinks, biases, the
+/// router's top-k logits softmaxed, and `swiglu_oai` with alpha 1.702 and limit 7 (fixed
+/// in llama.cpp, not in the metadata). Its YaRN always truncates the correction range to
+/// whole dimensions (`ggml_rope_yarn_corr_dims`), which transformers' gpt-oss does only
+/// with `truncate: true` (the Hub's gpt-oss configs say `false`).
+fn gpt_oss(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
+    let heads = m.u("attention.head_count")?;
+    let hidden = m.u("embedding_length")?;
+    let layers = m.u("block_count")?;
+    let window = m.opt_u("attention.sliding_window")?;
+    let rope_scaling = m.yarn()?.map_or(serde_json::Value::Null, |mut y| {
+        y.insert("rope_type".into(), json!("yarn"));
+        y.insert("truncate".into(), json!(true));
+        serde_json::Value::Object(y)
+    });
+    let expert_ffn = match m.opt_u("expert_feed_forward_length")? {
+        Some(f) => f,
+        None => m.u("feed_forward_length")?,
+    };
+    let mut v = json!({
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": hidden,
+        "intermediate_size": expert_ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": m.opt_u("attention.head_count_kv")?.unwrap_or(heads),
+        "head_dim": m.head_dim(hidden, heads)?,
+        "num_local_experts": m.u("expert_count")?,
+        "num_experts_per_tok": m.u("expert_used_count")?,
+        "vocab_size": m.vocab()?,
+        "max_position_embeddings": m.u("context_length")?,
+        "rope_theta": m.f("rope.freq_base")?,
+        "rope_scaling": rope_scaling,
+        "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+        "attention_bias": true,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "eos_token_id": m.token("eos_token_id"),
+        "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+    });
+    if let (Some(window), Some(obj)) = (window, v.as_object_mut()) {
+        let types: Vec<&str> = (0..layers)
+            .map(|i| {
+                if i % 2 == 0 {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
+        obj.insert("sliding_window".into(), json!(window));
+        obj.insert("layer_types".into(), json!(types));
+    }
+    Ok(v)
 }
 
 fn qwen_olmoe(file: &GgufFile, family: Family) -> Result<serde_json::Value, GgufError> {
@@ -236,35 +323,15 @@ fn deepseek(m: &Meta<'_>, family: Family) -> Result<serde_json::Value, GgufError
         (false, 1) => "greedy",
         (false, _) => "group_limited_greedy",
     };
-    let rope_scaling = match m
-        .file
-        .metadata
-        .get("deepseek2.rope.scaling.type")
-        .and_then(Value::as_str)
-    {
-        Some("yarn") => {
-            // The converter writes `yarn_log_multiplier` as 0.1 * mscale_all_dim and drops
-            // `mscale`; llama.cpp then uses the one value for both, and so does this.
-            let all = m.opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) / 0.1;
-            json!({
-                "type": "yarn",
-                "factor": m.f("rope.scaling.factor")?,
-                "original_max_position_embeddings": m.u("rope.scaling.original_context_length")?,
-                "beta_fast": m.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-                "beta_slow": m.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-                "mscale": all,
-                "mscale_all_dim": all,
-            })
-        }
-        None | Some("none") => serde_json::Value::Null,
-        Some(other) => {
-            return Err(GgufError::Metadata {
-                path: m.file.path().display().to_string(),
-                key: "deepseek2.rope.scaling.type".into(),
-                message: format!("`{other}` rope scaling is not supported (none or yarn)"),
-            })
-        }
-    };
+    // The converter writes `yarn_log_multiplier` as 0.1 * mscale_all_dim and drops
+    // `mscale`; llama.cpp then uses the one value for both, and so does this.
+    let all = m.opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) / 0.1;
+    let rope_scaling = m.yarn()?.map_or(serde_json::Value::Null, |mut y| {
+        y.insert("type".into(), json!("yarn"));
+        y.insert("mscale".into(), json!(all));
+        y.insert("mscale_all_dim".into(), json!(all));
+        serde_json::Value::Object(y)
+    });
     Ok(json!({
         "architectures": [if v3 { "DeepseekV3ForCausalLM" } else { "DeepseekV2ForCausalLM" }],
         "model_type": if v3 { "deepseek_v3" } else { "deepseek_v2" },

@@ -1,5 +1,5 @@
 //! llama.cpp's GGUF tensors read as a moec checkpoint of one of its families (Mixtral from
-//! the `llama` architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3).
+//! the `llama` architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss).
 //!
 //! Takes an opened [`GgufFile`]; gives the model card (built from the GGUF metadata
 //! through the same config reader as a Hugging Face `config.json`, so every card check
@@ -10,7 +10,11 @@
 //! converter permutes `q_proj`/`k_proj` rows per head for llama.cpp's interleaved rotary
 //! pairs; moec's rotary kernel uses the Hub's split halves). Metadata that contradicts the
 //! tensors (a head count whose shapes disagree, an expert count the merged tensors do not
-//! hold) is an error naming the tensor.
+//! hold) is an error naming the tensor. gpt-oss's converter splits the Hub's interleaved
+//! `gate_up_proj` (and its bias) into `ffn_gate_exps` and `ffn_up_exps`; moec's fused
+//! gpt-oss expert reads them interleaved again, so each layer's pair is put back together
+//! row by row at import (a copy in memory of those bytes, in their stored format), and the
+//! experts are read out-in as stored (`ClampedSwiglu::experts_out_in`).
 
 use super::{GgufError, GgufFile, Storage};
 use crate::model::arch::ArchSpec;
@@ -66,6 +70,12 @@ pub(super) enum Place {
     /// DeepSeek's `kv_b_proj` as an older converter's single `attn_kv_b`, decoded to f32
     /// (see [`super::mla`]).
     KvB,
+    /// gpt-oss's `gate_up_proj` (`bias`: its bias) interleaved again from the converter's
+    /// `ffn_gate_exps` and `ffn_up_exps`.
+    GateUp {
+        /// The bias vectors rather than the weight matrices.
+        bias: bool,
+    },
 }
 
 /// The GGUF tensor of segment `kind` of layer `layer` (`None` for a kind no llama.cpp
@@ -78,8 +88,10 @@ pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
     // Only Mixtral's converter permutes q/k rows (llama.cpp's `llama` rotates pairs);
     // Qwen, OLMoE and DeepSeek are written as the Hub stores them.
     let permuted = arch.family == Family::Mixtral;
+    let gpt_oss = arch.family == Family::GptOss;
     match kind {
         SegmentKind::AttnNorm => whole("attn_norm"),
+        SegmentKind::FfnNorm if gpt_oss => whole("post_attention_norm"),
         SegmentKind::FfnNorm => whole("ffn_norm"),
         SegmentKind::QProj => Some(Place::Whole(
             b("attn_q"),
@@ -111,8 +123,11 @@ pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
                 Place::Stacked(b("attn_v_b"), vec![heads, v, r])
             })
         }
+        SegmentKind::Sinks => whole("attn_sinks"),
         SegmentKind::OProj => whole("attn_output"),
+        SegmentKind::OBias => Some(Place::Whole(bias("attn_output"), None)),
         SegmentKind::Router => whole("ffn_gate_inp"),
+        SegmentKind::RouterBias if gpt_oss => Some(Place::Whole(bias("ffn_gate_inp"), None)),
         SegmentKind::RouterBias => Some(Place::Whole(bias("exp_probs_b"), None)),
         SegmentKind::SharedGate => whole("ffn_gate_shexp"),
         SegmentKind::SharedUp => whole("ffn_up_shexp"),
@@ -124,6 +139,9 @@ pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
         SegmentKind::ExpertGate(x) => Some(Place::Expert(b("ffn_gate_exps"), x, f, d)),
         SegmentKind::ExpertUp(x) => Some(Place::Expert(b("ffn_up_exps"), x, f, d)),
         SegmentKind::ExpertDown(x) => Some(Place::Expert(b("ffn_down_exps"), x, d, f)),
+        SegmentKind::ExpertGateUp(_) => Some(Place::GateUp { bias: false }),
+        SegmentKind::ExpertGateUpBias(_) => Some(Place::GateUp { bias: true }),
+        SegmentKind::ExpertDownBias(x) => Some(Place::Expert(bias("ffn_down_exps"), x, 1, d)),
         _ => None,
     }
 }
@@ -147,6 +165,10 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
         // llama.cpp's converter splits `kv_b_proj` into `attn_k_b`/`attn_v_b`; an older
         // one wrote it whole as `attn_kv_b`.
         m.kv_b_split = !file.tensors.contains_key("blk.0.attn_kv_b.weight");
+    }
+    if let Some(c) = card.clamped_swiglu.as_mut() {
+        // llama.cpp stores every expert matrix out-in, whatever its format.
+        c.experts_out_in = true;
     }
     let arch = ArchSpec::from_card(&card);
     let mut tensors: Vec<ImportedTensor> = Vec::new();
@@ -223,6 +245,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
         None,
     )?;
     let mut assembled = Vec::new();
+    let mut merged: Vec<String> = Vec::new();
     let mut built = Vec::new();
     for layer in 0..arch.layers {
         for kind in LayerLayout::kinds(&arch, layer) {
@@ -234,18 +257,52 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                 Some(Place::Stacked(gguf, gguf_shape)) => {
                     add(src.name, src.shape, &gguf, gguf_shape, None, None)?
                 }
-                Some(Place::Expert(gguf, x, rows, cols)) => add(
-                    src.name,
-                    src.shape,
-                    &gguf,
-                    vec![arch.experts, rows, cols],
-                    Some(x * rows..(x + 1) * rows),
-                    None,
-                )?,
+                Some(Place::Expert(gguf, x, rows, cols)) => {
+                    let leading: usize = src.shape.iter().rev().skip(1).product();
+                    if src.rows.len() == leading {
+                        // A Hub tensor of the expert's own: its rows of the merged tensor.
+                        add(
+                            src.name,
+                            src.shape,
+                            &gguf,
+                            vec![arch.experts, rows, cols],
+                            Some(x * rows..(x + 1) * rows),
+                            None,
+                        )?
+                    } else if !merged.contains(&src.name) {
+                        // gpt-oss's Hub tensor holds every expert, as the merged one does:
+                        // all of it, once (each expert's segment takes its rows).
+                        merged.push(src.name.clone());
+                        add(
+                            src.name,
+                            src.shape,
+                            &gguf,
+                            vec![arch.experts, rows, cols],
+                            None,
+                            None,
+                        )?
+                    }
+                }
+                // Every expert's segment views the same interleaved tensor: build it once.
+                Some(Place::GateUp { bias }) if assembled.contains(&(layer, kind_tag(bias))) => {}
+                Some(Place::GateUp { bias }) => {
+                    assembled.push((layer, kind_tag(bias)));
+                    let (bytes, storage, gguf_name) = gate_up(file, &arch, layer, bias)?;
+                    built.push(ImportedTensor {
+                        name: src.name,
+                        shape: src.shape,
+                        storage,
+                        range: 0..bytes.len(),
+                        part: 0,
+                        unpermute_heads: None,
+                        gguf_name,
+                        owned: Some(bytes),
+                    });
+                }
                 // `pre` and `o` view the same tensor: put it together once.
-                Some(Place::KvB) if assembled.contains(&layer) => {}
+                Some(Place::KvB) if assembled.contains(&(layer, 0)) => {}
                 Some(Place::KvB) => {
-                    assembled.push(layer);
+                    assembled.push((layer, 0));
                     let bytes = super::mla::kv_b(file, &arch, layer)?;
                     built.push(ImportedTensor {
                         name: src.name,
@@ -272,6 +329,71 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
     }
     tensors.extend(built);
     Ok(Imported { card, tensors })
+}
+
+/// Which tensor of a layer `assembled` records: 0 `kv_b_proj`, 1 `gate_up_proj`, 2 its bias.
+fn kind_tag(bias: bool) -> u8 {
+    if bias {
+        2
+    } else {
+        1
+    }
+}
+
+/// gpt-oss's `gate_up_proj` of layer `layer` (`bias`: `gate_up_proj_bias`) as the Hub
+/// interleaves it, from the converter's `ffn_gate_exps` and `ffn_up_exps` (`.bias`):
+/// per expert, gate row (or value) `i` then up row `i`, for every `i`, rows moved whole in
+/// their stored format (both must share it). Gives the bytes, their storage and the GGUF
+/// names (for messages).
+pub(super) fn gate_up(
+    file: &GgufFile,
+    arch: &ArchSpec,
+    layer: usize,
+    bias: bool,
+) -> Result<(Vec<u8>, Storage, String), GgufError> {
+    let (experts, d, f) = (arch.experts, arch.hidden, arch.ffn);
+    let suffix = if bias { "bias" } else { "weight" };
+    let gate_name = format!("blk.{layer}.ffn_gate_exps.{suffix}");
+    let up_name = format!("blk.{layer}.ffn_up_exps.{suffix}");
+    let shape = if bias {
+        vec![experts, f]
+    } else {
+        vec![experts, f, d]
+    };
+    let (gate, storage) = file.tensor(&gate_name, &shape)?;
+    let (up, up_storage) = file.tensor(&up_name, &shape)?;
+    let bad = |message: String| GgufError::Tensor {
+        path: file.path().display().to_string(),
+        tensor: up_name.clone(),
+        message,
+    };
+    if up_storage != storage {
+        return Err(bad(format!(
+            "is {} while {gate_name} is {}: moec reads gpt-oss's gate and up as one matrix",
+            up_storage.name(),
+            storage.name()
+        )));
+    }
+    // A bias is `f` values of one element each; a weight `f` rows of `d`.
+    let unit = storage
+        .bytes_for(if bias { 1 } else { d as u64 })
+        .ok_or_else(|| {
+            bad(format!(
+                "rows of {d} are not whole {} blocks",
+                storage.name()
+            ))
+        })? as usize;
+    let (gate, up) = (file.tensor_bytes(gate), file.tensor_bytes(up));
+    let len = experts * f * unit;
+    if gate.len() != len || up.len() != len {
+        return Err(bad(format!("holds {} bytes, expected {len}", up.len())));
+    }
+    let mut out = Vec::with_capacity(2 * len);
+    for (g, u) in gate.chunks_exact(unit).zip(up.chunks_exact(unit)) {
+        out.extend_from_slice(g);
+        out.extend_from_slice(u);
+    }
+    Ok((out, storage, format!("{gate_name} + {up_name}")))
 }
 
 /// Puts back the Hub's row order of a `q_proj`/`k_proj` matrix that `convert_hf_to_gguf.py`

@@ -467,3 +467,78 @@ fn a_sentencepiece_vocabulary_encodes_as_the_hub_tokenizer() {
         }
     }
 }
+
+/// gpt-oss's `gate_up_proj` put back together from the converter's halves: its
+/// `GptOssModel.modify_tensors` / `generate_extra_tensors` write Hub row `2i` (gate) to
+/// `ffn_gate_exps` row `i` and row `2i + 1` (up) to `ffn_up_exps` row `i`, per expert, and
+/// the bias values alike; reading interleaves them back, whole MXFP4 rows moved as stored.
+/// Halves in different formats are refused naming the tensor.
+#[test]
+fn gpt_oss_gate_and_up_halves_interleave_back_into_the_hub_rows() {
+    let (experts, f, d) = (2usize, 3usize, 64usize);
+    let row = QuantFormat::Mxfp4.bytes_for(d).unwrap();
+    let gate = crate::model::quant::random_blocks(QuantFormat::Mxfp4, experts * f * d / 32, 7);
+    let up = crate::model::quant::random_blocks(QuantFormat::Mxfp4, experts * f * d / 32, 8);
+    let f32s = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+    let gate_bias: Vec<f32> = (0..experts * f).map(|i| i as f32).collect();
+    let up_bias: Vec<f32> = (0..experts * f).map(|i| -(i as f32) - 0.5).collect();
+    let dims = vec![d as u64, f as u64, experts as u64];
+    let bias_dims = vec![f as u64, experts as u64];
+    let bytes = build(
+        &[],
+        &[
+            ("blk.0.ffn_gate_exps.weight", dims.clone(), 39, gate.clone()),
+            ("blk.0.ffn_up_exps.weight", dims.clone(), 39, up.clone()),
+            (
+                "blk.0.ffn_gate_exps.bias",
+                bias_dims.clone(),
+                0,
+                f32s(&gate_bias),
+            ),
+            (
+                "blk.0.ffn_up_exps.bias",
+                bias_dims.clone(),
+                0,
+                f32s(&up_bias),
+            ),
+            ("blk.1.ffn_gate_exps.weight", dims.clone(), 39, gate.clone()),
+            (
+                "blk.1.ffn_up_exps.weight",
+                dims,
+                8,
+                vec![0; experts * f * d / 32 * 34],
+            ),
+        ],
+    );
+    let file = open_bytes(&bytes).unwrap();
+    let mut card = crate::model::card::ModelCard::load("gpt-oss-tiny").unwrap();
+    (card.experts, card.ffn, card.hidden) = (experts as u64, f as u64, d as u64);
+    let arch = crate::model::arch::ArchSpec::from_card(&card);
+    let (weights, storage, _) = llama::gate_up(&file, &arch, 0, false).unwrap();
+    assert_eq!(storage, Storage::Quant(QuantFormat::Mxfp4));
+    assert_eq!(weights.len(), 2 * gate.len());
+    for e in 0..experts {
+        for i in 0..f {
+            let hub = |r: usize| &weights[((e * 2 * f) + r) * row..][..row];
+            let half = |h: &[u8]| h[(e * f + i) * row..][..row].to_vec();
+            assert_eq!(hub(2 * i), half(&gate), "expert {e} gate row {i}");
+            assert_eq!(hub(2 * i + 1), half(&up), "expert {e} up row {i}");
+        }
+    }
+    let (bias, storage, _) = llama::gate_up(&file, &arch, 0, true).unwrap();
+    assert_eq!(
+        storage,
+        Storage::Float(crate::model::card::WeightDtype::F32)
+    );
+    let hub_bias: Vec<f32> = (0..experts * f)
+        .flat_map(|i| [gate_bias[i], up_bias[i]])
+        .collect();
+    assert_eq!(bias, f32s(&hub_bias));
+    let err = llama::gate_up(&file, &arch, 1, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("blk.1.ffn_up_exps.weight") && err.contains("Q8_0"),
+        "{err}"
+    );
+}

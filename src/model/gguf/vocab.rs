@@ -6,7 +6,7 @@
 //! tokenizer and says so). Built: llama.cpp's `gpt2` vocabularies (byte-level BPE: `tokens`
 //! in the GPT-2 byte-to-unicode spelling, `merges` as `"a b"`, `token_type`) whose
 //! pre-tokenizer `pre` is one whose split expression Hugging Face's own files spell as
-//! below. Control (3) and user-defined (4) tokens become added tokens, matched whole; BOS
+//! below (cl100k, Qwen2's, and o200k as `gpt-4o`, gpt-oss's). Control (3) and user-defined (4) tokens become added tokens, matched whole; BOS
 //! is left to the card (`TextTokenizer` adds it). Not built: SentencePiece `llama`
 //! vocabularies (they carry scores, not merges; Mixtral's card keeps its shipped file) and
 //! other pre-tokenizers (DeepSeek-V3's, GPT-2's byte-level variants), each named in the
@@ -22,12 +22,16 @@ use serde_json::json;
 /// Llama-3/cl100k files).
 fn split_of(pre: &str) -> Option<(&'static str, bool)> {
     const CL100K: &str = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
+    const O200K: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     match pre {
         "dbrx" | "llama3" | "llama-bpe" | "smaug-bpe" => Some((CL100K, true)),
         // llama.cpp gives `stablelm2` Qwen2's expression; its converter also labels cl100k
         // itself so (the two files encode its hash text alike).
         "qwen2" | "deepseek-r1-qwen" | "stablelm2" => Some((QWEN2, false)),
+        // o200k (gpt-oss, GPT-4o): the expression as llama-vocab.cpp quotes it from the
+        // Hub's tokenizer.json; llama.cpp keeps merges for whole words.
+        "gpt-4o" => Some((O200K, false)),
         _ => None,
     }
 }
