@@ -33,6 +33,21 @@ use super::dot;
 use super::q8::Q8Rows;
 use super::{QuantFormat, QK_K};
 
+/// Whether the CPU backend repacks Q4_K matrices into tiles at load: yes unless
+/// `MOEC_Q4K_TILES=off` (the row layout, for comparing the two; any other value than
+/// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("MOEC_Q4K_TILES").as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(other) => {
+            eprintln!("warning: MOEC_Q4K_TILES={other} is neither on nor off; keeping tiles");
+            true
+        }
+    })
+}
+
 /// Output rows per tile.
 pub const TILE_ROWS: usize = 8;
 

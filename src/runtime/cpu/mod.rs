@@ -177,7 +177,7 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn describe(&self) -> String {
-        pool_split(self.threads)
+        format!("{}; {}", pool_split(self.threads), self.memory.tiling())
     }
 
     fn memory(&self) -> MemoryReport {

@@ -52,13 +52,17 @@ enum TensorBytes<'c> {
     Decoded(&'c [u8]),
     /// An aligned copy (the stored bytes were misaligned for the dtype).
     Owned(ImageBuffer),
+    /// A Q4_K matrix repacked into tiles of eight rows (`model::quant::tiles`) for the
+    /// CPU backend's products: the same length as the blocks it replaces, whose file
+    /// pages are dropped from this process once repacked.
+    Tiled(ImageBuffer),
 }
 
 impl TensorBytes<'_> {
     fn as_bytes(&self) -> &[u8] {
         match self {
             TensorBytes::Mapped(bytes) | TensorBytes::Decoded(bytes) => bytes,
-            TensorBytes::Owned(buffer) => buffer.as_bytes(),
+            TensorBytes::Owned(buffer) | TensorBytes::Tiled(buffer) => buffer.as_bytes(),
         }
     }
 }
@@ -117,6 +121,26 @@ fn populate_read(bytes: &[u8]) -> bool {
 fn populate_read(_bytes: &[u8]) -> bool {
     false
 }
+
+/// `madvise(MADV_DONTNEED)` over the whole pages inside `bytes`: drops them from this
+/// process's resident set (a later read faults them in again from the file, unchanged).
+#[cfg(target_os = "linux")]
+fn drop_pages(bytes: &[u8]) {
+    let page = 4096usize;
+    let start = (bytes.as_ptr() as usize).next_multiple_of(page);
+    let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
+    if end <= start {
+        return;
+    }
+    // SAFETY: [start, end) is whole pages inside `bytes`, which lies inside one of the
+    // checkpoint's read-only file mappings. MADV_DONTNEED on a file mapping that was never
+    // written only unmaps the pages from this process: any later read of them faults the
+    // same file bytes back in, so no view anywhere sees different bytes.
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+}
+
+#[cfg(not(target_os = "linux"))]
+fn drop_pages(_bytes: &[u8]) {}
 
 /// The alignment a typed view of a tensor needs: its dtype's, or 1 for quantised blocks
 /// (read as bytes).
@@ -207,6 +231,33 @@ impl<'c> MappedImage<'c> {
             }
         }
         done
+    }
+
+    /// Repacks the Q4_K matrices `tensors` (tag, rows, cols: what
+    /// [`ImageLayout::tileable`] lists) into tiles of eight rows, each in place of its
+    /// mapped bytes (the same length, so every offset of the image stays), and drops the
+    /// file pages it read. Gives the tags repacked and their bytes; a tensor that is not a
+    /// mapped one of that shape is left as it is.
+    pub fn tile_q4k(&mut self, tensors: &[(WeightTag, usize, usize)]) -> (Vec<WeightTag>, u64) {
+        let mut done = Vec::new();
+        let mut bytes_done = 0u64;
+        for &(tag, rows, cols) in tensors {
+            let Some(t) = self.tensors.iter_mut().find(|t| t.tag == tag) else {
+                continue;
+            };
+            let TensorBytes::Mapped(src) = t.bytes else {
+                continue;
+            };
+            let mut tiled = ImageBuffer::zeroed(src.len());
+            if !crate::model::quant::tiles::tile_q4k(src, rows, cols, tiled.as_bytes_mut()) {
+                continue;
+            }
+            drop_pages(src);
+            bytes_done += src.len() as u64;
+            t.bytes = TensorBytes::Tiled(tiled);
+            done.push(tag);
+        }
+        (done, bytes_done)
     }
 
     /// Bytes of the image (padding included).
