@@ -189,6 +189,7 @@ impl Backend for CpuBackend<'_> {
             copies: (self.memory.weight_copies() == WeightCopies::Bind)
                 .then(|| self.memory.copy_totals()),
             populated: self.memory.populated(),
+            tiled: self.memory.tiled_bytes(),
         }
     }
 

@@ -292,6 +292,11 @@ impl<'c> HostMemory<'c> {
         self.populated
     }
 
+    /// Bytes of Q4_K matrices repacked into tiles at load.
+    pub fn tiled_bytes(&self) -> u64 {
+        self.tiled
+    }
+
     /// The run report's line on Q4_K tiles: how many matrices and bytes were repacked
     /// at load, or why none were.
     pub fn tiling(&self) -> String {
