@@ -122,25 +122,7 @@ fn populate_read(_bytes: &[u8]) -> bool {
     false
 }
 
-/// `madvise(MADV_DONTNEED)` over the whole pages inside `bytes`: drops them from this
-/// process's resident set (a later read faults them in again from the file, unchanged).
-#[cfg(target_os = "linux")]
-fn drop_pages(bytes: &[u8]) {
-    let page = 4096usize;
-    let start = (bytes.as_ptr() as usize).next_multiple_of(page);
-    let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
-    if end <= start {
-        return;
-    }
-    // SAFETY: [start, end) is whole pages inside `bytes`, which lies inside one of the
-    // checkpoint's read-only file mappings. MADV_DONTNEED on a file mapping that was never
-    // written only unmaps the pages from this process: any later read of them faults the
-    // same file bytes back in, so no view anywhere sees different bytes.
-    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
-}
 
-#[cfg(not(target_os = "linux"))]
-fn drop_pages(_bytes: &[u8]) {}
 
 /// The alignment a typed view of a tensor needs: its dtype's, or 1 for quantised blocks
 /// (read as bytes).
@@ -236,9 +218,16 @@ impl<'c> MappedImage<'c> {
     /// Repacks the Q4_K matrices `tensors` (tag, rows, cols: what
     /// [`ImageLayout::tileable`] lists) into tiles of eight rows, each in place of its
     /// mapped bytes (the same length, so every offset of the image stays), and drops the
-    /// file pages it read. Gives the tags repacked and their bytes; a tensor that is not a
-    /// mapped one of that shape is left as it is.
-    pub fn tile_q4k(&mut self, tensors: &[(WeightTag, usize, usize)]) -> (Vec<WeightTag>, u64) {
+    /// file pages it read from this process ([`Checkpoint::release_mapped`]: only pages of
+    /// the file's map; a tensor the checkpoint holds restored in memory, such as GGUF's
+    /// un-permuted Q/K rows, stays as it is for its other readers). Gives the tags
+    /// repacked and their bytes; a tensor that is not a mapped one of that shape is left
+    /// as it is.
+    pub fn tile_q4k(
+        &mut self,
+        checkpoint: &Checkpoint,
+        tensors: &[(WeightTag, usize, usize)],
+    ) -> (Vec<WeightTag>, u64) {
         let mut done = Vec::new();
         let mut bytes_done = 0u64;
         for &(tag, rows, cols) in tensors {
@@ -252,7 +241,7 @@ impl<'c> MappedImage<'c> {
             if !crate::model::quant::tiles::tile_q4k(src, rows, cols, tiled.as_bytes_mut()) {
                 continue;
             }
-            drop_pages(src);
+            checkpoint.release_mapped(src);
             bytes_done += src.len() as u64;
             t.bytes = TensorBytes::Tiled(tiled);
             done.push(tag);
