@@ -15,7 +15,9 @@
 //! Matrix products from these blocks without decoding them to f32 are in [`matmul`]
 //! ([`quant_linear`]): activations quantised to 8 bits ([`q8`]), integer dot products
 //! inside a block, f32 accumulation, with portable, AVX2 and AVX-512 VNNI bodies
-//! ([`select`]) that give the same bits.
+//! ([`select`]) that give the same bits. Q4_K matrices may also be held in tiles of eight
+//! rows ([`tiles`], [`BlockLayout::Tiles8`]), which the CPU backend makes at load in place
+//! of the blocks; their products give the row layout's bits too.
 
 mod blocks;
 mod dot;
@@ -222,7 +224,7 @@ impl<'a> QuantSlice<'a> {
     /// blocks.
     pub fn tiled(bytes: &'a [u8], elems: usize, cols: usize) -> Result<Self, QuantError> {
         let plain = Self::new(bytes, QuantFormat::Q4K, elems)?;
-        let rows = if cols == 0 { 0 } else { elems / cols };
+        let rows = elems.checked_div(cols).unwrap_or(0);
         if cols == 0 || rows * cols != elems || !tiles::tileable(QuantFormat::Q4K, rows, cols) {
             return Err(QuantError::Tiles { elems, cols });
         }

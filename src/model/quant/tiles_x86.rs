@@ -241,10 +241,10 @@ unsafe fn pass_avx2<const N: usize>(
             unsafe {
                 let (sc, mn) = pair_scales_mins(t, p);
                 let mv = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mn, min_mask));
-                for h in 0..2 {
+                for (h, masks) in sc_masks.iter().enumerate() {
                     let j = 2 * p + h;
                     let scv: [__m256i; 2] = std::array::from_fn(|half| {
-                        _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc, mask128(&sc_masks[h][half])))
+                        _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc, mask128(&masks[half])))
                     });
                     let mut lo = [[_mm256_setzero_si256(); 2]; 2];
                     let mut hi = [[_mm256_setzero_si256(); 2]; 2];
@@ -279,9 +279,9 @@ unsafe fn pass_avx2<const N: usize>(
                         }
                     }
                 }
-                for a in 0..N {
+                for (a, im) in imin.iter_mut().enumerate() {
                     let pair = _mm256_set1_epi32(acts.pairs(r0 + a, b)[p]);
-                    imin[a] = _mm256_add_epi32(imin[a], _mm256_madd_epi16(mv, pair));
+                    *im = _mm256_add_epi32(*im, _mm256_madd_epi16(mv, pair));
                 }
             }
         }
