@@ -122,8 +122,6 @@ fn populate_read(_bytes: &[u8]) -> bool {
     false
 }
 
-
-
 /// The alignment a typed view of a tensor needs: its dtype's, or 1 for quantised blocks
 /// (read as bytes).
 fn storage_align(dtype: WeightDtype, quant: Option<crate::model::quant::QuantFormat>) -> usize {
