@@ -177,7 +177,10 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn describe(&self) -> String {
-        format!("{}; {}", pool_split(self.threads), self.memory.tiling())
+        match self.memory.tiling() {
+            Some(tiles) => format!("{}; {tiles}", pool_split(self.threads)),
+            None => pool_split(self.threads),
+        }
     }
 
     fn memory(&self) -> MemoryReport {

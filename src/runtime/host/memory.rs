@@ -297,20 +297,22 @@ impl<'c> HostMemory<'c> {
         self.tiled
     }
 
-    /// The run report's line on Q4_K tiles: how many matrices and bytes were repacked
-    /// at load, or why none were.
-    pub fn tiling(&self) -> String {
+    /// The run report's words on Q4_K tiles: how many matrices and bytes were repacked
+    /// at load, or why none were; `None` when the image has no Q4_K matrix to tile.
+    pub fn tiling(&self) -> Option<String> {
         let n = self.layout.tiled.len();
         if n > 0 {
-            format!(
+            Some(format!(
                 "Q4_K matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
                  place of their blocks)",
                 self.tiled as f64 / (1u64 << 20) as f64
-            )
+            ))
+        } else if self.layout.tileable().is_empty() {
+            None
         } else if !crate::model::quant::tiles::enabled() {
-            "Q4_K matrices in ggml's row layout (MOEC_Q4K_TILES=off)".to_string()
+            Some("Q4_K matrices in ggml's row layout (MOEC_Q4K_TILES=off)".to_string())
         } else {
-            "no Q4_K matrices in tiles".to_string()
+            Some("Q4_K matrices in ggml's row layout (decoded products)".to_string())
         }
     }
 
