@@ -2,7 +2,9 @@
 //! of the same shape ([`Kernels::linear`]), measured in the same run.
 //!
 //! Shapes: the expert down projections of `mixtral-mid` (`[1024, 3584]`, out x in) and of
-//! Mixtral-8x7B (`[4096, 14336]`), Q4_K as llama.cpp's Q4_K_M stores `ffn_gate/up_exps`
+//! Mixtral-8x7B (`[4096, 14336]`), Q4_K as llama.cpp's Q4_K_M stores `ffn_gate/up_exps`,
+//! both in ggml's row layout and in the tiles of eight rows the CPU backend repacks Q4_K
+//! into at load ("Q4_K tiles"),
 //! (and Q6_K, Q5_K, Q8_0 and the group-wise int4 Q4_0, Q4_1 for the small shape). Each timed call multiplies the same
 //! activation rows with every matrix of a set of distinct experts in turn, enough experts
 //! that the quantised set (>= 64 MB) exceeds the 32 MiB L3, so the weights stream from
@@ -88,6 +90,9 @@ struct Set {
     out: usize,
     inp: usize,
     format: QuantFormat,
+    /// Q4_K only: the blocks in tiles of eight rows, as the CPU backend repacks them at
+    /// load (`moec::model::quant::tiles`).
+    tiled: bool,
     quant: Vec<Vec<u8>>,
     dense: Vec<Vec<bf16>>,
 }
@@ -100,6 +105,7 @@ impl Set {
             out,
             inp,
             format,
+            tiled: false,
             quant: (0..n)
                 .map(|e| quant_bytes(format, out * inp, e as u64 + 1))
                 .collect(),
@@ -109,13 +115,40 @@ impl Set {
         }
     }
 
+    /// The same set with its Q4_K matrices in tiles.
+    fn into_tiles(mut self) -> Self {
+        for q in &mut self.quant {
+            let mut t = vec![0u8; q.len()];
+            assert!(moec::model::quant::tiles::tile_q4k(
+                q, self.out, self.inp, &mut t
+            ));
+            *q = t;
+        }
+        self.tiled = true;
+        self
+    }
+
+    /// The format's name, and the layout when tiled.
+    fn label(&self) -> String {
+        if self.tiled {
+            format!("{} tiles", self.format)
+        } else {
+            self.format.to_string()
+        }
+    }
+
     fn quant_bytes(&self) -> usize {
         self.quant.iter().map(Vec::len).sum()
     }
 
     fn run_quant(&self, k: QuantKernels, x: &[f32], rows: usize, y: &mut [f32]) {
         for q in &self.quant {
-            let slice = QuantSlice::new(q, self.format, self.out * self.inp).expect("slice");
+            let slice = if self.tiled {
+                QuantSlice::tiled(q, self.out * self.inp, self.inp)
+            } else {
+                QuantSlice::new(q, self.format, self.out * self.inp)
+            }
+            .expect("slice");
             let m = QuantMatrix::new(slice, self.out, self.inp).expect("matrix");
             k.quant_linear(&m, x, rows, y).expect("quant product");
         }
@@ -150,7 +183,7 @@ fn one_thread(set: &Set, qk: QuantKernels, k: Kernels) {
         .expect("pool");
     println!(
         "one thread, CPU time: {} [{}, {}] x {} experts, body {}:",
-        set.format,
+        set.label(),
         set.out,
         set.inp,
         set.quant.len(),
@@ -213,7 +246,7 @@ fn against_bf16(set: &Set, qk: QuantKernels, k: Kernels) {
     );
     println!(
         "{} [{}, {}] x {} experts ({:.0} MB; bf16 {:.0} MB), body {}:",
-        set.format,
+        set.label(),
         set.out,
         set.inp,
         set.quant.len(),
@@ -248,7 +281,7 @@ fn against_bf16(set: &Set, qk: QuantKernels, k: Kernels) {
 fn bodies(set: &Set) {
     println!(
         "bodies, {} [{}, {}] x {} experts:",
-        set.format,
+        set.label(),
         set.out,
         set.inp,
         set.quant.len()
@@ -293,6 +326,9 @@ fn bench(c: &mut Criterion) {
     ] {
         if only.as_deref().is_none_or(|name| name == format.name()) {
             one_thread(&Set::new(format, 1024, 3584), qk, k);
+            if format == QuantFormat::Q4K {
+                one_thread(&Set::new(format, 1024, 3584).into_tiles(), qk, k);
+            }
         }
     }
     if std::env::var_os("QUANT_BENCH_ONE_THREAD_ONLY").is_some() || only.is_some() {
@@ -300,9 +336,11 @@ fn bench(c: &mut Criterion) {
     }
     let small = Set::new(QuantFormat::Q4K, 1024, 3584);
     against_bf16(&small, qk, k);
+    let small_tiles = Set::new(QuantFormat::Q4K, 1024, 3584).into_tiles();
+    against_bf16(&small_tiles, qk, k);
     let big = Set::new(QuantFormat::Q4K, 4096, 14336);
     against_bf16(&big, qk, k);
-    drop(big);
+    against_bf16(&big.into_tiles(), qk, k);
     for format in [
         QuantFormat::Q6K,
         QuantFormat::Q5K,
@@ -314,20 +352,24 @@ fn bench(c: &mut Criterion) {
         against_bf16(&Set::new(format, 1024, 3584), qk, k);
     }
     bodies(&small);
+    bodies(&small_tiles);
 
     let mut group = c.benchmark_group("quant");
     group.sample_size(10);
     group.throughput(Throughput::Bytes(small.quant_bytes() as u64));
-    for rows in [1, 16] {
-        let x = activations(rows, small.inp);
-        let mut y = vec![0.0f32; rows * small.out];
-        group.bench_function(
-            format!(
-                "Q4_K [1024, 3584] x {} experts, {rows} rows",
-                small.quant.len()
-            ),
-            |b| b.iter(|| small.run_quant(qk, &x, rows, &mut y)),
-        );
+    for set in [&small, &small_tiles] {
+        for rows in [1, 16] {
+            let x = activations(rows, set.inp);
+            let mut y = vec![0.0f32; rows * set.out];
+            group.bench_function(
+                format!(
+                    "{} [1024, 3584] x {} experts, {rows} rows",
+                    set.label(),
+                    set.quant.len()
+                ),
+                |b| b.iter(|| set.run_quant(qk, &x, rows, &mut y)),
+            );
+        }
     }
     group.finish();
 }

@@ -273,6 +273,16 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     } else {
         "; pages faulted in as kernels read them".to_string()
     };
+    let populated = if f.stats.image_tiled > 0 {
+        // Q4_K matrices the CPU backend repacked at load: allocated in place of their
+        // mapped blocks (whose pages it dropped), so not pageable.
+        format!(
+            "; {} of it Q4_K tiles repacked at load (allocated in place of the mapped blocks){populated}",
+            human(f.stats.image_tiled)
+        )
+    } else {
+        populated
+    };
     if f.decoded_weight_bytes == 0 {
         let _ = writeln!(
             out,

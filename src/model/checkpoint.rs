@@ -1214,6 +1214,23 @@ fn gguf_formats(
 /// they would stay resident beside their bf16 decoding until the process ends. The bytes
 /// stay valid (a later read faults the same file bytes back in from the page cache or the
 /// disk), so this is only about memory; where the OS refuses, the pages simply stay.
+impl Checkpoint {
+    /// Drops from this process the whole pages of the file maps that `bytes` covers, when
+    /// `bytes` lies inside one of them (a reader that no longer needs them, such as the
+    /// CPU backend once it has repacked a tensor); bytes the checkpoint holds in memory
+    /// (restored or decoded tensors) are left alone, as dropping those would zero them.
+    pub fn release_mapped(&self, bytes: &[u8]) {
+        let at = bytes.as_ptr() as usize;
+        for shard in &self.shards {
+            let base = shard.mmap.as_ptr() as usize;
+            if at >= base && at + bytes.len() <= base + shard.mmap.len() {
+                release_pages(&shard.mmap, at - base..at - base + bytes.len());
+                return;
+            }
+        }
+    }
+}
+
 fn release_pages(map: &Mmap, range: Range<usize>) {
     const PAGE: usize = 4096;
     let base = map.as_ptr() as usize;

@@ -78,6 +78,24 @@ impl Kernels {
             QuantKernels::for_kernels(self).quant_linear(&q, x, n_rows, out)?;
             return Ok(());
         }
+        // The decoded products read rows one at a time: Q4_K tiles (the CPU backend's
+        // layout) are read back into ggml's rows first.
+        if let TypedSlice::Quant(q) = w.data {
+            if q.layout != crate::model::quant::BlockLayout::Rows {
+                let plain = q.plain_bytes();
+                let q = crate::model::quant::QuantSlice::new(&plain, q.format, q.len).map_err(
+                    |_| KernelError::QuantLayout {
+                        format: q.format,
+                        what: "in tiles that do not read back as whole rows",
+                    },
+                )?;
+                let m = Matrix {
+                    data: TypedSlice::Quant(q),
+                    ..*w
+                };
+                return self.linear(x, n_rows, &m, out);
+            }
+        }
         match w.orientation {
             Orientation::OutIn => out_in(self, x, n_rows, w, out),
             Orientation::InOut => in_out(self.isa(), x, n_rows, w, out),

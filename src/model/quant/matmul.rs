@@ -27,9 +27,10 @@
 use super::dot;
 use super::q8::{ActFormat, Q8Rows};
 use super::select::{QuantBody, QuantKernels};
+use super::tiles::{TileActs, TILE_ROWS};
 #[cfg(target_arch = "x86_64")]
 use super::x86::{CodeOrder, GroupedActs};
-use super::{QuantFormat, QuantSlice};
+use super::{BlockLayout, QuantFormat, QuantSlice};
 use crate::model::tensor::{Matrix, Orientation, TypedSlice};
 use rayon::prelude::*;
 
@@ -94,6 +95,10 @@ impl<'a> QuantMatrix<'a> {
         if rows.checked_mul(cols) != Some(data.len) {
             return Err(err("the weights given are not rows x cols"));
         }
+        if matches!(data.layout, BlockLayout::Tiles8 { cols: c } if c != cols || !rows.is_multiple_of(TILE_ROWS))
+        {
+            return Err(err("its tiles are not whole tiles of this row width"));
+        }
         Ok(QuantMatrix { data, rows, cols })
     }
 
@@ -116,8 +121,9 @@ impl<'a> QuantMatrix<'a> {
         self.cols / self.format().block_elems() * self.format().block_bytes()
     }
 
-    /// The bytes of row `o` (`o < rows`).
+    /// The bytes of row `o` (`o < rows`; the row layout only).
     pub(super) fn row(&self, o: usize) -> &'a [u8] {
+        debug_assert_eq!(self.data.layout, BlockLayout::Rows);
         let rb = self.row_bytes();
         &self.data.bytes[o * rb..(o + 1) * rb]
     }
@@ -164,10 +170,13 @@ impl QuantKernels {
             return Ok(());
         }
         let acts = Q8Rows::quantize(ActFormat::for_weights(w.format()), x, n_rows, w.cols);
+        if w.data.layout != BlockLayout::Rows {
+            self.tiled_products(&w, &acts, y);
+            return Ok(());
+        }
         #[cfg(target_arch = "x86_64")]
         let grouped = (self.body() != QuantBody::Portable)
             .then(|| GroupedActs::new(&acts, w.format(), simd_code_order(self.body(), w.format())));
-        let n_panels = w.rows.div_ceil(PANEL_ROWS);
         let task = |p: usize| {
             let o0 = p * PANEL_ROWS;
             let rows = PANEL_ROWS.min(w.rows - o0);
@@ -180,20 +189,64 @@ impl QuantKernels {
             portable_panel(&w, &acts, o0, rows, &mut local);
             local
         };
-        let panels: Vec<Vec<f32>> = if n_rows * w.rows * w.cols < PARALLEL_MIN_WORK || n_panels == 1
-        {
-            (0..n_panels).map(task).collect()
-        } else {
-            (0..n_panels).into_par_iter().map(task).collect()
-        };
-        for (p, local) in panels.iter().enumerate() {
-            let o0 = p * PANEL_ROWS;
-            let rows = local.len() / n_rows;
-            for (t, part) in local.chunks_exact(rows).enumerate() {
-                y[t * w.rows + o0..t * w.rows + o0 + rows].copy_from_slice(part);
-            }
-        }
+        run_panels(&w, n_rows, task, y);
         Ok(())
+    }
+
+    /// The products from a tiled matrix ([`super::tiles`]): panels of whole tiles through
+    /// this body's tile pass.
+    fn tiled_products(self, w: &QuantMatrix<'_>, acts: &Q8Rows, y: &mut [f32]) {
+        let tile_acts = TileActs::new(acts);
+        let task = |p: usize| {
+            let o0 = p * PANEL_ROWS;
+            let rows = PANEL_ROWS.min(w.rows - o0);
+            let mut local = vec![0.0f32; acts.n_rows * rows];
+            #[cfg(target_arch = "x86_64")]
+            if self.body() != QuantBody::Portable {
+                // SAFETY: the body's features are this CPU's (the `QuantKernels`
+                // invariant); `QuantMatrix::new` checked that the tiles are whole tiles
+                // of `w.cols` (PANEL_ROWS is a multiple of eight, so a panel is whole
+                // tiles too) and `acts` holds rows of `w.cols`; `local` is n_rows * rows.
+                unsafe {
+                    super::tiles_x86::panel(
+                        self.body() == QuantBody::Avx512Vnni,
+                        w.data.bytes,
+                        w.cols,
+                        &tile_acts,
+                        o0,
+                        rows,
+                        &mut local,
+                    )
+                };
+                return local;
+            }
+            super::tiles::portable_panel(w.data.bytes, w.cols, acts, o0, rows, &mut local);
+            local
+        };
+        run_panels(w, acts.n_rows, task, y);
+    }
+}
+
+/// Runs `task` for every panel of `PANEL_ROWS` output rows (on the rayon pool when the
+/// product is large enough) and scatters each panel's `[n_rows, rows]` into `y`.
+fn run_panels(
+    w: &QuantMatrix<'_>,
+    n_rows: usize,
+    task: impl Fn(usize) -> Vec<f32> + Sync + Send,
+    y: &mut [f32],
+) {
+    let n_panels = w.rows.div_ceil(PANEL_ROWS);
+    let panels: Vec<Vec<f32>> = if n_rows * w.rows * w.cols < PARALLEL_MIN_WORK || n_panels == 1 {
+        (0..n_panels).map(task).collect()
+    } else {
+        (0..n_panels).into_par_iter().map(task).collect()
+    };
+    for (p, local) in panels.iter().enumerate() {
+        let o0 = p * PANEL_ROWS;
+        let rows = local.len() / n_rows;
+        for (t, part) in local.chunks_exact(rows).enumerate() {
+            y[t * w.rows + o0..t * w.rows + o0 + rows].copy_from_slice(part);
+        }
     }
 }
 

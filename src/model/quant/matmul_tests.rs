@@ -383,3 +383,61 @@ fn bad_shapes_are_errors() {
     // Zero rows: nothing to compute.
     assert!(k.quant_linear(&w, &[], 0, &mut []).is_ok());
 }
+
+/// Q4_K matrices tiled at load give the row layout's bits in every body, for every row
+/// count (passes of four rows and their remainders), several panels and extreme blocks;
+/// the portable body on tiles is also held to the row layout's portable bits.
+#[test]
+fn tiled_q4k_gives_the_row_layouts_bits() {
+    use super::tiles::tile_q4k;
+    let portable = QuantKernels::portable();
+    let mut rng = Rng::new(29);
+    let format = QuantFormat::Q4K;
+    for &(rows, cols) in &[(8usize, 256usize), (72, 512), (136, 1024)] {
+        for extreme in [false, true] {
+            let n = rows * cols / 256;
+            let bytes = if extreme {
+                extreme_blocks(format, n, rows as u64)
+            } else {
+                random_blocks(format, n, rows as u64)
+            };
+            let w = view(&bytes, format, rows, cols);
+            let mut tiled = vec![0u8; bytes.len()];
+            assert!(tile_q4k(&bytes, rows, cols, &mut tiled));
+            let tq = QuantSlice::tiled(&tiled, rows * cols, cols).unwrap();
+            let tw = QuantMatrix::new(tq, rows, cols).unwrap();
+            let scale = if extreme { 3.0e4 } else { 1.0 };
+            let x = random_acts(9 * cols, scale, &mut rng);
+            for n_rows in 1..=9 {
+                let xs = &x[..n_rows * cols];
+                let want = product(portable, &w, xs, n_rows);
+                for body in QuantBody::supported() {
+                    let got = product(QuantKernels::new(body).unwrap(), &tw, xs, n_rows);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(g, e)| g.to_bits() == e.to_bits());
+                    assert!(
+                        same,
+                        "tiled {body} [{rows}, {cols}] x {n_rows} rows (extreme {extreme})"
+                    );
+                }
+            }
+            let mut dq = vec![0.0f32; rows * cols];
+            tq.dequantize_into(&mut dq).unwrap();
+            assert_eq!(dq, decoded(&w));
+        }
+    }
+    // Whole tiles slice; a part of a tile does not, nor does a shape that does not tile.
+    let bytes = random_blocks(format, 16, 3);
+    let mut tiled = vec![0u8; bytes.len()];
+    assert!(tile_q4k(&bytes, 16, 256, &mut tiled));
+    let tq = QuantSlice::tiled(&tiled, 16 * 256, 256).unwrap();
+    assert_eq!(
+        tq.slice(8 * 256..16 * 256).unwrap().bytes,
+        &tiled[8 * 144..]
+    );
+    assert!(tq.slice(0..256).is_none());
+    assert!(QuantSlice::tiled(&tiled, 16 * 256, 1024).is_err());
+    assert!(QuantMatrix::new(tq, 8, 512).is_err());
+}

@@ -15,7 +15,9 @@
 //! Matrix products from these blocks without decoding them to f32 are in [`matmul`]
 //! ([`quant_linear`]): activations quantised to 8 bits ([`q8`]), integer dot products
 //! inside a block, f32 accumulation, with portable, AVX2 and AVX-512 VNNI bodies
-//! ([`select`]) that give the same bits.
+//! ([`select`]) that give the same bits. Q4_K matrices may also be held in tiles of eight
+//! rows ([`tiles`], [`BlockLayout::Tiles8`]), which the CPU backend makes at load in place
+//! of the blocks; their products give the row layout's bits too.
 
 mod blocks;
 mod dot;
@@ -29,6 +31,9 @@ pub mod matmul;
 mod matmul_tests;
 pub mod q8;
 pub mod select;
+pub mod tiles;
+#[cfg(target_arch = "x86_64")]
+mod tiles_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -157,6 +162,29 @@ pub enum QuantError {
         /// Bytes given.
         bytes: usize,
     },
+    /// A Q4_K view in tiles whose shape does not tile.
+    #[error(
+        "{elems} Q4_K weights in rows of {cols} cannot be tiles of eight rows of whole blocks"
+    )]
+    Tiles {
+        /// Weights asked for.
+        elems: usize,
+        /// Weights per row.
+        cols: usize,
+    },
+}
+
+/// How a quantised matrix's blocks are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockLayout {
+    /// ggml's: row after row, each row its blocks in order (every file stores this).
+    Rows,
+    /// Q4_K in tiles of eight rows of `cols` weights ([`tiles`]), made at load for the
+    /// CPU backend's products; only whole tiles can be sliced out.
+    Tiles8 {
+        /// Weights per row.
+        cols: usize,
+    },
 }
 
 /// A borrowed run of quantised weights: `len` weights in whole blocks of `format`.
@@ -168,6 +196,8 @@ pub struct QuantSlice<'a> {
     pub bytes: &'a [u8],
     /// Weights (a multiple of the format's block).
     pub len: usize,
+    /// The order of the blocks.
+    pub layout: BlockLayout,
 }
 
 impl<'a> QuantSlice<'a> {
@@ -178,6 +208,7 @@ impl<'a> QuantSlice<'a> {
                 format,
                 bytes,
                 len: elems,
+                layout: BlockLayout::Rows,
             }),
             _ => Err(QuantError::Blocks {
                 format,
@@ -188,9 +219,31 @@ impl<'a> QuantSlice<'a> {
         }
     }
 
+    /// Views `bytes` as `elems` Q4_K weights in tiles of eight rows of `cols`
+    /// ([`tiles::tile_q4k`]'s output); the shape must tile and the bytes be exactly whole
+    /// blocks.
+    pub fn tiled(bytes: &'a [u8], elems: usize, cols: usize) -> Result<Self, QuantError> {
+        let plain = Self::new(bytes, QuantFormat::Q4K, elems)?;
+        let rows = elems.checked_div(cols).unwrap_or(0);
+        if cols == 0 || rows * cols != elems || !tiles::tileable(QuantFormat::Q4K, rows, cols) {
+            return Err(QuantError::Tiles { elems, cols });
+        }
+        Ok(QuantSlice {
+            layout: BlockLayout::Tiles8 { cols },
+            ..plain
+        })
+    }
+
     /// Weights `range` of this slice, when both ends fall on block boundaries (a matrix
-    /// row of a quantised tensor always does: rows are whole blocks); `None` otherwise.
+    /// row of a quantised tensor always does: rows are whole blocks) and, for tiles, on
+    /// tile boundaries (whole groups of eight rows); `None` otherwise.
     pub fn slice(&self, range: std::ops::Range<usize>) -> Option<QuantSlice<'a>> {
+        if let BlockLayout::Tiles8 { cols } = self.layout {
+            let tile = tiles::TILE_ROWS * cols;
+            if !range.start.is_multiple_of(tile) || !range.end.is_multiple_of(tile) {
+                return None;
+            }
+        }
         let block = self.format.block_elems();
         if !range.start.is_multiple_of(block)
             || !range.end.is_multiple_of(block)
@@ -204,12 +257,24 @@ impl<'a> QuantSlice<'a> {
             format: self.format,
             bytes: &self.bytes[range.start / block * bb..range.end / block * bb],
             len: range.len(),
+            layout: self.layout,
         })
+    }
+
+    /// The blocks in ggml's row layout: borrowed when they are, untiled otherwise.
+    pub fn plain_bytes(&self) -> std::borrow::Cow<'a, [u8]> {
+        match self.layout {
+            BlockLayout::Rows => std::borrow::Cow::Borrowed(self.bytes),
+            BlockLayout::Tiles8 { cols } => std::borrow::Cow::Owned(
+                // `tiled` checked the shape, and slices keep whole tiles.
+                tiles::untile_q4k(self.bytes, self.len / cols, cols).unwrap_or_default(),
+            ),
+        }
     }
 
     /// Decodes every weight into `dst` (`len` values).
     pub fn dequantize_into(&self, dst: &mut [f32]) -> Result<(), QuantError> {
-        dequantize_blocks(self.format, self.bytes, dst)
+        dequantize_blocks(self.format, &self.plain_bytes(), dst)
     }
 }
 

@@ -177,7 +177,10 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn describe(&self) -> String {
-        pool_split(self.threads)
+        match self.memory.tiling() {
+            Some(tiles) => format!("{}; {tiles}", pool_split(self.threads)),
+            None => pool_split(self.threads),
+        }
     }
 
     fn memory(&self) -> MemoryReport {
@@ -189,6 +192,7 @@ impl Backend for CpuBackend<'_> {
             copies: (self.memory.weight_copies() == WeightCopies::Bind)
                 .then(|| self.memory.copy_totals()),
             populated: self.memory.populated(),
+            tiled: self.memory.tiled_bytes(),
         }
     }
 

@@ -504,6 +504,7 @@ impl Backend for CudaBackend<'_> {
             pinned_locked: self.memory.pinned_registered(),
             copies: None,
             populated: host.populated,
+            tiled: host.tiled,
         }
     }
 

@@ -240,6 +240,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             arena_bytes: memory.arena_bytes,
             image_bytes: memory.image_bytes,
             image_populated: memory.populated,
+            image_tiled: memory.tiled,
             backend: backend.describe(),
             ..RunStats::default()
         };

@@ -52,13 +52,17 @@ enum TensorBytes<'c> {
     Decoded(&'c [u8]),
     /// An aligned copy (the stored bytes were misaligned for the dtype).
     Owned(ImageBuffer),
+    /// A Q4_K matrix repacked into tiles of eight rows (`model::quant::tiles`) for the
+    /// CPU backend's products: the same length as the blocks it replaces, whose file
+    /// pages are dropped from this process once repacked.
+    Tiled(ImageBuffer),
 }
 
 impl TensorBytes<'_> {
     fn as_bytes(&self) -> &[u8] {
         match self {
             TensorBytes::Mapped(bytes) | TensorBytes::Decoded(bytes) => bytes,
-            TensorBytes::Owned(buffer) => buffer.as_bytes(),
+            TensorBytes::Owned(buffer) | TensorBytes::Tiled(buffer) => buffer.as_bytes(),
         }
     }
 }
@@ -207,6 +211,40 @@ impl<'c> MappedImage<'c> {
             }
         }
         done
+    }
+
+    /// Repacks the Q4_K matrices `tensors` (tag, rows, cols: what
+    /// [`ImageLayout::tileable`] lists) into tiles of eight rows, each in place of its
+    /// mapped bytes (the same length, so every offset of the image stays), and drops the
+    /// file pages it read from this process ([`Checkpoint::release_mapped`]: only pages of
+    /// the file's map; a tensor the checkpoint holds restored in memory, such as GGUF's
+    /// un-permuted Q/K rows, stays as it is for its other readers). Gives the tags
+    /// repacked and their bytes; a tensor that is not a mapped one of that shape is left
+    /// as it is.
+    pub fn tile_q4k(
+        &mut self,
+        checkpoint: &Checkpoint,
+        tensors: &[(WeightTag, usize, usize)],
+    ) -> (Vec<WeightTag>, u64) {
+        let mut done = Vec::new();
+        let mut bytes_done = 0u64;
+        for &(tag, rows, cols) in tensors {
+            let Some(t) = self.tensors.iter_mut().find(|t| t.tag == tag) else {
+                continue;
+            };
+            let TensorBytes::Mapped(src) = t.bytes else {
+                continue;
+            };
+            let mut tiled = ImageBuffer::zeroed(src.len());
+            if !crate::model::quant::tiles::tile_q4k(src, rows, cols, tiled.as_bytes_mut()) {
+                continue;
+            }
+            checkpoint.release_mapped(src);
+            bytes_done += src.len() as u64;
+            t.bytes = TensorBytes::Tiled(tiled);
+            done.push(tag);
+        }
+        (done, bytes_done)
     }
 
     /// Bytes of the image (padding included).

@@ -166,6 +166,8 @@ pub struct HostMemory<'c> {
     moved: AtomicU64,
     /// Bytes of the image whose page tables were populated before the first step.
     populated: u64,
+    /// Bytes of Q4_K matrices repacked into tiles at load.
+    tiled: u64,
     /// Bytes of the image copied by a host memcpy (to an arena, or staged for a device
     /// copy): the relay a device that reads the image's own memory does without.
     relayed: AtomicU64,
@@ -197,7 +199,16 @@ impl<'c> HostMemory<'c> {
                 capacity,
             });
         }
-        Self::build(plan, checkpoint, options, gpu.bytes, options.weight_copies)
+        let tile_q4k = crate::model::quant::tiles::enabled()
+            && !crate::model::kernels::isa::Kernels::process().decodes_quant();
+        Self::build(
+            plan,
+            checkpoint,
+            options,
+            gpu.bytes,
+            options.weight_copies,
+            tile_q4k,
+        )
     }
 
     /// The host side only: the `pinned` and `host` arenas and the weights image, with an
@@ -209,7 +220,7 @@ impl<'c> HostMemory<'c> {
         checkpoint: &'c Checkpoint,
         options: &BackendOptions,
     ) -> Result<Self, MemoryError> {
-        Self::build(plan, checkpoint, options, 0, WeightCopies::Move)
+        Self::build(plan, checkpoint, options, 0, WeightCopies::Move, false)
     }
 
     fn build(
@@ -218,14 +229,25 @@ impl<'c> HostMemory<'c> {
         options: &BackendOptions,
         gpu_bytes: u64,
         weight_copies: WeightCopies,
+        tile_q4k: bool,
     ) -> Result<Self, MemoryError> {
         let arenas = [
             Arena::new("gpu", gpu_bytes, false)?,
             Arena::new("pinned", plan.arena(Space::Pinned).bytes, true)?,
             Arena::new("host", plan.arena(Space::Host).bytes, false)?,
         ];
-        let layout = image_layout(checkpoint, plan.checkpoint)?;
-        let image = MappedImage::new(checkpoint, &layout)?;
+        let mut layout = image_layout(checkpoint, plan.checkpoint)?;
+        let mut image = MappedImage::new(checkpoint, &layout)?;
+        // The CPU backend's own products read Q4_K in tiles of eight rows, repacked here
+        // once in place of the blocks; a device backend (`host_side`) reads the file's
+        // layout, and so do the f32 products of decoded weights.
+        let tiled = if tile_q4k {
+            let (tags, bytes) = image.tile_q4k(checkpoint, &layout.tileable());
+            layout.tiled = tags.into_iter().collect();
+            bytes
+        } else {
+            0
+        };
         // Fault the weights in now rather than a page at a time inside the first step's
         // kernels, unless they would crowd out half of what the machine has left (a
         // checkpoint larger than memory is streamed from disk by the OS as it is read).
@@ -258,6 +280,7 @@ impl<'c> HostMemory<'c> {
             bound: AtomicU64::new(0),
             moved: AtomicU64::new(0),
             populated,
+            tiled,
             relayed: AtomicU64::new(0),
             copy_pool: CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get())),
         })
@@ -267,6 +290,30 @@ impl<'c> HostMemory<'c> {
     /// image was larger than half the available memory, or the OS refused).
     pub fn populated(&self) -> u64 {
         self.populated
+    }
+
+    /// Bytes of Q4_K matrices repacked into tiles at load.
+    pub fn tiled_bytes(&self) -> u64 {
+        self.tiled
+    }
+
+    /// The run report's words on Q4_K tiles: how many matrices and bytes were repacked
+    /// at load, or why none were; `None` when the image has no Q4_K matrix to tile.
+    pub fn tiling(&self) -> Option<String> {
+        let n = self.layout.tiled.len();
+        if n > 0 {
+            Some(format!(
+                "Q4_K matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
+                 place of their blocks)",
+                self.tiled as f64 / (1u64 << 20) as f64
+            ))
+        } else if self.layout.tileable().is_empty() {
+            None
+        } else if !crate::model::quant::tiles::enabled() {
+            Some("Q4_K matrices in ggml's row layout (MOEC_Q4K_TILES=off)".to_string())
+        } else {
+            Some("Q4_K matrices in ggml's row layout (decoded products)".to_string())
+        }
     }
 
     /// How weight bytes are copied.

@@ -17,7 +17,7 @@ use crate::model::formats::Storage;
 use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::model::quant::{QuantFormat, QuantSlice};
 use crate::model::tensor::TypedSlice;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 /// A weight tensor that ops look up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -195,6 +195,9 @@ pub struct ImageLayout {
     pub head_storage: [Storage; 3],
     /// Rows of the embedding and lm_head (the card's vocabulary) and their width.
     pub vocab_hidden: (usize, usize),
+    /// The Q4_K matrices the image holds in tiles of eight rows (`model::quant::tiles`):
+    /// empty unless the CPU backend repacked them at load ([`ImageLayout::tileable`]).
+    pub tiled: HashSet<WeightTag>,
 }
 
 impl ImageLayout {
@@ -235,11 +238,69 @@ impl ImageLayout {
                 // The tensor's own blocks: a view may run on into the padding after it.
                 let len = format.bytes_for(elems).unwrap_or(0);
                 let bytes = bytes.get(..len).unwrap_or(bytes);
-                QuantSlice::new(bytes, format, elems)
+                let slice = match self.tiled_cols(tag) {
+                    Some(cols) => QuantSlice::tiled(bytes, elems, cols),
+                    None => QuantSlice::new(bytes, format, elems),
+                };
+                slice
                     .map(TypedSlice::Quant)
                     .map_err(|e| format!("{tag}: {e}"))
             }
         }
+    }
+
+    /// The row width of tensor `tag` when the image holds it in tiles.
+    fn tiled_cols(&self, tag: WeightTag) -> Option<usize> {
+        let WeightTag::Layer { layer, kind } = tag else {
+            return None;
+        };
+        if !self.tiled.contains(&tag) {
+            return None;
+        }
+        self.layer_of(layer).segment(kind).map(|s| s.cols)
+    }
+
+    /// The tensors the CPU backend may hold in Q4_K tiles, with their `(rows, cols)`: the
+    /// Q4_K out-in matrices of a layer that only ever multiply whole (attention
+    /// projections, dense, shared and expert FFN matrices; not MLA's per-head pieces nor
+    /// the embedding, whose rows are read one at a time) and whose rows are whole tiles.
+    pub fn tileable(&self) -> Vec<(WeightTag, usize, usize)> {
+        use crate::model::tensor::Orientation;
+        let whole = |kind: SegmentKind| {
+            matches!(
+                kind,
+                SegmentKind::QProj
+                    | SegmentKind::KProj
+                    | SegmentKind::VProj
+                    | SegmentKind::QkvProj
+                    | SegmentKind::OProj
+                    | SegmentKind::SharedGate
+                    | SegmentKind::SharedUp
+                    | SegmentKind::SharedDown
+                    | SegmentKind::DenseGate
+                    | SegmentKind::DenseUp
+                    | SegmentKind::DenseDown
+                    | SegmentKind::ExpertGate(_)
+                    | SegmentKind::ExpertUp(_)
+                    | SegmentKind::ExpertDown(_)
+            )
+        };
+        let mut out = Vec::new();
+        for layer in 0..self.checkpoint.layers as u32 {
+            for seg in &self.layer_of(layer).segments {
+                let out_in = seg.orientation.unwrap_or(Orientation::OutIn) == Orientation::OutIn;
+                if let Some(format) = seg.quant.filter(|_| whole(seg.kind) && out_in) {
+                    if crate::model::quant::tiles::tileable(format, seg.rows, seg.cols) {
+                        let tag = WeightTag::Layer {
+                            layer,
+                            kind: seg.kind,
+                        };
+                        out.push((tag, seg.rows, seg.cols));
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Elements of tensor `tag`.
@@ -438,5 +499,6 @@ pub fn image_layout(
             storage(&head.lm_head),
         ],
         vocab_hidden: (checkpoint.arch().vocab, checkpoint.arch().hidden),
+        tiled: HashSet::new(),
     })
 }

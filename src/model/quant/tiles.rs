@@ -1,0 +1,310 @@
+//! Q4_K matrices repacked into tiles of eight output rows, the layout the CPU backend
+//! computes from: made once at load in place of the plain blocks (same bytes per tile, so
+//! every offset, budget and copy of the packed image is unchanged), and read back block by
+//! block when something needs the plain layout ([`untile_q4k`]).
+//!
+//! Why: ggml's row layout gives a SIMD body one output per weight row, so each 256-weight
+//! block ends in horizontal sums and scalar f32 steps for that one output. With eight rows'
+//! blocks interleaved, one 32-bit lane holds part of one output's integer sum, the scales
+//! and mins of eight rows are applied with one instruction each, and the f32 block value
+//! of eight outputs is one vector operation per step (llama.cpp repacks for the same
+//! reason: `block_q4_Kx8` in ggml-cpu's `repack.cpp`; this layout is moec's own, chosen
+//! for its bodies in [`super::tiles_x86`]).
+//!
+//! The tile of rows `8t..8t + 8`, super-block column `b`, is 1152 bytes (eight Q4_K blocks)
+//! at `(t · nb + b) · 1152` (`nb` blocks per row), so a range of whole tiles is the same
+//! byte range as the same rows stored plain:
+//!
+//! - bytes `0..16`: the eight rows' `d` (f16, row order); `16..32`: their `dmin`;
+//! - `32..96`: one byte per (row `r`, sub-block `j`) at [`sm_index`]: the 6-bit scale in
+//!   bits 0-5, bits 0-1 of the 6-bit min in bits 6-7;
+//! - `96..128`: bits 2-5 of the min of index `i` in the low nibble of byte `i` (`i < 32`)
+//!   or the high nibble of byte `i − 32`;
+//! - `128..1152`: sixteen 64-byte chunks; chunk `c`, byte `8r + i` holds row `r`'s code
+//!   `16c + i` in its low nibble and code `16c + 8 + i` in its high nibble.
+//!
+//! Every field is the block's own bits moved, so tiling is lossless and [`untile_q4k`]
+//! gives the original bytes. The products from tiles compute each output exactly as
+//! [`super::matmul`] documents (the same integer sums and f32 steps, blocks added in order),
+//! so they give the plain layout's bits in every body.
+
+use super::blocks::scale_min_k4;
+use super::dot;
+use super::q8::Q8Rows;
+use super::{QuantFormat, QK_K};
+
+/// Whether the CPU backend repacks Q4_K matrices into tiles at load: yes unless
+/// `MOEC_Q4K_TILES=off` (the row layout, for comparing the two; any other value than
+/// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("MOEC_Q4K_TILES").as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(other) => {
+            eprintln!("warning: MOEC_Q4K_TILES={other} is neither on nor off; keeping tiles");
+            true
+        }
+    })
+}
+
+/// Output rows per tile.
+pub const TILE_ROWS: usize = 8;
+
+/// Bytes of one tile of one super-block column (eight Q4_K blocks).
+pub const TILE_BYTES: usize = TILE_ROWS * 144;
+
+/// Where the scale/min byte of row `r`, sub-block `j` sits in a tile's 64 scale bytes:
+/// pairs of sub-blocks `(2p, 2p + 1)` take 16 bytes each, ordered so that byte `4k + q`
+/// of pair `p` belongs to row `2k + q % 2`, sub-block `2p + q / 2` (the order of the
+/// 32-bit lanes of the AVX-512 body's packed sums).
+pub(super) fn sm_index(r: usize, j: usize) -> usize {
+    16 * (j / 2) + 4 * (r / 2) + 2 * (j % 2) + r % 2
+}
+
+/// Code `k` (0..256) of a plain Q4_K block.
+fn plain_code(block: &[u8], k: usize) -> u8 {
+    let (j, l) = (k / 32, k % 32);
+    (block[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0f
+}
+
+/// Whether a `[rows, cols]` matrix of `format` can be tiled.
+pub fn tileable(format: QuantFormat, rows: usize, cols: usize) -> bool {
+    format == QuantFormat::Q4K && rows.is_multiple_of(TILE_ROWS) && cols.is_multiple_of(QK_K)
+}
+
+/// Tiles the plain Q4_K matrix `src` (`[rows, cols]`, [`tileable`]) into `dst` (the same
+/// length). `false` (and `dst` untouched) when the shape or the lengths do not fit.
+pub fn tile_q4k(src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) -> bool {
+    let nb = cols / QK_K;
+    if !tileable(QuantFormat::Q4K, rows, cols)
+        || src.len() != rows * nb * 144
+        || dst.len() != src.len()
+    {
+        return false;
+    }
+    let row_bytes = nb * 144;
+    for t in 0..rows / TILE_ROWS {
+        for b in 0..nb {
+            let out = &mut dst[(t * nb + b) * TILE_BYTES..(t * nb + b + 1) * TILE_BYTES];
+            let block = |r: usize| {
+                let at = (TILE_ROWS * t + r) * row_bytes + b * 144;
+                &src[at..at + 144]
+            };
+            tile_block(block, out);
+        }
+    }
+    true
+}
+
+/// One tile from its eight rows' blocks.
+fn tile_block<'a>(block: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
+    out[96..128].fill(0);
+    for r in 0..TILE_ROWS {
+        let src = block(r);
+        out[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+        out[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+        for j in 0..8 {
+            let (sc, m) = scale_min_k4(j, &src[4..16]);
+            let i = sm_index(r, j);
+            out[32 + i] = sc | ((m & 3) << 6);
+            out[96 + i % 32] |= (m >> 2) << (4 * (i / 32));
+        }
+        for c in 0..16 {
+            for i in 0..8 {
+                let lo = plain_code(src, 16 * c + i);
+                let hi = plain_code(src, 16 * c + 8 + i);
+                out[128 + 64 * c + 8 * r + i] = lo | (hi << 4);
+            }
+        }
+    }
+}
+
+/// The scale and min of row `r`, sub-block `j` of a tile.
+fn tile_scale_min(tile: &[u8], r: usize, j: usize) -> (u8, u8) {
+    let i = sm_index(r, j);
+    let s = tile[32 + i];
+    let hi = (tile[96 + i % 32] >> (4 * (i / 32))) & 0x0f;
+    (s & 63, (s >> 6) | (hi << 2))
+}
+
+/// Row `r`'s plain Q4_K block from a tile (the bytes [`tile_q4k`] took).
+pub(super) fn untile_block(tile: &[u8], r: usize) -> [u8; 144] {
+    let mut out = [0u8; 144];
+    out[0..2].copy_from_slice(&tile[2 * r..2 * r + 2]);
+    out[2..4].copy_from_slice(&tile[16 + 2 * r..16 + 2 * r + 2]);
+    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
+    for j in 0..8 {
+        (sc[j], m[j]) = tile_scale_min(tile, r, j);
+    }
+    // The inverse of `scale_min_k4`'s 12-byte packing (every bit of it is a scale or min).
+    for j in 0..4 {
+        out[4 + j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        out[8 + j] = m[j] | ((m[j + 4] >> 4) << 6);
+        out[12 + j] = (sc[j + 4] & 0x0f) | ((m[j + 4] & 0x0f) << 4);
+    }
+    for c in 0..16 {
+        for i in 0..8 {
+            let byte = tile[128 + 64 * c + 8 * r + i];
+            for (k, code) in [(16 * c + i, byte & 0x0f), (16 * c + 8 + i, byte >> 4)] {
+                let (j, l) = (k / 32, k % 32);
+                out[16 + 32 * (j / 2) + l] |= code << (4 * (j % 2));
+            }
+        }
+    }
+    out
+}
+
+/// The plain Q4_K bytes of a tiled matrix (`[rows, cols]`, `tiled.len()` bytes): the
+/// inverse of [`tile_q4k`]. `None` when the shape does not fit the bytes.
+pub fn untile_q4k(tiled: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    let nb = cols / QK_K;
+    if !tileable(QuantFormat::Q4K, rows, cols) || tiled.len() != rows * nb * 144 {
+        return None;
+    }
+    let mut out = vec![0u8; tiled.len()];
+    for t in 0..rows / TILE_ROWS {
+        for b in 0..nb {
+            let tile = &tiled[(t * nb + b) * TILE_BYTES..(t * nb + b + 1) * TILE_BYTES];
+            for r in 0..TILE_ROWS {
+                let at = ((TILE_ROWS * t + r) * nb + b) * 144;
+                out[at..at + 144].copy_from_slice(&untile_block(tile, r));
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The activation side the SIMD bodies read per (row, block), besides the codes: the
+/// sums of each 32-code sub-block `s_j = bsum_2j + bsum_2j+1`, as `[s0, s0, s1, s1, ..,
+/// s7, s7]` (`wide`, the AVX-512 body: four per pair of sub-blocks) and as pairs
+/// `s_2p | s_2p+1 << 16` (`pairs`, the AVX2 body). A sub-block sums at most 32 · 128, so
+/// 16 bits hold it.
+pub(super) struct TileActs<'a> {
+    /// The quantised rows (Q8_K).
+    pub q: &'a Q8Rows,
+    wide: Vec<i32>,
+    pairs: Vec<i32>,
+}
+
+impl<'a> TileActs<'a> {
+    /// The sums of `q` (Q8_K rows).
+    pub fn new(q: &'a Q8Rows) -> Self {
+        let nb = q.blocks_per_row();
+        let mut wide = vec![0i32; q.n_rows * nb * 16];
+        let mut pairs = vec![0i32; q.n_rows * nb * 4];
+        for r in 0..q.n_rows {
+            for b in 0..nb {
+                let s = q.block_bsums(r, b);
+                let sub = |j: usize| i32::from(s[2 * j]) + i32::from(s[2 * j + 1]);
+                let at = r * nb + b;
+                for j in 0..8 {
+                    wide[at * 16 + 2 * j] = sub(j);
+                    wide[at * 16 + 2 * j + 1] = sub(j);
+                }
+                for p in 0..4 {
+                    let packed =
+                        (sub(2 * p) as u16 as u32) | ((sub(2 * p + 1) as u16 as u32) << 16);
+                    pairs[at * 4 + p] = packed as i32;
+                }
+            }
+        }
+        TileActs { q, wide, pairs }
+    }
+
+    /// Row `r`'s 256 codes of block `b`.
+    pub fn codes(&self, r: usize, b: usize) -> &[i8] {
+        self.q.block_qs(r, b)
+    }
+
+    /// Row `r`'s sixteen wide sums of block `b`.
+    pub fn wide(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 16;
+        &self.wide[at..at + 16]
+    }
+
+    /// Row `r`'s four packed pairs of block `b`.
+    pub fn pairs(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 4;
+        &self.pairs[at..at + 4]
+    }
+}
+
+/// The reference body on tiles: each output's blocks read back plain ([`untile_block`])
+/// and summed as [`super::matmul`] documents. Rows `o0..o0 + rows` (whole tiles) of the
+/// tiled `[.., cols]` matrix `bytes` into `local[r * rows + i]`.
+pub(super) fn portable_panel(
+    bytes: &[u8],
+    cols: usize,
+    acts: &Q8Rows,
+    o0: usize,
+    rows: usize,
+    local: &mut [f32],
+) {
+    let nb = cols / QK_K;
+    for t in 0..rows / TILE_ROWS {
+        let tile_row = &bytes[(o0 / TILE_ROWS + t) * nb * TILE_BYTES..];
+        for l in 0..TILE_ROWS {
+            let i = t * TILE_ROWS + l;
+            for r in 0..acts.n_rows {
+                let mut acc = 0.0f32;
+                for b in 0..nb {
+                    let block = untile_block(&tile_row[b * TILE_BYTES..(b + 1) * TILE_BYTES], l);
+                    let (dy, bsums) = (acts.block_d(r, b), acts.block_bsums(r, b));
+                    acc += dot::block_value(
+                        QuantFormat::Q4K,
+                        &block,
+                        acts.block_qs(r, b),
+                        bsums,
+                        dy,
+                        0.0,
+                    );
+                }
+                local[r * rows + i] = acc;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::random_blocks;
+
+    /// Tiling keeps every bit: untiling gives the plain bytes back, and each tile holds
+    /// its rows' `d`, codes and 6-bit scales where the layout says (read with ggml's own
+    /// decoders of the plain block, `scale_min_k4` and the code nibbles).
+    #[test]
+    fn tiling_is_lossless_and_follows_the_layout() {
+        let (rows, cols) = (16, 512);
+        let plain = random_blocks(QuantFormat::Q4K, rows * cols / QK_K, 7);
+        let mut tiled = vec![0u8; plain.len()];
+        assert!(tile_q4k(&plain, rows, cols, &mut tiled));
+        assert_ne!(tiled, plain);
+        assert_eq!(untile_q4k(&tiled, rows, cols).unwrap(), plain);
+        let nb = cols / QK_K;
+        for (row, b) in [(0, 0), (9, 1), (15, 0)] {
+            let block = &plain[(row * nb + b) * 144..][..144];
+            let tile = &tiled[((row / 8) * nb + b) * TILE_BYTES..][..TILE_BYTES];
+            let r = row % 8;
+            assert_eq!(tile[2 * r..2 * r + 2], block[0..2]);
+            assert_eq!(tile[16 + 2 * r..16 + 2 * r + 2], block[2..4]);
+            for j in 0..8 {
+                assert_eq!(tile_scale_min(tile, r, j), scale_min_k4(j, &block[4..16]));
+            }
+            for k in [0, 7, 8, 15, 16, 31, 32, 100, 255] {
+                let byte = tile[128 + 64 * (k / 16) + 8 * r + k % 8];
+                let code = if k % 16 < 8 { byte & 15 } else { byte >> 4 };
+                assert_eq!(code, plain_code(block, k), "row {row} block {b} code {k}");
+            }
+        }
+        assert!(!tile_q4k(
+            &plain[..plain.len() - 144],
+            rows,
+            cols,
+            &mut tiled
+        ));
+        assert!(!tile_q4k(&plain[..144 * 4], 4, 256, &mut tiled[..144 * 4]));
+        assert!(untile_q4k(&tiled, 12, cols).is_none());
+    }
+}
