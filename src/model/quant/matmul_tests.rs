@@ -89,6 +89,28 @@ fn product(k: QuantKernels, w: &QuantMatrix<'_>, x: &[f32], n_rows: usize) -> Ve
     y
 }
 
+/// Asserts that every supported body's product of `tested` with the `n_rows` rows `xs`
+/// has the bits of the portable body's product of `reference` (the same matrix, or its
+/// row layout when `tested` is tiled).
+fn assert_bodies_give(
+    portable: QuantKernels,
+    reference: &QuantMatrix<'_>,
+    tested: &QuantMatrix<'_>,
+    xs: &[f32],
+    n_rows: usize,
+    what: impl Fn() -> String,
+) {
+    let want = product(portable, reference, xs, n_rows);
+    for body in QuantBody::supported() {
+        let got = product(QuantKernels::new(body).unwrap(), tested, xs, n_rows);
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(g, e)| g.to_bits() == e.to_bits());
+        assert!(same, "{body}: {}", what());
+    }
+}
+
 /// With power-of-two block scales (one per format, MXFP4's always) and activations Q8 represents exactly, every step of
 /// the quantised product is exact, so it equals the f64 product of gguf-py's weights
 /// with the activations exactly, for every format and body.
@@ -330,19 +352,9 @@ fn every_body_gives_the_portable_bits() {
                 let scale = if extreme { 3.0e4 } else { 1.0 };
                 let x = random_acts(16 * cols, scale, &mut rng);
                 for n_rows in 1..=16 {
-                    let xs = &x[..n_rows * cols];
-                    let want = product(portable, &w, xs, n_rows);
-                    for body in QuantBody::supported() {
-                        let got = product(QuantKernels::new(body).unwrap(), &w, xs, n_rows);
-                        let same = got
-                            .iter()
-                            .zip(&want)
-                            .all(|(g, e)| g.to_bits() == e.to_bits());
-                        assert!(
-                            same,
-                            "{format} {body} [{rows}, {cols}] x {n_rows} rows (extreme {extreme})"
-                        );
-                    }
+                    assert_bodies_give(portable, &w, &w, &x[..n_rows * cols], n_rows, || {
+                        format!("{format} [{rows}, {cols}] x {n_rows} rows (extreme {extreme})")
+                    });
                 }
             }
         }
@@ -409,19 +421,9 @@ fn tiled_q4k_gives_the_row_layouts_bits() {
             let scale = if extreme { 3.0e4 } else { 1.0 };
             let x = random_acts(9 * cols, scale, &mut rng);
             for n_rows in 1..=9 {
-                let xs = &x[..n_rows * cols];
-                let want = product(portable, &w, xs, n_rows);
-                for body in QuantBody::supported() {
-                    let got = product(QuantKernels::new(body).unwrap(), &tw, xs, n_rows);
-                    let same = got
-                        .iter()
-                        .zip(&want)
-                        .all(|(g, e)| g.to_bits() == e.to_bits());
-                    assert!(
-                        same,
-                        "tiled {body} [{rows}, {cols}] x {n_rows} rows (extreme {extreme})"
-                    );
-                }
+                assert_bodies_give(portable, &w, &tw, &x[..n_rows * cols], n_rows, || {
+                    format!("tiled [{rows}, {cols}] x {n_rows} rows (extreme {extreme})")
+                });
             }
             let mut dq = vec![0.0f32; rows * cols];
             tq.dequantize_into(&mut dq).unwrap();
