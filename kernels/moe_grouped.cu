@@ -207,17 +207,14 @@ __device__ __forceinline__ void moec_q4k_decode8_words(const unsigned char* b, i
     const unsigned int s0 = *(const unsigned int*)(b + 4);
     const unsigned int s1 = *(const unsigned int*)(b + 8);
     const unsigned int s2 = *(const unsigned int*)(b + 12);
-    // Byte n (0..12) of the packed scales, n known per lane only at run time.
-#define MOEC_SCALE_BYTE(n) ((((n) < 4 ? s0 : ((n) < 8 ? s1 : s2)) >> (8 * ((n) & 3))) & 0xffu)
+    // Byte n (0..12) of the packed scales out of the three words (n is known per lane only
+    // at run time, so no local array to index).
     int sc, m;
-    if (j < 4) {
-        sc = (int)(MOEC_SCALE_BYTE(j) & 63u);
-        m = (int)(MOEC_SCALE_BYTE(j + 4) & 63u);
-    } else {
-        sc = (int)((MOEC_SCALE_BYTE(j + 4) & 0x0fu) | ((MOEC_SCALE_BYTE(j - 4) >> 6) << 4));
-        m = (int)((MOEC_SCALE_BYTE(j + 4) >> 4) | ((MOEC_SCALE_BYTE(j) >> 6) << 4));
-    }
-#undef MOEC_SCALE_BYTE
+    moec_scale_min_k4(
+        j,
+        [s0, s1, s2](int n) { return ((n < 4 ? s0 : (n < 8 ? s1 : s2)) >> (8 * (n & 3))) & 0xffu; },
+        &sc,
+        &m);
     const float scale = __fmul_rn(moec_f16_to_f32((unsigned short)(dm & 0xffffu)), (float)sc);
     const float min = __fmul_rn(moec_f16_to_f32((unsigned short)(dm >> 16)), (float)m);
     const unsigned char* qs = b + 16 + 32 * (j / 2) + e0 % 32;

@@ -89,14 +89,16 @@ __device__ __forceinline__ void moec_mxfp4_decode(const unsigned char* b, int e0
 // ---- end of MXFP4 -----------------------------------------------------------------------
 
 // The 6-bit scale and min of sub-block j (0..8) of a Q4_K/Q5_K block from its 12 packed
-// bytes s (blocks.rs scale_min_k4).
-__device__ __forceinline__ void moec_scale_min_k4(int j, const unsigned char* s, int* sc, int* m) {
+// scale bytes, byte n as `byte(n)` gives it (blocks.rs scale_min_k4): read from memory, or
+// picked out of words already loaded (moe_grouped.cu's word-load decode).
+template <class ByteAt>
+__device__ __forceinline__ void moec_scale_min_k4(int j, ByteAt byte, int* sc, int* m) {
     if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
+        *sc = (int)(byte(j) & 63u);
+        *m = (int)(byte(j + 4) & 63u);
     } else {
-        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        *sc = (int)((byte(j + 4) & 0x0fu) | ((byte(j - 4) >> 6) << 4));
+        *m = (int)((byte(j + 4) >> 4) | ((byte(j) >> 6) << 4));
     }
 }
 
@@ -116,7 +118,8 @@ __device__ __forceinline__ void moec_quant_decode(const unsigned char* b, int dt
         const int j = e0 / 32;
         const int l0 = e0 % 32;
         int sc, m;
-        moec_scale_min_k4(j, b + 4, &sc, &m);
+        const unsigned char* packed = b + 4;
+        moec_scale_min_k4(j, [packed](int n) { return (unsigned int)packed[n]; }, &sc, &m);
         const float scale = __fmul_rn(moec_f16_at(b), (float)sc);
         const float min = __fmul_rn(moec_f16_at(b + 2), (float)m);
         const unsigned char* qs = b + (dtype == 4 ? 16 : 48) + 32 * (j / 2);
