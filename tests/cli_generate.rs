@@ -396,8 +396,8 @@ fn long_prompt_files_are_generated_in_batches_with_the_same_outputs() {
     assert!(line.contains("prompt 280"), "{line}");
 }
 
-/// `moec quantize --weights HF --out OUT FLAGS..`, which must succeed.
-fn quantize_with(cache: &Path, hf: &Path, out: &Path, flags: &[&str]) -> Output {
+/// `moec quantize --weights HF --out OUT FLAGS..`, whatever its exit.
+fn quantize_run(cache: &Path, hf: &Path, out: &Path, flags: &[&str]) -> Output {
     let mut args = vec![
         "quantize",
         "--weights",
@@ -406,7 +406,12 @@ fn quantize_with(cache: &Path, hf: &Path, out: &Path, flags: &[&str]) -> Output 
         out.to_str().unwrap(),
     ];
     args.extend_from_slice(flags);
-    let run = moec(cache, &args);
+    moec(cache, &args)
+}
+
+/// [`quantize_run`], which must succeed.
+fn quantize_with(cache: &Path, hf: &Path, out: &Path, flags: &[&str]) -> Output {
+    let run = quantize_run(cache, hf, out, flags);
     assert!(
         run.status.success(),
         "{}",
@@ -684,17 +689,7 @@ fn quantize_refuses_clearly_and_what_it_writes_runs() {
     let cache = tempfile::tempdir().unwrap();
     let dir = synth_into(cache.path(), "ck");
     let out_path = cache.path().join("e.gguf");
-    let quantize = |extra: &[&str]| {
-        let mut args = vec![
-            "quantize",
-            "--weights",
-            dir.to_str().unwrap(),
-            "--out",
-            out_path.to_str().unwrap(),
-        ];
-        args.extend_from_slice(extra);
-        moec(cache.path(), &args)
-    };
+    let quantize = |extra: &[&str]| quantize_run(cache.path(), &dir, &out_path, extra);
     // mixtral-tiny's rows are 128 weights: not whole 256-weight K-quant blocks.
     let refused = quantize(&[]);
     assert_eq!(refused.status.code(), Some(1));

@@ -1103,14 +1103,7 @@ fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
         eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;
     };
-    let path = dir.join("qwen3-moe-q4-Q4_K_M.gguf");
-    let ck = Checkpoint::open_gguf(&path, None).unwrap();
-    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), &path).unwrap();
-    assert!(
-        ours.origin().contains("GGUF vocabulary"),
-        "{}",
-        ours.origin()
-    );
+    let ours = gguf_tokenizer(&dir.join("qwen3-moe-q4-Q4_K_M.gguf"), &["GGUF vocabulary"]);
     let hf = tokenizers::Tokenizer::from_file(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/models/tokenizers/dbrx/tokenizer.json"
@@ -1155,13 +1148,7 @@ fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
         return;
     };
     let path = dir.join("mixtral-q4-Q4_K_M.gguf");
-    let ck = Checkpoint::open_gguf(&path, None).unwrap();
-    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), &path).unwrap();
-    assert!(
-        ours.origin().contains("SentencePiece") && ours.origin().contains("by token id"),
-        "{}",
-        ours.origin()
-    );
+    let ours = gguf_tokenizer(&path, &["SentencePiece", "by token id"]);
     let golden: serde_json::Value =
         serde_json::from_str(include_str!("fixtures/gguf/llama_greedy.json")).unwrap();
     assert_eq!(
@@ -1182,6 +1169,19 @@ fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
             "def f(x):\n    return x**2  # square 1234567890\n",
         ],
     );
+}
+
+/// The tokenizer a `.gguf` brings, whose origin line names each of `origin`.
+fn gguf_tokenizer(
+    path: &std::path::Path,
+    origin: &[&str],
+) -> moec::model::tokenizer::TextTokenizer {
+    let ck = Checkpoint::open_gguf(path, None).unwrap();
+    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), path).unwrap();
+    for part in origin {
+        assert!(ours.origin().contains(part), "{}", ours.origin());
+    }
+    ours
 }
 
 /// Each of `texts` encodes (with the BOS the Hub file's post-processor adds, which

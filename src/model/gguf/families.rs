@@ -96,6 +96,15 @@ impl Meta<'_> {
         }
     }
 
+    /// A routed expert's FFN width: `expert_feed_forward_length`, else the dense
+    /// `feed_forward_length` (files that write only one).
+    fn expert_ffn(&self) -> Result<u64, GgufError> {
+        match self.opt_u("expert_feed_forward_length")? {
+            Some(f) => Ok(f),
+            None => self.u("feed_forward_length"),
+        }
+    }
+
     /// The attention head width: `attention.key_length`, else hidden / heads.
     fn head_dim(&self, hidden: u64, heads: u64) -> Result<u64, GgufError> {
         Ok(match self.opt_u("attention.key_length")? {
@@ -217,10 +226,7 @@ fn gpt_oss(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
         y.insert("truncate".into(), json!(true));
         serde_json::Value::Object(y)
     });
-    let expert_ffn = match m.opt_u("expert_feed_forward_length")? {
-        Some(f) => f,
-        None => m.u("feed_forward_length")?,
-    };
+    let expert_ffn = m.expert_ffn()?;
     let mut v = json!({
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -269,10 +275,7 @@ fn qwen_olmoe(file: &GgufFile, family: Family) -> Result<serde_json::Value, Gguf
     let heads = m.u("attention.head_count")?;
     let hidden = m.u("embedding_length")?;
     // OLMoE's converter writes the expert width as `feed_forward_length`.
-    let expert_ffn = match m.opt_u("expert_feed_forward_length")? {
-        Some(f) => f,
-        None => m.u("feed_forward_length")?,
-    };
+    let expert_ffn = m.expert_ffn()?;
     let mut v = json!({
         "architectures": [hf_arch],
         "model_type": model_type,
