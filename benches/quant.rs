@@ -4,7 +4,7 @@
 //! Shapes: the expert down projections of `mixtral-mid` (`[1024, 3584]`, out x in) and of
 //! Mixtral-8x7B (`[4096, 14336]`), Q4_K as llama.cpp's Q4_K_M stores `ffn_gate/up_exps`,
 //! both in ggml's row layout and in the tiles of eight rows the CPU backend repacks Q4_K
-//! into at load ("Q4_K tiles"),
+//! and Q6_K into at load ("Q4_K tiles", "Q6_K tiles"),
 //! (and Q6_K, Q5_K, Q8_0 and the group-wise int4 Q4_0, Q4_1 for the small shape). Each timed call multiplies the same
 //! activation rows with every matrix of a set of distinct experts in turn, enough experts
 //! that the quantised set (>= 64 MB) exceeds the 32 MiB L3, so the weights stream from
@@ -90,8 +90,8 @@ struct Set {
     out: usize,
     inp: usize,
     format: QuantFormat,
-    /// Q4_K only: the blocks in tiles of eight rows, as the CPU backend repacks them at
-    /// load (`moec::model::quant::tiles`).
+    /// Q4_K and Q6_K only: the blocks in tiles of eight rows, as the CPU backend repacks
+    /// them at load (`moec::model::quant::tiles`).
     tiled: bool,
     quant: Vec<Vec<u8>>,
     dense: Vec<Vec<bf16>>,
@@ -115,12 +115,16 @@ impl Set {
         }
     }
 
-    /// The same set with its Q4_K matrices in tiles.
+    /// The same set with its matrices in tiles (Q4_K, Q6_K).
     fn into_tiles(mut self) -> Self {
         for q in &mut self.quant {
             let mut t = vec![0u8; q.len()];
-            assert!(moec::model::quant::tiles::tile_q4k(
-                q, self.out, self.inp, &mut t
+            assert!(moec::model::quant::tiles::tile(
+                self.format,
+                q,
+                self.out,
+                self.inp,
+                &mut t
             ));
             *q = t;
         }
@@ -144,7 +148,7 @@ impl Set {
     fn run_quant(&self, k: QuantKernels, x: &[f32], rows: usize, y: &mut [f32]) {
         for q in &self.quant {
             let slice = if self.tiled {
-                QuantSlice::tiled(q, self.out * self.inp, self.inp)
+                QuantSlice::tiled(q, self.format, self.out * self.inp, self.inp)
             } else {
                 QuantSlice::new(q, self.format, self.out * self.inp)
             }
@@ -326,7 +330,7 @@ fn bench(c: &mut Criterion) {
     ] {
         if only.as_deref().is_none_or(|name| name == format.name()) {
             one_thread(&Set::new(format, 1024, 3584), qk, k);
-            if format == QuantFormat::Q4K {
+            if matches!(format, QuantFormat::Q4K | QuantFormat::Q6K) {
                 one_thread(&Set::new(format, 1024, 3584).into_tiles(), qk, k);
             }
         }
@@ -350,6 +354,9 @@ fn bench(c: &mut Criterion) {
         QuantFormat::Mxfp4,
     ] {
         against_bf16(&Set::new(format, 1024, 3584), qk, k);
+        if format == QuantFormat::Q6K {
+            against_bf16(&Set::new(format, 1024, 3584).into_tiles(), qk, k);
+        }
     }
     bodies(&small);
     bodies(&small_tiles);

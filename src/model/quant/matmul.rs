@@ -196,7 +196,7 @@ impl QuantKernels {
     /// The products from a tiled matrix ([`super::tiles`]): panels of whole tiles through
     /// this body's tile pass.
     fn tiled_products(self, w: &QuantMatrix<'_>, acts: &Q8Rows, y: &mut [f32]) {
-        let tile_acts = TileActs::new(acts);
+        let tile_acts = TileActs::new(acts, w.format());
         let task = |p: usize| {
             let o0 = p * PANEL_ROWS;
             let rows = PANEL_ROWS.min(w.rows - o0);
@@ -205,13 +205,14 @@ impl QuantKernels {
             if self.body() != QuantBody::Portable {
                 // SAFETY: the body's features are this CPU's (the `QuantKernels`
                 // invariant); `QuantMatrix::new` checked that the tiles are whole tiles
-                // of `w.cols` (PANEL_ROWS is a multiple of eight, so a panel is whole
-                // tiles too) and `acts` holds rows of `w.cols`; `local` is n_rows * rows.
+                // of `w.cols` of a tileable format (Q4_K or Q6_K, `QuantSlice::tiled`);
+                // `tile_acts` was made for that format; PANEL_ROWS is a multiple of eight,
+                // so a panel is whole tiles too, and o0 + rows <= w.rows; `acts` holds
+                // rows of `w.cols`; `local` is n_rows * rows.
                 unsafe {
                     super::tiles_x86::panel(
                         self.body() == QuantBody::Avx512Vnni,
-                        w.data.bytes,
-                        w.cols,
+                        w,
                         &tile_acts,
                         o0,
                         rows,
@@ -220,7 +221,15 @@ impl QuantKernels {
                 };
                 return local;
             }
-            super::tiles::portable_panel(w.data.bytes, w.cols, acts, o0, rows, &mut local);
+            super::tiles::portable_panel(
+                w.format(),
+                w.data.bytes,
+                w.cols,
+                acts,
+                o0,
+                rows,
+                &mut local,
+            );
             local
         };
         run_panels(w, acts.n_rows, task, y);

@@ -396,16 +396,20 @@ fn bad_shapes_are_errors() {
     assert!(k.quant_linear(&w, &[], 0, &mut []).is_ok());
 }
 
-/// Q4_K matrices tiled at load give the row layout's bits in every body, for every row
-/// count (passes of four rows and their remainders), several panels and extreme blocks;
-/// the portable body on tiles is also held to the row layout's portable bits.
+/// Q4_K and Q6_K matrices tiled at load give the row layout's bits in every body, for
+/// every row count (passes of four rows and their remainders), several panels and extreme
+/// blocks; the portable body on tiles is also held to the row layout's portable bits, and
+/// untiling gives the row layout's bytes back.
 #[test]
-fn tiled_q4k_gives_the_row_layouts_bits() {
-    use super::tiles::tile_q4k;
+fn tiled_matrices_give_the_row_layouts_bits() {
+    use super::tiles::{tile, untile};
     let portable = QuantKernels::portable();
     let mut rng = Rng::new(29);
-    let format = QuantFormat::Q4K;
-    for &(rows, cols) in &[(8usize, 256usize), (72, 512), (136, 1024)] {
+    let shapes = [(8usize, 256usize), (72, 512), (136, 1024)];
+    for (format, &(rows, cols)) in [QuantFormat::Q4K, QuantFormat::Q6K]
+        .into_iter()
+        .flat_map(|f| shapes.iter().map(move |s| (f, s)))
+    {
         for extreme in [false, true] {
             let n = rows * cols / 256;
             let bytes = if extreme {
@@ -415,14 +419,15 @@ fn tiled_q4k_gives_the_row_layouts_bits() {
             };
             let w = view(&bytes, format, rows, cols);
             let mut tiled = vec![0u8; bytes.len()];
-            assert!(tile_q4k(&bytes, rows, cols, &mut tiled));
-            let tq = QuantSlice::tiled(&tiled, rows * cols, cols).unwrap();
+            assert!(tile(format, &bytes, rows, cols, &mut tiled));
+            assert_eq!(untile(format, &tiled, rows, cols).unwrap(), bytes);
+            let tq = QuantSlice::tiled(&tiled, format, rows * cols, cols).unwrap();
             let tw = QuantMatrix::new(tq, rows, cols).unwrap();
             let scale = if extreme { 3.0e4 } else { 1.0 };
             let x = random_acts(9 * cols, scale, &mut rng);
             for n_rows in 1..=9 {
                 assert_bodies_give(portable, &w, &tw, &x[..n_rows * cols], n_rows, || {
-                    format!("tiled [{rows}, {cols}] x {n_rows} rows (extreme {extreme})")
+                    format!("{format} tiled [{rows}, {cols}] x {n_rows} rows (extreme {extreme})")
                 });
             }
             let mut dq = vec![0.0f32; rows * cols];
@@ -431,15 +436,18 @@ fn tiled_q4k_gives_the_row_layouts_bits() {
         }
     }
     // Whole tiles slice; a part of a tile does not, nor does a shape that does not tile.
+    let format = QuantFormat::Q4K;
     let bytes = random_blocks(format, 16, 3);
     let mut tiled = vec![0u8; bytes.len()];
-    assert!(tile_q4k(&bytes, 16, 256, &mut tiled));
-    let tq = QuantSlice::tiled(&tiled, 16 * 256, 256).unwrap();
+    assert!(tile(format, &bytes, 16, 256, &mut tiled));
+    let tq = QuantSlice::tiled(&tiled, format, 16 * 256, 256).unwrap();
     assert_eq!(
         tq.slice(8 * 256..16 * 256).unwrap().bytes,
         &tiled[8 * 144..]
     );
     assert!(tq.slice(0..256).is_none());
-    assert!(QuantSlice::tiled(&tiled, 16 * 256, 1024).is_err());
+    assert!(QuantSlice::tiled(&tiled, format, 16 * 256, 1024).is_err());
+    let q5k = random_blocks(QuantFormat::Q5K, 16, 3);
+    assert!(QuantSlice::tiled(&q5k, QuantFormat::Q5K, 16 * 256, 256).is_err());
     assert!(QuantMatrix::new(tq, 8, 512).is_err());
 }

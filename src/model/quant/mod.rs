@@ -15,8 +15,8 @@
 //! Matrix products from these blocks without decoding them to f32 are in [`matmul`]
 //! ([`quant_linear`]): activations quantised to 8 bits ([`q8`]), integer dot products
 //! inside a block, f32 accumulation, with portable, AVX2 and AVX-512 VNNI bodies
-//! ([`select`]) that give the same bits. Q4_K matrices may also be held in tiles of eight
-//! rows ([`tiles`], [`BlockLayout::Tiles8`]), which the CPU backend makes at load in place
+//! ([`select`]) that give the same bits. Q4_K and Q6_K matrices may also be held in tiles
+//! of eight rows ([`tiles`], [`BlockLayout::Tiles8`]), which the CPU backend makes at load in place
 //! of the blocks; their products give the row layout's bits too.
 
 mod blocks;
@@ -32,6 +32,9 @@ mod matmul_tests;
 pub mod q8;
 pub mod select;
 pub mod tiles;
+mod tiles_q6k;
+#[cfg(target_arch = "x86_64")]
+mod tiles_q6k_x86;
 #[cfg(target_arch = "x86_64")]
 mod tiles_x86;
 #[cfg(target_arch = "x86_64")]
@@ -164,9 +167,11 @@ pub enum QuantError {
     },
     /// A Q4_K view in tiles whose shape does not tile.
     #[error(
-        "{elems} Q4_K weights in rows of {cols} cannot be tiles of eight rows of whole blocks"
+        "{elems} {format} weights in rows of {cols} cannot be tiles of eight rows of whole blocks"
     )]
     Tiles {
+        /// The format asked for.
+        format: QuantFormat,
         /// Weights asked for.
         elems: usize,
         /// Weights per row.
@@ -179,8 +184,8 @@ pub enum QuantError {
 pub enum BlockLayout {
     /// ggml's: row after row, each row its blocks in order (every file stores this).
     Rows,
-    /// Q4_K in tiles of eight rows of `cols` weights ([`tiles`]), made at load for the
-    /// CPU backend's products; only whole tiles can be sliced out.
+    /// Q4_K or Q6_K in tiles of eight rows of `cols` weights ([`tiles`]), made at load for
+    /// the CPU backend's products; only whole tiles can be sliced out.
     Tiles8 {
         /// Weights per row.
         cols: usize,
@@ -219,14 +224,23 @@ impl<'a> QuantSlice<'a> {
         }
     }
 
-    /// Views `bytes` as `elems` Q4_K weights in tiles of eight rows of `cols`
-    /// ([`tiles::tile_q4k`]'s output); the shape must tile and the bytes be exactly whole
-    /// blocks.
-    pub fn tiled(bytes: &'a [u8], elems: usize, cols: usize) -> Result<Self, QuantError> {
-        let plain = Self::new(bytes, QuantFormat::Q4K, elems)?;
+    /// Views `bytes` as `elems` weights of `format` in tiles of eight rows of `cols`
+    /// ([`tiles::tile`]'s output); the format and shape must tile and the bytes be exactly
+    /// whole blocks.
+    pub fn tiled(
+        bytes: &'a [u8],
+        format: QuantFormat,
+        elems: usize,
+        cols: usize,
+    ) -> Result<Self, QuantError> {
+        let plain = Self::new(bytes, format, elems)?;
         let rows = elems.checked_div(cols).unwrap_or(0);
-        if cols == 0 || rows * cols != elems || !tiles::tileable(QuantFormat::Q4K, rows, cols) {
-            return Err(QuantError::Tiles { elems, cols });
+        if cols == 0 || rows * cols != elems || !tiles::tileable(format, rows, cols) {
+            return Err(QuantError::Tiles {
+                format,
+                elems,
+                cols,
+            });
         }
         Ok(QuantSlice {
             layout: BlockLayout::Tiles8 { cols },
@@ -267,7 +281,7 @@ impl<'a> QuantSlice<'a> {
             BlockLayout::Rows => std::borrow::Cow::Borrowed(self.bytes),
             BlockLayout::Tiles8 { cols } => std::borrow::Cow::Owned(
                 // `tiled` checked the shape, and slices keep whole tiles.
-                tiles::untile_q4k(self.bytes, self.len / cols, cols).unwrap_or_default(),
+                tiles::untile(self.format, self.bytes, self.len / cols, cols).unwrap_or_default(),
             ),
         }
     }

@@ -1,19 +1,20 @@
-//! Q4_K matrices repacked into tiles of eight output rows, the layout the CPU backend
-//! computes from: made once at load in place of the plain blocks (same bytes per tile, so
-//! every offset, budget and copy of the packed image is unchanged), and read back block by
-//! block when something needs the plain layout ([`untile_q4k`]).
+//! Q4_K and Q6_K matrices repacked into tiles of eight output rows, the layout the CPU
+//! backend computes from: made once at load in place of the plain blocks (same bytes per
+//! tile, so every offset, budget and copy of the packed image is unchanged), and read back
+//! block by block when something needs the plain layout ([`untile`]).
 //!
 //! Why: ggml's row layout gives a SIMD body one output per weight row, so each 256-weight
 //! block ends in horizontal sums and scalar f32 steps for that one output. With eight rows'
 //! blocks interleaved, one 32-bit lane holds part of one output's integer sum, the scales
-//! and mins of eight rows are applied with one instruction each, and the f32 block value
+//! (and mins) of eight rows are applied with one instruction each, and the f32 block value
 //! of eight outputs is one vector operation per step (llama.cpp repacks for the same
-//! reason: `block_q4_Kx8` in ggml-cpu's `repack.cpp`; this layout is moec's own, chosen
-//! for its bodies in [`super::tiles_x86`]).
+//! reason: `block_q4_Kx8` in ggml-cpu's `repack.cpp`; these layouts are moec's own, chosen
+//! for its bodies in [`super::tiles_x86`] and [`super::tiles_q6k_x86`]).
 //!
-//! The tile of rows `8t..8t + 8`, super-block column `b`, is 1152 bytes (eight Q4_K blocks)
-//! at `(t · nb + b) · 1152` (`nb` blocks per row), so a range of whole tiles is the same
-//! byte range as the same rows stored plain:
+//! The tile of rows `8t..8t + 8`, super-block column `b`, is eight blocks' bytes (1152 for
+//! Q4_K, 1680 for Q6_K, [`tile_bytes`]) at `(t · nb + b) · tile_bytes` (`nb` blocks per
+//! row), so a range of whole tiles is the same byte range as the same rows stored plain.
+//! The Q6_K tile is described in [`super::tiles_q6k`]; the Q4_K tile is:
 //!
 //! - bytes `0..16`: the eight rows' `d` (f16, row order); `16..32`: their `dmin`;
 //! - `32..96`: one byte per (row `r`, sub-block `j`) at [`sm_index`]: the 6-bit scale in
@@ -23,8 +24,8 @@
 //! - `128..1152`: sixteen 64-byte chunks; chunk `c`, byte `8r + i` holds row `r`'s code
 //!   `16c + i` in its low nibble and code `16c + 8 + i` in its high nibble.
 //!
-//! Every field is the block's own bits moved, so tiling is lossless and [`untile_q4k`]
-//! gives the original bytes. The products from tiles compute each output exactly as
+//! Every field is the block's own bits moved, so tiling is lossless and [`untile`] gives
+//! the original bytes. The products from tiles compute each output exactly as
 //! [`super::matmul`] documents (the same integer sums and f32 steps, blocks added in order),
 //! so they give the plain layout's bits in every body.
 
@@ -33,16 +34,16 @@ use super::dot;
 use super::q8::Q8Rows;
 use super::{QuantFormat, QK_K};
 
-/// Whether the CPU backend repacks Q4_K matrices into tiles at load: yes unless
-/// `MOEC_Q4K_TILES=off` (the row layout, for comparing the two; any other value than
+/// Whether the CPU backend repacks Q4_K and Q6_K matrices into tiles at load: yes unless
+/// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
 /// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("MOEC_Q4K_TILES").as_deref() {
+    *ON.get_or_init(|| match std::env::var("MOEC_QUANT_TILES").as_deref() {
         Err(_) | Ok("on") => true,
         Ok("off") => false,
         Ok(other) => {
-            eprintln!("warning: MOEC_Q4K_TILES={other} is neither on nor off; keeping tiles");
+            eprintln!("warning: MOEC_QUANT_TILES={other} is neither on nor off; keeping tiles");
             true
         }
     })
@@ -51,8 +52,13 @@ pub fn enabled() -> bool {
 /// Output rows per tile.
 pub const TILE_ROWS: usize = 8;
 
-/// Bytes of one tile of one super-block column (eight Q4_K blocks).
+/// Bytes of one Q4_K tile of one super-block column (eight Q4_K blocks).
 pub const TILE_BYTES: usize = TILE_ROWS * 144;
+
+/// Bytes of one tile of `format` (eight of its blocks).
+pub fn tile_bytes(format: QuantFormat) -> usize {
+    TILE_ROWS * format.block_bytes()
+}
 
 /// Where the scale/min byte of row `r`, sub-block `j` sits in a tile's 64 scale bytes:
 /// pairs of sub-blocks `(2p, 2p + 1)` take 16 bytes each, ordered so that byte `4k + q`
@@ -70,35 +76,38 @@ fn plain_code(block: &[u8], k: usize) -> u8 {
 
 /// Whether a `[rows, cols]` matrix of `format` can be tiled.
 pub fn tileable(format: QuantFormat, rows: usize, cols: usize) -> bool {
-    format == QuantFormat::Q4K && rows.is_multiple_of(TILE_ROWS) && cols.is_multiple_of(QK_K)
+    matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
+        && rows.is_multiple_of(TILE_ROWS)
+        && cols.is_multiple_of(QK_K)
 }
 
-/// Tiles the plain Q4_K matrix `src` (`[rows, cols]`, [`tileable`]) into `dst` (the same
-/// length). `false` (and `dst` untouched) when the shape or the lengths do not fit.
-pub fn tile_q4k(src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) -> bool {
-    let nb = cols / QK_K;
-    if !tileable(QuantFormat::Q4K, rows, cols)
-        || src.len() != rows * nb * 144
-        || dst.len() != src.len()
-    {
+/// Tiles the plain matrix `src` of `format` (`[rows, cols]`, [`tileable`]) into `dst`
+/// (the same length). `false` (and `dst` untouched) when the shape or the lengths do not
+/// fit.
+pub fn tile(format: QuantFormat, src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) -> bool {
+    let (nb, bb, tb) = (cols / QK_K, format.block_bytes(), tile_bytes(format));
+    if !tileable(format, rows, cols) || src.len() != rows * nb * bb || dst.len() != src.len() {
         return false;
     }
-    let row_bytes = nb * 144;
     for t in 0..rows / TILE_ROWS {
         for b in 0..nb {
-            let out = &mut dst[(t * nb + b) * TILE_BYTES..(t * nb + b + 1) * TILE_BYTES];
+            let out = &mut dst[(t * nb + b) * tb..(t * nb + b + 1) * tb];
             let block = |r: usize| {
-                let at = (TILE_ROWS * t + r) * row_bytes + b * 144;
-                &src[at..at + 144]
+                let at = ((TILE_ROWS * t + r) * nb + b) * bb;
+                &src[at..at + bb]
             };
-            tile_block(block, out);
+            if format == QuantFormat::Q6K {
+                super::tiles_q6k::tile_block(block, out);
+            } else {
+                tile_block_q4k(block, out);
+            }
         }
     }
     true
 }
 
-/// One tile from its eight rows' blocks.
-fn tile_block<'a>(block: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
+/// One Q4_K tile from its eight rows' blocks.
+fn tile_block_q4k<'a>(block: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
     out[96..128].fill(0);
     for r in 0..TILE_ROWS {
         let src = block(r);
@@ -128,8 +137,18 @@ fn tile_scale_min(tile: &[u8], r: usize, j: usize) -> (u8, u8) {
     (s & 63, (s >> 6) | (hi << 2))
 }
 
-/// Row `r`'s plain Q4_K block from a tile (the bytes [`tile_q4k`] took).
-pub(super) fn untile_block(tile: &[u8], r: usize) -> [u8; 144] {
+/// Row `r`'s plain block of `format` from a tile (the bytes [`tile`] took), into `out`
+/// (one block's bytes).
+pub(super) fn untile_block(format: QuantFormat, tile: &[u8], r: usize, out: &mut [u8]) {
+    if format == QuantFormat::Q6K {
+        super::tiles_q6k::untile_block(tile, r, out);
+    } else {
+        out.copy_from_slice(&untile_block_q4k(tile, r));
+    }
+}
+
+/// Row `r`'s plain Q4_K block from a tile.
+fn untile_block_q4k(tile: &[u8], r: usize) -> [u8; 144] {
     let mut out = [0u8; 144];
     out[0..2].copy_from_slice(&tile[2 * r..2 * r + 2]);
     out[2..4].copy_from_slice(&tile[16 + 2 * r..16 + 2 * r + 2]);
@@ -155,61 +174,100 @@ pub(super) fn untile_block(tile: &[u8], r: usize) -> [u8; 144] {
     out
 }
 
-/// The plain Q4_K bytes of a tiled matrix (`[rows, cols]`, `tiled.len()` bytes): the
-/// inverse of [`tile_q4k`]. `None` when the shape does not fit the bytes.
-pub fn untile_q4k(tiled: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    let nb = cols / QK_K;
-    if !tileable(QuantFormat::Q4K, rows, cols) || tiled.len() != rows * nb * 144 {
+/// The plain bytes of a tiled matrix of `format` (`[rows, cols]`, `tiled.len()` bytes):
+/// the inverse of [`tile`]. `None` when the shape does not fit the bytes.
+pub fn untile(format: QuantFormat, tiled: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    let (nb, bb, tb) = (cols / QK_K, format.block_bytes(), tile_bytes(format));
+    if !tileable(format, rows, cols) || tiled.len() != rows * nb * bb {
         return None;
     }
     let mut out = vec![0u8; tiled.len()];
     for t in 0..rows / TILE_ROWS {
         for b in 0..nb {
-            let tile = &tiled[(t * nb + b) * TILE_BYTES..(t * nb + b + 1) * TILE_BYTES];
+            let tile = &tiled[(t * nb + b) * tb..(t * nb + b + 1) * tb];
             for r in 0..TILE_ROWS {
-                let at = ((TILE_ROWS * t + r) * nb + b) * 144;
-                out[at..at + 144].copy_from_slice(&untile_block(tile, r));
+                let at = ((TILE_ROWS * t + r) * nb + b) * bb;
+                untile_block(format, tile, r, &mut out[at..at + bb]);
             }
         }
     }
     Some(out)
 }
 
-/// The activation side the SIMD bodies read per (row, block), besides the codes: the
-/// sums of each 32-code sub-block `s_j = bsum_2j + bsum_2j+1`, as `[s0, s0, s1, s1, ..,
-/// s7, s7]` (`wide`, the AVX-512 body: four per pair of sub-blocks) and as pairs
+/// The activation side the SIMD bodies read per (row, block), besides the codes.
+///
+/// Q4_K: the sums of each 32-code sub-block `s_j = bsum_2j + bsum_2j+1`, as `[s0, s0, s1,
+/// s1, .., s7, s7]` (`wide`, the AVX-512 body: four per pair of sub-blocks) and as pairs
 /// `s_2p | s_2p+1 << 16` (`pairs`, the AVX2 body). A sub-block sums at most 32 · 128, so
 /// 16 bits hold it.
+///
+/// Q6_K: the `−32 · code` part of `(q − 32) · x` summed over the codes a body's lane
+/// covers, so a lane can start from it and hold `Σ (q − 32) · x` directly: `quads`
+/// (AVX-512: `−32 · Σ x` over each 4 consecutive codes, 64 per block) and `pairs16`
+/// (AVX2: `−32 · (x_2m + x_2m+1 + x_8+2m + x_8+2m+1)` for each sub-block `c` (codes
+/// `16c..`) and `m < 4`, 64 per block; at most 32 · 512 in magnitude, so 16 bits hold it).
 pub(super) struct TileActs<'a> {
     /// The quantised rows (Q8_K).
     pub q: &'a Q8Rows,
     wide: Vec<i32>,
     pairs: Vec<i32>,
+    quads: Vec<i32>,
+    pairs16: Vec<i16>,
 }
 
 impl<'a> TileActs<'a> {
-    /// The sums of `q` (Q8_K rows).
-    pub fn new(q: &'a Q8Rows) -> Self {
+    /// What the bodies for `format` read of `q` (Q8_K rows).
+    pub fn new(q: &'a Q8Rows, format: QuantFormat) -> Self {
         let nb = q.blocks_per_row();
-        let mut wide = vec![0i32; q.n_rows * nb * 16];
-        let mut pairs = vec![0i32; q.n_rows * nb * 4];
+        let mut acts = TileActs {
+            q,
+            wide: Vec::new(),
+            pairs: Vec::new(),
+            quads: Vec::new(),
+            pairs16: Vec::new(),
+        };
+        if format == QuantFormat::Q6K {
+            acts.quads = vec![0i32; q.n_rows * nb * 64];
+            acts.pairs16 = vec![0i16; q.n_rows * nb * 64];
+            for r in 0..q.n_rows {
+                for b in 0..nb {
+                    let x = q.block_qs(r, b);
+                    let at = (r * nb + b) * 64;
+                    let sum = |from: usize, n: usize| -> i32 {
+                        x[from..from + n].iter().map(|&v| i32::from(v)).sum()
+                    };
+                    for k in 0..64 {
+                        acts.quads[at + k] = -32 * sum(4 * k, 4);
+                    }
+                    for c in 0..16 {
+                        for m in 0..4 {
+                            let s = sum(16 * c + 2 * m, 2) + sum(16 * c + 8 + 2 * m, 2);
+                            acts.pairs16[at + 4 * c + m] = (-32 * s) as i16;
+                        }
+                    }
+                }
+            }
+            return acts;
+        }
+        acts.wide = vec![0i32; q.n_rows * nb * 16];
+        acts.pairs = vec![0i32; q.n_rows * nb * 4];
         for r in 0..q.n_rows {
             for b in 0..nb {
                 let s = q.block_bsums(r, b);
                 let sub = |j: usize| i32::from(s[2 * j]) + i32::from(s[2 * j + 1]);
                 let at = r * nb + b;
                 for j in 0..8 {
-                    wide[at * 16 + 2 * j] = sub(j);
-                    wide[at * 16 + 2 * j + 1] = sub(j);
+                    acts.wide[at * 16 + 2 * j] = sub(j);
+                    acts.wide[at * 16 + 2 * j + 1] = sub(j);
                 }
                 for p in 0..4 {
                     let packed =
                         (sub(2 * p) as u16 as u32) | ((sub(2 * p + 1) as u16 as u32) << 16);
-                    pairs[at * 4 + p] = packed as i32;
+                    acts.pairs[at * 4 + p] = packed as i32;
                 }
             }
         }
-        TileActs { q, wide, pairs }
+        acts
     }
 
     /// Row `r`'s 256 codes of block `b`.
@@ -217,23 +275,36 @@ impl<'a> TileActs<'a> {
         self.q.block_qs(r, b)
     }
 
-    /// Row `r`'s sixteen wide sums of block `b`.
+    /// Q4_K: row `r`'s sixteen wide sums of block `b`.
     pub fn wide(&self, r: usize, b: usize) -> &[i32] {
         let at = (r * self.q.blocks_per_row() + b) * 16;
         &self.wide[at..at + 16]
     }
 
-    /// Row `r`'s four packed pairs of block `b`.
+    /// Q4_K: row `r`'s four packed pairs of block `b`.
     pub fn pairs(&self, r: usize, b: usize) -> &[i32] {
         let at = (r * self.q.blocks_per_row() + b) * 4;
         &self.pairs[at..at + 4]
+    }
+
+    /// Q6_K: row `r`'s 64 quad offsets of block `b`.
+    pub fn quads(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 64;
+        &self.quads[at..at + 64]
+    }
+
+    /// Q6_K: row `r`'s 64 pair offsets of block `b`.
+    pub fn pairs16(&self, r: usize, b: usize) -> &[i16] {
+        let at = (r * self.q.blocks_per_row() + b) * 64;
+        &self.pairs16[at..at + 64]
     }
 }
 
 /// The reference body on tiles: each output's blocks read back plain ([`untile_block`])
 /// and summed as [`super::matmul`] documents. Rows `o0..o0 + rows` (whole tiles) of the
-/// tiled `[.., cols]` matrix `bytes` into `local[r * rows + i]`.
+/// tiled `[.., cols]` matrix `bytes` of `format` into `local[r * rows + i]`.
 pub(super) fn portable_panel(
+    format: QuantFormat,
     bytes: &[u8],
     cols: usize,
     acts: &Q8Rows,
@@ -241,24 +312,18 @@ pub(super) fn portable_panel(
     rows: usize,
     local: &mut [f32],
 ) {
-    let nb = cols / QK_K;
+    let (nb, tb) = (cols / QK_K, tile_bytes(format));
+    let mut block = vec![0u8; format.block_bytes()];
     for t in 0..rows / TILE_ROWS {
-        let tile_row = &bytes[(o0 / TILE_ROWS + t) * nb * TILE_BYTES..];
+        let tile_row = &bytes[(o0 / TILE_ROWS + t) * nb * tb..];
         for l in 0..TILE_ROWS {
             let i = t * TILE_ROWS + l;
             for r in 0..acts.n_rows {
                 let mut acc = 0.0f32;
                 for b in 0..nb {
-                    let block = untile_block(&tile_row[b * TILE_BYTES..(b + 1) * TILE_BYTES], l);
+                    untile_block(format, &tile_row[b * tb..(b + 1) * tb], l, &mut block);
                     let (dy, bsums) = (acts.block_d(r, b), acts.block_bsums(r, b));
-                    acc += dot::block_value(
-                        QuantFormat::Q4K,
-                        &block,
-                        acts.block_qs(r, b),
-                        bsums,
-                        dy,
-                        0.0,
-                    );
+                    acc += dot::block_value(format, &block, acts.block_qs(r, b), bsums, dy, 0.0);
                 }
                 local[r * rows + i] = acc;
             }
@@ -279,9 +344,9 @@ mod tests {
         let (rows, cols) = (16, 512);
         let plain = random_blocks(QuantFormat::Q4K, rows * cols / QK_K, 7);
         let mut tiled = vec![0u8; plain.len()];
-        assert!(tile_q4k(&plain, rows, cols, &mut tiled));
+        assert!(tile(QuantFormat::Q4K, &plain, rows, cols, &mut tiled));
         assert_ne!(tiled, plain);
-        assert_eq!(untile_q4k(&tiled, rows, cols).unwrap(), plain);
+        assert_eq!(untile(QuantFormat::Q4K, &tiled, rows, cols).unwrap(), plain);
         let nb = cols / QK_K;
         for (row, b) in [(0, 0), (9, 1), (15, 0)] {
             let block = &plain[(row * nb + b) * 144..][..144];
@@ -298,13 +363,22 @@ mod tests {
                 assert_eq!(code, plain_code(block, k), "row {row} block {b} code {k}");
             }
         }
-        assert!(!tile_q4k(
+        let q4k = QuantFormat::Q4K;
+        assert!(!tile(
+            q4k,
             &plain[..plain.len() - 144],
             rows,
             cols,
             &mut tiled
         ));
-        assert!(!tile_q4k(&plain[..144 * 4], 4, 256, &mut tiled[..144 * 4]));
-        assert!(untile_q4k(&tiled, 12, cols).is_none());
+        assert!(!tile(q4k, &plain[..144 * 4], 4, 256, &mut tiled[..144 * 4]));
+        assert!(untile(q4k, &tiled, 12, cols).is_none());
+        assert!(!tile(
+            QuantFormat::Q5K,
+            &plain[..176 * 16],
+            16,
+            256,
+            &mut tiled[..176 * 16]
+        ));
     }
 }

@@ -1,4 +1,5 @@
-//! The AVX-512 VNNI and AVX2 bodies of the products from Q4_K tiles ([`super::tiles`]):
+//! The AVX-512 VNNI and AVX2 bodies of the products from Q4_K tiles ([`super::tiles`]), and
+//! the pass loop of both tiled formats (the Q6_K bodies: [`super::tiles_q6k_x86`]):
 //! one pass over a tile's blocks for up to four activation rows at a time, each output's
 //! integer sums in 32-bit lanes, the eight outputs' f32 block values in one register.
 //!
@@ -17,8 +18,9 @@
 //! − (dmin·dy)·f32(imin)` per output, each step one rounded operation, added to the output's
 //! sum block by block in order: the portable body's bits.
 
+use super::matmul::QuantMatrix;
 use super::tiles::{TileActs, TILE_BYTES, TILE_ROWS};
-use super::QK_K;
+use super::{QuantFormat, QK_K};
 use std::arch::x86_64::*;
 
 /// Activation rows per pass over a tile.
@@ -298,43 +300,57 @@ unsafe fn pass_avx2<const N: usize>(
     acc
 }
 
-/// Rows `o0..o0 + rows` (whole tiles) of the tiled `[.., cols]` matrix `bytes` times
-/// every row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI body (`vnni`) or
-/// the AVX2 one.
+/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K or Q6_K) times every
+/// row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies (`vnni`) or the
+/// AVX2 ones.
 ///
 /// # Safety
 /// The CPU has the body's features (AVX-512 F/BW/VL, VNNI, AVX2, F16C for `vnni`; AVX2,
-/// FMA, F16C otherwise); `bytes` holds the tiles of rows `o0..o0 + rows` (`cols / 256`
-/// blocks each) and `acts` rows of `cols` values; `local.len() == acts.q.n_rows * rows`.
+/// FMA, F16C otherwise); `w` is whole tiles of its format (`QuantMatrix::new` checked
+/// that) and `acts` rows of `w.cols` values, made for that format;
+/// `o0 + rows <= w.rows`; `local.len() == acts.q.n_rows * rows`.
 pub(super) unsafe fn panel(
     vnni: bool,
-    bytes: &[u8],
-    cols: usize,
+    w: &QuantMatrix<'_>,
     acts: &TileActs<'_>,
     o0: usize,
     rows: usize,
     local: &mut [f32],
 ) {
+    let (format, bytes, cols) = (w.format(), w.data.bytes, w.cols);
+    use super::tiles_q6k_x86 as q6;
     let nb = cols / QK_K;
+    let tb = super::tiles::tile_bytes(format);
+    let q6k = format == QuantFormat::Q6K;
     let n_rows = acts.q.n_rows;
     for t in 0..rows / TILE_ROWS {
-        let at = (o0 / TILE_ROWS + t) * nb * TILE_BYTES;
-        let tile_row = &bytes[at..at + nb * TILE_BYTES];
+        let at = (o0 / TILE_ROWS + t) * nb * tb;
+        let tile_row = &bytes[at..at + nb * tb];
         let mut r0 = 0;
         while r0 < n_rows {
             let n = PASS_ROWS.min(n_rows - r0);
             let mut sums = [[0.0f32; TILE_ROWS]; PASS_ROWS];
-            // SAFETY: the caller's contract (features, lengths); `r0 + n <= n_rows`.
+            let (tr, s) = (tile_row, &mut sums);
+            // SAFETY: the caller's contract (features, lengths, the format's tiles and
+            // activation sums); `r0 + n <= n_rows`.
             unsafe {
-                match (vnni, n) {
-                    (true, 1) => store(&mut sums, pass_vnni::<1>(tile_row, nb, acts, r0)),
-                    (true, 2) => store(&mut sums, pass_vnni::<2>(tile_row, nb, acts, r0)),
-                    (true, 3) => store(&mut sums, pass_vnni::<3>(tile_row, nb, acts, r0)),
-                    (true, _) => store(&mut sums, pass_vnni::<4>(tile_row, nb, acts, r0)),
-                    (false, 1) => store(&mut sums, pass_avx2::<1>(tile_row, nb, acts, r0)),
-                    (false, 2) => store(&mut sums, pass_avx2::<2>(tile_row, nb, acts, r0)),
-                    (false, 3) => store(&mut sums, pass_avx2::<3>(tile_row, nb, acts, r0)),
-                    (false, _) => store(&mut sums, pass_avx2::<4>(tile_row, nb, acts, r0)),
+                match (q6k, vnni, n) {
+                    (false, true, 1) => store(s, pass_vnni::<1>(tr, nb, acts, r0)),
+                    (false, true, 2) => store(s, pass_vnni::<2>(tr, nb, acts, r0)),
+                    (false, true, 3) => store(s, pass_vnni::<3>(tr, nb, acts, r0)),
+                    (false, true, _) => store(s, pass_vnni::<4>(tr, nb, acts, r0)),
+                    (false, false, 1) => store(s, pass_avx2::<1>(tr, nb, acts, r0)),
+                    (false, false, 2) => store(s, pass_avx2::<2>(tr, nb, acts, r0)),
+                    (false, false, 3) => store(s, pass_avx2::<3>(tr, nb, acts, r0)),
+                    (false, false, _) => store(s, pass_avx2::<4>(tr, nb, acts, r0)),
+                    (true, true, 1) => store(s, q6::pass_vnni::<1>(tr, nb, acts, r0)),
+                    (true, true, 2) => store(s, q6::pass_vnni::<2>(tr, nb, acts, r0)),
+                    (true, true, 3) => store(s, q6::pass_vnni::<3>(tr, nb, acts, r0)),
+                    (true, true, _) => store(s, q6::pass_vnni::<4>(tr, nb, acts, r0)),
+                    (true, false, 1) => store(s, q6::pass_avx2::<1>(tr, nb, acts, r0)),
+                    (true, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
+                    (true, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
+                    (true, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
                 }
             }
             for (a, s) in sums.iter().enumerate().take(n) {

@@ -19,6 +19,7 @@ use super::weights::{ImageError, ImageLayout, WeightTag};
 use crate::model::card::WeightDtype;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::layout::ImageBuffer;
+use crate::model::quant::QuantFormat;
 
 /// Why bytes of the image cannot be served.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,7 +53,7 @@ enum TensorBytes<'c> {
     Decoded(&'c [u8]),
     /// An aligned copy (the stored bytes were misaligned for the dtype).
     Owned(ImageBuffer),
-    /// A Q4_K matrix repacked into tiles of eight rows (`model::quant::tiles`) for the
+    /// A Q4_K or Q6_K matrix repacked into tiles of eight rows (`model::quant::tiles`) for the
     /// CPU backend's products: the same length as the blocks it replaces, whose file
     /// pages are dropped from this process once repacked.
     Tiled(ImageBuffer),
@@ -213,30 +214,39 @@ impl<'c> MappedImage<'c> {
         done
     }
 
-    /// Repacks the Q4_K matrices `tensors` (tag, rows, cols: what
+    /// Repacks the Q4_K and Q6_K matrices `tensors` (tag, format, rows, cols: what
     /// [`ImageLayout::tileable`] lists) into tiles of eight rows, each in place of its
     /// mapped bytes (the same length, so every offset of the image stays), and drops the
     /// file pages it read from this process ([`Checkpoint::release_mapped`]: only pages of
     /// the file's map; a tensor the checkpoint holds restored in memory, such as GGUF's
     /// un-permuted Q/K rows, stays as it is for its other readers). Gives the tags
     /// repacked and their bytes; a tensor that is not a mapped one of that shape is left
-    /// as it is.
-    pub fn tile_q4k(
+    /// as it is, and so is one whose bytes another tensor of the image also maps (a tied
+    /// lm_head: the embedding keeps reading the file, and a tiled copy beside it would
+    /// hold the matrix twice).
+    pub fn tile(
         &mut self,
         checkpoint: &Checkpoint,
-        tensors: &[(WeightTag, usize, usize)],
+        tensors: &[(WeightTag, QuantFormat, usize, usize)],
     ) -> (Vec<WeightTag>, u64) {
         let mut done = Vec::new();
         let mut bytes_done = 0u64;
-        for &(tag, rows, cols) in tensors {
-            let Some(t) = self.tensors.iter_mut().find(|t| t.tag == tag) else {
+        for &(tag, format, rows, cols) in tensors {
+            let Some(i) = self.tensors.iter().position(|t| t.tag == tag) else {
                 continue;
             };
-            let TensorBytes::Mapped(src) = t.bytes else {
+            let TensorBytes::Mapped(src) = self.tensors[i].bytes else {
                 continue;
             };
+            let shared = self.tensors.iter().enumerate().any(|(j, o)| {
+                j != i && matches!(o.bytes, TensorBytes::Mapped(b) if b.as_ptr() == src.as_ptr())
+            });
+            if shared {
+                continue;
+            }
+            let t = &mut self.tensors[i];
             let mut tiled = ImageBuffer::zeroed(src.len());
-            if !crate::model::quant::tiles::tile_q4k(src, rows, cols, tiled.as_bytes_mut()) {
+            if !crate::model::quant::tiles::tile(format, src, rows, cols, tiled.as_bytes_mut()) {
                 continue;
             }
             checkpoint.release_mapped(src);

@@ -199,7 +199,7 @@ impl<'c> HostMemory<'c> {
                 capacity,
             });
         }
-        let tile_q4k = crate::model::quant::tiles::enabled()
+        let tile_quant = crate::model::quant::tiles::enabled()
             && !crate::model::kernels::isa::Kernels::process().decodes_quant();
         Self::build(
             plan,
@@ -207,7 +207,7 @@ impl<'c> HostMemory<'c> {
             options,
             gpu.bytes,
             options.weight_copies,
-            tile_q4k,
+            tile_quant,
         )
     }
 
@@ -229,7 +229,7 @@ impl<'c> HostMemory<'c> {
         options: &BackendOptions,
         gpu_bytes: u64,
         weight_copies: WeightCopies,
-        tile_q4k: bool,
+        tile_quant: bool,
     ) -> Result<Self, MemoryError> {
         let arenas = [
             Arena::new("gpu", gpu_bytes, false)?,
@@ -241,8 +241,8 @@ impl<'c> HostMemory<'c> {
         // The CPU backend's own products read Q4_K in tiles of eight rows, repacked here
         // once in place of the blocks; a device backend (`host_side`) reads the file's
         // layout, and so do the f32 products of decoded weights.
-        let tiled = if tile_q4k {
-            let (tags, bytes) = image.tile_q4k(checkpoint, &layout.tileable());
+        let tiled = if tile_quant {
+            let (tags, bytes) = image.tile(checkpoint, &layout.tileable());
             layout.tiled = tags.into_iter().collect();
             bytes
         } else {
@@ -297,22 +297,22 @@ impl<'c> HostMemory<'c> {
         self.tiled
     }
 
-    /// The run report's words on Q4_K tiles: how many matrices and bytes were repacked
+    /// The run report's words on tiles (Q4_K, Q6_K): how many matrices and bytes were repacked
     /// at load, or why none were; `None` when the image has no Q4_K matrix to tile.
     pub fn tiling(&self) -> Option<String> {
         let n = self.layout.tiled.len();
         if n > 0 {
             Some(format!(
-                "Q4_K matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
+                "Q4_K/Q6_K matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
                  place of their blocks)",
                 self.tiled as f64 / (1u64 << 20) as f64
             ))
         } else if self.layout.tileable().is_empty() {
             None
         } else if !crate::model::quant::tiles::enabled() {
-            Some("Q4_K matrices in ggml's row layout (MOEC_Q4K_TILES=off)".to_string())
+            Some("Q4_K/Q6_K matrices in ggml's row layout (MOEC_QUANT_TILES=off)".to_string())
         } else {
-            Some("Q4_K matrices in ggml's row layout (decoded products)".to_string())
+            Some("Q4_K/Q6_K matrices in ggml's row layout (decoded products)".to_string())
         }
     }
 

@@ -239,7 +239,7 @@ impl ImageLayout {
                 let len = format.bytes_for(elems).unwrap_or(0);
                 let bytes = bytes.get(..len).unwrap_or(bytes);
                 let slice = match self.tiled_cols(tag) {
-                    Some(cols) => QuantSlice::tiled(bytes, elems, cols),
+                    Some(cols) => QuantSlice::tiled(bytes, format, elems, cols),
                     None => QuantSlice::new(bytes, format, elems),
                 };
                 slice
@@ -251,20 +251,23 @@ impl ImageLayout {
 
     /// The row width of tensor `tag` when the image holds it in tiles.
     fn tiled_cols(&self, tag: WeightTag) -> Option<usize> {
-        let WeightTag::Layer { layer, kind } = tag else {
-            return None;
-        };
         if !self.tiled.contains(&tag) {
             return None;
         }
-        self.layer_of(layer).segment(kind).map(|s| s.cols)
+        match tag {
+            WeightTag::LmHead => Some(self.vocab_hidden.1),
+            WeightTag::Layer { layer, kind } => self.layer_of(layer).segment(kind).map(|s| s.cols),
+            WeightTag::Embed | WeightTag::FinalNorm => None,
+        }
     }
 
-    /// The tensors the CPU backend may hold in Q4_K tiles, with their `(rows, cols)`: the
-    /// Q4_K out-in matrices of a layer that only ever multiply whole (attention
-    /// projections, dense, shared and expert FFN matrices; not MLA's per-head pieces nor
-    /// the embedding, whose rows are read one at a time) and whose rows are whole tiles.
-    pub fn tileable(&self) -> Vec<(WeightTag, usize, usize)> {
+    /// The tensors the CPU backend may hold in tiles of eight rows, with their format and
+    /// `(rows, cols)`: the Q4_K and Q6_K out-in matrices that only ever multiply whole
+    /// (attention projections, dense, shared and expert FFN matrices, the lm_head; not
+    /// MLA's per-head pieces nor the embedding, whose rows are read one at a time) and
+    /// whose rows are whole tiles.
+    pub fn tileable(&self) -> Vec<(WeightTag, QuantFormat, usize, usize)> {
+        use crate::model::quant::tiles::tileable;
         use crate::model::tensor::Orientation;
         let whole = |kind: SegmentKind| {
             matches!(
@@ -290,14 +293,21 @@ impl ImageLayout {
             for seg in &self.layer_of(layer).segments {
                 let out_in = seg.orientation.unwrap_or(Orientation::OutIn) == Orientation::OutIn;
                 if let Some(format) = seg.quant.filter(|_| whole(seg.kind) && out_in) {
-                    if crate::model::quant::tiles::tileable(format, seg.rows, seg.cols) {
+                    if tileable(format, seg.rows, seg.cols) {
                         let tag = WeightTag::Layer {
                             layer,
                             kind: seg.kind,
                         };
-                        out.push((tag, seg.rows, seg.cols));
+                        out.push((tag, format, seg.rows, seg.cols));
                     }
                 }
+            }
+        }
+        // The lm_head is stored `[vocab, hidden]` (out-in) in every checkpoint.
+        let (vocab, hidden) = self.vocab_hidden;
+        if let Storage::Quant(format) = self.head_storage[2] {
+            if tileable(format, vocab, hidden) {
+                out.push((WeightTag::LmHead, format, vocab, hidden));
             }
         }
         out
