@@ -53,6 +53,38 @@ pub fn linear(
 }
 
 impl Kernels {
+    /// [`Kernels::linear`] of several matrices on the same input `x`, `ws[m]`'s product
+    /// into `outs[m]`, each with the bits `linear` gives it. Quantised out-in matrices
+    /// (under `int8` products) run in one parallel region with the input quantised once
+    /// ([`QuantKernels::quant_linear_many`]); any other set runs one `linear` after another.
+    pub fn linear_many(
+        self,
+        x: &[f32],
+        n_rows: usize,
+        ws: &[&Matrix<'_>],
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
+        check_len("matmul outputs", outs.len(), ws.len())?;
+        let quant: Option<Vec<QuantMatrix<'_>>> = ws
+            .iter()
+            .map(|w| QuantMatrix::from_matrix(w))
+            .collect::<Option<_>>()
+            .filter(|_| !self.decodes_quant());
+        if let Some(qs) = quant {
+            for (w, out) in ws.iter().zip(outs.iter()) {
+                check_len("matmul input", x.len(), n_rows * w.in_dim())?;
+                check_len("matmul output", out.len(), n_rows * w.out_dim())?;
+                check_quant(w)?;
+            }
+            QuantKernels::for_kernels(self).quant_linear_many(&qs, x, n_rows, outs)?;
+            return Ok(());
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.linear(x, n_rows, w, out)?;
+        }
+        Ok(())
+    }
+
     /// Computes `out[n_rows, w.out_dim()] = x[n_rows, w.in_dim()] · W`; lengths that do
     /// not match the matrix are an error naming the argument.
     pub fn linear(
@@ -291,7 +323,7 @@ impl Kernels {
         act: fn(f32) -> f32,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        // Quantised matrices go through `linear` (their own products) one at a time.
+        // Quantised matrices go through their own products (both in one parallel region).
         let fused = gate.orientation == Orientation::OutIn
             && up.orientation == Orientation::OutIn
             && (gate.rows, gate.cols) == (up.rows, up.cols)
@@ -299,8 +331,7 @@ impl Kernels {
             && up.data.quant_format().is_none();
         if !fused || n_rows == 0 || gate.rows == 0 || gate.cols == 0 {
             let mut u = vec![0.0f32; out.len()];
-            self.linear(x, n_rows, gate, out)?;
-            self.linear(x, n_rows, up, &mut u)?;
+            self.linear_many(x, n_rows, &[gate, up], &mut [out, &mut u])?;
             for (g, u) in out.iter_mut().zip(&u) {
                 *g = act(*g) * u;
             }

@@ -93,9 +93,13 @@ impl Kernels {
                 k: wk,
                 v: wv,
             } => {
-                let mut part = vec![0.0f32; n * q.max(kv)];
-                for (w, col, cols) in [(wq, 0, q), (wk, q, kv), (wv, q + kv, kv)] {
-                    self.linear(x_norm, n, w, &mut part[..n * cols])?;
+                let (mut pq, mut pk, mut pv) = (
+                    vec![0.0f32; n * q],
+                    vec![0.0f32; n * kv],
+                    vec![0.0f32; n * kv],
+                );
+                self.linear_many(x_norm, n, &[wq, wk, wv], &mut [&mut pq, &mut pk, &mut pv])?;
+                for (part, col, cols) in [(&pq, 0, q), (&pk, q, kv), (&pv, q + kv, kv)] {
                     for t in 0..n {
                         qkv_out[t * width + col..t * width + col + cols]
                             .copy_from_slice(&part[t * cols..(t + 1) * cols]);

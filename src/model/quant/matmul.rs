@@ -150,6 +150,21 @@ impl QuantKernels {
         n_rows: usize,
         y: &mut [f32],
     ) -> Result<(), QuantMatmulError> {
+        self.quant_linear_many(&[*w], x, n_rows, &mut [y])
+    }
+
+    /// [`QuantKernels::quant_linear`] of several matrices on the same input `x` (every
+    /// `ws[m].cols` wide), `ws[m]`'s product into `ys[m]`: the input is quantised once per
+    /// activation format and every matrix's panels run in one parallel region (one fork and
+    /// join instead of one per matrix: a decode step's q/k/v or gate/up products are a few
+    /// microseconds of work each). Each output has the bits `quant_linear` gives it.
+    pub fn quant_linear_many(
+        self,
+        ws: &[QuantMatrix<'_>],
+        x: &[f32],
+        n_rows: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<(), QuantMatmulError> {
         let check = |what, got: usize, expected: usize| {
             if got == expected {
                 Ok(())
@@ -161,101 +176,131 @@ impl QuantKernels {
                 })
             }
         };
+        check("outputs", ys.len(), ws.len())?;
         // Re-checked because the fields are public.
-        let w = QuantMatrix::new(w.data, w.rows, w.cols)?;
-        check("input", x.len(), n_rows * w.cols)?;
-        check("output", y.len(), n_rows * w.rows)?;
-        if n_rows == 0 || w.rows == 0 || w.cols == 0 {
-            y.fill(0.0);
+        let ws = ws
+            .iter()
+            .map(|w| QuantMatrix::new(w.data, w.rows, w.cols))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (w, y) in ws.iter().zip(ys.iter()) {
+            check("input", x.len(), n_rows * w.cols)?;
+            check("output", y.len(), n_rows * w.rows)?;
+        }
+        if n_rows == 0 || ws.iter().all(|w| w.rows == 0 || w.cols == 0) {
+            ys.iter_mut().for_each(|y| y.fill(0.0));
             return Ok(());
         }
-        let acts = Q8Rows::quantize(ActFormat::for_weights(w.format()), x, n_rows, w.cols);
-        if w.data.layout != BlockLayout::Rows {
-            self.tiled_products(&w, &acts, y);
-            return Ok(());
-        }
-        #[cfg(target_arch = "x86_64")]
-        let grouped = (self.body() != QuantBody::Portable)
-            .then(|| GroupedActs::new(&acts, w.format(), simd_code_order(self.body(), w.format())));
-        let task = |p: usize| {
-            let o0 = p * PANEL_ROWS;
-            let rows = PANEL_ROWS.min(w.rows - o0);
-            let mut local = vec![0.0f32; n_rows * rows];
-            #[cfg(target_arch = "x86_64")]
-            if let Some(g) = &grouped {
-                simd_panel(self.body(), &w, g, o0, rows, &mut local);
-                return local;
+        let mut quantised: Vec<Q8Rows> = Vec::new();
+        for w in &ws {
+            let f = ActFormat::for_weights(w.format());
+            if !quantised.iter().any(|q| q.format == f) {
+                quantised.push(Q8Rows::quantize(f, x, n_rows, w.cols));
             }
-            portable_panel(&w, &acts, o0, rows, &mut local);
-            local
+        }
+        let prepared: Vec<Prepared<'_>> = ws
+            .iter()
+            .map(|w| {
+                let f = ActFormat::for_weights(w.format());
+                // Present: one of each format was quantised above.
+                let acts = quantised
+                    .iter()
+                    .find(|q| q.format == f)
+                    .unwrap_or(&quantised[0]);
+                Prepared::new(self, w, acts)
+            })
+            .collect();
+        let tasks: Vec<(usize, usize)> = ws
+            .iter()
+            .enumerate()
+            .flat_map(|(m, w)| (0..w.rows.div_ceil(PANEL_ROWS)).map(move |p| (m, p)))
+            .collect();
+        let work: usize = ws.iter().map(|w| n_rows * w.rows * w.cols).sum();
+        let task = |&(m, p): &(usize, usize)| prepared[m].panel(self, &ws[m], n_rows, p);
+        let panels: Vec<Vec<f32>> = if work < PARALLEL_MIN_WORK || tasks.len() == 1 {
+            tasks.iter().map(task).collect()
+        } else {
+            tasks.par_iter().map(task).collect()
         };
-        run_panels(&w, n_rows, task, y);
+        for (&(m, p), local) in tasks.iter().zip(&panels) {
+            let (w, y) = (&ws[m], &mut *ys[m]);
+            let o0 = p * PANEL_ROWS;
+            let rows = local.len() / n_rows;
+            for (t, part) in local.chunks_exact(rows).enumerate() {
+                y[t * w.rows + o0..t * w.rows + o0 + rows].copy_from_slice(part);
+            }
+        }
         Ok(())
-    }
-
-    /// The products from a tiled matrix ([`super::tiles`]): panels of whole tiles through
-    /// this body's tile pass.
-    fn tiled_products(self, w: &QuantMatrix<'_>, acts: &Q8Rows, y: &mut [f32]) {
-        let tile_acts = TileActs::new(acts, w.format());
-        let task = |p: usize| {
-            let o0 = p * PANEL_ROWS;
-            let rows = PANEL_ROWS.min(w.rows - o0);
-            let mut local = vec![0.0f32; acts.n_rows * rows];
-            #[cfg(target_arch = "x86_64")]
-            if self.body() != QuantBody::Portable {
-                // SAFETY: the body's features are this CPU's (the `QuantKernels`
-                // invariant); `QuantMatrix::new` checked that the tiles are whole tiles
-                // of `w.cols` of a tileable format (Q4_K or Q6_K, `QuantSlice::tiled`);
-                // `tile_acts` was made for that format; PANEL_ROWS is a multiple of eight,
-                // so a panel is whole tiles too, and o0 + rows <= w.rows; `acts` holds
-                // rows of `w.cols`; `local` is n_rows * rows.
-                unsafe {
-                    super::tiles_x86::panel(
-                        self.body() == QuantBody::Avx512Vnni,
-                        w,
-                        &tile_acts,
-                        o0,
-                        rows,
-                        &mut local,
-                    )
-                };
-                return local;
-            }
-            super::tiles::portable_panel(
-                w.format(),
-                w.data.bytes,
-                w.cols,
-                acts,
-                o0,
-                rows,
-                &mut local,
-            );
-            local
-        };
-        run_panels(w, acts.n_rows, task, y);
     }
 }
 
-/// Runs `task` for every panel of `PANEL_ROWS` output rows (on the rayon pool when the
-/// product is large enough) and scatters each panel's `[n_rows, rows]` into `y`.
-fn run_panels(
-    w: &QuantMatrix<'_>,
-    n_rows: usize,
-    task: impl Fn(usize) -> Vec<f32> + Sync + Send,
-    y: &mut [f32],
-) {
-    let n_panels = w.rows.div_ceil(PANEL_ROWS);
-    let panels: Vec<Vec<f32>> = if n_rows * w.rows * w.cols < PARALLEL_MIN_WORK || n_panels == 1 {
-        (0..n_panels).map(task).collect()
-    } else {
-        (0..n_panels).into_par_iter().map(task).collect()
-    };
-    for (p, local) in panels.iter().enumerate() {
-        let o0 = p * PANEL_ROWS;
-        let rows = local.len() / n_rows;
-        for (t, part) in local.chunks_exact(rows).enumerate() {
-            y[t * w.rows + o0..t * w.rows + o0 + rows].copy_from_slice(part);
+/// What a matrix's panels read of the quantised input: the activation side its body and
+/// layout want.
+enum Prepared<'a> {
+    /// Tiles ([`super::tiles`]).
+    Tiles(TileActs<'a>),
+    /// The row layout through a SIMD body.
+    #[cfg(target_arch = "x86_64")]
+    Grouped(GroupedActs<'a>),
+    /// The row layout through the portable body.
+    Rows(&'a Q8Rows),
+}
+
+impl<'a> Prepared<'a> {
+    fn new(k: QuantKernels, w: &QuantMatrix<'_>, acts: &'a Q8Rows) -> Self {
+        if w.data.layout != BlockLayout::Rows {
+            return Prepared::Tiles(TileActs::new(acts, w.format()));
         }
+        #[cfg(target_arch = "x86_64")]
+        if k.body() != QuantBody::Portable {
+            let order = simd_code_order(k.body(), w.format());
+            return Prepared::Grouped(GroupedActs::new(acts, w.format(), order));
+        }
+        let _ = k;
+        Prepared::Rows(acts)
+    }
+
+    /// Panel `p` (rows `p · PANEL_ROWS..`) of `w` times every input row: `[n_rows, rows]`.
+    fn panel(&self, k: QuantKernels, w: &QuantMatrix<'_>, n_rows: usize, p: usize) -> Vec<f32> {
+        let o0 = p * PANEL_ROWS;
+        let rows = PANEL_ROWS.min(w.rows - o0);
+        let mut local = vec![0.0f32; n_rows * rows];
+        match self {
+            Prepared::Tiles(acts) => {
+                #[cfg(target_arch = "x86_64")]
+                if k.body() != QuantBody::Portable {
+                    // SAFETY: the body's features are this CPU's (the `QuantKernels`
+                    // invariant); `QuantMatrix::new` checked that the tiles are whole tiles
+                    // of `w.cols` of a tileable format (Q4_K or Q6_K, `QuantSlice::tiled`);
+                    // `acts` was made for that format from rows of `w.cols`; PANEL_ROWS is
+                    // a multiple of eight, so a panel is whole tiles too, and
+                    // o0 + rows <= w.rows; `local` is n_rows * rows.
+                    unsafe {
+                        super::tiles_x86::panel(
+                            k.body() == QuantBody::Avx512Vnni,
+                            w,
+                            acts,
+                            o0,
+                            rows,
+                            &mut local,
+                        )
+                    };
+                    return local;
+                }
+                super::tiles::portable_panel(
+                    w.format(),
+                    w.data.bytes,
+                    w.cols,
+                    acts.q,
+                    o0,
+                    rows,
+                    &mut local,
+                );
+            }
+            #[cfg(target_arch = "x86_64")]
+            Prepared::Grouped(g) => simd_panel(k.body(), w, g, o0, rows, &mut local),
+            Prepared::Rows(acts) => portable_panel(w, acts, o0, rows, &mut local),
+        }
+        local
     }
 }
 
