@@ -14,6 +14,7 @@ use crate::model::arch::ArchSpec;
 use crate::model::kernels::isa::Kernels;
 use crate::model::kernels::norm::normalize;
 use crate::model::kernels::{check_len, KernelError};
+use crate::model::quant::{QuantKernels, QuantMatrix, QuantProduct};
 use crate::model::weights::{DenseWeights, ExpertWeights, SharedExpertWeights};
 
 /// The router's decision for a batch of rows.
@@ -219,29 +220,12 @@ impl Kernels {
         rows: &[RoutedRow],
         slots: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
-        let n_tokens = x_norm.len() / d.max(1);
-        check_len("expert input", x_norm.len(), n_tokens * d)?;
-        check_len("expert slots", slots.len(), n_tokens * k * d)?;
-        if rows.is_empty() {
+        let d = arch.hidden;
+        let f = arch.ffn;
+        let Some(mut gathered) = gather_rows(arch, x_norm, rows, slots)? else {
             return Ok(());
-        }
-        if let Some(bad) = rows
-            .iter()
-            .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
-        {
-            return Err(KernelError::Shape {
-                what: "routed row (row, slot)",
-                expected: n_tokens * k,
-                got: bad.row as usize * k + bad.slot as usize,
-            });
-        }
+        };
         let n = rows.len();
-        let mut gathered = vec![0.0f32; n * d];
-        for (i, r) in rows.iter().enumerate() {
-            let src = r.row as usize * d;
-            gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
-        }
         let mut h_gate = vec![0.0f32; n * f];
         match (&expert.fused, arch.clamped_swiglu) {
             (Some(fused), Some((alpha, limit))) => {
@@ -273,14 +257,88 @@ impl Kernels {
                 self.linear(&h_gate, n, &expert.down, &mut gathered)?;
             }
         }
-        for (i, r) in rows.iter().enumerate() {
-            let at = (r.row as usize * k + r.slot as usize) * d;
-            for (o, y) in slots[at..at + d]
-                .iter_mut()
-                .zip(&gathered[i * d..(i + 1) * d])
-            {
-                *o = r.weight * y;
+        scatter_rows(d, arch.top_k, rows, &gathered, slots);
+        Ok(())
+    }
+
+    /// [`Kernels::expert_ffn`] for every `(expert, rows)` of `jobs`. When every expert is a
+    /// SwiGLU of quantised out-in matrices multiplied as their format is meant to run
+    /// (`int8`), all their gate and up products run in one parallel region and all their
+    /// down products in another ([`QuantKernels::quant_products`]: a decode step's experts
+    /// are a few microseconds of work each); otherwise one expert after another. The
+    /// slots get the same bits either way.
+    pub fn experts_ffn(
+        self,
+        arch: &ArchSpec,
+        jobs: &[(ExpertWeights<'_>, &[RoutedRow])],
+        x_norm: &[f32],
+        slots: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let quant = QuantMatrix::from_matrix;
+        let grouped: Option<Vec<[QuantMatrix<'_>; 3]>> = jobs
+            .iter()
+            .map(
+                |(e, _)| match (&e.fused, quant(&e.gate), quant(&e.up), quant(&e.down)) {
+                    (None, Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
+                    _ => None,
+                },
+            )
+            .collect::<Option<_>>()
+            .filter(|_| jobs.len() > 1 && !self.decodes_quant() && arch.clamped_swiglu.is_none());
+        let Some(mats) = grouped else {
+            for (expert, rows) in jobs {
+                self.expert_ffn(arch, expert, x_norm, rows, slots)?;
             }
+            return Ok(());
+        };
+        let (d, f) = (arch.hidden, arch.ffn);
+        let mut inputs = Vec::with_capacity(jobs.len());
+        // Shapes are checked by the products (each input and output against its matrix).
+        for (_, rows) in jobs {
+            inputs.push(gather_rows(arch, x_norm, rows, slots)?.unwrap_or_default());
+        }
+        let qk = QuantKernels::for_kernels(self);
+        let mut gates: Vec<Vec<f32>> = jobs
+            .iter()
+            .map(|(_, r)| vec![0.0f32; r.len() * f])
+            .collect();
+        let mut ups = gates.clone();
+        {
+            let mut products = Vec::with_capacity(2 * jobs.len());
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(2 * jobs.len());
+            for ((((_, rows), [g, u, _]), x), (go, uo)) in jobs
+                .iter()
+                .zip(&mats)
+                .zip(&inputs)
+                .zip(gates.iter_mut().zip(ups.iter_mut()))
+            {
+                let n_rows = rows.len();
+                products.push(QuantProduct { w: *g, x, n_rows });
+                products.push(QuantProduct { w: *u, x, n_rows });
+                outs.push(go);
+                outs.push(uo);
+            }
+            qk.quant_products(&products, &mut outs)?;
+        }
+        for (g, u) in gates.iter_mut().zip(&ups) {
+            for (g, u) in g.iter_mut().zip(u) {
+                *g = silu(*g) * u;
+            }
+        }
+        let products: Vec<QuantProduct<'_>> = jobs
+            .iter()
+            .zip(&mats)
+            .zip(&gates)
+            .map(|(((_, rows), [_, _, dn]), h)| QuantProduct {
+                w: *dn,
+                x: h,
+                n_rows: rows.len(),
+            })
+            .collect();
+        let mut outs: Vec<&mut [f32]> = inputs.iter_mut().map(|v| v.as_mut_slice()).collect();
+        qk.quant_products(&products, &mut outs)?;
+        for ((_, rows), y) in jobs.iter().zip(&inputs) {
+            scatter_rows(d, arch.top_k, rows, y, slots);
         }
         Ok(())
     }
@@ -320,8 +378,9 @@ impl Kernels {
     }
 
     /// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
-    /// [`expert_ffn`] for every expert some row routes to (in expert order; `expert(e)` gives
-    /// its weights and is called for those experts only), then [`combine`] into `x`. Returns
+    /// [`Kernels::experts_ffn`] for the experts some row routes to (in expert order;
+    /// `expert(e)` gives its weights and is called for those experts only), then
+    /// [`combine`] into `x`. Returns
     /// the routing. The oracle and the runtime's fused `post_attn` both run exactly this.
     pub fn moe_block<'w, E>(
         self,
@@ -336,11 +395,14 @@ impl Kernels {
         let mut x_norm = vec![0.0f32; x.len()];
         let routing = self.gate(arch, dense, x, &mut x_norm)?;
         let mut slots = vec![0.0f32; x.len() * arch.top_k];
-        for (e, rows) in routing.by_expert(arch.experts).iter().enumerate() {
+        let by_expert = routing.by_expert(arch.experts);
+        let mut jobs = Vec::new();
+        for (e, rows) in by_expert.iter().enumerate() {
             if !rows.is_empty() {
-                self.expert_ffn(arch, &expert(e)?, &x_norm, rows, &mut slots)?;
+                jobs.push((expert(e)?, rows.as_slice()));
             }
         }
+        self.experts_ffn(arch, &jobs, &x_norm, &mut slots)?;
         match &dense.shared {
             Some(shared) => {
                 let mut shared_out = vec![0.0f32; x.len()];
@@ -350,6 +412,50 @@ impl Kernels {
             None => combine(&routing, &slots, x)?,
         }
         Ok(routing)
+    }
+}
+
+/// Checks `rows` against `x_norm` (`[n_tokens, hidden]`) and `slots` (`[n_tokens, top_k,
+/// hidden]`) and gathers the rows routed to one expert into a contiguous block; `None`
+/// when no row is.
+fn gather_rows(
+    arch: &ArchSpec,
+    x_norm: &[f32],
+    rows: &[RoutedRow],
+    slots: &[f32],
+) -> Result<Option<Vec<f32>>, KernelError> {
+    let (d, k) = (arch.hidden, arch.top_k);
+    let n_tokens = x_norm.len() / d.max(1);
+    check_len("expert input", x_norm.len(), n_tokens * d)?;
+    check_len("expert slots", slots.len(), n_tokens * k * d)?;
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    if let Some(bad) = rows
+        .iter()
+        .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
+    {
+        return Err(KernelError::Shape {
+            what: "routed row (row, slot)",
+            expected: n_tokens * k,
+            got: bad.row as usize * k + bad.slot as usize,
+        });
+    }
+    let mut gathered = vec![0.0f32; rows.len() * d];
+    for (i, r) in rows.iter().enumerate() {
+        let src = r.row as usize * d;
+        gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
+    }
+    Ok(Some(gathered))
+}
+
+/// Writes `weight * y` of each routed row into its (row, slot) of `slots`.
+fn scatter_rows(d: usize, top_k: usize, rows: &[RoutedRow], y: &[f32], slots: &mut [f32]) {
+    for (i, r) in rows.iter().enumerate() {
+        let at = (r.row as usize * top_k + r.slot as usize) * d;
+        for (o, v) in slots[at..at + d].iter_mut().zip(&y[i * d..(i + 1) * d]) {
+            *o = r.weight * v;
+        }
     }
 }
 
@@ -456,5 +562,72 @@ mod tests {
             .map(|g| g.iter().map(|p| (p.row, p.slot)).collect())
             .collect();
         assert_eq!(rows, vec![vec![], vec![], vec![(0, 1)], vec![(0, 0)]]);
+    }
+}
+
+#[cfg(test)]
+mod grouped_tests {
+    use super::*;
+    use crate::model::card::ModelCard;
+    use crate::model::quant::{random_blocks, QuantFormat, QuantSlice};
+    use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+
+    /// Several quantised experts run together (one region for their gate/up products, one
+    /// for their downs) give each slot the bits of running them one at a time.
+    #[test]
+    fn grouped_quantised_experts_give_the_one_at_a_time_bits() {
+        let arch = ArchSpec::from_card(&ModelCard::load("mixtral-tiny").unwrap());
+        let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
+        let format = QuantFormat::Q8_0;
+        let blocks = |elems: usize, seed: u64| random_blocks(format, elems / 32, seed);
+        let bytes: Vec<[Vec<u8>; 3]> = (0..3)
+            .map(|e| {
+                [
+                    blocks(f * d, 3 * e),
+                    blocks(f * d, 3 * e + 1),
+                    blocks(d * f, 3 * e + 2),
+                ]
+            })
+            .collect();
+        fn matrix(b: &[u8], rows: usize, cols: usize) -> Matrix<'_> {
+            let q = QuantSlice::new(b, QuantFormat::Q8_0, rows * cols).unwrap();
+            Matrix::new(TypedSlice::Quant(q), rows, cols, Orientation::OutIn).unwrap()
+        }
+        let experts: Vec<ExpertWeights<'_>> = bytes
+            .iter()
+            .map(|[g, u, dn]| ExpertWeights {
+                gate: matrix(g, f, d),
+                up: matrix(u, f, d),
+                down: matrix(dn, d, f),
+                fused: None,
+            })
+            .collect();
+        let n_tokens = 5;
+        let x: Vec<f32> = (0..n_tokens * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let row = |row: u32, slot: u32, weight: f32| RoutedRow { row, slot, weight };
+        let rows = [
+            vec![row(0, 0, 0.7), row(3, 1, 0.2)],
+            vec![row(0, 1, 0.3), row(1, 0, 0.9), row(4, 0, 0.5)],
+            vec![row(2, 0, 1.0)],
+        ];
+        let jobs: Vec<(ExpertWeights<'_>, &[RoutedRow])> = experts
+            .iter()
+            .zip(&rows)
+            .map(|(e, r)| (*e, r.as_slice()))
+            .collect();
+        let kernels = Kernels::process();
+        let mut grouped = vec![0.0f32; n_tokens * k * d];
+        kernels.experts_ffn(&arch, &jobs, &x, &mut grouped).unwrap();
+        let mut one_by_one = vec![0.0f32; n_tokens * k * d];
+        for (e, r) in &jobs {
+            kernels
+                .expert_ffn(&arch, e, &x, r, &mut one_by_one)
+                .unwrap();
+        }
+        assert!(grouped.iter().any(|v| *v != 0.0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&grouped), bits(&one_by_one));
     }
 }

@@ -154,15 +154,28 @@ impl QuantKernels {
     }
 
     /// [`QuantKernels::quant_linear`] of several matrices on the same input `x` (every
-    /// `ws[m].cols` wide), `ws[m]`'s product into `ys[m]`: the input is quantised once per
-    /// activation format and every matrix's panels run in one parallel region (one fork and
-    /// join instead of one per matrix: a decode step's q/k/v or gate/up products are a few
-    /// microseconds of work each). Each output has the bits `quant_linear` gives it.
+    /// `ws[m].cols` wide), `ws[m]`'s product into `ys[m]` ([`QuantKernels::quant_products`]).
     pub fn quant_linear_many(
         self,
         ws: &[QuantMatrix<'_>],
         x: &[f32],
         n_rows: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<(), QuantMatmulError> {
+        let products: Vec<QuantProduct<'_>> =
+            ws.iter().map(|&w| QuantProduct { w, x, n_rows }).collect();
+        self.quant_products(&products, ys)
+    }
+
+    /// Several [`QuantKernels::quant_linear`] products at once, `products[m]`'s into
+    /// `ys[m]`: each input is quantised once per activation format (products that share
+    /// an input, such as q/k/v or gate/up, share it) and every matrix's panels run in one
+    /// parallel region: one fork and join instead of one per matrix, where a decode step's
+    /// products are a few microseconds of work each. Each output has the bits
+    /// `quant_linear` gives it.
+    pub fn quant_products(
+        self,
+        products: &[QuantProduct<'_>],
         ys: &mut [&mut [f32]],
     ) -> Result<(), QuantMatmulError> {
         let check = |what, got: usize, expected: usize| {
@@ -176,61 +189,88 @@ impl QuantKernels {
                 })
             }
         };
-        check("outputs", ys.len(), ws.len())?;
+        check("outputs", ys.len(), products.len())?;
         // Re-checked because the fields are public.
-        let ws = ws
+        let ws = products
             .iter()
-            .map(|w| QuantMatrix::new(w.data, w.rows, w.cols))
+            .map(|p| QuantMatrix::new(p.w.data, p.w.rows, p.w.cols))
             .collect::<Result<Vec<_>, _>>()?;
-        for (w, y) in ws.iter().zip(ys.iter()) {
-            check("input", x.len(), n_rows * w.cols)?;
-            check("output", y.len(), n_rows * w.rows)?;
+        for ((w, p), y) in ws.iter().zip(products).zip(ys.iter()) {
+            check("input", p.x.len(), p.n_rows * w.cols)?;
+            check("output", y.len(), p.n_rows * w.rows)?;
         }
-        if n_rows == 0 || ws.iter().all(|w| w.rows == 0 || w.cols == 0) {
-            ys.iter_mut().for_each(|y| y.fill(0.0));
-            return Ok(());
-        }
+        // Products with no output (no rows, no columns) have no panels and are zero.
+        let live = |m: usize| products[m].n_rows > 0 && ws[m].cols > 0;
+        // The input of each live product, quantised for its format: an index into
+        // `quantised`.
         let mut quantised: Vec<Q8Rows> = Vec::new();
-        for w in &ws {
-            let f = ActFormat::for_weights(w.format());
-            if !quantised.iter().any(|q| q.format == f) {
-                quantised.push(Q8Rows::quantize(f, x, n_rows, w.cols));
-            }
+        let mut keys: Vec<(*const f32, usize, ActFormat)> = Vec::new();
+        let mut which = Vec::with_capacity(products.len());
+        for (m, (w, p)) in ws.iter().zip(products).enumerate() {
+            let key = (p.x.as_ptr(), p.x.len(), ActFormat::for_weights(w.format()));
+            let i = match keys.iter().position(|k| *k == key) {
+                _ if !live(m) => None,
+                Some(i) => Some(i),
+                None => {
+                    keys.push(key);
+                    quantised.push(Q8Rows::quantize(key.2, p.x, p.n_rows, w.cols));
+                    Some(keys.len() - 1)
+                }
+            };
+            which.push(i);
         }
-        let prepared: Vec<Prepared<'_>> = ws
+        let prepared: Vec<Option<Prepared<'_>>> = ws
             .iter()
-            .map(|w| {
-                let f = ActFormat::for_weights(w.format());
-                // Present: one of each format was quantised above.
-                let acts = quantised
-                    .iter()
-                    .find(|q| q.format == f)
-                    .unwrap_or(&quantised[0]);
-                Prepared::new(self, w, acts)
-            })
+            .zip(&which)
+            .map(|(w, i)| i.map(|i| Prepared::new(self, w, &quantised[i])))
             .collect();
-        let tasks: Vec<(usize, usize)> = ws
-            .iter()
-            .enumerate()
-            .flat_map(|(m, w)| (0..w.rows.div_ceil(PANEL_ROWS)).map(move |p| (m, p)))
+        let tasks: Vec<(usize, usize)> = (0..ws.len())
+            .filter(|&m| live(m))
+            .flat_map(|m| (0..ws[m].rows.div_ceil(PANEL_ROWS)).map(move |p| (m, p)))
             .collect();
-        let work: usize = ws.iter().map(|w| n_rows * w.rows * w.cols).sum();
-        let task = |&(m, p): &(usize, usize)| prepared[m].panel(self, &ws[m], n_rows, p);
-        let panels: Vec<Vec<f32>> = if work < PARALLEL_MIN_WORK || tasks.len() == 1 {
+        let work: usize = (0..ws.len())
+            .map(|m| products[m].n_rows * ws[m].rows * ws[m].cols)
+            .sum();
+        let task = |&(m, p): &(usize, usize)| match &prepared[m] {
+            Some(prep) => prep.panel(self, &ws[m], products[m].n_rows, p),
+            // Not reached: tasks are made for live products only, each prepared above.
+            None => Vec::new(),
+        };
+        let panels: Vec<Vec<f32>> = if work < PARALLEL_MIN_WORK || tasks.len() <= 1 {
             tasks.iter().map(task).collect()
         } else {
             tasks.par_iter().map(task).collect()
         };
+        for (m, y) in ys.iter_mut().enumerate() {
+            if !live(m) {
+                y.fill(0.0);
+            }
+        }
         for (&(m, p), local) in tasks.iter().zip(&panels) {
+            if local.is_empty() {
+                continue;
+            }
             let (w, y) = (&ws[m], &mut *ys[m]);
             let o0 = p * PANEL_ROWS;
-            let rows = local.len() / n_rows;
+            let rows = local.len() / products[m].n_rows;
             for (t, part) in local.chunks_exact(rows).enumerate() {
                 y[t * w.rows + o0..t * w.rows + o0 + rows].copy_from_slice(part);
             }
         }
         Ok(())
     }
+}
+
+/// One product of [`QuantKernels::quant_products`]: `n_rows` rows `x` (`[n_rows, w.cols]`)
+/// times the matrix `w`.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantProduct<'a> {
+    /// The weights.
+    pub w: QuantMatrix<'a>,
+    /// The input rows.
+    pub x: &'a [f32],
+    /// How many rows `x` holds.
+    pub n_rows: usize,
 }
 
 /// What a matrix's panels read of the quantised input: the activation side its body and

@@ -41,7 +41,7 @@ mod tiles_x86;
 mod x86;
 
 pub use blocks::dequantize_blocks;
-pub use matmul::{quant_linear, QuantMatmulError, QuantMatrix};
+pub use matmul::{quant_linear, QuantMatmulError, QuantMatrix, QuantProduct};
 pub use select::{QuantBody, QuantKernels};
 
 /// A block-quantised storage format (ggml's `GGML_TYPE_*` of the same name).
