@@ -6,10 +6,11 @@
 //! types of that file type); writes the file atomically (nothing is left
 //! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
 //! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
-//! Qwen2-MoE, OLMoE and DeepSeek-V2/V3 families.
+//! Qwen2-MoE, OLMoE, DeepSeek-V2/V3 and gpt-oss families.
 
 use crate::cli::generate::fail;
 use crate::ir::emit::human_bytes;
+use crate::model::card::Family;
 use crate::model::formats::{Storage, WeightClass, WeightFormats};
 use crate::model::gguf::export::{export, Mix, Types};
 use crate::model::Checkpoint;
@@ -28,7 +29,8 @@ pub struct QuantizeArgs {
     pub out: PathBuf,
     /// Formats per weight class (classes experts, attention, shared, router, embedding,
     /// head; formats q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32). Classes not named keep the
-    /// checkpoint's dtype, the router f32; norms are always f32.
+    /// checkpoint's dtype (a gpt-oss Hub checkpoint's MXFP4 experts their blocks), the
+    /// router f32; norms are always f32. Default: experts=q4_k (gpt-oss: experts=mxfp4).
     #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]
     pub weight_format: Option<String>,
     /// Every linear weight (experts, attention, shared experts, embedding, head) in this
@@ -48,8 +50,9 @@ pub struct QuantizeArgs {
     pub name: Option<String>,
 }
 
-/// The types the flags ask for.
-fn types(args: &QuantizeArgs) -> Result<Types, String> {
+/// The types the flags ask for; without any, the experts in Q4_K (gpt-oss's in MXFP4,
+/// the format it ships and llama.cpp's converter keeps).
+fn types(args: &QuantizeArgs, family: Family) -> Result<Types, String> {
     if let Some(mix) = &args.mix {
         return Mix::parse(mix)
             .map(Types::Mix)
@@ -73,7 +76,11 @@ fn types(args: &QuantizeArgs) -> Result<Types, String> {
             .parse_classes(spec)
             .map_err(|e| format!("--weight-format: {e}"))?,
         (None, None) => formats
-            .parse_classes("experts=q4_k")
+            .parse_classes(if family == Family::GptOss {
+                "experts=mxfp4"
+            } else {
+                "experts=q4_k"
+            })
             .map_err(|e| format!("--weight-format: {e}"))?,
     }
     Ok(Types::Classes(formats))
@@ -87,12 +94,12 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
             args.out.display()
         ));
     }
-    let types = match types(args) {
-        Ok(t) => t,
-        Err(e) => return fail(e),
-    };
     let ckpt = match Checkpoint::open(&args.weights) {
         Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let types = match types(args, ckpt.arch().family) {
+        Ok(t) => t,
         Err(e) => return fail(e),
     };
     let name = args.name.clone().unwrap_or_else(|| {
