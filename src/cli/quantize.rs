@@ -39,10 +39,11 @@ pub struct QuantizeArgs {
     /// Q5_K_S, Q6_K).
     #[arg(long, value_name = "FORMAT")]
     pub all: Option<String>,
-    /// One of llama-quantize's K-quant mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k): each
-    /// tensor in the type `llama-quantize FILE Q4_K_M` (etc.) gives it, by llama.cpp's
-    /// rules (output Q6_K; attention V and FFN down in more bits in the layers llama.cpp
-    /// picks; Q8_0 attention K/V for 8-expert models), with llama-quantize's bytes.
+    /// One of llama-quantize's K-quant mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k) or
+    /// mxfp4_moe: each tensor in the type `llama-quantize FILE Q4_K_M` (etc.) gives it, by
+    /// llama.cpp's rules (output Q6_K; attention V and FFN down in more bits in the layers
+    /// llama.cpp picks; Q8_0 attention K/V for 8-expert models; for mxfp4_moe the merged
+    /// experts MXFP4 and the rest Q8_0), with llama-quantize's bytes.
     #[arg(long, value_name = "MIX", conflicts_with_all = ["all", "weight_format"])]
     pub mix: Option<String>,
     /// `general.name` in the file (default: the folder's name).
