@@ -310,4 +310,30 @@ mod tests {
         assert!(quantisable("blk.0.ffn_gate_inp_shexp.weight", &[256, 1]));
         assert!(!quantisable("blk.0.attn_norm.weight", &[256]));
     }
+
+    #[test]
+    fn mxfp4_moe_puts_stacked_experts_in_mxfp4_and_the_rest_in_q8_0() {
+        // llama-quantize's MXFP4_MOE on gpt-oss: `ne[2] > 1` is MXFP4, the output matrix
+        // and every other quantised tensor Q8_0, biases and the router untouched.
+        let tensors: [(&str, &[u64]); 6] = [
+            ("output.weight", &[128, 512]),
+            ("token_embd.weight", &[128, 512]),
+            ("blk.0.ffn_gate_exps.weight", &[128, 64, 8]),
+            ("blk.0.ffn_gate_exps.bias", &[64, 8]),
+            ("blk.0.attn_q.weight", &[128, 128]),
+            ("blk.0.ffn_gate_inp.weight", &[128, 8]),
+        ];
+        let model = MixModel {
+            experts: 8,
+            layers: 1,
+        };
+        let (q8, mx) = (
+            Some(Storage::Quant(QuantFormat::Q8_0)),
+            Some(Storage::Quant(QuantFormat::Mxfp4)),
+        );
+        assert_eq!(
+            mix_types(Mix::Mxfp4Moe, model, &tensors).unwrap(),
+            [q8, q8, mx, None, q8, None]
+        );
+    }
 }
