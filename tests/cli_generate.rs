@@ -782,6 +782,77 @@ fn quantize_writes_gpt_oss_as_llama_cpp_does() {
     );
 }
 
+/// Without llama.cpp's files: `moec quantize`'s default for a gpt-oss Hub checkpoint keeps
+/// its MXFP4 expert blocks and its bf16 tensors as they are, so moec generates the same
+/// tokens from the GGUF as from the folder; `gpt-oss-tiny`, whose Mixtral tokenizer has no
+/// split expression for llama.cpp to name (the converter refuses it too, "BPE
+/// pre-tokenizer was not recognized"), is one line naming that, and no file.
+#[test]
+fn quantize_keeps_gpt_oss_mxfp4_experts_as_the_hub_stores_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let synth = |model: &str, dir: &Path| {
+        let run = moec(
+            tmp.path(),
+            &[
+                "synth",
+                "--model",
+                model,
+                "--mxfp4",
+                "--out",
+                dir.to_str().unwrap(),
+            ],
+        );
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+    };
+    let (hf, out) = (tmp.path().join("hf"), tmp.path().join("default.gguf"));
+    let ron = root.join("tests/fixtures/gguf/gpt-oss-q4-tiny.ron");
+    synth(ron.to_str().unwrap(), &hf);
+    let wrote = quantize_with(tmp.path(), &hf, &out, &[]);
+    let stdout = String::from_utf8_lossy(&wrote.stdout);
+    assert!(
+        stdout.contains("MXFP4") && stdout.contains("BF16"),
+        "{stdout}"
+    );
+    let tokens = |weights: &Path| -> serde_json::Value {
+        let gen = moec(
+            tmp.path(),
+            &[
+                "generate",
+                "--weights",
+                weights.to_str().unwrap(),
+                "--prompt",
+                "The capital of France is",
+                "--max-new-tokens",
+                "8",
+                "--json",
+            ],
+        );
+        assert!(
+            gen.status.success(),
+            "{}",
+            String::from_utf8_lossy(&gen.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&gen.stdout).unwrap();
+        json["outputs"][0]["token_ids"].clone()
+    };
+    assert_eq!(tokens(&out), tokens(&hf));
+    let (tiny, refused_out) = (tmp.path().join("tiny"), tmp.path().join("tiny.gguf"));
+    synth("gpt-oss-tiny", &tiny);
+    let refused = quantize_run(tmp.path(), &tiny, &refused_out, &[]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        stderr_line(&refused).contains("split regex"),
+        "{}",
+        stderr_line(&refused)
+    );
+    assert!(!refused_out.exists());
+}
+
 /// What `moec quantize` cannot do is one line and exit 1, with no file left behind; what it
 /// writes, moec runs.
 #[test]
