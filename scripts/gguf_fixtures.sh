@@ -124,17 +124,20 @@ rm -rf "$FOUT/gpt-oss-q4-hf" "$FOUT/gpt-oss-q4-hf-bf16"
   --outfile "$FOUT/gpt-oss-q4-Q8_0.gguf" > "$FOUT/convert-gpt-oss-Q8_0.log" 2>&1
 # What `moec quantize` of those folders is compared with (tests/cli_generate.rs): the
 # MXFP4 folder converted with `--outtype bf16` (the MXFP4 experts kept, the rest bf16:
-# gpt-oss-q4-bf16.gguf), and llama-quantize of the f32 file: `--pure Q8_0` and
-# `MXFP4_MOE` (experts quantised to MXFP4 by ggml, the rest Q8_0).
+# gpt-oss-q4-bf16.gguf); llama-quantize of the f32 file: `--pure Q8_0` and `MXFP4_MOE`
+# (experts quantised to MXFP4 by ggml, the rest Q8_0); and `MXFP4_MOE` of the converter's
+# MXFP4 file (its MXFP4 experts copied, the rest Q8_0: gpt-oss-q4-hub-MXFP4_MOE.gguf).
 "$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/gpt-oss-q4-hf" --outtype bf16 \
   --outfile "$FOUT/gpt-oss-q4-bf16.gguf" > "$FOUT/convert-gpt-oss-bf16.log" 2>&1
 "$BUILD/bin/llama-quantize" --pure "$FOUT/gpt-oss-q4-f32.gguf" "$FOUT/gpt-oss-q4-pure-Q8_0.gguf" Q8_0 \
   > "$FOUT/quantize-gpt-oss-pure-Q8_0.log" 2>&1
 "$BUILD/bin/llama-quantize" "$FOUT/gpt-oss-q4-f32.gguf" "$FOUT/gpt-oss-q4-MXFP4_MOE.gguf" MXFP4_MOE \
   > "$FOUT/quantize-gpt-oss-MXFP4_MOE.log" 2>&1
+"$BUILD/bin/llama-quantize" --allow-requantize "$FOUT/gpt-oss-q4-MXFP4.gguf" \
+  "$FOUT/gpt-oss-q4-hub-MXFP4_MOE.gguf" MXFP4_MOE > "$FOUT/quantize-gpt-oss-hub-MXFP4_MOE.log" 2>&1
 rm -rf "$FOUT/gpt-oss-q4-hf" "$FOUT/gpt-oss-q4-hf-bf16"
 ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['gpt-oss']['prompt_ids'])")
-for t in f32 Q8_0 MXFP4 bf16 pure-Q8_0 MXFP4_MOE; do
+for t in f32 Q8_0 MXFP4 bf16 pure-Q8_0 MXFP4_MOE hub-MXFP4_MOE; do
   # shellcheck disable=SC2086
   "$OUT/llama_greedy" "$FOUT/gpt-oss-q4-$t.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-gpt-oss-$t.json"
 done

@@ -692,6 +692,8 @@ fn quantize_writes_every_family_as_llama_cpp_does() {
 ///   `convert_hf_to_gguf.py --outtype bf16`: the Hub's MXFP4 blocks copied unchanged;
 /// - `experts=mxfp4` with Q8_0 attention, embedding and head on the MXFP4 folder is the
 ///   converter's `--outtype q8_0` (MXFP4 experts beside Q8_0);
+/// - `--mix mxfp4_moe` on the MXFP4 folder is `llama-quantize MXFP4_MOE` of the converter's
+///   MXFP4 file (the MXFP4 blocks copied again, the rest Q8_0);
 /// - `--all q8_0` on the bf16 folder is `llama-quantize --pure Q8_0` of the converter's f32
 ///   file, and `--mix mxfp4_moe` its `MXFP4_MOE` (ggml's MXFP4 quantiser on the experts).
 ///
@@ -726,9 +728,10 @@ fn quantize_writes_gpt_oss_as_llama_cpp_does() {
         );
     }
     let q8_rest = "experts=mxfp4,attention=q8_0,embedding=q8_0,head=q8_0";
-    let cases: [(&Path, &[&str], &str); 4] = [
+    let cases: [(&Path, &[&str], &str); 5] = [
         (&mxfp4, &[], "bf16"),
         (&mxfp4, &["--weight-format", q8_rest], "Q8_0"),
+        (&mxfp4, &["--mix", "mxfp4_moe"], "hub-MXFP4_MOE"),
         (&bf16, &["--all", "q8_0"], "pure-Q8_0"),
         (&bf16, &["--mix", "mxfp4_moe"], "MXFP4_MOE"),
     ];
