@@ -821,6 +821,11 @@ fn quantize_keeps_gpt_oss_mxfp4_experts_as_the_hub_stores_them() {
         stdout.contains("MXFP4") && stdout.contains("BF16"),
         "{stdout}"
     );
+    // 4 layers x gate, up, down: the blocks copied, as the summary says.
+    assert!(
+        stdout.contains("12 tensors: the checkpoint's MXFP4 blocks, copied"),
+        "{stdout}"
+    );
     let tokens = |weights: &Path| -> serde_json::Value {
         let gen = moec(
             tmp.path(),

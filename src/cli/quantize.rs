@@ -4,7 +4,8 @@
 //! (`--weight-format experts=q4_k,attention=q8_0`, default experts only as Q4_K; or
 //! `--all FORMAT` for every linear weight, or `--mix q4_k_m` for llama-quantize's per-tensor
 //! types of that file type); writes the file atomically (nothing is left
-//! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
+//! behind on an error or an interrupt) and prints its tensors' bytes per type (and how
+//! many kept the checkpoint's own MXFP4 blocks). The file
 //! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
 //! Qwen2-MoE, OLMoE, DeepSeek-V2/V3 and gpt-oss families.
 
@@ -136,6 +137,12 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
     );
     for (ty, bytes) in &summary.bytes_by_type {
         println!("  {ty:<5} {:>12}", human_bytes(*bytes));
+    }
+    if summary.copied > 0 {
+        println!(
+            "  {} tensors: the checkpoint's MXFP4 blocks, copied (not quantised again)",
+            summary.copied
+        );
     }
     ExitCode::SUCCESS
 }

@@ -88,6 +88,9 @@ pub struct ExportSummary {
     pub bytes_by_type: Vec<(String, u64)>,
     /// The file's size.
     pub file_bytes: u64,
+    /// Tensors whose stored blocks were copied rather than quantised from their values
+    /// (a gpt-oss Hub checkpoint's MXFP4 experts written as MXFP4).
+    pub copied: usize,
 }
 
 /// The ggml type a tensor of `storage` is written as (vectors always f32, as the converter
@@ -934,11 +937,13 @@ pub fn export(
         m
     };
     let total = entries.len();
+    let mut copied = 0;
     write_gguf(out, &metadata, &entries, |i| {
         let entry = &entries[i];
         progress(i, total, &entry.name);
         if let Origin::GptOss(experts) = &origins[i] {
             if let Some(blocks) = gpt_oss::packed(ckpt, experts, entry.ggml_type, &entry.name)? {
+                copied += 1;
                 return Ok(blocks);
             }
         }
@@ -959,6 +964,7 @@ pub fn export(
         tensors: total,
         bytes_by_type: by_type,
         file_bytes,
+        copied,
     })
 }
 
