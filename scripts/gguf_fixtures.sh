@@ -21,7 +21,8 @@
 # prompt ids, and llama-<family>-<type>-deq.json, the same on the quantised files dequantised
 # to f32 by llama-quantize --allow-requantize; and the Q8_0 Qwen3-MoE file split by llama-gguf-split (--split-max-tensors 16)
 # into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families.
-# Then gpt-oss's f32, Q8_0 and MXFP4 files there (see its section; SHA256SUMS-gpt-oss).
+# Then gpt-oss's f32, Q8_0, MXFP4, bf16, pure-Q8_0 and MXFP4_MOE files there, and the o200k
+# tokenizer golden (see its section; SHA256SUMS-gpt-oss).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_PEER_CACHE:-$HOME/.cache/moec-peer}
@@ -121,9 +122,22 @@ rm -rf "$FOUT/gpt-oss-q4-hf" "$FOUT/gpt-oss-q4-hf-bf16"
   --outfile "$FOUT/gpt-oss-q4-MXFP4.gguf" > "$FOUT/convert-gpt-oss-MXFP4.log" 2>&1
 "$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/gpt-oss-q4-hf" --outtype q8_0 \
   --outfile "$FOUT/gpt-oss-q4-Q8_0.gguf" > "$FOUT/convert-gpt-oss-Q8_0.log" 2>&1
+# What `moec quantize` of those folders is compared with (tests/cli_generate.rs): the
+# MXFP4 folder converted with `--outtype bf16` (the MXFP4 experts kept, the rest bf16:
+# gpt-oss-q4-bf16.gguf); llama-quantize of the f32 file: `--pure Q8_0` and `MXFP4_MOE`
+# (experts quantised to MXFP4 by ggml, the rest Q8_0); and `MXFP4_MOE` of the converter's
+# MXFP4 file (its MXFP4 experts copied, the rest Q8_0: gpt-oss-q4-hub-MXFP4_MOE.gguf).
+"$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/gpt-oss-q4-hf" --outtype bf16 \
+  --outfile "$FOUT/gpt-oss-q4-bf16.gguf" > "$FOUT/convert-gpt-oss-bf16.log" 2>&1
+"$BUILD/bin/llama-quantize" --pure "$FOUT/gpt-oss-q4-f32.gguf" "$FOUT/gpt-oss-q4-pure-Q8_0.gguf" Q8_0 \
+  > "$FOUT/quantize-gpt-oss-pure-Q8_0.log" 2>&1
+"$BUILD/bin/llama-quantize" "$FOUT/gpt-oss-q4-f32.gguf" "$FOUT/gpt-oss-q4-MXFP4_MOE.gguf" MXFP4_MOE \
+  > "$FOUT/quantize-gpt-oss-MXFP4_MOE.log" 2>&1
+"$BUILD/bin/llama-quantize" --allow-requantize "$FOUT/gpt-oss-q4-MXFP4.gguf" \
+  "$FOUT/gpt-oss-q4-hub-MXFP4_MOE.gguf" MXFP4_MOE > "$FOUT/quantize-gpt-oss-hub-MXFP4_MOE.log" 2>&1
 rm -rf "$FOUT/gpt-oss-q4-hf" "$FOUT/gpt-oss-q4-hf-bf16"
 ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['gpt-oss']['prompt_ids'])")
-for t in f32 Q8_0 MXFP4; do
+for t in f32 Q8_0 MXFP4 bf16 pure-Q8_0 MXFP4_MOE hub-MXFP4_MOE; do
   # shellcheck disable=SC2086
   "$OUT/llama_greedy" "$FOUT/gpt-oss-q4-$t.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-gpt-oss-$t.json"
 done
@@ -134,5 +148,14 @@ for t in Q8_0 MXFP4; do
   "$OUT/llama_greedy" "$FOUT/gpt-oss-q4-$t-deq.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-gpt-oss-$t-deq.json"
   rm -f "$FOUT/gpt-oss-q4-$t-deq.gguf"
 done
+# llama.cpp's o200k (`gpt-4o`) pre-tokenizer over the tiny gpt-oss's cl100k vocabulary (no
+# o200k vocabulary offline): gpt-oss-o200k-vocab.gguf and llama-o200k-tokens.json
+# (scripts/o200k_golden.py), llama.cpp's ids for tests/fixtures/gguf/o200k_texts.json.
+g++ -O1 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$REPO/scripts/llama_tokenize.cpp" \
+  "$BUILD/src/libllama.a" "$BUILD/ggml/src/libggml.a" "$BUILD/ggml/src/libggml-cpu.a" \
+  "$BUILD/ggml/src/libggml-base.a" -fopenmp -lpthread -ldl -o "$OUT/llama_tokenize"
+"$PY" "$REPO/scripts/o200k_golden.py" "$OUT/llama_tokenize" "$FOUT/gpt-oss-q4-f32.gguf" \
+  "$REPO/tests/fixtures/gguf/o200k_texts.json" "$FOUT/gpt-oss-o200k-vocab.gguf" \
+  "$FOUT/llama-o200k-tokens.json" 2> "$FOUT/o200k-golden.log"
 (cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-gpt-oss")
 echo "gguf-fixtures: gpt-oss written to $FOUT"

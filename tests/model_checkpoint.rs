@@ -1171,6 +1171,54 @@ fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
     );
 }
 
+/// o200k (`tokenizer.ggml.pre` `gpt-4o`, gpt-oss's pre-tokenizer) splits text as
+/// llama.cpp's does: over the tiny gpt-oss's cl100k vocabulary relabelled `gpt-4o`
+/// (`scripts/o200k_golden.py`; no o200k vocabulary is at hand offline), moec's tokenizer gives
+/// llama.cpp's own ids (`llama_tokenize`) for each of `fixtures/gguf/o200k_texts.json`'s
+/// texts, and some of those texts (CamelCase, lower-to-upper runs like `iPhone`) tokenise
+/// otherwise under cl100k's split, so they tell the two expressions apart.
+#[test]
+fn gguf_o200k_pre_tokenizer_splits_as_llama_cpp() {
+    let Some(dir) = gguf_common::family_fixtures() else {
+        eprintln!("skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let (vocab, golden) = (
+        dir.join("gpt-oss-o200k-vocab.gguf"),
+        dir.join("llama-o200k-tokens.json"),
+    );
+    if !vocab.is_file() || !golden.is_file() {
+        eprintln!(
+            "skipped: no o200k golden in {} (rerun scripts/gguf_fixtures.sh)",
+            dir.display()
+        );
+        return;
+    }
+    let ck = Checkpoint::open_gguf(&dir.join("gpt-oss-q4-f32.gguf"), None).unwrap();
+    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), &vocab).unwrap();
+    assert!(
+        ours.origin().contains("GGUF vocabulary"),
+        "{}",
+        ours.origin()
+    );
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
+    let texts: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/o200k_texts.json")).unwrap();
+    assert_eq!(
+        golden["texts"], texts["texts"],
+        "rerun scripts/gguf_fixtures.sh"
+    );
+    let mut apart = 0;
+    for (i, text) in texts["texts"].as_array().unwrap().iter().enumerate() {
+        let text = text.as_str().unwrap();
+        let want = gguf_parity::ids(&golden["gpt-4o"][i]);
+        assert_eq!(ours.encode(text).unwrap(), want, "{text:?}");
+        apart += usize::from(want != gguf_parity::ids(&golden["dbrx"][i]));
+    }
+    assert!(apart >= 3, "only {apart} texts tell o200k from cl100k");
+}
+
 /// The tokenizer a `.gguf` brings, whose origin line names each of `origin`.
 fn gguf_tokenizer(
     path: &std::path::Path,

@@ -4,12 +4,14 @@
 //! (`--weight-format experts=q4_k,attention=q8_0`, default experts only as Q4_K; or
 //! `--all FORMAT` for every linear weight, or `--mix q4_k_m` for llama-quantize's per-tensor
 //! types of that file type); writes the file atomically (nothing is left
-//! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
+//! behind on an error or an interrupt) and prints its tensors' bytes per type (and how
+//! many kept the checkpoint's own MXFP4 blocks). The file
 //! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
-//! Qwen2-MoE, OLMoE and DeepSeek-V2/V3 families.
+//! Qwen2-MoE, OLMoE, DeepSeek-V2/V3 and gpt-oss families.
 
 use crate::cli::generate::fail;
 use crate::ir::emit::human_bytes;
+use crate::model::card::Family;
 use crate::model::formats::{Storage, WeightClass, WeightFormats};
 use crate::model::gguf::export::{export, Mix, Types};
 use crate::model::Checkpoint;
@@ -28,7 +30,8 @@ pub struct QuantizeArgs {
     pub out: PathBuf,
     /// Formats per weight class (classes experts, attention, shared, router, embedding,
     /// head; formats q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32). Classes not named keep the
-    /// checkpoint's dtype, the router f32; norms are always f32.
+    /// checkpoint's dtype (a gpt-oss Hub checkpoint's MXFP4 experts their blocks), the
+    /// router f32; norms are always f32. Default: experts=q4_k (gpt-oss: experts=mxfp4).
     #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]
     pub weight_format: Option<String>,
     /// Every linear weight (experts, attention, shared experts, embedding, head) in this
@@ -37,10 +40,11 @@ pub struct QuantizeArgs {
     /// Q5_K_S, Q6_K).
     #[arg(long, value_name = "FORMAT")]
     pub all: Option<String>,
-    /// One of llama-quantize's K-quant mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k): each
-    /// tensor in the type `llama-quantize FILE Q4_K_M` (etc.) gives it, by llama.cpp's
-    /// rules (output Q6_K; attention V and FFN down in more bits in the layers llama.cpp
-    /// picks; Q8_0 attention K/V for 8-expert models), with llama-quantize's bytes.
+    /// One of llama-quantize's K-quant mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k) or
+    /// mxfp4_moe: each tensor in the type `llama-quantize FILE Q4_K_M` (etc.) gives it, by
+    /// llama.cpp's rules (output Q6_K; attention V and FFN down in more bits in the layers
+    /// llama.cpp picks; Q8_0 attention K/V for 8-expert models; for mxfp4_moe the merged
+    /// experts MXFP4 and the rest Q8_0), with llama-quantize's bytes.
     #[arg(long, value_name = "MIX", conflicts_with_all = ["all", "weight_format"])]
     pub mix: Option<String>,
     /// `general.name` in the file (default: the folder's name).
@@ -48,8 +52,9 @@ pub struct QuantizeArgs {
     pub name: Option<String>,
 }
 
-/// The types the flags ask for.
-fn types(args: &QuantizeArgs) -> Result<Types, String> {
+/// The types the flags ask for; without any, the experts in Q4_K (gpt-oss's in MXFP4,
+/// the format it ships and llama.cpp's converter keeps).
+fn types(args: &QuantizeArgs, family: Family) -> Result<Types, String> {
     if let Some(mix) = &args.mix {
         return Mix::parse(mix)
             .map(Types::Mix)
@@ -73,7 +78,11 @@ fn types(args: &QuantizeArgs) -> Result<Types, String> {
             .parse_classes(spec)
             .map_err(|e| format!("--weight-format: {e}"))?,
         (None, None) => formats
-            .parse_classes("experts=q4_k")
+            .parse_classes(if family == Family::GptOss {
+                "experts=mxfp4"
+            } else {
+                "experts=q4_k"
+            })
             .map_err(|e| format!("--weight-format: {e}"))?,
     }
     Ok(Types::Classes(formats))
@@ -87,12 +96,12 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
             args.out.display()
         ));
     }
-    let types = match types(args) {
-        Ok(t) => t,
-        Err(e) => return fail(e),
-    };
     let ckpt = match Checkpoint::open(&args.weights) {
         Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let types = match types(args, ckpt.arch().family) {
+        Ok(t) => t,
         Err(e) => return fail(e),
     };
     let name = args.name.clone().unwrap_or_else(|| {
@@ -128,6 +137,12 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
     );
     for (ty, bytes) in &summary.bytes_by_type {
         println!("  {ty:<5} {:>12}", human_bytes(*bytes));
+    }
+    if summary.copied > 0 {
+        println!(
+            "  {} tensors: the checkpoint's MXFP4 blocks, copied (not quantised again)",
+            summary.copied
+        );
     }
     ExitCode::SUCCESS
 }

@@ -2,7 +2,8 @@
 //! format or by llama-quantize's K-quant mix rules (`moec quantize`).
 //!
 //! Takes an opened [`Checkpoint`] of a family llama.cpp converts (Mixtral as its `llama`
-//! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`), the types
+//! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`, gpt-oss with
+//! its fused experts split as [`gpt_oss`] says), the types
 //! ([`Types`]: formats per class, or a [`Mix`]) and an output path; gives the file
 //! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would write: the converter's
 //! hyper-parameter keys, llama.cpp's tensor names (from the importer's own map,
@@ -11,7 +12,8 @@
 //! [`super::llama::unpermute_rows`]), DeepSeek's `kv_b_proj` split per head into
 //! `attn_k_b`/`attn_v_b`, 1-D tensors in f32, the vocabulary from `tokenizer.json` as the
 //! converter writes it (`LlamaHfVocab` for Mixtral, [`gpt2`] for the others), and each
-//! matrix in its type (unnamed classes keep the checkpoint's float dtype; the router,
+//! matrix in its type (unnamed classes keep the checkpoint's float dtype, gpt-oss's Hub
+//! MXFP4 experts their blocks; the router,
 //! unless named, is f32 as llama-quantize keeps it). Guarantees: the plan (every tensor,
 //! its type and size) is checked before a byte is written, so a row that is not whole
 //! blocks of its format, a family, config or tokenizer it cannot write, or a missing
@@ -29,6 +31,7 @@ use crate::model::quant::{encode::quantize_row, QuantFormat};
 use std::path::Path;
 
 mod gpt2;
+mod gpt_oss;
 pub mod mix;
 pub use mix::Mix;
 
@@ -72,6 +75,8 @@ enum Origin {
         nope: usize,
         key: bool,
     },
+    /// gpt-oss's merged expert tensors, split from the Hub's fused ones ([`gpt_oss`]).
+    GptOss(gpt_oss::Experts),
 }
 
 /// What [`export`] wrote.
@@ -83,6 +88,9 @@ pub struct ExportSummary {
     pub bytes_by_type: Vec<(String, u64)>,
     /// The file's size.
     pub file_bytes: u64,
+    /// Tensors whose stored blocks were copied rather than quantised from their values
+    /// (a gpt-oss Hub checkpoint's MXFP4 experts written as MXFP4).
+    pub copied: usize,
 }
 
 /// The ggml type a tensor of `storage` is written as (vectors always f32, as the converter
@@ -182,6 +190,7 @@ fn gguf_arch(family: Family) -> Option<&'static str> {
         Family::Qwen2Moe => Some("qwen2moe"),
         Family::Olmoe => Some("olmoe"),
         Family::DeepseekV2 | Family::DeepseekV3 => Some("deepseek2"),
+        Family::GptOss => Some("gpt-oss"),
         _ => None,
     }
 }
@@ -304,8 +313,11 @@ fn text_metadata(
     if deepseek {
         meta.extend(deepseek_metadata(&config, arch_name).map_err(bad)?);
     }
+    if family == Family::GptOss {
+        meta.extend(gpt_oss::metadata(&config, arch_name).map_err(bad)?);
+    }
     for key in ["rope_scaling", "sliding_window_pattern"] {
-        if find(&[key]).is_some() {
+        if find(&[key]).is_some() && !(family == Family::GptOss && key == "rope_scaling") {
             return Err(bad(format!(
                 "`{key}` is set: moec quantize does not write its llama.cpp keys"
             )));
@@ -653,6 +665,12 @@ fn plan(
             let src = segment_source(arch, layer, kind);
             let dims: Vec<u64> = src.shape.iter().rev().map(|&x| x as u64).collect();
             let tensor = WeightTensor::layer(kind);
+            if let Some(merged) = gpt_oss_experts(arch, layer, kind) {
+                for (name, dims, origin) in merged {
+                    add(name, dims, tensor, origin)?;
+                }
+                continue;
+            }
             match place(arch, layer, kind) {
                 Some(Place::Whole(name, permute_heads)) => {
                     // The converter squeezes Qwen2-MoE's `[1, hidden]` shared-expert gate
@@ -719,6 +737,18 @@ fn plan(
         }
     }
     Ok((entries, origins))
+}
+
+/// gpt-oss's merged expert tensors for segment `kind` ([`gpt_oss::expert_tensors`]);
+/// `None` for the other families and kinds.
+fn gpt_oss_experts(
+    arch: &ArchSpec,
+    layer: usize,
+    kind: SegmentKind,
+) -> Option<Vec<(String, Vec<u64>, Origin)>> {
+    (arch.family == Family::GptOss)
+        .then(|| gpt_oss::expert_tensors(arch, layer, kind))
+        .flatten()
 }
 
 /// Every entry's size, or an error naming the first whose rows are not whole blocks of
@@ -816,6 +846,7 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
             }
             Ok(out)
         }
+        Origin::GptOss(experts) => gpt_oss::values(ckpt, experts, name),
     }
 }
 
@@ -856,7 +887,7 @@ pub fn export(
     let Some(arch_name) = gguf_arch(arch.family) else {
         return Err(ExportError::Unsupported(format!(
             "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE, \
-             OLMoE and DeepSeek-V2/V3 so far",
+             OLMoE, DeepSeek-V2/V3 and gpt-oss so far",
             ckpt.dir().display(),
             arch.family
         )));
@@ -866,11 +897,26 @@ pub fn export(
         Types::Classes(formats) => formats,
         Types::Mix(_) => &floats,
     };
-    if let Err(e) = formats.check(arch, ckpt.card().dtype) {
+    let stored;
+    let formats = if arch.family == Family::GptOss {
+        stored = gpt_oss::keep_stored_experts(ckpt, formats);
+        &stored
+    } else {
+        formats
+    };
+    // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]).
+    let written = ArchSpec {
+        experts_out_in: arch.experts_out_in || arch.family == Family::GptOss,
+        ..arch.clone()
+    };
+    if let Err(e) = formats.check(&written, ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));
     }
     let (mut entries, origins) = plan(ckpt, formats)?;
     let file_type = match types {
+        Types::Classes(_) if arch.family == Family::GptOss => {
+            gpt_oss::file_type(formats, ckpt.card().dtype)
+        }
         Types::Classes(formats) => file_type(formats.storage(
             ckpt.card().dtype,
             WeightTensor::layer(SegmentKind::ExpertGate(0)),
@@ -891,9 +937,16 @@ pub fn export(
         m
     };
     let total = entries.len();
+    let mut copied = 0;
     write_gguf(out, &metadata, &entries, |i| {
         let entry = &entries[i];
         progress(i, total, &entry.name);
+        if let Origin::GptOss(experts) = &origins[i] {
+            if let Some(blocks) = gpt_oss::packed(ckpt, experts, entry.ggml_type, &entry.name)? {
+                copied += 1;
+                return Ok(blocks);
+            }
+        }
         let v = values(ckpt, &origins[i], &entry.name)?;
         encode(&v, entry.ggml_type, &entry.name)
     })?;
@@ -911,6 +964,7 @@ pub fn export(
         tensors: total,
         bytes_by_type: by_type,
         file_bytes,
+        copied,
     })
 }
 

@@ -14,24 +14,21 @@
 //! which moec cannot reproduce (the same `tokenizer.json` gets `stablelm2`, `dbrx` or
 //! `granite-docling` by family). moec names it by the pre-tokenizer's split regex instead:
 //! the llama.cpp pre-tokenizer whose regex that is (`qwen2` for Qwen's, `dbrx` for the
-//! cl100k one); any other (GPT-NeoX's, which the real OLMoE uses, has no `Split` at all)
+//! cl100k one, `gpt-4o` for o200k, gpt-oss's); any other (GPT-NeoX's, which the real OLMoE uses, has no `Split` at all)
 //! is an error, as an unknown hash is for the converter.
 
 use super::{pad_unused, read_tokenizer, ExportError};
 use crate::model::checkpoint::Checkpoint;
+use crate::model::gguf::vocab;
 use crate::model::gguf::write::MetaValue;
 
 /// llama.cpp's pre-tokenizer name for a `tokenizer.json` whose pre-tokenizer splits by
 /// this regex (the byte-level BPE regexes of the families moec writes).
-const PRE_BY_REGEX: [(&str, &str); 2] = [
-    (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        "qwen2",
-    ),
-    (
-        r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
-        "dbrx",
-    ),
+const PRE_BY_REGEX: [(&str, &str); 3] = [
+    (vocab::QWEN2, "qwen2"),
+    (vocab::CL100K, "dbrx"),
+    // o200k (gpt-oss's o200k_harmony, GPT-4o): llama.cpp's `gpt-4o`.
+    (vocab::O200K, "gpt-4o"),
 ];
 
 /// The converter's `does_token_look_special`.

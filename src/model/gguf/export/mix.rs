@@ -1,4 +1,5 @@
-//! llama-quantize's K-quant mixes (`Q4_K_M`, `Q4_K_S`, `Q5_K_M`, `Q5_K_S`, `Q6_K`): the
+//! llama-quantize's K-quant mixes (`Q4_K_M`, `Q4_K_S`, `Q5_K_M`, `Q5_K_S`, `Q6_K`) and
+//! `MXFP4_MOE` (merged experts MXFP4, the rest Q8_0, as for gpt-oss): the
 //! ggml type of each tensor, by the rules of `llama_tensor_get_type` in llama.cpp's
 //! `src/llama-quant.cpp` (llama-cpp-python 0.3.36's copy), for `moec quantize --mix`.
 //!
@@ -32,11 +33,20 @@ pub enum Mix {
     Q5KS,
     /// `Q6_K` (18).
     Q6K,
+    /// `MXFP4_MOE` (38): merged expert tensors MXFP4, every other quantised one Q8_0.
+    Mxfp4Moe,
 }
 
 impl Mix {
     /// Every mix, in the order `--help` lists them.
-    pub const ALL: [Mix; 5] = [Mix::Q4KM, Mix::Q4KS, Mix::Q5KM, Mix::Q5KS, Mix::Q6K];
+    pub const ALL: [Mix; 6] = [
+        Mix::Q4KM,
+        Mix::Q4KS,
+        Mix::Q5KM,
+        Mix::Q5KS,
+        Mix::Q6K,
+        Mix::Mxfp4Moe,
+    ];
 
     /// The lower-case name the flag takes (`q4_k_m`).
     pub fn name(self) -> &'static str {
@@ -46,6 +56,7 @@ impl Mix {
             Mix::Q5KM => "q5_k_m",
             Mix::Q5KS => "q5_k_s",
             Mix::Q6K => "q6_k",
+            Mix::Mxfp4Moe => "mxfp4_moe",
         }
     }
 
@@ -68,6 +79,7 @@ impl Mix {
             Mix::Q5KS => 16,
             Mix::Q5KM => 17,
             Mix::Q6K => 18,
+            Mix::Mxfp4Moe => 38,
         }
     }
 
@@ -77,6 +89,7 @@ impl Mix {
             Mix::Q4KM | Mix::Q4KS => QuantFormat::Q4K,
             Mix::Q5KM | Mix::Q5KS => QuantFormat::Q5K,
             Mix::Q6K => QuantFormat::Q6K,
+            Mix::Mxfp4Moe => QuantFormat::Mxfp4,
         }
     }
 }
@@ -180,6 +193,16 @@ pub fn mix_types(
         let cols = dims[0] as usize;
         let mut ty = mix.base();
         let cat = category(name);
+        if mix == Mix::Mxfp4Moe {
+            // The output matrix (and a tied embedding) Q8_0; any other tensor MXFP4 when
+            // it stacks experts (a third dimension over 1), else Q8_0.
+            let output = cat == Category::Output || (tied && cat == Category::TokenEmbd);
+            if output || dims.get(2).is_none_or(|&e| e <= 1) {
+                ty = QuantFormat::Q8_0;
+            }
+            out.push(Some(fallback(name, ty, cols)?));
+            continue;
+        }
         match cat {
             Category::Output | Category::TokenEmbd if cat == Category::Output || tied => {
                 ty = if !cols.is_multiple_of(256) {
@@ -286,5 +309,31 @@ mod tests {
         assert!(!quantisable("blk.0.ffn_gate_inp.weight", &[256, 4]));
         assert!(quantisable("blk.0.ffn_gate_inp_shexp.weight", &[256, 1]));
         assert!(!quantisable("blk.0.attn_norm.weight", &[256]));
+    }
+
+    #[test]
+    fn mxfp4_moe_puts_stacked_experts_in_mxfp4_and_the_rest_in_q8_0() {
+        // llama-quantize's MXFP4_MOE on gpt-oss: `ne[2] > 1` is MXFP4, the output matrix
+        // and every other quantised tensor Q8_0, biases and the router untouched.
+        let tensors: [(&str, &[u64]); 6] = [
+            ("output.weight", &[128, 512]),
+            ("token_embd.weight", &[128, 512]),
+            ("blk.0.ffn_gate_exps.weight", &[128, 64, 8]),
+            ("blk.0.ffn_gate_exps.bias", &[64, 8]),
+            ("blk.0.attn_q.weight", &[128, 128]),
+            ("blk.0.ffn_gate_inp.weight", &[128, 8]),
+        ];
+        let model = MixModel {
+            experts: 8,
+            layers: 1,
+        };
+        let (q8, mx) = (
+            Some(Storage::Quant(QuantFormat::Q8_0)),
+            Some(Storage::Quant(QuantFormat::Mxfp4)),
+        );
+        assert_eq!(
+            mix_types(Mix::Mxfp4Moe, model, &tensors).unwrap(),
+            [q8, q8, mx, None, q8, None]
+        );
     }
 }
