@@ -884,13 +884,15 @@ fn logit_distance(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
     (max_diff, spread)
 }
 
-/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE, OLMoE and gpt-oss GGUFs
+/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE, OLMoE, gpt-oss and DBRX GGUFs
 /// (`convert_hf_to_gguf.py` and `llama-quantize` on moec's synthetic checkpoints of
 /// `tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron`; f32, Q8_0 and
 /// Q4_K_M, which mixes Q4_K, Q5_K, Q6_K and Q8_0 tensors; gpt-oss from
 /// `gpt-oss-q4-tiny.ron`: f32 from its bf16 checkpoint, and from its MXFP4 one (`--mxfp4`,
 /// as the Hub ships gpt-oss) the converter's own MXFP4 experts beside f32 (`MXFP4`) or
-/// Q8_0 (`Q8_0`) other weights), against llama.cpp as
+/// Q8_0 (`Q8_0`) other weights; DBRX from `dbrx-q4-tiny.ron`, whose converter transposes
+/// each expert's `w2`, and whose `ffn` differs from `hidden` so a down projection read in
+/// the Hub's in-out orientation fails on shape), against llama.cpp as
 /// `gguf_parity` compares Mixtral: llama.cpp run with f32 attention
 /// (`LLAMA_GREEDY_ATTN=f32`, moec's arithmetic; `tests/fixtures/gguf/llama_attn_f32_families.json`,
 /// written by `scripts/gguf_parity_golden.sh`) must give the same greedy tokens for at least
@@ -934,9 +936,10 @@ fn gguf_families_greedy_tokens_match_llama_cpp() {
         ("qwen2-moe", k_quants),
         ("olmoe", k_quants),
         ("gpt-oss", ["f32", "Q8_0", "MXFP4"]),
+        ("dbrx", k_quants),
     ];
     for (fam, types) in families {
-        // Fixture folders made before gpt-oss joined `scripts/gguf_fixtures.sh` lack its files.
+        // Fixture folders made before gpt-oss (or DBRX) joined `scripts/gguf_fixtures.sh` lack its files.
         if !dir.join(format!("{fam}-q4-{}.gguf", types[0])).is_file() {
             eprintln!(
                 "gguf_families: {fam} skipped: no {fam} fixtures in {}",

@@ -2,7 +2,8 @@
 //! format or by llama-quantize's K-quant mix rules (`moec quantize`).
 //!
 //! Takes an opened [`Checkpoint`] of a family llama.cpp converts (Mixtral as its `llama`
-//! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`), the types
+//! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`, DBRX as
+//! [`dbrx`] says), the types
 //! ([`Types`]: formats per class, or a [`Mix`]) and an output path; gives the file
 //! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would write: the converter's
 //! hyper-parameter keys, llama.cpp's tensor names (from the importer's own map,
@@ -26,8 +27,10 @@ use crate::model::formats::{Storage, WeightClass, WeightFormats, WeightTensor};
 use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
 use crate::model::quant::{encode::quantize_row, QuantFormat};
+use crate::model::tensor::Orientation;
 use std::path::Path;
 
+mod dbrx;
 mod gpt2;
 pub mod mix;
 pub use mix::Mix;
@@ -62,6 +65,8 @@ enum Origin {
     },
     /// Every expert's tensor of one kind, stacked (expert outermost).
     Stacked(Vec<Source>),
+    /// As `Stacked`, each expert's in-out block transposed to out-in (DBRX's `w2`).
+    StackedTransposed(Vec<Source>),
     /// DeepSeek's `kv_b_proj` `[heads * (nope + v), kv_lora]` split per head as the
     /// converter splits it: `key` gives `attn_k_b`, each head's `nope` key rows transposed
     /// (`[heads, kv_lora, nope]`); else `attn_v_b`, each head's `v` value rows
@@ -182,6 +187,7 @@ fn gguf_arch(family: Family) -> Option<&'static str> {
         Family::Qwen2Moe => Some("qwen2moe"),
         Family::Olmoe => Some("olmoe"),
         Family::DeepseekV2 | Family::DeepseekV3 => Some("deepseek2"),
+        Family::Dbrx => Some("dbrx"),
         _ => None,
     }
 }
@@ -648,7 +654,7 @@ fn plan(
     for layer in 0..arch.layers {
         // Merged expert tensors in the order their first expert appears, each expert's
         // rows at its index.
-        let mut stacks: Vec<(String, WeightTensor, Vec<Option<Source>>)> = Vec::new();
+        let mut stacks: Vec<(String, SegmentKind, Vec<Option<Source>>)> = Vec::new();
         for kind in LayerLayout::kinds(arch, layer) {
             let src = segment_source(arch, layer, kind);
             let dims: Vec<u64> = src.shape.iter().rev().map(|&x| x as u64).collect();
@@ -668,7 +674,7 @@ fn plan(
                     let at = match stacks.iter().position(|(n, _, _)| *n == name) {
                         Some(at) => at,
                         None => {
-                            stacks.push((name, tensor, vec![None; e]));
+                            stacks.push((name, kind, vec![None; e]));
                             stacks.len() - 1
                         }
                     };
@@ -706,16 +712,23 @@ fn plan(
                 }
             }
         }
-        for (name, tensor, sources) in stacks {
+        for (name, kind, sources) in stacks {
             let sources: Option<Vec<Source>> = sources.into_iter().collect();
             let Some(sources) = sources else {
                 return Err(ExportError::Unsupported(format!(
                     "layer {layer}: `{name}` lacks some of the card's {e} experts"
                 )));
             };
-            let mut dims: Vec<u64> = sources[0].shape.iter().rev().map(|&x| x as u64).collect();
-            dims.push(e as u64);
-            add(name, dims, tensor, Origin::Stacked(sources))?;
+            // An expert's block of rows (DBRX's of a fused tensor), out-in in the file.
+            let (_, cols, orientation) = LayerLayout::shape_of(arch, kind);
+            let rows = sources[0].rows.len();
+            let (dims, origin) = if orientation == Some(Orientation::InOut) {
+                (vec![rows, cols, e], Origin::StackedTransposed(sources))
+            } else {
+                (vec![cols, rows, e], Origin::Stacked(sources))
+            };
+            let dims = dims.into_iter().map(|x| x as u64).collect();
+            add(name, dims, WeightTensor::layer(kind), origin)?;
         }
     }
     Ok((entries, origins))
@@ -781,6 +794,20 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
             let mut out = Vec::new();
             for src in sources {
                 out.extend(read(src)?);
+            }
+            Ok(out)
+        }
+        Origin::StackedTransposed(sources) => {
+            let mut out = Vec::new();
+            for src in sources {
+                let (rows, v) = (src.rows.len(), read(src)?);
+                let cols = v.len().checked_div(rows).unwrap_or(0);
+                out.extend(
+                    dbrx::transpose(&v, rows, cols).ok_or_else(|| WriteError::Tensor {
+                        tensor: name.into(),
+                        message: format!("`{}` is not {rows} whole rows", src.name),
+                    })?,
+                );
             }
             Ok(out)
         }
@@ -856,7 +883,7 @@ pub fn export(
     let Some(arch_name) = gguf_arch(arch.family) else {
         return Err(ExportError::Unsupported(format!(
             "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE, \
-             OLMoE and DeepSeek-V2/V3 so far",
+             OLMoE, DeepSeek-V2/V3 and DBRX so far",
             ckpt.dir().display(),
             arch.family
         )));
@@ -884,6 +911,10 @@ pub fn export(
     let metadata = if arch.family == Family::Mixtral {
         let mut m = arch_metadata(arch, name, file_type);
         m.extend(vocab_metadata(ckpt, arch.vocab)?);
+        m
+    } else if arch.family == Family::Dbrx {
+        let mut m = dbrx::metadata(arch, name, file_type)?;
+        m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
         m
     } else {
         let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;
