@@ -893,7 +893,7 @@ pub fn export(
         Types::Classes(formats) => formats,
         Types::Mix(_) => &floats,
     };
-    if let Err(e) = formats.check(arch, ckpt.card().dtype) {
+    if let Err(e) = formats.check(&dbrx::as_stored(arch), ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));
     }
     let (mut entries, origins) = plan(ckpt, formats)?;

@@ -14,6 +14,7 @@
 
 use super::ExportError;
 use crate::model::arch::ArchSpec;
+use crate::model::card::Family;
 use crate::model::gguf::write::MetaValue;
 
 /// The `dbrx.*` keys (and `general.architecture`) as the converter writes them for `arch`;
@@ -52,6 +53,17 @@ pub(super) fn metadata(
         ("general.file_type".into(), MetaValue::U32(file_type)),
         ("general.quantization_version".into(), MetaValue::U32(2)),
     ])
+}
+
+/// `arch` as the file stores it, for checking formats against: DBRX's expert down
+/// projection out-in (the converter transposes each expert's `w2`, so it quantises as a
+/// matrix of `hidden` rows of `ffn`); another family's as it is.
+pub(super) fn as_stored(arch: &ArchSpec) -> ArchSpec {
+    let mut stored = arch.clone();
+    if arch.family == Family::Dbrx {
+        stored.experts_out_in = true;
+    }
+    stored
 }
 
 /// One expert's in-out `[rows, cols]` block (`rows` inputs of `cols` outputs) as the
