@@ -1174,6 +1174,58 @@ fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
     );
 }
 
+/// llama.cpp's converter labels the cl100k vocabulary of a DBRX folder `granite-docling`
+/// (the hash of its fixed text), and llama.cpp splits `granite-docling` text with GPT-2's
+/// expression (`llama-vocab.cpp`; `unicode.cpp`'s GPT-2 splitter): moec reads the file so.
+/// Where GPT-2's split and cl100k's agree (plain words and punctuation) the ids are the Hub
+/// `tokenizer.json`'s; where they differ (GPT-2's contractions are lower-case only, so
+/// `I'M` splits as `I`, `'`, `M` where cl100k keeps `'M`) they are the Hub file's ids of
+/// GPT-2's pieces; and the ids llama.cpp's `llama_tokenize` gives on the file.
+#[test]
+fn a_dbrx_gguf_tokenizer_splits_as_llama_cpp_reads_its_label() {
+    let Some(path) = gguf_common::family_fixtures()
+        .map(|d| d.join("dbrx-q4-Q4_K_M.gguf"))
+        .filter(|p| p.is_file())
+    else {
+        eprintln!("gguf_families: skipped: no DBRX GGUF fixtures (run scripts/gguf_fixtures.sh)");
+        return;
+    };
+    let ours = gguf_tokenizer(&path, &["GGUF vocabulary", "granite-docling"]);
+    let hf = tokenizers::Tokenizer::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/tokenizers/dbrx/tokenizer.json"
+    ))
+    .unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
+    assert_eq!(
+        ours.encode("The capital of France is").unwrap(),
+        gguf_parity::ids(&golden["dbrx"]["prompt_ids"])
+    );
+    encodes_as_the_hub_file(
+        &ours,
+        &hf,
+        &[
+            "The capital of France is",
+            "Hello, world! Commas; and: colons.",
+        ],
+    );
+    let pieces: Vec<u32> = ["I", "'", "M"]
+        .iter()
+        .flat_map(|p| hf.encode(*p, false).unwrap().get_ids().to_vec())
+        .collect();
+    assert_eq!(ours.encode("I'M").unwrap(), pieces);
+    assert_ne!(hf.encode("I'M", false).unwrap().get_ids(), &pieces[..]);
+    // llama.cpp's own `llama_tokenize` on this file (0.3.36, no BOS, no special parsing).
+    for (text, ids) in [
+        ("I'M", &[40u32, 6, 44][..]),
+        ("12345", &[4513, 1774]),
+        ("a  b   ", &[64, 220, 293, 262]),
+    ] {
+        assert_eq!(ours.encode(text).unwrap(), ids, "{text:?}");
+    }
+}
+
 /// The tokenizer a `.gguf` brings, whose origin line names each of `origin`.
 fn gguf_tokenizer(
     path: &std::path::Path,

@@ -24,6 +24,8 @@ fn split_of(pre: &str) -> Option<(&'static str, bool)> {
     const CL100K: &str = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
     const O200K: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const GPT2: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
     match pre {
         "dbrx" | "llama3" | "llama-bpe" | "smaug-bpe" => Some((CL100K, true)),
         // llama.cpp gives `stablelm2` Qwen2's expression; its converter also labels cl100k
@@ -32,6 +34,10 @@ fn split_of(pre: &str) -> Option<(&'static str, bool)> {
         // o200k (gpt-oss, GPT-4o): the expression as llama-vocab.cpp quotes it from the
         // Hub's tokenizer.json; llama.cpp keeps merges for whole words.
         "gpt-4o" => Some((O200K, false)),
+        // GPT-2's expression (llama.cpp's custom GPT-2 splitter, trailing whitespace run
+        // included). llama.cpp's converter labels cl100k itself so when the file comes from a
+        // DBRX folder (`DbrxForCausalLM`): its hash text encodes alike.
+        "granite-docling" => Some((GPT2, false)),
         _ => None,
     }
 }
@@ -186,7 +192,7 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Result<(Vec<u8>, String), Strin
     let Some((split, ignore_merges)) = split_of(pre) else {
         return Ok(Err(format!(
             "its pre-tokenizer `{pre}` is not read (moec knows dbrx, llama3, llama-bpe, \
-             smaug-bpe, qwen2, stablelm2)"
+             smaug-bpe, qwen2, stablelm2, gpt-4o, granite-docling)"
         )));
     };
     let tokens = strings(file, "tokenizer.ggml.tokens")?;
