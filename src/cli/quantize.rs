@@ -6,7 +6,7 @@
 //! types of that file type); writes the file atomically (nothing is left
 //! behind on an error or an interrupt) and prints its tensors' bytes per type. The file
 //! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
-//! Qwen2-MoE, OLMoE and DeepSeek-V2/V3 families.
+//! Qwen2-MoE, OLMoE, DeepSeek-V2/V3 and DBRX families.
 
 use crate::cli::generate::fail;
 use crate::ir::emit::human_bytes;
