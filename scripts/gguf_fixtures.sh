@@ -16,13 +16,13 @@
 # llama.cpp's 16 greedy tokens after tests/fixtures/gguf/llama_greedy.json's prompt ids.
 # Checks the GGUFs against tests/fixtures/gguf/SHA256SUMS.
 # Then the other families, in $FAMILIES_OUT (default $MOEC_PEER_CACHE/gguf-fixtures-families):
-# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
+# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe,dbrx}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
 # GGUFs, llama-<family>-<type>.json after tests/fixtures/gguf/llama_greedy_families.json's
 # prompt ids, and llama-<family>-<type>-deq.json, the same on the quantised files dequantised
 # to f32 by llama-quantize --allow-requantize; and the Q8_0 Qwen3-MoE file split by llama-gguf-split (--split-max-tensors 16)
-# into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families.
+# into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families
+# (DBRX's, whose converter transposes each expert's w2 to out-in, against SHA256SUMS-dbrx).
 # Then gpt-oss's f32, Q8_0 and MXFP4 files there (see its section; SHA256SUMS-gpt-oss).
-# Then DBRX's f32, Q8_0 and Q4_K_M files there (see its section; SHA256SUMS-dbrx).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_PEER_CACHE:-$HOME/.cache/moec-peer}
@@ -77,7 +77,7 @@ echo "gguf-fixtures: written to $OUT"
 
 FOUT=${FAMILIES_OUT:-$CACHE/gguf-fixtures-families}
 mkdir -p "$FOUT"
-for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe; do
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe dbrx; do
   rm -rf "$FOUT/$fam-q4-hf"
   "$MOEC" synth --model "$REPO/tests/fixtures/gguf/$fam-q4-tiny.ron" --out "$FOUT/$fam-q4-hf"
   "$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/$fam-q4-hf" --outtype f32 \
@@ -104,6 +104,7 @@ rm -f "$FOUT"/qwen3-moe-q4-Q8_0-split-*.gguf
 "$BUILD/bin/llama-gguf-split" --split --split-max-tensors 16 "$FOUT/qwen3-moe-q4-Q8_0.gguf" \
   "$FOUT/qwen3-moe-q4-Q8_0-split" > "$FOUT/split.log" 2>&1
 (cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
+(cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-dbrx")
 echo "gguf-fixtures: families written to $FOUT"
 
 # gpt-oss (tests/fixtures/gguf/gpt-oss-q4-tiny.ron), in $FOUT: the converter keeps gpt-oss's
@@ -137,31 +138,3 @@ for t in Q8_0 MXFP4; do
 done
 (cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-gpt-oss")
 echo "gguf-fixtures: gpt-oss written to $FOUT"
-
-# DBRX (tests/fixtures/gguf/dbrx-q4-tiny.ron), in $FOUT, as the families above: f32
-# (convert_hf_to_gguf.py's DbrxModel, which views the Hub's fused w1/v1/w2 per expert and
-# transposes each expert's w2 to out-in), Q8_0 and Q4_K_M (llama-quantize), llama.cpp's
-# greedy tokens on each (llama-dbrx-<type>.json) and on the quantised files dequantised to
-# f32 (-deq.json). Checked against SHA256SUMS-dbrx.
-rm -rf "$FOUT/dbrx-q4-hf"
-"$MOEC" synth --model "$REPO/tests/fixtures/gguf/dbrx-q4-tiny.ron" --out "$FOUT/dbrx-q4-hf"
-"$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/dbrx-q4-hf" --outtype f32 \
-  --outfile "$FOUT/dbrx-q4-f32.gguf" > "$FOUT/convert-dbrx.log" 2>&1
-for t in Q8_0 Q4_K_M; do
-  "$BUILD/bin/llama-quantize" "$FOUT/dbrx-q4-f32.gguf" "$FOUT/dbrx-q4-$t.gguf" "$t" \
-    > "$FOUT/quantize-dbrx-$t.log" 2>&1
-done
-ids=$("$PY" -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['dbrx']['prompt_ids'])")
-for t in f32 Q8_0 Q4_K_M; do
-  # shellcheck disable=SC2086
-  "$OUT/llama_greedy" "$FOUT/dbrx-q4-$t.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-dbrx-$t.json"
-done
-for t in Q8_0 Q4_K_M; do
-  "$BUILD/bin/llama-quantize" --allow-requantize "$FOUT/dbrx-q4-$t.gguf" "$FOUT/dbrx-q4-$t-deq.gguf" F32 \
-    > "$FOUT/dequantize-dbrx-$t.log" 2>&1
-  # shellcheck disable=SC2086
-  "$OUT/llama_greedy" "$FOUT/dbrx-q4-$t-deq.gguf" 16 $ids 2>/dev/null > "$FOUT/llama-dbrx-$t-deq.json"
-  rm -f "$FOUT/dbrx-q4-$t-deq.gguf"
-done
-(cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-dbrx")
-echo "gguf-fixtures: DBRX written to $FOUT"

@@ -1102,22 +1102,9 @@ fn a_split_gguf_reads_as_the_whole_file() {
 /// (contractions, digit runs, whitespace runs and newlines, accents, CJK, a special token).
 #[test]
 fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
-    let Some(dir) = gguf_common::family_fixtures() else {
-        eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
+    let Some((ours, hf)) = cl100k_fixture_tokenizer("qwen3-moe", &["GGUF vocabulary"]) else {
         return;
     };
-    let ours = gguf_tokenizer(&dir.join("qwen3-moe-q4-Q4_K_M.gguf"), &["GGUF vocabulary"]);
-    let hf = tokenizers::Tokenizer::from_file(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/models/tokenizers/dbrx/tokenizer.json"
-    ))
-    .unwrap();
-    let golden: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
-    assert_eq!(
-        ours.encode("The capital of France is").unwrap(),
-        gguf_parity::ids(&golden["qwen3-moe"]["prompt_ids"])
-    );
     encodes_as_the_hub_file(
         &ours,
         &hf,
@@ -1183,25 +1170,11 @@ fn a_mixtral_gguf_brings_its_sentencepiece_vocabulary() {
 /// GPT-2's pieces; and the ids llama.cpp's `llama_tokenize` gives on the file.
 #[test]
 fn a_dbrx_gguf_tokenizer_splits_as_llama_cpp_reads_its_label() {
-    let Some(path) = gguf_common::family_fixtures()
-        .map(|d| d.join("dbrx-q4-Q4_K_M.gguf"))
-        .filter(|p| p.is_file())
+    let Some((ours, hf)) =
+        cl100k_fixture_tokenizer("dbrx", &["GGUF vocabulary", "granite-docling"])
     else {
-        eprintln!("gguf_families: skipped: no DBRX GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;
     };
-    let ours = gguf_tokenizer(&path, &["GGUF vocabulary", "granite-docling"]);
-    let hf = tokenizers::Tokenizer::from_file(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/models/tokenizers/dbrx/tokenizer.json"
-    ))
-    .unwrap();
-    let golden: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
-    assert_eq!(
-        ours.encode("The capital of France is").unwrap(),
-        gguf_parity::ids(&golden["dbrx"]["prompt_ids"])
-    );
     encodes_as_the_hub_file(
         &ours,
         &hf,
@@ -1227,6 +1200,38 @@ fn a_dbrx_gguf_tokenizer_splits_as_llama_cpp_reads_its_label() {
 }
 
 /// The tokenizer a `.gguf` brings, whose origin line names each of `origin`.
+/// The GGUF tokenizer of `{family}-q4-Q4_K_M.gguf` (a family fixture converted from
+/// `models/tokenizers/dbrx/`, cl100k; its origin line naming each of `origin`) and that Hub
+/// file, once the fixture's parity prompt encodes to the ids `llama_greedy_families.json`
+/// holds (so llama.cpp and moec start from the same ids); `None`, saying why, without the
+/// fixture.
+fn cl100k_fixture_tokenizer(
+    family: &str,
+    origin: &[&str],
+) -> Option<(moec::model::tokenizer::TextTokenizer, tokenizers::Tokenizer)> {
+    let file = format!("{family}-q4-Q4_K_M.gguf");
+    let Some(path) = gguf_common::family_fixtures()
+        .map(|d| d.join(&file))
+        .filter(|p| p.is_file())
+    else {
+        eprintln!("gguf_families: skipped: no {file} (run scripts/gguf_fixtures.sh)");
+        return None;
+    };
+    let ours = gguf_tokenizer(&path, origin);
+    let hf = tokenizers::Tokenizer::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/tokenizers/dbrx/tokenizer.json"
+    ))
+    .unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
+    assert_eq!(
+        ours.encode("The capital of France is").unwrap(),
+        gguf_parity::ids(&golden[family]["prompt_ids"])
+    );
+    Some((ours, hf))
+}
+
 fn gguf_tokenizer(
     path: &std::path::Path,
     origin: &[&str],

@@ -144,13 +144,15 @@ fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
     Some(out)
 }
 
-/// The `llama` architecture's hyper-parameter keys, from the card.
-fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
-    let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
+/// `general.architecture` (`arch_name`), `general.type`, `general.name` and the shape keys
+/// (`{arch_name}.block_count` to `attention.head_count_kv`) from the card, as the converters
+/// of the `llama` and `dbrx` architectures write them.
+fn shape_metadata(arch_name: &str, arch: &ArchSpec, name: &str) -> Vec<(String, MetaValue)> {
+    let u = |k: &str, v: usize| (format!("{arch_name}.{k}"), MetaValue::U32(v as u32));
     vec![
         (
             "general.architecture".into(),
-            MetaValue::Str("llama".into()),
+            MetaValue::Str(arch_name.into()),
         ),
         ("general.type".into(), MetaValue::Str("model".into())),
         ("general.name".into(), MetaValue::Str(name.into())),
@@ -160,6 +162,14 @@ fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, Me
         u("feed_forward_length", arch.ffn),
         u("attention.head_count", arch.attn.heads),
         u("attention.head_count_kv", arch.attn.kv_heads),
+    ]
+}
+
+/// The `llama` architecture's hyper-parameter keys, from the card.
+fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
+    let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
+    let mut meta = shape_metadata("llama", arch, name);
+    meta.extend([
         (
             "llama.rope.freq_base".into(),
             MetaValue::F32(arch.rope_theta as f32),
@@ -176,7 +186,8 @@ fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, Me
         u("rope.dimension_count", arch.attn.head_dim),
         ("general.quantization_version".into(), MetaValue::U32(2)),
         ("general.file_type".into(), MetaValue::U32(file_type)),
-    ]
+    ]);
+    meta
 }
 
 /// llama.cpp's architecture name for the families moec writes.

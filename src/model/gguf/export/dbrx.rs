@@ -34,16 +34,8 @@ pub(super) fn metadata(
     })?;
     let u = |k: &str, v: usize| (format!("dbrx.{k}"), MetaValue::U32(v as u32));
     let f = |k: &str, v: f32| (format!("dbrx.{k}"), MetaValue::F32(v));
-    Ok(vec![
-        ("general.architecture".into(), MetaValue::Str("dbrx".into())),
-        ("general.type".into(), MetaValue::Str("model".into())),
-        ("general.name".into(), MetaValue::Str(name.into())),
-        u("block_count", arch.layers),
-        u("context_length", arch.max_positions),
-        u("embedding_length", arch.hidden),
-        u("feed_forward_length", arch.ffn),
-        u("attention.head_count", arch.attn.heads),
-        u("attention.head_count_kv", arch.attn.kv_heads),
+    let mut meta = super::shape_metadata("dbrx", arch, name);
+    meta.extend([
         f("rope.freq_base", arch.rope_theta as f32),
         f("attention.clamp_kqv", clip),
         u("expert_count", arch.experts),
@@ -52,7 +44,8 @@ pub(super) fn metadata(
         f("attention.layer_norm_epsilon", 1e-5),
         ("general.file_type".into(), MetaValue::U32(file_type)),
         ("general.quantization_version".into(), MetaValue::U32(2)),
-    ])
+    ]);
+    Ok(meta)
 }
 
 /// `arch` as the file stores it, for checking formats against: DBRX's expert down
