@@ -6,10 +6,12 @@
 //! tokenizer and says so). Built: llama.cpp's `gpt2` vocabularies (byte-level BPE: `tokens`
 //! in the GPT-2 byte-to-unicode spelling, `merges` as `"a b"`, `token_type`) whose
 //! pre-tokenizer `pre` is one whose split expression Hugging Face's own files spell as
-//! below (cl100k, Qwen2's, and o200k as `gpt-4o`, gpt-oss's). Control (3) and user-defined (4) tokens become added tokens, matched whole; BOS
+//! below (cl100k, Qwen2's, o200k as `gpt-4o`, gpt-oss's, and GPT-2's as `granite-docling`,
+//! the label llama.cpp's converter gives a DBRX folder's cl100k vocabulary). Control (3)
+//! and user-defined (4) tokens become added tokens, matched whole; BOS
 //! is left to the card (`TextTokenizer` adds it). Not built: SentencePiece `llama`
 //! vocabularies (they carry scores, not merges; Mixtral's card keeps its shipped file) and
-//! other pre-tokenizers (DeepSeek-V3's, GPT-2's byte-level variants), each named in the
+//! other pre-tokenizers (DeepSeek-V3's, GPT-2's under other labels), each named in the
 //! reason. A vocabulary that contradicts itself (lengths that differ, a token spelled
 //! twice) is an error naming the key.
 
