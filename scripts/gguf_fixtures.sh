@@ -16,11 +16,12 @@
 # llama.cpp's 16 greedy tokens after tests/fixtures/gguf/llama_greedy.json's prompt ids.
 # Checks the GGUFs against tests/fixtures/gguf/SHA256SUMS.
 # Then the other families, in $FAMILIES_OUT (default $MOEC_PEER_CACHE/gguf-fixtures-families):
-# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
+# for tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe,dbrx}-q4-tiny.ron the same f32, Q8_0 and Q4_K_M
 # GGUFs, llama-<family>-<type>.json after tests/fixtures/gguf/llama_greedy_families.json's
 # prompt ids, and llama-<family>-<type>-deq.json, the same on the quantised files dequantised
 # to f32 by llama-quantize --allow-requantize; and the Q8_0 Qwen3-MoE file split by llama-gguf-split (--split-max-tensors 16)
-# into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families.
+# into qwen3-moe-q4-Q8_0-split-0000{1..N}-of-0000N.gguf. Checked against SHA256SUMS-families
+# (DBRX's, whose converter transposes each expert's w2 to out-in, against SHA256SUMS-dbrx).
 # Then gpt-oss's f32, Q8_0, MXFP4, bf16, pure-Q8_0 and MXFP4_MOE files there, and the o200k
 # tokenizer golden (see its section; SHA256SUMS-gpt-oss).
 set -euo pipefail
@@ -77,7 +78,7 @@ echo "gguf-fixtures: written to $OUT"
 
 FOUT=${FAMILIES_OUT:-$CACHE/gguf-fixtures-families}
 mkdir -p "$FOUT"
-for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe; do
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe dbrx; do
   rm -rf "$FOUT/$fam-q4-hf"
   "$MOEC" synth --model "$REPO/tests/fixtures/gguf/$fam-q4-tiny.ron" --out "$FOUT/$fam-q4-hf"
   "$PY" "$LLAMA/convert_hf_to_gguf.py" "$FOUT/$fam-q4-hf" --outtype f32 \
@@ -104,6 +105,7 @@ rm -f "$FOUT"/qwen3-moe-q4-Q8_0-split-*.gguf
 "$BUILD/bin/llama-gguf-split" --split --split-max-tensors 16 "$FOUT/qwen3-moe-q4-Q8_0.gguf" \
   "$FOUT/qwen3-moe-q4-Q8_0-split" > "$FOUT/split.log" 2>&1
 (cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
+(cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-dbrx")
 echo "gguf-fixtures: families written to $FOUT"
 
 # gpt-oss (tests/fixtures/gguf/gpt-oss-q4-tiny.ron), in $FOUT: the converter keeps gpt-oss's

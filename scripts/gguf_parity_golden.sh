@@ -68,9 +68,10 @@ echo "gguf_parity_golden: wrote tests/fixtures/gguf/llama_attn_f32.json"
 FAMILIES=${FAMILY_FIXTURES:-$CACHE/gguf-fixtures-families}
 (cd "$FAMILIES" && sha256sum --quiet -c "$REPO/tests/fixtures/gguf/SHA256SUMS-families")
 (cd "$FAMILIES" && sha256sum --quiet -c "$REPO/tests/fixtures/gguf/SHA256SUMS-gpt-oss")
+(cd "$FAMILIES" && sha256sum --quiet -c "$REPO/tests/fixtures/gguf/SHA256SUMS-dbrx")
 # Each family's fixture types (gpt-oss: its converter keeps the experts MXFP4).
 types_of() { if [ "$1" = gpt-oss ]; then echo f32 Q8_0 MXFP4; else echo f32 Q8_0 Q4_K_M; fi; }
-for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe gpt-oss; do
+for fam in qwen3-moe deepseek-v2 qwen2-moe olmoe gpt-oss dbrx; do
   ids=$(python3 -c "import json; print(*json.load(open('$REPO/tests/fixtures/gguf/llama_greedy_families.json'))['$fam']['prompt_ids'])")
   for t in $(types_of "$fam"); do
     # shellcheck disable=SC2086
@@ -85,7 +86,7 @@ doc = {"source": "scripts/gguf_parity_golden.sh (families): llama.cpp (llama-cpp
                  "sdist) llama_greedy, default attention (fixtures' llama-FAMILY-TYPE.json) "
                  "and LLAMA_GREEDY_ATTN=f32",
        "families": {}}
-for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe", "gpt-oss"]:
+for fam in ["qwen3-moe", "deepseek-v2", "qwen2-moe", "olmoe", "gpt-oss", "dbrx"]:
     doc["families"][fam] = {}
     for t in ["f32", "Q8_0", "MXFP4"] if fam == "gpt-oss" else ["f32", "Q8_0", "Q4_K_M"]:
         f = json.load(open(f"{tmp}/{fam}-{t}.json"))

@@ -641,6 +641,7 @@ fn quantize_writes_every_family_as_llama_cpp_does() {
         "olmoe",
         "deepseek-v2",
         "deepseek-v3",
+        "dbrx",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let hf = tmp.path().join("hf");
@@ -663,7 +664,8 @@ fn quantize_writes_every_family_as_llama_cpp_does() {
         // The Q4_K_M mix of two families (Qwen3-MoE's 8 experts: attention K and V in
         // Q8_0; DeepSeek's 3-D `attn_k_b`/`attn_v_b`) keeps the test cheap; the Mixtral
         // test covers the mixes' other rules.
-        let mixes: &[([&str; 2], &str)] = if family == "qwen3-moe" || family == "deepseek-v2" {
+        let mixes: &[([&str; 2], &str)] = if ["qwen3-moe", "deepseek-v2", "dbrx"].contains(&family)
+        {
             &[(["--all", "q8_0"], "Q8_0"), (["--mix", "q4_k_m"], "Q4_K_M")]
         } else {
             &[(["--all", "q8_0"], "Q8_0")]

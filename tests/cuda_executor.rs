@@ -250,6 +250,16 @@ fn schedules_on_a_deepseek_v2_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_
     three_schedules_on_a_family_gguf("deepseek-v2-q4-Q4_K_M.gguf");
 }
 
+/// llama.cpp's Q4_K_M tiny DBRX (`scripts/gguf_fixtures.sh`: Q8_0 fused `attn_qkv` clamped
+/// after the product, LayerNorm without bias, Q4_K/Q6_K experts whose down projections are
+/// out-in as the converter transposes them) gives the CPU backend's tokens through three
+/// schedules, both with their default 8-bit product; 2 new tokens per prompt. Skipped,
+/// saying so, without the fixture.
+#[test]
+fn schedules_on_a_dbrx_q4_k_m_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
+    three_schedules_on_a_family_gguf("dbrx-q4-Q4_K_M.gguf");
+}
+
 /// The family fixture `file` (`scripts/gguf_fixtures.sh`) through three schedules (every op
 /// on the GPU from copies made once; CPU attention with paged weights; CPU experts) on both
 /// backends, 2 new tokens per prompt: tokens equal. Skipped, saying so, without the file.

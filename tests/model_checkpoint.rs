@@ -884,13 +884,15 @@ fn logit_distance(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
     (max_diff, spread)
 }
 
-/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE, OLMoE and gpt-oss GGUFs
+/// moec on llama.cpp's own Qwen3-MoE, DeepSeek-V2, Qwen2-MoE, OLMoE, gpt-oss and DBRX GGUFs
 /// (`convert_hf_to_gguf.py` and `llama-quantize` on moec's synthetic checkpoints of
 /// `tests/fixtures/gguf/{qwen3-moe,deepseek-v2,qwen2-moe,olmoe}-q4-tiny.ron`; f32, Q8_0 and
 /// Q4_K_M, which mixes Q4_K, Q5_K, Q6_K and Q8_0 tensors; gpt-oss from
 /// `gpt-oss-q4-tiny.ron`: f32 from its bf16 checkpoint, and from its MXFP4 one (`--mxfp4`,
 /// as the Hub ships gpt-oss) the converter's own MXFP4 experts beside f32 (`MXFP4`) or
-/// Q8_0 (`Q8_0`) other weights), against llama.cpp as
+/// Q8_0 (`Q8_0`) other weights; DBRX from `dbrx-q4-tiny.ron`, whose converter transposes
+/// each expert's `w2`, and whose `ffn` differs from `hidden` so a down projection read in
+/// the Hub's in-out orientation fails on shape), against llama.cpp as
 /// `gguf_parity` compares Mixtral: llama.cpp run with f32 attention
 /// (`LLAMA_GREEDY_ATTN=f32`, moec's arithmetic; `tests/fixtures/gguf/llama_attn_f32_families.json`,
 /// written by `scripts/gguf_parity_golden.sh`) must give the same greedy tokens for at least
@@ -934,9 +936,10 @@ fn gguf_families_greedy_tokens_match_llama_cpp() {
         ("qwen2-moe", k_quants),
         ("olmoe", k_quants),
         ("gpt-oss", ["f32", "Q8_0", "MXFP4"]),
+        ("dbrx", k_quants),
     ];
     for (fam, types) in families {
-        // Fixture folders made before gpt-oss joined `scripts/gguf_fixtures.sh` lack its files.
+        // Fixture folders made before gpt-oss (or DBRX) joined `scripts/gguf_fixtures.sh` lack its files.
         if !dir.join(format!("{fam}-q4-{}.gguf", types[0])).is_file() {
             eprintln!(
                 "gguf_families: {fam} skipped: no {fam} fixtures in {}",
@@ -1099,22 +1102,9 @@ fn a_split_gguf_reads_as_the_whole_file() {
 /// (contractions, digit runs, whitespace runs and newlines, accents, CJK, a special token).
 #[test]
 fn a_gguf_tokenizer_encodes_as_the_hugging_face_file_it_came_from() {
-    let Some(dir) = gguf_common::family_fixtures() else {
-        eprintln!("gguf_families: skipped: no family GGUF fixtures (run scripts/gguf_fixtures.sh)");
+    let Some((ours, hf)) = cl100k_fixture_tokenizer("qwen3-moe", &["GGUF vocabulary"]) else {
         return;
     };
-    let ours = gguf_tokenizer(&dir.join("qwen3-moe-q4-Q4_K_M.gguf"), &["GGUF vocabulary"]);
-    let hf = tokenizers::Tokenizer::from_file(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/models/tokenizers/dbrx/tokenizer.json"
-    ))
-    .unwrap();
-    let golden: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
-    assert_eq!(
-        ours.encode("The capital of France is").unwrap(),
-        gguf_parity::ids(&golden["qwen3-moe"]["prompt_ids"])
-    );
     encodes_as_the_hub_file(
         &ours,
         &hf,
@@ -1219,7 +1209,77 @@ fn gguf_o200k_pre_tokenizer_splits_as_llama_cpp() {
     assert!(apart >= 3, "only {apart} texts tell o200k from cl100k");
 }
 
+/// llama.cpp's converter labels the cl100k vocabulary of a DBRX folder `granite-docling`
+/// (the hash of its fixed text), and llama.cpp splits `granite-docling` text with GPT-2's
+/// expression (`llama-vocab.cpp`; `unicode.cpp`'s GPT-2 splitter): moec reads the file so.
+/// Where GPT-2's split and cl100k's agree (plain words and punctuation) the ids are the Hub
+/// `tokenizer.json`'s; where they differ (GPT-2's contractions are lower-case only, so
+/// `I'M` splits as `I`, `'`, `M` where cl100k keeps `'M`) they are the Hub file's ids of
+/// GPT-2's pieces; and the ids llama.cpp's `llama_tokenize` gives on the file.
+#[test]
+fn a_dbrx_gguf_tokenizer_splits_as_llama_cpp_reads_its_label() {
+    let Some((ours, hf)) =
+        cl100k_fixture_tokenizer("dbrx", &["GGUF vocabulary", "granite-docling"])
+    else {
+        return;
+    };
+    encodes_as_the_hub_file(
+        &ours,
+        &hf,
+        &[
+            "The capital of France is",
+            "Hello, world! Commas; and: colons.",
+        ],
+    );
+    let pieces: Vec<u32> = ["I", "'", "M"]
+        .iter()
+        .flat_map(|p| hf.encode(*p, false).unwrap().get_ids().to_vec())
+        .collect();
+    assert_eq!(ours.encode("I'M").unwrap(), pieces);
+    assert_ne!(hf.encode("I'M", false).unwrap().get_ids(), &pieces[..]);
+    // llama.cpp's own `llama_tokenize` on this file (0.3.36, no BOS, no special parsing).
+    for (text, ids) in [
+        ("I'M", &[40u32, 6, 44][..]),
+        ("12345", &[4513, 1774]),
+        ("a  b   ", &[64, 220, 293, 262]),
+    ] {
+        assert_eq!(ours.encode(text).unwrap(), ids, "{text:?}");
+    }
+}
+
 /// The tokenizer a `.gguf` brings, whose origin line names each of `origin`.
+/// The GGUF tokenizer of `{family}-q4-Q4_K_M.gguf` (a family fixture converted from
+/// `models/tokenizers/dbrx/`, cl100k; its origin line naming each of `origin`) and that Hub
+/// file, once the fixture's parity prompt encodes to the ids `llama_greedy_families.json`
+/// holds (so llama.cpp and moec start from the same ids); `None`, saying why, without the
+/// fixture.
+fn cl100k_fixture_tokenizer(
+    family: &str,
+    origin: &[&str],
+) -> Option<(moec::model::tokenizer::TextTokenizer, tokenizers::Tokenizer)> {
+    let file = format!("{family}-q4-Q4_K_M.gguf");
+    let Some(path) = gguf_common::family_fixtures()
+        .map(|d| d.join(&file))
+        .filter(|p| p.is_file())
+    else {
+        eprintln!("gguf_families: skipped: no {file} (run scripts/gguf_fixtures.sh)");
+        return None;
+    };
+    let ours = gguf_tokenizer(&path, origin);
+    let hf = tokenizers::Tokenizer::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/tokenizers/dbrx/tokenizer.json"
+    ))
+    .unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/gguf/llama_greedy_families.json")).unwrap();
+    assert_eq!(
+        ours.encode("The capital of France is").unwrap(),
+        gguf_parity::ids(&golden[family]["prompt_ids"])
+    );
+    Some((ours, hf))
+}
+
 fn gguf_tokenizer(
     path: &std::path::Path,
     origin: &[&str],

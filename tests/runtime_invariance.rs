@@ -377,6 +377,35 @@ fn every_schedule_matches_the_oracle_on_a_q4_k_m_gguf() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Every schedule runs llama.cpp's Q4_K_M tiny DBRX (`scripts/gguf_fixtures.sh`'s
+/// `dbrx-q4-Q4_K_M.gguf`: Q8_0 `attn_qkv`, Q5_K `attn_output`, Q4_K experts and embedding,
+/// Q6_K `ffn_down_exps` on layer 1 and lm_head; each expert's down projection out-in as the
+/// converter transposes it) from its quantised bytes with the oracle's tokens for that
+/// checkpoint, copies moving every byte; 2 new tokens per prompt keep it cheap. Skipped,
+/// saying so, without the fixture.
+#[test]
+fn every_schedule_matches_the_oracle_on_a_dbrx_q4_k_m_gguf() {
+    let file = "dbrx-q4-Q4_K_M.gguf";
+    let Some(path) = gguf_common::family_fixtures()
+        .map(|dir| dir.join(file))
+        .filter(|p| p.is_file())
+    else {
+        println!(
+            "dbrx q4_k_m gguf: skipped: no {file} (run scripts/gguf_fixtures.sh, or set \
+             MOEC_GGUF_FAMILY_FIXTURES)"
+        );
+        return;
+    };
+    let checkpoint = Checkpoint::open_gguf(&path, None).unwrap();
+    let case = Case {
+        copies: WeightCopies::Move,
+        gen_len: 2,
+        ..Case::new("dbrx-q4-Q4_K_M")
+    };
+    let (failures, _) = run_checkpoint(&case, &checkpoint, |_| None);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// VSLPipe with 60% of the worst-case KV cache (MoE-Lens §6.2): two groups of 2 sequences,
 /// 5 prompts of 3-12 tokens, 16 new tokens each. Per group the cache holds
 /// max(28, 2 * 28 * 60 / 100) = 33 tokens = 2 blocks of 16, and every sequence crosses 16

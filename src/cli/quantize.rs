@@ -7,7 +7,7 @@
 //! behind on an error or an interrupt) and prints its tensors' bytes per type (and how
 //! many kept the checkpoint's own MXFP4 blocks). The file
 //! runs in moec (`--weights FILE.gguf`) and in llama.cpp. Writes the Mixtral, Qwen3-MoE,
-//! Qwen2-MoE, OLMoE, DeepSeek-V2/V3 and gpt-oss families.
+//! Qwen2-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss and DBRX families.
 
 use crate::cli::generate::fail;
 use crate::ir::emit::human_bytes;

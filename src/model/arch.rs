@@ -60,7 +60,8 @@ pub struct ArchSpec {
     /// gate/up with biases.
     pub clamped_swiglu: Option<(f32, f32)>,
     /// gpt-oss experts stored `[out, in]` (`ClampedSwiglu::experts_out_in`: MXFP4 block
-    /// rows, GGUF; or a card whose formats quantise them, `--weight-format experts=mxfp4`);
+    /// rows, GGUF; or a card whose formats quantise them, `--weight-format experts=mxfp4`),
+    /// or DBRX's expert down stored `[out, in]` (`ModelCard::expert_down_out_in`, GGUF);
     /// otherwise the Hub's bf16 `[in, out]`.
     pub experts_out_in: bool,
     /// YaRN rotary scaling.
@@ -112,13 +113,14 @@ impl ArchSpec {
                 .map(|c| (c.alpha as f32, c.limit as f32)),
             // Quantised experts are out-in by construction (moec multiplies blocks only
             // along stored rows), so a card that plans them quantised stores them so.
-            experts_out_in: card.clamped_swiglu.is_some_and(|c| {
-                c.experts_out_in
-                    || card
-                        .storage(WeightTensor::layer(SegmentKind::ExpertGateUp(0)))
-                        .quant()
-                        .is_some()
-            }),
+            experts_out_in: card.expert_down_out_in
+                || card.clamped_swiglu.is_some_and(|c| {
+                    c.experts_out_in
+                        || card
+                            .storage(WeightTensor::layer(SegmentKind::ExpertGateUp(0)))
+                            .quant()
+                            .is_some()
+                }),
             yarn: card.yarn,
             mla: card.mla,
             deepseek_router: card.deepseek_router,

@@ -311,6 +311,12 @@ pub struct ModelCard {
     /// this clamped SwiGLU.
     #[serde(default)]
     pub clamped_swiglu: Option<ClampedSwiglu>,
+    /// The checkpoint stores each expert's down projection `[out, in]` (`hidden` rows of
+    /// `ffn`) where the family's Hub checkpoint stores it `[in, out]`: DBRX's `w2` as
+    /// llama.cpp's converter writes `ffn_down_exps`. Set by the GGUF reader; a storage fact,
+    /// not an architecture one (gpt-oss records its own in [`ClampedSwiglu`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expert_down_out_in: bool,
     /// YaRN rotary scaling.
     #[serde(default)]
     pub yarn: Option<Yarn>,

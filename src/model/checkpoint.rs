@@ -408,6 +408,7 @@ impl Checkpoint {
             if let (Some(file), Some(chosen)) = (chosen.clamped_swiglu, c.clamped_swiglu.as_mut()) {
                 chosen.experts_out_in = file.experts_out_in;
             }
+            c.expert_down_out_in = chosen.expert_down_out_in;
             chosen = c;
         }
         let mut tensors = BTreeMap::new();

@@ -155,18 +155,21 @@ impl FamilySpec for Dbrx {
 
     fn segment_tensor(&self, a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor {
         let p = format!("transformer.blocks.{layer}");
-        // Every expert's projection is one block of rows of a fused tensor.
-        let fused = |w: &str, e: usize| {
+        // Every expert's projection is one block of `rows` rows of a fused tensor.
+        let fused = |w: &str, e: usize, rows: usize, cols: usize| {
             SegmentTensor::Rows(Source {
                 name: format!("{p}.ffn.experts.mlp.{w}"),
-                shape: vec![a.experts * a.ffn, a.hidden],
-                rows: e * a.ffn..(e + 1) * a.ffn,
+                shape: vec![a.experts * rows, cols],
+                rows: e * rows..(e + 1) * rows,
             })
         };
+        let (f, d) = (a.ffn, a.hidden);
         match kind {
-            SegmentKind::ExpertGate(e) => fused("w1", e),
-            SegmentKind::ExpertUp(e) => fused("v1", e),
-            SegmentKind::ExpertDown(e) => fused("w2", e),
+            SegmentKind::ExpertGate(e) => fused("w1", e, f, d),
+            SegmentKind::ExpertUp(e) => fused("v1", e, f, d),
+            // Stored out-in (a GGUF's `ffn_down_exps`): `hidden` rows of `ffn` per expert.
+            SegmentKind::ExpertDown(e) if a.experts_out_in => fused("w2", e, d, f),
+            SegmentKind::ExpertDown(e) => fused("w2", e, f, d),
             other => SegmentTensor::Whole(match other {
                 SegmentKind::AttnNorm => format!("{p}.norm_attn_norm.norm_1.weight"),
                 SegmentKind::FfnNorm => format!("{p}.norm_attn_norm.norm_2.weight"),

@@ -226,6 +226,7 @@ fn blank_card() -> ModelCard {
         alternate_sliding: false,
         router_bias_topk_softmax: false,
         clamped_swiglu: None,
+        expert_down_out_in: false,
         yarn: None,
         mla: None,
         deepseek_router: None,

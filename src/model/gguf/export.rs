@@ -3,7 +3,7 @@
 //!
 //! Takes an opened [`Checkpoint`] of a family llama.cpp converts (Mixtral as its `llama`
 //! architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3 as `deepseek2`, gpt-oss with
-//! its fused experts split as [`gpt_oss`] says), the types
+//! its fused experts split as [`gpt_oss`] says, DBRX as [`dbrx`] says), the types
 //! ([`Types`]: formats per class, or a [`Mix`]) and an output path; gives the file
 //! llama.cpp's `convert_hf_to_gguf.py` + `llama-quantize` would write: the converter's
 //! hyper-parameter keys, llama.cpp's tensor names (from the importer's own map,
@@ -28,8 +28,10 @@ use crate::model::formats::{Storage, WeightClass, WeightFormats, WeightTensor};
 use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
 use crate::model::quant::{encode::quantize_row, QuantFormat};
+use crate::model::tensor::Orientation;
 use std::path::Path;
 
+mod dbrx;
 mod gpt2;
 mod gpt_oss;
 pub mod mix;
@@ -65,6 +67,8 @@ enum Origin {
     },
     /// Every expert's tensor of one kind, stacked (expert outermost).
     Stacked(Vec<Source>),
+    /// As `Stacked`, each expert's in-out block transposed to out-in (DBRX's `w2`).
+    StackedTransposed(Vec<Source>),
     /// DeepSeek's `kv_b_proj` `[heads * (nope + v), kv_lora]` split per head as the
     /// converter splits it: `key` gives `attn_k_b`, each head's `nope` key rows transposed
     /// (`[heads, kv_lora, nope]`); else `attn_v_b`, each head's `v` value rows
@@ -147,13 +151,15 @@ fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
     Some(out)
 }
 
-/// The `llama` architecture's hyper-parameter keys, from the card.
-fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
-    let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
+/// `general.architecture` (`arch_name`), `general.type`, `general.name` and the shape keys
+/// (`{arch_name}.block_count` to `attention.head_count_kv`) from the card, as the converters
+/// of the `llama` and `dbrx` architectures write them.
+fn shape_metadata(arch_name: &str, arch: &ArchSpec, name: &str) -> Vec<(String, MetaValue)> {
+    let u = |k: &str, v: usize| (format!("{arch_name}.{k}"), MetaValue::U32(v as u32));
     vec![
         (
             "general.architecture".into(),
-            MetaValue::Str("llama".into()),
+            MetaValue::Str(arch_name.into()),
         ),
         ("general.type".into(), MetaValue::Str("model".into())),
         ("general.name".into(), MetaValue::Str(name.into())),
@@ -163,6 +169,14 @@ fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, Me
         u("feed_forward_length", arch.ffn),
         u("attention.head_count", arch.attn.heads),
         u("attention.head_count_kv", arch.attn.kv_heads),
+    ]
+}
+
+/// The `llama` architecture's hyper-parameter keys, from the card.
+fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
+    let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
+    let mut meta = shape_metadata("llama", arch, name);
+    meta.extend([
         (
             "llama.rope.freq_base".into(),
             MetaValue::F32(arch.rope_theta as f32),
@@ -179,19 +193,20 @@ fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, Me
         u("rope.dimension_count", arch.attn.head_dim),
         ("general.quantization_version".into(), MetaValue::U32(2)),
         ("general.file_type".into(), MetaValue::U32(file_type)),
-    ]
+    ]);
+    meta
 }
 
-/// llama.cpp's architecture name for the families moec writes.
-fn gguf_arch(family: Family) -> Option<&'static str> {
+/// llama.cpp's architecture name for each family (moec writes every family it has).
+fn gguf_arch(family: Family) -> &'static str {
     match family {
-        Family::Mixtral => Some("llama"),
-        Family::Qwen3Moe => Some("qwen3moe"),
-        Family::Qwen2Moe => Some("qwen2moe"),
-        Family::Olmoe => Some("olmoe"),
-        Family::DeepseekV2 | Family::DeepseekV3 => Some("deepseek2"),
-        Family::GptOss => Some("gpt-oss"),
-        _ => None,
+        Family::Mixtral => "llama",
+        Family::Qwen3Moe => "qwen3moe",
+        Family::Qwen2Moe => "qwen2moe",
+        Family::Olmoe => "olmoe",
+        Family::DeepseekV2 | Family::DeepseekV3 => "deepseek2",
+        Family::GptOss => "gpt-oss",
+        Family::Dbrx => "dbrx",
     }
 }
 
@@ -660,7 +675,7 @@ fn plan(
     for layer in 0..arch.layers {
         // Merged expert tensors in the order their first expert appears, each expert's
         // rows at its index.
-        let mut stacks: Vec<(String, WeightTensor, Vec<Option<Source>>)> = Vec::new();
+        let mut stacks: Vec<(String, SegmentKind, Vec<Option<Source>>)> = Vec::new();
         for kind in LayerLayout::kinds(arch, layer) {
             let src = segment_source(arch, layer, kind);
             let dims: Vec<u64> = src.shape.iter().rev().map(|&x| x as u64).collect();
@@ -686,7 +701,7 @@ fn plan(
                     let at = match stacks.iter().position(|(n, _, _)| *n == name) {
                         Some(at) => at,
                         None => {
-                            stacks.push((name, tensor, vec![None; e]));
+                            stacks.push((name, kind, vec![None; e]));
                             stacks.len() - 1
                         }
                     };
@@ -724,16 +739,23 @@ fn plan(
                 }
             }
         }
-        for (name, tensor, sources) in stacks {
+        for (name, kind, sources) in stacks {
             let sources: Option<Vec<Source>> = sources.into_iter().collect();
             let Some(sources) = sources else {
                 return Err(ExportError::Unsupported(format!(
                     "layer {layer}: `{name}` lacks some of the card's {e} experts"
                 )));
             };
-            let mut dims: Vec<u64> = sources[0].shape.iter().rev().map(|&x| x as u64).collect();
-            dims.push(e as u64);
-            add(name, dims, tensor, Origin::Stacked(sources))?;
+            // An expert's block of rows (DBRX's of a fused tensor), out-in in the file.
+            let (_, cols, orientation) = LayerLayout::shape_of(arch, kind);
+            let rows = sources[0].rows.len();
+            let (dims, origin) = if orientation == Some(Orientation::InOut) {
+                (vec![rows, cols, e], Origin::StackedTransposed(sources))
+            } else {
+                (vec![cols, rows, e], Origin::Stacked(sources))
+            };
+            let dims = dims.into_iter().map(|x| x as u64).collect();
+            add(name, dims, WeightTensor::layer(kind), origin)?;
         }
     }
     Ok((entries, origins))
@@ -814,6 +836,20 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
             }
             Ok(out)
         }
+        Origin::StackedTransposed(sources) => {
+            let mut out = Vec::new();
+            for src in sources {
+                let (rows, v) = (src.rows.len(), read(src)?);
+                let cols = v.len().checked_div(rows).unwrap_or(0);
+                out.extend(
+                    dbrx::transpose(&v, rows, cols).ok_or_else(|| WriteError::Tensor {
+                        tensor: name.into(),
+                        message: format!("`{}` is not {rows} whole rows", src.name),
+                    })?,
+                );
+            }
+            Ok(out)
+        }
         Origin::KvBSplit {
             src,
             heads,
@@ -884,14 +920,7 @@ pub fn export(
     mut progress: impl FnMut(usize, usize, &str),
 ) -> Result<ExportSummary, ExportError> {
     let arch = ckpt.arch();
-    let Some(arch_name) = gguf_arch(arch.family) else {
-        return Err(ExportError::Unsupported(format!(
-            "{}: a {:?}-family checkpoint: moec quantize writes Mixtral, Qwen3-MoE, Qwen2-MoE, \
-             OLMoE, DeepSeek-V2/V3 and gpt-oss so far",
-            ckpt.dir().display(),
-            arch.family
-        )));
-    };
+    let arch_name = gguf_arch(arch.family);
     let floats = WeightFormats::default();
     let formats = match types {
         Types::Classes(formats) => formats,
@@ -904,11 +933,10 @@ pub fn export(
     } else {
         formats
     };
-    // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]).
-    let written = ArchSpec {
-        experts_out_in: arch.experts_out_in || arch.family == Family::GptOss,
-        ..arch.clone()
-    };
+    // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]), and
+    // so is DBRX's down projection ([`dbrx::as_stored`]).
+    let mut written = dbrx::as_stored(&arch);
+    written.experts_out_in |= arch.family == Family::GptOss;
     if let Err(e) = formats.check(&written, ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));
     }
@@ -930,6 +958,10 @@ pub fn export(
     let metadata = if arch.family == Family::Mixtral {
         let mut m = arch_metadata(arch, name, file_type);
         m.extend(vocab_metadata(ckpt, arch.vocab)?);
+        m
+    } else if arch.family == Family::Dbrx {
+        let mut m = dbrx::metadata(arch, name, file_type)?;
+        m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
         m
     } else {
         let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;

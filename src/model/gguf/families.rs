@@ -1,15 +1,15 @@
 //! llama.cpp's architectures as moec's families: which `general.architecture` is which
 //! family, and the Hugging Face `config.json` of each, built from the GGUF metadata keys
 //! `convert_hf_to_gguf.py` writes (`llama.*`, `qwen3moe.*`, `qwen2moe.*`, `olmoe.*`,
-//! `deepseek2.*`, `gpt-oss.*`).
+//! `deepseek2.*`, `gpt-oss.*`, `dbrx.*`).
 //!
 //! Takes an opened [`GgufFile`]; gives the family and its config as JSON, which the
 //! family's own config reader then checks like any `config.json` (so a GGUF gets every
 //! card check a Hub checkpoint gets). Where llama.cpp hard-codes what the Hub config
 //! says (Qwen3-MoE always renormalises its top-k weights, Qwen2-MoE and OLMoE never do;
 //! Qwen and DeepSeek rotate split halves or pairs without a row permutation; gpt-oss's
-//! clamped SwiGLU is alpha 1.702, limit 7 and its YaRN correction range is truncated),
-//! the config says the same.
+//! clamped SwiGLU is alpha 1.702, limit 7 and its YaRN correction range is truncated;
+//! DBRX always renormalises its top-k weights by their sum), the config says the same.
 
 use super::{GgufError, GgufFile, Value};
 use crate::model::card::Family;
@@ -25,6 +25,7 @@ pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
         "qwen2moe" => Family::Qwen2Moe,
         "olmoe" => Family::Olmoe,
         "gpt-oss" => Family::GptOss,
+        "dbrx" => Family::Dbrx,
         "deepseek2" => {
             // llama.cpp writes V3 as `deepseek2` with sigmoid gating (2) and groups.
             match file.metadata.get("deepseek2.expert_gating_func") {
@@ -38,7 +39,7 @@ pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
                 key: "general.architecture".into(),
                 message: format!(
                     "`{other}` is not imported: moec reads llama.cpp's `llama` with experts \
-                     (Mixtral), `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2` and `gpt-oss`"
+                     (Mixtral), `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2`, `gpt-oss` and `dbrx`"
                 ),
             })
         }
@@ -176,6 +177,7 @@ pub fn config(file: &GgufFile, family: Family) -> Result<serde_json::Value, Gguf
             file,
             arch: "gpt-oss",
         }),
+        Family::Dbrx => dbrx(&Meta { file, arch: "dbrx" }),
         _ => deepseek(
             &Meta {
                 file,
@@ -263,6 +265,43 @@ fn gpt_oss(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
         obj.insert("layer_types".into(), json!(types));
     }
     Ok(v)
+}
+
+/// DBRX as llama.cpp's `dbrx` architecture runs it (`llm_build_dbrx`): LayerNorm without
+/// bias at `attention.layer_norm_epsilon` (the reader sets the card's epsilon from it, as
+/// the Hub config has no key for it), the fused QKV clamped to `attention.clamp_kqv` when
+/// that is positive, NeoX rotary over whole heads, and the top-k weights of the softmax
+/// router divided by their sum (`build_moe_ffn` with `norm_w`, DBRX's p = 1).
+fn dbrx(m: &Meta<'_>) -> Result<serde_json::Value, GgufError> {
+    let clip = m.opt_f("attention.clamp_kqv")?.filter(|c| *c > 0.0);
+    Ok(json!({
+        "architectures": ["DbrxForCausalLM"],
+        "model_type": "dbrx",
+        "d_model": m.u("embedding_length")?,
+        "n_heads": m.u("attention.head_count")?,
+        "n_layers": m.u("block_count")?,
+        "max_seq_len": m.u("context_length")?,
+        "vocab_size": m.vocab()?,
+        "attn_config": {
+            "clip_qkv": clip,
+            "kv_n_heads": m.u("attention.head_count_kv")?,
+            "rope_theta": m.f("rope.freq_base")?,
+        },
+        "ffn_config": {
+            "ffn_hidden_size": m.expert_ffn()?,
+            "moe_num_experts": m.u("expert_count")?,
+            "moe_top_k": m.u("expert_used_count")?,
+            "moe_normalize_expert_weights": 1.0,
+        },
+        "eos_token_id": m.token("eos_token_id").unwrap_or(100257),
+        "tie_word_embeddings": false,
+    }))
+}
+
+/// `dbrx.attention.layer_norm_epsilon`, which llama.cpp's DBRX LayerNorms use (DBRX's Hub
+/// config has no key for it; its card says 1e-5, what the converter writes).
+pub fn dbrx_norm_eps(file: &GgufFile) -> Result<f64, GgufError> {
+    file.get_f64("dbrx.attention.layer_norm_epsilon")
 }
 
 fn qwen_olmoe(file: &GgufFile, family: Family) -> Result<serde_json::Value, GgufError> {

@@ -1,5 +1,5 @@
 //! llama.cpp's GGUF tensors read as a moec checkpoint of one of its families (Mixtral from
-//! the `llama` architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss).
+//! the `llama` architecture, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss, DBRX).
 //!
 //! Takes an opened [`GgufFile`]; gives the model card (built from the GGUF metadata
 //! through the same config reader as a Hugging Face `config.json`, so every card check
@@ -14,7 +14,11 @@
 //! `gate_up_proj` (and its bias) into `ffn_gate_exps` and `ffn_up_exps`; moec's fused
 //! gpt-oss expert reads them interleaved again, so each layer's pair is put back together
 //! row by row at import (a copy in memory of those bytes, in their stored format), and the
-//! experts are read out-in as stored (`ClampedSwiglu::experts_out_in`).
+//! experts are read out-in as stored (`ClampedSwiglu::experts_out_in`). DBRX's converter
+//! views the Hub's fused `w1`/`v1`/`w2` (`[experts * ffn, hidden]`) as `[experts, ffn,
+//! hidden]` and transposes each expert's `w2` to `[hidden, ffn]`: gate and up are the Hub's
+//! rows as they are, and the down projection is read out-in as stored
+//! (`ModelCard::expert_down_out_in`), so no bytes move at import.
 
 use super::{GgufError, GgufFile, Storage};
 use crate::model::arch::ArchSpec;
@@ -92,6 +96,7 @@ pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
     match kind {
         SegmentKind::AttnNorm => whole("attn_norm"),
         SegmentKind::FfnNorm if gpt_oss => whole("post_attention_norm"),
+        SegmentKind::FfnNorm if arch.family == Family::Dbrx => whole("attn_output_norm"),
         SegmentKind::FfnNorm => whole("ffn_norm"),
         SegmentKind::QProj => Some(Place::Whole(
             b("attn_q"),
@@ -102,6 +107,7 @@ pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
             permuted.then_some(arch.attn.kv_heads),
         )),
         SegmentKind::VProj => whole("attn_v"),
+        SegmentKind::QkvProj => whole("attn_qkv"),
         SegmentKind::QBias => Some(Place::Whole(bias("attn_q"), None)),
         SegmentKind::KBias => Some(Place::Whole(bias("attn_k"), None)),
         SegmentKind::VBias => Some(Place::Whole(bias("attn_v"), None)),
@@ -142,12 +148,12 @@ pub(super) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
         SegmentKind::ExpertGateUp(_) => Some(Place::GateUp { bias: false }),
         SegmentKind::ExpertGateUpBias(_) => Some(Place::GateUp { bias: true }),
         SegmentKind::ExpertDownBias(x) => Some(Place::Expert(bias("ffn_down_exps"), x, 1, d)),
-        _ => None,
     }
 }
 
 /// Reads `file` as a moec checkpoint of the family its `general.architecture` names
-/// (llama.cpp's `llama` with experts, `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2`);
+/// (llama.cpp's `llama` with experts, `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2`,
+/// `gpt-oss`, `dbrx`);
 /// any other architecture is an error naming it.
 pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
     let family = super::families::family_of(file)?;
@@ -169,6 +175,11 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
     if let Some(c) = card.clamped_swiglu.as_mut() {
         // llama.cpp stores every expert matrix out-in, whatever its format.
         c.experts_out_in = true;
+    }
+    if family == Family::Dbrx {
+        // The converter transposes each expert's `w2` to `[hidden, ffn]` (out-in).
+        card.expert_down_out_in = true;
+        card.norm_eps = super::families::dbrx_norm_eps(file)?;
     }
     let arch = ArchSpec::from_card(&card);
     let mut tensors: Vec<ImportedTensor> = Vec::new();

@@ -542,3 +542,95 @@ fn gpt_oss_gate_and_up_halves_interleave_back_into_the_hub_rows() {
         "{err}"
     );
 }
+
+/// A hand-built DBRX GGUF with llama.cpp's `dbrx` names and the shapes its `dbrx.cpp`
+/// creates (`ffn_down_exps` `{n_ff, n_embd, n_expert}`: each expert's `w2` transposed to
+/// out-in by the converter), `down_dims` the ggml dims written for `ffn_down_exps`.
+fn dbrx_file(down_dims: Vec<u64>) -> Vec<u8> {
+    let (d, f, e, vocab) = (4u64, 2u64, 2u64, 8u64);
+    let f32s = |n: u64| {
+        (0..n)
+            .flat_map(|i| (i as f32).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let u = |v: u32| v.to_le_bytes().to_vec();
+    let fl = |v: f32| v.to_le_bytes().to_vec();
+    let tokens = array_value(8, (0..vocab).map(|i| string_value(&format!("t{i}"))));
+    build(
+        &[
+            ("general.architecture", 8, string_value("dbrx")),
+            ("dbrx.block_count", 4, u(1)),
+            ("dbrx.context_length", 4, u(16)),
+            ("dbrx.embedding_length", 4, u(d as u32)),
+            ("dbrx.feed_forward_length", 4, u(f as u32)),
+            ("dbrx.attention.head_count", 4, u(2)),
+            ("dbrx.attention.head_count_kv", 4, u(1)),
+            ("dbrx.rope.freq_base", 6, fl(500000.0)),
+            ("dbrx.attention.clamp_kqv", 6, fl(8.0)),
+            ("dbrx.expert_count", 4, u(e as u32)),
+            ("dbrx.expert_used_count", 4, u(1)),
+            ("dbrx.attention.layer_norm_epsilon", 6, fl(2e-5)),
+            ("tokenizer.ggml.tokens", 9, tokens),
+        ],
+        &[
+            ("token_embd.weight", vec![d, vocab], 0, f32s(d * vocab)),
+            ("output_norm.weight", vec![d], 0, f32s(d)),
+            ("output.weight", vec![d, vocab], 0, f32s(d * vocab)),
+            ("blk.0.attn_norm.weight", vec![d], 0, f32s(d)),
+            ("blk.0.attn_qkv.weight", vec![d, d + 2 * 2], 0, f32s(d * 8)),
+            ("blk.0.attn_output.weight", vec![d, d], 0, f32s(d * d)),
+            ("blk.0.attn_output_norm.weight", vec![d], 0, f32s(d)),
+            ("blk.0.ffn_gate_inp.weight", vec![d, e], 0, f32s(d * e)),
+            (
+                "blk.0.ffn_gate_exps.weight",
+                vec![d, f, e],
+                0,
+                f32s(d * f * e),
+            ),
+            (
+                "blk.0.ffn_up_exps.weight",
+                vec![d, f, e],
+                0,
+                f32s(d * f * e),
+            ),
+            ("blk.0.ffn_down_exps.weight", down_dims, 0, f32s(d * f * e)),
+        ],
+    )
+}
+
+/// llama.cpp's `dbrx` architecture reads as moec's DBRX: hyper-parameters from the `dbrx.*`
+/// keys the converter writes (the LayerNorm epsilon and `clamp_kqv` included), the second
+/// norm from `attn_output_norm`, the fused `attn_qkv`, and each expert's down projection
+/// `[hidden, ffn]` out-in as stored (expert 1's rows are the second half of the merged
+/// tensor). The Hub's in-out shape in `ffn_down_exps` is refused, naming the tensor.
+#[test]
+fn a_dbrx_gguf_reads_its_expert_down_out_in_and_names_a_wrong_shape() {
+    let file = open_bytes(&dbrx_file(vec![2, 4, 2])).unwrap();
+    let imported = llama::import(&file, "m").unwrap();
+    let card = &imported.card;
+    assert_eq!(card.family, crate::model::card::Family::Dbrx);
+    assert!(card.expert_down_out_in);
+    assert_eq!((card.norm_eps as f32, card.clip_qkv), (2e-5, Some(8.0)));
+    assert_eq!((card.hidden, card.ffn, card.kv_heads), (4, 2, 1));
+    let by_gguf = |name: &str| {
+        imported
+            .tensors
+            .iter()
+            .find(|t| t.gguf_name == name)
+            .unwrap_or_else(|| panic!("{name} not read"))
+    };
+    let down = by_gguf("blk.0.ffn_down_exps.weight");
+    assert_eq!(down.shape, [2 * 4, 2]);
+    by_gguf("blk.0.attn_qkv.weight");
+    by_gguf("blk.0.attn_output_norm.weight");
+    let arch = crate::model::arch::ArchSpec::from_card(card);
+    let src = crate::model::names::segment_source(
+        &arch,
+        0,
+        crate::model::layout::SegmentKind::ExpertDown(1),
+    );
+    assert_eq!((src.shape, src.rows), (vec![8, 2], 4..8));
+    let wrong = open_bytes(&dbrx_file(vec![4, 2, 2])).unwrap();
+    let err = llama::import(&wrong, "m").unwrap_err().to_string();
+    assert!(err.contains("blk.0.ffn_down_exps.weight"), "{err}");
+}

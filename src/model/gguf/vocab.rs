@@ -6,10 +6,12 @@
 //! tokenizer and says so). Built: llama.cpp's `gpt2` vocabularies (byte-level BPE: `tokens`
 //! in the GPT-2 byte-to-unicode spelling, `merges` as `"a b"`, `token_type`) whose
 //! pre-tokenizer `pre` is one whose split expression Hugging Face's own files spell as
-//! below (cl100k, Qwen2's, and o200k as `gpt-4o`, gpt-oss's). Control (3) and user-defined (4) tokens become added tokens, matched whole; BOS
+//! below (cl100k, Qwen2's, o200k as `gpt-4o`, gpt-oss's, and GPT-2's as `granite-docling`,
+//! the label llama.cpp's converter gives a DBRX folder's cl100k vocabulary). Control (3)
+//! and user-defined (4) tokens become added tokens, matched whole; BOS
 //! is left to the card (`TextTokenizer` adds it). Not built: SentencePiece `llama`
 //! vocabularies (they carry scores, not merges; Mixtral's card keeps its shipped file) and
-//! other pre-tokenizers (DeepSeek-V3's, GPT-2's byte-level variants), each named in the
+//! other pre-tokenizers (DeepSeek-V3's, GPT-2's under other labels), each named in the
 //! reason. A vocabulary that contradicts itself (lengths that differ, a token spelled
 //! twice) is an error naming the key.
 
@@ -28,6 +30,8 @@ pub(super) const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?
 /// the BPE model ignores merges for whole-vocabulary words (`ignore_merges`, set in the
 /// Llama-3/cl100k files).
 fn split_of(pre: &str) -> Option<(&'static str, bool)> {
+    const GPT2: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
     match pre {
         "dbrx" | "llama3" | "llama-bpe" | "smaug-bpe" => Some((CL100K, true)),
         // llama.cpp gives `stablelm2` Qwen2's expression; its converter also labels cl100k
@@ -36,6 +40,10 @@ fn split_of(pre: &str) -> Option<(&'static str, bool)> {
         // o200k (gpt-oss, GPT-4o): the expression as llama-vocab.cpp quotes it from the
         // Hub's tokenizer.json; llama.cpp keeps merges for whole words.
         "gpt-4o" => Some((O200K, false)),
+        // GPT-2's expression (llama.cpp's custom GPT-2 splitter, trailing whitespace run
+        // included). llama.cpp's converter labels cl100k itself so when the file comes from a
+        // DBRX folder (`DbrxForCausalLM`): its hash text encodes alike.
+        "granite-docling" => Some((GPT2, false)),
         _ => None,
     }
 }
@@ -190,7 +198,7 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Result<(Vec<u8>, String), Strin
     let Some((split, ignore_merges)) = split_of(pre) else {
         return Ok(Err(format!(
             "its pre-tokenizer `{pre}` is not read (moec knows dbrx, llama3, llama-bpe, \
-             smaug-bpe, qwen2, stablelm2)"
+             smaug-bpe, qwen2, stablelm2, gpt-4o, granite-docling)"
         )));
     };
     let tokens = strings(file, "tokenizer.ggml.tokens")?;
