@@ -935,7 +935,7 @@ pub fn export(
     };
     // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]), and
     // so is DBRX's down projection ([`dbrx::as_stored`]).
-    let mut written = dbrx::as_stored(&arch);
+    let mut written = dbrx::as_stored(arch);
     written.experts_out_in |= arch.family == Family::GptOss;
     if let Err(e) = formats.check(&written, ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));

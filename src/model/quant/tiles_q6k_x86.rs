@@ -22,6 +22,7 @@
 
 use super::tiles::{TileActs, TILE_ROWS};
 use super::tiles_q6k::{GROUP, GROUPS, SCALES, TILE};
+use super::tiles_x86::fold512;
 use std::arch::x86_64::*;
 
 /// The eight outputs' f32 values of one block: `(d·dy)·f32(isum)`.
@@ -135,16 +136,6 @@ pub(super) unsafe fn pass_vnni<const N: usize>(
         }
     }
     acc
-}
-
-/// The eight outputs' totals from a register whose lane `4k + q` holds row `2k + q % 2`'s
-/// sums.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-#[inline]
-fn fold512(v: __m512i) -> __m256i {
-    let t = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0x4E>(v));
-    let idx = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
-    _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, t))
 }
 
 /// Sub-block codes as [`codes512`], for half a chunk (four rows).

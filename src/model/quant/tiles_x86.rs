@@ -97,7 +97,7 @@ unsafe fn bcast512(x: *const i8) -> __m512i {
 /// sums (two lanes per row: `q / 2` = which sub-block of the pair).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn fold512(v: __m512i) -> __m256i {
+pub(super) fn fold512(v: __m512i) -> __m256i {
     let t = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0x4E>(v));
     let idx = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
     _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, t))
