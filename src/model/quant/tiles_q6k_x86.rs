@@ -22,7 +22,7 @@
 
 use super::tiles::{TileActs, TILE_ROWS};
 use super::tiles_q6k::{GROUP, GROUPS, SCALES, TILE};
-use super::tiles_x86::fold512;
+use super::tiles_x86::{fold512, prefetch_ahead};
 use std::arch::x86_64::*;
 
 /// The eight outputs' f32 values of one block: `(d·dy)·f32(isum)`.
@@ -100,6 +100,7 @@ pub(super) unsafe fn pass_vnni<const N: usize>(
         assert!(x.iter().all(|x| x.len() >= 256) && off.iter().all(|o| o.len() >= 64));
         for p in 0..8 {
             let g = GROUPS + GROUP * p;
+            prefetch_ahead(t, TILE, g, 3);
             // SAFETY: group `p` (192 bytes at `g`) and the 128 scale bytes are inside the
             // tile; every activation row has 256 codes and 64 offsets per block (asserted).
             unsafe {
@@ -201,6 +202,7 @@ pub(super) unsafe fn pass_avx2<const N: usize>(
         assert!(x.iter().all(|x| x.len() >= 256) && off.iter().all(|o| o.len() >= 64));
         for p in 0..8 {
             let g = GROUPS + GROUP * p;
+            prefetch_ahead(t, TILE, g, 3);
             // SAFETY: as in `pass_vnni`.
             unsafe {
                 let qh: [__m256i; 2] = std::array::from_fn(|half| {
