@@ -263,10 +263,11 @@ impl Kernels {
 
     /// [`Kernels::expert_ffn`] for every `(expert, rows)` of `jobs`. When every expert is a
     /// SwiGLU of quantised out-in matrices multiplied as their format is meant to run
-    /// (`int8`), all their gate and up products run in one parallel region and all their
-    /// down products in another ([`QuantKernels::quant_products`]: a decode step's experts
-    /// are a few microseconds of work each); otherwise one expert after another. The
-    /// slots get the same bits either way.
+    /// (`int8`) and they hold at most [`GROUPED_MAX_ROWS`] rows in all, all their gate and
+    /// up products run in one parallel region and all their down products in another
+    /// ([`QuantKernels::quant_products`]: a decode step's experts are a few microseconds of
+    /// work each); otherwise one expert after another. The slots get the same bits either
+    /// way.
     pub fn experts_ffn(
         self,
         arch: &ArchSpec,
@@ -284,7 +285,12 @@ impl Kernels {
                 },
             )
             .collect::<Option<_>>()
-            .filter(|_| jobs.len() > 1 && !self.decodes_quant() && arch.clamped_swiglu.is_none());
+            .filter(|_| {
+                jobs.len() > 1
+                    && jobs.iter().map(|(_, r)| r.len()).sum::<usize>() <= GROUPED_MAX_ROWS
+                    && !self.decodes_quant()
+                    && arch.clamped_swiglu.is_none()
+            });
         let Some(mats) = grouped else {
             for (expert, rows) in jobs {
                 self.expert_ffn(arch, expert, x_norm, rows, slots)?;
@@ -414,6 +420,13 @@ impl Kernels {
         Ok(routing)
     }
 }
+
+/// The most routed rows [`Kernels::experts_ffn`] runs in one region: every expert's
+/// intermediates are alive at once there (a batch-64 prefill's 8192 routed rows would hold
+/// about 235 MB of gate and up values for a 3584-wide FFN, twice over while the panels are
+/// gathered), and past a decode step's rows one region per expert costs nothing that
+/// matters.
+pub const GROUPED_MAX_ROWS: usize = 256;
 
 /// Checks `rows` against `x_norm` (`[n_tokens, hidden]`) and `slots` (`[n_tokens, top_k,
 /// hidden]`) and gathers the rows routed to one expert into a contiguous block; `None`
