@@ -242,7 +242,7 @@ impl<'c> HostMemory<'c> {
         // once in place of the blocks; a device backend (`host_side`) reads the file's
         // layout, and so do the f32 products of decoded weights.
         let tiled = if tile_quant {
-            let (tags, bytes) = image.tile(checkpoint, &layout.tileable());
+            let (tags, bytes) = image.tile(checkpoint, &layout.tileable())?;
             layout.tiled = tags.into_iter().collect();
             bytes
         } else {

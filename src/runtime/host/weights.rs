@@ -413,6 +413,15 @@ pub enum ImageError {
         /// Bytes the image layout gives it.
         expected: u64,
     },
+    /// The memory for the tiles the CPU backend repacks quantised matrices into could
+    /// not be mapped.
+    #[error("weights image: {bytes} bytes for the repacked tiles could not be mapped: {why}")]
+    TileArena {
+        /// Bytes asked for.
+        bytes: usize,
+        /// The OS's answer.
+        why: String,
+    },
     /// Two tensors of the image layout overlap (a hand-built layout).
     #[error("weights image layout: {first} overlaps {second}")]
     Overlap {
