@@ -281,19 +281,21 @@ impl<'c> MappedImage<'c> {
         for &(i, format, rows, cols, src, at) in &plan {
             let dst = &mut arena[at..at + src.len()];
             if crate::model::quant::tiles::tile(format, src, rows, cols, dst) {
-                tiled.push((i, src, at));
+                // Dropped as soon as it is copied, so the process never holds the file's
+                // pages of every matrix beside all the tiles (a peak of twice the tiles).
+                checkpoint.release_mapped(src);
+                tiled.push((i, src.len(), at));
             }
         }
         let arena = std::sync::Arc::new(arena);
         let mut bytes_done = 0u64;
-        for (i, src, at) in tiled {
-            checkpoint.release_mapped(src);
-            bytes_done += src.len() as u64;
+        for (i, len, at) in tiled {
+            bytes_done += len as u64;
             let t = &mut self.tensors[i];
             t.bytes = TensorBytes::Tiled {
                 arena: arena.clone(),
                 at,
-                len: src.len(),
+                len,
             };
             done.push(t.tag);
         }
