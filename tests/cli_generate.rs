@@ -8,7 +8,7 @@ mod gguf_common;
 
 use moec::model::gguf::{GgufFile, Value};
 use moec::model::quant::QuantFormat;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn moec(cache: &Path, args: &[&str]) -> Output {
@@ -615,6 +615,22 @@ fn compare_with_llama_quantize(c: &LlamaQuantized) {
     assert_eq!(got["tokens"], expected["tokens"], "{what}");
 }
 
+/// The GGUF fixture folders (llama.cpp's tools, the families' files) and llama.cpp's
+/// greedy ids on them (`llama_greedy_families.json`); `None`, saying so, on a clean clone.
+fn family_quantize_fixtures() -> Option<(PathBuf, PathBuf, serde_json::Value)> {
+    let (Some(fx), Some(ffx)) = (gguf_common::fixtures(), gguf_common::family_fixtures()) else {
+        eprintln!("skipped: no GGUF family fixtures (run scripts/gguf_fixtures.sh)");
+        return None;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ids = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/fixtures/gguf/llama_greedy_families.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    Some((fx, ffx, ids))
+}
+
 /// The other families: for Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2 and DeepSeek-V3,
 /// `moec quantize --all q8_0` (and for Qwen3-MoE and DeepSeek-V2 `--mix q4_k_m`) of
 /// `moec synth`'s checkpoint equal `convert_hf_to_gguf.py` + `llama-quantize Q8_0`
@@ -625,16 +641,10 @@ fn compare_with_llama_quantize(c: &LlamaQuantized) {
 /// those (but DeepSeek-V3, whose reference tokens are llama.cpp's with f32 attention).
 #[test]
 fn quantize_writes_every_family_as_llama_cpp_does() {
-    let (Some(fx), Some(ffx)) = (gguf_common::fixtures(), gguf_common::family_fixtures()) else {
-        eprintln!("skipped: no GGUF family fixtures (run scripts/gguf_fixtures.sh)");
+    let Some((fx, ffx, ids)) = family_quantize_fixtures() else {
         return;
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let ids: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(root.join("tests/fixtures/gguf/llama_greedy_families.json"))
-            .unwrap(),
-    )
-    .unwrap();
     for family in [
         "qwen3-moe",
         "qwen2-moe",
@@ -704,16 +714,10 @@ fn quantize_writes_every_family_as_llama_cpp_does() {
 /// which `gguf_families_greedy_tokens_match_llama_cpp` (tests/model_checkpoint.rs) runs.
 #[test]
 fn quantize_writes_gpt_oss_as_llama_cpp_does() {
-    let (Some(fx), Some(ffx)) = (gguf_common::fixtures(), gguf_common::family_fixtures()) else {
-        eprintln!("skipped: no GGUF family fixtures (run scripts/gguf_fixtures.sh)");
+    let Some((fx, ffx, ids)) = family_quantize_fixtures() else {
         return;
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let ids: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(root.join("tests/fixtures/gguf/llama_greedy_families.json"))
-            .unwrap(),
-    )
-    .unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let ron = root.join("tests/fixtures/gguf/gpt-oss-q4-tiny.ron");
     // The converter names `general.name` from the folder; moec's test ignores it.
