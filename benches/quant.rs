@@ -330,7 +330,7 @@ fn bench(c: &mut Criterion) {
     ] {
         if only.as_deref().is_none_or(|name| name == format.name()) {
             one_thread(&Set::new(format, 1024, 3584), qk, k);
-            if matches!(format, QuantFormat::Q4K | QuantFormat::Q6K) {
+            if moec::model::quant::tiles::tileable(format, 1024, 3584) {
                 one_thread(&Set::new(format, 1024, 3584).into_tiles(), qk, k);
             }
         }

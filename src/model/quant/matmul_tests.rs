@@ -396,7 +396,7 @@ fn bad_shapes_are_errors() {
     assert!(k.quant_linear(&w, &[], 0, &mut []).is_ok());
 }
 
-/// Q4_K and Q6_K matrices tiled at load give the row layout's bits in every body, for
+/// Q4_K, Q6_K and Q8_0 matrices tiled at load give the row layout's bits in every body, for
 /// every row count (passes of four rows and their remainders), several panels and extreme
 /// blocks; the portable body on tiles is also held to the row layout's portable bits, and
 /// untiling gives the row layout's bytes back.
@@ -406,12 +406,12 @@ fn tiled_matrices_give_the_row_layouts_bits() {
     let portable = QuantKernels::portable();
     let mut rng = Rng::new(29);
     let shapes = [(8usize, 256usize), (72, 512), (136, 1024)];
-    for (format, &(rows, cols)) in [QuantFormat::Q4K, QuantFormat::Q6K]
+    for (format, &(rows, cols)) in [QuantFormat::Q4K, QuantFormat::Q6K, QuantFormat::Q8_0]
         .into_iter()
         .flat_map(|f| shapes.iter().map(move |s| (f, s)))
     {
         for extreme in [false, true] {
-            let n = rows * cols / 256;
+            let n = rows * cols / format.block_elems();
             let bytes = if extreme {
                 extreme_blocks(format, n, rows as u64)
             } else {

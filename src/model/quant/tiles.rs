@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K matrices repacked into tiles of eight output rows, the layout the CPU
+//! Q4_K, Q6_K and Q8_0 matrices repacked into tiles of eight output rows, the layout the CPU
 //! backend computes from: made once at load in place of the plain blocks (same bytes per
 //! tile, so every offset, budget and copy of the packed image is unchanged), and read back
 //! block by block when something needs the plain layout ([`untile`]).
@@ -9,12 +9,15 @@
 //! (and mins) of eight rows are applied with one instruction each, and the f32 block value
 //! of eight outputs is one vector operation per step (llama.cpp repacks for the same
 //! reason: `block_q4_Kx8` in ggml-cpu's `repack.cpp`; these layouts are moec's own, chosen
-//! for its bodies in [`super::tiles_x86`] and [`super::tiles_q6k_x86`]).
+//! for its bodies in [`super::tiles_x86`], [`super::tiles_q6k_x86`] and
+//! [`super::tiles_q8_0_x86`]).
 //!
-//! The tile of rows `8t..8t + 8`, super-block column `b`, is eight blocks' bytes (1152 for
-//! Q4_K, 1680 for Q6_K, [`tile_bytes`]) at `(t · nb + b) · tile_bytes` (`nb` blocks per
-//! row), so a range of whole tiles is the same byte range as the same rows stored plain.
-//! The Q6_K tile is described in [`super::tiles_q6k`]; the Q4_K tile is:
+//! The tile of rows `8t..8t + 8`, 256-weight column `b`, is those eight rows' blocks of that
+//! column (1152 bytes for Q4_K, 1680 for Q6_K, 2176 for Q8_0's eight 32-weight blocks a
+//! row, [`tile_bytes`]) at `(t · nb + b) · tile_bytes` (`nb` columns of 256 per row), so a
+//! range of whole tiles is the same byte range as the same rows stored plain. The Q6_K tile
+//! is described in [`super::tiles_q6k`], the Q8_0 tile in [`super::tiles_q8_0`]; the Q4_K
+//! tile is:
 //!
 //! - bytes `0..16`: the eight rows' `d` (f16, row order); `16..32`: their `dmin`;
 //! - `32..96`: one byte per (row `r`, sub-block `j`) at [`sm_index`]: the 6-bit scale in
@@ -34,7 +37,7 @@ use super::dot;
 use super::q8::Q8Rows;
 use super::{QuantFormat, QK_K};
 
-/// Whether the CPU backend repacks Q4_K and Q6_K matrices into tiles at load: yes unless
+/// Whether the CPU backend repacks Q4_K, Q6_K and Q8_0 matrices into tiles at load: yes unless
 /// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
 /// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
 pub fn enabled() -> bool {
@@ -55,9 +58,14 @@ pub const TILE_ROWS: usize = 8;
 /// Bytes of one Q4_K tile of one super-block column (eight Q4_K blocks).
 pub const TILE_BYTES: usize = TILE_ROWS * 144;
 
-/// Bytes of one tile of `format` (eight of its blocks).
+/// Bytes of one row's 256 weights of `format` (one K-quant block, eight Q8_0 blocks).
+fn group_bytes(format: QuantFormat) -> usize {
+    format.block_bytes() * (QK_K / format.block_elems())
+}
+
+/// Bytes of one tile of `format` (eight rows of 256 weights).
 pub fn tile_bytes(format: QuantFormat) -> usize {
-    TILE_ROWS * format.block_bytes()
+    TILE_ROWS * group_bytes(format)
 }
 
 /// Where the scale/min byte of row `r`, sub-block `j` sits in a tile's 64 scale bytes:
@@ -76,8 +84,10 @@ fn plain_code(block: &[u8], k: usize) -> u8 {
 
 /// Whether a `[rows, cols]` matrix of `format` can be tiled.
 pub fn tileable(format: QuantFormat, rows: usize, cols: usize) -> bool {
-    matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
-        && rows.is_multiple_of(TILE_ROWS)
+    matches!(
+        format,
+        QuantFormat::Q4K | QuantFormat::Q6K | QuantFormat::Q8_0
+    ) && rows.is_multiple_of(TILE_ROWS)
         && cols.is_multiple_of(QK_K)
 }
 
@@ -85,7 +95,7 @@ pub fn tileable(format: QuantFormat, rows: usize, cols: usize) -> bool {
 /// (the same length). `false` (and `dst` untouched) when the shape or the lengths do not
 /// fit.
 pub fn tile(format: QuantFormat, src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) -> bool {
-    let (nb, bb, tb) = (cols / QK_K, format.block_bytes(), tile_bytes(format));
+    let (nb, bb, tb) = (cols / QK_K, group_bytes(format), tile_bytes(format));
     if !tileable(format, rows, cols) || src.len() != rows * nb * bb || dst.len() != src.len() {
         return false;
     }
@@ -96,10 +106,10 @@ pub fn tile(format: QuantFormat, src: &[u8], rows: usize, cols: usize, dst: &mut
                 let at = ((TILE_ROWS * t + r) * nb + b) * bb;
                 &src[at..at + bb]
             };
-            if format == QuantFormat::Q6K {
-                super::tiles_q6k::tile_block(block, out);
-            } else {
-                tile_block_q4k(block, out);
+            match format {
+                QuantFormat::Q6K => super::tiles_q6k::tile_block(block, out),
+                QuantFormat::Q8_0 => super::tiles_q8_0::tile_block(block, out),
+                _ => tile_block_q4k(block, out),
             }
         }
     }
@@ -137,13 +147,13 @@ fn tile_scale_min(tile: &[u8], r: usize, j: usize) -> (u8, u8) {
     (s & 63, (s >> 6) | (hi << 2))
 }
 
-/// Row `r`'s plain block of `format` from a tile (the bytes [`tile`] took), into `out`
-/// (one block's bytes).
+/// Row `r`'s plain blocks of `format` from a tile (the bytes [`tile`] took), into `out`
+/// (the row's 256 weights: one K-quant block, eight Q8_0 blocks).
 pub(super) fn untile_block(format: QuantFormat, tile: &[u8], r: usize, out: &mut [u8]) {
-    if format == QuantFormat::Q6K {
-        super::tiles_q6k::untile_block(tile, r, out);
-    } else {
-        out.copy_from_slice(&untile_block_q4k(tile, r));
+    match format {
+        QuantFormat::Q6K => super::tiles_q6k::untile_block(tile, r, out),
+        QuantFormat::Q8_0 => super::tiles_q8_0::untile_block(tile, r, out),
+        _ => out.copy_from_slice(&untile_block_q4k(tile, r)),
     }
 }
 
@@ -177,7 +187,7 @@ fn untile_block_q4k(tile: &[u8], r: usize) -> [u8; 144] {
 /// The plain bytes of a tiled matrix of `format` (`[rows, cols]`, `tiled.len()` bytes):
 /// the inverse of [`tile`]. `None` when the shape does not fit the bytes.
 pub fn untile(format: QuantFormat, tiled: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    let (nb, bb, tb) = (cols / QK_K, format.block_bytes(), tile_bytes(format));
+    let (nb, bb, tb) = (cols / QK_K, group_bytes(format), tile_bytes(format));
     if !tileable(format, rows, cols) || tiled.len() != rows * nb * bb {
         return None;
     }
@@ -213,6 +223,7 @@ pub(super) struct TileActs<'a> {
     pairs: Vec<i32>,
     quads: Vec<i32>,
     pairs16: Vec<i16>,
+    offsets128: Vec<i32>,
 }
 
 impl<'a> TileActs<'a> {
@@ -225,7 +236,27 @@ impl<'a> TileActs<'a> {
             pairs: Vec::new(),
             quads: Vec::new(),
             pairs16: Vec::new(),
+            offsets128: Vec::new(),
         };
+        if format == QuantFormat::Q8_0 {
+            // Per 32-code block: lane `h` of a row's 64-bit group covers codes `8c + 4h..`
+            // of every chunk `c`.
+            let nb32 = q.blocks_per_row();
+            acts.offsets128 = vec![0i32; q.n_rows * nb32 * 2];
+            for r in 0..q.n_rows {
+                for b in 0..nb32 {
+                    let x = q.block_qs(r, b);
+                    for h in 0..2 {
+                        let s: i32 = (0..4)
+                            .flat_map(|c| x[8 * c + 4 * h..8 * c + 4 * h + 4].iter())
+                            .map(|&v| i32::from(v))
+                            .sum();
+                        acts.offsets128[(r * nb32 + b) * 2 + h] = -128 * s;
+                    }
+                }
+            }
+            return acts;
+        }
         if format == QuantFormat::Q6K {
             acts.quads = vec![0i32; q.n_rows * nb * 64];
             acts.pairs16 = vec![0i16; q.n_rows * nb * 64];
@@ -293,6 +324,13 @@ impl<'a> TileActs<'a> {
         &self.quads[at..at + 64]
     }
 
+    /// Q8_0: row `r`'s two lane offsets of (32-code) block `b`: `−128 · Σ x` over the codes
+    /// `8c..8c + 4` and `8c + 4..8c + 8` of its four chunks.
+    pub fn offsets128(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 2;
+        &self.offsets128[at..at + 2]
+    }
+
     /// Q6_K: row `r`'s 64 pair offsets of block `b`.
     pub fn pairs16(&self, r: usize, b: usize) -> &[i16] {
         let at = (r * self.q.blocks_per_row() + b) * 64;
@@ -313,7 +351,9 @@ pub(super) fn portable_panel(
     local: &mut [f32],
 ) {
     let (nb, tb) = (cols / QK_K, tile_bytes(format));
-    let mut block = vec![0u8; format.block_bytes()];
+    let (bb, sub) = (format.block_bytes(), QK_K / format.block_elems());
+    let k_quant = acts.format == super::q8::ActFormat::Q8K;
+    let mut group = vec![0u8; group_bytes(format)];
     for t in 0..rows / TILE_ROWS {
         let tile_row = &bytes[(o0 / TILE_ROWS + t) * nb * tb..];
         for l in 0..TILE_ROWS {
@@ -321,9 +361,17 @@ pub(super) fn portable_panel(
             for r in 0..acts.n_rows {
                 let mut acc = 0.0f32;
                 for b in 0..nb {
-                    untile_block(format, &tile_row[b * tb..(b + 1) * tb], l, &mut block);
-                    let (dy, bsums) = (acts.block_d(r, b), acts.block_bsums(r, b));
-                    acc += dot::block_value(format, &block, acts.block_qs(r, b), bsums, dy, 0.0);
+                    untile_block(format, &tile_row[b * tb..(b + 1) * tb], l, &mut group);
+                    for (j, block) in group.chunks_exact(bb).enumerate() {
+                        let blk = sub * b + j;
+                        let bsums = if k_quant {
+                            acts.block_bsums(r, blk)
+                        } else {
+                            &[]
+                        };
+                        let (dy, qs) = (acts.block_d(r, blk), acts.block_qs(r, blk));
+                        acc += dot::block_value(format, block, qs, bsums, dy, 0.0);
+                    }
                 }
                 local[r * rows + i] = acc;
             }

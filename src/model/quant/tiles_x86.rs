@@ -324,7 +324,7 @@ unsafe fn pass_avx2<const N: usize>(
     acc
 }
 
-/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K or Q6_K) times every
+/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K, Q6_K or Q8_0) times every
 /// row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies (`vnni`) or the
 /// AVX2 ones.
 ///
@@ -343,9 +343,15 @@ pub(super) unsafe fn panel(
 ) {
     let (format, bytes, cols) = (w.format(), w.data.bytes, w.cols);
     use super::tiles_q6k_x86 as q6;
+    use super::tiles_q8_0_x86 as q8;
     let nb = cols / QK_K;
     let tb = super::tiles::tile_bytes(format);
-    let q6k = format == QuantFormat::Q6K;
+    // 0: Q4_K, 1: Q6_K, 2: Q8_0.
+    let kind = match format {
+        QuantFormat::Q6K => 1,
+        QuantFormat::Q8_0 => 2,
+        _ => 0,
+    };
     let n_rows = acts.q.n_rows;
     for t in 0..rows / TILE_ROWS {
         let at = (o0 / TILE_ROWS + t) * nb * tb;
@@ -358,23 +364,31 @@ pub(super) unsafe fn panel(
             // SAFETY: the caller's contract (features, lengths, the format's tiles and
             // activation sums); `r0 + n <= n_rows`.
             unsafe {
-                match (q6k, vnni, n) {
-                    (false, true, 1) => store(s, pass_vnni::<1>(tr, nb, acts, r0)),
-                    (false, true, 2) => store(s, pass_vnni::<2>(tr, nb, acts, r0)),
-                    (false, true, 3) => store(s, pass_vnni::<3>(tr, nb, acts, r0)),
-                    (false, true, _) => store(s, pass_vnni::<4>(tr, nb, acts, r0)),
-                    (false, false, 1) => store(s, pass_avx2::<1>(tr, nb, acts, r0)),
-                    (false, false, 2) => store(s, pass_avx2::<2>(tr, nb, acts, r0)),
-                    (false, false, 3) => store(s, pass_avx2::<3>(tr, nb, acts, r0)),
-                    (false, false, _) => store(s, pass_avx2::<4>(tr, nb, acts, r0)),
-                    (true, true, 1) => store(s, q6::pass_vnni::<1>(tr, nb, acts, r0)),
-                    (true, true, 2) => store(s, q6::pass_vnni::<2>(tr, nb, acts, r0)),
-                    (true, true, 3) => store(s, q6::pass_vnni::<3>(tr, nb, acts, r0)),
-                    (true, true, _) => store(s, q6::pass_vnni::<4>(tr, nb, acts, r0)),
-                    (true, false, 1) => store(s, q6::pass_avx2::<1>(tr, nb, acts, r0)),
-                    (true, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
-                    (true, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
-                    (true, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
+                match (kind, vnni, n) {
+                    (0, true, 1) => store(s, pass_vnni::<1>(tr, nb, acts, r0)),
+                    (0, true, 2) => store(s, pass_vnni::<2>(tr, nb, acts, r0)),
+                    (0, true, 3) => store(s, pass_vnni::<3>(tr, nb, acts, r0)),
+                    (0, true, _) => store(s, pass_vnni::<4>(tr, nb, acts, r0)),
+                    (0, false, 1) => store(s, pass_avx2::<1>(tr, nb, acts, r0)),
+                    (0, false, 2) => store(s, pass_avx2::<2>(tr, nb, acts, r0)),
+                    (0, false, 3) => store(s, pass_avx2::<3>(tr, nb, acts, r0)),
+                    (0, false, _) => store(s, pass_avx2::<4>(tr, nb, acts, r0)),
+                    (1, true, 1) => store(s, q6::pass_vnni::<1>(tr, nb, acts, r0)),
+                    (1, true, 2) => store(s, q6::pass_vnni::<2>(tr, nb, acts, r0)),
+                    (1, true, 3) => store(s, q6::pass_vnni::<3>(tr, nb, acts, r0)),
+                    (1, true, _) => store(s, q6::pass_vnni::<4>(tr, nb, acts, r0)),
+                    (1, false, 1) => store(s, q6::pass_avx2::<1>(tr, nb, acts, r0)),
+                    (1, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
+                    (1, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
+                    (1, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
+                    (_, true, 1) => store(s, q8::pass_vnni::<1>(tr, nb, acts, r0)),
+                    (_, true, 2) => store(s, q8::pass_vnni::<2>(tr, nb, acts, r0)),
+                    (_, true, 3) => store(s, q8::pass_vnni::<3>(tr, nb, acts, r0)),
+                    (_, true, _) => store(s, q8::pass_vnni::<4>(tr, nb, acts, r0)),
+                    (_, false, 1) => store(s, q8::pass_avx2::<1>(tr, nb, acts, r0)),
+                    (_, false, 2) => store(s, q8::pass_avx2::<2>(tr, nb, acts, r0)),
+                    (_, false, 3) => store(s, q8::pass_avx2::<3>(tr, nb, acts, r0)),
+                    (_, false, _) => store(s, q8::pass_avx2::<4>(tr, nb, acts, r0)),
                 }
             }
             for (a, s) in sums.iter().enumerate().take(n) {
