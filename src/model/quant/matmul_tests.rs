@@ -396,7 +396,7 @@ fn bad_shapes_are_errors() {
     assert!(k.quant_linear(&w, &[], 0, &mut []).is_ok());
 }
 
-/// Q4_K, Q6_K and Q8_0 matrices tiled at load give the row layout's bits in every body, for
+/// Q4_K, Q6_K, Q8_0 and Q4_0 matrices tiled at load give the row layout's bits in every body, for
 /// every row count (passes of four rows and their remainders), several panels and extreme
 /// blocks; the portable body on tiles is also held to the row layout's portable bits, and
 /// untiling gives the row layout's bytes back.
@@ -406,7 +406,13 @@ fn tiled_matrices_give_the_row_layouts_bits() {
     let portable = QuantKernels::portable();
     let mut rng = Rng::new(29);
     let shapes = [(8usize, 256usize), (72, 512), (136, 1024)];
-    for (format, &(rows, cols)) in [QuantFormat::Q4K, QuantFormat::Q6K, QuantFormat::Q8_0]
+    let formats = [
+        QuantFormat::Q4K,
+        QuantFormat::Q6K,
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+    ];
+    for (format, &(rows, cols)) in formats
         .into_iter()
         .flat_map(|f| shapes.iter().map(move |s| (f, s)))
     {

@@ -15,7 +15,7 @@
 //! Matrix products from these blocks without decoding them to f32 are in [`matmul`]
 //! ([`quant_linear`]): activations quantised to 8 bits ([`q8`]), integer dot products
 //! inside a block, f32 accumulation, with portable, AVX2 and AVX-512 VNNI bodies
-//! ([`select`]) that give the same bits. Q4_K, Q6_K and Q8_0 matrices may also be held in tiles
+//! ([`select`]) that give the same bits. Q4_K, Q6_K, Q8_0 and Q4_0 matrices may also be held in tiles
 //! of eight rows ([`tiles`], [`BlockLayout::Tiles8`]), which the CPU backend makes at load in place
 //! of the blocks; their products give the row layout's bits too.
 
@@ -32,12 +32,13 @@ mod matmul_tests;
 pub mod q8;
 pub mod select;
 pub mod tiles;
+#[cfg(target_arch = "x86_64")]
+mod tiles_b32_x86;
+mod tiles_q4_0;
 mod tiles_q6k;
 #[cfg(target_arch = "x86_64")]
 mod tiles_q6k_x86;
 mod tiles_q8_0;
-#[cfg(target_arch = "x86_64")]
-mod tiles_q8_0_x86;
 #[cfg(target_arch = "x86_64")]
 mod tiles_x86;
 #[cfg(target_arch = "x86_64")]
@@ -187,7 +188,7 @@ pub enum QuantError {
 pub enum BlockLayout {
     /// ggml's: row after row, each row its blocks in order (every file stores this).
     Rows,
-    /// Q4_K, Q6_K or Q8_0 in tiles of eight rows of `cols` weights ([`tiles`]), made at load for
+    /// Q4_K, Q6_K, Q8_0 or Q4_0 in tiles of eight rows of `cols` weights ([`tiles`]), made at load for
     /// the CPU backend's products; only whole tiles can be sliced out.
     Tiles8 {
         /// Weights per row.

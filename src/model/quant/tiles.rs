@@ -1,4 +1,4 @@
-//! Q4_K, Q6_K and Q8_0 matrices repacked into tiles of eight output rows, the layout the CPU
+//! Q4_K, Q6_K, Q8_0 and Q4_0 matrices repacked into tiles of eight output rows, the layout the CPU
 //! backend computes from: made once at load in place of the plain blocks (same bytes per
 //! tile, so every offset, budget and copy of the packed image is unchanged), and read back
 //! block by block when something needs the plain layout ([`untile`]).
@@ -10,14 +10,14 @@
 //! of eight outputs is one vector operation per step (llama.cpp repacks for the same
 //! reason: `block_q4_Kx8` in ggml-cpu's `repack.cpp`; these layouts are moec's own, chosen
 //! for its bodies in [`super::tiles_x86`], [`super::tiles_q6k_x86`] and
-//! [`super::tiles_q8_0_x86`]).
+//! [`super::tiles_b32_x86`]).
 //!
 //! The tile of rows `8t..8t + 8`, 256-weight column `b`, is those eight rows' blocks of that
-//! column (1152 bytes for Q4_K, 1680 for Q6_K, 2176 for Q8_0's eight 32-weight blocks a
-//! row, [`tile_bytes`]) at `(t · nb + b) · tile_bytes` (`nb` columns of 256 per row), so a
+//! column (1152 bytes for Q4_K, 1680 for Q6_K, 2176 and 1152 for Q8_0's and Q4_0's eight
+//! 32-weight blocks a row, [`tile_bytes`]) at `(t · nb + b) · tile_bytes` (`nb` columns of 256 per row), so a
 //! range of whole tiles is the same byte range as the same rows stored plain. The Q6_K tile
-//! is described in [`super::tiles_q6k`], the Q8_0 tile in [`super::tiles_q8_0`]; the Q4_K
-//! tile is:
+//! is described in [`super::tiles_q6k`], the Q8_0 tile in [`super::tiles_q8_0`], the Q4_0
+//! tile in [`super::tiles_q4_0`]; the Q4_K tile is:
 //!
 //! - bytes `0..16`: the eight rows' `d` (f16, row order); `16..32`: their `dmin`;
 //! - `32..96`: one byte per (row `r`, sub-block `j`) at [`sm_index`]: the 6-bit scale in
@@ -37,7 +37,7 @@ use super::dot;
 use super::q8::Q8Rows;
 use super::{QuantFormat, QK_K};
 
-/// Whether the CPU backend repacks Q4_K, Q6_K and Q8_0 matrices into tiles at load: yes unless
+/// Whether the CPU backend repacks Q4_K, Q6_K, Q8_0 and Q4_0 matrices into tiles at load: yes unless
 /// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
 /// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
 pub fn enabled() -> bool {
@@ -86,7 +86,7 @@ fn plain_code(block: &[u8], k: usize) -> u8 {
 pub fn tileable(format: QuantFormat, rows: usize, cols: usize) -> bool {
     matches!(
         format,
-        QuantFormat::Q4K | QuantFormat::Q6K | QuantFormat::Q8_0
+        QuantFormat::Q4K | QuantFormat::Q6K | QuantFormat::Q8_0 | QuantFormat::Q4_0
     ) && rows.is_multiple_of(TILE_ROWS)
         && cols.is_multiple_of(QK_K)
 }
@@ -109,6 +109,7 @@ pub fn tile(format: QuantFormat, src: &[u8], rows: usize, cols: usize, dst: &mut
             match format {
                 QuantFormat::Q6K => super::tiles_q6k::tile_block(block, out),
                 QuantFormat::Q8_0 => super::tiles_q8_0::tile_block(block, out),
+                QuantFormat::Q4_0 => super::tiles_q4_0::tile_block(block, out),
                 _ => tile_block_q4k(block, out),
             }
         }
@@ -153,6 +154,7 @@ pub(super) fn untile_block(format: QuantFormat, tile: &[u8], r: usize, out: &mut
     match format {
         QuantFormat::Q6K => super::tiles_q6k::untile_block(tile, r, out),
         QuantFormat::Q8_0 => super::tiles_q8_0::untile_block(tile, r, out),
+        QuantFormat::Q4_0 => super::tiles_q4_0::untile_block(tile, r, out),
         _ => out.copy_from_slice(&untile_block_q4k(tile, r)),
     }
 }
@@ -223,7 +225,7 @@ pub(super) struct TileActs<'a> {
     pairs: Vec<i32>,
     quads: Vec<i32>,
     pairs16: Vec<i16>,
-    offsets128: Vec<i32>,
+    block_offsets: Vec<i32>,
 }
 
 impl<'a> TileActs<'a> {
@@ -236,22 +238,26 @@ impl<'a> TileActs<'a> {
             pairs: Vec::new(),
             quads: Vec::new(),
             pairs16: Vec::new(),
-            offsets128: Vec::new(),
+            block_offsets: Vec::new(),
         };
-        if format == QuantFormat::Q8_0 {
-            // Per 32-code block: lane `h` of a row's 64-bit group covers codes `8c + 4h..`
-            // of every chunk `c`.
+        if let Some(offset) = match format {
+            QuantFormat::Q8_0 => Some(128),
+            QuantFormat::Q4_0 => Some(8),
+            _ => None,
+        } {
+            // Per 32-code block: lane `h` of a row's 64-bit group covers codes `8g + 4h..`
+            // of every group `g` of eight.
             let nb32 = q.blocks_per_row();
-            acts.offsets128 = vec![0i32; q.n_rows * nb32 * 2];
+            acts.block_offsets = vec![0i32; q.n_rows * nb32 * 2];
             for r in 0..q.n_rows {
                 for b in 0..nb32 {
                     let x = q.block_qs(r, b);
                     for h in 0..2 {
                         let s: i32 = (0..4)
-                            .flat_map(|c| x[8 * c + 4 * h..8 * c + 4 * h + 4].iter())
+                            .flat_map(|g| x[8 * g + 4 * h..8 * g + 4 * h + 4].iter())
                             .map(|&v| i32::from(v))
                             .sum();
-                        acts.offsets128[(r * nb32 + b) * 2 + h] = -128 * s;
+                        acts.block_offsets[(r * nb32 + b) * 2 + h] = -offset * s;
                     }
                 }
             }
@@ -324,11 +330,12 @@ impl<'a> TileActs<'a> {
         &self.quads[at..at + 64]
     }
 
-    /// Q8_0: row `r`'s two lane offsets of (32-code) block `b`: `−128 · Σ x` over the codes
-    /// `8c..8c + 4` and `8c + 4..8c + 8` of its four chunks.
-    pub fn offsets128(&self, r: usize, b: usize) -> &[i32] {
+    /// Q8_0 and Q4_0: row `r`'s two lane offsets of (32-code) block `b`: `−128 · Σ x`
+    /// (Q8_0) or `−8 · Σ x` (Q4_0) over the codes `8g..8g + 4` and `8g + 4..8g + 8` of its
+    /// four groups of eight.
+    pub fn block_offsets(&self, r: usize, b: usize) -> &[i32] {
         let at = (r * self.q.blocks_per_row() + b) * 2;
-        &self.offsets128[at..at + 2]
+        &self.block_offsets[at..at + 2]
     }
 
     /// Q6_K: row `r`'s 64 pair offsets of block `b`.

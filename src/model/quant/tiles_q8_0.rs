@@ -1,5 +1,5 @@
 //! The Q8_0 tile: eight rows' blocks of one 256-weight column (eight 32-weight blocks
-//! each), in the order the SIMD bodies ([`super::tiles_q8_0_x86`]) read them (why tiles
+//! each), in the order the SIMD bodies ([`super::tiles_b32_x86`]) read them (why tiles
 //! exist: [`super::tiles`]).
 //!
 //! A tile is 2176 bytes, the 64 34-byte blocks it replaces (a whole number of 64-byte

@@ -324,7 +324,7 @@ unsafe fn pass_avx2<const N: usize>(
     acc
 }
 
-/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K, Q6_K or Q8_0) times every
+/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K, Q6_K, Q8_0 or Q4_0) times every
 /// row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies (`vnni`) or the
 /// AVX2 ones.
 ///
@@ -342,14 +342,15 @@ pub(super) unsafe fn panel(
     local: &mut [f32],
 ) {
     let (format, bytes, cols) = (w.format(), w.data.bytes, w.cols);
+    use super::tiles_b32_x86 as b32;
     use super::tiles_q6k_x86 as q6;
-    use super::tiles_q8_0_x86 as q8;
     let nb = cols / QK_K;
     let tb = super::tiles::tile_bytes(format);
-    // 0: Q4_K, 1: Q6_K, 2: Q8_0.
+    // 0: Q4_K, 1: Q6_K, 2: Q8_0, 3: Q4_0.
     let kind = match format {
         QuantFormat::Q6K => 1,
         QuantFormat::Q8_0 => 2,
+        QuantFormat::Q4_0 => 3,
         _ => 0,
     };
     let n_rows = acts.q.n_rows;
@@ -381,14 +382,22 @@ pub(super) unsafe fn panel(
                     (1, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
                     (1, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
                     (1, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
-                    (_, true, 1) => store(s, q8::pass_vnni::<1>(tr, nb, acts, r0)),
-                    (_, true, 2) => store(s, q8::pass_vnni::<2>(tr, nb, acts, r0)),
-                    (_, true, 3) => store(s, q8::pass_vnni::<3>(tr, nb, acts, r0)),
-                    (_, true, _) => store(s, q8::pass_vnni::<4>(tr, nb, acts, r0)),
-                    (_, false, 1) => store(s, q8::pass_avx2::<1>(tr, nb, acts, r0)),
-                    (_, false, 2) => store(s, q8::pass_avx2::<2>(tr, nb, acts, r0)),
-                    (_, false, 3) => store(s, q8::pass_avx2::<3>(tr, nb, acts, r0)),
-                    (_, false, _) => store(s, q8::pass_avx2::<4>(tr, nb, acts, r0)),
+                    (2, true, 1) => store(s, b32::pass_vnni::<false, 1>(tr, nb, acts, r0)),
+                    (2, true, 2) => store(s, b32::pass_vnni::<false, 2>(tr, nb, acts, r0)),
+                    (2, true, 3) => store(s, b32::pass_vnni::<false, 3>(tr, nb, acts, r0)),
+                    (2, true, _) => store(s, b32::pass_vnni::<false, 4>(tr, nb, acts, r0)),
+                    (2, false, 1) => store(s, b32::pass_avx2::<false, 1>(tr, nb, acts, r0)),
+                    (2, false, 2) => store(s, b32::pass_avx2::<false, 2>(tr, nb, acts, r0)),
+                    (2, false, 3) => store(s, b32::pass_avx2::<false, 3>(tr, nb, acts, r0)),
+                    (2, false, _) => store(s, b32::pass_avx2::<false, 4>(tr, nb, acts, r0)),
+                    (_, true, 1) => store(s, b32::pass_vnni::<true, 1>(tr, nb, acts, r0)),
+                    (_, true, 2) => store(s, b32::pass_vnni::<true, 2>(tr, nb, acts, r0)),
+                    (_, true, 3) => store(s, b32::pass_vnni::<true, 3>(tr, nb, acts, r0)),
+                    (_, true, _) => store(s, b32::pass_vnni::<true, 4>(tr, nb, acts, r0)),
+                    (_, false, 1) => store(s, b32::pass_avx2::<true, 1>(tr, nb, acts, r0)),
+                    (_, false, 2) => store(s, b32::pass_avx2::<true, 2>(tr, nb, acts, r0)),
+                    (_, false, 3) => store(s, b32::pass_avx2::<true, 3>(tr, nb, acts, r0)),
+                    (_, false, _) => store(s, b32::pass_avx2::<true, 4>(tr, nb, acts, r0)),
                 }
             }
             for (a, s) in sums.iter().enumerate().take(n) {

@@ -297,22 +297,25 @@ impl<'c> HostMemory<'c> {
         self.tiled
     }
 
-    /// The run report's words on tiles (Q4_K, Q6_K, Q8_0): how many matrices and bytes were repacked
+    /// The run report's words on tiles (Q4_K, Q6_K, Q8_0, Q4_0): how many matrices and bytes were repacked
     /// at load, or why none were; `None` when the image has no Q4_K matrix to tile.
     pub fn tiling(&self) -> Option<String> {
         let n = self.layout.tiled.len();
         if n > 0 {
             Some(format!(
-                "Q4_K/Q6_K/Q8_0 matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
+                "Q4_K/Q6_K/Q8_0/Q4_0 matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
                  place of their blocks)",
                 self.tiled as f64 / (1u64 << 20) as f64
             ))
         } else if self.layout.tileable().is_empty() {
             None
         } else if !crate::model::quant::tiles::enabled() {
-            Some("Q4_K/Q6_K/Q8_0 matrices in ggml's row layout (MOEC_QUANT_TILES=off)".to_string())
+            Some(
+                "Q4_K/Q6_K/Q8_0/Q4_0 matrices in ggml's row layout (MOEC_QUANT_TILES=off)"
+                    .to_string(),
+            )
         } else {
-            Some("Q4_K/Q6_K/Q8_0 matrices in ggml's row layout (decoded products)".to_string())
+            Some("Q4_K/Q6_K/Q8_0/Q4_0 matrices in ggml's row layout (decoded products)".to_string())
         }
     }
 

@@ -262,7 +262,7 @@ impl ImageLayout {
     }
 
     /// The tensors the CPU backend may hold in tiles of eight rows, with their format and
-    /// `(rows, cols)`: the Q4_K, Q6_K and Q8_0 out-in matrices that only ever multiply whole
+    /// `(rows, cols)`: the Q4_K, Q6_K, Q8_0 and Q4_0 out-in matrices that only ever multiply whole
     /// (attention projections, dense, shared and expert FFN matrices, the lm_head; not
     /// MLA's per-head pieces nor the embedding, whose rows are read one at a time) and
     /// whose rows are whole tiles.
