@@ -224,17 +224,18 @@ impl QuantKernels {
             .zip(&which)
             .map(|(w, i)| i.map(|i| Prepared::new(self, w, &quantised[i])))
             .collect();
-        let tasks: Vec<(usize, usize)> = (0..ws.len())
-            .filter(|&m| live(m))
-            .flat_map(|m| (0..ws[m].rows.div_ceil(PANEL_ROWS)).map(move |p| (m, p)))
+        // One task per panel of every live product, each with what its body reads.
+        let tasks: Vec<(usize, usize, &Prepared<'_>)> = prepared
+            .iter()
+            .enumerate()
+            .filter_map(|(m, prep)| prep.as_ref().map(|prep| (m, prep)))
+            .flat_map(|(m, prep)| (0..ws[m].rows.div_ceil(PANEL_ROWS)).map(move |p| (m, p, prep)))
             .collect();
         let work: usize = (0..ws.len())
             .map(|m| products[m].n_rows * ws[m].rows * ws[m].cols)
             .sum();
-        let task = |&(m, p): &(usize, usize)| match &prepared[m] {
-            Some(prep) => prep.panel(self, &ws[m], products[m].n_rows, p),
-            // Not reached: tasks are made for live products only, each prepared above.
-            None => Vec::new(),
+        let task = |&(m, p, prep): &(usize, usize, &Prepared<'_>)| {
+            prep.panel(self, &ws[m], products[m].n_rows, p)
         };
         let panels: Vec<Vec<f32>> = if work < PARALLEL_MIN_WORK || tasks.len() <= 1 {
             tasks.iter().map(task).collect()
@@ -246,10 +247,7 @@ impl QuantKernels {
                 y.fill(0.0);
             }
         }
-        for (&(m, p), local) in tasks.iter().zip(&panels) {
-            if local.is_empty() {
-                continue;
-            }
+        for (&(m, p, _), local) in tasks.iter().zip(&panels) {
             let (w, y) = (&ws[m], &mut *ys[m]);
             let o0 = p * PANEL_ROWS;
             let rows = local.len() / products[m].n_rows;

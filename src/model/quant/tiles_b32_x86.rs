@@ -18,7 +18,7 @@
 //! sum block by block in order: the portable body's bits.
 
 use super::tiles::TileActs;
-use super::tiles_x86::prefetch_ahead;
+use super::tiles_x86::{bcast256, bcast512, prefetch_ahead};
 use super::{tiles_q4_0, tiles_q8_0};
 use std::arch::x86_64::*;
 
@@ -93,10 +93,9 @@ pub(super) unsafe fn pass_vnni<const Q4: bool, const N: usize>(
                     }
                 });
                 for a in 0..N {
-                    let mut s = _mm512_set1_epi64((off[a].as_ptr() as *const i64).read_unaligned());
+                    let mut s = bcast512(off[a].as_ptr());
                     for (g, wg) in w.iter().enumerate() {
-                        let xg = (x[a].as_ptr().add(8 * g) as *const i64).read_unaligned();
-                        s = _mm512_dpbusd_epi32(s, *wg, _mm512_set1_epi64(xg));
+                        s = _mm512_dpbusd_epi32(s, *wg, bcast512(x[a].as_ptr().add(8 * g)));
                     }
                     let pairs = _mm512_add_epi32(s, _mm512_shuffle_epi32::<0xB1>(s));
                     let isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(evens, pairs));
@@ -158,14 +157,13 @@ pub(super) unsafe fn pass_avx2<const Q4: bool, const N: usize>(
                 });
                 for a in 0..N {
                     let start = if Q4 {
-                        _mm256_set1_epi64x((off[a].as_ptr() as *const i64).read_unaligned())
+                        bcast256(off[a].as_ptr())
                     } else {
                         _mm256_setzero_si256()
                     };
                     let mut s = [start; 2];
                     for (g, wg) in w.iter().enumerate() {
-                        let xg = (x[a].as_ptr().add(8 * g) as *const i64).read_unaligned();
-                        let y = _mm256_set1_epi64x(xg);
+                        let y = bcast256(x[a].as_ptr().add(8 * g));
                         for half in 0..2 {
                             let p = if Q4 {
                                 _mm256_maddubs_epi16(wg[half], y)

@@ -22,7 +22,7 @@
 
 use super::tiles::{TileActs, TILE_ROWS};
 use super::tiles_q6k::{GROUP, GROUPS, SCALES, TILE};
-use super::tiles_x86::{fold512, prefetch_ahead};
+use super::tiles_x86::{bcast256, bcast512, fold512, prefetch_ahead};
 use std::arch::x86_64::*;
 
 /// The eight outputs' f32 values of one block: `(d·dy)·f32(isum)`.
@@ -109,23 +109,13 @@ pub(super) unsafe fn pass_vnni<const N: usize>(
                     let c = 2 * p + h;
                     let ql = _mm512_loadu_si512(t.as_ptr().add(g + 64 * h) as *const _);
                     let (lo, hi) = codes512(ql, qh, h == 1);
-                    let sc8 = _mm256_set1_epi64x(
-                        (t.as_ptr().add(SCALES + 8 * c) as *const i64).read_unaligned(),
-                    );
+                    let sc8 = bcast256(t.as_ptr().add(SCALES + 8 * c));
                     let scv = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc8, shuf));
                     for a in 0..N {
                         let xa = x[a].as_ptr().add(16 * c);
                         let oa = off[a].as_ptr().add(4 * c) as *const i64;
-                        let s0 = _mm512_dpbusd_epi32(
-                            _mm512_set1_epi64(oa.read_unaligned()),
-                            lo,
-                            _mm512_set1_epi64((xa as *const i64).read_unaligned()),
-                        );
-                        let s1 = _mm512_dpbusd_epi32(
-                            _mm512_set1_epi64(oa.add(1).read_unaligned()),
-                            hi,
-                            _mm512_set1_epi64((xa.add(8) as *const i64).read_unaligned()),
-                        );
+                        let s0 = _mm512_dpbusd_epi32(bcast512(oa), lo, bcast512(xa));
+                        let s1 = _mm512_dpbusd_epi32(bcast512(oa.add(1)), hi, bcast512(xa.add(8)));
                         isum[a] = _mm512_dpwssd_epi32(isum[a], _mm512_packs_epi32(s0, s1), scv);
                     }
                 }
@@ -222,11 +212,9 @@ pub(super) unsafe fn pass_avx2<const N: usize>(
                     }
                     for a in 0..N {
                         let xa = x[a].as_ptr().add(16 * c);
-                        let y_lo = _mm256_set1_epi64x((xa as *const i64).read_unaligned());
-                        let y_hi = _mm256_set1_epi64x((xa.add(8) as *const i64).read_unaligned());
-                        let o = _mm256_set1_epi64x(
-                            (off[a].as_ptr().add(4 * c) as *const i64).read_unaligned(),
-                        );
+                        let y_lo = bcast256(xa);
+                        let y_hi = bcast256(xa.add(8));
+                        let o = bcast256(off[a].as_ptr().add(4 * c));
                         for half in 0..2 {
                             let s = _mm256_add_epi16(
                                 _mm256_add_epi16(

@@ -82,13 +82,14 @@ unsafe fn pair_scales_mins(t: &[u8], p: usize) -> (__m128i, __m128i) {
     (sc, _mm_or_si128(lo, _mm_slli_epi16::<2>(mh)))
 }
 
-/// Eight activation codes at `x` in every 64-bit lane.
+/// The 8 bytes at `x` (eight activation codes, or two 32-bit lane offsets) in every 64-bit
+/// lane.
 ///
 /// # Safety
 /// AVX-512 F available; 8 bytes at `x`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn bcast512(x: *const i8) -> __m512i {
+pub(super) unsafe fn bcast512<T>(x: *const T) -> __m512i {
     // SAFETY: 8 bytes at `x`.
     _mm512_set1_epi64(unsafe { (x as *const i64).read_unaligned() })
 }
@@ -217,13 +218,13 @@ const fn shuffles() -> ([[[i8; 16]; 2]; 2], [i8; 16]) {
 
 const SHUFFLES: ([[[i8; 16]; 2]; 2], [i8; 16]) = shuffles();
 
-/// Eight activation codes at `x` in every 64-bit lane.
+/// The 8 bytes at `x` in every 64-bit lane ([`bcast512`]'s 256-bit twin).
 ///
 /// # Safety
 /// AVX available; 8 bytes at `x`.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn bcast256(x: *const i8) -> __m256i {
+pub(super) unsafe fn bcast256<T>(x: *const T) -> __m256i {
     // SAFETY: 8 bytes at `x`.
     _mm256_set1_epi64x(unsafe { (x as *const i64).read_unaligned() })
 }
