@@ -7,8 +7,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use moec::engine::{run, RunRequest};
 use moec::model::card::ModelCard;
-use moec::model::source::ModelSource;
-use moec::model::synth::{write_checkpoint, SynthOptions};
+use moec::weights::source::ModelSource;
+use moec::weights::synth::{write_checkpoint, SynthOptions};
 
 fn bench(c: &mut Criterion) {
     let card = ModelCard::load("mixtral-tiny").expect("card");

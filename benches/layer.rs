@@ -9,14 +9,15 @@
 //! throughput lines report the same FLOP counts as "elem/s".
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use moec::model::kernels::attention::{attention, AttnSeq};
-use moec::model::kernels::kv_cache::{KvLayout, PagedKvCache};
-use moec::model::kernels::moe::{combine, expert_ffn, gate};
-use moec::model::kernels::projection::{o_proj_residual, pre_attn};
-use moec::model::kernels::rope::RopeTable;
-use moec::model::kernels::simd::avx512_available;
-use moec::model::synth::{synthetic_layer_image, SynthOptions};
-use moec::model::{ArchSpec, LayerWeights, ModelCard};
+use moec::math::attention::{attention, AttnSeq};
+use moec::math::kv_cache::{KvLayout, PagedKvCache};
+use moec::math::moe::{combine, expert_ffn, gate};
+use moec::math::projection::{o_proj_residual, pre_attn};
+use moec::math::rope::RopeTable;
+use moec::math::simd::avx512_available;
+use moec::math::views::LayerWeights;
+use moec::model::{ArchSpec, ModelCard};
+use moec::weights::synth::{synthetic_layer_image, SynthOptions};
 use std::time::Instant;
 
 /// Clock the peak estimate assumes when /proc/cpuinfo gives none (this machine's AMD EPYC

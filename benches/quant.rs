@@ -24,10 +24,11 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use moec::model::kernels::isa::Kernels;
-use moec::model::quant::select::describe;
-use moec::model::quant::{QuantBody, QuantFormat, QuantKernels, QuantMatrix, QuantSlice};
-use moec::model::tensor::{Matrix, Orientation, TypedSlice};
+use moec::math::isa::Kernels;
+use moec::math::qmatmul::select::describe;
+use moec::math::qmatmul::{QuantBody, QuantKernels, QuantMatrix};
+use moec::math::tensor::{Matrix, Orientation, TypedSlice};
+use moec::quant::{QuantFormat, QuantSlice};
 use std::time::Instant;
 
 /// Interleaved rounds per point (the median is printed).
@@ -91,7 +92,7 @@ struct Set {
     inp: usize,
     format: QuantFormat,
     /// Q4_K and Q6_K only: the blocks in tiles of eight rows, as the CPU backend repacks
-    /// them at load (`moec::model::quant::tiles`).
+    /// them at load (`moec::math::qmatmul::tiles`).
     tiled: bool,
     quant: Vec<Vec<u8>>,
     dense: Vec<Vec<bf16>>,
@@ -119,7 +120,7 @@ impl Set {
     fn into_tiles(mut self) -> Self {
         for q in &mut self.quant {
             let mut t = vec![0u8; q.len()];
-            assert!(moec::model::quant::tiles::tile(
+            assert!(moec::math::qmatmul::tiles::tile(
                 self.format,
                 q,
                 self.out,
@@ -315,7 +316,7 @@ fn bodies(set: &Set) {
 fn bench(c: &mut Criterion) {
     let k = Kernels::process();
     let qk = QuantKernels::process();
-    println!("{}", moec::model::kernels::isa::describe());
+    println!("{}", moec::math::isa::describe());
     println!("{}", describe(k));
     println!("threads: {}", rayon::current_num_threads());
     // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.
@@ -330,7 +331,7 @@ fn bench(c: &mut Criterion) {
     ] {
         if only.as_deref().is_none_or(|name| name == format.name()) {
             one_thread(&Set::new(format, 1024, 3584), qk, k);
-            if moec::model::quant::tiles::tileable(format, 1024, 3584) {
+            if moec::math::qmatmul::tiles::tileable(format, 1024, 3584) {
                 one_thread(&Set::new(format, 1024, 3584).into_tiles(), qk, k);
             }
         }

@@ -1,6 +1,6 @@
 // Activation rows rounded through ggml's 8-bit activation formats, so a product of
 // block-quantised weights on the device multiplies the values the CPU's default product
-// (src/model/quant/q8.rs, `MOEC_QUANT_PRODUCT=int8`) multiplies: each block's codes times
+// (src/quant/q8.rs, `MOEC_QUANT_PRODUCT=int8`) multiplies: each block's codes times
 // its scale, written back as f32. The products that follow (linear_gemv, the grouped MoE
 // kernels, dequant_f32 + cuBLAS) then compute Σ w_i (scale q_i), the CPU's Σ (scale w_i q_i)
 // up to f32 rounding and summation order.
@@ -18,7 +18,7 @@
 // Q8_K, 1 for Q8_0), grid-stride over `n_blocks`. (A thread per block, as first written, left
 // a decode step's 1024-value rows to 4 threads: 24 us a launch on an H100.)
 
-// ggml's nearest_int: round half to even through the 1.5 * 2^23 trick (src/model/quant/q8.rs).
+// ggml's nearest_int: round half to even through the 1.5 * 2^23 trick (src/quant/q8.rs).
 __device__ __forceinline__ int moec_nearest_int(float v) {
     const float biased = v + 12582912.0f;
     return (int)(__float_as_uint(biased) & 0x007fffffu) - 0x00400000;

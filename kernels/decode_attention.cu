@@ -1,9 +1,9 @@
 // Decode attention over the paged KV cache: one new query token per sequence, grouped-query
-// heads, f32 softmax, as attention_of() in src/model/kernels/attention.rs computes it for
+// heads, f32 softmax, as attention_of() in src/math/attention.rs computes it for
 // n_new = 1 (append the token's K/V, then attend to cached tokens 0..=pos, or only the last
 // sliding_window of them).
 //
-// KV layout (src/model/kernels/kv_cache.rs, KvLayout): each pool is
+// KV layout (src/math/kv_cache.rs, KvLayout): each pool is
 // [n_blocks][kv_heads][tile], one tile of block_size * head_dim f32 per (block, head) at
 // tile(b, h) = (b * kv_heads + h) * block_size * head_dim. Values are rows per slot:
 // v_pool[tile + slot * head_dim + dim]. Keys are transposed: k_pool[tile + dim * block_size

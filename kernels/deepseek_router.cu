@@ -1,5 +1,5 @@
 // DeepSeek's routers on the device, as route_deepseek() in
-// src/model/kernels/deepseek_route.rs decides (transformers' DeepseekV2TopkRouter and
+// src/math/deepseek_route.rs decides (transformers' DeepseekV2TopkRouter and
 // DeepseekV3TopkRouter; read its header):
 //   mode 0 (greedy) and 1 (group_limited_greedy), DeepSeek-V2: softmax over all experts
 //     (exp(v - max) / sum, summed in expert order); mode 1 keeps the topk_group groups with
@@ -14,7 +14,7 @@
 //
 //   deepseek_route     logits -> the packed route
 //   deepseek_no_route  a dense layer's route: every slot NO_EXPERT (0xffffffff), weight 0
-//                      (model::dense::no_expert_routing), which the grouping and combine
+//                      (math::dense::no_expert_routing), which the grouping and combine
 //                      kernels skip
 //
 // Layout: logits is [n_tokens, n_experts] f32; bias is n_experts f32 (0: none);

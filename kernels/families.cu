@@ -1,5 +1,5 @@
 // The pieces of the newer MoE families that Mixtral and DBRX do not have, with the CPU
-// backend's math (src/model/kernels/projection.rs, moe.rs):
+// backend's math (src/math/projection.rs, moe.rs):
 //   (the q/k RMSNorm of Qwen3 and OLMoE, qk_rms_norm_f32, is in rms_norm.cu beside the
 //   other norms and shares their block reduction)
 //   bias_rows           x[r, col + i] (+)= b[i] for i < cols: q/k/v, o_proj, router and

@@ -1,5 +1,5 @@
 // DeepSeek's multi-head latent attention (MLA) on the device, in the absorbed form
-// src/model/kernels/mla.rs computes on the CPU (read its header): the cache holds one kv
+// src/math/mla.rs computes on the CPU (read its header): the cache holds one kv
 // head of width head_dim = kv_lora_rank (r) + qk_rope_head_dim, K = [c | k_pe] and
 // V = [c | 0] (c the normalised latent, k_pe the rotated shared key), and each query head
 // is [q_nope W_uk_h | q_pe] scaled so that the attention kernel's 1 / sqrt(head_dim)

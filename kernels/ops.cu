@@ -1,5 +1,5 @@
 // The data-movement and small ops of the op catalog that are not a GEMM, with the CPU
-// backend's layouts (src/model/kernels/*):
+// backend's layouts (src/math/*):
 //   embed_bf16 / embed_f16 / embed_f32   embed: head::embed, out[t] = widen(table[ids[t]])
 //   widen_bf16 / widen_f16               stored weights to f32 (simd::widen), for f32 GEMMs
 //   narrow_bf16                          f32 to bf16, round to nearest even (half's from_f32)

@@ -1,6 +1,6 @@
 // Prefill (and mixed) attention over the paged KV cache: any number of new tokens per
 // sequence, causal, grouped-query heads, f32 softmax, as attention_of() in
-// src/model/kernels/attention.rs computes it for n_new >= 1: first every new token's K/V is
+// src/math/attention.rs computes it for n_new >= 1: first every new token's K/V is
 // appended, then each new token attends to its sequence's tokens 0..=pos (or only the last
 // sliding_window of them), including the other new tokens before it.
 //

@@ -29,7 +29,7 @@ __device__ __forceinline__ float moec_f16_to_f32(unsigned short h) {
 }
 
 // Block-quantised weights (dtype codes 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K; 7 Q4_0, 8 Q4_1 and
-// 9 MXFP4 in their own parts below), ggml's block layouts as src/model/quant/blocks.rs decodes
+// 9 MXFP4 in their own parts below), ggml's block layouts as src/quant/blocks.rs decodes
 // them. A quantised matrix is stored [out, in]
 // with rows of whole blocks, so element i of the matrix is weight i % elems of block
 // i / elems counted from the start: no row stride is needed. Products and differences are
@@ -58,7 +58,7 @@ __device__ __forceinline__ float moec_f16_at(const unsigned char* p) {
 // ---- Group-wise int4 (dtype codes 7 Q4_0, 8 Q4_1): blocks of 32 weights ----------------
 // ggml's block_q4_0 (f16 d, 16 code bytes; weight = d * (q - 8)) and block_q4_1 (f16 d and
 // m, 16 code bytes; weight = d * q + m, rounded product then rounded sum), as
-// src/model/quant/blocks.rs decodes them: weights 0..16 are the low nibbles of the code
+// src/quant/blocks.rs decodes them: weights 0..16 are the low nibbles of the code
 // bytes, weights 16..32 their high nibbles, so an 8-run (e0 a multiple of 8) shares one
 // nibble half.
 __device__ __forceinline__ void moec_q4_decode(const unsigned char* b, int dtype, int e0, int n, float* v) {
@@ -75,7 +75,7 @@ __device__ __forceinline__ void moec_q4_decode(const unsigned char* b, int dtype
 // ---- MXFP4 (dtype code 9): blocks of 32 weights -----------------------------------------
 // ggml's block_mxfp4: one e8m0 exponent byte e, then 16 code bytes in Q4_0's nibble order;
 // weight = kvalues_mxfp4[q] * 2^(e - 128) (twice the e2m1 value times half the scale, as
-// ggml_e8m0_to_fp32_half builds it from bits), exact, as src/model/quant/blocks.rs decodes.
+// ggml_e8m0_to_fp32_half builds it from bits), exact, as src/quant/blocks.rs decodes.
 __device__ __forceinline__ void moec_mxfp4_decode(const unsigned char* b, int e0, int n, float* v) {
     const unsigned int e = b[0];
     const float d = __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));

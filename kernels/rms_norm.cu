@@ -1,5 +1,5 @@
 // Row normalisation of f32 activations with a stored per-channel weight, as
-// src/model/kernels/norm.rs computes it:
+// src/math/norm.rs computes it:
 //   rms_norm   (Mixtral RMSNorm)          out = w * (x * rsqrt(mean(x^2) + eps))
 //   layer_norm (DBRX LayerNorm, no bias)  out = (x - mean) * rsqrt(var + eps) * w
 // with the biased variance (divide by d), statistics in f32.

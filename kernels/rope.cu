@@ -1,5 +1,5 @@
 // Rotary position embeddings in the NeoX ("rotate_half") layout, as
-// src/model/kernels/rope.rs and projection.rs apply them: within each head of width
+// src/math/rope.rs and projection.rs apply them: within each head of width
 // head_dim = 2 * half, element i pairs with element i + half:
 //   lo' = lo * cos - hi * sin,   hi' = hi * cos + lo * sin.
 //

@@ -1,4 +1,4 @@
-// The MoE router's decision, as route() in src/model/kernels/moe.rs makes it: softmax over
+// The MoE router's decision, as route() in src/math/moe.rs makes it: softmax over
 // all experts in f32 (exp(v - max) / sum), top-k with ties to the lower expert index, then
 // division by the p-norm of the chosen probabilities when norm_p > 0 (Mixtral and DBRX:
 // p = 1, the sum), the norm taken in double as the CPU does; norm_p <= 0 keeps the raw

@@ -1,4 +1,4 @@
-// The experts' SwiGLU activation, as expert_ffn in src/model/kernels/moe.rs computes it:
+// The experts' SwiGLU activation, as expert_ffn in src/math/moe.rs computes it:
 //   gate[i] = silu(gate[i]) * up[i],   silu(x) = x / (1 + exp(-x)).
 //
 // Layout: gate and up are the same n f32 elements ([n_rows, ffn] row-major, but only the

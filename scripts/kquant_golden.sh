@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Remakes tests/fixtures/quant/kquant-golden.bin: ggml's own Q4_K, Q5_K and Q6_K bytes
 # (what llama-quantize writes, no importance matrix) for scripts/kquant_golden.c's matrix,
-# which src/model/quant/encode.rs's tests compare moec's encoder with byte for byte.
+# which src/quant/encode.rs's tests compare moec's encoder with byte for byte.
 # Takes: g++ and the ggml that scripts/gguf_fixtures.sh builds under $MOEC_PEER_CACHE
 # (default ~/.cache/moec-peer; build-0.3.36 and the llama-cpp-python 0.3.36 sdist).
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden values for moec's block decoders (src/model/quant/), from gguf-py.
+"""Golden values for moec's block decoders (src/quant/), from gguf-py.
 
 gguf-py (llama.cpp's own Python package, `gguf.quants.dequantize`) is an implementation
 of the GGUF block formats independent of moec's. This writes a few blocks of each format

@@ -6,8 +6,8 @@
 #[path = "gguf_common/mod.rs"]
 mod gguf_common;
 
-use moec::model::gguf::{GgufFile, Value};
-use moec::model::quant::QuantFormat;
+use moec::quant::QuantFormat;
+use moec::weights::gguf::{GgufFile, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -1140,7 +1140,7 @@ fn the_hand_built_gguf_of_the_hostile_cases_opens() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.gguf");
     std::fs::write(&path, tiny_qwen3_gguf(|_, _| {})).unwrap();
-    let ck = moec::model::Checkpoint::open_gguf(&path, None).unwrap();
+    let ck = moec::weights::checkpoint::Checkpoint::open_gguf(&path, None).unwrap();
     let card = ck.card();
     assert_eq!(card.family, moec::model::card::Family::Qwen3Moe);
     assert_eq!(

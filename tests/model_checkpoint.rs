@@ -4,17 +4,18 @@
 //! decode to exactly their bf16 values (repacked once, the Hub's bytes then released), and
 //! every malformed case is an error naming the file and tensor.
 
-use moec::model::checkpoint::CheckpointError;
-use moec::model::kernels::isa::Kernels;
-use moec::model::kernels::moe::{expert_ffn, RoutedRow};
-use moec::model::kernels::projection::pre_attn;
-use moec::model::kernels::rope::RopeTable;
-use moec::model::quant::{dequantize_blocks, QuantFormat};
-use moec::model::synth::{
+use moec::math::isa::Kernels;
+use moec::math::moe::{expert_ffn, RoutedRow};
+use moec::math::projection::pre_attn;
+use moec::math::rope::RopeTable;
+use moec::math::views::LayerWeights;
+use moec::model::{ModelCard, SegmentKind, WeightDtype};
+use moec::oracle::{GenerateOptions, Oracle};
+use moec::quant::{dequantize_blocks, QuantFormat};
+use moec::weights::checkpoint::Checkpoint;
+use moec::weights::checkpoint::CheckpointError;
+use moec::weights::synth::{
     synthetic_layer_image, write_checkpoint, write_checkpoint_as, ExpertStorage, SynthOptions,
-};
-use moec::model::{
-    Checkpoint, GenerateOptions, LayerWeights, ModelCard, Oracle, SegmentKind, WeightDtype,
 };
 use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
@@ -493,7 +494,7 @@ fn dense_layer_tensors_are_read_by_their_hub_names_and_checked() {
 /// A checkpoint folder's own tokenizer.json wins over the card's embedded one.
 #[test]
 fn folder_tokenizer_wins_over_the_embedded_one() {
-    use moec::model::tokenizer::{TextTokenizer, DBRX_TOKENIZER_JSON};
+    use moec::weights::tokenizer::{TextTokenizer, DBRX_TOKENIZER_JSON};
     let tmp = tempfile::tempdir().unwrap();
     let card = small_card("mixtral-tiny");
     let dir = synth(tmp.path(), &card, SynthOptions::default());
@@ -791,7 +792,8 @@ fn repacked_mxfp4_experts_are_held_once_and_the_hub_bytes_released() {
         for expert in [0, card.experts as usize - 1] {
             let seg = layout.segment(SegmentKind::ExpertDown(expert)).unwrap();
             let image_bytes = ck.segment_bytes(layer, seg).unwrap();
-            let moec::model::TypedSlice::Quant(typed) = weights.experts[expert].down.data else {
+            let moec::math::tensor::TypedSlice::Quant(typed) = weights.experts[expert].down.data
+            else {
                 panic!("MXFP4 experts stay quantised");
             };
             assert_eq!(typed.format, QuantFormat::Mxfp4);
@@ -1185,7 +1187,7 @@ fn gguf_o200k_pre_tokenizer_splits_as_llama_cpp() {
         return;
     }
     let ck = Checkpoint::open_gguf(&dir.join("gpt-oss-q4-f32.gguf"), None).unwrap();
-    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), &vocab).unwrap();
+    let ours = moec::weights::tokenizer::TextTokenizer::load_gguf(ck.card(), &vocab).unwrap();
     assert!(
         ours.origin().contains("GGUF vocabulary"),
         "{}",
@@ -1256,7 +1258,10 @@ fn a_dbrx_gguf_tokenizer_splits_as_llama_cpp_reads_its_label() {
 fn cl100k_fixture_tokenizer(
     family: &str,
     origin: &[&str],
-) -> Option<(moec::model::tokenizer::TextTokenizer, tokenizers::Tokenizer)> {
+) -> Option<(
+    moec::weights::tokenizer::TextTokenizer,
+    tokenizers::Tokenizer,
+)> {
     let file = format!("{family}-q4-Q4_K_M.gguf");
     let Some(path) = gguf_common::family_fixtures()
         .map(|d| d.join(&file))
@@ -1283,9 +1288,9 @@ fn cl100k_fixture_tokenizer(
 fn gguf_tokenizer(
     path: &std::path::Path,
     origin: &[&str],
-) -> moec::model::tokenizer::TextTokenizer {
+) -> moec::weights::tokenizer::TextTokenizer {
     let ck = Checkpoint::open_gguf(path, None).unwrap();
-    let ours = moec::model::tokenizer::TextTokenizer::load_gguf(ck.card(), path).unwrap();
+    let ours = moec::weights::tokenizer::TextTokenizer::load_gguf(ck.card(), path).unwrap();
     for part in origin {
         assert!(ours.origin().contains(part), "{}", ours.origin());
     }
@@ -1295,7 +1300,7 @@ fn gguf_tokenizer(
 /// Each of `texts` encodes (with the BOS the Hub file's post-processor adds, which
 /// `TextTokenizer` adds from the card) to `hub`'s ids, and those ids decode to `hub`'s text.
 fn encodes_as_the_hub_file(
-    ours: &moec::model::tokenizer::TextTokenizer,
+    ours: &moec::weights::tokenizer::TextTokenizer,
     hub: &tokenizers::Tokenizer,
     texts: &[&str],
 ) {

@@ -3,15 +3,18 @@
 //! bit-identical whichever micro-batch computes it), which the runtime's schedules rely on
 //! to reproduce the oracle's tokens exactly.
 
-use moec::model::kernels::attention::{attention, AttnSeq};
-use moec::model::kernels::head::logits;
-use moec::model::kernels::kv_cache::{KvLayout, PagedKvCache};
-use moec::model::kernels::moe::{combine, expert_ffn, gate, RoutedRow};
-use moec::model::kernels::projection::{o_proj_residual, pre_attn};
-use moec::model::kernels::rope::RopeTable;
-use moec::model::synth::{write_checkpoint, SynthOptions};
-use moec::model::tokenizer::TextTokenizer;
-use moec::model::{Checkpoint, GenerateOptions, ModelCard, Oracle, Sampling};
+use moec::math::attention::{attention, AttnSeq};
+use moec::math::head::logits;
+use moec::math::kv_cache::{KvLayout, PagedKvCache};
+use moec::math::moe::{combine, expert_ffn, gate, RoutedRow};
+use moec::math::projection::{o_proj_residual, pre_attn};
+use moec::math::rope::RopeTable;
+use moec::math::sampling::Sampling;
+use moec::model::ModelCard;
+use moec::oracle::{GenerateOptions, Oracle};
+use moec::weights::checkpoint::Checkpoint;
+use moec::weights::synth::{write_checkpoint, SynthOptions};
+use moec::weights::tokenizer::TextTokenizer;
 use std::path::PathBuf;
 
 fn tiny(name: &str) -> (tempfile::TempDir, PathBuf) {
@@ -391,7 +394,7 @@ fn expert_execution_order_does_not_change_the_result() {
 /// tokens and every logit are bit-identical (the largest logit difference is printed).
 #[test]
 fn simd_and_portable_kernels_give_the_same_generation() {
-    use moec::model::kernels::isa::{Isa, Kernels};
+    use moec::math::isa::{Isa, Kernels};
     for name in [
         "mixtral-tiny",
         "dbrx-tiny",

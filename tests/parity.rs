@@ -24,8 +24,9 @@
 
 use std::path::{Path, PathBuf};
 
-use moec::model::kernels::isa::Kernels;
-use moec::model::{Checkpoint, GenerateOptions, Generation, Oracle};
+use moec::math::isa::Kernels;
+use moec::oracle::{GenerateOptions, Generation, Oracle};
+use moec::weights::checkpoint::Checkpoint;
 use serde::Deserialize;
 
 /// Log-probabilities of the generated tokens: the bar issue #2 sets for parity.

@@ -10,11 +10,11 @@ use moec::compile::{compile, Options};
 use moec::ir::Workload;
 use moec::lower::{lower, LowerOptions};
 use moec::model::card::ModelCard;
-use moec::model::checkpoint::Checkpoint;
-use moec::model::oracle::{GenerateOptions, Oracle};
-use moec::model::synth::{write_checkpoint, SynthOptions};
+use moec::oracle::{GenerateOptions, Oracle};
 use moec::runtime::WeightCopies;
 use moec::runtime::{generate, RunOptions};
+use moec::weights::checkpoint::Checkpoint;
+use moec::weights::synth::{write_checkpoint, SynthOptions};
 use std::path::{Path, PathBuf};
 
 #[path = "gguf_common/mod.rs"]
@@ -338,7 +338,7 @@ fn q4_k_m_fixture() -> Option<PathBuf> {
 /// Every schedule runs llama.cpp's Q4_K_M checkpoint from its quantised bytes (layer
 /// images hold the file's blocks; copies move them) with the oracle's tokens for that
 /// checkpoint: the oracle multiplies the same blocks with the same quantised product
-/// (`model::quant::quant_linear`: 8-bit activations, integer block sums). Once with copies that move every byte, once with a `gpu` arena of 95%
+/// (`math::qmatmul::quant_linear`: 8-bit activations, integer block sums). Once with copies that move every byte, once with a `gpu` arena of 95%
 /// of the (quantised) weights: the fixture's embedding and lm_head (vocabulary 32000) are
 /// 83% of its bytes, so a smaller arena leaves no room for the schedules that keep both
 /// on the device.
@@ -493,7 +493,7 @@ fn a_driver_session_admits_cancels_and_steps_with_the_oracle_s_tokens() {
     let request = |i: usize| SeqRequest {
         prompt: prompts[i].clone(),
         max_new_tokens: GEN_LEN,
-        sampling: moec::model::Sampling::Greedy,
+        sampling: moec::math::sampling::Sampling::Greedy,
         seed: 0,
         stop_at_eos: false,
     };

@@ -3,8 +3,8 @@
 //! block runs it (gate and up fused, then down).
 
 use half::bf16;
-use moec::model::kernels::isa::Kernels;
-use moec::model::tensor::{Matrix, Orientation, TypedSlice};
+use moec::math::isa::Kernels;
+use moec::math::tensor::{Matrix, Orientation, TypedSlice};
 
 /// Hidden size.
 pub const D: usize = 1024;

@@ -10,8 +10,9 @@
 //! on a terminal, a line per batch on stderr otherwise) from its first seconds.
 
 use super::inputs::{ModelArgs, PromptArgs};
-use crate::model::source::load_model;
-use crate::model::{GenerateOptions, Oracle, Sampling};
+use crate::math::sampling::Sampling;
+use crate::oracle::{GenerateOptions, Oracle};
+use crate::weights::source::load_model;
 use std::process::ExitCode;
 
 /// Prompts given to the oracle in one call: bounds the memory of a long prompt file (the
@@ -120,7 +121,7 @@ fn read_prompts(args: &GenerateArgs) -> Result<Vec<String>, String> {
 /// file of short prompts costs one pass over their lengths.
 fn refuse_too_long(
     prompts: &[String],
-    model: &crate::model::source::LoadedModel,
+    model: &crate::weights::source::LoadedModel,
     max_new_tokens: usize,
 ) -> Result<(), String> {
     /// Tokens a tokenizer may add to the text's own (BOS, EOS, a prefix space).
@@ -139,7 +140,7 @@ fn refuse_too_long(
         let tokens = model.tokenizer.encode(p).map_err(|e| e.to_string())?.len();
         let tokens = tokens.saturating_add(max_new_tokens);
         if tokens > max {
-            return Err(crate::model::OracleError::TooLong { index, tokens, max }.to_string());
+            return Err(crate::oracle::OracleError::TooLong { index, tokens, max }.to_string());
         }
     }
     Ok(())
@@ -217,14 +218,14 @@ fn generate(args: &GenerateArgs) -> Result<(), String> {
         };
         let generated = oracle.generate(chunk, &options).map_err(|e| match e {
             // The oracle numbers prompts within the batch; the user numbers them in the file.
-            crate::model::OracleError::EmptyPrompt { index } => {
-                crate::model::OracleError::EmptyPrompt {
+            crate::oracle::OracleError::EmptyPrompt { index } => {
+                crate::oracle::OracleError::EmptyPrompt {
                     index: index + first,
                 }
                 .to_string()
             }
-            crate::model::OracleError::TooLong { index, tokens, max } => {
-                crate::model::OracleError::TooLong {
+            crate::oracle::OracleError::TooLong { index, tokens, max } => {
+                crate::oracle::OracleError::TooLong {
                     index: index + first,
                     tokens,
                     max,

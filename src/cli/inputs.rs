@@ -2,7 +2,7 @@
 //! `ablate`): which model, which prompts, and how a schedule is run. One definition, so the flags read and
 //! behave the same everywhere.
 
-use crate::model::source::ModelSource;
+use crate::weights::source::ModelSource;
 use std::path::{Path, PathBuf};
 
 /// `--model` / `--weights`: where the model comes from.
@@ -37,7 +37,7 @@ pub fn planning_card(
 ) -> Result<crate::model::card::ModelCard, String> {
     let path = Path::new(model);
     let mut card = if path.extension().is_some_and(|e| e == "gguf") {
-        crate::model::Checkpoint::open_gguf(path, None)
+        crate::weights::checkpoint::Checkpoint::open_gguf(path, None)
             .map_err(|e| e.to_string())?
             .card()
             .clone()

@@ -82,7 +82,7 @@ pub fn main() -> ExitCode {
     // The kernel choice is made once, here: a `MOEC_KERNELS` this CPU cannot honour stops
     // every command before it computes anything (`devices` reports it instead).
     if let (Err(e), false) = (
-        crate::model::kernels::isa::selection(),
+        crate::math::isa::selection(),
         matches!(cli.command, Command::Devices(_)),
     ) {
         return generate::fail(e);

@@ -11,9 +11,9 @@
 
 use crate::cli::generate::fail;
 use crate::cli::inputs::ModelArgs;
-use crate::model::perplexity::perplexity;
-use crate::model::source::{load_model, ModelSource};
-use crate::model::Oracle;
+use crate::oracle::perplexity::perplexity;
+use crate::oracle::Oracle;
+use crate::weights::source::{load_model, ModelSource};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

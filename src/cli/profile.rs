@@ -31,7 +31,7 @@ pub struct ProfileArgs {
 pub fn run(args: &ProfileArgs) -> ExitCode {
     // The profile has the card's shape from the start (the model source is read here
     // and again by the run; a checkpoint is memory-mapped, so that costs little).
-    let card: ModelCard = match crate::model::source::load_model(&args.run.model.source()) {
+    let card: ModelCard = match crate::weights::source::load_model(&args.run.model.source()) {
         Ok(model) => model.checkpoint.card().clone(),
         Err(e) => return super::generate::fail(e.to_string()),
     };

@@ -10,11 +10,11 @@
 //! Qwen2-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss and DBRX families.
 
 use crate::cli::generate::fail;
+use crate::convert::{export, Mix, Types};
 use crate::ir::emit::human_bytes;
 use crate::model::card::Family;
 use crate::model::formats::{Storage, WeightClass, WeightFormats};
-use crate::model::gguf::export::{export, Mix, Types};
-use crate::model::Checkpoint;
+use crate::weights::checkpoint::Checkpoint;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;

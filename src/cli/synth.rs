@@ -5,8 +5,8 @@
 //! `--mxfp4` (gpt-oss cards) stores the experts as the Hub's gpt-oss checkpoints do.
 
 use crate::cli::generate::fail;
-use crate::model::synth::{write_checkpoint_as, ExpertStorage, SynthOptions};
 use crate::model::{ModelCard, WeightDtype};
+use crate::weights::synth::{write_checkpoint_as, ExpertStorage, SynthOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

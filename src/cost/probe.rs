@@ -324,7 +324,7 @@ const ATTN_CALL_REPS: usize = 101;
 /// stream in two).
 const ATTN_EVICT_BYTES: usize = 64 << 20;
 
-/// Measures the rates of moec's own kernels (`model::kernels`, the runtime's, with the
+/// Measures the rates of moec's own kernels (`math`, the runtime's, with the
 /// process's instruction set) on `threads` threads: [`KernelRates`] with the `linear` and
 /// `expert_ffn` curves at [`KERNEL_ROWS`] rows on bf16 mixtral-mid-sized matrices, decode
 /// attention (16 sequences x 512 cached positions), prefill attention (256 tokens,
@@ -333,8 +333,8 @@ const ATTN_EVICT_BYTES: usize = 64 << 20;
 /// untimed pass of each; the two attention rate points the best of two timings, the
 /// smallest call the median of `effort.attn_call_reps` ([`ProbeEffort`]).
 pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRates, ProbeError> {
-    use crate::model::kernels::isa::Kernels;
-    use crate::model::tensor::Matrix;
+    use crate::math::isa::Kernels;
+    use crate::math::tensor::Matrix;
     let pool = probe_pool(threads)?;
     let kernels = Kernels::process();
     let (d, f) = (KERNEL_HIDDEN, KERNEL_FFN);
@@ -440,7 +440,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: model::kernels ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
             kernels.isa(),
             effort.attn_call_reps.max(1)
         ),
@@ -458,8 +458,8 @@ fn probe_expert(
     data: &[half::bf16],
     hidden: usize,
     ffn: usize,
-) -> Result<[crate::model::tensor::Matrix<'_>; 3], ProbeError> {
-    use crate::model::tensor::{Matrix, Orientation, TypedSlice};
+) -> Result<[crate::math::tensor::Matrix<'_>; 3], ProbeError> {
+    use crate::math::tensor::{Matrix, Orientation, TypedSlice};
     let n = hidden * ffn;
     let part = |i: usize, rows, cols| {
         let slice = data
@@ -478,9 +478,9 @@ fn probe_expert(
 /// Best seconds of the decode and the prefill attention point (see [`ATTN_DECODE`] and
 /// [`ATTN_PREFILL_TOKENS`]) through the runtime's attention kernel and paged KV cache.
 fn time_attention(call_reps: usize) -> Result<(f64, f64, f64), ProbeError> {
-    use crate::model::kernels::attention::{AttnSeq, AttnShape};
-    use crate::model::kernels::isa::Kernels;
-    use crate::model::kernels::kv_cache::{KvLayout, PagedKvCache};
+    use crate::math::attention::{AttnSeq, AttnShape};
+    use crate::math::isa::Kernels;
+    use crate::math::kv_cache::{KvLayout, PagedKvCache};
     let (heads, kv_heads, head_dim) = ATTN_HEADS;
     let shape = AttnShape {
         heads,
@@ -574,7 +574,7 @@ fn time_attention(call_reps: usize) -> Result<(f64, f64, f64), ProbeError> {
 }
 
 /// Times one expert of `card` as Fiddler's cppExpert does at start-up, on this machine:
-/// the CPU kernel (`model::kernels::moe::expert_ffn`, the runtime's) on one token and on
+/// the CPU kernel (`math::moe::expert_ffn`, the runtime's) on one token and on
 /// a batch of 4 (the CPU backend's emulated GPU runs the same kernel on the same cores),
 /// and the weight copy at `memcpy_bytes_per_s` (the emulated link). Weights are synthetic
 /// in the card's dtype; the times are the best of a few repetitions.
@@ -582,10 +582,10 @@ pub fn measure_expert_latency(
     card: &crate::model::card::ModelCard,
     memcpy_bytes_per_s: f64,
 ) -> Result<super::hardware::ExpertLatency, ProbeError> {
+    use crate::math::moe::{expert_ffn, RoutedRow};
+    use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+    use crate::math::views::ExpertWeights;
     use crate::model::arch::ArchSpec;
-    use crate::model::kernels::moe::{expert_ffn, RoutedRow};
-    use crate::model::tensor::{Matrix, Orientation, TypedSlice};
-    use crate::model::weights::ExpertWeights;
     let arch = ArchSpec::from_card(card);
     let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k.max(1));
     let elems = d * f;

@@ -19,13 +19,13 @@
 use super::{fit, message, run_options, RunFailure, RunRequest};
 use crate::ir::Workload;
 use crate::lower::{lower, LowerOptions};
-use crate::model::source::{load_model, LoadedModel};
-use crate::model::tokenizer::TextTokenizer;
-use crate::model::Sampling;
+use crate::math::sampling::Sampling;
 pub use crate::runtime::driver::session::Gauges;
 use crate::runtime::driver::session::{
     serve, Command, SeqEnd, SeqError, SeqRequest, Session as DriverSession, TokenSink,
 };
+use crate::weights::source::{load_model, LoadedModel};
+use crate::weights::tokenizer::TextTokenizer;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;

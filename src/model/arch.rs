@@ -4,10 +4,10 @@
 //! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
 //! family names themselves.
 
+use crate::math::attention::AttnShape;
+use crate::math::norm::NormKind;
 use crate::model::card::{DeepseekRouter, Family, Mla, ModelCard, QkNorm, Yarn};
 use crate::model::formats::WeightTensor;
-use crate::model::kernels::attention::AttnShape;
-use crate::model::kernels::norm::NormKind;
 use crate::model::layout::SegmentKind;
 
 /// Kernel-facing description of one architecture.

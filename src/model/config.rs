@@ -129,12 +129,12 @@ fn refuse_mxfp4_outside_experts(f: &Fields<'_>, unconverted: &[&str]) -> Result<
     }
     for width in ["hidden_size", "intermediate_size"] {
         if let Some(n) = f.opt_uint(width)? {
-            if !n.is_multiple_of(crate::model::mxfp4::BLOCK as u64) {
+            if !n.is_multiple_of(crate::quant::mxfp4::BLOCK as u64) {
                 return Err(f.invalid(
                     width,
                     &format!(
                         "is {n}: MXFP4 experts need a multiple of {}",
-                        crate::model::mxfp4::BLOCK
+                        crate::quant::mxfp4::BLOCK
                     ),
                 ));
             }

@@ -10,11 +10,11 @@
 //! only for matrices stored `[out, in]` whose rows are whole blocks
 //! ([`WeightFormats::check`] names the tensor otherwise).
 
+use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
 use crate::model::layout::{LayerLayout, SegmentKind};
-use crate::model::quant::QuantFormat;
-use crate::model::tensor::Orientation;
+use crate::quant::QuantFormat;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

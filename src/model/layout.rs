@@ -9,17 +9,17 @@
 //! validates sizes and alignment and never panics, so the runtime can copy byte ranges
 //! of an image between memory spaces and compute from the copy.
 
+use crate::math::mla::{KvUp, MlaWeights};
+use crate::math::tensor::{CastError, Matrix, Orientation, TypedSlice};
+use crate::math::views::{
+    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
+};
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
 use crate::model::card::{Family, QkNorm, WeightDtype};
 use crate::model::family;
 use crate::model::formats::{Storage, WeightTensor};
-use crate::model::kernels::mla::{KvUp, MlaWeights};
-use crate::model::quant::{QuantError, QuantFormat, QuantSlice};
-use crate::model::tensor::{CastError, Matrix, Orientation, TypedSlice};
-use crate::model::weights::{
-    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
-};
+use crate::quant::{QuantError, QuantFormat, QuantSlice};
 use std::ops::Range;
 
 /// Alignment of every segment inside an image (a cache line; enough for any dtype/SIMD).

@@ -23,7 +23,7 @@
 use super::step::StepContext;
 use crate::ir::{Engine, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
-use crate::model::kernels::moe::Routing;
+use crate::math::moe::Routing;
 use crate::records::GraphUse;
 
 /// What a backend can do, as data (the driver and reports read it; nothing branches on
@@ -95,7 +95,7 @@ pub struct MemoryReport {
     /// Bytes of the weights image whose page tables were populated before the first step.
     pub populated: u64,
     /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0 tiles repacked at load (allocated in place
-    /// of the mapped blocks, see `model::quant::tiles`).
+    /// of the mapped blocks, see `math::qmatmul::tiles`).
     pub tiled: u64,
 }
 

@@ -39,8 +39,8 @@ pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 use crate::lower::ExecPlan;
-use crate::model::checkpoint::Checkpoint;
 use crate::records::RunStats;
+use crate::weights::checkpoint::Checkpoint;
 
 /// Runs `plan` on the backend `options.on` names over `prompts` (token ids); the outputs
 /// come back in prompt order. `progress` is called after every step with (tokens

@@ -14,8 +14,8 @@
 use super::backend::{Backend, BackendError, BackendOptions};
 use super::host::HostMemory;
 use crate::lower::ExecPlan;
-use crate::model::checkpoint::Checkpoint;
-use crate::model::quant::QuantFormat;
+use crate::quant::QuantFormat;
+use crate::weights::checkpoint::Checkpoint;
 use std::sync::Arc;
 
 /// Where a backend keeps the plan's `gpu` space.

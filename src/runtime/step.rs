@@ -12,8 +12,8 @@
 
 use crate::ir::{ExpertRef, TaskId};
 use crate::lower::PlanArg;
-use crate::model::kernels::moe::Routing;
-use crate::model::kernels::sampling::Sampling;
+use crate::math::moe::Routing;
+use crate::math::sampling::Sampling;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -16,7 +16,7 @@
 pub mod openai;
 
 use crate::engine::session::{Completion, FinishReason, Piece, Session, SubmitRefusal};
-use crate::model::Sampling;
+use crate::math::sampling::Sampling;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};

@@ -738,8 +738,8 @@ pub(crate) fn paged_rows(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cpu_attention_checking_appends(
     stream: &Arc<CudaStream>,
-    layout: moec::model::kernels::kv_cache::KvLayout,
-    shape: &moec::model::kernels::attention::AttnShape,
+    layout: moec::math::kv_cache::KvLayout,
+    shape: &moec::math::attention::AttnShape,
     rows: &PagedRows,
     seqs: &[(usize, usize)],
     max_blocks: usize,
@@ -747,8 +747,8 @@ pub(crate) fn cpu_attention_checking_appends(
     start_pools: (&[f32], &[f32]),
     device_pools: (&CudaSlice<f32>, &CudaSlice<f32>),
 ) -> Vec<f32> {
-    use moec::model::kernels::attention::{attention, AttnSeq};
-    use moec::model::kernels::kv_cache::KvBlocksMut;
+    use moec::math::attention::{attention, AttnSeq};
+    use moec::math::kv_cache::KvBlocksMut;
     let (mut k_cpu, mut v_cpu) = (start_pools.0.to_vec(), start_pools.1.to_vec());
     let mut want = vec![0.0f32; rows.row_seq.len() * shape.heads * shape.head_dim];
     let attn_seqs: Vec<AttnSeq<'_>> = seqs

@@ -1,5 +1,5 @@
 //! DeepSeek's CUDA kernels (kernels/mla_attention.cu, kernels/deepseek_router.cu) through
-//! the stand-in, each against the CPU kernel of `moec::model::kernels` it mirrors, on
+//! the stand-in, each against the CPU kernel of `moec::math` it mirrors, on
 //! random inputs: the router against `route_deepseek` (V2's greedy and group-limited
 //! softmax routers, V3's sigmoid router with its correction bias, with and without
 //! renormalisation, and V3's real 256 experts in 8 groups), the MLA projections against
@@ -17,16 +17,17 @@ use crate::standin::{
 };
 use cudarc::driver::PushKernelArg;
 use half::bf16;
+use moec::math::attention::AttnShape;
+use moec::math::deepseek_route::route_deepseek;
+use moec::math::isa::Kernels;
+use moec::math::kv_cache::KvLayout;
+use moec::math::mla::{KvUp, MlaQuery, MlaWeights, LORA_NORM_EPS};
+use moec::math::norm::{normalize, NormKind};
+use moec::math::rope::RopeTable;
+use moec::math::tensor::{Matrix, Orientation, TypedSlice};
+use moec::math::views::{DenseWeights, QkvWeights};
 use moec::model::card::{DeepseekRouter, DeepseekTopk, ModelCard};
-use moec::model::kernels::attention::AttnShape;
-use moec::model::kernels::deepseek_route::route_deepseek;
-use moec::model::kernels::isa::Kernels;
-use moec::model::kernels::kv_cache::KvLayout;
-use moec::model::kernels::mla::{KvUp, MlaQuery, MlaWeights, LORA_NORM_EPS};
-use moec::model::kernels::norm::{normalize, NormKind};
-use moec::model::kernels::rope::RopeTable;
-use moec::model::weights::{DenseWeights, QkvWeights};
-use moec::model::{ArchSpec, Matrix, Orientation, TypedSlice};
+use moec::model::ArchSpec;
 use moec::runtime::cuda::kernels::{compile_kernel, entry_names, KernelSource, DEFAULT_ARCH};
 
 const MLA: KernelSource = KernelSource {
@@ -184,7 +185,7 @@ fn deepseek_router_matches_the_cpu() {
     .expect("launch");
     let got = stream.clone_dtoh(&route_dev).expect("dtoh");
     let want: Vec<u32> = (0..12)
-        .flat_map(|_| [moec::model::dense::NO_EXPERT, 0])
+        .flat_map(|_| [moec::math::dense::NO_EXPERT, 0])
         .collect();
     assert_eq!(got, want, "a dense layer's route");
 }

@@ -1,5 +1,5 @@
 //! moec's CUDA kernels run through cudarc on the stand-in driver (see standin.rs), each
-//! against the CPU kernel of `moec::model::kernels` it mirrors.
+//! against the CPU kernel of `moec::math` it mirrors.
 
 use crate::standin::{
     cfg, cpu_attention_checking_appends, function, in_standin_child, load_kernels, max_abs_diff,
@@ -11,7 +11,7 @@ use moec::runtime::cuda::detect::detect;
 use moec::runtime::cuda::kernels::{compile_kernel, KernelSource, DEFAULT_ARCH};
 
 /// Every kernel of kernels/*.cu, compiled by the stand-in NVRTC and launched through
-/// cudarc, against the CPU kernels of `moec::model::kernels`. Tolerances: the GPU kernels
+/// cudarc, against the CPU kernels of `moec::math`. Tolerances: the GPU kernels
 /// reduce sums as trees where the CPU sums in order, so norms and attention agree to 1e-4
 /// absolute on O(1) values; rotary, SwiGLU and routing weights to 1e-5; routing choices and
 /// the KV cache appends exactly.
@@ -22,12 +22,12 @@ fn every_kernel_runs_like_the_cpu_kernels() {
         run_under_standin(NAME);
         return;
     }
-    use moec::model::kernels::attention::{attention, AttnSeq, AttnShape};
-    use moec::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
-    use moec::model::kernels::moe::route;
-    use moec::model::kernels::norm::{normalize, NormKind};
-    use moec::model::kernels::rope::RopeTable;
-    use moec::model::TypedSlice;
+    use moec::math::attention::{attention, AttnSeq, AttnShape};
+    use moec::math::kv_cache::{KvBlocksMut, KvLayout};
+    use moec::math::moe::route;
+    use moec::math::norm::{normalize, NormKind};
+    use moec::math::rope::RopeTable;
+    use moec::math::tensor::TypedSlice;
 
     let status = detect();
     assert_eq!(status.missing(), None, "{status:?}");
@@ -405,10 +405,10 @@ fn op_kernels_run_like_the_cpu() {
         return;
     }
     use half::f16;
-    use moec::model::kernels::head::embed;
-    use moec::model::kernels::moe::{combine, Routing};
-    use moec::model::kernels::sampling::argmax;
-    use moec::model::{Matrix, Orientation, TypedSlice};
+    use moec::math::head::embed;
+    use moec::math::moe::{combine, Routing};
+    use moec::math::sampling::argmax;
+    use moec::math::tensor::{Matrix, Orientation, TypedSlice};
     const OPS: KernelSource = KernelSource {
         file: "ops.cu",
         source: include_str!("../../kernels/ops.cu"),
@@ -912,8 +912,8 @@ fn prefill_attention_matches_the_cpu() {
         run_under_standin(NAME);
         return;
     }
-    use moec::model::kernels::attention::AttnShape;
-    use moec::model::kernels::kv_cache::KvLayout;
+    use moec::math::attention::AttnShape;
+    use moec::math::kv_cache::KvLayout;
     const PREFILL: KernelSource = KernelSource {
         file: "prefill_attention.cu",
         source: include_str!("../../kernels/prefill_attention.cu"),
@@ -1056,9 +1056,9 @@ fn family_kernels_run_like_the_cpu() {
         run_under_standin(NAME);
         return;
     }
-    use moec::model::kernels::moe::{route, route_topk_softmax};
-    use moec::model::kernels::norm::{normalize, NormKind};
-    use moec::model::TypedSlice;
+    use moec::math::moe::{route, route_topk_softmax};
+    use moec::math::norm::{normalize, NormKind};
+    use moec::math::tensor::TypedSlice;
 
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
@@ -1253,8 +1253,8 @@ fn family_kernels_run_like_the_cpu() {
 /// exercised), the f16 super-block scales set to small normal values so products stay
 /// finite. ggml's layouts: Q4_0/Q8_0 `d` at 0; Q4_1 `d`, `m` and Q4_K/Q5_K `d`, `dmin` at 0
 /// and 2; Q6_K `d` at 208.
-fn random_blocks(format: moec::model::quant::QuantFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
-    use moec::model::quant::QuantFormat;
+fn random_blocks(format: moec::quant::QuantFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+    use moec::quant::QuantFormat;
     let bb = format.block_bytes();
     let mut out = Vec::with_capacity(blocks * bb);
     for _ in 0..blocks {
@@ -1297,7 +1297,7 @@ fn reference_product(w: &[f32], x: &[f32], n: usize, inp: usize) -> (Vec<f64>, V
 
 /// The quantised-weight kernels (`linear_gemv` decoding blocks inside the product,
 /// `dequant_f32` for the cuBLAS path, `embed_quant`) on random blocks of every format,
-/// against the CPU's f32 decoding of the same blocks (`moec::model::quant`, checked bit
+/// against the CPU's f32 decoding of the same blocks (`moec::quant`, checked bit
 /// for bit against gguf-py in its unit tests). `dequant_f32` and `embed_quant` give the
 /// CPU's bits exactly (the kernels round each product and difference as the CPU does);
 /// the GEMV's sums agree within 2e-6 * sum |x w| per output (f32 rounding of a 512-term
@@ -1313,7 +1313,7 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
         return;
     }
     use moec::model::card::WeightDtype;
-    use moec::model::quant::{dequantize_blocks, QuantFormat};
+    use moec::quant::{dequantize_blocks, QuantFormat};
     use moec::runtime::cuda::launch::storage_code;
 
     let status = detect();
@@ -1448,7 +1448,7 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
     // (the sign of Q8_K's scale follows the first; in one lane and across lanes of the
     // kernel's warp per block), halves that round to even, and a block
     // whose Q8_0 scale is an f16 subnormal.
-    use moec::model::quant::q8::{ActFormat, Q8Rows};
+    use moec::quant::q8::{ActFormat, Q8Rows};
     let f = function(&modules, "activations_q8.cu", "q8_roundtrip");
     // Q8_1 (Q4_1 weights' activations) has Q8_0's codes and scale: the same kernel kind.
     for (act, kind) in [

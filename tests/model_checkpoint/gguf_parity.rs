@@ -37,8 +37,8 @@
 //!   default), at the checked-in ids and, when the harness's full logits are beside the
 //!   fixtures (`llama-<type>.json`), over the whole vocabulary.
 
-use moec::model::oracle::{GenerateOptions, Oracle};
-use moec::model::Checkpoint;
+use moec::oracle::{GenerateOptions, Oracle};
+use moec::weights::checkpoint::Checkpoint;
 
 use crate::gguf_common::fixtures;
 
@@ -168,7 +168,7 @@ fn greedy_tokens_and_logits_match_llama_cpp_on_its_own_ggufs() {
 #[test]
 fn q4_k_m_layer_images_keep_each_layer_s_formats_in_one_geometry() {
     use moec::model::layout::SegmentKind;
-    use moec::model::quant::QuantFormat;
+    use moec::quant::QuantFormat;
     let Some(dir) = fixtures() else {
         eprintln!("gguf_parity: skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh)");
         return;

@@ -113,8 +113,8 @@ pub fn compile_small_layers(source: &str, layers: u64) -> Result<Compiled, Vec<D
 }
 
 /// A synthetic checkpoint of `card` (seed 7, as the invariance tests) written under `dir`.
-pub fn tiny_checkpoint(card: &ModelCard, dir: &Path) -> moec::model::checkpoint::Checkpoint {
-    use moec::model::synth::{write_checkpoint, SynthOptions};
+pub fn tiny_checkpoint(card: &ModelCard, dir: &Path) -> moec::weights::checkpoint::Checkpoint {
+    use moec::weights::synth::{write_checkpoint, SynthOptions};
     let ck_dir = dir.join(format!("ck-{}-{}", card.name, card.layers));
     write_checkpoint(
         card,
@@ -126,17 +126,17 @@ pub fn tiny_checkpoint(card: &ModelCard, dir: &Path) -> moec::model::checkpoint:
         },
     )
     .unwrap_or_else(|e| panic!("synthetic checkpoint: {e}"));
-    moec::model::checkpoint::Checkpoint::open(&ck_dir)
+    moec::weights::checkpoint::Checkpoint::open(&ck_dir)
         .unwrap_or_else(|e| panic!("open checkpoint: {e}"))
 }
 
 /// The oracle's greedy tokens for `prompts` (`gen_len` each, EOS ignored).
 pub fn oracle_tokens(
-    checkpoint: &moec::model::checkpoint::Checkpoint,
+    checkpoint: &moec::weights::checkpoint::Checkpoint,
     prompts: &[Vec<u32>],
     gen_len: usize,
 ) -> Vec<Vec<u32>> {
-    use moec::model::oracle::{GenerateOptions, Oracle};
+    use moec::oracle::{GenerateOptions, Oracle};
     let oracle = Oracle::new(checkpoint).unwrap_or_else(|e| panic!("oracle: {e}"));
     oracle
         .generate(
@@ -158,7 +158,7 @@ pub fn oracle_tokens(
 /// call the runtime, so a change of its API is adapted here.
 pub fn run_against_oracle(
     compiled: &Compiled,
-    checkpoint: &moec::model::checkpoint::Checkpoint,
+    checkpoint: &moec::weights::checkpoint::Checkpoint,
     prompts: &[Vec<u32>],
     expected: &[Vec<u32>],
 ) -> Result<(), String> {

@@ -4,12 +4,12 @@
 
 use super::fields::{torch_dtype, ConfigError, Fields};
 use super::{blank_card, CardField, FamilySpec};
+use crate::math::norm::NormKind;
+use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
-use crate::model::kernels::norm::NormKind;
 use crate::model::layout::SegmentKind;
 use crate::model::names::{SegmentTensor, Source};
-use crate::model::tensor::Orientation;
 use serde_json::{json, Value};
 
 /// The DBRX family.

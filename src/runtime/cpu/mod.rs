@@ -24,10 +24,10 @@ use super::registry::{GpuSpace, HostEngine, Registration};
 use super::step::StepContext;
 use crate::ir::{Engine, StreamId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
+use crate::math::moe::Routing;
+use crate::math::rope::RopeTable;
 use crate::model::arch::ArchSpec;
-use crate::model::checkpoint::Checkpoint;
-use crate::model::kernels::moe::Routing;
-use crate::model::kernels::rope::RopeTable;
+use crate::weights::checkpoint::Checkpoint;
 use ops::OpContext;
 use std::sync::Arc;
 
@@ -74,7 +74,7 @@ pub const REGISTRATION: Registration = Registration {
     about: "the CPU backend: every space in host memory, one compute pool for both engines",
     gpu_space: GpuSpace::Host,
     binds_weight_copies: true,
-    quant_formats: &crate::model::quant::QuantFormat::ALL,
+    quant_formats: &crate::quant::QuantFormat::ALL,
     refusal: || None,
     open: open_cpu,
 };

@@ -14,23 +14,23 @@
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::{PlanArg, PlanTask};
-use crate::model::arch::ArchSpec;
-use crate::model::dense::{dense_block, dense_ffn_rows, no_expert_routing};
-use crate::model::family;
-use crate::model::kernels::attention::{attention, attention_of, AttnSeq};
-use crate::model::kernels::head::{embed, logits};
-use crate::model::kernels::isa::Kernels;
-use crate::model::kernels::kv_cache::{KvBlocksMut, KvLayout};
-use crate::model::kernels::mla::{KvUp, MlaWeights};
-use crate::model::kernels::moe::{combine_shared, expert_ffn, gate, moe_block, Routing};
-use crate::model::kernels::projection::{o_proj_residual, pre_attn};
-use crate::model::kernels::rope::RopeTable;
-use crate::model::kernels::KernelError;
-use crate::model::layout::SegmentKind;
-use crate::model::tensor::{Matrix, Orientation, TypedSlice};
-use crate::model::weights::{
+use crate::math::attention::{attention, attention_of, AttnSeq};
+use crate::math::dense::{dense_block, dense_ffn_rows, no_expert_routing};
+use crate::math::head::{embed, logits};
+use crate::math::isa::Kernels;
+use crate::math::kv_cache::{KvBlocksMut, KvLayout};
+use crate::math::mla::{KvUp, MlaWeights};
+use crate::math::moe::{combine_shared, expert_ffn, gate, moe_block, Routing};
+use crate::math::projection::{o_proj_residual, pre_attn};
+use crate::math::rope::RopeTable;
+use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::views::{
     DenseWeights, ExpertWeights, FusedExpert, QkvWeights, SharedExpertWeights,
 };
+use crate::math::KernelError;
+use crate::model::arch::ArchSpec;
+use crate::model::family;
+use crate::model::layout::SegmentKind;
 use crate::runtime::args::MissingArg;
 use crate::runtime::host::memory::{HostMemory, MemoryError, View};
 use crate::runtime::host::weights::WeightTag;

@@ -30,11 +30,11 @@ use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::ops::{GpuCx, OpError};
 use crate::ir::{Engine, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
+use crate::math::moe::Routing;
+use crate::math::rope::RopeTable;
+use crate::math::sampling::Sampling;
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
-use crate::model::kernels::moe::Routing;
-use crate::model::kernels::rope::RopeTable;
-use crate::model::kernels::sampling::Sampling;
 use crate::records::run::{add_graph_step, render_graphs, GraphSummary};
 use crate::records::GraphStep;
 use crate::runtime::backend::{
@@ -198,7 +198,7 @@ impl<'c> CudaBackend<'c> {
         // The device kernels multiply bf16 weights with f32 activations; with the CPU's bf16
         // product selected the host-side tasks would compute another arithmetic than the
         // device's, and the run would leave the oracle's tokens: refused before any launch.
-        if crate::model::kernels::isa::Kernels::process().bf16_dot() {
+        if crate::math::isa::Kernels::process().bf16_dot() {
             return Err(CudaSetupError::Unsupported(
                 "the bf16 product (MOEC_BF16_PRODUCT=bf16: its kernels keep f32 activations \
                  for bf16 weights; unset it for --backend cuda)"

@@ -4,21 +4,21 @@
 //!
 //! Takes a task's weights and device rows; gives what the CPU backend computes for the same
 //! op, in the CPU's layouts: `pre_attn` writes the absorbed MLA `qkv` rows of
-//! `model::kernels::mla` (one kv head `[c | k_pe]` / `[c | 0]`, queries
+//! `math::mla` (one kv head `[c | k_pe]` / `[c | 0]`, queries
 //! `[q_nope W_uk_h | q_pe]` with the softmax scale folded in), so the paged cache holds the
 //! latent and the rotary key and either backend can read what the other wrote; `attn` runs
 //! `mla_paged_attention` over that cache; `o_proj` expands each head's latent output with
 //! `W_uv_h` and projects it; `gate` routes with `deepseek_route` into the packed route the
 //! device MoE path (`moe_group` / `moe_grouped_linear`) consumes, so routed experts run
 //! exactly as every other family's; a leading dense layer's `gate` writes its SwiGLU into
-//! the shared-expert row and a route of no expert (`model::dense`). Shared experts are the
+//! the shared-expert row and a route of no expert (`math::dense`). Shared experts are the
 //! common `shared_expert` path. Guarantees: no routing or activation is read on the host,
 //! and what the kernels cannot take is named by [`unsupported`] before any launch.
 
 use super::{GpuCx, OpError};
+use crate::math::mla::LORA_NORM_EPS;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{DeepseekRouter, DeepseekTopk};
-use crate::model::kernels::mla::LORA_NORM_EPS;
 use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::runtime::cuda::launch::{int, row_block, Arg, DevMatrix};
 use crate::runtime::host::memory::View;
@@ -456,7 +456,7 @@ fn dense_swiglu(
     cx.swiglu_mlp([gate, up, down], x_norm, n, out)
 }
 
-/// A dense layer's `gate` (`model::dense`): the post-attention norm of `h` into the
+/// A dense layer's `gate` (`math::dense`): the post-attention norm of `h` into the
 /// accumulator's first rows, zero expert slots, the SwiGLU into the shared-expert row, and
 /// a route of no expert (weight 0) in every slot, which `moe_group` and `combine_slots`
 /// skip; `combine` then adds the SwiGLU to the residual as the CPU's `dense_block` does.

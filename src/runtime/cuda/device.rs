@@ -141,7 +141,9 @@ fn cache_path(
     nvrtc: Option<(i32, i32)>,
     device: &str,
 ) -> Option<PathBuf> {
-    let dir = crate::model::source::cache_dir().ok()?.join("cuda-kernels");
+    let dir = crate::weights::source::cache_dir()
+        .ok()?
+        .join("cuda-kernels");
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     (super::kernels::PRELUDE, kernel.source, arch, nvrtc, device).hash(&mut hasher);
     Some(dir.join(format!(

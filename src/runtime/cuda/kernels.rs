@@ -3,7 +3,7 @@
 //!
 //! Takes a target architecture (e.g. `sm_80`); gives one PTX module per kernel file. Each
 //! file's header comment states its memory layout, which is the CPU backend's
-//! (`model::kernels`), so a plan lowered once can run on either backend. NVRTC is only
+//! (`math`), so a plan lowered once can run on either backend. NVRTC is only
 //! called after its library was found to load ([`CudaError::NvrtcMissing`] otherwise), and
 //! a rejected source is an error naming the file and carrying NVRTC's log.
 

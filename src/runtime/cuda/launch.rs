@@ -21,11 +21,11 @@
 
 use super::device::Device;
 use super::graph::{Command, Deferred, Gemm, Recorder};
+use crate::math::isa::Kernels;
+use crate::math::tensor::Orientation;
 use crate::model::card::WeightDtype;
-use crate::model::kernels::isa::Kernels;
-use crate::model::quant::q8::ActFormat;
-use crate::model::quant::QuantFormat;
-use crate::model::tensor::Orientation;
+use crate::quant::q8::ActFormat;
+use crate::quant::QuantFormat;
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};

@@ -7,7 +7,7 @@
 //! events, device arenas, kernels and cuBLAS GEMMs), registered as [`REGISTRATION`].
 //! Guarantees that nothing here panics when a library is missing: cudarc is built with
 //! dynamic loading and panics on any call into a library it cannot load, so every call is
-//! behind that library's presence check. The kernels mirror `model::kernels` (the CPU
+//! behind that library's presence check. The kernels mirror `math` (the CPU
 //! backend's math and layouts), so both backends run the same lowered plan. No module
 //! outside this one imports cudarc.
 
@@ -25,10 +25,10 @@ pub mod probe;
 pub use backend::{CudaBackend, CudaReport, CudaSetupError};
 
 use crate::lower::ExecPlan;
-use crate::model::checkpoint::Checkpoint;
 use crate::runtime::backend::{Backend, BackendError, BackendOptions};
 use crate::runtime::host::HostMemory;
 use crate::runtime::registry::{GpuSpace, HostEngine, Registration};
+use crate::weights::checkpoint::Checkpoint;
 use std::sync::Arc;
 
 /// The CUDA backend in the registry (`runtime::registry`): the `gpu` space on the device,

@@ -28,15 +28,15 @@ use super::memory::{DeviceMemory, DeviceMemoryError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::PlanTask;
+use crate::math::moe::{RoutedRow, Routing};
+use crate::math::norm::NormKind;
+use crate::math::sampling::Sampling;
+use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
 use crate::model::card::WeightDtype;
 use crate::model::formats::Storage;
-use crate::model::kernels::moe::{RoutedRow, Routing};
-use crate::model::kernels::norm::NormKind;
-use crate::model::kernels::sampling::Sampling;
 use crate::model::layout::SegmentKind;
-use crate::model::quant::QuantFormat;
-use crate::model::tensor::Orientation;
+use crate::quant::QuantFormat;
 use crate::runtime::args::MissingArg;
 use crate::runtime::backend::{decode_routing, ShortRoute};
 use crate::runtime::host::memory::{HostMemory, View};
@@ -173,8 +173,8 @@ pub fn unsupported(arch: &ArchSpec, layer: &crate::model::layout::LayerLayout) -
 
 /// The ggml block formats the kernels decode inside their products (the prelude's dtype
 /// codes 3-9): every format moec reads.
-pub const QUANT_FORMATS: [crate::model::quant::QuantFormat;
-    crate::model::quant::QuantFormat::ALL.len()] = crate::model::quant::QuantFormat::ALL;
+pub const QUANT_FORMATS: [crate::quant::QuantFormat; crate::quant::QuantFormat::ALL.len()] =
+    crate::quant::QuantFormat::ALL;
 
 /// What computes with the image's block-quantised weights, for the run report: the
 /// formats with how many of the image's tensors hold each, and the kernels that decode
@@ -193,7 +193,7 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
         .iter()
         .map(|(name, n)| format!("{name} ({n} tensors)"))
         .collect();
-    let activations = if crate::model::kernels::isa::Kernels::process().decodes_quant() {
+    let activations = if crate::math::isa::Kernels::process().decodes_quant() {
         "f32 activations (MOEC_QUANT_PRODUCT=decoded)"
     } else {
         "activations rounded through ggml's 8-bit formats first (q8_roundtrip, the CPU's int8 \
@@ -1832,7 +1832,7 @@ mod tests {
             let mut quant_norm = layout.clone();
             for seg in &mut quant_norm.segments {
                 if seg.kind == SegmentKind::AttnNorm {
-                    seg.quant = Some(crate::model::quant::QuantFormat::Q8_0);
+                    seg.quant = Some(crate::quant::QuantFormat::Q8_0);
                 }
             }
             let why = unsupported(&arch, &quant_norm).unwrap();

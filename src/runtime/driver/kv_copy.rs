@@ -1,6 +1,6 @@
 //! The bytes a copy of part of a KV cache moves (`SLICE.context()`, `SLICE.appended()`).
 //!
-//! Takes the cache layout every backend's attention uses (`model::kernels::kv_cache`:
+//! Takes the cache layout every backend's attention uses (`math::kv_cache`:
 //! per layer a K pool then a V pool of equal size, each `[block][kv_head][tile]`, keys
 //! transposed inside a tile), the copied slice's length and a micro-batch's sequences;
 //! gives the byte runs (offset from the slice's start, length) that hold the wanted
@@ -10,7 +10,7 @@
 //! is an error, never a copy of someone else's bytes.
 
 use crate::ir::KvPart;
-use crate::model::kernels::kv_cache::KvLayout;
+use crate::math::kv_cache::KvLayout;
 use crate::runtime::driver::state::SeqSlot;
 
 /// Bytes per cached element (the runtime's caches are f32).

@@ -23,9 +23,9 @@ use super::{cache, capacities, check_prompts, count_active_experts, eam, record_
 use super::{RunError, RunOptions, StepRunner};
 use crate::ir::StepKind;
 use crate::lower::ExecPlan;
-use crate::model::kernels::sampling::Sampling;
-use crate::model::rng::Rng;
+use crate::math::sampling::Sampling;
 use crate::records::{GraphStep, RunStats, StepRecord, UbLoad};
+use crate::rng::Rng;
 use crate::runtime::backend::Backend;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -11,9 +11,9 @@
 
 use crate::ir::{ExpertRef, TaskId};
 use crate::lower::PlanArg;
-use crate::model::kernels::moe::Routing;
-use crate::model::kernels::sampling::Sampling;
-use crate::model::rng::Rng;
+use crate::math::moe::Routing;
+use crate::math::sampling::Sampling;
+use crate::rng::Rng;
 pub use crate::runtime::lock;
 use crate::runtime::step::StepContext;
 pub use crate::runtime::step::{MicroBatchState, SeqSlot};
@@ -204,8 +204,8 @@ impl StepState {
                     .get(s.request)
                     .unwrap_or(&self.sampling);
                 match rngs.get_mut(s.request) {
-                    Some(rng) => crate::model::kernels::sampling::sample(row, rule, rng),
-                    None => crate::model::kernels::sampling::argmax(row),
+                    Some(rng) => crate::math::sampling::sample(row, rule, rng),
+                    None => crate::math::sampling::argmax(row),
                 }
             })
             .collect()
@@ -321,7 +321,7 @@ impl StepContext for StepState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::kernels::sampling::Sampling;
+    use crate::math::sampling::Sampling;
 
     #[test]
     fn active_experts_count_each_expert_once_and_no_dense_sentinel() {
@@ -333,7 +333,7 @@ mod tests {
             weights: vec![0.5; 6],
         };
         state.note_active_experts(3, 1, &routing, 8);
-        let dense = crate::model::dense::no_expert_routing(3, 2);
+        let dense = crate::math::dense::no_expert_routing(3, 2);
         state.note_active_experts(0, 1, &dense, 8);
         let seen = lock(&state.active_experts).clone();
         assert_eq!(seen.get(&(3, 1)), Some(&3));

@@ -7,7 +7,7 @@
 //! Lengths are exponentially distributed around the mean (a long tail, like chat prompts)
 //! and clipped to `[min, max]`; token ids avoid the first 3 ids (special tokens).
 
-use crate::model::rng::Rng;
+use crate::rng::Rng;
 
 /// A parsed workload spec.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -17,9 +17,9 @@
 
 use super::weights::{ImageError, ImageLayout, WeightTag};
 use crate::model::card::WeightDtype;
-use crate::model::checkpoint::Checkpoint;
 use crate::model::layout::ImageBuffer;
-use crate::model::quant::QuantFormat;
+use crate::quant::QuantFormat;
+use crate::weights::checkpoint::Checkpoint;
 
 /// Why bytes of the image cannot be served.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,7 +53,7 @@ enum TensorBytes<'c> {
     Decoded(&'c [u8]),
     /// An aligned copy (the stored bytes were misaligned for the dtype).
     Owned(ImageBuffer),
-    /// A Q4_K, Q6_K, Q8_0 or Q4_0 matrix repacked into tiles of eight rows (`model::quant::tiles`) for the
+    /// A Q4_K, Q6_K, Q8_0 or Q4_0 matrix repacked into tiles of eight rows (`math::qmatmul::tiles`) for the
     /// CPU backend's products: the same length as the blocks it replaces, whose file
     /// pages are dropped from this process once repacked; `len` bytes at `at` of the one
     /// arena every tiled matrix shares.
@@ -134,7 +134,7 @@ fn populate_read(_bytes: &[u8]) -> bool {
 
 /// The alignment a typed view of a tensor needs: its dtype's, or 1 for quantised blocks
 /// (read as bytes).
-fn storage_align(dtype: WeightDtype, quant: Option<crate::model::quant::QuantFormat>) -> usize {
+fn storage_align(dtype: WeightDtype, quant: Option<crate::quant::QuantFormat>) -> usize {
     match quant {
         Some(_) => 1,
         None => dtype.bytes() as usize,
@@ -258,7 +258,7 @@ impl<'c> MappedImage<'c> {
             let shared = self.tensors.iter().enumerate().any(|(j, o)| {
                 j != i && matches!(o.bytes, TensorBytes::Mapped(b) if b.as_ptr() == src.as_ptr())
             });
-            if shared || !crate::model::quant::tiles::tileable(format, rows, cols) {
+            if shared || !crate::math::qmatmul::tiles::tileable(format, rows, cols) {
                 continue;
             }
             plan.push((i, format, rows, cols, src, total));
@@ -280,7 +280,7 @@ impl<'c> MappedImage<'c> {
         let mut tiled = Vec::new();
         for &(i, format, rows, cols, src, at) in &plan {
             let dst = &mut arena[at..at + src.len()];
-            if crate::model::quant::tiles::tile(format, src, rows, cols, dst) {
+            if crate::math::qmatmul::tiles::tile(format, src, rows, cols, dst) {
                 // Dropped as soon as it is copied, so the process never holds the file's
                 // pages of every matrix beside all the tiles (a peak of twice the tiles).
                 checkpoint.release_mapped(src);
@@ -455,12 +455,12 @@ pub enum ImagePiece<'a> {
 mod tests {
     use super::*;
     use crate::ir::CheckpointLayout;
+    use crate::math::tensor::TypedSlice;
+    use crate::math::views::QkvWeights;
     use crate::model::card::ModelCard;
     use crate::model::layout::SegmentKind;
-    use crate::model::synth::{write_checkpoint, SynthOptions};
-    use crate::model::tensor::TypedSlice;
-    use crate::model::weights::QkvWeights;
     use crate::runtime::host::weights::image_layout;
+    use crate::weights::synth::{write_checkpoint, SynthOptions};
     use std::path::Path;
 
     fn synth(card_name: &str, dir: &Path) -> Checkpoint {

@@ -32,10 +32,10 @@ use super::image::{ImageViewError, MappedImage};
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
-use crate::model::checkpoint::Checkpoint;
 use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
 use crate::runtime::lock;
 use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
+use crate::weights::checkpoint::Checkpoint;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -199,8 +199,8 @@ impl<'c> HostMemory<'c> {
                 capacity,
             });
         }
-        let tile_quant = crate::model::quant::tiles::enabled()
-            && !crate::model::kernels::isa::Kernels::process().decodes_quant();
+        let tile_quant = crate::math::qmatmul::tiles::enabled()
+            && !crate::math::isa::Kernels::process().decodes_quant();
         Self::build(
             plan,
             checkpoint,
@@ -309,7 +309,7 @@ impl<'c> HostMemory<'c> {
             ))
         } else if self.layout.tileable().is_empty() {
             None
-        } else if !crate::model::quant::tiles::enabled() {
+        } else if !crate::math::qmatmul::tiles::enabled() {
             Some(
                 "Q4_K/Q6_K/Q8_0/Q4_0 matrices in ggml's row layout (MOEC_QUANT_TILES=off)"
                     .to_string(),
@@ -848,10 +848,10 @@ mod tests {
         use crate::ir::{Engine, Space};
         use crate::lower::{ArenaPlan, ExecPlan};
         use crate::model::card::ModelCard;
-        use crate::model::checkpoint::Checkpoint;
-        use crate::model::synth::{write_checkpoint, SynthOptions};
         use crate::runtime::backend::BackendOptions;
         use crate::runtime::host::weights::WeightTag;
+        use crate::weights::checkpoint::Checkpoint;
+        use crate::weights::synth::{write_checkpoint, SynthOptions};
 
         const ARENA: u64 = 4096;
 

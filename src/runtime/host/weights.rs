@@ -12,11 +12,11 @@
 //! never a read of wrong bytes.
 
 use crate::ir::CheckpointLayout;
-use crate::model::checkpoint::{Checkpoint, CheckpointError};
+use crate::math::tensor::TypedSlice;
 use crate::model::formats::Storage;
 use crate::model::layout::{LayerLayout, SegmentKind};
-use crate::model::quant::{QuantFormat, QuantSlice};
-use crate::model::tensor::TypedSlice;
+use crate::quant::{QuantFormat, QuantSlice};
+use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 use std::collections::{BTreeMap, HashSet};
 
 /// A weight tensor that ops look up.
@@ -195,7 +195,7 @@ pub struct ImageLayout {
     pub head_storage: [Storage; 3],
     /// Rows of the embedding and lm_head (the card's vocabulary) and their width.
     pub vocab_hidden: (usize, usize),
-    /// The Q4_K matrices the image holds in tiles of eight rows (`model::quant::tiles`):
+    /// The Q4_K matrices the image holds in tiles of eight rows (`math::qmatmul::tiles`):
     /// empty unless the CPU backend repacked them at load ([`ImageLayout::tileable`]).
     pub tiled: HashSet<WeightTag>,
 }
@@ -267,8 +267,8 @@ impl ImageLayout {
     /// MLA's per-head pieces nor the embedding, whose rows are read one at a time) and
     /// whose rows are whole tiles.
     pub fn tileable(&self) -> Vec<(WeightTag, QuantFormat, usize, usize)> {
-        use crate::model::quant::tiles::tileable;
-        use crate::model::tensor::Orientation;
+        use crate::math::qmatmul::tiles::tileable;
+        use crate::math::tensor::Orientation;
         let whole = |kind: SegmentKind| {
             matches!(
                 kind,
@@ -503,7 +503,7 @@ pub fn image_layout(
         }
         layers.push(own);
     }
-    let storage = |t: &crate::model::checkpoint::StoredTensor<'_>| {
+    let storage = |t: &crate::weights::checkpoint::StoredTensor<'_>| {
         t.quant.map_or(Storage::Float(t.dtype), Storage::Quant)
     };
     Ok(ImageLayout {

@@ -1,0 +1,646 @@
+//! The mixture-of-experts block: gate (norm, router softmax over all experts in f32,
+//! top-k, renormalisation), experts grouped by expert over their routed rows, combine.
+//!
+//! Takes the residual `[n_tokens, hidden]`; [`gate`] gives the normalised rows and a
+//! [`Routing`]; [`expert_ffn`] runs one expert's SwiGLU on the rows routed to it (gathered
+//! into a contiguous block) and writes `weight * y` into that (row, slot)'s place of a
+//! `[n_tokens, top_k, hidden]` slot buffer; [`combine`] sums each row's slots in ascending
+//! expert index (Hugging Face's summation order), adds the shared expert's row when the
+//! family has one ([`Kernels::shared_expert`], Qwen2-MoE: `sigmoid(x · g) * swiglu(x)`,
+//! added after the routed sum as transformers does) and adds the sum to the residual. So
+//! the result is bit-identical whatever order, grouping or micro-batch the experts run in.
+
+use crate::math::isa::Kernels;
+use crate::math::norm::normalize;
+use crate::math::qmatmul::{QuantKernels, QuantMatrix, QuantProduct};
+use crate::math::views::{DenseWeights, ExpertWeights, SharedExpertWeights};
+use crate::math::{check_len, KernelError};
+use crate::model::arch::ArchSpec;
+
+/// The router's decision for a batch of rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Experts per row.
+    pub top_k: usize,
+    /// `[n_tokens, top_k]` chosen experts, highest probability first.
+    pub experts: Vec<u32>,
+    /// `[n_tokens, top_k]` routing weights after renormalisation.
+    pub weights: Vec<f32>,
+}
+
+/// One row routed to an expert.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoutedRow {
+    /// Row (token) index in the call.
+    pub row: u32,
+    /// Which of the row's `top_k` choices this is (its slot in the slot buffer).
+    pub slot: u32,
+    /// Routing weight.
+    pub weight: f32,
+}
+
+impl Routing {
+    /// Tokens (rows) this routing covers.
+    pub fn n_tokens(&self) -> usize {
+        self.experts.len() / self.top_k.max(1)
+    }
+
+    /// The rows each expert must process, by expert index, rows ascending.
+    pub fn by_expert(&self, n_experts: usize) -> Vec<Vec<RoutedRow>> {
+        let mut groups = vec![Vec::new(); n_experts];
+        let k = self.top_k.max(1);
+        for (i, (&e, &weight)) in self.experts.iter().zip(&self.weights).enumerate() {
+            if let Some(g) = groups.get_mut(e as usize) {
+                g.push(RoutedRow {
+                    row: (i / k) as u32,
+                    slot: (i % k) as u32,
+                    weight,
+                });
+            }
+        }
+        groups
+    }
+}
+
+/// Softmax over all experts in f32, top-k (ties to the lower index), then division by
+/// the p-norm of the chosen weights when `norm_p` is set (Mixtral: p = 1, the sum).
+pub fn route(
+    router_logits: &[f32],
+    n_experts: usize,
+    top_k: usize,
+    norm_p: Option<f64>,
+) -> Routing {
+    let n = router_logits.len() / n_experts.max(1);
+    let mut experts = Vec::with_capacity(n * top_k);
+    let mut weights = Vec::with_capacity(n * top_k);
+    let mut order: Vec<usize> = Vec::with_capacity(n_experts);
+    for row in router_logits.chunks_exact(n_experts) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let probs: Vec<f32> = exps.iter().map(|e| e / sum).collect();
+        order.clear();
+        order.extend(0..n_experts);
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let denom = match norm_p {
+            Some(p) => chosen
+                .iter()
+                .map(|&e| (probs[e].abs() as f64).powf(p))
+                .sum::<f64>()
+                .powf(1.0 / p) as f32,
+            None => 1.0,
+        };
+        for &e in chosen {
+            experts.push(e as u32);
+            weights.push(probs[e] / denom);
+        }
+    }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
+}
+
+/// gpt-oss's routing: top-k of the raw logits (ties to the lower index), softmax over
+/// those k only.
+pub fn route_topk_softmax(router_logits: &[f32], n_experts: usize, top_k: usize) -> Routing {
+    let n = router_logits.len() / n_experts.max(1);
+    let mut experts = Vec::with_capacity(n * top_k);
+    let mut weights = Vec::with_capacity(n * top_k);
+    let mut order: Vec<usize> = Vec::with_capacity(n_experts);
+    for row in router_logits.chunks_exact(n_experts) {
+        order.clear();
+        order.extend(0..n_experts);
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let max = chosen.first().map_or(0.0, |&e| row[e]);
+        let exps: Vec<f32> = chosen.iter().map(|&e| (row[e] - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        for (&e, x) in chosen.iter().zip(&exps) {
+            experts.push(e as u32);
+            weights.push(x / sum);
+        }
+    }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
+}
+
+/// [`Kernels::gate`] with the process's kernels.
+pub fn gate(
+    arch: &ArchSpec,
+    dense: &DenseWeights<'_>,
+    residual: &[f32],
+    x_norm: &mut [f32],
+) -> Result<Routing, KernelError> {
+    Kernels::process().gate(arch, dense, residual, x_norm)
+}
+
+/// [`Kernels::expert_ffn`] with the process's kernels.
+pub fn expert_ffn(
+    arch: &ArchSpec,
+    expert: &ExpertWeights<'_>,
+    x_norm: &[f32],
+    rows: &[RoutedRow],
+    slots: &mut [f32],
+) -> Result<(), KernelError> {
+    Kernels::process().expert_ffn(arch, expert, x_norm, rows, slots)
+}
+
+/// [`Kernels::moe_block`] with the process's kernels.
+pub fn moe_block<'w, E>(
+    arch: &ArchSpec,
+    dense: &DenseWeights<'_>,
+    x: &mut [f32],
+    expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
+) -> Result<Routing, E>
+where
+    E: From<KernelError>,
+{
+    Kernels::process().moe_block(arch, dense, x, expert)
+}
+
+/// `silu(x) = x * sigmoid(x)`.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+impl Kernels {
+    /// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
+    pub fn gate(
+        self,
+        arch: &ArchSpec,
+        dense: &DenseWeights<'_>,
+        residual: &[f32],
+        x_norm: &mut [f32],
+    ) -> Result<Routing, KernelError> {
+        let n = residual.len() / arch.hidden.max(1);
+        check_len("gate input", residual.len(), n * arch.hidden)?;
+        check_len("gate scratch", x_norm.len(), n * arch.hidden)?;
+        normalize(arch.norm, residual, dense.ffn_norm, arch.norm_eps, x_norm);
+        let mut logits = vec![0.0f32; n * arch.experts];
+        self.linear(x_norm, n, &dense.router, &mut logits)?;
+        if let Some(router) = &arch.deepseek_router {
+            let bias = dense.router_bias.map(|b| b.to_f32_vec());
+            return Ok(crate::math::deepseek_route::route_deepseek(
+                &logits,
+                arch.experts,
+                arch.top_k,
+                router,
+                bias.as_deref(),
+            ));
+        }
+        if arch.router_bias_topk_softmax {
+            if let Some(bias) = dense.router_bias {
+                let bias = bias.to_f32_vec();
+                check_len("router bias", bias.len(), arch.experts)?;
+                for row in logits.chunks_exact_mut(arch.experts) {
+                    for (v, b) in row.iter_mut().zip(&bias) {
+                        *v += b;
+                    }
+                }
+            }
+            return Ok(route_topk_softmax(&logits, arch.experts, arch.top_k));
+        }
+        Ok(route(&logits, arch.experts, arch.top_k, arch.router_norm_p))
+    }
+
+    /// Runs one expert on its routed rows of `x_norm` (`[n_tokens, hidden]`) and writes
+    /// `weight * down(silu(gate(x)) * up(x))` into each row's slot of `slots`
+    /// (`[n_tokens, top_k, hidden]`).
+    pub fn expert_ffn(
+        self,
+        arch: &ArchSpec,
+        expert: &ExpertWeights<'_>,
+        x_norm: &[f32],
+        rows: &[RoutedRow],
+        slots: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let d = arch.hidden;
+        let f = arch.ffn;
+        let Some(mut gathered) = gather_rows(arch, x_norm, rows, slots)? else {
+            return Ok(());
+        };
+        let n = rows.len();
+        let mut h_gate = vec![0.0f32; n * f];
+        match (&expert.fused, arch.clamped_swiglu) {
+            (Some(fused), Some((alpha, limit))) => {
+                // gpt-oss: gate_up = x W + b, gate/up interleaved; clamped SwiGLU; then
+                // down with its bias.
+                let mut gate_up = vec![0.0f32; n * 2 * f];
+                self.linear(&gathered, n, &fused.gate_up, &mut gate_up)?;
+                let b = fused.gate_up_bias.to_f32_vec();
+                check_len("expert gate_up bias", b.len(), 2 * f)?;
+                for (row, out) in gate_up.chunks_exact(2 * f).zip(h_gate.chunks_exact_mut(f)) {
+                    for (i, o) in out.iter_mut().enumerate() {
+                        let g = (row[2 * i] + b[2 * i]).min(limit);
+                        let u = (row[2 * i + 1] + b[2 * i + 1]).clamp(-limit, limit);
+                        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+                        *o = (u + 1.0) * glu;
+                    }
+                }
+                self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+                let b = fused.down_bias.to_f32_vec();
+                check_len("expert down bias", b.len(), d)?;
+                for row in gathered.chunks_exact_mut(d) {
+                    for (v, bv) in row.iter_mut().zip(&b) {
+                        *v += bv;
+                    }
+                }
+            }
+            _ => {
+                self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
+                self.linear(&h_gate, n, &expert.down, &mut gathered)?;
+            }
+        }
+        scatter_rows(d, arch.top_k, rows, &gathered, slots);
+        Ok(())
+    }
+
+    /// [`Kernels::expert_ffn`] for every `(expert, rows)` of `jobs`. When every expert is a
+    /// SwiGLU of quantised out-in matrices multiplied as their format is meant to run
+    /// (`int8`) and they hold at most [`GROUPED_MAX_ROWS`] rows in all, all their gate and
+    /// up products run in one parallel region and all their down products in another
+    /// ([`QuantKernels::quant_products`]: a decode step's experts are a few microseconds of
+    /// work each); otherwise one expert after another. The slots get the same bits either
+    /// way.
+    pub fn experts_ffn(
+        self,
+        arch: &ArchSpec,
+        jobs: &[(ExpertWeights<'_>, &[RoutedRow])],
+        x_norm: &[f32],
+        slots: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let quant = QuantMatrix::from_matrix;
+        let grouped: Option<Vec<[QuantMatrix<'_>; 3]>> = jobs
+            .iter()
+            .map(
+                |(e, _)| match (&e.fused, quant(&e.gate), quant(&e.up), quant(&e.down)) {
+                    (None, Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
+                    _ => None,
+                },
+            )
+            .collect::<Option<_>>()
+            .filter(|_| {
+                jobs.len() > 1
+                    && jobs.iter().map(|(_, r)| r.len()).sum::<usize>() <= GROUPED_MAX_ROWS
+                    && !self.decodes_quant()
+                    && arch.clamped_swiglu.is_none()
+            });
+        let Some(mats) = grouped else {
+            for (expert, rows) in jobs {
+                self.expert_ffn(arch, expert, x_norm, rows, slots)?;
+            }
+            return Ok(());
+        };
+        let (d, f) = (arch.hidden, arch.ffn);
+        let mut inputs = Vec::with_capacity(jobs.len());
+        // Shapes are checked by the products (each input and output against its matrix).
+        for (_, rows) in jobs {
+            inputs.push(gather_rows(arch, x_norm, rows, slots)?.unwrap_or_default());
+        }
+        let qk = QuantKernels::for_kernels(self);
+        let mut gates: Vec<Vec<f32>> = jobs
+            .iter()
+            .map(|(_, r)| vec![0.0f32; r.len() * f])
+            .collect();
+        let mut ups = gates.clone();
+        {
+            let mut products = Vec::with_capacity(2 * jobs.len());
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(2 * jobs.len());
+            for ((((_, rows), [g, u, _]), x), (go, uo)) in jobs
+                .iter()
+                .zip(&mats)
+                .zip(&inputs)
+                .zip(gates.iter_mut().zip(ups.iter_mut()))
+            {
+                let n_rows = rows.len();
+                products.push(QuantProduct { w: *g, x, n_rows });
+                products.push(QuantProduct { w: *u, x, n_rows });
+                outs.push(go);
+                outs.push(uo);
+            }
+            qk.quant_products(&products, &mut outs)?;
+        }
+        for (g, u) in gates.iter_mut().zip(&ups) {
+            for (g, u) in g.iter_mut().zip(u) {
+                *g = silu(*g) * u;
+            }
+        }
+        let products: Vec<QuantProduct<'_>> = jobs
+            .iter()
+            .zip(&mats)
+            .zip(&gates)
+            .map(|(((_, rows), [_, _, dn]), h)| QuantProduct {
+                w: *dn,
+                x: h,
+                n_rows: rows.len(),
+            })
+            .collect();
+        let mut outs: Vec<&mut [f32]> = inputs.iter_mut().map(|v| v.as_mut_slice()).collect();
+        qk.quant_products(&products, &mut outs)?;
+        for ((_, rows), y) in jobs.iter().zip(&inputs) {
+            scatter_rows(d, arch.top_k, rows, y, slots);
+        }
+        Ok(())
+    }
+
+    /// The shared expert on every row of `x_norm` (`[n_tokens, hidden]`) into `out`
+    /// (same shape): `down(silu(gate(x)) * up(x))`, times `sigmoid(x · shared_expert_gate)`
+    /// when the family gates it.
+    pub fn shared_expert(
+        self,
+        arch: &ArchSpec,
+        shared: &SharedExpertWeights<'_>,
+        x_norm: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let d = arch.hidden;
+        let n = x_norm.len() / d.max(1);
+        check_len("shared expert input", x_norm.len(), n * d)?;
+        check_len("shared expert output", out.len(), n * d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = shared.ffn.gate.out_dim();
+        let mut h = vec![0.0f32; n * f];
+        self.linear_gated(x_norm, n, &shared.ffn.gate, &shared.ffn.up, silu, &mut h)?;
+        self.linear(&h, n, &shared.ffn.down, out)?;
+        if let Some(gate) = &shared.gate {
+            let mut g = vec![0.0f32; n];
+            self.linear(x_norm, n, gate, &mut g)?;
+            for (row, &logit) in out.chunks_exact_mut(d).zip(&g) {
+                let s = 1.0 / (1.0 + (-logit).exp());
+                for v in row {
+                    *v *= s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
+    /// [`Kernels::experts_ffn`] for the experts some row routes to (in expert order;
+    /// `expert(e)` gives its weights and is called for those experts only), then
+    /// [`combine`] into `x`. Returns
+    /// the routing. The oracle and the runtime's fused `post_attn` both run exactly this.
+    pub fn moe_block<'w, E>(
+        self,
+        arch: &ArchSpec,
+        dense: &DenseWeights<'_>,
+        x: &mut [f32],
+        mut expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
+    ) -> Result<Routing, E>
+    where
+        E: From<KernelError>,
+    {
+        let mut x_norm = vec![0.0f32; x.len()];
+        let routing = self.gate(arch, dense, x, &mut x_norm)?;
+        let mut slots = vec![0.0f32; x.len() * arch.top_k];
+        let by_expert = routing.by_expert(arch.experts);
+        let mut jobs = Vec::new();
+        for (e, rows) in by_expert.iter().enumerate() {
+            if !rows.is_empty() {
+                jobs.push((expert(e)?, rows.as_slice()));
+            }
+        }
+        self.experts_ffn(arch, &jobs, &x_norm, &mut slots)?;
+        match &dense.shared {
+            Some(shared) => {
+                let mut shared_out = vec![0.0f32; x.len()];
+                self.shared_expert(arch, shared, &x_norm, &mut shared_out)?;
+                combine_shared(&routing, &slots, Some(&shared_out), x)?;
+            }
+            None => combine(&routing, &slots, x)?,
+        }
+        Ok(routing)
+    }
+}
+
+/// The most routed rows [`Kernels::experts_ffn`] runs in one region: every expert's
+/// intermediates are alive at once there (a batch-64 prefill's 8192 routed rows would hold
+/// about 235 MB of gate and up values for a 3584-wide FFN, twice over while the panels are
+/// gathered), and past a decode step's rows one region per expert costs nothing that
+/// matters.
+pub const GROUPED_MAX_ROWS: usize = 256;
+
+/// Checks `rows` against `x_norm` (`[n_tokens, hidden]`) and `slots` (`[n_tokens, top_k,
+/// hidden]`) and gathers the rows routed to one expert into a contiguous block; `None`
+/// when no row is.
+fn gather_rows(
+    arch: &ArchSpec,
+    x_norm: &[f32],
+    rows: &[RoutedRow],
+    slots: &[f32],
+) -> Result<Option<Vec<f32>>, KernelError> {
+    let (d, k) = (arch.hidden, arch.top_k);
+    let n_tokens = x_norm.len() / d.max(1);
+    check_len("expert input", x_norm.len(), n_tokens * d)?;
+    check_len("expert slots", slots.len(), n_tokens * k * d)?;
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    if let Some(bad) = rows
+        .iter()
+        .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
+    {
+        return Err(KernelError::Shape {
+            what: "routed row (row, slot)",
+            expected: n_tokens * k,
+            got: bad.row as usize * k + bad.slot as usize,
+        });
+    }
+    let mut gathered = vec![0.0f32; rows.len() * d];
+    for (i, r) in rows.iter().enumerate() {
+        let src = r.row as usize * d;
+        gathered[i * d..(i + 1) * d].copy_from_slice(&x_norm[src..src + d]);
+    }
+    Ok(Some(gathered))
+}
+
+/// Writes `weight * y` of each routed row into its (row, slot) of `slots`.
+fn scatter_rows(d: usize, top_k: usize, rows: &[RoutedRow], y: &[f32], slots: &mut [f32]) {
+    for (i, r) in rows.iter().enumerate() {
+        let at = (r.row as usize * top_k + r.slot as usize) * d;
+        for (o, v) in slots[at..at + d].iter_mut().zip(&y[i * d..(i + 1) * d]) {
+            *o = r.weight * v;
+        }
+    }
+}
+
+/// `residual += Σ slots` per row, the slots summed in ascending expert index starting
+/// from zero (as Hugging Face's `index_add` loop over experts does).
+pub fn combine(routing: &Routing, slots: &[f32], residual: &mut [f32]) -> Result<(), KernelError> {
+    combine_shared(routing, slots, None, residual)
+}
+
+/// [`combine`], with the shared expert's rows (`[n_tokens, hidden]`) added to each row's
+/// routed sum before the sum goes into the residual (Qwen2-MoE's
+/// `residual + (experts + shared)`).
+pub fn combine_shared(
+    routing: &Routing,
+    slots: &[f32],
+    shared: Option<&[f32]>,
+    residual: &mut [f32],
+) -> Result<(), KernelError> {
+    let k = routing.top_k.max(1);
+    let n = routing.n_tokens();
+    let d = residual.len() / n.max(1);
+    check_len("combine residual", residual.len(), n * d)?;
+    check_len("combine slots", slots.len(), n * k * d)?;
+    if let Some(shared) = shared {
+        check_len("combine shared expert rows", shared.len(), n * d)?;
+    }
+    let mut order: Vec<usize> = Vec::with_capacity(k);
+    let mut sum = vec![0.0f32; d];
+    for t in 0..n {
+        let chosen = &routing.experts[t * k..(t + 1) * k];
+        order.clear();
+        order.extend(0..k);
+        order.sort_by_key(|&s| (chosen[s], s));
+        sum.fill(0.0);
+        for &s in &order {
+            let at = (t * k + s) * d;
+            for (acc, v) in sum.iter_mut().zip(&slots[at..at + d]) {
+                *acc += v;
+            }
+        }
+        if let Some(shared) = shared {
+            for (acc, v) in sum.iter_mut().zip(&shared[t * d..(t + 1) * d]) {
+                *acc += v;
+            }
+        }
+        for (r, v) in residual[t * d..(t + 1) * d].iter_mut().zip(&sum) {
+            *r += v;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gpt-oss: logits [1, 3, 2, 0], top-2 = experts 1 and 2, softmax over (3, 2) only:
+    /// e / (e + 1) = 0.731059 and 1 / (e + 1) = 0.268941.
+    #[test]
+    fn gpt_oss_routing_softmaxes_over_the_top_k_only() {
+        let r = route_topk_softmax(&[1.0, 3.0, 2.0, 0.0], 4, 2);
+        assert_eq!(r.experts, vec![1, 2]);
+        let e = std::f32::consts::E;
+        assert!(
+            (r.weights[0] - e / (e + 1.0)).abs() < 1e-6,
+            "{:?}",
+            r.weights
+        );
+        assert!(
+            (r.weights[1] - 1.0 / (e + 1.0)).abs() < 1e-6,
+            "{:?}",
+            r.weights
+        );
+    }
+
+    /// The shared expert's rows are added to the routed sum before the residual:
+    /// residual 1, one slot 2 (weight already applied), shared row 4 gives 7.
+    #[test]
+    fn combine_adds_the_shared_expert_row() {
+        let routing = Routing {
+            top_k: 1,
+            experts: vec![0],
+            weights: vec![1.0],
+        };
+        let mut residual = [1.0f32, 1.0];
+        combine_shared(&routing, &[2.0, 2.0], Some(&[4.0, 4.0]), &mut residual).unwrap();
+        assert_eq!(residual, [7.0, 7.0]);
+        assert!(combine_shared(&routing, &[2.0, 2.0], Some(&[4.0]), &mut residual).is_err());
+    }
+
+    /// Logits [ln 1, ln 2, ln 3, ln 4]: probabilities 0.1..0.4; top-2 = experts 3, 2 with
+    /// 0.4 and 0.3, renormalised by their sum to 4/7 and 3/7.
+    #[test]
+    fn routing_renormalises_by_the_top_k_sum() {
+        let logits = [1f32.ln(), 2f32.ln(), 3f32.ln(), 4f32.ln()];
+        let r = route(&logits, 4, 2, Some(1.0));
+        assert_eq!(r.experts, vec![3, 2]);
+        assert!((r.weights[0] - 4.0 / 7.0).abs() < 1e-6 && (r.weights[1] - 3.0 / 7.0).abs() < 1e-6);
+        let raw = route(&logits, 4, 2, None);
+        assert!((raw.weights[0] - 0.4).abs() < 1e-6 && (raw.weights[1] - 0.3).abs() < 1e-6);
+        let rows: Vec<Vec<(u32, u32)>> = r
+            .by_expert(4)
+            .iter()
+            .map(|g| g.iter().map(|p| (p.row, p.slot)).collect())
+            .collect();
+        assert_eq!(rows, vec![vec![], vec![], vec![(0, 1)], vec![(0, 0)]]);
+    }
+}
+
+#[cfg(test)]
+mod grouped_tests {
+    use super::*;
+    use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+    use crate::model::card::ModelCard;
+    use crate::quant::{random_blocks, QuantFormat, QuantSlice};
+
+    /// Several quantised experts run together (one region for their gate/up products, one
+    /// for their downs) give each slot the bits of running them one at a time.
+    #[test]
+    fn grouped_quantised_experts_give_the_one_at_a_time_bits() {
+        let arch = ArchSpec::from_card(&ModelCard::load("mixtral-tiny").unwrap());
+        let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
+        let format = QuantFormat::Q8_0;
+        let blocks = |elems: usize, seed: u64| random_blocks(format, elems / 32, seed);
+        let bytes: Vec<[Vec<u8>; 3]> = (0..3)
+            .map(|e| {
+                [
+                    blocks(f * d, 3 * e),
+                    blocks(f * d, 3 * e + 1),
+                    blocks(d * f, 3 * e + 2),
+                ]
+            })
+            .collect();
+        fn matrix(b: &[u8], rows: usize, cols: usize) -> Matrix<'_> {
+            let q = QuantSlice::new(b, QuantFormat::Q8_0, rows * cols).unwrap();
+            Matrix::new(TypedSlice::Quant(q), rows, cols, Orientation::OutIn).unwrap()
+        }
+        let experts: Vec<ExpertWeights<'_>> = bytes
+            .iter()
+            .map(|[g, u, dn]| ExpertWeights {
+                gate: matrix(g, f, d),
+                up: matrix(u, f, d),
+                down: matrix(dn, d, f),
+                fused: None,
+            })
+            .collect();
+        let n_tokens = 5;
+        let x: Vec<f32> = (0..n_tokens * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let row = |row: u32, slot: u32, weight: f32| RoutedRow { row, slot, weight };
+        let rows = [
+            vec![row(0, 0, 0.7), row(3, 1, 0.2)],
+            vec![row(0, 1, 0.3), row(1, 0, 0.9), row(4, 0, 0.5)],
+            vec![row(2, 0, 1.0)],
+        ];
+        let jobs: Vec<(ExpertWeights<'_>, &[RoutedRow])> = experts
+            .iter()
+            .zip(&rows)
+            .map(|(e, r)| (*e, r.as_slice()))
+            .collect();
+        let kernels = Kernels::process();
+        let mut grouped = vec![0.0f32; n_tokens * k * d];
+        kernels.experts_ffn(&arch, &jobs, &x, &mut grouped).unwrap();
+        let mut one_by_one = vec![0.0f32; n_tokens * k * d];
+        for (e, r) in &jobs {
+            kernels
+                .expert_ffn(&arch, e, &x, r, &mut one_by_one)
+                .unwrap();
+        }
+        assert!(grouped.iter().any(|v| *v != 0.0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&grouped), bits(&one_by_one));
+    }
+}

@@ -1,0 +1,170 @@
+//! Which body runs the quantised matrix products, derived from the process's CPU kernel
+//! choice ([`Kernels`], `MOEC_KERNELS`) and the CPU's integer dot-product instructions.
+//!
+//! Takes a [`Kernels`] value (which instruction set the f32 kernels run); gives a
+//! [`QuantKernels`] value naming the quantised body. Guarantees: a [`QuantKernels`] value
+//! only names a body this CPU can run (its constructor checks the features), so the
+//! `unsafe` SIMD bodies behind it are sound; the mapping from the f32 choice is fixed and
+//! stated in [`describe`] (AVX-512 without VNNI runs the AVX2 body and says so); every
+//! body gives the portable body's bits, so the choice never changes a result.
+
+use crate::math::isa::{Isa, Kernels};
+use std::fmt;
+
+/// A body of the quantised products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuantBody {
+    /// AVX-512 with VNNI (`vpdpbusd`): 64 codes per instruction.
+    Avx512Vnni,
+    /// AVX2 (`vpmaddubsw` + `vpmaddwd`): 32 codes per instruction pair.
+    Avx2,
+    /// Plain Rust loops (the reference).
+    Portable,
+}
+
+impl QuantBody {
+    /// Every body, fastest first.
+    pub const ALL: [QuantBody; 3] = [QuantBody::Avx512Vnni, QuantBody::Avx2, QuantBody::Portable];
+
+    /// The name reports print.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantBody::Avx512Vnni => "avx512-vnni",
+            QuantBody::Avx2 => "avx2",
+            QuantBody::Portable => "portable",
+        }
+    }
+
+    /// True when this CPU can run the body.
+    pub fn is_supported(self) -> bool {
+        match self {
+            QuantBody::Avx512Vnni => {
+                Isa::Avx512.is_supported() && Isa::Avx2.is_supported() && has_vnni()
+            }
+            QuantBody::Avx2 => Isa::Avx2.is_supported(),
+            QuantBody::Portable => true,
+        }
+    }
+
+    /// Every body this CPU can run, fastest first (always ends with portable).
+    pub fn supported() -> Vec<QuantBody> {
+        Self::ALL.into_iter().filter(|b| b.is_supported()).collect()
+    }
+}
+
+impl fmt::Display for QuantBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A body this CPU cannot run was asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("quantised products: this CPU cannot run the {body} body")]
+pub struct UnsupportedBody {
+    /// The body asked for.
+    pub body: QuantBody,
+}
+
+/// The quantised-product context: which body a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuantKernels {
+    body: QuantBody,
+}
+
+impl QuantKernels {
+    /// The `body` kernels, refused when this CPU cannot run them.
+    pub fn new(body: QuantBody) -> Result<Self, UnsupportedBody> {
+        if body.is_supported() {
+            Ok(QuantKernels { body })
+        } else {
+            Err(UnsupportedBody { body })
+        }
+    }
+
+    /// The portable body (every CPU runs it).
+    pub fn portable() -> Self {
+        QuantKernels {
+            body: QuantBody::Portable,
+        }
+    }
+
+    /// The body for an f32 kernel choice: AVX-512 runs the VNNI body when the CPU has
+    /// VNNI and the AVX2 body otherwise; AVX2 runs AVX2; portable runs portable.
+    pub fn for_kernels(k: Kernels) -> Self {
+        let body = match k.isa() {
+            Isa::Avx512 if QuantBody::Avx512Vnni.is_supported() => QuantBody::Avx512Vnni,
+            Isa::Avx512 | Isa::Avx2 if QuantBody::Avx2.is_supported() => QuantBody::Avx2,
+            _ => QuantBody::Portable,
+        };
+        QuantKernels { body }
+    }
+
+    /// The body for the process's kernel choice ([`Kernels::process`]).
+    pub fn process() -> Self {
+        Self::for_kernels(Kernels::process())
+    }
+
+    /// The body these kernels run.
+    pub fn body(self) -> QuantBody {
+        self.body
+    }
+}
+
+/// One line naming the quantised-product body an f32 kernel choice runs, and why, for
+/// `moec devices` and the run report (`describe(Kernels::process())`).
+pub fn describe(k: Kernels) -> String {
+    if k.decodes_quant() {
+        return "quantised products: weights decoded to f32 per panel with ggml's reference \
+                decoder, activations in f32 (MOEC_QUANT_PRODUCT=decoded, the CUDA backend's \
+                arithmetic)"
+            .to_string();
+    }
+    let body = QuantKernels::for_kernels(k).body();
+    let why = match (k.isa(), body) {
+        (Isa::Avx512, QuantBody::Avx512Vnni) => "AVX-512 kernels and this CPU has VNNI",
+        (Isa::Avx512, _) => "AVX-512 kernels but this CPU lacks AVX-512 VNNI",
+        (Isa::Avx2, _) => "AVX2 kernels",
+        (Isa::Portable, _) => "portable kernels",
+    };
+    format!(
+        "quantised products: {} ({why}); activations quantised to Q8_K (K-quants), Q8_0 \
+         (Q8_0, Q4_0, MXFP4 weights) or Q8_1 (Q4_1 weights), integer block dot products, f32 \
+         accumulation over blocks",
+        body.name()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_follow_the_kernel_choice_and_the_cpu() {
+        assert_eq!(
+            QuantKernels::for_kernels(Kernels::portable()).body(),
+            QuantBody::Portable
+        );
+        for isa in Isa::supported() {
+            let k = Kernels::new(isa).unwrap();
+            let body = QuantKernels::for_kernels(k).body();
+            assert!(body.is_supported(), "{isa} -> {body}");
+            assert!(describe(k).contains(body.name()));
+        }
+        for body in QuantBody::ALL {
+            assert_eq!(QuantKernels::new(body).is_ok(), body.is_supported());
+        }
+        assert_eq!(QuantBody::supported().last(), Some(&QuantBody::Portable));
+    }
+}

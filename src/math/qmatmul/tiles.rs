@@ -1,0 +1,205 @@
+//! Products from the tiles of eight rows ([`crate::quant::tiles`], the layout): the
+//! activation side the SIMD bodies read ([`TileActs`]), the portable body, and whether the
+//! CPU backend tiles at all ([`enabled`]). The products compute each output exactly as
+//! [`super::matmul`] documents, so they give the plain layout's bits in every body.
+
+use super::dot;
+use crate::quant::q8::Q8Rows;
+use crate::quant::tiles::{group_bytes, untile_block};
+pub use crate::quant::tiles::{tile, tile_bytes, tileable, untile, TILE_BYTES, TILE_ROWS};
+use crate::quant::{QuantFormat, QK_K};
+
+/// Whether the CPU backend repacks Q4_K, Q6_K, Q8_0 and Q4_0 matrices into tiles at load: yes unless
+/// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
+/// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("MOEC_QUANT_TILES").as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(other) => {
+            eprintln!("warning: MOEC_QUANT_TILES={other} is neither on nor off; keeping tiles");
+            true
+        }
+    })
+}
+
+/// The activation side the SIMD bodies read per (row, block), besides the codes.
+///
+/// Q4_K: the sums of each 32-code sub-block `s_j = bsum_2j + bsum_2j+1`, as `[s0, s0, s1,
+/// s1, .., s7, s7]` (`wide`, the AVX-512 body: four per pair of sub-blocks) and as pairs
+/// `s_2p | s_2p+1 << 16` (`pairs`, the AVX2 body). A sub-block sums at most 32 · 128, so
+/// 16 bits hold it.
+///
+/// Q6_K: the `−32 · code` part of `(q − 32) · x` summed over the codes a body's lane
+/// covers, so a lane can start from it and hold `Σ (q − 32) · x` directly: `quads`
+/// (AVX-512: `−32 · Σ x` over each 4 consecutive codes, 64 per block) and `pairs16`
+/// (AVX2: `−32 · (x_2m + x_2m+1 + x_8+2m + x_8+2m+1)` for each sub-block `c` (codes
+/// `16c..`) and `m < 4`, 64 per block; at most 32 · 512 in magnitude, so 16 bits hold it).
+pub(super) struct TileActs<'a> {
+    /// The quantised rows (Q8_K).
+    pub q: &'a Q8Rows,
+    wide: Vec<i32>,
+    pairs: Vec<i32>,
+    quads: Vec<i32>,
+    pairs16: Vec<i16>,
+    block_offsets: Vec<i32>,
+}
+
+impl<'a> TileActs<'a> {
+    /// What the bodies for `format` read of `q` (Q8_K rows).
+    pub fn new(q: &'a Q8Rows, format: QuantFormat) -> Self {
+        let nb = q.blocks_per_row();
+        let mut acts = TileActs {
+            q,
+            wide: Vec::new(),
+            pairs: Vec::new(),
+            quads: Vec::new(),
+            pairs16: Vec::new(),
+            block_offsets: Vec::new(),
+        };
+        if let Some(offset) = match format {
+            QuantFormat::Q8_0 => Some(128),
+            QuantFormat::Q4_0 => Some(8),
+            _ => None,
+        } {
+            // Per 32-code block: lane `h` of a row's 64-bit group covers codes `8g + 4h..`
+            // of every group `g` of eight.
+            let nb32 = q.blocks_per_row();
+            acts.block_offsets = vec![0i32; q.n_rows * nb32 * 2];
+            for r in 0..q.n_rows {
+                for b in 0..nb32 {
+                    let x = q.block_qs(r, b);
+                    for h in 0..2 {
+                        let s: i32 = (0..4)
+                            .flat_map(|g| x[8 * g + 4 * h..8 * g + 4 * h + 4].iter())
+                            .map(|&v| i32::from(v))
+                            .sum();
+                        acts.block_offsets[(r * nb32 + b) * 2 + h] = -offset * s;
+                    }
+                }
+            }
+            return acts;
+        }
+        if format == QuantFormat::Q6K {
+            acts.quads = vec![0i32; q.n_rows * nb * 64];
+            acts.pairs16 = vec![0i16; q.n_rows * nb * 64];
+            for r in 0..q.n_rows {
+                for b in 0..nb {
+                    let x = q.block_qs(r, b);
+                    let at = (r * nb + b) * 64;
+                    let sum = |from: usize, n: usize| -> i32 {
+                        x[from..from + n].iter().map(|&v| i32::from(v)).sum()
+                    };
+                    for k in 0..64 {
+                        acts.quads[at + k] = -32 * sum(4 * k, 4);
+                    }
+                    for c in 0..16 {
+                        for m in 0..4 {
+                            let s = sum(16 * c + 2 * m, 2) + sum(16 * c + 8 + 2 * m, 2);
+                            acts.pairs16[at + 4 * c + m] = (-32 * s) as i16;
+                        }
+                    }
+                }
+            }
+            return acts;
+        }
+        acts.wide = vec![0i32; q.n_rows * nb * 16];
+        acts.pairs = vec![0i32; q.n_rows * nb * 4];
+        for r in 0..q.n_rows {
+            for b in 0..nb {
+                let s = q.block_bsums(r, b);
+                let sub = |j: usize| i32::from(s[2 * j]) + i32::from(s[2 * j + 1]);
+                let at = r * nb + b;
+                for j in 0..8 {
+                    acts.wide[at * 16 + 2 * j] = sub(j);
+                    acts.wide[at * 16 + 2 * j + 1] = sub(j);
+                }
+                for p in 0..4 {
+                    let packed =
+                        (sub(2 * p) as u16 as u32) | ((sub(2 * p + 1) as u16 as u32) << 16);
+                    acts.pairs[at * 4 + p] = packed as i32;
+                }
+            }
+        }
+        acts
+    }
+
+    /// Row `r`'s 256 codes of block `b`.
+    pub fn codes(&self, r: usize, b: usize) -> &[i8] {
+        self.q.block_qs(r, b)
+    }
+
+    /// Q4_K: row `r`'s sixteen wide sums of block `b`.
+    pub fn wide(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 16;
+        &self.wide[at..at + 16]
+    }
+
+    /// Q4_K: row `r`'s four packed pairs of block `b`.
+    pub fn pairs(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 4;
+        &self.pairs[at..at + 4]
+    }
+
+    /// Q6_K: row `r`'s 64 quad offsets of block `b`.
+    pub fn quads(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 64;
+        &self.quads[at..at + 64]
+    }
+
+    /// Q8_0 and Q4_0: row `r`'s two lane offsets of (32-code) block `b`: `−128 · Σ x`
+    /// (Q8_0) or `−8 · Σ x` (Q4_0) over the codes `8g..8g + 4` and `8g + 4..8g + 8` of its
+    /// four groups of eight.
+    pub fn block_offsets(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.q.blocks_per_row() + b) * 2;
+        &self.block_offsets[at..at + 2]
+    }
+
+    /// Q6_K: row `r`'s 64 pair offsets of block `b`.
+    pub fn pairs16(&self, r: usize, b: usize) -> &[i16] {
+        let at = (r * self.q.blocks_per_row() + b) * 64;
+        &self.pairs16[at..at + 64]
+    }
+}
+
+/// The reference body on tiles: each output's blocks read back plain ([`untile_block`])
+/// and summed as [`super::matmul`] documents. Rows `o0..o0 + rows` (whole tiles) of the
+/// tiled `[.., cols]` matrix `bytes` of `format` into `local[r * rows + i]`.
+pub(super) fn portable_panel(
+    format: QuantFormat,
+    bytes: &[u8],
+    cols: usize,
+    acts: &Q8Rows,
+    o0: usize,
+    rows: usize,
+    local: &mut [f32],
+) {
+    let (nb, tb) = (cols / QK_K, tile_bytes(format));
+    let (bb, sub) = (format.block_bytes(), QK_K / format.block_elems());
+    let k_quant = acts.format == crate::quant::q8::ActFormat::Q8K;
+    let mut group = vec![0u8; group_bytes(format)];
+    for t in 0..rows / TILE_ROWS {
+        let tile_row = &bytes[(o0 / TILE_ROWS + t) * nb * tb..];
+        for l in 0..TILE_ROWS {
+            let i = t * TILE_ROWS + l;
+            for r in 0..acts.n_rows {
+                let mut acc = 0.0f32;
+                for b in 0..nb {
+                    untile_block(format, &tile_row[b * tb..(b + 1) * tb], l, &mut group);
+                    for (j, block) in group.chunks_exact(bb).enumerate() {
+                        let blk = sub * b + j;
+                        let bsums = if k_quant {
+                            acts.block_bsums(r, blk)
+                        } else {
+                            &[]
+                        };
+                        let (dy, qs) = (acts.block_d(r, blk), acts.block_qs(r, blk));
+                        acc += dot::block_value(format, block, qs, bsums, dy, 0.0);
+                    }
+                }
+                local[r * rows + i] = acc;
+            }
+        }
+    }
+}

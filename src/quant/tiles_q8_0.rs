@@ -1,0 +1,82 @@
+//! The Q8_0 tile: eight rows' blocks of one 256-weight column (eight 32-weight blocks
+//! each), in the order the SIMD bodies (`crate::math::qmatmul`'s `tiles_b32_x86`) read them (why tiles
+//! exist: [`super::tiles`]).
+//!
+//! A tile is 2176 bytes, the 64 34-byte blocks it replaces (a whole number of 64-byte
+//! cache lines, so a tile's code chunks stay aligned as the matrix's start is):
+//!
+//! - bytes `0..128`: the `d` (f16) of block `j` (codes `32j..32j + 32`) of row `r` at
+//!   `2 (8j + r)`;
+//! - `128..2176`: 32 chunks of 64 bytes, chunk `4j + c` at `128 + 64 (4j + c)`: byte `8r + i`
+//!   holds row `r`'s code `32j + 8c + i`, offset by 128 (`code ^ 0x80` read as unsigned:
+//!   0..256), the form the unsigned side of `vpdpbusd` takes.
+//!
+//! Every field is the blocks' own bits moved (the offset is undone by the same `^ 0x80`), so
+//! tiling is lossless ([`untile_block`]).
+
+use super::tiles::TILE_ROWS;
+
+/// Bytes of one Q8_0 block.
+const BLOCK: usize = 34;
+
+/// Bytes of one tile.
+pub(crate) const TILE: usize = TILE_ROWS * 8 * BLOCK;
+
+/// Where the code chunks start.
+pub(crate) const CODES: usize = 128;
+
+/// One tile from its eight rows' 256 weights (eight blocks, 272 bytes each).
+pub(crate) fn tile_block<'a>(group: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
+    for r in 0..TILE_ROWS {
+        let src = group(r);
+        for j in 0..8 {
+            let block = &src[j * BLOCK..(j + 1) * BLOCK];
+            out[2 * (8 * j + r)..2 * (8 * j + r) + 2].copy_from_slice(&block[0..2]);
+            for c in 0..4 {
+                for i in 0..8 {
+                    out[CODES + 64 * (4 * j + c) + 8 * r + i] = block[2 + 8 * c + i] ^ 0x80;
+                }
+            }
+        }
+    }
+}
+
+/// Row `r`'s eight plain Q8_0 blocks from a tile (the bytes [`tile_block`] took), into
+/// `out` (272 bytes).
+pub(crate) fn untile_block(tile: &[u8], r: usize, out: &mut [u8]) {
+    for j in 0..8 {
+        let block = &mut out[j * BLOCK..(j + 1) * BLOCK];
+        block[0..2].copy_from_slice(&tile[2 * (8 * j + r)..2 * (8 * j + r) + 2]);
+        for c in 0..4 {
+            for i in 0..8 {
+                block[2 + 8 * c + i] = tile[CODES + 64 * (4 * j + c) + 8 * r + i] ^ 0x80;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{random_blocks, QuantFormat};
+
+    /// Every code and `d` lands where the layout says, and untiling gives the blocks back.
+    #[test]
+    fn q8_0_tile_follows_the_layout_and_is_lossless() {
+        let plain = random_blocks(QuantFormat::Q8_0, TILE_ROWS * 8, 13);
+        let group = |r: usize| &plain[r * 8 * BLOCK..(r + 1) * 8 * BLOCK];
+        let mut tile = vec![0u8; TILE];
+        tile_block(group, &mut tile);
+        for r in 0..TILE_ROWS {
+            for (j, k) in [(0usize, 0usize), (3, 9), (7, 31)] {
+                let block = &group(r)[j * BLOCK..(j + 1) * BLOCK];
+                let byte = tile[CODES + 64 * (4 * j + k / 8) + 8 * r + k % 8];
+                assert_eq!((byte ^ 0x80) as i8, block[2 + k] as i8, "row {r} block {j}");
+                assert_eq!(tile[2 * (8 * j + r)..2 * (8 * j + r) + 2], block[0..2]);
+            }
+            let mut back = vec![0u8; 8 * BLOCK];
+            untile_block(&tile, r, &mut back);
+            assert_eq!(back, group(r), "row {r}");
+        }
+    }
+}
