@@ -7,9 +7,10 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use moec::cost::probe::measure;
 use moec::math::attention::{attention, AttnSeq};
-use moec::math::kv_cache::{KvBlocksMut, KvLayout};
+use moec::math::kv_cache::KvBlocksMut;
 use moec::model::arch::ArchSpec;
 use moec::model::card::ModelCard;
+use moec::model::vocab::KvLayout;
 use std::time::Instant;
 
 const SEQS: usize = 16;

@@ -10,12 +10,13 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use moec::math::attention::{attention, AttnSeq};
-use moec::math::kv_cache::{KvLayout, PagedKvCache};
+use moec::math::kv_cache::PagedKvCache;
 use moec::math::moe::{combine, expert_ffn, gate};
 use moec::math::projection::{o_proj_residual, pre_attn};
 use moec::math::rope::RopeTable;
 use moec::math::simd::avx512_available;
 use moec::math::views::LayerWeights;
+use moec::model::vocab::KvLayout;
 use moec::model::{ArchSpec, ModelCard};
 use moec::weights::synth::{synthetic_layer_image, SynthOptions};
 use std::time::Instant;

@@ -27,7 +27,8 @@ use half::bf16;
 use moec::math::isa::Kernels;
 use moec::math::qmatmul::select::describe;
 use moec::math::qmatmul::{QuantBody, QuantKernels, QuantMatrix};
-use moec::math::tensor::{Matrix, Orientation, TypedSlice};
+use moec::math::tensor::{Matrix, TypedSlice};
+use moec::model::vocab::Orientation;
 use moec::quant::{QuantFormat, QuantSlice};
 use std::time::Instant;
 
@@ -316,7 +317,7 @@ fn bodies(set: &Set) {
 fn bench(c: &mut Criterion) {
     let k = Kernels::process();
     let qk = QuantKernels::process();
-    println!("{}", moec::math::isa::describe());
+    println!("{}", moec::math::report::describe());
     println!("{}", describe(k));
     println!("threads: {}", rayon::current_num_threads());
     // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.

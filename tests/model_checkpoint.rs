@@ -5,10 +5,11 @@
 //! every malformed case is an error naming the file and tensor.
 
 use moec::math::isa::Kernels;
-use moec::math::moe::{expert_ffn, RoutedRow};
+use moec::math::moe::expert_ffn;
 use moec::math::projection::pre_attn;
 use moec::math::rope::RopeTable;
 use moec::math::views::LayerWeights;
+use moec::model::vocab::RoutedRow;
 use moec::model::{ModelCard, SegmentKind, WeightDtype};
 use moec::oracle::{GenerateOptions, Oracle};
 use moec::quant::{dequantize_blocks, QuantFormat};

@@ -5,11 +5,13 @@
 
 use moec::math::attention::{attention, AttnSeq};
 use moec::math::head::logits;
-use moec::math::kv_cache::{KvLayout, PagedKvCache};
-use moec::math::moe::{combine, expert_ffn, gate, RoutedRow};
+use moec::math::kv_cache::PagedKvCache;
+use moec::math::moe::{combine, expert_ffn, gate};
 use moec::math::projection::{o_proj_residual, pre_attn};
 use moec::math::rope::RopeTable;
-use moec::math::sampling::Sampling;
+use moec::model::vocab::KvLayout;
+use moec::model::vocab::RoutedRow;
+use moec::model::vocab::Sampling;
 use moec::model::ModelCard;
 use moec::oracle::{GenerateOptions, Oracle};
 use moec::weights::checkpoint::Checkpoint;

@@ -493,7 +493,7 @@ fn a_driver_session_admits_cancels_and_steps_with_the_oracle_s_tokens() {
     let request = |i: usize| SeqRequest {
         prompt: prompts[i].clone(),
         max_new_tokens: GEN_LEN,
-        sampling: moec::math::sampling::Sampling::Greedy,
+        sampling: moec::model::vocab::Sampling::Greedy,
         seed: 0,
         stop_at_eos: false,
     };

@@ -529,7 +529,7 @@ impl moec::runtime::backend::Backend for CountingKv<'_> {
         route: &moec::lower::PlanArg,
         tokens: usize,
         top_k: usize,
-    ) -> Result<moec::math::moe::Routing, moec::runtime::backend::BackendError> {
+    ) -> Result<moec::model::vocab::Routing, moec::runtime::backend::BackendError> {
         self.inner.read_routing(stream, gate, route, tokens, top_k)
     }
     fn finish_step(

@@ -4,7 +4,8 @@
 
 use half::bf16;
 use moec::math::isa::Kernels;
-use moec::math::tensor::{Matrix, Orientation, TypedSlice};
+use moec::math::tensor::{Matrix, TypedSlice};
+use moec::model::vocab::Orientation;
 
 /// Hidden size.
 pub const D: usize = 1024;

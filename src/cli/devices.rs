@@ -7,7 +7,8 @@
 //! gives the one-line refusal `moec run --backend cuda` reports.
 
 use super::generate::fail;
-use crate::math::isa::{describe, Isa};
+use crate::math::isa::Isa;
+use crate::math::report::describe;
 use crate::runtime::cuda::detect::{detect, use_versioned_libraries, CudaStatus};
 use crate::runtime::cuda::device::arch_name;
 use crate::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};

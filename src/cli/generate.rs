@@ -10,7 +10,7 @@
 //! on a terminal, a line per batch on stderr otherwise) from its first seconds.
 
 use super::inputs::{ModelArgs, PromptArgs};
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Sampling;
 use crate::oracle::{GenerateOptions, Oracle};
 use crate::weights::source::load_model;
 use std::process::ExitCode;

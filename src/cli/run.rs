@@ -113,12 +113,12 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
     request.sampling = if args.temperature > 0.0 {
-        crate::math::sampling::Sampling::Temperature {
+        crate::model::vocab::Sampling::Temperature {
             temperature: args.temperature,
             top_p: 1.0,
         }
     } else {
-        crate::math::sampling::Sampling::Greedy
+        crate::model::vocab::Sampling::Greedy
     };
     request.seed = args.seed;
     request.watchdog = Duration::from_secs_f64(args.watchdog.max(0.01));
@@ -230,7 +230,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
             fitted.predicted_tokens_per_s
         );
     }
-    let _ = writeln!(out, "{}", crate::math::isa::describe());
+    let _ = writeln!(out, "{}", crate::math::report::describe());
     let _ = writeln!(out, "{}", f.stats.backend);
     if let Some(line) = weight_copies_line(&f.stats) {
         let _ = writeln!(out, "{line}");

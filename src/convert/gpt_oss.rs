@@ -17,10 +17,11 @@
 use super::Origin;
 use crate::convert::write::{MetaValue, WriteError};
 use crate::model::arch::ArchSpec;
-use crate::model::card::WeightDtype;
-use crate::model::formats::{Storage, WeightClass, WeightFormats, WeightTensor};
+use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
 use crate::model::layout::SegmentKind;
 use crate::model::names::segment_source;
+use crate::quant::storage::Storage;
+use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
 

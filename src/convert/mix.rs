@@ -16,8 +16,8 @@
 //! naming the tensor). llama.cpp's rule for its 70B dense model type (V in Q5_K) does not
 //! arise for the MoE families moec writes.
 
-use crate::model::card::WeightDtype;
-use crate::model::formats::Storage;
+use crate::quant::storage::Storage;
+use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 
 /// One of llama-quantize's K-quant file types.

@@ -19,12 +19,14 @@
 //! blocks of its format, a family, config or tokenizer it cannot write, or a missing
 //! tensor is one error naming it; the file is written atomically ([`write`]).
 
-use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, WeightDtype};
-use crate::model::formats::{Storage, WeightClass, WeightFormats, WeightTensor};
+use crate::model::card::Family;
+use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
 use crate::model::layout::{LayerLayout, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
+use crate::model::vocab::Orientation;
+use crate::quant::storage::Storage;
+use crate::quant::storage::WeightDtype;
 use crate::quant::{encode::quantize_row, QuantFormat};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::gguf::llama::{place, Place};

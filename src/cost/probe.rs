@@ -459,7 +459,8 @@ fn probe_expert(
     hidden: usize,
     ffn: usize,
 ) -> Result<[crate::math::tensor::Matrix<'_>; 3], ProbeError> {
-    use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+    use crate::math::tensor::{Matrix, TypedSlice};
+    use crate::model::vocab::Orientation;
     let n = hidden * ffn;
     let part = |i: usize, rows, cols| {
         let slice = data
@@ -478,9 +479,11 @@ fn probe_expert(
 /// Best seconds of the decode and the prefill attention point (see [`ATTN_DECODE`] and
 /// [`ATTN_PREFILL_TOKENS`]) through the runtime's attention kernel and paged KV cache.
 fn time_attention(call_reps: usize) -> Result<(f64, f64, f64), ProbeError> {
-    use crate::math::attention::{AttnSeq, AttnShape};
+    use crate::math::attention::AttnSeq;
     use crate::math::isa::Kernels;
-    use crate::math::kv_cache::{KvLayout, PagedKvCache};
+    use crate::math::kv_cache::PagedKvCache;
+    use crate::model::vocab::AttnShape;
+    use crate::model::vocab::KvLayout;
     let (heads, kv_heads, head_dim) = ATTN_HEADS;
     let shape = AttnShape {
         heads,
@@ -582,10 +585,12 @@ pub fn measure_expert_latency(
     card: &crate::model::card::ModelCard,
     memcpy_bytes_per_s: f64,
 ) -> Result<super::hardware::ExpertLatency, ProbeError> {
-    use crate::math::moe::{expert_ffn, RoutedRow};
-    use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+    use crate::math::moe::expert_ffn;
+    use crate::math::tensor::{Matrix, TypedSlice};
     use crate::math::views::ExpertWeights;
     use crate::model::arch::ArchSpec;
+    use crate::model::vocab::Orientation;
+    use crate::model::vocab::RoutedRow;
     let arch = ArchSpec::from_card(card);
     let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k.max(1));
     let elems = d * f;

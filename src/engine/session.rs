@@ -19,7 +19,7 @@
 use super::{fit, message, run_options, RunFailure, RunRequest};
 use crate::ir::Workload;
 use crate::lower::{lower, LowerOptions};
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Sampling;
 pub use crate::runtime::driver::session::Gauges;
 use crate::runtime::driver::session::{
     serve, Command, SeqEnd, SeqError, SeqRequest, Session as DriverSession, TokenSink,

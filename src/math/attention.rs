@@ -11,6 +11,7 @@
 
 use crate::math::isa::Kernels;
 use crate::math::kv_cache::KvBlocksMut;
+use crate::model::vocab::AttnShape;
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -22,36 +23,6 @@ pub struct AttnSeq<'a> {
     pub context_len: usize,
     /// New tokens (rows of `qkv`) this call appends and attends for.
     pub n_new: usize,
-}
-
-/// Head geometry of the attention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttnShape {
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads (`heads` is a multiple).
-    pub kv_heads: usize,
-    /// Width of one head.
-    pub head_dim: usize,
-    /// Attend only to the last this-many positions (Mixtral's `sliding_window`).
-    pub sliding_window: Option<usize>,
-    /// Each query head has a learned sink logit (gpt-oss). The attention op has no weight
-    /// argument, so `pre_attn` appends the layer's `heads` sink values to every `qkv` row
-    /// (`[q | k | v | sinks]`) and attention reads them from there.
-    pub sinks: bool,
-}
-
-impl AttnShape {
-    /// Width of one `qkv` row: `(heads + 2 * kv_heads) * head_dim`, plus `heads` sink
-    /// values with sinks.
-    pub fn qkv_width(&self) -> usize {
-        (self.heads + 2 * self.kv_heads) * self.head_dim + if self.sinks { self.heads } else { 0 }
-    }
-
-    /// Width of one output row: `heads * head_dim`.
-    pub fn q_width(&self) -> usize {
-        self.heads * self.head_dim
-    }
 }
 
 /// Inconsistent arguments to [`attention`].
@@ -301,7 +272,8 @@ fn append_kv(cache: &mut KvBlocksMut<'_>, seqs: &[AttnSeq<'_>], qkv: &[f32], sha
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::math::kv_cache::{KvLayout, PagedKvCache};
+    use crate::math::kv_cache::PagedKvCache;
+    use crate::model::vocab::KvLayout;
 
     /// Dense reference: causal GQA over full K/V of one sequence.
     fn dense(qkv: &[f32], n: usize, shape: &AttnShape) -> Vec<f32> {

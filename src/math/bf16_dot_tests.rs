@@ -1,6 +1,7 @@
 use super::*;
 use crate::math::isa::{Isa, Kernels};
-use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::tensor::{Matrix, TypedSlice};
+use crate::model::vocab::Orientation;
 use half::bf16;
 
 /// xorshift64: reproducible data without a dependency.

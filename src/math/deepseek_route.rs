@@ -10,8 +10,8 @@
 //! divided by their sum + 1e-20 when `norm_topk_prob`, times `routed_scaling_factor`. Ties
 //! go to the lower index (torch's `topk` leaves them unspecified; random weights never tie).
 
-use crate::math::moe::Routing;
 use crate::model::card::{DeepseekRouter, DeepseekTopk};
+use crate::model::vocab::Routing;
 
 /// The `k` largest of `values` (ties to the lower index), highest first.
 fn top_indices(values: &[f32], k: usize) -> Vec<usize> {

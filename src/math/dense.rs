@@ -11,11 +11,12 @@
 //! bit, and a `0 + y` in the sum leaves `y` unchanged.
 
 use crate::math::isa::Kernels;
-use crate::math::moe::{combine_shared, Routing};
+use crate::math::moe::combine_shared;
 use crate::math::norm::normalize;
 use crate::math::views::DenseWeights;
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
+use crate::model::vocab::Routing;
 
 /// The expert id of a routing slot that routes to no expert (every slot of a dense
 /// layer): past every expert index, so grouping by expert and every per-expert count skip it.

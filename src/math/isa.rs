@@ -218,22 +218,6 @@ pub fn parse_bf16_product(setting: Option<&str>) -> Result<bool, IsaError> {
     }
 }
 
-/// One line naming the kernels this process uses and why (for `moec devices` and the run
-/// report), or the refusal when `MOEC_KERNELS` asks for something this CPU cannot run.
-pub fn describe() -> String {
-    match selection() {
-        Ok(s) => format!(
-            "CPU kernels: {} ({}); {}; {}; {}",
-            s.kernels.isa().name(),
-            s.reason,
-            crate::math::linear::bodies(s.kernels.isa()),
-            crate::math::bf16_dot::describe(s.kernels),
-            crate::math::qmatmul::select::describe(s.kernels)
-        ),
-        Err(e) => format!("CPU kernels: refused: {e}"),
-    }
-}
-
 /// The kernel context: which instruction set's bodies a kernel call runs.
 ///
 /// Every SIMD kernel has an `impl Kernels` method; the free functions of the same name use

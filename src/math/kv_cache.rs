@@ -6,48 +6,7 @@
 //! [`BlockAllocator`] whose tables always cover the tokens they were grown for. Running out
 //! of blocks is an error, never a panic.
 
-/// Shape of one block pool. Both pools are `[block][kv_head][tile]` with one tile of
-/// `block_size * head_dim` f32 per (block, head): values are stored row per slot
-/// (`[slot][head_dim]`, see [`KvLayout::offset`]) and keys transposed (`[head_dim][slot]`,
-/// see [`KvLayout::key_offset`]), so decode attention scores 16 keys per vector with no
-/// horizontal reductions. Only the attention kernel reads or writes inside a tile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvLayout {
-    /// Token slots per block.
-    pub block_size: usize,
-    /// Key/value heads.
-    pub kv_heads: usize,
-    /// Width of one head.
-    pub head_dim: usize,
-}
-
-impl KvLayout {
-    /// f32 elements of K (or of V) in one block.
-    pub fn block_elems(&self) -> usize {
-        self.kv_heads * self.block_size * self.head_dim
-    }
-
-    /// Element offset of the tile of (block, head) inside a pool.
-    pub fn tile(&self, block: usize, head: usize) -> usize {
-        (block * self.kv_heads + head) * self.block_size * self.head_dim
-    }
-
-    /// Element offset of the value row of (block, head, slot) inside the V pool.
-    pub fn offset(&self, block: usize, head: usize, slot: usize) -> usize {
-        self.tile(block, head) + slot * self.head_dim
-    }
-
-    /// Element offset of key component `dim` of (block, head, slot) inside the K pool.
-    pub fn key_offset(&self, block: usize, head: usize, slot: usize, dim: usize) -> usize {
-        self.tile(block, head) + dim * self.block_size + slot
-    }
-
-    /// Blocks needed to hold `tokens` tokens.
-    pub fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
-    }
-}
-
+use crate::model::vocab::KvLayout;
 /// Mutable view of one layer's K and V pools (e.g. into a runtime arena).
 #[derive(Debug)]
 pub struct KvBlocksMut<'a> {

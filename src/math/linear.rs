@@ -27,10 +27,11 @@
 use crate::math::bf16_dot::{self, Bf16Rows};
 use crate::math::isa::{Isa, Kernels};
 use crate::math::qmatmul::{QuantKernels, QuantMatrix};
-use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::tensor::{Matrix, TypedSlice};
 use crate::math::{check_len, KernelError};
 #[cfg(target_arch = "x86_64")]
 use crate::math::{few_rows, few_rows512};
+use crate::model::vocab::Orientation;
 use rayon::prelude::*;
 
 /// Weight rows per parallel task of the `OutIn` kernel (a panel kept hot in L2).

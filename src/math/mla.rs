@@ -16,13 +16,15 @@
 //! `DeepseekV2Attention` up to f32 summation order.
 
 use crate::math::isa::Kernels;
-use crate::math::norm::{normalize, NormKind};
+use crate::math::norm::normalize;
 use crate::math::rope::RopeTable;
-use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::tensor::{Matrix, TypedSlice};
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
 use crate::model::card::Mla;
 use crate::model::layout::SegmentKind;
+use crate::model::vocab::NormKind;
+use crate::model::vocab::Orientation;
 
 /// Epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with the
 /// RMSNorm default, not the config's `rms_norm_eps`.

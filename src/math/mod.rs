@@ -40,6 +40,7 @@ pub mod moe;
 pub mod norm;
 pub mod projection;
 pub mod qmatmul;
+pub mod report;
 pub mod rope;
 pub mod sampling;
 pub mod simd;

@@ -16,51 +16,7 @@ use crate::math::qmatmul::{QuantKernels, QuantMatrix, QuantProduct};
 use crate::math::views::{DenseWeights, ExpertWeights, SharedExpertWeights};
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
-
-/// The router's decision for a batch of rows.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Routing {
-    /// Experts per row.
-    pub top_k: usize,
-    /// `[n_tokens, top_k]` chosen experts, highest probability first.
-    pub experts: Vec<u32>,
-    /// `[n_tokens, top_k]` routing weights after renormalisation.
-    pub weights: Vec<f32>,
-}
-
-/// One row routed to an expert.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RoutedRow {
-    /// Row (token) index in the call.
-    pub row: u32,
-    /// Which of the row's `top_k` choices this is (its slot in the slot buffer).
-    pub slot: u32,
-    /// Routing weight.
-    pub weight: f32,
-}
-
-impl Routing {
-    /// Tokens (rows) this routing covers.
-    pub fn n_tokens(&self) -> usize {
-        self.experts.len() / self.top_k.max(1)
-    }
-
-    /// The rows each expert must process, by expert index, rows ascending.
-    pub fn by_expert(&self, n_experts: usize) -> Vec<Vec<RoutedRow>> {
-        let mut groups = vec![Vec::new(); n_experts];
-        let k = self.top_k.max(1);
-        for (i, (&e, &weight)) in self.experts.iter().zip(&self.weights).enumerate() {
-            if let Some(g) = groups.get_mut(e as usize) {
-                g.push(RoutedRow {
-                    row: (i / k) as u32,
-                    slot: (i % k) as u32,
-                    weight,
-                });
-            }
-        }
-        groups
-    }
-}
+use crate::model::vocab::{RoutedRow, Routing};
 
 /// Softmax over all experts in f32, top-k (ties to the lower index), then division by
 /// the p-norm of the chosen weights when `norm_p` is set (Mixtral: p = 1, the sum).
@@ -581,8 +537,9 @@ mod tests {
 #[cfg(test)]
 mod grouped_tests {
     use super::*;
-    use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+    use crate::math::tensor::{Matrix, TypedSlice};
     use crate::model::card::ModelCard;
+    use crate::model::vocab::Orientation;
     use crate::quant::{random_blocks, QuantFormat, QuantSlice};
 
     /// Several quantised experts run together (one region for their gate/up products, one

@@ -12,15 +12,7 @@
 //! ARCHITECTURE.md's quantised-weights section).
 
 use crate::math::tensor::TypedSlice;
-
-/// Which normalisation a family uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NormKind {
-    /// `x * rsqrt(mean(x²) + eps) * w`.
-    Rms,
-    /// `(x - mean) * rsqrt(var + eps) * w`, no bias.
-    LayerNoBias,
-}
+use crate::model::vocab::NormKind;
 
 /// Normalises each row of `x` (`[n_rows, d]`, `d = weight.len()`) into `out`.
 pub fn normalize(kind: NormKind, x: &[f32], weight: TypedSlice<'_>, eps: f32, out: &mut [f32]) {

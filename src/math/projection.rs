@@ -6,11 +6,12 @@
 //! reads), and adds `o_proj(attn_out)` into the residual.
 
 use crate::math::isa::Kernels;
-use crate::math::norm::{normalize, NormKind};
+use crate::math::norm::normalize;
 use crate::math::rope::RopeTable;
 use crate::math::views::{DenseWeights, QkvWeights};
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
+use crate::model::vocab::NormKind;
 
 /// [`Kernels::pre_attn`] with the process's kernels.
 pub fn pre_attn(

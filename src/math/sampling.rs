@@ -4,22 +4,8 @@
 //! rule); gives a token id. [`log_prob`] gives the log-probability of a token under the
 //! model's unscaled distribution, which is what `moec generate` reports.
 
+use crate::model::vocab::Sampling;
 use crate::rng::Rng;
-
-/// How to pick the next token.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Sampling {
-    /// The most likely token (lowest id on ties, like `torch.argmax`).
-    Greedy,
-    /// Sample from `softmax(logits / temperature)` restricted to the smallest set of most
-    /// likely tokens whose probability reaches `top_p`.
-    Temperature {
-        /// Softmax temperature (> 0).
-        temperature: f32,
-        /// Nucleus mass in (0, 1].
-        top_p: f32,
-    },
-}
 
 /// Index of the largest logit (first on ties).
 pub fn argmax(logits: &[f32]) -> u32 {

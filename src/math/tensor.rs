@@ -7,7 +7,8 @@
 //! checks length and alignment and never panics; a quantised matrix's rows are whole
 //! blocks, checked when it is built.
 
-use crate::model::card::WeightDtype;
+use crate::model::vocab::Orientation;
+use crate::quant::storage::WeightDtype;
 use crate::quant::{QuantFormat, QuantSlice};
 use half::{bf16, f16};
 
@@ -135,15 +136,6 @@ impl<'a> TypedSlice<'a> {
         self.widen_into(&mut out);
         out
     }
-}
-
-/// How a matrix is stored in the checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Orientation {
-    /// `[out, in]`, PyTorch `nn.Linear` layout: `y = x Wᵀ`.
-    OutIn,
-    /// `[in, out]`: `y = x W` (DBRX's expert `w2`).
-    InOut,
 }
 
 /// A borrowed 2-D weight matrix, row-major as stored.

@@ -1,11 +1,17 @@
 //! Borrowed views of a model's weights as the kernels consume them.
 //!
 //! Gives [`LayerWeights`] (dense part + experts) and [`ModelWeights`]; every field is a
-//! typed slice pointing into a memory map or any byte buffer (see `layout` for building
-//! them from a packed image, `checkpoint` for building them straight from safetensors).
-//! Nothing here owns or converts weights.
+//! typed slice pointing into a memory map or any byte buffer, built here from a packed
+//! layer image by its [`LayerLayout`] ([`LayerWeights::from_image`]; `checkpoint` builds
+//! them straight from safetensors). Nothing here owns or converts weights.
 
-use crate::math::tensor::{Matrix, TypedSlice};
+use crate::math::mla::{KvUp, MlaWeights};
+use crate::math::tensor::{CastError, Matrix, TypedSlice};
+use crate::model::family;
+use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::vocab::Orientation;
+use crate::quant::{QuantError, QuantSlice};
+use std::ops::Range;
 
 /// Query/key/value projections: separate (Mixtral) or one fused matrix (DBRX).
 #[derive(Debug, Clone, Copy)]
@@ -111,4 +117,240 @@ pub struct ModelWeights<'a> {
     pub final_norm: TypedSlice<'a>,
     /// Output projection `[vocab, hidden]` (the embedding when tied).
     pub lm_head: Matrix<'a>,
+}
+
+/// Why bytes cannot be viewed as a layer's weights.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// The buffer is shorter than the layout needs.
+    #[error("weight image has {got} bytes but the layout needs {needed}")]
+    TooShort {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// A segment's bytes are misaligned or not whole elements.
+    #[error("segment {kind:?}: {source}")]
+    Cast {
+        /// The segment.
+        kind: SegmentKind,
+        /// The underlying cause, as the library or the OS reported it.
+        source: CastError,
+    },
+    /// A quantised segment's bytes are not whole blocks of its format.
+    #[error("segment {kind:?}: {source}")]
+    Quant {
+        /// The segment.
+        kind: SegmentKind,
+        /// What is wrong.
+        source: QuantError,
+    },
+    /// The layout lacks a segment the family needs (a hand-built layout).
+    #[error("layout has no {0:?} segment")]
+    Missing(SegmentKind),
+    /// An expert index past the layout's experts.
+    #[error("expert {expert} out of range (layer has {n_experts})")]
+    Expert {
+        /// Asked for.
+        expert: usize,
+        /// Experts the layer has.
+        n_experts: usize,
+    },
+}
+
+/// Views the segment `kind` inside `bytes`, where `bytes` starts at image offset `base`.
+fn view<'a>(
+    layout: &LayerLayout,
+    bytes: &'a [u8],
+    base: usize,
+    kind: SegmentKind,
+) -> Result<TypedSlice<'a>, LayoutError> {
+    let seg = layout.segment(kind).ok_or(LayoutError::Missing(kind))?;
+    let start = seg
+        .offset
+        .checked_sub(base)
+        .ok_or(LayoutError::Missing(kind))?;
+    let raw = bytes
+        .get(start..start + seg.len_bytes)
+        .ok_or(LayoutError::TooShort {
+            needed: start + seg.len_bytes,
+            got: bytes.len(),
+        })?;
+    match seg.quant {
+        Some(format) => QuantSlice::new(raw, format, seg.rows * seg.cols)
+            .map(TypedSlice::Quant)
+            .map_err(|source| LayoutError::Quant { kind, source }),
+        None => TypedSlice::from_bytes(raw, seg.dtype)
+            .map_err(|source| LayoutError::Cast { kind, source }),
+    }
+}
+
+fn matrix<'a>(
+    layout: &LayerLayout,
+    bytes: &'a [u8],
+    base: usize,
+    kind: SegmentKind,
+) -> Result<Matrix<'a>, LayoutError> {
+    let data = view(layout, bytes, base, kind)?;
+    let seg = layout.segment(kind).ok_or(LayoutError::Missing(kind))?;
+    let orientation = seg.orientation.unwrap_or(Orientation::OutIn);
+    Matrix::new(data, seg.rows, seg.cols, orientation).ok_or(LayoutError::Missing(kind))
+}
+
+impl<'a> DenseWeights<'a> {
+    /// Views the dense part; `bytes` holds the image's [`LayerLayout::dense_range`]
+    /// (which starts at image offset 0), e.g. a copy of it in another memory space.
+    pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
+        let has = |kind| layout.segment(kind).is_some();
+        let qkv = match layout.family {
+            _ if family::spec(layout.family).fused_qkv() => {
+                QkvWeights::Fused(matrix(layout, bytes, 0, SegmentKind::QkvProj)?)
+            }
+            _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(
+                has(SegmentKind::QAProj),
+                has(SegmentKind::KB),
+                |kind| matrix(layout, bytes, 0, kind),
+            )?),
+            _ => QkvWeights::Separate {
+                q: matrix(layout, bytes, 0, SegmentKind::QProj)?,
+                k: matrix(layout, bytes, 0, SegmentKind::KProj)?,
+                v: matrix(layout, bytes, 0, SegmentKind::VProj)?,
+            },
+        };
+        let vector = |kind| -> Result<Option<TypedSlice<'a>>, LayoutError> {
+            if has(kind) {
+                view(layout, bytes, 0, kind).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let qkv_bias = match (
+            vector(SegmentKind::QBias)?,
+            vector(SegmentKind::KBias)?,
+            vector(SegmentKind::VBias)?,
+        ) {
+            (Some(q), Some(k), Some(v)) => Some([q, k, v]),
+            _ => None,
+        };
+        let qk_norm = match (vector(SegmentKind::QNorm)?, vector(SegmentKind::KNorm)?) {
+            (Some(q), Some(k)) => Some([q, k]),
+            _ => None,
+        };
+        let shared = if has(SegmentKind::SharedGate) {
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: matrix(layout, bytes, 0, SegmentKind::SharedGate)?,
+                    up: matrix(layout, bytes, 0, SegmentKind::SharedUp)?,
+                    down: matrix(layout, bytes, 0, SegmentKind::SharedDown)?,
+                    fused: None,
+                },
+                gate: if has(SegmentKind::SharedExpertGate) {
+                    Some(matrix(layout, bytes, 0, SegmentKind::SharedExpertGate)?)
+                } else {
+                    None
+                },
+            })
+        } else if has(SegmentKind::DenseGate) {
+            // A dense layer's SwiGLU runs where a shared expert would: on every token.
+            Some(SharedExpertWeights {
+                ffn: ExpertWeights {
+                    gate: matrix(layout, bytes, 0, SegmentKind::DenseGate)?,
+                    up: matrix(layout, bytes, 0, SegmentKind::DenseUp)?,
+                    down: matrix(layout, bytes, 0, SegmentKind::DenseDown)?,
+                    fused: None,
+                },
+                gate: None,
+            })
+        } else {
+            None
+        };
+        Ok(DenseWeights {
+            attn_norm: view(layout, bytes, 0, SegmentKind::AttnNorm)?,
+            qkv,
+            qkv_bias,
+            qk_norm,
+            sinks: vector(SegmentKind::Sinks)?,
+            o_proj: matrix(layout, bytes, 0, SegmentKind::OProj)?,
+            o_bias: vector(SegmentKind::OBias)?,
+            ffn_norm: view(layout, bytes, 0, SegmentKind::FfnNorm)?,
+            router: if layout.dense_ffn {
+                Matrix::empty()
+            } else {
+                matrix(layout, bytes, 0, SegmentKind::Router)?
+            },
+            router_bias: vector(SegmentKind::RouterBias)?,
+            shared,
+            kv_b_out: if has(SegmentKind::KvBOut) || has(SegmentKind::VB) {
+                Some(KvUp::values(has(SegmentKind::VB), |kind| {
+                    matrix(layout, bytes, 0, kind)
+                })?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+impl<'a> ExpertWeights<'a> {
+    /// Views expert `expert`; `bytes` holds exactly its [`LayerLayout::expert_range`]
+    /// (wherever that copy lives).
+    pub fn from_bytes(
+        bytes: &'a [u8],
+        layout: &LayerLayout,
+        expert: usize,
+    ) -> Result<Self, LayoutError> {
+        if expert >= layout.n_experts {
+            return Err(LayoutError::Expert {
+                expert,
+                n_experts: layout.n_experts,
+            });
+        }
+        let base = layout.expert_range(expert).start;
+        if layout.segment(SegmentKind::ExpertGateUp(expert)).is_some() {
+            return Ok(ExpertWeights {
+                gate: Matrix::empty(),
+                up: Matrix::empty(),
+                down: matrix(layout, bytes, base, SegmentKind::ExpertDown(expert))?,
+                fused: Some(FusedExpert {
+                    gate_up: matrix(layout, bytes, base, SegmentKind::ExpertGateUp(expert))?,
+                    gate_up_bias: view(layout, bytes, base, SegmentKind::ExpertGateUpBias(expert))?,
+                    down_bias: view(layout, bytes, base, SegmentKind::ExpertDownBias(expert))?,
+                }),
+            });
+        }
+        Ok(ExpertWeights {
+            gate: matrix(layout, bytes, base, SegmentKind::ExpertGate(expert))?,
+            up: matrix(layout, bytes, base, SegmentKind::ExpertUp(expert))?,
+            down: matrix(layout, bytes, base, SegmentKind::ExpertDown(expert))?,
+            fused: None,
+        })
+    }
+}
+
+impl<'a> LayerWeights<'a> {
+    /// Views a whole layer image (at least `layout.image_bytes` bytes, base aligned to the
+    /// widest element used, which any `Vec<f32>`/page-aligned buffer is).
+    pub fn from_image(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
+        if bytes.len() < layout.image_bytes {
+            return Err(LayoutError::TooShort {
+                needed: layout.image_bytes,
+                got: bytes.len(),
+            });
+        }
+        // `get` rather than indexing: a hand-built layout may describe ranges past its
+        // own `image_bytes`.
+        let part = |range: Range<usize>| {
+            let needed = range.end;
+            bytes.get(range).ok_or(LayoutError::TooShort {
+                needed,
+                got: bytes.len(),
+            })
+        };
+        let dense = DenseWeights::from_bytes(part(layout.dense_range())?, layout)?;
+        let experts = (0..layout.n_experts)
+            .map(|e| ExpertWeights::from_bytes(part(layout.expert_range(e))?, layout, e))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LayerWeights { dense, experts })
+    }
 }

@@ -4,11 +4,11 @@
 //! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
 //! family names themselves.
 
-use crate::math::attention::AttnShape;
-use crate::math::norm::NormKind;
 use crate::model::card::{DeepseekRouter, Family, Mla, ModelCard, QkNorm, Yarn};
 use crate::model::formats::WeightTensor;
 use crate::model::layout::SegmentKind;
+use crate::model::vocab::AttnShape;
+use crate::model::vocab::NormKind;
 
 /// Kernel-facing description of one architecture.
 #[derive(Debug, Clone, PartialEq)]

@@ -6,7 +6,9 @@
 //! and the runtime size things by. Byte counts assume the card's weight dtype, except for
 //! the tensors its [`ModelCard::formats`] name (block-quantised classes or tensors).
 
-use crate::model::formats::{Storage, WeightFormats, WeightTensor};
+use crate::model::formats::{WeightFormats, WeightTensor};
+use crate::quant::storage::Storage;
+use crate::quant::storage::WeightDtype;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -204,27 +206,6 @@ pub enum QkNorm {
     PerHead,
     /// RMSNorm of the whole projection (`q_dim` / `kv_dim` weights), OLMoE.
     Full,
-}
-
-/// Element type of the weights as stored in a checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum WeightDtype {
-    /// bfloat16 (2 bytes); what the Hub checkpoints ship.
-    Bf16,
-    /// IEEE half (2 bytes).
-    F16,
-    /// IEEE single (4 bytes).
-    F32,
-}
-
-impl WeightDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            WeightDtype::Bf16 | WeightDtype::F16 => 2,
-            WeightDtype::F32 => 4,
-        }
-    }
 }
 
 /// The architecture of one model, as the compiler, cost model and runtime see it.

@@ -11,8 +11,9 @@
 //! differs, in the family's spelling) and writes a config in the family's real spelling
 //! for synthetic checkpoints. Every problem is an error naming the file and field.
 
-use crate::model::card::{ModelCard, WeightDtype};
+use crate::model::card::ModelCard;
 use crate::model::family::{self, CardField, FamilySpec, Fields};
+use crate::quant::storage::WeightDtype;
 use serde_json::Value;
 use std::fmt::Debug;
 

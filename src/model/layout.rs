@@ -5,21 +5,20 @@
 //! (norms, attention with its biases and q/k norms, router, shared expert) then the routed
 //! experts expert-major, so one expert is one contiguous byte range. The image holds the checkpoint tensors' raw bytes (building it
 //! is byte copies only, see `Checkpoint::copy_layer_image`); every segment starts on a
-//! [`SEGMENT_ALIGN`]-byte boundary relative to the image start. [`LayerWeights::from_image`]
-//! validates sizes and alignment and never panics, so the runtime can copy byte ranges
-//! of an image between memory spaces and compute from the copy.
+//! [`SEGMENT_ALIGN`]-byte boundary relative to the image start. The typed views into an
+//! image (`crate::math::views::LayerWeights::from_image`, which validates sizes and
+//! alignment and never panics) sit with the kernels that read them, so the runtime can copy
+//! byte ranges of an image between memory spaces and compute from the copy.
 
-use crate::math::mla::{KvUp, MlaWeights};
-use crate::math::tensor::{CastError, Matrix, Orientation, TypedSlice};
-use crate::math::views::{
-    DenseWeights, ExpertWeights, FusedExpert, LayerWeights, QkvWeights, SharedExpertWeights,
-};
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
-use crate::model::card::{Family, QkNorm, WeightDtype};
+use crate::model::card::{Family, QkNorm};
 use crate::model::family;
-use crate::model::formats::{Storage, WeightTensor};
-use crate::quant::{QuantError, QuantFormat, QuantSlice};
+use crate::model::formats::WeightTensor;
+use crate::model::vocab::Orientation;
+use crate::quant::storage::Storage;
+use crate::quant::storage::WeightDtype;
+use crate::quant::QuantFormat;
 use std::ops::Range;
 
 /// Alignment of every segment inside an image (a cache line; enough for any dtype/SIMD).
@@ -181,46 +180,6 @@ pub struct LayerLayout {
     pub dense_ffn: bool,
     /// Image size in bytes (a multiple of [`SEGMENT_ALIGN`]).
     pub image_bytes: usize,
-}
-
-/// Why bytes cannot be viewed as a layer's weights.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LayoutError {
-    /// The buffer is shorter than the layout needs.
-    #[error("weight image has {got} bytes but the layout needs {needed}")]
-    TooShort {
-        /// Bytes needed.
-        needed: usize,
-        /// Bytes given.
-        got: usize,
-    },
-    /// A segment's bytes are misaligned or not whole elements.
-    #[error("segment {kind:?}: {source}")]
-    Cast {
-        /// The segment.
-        kind: SegmentKind,
-        /// The underlying cause, as the library or the OS reported it.
-        source: CastError,
-    },
-    /// A quantised segment's bytes are not whole blocks of its format.
-    #[error("segment {kind:?}: {source}")]
-    Quant {
-        /// The segment.
-        kind: SegmentKind,
-        /// What is wrong.
-        source: QuantError,
-    },
-    /// The layout lacks a segment the family needs (a hand-built layout).
-    #[error("layout has no {0:?} segment")]
-    Missing(SegmentKind),
-    /// An expert index past the layout's experts.
-    #[error("expert {expert} out of range (layer has {n_experts})")]
-    Expert {
-        /// Asked for.
-        expert: usize,
-        /// Experts the layer has.
-        n_experts: usize,
-    },
 }
 
 fn align_up(x: usize) -> usize {
@@ -555,206 +514,6 @@ impl LayerLayout {
     /// Bytes of expert `expert` (its gate, up and down, contiguous); empty if out of range.
     pub fn expert_range(&self, expert: usize) -> Range<usize> {
         self.span(|s| s.kind.expert() == Some(expert))
-    }
-
-    /// Views the segment `kind` inside `bytes`, where `bytes` starts at image offset `base`.
-    fn view<'a>(
-        &self,
-        bytes: &'a [u8],
-        base: usize,
-        kind: SegmentKind,
-    ) -> Result<TypedSlice<'a>, LayoutError> {
-        let seg = self.segment(kind).ok_or(LayoutError::Missing(kind))?;
-        let start = seg
-            .offset
-            .checked_sub(base)
-            .ok_or(LayoutError::Missing(kind))?;
-        let raw = bytes
-            .get(start..start + seg.len_bytes)
-            .ok_or(LayoutError::TooShort {
-                needed: start + seg.len_bytes,
-                got: bytes.len(),
-            })?;
-        match seg.quant {
-            Some(format) => QuantSlice::new(raw, format, seg.rows * seg.cols)
-                .map(TypedSlice::Quant)
-                .map_err(|source| LayoutError::Quant { kind, source }),
-            None => TypedSlice::from_bytes(raw, seg.dtype)
-                .map_err(|source| LayoutError::Cast { kind, source }),
-        }
-    }
-
-    fn matrix<'a>(
-        &self,
-        bytes: &'a [u8],
-        base: usize,
-        kind: SegmentKind,
-    ) -> Result<Matrix<'a>, LayoutError> {
-        let data = self.view(bytes, base, kind)?;
-        let seg = self.segment(kind).ok_or(LayoutError::Missing(kind))?;
-        let orientation = seg.orientation.unwrap_or(Orientation::OutIn);
-        Matrix::new(data, seg.rows, seg.cols, orientation).ok_or(LayoutError::Missing(kind))
-    }
-}
-
-impl<'a> DenseWeights<'a> {
-    /// Views the dense part; `bytes` holds the image's [`LayerLayout::dense_range`]
-    /// (which starts at image offset 0), e.g. a copy of it in another memory space.
-    pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
-        let has = |kind| layout.segment(kind).is_some();
-        let qkv = match layout.family {
-            _ if family::spec(layout.family).fused_qkv() => {
-                QkvWeights::Fused(layout.matrix(bytes, 0, SegmentKind::QkvProj)?)
-            }
-            _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(
-                has(SegmentKind::QAProj),
-                has(SegmentKind::KB),
-                |kind| layout.matrix(bytes, 0, kind),
-            )?),
-            _ => QkvWeights::Separate {
-                q: layout.matrix(bytes, 0, SegmentKind::QProj)?,
-                k: layout.matrix(bytes, 0, SegmentKind::KProj)?,
-                v: layout.matrix(bytes, 0, SegmentKind::VProj)?,
-            },
-        };
-        let vector = |kind| -> Result<Option<TypedSlice<'a>>, LayoutError> {
-            if has(kind) {
-                layout.view(bytes, 0, kind).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-        let qkv_bias = match (
-            vector(SegmentKind::QBias)?,
-            vector(SegmentKind::KBias)?,
-            vector(SegmentKind::VBias)?,
-        ) {
-            (Some(q), Some(k), Some(v)) => Some([q, k, v]),
-            _ => None,
-        };
-        let qk_norm = match (vector(SegmentKind::QNorm)?, vector(SegmentKind::KNorm)?) {
-            (Some(q), Some(k)) => Some([q, k]),
-            _ => None,
-        };
-        let shared = if has(SegmentKind::SharedGate) {
-            Some(SharedExpertWeights {
-                ffn: ExpertWeights {
-                    gate: layout.matrix(bytes, 0, SegmentKind::SharedGate)?,
-                    up: layout.matrix(bytes, 0, SegmentKind::SharedUp)?,
-                    down: layout.matrix(bytes, 0, SegmentKind::SharedDown)?,
-                    fused: None,
-                },
-                gate: if has(SegmentKind::SharedExpertGate) {
-                    Some(layout.matrix(bytes, 0, SegmentKind::SharedExpertGate)?)
-                } else {
-                    None
-                },
-            })
-        } else if has(SegmentKind::DenseGate) {
-            // A dense layer's SwiGLU runs where a shared expert would: on every token.
-            Some(SharedExpertWeights {
-                ffn: ExpertWeights {
-                    gate: layout.matrix(bytes, 0, SegmentKind::DenseGate)?,
-                    up: layout.matrix(bytes, 0, SegmentKind::DenseUp)?,
-                    down: layout.matrix(bytes, 0, SegmentKind::DenseDown)?,
-                    fused: None,
-                },
-                gate: None,
-            })
-        } else {
-            None
-        };
-        Ok(DenseWeights {
-            attn_norm: layout.view(bytes, 0, SegmentKind::AttnNorm)?,
-            qkv,
-            qkv_bias,
-            qk_norm,
-            sinks: vector(SegmentKind::Sinks)?,
-            o_proj: layout.matrix(bytes, 0, SegmentKind::OProj)?,
-            o_bias: vector(SegmentKind::OBias)?,
-            ffn_norm: layout.view(bytes, 0, SegmentKind::FfnNorm)?,
-            router: if layout.dense_ffn {
-                Matrix::empty()
-            } else {
-                layout.matrix(bytes, 0, SegmentKind::Router)?
-            },
-            router_bias: vector(SegmentKind::RouterBias)?,
-            shared,
-            kv_b_out: if has(SegmentKind::KvBOut) || has(SegmentKind::VB) {
-                Some(KvUp::values(has(SegmentKind::VB), |kind| {
-                    layout.matrix(bytes, 0, kind)
-                })?)
-            } else {
-                None
-            },
-        })
-    }
-}
-
-impl<'a> ExpertWeights<'a> {
-    /// Views expert `expert`; `bytes` holds exactly its [`LayerLayout::expert_range`]
-    /// (wherever that copy lives).
-    pub fn from_bytes(
-        bytes: &'a [u8],
-        layout: &LayerLayout,
-        expert: usize,
-    ) -> Result<Self, LayoutError> {
-        if expert >= layout.n_experts {
-            return Err(LayoutError::Expert {
-                expert,
-                n_experts: layout.n_experts,
-            });
-        }
-        let base = layout.expert_range(expert).start;
-        if layout.segment(SegmentKind::ExpertGateUp(expert)).is_some() {
-            return Ok(ExpertWeights {
-                gate: Matrix::empty(),
-                up: Matrix::empty(),
-                down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
-                fused: Some(FusedExpert {
-                    gate_up: layout.matrix(bytes, base, SegmentKind::ExpertGateUp(expert))?,
-                    gate_up_bias: layout.view(
-                        bytes,
-                        base,
-                        SegmentKind::ExpertGateUpBias(expert),
-                    )?,
-                    down_bias: layout.view(bytes, base, SegmentKind::ExpertDownBias(expert))?,
-                }),
-            });
-        }
-        Ok(ExpertWeights {
-            gate: layout.matrix(bytes, base, SegmentKind::ExpertGate(expert))?,
-            up: layout.matrix(bytes, base, SegmentKind::ExpertUp(expert))?,
-            down: layout.matrix(bytes, base, SegmentKind::ExpertDown(expert))?,
-            fused: None,
-        })
-    }
-}
-
-impl<'a> LayerWeights<'a> {
-    /// Views a whole layer image (at least `layout.image_bytes` bytes, base aligned to the
-    /// widest element used, which any `Vec<f32>`/page-aligned buffer is).
-    pub fn from_image(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
-        if bytes.len() < layout.image_bytes {
-            return Err(LayoutError::TooShort {
-                needed: layout.image_bytes,
-                got: bytes.len(),
-            });
-        }
-        // `get` rather than indexing: a hand-built layout may describe ranges past its
-        // own `image_bytes`.
-        let part = |range: Range<usize>| {
-            let needed = range.end;
-            bytes.get(range).ok_or(LayoutError::TooShort {
-                needed,
-                got: bytes.len(),
-            })
-        };
-        let dense = DenseWeights::from_bytes(part(layout.dense_range())?, layout)?;
-        let experts = (0..layout.n_experts)
-            .map(|e| ExpertWeights::from_bytes(part(layout.expert_range(e))?, layout, e))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(LayerWeights { dense, experts })
     }
 }
 

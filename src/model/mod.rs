@@ -13,10 +13,11 @@ pub mod family;
 pub mod formats;
 pub mod layout;
 pub mod names;
+pub mod vocab;
 
+pub use crate::quant::storage::WeightDtype;
 pub use arch::ArchSpec;
 pub use card::{
-    CardError, ClampedSwiglu, DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, QkNorm,
-    WeightDtype, Yarn,
+    CardError, ClampedSwiglu, DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, QkNorm, Yarn,
 };
 pub use layout::{LayerLayout, Segment, SegmentKind};

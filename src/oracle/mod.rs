@@ -14,13 +14,15 @@ pub mod perplexity;
 use crate::math::attention::AttnSeq;
 use crate::math::head::embed;
 use crate::math::isa::Kernels;
-use crate::math::kv_cache::{KvError, KvLayout, PagedKvCache};
+use crate::math::kv_cache::{KvError, PagedKvCache};
 use crate::math::rope::RopeTable;
-use crate::math::sampling::{log_prob, sample, Sampling};
+use crate::math::sampling::{log_prob, sample};
 use crate::math::views::ModelWeights;
 use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
+use crate::model::vocab::KvLayout;
+use crate::model::vocab::Sampling;
 use crate::rng::Rng;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 

@@ -23,7 +23,7 @@
 use super::step::StepContext;
 use crate::ir::{Engine, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
-use crate::math::moe::Routing;
+use crate::model::vocab::Routing;
 use crate::records::GraphUse;
 
 /// What a backend can do, as data (the driver and reports read it; nothing branches on

@@ -12,8 +12,8 @@
 
 use crate::ir::{ExpertRef, TaskId};
 use crate::lower::PlanArg;
-use crate::math::moe::Routing;
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Routing;
+use crate::model::vocab::Sampling;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

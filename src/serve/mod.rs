@@ -16,7 +16,7 @@
 pub mod openai;
 
 use crate::engine::session::{Completion, FinishReason, Piece, Session, SubmitRefusal};
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Sampling;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};

@@ -19,18 +19,21 @@
 //! [`Checkpoint::storage_note`] and [`Checkpoint::decoded_bytes`] say so.
 
 use crate::math::mla::{KvUp, MlaWeights};
-use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::tensor::{Matrix, TypedSlice};
 use crate::math::views::{
     DenseWeights, ExpertWeights, FusedExpert, LayerWeights, ModelWeights, QkvWeights,
     SharedExpertWeights,
 };
 use crate::model::arch::ArchSpec;
-use crate::model::card::{ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{ModelCard, QkNorm};
 use crate::model::config::{self, ConfigError};
 use crate::model::family;
-use crate::model::formats::{Storage, WeightTensor};
+use crate::model::formats::WeightTensor;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
 use crate::model::names::{head_names, segment_source, Source};
+use crate::model::vocab::Orientation;
+use crate::quant::storage::Storage;
+use crate::quant::storage::WeightDtype;
 use crate::quant::{QuantFormat, QuantSlice};
 use crate::weights::gguf::GgufError;
 use memmap2::Mmap;

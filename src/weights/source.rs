@@ -9,7 +9,8 @@
 //! seed, dtype and format version. Nothing is ever downloaded. Every command that takes a
 //! model (`generate`, `run`, ...) should resolve it here.
 
-use crate::model::card::{CardError, ModelCard, WeightDtype};
+use crate::model::card::{CardError, ModelCard};
+use crate::quant::storage::WeightDtype;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 use crate::weights::synth::{write_checkpoint, SynthError, SynthOptions};
 use crate::weights::tokenizer::{TextTokenizer, TokenizerError};

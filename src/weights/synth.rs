@@ -12,11 +12,12 @@
 //! scales sized to the same fan-in (`*_blocks` / `*_scales`, U8) and a `quantization_config`.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::{ModelCard, WeightDtype};
+use crate::model::card::ModelCard;
 use crate::model::config::{config_for_card, MXFP4_UNCONVERTED};
 use crate::model::layout::{ImageBuffer, LayerLayout};
 use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::quant::mxfp4;
+use crate::quant::storage::WeightDtype;
 use crate::rng::Rng;
 use crate::tempfiles::{self, TempGuard};
 use crate::weights::tokenizer::embedded_tokenizer_json;

@@ -738,8 +738,8 @@ pub(crate) fn paged_rows(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cpu_attention_checking_appends(
     stream: &Arc<CudaStream>,
-    layout: moec::math::kv_cache::KvLayout,
-    shape: &moec::math::attention::AttnShape,
+    layout: moec::model::vocab::KvLayout,
+    shape: &moec::model::vocab::AttnShape,
     rows: &PagedRows,
     seqs: &[(usize, usize)],
     max_blocks: usize,

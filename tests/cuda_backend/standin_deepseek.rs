@@ -17,16 +17,18 @@ use crate::standin::{
 };
 use cudarc::driver::PushKernelArg;
 use half::bf16;
-use moec::math::attention::AttnShape;
 use moec::math::deepseek_route::route_deepseek;
 use moec::math::isa::Kernels;
-use moec::math::kv_cache::KvLayout;
 use moec::math::mla::{KvUp, MlaQuery, MlaWeights, LORA_NORM_EPS};
-use moec::math::norm::{normalize, NormKind};
+use moec::math::norm::normalize;
 use moec::math::rope::RopeTable;
-use moec::math::tensor::{Matrix, Orientation, TypedSlice};
+use moec::math::tensor::{Matrix, TypedSlice};
 use moec::math::views::{DenseWeights, QkvWeights};
 use moec::model::card::{DeepseekRouter, DeepseekTopk, ModelCard};
+use moec::model::vocab::AttnShape;
+use moec::model::vocab::KvLayout;
+use moec::model::vocab::NormKind;
+use moec::model::vocab::Orientation;
 use moec::model::ArchSpec;
 use moec::runtime::cuda::kernels::{compile_kernel, entry_names, KernelSource, DEFAULT_ARCH};
 

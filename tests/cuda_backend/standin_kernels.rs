@@ -22,12 +22,15 @@ fn every_kernel_runs_like_the_cpu_kernels() {
         run_under_standin(NAME);
         return;
     }
-    use moec::math::attention::{attention, AttnSeq, AttnShape};
-    use moec::math::kv_cache::{KvBlocksMut, KvLayout};
+    use moec::math::attention::{attention, AttnSeq};
+    use moec::math::kv_cache::KvBlocksMut;
     use moec::math::moe::route;
-    use moec::math::norm::{normalize, NormKind};
+    use moec::math::norm::normalize;
     use moec::math::rope::RopeTable;
     use moec::math::tensor::TypedSlice;
+    use moec::model::vocab::AttnShape;
+    use moec::model::vocab::KvLayout;
+    use moec::model::vocab::NormKind;
 
     let status = detect();
     assert_eq!(status.missing(), None, "{status:?}");
@@ -406,9 +409,11 @@ fn op_kernels_run_like_the_cpu() {
     }
     use half::f16;
     use moec::math::head::embed;
-    use moec::math::moe::{combine, Routing};
+    use moec::math::moe::combine;
     use moec::math::sampling::argmax;
-    use moec::math::tensor::{Matrix, Orientation, TypedSlice};
+    use moec::math::tensor::{Matrix, TypedSlice};
+    use moec::model::vocab::Orientation;
+    use moec::model::vocab::Routing;
     const OPS: KernelSource = KernelSource {
         file: "ops.cu",
         source: include_str!("../../kernels/ops.cu"),
@@ -912,8 +917,8 @@ fn prefill_attention_matches_the_cpu() {
         run_under_standin(NAME);
         return;
     }
-    use moec::math::attention::AttnShape;
-    use moec::math::kv_cache::KvLayout;
+    use moec::model::vocab::AttnShape;
+    use moec::model::vocab::KvLayout;
     const PREFILL: KernelSource = KernelSource {
         file: "prefill_attention.cu",
         source: include_str!("../../kernels/prefill_attention.cu"),
@@ -1057,8 +1062,9 @@ fn family_kernels_run_like_the_cpu() {
         return;
     }
     use moec::math::moe::{route, route_topk_softmax};
-    use moec::math::norm::{normalize, NormKind};
+    use moec::math::norm::normalize;
     use moec::math::tensor::TypedSlice;
+    use moec::model::vocab::NormKind;
 
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
@@ -1312,7 +1318,7 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
         run_under_standin(NAME);
         return;
     }
-    use moec::model::card::WeightDtype;
+    use moec::quant::storage::WeightDtype;
     use moec::quant::{dequantize_blocks, QuantFormat};
     use moec::runtime::cuda::launch::storage_code;
 

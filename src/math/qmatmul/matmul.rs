@@ -29,7 +29,8 @@ use super::select::{QuantBody, QuantKernels};
 use super::tiles::{TileActs, TILE_ROWS};
 #[cfg(target_arch = "x86_64")]
 use super::x86::{CodeOrder, GroupedActs};
-use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::tensor::{Matrix, TypedSlice};
+use crate::model::vocab::Orientation;
 use crate::quant::q8::{ActFormat, Q8Rows};
 use crate::quant::{BlockLayout, QuantFormat, QuantSlice};
 use rayon::prelude::*;

@@ -4,12 +4,13 @@
 
 use super::fields::{torch_dtype, ConfigError, Fields};
 use super::{blank_card, CardField, FamilySpec};
-use crate::math::norm::NormKind;
-use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{Family, ModelCard, QkNorm};
 use crate::model::layout::SegmentKind;
 use crate::model::names::{SegmentTensor, Source};
+use crate::model::vocab::NormKind;
+use crate::model::vocab::Orientation;
+use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
 /// The DBRX family.

@@ -10,9 +10,10 @@ use super::fields::{torch_dtype, ConfigError, Fields};
 use super::llama;
 use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, WeightDtype, Yarn};
+use crate::model::card::{DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, Yarn};
 use crate::model::layout::SegmentKind;
 use crate::model::names::SegmentTensor;
+use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
 /// DeepSeek-V2 or V3 (the field says which).

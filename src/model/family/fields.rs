@@ -1,7 +1,7 @@
 //! What every family's config.json reader shares: the error type and a typed reader of
 //! dotted fields that names the file and field in every error.
 
-use crate::model::card::WeightDtype;
+use crate::quant::storage::WeightDtype;
 use serde_json::{Map, Value};
 
 /// Problems with a `config.json`.

@@ -6,11 +6,12 @@
 use super::fields::{torch_dtype, ConfigError, Fields};
 use super::llama;
 use super::{blank_card, CardField, FamilySpec};
-use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
-use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, WeightDtype, Yarn};
+use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, Yarn};
 use crate::model::layout::SegmentKind;
 use crate::model::names::{SegmentTensor, Source};
+use crate::model::vocab::Orientation;
+use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
 /// The gpt-oss family.

@@ -6,9 +6,10 @@ use super::fields::{torch_dtype, ConfigError, Fields};
 use super::llama::{self, MoeNames};
 use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{Family, ModelCard, QkNorm};
 use crate::model::layout::SegmentKind;
 use crate::model::names::SegmentTensor;
+use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
 /// The Mixtral family.

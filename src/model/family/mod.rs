@@ -21,12 +21,13 @@ mod qwen_olmoe;
 pub use fields::{ConfigError, Fields};
 pub use gpt_oss::MXFP4_UNCONVERTED;
 
-use crate::math::norm::NormKind;
-use crate::math::tensor::Orientation;
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{Family, ModelCard, QkNorm};
 use crate::model::layout::SegmentKind;
 use crate::model::names::SegmentTensor;
+use crate::model::vocab::NormKind;
+use crate::model::vocab::Orientation;
+use crate::quant::storage::WeightDtype;
 use serde_json::Value;
 
 /// The card fields a config.json must agree on with a chosen card, in the order

@@ -9,9 +9,10 @@ use super::fields::{torch_dtype, ConfigError, Fields};
 use super::llama;
 use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm, WeightDtype};
+use crate::model::card::{Family, ModelCard, QkNorm};
 use crate::model::layout::SegmentKind;
 use crate::model::names::SegmentTensor;
+use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
 /// One of the three families (the field says which).

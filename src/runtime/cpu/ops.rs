@@ -18,12 +18,12 @@ use crate::math::attention::{attention, attention_of, AttnSeq};
 use crate::math::dense::{dense_block, dense_ffn_rows, no_expert_routing};
 use crate::math::head::{embed, logits};
 use crate::math::isa::Kernels;
-use crate::math::kv_cache::{KvBlocksMut, KvLayout};
+use crate::math::kv_cache::KvBlocksMut;
 use crate::math::mla::{KvUp, MlaWeights};
-use crate::math::moe::{combine_shared, expert_ffn, gate, moe_block, Routing};
+use crate::math::moe::{combine_shared, expert_ffn, gate, moe_block};
 use crate::math::projection::{o_proj_residual, pre_attn};
 use crate::math::rope::RopeTable;
-use crate::math::tensor::{Matrix, Orientation, TypedSlice};
+use crate::math::tensor::{Matrix, TypedSlice};
 use crate::math::views::{
     DenseWeights, ExpertWeights, FusedExpert, QkvWeights, SharedExpertWeights,
 };
@@ -31,6 +31,9 @@ use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
 use crate::model::family;
 use crate::model::layout::SegmentKind;
+use crate::model::vocab::KvLayout;
+use crate::model::vocab::Orientation;
+use crate::model::vocab::Routing;
 use crate::runtime::args::MissingArg;
 use crate::runtime::host::memory::{HostMemory, MemoryError, View};
 use crate::runtime::host::weights::WeightTag;

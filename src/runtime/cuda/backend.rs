@@ -30,11 +30,11 @@ use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::ops::{GpuCx, OpError};
 use crate::ir::{Engine, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
-use crate::math::moe::Routing;
 use crate::math::rope::RopeTable;
-use crate::math::sampling::Sampling;
 use crate::model::arch::ArchSpec;
-use crate::model::card::WeightDtype;
+use crate::model::vocab::Routing;
+use crate::model::vocab::Sampling;
+use crate::quant::storage::WeightDtype;
 use crate::records::run::{add_graph_step, render_graphs, GraphSummary};
 use crate::records::GraphStep;
 use crate::runtime::backend::{

@@ -22,9 +22,9 @@
 use super::device::Device;
 use super::graph::{Command, Deferred, Gemm, Recorder};
 use crate::math::isa::Kernels;
-use crate::math::tensor::Orientation;
-use crate::model::card::WeightDtype;
+use crate::model::vocab::Orientation;
 use crate::quant::q8::ActFormat;
+use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::CudaBlas;

@@ -16,8 +16,8 @@
 use super::device::{Device, DeviceError};
 use super::graph::Recorder;
 use super::launch::{int, Arg, DevMatrix, LaunchError, StreamCx, Workspace};
-use crate::math::tensor::Orientation;
-use crate::model::card::WeightDtype;
+use crate::model::vocab::Orientation;
+use crate::quant::storage::WeightDtype;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::Arc;

@@ -10,7 +10,7 @@
 //! is an error, never a copy of someone else's bytes.
 
 use crate::ir::KvPart;
-use crate::math::kv_cache::KvLayout;
+use crate::model::vocab::KvLayout;
 use crate::runtime::driver::state::SeqSlot;
 
 /// Bytes per cached element (the runtime's caches are f32).

@@ -26,7 +26,7 @@ pub mod workload;
 use super::backend::{Backend, BackendError};
 use crate::ir::{ExpertRef, Op, Role, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanTask};
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Sampling;
 use crate::records::{GraphUse, RunStats, TaskRecord, UbLoad};
 use crate::span::Span;
 use batching::UbCapacity;
@@ -324,7 +324,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
             return Ok(()); // a micro-batch beyond the plan's holds no sequences
         };
         let card = &self.plan.model;
-        let layout = crate::math::kv_cache::KvLayout {
+        let layout = crate::model::vocab::KvLayout {
             block_size: mb.block_size.max(1),
             kv_heads: card.kv_heads as usize,
             head_dim: card.head_dim as usize,
@@ -706,7 +706,7 @@ pub fn generate<B: Backend + ?Sized>(
 /// its sequences' new tokens in order.
 fn record_activations(
     state: &StepState,
-    routing: &std::collections::HashMap<(u32, u32), crate::math::moe::Routing>,
+    routing: &std::collections::HashMap<(u32, u32), crate::model::vocab::Routing>,
 ) {
     let mut eam = lock(&state.eam);
     for (&(layer, ub), r) in routing {

@@ -23,7 +23,7 @@ use super::{cache, capacities, check_prompts, count_active_experts, eam, record_
 use super::{RunError, RunOptions, StepRunner};
 use crate::ir::StepKind;
 use crate::lower::ExecPlan;
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Sampling;
 use crate::records::{GraphStep, RunStats, StepRecord, UbLoad};
 use crate::rng::Rng;
 use crate::runtime::backend::Backend;

@@ -11,8 +11,8 @@
 
 use crate::ir::{ExpertRef, TaskId};
 use crate::lower::PlanArg;
-use crate::math::moe::Routing;
-use crate::math::sampling::Sampling;
+use crate::model::vocab::Routing;
+use crate::model::vocab::Sampling;
 use crate::rng::Rng;
 pub use crate::runtime::lock;
 use crate::runtime::step::StepContext;
@@ -321,7 +321,7 @@ impl StepContext for StepState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::math::sampling::Sampling;
+    use crate::model::vocab::Sampling;
 
     #[test]
     fn active_experts_count_each_expert_once_and_no_dense_sentinel() {

@@ -16,8 +16,8 @@
 //! normal path).
 
 use super::weights::{ImageError, ImageLayout, WeightTag};
-use crate::model::card::WeightDtype;
 use crate::model::layout::ImageBuffer;
+use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
 

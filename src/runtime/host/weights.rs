@@ -13,8 +13,8 @@
 
 use crate::ir::CheckpointLayout;
 use crate::math::tensor::TypedSlice;
-use crate::model::formats::Storage;
 use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::quant::storage::Storage;
 use crate::quant::{QuantFormat, QuantSlice};
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 use std::collections::{BTreeMap, HashSet};
@@ -268,7 +268,7 @@ impl ImageLayout {
     /// whose rows are whole tiles.
     pub fn tileable(&self) -> Vec<(WeightTag, QuantFormat, usize, usize)> {
         use crate::math::qmatmul::tiles::tileable;
-        use crate::math::tensor::Orientation;
+        use crate::model::vocab::Orientation;
         let whole = |kind: SegmentKind| {
             matches!(
                 kind,

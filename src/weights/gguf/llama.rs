@@ -318,7 +318,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
                     built.push(ImportedTensor {
                         name: src.name,
                         shape: src.shape,
-                        storage: Storage::Float(crate::model::card::WeightDtype::F32),
+                        storage: Storage::Float(crate::quant::storage::WeightDtype::F32),
                         range: 0..bytes.len(),
                         part: 0,
                         unpermute_heads: None,

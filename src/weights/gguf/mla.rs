@@ -10,7 +10,7 @@
 
 use super::{GgufError, GgufFile, Storage};
 use crate::model::arch::ArchSpec;
-use crate::model::card::WeightDtype;
+use crate::quant::storage::WeightDtype;
 use crate::quant::QuantSlice;
 
 /// The elements of a stored tensor as f32 (`None` when the bytes are not `elems` of

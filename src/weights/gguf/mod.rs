@@ -20,7 +20,7 @@ pub mod mla;
 pub mod split;
 pub mod vocab;
 
-use crate::model::card::WeightDtype;
+use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
@@ -176,7 +176,7 @@ impl Value {
     }
 }
 
-pub use crate::model::formats::Storage;
+pub use crate::quant::storage::Storage;
 
 /// ggml's name of type id `id` (for messages about types moec does not read).
 pub fn ggml_type_name(id: u32) -> String {

@@ -528,7 +528,7 @@ fn gpt_oss_gate_and_up_halves_interleave_back_into_the_hub_rows() {
     let (bias, storage, _) = llama::gate_up(&file, &arch, 0, true).unwrap();
     assert_eq!(
         storage,
-        Storage::Float(crate::model::card::WeightDtype::F32)
+        Storage::Float(crate::quant::storage::WeightDtype::F32)
     );
     let hub_bias: Vec<f32> = (0..experts * f)
         .flat_map(|i| [gate_bias[i], up_bias[i]])
