@@ -1142,7 +1142,7 @@ fn the_hand_built_gguf_of_the_hostile_cases_opens() {
     std::fs::write(&path, tiny_qwen3_gguf(|_, _| {})).unwrap();
     let ck = moec::weights::checkpoint::Checkpoint::open_gguf(&path, None).unwrap();
     let card = ck.card();
-    assert_eq!(card.family, moec::model::card::Family::Qwen3Moe);
+    assert_eq!(card.family, moec::model::family::facts::Family::Qwen3Moe);
     assert_eq!(
         (
             card.hidden,

@@ -219,7 +219,7 @@ pub fn summary(compiled: &Compiled) -> String {
 /// The checkpoint's bytes per weight class, with the formats each holds.
 pub fn weights_text(card: &ModelCard) -> String {
     let mut out = String::from("weights (bytes per class in the checkpoint buffer W)\n");
-    for (class, bytes, formats) in crate::model::formats::bytes_by_class(card) {
+    for (class, bytes, formats) in crate::model::layout::bytes_by_class(card) {
         let names: Vec<&str> = formats.iter().map(|f| f.name()).collect();
         out.push_str(&format!(
             "  {:<12} {:>12}  {}\n",

@@ -12,7 +12,7 @@
 use crate::cli::generate::fail;
 use crate::convert::{export, Mix, Types};
 use crate::ir::emit::human_bytes;
-use crate::model::card::Family;
+use crate::model::family::facts::Family;
 use crate::model::formats::{WeightClass, WeightFormats};
 use crate::quant::storage::Storage;
 use crate::weights::checkpoint::Checkpoint;

@@ -15,7 +15,7 @@
 use super::ExportError;
 use crate::convert::write::MetaValue;
 use crate::model::arch::ArchSpec;
-use crate::model::card::Family;
+use crate::model::family::facts::Family;
 
 /// The `dbrx.*` keys (and `general.architecture`) as the converter writes them for `arch`;
 /// `name` is `general.name`, `file_type` `general.file_type`. A checkpoint without

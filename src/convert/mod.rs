@@ -20,10 +20,12 @@
 //! tensor is one error naming it; the file is written atomically ([`write`]).
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::Family;
+use crate::model::family::facts::Family;
+use crate::model::family::hub::Source;
 use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
-use crate::model::layout::{LayerLayout, SegmentKind};
-use crate::model::names::{head_names, segment_source, Source};
+use crate::model::layout::LayerLayout;
+use crate::model::names::{head_names, segment_source};
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;

@@ -605,7 +605,7 @@ pub fn measure_expert_latency(
     };
     // The family's own orientation (DBRX and gpt-oss store `[in, out]`), as the checkpoint
     // views read it, so the probe times the layout the kernels will see.
-    let down_matrix = match crate::model::family::spec(card.family).expert_down() {
+    let down_matrix = match card.family.facts().expert_down {
         Orientation::InOut => matrix("down", down, f, d, Orientation::InOut)?,
         Orientation::OutIn => matrix("down", down, d, f, Orientation::OutIn)?,
     };

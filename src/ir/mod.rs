@@ -983,7 +983,8 @@ impl Program {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::layout::{LayerLayout, SegmentKind};
+    use crate::model::layout::LayerLayout;
+    use crate::model::segment::SegmentKind;
 
     #[test]
     fn matches_the_model_layer_image() {

@@ -22,7 +22,7 @@ use crate::math::tensor::{Matrix, TypedSlice};
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
 use crate::model::card::Mla;
-use crate::model::layout::SegmentKind;
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::NormKind;
 use crate::model::vocab::Orientation;
 

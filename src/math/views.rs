@@ -7,8 +7,8 @@
 
 use crate::math::mla::{KvUp, MlaWeights};
 use crate::math::tensor::{CastError, Matrix, TypedSlice};
-use crate::model::family;
-use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::layout::LayerLayout;
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
 use crate::quant::{QuantError, QuantSlice};
 use std::ops::Range;
@@ -204,7 +204,7 @@ impl<'a> DenseWeights<'a> {
     pub fn from_bytes(bytes: &'a [u8], layout: &LayerLayout) -> Result<Self, LayoutError> {
         let has = |kind| layout.segment(kind).is_some();
         let qkv = match layout.family {
-            _ if family::spec(layout.family).fused_qkv() => {
+            _ if layout.family.facts().fused_qkv => {
                 QkvWeights::Fused(matrix(layout, bytes, 0, SegmentKind::QkvProj)?)
             }
             _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(

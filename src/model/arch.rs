@@ -4,9 +4,10 @@
 //! q/k norms and biases, router renormalisation, shared expert) so kernels never interpret
 //! family names themselves.
 
-use crate::model::card::{DeepseekRouter, Family, Mla, ModelCard, QkNorm, Yarn};
+use crate::model::card::{DeepseekRouter, Mla, ModelCard, QkNorm, Yarn};
+use crate::model::family::facts::Family;
 use crate::model::formats::WeightTensor;
-use crate::model::layout::SegmentKind;
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::AttnShape;
 use crate::model::vocab::NormKind;
 
@@ -79,10 +80,10 @@ pub struct ArchSpec {
 impl ArchSpec {
     /// Derives the spec from a (validated) card.
     pub fn from_card(card: &ModelCard) -> Self {
-        let family = crate::model::family::spec(card.family);
+        let family = card.family.facts();
         ArchSpec {
             family: card.family,
-            norm: family.norm(),
+            norm: family.norm,
             norm_eps: card.norm_eps as f32,
             hidden: card.hidden as usize,
             ffn: card.ffn as usize,

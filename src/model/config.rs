@@ -52,7 +52,7 @@ fn refuse_unimplemented(f: &Fields<'_>, spec: &dyn FamilySpec) -> Result<(), Con
             .get("quant_method")
             .and_then(Value::as_str)
             .unwrap_or("(unnamed)");
-        let unconverted = spec.mxfp4_unconverted();
+        let unconverted = spec.family().facts().mxfp4_unconverted;
         match unconverted {
             Some(modules) if method == "mxfp4" => refuse_mxfp4_outside_experts(f, modules)?,
             _ => {
@@ -75,7 +75,7 @@ fn refuse_unimplemented(f: &Fields<'_>, spec: &dyn FamilySpec) -> Result<(), Con
     ] {
         if let Some(v) = f.get(field) {
             let kind = v.as_str().unwrap_or("(not a string)");
-            if kind != "default" && !(spec.allows_yarn() && kind == "yarn") {
+            if kind != "default" && !(spec.family().facts().allows_yarn && kind == "yarn") {
                 return Err(f.invalid(
                     field,
                     &format!("`{kind}` is not supported (only the default rotary embedding)"),

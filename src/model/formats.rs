@@ -8,11 +8,10 @@
 //! dtype (so a card without entries sizes everything as before); vectors (norm weights,
 //! biases, sinks) never take a class's quantised format; a quantised format is accepted
 //! only for matrices stored `[out, in]` whose rows are whole blocks
-//! ([`WeightFormats::check`] names the tensor otherwise).
+//! (`WeightFormats::check`, with the layout that knows each tensor's shape, names the
+//! tensor otherwise).
 
-use crate::model::arch::ArchSpec;
-use crate::model::layout::{LayerLayout, SegmentKind};
-use crate::model::vocab::Orientation;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
 use serde::{Deserialize, Serialize};
@@ -251,91 +250,6 @@ impl WeightFormats {
         }
         Ok(())
     }
-
-    /// Checks every quantised tensor of `arch` (whose card dtype is `dtype`): a matrix
-    /// stored `[out, in]` whose rows are whole blocks of its format. The error names the
-    /// tensor, its format and what is wrong.
-    pub fn check(&self, arch: &ArchSpec, dtype: WeightDtype) -> Result<(), String> {
-        let mut tensors: Vec<(WeightTensor, usize, Option<Orientation>)> = vec![
-            (WeightTensor::Embed, arch.hidden, Some(Orientation::OutIn)),
-            (WeightTensor::LmHead, arch.hidden, Some(Orientation::OutIn)),
-            (WeightTensor::FinalNorm, arch.hidden, None),
-        ];
-        for layer in [0, arch.dense_layers.min(arch.layers.saturating_sub(1))] {
-            for kind in LayerLayout::kinds(arch, layer) {
-                let (rows, cols, orientation) = LayerLayout::shape_of(arch, kind);
-                if rows * cols > 0 {
-                    tensors.push((WeightTensor::layer(kind), cols, orientation));
-                }
-            }
-        }
-        for (tensor, cols, orientation) in tensors {
-            let Storage::Quant(format) = self.storage(dtype, tensor) else {
-                continue;
-            };
-            if tensor.is_vector() || orientation != Some(Orientation::OutIn) {
-                return Err(format!(
-                    "{tensor} as {format}: moec quantises only matrices stored [out, in] \
-                     ({} stores it {})",
-                    arch.family.model_type(),
-                    if tensor.is_vector() {
-                        "as a vector"
-                    } else {
-                        "[in, out]"
-                    }
-                ));
-            }
-            if format.bytes_for(cols).is_none() {
-                return Err(format!(
-                    "{tensor} as {format}: rows of {cols} weights are not whole {}-weight blocks",
-                    format.block_elems()
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Bytes of each weight class in the checkpoint buffer `W` of `card` (padding excluded;
-/// a tensor in the room its format takes there), with the formats the class holds, in
-/// [`WeightClass::ALL`] order; classes the model lacks are left out.
-pub fn bytes_by_class(
-    card: &crate::model::card::ModelCard,
-) -> Vec<(WeightClass, u64, Vec<Storage>)> {
-    let arch = ArchSpec::from_card(card);
-    let mut out: BTreeMap<WeightClass, (u64, Vec<Storage>)> = BTreeMap::new();
-    let mut add = |tensor: WeightTensor, bytes: u64, times: u64| {
-        let storage = card.storage(tensor);
-        let entry = out.entry(tensor.class()).or_default();
-        entry.0 += bytes * times;
-        if !entry.1.contains(&storage) {
-            entry.1.push(storage);
-        }
-    };
-    let table = |t: WeightTensor| {
-        card.storage(t)
-            .matrix_bytes(card.vocab, card.hidden)
-            .unwrap_or(0)
-    };
-    add(WeightTensor::Embed, table(WeightTensor::Embed), 1);
-    add(WeightTensor::LmHead, table(WeightTensor::LmHead), 1);
-    let norm = card.storage(WeightTensor::FinalNorm).bytes_for(card.hidden);
-    add(WeightTensor::FinalNorm, norm.unwrap_or(0), 1);
-    // Layers of one kind (dense, MoE) share their layout: one of each, times its count.
-    let dense = card.dense_layers.min(card.layers);
-    for (layer, count) in [(0, dense), (dense, card.layers - dense)] {
-        if count == 0 {
-            continue;
-        }
-        let layout = LayerLayout::for_card(card, &arch, layer as usize);
-        for seg in &layout.segments {
-            add(WeightTensor::layer(seg.kind), seg.len_bytes as u64, count);
-        }
-    }
-    WeightClass::ALL
-        .into_iter()
-        .filter_map(|c| out.remove(&c).filter(|e| e.0 > 0).map(|(b, s)| (c, b, s)))
-        .collect()
 }
 
 #[cfg(test)]
@@ -390,52 +304,5 @@ mod tests {
             let e = f.parse_classes(spec).unwrap_err();
             assert!(e.contains(says), "{spec}: {e}");
         }
-    }
-
-    /// A quantised format on rows that are not whole blocks, or on a matrix stored
-    /// `[in, out]` (gpt-oss's experts), is refused naming the tensor.
-    #[test]
-    fn check_names_the_tensor_it_cannot_quantise() {
-        let card = crate::model::card::ModelCard::load("mixtral-tiny").unwrap();
-        let arch = ArchSpec::from_card(&card);
-        let mut f = WeightFormats::default();
-        f.parse_classes("experts=q4_k").unwrap();
-        let e = f.check(&arch, card.dtype).unwrap_err();
-        assert!(
-            e.contains("ExpertGate as Q4_K") && e.contains("not whole 256"),
-            "{e}"
-        );
-        let mut f = WeightFormats::default();
-        f.parse_classes("experts=q8_0").unwrap();
-        f.check(&arch, card.dtype).unwrap();
-        let gpt = crate::model::card::ModelCard::load("gpt-oss-tiny").unwrap();
-        let e = f.check(&ArchSpec::from_card(&gpt), gpt.dtype).unwrap_err();
-        assert!(e.contains("[in, out]"), "{e}");
-    }
-
-    /// Mixtral-8x7B's expert bytes are its 45.1B expert weights at 2 bytes (bf16) or
-    /// 144/256 bytes (Q4_K): the quantised experts take 4.5/16 of the bf16 bytes.
-    #[test]
-    fn class_bytes_follow_the_formats() {
-        let card = crate::model::card::ModelCard::load("mixtral-8x7b").unwrap();
-        let experts = |c: &crate::model::card::ModelCard| {
-            bytes_by_class(c)
-                .into_iter()
-                .find(|(class, _, _)| *class == WeightClass::Experts)
-                .unwrap()
-        };
-        let bf16 = experts(&card);
-        assert_eq!(bf16.1, 32 * 8 * 3 * 4096 * 14336 * 2);
-        let mut q = card.clone();
-        q.formats.parse_classes("experts=q4_k").unwrap();
-        let q4 = experts(&q);
-        assert_eq!(q4.1 * 64, bf16.1 * 18);
-        assert_eq!(q4.2, vec![Storage::Quant(QuantFormat::Q4K)]);
-        let norms: u64 = bytes_by_class(&q)
-            .iter()
-            .filter(|(c, _, _)| *c == WeightClass::Norms)
-            .map(|(_, b, _)| *b)
-            .sum();
-        assert_eq!(norms, (2 * 32 + 1) * 4096 * 2);
     }
 }

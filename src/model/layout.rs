@@ -12,127 +12,19 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
-use crate::model::card::{Family, QkNorm};
-use crate::model::family;
-use crate::model::formats::WeightTensor;
+use crate::model::card::QkNorm;
+use crate::model::family::facts::Family;
+use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// Alignment of every segment inside an image (a cache line; enough for any dtype/SIMD).
 pub const SEGMENT_ALIGN: usize = 64;
-
-/// What a segment of the layer image holds.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
-pub enum SegmentKind {
-    /// Pre-attention norm weight `[hidden]`.
-    AttnNorm,
-    /// Mixtral `q_proj` `[q_dim, hidden]`.
-    QProj,
-    /// Mixtral `k_proj` `[kv_dim, hidden]`.
-    KProj,
-    /// Mixtral `v_proj` `[kv_dim, hidden]`.
-    VProj,
-    /// DBRX fused `Wqkv` `[q_dim + 2 kv_dim, hidden]`.
-    QkvProj,
-    /// `q_proj` bias `[q_dim]` (Qwen2-MoE).
-    QBias,
-    /// `k_proj` bias `[kv_dim]`.
-    KBias,
-    /// `v_proj` bias `[kv_dim]`.
-    VBias,
-    /// Attention sinks `[heads]` (gpt-oss).
-    Sinks,
-    /// q RMSNorm weight: `[head_dim]` per head (Qwen3) or `[q_dim]` (OLMoE).
-    QNorm,
-    /// k RMSNorm weight: `[head_dim]` per head (Qwen3) or `[kv_dim]` (OLMoE).
-    KNorm,
-    /// MLA query down-projection `q_a_proj` `[q_lora_rank, hidden]` (DeepSeek with a
-    /// query rank).
-    QAProj,
-    /// MLA `q_a_layernorm` `[q_lora_rank]`.
-    QANorm,
-    /// MLA query up-projection `q_b_proj` `[heads * qk_head_dim, q_lora_rank]`.
-    QBProj,
-    /// MLA `kv_a_proj_with_mqa` `[kv_lora_rank + qk_rope_head_dim, hidden]`.
-    KvAProj,
-    /// MLA `kv_a_layernorm` `[kv_lora_rank]`.
-    KvANorm,
-    /// MLA `kv_b_proj` `[heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` in the
-    /// `pre` part: its key rows are folded into the queries.
-    KvB,
-    /// The same `kv_b_proj` again in the `o` part: its value rows expand the attention
-    /// output before `o_proj` (the `o` op reads only its own part of `W`).
-    KvBOut,
-    /// llama.cpp's `attn_k_b` `[heads * kv_lora_rank, qk_nope_head_dim]` in the `pre` part
-    /// of a checkpoint that stores `kv_b_proj` split (`Mla::kv_b_split`): per head,
-    /// `kv_lora_rank` rows of `qk_nope_head_dim` weights (`W_uk_h` transposed), so
-    /// `q_nope W_uk_h` is an out-in product with it as stored.
-    KB,
-    /// llama.cpp's `attn_v_b` `[heads * v_head_dim, kv_lora_rank]` in the `o` part of such a
-    /// checkpoint: per head, `v_head_dim` rows of `kv_lora_rank` weights (`W_uv_h`).
-    VB,
-    /// Output projection `[hidden, q_dim]` (MLA: `[hidden, heads * v_head_dim]`).
-    OProj,
-    /// Output projection bias `[hidden]` (gpt-oss).
-    OBias,
-    /// Pre-MoE norm weight `[hidden]`.
-    FfnNorm,
-    /// Router `[experts, hidden]`.
-    Router,
-    /// Router bias `[experts]` (gpt-oss).
-    RouterBias,
-    /// Shared expert gate projection `[shared_ffn, hidden]` (Qwen2-MoE).
-    SharedGate,
-    /// Shared expert up projection `[shared_ffn, hidden]`.
-    SharedUp,
-    /// Shared expert down projection `[hidden, shared_ffn]`.
-    SharedDown,
-    /// The shared expert's sigmoid gate `[1, hidden]` (Qwen2-MoE `shared_expert_gate`).
-    SharedExpertGate,
-    /// A dense layer's gate projection `mlp.gate_proj` `[dense_ffn, hidden]` (DeepSeek's
-    /// leading dense layers).
-    DenseGate,
-    /// A dense layer's up projection `mlp.up_proj` `[dense_ffn, hidden]`.
-    DenseUp,
-    /// A dense layer's down projection `mlp.down_proj` `[hidden, dense_ffn]`.
-    DenseDown,
-    /// Expert gate projection (Mixtral `w1`, DBRX `w1` rows) `[ffn, hidden]`.
-    ExpertGate(usize),
-    /// Expert up projection (Mixtral `w3`, DBRX `v1` rows) `[ffn, hidden]`.
-    ExpertUp(usize),
-    /// Expert down projection: Mixtral `w2` `[hidden, ffn]` (out, in); DBRX `w2` rows and
-    /// gpt-oss `down_proj[e]` `[ffn, hidden]` (in, out), used as stored (gpt-oss stored
-    /// out-in: `[hidden, ffn]`).
-    ExpertDown(usize),
-    /// gpt-oss fused gate/up `gate_up_proj[e]` `[hidden, 2 ffn]` (in, out), gate and up
-    /// interleaved (even columns gate, odd columns up); stored out-in
-    /// (`ArchSpec::experts_out_in`) `[2 ffn, hidden]`, even rows gate, odd rows up.
-    ExpertGateUp(usize),
-    /// gpt-oss `gate_up_proj_bias[e]` `[2 ffn]`, interleaved like the columns.
-    ExpertGateUpBias(usize),
-    /// gpt-oss `down_proj_bias[e]` `[hidden]`.
-    ExpertDownBias(usize),
-}
-
-impl SegmentKind {
-    /// The expert this segment belongs to, if any.
-    pub fn expert(&self) -> Option<usize> {
-        match *self {
-            SegmentKind::ExpertGate(e)
-            | SegmentKind::ExpertUp(e)
-            | SegmentKind::ExpertDown(e)
-            | SegmentKind::ExpertGateUp(e)
-            | SegmentKind::ExpertGateUpBias(e)
-            | SegmentKind::ExpertDownBias(e) => Some(e),
-            _ => None,
-        }
-    }
-}
 
 /// One tensor (or expert row block) inside the image.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -259,7 +151,7 @@ impl LayerLayout {
             SegmentKind::OProj => (d, q, lin),
             SegmentKind::Router => (arch.experts, d, lin),
             SegmentKind::ExpertGate(_) | SegmentKind::ExpertUp(_) => (f, d, lin),
-            SegmentKind::ExpertDown(_) => match family::spec(arch.family).expert_down() {
+            SegmentKind::ExpertDown(_) => match arch.family.facts().expert_down {
                 Orientation::InOut => (f, d, Some(Orientation::InOut)),
                 Orientation::OutIn => (d, f, lin),
             },
@@ -286,7 +178,7 @@ impl LayerLayout {
                 let (key_up, _) = Self::mla_up_kinds(&m);
                 pre.extend([SegmentKind::KvAProj, SegmentKind::KvANorm, key_up]);
             }
-            (_, None) if family::spec(arch.family).fused_qkv() => pre.push(SegmentKind::QkvProj),
+            (_, None) if arch.family.facts().fused_qkv => pre.push(SegmentKind::QkvProj),
             _ => pre.extend([SegmentKind::QProj, SegmentKind::KProj, SegmentKind::VProj]),
         }
         if arch.qkv_bias {
@@ -517,6 +409,93 @@ impl LayerLayout {
     }
 }
 
+/// The formats' check against the shapes: it lives with the layout, which knows each
+/// tensor's shape and orientation.
+impl WeightFormats {
+    /// Checks every quantised tensor of `arch` (whose card dtype is `dtype`): a matrix
+    /// stored `[out, in]` whose rows are whole blocks of its format. The error names the
+    /// tensor, its format and what is wrong.
+    pub fn check(&self, arch: &ArchSpec, dtype: WeightDtype) -> Result<(), String> {
+        let mut tensors: Vec<(WeightTensor, usize, Option<Orientation>)> = vec![
+            (WeightTensor::Embed, arch.hidden, Some(Orientation::OutIn)),
+            (WeightTensor::LmHead, arch.hidden, Some(Orientation::OutIn)),
+            (WeightTensor::FinalNorm, arch.hidden, None),
+        ];
+        for layer in [0, arch.dense_layers.min(arch.layers.saturating_sub(1))] {
+            for kind in LayerLayout::kinds(arch, layer) {
+                let (rows, cols, orientation) = LayerLayout::shape_of(arch, kind);
+                if rows * cols > 0 {
+                    tensors.push((WeightTensor::layer(kind), cols, orientation));
+                }
+            }
+        }
+        for (tensor, cols, orientation) in tensors {
+            let Storage::Quant(format) = self.storage(dtype, tensor) else {
+                continue;
+            };
+            if tensor.is_vector() || orientation != Some(Orientation::OutIn) {
+                return Err(format!(
+                    "{tensor} as {format}: moec quantises only matrices stored [out, in] \
+                     ({} stores it {})",
+                    arch.family.model_type(),
+                    if tensor.is_vector() {
+                        "as a vector"
+                    } else {
+                        "[in, out]"
+                    }
+                ));
+            }
+            if format.bytes_for(cols).is_none() {
+                return Err(format!(
+                    "{tensor} as {format}: rows of {cols} weights are not whole {}-weight blocks",
+                    format.block_elems()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of each weight class in the checkpoint buffer `W` of `card` (padding excluded;
+/// a tensor in the room its format takes there), with the formats the class holds, in
+/// [`WeightClass::ALL`] order; classes the model lacks are left out.
+pub fn bytes_by_class(card: &ModelCard) -> Vec<(WeightClass, u64, Vec<Storage>)> {
+    let arch = ArchSpec::from_card(card);
+    let mut out: BTreeMap<WeightClass, (u64, Vec<Storage>)> = BTreeMap::new();
+    let mut add = |tensor: WeightTensor, bytes: u64, times: u64| {
+        let storage = card.storage(tensor);
+        let entry = out.entry(tensor.class()).or_default();
+        entry.0 += bytes * times;
+        if !entry.1.contains(&storage) {
+            entry.1.push(storage);
+        }
+    };
+    let table = |t: WeightTensor| {
+        card.storage(t)
+            .matrix_bytes(card.vocab, card.hidden)
+            .unwrap_or(0)
+    };
+    add(WeightTensor::Embed, table(WeightTensor::Embed), 1);
+    add(WeightTensor::LmHead, table(WeightTensor::LmHead), 1);
+    let norm = card.storage(WeightTensor::FinalNorm).bytes_for(card.hidden);
+    add(WeightTensor::FinalNorm, norm.unwrap_or(0), 1);
+    // Layers of one kind (dense, MoE) share their layout: one of each, times its count.
+    let dense = card.dense_layers.min(card.layers);
+    for (layer, count) in [(0, dense), (dense, card.layers - dense)] {
+        if count == 0 {
+            continue;
+        }
+        let layout = LayerLayout::for_card(card, &arch, layer as usize);
+        for seg in &layout.segments {
+            add(WeightTensor::layer(seg.kind), seg.len_bytes as u64, count);
+        }
+    }
+    WeightClass::ALL
+        .into_iter()
+        .filter_map(|c| out.remove(&c).filter(|e| e.0 > 0).map(|(b, s)| (c, b, s)))
+        .collect()
+}
+
 /// A heap buffer aligned for any dtype (backed by u64s), for holding a layer image.
 #[derive(Debug, Clone)]
 pub struct ImageBuffer {
@@ -541,5 +520,57 @@ impl ImageBuffer {
     /// The bytes, mutable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A quantised format on rows that are not whole blocks, or on a matrix stored
+    /// `[in, out]` (gpt-oss's experts), is refused naming the tensor.
+    #[test]
+    fn check_names_the_tensor_it_cannot_quantise() {
+        let card = ModelCard::load("mixtral-tiny").unwrap();
+        let arch = ArchSpec::from_card(&card);
+        let mut f = WeightFormats::default();
+        f.parse_classes("experts=q4_k").unwrap();
+        let e = f.check(&arch, card.dtype).unwrap_err();
+        assert!(
+            e.contains("ExpertGate as Q4_K") && e.contains("not whole 256"),
+            "{e}"
+        );
+        let mut f = WeightFormats::default();
+        f.parse_classes("experts=q8_0").unwrap();
+        f.check(&arch, card.dtype).unwrap();
+        let gpt = ModelCard::load("gpt-oss-tiny").unwrap();
+        let e = f.check(&ArchSpec::from_card(&gpt), gpt.dtype).unwrap_err();
+        assert!(e.contains("[in, out]"), "{e}");
+    }
+
+    /// Mixtral-8x7B's expert bytes are its 45.1B expert weights at 2 bytes (bf16) or
+    /// 144/256 bytes (Q4_K): the quantised experts take 4.5/16 of the bf16 bytes.
+    #[test]
+    fn class_bytes_follow_the_formats() {
+        let card = ModelCard::load("mixtral-8x7b").unwrap();
+        let experts = |c: &ModelCard| {
+            bytes_by_class(c)
+                .into_iter()
+                .find(|(class, _, _)| *class == WeightClass::Experts)
+                .unwrap()
+        };
+        let bf16 = experts(&card);
+        assert_eq!(bf16.1, 32 * 8 * 3 * 4096 * 14336 * 2);
+        let mut q = card.clone();
+        q.formats.parse_classes("experts=q4_k").unwrap();
+        let q4 = experts(&q);
+        assert_eq!(q4.1 * 64, bf16.1 * 18);
+        assert_eq!(q4.2, vec![Storage::Quant(QuantFormat::Q4K)]);
+        let norms: u64 = bytes_by_class(&q)
+            .iter()
+            .filter(|(c, _, _)| *c == WeightClass::Norms)
+            .map(|(_, b, _)| *b)
+            .sum();
+        assert_eq!(norms, (2 * 32 + 1) * 4096 * 2);
     }
 }

@@ -8,16 +8,19 @@
 
 pub mod arch;
 pub mod card;
+pub mod cards;
 pub mod config;
 pub mod family;
 pub mod formats;
 pub mod layout;
 pub mod names;
+pub mod segment;
 pub mod vocab;
 
 pub use crate::quant::storage::WeightDtype;
 pub use arch::ArchSpec;
-pub use card::{
-    CardError, ClampedSwiglu, DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, QkNorm, Yarn,
-};
-pub use layout::{LayerLayout, Segment, SegmentKind};
+pub use card::{ClampedSwiglu, DeepseekRouter, DeepseekTopk, Mla, ModelCard, QkNorm, Yarn};
+pub use cards::CardError;
+pub use family::facts::Family;
+pub use layout::{LayerLayout, Segment};
+pub use segment::SegmentKind;

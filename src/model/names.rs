@@ -6,29 +6,10 @@
 //! reader resolves the same names segment by segment.
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::Family;
-use crate::model::layout::{LayerLayout, SegmentKind};
-use std::ops::Range;
-
-/// A segment's origin in a checkpoint.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
-    /// Tensor name.
-    pub name: String,
-    /// The tensor's full shape.
-    pub shape: Vec<usize>,
-    /// Rows of the tensor the segment takes.
-    pub rows: Range<usize>,
-}
-
-/// Where a family keeps one segment of a layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SegmentTensor {
-    /// All of a tensor of its own, by name (its shape is the segment's).
-    Whole(String),
-    /// A block of rows of a larger tensor (DBRX's and gpt-oss's fused experts).
-    Rows(Source),
-}
+use crate::model::family::facts::Family;
+use crate::model::family::hub::{SegmentTensor, Source};
+use crate::model::layout::LayerLayout;
+use crate::model::segment::SegmentKind;
 
 /// Names of the embedding table and the final norm.
 pub fn head_names(family: Family) -> (&'static str, &'static str) {

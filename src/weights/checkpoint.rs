@@ -27,10 +27,11 @@ use crate::math::views::{
 use crate::model::arch::ArchSpec;
 use crate::model::card::{ModelCard, QkNorm};
 use crate::model::config::{self, ConfigError};
-use crate::model::family;
+use crate::model::family::hub::Source;
 use crate::model::formats::WeightTensor;
-use crate::model::layout::{ImageBuffer, LayerLayout, Segment, SegmentKind};
-use crate::model::names::{head_names, segment_source, Source};
+use crate::model::layout::{ImageBuffer, LayerLayout, Segment};
+use crate::model::names::{head_names, segment_source};
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
@@ -871,7 +872,7 @@ impl Checkpoint {
     pub fn layer_weights(&self, layer: usize) -> Result<LayerWeights<'_>, CheckpointError> {
         self.check_layer(layer)?;
         let qkv = match (self.arch.family, self.arch.mla) {
-            _ if family::spec(self.arch.family).fused_qkv() => {
+            _ if self.arch.family.facts().fused_qkv => {
                 QkvWeights::Fused(self.segment_matrix(layer, SegmentKind::QkvProj)?)
             }
             (_, Some(m)) => QkvWeights::Mla(MlaWeights::build(

@@ -9,7 +9,8 @@
 //! seed, dtype and format version. Nothing is ever downloaded. Every command that takes a
 //! model (`generate`, `run`, ...) should resolve it here.
 
-use crate::model::card::{CardError, ModelCard};
+use crate::model::card::ModelCard;
+use crate::model::cards::CardError;
 use crate::quant::storage::WeightDtype;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 use crate::weights::synth::{write_checkpoint, SynthError, SynthOptions};

@@ -335,9 +335,7 @@ pub fn write_checkpoint_as(
 ) -> Result<(), SynthError> {
     let block = mxfp4::BLOCK as u64;
     if experts == ExpertStorage::Mxfp4
-        && (crate::model::family::spec(card.family)
-            .mxfp4_unconverted()
-            .is_none()
+        && (card.family.facts().mxfp4_unconverted.is_none()
             || !card.hidden.is_multiple_of(block)
             || !card.ffn.is_multiple_of(block))
     {

@@ -61,7 +61,7 @@ pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
         }
     };
     shipped(&card.tokenizer)
-        .or_else(|| shipped(crate::model::family::spec(card.family).tokenizer()))
+        .or_else(|| shipped(card.family.facts().tokenizer))
         .unwrap_or(DBRX_TOKENIZER_JSON)
 }
 

@@ -167,7 +167,7 @@ fn greedy_tokens_and_logits_match_llama_cpp_on_its_own_ggufs() {
 /// counts are ggml's block structs: 144 bytes per 256 Q4_K weights, 210 per 256 Q6_K.
 #[test]
 fn q4_k_m_layer_images_keep_each_layer_s_formats_in_one_geometry() {
-    use moec::model::layout::SegmentKind;
+    use moec::model::segment::SegmentKind;
     use moec::quant::QuantFormat;
     let Some(dir) = fixtures() else {
         eprintln!("gguf_parity: skipped: no GGUF fixtures (run scripts/gguf_fixtures.sh)");

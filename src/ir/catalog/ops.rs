@@ -17,7 +17,7 @@ use crate::ir::value::{Point, Rows, Tensor};
 use crate::ir::{Access, CheckpointLayout, Engine, Role};
 use crate::model::card::ModelCard;
 use crate::model::formats::WeightTensor;
-use crate::model::layout::SegmentKind;
+use crate::model::segment::SegmentKind;
 
 use Access::{Read, ReadWrite, Write};
 use StaticParam::{Layer, Part, Set, Ub};

@@ -3,13 +3,12 @@
 //! expert tensors without a `.weight` suffix under `transformer.blocks.{i}`.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
-use super::{blank_card, CardField, FamilySpec};
+use super::hub::{blank_card, CardField, FamilySpec};
+use super::hub::{SegmentTensor, Source};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm};
-use crate::model::layout::SegmentKind;
-use crate::model::names::{SegmentTensor, Source};
-use crate::model::vocab::NormKind;
-use crate::model::vocab::Orientation;
+use crate::model::card::{ModelCard, QkNorm};
+use crate::model::family::facts::Family;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
@@ -19,10 +18,6 @@ pub(super) struct Dbrx;
 impl FamilySpec for Dbrx {
     fn family(&self) -> Family {
         Family::Dbrx
-    }
-
-    fn model_type(&self) -> &'static str {
-        "dbrx"
     }
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -76,7 +71,7 @@ impl FamilySpec for Dbrx {
             norm_eps: 1e-5,
             clip_qkv: f.opt_float("attn_config.clip_qkv")?,
             dtype: WeightDtype::Bf16,
-            tokenizer: self.tokenizer().into(),
+            tokenizer: self.family().facts().tokenizer.into(),
             bos_token_id: None,
             eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(100257),
             router_norm_p,
@@ -179,17 +174,5 @@ impl FamilySpec for Dbrx {
                 _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
             }),
         }
-    }
-
-    fn fused_qkv(&self) -> bool {
-        true
-    }
-
-    fn expert_down(&self) -> Orientation {
-        Orientation::InOut
-    }
-
-    fn norm(&self) -> NormKind {
-        NormKind::LayerNoBias
     }
 }

@@ -7,12 +7,13 @@
 //! is refused by name.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
+use super::hub::SegmentTensor;
+use super::hub::{blank_card, CardField, FamilySpec};
 use super::llama;
-use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{DeepseekRouter, DeepseekTopk, Family, Mla, ModelCard, Yarn};
-use crate::model::layout::SegmentKind;
-use crate::model::names::SegmentTensor;
+use crate::model::card::{DeepseekRouter, DeepseekTopk, Mla, ModelCard, Yarn};
+use crate::model::family::facts::Family;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
@@ -27,17 +28,6 @@ pub(super) const DEEPSEEK_V3: Deepseek = Deepseek(Family::DeepseekV3);
 impl FamilySpec for Deepseek {
     fn family(&self) -> Family {
         self.0
-    }
-
-    fn model_type(&self) -> &'static str {
-        match self.0 {
-            Family::DeepseekV3 => "deepseek_v3",
-            _ => "deepseek_v2",
-        }
-    }
-
-    fn allows_yarn(&self) -> bool {
-        true
     }
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -83,7 +73,7 @@ impl FamilySpec for Deepseek {
                     &format!(
                         "`{other}` is not supported for {} (V2: greedy or group_limited_greedy; \
                          V3: noaux_tc)",
-                        self.model_type()
+                        self.family().model_type()
                     ),
                 ))
             }
@@ -93,7 +83,10 @@ impl FamilySpec for Deepseek {
         if scoring.is_some_and(|s| s != expected_scoring) {
             return Err(f.invalid(
                 "scoring_func",
-                &format!("must be {expected_scoring} for {}", self.model_type()),
+                &format!(
+                    "must be {expected_scoring} for {}",
+                    self.family().model_type()
+                ),
             ));
         }
         let norm_topk_prob = f.flag("norm_topk_prob", v3)?;
@@ -139,7 +132,7 @@ impl FamilySpec for Deepseek {
             family,
             description: format!(
                 "{} checkpoint `{name}` (from config.json)",
-                self.model_type()
+                self.family().model_type()
             ),
             layers: f.uint("num_hidden_layers")?,
             hidden,
@@ -154,7 +147,7 @@ impl FamilySpec for Deepseek {
             rope_theta: theta.unwrap_or(10000.0),
             norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-6),
             dtype: WeightDtype::Bf16,
-            tokenizer: self.tokenizer().into(),
+            tokenizer: self.family().facts().tokenizer.into(),
             bos_token_id: f.opt_token("bos_token_id")?,
             eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(1),
             shared_ffn: f.opt_uint("n_shared_experts")?.unwrap_or(0) * moe_ffn,
@@ -202,7 +195,7 @@ impl FamilySpec for Deepseek {
         };
         let mut v = json!({
             "architectures": [if v3 { "DeepseekV3ForCausalLM" } else { "DeepseekV2ForCausalLM" }],
-            "model_type": self.model_type(),
+            "model_type": self.family().model_type(),
             "hidden_size": card.hidden,
             "intermediate_size": card.dense_ffn.max(card.ffn),
             "moe_intermediate_size": card.ffn,
@@ -301,12 +294,6 @@ impl FamilySpec for Deepseek {
             SegmentKind::SharedDown => format!("{p}.mlp.shared_experts.down_proj.weight"),
             other => llama::segment_name(&llama::MLP, self.0, layer, other),
         })
-    }
-
-    fn tokenizer(&self) -> &'static str {
-        // DeepSeek's byte-level BPE is not shipped: cl100k's ids fit its 102400 (V2) and
-        // 129280 (V3) rows.
-        "tokenizers/dbrx/tokenizer.json"
     }
 
     /// MLA's latent geometry and the router's expert groups (that `mla` and

@@ -4,44 +4,22 @@
 //! with biases, a router bias and attention sinks.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
+use super::hub::{blank_card, CardField, FamilySpec};
+use super::hub::{SegmentTensor, Source};
 use super::llama;
-use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{ClampedSwiglu, Family, ModelCard, QkNorm, Yarn};
-use crate::model::layout::SegmentKind;
-use crate::model::names::{SegmentTensor, Source};
-use crate::model::vocab::Orientation;
+use crate::model::card::{ClampedSwiglu, ModelCard, QkNorm, Yarn};
+use crate::model::family::facts::Family;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
 /// The gpt-oss family.
 pub(super) struct GptOss;
 
-/// The modules a gpt-oss MXFP4 checkpoint must keep unquantised, as the Hub's
-/// `quantization_config.modules_to_not_convert` spells them: MXFP4 is read for the routed
-/// experts only.
-pub const MXFP4_UNCONVERTED: [&str; 4] = [
-    "model.layers.*.self_attn",
-    "model.layers.*.mlp.router",
-    "model.embed_tokens",
-    "lm_head",
-];
-
 impl FamilySpec for GptOss {
     fn family(&self) -> Family {
         Family::GptOss
-    }
-
-    fn model_type(&self) -> &'static str {
-        "gpt_oss"
-    }
-
-    fn allows_yarn(&self) -> bool {
-        true
-    }
-
-    fn mxfp4_unconverted(&self) -> Option<&'static [&'static str]> {
-        Some(&MXFP4_UNCONVERTED)
     }
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -118,7 +96,7 @@ impl FamilySpec for GptOss {
             norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-5),
             clip_qkv: None,
             dtype: WeightDtype::Bf16,
-            tokenizer: self.tokenizer().into(),
+            tokenizer: self.family().facts().tokenizer.into(),
             bos_token_id: None,
             eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(200002),
             sliding_window,
@@ -137,10 +115,6 @@ impl FamilySpec for GptOss {
             yarn,
             ..blank_card()
         })
-    }
-
-    fn expert_down(&self) -> Orientation {
-        Orientation::InOut
     }
 
     fn config_for_card(&self, card: &ModelCard, dtype: WeightDtype) -> Value {

@@ -2,9 +2,9 @@
 //! (`num_hidden_layers`, `hidden_size`, ...) and `model.layers.{i}.self_attn.q_proj`-style
 //! tensor names. Each family module overrides what it spells differently.
 
-use super::CardField;
-use crate::model::card::Family;
-use crate::model::layout::SegmentKind;
+use super::hub::CardField;
+use crate::model::family::facts::Family;
+use crate::model::segment::SegmentKind;
 
 /// The flat config.json key of a card field (Mixtral's spelling, the base the Llama-style
 /// families override). Fields such a config has no key for are named by a description in

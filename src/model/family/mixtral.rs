@@ -3,12 +3,13 @@
 //! `block_sparse_moe`.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
+use super::hub::SegmentTensor;
+use super::hub::{blank_card, CardField, FamilySpec};
 use super::llama::{self, MoeNames};
-use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm};
-use crate::model::layout::SegmentKind;
-use crate::model::names::SegmentTensor;
+use crate::model::card::{ModelCard, QkNorm};
+use crate::model::family::facts::Family;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
@@ -26,10 +27,6 @@ const NAMES: MoeNames = MoeNames {
 impl FamilySpec for Mixtral {
     fn family(&self) -> Family {
         Family::Mixtral
-    }
-
-    fn model_type(&self) -> &'static str {
-        "mixtral"
     }
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -56,7 +53,7 @@ impl FamilySpec for Mixtral {
             rope_theta,
             norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(1e-5),
             dtype: WeightDtype::Bf16,
-            tokenizer: self.tokenizer().into(),
+            tokenizer: self.family().facts().tokenizer.into(),
             bos_token_id: f.opt_token("bos_token_id")?.or(Some(1)),
             eos_token_id: f.opt_token("eos_token_id")?.unwrap_or(2),
             sliding_window: f.opt_uint("sliding_window")?,
@@ -107,13 +104,5 @@ impl FamilySpec for Mixtral {
 
     fn segment_tensor(&self, _a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor {
         SegmentTensor::Whole(llama::segment_name(&NAMES, Family::Mixtral, layer, kind))
-    }
-
-    fn tokenizer(&self) -> &'static str {
-        "tokenizers/mixtral/tokenizer.json"
-    }
-
-    fn router_norm_p(&self, _card: Option<f64>) -> Option<f64> {
-        Some(1.0)
     }
 }

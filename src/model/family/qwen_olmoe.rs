@@ -6,12 +6,13 @@
 //! are refused by field.
 
 use super::fields::{torch_dtype, ConfigError, Fields};
+use super::hub::SegmentTensor;
+use super::hub::{blank_card, CardField, FamilySpec};
 use super::llama;
-use super::{blank_card, CardField, FamilySpec};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard, QkNorm};
-use crate::model::layout::SegmentKind;
-use crate::model::names::SegmentTensor;
+use crate::model::card::{ModelCard, QkNorm};
+use crate::model::family::facts::Family;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
 use serde_json::{json, Value};
 
@@ -57,14 +58,6 @@ impl QwenOlmoe {
 impl FamilySpec for QwenOlmoe {
     fn family(&self) -> Family {
         self.0
-    }
-
-    fn model_type(&self) -> &'static str {
-        match self.0 {
-            Family::Qwen2Moe => "qwen2_moe",
-            Family::Qwen3Moe => "qwen3_moe",
-            _ => "olmoe",
-        }
     }
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
@@ -130,7 +123,7 @@ impl FamilySpec for QwenOlmoe {
             norm_eps: f.opt_float("rms_norm_eps")?.unwrap_or(eps),
             clip_qkv,
             dtype: WeightDtype::Bf16,
-            tokenizer: self.tokenizer().into(),
+            tokenizer: self.family().facts().tokenizer.into(),
             // The Qwen and OLMoE tokenizers prepend nothing (config `bos_token_id` is only
             // the id of a special token).
             bos_token_id: None,
@@ -156,7 +149,7 @@ impl FamilySpec for QwenOlmoe {
                 Family::Qwen3Moe => "Qwen3MoeForCausalLM",
                 _ => "OlmoeForCausalLM",
             }],
-            "model_type": self.model_type(),
+            "model_type": self.family().model_type(),
             "hidden_size": card.hidden,
             "num_hidden_layers": card.layers,
             "num_attention_heads": card.heads,
@@ -223,16 +216,6 @@ impl FamilySpec for QwenOlmoe {
 
     fn segment_tensor(&self, _a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor {
         SegmentTensor::Whole(llama::segment_name(&llama::MLP, self.0, layer, kind))
-    }
-
-    fn tokenizer(&self) -> &'static str {
-        // Qwen's own byte-level BPE is not shipped: cl100k (also byte-level BPE, ids below
-        // Qwen's 151936 rows) stands in; OLMoE's 50304 rows take the 32000-id Mixtral file.
-        // A checkpoint folder's own tokenizer.json always wins.
-        match self.0 {
-            Family::Olmoe => "tokenizers/mixtral/tokenizer.json",
-            _ => "tokenizers/dbrx/tokenizer.json",
-        }
     }
 
     fn check_card(&self, card: &ModelCard) -> Result<(), String> {

@@ -29,8 +29,7 @@ use crate::math::views::{
 };
 use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
-use crate::model::family;
-use crate::model::layout::SegmentKind;
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::KvLayout;
 use crate::model::vocab::Orientation;
 use crate::model::vocab::Routing;
@@ -322,7 +321,7 @@ impl OpContext<'_> {
             let layout = self.memory.layout().layer_of(layer);
             let has = |kind| layout.segment(kind).is_some();
             match layout.family {
-                f if family::spec(f).fused_qkv() => {
+                f if f.facts().fused_qkv => {
                     QkvWeights::Fused(self.required(weights, layer, SegmentKind::QkvProj)?)
                 }
                 _ if has(SegmentKind::KvAProj) => QkvWeights::Mla(MlaWeights::build(

@@ -19,7 +19,8 @@ use super::{GpuCx, OpError};
 use crate::math::mla::LORA_NORM_EPS;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{DeepseekRouter, DeepseekTopk};
-use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::layout::LayerLayout;
+use crate::model::segment::SegmentKind;
 use crate::runtime::cuda::launch::{int, row_block, Arg, DevMatrix};
 use crate::runtime::host::memory::View;
 

@@ -29,7 +29,7 @@ use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
 use crate::lower::PlanTask;
 use crate::model::arch::ArchSpec;
-use crate::model::layout::SegmentKind;
+use crate::model::segment::SegmentKind;
 use crate::model::vocab::NormKind;
 use crate::model::vocab::Orientation;
 use crate::model::vocab::RoutedRow;

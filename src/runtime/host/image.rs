@@ -458,7 +458,7 @@ mod tests {
     use crate::math::tensor::TypedSlice;
     use crate::math::views::QkvWeights;
     use crate::model::card::ModelCard;
-    use crate::model::layout::SegmentKind;
+    use crate::model::segment::SegmentKind;
     use crate::runtime::host::weights::image_layout;
     use crate::weights::synth::{write_checkpoint, SynthOptions};
     use std::path::Path;

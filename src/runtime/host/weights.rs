@@ -13,7 +13,8 @@
 
 use crate::ir::CheckpointLayout;
 use crate::math::tensor::TypedSlice;
-use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::layout::LayerLayout;
+use crate::model::segment::SegmentKind;
 use crate::quant::storage::Storage;
 use crate::quant::{QuantFormat, QuantSlice};
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};

@@ -12,7 +12,7 @@
 //! DBRX always renormalises its top-k weights by their sum), the config says the same.
 
 use super::{GgufError, GgufFile, Value};
-use crate::model::card::Family;
+use crate::model::family::facts::Family;
 use serde_json::json;
 
 /// The family of `file`'s architecture, or an error naming an architecture moec does

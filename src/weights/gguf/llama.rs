@@ -22,9 +22,11 @@
 
 use super::{GgufError, GgufFile, Storage};
 use crate::model::arch::ArchSpec;
-use crate::model::card::{Family, ModelCard};
-use crate::model::layout::{LayerLayout, SegmentKind};
+use crate::model::card::ModelCard;
+use crate::model::family::facts::Family;
+use crate::model::layout::LayerLayout;
 use crate::model::names::{head_names, segment_source};
+use crate::model::segment::SegmentKind;
 use std::ops::Range;
 
 /// Where one Hub-named tensor's bytes are in the GGUF file.

@@ -278,7 +278,8 @@ fn a_split_file_opens_from_its_first_part_with_every_part_s_tensors() {
 /// missing one is an error naming it.
 #[test]
 fn mla_kv_b_halves_are_read_as_stored() {
-    use crate::model::layout::{LayerLayout, SegmentKind};
+    use crate::model::layout::LayerLayout;
+    use crate::model::segment::SegmentKind;
     let (heads, rank, nope, v) = (2usize, 3usize, 2usize, 1usize);
     // Hub kv_b[h][r][c] = 100 h + 10 r + c.
     let hub = |h: usize, r: usize, c: usize| (100 * h + 10 * r + c) as f32;
@@ -608,7 +609,7 @@ fn a_dbrx_gguf_reads_its_expert_down_out_in_and_names_a_wrong_shape() {
     let file = open_bytes(&dbrx_file(vec![2, 4, 2])).unwrap();
     let imported = llama::import(&file, "m").unwrap();
     let card = &imported.card;
-    assert_eq!(card.family, crate::model::card::Family::Dbrx);
+    assert_eq!(card.family, crate::model::family::facts::Family::Dbrx);
     assert!(card.expert_down_out_in);
     assert_eq!((card.norm_eps as f32, card.clip_qkv), (2e-5, Some(8.0)));
     assert_eq!((card.hidden, card.ffn, card.kv_heads), (4, 2, 1));
@@ -627,7 +628,7 @@ fn a_dbrx_gguf_reads_its_expert_down_out_in_and_names_a_wrong_shape() {
     let src = crate::model::names::segment_source(
         &arch,
         0,
-        crate::model::layout::SegmentKind::ExpertDown(1),
+        crate::model::segment::SegmentKind::ExpertDown(1),
     );
     assert_eq!((src.shape, src.rows), (vec![8, 2], 4..8));
     let wrong = open_bytes(&dbrx_file(vec![4, 2, 2])).unwrap();
