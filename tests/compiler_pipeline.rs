@@ -9,6 +9,8 @@ use moec::ir::emit;
 use moec::ir::TaskId;
 use moec::model::card::ModelCard;
 
+mod import_graph;
+
 const FIXTURE: &str = "tests/fixtures/all_constructs.sched";
 
 fn source() -> String {
@@ -495,4 +497,87 @@ fn stages_import_only_what_the_layering_allows() {
         Vec::<String>::new(),
         "cudarc outside the CUDA backend"
     );
+}
+
+/// Issue 41's stack, top to bottom: the reference forward pass, GGUF export, weight I/O,
+/// the CPU math, the model description, the block formats. Each floor imports only floors
+/// below it.
+const MODEL_STACK: [&str; 6] = ["oracle", "convert", "weights", "math", "model", "quant"];
+
+/// The compiler's stages: they see a model only through its description.
+const COMPILER: [&str; 8] = [
+    "syntax",
+    "elaborate",
+    "ir",
+    "check",
+    "cost",
+    "lower",
+    "compile",
+    "diag",
+];
+
+/// Issue 41: no import circle spans two top-level modules of `src/` (a circle inside one
+/// module's folder is that module's business), none at all under `model/`; the model stack
+/// imports only downward and nothing of the compiler, the runtime or the front ends; the
+/// compiler imports `model` alone of the stack.
+#[test]
+fn the_model_stack_imports_only_downward_and_no_circle_spans_modules() {
+    let graph = import_graph::graph();
+    let mut circles = Vec::new();
+    for cycle in graph.cycles() {
+        let modules: std::collections::BTreeSet<&str> =
+            cycle.iter().map(|f| import_graph::top(f)).collect();
+        if modules.len() > 1 || modules.contains("model") {
+            circles.push(cycle);
+        }
+    }
+    assert_eq!(
+        circles,
+        Vec::<Vec<String>>::new(),
+        "import circles across modules or inside model/"
+    );
+    let mut wrong = Vec::new();
+    for (i, floor) in MODEL_STACK.iter().enumerate() {
+        for above in &MODEL_STACK[..i] {
+            wrong.extend(graph.imports_between(floor, above));
+        }
+        for outside in COMPILER
+            .iter()
+            .chain(&["runtime", "engine", "cli", "serve"])
+        {
+            wrong.extend(graph.imports_between(floor, outside));
+        }
+    }
+    for stage in COMPILER {
+        for floor in MODEL_STACK.iter().filter(|f| **f != "model") {
+            wrong.extend(graph.imports_between(stage, floor));
+        }
+    }
+    assert_eq!(wrong, Vec::<String>::new(), "imports against the stack");
+}
+
+/// The import graph's reading of the text: `use` trees, inline paths, `super` from inside
+/// an inline module, renames, and what comments and strings hide.
+#[test]
+fn the_import_graph_resolves_paths_as_rustc_would() {
+    let graph = import_graph::graph();
+    let imports = |from: &str, to: &str| graph.edges.get(from).is_some_and(|t| t.contains(to));
+    // `use crate::math::qmatmul::{QuantKernels, QuantMatrix};` in a `use` tree.
+    assert!(imports("math/linear.rs", "math/qmatmul/mod.rs"));
+    // `super::` from a file resolves to its parent module's file.
+    assert!(imports(
+        "math/qmatmul/tiles_x86.rs",
+        "math/qmatmul/tiles.rs"
+    ));
+    // The facts table names only the vocabulary (mod.rs declaring it is no import), and the
+    // card reads the facts, not the families' code.
+    assert_eq!(
+        graph.edges.get("model/family/facts.rs").map(|t| t.len()),
+        Some(1),
+        "{:?}",
+        graph.edges.get("model/family/facts.rs")
+    );
+    assert!(imports("model/card.rs", "model/family/facts.rs"));
+    assert!(!imports("model/card.rs", "model/family/mod.rs"));
+    assert!(imports("model/family/mod.rs", "model/family/hub.rs"));
 }

@@ -17,6 +17,7 @@ pub mod cache;
 pub mod catalog;
 pub mod deps;
 pub mod emit;
+pub mod expert;
 
 mod ids;
 mod kinds;

@@ -5,7 +5,7 @@
 //! range of the checkpoint `W` into the weight tensors it covers. A [`Piece`] is "bytes of
 //! tensor T starting at offset k", so copies of pages keep exact provenance.
 
-use super::catalog::ExpertRef;
+use super::expert::ExpertRef;
 use super::CheckpointLayout;
 use serde::{Deserialize, Serialize};
 

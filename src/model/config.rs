@@ -154,10 +154,6 @@ pub fn experts_in_mxfp4(text: &str) -> bool {
     })
 }
 
-/// The sentence that says where MXFP4 experts went, for card descriptions and load lines.
-pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight) and kept MXFP4 \
-     (repacked into ggml block rows at load); memory and the cost model count MXFP4";
-
 /// How one card field is compared, and how its two values are printed when they differ.
 enum Compare {
     /// Integers, equal.

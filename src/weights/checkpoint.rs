@@ -593,7 +593,8 @@ impl Checkpoint {
     /// What a user should be told about how the weights were read: for a gpt-oss Hub
     /// checkpoint, that its MXFP4 experts are kept MXFP4 (repacked once, on first use).
     pub fn storage_note(&self) -> Option<&'static str> {
-        self.mxfp4_experts.then_some(config::MXFP4_NOTE)
+        self.mxfp4_experts
+            .then_some(crate::model::family::facts::MXFP4_NOTE)
     }
 
     /// Bytes of ggml MXFP4 blocks the checkpoint's Hub MXFP4 expert tensors are repacked
@@ -1270,8 +1271,15 @@ fn keep_mxfp4(card: &mut ModelCard) -> Result<(), String> {
         );
     }
     card.formats.check(&ArchSpec::from_card(card), card.dtype)?;
-    if !card.description.contains(config::MXFP4_NOTE) {
-        card.description = format!("{}; {}", card.description, config::MXFP4_NOTE);
+    if !card
+        .description
+        .contains(crate::model::family::facts::MXFP4_NOTE)
+    {
+        card.description = format!(
+            "{}; {}",
+            card.description,
+            crate::model::family::facts::MXFP4_NOTE
+        );
     }
     Ok(())
 }

@@ -88,6 +88,10 @@ pub const MXFP4_UNCONVERTED: [&str; 4] = [
     "lm_head",
 ];
 
+/// The sentence that says where MXFP4 experts went, for card descriptions and load lines.
+pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight) and kept MXFP4 \
+     (repacked into ggml block rows at load); memory and the cost model count MXFP4";
+
 /// The row most families start from: Llama-style names, RMSNorm, separate q/k/v, experts'
 /// down projections out-in, the card's router renormalisation, cl100k as the stand-in
 /// tokenizer.

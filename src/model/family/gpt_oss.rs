@@ -71,7 +71,7 @@ impl FamilySpec for GptOss {
                 // Only MXFP4 experts get here (the shared refusals ran first).
                 format!(
                     "gpt-oss checkpoint `{name}` (from config.json; {})",
-                    crate::model::config::MXFP4_NOTE
+                    crate::model::family::facts::MXFP4_NOTE
                 )
             } else {
                 format!("gpt-oss checkpoint `{name}` (from config.json)")
