@@ -14,6 +14,7 @@
 //! The top of the library: it joins the stages (`compile`, `lower`, `runtime`) and the
 //! cost model, which do not import each other.
 
+pub mod cpu_probe;
 pub mod dispatch;
 mod fit;
 pub mod fit_params;

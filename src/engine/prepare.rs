@@ -185,11 +185,11 @@ fn replay_profile(
         Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| message(&e))?),
         None => {
             let threads = request.threads.unwrap_or(2).max(1);
-            let probed = crate::cost::probe::probe_profile(
+            let probed = super::cpu_probe::probe_profile(
                 "this-machine",
                 QUICK_PROBE_BYTES,
                 threads,
-                crate::cost::probe::ProbeEffort::QUICK,
+                super::cpu_probe::ProbeEffort::QUICK,
             )
             .map_err(|e| e.to_string())
             .and_then(|(_, mut profile)| {
