@@ -1,26 +1,40 @@
-//! The run API: load a model, compile a schedule for the run, lower it and run it on a
-//! chosen backend, with the HRM replay of what ran.
+//! The entry of every command that loads a model: runs of a schedule, serving, and the
+//! oracle's and the checkpoint writers' commands.
 //!
-//! Takes a [`RunRequest`] (plain data: the schedule's text, the model source, prompts,
-//! params, budgets, the backend's [`Registration`], sampling and test hooks); gives a
-//! [`RunResult`] (the plan, outputs, measured stats, the report, the prediction and the
-//! decoded texts) or a [`RunFailure`] ready to print. `moec run`, `ablate` and `profile`,
-//! the benches and any server call [`run`]; none of them branches on the backend: what
-//! differs per backend is asked of its registration (where its `gpu` space lives,
-//! whether weight copies bind, why it cannot run here) or of the backend itself (its
-//! report line). Nothing here prints: what a caller should tell the user comes back in
-//! [`RunResult::notes`].
+//! Takes a request of plain data per command; gives its result, with what a caller should
+//! tell the user as notes, or a failure ready to print. Nothing here prints: `cli` (and
+//! `serve`, over [`session`]) print.
 //!
-//! The top of the library: it joins the stages (`compile`, `lower`, `runtime`) and the
-//! cost model, which do not import each other.
+//! - [`run`]: a [`RunRequest`] (the schedule's text, the model source, prompts, params,
+//!   budgets, the backend's [`Registration`], sampling and test hooks) in, a [`RunResult`]
+//!   (the plan, outputs, measured stats, the report, the prediction and the decoded texts,
+//!   [`RunResult::notes`]) or a [`RunFailure`] out. `moec run`, `ablate` and `profile`,
+//!   the benches and any server call it; none of them branches on the backend: what
+//!   differs per backend is asked of its registration (where its `gpu` space lives,
+//!   whether weight copies bind, why it cannot run here) or of the backend itself (its
+//!   report line). [`session`] keeps a plan open for serving and batches; both prepare
+//!   the plan through one chain (`prepare`).
+//! - [`generate`] and [`perplexity`]: the oracle (the CPU reference forward pass) on
+//!   prompts or on a text, no schedule involved.
+//! - [`quantize`] and [`synth`]: a GGUF written from a checkpoint, a synthetic checkpoint
+//!   written from a card.
+//! - [`cpu_probe`], [`dispatch`], [`gpu_probe`]: what `moec probe` and the quick probe of a
+//!   run measure of this machine, made into `cost`'s hardware profile.
+//!
+//! The top of the library: it joins the stages (`compile`, `lower`, `runtime`), the cost
+//! model, which do not import each other, and the model stack's loaders and kernels.
 
 pub mod cpu_probe;
 pub mod dispatch;
 mod fit;
 pub mod fit_params;
+mod generate;
 pub mod gpu_probe;
+mod perplexity;
 mod prepare;
+mod quantize;
 pub mod session;
+mod synth;
 
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::predict::{predict, CostSettings};
@@ -28,7 +42,7 @@ use crate::cost::replay::{predict_run, RunPrediction};
 use crate::ir::profile::RoutingProfile;
 use crate::ir::{TaskId, Workload};
 use crate::lower::ExecPlan;
-use crate::math::sampling::Sampling;
+pub use crate::math::sampling::Sampling;
 use crate::model::card::ModelCard;
 use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
@@ -37,10 +51,14 @@ use crate::runtime::{Registration, RunError, RunOutput, WeightCopies};
 use crate::weights::source::{load_model, LoadedModel, ModelSource};
 use crate::weights::tokenizer::TextTokenizer;
 pub use fit_params::{FitMode, FittedParams};
+pub use generate::{generate, GenerateRequest, GenerateResult, GeneratedText};
+pub use perplexity::{perplexity, PerplexityRequest, PerplexityResult};
 pub use prepare::BOUND_COPY_GB_S;
 use prepare::{Prepared, ProfileUse, Target};
+pub use quantize::{quantize, QuantizeFormats, QuantizeRequest, QuantizeResult};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+pub use synth::{synth, SynthRequest, SynthResult};
 
 /// Prompts used when none are given (varied lengths, so micro-batches mix sequence lengths).
 pub const DEFAULT_PROMPTS: [&str; 6] = [
