@@ -5,7 +5,7 @@
 //! so bytes / time is the kernel's achieved bandwidth. The ratio is printed at the end.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use moec::cost::probe::measure;
+use moec::engine::cpu_probe::measure;
 use moec::math::attention::{attention, AttnSeq};
 use moec::math::kv_cache::KvBlocksMut;
 use moec::model::arch::ArchSpec;

@@ -1,7 +1,7 @@
 //! The expert projections of `mixtral-mid` (d 1024, ffn 3584, bf16 weights) through
 //! [`Kernels::linear`], against this machine's limits measured in the same run by
 //! `moec probe`'s kernels: the streaming read ([`stream_read`]) and the f32 GEMM peak
-//! (`cost::probe::measure`: the `gemm` crate, 1024³, all threads).
+//! (`engine::cpu_probe::measure`: the `gemm` crate, 1024³, all threads).
 //!
 //! - decode: one token through gate and up (fused, [`Kernels::linear_gated`]) and down of
 //!   each of 6 experts in turn (132 MB of weights, far larger than the caches), so every
@@ -29,7 +29,7 @@ mod mixtral_mid;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use mixtral_mid::{expert_rows, silu, view, Expert, D, F};
-use moec::cost::probe::{measure, stream_read};
+use moec::engine::cpu_probe::{measure, stream_read};
 use moec::math::isa::{Isa, Kernels};
 use std::time::Instant;
 

@@ -33,7 +33,7 @@ mod mixtral_mid;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use mixtral_mid::{expert_rows, matrix, view, Expert, D, F};
-use moec::cost::probe::stream_read;
+use moec::engine::cpu_probe::stream_read;
 use moec::math::isa::{Isa, Kernels};
 use std::time::Instant;
 

@@ -5,15 +5,12 @@
 //! Takes the model flags (`--weights DIR|FILE.gguf`, `--model`), `--text FILE` (default:
 //! the opening of the US Declaration of Independence, public domain, embedded from
 //! `models/text/declaration.txt`), `--window N` and `--reference DIR|FILE`; prints the
-//! figures as a line each, or one JSON object with `--json`. Both models run on the
-//! oracle (the CPU reference forward pass) with the same kernels, so the difference is
-//! the weights'.
+//! figures as a line each, or one JSON object with `--json`. `engine::perplexity` scores
+//! the text; this reads the flags and prints.
 
 use crate::cli::generate::fail;
 use crate::cli::inputs::ModelArgs;
-use crate::oracle::perplexity::perplexity;
-use crate::oracle::Oracle;
-use crate::weights::source::{load_model, ModelSource};
+use crate::engine::{self, PerplexityRequest, PerplexityResult};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -58,49 +55,25 @@ fn score(args: &PerplexityArgs) -> Result<(), String> {
         ),
         None => (DEFAULT_TEXT.to_string(), "the embedded text".to_string()),
     };
-    let model = load_model(&args.model.source()).map_err(|e| e.to_string())?;
-    let reference = match &args.reference {
-        Some(path) => Some(
-            load_model(&ModelSource {
-                card: None,
-                weights: Some(path.clone()),
-            })
-            .map_err(|e| format!("--reference: {e}"))?,
-        ),
-        None => None,
+    let request = PerplexityRequest {
+        model: args.model.source(),
+        text,
+        text_name,
+        window: args.window,
+        reference: args.reference.clone(),
     };
-    let tokens = model
-        .tokenizer
-        .encode(&text)
-        .map_err(|e| format!("{text_name}: {e}"))?;
-    if let Some(r) = &reference {
-        let theirs = r
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| format!("--reference: {e}"))?;
-        if theirs != tokens {
-            return Err(format!(
-                "--reference tokenises {text_name} differently ({} tokens against {}): the \
-                 two checkpoints must share a tokenizer",
-                theirs.len(),
-                tokens.len()
-            ));
-        }
-    }
-    let oracle = Oracle::new(&model.checkpoint).map_err(|e| e.to_string())?;
-    let ref_oracle = match &reference {
-        Some(r) => Some(Oracle::new(&r.checkpoint).map_err(|e| format!("--reference: {e}"))?),
-        None => None,
-    };
-    let start = std::time::Instant::now();
-    let report = perplexity(&oracle, ref_oracle.as_ref(), &tokens, args.window)
-        .map_err(|e| format!("{text_name}: {e}"))?;
+    let PerplexityResult {
+        report,
+        tokens,
+        seconds,
+    } = engine::perplexity(&request)?;
+    let text_name = &request.text_name;
     if args.json {
         let json = serde_json::json!({
             "text": text_name,
-            "tokens": tokens.len(),
+            "tokens": tokens,
             "report": report,
-            "seconds": start.elapsed().as_secs_f64(),
+            "seconds": seconds,
         });
         println!("{json}");
         return Ok(());
@@ -111,8 +84,8 @@ fn score(args: &PerplexityArgs) -> Result<(), String> {
         report.predictions,
         report.windows,
         report.window,
-        tokens.len(),
-        start.elapsed().as_secs_f64()
+        tokens,
+        seconds
     );
     if let (Some(r), Some(path)) = (&report.reference, &args.reference) {
         println!(

@@ -1,7 +1,7 @@
 //! `moec probe`: measures this machine and writes a hardware profile.
 
 use crate::cost::hardware::{Level, GB, TFLOPS};
-use crate::cost::probe::{probe_profile, ProbeEffort};
+use crate::engine::cpu_probe::{probe_profile, ProbeEffort};
 use crate::runtime::cuda::probe::GpuProbeSizes;
 use clap::Args;
 use std::path::PathBuf;
@@ -73,7 +73,7 @@ pub fn run(args: ProbeArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        match crate::cost::probe::measure_expert_latency(&card, measured.memcpy_bytes_per_s) {
+        match crate::engine::cpu_probe::measure_expert_latency(&card, measured.memcpy_bytes_per_s) {
             Ok(lat) => profile.latency = Some(lat),
             Err(e) => {
                 eprintln!("{:?}", miette::Report::msg(e.to_string()));

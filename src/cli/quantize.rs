@@ -10,12 +10,8 @@
 //! Qwen2-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss and DBRX families.
 
 use crate::cli::generate::fail;
-use crate::convert::{export, Mix, Types};
+use crate::engine::{self, QuantizeFormats, QuantizeRequest, QuantizeResult};
 use crate::ir::emit::human_bytes;
-use crate::model::family::facts::Family;
-use crate::model::formats::{WeightClass, WeightFormats};
-use crate::quant::storage::Storage;
-use crate::weights::checkpoint::Checkpoint;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,69 +49,29 @@ pub struct QuantizeArgs {
     pub name: Option<String>,
 }
 
-/// The types the flags ask for; without any, the experts in Q4_K (gpt-oss's in MXFP4,
-/// the format it ships and llama.cpp's converter keeps).
-fn types(args: &QuantizeArgs, family: Family) -> Result<Types, String> {
-    if let Some(mix) = &args.mix {
-        return Mix::parse(mix)
-            .map(Types::Mix)
-            .map_err(|e| format!("--mix: {e}"));
+/// The formats the flags ask for, as spelled (`engine::quantize` parses them for the
+/// checkpoint's family).
+fn formats(args: &QuantizeArgs) -> QuantizeFormats {
+    match (&args.mix, &args.all, &args.weight_format) {
+        (Some(mix), _, _) => QuantizeFormats::Mix(mix.clone()),
+        (None, Some(all), _) => QuantizeFormats::All(all.clone()),
+        (None, None, Some(spec)) => QuantizeFormats::Classes(spec.clone()),
+        (None, None, None) => QuantizeFormats::Default,
     }
-    let mut formats = WeightFormats::default();
-    match (&args.all, &args.weight_format) {
-        (Some(all), _) => {
-            let storage = Storage::parse(all).map_err(|e| format!("--all: {e}"))?;
-            for class in [
-                WeightClass::Experts,
-                WeightClass::Attention,
-                WeightClass::Shared,
-                WeightClass::Embedding,
-                WeightClass::Head,
-            ] {
-                formats.classes.insert(class, storage);
-            }
-        }
-        (None, Some(spec)) => formats
-            .parse_classes(spec)
-            .map_err(|e| format!("--weight-format: {e}"))?,
-        (None, None) => formats
-            .parse_classes(if family == Family::GptOss {
-                "experts=mxfp4"
-            } else {
-                "experts=q4_k"
-            })
-            .map_err(|e| format!("--weight-format: {e}"))?,
-    }
-    Ok(Types::Classes(formats))
 }
 
 /// Runs `moec quantize`.
 pub fn run(args: &QuantizeArgs) -> ExitCode {
-    if args.out.exists() {
-        return fail(format!(
-            "{}: already exists; moec quantize does not overwrite a file",
-            args.out.display()
-        ));
-    }
-    let ckpt = match Checkpoint::open(&args.weights) {
-        Ok(c) => c,
-        Err(e) => return fail(e),
+    let request = QuantizeRequest {
+        weights: args.weights.clone(),
+        out: args.out.clone(),
+        formats: formats(args),
+        name: args.name.clone(),
     };
-    let types = match types(args, ckpt.arch().family) {
-        Ok(t) => t,
-        Err(e) => return fail(e),
-    };
-    let name = args.name.clone().unwrap_or_else(|| {
-        args.weights
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| ckpt.card().name.clone())
-    });
-    let start = std::time::Instant::now();
     let bar = std::io::stderr()
         .is_terminal()
         .then(|| indicatif::ProgressBar::new(0));
-    let result = export(&ckpt, &types, &name, &args.out, |i, total, tensor| {
+    let result = engine::quantize(&request, &mut |i, total, tensor| {
         if let Some(bar) = &bar {
             bar.set_length(total as u64);
             bar.set_position(i as u64);
@@ -125,8 +81,8 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let summary = match result {
-        Ok(s) => s,
+    let QuantizeResult { summary, seconds } = match result {
+        Ok(r) => r,
         Err(e) => return fail(e),
     };
     println!(
@@ -134,7 +90,7 @@ pub fn run(args: &QuantizeArgs) -> ExitCode {
         args.out.display(),
         summary.tensors,
         human_bytes(summary.file_bytes),
-        start.elapsed().as_secs_f64()
+        seconds
     );
     for (ty, bytes) in &summary.bytes_by_type {
         println!("  {ty:<5} {:>12}", human_bytes(*bytes));

@@ -113,12 +113,12 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
     request.sampling = if args.temperature > 0.0 {
-        crate::model::vocab::Sampling::Temperature {
+        crate::engine::Sampling::Temperature {
             temperature: args.temperature,
             top_p: 1.0,
         }
     } else {
-        crate::model::vocab::Sampling::Greedy
+        crate::engine::Sampling::Greedy
     };
     request.seed = args.seed;
     request.watchdog = Duration::from_secs_f64(args.watchdog.max(0.01));

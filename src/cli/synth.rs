@@ -5,8 +5,8 @@
 //! `--mxfp4` (gpt-oss cards) stores the experts as the Hub's gpt-oss checkpoints do.
 
 use crate::cli::generate::fail;
-use crate::model::{ModelCard, WeightDtype};
-use crate::weights::synth::{write_checkpoint_as, ExpertStorage, SynthOptions};
+use crate::engine::{self, SynthRequest};
+use crate::model::WeightDtype;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -45,48 +45,30 @@ pub struct SynthArgs {
 
 /// Runs `moec synth`.
 pub fn run(args: &SynthArgs) -> ExitCode {
-    let card = match ModelCard::load(&args.model) {
-        Ok(c) => c,
-        Err(e) => return fail(e),
-    };
-    let dtype = match args.dtype {
-        Some(DtypeArg::Bf16) => WeightDtype::Bf16,
-        Some(DtypeArg::F16) => WeightDtype::F16,
-        Some(DtypeArg::F32) => WeightDtype::F32,
-        None => card.dtype,
-    };
-    let opts = SynthOptions {
+    let request = SynthRequest {
+        card: args.model.clone(),
+        out: args.out.clone(),
         seed: args.seed,
-        dtype,
-        ..SynthOptions::default()
+        dtype: args.dtype.map(|d| match d {
+            DtypeArg::Bf16 => WeightDtype::Bf16,
+            DtypeArg::F16 => WeightDtype::F16,
+            DtypeArg::F32 => WeightDtype::F32,
+        }),
+        mxfp4: args.mxfp4,
     };
-    let start = std::time::Instant::now();
-    let experts = if args.mxfp4 {
-        ExpertStorage::Mxfp4
-    } else {
-        ExpertStorage::Dense
-    };
-    if let Err(e) = write_checkpoint_as(&card, &args.out, &opts, experts) {
-        return fail(e);
-    }
-    // MXFP4 stores 32 four-bit codes and one byte of scale per block: 4.25 bits a weight.
-    let bytes = match experts {
-        ExpertStorage::Dense => card.total_params() * dtype.bytes(),
-        ExpertStorage::Mxfp4 => {
-            // The expert matrices only: their biases stay in the dtype.
-            let packed = card.layers * card.experts * 3 * card.hidden * card.ffn;
-            (card.total_params() - packed) * dtype.bytes() + packed * 17 / 32
-        }
+    let written = match engine::synth(&request) {
+        Ok(w) => w,
+        Err(e) => return fail(e),
     };
     println!(
         "wrote {} ({}, {:.1} MB of {:?} weights{}, seed {}) in {:.1} s",
         args.out.display(),
-        card.name,
-        bytes as f64 / 1e6,
-        dtype,
+        written.model,
+        written.bytes as f64 / 1e6,
+        written.dtype,
         if args.mxfp4 { ", experts MXFP4" } else { "" },
         args.seed,
-        start.elapsed().as_secs_f64()
+        written.seconds
     );
     ExitCode::SUCCESS
 }

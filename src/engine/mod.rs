@@ -1,45 +1,64 @@
-//! The run API: load a model, compile a schedule for the run, lower it and run it on a
-//! chosen backend, with the HRM replay of what ran.
+//! The entry of every command that loads a model: runs of a schedule, serving, and the
+//! oracle's and the checkpoint writers' commands.
 //!
-//! Takes a [`RunRequest`] (plain data: the schedule's text, the model source, prompts,
-//! params, budgets, the backend's [`Registration`], sampling and test hooks); gives a
-//! [`RunResult`] (the plan, outputs, measured stats, the report, the prediction and the
-//! decoded texts) or a [`RunFailure`] ready to print. `moec run`, `ablate` and `profile`,
-//! the benches and any server call [`run`]; none of them branches on the backend: what
-//! differs per backend is asked of its registration (where its `gpu` space lives,
-//! whether weight copies bind, why it cannot run here) or of the backend itself (its
-//! report line). Nothing here prints: what a caller should tell the user comes back in
-//! [`RunResult::notes`].
+//! Takes a request of plain data per command; gives its result, with what a caller should
+//! tell the user as notes, or a failure ready to print. Nothing here prints: `cli` (and
+//! `serve`, over [`session`]) print.
 //!
-//! The top of the library: it joins the stages (`compile`, `lower`, `runtime`) and the
-//! cost model, which do not import each other.
+//! - [`run`]: a [`RunRequest`] (the schedule's text, the model source, prompts, params,
+//!   budgets, the backend's [`Registration`], sampling and test hooks) in, a [`RunResult`]
+//!   (the plan, outputs, measured stats, the report, the prediction and the decoded texts,
+//!   [`RunResult::notes`]) or a [`RunFailure`] out. `moec run`, `ablate` and `profile`,
+//!   the benches and any server call it; none of them branches on the backend: what
+//!   differs per backend is asked of its registration (where its `gpu` space lives,
+//!   whether weight copies bind, why it cannot run here) or of the backend itself (its
+//!   report line). [`session`] keeps a plan open for serving and batches; both prepare
+//!   the plan through one chain (`prepare`).
+//! - [`generate`] and [`perplexity`]: the oracle (the CPU reference forward pass) on
+//!   prompts or on a text, no schedule involved.
+//! - [`quantize`] and [`synth`]: a GGUF written from a checkpoint, a synthetic checkpoint
+//!   written from a card.
+//! - [`cpu_probe`], [`dispatch`], [`gpu_probe`]: what `moec probe` and the quick probe of a
+//!   run measure of this machine, made into `cost`'s hardware profile.
+//!
+//! The top of the library: it joins the stages (`compile`, `lower`, `runtime`), the cost
+//! model, which do not import each other, and the model stack's loaders and kernels.
 
+pub mod cpu_probe;
 pub mod dispatch;
 mod fit;
 pub mod fit_params;
+mod generate;
 pub mod gpu_probe;
+mod perplexity;
+mod prepare;
+mod quantize;
 pub mod session;
+mod synth;
 
-use crate::compile::{compile, Options};
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::predict::{predict, CostSettings};
-use crate::cost::probe::{probe_profile, ProbeEffort};
 use crate::cost::replay::{predict_run, RunPrediction};
-use crate::diag;
 use crate::ir::profile::RoutingProfile;
 use crate::ir::{TaskId, Workload};
-use crate::lower::{lower, ExecPlan, LowerOptions};
+use crate::lower::ExecPlan;
 use crate::model::card::ModelCard;
-use crate::model::vocab::Sampling;
+pub use crate::model::vocab::Sampling;
 use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
 use crate::runtime::driver::workload::WorkloadSpec;
-use crate::runtime::{BackendOptions, Registration, RunError, RunOptions, RunOutput, WeightCopies};
+use crate::runtime::{Registration, RunError, RunOutput, WeightCopies};
 use crate::weights::source::{load_model, LoadedModel, ModelSource};
 use crate::weights::tokenizer::TextTokenizer;
 pub use fit_params::{FitMode, FittedParams};
+pub use generate::{generate, GenerateRequest, GenerateResult, GeneratedText};
+pub use perplexity::{perplexity, PerplexityRequest, PerplexityResult};
+pub use prepare::BOUND_COPY_GB_S;
+use prepare::{Prepared, ProfileUse, Target};
+pub use quantize::{quantize, QuantizeFormats, QuantizeRequest, QuantizeResult};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+pub use synth::{synth, SynthRequest, SynthResult};
 
 /// Prompts used when none are given (varied lengths, so micro-batches mix sequence lengths).
 pub const DEFAULT_PROMPTS: [&str; 6] = [
@@ -50,15 +69,6 @@ pub const DEFAULT_PROMPTS: [&str; 6] = [
     "The quick brown fox",
     "In 1969, the first humans landed on the Moon. The mission was called",
 ];
-
-/// Buffer of the quick probe behind the HRM replay on this machine. Four times a 64 MiB
-/// last-level cache: a buffer the size of the cache measured the cache, not DRAM (32 MiB
-/// gave 27 GB/s on a machine that streams 21 GB/s).
-const QUICK_PROBE_BYTES: usize = 256 << 20;
-
-/// The rate at which the HRM replay on this machine charges copies whose weight bytes are
-/// bound rather than moved (`--weight-copies bind`): they move labels, not bytes.
-pub const BOUND_COPY_GB_S: f64 = 1e4;
 
 /// Everything one run needs, as plain data (a CLI, a server or a bench builds it).
 #[derive(Debug, Clone)]
@@ -210,103 +220,47 @@ pub fn run(
     request: &RunRequest,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<RunResult, RunFailure> {
-    // Before loading anything: a machine without the backend's device gets one line.
-    if let Some(refusal) = (request.backend.refusal)() {
-        return Err(RunFailure::Message(refusal));
-    }
-    let name = &request.schedule_name;
-    let source = &request.schedule;
+    prepare::refuse_unavailable_backend(request)?;
+    let (name, source) = (&request.schedule_name, &request.schedule);
     let LoadedModel {
         checkpoint,
         tokenizer,
         ..
     } = load_model(&request.model).map_err(|e| message(&e))?;
     let card: ModelCard = checkpoint.card().clone();
-    let mut texts = request.prompts.clone();
-    let mut gen_len = request.gen_len;
-    let mut prompt_ids: Vec<Vec<u32>> = texts
-        .iter()
-        .map(|t| tokenizer.encode(t))
-        .collect::<Result<_, _>>()
-        .map_err(|e| message(&e))?;
-    if let Some(spec) = &request.workload {
-        gen_len = spec.gen_len.unwrap_or(gen_len);
-        let synthetic = spec.prompts(card.vocab as u32);
-        texts.extend(
-            synthetic
-                .iter()
-                .map(|p| format!("<{} synthetic tokens>", p.len())),
-        );
-        prompt_ids.extend(synthetic);
-    }
-    if prompt_ids.is_empty() {
-        // The README's main command: a small built-in prompt set of different lengths.
-        for text in DEFAULT_PROMPTS {
-            texts.push(text.to_string());
-            prompt_ids.push(tokenizer.encode(text).map_err(|e| message(&e))?);
-        }
-    }
+    let prompts = encode_prompts(request, &tokenizer, &card)?;
     // A tokenizer takes 32 MiB (Mixtral's) to 95 MiB (cl100k) of heap, as much as the
     // workspaces of a small model's run: it is dropped once the prompts are encoded and
     // loaded again for decoding after the checkpoint is unmapped, so it never adds to the
     // peak the weights set.
     let tokenizer_dir = checkpoint.dir().to_path_buf();
     drop(tokenizer);
-    if let Some((i, bad)) = prompt_ids.iter().enumerate().find_map(|(i, p)| {
-        p.iter()
-            .find(|&&id| u64::from(id) >= card.vocab)
-            .map(|b| (i, b))
-    }) {
-        return Err(RunFailure::Message(format!(
-            "prompt {i}: token id {bad} is outside the checkpoint's vocabulary of {}",
-            card.vocab
-        )));
-    }
+    let Prompts {
+        texts,
+        ids: prompt_ids,
+        gen_len,
+    } = prompts;
     let workload = Workload {
         batch: prompt_ids.len() as u64,
         prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
         gen_len: gen_len as u64,
     };
-    let (options, compiled) = compile_for(request, &card, workload)?;
-    let mut notes = Vec::new();
-    let profile = replay_profile(request, &mut notes)?;
-    let (compiled, fitted) = fit_params::fit_params(
-        source,
-        &options,
+    let Prepared {
         compiled,
-        fit_params::FitBudget {
-            profile: profile.as_ref(),
-            gpu_mem: request.gpu_mem,
-            chosen_profile: request.hw.is_some(),
-            gpu_space: request.backend.gpu_space,
-            mode: request.fit,
-        },
-        &mut notes,
-    )?;
-    let lower_options = LowerOptions {
-        gpu_capacity: request.gpu_mem,
-        read_all_routing: request.collect_routing.is_some(),
-        ..LowerOptions::default()
-    };
-    let plan =
-        lower(&compiled.program, &compiled.info, &lower_options).map_err(|e| match e.span() {
-            Some(span) => {
-                RunFailure::Rendered(fit::render_span_error(&e.to_string(), span, name, source))
-            }
-            None => message(&e),
-        })?;
-    fit::refuse_what_does_not_fit(
-        &plan,
-        &compiled.program,
-        profile.as_ref(),
-        fit::Budget {
-            sequences: prompt_ids.len(),
-            gpu_mem: request.gpu_mem,
-            chosen_profile: request.hw.is_some(),
-            gpu_space: request.backend.gpu_space,
+        profile,
+        fitted,
+        plan,
+        run,
+        notes,
+        ..
+    } = prepare::prepare(
+        request,
+        &card,
+        Target {
+            workload,
+            profile: ProfileUse::Replay,
         },
     )?;
-    let run = run_options(request, gen_len, &options);
     // The tokenizer's and the quick probe's freed pages leave the resident set before the
     // weights enter it.
     release_freed_heap();
@@ -362,118 +316,61 @@ pub fn run(
     })
 }
 
-/// Compiles the request's schedule for `card` and `workload` with its `--set`s and routing
-/// profile: the compile options (the run's options are derived from them) and the program,
-/// or the rendered diagnostics. Shared by one-shot runs and serving sessions, so both
-/// compile a schedule the same way.
-pub(crate) fn compile_for(
+/// A run's prompts: the texts as the report shows them, their token ids, and the tokens
+/// to generate (a `--workload`'s `gen_len` replaces the request's).
+struct Prompts {
+    texts: Vec<String>,
+    ids: Vec<Vec<u32>>,
+    gen_len: usize,
+}
+
+/// Encodes the request's prompts, adds its synthetic workload, falls back to
+/// [`DEFAULT_PROMPTS`] when there are none, and refuses a token outside the checkpoint's
+/// vocabulary (a tokenizer that is not the model's own) before anything is compiled.
+fn encode_prompts(
     request: &RunRequest,
+    tokenizer: &TextTokenizer,
     card: &ModelCard,
-    workload: Workload,
-) -> Result<(Options, crate::compile::Compiled), RunFailure> {
-    let (name, source) = (&request.schedule_name, &request.schedule);
-    let mut options = Options::new(card.clone());
-    if let Some(path) = &request.routing_profile {
-        options.profile =
-            Some(crate::ir::profile::load_for_card(path, card).map_err(RunFailure::Message)?);
+) -> Result<Prompts, RunFailure> {
+    let mut texts = request.prompts.clone();
+    let mut gen_len = request.gen_len;
+    let mut ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tokenizer.encode(t))
+        .collect::<Result<_, _>>()
+        .map_err(|e| message(&e))?;
+    if let Some(spec) = &request.workload {
+        gen_len = spec.gen_len.unwrap_or(gen_len);
+        let synthetic = spec.prompts(card.vocab as u32);
+        texts.extend(
+            synthetic
+                .iter()
+                .map(|p| format!("<{} synthetic tokens>", p.len())),
+        );
+        ids.extend(synthetic);
     }
-    options.workload = workload;
-    options.sets = request.sets.clone();
-    let compiled = compile(source, &options).map_err(|diags| {
-        let errors = diags.iter().filter(|d| d.is_error()).count();
-        let mut text = diag::render_all(&diags, name, source);
-        text.push_str(&format!(
-            "\n{name}: {errors} error(s); the schedule was rejected\n"
-        ));
-        RunFailure::Rendered(text)
-    })?;
-    Ok((options, compiled))
-}
-
-/// The profile the run is replayed on: the named one, or a quick probe of this machine
-/// (its memory, moec's own kernels per op kind, and the runtime's fixed costs per task,
-/// blocking wait and stream thread), adjusted for how this run copies.
-fn replay_profile(
-    request: &RunRequest,
-    notes: &mut Vec<String>,
-) -> Result<Option<HardwareProfile>, RunFailure> {
-    let profile = match &request.hw {
-        _ if request.profile.is_some() => request.profile.clone(),
-        Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| message(&e))?),
-        None => {
-            let threads = request.threads.unwrap_or(2).max(1);
-            let probed = probe_profile(
-                "this-machine",
-                QUICK_PROBE_BYTES,
-                threads,
-                ProbeEffort::QUICK,
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|(_, mut profile)| {
-                profile.dispatch = Some(dispatch::measured_dispatch(threads)?);
-                Ok(profile)
-            });
-            // The run goes on without a prediction (the report says it is unavailable);
-            // why is said, not dropped.
-            match probed {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    notes.push(format!("the quick probe of this machine failed ({e}): no HRM prediction; pass --hw PROFILE for one"));
-                    None
-                }
-            }
+    if ids.is_empty() {
+        // The README's main command: a small built-in prompt set of different lengths.
+        for text in DEFAULT_PROMPTS {
+            texts.push(text.to_string());
+            ids.push(tokenizer.encode(text).map_err(|e| message(&e))?);
         }
-    };
-    // Bound weight copies take no time on this machine unless the link is throttled, so
-    // the replay on a profile of this machine's backend (the quick probe, or a `moec
-    // probe` file: it carries moec's own kernel rates) charges them at BOUND_COPY_GB_S
-    // (the report says so); a paper's profile (`--hw t4`) is left as it is.
-    let measured_here = request.hw.is_none()
-        || profile
-            .as_ref()
-            .is_some_and(|p| p.kernels.is_some() && p.dispatch.is_some());
-    let binds = request.backend.binds_weight_copies
-        && measured_here
-        && request.weight_copies == WeightCopies::Bind;
-    Ok(profile.map(|mut p| {
-        // Activations and KV are still copied at the probed memcpy rate.
-        if binds && request.link_gbps.is_none() {
-            p.adjustments.weight_copy_bytes_per_s = BOUND_COPY_GB_S * crate::cost::hardware::GB;
-        }
-        if let Some(gbps) = request.link_gbps {
-            p.links.host_to_gpu_gb_s = gbps;
-            p.links.gpu_to_host_gb_s = gbps;
-            p.links.pageable_to_gpu_gb_s = gbps;
-        }
-        p
-    }))
-}
-
-/// The runtime's options for the request.
-fn run_options(request: &RunRequest, gen_len: usize, options: &Options) -> RunOptions {
-    let mut run = RunOptions::greedy(gen_len);
-    run.sampling = request.sampling;
-    run.seed = request.seed;
-    run.stop_at_eos = request.stop_at_eos;
-    run.routing_profile = request.collect_routing.clone();
-    if let Some(p) = &options.profile {
-        run.eam_seed = p.requests.clone();
     }
-    if let Some(t) = request.threads {
-        run.backend.threads = t.max(1);
+    if let Some((i, bad)) = ids.iter().enumerate().find_map(|(i, p)| {
+        p.iter()
+            .find(|&&id| u64::from(id) >= card.vocab)
+            .map(|b| (i, b))
+    }) {
+        return Err(RunFailure::Message(format!(
+            "prompt {i}: token id {bad} is outside the checkpoint's vocabulary of {}",
+            card.vocab
+        )));
     }
-    run.on = request.backend;
-    run.backend = BackendOptions {
-        link_gbps: request.link_gbps,
-        gpu_capacity: request.gpu_mem,
-        weight_copies: request.weight_copies,
-        ..run.backend
-    };
-    run.exec.watchdog = request.watchdog.max(Duration::from_millis(10));
-    run.exec.drop_wait = request.drop_event;
-    run.capture_logits = request.capture_logits;
-    run.kill_task = request.kill_task;
-    run
+    Ok(Prompts {
+        texts,
+        ids,
+        gen_len,
+    })
 }
 
 /// Gives the pages of freed heap chunks back to the OS: glibc keeps a freed chunk below

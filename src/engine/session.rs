@@ -16,9 +16,9 @@
 //! are rendered with the checkpoint's `tokenizer_config.json` template
 //! ([`Session::chat_prompt`]).
 
-use super::{fit, message, run_options, RunFailure, RunRequest};
+use super::prepare::{prepare, refuse_unavailable_backend, Prepared, ProfileUse, Target};
+use super::{message, RunFailure, RunRequest};
 use crate::ir::Workload;
-use crate::lower::{lower, LowerOptions};
 use crate::model::vocab::Sampling;
 pub use crate::runtime::driver::session::Gauges;
 use crate::runtime::driver::session::{
@@ -143,9 +143,7 @@ impl Session {
     /// Loads the model, compiles the schedule for the session's workload, lowers it,
     /// refuses what does not fit, opens the backend and starts serving on a worker thread.
     pub fn open(request: SessionRequest) -> Result<Session, RunFailure> {
-        if let Some(refusal) = (request.run.backend.refusal)() {
-            return Err(RunFailure::Message(refusal));
-        }
+        refuse_unavailable_backend(&request.run)?;
         if request.max_batch == 0 || request.max_prompt == 0 || request.run.gen_len == 0 {
             return Err(RunFailure::Message(
                 "a serving session needs a batch, a prompt length and a generation length of at least 1".to_string(),
@@ -350,62 +348,21 @@ fn worker(
         ..
     } = load_model(&run.model).map_err(|e| fail(message(&e)))?;
     let card = checkpoint.card().clone();
-    let workload = Workload {
-        batch: request.max_batch as u64,
-        prompt_len: request.max_prompt as u64,
-        gen_len: run.gen_len as u64,
-    };
-    let (options, compiled) = super::compile_for(run, &card, workload).map_err(fail)?;
     let name = &run.schedule_name;
-    // A named profile's budgets are checked; without one the machine's memory still is.
-    // This machine is probed (seconds) only when the planner must search: with `--fit`,
-    // or a `--gpu-mem` the defaults may exceed; a plain start stays fast.
-    let mut notes = Vec::new();
-    let needs_profile = run.hw.is_some()
-        || run.profile.is_some()
-        || run.fit == super::FitMode::Always
-        || run.gpu_mem.is_some();
-    let profile = if needs_profile {
-        super::replay_profile(run, &mut notes).map_err(fail)?
-    } else {
-        None
+    let target = Target {
+        workload: Workload {
+            batch: request.max_batch as u64,
+            prompt_len: request.max_prompt as u64,
+            gen_len: run.gen_len as u64,
+        },
+        profile: ProfileUse::Budgets,
     };
-    let (compiled, _) = super::fit_params::fit_params(
-        &run.schedule,
-        &options,
-        compiled,
-        super::fit_params::FitBudget {
-            profile: profile.as_ref(),
-            gpu_mem: run.gpu_mem,
-            chosen_profile: run.hw.is_some(),
-            gpu_space: run.backend.gpu_space,
-            mode: run.fit,
-        },
-        &mut notes,
-    )
-    .map_err(fail)?;
-    let plan = lower(
-        &compiled.program,
-        &compiled.info,
-        &LowerOptions {
-            gpu_capacity: run.gpu_mem,
-            ..LowerOptions::default()
-        },
-    )
-    .map_err(|e| fail(message(&e)))?;
-    fit::refuse_what_does_not_fit(
-        &plan,
-        &compiled.program,
-        profile.as_ref(),
-        fit::Budget {
-            sequences: request.max_batch,
-            gpu_mem: run.gpu_mem,
-            chosen_profile: run.hw.is_some(),
-            gpu_space: run.backend.gpu_space,
-        },
-    )
-    .map_err(fail)?;
-    let options_run = run_options(run, run.gen_len, &options);
+    let Prepared {
+        plan,
+        run: options_run,
+        mut notes,
+        ..
+    } = prepare(run, &card, target).map_err(fail)?;
     let backend =
         crate::runtime::registry::open(run.backend, &plan, &checkpoint, &options_run.backend)
             .map_err(|e| fail(message(&e)))?;
