@@ -357,24 +357,33 @@ impl Recipe {
                     self.file, t.name, theirs.ggml_type, theirs.dims, t.ggml_type, t.dims
                 ));
             }
-            let at = ours.data_start + t.offset;
-            let pad = at
-                .checked_sub(out.written)
-                .ok_or_else(|| format!("{}: tensors overlap", self.file))?;
-            out.put(&vec![0; pad as usize]).map_err(io)?;
-            let start = src.data_start + theirs.offset;
-            let bytes = usize::try_from(start)
-                .ok()
+            let bytes = src
+                .data_start
+                .checked_add(theirs.offset)
+                .and_then(|start| usize::try_from(start).ok())
                 .zip(theirs.bytes().and_then(|n| usize::try_from(n).ok()))
                 .and_then(|(s, n)| src_bytes.get(s..s.checked_add(n)?))
                 .ok_or_else(|| format!("{}: `{}` is cut short", source.display(), t.name))?;
+            // A tensor must start after the last and end within the file's size, so a
+            // corrupt offset is an error rather than a huge write.
+            let at = ours.data_start.checked_add(t.offset);
+            let fits = at.filter(|&at| {
+                at >= out.written && at.checked_add(bytes.len() as u64) <= Some(self.size)
+            });
+            let at = fits.ok_or_else(|| {
+                format!(
+                    "{}: `{}` at data offset {} does not fit between the last tensor and \
+                     the file's {} bytes",
+                    self.file, t.name, t.offset, self.size
+                )
+            })?;
+            out.zeros_to(at).map_err(io)?;
             out.put(bytes).map_err(io)?;
         }
-        let pad = self
-            .size
-            .checked_sub(out.written)
-            .ok_or_else(|| format!("{}: longer than {} bytes", self.file, self.size))?;
-        out.put(&vec![0; pad as usize]).map_err(io)?;
+        if out.written > self.size {
+            return Err(format!("{}: longer than {} bytes", self.file, self.size));
+        }
+        out.zeros_to(self.size).map_err(io)?;
         out.inner.flush().map_err(io)?;
         Ok(out
             .hash
@@ -397,6 +406,16 @@ impl<W: Write> HashingWriter<W> {
         self.inner.write_all(bytes)?;
         self.hash.update(bytes);
         self.written += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Zeros (alignment padding) up to byte `end` of the file, `end` not before `written`.
+    fn zeros_to(&mut self, end: u64) -> std::io::Result<()> {
+        const ZEROS: [u8; 4096] = [0; 4096];
+        while self.written < end {
+            let n = (end - self.written).min(ZEROS.len() as u64) as usize;
+            self.put(&ZEROS[..n])?;
+        }
         Ok(())
     }
 }
