@@ -161,3 +161,59 @@ g++ -O1 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$REPO/scripts/lla
   "$FOUT/llama-o200k-tokens.json" 2> "$FOUT/o200k-golden.log"
 (cd "$FOUT" && sha256sum -c "$REPO/tests/fixtures/gguf/SHA256SUMS-gpt-oss")
 echo "gguf-fixtures: gpt-oss written to $FOUT"
+
+# The repository's recipes (tests/fixtures/gguf/recipes/, README.md there): for each file the
+# tests need on a clean clone, llama.cpp's header with the key/value pairs moec writes alike
+# referenced, and the `moec synth` + `moec quantize` run whose tensors are llama.cpp's
+# (scripts/gguf_recipe.py checks the rebuilt bytes here; tests/gguf_common/mod.rs rebuilds
+# them and checks SHA256SUMS*). RECIPES=0 skips this step.
+if [ "${RECIPES:-1}" != 0 ]; then
+  RECIPES_DIR=$REPO/tests/fixtures/gguf/recipes
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT
+  # recipe FOLDER FILE RON MXFP4 QUANTIZE-FLAGS...: FOLDER is gguf-fixtures ($OUT's files)
+  # or gguf-fixtures-families ($FOUT's), FILE llama.cpp's file there, RON the card moec
+  # synthesises (MXFP4 1: --mxfp4), the flags what makes moec quantize write its tensors.
+  recipe() {
+    local folder=$1 file=$2 ron=$3 mxfp4=$4 src llama=$OUT
+    shift 4
+    [ "$folder" = gguf-fixtures ] || llama=$FOUT
+    local hf=$WORK/${ron%.ron}$([ "$mxfp4" = 1 ] && echo -mxfp4)
+    if [ ! -d "$hf" ]; then
+      "$MOEC" synth --model "$REPO/tests/fixtures/gguf/$ron" $([ "$mxfp4" = 1 ] && echo --mxfp4) --out "$hf"
+    fi
+    rm -f "$WORK/moec-$file"
+    "$MOEC" quantize --weights "$hf" --out "$WORK/moec-$file" "$@" > /dev/null
+    src=$("$PY" -c 'import json, sys; print(json.dumps({"synth": sys.argv[1], "mxfp4": sys.argv[2] == "1", "quantize": sys.argv[3:]}))' "$ron" "$mxfp4" "$@")
+    mkdir -p "$RECIPES_DIR/$folder"
+    "$PY" "$REPO/scripts/gguf_recipe.py" "$llama/$file" "$WORK/moec-$file" "$src" \
+      "$RECIPES_DIR/$folder/${file%.gguf}.json"
+    rm -f "$WORK/moec-$file"
+  }
+  rm -rf "$RECIPES_DIR/gguf-fixtures" "$RECIPES_DIR/gguf-fixtures-families"
+  # Mixtral: the five files gguf_parity compares (f32, Q8_0, Q4_0, Q4_1, Q4_K_M).
+  recipe gguf-fixtures mixtral-q4-f32.gguf mixtral-q4-tiny.ron 0 --all f32
+  for t in q8_0 q4_0 q4_1; do
+    recipe gguf-fixtures "mixtral-q4-${t^^}.gguf" mixtral-q4-tiny.ron 0 --all "$t"
+  done
+  recipe gguf-fixtures mixtral-q4-Q4_K_M.gguf mixtral-q4-tiny.ron 0 --mix q4_k_m
+  # The families issue 41 names: f32, Q8_0 and Q4_K_M (gpt-oss: f32, Q8_0, MXFP4).
+  for fam in qwen3-moe deepseek-v2 dbrx; do
+    recipe gguf-fixtures-families "$fam-q4-f32.gguf" "$fam-q4-tiny.ron" 0 --all f32
+    recipe gguf-fixtures-families "$fam-q4-Q8_0.gguf" "$fam-q4-tiny.ron" 0 --all q8_0
+    recipe gguf-fixtures-families "$fam-q4-Q4_K_M.gguf" "$fam-q4-tiny.ron" 0 --mix q4_k_m
+  done
+  recipe gguf-fixtures-families gpt-oss-q4-f32.gguf gpt-oss-q4-tiny.ron 0 --all f32
+  recipe gguf-fixtures-families gpt-oss-q4-Q8_0.gguf gpt-oss-q4-tiny.ron 1 \
+    --weight-format experts=mxfp4,attention=q8_0,embedding=q8_0,head=q8_0
+  recipe gguf-fixtures-families gpt-oss-q4-MXFP4.gguf gpt-oss-q4-tiny.ron 1 \
+    --weight-format experts=mxfp4,attention=f32,embedding=f32,head=f32
+  # The split Qwen3-MoE Q8_0 file's parts, from the whole file (a_split_gguf_reads_as_the_whole_file).
+  for part in "$FOUT"/qwen3-moe-q4-Q8_0-split-*.gguf; do
+    part=$(basename "$part")
+    "$PY" "$REPO/scripts/gguf_recipe.py" "$FOUT/$part" "$FOUT/qwen3-moe-q4-Q8_0.gguf" \
+      '{"file": "qwen3-moe-q4-Q8_0.gguf"}' "$RECIPES_DIR/gguf-fixtures-families/${part%.gguf}.json"
+  done
+  du -sh "$RECIPES_DIR"
+  echo "gguf-fixtures: recipes written to $RECIPES_DIR"
+fi
