@@ -2,9 +2,10 @@
 //! llama.cpp's.
 //!
 //! The fixtures (a tiny Mixtral as f32, Q8_0, Q4_0, Q4_1 and Q4_K_M GGUFs, the last mixing
-//! Q4_K and Q6_K tensors; Q4_0 and Q4_1 made with `llama-quantize --pure`) come from `scripts/gguf_fixtures.sh`, found by their sha256 (`SHA256SUMS`)
-//! in `$MOEC_GGUF_FIXTURES` (default `~/.cache/moec-peer/gguf-fixtures`). Without them the
-//! test says why and passes: building llama.cpp takes longer than CI allows on 2 cores.
+//! Q4_K and Q6_K tensors; Q4_0 and Q4_1 made with `llama-quantize --pure`) come from
+//! `scripts/gguf_fixtures.sh`, checked by their sha256 (`SHA256SUMS`): from
+//! `$MOEC_GGUF_FIXTURES` when set, else rebuilt byte for byte from the committed recipes
+//! (`tests/gguf_common`), so CI runs this test on a clean clone.
 //! llama.cpp's answers are checked in: `llama_greedy.json` (its default run) and
 //! `llama_attn_f32.json` (`scripts/gguf_parity_golden.sh`: the same run with f32
 //! attention, `LLAMA_GREEDY_ATTN=f32`, and the logits of both modes at 64 ids).
