@@ -27,13 +27,13 @@ use crate::model::layout::LayerLayout;
 use crate::model::names::{head_names, segment_source};
 use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
+use crate::quant::encode::quantize_row;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
-use crate::quant::{encode::quantize_row, QuantFormat};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::gguf::llama::{place, Place};
 use std::path::Path;
-use write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_BF16, GGML_F16, GGML_F32};
+use write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_F32};
 
 mod dbrx;
 mod gpt2;
@@ -106,42 +106,20 @@ pub struct ExportSummary {
 /// writes norms).
 fn ggml_type(storage: Storage, vector: bool) -> u32 {
     if vector {
-        return GGML_F32;
-    }
-    match storage {
-        Storage::Float(WeightDtype::F32) => GGML_F32,
-        Storage::Float(WeightDtype::F16) => GGML_F16,
-        Storage::Float(WeightDtype::Bf16) => GGML_BF16,
-        Storage::Quant(q) => q.ggml_type(),
+        GGML_F32
+    } else {
+        storage.ggml().id
     }
 }
 
 fn type_name(id: u32) -> String {
-    match id {
-        GGML_F32 => "F32".into(),
-        GGML_F16 => "F16".into(),
-        GGML_BF16 => "BF16".into(),
-        other => QuantFormat::from_ggml_type(other)
-            .map(|q| q.name().to_string())
-            .unwrap_or_else(|| format!("type {other}")),
-    }
+    Storage::from_ggml_type(id).map_or_else(|| format!("type {id}"), |s| s.name().to_string())
 }
 
 /// llama.cpp's `general.file_type` (`llama_ftype`) for a file whose experts are stored as
 /// `storage`: the "mostly" type its largest class has.
 fn file_type(storage: Storage) -> u32 {
-    match storage {
-        Storage::Float(WeightDtype::F32) => 0,
-        Storage::Float(WeightDtype::F16) => 1,
-        Storage::Float(WeightDtype::Bf16) => 32,
-        Storage::Quant(QuantFormat::Q4_0) => 2,
-        Storage::Quant(QuantFormat::Q4_1) => 3,
-        Storage::Quant(QuantFormat::Q8_0) => 7,
-        Storage::Quant(QuantFormat::Q4K) => 14,
-        Storage::Quant(QuantFormat::Q5K) => 16,
-        Storage::Quant(QuantFormat::Q6K) => 18,
-        Storage::Quant(QuantFormat::Mxfp4) => 38,
-    }
+    storage.ggml().file_type
 }
 
 /// The converter's row order for `q_proj`/`k_proj` (rows of `cols` values), by
@@ -892,23 +870,20 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
 }
 
 fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteError> {
-    let float = match ggml_type {
-        GGML_F32 => Some(WeightDtype::F32),
-        GGML_F16 => Some(WeightDtype::F16),
-        GGML_BF16 => Some(WeightDtype::Bf16),
-        _ => None,
-    };
-    if let Some(dtype) = float {
-        let mut out = Vec::with_capacity(values.len() * dtype.bytes() as usize);
-        for &v in values {
-            crate::weights::synth::encode(v, dtype, &mut out);
-        }
-        return Ok(out);
-    }
-    let format = QuantFormat::from_ggml_type(ggml_type).ok_or_else(|| WriteError::Tensor {
+    let storage = Storage::from_ggml_type(ggml_type).ok_or_else(|| WriteError::Tensor {
         tensor: name.into(),
         message: format!("ggml type {ggml_type} is not one moec writes"),
     })?;
+    let format = match storage {
+        Storage::Float(dtype) => {
+            let mut out = Vec::with_capacity(values.len() * dtype.bytes() as usize);
+            for &v in values {
+                crate::weights::synth::encode(v, dtype, &mut out);
+            }
+            return Ok(out);
+        }
+        Storage::Quant(format) => format,
+    };
     quantize_row(format, values).map_err(|e| WriteError::Tensor {
         tensor: name.into(),
         message: e.to_string(),

@@ -10,19 +10,15 @@
 //! aligned to `general.alignment` (32), each tensor's bytes exactly its type's size for its
 //! dimensions (checked before writing: a producer that gives another length is an error).
 
-use crate::quant::QuantFormat;
+use crate::quant::storage::{Storage, GGML_TYPES};
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
 /// Tensor data alignment (ggml's default, `general.alignment` is not written).
 pub const ALIGNMENT: u64 = 32;
 
-/// ggml's type id of f32, f16 and bf16 tensors.
-pub const GGML_F32: u32 = 0;
-/// ggml's f16 type id.
-pub const GGML_F16: u32 = 1;
-/// ggml's bf16 type id.
-pub const GGML_BF16: u32 = 30;
+/// ggml's type id of f32 tensors (the vectors every converter writes as f32).
+pub const GGML_F32: u32 = GGML_TYPES[0].id;
 
 /// A metadata value to write.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,11 +55,7 @@ impl TensorEntry {
     pub fn bytes(&self) -> Option<u64> {
         let row = *self.dims.first()?;
         let rows: u64 = self.dims[1..].iter().product();
-        let row_bytes = match self.ggml_type {
-            GGML_F32 => row * 4,
-            GGML_F16 | GGML_BF16 => row * 2,
-            id => QuantFormat::from_ggml_type(id)?.bytes_for(row as usize)? as u64,
-        };
+        let row_bytes = Storage::from_ggml_type(self.ggml_type)?.bytes_for(row)?;
         Some(row_bytes * rows)
     }
 }
@@ -246,6 +238,7 @@ pub fn write_gguf(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::QuantFormat;
     use crate::weights::gguf::{GgufFile, Value};
 
     #[test]

@@ -70,25 +70,14 @@ impl QuantFormat {
         QuantFormat::Mxfp4,
     ];
 
-    /// Weights per block.
+    /// Weights per block (from [`storage::GGML_TYPES`]).
     pub fn block_elems(self) -> usize {
-        match self {
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 | QuantFormat::Mxfp4 => 32,
-            QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => QK_K,
-        }
+        storage::Storage::Quant(self).ggml().block_elems
     }
 
-    /// Bytes per block.
+    /// Bytes per block (from [`storage::GGML_TYPES`]).
     pub fn block_bytes(self) -> usize {
-        match self {
-            QuantFormat::Q4_0 => 2 + 16,
-            QuantFormat::Q4_1 => 2 + 2 + 16,
-            QuantFormat::Q8_0 => 2 + 32,
-            QuantFormat::Q4K => 2 + 2 + 12 + QK_K / 2,
-            QuantFormat::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
-            QuantFormat::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
-            QuantFormat::Mxfp4 => 1 + 16,
-        }
+        storage::Storage::Quant(self).ggml().block_bytes
     }
 
     /// Bytes of `elems` weights, when `elems` is whole blocks.
@@ -98,36 +87,19 @@ impl QuantFormat {
             .then(|| elems / self.block_elems() * self.block_bytes())
     }
 
-    /// The ggml type id (`GGML_TYPE_Q4_0` = 2, `Q4_1` = 3, `Q8_0` = 8, `Q4_K` = 12, `Q5_K`
-    /// = 13, `Q6_K` = 14, `MXFP4` = 39).
+    /// The ggml type id (from [`storage::GGML_TYPES`]).
     pub fn ggml_type(self) -> u32 {
-        match self {
-            QuantFormat::Q4_0 => 2,
-            QuantFormat::Q4_1 => 3,
-            QuantFormat::Q8_0 => 8,
-            QuantFormat::Q4K => 12,
-            QuantFormat::Q5K => 13,
-            QuantFormat::Q6K => 14,
-            QuantFormat::Mxfp4 => 39,
-        }
+        storage::Storage::Quant(self).ggml().id
     }
 
     /// The format of a ggml type id, if moec computes with it.
     pub fn from_ggml_type(id: u32) -> Option<Self> {
-        Self::ALL.into_iter().find(|f| f.ggml_type() == id)
+        storage::Storage::from_ggml_type(id)?.quant()
     }
 
     /// The name llama.cpp prints (`Q4_K`).
     pub fn name(self) -> &'static str {
-        match self {
-            QuantFormat::Q4_0 => "Q4_0",
-            QuantFormat::Q4_1 => "Q4_1",
-            QuantFormat::Q8_0 => "Q8_0",
-            QuantFormat::Q4K => "Q4_K",
-            QuantFormat::Q5K => "Q5_K",
-            QuantFormat::Q6K => "Q6_K",
-            QuantFormat::Mxfp4 => "MXFP4",
-        }
+        storage::Storage::Quant(self).ggml().name
     }
 }
 

@@ -1,6 +1,11 @@
 //! How a tensor's elements are stored: a float dtype ([`WeightDtype`]) or blocks of a
 //! GGML format ([`Storage::Quant`]), and what that costs in bytes. The card, the layout and
 //! every byte count of the compiler size tensors by these.
+//!
+//! [`GGML_TYPES`] is the one table of the ggml types moec reads and writes: type id, name,
+//! storage, block geometry and the `general.file_type` of a file mostly in that type. The
+//! GGUF reader, the GGUF writer, `moec quantize` and [`QuantFormat`]'s own geometry look
+//! it up; nothing else spells a type id.
 
 use crate::quant::QuantFormat;
 use serde::{Deserialize, Serialize};
@@ -51,12 +56,22 @@ impl Storage {
 
     /// The name ggml uses (`BF16`, `Q4_K`).
     pub fn name(self) -> &'static str {
-        match self {
-            Storage::Float(WeightDtype::F32) => "F32",
-            Storage::Float(WeightDtype::F16) => "F16",
-            Storage::Float(WeightDtype::Bf16) => "BF16",
-            Storage::Quant(f) => f.name(),
-        }
+        self.ggml().name
+    }
+
+    /// Its row of [`GGML_TYPES`].
+    pub fn ggml(self) -> &'static GgmlType {
+        // Every storage has its row: the table lists each dtype and each format once (a
+        // unit test holds it), so the fallback row is never taken.
+        GGML_TYPES
+            .iter()
+            .find(|t| t.storage == self)
+            .unwrap_or(&GGML_TYPES[0])
+    }
+
+    /// The storage of ggml type id `id`, if moec computes with it.
+    pub fn from_ggml_type(id: u32) -> Option<Storage> {
+        GGML_TYPES.iter().find(|t| t.id == id).map(|t| t.storage)
     }
 
     /// The block format, for a quantised storage.
@@ -103,5 +118,111 @@ impl Storage {
 impl std::fmt::Display for Storage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// One ggml type moec reads and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GgmlType {
+    /// The type id (`GGML_TYPE_*` in `ggml.h`).
+    pub id: u32,
+    /// The name ggml prints (`Q4_K`).
+    pub name: &'static str,
+    /// What moec stores it as.
+    pub storage: Storage,
+    /// Elements per block (1 for the float types).
+    pub block_elems: usize,
+    /// Bytes per block.
+    pub block_bytes: usize,
+    /// llama.cpp's `general.file_type` (`llama_ftype`) of a file mostly in this type.
+    pub file_type: u32,
+}
+
+/// Super-block width of the K formats (`QK_K`).
+const K: usize = crate::quant::QK_K;
+
+/// Every ggml type moec reads and writes, from ggml's `ggml.h` (type ids), its
+/// `ggml-common.h` block structs (geometry) and llama.cpp's `llama_ftype` (file types).
+pub const GGML_TYPES: [GgmlType; 10] = [
+    float(0, "F32", WeightDtype::F32, 4, 0),
+    float(1, "F16", WeightDtype::F16, 2, 1),
+    float(30, "BF16", WeightDtype::Bf16, 2, 32),
+    block(2, "Q4_0", QuantFormat::Q4_0, 32, 2 + 16, 2),
+    block(3, "Q4_1", QuantFormat::Q4_1, 32, 2 + 2 + 16, 3),
+    block(8, "Q8_0", QuantFormat::Q8_0, 32, 2 + 32, 7),
+    block(12, "Q4_K", QuantFormat::Q4K, K, 2 + 2 + 12 + K / 2, 14),
+    block(
+        13,
+        "Q5_K",
+        QuantFormat::Q5K,
+        K,
+        2 + 2 + 12 + K / 8 + K / 2,
+        16,
+    ),
+    block(
+        14,
+        "Q6_K",
+        QuantFormat::Q6K,
+        K,
+        K / 2 + K / 4 + K / 16 + 2,
+        18,
+    ),
+    block(39, "MXFP4", QuantFormat::Mxfp4, 32, 1 + 16, 38),
+];
+
+const fn float(id: u32, name: &'static str, d: WeightDtype, bytes: usize, ft: u32) -> GgmlType {
+    GgmlType {
+        id,
+        name,
+        storage: Storage::Float(d),
+        block_elems: 1,
+        block_bytes: bytes,
+        file_type: ft,
+    }
+}
+
+const fn block(
+    id: u32,
+    name: &'static str,
+    f: QuantFormat,
+    elems: usize,
+    bytes: usize,
+    ft: u32,
+) -> GgmlType {
+    GgmlType {
+        id,
+        name,
+        storage: Storage::Quant(f),
+        block_elems: elems,
+        block_bytes: bytes,
+        file_type: ft,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each storage has exactly one row and each id names one type; the float rows agree
+    /// with the dtypes' sizes.
+    #[test]
+    fn the_table_lists_every_storage_once() {
+        let mut all: Vec<Storage> = [WeightDtype::F32, WeightDtype::F16, WeightDtype::Bf16]
+            .map(Storage::Float)
+            .to_vec();
+        all.extend(QuantFormat::ALL.map(Storage::Quant));
+        assert_eq!(all.len(), GGML_TYPES.len());
+        for s in all {
+            assert_eq!(
+                GGML_TYPES.iter().filter(|t| t.storage == s).count(),
+                1,
+                "{s}"
+            );
+            assert_eq!(Storage::from_ggml_type(s.ggml().id), Some(s));
+            if let Storage::Float(d) = s {
+                assert_eq!(s.ggml().block_bytes as u64, d.bytes());
+            }
+        }
+        assert_eq!(Storage::from_ggml_type(99), None);
     }
 }

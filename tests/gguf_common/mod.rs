@@ -422,7 +422,7 @@ impl<W: Write> HashingWriter<W> {
 
 fn unhex(hex: &str) -> Option<Vec<u8>> {
     let digits = hex.as_bytes();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return None;
     }
     digits

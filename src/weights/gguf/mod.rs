@@ -20,8 +20,6 @@ pub mod mla;
 pub mod split;
 pub mod vocab;
 
-use crate::quant::storage::WeightDtype;
-use crate::quant::QuantFormat;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -226,16 +224,6 @@ pub fn ggml_type_name(id: u32) -> String {
         .get(id as usize)
         .map(|n| n.to_string())
         .unwrap_or_else(|| format!("ggml type {id}"))
-}
-
-/// The storage of ggml type id `id`, if moec computes with it.
-pub fn storage_of(id: u32) -> Option<Storage> {
-    match id {
-        0 => Some(Storage::Float(WeightDtype::F32)),
-        1 => Some(Storage::Float(WeightDtype::F16)),
-        30 => Some(Storage::Float(WeightDtype::Bf16)),
-        _ => QuantFormat::from_ggml_type(id).map(Storage::Quant),
-    }
 }
 
 /// One entry of the tensor table.
@@ -538,7 +526,7 @@ impl GgufFile {
             let elems = dims.iter().try_fold(1u64, |p, &d| p.checked_mul(d));
             // Types moec does not read have no size it can check; they are refused by name
             // only if the model needs them.
-            let len = match (storage_of(ggml_type), elems) {
+            let len = match (Storage::from_ggml_type(ggml_type), elems) {
                 (Some(storage), Some(elems)) => storage.bytes_for(elems).ok_or_else(|| {
                     c.malformed(format!(
                         "tensor `{name}` of {elems} elements is not whole {} blocks",
@@ -655,11 +643,12 @@ impl GgufFile {
             .tensors
             .get(name)
             .ok_or_else(|| err("missing".into()))?;
-        let storage = storage_of(info.ggml_type).ok_or_else(|| GgufError::UnsupportedType {
-            path: self.path.display().to_string(),
-            tensor: name.into(),
-            type_name: ggml_type_name(info.ggml_type),
-        })?;
+        let storage =
+            Storage::from_ggml_type(info.ggml_type).ok_or_else(|| GgufError::UnsupportedType {
+                path: self.path.display().to_string(),
+                tensor: name.into(),
+                type_name: ggml_type_name(info.ggml_type),
+            })?;
         if info.torch_shape() != shape {
             return Err(err(format!(
                 "has shape {:?} (outermost first), the metadata implies {shape:?}",

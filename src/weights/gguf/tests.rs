@@ -3,6 +3,7 @@
 //! tensor types, metadata that contradicts the tensors), each one error, never a panic.
 
 use super::*;
+use crate::quant::QuantFormat;
 
 /// A GGUF v3 file: `kvs` as (key, type id, value bytes), tensors as (name, dims, type,
 /// data), data aligned to 32.
