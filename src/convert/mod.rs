@@ -180,19 +180,6 @@ fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, Me
     meta
 }
 
-/// llama.cpp's architecture name for each family (moec writes every family it has).
-fn gguf_arch(family: Family) -> &'static str {
-    match family {
-        Family::Mixtral => "llama",
-        Family::Qwen3Moe => "qwen3moe",
-        Family::Qwen2Moe => "qwen2moe",
-        Family::Olmoe => "olmoe",
-        Family::DeepseekV2 | Family::DeepseekV3 => "deepseek2",
-        Family::GptOss => "gpt-oss",
-        Family::Dbrx => "dbrx",
-    }
-}
-
 /// The hyper-parameter keys `convert_hf_to_gguf.py`'s `TextModel.set_gguf_parameters`
 /// (and the Qwen2-MoE/Qwen3-MoE and OLMoE subclasses) write from `config.json`: each key
 /// from the first of the config names the converter tries, written only when the config
@@ -900,7 +887,7 @@ pub fn export(
     mut progress: impl FnMut(usize, usize, &str),
 ) -> Result<ExportSummary, ExportError> {
     let arch = ckpt.arch();
-    let arch_name = gguf_arch(arch.family);
+    let arch_name = arch.family.facts().gguf_arch;
     let floats = WeightFormats::default();
     let formats = match types {
         Types::Classes(formats) => formats,

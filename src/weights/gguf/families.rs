@@ -12,33 +12,32 @@
 //! DBRX always renormalises its top-k weights by their sum), the config says the same.
 
 use super::{GgufError, GgufFile, Value};
-use crate::model::family::facts::Family;
+use crate::model::family::facts::{Family, FAMILIES};
 use serde_json::json;
 
 /// The family of `file`'s architecture, or an error naming an architecture moec does
 /// not import.
 pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
     let arch = file.get_str("general.architecture")?;
-    Ok(match arch {
-        "llama" if file.metadata.contains_key("llama.expert_count") => Family::Mixtral,
-        "qwen3moe" => Family::Qwen3Moe,
-        "qwen2moe" => Family::Qwen2Moe,
-        "olmoe" => Family::Olmoe,
-        "gpt-oss" => Family::GptOss,
-        "dbrx" => Family::Dbrx,
-        "deepseek2" => {
-            // llama.cpp writes V3 as `deepseek2` with sigmoid gating (2) and groups.
-            match file.metadata.get("deepseek2.expert_gating_func") {
-                Some(v) if v.as_u64() == Some(2) => Family::DeepseekV3,
-                _ => Family::DeepseekV2,
-            }
-        }
-        other => {
+    let named: Vec<Family> = FAMILIES
+        .into_iter()
+        .filter(|f| f.facts().gguf_arch == arch)
+        .collect();
+    Ok(match named[..] {
+        // llama.cpp's `llama` without experts is a dense Llama, which moec does not run.
+        [family] if arch != "llama" || file.metadata.contains_key("llama.expert_count") => family,
+        // DeepSeek-V2 and V3 (in that order in `FAMILIES`) are both `deepseek2`; V3 gates
+        // with a sigmoid (2).
+        [v2, v3] => match file.metadata.get(&format!("{arch}.expert_gating_func")) {
+            Some(v) if v.as_u64() == Some(2) => v3,
+            _ => v2,
+        },
+        _ => {
             return Err(GgufError::Metadata {
                 path: file.path().display().to_string(),
                 key: "general.architecture".into(),
                 message: format!(
-                    "`{other}` is not imported: moec reads llama.cpp's `llama` with experts \
+                    "`{arch}` is not imported: moec reads llama.cpp's `llama` with experts \
                      (Mixtral), `qwen3moe`, `qwen2moe`, `olmoe`, `deepseek2`, `gpt-oss` and `dbrx`"
                 ),
             })
