@@ -48,7 +48,7 @@ impl std::fmt::Debug for TextTokenizer {
 }
 
 /// The embedded tokenizer.json bytes for a card: the one its `tokenizer` path names,
-/// else its family's stand-in (`FamilySpec::tokenizer`; a checkpoint folder's own
+/// else its family's stand-in (`FamilyFacts::tokenizer`; a checkpoint folder's own
 /// tokenizer.json always wins, see `TextTokenizer::load`).
 pub fn embedded_tokenizer_json(card: &ModelCard) -> &'static [u8] {
     let shipped = |path: &str| {
