@@ -15,7 +15,7 @@
 use super::ExportError;
 use crate::convert::write::MetaValue;
 use crate::model::arch::ArchSpec;
-use crate::model::family::facts::Family;
+use crate::weights::gguf::families::gguf_family;
 
 /// The `dbrx.*` keys (and `general.architecture`) as the converter writes them for `arch`;
 /// `name` is `general.name`, `file_type` `general.file_type`. A checkpoint without
@@ -53,7 +53,7 @@ pub(super) fn metadata(
 /// matrix of `hidden` rows of `ffn`); another family's as it is.
 pub(super) fn as_stored(arch: &ArchSpec) -> ArchSpec {
     let mut stored = arch.clone();
-    if arch.family == Family::Dbrx {
+    if gguf_family(arch.family).dbrx_layout {
         stored.experts_out_in = true;
     }
     stored

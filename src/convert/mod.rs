@@ -31,6 +31,7 @@ use crate::quant::encode::quantize_row;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
 use crate::weights::checkpoint::Checkpoint;
+use crate::weights::gguf::families::{gguf_family, EpsRule, GgufKeys};
 use crate::weights::gguf::llama::{place, Place};
 use std::path::Path;
 use write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_F32};
@@ -208,7 +209,8 @@ fn text_metadata(
         ("general.type".into(), MetaValue::Str("model".into())),
         ("general.name".into(), MetaValue::Str(name.into())),
     ];
-    let deepseek = matches!(family, Family::DeepseekV2 | Family::DeepseekV3);
+    let table = gguf_family(family);
+    let deepseek = table.mla_keys;
     let mut u = |key: &str, keys: &[&str]| -> Result<(), ExportError> {
         if let Some(v) = find(keys) {
             let v = v
@@ -273,7 +275,7 @@ fn text_metadata(
         u("attention.key_length", &["head_dim"])?;
         u("attention.value_length", &["head_dim"])?;
     }
-    if matches!(family, Family::Qwen2Moe | Family::Qwen3Moe) {
+    if table.expert_width_keys {
         u("expert_feed_forward_length", &["moe_intermediate_size"])?;
         u(
             "expert_shared_feed_forward_length",
@@ -298,11 +300,11 @@ fn text_metadata(
     if deepseek {
         meta.extend(deepseek_metadata(&config, arch_name).map_err(bad)?);
     }
-    if family == Family::GptOss {
+    if table.gpt_oss_experts {
         meta.extend(gpt_oss::metadata(&config, arch_name).map_err(bad)?);
     }
     for key in ["rope_scaling", "sliding_window_pattern"] {
-        if find(&[key]).is_some() && !(family == Family::GptOss && key == "rope_scaling") {
+        if find(&[key]).is_some() && !(table.gpt_oss_experts && key == "rope_scaling") {
             return Err(bad(format!(
                 "`{key}` is set: moec quantize does not write its llama.cpp keys"
             )));
@@ -318,10 +320,10 @@ fn text_metadata(
     }
     // OLMoE's converter writes 1e-5 whatever the config says; DeepSeek's 1e-6 when the
     // config has none.
-    let eps = match family {
-        Family::Olmoe => Some(1e-5),
-        _ if deepseek => f(&["rms_norm_eps", "norm_eps"]).or(Some(1e-6)),
-        _ => f(&["rms_norm_eps", "norm_eps"]),
+    let eps = match table.eps {
+        EpsRule::Fixed(eps) => Some(eps),
+        EpsRule::ConfigOr(eps) => f(&["rms_norm_eps", "norm_eps"]).or(Some(eps)),
+        EpsRule::Config => f(&["rms_norm_eps", "norm_eps"]),
     };
     if let Some(eps) = eps {
         meta.push((
@@ -738,7 +740,8 @@ fn gpt_oss_experts(
     layer: usize,
     kind: SegmentKind,
 ) -> Option<Vec<(String, Vec<u64>, Origin)>> {
-    (arch.family == Family::GptOss)
+    gguf_family(arch.family)
+        .gpt_oss_experts
         .then(|| gpt_oss::expert_tensors(arch, layer, kind))
         .flatten()
 }
@@ -894,7 +897,8 @@ pub fn export(
         Types::Mix(_) => &floats,
     };
     let stored;
-    let formats = if arch.family == Family::GptOss {
+    let table = gguf_family(arch.family);
+    let formats = if table.gpt_oss_experts {
         stored = gpt_oss::keep_stored_experts(ckpt, formats);
         &stored
     } else {
@@ -903,13 +907,13 @@ pub fn export(
     // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]), and
     // so is DBRX's down projection ([`dbrx::as_stored`]).
     let mut written = dbrx::as_stored(arch);
-    written.experts_out_in |= arch.family == Family::GptOss;
+    written.experts_out_in |= table.gpt_oss_experts;
     if let Err(e) = formats.check(&written, ckpt.card().dtype) {
         return Err(ExportError::Unsupported(e));
     }
     let (mut entries, origins) = plan(ckpt, formats)?;
     let file_type = match types {
-        Types::Classes(_) if arch.family == Family::GptOss => {
+        Types::Classes(_) if table.gpt_oss_experts => {
             gpt_oss::file_type(formats, ckpt.card().dtype)
         }
         Types::Classes(formats) => file_type(formats.storage(
@@ -922,18 +926,22 @@ pub fn export(
         }
     };
     check_blocks(&entries)?;
-    let metadata = if arch.family == Family::Mixtral {
-        let mut m = arch_metadata(arch, name, file_type);
-        m.extend(vocab_metadata(ckpt, arch.vocab)?);
-        m
-    } else if arch.family == Family::Dbrx {
-        let mut m = dbrx::metadata(arch, name, file_type)?;
-        m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
-        m
-    } else {
-        let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;
-        m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
-        m
+    let metadata = match table.keys {
+        GgufKeys::Llama => {
+            let mut m = arch_metadata(arch, name, file_type);
+            m.extend(vocab_metadata(ckpt, arch.vocab)?);
+            m
+        }
+        GgufKeys::Dbrx => {
+            let mut m = dbrx::metadata(arch, name, file_type)?;
+            m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
+            m
+        }
+        GgufKeys::Text => {
+            let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;
+            m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
+            m
+        }
     };
     let total = entries.len();
     let mut copied = 0;

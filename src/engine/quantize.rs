@@ -108,7 +108,7 @@ fn types(formats: &QuantizeFormats, family: Family) -> Result<Types, String> {
             .parse_classes(spec)
             .map_err(|e| format!("--weight-format: {e}"))?,
         QuantizeFormats::Default => classes
-            .parse_classes(if family == Family::GptOss {
+            .parse_classes(if family.facts().mxfp4_unconverted.is_some() {
                 "experts=mxfp4"
             } else {
                 "experts=q4_k"

@@ -15,6 +15,125 @@ use super::{GgufError, GgufFile, Value};
 use crate::model::family::facts::{Family, FAMILIES};
 use serde_json::json;
 
+/// Which keys and vocabulary `convert_hf_to_gguf.py` writes for a family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufKeys {
+    /// `llama`'s keys and the SentencePiece vocabulary (`LlamaHfVocab`): Mixtral.
+    Llama,
+    /// DBRX's own keys and a GPT-2 vocabulary.
+    Dbrx,
+    /// `TextModel.set_gguf_parameters`' keys from config.json and a GPT-2 vocabulary.
+    Text,
+}
+
+/// The norm epsilon llama.cpp's converter writes for a family.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EpsRule {
+    /// The config's, when it has one.
+    Config,
+    /// This value whatever the config says (OLMoE's converter).
+    Fixed(f64),
+    /// The config's, else this value (DeepSeek's converter).
+    ConfigOr(f64),
+}
+
+/// How llama.cpp's converter and loader store one family, beyond its architecture name
+/// (`FamilyFacts::gguf_arch`): one row per family, read by the GGUF reader
+/// (`weights::gguf::llama`) and by `moec quantize` (`crate::convert`) alike, so no code
+/// outside this table and `model` matches on the family.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GgufFamily {
+    /// The family this row describes.
+    pub family: Family,
+    /// The keys and vocabulary the converter writes.
+    pub keys: GgufKeys,
+    /// The converter permutes `q_proj`/`k_proj` rows for llama.cpp's paired rotation
+    /// (only `llama`); the others are stored as the Hub stores them.
+    pub permuted_qk: bool,
+    /// gpt-oss's experts: the fused `gate_up_proj` split into gate and up rows, every
+    /// expert matrix out-in, a Hub checkpoint's MXFP4 blocks copied as they are, sinks and
+    /// the post-attention norm under their own names.
+    pub gpt_oss_experts: bool,
+    /// The converter transposes each expert's `w2` to out-in and names the post-attention
+    /// norm `attn_output_norm` (DBRX).
+    pub dbrx_layout: bool,
+    /// MLA's keys (`kv_lora_rank`, ...) and no per-head key/value length keys (DeepSeek).
+    pub mla_keys: bool,
+    /// The routed and shared experts' widths under their own keys (Qwen's MoE).
+    pub expert_width_keys: bool,
+    /// The norm epsilon written.
+    pub eps: EpsRule,
+}
+
+const TEXT: GgufFamily = GgufFamily {
+    family: Family::Mixtral,
+    keys: GgufKeys::Text,
+    permuted_qk: false,
+    gpt_oss_experts: false,
+    dbrx_layout: false,
+    mla_keys: false,
+    expert_width_keys: false,
+    eps: EpsRule::Config,
+};
+
+/// One row per family, in the order of `FAMILIES`.
+pub const GGUF_FAMILIES: [GgufFamily; 8] = [
+    GgufFamily {
+        family: Family::Mixtral,
+        keys: GgufKeys::Llama,
+        permuted_qk: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::Dbrx,
+        keys: GgufKeys::Dbrx,
+        dbrx_layout: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::Qwen2Moe,
+        expert_width_keys: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::Qwen3Moe,
+        expert_width_keys: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::Olmoe,
+        eps: EpsRule::Fixed(1e-5),
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::GptOss,
+        gpt_oss_experts: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::DeepseekV2,
+        mla_keys: true,
+        eps: EpsRule::ConfigOr(1e-6),
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::DeepseekV3,
+        mla_keys: true,
+        eps: EpsRule::ConfigOr(1e-6),
+        ..TEXT
+    },
+];
+
+/// The family's row of [`GGUF_FAMILIES`].
+pub fn gguf_family(family: Family) -> &'static GgufFamily {
+    // Every family has its row (a unit test holds it); the first is never a fallback
+    // that is taken.
+    GGUF_FAMILIES
+        .iter()
+        .find(|g| g.family == family)
+        .unwrap_or(&GGUF_FAMILIES[0])
+}
+
 /// The family of `file`'s architecture, or an error naming an architecture moec does
 /// not import.
 pub fn family_of(file: &GgufFile) -> Result<Family, GgufError> {
@@ -408,4 +527,19 @@ fn deepseek(m: &Meta<'_>, family: Family) -> Result<serde_json::Value, GgufError
         "eos_token_id": m.token("eos_token_id"),
         "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
     }))
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    /// Each family has exactly one row.
+    #[test]
+    fn every_family_has_one_gguf_row() {
+        for family in FAMILIES {
+            let rows = GGUF_FAMILIES.iter().filter(|g| g.family == family).count();
+            assert_eq!(rows, 1, "{family:?}");
+            assert_eq!(gguf_family(family).family, family);
+        }
+    }
 }

@@ -23,7 +23,6 @@
 use super::{GgufError, GgufFile, Storage};
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
-use crate::model::family::facts::Family;
 use crate::model::layout::LayerLayout;
 use crate::model::names::{head_names, segment_source};
 use crate::model::segment::SegmentKind;
@@ -93,12 +92,13 @@ pub(crate) fn place(arch: &ArchSpec, layer: usize, kind: SegmentKind) -> Option<
     let (d, f) = (arch.hidden, arch.ffn);
     // Only Mixtral's converter permutes q/k rows (llama.cpp's `llama` rotates pairs);
     // Qwen, OLMoE and DeepSeek are written as the Hub stores them.
-    let permuted = arch.family == Family::Mixtral;
-    let gpt_oss = arch.family == Family::GptOss;
+    let table = super::families::gguf_family(arch.family);
+    let permuted = table.permuted_qk;
+    let gpt_oss = table.gpt_oss_experts;
     match kind {
         SegmentKind::AttnNorm => whole("attn_norm"),
         SegmentKind::FfnNorm if gpt_oss => whole("post_attention_norm"),
-        SegmentKind::FfnNorm if arch.family == Family::Dbrx => whole("attn_output_norm"),
+        SegmentKind::FfnNorm if table.dbrx_layout => whole("attn_output_norm"),
         SegmentKind::FfnNorm => whole("ffn_norm"),
         SegmentKind::QProj => Some(Place::Whole(
             b("attn_q"),
@@ -178,7 +178,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
         // llama.cpp stores every expert matrix out-in, whatever its format.
         c.experts_out_in = true;
     }
-    if family == Family::Dbrx {
+    if super::families::gguf_family(family).dbrx_layout {
         // The converter transposes each expert's `w2` to `[hidden, ffn]` (out-in).
         card.expert_down_out_in = true;
         card.norm_eps = super::families::dbrx_norm_eps(file)?;
