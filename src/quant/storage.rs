@@ -59,14 +59,22 @@ impl Storage {
         self.ggml().name
     }
 
-    /// Its row of [`GGML_TYPES`].
+    /// Its row of [`GGML_TYPES`]. A match, not a search: block geometry is asked for
+    /// inside the products' loops, where this folds to a constant.
     pub fn ggml(self) -> &'static GgmlType {
-        // Every storage has its row: the table lists each dtype and each format once (a
-        // unit test holds it), so the fallback row is never taken.
-        GGML_TYPES
-            .iter()
-            .find(|t| t.storage == self)
-            .unwrap_or(&GGML_TYPES[0])
+        // The rows stand in this order (a unit test holds it).
+        &GGML_TYPES[match self {
+            Storage::Float(WeightDtype::F32) => 0,
+            Storage::Float(WeightDtype::F16) => 1,
+            Storage::Float(WeightDtype::Bf16) => 2,
+            Storage::Quant(QuantFormat::Q4_0) => 3,
+            Storage::Quant(QuantFormat::Q4_1) => 4,
+            Storage::Quant(QuantFormat::Q8_0) => 5,
+            Storage::Quant(QuantFormat::Q4K) => 6,
+            Storage::Quant(QuantFormat::Q5K) => 7,
+            Storage::Quant(QuantFormat::Q6K) => 8,
+            Storage::Quant(QuantFormat::Mxfp4) => 9,
+        }]
     }
 
     /// The storage of ggml type id `id`, if moec computes with it.
