@@ -8,8 +8,9 @@
 //! pageable, the checkpoint registered read-only where the host can hold it
 //! ([`super::host_weights`]; the run report's `weights:` clause says which way, and why). Ops are [`super::ops`]; tasks on
 //! `cpu.compute`/`cpu.copy` run on the host engine over the same host memory (the
-//! registry, `runtime::registry`, gives this backend the CPU backend's `over` that memory:
-//! the two backends sit side by side, neither inside the other).
+//! list of backends on top of both hands this backend the CPU backend's `over` that memory
+//! as its `registration::HostEngine`: the two backends sit side by side, neither inside the
+//! other).
 //!
 //! Cross-stream order, without spinning:
 //! - CUDA stream waits for CUDA stream: `cuStreamWaitEvent` on the recorded event;
@@ -42,8 +43,8 @@ use crate::runtime::backend::{
     StepEnd,
 };
 use crate::runtime::host::HostMemory;
-use crate::runtime::lock;
 use crate::runtime::step::StepContext;
+use crate::runtime::sync::lock;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
