@@ -14,7 +14,8 @@
 //! - [`registration`]: what a backend is before it exists (name, spaces, refusal, set-up,
 //!   what `moec devices` and `moec probe` ask of it), the interface every backend
 //!   registers through; [`probe`]: the figures a device backend's GPU probe gives;
-//!   [`sync`]: the one lock helper; [`args`]: a task's arguments by role;
+//!   [`sync`]: the one lock helper; [`args`]: a task's arguments by role; [`ops`]: what
+//!   both backends' ops share (the op table's plumbing, `OpError`, the step lookups);
 //! - the backends: [`cpu`] (the default, always available) and [`cuda`] (CUDA streams,
 //!   events, device arenas, NVRTC kernels and cuBLAS), side by side, each importing only
 //!   the interface and never each other;
@@ -28,6 +29,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod driver;
 pub mod host;
+pub mod ops;
 pub mod probe;
 pub mod registration;
 pub mod registry;

@@ -11,7 +11,9 @@
 //! backend's math and layouts), so both backends run the same lowered plan. No module
 //! outside this one imports cudarc.
 
+pub mod attention;
 pub mod backend;
+pub mod deepseek;
 pub mod detect;
 pub mod device;
 pub mod devices;
@@ -20,6 +22,7 @@ pub mod host_weights;
 pub mod kernels;
 pub mod launch;
 pub mod memory;
+pub mod moe;
 pub mod ops;
 pub mod probe;
 
