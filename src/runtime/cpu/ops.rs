@@ -33,7 +33,7 @@ use crate::model::family;
 use crate::model::layout::SegmentKind;
 use crate::runtime::host::memory::{HostMemory, View};
 use crate::runtime::host::weights::WeightTag;
-use crate::runtime::ops::{run_task, sized, OpCx, OpError, OpTable, TaskArgs};
+use crate::runtime::ops::{run_task, sized, ExpertGroups, OpCx, OpError, OpTable, TaskArgs};
 use crate::runtime::step::StepContext;
 
 // A CPU kernel's own input checks, in the kernel's words.
@@ -645,15 +645,12 @@ fn experts_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
     let routing = cx.read_routing(args.need(Role::Route)?, n)?;
-    let groups = routing.by_expert(cx.arch.experts);
+    let groups = ExpertGroups::new(&routing, cx.arch.experts);
     let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
     let (x_norm, slots) = acc.split_at_mut(n * d);
     let weights = args.all(Role::W);
-    for e in cx.members(set) {
-        let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
-        if rows.is_empty() {
-            continue;
-        }
+    let members = cx.members(set);
+    for (e, rows) in groups.of(&members) {
         let expert = cx.expert(&weights, layer, e as usize)?;
         expert_ffn(cx.arch, &expert, x_norm, rows, slots)?;
     }

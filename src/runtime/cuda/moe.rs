@@ -25,7 +25,7 @@ use super::ops::{not_supported, GpuCx, OpError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{Op, Role};
 use crate::lower::PlanTask;
-use crate::math::moe::{RoutedRow, Routing};
+use crate::math::moe::Routing;
 use crate::math::tensor::Orientation;
 use crate::model::card::WeightDtype;
 use crate::model::layout::SegmentKind;
@@ -33,7 +33,7 @@ use crate::quant::QuantFormat;
 use crate::runtime::backend::decode_routing;
 use crate::runtime::host::memory::View;
 use crate::runtime::host::weights::WeightTag;
-use crate::runtime::ops::{OpCx, TaskArgs};
+use crate::runtime::ops::{ExpertGroups, OpCx, TaskArgs};
 use crate::runtime::step::MicroBatchState;
 use std::sync::atomic::Ordering;
 
@@ -283,12 +283,8 @@ impl GpuCx<'_> {
     ) -> Result<(), OpError> {
         let (d, f, k) = (self.arch.hidden, self.arch.ffn, self.arch.top_k);
         let n_tokens = routing.experts.len() / k.max(1);
-        let groups = routing.by_expert(self.arch.experts);
-        for &e in members {
-            let rows: &[RoutedRow] = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
-            if rows.is_empty() {
-                continue;
-            }
+        let groups = ExpertGroups::new(routing, self.arch.experts);
+        for (e, rows) in groups.of(members) {
             if let Some(bad) = rows
                 .iter()
                 .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
