@@ -94,7 +94,8 @@ impl GpuCx<'_> {
     }
 
     /// `out[n, d] = down(silu(gate(x)) * up(x))` over `n` rows of `x_norm`: the SwiGLU MLP
-    /// of a shared expert and of a dense layer (`Kernels::shared_expert`).
+    /// of a shared expert, a dense layer (`Kernels::shared_expert`) and a routed expert
+    /// grouped on the host.
     pub(super) fn swiglu_mlp(
         &self,
         [gate, up, down]: [DevMatrix; 3],
@@ -318,7 +319,6 @@ impl GpuCx<'_> {
                     Arg::I32(di),
                 ],
             )?;
-            let hg = self.s.scratch(m * f * 4)?;
             let y = self.s.scratch(m * d * 4)?;
             match self.arch.clamped_swiglu {
                 Some((alpha, limit)) => {
@@ -326,6 +326,7 @@ impl GpuCx<'_> {
                     // then down with its bias (`Kernels::expert_ffn`'s fused arm).
                     let e = e as usize;
                     let gate_up = self.segment(weights, layer, SegmentKind::ExpertGateUp(e))?;
+                    let hg = self.s.scratch(m * f * 4)?;
                     let gu = self.s.scratch(m * 2 * f * 4)?;
                     self.s
                         .linear(gathered.ptr(), m, &gate_up, gu.ptr(), 2 * f, false)?;
@@ -339,20 +340,7 @@ impl GpuCx<'_> {
                 None => {
                     let gate = self.segment(weights, layer, SegmentKind::ExpertGate(e as usize))?;
                     let up = self.segment(weights, layer, SegmentKind::ExpertUp(e as usize))?;
-                    let hu = self.s.scratch(m * f * 4)?;
-                    self.s
-                        .linear(gathered.ptr(), m, &gate, hg.ptr(), f, false)?;
-                    self.s.linear(gathered.ptr(), m, &up, hu.ptr(), f, false)?;
-                    self.s.launch_1d(
-                        "swiglu",
-                        m * f,
-                        &[
-                            Arg::Ptr(hg.ptr()),
-                            Arg::Ptr(hu.ptr()),
-                            Arg::I32(int("m*ffn", m * f)?),
-                        ],
-                    )?;
-                    self.s.linear(hg.ptr(), m, &down, y.ptr(), d, false)?;
+                    self.swiglu_mlp([gate, up, down], gathered.ptr(), m, y.ptr())?;
                 }
             }
             self.s.launch(
