@@ -430,7 +430,10 @@ fn importers(dir: &str, module: &str) -> Vec<String> {
 }
 
 /// Issue 10's layering: the back half of the compiler and the runtime never depend on the
-/// parser, cost and runtime never import each other, and the driver names no backend.
+/// parser, cost and runtime never import each other, and the driver names no backend;
+/// issue 41's: backends import the registration interface, never the registry or each
+/// other, the CUDA backend only the runtime's leaf modules, and the CLI and the engine no
+/// backend's modules.
 #[test]
 fn stages_import_only_what_the_layering_allows() {
     for dir in ["lower", "runtime", "check", "cost"] {
@@ -485,6 +488,76 @@ fn stages_import_only_what_the_layering_allows() {
                 "{path}:{}: the driver is imported outside it: {line}",
                 n + 1
             );
+        }
+    }
+    // The lines of a source that are not comments, numbered from 1.
+    fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim_start().starts_with("//"))
+            .map(|(n, l)| (n + 1, l))
+    }
+    // Issue 41: the interface below, the list on top. Backends import the interface
+    // (`runtime::registration`), never the list (`runtime::registry`, which imports them),
+    // so no import circle runs through the registry.
+    for dir in ["runtime/cpu", "runtime/cuda"] {
+        for (path, text) in sources_under(dir) {
+            for (n, line) in code_lines(&text) {
+                assert!(
+                    !line.contains("registry"),
+                    "{path}:{n}: a backend imports the registry: {line}"
+                );
+            }
+        }
+    }
+    // The CUDA backend reaches the rest of the runtime only through its leaf modules: never
+    // the CPU backend, the driver, the registry, or an item of the runtime's root
+    // (`src/runtime/mod.rs`, which declares the driver and re-exports its API).
+    let runtime_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/runtime");
+    let leaves: Vec<String> = std::fs::read_dir(&runtime_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir() || p.extension().is_some_and(|e| e == "rs"))
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .filter(|name| !["mod", "cpu", "driver", "registry"].contains(&name.as_str()))
+        .collect();
+    for (path, text) in sources_under("runtime/cuda") {
+        // From `cuda/mod.rs` the runtime's root is `super`; from a file beside it, `super::super`.
+        let root_paths: &[&str] = if path.ends_with("cuda/mod.rs") {
+            &["crate::runtime::", "super::"]
+        } else {
+            &["crate::runtime::", "super::super::"]
+        };
+        for (n, line) in code_lines(&text) {
+            for root in root_paths {
+                for (at, _) in line.match_indices(root) {
+                    let rest = &line[at + root.len()..];
+                    if *root == "super::" && rest.starts_with("super::") {
+                        continue;
+                    }
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    assert!(
+                        leaves.contains(&name),
+                        "{path}:{n}: the CUDA backend imports `{root}{name}` (only the runtime's leaf modules {leaves:?}): {line}"
+                    );
+                }
+            }
+        }
+    }
+    // The CLI and the engine ask the registry and its registrations, never a backend's
+    // internals (what `moec devices` and `moec probe` need of CUDA is a registration entry).
+    for dir in ["cli", "engine"] {
+        for (path, text) in sources_under(dir) {
+            for (n, line) in text.lines().enumerate() {
+                assert!(
+                    !line.contains("cuda::"),
+                    "{path}:{}: names the CUDA backend's modules: {line}",
+                    n + 1
+                );
+            }
         }
     }
     let cudarc_users: Vec<String> = sources_under("")

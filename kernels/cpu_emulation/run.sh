@@ -10,7 +10,7 @@ for f in "$here"/../*.cu; do
     # Dynamic shared memory has no host equivalent: point it at the shim's array.
     sed 's/extern __shared__ float q_group\[\];/float* q_group = dyn_smem;/' "$f" > "$work/$(basename "$f")"
 done
-cp "$here/shim.h" "$here/harness.cpp" "$work/"
+cp "$here/shim.h" "$here/harness.cpp" "$here"/../*.cuh "$work/"
 g++ -std=c++20 -O1 -pthread -ffp-contract=off -I"$work" "$work/harness.cpp" -o "$work/harness"
 mkdir -p "$work/data"
 for window in 0 20; do

@@ -2,7 +2,7 @@
 
 use crate::cost::hardware::{Level, GB, TFLOPS};
 use crate::engine::cpu_probe::{probe_profile, ProbeEffort};
-use crate::runtime::cuda::probe::GpuProbeSizes;
+use crate::runtime::probe::GpuProbeSizes;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -81,20 +81,30 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             }
         }
     }
-    let gpu = if args.backend == "cuda" {
-        let sizes = match args.gpu_sizes.as_str() {
-            "tiny" => GpuProbeSizes::TINY,
-            _ => GpuProbeSizes::FULL,
-        };
-        match crate::runtime::cuda::probe::probe(sizes) {
-            Ok(gpu) => Some(gpu),
-            Err(e) => {
-                eprintln!("{:?}", miette::Report::msg(e.to_string()));
-                return ExitCode::FAILURE;
+    // A backend with a device times its own kernels there (its registration's probe); the
+    // CPU backend has none, and its GPU is the emulation the CPU probe measured.
+    let device_probe = match crate::runtime::registry::find(&args.backend) {
+        Ok(backend) => backend.probe,
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::msg(e.to_string()));
+            return ExitCode::FAILURE;
+        }
+    };
+    let gpu = match device_probe {
+        Some(probe) => {
+            let sizes = match args.gpu_sizes.as_str() {
+                "tiny" => GpuProbeSizes::TINY,
+                _ => GpuProbeSizes::FULL,
+            };
+            match probe(sizes) {
+                Ok(gpu) => Some(gpu),
+                Err(e) => {
+                    eprintln!("{:?}", miette::Report::msg(e));
+                    return ExitCode::FAILURE;
+                }
             }
         }
-    } else {
-        None
+        None => None,
     };
     if let Some(gpu) = &gpu {
         profile = crate::engine::gpu_probe::cuda_profile(profile, gpu);

@@ -11,10 +11,10 @@
 //! measurement and the cost model's profile, which do not import each other.
 
 use crate::cost::hardware::{EffectiveRates, GpuSpec, HardwareProfile, LinkSpec, GB, TFLOPS};
-use crate::runtime::cuda::probe::GpuProbe;
+use crate::runtime::probe::GpuProbe;
 
 /// Share of device memory a plan may use: the CUDA context, cuBLAS's workspace and the
-/// streams' scratch (`runtime::cuda::launch::Workspace`) live in the rest. The datasheet
+/// streams' scratch (the CUDA backend's per-stream workspace) live in the rest. The datasheet
 /// profiles of `hardware/` keep 0.86 to 0.9 for the same reason.
 const USABLE_FRACTION: f64 = 0.9;
 
@@ -101,7 +101,7 @@ pub fn cuda_profile(host: HardwareProfile, gpu: &GpuProbe) -> HardwareProfile {
 mod tests {
     use super::*;
     use crate::cost::probe::{profile_from_measurements, Measurements};
-    use crate::runtime::cuda::probe::{GemvPoint, GpuProbeSizes};
+    use crate::runtime::probe::{GemvPoint, GpuProbeSizes};
 
     fn host() -> HardwareProfile {
         profile_from_measurements(

@@ -11,9 +11,15 @@
 //!   state implements), so backends never see the driver;
 //! - [`host`]: host memory every backend uses (arenas, the weights image over the
 //!   checkpoint's maps, weight labels, copies);
+//! - [`registration`]: what a backend is before it exists (name, spaces, refusal, set-up,
+//!   what `moec devices` and `moec probe` ask of it), the interface every backend
+//!   registers through; [`probe`]: the figures a device backend's GPU probe gives;
+//!   [`sync`]: the one lock helper; [`args`]: a task's arguments by role; [`ops`]: what
+//!   both backends' ops share (the op table's plumbing, `OpError`, the step lookups);
 //! - the backends: [`cpu`] (the default, always available) and [`cuda`] (CUDA streams,
-//!   events, device arenas, NVRTC kernels and cuBLAS), side by side, each registered in
-//!   [`registry`], the one place that picks a backend.
+//!   events, device arenas, NVRTC kernels and cuBLAS), side by side, each importing only
+//!   the interface and never each other;
+//! - [`registry`]: the list of backends on top of them, the one place that picks one.
 //!
 //! [`generate`] sets up the backend the run options name and runs the driver on it.
 
@@ -23,20 +29,18 @@ pub mod cpu;
 pub mod cuda;
 pub mod driver;
 pub mod host;
+pub mod ops;
+pub mod probe;
+pub mod registration;
 pub mod registry;
 pub mod step;
+pub mod sync;
 
 pub use backend::{Backend, BackendError, BackendOptions, WeightCopies};
 pub use driver::executor::{ExecError, ExecOptions};
 pub use driver::{RunError, RunOptions, RunOutput};
-pub use registry::Registration;
-
-/// Locks a mutex, recovering the data if a panicking thread poisoned it (every critical
-/// section of the runtime is a single insert, lookup or counter update, so the data is
-/// consistent).
-pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub use registration::Registration;
+pub use sync::lock;
 
 use crate::lower::ExecPlan;
 use crate::records::RunStats;

@@ -1,86 +1,26 @@
 //! The backends a plan can run on, by name: the one place that picks a backend.
 //!
-//! Takes a `--backend` name; gives its [`Registration`]: what the backend is before it
-//! exists (where its `gpu` space lives, whether weight copies can bind, why it cannot run
-//! on this machine) and how to set it up for a plan. Nothing outside this module (and the
-//! backend's own) branches on which backend runs: the run API (`crate::engine`), the CLI
-//! and the report ask the registration or the [`Backend`] itself.
+//! Takes a `--backend` name; gives its [`Registration`] (`runtime::registration`: what the
+//! backend is before it exists and how to set it up) from [`BACKENDS`], the list of every
+//! backend. Nothing outside this module (and the backend's own) branches on which backend
+//! runs: the run API (`crate::engine`), the CLI and the report ask the registration or the
+//! [`Backend`] itself.
 //!
-//! Adding a backend is a module `runtime/<name>/` with a `REGISTRATION` constant and one
-//! line in [`BACKENDS`]. A device backend is given a host engine ([`HostEngine`]) for its
-//! plan's `cpu.*` streams: the registry hands it the CPU backend over the same host
-//! memory, so device backends sit beside the CPU backend rather than on top of it.
+//! This is the list on top of the interface, as ggml's `ggml-backend-reg.cpp` includes every
+//! backend while backends include only `ggml-backend-impl.h`: a backend imports
+//! `runtime::registration`, never this module. Adding a backend is a module
+//! `runtime/<name>/` with a `REGISTRATION` constant and one line in [`BACKENDS`]. A device
+//! backend is given a host engine ([`HostEngine`]) for its plan's `cpu.*` streams: [`open`]
+//! hands it the CPU backend over the same host memory, so device backends sit beside the
+//! CPU backend rather than on top of it.
 
 use super::backend::{Backend, BackendError, BackendOptions};
-use super::host::HostMemory;
 use crate::lower::ExecPlan;
 use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
-use std::sync::Arc;
 
-/// Where a backend keeps the plan's `gpu` space.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuSpace {
-    /// In host memory (an emulated device): it counts against the machine's memory, and
-    /// without a profile or `--gpu-mem` its budget is the profile's.
-    Host,
-    /// On a device: the machine's memory does not hold it, and without a profile or
-    /// `--gpu-mem` its budget is what the device has (found at set-up).
-    Device,
-}
-
-/// Sets a backend up for a plan: `(plan, checkpoint, options, host engine)`.
-pub type Open = for<'c> fn(
-    &ExecPlan,
-    &'c Checkpoint,
-    &BackendOptions,
-    HostEngine,
-) -> Result<Box<dyn Backend + 'c>, BackendError>;
-
-/// Builds the engine that runs a device backend's host streams (`cpu.compute`,
-/// `cpu.copy`) over host memory the device backend shares.
-pub type HostEngine = for<'c> fn(
-    &ExecPlan,
-    Arc<HostMemory<'c>>,
-    &BackendOptions,
-) -> Result<Box<dyn Backend + 'c>, BackendError>;
-
-/// One backend, as the registry knows it before it is set up.
-pub struct Registration {
-    /// The `--backend` value.
-    pub name: &'static str,
-    /// One line for `--help` and `moec devices`.
-    pub about: &'static str,
-    /// Where the plan's `gpu` space lives.
-    pub gpu_space: GpuSpace,
-    /// Whether `--weight-copies bind` takes effect (a backend computing on host memory
-    /// can read a bound weight from the mapped checkpoint; a device must get the bytes).
-    pub binds_weight_copies: bool,
-    /// The ggml block formats its kernels compute with; a checkpoint holding a tensor in
-    /// any other is refused before set-up, naming the tensor and its format.
-    pub quant_formats: &'static [QuantFormat],
-    /// Why the backend cannot run on this machine, in one line, asked before anything is
-    /// loaded (`None`: it may).
-    pub refusal: fn() -> Option<String>,
-    /// Sets it up for a plan.
-    pub open: Open,
-}
-
-impl std::fmt::Debug for Registration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registration")
-            .field("name", &self.name)
-            .field("gpu_space", &self.gpu_space)
-            .field("binds_weight_copies", &self.binds_weight_copies)
-            .finish_non_exhaustive()
-    }
-}
-
-impl PartialEq for Registration {
-    fn eq(&self, other: &Self) -> bool {
-        self.name == other.name
-    }
-}
+// Where the interface lived before it had its own module; the engine still names it here.
+pub use super::registration::{GpuSpace, HostEngine, Open, Registration};
 
 /// Every backend, the default first.
 pub const BACKENDS: &[&Registration] = &[&super::cpu::REGISTRATION, &super::cuda::REGISTRATION];

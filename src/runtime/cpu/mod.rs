@@ -20,7 +20,7 @@ use super::backend::{
     WeightCopies,
 };
 use super::host::memory::{HostMemory, MemoryError};
-use super::registry::{GpuSpace, HostEngine, Registration};
+use super::registration::{DevicesReport, GpuSpace, HostEngine, Registration};
 use super::step::StepContext;
 use crate::ir::{Engine, StreamId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
@@ -67,8 +67,8 @@ pub fn pool_split(threads: usize) -> String {
     )
 }
 
-/// The CPU backend in the registry (`runtime::registry`): the default, always available;
-/// every space is host memory, so weight copies may bind.
+/// The CPU backend's registration (listed by `runtime::registry`): the default, always
+/// available; every space is host memory, so weight copies may bind.
 pub const REGISTRATION: Registration = Registration {
     name: "cpu",
     about: "the CPU backend: every space in host memory, one compute pool for both engines",
@@ -77,7 +77,30 @@ pub const REGISTRATION: Registration = Registration {
     quant_formats: &crate::quant::QuantFormat::ALL,
     refusal: || None,
     open: open_cpu,
+    link_libraries: || None,
+    devices,
+    probe: None,
 };
+
+/// What `moec devices` prints for the CPU backend: threads, the SIMD paths this CPU has,
+/// and the CPU kernels chosen and why (`MOEC_KERNELS`).
+fn devices() -> DevicesReport {
+    use crate::math::isa::Isa;
+    use crate::math::report::describe;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let has = |isa: Isa| if isa.is_supported() { "yes" } else { "no" };
+    DevicesReport {
+        lines: vec![
+            format!(
+                "cpu: available, {threads} threads, AVX-512: {}, AVX2+FMA: {}",
+                has(Isa::Avx512),
+                has(Isa::Avx2)
+            ),
+            format!("  {}", describe()),
+        ],
+        failure: None,
+    }
+}
 
 fn setup_error(e: CpuSetupError) -> BackendError {
     BackendError::Setup(Box::new(e))
@@ -94,7 +117,7 @@ fn open_cpu<'c>(
     ))
 }
 
-/// The CPU backend as a device backend's host engine (`registry::HostEngine`): it runs the
+/// The CPU backend as a device backend's host engine (`registration::HostEngine`): it runs the
 /// plan's `cpu.*` streams over the host memory the device backend shares.
 pub fn host_engine<'c>(
     plan: &ExecPlan,

@@ -1,7 +1,7 @@
 //! The CPU backend's ops: each catalog op applied to views of its arguments, by calling
 //! the model's kernels (the same ones the oracle composes; no second copy of the math).
-//! One kernel function per op kind, registered in the CPU kernel table ([`cpu_kernel`]),
-//! keyed by the op table's [`OpKind`].
+//! One kernel function per op kind, registered in the CPU kernel table (`CPU_KERNELS`, a
+//! `runtime::ops::OpTable`), keyed by the op table's [`OpKind`].
 //!
 //! Takes a task, the step's state and the backend memory; gives the task's effect on its
 //! output arguments (and on the step state: routing decisions, sampled tokens), or
@@ -12,8 +12,8 @@
 //! rows, for families with one]` (`expert_acc`).
 
 use crate::ir::catalog::OpKind;
-use crate::ir::{AttnPart, ExpertRef, ExpertSet, Op, Role};
-use crate::lower::{PlanArg, PlanTask};
+use crate::ir::{AttnPart, Op, Role};
+use crate::lower::PlanTask;
 use crate::math::attention::{attention, attention_of, AttnSeq};
 use crate::math::dense::{dense_block, dense_ffn_rows, no_expert_routing};
 use crate::math::head::{embed, logits};
@@ -30,78 +30,16 @@ use crate::math::views::{
 use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
 use crate::model::segment::SegmentKind;
-use crate::model::vocab::KvLayout;
-use crate::model::vocab::Orientation;
-use crate::model::vocab::Routing;
-use crate::runtime::args::MissingArg;
-use crate::runtime::host::memory::{HostMemory, MemoryError, View};
+use crate::model::vocab::{KvLayout, Orientation, Routing};
+use crate::runtime::host::memory::{HostMemory, View};
 use crate::runtime::host::weights::WeightTag;
-use crate::runtime::step::{MicroBatchState, StepContext};
+use crate::runtime::ops::{run_task, sized, ExpertGroups, OpCx, OpError, OpTable, TaskArgs};
+use crate::runtime::step::StepContext;
 
-/// A task's arguments with this backend's views.
-pub(crate) type TaskArgs = crate::runtime::args::TaskArgs<View>;
-
-/// Why an op failed.
-#[derive(Debug, thiserror::Error)]
-pub enum OpError {
-    /// A view could not be made.
-    #[error(transparent)]
-    Memory(#[from] MemoryError),
-    /// A `route` argument shorter than its micro-batch's routing.
-    #[error(transparent)]
-    Route(#[from] crate::runtime::backend::ShortRoute),
-    /// A kernel refused its inputs.
-    #[error(transparent)]
-    Kernel(#[from] KernelError),
-    /// A weight the op needs is not wholly inside its `w` arguments.
-    #[error("{tag} is not (wholly) in the task's `w` argument(s)")]
-    MissingWeight {
-        /// The tensor.
-        tag: WeightTag,
-    },
-    /// An argument the op needs is absent.
-    #[error("missing `{0}` argument")]
-    MissingArg(&'static str),
-    /// An activation argument too small for the micro-batch.
-    #[error("`{role}` holds {got} bytes but this micro-batch needs {needed}")]
-    TooSmall {
-        /// The argument.
-        role: &'static str,
-        /// Bytes needed.
-        needed: u64,
-        /// Bytes available.
-        got: u64,
-    },
-    /// Bytes that are not whole f32s/u32s at an aligned address.
-    #[error("`{0}` is not 4-byte aligned")]
-    Align(&'static str),
-    /// A copy between slices of different lengths.
-    #[error("copy of {src} bytes into {dst}")]
-    CopyLength {
-        /// Source bytes.
-        src: u64,
-        /// Destination bytes.
-        dst: u64,
-    },
-    /// A micro-batch index past the step's micro-batches.
-    #[error("micro-batch {0} does not exist in this run")]
-    Ub(u32),
-    /// An op of the table the CPU backend has no kernel for.
-    #[error("the CPU backend has no kernel for `{0}`")]
-    NoKernel(&'static str),
-    /// A kernel table row that pairs an op kind with another op's kernel.
-    #[error("the CPU kernel of `{kernel}` was given a `{op}` task")]
-    WrongKernel {
-        /// The op the kernel implements.
-        kernel: &'static str,
-        /// The task's op.
-        op: &'static str,
-    },
-}
-
-impl From<MissingArg> for OpError {
-    fn from(e: MissingArg) -> Self {
-        OpError::MissingArg(e.0)
+// A CPU kernel's own input checks, in the kernel's words.
+impl From<KernelError> for OpError {
+    fn from(e: KernelError) -> Self {
+        OpError::Backend(Box::new(e))
     }
 }
 
@@ -126,62 +64,34 @@ fn f32s_mut<'a>(bytes: &'a mut [u8], role: &'static str) -> Result<&'a mut [f32]
     bytemuck::try_cast_slice_mut(bytes).map_err(|_| OpError::Align(role))
 }
 
+impl OpCx for OpContext<'_> {
+    const BACKEND: &'static str = "CPU";
+
+    fn step(&self) -> &dyn StepContext {
+        self.state
+    }
+
+    fn experts(&self) -> usize {
+        self.arch.experts
+    }
+}
+
 impl OpContext<'_> {
-    /// An expert of an op's set (predictions never name one: elaboration refuses them).
-    fn resolve_expert(&self, expert: ExpertRef) -> u32 {
-        self.state.resolve_expert(expert, self.arch.experts as u32)
-    }
-
-    /// Resolves every argument of a task.
-    pub fn views(&self, task: &PlanTask) -> Result<Vec<(PlanArg, View)>, OpError> {
-        task.args
-            .iter()
-            .map(|a| {
-                // A run-time expert of a layer, or the slot of a cache: resolved now.
-                let expert = self.state.arg_index(task.id, a, self.arch.experts as u32);
-                Ok((*a, self.memory.view(task, a, expert)?))
-            })
-            .collect()
-    }
-
     /// Runs one task: its op's kernel from the CPU kernel table, then marks what it wrote
     /// as no longer holding weights.
     pub fn run(&self, task: &PlanTask) -> Result<(), OpError> {
-        let kind = task.op.kind();
-        let kernel = cpu_kernel(kind).ok_or(OpError::NoKernel(kind.name()))?;
-        let args = TaskArgs::new(self.views(task)?);
-        kernel(self, task, &args)?;
-        // A copy moves the weight labels with the bytes (`HostMemory::copy`); every other
-        // op's writes leave activations where weights may have been.
-        if kind != OpKind::Copy {
-            for (a, v) in args.iter() {
-                if a.access.writes() {
-                    self.memory.clobber(*v);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn ub(&self, ub: u32) -> Result<&MicroBatchState, OpError> {
-        self.state.micro_batch(ub).ok_or(OpError::Ub(ub))
-    }
-
-    fn members(&self, set: ExpertSet) -> Vec<u32> {
-        set.members(self.arch.experts as u64)
-            .into_iter()
-            .map(|e| self.resolve_expert(e))
-            .collect()
+        let kernel = CPU_KERNELS.kernel(task.op.kind())?;
+        run_task(
+            self,
+            self.memory,
+            task,
+            |args| kernel(self, task, args),
+            |v| self.memory.clobber(v),
+        )
     }
 
     fn bytes_sized(&self, view: View, role: &'static str, needed: usize) -> Result<&[u8], OpError> {
-        if (needed as u64) > view.len {
-            return Err(OpError::TooSmall {
-                role,
-                needed: needed as u64,
-                got: view.len,
-            });
-        }
+        let view = sized(view, role, needed)?;
         // SAFETY: the task's waits have returned, so every other task writing these bytes
         // is ordered before or after this one (the plan's dependencies), and `moec check`
         // rejects a task whose written argument overlaps another of its arguments, so
@@ -201,13 +111,7 @@ impl OpContext<'_> {
         role: &'static str,
         needed: usize,
     ) -> Result<&mut [u8], OpError> {
-        if (needed as u64) > view.len {
-            return Err(OpError::TooSmall {
-                role,
-                needed: needed as u64,
-                got: view.len,
-            });
-        }
+        let view = sized(view, role, needed)?;
         // SAFETY: as in `bytes_sized`: other tasks are ordered by the plan, and no other
         // argument of this task overlaps a written one (checked by `moec check`).
         Ok(unsafe {
@@ -609,36 +513,22 @@ pub(crate) type CpuKernel = fn(&OpContext<'_>, &PlanTask, &TaskArgs) -> Result<(
 
 /// The CPU backend's kernel per op kind. An op of the table without a row here is a
 /// failing test (`every_op_has_a_signature_work_and_a_cpu_kernel`), not a user's run.
-static CPU_KERNELS: &[(OpKind, CpuKernel)] = &[
-    (OpKind::Embed, embed_kernel),
-    (OpKind::PreAttn, pre_attn_kernel),
-    (OpKind::Attn, attn_kernel),
-    (OpKind::PostAttn, post_attn_kernel),
-    (OpKind::OProj, o_proj_kernel),
-    (OpKind::Gate, gate_kernel),
-    (OpKind::Experts, experts_kernel),
-    (OpKind::Combine, combine_kernel),
-    (OpKind::LmHead, lm_head_kernel),
-    (OpKind::Sample, sample_kernel),
-    (OpKind::Copy, copy_kernel),
-];
-
-/// The CPU kernel of an op kind, if the CPU backend implements it.
-pub(crate) fn cpu_kernel(kind: OpKind) -> Option<CpuKernel> {
-    CPU_KERNELS
-        .iter()
-        .find(|(k, _)| *k == kind)
-        .map(|(_, kernel)| *kernel)
-}
-
-/// The error for a kernel handed another op's task (the table pairs them by kind, so
-/// only a wrong table row gets here).
-fn wrong_op(kernel: OpKind, task: &PlanTask) -> OpError {
-    OpError::WrongKernel {
-        kernel: kernel.name(),
-        op: task.op.name(),
-    }
-}
+static CPU_KERNELS: OpTable<CpuKernel> = OpTable::new(
+    "CPU",
+    &[
+        (OpKind::Embed, embed_kernel),
+        (OpKind::PreAttn, pre_attn_kernel),
+        (OpKind::Attn, attn_kernel),
+        (OpKind::PostAttn, post_attn_kernel),
+        (OpKind::OProj, o_proj_kernel),
+        (OpKind::Gate, gate_kernel),
+        (OpKind::Experts, experts_kernel),
+        (OpKind::Combine, combine_kernel),
+        (OpKind::LmHead, lm_head_kernel),
+        (OpKind::Sample, sample_kernel),
+        (OpKind::Copy, copy_kernel),
+    ],
+);
 
 fn copy_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
@@ -654,7 +544,7 @@ fn copy_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
 
 fn embed_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::Embed { ub } = task.op else {
-        return Err(wrong_op(OpKind::Embed, task));
+        return Err(cx.wrong_op(OpKind::Embed, task));
     };
     let mb = cx.ub(ub)?;
     let ids = mb.token_ids();
@@ -667,7 +557,7 @@ fn embed_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<
 
 fn pre_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::PreAttn { layer, ub } = task.op else {
-        return Err(wrong_op(OpKind::PreAttn, task));
+        return Err(cx.wrong_op(OpKind::PreAttn, task));
     };
     let mb = cx.ub(ub)?;
     let positions = mb.positions();
@@ -682,7 +572,7 @@ fn pre_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resu
 
 fn attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::Attn { layer, ub, part } = task.op else {
-        return Err(wrong_op(OpKind::Attn, task));
+        return Err(cx.wrong_op(OpKind::Attn, task));
     };
     cx.attn(
         layer,
@@ -696,7 +586,7 @@ fn attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
 
 fn o_proj_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::OProj { layer, ub } = task.op else {
-        return Err(wrong_op(OpKind::OProj, task));
+        return Err(cx.wrong_op(OpKind::OProj, task));
     };
     let n = cx.ub(ub)?.n_tokens();
     let dense = cx.dense(&args.all(Role::W), layer, &[SegmentKind::OProj])?;
@@ -708,7 +598,7 @@ fn o_proj_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result
 
 fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::Gate { layer, ub } = task.op else {
-        return Err(wrong_op(OpKind::Gate, task));
+        return Err(cx.wrong_op(OpKind::Gate, task));
     };
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
@@ -750,20 +640,17 @@ fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
 
 fn experts_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::Experts { layer, ub, set } = task.op else {
-        return Err(wrong_op(OpKind::Experts, task));
+        return Err(cx.wrong_op(OpKind::Experts, task));
     };
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
     let routing = cx.read_routing(args.need(Role::Route)?, n)?;
-    let groups = routing.by_expert(cx.arch.experts);
+    let groups = ExpertGroups::new(&routing, cx.arch.experts);
     let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
     let (x_norm, slots) = acc.split_at_mut(n * d);
     let weights = args.all(Role::W);
-    for e in cx.members(set) {
-        let rows = groups.get(e as usize).map(Vec::as_slice).unwrap_or(&[]);
-        if rows.is_empty() {
-            continue;
-        }
+    let members = cx.members(set);
+    for (e, rows) in groups.of(&members) {
         let expert = cx.expert(&weights, layer, e as usize)?;
         expert_ffn(cx.arch, &expert, x_norm, rows, slots)?;
     }
@@ -772,7 +659,7 @@ fn experts_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
 
 fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::Combine { ub, .. } = task.op else {
-        return Err(wrong_op(OpKind::Combine, task));
+        return Err(cx.wrong_op(OpKind::Combine, task));
     };
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
@@ -813,7 +700,7 @@ fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
 
 fn post_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::PostAttn { layer, ub } = task.op else {
-        return Err(wrong_op(OpKind::PostAttn, task));
+        return Err(cx.wrong_op(OpKind::PostAttn, task));
     };
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
@@ -842,7 +729,7 @@ fn post_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Res
 
 fn lm_head_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::LmHead { ub } = task.op else {
-        return Err(wrong_op(OpKind::LmHead, task));
+        return Err(cx.wrong_op(OpKind::LmHead, task));
     };
     let mb = cx.ub(ub)?;
     let d = cx.arch.hidden;
@@ -867,7 +754,7 @@ fn lm_head_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
 
 fn sample_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let Op::Sample { ub } = task.op else {
-        return Err(wrong_op(OpKind::Sample, task));
+        return Err(cx.wrong_op(OpKind::Sample, task));
     };
     let mb = cx.ub(ub)?;
     let vocab = cx.arch.vocab;
@@ -887,8 +774,8 @@ fn sample_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::catalog::{signature, OPS};
-    use crate::ir::{ExpertRef, Shape};
+    use crate::ir::catalog::signature;
+    use crate::ir::{ExpertRef, ExpertSet, Shape};
     use crate::model::card::ModelCard;
 
     /// Every op of the table can be elaborated (a signature that names its declared
@@ -931,19 +818,13 @@ mod tests {
                     def.name
                 );
             }
-            assert!(cpu_kernel(kind).is_some(), "{}: no CPU kernel", def.name);
-        }
-        assert_eq!(OPS.len(), CPU_KERNELS.len(), "one kernel row per op");
-    }
-
-    /// No kind has two kernel rows (the lookup would silently take the first).
-    #[test]
-    fn kernel_rows_are_unique() {
-        for (i, (kind, _)) in CPU_KERNELS.iter().enumerate() {
             assert!(
-                CPU_KERNELS[i + 1..].iter().all(|(k, _)| k != kind),
-                "{kind:?} twice"
+                CPU_KERNELS.get(kind).is_some(),
+                "{}: no CPU kernel",
+                def.name
             );
         }
+        // No kind without a row, none with two (the lookup would silently take the first).
+        assert_eq!(CPU_KERNELS.gaps(), vec![], "one kernel row per op");
     }
 }

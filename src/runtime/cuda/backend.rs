@@ -8,8 +8,9 @@
 //! pageable, the checkpoint registered read-only where the host can hold it
 //! ([`super::host_weights`]; the run report's `weights:` clause says which way, and why). Ops are [`super::ops`]; tasks on
 //! `cpu.compute`/`cpu.copy` run on the host engine over the same host memory (the
-//! registry, `runtime::registry`, gives this backend the CPU backend's `over` that memory:
-//! the two backends sit side by side, neither inside the other).
+//! list of backends on top of both hands this backend the CPU backend's `over` that memory
+//! as its `registration::HostEngine`: the two backends sit side by side, neither inside the
+//! other).
 //!
 //! Cross-stream order, without spinning:
 //! - CUDA stream waits for CUDA stream: `cuStreamWaitEvent` on the recorded event;
@@ -42,8 +43,8 @@ use crate::runtime::backend::{
     StepEnd,
 };
 use crate::runtime::host::HostMemory;
-use crate::runtime::lock;
 use crate::runtime::step::StepContext;
+use crate::runtime::sync::lock;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -389,9 +390,7 @@ impl<'c> CudaBackend<'c> {
         }
         dev.workspace.reset(true);
         let s = self.stream_cx(stream, dev);
-        let table = s
-            .upload(&table)
-            .map_err(|e| task_error(OpError::Launch(e)))?;
+        let table = s.upload(&table).map_err(|e| task_error(OpError::from(e)))?;
         // copy_runs(const u64* runs, long long n, const char* src, char* dst): n (offset,
         // length) pairs; empty pairs copy nothing. The ends were checked by
         // `copy_runs_ends` (every run inside both views).
@@ -407,7 +406,7 @@ impl<'c> CudaBackend<'c> {
                 Arg::Ptr(dst),
             ],
         )
-        .map_err(|e| task_error(OpError::Launch(e)))
+        .map_err(|e| task_error(OpError::from(e)))
     }
 
     /// What an op needs of device stream `stream` (`dev`).
@@ -555,13 +554,13 @@ impl Backend for CudaBackend<'_> {
         let (src, dst) = self
             .host_memory
             .copy_views(task, state, self.arch.experts as u32)
-            .map_err(|e| task_error(OpError::Memory(e.into())))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         self.bind()?;
         if self.recording_step.load(Ordering::Acquire) {
             if let Some(ends) = self
                 .memory
                 .copy_runs_ends(&self.host_memory, src, dst, runs)
-                .map_err(|e| task_error(OpError::Memory(e)))?
+                .map_err(|e| task_error(OpError::from(e)))?
             {
                 return self.record_copy_runs(stream, dev, task, ends, runs);
             }
@@ -569,7 +568,7 @@ impl Backend for CudaBackend<'_> {
         // Not a copy a graph can hold: submitted as it is, after what was recorded.
         self.recorder
             .flush("a KV-part copy touches pageable host memory")
-            .map_err(|e| task_error(OpError::Launch(e)))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         let timing = if self.recording_step.load(Ordering::Acquire) {
             None
         } else {
@@ -577,7 +576,7 @@ impl Backend for CudaBackend<'_> {
         };
         self.memory
             .copy_runs(&self.device, &self.host_memory, &dev.stream, src, dst, runs)
-            .map_err(|e| task_error(OpError::Memory(e)))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         self.end_timing(&dev.stream, task, timing)
     }
 
@@ -627,7 +626,7 @@ impl Backend for CudaBackend<'_> {
             None => {
                 self.recorder
                     .flush("a host stream waits for device work inside the step")
-                    .map_err(|e| task_error(OpError::Launch(e)))?;
+                    .map_err(|e| task_error(OpError::from(e)))?;
                 ev.event.synchronize().map_err(driver("cuEventSynchronize"))
             }
         }
@@ -647,15 +646,15 @@ impl Backend for CudaBackend<'_> {
         self.bind()?;
         self.recorder
             .flush("the routing of a gate is read back for the plan's guards")
-            .map_err(|e| task_error(OpError::Launch(e)))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         let view = self
             .host_memory
             .view(gate, route, None)
-            .map_err(|e| task_error(OpError::Memory(e.into())))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         let ptr = self
             .memory
             .ptr(view)
-            .map_err(|e| task_error(OpError::Memory(e)))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         let needed = tokens * top_k * crate::ir::catalog::ROUTE_ENTRY_BYTES as usize;
         let mut bytes = vec![0u8; needed.min(view.len as usize)];
         // A device-to-host copy after the gate on its stream, then an event the host waits
@@ -736,7 +735,7 @@ impl Backend for CudaBackend<'_> {
         let (graph, deferred) = self
             .recorder
             .finish(step)
-            .map_err(|e| task_error(OpError::Launch(e)))?;
+            .map_err(|e| task_error(OpError::from(e)))?;
         let times = self.finish_step()?;
         self.recording_step.store(false, Ordering::Release);
         self.device_guards.store(false, Ordering::Release);

@@ -1,6 +1,7 @@
 //! DeepSeek-V2/V3 on the CUDA backend: multi-head latent attention (MLA), DeepSeek's routers
-//! and the leading dense layers, as launches on the task's stream (a child of `ops`, whose
-//! op functions call in here where a DeepSeek card differs from the other families).
+//! and the leading dense layers, as launches on the task's stream (beside `ops`, `moe` and
+//! `attention`, whose op functions call in here where a DeepSeek card differs from the
+//! other families).
 //!
 //! Takes a task's weights and device rows; gives what the CPU backend computes for the same
 //! op, in the CPU's layouts: `pre_attn` writes the absorbed MLA `qkv` rows of
@@ -15,13 +16,13 @@
 //! common `shared_expert` path. Guarantees: no routing or activation is read on the host,
 //! and what the kernels cannot take is named by [`unsupported`] before any launch.
 
-use super::{GpuCx, OpError};
+use super::launch::{int, row_block, Arg, DevMatrix};
+use super::ops::{not_supported, GpuCx, OpError};
 use crate::math::mla::LORA_NORM_EPS;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{DeepseekRouter, DeepseekTopk};
 use crate::model::layout::LayerLayout;
 use crate::model::segment::SegmentKind;
-use crate::runtime::cuda::launch::{int, row_block, Arg, DevMatrix};
 use crate::runtime::host::memory::View;
 
 /// `MLA_TILE_M` / `MLA_TILE_N` of kernels/mla_attention.cu.
@@ -185,7 +186,7 @@ fn geometry(
     );
     let (rows, cols, _) = LayerLayout::shape_of(cx.arch, kind);
     if w.rows != rows || w.cols != cols {
-        return Err(OpError::Unsupported(format!(
+        return Err(not_supported(format!(
             "{kind:?} of {} x {} (MLA needs {rows} x {cols})",
             w.rows, w.cols
         )));
@@ -219,7 +220,7 @@ pub(super) fn mla_pre_attn(
     let qk = nope + rope;
     let width = arch.attn.qkv_width();
     if hd != r + rope || width != (heads + 2) * hd {
-        return Err(OpError::Unsupported(format!(
+        return Err(not_supported(format!(
             "MLA qkv rows of {width} floats with heads of {hd} (kv_lora_rank {r} + rope {rope})"
         )));
     }
@@ -235,7 +236,7 @@ pub(super) fn mla_pre_attn(
         cx.s.linear(x_norm.ptr(), n, &a, qa.ptr(), rank, false)?;
         let norm = cx.segment(weights, layer, SegmentKind::QANorm)?;
         if norm.rows * norm.cols != rank {
-            return Err(OpError::Unsupported(format!(
+            return Err(not_supported(format!(
                 "q_a_layernorm of {} values for a query rank of {rank}",
                 norm.rows * norm.cols
             )));
@@ -290,7 +291,7 @@ pub(super) fn mla_pre_attn(
     )?;
     let kv_norm = cx.segment(weights, layer, SegmentKind::KvANorm)?;
     if kv_norm.rows * kv_norm.cols != r {
-        return Err(OpError::Unsupported(format!(
+        return Err(not_supported(format!(
             "kv_a_layernorm of {} values for kv_lora_rank {r}",
             kv_norm.rows * kv_norm.cols
         )));
@@ -385,7 +386,7 @@ pub(super) fn route(
 ) -> Result<(), OpError> {
     let (e, k) = (cx.arch.experts, cx.arch.top_k);
     if e > DEEPSEEK_MAX_EXPERTS || k > e {
-        return Err(OpError::Unsupported(format!(
+        return Err(not_supported(format!(
             "{e} experts with top-{k} (the DeepSeek router kernel takes at most {DEEPSEEK_MAX_EXPERTS} experts)"
         )));
     }
@@ -411,7 +412,7 @@ pub(super) fn route(
     let (bias, _keep) = if has_bias {
         let (ptr, elems, keep) = cx.vector_f32(weights, layer, SegmentKind::RouterBias)?;
         if elems != e {
-            return Err(OpError::Unsupported(format!(
+            return Err(not_supported(format!(
                 "e_score_correction_bias of {elems} values for {e} experts"
             )));
         }

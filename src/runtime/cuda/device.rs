@@ -145,7 +145,9 @@ fn cache_path(
         .ok()?
         .join("cuda-kernels");
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (super::kernels::PRELUDE, kernel.source, arch, nvrtc, device).hash(&mut hasher);
+    // What NVRTC compiles (the prelude and included headers with the file), so a change to
+    // any of them misses the cache.
+    (super::kernels::full_source(kernel), arch, nvrtc, device).hash(&mut hasher);
     Some(dir.join(format!(
         "{}-{}-{:016x}.ptx",
         kernel.file.trim_end_matches(".cu"),

@@ -28,7 +28,7 @@ use super::launch::{Arg, LaunchError};
 use crate::ir::{Engine, ExpertRef, ExpertSet, GuardAtom, Op, StepKind};
 use crate::lower::{ExecPlan, Instr, PlanTask};
 use crate::records::GraphUse;
-use crate::runtime::lock;
+use crate::runtime::sync::lock;
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,

@@ -140,10 +140,44 @@ pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, CudaE
 /// files share one copy instead of each keeping its own.
 pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 
-/// What NVRTC compiles for `kernel`: [`PRELUDE`], then the file, its lines numbered as in
-/// the file (`#line`), so NVRTC's messages point into the file itself.
+/// The headers a kernel file may `#include "<name>"` (besides the prelude every file
+/// gets), embedded like the files: [`full_source`] puts a header's text where it is
+/// included, so NVRTC needs no include path and a moec binary no kernels folder.
+pub const HEADERS: [(&str, &str); 1] = [(
+    "paged_attention.cuh",
+    include_str!("../../../kernels/paged_attention.cuh"),
+)];
+
+/// What NVRTC compiles for `kernel`: [`PRELUDE`], then the file with each `#include` of a
+/// [`HEADERS`] entry replaced by that header's text, lines numbered as in the file or
+/// header they come from (`#line`), so NVRTC's messages point into them. Also the PTX
+/// cache's key: a header's change recompiles every file that includes it.
 pub fn full_source(kernel: &KernelSource) -> String {
-    format!("{PRELUDE}\n#line 1 \"{}\"\n{}", kernel.file, kernel.source)
+    let mut out = format!("{PRELUDE}\n#line 1 \"{}\"\n", kernel.file);
+    for (n, line) in kernel.source.lines().enumerate() {
+        match included_header(line) {
+            Some((name, text)) => {
+                out.push_str(&format!("#line 1 \"{name}\"\n{text}\n"));
+                out.push_str(&format!("#line {} \"{}\"\n", n + 2, kernel.file));
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// The [`HEADERS`] entry a source line includes (`#include "name"`), if any.
+fn included_header(line: &str) -> Option<(&'static str, &'static str)> {
+    let name = line
+        .trim()
+        .strip_prefix("#include")?
+        .trim()
+        .strip_prefix('"')?
+        .strip_suffix('"')?;
+    HEADERS.iter().copied().find(|(header, _)| *header == name)
 }
 
 /// Compiles one source (after [`PRELUDE`]) to PTX for `arch`. Call only after NVRTC was
@@ -240,6 +274,11 @@ mod tests {
         assert_entries_match("decode_attention.cu");
     }
 
+    #[test]
+    fn prefill_attention_entries_match_the_source() {
+        assert_entries_match("prefill_attention.cu");
+    }
+
     /// Every file under `kernels/` is embedded, and no source holds a NUL byte (cudarc
     /// hands sources to NVRTC as C strings and would panic on one).
     #[test]
@@ -257,6 +296,39 @@ mod tests {
         assert_eq!(on_disk, embedded);
         assert!(KERNELS.iter().all(|k| !k.source.contains('\0')));
         assert!(!PRELUDE.contains('\0'));
+        // Every header but the prelude (put before every file) is one a file may include.
+        let mut headers: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .filter_map(|entry| entry.ok())
+            .map(|entry| entry.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".cuh") && name != "prelude.cuh")
+            .collect();
+        headers.sort();
+        let embedded: Vec<&str> = HEADERS.iter().map(|(name, _)| *name).collect();
+        assert_eq!(headers, embedded);
+        assert!(HEADERS.iter().all(|(_, text)| !text.contains('\0')));
+    }
+
+    /// An included header's text stands where the file includes it, once, and the lines
+    /// after it are numbered as in the file (NVRTC's messages point there).
+    #[test]
+    fn full_source_puts_included_headers_in_place() {
+        let prefill = kernel("prefill_attention.cu");
+        let full = full_source(prefill);
+        let (_, header) = HEADERS[0];
+        assert_eq!(full.matches(header).count(), 1);
+        assert!(!full.contains("#include \"paged_attention.cuh\""));
+        let include_line = prefill
+            .source
+            .lines()
+            .position(|l| l.starts_with("#include"))
+            .expect("prefill_attention.cu includes its header")
+            + 1;
+        assert!(full.contains(&format!(
+            "#line {} \"prefill_attention.cu\"",
+            include_line + 1
+        )));
+        assert_eq!(full_source(kernel("rope.cu")).matches("#line").count(), 1);
     }
 
     #[test]

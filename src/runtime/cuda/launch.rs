@@ -203,7 +203,7 @@ impl Workspace {
     /// buffers replaced during the step are kept until [`Workspace::release_retired`]
     /// after its end (freeing one now would queue the free before the work using it).
     pub fn reset(&self, keep_retired: bool) {
-        let mut w = crate::runtime::lock(&self.inner);
+        let mut w = crate::runtime::sync::lock(&self.inner);
         w.used = 0;
         if !keep_retired {
             w.retired.clear();
@@ -212,18 +212,18 @@ impl Workspace {
 
     /// Frees the buffers replaced during a recorded step, after its work was submitted.
     pub fn release_retired(&self) {
-        crate::runtime::lock(&self.inner).retired.clear();
+        crate::runtime::sync::lock(&self.inner).retired.clear();
     }
 
     /// Bytes the buffer holds, and how many times it grew.
     pub fn size(&self) -> (usize, usize) {
-        let w = crate::runtime::lock(&self.inner);
+        let w = crate::runtime::sync::lock(&self.inner);
         (w.size, w.grown)
     }
 
     fn take(&self, stream: &Arc<CudaStream>, bytes: usize) -> Result<u64, LaunchError> {
         let bytes = bytes.next_multiple_of(SCRATCH_ALIGN);
-        let mut w = crate::runtime::lock(&self.inner);
+        let mut w = crate::runtime::sync::lock(&self.inner);
         if w.used + bytes > w.size {
             let size = (2 * w.size).max(w.used + bytes).max(1 << 20);
             // SAFETY: scratch is written by this stream's kernels before they read it.

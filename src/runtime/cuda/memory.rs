@@ -23,7 +23,7 @@ use crate::runtime::host::memory::{
     clip_to_runs, runs_span, HostMemory, MemoryError, Region, View,
 };
 use crate::runtime::host::weights::{WeightMap, WeightTag};
-use crate::runtime::lock;
+use crate::runtime::sync::lock;
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError, PushKernelArg};
 use std::sync::{Arc, Mutex};
 

@@ -11,14 +11,18 @@
 //! backend's math and layouts), so both backends run the same lowered plan. No module
 //! outside this one imports cudarc.
 
+pub mod attention;
 pub mod backend;
+pub mod deepseek;
 pub mod detect;
 pub mod device;
+pub mod devices;
 pub mod graph;
 pub mod host_weights;
 pub mod kernels;
 pub mod launch;
 pub mod memory;
+pub mod moe;
 pub mod ops;
 pub mod probe;
 
@@ -27,11 +31,12 @@ pub use backend::{CudaBackend, CudaReport, CudaSetupError};
 use crate::lower::ExecPlan;
 use crate::runtime::backend::{Backend, BackendError, BackendOptions};
 use crate::runtime::host::HostMemory;
-use crate::runtime::registry::{GpuSpace, HostEngine, Registration};
+use crate::runtime::probe::{GpuProbe, GpuProbeSizes};
+use crate::runtime::registration::{GpuSpace, HostEngine, Registration};
 use crate::weights::checkpoint::Checkpoint;
 use std::sync::Arc;
 
-/// The CUDA backend in the registry (`runtime::registry`): the `gpu` space on the device,
+/// The CUDA backend's registration (listed by `runtime::registry`): the `gpu` space on the device,
 /// weight copies reach the device as bytes (a device kernel cannot read the mapped
 /// checkpoint, so the replay charges them as copies; on the host side they bind when the
 /// checkpoint is registered: `runtime::cuda::host_weights`), and it refuses to start, in
@@ -44,7 +49,15 @@ pub const REGISTRATION: Registration = Registration {
     quant_formats: &ops::QUANT_FORMATS,
     refusal: run_refusal,
     open: open_cuda,
+    link_libraries: detect::use_versioned_libraries,
+    devices: devices::devices,
+    probe: Some(run_probe),
 };
+
+/// `moec probe --backend cuda`: moec's kernels and copies timed on device 0.
+fn run_probe(sizes: GpuProbeSizes) -> Result<GpuProbe, String> {
+    probe::probe(sizes).map_err(|e| e.to_string())
+}
 
 /// Why a plan cannot run on the CUDA backend here, in one line: what is missing.
 pub fn run_refusal() -> Option<String> {

@@ -14,9 +14,9 @@ use crate::lower::PlanArg;
 use crate::model::vocab::Routing;
 use crate::model::vocab::Sampling;
 use crate::rng::Rng;
-pub use crate::runtime::lock;
 use crate::runtime::step::StepContext;
 pub use crate::runtime::step::{MicroBatchState, SeqSlot};
+pub use crate::runtime::sync::lock;
 use std::collections::HashMap;
 use std::sync::Mutex;
 

@@ -33,8 +33,8 @@ use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
 use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
-use crate::runtime::lock;
 use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
+use crate::runtime::sync::lock;
 use crate::weights::checkpoint::Checkpoint;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -1,0 +1,378 @@
+//! The CUDA backend's attention op: a micro-batch's rows appended to the paged KV cache,
+//! then attended over it, in the CPU backend's cache layout so either backend reads what
+//! the other wrote.
+//!
+//! Takes an `attn` task (its `qkv` rows, its `kv` cache slice or none, its `out` rows) and
+//! the micro-batch's sequences; gives the attention output rows. Rows are launched in runs
+//! of adjacent sequences: a run whose sequences each bring one token takes the decode
+//! kernels (`paged_kv_append`, `paged_decode_attention`: a sequence per launch row, its
+//! block table by sequence), any other the row kernels (`paged_kv_append_rows`,
+//! `paged_prefill_attention`: a table and a sequence per row); DeepSeek's MLA attends with
+//! its own kernel (`super::deepseek`). A prefill over whole prompts without a `kv`
+//! argument attends over a scratch cache holding only this call's K/V. Guarantees: a
+//! block table that does not cover its tokens, or names a block past the cache, is an
+//! error before any launch.
+
+use super::deepseek;
+use super::launch::{int, Arg, Scratch};
+use super::ops::{GpuCx, OpError};
+use crate::ir::catalog::OpKind;
+use crate::ir::{AttnPart, Op, Role};
+use crate::lower::PlanTask;
+use crate::model::vocab::AttnShape;
+use crate::runtime::host::memory::View;
+use crate::runtime::ops::{OpCx, TaskArgs};
+use crate::runtime::step::MicroBatchState;
+
+/// Per-row sequence and position, block tables padded to `max_blocks`, for the rows of a
+/// micro-batch (row order = the micro-batch's token order).
+struct RowTables {
+    row_seq: Vec<u32>,
+    row_pos: Vec<i32>,
+    tables: Vec<u32>,
+    max_blocks: usize,
+}
+
+fn row_tables(mb: &MicroBatchState, tables: &[Vec<u32>]) -> RowTables {
+    let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut flat = vec![0u32; tables.len() * max_blocks];
+    for (s, t) in tables.iter().enumerate() {
+        flat[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
+    }
+    let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
+    for (s, seq) in mb.seqs.iter().enumerate() {
+        for j in 0..seq.new_tokens.len() {
+            row_seq.push(s as u32);
+            row_pos.push((seq.context_len + j) as i32);
+        }
+    }
+    RowTables {
+        row_seq,
+        row_pos,
+        tables: flat,
+        max_blocks,
+    }
+}
+
+/// Row ranges of the sequences `pick` selects, merged where adjacent.
+fn runs(mb: &MicroBatchState, pick: impl Fn(usize) -> bool) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut row = 0;
+    for (s, seq) in mb.seqs.iter().enumerate() {
+        let r = row..row + seq.new_tokens.len();
+        row = r.end;
+        if !pick(s) || r.is_empty() {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// The layer's KV cache for one call: the pools' device addresses, the block size, each
+/// sequence's block table, the row runs to append, and the scratch holding a cache of this
+/// call's own K/V (none when the task's `kv` slice is the cache).
+struct KvPools {
+    k: u64,
+    v: u64,
+    block: usize,
+    tables: Vec<Vec<u32>>,
+    append: Vec<std::ops::Range<usize>>,
+    _scratch: Option<Scratch>,
+}
+
+/// `attn`: append every new row's K/V, then attend the rows its part selects.
+pub(super) fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Attn { layer, ub, part } = task.op else {
+        return Err(cx.wrong_op(OpKind::Attn, task));
+    };
+    let mb = cx.ub(ub)?;
+    let n = mb.n_tokens();
+    // The layer's geometry: gpt-oss slides its window on even layers only.
+    let shape = cx.arch.attn_of(layer as usize);
+    let (qw, ow) = (shape.qkv_width(), shape.q_width());
+    let qkv = cx.ptr(args.need(Role::Qkv)?, "qkv", n * qw * 4)?;
+    let out = cx.ptr(args.need(Role::Out)?, "out", n * ow * 4)?;
+    let wanted = |s: usize| {
+        mb.seqs.get(s).is_some_and(|seq| match part {
+            AttnPart::All => true,
+            AttnPart::Prefill => seq.prefill,
+            AttnPart::Decode => !seq.prefill,
+        })
+    };
+    let pools = match args.get(Role::Kv) {
+        Some(kv) => task_cache(cx, mb, kv, &shape)?,
+        None => scratch_cache(cx, mb, &shape, wanted)?,
+    };
+    let attend = runs(mb, wanted);
+    if attend.is_empty() && pools.append.is_empty() {
+        return Ok(());
+    }
+    let calls = Calls::new(cx, mb, &pools, &shape, qkv)?;
+    for r in &pools.append {
+        calls.append(r)?;
+    }
+    for r in &attend {
+        calls.attend(r, out)?;
+    }
+    Ok(())
+}
+
+/// Floats of one block of one KV head's pool.
+fn block_elems(shape: &AttnShape, block: usize) -> usize {
+    block * shape.kv_heads * shape.head_dim
+}
+
+/// The task's `kv` slice as the cache (`[K pool | V pool]`, the micro-batch's block
+/// size): every sequence's table must cover its tokens with blocks inside the pools.
+fn task_cache(
+    cx: &GpuCx<'_>,
+    mb: &MicroBatchState,
+    kv: View,
+    shape: &AttnShape,
+) -> Result<KvPools, OpError> {
+    let block = mb.block_size.max(1);
+    let pool_blocks = (kv.len as usize / 4 / 2 / block_elems(shape, block).max(1)) as u64;
+    let pool_elems = pool_blocks as usize * block_elems(shape, block);
+    let base = cx.ptr(kv, "kv", 2 * pool_elems * 4)?;
+    let tables: Vec<Vec<u32>> = mb.seqs.iter().map(|s| s.block_table.clone()).collect();
+    for (seq, t) in mb.seqs.iter().zip(&tables) {
+        let needed = (seq.context_len + seq.new_tokens.len()).div_ceil(block);
+        if t.len() < needed || t.iter().any(|&b| u64::from(b) >= pool_blocks) {
+            return Err(OpError::Kv(format!(
+                "a block table of {} blocks (ids below {pool_blocks} needed) does not cover {} tokens of {block}",
+                t.len(),
+                seq.context_len + seq.new_tokens.len()
+            )));
+        }
+    }
+    Ok(KvPools {
+        k: base,
+        v: base + (pool_elems * 4) as u64,
+        block,
+        tables,
+        append: runs(mb, |_| true),
+        _scratch: None,
+    })
+}
+
+/// A GPU prefill over whole prompts without a `kv` argument: a scratch cache holding only
+/// this call's K/V, blocks of 16 handed out in sequence order to the sequences attended.
+fn scratch_cache(
+    cx: &GpuCx<'_>,
+    mb: &MicroBatchState,
+    shape: &AttnShape,
+    wanted: impl Fn(usize) -> bool + Copy,
+) -> Result<KvPools, OpError> {
+    let block = 16;
+    let mut next = 0u32;
+    let mut tables = Vec::new();
+    for (s, seq) in mb.seqs.iter().enumerate() {
+        if wanted(s) {
+            if seq.context_len > 0 {
+                return Err(OpError::MissingArg(
+                    "kv (a sequence with cached tokens needs its KV cache)",
+                ));
+            }
+            let blocks = seq.new_tokens.len().div_ceil(block) as u32;
+            tables.push((next..next + blocks).collect());
+            next += blocks;
+        } else {
+            tables.push(Vec::new());
+        }
+    }
+    let elems = next as usize * block_elems(shape, block);
+    let scratch = cx.s.scratch(2 * elems * 4)?;
+    let base = scratch.ptr();
+    Ok(KvPools {
+        k: base,
+        v: base + (elems * 4) as u64,
+        block,
+        tables,
+        append: runs(mb, wanted),
+        _scratch: Some(scratch),
+    })
+}
+
+/// What every append and attention launch of one call shares: the uploaded row tables
+/// and the operands both kernel pairs take.
+struct Calls<'a, 'c> {
+    cx: &'a GpuCx<'c>,
+    mb: &'a MicroBatchState,
+    pools: &'a KvPools,
+    shape: &'a AttnShape,
+    rt: RowTables,
+    row_seq: Scratch,
+    row_pos: Scratch,
+    tables: Scratch,
+    qkv: u64,
+    dims: [Arg; 5],
+    row_width: Arg,
+    kv_heads: u32,
+}
+
+impl<'a, 'c> Calls<'a, 'c> {
+    fn new(
+        cx: &'a GpuCx<'c>,
+        mb: &'a MicroBatchState,
+        pools: &'a KvPools,
+        shape: &'a AttnShape,
+        qkv: u64,
+    ) -> Result<Self, OpError> {
+        let rt = row_tables(mb, &pools.tables);
+        let (row_seq, row_pos, tables) = (
+            cx.s.upload(&rt.row_seq)?,
+            cx.s.upload(&rt.row_pos)?,
+            cx.s.upload(&rt.tables)?,
+        );
+        let dims = [
+            Arg::I32(int("heads", shape.heads)?),
+            Arg::I32(int("kv_heads", shape.kv_heads)?),
+            Arg::I32(int("head_dim", shape.head_dim)?),
+            Arg::I32(int("block_size", pools.block)?),
+            Arg::I32(int("max_blocks", rt.max_blocks)?),
+        ];
+        Ok(Calls {
+            cx,
+            mb,
+            pools,
+            shape,
+            row_width: Arg::I32(int("qkv_width", shape.qkv_width())?),
+            kv_heads: int("kv_heads", shape.kv_heads)? as u32,
+            rt,
+            row_seq,
+            row_pos,
+            tables,
+            qkv,
+            dims,
+        })
+    }
+
+    /// Whether every sequence of run `r` brings one token (decode): such a run takes the
+    /// decode kernels, one row per sequence, its block table and position indexed by the
+    /// launch's sequence.
+    fn one_token_each(&self, r: &std::ops::Range<usize>) -> bool {
+        self.rt.row_seq[r.clone()].iter().all(|&s| {
+            self.mb
+                .seqs
+                .get(s as usize)
+                .is_some_and(|q| q.new_tokens.len() == 1)
+        })
+    }
+
+    /// The operands both kernel pairs start with: qkv rows, the pools, then the decode
+    /// kernels' (block tables from the run's first sequence, positions) or the row
+    /// kernels' (all tables, row -> sequence, positions).
+    fn operands(&self, r: &std::ops::Range<usize>, decode: bool) -> Vec<Arg> {
+        let qw = self.shape.qkv_width();
+        let mut a = vec![
+            Arg::Ptr(self.qkv + (r.start * qw * 4) as u64),
+            Arg::Ptr(self.pools.k),
+            Arg::Ptr(self.pools.v),
+        ];
+        if decode {
+            let seq = self.rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
+            a.push(Arg::Ptr(
+                self.tables.ptr() + (seq * self.rt.max_blocks * 4) as u64,
+            ));
+        } else {
+            a.push(Arg::Ptr(self.tables.ptr()));
+            a.push(Arg::Ptr(self.row_seq.ptr() + (r.start * 4) as u64));
+        }
+        a.push(Arg::Ptr(self.row_pos.ptr() + (r.start * 4) as u64));
+        a
+    }
+
+    /// Appends run `r`'s K/V to the cache.
+    fn append(&self, r: &std::ops::Range<usize>) -> Result<(), OpError> {
+        let decode = self.one_token_each(r);
+        let mut a = self.operands(r, decode);
+        a.extend_from_slice(&self.dims);
+        a.push(self.row_width);
+        let entry = if decode {
+            "paged_kv_append"
+        } else {
+            "paged_kv_append_rows"
+        };
+        let grid = (int("rows", r.len())? as u32, self.kv_heads, 1);
+        Ok(self.cx.s.launch(entry, grid, 32, 0, &a)?)
+    }
+
+    /// The scores' row stride of run `r`: the most keys any row's block table can hold (at
+    /// least its span), not the span itself, so a decode step's launch is the same every
+    /// step of a batch (CUDA graphs replay it) while positions grow.
+    fn max_keys(&self, r: &std::ops::Range<usize>) -> usize {
+        let window = self.shape.sliding_window.unwrap_or(0);
+        r.clone()
+            .map(|row| {
+                let seq = self.rt.row_seq.get(row).copied().unwrap_or(0) as usize;
+                let span = self.rt.row_pos.get(row).map_or(1, |&p| p as usize + 1);
+                let held = self
+                    .pools
+                    .tables
+                    .get(seq)
+                    .map_or(0, |t| t.len() * self.pools.block)
+                    .max(span);
+                if window > 0 {
+                    held.min(window)
+                } else {
+                    held
+                }
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Attends run `r`'s rows over the cache into `out`.
+    fn attend(&self, r: &std::ops::Range<usize>, out: u64) -> Result<(), OpError> {
+        let shape = self.shape;
+        let window = shape.sliding_window.unwrap_or(0);
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let group_bytes = (shape.heads / shape.kv_heads.max(1)) * shape.head_dim * 4;
+        // gpt-oss's sinks follow q | k | v in each row; -1: none.
+        let sink_col = if shape.sinks {
+            int(
+                "sink column",
+                (shape.heads + 2 * shape.kv_heads) * shape.head_dim,
+            )?
+        } else {
+            -1
+        };
+        let max_keys = self.max_keys(r);
+        let scores = self.cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
+        let mla = self.cx.arch.mla.is_some();
+        // MLA's kernel takes the row operands for decode too.
+        let decode = self.one_token_each(r) && !mla;
+        let mut a = self.operands(r, decode);
+        a.extend_from_slice(&[
+            Arg::Ptr(scores.ptr()),
+            Arg::Ptr(out + (r.start * shape.q_width() * 4) as u64),
+        ]);
+        a.extend_from_slice(&self.dims);
+        a.extend_from_slice(&[
+            Arg::I32(int("max_keys", max_keys)?),
+            Arg::I32(int("sliding_window", window)?),
+            Arg::F32(scale),
+            self.row_width,
+            Arg::I32(sink_col),
+        ]);
+        if mla {
+            return deepseek::mla_attention(self.cx, r.len(), shape.heads, shape.head_dim, &mut a);
+        }
+        let entry = if decode {
+            "paged_decode_attention"
+        } else {
+            "paged_prefill_attention"
+        };
+        Ok(self.cx.s.launch(
+            entry,
+            (int("rows", r.len())? as u32, self.kv_heads, 1),
+            64,
+            int("shared", group_bytes)? as u32,
+            &a,
+        )?)
+    }
+}
