@@ -7,7 +7,7 @@
 use super::RunFailure;
 use crate::cost::hardware::HardwareProfile;
 use crate::lower::ExecPlan;
-use crate::runtime::registry::GpuSpace;
+use crate::runtime::registration::GpuSpace;
 
 /// What [`refuse_what_does_not_fit`] needs to know of the run besides the plan.
 #[derive(Debug, Clone, Copy)]

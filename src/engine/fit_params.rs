@@ -16,7 +16,7 @@ use crate::cost::hardware::HardwareProfile;
 use crate::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
 use crate::cost::predict::{predict, CostSettings};
 use crate::ir::{deps, TaskId};
-use crate::runtime::registry::GpuSpace;
+use crate::runtime::registration::GpuSpace;
 
 /// Points of the coarse grid (`moec plan`'s default): bisection refines the best three.
 const MAX_GRID: usize = 120;

@@ -285,7 +285,7 @@ impl Session {
             sequences.push((request, Box::new(sink)));
             receivers.push(rx);
         }
-        let commands = crate::runtime::lock(&self.commands);
+        let commands = crate::runtime::sync::lock(&self.commands);
         commands
             .send(Command::Submit(sequences))
             .map_err(|_| SubmitRefusal::Unavailable("the session has stopped".to_string()))?;
@@ -296,11 +296,11 @@ impl Session {
     /// cancelled. Returns once the worker has ended, with its error if the run failed.
     pub fn shutdown(&self, deadline: Instant) -> Result<(), String> {
         {
-            let commands = crate::runtime::lock(&self.commands);
+            let commands = crate::runtime::sync::lock(&self.commands);
             // A worker already gone has nothing left to drain.
             let _ = commands.send(Command::Drain { deadline });
         }
-        let Some(worker) = crate::runtime::lock(&self.worker).take() else {
+        let Some(worker) = crate::runtime::sync::lock(&self.worker).take() else {
             return Ok(());
         };
         worker
@@ -310,7 +310,7 @@ impl Session {
 
     /// Whether the worker is still serving.
     pub fn is_running(&self) -> bool {
-        crate::runtime::lock(&self.worker)
+        crate::runtime::sync::lock(&self.worker)
             .as_ref()
             .is_some_and(|w| !w.is_finished())
     }

@@ -40,7 +40,6 @@ pub use backend::{Backend, BackendError, BackendOptions, WeightCopies};
 pub use driver::executor::{ExecError, ExecOptions};
 pub use driver::{RunError, RunOptions, RunOutput};
 pub use registration::Registration;
-pub use sync::lock;
 
 use crate::lower::ExecPlan;
 use crate::records::RunStats;

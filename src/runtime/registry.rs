@@ -20,7 +20,7 @@ use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
 
 // Where the interface lived before it had its own module; the engine still names it here.
-pub use super::registration::{GpuSpace, HostEngine, Open, Registration};
+use super::registration::Registration;
 
 /// Every backend, the default first.
 pub const BACKENDS: &[&Registration] = &[&super::cpu::REGISTRATION, &super::cuda::REGISTRATION];

@@ -115,7 +115,7 @@ pub struct RunOptions {
     pub stop_at_eos: bool,
     /// Which backend runs the plan (`runtime::generate` sets it up; the driver itself
     /// runs on whatever backend it is given).
-    pub on: &'static super::registry::Registration,
+    pub on: &'static super::registration::Registration,
     /// What the backend is set up with (threads, link throttle, device capacity).
     pub backend: super::backend::BackendOptions,
     /// Stall detection.
