@@ -16,6 +16,7 @@ pub mod rates;
 pub mod replay;
 pub mod reproduce;
 pub mod sim;
+pub mod step;
 pub mod workloads;
 
 pub use hardware::{ComputeDtype, HardwareError, HardwareProfile, Level, Processor};

@@ -13,18 +13,21 @@
 //! share; at a measured load (replay) the run's own routing decided, so tasks are charged
 //! in full.
 
-use super::activation::{activation, Activation};
-use super::bounds::{self, LayerBound, LayerWork, Stage1Bound, Stage1Inputs};
+use super::activation::Activation;
+use super::bounds::{self, LayerBound, Stage1Bound, Stage1Inputs};
 use super::hardware::{ComputeDtype, HardwareProfile, KernelRates, Level, Processor};
 use super::hrm::{compute_time, copy_time, ComputeLoad, Roof, TaskTime};
-use super::sim::{simulate, SimError, SimInput, SimResult, SimStream, SimTask};
+use super::sim::SimError;
 use crate::ir::catalog::{self, ArgType, AttnPart, CopyWork, CostClass, Shape, ACT_BYTES};
 use crate::ir::StepKind;
-use crate::ir::{BufferKind, Engine, KvPart, Layout, Op, Program, Role, Space, TaskId, Work};
-use crate::records::timeline::{Span, Timeline};
+use crate::ir::{BufferKind, Engine, Layout, Op, Program, Role, Space, TaskId, Work};
+use crate::records::timeline::Timeline;
 use crate::records::UbLoad;
 use serde::Serialize;
 use std::collections::BTreeMap;
+
+pub use super::step::FixedCosts;
+use super::step::*;
 
 /// Which context length decode work assumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
@@ -213,7 +216,7 @@ pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
 /// Tokens the smallest KV cache an attention task reads holds (its `kv` argument's bytes
 /// over a token's K and V of one layer), as the runtime's scheduler sizes a micro-batch's
 /// pool; `None` for a program whose attention reads no cache argument.
-fn kv_capacity_tokens(program: &Program) -> Option<usize> {
+pub(super) fn kv_capacity_tokens(program: &Program) -> Option<usize> {
     let per_token = program.model.kv_elems_per_token_layer();
     program
         .tasks
@@ -290,7 +293,7 @@ pub fn measured_shape(op: &Op, declared: Shape, load: &UbLoad) -> Shape {
 /// (the runtime copies whole declared slices), tasks without a micro-batch, and under
 /// [`Loads::Declared`] everything but decode attention, which is re-costed at the context
 /// `settings` chooses.
-fn recost_shape(
+pub(super) fn recost_shape(
     program: &Program,
     id: TaskId,
     settings: &CostSettings,
@@ -321,7 +324,7 @@ fn recost_shape(
 /// The HRM load of a compute task at the shape [`recost_shape`] picks. A task whose
 /// micro-batch holds nothing (no tokens, no sequences) does nothing: the kernels see zero
 /// rows and touch no weights.
-fn compute_load(
+pub(super) fn compute_load(
     program: &Program,
     id: TaskId,
     settings: &CostSettings,
@@ -364,7 +367,7 @@ fn compute_load(
 /// The shape a compute task runs at under `loads` and its catalog work there. A task whose
 /// micro-batch holds nothing (no tokens, no sequences) does nothing: the kernels see zero
 /// rows and touch no weights.
-fn task_work(
+pub(super) fn task_work(
     program: &Program,
     id: TaskId,
     settings: &CostSettings,
@@ -392,7 +395,7 @@ fn task_work(
 /// The distinct experts a measured step saw the routing of the task's (layer, micro-batch)
 /// reach (`UbLoad::active_experts`), for a task that reads a whole layer's experts (a
 /// fused `post_attn`, `experts(set = all)`); `None` where the run did not note it.
-fn seen_active_experts(program: &Program, id: TaskId, loads: Loads<'_>) -> Option<f64> {
+pub(super) fn seen_active_experts(program: &Program, id: TaskId, loads: Loads<'_>) -> Option<f64> {
     let op = &program.task(id).op;
     let whole = match op {
         Op::PostAttn { .. } => true,
@@ -413,7 +416,7 @@ fn seen_active_experts(program: &Program, id: TaskId, loads: Loads<'_>) -> Optio
 /// (every routed token on an expert of its own): with the routing seen, the weight traffic
 /// holds the `seen` experts the tokens reached instead (the dense part unchanged), split
 /// over the `w` arguments in the catalog's proportions.
-fn read_seen_experts(
+pub(super) fn read_seen_experts(
     work: &mut Work,
     op: &Op,
     card: &crate::model::card::ModelCard,
@@ -755,7 +758,7 @@ pub enum PredictError {
 /// What the plan's `ReadRouting` after a device gate costs: its `route` bytes over the
 /// device-to-host link (the gate's stream waits for them). A gate on a CPU engine reads
 /// its routing in place, for free.
-fn readback_seconds(program: &Program, id: TaskId, profile: &HardwareProfile) -> f64 {
+pub(super) fn readback_seconds(program: &Program, id: TaskId, profile: &HardwareProfile) -> f64 {
     let task = program.task(id);
     if program.stream(task.stream).engine != Engine::GpuCompute {
         return 0.0;
@@ -767,540 +770,6 @@ fn readback_seconds(program: &Program, id: TaskId, profile: &HardwareProfile) ->
         .map(|a| a.slice.len)
         .sum::<u64>();
     copy_time(profile, Level::Gpu, Level::Pinned, bytes as f64).seconds
-}
-
-/// The fixed costs the simulation adds to the HRM's task times, seconds: the effective
-/// model's per-task overhead ([`super::hardware::Adjustments`]) and the runtime's measured
-/// or sourced dispatch costs ([`super::hardware::DispatchCosts`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct FixedCosts {
-    /// Added to every task that does work (the effective model's launch overhead).
-    pub task_s: f64,
-    /// Added to every task the runtime runs (its dispatch), work or none.
-    pub dispatch_s: f64,
-    /// Lost by a stream each time it blocks on another stream's task.
-    pub wake_s: f64,
-    /// Added to a step per stream with tasks in it.
-    pub stream_thread_s: f64,
-}
-
-impl FixedCosts {
-    /// The fixed costs `profile` charges.
-    pub fn of(profile: &HardwareProfile) -> FixedCosts {
-        let dispatch = profile.dispatch.clone().unwrap_or_default();
-        FixedCosts {
-            task_s: profile.adjustments.task_s,
-            dispatch_s: dispatch.task_us * 1e-6,
-            wake_s: dispatch.wake_us * 1e-6,
-            stream_thread_s: dispatch.stream_thread_us * 1e-6,
-        }
-    }
-}
-
-/// One step's tasks, their HRM times and the simulated schedule.
-pub(crate) struct StepSim {
-    /// The step's tasks in issue order.
-    pub ids: Vec<TaskId>,
-    /// HRM time of each task in `ids`.
-    pub times: Vec<TaskTime>,
-    /// The simulation.
-    pub result: SimResult,
-}
-
-/// Simulates one step at `loads`: its tasks, dependencies inside the step (earlier steps
-/// are done).
-pub(crate) fn simulate_step_times(
-    program: &Program,
-    deps: &[Vec<TaskId>],
-    step_index: usize,
-    profile: &HardwareProfile,
-    settings: &CostSettings,
-    loads: Loads<'_>,
-) -> Result<StepSim, PredictError> {
-    simulate_step_ran(program, deps, step_index, profile, settings, loads, None)
-}
-
-/// [`simulate_step_times`] of an executed step whose guards the run decided: `ran[k]`
-/// false for the step's `k`-th task means its guard skipped it, so it does nothing and
-/// costs nothing (the runtime only evaluated its guard).
-pub(crate) fn simulate_step_ran(
-    program: &Program,
-    deps: &[Vec<TaskId>],
-    step_index: usize,
-    profile: &HardwareProfile,
-    settings: &CostSettings,
-    loads: Loads<'_>,
-    ran: Option<&[bool]>,
-) -> Result<StepSim, PredictError> {
-    let step = &program.steps[step_index];
-    let first = step.first as usize;
-    let ids: Vec<TaskId> = step.task_ids().collect();
-    let streams: Vec<SimStream> = program
-        .streams
-        .iter()
-        .map(|s| SimStream {
-            name: s.name.clone(),
-            resource: resource_of(s.engine, profile).into(),
-        })
-        .collect();
-    let mut times = Vec::with_capacity(ids.len());
-    let readback = program.readback_gates();
-    let overheads = profile.adjustments;
-    let fixed = FixedCosts::of(profile);
-    let kv_store_rate = overheads.kv_store_bytes_per_s;
-    let steady = matches!(loads, Loads::Steady(_));
-    let weight_copy_rate = overheads.weight_copy_bytes_per_s;
-    let classes = if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 {
-        buffer_classes(program)
-    } else {
-        Vec::new()
-    };
-    let kv_load = kv_part_load(program, step.kind, settings, loads);
-    let tasks: Vec<SimTask> = ids
-        .iter()
-        .enumerate()
-        .map(|(k, &id)| {
-            let task = program.task(id);
-            let step_deps: Vec<usize> = deps[id.index()]
-                .iter()
-                .filter(|d| d.index() >= first)
-                .map(|d| d.index() - first)
-                .collect();
-            if ran.and_then(|r| r.get(k)) == Some(&false) {
-                times.push(TaskTime {
-                    seconds: 0.0,
-                    roof: Roof::Idle,
-                });
-                return SimTask {
-                    stream: task.stream.index(),
-                    seconds: 0.0,
-                    deps: step_deps,
-                };
-            }
-            let mut time = match loads {
-                Loads::Declared => {
-                    let tokens = task.shape.tokens;
-                    let act = activation(program, id, tokens);
-                    expected_task_time(program, id, profile, settings, act)
-                }
-                Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
-                Loads::Steady(per_ub) => {
-                    let mut time = task_time_at(program, id, profile, settings, loads);
-                    // A live-row copy is already at its micro-batch's rows.
-                    if task.work.copy.is_some()
-                        && task.live.is_none()
-                        && classes.get(task.args[0].slice.buffer.index())
-                            == Some(&BufferClass::Activations)
-                    {
-                        time.seconds *= steady_row_share(program, per_ub);
-                    }
-                    time
-                }
-            };
-            // `.context()` / `.appended()` move the positions the step's sequences hold
-            // (FlexGen loads `k_home[:src_s]`, stores `k_new`), not the declared line.
-            if let (Some(copy), Some(part)) = (task.work.copy, task.kv) {
-                let bytes = kv_part_bytes_at(program, &task.shape, part, &kv_load);
-                time = copy_time(profile, level_of(copy.src), level_of(copy.dst), bytes);
-            }
-            if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
-                let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
-                if class == Some(BufferClass::Weights) && weight_copy_rate > 0.0 {
-                    time = TaskTime {
-                        seconds: copy.bytes as f64 / weight_copy_rate,
-                        roof: time.roof,
-                    };
-                }
-                let store = copy.src == Space::Gpu && copy.dst != Space::Gpu;
-                if class == Some(BufferClass::KvCache) && kv_store_rate > 0.0 && store {
-                    let bytes = match task.kv {
-                        Some(part) => kv_part_bytes_at(program, &task.shape, part, &kv_load),
-                        None => copy.bytes as f64,
-                    };
-                    time.seconds = time.seconds.max(bytes / kv_store_rate);
-                }
-            }
-            // GPU kernels reach different rates by kind and phase (FlexGen fits four:
-            // GEMM and attention, prefill and decode); the profile may cap each.
-            if program.engine_of(id) == Engine::GpuCompute && task.work.copy.is_none() {
-                let cap = gpu_rate_cap(&task.op, &task.shape, step.kind, &overheads);
-                if cap > 0.0 {
-                    let flops = compute_load(program, id, settings, loads).flops;
-                    time.seconds = time.seconds.max(flops / cap);
-                }
-            }
-            // moec's own kernels on this machine reach less than the roofline by op kind
-            // and rows: a measured profile charges each compute task at least that. The
-            // curves are the CPU kernels': they time a `gpu` stream's task only where the
-            // GPU is the CPU backend's emulation on the same cores (`shared_compute`).
-            let cpu_kernels =
-                profile.adjustments.shared_compute || program.engine_of(id) != Engine::GpuCompute;
-            if let (Some(kernels), true) = (&profile.kernels, cpu_kernels) {
-                let mut seconds = kernel_seconds(program, id, settings, loads, kernels);
-                if let Loads::Declared = loads {
-                    seconds *= activation(program, id, task.shape.tokens).runs;
-                }
-                if seconds > time.seconds {
-                    time = TaskTime {
-                        seconds,
-                        roof: Roof::Kernel,
-                    };
-                }
-            }
-            if readback.get(id.index()).copied().unwrap_or(false) {
-                time.seconds += readback_seconds(program, id, profile);
-            }
-            if time.seconds > 0.0 {
-                // Fixed costs: a launch per task, an event wait per other stream waited on.
-                let mut waited: Vec<usize> = step_deps
-                    .iter()
-                    .map(|&d| program.task(ids[d]).stream.index())
-                    .filter(|&s| s != task.stream.index())
-                    .collect();
-                waited.sort_unstable();
-                waited.dedup();
-                time.seconds += fixed.task_s + overheads.sync_s * waited.len() as f64;
-            }
-            // The runtime dispatches every task it runs, work or none (an empty
-            // micro-batch's kernels still enter the pool); at the declared load a guarded
-            // task runs with its expected probability.
-            if fixed.dispatch_s > 0.0 {
-                let runs = match loads {
-                    Loads::Declared => activation(program, id, task.shape.tokens).runs,
-                    Loads::Measured(_) | Loads::Steady(_) => 1.0,
-                };
-                time.seconds += fixed.dispatch_s * runs;
-            }
-            times.push(time);
-            SimTask {
-                stream: task.stream.index(),
-                seconds: time.seconds,
-                deps: step_deps,
-            }
-        })
-        .collect();
-    let mut used_streams: Vec<usize> = tasks.iter().map(|t| t.stream).collect();
-    used_streams.sort_unstable();
-    used_streams.dedup();
-    let input = SimInput {
-        streams,
-        tasks,
-        wake_seconds: fixed.wake_s,
-    };
-    let mut result: SimResult = simulate(&input).map_err(|source| PredictError::Sim {
-        step: step.kind.as_str().to_string(),
-        source,
-    })?;
-    // The runtime starts and joins one thread per stream with work in the step.
-    if !ids.is_empty() {
-        result.makespan += fixed.stream_thread_s * used_streams.len() as f64;
-    }
-    Ok(StepSim { ids, times, result })
-}
-
-/// The share of a mixed step's declared rows a steady pass holds: its new tokens per
-/// micro-batch over the declared `mixed_tokens`.
-fn steady_row_share(program: &Program, per_ub: &[UbLoad]) -> f64 {
-    let declared = program.micro_batches.mixed_tokens.max(1) as f64;
-    let tokens = per_ub
-        .iter()
-        .map(|l| (l.prefill_tokens + l.decode_seqs) as f64)
-        .fold(0.0, f64::max);
-    (tokens / declared).min(1.0)
-}
-
-/// The FLOP/s cap of a GPU task's kind in a step of `kind` (0: none). A mixed step's task
-/// counts as prefill when it carries more tokens than sequences.
-fn gpu_rate_cap(
-    op: &Op,
-    shape: &Shape,
-    kind: StepKind,
-    adjust: &super::hardware::Adjustments,
-) -> f64 {
-    let prefill = match kind {
-        StepKind::Prefill => true,
-        StepKind::Decode => false,
-        _ => shape.tokens > shape.seqs,
-    };
-    // No wildcard: a new class must say which cap (if any) its flops meet.
-    match (op.def().cost, prefill) {
-        (CostClass::Attention, true) => adjust.gpu_prefill_attn_flops,
-        (CostClass::Attention, false) => adjust.gpu_decode_attn_flops,
-        (CostClass::Copy, _) => 0.0,
-        // Prefill GEMMs run at the prefill rate the profile's peak already holds
-        // (`HardwareProfile::effective`); decode ones are capped at the decode GEMM rate.
-        (
-            CostClass::Linear
-            | CostClass::LinearPerSequence
-            | CostClass::ExpertFfn
-            | CostClass::FusedPostAttn
-            | CostClass::Roofline(_),
-            true,
-        ) => 0.0,
-        (
-            CostClass::Linear
-            | CostClass::LinearPerSequence
-            | CostClass::ExpertFfn
-            | CostClass::FusedPostAttn
-            | CostClass::Roofline(_),
-            false,
-        ) => adjust.gpu_decode_gemm_flops,
-    }
-}
-
-/// One micro-batch's load as a `.context()` / `.appended()` copy sees it: at the declared
-/// load, full micro-batches whose decoding sequences attend over the context `settings`
-/// assumes; at a measured or steady load, the mean over the step's micro-batches (a copy
-/// does not name its micro-batch in the program: value tracking finds it for the runtime).
-fn kv_part_load(
-    program: &Program,
-    kind: StepKind,
-    settings: &CostSettings,
-    loads: Loads<'_>,
-) -> UbLoad {
-    let size = program.micro_batches.size as usize;
-    match loads {
-        Loads::Measured(per_ub) | Loads::Steady(per_ub) => {
-            let n = per_ub.len().max(1);
-            let sum = |f: fn(&UbLoad) -> usize| per_ub.iter().map(f).sum::<usize>() / n;
-            UbLoad {
-                prefill_seqs: sum(|l| l.prefill_seqs),
-                prefill_tokens: sum(|l| l.prefill_tokens),
-                decode_seqs: sum(|l| l.decode_seqs),
-                decode_context: sum(|l| l.decode_context),
-                active_experts: Vec::new(),
-            }
-        }
-        Loads::Declared if kind == StepKind::Prefill => UbLoad {
-            prefill_seqs: size,
-            prefill_tokens: size * program.workload.prompt_len as usize,
-            ..UbLoad::default()
-        },
-        Loads::Declared => UbLoad {
-            decode_seqs: size,
-            decode_context: size * decode_context_len(program, settings) as usize,
-            ..UbLoad::default()
-        },
-    }
-}
-
-/// Bytes a `.context()` (the positions cached before the step: decoding sequences'
-/// context less their new token) or `.appended()` (every new token's position) copy moves
-/// for a micro-batch at `load`, at the task's element size.
-fn kv_part_bytes_at(program: &Program, declared: &Shape, part: KvPart, load: &UbLoad) -> f64 {
-    let per_token = (program.model.kv_elems_per_token_layer() * declared.act_bytes) as f64;
-    let positions = match part {
-        KvPart::Context => load.decode_context.saturating_sub(load.decode_seqs),
-        KvPart::Appended => load.prefill_tokens + load.decode_seqs,
-    };
-    positions as f64 * per_token
-}
-
-/// Simulates one step at `loads` and describes it (busy shares, bounds, timeline).
-pub(crate) fn simulate_step(
-    program: &Program,
-    deps: &[Vec<TaskId>],
-    step_index: usize,
-    profile: &HardwareProfile,
-    settings: &CostSettings,
-    classes: &[BufferClass],
-    loads: Loads<'_>,
-) -> Result<StepPrediction, PredictError> {
-    let step = &program.steps[step_index];
-    let StepSim { ids, times, result } =
-        simulate_step_times(program, deps, step_index, profile, settings, loads)?;
-    let makespan = result.makespan.max(1e-30);
-    let stream_busy = program
-        .streams
-        .iter()
-        .zip(&result.stream_busy)
-        .map(|(s, busy)| (s.name.clone(), busy / makespan))
-        .collect();
-    let resource_busy = result
-        .resource_busy
-        .iter()
-        .map(|(r, busy)| (r.clone(), busy / makespan))
-        .collect();
-    let spans = ids
-        .iter()
-        .enumerate()
-        .map(|(k, &id)| Span {
-            stream: program.task(id).stream.index(),
-            name: program.task_name(id),
-            op: task_kind(program, id, classes),
-            start: result.start[k],
-            end: result.end[k],
-        })
-        .collect();
-    let mut op_seconds: BTreeMap<String, (f64, String)> = BTreeMap::new();
-    let mut op_roofs: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    for (span, time) in spans_iter(&ids, program, classes).zip(&times) {
-        op_seconds
-            .entry(span.clone())
-            .or_insert((0.0, String::new()))
-            .0 += time.seconds;
-        *op_roofs
-            .entry(span)
-            .or_default()
-            .entry(time.roof.label())
-            .or_default() += time.seconds;
-    }
-    for (op, entry) in op_seconds.iter_mut() {
-        if let Some(roofs) = op_roofs.get(op) {
-            entry.1 = roofs
-                .iter()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .map(|(roof, _)| roof.clone())
-                .unwrap_or_default();
-        }
-    }
-    let copy_bytes = step_copy_bytes(program, &ids, step.kind, settings, classes, loads);
-    let timeline = Timeline {
-        title: format!(
-            "{} ({} step) on {}: {:.3} ms",
-            program.name,
-            step.kind.as_str(),
-            profile.name,
-            result.makespan * 1e3
-        ),
-        streams: program.streams.iter().map(|s| s.name.clone()).collect(),
-        spans,
-    };
-    let mut arms: BTreeMap<String, ArmShare> = BTreeMap::new();
-    if matches!(loads, Loads::Declared) {
-        for (&id, time) in ids.iter().zip(&times) {
-            let task = program.task(id);
-            if task.guard.is_always() {
-                continue;
-            }
-            let act = activation(program, id, task.shape.tokens);
-            let key = super::activation::arm_key(program, id);
-            let entry = arms.entry(key.clone()).or_insert(ArmShare {
-                arm: key,
-                tasks: 0,
-                expected_share: 0.0,
-                seconds: 0.0,
-            });
-            entry.tasks += 1;
-            entry.expected_share += act.runs;
-            entry.seconds += time.seconds;
-        }
-    }
-    let arms = arms
-        .into_values()
-        .map(|mut a| {
-            a.expected_share /= a.tasks.max(1) as f64;
-            a
-        })
-        .collect();
-    Ok(StepPrediction {
-        kind: step.kind.as_str().to_string(),
-        arms,
-        tasks: ids.len(),
-        seconds: result.makespan,
-        stream_busy,
-        resource_busy,
-        resource_bound: step_resource_bound(program, &ids, profile, settings, loads),
-        op_seconds,
-        copy_bytes,
-        timeline,
-    })
-}
-
-/// Bytes moved per copy kind over a step's tasks `ids`, as `simulate_step_ran` charges
-/// them.
-fn step_copy_bytes(
-    program: &Program,
-    ids: &[TaskId],
-    kind: StepKind,
-    settings: &CostSettings,
-    classes: &[BufferClass],
-    loads: Loads<'_>,
-) -> BTreeMap<String, f64> {
-    let kv_load = kv_part_load(program, kind, settings, loads);
-    let mut bytes: BTreeMap<String, f64> = BTreeMap::new();
-    for &id in ids {
-        let task = program.task(id);
-        let Some(copy) = task.work.copy else {
-            continue;
-        };
-        let runs = match loads {
-            Loads::Declared => activation(program, id, task.shape.tokens).runs,
-            Loads::Measured(_) | Loads::Steady(_) => 1.0,
-        };
-        let moved = match task.kv {
-            Some(part) => kv_part_bytes_at(program, &task.shape, part, &kv_load),
-            None => copy_bytes_at(task, copy, loads),
-        };
-        *bytes.entry(task_kind(program, id, classes)).or_default() += moved * runs;
-    }
-    bytes
-}
-
-fn spans_iter<'a>(
-    ids: &'a [TaskId],
-    program: &'a Program,
-    classes: &'a [BufferClass],
-) -> impl Iterator<Item = String> + 'a {
-    ids.iter().map(move |&id| task_kind(program, id, classes))
-}
-
-/// Eq. 12-13 over a step's own tasks: host->GPU bytes, GPU->host bytes, GPU and CPU work.
-fn step_resource_bound(
-    program: &Program,
-    ids: &[TaskId],
-    profile: &HardwareProfile,
-    settings: &CostSettings,
-    loads: Loads<'_>,
-) -> LayerBound {
-    let mut work = LayerWork::default();
-    for &id in ids {
-        let task = program.task(id);
-        // At the declared load, guarded work counts by its expected activation (as in the
-        // simulation); a measured load is re-costed in full.
-        let act = match loads {
-            Loads::Declared => activation(program, id, task.shape.tokens),
-            Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
-        };
-        if let Some(copy) = task.work.copy {
-            let bytes = copy_bytes_at(task, copy, loads) * act.runs;
-            match (copy.src, copy.dst) {
-                (Space::Gpu, Space::Gpu) => {}
-                (_, Space::Gpu) => work.host_to_gpu_bytes += bytes,
-                (Space::Gpu, _) => work.gpu_to_host_bytes += bytes,
-                _ => {}
-            }
-            continue;
-        }
-        if task.op == Op::Copy {
-            continue;
-        }
-        let mut load = compute_load(program, id, settings, loads);
-        load.flops *= act.work;
-        for (_, bytes) in &mut load.bytes {
-            *bytes *= act.runs;
-        }
-        match load.processor {
-            Processor::Gpu => work.gpu.push(load),
-            Processor::Cpu => work.cpu.push(load),
-        }
-    }
-    bounds::moe_lightning_layer_bound(profile, &work)
-}
-
-/// Bytes of weights a decode step streams to the GPU (copies of weight-class buffers).
-fn streamed_weight_bytes(program: &Program, ids: &[TaskId], classes: &[BufferClass]) -> f64 {
-    ids.iter()
-        .map(|&id| program.task(id))
-        .filter_map(|task| {
-            let copy = task.work.copy?;
-            let src = task.args.first()?.slice.buffer;
-            (copy.dst == Space::Gpu
-                && copy.src != Space::Gpu
-                && classes[src.index()] == BufferClass::Weights)
-                .then_some(copy.bytes as f64)
-        })
-        .sum()
 }
 
 /// Predicts every step and the throughput figures.
@@ -1411,7 +880,7 @@ pub fn predict(
 /// MoE-Lens eq. 3-4 for this program: M = KV slots that fit in the host budget after the
 /// checkpoint and the other host buffers; delta = weights the decode step streams over the
 /// link; T_GPU = the GPU's peak over the decode step's GPU FLOPs per token.
-fn stage1_for(
+pub(super) fn stage1_for(
     program: &Program,
     ids: &[TaskId],
     classes: &[BufferClass],

@@ -10,9 +10,9 @@
 
 use super::hardware::HardwareProfile;
 use super::predict::{
-    buffer_classes, simulate_step, simulate_step_ran, task_kind, CostSettings, Loads, PredictError,
-    StepPrediction,
+    buffer_classes, task_kind, CostSettings, Loads, PredictError, StepPrediction,
 };
+use super::step::{simulate_step, simulate_step_ran};
 use crate::ir::StepKind;
 use crate::ir::{Program, TaskId};
 use crate::records::{RunStats, UbLoad};
