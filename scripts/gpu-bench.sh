@@ -15,9 +15,11 @@
 #   resident  the synthetic mixtral-mid checkpoint (1.47 GiB bf16), prompts of 64 tokens,
 #           32 new, at batch 1, 16 and 64 (GPU_BENCH_BATCHES): `gpu_resident`; tokens/s,
 #           and the decode step measured against the HRM replay on the machine's profile.
-#   hf      transformers eager bf16 on the same checkpoint and workload: the whole model on
-#           the GPU, and accelerate's offload with the GPU capped at 600 MiB (when
-#           `python3 -c "import torch, transformers"` works).
+#   hf      transformers bf16 on the same checkpoint and workload: the whole model on the
+#           GPU in each configuration of GPU_BENCH_HF_CONFIGS (default `all`: experts eager,
+#           grouped_mm and batched_mm x attention sdpa and eager, then batched_mm/sdpa under
+#           torch.compile; the table's ratio takes the best), and accelerate's offload with
+#           the GPU capped at 600 MiB (when `python3 -c "import torch, transformers"` works).
 #   offload every offload schedule at `--gpu-mem 600MB` (GPU_BENCH_OFFLOAD_BATCHES), then
 #           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
 #           for that workload and budget (`--fit`).
@@ -238,8 +240,8 @@ fi
 if has hf && python3 -c "import torch, transformers" 2> /dev/null; then
     blist=$(echo $batches | tr ' ' ',')
     # One process per placement: the model loads once and runs every batch.
-    timeout 150 python3 "$root/scripts/peer_bench_hf.py" --model "$work/mid" --batch "$blist" \
-        --prompt-len 64 --gen-len 32 --threads 16 --device cuda \
+    timeout "${GPU_BENCH_HF_TIMEOUT:-400}" python3 "$root/scripts/peer_bench_hf.py" --model "$work/mid" --batch "$blist" \
+        --prompt-len 64 --gen-len 32 --threads 16 --device cuda --configs "${GPU_BENCH_HF_CONFIGS:-all}" \
         >> "$out/hf.jsonl" 2>> "$out/hf.err" || echo "hf: exit $?" >> "$out/hf.err"
     timeout 150 python3 "$root/scripts/peer_bench_hf.py" --model "$work/mid" --batch "$blist" \
         --prompt-len 64 --gen-len 32 --threads 16 --device cuda --max-gpu-mem 600MiB \

@@ -11,7 +11,7 @@ generated greedily to exactly `--gen-len` new tokens each (`min_new_tokens` keep
 early end-of-sequence from shortening the run), with the model in bf16 as
 `from_pretrained` loads it. `seconds` is the wall time of the one `generate` call
 (prefill plus decode), measured after a warm-up generate (on a GPU of the same batch and
-prompts, 2 new tokens) so that one-time initialisation is not charged; generation throughput = B x gen_len / seconds, the
+prompts and length) so that one-time initialisation is not charged; generation throughput = B x gen_len / seconds, the
 definition every column of the peer table uses.
 """
 
@@ -47,6 +47,14 @@ def main() -> int:
         help="with --device cuda: accelerate's device_map='auto' offload with at most this "
         "much on GPU 0 (e.g. 600MiB), the rest in CPU memory",
     )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="with --device cuda: a comma list of EXPERTS/ATTENTION[/compile] configurations "
+        "run in turn on the one loaded model (e.g. grouped_mm/sdpa,batched_mm/sdpa/compile), "
+        "a line each per batch; 'all' runs eager, grouped_mm and batched_mm experts with sdpa "
+        "and eager attention, then the best-known compiled one. Default: the model's own.",
+    )
     args = parser.parse_args()
 
     import torch
@@ -72,6 +80,37 @@ def main() -> int:
 
     vocab = model.config.vocab_size
     options = dict(do_sample=False, pad_token_id=model.config.eos_token_id)
+    configs = [None]
+    if args.configs == "all":
+        configs = [
+            f"{e}/{a}" for e in ("eager", "grouped_mm", "batched_mm") for a in ("sdpa", "eager")
+        ] + ["batched_mm/sdpa/compile"]
+    elif args.configs:
+        configs = args.configs.split(",")
+    forward = model.forward
+    for config in configs:
+        label = config or "default"
+        if config:
+            parts = config.split("/")
+            try:
+                model.set_experts_implementation(parts[0])
+                model.set_attn_implementation(parts[1])
+            except Exception as e:  # a configuration this transformers lacks: said, skipped
+                print(json.dumps({"system": system, "config": label, "error": str(e)}), flush=True)
+                continue
+            model.forward = forward
+            if len(parts) > 2 and parts[2] == "compile":
+                model.forward = torch.compile(forward)
+        try:
+            run_batches(args, model, system, label, vocab, options, first, sync)
+        except Exception as e:
+            print(json.dumps({"system": system, "config": label, "error": str(e)}), flush=True)
+    return 0
+
+
+def run_batches(args, model, system, label, vocab, options, first, sync) -> None:
+    import torch
+
     for batch in [int(b) for b in str(args.batch).split(",")]:
         generator = torch.Generator().manual_seed(args.seed)
         # Ids 3.. skip <unk>, <s>, </s>; every prompt has the same length, so no padding.
@@ -81,8 +120,11 @@ def main() -> int:
             # On a GPU the warm-up runs the timed call's shapes, so one-time set-up (lazy
             # kernel loading per shape, allocator growth) is not charged to it; on the CPU a
             # short one, as this script always did (peer-bench.sh's figures stay comparable).
+            # On the GPU the warm-up generates as many tokens as the timed call, so a compiled
+            # forward has met every cache length before the clock starts.
             warm = (ids, mask) if args.device == "cuda" else (ids[:1, :8], mask[:1, :8])
-            model.generate(warm[0], attention_mask=warm[1], max_new_tokens=2, **options)
+            warm_new = args.gen_len if args.device == "cuda" else 2
+            model.generate(warm[0], attention_mask=warm[1], max_new_tokens=warm_new, **options)
             sync()
             start = time.perf_counter()
             out = model.generate(
@@ -99,6 +141,7 @@ def main() -> int:
             json.dumps(
                 {
                     "system": system,
+                    "config": label,
                     "batch": batch,
                     "generated_tokens": generated,
                     "seconds": seconds,
@@ -111,7 +154,6 @@ def main() -> int:
             ),
             flush=True,
         )
-    return 0
 
 
 if __name__ == "__main__":
