@@ -705,3 +705,149 @@ fn architecture_names_only_paths_that_exist() {
         missing.join("\n")
     );
 }
+
+/// The inline code spans of a Markdown text (`` `x` ``), outside fenced blocks.
+fn code_spans(text: &str) -> Vec<String> {
+    let mut spans = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        spans.extend(line.split('`').skip(1).step_by(2).map(str::to_string));
+    }
+    spans
+}
+
+/// Issue 45: `docs/language.md` is the language's reference. Every word a schedule can
+/// use has an entry there: the grammar's keywords, the built-in functions, size helpers,
+/// symbols, fields and methods, the ops and their arguments, the engines, spaces, eviction
+/// policies, predictors and hardware symbols, each read from the table the compiler uses,
+/// so a word added to the language without a reference entry fails here. And the
+/// walk-through's schedule shown on the page is the file its commands run.
+#[test]
+fn the_language_reference_has_an_entry_for_every_word() {
+    use moec::elaborate::vocabulary;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let page = std::fs::read_to_string(root.join("docs/language.md")).unwrap();
+    let spans = code_spans(&page);
+    // An entry: the word as a code span of its own (`min`, `gpu.copy_in`).
+    let entries: std::collections::HashSet<&str> = spans.iter().map(String::as_str).collect();
+    // A mention: the word inside some code span (`evict "lru"` mentions `evict`).
+    let mentioned: std::collections::HashSet<String> =
+        spans.iter().flat_map(|s| words(s)).collect();
+    let mut missing = Vec::new();
+    let mut need_entry = |kind: &str, name: &str| {
+        if !entries.contains(name) {
+            missing.push(format!("{kind} `{name}`"));
+        }
+    };
+    for f in vocabulary::FUNCTIONS {
+        need_entry("function", f);
+    }
+    for f in moec::ir::catalog::SIZE_HELPERS {
+        need_entry("size helper", f);
+    }
+    for m in vocabulary::SLICE_METHODS {
+        need_entry("method", m);
+    }
+    for m in vocabulary::CACHE_METHODS {
+        need_entry("cache method", m);
+    }
+    for f in vocabulary::FIELDS {
+        need_entry("field", f);
+    }
+    for s in vocabulary::SYMBOLS {
+        need_entry("symbol", s);
+    }
+    for w in vocabulary::WORDS {
+        need_entry("word", w);
+    }
+    for op in moec::ir::catalog::OPS.iter() {
+        need_entry("op", op.name);
+    }
+    for e in moec::ir::Engine::ALL {
+        need_entry("engine", e.as_str());
+    }
+    for s in moec::ir::Space::ALL {
+        need_entry("space", s.as_str());
+    }
+    for p in moec::ir::cache::EvictPolicy::ALL {
+        need_entry("eviction policy", p.as_str());
+    }
+    for p in moec::ir::cache::Predictor::ALL {
+        need_entry("predictor", p.as_str());
+    }
+    let mut symbols: Vec<&str> = moec::cost::HardwareProfile::builtins()
+        .iter()
+        .flat_map(|p| p.symbols().into_iter().map(|(name, _)| name))
+        .collect();
+    // The latency symbols exist only in a profile `moec probe --model` wrote.
+    symbols.extend(["lat.cpu_token", "lat.gpu", "lat.transfer"]);
+    symbols.sort_unstable();
+    symbols.dedup();
+    for s in symbols {
+        need_entry("hardware symbol", s);
+    }
+    // Op arguments and the grammar's keywords: mentioned in code somewhere on the page.
+    let grammar = std::fs::read_to_string(root.join("grammar/sched.pest")).unwrap();
+    let keywords: std::collections::BTreeSet<&str> = grammar
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .flat_map(|l| l.split('"').skip(1).step_by(2))
+        .filter(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .collect();
+    assert!(keywords.contains("microbatches") && keywords.contains("prefetch"));
+    let mut need_mention = |kind: &str, name: &str| {
+        if !mentioned.contains(name) {
+            missing.push(format!("{kind} `{name}`"));
+        }
+    };
+    for k in keywords {
+        need_mention("keyword", k);
+    }
+    for op in moec::ir::catalog::OPS.iter() {
+        for arg in op.arg_names() {
+            need_mention(&format!("argument of `{}`", op.name), arg);
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "docs/language.md has no entry for: {}",
+        missing.join(", ")
+    );
+
+    // `<!-- file: PATH -->` before a fenced block: the block is that file, verbatim.
+    let lines: Vec<&str> = page.lines().collect();
+    let mut shown_files = 0;
+    for (i, line) in lines.iter().enumerate() {
+        let Some(path) = line
+            .trim()
+            .strip_prefix("<!-- file: ")
+            .and_then(|r| r.strip_suffix(" -->"))
+        else {
+            continue;
+        };
+        let start = i + 2;
+        let end = start
+            + lines[start..]
+                .iter()
+                .position(|l| l.starts_with("```"))
+                .unwrap();
+        let shown = lines[start..end].join("\n") + "\n";
+        let file = std::fs::read_to_string(root.join(path)).unwrap();
+        assert_eq!(
+            shown, file,
+            "docs/language.md shows {path} differently from the file"
+        );
+        shown_files += 1;
+    }
+    assert!(
+        shown_files >= 1,
+        "the walk-through's schedule is shown from its file"
+    );
+}

@@ -173,14 +173,22 @@ pub fn summary(compiled: &Compiled) -> String {
         info.dag.edges_before_reduction,
         program.steps.len()
     ));
+    // The batch the schedule runs is its `microbatches` line (often its own params), not
+    // the symbol `batch` (`--batch`), which only schedules that name it follow.
+    let mb = program.micro_batches;
     out.push_str(&format!(
-        "  model {} · batch {} · prompt_len {} · gen_len {} · microbatches {}\n",
+        "  model {} · batch {} (microbatches {mb}) · prompt_len {} · gen_len {}\n",
         program.model.label(),
-        w.batch,
+        u64::from(mb.count) * mb.size,
         w.prompt_len,
         w.gen_len,
-        program.micro_batches
     ));
+    if w.batch != u64::from(mb.count) * mb.size && mb.mixed_tokens == mb.size {
+        out.push_str(&format!(
+            "  note: the symbol `batch` is {}; this schedule's batch is set by its params (--set)\n",
+            w.batch
+        ));
+    }
     if !program.params.is_empty() {
         let params: Vec<String> = program
             .params

@@ -330,6 +330,15 @@ pub fn run(args: SimulateArgs) -> ExitCode {
             serde_json::to_string_pretty(&value).unwrap_or_default()
         );
     } else {
+        if let Some(batch) = args.target.batch.filter(|&b| b != prediction.sequences) {
+            // `--batch` binds the symbol `batch`; a schedule whose `microbatches` line is
+            // written in its own params (n_ub x ubs) keeps its size. Said, not silently.
+            eprintln!(
+                "note: --batch {batch} sets the symbol `batch`; {} runs {} sequences as its \
+                 params size it (microbatches {}): set them with --set",
+                program.name, prediction.sequences, program.micro_batches
+            );
+        }
         print_report(&program, &resolved, &prediction, &table);
     }
     ExitCode::SUCCESS
@@ -369,6 +378,19 @@ fn print_report(
             step.kind,
             step.tasks,
             seconds(step.seconds)
+        );
+    }
+    if !table.fits() {
+        // A speed for a plan that cannot run must not read like one that can.
+        let over: Vec<String> = table
+            .spaces
+            .iter()
+            .filter(|s| s.over() > 0.0)
+            .map(|s| format!("{} over by {:.2} GB", s.space, s.over() / 1e9))
+            .collect();
+        println!(
+            "does not fit: {} (memory below); the figures are what it would do with the memory",
+            over.join(", ")
         );
     }
     match (prediction.decode_tokens_per_s, prediction.tokens_per_s) {

@@ -61,6 +61,7 @@ impl miette::Diagnostic for Report<'_> {
             move |(i, label)| {
                 let start = (label.span.start as usize).min(len);
                 let end = (label.span.end as usize).clamp(start, len);
+                let end = first_lines(self.source.inner(), start, end);
                 let text = Some(label.text.clone());
                 if i == 0 {
                     LabeledSpan::new_primary_with_span(text, start..end)
@@ -70,6 +71,23 @@ impl miette::Diagnostic for Report<'_> {
             },
         )))
     }
+}
+
+/// Lines of a label beyond which only its first line is shown.
+const MAX_LABEL_LINES: usize = 3;
+
+/// The end of a label's span, cut to the end of its first line when it covers more than
+/// [`MAX_LABEL_LINES`] lines: a label on a whole step or loop (a deadlock's step, say)
+/// would otherwise print every line of it, burying the other labels. The first line
+/// (`decode {`, `for l in 0..layers {`) names what the label means.
+fn first_lines(source: &str, start: usize, end: usize) -> usize {
+    let Some(text) = source.get(start..end) else {
+        return end;
+    };
+    if text.matches('\n').count() < MAX_LABEL_LINES {
+        return end;
+    }
+    text.find('\n').map_or(end, |i| start + i)
 }
 
 /// Renders one diagnostic against `source` (named `name` in the header).
@@ -107,4 +125,31 @@ pub fn render_all(diagnostics: &[Diagnostic], name: &str, source: &str) -> Strin
         .map(|d| render_with(d, &named))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diag::Code;
+    use crate::span::Span;
+
+    /// Issue 45: a label spanning a whole step printed every line of it between the
+    /// diagnostic's other labels; it now shows its first line only.
+    #[test]
+    fn a_label_over_many_lines_shows_its_first_line() {
+        let body: String = (0..40).map(|i| format!("  line {i}\n")).collect();
+        let source = format!("decode {{\n{body}}}\ncache ec[1]: gpu evict \"lru\"\n");
+        let step_end = source.find("}\n").unwrap() + 1;
+        let cache_at = source.find("cache").unwrap();
+        let d = Diagnostic::new(Code::ElabUnknownName, "two labels far apart".to_string())
+            .label(Span::new(cache_at, cache_at + 5), "the cache")
+            .label(Span::new(0, step_end), "the step");
+        let out = render(&d, "t.sched", &source);
+        assert!(out.contains("decode {"), "{out}");
+        assert!(!out.contains("line 20"), "{out}");
+        assert!(
+            out.contains("the cache") && out.contains("the step"),
+            "{out}"
+        );
+    }
 }

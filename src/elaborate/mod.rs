@@ -10,6 +10,7 @@ mod decls;
 mod slices;
 mod stmts;
 pub mod value;
+pub mod vocabulary;
 
 use crate::diag::{Code, Diagnostic};
 use crate::ir::{
@@ -280,8 +281,11 @@ impl<'a> Elaborator<'a> {
 
     fn finish(self, file: &File) -> Result<Elaborated, Vec<Diagnostic>> {
         let mut diags = self.diags;
+        // Used means named anywhere in the text: a param read only in a branch the other
+        // params' current values drop is still the schedule's knob.
+        let mentioned = file.mentioned_names();
         for (i, used) in self.param_used.iter().enumerate() {
-            if !used {
+            if !used && !mentioned.contains(self.params[i].name.as_str()) {
                 diags.push(Diagnostic::unused_param(
                     self.param_spans[i],
                     &self.params[i].name,
@@ -413,24 +417,7 @@ impl<'a> Elaborator<'a> {
         let mut names: Vec<String> = self.scopes.iter().flat_map(|s| s.keys().cloned()).collect();
         names.extend(self.param_index.keys().cloned());
         names.extend(self.array_index.keys().cloned());
-        names.extend(
-            [
-                "layers",
-                "dense_layers",
-                "experts",
-                "top_k",
-                "hidden",
-                "ffn",
-                "heads",
-                "kv_heads",
-                "head_dim",
-                "vocab",
-                "batch",
-                "prompt_len",
-                "gen_len",
-            ]
-            .map(String::from),
-        );
+        names.extend(vocabulary::SYMBOLS.map(String::from));
         names.sort();
         names.dedup();
         names
@@ -448,8 +435,10 @@ impl value::Context for Elaborator<'_> {
 
     fn hardware(&mut self, name: &str, span: Span) -> Result<Option<Val>, Diagnostic> {
         if self.options.hardware.is_empty() {
-            let known_prefix = ["gpu.", "pinned.", "host.", "cpu.", "link.", "disk.", "lat."];
-            if known_prefix.iter().any(|p| name.starts_with(p)) {
+            if vocabulary::HARDWARE_PREFIXES
+                .iter()
+                .any(|p| name.starts_with(p))
+            {
                 return Err(Diagnostic::missing_hardware(span, name));
             }
             return Ok(None);

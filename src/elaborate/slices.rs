@@ -114,7 +114,7 @@ fn cache_method(
             method_span,
             "method of an expert cache",
             method,
-            &["slot", "predicted"],
+            &super::vocabulary::CACHE_METHODS,
         ));
     }
     if values.len() != 2 {
@@ -287,6 +287,23 @@ pub(super) fn method_of(
         ));
     };
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
+    // A name that is no method at all is reported as such first: "must be known at compile
+    // time" would send the user looking for a dynamic value that is not the problem.
+    // The cache itself takes the cache's methods; a slot of it (`ec.slot(l, e)`) is a slice.
+    let cache = cx.cache_of(s.buffer).filter(|_| s.cache_key.is_none());
+    let known: &[&str] = if cache.is_some() {
+        &super::vocabulary::CACHE_METHODS
+    } else {
+        &super::vocabulary::SLICE_METHODS
+    };
+    if !known.contains(&method) {
+        let what = if cache.is_some() {
+            "method of an expert cache"
+        } else {
+            "method"
+        };
+        return Err(Diagnostic::unknown_name(method_span, what, method, known));
+    }
     if s.dynamic_expert.is_some() || s.cache_key.is_some() {
         return Err(Diagnostic::dynamic_not_allowed(
             base_span,
@@ -464,7 +481,7 @@ pub(super) fn method_of(
             method_span,
             "method",
             method,
-            &["page", "share", "expert", "experts", "context", "appended"],
+            &super::vocabulary::SLICE_METHODS,
         )),
     }
 }

@@ -954,6 +954,34 @@ mod tests {
         })
     }
 
+    /// Issue 45: "param `t` is never used" came and went with another param's value,
+    /// because only an evaluated name counted. A param named anywhere in the text is used.
+    #[test]
+    fn a_param_read_only_in_a_dropped_branch_is_still_used() {
+        let source = |extra: &str| {
+            format!(
+                "schedule t\nparam p: int in 0..=1 = 0\nparam t: int in 1..=8 = 2\n{extra}\
+                 microbatches 1 of 1\nstream gpu: gpu.compute\nbuffer h: gpu = hidden(1)\n\
+                 prefill {{\n  if p == 1 {{ let x = t }}\n  embed(ub = 0, w = W.embed, h = h) on gpu\n}}\n"
+            )
+        };
+        let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+        let unused = |src: &str| -> Vec<String> {
+            let compiled = compile(src, &options).unwrap();
+            compiled
+                .warnings()
+                .iter()
+                .map(|d| d.message.clone())
+                .filter(|m| m.ends_with("is never used") && m.starts_with("param"))
+                .collect()
+        };
+        assert_eq!(unused(&source("")), Vec::<String>::new());
+        assert_eq!(
+            unused(&source("param q: int = 1\n")),
+            vec!["param `q` is never used".to_string()]
+        );
+    }
+
     /// `.context()` / `.appended()` belong to a side of a `copy` in a step with sequences:
     /// inside an op argument, in `setup`, with arguments, or different on the two sides
     /// they are refused at elaboration.

@@ -776,9 +776,7 @@ fn call(
                     values.len(),
                 )),
                 None => {
-                    let mut known: Vec<&str> = vec![
-                        "min", "max", "ceil", "floor", "bytes", "hot", "active", "routed",
-                    ];
+                    let mut known: Vec<&str> = super::vocabulary::FUNCTIONS.to_vec();
                     known.extend(catalog::SIZE_HELPERS);
                     Err(Diagnostic::unknown_name(
                         name_span, "function", name, &known,

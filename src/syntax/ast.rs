@@ -445,3 +445,107 @@ pub enum ExprKind {
     /// `a.name(args)`.
     Method(Box<Expr>, Ident, Vec<Expr>),
 }
+
+impl File {
+    /// Every name an expression of the file mentions (`ExprKind::Name`), wherever it
+    /// stands: in a branch elaboration keeps or drops, behind `&&` or an `after ... if`.
+    /// "Is this param used" is a question about the text, not about which branches the
+    /// current values of the other params take.
+    pub fn mentioned_names(&self) -> std::collections::HashSet<&str> {
+        let mut names = std::collections::HashSet::new();
+        for item in &self.items {
+            match item {
+                Item::Param(d) => {
+                    d.range.iter().for_each(|e| e.collect_names(&mut names));
+                    d.default.collect_names(&mut names);
+                }
+                Item::Stream(_) => {}
+                Item::Buffer(d) => {
+                    d.dims.iter().for_each(|e| e.collect_names(&mut names));
+                    d.size.collect_names(&mut names);
+                }
+                Item::Cache(d) => {
+                    d.slots.collect_names(&mut names);
+                    d.evict.collect_names(&mut names);
+                    d.predict.iter().for_each(|e| e.collect_names(&mut names));
+                }
+                Item::MicroBatches(d) => {
+                    d.count.collect_names(&mut names);
+                    d.size.collect_names(&mut names);
+                    d.tokens.iter().for_each(|e| e.collect_names(&mut names));
+                }
+                Item::Template(d) => d.body.collect_names(&mut names),
+                Item::Step(d) => d.body.collect_names(&mut names),
+                Item::Let(s) => s.value.collect_names(&mut names),
+            }
+        }
+        names
+    }
+}
+
+impl Block {
+    fn collect_names<'a>(&'a self, names: &mut std::collections::HashSet<&'a str>) {
+        for stmt in &self.stmts {
+            match stmt {
+                Stmt::Let(s) => s.value.collect_names(names),
+                Stmt::For(s) => {
+                    s.range.collect_names(names);
+                    s.body.collect_names(names);
+                }
+                Stmt::If(s) => {
+                    for b in &s.branches {
+                        b.cond.collect_names(names);
+                        b.block.collect_names(names);
+                    }
+                    s.otherwise.iter().for_each(|b| b.collect_names(names));
+                }
+                Stmt::Copy(s) => {
+                    s.src.collect_names(names);
+                    s.dst.collect_names(names);
+                    s.tail.collect_names(names);
+                }
+                Stmt::Call(s) => {
+                    s.args.iter().for_each(|a| a.value.collect_names(names));
+                    s.tail.collect_names(names);
+                }
+                Stmt::Sync(_) => {}
+            }
+        }
+    }
+}
+
+impl TaskTail {
+    fn collect_names<'a>(&'a self, names: &mut std::collections::HashSet<&'a str>) {
+        let labels = self.label.iter().chain(self.after.iter().map(|a| &a.label));
+        labels
+            .flat_map(|l| &l.indices)
+            .for_each(|e| e.collect_names(names));
+        self.after
+            .iter()
+            .filter_map(|a| a.condition.as_ref())
+            .for_each(|e| e.collect_names(names));
+    }
+}
+
+impl Expr {
+    fn collect_names<'a>(&'a self, names: &mut std::collections::HashSet<&'a str>) {
+        match &self.kind {
+            ExprKind::Int(_) | ExprKind::Float(_) | ExprKind::Bool(_) | ExprKind::Str(_) => {}
+            ExprKind::Name(n) => {
+                names.insert(n.as_str());
+            }
+            ExprKind::List(items) | ExprKind::Call(_, items) => {
+                items.iter().for_each(|e| e.collect_names(names));
+            }
+            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => {
+                a.collect_names(names);
+                b.collect_names(names);
+            }
+            ExprKind::Unary(_, a) | ExprKind::Field(a, _) => a.collect_names(names),
+            ExprKind::Method(a, _, args) => {
+                a.collect_names(names);
+                args.iter().for_each(|e| e.collect_names(names));
+            }
+        }
+    }
+}
