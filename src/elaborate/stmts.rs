@@ -961,8 +961,19 @@ mod tests {
         let source = |extra: &str| {
             format!(
                 "schedule t\nparam p: int in 0..=1 = 0\nparam t: int in 1..=8 = 2\n{extra}\
-                 microbatches 1 of 1\nstream gpu: gpu.compute\nbuffer h: gpu = hidden(1)\n\
-                 prefill {{\n  if p == 1 {{ let x = t }}\n  embed(ub = 0, w = W.embed, h = h) on gpu\n}}\n"
+                 microbatches 1 of 1\nstream cpu: cpu.compute\n\
+                 buffer h: host = hidden(prompt_len)\nbuffer qkv: host = qkv(prompt_len)\n\
+                 buffer a: host = attn_out(prompt_len)\nbuffer lg: host = logits(1)\n\
+                 buffer tok: host = tokens(1)\n\
+                 buffer kv[layers]: host = kv_cache(prompt_len + gen_len)\n\
+                 prefill {{\n  if p == 1 {{ let x = t }}\n\
+                 embed(ub = 0, w = W.embed, h = h) on cpu\n\
+                 for l in 0..layers {{\n\
+                 pre_attn(layer = l, ub = 0, w = W[l], h = h, out = qkv) on cpu\n\
+                 attn(layer = l, ub = 0, part = prefill, qkv = qkv, kv = kv[l], out = a) on cpu\n\
+                 post_attn(layer = l, ub = 0, w = W[l], a = a, h = h) on cpu\n  }}\n\
+                 lm_head(ub = 0, w = W.head, h = h, logits = lg) on cpu\n\
+                 sample(ub = 0, logits = lg, tokens = tok) on cpu\n}}\n"
             )
         };
         let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());

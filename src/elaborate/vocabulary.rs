@@ -90,12 +90,12 @@ mod tests {
                 "{f}: {errs:?}"
             );
         }
+        // The test schedule samples nothing, which the checker reports; only "unknown ..."
+        // errors say a word is not known.
+        let known = |errs: &[String]| errs.iter().all(|e| !e.starts_with("unknown"));
         for s in SYMBOLS {
-            assert_eq!(
-                errors(&format!("let x = {s}"), ""),
-                Vec::<String>::new(),
-                "{s}"
-            );
+            let errs = errors(&format!("let x = {s}"), "");
+            assert!(known(&errs), "{s}: {errs:?}");
         }
         for m in SLICE_METHODS {
             let errs = errors(&format!("let x = bytes(W[0].{m}())"), "");
@@ -120,11 +120,8 @@ mod tests {
             } else {
                 "W[0]"
             };
-            assert_eq!(
-                errors(&format!("let x = bytes({base}.{f})"), ""),
-                Vec::<String>::new(),
-                "{f}"
-            );
+            let errs = errors(&format!("let x = bytes({base}.{f})"), "");
+            assert!(known(&errs), "{f}: {errs:?}");
         }
     }
 
