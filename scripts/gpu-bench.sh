@@ -202,8 +202,9 @@ if has quant; then
             run_weights=$work/mid-q.gguf run gpu_resident_q4k schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
             last=$b
         done
-        # The same file on the CPU backend (all cores), for its tokens at the largest batch.
-        timeout 120 "$moec" run "$root/schedules/baselines/resident.sched" --weights "$work/mid-q.gguf" \
+        # The same file on the CPU backend (all cores), for its tokens at the largest batch
+        # (GPU_BENCH_QUANT_CPU=0 leaves it out, e.g. for a baseline binary's timings only).
+        [ "${GPU_BENCH_QUANT_CPU:-1}" = 1 ] && timeout 120 "$moec" run "$root/schedules/baselines/resident.sched" --weights "$work/mid-q.gguf" \
             --json --gen-len 32 --set "ubs=$last" --set n_ub=1 \
             --workload "count=$last,mean=64,max=64,min=64,gen=32,seed=1" > "$work/cpu-q.json" 2> "$out/cpu-q.err"
         python3 - "$work/cpu-q.json" "$out/runs.jsonl" "$last" > "$out/quant-tokens.txt" <<'EOF'
