@@ -39,6 +39,7 @@ use crate::quant::storage::WeightDtype;
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::gguf::families::{gguf_family, GgufKeys};
 use crate::weights::gguf::llama::{place, Place};
+use rayon::prelude::*;
 use std::path::Path;
 use write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_F32};
 
@@ -600,10 +601,36 @@ fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteEr
         }
         Storage::Quant(format) => format,
     };
-    quantize_row(format, values).map_err(|e| WriteError::Tensor {
-        tensor: name.into(),
-        message: e.to_string(),
-    })
+    // Blocks are quantised independently: pieces of whole blocks are encoded on every core
+    // and joined in order, the same bytes as one pass gives.
+    let piece = format.block_elems() * ENCODE_PIECE_BLOCKS;
+    let pieces: Vec<Vec<u8>> = values
+        .par_chunks(piece)
+        .map(|chunk| quantize_row(format, chunk))
+        .collect::<Result<_, _>>()
+        .map_err(|e| WriteError::Tensor {
+            tensor: name.into(),
+            message: e.to_string(),
+        })?;
+    Ok(pieces.concat())
+}
+
+/// Blocks per piece encoded on one core (a few hundred kB of f32 in, enough to keep each
+/// task's start-up negligible).
+const ENCODE_PIECE_BLOCKS: usize = 512;
+
+/// Drops the mapped pages of the checkpoint tensors `origin` read from this process's
+/// resident memory ([`Checkpoint::release_source`]), once its GGUF tensor is written: a
+/// checkpoint is read once, front to back, so without this `moec quantize` would end up
+/// holding the whole mapped checkpoint resident (14.1 GB for 12.1 GB of bf16 input).
+fn release(ckpt: &Checkpoint, origin: &Origin) {
+    match origin {
+        Origin::Whole { src, .. } | Origin::KvBSplit { src, .. } => ckpt.release_source(src),
+        Origin::Stacked(sources) | Origin::StackedTransposed(sources) => {
+            sources.iter().for_each(|src| ckpt.release_source(src));
+        }
+        Origin::GptOss(experts) => ckpt.release_source(&gpt_oss::hub_source(ckpt.arch(), experts)),
+    }
 }
 
 /// Writes `ckpt` to `out` as a llama.cpp GGUF with `formats` per class; `progress` hears
@@ -632,6 +659,7 @@ pub fn export(
             }
         }
         let v = values(ckpt, &origins[i], &entry.name)?;
+        release(ckpt, &origins[i]);
         encode(&v, entry.ggml_type, &entry.name)
     })?;
     let by_type = bytes_by_type(&entries);
