@@ -7,9 +7,9 @@
 //! mean near zero. Synthetic weights are random anyway: drawing the codes directly is as
 //! good as quantising random values and a hundred times cheaper, which is what lets a
 //! 20 GB file be written at about the disk's speed. Guarantees: the same generator state
-//! gives the same bytes; every scale is a normal f16 (or, for MXFP4, an e8m0 exponent
-//! inside 1..=254), so no block decodes to an infinity or a NaN; a length that is not
-//! whole blocks is an error.
+//! gives the same bytes; every scale is a finite, nonzero f16 (or, for MXFP4, an e8m0
+//! exponent inside 1..=254), so no block decodes to an infinity or a NaN; a length that is
+//! not whole blocks is an error.
 
 use super::{QuantError, QuantFormat};
 use crate::rng::Rng;
@@ -47,10 +47,11 @@ fn fill(rng: &mut Rng, out: &mut [u8]) {
     rest.copy_from_slice(&last[..n]);
 }
 
-/// An f16 scale, clamped to the normal range so a tiny or huge target stays finite and
-/// nonzero.
+/// An f16 scale, clamped so a tiny or huge target stays finite and nonzero. Subnormal
+/// scales are kept (ggml widens them exactly): the K formats' per-weight scales of a
+/// 2048-wide layer are about 2e-5, below f16's smallest normal (6.1e-5).
 fn f16_scale(v: f32) -> [u8; 2] {
-    f16::from_f32(v.clamp(6.2e-5, 6.0e4)).to_le_bytes()
+    f16::from_f32(v.clamp(1.0e-7, 6.0e4)).to_le_bytes()
 }
 
 /// A random sub-block scale in `32..=63` (six bits).
@@ -109,11 +110,15 @@ pub fn random_blocks(
                 b[2..4].copy_from_slice(&f16::from_f32(-7.5 * d).to_le_bytes());
             }
             QuantFormat::Mxfp4 => {
-                // 2^(e - 128) times the doubled values; one exponent either side of the
-                // target's, as a real file's blocks vary.
-                let centre = 128.0 + (rms / RMS_MXFP4_DOUBLED).log2().round();
-                let jitter = (rng.next_u64() % 3) as f32 - 1.0;
-                b[0] = (centre + jitter).clamp(1.0, 254.0) as u8;
+                // Weights are 2^(e - 128) times the doubled values: each block takes the
+                // power of two below the target's scale or the one above, the lower with
+                // the probability that makes the mean square the target's, so blocks vary
+                // as a real file's do and the spread is the one asked.
+                let x = (rms / RMS_MXFP4_DOUBLED).log2();
+                let low = x.floor();
+                let p_low = (4f32.powf(low + 1.0) - 4f32.powf(x)) / (3.0 * 4f32.powf(low));
+                let up = (rng.next_f64() as f32 >= p_low) as u8 as f32;
+                b[0] = (128.0 + low + up).clamp(1.0, 254.0) as u8;
             }
             QuantFormat::Q4K => {
                 let d = rms / (RMS_SUB_SCALE * STD_Q4);
