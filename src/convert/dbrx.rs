@@ -34,7 +34,7 @@ pub(super) fn metadata(
     })?;
     let u = |k: &str, v: usize| (format!("dbrx.{k}"), MetaValue::U32(v as u32));
     let f = |k: &str, v: f32| (format!("dbrx.{k}"), MetaValue::F32(v));
-    let mut meta = super::shape_metadata("dbrx", arch, name);
+    let mut meta = super::metadata::shape_metadata("dbrx", arch, name);
     meta.extend([
         f("rope.freq_base", arch.rope_theta as f32),
         f("attention.clamp_kqv", clip),

@@ -17,9 +17,9 @@
 //! cl100k one, `gpt-4o` for o200k, gpt-oss's); any other (GPT-NeoX's, which the real OLMoE uses, has no `Split` at all)
 //! is an error, as an unknown hash is for the converter.
 
-use super::{pad_unused, read_tokenizer, ExportError};
+use super::metadata::{chat_template, pad_unused, read_tokenizer};
+use super::{ExportError, Inputs};
 use crate::convert::write::MetaValue;
-use crate::weights::checkpoint::Checkpoint;
 use crate::weights::gguf::vocab;
 
 /// llama.cpp's pre-tokenizer name for a `tokenizer.json` whose pre-tokenizer splits by
@@ -56,13 +56,13 @@ fn split_regexes(pre: &serde_json::Value) -> Vec<String> {
     }
 }
 
-/// The vocabulary keys for `ckpt`'s `tokenizer.json`, `vocab` tokens long.
+/// The vocabulary keys for the inputs' `tokenizer.json`, `vocab` tokens long.
 pub(super) fn gpt2_vocab(
-    ckpt: &Checkpoint,
+    inputs: &Inputs<'_>,
     vocab: usize,
 ) -> Result<Vec<(String, MetaValue)>, ExportError> {
-    let (path, json) = read_tokenizer(ckpt)?;
-    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
+    let (path, json) = read_tokenizer(inputs)?;
+    let bad = |m: String| ExportError::Unsupported(format!("{path}: {m}"));
     let model = &json["model"];
     if model["type"].as_str() != Some("BPE") {
         return Err(bad(format!(
@@ -158,25 +158,20 @@ pub(super) fn gpt2_vocab(
         ("tokenizer.ggml.token_type".into(), MetaValue::I32s(types)),
         ("tokenizer.ggml.merges".into(), MetaValue::Strs(merges)),
     ];
-    meta.extend(special_tokens(ckpt, &json, &added, vocab).map_err(bad)?);
+    meta.extend(special_tokens(inputs, json, &added, vocab).map_err(bad)?);
     Ok(meta)
 }
 
 /// gguf-py's `SpecialVocab` without merges: the special ids, whether to add BOS/EOS, the
 /// chat template.
 fn special_tokens(
-    ckpt: &Checkpoint,
+    inputs: &Inputs<'_>,
     tokenizer: &serde_json::Value,
     added: &[serde_json::Value],
     vocab: usize,
 ) -> Result<Vec<(String, MetaValue)>, String> {
-    let read = |name: &str| -> serde_json::Value {
-        std::fs::read_to_string(ckpt.dir().join(name))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default()
-    };
-    let (tc, config) = (read("tokenizer_config.json"), read("config.json"));
+    let tc = &inputs.tokenizer_config;
+    let config = inputs.config.as_ref().unwrap_or(&serde_json::Value::Null);
     let mut add_special: Vec<(&str, bool)> = Vec::new();
     let post = &tokenizer["post_processor"];
     let processors: Vec<&serde_json::Value> = match post["processors"].as_array() {
@@ -242,6 +237,6 @@ fn special_tokens(
             MetaValue::Bool(add),
         ));
     }
-    meta.extend(super::chat_template(&tc));
+    meta.extend(chat_template(tc));
     Ok(meta)
 }

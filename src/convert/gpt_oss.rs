@@ -17,6 +17,7 @@
 use super::Origin;
 use crate::convert::write::{MetaValue, WriteError};
 use crate::model::arch::ArchSpec;
+use crate::model::card::ModelCard;
 use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
 use crate::model::names::segment_source;
 use crate::model::segment::SegmentKind;
@@ -82,7 +83,7 @@ pub(super) fn expert_tensors(
 /// `formats` with the checkpoint's own expert format where the user named none: an MXFP4
 /// Hub checkpoint's experts stay MXFP4 (as the converter keeps them) unless `experts=`
 /// (or `--all`) says otherwise.
-pub(super) fn keep_stored_experts(ckpt: &Checkpoint, formats: &WeightFormats) -> WeightFormats {
+pub(super) fn keep_stored_experts(card: &ModelCard, formats: &WeightFormats) -> WeightFormats {
     let mut out = formats.clone();
     let named = formats.classes.contains_key(&WeightClass::Experts)
         || formats
@@ -90,7 +91,7 @@ pub(super) fn keep_stored_experts(ckpt: &Checkpoint, formats: &WeightFormats) ->
             .keys()
             .any(|t| t.class() == WeightClass::Experts);
     if !named {
-        for (tensor, storage) in &ckpt.card().formats.tensors {
+        for (tensor, storage) in &card.formats.tensors {
             if tensor.class() == WeightClass::Experts {
                 out.tensors.insert(*tensor, *storage);
             }
@@ -128,44 +129,7 @@ pub(super) fn metadata(
             .map(|v| v as u32)
             .ok_or_else(|| format!("`{k}` is missing or not a count"))
     };
-    let mut meta = Vec::new();
-    let rope = config
-        .get("rope_parameters")
-        .or_else(|| config.get("rope_scaling"))
-        .filter(|v| !v.is_null());
-    if let Some(rope) = rope {
-        let kind = rope["rope_type"].as_str().or_else(|| rope["type"].as_str());
-        let factor = rope["factor"].as_f64();
-        match (kind, factor) {
-            (None, _) => {}
-            (Some("yarn"), Some(factor)) => {
-                let original = rope["original_max_position_embeddings"]
-                    .as_u64()
-                    .ok_or("YaRN `rope_scaling` without `original_max_position_embeddings`")?;
-                meta.push((key("rope.scaling.type"), MetaValue::Str("yarn".into())));
-                meta.push((key("rope.scaling.factor"), MetaValue::F32(factor as f32)));
-                meta.push((
-                    key("rope.scaling.original_context_length"),
-                    MetaValue::U32(original as u32),
-                ));
-                for (hf, gguf) in [
-                    ("extrapolation_factor", "rope.scaling.yarn_ext_factor"),
-                    ("attention_factor", "rope.scaling.yarn_attn_factor"),
-                    ("beta_fast", "rope.scaling.yarn_beta_fast"),
-                    ("beta_slow", "rope.scaling.yarn_beta_slow"),
-                ] {
-                    if let Some(v) = rope[hf].as_f64() {
-                        meta.push((key(gguf), MetaValue::F32(v as f32)));
-                    }
-                }
-            }
-            (Some(other), _) => {
-                return Err(format!(
-                    "rope scaling `{other}`: moec quantize writes gpt-oss's YaRN keys only"
-                ))
-            }
-        }
-    }
+    let mut meta = super::metadata::yarn_metadata(config, arch_name, "gpt-oss")?;
     meta.push((
         key("attention.sliding_window"),
         MetaValue::U32(count("sliding_window")?),
@@ -202,6 +166,12 @@ fn fused_kind(part: Part, bias: bool, x: usize) -> SegmentKind {
         (_, false) => SegmentKind::ExpertGateUp(x),
         (_, true) => SegmentKind::ExpertGateUpBias(x),
     }
+}
+
+/// The Hub tensor a merged expert tensor is split from (its first expert's, which names
+/// the fused tensor and its shape).
+pub(super) fn hub_source(arch: &ArchSpec, t: &Experts) -> crate::model::family::hub::Source {
+    segment_source(arch, t.layer, fused_kind(t.part, t.bias, 0))
 }
 
 /// The values of a merged expert tensor in GGUF order (expert outermost, each expert's

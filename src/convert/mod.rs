@@ -18,9 +18,15 @@
 //! its type and size) is checked before a byte is written, so a row that is not whole
 //! blocks of its format, a family, config or tokenizer it cannot write, or a missing
 //! tensor is one error naming it; the file is written atomically ([`write`]).
+//!
+//! The plan (tensor table, types, metadata) is made from [`Inputs`], not from the
+//! checkpoint's bytes: [`synth`] makes it from a card alone, the Hub config and tokenizer a
+//! synthetic checkpoint of the card would hold, and writes random weights of each tensor's
+//! type straight into the file, so `moec synth --gguf` and `moec quantize` of `moec
+//! synth`'s folder give the same table by the same rules.
 
 use crate::model::arch::ArchSpec;
-use crate::model::family::facts::Family;
+use crate::model::card::ModelCard;
 use crate::model::family::hub::Source;
 use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
 use crate::model::layout::LayerLayout;
@@ -31,15 +37,18 @@ use crate::quant::encode::quantize_row;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
 use crate::weights::checkpoint::Checkpoint;
-use crate::weights::gguf::families::{gguf_family, EpsRule, GgufKeys};
+use crate::weights::gguf::families::{gguf_family, GgufKeys};
 use crate::weights::gguf::llama::{place, Place};
+use rayon::prelude::*;
 use std::path::Path;
 use write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_F32};
 
 mod dbrx;
 mod gpt2;
 mod gpt_oss;
+mod metadata;
 pub mod mix;
+pub mod synth;
 pub mod write;
 pub use mix::Mix;
 
@@ -103,6 +112,173 @@ pub struct ExportSummary {
     pub copied: usize,
 }
 
+/// What a GGUF's tensor table and metadata are read from: a checkpoint folder's card,
+/// `config.json`, `tokenizer.json` and `tokenizer_config.json` ([`Inputs::of_checkpoint`]),
+/// or a card alone with the Hub config and tokenizer a synthetic checkpoint of it would
+/// hold ([`synth`]). The plan and the keys depend on nothing else, so `moec quantize` and
+/// `moec synth --gguf` give the same table for the same card and types.
+#[derive(Debug, Clone)]
+pub(crate) struct Inputs<'a> {
+    /// Where the inputs came from, for messages (the folder, or the card).
+    origin: String,
+    /// The card (dtype, special tokens, stored formats).
+    card: &'a ModelCard,
+    /// Its architecture.
+    arch: &'a ArchSpec,
+    /// `config.json`, or why it could not be read (an error only for the families whose
+    /// keys are read from it).
+    config: Result<serde_json::Value, String>,
+    /// Where `config.json` came from, for messages.
+    config_origin: String,
+    /// `tokenizer.json` (where it came from, and its JSON or why it could not be read),
+    /// when there is one.
+    tokenizer: Option<(String, Result<serde_json::Value, String>)>,
+    /// `tokenizer_config.json` (null without one).
+    tokenizer_config: serde_json::Value,
+    /// Whether an `lm_head` is stored (else the embedding is tied to it).
+    lm_head: bool,
+    /// Write a byte-fallback BPE tokenizer as llama.cpp's `llama` vocabulary even for a
+    /// family whose converter writes a byte-level (`gpt2`) one: the synthetic files of
+    /// cards whose family's own tokenizer is not shipped use a SentencePiece stand-in.
+    llama_vocab_stand_in: bool,
+}
+
+impl<'a> Inputs<'a> {
+    /// The inputs of a checkpoint folder.
+    fn of_checkpoint(ckpt: &'a Checkpoint) -> Self {
+        let read = |name: &str| -> Option<serde_json::Value> {
+            std::fs::read_to_string(ckpt.dir().join(name))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+        };
+        let config_path = ckpt.dir().join("config.json");
+        let config = std::fs::read_to_string(&config_path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()));
+        let tokenizer = ckpt.tokenizer_path().map(|path| {
+            let json = std::fs::read_to_string(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()));
+            (path, json)
+        });
+        Inputs {
+            origin: ckpt.dir().display().to_string(),
+            card: ckpt.card(),
+            arch: ckpt.arch(),
+            config,
+            config_origin: config_path.display().to_string(),
+            tokenizer: tokenizer.map(|(path, json)| (path.display().to_string(), json)),
+            tokenizer_config: read("tokenizer_config.json").unwrap_or_default(),
+            lm_head: ckpt.tensor_names().any(|n| n == "lm_head.weight"),
+            llama_vocab_stand_in: false,
+        }
+    }
+}
+
+/// A GGUF's plan: its metadata, its tensor table with each tensor's type (by the one set
+/// of rules: the classes' formats or a [`Mix`], [`plan`] and [`apply_mix`]), and where
+/// each tensor's values come from.
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    /// The metadata keys in order.
+    metadata: Vec<(String, MetaValue)>,
+    /// The tensor table in order.
+    entries: Vec<TensorEntry>,
+    /// Each entry's origin.
+    origins: Vec<Origin>,
+}
+
+/// The plan of the GGUF of `inputs` with `types`, `name` its `general.name`: every tensor's
+/// name, dims and type, checked to be whole blocks, and the metadata.
+fn layout(inputs: &Inputs<'_>, types: &Types, name: &str) -> Result<Layout, ExportError> {
+    let arch = inputs.arch;
+    let card = inputs.card;
+    let arch_name = arch.family.facts().gguf_arch;
+    let floats = WeightFormats::default();
+    let formats = match types {
+        Types::Classes(formats) => formats,
+        Types::Mix(_) => &floats,
+    };
+    let stored;
+    let table = gguf_family(arch.family);
+    let formats = if table.gpt_oss_experts {
+        stored = gpt_oss::keep_stored_experts(card, formats);
+        &stored
+    } else {
+        formats
+    };
+    // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]), and
+    // so is DBRX's down projection ([`dbrx::as_stored`]).
+    let mut written = dbrx::as_stored(arch);
+    written.experts_out_in |= table.gpt_oss_experts;
+    if let Err(e) = formats.check(&written, card.dtype) {
+        return Err(ExportError::Unsupported(e));
+    }
+    let (mut entries, origins) = plan(inputs, formats)?;
+    let file_type = match types {
+        Types::Classes(_) if table.gpt_oss_experts => gpt_oss::file_type(formats, card.dtype),
+        Types::Classes(formats) => {
+            file_type(formats.storage(card.dtype, WeightTensor::layer(SegmentKind::ExpertGate(0))))
+        }
+        Types::Mix(mix) => {
+            apply_mix(arch, *mix, &mut entries)?;
+            mix.file_type()
+        }
+    };
+    check_blocks(&entries)?;
+    let llama_vocab = |inputs: &Inputs<'_>| {
+        inputs.llama_vocab_stand_in
+            && inputs
+                .tokenizer
+                .as_ref()
+                .and_then(|(_, json)| json.as_ref().ok())
+                .is_some_and(|json| json["model"]["byte_fallback"].as_bool() == Some(true))
+    };
+    let vocab = |inputs: &Inputs<'_>| {
+        if llama_vocab(inputs) {
+            metadata::vocab_metadata(inputs, arch.vocab)
+        } else {
+            gpt2::gpt2_vocab(inputs, arch.vocab)
+        }
+    };
+    let metadata = match table.keys {
+        GgufKeys::Llama => {
+            let mut m = metadata::arch_metadata(arch, name, file_type);
+            m.extend(metadata::vocab_metadata(inputs, arch.vocab)?);
+            m
+        }
+        GgufKeys::Dbrx => {
+            let mut m = dbrx::metadata(arch, name, file_type)?;
+            m.extend(vocab(inputs)?);
+            m
+        }
+        GgufKeys::Text => {
+            let mut m = metadata::text_metadata(inputs, arch_name, arch.family, name, file_type)?;
+            m.extend(vocab(inputs)?);
+            m
+        }
+    };
+    Ok(Layout {
+        metadata,
+        entries,
+        origins,
+    })
+}
+
+/// Bytes per ggml type name over `entries`, in the order the types first appear.
+fn bytes_by_type(entries: &[TensorEntry]) -> Vec<(String, u64)> {
+    let mut by_type: Vec<(String, u64)> = Vec::new();
+    for entry in entries {
+        let ty = type_name(entry.ggml_type);
+        let bytes = entry.bytes().unwrap_or(0);
+        match by_type.iter_mut().find(|(t, _)| *t == ty) {
+            Some((_, b)) => *b += bytes,
+            None => by_type.push((ty, bytes)),
+        }
+    }
+    by_type
+}
+
 /// The ggml type a tensor of `storage` is written as (vectors always f32, as the converter
 /// writes norms).
 fn ggml_type(storage: Storage, vector: bool) -> u32 {
@@ -135,463 +311,14 @@ fn permute_rows(values: &[f32], heads: usize, cols: usize) -> Option<Vec<f32>> {
     Some(out)
 }
 
-/// `general.architecture` (`arch_name`), `general.type`, `general.name` and the shape keys
-/// (`{arch_name}.block_count` to `attention.head_count_kv`) from the card, as the converters
-/// of the `llama` and `dbrx` architectures write them.
-fn shape_metadata(arch_name: &str, arch: &ArchSpec, name: &str) -> Vec<(String, MetaValue)> {
-    let u = |k: &str, v: usize| (format!("{arch_name}.{k}"), MetaValue::U32(v as u32));
-    vec![
-        (
-            "general.architecture".into(),
-            MetaValue::Str(arch_name.into()),
-        ),
-        ("general.type".into(), MetaValue::Str("model".into())),
-        ("general.name".into(), MetaValue::Str(name.into())),
-        u("block_count", arch.layers),
-        u("context_length", arch.max_positions),
-        u("embedding_length", arch.hidden),
-        u("feed_forward_length", arch.ffn),
-        u("attention.head_count", arch.attn.heads),
-        u("attention.head_count_kv", arch.attn.kv_heads),
-    ]
-}
-
-/// The `llama` architecture's hyper-parameter keys, from the card.
-fn arch_metadata(arch: &ArchSpec, name: &str, file_type: u32) -> Vec<(String, MetaValue)> {
-    let u = |k: &str, v: usize| (format!("llama.{k}"), MetaValue::U32(v as u32));
-    let mut meta = shape_metadata("llama", arch, name);
-    meta.extend([
-        (
-            "llama.rope.freq_base".into(),
-            MetaValue::F32(arch.rope_theta as f32),
-        ),
-        (
-            "llama.attention.layer_norm_rms_epsilon".into(),
-            MetaValue::F32(arch.norm_eps),
-        ),
-        u("expert_count", arch.experts),
-        u("expert_used_count", arch.top_k),
-        u("attention.key_length", arch.attn.head_dim),
-        u("attention.value_length", arch.attn.head_dim),
-        u("vocab_size", arch.vocab),
-        u("rope.dimension_count", arch.attn.head_dim),
-        ("general.quantization_version".into(), MetaValue::U32(2)),
-        ("general.file_type".into(), MetaValue::U32(file_type)),
-    ]);
-    meta
-}
-
-/// The hyper-parameter keys `convert_hf_to_gguf.py`'s `TextModel.set_gguf_parameters`
-/// (and the Qwen2-MoE/Qwen3-MoE and OLMoE subclasses) write from `config.json`: each key
-/// from the first of the config names the converter tries, written only when the config
-/// has it. Rope scaling and expert scoring functions, which these families' configs do
-/// not set, are an error rather than left out.
-fn text_metadata(
-    ckpt: &Checkpoint,
-    arch_name: &str,
-    family: Family,
-    name: &str,
-    file_type: u32,
-) -> Result<Vec<(String, MetaValue)>, ExportError> {
-    let path = ckpt.dir().join("config.json");
-    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    let find = |keys: &[&str]| {
-        keys.iter()
-            .find_map(|k| config.get(*k).filter(|v| !v.is_null()))
-    };
-    let mut meta: Vec<(String, MetaValue)> = vec![
-        (
-            "general.architecture".into(),
-            MetaValue::Str(arch_name.into()),
-        ),
-        ("general.type".into(), MetaValue::Str("model".into())),
-        ("general.name".into(), MetaValue::Str(name.into())),
-    ];
-    let table = gguf_family(family);
-    let deepseek = table.mla_keys;
-    let mut u = |key: &str, keys: &[&str]| -> Result<(), ExportError> {
-        if let Some(v) = find(keys) {
-            let v = v
-                .as_u64()
-                .ok_or_else(|| bad(format!("`{}` is not a count", keys[0])))?;
-            meta.push((format!("{arch_name}.{key}"), MetaValue::U32(v as u32)));
-        }
-        Ok(())
-    };
-    u(
-        "block_count",
-        &["num_hidden_layers", "n_layers", "n_layer", "num_layers"],
-    )?;
-    u(
-        "context_length",
-        &[
-            "max_position_embeddings",
-            "n_ctx",
-            "n_positions",
-            "max_length",
-            "max_sequence_length",
-            "model_max_length",
-        ],
-    )?;
-    u("embedding_length", &["hidden_size", "n_embd", "dim"])?;
-    u(
-        "feed_forward_length",
-        &[
-            "prefix_dense_intermediate_size",
-            "dense_intermediate_size",
-            "intermediate_size",
-            "n_inner",
-            "hidden_dim",
-        ],
-    )?;
-    u(
-        "attention.head_count",
-        &["num_attention_heads", "n_head", "n_heads"],
-    )?;
-    // DeepSeek's is written with its other MLA keys.
-    if !deepseek {
-        u(
-            "attention.head_count_kv",
-            &["num_key_value_heads", "n_kv_heads"],
-        )?;
-    }
-    u(
-        "expert_count",
-        &["num_local_experts", "num_experts", "n_routed_experts"],
-    )?;
-    u(
-        "expert_used_count",
-        &[
-            "num_experts_per_tok",
-            "num_experts_per_token",
-            "top_k_experts",
-        ],
-    )?;
-    u("expert_group_count", &["n_group"])?;
-    u("expert_group_used_count", &["topk_group"])?;
-    if !deepseek {
-        u("attention.key_length", &["head_dim"])?;
-        u("attention.value_length", &["head_dim"])?;
-    }
-    if table.expert_width_keys {
-        u("expert_feed_forward_length", &["moe_intermediate_size"])?;
-        u(
-            "expert_shared_feed_forward_length",
-            &["shared_expert_intermediate_size"],
-        )?;
-    }
-    if let Some(func) = find(&["score_function", "scoring_func", "score_func"]) {
-        let id = match func.as_str() {
-            Some("softmax") => 1,
-            Some("sigmoid") => 2,
-            _ => {
-                return Err(bad(format!(
-                    "expert scoring function {func} is not written"
-                )))
-            }
-        };
-        meta.push((
-            format!("{arch_name}.expert_gating_func"),
-            MetaValue::U32(id),
-        ));
-    }
-    if deepseek {
-        meta.extend(deepseek_metadata(&config, arch_name).map_err(bad)?);
-    }
-    if table.gpt_oss_experts {
-        meta.extend(gpt_oss::metadata(&config, arch_name).map_err(bad)?);
-    }
-    for key in ["rope_scaling", "sliding_window_pattern"] {
-        if find(&[key]).is_some() && !(table.gpt_oss_experts && key == "rope_scaling") {
-            return Err(bad(format!(
-                "`{key}` is set: moec quantize does not write its llama.cpp keys"
-            )));
-        }
-    }
-    let f = |keys: &[&str]| find(keys).and_then(serde_json::Value::as_f64);
-    let theta = f(&["rope_theta"]).or_else(|| config["rope_parameters"]["rope_theta"].as_f64());
-    if let Some(theta) = theta {
-        meta.push((
-            format!("{arch_name}.rope.freq_base"),
-            MetaValue::F32(theta as f32),
-        ));
-    }
-    // OLMoE's converter writes 1e-5 whatever the config says; DeepSeek's 1e-6 when the
-    // config has none.
-    let eps = match table.eps {
-        EpsRule::Fixed(eps) => Some(eps),
-        EpsRule::ConfigOr(eps) => f(&["rms_norm_eps", "norm_eps"]).or(Some(eps)),
-        EpsRule::Config => f(&["rms_norm_eps", "norm_eps"]),
-    };
-    if let Some(eps) = eps {
-        meta.push((
-            format!("{arch_name}.attention.layer_norm_rms_epsilon"),
-            MetaValue::F32(eps as f32),
-        ));
-    }
-    meta.push(("general.file_type".into(), MetaValue::U32(file_type)));
-    meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
-    Ok(meta)
-}
-
-/// The MLA and MoE keys `DeepseekV2Model.set_gguf_parameters` adds (and the one KV head
-/// it sets for MLA's shared latent).
-fn deepseek_metadata(
-    config: &serde_json::Value,
-    arch_name: &str,
-) -> Result<Vec<(String, MetaValue)>, String> {
-    let get = |k: &str| config.get(k).filter(|v| !v.is_null());
-    let count = |k: &str| -> Result<u32, String> {
-        get(k)
-            .and_then(serde_json::Value::as_u64)
-            .map(|v| v as u32)
-            .ok_or_else(|| format!("`{k}` is missing or not a count"))
-    };
-    let key = |k: &str| format!("{arch_name}.{k}");
-    let layers = count("num_hidden_layers")?;
-    let has_moe = get("n_routed_experts").is_some();
-    let leading = match get("first_k_dense_replace").and_then(serde_json::Value::as_u64) {
-        Some(k) => k as u32,
-        None if has_moe => 0,
-        None => layers,
-    };
-    let kv_lora = match get("kv_lora_rank") {
-        Some(_) => count("kv_lora_rank")?,
-        None => 512,
-    };
-    let (rope, nope, v) = (
-        count("qk_rope_head_dim")?,
-        count("qk_nope_head_dim")?,
-        count("v_head_dim")?,
-    );
-    let mut meta = vec![
-        (key("attention.head_count_kv"), MetaValue::U32(1)),
-        (key("leading_dense_block_count"), MetaValue::U32(leading)),
-        (key("vocab_size"), MetaValue::U32(count("vocab_size")?)),
-    ];
-    if get("q_lora_rank").is_some() {
-        meta.push((
-            key("attention.q_lora_rank"),
-            MetaValue::U32(count("q_lora_rank")?),
-        ));
-    }
-    meta.extend([
-        (key("attention.kv_lora_rank"), MetaValue::U32(kv_lora)),
-        (key("attention.key_length"), MetaValue::U32(kv_lora + rope)),
-        (key("attention.value_length"), MetaValue::U32(kv_lora)),
-        (key("attention.key_length_mla"), MetaValue::U32(nope + rope)),
-        (key("attention.value_length_mla"), MetaValue::U32(v)),
-    ]);
-    let expert_ffn = match get("moe_intermediate_size") {
-        Some(_) => count("moe_intermediate_size")?,
-        None => count("intermediate_size")?,
-    };
-    meta.push((
-        key("expert_feed_forward_length"),
-        MetaValue::U32(expert_ffn),
-    ));
-    let shared = match get("n_shared_experts") {
-        Some(_) => count("n_shared_experts")?,
-        None => 0,
-    };
-    meta.push((key("expert_shared_count"), MetaValue::U32(shared)));
-    if let Some(scale) = get("routed_scaling_factor").and_then(serde_json::Value::as_f64) {
-        meta.push((key("expert_weights_scale"), MetaValue::F32(scale as f32)));
-    }
-    if get("norm_topk_prob").and_then(serde_json::Value::as_bool) == Some(true) {
-        meta.push((key("expert_weights_norm"), MetaValue::Bool(true)));
-    }
-    meta.push((key("rope.dimension_count"), MetaValue::U32(rope)));
-    Ok(meta)
-}
-
-/// `ckpt`'s `tokenizer.json`, its path and its JSON.
-fn read_tokenizer(
-    ckpt: &Checkpoint,
-) -> Result<(std::path::PathBuf, serde_json::Value), ExportError> {
-    let path = ckpt.tokenizer_path().ok_or_else(|| {
-        ExportError::Unsupported(format!(
-            "{}: no tokenizer.json: llama.cpp needs the vocabulary inside the GGUF",
-            ckpt.dir().display()
-        ))
-    })?;
-    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-    let json = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    Ok((path, json))
-}
-
-/// The token list with the ids the tokenizer lacks named `[PADi]` and typed UNUSED (5),
-/// as both of the converter's vocabularies write them.
-fn pad_unused(tokens: Vec<Option<String>>, types: &mut [i32]) -> Vec<String> {
-    tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            t.unwrap_or_else(|| {
-                types[i] = 5;
-                format!("[PAD{i}]")
-            })
-        })
-        .collect()
-}
-
-/// The vocabulary keys as the converter's `LlamaHfVocab` writes them from `tokenizer.json`
-/// (a BPE tokenizer with byte fallback): every token in id order, score -1000, type BYTE
-/// for `<0xXX>`, CONTROL for the special tokens `tokenizer_config.json` names, USER_DEFINED
-/// for other added tokens past the base vocabulary, NORMAL otherwise; ids past the
-/// tokenizer's up to the model's vocabulary are `[PADi]`, UNUSED.
-fn vocab_metadata(
-    ckpt: &Checkpoint,
-    vocab: usize,
-) -> Result<Vec<(String, MetaValue)>, ExportError> {
-    let (path, json) = read_tokenizer(ckpt)?;
-    let bad = |m: String| ExportError::Unsupported(format!("{}: {m}", path.display()));
-    let model = &json["model"];
-    let kind = model["type"].as_str().unwrap_or("?");
-    if kind != "BPE" || model["byte_fallback"].as_bool() != Some(true) {
-        return Err(bad(format!(
-            "a `{kind}` tokenizer{}: moec quantize writes llama.cpp's `llama` vocabulary, a BPE \
-             tokenizer with byte fallback (Mixtral's)",
-            if kind == "BPE" {
-                " without byte fallback"
-            } else {
-                ""
-            }
-        )));
-    }
-    // Which tokens are special is what `tokenizer_config.json` names (transformers'
-    // `all_special_ids`, what the converter asks): none without that file.
-    let config_path = ckpt.dir().join("tokenizer_config.json");
-    let config: serde_json::Value = std::fs::read_to_string(&config_path)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
-    let token_text = |v: &serde_json::Value| -> Option<String> {
-        v.as_str()
-            .or_else(|| v["content"].as_str())
-            .map(str::to_string)
-    };
-    let mut special: Vec<String> = ["bos", "eos", "unk", "pad", "sep", "cls", "mask"]
-        .iter()
-        .filter_map(|k| token_text(&config[format!("{k}_token")]))
-        .collect();
-    special.extend(
-        config["additional_special_tokens"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(token_text),
-    );
-    let mut tokens: Vec<Option<String>> = vec![None; vocab];
-    let mut types = vec![1i32; vocab];
-    let mut place = |id: u64, text: &str, ty: i32| -> Result<(), ExportError> {
-        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
-            bad(format!(
-                "token `{text}` has id {id}, past the model's vocabulary of {vocab}"
-            ))
-        })?;
-        *slot = Some(text.to_string());
-        types[id as usize] = ty;
-        Ok(())
-    };
-    let Some(entries) = model["vocab"].as_object() else {
-        return Err(bad("`model.vocab` is not a map of tokens to ids".into()));
-    };
-    let mut base = 0u64;
-    for (text, id) in entries {
-        let id = id
-            .as_u64()
-            .ok_or_else(|| bad(format!("token `{text}`: its id is not a number")))?;
-        let is_byte = text.len() == 6
-            && text.starts_with("<0x")
-            && text.ends_with('>')
-            && text[3..5].chars().all(|c| c.is_ascii_hexdigit());
-        let ty = if is_byte {
-            6
-        } else if special.contains(text) {
-            3
-        } else {
-            1
-        };
-        place(id, text, ty)?;
-        base = base.max(id + 1);
-    }
-    // Added tokens inside the base vocabulary are already there; those past it are
-    // CONTROL when special, USER_DEFINED otherwise.
-    for added in json["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
-            return Err(bad("an `added_tokens` entry without id or content".into()));
-        };
-        if id >= base {
-            place(
-                id,
-                text,
-                if special.iter().any(|s| s == text) {
-                    3
-                } else {
-                    4
-                },
-            )?;
-        }
-    }
-    let tokens = pad_unused(tokens, &mut types);
-    let card = ckpt.card();
-    let mut meta = vec![
-        (
-            "tokenizer.ggml.model".into(),
-            MetaValue::Str("llama".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".into(),
-            MetaValue::Str("default".into()),
-        ),
-        ("tokenizer.ggml.tokens".into(), MetaValue::Strs(tokens)),
-        (
-            "tokenizer.ggml.scores".into(),
-            MetaValue::F32s(vec![-1000.0; vocab]),
-        ),
-        ("tokenizer.ggml.token_type".into(), MetaValue::I32s(types)),
-    ];
-    if let Some(bos) = card.bos_token_id {
-        meta.push(("tokenizer.ggml.bos_token_id".into(), MetaValue::U32(bos)));
-    }
-    meta.push((
-        "tokenizer.ggml.eos_token_id".into(),
-        MetaValue::U32(card.eos_token_id),
-    ));
-    let add_bos = config["add_bos_token"].as_bool().unwrap_or(true);
-    meta.push((
-        "tokenizer.ggml.add_bos_token".into(),
-        MetaValue::Bool(add_bos),
-    ));
-    meta.push((
-        "tokenizer.ggml.add_sep_token".into(),
-        MetaValue::Bool(false),
-    ));
-    meta.extend(chat_template(&config));
-    Ok(meta)
-}
-
-/// `tokenizer.chat_template` from `tokenizer_config.json`, when it has one.
-fn chat_template(config: &serde_json::Value) -> Option<(String, MetaValue)> {
-    let template = config["chat_template"].as_str()?;
-    Some((
-        "tokenizer.chat_template".into(),
-        MetaValue::Str(template.into()),
-    ))
-}
-
 /// The tensor table and each tensor's origin, in the converter's order (head tensors, then
 /// each layer's).
 fn plan(
-    ckpt: &Checkpoint,
+    inputs: &Inputs<'_>,
     formats: &WeightFormats,
 ) -> Result<(Vec<TensorEntry>, Vec<Origin>), ExportError> {
-    let arch = ckpt.arch();
-    let dtype = ckpt.card().dtype;
+    let arch = inputs.arch;
+    let dtype = inputs.card.dtype;
     let (d, e, vocab) = (arch.hidden, arch.experts, arch.vocab);
     let mut entries = Vec::new();
     let mut origins = Vec::new();
@@ -636,7 +363,7 @@ fn plan(
         WeightTensor::FinalNorm,
         whole(norm, vec![d]),
     )?;
-    if ckpt.tensor_names().any(|n| n == "lm_head.weight") {
+    if inputs.lm_head {
         add(
             "output.weight".into(),
             vec![d as u64, vocab as u64],
@@ -874,10 +601,36 @@ fn encode(values: &[f32], ggml_type: u32, name: &str) -> Result<Vec<u8>, WriteEr
         }
         Storage::Quant(format) => format,
     };
-    quantize_row(format, values).map_err(|e| WriteError::Tensor {
-        tensor: name.into(),
-        message: e.to_string(),
-    })
+    // Blocks are quantised independently: pieces of whole blocks are encoded on every core
+    // and joined in order, the same bytes as one pass gives.
+    let piece = format.block_elems() * ENCODE_PIECE_BLOCKS;
+    let pieces: Vec<Vec<u8>> = values
+        .par_chunks(piece)
+        .map(|chunk| quantize_row(format, chunk))
+        .collect::<Result<_, _>>()
+        .map_err(|e| WriteError::Tensor {
+            tensor: name.into(),
+            message: e.to_string(),
+        })?;
+    Ok(pieces.concat())
+}
+
+/// Blocks per piece encoded on one core (a few hundred kB of f32 in, enough to keep each
+/// task's start-up negligible).
+const ENCODE_PIECE_BLOCKS: usize = 512;
+
+/// Drops the mapped pages of the checkpoint tensors `origin` read from this process's
+/// resident memory ([`Checkpoint::release_source`]), once its GGUF tensor is written: a
+/// checkpoint is read once, front to back, so without this `moec quantize` would end up
+/// holding the whole mapped checkpoint resident (14.1 GB for 12.1 GB of bf16 input).
+fn release(ckpt: &Checkpoint, origin: &Origin) {
+    match origin {
+        Origin::Whole { src, .. } | Origin::KvBSplit { src, .. } => ckpt.release_source(src),
+        Origin::Stacked(sources) | Origin::StackedTransposed(sources) => {
+            sources.iter().for_each(|src| ckpt.release_source(src));
+        }
+        Origin::GptOss(experts) => ckpt.release_source(&gpt_oss::hub_source(ckpt.arch(), experts)),
+    }
 }
 
 /// Writes `ckpt` to `out` as a llama.cpp GGUF with `formats` per class; `progress` hears
@@ -889,60 +642,11 @@ pub fn export(
     out: &Path,
     mut progress: impl FnMut(usize, usize, &str),
 ) -> Result<ExportSummary, ExportError> {
-    let arch = ckpt.arch();
-    let arch_name = arch.family.facts().gguf_arch;
-    let floats = WeightFormats::default();
-    let formats = match types {
-        Types::Classes(formats) => formats,
-        Types::Mix(_) => &floats,
-    };
-    let stored;
-    let table = gguf_family(arch.family);
-    let formats = if table.gpt_oss_experts {
-        stored = gpt_oss::keep_stored_experts(ckpt, formats);
-        &stored
-    } else {
-        formats
-    };
-    // gpt-oss's experts are written out-in whatever the Hub's order ([`gpt_oss`]), and
-    // so is DBRX's down projection ([`dbrx::as_stored`]).
-    let mut written = dbrx::as_stored(arch);
-    written.experts_out_in |= table.gpt_oss_experts;
-    if let Err(e) = formats.check(&written, ckpt.card().dtype) {
-        return Err(ExportError::Unsupported(e));
-    }
-    let (mut entries, origins) = plan(ckpt, formats)?;
-    let file_type = match types {
-        Types::Classes(_) if table.gpt_oss_experts => {
-            gpt_oss::file_type(formats, ckpt.card().dtype)
-        }
-        Types::Classes(formats) => file_type(formats.storage(
-            ckpt.card().dtype,
-            WeightTensor::layer(SegmentKind::ExpertGate(0)),
-        )),
-        Types::Mix(mix) => {
-            apply_mix(arch, *mix, &mut entries)?;
-            mix.file_type()
-        }
-    };
-    check_blocks(&entries)?;
-    let metadata = match table.keys {
-        GgufKeys::Llama => {
-            let mut m = arch_metadata(arch, name, file_type);
-            m.extend(vocab_metadata(ckpt, arch.vocab)?);
-            m
-        }
-        GgufKeys::Dbrx => {
-            let mut m = dbrx::metadata(arch, name, file_type)?;
-            m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
-            m
-        }
-        GgufKeys::Text => {
-            let mut m = text_metadata(ckpt, arch_name, arch.family, name, file_type)?;
-            m.extend(gpt2::gpt2_vocab(ckpt, arch.vocab)?);
-            m
-        }
-    };
+    let Layout {
+        metadata,
+        entries,
+        origins,
+    } = layout(&Inputs::of_checkpoint(ckpt), types, name)?;
     let total = entries.len();
     let mut copied = 0;
     write_gguf(out, &metadata, &entries, |i| {
@@ -955,17 +659,10 @@ pub fn export(
             }
         }
         let v = values(ckpt, &origins[i], &entry.name)?;
+        release(ckpt, &origins[i]);
         encode(&v, entry.ggml_type, &entry.name)
     })?;
-    let mut by_type: Vec<(String, u64)> = Vec::new();
-    for entry in &entries {
-        let ty = type_name(entry.ggml_type);
-        let bytes = entry.bytes().unwrap_or(0);
-        match by_type.iter_mut().find(|(t, _)| *t == ty) {
-            Some((_, b)) => *b += bytes,
-            None => by_type.push((ty, bytes)),
-        }
-    }
+    let by_type = bytes_by_type(&entries);
     let file_bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     Ok(ExportSummary {
         tensors: total,

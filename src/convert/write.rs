@@ -160,6 +160,78 @@ pub fn write_gguf(
     tensors: &[TensorEntry],
     mut produce: impl FnMut(usize) -> Result<Vec<u8>, WriteError>,
 ) -> Result<(), WriteError> {
+    write_gguf_streamed(path, metadata, tensors, |i, sink| sink(&produce(i)?))
+}
+
+/// Where a tensor's bytes go, piece by piece, in [`write_gguf_streamed`].
+pub type Sink<'a> = dyn FnMut(&[u8]) -> Result<(), WriteError> + 'a;
+
+/// Bytes written between two hand-overs of the written file's pages to the kernel (see
+/// [`PageRelease`]).
+const RELEASE_WINDOW: u64 = 256 << 20;
+
+/// Keeps the written file's pages from filling the page cache: every
+/// [`RELEASE_WINDOW`] bytes it starts the write-back of the window just written and
+/// waits for the one before it, then drops that one's cached pages
+/// (`sync_file_range` + `posix_fadvise(DONTNEED)`). A 20 GB GGUF would otherwise leave
+/// 20 GB of dirty and then cached pages behind, pushing other processes' memory out on a
+/// machine it shares; the kernel's write-back also starts sooner, so the final `fsync`
+/// has little left to do. Advice the kernel refuses changes nothing but the cache.
+struct PageRelease {
+    fd: std::os::fd::RawFd,
+    /// Where the data not yet handed over starts.
+    done: u64,
+    /// The window whose write-back was started last (start, length).
+    pending: Option<(u64, u64)>,
+}
+
+impl PageRelease {
+    /// Hands over whole windows below `written` (every byte below it is in the file).
+    fn advance(&mut self, written: u64) {
+        while written - self.done >= RELEASE_WINDOW {
+            let window = (self.done, RELEASE_WINDOW);
+            // SAFETY: plain system calls on an open file descriptor with in-range
+            // offsets; they only schedule write-back and drop clean cached pages.
+            unsafe {
+                libc::sync_file_range(
+                    self.fd,
+                    window.0 as i64,
+                    window.1 as i64,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
+                if let Some((start, len)) = self.pending {
+                    libc::sync_file_range(
+                        self.fd,
+                        start as i64,
+                        len as i64,
+                        libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                            | libc::SYNC_FILE_RANGE_WRITE
+                            | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+                    );
+                    libc::posix_fadvise(
+                        self.fd,
+                        start as i64,
+                        len as i64,
+                        libc::POSIX_FADV_DONTNEED,
+                    );
+                }
+            }
+            self.pending = Some(window);
+            self.done += RELEASE_WINDOW;
+        }
+    }
+}
+
+/// As [`write_gguf`], each tensor's bytes given piece by piece: `produce(i, sink)` calls
+/// `sink` with consecutive pieces of tensor `i` (any sizes), so a producer holds one piece
+/// at a time rather than the whole tensor. The pieces must add up to the entry's size.
+pub fn write_gguf_streamed(
+    path: &Path,
+    metadata: &[(String, MetaValue)],
+    tensors: &[TensorEntry],
+    mut produce: impl FnMut(usize, &mut Sink<'_>) -> Result<(), WriteError>,
+) -> Result<(), WriteError> {
+    use std::os::fd::AsRawFd;
     let mut sizes = Vec::with_capacity(tensors.len());
     for t in tensors {
         sizes.push(t.bytes().ok_or_else(|| WriteError::Tensor {
@@ -177,6 +249,11 @@ pub fn write_gguf(
     };
     let file = std::fs::File::create(&tmp).map_err(io)?;
     let guard = crate::tempfiles::register(&tmp);
+    let mut release = PageRelease {
+        fd: file.as_raw_fd(),
+        done: 0,
+        pending: None,
+    };
     let result = (|| -> Result<(), WriteError> {
         let mut w = Counting {
             inner: BufWriter::with_capacity(1 << 20, file),
@@ -207,18 +284,35 @@ pub fn write_gguf(
         let n = w.n;
         pad(&mut w, n).map_err(io)?;
         for (i, (t, size)) in tensors.iter().zip(&sizes).enumerate() {
-            let bytes = produce(i)?;
-            if bytes.len() as u64 != *size {
+            let mut given = 0u64;
+            produce(i, &mut |piece: &[u8]| {
+                given += piece.len() as u64;
+                if given > *size {
+                    return Err(WriteError::Tensor {
+                        tensor: t.name.clone(),
+                        message: format!("more than the {size} bytes its table entry needs"),
+                    });
+                }
+                w.write_all(piece).map_err(io)?;
+                // The pages below what the buffer still holds are in the file.
+                release.advance(w.n - w.inner.buffer().len() as u64);
+                Ok(())
+            })?;
+            if given != *size {
                 return Err(WriteError::Tensor {
                     tensor: t.name.clone(),
-                    message: format!("{} bytes given, its table entry needs {size}", bytes.len()),
+                    message: format!("{given} bytes given, its table entry needs {size}"),
                 });
             }
-            w.write_all(&bytes).map_err(io)?;
             pad(&mut w, *size).map_err(io)?;
         }
         let file = w.inner.into_inner().map_err(|e| io(e.into_error()))?;
         file.sync_all().map_err(io)?;
+        // SAFETY: as in `PageRelease::advance`: advice on the open descriptor, dropping
+        // the last windows' clean pages now that everything is on disk.
+        unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
         Ok(())
     })();
     match result {

@@ -58,7 +58,7 @@ use prepare::{Prepared, ProfileUse, Target};
 pub use quantize::{quantize, QuantizeFormats, QuantizeRequest, QuantizeResult};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-pub use synth::{synth, SynthRequest, SynthResult};
+pub use synth::{synth, synth_gguf, SynthGgufRequest, SynthGgufResult, SynthRequest, SynthResult};
 
 /// Prompts used when none are given (varied lengths, so micro-batches mix sequence lengths).
 pub const DEFAULT_PROMPTS: [&str; 6] = [

@@ -84,7 +84,7 @@ pub fn quantize(
 }
 
 /// The types `formats` asks for in a checkpoint of `family`; errors name the flag.
-fn types(formats: &QuantizeFormats, family: Family) -> Result<Types, String> {
+pub(super) fn types(formats: &QuantizeFormats, family: Family) -> Result<Types, String> {
     let mut classes = WeightFormats::default();
     match formats {
         QuantizeFormats::Mix(mix) => {

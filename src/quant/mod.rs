@@ -23,6 +23,7 @@ pub mod blocks;
 pub mod encode;
 pub mod mxfp4;
 pub mod q8;
+pub mod random;
 pub mod storage;
 pub mod tiles;
 pub(crate) mod tiles_q4_0;

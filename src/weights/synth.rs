@@ -96,14 +96,14 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
 }
 
 /// FNV-1a of a name: decorrelates tensor streams independently of write order.
-fn fnv1a(s: &str) -> u64 {
+pub(crate) fn fnv1a(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
     })
 }
 
 /// (centre, half-width) of the uniform distribution of a tensor's values.
-fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
+pub(crate) fn distribution(a: &ArchSpec, name: &str, shape: &[usize]) -> (f32, f32) {
     let sqrt3 = 3f32.sqrt();
     let fan_in = |n: usize| sqrt3 / (n as f32).sqrt();
     let d = a.hidden;
@@ -305,7 +305,7 @@ fn temp_dir_for(out: &Path) -> Result<(PathBuf, TempGuard), SynthError> {
 }
 
 /// Free bytes of the file system holding `dir`, if the OS says.
-fn free_bytes(dir: &Path) -> Option<u64> {
+pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
     // SAFETY: `statvfs` is zero-initialisable plain data; the call only writes into it and

@@ -652,6 +652,14 @@ impl Checkpoint {
         Ok(view.to_f32_vec())
     }
 
+    /// Drops the mapped pages of `src`'s whole tensor from this process
+    /// ([`Self::release_mapped`]): `moec quantize` reads each tensor once.
+    pub fn release_source(&self, src: &Source) {
+        if let Ok((bytes, _, _)) = self.checked(&src.name, &src.shape) {
+            self.release_mapped(bytes);
+        }
+    }
+
     /// Names of all tensors.
     pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)
