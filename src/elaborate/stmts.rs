@@ -1076,4 +1076,94 @@ mod tests {
             "unknown op or template `pre_atn`; help: did you mean `pre_attn`?"
         );
     }
+
+    // The vocabulary tables (elaborate::vocabulary) against the evaluator. They live here,
+    // not in vocabulary.rs, because the tables are imported by the evaluator that compile.rs
+    // reaches: a test there importing compile.rs would close an import circle.
+
+    /// The messages of the errors (not warnings) of a schedule with `items` at top level
+    /// and `body` in its prefill step.
+    fn vocabulary_errors(items: &str, body: &str) -> Vec<String> {
+        let source = format!(
+            "schedule t\nmicrobatches 1 of 1\nstream gpu: gpu.compute\n{items}\nprefill {{\n{body}\n}}\n"
+        );
+        let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+        let diags = compile(&source, &options).err().unwrap_or_default();
+        diags
+            .iter()
+            .filter(|d| d.is_error())
+            .map(|d| d.message.clone())
+            .collect()
+    }
+
+    /// Each table names words the evaluator knows: a word the table lists but the
+    /// evaluator does not would send users (and the reference) to a word that fails.
+    #[test]
+    fn every_listed_word_is_one_the_evaluator_knows() {
+        for f in super::super::vocabulary::FUNCTIONS {
+            let errs = vocabulary_errors(&format!("let x = {f}()"), "");
+            assert!(
+                errs.iter().all(|e| !e.starts_with("unknown function")),
+                "{f}: {errs:?}"
+            );
+        }
+        // The test schedule samples nothing, which the checker reports; only "unknown ..."
+        // errors say a word is not known.
+        let known = |errs: &[String]| errs.iter().all(|e| !e.starts_with("unknown"));
+        for s in super::super::vocabulary::SYMBOLS {
+            let errs = vocabulary_errors(&format!("let x = {s}"), "");
+            assert!(known(&errs), "{s}: {errs:?}");
+        }
+        for m in super::super::vocabulary::SLICE_METHODS {
+            let errs = vocabulary_errors(&format!("let x = bytes(W[0].{m}())"), "");
+            assert!(
+                errs.iter().all(|e| !e.starts_with("unknown method")),
+                "{m}: {errs:?}"
+            );
+        }
+        for m in super::super::vocabulary::CACHE_METHODS {
+            let errs = vocabulary_errors(
+                &format!("cache ec[2]: gpu evict \"lru\"\nlet x = bytes(ec.{m}(0, 0))"),
+                "",
+            );
+            assert!(
+                errs.iter().all(|e| !e.starts_with("unknown method")),
+                "{m}: {errs:?}"
+            );
+        }
+        for f in super::super::vocabulary::FIELDS {
+            let base = if matches!(f, "embed" | "head") {
+                "W"
+            } else {
+                "W[0]"
+            };
+            let errs = vocabulary_errors(&format!("let x = bytes({base}.{f})"), "");
+            assert!(known(&errs), "{f}: {errs:?}");
+        }
+    }
+
+    /// Issue 45: a misspelt method on a run-time expert's slice said "must be known at
+    /// compile time"; the name is the problem, and the message says so.
+    #[test]
+    fn an_unknown_method_is_named_before_the_run_time_expert_rule() {
+        let errs = vocabulary_errors(
+            "buffer w: gpu = expert_weights(1)",
+            "  copy W[0].expert(hot(0, 0)).q4() -> w on gpu",
+        );
+        assert_eq!(
+            errs.first().map(String::as_str),
+            Some("unknown method `q4`"),
+            "{errs:?}"
+        );
+        // A real slice method on a run-time expert still meets the run-time rule.
+        let errs = vocabulary_errors(
+            "buffer w: gpu = expert_weights(1)",
+            "  copy W[0].expert(hot(0, 0)).page(0, 2) -> w on gpu",
+        );
+        assert!(
+            errs.first()
+                .is_some_and(|e| e.contains("known at compile time")),
+            "{errs:?}"
+        );
+    }
 }
