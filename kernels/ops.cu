@@ -219,12 +219,18 @@ extern "C" __global__ void combine_slots(
     const float* __restrict__ shared,
     float* __restrict__ residual,
     int top_k,
-    int width) {
+    int width,
+    int expert_stride) {
     const size_t t = blockIdx.x;
     if (top_k > OPS_MAX_TOP_K) {
         return;
     }
-    const unsigned int* chosen = experts + t * top_k;
+    // The token's experts, `expert_stride` words apart (1: an experts array; 2: the packed
+    // route read in place, no route_experts launch).
+    unsigned int chosen[OPS_MAX_TOP_K];
+    for (int s = 0; s < top_k; ++s) {
+        chosen[s] = experts[(t * top_k + s) * (size_t)expert_stride];
+    }
     int order[OPS_MAX_TOP_K];
     for (int s = 0; s < top_k; ++s) {
         order[s] = s;
