@@ -498,6 +498,62 @@ extern "C" __global__ void linear_gemv(
     *out = accumulate ? *out + v : v;
 }
 
+// Up to three few-row projections of the same rows x in one launch (q, k and v of a
+// layer's normalised rows): outputs [0, out0) are W0's, then out1 of W1's, then out2 of
+// W2's, each matrix in its own format (d0, d1, d2: prelude codes), written to y at
+// columns 0, col1 and col2 of rows `ldy` floats apart; as linear_gemv otherwise (a warp per
+// output, the same products bit for bit). Launch: grid ceil((out0 + out1 + out2) /
+// MOE_GEMV_WARPS), block 32 * MOE_GEMV_WARPS.
+extern "C" __global__ void linear_gemv3(
+    const float* __restrict__ x,
+    const void* __restrict__ w0,
+    const void* __restrict__ w1,
+    const void* __restrict__ w2,
+    int out0,
+    int out1,
+    int out2,
+    int d0,
+    int d1,
+    int d2,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int ldy,
+    int col1,
+    int col2) {
+    const int lane = threadIdx.x & 31;
+    int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    const void* w = w0;
+    int dtype = d0;
+    int col = 0;
+    if (o >= out0) {
+        o -= out0;
+        w = w1;
+        dtype = d1;
+        col = col1;
+        if (o >= out1) {
+            o -= out1;
+            w = w2;
+            dtype = d2;
+            col = col2;
+            if (o >= out2) {
+                return;
+            }
+        }
+    }
+    const int rows = n < MOE_TILE_M ? n : MOE_TILE_M;
+    long long src[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        src[r] = (long long)(r < rows ? r : 0) * in_dim;
+    }
+    const float v = moe_warp_rows_dot(w, (long long)o * in_dim, dtype, x, src, rows, in_dim, lane);
+    if (lane >= rows) {
+        return;
+    }
+    y[(long long)lane * ldy + col + o] = v;
+}
+
 // ---- Integer products on 8-bit activations -----------------------------------------------
 // The few-row products of block-quantised weights (Q8_0, Q4_K, Q5_K, Q6_K) with activation
 // rows quantised once by activations_q8.cu's q8_quantize (codes and a scale per weight
@@ -838,4 +894,71 @@ extern "C" __global__ void moe_grouped_gemv_q8(
     default: MOE_Q8_GROUPED(6) break;
     }
 #undef MOE_Q8_GROUPED
+}
+
+// linear_gemv3 over 8-bit activations: up to three integer products of the same quantised
+// rows (q, k and v sharing one q8_quantize) in one launch, outputs as linear_gemv3's, a
+// warp per output, each matrix in its own format (3-6). Launch: as linear_gemv3.
+template <int DT>
+__device__ void linear_gemv3_q8_t(const signed char* codes, const float* scales,
+                                  const unsigned char* w, float* y, int rows, int in_dim,
+                                  long long o, int ldy, int col, int lane) {
+    int src[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        src[r] = r < rows ? r : 0;
+    }
+    const long long row_bytes = (long long)(in_dim / MoeQ8<DT>::ELEMS) * MoeQ8<DT>::BYTES;
+    float acc[MOE_TILE_M];
+    moe_q8_rows<DT, 32>(w + o * row_bytes, codes, scales, src, rows, in_dim, lane, true, acc);
+    if (lane < rows) {
+        y[(long long)lane * ldy + col + o] = moe_pick(acc, lane);
+    }
+}
+
+extern "C" __global__ void linear_gemv3_q8(
+    const signed char* __restrict__ codes,
+    const float* __restrict__ scales,
+    const unsigned char* __restrict__ w0,
+    const unsigned char* __restrict__ w1,
+    const unsigned char* __restrict__ w2,
+    int out0,
+    int out1,
+    int out2,
+    int d0,
+    int d1,
+    int d2,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int ldy,
+    int col1,
+    int col2) {
+    const int lane = threadIdx.x & 31;
+    int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    const unsigned char* w = w0;
+    int dtype = d0;
+    int col = 0;
+    if (o >= out0) {
+        o -= out0;
+        w = w1;
+        dtype = d1;
+        col = col1;
+        if (o >= out1) {
+            o -= out1;
+            w = w2;
+            dtype = d2;
+            col = col2;
+            if (o >= out2) {
+                return;
+            }
+        }
+    }
+    const int rows = n < MOE_TILE_M ? n : MOE_TILE_M;
+    switch (dtype) {
+    case 3: linear_gemv3_q8_t<3>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
+    case 4: linear_gemv3_q8_t<4>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
+    case 5: linear_gemv3_q8_t<5>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
+    default: linear_gemv3_q8_t<6>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
+    }
 }

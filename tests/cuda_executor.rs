@@ -218,7 +218,7 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
 /// through every schedule, with each backend's default product: the CUDA kernels quantise
 /// activations once to ggml's 8-bit formats (`q8_quantize`, the CPU's codes) and take
 /// integer products up to 16 rows (`linear_gemv_q8`, `moe_grouped_gemv_q8`; `dequant_f32`
-/// + cuBLAS on `q8_roundtrip`'s values for the prompt's head and any product past 16 rows;
+/// and cuBLAS on `q8_roundtrip`'s values for the prompt's head and any product past 16 rows;
 /// `embed_quant`), the CPU backend's 8-bit block arithmetic, and give the CPU backend's
 /// tokens; 2 new tokens
 /// per prompt keep the 10 schedules' 20 runs cheap. Skipped, saying so, without the

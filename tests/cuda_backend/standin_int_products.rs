@@ -581,3 +581,152 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     );
     println!("router_topk packed route and combine_slots stride 2: equal");
 }
+
+/// `linear_gemv3` and `linear_gemv3_q8` (q | k | v of one input in one launch) give the
+/// bits of three `linear_gemv` / `linear_gemv_q8` launches into the same strided row: 3
+/// rows of 512 inputs, outputs 37 | 8 | 8 (the first a partial block of warps), bf16 |
+/// bf16 | f32 for the float kernel and Q4_K | Q4_K | Q6_K (Q4_K_M's q, k, v) for the
+/// integer one, with the two-product form (third output count 0) too.
+#[test]
+fn three_products_in_one_launch_equal_three_launches() {
+    const NAME: &str = "standin_int_products::three_products_in_one_launch_equal_three_launches";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x0bad_cafe_f00d_0001);
+    let (n, inp) = (3usize, 512usize);
+    let outs = [37usize, 8, 8];
+    let width = outs.iter().sum::<usize>() + 5;
+    let cols = [0usize, outs[0], outs[0] + outs[1]];
+    let x = rng.vec(n * inp, 1.0);
+    let x_dev = stream.clone_htod(&x).expect("htod");
+    let (n_i, inp_i, ldy) = (n as i32, inp as i32, width as i32);
+    let single = function(&modules, "moe_grouped.cu", "linear_gemv");
+    let single_q8 = function(&modules, "moe_grouped.cu", "linear_gemv_q8");
+    for int in [false, true] {
+        for parts in [3usize, 2] {
+            let mut ws: Vec<CudaSlice<u8>> = Vec::new();
+            let mut codes_of = Vec::new();
+            for (i, &out) in outs.iter().enumerate() {
+                let (bytes, code) = if int {
+                    let format = if i == 2 {
+                        QuantFormat::Q6K
+                    } else {
+                        QuantFormat::Q4K
+                    };
+                    let code = storage_code(WeightDtype::F32, Some(format));
+                    (random_blocks(format, out * inp / 256, &mut rng), code)
+                } else if i == 2 {
+                    let v = rng.vec(out * inp, 0.1);
+                    (v.iter().flat_map(|f| f.to_le_bytes()).collect(), 2)
+                } else {
+                    let v = rng.vec(out * inp, 0.1);
+                    let b: Vec<u8> = v
+                        .iter()
+                        .flat_map(|f| half::bf16::from_f32(*f).to_bits().to_le_bytes())
+                        .collect();
+                    (b, 0)
+                };
+                ws.push(stream.clone_htod(&bytes).expect("htod"));
+                codes_of.push(code);
+            }
+            // Activations for the integer kernels: one q8_quantize (Q8_K).
+            let mut codes = stream.alloc_zeros::<i8>(n * inp).expect("alloc");
+            let mut scales = stream.alloc_zeros::<f32>(n * inp / 256).expect("alloc");
+            if int {
+                let (row, rows, kind) = (inp as i64, n as i64, 0i32);
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe {
+                    stream
+                        .launch_builder(&function(&modules, "activations_q8.cu", "q8_quantize"))
+                        .arg(&x_dev)
+                        .arg(&row)
+                        .arg(&inp_i)
+                        .arg(&rows)
+                        .arg(&0u64)
+                        .arg(&mut codes)
+                        .arg(&mut scales)
+                        .arg(&kind)
+                        .launch(cfg((1, 1, 1), 64, 0))
+                }
+                .expect("launch");
+            }
+            // Three launches, each into its columns.
+            let apart = stream.alloc_zeros::<f32>(n * width).expect("alloc");
+            let base = addr(&stream, &apart);
+            for i in 0..parts {
+                let (out_i, code) = (outs[i] as i32, codes_of[i]);
+                let y = base + (cols[i] * 4) as u64;
+                let (acc, group) = (0i32, 32i32);
+                let mut launch = stream.launch_builder(if int { &single_q8 } else { &single });
+                if int {
+                    launch.arg(&codes).arg(&scales);
+                } else {
+                    launch.arg(&x_dev);
+                }
+                launch
+                    .arg(&ws[i])
+                    .arg(&y)
+                    .arg(&n_i)
+                    .arg(&inp_i)
+                    .arg(&out_i)
+                    .arg(&code)
+                    .arg(&ldy)
+                    .arg(&acc);
+                if int {
+                    launch.arg(&group);
+                }
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe { launch.launch(cfg((outs[i].div_ceil(8) as u32, 1, 1), 256, 0)) }
+                    .expect("launch");
+            }
+            let mut fused = stream.alloc_zeros::<f32>(n * width).expect("alloc");
+            let out3 = if parts == 3 { outs[2] as i32 } else { 0 };
+            let (o0, o1) = (outs[0] as i32, outs[1] as i32);
+            let (c1, c2) = (cols[1] as i32, cols[2] as i32);
+            let total = outs[0] + outs[1] + out3 as usize;
+            let entry = if int {
+                "linear_gemv3_q8"
+            } else {
+                "linear_gemv3"
+            };
+            let f = function(&modules, "moe_grouped.cu", entry);
+            let mut launch = stream.launch_builder(&f);
+            if int {
+                launch.arg(&codes).arg(&scales);
+            } else {
+                launch.arg(&x_dev);
+            }
+            launch
+                .arg(&ws[0])
+                .arg(&ws[1])
+                .arg(&ws[2])
+                .arg(&o0)
+                .arg(&o1)
+                .arg(&out3)
+                .arg(&codes_of[0])
+                .arg(&codes_of[1])
+                .arg(&codes_of[2])
+                .arg(&mut fused)
+                .arg(&n_i)
+                .arg(&inp_i)
+                .arg(&ldy)
+                .arg(&c1)
+                .arg(&c2);
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe { launch.launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, 0)) }
+                .expect("launch");
+            let (a, b) = (
+                stream.clone_dtoh(&apart).expect("dtoh"),
+                stream.clone_dtoh(&fused).expect("dtoh"),
+            );
+            assert_eq!(bits(&a), bits(&b), "{entry} with {parts} products");
+            println!("{entry} with {parts} products: equal to {parts} launches");
+        }
+    }
+}

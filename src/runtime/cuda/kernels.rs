@@ -95,6 +95,8 @@ pub const KERNELS: [KernelSource; 13] = [
             "linear_gemv",
             "linear_gemv_q8",
             "moe_grouped_gemv_q8",
+            "linear_gemv3",
+            "linear_gemv3_q8",
         ],
     },
     KernelSource {

@@ -687,14 +687,19 @@ impl StreamCx<'_> {
     }
 
     /// Several [`StreamCx::linear`] products of the same `n` rows of `x` (q, k and v of
-    /// one input): the integer products among them quantise `x` once per activation
-    /// format and share it; the others run as [`StreamCx::linear`] does.
+    /// one input; gate and up): two or three that can share a launch run as one
+    /// (`linear_gemv3` / `linear_gemv3_q8`, see `linear_fused`); otherwise the integer
+    /// products among them quantise `x` once per activation format and share it, and the
+    /// others run as [`StreamCx::linear`] does.
     pub fn linear_shared(
         &self,
         x: u64,
         n: usize,
         products: &[(&DevMatrix, u64, usize, bool)],
     ) -> Result<(), LaunchError> {
+        if self.linear_fused(x, n, products)? {
+            return Ok(());
+        }
         let mut quantised: Vec<Q8Act> = Vec::new();
         for &(w, y, ldy, accumulate) in products {
             if n == 0 || linear_kernel(w, n) != "q8_quantize + linear_gemv_q8" {
@@ -713,6 +718,76 @@ impl StreamCx<'_> {
             self.linear_q8(&a, w, y, ldy, accumulate)?;
         }
         Ok(())
+    }
+
+    /// Two or three few-row products of `x` in one launch (`linear_gemv3`, or
+    /// `linear_gemv3_q8` after one `q8_quantize`) when they can share it: all float weights
+    /// on `linear_gemv`, or all integer products of one activation format; the same input
+    /// width and row stride, none accumulating, each output a whole number of floats after
+    /// the first's (q | k | v of one row). Gives false, having launched nothing, otherwise.
+    fn linear_fused(
+        &self,
+        x: u64,
+        n: usize,
+        products: &[(&DevMatrix, u64, usize, bool)],
+    ) -> Result<bool, LaunchError> {
+        let Some(&(first, y0, ldy, _)) = products.first() else {
+            return Ok(false);
+        };
+        if !(2..=3).contains(&products.len()) || n == 0 || n > GEMV_MAX_ROWS {
+            return Ok(false);
+        }
+        let kernel = linear_kernel(first, n);
+        let integer = kernel == "q8_quantize + linear_gemv_q8";
+        let float = kernel == "linear_gemv" && first.quant.is_none();
+        let k = first.in_dim();
+        let mut cols = Vec::with_capacity(3);
+        for &(w, y, l, accumulate) in products {
+            let same_kernel = linear_kernel(w, n) == kernel
+                && ((float && w.quant.is_none())
+                    || (integer && act_format(w.quant) == act_format(first.quant)));
+            let col = y.checked_sub(y0).filter(|d| d % 4 == 0).map(|d| d / 4);
+            let col = col.and_then(|c| i32::try_from(c).ok());
+            match col {
+                Some(c) if same_kernel && !accumulate && l == ldy && w.in_dim() == k => {
+                    cols.push(c)
+                }
+                _ => return Ok(false),
+            }
+        }
+        // Absent third product: no outputs (its pointer never read).
+        let seg = |i: usize| products.get(i).map_or((first, 0), |p| (p.0, p.0.out_dim()));
+        let (s0, s1, s2) = (seg(0), seg(1), seg(2));
+        let total = s0.1 + s1.1 + s2.1;
+        let grid = (int("out", total.div_ceil(GEMV_WARPS))? as u32, 1, 1);
+        let mut args = Vec::with_capacity(17);
+        let entry = if integer {
+            let a = self.quantize_q8(x, k, n, k, act_format(first.quant), 0)?;
+            args.extend([Arg::Ptr(a.codes), Arg::Ptr(a.scales)]);
+            "linear_gemv3_q8"
+        } else {
+            args.push(Arg::Ptr(x));
+            "linear_gemv3"
+        };
+        args.extend([
+            Arg::Ptr(s0.0.ptr),
+            Arg::Ptr(s1.0.ptr),
+            Arg::Ptr(s2.0.ptr),
+            Arg::I32(int("out", s0.1)?),
+            Arg::I32(int("out", s1.1)?),
+            Arg::I32(int("out", s2.1)?),
+            Arg::I32(s0.0.code()),
+            Arg::I32(s1.0.code()),
+            Arg::I32(s2.0.code()),
+            Arg::Ptr(y0),
+            Arg::I32(int("n", n)?),
+            Arg::I32(int("in", k)?),
+            Arg::I32(int("ldy", ldy)?),
+            Arg::I32(cols.get(1).copied().unwrap_or(0)),
+            Arg::I32(cols.get(2).copied().unwrap_or(0)),
+        ]);
+        self.launch(entry, grid, (32 * GEMV_WARPS) as u32, 0, &args)?;
+        Ok(true)
     }
 
     /// The activations a product with `weights` multiplies: `x` (`n` rows of `k` values)

@@ -143,8 +143,8 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
     }
     if counts.is_empty() {
         return Some(format!(
-            "float weights: linear_gemv up to {GEMV_ROWS} rows and {GEMV_OUT} outputs (cuBLAS \
-             beyond); experts up to {GROUPED} routed entries: moe_group, moe_grouped_gemv with \
+            "float weights: linear_gemv up to {GEMV_ROWS} rows and {GEMV_OUT} outputs (q|k|v \
+             and a shared expert's gate|up in one linear_gemv3; cuBLAS beyond); experts up to {GROUPED} routed entries: moe_group, moe_grouped_gemv with \
              gate+up+SwiGLU in one launch, moe_grouped_gemv down (one launch per projection \
              for gpt-oss's biased gate/up and [in, out] storage)",
             GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
@@ -161,8 +161,8 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
          moe_grouped_gemv"
     } else {
         "Q8_0/Q4_K/Q5_K/Q6_K as integer products (__dp4a) on activations quantised once per \
-         input (q8_quantize shared by q, k and v and by gate and up; linear_gemv_q8, vocabulary \
-         heads included, and moe_grouped_gemv_q8 with gate+up+SwiGLU in one launch); Q4_0, \
+         input (q8_quantize shared by q, k and v and by gate and up; q|k|v in one linear_gemv3_q8; \
+         linear_gemv_q8, vocabulary heads included, and moe_grouped_gemv_q8 with gate+up+SwiGLU in one launch); Q4_0, \
          Q4_1 and MXFP4 decoded inside the f32 products (linear_gemv, moe_grouped_gemv) on \
          activations rounded by q8_roundtrip"
     };
