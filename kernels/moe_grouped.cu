@@ -235,7 +235,6 @@ extern "C" __global__ void moe_grouped_linear(
 // weights (rows are outputs: a warp reads one contiguous row).
 // Launch: grid (max tiles, ceil(out / MOE_GEMV_WARPS)), block 32 * MOE_GEMV_WARPS.
 #define MOE_GEMV_WARPS 8
-#define MOE_GEMV_UNROLL 4
 
 // Eight Q4_K weights e0 .. e0 + 7 (e0 a multiple of 8) of the block at b, which is 4-byte
 // aligned: moec_quant_decode's values (the same scale, min and rounded products) from
@@ -319,32 +318,20 @@ __device__ float moe_warp_rows_dot_t(const void* w, long long row, const float* 
     const bool vec = (in_dim % 8 == 0) && (dtype >= 3 || aligned)
                      && ((unsigned long long)x % 16 == 0);
     if (vec) {
-        // MOE_GEMV_UNROLL 16-byte weight loads a lane issued before any is used, so a
-        // warp has that many 512-byte reads in flight instead of one dependent read per
-        // step (a 1024-wide bf16 row is one step; a 3584-wide one, two).
-        for (int k0 = lane * 8; k0 < in_dim; k0 += 256 * MOE_GEMV_UNROLL) {
-            float wv[MOE_GEMV_UNROLL][8];
+        // One 16-byte weight load a lane and step, as first written: an H200 run (ab22ec2)
+        // measured four loads a lane in flight (decoded to 8 floats each, so 32 weight
+        // registers next to 16 accumulators) at 2x this loop's time for a 3584-wide down
+        // projection and slower at 16 rows, so the loop stays one load deep.
+        for (int k = lane * 8; k < in_dim; k += 256) {
+            float wv[8];
+            moe_load8<DT>(w, row + k, aligned, wv);
 #pragma unroll
-            for (int u = 0; u < MOE_GEMV_UNROLL; ++u) {
-                if (k0 + 256 * u < in_dim) {
-                    moe_load8<DT>(w, row + k0 + 256 * u, aligned, wv[u]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < MOE_GEMV_UNROLL; ++u) {
-                const int k = k0 + 256 * u;
-                if (k >= in_dim) {
-                    break;
-                }
-#pragma unroll
-                for (int r = 0; r < MOE_TILE_M; ++r) {
-                    if (r < rows) {
-                        const float4 a = *(const float4*)(x + src[r] + k);
-                        const float4 b = *(const float4*)(x + src[r] + k + 4);
-                        acc[r] += wv[u][0] * a.x + wv[u][1] * a.y + wv[u][2] * a.z
-                                + wv[u][3] * a.w + wv[u][4] * b.x + wv[u][5] * b.y
-                                + wv[u][6] * b.z + wv[u][7] * b.w;
-                    }
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                if (r < rows) {
+                    const float4 a = *(const float4*)(x + src[r] + k);
+                    const float4 b = *(const float4*)(x + src[r] + k + 4);
+                    acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
+                            + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
                 }
             }
         }
@@ -710,7 +697,7 @@ __device__ __forceinline__ void moe_q8_unit(const unsigned char* __restrict__ wr
 
 // The products of stored row `wrow` (format DT) with activation rows src[r], r < rows,
 // by a group of G lanes (G a power of two <= 32; `j` the lane's index in its group):
-// the lanes stride over the row's units, MOE_GEMV_UNROLL units' loads in flight per lane,
+// the lanes stride over the row's units, the loop unrolled 4 deep (loads of several units in flight),
 // then the group's sums are reduced so every lane of the group holds acc[r] for each r.
 // Every lane of the warp calls it with the same `rows` (it shuffles); `live` false: the
 // lane's group has no output, its loads are skipped but it joins the shuffles.
@@ -960,5 +947,137 @@ extern "C" __global__ void linear_gemv3_q8(
     case 4: linear_gemv3_q8_t<4>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
     case 5: linear_gemv3_q8_t<5>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
     default: linear_gemv3_q8_t<6>(codes, scales, w, y, rows, in_dim, o, ldy, col, lane); break;
+    }
+}
+
+// ---- One activation row, 16-bit weights ------------------------------------------------
+// A batch-1 decode step's products (every expert tile then has one row) with bf16/f16
+// weights: the generic loops keep MOE_TILE_M accumulators and row offsets in registers for
+// any tile, which bounds the warps an SM holds; these keep one, and issue a lane's four
+// 16-byte weight loads (as raw words) before using any. The sums are the generic loop's
+// bit for bit (each lane's 8-term sums in the same order, the same warp reduction).
+// The host launches them only for one row, bf16/f16 weights and 16-byte aligned weights
+// and x with in_dim % 8 == 0 (no fallback inside, so no generic path's registers).
+template <int DT>
+__device__ __forceinline__ float moe_dot1_half(const unsigned short* __restrict__ w,
+                                               const float* __restrict__ x, int in_dim,
+                                               int lane) {
+    float acc = 0.0f;
+    for (int k0 = lane * 8; k0 < in_dim; k0 += 1024) {
+        uint4 raw[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int k = k0 + 256 * u;
+            if (k < in_dim) {
+                raw[u] = *(const uint4*)(w + k);
+            } else {
+                raw[u].x = raw[u].y = raw[u].z = raw[u].w = 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int k = k0 + 256 * u;
+            if (k < in_dim) {
+                const unsigned int words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+                float wv[8];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
+                    const unsigned short hi = (unsigned short)(words[j] >> 16);
+                    wv[2 * j] = DT == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
+                    wv[2 * j + 1] = DT == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
+                }
+                const float4 a = *(const float4*)(x + k);
+                const float4 b = *(const float4*)(x + k + 4);
+                acc += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
+                     + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+            }
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float moe_dot1(const void* w, long long row, int dtype,
+                                          const float* x, int in_dim, int lane) {
+    const unsigned short* r = (const unsigned short*)w + row;
+    return dtype == 0 ? moe_dot1_half<0>(r, x, in_dim, lane) : moe_dot1_half<1>(r, x, in_dim, lane);
+}
+
+// moe_grouped_gemv for tiles of one row (a decode step of one token: top-k experts are
+// distinct, so each has at most one entry), bf16/f16 weights, no biases; same arguments
+// (biases and bias_dtype ignored: the host passes none), modes 0-3.
+extern "C" __global__ void moe_grouped_gemv_1(
+    const float* __restrict__ x,
+    const unsigned int* __restrict__ perm_row,
+    const unsigned int* __restrict__ perm_slot,
+    const float* __restrict__ perm_weight,
+    const int* __restrict__ tiles,
+    const unsigned long long* __restrict__ weights,
+    const unsigned long long* __restrict__ weights2,
+    const unsigned long long* __restrict__ biases,
+    float* __restrict__ y,
+    int gather,
+    int mode,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int out_in,
+    int bias_dtype,
+    int top_k) {
+    const int tile = blockIdx.x;
+    if (tile >= tiles[0]) {
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    if (o >= out_dim) {
+        return;
+    }
+    const int expert = tiles[2 + 3 * tile];
+    const long long p = tiles[2 + 3 * tile + 1];
+    const float* xr = x + (gather ? (long long)perm_row[p] : p) * in_dim;
+    const float v = moe_dot1((const void*)weights[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
+    float up = 0.0f;
+    if (mode == 3) {
+        up = moe_dot1((const void*)weights2[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
+    }
+    if (lane != 0) {
+        return;
+    }
+    if (mode == 3) {
+        y[p * out_dim + o] = v / (1.0f + expf(-v)) * up;
+    } else if (mode == 0) {
+        y[p * out_dim + o] = v;
+    } else if (mode == 1) {
+        const float g = y[p * out_dim + o];
+        y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
+    } else {
+        const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
+        y[to] = perm_weight[p] * v;
+    }
+}
+
+// linear_gemv for one row with bf16/f16 weights (the same arguments; n must be 1).
+extern "C" __global__ void linear_gemv_1(
+    const float* __restrict__ x,
+    const void* __restrict__ w,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int ldy,
+    int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    if (o >= out_dim) {
+        return;
+    }
+    const float v = moe_dot1(w, (long long)o * in_dim, dtype, x, in_dim, lane);
+    if (lane == 0) {
+        y[o] = accumulate ? y[o] + v : v;
     }
 }

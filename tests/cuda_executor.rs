@@ -583,10 +583,13 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             moe_tasks,
             "{schedule}: {a:?}"
         );
-        // Mixtral stores its experts [out, in]: the few-row form runs them, gate, up and
-        // SwiGLU in one launch, then down.
+        // Mixtral stores its experts [out, in]: the few-row form runs them (its one-row
+        // form at a decode step of one sequence), gate, up and SwiGLU in one launch, then
+        // down.
         assert_eq!(
-            calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
+            calls(&a, "launch:moe_grouped_gemv")
+                + calls(&a, "launch:moe_grouped_gemv_1")
+                + calls(&a, "launch:moe_grouped_linear"),
             2 * moe_tasks,
             "{schedule}"
         );

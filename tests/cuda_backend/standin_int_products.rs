@@ -730,3 +730,175 @@ fn three_products_in_one_launch_equal_three_launches() {
         }
     }
 }
+
+/// The one-row forms (`linear_gemv_1`, `moe_grouped_gemv_1`: a batch-1 decode step's
+/// products with bf16/f16 weights) give the generic kernels' bits: `linear_gemv` at one
+/// row over 37 outputs and inputs of 1024, 3584 (a partial 4-load step) and 520 (a width
+/// that is not whole 256-value steps), accumulating; and the grouped kernel's modes 3
+/// (gate+up+SwiGLU) and 2 (scatter) over one token routed to two of three experts.
+#[test]
+fn one_row_kernels_equal_the_generic_kernels() {
+    const NAME: &str = "standin_int_products::one_row_kernels_equal_the_generic_kernels";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x5eed_0000_1111_2222);
+    let half_bits = |v: &[f32], code: i32| -> Vec<u16> {
+        v.iter()
+            .map(|f| {
+                if code == 0 {
+                    half::bf16::from_f32(*f).to_bits()
+                } else {
+                    half::f16::from_f32(*f).to_bits()
+                }
+            })
+            .collect()
+    };
+    let generic = function(&modules, "moe_grouped.cu", "linear_gemv");
+    let one = function(&modules, "moe_grouped.cu", "linear_gemv_1");
+    for code in [0i32, 1] {
+        for inp in [1024usize, 3584, 520] {
+            let out = 37usize;
+            let w = stream
+                .clone_htod(&half_bits(&rng.vec(out * inp, 0.5), code))
+                .expect("htod");
+            let x = stream.clone_htod(&rng.vec(inp, 1.0)).expect("htod");
+            let start = rng.vec(out, 1.0);
+            let mut results = Vec::new();
+            for f in [&generic, &one] {
+                let mut y = stream.clone_htod(&start).expect("htod");
+                let (n, inp_i, out_i, ldy, acc) = (1i32, inp as i32, out as i32, out as i32, 1i32);
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe {
+                    stream
+                        .launch_builder(f)
+                        .arg(&x)
+                        .arg(&w)
+                        .arg(&mut y)
+                        .arg(&n)
+                        .arg(&inp_i)
+                        .arg(&out_i)
+                        .arg(&code)
+                        .arg(&ldy)
+                        .arg(&acc)
+                        .launch(cfg((out.div_ceil(8) as u32, 1, 1), 256, 0))
+                }
+                .expect("launch");
+                results.push(stream.clone_dtoh(&y).expect("dtoh"));
+            }
+            assert_eq!(
+                bits(&results[0]),
+                bits(&results[1]),
+                "linear_gemv_1 code {code} in {inp}"
+            );
+        }
+    }
+    println!("linear_gemv_1: equal to linear_gemv at one row");
+
+    // One token to experts 2 and 0 of 3 (weights 0.7, 0.3), bf16, d 264, f 520.
+    let (e, d, f, k) = (3usize, 264usize, 520usize, 2usize);
+    let route: Vec<u32> = vec![2, 0.7f32.to_bits(), 0, 0.3f32.to_bits()];
+    let route_dev = stream.clone_htod(&route).expect("htod");
+    let mats: Vec<Vec<CudaSlice<u16>>> = [(f, d), (f, d), (d, f)]
+        .iter()
+        .map(|&(o, i)| {
+            (0..e)
+                .map(|_| {
+                    stream
+                        .clone_htod(&half_bits(&rng.vec(o * i, 0.3), 0))
+                        .expect("htod")
+                })
+                .collect()
+        })
+        .collect();
+    let table: Vec<u64> = mats
+        .iter()
+        .flat_map(|m| m.iter().map(|s| addr(&stream, s)))
+        .collect();
+    let table_dev = stream.clone_htod(&table).expect("htod");
+    let at = |slot: usize| addr(&stream, &table_dev) + (slot * e * 8) as u64;
+    let mut perm_row = stream.alloc_zeros::<u32>(k).expect("alloc");
+    let mut perm_slot = stream.alloc_zeros::<u32>(k).expect("alloc");
+    let mut perm_weight = stream.alloc_zeros::<f32>(k).expect("alloc");
+    let mut tiles = stream.alloc_zeros::<i32>(2 + 3 * 2).expect("alloc");
+    let (entries, k_i, e_i) = (k as i64, k as i32, e as i32);
+    let down = at(2);
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&function(&modules, "moe_grouped.cu", "moe_group"))
+            .arg(&route_dev)
+            .arg(&down)
+            .arg(&mut perm_row)
+            .arg(&mut perm_slot)
+            .arg(&mut perm_weight)
+            .arg(&mut tiles)
+            .arg(&entries)
+            .arg(&k_i)
+            .arg(&e_i)
+            .launch(cfg((1, 1, 1), 256, 0))
+    }
+    .expect("launch");
+    let x = stream.clone_htod(&rng.vec(d, 1.0)).expect("htod");
+    let (d_i, f_i, no) = (d as i32, f as i32, 0u64);
+    let run =
+        |entry: &str, xin: u64, gather: i32, mode: i32, w: u64, w2: u64, y: u64, i: i32, o: i32| {
+            let (dtype, out_in, bias_dtype) = (0i32, 1i32, 2i32);
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&function(&modules, "moe_grouped.cu", entry))
+                    .arg(&xin)
+                    .arg(&perm_row)
+                    .arg(&perm_slot)
+                    .arg(&perm_weight)
+                    .arg(&tiles)
+                    .arg(&w)
+                    .arg(&w2)
+                    .arg(&no)
+                    .arg(&y)
+                    .arg(&gather)
+                    .arg(&mode)
+                    .arg(&i)
+                    .arg(&o)
+                    .arg(&dtype)
+                    .arg(&out_in)
+                    .arg(&bias_dtype)
+                    .arg(&k_i)
+                    .launch(cfg((2, (o as u32).div_ceil(8), 1), 256, 0))
+            }
+            .expect("launch");
+        };
+    let mut outs = Vec::new();
+    for entry in ["moe_grouped_gemv", "moe_grouped_gemv_1"] {
+        let hidden = stream.alloc_zeros::<f32>(k * f).expect("alloc");
+        let slots = stream.alloc_zeros::<f32>(k * d).expect("alloc");
+        let (h, s) = (addr(&stream, &hidden), addr(&stream, &slots));
+        run(entry, addr(&stream, &x), 1, 3, at(0), at(1), h, d_i, f_i);
+        run(entry, h, 0, 2, down, 0, s, f_i, d_i);
+        outs.push((
+            stream.clone_dtoh(&hidden).expect("dtoh"),
+            stream.clone_dtoh(&slots).expect("dtoh"),
+        ));
+    }
+    assert_eq!(
+        bits(&outs[0].0),
+        bits(&outs[1].0),
+        "moe_grouped_gemv_1 mode 3"
+    );
+    assert_eq!(
+        bits(&outs[0].1),
+        bits(&outs[1].1),
+        "moe_grouped_gemv_1 mode 2"
+    );
+    assert!(
+        outs[1].1.iter().any(|&v| v != 0.0),
+        "the slots were written"
+    );
+    println!("moe_grouped_gemv_1: equal to moe_grouped_gemv at one row (modes 3 and 2)");
+}

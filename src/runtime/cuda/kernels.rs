@@ -97,6 +97,8 @@ pub const KERNELS: [KernelSource; 13] = [
             "moe_grouped_gemv_q8",
             "linear_gemv3",
             "linear_gemv3_q8",
+            "moe_grouped_gemv_1",
+            "linear_gemv_1",
         ],
     },
     KernelSource {

@@ -153,6 +153,24 @@ pub fn int_product(format: Option<QuantFormat>) -> bool {
     ) && !Kernels::process().decodes_quant()
 }
 
+/// Whether a few-row product runs in its one-row form (`linear_gemv_1`,
+/// `moe_grouped_gemv_1`): one row, bf16 or f16 weights (kernel code 0 or 1, not blocks),
+/// every address in `ptrs` (weights and activations) on 16 bytes and `in_dim` a multiple
+/// of 8, which those kernels assume.
+pub fn one_row_half(
+    rows: usize,
+    quant: Option<QuantFormat>,
+    code: i32,
+    ptrs: &[u64],
+    in_dim: usize,
+) -> bool {
+    rows == 1
+        && quant.is_none()
+        && (code == 0 || code == 1)
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+        && in_dim.is_multiple_of(8)
+}
+
 /// The kernel [`StreamCx::linear`] runs for `n` rows of `w` (the run report and
 /// `moec devices` name it): for a decode step's few rows, `linear_gemv_q8` (integer
 /// products on activations quantised once, [`int_product`] formats stored on 16 bytes,
@@ -480,10 +498,15 @@ impl StreamCx<'_> {
         let x = self.quant_activations(x, n, k, w.quant, 0)?;
         if linear_kernel(w, n) == "linear_gemv" {
             // A decode step's few rows: one launch reading the stored weights (or blocks)
-            // once.
+            // once; one row of aligned 16-bit weights through its one-row form.
             let dtype = w.code();
+            let entry = if one_row_half(n, w.quant, dtype, &[w.ptr, x], k) {
+                "linear_gemv_1"
+            } else {
+                "linear_gemv"
+            };
             return self.launch(
-                "linear_gemv",
+                entry,
                 (int("out", m.div_ceil(GEMV_WARPS))? as u32, 1, 1),
                 (32 * GEMV_WARPS) as u32,
                 0,
@@ -534,7 +557,11 @@ impl StreamCx<'_> {
                 }))?;
                 self.launch(
                     "sum_halves",
-                    (int("n", n)? as u32, 1, 1),
+                    (
+                        int("n", n)? as u32,
+                        m.div_ceil(block_for(m) as usize).min(1024) as u32,
+                        1,
+                    ),
                     block_for(m),
                     0,
                     &[

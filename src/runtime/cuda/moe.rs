@@ -21,7 +21,8 @@
 
 use super::deepseek;
 use super::launch::{
-    act_format, int, int_product, row_block, storage_code, Arg, DevMatrix, Q8Act, Scratch,
+    act_format, int, int_product, one_row_half, row_block, storage_code, Arg, DevMatrix, Q8Act,
+    Scratch,
 };
 use super::ops::{not_supported, GpuCx, OpError};
 use crate::ir::catalog::OpKind;
@@ -559,11 +560,18 @@ impl GpuCx<'_> {
                        in_dim: usize,
                        out_dim: usize| {
             let bias_ptr = if bias == 0 { 0 } else { table_at(bias) };
-            // A warp per output feature reads a stored row: rows must be outputs.
-            let (entry, per_block) = if out_in_of(which) == 1 {
-                ("moe_grouped_gemv", MOE_GEMV_WARPS)
-            } else {
+            // A warp per output feature reads a stored row: rows must be outputs. One
+            // token (each expert's tile one row) with aligned 16-bit weights: the one-row
+            // form.
+            let (entry, per_block) = if out_in_of(which) != 1 {
                 ("moe_grouped_linear", MOE_TILE_N)
+            } else if bias == 0
+                && aligned
+                && one_row_half(n, shapes[which.min(2)].2, code_of(which), &[x], in_dim)
+            {
+                ("moe_grouped_gemv_1", MOE_GEMV_WARPS)
+            } else {
+                ("moe_grouped_gemv", MOE_GEMV_WARPS)
             };
             let second = if mode == 3 { table_at(1) } else { 0 };
             let mut args = vec![
@@ -574,7 +582,7 @@ impl GpuCx<'_> {
                 Arg::Ptr(tiles.ptr()),
                 Arg::Ptr(table_at(which)),
             ];
-            if entry == "moe_grouped_gemv" {
+            if entry != "moe_grouped_linear" {
                 args.push(Arg::Ptr(second));
             }
             args.extend([
