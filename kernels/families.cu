@@ -8,7 +8,9 @@
 //   sigmoid_scale_rows  Qwen2-MoE's shared-expert gate: x[r, :] *= 1 / (1 + exp(-g[r]))
 //   clamped_swiglu      gpt-oss's expert activation over interleaved gate/up (biases
 //                       already added): g = min(gu[2i], limit), u = clamp(gu[2i+1], -limit,
-//                       limit), out[i] = (u + 1) * g * sigmoid(alpha * g)
+//                       limit), out[i] = (u + 1) * g * sigmoid(alpha * g); `live` (0:
+//                       none) a device count of the rows that hold values (grouped expert
+//                       positions): rows past it are neither read nor written
 //
 // Layout: activations are f32 rows, row-major; `ld` is a row's stride in floats (a qkv row
 // is wider than the part a kernel touches). Weights and biases are f32 (the caller widens
@@ -43,8 +45,12 @@ extern "C" __global__ void clamped_swiglu(
     float* __restrict__ out,
     int ffn,
     float alpha,
-    float limit) {
+    float limit,
+    const int* __restrict__ live) {
     const size_t row = blockIdx.x;
+    if (live != 0 && row >= (size_t)*live) {
+        return;
+    }
     const float* gu = gate_up + row * 2 * (size_t)ffn;
     for (int i = threadIdx.x; i < ffn; i += blockDim.x) {
         const float g0 = gu[2 * i];

@@ -191,7 +191,7 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned shor
 
 // c is a column-major [rows, 2 * cols] product of the pair [hi | lo]: for column t < cols
 // dst[t * ldd + i] = (accumulate ? dst[t * ldd + i] : 0) + (c[t][i] + c[cols + t][i]).
-// Launch: grid = (cols), block = (threads) striding over rows.
+// Launch: grid = (cols, any y: the y blocks split each row), block = (threads) striding over rows.
 extern "C" __global__ void sum_halves(
     const float* __restrict__ c,
     float* __restrict__ dst,
@@ -203,7 +203,9 @@ extern "C" __global__ void sum_halves(
     const float* hi = c + t * (size_t)rows;
     const float* lo = c + ((size_t)cols + t) * (size_t)rows;
     float* to = dst + t * (size_t)ldd;
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    // Blocks along y split the row (a vocabulary head's 32k-200k outputs: one block per
+    // row took 57 us on an H200).
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < rows; i += blockDim.x * gridDim.y) {
         const float v = hi[i] + lo[i];
         to[i] = accumulate ? to[i] + v : v;
     }
@@ -219,12 +221,18 @@ extern "C" __global__ void combine_slots(
     const float* __restrict__ shared,
     float* __restrict__ residual,
     int top_k,
-    int width) {
+    int width,
+    int expert_stride) {
     const size_t t = blockIdx.x;
     if (top_k > OPS_MAX_TOP_K) {
         return;
     }
-    const unsigned int* chosen = experts + t * top_k;
+    // The token's experts, `expert_stride` words apart (1: an experts array; 2: the packed
+    // route read in place, no route_experts launch).
+    unsigned int chosen[OPS_MAX_TOP_K];
+    for (int s = 0; s < top_k; ++s) {
+        chosen[s] = experts[(t * top_k + s) * (size_t)expert_stride];
+    }
     int order[OPS_MAX_TOP_K];
     for (int s = 0; s < top_k; ++s) {
         order[s] = s;

@@ -5,12 +5,33 @@
 // probabilities.
 //
 // Layout: logits is [n_tokens, n_experts] f32 (the router's output); experts and weights
-// are [n_tokens, top_k], highest probability first (unsigned int expert index, f32 weight).
+// are [n_tokens, top_k], highest probability first (unsigned int expert index, f32 weight),
+// each written when not null; `route` (when not null) the same choices packed as
+// [n_tokens * top_k] (expert, weight bits) pairs.
 // n_experts must be at most ROUTER_MAX_EXPERTS and top_k at most n_experts: the caller
 // checks both (Mixtral has 8 experts, DBRX 16, Qwen3-30B-A3B and gpt-oss-120b 128).
 // Launch: 1-D grid, one thread per token (experts are few; a token's work is tiny).
 
 #define ROUTER_MAX_EXPERTS 256
+
+// Entry i's choice into experts[i] / weights[i] (each when not null) and, when `route` is
+// not null, into the packed route (backend::decode_routing's layout: per entry the expert
+// then its weight's bits), so the router's launch writes the route itself instead of a
+// route_pack launch after it.
+__device__ __forceinline__ void moec_route_store(unsigned int* experts, float* weights,
+                                                 unsigned int* route, size_t i,
+                                                 unsigned int expert, float weight) {
+    if (experts != 0) {
+        experts[i] = expert;
+    }
+    if (weights != 0) {
+        weights[i] = weight;
+    }
+    if (route != 0) {
+        route[2 * i] = expert;
+        route[2 * i + 1] = __float_as_uint(weight);
+    }
+}
 
 extern "C" __global__ void router_topk(
     const float* __restrict__ logits,
@@ -19,7 +40,8 @@ extern "C" __global__ void router_topk(
     int n_tokens,
     int n_experts,
     int top_k,
-    float norm_p) {
+    float norm_p,
+    unsigned int* __restrict__ route) {
     const int token = blockIdx.x * blockDim.x + threadIdx.x;
     if (token >= n_tokens || n_experts > ROUTER_MAX_EXPERTS || top_k > n_experts) {
         return;
@@ -67,8 +89,8 @@ extern "C" __global__ void router_topk(
         denom = (float)pow(acc, 1.0 / (double)norm_p);
     }
     for (int k = 0; k < top_k; ++k) {
-        experts[(size_t)token * top_k + k] = chosen[k];
-        weights[(size_t)token * top_k + k] = probs[chosen[k]] / denom;
+        moec_route_store(experts, weights, route, (size_t)token * top_k + k, chosen[k],
+                         probs[chosen[k]] / denom);
     }
 }
 
@@ -82,7 +104,8 @@ extern "C" __global__ void router_topk_softmax(
     float* __restrict__ weights,
     int n_tokens,
     int n_experts,
-    int top_k) {
+    int top_k,
+    unsigned int* __restrict__ route) {
     const int token = blockIdx.x * blockDim.x + threadIdx.x;
     if (token >= n_tokens || n_experts > ROUTER_MAX_EXPERTS || top_k > n_experts || top_k < 1) {
         return;
@@ -114,7 +137,7 @@ extern "C" __global__ void router_topk_softmax(
         sum += exps[k];
     }
     for (int k = 0; k < top_k; ++k) {
-        experts[(size_t)token * top_k + k] = chosen[k];
-        weights[(size_t)token * top_k + k] = exps[k] / sum;
+        moec_route_store(experts, weights, route, (size_t)token * top_k + k, chosen[k],
+                         exps[k] / sum);
     }
 }

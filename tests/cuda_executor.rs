@@ -215,11 +215,12 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
 
 /// llama.cpp's Q4_K_M tiny Mixtral (`scripts/gguf_fixtures.sh`: Q4_K attention, experts and
 /// embedding, Q6_K `ffn_down`/`attn_v` on layer 1, a Q6_K lm_head, f32 norms and router)
-/// through every schedule, with each backend's default product: the CUDA kernels decode
-/// the blocks inside their products (`linear_gemv`, `moe_grouped_gemv`; `dequant_f32` +
-/// cuBLAS for the prompt's head and any product past 16 rows; `embed_quant`) and multiply
-/// activations rounded through ggml's 8-bit formats first (`q8_roundtrip`), the values the
-/// CPU backend's 8-bit product multiplies, and give the CPU backend's tokens; 2 new tokens
+/// through every schedule, with each backend's default product: the CUDA kernels quantise
+/// activations once to ggml's 8-bit formats (`q8_quantize`, the CPU's codes) and take
+/// integer products up to 16 rows (`linear_gemv_q8`, `moe_grouped_gemv_q8`; `dequant_f32`
+/// and cuBLAS on `q8_roundtrip`'s values for the prompt's head and any product past 16 rows;
+/// `embed_quant`), the CPU backend's 8-bit block arithmetic, and give the CPU backend's
+/// tokens; 2 new tokens
 /// per prompt keep the 10 schedules' 20 runs cheap. Skipped, saying so, without the
 /// fixture.
 #[test]
@@ -543,7 +544,7 @@ fn calls(counts: &std::collections::BTreeMap<String, u64>, name: &str) -> u64 {
 /// the fused `post_attn` (`baselines/sequential`) group tokens per expert on the GPU and
 /// run each projection as one grouped launch over every expert's segment. So per (layer,
 /// micro-batch) they cost a fixed number of launches whatever the routing (`moe_group`
-/// once, `moe_grouped_gemv` or `moe_grouped_linear` three times, no per-expert `gather_rows` /
+/// once, then `moe_grouped_gemv` twice: gate+up+SwiGLU and down; no per-expert `gather_rows` /
 /// `scatter_weighted` / cuBLAS GEMM), and a decode step synchronises with the host only
 /// for `sample` (once per micro-batch) and at its end (once per device stream): no routing
 /// read-back, which would add one per (layer, micro-batch). Two prompt sets route
@@ -582,10 +583,14 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
             moe_tasks,
             "{schedule}: {a:?}"
         );
-        // Mixtral stores its experts [out, in]: the few-row form runs them.
+        // Mixtral stores its experts [out, in]: the few-row form runs them (its one-row
+        // form at a decode step of one sequence), gate, up and SwiGLU in one launch, then
+        // down.
         assert_eq!(
-            calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
-            3 * moe_tasks,
+            calls(&a, "launch:moe_grouped_gemv")
+                + calls(&a, "launch:moe_grouped_gemv_1")
+                + calls(&a, "launch:moe_grouped_linear"),
+            2 * moe_tasks,
             "{schedule}"
         );
         assert_eq!(calls(&a, "launch:scatter_weighted"), 0, "{schedule}");
@@ -615,7 +620,7 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
         );
         println!(
             "{schedule}: per decode step {} launches, {} GEMMs, {} stream syncs, {} uploads; \
-             per (layer, micro-batch) MoE: 4 launches, 0 GEMMs, 0 syncs, 1 upload",
+             per (layer, micro-batch) MoE: 3 launches, 0 GEMMs, 0 syncs, 1 upload",
             per_step("cuLaunchKernel"),
             per_step("cublasGemmEx") + per_step("cublasSgemm_v2"),
             per_step("cuStreamSynchronize"),
@@ -625,12 +630,12 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
 }
 
 /// Quantised weights add no host synchronisation and no call per expert: on llama.cpp's
-/// Q4_K_M tiny Mixtral (2 layers) `baselines/gpu_resident` runs its experts as the bf16
-/// model does (per (layer, step) one `moe_group` and three grouped launches that decode
-/// the blocks), a decode step synchronises only for `sample` and at its end, and the one
-/// product that decodes a whole matrix is the vocabulary head (32,000 outputs, past
-/// `linear_gemv`'s 16,384): one `dequant_f32` per step that launches kernels. Skipped,
-/// saying so, without the fixture.
+/// Q4_K_M tiny Mixtral (2 layers) `baselines/gpu_resident` runs its experts as integer
+/// products (per (layer, step) one `moe_group` and two `moe_grouped_gemv_q8` launches:
+/// gate+up+SwiGLU, down), quantises each input once (`q8_quantize`: q|k|v share one; no
+/// `q8_roundtrip`), runs the vocabulary head through `linear_gemv_q8` (no `dequant_f32`),
+/// and a decode step synchronises only for `sample` and at its end. Skipped, saying so,
+/// without the fixture.
 #[test]
 fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     let Some(fixtures) = gguf_common::fixtures() else {
@@ -666,16 +671,31 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     let steps = 4u64 - replayed;
     let moe_tasks = 2 * steps;
     assert_eq!(calls(&a, "launch:moe_group"), moe_tasks, "{a:?}");
+    // Integer products: gate+up+SwiGLU, then down, per (layer, step); no float product.
+    assert_eq!(
+        calls(&a, "launch:moe_grouped_gemv_q8"),
+        2 * moe_tasks,
+        "{a:?}"
+    );
     assert_eq!(
         calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
-        3 * moe_tasks
+        0
     );
     assert_eq!(
         calls(&a, "launch:gather_rows"),
         steps,
         "the head's last rows only: {a:?}"
     );
-    assert_eq!(calls(&a, "launch:dequant_f32"), steps, "{a:?}");
+    // Activations quantised once per input: per layer q|k|v share one, o one, the
+    // experts' input and hidden rows one each; the head one; nothing rounded to f32.
+    assert_eq!(
+        calls(&a, "launch:q8_quantize"),
+        (2 * 4 + 1) * steps,
+        "{a:?}"
+    );
+    assert_eq!(calls(&a, "launch:q8_roundtrip"), 0, "{a:?}");
+    // The vocabulary head (Q6_K) through linear_gemv_q8, no decoded copy.
+    assert_eq!(calls(&a, "launch:dequant_f32"), 0, "{a:?}");
     assert_eq!(calls(&a, "launch:embed_quant"), steps, "{a:?}");
     let per_step = |name: &str| (calls(&a, name) - calls(&short, name)) / 2;
     assert!(
@@ -685,11 +705,12 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     );
     println!(
         "q4_k_m gpu_resident: {replayed} decode steps replayed a graph; per decode step {} \
-         stream syncs; {} moe_group, {} grouped, {} dequant_f32 launches in {steps} launched steps",
+         stream syncs; {} moe_group, {} moe_grouped_gemv_q8, {} q8_quantize launches in {steps} \
+         launched steps",
         per_step("cuStreamSynchronize"),
         calls(&a, "launch:moe_group"),
-        calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
-        calls(&a, "launch:dequant_f32"),
+        calls(&a, "launch:moe_grouped_gemv_q8"),
+        calls(&a, "launch:q8_quantize"),
     );
 }
 

@@ -176,6 +176,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             .arg(&ne_i)
             .arg(&tk_i)
             .arg(&p)
+            .arg(&0u64)
             .launch(cfg((rn.div_ceil(32) as u32, 1, 1), 32, 0))
     }
     .expect("launch");
@@ -643,6 +644,7 @@ fn op_kernels_run_like_the_cpu() {
             .arg(&mut residual_dev)
             .arg(&k_i)
             .arg(&w_i)
+            .arg(&1i32)
             .launch(cfg((tokens as u32, 1, 1), 32, 0))
     }
     .expect("launch");
@@ -902,7 +904,7 @@ fn bytemuck_bytes<T: bytemuck::Pod>(values: &[T]) -> &[u8] {
 }
 
 /// Bit patterns, so exact comparisons also distinguish -0.0 and NaN payloads.
-fn bits(values: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
 
@@ -1190,6 +1192,7 @@ fn family_kernels_run_like_the_cpu() {
             .arg(&ffn_i)
             .arg(&alpha)
             .arg(&limit)
+            .arg(&0u64)
             .launch(cfg((rows as u32, 1, 1), 32, 0))
     }
     .expect("launch");
@@ -1236,6 +1239,7 @@ fn family_kernels_run_like_the_cpu() {
             if softmax_first {
                 launch.arg(&norm_p);
             }
+            launch.arg(&0u64);
             // SAFETY: argument types and order match the kernel's signature.
             unsafe { launch.launch(cfg((1, 1, 1), 64, 0)) }.expect("launch");
             let want = if softmax_first {
@@ -1259,7 +1263,11 @@ fn family_kernels_run_like_the_cpu() {
 /// exercised), the f16 super-block scales set to small normal values so products stay
 /// finite. ggml's layouts: Q4_0/Q8_0 `d` at 0; Q4_1 `d`, `m` and Q4_K/Q5_K `d`, `dmin` at 0
 /// and 2; Q6_K `d` at 208.
-fn random_blocks(format: moec::quant::QuantFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+pub(crate) fn random_blocks(
+    format: moec::quant::QuantFormat,
+    blocks: usize,
+    rng: &mut Rng,
+) -> Vec<u8> {
     use moec::quant::QuantFormat;
     let bb = format.block_bytes();
     let mut out = Vec::with_capacity(blocks * bb);
@@ -1286,7 +1294,12 @@ fn random_blocks(format: moec::quant::QuantFormat, blocks: usize, rng: &mut Rng)
 
 /// `y[r, o] = x[r] . w[o]` in f64 over a decoded `[out, in]` matrix, and `sum |x w|` per
 /// output (what bounds f32 rounding of the sum).
-fn reference_product(w: &[f32], x: &[f32], n: usize, inp: usize) -> (Vec<f64>, Vec<f64>) {
+pub(crate) fn reference_product(
+    w: &[f32],
+    x: &[f32],
+    n: usize,
+    inp: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let out = w.len() / inp;
     let (mut y, mut mag) = (vec![0.0; n * out], vec![0.0; n * out]);
     for r in 0..n {
@@ -1499,6 +1512,7 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
                 .arg(&mut y_dev)
                 .arg(&blocks)
                 .arg(&kind)
+                .arg(&0u64)
                 .launch(cfg((2, 1, 1), 64, 0))
         }
         .expect("launch");

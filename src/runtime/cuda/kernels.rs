@@ -93,6 +93,12 @@ pub const KERNELS: [KernelSource; 13] = [
             "moe_grouped_linear",
             "moe_grouped_gemv",
             "linear_gemv",
+            "linear_gemv_q8",
+            "moe_grouped_gemv_q8",
+            "linear_gemv3",
+            "linear_gemv3_q8",
+            "moe_grouped_gemv_1",
+            "linear_gemv_1",
         ],
     },
     KernelSource {
@@ -118,7 +124,7 @@ pub const KERNELS: [KernelSource; 13] = [
     KernelSource {
         file: "activations_q8.cu",
         source: include_str!("../../../kernels/activations_q8.cu"),
-        entries: &["q8_roundtrip"],
+        entries: &["q8_roundtrip", "q8_quantize"],
     },
 ];
 

@@ -9,9 +9,13 @@
 //! has run (it is reused only by the stream's next task, queued after it; see
 //! [`Workspace`]).
 //!
-//! Projections of at most [`GEMV_MAX_ROWS`] rows (decode steps) and [`GEMV_MAX_OUT`]
-//! outputs with weights stored `[out, in]` run as one `linear_gemv` launch (a warp per output feature, the weights read
-//! once as stored, f32 activations and accumulation). Larger ones run as bf16 GEMMs with
+//! Projections of at most [`GEMV_MAX_ROWS`] rows (decode steps) with Q8_0/Q4_K/Q5_K/Q6_K
+//! weights run as integer products on activations quantised once per input
+//! (`q8_quantize` + `linear_gemv_q8`, [`int_product`]; [`StreamCx::linear_shared`] shares
+//! the quantised rows between q, k and v), vocabulary heads included. Float (and other
+//! block) weights stored `[out, in]` with at most [`GEMV_MAX_OUT`] outputs run as one
+//! `linear_gemv` launch (a warp per output feature, the weights read once as stored, f32
+//! activations and accumulation). Larger ones run as bf16 GEMMs with
 //! f32 accumulation (`cublasGemmEx`): the f32
 //! activations are split into a bf16 pair (hi = bf16(x), lo = bf16(x - hi), `split_bf16`),
 //! both multiplied in one GEMM of twice the columns and summed (`sum_halves`), so the
@@ -137,10 +141,45 @@ pub fn storage_code(dtype: WeightDtype, quant: Option<QuantFormat>) -> i32 {
     }
 }
 
+/// Whether products with weights of `format` run as integer dot products on activations
+/// quantised once (`q8_quantize` + `linear_gemv_q8` / `moe_grouped_gemv_q8`,
+/// kernels/moe_grouped.cu): Q8_0, Q4_K, Q5_K and Q6_K with the CPU's default 8-bit product
+/// (not under `MOEC_QUANT_PRODUCT=decoded`, where both backends multiply f32 activations).
+/// Q4_0, Q4_1 and MXFP4 decode their blocks inside the f32 products instead.
+pub fn int_product(format: Option<QuantFormat>) -> bool {
+    matches!(
+        format,
+        Some(QuantFormat::Q8_0 | QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K)
+    ) && !Kernels::process().decodes_quant()
+}
+
+/// Whether a few-row product runs in its one-row form (`linear_gemv_1`,
+/// `moe_grouped_gemv_1`): one row, bf16 or f16 weights (kernel code 0 or 1, not blocks),
+/// every address in `ptrs` (weights and activations) on 16 bytes and `in_dim` a multiple
+/// of 8, which those kernels assume.
+pub fn one_row_half(
+    rows: usize,
+    quant: Option<QuantFormat>,
+    code: i32,
+    ptrs: &[u64],
+    in_dim: usize,
+) -> bool {
+    rows == 1
+        && quant.is_none()
+        && (code == 0 || code == 1)
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+        && in_dim.is_multiple_of(8)
+}
+
 /// The kernel [`StreamCx::linear`] runs for `n` rows of `w` (the run report and
-/// `moec devices` name it): `linear_gemv` for a decode step's few rows (quantised blocks
-/// decoded inside the product), else a cuBLAS GEMM, after `dequant_f32` for blocks.
+/// `moec devices` name it): for a decode step's few rows, `linear_gemv_q8` (integer
+/// products on activations quantised once, [`int_product`] formats stored on 16 bytes,
+/// vocabulary heads included) or `linear_gemv` (float weights, or blocks decoded inside
+/// the product); else a cuBLAS GEMM, after `dequant_f32` for blocks.
 pub fn linear_kernel(w: &DevMatrix, n: usize) -> &'static str {
+    if n <= GEMV_MAX_ROWS && int_product(w.quant) && w.ptr.is_multiple_of(16) {
+        return "q8_quantize + linear_gemv_q8";
+    }
     if n <= GEMV_MAX_ROWS && w.out_dim() <= GEMV_MAX_OUT && w.orientation == Orientation::OutIn {
         return "linear_gemv";
     }
@@ -452,13 +491,22 @@ impl StreamCx<'_> {
             return Ok(());
         }
         let (m, k) = (w.out_dim(), w.in_dim());
-        let x = self.quant_activations(x, n, k, w.quant)?;
+        if linear_kernel(w, n) == "q8_quantize + linear_gemv_q8" {
+            let a = self.quantize_q8(x, k, n, k, act_format(w.quant), 0)?;
+            return self.linear_q8(&a, w, y, ldy, accumulate);
+        }
+        let x = self.quant_activations(x, n, k, w.quant, 0)?;
         if linear_kernel(w, n) == "linear_gemv" {
             // A decode step's few rows: one launch reading the stored weights (or blocks)
-            // once.
+            // once; one row of aligned 16-bit weights through its one-row form.
             let dtype = w.code();
+            let entry = if one_row_half(n, w.quant, dtype, &[w.ptr, x], k) {
+                "linear_gemv_1"
+            } else {
+                "linear_gemv"
+            };
             return self.launch(
-                "linear_gemv",
+                entry,
                 (int("out", m.div_ceil(GEMV_WARPS))? as u32, 1, 1),
                 (32 * GEMV_WARPS) as u32,
                 0,
@@ -509,7 +557,11 @@ impl StreamCx<'_> {
                 }))?;
                 self.launch(
                     "sum_halves",
-                    (int("n", n)? as u32, 1, 1),
+                    (
+                        int("n", n)? as u32,
+                        m.div_ceil(block_for(m) as usize).min(1024) as u32,
+                        1,
+                    ),
                     block_for(m),
                     0,
                     &[
@@ -559,22 +611,231 @@ impl StreamCx<'_> {
     }
 }
 
+/// Activation rows quantised for the integer products ([`StreamCx::quantize_q8`]): the
+/// CPU's `Q8Rows` codes and scales in device scratch.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Act {
+    /// `[rows, cols]` int8 codes.
+    pub codes: u64,
+    /// `[rows, cols / block]` f32 scales.
+    pub scales: u64,
+    /// The activation format (Q8_K or Q8_0).
+    pub format: ActFormat,
+    /// Rows.
+    pub rows: usize,
+    /// Values per row.
+    pub cols: usize,
+}
+
+/// The activation format of an [`int_product`] weight format (ggml's `vec_dot_type`: Q8_K
+/// for the K-quants, Q8_0 otherwise).
+pub fn act_format(format: Option<QuantFormat>) -> ActFormat {
+    format.map_or(ActFormat::Q8_0, ActFormat::for_weights)
+}
+
 impl StreamCx<'_> {
+    /// `rows` rows of `cols` values at `x` (rows `x_row` floats apart) quantised once to
+    /// `format` (`q8_quantize`, kernels/activations_q8.cu) for any number of integer
+    /// products that share the input (q, k and v; gate and up). `live` (0: none): a device
+    /// `int` counting the rows that hold values; rows past it are neither read nor written.
+    pub fn quantize_q8(
+        &self,
+        x: u64,
+        x_row: usize,
+        rows: usize,
+        cols: usize,
+        format: ActFormat,
+        live: u64,
+    ) -> Result<Q8Act, LaunchError> {
+        let block = format.block_elems();
+        let codes = self.scratch(rows * cols)?;
+        let scales = self.scratch(rows * cols / block * 4)?;
+        let kind = match format {
+            ActFormat::Q8K => 0,
+            _ => 1,
+        };
+        // One warp per block of values.
+        self.launch_1d(
+            "q8_quantize",
+            rows * cols / block * 32,
+            &[
+                Arg::Ptr(x),
+                Arg::I64(x_row as i64),
+                Arg::I32(int("cols", cols)?),
+                Arg::I64(rows as i64),
+                Arg::Ptr(live),
+                Arg::Ptr(codes.ptr()),
+                Arg::Ptr(scales.ptr()),
+                Arg::I32(kind),
+            ],
+        )?;
+        Ok(Q8Act {
+            codes: codes.ptr(),
+            scales: scales.ptr(),
+            format,
+            rows,
+            cols,
+        })
+    }
+
+    /// `y[a.rows, out] (=|+=) a · Wᵀ` for an [`int_product`] `w` over quantised rows `a`
+    /// (at most [`GEMV_MAX_ROWS`]): one `linear_gemv_q8` launch, a warp per output (a
+    /// quarter warp per output past [`GEMV_MAX_OUT`] outputs: a vocabulary head).
+    pub fn linear_q8(
+        &self,
+        a: &Q8Act,
+        w: &DevMatrix,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), LaunchError> {
+        let m = w.out_dim();
+        let group = if m > GEMV_MAX_OUT { 8 } else { 32 };
+        let per_block = 32 * GEMV_WARPS / group;
+        self.launch(
+            "linear_gemv_q8",
+            (int("out", m.div_ceil(per_block))? as u32, 1, 1),
+            (32 * GEMV_WARPS) as u32,
+            0,
+            &[
+                Arg::Ptr(a.codes),
+                Arg::Ptr(a.scales),
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(y),
+                Arg::I32(int("n", a.rows)?),
+                Arg::I32(int("in", a.cols)?),
+                Arg::I32(int("out", m)?),
+                Arg::I32(w.code()),
+                Arg::I32(int("ldy", ldy)?),
+                Arg::I32(i32::from(accumulate)),
+                Arg::I32(group as i32),
+            ],
+        )
+    }
+
+    /// Several [`StreamCx::linear`] products of the same `n` rows of `x` (q, k and v of
+    /// one input; gate and up): two or three that can share a launch run as one
+    /// (`linear_gemv3` / `linear_gemv3_q8`, see `linear_fused`); otherwise the integer
+    /// products among them quantise `x` once per activation format and share it, and the
+    /// others run as [`StreamCx::linear`] does.
+    pub fn linear_shared(
+        &self,
+        x: u64,
+        n: usize,
+        products: &[(&DevMatrix, u64, usize, bool)],
+    ) -> Result<(), LaunchError> {
+        if self.linear_fused(x, n, products)? {
+            return Ok(());
+        }
+        let mut quantised: Vec<Q8Act> = Vec::new();
+        for &(w, y, ldy, accumulate) in products {
+            if n == 0 || linear_kernel(w, n) != "q8_quantize + linear_gemv_q8" {
+                self.linear(x, n, w, y, ldy, accumulate)?;
+                continue;
+            }
+            let (k, format) = (w.in_dim(), act_format(w.quant));
+            let a = match quantised.iter().find(|a| a.format == format && a.cols == k) {
+                Some(a) => *a,
+                None => {
+                    let a = self.quantize_q8(x, k, n, k, format, 0)?;
+                    quantised.push(a);
+                    a
+                }
+            };
+            self.linear_q8(&a, w, y, ldy, accumulate)?;
+        }
+        Ok(())
+    }
+
+    /// Two or three few-row products of `x` in one launch (`linear_gemv3`, or
+    /// `linear_gemv3_q8` after one `q8_quantize`) when they can share it: all float weights
+    /// on `linear_gemv`, or all integer products of one activation format; the same input
+    /// width and row stride, none accumulating, each output a whole number of floats after
+    /// the first's (q | k | v of one row). Gives false, having launched nothing, otherwise.
+    fn linear_fused(
+        &self,
+        x: u64,
+        n: usize,
+        products: &[(&DevMatrix, u64, usize, bool)],
+    ) -> Result<bool, LaunchError> {
+        let Some(&(first, y0, ldy, _)) = products.first() else {
+            return Ok(false);
+        };
+        if !(2..=3).contains(&products.len()) || n == 0 || n > GEMV_MAX_ROWS {
+            return Ok(false);
+        }
+        let kernel = linear_kernel(first, n);
+        let integer = kernel == "q8_quantize + linear_gemv_q8";
+        let float = kernel == "linear_gemv" && first.quant.is_none();
+        let k = first.in_dim();
+        let mut cols = Vec::with_capacity(3);
+        for &(w, y, l, accumulate) in products {
+            let same_kernel = linear_kernel(w, n) == kernel
+                && ((float && w.quant.is_none())
+                    || (integer && act_format(w.quant) == act_format(first.quant)));
+            let col = y.checked_sub(y0).filter(|d| d % 4 == 0).map(|d| d / 4);
+            let col = col.and_then(|c| i32::try_from(c).ok());
+            match col {
+                Some(c) if same_kernel && !accumulate && l == ldy && w.in_dim() == k => {
+                    cols.push(c)
+                }
+                _ => return Ok(false),
+            }
+        }
+        // Absent third product: no outputs (its pointer never read).
+        let seg = |i: usize| products.get(i).map_or((first, 0), |p| (p.0, p.0.out_dim()));
+        let (s0, s1, s2) = (seg(0), seg(1), seg(2));
+        let total = s0.1 + s1.1 + s2.1;
+        let grid = (int("out", total.div_ceil(GEMV_WARPS))? as u32, 1, 1);
+        let mut args = Vec::with_capacity(17);
+        let entry = if integer {
+            let a = self.quantize_q8(x, k, n, k, act_format(first.quant), 0)?;
+            args.extend([Arg::Ptr(a.codes), Arg::Ptr(a.scales)]);
+            "linear_gemv3_q8"
+        } else {
+            args.push(Arg::Ptr(x));
+            "linear_gemv3"
+        };
+        args.extend([
+            Arg::Ptr(s0.0.ptr),
+            Arg::Ptr(s1.0.ptr),
+            Arg::Ptr(s2.0.ptr),
+            Arg::I32(int("out", s0.1)?),
+            Arg::I32(int("out", s1.1)?),
+            Arg::I32(int("out", s2.1)?),
+            Arg::I32(s0.0.code()),
+            Arg::I32(s1.0.code()),
+            Arg::I32(s2.0.code()),
+            Arg::Ptr(y0),
+            Arg::I32(int("n", n)?),
+            Arg::I32(int("in", k)?),
+            Arg::I32(int("ldy", ldy)?),
+            Arg::I32(cols.get(1).copied().unwrap_or(0)),
+            Arg::I32(cols.get(2).copied().unwrap_or(0)),
+        ]);
+        self.launch(entry, grid, (32 * GEMV_WARPS) as u32, 0, &args)?;
+        Ok(true)
+    }
+
     /// The activations a product with `weights` multiplies: `x` (`n` rows of `k` values)
     /// itself for float weights or when the process decodes quantised weights to f32
     /// (`MOEC_QUANT_PRODUCT=decoded`), else a scratch copy rounded through the 8-bit format
     /// the CPU's default product quantises them to (`q8_roundtrip`, kernels/activations_q8.cu:
     /// Q8_K for K-quant weights, Q8_0 blocks otherwise), so both backends multiply the same
     /// values. `k` is whole blocks of that format: quantised rows are whole weight blocks.
+    /// `live` (0: none): a device `int` counting the rows that hold values (grouped expert
+    /// positions past the routed ones are never written); rows past it are neither read
+    /// nor written, and the product never reads them.
     pub fn quant_activations(
         &self,
         x: u64,
         n: usize,
         k: usize,
         weights: Option<QuantFormat>,
+        live: u64,
     ) -> Result<u64, LaunchError> {
         Ok(self
-            .quant_head_activations((x, k, 0), n, 1, k, weights)?
+            .rounded_activations((x, k, 0), n, 1, k, weights, live)?
             .map_or(x, |(ptr, _, _)| ptr))
     }
 
@@ -589,6 +850,20 @@ impl StreamCx<'_> {
         heads: usize,
         width: usize,
         weights: Option<QuantFormat>,
+    ) -> Result<Option<(u64, usize, usize)>, LaunchError> {
+        self.rounded_activations(x, n, heads, width, weights, 0)
+    }
+
+    /// [`StreamCx::quant_head_activations`] with a device count of live rows (see
+    /// [`StreamCx::quant_activations`]).
+    fn rounded_activations(
+        &self,
+        x: (u64, usize, usize),
+        n: usize,
+        heads: usize,
+        width: usize,
+        weights: Option<QuantFormat>,
+        live: u64,
     ) -> Result<Option<(u64, usize, usize)>, LaunchError> {
         let Some(format) = weights else {
             return Ok(None);
@@ -619,6 +894,7 @@ impl StreamCx<'_> {
                 Arg::Ptr(rounded.ptr()),
                 Arg::I64(blocks as i64),
                 Arg::I32(kind),
+                Arg::Ptr(live),
             ],
         )?;
         Ok(Some((rounded.ptr(), heads * width, width)))

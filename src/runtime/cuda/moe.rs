@@ -20,7 +20,10 @@
 //! token does and runs with the router, as the CPU's gate does.
 
 use super::deepseek;
-use super::launch::{int, row_block, storage_code, Arg, DevMatrix, Scratch};
+use super::launch::{
+    act_format, int, int_product, one_row_half, row_block, storage_code, Arg, DevMatrix, Q8Act,
+    Scratch,
+};
 use super::ops::{not_supported, GpuCx, OpError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{Op, Role};
@@ -52,7 +55,7 @@ const MOE_GEMV_WARPS: usize = 8;
 /// prefill of 64 x 64 tokens at top-2 spent 17 ms per layer in `moe_grouped_linear` on an
 /// H200 (10.6 TFLOP/s of f32 FMAs) where the GEMMs take about 1 ms. Decode steps (a token
 /// per sequence) stay under it up to 512 sequences per micro-batch at top-2.
-const GROUPED_MAX_ENTRIES: usize = 1024;
+pub(super) const GROUPED_MAX_ENTRIES: usize = 1024;
 
 impl GpuCx<'_> {
     /// The shared expert (Qwen2-MoE) on `n` rows of `x_norm` into `out` (`[n, d]`):
@@ -105,8 +108,11 @@ impl GpuCx<'_> {
     ) -> Result<(), OpError> {
         let f = gate.out_dim();
         let (hg, hu) = (self.s.scratch(n * f * 4)?, self.s.scratch(n * f * 4)?);
-        self.s.linear(x_norm, n, &gate, hg.ptr(), f, false)?;
-        self.s.linear(x_norm, n, &up, hu.ptr(), f, false)?;
+        self.s.linear_shared(
+            x_norm,
+            n,
+            &[(&gate, hg.ptr(), f, false), (&up, hu.ptr(), f, false)],
+        )?;
         self.s.launch_1d(
             "swiglu",
             n * f,
@@ -122,13 +128,15 @@ impl GpuCx<'_> {
     }
 
     /// gpt-oss's clamped SwiGLU of `rows` interleaved gate/up rows (`[rows, 2 * ffn]`, its
-    /// bias added) into `out` (`[rows, ffn]`), as `Kernels::expert_ffn`'s fused arm.
+    /// bias added) into `out` (`[rows, ffn]`), as `Kernels::expert_ffn`'s fused arm;
+    /// `live` (0: none) a device count of the rows that hold values.
     fn clamped_swiglu(
         &self,
         gate_up: u64,
         out: u64,
         rows: usize,
         (alpha, limit): (f32, f32),
+        live: u64,
     ) -> Result<(), OpError> {
         let f = self.arch.ffn;
         Ok(self.s.launch(
@@ -142,6 +150,7 @@ impl GpuCx<'_> {
                 Arg::I32(int("ffn", f)?),
                 Arg::F32(alpha),
                 Arg::F32(limit),
+                Arg::Ptr(live),
             ],
         )?)
     }
@@ -168,12 +177,12 @@ impl GpuCx<'_> {
         let router = self.segment(weights, layer, SegmentKind::Router)?;
         let logits = self.s.scratch(n * e * 4)?;
         self.s.linear(x_norm, n, &router, logits.ptr(), e, false)?;
-        let experts = self.s.scratch(n * k * 4)?;
-        let probs = self.s.scratch(n * k * 4)?;
+        // The router writes the packed route itself (no separate experts/weights arrays
+        // and no route_pack launch).
         let mut operands = vec![
             Arg::Ptr(logits.ptr()),
-            Arg::Ptr(experts.ptr()),
-            Arg::Ptr(probs.ptr()),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
             Arg::I32(int("rows", n)?),
             Arg::I32(int("experts", e)?),
             Arg::I32(int("top_k", k)?),
@@ -198,22 +207,13 @@ impl GpuCx<'_> {
             operands.push(Arg::F32(self.arch.router_norm_p.map_or(0.0, |p| p as f32)));
             "router_topk"
         };
+        operands.push(Arg::Ptr(route));
         self.s.launch(
             entry,
             (int("rows", n.div_ceil(64))? as u32, 1, 1),
             64,
             0,
             &operands,
-        )?;
-        self.s.launch_1d(
-            "route_pack",
-            n * k,
-            &[
-                Arg::Ptr(experts.ptr()),
-                Arg::Ptr(probs.ptr()),
-                Arg::Ptr(route),
-                Arg::I64((n * k) as i64),
-            ],
         )?;
         Ok(())
     }
@@ -332,7 +332,7 @@ impl GpuCx<'_> {
                         .linear(gathered.ptr(), m, &gate_up, gu.ptr(), 2 * f, false)?;
                     let bias = SegmentKind::ExpertGateUpBias(e);
                     self.bias_rows(weights, layer, bias, gu.ptr(), m, 2 * f, 0, 2 * f, true)?;
-                    self.clamped_swiglu(gu.ptr(), hg.ptr(), m, (alpha, limit))?;
+                    self.clamped_swiglu(gu.ptr(), hg.ptr(), m, (alpha, limit), 0)?;
                     self.s.linear(hg.ptr(), m, &down, y.ptr(), d, false)?;
                     let bias = SegmentKind::ExpertDownBias(e);
                     self.bias_rows(weights, layer, bias, y.ptr(), m, d, 0, d, true)?;
@@ -472,7 +472,8 @@ impl GpuCx<'_> {
         );
         let entries = n * k;
         let n_members = members.iter().filter(|&&m| (m as usize) < e).count();
-        let max_tiles = entries.div_ceil(MOE_TILE_M) + n_members;
+        let max_tiles = max_tiles(entries, n_members);
+        let aligned = table[..3 * e].iter().all(|&p| p.is_multiple_of(16));
         let table = self.s.upload(&table)?;
         let perm_row = self.s.scratch(entries * 4)?;
         let perm_slot = self.s.scratch(entries * 4)?;
@@ -495,7 +496,61 @@ impl GpuCx<'_> {
                 Arg::I32(int("experts", e)?),
             ],
         )?;
+        // tiles[1]: how many grouped positions hold values (the routed entries of the
+        // member experts); rows past it are never written, so nothing reads them.
+        let live = tiles.ptr() + 4;
         let tiles_x = int("tiles", max_tiles)? as u32;
+        let table_at = |slot: usize| table.ptr() + (slot * e * 8) as u64;
+        let plan = ExpertKernels::choose(&shapes, fused.is_some(), aligned);
+        if plan == ExpertKernels::Int {
+            // Integer products: the layer's normalised rows quantised once for gate and
+            // up, the SwiGLU'd hidden rows once for down.
+            let grouped_q8 = |a: &Q8Act,
+                              gather: bool,
+                              mode: i32,
+                              which: usize,
+                              second: u64,
+                              y: u64,
+                              out_dim: usize| {
+                self.s.launch(
+                    "moe_grouped_gemv_q8",
+                    (
+                        tiles_x,
+                        int("out", out_dim.div_ceil(MOE_GEMV_WARPS))? as u32,
+                        1,
+                    ),
+                    (32 * MOE_GEMV_WARPS) as u32,
+                    0,
+                    &[
+                        Arg::Ptr(a.codes),
+                        Arg::Ptr(a.scales),
+                        Arg::Ptr(perm_row.ptr()),
+                        Arg::Ptr(perm_slot.ptr()),
+                        Arg::Ptr(perm_weight.ptr()),
+                        Arg::Ptr(tiles.ptr()),
+                        Arg::Ptr(table_at(which)),
+                        Arg::Ptr(second),
+                        Arg::Ptr(y),
+                        Arg::I32(i32::from(gather)),
+                        Arg::I32(mode),
+                        Arg::I32(int("in", a.cols)?),
+                        Arg::I32(int("out", out_dim)?),
+                        Arg::I32(code_of(which)),
+                        Arg::I32(int("top_k", k)?),
+                    ],
+                )
+            };
+            let hidden = self.s.scratch(entries * f * 4)?;
+            let x8 = self
+                .s
+                .quantize_q8(x_norm, d, n, d, act_format(shapes[0].2), 0)?;
+            grouped_q8(&x8, true, 3, 0, table_at(1), hidden.ptr(), f)?;
+            let h8 =
+                self.s
+                    .quantize_q8(hidden.ptr(), f, entries, f, act_format(shapes[2].2), live)?;
+            grouped_q8(&h8, false, 2, 2, 0, slots, d)?;
+            return Ok(true);
+        }
         let grouped = |x: u64,
                        gather: bool,
                        mode: i32,
@@ -504,67 +559,93 @@ impl GpuCx<'_> {
                        y: u64,
                        in_dim: usize,
                        out_dim: usize| {
-            let bias_ptr = if bias == 0 {
-                0
-            } else {
-                table.ptr() + (bias * e * 8) as u64
-            };
-            // A warp per output feature reads a stored row: rows must be outputs.
-            let (entry, per_block) = if out_in_of(which) == 1 {
-                ("moe_grouped_gemv", MOE_GEMV_WARPS)
-            } else {
+            let bias_ptr = if bias == 0 { 0 } else { table_at(bias) };
+            // A warp per output feature reads a stored row: rows must be outputs. One
+            // token (each expert's tile one row) with aligned 16-bit weights: the one-row
+            // form.
+            let (entry, per_block) = if out_in_of(which) != 1 {
                 ("moe_grouped_linear", MOE_TILE_N)
+            } else if bias == 0
+                && aligned
+                && one_row_half(n, shapes[which.min(2)].2, code_of(which), &[x], in_dim)
+            {
+                ("moe_grouped_gemv_1", MOE_GEMV_WARPS)
+            } else {
+                ("moe_grouped_gemv", MOE_GEMV_WARPS)
             };
+            let second = if mode == 3 { table_at(1) } else { 0 };
+            let mut args = vec![
+                Arg::Ptr(x),
+                Arg::Ptr(perm_row.ptr()),
+                Arg::Ptr(perm_slot.ptr()),
+                Arg::Ptr(perm_weight.ptr()),
+                Arg::Ptr(tiles.ptr()),
+                Arg::Ptr(table_at(which)),
+            ];
+            if entry != "moe_grouped_linear" {
+                args.push(Arg::Ptr(second));
+            }
+            args.extend([
+                Arg::Ptr(bias_ptr),
+                Arg::Ptr(y),
+                Arg::I32(i32::from(gather)),
+                Arg::I32(mode),
+                Arg::I32(int("in", in_dim)?),
+                Arg::I32(int("out", out_dim)?),
+                Arg::I32(code_of(which)),
+                Arg::I32(out_in_of(which)),
+                Arg::I32(code(bias_dtype)),
+                Arg::I32(int("top_k", k)?),
+            ]);
             self.s.launch(
                 entry,
                 (tiles_x, int("out", out_dim.div_ceil(per_block))? as u32, 1),
                 256,
                 0,
-                &[
-                    Arg::Ptr(x),
-                    Arg::Ptr(perm_row.ptr()),
-                    Arg::Ptr(perm_slot.ptr()),
-                    Arg::Ptr(perm_weight.ptr()),
-                    Arg::Ptr(tiles.ptr()),
-                    Arg::Ptr(table.ptr() + (which * e * 8) as u64),
-                    Arg::Ptr(bias_ptr),
-                    Arg::Ptr(y),
-                    Arg::I32(i32::from(gather)),
-                    Arg::I32(mode),
-                    Arg::I32(int("in", in_dim)?),
-                    Arg::I32(int("out", out_dim)?),
-                    Arg::I32(code_of(which)),
-                    Arg::I32(out_in_of(which)),
-                    Arg::I32(code(bias_dtype)),
-                    Arg::I32(int("top_k", k)?),
-                ],
+                &args,
             )
         };
         // Each projection multiplies its inputs as the CPU's product with its weights
         // does (8-bit activations for quantised weights unless decoded).
-        let inputs = |x: u64, rows: usize, cols: usize, which: usize| {
-            self.s.quant_activations(x, rows, cols, shapes[which].2)
+        let inputs = |x: u64, rows: usize, cols: usize, which: usize, live: u64| {
+            self.s
+                .quant_activations(x, rows, cols, shapes[which].2, live)
         };
         let hidden = self.s.scratch(entries * f * 4)?;
         match fused {
             Some((alpha, limit)) => {
                 let gu = self.s.scratch(entries * 2 * f * 4)?;
-                grouped(inputs(x_norm, n, d, 0)?, true, 0, 0, 3, gu.ptr(), d, 2 * f)?;
-                // Positions past the routed ones hold scratch; their results are never read.
-                self.clamped_swiglu(gu.ptr(), hidden.ptr(), entries, (alpha, limit))?;
-                let down_in = inputs(hidden.ptr(), entries, f, 2)?;
+                grouped(
+                    inputs(x_norm, n, d, 0, 0)?,
+                    true,
+                    0,
+                    0,
+                    3,
+                    gu.ptr(),
+                    d,
+                    2 * f,
+                )?;
+                // Positions past the routed ones hold scratch: `live` keeps every kernel
+                // off them.
+                self.clamped_swiglu(gu.ptr(), hidden.ptr(), entries, (alpha, limit), live)?;
+                let down_in = inputs(hidden.ptr(), entries, f, 2, live)?;
                 grouped(down_in, false, 2, 2, 4, slots, f, d)?;
             }
             None => {
-                let gate_in = inputs(x_norm, n, d, 0)?;
+                let gate_in = inputs(x_norm, n, d, 0, 0)?;
                 let up_in = if shapes[1].2 == shapes[0].2 {
                     gate_in
                 } else {
-                    inputs(x_norm, n, d, 1)?
+                    inputs(x_norm, n, d, 1, 0)?
                 };
-                grouped(gate_in, true, 0, 0, 0, hidden.ptr(), d, f)?;
-                grouped(up_in, true, 1, 1, 0, hidden.ptr(), d, f)?;
-                let down_in = inputs(hidden.ptr(), entries, f, 2)?;
+                if plan == ExpertKernels::FusedFloat && up_in == gate_in {
+                    // Gate, up and SwiGLU in one launch.
+                    grouped(gate_in, true, 3, 0, 0, hidden.ptr(), d, f)?;
+                } else {
+                    grouped(gate_in, true, 0, 0, 0, hidden.ptr(), d, f)?;
+                    grouped(up_in, true, 1, 1, 0, hidden.ptr(), d, f)?;
+                }
+                let down_in = inputs(hidden.ptr(), entries, f, 2, live)?;
                 grouped(down_in, false, 2, 2, 0, slots, f, d)?;
             }
         }
@@ -587,16 +668,8 @@ impl GpuCx<'_> {
         if k > 64 {
             return Err(not_supported(format!("top-{k} (combine takes at most 64)")));
         }
-        let experts = self.s.scratch(n * k * 4)?;
-        self.s.launch_1d(
-            "route_experts",
-            n * k,
-            &[
-                Arg::Ptr(route),
-                Arg::Ptr(experts.ptr()),
-                Arg::I64((n * k) as i64),
-            ],
-        )?;
+        // combine_slots reads each slot's expert from the packed route in place (every
+        // second word).
         Ok(self.s.launch(
             "combine_slots",
             (int("rows", n)? as u32, 1, 1),
@@ -604,11 +677,12 @@ impl GpuCx<'_> {
             0,
             &[
                 Arg::Ptr(slots),
-                Arg::Ptr(experts.ptr()),
+                Arg::Ptr(route),
                 Arg::Ptr(shared),
                 Arg::Ptr(residual),
                 Arg::I32(int("top_k", k)?),
                 Arg::I32(int("hidden", d)?),
+                Arg::I32(2),
             ],
         )?)
     }
@@ -668,6 +742,57 @@ impl GpuCx<'_> {
             }
         }
     }
+}
+
+/// How [`GpuCx::device_experts`] runs a layer's expert products (the run report names
+/// the kernels: `ops::quant_kernels`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ExpertKernels {
+    /// Q8_0/Q4_K/Q5_K/Q6_K weights (gate and up in one activation format, every matrix
+    /// on 16 bytes) with the CPU's 8-bit product: `q8_quantize` of the normalised rows,
+    /// `moe_grouped_gemv_q8` gate+up+SwiGLU, `q8_quantize` of the hidden rows,
+    /// `moe_grouped_gemv_q8` down.
+    Int,
+    /// Gate and up stored alike, rows are outputs, no biases: `moe_grouped_gemv` gate+up+
+    /// SwiGLU in one launch, then down (blocks of other formats decoded inside the
+    /// product, activations rounded by `q8_roundtrip` unless decoded).
+    FusedFloat,
+    /// Otherwise (gpt-oss's interleaved gate/up with biases, `[in, out]` storage): one
+    /// launch per projection (`moe_grouped_gemv` or `moe_grouped_linear`).
+    Separate,
+}
+
+/// A layer's (gate, up, down) storage: kernel code, orientation and block format.
+type ExpertShapes = [(i32, Orientation, Option<QuantFormat>); 3];
+
+impl ExpertKernels {
+    /// The kernels for experts stored as `shapes`; `fused`: gpt-oss's gate/up with biases;
+    /// `aligned`: every member's matrices start on 16 bytes.
+    pub(super) fn choose(shapes: &ExpertShapes, fused: bool, aligned: bool) -> Self {
+        let out_in = shapes.iter().all(|s| s.1 == Orientation::OutIn);
+        if fused || !out_in {
+            return ExpertKernels::Separate;
+        }
+        let int = shapes.iter().all(|s| int_product(s.2))
+            && act_format(shapes[0].2) == act_format(shapes[1].2);
+        if int && aligned {
+            return ExpertKernels::Int;
+        }
+        if shapes[0] == shapes[1] {
+            ExpertKernels::FusedFloat
+        } else {
+            ExpertKernels::Separate
+        }
+    }
+}
+
+/// Tiles `moe_group` can make of `entries` routed entries over `members` experts: an
+/// expert with c entries makes ceil(c / MOE_TILE_M) <= (c + MOE_TILE_M - 1) / MOE_TILE_M
+/// tiles, and at most min(entries, members) experts have any, so the grid has no block
+/// that can never find a tile beyond that bound (2 at a decode step's top-2 of one token,
+/// where the bound entries / MOE_TILE_M + members gave 9).
+pub(super) fn max_tiles(entries: usize, members: usize) -> usize {
+    (entries + (MOE_TILE_M - 1) * entries.min(members)).div_ceil(MOE_TILE_M)
 }
 
 /// Rows an op reads: in one of its arguments, or built into scratch this task keeps alive.

@@ -130,9 +130,10 @@ pub fn unsupported(arch: &ArchSpec, layer: &crate::model::layout::LayerLayout) -
 pub const QUANT_FORMATS: [crate::quant::QuantFormat; crate::quant::QuantFormat::ALL.len()] =
     crate::quant::QuantFormat::ALL;
 
-/// What computes with the image's block-quantised weights, for the run report: the
-/// formats with how many of the image's tensors hold each, and the kernels that decode
-/// them ([`StreamCx::linear`]'s choice by rows; `None` for float weights).
+/// What computes the image's products, for the run report: the block-quantised formats
+/// with how many of the image's tensors hold each, and the kernels that run them
+/// ([`StreamCx::linear`]'s and the experts' choices by rows), or the float weights'
+/// kernels.
 pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Option<String> {
     let mut counts = std::collections::BTreeMap::<&str, usize>::new();
     for (_, _, tag) in layout.tags() {
@@ -141,25 +142,37 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
         }
     }
     if counts.is_empty() {
-        return None;
+        return Some(format!(
+            "float weights: linear_gemv up to {GEMV_ROWS} rows and {GEMV_OUT} outputs \
+             (linear_gemv_1 for one row of bf16/f16; q|k|v and a shared expert's gate|up in \
+             one linear_gemv3; cuBLAS beyond); experts up to {GROUPED} routed entries: \
+             moe_group, moe_grouped_gemv (moe_grouped_gemv_1 at one token with bf16/f16 \
+             experts) with gate+up+SwiGLU in one launch, then down (one launch per \
+             projection for gpt-oss's biased gate/up and [in, out] storage)",
+            GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
+            GEMV_OUT = super::launch::GEMV_MAX_OUT,
+            GROUPED = super::moe::GROUPED_MAX_ENTRIES,
+        ));
     }
     let formats: Vec<String> = counts
         .iter()
         .map(|(name, n)| format!("{name} ({n} tensors)"))
         .collect();
-    let activations = if crate::math::isa::Kernels::process().decodes_quant() {
-        "f32 activations (MOEC_QUANT_PRODUCT=decoded)"
+    let few_rows = if crate::math::isa::Kernels::process().decodes_quant() {
+        "blocks decoded inside the f32 products (MOEC_QUANT_PRODUCT=decoded): linear_gemv and \
+         moe_grouped_gemv"
     } else {
-        "activations rounded through ggml's 8-bit formats first (q8_roundtrip, the CPU's int8 \
-         product's values)"
+        "Q8_0/Q4_K/Q5_K/Q6_K as integer products (__dp4a) on activations quantised once per \
+         input (q8_quantize shared by q, k and v and by gate and up; q|k|v in one linear_gemv3_q8; \
+         linear_gemv_q8, vocabulary heads included, and moe_grouped_gemv_q8 with gate+up+SwiGLU in one launch); Q4_0, \
+         Q4_1 and MXFP4 decoded inside the f32 products (linear_gemv, moe_grouped_gemv) on \
+         activations rounded by q8_roundtrip"
     };
     Some(format!(
-        "quantised weights {} decoded inside the products: linear_gemv and moe_grouped_gemv \
-         up to {GEMV_ROWS} rows, moe_grouped_linear's shared-memory tiles, dequant_f32 + \
-         cublasSgemm for more rows or over {GEMV_OUT} outputs, embed_quant; {activations}",
+        "quantised weights {}: up to {GEMV_ROWS} rows {few_rows}; more rows: \
+         moe_grouped_linear's shared-memory tiles, dequant_f32 + cublasSgemm; embed_quant",
         formats.join(", "),
         GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
-        GEMV_OUT = super::launch::GEMV_MAX_OUT,
     ))
 }
 
@@ -560,10 +573,16 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         let w = cx.segment(&weights, layer, SegmentKind::QkvProj)?;
         cx.s.linear(x_norm.ptr(), n, &w, out, width, false)?;
     } else {
-        for (kind, _, col, _) in parts {
-            let w = cx.segment(&weights, layer, kind)?;
-            cx.s.linear(x_norm.ptr(), n, &w, out + (col * 4) as u64, width, false)?;
-        }
+        // q, k and v of one input: integer products quantise it once and share it.
+        let ws = parts
+            .iter()
+            .map(|&(kind, _, col, _)| Ok((cx.segment(&weights, layer, kind)?, col)))
+            .collect::<Result<Vec<_>, OpError>>()?;
+        let products: Vec<_> = ws
+            .iter()
+            .map(|(w, col)| (w, out + (col * 4) as u64, width, false))
+            .collect();
+        cx.s.linear_shared(x_norm.ptr(), n, &products)?;
     }
     // Then, in the CPU's order: q/k/v biases, q/k RMSNorm, clip, sinks, rotary.
     if cx.has(SegmentKind::QBias) {
@@ -697,7 +716,9 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
             cx.s.launch(
                 "argmax_rows",
                 (int("seqs", seqs)? as u32, 1, 1),
-                256,
+                // A row's scan is a chain of dependent compares per thread: 1024 threads
+                // make it a quarter of 256's (56 us for 32k logits on an H200 at 256).
+                1024,
                 0,
                 &[
                     Arg::Ptr(logits),
