@@ -16,7 +16,7 @@
 //! error before any launch.
 
 use super::deepseek;
-use super::launch::{int, Arg, Scratch, StreamCx};
+use super::launch::{int, Arg, LaunchError, Scratch, StreamCx};
 use super::ops::{GpuCx, OpError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, Op, Role};
@@ -113,7 +113,7 @@ pub(super) fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     if attend.is_empty() && pools.append.is_empty() {
         return Ok(());
     }
-    let calls = Calls::new(cx, mb, &pools, &shape, qkv)?;
+    let calls = Calls::new(cx, (ub, mb), &pools, &shape, qkv)?;
     // Decode runs append their own rows inside the attention kernel: only the other rows
     // take the append kernels, all before any attention (prefill rows attend each other).
     let fused: Vec<_> = attend
@@ -251,9 +251,11 @@ struct Calls<'a, 'c> {
     pools: &'a KvPools,
     shape: &'a AttnShape,
     rt: RowTables,
-    row_seq: Scratch,
-    row_pos: Scratch,
-    tables: Scratch,
+    /// Device copies of the row tables, uploaded once a step ([`super::launch::StreamCx::upload_step`]):
+    /// every layer's call reads the same.
+    row_seq: u64,
+    row_pos: u64,
+    tables: u64,
     qkv: u64,
     dims: [Arg; 5],
     row_width: Arg,
@@ -263,17 +265,28 @@ struct Calls<'a, 'c> {
 impl<'a, 'c> Calls<'a, 'c> {
     fn new(
         cx: &'a GpuCx<'c>,
-        mb: &'a MicroBatchState,
+        (ub, mb): (u32, &'a MicroBatchState),
         pools: &'a KvPools,
         shape: &'a AttnShape,
         qkv: u64,
     ) -> Result<Self, OpError> {
         let rt = row_tables(mb, &pools.tables);
-        let (row_seq, row_pos, tables) = (
-            cx.s.upload(&rt.row_seq)?,
-            cx.s.upload(&rt.row_pos)?,
-            cx.s.upload(&rt.tables)?,
-        );
+        // Positions as `pre_attn`'s rotary reads them (the same table), block tables, and
+        // row -> sequence only where a run takes the row kernels (MLA's always does).
+        let row_seq = if cx.arch.mla.is_none()
+            && runs(mb, |_| true).iter().all(|r| {
+                rt.row_seq[r.clone()].iter().all(|&s| {
+                    mb.seqs
+                        .get(s as usize)
+                        .is_some_and(|q| q.new_tokens.len() == 1)
+                })
+            }) {
+            0
+        } else {
+            cx.s.upload_step("row_seq", ub, &rt.row_seq)?
+        };
+        let row_pos = cx.s.upload_step("positions", ub, &rt.row_pos)?;
+        let tables = cx.s.upload_step("block_tables", ub, &rt.tables)?;
         let dims = [
             Arg::I32(int("heads", shape.heads)?),
             Arg::I32(int("kv_heads", shape.kv_heads)?),
@@ -322,13 +335,13 @@ impl<'a, 'c> Calls<'a, 'c> {
         if decode {
             let seq = self.rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
             a.push(Arg::Ptr(
-                self.tables.ptr() + (seq * self.rt.max_blocks * 4) as u64,
+                self.tables + (seq * self.rt.max_blocks * 4) as u64,
             ));
         } else {
-            a.push(Arg::Ptr(self.tables.ptr()));
-            a.push(Arg::Ptr(self.row_seq.ptr() + (r.start * 4) as u64));
+            a.push(Arg::Ptr(self.tables));
+            a.push(Arg::Ptr(self.row_seq + (r.start * 4) as u64));
         }
-        a.push(Arg::Ptr(self.row_pos.ptr() + (r.start * 4) as u64));
+        a.push(Arg::Ptr(self.row_pos + (r.start * 4) as u64));
         a
     }
 
@@ -398,7 +411,6 @@ impl<'a, 'c> Calls<'a, 'c> {
         if self.decode_kernel(r) {
             return self.decode(r, out, max_keys, window, scale, sink_col);
         }
-        let group_bytes = (shape.heads / shape.kv_heads.max(1)) * shape.head_dim * 4;
         let scores = self.cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
         let mut a = self.operands(r, false);
         a.extend_from_slice(&[Arg::Ptr(scores.ptr()), Arg::Ptr(out)]);
@@ -414,11 +426,12 @@ impl<'a, 'c> Calls<'a, 'c> {
             // MLA's kernel takes the row operands for decode too.
             return deepseek::mla_attention(self.cx, r.len(), shape.heads, shape.head_dim, &mut a);
         }
+        let (grid_y, shared) = prefill_blocks(shape)?;
         Ok(self.cx.s.launch(
             "paged_prefill_attention",
-            (int("rows", r.len())? as u32, self.kv_heads, 1),
+            (int("rows", r.len())? as u32, grid_y, 1),
             64,
-            int("shared", group_bytes)? as u32,
+            shared,
             &a,
         )?)
     }
@@ -441,8 +454,8 @@ impl<'a, 'c> Calls<'a, 'c> {
                 qkv: self.qkv + (r.start * self.shape.qkv_width() * 4) as u64,
                 k_pool: self.pools.k,
                 v_pool: self.pools.v,
-                tables: self.tables.ptr() + (seq * self.rt.max_blocks * 4) as u64,
-                context_lens: self.row_pos.ptr() + (r.start * 4) as u64,
+                tables: self.tables + (seq * self.rt.max_blocks * 4) as u64,
+                context_lens: self.row_pos + (r.start * 4) as u64,
                 out,
                 rows: r.len(),
                 shape: self.shape,
@@ -455,6 +468,23 @@ impl<'a, 'c> Calls<'a, 'c> {
             },
         )
     }
+}
+
+/// Most query heads a `paged_prefill_attention` block serves (kernels/paged_attention.cuh's
+/// `MOEC_ATTEND_MAX_HEADS`).
+const ATTEND_MAX_HEADS: usize = 16;
+
+/// `paged_prefill_attention`'s blocks per row (`kv_heads` times the chunks each group is
+/// split into, of at most [`ATTEND_MAX_HEADS`] heads) and their dynamic shared memory (a
+/// chunk's queries).
+pub(super) fn prefill_blocks(shape: &AttnShape) -> Result<(u32, u32), LaunchError> {
+    let group = shape.heads / shape.kv_heads.max(1);
+    let chunks = group.div_ceil(ATTEND_MAX_HEADS).max(1);
+    let per_block = group.div_ceil(chunks);
+    Ok((
+        int("kv head blocks", shape.kv_heads * chunks)? as u32,
+        int("shared", per_block * shape.head_dim * 4)? as u32,
+    ))
 }
 
 /// One `paged_decode_attention` call: a sequence per row (kernels/decode_attention.cu's

@@ -259,7 +259,6 @@ fn attention(
     let (heads, kv_heads, dim) = sizes.attn_heads;
     let q_width = heads * dim;
     let row_width = (heads + 2 * kv_heads) * dim;
-    let group_bytes = (heads / kv_heads.max(1)) * dim * 4;
     // Pools for the larger of the two points, as one allocation each.
     let (d_seqs, d_ctx) = sizes.decode_attn;
     let (p_seqs, p_len) = sizes.prefill_attn;
@@ -303,7 +302,6 @@ fn attention(
         ])
     };
     let kvh = int("kv_heads", kv_heads)? as u32;
-    let shared = int("shared", group_bytes)? as u32;
 
     // Decode: every sequence has `d_ctx` cached positions and appends one.
     let positions = vec![int("context", d_ctx)?; d_seqs];
@@ -362,6 +360,7 @@ fn attention(
     let (rs, rp) = (addr(cx.stream, &row_seq), addr(cx.stream, &row_pos));
     let prefill_dims = dims(p_len)?;
     let prefill_rows = int("rows", p_seqs * p_len)? as u32;
+    let (grid_y, shared) = super::attention::prefill_blocks(&decode_shape)?;
     let prefill = timer.events("prefill attention", || {
         let operands = [
             Arg::Ptr(qp),
@@ -386,7 +385,7 @@ fn attention(
         a.extend_from_slice(&prefill_dims);
         cx.launch(
             "paged_prefill_attention",
-            (prefill_rows, kvh, 1),
+            (prefill_rows, grid_y, 1),
             64,
             shared,
             &a,
