@@ -68,6 +68,9 @@ extern "C" __global__ void paged_kv_append(
 #define MOEC_DECODE_WARPS 4
 #define MOEC_DECODE_MAX_GROUP 8
 #define MOEC_DECODE_MAX_DIMS 8
+// Key columns (scores) and value rows (outputs) whose loads a lane issues together.
+#define MOEC_DECODE_BATCH 8
+#define MOEC_DECODE_V_BATCH 4
 
 __device__ __forceinline__ float moec_warp_max(float v) {
     for (int off = 16; off > 0; off /= 2) {
@@ -182,12 +185,22 @@ __device__ __forceinline__ void moec_paged_decode_split(
                 k_src = k_pool + ((size_t)blk * kv_heads + kv_head) * tile_elems + abs_pos % block_size;
                 stride = block_size;
             }
-            for (int d = 0; d < head_dim; ++d) {
-                const float kd = k_src[d * stride];
+            // MOEC_DECODE_BATCH loads in flight before their products (dims still in order).
+            for (int d0 = 0; d0 < head_dim; d0 += MOEC_DECODE_BATCH) {
+                float kd[MOEC_DECODE_BATCH];
 #pragma unroll
-                for (int g = 0; g < MOEC_DECODE_MAX_GROUP; ++g) {
-                    if (g < gn) {
-                        s[g] = fmaf(q_sh[g * head_dim + d], kd, s[g]);
+                for (int j = 0; j < MOEC_DECODE_BATCH; ++j) {
+                    kd[j] = d0 + j < head_dim ? k_src[(size_t)(d0 + j) * stride] : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < MOEC_DECODE_BATCH; ++j) {
+                    if (d0 + j < head_dim) {
+#pragma unroll
+                        for (int g = 0; g < MOEC_DECODE_MAX_GROUP; ++g) {
+                            if (g < gn) {
+                                s[g] = fmaf(q_sh[g * head_dim + d0 + j], kd[j], s[g]);
+                            }
+                        }
                     }
                 }
             }
@@ -208,39 +221,57 @@ __device__ __forceinline__ void moec_paged_decode_split(
             m[g] = m_new;
         }
         const int n_valid = min(32, k_end - tile);
-        for (int j = 0; j < n_valid; ++j) {
-            const int abs_j = start + tile + j;
-            const unsigned int blk_j = (unsigned int)__shfl_sync(0xffffffffu, (int)blk, j);
-            const float* v_row = abs_j == pos
-                ? own_v
-                : v_pool + ((size_t)blk_j * kv_heads + kv_head) * tile_elems +
-                      (size_t)(abs_j % block_size) * head_dim;
-            float v[DPL];
-            if (vec && DPL % 4 == 0) {
+        // Value rows MOEC_DECODE_V_BATCH keys at a time: their loads in flight together,
+        // then the products key by key in order.
+        for (int j0 = 0; j0 < n_valid; j0 += MOEC_DECODE_V_BATCH) {
+            float v[MOEC_DECODE_V_BATCH][DPL];
 #pragma unroll
-                for (int k = 0; k < DPL; k += 4) {
-                    const float4 x = *(const float4*)(v_row + col + k);
-                    v[k] = x.x;
-                    v[k + 1] = x.y;
-                    v[k + 2] = x.z;
-                    v[k + 3] = x.w;
+            for (int jj = 0; jj < MOEC_DECODE_V_BATCH; ++jj) {
+                const int j = j0 + jj;
+                if (j >= n_valid) {
+#pragma unroll
+                    for (int k = 0; k < DPL; ++k) {
+                        v[jj][k] = 0.0f;
+                    }
+                    continue;
                 }
-            } else if (vec && DPL == 2) {
-                const float2 x = *(const float2*)(v_row + col);
-                v[0] = x.x;
-                v[1] = x.y;
-            } else {
+                const int abs_j = start + tile + j;
+                const unsigned int blk_j = (unsigned int)__shfl_sync(0xffffffffu, (int)blk, j);
+                const float* v_row = abs_j == pos
+                    ? own_v
+                    : v_pool + ((size_t)blk_j * kv_heads + kv_head) * tile_elems +
+                          (size_t)(abs_j % block_size) * head_dim;
+                if (vec && DPL % 4 == 0) {
 #pragma unroll
-                for (int k = 0; k < DPL; ++k) {
-                    v[k] = col + k < head_dim ? v_row[col + k] : 0.0f;
+                    for (int k = 0; k < DPL; k += 4) {
+                        const float4 x = *(const float4*)(v_row + col + k);
+                        v[jj][k] = x.x;
+                        v[jj][k + 1] = x.y;
+                        v[jj][k + 2] = x.z;
+                        v[jj][k + 3] = x.w;
+                    }
+                } else if (vec && DPL == 2) {
+                    const float2 x = *(const float2*)(v_row + col);
+                    v[jj][0] = x.x;
+                    v[jj][1] = x.y;
+                } else {
+#pragma unroll
+                    for (int k = 0; k < DPL; ++k) {
+                        v[jj][k] = col + k < head_dim ? v_row[col + k] : 0.0f;
+                    }
                 }
             }
 #pragma unroll
-            for (int g = 0; g < MOEC_DECODE_MAX_GROUP; ++g) {
-                const float p = __shfl_sync(0xffffffffu, s[g], j);
+            for (int jj = 0; jj < MOEC_DECODE_V_BATCH; ++jj) {
+                if (j0 + jj < n_valid) {
 #pragma unroll
-                for (int k = 0; k < DPL; ++k) {
-                    acc[g][k] = fmaf(p, v[k], acc[g][k]);
+                    for (int g = 0; g < MOEC_DECODE_MAX_GROUP; ++g) {
+                        const float p = __shfl_sync(0xffffffffu, s[g], j0 + jj);
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) {
+                            acc[g][k] = fmaf(p, v[jj][k], acc[g][k]);
+                        }
+                    }
                 }
             }
         }
