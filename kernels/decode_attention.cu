@@ -69,8 +69,8 @@ extern "C" __global__ void paged_kv_append(
 #define MOEC_DECODE_MAX_GROUP 8
 #define MOEC_DECODE_MAX_DIMS 8
 // Key columns (scores) and value rows (outputs) whose loads a lane issues together.
-#define MOEC_DECODE_BATCH 8
-#define MOEC_DECODE_V_BATCH 4
+#define MOEC_DECODE_BATCH 16
+#define MOEC_DECODE_V_BATCH 8
 
 __device__ __forceinline__ float moec_warp_max(float v) {
     for (int off = 16; off > 0; off /= 2) {
