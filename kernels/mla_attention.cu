@@ -42,10 +42,12 @@
 // in order with fmaf); norms and the softmax reduce as trees, so results agree with the
 // CPU to rounding.
 
+#include "paged_attention.cuh"
+
 #define MLA_TILE_M 16
 #define MLA_TILE_N 64
 #define MLA_TILE_K 32
-#define MLA_MAX_HEADS_PER_BLOCK 16
+#define MLA_MAX_HEADS_PER_BLOCK MOEC_ATTEND_MAX_HEADS
 
 extern "C" __global__ void mla_rms_norm(
     const float* __restrict__ x,
@@ -240,10 +242,11 @@ extern "C" __global__ void mla_qkv_rows(
     }
 }
 
-// paged_prefill_attention's contract (prefill_attention.cu) for kv_heads = 1, with the query
-// heads split over gridDim.y groups instead of one block holding all of them (DeepSeek-V3:
-// 128 heads of 576 floats, past any block's shared memory), and value_dim: output columns
-// past it are 0 without reading V (MLA's V is [c | 0]: the rotary columns hold zeros).
+// paged_prefill_attention's contract (prefill_attention.cu) for kv_heads = 1, the query
+// heads split over gridDim.y groups of ceil(heads / gridDim.y) (DeepSeek-V3: 128 heads of
+// 576 floats, past any block's shared memory), and value_dim: output columns past it are 0
+// without reading V (MLA's V is [c | 0]: the rotary columns hold zeros). The body is
+// paged_attention.cuh's moec_paged_attend, the prefill kernel's.
 extern "C" __global__ void mla_paged_attention(
     const float* __restrict__ qkv,
     const float* __restrict__ k_pool,
@@ -276,73 +279,8 @@ extern "C" __global__ void mla_paged_attention(
     }
     const size_t row = blockIdx.x;
     const size_t seq = row_seq[row];
-    const int pos = row_pos[row];
-    const int start = sliding_window > 0 && pos + 1 > sliding_window ? pos + 1 - sliding_window : 0;
-    const int n_keys = pos + 1 - start;
-    const float* q_src = qkv + row * (size_t)row_width + (size_t)h0 * head_dim;
-    for (int i = threadIdx.x; i < count * head_dim; i += blockDim.x) {
-        q_heads[i] = q_src[i];
-    }
-    __syncthreads();
-    const unsigned int* table = block_tables + seq * max_blocks;
-    const size_t tile_elems = (size_t)block_size * head_dim;
-    // Scores: each key is read once for every head of the group.
-    for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
-        const int key_pos = start + k;
-        const float* k_tile = k_pool + (size_t)table[key_pos / block_size] * tile_elems;
-        const int slot = key_pos % block_size;
-        float acc[MLA_MAX_HEADS_PER_BLOCK];
-        for (int g = 0; g < count; ++g) {
-            acc[g] = 0.0f;
-        }
-        for (int dim = 0; dim < head_dim; ++dim) {
-            const float kv = k_tile[(size_t)dim * block_size + slot];
-            for (int g = 0; g < count; ++g) {
-                acc[g] = fmaf(q_heads[g * head_dim + dim], kv, acc[g]);
-            }
-        }
-        for (int g = 0; g < count; ++g) {
-            scores[(row * heads + h0 + g) * (size_t)max_keys + k] = acc[g] * scale;
-        }
-    }
-    __syncthreads();
-    for (int g = 0; g < count; ++g) {
-        const int q_head = h0 + g;
-        float* head_scores = scores + (row * heads + q_head) * (size_t)max_keys;
-        float local_max = __int_as_float(0xff800000);
-        for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
-            local_max = fmaxf(local_max, head_scores[k]);
-        }
-        const float sink = sink_col >= 0 ? qkv[row * (size_t)row_width + sink_col + q_head] : 0.0f;
-        const float row_max = moec_block_reduce(local_max, 1);
-        const float max = sink_col >= 0 ? fmaxf(row_max, sink) : row_max;
-        float local_sum = 0.0f;
-        for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
-            const float e = expf(head_scores[k] - max);
-            head_scores[k] = e;
-            local_sum += e;
-        }
-        const float sum = moec_block_reduce(local_sum, 0) + (sink_col >= 0 ? expf(sink - max) : 0.0f);
-        const float inv = 1.0f / sum;
-        for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
-            head_scores[k] *= inv;
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < count * head_dim; i += blockDim.x) {
-        const int g = i / head_dim;
-        const int dim = i % head_dim;
-        const int q_head = h0 + g;
-        float acc = 0.0f;
-        if (dim < value_dim) {
-            const float* head_scores = scores + (row * heads + q_head) * (size_t)max_keys;
-            for (int k = 0; k < n_keys; ++k) {
-                const int key_pos = start + k;
-                const float* v_tile = v_pool + (size_t)table[key_pos / block_size] * tile_elems;
-                const size_t slot = key_pos % block_size;
-                acc = fmaf(head_scores[k], v_tile[slot * head_dim + dim], acc);
-            }
-        }
-        out[row * (size_t)heads * head_dim + (size_t)q_head * head_dim + dim] = acc;
-    }
+    moec_paged_attend(qkv, k_pool, v_pool, block_tables + seq * max_blocks, row, row_pos[row],
+                      0, h0, count, q_heads, scores, out, heads, kv_heads, head_dim,
+                      block_size, max_keys, sliding_window, scale, row_width, sink_col,
+                      value_dim);
 }

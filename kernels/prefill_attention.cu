@@ -11,9 +11,11 @@
 // are per row ([n_rows, ...]). The caller guarantees the tables cover every row_pos + 1.
 //
 // Launch paged_kv_append_rows first: grid = (n_rows, kv_heads), block = (threads). Then,
-// in stream order, paged_prefill_attention: grid = (n_rows, kv_heads), block = (threads, a
-// multiple of 32), dynamic shared memory = (heads / kv_heads) * head_dim * sizeof(float).
-// The bodies are paged_attention.cuh's, the same as decode_attention.cu's.
+// in stream order, paged_prefill_attention: grid = (n_rows, kv_heads * chunks), each block
+// serving ceil(group / chunks) <= MOEC_ATTEND_MAX_HEADS query heads of one kv head's group
+// (group = heads / kv_heads), block = (threads, a multiple of 32), dynamic shared memory =
+// ceil(group / chunks) * head_dim * sizeof(float). The bodies are paged_attention.cuh's
+// (the append is decode_attention.cu's, the attention mla_attention.cu's).
 
 #include "paged_attention.cuh"
 
@@ -59,7 +61,17 @@ extern "C" __global__ void paged_prefill_attention(
     extern __shared__ float q_group[];
     const size_t row = blockIdx.x;
     const size_t seq = row_seq[row];
+    const int group = heads / kv_heads;
+    const int chunks = gridDim.y / kv_heads;
+    const int per_block = (group + chunks - 1) / chunks;
+    const int kv_head = blockIdx.y / chunks;
+    const int first = (blockIdx.y % chunks) * per_block;
+    const int count = group - first < per_block ? group - first : per_block;
+    if (per_block > MOEC_ATTEND_MAX_HEADS || count <= 0) {
+        return;
+    }
     moec_paged_attend(qkv, k_pool, v_pool, block_tables + seq * max_blocks, row, row_pos[row],
-                      blockIdx.y, q_group, scores, out, heads, kv_heads, head_dim, block_size,
-                      max_keys, sliding_window, scale, row_width, sink_col);
+                      kv_head, kv_head * group + first, count, q_group, scores, out, heads,
+                      kv_heads, head_dim, block_size, max_keys, sliding_window, scale,
+                      row_width, sink_col, head_dim);
 }

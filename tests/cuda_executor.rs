@@ -819,6 +819,58 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
     assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
 }
 
+/// What one decode step of `baselines/gpu_resident` at batch 1 puts in its CUDA graph on
+/// mixtral-tiny (4 layers), counted by the stand-in as the difference between 3 and 2
+/// generated tokens (the extra step is the captured one; the step before it ran plainly
+/// with the same commands, and nothing is replayed). Pinned (issue 44): attention is one
+/// `paged_decode_attention` launch a layer that appends the token's K/V itself (no
+/// `paged_kv_append`, no combine below 256 keys) after one `rope_neox`; the per-step
+/// tables (token ids, positions, block tables, the head's row index) are copied once a
+/// step, not per layer (22 copies a step before, 5 a layer); a layer's remaining copy and
+/// memset are the MoE's. Graph nodes (launches, GEMMs, copies, memsets) a step: 88, 19 a
+/// layer (17 launches: norm, q/k/v, rope, attention, o, norm, router, 4 routing, 3 expert
+/// products, combine) plus 12 for the step (embed, final norm, head, sampling, its copies).
+#[test]
+fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a_layer() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let layers = 4u64;
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let prompt = ["Mixture of experts"];
+    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &prompt, 2, &[], &[]);
+    let (tokens, long, doc) = counted_run(cache.path(), dir.path(), schedule, &prompt, 3, &[], &[]);
+    assert_eq!(tokens[0].len(), 3);
+    assert_eq!(graph_counts(&doc, "decode").0, 0, "no replayed step");
+    assert_eq!(graph_counts(&doc, "decode").1, 1, "one captured step");
+    let step = |name: &str| calls(&long, name) - calls(&short, name);
+    assert_eq!(step("launch:paged_decode_attention"), layers);
+    assert_eq!(step("launch:rope_neox"), layers);
+    assert_eq!(step("launch:paged_kv_append"), 0);
+    assert_eq!(step("launch:paged_decode_combine"), 0);
+    assert_eq!(step("cuMemcpyHtoDAsync_v2"), 4 + layers);
+    let nodes = [
+        "cuLaunchKernel",
+        "cublasGemmEx",
+        "cublasSgemm_v2",
+        "cuMemcpyHtoDAsync_v2",
+        "cuMemcpyDtoHAsync_v2",
+        "cuMemcpyDtoDAsync_v2",
+        "cuMemsetD8Async",
+        "cuMemsetD32Async",
+    ]
+    .iter()
+    .map(|n| step(n))
+    .sum::<u64>();
+    println!(
+        "gpu_resident decode step, batch 1: {nodes} graph nodes ({} launches, {} copies in), \
+         {} a layer past the step's 12",
+        step("cuLaunchKernel"),
+        step("cuMemcpyHtoDAsync_v2"),
+        (nodes - 12) / layers
+    );
+    assert_eq!(nodes, 88);
+}
+
 /// No relay memcpy when the host can hold the weights (issue 28, item 4). `cgopipe`
 /// streams every layer's experts from the checkpoint through pinned pages (`W_CToPin` on
 /// its `cpu.copy` stream, then `W_PinToG`). On the stand-in:

@@ -3,6 +3,7 @@
 #include "shim.h"
 #include <cstdio>
 #include <string>
+#include "prelude.cuh"
 #include "rms_norm.cu"
 #include "rope.cu"
 #include "swiglu.cu"
@@ -49,7 +50,9 @@ int main(int argc, char** argv) {
       std::vector<float> scores((size_t)ns * h * mk), out((size_t)ns * h * hd);
       const int rw = (h + 2 * kvh) * hd; // qkv rows without sinks (sink column -1)
       launch({(unsigned)ns, (unsigned)kvh}, {32}, [&] { paged_kv_append(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), h, kvh, hd, bs, mb, rw); });
-      launch({(unsigned)ns, (unsigned)kvh}, {64}, [&] { paged_decode_attention(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), scores.data(), out.data(), h, kvh, hd, bs, mb, mk, win, 1.0f / std::sqrt((float)hd), rw, -1); });
+      // One split of mk keys (no combine); the append above already wrote the token's K/V.
+      const unsigned chunks = (unsigned)((h / kvh + 7) / 8);
+      launch({(unsigned)ns, (unsigned)kvh * chunks}, {128}, [&] { paged_decode_attention(qkv.data(), kp.data(), vp.data(), bt.data(), cl.data(), scores.data(), out.data(), h, kvh, hd, bs, mb, mk, win, 1.0f / std::sqrt((float)hd), rw, -1, 0); });
       wr(d, "attn_out.f32", out); wr(d, "attn_kpool.f32", kp); wr(d, "attn_vpool.f32", vp); }
     return 0;
 }

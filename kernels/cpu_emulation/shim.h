@@ -19,6 +19,7 @@
 #include <ucontext.h>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 // CUDA's 16-byte vector types (NVRTC has them built in), for the kernels' vector loads.
+struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 // Set by the scheduler before it resumes a fiber, so each fiber sees its own values.
@@ -145,6 +146,22 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     moec_arrive(b);
     return r;
 }
+// Lane `src` of the warp's value (a broadcast), for floats and ints.
+template <class T> inline T moec_shfl(T v, int src) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
+    MoecBarrier& b = moec_warp_barriers[moec_tid / 32];
+    std::memcpy(&shfl_buf[moec_tid], &v, 4);
+    moec_arrive(b);
+    T r;
+    std::memcpy(&r, &shfl_buf[(moec_tid & ~31u) + (unsigned)(src & 31)], 4);
+    moec_arrive(b);
+    return r;
+}
+inline float __shfl_sync(unsigned, float v, int src) { return moec_shfl(v, src); }
+inline int __shfl_sync(unsigned, int v, int src) { return moec_shfl(v, src); }
+// CUDA's integer min and max.
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 // Rounded f32 multiply, subtract and add that are never contracted into a fused multiply-add.
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

@@ -227,9 +227,8 @@ fn every_kernel_runs_like_the_cpu_kernels() {
         let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
         let tables_dev = stream.clone_htod(&tables).expect("htod");
         let ctx_dev = stream.clone_htod(&ctx_lens).expect("htod");
-        let mut scores_dev = stream
-            .alloc_zeros::<f32>(ns * ah * max_keys)
-            .expect("alloc");
+        // Unused with one split: any device pointer.
+        let mut scores_dev = stream.alloc_zeros::<f32>(1).expect("alloc");
         let mut out_dev = stream.alloc_zeros::<f32>(ns * ah * ahd).expect("alloc");
         let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
         let row_width = shape.qkv_width() as i32;
@@ -263,14 +262,17 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             window.unwrap_or(0) as i32,
             1.0 / (ahd as f32).sqrt(),
         );
-        let shared = ((ah / akvh) * ahd * 4) as u32;
+        // One split of every key (split-KV splits: split_kv_decode_attention_matches_the_cpu),
+        // appending again what paged_kv_append wrote (append = 1).
+        let shared = decode_shared(ah / akvh, ahd);
+        let append_too = 1i32;
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {
             stream
                 .launch_builder(&decode)
                 .arg(&qkv_dev)
-                .arg(&k_dev)
-                .arg(&v_dev)
+                .arg(&mut k_dev)
+                .arg(&mut v_dev)
                 .arg(&tables_dev)
                 .arg(&ctx_dev)
                 .arg(&mut scores_dev)
@@ -285,7 +287,8 @@ fn every_kernel_runs_like_the_cpu_kernels() {
                 .arg(&scale)
                 .arg(&row_width)
                 .arg(&sink_col)
-                .launch(cfg((ns as u32, akvh as u32, 1), 64, shared))
+                .arg(&append_too)
+                .launch(cfg((ns as u32, akvh as u32, 1), 128, shared))
         }
         .expect("launch");
         let got = stream.clone_dtoh(&out_dev).expect("dtoh");
@@ -1045,6 +1048,161 @@ fn prefill_attention_matches_the_cpu() {
         let err = max_abs_diff(&got, &want);
         println!("paged_prefill_attention ({n_rows} rows, window {window:?}, sinks {sinks}): max abs diff vs CPU {err:.3e}");
         assert!(err < 1e-4, "prefill attention: {err}");
+    }
+}
+
+/// Dynamic shared memory of a `paged_decode_attention` block (kernels/decode_attention.cu:
+/// 4 warps, up to 8 query heads of a group per block).
+fn decode_shared(group: usize, head_dim: usize) -> u32 {
+    let g = group.min(8);
+    (((1 + 4) * head_dim + 2 * 4) * g * 4) as u32
+}
+
+/// The split-KV decode kernel (`paged_decode_attention` then `paged_decode_combine`)
+/// against the CPU's `attention` on random inputs: sequences whose spans end mid-tile and
+/// mid-block (odd lengths 1, 2, 33, 100, 129 keys), split sizes that are not multiples of
+/// a tile and leave some sequences' last splits empty, one split (no combine) and many,
+/// groups of 1, 4 and 12 query heads (two head chunks), head widths 16, 64, 128 and 48
+/// (the vector loads and the masked columns), a sliding window and gpt-oss's sinks. The
+/// kernel appends the new K/V itself: the pools must equal the CPU's exactly. Tolerance
+/// 1e-4 absolute (online softmax and tree sums).
+#[test]
+fn split_kv_decode_attention_matches_the_cpu() {
+    const NAME: &str = "standin_kernels::split_kv_decode_attention_matches_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::model::vocab::AttnShape;
+    use moec::model::vocab::KvLayout;
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let decode = function(&modules, "decode_attention.cu", "paged_decode_attention");
+    let combine = function(&modules, "decode_attention.cu", "paged_decode_combine");
+    let mut rng = Rng(4242);
+    // (heads, kv heads, head_dim, block size, window, sinks, split keys)
+    let cases = [
+        (8usize, 2usize, 16usize, 16usize, None, false, 1000usize),
+        (8, 2, 64, 16, None, false, 37),
+        (12, 1, 128, 8, None, true, 64),
+        (4, 4, 48, 16, Some(40usize), false, 13),
+        (8, 2, 16, 4, Some(33), true, 9),
+    ];
+    for (ah, akvh, ahd, bs, window, sinks, split) in cases {
+        // (cached, new): spans of 1, 2, 33, 100 and 129 keys.
+        let seqs_spec = [(0usize, 1usize), (1, 1), (32, 1), (99, 1), (128, 1)];
+        let ns = seqs_spec.len();
+        let mb = 129usize.div_ceil(bs);
+        // paged_rows spreads blocks by a stride of 5: a count prime to it keeps every
+        // sequence's blocks its own.
+        let n_blocks = (ns * mb + 1..).find(|n| n % 5 != 0).expect("a count");
+        let rows = paged_rows(&seqs_spec, bs, n_blocks, mb);
+        let layout = KvLayout {
+            block_size: bs,
+            kv_heads: akvh,
+            head_dim: ahd,
+        };
+        let shape = AttnShape {
+            heads: ah,
+            kv_heads: akvh,
+            head_dim: ahd,
+            sliding_window: window,
+            sinks,
+        };
+        let pool_len = n_blocks * layout.block_elems();
+        let k_pool = rng.vec(pool_len, 1.0);
+        let v_pool = rng.vec(pool_len, 1.0);
+        let qkv = rng.vec(ns * shape.qkv_width(), 1.5);
+        let max_keys = window.map_or(mb * bs, |w| w.min(mb * bs));
+        let n_splits = max_keys.div_ceil(split);
+        let qkv_dev = stream.clone_htod(&qkv).expect("htod");
+        let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
+        let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
+        let tables_dev = stream.clone_htod(&rows.tables).expect("htod");
+        let ctx_dev = stream.clone_htod(&rows.row_pos).expect("htod");
+        let mut partials = stream
+            .alloc_zeros::<f32>(ns * ah * n_splits * (2 + ahd))
+            .expect("alloc");
+        let mut out_dev = stream.alloc_zeros::<f32>(ns * ah * ahd).expect("alloc");
+        let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+        let row_width = shape.qkv_width() as i32;
+        let sink_col = if sinks {
+            ((ah + 2 * akvh) * ahd) as i32
+        } else {
+            -1
+        };
+        let (split_keys, win, scale, append) = (
+            split as i32,
+            window.unwrap_or(0) as i32,
+            1.0 / (ahd as f32).sqrt(),
+            1i32,
+        );
+        let chunks = (ah / akvh).div_ceil(8);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&decode)
+                .arg(&qkv_dev)
+                .arg(&mut k_dev)
+                .arg(&mut v_dev)
+                .arg(&tables_dev)
+                .arg(&ctx_dev)
+                .arg(&mut partials)
+                .arg(&mut out_dev)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&ints[4])
+                .arg(&split_keys)
+                .arg(&win)
+                .arg(&scale)
+                .arg(&row_width)
+                .arg(&sink_col)
+                .arg(&append)
+                .launch(cfg(
+                    (ns as u32, (akvh * chunks) as u32, n_splits as u32),
+                    128,
+                    decode_shared(ah / akvh, ahd),
+                ))
+        }
+        .expect("launch");
+        if n_splits > 1 {
+            let (heads, head_dim, splits) = (ah as i32, ahd as i32, n_splits as i32);
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&combine)
+                    .arg(&qkv_dev)
+                    .arg(&partials)
+                    .arg(&mut out_dev)
+                    .arg(&heads)
+                    .arg(&head_dim)
+                    .arg(&splits)
+                    .arg(&row_width)
+                    .arg(&sink_col)
+                    .launch(cfg((ns as u32, ah as u32, 1), 64, 0))
+            }
+            .expect("launch");
+        }
+        let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+        let want = cpu_attention_checking_appends(
+            &stream,
+            layout,
+            &shape,
+            &rows,
+            &seqs_spec,
+            mb,
+            &qkv,
+            (&k_pool, &v_pool),
+            (&k_dev, &v_dev),
+        );
+        let err = max_abs_diff(&got, &want);
+        println!(
+            "paged_decode_attention (heads {ah}/{akvh} x {ahd}, blocks of {bs}, window {window:?}, \
+             sinks {sinks}, {n_splits} splits of {split}): max abs diff vs CPU {err:.3e}"
+        );
+        assert!(err < 1e-4, "split-KV decode attention: {err}");
     }
 }
 

@@ -4,17 +4,19 @@
 //!
 //! Takes an `attn` task (its `qkv` rows, its `kv` cache slice or none, its `out` rows) and
 //! the micro-batch's sequences; gives the attention output rows. Rows are launched in runs
-//! of adjacent sequences: a run whose sequences each bring one token takes the decode
-//! kernels (`paged_kv_append`, `paged_decode_attention`: a sequence per launch row, its
-//! block table by sequence), any other the row kernels (`paged_kv_append_rows`,
-//! `paged_prefill_attention`: a table and a sequence per row); DeepSeek's MLA attends with
-//! its own kernel (`super::deepseek`). A prefill over whole prompts without a `kv`
+//! of adjacent sequences: a run whose sequences each bring one token takes the split-KV
+//! decode kernel (`paged_decode_attention`, which appends the run's K/V itself, then
+//! `paged_decode_combine` past one split: a sequence per launch row, its block table by
+//! sequence), any other the row kernels (`paged_kv_append_rows` or, for decode rows
+//! appended without being attended, `paged_kv_append`; `paged_prefill_attention`: a table
+//! and a sequence per row); DeepSeek's MLA attends with its own kernel
+//! (`super::deepseek`). A prefill over whole prompts without a `kv`
 //! argument attends over a scratch cache holding only this call's K/V. Guarantees: a
 //! block table that does not cover its tokens, or names a block past the cache, is an
 //! error before any launch.
 
 use super::deepseek;
-use super::launch::{int, Arg, Scratch};
+use super::launch::{int, Arg, LaunchError, Scratch, StreamCx};
 use super::ops::{GpuCx, OpError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, Op, Role};
@@ -111,15 +113,59 @@ pub(super) fn attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     if attend.is_empty() && pools.append.is_empty() {
         return Ok(());
     }
-    let calls = Calls::new(cx, mb, &pools, &shape, qkv)?;
+    let calls = Calls::new(cx, (ub, mb), &pools, &shape, qkv)?;
+    // Decode runs append their own rows inside the attention kernel: only the other rows
+    // take the append kernels, all before any attention (prefill rows attend each other).
+    let fused: Vec<_> = attend
+        .iter()
+        .filter(|r| calls.decode_kernel(r))
+        .cloned()
+        .collect();
     for r in &pools.append {
-        calls.append(r)?;
+        for rest in without(r, &fused) {
+            calls.append(&rest)?;
+        }
     }
     for r in &attend {
         calls.attend(r, out)?;
     }
     Ok(())
 }
+
+/// The parts of row range `r` outside every range of `taken`, in order.
+fn without(
+    r: &std::ops::Range<usize>,
+    taken: &[std::ops::Range<usize>],
+) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut at = r.start;
+    let mut cuts: Vec<_> = taken
+        .iter()
+        .filter(|t| t.start < r.end && t.end > r.start)
+        .collect();
+    cuts.sort_by_key(|t| t.start);
+    for t in cuts {
+        if t.start > at {
+            out.push(at..t.start);
+        }
+        at = at.max(t.end);
+    }
+    if at < r.end {
+        out.push(at..r.end);
+    }
+    out
+}
+
+/// Keys one block of `paged_decode_attention` attends at most (a split): contexts up to
+/// this take one split and no combine launch; longer ones are split evenly.
+const DECODE_SPLIT_KEYS: usize = 256;
+/// Threads of a `paged_decode_attention` block (`MOEC_DECODE_WARPS` warps).
+const DECODE_THREADS: u32 = 128;
+/// `MOEC_DECODE_WARPS`, `MOEC_DECODE_MAX_GROUP` and the widest head
+/// (`32 * MOEC_DECODE_MAX_DIMS`) of kernels/decode_attention.cu.
+const DECODE_WARPS: usize = 4;
+const DECODE_MAX_GROUP: usize = 8;
+const DECODE_MAX_HEAD_DIM: usize = 256;
 
 /// Floats of one block of one KV head's pool.
 fn block_elems(shape: &AttnShape, block: usize) -> usize {
@@ -205,9 +251,11 @@ struct Calls<'a, 'c> {
     pools: &'a KvPools,
     shape: &'a AttnShape,
     rt: RowTables,
-    row_seq: Scratch,
-    row_pos: Scratch,
-    tables: Scratch,
+    /// Device copies of the row tables, uploaded once a step ([`super::launch::StreamCx::upload_step`]):
+    /// every layer's call reads the same.
+    row_seq: u64,
+    row_pos: u64,
+    tables: u64,
     qkv: u64,
     dims: [Arg; 5],
     row_width: Arg,
@@ -217,17 +265,28 @@ struct Calls<'a, 'c> {
 impl<'a, 'c> Calls<'a, 'c> {
     fn new(
         cx: &'a GpuCx<'c>,
-        mb: &'a MicroBatchState,
+        (ub, mb): (u32, &'a MicroBatchState),
         pools: &'a KvPools,
         shape: &'a AttnShape,
         qkv: u64,
     ) -> Result<Self, OpError> {
         let rt = row_tables(mb, &pools.tables);
-        let (row_seq, row_pos, tables) = (
-            cx.s.upload(&rt.row_seq)?,
-            cx.s.upload(&rt.row_pos)?,
-            cx.s.upload(&rt.tables)?,
-        );
+        // Positions as `pre_attn`'s rotary reads them (the same table), block tables, and
+        // row -> sequence only where a run takes the row kernels (MLA's always does).
+        let row_seq = if cx.arch.mla.is_none()
+            && runs(mb, |_| true).iter().all(|r| {
+                rt.row_seq[r.clone()].iter().all(|&s| {
+                    mb.seqs
+                        .get(s as usize)
+                        .is_some_and(|q| q.new_tokens.len() == 1)
+                })
+            }) {
+            0
+        } else {
+            cx.s.upload_step("row_seq", ub, &rt.row_seq)?
+        };
+        let row_pos = cx.s.upload_step("positions", ub, &rt.row_pos)?;
+        let tables = cx.s.upload_step("block_tables", ub, &rt.tables)?;
         let dims = [
             Arg::I32(int("heads", shape.heads)?),
             Arg::I32(int("kv_heads", shape.kv_heads)?),
@@ -276,13 +335,13 @@ impl<'a, 'c> Calls<'a, 'c> {
         if decode {
             let seq = self.rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
             a.push(Arg::Ptr(
-                self.tables.ptr() + (seq * self.rt.max_blocks * 4) as u64,
+                self.tables + (seq * self.rt.max_blocks * 4) as u64,
             ));
         } else {
-            a.push(Arg::Ptr(self.tables.ptr()));
-            a.push(Arg::Ptr(self.row_seq.ptr() + (r.start * 4) as u64));
+            a.push(Arg::Ptr(self.tables));
+            a.push(Arg::Ptr(self.row_seq + (r.start * 4) as u64));
         }
-        a.push(Arg::Ptr(self.row_pos.ptr() + (r.start * 4) as u64));
+        a.push(Arg::Ptr(self.row_pos + (r.start * 4) as u64));
         a
     }
 
@@ -301,9 +360,10 @@ impl<'a, 'c> Calls<'a, 'c> {
         Ok(self.cx.s.launch(entry, grid, 32, 0, &a)?)
     }
 
-    /// The scores' row stride of run `r`: the most keys any row's block table can hold (at
-    /// least its span), not the span itself, so a decode step's launch is the same every
-    /// step of a batch (CUDA graphs replay it) while positions grow.
+    /// The most keys a row of run `r` can attend: what its block table can hold (at least
+    /// its span), not the span itself, so a step's launches (the prefill kernel's scores
+    /// stride, the decode kernel's splits) are the same every step of a batch (CUDA graphs
+    /// replay them) while positions grow.
     fn max_keys(&self, r: &std::ops::Range<usize>) -> usize {
         let window = self.shape.sliding_window.unwrap_or(0);
         r.clone()
@@ -326,12 +386,17 @@ impl<'a, 'c> Calls<'a, 'c> {
             .unwrap_or(1)
     }
 
+    /// Whether run `r` takes `paged_decode_attention` (one token per sequence, not MLA),
+    /// which appends the run's K/V itself.
+    fn decode_kernel(&self, r: &std::ops::Range<usize>) -> bool {
+        self.one_token_each(r) && self.cx.arch.mla.is_none()
+    }
+
     /// Attends run `r`'s rows over the cache into `out`.
     fn attend(&self, r: &std::ops::Range<usize>, out: u64) -> Result<(), OpError> {
         let shape = self.shape;
         let window = shape.sliding_window.unwrap_or(0);
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let group_bytes = (shape.heads / shape.kv_heads.max(1)) * shape.head_dim * 4;
         // gpt-oss's sinks follow q | k | v in each row; -1: none.
         let sink_col = if shape.sinks {
             int(
@@ -342,15 +407,13 @@ impl<'a, 'c> Calls<'a, 'c> {
             -1
         };
         let max_keys = self.max_keys(r);
+        let out = out + (r.start * shape.q_width() * 4) as u64;
+        if self.decode_kernel(r) {
+            return self.decode(r, out, max_keys, window, scale, sink_col);
+        }
         let scores = self.cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
-        let mla = self.cx.arch.mla.is_some();
-        // MLA's kernel takes the row operands for decode too.
-        let decode = self.one_token_each(r) && !mla;
-        let mut a = self.operands(r, decode);
-        a.extend_from_slice(&[
-            Arg::Ptr(scores.ptr()),
-            Arg::Ptr(out + (r.start * shape.q_width() * 4) as u64),
-        ]);
+        let mut a = self.operands(r, false);
+        a.extend_from_slice(&[Arg::Ptr(scores.ptr()), Arg::Ptr(out)]);
         a.extend_from_slice(&self.dims);
         a.extend_from_slice(&[
             Arg::I32(int("max_keys", max_keys)?),
@@ -359,20 +422,182 @@ impl<'a, 'c> Calls<'a, 'c> {
             self.row_width,
             Arg::I32(sink_col),
         ]);
-        if mla {
+        if self.cx.arch.mla.is_some() {
+            // MLA's kernel takes the row operands for decode too.
             return deepseek::mla_attention(self.cx, r.len(), shape.heads, shape.head_dim, &mut a);
         }
-        let entry = if decode {
-            "paged_decode_attention"
-        } else {
-            "paged_prefill_attention"
-        };
+        let (grid_y, shared) = prefill_blocks(shape)?;
         Ok(self.cx.s.launch(
-            entry,
-            (int("rows", r.len())? as u32, self.kv_heads, 1),
+            "paged_prefill_attention",
+            (int("rows", r.len())? as u32, grid_y, 1),
             64,
-            int("shared", group_bytes)? as u32,
+            shared,
             &a,
         )?)
     }
+
+    /// Decode run `r` (a sequence per row) by [`decode_attention`], which appends the
+    /// rows' K/V too.
+    fn decode(
+        &self,
+        r: &std::ops::Range<usize>,
+        out: u64,
+        max_keys: usize,
+        window: usize,
+        scale: f32,
+        sink_col: i32,
+    ) -> Result<(), OpError> {
+        let seq = self.rt.row_seq.get(r.start).copied().unwrap_or(0) as usize;
+        decode_attention(
+            &self.cx.s,
+            &DecodeLaunch {
+                qkv: self.qkv + (r.start * self.shape.qkv_width() * 4) as u64,
+                k_pool: self.pools.k,
+                v_pool: self.pools.v,
+                tables: self.tables + (seq * self.rt.max_blocks * 4) as u64,
+                context_lens: self.row_pos + (r.start * 4) as u64,
+                out,
+                rows: r.len(),
+                shape: self.shape,
+                block_size: self.pools.block,
+                max_blocks: self.rt.max_blocks,
+                max_keys,
+                window,
+                scale,
+                sink_col,
+            },
+        )
+    }
+}
+
+/// Most query heads a `paged_prefill_attention` block serves (kernels/paged_attention.cuh's
+/// `MOEC_ATTEND_MAX_HEADS`).
+const ATTEND_MAX_HEADS: usize = 16;
+
+/// `paged_prefill_attention`'s blocks per row (`kv_heads` times the chunks each group is
+/// split into, of at most [`ATTEND_MAX_HEADS`] heads) and their dynamic shared memory (a
+/// chunk's queries).
+pub(super) fn prefill_blocks(shape: &AttnShape) -> Result<(u32, u32), LaunchError> {
+    let group = shape.heads / shape.kv_heads.max(1);
+    let chunks = group.div_ceil(ATTEND_MAX_HEADS).max(1);
+    let per_block = group.div_ceil(chunks);
+    Ok((
+        int("kv head blocks", shape.kv_heads * chunks)? as u32,
+        int("shared", per_block * shape.head_dim * 4)? as u32,
+    ))
+}
+
+/// One `paged_decode_attention` call: a sequence per row (kernels/decode_attention.cu's
+/// operands).
+pub(super) struct DecodeLaunch<'a> {
+    /// The rows' qkv (row i: sequence i of the launch).
+    pub qkv: u64,
+    /// The K pool.
+    pub k_pool: u64,
+    /// The V pool.
+    pub v_pool: u64,
+    /// The rows' block tables, `max_blocks` each.
+    pub tables: u64,
+    /// The rows' cached token counts (their positions).
+    pub context_lens: u64,
+    /// The rows' outputs.
+    pub out: u64,
+    /// Rows (sequences).
+    pub rows: usize,
+    /// The layer's attention geometry.
+    pub shape: &'a AttnShape,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// Entries of each block table.
+    pub max_blocks: usize,
+    /// The most keys a row can attend (a launch shape that stays while positions grow).
+    pub max_keys: usize,
+    /// Sliding window (0: none).
+    pub window: usize,
+    /// Score scale.
+    pub scale: f32,
+    /// Column of gpt-oss's sink logits in a qkv row (-1: none).
+    pub sink_col: i32,
+}
+
+/// Split-KV decode attention as `attn` launches it: `paged_decode_attention` over splits of
+/// at most [`DECODE_SPLIT_KEYS`] of the `max_keys` keys a row can attend (the split count
+/// stays the same while positions grow, so graphs replay), appending the rows' K/V, then
+/// `paged_decode_combine` when there is more than one split.
+pub(super) fn decode_attention(s: &StreamCx<'_>, d: &DecodeLaunch<'_>) -> Result<(), OpError> {
+    let shape = d.shape;
+    if shape.head_dim > DECODE_MAX_HEAD_DIM || shape.kv_heads == 0 {
+        return Err(OpError::Unsupported {
+            backend: "CUDA",
+            what: format!(
+                "decode attention with head_dim {} and {} kv heads (head_dim at most {DECODE_MAX_HEAD_DIM})",
+                shape.head_dim, shape.kv_heads
+            ),
+        });
+    }
+    let group = shape.heads / shape.kv_heads;
+    let chunks = group.div_ceil(DECODE_MAX_GROUP);
+    let g = group.min(DECODE_MAX_GROUP);
+    let shared = ((1 + DECODE_WARPS) * shape.head_dim + 2 * DECODE_WARPS) * g * 4;
+    let n_splits = d.max_keys.div_ceil(DECODE_SPLIT_KEYS).max(1);
+    let split_keys = d.max_keys.div_ceil(n_splits).max(1);
+    let rows = int("rows", d.rows)? as u32;
+    let partials = s.scratch(if n_splits > 1 {
+        d.rows * shape.heads * n_splits * (2 + shape.head_dim) * 4
+    } else {
+        0
+    })?;
+    // With one split the kernel never touches `partials`: any valid address.
+    let partials_ptr = if n_splits > 1 { partials.ptr() } else { d.out };
+    let row_width = Arg::I32(int("qkv_width", shape.qkv_width())?);
+    let a = [
+        Arg::Ptr(d.qkv),
+        Arg::Ptr(d.k_pool),
+        Arg::Ptr(d.v_pool),
+        Arg::Ptr(d.tables),
+        Arg::Ptr(d.context_lens),
+        Arg::Ptr(partials_ptr),
+        Arg::Ptr(d.out),
+        Arg::I32(int("heads", shape.heads)?),
+        Arg::I32(int("kv_heads", shape.kv_heads)?),
+        Arg::I32(int("head_dim", shape.head_dim)?),
+        Arg::I32(int("block_size", d.block_size)?),
+        Arg::I32(int("max_blocks", d.max_blocks)?),
+        Arg::I32(int("split_keys", split_keys)?),
+        Arg::I32(int("sliding_window", d.window)?),
+        Arg::F32(d.scale),
+        row_width,
+        Arg::I32(d.sink_col),
+        // append: the kernel writes the rows' K/V into the pools.
+        Arg::I32(1),
+    ];
+    let grid_y = int("kv head blocks", shape.kv_heads * chunks)? as u32;
+    let grid_z = int("splits", n_splits)? as u32;
+    s.launch(
+        "paged_decode_attention",
+        (rows, grid_y, grid_z),
+        DECODE_THREADS,
+        int("shared", shared)? as u32,
+        &a,
+    )?;
+    if n_splits == 1 {
+        return Ok(());
+    }
+    let c = [
+        Arg::Ptr(d.qkv),
+        Arg::Ptr(partials.ptr()),
+        Arg::Ptr(d.out),
+        Arg::I32(int("heads", shape.heads)?),
+        Arg::I32(int("head_dim", shape.head_dim)?),
+        Arg::I32(int("splits", n_splits)?),
+        row_width,
+        Arg::I32(d.sink_col),
+    ];
+    Ok(s.launch(
+        "paged_decode_combine",
+        (rows, int("heads", shape.heads)? as u32, 1),
+        64,
+        0,
+        &c,
+    )?)
 }

@@ -726,6 +726,9 @@ impl Backend for CudaBackend<'_> {
         self.device_guards
             .store(reason.is_none() && planned.device_guards, Ordering::Release);
         self.recorder.begin(reason);
+        for dev in self.streams.iter().flatten() {
+            dev.workspace.begin_step();
+        }
         Ok(())
     }
 

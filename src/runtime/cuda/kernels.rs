@@ -40,7 +40,11 @@ pub const KERNELS: [KernelSource; 13] = [
     KernelSource {
         file: "decode_attention.cu",
         source: include_str!("../../../kernels/decode_attention.cu"),
-        entries: &["paged_kv_append", "paged_decode_attention"],
+        entries: &[
+            "paged_kv_append",
+            "paged_decode_attention",
+            "paged_decode_combine",
+        ],
     },
     KernelSource {
         file: "router_topk.cu",

@@ -222,6 +222,27 @@ const SCRATCH_ALIGN: usize = 256;
 #[derive(Debug, Default)]
 pub struct Workspace {
     inner: std::sync::Mutex<WorkspaceInner>,
+    step: std::sync::Mutex<StepTables>,
+}
+
+/// The per-step tables a stream's tasks upload ([`StreamCx::upload_step`]): positions and
+/// block tables are the same for every layer of a step, so each (name, micro-batch) table
+/// is copied to the device once a step (one copy node in a graph, not one per layer) and
+/// later tasks of the step on the stream that ask for it with the same bytes read that
+/// copy. Keyed by micro-batch, not by bytes alone, so how many copies a step makes never
+/// depends on two micro-batches' tables happening to be equal. A buffer of its own, handed out
+/// from the start at each step ([`Workspace::begin_step`]), so a step's offsets, and so a
+/// replayed graph's, are the same every step.
+#[derive(Debug, Default)]
+struct StepTables {
+    buffer: Option<CudaSlice<u8>>,
+    base: u64,
+    size: usize,
+    used: usize,
+    /// Buffers replaced during the step, freed (stream-ordered) at the next step.
+    retired: Vec<CudaSlice<u8>>,
+    /// What this step uploaded: (name, micro-batch, bytes, device address).
+    seen: Vec<(&'static str, u32, Vec<u8>, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -247,6 +268,60 @@ impl Workspace {
         if !keep_retired {
             w.retired.clear();
         }
+    }
+
+    /// Starts a step: the step tables' buffer is handed out from its start again and no
+    /// table of the last step is found any more. Safe: the last step's work, which read
+    /// them, was queued on this stream before the new step's copies overwrite them.
+    pub fn begin_step(&self) {
+        let mut t = crate::runtime::sync::lock(&self.step);
+        t.used = 0;
+        t.seen.clear();
+        t.retired.clear();
+    }
+
+    /// The device address of micro-batch `ub`'s table `name` holding `data` if this step
+    /// uploaded it already.
+    fn step_table(&self, name: &'static str, ub: u32, data: &[u8]) -> Option<u64> {
+        let t = crate::runtime::sync::lock(&self.step);
+        t.seen
+            .iter()
+            .find(|(n, u, bytes, _)| *n == name && *u == ub && bytes.as_slice() == data)
+            .map(|&(_, _, _, ptr)| ptr)
+    }
+
+    /// Room for micro-batch `ub`'s table `name` holding `data` in the step tables' buffer (growing it as
+    /// [`Workspace::take`] does; a replaced buffer's tables are not handed out again),
+    /// remembered for the rest of the step.
+    fn take_step_table(
+        &self,
+        stream: &Arc<CudaStream>,
+        (name, ub): (&'static str, u32),
+        data: &[u8],
+    ) -> Result<u64, LaunchError> {
+        let bytes = data.len().next_multiple_of(SCRATCH_ALIGN);
+        let mut t = crate::runtime::sync::lock(&self.step);
+        if t.used + bytes > t.size {
+            let size = (2 * t.size).max(t.used + bytes).max(64 << 10);
+            // SAFETY: every table is written by its copy before a kernel reads it.
+            let buffer =
+                unsafe { stream.alloc::<u8>(size) }.map_err(|source| LaunchError::Driver {
+                    call: "cuMemAllocAsync",
+                    source,
+                })?;
+            let base = buffer.device_ptr(stream).0;
+            if let Some(old) = t.buffer.replace(buffer) {
+                t.retired.push(old);
+            }
+            t.base = base;
+            t.size = size;
+            t.used = 0;
+            t.seen.clear();
+        }
+        let ptr = t.base + t.used as u64;
+        t.used += bytes;
+        t.seen.push((name, ub, data.to_vec(), ptr));
+        Ok(ptr)
     }
 
     /// Frees the buffers replaced during a recorded step, after its work was submitted.
@@ -414,6 +489,46 @@ impl StreamCx<'_> {
                 source,
             })?;
         Ok(s)
+    }
+
+    /// The device address of `data` as micro-batch `ub`'s table `name` of this step
+    /// (positions, block tables: what every layer of a step reads alike): uploaded as
+    /// [`StreamCx::upload`] does at its first request in the step on this stream, and that
+    /// copy afterwards while the bytes are the same (see [`Workspace::begin_step`]). Valid
+    /// until the stream's next step.
+    pub fn upload_step<T: cudarc::driver::DeviceRepr>(
+        &self,
+        name: &'static str,
+        ub: u32,
+        data: &[T],
+    ) -> Result<u64, LaunchError> {
+        let bytes = std::mem::size_of_val(data);
+        if bytes == 0 {
+            return Ok(0);
+        }
+        // SAFETY: `data` is `bytes` initialised bytes of plain values (DeviceRepr types).
+        let raw = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), bytes) };
+        if let Some(ptr) = self.workspace.step_table(name, ub, raw) {
+            return Ok(ptr);
+        }
+        let ptr = self
+            .workspace
+            .take_step_table(self.stream, (name, ub), raw)?;
+        if let Some(at) = self.recorder.stage(self.lane, raw)? {
+            self.issue(Command::HtoD {
+                dst: ptr,
+                src: at,
+                bytes,
+            })?;
+            return Ok(ptr);
+        }
+        // SAFETY: the table holds exactly `data`'s bytes.
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, data, self.stream.cu_stream()) }
+            .map_err(|source| LaunchError::Driver {
+                call: "cuMemcpyHtoDAsync",
+                source,
+            })?;
+        Ok(ptr)
     }
 
     /// Copies `dst.len()` elements from device address `src` to the host and waits for

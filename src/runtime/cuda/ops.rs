@@ -617,7 +617,8 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         )?;
     }
     let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    let pos = cx.s.upload(&pos)?;
+    // The step's positions table, shared with `attn` (one copy a step).
+    let pos = cx.s.upload_step("positions", ub, &pos)?;
     let rot_heads = arch.attn.heads + arch.attn.kv_heads;
     cx.s.launch(
         "rope_neox",
@@ -626,7 +627,7 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         0,
         &[
             Arg::Ptr(out),
-            Arg::Ptr(pos.ptr()),
+            Arg::Ptr(pos),
             Arg::Ptr(cx.rope.0),
             Arg::Ptr(cx.rope.1),
             Arg::I32(int("width", width)?),

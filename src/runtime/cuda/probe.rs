@@ -16,7 +16,7 @@
 use super::device::{Device, DeviceError};
 use super::graph::Recorder;
 use super::launch::{int, Arg, DevMatrix, LaunchError, StreamCx, Workspace};
-use crate::model::vocab::Orientation;
+use crate::model::vocab::{AttnShape, Orientation};
 use crate::quant::storage::WeightDtype;
 use crate::runtime::probe::{GemvPoint, GpuProbe, GpuProbeSizes};
 use cudarc::cublas::CudaBlas;
@@ -33,6 +33,9 @@ pub enum GpuProbeError {
     /// A launch or GEMM failed.
     #[error(transparent)]
     Launch(#[from] LaunchError),
+    /// The decode attention launch refused the geometry or failed.
+    #[error(transparent)]
+    Attention(#[from] crate::runtime::ops::OpError),
     /// A driver call failed.
     #[error("CUDA {call} failed during the GPU probe: {source}")]
     Driver {
@@ -256,7 +259,6 @@ fn attention(
     let (heads, kv_heads, dim) = sizes.attn_heads;
     let q_width = heads * dim;
     let row_width = (heads + 2 * kv_heads) * dim;
-    let group_bytes = (heads / kv_heads.max(1)) * dim * 4;
     // Pools for the larger of the two points, as one allocation each.
     let (d_seqs, d_ctx) = sizes.decode_attn;
     let (p_seqs, p_len) = sizes.prefill_attn;
@@ -300,7 +302,6 @@ fn attention(
         ])
     };
     let kvh = int("kv_heads", kv_heads)? as u32;
-    let shared = int("shared", group_bytes)? as u32;
 
     // Decode: every sequence has `d_ctx` cached positions and appends one.
     let positions = vec![int("context", d_ctx)?; d_seqs];
@@ -309,38 +310,37 @@ fn attention(
         .clone_htod(&positions)
         .map_err(driver("cuMemcpyHtoD"))?;
     let pos = addr(cx.stream, &positions);
-    let decode_dims = dims(d_ctx + 1)?;
-    let decode_rows = int("seqs", d_seqs)? as u32;
+    let decode_shape = AttnShape {
+        heads,
+        kv_heads,
+        head_dim: dim,
+        sliding_window: None,
+        sinks: false,
+    };
     let decode = timer.events("decode attention", || {
-        let mut append = vec![
-            Arg::Ptr(qp),
-            Arg::Ptr(kp),
-            Arg::Ptr(vp),
-            Arg::Ptr(tp),
-            Arg::Ptr(pos),
-        ];
-        // The append kernel takes the geometry without max_keys and what follows it.
-        append.extend_from_slice(&decode_dims[..5]);
-        append.push(decode_dims[8]);
-        cx.launch("paged_kv_append", (decode_rows, kvh, 1), 32, 0, &append)?;
-        let mut a = vec![
-            Arg::Ptr(qp),
-            Arg::Ptr(kp),
-            Arg::Ptr(vp),
-            Arg::Ptr(tp),
-            Arg::Ptr(pos),
-            Arg::Ptr(sp),
-            Arg::Ptr(op),
-        ];
-        a.extend_from_slice(&decode_dims);
-        cx.launch(
-            "paged_decode_attention",
-            (decode_rows, kvh, 1),
-            64,
-            shared,
-            &a,
-        )?;
-        Ok(())
+        // As `attn` launches it (the kernel appends the rows' K/V itself); its split
+        // states take scratch, free again for the next repetition, queued after this one.
+        cx.workspace.reset(false);
+        super::attention::decode_attention(
+            cx,
+            &super::attention::DecodeLaunch {
+                qkv: qp,
+                k_pool: kp,
+                v_pool: vp,
+                tables: tp,
+                context_lens: pos,
+                out: op,
+                rows: d_seqs,
+                shape: &decode_shape,
+                block_size: BLOCK,
+                max_blocks: seq_blocks,
+                max_keys: d_ctx + 1,
+                window: 0,
+                scale: 1.0 / (dim as f32).sqrt(),
+                sink_col: -1,
+            },
+        )
+        .map_err(GpuProbeError::from)
     })?;
     let decode_flops = 4.0 * (q_width * d_seqs * (d_ctx + 1)) as f64 / decode;
 
@@ -360,6 +360,7 @@ fn attention(
     let (rs, rp) = (addr(cx.stream, &row_seq), addr(cx.stream, &row_pos));
     let prefill_dims = dims(p_len)?;
     let prefill_rows = int("rows", p_seqs * p_len)? as u32;
+    let (grid_y, shared) = super::attention::prefill_blocks(&decode_shape)?;
     let prefill = timer.events("prefill attention", || {
         let operands = [
             Arg::Ptr(qp),
@@ -384,7 +385,7 @@ fn attention(
         a.extend_from_slice(&prefill_dims);
         cx.launch(
             "paged_prefill_attention",
-            (prefill_rows, kvh, 1),
+            (prefill_rows, grid_y, 1),
             64,
             shared,
             &a,
