@@ -180,6 +180,12 @@ pub fn run(args: PlanArgs) -> ExitCode {
         elapsed
     );
     println!("  rates: {}", resolved.rates);
+    if result.skipped_too_large > 0 {
+        println!(
+            "  skipped {} points whose integer params are all at least those of a point past the unroll limit (assumed past it too)",
+            result.skipped_too_large
+        );
+    }
     for reason in &result.invalid_reasons {
         println!("  invalid: {reason}");
     }

@@ -8,8 +8,11 @@
 //! plus binary search on feasibility): a coarse grid with doubling steps for integers,
 //! five points for floats and both values for booleans, then coordinate-wise bisection
 //! around the best few points (which converges on the largest feasible batch when the
-//! throughput keeps rising up to the memory limit). Guarantees: every value tried is inside
-//! its declared range; each distinct point is evaluated once; the result is deterministic.
+//! throughput keeps rising up to the memory limit). The grid is evaluated in waves of
+//! increasing params, each in parallel, so that points above one past an elaboration limit
+//! can be skipped ([`SearchOptions::limits_grow`]; docs/cost-model.md "How the search is
+//! done"). Guarantees: every value tried is inside its declared range; each distinct point
+//! is evaluated at most once; the result is deterministic.
 
 use crate::ir::ParamType;
 use crate::ir::{Param, Scalar};
@@ -303,7 +306,7 @@ pub fn search(
             }
         }
     };
-    // Coarse grid: the cartesian product in lexicographic order, evaluated in parallel.
+    // Coarse grid: the cartesian product in lexicographic order.
     let mut points: Vec<Point> = Vec::new();
     let mut indices: Vec<Vec<usize>> = Vec::new();
     let mut index = vec![0usize; grids.len()];
@@ -376,17 +379,28 @@ pub fn search(
         }
     }
 
-    let mut run = |point: &Point, result: &mut PlanResult| -> Option<Candidate> {
+    // Points evaluated ahead of the bisection's sequential walk (both sides of an
+    // interval at once, in parallel), consumed by `run` when the walk reaches them: the
+    // walk, its counts and its answer are the sequential ones.
+    let mut pending: HashMap<String, Outcome> = HashMap::new();
+    let run = |point: &Point,
+               result: &mut PlanResult,
+               memo: &mut HashMap<String, Option<Candidate>>,
+               too_large: &mut Vec<Point>,
+               pending: &mut HashMap<String, Outcome>|
+     -> Option<Candidate> {
         let k = key(point);
         if let Some(known) = memo.get(&k) {
             return known.clone();
         }
-        if dominated(point, &too_large) {
+        if dominated(point, too_large) {
             result.skipped_too_large += 1;
             memo.insert(k, None);
             return None;
         }
-        let outcome = evaluate(&values_of(point));
+        let outcome = pending
+            .remove(&k)
+            .unwrap_or_else(|| evaluate(&values_of(point)));
         if let Outcome::TooLarge(_) = outcome {
             too_large.push(point.clone());
         }
@@ -415,6 +429,31 @@ pub fn search(
                 None => (None, None),
             };
             for _ in 0..24 {
+                // Both midpoints this iteration may try, evaluated ahead in parallel.
+                let ahead: Vec<(String, Point)> = [below, above]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|bound| midpoint(space, current[dim], bound))
+                    .map(|mid| {
+                        let mut point = current.clone();
+                        point[dim] = mid;
+                        (key(&point), point)
+                    })
+                    .filter(|(k, point)| {
+                        !memo.contains_key(k)
+                            && !pending.contains_key(k)
+                            && !dominated(point, &too_large)
+                    })
+                    .collect();
+                if ahead.len() > 1 {
+                    let outcomes: Vec<Outcome> = ahead
+                        .par_iter()
+                        .map(|(_, point)| evaluate(&values_of(point)))
+                        .collect();
+                    for ((k, _), outcome) in ahead.into_iter().zip(outcomes) {
+                        pending.insert(k, outcome);
+                    }
+                }
                 let mut improved = false;
                 for bound in [below, above].into_iter().flatten() {
                     let Some(mid) = midpoint(space, current[dim], bound) else {
@@ -422,7 +461,14 @@ pub fn search(
                     };
                     let mut point = current.clone();
                     point[dim] = mid;
-                    if let Some(candidate) = run(&point, &mut result) {
+                    let outcome = run(
+                        &point,
+                        &mut result,
+                        &mut memo,
+                        &mut too_large,
+                        &mut pending,
+                    );
+                    if let Some(candidate) = outcome {
                         if candidate.tokens_per_s > best {
                             best = candidate.tokens_per_s;
                             let old = current[dim];
