@@ -192,6 +192,19 @@ type Var = (u32, ExpertRef, Option<u32>);
 #[derive(Debug, Default)]
 pub struct ActivationMemo {
     hits: HashMap<(u32, u64), CacheHits>,
+    /// [`binomial_between`] by `(n, q's bits, lo, hi)`: every expert of a step asks the
+    /// same few (one share without a profile, one token count, one threshold per arm),
+    /// and a sum runs over up to `n` terms.
+    binomials: HashMap<(u64, u64, u64, u64), f64>,
+}
+
+impl ActivationMemo {
+    fn binomial_between(&mut self, n: u64, q: f64, lo: u64, hi: u64) -> f64 {
+        *self
+            .binomials
+            .entry((n, q.to_bits(), lo, hi))
+            .or_insert_with(|| binomial_between(n, q, lo, hi))
+    }
 }
 
 /// The expected activation of task `id` when every micro-batch holds `tokens_per_ub`
@@ -244,11 +257,11 @@ pub fn activation_memo(
             None => tokens_per_ub.saturating_mul(ubs),
         };
         let q = share(program, layer, expert);
-        let p = binomial_between(n, q, lo, hi);
+        let p = memo.binomial_between(n, q, lo, hi);
         runs *= p;
         if own == Some((layer, expert, ub)) && n > 0 {
             own_seen = true;
-            work *= binomial_between(n - 1, q, lo.saturating_sub(1), hi.saturating_sub(1));
+            work *= memo.binomial_between(n - 1, q, lo.saturating_sub(1), hi.saturating_sub(1));
         } else {
             work *= p;
         }
