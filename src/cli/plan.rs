@@ -4,7 +4,6 @@
 //! `moec check` command lines of the best, for the same workload and budgets.
 
 use super::simulate::{fail, resolve, CostTarget, Resolved};
-use rayon::prelude::*;
 use super::workload::{spec_for, CostWorkload};
 use crate::compile;
 use crate::cost::hardware::GB;
@@ -12,6 +11,7 @@ use crate::cost::plan::{param_spaces, search, share_of_slots_used, SearchOptions
 use crate::engine::fit_params::{evaluate_point, PointTarget};
 use crate::ir::{Scalar, StepKind};
 use clap::Args;
+use rayon::prelude::*;
 use std::process::ExitCode;
 use std::time::Instant;
 

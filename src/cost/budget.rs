@@ -374,8 +374,7 @@ pub fn declared_over_budget(
     let gpu = sum(Space::Gpu);
     let pinned = sum(Space::Pinned);
     let host = sum(Space::Host) + pinned;
-    let [(gpu_budget, _), (pinned_budget, _), (host_budget, _)] =
-        space_budgets(profile, overrides);
+    let [(gpu_budget, _), (pinned_budget, _), (host_budget, _)] = space_budgets(profile, overrides);
     let over = |peak: u64, budget: f64| peak as f64 - budget > 0.0;
     let here = host + if gpu_in_host { gpu } else { 0 };
     over(gpu, gpu_budget)

@@ -461,13 +461,7 @@ pub fn search(
                     };
                     let mut point = current.clone();
                     point[dim] = mid;
-                    let outcome = run(
-                        &point,
-                        &mut result,
-                        &mut memo,
-                        &mut too_large,
-                        &mut pending,
-                    );
+                    let outcome = run(&point, &mut result, &mut memo, &mut too_large, &mut pending);
                     if let Some(candidate) = outcome {
                         if candidate.tokens_per_s > best {
                             best = candidate.tokens_per_s;

@@ -138,7 +138,9 @@ pub(crate) fn simulate_step_ran(
                 };
             }
             let mut time = match loads {
-                Loads::Declared => expected_task_time(program, id, profile, settings, activations[k]),
+                Loads::Declared => {
+                    expected_task_time(program, id, profile, settings, activations[k])
+                }
                 Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
                 Loads::Steady(per_ub) => {
                     let mut time = task_time_at(program, id, profile, settings, loads);

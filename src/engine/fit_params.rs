@@ -96,7 +96,12 @@ pub fn evaluate_point(target: &PointTarget<'_>, values: &[(String, Scalar)]) -> 
     // The run happens on this machine whatever the profile says it has: a candidate whose
     // host arenas exceed the memory available here would be refused (or killed) after the
     // search chose it.
-    let here = table.peak("host") + if target.gpu_in_host { table.peak("gpu") } else { 0 };
+    let here = table.peak("host")
+        + if target.gpu_in_host {
+            table.peak("gpu")
+        } else {
+            0
+        };
     if target.machine_bytes.is_some_and(|a| here > a) {
         return Outcome::OverBudget;
     }
