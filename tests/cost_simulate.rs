@@ -347,9 +347,9 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
         let file = source_to_ast(&source).unwrap();
         let mut options = Options::new(ModelCard::load(card).unwrap());
         options.workload = Workload {
-            batch: 16,
-            prompt_len: 64,
-            gen_len: 16,
+            batch: 8,
+            prompt_len: 32,
+            gen_len: 8,
         };
         options.hardware = profile
             .symbols()
@@ -364,7 +364,7 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
         let (defaults, _) = ast_to_ir(&file, &options).unwrap();
         let spaces = param_spaces(&defaults.params, &fixed);
         let search_options = |limits_grow| SearchOptions {
-            max_grid: 16,
+            max_grid: 12,
             refine_from: 1,
             top: 3,
             limits_grow,
