@@ -335,8 +335,8 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     let share = |_: &moec::ir::Program, _: u64| 1.0;
     // Fiddler with 8 resident experts, as its users fix the placement.
     let cases = [
-        ("cgopipe", "mixtral-mid", &[][..]),
-        ("fiddler", "qwen3-moe-mid", &[("n_gpu", "8")][..]),
+        ("cgopipe", "qwen3-moe-mid", &[][..]),
+        ("fiddler", "mixtral-mid", &[("n_gpu", "8")][..]),
         ("klotski", "olmoe-mid", &[]),
         ("flexgen", "dbrx-mid", &[]),
         ("baselines/resident", "gpt-oss-mid", &[]),
