@@ -312,3 +312,131 @@ fn plan_for_a_run_spec_prints_commands_that_check_accepts() {
         .unwrap_or_default();
     assert!(gpu.contains("600.00 MB") && gpu.contains(" ok"), "{stdout}");
 }
+
+/// The planner's search with its prunes (declared buffers over budget before unrolling,
+/// points above one past the unroll limit skipped, the lean throughput prediction) picks
+/// the same policies, with the same predicted throughput, as the unpruned search that
+/// elaborates every point in full and ranks it by the full `predict` (the evaluation `moec
+/// plan` ran before the prunes), on the mid cards, for every schedule whose params it
+/// searches, under a GPU budget tight enough that many points are over it.
+#[test]
+fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
+    use moec::compile::{ast_to_ir, source_to_ast};
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    use moec::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
+    use moec::engine::fit_params::{evaluate_point, PointTarget};
+    use moec::ir::deps;
+    let profile = HardwareProfile::load("t4").unwrap();
+    let settings = CostSettings::default();
+    let overrides = BudgetOverrides {
+        gpu_bytes: Some(600e6),
+        host_bytes: None,
+    };
+    let share = |_: &moec::ir::Program, _: u64| 1.0;
+    // Fiddler with 8 resident experts, as its users fix the placement.
+    let cases = [
+        ("cgopipe", "qwen3-moe-mid", &[][..]),
+        ("fiddler", "mixtral-mid", &[("n_gpu", "8")][..]),
+        ("klotski", "olmoe-mid", &[]),
+        ("flexgen", "dbrx-mid", &[]),
+        ("baselines/resident", "gpt-oss-mid", &[]),
+    ];
+    let mut over_budget = 0;
+    for (schedule, card, sets) in cases {
+        let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
+        let file = source_to_ast(&source).unwrap();
+        let mut options = Options::new(ModelCard::load(card).unwrap());
+        options.workload = Workload {
+            batch: 8,
+            prompt_len: 32,
+            gen_len: 8,
+        };
+        options.hardware = profile
+            .symbols()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
+        let (defaults, _) = ast_to_ir(&file, &options).unwrap();
+        let spaces = param_spaces(&defaults.params, &fixed);
+        let search_options = |limits_grow| SearchOptions {
+            max_grid: 12,
+            refine_from: 1,
+            top: 3,
+            limits_grow,
+        };
+        let target = PointTarget {
+            file: &file,
+            options: &options,
+            profile: &profile,
+            settings,
+            overrides,
+            machine_bytes: None,
+            gpu_in_host: false,
+            slot_share: &share,
+            prune_declared: true,
+        };
+        let pruned = search(&spaces, &search_options(true), |values| {
+            evaluate_point(&target, values)
+        });
+        // The search before the prunes: every point elaborated, its budget checked on the
+        // whole program, ranked by `predict`.
+        let exhaustive = search(&spaces, &search_options(false), |values| {
+            let mut o = options.clone();
+            o.sets
+                .extend(values.iter().map(|(n, v)| (n.clone(), v.to_string())));
+            let program = match ast_to_ir(&file, &o) {
+                Ok((program, _)) => program,
+                Err(d) => return Outcome::Invalid(d[0].message.clone()),
+            };
+            let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+                .into_iter()
+                .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+                .collect();
+            let table = budget_table(&program, Some(&profile), &overrides);
+            if !table.fits() {
+                return Outcome::OverBudget;
+            }
+            match predict(&program, &deps, &profile, &settings) {
+                Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
+                    (Some(total), Some(decode)) => Outcome::Fits(Candidate {
+                        values: values.to_vec(),
+                        tokens_per_s: total,
+                        decode_tokens_per_s: decode,
+                        gpu_bytes: table.peak("gpu"),
+                        pinned_bytes: table.peak("pinned"),
+                        host_bytes: table.peak("host"),
+                    }),
+                    _ => Outcome::Invalid("no decode step".into()),
+                },
+                Err(e) => Outcome::Invalid(e.to_string()),
+            }
+        });
+        assert!(
+            !exhaustive.top.is_empty(),
+            "{schedule} on {card}: {exhaustive:?}"
+        );
+        over_budget += exhaustive.over_budget;
+        assert_eq!(pruned.top, exhaustive.top, "{schedule} on {card}");
+        // A point both over budget and invalid may count as either.
+        assert_eq!(
+            (
+                pruned.evaluated,
+                pruned.feasible,
+                pruned.over_budget + pruned.invalid
+            ),
+            (
+                exhaustive.evaluated,
+                exhaustive.feasible,
+                exhaustive.over_budget + exhaustive.invalid
+            ),
+            "{schedule} on {card}"
+        );
+    }
+    // The budget bites: the declared-buffer prune had points to prune.
+    assert!(over_budget > 0);
+}

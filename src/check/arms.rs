@@ -17,7 +17,7 @@
 
 use crate::ir::catalog::{ExpertRef, ExpertSet};
 use crate::ir::{Guard, GuardAtom, TaskId};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// The most interval combinations enumerated for one expert.
 pub const MAX_CASES: usize = 4096;
@@ -60,17 +60,25 @@ pub fn check(
     let ranks = outputs
         .iter()
         .any(|o| matches!(o.set, ExpertSet::One(ExpertRef::Hot { .. })));
+    // Each expert's outputs in their order, from one pass over the outputs (filtering
+    // them once per expert, each set expanded again, was quadratic in the layer's experts).
+    let mut by_expert: HashMap<ExpertRef, Vec<&Output>> = HashMap::new();
+    for o in outputs {
+        for member in o.set.members(experts) {
+            let mine = by_expert.entry(member).or_default();
+            if !mine.last().is_some_and(|last| std::ptr::eq(*last, o)) {
+                mine.push(o);
+            }
+        }
+    }
     for x in 0..experts as u32 {
         let expert = if ranks {
             ExpertRef::Hot { layer, rank: x }
         } else {
             ExpertRef::Index(x)
         };
-        let mine: Vec<&Output> = outputs
-            .iter()
-            .filter(|o| o.set.members(experts).contains(&expert))
-            .collect();
-        if let Some(problem) = check_expert(&mine, layer, expert, ub, name) {
+        let mine = by_expert.get(&expert).map_or(&[][..], Vec::as_slice);
+        if let Some(problem) = check_expert(mine, layer, expert, ub, name) {
             return Some(problem);
         }
     }

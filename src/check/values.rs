@@ -1276,10 +1276,13 @@ impl Tracker<'_> {
             return Vec::new();
         }
         let mut outputs: Vec<Output> = Vec::new();
+        // Tasks already in `outputs` (a layer's accumulator holds hundreds of outputs: a
+        // scan of `outputs` per output was quadratic in them).
+        let mut seen: std::collections::HashSet<TaskId> = std::collections::HashSet::new();
         for (_, _, cell) in self.read_runs(&arg.slice) {
             if cell.piece.is_some_and(|p| p.tensor == produced) && cell.epoch == Some(self.epoch) {
                 for o in cell.outputs.iter() {
-                    if !outputs.iter().any(|h| h.task == o.task) {
+                    if seen.insert(o.task) {
                         outputs.push(o.clone());
                     }
                 }
@@ -1324,10 +1327,14 @@ impl Tracker<'_> {
                 if !same || in_hi <= lo || hi <= in_lo {
                     continue;
                 }
+                // The first held output the incoming value lacks (one set of the incoming
+                // tasks, not a scan of them per held output).
+                let incoming_tasks: std::collections::HashSet<TaskId> =
+                    new.outputs.iter().map(|n| n.task).collect();
                 let lost = cell
                     .outputs
                     .iter()
-                    .find(|o| !new.outputs.iter().any(|n| n.task == o.task));
+                    .find(|o| !incoming_tasks.contains(&o.task));
                 if let Some(lost) = lost {
                     let d = Diagnostic::lost_output(
                         dst_span,

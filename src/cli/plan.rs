@@ -3,17 +3,15 @@
 //! budgets, prints the top candidates (`--json` for machines) and the `moec run` and
 //! `moec check` command lines of the best, for the same workload and budgets.
 
-use super::simulate::{compile_for_cost, fail, resolve, CostTarget, Resolved};
+use super::simulate::{fail, resolve, CostTarget, Resolved};
 use super::workload::{spec_for, CostWorkload};
 use crate::compile;
-use crate::cost::budget::budget_table;
 use crate::cost::hardware::GB;
-use crate::cost::plan::{
-    param_spaces, search, share_of_slots_used, Candidate, Outcome, SearchOptions,
-};
-use crate::cost::predict::predict;
-use crate::ir::{deps, Scalar, StepKind, TaskId};
+use crate::cost::plan::{param_spaces, search, share_of_slots_used, SearchOptions};
+use crate::engine::fit_params::{evaluate_point, PointTarget};
+use crate::ir::{Scalar, StepKind};
 use clap::Args;
+use rayon::prelude::*;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -40,12 +38,23 @@ pub fn run(args: PlanArgs) -> ExitCode {
         Ok(r) => r,
         Err(message) => return fail(message),
     };
-    // Elaborate once with the defaults (and the user's --set) to learn the params.
-    let (program, _) = match compile_for_cost(&resolved.source, &resolved.origin, &resolved.options)
-    {
-        Ok(x) => x,
-        Err(rendered) => {
-            eprintln!("{rendered}");
+    // Elaborate once with the defaults (and the user's --set) to learn the params; an
+    // elaboration error is shown as `check` shows it. The checks run on the winners.
+    let Ok(file) = compile::source_to_ast(&resolved.source).map_err(|diagnostics| {
+        eprintln!(
+            "{}",
+            crate::diag::render_all(&diagnostics, &resolved.origin, &resolved.source)
+        )
+    }) else {
+        return ExitCode::FAILURE;
+    };
+    let program = match compile::ast_to_ir(&file, &resolved.options) {
+        Ok((program, _)) => program,
+        Err(diagnostics) => {
+            eprintln!(
+                "{}",
+                crate::diag::render_all(&diagnostics, &resolved.origin, &resolved.source)
+            );
             return ExitCode::FAILURE;
         }
     };
@@ -62,88 +71,72 @@ pub fn run(args: PlanArgs) -> ExitCode {
         Some(CostWorkload::Run(_)) => Some(resolved.options.workload.batch),
         _ => None,
     };
-    let Ok(file) = compile::source_to_ast(&resolved.source) else {
-        return fail("the schedule stopped parsing between two reads");
-    };
     let wanted = args.top.max(1);
     // Extra candidates in case the full check rejects some of the best ones.
     let options = SearchOptions {
         max_grid: args.max_grid,
         refine_from: 3,
         top: wanted + 5,
+        ..SearchOptions::default()
     };
-    // Per point: elaborate and cost only. Value tracking and lints run on the winners below
-    // (they do not change the prediction, and the transitive reduction is the slow part of
-    // checking large programs; the simulator does not need it).
-    let mut result = search(&spaces, &options, |values| {
-        let mut compile_options = resolved.options.clone();
-        compile_options.sets.extend(
-            values
-                .iter()
-                .map(|(name, value)| (name.clone(), value.to_string())),
-        );
-        let program = match compile::ast_to_ir(&file, &compile_options) {
-            Ok((program, _)) => program,
-            Err(diagnostics) => {
-                let first = diagnostics
-                    .iter()
-                    .find(|d| d.is_error())
-                    .or(diagnostics.first());
-                return Outcome::Invalid(first.map_or_else(String::new, |d| d.message.clone()));
-            }
-        };
-        let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
-            .into_iter()
-            .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
-            .collect();
-        let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
-        if !table.fits() {
-            return Outcome::OverBudget;
-        }
-        match predict(&program, &deps, &resolved.profile, &resolved.settings) {
-            Ok(prediction) => match (prediction.tokens_per_s, prediction.decode_tokens_per_s) {
-                (Some(total), Some(decode)) => {
-                    let continuous = program.steps.iter().any(|s| s.kind == StepKind::Mixed);
-                    let used = prompts.map_or(1.0, |p| {
-                        share_of_slots_used(p, prediction.sequences, continuous)
-                    });
-                    Outcome::Fits(Candidate {
-                        values: values.to_vec(),
-                        tokens_per_s: total * used,
-                        decode_tokens_per_s: decode * used,
-                        gpu_bytes: table.peak("gpu"),
-                        pinned_bytes: table.peak("pinned"),
-                        host_bytes: table.peak("host"),
-                    })
-                }
-                _ => Outcome::Invalid("the schedule has no decode step".to_string()),
-            },
-            Err(e) => Outcome::Invalid(e.to_string()),
-        }
-    });
+    // Per point: elaborate, check the budgets and predict (`evaluate_point`); value
+    // tracking and lints run on the winners below.
+    let share = move |program: &crate::ir::Program, sequences: u64| {
+        let continuous = program.steps.iter().any(|s| s.kind == StepKind::Mixed);
+        prompts.map_or(1.0, |p| share_of_slots_used(p, sequences, continuous))
+    };
+    let target = PointTarget {
+        file: &file,
+        options: &resolved.options,
+        profile: &resolved.profile,
+        settings: resolved.settings,
+        overrides: resolved.overrides,
+        machine_bytes: None,
+        gpu_in_host: false,
+        slot_share: &share,
+        prune_declared: true,
+    };
+    let mut result = search(&spaces, &options, |values| evaluate_point(&target, values));
     // The full compiler check on the winners, best first.
     let mut rejected = 0;
     let mut checked = Vec::new();
     let mut best_slots = resolved.options.workload.batch;
-    for candidate in std::mem::take(&mut result.top) {
+    // As many candidates at a time as there are threads, each checked on its own; the
+    // results are taken in rank order, so the outcome is the sequential one.
+    let ranked = std::mem::take(&mut result.top);
+    let at_once = rayon::current_num_threads().max(1);
+    for chunk in ranked.chunks(at_once) {
         if checked.len() == wanted {
             break;
         }
-        let mut compile_options = resolved.options.clone();
-        compile_options.sets.extend(
-            candidate
-                .values
-                .iter()
-                .map(|(name, value)| (name.clone(), value.to_string())),
-        );
-        match compile::compile(&resolved.source, &compile_options) {
-            Ok(compiled) => {
-                if checked.is_empty() {
-                    best_slots = sequence_slots(&compiled.program);
-                }
-                checked.push(candidate);
+        let outcomes: Vec<Option<u64>> = chunk
+            .par_iter()
+            .map(|candidate| {
+                let mut compile_options = resolved.options.clone();
+                compile_options.sets.extend(
+                    candidate
+                        .values
+                        .iter()
+                        .map(|(name, value)| (name.clone(), value.to_string())),
+                );
+                compile::compile(&resolved.source, &compile_options)
+                    .ok()
+                    .map(|compiled| sequence_slots(&compiled.program))
+            })
+            .collect();
+        for (candidate, slots) in chunk.iter().zip(outcomes) {
+            if checked.len() == wanted {
+                break;
             }
-            Err(_) => rejected += 1,
+            match slots {
+                Some(slots) => {
+                    if checked.is_empty() {
+                        best_slots = slots;
+                    }
+                    checked.push(candidate.clone());
+                }
+                None => rejected += 1,
+            }
         }
     }
     result.top = checked;
@@ -187,6 +180,12 @@ pub fn run(args: PlanArgs) -> ExitCode {
         elapsed
     );
     println!("  rates: {}", resolved.rates);
+    if result.skipped_too_large > 0 {
+        println!(
+            "  skipped {} points whose integer params are all at least those of a point past the unroll limit (assumed past it too)",
+            result.skipped_too_large
+        );
+    }
     for reason in &result.invalid_reasons {
         println!("  invalid: {reason}");
     }

@@ -22,15 +22,23 @@
 use crate::ir::catalog::{ExpertRef, ExpertSet};
 use crate::ir::{GuardAtom, GuardLit, Op, Program, TaskId};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// The probability that a fetch or prefetch task finds its expert not resident (`None`
 /// for any other task), from [`cache_hits`].
-fn cache_miss(program: &Program, id: TaskId, tokens_per_ub: u64) -> Option<f64> {
+fn cache_miss(
+    program: &Program,
+    id: TaskId,
+    tokens_per_ub: u64,
+    memo: &mut ActivationMemo,
+) -> Option<f64> {
     let task = program.task(id);
     task.cache_op?;
     let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
-    let hits = cache_hits(program, key.cache, tokens_per_ub);
+    let hits = memo
+        .hits
+        .entry((key.cache, tokens_per_ub))
+        .or_insert_with(|| cache_hits(program, key.cache, tokens_per_ub));
     let hit = match key.expert {
         ExpertRef::Index(e) => hits
             .per_key
@@ -178,9 +186,41 @@ impl Activation {
 /// A routed count: (layer, expert, micro-batch or all).
 type Var = (u32, ExpertRef, Option<u32>);
 
+/// What [`activation_memo`] keeps between the tasks of one program: each cache's hit
+/// rates per micro-batch load ([`cache_hits`] solves over every layer and expert, the same
+/// for every fetch of that cache).
+#[derive(Debug, Default)]
+pub struct ActivationMemo {
+    hits: HashMap<(u32, u64), CacheHits>,
+    /// [`binomial_between`] by `(n, q's bits, lo, hi)`: every expert of a step asks the
+    /// same few (one share without a profile, one token count, one threshold per arm),
+    /// and a sum runs over up to `n` terms.
+    binomials: HashMap<(u64, u64, u64, u64), f64>,
+}
+
+impl ActivationMemo {
+    fn binomial_between(&mut self, n: u64, q: f64, lo: u64, hi: u64) -> f64 {
+        *self
+            .binomials
+            .entry((n, q.to_bits(), lo, hi))
+            .or_insert_with(|| binomial_between(n, q, lo, hi))
+    }
+}
+
 /// The expected activation of task `id` when every micro-batch holds `tokens_per_ub`
 /// tokens.
 pub fn activation(program: &Program, id: TaskId, tokens_per_ub: u64) -> Activation {
+    activation_memo(program, id, tokens_per_ub, &mut ActivationMemo::default())
+}
+
+/// [`activation`], keeping in `memo` what other tasks of the same program reuse; the
+/// memo must only ever see one program.
+pub fn activation_memo(
+    program: &Program,
+    id: TaskId,
+    tokens_per_ub: u64,
+    memo: &mut ActivationMemo,
+) -> Activation {
     let task = program.task(id);
     if task.guard.is_always() {
         return Activation::ALWAYS;
@@ -217,11 +257,11 @@ pub fn activation(program: &Program, id: TaskId, tokens_per_ub: u64) -> Activati
             None => tokens_per_ub.saturating_mul(ubs),
         };
         let q = share(program, layer, expert);
-        let p = binomial_between(n, q, lo, hi);
+        let p = memo.binomial_between(n, q, lo, hi);
         runs *= p;
         if own == Some((layer, expert, ub)) && n > 0 {
             own_seen = true;
-            work *= binomial_between(n - 1, q, lo.saturating_sub(1), hi.saturating_sub(1));
+            work *= memo.binomial_between(n - 1, q, lo.saturating_sub(1), hi.saturating_sub(1));
         } else {
             work *= p;
         }
@@ -231,7 +271,7 @@ pub fn activation(program: &Program, id: TaskId, tokens_per_ub: u64) -> Activati
         work = runs;
     }
     // A fetch or prefetch copies only when its expert is not resident.
-    if let Some(miss) = cache_miss(program, id, tokens_per_ub) {
+    if let Some(miss) = cache_miss(program, id, tokens_per_ub, memo) {
         runs *= miss;
         work *= miss;
     }

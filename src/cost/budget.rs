@@ -277,6 +277,37 @@ pub fn budget_table(
     let gpu_peak = sum(Space::Gpu.as_str());
     let pinned_peak = sum(Space::Pinned.as_str());
     let host_peak = sum(Space::Host.as_str()) + pinned_peak;
+    let [(gpu_budget, gpu_source), (pinned_budget, pinned_source), (host_budget, host_source)] =
+        space_budgets(profile, overrides);
+    let spaces = vec![
+        SpaceUse {
+            space: "gpu",
+            peak: gpu_peak,
+            budget: gpu_budget,
+            budget_source: gpu_source,
+        },
+        SpaceUse {
+            space: "pinned",
+            peak: pinned_peak,
+            budget: pinned_budget,
+            budget_source: pinned_source,
+        },
+        SpaceUse {
+            space: "host",
+            peak: host_peak,
+            budget: host_budget,
+            budget_source: format!("{host_source}; includes pinned"),
+        },
+    ];
+    BudgetTable { lines, spaces }
+}
+
+/// The budget of the gpu, pinned and host spaces (bytes, and where it came from): the
+/// overrides', else the profile's usable share; without either, unlimited.
+fn space_budgets(
+    profile: Option<&HardwareProfile>,
+    overrides: &BudgetOverrides,
+) -> [(f64, String); 3] {
     let from_profile = |level: Level| -> (f64, String) {
         match profile {
             Some(profile) => {
@@ -313,27 +344,43 @@ pub fn budget_table(
         (Some(bytes), None) => (bytes, "--host-mem".to_string()),
         (None, _) => from_profile(Level::Pinned),
     };
-    let spaces = vec![
-        SpaceUse {
-            space: "gpu",
-            peak: gpu_peak,
-            budget: gpu_budget,
-            budget_source: gpu_source,
-        },
-        SpaceUse {
-            space: "pinned",
-            peak: pinned_peak,
-            budget: pinned_budget,
-            budget_source: pinned_source,
-        },
-        SpaceUse {
-            space: "host",
-            peak: host_peak,
-            budget: host_budget,
-            budget_source: format!("{host_source}; includes pinned"),
-        },
-    ];
-    BudgetTable { lines, spaces }
+    [
+        (gpu_budget, gpu_source),
+        (pinned_budget, pinned_source),
+        (host_budget, host_source),
+    ]
+}
+
+/// Whether `buffers` (a program's declared buffers, [`crate::elaborate::declared_buffers`])
+/// alone exceed a budget, so the program is over budget whatever its tasks: a space's peak
+/// in [`budget_table`] is the sum of its declared buffers plus what is never negative (the
+/// op workspace line, the checkpoint's resident part), so a sum over its budget is a peak
+/// over it. Also true when their host and pinned bytes, plus the gpu bytes where
+/// `gpu_in_host`, exceed `machine_bytes`, which a program's peaks then exceed too.
+pub fn declared_over_budget(
+    buffers: &[crate::ir::Buffer],
+    profile: Option<&HardwareProfile>,
+    overrides: &BudgetOverrides,
+    machine_bytes: Option<u64>,
+    gpu_in_host: bool,
+) -> bool {
+    let sum = |space: Space| -> u64 {
+        buffers
+            .iter()
+            .filter(|b| b.kind == BufferKind::Declared && b.space == space)
+            .map(|b| b.bytes)
+            .sum()
+    };
+    let gpu = sum(Space::Gpu);
+    let pinned = sum(Space::Pinned);
+    let host = sum(Space::Host) + pinned;
+    let [(gpu_budget, _), (pinned_budget, _), (host_budget, _)] = space_budgets(profile, overrides);
+    let over = |peak: u64, budget: f64| peak as f64 - budget > 0.0;
+    let here = host + if gpu_in_host { gpu } else { 0 };
+    over(gpu, gpu_budget)
+        || over(pinned, pinned_budget)
+        || over(host, host_budget)
+        || machine_bytes.is_some_and(|m| here > m)
 }
 
 /// The table if the program fits, else a [`BudgetError`] carrying it. This is the hook

@@ -8,8 +8,11 @@
 //! plus binary search on feasibility): a coarse grid with doubling steps for integers,
 //! five points for floats and both values for booleans, then coordinate-wise bisection
 //! around the best few points (which converges on the largest feasible batch when the
-//! throughput keeps rising up to the memory limit). Guarantees: every value tried is inside
-//! its declared range; each distinct point is evaluated once; the result is deterministic.
+//! throughput keeps rising up to the memory limit). The grid is evaluated in waves of
+//! increasing params, each in parallel, so that points above one past an elaboration limit
+//! can be skipped ([`SearchOptions::limits_grow`]; docs/cost-model.md "How the search is
+//! done"). Guarantees: every value tried is inside its declared range; each distinct point
+//! is evaluated at most once; the result is deterministic.
 
 use crate::ir::ParamType;
 use crate::ir::{Param, Scalar};
@@ -169,6 +172,10 @@ pub enum Outcome {
     /// It does not compile or cannot be simulated (e.g. a param combination the schedule
     /// rejects); the message says why.
     Invalid(String),
+    /// It unrolls past an elaboration limit (tasks, loop iterations, expansions); the
+    /// message says which. Counted as invalid; with [`SearchOptions::limits_grow`] the
+    /// search assumes every point above it is past the limit too.
+    TooLarge(String),
 }
 
 /// Search limits.
@@ -180,6 +187,12 @@ pub struct SearchOptions {
     pub refine_from: usize,
     /// Candidates returned.
     pub top: usize,
+    /// Assume unrolling only grows with integer params: a point whose integer params are
+    /// all at least those of a point past an elaboration limit (its other params equal)
+    /// is not evaluated and counted in [`PlanResult::skipped_too_large`]. Not exact in
+    /// general (a schedule may unroll less for a larger value); it spares elaborating
+    /// millions of tasks only to hit the limit again. `false`: every point is evaluated.
+    pub limits_grow: bool,
 }
 
 impl Default for SearchOptions {
@@ -188,6 +201,7 @@ impl Default for SearchOptions {
             max_grid: 400,
             refine_from: 3,
             top: 5,
+            limits_grow: true,
         }
     }
 }
@@ -209,6 +223,9 @@ pub struct PlanResult {
     pub invalid: usize,
     /// Up to three distinct reasons points were invalid.
     pub invalid_reasons: Vec<String>,
+    /// Points not evaluated because a point below them unrolled past a limit
+    /// ([`SearchOptions::limits_grow`]).
+    pub skipped_too_large: usize,
 }
 
 type Point = Vec<Scalar>;
@@ -260,6 +277,7 @@ pub fn search(
         over_budget: 0,
         invalid: 0,
         invalid_reasons: Vec::new(),
+        skipped_too_large: 0,
     };
     let values_of = |point: &Point| -> Vec<(String, Scalar)> {
         spaces
@@ -279,7 +297,7 @@ pub fn search(
                 result.over_budget += 1;
                 None
             }
-            Outcome::Invalid(reason) => {
+            Outcome::Invalid(reason) | Outcome::TooLarge(reason) => {
                 result.invalid += 1;
                 if result.invalid_reasons.len() < 3 && !result.invalid_reasons.contains(&reason) {
                     result.invalid_reasons.push(reason);
@@ -288,11 +306,13 @@ pub fn search(
             }
         }
     };
-    // Coarse grid: the cartesian product in lexicographic order, evaluated in parallel.
+    // Coarse grid: the cartesian product in lexicographic order.
     let mut points: Vec<Point> = Vec::new();
+    let mut indices: Vec<Vec<usize>> = Vec::new();
     let mut index = vec![0usize; grids.len()];
     loop {
         points.push(index.iter().zip(&grids).map(|(&i, g)| g[i]).collect());
+        indices.push(index.clone());
         let mut dim = 0;
         while dim < grids.len() {
             index[dim] += 1;
@@ -306,12 +326,52 @@ pub fn search(
             break;
         }
     }
-    let outcomes: Vec<Outcome> = points
-        .par_iter()
-        .map(|point| evaluate(&values_of(point)))
+    // Evaluated in waves of equal grid-index sum (smallest params first), each wave in
+    // parallel, so a point past an elaboration limit is known before the points above it;
+    // recorded in lexicographic order whatever the waves, so ties rank as they always did.
+    let integer: Vec<bool> = spaces
+        .iter()
+        .map(|s| matches!(s, ParamSpace::Int { .. }))
         .collect();
+    let dominated = |point: &Point, too_large: &[Point]| {
+        options.limits_grow
+            && too_large.iter().any(|low| {
+                point
+                    .iter()
+                    .zip(low)
+                    .zip(&integer)
+                    .all(|((q, p), &int)| match (int, q, p) {
+                        (true, Scalar::Int(q), Scalar::Int(p)) => q >= p,
+                        _ => q == p,
+                    })
+            })
+    };
+    let waves: Vec<usize> = indices.iter().map(|i| i.iter().sum()).collect();
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; points.len()];
+    let mut too_large: Vec<Point> = Vec::new();
+    let last_wave = waves.iter().copied().max().unwrap_or(0);
+    for wave in 0..=last_wave {
+        let todo: Vec<usize> = (0..points.len())
+            .filter(|&i| waves[i] == wave && !dominated(&points[i], &too_large))
+            .collect();
+        let done: Vec<Outcome> = todo
+            .par_iter()
+            .map(|&i| evaluate(&values_of(&points[i])))
+            .collect();
+        for (i, outcome) in todo.into_iter().zip(done) {
+            if let Outcome::TooLarge(_) = outcome {
+                too_large.push(points[i].clone());
+            }
+            outcomes[i] = Some(outcome);
+        }
+    }
     let mut found: Vec<(Point, Candidate)> = Vec::new();
     for (point, outcome) in points.into_iter().zip(outcomes) {
+        let Some(outcome) = outcome else {
+            result.skipped_too_large += 1;
+            memo.insert(key(&point), None);
+            continue;
+        };
         let candidate = record(outcome, &mut result);
         memo.insert(key(&point), candidate.clone());
         if let Some(candidate) = candidate {
@@ -319,12 +379,32 @@ pub fn search(
         }
     }
 
-    let mut run = |point: &Point, result: &mut PlanResult| -> Option<Candidate> {
+    // Points evaluated ahead of the bisection's sequential walk (both sides of an
+    // interval at once, in parallel), consumed by `run` when the walk reaches them: the
+    // walk, its counts and its answer are the sequential ones.
+    let mut pending: HashMap<String, Outcome> = HashMap::new();
+    let run = |point: &Point,
+               result: &mut PlanResult,
+               memo: &mut HashMap<String, Option<Candidate>>,
+               too_large: &mut Vec<Point>,
+               pending: &mut HashMap<String, Outcome>|
+     -> Option<Candidate> {
         let k = key(point);
         if let Some(known) = memo.get(&k) {
             return known.clone();
         }
-        let outcome = record(evaluate(&values_of(point)), result);
+        if dominated(point, too_large) {
+            result.skipped_too_large += 1;
+            memo.insert(k, None);
+            return None;
+        }
+        let outcome = pending
+            .remove(&k)
+            .unwrap_or_else(|| evaluate(&values_of(point)));
+        if let Outcome::TooLarge(_) = outcome {
+            too_large.push(point.clone());
+        }
+        let outcome = record(outcome, result);
         memo.insert(k, outcome.clone());
         outcome
     };
@@ -349,6 +429,31 @@ pub fn search(
                 None => (None, None),
             };
             for _ in 0..24 {
+                // Both midpoints this iteration may try, evaluated ahead in parallel.
+                let ahead: Vec<(String, Point)> = [below, above]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|bound| midpoint(space, current[dim], bound))
+                    .map(|mid| {
+                        let mut point = current.clone();
+                        point[dim] = mid;
+                        (key(&point), point)
+                    })
+                    .filter(|(k, point)| {
+                        !memo.contains_key(k)
+                            && !pending.contains_key(k)
+                            && !dominated(point, &too_large)
+                    })
+                    .collect();
+                if ahead.len() > 1 {
+                    let outcomes: Vec<Outcome> = ahead
+                        .par_iter()
+                        .map(|(_, point)| evaluate(&values_of(point)))
+                        .collect();
+                    for ((k, _), outcome) in ahead.into_iter().zip(outcomes) {
+                        pending.insert(k, outcome);
+                    }
+                }
                 let mut improved = false;
                 for bound in [below, above].into_iter().flatten() {
                     let Some(mid) = midpoint(space, current[dim], bound) else {
@@ -356,7 +461,8 @@ pub fn search(
                     };
                     let mut point = current.clone();
                     point[dim] = mid;
-                    if let Some(candidate) = run(&point, &mut result) {
+                    let outcome = run(&point, &mut result, &mut memo, &mut too_large, &mut pending);
+                    if let Some(candidate) = outcome {
                         if candidate.tokens_per_s > best {
                             best = candidate.tokens_per_s;
                             let old = current[dim];

@@ -772,6 +772,110 @@ pub(super) fn readback_seconds(program: &Program, id: TaskId, profile: &Hardware
     copy_time(profile, Level::Gpu, Level::Pinned, bytes as f64).seconds
 }
 
+/// The throughput figures of a prediction alone, what the planner ranks candidates by.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Throughput {
+    /// Sequences per repeated step, as [`Prediction::sequences`].
+    pub sequences: u64,
+    /// As [`Prediction::repeated_step`].
+    pub repeated_step: Option<usize>,
+    /// As [`Prediction::step_seconds`].
+    pub step_seconds: Option<f64>,
+    /// As [`Prediction::decode_tokens_per_s`].
+    pub decode_tokens_per_s: Option<f64>,
+    /// As [`Prediction::tokens_per_s`].
+    pub tokens_per_s: Option<f64>,
+}
+
+/// The throughput figures from each step's simulated seconds (`seconds[i]` for
+/// `program.steps[i]`) and the mixed step's steady loads.
+fn throughput_of(program: &Program, steady: &[UbLoad], seconds: &[f64]) -> Throughput {
+    let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;
+    let sequences = if sequences == 0 {
+        program.workload.batch
+    } else {
+        sequences
+    };
+    let gen_len = program.workload.gen_len as f64;
+    let repeated = program
+        .steps
+        .iter()
+        .position(|s| matches!(s.kind, StepKind::Decode | StepKind::Mixed));
+    let prefill_seconds: f64 = program
+        .steps
+        .iter()
+        .zip(seconds)
+        .filter(|(s, _)| s.kind == StepKind::Prefill)
+        .map(|(_, &p)| p)
+        .sum();
+    // A mixed pass gives a token to each sequence it holds in the scheduler's steady state
+    // (fewer than the group's slots when its tokens or KV cache bound it).
+    let sequences = match repeated.map(|i| program.steps[i].kind) {
+        Some(StepKind::Mixed) => steady
+            .iter()
+            .map(|l| (l.prefill_seqs + l.decode_seqs) as u64)
+            .sum(),
+        _ => sequences,
+    };
+    let step_seconds = repeated.map(|i| seconds[i]);
+    let decode_tokens_per_s = step_seconds.map(|s| sequences as f64 / s);
+    let tokens_per_s =
+        step_seconds.map(|s| sequences as f64 * gen_len / (prefill_seconds + gen_len * s));
+    Throughput {
+        sequences,
+        repeated_step: repeated,
+        step_seconds,
+        decode_tokens_per_s,
+        tokens_per_s,
+    }
+}
+
+/// The figures of [`predict`] the planner ranks by ([`Throughput`]), equal to its
+/// `sequences`, `step_seconds`, `decode_tokens_per_s` and `tokens_per_s`, without what
+/// only a report shows (timelines, busy shares, per-op sums, bounds): each step's tasks
+/// are costed and simulated exactly as [`predict`] does, the steps in parallel.
+/// `pinned_peak` is the program's peak pinned bytes ([`super::budget::BudgetTable::peak`]),
+/// which decides the pageable fallback as in [`predict`].
+pub fn predict_throughput(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    pinned_peak: u64,
+) -> Result<Throughput, PredictError> {
+    use rayon::prelude::*;
+    if deps.len() != program.tasks.len() {
+        return Err(PredictError::DepsMismatch {
+            got: deps.len(),
+            tasks: program.tasks.len(),
+        });
+    }
+    let pinned_fallback = pinned_peak as f64 > profile.capacity_bytes(Level::Pinned);
+    let fallback;
+    let profile = if pinned_fallback {
+        fallback = profile.pageable_fallback();
+        &fallback
+    } else {
+        profile
+    };
+    let steady = steady_mixed_loads(program);
+    // Collected in step order, so the error reported is the first step's, as in `predict`.
+    let simulated: Vec<Result<f64, PredictError>> = (0..program.steps.len())
+        .into_par_iter()
+        .map(|index| {
+            let loads = if program.steps[index].kind == StepKind::Mixed {
+                Loads::Steady(&steady)
+            } else {
+                Loads::Declared
+            };
+            simulate_step_times(program, deps, index, profile, settings, loads)
+                .map(|sim| sim.result.makespan)
+        })
+        .collect();
+    let seconds = simulated.into_iter().collect::<Result<Vec<f64>, _>>()?;
+    Ok(throughput_of(program, &steady, &seconds))
+}
+
 /// Predicts every step and the throughput figures.
 pub fn predict(
     program: &Program,
@@ -812,37 +916,14 @@ pub fn predict(
             program, deps, index, profile, settings, &classes, loads,
         )?);
     }
-    let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;
-    let sequences = if sequences == 0 {
-        program.workload.batch
-    } else {
-        sequences
-    };
-    let gen_len = program.workload.gen_len as f64;
-    let repeated = program
-        .steps
-        .iter()
-        .position(|s| matches!(s.kind, StepKind::Decode | StepKind::Mixed));
-    let prefill_seconds: f64 = program
-        .steps
-        .iter()
-        .zip(&steps)
-        .filter(|(s, _)| s.kind == StepKind::Prefill)
-        .map(|(_, p)| p.seconds)
-        .sum();
-    // A mixed pass gives a token to each sequence it holds in the scheduler's steady state
-    // (fewer than the group's slots when its tokens or KV cache bound it).
-    let sequences = match repeated.map(|i| program.steps[i].kind) {
-        Some(StepKind::Mixed) => steady
-            .iter()
-            .map(|l| (l.prefill_seqs + l.decode_seqs) as u64)
-            .sum(),
-        _ => sequences,
-    };
-    let step_seconds = repeated.map(|i| steps[i].seconds);
-    let decode_tokens_per_s = step_seconds.map(|s| sequences as f64 / s);
-    let tokens_per_s =
-        step_seconds.map(|s| sequences as f64 * gen_len / (prefill_seconds + gen_len * s));
+    let seconds: Vec<f64> = steps.iter().map(|s| s.seconds).collect();
+    let Throughput {
+        sequences,
+        repeated_step: repeated,
+        step_seconds,
+        decode_tokens_per_s,
+        tokens_per_s,
+    } = throughput_of(program, &steady, &seconds);
     let layers = program.model.layers.max(1) as f64;
     let layer_bound = repeated.map(|i| {
         let b = steps[i].resource_bound;

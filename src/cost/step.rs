@@ -3,7 +3,7 @@
 //! it runs on, and the simulated timeline ([`super::sim`]). Apart from [`super::predict`],
 //! which costs each task and assembles the whole prediction from these steps.
 
-use super::activation::{activation, Activation};
+use super::activation::{activation_memo, Activation, ActivationMemo};
 use super::bounds::{self, LayerBound, LayerWork};
 use super::hardware::{HardwareProfile, Processor};
 use super::hrm::{copy_time, Roof, TaskTime};
@@ -50,6 +50,9 @@ pub(crate) struct StepSim {
     pub ids: Vec<TaskId>,
     /// HRM time of each task in `ids`.
     pub times: Vec<TaskTime>,
+    /// Expected activation of each task in `ids` at the declared load (computed once per
+    /// task; every task runs in full at a measured or steady load).
+    pub activations: Vec<Activation>,
     /// The simulation.
     pub result: SimResult,
 }
@@ -103,6 +106,16 @@ pub(crate) fn simulate_step_ran(
         Vec::new()
     };
     let kv_load = kv_part_load(program, step.kind, settings, loads);
+    let mut memo = ActivationMemo::default();
+    let activations: Vec<Activation> = ids
+        .iter()
+        .map(|&id| match loads {
+            Loads::Declared => {
+                activation_memo(program, id, program.task(id).shape.tokens, &mut memo)
+            }
+            Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
+        })
+        .collect();
     let tasks: Vec<SimTask> = ids
         .iter()
         .enumerate()
@@ -126,9 +139,7 @@ pub(crate) fn simulate_step_ran(
             }
             let mut time = match loads {
                 Loads::Declared => {
-                    let tokens = task.shape.tokens;
-                    let act = activation(program, id, tokens);
-                    expected_task_time(program, id, profile, settings, act)
+                    expected_task_time(program, id, profile, settings, activations[k])
                 }
                 Loads::Measured(_) => task_time_at(program, id, profile, settings, loads),
                 Loads::Steady(per_ub) => {
@@ -185,7 +196,7 @@ pub(crate) fn simulate_step_ran(
             if let (Some(kernels), true) = (&profile.kernels, cpu_kernels) {
                 let mut seconds = kernel_seconds(program, id, settings, loads, kernels);
                 if let Loads::Declared = loads {
-                    seconds *= activation(program, id, task.shape.tokens).runs;
+                    seconds *= activations[k].runs;
                 }
                 if seconds > time.seconds {
                     time = TaskTime {
@@ -212,11 +223,7 @@ pub(crate) fn simulate_step_ran(
             // micro-batch's kernels still enter the pool); at the declared load a guarded
             // task runs with its expected probability.
             if fixed.dispatch_s > 0.0 {
-                let runs = match loads {
-                    Loads::Declared => activation(program, id, task.shape.tokens).runs,
-                    Loads::Measured(_) | Loads::Steady(_) => 1.0,
-                };
-                time.seconds += fixed.dispatch_s * runs;
+                time.seconds += fixed.dispatch_s * activations[k].runs;
             }
             times.push(time);
             SimTask {
@@ -242,7 +249,12 @@ pub(crate) fn simulate_step_ran(
     if !ids.is_empty() {
         result.makespan += fixed.stream_thread_s * used_streams.len() as f64;
     }
-    Ok(StepSim { ids, times, result })
+    Ok(StepSim {
+        ids,
+        times,
+        activations,
+        result,
+    })
 }
 
 /// The share of a mixed step's declared rows a steady pass holds: its new tokens per
@@ -359,8 +371,12 @@ pub(crate) fn simulate_step(
     loads: Loads<'_>,
 ) -> Result<StepPrediction, PredictError> {
     let step = &program.steps[step_index];
-    let StepSim { ids, times, result } =
-        simulate_step_times(program, deps, step_index, profile, settings, loads)?;
+    let StepSim {
+        ids,
+        times,
+        activations,
+        result,
+    } = simulate_step_times(program, deps, step_index, profile, settings, loads)?;
     let makespan = result.makespan.max(1e-30);
     let stream_busy = program
         .streams
@@ -406,7 +422,15 @@ pub(crate) fn simulate_step(
                 .unwrap_or_default();
         }
     }
-    let copy_bytes = step_copy_bytes(program, &ids, step.kind, settings, classes, loads);
+    let copy_bytes = step_copy_bytes(
+        program,
+        &ids,
+        &activations,
+        step.kind,
+        settings,
+        classes,
+        loads,
+    );
     let timeline = Timeline {
         title: format!(
             "{} ({} step) on {}: {:.3} ms",
@@ -420,12 +444,11 @@ pub(crate) fn simulate_step(
     };
     let mut arms: BTreeMap<String, ArmShare> = BTreeMap::new();
     if matches!(loads, Loads::Declared) {
-        for (&id, time) in ids.iter().zip(&times) {
+        for ((&id, time), act) in ids.iter().zip(&times).zip(&activations) {
             let task = program.task(id);
             if task.guard.is_always() {
                 continue;
             }
-            let act = activation(program, id, task.shape.tokens);
             let key = super::activation::arm_key(program, id);
             let entry = arms.entry(key.clone()).or_insert(ArmShare {
                 arm: key,
@@ -452,18 +475,19 @@ pub(crate) fn simulate_step(
         seconds: result.makespan,
         stream_busy,
         resource_busy,
-        resource_bound: step_resource_bound(program, &ids, profile, settings, loads),
+        resource_bound: step_resource_bound(program, &ids, &activations, profile, settings, loads),
         op_seconds,
         copy_bytes,
         timeline,
     })
 }
 
-/// Bytes moved per copy kind over a step's tasks `ids`, as `simulate_step_ran` charges
-/// them.
+/// Bytes moved per copy kind over a step's tasks `ids` (`activations` their expected
+/// activations, as [`StepSim`] holds them), as `simulate_step_ran` charges them.
 pub(super) fn step_copy_bytes(
     program: &Program,
     ids: &[TaskId],
+    activations: &[Activation],
     kind: StepKind,
     settings: &CostSettings,
     classes: &[BufferClass],
@@ -471,15 +495,12 @@ pub(super) fn step_copy_bytes(
 ) -> BTreeMap<String, f64> {
     let kv_load = kv_part_load(program, kind, settings, loads);
     let mut bytes: BTreeMap<String, f64> = BTreeMap::new();
-    for &id in ids {
+    for (&id, act) in ids.iter().zip(activations) {
         let task = program.task(id);
         let Some(copy) = task.work.copy else {
             continue;
         };
-        let runs = match loads {
-            Loads::Declared => activation(program, id, task.shape.tokens).runs,
-            Loads::Measured(_) | Loads::Steady(_) => 1.0,
-        };
+        let runs = act.runs;
         let moved = match task.kv {
             Some(part) => kv_part_bytes_at(program, &task.shape, part, &kv_load),
             None => copy_bytes_at(task, copy, loads),
@@ -497,23 +518,21 @@ pub(super) fn spans_iter<'a>(
     ids.iter().map(move |&id| task_kind(program, id, classes))
 }
 
-/// Eq. 12-13 over a step's own tasks: host->GPU bytes, GPU->host bytes, GPU and CPU work.
+/// Eq. 12-13 over a step's own tasks (`activations` as [`StepSim`] holds them):
+/// host->GPU bytes, GPU->host bytes, GPU and CPU work.
 pub(super) fn step_resource_bound(
     program: &Program,
     ids: &[TaskId],
+    activations: &[Activation],
     profile: &HardwareProfile,
     settings: &CostSettings,
     loads: Loads<'_>,
 ) -> LayerBound {
     let mut work = LayerWork::default();
-    for &id in ids {
+    for (&id, &act) in ids.iter().zip(activations) {
         let task = program.task(id);
         // At the declared load, guarded work counts by its expected activation (as in the
         // simulation); a measured load is re-costed in full.
-        let act = match loads {
-            Loads::Declared => activation(program, id, task.shape.tokens),
-            Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
-        };
         if let Some(copy) = task.work.copy {
             let bytes = copy_bytes_at(task, copy, loads) * act.runs;
             match (copy.src, copy.dst) {

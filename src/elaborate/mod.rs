@@ -101,6 +101,20 @@ pub fn elaborate(file: &File, options: &Options) -> Result<Elaborated, Vec<Diagn
     elab.finish(file)
 }
 
+/// The buffers a schedule declares at `options` (params bound, top-level lets and buffer
+/// declarations evaluated in order, as [`elaborate`] does before it runs any step), without
+/// running its steps; `None` when the declarations do not elaborate without errors. The
+/// buffers are the ones [`elaborate`] gives, with the same ids and bytes (steps add none):
+/// what a budget's buffer lines sum, at a fraction of an elaboration's cost.
+pub fn declared_buffers(file: &File, options: &Options) -> Option<Vec<Buffer>> {
+    let mut elab = Elaborator::new(file, options);
+    elab.run_declarations(file)?;
+    if elab.diags.iter().any(Diagnostic::is_error) {
+        return None;
+    }
+    Some(elab.buffers)
+}
+
 /// One declared buffer array.
 #[derive(Debug, Clone)]
 struct ArrayDecl {
@@ -164,6 +178,8 @@ struct Elaborator<'a> {
     /// reports one (every later iteration would repeat it, up to the iteration limit).
     errors: u64,
     aborted: bool,
+    /// `rank(l, e)` of every key, built at the first call (see `ranks_over_layers`).
+    rank_table: Option<Vec<u64>>,
 }
 
 impl<'a> Elaborator<'a> {
@@ -207,6 +223,7 @@ impl<'a> Elaborator<'a> {
             expansions: 0,
             errors: 0,
             aborted: false,
+            rank_table: None,
         };
         // The checkpoint is buffer 0, read-only, in pageable host memory.
         elab.arrays.push(ArrayDecl {
@@ -246,10 +263,28 @@ impl<'a> Elaborator<'a> {
     }
 
     fn run(&mut self, file: &'a File) {
+        let Some(steps) = self.run_declarations(file) else {
+            return;
+        };
+        if steps.is_empty() {
+            self.report(Diagnostic::no_steps(file.name.span));
+        }
+        for decl in steps {
+            if self.aborted {
+                return;
+            }
+            self.run_step(decl);
+        }
+        self.resolve_after();
+    }
+
+    /// Declares every top-level item in order and gives the steps to run after them
+    /// (`None` when elaboration aborted).
+    fn run_declarations(&mut self, file: &'a File) -> Option<Vec<&'a StepDecl>> {
         let mut steps: Vec<&'a StepDecl> = Vec::new();
         for item in &file.items {
             if self.aborted {
-                return;
+                return None;
             }
             match item {
                 Item::Param(decl) => self.declare_param(decl),
@@ -267,16 +302,7 @@ impl<'a> Elaborator<'a> {
             }
         }
         self.check_unknown_sets();
-        if steps.is_empty() {
-            self.report(Diagnostic::no_steps(file.name.span));
-        }
-        for decl in steps {
-            if self.aborted {
-                return;
-            }
-            self.run_step(decl);
-        }
-        self.resolve_after();
+        Some(steps)
     }
 
     fn finish(self, file: &File) -> Result<Elaborated, Vec<Diagnostic>> {
@@ -510,6 +536,18 @@ impl value::Context for Elaborator<'_> {
 
     fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile> {
         self.options.profile.as_deref()
+    }
+
+    fn rank_over_layers(&mut self, layer: u32, expert: u32) -> u64 {
+        let card = &self.card;
+        let (layers, experts) = (card.layers as u32, card.experts as u32);
+        let profile = self.options.profile.as_deref();
+        let table = self.rank_table.get_or_insert_with(|| {
+            let dense = card.dense_layers.min(card.layers) as u32;
+            crate::ir::profile::ranks_over_layers(profile, layers, experts, dense)
+        });
+        // `rank` checked both indices against the card.
+        table[layer as usize * experts as usize + expert as usize]
     }
 
     fn is_checkpoint(&self, buffer: BufferId) -> bool {

@@ -150,6 +150,14 @@ pub trait Context {
     fn card(&self) -> &crate::model::card::ModelCard;
     /// The routing profile, if one was given.
     fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile>;
+    /// `rank(layer, expert)`: [`crate::ir::profile::rank_over_layers`] for this card and
+    /// profile (a context may keep the whole table).
+    fn rank_over_layers(&mut self, layer: u32, expert: u32) -> u64 {
+        let card = self.card();
+        let (layers, experts) = (card.layers as u32, card.experts as u32);
+        let dense = card.dense_layers.min(card.layers) as u32;
+        crate::ir::profile::rank_over_layers(self.profile(), layers, experts, dense, layer, expert)
+    }
     /// Whether `buffer` is the checkpoint.
     fn is_checkpoint(&self, buffer: BufferId) -> bool;
     /// Bytes per activation / KV element.
@@ -628,16 +636,18 @@ fn call(
         }
         "hot" => {
             arity(2)?;
-            let card = cx.card().clone();
+            // Two counts, not a clone of the card: a schedule ranks every expert of every
+            // layer in every step.
+            let (card_layers, card_experts) = (cx.card().layers, cx.card().experts);
             let layer = check_index(
                 as_int(values[0].clone(), arg_span(0))?,
-                card.layers,
+                card_layers,
                 "layer",
                 arg_span(0),
             )?;
             let rank = check_index(
                 as_int(values[1].clone(), arg_span(1))?,
-                card.experts,
+                card_experts,
                 "expert rank",
                 arg_span(1),
             )?;
@@ -678,10 +688,12 @@ fn call(
         }
         "rank" | "rank_in_layer" => {
             arity(2)?;
-            let card = cx.card().clone();
+            // Two counts, not a clone of the card: a schedule ranks every expert of every
+            // layer in every step.
+            let (card_layers, card_experts) = (cx.card().layers, cx.card().experts);
             let layer = check_index(
                 as_int(values[0].clone(), arg_span(0))?,
-                card.layers,
+                card_layers,
                 "layer",
                 arg_span(0),
             )? as u32;
@@ -694,22 +706,14 @@ fn call(
                 }
                 other => check_index(
                     as_int(other.clone(), arg_span(1))?,
-                    card.experts,
+                    card_experts,
                     "expert",
                     arg_span(1),
                 )? as u32,
             };
-            let (layers, experts) = (card.layers as u32, card.experts as u32);
+            let experts = card_experts as u32;
             let rank = if name == "rank" {
-                let dense = card.dense_layers.min(card.layers) as u32;
-                crate::ir::profile::rank_over_layers(
-                    cx.profile(),
-                    layers,
-                    experts,
-                    dense,
-                    layer,
-                    expert,
-                )
+                cx.rank_over_layers(layer, expert)
             } else {
                 crate::ir::profile::rank_in_layer(cx.profile(), experts, layer, expert)
             };

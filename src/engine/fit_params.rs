@@ -11,12 +11,129 @@
 
 use super::RunFailure;
 use crate::compile::{self, Compiled, Options};
-use crate::cost::budget::{budget_table, BudgetOverrides};
+use crate::cost::budget::{budget_table, declared_over_budget, BudgetOverrides};
 use crate::cost::hardware::HardwareProfile;
 use crate::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
-use crate::cost::predict::{predict, CostSettings};
-use crate::ir::{deps, TaskId};
+use crate::cost::predict::{predict_throughput, CostSettings};
+use crate::ir::{deps, Program, Scalar, TaskId};
 use crate::runtime::registration::GpuSpace;
+use crate::syntax::ast::File;
+
+/// What one point of a search is compiled and scored against: the schedule's syntax tree,
+/// the compile options the searched values are added to (as `--set`s after the user's),
+/// the profile and settings the prediction uses, the budgets.
+pub struct PointTarget<'a> {
+    /// The parsed schedule.
+    pub file: &'a File,
+    /// Card, workload, the user's `--set`s, hardware symbols.
+    pub options: &'a Options,
+    /// The profile the prediction divides by and whose budgets apply.
+    pub profile: &'a HardwareProfile,
+    /// The prediction's knobs.
+    pub settings: CostSettings,
+    /// Budgets that replace the profile's.
+    pub overrides: BudgetOverrides,
+    /// At most this many bytes of this machine's memory (`None`: no limit): a run's host
+    /// arenas, plus the `gpu` space's when `gpu_in_host`.
+    pub machine_bytes: Option<u64>,
+    /// The `gpu` space lives in host memory (the CPU backend).
+    pub gpu_in_host: bool,
+    /// The share of a candidate's throughput the workload keeps, given the program and its
+    /// sequence slots (1 when every slot carries tokens).
+    pub slot_share: &'a (dyn Fn(&Program, u64) -> f64 + Sync),
+    /// Call a point over budget when its declared buffers alone are, before unrolling its
+    /// steps (exact: the same outcome, sooner; `false` elaborates every point in full).
+    pub prune_declared: bool,
+}
+
+/// Evaluates one point of the search (`values`: the searched params): elaborates the
+/// schedule, checks its budgets (and the machine's memory when asked), then predicts its
+/// throughput with [`predict_throughput`], which gives `predict`'s figures. Value tracking
+/// and lints do not run here (they do not change the prediction, and the transitive
+/// reduction is the slow part of checking a large program): the callers run the full
+/// check on the winners. An over-budget point is known before its dependencies are built.
+pub fn evaluate_point(target: &PointTarget<'_>, values: &[(String, Scalar)]) -> Outcome {
+    let mut options = target.options.clone();
+    options.sets.extend(
+        values
+            .iter()
+            .map(|(name, value)| (name.clone(), value.to_string())),
+    );
+    // Declared buffers alone over a budget: over budget whatever the steps unroll to,
+    // known without unrolling them (`declared_over_budget` says why this is exact).
+    if target.prune_declared {
+        let declared = crate::elaborate::declared_buffers(target.file, &options);
+        if declared.is_some_and(|buffers| {
+            declared_over_budget(
+                &buffers,
+                Some(target.profile),
+                &target.overrides,
+                target.machine_bytes,
+                target.gpu_in_host,
+            )
+        }) {
+            return Outcome::OverBudget;
+        }
+    }
+    let program = match compile::ast_to_ir(target.file, &options) {
+        Ok((program, _)) => program,
+        Err(diagnostics) => {
+            let first = diagnostics
+                .iter()
+                .find(|d| d.is_error())
+                .or(diagnostics.first());
+            let message = first.map_or_else(String::new, |d| d.message.clone());
+            return match first.map(|d| d.code) {
+                Some(crate::diag::Code::ElabLimit) => Outcome::TooLarge(message),
+                _ => Outcome::Invalid(message),
+            };
+        }
+    };
+    let table = budget_table(&program, Some(target.profile), &target.overrides);
+    if !table.fits() {
+        return Outcome::OverBudget;
+    }
+    // The run happens on this machine whatever the profile says it has: a candidate whose
+    // host arenas exceed the memory available here would be refused (or killed) after the
+    // search chose it.
+    let here = table.peak("host")
+        + if target.gpu_in_host {
+            table.peak("gpu")
+        } else {
+            0
+        };
+    if target.machine_bytes.is_some_and(|a| here > a) {
+        return Outcome::OverBudget;
+    }
+    let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+        .into_iter()
+        .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+        .collect();
+    let predicted = predict_throughput(
+        &program,
+        &deps,
+        target.profile,
+        &target.settings,
+        table.peak("pinned"),
+    );
+    match predicted {
+        Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
+            (Some(total), Some(decode)) => {
+                let used = (target.slot_share)(&program, p.sequences);
+                Outcome::Fits(Candidate {
+                    values: values.to_vec(),
+                    tokens_per_s: total * used,
+                    decode_tokens_per_s: decode * used,
+                    gpu_bytes: table.peak("gpu"),
+                    pinned_bytes: table.peak("pinned"),
+                    host_bytes: table.peak("host"),
+                })
+            }
+            _ => Outcome::Invalid("the schedule has no decode step".into()),
+        },
+        Err(e) => Outcome::Invalid(e.to_string()),
+    }
+}
 
 /// Points of the coarse grid (`moec plan`'s default): bisection refines the best three.
 const MAX_GRID: usize = 120;
@@ -131,14 +248,24 @@ pub fn fit_params(
     let file = compile::source_to_ast(source).map_err(|_| {
         RunFailure::Message("the schedule stopped parsing between two reads".into())
     })?;
-    let settings = CostSettings::default();
     let prompts = options.workload.batch;
-    let available = crate::sysmem::available_bytes();
     let with = |values: &[(String, crate::ir::Scalar)]| {
         let mut o = options.clone();
         o.sets
             .extend(values.iter().map(|(n, v)| (n.clone(), v.to_string())));
         o
+    };
+    let share = move |_: &Program, sequences: u64| workload_share(prompts, sequences);
+    let target = PointTarget {
+        file: &file,
+        options,
+        profile,
+        settings: CostSettings::default(),
+        overrides,
+        machine_bytes: crate::sysmem::available_bytes(),
+        gpu_in_host: budget.gpu_space == GpuSpace::Host,
+        slot_share: &share,
+        prune_declared: true,
     };
     let searched = search(
         &spaces,
@@ -146,50 +273,9 @@ pub fn fit_params(
             max_grid: MAX_GRID,
             refine_from: 3,
             top: KEEP,
+            ..SearchOptions::default()
         },
-        |values| {
-            let program = match compile::ast_to_ir(&file, &with(values)) {
-                Ok((program, _)) => program,
-                Err(diagnostics) => {
-                    let first = diagnostics.iter().find(|d| d.is_error());
-                    return Outcome::Invalid(first.map_or_else(String::new, |d| d.message.clone()));
-                }
-            };
-            let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
-                .into_iter()
-                .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
-                .collect();
-            let table = budget_table(&program, Some(profile), &overrides);
-            if !table.fits() {
-                return Outcome::OverBudget;
-            }
-            // The run happens on this machine whatever the profile says it has: a candidate
-            // whose host arenas exceed the memory available here would be refused (or
-            // killed) after the search chose it.
-            let host_here = table.peak("host")
-                + if budget.gpu_space == GpuSpace::Host {
-                    table.peak("gpu")
-                } else {
-                    0
-                };
-            if available.is_some_and(|a| host_here > a) {
-                return Outcome::OverBudget;
-            }
-            match predict(&program, &deps, profile, &settings) {
-                Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
-                    (Some(total), Some(decode)) => Outcome::Fits(Candidate {
-                        values: values.to_vec(),
-                        tokens_per_s: total * workload_share(prompts, p.sequences),
-                        decode_tokens_per_s: decode * workload_share(prompts, p.sequences),
-                        gpu_bytes: table.peak("gpu"),
-                        pinned_bytes: table.peak("pinned"),
-                        host_bytes: table.peak("host"),
-                    }),
-                    _ => Outcome::Invalid("the schedule has no decode step".into()),
-                },
-                Err(e) => Outcome::Invalid(e.to_string()),
-            }
-        },
+        |values| evaluate_point(&target, values),
     );
     // The full check on the winners, best first: the first that passes runs.
     for candidate in &searched.top {

@@ -165,6 +165,34 @@ pub fn rank_over_layers(
         .count() as u64
 }
 
+/// [`rank_over_layers`] of every `(layer, expert)` at once, at index
+/// `layer * experts + expert`: one sort of the keys instead of one count over every key per
+/// call (a schedule that places by `rank(l, e)` asks it for every expert of every layer in
+/// every step, which counted `(layers x experts)^2` keys). Keys are distinct (expert and
+/// layer break ties), so a key's rank is its place in the sorted order.
+pub fn ranks_over_layers(
+    profile: Option<&RoutingProfile>,
+    layers: u32,
+    experts: u32,
+    dense_layers: u32,
+) -> Vec<u64> {
+    let after_all = u64::from(layers) * u64::from(experts);
+    let mut ranks = vec![after_all; after_all as usize];
+    let key = |l: u32, e: u32| {
+        let count = profile.map_or(0, |p| p.count(l, e));
+        (std::cmp::Reverse(count), e, l)
+    };
+    let mut keys: Vec<_> = (dense_layers.min(layers)..layers)
+        .flat_map(|l| (0..experts).map(move |e| (l, e)))
+        .map(|(l, e)| key(l, e))
+        .collect();
+    keys.sort_unstable();
+    for (rank, &(_, e, l)) in keys.iter().enumerate() {
+        ranks[l as usize * experts as usize + e as usize] = rank as u64;
+    }
+    ranks
+}
+
 /// Rank of `expert` among the experts of `layer`, most routed first; ties and a missing
 /// profile by index.
 pub fn rank_in_layer(
@@ -248,6 +276,27 @@ mod tests {
         assert_eq!(rank_in_layer(Some(&p), 3, 0, 0), 2);
         assert_eq!(rank_in_layer(Some(&p), 3, 0, 1), 0);
         assert_eq!(rank_in_layer(Some(&p), 3, 0, 2), 1);
+    }
+
+    /// The table is the per-call rank for every key, with and without a profile, with
+    /// and without leading dense layers.
+    #[test]
+    fn rank_table_equals_the_rank_of_each_key() {
+        let p = profile();
+        for profile in [Some(&p), None] {
+            for dense in [0, 1] {
+                let table = ranks_over_layers(profile, 2, 3, dense);
+                for l in 0..2 {
+                    for e in 0..3 {
+                        assert_eq!(
+                            table[(l * 3 + e) as usize],
+                            rank_over_layers(profile, 2, 3, dense, l, e),
+                            "{l} {e} dense {dense}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
