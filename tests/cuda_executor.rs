@@ -827,9 +827,11 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
 /// `paged_kv_append`, no combine below 256 keys) after one `rope_neox`; the per-step
 /// tables (token ids, positions, block tables, the head's row index) are copied once a
 /// step, not per layer (22 copies a step before, 5 a layer); a layer's remaining copy and
-/// memset are the MoE's. Graph nodes (launches, GEMMs, copies, memsets) a step: 88, 19 a
-/// layer (17 launches: norm, q/k/v, rope, attention, o, norm, router, 4 routing, 3 expert
-/// products, combine) plus 12 for the step (embed, final norm, head, sampling, its copies).
+/// memset are the MoE's. Graph nodes (launches, GEMMs, copies, memsets) a step: 68, 14 a
+/// layer plus 12 for the step (embed, final norm, head, sampling, its copies). It was 88
+/// (19 a layer) before q|k|v ran in one launch (`linear_gemv3`), the router wrote the
+/// packed route itself (no `route_pack`/`route_experts`) and gate+up+SwiGLU became one
+/// expert launch; issue 44 asks for at most 10 a layer.
 #[test]
 fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a_layer() {
     let cache = tempfile::tempdir().expect("cache");
@@ -868,7 +870,7 @@ fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a
         step("cuMemcpyHtoDAsync_v2"),
         (nodes - 12) / layers
     );
-    assert_eq!(nodes, 88);
+    assert_eq!(nodes, 68);
 }
 
 /// No relay memcpy when the host can hold the weights (issue 28, item 4). `cgopipe`
