@@ -225,6 +225,29 @@ pub struct Workspace {
     step: std::sync::Mutex<StepTables>,
 }
 
+/// Replaces a bump arena's device buffer with a fresh one of `size` bytes, keeping the old
+/// one in `retired` (work already submitted may still read it), and returns the new base.
+/// The step tables and the scratch arena both grow this way.
+fn regrow(
+    stream: &Arc<CudaStream>,
+    buffer: &mut Option<CudaSlice<u8>>,
+    retired: &mut Vec<CudaSlice<u8>>,
+    size: usize,
+) -> Result<u64, LaunchError> {
+    // SAFETY: the arena's callers write every byte they hand out before a kernel reads it
+    // (step tables by their copy, scratch by the kernels of its stream); uninitialised
+    // device memory is never read as a value.
+    let fresh = unsafe { stream.alloc::<u8>(size) }.map_err(|source| LaunchError::Driver {
+        call: "cuMemAllocAsync",
+        source,
+    })?;
+    let base = fresh.device_ptr(stream).0;
+    if let Some(old) = buffer.replace(fresh) {
+        retired.push(old);
+    }
+    Ok(base)
+}
+
 /// The per-step tables a stream's tasks upload ([`StreamCx::upload_step`]): positions and
 /// block tables are the same for every layer of a step, so each (name, micro-batch) table
 /// is copied to the device once a step (one copy node in a graph, not one per layer) and
@@ -303,17 +326,9 @@ impl Workspace {
         let mut t = crate::runtime::sync::lock(&self.step);
         if t.used + bytes > t.size {
             let size = (2 * t.size).max(t.used + bytes).max(64 << 10);
-            // SAFETY: every table is written by its copy before a kernel reads it.
-            let buffer =
-                unsafe { stream.alloc::<u8>(size) }.map_err(|source| LaunchError::Driver {
-                    call: "cuMemAllocAsync",
-                    source,
-                })?;
-            let base = buffer.device_ptr(stream).0;
-            if let Some(old) = t.buffer.replace(buffer) {
-                t.retired.push(old);
-            }
-            t.base = base;
+            // Every table is written by its copy before a kernel reads it.
+            let t = &mut *t;
+            t.base = regrow(stream, &mut t.buffer, &mut t.retired, size)?;
             t.size = size;
             t.used = 0;
             t.seen.clear();
@@ -340,17 +355,9 @@ impl Workspace {
         let mut w = crate::runtime::sync::lock(&self.inner);
         if w.used + bytes > w.size {
             let size = (2 * w.size).max(w.used + bytes).max(1 << 20);
-            // SAFETY: scratch is written by this stream's kernels before they read it.
-            let buffer =
-                unsafe { stream.alloc::<u8>(size) }.map_err(|source| LaunchError::Driver {
-                    call: "cuMemAllocAsync",
-                    source,
-                })?;
-            let base = buffer.device_ptr(stream).0;
-            if let Some(old) = w.buffer.replace(buffer) {
-                w.retired.push(old);
-            }
-            w.base = base;
+            // Scratch is written by this stream's kernels before they read it.
+            let w = &mut *w;
+            w.base = regrow(stream, &mut w.buffer, &mut w.retired, size)?;
             w.size = size;
             w.used = 0;
             w.grown += 1;
