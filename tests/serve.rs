@@ -210,6 +210,195 @@ fn metric(addr: SocketAddr, name: &str, key: Option<&str>) -> f64 {
         .unwrap_or_else(|| panic!("no {name} in {}", reply.body))
 }
 
+/// One sample of a Prometheus text exposition: name, labels, value.
+#[derive(Debug, Clone, PartialEq)]
+struct Sample {
+    name: String,
+    labels: Vec<(String, String)>,
+    value: f64,
+}
+
+/// Parses Prometheus' text format (version 0.0.4) strictly enough to catch what a scraper
+/// rejects: every sample belongs to a family declared by `# TYPE` before it (a histogram's
+/// `_bucket`, `_sum` and `_count`), names and label names are valid, label values are
+/// quoted, values are numbers, no family is declared twice; a histogram's buckets are
+/// cumulative with ascending `le` ending at `+Inf`, which equals its `_count`.
+fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
+    use std::collections::HashMap;
+    let valid_name = |n: &str| {
+        !n.is_empty()
+            && n.chars().enumerate().all(|(i, c)| {
+                c.is_ascii_alphabetic() || c == '_' || c == ':' || (i > 0 && c.is_ascii_digit())
+            })
+    };
+    let mut types: HashMap<String, String> = HashMap::new();
+    let mut samples = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let at = |why: String| format!("line {}: {why}: {line:?}", n + 1);
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').ok_or_else(|| at("TYPE".into()))?;
+            if !valid_name(name) {
+                return Err(at(format!("bad name {name}")));
+            }
+            if !["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind) {
+                return Err(at(format!("bad type {kind}")));
+            }
+            if types.insert(name.to_string(), kind.to_string()).is_some() {
+                return Err(at(format!("{name} declared twice")));
+            }
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').ok_or_else(|| at("no value".into()))?;
+        let value = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v
+                .parse::<f64>()
+                .map_err(|e| at(format!("value {v}: {e}")))?,
+        };
+        let (name, labels) = match series.split_once('{') {
+            None => (series, Vec::new()),
+            Some((name, rest)) => {
+                let body = rest
+                    .strip_suffix('}')
+                    .ok_or_else(|| at("unclosed labels".into()))?;
+                let mut labels = Vec::new();
+                for pair in body.split(',').filter(|p| !p.is_empty()) {
+                    let (k, v) = pair
+                        .split_once('=')
+                        .ok_or_else(|| at(format!("label {pair}")))?;
+                    let v = v
+                        .strip_prefix('"')
+                        .and_then(|v| v.strip_suffix('"'))
+                        .ok_or_else(|| at(format!("unquoted label value {v}")))?;
+                    if !valid_name(k) {
+                        return Err(at(format!("bad label name {k}")));
+                    }
+                    labels.push((k.to_string(), v.to_string()));
+                }
+                (name, labels)
+            }
+        };
+        if !valid_name(name) {
+            return Err(at(format!("bad name {name}")));
+        }
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| {
+                name.strip_suffix(s)
+                    .filter(|base| types.get(*base).is_some_and(|k| k == "histogram"))
+            })
+            .unwrap_or(name);
+        let kind = types
+            .get(family)
+            .ok_or_else(|| at(format!("{name} has no # TYPE before it")))?;
+        if kind == "histogram"
+            && name.ends_with("_bucket")
+            && !labels.iter().any(|(k, _)| k == "le")
+        {
+            return Err(at("a bucket without le".into()));
+        }
+        if kind == "counter" && value < 0.0 {
+            return Err(at("a negative counter".into()));
+        }
+        samples.push(Sample {
+            name: name.to_string(),
+            labels,
+            value,
+        });
+    }
+    for (family, kind) in &types {
+        if kind != "histogram" {
+            continue;
+        }
+        let bucket = format!("{family}_bucket");
+        let buckets: Vec<(f64, f64)> = samples
+            .iter()
+            .filter(|s| s.name == bucket)
+            .map(|s| {
+                let le = &s.labels.iter().find(|(k, _)| k == "le").expect("le").1;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap_or(f64::NAN)
+                };
+                (le, s.value)
+            })
+            .collect();
+        if buckets.last().map(|b| b.0) != Some(f64::INFINITY) {
+            return Err(format!("{family}: no +Inf bucket last"));
+        }
+        if buckets
+            .windows(2)
+            .any(|w| !(w[0].0 < w[1].0) || w[0].1 > w[1].1)
+        {
+            return Err(format!(
+                "{family}: buckets not ascending and cumulative: {buckets:?}"
+            ));
+        }
+        let count = samples
+            .iter()
+            .find(|s| s.name == format!("{family}_count"))
+            .ok_or_else(|| format!("{family}: no _count"))?;
+        if buckets.last().map(|b| b.1) != Some(count.value) {
+            return Err(format!("{family}: +Inf bucket is not _count"));
+        }
+        if !samples.iter().any(|s| s.name == format!("{family}_sum")) {
+            return Err(format!("{family}: no _sum"));
+        }
+    }
+    Ok(samples)
+}
+
+/// The server's `/metrics`, parsed (the test fails on anything a scraper would reject).
+fn scrape(addr: SocketAddr, key: Option<&str>) -> Vec<Sample> {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    let reply = request(addr, "GET", "/metrics", &headers, b"");
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    parse_prometheus(&reply.body).unwrap_or_else(|e| panic!("{e}\n{}", reply.body))
+}
+
+/// The value of the sample `name` with exactly `labels`.
+fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .find(|s| {
+            s.name == name
+                && s.labels.len() == labels.len()
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.iter().any(|(k2, v2)| k2 == k && v2 == v))
+        })
+        .map(|s| s.value)
+        .unwrap_or_else(|| panic!("no {name} {labels:?}"))
+}
+
+#[test]
+fn the_prometheus_parser_rejects_what_scrapers_reject() {
+    let good = "# HELP a_total A.\n# TYPE a_total counter\na_total 3\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 2\nh_sum 2.5\nh_count 2\n";
+    let samples = parse_prometheus(good).expect("valid");
+    assert_eq!(sample(&samples, "h_bucket", &[("le", "+Inf")]), 2.0);
+    for bad in [
+        "a 1\n",
+        "# TYPE a gauge\na one\n",
+        "# TYPE a gauge\na{x=1} 1\n",
+        "# TYPE 1a gauge\n",
+        "# TYPE h histogram\nh_bucket{le=\"1\"} 3\nh_bucket{le=\"+Inf\"} 2\nh_sum 1\nh_count 2\n",
+        "# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\nh_count 1\n",
+        "# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_sum 1\nh_count 3\n",
+        "# TYPE a gauge\n# TYPE a gauge\n",
+    ] {
+        assert!(parse_prometheus(bad).is_err(), "{bad:?} parsed");
+    }
+}
+
 /// `moec run`'s continuation of `prompt`, greedy, `gen` tokens.
 fn run_text(sched: &str, prompt: &str, gen: usize) -> String {
     let out = moec()
@@ -303,7 +492,35 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
     let want: Vec<String> = expected.iter().cycle().take(16).cloned().collect();
     assert_eq!(got, want);
 
-    // The metrics count what ran.
+    // The metrics count what ran, in a format a Prometheus scraper takes: 17 completions
+    // so far, each with a first token, and one inter-token time per later token.
+    let m = scrape(addr, key);
+    let generated = sample(&m, "moec_generated_tokens_total", &[]);
+    assert_eq!(
+        sample(&m, "moec_time_to_first_token_seconds_count", &[]),
+        17.0
+    );
+    assert_eq!(
+        sample(&m, "moec_inter_token_seconds_count", &[]),
+        generated - 17.0
+    );
+    assert_eq!(
+        sample(&m, "moec_request_completion_tokens_total", &[]),
+        generated
+    );
+    let finished: f64 = ["stop", "length"]
+        .iter()
+        .map(|r| sample(&m, "moec_requests_finished_total", &[("reason", r)]))
+        .sum();
+    assert_eq!(finished, 17.0);
+    assert!(sample(&m, "moec_time_to_first_token_seconds_sum", &[]) > 0.0);
+    assert_eq!(sample(&m, "moec_kv_blocks_used", &[]), 0.0);
+    assert_eq!(
+        sample(&m, "moec_kv_blocks_free", &[]),
+        sample(&m, "moec_kv_blocks_total", &[])
+    );
+    assert!(sample(&m, "moec_kv_blocks_used_peak", &[]) > 0.0);
+    assert_eq!(sample(&m, "moec_queue_length", &[]), 0.0);
     assert!(metric(addr, "moec_generated_tokens_total", key) > 0.0);
     assert!(metric(addr, "moec_tokens_per_second", key) > 0.0);
     assert!(metric(addr, "moec_step_seconds_last", key) > 0.0);

@@ -26,6 +26,7 @@ use crate::runtime::driver::session::{
 };
 use crate::weights::source::{load_model, LoadedModel};
 use crate::weights::tokenizer::TextTokenizer;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -126,11 +127,117 @@ pub enum SubmitRefusal {
     Unavailable(String),
 }
 
+/// A histogram of seconds with fixed upper bounds (Prometheus' cumulative shape is made
+/// when it is rendered): safe to observe from the session's thread while a server reads it.
+#[derive(Debug)]
+pub struct Histogram {
+    /// Upper bounds in seconds, ascending (the `+Inf` bucket is implied).
+    pub bounds: &'static [f64],
+    /// Observations per bucket (not cumulative): one per bound, then one past the last.
+    counts: Vec<AtomicU64>,
+    /// Sum of the observations, as `f64` bits.
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    /// An empty histogram over `bounds` (ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// Counts one observation.
+    pub fn observe(&self, seconds: f64) {
+        let bucket = self
+            .bounds
+            .iter()
+            .position(|&b| seconds <= b)
+            .unwrap_or(self.bounds.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        // One writer (the session's thread) in practice; the loop keeps it exact anyway.
+        let _ = self
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + seconds).to_bits())
+            });
+    }
+
+    /// Cumulative counts: observations at most each bound, then the total (`+Inf`).
+    pub fn cumulative(&self) -> Vec<u64> {
+        let mut total = 0;
+        self.counts
+            .iter()
+            .map(|c| {
+                total += c.load(Ordering::Relaxed);
+                total
+            })
+            .collect()
+    }
+
+    /// Sum of the observations in seconds.
+    pub fn sum(&self) -> f64 {
+        f64::from_bits(self.sum.load(Ordering::Relaxed))
+    }
+}
+
+/// Per-request figures of a serving session, counted as tokens reach their completions.
+#[derive(Debug)]
+pub struct RequestMetrics {
+    /// Submission to the first generated token, per completion that got one.
+    pub time_to_first_token: Histogram,
+    /// Between consecutive tokens of one completion.
+    pub inter_token: Histogram,
+    /// Completions ended, by [`FinishReason`] (stop, length, cancelled, refused, failed).
+    pub finished: [AtomicU64; 5],
+    /// Prompt tokens of the completions submitted.
+    pub prompt_tokens: AtomicU64,
+    /// Tokens the completions received.
+    pub completion_tokens: AtomicU64,
+}
+
+/// The labels of [`RequestMetrics::finished`], in its order.
+pub const FINISH_LABELS: [&str; 5] = ["stop", "length", "cancelled", "refused", "failed"];
+
+impl Default for RequestMetrics {
+    fn default() -> Self {
+        const TTFT: &[f64] = &[
+            0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+        ];
+        const INTER_TOKEN: &[f64] = &[
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+        ];
+        RequestMetrics {
+            time_to_first_token: Histogram::new(TTFT),
+            inter_token: Histogram::new(INTER_TOKEN),
+            finished: Default::default(),
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+        }
+    }
+}
+
+impl RequestMetrics {
+    fn finish(&self, reason: &FinishReason) {
+        let i = match reason {
+            FinishReason::Stop => 0,
+            FinishReason::Length => 1,
+            FinishReason::Cancelled => 2,
+            FinishReason::Refused(_) => 3,
+            FinishReason::Failed(_) => 4,
+        };
+        self.finished[i].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// An open serving session (see the module doc).
 pub struct Session {
     commands: Mutex<mpsc::Sender<Command>>,
     tokenizer: Arc<TextTokenizer>,
     gauges: Arc<Gauges>,
+    metrics: Arc<RequestMetrics>,
     info: SessionInfo,
     template: Option<ChatTemplate>,
     worker: Mutex<Option<JoinHandle<Result<(), String>>>>,
@@ -192,6 +299,7 @@ impl Session {
             commands: Mutex::new(commands),
             tokenizer,
             gauges,
+            metrics: Arc::new(RequestMetrics::default()),
             info,
             template,
             worker: Mutex::new(Some(worker)),
@@ -206,6 +314,11 @@ impl Session {
     /// The live counts (queue, running, tokens, steps, KV blocks).
     pub fn gauges(&self) -> &Gauges {
         &self.gauges
+    }
+
+    /// Per-request figures (time to first token, inter-token times, finishes).
+    pub fn metrics(&self) -> &RequestMetrics {
+        &self.metrics
     }
 
     /// Token ids of `text` (BOS first where the card uses one).
@@ -260,9 +373,16 @@ impl Session {
         let mut receivers = Vec::with_capacity(completions.len());
         let mut sequences: Vec<(SeqRequest, Box<dyn TokenSink>)> =
             Vec::with_capacity(completions.len());
+        let submitted = Instant::now();
         for completion in completions {
             let (tx, rx) = unbounded_channel();
+            self.metrics
+                .prompt_tokens
+                .fetch_add(completion.prompt.len() as u64, Ordering::Relaxed);
             let sink = TextSink {
+                metrics: Arc::clone(&self.metrics),
+                submitted,
+                last_token: None,
                 tokenizer: Arc::clone(&self.tokenizer),
                 prompt: completion.prompt.clone(),
                 generated: Vec::new(),
@@ -415,6 +535,11 @@ fn worker(
 /// text ends in an incomplete character or in what may be the start of a stop string, cut
 /// at the first stop string (which then cancels the sequence).
 struct TextSink {
+    metrics: Arc<RequestMetrics>,
+    /// When the completion was handed to the session.
+    submitted: Instant,
+    /// When its last token came.
+    last_token: Option<Instant>,
     tokenizer: Arc<TextTokenizer>,
     prompt: Vec<u32>,
     generated: Vec<u32>,
@@ -461,6 +586,18 @@ fn safe_prefix(text: &str, stop: &[String]) -> usize {
 
 impl TokenSink for TextSink {
     fn token(&mut self, token: u32) -> bool {
+        let now = Instant::now();
+        match self.last_token {
+            None => self
+                .metrics
+                .time_to_first_token
+                .observe((now - self.submitted).as_secs_f64()),
+            Some(last) => self.metrics.inter_token.observe((now - last).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        self.metrics
+            .completion_tokens
+            .fetch_add(1, Ordering::Relaxed);
         self.generated.push(token);
         let text = self.text();
         let first_stop = self.stop.iter().filter_map(|s| text.find(s.as_str())).min();
@@ -488,6 +625,7 @@ impl TokenSink for TextSink {
             let len = text.len();
             self.send_upto(&text, len);
         }
+        self.metrics.finish(&reason);
         let _ = self.tx.send(Piece::End {
             reason,
             token_ids: std::mem::take(&mut self.generated),

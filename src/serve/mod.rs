@@ -15,7 +15,9 @@
 
 pub mod openai;
 
-use crate::engine::session::{Completion, FinishReason, Piece, Session, SubmitRefusal};
+use crate::engine::session::{
+    Completion, FinishReason, Histogram, Piece, Session, SubmitRefusal, FINISH_LABELS,
+};
 use crate::model::vocab::Sampling;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -352,6 +354,18 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         load(&g.kv_blocks_total).to_string(),
     );
     put(
+        "moec_kv_blocks_free",
+        "gauge",
+        "KV blocks free in all micro-batches.",
+        load(&g.kv_blocks_free).to_string(),
+    );
+    put(
+        "moec_kv_blocks_used_peak",
+        "gauge",
+        "The most KV blocks running sequences held at once.",
+        load(&g.kv_blocks_used_peak).to_string(),
+    );
+    put(
         "moec_preemptions_total",
         "counter",
         "Sequences preempted.",
@@ -375,6 +389,39 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         "HTTP requests accepted.",
         load(&shared.requests).to_string(),
     );
+    let m = shared.session.metrics();
+    put(
+        "moec_request_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of the completions submitted.",
+        load(&m.prompt_tokens).to_string(),
+    );
+    put(
+        "moec_request_completion_tokens_total",
+        "counter",
+        "Tokens the completions received.",
+        load(&m.completion_tokens).to_string(),
+    );
+    text.push_str("# HELP moec_requests_finished_total Completions ended, by why.\n");
+    text.push_str("# TYPE moec_requests_finished_total counter\n");
+    for (reason, count) in FINISH_LABELS.iter().zip(&m.finished) {
+        text.push_str(&format!(
+            "moec_requests_finished_total{{reason=\"{reason}\"}} {}\n",
+            load(count)
+        ));
+    }
+    histogram(
+        &mut text,
+        "moec_time_to_first_token_seconds",
+        "Seconds from a completion's submission to its first token.",
+        &m.time_to_first_token,
+    );
+    histogram(
+        &mut text,
+        "moec_inter_token_seconds",
+        "Seconds between consecutive tokens of a completion.",
+        &m.inter_token,
+    );
     text.push_str("# HELP moec_arena_bytes Bytes of the plan's arenas per memory space.\n");
     text.push_str("# TYPE moec_arena_bytes gauge\n");
     for (space, bytes) in ["gpu", "pinned", "host"].iter().zip(&g.arena_bytes) {
@@ -384,6 +431,25 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         ));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// One histogram in Prometheus' text format: cumulative `_bucket` lines by `le`, then
+/// `_sum` and `_count`.
+fn histogram(text: &mut String, name: &str, help: &str, h: &Histogram) {
+    text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+    let cumulative = h.cumulative();
+    for (i, count) in cumulative.iter().enumerate() {
+        let le = h
+            .bounds
+            .get(i)
+            .map_or_else(|| "+Inf".to_string(), |b| format!("{b}"));
+        text.push_str(&format!("{name}_bucket{{le=\"{le}\"}} {count}\n"));
+    }
+    text.push_str(&format!("{name}_sum {}\n", h.sum()));
+    text.push_str(&format!(
+        "{name}_count {}\n",
+        cumulative.last().copied().unwrap_or(0)
+    ));
 }
 
 /// The body, or 413 past the limit.

@@ -122,8 +122,13 @@ pub struct Gauges {
     pub step_seconds_total: AtomicU64,
     /// KV blocks held by running sequences.
     pub kv_blocks_used: AtomicU64,
-    /// KV blocks in all micro-batches' pools.
+    /// KV blocks in all micro-batches' pools (a plan of static batches sizes its blocks
+    /// per batch, so this can change between batches).
     pub kv_blocks_total: AtomicU64,
+    /// KV blocks free in all micro-batches' pools.
+    pub kv_blocks_free: AtomicU64,
+    /// The most KV blocks running sequences held at once since the session began.
+    pub kv_blocks_used_peak: AtomicU64,
     /// Sequences preempted since the session began.
     pub preemptions: AtomicU64,
     /// Sequences cancelled since the session began.
@@ -248,10 +253,11 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         for (gauge, bytes) in gauges.arena_bytes.iter().zip(memory.arena_bytes) {
             gauge.store(bytes, Ordering::Relaxed);
         }
-        gauges.kv_blocks_total.store(
-            pools.iter().map(|p| p.total as u64).sum(),
-            Ordering::Relaxed,
-        );
+        let total_blocks: u64 = pools.iter().map(|p| p.total as u64).sum();
+        gauges
+            .kv_blocks_total
+            .store(total_blocks, Ordering::Relaxed);
+        gauges.kv_blocks_free.store(total_blocks, Ordering::Relaxed);
         Ok(Session {
             plan,
             backend,
@@ -449,6 +455,12 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             .store(self.running.len() as u64, Ordering::Relaxed);
         let used: usize = self.running.iter().map(|s| s.block_table.len()).sum();
         g.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+        g.kv_blocks_used_peak
+            .fetch_max(used as u64, Ordering::Relaxed);
+        let free: usize = self.pools.iter().map(|p| p.free.len()).sum();
+        g.kv_blocks_free.store(free as u64, Ordering::Relaxed);
+        let total: usize = self.pools.iter().map(|p| p.total).sum();
+        g.kv_blocks_total.store(total as u64, Ordering::Relaxed);
     }
 
     fn runner(&self) -> StepRunner<'_, B> {
