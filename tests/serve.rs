@@ -1013,3 +1013,156 @@ fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
         );
     }
 }
+
+/// Chats on `resident` (its prefill attends the KV cache its decode reads, so the prefix
+/// cache is on): three clients, three turns each, every turn's prompt the whole
+/// conversation so far. Every turn's greedy text is `moec run`'s for the same full prompt;
+/// from the second turn on each client's prompt takes its earlier blocks from the prefix
+/// cache (the hit counter grows by at least the three clients a turn); the most KV blocks
+/// held at once stays below what reserving every sequence's prompt and `max_tokens` would
+/// have taken; a prompt of exactly `--max-prompt` tokens is served and one token more is
+/// refused with OpenAI's error body.
+#[test]
+fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
+    let sched = "schedules/baselines/resident.sched";
+    let (max_prompt, max_tokens) = (160, 6);
+    let server = serve(
+        sched,
+        &[
+            "--max-batch",
+            "4",
+            "--max-prompt",
+            &max_prompt.to_string(),
+            "--max-tokens",
+            &max_tokens.to_string(),
+        ],
+    );
+    let addr = server.addr;
+    let system = "You are a helpful assistant who answers briefly and well. ".repeat(3);
+    let questions = [
+        [
+            "What is a mixture of experts?",
+            "Why route tokens?",
+            "Name one.",
+        ],
+        ["Tell me about Paris.", "And its river?", "How long is it?"],
+        ["Count to three.", "Now backwards.", "Thanks."],
+    ];
+    let mut history: Vec<String> = vec![system.clone(); questions.len()];
+    let mut served: Vec<(String, String)> = Vec::new();
+    let mut last_prompt_tokens = vec![0u64; questions.len()];
+    let mut hits_before = 0.0;
+    for turn in 0..3 {
+        let prompts: Vec<String> = history
+            .iter()
+            .zip(&questions)
+            .map(|(h, q)| format!("{h}User: {}\nAssistant:", q[turn]))
+            .collect();
+        let replies: Vec<serde_json::Value> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    s.spawn(move || {
+                        let body = serde_json::json!({"prompt": p, "max_tokens": max_tokens, "temperature": 0});
+                        let reply = post(addr, "/v1/completions", &body, None);
+                        assert_eq!(reply.status, 200, "{}", reply.body);
+                        reply.json()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (c, reply) in replies.iter().enumerate() {
+            let text = reply["choices"][0]["text"]
+                .as_str()
+                .expect("text")
+                .to_string();
+            last_prompt_tokens[c] = reply["usage"]["prompt_tokens"].as_u64().expect("usage");
+            history[c] = format!("{}{text}\n", prompts[c]);
+            served.push((prompts[c].clone(), text));
+        }
+        let m = scrape(addr, None);
+        let hits = sample(&m, "moec_prefix_cache_hits_total", &[]);
+        if turn > 0 {
+            assert!(
+                hits - hits_before >= questions.len() as f64,
+                "turn {turn}: {hits_before} -> {hits} prefix hits"
+            );
+        }
+        hits_before = hits;
+    }
+    let m = scrape(addr, None);
+    assert!(sample(&m, "moec_prefix_cache_hit_tokens_total", &[]) > 0.0);
+    assert_eq!(sample(&m, "moec_preemptions_total", &[]), 0.0);
+    let block = sample(&m, "moec_kv_block_tokens", &[]) as u64;
+    assert!(block > 0);
+    let reserved: u64 = last_prompt_tokens
+        .iter()
+        .map(|t| (t + max_tokens as u64).div_ceil(block))
+        .sum();
+    let peak = sample(&m, "moec_kv_blocks_used_peak", &[]) as u64;
+    assert!(
+        peak < reserved,
+        "peak {peak} blocks, reservation {reserved}"
+    );
+
+    // Every turn equals `moec run` of its whole prompt (several runs at once).
+    let expected: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = served
+            .iter()
+            .map(|(p, _)| s.spawn(move || run_text(sched, p, max_tokens)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((prompt, got), want) in served.iter().zip(&expected) {
+        assert_eq!(got, want, "prompt {prompt:?}");
+    }
+
+    // The context limit: exactly --max-prompt tokens is served, one more is refused.
+    let tokens_of = |words: usize| -> (u64, Reply) {
+        let body =
+            serde_json::json!({"prompt": "one ".repeat(words), "max_tokens": 1, "temperature": 0});
+        let reply = post(addr, "/v1/completions", &body, None);
+        let n = if reply.status == 200 {
+            reply.json()["usage"]["prompt_tokens"]
+                .as_u64()
+                .expect("usage")
+        } else {
+            let message = reply.json()["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            message
+                .strip_prefix("the prompt has ")
+                .and_then(|m| m.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{}", reply.body))
+        };
+        (n, reply)
+    };
+    let mut words = max_prompt;
+    let mut tries = 0;
+    let at_limit = loop {
+        let (n, reply) = tokens_of(words);
+        if n == max_prompt as u64 {
+            break reply;
+        }
+        tries += 1;
+        assert!(
+            tries < 20,
+            "no prompt of {max_prompt} tokens found near {words} words"
+        );
+        words = if n > max_prompt as u64 {
+            words - (n - max_prompt as u64) as usize
+        } else {
+            words + (max_prompt as u64 - n) as usize
+        };
+    };
+    assert_eq!(at_limit.status, 200, "{}", at_limit.body);
+    let (n, past) = tokens_of(words + 1);
+    assert_eq!(n, max_prompt as u64 + 1);
+    assert_eq!(past.status, 400, "{}", past.body);
+    let doc = past.json();
+    assert_eq!(doc["error"]["type"], "invalid_request_error");
+    assert_eq!(doc["error"]["param"], "prompt");
+}

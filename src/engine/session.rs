@@ -486,7 +486,7 @@ fn worker(
     let backend =
         crate::runtime::registry::open(run.backend, &plan, &checkpoint, &options_run.backend)
             .map_err(|e| fail(message(&e)))?;
-    let session = DriverSession::new(
+    let mut session = DriverSession::new(
         &plan,
         &*backend,
         &options_run,
@@ -495,6 +495,13 @@ fn worker(
     )
     .map_err(|e| fail(message(&e)))?
     .without_step_records();
+    if !session.on_demand_kv() {
+        notes.push(
+            "no prefix cache: this schedule's prefill does not attend the KV cache its decode \
+             reads, so a prompt's cached blocks cannot be taken"
+                .to_string(),
+        );
+    }
     if session.static_batches() && !request.batch_wait.is_zero() {
         notes.push(format!(
             "static batches: requests join between batches; one about to start with room \

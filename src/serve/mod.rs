@@ -366,6 +366,36 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         load(&g.kv_blocks_used_peak).to_string(),
     );
     put(
+        "moec_kv_block_tokens",
+        "gauge",
+        "Tokens per KV block.",
+        load(&g.kv_block_tokens).to_string(),
+    );
+    put(
+        "moec_kv_blocks_cached",
+        "gauge",
+        "Free KV blocks that hold a cached prefix (given out when needed).",
+        load(&g.kv_blocks_cached).to_string(),
+    );
+    put(
+        "moec_prefix_cache_hits_total",
+        "counter",
+        "Sequences admitted that took blocks from the prefix cache.",
+        load(&g.prefix_hits).to_string(),
+    );
+    put(
+        "moec_prefix_cache_hit_tokens_total",
+        "counter",
+        "Tokens taken from the prefix cache instead of being run.",
+        load(&g.prefix_cached_tokens).to_string(),
+    );
+    put(
+        "moec_prefix_cache_queried_tokens_total",
+        "counter",
+        "Tokens of every sequence admitted (prompt and re-prefilled tokens).",
+        load(&g.prefix_queried_tokens).to_string(),
+    );
+    put(
         "moec_preemptions_total",
         "counter",
         "Sequences preempted.",

@@ -11,9 +11,18 @@
 //! preempted come back first) while a micro-batch has a sequence slot, token room and free
 //! blocks for the prompt and its first generated token. Pure bookkeeping: no kernels, no
 //! threads; the driver in `runtime` executes what this decides.
+//!
+//! A pool may keep a prefix cache (serving sessions whose prefill attends the same KV
+//! cache as their decode): a full block whose tokens have been run is registered under
+//! the hash of every token up to its end, blocks are reference-counted, and a block no
+//! sequence holds stays cached (evicted least recently used when a block is needed) so a
+//! later sequence starting with the same tokens takes it instead of running them again.
+//! A cached block is never written: a sequence writes only positions past what it took
+//! from the cache, which lie in its own blocks.
 
 use super::batching::UbCapacity;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
 
 /// A sequence holding KV blocks in a micro-batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,17 +41,21 @@ pub struct Seq {
     pub age: u64,
     /// Skipped by this pass (paused for lack of blocks).
     pub paused: bool,
+    /// Tokens its (re-)prefill takes from the prefix cache (whole blocks at the start of
+    /// its table), so they are not run again; 0 without a cache hit.
+    pub cached: usize,
 }
 
 impl Seq {
-    /// Tokens this pass runs: the prompt and what was generated before a preemption, or
-    /// the last generated token.
+    /// Tokens this pass runs: the prompt and what was generated before a preemption (past
+    /// what came from the prefix cache), or the last generated token.
     pub fn new_tokens(&self, prompt: &[u32]) -> Vec<u32> {
         if self.prompt_done {
             vec![*self.generated.last().unwrap_or(&0)]
         } else {
-            let mut tokens = prompt.to_vec();
-            tokens.extend_from_slice(&self.generated);
+            let mut tokens: Vec<u32> = prompt.iter().skip(self.cached).copied().collect();
+            let skip_generated = self.cached.saturating_sub(prompt.len());
+            tokens.extend(self.generated.iter().skip(skip_generated));
             tokens
         }
     }
@@ -52,8 +65,19 @@ impl Seq {
         if self.prompt_done {
             prompt_len + self.generated.len() - 1
         } else {
-            0
+            self.cached
         }
+    }
+
+    /// Tokens whose KV this sequence's cache holds after its last pass: its prompt and
+    /// every generated token but the last (sampled, not yet run); none before its prefill.
+    pub fn written(&self, prompt: &[u32]) -> Vec<u32> {
+        if !self.prompt_done {
+            return Vec::new();
+        }
+        let mut tokens = prompt.to_vec();
+        tokens.extend_from_slice(&self.generated[..self.generated.len().saturating_sub(1)]);
+        tokens
     }
 }
 
@@ -71,21 +95,71 @@ pub struct Pending {
 pub struct KvPool {
     /// Tokens per block (fixed for the run).
     pub block_size: usize,
-    /// Free block ids; the next taken is the last.
+    /// Free block ids that hold nothing cached; the next taken is the last.
     pub free: Vec<u32>,
     /// Blocks in the pool.
     pub total: usize,
+    /// Sequences holding each block.
+    refs: Vec<u32>,
+    /// The prefix cache, where the pool keeps one.
+    cache: Option<PrefixCache>,
+}
+
+/// Full blocks by the hash of their tokens and every token before them (see the module
+/// header).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PrefixCache {
+    /// Chain hash -> block.
+    by_hash: HashMap<u64, u32>,
+    /// Per block: what it caches, if anything.
+    entries: Vec<Option<CacheEntry>>,
+    /// Cached blocks no sequence holds, by last use (oldest first): evicted in this order.
+    idle: BTreeMap<u64, u32>,
+    /// Use counter.
+    clock: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CacheEntry {
+    hash: u64,
+    /// The block before it in the prefix (`None` for a first block).
+    parent: Option<u32>,
+    /// Its tokens (compared on a hit, so a hash collision is a miss, never wrong KV).
+    tokens: Vec<u32>,
+    /// Its key in `idle` while no sequence holds it.
+    last_use: u64,
+}
+
+/// The hash of a block's tokens chained to the hash of the prefix before it.
+fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    // `DefaultHasher::new` has fixed keys: the same tokens hash alike in every process.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
 }
 
 impl KvPool {
     /// A pool of `kv_tokens / block_size` blocks, all free, handed out in id order.
     pub fn new(kv_tokens: usize, block_size: usize) -> Self {
         let b = block_size.max(1);
+        let total = kv_tokens / b;
         KvPool {
             block_size: b,
-            free: (0..(kv_tokens / b) as u32).rev().collect(),
-            total: kv_tokens / b,
+            free: (0..total as u32).rev().collect(),
+            total,
+            refs: vec![0; total],
+            cache: None,
         }
+    }
+
+    /// The same pool with a prefix cache.
+    pub fn with_prefix_cache(mut self) -> Self {
+        self.cache = Some(PrefixCache {
+            entries: vec![None; self.total],
+            ..PrefixCache::default()
+        });
+        self
     }
 
     /// Blocks needed to hold `tokens`.
@@ -93,17 +167,150 @@ impl KvPool {
         tokens.div_ceil(self.block_size)
     }
 
-    /// Takes `n` blocks, or none if fewer are free.
+    /// Blocks a sequence can be given now: free ones and cached ones nobody holds.
+    pub fn available(&self) -> usize {
+        self.free.len() + self.cache.as_ref().map_or(0, |c| c.idle.len())
+    }
+
+    /// Cached blocks no sequence holds (kept for a later hit, given when needed).
+    pub fn idle_cached(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.idle.len())
+    }
+
+    /// Takes `n` blocks (free ones first, then the least recently used idle cached ones,
+    /// which leave the cache), or none if fewer are available.
     pub fn take(&mut self, n: usize) -> Option<Vec<u32>> {
-        let at = self.free.len().checked_sub(n)?;
+        if n > self.available() {
+            return None;
+        }
+        let from_free = n.min(self.free.len());
+        let at = self.free.len() - from_free;
         let mut blocks = self.free.split_off(at);
         blocks.reverse();
+        while blocks.len() < n {
+            let cache = self.cache.as_mut()?;
+            let (_, block) = cache.idle.pop_first()?;
+            if let Some(entry) = cache.entries.get_mut(block as usize).and_then(Option::take) {
+                cache.by_hash.remove(&entry.hash);
+            }
+            blocks.push(block);
+        }
+        for &b in &blocks {
+            if let Some(r) = self.refs.get_mut(b as usize) {
+                *r = 1;
+            }
+        }
         Some(blocks)
     }
 
-    /// Returns blocks to the pool.
+    /// Returns blocks to the pool: one holder fewer each; a block nobody holds is free
+    /// again, or idle in the cache if it caches a prefix.
     pub fn give(&mut self, blocks: &mut Vec<u32>) {
-        self.free.extend(blocks.drain(..).rev());
+        for b in blocks.drain(..).rev() {
+            let Some(r) = self.refs.get_mut(b as usize) else {
+                continue;
+            };
+            *r = r.saturating_sub(1);
+            if *r > 0 {
+                continue;
+            }
+            match self.cache.as_mut() {
+                Some(cache) if cache.entries.get(b as usize).is_some_and(Option::is_some) => {
+                    cache.clock += 1;
+                    let tick = cache.clock;
+                    if let Some(Some(entry)) = cache.entries.get_mut(b as usize) {
+                        entry.last_use = tick;
+                    }
+                    cache.idle.insert(tick, b);
+                }
+                _ => self.free.push(b),
+            }
+        }
+    }
+
+    /// The cached blocks that hold the longest prefix of `tokens` in whole blocks, leaving
+    /// at least one token to run (its logits give the next token); empty without a cache.
+    pub fn lookup(&self, tokens: &[u32]) -> Vec<u32> {
+        let Some(cache) = &self.cache else {
+            return Vec::new();
+        };
+        let bs = self.block_size;
+        let whole = tokens.len().saturating_sub(1) / bs;
+        let mut found = Vec::new();
+        let (mut hash, mut parent) = (0u64, None);
+        for chunk in tokens.chunks(bs).take(whole) {
+            hash = chain_hash(hash, chunk);
+            let Some(&block) = cache.by_hash.get(&hash) else {
+                break;
+            };
+            let hit = cache
+                .entries
+                .get(block as usize)
+                .and_then(Option::as_ref)
+                .is_some_and(|e| e.parent == parent && e.tokens == chunk);
+            if !hit {
+                break;
+            }
+            found.push(block);
+            parent = Some(block);
+        }
+        found
+    }
+
+    /// One more holder for each of `blocks` (from [`KvPool::lookup`]); an idle one is
+    /// no longer evictable.
+    pub fn share(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            let Some(r) = self.refs.get_mut(b as usize) else {
+                continue;
+            };
+            if *r == 0 {
+                if let Some(cache) = self.cache.as_mut() {
+                    if let Some(Some(entry)) = cache.entries.get(b as usize) {
+                        cache.idle.remove(&entry.last_use);
+                    }
+                }
+            }
+            *r += 1;
+        }
+    }
+
+    /// Registers the whole blocks of `table` that hold `tokens` (the tokens whose KV the
+    /// sequence has written, from position 0) so later sequences can take them. A block
+    /// already cached, or whose prefix another block already caches, is left as it is.
+    pub fn register(&mut self, tokens: &[u32], table: &[u32]) {
+        let bs = self.block_size;
+        let Some(cache) = self.cache.as_mut() else {
+            return;
+        };
+        let (mut hash, mut parent) = (0u64, None);
+        for (chunk, &block) in tokens.chunks_exact(bs).zip(table) {
+            hash = chain_hash(hash, chunk);
+            let Some(slot) = cache.entries.get_mut(block as usize) else {
+                return;
+            };
+            match (&*slot, cache.by_hash.get(&hash)) {
+                // This block already caches this prefix (it was taken from the cache).
+                (Some(e), _) if e.hash == hash => {}
+                // Another block caches it (both ran the same tokens at once): the chain
+                // goes on through that one, this block stays uncached.
+                (_, Some(&other)) => {
+                    parent = Some(other);
+                    continue;
+                }
+                (Some(_), None) => return,
+                (None, None) => {
+                    *slot = Some(CacheEntry {
+                        hash,
+                        parent,
+                        tokens: chunk.to_vec(),
+                        last_use: 0,
+                    });
+                    cache.by_hash.insert(hash, block);
+                }
+            }
+            parent = Some(block);
+        }
     }
 }
 
@@ -143,7 +350,7 @@ pub fn grow_decoding(
         let mut demand: usize = order.iter().map(|&i| need(&running[i], pool)).sum();
         let mut victims = Vec::new();
         for &i in &order {
-            if demand <= pool.free.len() {
+            if demand <= pool.available() {
                 break;
             }
             let s = &mut running[i];
@@ -188,23 +395,39 @@ pub fn grow_decoding(
     plan
 }
 
+/// What [`admit_fifo`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Admitted {
+    /// Sequences admitted.
+    pub sequences: usize,
+    /// Of them, those that took blocks from the prefix cache.
+    pub prefix_hits: usize,
+    /// Tokens they took from the prefix cache (not run again).
+    pub cached_tokens: usize,
+    /// Tokens of every admitted sequence (prompt and re-prefilled generated tokens).
+    pub tokens: usize,
+}
+
 /// Admits waiting sequences from the head of `waiting` (first come, first served; stops at
-/// the first that fits nowhere) onto the micro-batch with the fewest tokens this pass that
-/// has a sequence slot, token room, free blocks for its tokens plus the first generated
-/// one, and a pool that can hold it to the end of its generation (`gen_len` tokens
-/// generated in all), so a lone sequence always finishes. Returns the number admitted.
+/// the first that fits nowhere) onto the micro-batch with the most of its prefix cached,
+/// then the fewest tokens this pass, that has a sequence slot, token room for what it
+/// runs, blocks for its tokens plus the first generated one, and a pool that can hold it
+/// to the end of its generation (`finish_lens[r]` tokens, its prompt and every token it
+/// may generate), so a lone sequence always finishes. `prompts[r]` is request `r`'s
+/// prompt.
 pub fn admit_fifo(
     waiting: &mut VecDeque<Pending>,
     running: &mut Vec<Seq>,
     pools: &mut [KvPool],
     caps: &[UbCapacity],
-    prompt_lens: &[usize],
-    gen_len: usize,
+    prompts: &[&[u32]],
+    finish_lens: &[usize],
     next_age: &mut u64,
-) -> usize {
+) -> Admitted {
     let n = caps.len().min(pools.len());
     let mut seqs = vec![0usize; n];
     let mut tokens = vec![0usize; n];
+    let prompt_len = |r: usize| prompts.get(r).map_or(0, |p| p.len());
     for s in running.iter() {
         if s.ub < n {
             seqs[s.ub] += 1;
@@ -212,32 +435,57 @@ pub fn admit_fifo(
                 tokens[s.ub] += if s.prompt_done {
                     1
                 } else {
-                    prompt_lens[s.request] + s.generated.len()
+                    (prompt_len(s.request) + s.generated.len()).saturating_sub(s.cached)
                 };
             }
         }
     }
-    let mut admitted = 0;
+    let mut done = Admitted::default();
     while let Some(head) = waiting.front() {
-        let len = prompt_lens[head.request] + head.generated.len();
-        let fits = |u: usize| {
-            seqs[u] < caps[u].seqs
-                && tokens[u] + len <= caps[u].tokens
-                && pools[u].blocks_for(len + 1) <= pools[u].free.len()
-                && pools[u].blocks_for(prompt_lens[head.request] + gen_len) <= pools[u].total
-        };
-        let Some(u) = (0..n).filter(|&u| fits(u)).min_by_key(|&u| (tokens[u], u)) else {
+        let mut all: Vec<u32> = prompts.get(head.request).copied().unwrap_or(&[]).to_vec();
+        all.extend_from_slice(&head.generated);
+        let len = all.len();
+        let finish = finish_lens.get(head.request).copied().unwrap_or(len);
+        let candidates: Vec<(usize, Vec<u32>)> = (0..n)
+            .filter_map(|u| {
+                let pool = &pools[u];
+                let hits = pool.lookup(&all);
+                let cached = hits.len() * pool.block_size;
+                let idle_hits = hits.iter().filter(|&&b| pool.refs[b as usize] == 0).count();
+                let fresh = pool.blocks_for(len + 1).saturating_sub(hits.len());
+                let fits = seqs[u] < caps[u].seqs
+                    && tokens[u] + (len - cached) <= caps[u].tokens
+                    && fresh + idle_hits <= pool.available()
+                    && pool.blocks_for(finish.max(len + 1)) <= pool.total;
+                fits.then_some((u, hits))
+            })
+            .collect();
+        let Some((u, hits)) = candidates
+            .into_iter()
+            .min_by_key(|(u, hits)| (std::cmp::Reverse(hits.len()), tokens[*u], *u))
+        else {
             break;
         };
         let Some(head) = waiting.pop_front() else {
             break;
         };
-        let Some(block_table) = pools[u].take(pools[u].blocks_for(len)) else {
+        let pool = &mut pools[u];
+        pool.share(&hits);
+        let Some(fresh) = pool.take(pool.blocks_for(len).saturating_sub(hits.len())) else {
+            let mut hits = hits;
+            pool.give(&mut hits);
             waiting.push_front(head);
             break;
         };
+        let cached = hits.len() * pool.block_size;
+        let mut block_table = hits;
+        block_table.extend(fresh);
         seqs[u] += 1;
-        tokens[u] += len;
+        tokens[u] += len - cached;
+        done.sequences += 1;
+        done.tokens += len;
+        done.cached_tokens += cached;
+        done.prefix_hits += usize::from(cached > 0);
         running.push(Seq {
             request: head.request,
             ub: u,
@@ -246,11 +494,11 @@ pub fn admit_fifo(
             prompt_done: false,
             age: *next_age,
             paused: false,
+            cached,
         });
         *next_age += 1;
-        admitted += 1;
     }
-    admitted
+    done
 }
 
 #[cfg(test)]
@@ -266,6 +514,7 @@ mod tests {
             prompt_done: true,
             age,
             paused: false,
+            cached: 0,
         }
     }
 
@@ -335,7 +584,8 @@ mod tests {
             tokens: 20,
             kv_tokens: 16,
         }];
-        let lens = [3, 10, 2];
+        let prompts: [&[u32]; 3] = [&[1, 2, 3], &[9; 10], &[4, 4]];
+        let finish = [3 + 4, 10 + 4, 2 + 4];
         let mut waiting: VecDeque<Pending> = VecDeque::from(vec![
             Pending {
                 request: 0,
@@ -357,15 +607,104 @@ mod tests {
             &mut running,
             &mut pools,
             &caps,
-            &lens,
-            4,
+            &prompts,
+            &finish,
             &mut age,
-        );
+        )
+        .sequences;
         // Request 0 re-prefills 5 tokens: 2 blocks (room for 6) -> 2 blocks taken, 2 left.
         // Request 1 needs blocks for 11 tokens = 3 > 2 free: admission stops there.
         assert_eq!(n, 1);
         assert_eq!(running[0].block_table.len(), 2);
         assert_eq!(running[0].new_tokens(&[1, 2, 3]), vec![1, 2, 3, 5, 6]);
         assert_eq!(waiting.front().map(|p| p.request), Some(1));
+    }
+
+    /// A sequence of 10 tokens in blocks of 4 registers its two whole blocks; once it has
+    /// ended they stay cached (idle, still available), a second sequence with the same
+    /// first 9 tokens takes both (the last token is always run), one sharing only the first
+    /// block takes one, and one with a different first token takes none.
+    #[test]
+    fn whole_blocks_are_reused_by_prefix_and_evicted_least_recently_used() {
+        let mut pool = KvPool::new(16, 4).with_prefix_cache();
+        let tokens: Vec<u32> = (1..=10).collect();
+        let mut table = pool.take(3).unwrap();
+        pool.register(&tokens, &table);
+        let first_two = table[..2].to_vec();
+        pool.give(&mut table);
+        assert_eq!(pool.available(), 4);
+        assert_eq!(pool.idle_cached(), 2);
+        assert_eq!(pool.lookup(&tokens[..9]), first_two);
+        // 8 tokens: the second block would leave nothing to run.
+        assert_eq!(pool.lookup(&tokens[..8]), first_two[..1].to_vec());
+        assert_eq!(
+            pool.lookup(&[1, 2, 3, 4, 9, 9, 9, 9, 9]),
+            first_two[..1].to_vec()
+        );
+        assert!(pool.lookup(&[0, 2, 3, 4, 5, 6, 7, 8, 9]).is_empty());
+        // A holder keeps a block from eviction; idle ones go oldest first.
+        let hit = pool.lookup(&tokens[..9]);
+        pool.share(&hit[..1]);
+        assert_eq!(pool.idle_cached(), 1);
+        let fresh = pool.take(3).unwrap();
+        assert!(!fresh.contains(&hit[0]));
+        assert!(
+            fresh.contains(&hit[1]),
+            "the idle cached block is evicted for room"
+        );
+        assert_eq!(pool.lookup(&tokens[..9]), hit[..1].to_vec());
+        assert!(pool.take(1).is_none());
+    }
+
+    /// Two sequences that ran the same prompt at once: the first registers its blocks, the
+    /// second's copies stay uncached and return to the free list.
+    #[test]
+    fn the_same_prefix_registered_twice_is_cached_once() {
+        let mut pool = KvPool::new(16, 4).with_prefix_cache();
+        let tokens: Vec<u32> = (1..=9).collect();
+        let mut a = pool.take(3).unwrap();
+        let mut b = pool.take(1).unwrap();
+        pool.register(&tokens, &a);
+        pool.register(&tokens[..4], &b);
+        pool.give(&mut b);
+        assert_eq!(pool.free.len(), 1);
+        pool.give(&mut a);
+        assert_eq!(pool.idle_cached(), 2);
+        assert_eq!(pool.available(), 4);
+    }
+
+    /// Admission takes the cached blocks and runs only the rest of the prompt.
+    #[test]
+    fn admission_takes_the_cached_prefix() {
+        let mut pools = vec![KvPool::new(32, 4).with_prefix_cache()];
+        let prompt: Vec<u32> = (1..=10).collect();
+        let mut first = pools[0].take(3).unwrap();
+        pools[0].register(&prompt, &first);
+        pools[0].give(&mut first);
+        let caps = [UbCapacity {
+            seqs: 2,
+            tokens: 64,
+            kv_tokens: 32,
+        }];
+        let mut waiting = VecDeque::from(vec![Pending {
+            request: 0,
+            generated: vec![],
+        }]);
+        let (mut running, mut age) = (Vec::new(), 0);
+        let done = admit_fifo(
+            &mut waiting,
+            &mut running,
+            &mut pools,
+            &caps,
+            &[&prompt],
+            &[14],
+            &mut age,
+        );
+        assert_eq!(done.prefix_hits, 1);
+        assert_eq!(done.cached_tokens, 8);
+        assert_eq!(running[0].cached, 8);
+        assert_eq!(running[0].context_len(10), 8);
+        assert_eq!(running[0].new_tokens(&prompt), vec![9, 10]);
+        assert_eq!(running[0].block_table.len(), 3);
     }
 }

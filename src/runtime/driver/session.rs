@@ -125,8 +125,19 @@ pub struct Gauges {
     /// KV blocks in all micro-batches' pools (a plan of static batches sizes its blocks
     /// per batch, so this can change between batches).
     pub kv_blocks_total: AtomicU64,
-    /// KV blocks free in all micro-batches' pools.
+    /// KV blocks free in all micro-batches' pools (idle cached blocks included: they are
+    /// given out when needed).
     pub kv_blocks_free: AtomicU64,
+    /// Tokens per KV block (the largest over the micro-batches' pools).
+    pub kv_block_tokens: AtomicU64,
+    /// Of the free blocks, those that hold a cached prefix.
+    pub kv_blocks_cached: AtomicU64,
+    /// Sequences admitted that took blocks from the prefix cache.
+    pub prefix_hits: AtomicU64,
+    /// Tokens admitted sequences took from the prefix cache instead of running them.
+    pub prefix_cached_tokens: AtomicU64,
+    /// Tokens of every admitted sequence (what a prefix cache could have held).
+    pub prefix_queried_tokens: AtomicU64,
     /// The most KV blocks running sequences held at once since the session began.
     pub kv_blocks_used_peak: AtomicU64,
     /// Sequences preempted since the session began.
@@ -180,6 +191,9 @@ pub struct Session<'a, B: Backend + ?Sized> {
     setup_done: bool,
     /// Keep every step's record in the stats (`generate`); a long-lived server does not.
     record_steps: bool,
+    /// Static batches also take KV blocks as they grow, from pools kept for the session,
+    /// and reserve nothing for tokens not yet generated ([`Session::on_demand_kv`]).
+    on_demand: bool,
     stats: RunStats,
     gauges: Arc<Gauges>,
 }
@@ -279,6 +293,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             origin: Instant::now(),
             setup_done: false,
             record_steps: true,
+            on_demand: false,
             stats,
             gauges,
         })
@@ -289,6 +304,26 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     pub fn without_step_records(mut self) -> Self {
         self.record_steps = false;
         self
+    }
+
+    /// Serving: KV blocks are given as every sequence grows (static batches too: admission
+    /// by free blocks, preemption by recompute when a pool runs out), so `gen_len` bounds a
+    /// sequence without reserving blocks for it; a sequence is admitted only if its pool
+    /// can hold it to its own `max_new_tokens`. Where the plan's prefill attends the same
+    /// KV cache as its decode, the pools keep a prefix cache (see `scheduler`): whole
+    /// blocks of tokens already run are shared by the sequences that start with them.
+    /// Returns whether the prefix cache is on.
+    pub fn on_demand_kv(&mut self) -> bool {
+        self.on_demand = true;
+        let prefix = prefill_attends_decode_cache(self.plan, self.prefill_step, self.decode_step);
+        if prefix {
+            for pool in &mut self.pools {
+                *pool =
+                    KvPool::new(pool.total * pool.block_size, pool.block_size).with_prefix_cache();
+            }
+        }
+        self.update_gauges();
+        prefix
     }
 
     /// The live counts.
@@ -418,11 +453,8 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 .map(|p| p.generated)
                 .unwrap_or_default()
         } else if let Some(at) = self.running.iter().position(|s| s.request == id) {
-            let mut s = self.running.remove(at);
-            if let Some(pool) = self.pools.get_mut(s.ub) {
-                pool.give(&mut s.block_table);
-            }
-            s.generated
+            let s = self.running.remove(at);
+            self.retire(s).generated
         } else {
             return None;
         };
@@ -436,6 +468,22 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             token_ids: generated,
             logits: live.logits,
         })
+    }
+
+    /// Gives a sequence's blocks back, registering those whose tokens it has run with the
+    /// prefix cache first (where its pool keeps one).
+    fn retire(&mut self, mut s: Seq) -> Seq {
+        let written = self
+            .slots
+            .get(s.request)
+            .and_then(Option::as_ref)
+            .map(|l| s.written(&l.prompt))
+            .unwrap_or_default();
+        if let Some(pool) = self.pools.get_mut(s.ub) {
+            pool.register(&written, &s.block_table);
+            pool.give(&mut s.block_table);
+        }
+        s
     }
 
     /// Frees a slot.
@@ -453,12 +501,17 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             .store(self.waiting.len() as u64, Ordering::Relaxed);
         g.running
             .store(self.running.len() as u64, Ordering::Relaxed);
-        let used: usize = self.running.iter().map(|s| s.block_table.len()).sum();
+        // Blocks held, each once (a cached prefix may be shared by several sequences).
+        let used: usize = self.pools.iter().map(|p| p.total - p.available()).sum();
         g.kv_blocks_used.store(used as u64, Ordering::Relaxed);
         g.kv_blocks_used_peak
             .fetch_max(used as u64, Ordering::Relaxed);
-        let free: usize = self.pools.iter().map(|p| p.free.len()).sum();
+        let free: usize = self.pools.iter().map(KvPool::available).sum();
         g.kv_blocks_free.store(free as u64, Ordering::Relaxed);
+        let block = self.pools.iter().map(|p| p.block_size).max().unwrap_or(0);
+        g.kv_block_tokens.store(block as u64, Ordering::Relaxed);
+        let cached: usize = self.pools.iter().map(KvPool::idle_cached).sum();
+        g.kv_blocks_cached.store(cached as u64, Ordering::Relaxed);
         let total: usize = self.pools.iter().map(|p| p.total).sum();
         g.kv_blocks_total.store(total as u64, Ordering::Relaxed);
     }
@@ -521,7 +574,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     /// admit from the queue's head; static batches: a new batch only into an empty plan.
     fn admit(&mut self) -> Result<(), RunError> {
         let gen_len = self.gen_len;
-        if self.mixed {
+        if self.mixed || self.on_demand {
             let decided = grow_decoding(
                 &mut self.running,
                 &mut self.pools,
@@ -536,15 +589,46 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             for p in decided.preempted.into_iter().rev() {
                 self.waiting.push_front(p);
             }
-            admit_fifo(
-                &mut self.waiting,
-                &mut self.running,
-                &mut self.pools,
-                &self.prefill_caps,
-                &self.lens,
-                gen_len,
-                &mut self.next_age,
-            );
+            // Static batches take new sequences only into an empty plan.
+            if self.mixed || self.running.is_empty() {
+                let prompts: Vec<&[u32]> = self
+                    .slots
+                    .iter()
+                    .map(|l| l.as_ref().map_or(&[][..], |l| l.prompt.as_slice()))
+                    .collect();
+                // Without `on_demand_kv` every sequence may reach `gen_len` tokens (what
+                // `generate` has always reserved for); with it, its own `max_new_tokens`.
+                let finish: Vec<usize> = self
+                    .slots
+                    .iter()
+                    .map(|l| {
+                        l.as_ref().map_or(0, |l| {
+                            l.prompt.len()
+                                + if self.on_demand {
+                                    l.max_new_tokens
+                                } else {
+                                    gen_len
+                                }
+                        })
+                    })
+                    .collect();
+                let done = admit_fifo(
+                    &mut self.waiting,
+                    &mut self.running,
+                    &mut self.pools,
+                    &self.prefill_caps,
+                    &prompts,
+                    &finish,
+                    &mut self.next_age,
+                );
+                let g = &self.gauges;
+                g.prefix_hits
+                    .fetch_add(done.prefix_hits as u64, Ordering::Relaxed);
+                g.prefix_cached_tokens
+                    .fetch_add(done.cached_tokens as u64, Ordering::Relaxed);
+                g.prefix_queried_tokens
+                    .fetch_add(done.tokens as u64, Ordering::Relaxed);
+            }
             if !self.running.is_empty() && self.running.iter().all(|s| s.paused) {
                 return Err(RunError::KvStall {
                     paused: self.running.len(),
@@ -573,6 +657,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                         prompt_done: false,
                         age: self.next_age,
                         paused: false,
+                        cached: 0,
                     });
                     self.next_age += 1;
                 }
@@ -701,8 +786,16 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 let vocab = card.vocab as usize;
                 live.logits = rows.get(k * vocab..(k + 1) * vocab).map(<[f32]>::to_vec);
             }
+            let prefilled = !s.prompt_done;
             s.prompt_done = true;
             s.generated.push(token);
+            if prefilled {
+                // Its prompt's blocks are cached now, for the sequences that follow.
+                let written = s.written(&live.prompt);
+                if let Some(pool) = self.pools.get_mut(s.ub) {
+                    pool.register(&written, &s.block_table);
+                }
+            }
             self.gauges.generated_tokens.fetch_add(1, Ordering::Relaxed);
             events.push(SeqEvent::Token {
                 id: s.request,
@@ -714,7 +807,9 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 if let (Some(profile), Some(m)) = (&self.options.routing_profile, matrix) {
                     lock(profile).requests.push(m);
                 }
+                let written = s.written(&live.prompt);
                 if let Some(pool) = self.pools.get_mut(s.ub) {
+                    pool.register(&written, &s.block_table);
                     pool.give(&mut s.block_table);
                 }
                 let live = self.free(s.request);
@@ -745,6 +840,45 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             .map(cache::CacheRuntime::report)
             .collect();
         self.stats
+    }
+}
+
+/// Whether every attention of the prefill step reads and writes a KV cache slice that an
+/// attention of the decode step uses too (the same step for mixed plans): then a prefill
+/// row can attend positions an earlier sequence wrote, which prefix reuse needs. A plan
+/// that prefills into a separate cache (CGOPipe's GPU lines, copied to the host cache
+/// after) or into none cannot take a cached prefix.
+fn prefill_attends_decode_cache(plan: &ExecPlan, prefill: usize, decode: usize) -> bool {
+    use crate::ir::{Op, Role};
+    let kv_args = |step: usize| -> Option<Vec<(crate::ir::BufferId, u64, u64)>> {
+        let s = plan.steps.get(step)?;
+        let mut args = Vec::new();
+        for task in plan
+            .tasks
+            .get(s.first as usize..(s.first + s.count) as usize)?
+        {
+            if !matches!(task.op, Op::Attn { .. }) {
+                continue;
+            }
+            let kv: Vec<_> = task
+                .args
+                .iter()
+                .filter(|a| a.role == Role::Kv)
+                .map(|a| (a.buffer, a.start, a.len))
+                .collect();
+            if kv.is_empty() {
+                return None;
+            }
+            args.extend(kv);
+        }
+        Some(args)
+    };
+    if prefill == decode {
+        return kv_args(prefill).is_some_and(|a| !a.is_empty());
+    }
+    match (kv_args(prefill), kv_args(decode)) {
+        (Some(p), Some(d)) => !p.is_empty() && p.iter().all(|a| d.contains(a)),
+        _ => false,
     }
 }
 
