@@ -213,13 +213,16 @@ class Pool:
             return False
 
     def check(self):
-        """One round of health checks; a failing replica's actor is killed for a restart."""
+        """One round of health checks. A replica whose actor does not answer is starting
+        or being restarted by Ray (its moec died, which ends the actor): it stays out of
+        the rotation until it answers. One whose actor answers but whose moec fails
+        --unhealthy-after checks in a row (hung) has its actor killed, for Ray to restart."""
         for r in self.replicas:
             if r["addr"] is None or not r["healthy"]:
-                self.refresh(r, timeout=0.5)
-            if r["addr"] is None:
-                # Starting (or restarting): Ray restarts an actor whose start failed.
-                continue
+                if not self.refresh(r, timeout=0.5):
+                    with self.lock:
+                        r["healthy"], r["addr"] = False, None
+                    continue
             if self.healthy_now(r):
                 with self.lock:
                     r["healthy"], r["failures"] = True, 0
@@ -231,14 +234,14 @@ class Pool:
                 failures = r["failures"]
             if was:
                 log(f"replica {r['index']} at {r['addr']} failed its health check")
-            if failures == self.args.unhealthy_after:
-                log(f"replica {r['index']}: restarting it")
+            if failures >= self.args.unhealthy_after:
+                log(f"replica {r['index']}: its moec does not answer; restarting it")
                 try:
                     self.ray.kill(r["handle"], no_restart=False)
                 except Exception as e:
                     log(f"replica {r['index']}: kill failed: {e}")
                 with self.lock:
-                    r["addr"] = None
+                    r["addr"], r["failures"] = None, 0
 
     def mark_failed(self, addr):
         with self.lock:

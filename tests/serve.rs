@@ -1166,3 +1166,237 @@ fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
     assert_eq!(doc["error"]["type"], "invalid_request_error");
     assert_eq!(doc["error"]["param"], "prompt");
 }
+
+/// An SSE stream through a proxy that re-chunks it: the body de-chunked as it arrives;
+/// `on_first` is called once the first text has come. Returns the text and whether the
+/// stream ended with `data: [DONE]` (a stream whose server died ends without it).
+fn stream_chunked(
+    addr: SocketAddr,
+    body: &serde_json::Value,
+    on_first: impl FnOnce(),
+) -> (String, bool) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(s);
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.contains(" 200 "), "status line {line:?}");
+    let mut chunked = false;
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+            break;
+        }
+        chunked |= line
+            .to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked");
+    }
+    let (mut data, mut text, mut done) = (Vec::new(), String::new(), false);
+    let mut on_first = Some(on_first);
+    loop {
+        if chunked {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                break;
+            }
+            let Ok(size) = usize::from_str_radix(line.trim(), 16) else {
+                break;
+            };
+            if size == 0 {
+                break;
+            }
+            let mut chunk = vec![0; size + 2];
+            if reader.read_exact(&mut chunk).is_err() {
+                break;
+            }
+            data.extend_from_slice(&chunk[..size]);
+        } else {
+            let mut buf = [0u8; 4096];
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => data.extend_from_slice(&buf[..n]),
+            }
+        }
+        while let Some(end) = data.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = data.drain(..end + 2).collect();
+            let event = String::from_utf8_lossy(&event);
+            let Some(payload) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if payload == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let chunk: serde_json::Value = serde_json::from_str(payload).expect("a JSON chunk");
+            if let Some(t) = chunk["choices"][0]["text"]
+                .as_str()
+                .filter(|t| !t.is_empty())
+            {
+                text.push_str(t);
+                if let Some(f) = on_first.take() {
+                    f();
+                }
+            }
+        }
+    }
+    (text, done)
+}
+
+/// `scripts/ray_serve.py`: two `moec serve` replicas as Ray actors behind its router. A
+/// stream on replica 0 is cut when that replica's moec is killed mid-stream, while the
+/// stream on replica 1 completes; the requests sent right after the kill are all answered
+/// (the router sends one whose replica refuses to the other), Ray restarts the killed
+/// replica (a new moec process), and it serves again. Skipped without Ray unless
+/// `MOEC_REQUIRE_RAY` is set (`.ci/run` sets it).
+#[test]
+fn ray_serve_replicas_survive_a_killed_replica() {
+    let python = std::env::var("MOEC_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_ray = Command::new(&python)
+        .args(["-c", "import ray"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_ray {
+        assert!(
+            std::env::var_os("MOEC_REQUIRE_RAY").is_none(),
+            "MOEC_REQUIRE_RAY is set but `{python} -c 'import ray'` fails"
+        );
+        eprintln!("skipped: no `ray` for {python} (set MOEC_PYTHON, or run .ci/run)");
+        return;
+    }
+    let mut child = Command::new(&python)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache())
+        .env_remove("MOEC_API_KEY")
+        .arg("scripts/ray_serve.py")
+        .args(["--replicas", "2", "--num-cpus", "2", "--port", "0"])
+        .args(["--health-interval", "0.5"])
+        .args(["--moec", env!("CARGO_BIN_EXE_moec"), "--"])
+        .args([
+            "schedules/baselines/resident.sched",
+            "--hw",
+            "t4",
+            "--threads",
+            "1",
+        ])
+        .args([
+            "--max-batch",
+            "4",
+            "--max-prompt",
+            "32",
+            "--max-tokens",
+            "400",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3 scripts/ray_serve.py starts");
+    // Stops the router (and with it Ray and the replicas) however the test ends.
+    struct Router(Child);
+    impl Drop for Router {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) on the router's own pid, a plain syscall.
+            unsafe {
+                libc::kill(self.0.id() as i32, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.0.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stdout = child.stdout.take().expect("piped stdout");
+    let router = Router(child);
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("the router says where it listens");
+    let addr: SocketAddr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .parse()
+        .expect("an address");
+    let replicas = || request(addr, "GET", "/replicas", &[], b"").json()["replicas"].clone();
+    let first = replicas();
+    let pid0 = first[0]["pid"].as_i64().expect("replica 0's pid");
+    assert!(first[1]["pid"].as_i64().is_some());
+
+    let long = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": true});
+    let short = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (cut, whole, after) = std::thread::scope(|s| {
+        // The router takes replicas in turn: the first stream goes to replica 0.
+        let tx = started_tx.clone();
+        let on_0 = s.spawn(|| stream_chunked(addr, &long, move || tx.send(()).unwrap()));
+        started_rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("stream 0 started");
+        let tx = started_tx.clone();
+        let on_1 = s.spawn(|| stream_chunked(addr, &long, move || tx.send(()).unwrap()));
+        started_rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("stream 1 started");
+        // SAFETY: kill(2) on replica 0's moec process, which this test's router started.
+        assert_eq!(unsafe { libc::kill(pid0 as i32, libc::SIGKILL) }, 0);
+        let after: Vec<Reply> = (0..4)
+            .map(|_| post(addr, "/v1/completions", &short, None))
+            .collect();
+        (on_0.join().unwrap(), on_1.join().unwrap(), after)
+    });
+    assert!(
+        !cut.1,
+        "the stream on the killed replica ended with [DONE]: {}",
+        cut.0
+    );
+    assert!(whole.1, "the stream on the other replica was cut");
+    assert!(!whole.0.is_empty());
+    for reply in &after {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert!(reply.json()["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    }
+    // Ray restarts replica 0 (a new moec process) and the router takes it back.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let now = replicas();
+        let back = now[0]["healthy"] == true && now[0]["pid"].as_i64() != Some(pid0);
+        if back {
+            assert_eq!(now[0]["restarts"], 1);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica 0 did not come back: {now}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let texts: Vec<String> = (0..4)
+        .map(|_| {
+            let reply = post(addr, "/v1/completions", &short, None);
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            reply.json()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    // Both replicas (the restarted one included) answer the same greedy text.
+    assert!(texts.iter().all(|t| t == &texts[0]), "{texts:?}");
+    let first_answer = after[0].json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(texts[0], first_answer);
+    drop(router);
+}
