@@ -334,10 +334,9 @@ fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
         if buckets.last().map(|b| b.0) != Some(f64::INFINITY) {
             return Err(format!("{family}: no +Inf bucket last"));
         }
-        if buckets
-            .windows(2)
-            .any(|w| !(w[0].0 < w[1].0) || w[0].1 > w[1].1)
-        {
+        if buckets.windows(2).any(|w| {
+            w[0].0.partial_cmp(&w[1].0) != Some(std::cmp::Ordering::Less) || w[0].1 > w[1].1
+        }) {
             return Err(format!(
                 "{family}: buckets not ascending and cumulative: {buckets:?}"
             ));
