@@ -413,8 +413,11 @@ pub struct Admitted {
 /// then the fewest tokens this pass, that has a sequence slot, token room for what it
 /// runs, blocks for its tokens plus the first generated one, and a pool that can hold it
 /// to the end of its generation (`finish_lens[r]` tokens, its prompt and every token it
-/// may generate), so a lone sequence always finishes. `prompts[r]` is request `r`'s
-/// prompt.
+/// may generate), so a lone sequence always finishes. With `worst_case`, the pool must
+/// hold every sequence of the micro-batch to its end at once (blocks are still given as
+/// they grow): a static batch, which cannot take a preempted sequence back until it ends,
+/// then never runs out. `prompts[r]` is request `r`'s prompt.
+#[allow(clippy::too_many_arguments)]
 pub fn admit_fifo(
     waiting: &mut VecDeque<Pending>,
     running: &mut Vec<Seq>,
@@ -422,15 +425,20 @@ pub fn admit_fifo(
     caps: &[UbCapacity],
     prompts: &[&[u32]],
     finish_lens: &[usize],
+    worst_case: bool,
     next_age: &mut u64,
 ) -> Admitted {
     let n = caps.len().min(pools.len());
     let mut seqs = vec![0usize; n];
     let mut tokens = vec![0usize; n];
+    // Blocks every sequence of a micro-batch needs at its end (for `worst_case`).
+    let mut at_end = vec![0usize; n];
     let prompt_len = |r: usize| prompts.get(r).map_or(0, |p| p.len());
     for s in running.iter() {
         if s.ub < n {
             seqs[s.ub] += 1;
+            at_end[s.ub] +=
+                pools[s.ub].blocks_for(finish_lens.get(s.request).copied().unwrap_or(0));
             if !s.paused {
                 tokens[s.ub] += if s.prompt_done {
                     1
@@ -456,7 +464,9 @@ pub fn admit_fifo(
                 let fits = seqs[u] < caps[u].seqs
                     && tokens[u] + (len - cached) <= caps[u].tokens
                     && fresh + idle_hits <= pool.available()
-                    && pool.blocks_for(finish.max(len + 1)) <= pool.total;
+                    && pool.blocks_for(finish.max(len + 1)) <= pool.total
+                    && (!worst_case
+                        || at_end[u] + pool.blocks_for(finish.max(len + 1)) <= pool.total);
                 fits.then_some((u, hits))
             })
             .collect();
@@ -482,6 +492,7 @@ pub fn admit_fifo(
         block_table.extend(fresh);
         seqs[u] += 1;
         tokens[u] += len - cached;
+        at_end[u] += pool.blocks_for(finish.max(len + 1));
         done.sequences += 1;
         done.tokens += len;
         done.cached_tokens += cached;
@@ -609,6 +620,7 @@ mod tests {
             &caps,
             &prompts,
             &finish,
+            false,
             &mut age,
         )
         .sequences;
@@ -698,6 +710,7 @@ mod tests {
             &caps,
             &[&prompt],
             &[14],
+            false,
             &mut age,
         );
         assert_eq!(done.prefix_hits, 1);
@@ -706,5 +719,39 @@ mod tests {
         assert_eq!(running[0].context_len(10), 8);
         assert_eq!(running[0].new_tokens(&prompt), vec![9, 10]);
         assert_eq!(running[0].block_table.len(), 3);
+    }
+
+    /// Two sequences of 4 prompt tokens that may reach 12 tokens (3 blocks of 4) in a pool
+    /// of 5 blocks: by free blocks both start (a block each); holding every sequence to its
+    /// end (`worst_case`, static batches) only the first does.
+    #[test]
+    fn worst_case_admission_holds_every_sequence_to_its_end() {
+        let caps = [UbCapacity {
+            seqs: 4,
+            tokens: 64,
+            kv_tokens: 20,
+        }];
+        let prompts: [&[u32]; 2] = [&[1, 2, 3, 4], &[5, 6, 7, 8]];
+        for (worst_case, admitted) in [(false, 2), (true, 1)] {
+            let mut pools = vec![KvPool::new(20, 4)];
+            let mut waiting: VecDeque<Pending> = (0..2)
+                .map(|request| Pending {
+                    request,
+                    generated: vec![],
+                })
+                .collect();
+            let (mut running, mut age) = (Vec::new(), 0);
+            let done = admit_fifo(
+                &mut waiting,
+                &mut running,
+                &mut pools,
+                &caps,
+                &prompts,
+                &[12, 12],
+                worst_case,
+                &mut age,
+            );
+            assert_eq!(done.sequences, admitted, "worst_case {worst_case}");
+        }
     }
 }

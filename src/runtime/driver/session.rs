@@ -306,10 +306,12 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         self
     }
 
-    /// Serving: KV blocks are given as every sequence grows (static batches too: admission
-    /// by free blocks, preemption by recompute when a pool runs out), so `gen_len` bounds a
-    /// sequence without reserving blocks for it; a sequence is admitted only if its pool
-    /// can hold it to its own `max_new_tokens`. Where the plan's prefill attends the same
+    /// Serving: KV blocks are given as every sequence grows (static batches too), so
+    /// `gen_len` bounds a sequence without reserving blocks for it, and a sequence is
+    /// admitted only if its pool can hold it to its own `max_new_tokens`. Mixed steps admit
+    /// by free blocks and preempt by recompute when a pool runs out; a static batch, which
+    /// takes a preempted sequence back only once it has ended, admits only what its pool
+    /// can hold to the end at once, so it never preempts. Where the plan's prefill attends the same
     /// KV cache as its decode, the pools keep a prefix cache (see `scheduler`): whole
     /// blocks of tokens already run are shared by the sequences that start with them.
     /// Returns whether the prefix cache is on.
@@ -619,6 +621,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                     &self.prefill_caps,
                     &prompts,
                     &finish,
+                    !self.mixed,
                     &mut self.next_age,
                 );
                 let g = &self.gauges;
