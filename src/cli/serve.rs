@@ -127,6 +127,12 @@ pub fn run(args: &ServeArgs) -> ExitCode {
         Err(RunFailure::Message(m)) => return fail(m),
     };
     let info = session.info().clone();
+    if !info.prefix_cache {
+        eprintln!(
+            "moec serve: no prefix cache: this schedule's prefill does not attend the KV cache \
+             its decode reads, so requests that share a prefix each run it"
+        );
+    }
     for note in &info.notes {
         eprintln!("moec serve: {note}");
     }

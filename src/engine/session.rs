@@ -69,6 +69,10 @@ pub struct SessionInfo {
     pub chat_template: Result<String, String>,
     /// What the caller should tell the user (params the planner picked, a failed probe).
     pub notes: Vec<String>,
+    /// Whether whole blocks of tokens already run are shared with later sequences that
+    /// start with them (only where the schedule's prefill attends the KV cache its decode
+    /// reads).
+    pub prefix_cache: bool,
 }
 
 /// One completion.
@@ -495,13 +499,7 @@ fn worker(
     )
     .map_err(|e| fail(message(&e)))?
     .without_step_records();
-    if !session.on_demand_kv() {
-        notes.push(
-            "no prefix cache: this schedule's prefill does not attend the KV cache its decode \
-             reads, so a prompt's cached blocks cannot be taken"
-                .to_string(),
-        );
-    }
+    let prefix_cache = session.on_demand_kv();
     if session.static_batches() && !request.batch_wait.is_zero() {
         notes.push(format!(
             "static batches: requests join between batches; one about to start with room \
@@ -528,6 +526,7 @@ fn worker(
         tokenizer: tokenizer.origin().to_string(),
         chat_template,
         notes,
+        prefix_cache,
     };
     let gauges = session.gauges();
     if ready.send(Ok((info, Arc::new(tokenizer), gauges))).is_err() {

@@ -272,6 +272,7 @@ async fn models(State(shared): State<Arc<Shared>>) -> axum::Json<Value> {
             "max_prompt_tokens": info.max_prompt,
             "max_tokens": info.max_tokens,
             "max_batch": info.max_batch,
+            "prefix_cache": info.prefix_cache,
         }]
     }))
 }
