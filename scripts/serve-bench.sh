@@ -29,7 +29,10 @@
 # /health within 300 s is stopped and counted as failed.
 #
 # Usage: scripts/serve-bench.sh [--clients 8] [--requests 32] [--prompt-words 48]
-#            [--max-tokens 32] [--threads 2] [--time-limit 600]
+#            [--system-words 0] (a prefix of that many words shared by every request: the
+#            shared-prefix scenario is --system-words 750 --prompt-words 16, a system prompt
+#            of about 1,000 tokens and short user turns; llama-server is asked to
+#            cache_prompt) [--max-tokens 32] [--threads 2] [--time-limit 600]
 #            [--schedules "vslpipe baselines/resident"] [--skip llama-server]
 #            [--set NAME=VALUE]... (replaces the per-schedule params below for every schedule)
 #            [--bf16-product "f32 bf16"] (each moec schedule once per listed product, run
@@ -47,6 +50,7 @@ JOBS=${MOEC_SERVE_BENCH_JOBS:-2}
 CLIENTS=8
 REQUESTS=32
 PROMPT_WORDS=48
+SYSTEM_WORDS=0
 MAX_TOKENS=32
 THREADS=2
 TIME_LIMIT=600
@@ -66,6 +70,7 @@ while [ $# -gt 0 ]; do
     --clients) CLIENTS=$2; shift 2 ;;
     --requests) REQUESTS=$2; shift 2 ;;
     --prompt-words) PROMPT_WORDS=$2; shift 2 ;;
+    --system-words) SYSTEM_WORDS=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --time-limit) TIME_LIMIT=$2; shift 2 ;;
@@ -204,7 +209,8 @@ measure() {
   log "$system: $REQUESTS requests from $CLIENTS clients"
   if ! "$PY" "$REPO/scripts/serve_bench_client.py" --base-url "http://127.0.0.1:$port/v1" \
     --model "$model_name" --clients "$CLIENTS" --requests "$REQUESTS" \
-    --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" --time-limit "$TIME_LIMIT" \
+    --prompt-words "$PROMPT_WORDS" --system-words "$SYSTEM_WORDS" \
+    --max-tokens "$MAX_TOKENS" --time-limit "$TIME_LIMIT" \
     --label "$system" > "$TMP/client.out"; then
     log "$system: some requests failed (see the line's counts)"
   fi
@@ -218,8 +224,8 @@ measure() {
 
 # Each slot of llama-server holds a prompt and its completion: --ctx-size is the slots'
 # total (prompt words run about 1.3 tokens each; twice that leaves room).
-CTX=$((CLIENTS * (PROMPT_WORDS * 3 + MAX_TOKENS + 16)))
-MAX_PROMPT=$((PROMPT_WORDS * 3))
+CTX=$((CLIENTS * ((SYSTEM_WORDS + PROMPT_WORDS) * 3 + MAX_TOKENS + 16)))
+MAX_PROMPT=$(((SYSTEM_WORDS + PROMPT_WORDS) * 3))
 if ! skipped llama-server; then
   port=$(free_port)
   measure llama-server "$port" mixtral-mid "$SERVER" -m "$GGUF" --host 127.0.0.1 \
@@ -251,11 +257,12 @@ for sched in $SCHEDULES; do
 done
 
 # 6. The table.
-"$PY" - "$RESULTS" "$CLIENTS" "$PROMPT_WORDS" "$MAX_TOKENS" "$THREADS" <<'EOF'
+"$PY" - "$RESULTS" "$CLIENTS" "$PROMPT_WORDS" "$MAX_TOKENS" "$THREADS" "$SYSTEM_WORDS" <<'EOF'
 import json, sys
-path, clients, words, max_tokens, threads = sys.argv[1], *map(int, sys.argv[2:])
+path, clients, words, max_tokens, threads, system = sys.argv[1], *map(int, sys.argv[2:])
 rows = [json.loads(l) for l in open(path)]
-print(f"\n{clients} concurrent streaming clients, prompts of {words} random words, "
+shared = f" after a shared prefix of {system} words" if system else ""
+print(f"\n{clients} concurrent streaming clients, prompts of {words} random words{shared}, "
       f"{max_tokens} tokens each, greedy, {threads} threads; 127.0.0.1")
 print("| system | requests | prompt tokens (mean) | output tok/s | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | peak RSS |")
 print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -53,9 +53,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[int(rank) - 1]
 
 
-def prompt_for(index: int, words: int, seed: int) -> str:
+def prompt_for(index: int, words: int, seed: int, system: str = "") -> str:
     rng = random.Random(seed * 1_000_003 + index)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+    return system + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def system_prompt(words: int, seed: int) -> str:
+    """The prefix every request shares (--system-words): the same words for every server."""
+    if words <= 0:
+        return ""
+    rng = random.Random(seed * 7_000_001 - 1)
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "\n"
 
 
 def main() -> int:
@@ -65,6 +73,14 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=48)
+    parser.add_argument(
+        "--system-words",
+        type=int,
+        default=0,
+        help="a prefix of this many words shared by every request (a system prompt); "
+        "`cache_prompt` is asked for, which llama-server honours and moec ignores (its "
+        "prefix cache is always on where the schedule allows it)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--time-limit", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=32)
@@ -83,6 +99,7 @@ def main() -> int:
     import openai
 
     client = openai.OpenAI(base_url=args.base_url, api_key="serve-bench", max_retries=0)
+    system = system_prompt(args.system_words, args.seed)
 
     def one(index: int, deadline: float) -> dict:
         """One streaming completion; its timings and the server's token counts."""
@@ -92,12 +109,13 @@ def main() -> int:
         chunks = 0
         stream = client.completions.create(
             model=args.model,
-            prompt=prompt_for(index, args.prompt_words, args.seed),
+            prompt=prompt_for(index, args.prompt_words, args.seed, system),
             max_tokens=args.max_tokens,
             temperature=0.0,
             stream=True,
             stream_options={"include_usage": True},
             timeout=max(1.0, deadline - sent),
+            extra_body={"cache_prompt": True} if system else None,
         )
         for chunk in stream:
             now = time.monotonic()
