@@ -607,6 +607,8 @@ fn cgopipe_serves_openai_completions_and_refuses_bad_requests() {
     );
     assert_eq!(models.status, 200);
     assert_eq!(models.json()["data"][0]["object"], "model");
+    // CGOPipe prefills into the GPU's cache lines, not the cache its decode reads.
+    assert_eq!(models.json()["data"][0]["prefix_cache"], false);
     let again = post(
         addr,
         "/v1/completions",
@@ -1037,6 +1039,8 @@ fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
         ],
     );
     let addr = server.addr;
+    let models = request(addr, "GET", "/v1/models", &[], b"").json();
+    assert_eq!(models["data"][0]["prefix_cache"], true);
     let system = "You are a helpful assistant who answers briefly and well. ".repeat(3);
     let questions = [
         [
