@@ -9,11 +9,9 @@
 pub mod arch;
 pub mod card;
 pub mod cards;
-pub mod config;
 pub mod family;
 pub mod formats;
 pub mod layout;
-pub mod names;
 pub mod segment;
 pub mod vocab;
 

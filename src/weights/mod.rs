@@ -6,7 +6,10 @@
 //! memory maps) and tokenizers. Knows nothing of the schedule language.
 
 pub mod checkpoint;
+pub mod config;
+pub mod family;
 pub mod gguf;
+pub mod names;
 pub mod source;
 pub mod synth;
 pub mod tokenizer;

@@ -11,14 +11,14 @@ use crate::math::views::{
     SharedExpertWeights,
 };
 use crate::model::card::QkNorm;
-use crate::model::family::hub::Source;
 use crate::model::formats::WeightTensor;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment};
-use crate::model::names::{head_names, segment_source};
 use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
 use crate::quant::storage::Storage;
 use crate::quant::QuantSlice;
+use crate::weights::family::hub::Source;
+use crate::weights::names::{head_names, segment_source};
 use std::collections::BTreeMap;
 
 impl Checkpoint {

@@ -11,6 +11,9 @@ use crate::model::card::{ModelCard, QkNorm};
 use crate::model::family::facts::Family;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::gguf::families::GgufKeys;
+use crate::weights::gguf::families::{GgufFamily, Meta, TEXT};
+use crate::weights::gguf::GgufError;
 use serde_json::{json, Value};
 
 /// The Mixtral family.
@@ -22,6 +25,16 @@ const NAMES: MoeNames = MoeNames {
     gate: "w1",
     up: "w3",
     down: "w2",
+};
+
+/// llama.cpp's `llama` architecture with experts: its own keys and the SentencePiece
+/// vocabulary, `q_proj`/`k_proj` rows permuted for its paired rotation.
+const GGUF: GgufFamily = GgufFamily {
+    family: Family::Mixtral,
+    arch: "llama",
+    keys: GgufKeys::Llama,
+    permuted_qk: true,
+    ..TEXT
 };
 
 impl FamilySpec for Mixtral {
@@ -104,5 +117,33 @@ impl FamilySpec for Mixtral {
 
     fn segment_tensor(&self, _a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor {
         SegmentTensor::Whole(llama::segment_name(&NAMES, Family::Mixtral, layer, kind))
+    }
+
+    fn gguf(&self) -> &'static GgufFamily {
+        &GGUF
+    }
+
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError> {
+        let heads = m.u("attention.head_count")?;
+        let hidden = m.u("embedding_length")?;
+        Ok(json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": hidden,
+            "intermediate_size": m.u("feed_forward_length")?,
+            "num_attention_heads": heads,
+            "num_key_value_heads": m.u("attention.head_count_kv")?,
+            "head_dim": m.head_dim(hidden, heads)?,
+            "num_hidden_layers": m.u("block_count")?,
+            "num_local_experts": m.u("expert_count")?,
+            "num_experts_per_tok": m.u("expert_used_count")?,
+            "vocab_size": m.vocab()?,
+            "max_position_embeddings": m.u("context_length")?,
+            "rope_theta": m.f("rope.freq_base")?,
+            "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+            "bos_token_id": m.bos(),
+            "eos_token_id": m.token("eos_token_id").unwrap_or(2),
+            "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+        }))
     }
 }
