@@ -112,19 +112,6 @@ pub fn expert_ffn(
     Kernels::process().expert_ffn(arch, expert, x_norm, rows, slots)
 }
 
-/// [`Kernels::moe_block`] with the process's kernels.
-pub fn moe_block<'w, E>(
-    arch: &ArchSpec,
-    dense: &DenseWeights<'_>,
-    x: &mut [f32],
-    expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
-) -> Result<Routing, E>
-where
-    E: From<KernelError>,
-{
-    Kernels::process().moe_block(arch, dense, x, expert)
-}
-
 /// `silu(x) = x * sigmoid(x)`.
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
