@@ -35,10 +35,7 @@ impl FamilySpec for GptOss {
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         let hidden = f.uint("hidden_size")?;
-        let heads = f.uint("num_attention_heads")?;
-        if heads == 0 {
-            return Err(f.invalid("num_attention_heads", "must be positive"));
-        }
+        let heads = f.positive_uint("num_attention_heads")?;
         let layers = f.uint("num_hidden_layers")?;
         if !f.flag("attention_bias", true)? {
             return Err(f.invalid(

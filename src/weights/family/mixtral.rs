@@ -44,10 +44,7 @@ impl FamilySpec for Mixtral {
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         let hidden = f.uint("hidden_size")?;
-        let heads = f.uint("num_attention_heads")?;
-        if heads == 0 {
-            return Err(f.invalid("num_attention_heads", "must be positive"));
-        }
+        let heads = f.positive_uint("num_attention_heads")?;
         let rope_theta = f.rope_theta()?.unwrap_or(1e6);
         Ok(ModelCard {
             name: name.to_string(),

@@ -89,10 +89,7 @@ impl FamilySpec for QwenOlmoe {
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         let family = self.0;
         let hidden = f.uint("hidden_size")?;
-        let heads = f.uint("num_attention_heads")?;
-        if heads == 0 {
-            return Err(f.invalid("num_attention_heads", "must be positive"));
-        }
+        let heads = f.positive_uint("num_attention_heads")?;
         let rope_theta = f.rope_theta()?.unwrap_or(10000.0);
         if family != Family::Olmoe {
             Self::refuse_nonuniform_layers(f)?;
