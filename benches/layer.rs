@@ -16,7 +16,7 @@ use moec::math::projection::{o_proj_residual, pre_attn};
 use moec::math::rope::RopeTable;
 use moec::math::simd::avx512_available;
 use moec::math::views::LayerWeights;
-use moec::model::vocab::KvLayout;
+use moec::model::vocab::{ExpertGroups, KvLayout};
 use moec::model::{ArchSpec, ModelCard};
 use moec::weights::synth::{synthetic_layer_image, SynthOptions};
 use std::time::Instant;
@@ -68,12 +68,12 @@ fn layer_forward(
     attention(&mut cache.layer_mut(0), seqs, &qkv, &a.attn, &mut attn_out).unwrap();
     o_proj_residual(a, &w.dense, &attn_out, x).unwrap();
     let routing = gate(a, &w.dense, x, &mut x_norm).unwrap();
-    let groups = routing.by_expert(a.experts);
-    for (e, rows) in groups.iter().enumerate() {
-        expert_ffn(a, &w.experts[e], &x_norm, rows, &mut slots).unwrap();
+    let groups = ExpertGroups::new(&routing, a.experts);
+    for (e, rows) in groups.routed() {
+        expert_ffn(a, &w.experts[e as usize], &x_norm, rows, &mut slots).unwrap();
     }
     combine(&routing, &slots, x).unwrap();
-    groups.iter().filter(|g| !g.is_empty()).count()
+    groups.routed().count()
 }
 
 /// FLOPs of one layer forward: projections, attention (QKᵀ and PV over each token's

@@ -652,5 +652,5 @@ fn the_import_graph_resolves_paths_as_rustc_would() {
     );
     assert!(imports("model/card.rs", "model/family/facts.rs"));
     assert!(!imports("model/card.rs", "model/family/mod.rs"));
-    assert!(imports("model/family/mod.rs", "model/family/hub.rs"));
+    assert!(imports("weights/family/mod.rs", "weights/family/hub.rs"));
 }

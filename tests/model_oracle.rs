@@ -9,6 +9,7 @@ use moec::math::kv_cache::PagedKvCache;
 use moec::math::moe::{combine, expert_ffn, gate};
 use moec::math::projection::{o_proj_residual, pre_attn};
 use moec::math::rope::RopeTable;
+use moec::model::vocab::ExpertGroups;
 use moec::model::vocab::KvLayout;
 use moec::model::vocab::RoutedRow;
 use moec::model::vocab::Sampling;
@@ -371,11 +372,18 @@ fn expert_execution_order_does_not_change_the_result() {
         .collect();
     let mut x_norm = vec![0.0; residual.len()];
     let routing = gate(&a, &layer.dense, &residual, &mut x_norm).unwrap();
-    let groups = routing.by_expert(a.experts);
+    let groups = ExpertGroups::new(&routing, a.experts);
     let run = |order: &[usize]| {
         let mut slots = vec![0.0; n * a.top_k * a.hidden];
         for &e in order {
-            expert_ffn(&a, &layer.experts[e], &x_norm, &groups[e], &mut slots).unwrap();
+            expert_ffn(
+                &a,
+                &layer.experts[e],
+                &x_norm,
+                groups.rows_of(e as u32),
+                &mut slots,
+            )
+            .unwrap();
         }
         let mut out = residual.clone();
         combine(&routing, &slots, &mut out).unwrap();
@@ -384,7 +392,7 @@ fn expert_execution_order_does_not_change_the_result() {
     let ascending: Vec<usize> = (0..a.experts).collect();
     let reversed: Vec<usize> = (0..a.experts).rev().collect();
     let mut hot_first = ascending.clone();
-    hot_first.sort_by_key(|&e| std::cmp::Reverse(groups[e].len()));
+    hot_first.sort_by_key(|&e| std::cmp::Reverse(groups.rows_of(e as u32).len()));
     let reference = run(&ascending);
     assert_eq!(reference, run(&reversed));
     assert_eq!(reference, run(&hot_first));

@@ -19,12 +19,12 @@ use crate::convert::write::{MetaValue, WriteError};
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
 use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
-use crate::model::names::segment_source;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
+use crate::weights::names::segment_source;
 
 /// One of the converter's merged expert tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,7 +170,7 @@ fn fused_kind(part: Part, bias: bool, x: usize) -> SegmentKind {
 
 /// The Hub tensor a merged expert tensor is split from (its first expert's, which names
 /// the fused tensor and its shape).
-pub(super) fn hub_source(arch: &ArchSpec, t: &Experts) -> crate::model::family::hub::Source {
+pub(super) fn hub_source(arch: &ArchSpec, t: &Experts) -> crate::weights::family::hub::Source {
     segment_source(arch, t.layer, fused_kind(t.part, t.bias, 0))
 }
 

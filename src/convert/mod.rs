@@ -27,18 +27,18 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
-use crate::model::family::hub::Source;
 use crate::model::formats::{WeightClass, WeightFormats, WeightTensor};
 use crate::model::layout::LayerLayout;
-use crate::model::names::{head_names, segment_source};
 use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
 use crate::quant::encode::quantize_row;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
 use crate::weights::checkpoint::Checkpoint;
+use crate::weights::family::hub::Source;
 use crate::weights::gguf::families::{gguf_family, GgufKeys};
 use crate::weights::gguf::llama::{place, Place};
+use crate::weights::names::{head_names, segment_source};
 use rayon::prelude::*;
 use std::path::Path;
 use write::{write_gguf, MetaValue, TensorEntry, WriteError, GGML_F32};
@@ -193,14 +193,14 @@ pub(crate) struct Layout {
 fn layout(inputs: &Inputs<'_>, types: &Types, name: &str) -> Result<Layout, ExportError> {
     let arch = inputs.arch;
     let card = inputs.card;
-    let arch_name = arch.family.facts().gguf_arch;
+    let table = gguf_family(arch.family);
+    let arch_name = table.arch;
     let floats = WeightFormats::default();
     let formats = match types {
         Types::Classes(formats) => formats,
         Types::Mix(_) => &floats,
     };
     let stored;
-    let table = gguf_family(arch.family);
     let formats = if table.gpt_oss_experts {
         stored = gpt_oss::keep_stored_experts(card, formats);
         &stored

@@ -1,14 +1,19 @@
-//! The mixture-of-experts block: gate (norm, router softmax over all experts in f32,
-//! top-k, renormalisation), experts grouped by expert over their routed rows, combine.
+//! The mixture-of-experts block in the stages of the MoE contract every backend follows
+//! (`model::vocab::ExpertGroups` states it): router (norm, router softmax over all experts
+//! in f32, top-k, renormalisation), group by expert, the expert products, combine.
 //!
-//! Takes the residual `[n_tokens, hidden]`; [`gate`] gives the normalised rows and a
-//! [`Routing`]; [`expert_ffn`] runs one expert's SwiGLU on the rows routed to it (gathered
-//! into a contiguous block) and writes `weight * y` into that (row, slot)'s place of a
-//! `[n_tokens, top_k, hidden]` slot buffer; [`combine`] sums each row's slots in ascending
-//! expert index (Hugging Face's summation order), adds the shared expert's row when the
-//! family has one ([`Kernels::shared_expert`], Qwen2-MoE: `sigmoid(x · g) * swiglu(x)`,
-//! added after the routed sum as transformers does) and adds the sum to the residual. So
-//! the result is bit-identical whatever order, grouping or micro-batch the experts run in.
+//! Takes the residual `[n_tokens, hidden]`; [`gate`] (the router stage) gives the
+//! normalised rows and a [`Routing`]; `ExpertGroups` groups its entries by expert;
+//! [`Kernels::experts_ffn`] (the CPU's expert products) runs each expert's SwiGLU on the
+//! rows routed to it (gathered into a contiguous block) and writes `weight * y` into that
+//! (row, slot)'s place of a `[n_tokens, top_k, hidden]` slot buffer; [`combine`] sums each
+//! row's slots in ascending expert index (Hugging Face's summation order), adds the shared
+//! expert's row when the family has one ([`Kernels::shared_expert`], Qwen2-MoE:
+//! `sigmoid(x · g) * swiglu(x)`, added after the routed sum as transformers does) and adds
+//! the sum to the residual. So the result is bit-identical whatever order, grouping or
+//! micro-batch the experts run in. [`Kernels::moe_block`] chains the stages for the oracle;
+//! the CPU backend's ops chain the same stages (`gate`, `experts`, `combine`, or all of
+//! them in the fused `post_attn`).
 
 use crate::math::isa::Kernels;
 use crate::math::norm::normalize;
@@ -16,7 +21,7 @@ use crate::math::qmatmul::{QuantKernels, QuantMatrix, QuantProduct};
 use crate::math::views::{DenseWeights, ExpertWeights, SharedExpertWeights};
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
-use crate::model::vocab::{RoutedRow, Routing};
+use crate::model::vocab::{ExpertGroups, RoutedRow, Routing};
 
 /// Softmax over all experts in f32, top-k (ties to the lower index), then division by
 /// the p-norm of the chosen weights when `norm_p` is set (Mixtral: p = 1, the sum).
@@ -105,19 +110,6 @@ pub fn expert_ffn(
     slots: &mut [f32],
 ) -> Result<(), KernelError> {
     Kernels::process().expert_ffn(arch, expert, x_norm, rows, slots)
-}
-
-/// [`Kernels::moe_block`] with the process's kernels.
-pub fn moe_block<'w, E>(
-    arch: &ArchSpec,
-    dense: &DenseWeights<'_>,
-    x: &mut [f32],
-    expert: impl FnMut(usize) -> Result<ExpertWeights<'w>, E>,
-) -> Result<Routing, E>
-where
-    E: From<KernelError>,
-{
-    Kernels::process().moe_block(arch, dense, x, expert)
 }
 
 /// `silu(x) = x * sigmoid(x)`.
@@ -339,11 +331,12 @@ impl Kernels {
         Ok(())
     }
 
-    /// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`): [`gate`],
+    /// The whole sparse-MoE block on the residual `x` (`[n_tokens, hidden]`) in the
+    /// contract's stages: [`gate`] (router), `ExpertGroups` (group by expert),
     /// [`Kernels::experts_ffn`] for the experts some row routes to (in expert order;
-    /// `expert(e)` gives its weights and is called for those experts only), then
-    /// [`combine`] into `x`. Returns
-    /// the routing. The oracle and the runtime's fused `post_attn` both run exactly this.
+    /// `expert(e)` gives its weights and is called for those experts only), the shared
+    /// expert, then [`combine`] into `x`. Returns the routing. The oracle runs this; the CPU
+    /// backend's ops run the same stages.
     pub fn moe_block<'w, E>(
         self,
         arch: &ArchSpec,
@@ -356,14 +349,12 @@ impl Kernels {
     {
         let mut x_norm = vec![0.0f32; x.len()];
         let routing = self.gate(arch, dense, x, &mut x_norm)?;
+        let groups = ExpertGroups::new(&routing, arch.experts);
+        let jobs = groups
+            .routed()
+            .map(|(e, rows)| Ok((expert(e as usize)?, rows)))
+            .collect::<Result<Vec<_>, E>>()?;
         let mut slots = vec![0.0f32; x.len() * arch.top_k];
-        let by_expert = routing.by_expert(arch.experts);
-        let mut jobs = Vec::new();
-        for (e, rows) in by_expert.iter().enumerate() {
-            if !rows.is_empty() {
-                jobs.push((expert(e)?, rows.as_slice()));
-            }
-        }
         self.experts_ffn(arch, &jobs, &x_norm, &mut slots)?;
         match &dense.shared {
             Some(shared) => {
@@ -525,10 +516,9 @@ mod tests {
         assert!((r.weights[0] - 4.0 / 7.0).abs() < 1e-6 && (r.weights[1] - 3.0 / 7.0).abs() < 1e-6);
         let raw = route(&logits, 4, 2, None);
         assert!((raw.weights[0] - 0.4).abs() < 1e-6 && (raw.weights[1] - 0.3).abs() < 1e-6);
-        let rows: Vec<Vec<(u32, u32)>> = r
-            .by_expert(4)
-            .iter()
-            .map(|g| g.iter().map(|p| (p.row, p.slot)).collect())
+        let groups = ExpertGroups::new(&r, 4);
+        let rows: Vec<Vec<(u32, u32)>> = (0..4)
+            .map(|e| groups.rows_of(e).iter().map(|p| (p.row, p.slot)).collect())
             .collect();
         assert_eq!(rows, vec![vec![], vec![], vec![(0, 1)], vec![(0, 0)]]);
     }

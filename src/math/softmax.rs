@@ -12,6 +12,8 @@
 //! and each row is computed on its own, so attention stays batch-invariant.
 
 use crate::math::isa::{Isa, Kernels};
+// The sum's fixed reduction tree, the one every product body ends with.
+use crate::math::linear::portable::reduce16;
 
 /// Arguments below this (after subtracting the row max) give 0: e^-104 < 2^-150.
 const LOWEST: f32 = -104.0;
@@ -102,17 +104,6 @@ fn exp_shifted_tail(row: &mut [f32], from: usize, max: f32, lanes: &mut [f32; 16
         *v = exp_scalar(*v, max);
         lanes[i % 16] += *v;
     }
-}
-
-/// Lane `i` += lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`: the sum's fixed reduction tree.
-fn reduce16(l: &[f32; 16]) -> f32 {
-    let mut v = *l;
-    for half in [8, 4, 2, 1] {
-        for i in 0..half {
-            v[i] += v[i + half];
-        }
-    }
-    v[0]
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -1,6 +1,6 @@
 //! Finding, reading and checking model cards: the built-in cards embedded in the binary,
 //! cards from `.ron` files, and the checks every card passes before anything sizes by it
-//! (the shared rules, then the family's own, `FamilySpec::check_card`).
+//! (the shared rules, then the family's own, `model::family::checks`).
 //!
 //! Apart from [`super::card`] (the card as data and what it derives) because the checks
 //! dispatch to the families, which are built on the card.
@@ -241,7 +241,7 @@ impl ModelCard {
             return Err("shared_gate needs a shared expert (shared_ffn > 0)".to_string());
         }
         self.validate_family_fields()?;
-        crate::model::family::spec(self.family).check_card(self)?;
+        crate::model::family::checks::check_card(self)?;
         if let Some(clip) = self.clip_qkv.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(format!(
                 "clip_qkv ({clip}) must be a positive finite bound (or null for none)"

@@ -1,6 +1,7 @@
-//! What a model is: cards, Hugging Face configs, family facts and the packed layer layout.
+//! What a model is: cards, family facts and the packed layer layout.
 //!
-//! Takes a card name, a card file or a checkpoint's `config.json`; gives [`ModelCard`],
+//! Takes a card name or a card file (a checkpoint's `config.json` is read into a card on
+//! the weights floor, `weights::config`); gives [`ModelCard`],
 //! [`ArchSpec`] (the math the kernels follow) and [`LayerLayout`] (where each tensor sits in
 //! a layer's packed image and how many bytes it takes). The bottom of the model stack: it
 //! imports only the block formats' table ([`crate::quant`]); the compiler imports nothing
@@ -9,11 +10,9 @@
 pub mod arch;
 pub mod card;
 pub mod cards;
-pub mod config;
 pub mod family;
 pub mod formats;
 pub mod layout;
-pub mod names;
 pub mod segment;
 pub mod vocab;
 

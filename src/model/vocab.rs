@@ -1,7 +1,9 @@
 //! The plain data types every floor of the model stack and the runtime share: a layer's
 //! attention geometry ([`AttnShape`]) and KV cache layout ([`KvLayout`]), its norm
 //! ([`NormKind`]), how a matrix is stored ([`Orientation`]), a router's decision
-//! ([`Routing`], [`RoutedRow`]) and how the next token is picked ([`Sampling`]).
+//! ([`Routing`], [`RoutedRow`]) and its entries grouped by expert ([`ExpertGroups`], whose
+//! doc states the MoE layer's contract every backend follows), and how the next token is
+//! picked ([`Sampling`]).
 //!
 //! They sit here, below the kernels (`crate::math`), because the card's architecture
 //! (`ArchSpec`), the layout and the backends' plans name them as data; the kernels only
@@ -113,21 +115,114 @@ impl Routing {
     pub fn n_tokens(&self) -> usize {
         self.experts.len() / self.top_k.max(1)
     }
+}
 
-    /// The rows each expert must process, by expert index, rows ascending.
-    pub fn by_expert(&self, n_experts: usize) -> Vec<Vec<RoutedRow>> {
-        let mut groups = vec![Vec::new(); n_experts];
-        let k = self.top_k.max(1);
-        for (i, (&e, &weight)) in self.experts.iter().zip(&self.weights).enumerate() {
-            if let Some(g) = groups.get_mut(e as usize) {
-                g.push(RoutedRow {
-                    row: (i / k) as u32,
-                    slot: (i % k) as u32,
-                    weight,
-                });
+/// The MoE layer's group-by-expert stage on the host: the routed (token, slot) entries of a
+/// [`Routing`] grouped by expert, rows ascending within an expert.
+///
+/// The MoE layer is one contract on every backend, staged as vLLM's `fused_moe` stages it:
+/// 1. router: the post-attention norm of the residual and the router's top-k, giving a
+///    [`Routing`] (on a device, the packed route: `(expert: u32, weight: f32)` per token
+///    and slot) and the normalised rows (`math::moe::gate`; `acc`'s first rows);
+/// 2. group by expert: the routing's entries per expert, as here;
+/// 3. expert products: each expert over its group, `weight * y` into its entry's slot
+///    (`[n_tokens, top_k, hidden]`; `math::moe::Kernels::experts_ffn` on the CPU);
+/// 4. combine: each token's slots summed in ascending expert index, plus the shared
+///    expert's row, into the residual (`math::moe::combine_shared`).
+///
+/// Only stages 2 and 3 are backend code: the CPU backend and the oracle group here and
+/// multiply with `math::moe`; the CUDA backend groups on the device (`moe_group`, the same
+/// count, prefix sum and stable permutation as [`ExpertGroups::regroup`]) and multiplies
+/// with its grouped kernels, grouping here only when it has read the routing back.
+///
+/// A value is reusable: [`ExpertGroups::regroup`] keeps its buffers, so a backend that
+/// regroups every layer allocates only while its largest batch grows.
+#[derive(Debug, Clone, Default)]
+pub struct ExpertGroups {
+    /// `starts[e]..starts[e + 1]` are expert `e`'s entries of `rows`.
+    starts: Vec<u32>,
+    /// Every routed entry, grouped by expert.
+    rows: Vec<RoutedRow>,
+}
+
+impl ExpertGroups {
+    /// `routing`'s entries grouped by expert among `experts` experts.
+    pub fn new(routing: &Routing, experts: usize) -> Self {
+        let mut groups = ExpertGroups::default();
+        groups.regroup(routing, experts);
+        groups
+    }
+
+    /// Groups `routing`'s entries by expert among `experts` experts, in place: counts per
+    /// expert, prefix sums, then a stable placement (rows ascending within an expert). An
+    /// entry whose expert is not below `experts` (a dense layer's `NO_EXPERT`) is left
+    /// out.
+    pub fn regroup(&mut self, routing: &Routing, experts: usize) {
+        let k = routing.top_k.max(1);
+        self.starts.clear();
+        self.starts.resize(experts + 1, 0);
+        for &e in &routing.experts {
+            if (e as usize) < experts {
+                self.starts[e as usize + 1] += 1;
             }
         }
-        groups
+        for e in 0..experts {
+            self.starts[e + 1] += self.starts[e];
+        }
+        let empty = RoutedRow {
+            row: 0,
+            slot: 0,
+            weight: 0.0,
+        };
+        self.rows.clear();
+        self.rows.resize(self.starts[experts] as usize, empty);
+        // Each expert's next free place: its start, advanced as its entries are placed; the
+        // starts are restored by shifting back once every entry is placed.
+        for (i, (&e, &weight)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+            let e = e as usize;
+            if e >= experts {
+                continue;
+            }
+            let at = self.starts[e] as usize;
+            self.rows[at] = RoutedRow {
+                row: (i / k) as u32,
+                slot: (i % k) as u32,
+                weight,
+            };
+            self.starts[e] += 1;
+        }
+        // starts[e] is now expert e's end, which is expert e + 1's start.
+        for e in (0..experts).rev() {
+            self.starts[e + 1] = self.starts[e];
+        }
+        if let Some(first) = self.starts.first_mut() {
+            *first = 0;
+        }
+    }
+
+    /// The rows routed to `expert` (empty for an expert past the grouped ones).
+    pub fn rows_of(&self, expert: u32) -> &[RoutedRow] {
+        let e = expert as usize;
+        match (self.starts.get(e), self.starts.get(e + 1)) {
+            (Some(&start), Some(&end)) => &self.rows[start as usize..end as usize],
+            _ => &[],
+        }
+    }
+
+    /// Every expert something was routed to, ascending, with its rows.
+    pub fn routed(&self) -> impl Iterator<Item = (u32, &[RoutedRow])> {
+        (0..self.starts.len().saturating_sub(1) as u32)
+            .map(|e| (e, self.rows_of(e)))
+            .filter(|(_, rows)| !rows.is_empty())
+    }
+
+    /// Each of `members`, in their order, with the rows routed to it; an expert nothing was
+    /// routed to is left out (it has no product to compute).
+    pub fn of<'g>(&'g self, members: &'g [u32]) -> impl Iterator<Item = (u32, &'g [RoutedRow])> {
+        members
+            .iter()
+            .map(|&e| (e, self.rows_of(e)))
+            .filter(|(_, rows)| !rows.is_empty())
     }
 }
 
@@ -155,4 +250,41 @@ pub enum Sampling {
         /// Nucleus mass in (0, 1].
         top_p: f32,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three tokens at top-2 over 4 experts, the middle token a dense layer's (no expert in
+    /// either slot): expert 2 gets (0, 0) then (2, 1), expert 0 gets (0, 1), expert 3
+    /// (2, 0), expert 1 nothing; regrouping a smaller routing reuses the value.
+    #[test]
+    fn expert_groups_place_entries_by_expert_rows_ascending() {
+        let routing = Routing {
+            top_k: 2,
+            experts: vec![2, 0, u32::MAX, u32::MAX, 3, 2],
+            weights: vec![0.6, 0.4, 0.0, 0.0, 0.3, 0.7],
+        };
+        let mut groups = ExpertGroups::new(&routing, 4);
+        let pairs = |rows: &[RoutedRow]| -> Vec<(u32, u32, f32)> {
+            rows.iter().map(|r| (r.row, r.slot, r.weight)).collect()
+        };
+        assert_eq!(pairs(groups.rows_of(2)), vec![(0, 0, 0.6), (2, 1, 0.7)]);
+        assert_eq!(pairs(groups.rows_of(0)), vec![(0, 1, 0.4)]);
+        assert_eq!(pairs(groups.rows_of(3)), vec![(2, 0, 0.3)]);
+        assert!(groups.rows_of(1).is_empty() && groups.rows_of(9).is_empty());
+        let routed: Vec<u32> = groups.routed().map(|(e, _)| e).collect();
+        assert_eq!(routed, vec![0, 2, 3]);
+        let members: Vec<u32> = groups.of(&[3, 1, 2]).map(|(e, _)| e).collect();
+        assert_eq!(members, vec![3, 2]);
+        let one = Routing {
+            top_k: 1,
+            experts: vec![1],
+            weights: vec![1.0],
+        };
+        groups.regroup(&one, 4);
+        assert_eq!(pairs(groups.rows_of(1)), vec![(0, 0, 1.0)]);
+        assert_eq!(groups.routed().count(), 1);
+    }
 }

@@ -5,17 +5,15 @@
 //! [`OpCx`]: the step state and the model's expert count); gives the run of one task
 //! ([`run_task`]: arguments resolved to host-memory views, the kernel, then every written
 //! view handed back so weight labels are forgotten), the micro-batch and expert lookups,
-//! [`OpError`], the one error type of both backends' ops, and the MoE layer's host-side
-//! grouping ([`ExpertGroups`]). Guarantees: the words of an
-//! error are the same whichever backend reports it; what only one backend can refuse (a
-//! CPU kernel's shape check, a CUDA launch) travels inside [`OpError::Backend`] with its
-//! own words.
+//! [`OpError`], the one error type of both backends' ops. (The MoE layer's contract and its
+//! host-side grouping, `ExpertGroups`, are model vocabulary: `model::vocab`.) Guarantees:
+//! the words of an error are the same whichever backend reports it; what only one backend
+//! can refuse (a CPU kernel's shape check, a CUDA launch) travels inside
+//! [`OpError::Backend`] with its own words.
 
 use crate::ir::catalog::OpKind;
 use crate::ir::{ExpertRef, ExpertSet};
 use crate::lower::PlanTask;
-use crate::model::vocab::RoutedRow;
-use crate::model::vocab::Routing;
 use crate::runtime::args::MissingArg;
 use crate::runtime::backend::ShortRoute;
 use crate::runtime::host::memory::{HostMemory, MemoryError, View};
@@ -233,39 +231,4 @@ pub fn run_task<C: OpCx>(
         }
     }
     Ok(())
-}
-
-/// The MoE layer's group-by-expert stage on the host, the one both backends' host paths
-/// take.
-///
-/// The MoE layer is one contract on every backend, staged as vLLM's `fused_moe` stages it:
-/// the router writes a packed route (`(expert: u32, weight: f32)` per token and slot) and
-/// the normalised rows (`gate`); the routed (token, slot) entries are grouped by expert;
-/// each expert's product runs over its group, `weight * y` into the entry's slot
-/// (`experts`); the slots and the shared expert's row are summed into the residual in the
-/// CPU's order (`combine`). Only the grouping and the expert products are backend code:
-/// the CPU groups here and multiplies with `math::moe::expert_ffn`; the CUDA backend groups
-/// on the device (`moe_group`) and multiplies with the grouped kernels, and groups here only
-/// when it must read the routing back.
-#[derive(Debug)]
-pub struct ExpertGroups {
-    groups: Vec<Vec<RoutedRow>>,
-}
-
-impl ExpertGroups {
-    /// Groups `routing`'s entries by expert (rows ascending within an expert).
-    pub fn new(routing: &Routing, experts: usize) -> Self {
-        ExpertGroups {
-            groups: routing.by_expert(experts),
-        }
-    }
-
-    /// Each of `members`, in their order, with the rows routed to it; an expert nothing was
-    /// routed to is left out (it has no product to compute).
-    pub fn of<'g>(&'g self, members: &'g [u32]) -> impl Iterator<Item = (u32, &'g [RoutedRow])> {
-        members.iter().filter_map(|&e| {
-            let rows = self.groups.get(e as usize).map(Vec::as_slice)?;
-            (!rows.is_empty()).then_some((e, rows))
-        })
-    }
 }

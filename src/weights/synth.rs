@@ -13,13 +13,13 @@
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
-use crate::model::config::{config_for_card, MXFP4_UNCONVERTED};
 use crate::model::layout::{ImageBuffer, LayerLayout};
-use crate::model::names::{checkpoint_tensors, segment_source};
 use crate::quant::mxfp4;
 use crate::quant::storage::WeightDtype;
 use crate::rng::Rng;
 use crate::tempfiles::{self, TempGuard};
+use crate::weights::config::{config_for_card, MXFP4_UNCONVERTED};
+use crate::weights::names::{checkpoint_tensors, segment_source};
 use crate::weights::tokenizer::embedded_tokenizer_json;
 use half::{bf16, f16};
 use std::io::{BufWriter, Write};

@@ -574,7 +574,7 @@ fn op_kernels_run_like_the_cpu() {
         .expect("alloc");
     let mut slots_cpu = vec![0.0f32; tokens * top_k * width];
     let (k_i, w_i) = (top_k as i32, width as i32);
-    for (e, rows) in routing.by_expert(n_experts).iter().enumerate() {
+    for (e, rows) in moec::model::vocab::ExpertGroups::new(&routing, n_experts).routed() {
         if rows.is_empty() {
             continue;
         }

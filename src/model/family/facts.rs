@@ -5,9 +5,10 @@
 //! Takes a [`Family`]; gives its [`FamilyFacts`] row. The architecture (`ArchSpec`), the
 //! layer layout, the weight views, the config reader and the tokenizer fallback read these
 //! instead of matching on the family. What needs code per family (reading and writing its
-//! Hub `config.json`, its tensor names, its own card checks) is its `FamilySpec` in the
-//! family's module (`model::family::spec`). This file imports only the vocabulary types, so
-//! everything else in `model` may read it.
+//! Hub `config.json`, its Hub and GGUF tensor names, its GGUF row) is its `FamilySpec` in
+//! the family's module on the weights floor (`weights::family::spec`); its own card rules
+//! are `model::family::checks`. This file imports only the vocabulary types, so everything
+//! else in `model` may read it.
 
 use crate::model::vocab::{NormKind, Orientation};
 use serde::{Deserialize, Serialize};
@@ -55,9 +56,6 @@ pub struct FamilyFacts {
     pub family: Family,
     /// The `model_type` of the family's Hub `config.json`.
     pub model_type: &'static str,
-    /// llama.cpp's `general.architecture` for the family (DeepSeek-V2 and V3 share
-    /// `deepseek2`, told apart by their gating function).
-    pub gguf_arch: &'static str,
     /// Whether the family's configs may ask for YaRN rotary scaling (every other rope type
     /// but the default is refused).
     pub allows_yarn: bool,
@@ -101,7 +99,6 @@ pub const MXFP4_NOTE: &str = "experts stored as MXFP4 (4.25 bits/weight) and kep
 const LLAMA_LIKE: FamilyFacts = FamilyFacts {
     family: Family::Mixtral,
     model_type: "",
-    gguf_arch: "",
     allows_yarn: false,
     mxfp4_unconverted: None,
     fused_qkv: false,
@@ -124,7 +121,6 @@ pub const FACTS: [FamilyFacts; 8] = [
     FamilyFacts {
         family: Family::Mixtral,
         model_type: "mixtral",
-        gguf_arch: "llama",
         tokenizer: MIXTRAL_SPM,
         router_norm: RouterNorm::Sum,
         ..LLAMA_LIKE
@@ -132,7 +128,6 @@ pub const FACTS: [FamilyFacts; 8] = [
     FamilyFacts {
         family: Family::Dbrx,
         model_type: "dbrx",
-        gguf_arch: "dbrx",
         fused_qkv: true,
         expert_down: Orientation::InOut,
         norm: NormKind::LayerNoBias,
@@ -142,26 +137,22 @@ pub const FACTS: [FamilyFacts; 8] = [
     FamilyFacts {
         family: Family::Qwen2Moe,
         model_type: "qwen2_moe",
-        gguf_arch: "qwen2moe",
         ..LLAMA_LIKE
     },
     FamilyFacts {
         family: Family::Qwen3Moe,
         model_type: "qwen3_moe",
-        gguf_arch: "qwen3moe",
         ..LLAMA_LIKE
     },
     FamilyFacts {
         family: Family::Olmoe,
         model_type: "olmoe",
-        gguf_arch: "olmoe",
         tokenizer: MIXTRAL_SPM,
         ..LLAMA_LIKE
     },
     FamilyFacts {
         family: Family::GptOss,
         model_type: "gpt_oss",
-        gguf_arch: "gpt-oss",
         allows_yarn: true,
         mxfp4_unconverted: Some(&MXFP4_UNCONVERTED),
         expert_down: Orientation::InOut,
@@ -170,14 +161,12 @@ pub const FACTS: [FamilyFacts; 8] = [
     FamilyFacts {
         family: Family::DeepseekV2,
         model_type: "deepseek_v2",
-        gguf_arch: "deepseek2",
         allows_yarn: true,
         ..LLAMA_LIKE
     },
     FamilyFacts {
         family: Family::DeepseekV3,
         model_type: "deepseek_v3",
-        gguf_arch: "deepseek2",
         allows_yarn: true,
         ..LLAMA_LIKE
     },

@@ -10,6 +10,13 @@
 //! block layout; a routing slice is `(expert: u32, weight: f32)` per token and slot; an
 //! `acc` slice is `[normalised rows | one output row per (token, k) | the shared expert's
 //! rows, for families with one]` (`expert_acc`).
+//!
+//! The MoE ops follow the contract `model::vocab::ExpertGroups` states, in the stages the
+//! CUDA backend's `moe` runs: the router ([`OpContext::route`]: norm, top-k, the shared
+//! expert), grouping by expert (`ExpertGroups`), the expert products
+//! ([`OpContext::routed_experts`]) and combine (`math::moe::combine_shared`); `gate`,
+//! `experts` and `combine` each run one, the fused `post_attn` all of them, into scratch it
+//! keeps ([`MoeScratch`]).
 
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, Op, Role};
@@ -20,7 +27,7 @@ use crate::math::head::{embed, logits};
 use crate::math::isa::Kernels;
 use crate::math::kv_cache::KvBlocksMut;
 use crate::math::mla::{KvUp, MlaWeights};
-use crate::math::moe::{combine_shared, expert_ffn, gate, moe_block};
+use crate::math::moe::{combine_shared, gate};
 use crate::math::projection::{o_proj_residual, pre_attn};
 use crate::math::rope::RopeTable;
 use crate::math::tensor::{Matrix, TypedSlice};
@@ -30,11 +37,12 @@ use crate::math::views::{
 use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
 use crate::model::segment::SegmentKind;
-use crate::model::vocab::{KvLayout, Orientation, Routing};
+use crate::model::vocab::{ExpertGroups, KvLayout, Orientation, RoutedRow, Routing};
 use crate::runtime::host::memory::{HostMemory, View};
 use crate::runtime::host::weights::WeightTag;
-use crate::runtime::ops::{run_task, sized, ExpertGroups, OpCx, OpError, OpTable, TaskArgs};
+use crate::runtime::ops::{run_task, sized, OpCx, OpError, OpTable, TaskArgs};
 use crate::runtime::step::StepContext;
+use std::cell::Cell;
 
 // A CPU kernel's own input checks, in the kernel's words.
 impl From<KernelError> for OpError {
@@ -351,6 +359,52 @@ impl OpContext<'_> {
         })
     }
 
+    /// The MoE contract's router stage, as `gate` and the fused `post_attn` run it: the
+    /// post-attention norm of `h` into `x_norm`, the router's top-k (the experts it reached
+    /// noted for the run report and the replay), and the shared expert's rows into
+    /// `shared_out` (zeros for a layer without one, whose card keeps the row for its dense
+    /// layers' SwiGLU).
+    fn route(
+        &self,
+        (layer, ub): (u32, u32),
+        dense: &DenseWeights<'_>,
+        h: &[f32],
+        x_norm: &mut [f32],
+        shared_out: &mut [f32],
+    ) -> Result<Routing, OpError> {
+        let routing = gate(self.arch, dense, h, x_norm)?;
+        self.state
+            .note_active_experts(layer, ub, &routing, self.arch.experts);
+        // The shared expert is part of the dense weights every token uses: computed here,
+        // with the router, so schedules treat it like the gate's other weights.
+        match &dense.shared {
+            Some(shared) => {
+                Kernels::process().shared_expert(self.arch, shared, x_norm, shared_out)?
+            }
+            None => shared_out.fill(0.0),
+        }
+        Ok(routing)
+    }
+
+    /// The MoE contract's expert stage on the CPU: each `(expert, rows)` of a grouping, its
+    /// weights found in the task's `w` arguments, `weight * y` into each (row, slot) of
+    /// `slots` (`[n, top_k, d]`) through `Kernels::experts_ffn` (a decode step's quantised
+    /// experts in one parallel region; the same bits as one at a time).
+    fn routed_experts<'g>(
+        &self,
+        weights: &[View],
+        layer: u32,
+        groups: impl Iterator<Item = (u32, &'g [RoutedRow])>,
+        x_norm: &[f32],
+        slots: &mut [f32],
+    ) -> Result<(), OpError> {
+        let jobs = groups
+            .map(|(e, rows)| Ok((self.expert(weights, layer, e as usize)?, rows)))
+            .collect::<Result<Vec<_>, OpError>>()?;
+        Kernels::process().experts_ffn(self.arch, &jobs, x_norm, slots)?;
+        Ok(())
+    }
+
     fn matrix(
         &self,
         weights: &[View],
@@ -507,6 +561,57 @@ impl OpContext<'_> {
     }
 }
 
+/// The buffers the MoE stages hand each other in the fused `post_attn` (and the grouping of
+/// `experts`), kept per stream thread so a decode step allocates none of them: taken for a
+/// task and put back after it ([`with_moe_scratch`]).
+#[derive(Debug, Default)]
+struct MoeScratch {
+    /// Normalised rows, `[n, d]`.
+    x_norm: Vec<f32>,
+    /// One slot per (token, k), `[n, top_k, d]`.
+    slots: Vec<f32>,
+    /// The shared expert's rows, `[n, d]` (empty for a family without one).
+    shared: Vec<f32>,
+    /// The routing grouped by expert.
+    groups: ExpertGroups,
+}
+
+/// Scratch past this many bytes is freed after its task rather than kept: a prefill's rows
+/// would otherwise stay resident on the stream thread for the whole run, and a prefill's
+/// allocation is small beside its work.
+const MOE_SCRATCH_KEPT_BYTES: usize = 16 << 20;
+
+impl MoeScratch {
+    fn bytes(&self) -> usize {
+        // The grouping's buffers (12 bytes per routed entry) are left out: a tenth of the
+        // slots' at most.
+        4 * (self.x_norm.capacity() + self.slots.capacity() + self.shared.capacity())
+    }
+}
+
+thread_local! {
+    static MOE_SCRATCH: Cell<MoeScratch> = Cell::new(MoeScratch::default());
+}
+
+/// Runs `f` with this thread's MoE scratch, which it may grow. Taken out of its cell for
+/// the call, so a nested call (which no op makes) starts from empty buffers rather than
+/// sharing them.
+fn with_moe_scratch<T>(f: impl FnOnce(&mut MoeScratch) -> T) -> T {
+    let mut scratch = MOE_SCRATCH.with(Cell::take);
+    let out = f(&mut scratch);
+    if scratch.bytes() <= MOE_SCRATCH_KEPT_BYTES {
+        MOE_SCRATCH.with(|cell| cell.set(scratch));
+    }
+    out
+}
+
+/// `v` as `len` zeros, reusing its allocation.
+fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(len, 0.0);
+    v
+}
+
 /// A CPU kernel: applies one task of its op kind to the views of the task's arguments
 /// (and to the step state: routing decisions, sampled tokens).
 pub(crate) type CpuKernel = fn(&OpContext<'_>, &PlanTask, &TaskArgs) -> Result<(), OpError>;
@@ -618,19 +723,7 @@ fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
         dense_ffn_rows(Kernels::process(), cx.arch, &dense, h, x_norm, shared_out)?;
         no_expert_routing(n, cx.arch.top_k)
     } else {
-        let routing = gate(cx.arch, &dense, h, x_norm)?;
-        cx.state
-            .note_active_experts(layer, ub, &routing, cx.arch.experts);
-        // The shared expert is part of the dense weights every token uses: computed here,
-        // with the router, so schedules treat it like the gate's other weights.
-        match &dense.shared {
-            Some(shared) => {
-                Kernels::process().shared_expert(cx.arch, shared, x_norm, shared_out)?
-            }
-            // The row a card with dense layers keeps for their SwiGLU: nothing to add here.
-            None => shared_out.fill(0.0),
-        }
-        routing
+        cx.route((layer, ub), &dense, h, x_norm, shared_out)?
     };
     // The host learns this routing only through the plan's `ReadRouting` instruction, as
     // it would from a device.
@@ -645,16 +738,14 @@ fn experts_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     let n = cx.ub(ub)?.n_tokens();
     let d = cx.arch.hidden;
     let routing = cx.read_routing(args.need(Role::Route)?, n)?;
-    let groups = ExpertGroups::new(&routing, cx.arch.experts);
     let acc = cx.act_mut(args.need(Role::Acc)?, "acc", n * (1 + cx.arch.top_k) * d)?;
     let (x_norm, slots) = acc.split_at_mut(n * d);
     let weights = args.all(Role::W);
     let members = cx.members(set);
-    for (e, rows) in groups.of(&members) {
-        let expert = cx.expert(&weights, layer, e as usize)?;
-        expert_ffn(cx.arch, &expert, x_norm, rows, slots)?;
-    }
-    Ok(())
+    with_moe_scratch(|s| {
+        s.groups.regroup(&routing, cx.arch.experts);
+        cx.routed_experts(&weights, layer, s.groups.of(&members), x_norm, slots)
+    })
 }
 
 fn combine_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
@@ -721,10 +812,21 @@ fn post_attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Res
         dense_block(Kernels::process(), cx.arch, &dense, h)?;
         return Ok(());
     }
-    let routing = moe_block(cx.arch, &dense, h, |e| cx.expert(&weights, layer, e))?;
-    cx.state
-        .note_active_experts(layer, ub, &routing, cx.arch.experts);
-    Ok(())
+    // The MoE layer in the contract's stages, as `gate`, `experts` and `combine` run them
+    // one task each: router, group by expert, the expert products, combine.
+    let k = cx.arch.top_k;
+    with_moe_scratch(|s| {
+        let x_norm = zeroed(&mut s.x_norm, n * d);
+        let shared_rows = if dense.shared.is_some() { n * d } else { 0 };
+        let shared = zeroed(&mut s.shared, shared_rows);
+        let routing = cx.route((layer, ub), &dense, h, x_norm, shared)?;
+        s.groups.regroup(&routing, cx.arch.experts);
+        let slots = zeroed(&mut s.slots, n * k * d);
+        cx.routed_experts(&weights, layer, s.groups.routed(), &s.x_norm, slots)?;
+        let shared = dense.shared.is_some().then_some(s.shared.as_slice());
+        combine_shared(&routing, &s.slots, shared, h)?;
+        Ok(())
+    })
 }
 
 fn lm_head_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {

@@ -30,13 +30,13 @@ use crate::ir::{Op, Role};
 use crate::lower::PlanTask;
 use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
-use crate::model::vocab::Routing;
+use crate::model::vocab::{ExpertGroups, Routing};
 use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use crate::runtime::backend::decode_routing;
 use crate::runtime::host::memory::View;
 use crate::runtime::host::weights::WeightTag;
-use crate::runtime::ops::{ExpertGroups, OpCx, TaskArgs};
+use crate::runtime::ops::{OpCx, TaskArgs};
 use crate::runtime::step::MicroBatchState;
 use std::sync::atomic::Ordering;
 

@@ -11,17 +11,43 @@ use crate::math::views::{
     SharedExpertWeights,
 };
 use crate::model::card::QkNorm;
-use crate::model::family::hub::Source;
 use crate::model::formats::WeightTensor;
 use crate::model::layout::{ImageBuffer, LayerLayout, Segment};
-use crate::model::names::{head_names, segment_source};
 use crate::model::segment::SegmentKind;
 use crate::model::vocab::Orientation;
-use crate::quant::storage::Storage;
+use crate::quant::storage::{Storage, WeightDtype};
 use crate::quant::QuantSlice;
+use crate::weights::family::hub::Source;
+use crate::weights::names::{head_names, segment_source};
 use std::collections::BTreeMap;
 
 impl Checkpoint {
+    /// `src`'s part of its tensor's `bytes` (stored as `dtype`) and its column count: a
+    /// vector whole; a matrix's `src.rows`, with the rows over the leading dimensions
+    /// flattened (gpt-oss's 3-D expert tensors are `[experts * in, out]` this way) and the
+    /// tensor's own last dimension as the row width (checked against the card, not the
+    /// layout's); `None` when those rows run past the bytes.
+    fn rows_of<'b>(
+        &self,
+        src: &Source,
+        bytes: &'b [u8],
+        dtype: WeightDtype,
+    ) -> (Option<&'b [u8]>, usize) {
+        let cols = src.shape.last().copied().unwrap_or(1);
+        if src.shape.len() == 1 {
+            return (Some(bytes), cols);
+        }
+        let row_bytes = self
+            .tensors
+            .get(&src.name)
+            .and_then(|e| e.row_bytes(cols, dtype))
+            .unwrap_or(0);
+        (
+            bytes.get(src.rows.start * row_bytes..src.rows.end * row_bytes),
+            cols,
+        )
+    }
+
     /// Typed view of `src` and its column count (a vector's length for 1-D tensors).
     pub(super) fn view(&self, src: &Source) -> Result<(TypedSlice<'_>, usize), CheckpointError> {
         let (bytes, dtype, path) = self.checked(&src.name, &src.shape)?;
@@ -31,20 +57,8 @@ impl Checkpoint {
             Some(_) => bytes,
             None => self.aligned_bytes(&src.name, bytes, dtype),
         };
-        let (bytes, cols) = if src.shape.len() == 1 {
-            (bytes, src.shape[0])
-        } else {
-            // Rows over the leading dimensions flattened (gpt-oss's 3-D expert tensors are
-            // `[experts * in, out]` this way), columns the last dimension.
-            let cols: usize = src.shape.last().copied().unwrap_or(1);
-            let row_bytes = self
-                .tensors
-                .get(&src.name)
-                .and_then(|e| e.row_bytes(cols, dtype))
-                .unwrap_or(0);
-            let rows = bytes.get(src.rows.start * row_bytes..src.rows.end * row_bytes);
-            (rows.unwrap_or_default(), cols)
-        };
+        let (rows, cols) = self.rows_of(src, bytes, dtype);
+        let bytes = rows.unwrap_or_default();
         if let Some(format) = quant {
             let elems = if src.shape.len() == 1 {
                 cols
@@ -353,19 +367,7 @@ impl Checkpoint {
                 dtype: format!("{dtype:?} (layout expects {:?})", seg.dtype),
             });
         }
-        // The tensor's own row width (checked against the card above), not the layout's:
-        // its last dimension, rows over the leading ones flattened.
-        let cols: usize = src.shape.last().copied().unwrap_or(1);
-        let row_bytes = self
-            .tensors
-            .get(&src.name)
-            .and_then(|e| e.row_bytes(cols, dtype))
-            .unwrap_or(0);
-        let part = if src.shape.len() == 1 {
-            Some(bytes)
-        } else {
-            bytes.get(src.rows.start * row_bytes..src.rows.end * row_bytes)
-        };
+        let (part, _) = self.rows_of(&src, bytes, dtype);
         match part.filter(|p| p.len() == seg.len_bytes) {
             Some(part) => Ok(part),
             None => Err(CheckpointError::Shape {

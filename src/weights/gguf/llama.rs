@@ -24,8 +24,8 @@ use super::{GgufError, GgufFile, Storage};
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
 use crate::model::layout::LayerLayout;
-use crate::model::names::{head_names, segment_source};
 use crate::model::segment::SegmentKind;
+use crate::weights::names::{head_names, segment_source};
 use std::ops::Range;
 
 /// Where one Hub-named tensor's bytes are in the GGUF file.
@@ -166,7 +166,7 @@ pub fn import(file: &GgufFile, name: &str) -> Result<Imported, GgufError> {
     };
     let config = super::families::config(file, family)?;
     let path = file.path().display().to_string();
-    let mut card = crate::model::config::card_from_config(&config.to_string(), &path, name)
+    let mut card = crate::weights::config::card_from_config(&config.to_string(), &path, name)
         .map_err(|e| meta_err("(hyper-parameters)", e.to_string()))?;
     card.description = format!("{family:?}-family GGUF `{name}` (from its metadata)");
     if let Some(m) = card.mla.as_mut() {

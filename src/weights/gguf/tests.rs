@@ -626,7 +626,7 @@ fn a_dbrx_gguf_reads_its_expert_down_out_in_and_names_a_wrong_shape() {
     by_gguf("blk.0.attn_qkv.weight");
     by_gguf("blk.0.attn_output_norm.weight");
     let arch = crate::model::arch::ArchSpec::from_card(card);
-    let src = crate::model::names::segment_source(
+    let src = crate::weights::names::segment_source(
         &arch,
         0,
         crate::model::segment::SegmentKind::ExpertDown(1),

@@ -15,6 +15,9 @@ use crate::model::card::{DeepseekRouter, DeepseekTopk, Mla, ModelCard, Yarn};
 use crate::model::family::facts::Family;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::gguf::families::EpsRule;
+use crate::weights::gguf::families::{GgufFamily, Meta, TEXT};
+use crate::weights::gguf::GgufError;
 use serde_json::{json, Value};
 
 /// DeepSeek-V2 or V3 (the field says which).
@@ -24,6 +27,25 @@ pub(super) struct Deepseek(Family);
 pub(super) const DEEPSEEK_V2: Deepseek = Deepseek(Family::DeepseekV2);
 /// DeepSeek-V3.
 pub(super) const DEEPSEEK_V3: Deepseek = Deepseek(Family::DeepseekV3);
+
+/// llama.cpp's `deepseek2` (V2 and V3, told apart by the gating function): MLA's keys and
+/// no per-head key/value length keys; the config's epsilon, else 1e-6.
+const GGUF: [GgufFamily; 2] = [
+    GgufFamily {
+        family: Family::DeepseekV2,
+        arch: "deepseek2",
+        mla_keys: true,
+        eps: EpsRule::ConfigOr(1e-6),
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::DeepseekV3,
+        arch: "deepseek2",
+        mla_keys: true,
+        eps: EpsRule::ConfigOr(1e-6),
+        ..TEXT
+    },
+];
 
 impl FamilySpec for Deepseek {
     fn family(&self) -> Family {
@@ -296,74 +318,67 @@ impl FamilySpec for Deepseek {
         })
     }
 
-    /// MLA's latent geometry and the router's expert groups (that `mla` and
-    /// `deepseek_router` are set at all is a shared rule).
-    fn check_card(&self, card: &ModelCard) -> Result<(), String> {
-        let (Some(m), Some(r)) = (card.mla, card.deepseek_router) else {
-            return Ok(());
+    fn gguf(&self) -> &'static GgufFamily {
+        match self.0 {
+            Family::DeepseekV3 => &GGUF[1],
+            _ => &GGUF[0],
+        }
+    }
+
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError> {
+        let v3 = self.0 == Family::DeepseekV3;
+        let rope = m.u("rope.dimension_count")?;
+        let key_mla = m.u("attention.key_length_mla")?;
+        let n_group = m.opt_u("expert_group_count")?.unwrap_or(1).max(1);
+        let topk_method = match (v3, n_group) {
+            (true, _) => "noaux_tc",
+            (false, 1) => "greedy",
+            (false, _) => "group_limited_greedy",
         };
-        let dims = [
-            ("mla.kv_lora_rank", m.kv_lora_rank),
-            ("mla.qk_nope_head_dim", m.qk_nope_head_dim),
-            ("mla.qk_rope_head_dim", m.qk_rope_head_dim),
-            ("mla.v_head_dim", m.v_head_dim),
-            ("mla.q_lora_rank", m.q_lora_rank.unwrap_or(1)),
-            ("deepseek_router.n_group", r.n_group),
-            ("deepseek_router.topk_group", r.topk_group),
-        ];
-        if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("`{name}` must be positive"));
-        }
-        if !m.qk_rope_head_dim.is_multiple_of(2) {
-            return Err(format!(
-                "mla.qk_rope_head_dim ({}) must be even for rotary embeddings",
-                m.qk_rope_head_dim
-            ));
-        }
-        if card.kv_heads != 1 || card.head_dim != m.latent_dim() {
-            return Err(format!(
-                "an MLA card's attention runs over its latent: kv_heads must be 1 and head_dim \
-                 kv_lora_rank + qk_rope_head_dim = {} (got {} and {})",
-                m.latent_dim(),
-                card.kv_heads,
-                card.head_dim
-            ));
-        }
-        if !(m.softmax_mscale.is_finite() && m.softmax_mscale > 0.0) {
-            return Err(format!(
-                "mla.softmax_mscale ({}) must be positive and finite",
-                m.softmax_mscale
-            ));
-        }
-        if !card.experts.is_multiple_of(r.n_group) || r.topk_group > r.n_group {
-            return Err(format!(
-                "deepseek_router: n_group ({}) must divide experts ({}) and topk_group ({}) \
-                 must not exceed it",
-                r.n_group, card.experts, r.topk_group
-            ));
-        }
-        let reachable = r.topk_group * (card.experts / r.n_group);
-        let per_group = card.experts / r.n_group;
-        if card.top_k > reachable || (r.topk == DeepseekTopk::NoauxTc && per_group < 2) {
-            return Err(format!(
-                "deepseek_router: top_k ({}) must fit in topk_group x experts per group ({}), \
-                 and noaux_tc needs 2 experts per group",
-                card.top_k, reachable
-            ));
-        }
-        if !(r.routed_scaling_factor.is_finite() && r.routed_scaling_factor > 0.0) {
-            return Err(format!(
-                "deepseek_router.routed_scaling_factor ({}) must be positive and finite",
-                r.routed_scaling_factor
-            ));
-        }
-        if card.dense_layers > card.layers || (card.dense_layers > 0) != (card.dense_ffn > 0) {
-            return Err(format!(
-                "dense_layers ({}) must not exceed layers ({}) and come with dense_ffn ({})",
-                card.dense_layers, card.layers, card.dense_ffn
-            ));
-        }
-        Ok(())
+        // The converter writes `yarn_log_multiplier` as 0.1 * mscale_all_dim and drops
+        // `mscale`; llama.cpp then uses the one value for both, and so does this.
+        let all = m.opt_f("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) / 0.1;
+        let rope_scaling = m.yarn()?.map_or(serde_json::Value::Null, |mut y| {
+            y.insert("type".into(), json!("yarn"));
+            y.insert("mscale".into(), json!(all));
+            y.insert("mscale_all_dim".into(), json!(all));
+            serde_json::Value::Object(y)
+        });
+        Ok(json!({
+            "architectures": [if v3 { "DeepseekV3ForCausalLM" } else { "DeepseekV2ForCausalLM" }],
+            "model_type": if v3 { "deepseek_v3" } else { "deepseek_v2" },
+            "hidden_size": m.u("embedding_length")?,
+            "intermediate_size": m.u("feed_forward_length")?,
+            "moe_intermediate_size": m.u("expert_feed_forward_length")?,
+            "num_hidden_layers": m.u("block_count")?,
+            "num_attention_heads": m.u("attention.head_count")?,
+            "n_shared_experts": m.opt_u("expert_shared_count")?.unwrap_or(0),
+            "n_routed_experts": m.u("expert_count")?,
+            "num_experts_per_tok": m.u("expert_used_count")?,
+            "first_k_dense_replace": m.opt_u("leading_dense_block_count")?.unwrap_or(0),
+            "topk_method": topk_method,
+            "n_group": n_group,
+            "topk_group": m.opt_u("expert_group_used_count")?.unwrap_or(n_group),
+            "routed_scaling_factor": m.opt_f("expert_weights_scale")?.unwrap_or(1.0),
+            "norm_topk_prob": m
+                .file
+                .metadata
+                .get("deepseek2.expert_weights_norm")
+                .is_some_and(|v| *v == crate::weights::gguf::Value::Bool(true)),
+            "q_lora_rank": m.opt_u("attention.q_lora_rank")?,
+            "kv_lora_rank": m.u("attention.kv_lora_rank")?,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": key_mla.saturating_sub(rope),
+            "v_head_dim": m.u("attention.value_length_mla")?,
+            "vocab_size": m.vocab()?,
+            "max_position_embeddings": m.u("context_length")?,
+            "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+            "rope_theta": m.f("rope.freq_base")?,
+            "rope_scaling": rope_scaling,
+            "bos_token_id": m.bos(),
+            "eos_token_id": m.token("eos_token_id"),
+            "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+        }))
     }
 }
 

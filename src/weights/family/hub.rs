@@ -1,14 +1,17 @@
 //! The contract each family's module fulfils: how its Hub `config.json` spells a card
 //! (read and written), which config keys a chosen card is checked against, how its
-//! checkpoints name each segment's tensor, and what its cards must satisfy beyond the
-//! shared rules. What is plain data about a family is its row in [`super::facts`].
+//! checkpoints name each segment's tensor, and how llama.cpp stores it (its GGUF row and
+//! its config from GGUF keys). What is plain data about a family is its row in
+//! `model::family::facts`; what its cards must satisfy, `model::family::checks`.
 
 use crate::model::arch::ArchSpec;
 use crate::model::card::{ModelCard, QkNorm};
 use crate::model::family::facts::Family;
-use crate::model::family::fields::{ConfigError, Fields};
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::family::fields::{ConfigError, Fields};
+use crate::weights::gguf::families::{GgufFamily, Meta};
+use crate::weights::gguf::GgufError;
 use serde_json::Value;
 use std::ops::Range;
 
@@ -33,7 +36,7 @@ pub enum SegmentTensor {
 }
 
 /// The card fields a config.json must agree on with a chosen card, in the order
-/// `model::config::check_agreement` checks them.
+/// `weights::config::check_agreement` checks them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CardField {
     /// The family (config.json's `model_type`).
@@ -110,10 +113,14 @@ pub trait FamilySpec: Sync {
     /// The tensor that holds segment `kind` of layer `layer` in the family's checkpoints.
     fn segment_tensor(&self, a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor;
 
-    /// What the family's cards must satisfy beyond `ModelCard::validate`'s shared rules.
-    fn check_card(&self, _card: &ModelCard) -> Result<(), String> {
-        Ok(())
-    }
+    /// How llama.cpp's converter and loader store the family: its architecture name, keys,
+    /// vocabulary and tensor layout (the GGUF reader and `moec quantize` read this row).
+    fn gguf(&self) -> &'static GgufFamily;
+
+    /// The family's `config.json`, in the Hub spelling [`FamilySpec::card_from_config`]
+    /// reads, from a GGUF file's `{arch}.*` keys (where llama.cpp hard-codes what a Hub
+    /// config says, the config says the same).
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError>;
 }
 
 /// A card with every dimension zero and every optional feature off; each family's reader

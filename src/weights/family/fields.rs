@@ -132,6 +132,14 @@ impl<'a> Fields<'a> {
         self.opt_uint(field)?.ok_or_else(|| self.missing(field))
     }
 
+    /// A required positive integer (a count other dimensions are divided by: heads).
+    pub fn positive_uint(&self, field: &str) -> Result<u64, ConfigError> {
+        match self.uint(field)? {
+            0 => Err(self.invalid(field, "must be positive")),
+            v => Ok(v),
+        }
+    }
+
     /// A number, if present.
     pub fn opt_float(&self, field: &str) -> Result<Option<f64>, ConfigError> {
         match self.get(field) {

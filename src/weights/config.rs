@@ -1,7 +1,7 @@
 //! Hugging Face `config.json` <-> [`ModelCard`]: what every family shares.
 //!
 //! Takes the text of a Hub `config.json`; its `model_type` picks the family module
-//! (`model::family`) that reads the rest in the family's spelling and gives a card with
+//! (`weights::family`) that reads the rest in the family's spelling and gives a card with
 //! any dimensions. Whatever no family here implements is refused first, with the field
 //! named: an unknown `model_type`, a rope scaling type other than the default (YaRN where
 //! the family allows it), a `quantization_config` (except MXFP4 experts where the family
@@ -12,12 +12,13 @@
 //! for synthetic checkpoints. Every problem is an error naming the file and field.
 
 use crate::model::card::ModelCard;
-use crate::model::family::{self, CardField, FamilySpec, Fields};
 use crate::quant::storage::WeightDtype;
+use crate::weights::family::{self, CardField, FamilySpec, Fields};
 use serde_json::Value;
 use std::fmt::Debug;
 
-pub use crate::model::family::{ConfigError, MXFP4_UNCONVERTED};
+pub use crate::model::family::MXFP4_UNCONVERTED;
+pub use crate::weights::family::ConfigError;
 
 /// Reads a card from config.json text; `path` names the file in errors, `name` becomes
 /// the card's name.

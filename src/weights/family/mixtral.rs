@@ -11,6 +11,9 @@ use crate::model::card::{ModelCard, QkNorm};
 use crate::model::family::facts::Family;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::gguf::families::GgufKeys;
+use crate::weights::gguf::families::{GgufFamily, Meta, TEXT};
+use crate::weights::gguf::GgufError;
 use serde_json::{json, Value};
 
 /// The Mixtral family.
@@ -24,6 +27,16 @@ const NAMES: MoeNames = MoeNames {
     down: "w2",
 };
 
+/// llama.cpp's `llama` architecture with experts: its own keys and the SentencePiece
+/// vocabulary, `q_proj`/`k_proj` rows permuted for its paired rotation.
+const GGUF: GgufFamily = GgufFamily {
+    family: Family::Mixtral,
+    arch: "llama",
+    keys: GgufKeys::Llama,
+    permuted_qk: true,
+    ..TEXT
+};
+
 impl FamilySpec for Mixtral {
     fn family(&self) -> Family {
         Family::Mixtral
@@ -31,10 +44,7 @@ impl FamilySpec for Mixtral {
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         let hidden = f.uint("hidden_size")?;
-        let heads = f.uint("num_attention_heads")?;
-        if heads == 0 {
-            return Err(f.invalid("num_attention_heads", "must be positive"));
-        }
+        let heads = f.positive_uint("num_attention_heads")?;
         let rope_theta = f.rope_theta()?.unwrap_or(1e6);
         Ok(ModelCard {
             name: name.to_string(),
@@ -104,5 +114,33 @@ impl FamilySpec for Mixtral {
 
     fn segment_tensor(&self, _a: &ArchSpec, layer: usize, kind: SegmentKind) -> SegmentTensor {
         SegmentTensor::Whole(llama::segment_name(&NAMES, Family::Mixtral, layer, kind))
+    }
+
+    fn gguf(&self) -> &'static GgufFamily {
+        &GGUF
+    }
+
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError> {
+        let heads = m.u("attention.head_count")?;
+        let hidden = m.u("embedding_length")?;
+        Ok(json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": hidden,
+            "intermediate_size": m.u("feed_forward_length")?,
+            "num_attention_heads": heads,
+            "num_key_value_heads": m.u("attention.head_count_kv")?,
+            "head_dim": m.head_dim(hidden, heads)?,
+            "num_hidden_layers": m.u("block_count")?,
+            "num_local_experts": m.u("expert_count")?,
+            "num_experts_per_tok": m.u("expert_used_count")?,
+            "vocab_size": m.vocab()?,
+            "max_position_embeddings": m.u("context_length")?,
+            "rope_theta": m.f("rope.freq_base")?,
+            "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+            "bos_token_id": m.bos(),
+            "eos_token_id": m.token("eos_token_id").unwrap_or(2),
+            "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+        }))
     }
 }

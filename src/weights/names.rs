@@ -1,19 +1,19 @@
 //! Hub tensor names and shapes of every tensor of a checkpoint.
 //!
 //! Takes an [`ArchSpec`]; gives the full list `(name, shape)` that a Hugging Face
-//! checkpoint of that architecture holds, asking the family's module (`model::family`)
+//! checkpoint of that architecture holds, asking the family's module (`weights::family`)
 //! where each segment of the layer layout lives. Used to write synthetic checkpoints; the
 //! reader resolves the same names segment by segment.
 
 use crate::model::arch::ArchSpec;
 use crate::model::family::facts::Family;
-use crate::model::family::hub::{SegmentTensor, Source};
 use crate::model::layout::LayerLayout;
 use crate::model::segment::SegmentKind;
+use crate::weights::family::hub::{SegmentTensor, Source};
 
 /// Names of the embedding table and the final norm.
 pub fn head_names(family: Family) -> (&'static str, &'static str) {
-    crate::model::family::spec(family).head_names()
+    crate::weights::family::spec(family).head_names()
 }
 
 /// Every tensor of a checkpoint, embedding first, then layer by layer (in the layer
@@ -39,7 +39,7 @@ pub fn checkpoint_tensors(a: &ArchSpec) -> Vec<(String, Vec<usize>)> {
 /// Where segment `kind` of layer `layer` lives in a checkpoint: tensor name, its full
 /// shape, and the row range the segment takes (all rows except fused expert blocks).
 pub fn segment_source(a: &ArchSpec, layer: usize, kind: SegmentKind) -> Source {
-    match crate::model::family::spec(a.family).segment_tensor(a, layer, kind) {
+    match crate::weights::family::spec(a.family).segment_tensor(a, layer, kind) {
         SegmentTensor::Rows(source) => source,
         SegmentTensor::Whole(name) => {
             let (rows, cols, orientation) = LayerLayout::shape_of(a, kind);

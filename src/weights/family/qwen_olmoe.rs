@@ -14,6 +14,9 @@ use crate::model::card::{ModelCard, QkNorm};
 use crate::model::family::facts::Family;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::gguf::families::EpsRule;
+use crate::weights::gguf::families::{GgufFamily, Meta, TEXT};
+use crate::weights::gguf::GgufError;
 use serde_json::{json, Value};
 
 /// One of the three families (the field says which).
@@ -55,6 +58,29 @@ impl QwenOlmoe {
     }
 }
 
+/// llama.cpp's `qwen2moe`, `qwen3moe` (the routed and shared experts' widths under their
+/// own keys) and `olmoe` (whose converter always writes epsilon 1e-5).
+const GGUF: [GgufFamily; 3] = [
+    GgufFamily {
+        family: Family::Qwen2Moe,
+        arch: "qwen2moe",
+        expert_width_keys: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::Qwen3Moe,
+        arch: "qwen3moe",
+        expert_width_keys: true,
+        ..TEXT
+    },
+    GgufFamily {
+        family: Family::Olmoe,
+        arch: "olmoe",
+        eps: EpsRule::Fixed(1e-5),
+        ..TEXT
+    },
+];
+
 impl FamilySpec for QwenOlmoe {
     fn family(&self) -> Family {
         self.0
@@ -63,10 +89,7 @@ impl FamilySpec for QwenOlmoe {
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         let family = self.0;
         let hidden = f.uint("hidden_size")?;
-        let heads = f.uint("num_attention_heads")?;
-        if heads == 0 {
-            return Err(f.invalid("num_attention_heads", "must be positive"));
-        }
+        let heads = f.positive_uint("num_attention_heads")?;
         let rope_theta = f.rope_theta()?.unwrap_or(10000.0);
         if family != Family::Olmoe {
             Self::refuse_nonuniform_layers(f)?;
@@ -218,14 +241,62 @@ impl FamilySpec for QwenOlmoe {
         SegmentTensor::Whole(llama::segment_name(&llama::MLP, self.0, layer, kind))
     }
 
-    fn check_card(&self, card: &ModelCard) -> Result<(), String> {
-        if self.0 == Family::Olmoe && card.qk_norm == QkNorm::Full && card.q_dim() != card.hidden {
-            return Err(format!(
-                "OLMoE's q norm spans hidden ({}) weights, so heads x head_dim ({}) must equal it",
-                card.hidden,
-                card.q_dim()
-            ));
+    fn gguf(&self) -> &'static GgufFamily {
+        match self.0 {
+            Family::Qwen2Moe => &GGUF[0],
+            Family::Qwen3Moe => &GGUF[1],
+            _ => &GGUF[2],
         }
-        Ok(())
+    }
+
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError> {
+        let (file, family) = (m.file, self.0);
+        let (model_type, hf_arch) = match family {
+            Family::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            Family::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
+            _ => ("olmoe", "OlmoeForCausalLM"),
+        };
+        let heads = m.u("attention.head_count")?;
+        let hidden = m.u("embedding_length")?;
+        // OLMoE's converter writes the expert width as `feed_forward_length`.
+        let expert_ffn = m.expert_ffn()?;
+        let mut v = json!({
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": m.opt_u("attention.head_count_kv")?.unwrap_or(heads),
+            "head_dim": m.head_dim(hidden, heads)?,
+            "num_hidden_layers": m.u("block_count")?,
+            "num_experts": m.u("expert_count")?,
+            "num_experts_per_tok": m.u("expert_used_count")?,
+            "moe_intermediate_size": expert_ffn,
+            "intermediate_size": expert_ffn,
+            // llama.cpp's build_moe_ffn: `true` for qwen3moe, `false` for qwen2moe and olmoe.
+            "norm_topk_prob": family == Family::Qwen3Moe,
+            "vocab_size": m.vocab()?,
+            "max_position_embeddings": m.u("context_length")?,
+            "rope_theta": m.f("rope.freq_base")?,
+            "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+            "eos_token_id": m.token("eos_token_id"),
+            "tie_word_embeddings": !file.tensors.contains_key("output.weight"),
+        });
+        let obj = v.as_object_mut();
+        if let Some(obj) = obj {
+            if family == Family::Qwen2Moe {
+                obj.insert(
+                    "shared_expert_intermediate_size".into(),
+                    json!(m.u("expert_shared_feed_forward_length")?),
+                );
+                obj.insert(
+                    "qkv_bias".into(),
+                    json!(file.tensors.contains_key("blk.0.attn_q.bias")),
+                );
+            }
+            if family == Family::Olmoe {
+                obj.insert("clip_qkv".into(), json!(m.opt_f("attention.clamp_kqv")?));
+            }
+        }
+        Ok(v)
     }
 }

@@ -12,10 +12,21 @@ use crate::model::card::{ClampedSwiglu, ModelCard, QkNorm, Yarn};
 use crate::model::family::facts::Family;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::gguf::families::{GgufFamily, Meta, TEXT};
+use crate::weights::gguf::GgufError;
 use serde_json::{json, Value};
 
 /// The gpt-oss family.
 pub(super) struct GptOss;
+
+/// llama.cpp's `gpt-oss`: the fused `gate_up_proj` split into gate and up rows, every
+/// expert matrix out-in, sinks and the post-attention norm under their own names.
+const GGUF: GgufFamily = GgufFamily {
+    family: Family::GptOss,
+    arch: "gpt-oss",
+    gpt_oss_experts: true,
+    ..TEXT
+};
 
 impl FamilySpec for GptOss {
     fn family(&self) -> Family {
@@ -24,10 +35,7 @@ impl FamilySpec for GptOss {
 
     fn card_from_config(&self, f: &Fields<'_>, name: &str) -> Result<ModelCard, ConfigError> {
         let hidden = f.uint("hidden_size")?;
-        let heads = f.uint("num_attention_heads")?;
-        if heads == 0 {
-            return Err(f.invalid("num_attention_heads", "must be positive"));
-        }
+        let heads = f.positive_uint("num_attention_heads")?;
         let layers = f.uint("num_hidden_layers")?;
         if !f.flag("attention_bias", true)? {
             return Err(f.invalid(
@@ -214,6 +222,65 @@ impl FamilySpec for GptOss {
                 _ => format!("{p}.(no {kind:?} in gpt-oss)"),
             }),
         }
+    }
+
+    fn gguf(&self) -> &'static GgufFamily {
+        &GGUF
+    }
+
+    /// gpt-oss as llama.cpp's `gpt-oss` architecture runs it (`llm_build_openai_moe_iswa`):
+    /// sliding-window attention on even layers (`set_swa_pattern(2)`), sinks, biases, the
+    /// router's top-k logits softmaxed, and `swiglu_oai` with alpha 1.702 and limit 7 (fixed
+    /// in llama.cpp, not in the metadata). Its YaRN always truncates the correction range to
+    /// whole dimensions (`ggml_rope_yarn_corr_dims`), which transformers' gpt-oss does only
+    /// with `truncate: true` (the Hub's gpt-oss configs say `false`).
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError> {
+        let heads = m.u("attention.head_count")?;
+        let hidden = m.u("embedding_length")?;
+        let layers = m.u("block_count")?;
+        let window = m.opt_u("attention.sliding_window")?;
+        let rope_scaling = m.yarn()?.map_or(serde_json::Value::Null, |mut y| {
+            y.insert("rope_type".into(), json!("yarn"));
+            y.insert("truncate".into(), json!(true));
+            serde_json::Value::Object(y)
+        });
+        let expert_ffn = m.expert_ffn()?;
+        let mut v = json!({
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "hidden_size": hidden,
+            "intermediate_size": expert_ffn,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": m.opt_u("attention.head_count_kv")?.unwrap_or(heads),
+            "head_dim": m.head_dim(hidden, heads)?,
+            "num_local_experts": m.u("expert_count")?,
+            "num_experts_per_tok": m.u("expert_used_count")?,
+            "vocab_size": m.vocab()?,
+            "max_position_embeddings": m.u("context_length")?,
+            "rope_theta": m.f("rope.freq_base")?,
+            "rope_scaling": rope_scaling,
+            "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon")?,
+            "attention_bias": true,
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0,
+            "eos_token_id": m.token("eos_token_id"),
+            "tie_word_embeddings": !m.file.tensors.contains_key("output.weight"),
+        });
+        if let (Some(window), Some(obj)) = (window, v.as_object_mut()) {
+            let types: Vec<&str> = (0..layers)
+                .map(|i| {
+                    if i % 2 == 0 {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            obj.insert("sliding_window".into(), json!(window));
+            obj.insert("layer_types".into(), json!(types));
+        }
+        Ok(v)
     }
 }
 

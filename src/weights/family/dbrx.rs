@@ -10,10 +10,23 @@ use crate::model::card::{ModelCard, QkNorm};
 use crate::model::family::facts::Family;
 use crate::model::segment::SegmentKind;
 use crate::quant::storage::WeightDtype;
+use crate::weights::gguf::families::GgufKeys;
+use crate::weights::gguf::families::{GgufFamily, Meta, TEXT};
+use crate::weights::gguf::GgufError;
 use serde_json::{json, Value};
 
 /// The DBRX family.
 pub(super) struct Dbrx;
+
+/// llama.cpp's `dbrx`: its own keys and a GPT-2 vocabulary, each expert's `w2` transposed
+/// to out-in and the post-attention norm named `attn_output_norm`.
+const GGUF: GgufFamily = GgufFamily {
+    family: Family::Dbrx,
+    arch: "dbrx",
+    keys: GgufKeys::Dbrx,
+    dbrx_layout: true,
+    ..TEXT
+};
 
 impl FamilySpec for Dbrx {
     fn family(&self) -> Family {
@@ -174,5 +187,40 @@ impl FamilySpec for Dbrx {
                 _ => format!("{p}.norm_attn_norm.attn.Wqkv.weight"),
             }),
         }
+    }
+
+    fn gguf(&self) -> &'static GgufFamily {
+        &GGUF
+    }
+
+    /// DBRX as llama.cpp's `dbrx` architecture runs it (`llm_build_dbrx`): LayerNorm without
+    /// bias at `attention.layer_norm_epsilon` (the reader sets the card's epsilon from it, as
+    /// the Hub config has no key for it), the fused QKV clamped to `attention.clamp_kqv` when
+    /// that is positive, NeoX rotary over whole heads, and the top-k weights of the softmax
+    /// router divided by their sum (`build_moe_ffn` with `norm_w`, DBRX's p = 1).
+    fn config_from_gguf(&self, m: &Meta<'_>) -> Result<Value, GgufError> {
+        let clip = m.opt_f("attention.clamp_kqv")?.filter(|c| *c > 0.0);
+        Ok(json!({
+            "architectures": ["DbrxForCausalLM"],
+            "model_type": "dbrx",
+            "d_model": m.u("embedding_length")?,
+            "n_heads": m.u("attention.head_count")?,
+            "n_layers": m.u("block_count")?,
+            "max_seq_len": m.u("context_length")?,
+            "vocab_size": m.vocab()?,
+            "attn_config": {
+                "clip_qkv": clip,
+                "kv_n_heads": m.u("attention.head_count_kv")?,
+                "rope_theta": m.f("rope.freq_base")?,
+            },
+            "ffn_config": {
+                "ffn_hidden_size": m.expert_ffn()?,
+                "moe_num_experts": m.u("expert_count")?,
+                "moe_top_k": m.u("expert_used_count")?,
+                "moe_normalize_expert_weights": 1.0,
+            },
+            "eos_token_id": m.token("eos_token_id").unwrap_or(100257),
+            "tie_word_embeddings": false,
+        }))
     }
 }
