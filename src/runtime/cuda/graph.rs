@@ -347,6 +347,8 @@ pub enum Deferred {
         at: usize,
         /// Ids.
         count: usize,
+        /// The device tokens buffer they were sampled into.
+        dst: u64,
     },
     /// `count` logits (f32) of micro-batch `ub` at staging address `at`.
     Logits {
