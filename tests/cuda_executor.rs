@@ -38,6 +38,9 @@ enum Driver<'a> {
     Cpu,
     /// The stand-in first on the loader path (with an optional copy delay in ms).
     Standin(&'a Path, u32),
+    /// The stand-in with every piece of CUDA scratch filled with NaN before its task gets
+    /// it (`MOEC_CUDA_POISON_SCRATCH`).
+    Poisoned(&'a Path),
     /// Whatever the machine has (a real driver).
     Machine,
 }
@@ -87,6 +90,12 @@ fn run(
                 .env("LD_LIBRARY_PATH", loader_path(dir))
                 .env("MOEC_STANDIN_CACHE", standin_cache())
                 .env("MOEC_STANDIN_COPY_DELAY_MS", delay.to_string());
+        }
+        Driver::Poisoned(dir) => {
+            cmd.args(["--backend", "cuda"])
+                .env("LD_LIBRARY_PATH", loader_path(dir))
+                .env("MOEC_STANDIN_CACHE", standin_cache())
+                .env("MOEC_CUDA_POISON_SCRATCH", "1");
         }
         Driver::Machine => {
             cmd.args(["--backend", "cuda"]);
@@ -290,6 +299,77 @@ fn three_schedules_on_a_family_gguf(file: &str) {
 #[test]
 fn schedules_on_a_gpt_oss_mxfp4_gguf_through_the_cuda_backend_give_the_cpu_tokens() {
     three_schedules_on_a_family_gguf("gpt-oss-q4-MXFP4.gguf");
+}
+
+/// No kernel reads scratch its task did not write (issue 44, point 7: `compute-sanitizer
+/// --tool initcheck` flagged such reads on an H200, in `q8_roundtrip` and
+/// `clamped_swiglu` over rows past the routed ones, fixed by live-row counts, and in the
+/// bf16 head's `sum_halves`). Under `MOEC_CUDA_POISON_SCRATCH` every piece of scratch is
+/// filled with NaN before its task gets it, however often the workspace was reused (the
+/// stand-in fills only fresh allocations so), so a read of a word its task never wrote
+/// changes the results: the poisoned run must give the unpoisoned run's tokens and logits
+/// bit for bit (both CUDA on the stand-in, which is deterministic; the CPU comparison is
+/// the other tests'). Runs the bf16 head (`split_bf16`, the GEMM, `sum_halves` over the 32k
+/// vocabulary of mixtral-tiny), the fused gate and the normalising q|k|v launch, gpt-oss's
+/// clamped SwiGLU with live rows, and (with the fixture) Q4_K_M's integer products and Q6_K
+/// head, through `gpu_resident` (recorded decode steps) and `sequential` (the fused
+/// `post_attn`). What it cannot see: a read whose value is dropped afterwards (a row past
+/// the live count that nothing consumes), which initcheck reports and NaN does not show.
+#[test]
+fn no_kernel_reads_scratch_its_task_did_not_write() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let mut cards = vec!["mixtral-tiny".to_string(), "gpt-oss-tiny".to_string()];
+    match gguf_common::fixtures() {
+        Some(f) => cards.push(
+            f.join("mixtral-q4-Q4_K_M.gguf")
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        None => {
+            println!("poisoned scratch: the Q4_K_M fixture SKIPPED (run scripts/gguf_fixtures.sh)")
+        }
+    }
+    for card in &cards {
+        for schedule in [
+            "schedules/baselines/gpu_resident.sched",
+            "schedules/baselines/sequential.sched",
+        ] {
+            let extra = ["--gen-len", "3"];
+            let clean = Driver::Standin(dir.path(), 0);
+            let (plain, plain_logits) = run(cache.path(), schedule, card, clean, &extra);
+            let poisoned = Driver::Poisoned(dir.path());
+            let (cuda, cuda_logits) = run(cache.path(), schedule, card, poisoned, &extra);
+            let want = token_ids(&plain, &format!("{schedule} on {card}, CUDA"));
+            let got = token_ids(&cuda, &format!("{schedule} on {card}, poisoned scratch"));
+            let (a, b) = (logits(&plain_logits), logits(&cuda_logits));
+            let finite = !b.is_empty() && b.iter().flatten().all(|v| v.is_finite());
+            let same = a.len() == b.len()
+                && a.iter().zip(&b).all(|(x, y)| {
+                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+                });
+            println!(
+                "{schedule} on {card}, poisoned scratch: logits finite {finite}, tokens and \
+                 logits those of the unpoisoned run: {}",
+                same && got == want
+            );
+            assert!(
+                finite,
+                "{schedule} on {card}: a kernel read poisoned scratch (NaN logits)"
+            );
+            assert_eq!(
+                got, want,
+                "{schedule} on {card}: poisoned scratch changed the tokens"
+            );
+            assert!(
+                same,
+                "{schedule} on {card}: poisoned scratch changed the logits"
+            );
+            for f in [plain_logits, cuda_logits] {
+                let _ = std::fs::remove_file(f);
+            }
+        }
+    }
 }
 
 #[test]

@@ -385,6 +385,12 @@ impl Workspace {
     }
 }
 
+/// Whether `MOEC_CUDA_POISON_SCRATCH` is set (read once): see [`StreamCx::scratch`].
+fn poison_scratch() -> bool {
+    static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POISON.get_or_init(|| std::env::var_os("MOEC_CUDA_POISON_SCRATCH").is_some())
+}
+
 /// Converts a size to a kernel's `int`.
 pub fn int(what: &'static str, value: usize) -> Result<i32, LaunchError> {
     i32::try_from(value).map_err(|_| LaunchError::Range { what, value })
@@ -473,14 +479,20 @@ impl StreamCx<'_> {
     }
 
     /// `bytes` of device scratch (uninitialised) from the stream's workspace, valid until
-    /// the stream's next task.
+    /// the stream's next task. Under `MOEC_CUDA_POISON_SCRATCH` (a test mode) each piece is
+    /// first filled with 0xFF bytes, an f32 NaN, so a kernel that reads scratch nothing of
+    /// its task wrote (what `compute-sanitizer --tool initcheck` flags on a fresh buffer,
+    /// but here on every piece, however often the workspace was reused) turns results into
+    /// NaN instead of reading an earlier task's values.
     pub fn scratch(&self, bytes: usize) -> Result<Scratch, LaunchError> {
         if bytes == 0 {
             return Ok(Scratch { ptr: 0 });
         }
-        Ok(Scratch {
-            ptr: self.workspace.take(self.stream, bytes)?,
-        })
+        let ptr = self.workspace.take(self.stream, bytes)?;
+        if poison_scratch() {
+            self.issue(Command::Poison { dst: ptr, bytes })?;
+        }
+        Ok(Scratch { ptr })
     }
 
     /// Scratch holding `data`, copied now from pageable memory (CUDA stages it before the
