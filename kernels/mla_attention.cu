@@ -57,16 +57,8 @@ extern "C" __global__ void mla_rms_norm(
     int dtype,
     float eps) {
     const size_t row = blockIdx.x;
-    const float* src = x + row * (size_t)width;
-    float* dst = out + row * (size_t)width;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        sum_sq += src[i] * src[i];
-    }
-    const float scale = 1.0f / sqrtf(moec_block_reduce(sum_sq, 0) / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        dst[i] = moec_load(weight, i, dtype) * (src[i] * scale);
-    }
+    moec_norm_row(x + row * (size_t)width, weight, dtype, out + row * (size_t)width, width, eps,
+                  0, blockDim.x);
 }
 
 // y[t * y_ld + y_off + h * y_head + o] = scale * sum_i x[t * x_ld + x_off + h * x_head + i]
@@ -219,15 +211,11 @@ extern "C" __global__ void mla_qkv_rows(
     const float* latent = ckv + t * (size_t)(r + rope_dim);
     float* k = row + (size_t)heads * head_dim;
     float* v = k + head_dim;
-    float sum_sq = 0.0f;
+    // The latent normalised into K (the prelude's RMSNorm), then each thread copies the
+    // values it wrote into V.
+    moec_norm_row(latent, kv_norm, norm_dtype, k, r, eps, 0, blockDim.x);
     for (int i = threadIdx.x; i < r; i += blockDim.x) {
-        sum_sq += latent[i] * latent[i];
-    }
-    const float scale = 1.0f / sqrtf(moec_block_reduce(sum_sq, 0) / (float)r + eps);
-    for (int i = threadIdx.x; i < r; i += blockDim.x) {
-        const float c = moec_load(kv_norm, i, norm_dtype) * (latent[i] * scale);
-        k[i] = c;
-        v[i] = c;
+        v[i] = k[i];
     }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const int ia = interleave ? 2 * i : i;

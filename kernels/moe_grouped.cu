@@ -24,10 +24,14 @@
 // (max tiles, ceil(out / MOE_TILE_N)), block 256; blocks past the tile count return, so the
 // host sizes the grid for the worst case without reading anything back.
 
+#include "router.cuh"
+
 #define MOE_MAX_EXPERTS 256
 #define MOE_TILE_M 16
 #define MOE_TILE_N 64
 #define MOE_TILE_K 32
+// Warps a block of the few-row kernels (moe_grouped_gemv and the linear_gemv family).
+#define MOE_GEMV_WARPS 8
 
 extern "C" __global__ void moe_group(
     const unsigned int* __restrict__ route,
@@ -124,6 +128,58 @@ extern "C" __global__ void moe_group(
     }
 }
 
+// The grouped kernels' epilogue at grouped position p and output o, given the product `v`
+// (its bias added) and, in mode 3, the up product `up`:
+//   0: y[p, o] = v
+//   1: y[p, o] = silu(y[p, o]) * v                      (y holds the gate product)
+//   2: slots[row(p), slot(p), o] = weight(p) * v        (scatter_weighted's)
+//   3: y[p, o] = silu(v) * up                           (gate, up and SwiGLU in one launch)
+// with swiglu.cu's formula.
+__device__ __forceinline__ void moe_store(float* y, long long p, int o, int out_dim, int mode,
+                                          float v, float up, const unsigned int* perm_row,
+                                          const unsigned int* perm_slot,
+                                          const float* perm_weight, int top_k) {
+    if (mode == 3) {
+        y[p * out_dim + o] = v / (1.0f + expf(-v)) * up;
+    } else if (mode == 0) {
+        y[p * out_dim + o] = v;
+    } else if (mode == 1) {
+        const float g = y[p * out_dim + o];
+        y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
+    } else {
+        const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
+        y[to] = perm_weight[p] * v;
+    }
+}
+
+// What a warp of the few-row grouped kernels (a warp per (tile, output feature), grid (max
+// tiles, ceil(out / MOE_GEMV_WARPS))) works on: its tile's expert, first position and rows,
+// its output and lane. False when the block's tile is past the tile count or the warp's
+// output past out_dim: the caller returns.
+struct MoeWarpTile {
+    int expert;
+    int first;
+    int rows;
+    int o;
+    int lane;
+};
+
+__device__ __forceinline__ bool moe_warp_tile(const int* tiles, int out_dim, MoeWarpTile& t) {
+    const int tile = blockIdx.x;
+    if (tile >= tiles[0]) {
+        return false;
+    }
+    t.lane = threadIdx.x & 31;
+    t.o = blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    if (t.o >= out_dim) {
+        return false;
+    }
+    t.expert = tiles[2 + 3 * tile];
+    t.first = tiles[2 + 3 * tile + 1];
+    t.rows = tiles[2 + 3 * tile + 2];
+    return true;
+}
+
 // mode 0: y[p, o] = acc + b[o]
 // mode 1: y[p, o] = silu(y[p, o]) * (acc + b[o])         (y holds the gate product)
 // mode 2: slots[row(p), slot(p), o] = weight(p) * (acc + b[o])
@@ -210,17 +266,8 @@ extern "C" __global__ void moe_grouped_linear(
         if (r >= rows) {
             continue;
         }
-        const long long p = first + r;
-        const float v = acc[j] + bias;
-        if (mode == 0) {
-            y[p * out_dim + o] = v;
-        } else if (mode == 1) {
-            const float g = y[p * out_dim + o];
-            y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
-        } else {
-            const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
-            y[to] = perm_weight[p] * v;
-        }
+        moe_store(y, first + r, o, out_dim, mode, acc[j] + bias, 0.0f, perm_row, perm_slot,
+                  perm_weight, top_k);
     }
 }
 
@@ -234,7 +281,6 @@ extern "C" __global__ void moe_grouped_linear(
 // `weights2` the up table (no biases), gate, up and SwiGLU in one launch; only `out_in` 1
 // weights (rows are outputs: a warp reads one contiguous row).
 // Launch: grid (max tiles, ceil(out / MOE_GEMV_WARPS)), block 32 * MOE_GEMV_WARPS.
-#define MOE_GEMV_WARPS 8
 
 // Eight Q4_K weights e0 .. e0 + 7 (e0 a multiple of 8) of the block at b, which is 4-byte
 // aligned: moec_quant_decode's values (the same scale, min and rounded products) from
@@ -301,10 +347,15 @@ __device__ __forceinline__ void moe_load8(const void* base, long long i, bool al
 // activation rows x + src[r], r < rows, over `in_dim` inputs, each lane striding over the
 // inputs (16-byte weight loads where the row starts and `x` allow) and the partial sums
 // reduced across the warp: lane r (< rows) gets row r's sum. Every lane of the warp calls
-// it with the same `rows`.
-template <int DT>
+// it with the same `rows`. NORM: each activation is first normalised as rms_norm writes it,
+// nw[k] * (x * scale[r]) with the norm weight `nw` (format `nw_code`) and row r's RMSNorm
+// scale (moec_norm_row's), so a projection of normalised rows needs no rms_norm launch
+// and gets that launch's values, bit for bit.
+template <int DT, bool NORM = false>
 __device__ float moe_warp_rows_dot_t(const void* w, long long row, const float* x,
-                                     const long long* src, int rows, int in_dim, int lane) {
+                                     const long long* src, int rows, int in_dim, int lane,
+                                     const void* nw = 0, int nw_code = 0,
+                                     const float* scale = 0) {
     const int dtype = DT;
     const bool aligned = (unsigned long long)w % 16 == 0;
     float acc[MOE_TILE_M];
@@ -325,11 +376,29 @@ __device__ float moe_warp_rows_dot_t(const void* w, long long row, const float* 
         for (int k = lane * 8; k < in_dim; k += 256) {
             float wv[8];
             moe_load8<DT>(w, row + k, aligned, wv);
+            float nv[8];
+            if (NORM) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    nv[j] = moec_load(nw, k + j, nw_code);
+                }
+            }
 #pragma unroll
             for (int r = 0; r < MOE_TILE_M; ++r) {
                 if (r < rows) {
-                    const float4 a = *(const float4*)(x + src[r] + k);
-                    const float4 b = *(const float4*)(x + src[r] + k + 4);
+                    float4 a = *(const float4*)(x + src[r] + k);
+                    float4 b = *(const float4*)(x + src[r] + k + 4);
+                    if (NORM) {
+                        const float s = scale[r];
+                        a.x = nv[0] * (a.x * s);
+                        a.y = nv[1] * (a.y * s);
+                        a.z = nv[2] * (a.z * s);
+                        a.w = nv[3] * (a.w * s);
+                        b.x = nv[4] * (b.x * s);
+                        b.y = nv[5] * (b.y * s);
+                        b.z = nv[6] * (b.z * s);
+                        b.w = nv[7] * (b.w * s);
+                    }
                     acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
                             + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
                 }
@@ -338,10 +407,12 @@ __device__ float moe_warp_rows_dot_t(const void* w, long long row, const float* 
     } else {
         for (int k = lane; k < in_dim; k += 32) {
             const float wv = moec_load(w, row + k, dtype);
+            const float nv = NORM ? moec_load(nw, k, nw_code) : 0.0f;
 #pragma unroll
             for (int r = 0; r < MOE_TILE_M; ++r) {
                 if (r < rows) {
-                    acc[r] += wv * x[src[r] + k];
+                    const float a = x[src[r] + k];
+                    acc[r] += wv * (NORM ? nv * (a * scale[r]) : a);
                 }
             }
         }
@@ -403,18 +474,11 @@ extern "C" __global__ void moe_grouped_gemv(
     int out_in,
     int bias_dtype,
     int top_k) {
-    const int tile = blockIdx.x;
-    if (tile >= tiles[0]) {
+    MoeWarpTile t;
+    if (!moe_warp_tile(tiles, out_dim, t)) {
         return;
     }
-    const int lane = threadIdx.x & 31;
-    const int o = blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5);
-    if (o >= out_dim) {
-        return;
-    }
-    const int expert = tiles[2 + 3 * tile];
-    const int first = tiles[2 + 3 * tile + 1];
-    const int rows = tiles[2 + 3 * tile + 2];
+    const int expert = t.expert, first = t.first, rows = t.rows, o = t.o, lane = t.lane;
     const void* w = (const void*)weights[expert];
     long long src[MOE_TILE_M];
 #pragma unroll
@@ -435,18 +499,7 @@ extern "C" __global__ void moe_grouped_gemv(
     }
     const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
     v += b != 0 ? moec_load((const void*)b, o, bias_dtype) : 0.0f;
-    const long long p = first + lane;
-    if (mode == 3) {
-        y[p * out_dim + o] = v / (1.0f + expf(-v)) * up;
-    } else if (mode == 0) {
-        y[p * out_dim + o] = v;
-    } else if (mode == 1) {
-        const float g = y[p * out_dim + o];
-        y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
-    } else {
-        const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
-        y[to] = perm_weight[p] * v;
-    }
+    moe_store(y, first + lane, o, out_dim, mode, v, up, perm_row, perm_slot, perm_weight, top_k);
 }
 
 // The few-row dense projection (a decode step's q|k|v, o, router, shared expert and head
@@ -489,8 +542,11 @@ extern "C" __global__ void linear_gemv(
 // layer's normalised rows): outputs [0, out0) are W0's, then out1 of W1's, then out2 of
 // W2's, each matrix in its own format (d0, d1, d2: prelude codes), written to y at
 // columns 0, col1 and col2 of rows `ldy` floats apart; as linear_gemv otherwise (a warp per
-// output, the same products bit for bit). Launch: grid ceil((out0 + out1 + out2) /
-// MOE_GEMV_WARPS), block 32 * MOE_GEMV_WARPS.
+// output, the same products bit for bit). With `norm_w` not null the rows are RMSNorm'd
+// first (weight `norm_w` of format `norm_code`, `eps`; the values rms_norm launched with
+// `norm_threads` threads a block writes, bit for bit), so a layer's attention norm needs no
+// launch of its own; then the weights must be float (codes 0-2). Launch: grid ceil((out0 +
+// out1 + out2) / MOE_GEMV_WARPS), block 32 * MOE_GEMV_WARPS (at least norm_threads).
 extern "C" __global__ void linear_gemv3(
     const float* __restrict__ x,
     const void* __restrict__ w0,
@@ -507,8 +563,27 @@ extern "C" __global__ void linear_gemv3(
     int in_dim,
     int ldy,
     int col1,
-    int col2) {
+    int col2,
+    const void* __restrict__ norm_w,
+    int norm_code,
+    float eps,
+    int norm_threads) {
     const int lane = threadIdx.x & 31;
+    const int rows = n < MOE_TILE_M ? n : MOE_TILE_M;
+    // With a norm weight every block first takes each row's RMSNorm scale, as rms_norm at
+    // `norm_threads` threads a block computes it (every thread takes part, so before any
+    // returns), and the products normalise their inputs as they read them.
+    __shared__ float scale[MOE_TILE_M];
+    if (norm_w != 0) {
+        for (int r = 0; r < rows; ++r) {
+            const float s = moec_norm_row(x + (long long)r * in_dim, norm_w, norm_code, 0,
+                                          in_dim, eps, 0, norm_threads);
+            if (threadIdx.x == 0) {
+                scale[r] = s;
+            }
+        }
+        __syncthreads();
+    }
     int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
     const void* w = w0;
     int dtype = d0;
@@ -528,13 +603,22 @@ extern "C" __global__ void linear_gemv3(
             }
         }
     }
-    const int rows = n < MOE_TILE_M ? n : MOE_TILE_M;
     long long src[MOE_TILE_M];
 #pragma unroll
     for (int r = 0; r < MOE_TILE_M; ++r) {
         src[r] = (long long)(r < rows ? r : 0) * in_dim;
     }
-    const float v = moe_warp_rows_dot(w, (long long)o * in_dim, dtype, x, src, rows, in_dim, lane);
+    const long long at = (long long)o * in_dim;
+    float v;
+    if (norm_w == 0) {
+        v = moe_warp_rows_dot(w, at, dtype, x, src, rows, in_dim, lane);
+    } else if (dtype == 0) {
+        v = moe_warp_rows_dot_t<0, true>(w, at, x, src, rows, in_dim, lane, norm_w, norm_code, scale);
+    } else if (dtype == 1) {
+        v = moe_warp_rows_dot_t<1, true>(w, at, x, src, rows, in_dim, lane, norm_w, norm_code, scale);
+    } else {
+        v = moe_warp_rows_dot_t<2, true>(w, at, x, src, rows, in_dim, lane, norm_w, norm_code, scale);
+    }
     if (lane >= rows) {
         return;
     }
@@ -811,18 +895,11 @@ __device__ void moe_grouped_gemv_q8_t(const signed char* codes, const float* sca
                                       const unsigned long long* weights,
                                       const unsigned long long* weights2, float* y, int gather,
                                       int mode, int in_dim, int out_dim, int top_k) {
-    const int tile = blockIdx.x;
-    if (tile >= tiles[0]) {
+    MoeWarpTile t;
+    if (!moe_warp_tile(tiles, out_dim, t)) {
         return;
     }
-    const int lane = threadIdx.x & 31;
-    const int o = blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5);
-    if (o >= out_dim) {
-        return;
-    }
-    const int expert = tiles[2 + 3 * tile];
-    const int first = tiles[2 + 3 * tile + 1];
-    const int rows = tiles[2 + 3 * tile + 2];
+    const int expert = t.expert, first = t.first, rows = t.rows, o = t.o, lane = t.lane;
     int src[MOE_TILE_M];
 #pragma unroll
     for (int r = 0; r < MOE_TILE_M; ++r) {
@@ -843,16 +920,8 @@ __device__ void moe_grouped_gemv_q8_t(const signed char* codes, const float* sca
     if (lane >= rows) {
         return;
     }
-    const float v = moe_pick(acc, lane);
-    const long long p = first + lane;
-    if (mode == 3) {
-        y[p * out_dim + o] = v / (1.0f + expf(-v)) * up;
-    } else if (mode == 0) {
-        y[p * out_dim + o] = v;
-    } else {
-        const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
-        y[to] = perm_weight[p] * v;
-    }
+    moe_store(y, first + lane, o, out_dim, mode, moe_pick(acc, lane), up, perm_row, perm_slot,
+              perm_weight, top_k);
 }
 
 extern "C" __global__ void moe_grouped_gemv_q8(
@@ -1027,36 +1096,20 @@ extern "C" __global__ void moe_grouped_gemv_1(
     int out_in,
     int bias_dtype,
     int top_k) {
-    const int tile = blockIdx.x;
-    if (tile >= tiles[0]) {
+    MoeWarpTile t;
+    if (!moe_warp_tile(tiles, out_dim, t)) {
         return;
     }
-    const int lane = threadIdx.x & 31;
-    const int o = blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5);
-    if (o >= out_dim) {
-        return;
-    }
-    const int expert = tiles[2 + 3 * tile];
-    const long long p = tiles[2 + 3 * tile + 1];
+    const int expert = t.expert, o = t.o, lane = t.lane;
+    const long long p = t.first;
     const float* xr = x + (gather ? (long long)perm_row[p] : p) * in_dim;
     const float v = moe_dot1((const void*)weights[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
     float up = 0.0f;
     if (mode == 3) {
         up = moe_dot1((const void*)weights2[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
     }
-    if (lane != 0) {
-        return;
-    }
-    if (mode == 3) {
-        y[p * out_dim + o] = v / (1.0f + expf(-v)) * up;
-    } else if (mode == 0) {
-        y[p * out_dim + o] = v;
-    } else if (mode == 1) {
-        const float g = y[p * out_dim + o];
-        y[p * out_dim + o] = g / (1.0f + expf(-g)) * v;
-    } else {
-        const long long to = ((long long)perm_row[p] * top_k + perm_slot[p]) * out_dim + o;
-        y[to] = perm_weight[p] * v;
+    if (lane == 0) {
+        moe_store(y, p, o, out_dim, mode, v, up, perm_row, perm_slot, perm_weight, top_k);
     }
 }
 
@@ -1079,5 +1132,62 @@ extern "C" __global__ void linear_gemv_1(
     const float v = moe_dot1(w, (long long)o * in_dim, dtype, x, in_dim, lane);
     if (lane == 0) {
         y[o] = accumulate ? y[o] + v : v;
+    }
+}
+
+// ---- The MoE gate in one launch --------------------------------------------------------
+// A decode step's gate for `gridDim.x` rows (at most MOE_TILE_M): each block normalises its
+// residual row into x_norm (rms_norm.cu's rms_norm, or layer_norm when `layer_norm`, with
+// weight `norm_w` of format `norm_code`; launched at rms_norm's block size, row_block(d),
+// the same bits), takes the router's logits of that row (linear_gemv's products with the
+// float router `router` [n_experts, d] of format `router_code`, a warp per expert, bit for
+// bit), chooses router_topk's experts into the packed route, and zeroes the row's top_k
+// slots of `slots` ([rows, top_k, d]; null: none). Four launches and a memset of the
+// unfused gate in one; the same values. n_experts <= ROUTER_MAX_EXPERTS, top_k <= n_experts
+// (the host checks both).
+// Launch: grid (rows), block row_block(d) (a multiple of 32, at most 256).
+extern "C" __global__ void moe_gate_route(
+    const float* __restrict__ x,
+    const void* __restrict__ norm_w,
+    int norm_code,
+    int layer_norm,
+    float eps,
+    const void* __restrict__ router,
+    int router_code,
+    float* __restrict__ x_norm,
+    float* __restrict__ slots,
+    unsigned int* __restrict__ route,
+    int d,
+    int n_experts,
+    int top_k,
+    float norm_p) {
+    __shared__ float logits[ROUTER_MAX_EXPERTS];
+    const long long row = blockIdx.x;
+    float* normed = x_norm + row * d;
+    moec_norm_row(x + row * d, norm_w, norm_code, normed, d, eps, layer_norm, blockDim.x);
+    // The block's writes of the row are visible to all its threads after the barrier.
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    long long src[MOE_TILE_M];
+#pragma unroll
+    for (int r = 0; r < MOE_TILE_M; ++r) {
+        src[r] = 0;
+    }
+    for (int e = threadIdx.x >> 5; e < n_experts; e += warps) {
+        const float v = moe_warp_rows_dot(router, (long long)e * d, router_code, normed, src, 1, d, lane);
+        if (lane == 0) {
+            logits[e] = v;
+        }
+    }
+    if (slots != 0) {
+        float* mine = slots + row * top_k * d;
+        for (long long i = threadIdx.x; i < (long long)top_k * d; i += blockDim.x) {
+            mine[i] = 0.0f;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        moec_route_topk(logits, n_experts, top_k, norm_p, 0, 0, route, (size_t)row);
     }
 }

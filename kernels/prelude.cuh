@@ -203,3 +203,38 @@ __device__ float moec_block_reduce(float value, int op) {
     __syncthreads();
     return result;
 }
+
+// One row's normalisation as rms_norm.cu's kernels compute it (`layer_norm` 0: RMSNorm,
+// out = w * (x * 1 / sqrt(mean(x^2) + eps)); 1: LayerNorm without bias, out = (x - mean) *
+// scale * w), by the first `threads` threads of the block (a multiple of 32), which every
+// thread of the block calls (the reductions need them all; the others add nothing). With
+// `threads` the block size of rms_norm's launch, a kernel that normalises inside itself
+// gets that kernel's bits: the extra warps add exact zeros at the same places of the
+// reduction tree. `out` (null: not written) gets the row; gives the scale (RMSNorm's is
+// all a caller needs to normalise a value itself: w * (x * scale)).
+__device__ float moec_norm_row(const float* src, const void* weight, int dtype, float* out,
+                               int d, float eps, int layer_norm, int threads) {
+    const int t = (int)threadIdx.x;
+    const bool mine = t < threads;
+    float mean = 0.0f;
+    if (layer_norm) {
+        float sum = 0.0f;
+        for (int i = t; mine && i < d; i += threads) {
+            sum += src[i];
+        }
+        mean = moec_block_reduce(sum, 0) / (float)d;
+    }
+    float sum_sq = 0.0f;
+    for (int i = t; mine && i < d; i += threads) {
+        const float v = layer_norm ? src[i] - mean : src[i];
+        sum_sq += v * v;
+    }
+    const float scale = 1.0f / sqrtf(moec_block_reduce(sum_sq, 0) / (float)d + eps);
+    if (out != 0) {
+        for (int i = t; mine && i < d; i += threads) {
+            out[i] = layer_norm ? (src[i] - mean) * scale * moec_load(weight, i, dtype)
+                                : moec_load(weight, i, dtype) * (src[i] * scale);
+        }
+    }
+    return scale;
+}

@@ -20,17 +20,7 @@ extern "C" __global__ void rms_norm(
     float eps,
     int dtype) {
     const size_t row = blockIdx.x;
-    const float* src = x + row * (size_t)d;
-    float* dst = out + row * (size_t)d;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        sum_sq += src[i] * src[i];
-    }
-    const float mean_sq = moec_block_reduce(sum_sq, 0) / (float)d;
-    const float scale = 1.0f / sqrtf(mean_sq + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = moec_load(weight, i, dtype) * (src[i] * scale);
-    }
+    moec_norm_row(x + row * (size_t)d, weight, dtype, out + row * (size_t)d, d, eps, 0, blockDim.x);
 }
 
 extern "C" __global__ void layer_norm(
@@ -41,23 +31,7 @@ extern "C" __global__ void layer_norm(
     float eps,
     int dtype) {
     const size_t row = blockIdx.x;
-    const float* src = x + row * (size_t)d;
-    float* dst = out + row * (size_t)d;
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        sum += src[i];
-    }
-    const float mean = moec_block_reduce(sum, 0) / (float)d;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float centred = src[i] - mean;
-        sum_sq += centred * centred;
-    }
-    const float var = moec_block_reduce(sum_sq, 0) / (float)d;
-    const float scale = 1.0f / sqrtf(var + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = (src[i] - mean) * scale * moec_load(weight, i, dtype);
-    }
+    moec_norm_row(x + row * (size_t)d, weight, dtype, out + row * (size_t)d, d, eps, 1, blockDim.x);
 }
 
 // Qwen3's per-head and OLMoE's whole-projection q/k RMSNorm, in place, on f32 rows of stride
@@ -73,14 +47,7 @@ extern "C" __global__ void qk_rms_norm_f32(
     float eps) {
     const size_t row = blockIdx.x;
     float* part = x + row * (size_t)ld + col + (size_t)blockIdx.y * chunk;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-        sum_sq += part[i] * part[i];
-    }
-    // Every thread has read its values before any writes (the reduction's barriers).
-    const float mean_sq = moec_block_reduce(sum_sq, 0) / (float)chunk;
-    const float scale = 1.0f / sqrtf(mean_sq + eps);
-    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-        part[i] = weight[i] * (part[i] * scale);
-    }
+    // In place: every thread has read its values before any writes (the reduction's
+    // barriers), and each rewrites only the values it read.
+    moec_norm_row(part, weight, 2, part, chunk, eps, 0, blockDim.x);
 }

@@ -12,26 +12,7 @@
 // checks both (Mixtral has 8 experts, DBRX 16, Qwen3-30B-A3B and gpt-oss-120b 128).
 // Launch: 1-D grid, one thread per token (experts are few; a token's work is tiny).
 
-#define ROUTER_MAX_EXPERTS 256
-
-// Entry i's choice into experts[i] / weights[i] (each when not null) and, when `route` is
-// not null, into the packed route (backend::decode_routing's layout: per entry the expert
-// then its weight's bits), so the router's launch writes the route itself instead of a
-// route_pack launch after it.
-__device__ __forceinline__ void moec_route_store(unsigned int* experts, float* weights,
-                                                 unsigned int* route, size_t i,
-                                                 unsigned int expert, float weight) {
-    if (experts != 0) {
-        experts[i] = expert;
-    }
-    if (weights != 0) {
-        weights[i] = weight;
-    }
-    if (route != 0) {
-        route[2 * i] = expert;
-        route[2 * i + 1] = __float_as_uint(weight);
-    }
-}
+#include "router.cuh"
 
 extern "C" __global__ void router_topk(
     const float* __restrict__ logits,
@@ -46,52 +27,8 @@ extern "C" __global__ void router_topk(
     if (token >= n_tokens || n_experts > ROUTER_MAX_EXPERTS || top_k > n_experts) {
         return;
     }
-    const float* row = logits + (size_t)token * n_experts;
-    float probs[ROUTER_MAX_EXPERTS];
-    float max = __int_as_float(0xff800000); // -inf
-    for (int e = 0; e < n_experts; ++e) {
-        max = fmaxf(max, row[e]);
-    }
-    float sum = 0.0f;
-    for (int e = 0; e < n_experts; ++e) {
-        probs[e] = expf(row[e] - max);
-        sum += probs[e];
-    }
-    for (int e = 0; e < n_experts; ++e) {
-        probs[e] = probs[e] / sum;
-    }
-    // Selection by repeated arg-max: a strictly greater probability wins, so equal
-    // probabilities go to the lower index, the CPU's sort order.
-    bool taken[ROUTER_MAX_EXPERTS];
-    for (int e = 0; e < n_experts; ++e) {
-        taken[e] = false;
-    }
-    unsigned int chosen[ROUTER_MAX_EXPERTS];
-    for (int k = 0; k < top_k; ++k) {
-        int best = -1;
-        for (int e = 0; e < n_experts; ++e) {
-            if (taken[e]) {
-                continue;
-            }
-            if (best < 0 || probs[e] > probs[best]) {
-                best = e;
-            }
-        }
-        taken[best] = true;
-        chosen[k] = (unsigned int)best;
-    }
-    float denom = 1.0f;
-    if (norm_p > 0.0f) {
-        double acc = 0.0;
-        for (int k = 0; k < top_k; ++k) {
-            acc += pow(fabs((double)probs[chosen[k]]), (double)norm_p);
-        }
-        denom = (float)pow(acc, 1.0 / (double)norm_p);
-    }
-    for (int k = 0; k < top_k; ++k) {
-        moec_route_store(experts, weights, route, (size_t)token * top_k + k, chosen[k],
-                         probs[chosen[k]] / denom);
-    }
+    moec_route_topk(logits + (size_t)token * n_experts, n_experts, top_k, norm_p, experts,
+                    weights, route, (size_t)token);
 }
 
 // gpt-oss's routing, as route_topk_softmax() in moe.rs: top-k of the raw logits (router
@@ -111,24 +48,8 @@ extern "C" __global__ void router_topk_softmax(
         return;
     }
     const float* row = logits + (size_t)token * n_experts;
-    bool taken[ROUTER_MAX_EXPERTS];
-    for (int e = 0; e < n_experts; ++e) {
-        taken[e] = false;
-    }
     unsigned int chosen[ROUTER_MAX_EXPERTS];
-    for (int k = 0; k < top_k; ++k) {
-        int best = -1;
-        for (int e = 0; e < n_experts; ++e) {
-            if (taken[e]) {
-                continue;
-            }
-            if (best < 0 || row[e] > row[best]) {
-                best = e;
-            }
-        }
-        taken[best] = true;
-        chosen[k] = (unsigned int)best;
-    }
+    moec_topk_select(row, n_experts, top_k, chosen);
     const float max = row[chosen[0]];
     float exps[ROUTER_MAX_EXPERTS];
     float sum = 0.0f;

@@ -23,6 +23,22 @@
 #   offload every offload schedule at `--gpu-mem 600MB` (GPU_BENCH_OFFLOAD_BATCHES), then
 #           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
 #           for that workload and budget (`--fit`).
+#   full    real size (issue 44 point 6), run apart (GPU_BENCH_SECTIONS=full: tens of GB of
+#           disk and minutes a model): each card of GPU_BENCH_FULL_MODELS (default
+#           "mixtral-8x7b qwen3-30b-a3b") synthesised here as a llama.cpp Q4_K_M GGUF
+#           (`moec synth --gguf --mix q4_k_m`, deleted after its runs), then each schedule of
+#           GPU_BENCH_FULL_SCHEDULES (default the offload list) at each cap of
+#           GPU_BENCH_FULL_CAPS (default "16GB 24GB") and batch of GPU_BENCH_FULL_BATCHES
+#           (default the batches) with `--fit`, prompts of 64 tokens, 32 new, each bounded by
+#           GPU_BENCH_FULL_RUN_TIMEOUT (default 300 s): rows of full.jsonl. Against it,
+#           llama.cpp's CUDA build on the same file when a `llama-batched-bench` is found in
+#           GPU_BENCH_LLAMA_DIR (default: the moec binary's folder, then its llama.cpp/ and
+#           bin/): `-ngl 99 --n-cpu-moe N -npp 64 -ntg 32 -npl <batches>`, N the fewest
+#           layers whose experts stay on the CPU for the rest of the file plus
+#           GPU_BENCH_LLAMA_RESERVE_MIB (default 1536: KV cache and compute buffers) to fit the
+#           cap; its output in full.txt, its decode tok/s in full.jsonl. Without the binary,
+#           or when it lists no CUDA device, full.txt and the summary say so and no ratio is
+#           printed. full.txt also keeps the synthesis logs.
 #   quant   quantised weights on the GPU: every schedule on each GGUF file named in
 #           GPU_BENCH_GGUF (e.g. llama.cpp's Q4_K_M of the tiny Mixtral), `--backend cuda`
 #           against `--backend cpu` (tokens.jsonl, family `gguf:FILE`); and the mid checkpoint
@@ -30,6 +46,7 @@
 #           head Q6_K) run by `gpu_resident` at each batch (`gpu_resident_q4k` rows, beside
 #           the bf16 rows), with the CPU backend's tokens for the same file at the largest batch.
 # It writes OUT_DIR (default $OUT, else ./gpu-bench-out): devices.txt, tokens.jsonl,
+# full.jsonl and full.txt (section full),
 # probe.txt and probe.ron, runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
 # hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
 # Each run is bounded by `timeout`; the whole script is meant to take under 6 minutes.
@@ -167,14 +184,14 @@ run() {
     esac
     local t0 t1
     t0=$(date +%s.%N)
-    timeout "$per_run" "$moec" run "$root/$sched" --weights "${run_weights:-$work/mid}" --backend cuda \
+    timeout "${run_timeout:-$per_run}" "$moec" run "$root/$sched" --weights "${run_weights:-$work/mid}" --backend cuda \
         --json --hw "$hw" --gen-len 32 \
         --workload "count=$batch,mean=64,max=64,min=64,gen=32,seed=1" \
         "${capargs[@]}" "${trace[@]}" "$@" > "$work/report" 2> "$work/err"
     local rc=$?
     t1=$(date +%s.%N)
     python3 - "$name" "$batch" "$cap" "$rc" "$work/err" "$work/report" "$t0" "$t1" \
-        >> "$out/runs.jsonl" <<'EOF'
+        >> "${runs_file:-$out/runs.jsonl}" <<'EOF'
 import json, sys
 name, batch, cap, rc, err, rep, t0, t1 = sys.argv[1:]
 try:
@@ -262,6 +279,73 @@ if has offload; then
         for s in $offload; do
             run "$s" "schedules/$s.sched" "$b" - --fit
         done
+    done
+fi
+
+# --- (e) real size: Q4_K_M GGUFs synthesised here, capped schedules, llama.cpp's CUDA offload --
+if has full; then
+    full_models=${GPU_BENCH_FULL_MODELS:-mixtral-8x7b qwen3-30b-a3b}
+    full_caps=${GPU_BENCH_FULL_CAPS:-16GB 24GB}
+    full_batches=${GPU_BENCH_FULL_BATCHES:-$batches}
+    llama_dir=${GPU_BENCH_LLAMA_DIR:-$(dirname "$moec")}
+    llama=
+    for d in "$llama_dir" "$llama_dir/llama.cpp" "$llama_dir/bin"; do
+        if [ -x "$d/llama-batched-bench" ]; then
+            llama=$d/llama-batched-bench
+            break
+        fi
+    done
+    : > "$out/full.jsonl"
+    {
+        echo "full-size section, $(date -u +%FT%TZ): models $full_models; caps $full_caps; batches $full_batches"
+        if [ -z "$llama" ]; then
+            echo "llama.cpp: ABSENT: no llama-batched-bench in $llama_dir, $llama_dir/llama.cpp or" \
+                "$llama_dir/bin; no llama.cpp CUDA figure is measured and no ratio against it is printed"
+        elif ! "$llama" --list-devices 2>&1 | grep -qi cuda; then
+            echo "llama.cpp: $llama lists no CUDA device (not a CUDA build, or no GPU); not run:"
+            "$llama" --list-devices 2>&1 | tail -5
+            llama=
+        else
+            echo "llama.cpp: $llama"
+            "$llama" --list-devices 2>&1 | tail -5
+        fi
+    } > "$out/full.txt"
+    mkdir -p "$work/full"
+    for m in $full_models; do
+        gguf=$work/full/$m-Q4_K_M.gguf
+        t0=$(date +%s)
+        if ! timeout "${GPU_BENCH_SYNTH_TIMEOUT:-1200}" "$moec" synth --model "$m" --gguf --mix q4_k_m \
+            --out "$gguf" >> "$out/full.txt" 2>&1; then
+            echo "$m: moec synth --gguf --mix q4_k_m failed or timed out; no runs" >> "$out/full.txt"
+            rm -f "$gguf"
+            continue
+        fi
+        echo "$m: synthesised $(du -h "$gguf" | cut -f1) in $(($(date +%s) - t0)) s" >> "$out/full.txt"
+        cat "$gguf" > /dev/null
+        for c in $full_caps; do
+            for b in $full_batches; do
+                for sch in ${GPU_BENCH_FULL_SCHEDULES:-$offload}; do
+                    runs_file=$out/full.jsonl run_weights=$gguf run_timeout=${GPU_BENCH_FULL_RUN_TIMEOUT:-300} \
+                        run "$m:$sch" "schedules/$sch.sched" "$b" "$c" --fit
+                done
+            done
+            [ -n "$llama" ] || continue
+            # The fewest layers whose experts llama.cpp keeps on the CPU (--n-cpu-moe counts
+            # from the first layer) for the rest of the file and the reserve to fit the cap.
+            read -r ncmoe est moe_layers < <(python3 "$root/scripts/gpu_bench_table.py" --n-cpu-moe \
+                "$gguf" "$c" "${GPU_BENCH_LLAMA_RESERVE_MIB:-1536}")
+            echo "$m at $c: llama.cpp --n-cpu-moe ${ncmoe:-?} of ${moe_layers:-?} MoE layers" \
+                "(estimated ${est:-?} GB on the GPU besides the reserve)" >> "$out/full.txt"
+            [ -n "${ncmoe:-}" ] || continue
+            npl=$(echo "$full_batches" | tr ' ' ',')
+            timeout "${GPU_BENCH_LLAMA_TIMEOUT:-600}" "$llama" -m "$gguf" -ngl 99 --n-cpu-moe "$ncmoe" \
+                -c 8192 -b 2048 -ub 512 -npp 64 -ntg 32 -npl "$npl" > "$work/llama.txt" 2>&1
+            echo "llama-batched-bench exit $?" >> "$work/llama.txt"
+            tail -40 "$work/llama.txt" >> "$out/full.txt"
+            python3 "$root/scripts/gpu_bench_table.py" --llama-rows "$work/llama.txt" "$m" "$c" "$ncmoe" \
+                >> "$out/full.jsonl"
+        done
+        rm -f "$gguf"
     done
 fi
 

@@ -1,11 +1,19 @@
 #!/usr/bin/env python3
 """The one table scripts/gpu-bench.sh prints from what it wrote.
 
-Takes the output folder (tokens.jsonl, runs.jsonl, hf.jsonl, devices.txt) and the seconds
-the script took; prints: the token comparison (CUDA against CPU per family and schedule),
-tokens/s per run beside Hugging Face transformers on the same GPU with the ratios the issue
-asks for, the decode step measured against the HRM replay, and the decode step's largest
-ops of the GPU-resident baseline (measured and predicted), which is where time goes.
+Takes the output folder (tokens.jsonl, runs.jsonl, hf.jsonl, full.jsonl, devices.txt) and
+the seconds the script took; prints: the token comparison (CUDA against CPU per family and
+schedule), tokens/s per run beside Hugging Face transformers on the same GPU with the ratios
+the issue asks for, the decode step measured against the HRM replay, the decode step's
+largest ops of the GPU-resident baseline (measured and predicted), which is where time
+goes, and the full-size section against llama.cpp's CUDA offload.
+
+Two helpers of the full-size section, called by the script:
+  --n-cpu-moe FILE.gguf CAP RESERVE_MIB   prints "N GB LAYERS": the fewest layers whose
+      experts (blk.L.ffn_{gate,up,down}_exps) llama.cpp must keep on the CPU, from the first
+      layer as --n-cpu-moe counts, for the rest of the file plus the reserve to fit CAP
+      (e.g. 24GB); the GB left on the GPU; the MoE layers.
+  --llama-rows OUTPUT MODEL CAP N         llama-batched-bench's table as full.jsonl rows.
 """
 
 from __future__ import annotations
@@ -49,7 +57,148 @@ def decode_kind(pred: dict) -> dict | None:
     return None
 
 
+def n_cpu_moe(path: str, cap: str, reserve_mib: int) -> str:
+    """See the module doc: tensor sizes from the GGUF header (offsets apart)."""
+    import re
+    import struct
+
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+             "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+    match = re.fullmatch(r"([0-9.]+)\s*([A-Za-z]*)", cap)
+    if not match or match.group(2).upper() not in units:
+        raise SystemExit(f"--n-cpu-moe: cap {cap!r} is not a size like 24GB")
+    cap_bytes = float(match.group(1)) * units[match.group(2).upper()]
+    f = open(path, "rb")
+
+    def u32() -> int:
+        return struct.unpack("<I", f.read(4))[0]
+
+    def u64() -> int:
+        return struct.unpack("<Q", f.read(8))[0]
+
+    def string() -> str:
+        return f.read(u64()).decode("utf-8", "replace")
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def skip(t: int) -> None:
+        if t == 8:
+            string()
+        elif t == 9:
+            et, n = u32(), u64()
+            for _ in range(n):
+                skip(et)
+        else:
+            f.read(sizes[t])
+
+    if f.read(4) != b"GGUF":
+        raise SystemExit(f"--n-cpu-moe: {path} is not a GGUF file")
+    u32()
+    n_tensors, n_kv = u64(), u64()
+    align = 32
+    for _ in range(n_kv):
+        key, t = string(), u32()
+        if key == "general.alignment" and t == 4:
+            align = u32()
+        else:
+            skip(t)
+    offsets = []
+    for _ in range(n_tensors):
+        name = string()
+        for _ in range(u32()):
+            u64()
+        u32()
+        offsets.append((u64(), name))
+    data = (f.tell() + align - 1) // align * align
+    end = f.seek(0, 2) - data
+    offsets.sort()
+    experts: dict[int, int] = {}
+    total = 0
+    for i, (off, name) in enumerate(offsets):
+        size = (offsets[i + 1][0] if i + 1 < len(offsets) else end) - off
+        total += size
+        m = re.match(r"blk\.(\d+)\.ffn_(gate|up|down)_exps", name)
+        if m:
+            experts[int(m.group(1))] = experts.get(int(m.group(1)), 0) + size
+    budget = cap_bytes - reserve_mib * 1024**2
+    on_gpu, n = total, 0
+    for layer in sorted(experts):
+        if on_gpu <= budget:
+            break
+        on_gpu -= experts[layer]
+        n += 1
+    return f"{n} {on_gpu / 1e9:.2f} {len(experts)}"
+
+
+def llama_rows(path: str, model: str, cap: str, ncmoe: str) -> list[dict]:
+    """llama-batched-bench's table rows: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s |
+    S_TG t/s | T s | S t/s |."""
+    rows = []
+    for line in open(path, errors="replace"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 10 and cells[0].isdigit() and cells[2].isdigit():
+            try:
+                rows.append({"name": f"{model}:llama.cpp", "batch": int(cells[2]), "cap": cap,
+                             "n_cpu_moe": int(ncmoe), "decode_tok_s": float(cells[7]),
+                             "prefill_tok_s": float(cells[5])})
+            except ValueError:
+                pass
+    return rows
+
+
+def full_size(out: str) -> None:
+    """Section (e): each model's best moec schedule per cap and batch against llama.cpp."""
+    rows = lines(os.path.join(out, "full.jsonl"))
+    note = os.path.join(out, "full.txt")
+    if not rows and not os.path.exists(note):
+        return
+    print("\n(e) full size, Q4_K_M synthesised on this machine, prompt 64, gen 32 (gen tok/s; "
+          "issue 44: best schedule >= 1.0x llama.cpp at batch 1, >= 2x at 16 and 64, 24GB):")
+    if os.path.exists(note):
+        for line in open(note).read().splitlines():
+            if line.startswith(("llama.cpp:", "full-size")) or "synthesised" in line \
+                    or "--n-cpu-moe" in line or "failed" in line:
+                print("    " + line[:160])
+    best: dict[tuple, tuple] = {}
+    llama: dict[tuple, float] = {}
+    for r in rows:
+        model, _, what = r["name"].partition(":")
+        key = (model, r["cap"], r["batch"])
+        if what == "llama.cpp":
+            llama[key] = r["decode_tok_s"]
+            continue
+        rep = r.get("report")
+        tps = generation_tps(rep) if r.get("exit") == 0 and rep else None
+        if tps is None:
+            err = r.get("stderr", "").strip().splitlines()
+            why = "timed out" if r.get("exit") in (124, 137) else f"exit {r.get('exit')}"
+            print(f"    {r['name']:28} {r['cap']:6} {r['batch']:5} {why}: "
+                  f"{(err[-1] if err else '')[:100]}")
+            continue
+        print(f"    {r['name']:28} {r['cap']:6} {r['batch']:5} {tps:9.1f}")
+        if tps > best.get(key, (0.0, ""))[0]:
+            best[key] = (tps, what)
+    for key in sorted(set(best) | set(llama)):
+        model, cap, batch = key
+        line = f"    {model:16} {cap:6} batch {batch:3}:"
+        if key in best:
+            line += f" best moec {best[key][1]} {best[key][0]:.1f} tok/s;"
+        if key in llama:
+            line += f" llama.cpp decode {llama[key]:.1f} tok/s;"
+        if key in best and key in llama and llama[key] > 0:
+            line += f" ratio {best[key][0] / llama[key]:.2f}x (moec over the whole generation, " \
+                    "llama.cpp its decode phase)"
+        print(line)
+
+
 def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--n-cpu-moe":
+        print(n_cpu_moe(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+        return 0
+    if len(sys.argv) == 6 and sys.argv[1] == "--llama-rows":
+        for row in llama_rows(*sys.argv[2:]):
+            print(json.dumps(row))
+        return 0
     out, seconds = sys.argv[1], sys.argv[2]
     dev = open(os.path.join(out, "devices.txt")).read().splitlines()
     print(f"gpu-bench: {dev[0] if dev else '?'}; {dev[1] if len(dev) > 1 else ''}; {seconds} s")
@@ -167,6 +316,7 @@ def main() -> int:
                 f"{o['op']} {o['measured_seconds'] / steps * 1e3:.2f}/"
                 f"{o['predicted_seconds'] / steps * 1e3:.2f}" for o in ops)
             print(f"    {r['name']:16} batch {r['batch']:3}: {cells}")
+    full_size(out)
     return 0
 
 

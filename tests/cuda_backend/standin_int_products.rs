@@ -8,8 +8,8 @@ use crate::standin::{
     cfg, function, in_standin_child, load_kernels, max_abs_diff, run_under_standin,
     standin_context, Rng,
 };
-use crate::standin_kernels::{bits, random_blocks, reference_product};
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use crate::standin_kernels::{addr, bits, random_blocks, reference_product, stored};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use moec::math::qmatmul::{QuantKernels, QuantMatrix};
 use moec::quant::q8::{ActFormat, Q8Rows};
 use moec::quant::storage::WeightDtype;
@@ -158,11 +158,6 @@ fn integer_products_match_the_cpu_int8_product() {
             assert!(worst <= 1.0, "{format}: linear_gemv_q8 {worst} x the bound");
         }
     }
-}
-
-/// Device address of a buffer.
-fn addr<T>(stream: &std::sync::Arc<cudarc::driver::CudaStream>, s: &CudaSlice<T>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 /// A decode-like MoE layer on the device against the CPU: 5 tokens at top-2 over 4
@@ -450,12 +445,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     }
 
     // The float kernel: mode 3 against modes 0 then 1 on bf16 experts, same tiles.
-    let bf = |len: usize, rng: &mut Rng| -> Vec<u16> {
-        rng.vec(len, 0.1)
-            .iter()
-            .map(|v| half::bf16::from_f32(*v).to_bits())
-            .collect()
-    };
+    let bf = |len: usize, rng: &mut Rng| -> Vec<u8> { stored(&rng.vec(len, 0.1), 0).0 };
     let gate_bf: Vec<_> = (0..e)
         .map(|_| stream.clone_htod(&bf(f * d, &mut rng)).expect("htod"))
         .collect();
@@ -621,16 +611,9 @@ fn three_products_in_one_launch_equal_three_launches() {
                     };
                     let code = storage_code(WeightDtype::F32, Some(format));
                     (random_blocks(format, out * inp / 256, &mut rng), code)
-                } else if i == 2 {
-                    let v = rng.vec(out * inp, 0.1);
-                    (v.iter().flat_map(|f| f.to_le_bytes()).collect(), 2)
                 } else {
-                    let v = rng.vec(out * inp, 0.1);
-                    let b: Vec<u8> = v
-                        .iter()
-                        .flat_map(|f| half::bf16::from_f32(*f).to_bits().to_le_bytes())
-                        .collect();
-                    (b, 0)
+                    let code = if i == 2 { 2 } else { 0 };
+                    (stored(&rng.vec(out * inp, 0.1), code).0, code)
                 };
                 ws.push(stream.clone_htod(&bytes).expect("htod"));
                 codes_of.push(code);
@@ -718,6 +701,15 @@ fn three_products_in_one_launch_equal_three_launches() {
                 .arg(&ldy)
                 .arg(&c1)
                 .arg(&c2);
+            // The float kernel's optional norm: none.
+            let (no_norm, no_code, no_eps, no_threads) = (0u64, 0i32, 0f32, 0i32);
+            if !int {
+                launch
+                    .arg(&no_norm)
+                    .arg(&no_code)
+                    .arg(&no_eps)
+                    .arg(&no_threads);
+            }
             // SAFETY: argument types and order match the kernel's signature.
             unsafe { launch.launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, 0)) }
                 .expect("launch");
@@ -748,17 +740,7 @@ fn one_row_kernels_equal_the_generic_kernels() {
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
     let mut rng = Rng(0x5eed_0000_1111_2222);
-    let half_bits = |v: &[f32], code: i32| -> Vec<u16> {
-        v.iter()
-            .map(|f| {
-                if code == 0 {
-                    half::bf16::from_f32(*f).to_bits()
-                } else {
-                    half::f16::from_f32(*f).to_bits()
-                }
-            })
-            .collect()
-    };
+    let half_bits = |v: &[f32], code: i32| -> Vec<u8> { stored(v, code).0 };
     let generic = function(&modules, "moe_grouped.cu", "linear_gemv");
     let one = function(&modules, "moe_grouped.cu", "linear_gemv_1");
     for code in [0i32, 1] {
@@ -804,7 +786,7 @@ fn one_row_kernels_equal_the_generic_kernels() {
     let (e, d, f, k) = (3usize, 264usize, 520usize, 2usize);
     let route: Vec<u32> = vec![2, 0.7f32.to_bits(), 0, 0.3f32.to_bits()];
     let route_dev = stream.clone_htod(&route).expect("htod");
-    let mats: Vec<Vec<CudaSlice<u16>>> = [(f, d), (f, d), (d, f)]
+    let mats: Vec<Vec<CudaSlice<u8>>> = [(f, d), (f, d), (d, f)]
         .iter()
         .map(|&(o, i)| {
             (0..e)
@@ -901,4 +883,320 @@ fn one_row_kernels_equal_the_generic_kernels() {
         "the slots were written"
     );
     println!("moe_grouped_gemv_1: equal to moe_grouped_gemv at one row (modes 3 and 2)");
+}
+
+/// The norm folded into the projection that consumes it: `linear_gemv3` with a norm
+/// weight (q | k | v of a layer's RMSNorm'd residual in one launch) gives the bits of
+/// `rms_norm` (launched at `row_block(d)` threads) then `linear_gemv3` without one, and
+/// agrees with the CPU's `normalize` then an f64 product; over 1, 3 and 16 rows, inputs of
+/// 512 (16-byte loads) and 200 (a width that is not whole 8-value steps: the scalar
+/// loop), outputs 37 | 8 | 5 (partial blocks of warps), bf16 | bf16 | f32 weights, and bf16
+/// and f32 norm weights.
+#[test]
+fn a_projection_that_normalises_its_rows_equals_rms_norm_then_the_projection() {
+    const NAME: &str = "standin_int_products::a_projection_that_normalises_its_rows_equals_rms_norm_then_the_projection";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::math::norm::normalize;
+    use moec::math::tensor::TypedSlice;
+    use moec::model::vocab::NormKind;
+    use moec::runtime::cuda::launch::row_block;
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x0f01_d0a5_5eed_0044);
+    let norm = function(&modules, "rms_norm.cu", "rms_norm");
+    let gemv3 = function(&modules, "moe_grouped.cu", "linear_gemv3");
+    let outs = [37usize, 8, 5];
+    let total = outs.iter().sum::<usize>();
+    let cols = [0usize, outs[0], outs[0] + outs[1]];
+    let eps = 1e-5f32;
+    for (n, inp) in [(1usize, 512usize), (3, 200), (16, 512)] {
+        for norm_code in [0i32, 2] {
+            let x: Vec<f32> = rng.vec(n * inp, 2.0).iter().map(|v| v + 0.25).collect();
+            let nw: Vec<f32> = rng.vec(inp, 0.5).iter().map(|v| v + 1.0).collect();
+            let (nw_bytes, nw_f) = stored(&nw, norm_code);
+            let nw_dev = stream.clone_htod(&nw_bytes).expect("htod");
+            // Weights: bf16, bf16, f32; their f32 values for the CPU.
+            let codes = [0i32, 0, 2];
+            let (mut ws, mut w_f) = (Vec::new(), Vec::new());
+            for (&out, &code) in outs.iter().zip(&codes) {
+                let (bytes, values) = stored(&rng.vec(out * inp, 0.2), code);
+                ws.push(stream.clone_htod(&bytes).expect("htod"));
+                w_f.push(values);
+            }
+            let x_dev = stream.clone_htod(&x).expect("htod");
+            let (n_i, inp_i, ldy) = (n as i32, inp as i32, total as i32);
+            let (o0, o1, o2) = (outs[0] as i32, outs[1] as i32, outs[2] as i32);
+            let (c1, c2) = (cols[1] as i32, cols[2] as i32);
+            let threads = row_block(inp);
+            let launch3 = |x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, with_norm: bool| {
+                let (nw_ptr, threads_i) = if with_norm {
+                    (addr(&stream, &nw_dev), threads as i32)
+                } else {
+                    (0u64, 0i32)
+                };
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe {
+                    stream
+                        .launch_builder(&gemv3)
+                        .arg(x)
+                        .arg(&ws[0])
+                        .arg(&ws[1])
+                        .arg(&ws[2])
+                        .arg(&o0)
+                        .arg(&o1)
+                        .arg(&o2)
+                        .arg(&codes[0])
+                        .arg(&codes[1])
+                        .arg(&codes[2])
+                        .arg(y)
+                        .arg(&n_i)
+                        .arg(&inp_i)
+                        .arg(&ldy)
+                        .arg(&c1)
+                        .arg(&c2)
+                        .arg(&nw_ptr)
+                        .arg(&norm_code)
+                        .arg(&eps)
+                        .arg(&threads_i)
+                        .launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, 0))
+                }
+                .expect("launch");
+            };
+            // Unfused: rms_norm into a buffer, then the plain projection.
+            let mut normed = stream.alloc_zeros::<f32>(n * inp).expect("alloc");
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&norm)
+                    .arg(&x_dev)
+                    .arg(&nw_dev)
+                    .arg(&mut normed)
+                    .arg(&inp_i)
+                    .arg(&eps)
+                    .arg(&norm_code)
+                    .launch(cfg((n as u32, 1, 1), threads, 0))
+            }
+            .expect("launch");
+            let mut apart = stream.alloc_zeros::<f32>(n * total).expect("alloc");
+            launch3(&normed, &mut apart, false);
+            let mut fused = stream.alloc_zeros::<f32>(n * total).expect("alloc");
+            launch3(&x_dev, &mut fused, true);
+            let (a, b) = (
+                stream.clone_dtoh(&apart).expect("dtoh"),
+                stream.clone_dtoh(&fused).expect("dtoh"),
+            );
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "{n} rows of {inp}, norm code {norm_code}"
+            );
+            // Against the CPU: its norm, then each output in f64.
+            // The norm weight's stored values (exact in f32 either way).
+            let mut cpu_norm = vec![0.0f32; n * inp];
+            normalize(
+                NormKind::Rms,
+                &x,
+                TypedSlice::F32(&nw_f),
+                eps,
+                &mut cpu_norm,
+            );
+            let mut want = vec![0.0f32; n * total];
+            for r in 0..n {
+                for (i, &out) in outs.iter().enumerate() {
+                    for o in 0..out {
+                        let dot: f64 = (0..inp)
+                            .map(|k| {
+                                f64::from(w_f[i][o * inp + k]) * f64::from(cpu_norm[r * inp + k])
+                            })
+                            .sum();
+                        want[r * total + cols[i] + o] = dot as f32;
+                    }
+                }
+            }
+            let err = max_abs_diff(&b, &want);
+            println!(
+                "linear_gemv3 normalising {n} rows of {inp} (norm code {norm_code}): the unfused bits, max abs diff vs CPU {err:.3e}"
+            );
+            assert!(err < 1e-4, "{n} x {inp}: {err}");
+        }
+    }
+}
+
+/// `moe_gate_route` (a decode step's gate in one launch) gives the bits of the launches it
+/// replaces: `rms_norm` / `layer_norm` into the normalised rows, the router's
+/// `linear_gemv` logits, `router_topk`'s packed route, and zeroed slots; and the CPU's
+/// routing (`math::norm::normalize`, an f64 router product, `math::moe::route`): the same
+/// experts, weights within 1e-5. 1 and 5 rows; widths 256 (16-byte loads) and 200 (the
+/// scalar loop, 256 threads with a partial last stride); 10 experts (not a multiple of
+/// the block's warps) at top-3; RMSNorm with p = 1 renormalisation and LayerNorm without;
+/// bf16 and f32 routers.
+#[test]
+fn the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu() {
+    const NAME: &str = "standin_int_products::the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::math::moe::route;
+    use moec::math::norm::normalize;
+    use moec::math::tensor::TypedSlice;
+    use moec::model::vocab::NormKind;
+    use moec::runtime::cuda::launch::row_block;
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x6a7e_0000_4444_0010);
+    let fused_f = function(&modules, "moe_grouped.cu", "moe_gate_route");
+    let gemv = function(&modules, "moe_grouped.cu", "linear_gemv");
+    let topk = function(&modules, "router_topk.cu", "router_topk");
+    let (ne, tk, eps) = (10usize, 3usize, 1e-5f32);
+    for (n, d, kind, router_code) in [
+        (1usize, 256usize, NormKind::Rms, 0i32),
+        (5, 200, NormKind::Rms, 2),
+        (5, 256, NormKind::LayerNoBias, 0),
+    ] {
+        let (entry, layer_norm, norm_p) = match kind {
+            NormKind::Rms => ("rms_norm", 0i32, 1.0f32),
+            NormKind::LayerNoBias => ("layer_norm", 1, 0.0),
+        };
+        let x: Vec<f32> = rng.vec(n * d, 2.0).iter().map(|v| v + 0.25).collect();
+        let nw: Vec<half::bf16> = rng
+            .vec(d, 0.5)
+            .iter()
+            .map(|v| half::bf16::from_f32(v + 1.0))
+            .collect();
+        let nw_dev = stream
+            .clone_htod(&nw.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
+            .expect("htod");
+        let (router_bytes, router_f) = stored(&rng.vec(ne * d, 0.3), router_code);
+        let router_dev = stream.clone_htod(&router_bytes).expect("htod");
+        let x_dev = stream.clone_htod(&x).expect("htod");
+        let (d_i, ne_i, tk_i, n_i, nw_code) = (d as i32, ne as i32, tk as i32, n as i32, 0i32);
+        let threads = row_block(d);
+        // Unfused: the norm, the router product, top-k.
+        let mut normed = stream.alloc_zeros::<f32>(n * d).expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&function(&modules, "rms_norm.cu", entry))
+                .arg(&x_dev)
+                .arg(&nw_dev)
+                .arg(&mut normed)
+                .arg(&d_i)
+                .arg(&eps)
+                .arg(&nw_code)
+                .launch(cfg((n as u32, 1, 1), threads, 0))
+        }
+        .expect("launch");
+        let mut logits = stream.alloc_zeros::<f32>(n * ne).expect("alloc");
+        let (ldy, acc) = (ne as i32, 0i32);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&gemv)
+                .arg(&normed)
+                .arg(&router_dev)
+                .arg(&mut logits)
+                .arg(&n_i)
+                .arg(&d_i)
+                .arg(&ne_i)
+                .arg(&router_code)
+                .arg(&ldy)
+                .arg(&acc)
+                .launch(cfg((ne.div_ceil(8) as u32, 1, 1), 256, 0))
+        }
+        .expect("launch");
+        let mut route_apart = stream.alloc_zeros::<u32>(n * tk * 2).expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&topk)
+                .arg(&logits)
+                .arg(&0u64)
+                .arg(&0u64)
+                .arg(&n_i)
+                .arg(&ne_i)
+                .arg(&tk_i)
+                .arg(&norm_p)
+                .arg(&mut route_apart)
+                .launch(cfg((1, 1, 1), 64, 0))
+        }
+        .expect("launch");
+        // Fused, over slots holding garbage.
+        let mut x_norm = stream.alloc_zeros::<f32>(n * d).expect("alloc");
+        let mut slots = stream.clone_htod(&vec![7.5f32; n * tk * d]).expect("htod");
+        let mut route_fused = stream.alloc_zeros::<u32>(n * tk * 2).expect("alloc");
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&fused_f)
+                .arg(&x_dev)
+                .arg(&nw_dev)
+                .arg(&nw_code)
+                .arg(&layer_norm)
+                .arg(&eps)
+                .arg(&router_dev)
+                .arg(&router_code)
+                .arg(&mut x_norm)
+                .arg(&mut slots)
+                .arg(&mut route_fused)
+                .arg(&d_i)
+                .arg(&ne_i)
+                .arg(&tk_i)
+                .arg(&norm_p)
+                .launch(cfg((n as u32, 1, 1), threads, 0))
+        }
+        .expect("launch");
+        let what = format!("{n} rows of {d}, {entry}, router code {router_code}");
+        let got_norm = stream.clone_dtoh(&x_norm).expect("dtoh");
+        assert_eq!(
+            bits(&got_norm),
+            bits(&stream.clone_dtoh(&normed).expect("dtoh")),
+            "{what}"
+        );
+        let got_route = stream.clone_dtoh(&route_fused).expect("dtoh");
+        assert_eq!(
+            got_route,
+            stream.clone_dtoh(&route_apart).expect("dtoh"),
+            "{what}"
+        );
+        assert!(
+            stream
+                .clone_dtoh(&slots)
+                .expect("dtoh")
+                .iter()
+                .all(|&v| v == 0.0),
+            "{what}"
+        );
+        // Against the CPU.
+        let mut cpu_norm = vec![0.0f32; n * d];
+        normalize(kind, &x, TypedSlice::Bf16(&nw), eps, &mut cpu_norm);
+        let cpu_logits: Vec<f32> = (0..n * ne)
+            .map(|i| {
+                let (t, e) = (i / ne, i % ne);
+                (0..d)
+                    .map(|k| f64::from(router_f[e * d + k]) * f64::from(cpu_norm[t * d + k]))
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        let want = route(&cpu_logits, ne, tk, (norm_p > 0.0).then_some(1.0));
+        let experts: Vec<u32> = got_route.iter().step_by(2).copied().collect();
+        let weights: Vec<f32> = got_route
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .map(|&b| f32::from_bits(b))
+            .collect();
+        assert_eq!(experts, want.experts, "{what}");
+        let err = max_abs_diff(&weights, &want.weights);
+        let norm_err = max_abs_diff(&got_norm, &cpu_norm);
+        println!("moe_gate_route ({what}): the unfused bits; CPU experts equal, weights within {err:.1e}, norm within {norm_err:.1e}");
+        assert!(err < 1e-5 && norm_err < 1e-4, "{what}: {err} {norm_err}");
+    }
 }

@@ -5,7 +5,7 @@ use crate::standin::{
     cfg, cpu_attention_checking_appends, function, in_standin_child, load_kernels, max_abs_diff,
     paged_rows, run_under_standin, standin_context, Rng,
 };
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 use half::bf16;
 use moec::runtime::cuda::detect::detect;
 use moec::runtime::cuda::kernels::{compile_kernel, KernelSource, DEFAULT_ARCH};
@@ -336,28 +336,8 @@ fn every_kernel_runs_like_the_cpu_kernels() {
         let x_dev = stream.clone_htod(&x).expect("htod");
         for (dtype, accumulate) in [(0i32, 0i32), (1, 1), (2, 0)] {
             // The weights as stored, and their decoded values for the reference.
-            let (w_dev, decoded): (CudaSlice<u8>, Vec<f32>) = match dtype {
-                0 => {
-                    let v: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
-                    let bytes: Vec<u8> = v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect();
-                    (
-                        stream.clone_htod(&bytes).expect("htod"),
-                        v.iter().map(|b| b.to_f32()).collect(),
-                    )
-                }
-                1 => {
-                    let v: Vec<half::f16> = w.iter().map(|&x| half::f16::from_f32(x)).collect();
-                    let bytes: Vec<u8> = v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect();
-                    (
-                        stream.clone_htod(&bytes).expect("htod"),
-                        v.iter().map(|b| b.to_f32()).collect(),
-                    )
-                }
-                _ => {
-                    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    (stream.clone_htod(&bytes).expect("htod"), w.clone())
-                }
-            };
+            let (bytes, decoded) = stored(&w, dtype);
+            let w_dev: CudaSlice<u8> = stream.clone_htod(&bytes).expect("htod");
             let mut y_dev = stream.clone_htod(&y0).expect("htod");
             let (n_i, in_i, out_i, ldy_i) = (n as i32, in_dim as i32, out_dim as i32, ldy as i32);
             // SAFETY: argument types and order match the kernel's signature; x holds n x
@@ -909,6 +889,39 @@ fn bytemuck_bytes<T: bytemuck::Pod>(values: &[T]) -> &[u8] {
 /// Bit patterns, so exact comparisons also distinguish -0.0 and NaN payloads.
 pub(crate) fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// `values` stored in the kernels' float format `code` (0 bf16, 1 f16, 2 f32): the bytes to
+/// upload and the f32 values they hold (what a CPU reference multiplies).
+pub(crate) fn stored(values: &[f32], code: i32) -> (Vec<u8>, Vec<f32>) {
+    match code {
+        0 => {
+            let v: Vec<bf16> = values.iter().map(|&x| bf16::from_f32(x)).collect();
+            (
+                v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect(),
+                v.iter().map(|b| b.to_f32()).collect(),
+            )
+        }
+        1 => {
+            let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+            (
+                v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect(),
+                v.iter().map(|b| b.to_f32()).collect(),
+            )
+        }
+        _ => (
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            values.to_vec(),
+        ),
+    }
+}
+
+/// Device address of a buffer (for tables of addresses and pointer arguments).
+pub(crate) fn addr<T>(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    s: &CudaSlice<T>,
+) -> u64 {
+    s.device_ptr(stream).0
 }
 
 /// kernels/prefill_attention.cu through the stand-in against the CPU's `attention` with

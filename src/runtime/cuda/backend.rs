@@ -28,7 +28,7 @@ use super::device::{Device, DeviceError, PtxSources};
 use super::graph::{self, Command, Deferred, Lane, Recorder};
 use super::launch::{Arg, StreamCx, Workspace};
 use super::memory::{DeviceMemory, DeviceMemoryError};
-use super::ops::{GpuCx, OpError};
+use super::ops::{GpuCx, OpError, SampledIds};
 use crate::ir::{Engine, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::math::rope::RopeTable;
@@ -175,6 +175,8 @@ pub struct CudaBackend<'c> {
     arch: ArchSpec,
     dtype: WeightDtype,
     routing_syncs: AtomicUsize,
+    /// The ids each device tokens buffer holds from its last `sample` ([`SampledIds`]).
+    sampled_ids: SampledIds,
     device: Device,
 }
 
@@ -321,6 +323,7 @@ impl<'c> CudaBackend<'c> {
             dtype: plan.model.dtype,
             arch,
             routing_syncs: AtomicUsize::new(0),
+            sampled_ids: SampledIds::default(),
             device,
         })
     }
@@ -535,6 +538,7 @@ impl Backend for CudaBackend<'_> {
             state,
             dtype: self.dtype,
             routing_syncs: &self.routing_syncs,
+            sampled_ids: &self.sampled_ids,
         };
         cx.run(task).map_err(task_error)?;
         self.end_timing(&dev.stream, task, timing)
@@ -752,8 +756,10 @@ impl Backend for CudaBackend<'_> {
                 std::slice::from_raw_parts(at as *const u8, count * 4)
             };
             match d {
-                Deferred::Sampled { ub, at, count } => {
-                    state.put_sampled(ub, graph::words(bytes(at, count)));
+                Deferred::Sampled { ub, at, count, dst } => {
+                    let ids = graph::words(bytes(at, count));
+                    self.sampled_ids.wrote(dst, &ids);
+                    state.put_sampled(ub, ids);
                 }
                 Deferred::Logits { ub, at, count } => {
                     state.put_logits(ub, graph::floats(bytes(at, count)));

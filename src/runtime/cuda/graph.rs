@@ -120,6 +120,14 @@ pub enum Command {
         /// Bytes.
         bytes: usize,
     },
+    /// Fill bytes with 0xFF (an f32 NaN): scratch handed out under
+    /// `MOEC_CUDA_POISON_SCRATCH` ([`super::launch::StreamCx::scratch`]).
+    Poison {
+        /// Destination.
+        dst: u64,
+        /// Bytes.
+        bytes: usize,
+    },
     /// Record a plan event.
     Record(usize),
     /// Wait for a plan event.
@@ -194,7 +202,8 @@ impl Command {
                     bytes: b,
                 },
             ) => (dst, src, bytes) == (d, s, b),
-            (C::Zero { dst, bytes }, C::Zero { dst: d, bytes: b }) => (dst, bytes) == (d, b),
+            (C::Zero { dst, bytes }, C::Zero { dst: d, bytes: b })
+            | (C::Poison { dst, bytes }, C::Poison { dst: d, bytes: b }) => (dst, bytes) == (d, b),
             (C::Record(a), C::Record(b)) | (C::Wait(a), C::Wait(b)) => a == b,
             _ => false,
         }
@@ -261,6 +270,9 @@ impl Command {
             },
             Command::Zero { dst, bytes } => unsafe {
                 result::memset_d8_async(*dst, 0, *bytes, cu).map_err(driver("cuMemsetD8Async"))
+            },
+            Command::Poison { dst, bytes } => unsafe {
+                result::memset_d8_async(*dst, 0xFF, *bytes, cu).map_err(driver("cuMemsetD8Async"))
             },
             Command::Record(e) => match events.get(*e) {
                 Some(ev) => ev.record(stream).map_err(driver("cuEventRecord")),
@@ -347,6 +359,8 @@ pub enum Deferred {
         at: usize,
         /// Ids.
         count: usize,
+        /// The device tokens buffer they were sampled into.
+        dst: u64,
     },
     /// `count` logits (f32) of micro-batch `ub` at staging address `at`.
     Logits {
@@ -783,7 +797,7 @@ fn describe(c: &Command) -> String {
         Command::Launch { entry, .. } => format!("`{entry}`"),
         Command::Gemm(_) => "a GEMM".into(),
         Command::HtoD { .. } | Command::DtoH { .. } | Command::DtoD { .. } => "a copy".into(),
-        Command::Zero { .. } => "a memset".into(),
+        Command::Zero { .. } | Command::Poison { .. } => "a memset".into(),
         Command::Record(_) | Command::Wait(_) => "an event".into(),
     }
 }

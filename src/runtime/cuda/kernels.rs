@@ -103,6 +103,7 @@ pub const KERNELS: [KernelSource; 13] = [
             "linear_gemv3_q8",
             "moe_grouped_gemv_1",
             "linear_gemv_1",
+            "moe_gate_route",
         ],
     },
     KernelSource {
@@ -153,10 +154,13 @@ pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 /// The headers a kernel file may `#include "<name>"` (besides the prelude every file
 /// gets), embedded like the files: [`full_source`] puts a header's text where it is
 /// included, so NVRTC needs no include path and a moec binary no kernels folder.
-pub const HEADERS: [(&str, &str); 1] = [(
-    "paged_attention.cuh",
-    include_str!("../../../kernels/paged_attention.cuh"),
-)];
+pub const HEADERS: [(&str, &str); 2] = [
+    (
+        "paged_attention.cuh",
+        include_str!("../../../kernels/paged_attention.cuh"),
+    ),
+    ("router.cuh", include_str!("../../../kernels/router.cuh")),
+];
 
 /// What NVRTC compiles for `kernel`: [`PRELUDE`], then the file with each `#include` of a
 /// [`HEADERS`] entry replaced by that header's text, lines numbered as in the file or

@@ -223,7 +223,24 @@ const SCRATCH_ALIGN: usize = 256;
 pub struct Workspace {
     inner: std::sync::Mutex<WorkspaceInner>,
     step: std::sync::Mutex<StepTables>,
+    constants: std::sync::Mutex<ConstantTables>,
 }
+
+/// Tables a stream's tasks upload with the same bytes step after step (a layer's expert
+/// weight addresses, `moe::device_experts`), each copied to a device buffer of its own
+/// once and read there from then on ([`StreamCx::upload_constant`]): no copy per layer
+/// and step, so no copy node in a step's graph. Keyed by the bytes, so a table whose
+/// addresses changed (weights moved) is a new entry and an entry's device bytes never
+/// change. At most [`MAX_CONSTANT_TABLES`] entries (a few KiB each), kept for the
+/// stream's life.
+#[derive(Debug, Default)]
+struct ConstantTables {
+    tables: std::collections::HashMap<Vec<u8>, CudaSlice<u8>>,
+}
+
+/// Entries past which [`StreamCx::upload_constant`] uploads per call, as
+/// [`StreamCx::upload`] does (the same values; only the copy is not saved).
+const MAX_CONSTANT_TABLES: usize = 4096;
 
 /// Replaces a bump arena's device buffer with a fresh one of `size` bytes, keeping the old
 /// one in `retired` (work already submitted may still read it), and returns the new base.
@@ -368,6 +385,12 @@ impl Workspace {
     }
 }
 
+/// Whether `MOEC_CUDA_POISON_SCRATCH` is set (read once): see [`StreamCx::scratch`].
+fn poison_scratch() -> bool {
+    static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POISON.get_or_init(|| std::env::var_os("MOEC_CUDA_POISON_SCRATCH").is_some())
+}
+
 /// Converts a size to a kernel's `int`.
 pub fn int(what: &'static str, value: usize) -> Result<i32, LaunchError> {
     i32::try_from(value).map_err(|_| LaunchError::Range { what, value })
@@ -456,14 +479,20 @@ impl StreamCx<'_> {
     }
 
     /// `bytes` of device scratch (uninitialised) from the stream's workspace, valid until
-    /// the stream's next task.
+    /// the stream's next task. Under `MOEC_CUDA_POISON_SCRATCH` (a test mode) each piece is
+    /// first filled with 0xFF bytes, an f32 NaN, so a kernel that reads scratch nothing of
+    /// its task wrote (what `compute-sanitizer --tool initcheck` flags on a fresh buffer,
+    /// but here on every piece, however often the workspace was reused) turns results into
+    /// NaN instead of reading an earlier task's values.
     pub fn scratch(&self, bytes: usize) -> Result<Scratch, LaunchError> {
         if bytes == 0 {
             return Ok(Scratch { ptr: 0 });
         }
-        Ok(Scratch {
-            ptr: self.workspace.take(self.stream, bytes)?,
-        })
+        let ptr = self.workspace.take(self.stream, bytes)?;
+        if poison_scratch() {
+            self.issue(Command::Poison { dst: ptr, bytes })?;
+        }
+        Ok(Scratch { ptr })
     }
 
     /// Scratch holding `data`, copied now from pageable memory (CUDA stages it before the
@@ -496,6 +525,43 @@ impl StreamCx<'_> {
                 source,
             })?;
         Ok(s)
+    }
+
+    /// Device memory holding `data`, a table expected again with the same bytes (see
+    /// [`ConstantTables`]): its cached copy when there is one, else copied now into a
+    /// buffer of its own on this stream (before any later work of the stream, recorded or
+    /// not, so every reader runs after the copy) and cached; past the cache's bound,
+    /// [`StreamCx::upload`].
+    pub fn upload_constant<T: cudarc::driver::DeviceRepr>(
+        &self,
+        data: &[T],
+    ) -> Result<Scratch, LaunchError> {
+        let bytes = std::mem::size_of_val(data);
+        if bytes == 0 {
+            return Ok(Scratch { ptr: 0 });
+        }
+        // SAFETY: `data` is `bytes` initialised bytes of plain values (DeviceRepr types).
+        let raw = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), bytes) };
+        let mut c = crate::runtime::sync::lock(&self.workspace.constants);
+        if let Some(table) = c.tables.get(raw) {
+            return Ok(Scratch {
+                ptr: table.device_ptr(self.stream).0,
+            });
+        }
+        if c.tables.len() >= MAX_CONSTANT_TABLES {
+            drop(c);
+            return self.upload(data);
+        }
+        let driver = |call| move |source| LaunchError::Driver { call, source };
+        // SAFETY: written by the copy below before any kernel of the stream reads it.
+        let table = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(driver("cuMemAllocAsync"))?;
+        let ptr = table.device_ptr(self.stream).0;
+        // SAFETY: the buffer holds exactly `data`'s bytes; a pageable source is staged by
+        // the driver before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, raw, self.stream.cu_stream()) }
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        c.tables.insert(raw.to_vec(), table);
+        Ok(Scratch { ptr })
     }
 
     /// The device address of `data` as micro-batch `ub`'s table `name` of this step
@@ -733,6 +799,21 @@ impl StreamCx<'_> {
     }
 }
 
+/// An RMSNorm a kernel applies to its input rows itself (`linear_gemv3`): the norm
+/// weight's address and kernel code, epsilon, and the rows' width (the kernel takes
+/// rms_norm's block size for it, [`row_block`], so its values are that launch's).
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNormArg {
+    /// Device address of the weight.
+    pub weight: u64,
+    /// Its kernel dtype code (`kernels/prelude.cuh`).
+    pub code: i32,
+    /// Epsilon.
+    pub eps: f32,
+    /// Values per row.
+    pub width: usize,
+}
+
 /// Activation rows quantised for the integer products ([`StreamCx::quantize_q8`]): the
 /// CPU's `Q8Rows` codes and scales in device scratch.
 #[derive(Debug, Clone, Copy)]
@@ -846,7 +927,7 @@ impl StreamCx<'_> {
         n: usize,
         products: &[(&DevMatrix, u64, usize, bool)],
     ) -> Result<(), LaunchError> {
-        if self.linear_fused(x, n, products)? {
+        if self.linear_fused(x, n, products, None)? {
             return Ok(());
         }
         let mut quantised: Vec<Q8Act> = Vec::new();
@@ -869,16 +950,33 @@ impl StreamCx<'_> {
         Ok(())
     }
 
+    /// [`StreamCx::linear_shared`] of `x` RMSNorm'd with `norm` first, in one launch
+    /// (`linear_gemv3` normalising its inputs as it reads them: rms_norm's values, no
+    /// normalised copy) when the products can share a float launch; gives false, having
+    /// launched nothing, otherwise (the caller normalises into scratch and calls
+    /// [`StreamCx::linear_shared`]).
+    pub fn linear_shared_rms_normed(
+        &self,
+        x: u64,
+        n: usize,
+        norm: RmsNormArg,
+        products: &[(&DevMatrix, u64, usize, bool)],
+    ) -> Result<bool, LaunchError> {
+        self.linear_fused(x, n, products, Some(norm))
+    }
+
     /// Two or three few-row products of `x` in one launch (`linear_gemv3`, or
     /// `linear_gemv3_q8` after one `q8_quantize`) when they can share it: all float weights
     /// on `linear_gemv`, or all integer products of one activation format; the same input
     /// width and row stride, none accumulating, each output a whole number of floats after
-    /// the first's (q | k | v of one row). Gives false, having launched nothing, otherwise.
+    /// the first's (q | k | v of one row). `norm`: `x` RMSNorm'd inside the launch (float
+    /// weights only). Gives false, having launched nothing, otherwise.
     fn linear_fused(
         &self,
         x: u64,
         n: usize,
         products: &[(&DevMatrix, u64, usize, bool)],
+        norm: Option<RmsNormArg>,
     ) -> Result<bool, LaunchError> {
         let Some(&(first, y0, ldy, _)) = products.first() else {
             return Ok(false);
@@ -889,6 +987,9 @@ impl StreamCx<'_> {
         let kernel = linear_kernel(first, n);
         let integer = kernel == "q8_quantize + linear_gemv_q8";
         let float = kernel == "linear_gemv" && first.quant.is_none();
+        if norm.is_some() && !float {
+            return Ok(false);
+        }
         let k = first.in_dim();
         let mut cols = Vec::with_capacity(3);
         for &(w, y, l, accumulate) in products {
@@ -935,6 +1036,20 @@ impl StreamCx<'_> {
             Arg::I32(cols.get(1).copied().unwrap_or(0)),
             Arg::I32(cols.get(2).copied().unwrap_or(0)),
         ]);
+        if !integer {
+            let norm = norm.unwrap_or(RmsNormArg {
+                weight: 0,
+                code: 0,
+                eps: 0.0,
+                width: k,
+            });
+            args.extend([
+                Arg::Ptr(norm.weight),
+                Arg::I32(norm.code),
+                Arg::F32(norm.eps),
+                Arg::I32(row_block(norm.width) as i32),
+            ]);
+        }
         self.launch(entry, grid, (32 * GEMV_WARPS) as u32, 0, &args)?;
         Ok(true)
     }

@@ -22,13 +22,14 @@
 use super::deepseek;
 use super::launch::{
     act_format, int, int_product, one_row_half, row_block, storage_code, Arg, DevMatrix, Q8Act,
-    Scratch,
+    Scratch, GEMV_MAX_ROWS,
 };
 use super::ops::{not_supported, GpuCx, OpError};
 use crate::ir::catalog::OpKind;
 use crate::ir::{Op, Role};
 use crate::lower::PlanTask;
 use crate::model::segment::SegmentKind;
+use crate::model::vocab::NormKind;
 use crate::model::vocab::Orientation;
 use crate::model::vocab::{ExpertGroups, Routing};
 use crate::quant::storage::WeightDtype;
@@ -40,7 +41,7 @@ use crate::runtime::ops::{OpCx, TaskArgs};
 use crate::runtime::step::MicroBatchState;
 use std::sync::atomic::Ordering;
 
-/// `ROUTER_MAX_EXPERTS` of kernels/router_topk.cu.
+/// `ROUTER_MAX_EXPERTS` of kernels/router.cuh.
 pub(super) const ROUTER_MAX_EXPERTS: usize = 256;
 
 /// `MOE_MAX_EXPERTS`, `MOE_TILE_M` / `MOE_TILE_N` and `MOE_GEMV_WARPS` of
@@ -216,6 +217,68 @@ impl GpuCx<'_> {
             &operands,
         )?;
         Ok(())
+    }
+
+    /// The gate of `n` residual rows `h` in one launch (`moe_gate_route`, kernels/
+    /// moe_grouped.cu): the FFN norm into `x_norm`, the router's logits, `router_topk`'s
+    /// choice into the packed `route` and the rows' `slots` (`[n, top_k, d]`, 0: none)
+    /// zeroed; the values of the launches it replaces ([`GpuCx::normalize`],
+    /// [`GpuCx::route`], a memset), bit for bit. For a decode step's few rows with a float
+    /// router stored `[out, in]` and the softmax-then-top-k router; gives false, having
+    /// launched nothing, otherwise (the caller runs those launches).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fused_gate(
+        &self,
+        weights: &[View],
+        layer: u32,
+        h: u64,
+        x_norm: u64,
+        slots: u64,
+        n: usize,
+        route: u64,
+    ) -> Result<bool, OpError> {
+        let (d, e, k) = (self.arch.hidden, self.arch.experts, self.arch.top_k);
+        if n == 0
+            || n > GEMV_MAX_ROWS
+            || self.arch.deepseek_router.is_some()
+            || self.arch.router_bias_topk_softmax
+            || e > ROUTER_MAX_EXPERTS
+            || k > e
+        {
+            return Ok(false);
+        }
+        let router = self.segment(weights, layer, SegmentKind::Router)?;
+        if router.quant.is_some() || router.orientation != Orientation::OutIn {
+            return Ok(false);
+        }
+        let (norm_w, norm_code) = self.layer_norm_weight(weights, layer, SegmentKind::FfnNorm)?;
+        let layer_norm = match self.arch.norm {
+            NormKind::Rms => 0,
+            NormKind::LayerNoBias => 1,
+        };
+        self.s.launch(
+            "moe_gate_route",
+            (int("rows", n)? as u32, 1, 1),
+            row_block(d),
+            0,
+            &[
+                Arg::Ptr(h),
+                Arg::Ptr(norm_w),
+                Arg::I32(norm_code),
+                Arg::I32(layer_norm),
+                Arg::F32(self.arch.norm_eps),
+                Arg::Ptr(router.ptr),
+                Arg::I32(router.code()),
+                Arg::Ptr(x_norm),
+                Arg::Ptr(slots),
+                Arg::Ptr(route),
+                Arg::I32(int("hidden", d)?),
+                Arg::I32(int("experts", e)?),
+                Arg::I32(int("top_k", k)?),
+                Arg::F32(self.arch.router_norm_p.map_or(0.0, |p| p as f32)),
+            ],
+        )?;
+        Ok(true)
     }
 
     /// The group-by-expert and expert stages: every routed expert of `members` over
@@ -474,7 +537,8 @@ impl GpuCx<'_> {
         let n_members = members.iter().filter(|&&m| (m as usize) < e).count();
         let max_tiles = max_tiles(entries, n_members);
         let aligned = table[..3 * e].iter().all(|&p| p.is_multiple_of(16));
-        let table = self.s.upload(&table)?;
+        // The same addresses every step while the weights stay put: copied once.
+        let table = self.s.upload_constant(&table)?;
         let perm_row = self.s.scratch(entries * 4)?;
         let perm_slot = self.s.scratch(entries * 4)?;
         let perm_weight = self.s.scratch(entries * 4)?;
@@ -839,10 +903,13 @@ pub(super) fn gate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     if cx.arch.is_dense(layer as usize) {
         return deepseek::dense_gate(cx, &weights, layer, h, acc, route, n);
     }
-    let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
-    cx.normalize(h, norm_w, acc, n)?;
-    cx.route(&weights, layer, acc, n, route)?;
-    cx.s.zero(acc + (n * d * 4) as u64, n * k * d * 4)?;
+    let slots = acc + (n * d * 4) as u64;
+    if !cx.fused_gate(&weights, layer, h, acc, slots, n, route)? {
+        let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
+        cx.normalize(h, norm_w, acc, n)?;
+        cx.route(&weights, layer, acc, n, route)?;
+        cx.s.zero(slots, n * k * d * 4)?;
+    }
     // The shared expert is dense work every token does: computed with the router, as the
     // CPU's gate does, so schedules move its weights with the gate's.
     if cx.arch.shared_ffn > 0 {
@@ -924,13 +991,16 @@ pub(super) fn post_attn_op(
     if cx.arch.is_dense(layer as usize) {
         return deepseek::dense_block(cx, &weights, layer, h, n);
     }
-    let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
     let x_norm = cx.s.scratch(n * d * 4)?;
-    cx.normalize(h, norm_w, x_norm.ptr(), n)?;
     let route = cx.s.scratch(n * k * 8)?;
-    cx.route(&weights, layer, x_norm.ptr(), n, route.ptr())?;
     let slots = cx.s.scratch(n * k * d * 4)?;
-    cx.s.zero(slots.ptr(), n * k * d * 4)?;
+    let (xp, rp, sp) = (x_norm.ptr(), route.ptr(), slots.ptr());
+    if !cx.fused_gate(&weights, layer, h, xp, sp, n, rp)? {
+        let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
+        cx.normalize(h, norm_w, xp, n)?;
+        cx.route(&weights, layer, xp, n, rp)?;
+        cx.s.zero(sp, n * k * d * 4)?;
+    }
     let all: Vec<u32> = (0..cx.arch.experts as u32).collect();
     cx.routed_experts(
         &weights,

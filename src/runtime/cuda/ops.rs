@@ -24,7 +24,9 @@
 use super::attention::attn_op;
 use super::deepseek;
 use super::graph::{floats, words, Deferred};
-use super::launch::{int, row_block, storage_code, Arg, DevMatrix, LaunchError, Scratch, StreamCx};
+use super::launch::{
+    int, row_block, storage_code, Arg, DevMatrix, LaunchError, RmsNormArg, Scratch, StreamCx,
+};
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::moe::{combine_op, experts_op, gate_op, post_attn_op, ROUTER_MAX_EXPERTS};
 use crate::ir::catalog::OpKind;
@@ -85,6 +87,38 @@ pub struct GpuCx<'a> {
     pub dtype: WeightDtype,
     /// Routing read back by an op itself (no plan read-back for its gate).
     pub routing_syncs: &'a AtomicUsize,
+    /// What the device tokens buffers hold from their last `sample`.
+    pub sampled_ids: &'a SampledIds,
+}
+
+/// The ids each device tokens buffer (by address) holds from the `sample` that last wrote
+/// it, known on the host once its read-back arrived. `embed` of a decode step whose ids
+/// are exactly those reads them where `sample` left them instead of uploading them (no
+/// copy node a step, and nothing of the host between one step's sampling and the next
+/// step's embedding): the plan's value check makes a decode `embed`'s tokens argument the
+/// buffer its micro-batch's `sample` wrote, and equal ids mean equal rows, whatever joined
+/// or left the batch.
+#[derive(Debug, Default)]
+pub struct SampledIds(std::sync::Mutex<std::collections::HashMap<u64, Vec<u32>>>);
+
+impl SampledIds {
+    /// `sample` wrote `ids` at device address `dst`.
+    pub fn wrote(&self, dst: u64, ids: &[u32]) {
+        crate::runtime::sync::lock(&self.0).insert(dst, ids.to_vec());
+    }
+
+    /// Forgets every buffer: a copy may have written one (a schedule that samples on the
+    /// host and copies the ids over), so nothing is trusted until its next `sample`.
+    fn forget(&self) {
+        crate::runtime::sync::lock(&self.0).clear();
+    }
+
+    /// Whether the buffer at `at` holds exactly `ids` from its last `sample`.
+    fn holds(&self, at: u64, ids: &[u32]) -> bool {
+        crate::runtime::sync::lock(&self.0)
+            .get(&at)
+            .is_some_and(|held| held.as_slice() == ids)
+    }
 }
 
 impl OpCx for GpuCx<'_> {
@@ -480,6 +514,7 @@ impl GpuCx<'_> {
 
 fn copy_op(cx: &GpuCx<'_>, _task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
+    cx.sampled_ids.forget();
     if cx.s.recorder.recording() {
         // Between the gpu and pinned arenas: a device command like any launch.
         if let Some(commands) = cx.mem.copy_commands(cx.host, src, dst)? {
@@ -525,8 +560,21 @@ fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
             "embed_quant"
         }
     };
-    let ids = cx.s.upload(&ids)?;
-    operands[1] = Arg::Ptr(ids.ptr());
+    // A decode step's ids where the last step's `sample` left them, when they are those (a
+    // tokens argument that is not device memory of the ids' size holds none of them).
+    let on_device = args
+        .all(Role::Tokens)
+        .first()
+        .and_then(|&tokens| cx.ptr(tokens, "tokens", n * 4).ok())
+        .filter(|&at| cx.sampled_ids.holds(at, &ids));
+    let uploaded;
+    operands[1] = Arg::Ptr(match on_device {
+        Some(at) => at,
+        None => {
+            uploaded = cx.s.upload(&ids)?;
+            uploaded.ptr()
+        }
+    });
     cx.s.launch(
         entry,
         (int("tokens", n)? as u32, 1, 1),
@@ -561,8 +609,6 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         return deepseek::mla_pre_attn(cx, &weights, layer, x, &positions, out);
     }
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::AttnNorm)?;
-    let x_norm = cx.s.scratch(n * d * 4)?;
-    cx.normalize(x, norm_w, x_norm.ptr(), n)?;
     let parts = [
         (SegmentKind::QProj, SegmentKind::QBias, 0, q),
         (SegmentKind::KProj, SegmentKind::KBias, q, kv),
@@ -571,6 +617,8 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
     if cx.has(SegmentKind::QkvProj) {
         // DBRX: one fused projection, [q | k | v] in its output rows.
         let w = cx.segment(&weights, layer, SegmentKind::QkvProj)?;
+        let x_norm = cx.s.scratch(n * d * 4)?;
+        cx.normalize(x, norm_w, x_norm.ptr(), n)?;
         cx.s.linear(x_norm.ptr(), n, &w, out, width, false)?;
     } else {
         // q, k and v of one input: integer products quantise it once and share it.
@@ -582,7 +630,20 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
             .iter()
             .map(|(w, col)| (w, out + (col * 4) as u64, width, false))
             .collect();
-        cx.s.linear_shared(x_norm.ptr(), n, &products)?;
+        // Float q|k|v of an RMSNorm'd input: the norm inside their launch.
+        let rms = RmsNormArg {
+            weight: norm_w.0,
+            code: norm_w.1,
+            eps: arch.norm_eps,
+            width: d,
+        };
+        let folded =
+            arch.norm == NormKind::Rms && cx.s.linear_shared_rms_normed(x, n, rms, &products)?;
+        if !folded {
+            let x_norm = cx.s.scratch(n * d * 4)?;
+            cx.normalize(x, norm_w, x_norm.ptr(), n)?;
+            cx.s.linear_shared(x_norm.ptr(), n, &products)?;
+        }
     }
     // Then, in the CPU's order: q/k/v biases, q/k RMSNorm, clip, sinks, rotary.
     if cx.has(SegmentKind::QBias) {
@@ -732,9 +793,12 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
                     ub,
                     at,
                     count: seqs,
+                    dst: tokens_ptr,
                 })?;
             if let Some(bytes) = read {
-                cx.state.put_sampled(ub, words(&bytes));
+                let ids = words(&bytes);
+                cx.sampled_ids.wrote(tokens_ptr, &ids);
+                cx.state.put_sampled(ub, ids);
             }
         }
         Sampling::Temperature { .. } => {
@@ -747,6 +811,7 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
             let tokens = cx.state.sample_rows(mb, &host, vocab);
             let up = cx.s.upload(&tokens)?;
             cx.s.copy(tokens_ptr, up.ptr(), seqs * 4)?;
+            cx.sampled_ids.wrote(tokens_ptr, &tokens);
             cx.state.put_sampled(ub, tokens);
         }
     }
