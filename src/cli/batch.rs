@@ -559,6 +559,7 @@ fn run_batch(
             // The oracle's per-sequence stream, keyed by the line rather than the batch.
             seed: seed ^ p.line_no.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             stop: Vec::new(),
+            format: None,
         })
         .collect();
     // Submitted together: a schedule with static batches runs them as one batch.

@@ -24,11 +24,12 @@ pub use crate::runtime::driver::session::Gauges;
 use crate::runtime::driver::session::{
     serve, Command, SeqEnd, SeqError, SeqRequest, Session as DriverSession, TokenSink,
 };
+use crate::runtime::driver::state::TokenConstraint;
 use crate::weights::source::{load_model, LoadedModel};
 use crate::weights::tokenizer::TextTokenizer;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -73,6 +74,10 @@ pub struct SessionInfo {
     /// start with them (only where the schedule's prefill attends the KV cache its decode
     /// reads).
     pub prefix_cache: bool,
+    /// The model's vocabulary (rows of its logits).
+    pub vocab: usize,
+    /// The model's end-of-sequence token.
+    pub eos_token: u32,
 }
 
 /// One completion.
@@ -88,6 +93,18 @@ pub struct Completion {
     pub seed: u64,
     /// Text that ends the completion (not included in it).
     pub stop: Vec<String>,
+    /// The shape its text must have, if any (OpenAI's `response_format`).
+    pub format: Option<ResponseFormat>,
+}
+
+/// A completion's required shape: its tokens are sampled only among those a grammar
+/// allows next (llguidance), so the text parses as asked, unless `max_tokens` cuts it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under this schema.
+    JsonSchema(serde_json::Value),
 }
 
 /// Why a completion ended.
@@ -244,6 +261,8 @@ pub struct Session {
     metrics: Arc<RequestMetrics>,
     info: SessionInfo,
     template: Option<ChatTemplate>,
+    /// What compiles `response_format` grammars, built at the first such request.
+    grammars: OnceLock<Result<llguidance::ParserFactory, String>>,
     worker: Mutex<Option<JoinHandle<Result<(), String>>>>,
 }
 
@@ -306,6 +325,7 @@ impl Session {
             metrics: Arc::new(RequestMetrics::default()),
             info,
             template,
+            grammars: OnceLock::new(),
             worker: Mutex::new(Some(worker)),
         })
     }
@@ -374,11 +394,19 @@ impl Session {
                 )));
             }
         }
+        // Grammars first, so a bad schema refuses the whole submission before anything runs.
+        let mut constraints = Vec::with_capacity(completions.len());
+        for completion in &completions {
+            constraints.push(match &completion.format {
+                None => None,
+                Some(format) => Some(self.constraint(format)?),
+            });
+        }
         let mut receivers = Vec::with_capacity(completions.len());
         let mut sequences: Vec<(SeqRequest, Box<dyn TokenSink>)> =
             Vec::with_capacity(completions.len());
         let submitted = Instant::now();
-        for completion in completions {
+        for (completion, constraint) in completions.into_iter().zip(constraints) {
             let (tx, rx) = unbounded_channel();
             self.metrics
                 .prompt_tokens
@@ -397,6 +425,7 @@ impl Session {
                     .filter(|s| !s.is_empty())
                     .collect(),
                 stopped: false,
+                constraint,
                 tx,
             };
             let request = SeqRequest {
@@ -414,6 +443,47 @@ impl Session {
             .send(Command::Submit(sequences))
             .map_err(|_| SubmitRefusal::Unavailable("the session has stopped".to_string()))?;
         Ok(receivers)
+    }
+
+    /// The grammar of `format` over this model's tokens, ready to mask a sequence's logits.
+    fn constraint(
+        &self,
+        format: &ResponseFormat,
+    ) -> Result<Box<dyn TokenConstraint>, SubmitRefusal> {
+        let factory = self
+            .grammars
+            .get_or_init(|| grammar_factory(&self.tokenizer, self.info.vocab, self.info.eos_token))
+            .as_ref()
+            .map_err(|e| {
+                SubmitRefusal::Unavailable(format!(
+                    "response_format is not available with this tokenizer: {e}"
+                ))
+            })?;
+        let mut schema = match format {
+            ResponseFormat::JsonObject => serde_json::json!({"type": "object"}),
+            ResponseFormat::JsonSchema(schema) => schema.clone(),
+        };
+        // Compact JSON unless the schema says otherwise: with free whitespace between
+        // tokens a weak model can fill its whole `max_tokens` with blanks.
+        if let Some(object) = schema.as_object_mut() {
+            object
+                .entry("x-guidance")
+                .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+        }
+        let grammar = llguidance::api::TopLevelGrammar::from_json_schema(schema);
+        let parser = factory.create_parser(grammar).map_err(|e| {
+            SubmitRefusal::Invalid(format!("response_format: the schema is not usable: {e}"))
+        })?;
+        let matcher = llguidance::Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(SubmitRefusal::Invalid(format!(
+                "response_format: the schema is not usable: {e}"
+            )));
+        }
+        Ok(Box::new(Grammar {
+            matcher,
+            eos: self.info.eos_token,
+        }))
     }
 
     /// Takes no more completions; the live ones finish until `deadline`, then are
@@ -527,6 +597,8 @@ fn worker(
         chat_template,
         notes,
         prefix_cache,
+        vocab: card.vocab as usize,
+        eos_token: card.eos_token_id,
     };
     let gauges = session.gauges();
     if ready.send(Ok((info, Arc::new(tokenizer), gauges))).is_err() {
@@ -553,6 +625,8 @@ struct TextSink {
     emitted: usize,
     stop: Vec<String>,
     stopped: bool,
+    /// The grammar its tokens follow, handed to the session at submission.
+    constraint: Option<Box<dyn TokenConstraint>>,
     tx: UnboundedSender<Piece>,
 }
 
@@ -640,6 +714,77 @@ impl TokenSink for TextSink {
 
     fn is_closed(&self) -> bool {
         self.tx.is_closed()
+    }
+
+    fn take_constraint(&mut self) -> Option<Box<dyn TokenConstraint>> {
+        self.constraint.take()
+    }
+}
+
+/// llguidance's parser factory over this tokenizer's tokens: each token's bytes from the
+/// tokenizer's `tokenizer.json`, ids past the tokenizer's (a vocabulary padded for the
+/// model) as special tokens no grammar allows.
+fn grammar_factory(
+    tokenizer: &TextTokenizer,
+    vocab: usize,
+    eos: u32,
+) -> Result<llguidance::ParserFactory, String> {
+    use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+    let json: serde_json::Value = serde_json::from_str(&tokenizer.to_json()?)
+        .map_err(|e| format!("the tokenizer's JSON does not parse: {e}"))?;
+    let mut words =
+        llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| e.to_string())?;
+    while words.len() < vocab {
+        // 0xff opens a special token's name in toktrie's convention.
+        let mut word = vec![0xff];
+        word.extend(format!("<[{}]>", words.len()).bytes());
+        words.push(word);
+    }
+    let info = TokRxInfo::new(words.len() as u32, eos);
+    let trie = TokTrie::from(&info, &words);
+    let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+    let mut factory = llguidance::ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+    factory.quiet();
+    Ok(factory)
+}
+
+/// A sequence's `response_format` grammar (see [`ResponseFormat`]).
+struct Grammar {
+    matcher: llguidance::Matcher,
+    eos: u32,
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammar").field("eos", &self.eos).finish()
+    }
+}
+
+impl TokenConstraint for Grammar {
+    fn mask(&mut self, logits: &mut [f32]) {
+        // Once the grammar is complete (or has failed) only the end token is allowed.
+        match self.matcher.compute_mask_or_eos() {
+            Ok(allowed) => {
+                for (token, logit) in logits.iter_mut().enumerate() {
+                    if !allowed.is_allowed(token as u32) {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            Err(_) => {
+                for (token, logit) in logits.iter_mut().enumerate() {
+                    if token as u32 != self.eos {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, token: u32) {
+        // A token the grammar refuses leaves the matcher in its error state, whose masks
+        // allow only the end token: the completion ends.
+        let _ = self.matcher.consume_token(token);
     }
 }
 

@@ -16,7 +16,8 @@
 pub mod openai;
 
 use crate::engine::session::{
-    Completion, FinishReason, Histogram, Piece, Session, SubmitRefusal, FINISH_LABELS,
+    Completion, FinishReason, Histogram, Piece, ResponseFormat, Session, SubmitRefusal,
+    FINISH_LABELS,
 };
 use crate::model::vocab::Sampling;
 use axum::body::{Body, Bytes};
@@ -569,12 +570,26 @@ fn completion(
                     .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         }
     };
+    let format = match &s.response_format {
+        None | Some(openai::ResponseFormat::Text) => None,
+        Some(openai::ResponseFormat::JsonObject) => Some(ResponseFormat::JsonObject),
+        Some(openai::ResponseFormat::JsonSchema { json_schema }) => match &json_schema.schema {
+            Some(schema) if schema.is_object() => Some(ResponseFormat::JsonSchema(schema.clone())),
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.schema must be a JSON schema object",
+                    Some("response_format"),
+                ))
+            }
+        },
+    };
     Ok(Completion {
         prompt,
         max_tokens,
         sampling,
         seed,
         stop,
+        format,
     })
 }
 
@@ -584,6 +599,9 @@ async fn start(
     completion: Completion,
 ) -> Result<(UnboundedReceiver<Piece>, Piece), ApiError> {
     let mut rx = shared.session.submit(completion).map_err(|e| match e {
+        SubmitRefusal::Invalid(m) if m.starts_with("response_format") => {
+            ApiError::invalid(m, Some("response_format"))
+        }
         SubmitRefusal::Invalid(m) => ApiError::invalid(m, Some("prompt")),
         SubmitRefusal::Unavailable(m) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", m)

@@ -116,6 +116,34 @@ pub struct Sampling {
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
+    /// The shape of the output: `text`, `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under `json_schema.schema`.
+    JsonSchema {
+        /// The schema and its name.
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// The schema's name (not used).
+    pub name: Option<String>,
+    /// The JSON schema.
+    pub schema: Option<serde_json::Value>,
+    /// OpenAI's strict mode; the grammar always holds the output to the schema.
+    pub strict: Option<bool>,
 }
 
 /// `POST /v1/completions`.

@@ -150,6 +150,12 @@ impl TextTokenizer {
         }
     }
 
+    /// The tokenizer as `tokenizer.json` text (a grammar-constrained sampler reads each
+    /// token's bytes from it).
+    pub fn to_json(&self) -> Result<String, String> {
+        self.inner.to_string(false).map_err(|e| e.to_string())
+    }
+
     /// Where the tokenizer came from (file path or "embedded ...").
     pub fn origin(&self) -> &str {
         &self.origin

@@ -18,7 +18,7 @@
 use super::batching::{admit, block_size, UbCapacity};
 use super::executor::ExecError;
 use super::scheduler::{admit_fifo, grow_decoding, KvPool, Pending, Seq};
-use super::state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState};
+use super::state::{lock, HotPredictor, MicroBatchState, SeqSlot, StepState, TokenConstraint};
 use super::{cache, capacities, check_prompts, count_active_experts, eam, record_activations};
 use super::{RunError, RunOptions, StepRunner};
 use crate::ir::StepKind;
@@ -488,8 +488,20 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         s
     }
 
+    /// Makes a submitted sequence's tokens follow `constraint` (before its first step).
+    pub fn constrain(&mut self, id: SeqId, constraint: Box<dyn TokenConstraint>) {
+        let mut constraints = lock(&self.state.constraints);
+        if constraints.len() <= id {
+            constraints.resize_with(id + 1, || None);
+        }
+        constraints[id] = Some(constraint);
+    }
+
     /// Frees a slot.
     fn free(&mut self, id: SeqId) -> Option<Live> {
+        if let Some(c) = lock(&self.state.constraints).get_mut(id) {
+            *c = None;
+        }
         let live = self.slots.get_mut(id)?.take();
         if let Some(len) = self.lens.get_mut(id) {
             *len = 0;
@@ -695,6 +707,22 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             .map(|l| l.sampling)
             .find(|s| *s != Sampling::Greedy)
             .unwrap_or(Sampling::Greedy);
+        // A constrained sequence's logits are masked on the host before its rule samples
+        // them: a step with one goes the host path (its greedy rows stay greedy, as every
+        // row follows its own request's rule there).
+        let constrained = {
+            let constraints = lock(&self.state.constraints);
+            self.running
+                .iter()
+                .filter(|s| !s.paused)
+                .any(|s| constraints.get(s.request).is_some_and(Option::is_some))
+        };
+        if constrained && self.state.sampling == Sampling::Greedy {
+            self.state.sampling = Sampling::Temperature {
+                temperature: 1.0,
+                top_p: 1.0,
+            };
+        }
         self.running.sort_by_key(|s| (s.ub, s.request));
         let (mut n_prefill, mut n_decode) = (0, 0);
         let mut loads = vec![UbLoad::default(); n_ubs];
@@ -917,6 +945,10 @@ pub trait TokenSink: Send {
     /// Whether the client is gone (checked between steps, so a waiting or running
     /// sequence whose client left is cancelled without waiting for its next token).
     fn is_closed(&self) -> bool;
+    /// The rule its tokens must follow, taken once when it is submitted.
+    fn take_constraint(&mut self) -> Option<Box<dyn TokenConstraint>> {
+        None
+    }
 }
 
 /// Why a served sequence produced no (more) tokens.
@@ -963,6 +995,9 @@ fn take_command<B: Backend + ?Sized>(
                 }
                 match session.submit(request) {
                     Ok(id) => {
+                        if let Some(constraint) = sink.take_constraint() {
+                            session.constrain(id, constraint);
+                        }
                         if sinks.len() <= id {
                             sinks.resize_with(id + 1, || None);
                         }

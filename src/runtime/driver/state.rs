@@ -95,6 +95,15 @@ impl HotPredictor {
     }
 }
 
+/// A rule on which tokens a sequence may sample next (a grammar: `response_format`),
+/// applied by [`StepState::sample_rows`] to that sequence's row of logits.
+pub trait TokenConstraint: Send + std::fmt::Debug {
+    /// Sets the logits of the tokens not allowed next to negative infinity.
+    fn mask(&mut self, logits: &mut [f32]);
+    /// The token sampled (the rule moves on past it).
+    fn accept(&mut self, token: u32);
+}
+
 /// State shared by the ops of a step.
 #[derive(Debug)]
 pub struct StepState {
@@ -109,6 +118,8 @@ pub struct StepState {
     pub request_sampling: Vec<Sampling>,
     /// Per request sampler state.
     pub rngs: Mutex<Vec<Rng>>,
+    /// Per request: the rule its tokens follow, if any (by request index).
+    pub constraints: Mutex<Vec<Option<Box<dyn TokenConstraint>>>>,
     /// Routing per (layer, ub), recorded by `gate` and `post_attn`.
     pub routing: Mutex<HashMap<(u32, u32), Routing>>,
     /// The expert order of each layer this step, fixed at its first use.
@@ -157,6 +168,7 @@ impl StepState {
             sampling,
             request_sampling: Vec::new(),
             rngs: Mutex::new(rngs),
+            constraints: Mutex::new(Vec::new()),
             routing: Mutex::new(HashMap::new()),
             hot_order: Mutex::new(HashMap::new()),
             predictor: HotPredictor::default(),
@@ -194,19 +206,32 @@ impl StepState {
     /// samples through this, so their tokens come from one rule.
     pub fn sample_rows(&self, mb: &MicroBatchState, logits: &[f32], vocab: usize) -> Vec<u32> {
         let mut rngs = lock(&self.rngs);
+        let mut constraints = lock(&self.constraints);
         mb.seqs
             .iter()
             .enumerate()
             .map(|(k, s)| {
-                let row = &logits[k * vocab..(k + 1) * vocab];
+                let mut row = &logits[k * vocab..(k + 1) * vocab];
+                let mut constraint = constraints.get_mut(s.request).and_then(Option::as_mut);
+                let masked;
+                if let Some(c) = constraint.as_mut() {
+                    let mut copy = row.to_vec();
+                    c.mask(&mut copy);
+                    masked = copy;
+                    row = &masked;
+                }
                 let rule = self
                     .request_sampling
                     .get(s.request)
                     .unwrap_or(&self.sampling);
-                match rngs.get_mut(s.request) {
+                let token = match rngs.get_mut(s.request) {
                     Some(rng) => crate::math::sampling::sample(row, rule, rng),
                     None => crate::math::sampling::argmax(row),
+                };
+                if let Some(c) = constraint {
+                    c.accept(token);
                 }
+                token
             })
             .collect()
     }
