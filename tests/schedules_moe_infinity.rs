@@ -201,3 +201,50 @@ fn checks_on_mixtral_and_dbrx_and_fits_a_24_gb_gpu() {
         }
     }
 }
+
+/// `schedules/moe_infinity_disk.sched` (the cache in host memory, the experts read from
+/// disk) gives the oracle's tokens on both tiny cards with the disk tier forced: its host
+/// budget (arenas, the cache's slots and nothing of the checkpoint, which is read by
+/// `disk.read` copies only) is below the checkpoint's size, and fits a `--host-mem` of
+/// that size less one byte.
+#[test]
+fn the_disk_cache_gives_the_oracle_tokens_under_a_host_budget_smaller_than_the_weights() {
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/moe_infinity_disk.sched");
+    let source = common::read(&path);
+    for name in ["mixtral-tiny", "dbrx-tiny"] {
+        let card = ModelCard::load(name).expect("card");
+        let mut options = Options::new(card.clone());
+        options.workload = Workload {
+            batch: 4,
+            prompt_len: 12,
+            gen_len: GEN as u64,
+        };
+        options.sets = vec![("bs".to_string(), "2".to_string())];
+        let c = compile(&source, &options).unwrap_or_else(|d| panic!("{name}: {d:?}"));
+        assert_eq!(c.program.buffers[0].space, moec::ir::Space::Disk);
+        let weights = c.program.buffers[0].bytes as f64;
+        let overrides = BudgetOverrides {
+            gpu_bytes: None,
+            host_bytes: Some(weights - 1.0),
+        };
+        let table = budget_table(&c.program, None, &overrides);
+        assert!(table.fits(), "{name}: {table}");
+        assert_eq!(
+            table
+                .lines
+                .iter()
+                .find(|l| l.what.starts_with("W "))
+                .map(|l| l.bytes),
+            Some(0),
+            "{name}: nothing of W is read in place"
+        );
+        let checkpoint = common::tiny_checkpoint(&card, dir.path());
+        let prompts = common::varied_prompts(&card);
+        let expected = common::oracle_tokens(&checkpoint, &prompts, GEN);
+        common::run_against_oracle(&c, &checkpoint, &prompts, &expected)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}

@@ -170,6 +170,29 @@ fn weight_copies_line(stats: &crate::records::run::RunStats) -> Option<String> {
     ))
 }
 
+/// What the run read from disk: bytes per step and the bandwidth the reads achieved.
+fn disk_line(stats: &crate::records::run::RunStats) -> Option<String> {
+    let d = stats.disk?;
+    let steps = stats.steps.len().max(1) as u64;
+    Some(format!(
+        "disk: {} read from the checkpoint's files ({} per step over {steps} steps) at {:.2} GB/s while reading ({:.3} s), {}{}",
+        human(d.bytes),
+        human(d.bytes / steps),
+        d.bandwidth() / 1e9,
+        d.read_ns as f64 * 1e-9,
+        if d.direct {
+            "direct I/O (page cache bypassed)"
+        } else {
+            "buffered reads (the filesystem refused O_DIRECT: the page cache holds what was read)"
+        },
+        if d.from_memory > 0 {
+            format!("; {} taken from memory (padding, tensors held decoded)", human(d.from_memory))
+        } else {
+            String::new()
+        }
+    ))
+}
+
 fn human(bytes: u64) -> String {
     crate::ir::emit::human_bytes(bytes)
 }
@@ -232,6 +255,9 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     }
     let _ = writeln!(out, "{}", crate::math::report::describe());
     let _ = writeln!(out, "{}", f.stats.backend);
+    if let Some(line) = disk_line(&f.stats) {
+        let _ = writeln!(out, "{line}");
+    }
     if let Some(line) = weight_copies_line(&f.stats) {
         let _ = writeln!(out, "{line}");
     }

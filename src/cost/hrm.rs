@@ -95,6 +95,13 @@ pub fn compute_time(profile: &HardwareProfile, load: &ComputeLoad) -> TaskTime {
     let home = home_level(load.processor);
     for &(level, bytes) in &load.bytes {
         if is_local(load.processor, level) {
+            // The checkpoint read in place from disk is mapped and resident (the budget
+            // charges it to host memory): read at the host's rate.
+            let level = if level == Level::Disk {
+                Level::Host
+            } else {
+                level
+            };
             consider(bytes / profile.level_bandwidth(level), Roof::Memory(level));
         } else {
             consider(
@@ -106,12 +113,23 @@ pub fn compute_time(profile: &HardwareProfile, load: &ComputeLoad) -> TaskTime {
     best
 }
 
-/// Time of a copy: bytes over the link bandwidth between the two levels.
+/// Time of a copy: bytes over the link bandwidth between the two levels; a read from the
+/// disk is `latency + bytes / B_disk` ([`super::hardware::DiskSpec::read_seconds`]), and
+/// infinite on a profile without a `disk` level.
 pub fn copy_time(profile: &HardwareProfile, from: Level, to: Level, bytes: f64) -> TaskTime {
     if bytes <= 0.0 {
         return TaskTime {
             seconds: 0.0,
             roof: Roof::Idle,
+        };
+    }
+    if from == Level::Disk {
+        return TaskTime {
+            seconds: profile
+                .disk
+                .as_ref()
+                .map_or(f64::INFINITY, |disk| disk.read_seconds(bytes)),
+            roof: Roof::Link(from, to),
         };
     }
     TaskTime {
