@@ -25,6 +25,7 @@
 //! model, which do not import each other, and the model stack's loaders and kernels.
 
 pub mod cpu_probe;
+pub mod disk_probe;
 pub mod dispatch;
 mod fit;
 pub mod fit_params;

@@ -95,21 +95,26 @@ impl Default for DiskReader {
     }
 }
 
-/// A heap buffer aligned for direct reads.
-struct Staging {
+/// A heap buffer aligned for direct reads ([`ALIGN`]).
+pub struct Staging {
     ptr: *mut u8,
     layout: std::alloc::Layout,
 }
 
 impl Staging {
-    fn new(len: usize) -> Option<Staging> {
+    /// `len` bytes (non-zero) aligned to [`ALIGN`]; `None` when the allocation fails.
+    pub fn new(len: usize) -> Option<Staging> {
         let layout = std::alloc::Layout::from_size_align(len, ALIGN).ok()?;
-        // SAFETY: `layout` has a non-zero size (callers pass CHUNK + 2 * ALIGN).
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: `layout` has a non-zero size (checked above).
         let ptr = unsafe { std::alloc::alloc(layout) };
         (!ptr.is_null()).then_some(Staging { ptr, layout })
     }
 
-    fn as_mut(&mut self) -> &mut [u8] {
+    /// The whole buffer.
+    pub fn as_mut(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` was allocated with `layout` and is owned by this value alone;
         // the bytes are initialised or not, which `u8` tolerates for a read target
         // (`read_at` only writes them, and only what it wrote is read back).
@@ -129,8 +134,10 @@ thread_local! {
     static STAGING: RefCell<Option<Staging>> = const { RefCell::new(None) };
 }
 
+/// Opens `path` for reading with `O_DIRECT` (Linux); an error where the OS or the
+/// filesystem refuses it.
 #[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> std::io::Result<File> {
+pub fn open_direct(path: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .read(true)
@@ -138,8 +145,9 @@ fn open_direct(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
+/// Opens `path` for reading with `O_DIRECT`: not available off Linux.
 #[cfg(not(target_os = "linux"))]
-fn open_direct(path: &Path) -> std::io::Result<File> {
+pub fn open_direct(path: &Path) -> std::io::Result<File> {
     Err(std::io::Error::new(
         std::io::ErrorKind::Unsupported,
         format!("no O_DIRECT on this OS: {}", path.display()),
