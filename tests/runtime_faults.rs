@@ -315,7 +315,13 @@ fn a_checkpoint_truncated_under_a_disk_schedule_is_one_error_naming_the_tensor()
     let mut run = RunOptions::greedy(2);
     run.stop_at_eos = false;
     run.backend.threads = 1;
-    let err = expect_err(generate(&plan, &checkpoint, &prompts(), &run, &mut |_, _| {}));
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &prompts(),
+        &run,
+        &mut |_, _| {},
+    ));
     let text = format!("{err}");
     assert!(
         text.starts_with("task #0 copy failed: reading embedding from disk: "),

@@ -285,10 +285,18 @@ mod tests {
     fn disk_reads_by_hand() {
         let h200 = HardwareProfile::load("h200").unwrap();
         let expert = copy_time(&h200, Level::Disk, Level::Host, 352_321_536.0);
-        assert!((expert.seconds - 0.054_283_313).abs() < 1e-8, "{}", expert.seconds);
+        assert!(
+            (expert.seconds - 0.054_283_313).abs() < 1e-8,
+            "{}",
+            expert.seconds
+        );
         assert_eq!(expert.roof, Roof::Link(Level::Disk, Level::Host));
         let page = copy_time(&h200, Level::Disk, Level::Pinned, 65_536.0);
-        assert!((page.seconds - 97.760_434e-6).abs() < 1e-11, "{}", page.seconds);
+        assert!(
+            (page.seconds - 97.760_434e-6).abs() < 1e-11,
+            "{}",
+            page.seconds
+        );
         let mut no_disk = h200.clone();
         no_disk.disk = None;
         assert!(copy_time(&no_disk, Level::Disk, Level::Host, 1.0)

@@ -140,8 +140,12 @@ fn measure_file(path: &Path, chunks: usize) -> Result<(DiskFigures, DiskSpec), S
     let started = Instant::now();
     for k in 0..reads {
         let block = (k * 104_729) % blocks;
-        read_exact(&direct, &mut staging.as_mut()[..ALIGN], (block * ALIGN) as u64)
-            .map_err(|e| io("read", e))?;
+        read_exact(
+            &direct,
+            &mut staging.as_mut()[..ALIGN],
+            (block * ALIGN) as u64,
+        )
+        .map_err(|e| io("read", e))?;
     }
     let latency = started.elapsed().as_secs_f64() / reads as f64;
 
