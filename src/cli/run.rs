@@ -110,6 +110,16 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.threads = args.settings.threads;
     request.link_gbps = args.settings.link_gbps;
     request.gpu_mem = gpu_capacity(args)?;
+    request.host_mem = args
+        .settings
+        .host_mem
+        .as_deref()
+        .map(|text| {
+            crate::cost::budget::parse_bytes(text)
+                .map(|b| b as u64)
+                .map_err(|e| Failure::Message(format!("--host-mem: {e}")))
+        })
+        .transpose()?;
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
     request.sampling = if args.temperature > 0.0 {
