@@ -79,7 +79,7 @@ fn measure_file(path: &Path, chunks: usize) -> Result<(DiskFigures, DiskSpec), S
     // Sequential: one read in flight.
     let started = Instant::now();
     for k in 0..chunks {
-        read_exact(&direct, staging.as_mut(), (k * CHUNK) as u64).map_err(|e| io("read", e))?;
+        read_exact(&direct, staging.bytes_mut(), (k * CHUNK) as u64).map_err(|e| io("read", e))?;
     }
     let sequential = file_bytes as f64 / started.elapsed().as_secs_f64();
 
@@ -115,7 +115,7 @@ fn measure_file(path: &Path, chunks: usize) -> Result<(DiskFigures, DiskSpec), S
                     })?;
                     for k in 0..per_thread {
                         let page = (t * per_thread + k) * 7919 % page_count;
-                        read_exact(direct, buffer.as_mut(), (page * PAGE) as u64)?;
+                        read_exact(direct, buffer.bytes_mut(), (page * PAGE) as u64)?;
                     }
                     Ok(())
                 })
@@ -142,7 +142,7 @@ fn measure_file(path: &Path, chunks: usize) -> Result<(DiskFigures, DiskSpec), S
         let block = (k * 104_729) % blocks;
         read_exact(
             &direct,
-            &mut staging.as_mut()[..ALIGN],
+            &mut staging.bytes_mut()[..ALIGN],
             (block * ALIGN) as u64,
         )
         .map_err(|e| io("read", e))?;

@@ -114,7 +114,7 @@ impl Staging {
     }
 
     /// The whole buffer.
-    pub fn as_mut(&mut self) -> &mut [u8] {
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` was allocated with `layout` and is owned by this value alone;
         // the bytes are initialised or not, which `u8` tolerates for a read target
         // (`read_at` only writes them, and only what it wrote is read back).
@@ -245,7 +245,7 @@ fn read_piece(file: &DiskFile, offset: u64, dst: &mut [u8]) -> Result<(), DiskEr
                 "cannot allocate the aligned staging buffer".to_string(),
             ));
         };
-        let buffer = &mut staging.as_mut()[..span];
+        let buffer = &mut staging.bytes_mut()[..span];
         let mut got = 0;
         // A direct read may return less than asked at the end of the file (the aligned
         // span runs past it) or when interrupted; loop until the wanted bytes are in.
