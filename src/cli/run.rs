@@ -420,6 +420,14 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
             "moved_bytes": c.moved,
         })).unwrap_or_else(|| serde_json::json!({ "mode": "move" })),
         "caches": f.stats.caches,
+        "disk": f.stats.disk.map(|d| serde_json::json!({
+            "bytes": d.bytes,
+            "bytes_per_step": d.bytes / f.stats.steps.len().max(1) as u64,
+            "read_seconds": d.read_ns as f64 * 1e-9,
+            "bandwidth_bytes_per_s": d.bandwidth(),
+            "direct": d.direct,
+            "from_memory_bytes": d.from_memory,
+        })),
     })
 }
 
