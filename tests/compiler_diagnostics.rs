@@ -92,3 +92,75 @@ fn set_overrides_a_param_and_out_of_range_values_point_at_the_declaration() {
     let diags = compile(source, &options).unwrap_err();
     assert!(diags[0].message.contains("is int"), "{}", diags[0].message);
 }
+
+/// A schedule reading its checkpoint from disk (`tests/fixtures/disk/layers.sched`) checks,
+/// with `W` in the `disk` space; each mutation of it is rejected with the diagnostic the
+/// snapshot pins: a slot read before the disk read that fills it is issued, a disk read
+/// into the slot the current layer still reads, the wrong expert's slice read into a cache
+/// slot (of `schedules/moe_infinity_disk.sched`),
+/// a buffer declared on `disk`, and a disk read into GPU memory.
+#[test]
+fn disk_schedules_check_and_their_mutations_are_rejected() {
+    let base = std::fs::read_to_string("tests/fixtures/disk/layers.sched").unwrap();
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let compiled = compile(&base, &options).unwrap_or_else(|d| {
+        panic!("{}", render_all(&d, "layers.sched", &base));
+    });
+    assert_eq!(compiled.program.buffers[0].space, moec::ir::Space::Disk);
+    let mutations: [(&str, &str, &str); 4] = [
+        (
+            "disk_read_before_the_read",
+            "  copy W[0] -> w[0] on io\n  for l in 0..layers {\n",
+            "  for l in 0..layers {\n    if l == 1 { copy W[0] -> w[0] on io }\n",
+        ),
+        (
+            "disk_read_into_a_slot_being_read",
+            "copy W[l + 1] -> w[(l + 1) % 2] on io",
+            "copy W[l + 1] -> w[l % 2] on io",
+        ),
+        (
+            "disk_buffer",
+            "buffer tok:        host = tokens(2)",
+            "buffer tok:        disk = tokens(2)",
+        ),
+        (
+            "disk_read_into_gpu",
+            "copy W.head -> head on io",
+            "copy W.head -> head on io\n  copy W.embed -> g on io",
+        ),
+    ];
+    for (name, from, to) in mutations {
+        assert!(base.contains(from), "{name}: the base has no `{from}`");
+        let mut source = base.replacen(from, to, 1);
+        if name == "disk_read_into_gpu" {
+            source = source.replacen(
+                "buffer tok:",
+                "buffer g:          gpu = embed_weights()\nbuffer tok:",
+                1,
+            );
+        }
+        let diags = match compile(&source, &options) {
+            Ok(_) => panic!("{name}: the mutation was accepted"),
+            Err(diags) => diags,
+        };
+        let text = render_all(&diags, &format!("{name}.sched"), &source);
+        insta::assert_snapshot!(name, text);
+    }
+    // The wrong expert's slice read from disk into an expert cache's slot.
+    let cache = std::fs::read_to_string("schedules/moe_infinity_disk.sched").unwrap();
+    let from = "fetch W[l].expert(e) -> rc.slot(l, e)";
+    assert!(cache.contains(from));
+    let source = cache.replacen(
+        from,
+        "fetch W[l].expert((e + 1) % experts) -> rc.slot(l, e)",
+        1,
+    );
+    let mut options = options.clone();
+    options.sets = vec![("bs".to_string(), "2".to_string())];
+    let diags = match compile(&source, &options) {
+        Ok(_) => panic!("the wrong expert's read was accepted"),
+        Err(diags) => diags,
+    };
+    let text = render_all(&diags, "disk_read_of_the_wrong_expert.sched", &source);
+    insta::assert_snapshot!("disk_read_of_the_wrong_expert", text);
+}

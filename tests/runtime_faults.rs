@@ -269,3 +269,64 @@ fn a_throttled_copy_does_not_outlive_the_watchdog() {
         "{stderr}"
     );
 }
+
+/// A checkpoint file shrunk while a disk schedule runs (`schedules/moe_infinity_disk.sched`,
+/// after the checkpoint was opened): the first disk read past the new end ends the run with
+/// one error naming the tensor it was reading and the file, and no stream panics.
+#[test]
+fn a_checkpoint_truncated_under_a_disk_schedule_is_one_error_naming_the_tensor() {
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    write_checkpoint(
+        &card,
+        &ck,
+        &SynthOptions {
+            seed: 1,
+            dtype: card.dtype,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&ck).unwrap();
+    let source = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/moe_infinity_disk.sched"),
+    )
+    .unwrap();
+    let mut options = Options::new(card);
+    options.workload = Workload {
+        batch: 2,
+        prompt_len: 8,
+        gen_len: 2,
+    };
+    options.sets = vec![("bs".to_string(), "2".to_string())];
+    let compiled = compile(&source, &options).unwrap();
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+    // Shrink every shard to a quarter: the embedding, which `setup` reads first, lies past
+    // the new end.
+    for entry in std::fs::read_dir(&ck).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let len = std::fs::metadata(&path).unwrap().len();
+            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            file.set_len(len / 4).unwrap();
+        }
+    }
+    let mut run = RunOptions::greedy(2);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let err = expect_err(generate(
+        &plan,
+        &checkpoint,
+        &prompts(),
+        &run,
+        &mut |_, _| {},
+    ));
+    let text = format!("{err}");
+    assert!(
+        text.starts_with("task #0 copy failed: reading embedding from disk: "),
+        "names the task and the tensor: {text}"
+    );
+    assert!(text.contains("model.safetensors"), "names the file: {text}");
+    assert!(text.contains("(truncated?)"), "{text}");
+}

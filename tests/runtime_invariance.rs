@@ -632,3 +632,108 @@ fn a_driver_session_admits_cancels_and_steps_with_the_oracle_s_tokens() {
     assert_eq!(done[&a], (SeqEnd::Length, expected[0].clone()));
     assert_eq!(done[&b], (SeqEnd::Length, expected[2].clone()));
 }
+
+/// The schedules with a disk tier (`moe_infinity_disk.sched`: an expert cache in host
+/// memory over experts on disk; `flexgen_disk.sched`: FlexGen's zigzag with each layer's
+/// experts on disk) give the oracle's tokens on every tiny card with the tier forced: their
+/// host budget (arenas and caches; nothing of the checkpoint, which only `disk.read`
+/// copies touch) fits a `--host-mem` of the checkpoint's size less one byte, and every
+/// expert they compute with was read from the checkpoint's files.
+#[test]
+fn the_disk_schedules_match_the_oracle_under_a_host_budget_smaller_than_the_weights() {
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    let cards = [
+        "mixtral-tiny",
+        "dbrx-tiny",
+        "qwen3-moe-tiny",
+        "olmoe-tiny",
+        "qwen2-moe-tiny",
+        "gpt-oss-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
+    ];
+    let schedules = [
+        ("moe_infinity_disk", vec![("bs", "2")]),
+        ("flexgen_disk", vec![("bs", "2"), ("n_batch", "2")]),
+    ];
+    let mut failures = Vec::new();
+    for name in cards {
+        let card = ModelCard::load(name).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ck_dir = dir.path().join("ck");
+        let synth = SynthOptions {
+            seed: 7,
+            dtype: card.dtype,
+            ..SynthOptions::default()
+        };
+        write_checkpoint(&card, &ck_dir, &synth).unwrap();
+        let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+        let prompts = vec![vec![5u32, 6, 7, 8, 9, 10], vec![11, 12, 13]];
+        let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
+            .unwrap()
+            .generate(
+                &prompts,
+                &GenerateOptions {
+                    stop_at_eos: false,
+                    ..GenerateOptions::greedy(GEN_LEN)
+                },
+            )
+            .unwrap()
+            .into_iter()
+            .map(|g| g.token_ids)
+            .collect();
+        for (schedule, sets) in &schedules {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("schedules")
+                .join(format!("{schedule}.sched"));
+            let source = std::fs::read_to_string(&path).unwrap();
+            let mut options = Options::new(card.clone());
+            options.workload = Workload {
+                batch: 4,
+                prompt_len: 6,
+                gen_len: GEN_LEN as u64,
+            };
+            options.sets = sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let compiled = match compile(&source, &options) {
+                Ok(c) => c,
+                Err(d) => {
+                    failures.push(format!("{schedule} on {name}: {:?}", d.first()));
+                    continue;
+                }
+            };
+            let weights = compiled.program.buffers[0].bytes as f64;
+            let overrides = BudgetOverrides {
+                gpu_bytes: None,
+                host_bytes: Some(weights - 1.0),
+            };
+            let table = budget_table(&compiled.program, None, &overrides);
+            if !table.fits() {
+                failures.push(format!(
+                    "{schedule} on {name}: over the host budget\n{table}"
+                ));
+            }
+            let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+            let mut run = RunOptions::greedy(GEN_LEN);
+            run.stop_at_eos = false;
+            run.backend.threads = 1;
+            match generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}) {
+                Ok((outputs, stats)) => {
+                    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+                    if got != expected {
+                        failures.push(format!(
+                            "{schedule} on {name}: got {got:?}, expected {expected:?}"
+                        ));
+                    }
+                    if stats.disk.is_none_or(|d| d.bytes == 0) {
+                        failures.push(format!("{schedule} on {name}: nothing read from disk"));
+                    }
+                }
+                Err(e) => failures.push(format!("{schedule} on {name}: run failed: {e}")),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

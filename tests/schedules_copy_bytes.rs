@@ -66,6 +66,8 @@ enum Dir {
     FromGpu,
     /// Pageable <-> pinned, on the CPU.
     Host,
+    /// Disk -> host (a `disk.read` copy of the checkpoint).
+    FromDisk,
 }
 
 type Totals = BTreeMap<(&'static str, Dir), u64>;
@@ -104,6 +106,7 @@ fn copy_totals(program: &Program, kind: StepKind) -> Totals {
         };
         let dir = match (copy.src, copy.dst) {
             (Space::Gpu, Space::Gpu) => panic!("GPU-to-GPU copy in {}", program.name),
+            (Space::Disk, _) => Dir::FromDisk,
             (_, Space::Gpu) => Dir::ToGpu,
             (Space::Gpu, _) => Dir::FromGpu,
             _ => Dir::Host,
@@ -125,7 +128,7 @@ fn expect(schedule: &str, kind: StepKind, expected: &[((&'static str, Dir), u64)
     );
 }
 
-use Dir::{FromGpu, Host, ToGpu};
+use Dir::{FromDisk, FromGpu, Host, ToGpu};
 
 /// FlexGen's decode (MoE-Lightning §4, Klotski §3.2, FlexGen's `generation_loop`): per
 /// token, every layer's weights once (n_batch batches share each loaded layer); per
@@ -393,6 +396,44 @@ fn moe_infinity_decode_moves_only_experts() {
     );
 }
 
+/// FlexGen's zigzag with its disk tier (`e_d = -1`: every expert on disk): load_weight moves
+/// each layer whole to the GPU as flexgen.sched does (its dense part from the pinned home,
+/// its experts from staging), and every expert of each layer is read from disk first; the
+/// activation and KV traffic is flexgen.sched's.
+#[test]
+fn flexgen_disk_decode_reads_every_expert_from_disk_once_per_layer() {
+    let n = L * N_UB;
+    let hidden = UBS * HIDDEN_TOKEN;
+    let (kv_in, kv_out) = (UBS * (CTX - 1) * KV_TOKEN, UBS * KV_TOKEN);
+    expect(
+        "flexgen_disk",
+        StepKind::Decode,
+        &[
+            (("weights", FromDisk), L * EXPERTS * EXPERT),
+            (("weights", ToGpu), L * LAYER),
+            (("activations", ToGpu), n * hidden),
+            (
+                ("activations", FromGpu),
+                (L - 1) * N_UB * hidden + N_UB * UBS * SAMPLED_TOKEN,
+            ),
+            (("kv", ToGpu), n * kv_in),
+            (("kv", FromGpu), n * kv_out),
+        ],
+    );
+}
+
+/// MoE-Infinity over disk: the same fetches and prefetches as moe_infinity.sched (8
+/// guarded fetches per layer, `n_pf = 2` prefetches of the next layer), read from disk into
+/// the host cache; compute is on the CPU, so nothing else moves.
+#[test]
+fn moe_infinity_disk_decode_reads_only_experts_from_disk() {
+    expect(
+        "moe_infinity_disk",
+        StepKind::Decode,
+        &[(("weights", FromDisk), (L * EXPERTS + (L - 1) * 2) * EXPERT)],
+    );
+}
+
 /// The resident baselines copy nothing after setup.
 #[test]
 fn resident_baselines_copy_nothing_per_step() {
@@ -414,6 +455,8 @@ fn every_schedule_is_covered() {
         "klotski",
         "moe_infinity",
         "vslpipe",
+        "flexgen_disk",
+        "moe_infinity_disk",
         "baselines/flexgen_cpu_attn",
         "baselines/gpu_resident",
         "baselines/moe_lightning_s2",

@@ -3,9 +3,11 @@
 //! Takes a program; gives diagnostics. Invariants checked, per task:
 //! - each op runs on an engine its op-table entry lists (compute ops on `gpu.compute` or
 //!   `cpu.compute`; copies on an engine whose spaces fit);
-//! - `gpu.compute` touches only `gpu`; `cpu.compute` only `pinned`/`host`; `gpu.copy_in`
+//! - `gpu.compute` touches only `gpu`; `cpu.compute` only `pinned`/`host` (and reads the
+//!   checkpoint on `disk` in place, through its memory map); `gpu.copy_in`
 //!   copies `pinned`/`host` -> `gpu` (pageable source: warning); `gpu.copy_out` `gpu` ->
-//!   `pinned`/`host`; `cpu.copy` between `pinned`/`host`;
+//!   `pinned`/`host`; `cpu.copy` between `pinned`/`host`; `disk.read` copies the
+//!   checkpoint on `disk` -> `pinned`/`host`, and nothing else reaches the disk;
 //! - copies move equal lengths; activation arguments are at least as large as the op needs;
 //! - nothing writes the checkpoint.
 
@@ -16,9 +18,19 @@ use crate::ir::{BufferKind, Engine, Program, Role, Space, TaskId};
 fn allowed(engine: Engine, role: Role) -> (&'static [Space], &'static str) {
     const GPU: &[Space] = &[Space::Gpu];
     const HOST: &[Space] = &[Space::Pinned, Space::Host];
+    const HOST_OR_DISK: &[Space] = &[Space::Pinned, Space::Host, Space::Disk];
+    const DISK: &[Space] = &[Space::Disk];
     match (engine, role) {
         (Engine::GpuCompute, _) => (GPU, "only `gpu` memory"),
-        (Engine::CpuCompute | Engine::CpuCopy, _) => (HOST, "only `pinned` and `host` memory"),
+        // A compute op may read `W` in place from disk (its pages are mapped on demand and
+        // charged to host memory); writing it is refused below as for any checkpoint.
+        (Engine::CpuCompute, _) => (
+            HOST_OR_DISK,
+            "only `pinned` and `host` memory (and `W` in place)",
+        ),
+        (Engine::CpuCopy, _) => (HOST, "only `pinned` and `host` memory"),
+        (Engine::DiskRead, Role::Src) => (DISK, "`disk` sources and `pinned`/`host` destinations"),
+        (Engine::DiskRead, _) => (HOST, "`disk` sources and `pinned`/`host` destinations"),
         (Engine::GpuCopyIn, Role::Dst) => (GPU, "`pinned`/`host` sources and `gpu` destinations"),
         (Engine::GpuCopyIn, _) => (HOST, "`pinned`/`host` sources and `gpu` destinations"),
         (Engine::GpuCopyOut, Role::Src) => (GPU, "`gpu` sources and `pinned`/`host` destinations"),

@@ -214,10 +214,16 @@ pub fn summary(compiled: &Compiled) -> String {
             human_bytes(bytes)
         ));
     }
+    let checkpoint = &program.buffers[0];
     out.push_str(&format!(
-        "  {:<12}  checkpoint {:>12} (memory-mapped, read-only)\n",
-        "host",
-        human_bytes(program.buffers[0].bytes)
+        "  {:<12}  checkpoint {:>12} ({})\n",
+        checkpoint.space.as_str(),
+        human_bytes(checkpoint.bytes),
+        if checkpoint.space == crate::ir::Space::Disk {
+            "on disk, read by `disk.read` copies"
+        } else {
+            "memory-mapped, read-only"
+        }
     ));
     out.push_str(&weights_text(&program.model));
     out.push_str(&format!("warnings: {}\n", info.warnings.len()));

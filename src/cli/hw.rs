@@ -92,4 +92,11 @@ fn print_one(p: &HardwareProfile) {
         p.link_bandwidth(Level::Host, Level::Gpu) / GB,
         p.link_bandwidth(Level::Host, Level::Pinned) / GB
     );
+    match &p.disk {
+        Some(d) => println!(
+            "  disk    {}: {:.2} GB/s reads of 1 MiB or more, {:.2} GB/s smaller, {:.0} us a read",
+            d.model, d.read_gb_s, d.small_read_gb_s, d.latency_us
+        ),
+        None => println!("  disk    none (a `disk.read` copy cannot be predicted on this profile)"),
+    }
 }

@@ -106,6 +106,11 @@ pub struct RunSettings {
     /// Device memory for the `gpu` arena, e.g. `64MB` (default: the profile's).
     #[arg(long, value_name = "BYTES")]
     pub gpu_mem: Option<String>,
+    /// Host memory the plan may use, e.g. `16GB`: arenas, caches and what is read of the
+    /// checkpoint in place (its memory-mapped resident part); a plan over it is refused
+    /// before anything is allocated (default: the profile's host budget).
+    #[arg(long, value_name = "BYTES")]
+    pub host_mem: Option<String>,
     /// Hardware profile for the HRM prediction (name or .ron path); default: measure this
     /// machine quickly.
     #[arg(long, value_name = "PROFILE")]

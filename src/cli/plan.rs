@@ -290,6 +290,10 @@ fn commands_for(
     if let Some(gpu_mem) = &target.gpu_mem {
         common.extend(["--gpu-mem".to_string(), gpu_mem.clone()]);
     }
+    // `run` and `check` refuse a plan over the same host budget.
+    if let Some(host_mem) = &target.host_mem {
+        common.extend(["--host-mem".to_string(), host_mem.clone()]);
+    }
     if let Some(path) = &target.routing_profile {
         common.extend(["--profile".to_string(), path.display().to_string()]);
     }
@@ -309,9 +313,6 @@ fn commands_for(
     run.extend(sets.clone());
     let mut check = vec!["moec".to_string(), "check".to_string()];
     check.extend(common);
-    if let Some(host_mem) = &target.host_mem {
-        check.extend(["--host-mem".to_string(), host_mem.clone()]);
-    }
     check.extend([
         "--batch".to_string(),
         workload.batch.to_string(),
@@ -328,9 +329,6 @@ fn commands_for(
             target.act_bytes,
             crate::ir::catalog::ACT_BYTES
         ));
-    }
-    if target.host_mem.is_some() {
-        notes.push("`run` takes no --host-mem: it checks the profile's host budget".to_string());
     }
     Commands {
         run: shell_words(&run),

@@ -39,6 +39,13 @@ pub struct ProbeArgs {
     /// rates).
     #[arg(long, default_value = "full", value_parser = ["full", "tiny"])]
     pub gpu_sizes: String,
+    /// Folder on the drive to measure for the profile's `disk` level (direct reads of a
+    /// temporary file written there, removed after): the checkpoint's drive.
+    #[arg(long, default_value = ".")]
+    pub disk_dir: PathBuf,
+    /// Size of that temporary file, MiB; 0 leaves the disk unmeasured (no `disk` level).
+    #[arg(long, default_value_t = 256)]
+    pub disk_mib: u64,
 }
 
 /// Runs `moec probe`.
@@ -65,6 +72,20 @@ pub fn run(args: ProbeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    let disk = if args.disk_mib > 0 {
+        match crate::engine::disk_probe::measure(&args.disk_dir, args.disk_mib << 20) {
+            Ok((figures, spec)) => {
+                profile.disk = Some(spec);
+                Some(figures)
+            }
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::msg(e));
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
     if let Some(model) = &args.model {
         let card = match crate::model::card::ModelCard::load(model) {
             Ok(card) => card,
@@ -110,7 +131,7 @@ pub fn run(args: ProbeArgs) -> ExitCode {
         profile = crate::engine::gpu_probe::cuda_profile(profile, gpu);
     }
     if args.json {
-        let value = serde_json::json!({ "measurements": measured, "gpu": gpu, "profile": profile });
+        let value = serde_json::json!({ "measurements": measured, "gpu": gpu, "disk": disk, "profile": profile });
         println!(
             "{}",
             serde_json::to_string_pretty(&value).unwrap_or_default()
@@ -143,6 +164,20 @@ pub fn run(args: ProbeArgs) -> ExitCode {
                 profile.link_bandwidth(Level::Pinned, Level::Gpu) / GB
             );
             println!("  (the GPU is the CPU backend's emulation on the same cores and DRAM)");
+        }
+        if let Some(d) = &disk {
+            println!(
+                "disk (direct reads of a {} MiB file in {}): sequential {:.2} GB/s ({} MiB reads, one in flight), parallel {:.2} GB/s ({} readers), {} KiB pages {:.2} GB/s, one 4 KiB read {:.0} us",
+                d.file_bytes >> 20,
+                args.disk_dir.display(),
+                d.sequential / GB,
+                crate::runtime::host::disk::CHUNK >> 20,
+                d.parallel / GB,
+                crate::runtime::host::disk::READERS,
+                crate::engine::disk_probe::PAGE >> 10,
+                d.pages / GB,
+                d.latency * 1e6
+            );
         }
         if let Some(k) = &profile.kernels {
             println!("moec's kernels (weight bytes per second by rows per weight):");

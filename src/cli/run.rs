@@ -110,6 +110,16 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.threads = args.settings.threads;
     request.link_gbps = args.settings.link_gbps;
     request.gpu_mem = gpu_capacity(args)?;
+    request.host_mem = args
+        .settings
+        .host_mem
+        .as_deref()
+        .map(|text| {
+            crate::cost::budget::parse_bytes(text)
+                .map(|b| b as u64)
+                .map_err(|e| Failure::Message(format!("--host-mem: {e}")))
+        })
+        .transpose()?;
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
     request.sampling = if args.temperature > 0.0 {
@@ -167,6 +177,29 @@ fn weight_copies_line(stats: &crate::records::run::RunStats) -> Option<String> {
         "weight copies: bound, not moved ({} of weights: labels moved, kernels read the mapped checkpoint, as a DMA engine leaves the compute cores alone; {} of activations, KV and padding copied; the HRM replay charges bound copies at {BOUND_COPY_GB_S} GB/s unless --link-gbps; --weight-copies move copies every byte)",
         human(c.bound),
         human(c.moved)
+    ))
+}
+
+/// What the run read from disk: bytes per step and the bandwidth the reads achieved.
+fn disk_line(stats: &crate::records::run::RunStats) -> Option<String> {
+    let d = stats.disk?;
+    let steps = stats.steps.len().max(1) as u64;
+    Some(format!(
+        "disk: {} read from the checkpoint's files ({} per step over {steps} steps) at {:.2} GB/s while reading ({:.3} s), {}{}",
+        human(d.bytes),
+        human(d.bytes / steps),
+        d.bandwidth() / 1e9,
+        d.read_ns as f64 * 1e-9,
+        if d.direct {
+            "direct I/O (page cache bypassed)"
+        } else {
+            "buffered reads (the filesystem refused O_DIRECT: the page cache holds what was read)"
+        },
+        if d.from_memory > 0 {
+            format!("; {} taken from memory (padding, tensors held decoded)", human(d.from_memory))
+        } else {
+            String::new()
+        }
     ))
 }
 
@@ -232,6 +265,9 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     }
     let _ = writeln!(out, "{}", crate::math::report::describe());
     let _ = writeln!(out, "{}", f.stats.backend);
+    if let Some(line) = disk_line(&f.stats) {
+        let _ = writeln!(out, "{line}");
+    }
     if let Some(line) = weight_copies_line(&f.stats) {
         let _ = writeln!(out, "{line}");
     }
@@ -384,6 +420,14 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
             "moved_bytes": c.moved,
         })).unwrap_or_else(|| serde_json::json!({ "mode": "move" })),
         "caches": f.stats.caches,
+        "disk": f.stats.disk.map(|d| serde_json::json!({
+            "bytes": d.bytes,
+            "bytes_per_step": d.bytes / f.stats.steps.len().max(1) as u64,
+            "read_seconds": d.read_ns as f64 * 1e-9,
+            "bandwidth_bytes_per_s": d.bandwidth(),
+            "direct": d.direct,
+            "from_memory_bytes": d.from_memory,
+        })),
     })
 }
 

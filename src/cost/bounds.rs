@@ -18,6 +18,9 @@ pub struct LayerWork {
     pub host_to_gpu_bytes: f64,
     /// Bytes that must cross from GPU to host (QKV for CPU attention, new KV).
     pub gpu_to_host_bytes: f64,
+    /// Bytes read from the disk for the layer (`disk.read` copies of the checkpoint).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub disk_bytes: f64,
     /// Computations on the GPU (attention if A_g = 1, the MoE FFN if F_g = 1, ...).
     pub gpu: Vec<ComputeLoad>,
     /// Computations on the CPU.
@@ -32,13 +35,17 @@ pub struct LayerBound {
     /// GPU-to-host transfer time, seconds. MoE-Lightning leaves it out because PCIe is
     /// full duplex; on a half-duplex link it is added to `comm_seconds` instead.
     pub comm_out_seconds: f64,
+    /// Disk read time, seconds: a resource of its own beside the link (eq. 12 gains the
+    /// term `comm_disk` when the checkpoint is read from disk).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub disk_seconds: f64,
     /// `T_cpu` of eq. 13, seconds.
     pub cpu_seconds: f64,
     /// `T_gpu` of eq. 13, seconds.
     pub gpu_seconds: f64,
     /// `T` of eq. 12, seconds.
     pub layer_seconds: f64,
-    /// Which term is the maximum: `comm`, `comm_out`, `cpu` or `gpu`.
+    /// Which term is the maximum: `comm`, `comm_out`, `disk`, `cpu` or `gpu`.
     pub bottleneck: &'static str,
 }
 
@@ -61,9 +68,11 @@ pub fn moe_lightning_layer_bound(profile: &HardwareProfile, work: &LayerWork) ->
     }
     let cpu_seconds = sum(&work.cpu);
     let gpu_seconds = sum(&work.gpu);
+    let disk_seconds = copy_time(profile, Level::Disk, Level::Host, work.disk_bytes).seconds;
     let terms = [
         ("comm", comm_seconds),
         ("comm_out", comm_out_seconds),
+        ("disk", disk_seconds),
         ("cpu", cpu_seconds),
         ("gpu", gpu_seconds),
     ];
@@ -75,11 +84,16 @@ pub fn moe_lightning_layer_bound(profile: &HardwareProfile, work: &LayerWork) ->
     LayerBound {
         comm_seconds,
         comm_out_seconds,
+        disk_seconds,
         cpu_seconds,
         gpu_seconds,
         layer_seconds,
         bottleneck,
     }
+}
+
+fn is_zero(value: &f64) -> bool {
+    *value == 0.0
 }
 
 /// Parallelism-memory efficiency of a sequence (MoE-Lens eq. 3): tokens produced per
@@ -246,6 +260,7 @@ mod tests {
         let work = LayerWork {
             host_to_gpu_bytes: layer_weight_bytes + 504.0 * 4096.0 * 2.0,
             gpu_to_host_bytes: 504.0 * 6144.0 * 2.0,
+            disk_bytes: 0.0,
             gpu: vec![ComputeLoad {
                 processor: Processor::Gpu,
                 dtype: ComputeDtype::Half,

@@ -161,13 +161,16 @@ impl fmt::Display for BudgetTable {
 /// Bytes of the checkpoint that must stay resident: the union of the byte ranges tasks
 /// read after the `setup` step. A memory-mapped file is paged in on demand and pages only
 /// read while setting up (weights copied to a pinned or GPU home) can be evicted by the OS
-/// afterwards, so they do not count against the host.
-fn checkpoint_resident_bytes(program: &Program) -> u64 {
+/// afterwards, so they do not count against the host. A checkpoint on disk is read by
+/// `disk.read` copies into buffers the table already counts (the reads go around the page
+/// cache), so only what other tasks read of it in place, through its memory map, counts.
+pub fn checkpoint_resident_bytes(program: &Program) -> u64 {
     let mut ranges: Vec<(u64, u64)> = program
         .steps
         .iter()
         .filter(|s| s.kind != StepKind::Setup)
         .flat_map(|step| step.task_ids())
+        .filter(|&id| program.engine_of(id) != Engine::DiskRead)
         .flat_map(|id| program.task(id).args.iter())
         .filter(|a| a.slice.buffer.index() == 0 && a.access.reads())
         .map(|a| (a.slice.start, a.slice.end()))
@@ -227,6 +230,15 @@ pub fn budget_table(
     let mut lines: Vec<BudgetLine> = Vec::new();
     for (index, buffer) in program.buffers.iter().enumerate() {
         let (space, what, bytes) = match buffer.kind {
+            BufferKind::Checkpoint if buffer.space == Space::Disk => (
+                "host",
+                format!(
+                    "{} (checkpoint on disk, part read in place of {})",
+                    buffer.name,
+                    gb(buffer.bytes as f64)
+                ),
+                checkpoint_resident,
+            ),
             BufferKind::Checkpoint => (
                 "host",
                 format!(

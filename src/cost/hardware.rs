@@ -110,6 +110,73 @@ pub struct HardwareProfile {
     /// `adjustments`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch: Option<DispatchCosts>,
+    /// The disk the checkpoint is read from (the `disk` level of a schedule with a
+    /// `disk.read` stream): a datasheet's figures with their source, or what `moec probe`
+    /// measured with direct reads. Absent, a disk read is charged infinite time: the
+    /// prediction of a disk schedule then says the profile cannot answer it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskSpec>,
+}
+
+/// The `disk` level: direct reads (no page cache) from the drive holding the checkpoint.
+/// The HRM charges a `disk.read` copy of `b` bytes `latency + b / B`, where `B` is
+/// [`DiskSpec::read_gb_s`] for reads of at least [`LARGE_READ_BYTES`] and
+/// [`DiskSpec::small_read_gb_s`] below that (several reads are in flight, so one request's
+/// latency is paid once per task, not per request).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DiskSpec {
+    /// The drive, and where its figures come from.
+    pub model: String,
+    /// Read bandwidth with several large reads in flight (whole experts, layers), GB/s.
+    pub read_gb_s: f64,
+    /// Read bandwidth of small reads (pages under [`LARGE_READ_BYTES`]) with several in
+    /// flight, GB/s.
+    pub small_read_gb_s: f64,
+    /// Time of one small read with nothing else in flight, microseconds.
+    pub latency_us: f64,
+    /// Read bandwidth with one large read in flight at a time, GB/s (reported; the HRM
+    /// charges the parallel figure because the runtime keeps several reads in flight).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequential_read_gb_s: Option<f64>,
+}
+
+/// Reads at least this long run at [`DiskSpec::read_gb_s`]; shorter ones at
+/// [`DiskSpec::small_read_gb_s`] (1 MiB: past it an NVMe drive's large-read bandwidth is
+/// reached in its datasheet's sequential test, which uses 128 KiB to 1 MiB requests).
+pub const LARGE_READ_BYTES: f64 = 1048576.0;
+
+impl DiskSpec {
+    /// Seconds to read `bytes` from the disk in one task: `latency + bytes / B`.
+    pub fn read_seconds(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        let rate = if bytes >= LARGE_READ_BYTES {
+            self.read_gb_s
+        } else {
+            self.small_read_gb_s
+        };
+        self.latency_us * 1e-6 + bytes / (rate * GB)
+    }
+
+    /// Every figure positive and finite.
+    pub fn validate(&self) -> Result<(), String> {
+        let figures = [
+            ("disk.read_gb_s", self.read_gb_s),
+            ("disk.small_read_gb_s", self.small_read_gb_s),
+            ("disk.latency_us", self.latency_us),
+            (
+                "disk.sequential_read_gb_s",
+                self.sequential_read_gb_s.unwrap_or(1.0),
+            ),
+        ];
+        for (name, value) in figures {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!("`{name}` must be positive, got {value}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Fixed costs of the runtime that runs a schedule, independent of the work: what a
@@ -412,6 +479,8 @@ pub enum Level {
     Pinned,
     /// Pageable host memory.
     Host,
+    /// The disk holding the checkpoint (read only, by `disk.read` copies).
+    Disk,
 }
 
 impl Level {
@@ -424,6 +493,7 @@ impl Level {
             Level::Gpu => "gpu",
             Level::Pinned => "pinned",
             Level::Host => "host",
+            Level::Disk => "disk",
         }
     }
 }
@@ -609,6 +679,9 @@ impl HardwareProfile {
         if let Some(dispatch) = &self.dispatch {
             dispatch.validate()?;
         }
+        if let Some(disk) = &self.disk {
+            disk.validate()?;
+        }
         if self.cpu.pinned_gb > self.cpu.mem_gb {
             return Err(format!(
                 "`cpu.pinned_gb` ({}) exceeds `cpu.mem_gb` ({}): pinned memory is host DRAM",
@@ -625,6 +698,8 @@ impl HardwareProfile {
             Level::Gpu => self.gpu.mem_gb * GB * f64::from(self.gpu.count),
             Level::Pinned => self.cpu.pinned_gb * GB,
             Level::Host => self.cpu.mem_gb * GB,
+            // The checkpoint's drive: no buffer is placed there, so no budget.
+            Level::Disk => f64::INFINITY,
         }
     }
 
@@ -633,6 +708,7 @@ impl HardwareProfile {
         match level {
             Level::Gpu => self.capacity_bytes(level) * self.gpu.usable_fraction,
             Level::Pinned | Level::Host => self.capacity_bytes(level) * self.cpu.usable_fraction,
+            Level::Disk => f64::INFINITY,
         }
     }
 
@@ -641,6 +717,7 @@ impl HardwareProfile {
         match level {
             Level::Gpu => self.gpu.mem_bw_gb_s * GB * f64::from(self.gpu.count),
             Level::Pinned | Level::Host => self.cpu.mem_bw_gb_s * GB,
+            Level::Disk => self.disk.as_ref().map_or(0.0, |d| d.read_gb_s * GB),
         }
     }
 
@@ -675,6 +752,9 @@ impl HardwareProfile {
             (Level::Host, Level::Host) | (Level::Pinned, Level::Pinned) => {
                 self.level_bandwidth(Level::Host) / 2.0
             }
+            // Only `disk.read` copies reach the disk (into host memory), charged by
+            // `DiskSpec::read_seconds`; this is its large-read rate.
+            (Level::Disk, _) | (_, Level::Disk) => self.level_bandwidth(Level::Disk),
         }
     }
 

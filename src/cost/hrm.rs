@@ -95,6 +95,13 @@ pub fn compute_time(profile: &HardwareProfile, load: &ComputeLoad) -> TaskTime {
     let home = home_level(load.processor);
     for &(level, bytes) in &load.bytes {
         if is_local(load.processor, level) {
+            // The checkpoint read in place from disk is mapped and resident (the budget
+            // charges it to host memory): read at the host's rate.
+            let level = if level == Level::Disk {
+                Level::Host
+            } else {
+                level
+            };
             consider(bytes / profile.level_bandwidth(level), Roof::Memory(level));
         } else {
             consider(
@@ -106,12 +113,23 @@ pub fn compute_time(profile: &HardwareProfile, load: &ComputeLoad) -> TaskTime {
     best
 }
 
-/// Time of a copy: bytes over the link bandwidth between the two levels.
+/// Time of a copy: bytes over the link bandwidth between the two levels; a read from the
+/// disk is `latency + bytes / B_disk` ([`super::hardware::DiskSpec::read_seconds`]), and
+/// infinite on a profile without a `disk` level.
 pub fn copy_time(profile: &HardwareProfile, from: Level, to: Level, bytes: f64) -> TaskTime {
     if bytes <= 0.0 {
         return TaskTime {
             seconds: 0.0,
             roof: Roof::Idle,
+        };
+    }
+    if from == Level::Disk {
+        return TaskTime {
+            seconds: profile
+                .disk
+                .as_ref()
+                .map_or(f64::INFINITY, |disk| disk.read_seconds(bytes)),
+            roof: Roof::Link(from, to),
         };
     }
     TaskTime {
@@ -256,6 +274,34 @@ mod tests {
         assert_eq!(time.roof, Roof::Memory(Level::Host));
         let transfer = copy_time(&hw, Level::Pinned, Level::Gpu, kv);
         assert!((transfer.seconds / time.seconds - 76.0 / 16.0).abs() < 1e-9);
+    }
+
+    /// A disk read is `latency + bytes / B` (docs/cost-model.md, "The disk level"), on the
+    /// H200 profile's PM9A3 figures (6.5 GB/s large reads, 3.69 GB/s small, 80 us): one
+    /// Mixtral-8x7B bf16 expert (3 x 4096 x 14336 x 2 = 352,321,536 bytes) takes
+    /// 80e-6 + 352321536 / 6.5e9 = 0.054283 s; a 64 KiB page 80e-6 + 65536 / 3.69e9 =
+    /// 97.760 us; a profile without a disk level cannot finish one.
+    #[test]
+    fn disk_reads_by_hand() {
+        let h200 = HardwareProfile::load("h200").unwrap();
+        let expert = copy_time(&h200, Level::Disk, Level::Host, 352_321_536.0);
+        assert!(
+            (expert.seconds - 0.054_283_313).abs() < 1e-8,
+            "{}",
+            expert.seconds
+        );
+        assert_eq!(expert.roof, Roof::Link(Level::Disk, Level::Host));
+        let page = copy_time(&h200, Level::Disk, Level::Pinned, 65_536.0);
+        assert!(
+            (page.seconds - 97.760_434e-6).abs() < 1e-11,
+            "{}",
+            page.seconds
+        );
+        let mut no_disk = h200.clone();
+        no_disk.disk = None;
+        assert!(copy_time(&no_disk, Level::Disk, Level::Host, 1.0)
+            .seconds
+            .is_infinite());
     }
 
     #[test]

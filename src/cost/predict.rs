@@ -52,6 +52,7 @@ pub fn level_of(space: Space) -> Level {
         Space::Gpu => Level::Gpu,
         Space::Pinned => Level::Pinned,
         Space::Host => Level::Host,
+        Space::Disk => Level::Disk,
     }
 }
 
@@ -70,6 +71,8 @@ pub fn resource_of(engine: Engine, profile: &HardwareProfile) -> &'static str {
         // so they share one resource (each bandwidth-bound, so taking turns is sharing).
         Engine::CpuCopy if profile.adjustments.shared_host_dram => "cpu",
         Engine::CpuCopy => "cpu memcpy",
+        // The drive is its own resource: reads overlap with compute and with the link.
+        Engine::DiskRead => "disk",
     }
 }
 
@@ -930,6 +933,7 @@ pub fn predict(
         LayerBound {
             comm_seconds: b.comm_seconds / layers,
             comm_out_seconds: b.comm_out_seconds / layers,
+            disk_seconds: b.disk_seconds / layers,
             cpu_seconds: b.cpu_seconds / layers,
             gpu_seconds: b.gpu_seconds / layers,
             layer_seconds: b.layer_seconds / layers,

@@ -86,6 +86,8 @@ pub fn profile_from_measurements(name: &str, measured: &Measurements) -> Hardwar
         },
         kernels: None,
         dispatch: None,
+        // The disk is measured apart (`engine::disk_probe`), where a checkpoint's drive is.
+        disk: None,
     }
 }
 

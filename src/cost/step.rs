@@ -163,7 +163,11 @@ pub(crate) fn simulate_step_ran(
             }
             if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
                 let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
-                if class == Some(BufferClass::Weights) && weight_copy_rate > 0.0 {
+                // The measured weight-copy rate is the link's; a disk read keeps its own.
+                if class == Some(BufferClass::Weights)
+                    && weight_copy_rate > 0.0
+                    && copy.src != Space::Disk
+                {
                     time = TaskTime {
                         seconds: copy.bytes as f64 / weight_copy_rate,
                         roof: time.roof,
@@ -537,6 +541,7 @@ pub(super) fn step_resource_bound(
             let bytes = copy_bytes_at(task, copy, loads) * act.runs;
             match (copy.src, copy.dst) {
                 (Space::Gpu, Space::Gpu) => {}
+                (Space::Disk, _) => work.disk_bytes += bytes,
                 (_, Space::Gpu) => work.host_to_gpu_bytes += bytes,
                 (Space::Gpu, _) => work.gpu_to_host_bytes += bytes,
                 _ => {}

@@ -362,6 +362,13 @@ impl Diagnostic {
             .help(format!("known: {}", known.join(", ")))
     }
 
+    /// A buffer or cache declared on `disk`, where only the checkpoint lives.
+    pub fn disk_buffer(span: Span) -> Self {
+        Diagnostic::new(Code::ElabUnknownName, "no buffer can be declared on `disk`")
+            .label(span, "only the checkpoint `W` lives on disk")
+            .help("declare a `disk.read` stream: `W` is then on disk, and copies on that stream read its slices into `host` or `pinned` buffers")
+    }
+
     /// A dynamic value (`hot`, `active`) where a compile-time value is required.
     pub fn dynamic_not_allowed(span: Span, what: &str) -> Self {
         Diagnostic::new(Code::ElabDynamic, format!("{what} must be known at compile time"))

@@ -178,6 +178,13 @@ impl<'a> Elaborator<'a> {
                 &known,
             ));
         };
+        if engine == Engine::DiskRead {
+            // A schedule that reads the disk keeps its checkpoint there: `W` is read into
+            // host buffers on this stream instead of being mapped into host memory whole.
+            if let Some(checkpoint) = self.buffers.first_mut() {
+                checkpoint.space = Space::Disk;
+            }
+        }
         self.stream_index
             .insert(name.clone(), StreamId::new(self.streams.len()));
         self.streams.push(Stream {
@@ -355,6 +362,10 @@ impl<'a> Elaborator<'a> {
     /// The memory space a declaration names, or `None` after reporting an unknown one.
     fn space_of(&mut self, space: &crate::syntax::ast::Ident) -> Option<Space> {
         let parsed = Space::parse(&space.name);
+        if parsed == Some(Space::Disk) {
+            self.report(Diagnostic::disk_buffer(space.span));
+            return None;
+        }
         if parsed.is_none() {
             let known: Vec<&str> = Space::ALL.iter().map(|s| s.as_str()).collect();
             self.report(Diagnostic::bad_engine(

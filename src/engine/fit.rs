@@ -16,6 +16,8 @@ pub(super) struct Budget {
     pub sequences: usize,
     /// `--gpu-mem`, in bytes.
     pub gpu_mem: Option<u64>,
+    /// `--host-mem`, in bytes.
+    pub host_mem: Option<u64>,
     /// The profile was named with `--hw` (not measured on this machine).
     pub chosen_profile: bool,
     /// Where the backend keeps the `gpu` space.
@@ -44,12 +46,12 @@ pub(super) fn refuse_what_does_not_fit(
             None if device_unknown => Some(f64::INFINITY),
             None => None,
         },
-        host_bytes: None,
+        host_bytes: budget.host_mem.map(|bytes| bytes as f64),
     };
     if let Err(e) = check_budget(program, profile, &overrides) {
         return Err(RunFailure::Rendered(format!(
             "error: this plan does not fit the run's memory budgets: {}; nothing was allocated \
-             (pass --hw PROFILE or --gpu-mem for other budgets)\nmemory (peak per space over the run)\n{}",
+             (pass --hw PROFILE, --gpu-mem or --host-mem for other budgets)\nmemory (peak per space over the run)\n{}",
             e.summary, e.table
         )));
     }

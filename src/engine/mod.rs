@@ -25,6 +25,7 @@
 //! model, which do not import each other, and the model stack's loaders and kernels.
 
 pub mod cpu_probe;
+pub mod disk_probe;
 pub mod dispatch;
 mod fit;
 pub mod fit_params;
@@ -105,6 +106,9 @@ pub struct RunRequest {
     pub link_gbps: Option<f64>,
     /// Device memory for the `gpu` arena, bytes.
     pub gpu_mem: Option<u64>,
+    /// `--host-mem`: bytes of host memory the plan may use (arenas, caches and the part of
+    /// the checkpoint read in place); `None`: the profile's host budget.
+    pub host_mem: Option<u64>,
     /// The backend that runs the plan.
     pub backend: &'static Registration,
     /// How a backend computing on host memory copies weights.
@@ -147,6 +151,7 @@ impl RunRequest {
             threads: None,
             link_gbps: None,
             gpu_mem: None,
+            host_mem: None,
             backend: crate::runtime::registry::default_backend(),
             weight_copies: WeightCopies::Bind,
             sampling: Sampling::Greedy,

@@ -107,6 +107,7 @@ pub(crate) fn prepare(
         fit::Budget {
             sequences: usize::try_from(target.workload.batch).unwrap_or(usize::MAX),
             gpu_mem: request.gpu_mem,
+            host_mem: request.host_mem,
             chosen_profile: request.hw.is_some(),
             gpu_space: request.backend.gpu_space,
         },

@@ -184,16 +184,20 @@ pub enum Engine {
     CpuCompute,
     /// Host memcpy between pageable and pinned memory (`cpu.copy`).
     CpuCopy,
+    /// Reads from the checkpoint on disk into host memory (`disk.read`): direct I/O with
+    /// several reads in flight.
+    DiskRead,
 }
 
 impl Engine {
     /// Every engine, in a fixed order.
-    pub const ALL: [Engine; 5] = [
+    pub const ALL: [Engine; 6] = [
         Engine::GpuCompute,
         Engine::GpuCopyIn,
         Engine::GpuCopyOut,
         Engine::CpuCompute,
         Engine::CpuCopy,
+        Engine::DiskRead,
     ];
 
     /// The engine as written in a `stream` declaration.
@@ -204,6 +208,7 @@ impl Engine {
             Engine::GpuCopyOut => "gpu.copy_out",
             Engine::CpuCompute => "cpu.compute",
             Engine::CpuCopy => "cpu.copy",
+            Engine::DiskRead => "disk.read",
         }
     }
 
@@ -225,12 +230,19 @@ pub enum Space {
     Gpu,
     /// Page-locked host memory (fast DMA).
     Pinned,
-    /// Pageable host memory; the checkpoint lives here, memory-mapped.
+    /// Pageable host memory; the checkpoint lives here, memory-mapped, unless the schedule
+    /// reads it from disk.
     Host,
+    /// The disk: only the checkpoint `W` lives here, in a schedule that declares a
+    /// `disk.read` stream; it is read into `host`/`pinned` buffers on that stream (or, by a
+    /// compute op reading `W` in place, through the file's memory map). No buffer is
+    /// declared on it and it has no arena.
+    Disk,
 }
 
 impl Space {
-    /// Every space, in a fixed order.
+    /// Every space that holds buffers (one arena each), in a fixed order; [`Space::Disk`]
+    /// holds only the checkpoint and is not among them.
     pub const ALL: [Space; 3] = [Space::Gpu, Space::Pinned, Space::Host];
 
     /// The space as written.
@@ -239,12 +251,16 @@ impl Space {
             Space::Gpu => "gpu",
             Space::Pinned => "pinned",
             Space::Host => "host",
+            Space::Disk => "disk",
         }
     }
 
-    /// Parses `gpu`, `pinned`, `host`.
+    /// Parses `gpu`, `pinned`, `host`, `disk`.
     pub fn parse(text: &str) -> Option<Space> {
-        Space::ALL.into_iter().find(|s| s.as_str() == text)
+        Space::ALL
+            .into_iter()
+            .chain([Space::Disk])
+            .find(|s| s.as_str() == text)
     }
 }
 

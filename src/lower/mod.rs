@@ -334,6 +334,8 @@ impl LowerOptions {
             Space::Gpu => self.gpu_capacity,
             Space::Pinned => self.pinned_capacity,
             Space::Host => self.host_capacity,
+            // No arena lives on disk; only the checkpoint, which is not placed.
+            Space::Disk => None,
         }
     }
 }

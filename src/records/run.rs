@@ -85,6 +85,8 @@ pub struct RunStats {
     /// Bytes the run's copies bound and moved, when the backend binds weight copies
     /// (the CPU backend's default); `None` when every copy moved its bytes.
     pub copies: Option<CopyTotals>,
+    /// What the run read from disk (`disk.read` copies); `None` when it read none.
+    pub disk: Option<DiskTotals>,
     /// The backend's own line for the run report: what ran the plan (the CPU backend's
     /// pools, or a device, its kernels and what the run did there).
     pub backend: String,
@@ -111,6 +113,32 @@ pub struct GraphStep {
     pub kind: StepKind,
     /// How its device work was submitted.
     pub graph: GraphUse,
+}
+
+/// Totals of a run's disk reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskTotals {
+    /// Bytes of the checkpoint read from its files.
+    pub bytes: u64,
+    /// Nanoseconds the copies spent reading (wall time of each copy, summed).
+    pub read_ns: u64,
+    /// Bytes a `disk.read` copy took from memory instead: tensors the checkpoint holds
+    /// decoded or repacked in memory, and the padding between tensors.
+    pub from_memory: u64,
+    /// Whether every file was opened with `O_DIRECT` (false: the filesystem refused it and
+    /// reads went through the page cache).
+    pub direct: bool,
+}
+
+impl DiskTotals {
+    /// Bytes per second the reads achieved while reading (0 before any read).
+    pub fn bandwidth(&self) -> f64 {
+        if self.read_ns == 0 {
+            0.0
+        } else {
+            self.bytes as f64 / (self.read_ns as f64 * 1e-9)
+        }
+    }
 }
 
 /// Bytes the copies of a run covered, by how they were carried out.

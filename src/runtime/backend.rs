@@ -97,6 +97,8 @@ pub struct MemoryReport {
     /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0 tiles repacked at load (allocated in place
     /// of the mapped blocks, see `math::qmatmul::tiles`).
     pub tiled: u64,
+    /// What the plan's `disk.read` copies read so far; `None` without a `disk.read` stream.
+    pub disk: Option<crate::records::run::DiskTotals>,
 }
 
 /// One task's device-measured times, seconds from the step's start.

@@ -216,6 +216,7 @@ impl Backend for CpuBackend<'_> {
                 .then(|| self.memory.copy_totals()),
             populated: self.memory.populated(),
             tiled: self.memory.tiled_bytes(),
+            disk: self.memory.disk_totals(),
         }
     }
 
@@ -230,7 +231,7 @@ impl Backend for CpuBackend<'_> {
         let run = || ops.run(task).map_err(task_error);
         match engine {
             Engine::GpuCompute | Engine::CpuCompute => self.pool.install(run),
-            Engine::GpuCopyIn | Engine::GpuCopyOut | Engine::CpuCopy => run(),
+            Engine::GpuCopyIn | Engine::GpuCopyOut | Engine::CpuCopy | Engine::DiskRead => run(),
         }
     }
 

@@ -507,6 +507,7 @@ impl Backend for CudaBackend<'_> {
             copies: None,
             populated: host.populated,
             tiled: host.tiled,
+            disk: self.host_memory.disk_totals(),
         }
     }
 

@@ -863,6 +863,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     pub fn finish(mut self) -> RunStats {
         self.stats.wall = self.origin.elapsed().as_secs_f64();
         self.stats.copies = self.backend.memory().copies;
+        self.stats.disk = self.backend.memory().disk;
         self.stats.backend = self.backend.describe();
         self.stats.caches = self
             .state

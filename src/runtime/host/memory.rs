@@ -28,6 +28,7 @@
 
 use super::arena::{Arena, ArenaError};
 use super::copy_pool::CopyPool;
+use super::disk::{DiskError, DiskReader, DiskTotals};
 use super::image::{ImageViewError, MappedImage};
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
@@ -133,6 +134,15 @@ pub enum MemoryError {
         /// Length in bytes.
         len: u64,
     },
+    /// A read of the checkpoint from disk failed (the file shrank or became unreadable
+    /// while running).
+    #[error("reading {tensor} from disk: {source}")]
+    Disk {
+        /// The tensor whose bytes were being read.
+        tensor: String,
+        /// What failed.
+        source: DiskError,
+    },
     /// The `gpu` arena exceeds the configured device memory.
     #[error("the gpu arena needs {needed} bytes but the device has {capacity}")]
     GpuCapacity {
@@ -175,6 +185,10 @@ pub struct HostMemory<'c> {
     /// asked once (the query reads cgroup files: tens of microseconds, and a step makes
     /// hundreds of copies).
     copy_pool: CopyPool,
+    /// The checkpoint whose files `disk.read` copies read.
+    checkpoint: &'c Checkpoint,
+    /// The plan's disk reads, when it has a `disk.read` stream (its checkpoint is on disk).
+    disk: Option<DiskReader>,
 }
 
 fn space_index(space: Space) -> usize {
@@ -182,6 +196,8 @@ fn space_index(space: Space) -> usize {
         Space::Gpu => 0,
         Space::Pinned => 1,
         Space::Host => 2,
+        // Nothing of the disk is in an arena; a view of `W` is `Region::Image`.
+        Space::Disk => 2,
     }
 }
 
@@ -231,6 +247,16 @@ impl<'c> HostMemory<'c> {
         weight_copies: WeightCopies,
         tile_quant: bool,
     ) -> Result<Self, MemoryError> {
+        // A checkpoint on disk is read by `disk.read` copies into arenas, where the kernels
+        // read it: labels must stand for bytes really there (no binding), no tiles are made
+        // from the file at load and nothing is faulted in ahead.
+        let reads_disk = plan.streams.iter().any(|s| s.engine == Engine::DiskRead);
+        let weight_copies = if reads_disk {
+            WeightCopies::Move
+        } else {
+            weight_copies
+        };
+        let tile_quant = tile_quant && !reads_disk;
         let arenas = [
             Arena::new("gpu", gpu_bytes, false)?,
             Arena::new("pinned", plan.arena(Space::Pinned).bytes, true)?,
@@ -252,7 +278,11 @@ impl<'c> HostMemory<'c> {
         // kernels, unless they would crowd out half of what the machine has left (a
         // checkpoint larger than memory is streamed from disk by the OS as it is read).
         let fits = crate::sysmem::available_bytes().is_some_and(|a| image.len() <= a / 2);
-        let populated = if fits { image.populate() } else { 0 };
+        let populated = if fits && !reads_disk {
+            image.populate()
+        } else {
+            0
+        };
         let image_map = layout.map();
         let image_starts = layout
             .tags()
@@ -283,7 +313,14 @@ impl<'c> HostMemory<'c> {
             tiled,
             relayed: AtomicU64::new(0),
             copy_pool: CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get())),
+            checkpoint,
+            disk: reads_disk.then(DiskReader::new),
         })
+    }
+
+    /// What the run's `disk.read` copies read so far; `None` when the plan reads no disk.
+    pub fn disk_totals(&self) -> Option<DiskTotals> {
+        self.disk.as_ref().map(DiskReader::totals)
     }
 
     /// Bytes of the image whose page tables were populated before the first step (0: the
@@ -334,6 +371,10 @@ impl<'c> HostMemory<'c> {
     /// image's own memory (registered or page-locked), so a weight never needs its bytes
     /// in an arena on the host.
     pub fn bind_weight_copies(&self) {
+        // A plan reading its checkpoint from disk copies real bytes into its arenas.
+        if self.disk.is_some() {
+            return;
+        }
         self.bind.store(true, Ordering::Release);
     }
 
@@ -424,6 +465,10 @@ impl<'c> HostMemory<'c> {
         let allowed = match task.engine {
             Engine::GpuCompute => space == Space::Gpu,
             Engine::CpuCompute | Engine::CpuCopy => space != Space::Gpu,
+            Engine::DiskRead => match arg.role {
+                crate::ir::Role::Src => region == Region::Image,
+                _ => space != Space::Gpu,
+            },
             Engine::GpuCopyIn | Engine::GpuCopyOut => true,
         };
         if !allowed {
@@ -598,6 +643,10 @@ impl<'c> HostMemory<'c> {
             moved += hi - lo;
             let (lo, hi) = ((lo - first) as usize, (hi - first) as usize);
             let part = &mut to[lo..hi];
+            if let (Some(disk), None) = (&self.disk, from) {
+                self.read_disk(disk, src.start + first + lo as u64, part)?;
+                continue;
+            }
             match from {
                 // Any range of W (several tensors and the padding between them): assembled
                 // from the maps.
@@ -641,6 +690,41 @@ impl<'c> HostMemory<'c> {
                             secs: target.as_secs_f64(),
                             watchdog: watchdog.as_secs_f64(),
                         })
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `dst` with the image's bytes at `start` for a copy out of a checkpoint on
+    /// disk: each tensor's bytes read from its file; padding, and tensors the checkpoint
+    /// holds in memory (decoded or restored), from memory (counted apart in the totals).
+    fn read_disk(&self, disk: &DiskReader, start: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        for piece in self.image.pieces(start, dst.len() as u64)? {
+            match piece {
+                super::image::ImagePiece::Zeros { offset, len } => {
+                    dst[offset as usize..(offset + len) as usize].fill(0);
+                    disk.note_from_memory(len);
+                }
+                super::image::ImagePiece::Bytes { offset, bytes } => {
+                    let part = &mut dst[offset as usize..offset as usize + bytes.len()];
+                    match self.checkpoint.file_of(bytes) {
+                        Some((path, at)) => disk.read(path, at, part).map_err(|source| {
+                            let tensor = self
+                                .image_map
+                                .labels_in(start + offset, bytes.len() as u64)
+                                .first()
+                                .map_or_else(
+                                    || format!("bytes {}.. of W", start + offset),
+                                    |label| label.2.to_string(),
+                                );
+                            MemoryError::Disk { tensor, source }
+                        })?,
+                        None => {
+                            part.copy_from_slice(bytes);
+                            disk.note_from_memory(bytes.len() as u64);
+                        }
                     }
                 }
             }

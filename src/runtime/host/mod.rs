@@ -10,6 +10,7 @@
 
 pub mod arena;
 pub mod copy_pool;
+pub mod disk;
 pub mod image;
 pub mod memory;
 pub mod weights;

@@ -832,6 +832,18 @@ fn gguf_formats(
 /// stay valid (a later read faults the same file bytes back in from the page cache or the
 /// disk), so this is only about memory; where the OS refuses, the pages simply stay.
 impl Checkpoint {
+    /// The file and offset in it that hold `bytes`, when `bytes` lies inside one of the
+    /// checkpoint's file maps (a `disk.read` copy reads them from there); `None` for bytes
+    /// the checkpoint holds in memory (restored, decoded or repacked tensors).
+    pub fn file_of(&self, bytes: &[u8]) -> Option<(&Path, u64)> {
+        let at = bytes.as_ptr() as usize;
+        self.shards.iter().find_map(|shard| {
+            let base = shard.mmap.as_ptr() as usize;
+            (at >= base && at + bytes.len() <= base + shard.mmap.len())
+                .then(|| (shard.path.as_path(), (at - base) as u64))
+        })
+    }
+
     /// Drops from this process the whole pages of the file maps that `bytes` covers, when
     /// `bytes` lies inside one of them (a reader that no longer needs them, such as the
     /// CPU backend once it has repacked a tensor); bytes the checkpoint holds in memory

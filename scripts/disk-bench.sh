@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Bigger than RAM (issue 43, point 5): moec's disk schedules against llama.cpp's default mmap
+# on the same model file, on this machine, at batch 1 and 16 (prompt 128 + 32 new tokens,
+# 2 threads), the page cache dropped before each run; records tokens/s, bytes read from
+# disk, peak RSS and moec's HRM replay.
+#
+# What it takes (nothing is synthesised or downloaded here: the lead provides the files):
+#   --model NAME=CARD:PATH[:FORMATS]
+#                       a model file or checkpoint folder moec runs (`--weights PATH`), the
+#                       card `moec plan` plans it as, and its weight formats for the planner
+#                       (`--weight-format`), e.g.
+#                       mixtral-q4km=mixtral-8x7b:/data/Mixtral-8x7B-Q4_K_M.gguf:experts=q4_k,attention=q4_k;
+#                       repeatable
+#   --host-mem BYTES    the host budget moec's runs are held to (default 16GB)
+#   --moec PATH         a release build of moec (default: built here with cargo)
+#   --threads N         threads for both engines (default 2)
+#   $MOEC_LLAMA_BIN     llama.cpp's binaries (llama-batched-bench), e.g. as
+#                       scripts/peer-bench.sh builds them; without it llama.cpp is skipped
+#   root, to drop the page cache (echo 3 > /proc/sys/vm/drop_caches); otherwise the runs
+#   are made anyway and each result line says the cache was not dropped
+# What it gives: `moec probe`'s disk figures of the models' drive (the profile the replay
+# and `moec plan` use), then one JSON line per (model, engine, batch) appended to
+# $MOEC_DISK_CACHE/results.jsonl (default ~/.cache/moec-disk) and a table on stdout. moec
+# runs the schedule `moec plan` picks among schedules/moe_infinity_disk.sched and
+# schedules/flexgen_disk.sched for the budget (its printed `moec run` line), with
+# --host-mem; its run report gives the bytes read from disk and the bandwidth achieved.
+#
+# Usage: scripts/disk-bench.sh --model NAME=CARD:PATH[:FORMATS] [--model ...] [--host-mem 16GB]
+#            [--moec PATH] [--threads 2]
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${MOEC_DISK_CACHE:-$HOME/.cache/moec-disk}
+MODELS=()
+HOST_MEM=16GB
+MOEC=""
+THREADS=2
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODELS+=("$2"); shift 2 ;;
+    --host-mem) HOST_MEM=$2; shift 2 ;;
+    --moec) MOEC=$2; shift 2 ;;
+    --threads) THREADS=$2; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[ ${#MODELS[@]} -gt 0 ] || { echo "no --model NAME=CARD:PATH given (see --help)" >&2; exit 2; }
+[ -x /usr/bin/time ] || { echo "GNU time is needed at /usr/bin/time" >&2; exit 2; }
+mkdir -p "$CACHE"
+RESULTS=$CACHE/results.jsonl
+log() { echo "disk-bench: $*" >&2; }
+
+if [ -z "$MOEC" ]; then
+  (cd "$REPO" && cargo build --release --bin moec >&2)
+  MOEC=${CARGO_TARGET_DIR:-$REPO/target}/release/moec
+fi
+COMMIT=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
+
+drop_cache() {
+  sync
+  if [ "$(id -u)" = 0 ] && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
+    echo true
+  else
+    log "cannot drop the page cache (not root): this run may read from memory"
+    echo false
+  fi
+}
+peak_kb() { awk -F': ' '/Maximum resident set size/ {print $2}' "$1"; }
+wall_s() {
+  awk -F': ' '/Elapsed \(wall clock\)/ {n = split($2, t, ":"); s = 0; for (i = 1; i <= n; i++) s = s * 60 + t[i]; print s}' "$1"
+}
+
+printf '%-22s %-8s %5s %10s %12s %12s %10s\n' model engine batch tok/s disk peak_RSS_MB replay
+for entry in "${MODELS[@]}"; do
+  name=${entry%%=*}
+  rest=${entry#*=}
+  card=${rest%%:*}
+  rest=${rest#*:}
+  path=${rest%%:*}
+  formats=""
+  [ "$rest" != "$path" ] && formats=${rest#*:}
+  [ -e "$path" ] || { log "$name: $path does not exist, skipped"; continue; }
+  dir=$(dirname "$(realpath "$path")")
+  profile=$CACHE/probe-$name.ron
+  # The drive the model is on, measured with direct reads (256 MiB temporary file there).
+  "$MOEC" probe --threads "$THREADS" --disk-dir "$dir" --disk-mib 256 -o "$profile" \
+    > "$CACHE/probe-$name.log" 2>&1 || { log "$name: moec probe failed (see $CACHE/probe-$name.log)"; continue; }
+  for batch in 1 16; do
+    workload="count=$batch,mean=128,max=128,min=128,gen=32"
+    # moec: the planner's pick among the disk schedules for this budget and profile.
+    best=""
+    best_tps=0
+    for sched in moe_infinity_disk flexgen_disk; do
+      out=$CACHE/plan-$name-$sched-$batch.log
+      # shellcheck disable=SC2046
+      if "$MOEC" plan "$REPO/schedules/$sched.sched" --model "$card" --hw "$profile" \
+          --host-mem "$HOST_MEM" --workload "$workload" \
+          $([ -n "$formats" ] && echo --weight-format "$formats") > "$out" 2>&1; then
+        # The best row's predicted decode tokens/s (rank 1: `1 PARAMS.. gen decode gpu pinned host`).
+        tps=$(awk '$1 == "1" && NF >= 6 {print $(NF - 3); exit}' "$out")
+        if [ -n "$tps" ] && awk -v a="$tps" -v b="$best_tps" 'BEGIN {exit !(a > b)}'; then
+          best=$sched
+          best_tps=$tps
+        fi
+      else
+        log "$name: moec plan $sched failed (see $out)"
+      fi
+    done
+    if [ -n "$best" ]; then
+      # The planner's `moec run` line: its --set values (the schedule's params).
+      run_line=$(grep -m1 '^  *moec run ' "$CACHE/plan-$name-$best-$batch.log" || true)
+      sets=$(echo "$run_line" | grep -o -- '--set [^ ]*' | tr '\n' ' ' || true)
+      dropped=$(drop_cache)
+      log=$CACHE/moec-$name-$batch.log
+      # shellcheck disable=SC2086
+      if /usr/bin/time -v -o "$CACHE/time-moec.log" "$MOEC" run "$REPO/schedules/$best.sched" \
+          --model "$card" --weights "$path" --workload "$workload" --threads "$THREADS" --hw "$profile" \
+          --host-mem "$HOST_MEM" $sets --json > "$log" 2> "$log.err"; then
+        # `--json`: tokens/s overall (prefill + decode), the disk totals, the HRM replay.
+        tps=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['stats']['tokens_per_s'])" "$log" 2>/dev/null || echo null)
+        disk=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])).get('disk') or {}; print('%.2f GB at %.2f GB/s' % (d.get('bytes', 0) / 1e9, d.get('bandwidth_bytes_per_s', 0) / 1e9))" "$log" 2>/dev/null || echo "?")
+        replay=$(python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1])).get('predicted')))" "$log" 2>/dev/null || echo null)
+        rss=$(peak_kb "$CACHE/time-moec.log")
+        printf '%-22s %-8s %5s %10s %12s %12s %10s\n' "$name" "moec" "$batch" "$tps" "$disk" "$((rss / 1024))" "$([ "$replay" = null ] && echo - || echo json)"
+        echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"model\":\"$name\",\"engine\":\"moec\",\"schedule\":\"$best\",\"sets\":\"$sets\",\"batch\":$batch,\"cache_dropped\":$dropped,\"tokens_per_s\":$tps,\"disk\":\"$disk\",\"peak_rss_kb\":$rss,\"wall_s\":$(wall_s "$CACHE/time-moec.log"),\"host_mem\":\"$HOST_MEM\",\"predicted\":$replay}" >> "$RESULTS"
+      else
+        log "$name: moec run failed at batch $batch (see $log.err)"
+      fi
+    fi
+    # llama.cpp on the same file, its default mmap.
+    if [ -n "${MOEC_LLAMA_BIN:-}" ] && [ -x "$MOEC_LLAMA_BIN/llama-batched-bench" ] && [ -f "$path" ]; then
+      dropped=$(drop_cache)
+      out=$CACHE/llama-$name-$batch.log
+      if /usr/bin/time -v -o "$CACHE/time-llama.log" "$MOEC_LLAMA_BIN/llama-batched-bench" -m "$path" \
+          -c $((160 * batch)) -npp 128 -ntg 32 -npl "$batch" -t "$THREADS" > "$out" 2>&1; then
+        # The table's S_TG t/s column (generation tokens/s over the batch).
+        tps=$(awk -F'|' '/^\|/ && $2 ~ /[0-9]/ {gsub(/ /, "", $9); v = $9} END {print v}' "$out")
+        rss=$(peak_kb "$CACHE/time-llama.log")
+        printf '%-22s %-8s %5s %10s %12s %12s %10s\n' "$name" "llama" "$batch" "${tps:-?}" "-" "$((rss / 1024))" "-"
+        echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"model\":\"$name\",\"engine\":\"llama.cpp\",\"batch\":$batch,\"cache_dropped\":$dropped,\"decode_tokens_per_s\":\"${tps:-}\",\"peak_rss_kb\":$rss,\"wall_s\":$(wall_s "$CACHE/time-llama.log")}" >> "$RESULTS"
+      else
+        log "$name: llama-batched-bench failed at batch $batch (see $out)"
+      fi
+    fi
+  done
+done
+log "results appended to $RESULTS"
