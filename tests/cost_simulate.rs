@@ -440,3 +440,202 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     // The budget bites: the declared-buffer prune had points to prune.
     assert!(over_budget > 0);
 }
+
+/// `moec plan` under `--host-mem` (issue 43) on Mixtral-8x7B bf16 (plan only, nothing is
+/// synthesised): `moe_infinity_disk` fits 16 GB and prints the split it picked, whose
+/// figures are the card's sizes worked by hand: an expert is 3 x 4096 x 14336 x 2 B =
+/// 352,321,536 B; a layer's dense part is attention (4096 x 4096 q and o, 4096 x 1024 k
+/// and v) + router 4096 x 8 + two norms of 4096 = 41,984,000 params = 83,968,000 B, so
+/// `w_dense` is 32 x that = 2,686,976,000 B; the checkpoint is 32 x (83,968,000 + 8 x
+/// 352,321,536) + embedding and head 2 x 32000 x 4096 x 2 + the final norm 4096 x 2 =
+/// 93,405,585,408 B. The cache `rc` holds `slots` experts, the schedule's formula
+/// (`n_cache`, or min(8, bs x 2) + 2 for -1). `moe_infinity` cannot fit, and the plan says
+/// why: on the T4 its checkpoint is memory-mapped and its 32 x 8 experts read in place
+/// (90,194,313,216 B = 90.19 GB); on the H200 its defaults pin a copy of every weight
+/// (the whole checkpoint, 93,405,585,408 B: 77.41 GB over 16 GB).
+#[test]
+fn plan_picks_the_disk_split_for_mixtral_8x7b_under_a_16gb_host_budget() {
+    const EXPERT: u64 = 352_321_536;
+    const CHECKPOINT: u64 = 93_405_585_408;
+    let out = moec(&[
+        "plan",
+        "schedules/moe_infinity_disk.sched",
+        "--model",
+        "mixtral-8x7b",
+        "--hw",
+        "h200",
+        "--host-mem",
+        "16GB",
+        "--top",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let best = &json["result"]["top"][0];
+    let value = |name: &str| -> i64 {
+        let pairs = best["values"].as_array().unwrap();
+        let pair = pairs.iter().find(|p| p[0] == name).unwrap();
+        pair[1]["Int"].as_i64().unwrap()
+    };
+    let (bs, n_cache) = (value("bs"), value("n_cache"));
+    let slots = if n_cache < 0 {
+        (bs * 2).min(8) as u64 + 2
+    } else {
+        n_cache.max(1) as u64
+    };
+    assert!(
+        best["host_bytes"].as_u64().unwrap() <= 16_000_000_000,
+        "{best}"
+    );
+    let split = &json["disk_split"];
+    assert_eq!(split["checkpoint_bytes"], CHECKPOINT, "{split}");
+    let line = |name: &str| -> u64 {
+        let lines = split["in_host"].as_array().unwrap();
+        let line = lines.iter().find(|l| l[0] == name).unwrap();
+        line[2].as_u64().unwrap()
+    };
+    assert_eq!(line("w_dense"), 2_686_976_000, "{split}");
+    assert_eq!(line("rc"), slots * EXPERT, "{split}");
+    let in_host = split["in_host_bytes"].as_u64().unwrap();
+    assert_eq!(
+        split["disk_only_bytes"].as_u64().unwrap(),
+        CHECKPOINT - in_host
+    );
+    assert_eq!(split["host_peak"], best["host_bytes"]);
+    assert_eq!(split["host_budget"].as_f64(), Some(16e9));
+    let run = json["run_command"].as_str().unwrap();
+    assert!(
+        run.starts_with(
+            "moec run schedules/moe_infinity_disk.sched --model mixtral-8x7b --hw h200 --host-mem 16GB "
+        ) && run.contains(&format!(" --set n_cache={n_cache} ")),
+        "{run}"
+    );
+    let not_fitting = |hw: &str| {
+        let out = moec(&[
+            "plan",
+            "schedules/moe_infinity.sched",
+            "--model",
+            "mixtral-8x7b",
+            "--hw",
+            hw,
+            "--host-mem",
+            "16GB",
+        ]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("no parameter setting fits"));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let t4 = not_fitting("t4");
+    assert!(
+        t4.contains("does not fit: `moe_infinity` memory-maps the checkpoint and reads 90.19 GB of it in place")
+            && t4.contains("moe_infinity_disk.sched"),
+        "{t4}"
+    );
+    let h200 = not_fitting("h200");
+    assert!(
+        h200.contains("does not fit: with the schedule's own params, pinned over by 77.41 GB"),
+        "{h200}"
+    );
+}
+
+/// On mixtral-tiny (an expert 3 x 128 x 256 x 2 B = 196,608 B) under `--host-mem 20MB`,
+/// `moec plan` fills the budget with the expert cache (one slot more would not fit: for 2
+/// prompts the prediction gains from every expert read it saves) and its printed `moec
+/// run` line runs, reading experts from disk; `moec run --fit` under the same budget picks
+/// the same params, says so with the host peak against the budget, and stays in it.
+#[test]
+fn a_planned_disk_split_on_the_tiny_card_runs_and_fit_sizes_the_cache_to_the_host_budget() {
+    const EXPERT: u64 = 196_608;
+    const BUDGET: u64 = 20_000_000;
+    let cache = tempfile::tempdir().unwrap();
+    let moec_here = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_moec"))
+            .env("MOEC_CACHE_DIR", cache.path())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let spec = "count=2,mean=6,max=6,min=6,gen=4";
+    let common = [
+        "schedules/moe_infinity_disk.sched",
+        "--model",
+        "mixtral-tiny",
+        "--hw",
+        "h200",
+        "--host-mem",
+        "20MB",
+        "--workload",
+        spec,
+    ];
+    let mut plan = vec!["plan"];
+    plan.extend(common);
+    plan.extend(["--top", "1", "--json"]);
+    let out = moec_here(&plan);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let best = &json["result"]["top"][0];
+    let n_cache = best["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p[0] == "n_cache")
+        .unwrap()[1]["Int"]
+        .as_i64()
+        .unwrap();
+    let host = best["host_bytes"].as_u64().unwrap();
+    assert!(n_cache > 0, "{best}");
+    assert!(host <= BUDGET && host + EXPERT > BUDGET, "{best}");
+    let rc = json["disk_split"]["in_host"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l[0] == "rc")
+        .unwrap()[2]
+        .as_u64()
+        .unwrap();
+    assert_eq!(rc, n_cache as u64 * EXPERT);
+    // The printed line, as printed (every word plain: no quoting to undo).
+    let run = json["run_command"].as_str().unwrap();
+    let words: Vec<&str> = run.split(' ').collect();
+    assert_eq!(words[..2], ["moec", "run"]);
+    let out = moec_here(&words[1..]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{run}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("read from the checkpoint's files"),
+        "{stdout}"
+    );
+    let mut fit = vec!["run"];
+    fit.extend(common);
+    fit.extend(["--fit", "--json"]);
+    let out = moec_here(&fit);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--fit: the planner picked")
+            && stderr.contains(&format!("n_cache={n_cache} "))
+            && stderr.contains(&format!("host peak {host} B of --host-mem {BUDGET} B")),
+        "{stderr}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["fitted_params"]["n_cache"],
+        serde_json::json!(n_cache.to_string())
+    );
+    let memory = &report["memory"];
+    let used = memory["host_bytes"].as_u64().unwrap() + memory["pinned_bytes"].as_u64().unwrap();
+    assert!(used <= BUDGET, "{memory}");
+}

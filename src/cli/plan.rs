@@ -6,6 +6,9 @@
 use super::simulate::{fail, resolve, CostTarget, Resolved};
 use super::workload::{spec_for, CostWorkload};
 use crate::compile;
+use crate::cost::budget::{
+    budget_table, check_budget, disk_split, mapped_checkpoint_over_host, DiskSplit,
+};
 use crate::cost::hardware::GB;
 use crate::cost::plan::{param_spaces, search, share_of_slots_used, SearchOptions};
 use crate::engine::fit_params::{evaluate_point, PointTarget};
@@ -101,6 +104,8 @@ pub fn run(args: PlanArgs) -> ExitCode {
     let mut rejected = 0;
     let mut checked = Vec::new();
     let mut best_slots = resolved.options.workload.batch;
+    // The best's split of the weights between host memory and disk (disk schedules).
+    let mut best_split: Option<DiskSplit> = None;
     // As many candidates at a time as there are threads, each checked on its own; the
     // results are taken in rank order, so the outcome is the sequential one.
     let ranked = std::mem::take(&mut result.top);
@@ -109,7 +114,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
         if checked.len() == wanted {
             break;
         }
-        let outcomes: Vec<Option<u64>> = chunk
+        let outcomes: Vec<Option<(u64, Option<DiskSplit>)>> = chunk
             .par_iter()
             .map(|candidate| {
                 let mut compile_options = resolved.options.clone();
@@ -121,7 +126,17 @@ pub fn run(args: PlanArgs) -> ExitCode {
                 );
                 compile::compile(&resolved.source, &compile_options)
                     .ok()
-                    .map(|compiled| sequence_slots(&compiled.program))
+                    .map(|compiled| {
+                        let table = budget_table(
+                            &compiled.program,
+                            Some(&resolved.profile),
+                            &resolved.overrides,
+                        );
+                        (
+                            sequence_slots(&compiled.program),
+                            disk_split(&compiled.program, &table),
+                        )
+                    })
             })
             .collect();
         for (candidate, slots) in chunk.iter().zip(outcomes) {
@@ -129,9 +144,10 @@ pub fn run(args: PlanArgs) -> ExitCode {
                 break;
             }
             match slots {
-                Some(slots) => {
+                Some((slots, split)) => {
                     if checked.is_empty() {
                         best_slots = slots;
+                        best_split = split;
                     }
                     checked.push(candidate.clone());
                 }
@@ -141,6 +157,18 @@ pub fn run(args: PlanArgs) -> ExitCode {
     }
     result.top = checked;
     let elapsed = started.elapsed().as_secs_f64();
+    // Nothing fits: say why. When it is the memory-mapped checkpoint itself, no params of a
+    // schedule without a disk tier can fit (it names the disk schedules); otherwise what
+    // the schedule's own params (defaults and `--set`) put over which budget.
+    let not_fitting = result.top.is_empty().then(|| {
+        let table = budget_table(&program, Some(&resolved.profile), &resolved.overrides);
+        mapped_checkpoint_over_host(&program, &table).or_else(|| {
+            check_budget(&program, Some(&resolved.profile), &resolved.overrides)
+                .err()
+                .map(|e| format!("with the schedule's own params, {}", e.summary))
+        })
+    });
+    let not_fitting = not_fitting.flatten();
     let commands = result
         .top
         .first()
@@ -155,6 +183,8 @@ pub fn run(args: PlanArgs) -> ExitCode {
             "seconds": elapsed,
             "rejected_by_check": rejected,
             "result": result,
+            "disk_split": best_split,
+            "does_not_fit": not_fitting,
             "run_command": commands.as_ref().map(|c| &c.run),
             "check_command": commands.as_ref().map(|c| &c.check),
         });
@@ -192,6 +222,9 @@ pub fn run(args: PlanArgs) -> ExitCode {
     if rejected > 0 {
         println!("  {rejected} of the best points failed the full check and were dropped");
     }
+    if let Some(reason) = &not_fitting {
+        println!("  does not fit: {reason}");
+    }
     if result.top.is_empty() {
         return fail("no parameter setting fits the memory budget; try a bigger --gpu-mem/--host-mem or another schedule");
     }
@@ -223,6 +256,9 @@ pub fn run(args: PlanArgs) -> ExitCode {
                 "  (throughput counts only the slots the run's {} prompts fill)",
                 resolved.options.workload.batch
             );
+        }
+        if let Some(split) = &best_split {
+            println!("disk split of the best: {split}");
         }
         println!("run the best:\n  {}", commands.run);
         println!("check it under the same budgets:\n  {}", commands.check);

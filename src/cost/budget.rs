@@ -457,6 +457,113 @@ pub fn parse_bytes(text: &str) -> Result<f64, String> {
     Ok(value * scale)
 }
 
+/// Where a program with a disk tier keeps the model's weights: what host memory holds
+/// (weight buffers, pageable or pinned, and any part of the checkpoint read in place) and
+/// what only the disk holds, with the host peak against its budget. `moec plan` prints it
+/// for the policy it picked, so the split it chose under `--host-mem` is never implicit.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DiskSplit {
+    /// Bytes of the checkpoint (every tensor of the model).
+    pub checkpoint_bytes: u64,
+    /// Weight lines of the host and pinned spaces: `(buffer, count, bytes)`, largest first.
+    pub in_host: Vec<(String, usize, u64)>,
+    /// Their sum: the model's bytes host memory holds at the peak.
+    pub in_host_bytes: u64,
+    /// `checkpoint_bytes - in_host_bytes` (0 when host holds it all): bytes that are only
+    /// ever on disk at any one time, read with `disk.read` copies when a step needs them.
+    pub disk_only_bytes: u64,
+    /// Peak host bytes (pinned included), everything counted.
+    pub host_peak: u64,
+    /// The host budget (bytes; infinite when none applies).
+    pub host_budget: f64,
+}
+
+/// The split of `program`'s weights between host memory and disk under `table` (its
+/// budget table), or `None` when the program has no `disk.read` stream (its checkpoint is
+/// memory-mapped, not on disk).
+pub fn disk_split(program: &Program, table: &BudgetTable) -> Option<DiskSplit> {
+    if !program.streams.iter().any(|s| s.engine == Engine::DiskRead) {
+        return None;
+    }
+    let checkpoint_bytes = program
+        .buffers
+        .iter()
+        .filter(|b| b.kind == BufferKind::Checkpoint)
+        .map(|b| b.bytes)
+        .sum();
+    let in_host: Vec<(String, usize, u64)> = table
+        .lines
+        .iter()
+        .filter(|l| (l.space == "host" || l.space == "pinned") && l.class == "weights")
+        .filter(|l| l.bytes > 0)
+        .map(|l| {
+            // The checkpoint's line names its whole size; here only its part read in place.
+            let what = if l.what.contains("(checkpoint") {
+                "checkpoint read in place".to_string()
+            } else {
+                l.what.clone()
+            };
+            (what, l.buffers, l.bytes)
+        })
+        .collect();
+    let in_host_bytes = in_host.iter().map(|(_, _, bytes)| bytes).sum();
+    let host = table.spaces.iter().find(|s| s.space == "host");
+    Some(DiskSplit {
+        checkpoint_bytes,
+        disk_only_bytes: checkpoint_bytes.saturating_sub(in_host_bytes),
+        in_host,
+        in_host_bytes,
+        host_peak: host.map_or(0, |s| s.peak),
+        host_budget: host.map_or(f64::INFINITY, |s| s.budget),
+    })
+}
+
+impl fmt::Display for DiskSplit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self
+            .in_host
+            .iter()
+            .map(|(what, count, bytes)| format!("{what} [{count}] {}", gb(*bytes as f64)))
+            .collect();
+        write!(
+            f,
+            "host memory holds {} of the {} checkpoint ({}); {} stays on disk, read by disk.read copies; host peak {} of {}",
+            gb(self.in_host_bytes as f64),
+            gb(self.checkpoint_bytes as f64),
+            if parts.is_empty() { "nothing".to_string() } else { parts.join(", ") },
+            gb(self.disk_only_bytes as f64),
+            gb(self.host_peak as f64),
+            gb(self.host_budget)
+        )
+    }
+}
+
+/// Why a schedule whose checkpoint is memory-mapped cannot fit `overrides`' host budget
+/// whatever its params: the part of the checkpoint its tasks read in place stays resident
+/// (`checkpoint_resident_bytes`) and alone exceeds the budget. `None` when the program has
+/// a disk tier, no host budget applies, or the mapped part fits.
+pub fn mapped_checkpoint_over_host(program: &Program, table: &BudgetTable) -> Option<String> {
+    if program.streams.iter().any(|s| s.engine == Engine::DiskRead) {
+        return None;
+    }
+    let host = table.spaces.iter().find(|s| s.space == "host")?;
+    let mapped = table
+        .lines
+        .iter()
+        .filter(|l| l.space == "host" && l.what.contains("(checkpoint mmap"))
+        .map(|l| l.bytes)
+        .sum::<u64>();
+    (mapped as f64 > host.budget).then(|| {
+        format!(
+            "`{}` memory-maps the checkpoint and reads {} of it in place, which must stay resident: more than the host budget of {} ({}) by itself; a schedule with a disk tier (a `disk.read` stream, e.g. schedules/moe_infinity_disk.sched or schedules/flexgen_disk.sched) keeps the checkpoint on disk",
+            program.name,
+            gb(mapped as f64),
+            gb(host.budget),
+            host.budget_source
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

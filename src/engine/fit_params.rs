@@ -160,8 +160,15 @@ pub struct FittedParams {
 }
 
 /// The run's budgets as `refuse_what_does_not_fit` counts them: `--gpu-mem` for the `gpu`
-/// space, unlimited for a device whose memory no profile or flag names.
-fn overrides(gpu_mem: Option<u64>, chosen_profile: bool, gpu_space: GpuSpace) -> BudgetOverrides {
+/// space, unlimited for a device whose memory no profile or flag names; `--host-mem` for
+/// the host (arenas, caches and what is read of the checkpoint in place), so the planner
+/// sizes host caches to it instead of choosing params the run then refuses.
+fn overrides(
+    gpu_mem: Option<u64>,
+    host_mem: Option<u64>,
+    chosen_profile: bool,
+    gpu_space: GpuSpace,
+) -> BudgetOverrides {
     let device_unknown = gpu_space == GpuSpace::Device && !chosen_profile && gpu_mem.is_none();
     BudgetOverrides {
         gpu_bytes: match gpu_mem {
@@ -169,7 +176,7 @@ fn overrides(gpu_mem: Option<u64>, chosen_profile: bool, gpu_space: GpuSpace) ->
             None if device_unknown => Some(f64::INFINITY),
             None => None,
         },
-        host_bytes: None,
+        host_bytes: host_mem.map(|bytes| bytes as f64),
     }
 }
 
@@ -191,6 +198,8 @@ pub struct FitBudget<'a> {
     pub profile: Option<&'a HardwareProfile>,
     /// `--gpu-mem`, bytes.
     pub gpu_mem: Option<u64>,
+    /// `--host-mem`, bytes: the host budget the search fits (as the run refuses against).
+    pub host_mem: Option<u64>,
     /// The profile was named (`--hw`), not measured here.
     pub chosen_profile: bool,
     /// Where the backend keeps the `gpu` space.
@@ -210,7 +219,12 @@ pub fn fit_params(
     budget: FitBudget<'_>,
     notes: &mut Vec<String>,
 ) -> Result<(Compiled, Option<FittedParams>), RunFailure> {
-    let overrides = overrides(budget.gpu_mem, budget.chosen_profile, budget.gpu_space);
+    let overrides = overrides(
+        budget.gpu_mem,
+        budget.host_mem,
+        budget.chosen_profile,
+        budget.gpu_space,
+    );
     let defaults = budget_table(&compiled.program, budget.profile, &overrides);
     let why = match (budget.mode, defaults.fits()) {
         (FitMode::WhenOver, true) => return Ok((compiled, None)),
@@ -288,8 +302,17 @@ pub fn fit_params(
             .map(|(n, v)| (n.clone(), v.to_string()))
             .collect();
         let spelled: Vec<String> = values.iter().map(|(n, v)| format!("{n}={v}")).collect();
+        // The budgets it fitted, with what the pick uses of each: the choice is never
+        // silent about the host budget it sized caches to.
+        let host = match budget.host_mem {
+            Some(limit) => format!(
+                "; host peak {} B of --host-mem {limit} B",
+                candidate.host_bytes
+            ),
+            None => String::new(),
+        };
         notes.push(format!(
-            "{why}: the planner picked {} for this workload and budget on `{}` ({:.1} tokens/s predicted; {} points searched, {} fit)",
+            "{why}: the planner picked {} for this workload and budget on `{}` ({:.1} tokens/s predicted; {} points searched, {} fit{host})",
             spelled.join(" "),
             profile.name,
             candidate.tokens_per_s,

@@ -93,6 +93,7 @@ pub(crate) fn prepare(
         fit_params::FitBudget {
             profile: profile.as_ref(),
             gpu_mem: request.gpu_mem,
+            host_mem: request.host_mem,
             chosen_profile: request.hw.is_some(),
             gpu_space: request.backend.gpu_space,
             mode: request.fit,
