@@ -110,16 +110,7 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.threads = args.settings.threads;
     request.link_gbps = args.settings.link_gbps;
     request.gpu_mem = gpu_capacity(args)?;
-    request.host_mem = args
-        .settings
-        .host_mem
-        .as_deref()
-        .map(|text| {
-            crate::cost::budget::parse_bytes(text)
-                .map(|b| b as u64)
-                .map_err(|e| Failure::Message(format!("--host-mem: {e}")))
-        })
-        .transpose()?;
+    request.host_mem = host_capacity(args)?;
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
     request.sampling = if args.temperature > 0.0 {
@@ -143,17 +134,24 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     Ok(request)
 }
 
+/// `--host-mem` in bytes, if given.
+fn host_capacity(args: &RunArgs) -> Result<Option<u64>, Failure> {
+    capacity(args.settings.host_mem.as_deref(), "--host-mem")
+}
+
 /// `--gpu-mem` in bytes.
 fn gpu_capacity(args: &RunArgs) -> Result<Option<u64>, Failure> {
-    args.settings
-        .gpu_mem
-        .as_deref()
-        .map(|text| {
-            crate::cost::budget::parse_bytes(text)
-                .map(|b| b as u64)
-                .map_err(|e| Failure::Message(format!("--gpu-mem: {e}")))
-        })
-        .transpose()
+    capacity(args.settings.gpu_mem.as_deref(), "--gpu-mem")
+}
+
+/// A memory flag's value (`16GB`, `600MB`) in bytes, if given.
+fn capacity(text: Option<&str>, flag: &str) -> Result<Option<u64>, Failure> {
+    text.map(|text| {
+        crate::cost::budget::parse_bytes(text)
+            .map(|b| b as u64)
+            .map_err(|e| Failure::Message(format!("{flag}: {e}")))
+    })
+    .transpose()
 }
 
 /// Runs `moec run`'s request through the run API; `progress` sees (tokens done, tokens at
@@ -208,7 +206,7 @@ fn human(bytes: u64) -> String {
 }
 
 /// The report as text.
-pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
+pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Option<u64>) -> String {
     use std::fmt::Write as _;
     let r = &f.report;
     let mut out = String::new();
@@ -280,6 +278,10 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>) -> String {
     };
     // The budgets `check` and the refusal before allocating use (usable share included).
     let host_budget = |level: Level, what: &str| {
+        // `--host-mem` is the host budget the plan was refused against before allocating.
+        if let (Level::Host, Some(bytes)) = (level, host_capacity) {
+            return format!("; budget {} (--host-mem)", human(bytes));
+        }
         f.profile.as_ref().map_or(String::new(), |p| {
             format!(
                 "; budget {} ({}{what})",
@@ -475,13 +477,14 @@ pub fn run(args: &RunArgs) -> ExitCode {
         eprintln!("moec: {note}");
     }
     let gpu_capacity = gpu_capacity(args).ok().flatten();
+    let host_capacity = host_capacity(args).ok().flatten();
     if args.json {
         println!("{}", report_json(&finished));
     } else {
         for (prompt, continuation) in &finished.texts {
             println!("{prompt}{continuation}");
         }
-        print!("{}", report_text(&finished, gpu_capacity));
+        print!("{}", report_text(&finished, gpu_capacity, host_capacity));
     }
     ExitCode::SUCCESS
 }
