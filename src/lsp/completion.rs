@@ -114,9 +114,11 @@ fn after_dot(
                 .iter()
                 .map(|m| item(m, CompletionItemKind::METHOD, "slice method")),
         );
+        // `experts` is both a method (`.experts(a, b)`) and a field: offered once.
         items.extend(
             vocabulary::FIELDS
                 .iter()
+                .filter(|f| !vocabulary::SLICE_METHODS.contains(f))
                 .map(|f| item(f, CompletionItemKind::FIELD, "field of a layer slice")),
         );
     }

@@ -38,6 +38,10 @@ pub fn hover(document: &Document, setup: &Setup, offset: usize) -> Option<(Strin
         .find(|d| d.name == word.text)
         .map(|d| d.kind);
     let program = program.map(|(p, _)| p);
+    // An engine or hardware symbol (`gpu.compute`, `gpu.mem`) before a stream named `gpu`.
+    if let Some(text) = word.dotted.and_then(builtin_text) {
+        return Some((text, word.span));
+    }
     let text = match (kind, program) {
         (Some(DeclKind::Buffer), Some(p)) => buffer_text(p, word.text)? + &origin,
         (Some(DeclKind::Cache), Some(p)) => cache_text(p, word.text)? + &origin,
@@ -75,10 +79,7 @@ pub fn hover(document: &Document, setup: &Setup, offset: usize) -> Option<(Strin
             )
         }
         (None, Some(p)) if word.text == "W" => buffer_text(p, "W")? + &origin,
-        (None, _) => word
-            .dotted
-            .and_then(builtin_text)
-            .or_else(|| builtin_text(word.text))?,
+        (None, _) => builtin_text(word.text)?,
     };
     Some((text, word.span))
 }
