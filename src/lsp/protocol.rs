@@ -558,3 +558,116 @@ fn convert(
         ..lsp_types::Diagnostic::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn frame(message: serde_json::Value) -> Vec<u8> {
+        let body = message.to_string();
+        format!("Content-Length: {}\r\n\r\n{body}", body.len()).into_bytes()
+    }
+
+    fn load(name: &str, _formats: Option<&str>) -> Result<crate::model::card::ModelCard, String> {
+        crate::model::card::ModelCard::load(name).map_err(|e| e.to_string())
+    }
+
+    /// Runs a session on `input`; gives how it ended, the messages written and the log.
+    fn session(input: &[u8]) -> (Ending, Vec<serde_json::Value>, String) {
+        let mut output = Vec::new();
+        let mut log = Vec::new();
+        let ending = serve(&mut &input[..], &mut output, &mut log, load).unwrap();
+        let mut messages = Vec::new();
+        let mut rest = &output[..];
+        while !rest.is_empty() {
+            let mut framed = rest;
+            match read_message(&mut framed).unwrap() {
+                Framed::Message(m) => messages.push(serde_json::to_value(m).unwrap()),
+                // The hand-written null-id response is not an `lsp_server` message.
+                Framed::Bad(..) | Framed::End => {
+                    let text = String::from_utf8_lossy(rest);
+                    let start = text.find("\r\n\r\n").unwrap() + 4;
+                    let end = text[start..]
+                        .find("Content-Length")
+                        .map_or(text.len(), |i| start + i);
+                    messages.push(serde_json::from_str(&text[start..end]).unwrap());
+                    framed = &rest[end..];
+                }
+            }
+            rest = framed;
+        }
+        (ending, messages, String::from_utf8(log).unwrap())
+    }
+
+    #[test]
+    fn bad_input_is_answered_and_the_session_goes_on() {
+        let mut input = Vec::new();
+        // Not JSON, JSON that is no message, no Content-Length, an oversized body.
+        input.extend(b"Content-Length: 3\r\n\r\n{x}");
+        input.extend(b"Content-Length: 2\r\n\r\n[]");
+        input.extend(b"X-Other: 1\r\n\r\n");
+        input.extend(format!("Content-Length: {}\r\n\r\n", MAX_MESSAGE_BYTES + 1).as_bytes());
+        input.extend(vec![b' '; MAX_MESSAGE_BYTES + 1]);
+        input.extend(frame(
+            json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"capabilities": {}, "initializationOptions": {"model": "no-such-card"}}}),
+        ));
+        // A document URI that is not a URI, a ranged change, an unknown notification.
+        input.extend(frame(json!({"jsonrpc": "2.0", "method": "textDocument/didOpen",
+            "params": {"textDocument": {"uri": "::", "languageId": "sched", "version": 1, "text": ""}}})));
+        input.extend(frame(json!({"jsonrpc": "2.0", "method": "textDocument/didChange",
+            "params": {"textDocument": {"uri": "file:///a.sched", "version": 2}, "contentChanges": [
+                {"range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}, "text": "x"}]}})));
+        input.extend(frame(
+            json!({"jsonrpc": "2.0", "method": "no/such", "params": null}),
+        ));
+        // Hover on a document that is not open: null.
+        input.extend(frame(json!({"jsonrpc": "2.0", "id": 2, "method": "textDocument/hover",
+            "params": {"textDocument": {"uri": "file:///b.sched"}, "position": {"line": 0, "character": 0}}})));
+        input.extend(frame(json!({"jsonrpc": "2.0", "method": "exit"})));
+        let (ending, messages, log) = session(&input);
+        // `exit` without `shutdown`.
+        assert_eq!(ending, Ending::Abrupt);
+        let codes: Vec<i64> = messages
+            .iter()
+            .filter(|m| m["id"].is_null())
+            .map(|m| m["error"]["code"].as_i64().unwrap())
+            .collect();
+        assert_eq!(codes, [-32700, -32600, -32700, -32600], "{messages:#?}");
+        // The unknown card is said, in the editor and the log, and the defaults are used.
+        let shown = messages
+            .iter()
+            .find(|m| m["method"] == "window/showMessage")
+            .unwrap();
+        assert!(
+            shown["params"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("no-such-card"),
+            "{shown}"
+        );
+        assert!(
+            log.contains("compiling for mixtral-tiny, no hardware profile"),
+            "{log}"
+        );
+        let initialized = messages.iter().find(|m| m["id"] == 1).unwrap();
+        assert!(initialized["result"]["capabilities"].is_object());
+        assert!(log.contains("didOpen: bad params"), "{log}");
+        assert!(log.contains("a ranged change"), "{log}");
+        assert!(log.contains("ignored notification `no/such`"), "{log}");
+        let hover = messages.iter().find(|m| m["id"] == 2).unwrap();
+        assert!(
+            hover["result"].is_null() && hover.get("error").is_none(),
+            "{hover}"
+        );
+    }
+
+    #[test]
+    fn the_input_ending_early_is_an_abrupt_end() {
+        let (ending, messages, log) = session(b"Content-Length: 50\r\n\r\n{\"jsonrpc\"");
+        assert_eq!(ending, Ending::Abrupt);
+        assert!(messages.is_empty());
+        assert!(log.contains("the input ended"), "{log}");
+    }
+}
