@@ -551,7 +551,7 @@ fn lsp_session_gives_diagnostics_hover_and_definitions() {
         .bytes;
     let hover = response(2)["result"]["contents"]["value"].as_str().unwrap();
     assert!(
-        hover.starts_with(&format!("**buffer** `w[2]` in `gpu`: 2 buffers of "))
+        hover.starts_with("**buffer** `w[2]` in `gpu`: 2 buffers of ")
             && hover.contains(&format!("({slot} bytes) each"))
             && hover.contains("mixtral-tiny on t4"),
         "{hover}"
