@@ -69,11 +69,21 @@ pub fn hover(document: &Document, setup: &Setup, offset: usize) -> Option<(Strin
                 param.default
             ) + &origin
         }
-        (Some(kind), _) => {
+        (Some(kind), program) => {
             let decl = declared.iter().find(|d| d.name == word.text)?;
             let line = first_line(&document.text, decl.span);
+            let sized = matches!(
+                kind,
+                DeclKind::Buffer | DeclKind::Cache | DeclKind::Label | DeclKind::Param
+            );
+            // Said rather than left out: sizes need a program that elaborated.
+            let missing = if sized && program.is_none() {
+                "\n\nno sizes: no version of this file has elaborated yet (see its diagnostics)"
+            } else {
+                ""
+            };
             format!(
-                "**{}** `{}`\n\n```sched\n{line}\n```",
+                "**{}** `{}`\n\n```sched\n{line}\n```{missing}",
                 kind.as_str(),
                 word.text
             )

@@ -299,7 +299,26 @@ impl Server<'_> {
         }
         let init: InitializeParams = params(request)?;
         let chosen = Settings::from_json(init.initialization_options)
-            .and_then(|settings| settings.resolve(self.load_card));
+            .and_then(|(s, unknown)| Ok((s.resolve(self.load_card)?, unknown)));
+        let chosen = match chosen {
+            Ok((setup, unknown)) if !unknown.is_empty() => {
+                let text = format!(
+                    "initializationOptions: ignored unknown key(s) {}; known: {}",
+                    unknown.join(", "),
+                    Settings::KEYS.join(", ")
+                );
+                self.note(&text);
+                let shown = ShowMessageParams {
+                    typ: MessageType::WARNING,
+                    message: format!("moec lsp: {text}"),
+                };
+                if let Err(e) = self.notify("window/showMessage", shown) {
+                    return Err((ErrorCode::InternalError, e.to_string()));
+                }
+                Ok(setup)
+            }
+            other => other.map(|(setup, _)| setup),
+        };
         let setup = match chosen {
             Ok(setup) => setup,
             Err(why) => {

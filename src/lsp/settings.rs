@@ -61,14 +61,37 @@ impl Setup {
 }
 
 impl Settings {
-    /// Reads `initializationOptions` (`null` or absent: the defaults).
-    pub fn from_json(value: Option<serde_json::Value>) -> Result<Settings, String> {
-        match value {
-            None | Some(serde_json::Value::Null) => Ok(Settings::default()),
-            Some(value) => {
-                serde_json::from_value(value).map_err(|e| format!("initializationOptions: {e}"))
-            }
+    /// The keys `initializationOptions` may hold.
+    pub const KEYS: [&'static str; 7] = [
+        "model",
+        "hw",
+        "weightFormat",
+        "set",
+        "batch",
+        "promptLen",
+        "genLen",
+    ];
+
+    /// Reads `initializationOptions` (`null` or absent: the defaults). Unknown keys are
+    /// left out and named in the second value, to be said to the user; the known ones
+    /// still apply.
+    pub fn from_json(value: Option<serde_json::Value>) -> Result<(Settings, Vec<String>), String> {
+        let mut map = match value {
+            None | Some(serde_json::Value::Null) => return Ok((Settings::default(), Vec::new())),
+            Some(serde_json::Value::Object(map)) => map,
+            Some(other) => return Err(format!("initializationOptions: {other} is not an object")),
+        };
+        let unknown: Vec<String> = map
+            .keys()
+            .filter(|k| !Settings::KEYS.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        for key in &unknown {
+            map.remove(key);
         }
+        let settings = serde_json::from_value(serde_json::Value::Object(map))
+            .map_err(|e| format!("initializationOptions: {e}"))?;
+        Ok((settings, unknown))
     }
 
     /// Loads the card and profile the settings name.
