@@ -18,6 +18,7 @@ pub mod elaborate;
 pub mod engine;
 pub mod ir;
 pub mod lower;
+pub mod lsp;
 pub mod math;
 pub mod model;
 pub mod oracle;

@@ -376,3 +376,212 @@ fn a_broken_gguf_model_is_one_error_naming_it() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// The broken schedule the LSP session opens: layer 1's weights are read as layer 0's
+/// (`values::wrong`), through a template and a label so that definitions have targets.
+const LSP_BROKEN: &str = "schedule next_layer_too_early
+microbatches 1 of 1
+stream gpu: gpu.compute
+stream h2d: gpu.copy_in
+buffer emb: gpu = embed_weights()
+buffer w[2]: gpu = layer_weights()
+buffer h: gpu = hidden(prompt_len)
+buffer q: gpu = qkv(prompt_len)
+template load(i) { copy W[i] -> w[i % 2] on h2d as ld[i] }
+prefill {
+  copy W.embed -> emb on h2d
+  embed(ub = 0, w = emb, h = h) on gpu
+  for i in 0..2 { load(i) }
+  pre_attn(layer = 0, ub = 0, w = w[(0 + 1) % 2], h = h, out = q) on gpu after ld[1]
+}
+";
+
+/// Frames a JSON-RPC message as the protocol does.
+fn lsp_frame(message: serde_json::Value) -> String {
+    let body = message.to_string();
+    format!("Content-Length: {}\r\n\r\n{body}", body.len())
+}
+
+/// Splits the server's output into its messages.
+fn lsp_messages(mut out: &str) -> Vec<serde_json::Value> {
+    let mut messages = Vec::new();
+    while let Some(header_end) = out.find("\r\n\r\n") {
+        let length: usize = out[..header_end]
+            .strip_prefix("Content-Length: ")
+            .expect("a Content-Length header")
+            .parse()
+            .unwrap();
+        let body = &out[header_end + 4..header_end + 4 + length];
+        messages.push(serde_json::from_str(body).unwrap());
+        out = &out[header_end + 4 + length..];
+    }
+    assert!(out.is_empty(), "trailing output: {out:?}");
+    messages
+}
+
+/// The `(line, character)` of a position in a JSON range.
+fn lsp_position(p: &serde_json::Value) -> (u64, u64) {
+    (
+        p["line"].as_u64().unwrap(),
+        p["character"].as_u64().unwrap(),
+    )
+}
+
+/// Issue 45 point 6: a scripted session with `moec lsp`. The diagnostic carries the
+/// checker's span (the one `moec check` draws, line 14 column 35 1-based, over
+/// `w[(0 + 1) % 2]`) and its text; hover gives a buffer's bytes and space for the card
+/// named in `initializationOptions` and an op's table entry; definitions go to the buffer,
+/// the template and the label; bad input gets error responses, not a crash.
+#[test]
+fn lsp_session_gives_diagnostics_hover_and_definitions() {
+    use serde_json::json;
+    use std::io::Write;
+    let uri = "file:///work/broken.sched";
+    let at = |line: u32, character: u32| json!({"textDocument": {"uri": uri}, "position": {"line": line, "character": character}});
+    let mut input = String::new();
+    for message in [
+        json!({"jsonrpc": "2.0", "id": 0, "method": "textDocument/hover", "params": at(0, 0)}),
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "capabilities": {}, "initializationOptions": {"model": "mixtral-tiny", "hw": "t4"}}}),
+        json!({"jsonrpc": "2.0", "method": "initialized", "params": {}}),
+        json!({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+            "uri": uri, "languageId": "sched", "version": 1, "text": LSP_BROKEN}}}),
+        // `w` in `buffer w[2]`, and `pre_attn` in its call.
+        json!({"jsonrpc": "2.0", "id": 2, "method": "textDocument/hover", "params": at(5, 7)}),
+        json!({"jsonrpc": "2.0", "id": 3, "method": "textDocument/hover", "params": at(13, 4)}),
+        // `w` in `w = w[(0 + 1) % 2]`, `load` in `load(i)`, `ld` in `after ld[1]`.
+        json!({"jsonrpc": "2.0", "id": 4, "method": "textDocument/definition", "params": at(13, 34)}),
+        json!({"jsonrpc": "2.0", "id": 5, "method": "textDocument/definition", "params": at(12, 19)}),
+        json!({"jsonrpc": "2.0", "id": 6, "method": "textDocument/definition", "params": at(13, 80)}),
+        json!({"jsonrpc": "2.0", "id": 7, "method": "no/such/method", "params": {}}),
+        json!({"jsonrpc": "2.0", "id": 8, "method": "textDocument/hover", "params": {"bad": 1}}),
+        json!({"jsonrpc": "2.0", "id": 9, "method": "shutdown"}),
+        json!({"jsonrpc": "2.0", "method": "exit"}),
+    ] {
+        input.push_str(&lsp_frame(message));
+        if input.matches("Content-Length").count() == 4 {
+            // Not JSON: answered with a parse error, and the session goes on.
+            input.push_str("Content-Length: 9\r\n\r\n{not json");
+        }
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .arg("lsp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("moec lsp starts");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let messages = lsp_messages(&stdout);
+    let response = |id: u64| {
+        messages
+            .iter()
+            .find(|m| m["id"] == json!(id) && m.get("method").is_none())
+            .unwrap_or_else(|| panic!("no response {id} in {messages:#?}"))
+    };
+    // Before `initialize`: refused (ServerNotInitialized); the bad body: a parse error.
+    assert_eq!(response(0)["error"]["code"], json!(-32002));
+    assert!(messages
+        .iter()
+        .any(|m| m["id"].is_null() && m["error"]["code"] == json!(-32700)));
+    let capabilities = &response(1)["result"]["capabilities"];
+    assert_eq!(capabilities["hoverProvider"], json!(true));
+    assert_eq!(capabilities["definitionProvider"], json!(true));
+
+    // The diagnostics: the checker's error at its span, with `moec check`'s text.
+    let published = messages
+        .iter()
+        .find(|m| m["method"] == json!("textDocument/publishDiagnostics"))
+        .expect("diagnostics published");
+    assert_eq!(published["params"]["uri"], json!(uri));
+    let diagnostics = published["params"]["diagnostics"].as_array().unwrap();
+    let wrong = diagnostics
+        .iter()
+        .find(|d| d["code"] == json!("values::wrong"))
+        .unwrap_or_else(|| panic!("no values::wrong in {diagnostics:#?}"));
+    assert_eq!(wrong["severity"], json!(1));
+    assert_eq!(lsp_position(&wrong["range"]["start"]), (13, 34));
+    assert_eq!(
+        lsp_position(&wrong["range"]["end"]),
+        (13, 34 + "w[(0 + 1) % 2]".len() as u64)
+    );
+    let message = wrong["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("task #4 pre_attn(layer=0, ub=0) reads `w[1]` expecting W[0].pre, but it holds W[1].pre")
+            && message.contains("\nexpects W[0].pre"),
+        "{message}"
+    );
+    let related = &wrong["relatedInformation"][0];
+    assert_eq!(
+        lsp_position(&related["location"]["range"]["start"]),
+        (8, 19)
+    );
+    // `moec check` on the same text prints the same sentence.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.sched");
+    std::fs::write(&path, LSP_BROKEN).unwrap();
+    let (code, _, check_text) = moec(&["check", path.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    let first_line = message.lines().next().unwrap();
+    assert!(
+        check_text.contains(&first_line[..60]),
+        "{first_line}\n{check_text}"
+    );
+    assert!(
+        diagnostics
+            .iter()
+            .any(|d| d["code"] == json!("lint::pageable_copy") && d["severity"] == json!(2)),
+        "{diagnostics:#?}"
+    );
+
+    // Hover: `w`'s two elements, each a layer slot of mixtral-tiny, in gpu memory.
+    let card = moec::model::card::ModelCard::load("mixtral-tiny").unwrap();
+    let slot = moec::ir::catalog::size_helper("layer_weights", &[], &card, 4)
+        .unwrap()
+        .unwrap()
+        .bytes;
+    let hover = response(2)["result"]["contents"]["value"].as_str().unwrap();
+    assert!(
+        hover.starts_with("**buffer** `w[2]` in `gpu`: 2 buffers of ")
+            && hover.contains(&format!("({slot} bytes) each"))
+            && hover.contains("mixtral-tiny on t4"),
+        "{hover}"
+    );
+    assert_eq!(
+        lsp_position(&response(2)["result"]["range"]["start"]),
+        (5, 7)
+    );
+    let hover = response(3)["result"]["contents"]["value"].as_str().unwrap();
+    let summary = moec::ir::catalog::op_by_name("pre_attn").unwrap().summary;
+    assert!(
+        hover.starts_with(&format!("**op** `pre_attn`: {summary}"))
+            && hover.contains("`gpu.compute`"),
+        "{hover}"
+    );
+
+    // Definitions: the buffer's, the template's and the label's declarations.
+    let target = |id: u64| {
+        let result = &response(id)["result"];
+        assert_eq!(result["uri"], json!(uri), "{result}");
+        (
+            lsp_position(&result["range"]["start"]),
+            lsp_position(&result["range"]["end"]),
+        )
+    };
+    assert_eq!(target(4), ((5, 7), (5, 8)));
+    assert_eq!(target(5), ((8, 9), (8, 13)));
+    assert_eq!(target(6), ((8, 51), (8, 53)));
+
+    assert_eq!(response(7)["error"]["code"], json!(-32601));
+    assert_eq!(response(8)["error"]["code"], json!(-32602));
+    assert_eq!(response(9)["result"], json!(null));
+}

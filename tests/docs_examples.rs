@@ -851,3 +851,128 @@ fn the_language_reference_has_an_entry_for_every_word() {
         "the walk-through's schedule is shown from its file"
     );
 }
+
+/// Issue 45: the TextMate grammar (`editors/vscode/syntaxes/sched.tmLanguage.json`)
+/// highlights every word of the language: the grammar's keywords (read from
+/// `grammar/sched.pest` as the reference test reads them) and every word of the
+/// compiler's tables (ops, functions, size helpers, methods, fields, symbols, words,
+/// engines, spaces, eviction policies, predictors, hardware prefixes) appears as a whole
+/// word in one of its patterns, so a word added to the language without highlighting
+/// fails here.
+#[test]
+fn the_textmate_grammar_highlights_every_word() {
+    use moec::elaborate::vocabulary;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("editors/vscode/syntaxes/sched.tmLanguage.json"))
+        .unwrap();
+    let grammar: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(grammar["scopeName"], "source.sched");
+    // Every regex of the grammar, joined.
+    let mut patterns = Vec::new();
+    let mut stack = vec![&grammar];
+    while let Some(node) = stack.pop() {
+        match node {
+            serde_json::Value::Object(map) => {
+                for (key, value) in map {
+                    match (key.as_str(), value) {
+                        ("match" | "begin" | "end", serde_json::Value::String(s)) => {
+                            patterns.push(s.clone())
+                        }
+                        _ => stack.push(value),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => stack.extend(items),
+            _ => {}
+        }
+    }
+    let patterns = patterns.join("\n");
+    // A word is highlighted when it stands alone in a pattern (an alternative of a group):
+    // the characters around it are not identifier characters.
+    let has_word = |word: &str| {
+        let escaped = word.replace('.', "\\.");
+        patterns.match_indices(&escaped).any(|(i, m)| {
+            let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+            let before = patterns[..i].chars().next_back().is_none_or(|c| !ident(c));
+            let after = patterns[i + m.len()..]
+                .chars()
+                .next()
+                .is_none_or(|c| !ident(c));
+            before && after
+        })
+    };
+    let grammar_text = std::fs::read_to_string(root.join("grammar/sched.pest")).unwrap();
+    let keywords: std::collections::BTreeSet<&str> = grammar_text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .flat_map(|l| l.split('"').skip(1).step_by(2))
+        .filter(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        // Not words: `_` (an identifier character) and `e` (a float's exponent).
+        .filter(|w| w.len() > 1)
+        .collect();
+    assert!(keywords.contains("microbatches") && keywords.contains("prefetch"));
+    let mut words: Vec<(&str, String)> = Vec::new();
+    words.extend(keywords.iter().map(|k| ("keyword", k.to_string())));
+    let tables: [(&str, &[&str]); 7] = [
+        ("function", &vocabulary::FUNCTIONS),
+        ("size helper", &moec::ir::catalog::SIZE_HELPERS),
+        ("method", &vocabulary::SLICE_METHODS),
+        ("cache method", &vocabulary::CACHE_METHODS),
+        ("field", &vocabulary::FIELDS),
+        ("symbol", &vocabulary::SYMBOLS),
+        ("word", &vocabulary::WORDS),
+    ];
+    for (kind, table) in tables {
+        words.extend(table.iter().map(|w| (kind, w.to_string())));
+    }
+    for prefix in vocabulary::HARDWARE_PREFIXES {
+        words.push(("hardware prefix", prefix.trim_end_matches('.').to_string()));
+    }
+    words.extend(moec::ir::catalog::callable_op_names().map(|name| ("op", name.to_string())));
+    words.extend(
+        moec::ir::Engine::ALL
+            .iter()
+            .map(|e| ("engine", e.as_str().to_string())),
+    );
+    words.extend(
+        moec::ir::Space::ALL
+            .iter()
+            .chain([&moec::ir::Space::Disk])
+            .map(|s| ("space", s.as_str().to_string())),
+    );
+    words.extend(
+        moec::ir::cache::EvictPolicy::ALL
+            .iter()
+            .map(|p| ("eviction policy", p.as_str().to_string())),
+    );
+    words.extend(
+        moec::ir::cache::Predictor::ALL
+            .iter()
+            .map(|p| ("predictor", p.as_str().to_string())),
+    );
+    let missing: Vec<String> = words
+        .iter()
+        .filter(|(_, word)| !has_word(word))
+        .map(|(kind, word)| format!("{kind} `{word}`"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "editors/vscode/syntaxes/sched.tmLanguage.json does not highlight: {}",
+        missing.join(", ")
+    );
+    // The extension names the grammar and the language configuration it ships.
+    let package: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("editors/vscode/package.json")).unwrap(),
+    )
+    .unwrap();
+    let contributes = &package["contributes"];
+    assert_eq!(contributes["languages"][0]["extensions"][0], ".sched");
+    for path in [
+        contributes["grammars"][0]["path"].as_str().unwrap(),
+        contributes["languages"][0]["configuration"]
+            .as_str()
+            .unwrap(),
+    ] {
+        assert!(root.join("editors/vscode").join(path).is_file(), "{path}");
+    }
+}

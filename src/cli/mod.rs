@@ -16,6 +16,7 @@ pub mod batch;
 pub mod devices;
 pub mod hw;
 pub mod inputs;
+pub mod lsp;
 pub mod output;
 pub mod perplexity;
 pub mod plan;
@@ -74,6 +75,8 @@ enum Command {
     Devices(devices::DevicesArgs),
     /// Serve a schedule over HTTP with the OpenAI API, batching requests as they come.
     Serve(serve::ServeArgs),
+    /// A language server for `.sched` files on stdin/stdout (diagnostics, hover, definition, completion).
+    Lsp(lsp::LspArgs),
 }
 
 /// Runs the command line and returns the process exit code.
@@ -106,5 +109,6 @@ pub fn main() -> ExitCode {
         Command::Batch(args) => batch::run(&args),
         Command::Devices(args) => devices::run(&args),
         Command::Serve(args) => serve::run(&args),
+        Command::Lsp(args) => lsp::run(&args),
     }
 }
