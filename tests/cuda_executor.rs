@@ -482,6 +482,39 @@ fn a_dropped_cross_stream_event_fails_the_run_or_changes_its_tokens() {
     }
 }
 
+/// Issue 45: lookahead gating on the CUDA path. `pregated.sched` runs `pregate` (layer
+/// l + 1's norm and router into device scratch), reads its routing back and prefetches
+/// the experts it selected on their own stream while the on-demand fetches run on
+/// another (copies delayed 2 ms by the stand-in): the tokens equal the CPU's, and the
+/// report measured the prediction.
+#[test]
+fn lookahead_gated_prefetch_matches_the_cpu_on_the_device_path() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/pregated.sched";
+    let (cpu, _) = run(cache.path(), schedule, "mixtral-tiny", Driver::Cpu, &[]);
+    let (cuda, _) = run(
+        cache.path(),
+        schedule,
+        "mixtral-tiny",
+        Driver::Standin(dir.path(), 2),
+        &[],
+    );
+    let want = token_ids(&cpu, "pregated, CPU");
+    let got = token_ids(&cuda, "pregated, CUDA (stand-in)");
+    assert_eq!(got, want, "pregated: CUDA (stand-in) tokens differ");
+    let doc: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("json");
+    let lookahead = doc["predictions"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["predictor"] == "lookahead"))
+        .unwrap_or_else(|| panic!("no lookahead prediction: {}", doc["predictions"]));
+    assert!(
+        lookahead["hits"].as_u64().is_some_and(|h| h > 0),
+        "{lookahead}"
+    );
+}
+
 /// MoE-Infinity's expert cache on the CUDA path: with the fewest slots the checker accepts,
 /// aggressive prefetching (every expert of the next 3 layers) and slow copies (the
 /// stand-in delays each by 2 ms), fetches, prefetches and reads of one slot run on three

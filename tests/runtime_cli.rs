@@ -1,7 +1,8 @@
 //! `moec run` and `moec ablate` end to end: the JSON output's tokens equal `moec generate`'s
 //! (the oracle) for the same prompts, the trace is a Chrome trace of every stream, and the
 //! ablation table marks identical outputs and lands in CSV/JSON; MXFP4 experts are
-//! reported as repacked, not mapped; the bf16 product keeps the oracle's tokens. Bad flags are one-line errors with exit 1.
+//! reported as repacked, not mapped; the bf16 product keeps the oracle's tokens; every
+//! predictor's accuracy is in the report. Bad flags are one-line errors with exit 1.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -82,6 +83,87 @@ fn run_json_matches_generate_and_writes_a_trace() {
     assert!(events
         .iter()
         .any(|e| e["name"].as_str().is_some_and(|n| n.contains("attn"))));
+}
+
+/// Issue 45: the run report gives every predictor's accuracy. `pregated.sched` (lookahead
+/// gating into an expert cache) gives the oracle's tokens and reports the `pregate`
+/// routing against the gates' (`lookahead`) and its cache's prefetches, whose figures are
+/// the cache's own counts; `klotski.sched`, which has no cache, reports the experts its
+/// `hot(..)` copies moved before their layer's gate (`hot`). Text and `--json` agree.
+#[test]
+fn every_predictor_s_accuracy_is_in_the_run_report() {
+    let cache = tempfile::tempdir().unwrap();
+    let prompts = [
+        "--prompt",
+        "Mixture of experts",
+        "--prompt",
+        "The capital of France is",
+    ];
+    let mut run = vec![
+        "run",
+        "schedules/pregated.sched",
+        "--json",
+        "--gen-len",
+        "4",
+    ];
+    run.extend(prompts);
+    let got = json(&moec(cache.path(), &run));
+    let mut gen = vec!["generate", "--json", "--max-new-tokens", "4"];
+    gen.extend(prompts);
+    let expected = json(&moec(cache.path(), &gen));
+    assert_eq!(token_ids(&got), token_ids(&expected));
+    let predictions = got["predictions"].as_array().expect("predictions");
+    let find = |name: &str| {
+        predictions
+            .iter()
+            .find(|p| p["predictor"] == name)
+            .unwrap_or_else(|| panic!("no `{name}` in {predictions:?}"))
+    };
+    let n = |v: &serde_json::Value| v.as_u64().expect("a count");
+    let lookahead = find("lookahead");
+    assert!(n(&lookahead["hits"]) > 0, "{lookahead}");
+    assert!(n(&lookahead["hits"]) + n(&lookahead["misses"]) > 0);
+    let ec = find("cache ec (lookahead)");
+    let total = &got["caches"][0]["total"];
+    assert_eq!(ec["hits"], total["prefetch_used"]);
+    assert_eq!(ec["misses"], total["misses"]);
+    assert_eq!(ec["wasted"], total["prefetch_wasted"]);
+    let text = moec(
+        cache.path(),
+        &[
+            "run",
+            "schedules/pregated.sched",
+            "--gen-len",
+            "4",
+            prompts[0],
+            prompts[1],
+        ],
+    );
+    let text =
+        String::from_utf8_lossy(&text.stdout).to_string() + &String::from_utf8_lossy(&text.stderr);
+    assert!(
+        text.contains("prediction `lookahead`: ")
+            && text.contains("prediction `cache ec (lookahead)`: "),
+        "{text}"
+    );
+    let klotski = json(&moec(
+        cache.path(),
+        &[
+            "run",
+            "schedules/klotski.sched",
+            "--json",
+            "--gen-len",
+            "2",
+            prompts[0],
+            prompts[1],
+        ],
+    ));
+    assert!(klotski["caches"].as_array().is_some_and(Vec::is_empty));
+    let hot = klotski["predictions"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["predictor"] == "hot"))
+        .unwrap_or_else(|| panic!("no `hot` in {}", klotski["predictions"]));
+    assert!(n(&hot["hits"]) + n(&hot["misses"]) > 0, "{hot}");
 }
 
 /// A gpt-oss checkpoint with MXFP4 experts: the report says the experts were repacked into

@@ -8,7 +8,9 @@
 //! - dropping one page / packet copy of the next layer's weights -> values::wrong at the
 //!   op that reads the incomplete layer;
 //! - a CPU op on a GPU stream -> structure::engine_space at that op;
-//! - reading a buffer before it is written -> values::uninitialized at the reader.
+//! - reading a buffer before it is written -> values::uninitialized at the reader;
+//! - a lookahead prefetch not ordered after its `pregate` -> cache::unpredicted at the
+//!   prefetch (issue 45).
 //!
 //! The mutants compile on the tiny card with all 4 of its layers: with 2 layers both
 //! weight slots only ever hold their own layer, so a dropped page copy leaves the right
@@ -207,6 +209,17 @@ const MUTATIONS: &[Mutation] = &[
         replace: "copy acc_c[(j + 1) % n_ub] -> acc_cg[j] on h2d",
         code: Code::ValuesWrong,
         line_has: "combine(layer = l, ub = j",
+    },
+    // Issue 45: a lookahead prefetch no longer waits for the pregate whose routing it ranks
+    // by (nor for the fetch that followed it): the prediction would be read before it is
+    // read back.
+    Mutation {
+        name: "pregated_prefetch_before_its_pregate",
+        schedule: "pregated",
+        find: "prefetch w_home[l + 1].expert(p) -> ec.slot(l + 1, p) on pf after pregated[l + 1], fetched[l, experts - 1] if l >= dense_layers",
+        replace: "prefetch w_home[l + 1].expert(p) -> ec.slot(l + 1, p) on pf",
+        code: Code::CacheUnpredicted,
+        line_has: "prefetch w_home[l + 1].expert(p) -> ec.slot(l + 1, p) on pf",
     },
 ];
 

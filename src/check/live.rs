@@ -56,7 +56,7 @@ fn activation(tensor: &Tensor) -> Option<(ArgType, u32)> {
         Tensor::Residual { ub, .. } => (ArgType::Hidden, ub),
         Tensor::Qkv { ub, .. } => (ArgType::Qkv, ub),
         Tensor::AttnOut { ub, .. } => (ArgType::AttnOut, ub),
-        Tensor::Routing { ub, .. } => (ArgType::Routing, ub),
+        Tensor::Routing { ub, .. } | Tensor::Lookahead { ub, .. } => (ArgType::Routing, ub),
         Tensor::ExpertAcc { ub, .. } => (ArgType::ExpertAcc, ub),
         Tensor::Logits { ub } => (ArgType::Logits, ub),
         _ => return None,

@@ -353,6 +353,18 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
     for c in &f.stats.caches {
         out.push_str(&cache_report_text(c));
     }
+    for p in &f.stats.predictions {
+        let _ = writeln!(
+            out,
+            "prediction `{}`: {} of {} experts with tokens predicted ({:.1}%), {} missed, {} predicted without tokens (wasted)",
+            p.predictor,
+            p.hits,
+            p.hits + p.misses,
+            100.0 * p.recall(),
+            p.misses,
+            p.wasted
+        );
+    }
     out
 }
 
@@ -422,6 +434,7 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
             "moved_bytes": c.moved,
         })).unwrap_or_else(|| serde_json::json!({ "mode": "move" })),
         "caches": f.stats.caches,
+        "predictions": f.stats.predictions,
         "disk": f.stats.disk.map(|d| serde_json::json!({
             "bytes": d.bytes,
             "bytes_per_step": d.bytes / f.stats.steps.len().max(1) as u64,

@@ -77,6 +77,9 @@ pub enum Code {
     /// More fetched experts can be held at once than the cache has slots: a fetch could
     /// wait forever for a free slot.
     CacheDeadlock,
+    /// A prefetch of a `lookahead` cache's prediction with no `pregate` of that layer
+    /// ordered before it: the prediction would be read before it is written.
+    CacheUnpredicted,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -91,7 +94,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 40] = [
+    pub const ALL: [Code; 41] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -127,6 +130,7 @@ impl Code {
         Code::ValuesLostOutput,
         Code::CacheUnfetched,
         Code::CacheDeadlock,
+        Code::CacheUnpredicted,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -172,6 +176,7 @@ impl Code {
             Code::ValuesLostOutput => "values::lost_output",
             Code::CacheUnfetched => "cache::unfetched",
             Code::CacheDeadlock => "cache::deadlock",
+            Code::CacheUnpredicted => "cache::unpredicted",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",

@@ -633,6 +633,22 @@ impl Diagnostic {
         .help("order the task after the gate (a data dependency, or `after` naming the gate task) so its routing is read back to the host first")
     }
 
+    /// A prefetch ranks by a lookahead prediction that no `pregate` ordered before it has
+    /// produced.
+    pub fn unpredicted(span: Span, task: &str, layer: u32, ubs: &[u32], step: &str) -> Self {
+        let which = ubs
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        Diagnostic::new(
+            Code::CacheUnpredicted,
+            format!("task {task} prefetches by the lookahead prediction of layer {layer}, but no pregate of layer {layer} for micro-batch {which} is ordered before it in this `{step}` step"),
+        )
+        .label(span, "ranked by a prediction that is not made yet")
+        .help(format!("issue `pregate(layer = {layer}, ..)` earlier and order the prefetch `after` it, so its routing is read back to the host first"))
+    }
+
     /// The expected tensor, but the one of another step run (an earlier token's hidden
     /// state, a KV cache missing the last step's rows).
     #[allow(clippy::too_many_arguments)]

@@ -467,6 +467,22 @@ impl<'a> Elaborator<'a> {
         }
         let op = (def.build)(&parsed)
             .map_err(|param| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
+        // Lookahead gating needs a layer before it and a router in its own layer.
+        if let Op::Pregate { layer, .. } = op {
+            let first = self.card.dense_layers.max(1);
+            if u64::from(layer) < first {
+                let span = named.get("layer").map_or(stmt.span, |a| a.value.span);
+                return Err(Diagnostic::out_of_range(
+                    span,
+                    "pregate layer",
+                    i64::from(layer),
+                    &format!(
+                        "a layer with a router and a layer before it: {first}..{}",
+                        self.card.layers
+                    ),
+                ));
+            }
+        }
         for arg in &stmt.args {
             if let Some(name) = &arg.name {
                 if !allowed.contains(&name.name.as_str()) {

@@ -61,14 +61,21 @@ pub enum Predictor {
     Eam,
     /// The released code with an empty trace collection: experts in index order.
     LayerOrder,
+    /// Lookahead gating (Pre-gated MoE, AdapMoE, HOBBIT): the layer's own router applied to
+    /// an earlier hidden state by a `pregate(layer = l, ..)` task; experts by the tokens
+    /// that routing sends them. The checker requires every prefetch of `predicted(l, ..)`
+    /// to be ordered after a `pregate` of layer `l` for every micro-batch
+    /// (`cache::unpredicted`), so the prediction is never read before it is written.
+    Lookahead,
 }
 
 impl Predictor {
     /// Every predictor, in the order the language documents them.
-    pub const ALL: [Predictor; 3] = [
+    pub const ALL: [Predictor; 4] = [
         Predictor::Cooccurrence,
         Predictor::Eam,
         Predictor::LayerOrder,
+        Predictor::Lookahead,
     ];
 
     /// The name a schedule writes.
@@ -77,6 +84,7 @@ impl Predictor {
             Predictor::Cooccurrence => "cooccurrence",
             Predictor::Eam => "eam",
             Predictor::LayerOrder => "layer_order",
+            Predictor::Lookahead => "lookahead",
         }
     }
 

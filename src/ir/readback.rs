@@ -4,7 +4,8 @@
 //! Takes a program; gives, per task, whether it is a `gate` whose decisions a guard or
 //! `hot(..)` reads on the host. Guards name a layer (and a micro-batch, or any); `hot(..)`
 //! ranks experts from the routing of every layer (its predictor learns from all of
-//! them), so a program that uses `hot` reads every gate back.
+//! them), so a program that uses `hot` reads every gate back. A `pregate` (lookahead
+//! gating) exists only to be read by a predictor, so every one is read back.
 
 use super::{ExpertRef, ExpertSet, Op, Program};
 use std::collections::HashSet;
@@ -40,6 +41,7 @@ pub fn readback_gates(program: &Program) -> Vec<bool> {
                     || guarded.contains(&(layer, Some(ub)))
                     || guarded.contains(&(layer, None))
             }
+            Op::Pregate { .. } => true,
             _ => false,
         })
         .collect()

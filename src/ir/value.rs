@@ -101,6 +101,14 @@ pub enum Tensor {
         /// Micro-batch.
         ub: u32,
     },
+    /// Lookahead routing (`pregate`): layer `layer`'s router over the hidden state entering
+    /// layer `layer - 1`'s MoE block; a prediction, read only by cache predictors.
+    Lookahead {
+        /// The layer predicted.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
     /// Partial sum of expert outputs.
     ExpertAcc {
         /// Layer.
@@ -183,6 +191,9 @@ impl std::fmt::Display for Tensor {
             }
             Tensor::KvCache { layer, ub } => write!(f, "kv cache of layer {layer}, ub {ub}"),
             Tensor::Routing { layer, ub } => write!(f, "routing of layer {layer}, ub {ub}"),
+            Tensor::Lookahead { layer, ub } => {
+                write!(f, "lookahead routing of layer {layer}, ub {ub}")
+            }
             Tensor::ExpertAcc { layer, ub } => write!(f, "expert sum of layer {layer}, ub {ub}"),
             Tensor::Logits { ub } => write!(f, "logits of ub {ub}"),
             Tensor::Tokens { ub } => write!(f, "tokens of ub {ub}"),

@@ -82,6 +82,9 @@ pub struct RunStats {
     pub paused: usize,
     /// Expert caches' hits, misses, prefetches and evictions.
     pub caches: Vec<CacheReport>,
+    /// Each predictor's accuracy over the run (lookahead gating, `hot(..)` copies, each
+    /// cache's prefetches), whether or not the schedule has a cache.
+    pub predictions: Vec<PredictionReport>,
     /// Bytes the run's copies bound and moved, when the backend binds weight copies
     /// (the CPU backend's default); `None` when every copy moved its bytes.
     pub copies: Option<CopyTotals>,
@@ -185,6 +188,43 @@ impl LayerCacheStats {
 
     /// Hits over fetches (0 without fetches).
     pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+}
+
+/// How well one predictor foresaw the experts the gates then chose, over a run: per
+/// (layer, micro-batch) it predicted and whose routing the host read back, the distinct
+/// experts it named against the distinct experts with tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PredictionReport {
+    /// The predictor: `lookahead` (the `pregate` tasks' routing), `hot` (experts copied
+    /// by a `hot(..)` slice before their layer's routing was read back), or
+    /// `cache NAME (PREDICTOR)` (a cache's prefetches).
+    pub predictor: String,
+    /// Predicted experts that got tokens (a cache: prefetched experts a fetch then hit).
+    pub hits: u64,
+    /// Experts with tokens it did not predict (a cache: fetches that had to copy).
+    pub misses: u64,
+    /// Predicted experts that got no tokens (a cache: prefetches evicted or left unused).
+    pub wasted: u64,
+}
+
+impl PredictionReport {
+    /// Adds one prediction: the distinct experts named against those with tokens.
+    pub fn tally(&mut self, predicted: &[u32], routed: &[u32]) {
+        let hits = predicted.iter().filter(|e| routed.contains(e)).count() as u64;
+        self.hits += hits;
+        self.wasted += predicted.len() as u64 - hits;
+        self.misses += routed.len() as u64 - hits;
+    }
+
+    /// Hits over the experts with tokens (0 when none were measured).
+    pub fn recall(&self) -> f64 {
         let n = self.hits + self.misses;
         if n == 0 {
             0.0

@@ -172,6 +172,15 @@ pub enum Op {
         /// Micro-batch.
         ub: u32,
     },
+    /// Lookahead gating (Pre-gated MoE): layer `layer`'s post-attention norm and router
+    /// applied to the hidden state entering layer `layer - 1`'s MoE block, writing a
+    /// routing that only predictors read (never `experts` or `combine`).
+    Pregate {
+        /// The layer whose router runs (>= 1): the layer predicted.
+        layer: u32,
+        /// Micro-batch.
+        ub: u32,
+    },
     /// Some experts over the tokens routed to them, accumulated into `acc`.
     Experts {
         /// The decoder layer (0-based).
@@ -216,6 +225,7 @@ impl Op {
             | Op::PostAttn { layer, .. }
             | Op::OProj { layer, .. }
             | Op::Gate { layer, .. }
+            | Op::Pregate { layer, .. }
             | Op::Experts { layer, .. }
             | Op::Combine { layer, .. } => Some(layer),
             _ => None,
@@ -233,6 +243,7 @@ impl Op {
             | Op::PostAttn { ub, .. }
             | Op::OProj { ub, .. }
             | Op::Gate { ub, .. }
+            | Op::Pregate { ub, .. }
             | Op::Experts { ub, .. }
             | Op::Combine { ub, .. } => Some(ub),
             Op::Copy => None,

@@ -28,7 +28,8 @@ const COMPUTE: &[Engine] = &[Engine::GpuCompute, Engine::CpuCompute];
 
 /// The op table, in [`OpKind::ALL`] order.
 pub static OPS: [OpDef; OpKind::ALL.len()] = [
-    EMBED, PRE_ATTN, ATTN, POST_ATTN, O_PROJ, GATE, EXPERTS, COMBINE, LM_HEAD, SAMPLE, COPY,
+    EMBED, PRE_ATTN, ATTN, POST_ATTN, O_PROJ, GATE, PREGATE, EXPERTS, COMBINE, LM_HEAD, SAMPLE,
+    COPY,
 ];
 
 /// The shape and card dimensions as f64, for the formulas below.
@@ -577,6 +578,78 @@ fn gate_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) ->
         // The gate writes the normalised rows, zeroes every (token, k) slot and writes the
         // shared expert's rows (families with one).
         Role::Acc => d.n * card.acc_rows_per_token() as f64 * d.h * d.a,
+        _ => len as f64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// pregate
+
+const PREGATE: OpDef = OpDef {
+    kind: OpKind::Pregate,
+    name: "pregate",
+    summary:
+        "lookahead gating: layer l's router over the hidden state entering layer l - 1's MoE block",
+    form: OpForm::Call,
+    params: &[Layer, Ub],
+    args: &[
+        ArgDef::new(Role::W, ArgType::Weights, Read).list(),
+        ArgDef::new(Role::H, ArgType::Hidden, Read),
+        ArgDef::new(Role::Route, ArgType::Routing, Write),
+    ],
+    engines: COMPUTE,
+    build: |s| {
+        Ok(Op::Pregate {
+            layer: s.layer()?,
+            ub: s.ub()?,
+        })
+    },
+    signature: pregate_signature,
+    work: WorkDef {
+        // The norm and the router only (no shared expert, no accumulator).
+        flops: |op, card, shape| {
+            let d = Dims::new(card, shape).at_layer(op, card);
+            d.norm() + 2.0 * d.n * d.h * d.e + 5.0 * d.n * d.e
+        },
+        bytes: pregate_bytes,
+        // The normalised rows, on the side.
+        workspace: |_, card, shape| shape.tokens * card.hidden * shape.act_bytes,
+    },
+    cost: CostClass::Linear,
+};
+
+/// Reads layer `layer`'s router (its `gate` part) and the hidden state `gate(layer - 1)`
+/// reads; writes the lookahead routing of layer `layer`. Layer 0 (nothing before it) is
+/// rejected at elaboration.
+fn pregate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
+    let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
+    vec![
+        sig(Role::W, Read, vec![Tensor::Gate { layer }], None),
+        sig(
+            Role::H,
+            Read,
+            vec![residual(ub, layer.saturating_sub(1), Point::Mid)],
+            None,
+        ),
+        sig(
+            Role::Route,
+            Write,
+            vec![],
+            Some(Tensor::Lookahead { layer, ub }),
+        ),
+    ]
+}
+
+fn pregate_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+    let d = Dims::new(card, shape);
+    match role {
+        // The norm and router rows of the layer's gate part (not a shared expert's).
+        Role::W => {
+            row_bytes(card, WeightTensor::Layer(SegmentKind::FfnNorm))
+                + row_bytes(card, WeightTensor::Layer(SegmentKind::Router)) * d.e
+        }
+        Role::H => d.rows(d.h),
+        Role::Route => d.routing_bytes(),
         _ => len as f64,
     }
 }

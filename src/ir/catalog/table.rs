@@ -29,6 +29,8 @@ pub enum OpKind {
     OProj,
     /// `gate`.
     Gate,
+    /// `pregate`.
+    Pregate,
     /// `experts`.
     Experts,
     /// `combine`.
@@ -43,13 +45,14 @@ pub enum OpKind {
 
 impl OpKind {
     /// Every op kind, in table order (`OPS[i].kind == ALL[i]`).
-    pub const ALL: [OpKind; 11] = [
+    pub const ALL: [OpKind; 12] = [
         OpKind::Embed,
         OpKind::PreAttn,
         OpKind::Attn,
         OpKind::PostAttn,
         OpKind::OProj,
         OpKind::Gate,
+        OpKind::Pregate,
         OpKind::Experts,
         OpKind::Combine,
         OpKind::LmHead,
@@ -413,6 +416,7 @@ impl Op {
             Op::PostAttn { .. } => OpKind::PostAttn,
             Op::OProj { .. } => OpKind::OProj,
             Op::Gate { .. } => OpKind::Gate,
+            Op::Pregate { .. } => OpKind::Pregate,
             Op::Experts { .. } => OpKind::Experts,
             Op::Combine { .. } => OpKind::Combine,
             Op::LmHead { .. } => OpKind::LmHead,

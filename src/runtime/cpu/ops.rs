@@ -627,6 +627,7 @@ static CPU_KERNELS: OpTable<CpuKernel> = OpTable::new(
         (OpKind::PostAttn, post_attn_kernel),
         (OpKind::OProj, o_proj_kernel),
         (OpKind::Gate, gate_kernel),
+        (OpKind::Pregate, pregate_kernel),
         (OpKind::Experts, experts_kernel),
         (OpKind::Combine, combine_kernel),
         (OpKind::LmHead, lm_head_kernel),
@@ -727,6 +728,27 @@ fn gate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
     };
     // The host learns this routing only through the plan's `ReadRouting` instruction, as
     // it would from a device.
+    cx.write_routing(args.need(Role::Route)?, &routing)?;
+    Ok(())
+}
+
+/// `pregate`: layer `layer`'s norm and router over the hidden rows `h` (those entering
+/// the previous layer's MoE block), the routing into `route`; the normalised rows are
+/// scratch, no accumulator and no shared expert (a prediction computes no expert).
+fn pregate_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Pregate { layer, ub } = task.op else {
+        return Err(cx.wrong_op(OpKind::Pregate, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let d = cx.arch.hidden;
+    let dense = cx.dense(
+        &args.all(Role::W),
+        layer,
+        &[SegmentKind::FfnNorm, SegmentKind::Router],
+    )?;
+    let h = cx.act(args.need(Role::H)?, "h", n * d)?;
+    let mut x_norm = vec![0.0f32; n * d];
+    let routing = gate(cx.arch, &dense, h, &mut x_norm)?;
     cx.write_routing(args.need(Role::Route)?, &routing)?;
     Ok(())
 }

@@ -918,6 +918,24 @@ pub(super) fn gate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Resul
     Ok(())
 }
 
+/// `pregate` (lookahead gating): layer `layer`'s norm and router over the hidden rows `h`
+/// (those entering the previous layer's MoE block) into `route`, the normalised rows in
+/// scratch; no accumulator, no shared expert.
+pub(super) fn pregate_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
+    let Op::Pregate { layer, ub } = task.op else {
+        return Err(cx.wrong_op(OpKind::Pregate, task));
+    };
+    let n = cx.ub(ub)?.n_tokens();
+    let (d, k) = (cx.arch.hidden, cx.arch.top_k);
+    let weights = args.all(Role::W);
+    let h = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
+    let route = cx.ptr(args.need(Role::Route)?, "route", n * k * 8)?;
+    let x_norm = cx.s.scratch(n * d * 4)?;
+    let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::FfnNorm)?;
+    cx.normalize(h, norm_w, x_norm.ptr(), n)?;
+    cx.route(&weights, layer, x_norm.ptr(), n, route)
+}
+
 /// `experts`: the group-by-expert and expert stages for the set's members, into the
 /// accumulator's slots.
 pub(super) fn experts_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {

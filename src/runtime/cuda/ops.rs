@@ -28,7 +28,7 @@ use super::launch::{
     int, row_block, storage_code, Arg, DevMatrix, LaunchError, RmsNormArg, Scratch, StreamCx,
 };
 use super::memory::{DeviceMemory, DeviceMemoryError};
-use super::moe::{combine_op, experts_op, gate_op, post_attn_op, ROUTER_MAX_EXPERTS};
+use super::moe::{combine_op, experts_op, gate_op, post_attn_op, pregate_op, ROUTER_MAX_EXPERTS};
 use crate::ir::catalog::OpKind;
 use crate::ir::{Op, Role};
 use crate::lower::PlanTask;
@@ -222,6 +222,7 @@ static GPU_KERNELS: OpTable<GpuKernel> = OpTable::new(
         (OpKind::PostAttn, post_attn_op),
         (OpKind::OProj, o_proj_op),
         (OpKind::Gate, gate_op),
+        (OpKind::Pregate, pregate_op),
         (OpKind::Experts, experts_op),
         (OpKind::Combine, combine_op),
         (OpKind::LmHead, lm_head_op),

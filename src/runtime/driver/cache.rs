@@ -329,8 +329,17 @@ impl StepState {
         if let Some(fetch) = arg.cache_fetch {
             return lock(&self.cache_bindings).get(&fetch).map(|b| b.slot);
         }
-        arg.dynamic_expert
-            .map(|e| self.resolve_expert(Some(task), e, experts))
+        let e = arg.dynamic_expert?;
+        let resolved = self.resolve_expert(Some(task), e, experts);
+        // A copy's source named by `hot(..)` before its layer's routing is on the host:
+        // the hot predictor's guess moved this expert (after the gate it is no guess).
+        if let (ExpertRef::Hot { layer, .. }, crate::ir::Role::Src) = (e, arg.role) {
+            let known = lock(&self.routing).keys().any(|&(l, _)| l == layer);
+            if !known {
+                lock(&self.hot_copied).insert((layer, resolved));
+            }
+        }
+        Some(resolved)
     }
 
     /// Tokens routed this step to each (layer, expert) so far, `layers * experts`.
@@ -352,6 +361,28 @@ impl StepState {
         let uniform = vec![vec![0.0; experts]; layers];
         match predictor {
             Predictor::LayerOrder => uniform,
+            // The pregates' routing of this step, tokens per expert, row-normalised; a
+            // layer no pregate predicted stays all zero (the checker requires one before
+            // every `predicted` prefetch of a lookahead cache).
+            Predictor::Lookahead => {
+                let mut rows = uniform;
+                for (&(l, _), r) in lock(&self.lookahead).iter() {
+                    if let Some(row) = rows.get_mut(l as usize) {
+                        for &e in &r.experts {
+                            if let Some(x) = row.get_mut(e as usize) {
+                                *x += 1.0;
+                            }
+                        }
+                    }
+                }
+                for row in &mut rows {
+                    let sum: f64 = row.iter().sum();
+                    if sum > 0.0 {
+                        row.iter_mut().for_each(|x| *x /= sum);
+                    }
+                }
+                rows
+            }
             Predictor::Cooccurrence => self
                 .predictor
                 .freq
@@ -452,9 +483,11 @@ impl StepState {
                 .then(a.cmp(&b))
         });
         let e = order.get(rank as usize).copied().unwrap_or(rank as usize);
+        // Lookahead gating prefetches only the experts its routing selected.
+        let unselected = predictor == Predictor::Lookahead && s(e) <= 0.0;
         (
             e as u32,
-            all_known && routed.get(e).copied().unwrap_or(0) == 0,
+            unselected || (all_known && routed.get(e).copied().unwrap_or(0) == 0),
         )
     }
 }

@@ -458,8 +458,10 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
 
     fn read_routing(&self, stream: StreamId, gate: TaskId) -> Result<(), BackendError> {
         let t = &self.plan.tasks[gate.index()];
-        let Op::Gate { layer, ub } = t.op else {
-            return Ok(());
+        let (layer, ub, lookahead) = match t.op {
+            Op::Gate { layer, ub } => (layer, ub, false),
+            Op::Pregate { layer, ub } => (layer, ub, true),
+            _ => return Ok(()),
         };
         if self.backend.skips_read_back(t) {
             return Ok(());
@@ -480,7 +482,12 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
         };
         let top_k = self.plan.model.top_k as usize;
         let routing = self.backend.read_routing(stream, t, route, tokens, top_k)?;
-        lock(&self.state.routing).insert((layer, ub), routing);
+        let into = if lookahead {
+            &self.state.lookahead
+        } else {
+            &self.state.routing
+        };
+        lock(into).insert((layer, ub), routing);
         Ok(())
     }
 }

@@ -23,11 +23,13 @@ use super::{cache, capacities, check_prompts, count_active_experts, eam, record_
 use super::{RunError, RunOptions, StepRunner};
 use crate::ir::StepKind;
 use crate::lower::ExecPlan;
+use crate::model::vocab::Routing;
 use crate::model::vocab::Sampling;
+use crate::records::run::PredictionReport;
 use crate::records::{GraphStep, RunStats, StepRecord, UbLoad};
 use crate::rng::Rng;
 use crate::runtime::backend::Backend;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -784,6 +786,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         let sampled = std::mem::take(&mut *lock(&self.state.sampled));
         let sampled_logits = std::mem::take(&mut *lock(&self.state.sampled_logits));
         let routing = std::mem::take(&mut *lock(&self.state.routing));
+        self.tally_predictions(&routing);
         self.state.predictor.update(&routing);
         record_activations(&self.state, &routing);
         if let Some(profile) = &self.options.routing_profile {
@@ -871,7 +874,68 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             .iter()
             .map(cache::CacheRuntime::report)
             .collect();
+        for c in &self.stats.caches {
+            let t = &c.total;
+            if t.prefetched > 0 {
+                self.stats.predictions.push(PredictionReport {
+                    predictor: format!("cache {} ({})", c.name, c.predictor),
+                    hits: t.prefetch_used,
+                    misses: t.misses,
+                    wasted: t.prefetch_wasted,
+                });
+            }
+        }
         self.stats
+    }
+
+    /// Adds this step's predictions to the run's accuracy: the `pregate` routing read back
+    /// (`lookahead`) and the experts `hot(..)` copies moved (`hot`), each against the
+    /// gate's routing of the same layer where the host read it back.
+    fn tally_predictions(&mut self, routing: &HashMap<(u32, u32), Routing>) {
+        let experts = self.plan.model.experts as usize;
+        let distinct = |r: &Routing| -> Vec<u32> {
+            let mut v: Vec<u32> = r
+                .experts
+                .iter()
+                .copied()
+                .filter(|&e| (e as usize) < experts)
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let lookahead = std::mem::take(&mut *lock(&self.state.lookahead));
+        let mut keys: Vec<_> = lookahead.keys().copied().collect();
+        keys.sort_unstable();
+        for key in keys {
+            if let (Some(p), Some(r)) = (lookahead.get(&key), routing.get(&key)) {
+                prediction(&mut self.stats.predictions, "lookahead")
+                    .tally(&distinct(p), &distinct(r));
+            }
+        }
+        let copied = std::mem::take(&mut *lock(&self.state.hot_copied));
+        let mut layers: Vec<u32> = copied.iter().map(|&(l, _)| l).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        for l in layers {
+            let mut routed: Vec<u32> = routing
+                .iter()
+                .filter(|(&(layer, _), _)| layer == l)
+                .flat_map(|(_, r)| distinct(r))
+                .collect();
+            if routed.is_empty() && !routing.keys().any(|&(layer, _)| layer == l) {
+                continue;
+            }
+            routed.sort_unstable();
+            routed.dedup();
+            let mut named: Vec<u32> = copied
+                .iter()
+                .filter(|&&(layer, _)| layer == l)
+                .map(|&(_, e)| e)
+                .collect();
+            named.sort_unstable();
+            prediction(&mut self.stats.predictions, "hot").tally(&named, &routed);
+        }
     }
 }
 
@@ -1113,4 +1177,22 @@ pub fn serve<B: Backend + ?Sized>(
         }
     }
     Ok(session.finish())
+}
+
+/// The run's entry for `predictor`, added on first use.
+fn prediction<'r>(
+    list: &'r mut Vec<PredictionReport>,
+    predictor: &str,
+) -> &'r mut PredictionReport {
+    let at = match list.iter().position(|p| p.predictor == predictor) {
+        Some(at) => at,
+        None => {
+            list.push(PredictionReport {
+                predictor: predictor.to_string(),
+                ..PredictionReport::default()
+            });
+            list.len() - 1
+        }
+    };
+    &mut list[at]
 }

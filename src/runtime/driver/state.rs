@@ -122,6 +122,13 @@ pub struct StepState {
     pub constraints: Mutex<Vec<Option<Box<dyn TokenConstraint>>>>,
     /// Routing per (layer, ub), recorded by `gate` and `post_attn`.
     pub routing: Mutex<HashMap<(u32, u32), Routing>>,
+    /// Lookahead routing per (layer, ub): what `pregate(layer = l, ub = u)` predicted for
+    /// layer `l`, read back by the plan's `ReadRouting` after it (the `lookahead`
+    /// predictor's input, and the run report's lookahead accuracy).
+    pub lookahead: Mutex<HashMap<(u32, u32), Routing>>,
+    /// Experts (layer, expert) that a copy named through `hot(..)` this step: what the hot
+    /// predictor's prediction moved, for the run report's accuracy.
+    pub hot_copied: Mutex<std::collections::HashSet<(u32, u32)>>,
     /// The expert order of each layer this step, fixed at its first use.
     pub hot_order: Mutex<HashMap<u32, Vec<u32>>>,
     /// Predicted hot experts.
@@ -170,6 +177,8 @@ impl StepState {
             rngs: Mutex::new(rngs),
             constraints: Mutex::new(Vec::new()),
             routing: Mutex::new(HashMap::new()),
+            lookahead: Mutex::new(HashMap::new()),
+            hot_copied: Mutex::new(std::collections::HashSet::new()),
             hot_order: Mutex::new(HashMap::new()),
             predictor: HotPredictor::default(),
             caches: Vec::new(),
@@ -191,6 +200,8 @@ impl StepState {
     /// Clears what one step produced (keeps ubs and samplers).
     pub fn reset_step(&mut self) {
         lock(&self.routing).clear();
+        lock(&self.lookahead).clear();
+        lock(&self.hot_copied).clear();
         lock(&self.hot_order).clear();
         lock(&self.cache_bindings).clear();
         for c in &self.caches {
