@@ -724,6 +724,9 @@ mod tests {
             .all(|&x| x == -7.0));
     }
 
+    /// An attention kernel under test: (cache, sequences, qkv rows, outputs).
+    type KernelCall = dyn Fn(&mut KvBlocksMut<'_>, &[AttnSeq<'_>], &[f32], &mut [f32]);
+
     /// Random sequences in one call: `(context, new)` tokens each, the context appended
     /// by an earlier call (so it is read from the cache), uniform values in [-1, 1) (keys
     /// scaled up so the softmax is peaked: a max that moves exercises the row max).
@@ -738,10 +741,7 @@ mod tests {
     impl RandomCall {
         /// Runs the call through `kernel` on a fresh cache; returns the outputs and the
         /// layer's K/V pools.
-        fn run(
-            &self,
-            kernel: &dyn Fn(&mut KvBlocksMut<'_>, &[AttnSeq<'_>], &[f32], &mut [f32]),
-        ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        fn run(&self, kernel: &KernelCall) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
             let (shape, layout) = (&self.shape, self.layout);
             let mut rng = crate::rng::Rng::new(self.seed);
             let w = shape.qkv_width();
