@@ -725,7 +725,7 @@ mod tests {
     }
 
     /// An attention kernel under test: (cache, sequences, qkv rows, outputs).
-    type KernelCall = dyn Fn(&mut KvBlocksMut<'_>, &[AttnSeq<'_>], &[f32], &mut [f32]);
+    type KernelCall<'a> = dyn Fn(&mut KvBlocksMut<'_>, &[AttnSeq<'_>], &[f32], &mut [f32]) + 'a;
 
     /// Random sequences in one call: `(context, new)` tokens each, the context appended
     /// by an earlier call (so it is read from the cache), uniform values in [-1, 1) (keys
