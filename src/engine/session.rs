@@ -681,7 +681,13 @@ fn worker(
         model: card.name.clone(),
         schedule: name.clone(),
         backend: backend.describe(),
-        max_prompt: sizes.max_prompt,
+        // Without chunked prefill (a plan whose prefill does not attend its cache) a
+        // prompt must fit one pass.
+        max_prompt: if prefix_cache {
+            sizes.max_prompt
+        } else {
+            sizes.max_prompt.min(request.max_prompt)
+        },
         prefill_chunk: request.max_prompt,
         context: sizes.context,
         // What the pools hold (the plan's KV is per micro-batch: its own sequence count
