@@ -651,6 +651,175 @@ fn a_driver_session_admits_cancels_and_steps_with_the_oracle_s_tokens() {
     assert_eq!(done[&b], (SeqEnd::Length, expected[2].clone()));
 }
 
+/// The long-context path against the oracle: the tiny cards' 32k test configuration
+/// (`tests/fixtures/longctx/mixtral-tiny-32k.ron`: mixtral-tiny with 32,768 positions), a
+/// prompt of 4,096 tokens (twice the tiny cards' own context; positions past 2,048 take
+/// the 32k RoPE table and a KV cache of 256 blocks) run by the resident plan as `moec run`
+/// runs it, first 4 tokens equal to the oracle's. 4,096 keeps the test near 20 s in a
+/// debug build, both sides attending every prompt position (O(n^2)); the full 32k prompt
+/// is `scripts/long-context.sh` (minutes).
+#[test]
+fn a_long_prompt_on_the_32k_card_gives_the_oracle_s_first_tokens() {
+    let card = ModelCard::load(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/longctx/mixtral-tiny-32k.ron")
+            .to_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(card.max_positions, 32768);
+    let dir = tempfile::tempdir().unwrap();
+    let ck_dir = dir.path().join("ck");
+    write_checkpoint(&card, &ck_dir, &SynthOptions::default()).unwrap();
+    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let vocab = card.vocab as u32;
+    let prompts: Vec<Vec<u32>> = vec![(0..4096u32).map(|t| (t * 7919 + 13) % vocab).collect()];
+    let gen_len = 4;
+    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
+        .unwrap()
+        .generate(
+            &prompts,
+            &GenerateOptions {
+                stop_at_eos: false,
+                ..GenerateOptions::greedy(gen_len)
+            },
+        )
+        .unwrap()
+        .into_iter()
+        .map(|g| g.token_ids)
+        .collect();
+    let source = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/baselines/resident.sched"),
+    )
+    .unwrap();
+    let mut options = Options::new(card.clone());
+    options.workload = Workload {
+        batch: 1,
+        prompt_len: 4096,
+        gen_len: gen_len as u64,
+    };
+    options.sets = vec![("ubs".to_string(), "1".to_string())];
+    let compiled = compile(&source, &options).unwrap();
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+    let mut run = RunOptions::greedy(gen_len);
+    run.stop_at_eos = false;
+    run.backend.threads = 2;
+    let (outputs, _) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {}).unwrap();
+    let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+    assert_eq!(got, expected);
+}
+
+/// Chunked prefill (`Session::on_demand_kv`): the resident plan compiled for passes of 8
+/// sequences x 8 prompt tokens (64 tokens of activations) takes a prompt of 100 tokens
+/// beside two short ones; the long one is prefilled in two chunks (64 tokens less the
+/// short prompts', then the rest, attending the cache the first wrote) and every
+/// sequence's tokens are the oracle's, which prefills each prompt whole.
+#[test]
+fn a_prompt_longer_than_a_pass_is_prefilled_in_chunks_with_the_oracle_s_tokens() {
+    use moec::runtime::driver::session::{SeqEvent, SeqRequest, Session};
+
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ck_dir = dir.path().join("ck");
+    write_checkpoint(
+        &card,
+        &ck_dir,
+        &SynthOptions {
+            seed: 7,
+            dtype: card.dtype,
+            ..SynthOptions::default()
+        },
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let vocab = card.vocab as u32;
+    let mut prompts: Vec<Vec<u32>> = prompts(vocab).into_iter().take(2).collect();
+    prompts.push((0..100).map(|t| (t * 53 + 11) % vocab).collect());
+    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
+        .unwrap()
+        .generate(
+            &prompts,
+            &GenerateOptions {
+                stop_at_eos: false,
+                ..GenerateOptions::greedy(GEN_LEN)
+            },
+        )
+        .unwrap()
+        .into_iter()
+        .map(|g| g.token_ids)
+        .collect();
+    let source = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/baselines/resident.sched"),
+    )
+    .unwrap();
+    let mut options = Options::new(card.clone());
+    // 8 x 8 prompt tokens per pass; KV for 8 x (8 + 24) tokens, room for all three.
+    options.workload = Workload {
+        batch: 8,
+        prompt_len: 8,
+        gen_len: 24,
+    };
+    options.sets = vec![("ubs".to_string(), "8".to_string())];
+    let compiled = compile(&source, &options).unwrap();
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+    let mut run = RunOptions::greedy(GEN_LEN);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let backend = moec::runtime::registry::open(run.on, &plan, &checkpoint, &run.backend).unwrap();
+    let mut session = Session::new(&plan, &*backend, &run, 24, 100).unwrap();
+    assert!(
+        session.on_demand_kv(),
+        "resident's prefill attends its cache"
+    );
+    let ids: Vec<usize> = prompts
+        .iter()
+        .map(|p| {
+            session
+                .submit(SeqRequest {
+                    prompt: p.clone(),
+                    max_new_tokens: GEN_LEN,
+                    sampling: moec::model::vocab::Sampling::Greedy,
+                    seed: 0,
+                    stop_at_eos: false,
+                })
+                .unwrap()
+        })
+        .collect();
+    let first = session.step().unwrap();
+    let got_token = |events: &[SeqEvent], id: usize| {
+        events
+            .iter()
+            .any(|e| matches!(e, SeqEvent::Token { id: i, .. } if *i == id))
+    };
+    assert!(got_token(&first, ids[0]) && got_token(&first, ids[1]));
+    assert!(
+        !got_token(&first, ids[2]),
+        "100 tokens cannot run in a pass of 64: {first:?}"
+    );
+    assert_eq!(session.running(), 3);
+    let mut done = std::collections::BTreeMap::new();
+    let mut events = first;
+    loop {
+        for e in &events {
+            if let SeqEvent::Done { id, token_ids, .. } = e {
+                done.insert(*id, token_ids.clone());
+            }
+        }
+        if session.is_idle() {
+            break;
+        }
+        events = session.step().unwrap();
+    }
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(
+            done[id],
+            expected[i],
+            "prompt {i} ({} tokens)",
+            prompts[i].len()
+        );
+    }
+}
+
 /// The schedules with a disk tier (`moe_infinity_disk.sched`: an expert cache in host
 /// memory over experts on disk; `flexgen_disk.sched`: FlexGen's zigzag with each layer's
 /// experts on disk) give the oracle's tokens on every tiny card with the tier forced: their

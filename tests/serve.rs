@@ -1015,25 +1015,62 @@ fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
     }
 }
 
-/// Chats on `resident` (its prefill attends the KV cache its decode reads, so the prefix
-/// cache is on): three clients, three turns each, every turn's prompt the whole
-/// conversation so far. Every turn's greedy text is `moec run`'s for the same full prompt;
-/// from the second turn on each client's prompt takes its earlier blocks from the prefix
-/// cache (the hit counter grows by at least the three clients a turn); the most KV blocks
-/// held at once stays below what reserving every sequence's prompt and `max_tokens` would
-/// have taken; a prompt of exactly `--max-prompt` tokens is served and one token more is
-/// refused with OpenAI's error body.
+/// The long-context card of these tests: mixtral-tiny with a 4k context. (The tiny cards'
+/// 32k configuration, `mixtral-tiny-32k.ron`, is what `tests/model_oracle.rs` and
+/// `scripts/long-context.sh` run; a 32k prompt takes minutes in a debug build.)
+const LONG_CARD: &str = "tests/fixtures/longctx/mixtral-tiny-4k.ron";
+
+/// `moec run`'s greedy continuations of `prompts` (`gen` tokens each), one process.
+fn run_texts(sched: &str, model: &str, prompts: &[String], gen: usize) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompts.jsonl");
+    let lines: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::json!({ "prompt": p }).to_string())
+        .collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let out = moec()
+        .args(["run", sched, "--json", "--hw", "t4", "--model", model])
+        .args(["--gen-len", &gen.to_string(), "--prompts"])
+        .arg(&file)
+        .output()
+        .expect("moec run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let outputs = doc["outputs"].as_array().expect("outputs");
+    assert_eq!(outputs.len(), prompts.len());
+    outputs
+        .iter()
+        .map(|o| o["text"].as_str().expect("a text").to_string())
+        .collect()
+}
+
+/// Issue 46's multi-turn chat on a card with a long context: 8 clients x 6 turns, each
+/// turn adding a user message of ~480 tokens to the client's whole history, so the last
+/// prompts hold ~3,000 tokens, served by a plan compiled for passes of 8 x 256 prompt
+/// tokens (longer prompts are prefilled in chunks). Every turn's greedy text equals `moec
+/// run` of its full prompt; from the second turn on every client's history comes from the
+/// prefix cache; the peak of KV blocks in use (from `/metrics`) stays below what reserving
+/// each sequence's whole context would have taken; no sequence is preempted. Then the
+/// context limit (the card's 4,096 positions): a prompt of 4,095 tokens with one to
+/// generate is served, one of 4,096 gets OpenAI's error body.
 #[test]
 fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
     let sched = "schedules/baselines/resident.sched";
-    let (max_prompt, max_tokens) = (160, 6);
+    let (clients, turns, max_tokens) = (8, 6, 6);
     let server = serve(
         sched,
         &[
+            "--model",
+            LONG_CARD,
             "--max-batch",
-            "4",
+            "8",
             "--max-prompt",
-            &max_prompt.to_string(),
+            "256",
             "--max-tokens",
             &max_tokens.to_string(),
         ],
@@ -1041,25 +1078,24 @@ fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
     let addr = server.addr;
     let models = request(addr, "GET", "/v1/models", &[], b"").json();
     assert_eq!(models["data"][0]["prefix_cache"], true);
+    assert_eq!(models["data"][0]["context_tokens"], 4096);
     let system = "You are a helpful assistant who answers briefly and well. ".repeat(3);
-    let questions = [
-        [
-            "What is a mixture of experts?",
-            "Why route tokens?",
-            "Name one.",
-        ],
-        ["Tell me about Paris.", "And its river?", "How long is it?"],
-        ["Count to three.", "Now backwards.", "Thanks."],
-    ];
-    let mut history: Vec<String> = vec![system.clone(); questions.len()];
+    let topic = |c: usize, t: usize| {
+        format!(
+            "Question {t} from reader {c}: {}",
+            "Tell me how rivers shape the valleys they run through, and why some of them meander across wide plains while others cut deep gorges into the rock. "
+                .repeat(16)
+        )
+    };
+    let mut history: Vec<String> = vec![system.clone(); clients];
     let mut served: Vec<(String, String)> = Vec::new();
-    let mut last_prompt_tokens = vec![0u64; questions.len()];
+    let mut last_prompt_tokens = vec![0u64; clients];
     let mut hits_before = 0.0;
-    for turn in 0..3 {
+    for turn in 0..turns {
         let prompts: Vec<String> = history
             .iter()
-            .zip(&questions)
-            .map(|(h, q)| format!("{h}User: {}\nAssistant:", q[turn]))
+            .enumerate()
+            .map(|(c, h)| format!("{h}User: {}\nAssistant:", topic(c, turn)))
             .collect();
         let replies: Vec<serde_json::Value> = std::thread::scope(|s| {
             let handles: Vec<_> = prompts
@@ -1088,12 +1124,17 @@ fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
         let hits = sample(&m, "moec_prefix_cache_hits_total", &[]);
         if turn > 0 {
             assert!(
-                hits - hits_before >= questions.len() as f64,
+                hits - hits_before >= clients as f64,
                 "turn {turn}: {hits_before} -> {hits} prefix hits"
             );
         }
         hits_before = hits;
     }
+    let longest = *last_prompt_tokens.iter().max().unwrap();
+    assert!(
+        (2800..4000).contains(&longest),
+        "the last turn holds {longest} tokens"
+    );
     let m = scrape(addr, None);
     assert!(sample(&m, "moec_prefix_cache_hit_tokens_total", &[]) > 0.0);
     assert_eq!(sample(&m, "moec_preemptions_total", &[]), 0.0);
@@ -1104,70 +1145,62 @@ fn multi_turn_chats_reuse_their_prefix_and_match_moec_run() {
         .map(|t| (t + max_tokens as u64).div_ceil(block))
         .sum();
     let peak = sample(&m, "moec_kv_blocks_used_peak", &[]) as u64;
+    eprintln!(
+        "{clients} clients x {turns} turns, last prompts up to {longest} tokens: {} of {} admitted tokens from the prefix cache; peak {peak} KV blocks of {block} tokens in use, reserving each last prompt and its max_tokens would take {reserved}, the whole context {}",
+        sample(&m, "moec_prefix_cache_hit_tokens_total", &[]),
+        sample(&m, "moec_prefix_cache_queried_tokens_total", &[]),
+        clients as u64 * 4096u64.div_ceil(block)
+    );
     assert!(
         peak < reserved,
         "peak {peak} blocks, reservation {reserved}"
     );
 
-    // Every turn equals `moec run` of its whole prompt (several runs at once).
-    let expected: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = served
-            .iter()
-            .map(|(p, _)| s.spawn(move || run_text(sched, p, max_tokens)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    // Every turn equals `moec run` of its whole prompt.
+    let prompts: Vec<String> = served.iter().map(|(p, _)| p.clone()).collect();
+    let expected = run_texts(sched, LONG_CARD, &prompts, max_tokens);
     for ((prompt, got), want) in served.iter().zip(&expected) {
-        assert_eq!(got, want, "prompt {prompt:?}");
+        assert_eq!(got, want, "prompt of {} chars", prompt.len());
     }
 
-    // The context limit: exactly --max-prompt tokens is served, one more is refused.
-    let tokens_of = |words: usize| -> (u64, Reply) {
+    // The context limit: the refusal says how many tokens a prompt has, so the prompt of
+    // exactly the limit is found without running one.
+    let limit = 4096u64;
+    let ask = |words: usize| {
         let body =
             serde_json::json!({"prompt": "one ".repeat(words), "max_tokens": 1, "temperature": 0});
-        let reply = post(addr, "/v1/completions", &body, None);
-        let n = if reply.status == 200 {
-            reply.json()["usage"]["prompt_tokens"]
-                .as_u64()
-                .expect("usage")
-        } else {
-            let message = reply.json()["error"]["message"]
-                .as_str()
-                .unwrap_or("")
-                .to_string();
-            message
-                .strip_prefix("the prompt has ")
-                .and_then(|m| m.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("{}", reply.body))
-        };
-        (n, reply)
+        post(addr, "/v1/completions", &body, None)
     };
-    let mut words = max_prompt;
-    let mut tries = 0;
-    let at_limit = loop {
-        let (n, reply) = tokens_of(words);
-        if n == max_prompt as u64 {
-            break reply;
+    let counted = |reply: &Reply| -> u64 {
+        assert_eq!(reply.status, 400, "{}", reply.body);
+        let doc = reply.json();
+        assert_eq!(doc["error"]["type"], "invalid_request_error");
+        assert_eq!(doc["error"]["param"], "prompt");
+        doc["error"]["message"]
+            .as_str()
+            .and_then(|m| m.strip_prefix("the prompt has "))
+            .and_then(|m| m.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{}", reply.body))
+    };
+    // Each "one " is a token: count a prompt past the limit, then take off what is over.
+    let mut words = limit as usize + 100;
+    let mut n = counted(&ask(words));
+    for _ in 0..5 {
+        if n == limit {
+            break;
         }
-        tries += 1;
-        assert!(
-            tries < 20,
-            "no prompt of {max_prompt} tokens found near {words} words"
-        );
-        words = if n > max_prompt as u64 {
-            words - (n - max_prompt as u64) as usize
-        } else {
-            words + (max_prompt as u64 - n) as usize
-        };
-    };
+        assert!(n > limit, "{words} words gave {n} tokens");
+        words -= (n - limit) as usize;
+        n = counted(&ask(words));
+    }
+    assert_eq!(
+        n, limit,
+        "no prompt of {limit} tokens found near {words} words"
+    );
+    let at_limit = ask(words - 1);
     assert_eq!(at_limit.status, 200, "{}", at_limit.body);
-    let (n, past) = tokens_of(words + 1);
-    assert_eq!(n, max_prompt as u64 + 1);
-    assert_eq!(past.status, 400, "{}", past.body);
-    let doc = past.json();
-    assert_eq!(doc["error"]["type"], "invalid_request_error");
-    assert_eq!(doc["error"]["param"], "prompt");
+    assert_eq!(at_limit.json()["usage"]["prompt_tokens"], limit - 1);
 }
 
 /// An SSE stream through a proxy that re-chunks it: the body de-chunked as it arrives;

@@ -459,6 +459,8 @@ impl JobSession {
                 run: self.request.clone(),
                 max_batch: self.max_batch,
                 max_prompt: longest.max(MIN_PROMPT_LEN).next_power_of_two(),
+                context: None,
+                kv_bytes: None,
                 // Every prompt of a batch is submitted before it runs: nothing to wait for.
                 batch_wait: std::time::Duration::ZERO,
             };

@@ -35,9 +35,21 @@ pub struct ServeArgs {
     /// Most sequences at once: the plan is compiled for this batch.
     #[arg(long, default_value_t = 8)]
     pub max_batch: usize,
-    /// Longest prompt in tokens: the plan is compiled for it; longer prompts get 400.
+    /// Prompt tokens one pass prefills per sequence: the plan's activations are compiled
+    /// for --max-batch x this. Where the schedule's prefill attends its KV cache, longer
+    /// prompts (up to --context) are prefilled in chunks of it, so a long prompt does not
+    /// stall the streams decoding beside it; otherwise it is the longest prompt.
     #[arg(long, default_value_t = 256)]
     pub max_prompt: usize,
+    /// Longest prompt plus completion in tokens (default and most: the model's own
+    /// context, its card's `max_positions`); a request past it gets 400.
+    #[arg(long, value_name = "TOKENS")]
+    pub context: Option<usize>,
+    /// KV cache memory, e.g. `512MB` (all layers and sequences; blocks are given as
+    /// sequences grow); default: the KV of --max-batch sequences of 4096 tokens (or of
+    /// the context, if shorter).
+    #[arg(long, value_name = "BYTES")]
+    pub kv_mem: Option<String>,
     /// Most tokens a completion generates: the plan is compiled for it.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -98,10 +110,18 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
     if args.fit {
         run.fit = crate::engine::FitMode::Always;
     }
+    let kv_bytes = match &args.kv_mem {
+        Some(text) => Some(
+            crate::cost::budget::parse_bytes(text).map_err(|e| format!("--kv-mem: {e}"))? as u64,
+        ),
+        None => None,
+    };
     Ok(SessionRequest {
         run,
         max_batch: args.max_batch,
         max_prompt: args.max_prompt,
+        context: Some(args.context.unwrap_or(usize::MAX)),
+        kv_bytes,
         batch_wait: Duration::from_millis(args.batch_wait_ms),
     })
 }
@@ -146,13 +166,15 @@ pub fn run(args: &ServeArgs) -> ExitCode {
     let keyed = config.api_key.is_some();
     let result = crate::serve::run(session, config, |addr| {
         eprintln!(
-            "moec serve: {} with {} on {} (batch {}, prompts up to {} tokens, up to {} generated)",
+            "moec serve: {} with {} on {} (batch {}, contexts up to {} tokens, prompts prefilled {} tokens a pass, up to {} generated, KV for {} tokens)",
             info.model,
             info.schedule,
             info.backend,
             info.max_batch,
-            info.max_prompt,
-            info.max_tokens
+            info.context,
+            info.prefill_chunk,
+            info.max_tokens,
+            info.kv_tokens
         );
         if let Err(why) = &info.chat_template {
             eprintln!("moec serve: no chat completions: {why}");

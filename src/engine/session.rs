@@ -7,7 +7,12 @@
 //! `gen_len`; params the planner picks when the defaults do not fit or with `--fit`, as
 //! [`super::fit_params`] does for a run), so what the checker proved and the budgets `fit`
 //! checked hold for every admission: a longer prompt or more tokens are refused at
-//! submission, and sequences beyond what the plan holds wait in the queue. One worker
+//! submission, and sequences beyond what the plan holds wait in the queue. With a
+//! [`SessionRequest::context`] (`moec serve`), `max_prompt` is only the prompt tokens one
+//! pass prefills per sequence: prompts up to the context (the card's own limit at most)
+//! are prefilled in chunks, and the plan's KV cache is sized by
+//! [`SessionRequest::kv_bytes`] (its `gen_len` is what makes `prompt_len + gen_len` the
+//! KV tokens per sequence), its blocks given as sequences grow. One worker
 //! thread owns the checkpoint, the backend and the driver's session
 //! ([`crate::runtime::driver::session::serve`]); a [`Completion`] goes to it over a channel
 //! and its text comes back, piece by piece, on the receiver [`Session::submit`] returns.
@@ -42,8 +47,17 @@ pub struct SessionRequest {
     pub run: RunRequest,
     /// Most sequences the plan holds at once (its `batch`).
     pub max_batch: usize,
-    /// Longest prompt in tokens (its `prompt_len`).
+    /// Longest prompt in tokens (its `prompt_len`); with a `context`, the prompt tokens
+    /// per sequence one pass prefills.
     pub max_prompt: usize,
+    /// Longest prompt plus generation a sequence may reach, capped at the card's
+    /// positions (`usize::MAX`: the card's limit); `None`: `max_prompt` + `gen_len`, with
+    /// no chunked prefill (`moec batch`).
+    pub context: Option<usize>,
+    /// Bytes of KV cache the plan holds (all layers, all sequences); `None`: the KV of
+    /// `max_batch` sequences of `min(context, DEFAULT_KV_CONTEXT)` tokens (of `max_prompt`
+    /// + `gen_len` without a context).
+    pub kv_bytes: Option<u64>,
     /// How long a static batch about to start with room waits for more requests (plans
     /// with mixed steps admit at every pass and never wait).
     pub batch_wait: Duration,
@@ -60,6 +74,13 @@ pub struct SessionInfo {
     pub backend: String,
     /// Longest prompt in tokens.
     pub max_prompt: usize,
+    /// Prompt tokens one pass prefills per sequence (longer prompts run in chunks); equal
+    /// to `max_prompt` without a context.
+    pub prefill_chunk: usize,
+    /// Longest prompt plus generation a sequence may reach.
+    pub context: usize,
+    /// Tokens the KV cache holds, all sequences together.
+    pub kv_tokens: usize,
     /// Most tokens a completion generates.
     pub max_tokens: usize,
     /// Most sequences at once.
@@ -380,10 +401,16 @@ impl Session {
     ) -> Result<Vec<UnboundedReceiver<Piece>>, SubmitRefusal> {
         let info = &self.info;
         for completion in &completions {
-            if completion.prompt.len() > info.max_prompt {
+            let len = completion.prompt.len();
+            if len + completion.max_tokens > info.context {
                 return Err(SubmitRefusal::Invalid(format!(
-                    "the prompt has {} tokens; this server's schedule was compiled for prompts of at most {} (--max-prompt)",
-                    completion.prompt.len(),
+                    "the prompt has {len} tokens; with max_tokens {} that is past this server's context of {} tokens (prompt and completion; --context, at most the model's)",
+                    completion.max_tokens, info.context
+                )));
+            }
+            if len > info.max_prompt {
+                return Err(SubmitRefusal::Invalid(format!(
+                    "the prompt has {len} tokens; this server's schedule was compiled for prompts of at most {} (--max-prompt)",
                     info.max_prompt
                 )));
             }
@@ -522,6 +549,69 @@ impl SessionInfo {
     }
 }
 
+/// KV tokens per sequence of the default budget with a context: KV is given as sequences
+/// grow, so this bounds what is held at once, not any one sequence (which may take its
+/// whole micro-batch's pool).
+pub const DEFAULT_KV_CONTEXT: usize = 4096;
+
+/// How big a session's plan and limits are, from its request and the card.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SessionSizes {
+    /// Longest prompt accepted.
+    max_prompt: usize,
+    /// Longest prompt plus generation.
+    context: usize,
+    /// KV tokens of the plan, all sequences.
+    kv_tokens: usize,
+    /// The plan's `gen_len`: `prompt_len + gen_len` is the KV tokens per sequence.
+    plan_gen_len: usize,
+}
+
+impl SessionSizes {
+    fn new(request: &SessionRequest, card: &crate::model::card::ModelCard) -> Result<Self, String> {
+        let gen_len = request.run.gen_len;
+        let batch = request.max_batch.max(1);
+        let Some(asked) = request.context else {
+            let context = request.max_prompt + gen_len;
+            return Ok(SessionSizes {
+                max_prompt: request.max_prompt,
+                context,
+                kv_tokens: batch * context,
+                plan_gen_len: gen_len,
+            });
+        };
+        let limit = usize::try_from(card.max_positions).unwrap_or(usize::MAX);
+        let context = asked.min(limit);
+        if context < 2 {
+            return Err(format!(
+                "a context of {context} tokens leaves no room for a prompt"
+            ));
+        }
+        let token_bytes = card.kv_elems_per_token_layer() * 4 * card.layers;
+        let kv_tokens = match request.kv_bytes {
+            Some(bytes) => usize::try_from(bytes / token_bytes.max(1)).unwrap_or(usize::MAX),
+            None => batch * context.min(DEFAULT_KV_CONTEXT),
+        };
+        let per_seq = kv_tokens / batch;
+        // Every sequence of a full batch must be able to hold one pass's prompt tokens and
+        // its whole generation; one sequence may grow to the context by taking the KV of
+        // its micro-batch's others.
+        let least = request.max_prompt + gen_len;
+        if per_seq < least {
+            return Err(format!(
+                "the KV budget holds {kv_tokens} tokens ({per_seq} per sequence of --max-batch {batch}); \
+                 each sequence needs at least --max-prompt + --max-tokens = {least}: raise --kv-mem"
+            ));
+        }
+        Ok(SessionSizes {
+            max_prompt: context - 1,
+            context,
+            kv_tokens: per_seq * batch,
+            plan_gen_len: per_seq - request.max_prompt,
+        })
+    }
+}
+
 /// The worker thread: prepares everything, says it is ready, then serves until drained.
 fn worker(
     request: SessionRequest,
@@ -543,11 +633,12 @@ fn worker(
     } = load_model(&run.model).map_err(|e| fail(message(&e)))?;
     let card = checkpoint.card().clone();
     let name = &run.schedule_name;
+    let sizes = SessionSizes::new(&request, &card).map_err(|m| fail(RunFailure::Message(m)))?;
     let target = Target {
         workload: Workload {
             batch: request.max_batch as u64,
             prompt_len: request.max_prompt as u64,
-            gen_len: run.gen_len as u64,
+            gen_len: sizes.plan_gen_len as u64,
         },
         profile: ProfileUse::Budgets,
     };
@@ -590,7 +681,23 @@ fn worker(
         model: card.name.clone(),
         schedule: name.clone(),
         backend: backend.describe(),
-        max_prompt: request.max_prompt,
+        // Without chunked prefill (a plan whose prefill does not attend its cache) a
+        // prompt must fit one pass.
+        max_prompt: if prefix_cache {
+            sizes.max_prompt
+        } else {
+            sizes.max_prompt.min(request.max_prompt)
+        },
+        prefill_chunk: request.max_prompt,
+        context: sizes.context,
+        // What the pools hold (the plan's KV is per micro-batch: its own sequence count
+        // times the tokens per sequence, which may differ from `max_batch`'s).
+        kv_tokens: {
+            let g = session.gauges();
+            let total = g.kv_blocks_total.load(Ordering::Relaxed)
+                * g.kv_block_tokens.load(Ordering::Relaxed);
+            usize::try_from(total).unwrap_or(sizes.kv_tokens)
+        },
         max_tokens: run.gen_len,
         max_batch: request.max_batch,
         tokenizer: tokenizer.origin().to_string(),

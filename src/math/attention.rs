@@ -11,7 +11,7 @@
 
 use crate::math::isa::Kernels;
 use crate::math::kv_cache::KvBlocksMut;
-use crate::model::vocab::AttnShape;
+use crate::model::vocab::{AttnShape, KvLayout};
 use rayon::prelude::*;
 
 /// One sequence of an attention call.
@@ -112,70 +112,47 @@ impl Kernels {
     ) -> Result<(), AttnError> {
         validate(cache, seqs, qkv, shape, out)?;
         append_kv(cache, seqs, qkv, shape);
-        let layout = cache.layout;
-        let (k_pool, v_pool) = (&*cache.k, &*cache.v);
         let group = shape.heads / shape.kv_heads;
         let hd = shape.head_dim;
-        let row_w = shape.qkv_width();
         let mut first_rows = Vec::with_capacity(seqs.len());
         let mut row = 0;
         for s in seqs {
             first_rows.push(row);
             row += s.n_new;
         }
-        let tasks: Vec<(usize, usize)> = (0..seqs.len())
-            .filter(|&s| attend(s))
-            .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
-            .collect();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let run = |&(s, h): &(usize, usize)| -> Vec<f32> {
-            let seq = &seqs[s];
-            let mut local = vec![0.0f32; seq.n_new * group * hd];
-            let mut scores: Vec<f32> = Vec::new();
-            let bs = layout.block_size;
-            for j in 0..seq.n_new {
-                let pos = seq.context_len + j;
-                let start = shape
-                    .sliding_window
-                    .map_or(0, |w| (pos + 1).saturating_sub(w));
-                let n_keys = pos + 1 - start;
-                let q_off = (first_rows[s] + j) * row_w + h * group * hd;
-                let q_group = &qkv[q_off..q_off + group * hd];
-                scores.clear();
-                scores.resize(group * n_keys, 0.0);
-                // Score the keys block by block: a run of slots of one (block, head) tile.
-                for bi in start / bs..=pos / bs {
-                    let first = start.max(bi * bs);
-                    let last = pos.min(bi * bs + bs - 1);
-                    let tile = layout.tile(seq.block_table[bi] as usize, h);
-                    let k_tile = &k_pool[tile..tile + bs * hd];
-                    self.key_scores_transposed(
-                        k_tile,
-                        bs,
-                        first % bs,
-                        last - first + 1,
-                        q_group,
-                        scale,
-                        &mut scores,
-                        n_keys,
-                        first - start,
-                    );
-                }
-                let sink_at = (first_rows[s] + j) * row_w + (shape.heads + 2 * shape.kv_heads) * hd;
-                for (g, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-                    let sink = shape.sinks.then(|| qkv[sink_at + h * group + g]);
-                    self.softmax_with_sink_in_place(row, sink);
-                }
-                let dst = &mut local[j * group * hd..(j + 1) * group * hd];
-                for bi in start / bs..=pos / bs {
-                    let first = start.max(bi * bs);
-                    let last = pos.min(bi * bs + bs - 1);
-                    let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
-                    let rows = &v_pool[off..off + (last - first + 1) * hd];
-                    self.weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
+        // Tasks are (sequence, kv head, tile of new tokens); a tile's score rows must fit
+        // the scratch bound, so long contexts take fewer rows per tile.
+        let mut tasks: Vec<Task> = Vec::new();
+        for (s, seq) in seqs.iter().enumerate().filter(|&(s, _)| attend(s)) {
+            let longest = seq.context_len + seq.n_new;
+            let rows = (SCRATCH_FLOATS / (group * longest).max(1)).clamp(1, QUERY_TILE);
+            for h in 0..shape.kv_heads {
+                let mut j0 = 0;
+                while j0 < seq.n_new {
+                    let j1 = (j0 + rows).min(seq.n_new);
+                    tasks.push(Task {
+                        seq: s,
+                        head: h,
+                        rows: j0..j1,
+                    });
+                    j0 = j1;
                 }
             }
-            local
+        }
+        let pools = Pools {
+            layout: cache.layout,
+            k: &*cache.k,
+            v: &*cache.v,
+        };
+        let run = |task: &Task| -> Vec<f32> {
+            self.attend_tile(
+                &pools,
+                &seqs[task.seq],
+                first_rows[task.seq],
+                task,
+                qkv,
+                shape,
+            )
         };
         let results: Vec<Vec<f32>> = if tasks.len() > 1 {
             tasks.par_iter().map(run).collect()
@@ -183,14 +160,163 @@ impl Kernels {
             tasks.iter().map(run).collect()
         };
         let q_w = shape.q_width();
-        for (&(s, h), local) in tasks.iter().zip(&results) {
-            for j in 0..seqs[s].n_new {
-                let r = first_rows[s] + j;
-                let dst = &mut out[r * q_w + h * group * hd..r * q_w + (h + 1) * group * hd];
-                dst.copy_from_slice(&local[j * group * hd..(j + 1) * group * hd]);
+        for (task, local) in tasks.iter().zip(&results) {
+            for (i, j) in task.rows.clone().enumerate() {
+                let r = first_rows[task.seq] + j;
+                let (h, width) = (task.head, group * hd);
+                out[r * q_w + h * width..r * q_w + (h + 1) * width]
+                    .copy_from_slice(&local[i * width..(i + 1) * width]);
             }
         }
         Ok(())
+    }
+
+    /// One task: the outputs (`rows x group x head_dim`) of one kv head's query heads for
+    /// a tile of one sequence's new tokens. Key- and value-block-major: each block of the
+    /// cache is read once for the whole tile (while it is in L1) rather than once per
+    /// query row, which is what makes long prefills memory-bound no more. Each row's
+    /// arithmetic is exactly the per-row kernel's: its scores are computed one key at a
+    /// time ([`Kernels::key_scores_transposed`] never depends on which keys share a
+    /// call), its softmax runs over its whole row once every score is in, and its output
+    /// accumulates the value rows in key order ([`Kernels::weighted_rows`]), so a row's
+    /// bits do not depend on the tile it is in, nor on prefill or decode.
+    fn attend_tile(
+        self,
+        pools: &Pools<'_>,
+        seq: &AttnSeq<'_>,
+        first_row: usize,
+        task: &Task,
+        qkv: &[f32],
+        shape: &AttnShape,
+    ) -> Vec<f32> {
+        let layout = pools.layout;
+        let (bs, hd, h) = (layout.block_size, shape.head_dim, task.head);
+        let group = shape.heads / shape.kv_heads;
+        let row_w = shape.qkv_width();
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Per row: its first key and key count, and where its scores start in `scores`.
+        let rows: Vec<RowKeys> = task
+            .rows
+            .clone()
+            .scan(0usize, |at, j| {
+                let pos = seq.context_len + j;
+                let start = shape
+                    .sliding_window
+                    .map_or(0, |w| (pos + 1).saturating_sub(w));
+                let row = RowKeys {
+                    j,
+                    start,
+                    pos,
+                    scores_at: *at,
+                };
+                *at += group * (pos + 1 - start);
+                Some(row)
+            })
+            .collect();
+        let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
+            return Vec::new();
+        };
+        let n_scores = last.scores_at + group * last.n_keys();
+        let mut scores = vec![0.0f32; n_scores];
+        let lowest = rows.iter().map(|r| r.start).min().unwrap_or(first.start);
+        let blocks = lowest / bs..=last.pos / bs;
+        for bi in blocks.clone() {
+            let tile = layout.tile(seq.block_table[bi] as usize, h);
+            let k_tile = &pools.k[tile..tile + bs * hd];
+            for r in &rows {
+                let Some((lo, hi)) = r.keys_in(bi, bs) else {
+                    continue;
+                };
+                let q_off = (first_row + r.j) * row_w + h * group * hd;
+                let n_keys = r.n_keys();
+                self.key_scores_transposed(
+                    k_tile,
+                    bs,
+                    lo % bs,
+                    hi - lo + 1,
+                    &qkv[q_off..q_off + group * hd],
+                    scale,
+                    &mut scores[r.scores_at..r.scores_at + group * n_keys],
+                    n_keys,
+                    lo - r.start,
+                );
+            }
+        }
+        for r in &rows {
+            let sink_at = (first_row + r.j) * row_w + (shape.heads + 2 * shape.kv_heads) * hd;
+            let n_keys = r.n_keys();
+            let row_scores = &mut scores[r.scores_at..r.scores_at + group * n_keys];
+            for (g, row) in row_scores.chunks_exact_mut(n_keys).enumerate() {
+                let sink = shape.sinks.then(|| qkv[sink_at + h * group + g]);
+                self.softmax_with_sink_in_place(row, sink);
+            }
+        }
+        let width = group * hd;
+        let mut local = vec![0.0f32; rows.len() * width];
+        for bi in blocks {
+            let block = seq.block_table[bi] as usize;
+            for (i, r) in rows.iter().enumerate() {
+                let Some((lo, hi)) = r.keys_in(bi, bs) else {
+                    continue;
+                };
+                let off = layout.offset(block, h, lo % bs);
+                let n_keys = r.n_keys();
+                self.weighted_rows(
+                    &pools.v[off..off + (hi - lo + 1) * hd],
+                    hd,
+                    &scores[r.scores_at..r.scores_at + group * n_keys],
+                    n_keys,
+                    lo - r.start,
+                    &mut local[i * width..(i + 1) * width],
+                );
+            }
+        }
+        local
+    }
+}
+
+/// Most new tokens one attention task takes (a tile's rows share each key block read).
+const QUERY_TILE: usize = 16;
+
+/// Bound on one task's score scratch, in floats (4 MiB): a tile has fewer rows when its
+/// rows' scores (`group x keys` each) would take more, down to one row.
+const SCRATCH_FLOATS: usize = 1 << 20;
+
+/// One unit of parallel work of [`Kernels::attention_of`].
+struct Task {
+    seq: usize,
+    head: usize,
+    /// New-token indices (within the sequence) of the tile.
+    rows: std::ops::Range<usize>,
+}
+
+/// A layer's pools, read-only once the new K/V are appended.
+struct Pools<'a> {
+    layout: KvLayout,
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+/// The keys one query row attends: positions `start..=pos`.
+struct RowKeys {
+    /// New-token index within the sequence.
+    j: usize,
+    start: usize,
+    pos: usize,
+    /// Offset of the row's `group x n_keys` scores in the tile's scratch.
+    scores_at: usize,
+}
+
+impl RowKeys {
+    fn n_keys(&self) -> usize {
+        self.pos + 1 - self.start
+    }
+
+    /// The row's keys within block `bi` (first and last position), if any.
+    fn keys_in(&self, bi: usize, bs: usize) -> Option<(usize, usize)> {
+        let lo = self.start.max(bi * bs);
+        let hi = self.pos.min(bi * bs + bs - 1);
+        (lo <= hi).then_some((lo, hi))
     }
 }
 
@@ -274,6 +400,100 @@ mod tests {
     use super::*;
     use crate::math::kv_cache::PagedKvCache;
     use crate::model::vocab::KvLayout;
+
+    /// The kernel before key-block tiling (issue 42): one query row at a time, reading
+    /// every key and value block once per row. The tiled kernel must give its bits.
+    fn per_row_reference(
+        kernels: Kernels,
+        cache: &mut KvBlocksMut<'_>,
+        seqs: &[AttnSeq<'_>],
+        qkv: &[f32],
+        shape: &AttnShape,
+        out: &mut [f32],
+    ) -> Result<(), AttnError> {
+        let attend = |_: usize| true;
+        validate(cache, seqs, qkv, shape, out)?;
+        append_kv(cache, seqs, qkv, shape);
+        let layout = cache.layout;
+        let (k_pool, v_pool) = (&*cache.k, &*cache.v);
+        let group = shape.heads / shape.kv_heads;
+        let hd = shape.head_dim;
+        let row_w = shape.qkv_width();
+        let mut first_rows = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for s in seqs {
+            first_rows.push(row);
+            row += s.n_new;
+        }
+        let tasks: Vec<(usize, usize)> = (0..seqs.len())
+            .filter(|&s| attend(s))
+            .flat_map(|s| (0..shape.kv_heads).map(move |h| (s, h)))
+            .collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let run = |&(s, h): &(usize, usize)| -> Vec<f32> {
+            let seq = &seqs[s];
+            let mut local = vec![0.0f32; seq.n_new * group * hd];
+            let mut scores: Vec<f32> = Vec::new();
+            let bs = layout.block_size;
+            for j in 0..seq.n_new {
+                let pos = seq.context_len + j;
+                let start = shape
+                    .sliding_window
+                    .map_or(0, |w| (pos + 1).saturating_sub(w));
+                let n_keys = pos + 1 - start;
+                let q_off = (first_rows[s] + j) * row_w + h * group * hd;
+                let q_group = &qkv[q_off..q_off + group * hd];
+                scores.clear();
+                scores.resize(group * n_keys, 0.0);
+                // Score the keys block by block: a run of slots of one (block, head) tile.
+                for bi in start / bs..=pos / bs {
+                    let first = start.max(bi * bs);
+                    let last = pos.min(bi * bs + bs - 1);
+                    let tile = layout.tile(seq.block_table[bi] as usize, h);
+                    let k_tile = &k_pool[tile..tile + bs * hd];
+                    kernels.key_scores_transposed(
+                        k_tile,
+                        bs,
+                        first % bs,
+                        last - first + 1,
+                        q_group,
+                        scale,
+                        &mut scores,
+                        n_keys,
+                        first - start,
+                    );
+                }
+                let sink_at = (first_rows[s] + j) * row_w + (shape.heads + 2 * shape.kv_heads) * hd;
+                for (g, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+                    let sink = shape.sinks.then(|| qkv[sink_at + h * group + g]);
+                    kernels.softmax_with_sink_in_place(row, sink);
+                }
+                let dst = &mut local[j * group * hd..(j + 1) * group * hd];
+                for bi in start / bs..=pos / bs {
+                    let first = start.max(bi * bs);
+                    let last = pos.min(bi * bs + bs - 1);
+                    let off = layout.offset(seq.block_table[bi] as usize, h, first % bs);
+                    let rows = &v_pool[off..off + (last - first + 1) * hd];
+                    kernels.weighted_rows(rows, hd, &scores, n_keys, first - start, dst);
+                }
+            }
+            local
+        };
+        let results: Vec<Vec<f32>> = if tasks.len() > 1 {
+            tasks.par_iter().map(run).collect()
+        } else {
+            tasks.iter().map(run).collect()
+        };
+        let q_w = shape.q_width();
+        for (&(s, h), local) in tasks.iter().zip(&results) {
+            for j in 0..seqs[s].n_new {
+                let r = first_rows[s] + j;
+                let dst = &mut out[r * q_w + h * group * hd..r * q_w + (h + 1) * group * hd];
+                dst.copy_from_slice(&local[j * group * hd..(j + 1) * group * hd]);
+            }
+        }
+        Ok(())
+    }
 
     /// Dense reference: causal GQA over full K/V of one sequence.
     fn dense(qkv: &[f32], n: usize, shape: &AttnShape) -> Vec<f32> {
@@ -502,6 +722,223 @@ mod tests {
             .iter()
             .chain(&some[7 * w..])
             .all(|&x| x == -7.0));
+    }
+
+    /// An attention kernel under test: (cache, sequences, qkv rows, outputs).
+    type KernelCall<'a> = dyn Fn(&mut KvBlocksMut<'_>, &[AttnSeq<'_>], &[f32], &mut [f32]) + 'a;
+
+    /// Random sequences in one call: `(context, new)` tokens each, the context appended
+    /// by an earlier call (so it is read from the cache), uniform values in [-1, 1) (keys
+    /// scaled up so the softmax is peaked: a max that moves exercises the row max).
+    struct RandomCall {
+        shape: AttnShape,
+        layout: KvLayout,
+        /// Per sequence: (context tokens, new tokens).
+        lens: Vec<(usize, usize)>,
+        seed: u64,
+    }
+
+    impl RandomCall {
+        /// Runs the call through `kernel` on a fresh cache; returns the outputs and the
+        /// layer's K/V pools.
+        fn run(&self, kernel: &KernelCall) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+            let (shape, layout) = (&self.shape, self.layout);
+            let mut rng = crate::rng::Rng::new(self.seed);
+            let w = shape.qkv_width();
+            let k_cols =
+                shape.heads * shape.head_dim..(shape.heads + shape.kv_heads) * shape.head_dim;
+            let mut random_rows = |n: usize| -> Vec<f32> {
+                (0..n * w)
+                    .map(|i| {
+                        let x = rng.next_signed_f32();
+                        if k_cols.contains(&(i % w)) {
+                            3.0 * x
+                        } else {
+                            x
+                        }
+                    })
+                    .collect()
+            };
+            let total: usize = self
+                .lens
+                .iter()
+                .map(|&(c, n)| layout.blocks_for(c + n))
+                .sum();
+            let mut cache = PagedKvCache::new(layout, 1, total);
+            let mut tables = vec![Vec::new(); self.lens.len()];
+            for (t, &(c, n)) in tables.iter_mut().zip(&self.lens) {
+                cache.allocator.grow(&layout, t, c + n).unwrap();
+            }
+            // The contexts, appended with the per-row kernel (what an earlier pass left).
+            let ctx_rows: usize = self.lens.iter().map(|l| l.0).sum();
+            let ctx_qkv = random_rows(ctx_rows);
+            let ctx_seqs: Vec<AttnSeq<'_>> = tables
+                .iter()
+                .zip(&self.lens)
+                .map(|(t, &(c, _))| AttnSeq {
+                    block_table: t,
+                    context_len: 0,
+                    n_new: c,
+                })
+                .collect();
+            let mut ctx_out = vec![0.0; ctx_rows * shape.q_width()];
+            per_row_reference(
+                Kernels::portable(),
+                &mut cache.layer_mut(0),
+                &ctx_seqs,
+                &ctx_qkv,
+                shape,
+                &mut ctx_out,
+            )
+            .unwrap();
+            let rows: usize = self.lens.iter().map(|l| l.1).sum();
+            let qkv = random_rows(rows);
+            let seqs: Vec<AttnSeq<'_>> = tables
+                .iter()
+                .zip(&self.lens)
+                .map(|(t, &(c, n))| AttnSeq {
+                    block_table: t,
+                    context_len: c,
+                    n_new: n,
+                })
+                .collect();
+            let mut out = vec![0.0; rows * shape.q_width()];
+            kernel(&mut cache.layer_mut(0), &seqs, &qkv, &mut out);
+            let layer = cache.layer_mut(0);
+            (out, layer.k.to_vec(), layer.v.to_vec())
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The key-block-tiled kernel gives exactly the per-row kernel's bits on random
+    /// inputs: prefill, decode and chunked rows after a cached context, several sequences,
+    /// tiles with a partial last tile (more than [`QUERY_TILE`] rows, not a multiple),
+    /// odd block sizes and head widths (the SIMD bodies' tails and the portable path),
+    /// sliding windows and sinks, on every instruction set this CPU has.
+    #[test]
+    fn tiled_attention_gives_the_per_row_kernel_s_bits() {
+        let cases = [
+            // (heads, kv_heads, head_dim, block_size, window, sinks, lens)
+            (
+                4,
+                2,
+                32,
+                16,
+                None,
+                false,
+                vec![(0, 37), (21, 1), (5, 17), (0, 1)],
+            ),
+            (8, 2, 16, 5, None, true, vec![(13, 40), (0, 3), (47, 1)]),
+            (
+                6,
+                3,
+                12,
+                7,
+                Some(9),
+                false,
+                vec![(11, 33), (30, 1), (0, 16)],
+            ),
+            (2, 1, 64, 16, Some(20), true, vec![(40, 35), (3, 2)]),
+            (4, 4, 8, 3, None, false, vec![(100, 19), (0, 50)]),
+        ];
+        for isa in crate::math::isa::Isa::supported() {
+            let kernels = Kernels::new(isa).unwrap();
+            for (i, (heads, kv_heads, head_dim, block_size, window, sinks, lens)) in
+                cases.iter().cloned().enumerate()
+            {
+                let call = RandomCall {
+                    shape: AttnShape {
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        sliding_window: window,
+                        sinks,
+                    },
+                    layout: KvLayout {
+                        block_size,
+                        kv_heads,
+                        head_dim,
+                    },
+                    lens,
+                    seed: 40 + i as u64,
+                };
+                let shape = call.shape;
+                let tiled = call.run(&|cache, seqs, qkv, out| {
+                    kernels.attention(cache, seqs, qkv, &shape, out).unwrap()
+                });
+                let per_row = call.run(&|cache, seqs, qkv, out| {
+                    per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap()
+                });
+                assert_eq!(bits(&tiled.0), bits(&per_row.0), "{isa} case {i}: outputs");
+                assert_eq!(bits(&tiled.1), bits(&per_row.1), "{isa} case {i}: keys");
+                assert_eq!(bits(&tiled.2), bits(&per_row.2), "{isa} case {i}: values");
+                assert!(tiled.0.iter().all(|x| x.is_finite()));
+            }
+        }
+    }
+
+    /// With `MOEC_ATTN_BENCH=1`: prefill of one sequence of 2k, 8k and 32k tokens on the
+    /// tiny cards' attention shape (4 heads, 2 kv heads, 32 wide, blocks of 16), and one
+    /// decode step at that length, timed for the per-row and the tiled kernel. Prints
+    /// milliseconds; asserts only equal bits (timings depend on the machine).
+    #[test]
+    fn attention_timings_at_long_context_when_asked() {
+        let Ok(lengths) = std::env::var("MOEC_ATTN_BENCH") else {
+            return;
+        };
+        let lengths: Vec<usize> = lengths
+            .split(',')
+            .filter_map(|l| l.trim().parse().ok())
+            .filter(|&l| l > 1)
+            .collect();
+        let lengths = if lengths.is_empty() {
+            vec![2048, 8192, 32768]
+        } else {
+            lengths
+        };
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            sliding_window: None,
+            sinks: false,
+        };
+        let layout = KvLayout {
+            block_size: 16,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        let kernels = Kernels::process();
+        for n in lengths {
+            for (what, lens) in [("prefill", vec![(0, n)]), ("decode", vec![(n - 1, 1)])] {
+                let call = RandomCall {
+                    shape,
+                    layout,
+                    lens,
+                    seed: 1,
+                };
+                let tiled = call.run(&|cache, seqs, qkv, out| {
+                    let t = std::time::Instant::now();
+                    kernels.attention(cache, seqs, qkv, &shape, out).unwrap();
+                    eprintln!(
+                        "  tiled   {what} {n}: {:.2} ms",
+                        t.elapsed().as_secs_f64() * 1e3
+                    );
+                });
+                let per_row = call.run(&|cache, seqs, qkv, out| {
+                    let t = std::time::Instant::now();
+                    per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap();
+                    eprintln!(
+                        "  per-row {what} {n}: {:.2} ms",
+                        t.elapsed().as_secs_f64() * 1e3
+                    );
+                });
+                assert_eq!(bits(&tiled.0), bits(&per_row.0));
+            }
+        }
     }
 
     #[test]

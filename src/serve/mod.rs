@@ -271,6 +271,8 @@ async fn models(State(shared): State<Arc<Shared>>) -> axum::Json<Value> {
             "owned_by": "moec",
             "schedule": info.schedule,
             "max_prompt_tokens": info.max_prompt,
+            "context_tokens": info.context,
+            "prefill_chunk_tokens": info.prefill_chunk,
             "max_tokens": info.max_tokens,
             "max_batch": info.max_batch,
             "prefix_cache": info.prefix_cache,

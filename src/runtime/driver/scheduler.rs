@@ -39,7 +39,8 @@ pub struct Seq {
     pub prompt_done: bool,
     /// Admission order (larger = younger); preemption takes the youngest first.
     pub age: u64,
-    /// Skipped by this pass (paused for lack of blocks).
+    /// Skipped by this pass (paused for lack of blocks, or, with chunked prefill, of token
+    /// room in the pass).
     pub paused: bool,
     /// Tokens its (re-)prefill takes from the prefix cache (whole blocks at the start of
     /// its table), so they are not run again; 0 without a cache hit.
@@ -416,7 +417,9 @@ pub struct Admitted {
 /// may generate), so a lone sequence always finishes. With `worst_case`, the pool must
 /// hold every sequence of the micro-batch to its end at once (blocks are still given as
 /// they grow): a static batch, which cannot take a preempted sequence back until it ends,
-/// then never runs out. `prompts[r]` is request `r`'s prompt.
+/// then never runs out. With `chunked` a sequence whose prompt is longer than the room
+/// left is admitted while any room is left (its prefill runs in chunks, see
+/// `Session::on_demand_kv`). `prompts[r]` is request `r`'s prompt.
 #[allow(clippy::too_many_arguments)]
 pub fn admit_fifo(
     waiting: &mut VecDeque<Pending>,
@@ -426,6 +429,7 @@ pub fn admit_fifo(
     prompts: &[&[u32]],
     finish_lens: &[usize],
     worst_case: bool,
+    chunked: bool,
     next_age: &mut u64,
 ) -> Admitted {
     let n = caps.len().min(pools.len());
@@ -440,10 +444,15 @@ pub fn admit_fifo(
             at_end[s.ub] +=
                 pools[s.ub].blocks_for(finish_lens.get(s.request).copied().unwrap_or(0));
             if !s.paused {
-                tokens[s.ub] += if s.prompt_done {
+                let run = if s.prompt_done {
                     1
                 } else {
                     (prompt_len(s.request) + s.generated.len()).saturating_sub(s.cached)
+                };
+                tokens[s.ub] += if chunked {
+                    run.min(caps[s.ub].tokens.saturating_sub(tokens[s.ub]))
+                } else {
+                    run
                 };
             }
         }
@@ -461,8 +470,9 @@ pub fn admit_fifo(
                 let cached = hits.len() * pool.block_size;
                 let idle_hits = hits.iter().filter(|&&b| pool.refs[b as usize] == 0).count();
                 let fresh = pool.blocks_for(len + 1).saturating_sub(hits.len());
+                let room = caps[u].tokens.saturating_sub(tokens[u]);
                 let fits = seqs[u] < caps[u].seqs
-                    && tokens[u] + (len - cached) <= caps[u].tokens
+                    && (tokens[u] + (len - cached) <= caps[u].tokens || (chunked && room > 0))
                     && fresh + idle_hits <= pool.available()
                     && pool.blocks_for(finish.max(len + 1)) <= pool.total
                     && (!worst_case
@@ -491,7 +501,7 @@ pub fn admit_fifo(
         let mut block_table = hits;
         block_table.extend(fresh);
         seqs[u] += 1;
-        tokens[u] += len - cached;
+        tokens[u] += (len - cached).min(caps[u].tokens.saturating_sub(tokens[u]));
         at_end[u] += pool.blocks_for(finish.max(len + 1));
         done.sequences += 1;
         done.tokens += len;
@@ -621,6 +631,7 @@ mod tests {
             &prompts,
             &finish,
             false,
+            false,
             &mut age,
         )
         .sequences;
@@ -711,6 +722,7 @@ mod tests {
             &[&prompt],
             &[14],
             false,
+            false,
             &mut age,
         );
         assert_eq!(done.prefix_hits, 1);
@@ -749,9 +761,49 @@ mod tests {
                 &prompts,
                 &[12, 12],
                 worst_case,
+                false,
                 &mut age,
             );
             assert_eq!(done.sequences, admitted, "worst_case {worst_case}");
+        }
+    }
+
+    /// A pass of 6 tokens and prompts of 4 and 10 tokens: without chunked prefill the
+    /// second waits (10 > the 2 left, and > 6 alone); with it, it is admitted while any
+    /// room is left, its blocks taken for the whole prompt, and a third waits only when no
+    /// room is left.
+    #[test]
+    fn chunked_admission_takes_a_prompt_longer_than_the_room_left() {
+        let caps = [UbCapacity {
+            seqs: 4,
+            tokens: 6,
+            kv_tokens: 64,
+        }];
+        let prompts: [&[u32]; 3] = [&[1, 2, 3, 4], &[5; 10], &[6, 7]];
+        for (chunked, admitted) in [(false, 1), (true, 2)] {
+            let mut pools = vec![KvPool::new(64, 4)];
+            let mut waiting: VecDeque<Pending> = (0..3)
+                .map(|request| Pending {
+                    request,
+                    generated: vec![],
+                })
+                .collect();
+            let (mut running, mut age) = (Vec::new(), 0);
+            let done = admit_fifo(
+                &mut waiting,
+                &mut running,
+                &mut pools,
+                &caps,
+                &prompts,
+                &[6, 12, 4],
+                false,
+                chunked,
+                &mut age,
+            );
+            assert_eq!(done.sequences, admitted, "chunked {chunked}");
+            if chunked {
+                assert_eq!(running[1].block_table.len(), 3, "blocks for 10 tokens + 1");
+            }
         }
     }
 }

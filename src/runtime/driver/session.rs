@@ -167,6 +167,10 @@ struct Live {
     logits: Option<Vec<f32>>,
 }
 
+/// A sequence's sampler state kept aside over a pass that runs a chunk of its prompt:
+/// request, generator, constraint.
+type HeldSampler = (usize, Option<Rng>, Option<Box<dyn TokenConstraint>>);
+
 /// A run that takes sequences while it runs (see the module doc).
 pub struct Session<'a, B: Backend + ?Sized> {
     plan: &'a ExecPlan,
@@ -196,6 +200,10 @@ pub struct Session<'a, B: Backend + ?Sized> {
     /// Static batches also take KV blocks as they grow, from pools kept for the session,
     /// and reserve nothing for tokens not yet generated ([`Session::on_demand_kv`]).
     on_demand: bool,
+    /// A prompt longer than a pass's token room is prefilled in chunks over several passes
+    /// (each chunk attends the cache the earlier ones wrote): set with the prefix cache,
+    /// where the prefill attends the decode's KV cache ([`Session::on_demand_kv`]).
+    chunked_prefill: bool,
     stats: RunStats,
     gauges: Arc<Gauges>,
 }
@@ -296,6 +304,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             setup_done: false,
             record_steps: true,
             on_demand: false,
+            chunked_prefill: false,
             stats,
             gauges,
         })
@@ -316,10 +325,15 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     /// can hold to the end at once, so it never preempts. Where the plan's prefill attends the same
     /// KV cache as its decode, the pools keep a prefix cache (see `scheduler`): whole
     /// blocks of tokens already run are shared by the sequences that start with them.
+    /// The same plans prefill a prompt longer than a pass's token room in chunks (the
+    /// pass's activations stay within what the plan was compiled for; the rest of the
+    /// prompt waits for the next pass while the other sequences decode), so a prompt is
+    /// bounded by its pool's KV blocks and the card's positions only.
     /// Returns whether the prefix cache is on.
     pub fn on_demand_kv(&mut self) -> bool {
         self.on_demand = true;
         let prefix = prefill_attends_decode_cache(self.plan, self.prefill_step, self.decode_step);
+        self.chunked_prefill = prefix;
         if prefix {
             for pool in &mut self.pools {
                 *pool =
@@ -387,15 +401,24 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             .iter()
             .position(Option::is_none)
             .unwrap_or(self.slots.len());
+        // On demand nothing is reserved for tokens a sequence may not generate: it is
+        // bounded by its own `max_new_tokens`.
+        let gen_len = if self.on_demand {
+            request.max_new_tokens
+        } else {
+            self.gen_len
+        };
         check_prompts(
             &self.plan.model,
             std::slice::from_ref(&request.prompt),
-            self.gen_len,
+            gen_len,
         )
         .map_err(|e| SubmitError::Prompt(renumber(e, index)))?;
-        let gen_len = self.gen_len;
+        let chunked = self.chunked_prefill;
         let fits = self.prefill_caps.iter().any(|c| {
-            c.seqs > 0 && len <= c.tokens && block_size(c.kv_tokens, &[len + gen_len]).is_some()
+            c.seqs > 0
+                && (chunked || len <= c.tokens)
+                && block_size(c.kv_tokens, &[len + gen_len]).is_some()
         });
         if !fits {
             return Err(SubmitError::Prompt(RunError::PromptTooLarge {
@@ -591,12 +614,13 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     fn admit(&mut self) -> Result<(), RunError> {
         let gen_len = self.gen_len;
         if self.mixed || self.on_demand {
-            let decided = grow_decoding(
-                &mut self.running,
-                &mut self.pools,
-                &self.lens,
-                self.max_prefill,
-            );
+            // With chunked prefill any preempted sequence can be prefilled again.
+            let refill = if self.chunked_prefill {
+                usize::MAX
+            } else {
+                self.max_prefill
+            };
+            let decided = grow_decoding(&mut self.running, &mut self.pools, &self.lens, refill);
             self.stats.preemptions += decided.preempted.len();
             self.gauges
                 .preemptions
@@ -636,6 +660,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                     &prompts,
                     &finish,
                     !self.mixed,
+                    self.chunked_prefill,
                     &mut self.next_age,
                 );
                 let g = &self.gauges;
@@ -685,9 +710,54 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         Ok(())
     }
 
+    /// With chunked prefill, fits this pass in each micro-batch's token room: decoding
+    /// sequences take one token each, then prefilling ones (oldest first) take what is
+    /// left of their prompt up to the room; one that gets no room skips the pass
+    /// (`paused`), and a static plan's prefill pass skips the sequences already decoding
+    /// (its attention runs the prefill rows only). Returns the sequences (request, tokens)
+    /// whose chunk does not end their prompt. Without chunked prefill: nothing.
+    fn plan_chunks(&mut self) -> Vec<(usize, usize)> {
+        if !self.chunked_prefill {
+            return Vec::new();
+        }
+        let prefill_pass = !self.mixed && self.running.iter().any(|s| !s.prompt_done && !s.paused);
+        let mut room: Vec<usize> = self.prefill_caps.iter().map(|c| c.tokens).collect();
+        let mut order: Vec<usize> = (0..self.running.len()).collect();
+        order.sort_by_key(|&i| (!self.running[i].prompt_done, self.running[i].age));
+        let mut chunks = Vec::new();
+        for i in order {
+            let s = &mut self.running[i];
+            if s.paused {
+                continue;
+            }
+            let Some(room) = room.get_mut(s.ub) else {
+                continue;
+            };
+            if s.prompt_done {
+                if prefill_pass {
+                    s.paused = true;
+                } else {
+                    *room = room.saturating_sub(1);
+                }
+                continue;
+            }
+            let remaining = (self.lens.get(s.request).copied().unwrap_or(0) + s.generated.len())
+                .saturating_sub(s.cached);
+            let take = remaining.min(*room);
+            *room -= take;
+            if take == 0 {
+                s.paused = true;
+            } else if take < remaining {
+                chunks.push((s.request, take));
+            }
+        }
+        chunks
+    }
+
     /// Runs one step over the running sequences and collects their tokens.
     fn run_pass(&mut self) -> Result<Vec<SeqEvent>, RunError> {
         let n_ubs = self.plan.micro_batches.count as usize;
+        let chunks = self.plan_chunks();
         let any_prefill = self.running.iter().any(|s| !s.prompt_done && !s.paused);
         let step = if any_prefill {
             self.prefill_step
@@ -733,7 +803,10 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 continue;
             };
             let prompt_len = live.prompt.len();
-            let new_tokens = s.new_tokens(&live.prompt);
+            let mut new_tokens = s.new_tokens(&live.prompt);
+            if let Some(&(_, n)) = chunks.iter().find(|(r, _)| *r == s.request) {
+                new_tokens.truncate(n);
+            }
             let load = &mut loads[s.ub];
             if s.prompt_done {
                 n_decode += 1;
@@ -754,7 +827,30 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 prefill: !s.prompt_done,
             });
         }
-        let (start, end, tasks, graph) = self.runner().run_graphed(&self.state, step)?;
+        // A chunk that does not end its prompt samples a token nobody takes: its
+        // generator and constraint are put back as they were after the pass.
+        let held: Vec<HeldSampler> = chunks
+            .iter()
+            .map(|&(r, _)| {
+                let rng = lock(&self.state.rngs).get(r).cloned();
+                let constraint = lock(&self.state.constraints)
+                    .get_mut(r)
+                    .and_then(Option::take);
+                (r, rng, constraint)
+            })
+            .collect();
+        let ran = self.runner().run_graphed(&self.state, step);
+        for (r, rng, constraint) in held {
+            if let (Some(slot), Some(rng)) = (lock(&self.state.rngs).get_mut(r), rng) {
+                *slot = rng;
+            }
+            if let Some(slot) = lock(&self.state.constraints).get_mut(r) {
+                if constraint.is_some() {
+                    *slot = constraint;
+                }
+            }
+        }
+        let (start, end, tasks, graph) = ran?;
         // A long-lived session keeps no per-step records (the backend's line counts them).
         if let Some(graph) = graph.filter(|_| self.record_steps) {
             self.stats.graph_steps.push(GraphStep {
@@ -813,6 +909,12 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                     row: k,
                 }));
             };
+            if let Some(&(_, n)) = chunks.iter().find(|(r, _)| *r == s.request) {
+                // A chunk of its prompt ran: the rest waits for the next pass.
+                s.cached += n;
+                still.push(s);
+                continue;
+            }
             let Some(live) = self.slots.get_mut(s.request).and_then(Option::as_mut) else {
                 continue;
             };
