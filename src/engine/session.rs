@@ -634,20 +634,32 @@ fn worker(
     let card = checkpoint.card().clone();
     let name = &run.schedule_name;
     let sizes = SessionSizes::new(&request, &card).map_err(|m| fail(RunFailure::Message(m)))?;
-    let target = Target {
+    let target = |plan_gen_len: usize| Target {
         workload: Workload {
             batch: request.max_batch as u64,
             prompt_len: request.max_prompt as u64,
-            gen_len: sizes.plan_gen_len as u64,
+            gen_len: plan_gen_len as u64,
         },
         profile: ProfileUse::Budgets,
     };
+    let mut prepared = prepare(run, &card, target(sizes.plan_gen_len)).map_err(fail)?;
+    // The plan holds KV for every sequence it seats (micro-batches x their size), which a
+    // schedule's own micro-batch size may make more than --max-batch: then it is compiled
+    // once more with fewer KV tokens per sequence, so the KV budget is what they all hold.
+    if request.context.is_some() {
+        let batches = &prepared.plan.micro_batches;
+        let seats = (batches.size as usize).saturating_mul(batches.count as usize);
+        let per_seat = sizes.kv_tokens / seats.max(1);
+        if seats > request.max_batch && per_seat >= request.max_prompt + run.gen_len {
+            prepared = prepare(run, &card, target(per_seat - request.max_prompt)).map_err(fail)?;
+        }
+    }
     let Prepared {
         plan,
         run: options_run,
         mut notes,
         ..
-    } = prepare(run, &card, target).map_err(fail)?;
+    } = prepared;
     let backend =
         crate::runtime::registry::open(run.backend, &plan, &checkpoint, &options_run.backend)
             .map_err(|e| fail(message(&e)))?;
