@@ -149,8 +149,8 @@ fn absurd_counts_are_refused_before_allocating() {
 fn unsupported_types_and_contradicting_shapes_name_the_tensor() {
     let bytes = build(
         &[],
-        // Q5_0 (type 6, 22 bytes per 32 weights): a format moec does not read.
-        &[("blk.0.ffn_gate_exps.weight", vec![32, 1], 6, vec![0; 22])],
+        // Q5_1 (type 7, 24 bytes per 32 weights): a format moec does not read.
+        &[("blk.0.ffn_gate_exps.weight", vec![32, 1], 7, vec![0; 24])],
     );
     let f = open_bytes(&bytes).unwrap();
     let err = f
@@ -158,7 +158,7 @@ fn unsupported_types_and_contradicting_shapes_name_the_tensor() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("`blk.0.ffn_gate_exps.weight` is stored as Q5_0"),
+        err.contains("`blk.0.ffn_gate_exps.weight` is stored as Q5_1"),
         "{err}"
     );
     let f = open_bytes(&sample()).unwrap();
