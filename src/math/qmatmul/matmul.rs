@@ -290,7 +290,7 @@ impl<'a> Prepared<'a> {
             return Prepared::Tiles(TileActs::new(acts, w.format()));
         }
         #[cfg(target_arch = "x86_64")]
-        if k.body() != QuantBody::Portable && simd_format(w.format()) {
+        if k.body() != QuantBody::Portable {
             let order = simd_code_order(k.body(), w.format());
             return Prepared::Grouped(GroupedActs::new(acts, w.format(), order));
         }
@@ -371,22 +371,15 @@ fn simd_panel(
         (_, QuantFormat::Q5K) => dot_avx2::panel::<13>,
         (_, QuantFormat::Q6K) => dot_avx2::panel::<14>,
         (_, QuantFormat::Mxfp4) => dot_avx2::panel::<39>,
-        // `Prepared::new` sends Q5_0 to the portable body (`simd_format`), never here.
-        (_, QuantFormat::Q5_0) => unreachable!("Q5_0 has no SIMD body"),
+        // Q5_0 has only the AVX2 body (the VNNI body's CPUs have AVX2 too: its
+        // `is_supported`).
+        (_, QuantFormat::Q5_0) => dot_avx2::panel::<6>,
     };
     // SAFETY: the body's features are this CPU's (the `QuantKernels` invariant; the
     // portable body never gets here); the panel's format is `w`'s by the match above;
     // `acts` was quantised from `n_rows` rows of `w.cols` for this format; the caller made
     // o0 + rows <= w.rows and `local` n_rows * rows long.
     unsafe { f(w, acts, o0, rows, local) }
-}
-
-/// Whether the SIMD bodies decode `format`: all but Q5_0 (only a few small matrices of
-/// llama.cpp's Q4_K_M mixes, whose rows are not whole super-blocks), which runs the
-/// portable body on every CPU.
-#[cfg(target_arch = "x86_64")]
-fn simd_format(format: QuantFormat) -> bool {
-    format != QuantFormat::Q5_0
 }
 
 /// The order a SIMD body's decoder gives a format's codes in (the activation codes are
