@@ -62,7 +62,7 @@ fn quant_bytes(format: QuantFormat, elems: usize, seed: u64) -> Vec<u8> {
         .map(|_| rng.next() as u8)
         .collect();
     let fields: &[usize] = match format {
-        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
         QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
         QuantFormat::Mxfp4 => &[],

@@ -1,9 +1,9 @@
 // ggml's own K-quant bytes for a fixed matrix, the golden data of moec's encoder tests
 // (src/model/quant/encode.rs). Built and run by scripts/kquant_golden.sh against the
 // libggml-base.a that scripts/gguf_fixtures.sh builds (llama-cpp-python 0.3.36's ggml).
-// Writes to stdout: ROWS x COLS f32 weights (little-endian), then the matrix as Q4_K, Q5_K
-// and Q6_K via ggml_quantize_chunk with no importance matrix, which is what
-// llama-quantize runs (quantize_row_q{4,5,6}_K_ref).
+// Writes to stdout: ROWS x COLS f32 weights (little-endian), then the matrix as Q4_K, Q5_K,
+// Q6_K and Q5_0 via ggml_quantize_chunk with no importance matrix, which is what
+// llama-quantize runs (quantize_row_q{4,5,6}_K_ref, quantize_row_q5_0_ref).
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -41,8 +41,8 @@ int main(void) {
         }
     }
     fwrite(x, sizeof(float), ROWS * COLS, stdout);
-    const enum ggml_type types[] = {GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
-    for (int t = 0; t < 3; ++t) {
+    const enum ggml_type types[] = {GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, GGML_TYPE_Q5_0};
+    for (int t = 0; t < 4; ++t) {
         size_t size = ggml_row_size(types[t], COLS) * ROWS;
         void * out = calloc(1, size);
         size_t written = ggml_quantize_chunk(types[t], x, out, 0, ROWS, COLS, NULL);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Remakes tests/fixtures/quant/kquant-golden.bin: ggml's own Q4_K, Q5_K and Q6_K bytes
+# Remakes tests/fixtures/quant/kquant-golden.bin: ggml's own Q4_K, Q5_K, Q6_K and Q5_0 bytes
 # (what llama-quantize writes, no importance matrix) for scripts/kquant_golden.c's matrix,
 # which src/quant/encode.rs's tests compare moec's encoder with byte for byte.
 # Takes: g++ and the ggml that scripts/gguf_fixtures.sh builds under $MOEC_PEER_CACHE

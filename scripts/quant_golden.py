@@ -31,6 +31,8 @@ FORMATS = {
     "Q4_1": (T.Q4_1, 20, [0, 2]),
     # MXFP4's scale is an e8m0 byte: every value 0..255 is drawn (subnormal to 2^127).
     "MXFP4": (T.MXFP4, 17, []),
+    # Appended last, so the blocks drawn before it stay as they were.
+    "Q5_0": (T.Q5_0, 22, [0]),
 }
 
 cases = []

@@ -920,6 +920,38 @@ fn quantize_refuses_clearly_and_what_it_writes_runs() {
         "{}",
         String::from_utf8_lossy(&gen.stderr)
     );
+    // Q5_0 (llama.cpp's Q4_K_M fallback for rows that are not whole super-blocks) is
+    // written where the other formats are, and what it writes runs.
+    let q5_path = cache.path().join("e-q5_0.gguf");
+    let q5 = quantize_run(
+        cache.path(),
+        &dir,
+        &q5_path,
+        &["--weight-format", "experts=q5_0,attention=q5_0"],
+    );
+    assert!(
+        q5.status.success(),
+        "{}",
+        String::from_utf8_lossy(&q5.stderr)
+    );
+    let gen = moec(
+        cache.path(),
+        &[
+            "generate",
+            "--weights",
+            q5_path.to_str().unwrap(),
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+    );
+    assert!(
+        gen.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gen.stderr)
+    );
 }
 
 /// `moec perplexity --json` of `weights` against `reference` on the embedded text.

@@ -1102,11 +1102,11 @@ fn gguf_cases() -> Vec<Case> {
         run(
             "gguf unsupported tensor type",
             "m.gguf",
-            "`blk.0.ffn_up_exps.weight` is stored as Q5_0",
+            "`blk.0.ffn_up_exps.weight` is stored as Q5_1",
             tiny_qwen3_gguf(|_, t| {
-                // Q5_0 (a format moec does not read): 22 bytes per 32 weights.
-                t[13].2 = 6;
-                t[13].3 = vec![0; 32 * 4 * 22];
+                // Q5_1 (a format moec does not read): 24 bytes per 32 weights.
+                t[13].2 = 7;
+                t[13].3 = vec![0; 32 * 4 * 24];
             }),
         ),
         run(

@@ -1509,6 +1509,29 @@ fn synthetic_gguf_matches_moec_quantize_and_loads() {
         Some(&Value::Str("llama".into()))
     );
     files.push(olmoe);
+    // DeepSeek-V2's tiny card under Q4_K_M: its rows are not whole 256-weight blocks, so
+    // llama-quantize's fallbacks apply (Q4_K to Q5_0, Q6_K to Q8_0), as at real size for
+    // DeepSeek-V2-Lite's experts (rows of 1408).
+    let ds = tmp.path().join("deepseek-v2-tiny.gguf");
+    moec::engine::synth_gguf(
+        &SynthGgufRequest {
+            card: "deepseek-v2-tiny".into(),
+            out: ds.clone(),
+            seed: 0,
+            dtype: None,
+            formats: QuantizeFormats::Mix("q4_k_m".into()),
+            name: None,
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let f = GgufFile::open(&ds).unwrap();
+    let q5_0 = f.tensors.values().filter(|t| t.ggml_type == 6).count();
+    assert!(
+        q5_0 > 0 && f.tensors.values().any(|t| t.ggml_type == 8),
+        "deepseek-v2-tiny Q4_K_M: {q5_0} Q5_0 tensors"
+    );
+    files.push(ds);
     for file in &files {
         let ck = Checkpoint::open_gguf(file, None).unwrap();
         let mut opts = GenerateOptions::greedy(4);

@@ -26,7 +26,7 @@ pub struct QuantizeArgs {
     #[arg(long, value_name = "FILE.gguf")]
     pub out: PathBuf,
     /// Formats per weight class (classes experts, attention, shared, router, embedding,
-    /// head; formats q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32). Classes not named keep the
+    /// head; formats q4_0, q4_1, q5_0, q8_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32). Classes not named keep the
     /// checkpoint's dtype (a gpt-oss Hub checkpoint's MXFP4 experts their blocks), the
     /// router f32; norms are always f32. Default: experts=q4_k (gpt-oss: experts=mxfp4).
     #[arg(long, value_name = "CLASS=FORMAT,..", conflicts_with = "all")]

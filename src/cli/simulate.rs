@@ -24,7 +24,7 @@ pub struct CostTarget {
     pub model: String,
     /// Storage formats per weight class, on top of the card's dtype:
     /// `experts=q4_k,attention=q8_0` (classes experts, attention, shared, router, norms,
-    /// embedding, head; formats bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4).
+    /// embedding, head; formats bf16, f16, f32, q4_0, q4_1, q5_0, q8_0, q4_k, q5_k, q6_k, mxfp4).
     #[arg(long, value_name = "CLASS=FORMAT,..")]
     pub weight_format: Option<String>,
     /// Hardware profile: built-in name (see `moec hw`) or `.ron` path.

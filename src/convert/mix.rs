@@ -12,7 +12,7 @@
 //! (experts and shared experts alike) get more bits in the layers `use_more_bits` picks;
 //! 8-expert models keep attention K and V in Q8_0 and attention output in Q5_K; a row
 //! that is not whole 256-weight blocks falls back as llama-quantize falls back (Q6_K to
-//! Q8_0; Q4_K and Q5_K to Q5_0 and Q5_1, which moec does not write, so that is an error
+//! Q8_0, Q4_K to Q5_0; Q5_K to Q5_1, which moec does not write, so that is an error
 //! naming the tensor). llama.cpp's rule for its 70B dense model type (V in Q5_K) does not
 //! arise for the MoE families moec writes.
 
@@ -258,8 +258,9 @@ pub fn mix_types(
 }
 
 /// llama-quantize's `tensor_type_fallback`: a row that is not whole blocks of `ty` takes
-/// Q8_0 for Q6_K (Q5_0 and Q5_1 for Q4_K and Q5_K, formats moec does not write: an
-/// error), and F16 where even the fallback's 32-weight blocks do not fit.
+/// Q8_0 for Q6_K and Q5_0 for Q4_K (Q5_1 for Q5_K, a format moec does not write: an
+/// error naming the tensor), and F16 where even the fallback's 32-weight blocks do not
+/// fit.
 fn fallback(name: &str, ty: QuantFormat, cols: usize) -> Result<Storage, String> {
     if cols.is_multiple_of(ty.block_elems()) {
         return Ok(Storage::Quant(ty));
@@ -268,15 +269,11 @@ fn fallback(name: &str, ty: QuantFormat, cols: usize) -> Result<Storage, String>
         return Ok(Storage::Float(WeightDtype::F16));
     }
     match ty {
-        QuantFormat::Q4K | QuantFormat::Q5K => Err(format!(
+        QuantFormat::Q4K => Ok(Storage::Quant(QuantFormat::Q5_0)),
+        QuantFormat::Q5K => Err(format!(
             "tensor `{name}`: rows of {cols} weights are not whole {} blocks, and \
-             llama-quantize's fallback for it ({}) is a format moec does not write",
+             llama-quantize's fallback for it (Q5_1) is a format moec does not write",
             ty.name(),
-            if ty == QuantFormat::Q4K {
-                "Q5_0"
-            } else {
-                "Q5_1"
-            }
         )),
         _ => Ok(Storage::Quant(QuantFormat::Q8_0)),
     }
@@ -334,6 +331,42 @@ mod tests {
         assert_eq!(
             mix_types(Mix::Mxfp4Moe, model, &tensors).unwrap(),
             [q8, q8, mx, None, q8, None]
+        );
+    }
+
+    /// DeepSeek-V2-Lite's routed experts have rows of 1408 weights (5.5 super-blocks):
+    /// under Q4_K_M llama-quantize writes their down projections Q5_0 (Q4_K's fallback), or
+    /// Q8_0 in the layers `use_more_bits` picks (Q6_K's), and the gate/up projections
+    /// (rows of 2048) Q4_K; under Q5_K_M the fallback would be Q5_1, an error naming the
+    /// tensor.
+    #[test]
+    fn rows_of_1408_fall_back_to_q5_0_under_q4_k_m() {
+        let names: Vec<String> = (0..8)
+            .map(|i| format!("blk.{i}.ffn_down_exps.weight"))
+            .collect();
+        let mut tensors: Vec<(&str, &[u64])> = names
+            .iter()
+            .map(|n| (n.as_str(), &[1408u64, 2048, 64][..]))
+            .collect();
+        tensors.push(("blk.0.ffn_gate_exps.weight", &[2048, 1408, 64]));
+        let model = MixModel {
+            experts: 64,
+            layers: 8,
+        };
+        let (q5_0, q8, q4k) = (
+            Some(Storage::Quant(QuantFormat::Q5_0)),
+            Some(Storage::Quant(QuantFormat::Q8_0)),
+            Some(Storage::Quant(QuantFormat::Q4K)),
+        );
+        // use_more_bits(i, 8): layers 0, 3, 6 and 7.
+        assert_eq!(
+            mix_types(Mix::Q4KM, model, &tensors).unwrap(),
+            [q8, q5_0, q5_0, q8, q5_0, q5_0, q8, q8, q4k]
+        );
+        let err = mix_types(Mix::Q5KM, model, &tensors).unwrap_err();
+        assert!(
+            err.contains("tensor `blk.1.ffn_down_exps.weight`") && err.contains("(Q5_1)"),
+            "{err}"
         );
     }
 }

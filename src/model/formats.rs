@@ -298,7 +298,7 @@ mod tests {
         for (spec, says) in [
             ("experts", "expected CLASS=FORMAT"),
             ("expert=q4_k", "unknown weight class `expert`"),
-            ("experts=q5_0", "unknown weight format `q5_0`"),
+            ("experts=q5_1", "unknown weight format `q5_1`"),
             ("norms=q8_0", "stay in a float format"),
         ] {
             let e = f.parse_classes(spec).unwrap_err();

@@ -31,6 +31,7 @@ pub fn dequantize_blocks(
     let decode: fn(&[u8], &mut [f32]) = match format {
         QuantFormat::Q4_0 => q4_0,
         QuantFormat::Q4_1 => q4_1,
+        QuantFormat::Q5_0 => q5_0,
         QuantFormat::Q8_0 => q8_0,
         QuantFormat::Q4K => q4_k,
         QuantFormat::Q5K => q5_k,
@@ -63,6 +64,22 @@ fn q4_1(b: &[u8], out: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     for (l, o) in out.iter_mut().enumerate() {
         *o = d * f32::from(q4_code(&b[4..20], l)) + m;
+    }
+}
+
+/// Code `l` (0..32) of a Q5_0 block `b`: [`q4_code`] of its 16 code bytes (6..22) with
+/// bit `l` of the little-endian `u32` `qh` (bytes 2..6) as its fifth bit.
+pub(crate) fn q5_0_code(b: &[u8], l: usize) -> u8 {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    q4_code(&b[6..22], l) | ((((qh >> l) & 1) as u8) << 4)
+}
+
+/// `block_q5_0`: `d` (f16), `qh` (4 bytes of fifth bits), then 16 code bytes; weight `l`
+/// = `d * (q_l - 16)` (ggml's `dequantize_row_q5_0`: an exact integer times `d`).
+fn q5_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (l, o) in out.iter_mut().enumerate() {
+        *o = (i32::from(q5_0_code(b, l)) - 16) as f32 * d;
     }
 }
 
@@ -210,9 +227,9 @@ pub(super) mod tests {
 
     #[test]
     fn block_sizes_are_ggmls() {
-        // ggml-common.h's static_asserts: 18, 20, 34, 144, 176, 210 and 17 bytes.
+        // ggml-common.h's static_asserts: 18, 20, 22, 34, 144, 176, 210 and 17 bytes.
         let sizes: Vec<usize> = QuantFormat::ALL.iter().map(|f| f.block_bytes()).collect();
-        assert_eq!(sizes, [18, 20, 34, 144, 176, 210, 17]);
+        assert_eq!(sizes, [18, 20, 22, 34, 144, 176, 210, 17]);
         assert_eq!(QuantFormat::Q4K.bytes_for(4096), Some(16 * 144));
         assert_eq!(QuantFormat::Q4K.bytes_for(100), None);
     }

@@ -1,4 +1,4 @@
-//! Quantisers: f32 weights into ggml blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), for
+//! Quantisers: f32 weights into ggml blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), for
 //! `moec quantize`.
 //!
 //! Takes rows of f32 weights whose length is whole blocks of the format; gives the blocks'
@@ -7,7 +7,8 @@
 //! f16 rounded to nearest; codes rounded half away from zero), and Q4_0 and Q4_1 follow
 //! round-to-nearest as ggml's `quantize_row_q4_0_ref`/`quantize_row_q4_1_ref` define it
 //! (Q4_0: scale = the first value of largest magnitude over −8, codes `min(15, trunc(x /
-//! d + 8.5))`; Q4_1: scale = range / 15, offset = the block minimum, codes `min(15,
+//! d + 8.5))`; Q5_0 the same with −16, 16.5 and 31 (`quantize_row_q5_0_ref`, checked against
+//! ggml's bytes); Q4_1: scale = range / 15, offset = the block minimum, codes `min(15,
 //! trunc((x − min) / d + 0.5))`), so all three give llama-quantize's bytes for the same
 //! f32 input. The K formats follow ggml's reference quantisers as llama-quantize runs them
 //! without an importance matrix (`quantize_row_q{4,5,6}_K_ref`): the same searches
@@ -35,6 +36,7 @@ pub fn quantize_row(format: QuantFormat, src: &[f32]) -> Result<Vec<u8>, QuantEr
     let encode: fn(&[f32], &mut [u8]) = match format {
         QuantFormat::Q4_0 => q4_0,
         QuantFormat::Q4_1 => q4_1,
+        QuantFormat::Q5_0 => q5_0,
         QuantFormat::Q8_0 => q8_0,
         QuantFormat::Q4K => |x, b| kq_asym(x, b, 15),
         QuantFormat::Q5K => |x, b| kq_asym(x, b, 31),
@@ -98,6 +100,32 @@ fn q4_0(x: &[f32], b: &mut [u8]) {
         *c = q4_trunc(v * id + 8.5);
     }
     pack_q4(&q, &mut b[2..18]);
+}
+
+/// ggml's `quantize_row_q5_0_ref`: scale = the first value of largest magnitude over −16,
+/// codes `min(31, trunc(x / d + 16.5))` (as Q4_0's, one bit wider), the low nibbles packed
+/// as Q4_0's and each code's fifth bit at bit `l` of the little-endian `u32` `qh`.
+fn q5_0(x: &[f32], b: &mut [u8]) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    b[..2].copy_from_slice(&f16_store(d).0);
+    let mut q = [0u8; 32];
+    let mut qh = 0u32;
+    for (l, (c, &v)) in q.iter_mut().zip(x).enumerate() {
+        // C's `(int8_t)` truncation, capped as `MIN(31, ..)`; `v * id` lies in [-16, 16].
+        let code = ((v * id + 16.5) as i8).clamp(0, 31) as u8;
+        qh |= u32::from(code >> 4) << l;
+        *c = code & 0x0f;
+    }
+    b[2..6].copy_from_slice(&qh.to_le_bytes());
+    pack_q4(&q, &mut b[6..22]);
 }
 
 fn q4_1(x: &[f32], b: &mut [u8]) {
@@ -498,6 +526,7 @@ mod tests {
             (QuantFormat::Q8_0, 0.01),
             (QuantFormat::Q4_0, 0.25),
             (QuantFormat::Q4_1, 0.2),
+            (QuantFormat::Q5_0, 0.13),
             (QuantFormat::Mxfp4, 0.3),
             (QuantFormat::Q6K, 0.04),
             (QuantFormat::Q5K, 0.08),
@@ -520,7 +549,7 @@ mod tests {
     }
 
     /// ggml's own bytes (`ggml_quantize_chunk`, what llama-quantize runs without an
-    /// importance matrix) for `scripts/kquant_golden.c`'s 8 x 512 matrix: small and
+    /// importance matrix; Q4_K, Q5_K, Q6_K and Q5_0) for `scripts/kquant_golden.c`'s 8 x 512 matrix: small and
     /// spiky rows, all-positive and all-negative ones, zero sub-blocks, values below
     /// ggml's `GROUP_MAX_EPS`, constant halves, and sub-blocks from 1e-3 to 1e3. Made by
     /// `scripts/kquant_golden.sh`; moec's encoder must give them byte for byte.
@@ -533,7 +562,12 @@ mod tests {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         let mut at = 4 * n;
-        for format in [QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K] {
+        for format in [
+            QuantFormat::Q4K,
+            QuantFormat::Q5K,
+            QuantFormat::Q6K,
+            QuantFormat::Q5_0,
+        ] {
             let len = format.bytes_for(n).unwrap();
             let theirs = &GOLDEN[at..at + len];
             at += len;
@@ -543,7 +577,7 @@ mod tests {
                 assert!(
                     a == b,
                     "{format} block {i} (row {}): first differing byte {:?}",
-                    i / 2,
+                    i * format.block_elems() / 512,
                     a.iter().zip(b).position(|(p, q)| p != q)
                 );
             }
@@ -581,6 +615,31 @@ mod tests {
         assert_eq!(b[2], 0x80, "weight 0 code 0, weight 16 code 8");
         assert_eq!(b[3], 8 | (15 << 4), "weight 1 code 8, weight 17 code 15");
         assert_eq!(b[5], 11 | (8 << 4));
+    }
+
+    /// Q5_0 worked by hand from `quantize_row_q5_0_ref`: the first value of largest
+    /// magnitude is -1.6 (ahead of +1.6), so d = 0.1, id = 10; -1.6 -> trunc(0.5) = 0,
+    /// +1.6 -> trunc(32.5) capped at 31 (fifth bit set), 0.26 -> trunc(19.1) = 19 (fifth
+    /// bit set), 0 -> 16 (fifth bit set); bit `l` of `qh` is weight `l`'s fifth bit.
+    #[test]
+    fn q5_0_is_the_reference_rounding_worked_by_hand() {
+        let mut x = [0.0f32; 32];
+        x[0] = -1.6;
+        x[17] = 1.6;
+        x[3] = 0.26;
+        let b = quantize_row(QuantFormat::Q5_0, &x).unwrap();
+        assert_eq!(&b[..2], &f16::from_f32(-1.6f32 / -16.0).to_le_bytes());
+        assert_eq!(u32::from_le_bytes([b[2], b[3], b[4], b[5]]), !1u32);
+        assert_eq!(b[6], 0, "weight 0 code 0, weight 16 code 16");
+        assert_eq!(b[7], 15 << 4, "weight 1 code 16, weight 17 code 31");
+        assert_eq!(b[9], 3, "weight 3 code 19");
+        let mut y = [0.0f32; 32];
+        crate::quant::dequantize_blocks(QuantFormat::Q5_0, &b, &mut y).unwrap();
+        let d = f16::from_f32(0.1).to_f32();
+        assert_eq!(
+            (y[0], y[17], y[3], y[5]),
+            (-16.0 * d, 15.0 * d, 3.0 * d, 0.0)
+        );
     }
 
     /// Q4_1 by hand: min -0.5, max 1.0, d = 0.1, id = 10; -0.5 -> 0, 1.0 -> 15,

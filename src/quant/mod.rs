@@ -1,5 +1,5 @@
-//! Block-quantised weights in llama.cpp's GGUF formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-//! Q6_K, MXFP4).
+//! Block-quantised weights in llama.cpp's GGUF formats (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
+//! Q5_K, Q6_K, MXFP4).
 //!
 //! Takes the raw bytes of a tensor stored in one of these formats (a run of fixed-size
 //! blocks, each holding [`QuantFormat::block_elems`] weights of one row); gives
@@ -41,6 +41,9 @@ pub enum QuantFormat {
     /// Group-wise asymmetric int4: blocks of 32 weights, f16 `d` and `m` and 32 4-bit
     /// codes, weight = `d * q + m` (5 bits a weight).
     Q4_1,
+    /// Group-wise symmetric int5: blocks of 32 weights, an f16 scale `d`, 32 fifth bits
+    /// `qh` and 32 4-bit codes, weight = `d * (q - 16)` (5.5 bits a weight).
+    Q5_0,
     /// Blocks of 32 weights: an f16 scale and 32 signed bytes (8.5 bits a weight).
     Q8_0,
     /// Super-blocks of 256 weights: f16 scale and min, eight 6-bit sub-block scales and
@@ -61,9 +64,10 @@ pub const QK_K: usize = 256;
 
 impl QuantFormat {
     /// Every format, in ggml type-id order.
-    pub const ALL: [QuantFormat; 7] = [
+    pub const ALL: [QuantFormat; 8] = [
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
+        QuantFormat::Q5_0,
         QuantFormat::Q8_0,
         QuantFormat::Q4K,
         QuantFormat::Q5K,
@@ -263,7 +267,7 @@ pub(crate) fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> 
         .map(|_| (rng.next_u64() >> 56) as u8)
         .collect();
     let f16_fields: &[usize] = match format {
-        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
         QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
         QuantFormat::Mxfp4 => &[],
@@ -305,6 +309,7 @@ mod tests {
         }
         assert_eq!(QuantFormat::from_ggml_type(2), Some(QuantFormat::Q4_0));
         assert_eq!(QuantFormat::from_ggml_type(3), Some(QuantFormat::Q4_1));
+        assert_eq!(QuantFormat::from_ggml_type(6), Some(QuantFormat::Q5_0));
         assert_eq!(
             QuantFormat::from_ggml_type(10),
             None,

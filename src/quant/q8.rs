@@ -1,5 +1,5 @@
 //! Activation rows quantised to 8 bits, as ggml quantises them before a quantised dot
-//! product: Q8_K for the K-quant weights, Q8_0 for Q8_0, Q4_0 and MXFP4 weights, Q8_1 for Q4_1
+//! product: Q8_K for the K-quant weights, Q8_0 for Q8_0, Q4_0, Q5_0 and MXFP4 weights, Q8_1 for Q4_1
 //! weights (ggml's `vec_dot_type` of each).
 //!
 //! Takes f32 rows whose length is whole blocks; gives [`Q8Rows`], the int8 codes, one f32
@@ -40,7 +40,9 @@ impl ActFormat {
     /// `vec_dot_type`).
     pub fn for_weights(format: QuantFormat) -> Self {
         match format {
-            QuantFormat::Q4_0 | QuantFormat::Q8_0 | QuantFormat::Mxfp4 => ActFormat::Q8_0,
+            QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 | QuantFormat::Mxfp4 => {
+                ActFormat::Q8_0
+            }
             QuantFormat::Q4_1 => ActFormat::Q8_1,
             QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => ActFormat::Q8K,
         }

@@ -20,6 +20,8 @@ use half::f16;
 const RMS_I8: f32 = 73.902;
 /// Of `q - 8` for a uniform 4-bit `q` (Q4_0): the mean of `k^2` over `-8..=7` is 21.5.
 const RMS_Q4_SIGNED: f32 = 4.6368;
+/// Of `q - 16` for a uniform 5-bit `q` (Q5_0): the mean of `k^2` over `-16..=15` is 85.5.
+const RMS_Q5_SIGNED: f32 = 9.2466;
 /// Standard deviation of a uniform 4-bit code (`(16^2 - 1) / 12` = 21.25).
 const STD_Q4: f32 = 4.6098;
 /// Of a uniform 5-bit code (`(32^2 - 1) / 12`).
@@ -104,6 +106,7 @@ pub fn random_blocks(
         match format {
             QuantFormat::Q8_0 => b[0..2].copy_from_slice(&f16_scale(rms / RMS_I8)),
             QuantFormat::Q4_0 => b[0..2].copy_from_slice(&f16_scale(rms / RMS_Q4_SIGNED)),
+            QuantFormat::Q5_0 => b[0..2].copy_from_slice(&f16_scale(rms / RMS_Q5_SIGNED)),
             QuantFormat::Q4_1 => {
                 let d = f16::from_le_bytes(f16_scale(rms / STD_Q4)).to_f32();
                 b[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
@@ -172,8 +175,9 @@ mod tests {
                 0.15
             };
             assert!((rms / 0.02 - 1.0).abs() < tol, "{format}: rms {rms}");
-            // Q4_0 has no minimum: its codes `q - 8` average -0.5, a mean of -0.11 rms.
-            let mean_tol = if format == QuantFormat::Q4_0 {
+            // Q4_0 has no minimum: its codes `q - 8` average -0.5, a mean of -0.11 rms
+            // (Q5_0's `q - 16`: -0.05 rms).
+            let mean_tol = if matches!(format, QuantFormat::Q4_0 | QuantFormat::Q5_0) {
                 0.13
             } else {
                 0.05

@@ -69,11 +69,12 @@ impl Storage {
             Storage::Float(WeightDtype::Bf16) => 2,
             Storage::Quant(QuantFormat::Q4_0) => 3,
             Storage::Quant(QuantFormat::Q4_1) => 4,
-            Storage::Quant(QuantFormat::Q8_0) => 5,
-            Storage::Quant(QuantFormat::Q4K) => 6,
-            Storage::Quant(QuantFormat::Q5K) => 7,
-            Storage::Quant(QuantFormat::Q6K) => 8,
-            Storage::Quant(QuantFormat::Mxfp4) => 9,
+            Storage::Quant(QuantFormat::Q5_0) => 5,
+            Storage::Quant(QuantFormat::Q8_0) => 6,
+            Storage::Quant(QuantFormat::Q4K) => 7,
+            Storage::Quant(QuantFormat::Q5K) => 8,
+            Storage::Quant(QuantFormat::Q6K) => 9,
+            Storage::Quant(QuantFormat::Mxfp4) => 10,
         }]
     }
 
@@ -99,7 +100,7 @@ impl Storage {
         }
     }
 
-    /// Parses `bf16`, `f16`, `f32`, `q4_0`, `q4_1`, `q8_0`, `q4_k`, `q5_k`, `q6_k`, `mxfp4`
+    /// Parses `bf16`, `f16`, `f32`, `q4_0`, `q4_1`, `q5_0`, `q8_0`, `q4_k`, `q5_k`, `q6_k`, `mxfp4`
     /// (any case).
     pub fn parse(text: &str) -> Result<Self, String> {
         let t = text.trim().to_ascii_lowercase();
@@ -109,6 +110,7 @@ impl Storage {
             "f32" => Storage::Float(WeightDtype::F32),
             "q4_0" => Storage::Quant(QuantFormat::Q4_0),
             "q4_1" => Storage::Quant(QuantFormat::Q4_1),
+            "q5_0" => Storage::Quant(QuantFormat::Q5_0),
             "q8_0" => Storage::Quant(QuantFormat::Q8_0),
             "q4_k" => Storage::Quant(QuantFormat::Q4K),
             "q5_k" => Storage::Quant(QuantFormat::Q5K),
@@ -116,7 +118,7 @@ impl Storage {
             "mxfp4" => Storage::Quant(QuantFormat::Mxfp4),
             _ => {
                 return Err(format!(
-                    "unknown weight format `{text}` (one of bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, mxfp4)"
+                    "unknown weight format `{text}` (one of bf16, f16, f32, q4_0, q4_1, q5_0, q8_0, q4_k, q5_k, q6_k, mxfp4)"
                 ))
             }
         })
@@ -151,12 +153,13 @@ const K: usize = crate::quant::QK_K;
 
 /// Every ggml type moec reads and writes, from ggml's `ggml.h` (type ids), its
 /// `ggml-common.h` block structs (geometry) and llama.cpp's `llama_ftype` (file types).
-pub const GGML_TYPES: [GgmlType; 10] = [
+pub const GGML_TYPES: [GgmlType; 11] = [
     float(0, "F32", WeightDtype::F32, 4, 0),
     float(1, "F16", WeightDtype::F16, 2, 1),
     float(30, "BF16", WeightDtype::Bf16, 2, 32),
     block(2, "Q4_0", QuantFormat::Q4_0, 32, 2 + 16, 2),
     block(3, "Q4_1", QuantFormat::Q4_1, 32, 2 + 2 + 16, 3),
+    block(6, "Q5_0", QuantFormat::Q5_0, 32, 2 + 4 + 16, 8),
     block(8, "Q8_0", QuantFormat::Q8_0, 32, 2 + 32, 7),
     block(12, "Q4_K", QuantFormat::Q4K, K, 2 + 2 + 12 + K / 2, 14),
     block(

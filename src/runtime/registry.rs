@@ -128,6 +128,20 @@ mod tests {
         for b in BACKENDS {
             assert_eq!(quant_refusal(b, tensors.into_iter()), None, "{}", b.name);
         }
+        // The CUDA kernels have no Q5_0 decoder: the tensor and its format are named.
+        let cuda = find("cuda").expect("cuda registered");
+        let q5 = [("blk.0.attn_kv_a_mqa.weight", QuantFormat::Q5_0)];
+        let why = quant_refusal(cuda, q5.into_iter()).expect("Q5_0 refused on cuda");
+        assert!(
+            why.starts_with("tensor `blk.0.attn_kv_a_mqa.weight` is stored as Q5_0; the cuda backend computes with"),
+            "{why}"
+        );
+        assert!(
+            !why.contains("Q5_0,") && why.ends_with("run with --backend cpu"),
+            "{why}"
+        );
+        let cpu = find("cpu").expect("cpu registered");
+        assert_eq!(quant_refusal(cpu, q5.into_iter()), None);
         let partial = Registration {
             name: "partial",
             quant_formats: &[QuantFormat::Q4K],

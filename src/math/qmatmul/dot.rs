@@ -13,6 +13,8 @@
 //! - Q8_0: `isum = Σ_k q_k a_k` (32 signed codes each); value = `(dx · dy) · f32(isum)`.
 //! - Q4_0: `isum = Σ_k (q_k − 8) a_k` (codes 0..15, Q8_0 activations); value =
 //!   `(dx · dy) · f32(isum)` (ggml's `vec_dot_q4_0_q8_0`).
+//! - Q5_0: `isum = Σ_k (q_k − 16) a_k` (codes 0..31, Q8_0 activations); value =
+//!   `(dx · dy) · f32(isum)` (ggml's `vec_dot_q5_0_q8_0`).
 //! - Q4_1: `isum = Σ_k q_k a_k` (codes 0..15, Q8_1 activations); value =
 //!   `(dx · dy) · f32(isum) + m · sy`, `m` the block's f16 offset widened and `sy` the
 //!   activation block's Q8_1 `s` (ggml's `vec_dot_q4_1_q8_1`).
@@ -24,7 +26,7 @@
 //! `f32(i)` is the round-to-nearest conversion of an `i32`; `dx`, `dmin` are the block's
 //! f16 scales widened, `dy` the activation block's scale.
 
-use crate::quant::blocks::{e8m0_half, q4_code, q6k_codes, scale_min_k4, KVALUES_MXFP4};
+use crate::quant::blocks::{e8m0_half, q4_code, q5_0_code, q6k_codes, scale_min_k4, KVALUES_MXFP4};
 use crate::quant::QuantFormat;
 use half::f16;
 
@@ -47,6 +49,12 @@ pub(super) fn block_value(
         QuantFormat::Q4_0 => {
             let isum: i32 = (0..32)
                 .map(|l| (i32::from(q4_code(&w[2..18], l)) - 8) * i32::from(a[l]))
+                .sum();
+            (f16_at(w, 0) * dy) * isum as f32
+        }
+        QuantFormat::Q5_0 => {
+            let isum: i32 = (0..32)
+                .map(|l| (i32::from(q5_0_code(w, l)) - 16) * i32::from(a[l]))
                 .sum();
             (f16_at(w, 0) * dy) * isum as f32
         }

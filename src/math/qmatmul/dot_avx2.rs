@@ -4,7 +4,8 @@
 //! sub-block scale (pairs to 32 bits), summed into eight 32-bit lanes. Q8_0 codes are
 //! signed: `|w|` times the activation with `w`'s sign (`vpsignb`), as ggml does. Q4_0 and
 //! Q4_1 codes are the stored nibbles 0..15 (Q4_0's `−8` comes off the totals as `8 · Σ a`,
-//! see `x86::offset_shift`). MXFP4 codes become their signed table values (a byte shuffle)
+//! see `x86::offset_shift`); Q5_0's are 0..31, the fifth bit from `qh` (its `−16` off as
+//! `16 · Σ a`). MXFP4 codes become their signed table values (a byte shuffle)
 //! and are dotted as Q8_0's are.
 //!
 //! Guarantees: the integer sums are exact, and the loop, the reduction and the f32 block
@@ -96,6 +97,12 @@ pub(super) unsafe fn decode<const FMT: u32>(b: &[u8], side: &Side) -> Dec {
             };
             d.codes[0] = q4_codes(raw);
         }
+        6 => {
+            // Q5_0: Q4_0's nibbles with each weight's fifth bit (bit l of `qh`) as 0x10.
+            let raw = unsafe { _mm_loadu_si128(b.as_ptr().add(6) as *const __m128i) };
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            d.codes[0] = _mm256_or_si256(q4_codes(raw), q5_high_bits(qh));
+        }
         39 => {
             // Signed table values, then dotted as Q8_0's signed codes are.
             let raw = unsafe { _mm_loadu_si128(b.as_ptr().add(1) as *const __m128i) };
@@ -121,6 +128,26 @@ pub(super) fn mxfp4_values(raw: __m128i) -> __m256i {
         -2, -3, -4, -6, -8, -12,
     );
     _mm256_shuffle_epi8(table, q4_codes(raw))
+}
+
+/// Byte `l` of the result is 0x10 when bit `l` of `qh` is set, else 0 (ggml's
+/// `bytes_from_bits_32`: each byte takes its bit's source byte, every other bit forced
+/// on, then compared with all ones).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn q5_high_bits(qh: u32) -> __m256i {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh as i32),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1));
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
 /// The 32 codes of a Q4_0/Q4_1 block in weight order from its 16 code bytes: the low
@@ -153,8 +180,9 @@ pub(super) unsafe fn dot<const FMT: u32>(d: &Dec, a: *const i8) -> __m256i {
             }
             acc
         }
-        2 | 3 => {
-            // Unsigned codes 0..15 times signed activations: pairs stay below 2^15.
+        2 | 3 | 6 => {
+            // Unsigned codes 0..15 (Q5_0: 0..31) times signed activations: pairs stay
+            // below 2^15.
             let x = unsafe { _mm256_loadu_si256(a as *const __m256i) };
             let p = _mm256_maddubs_epi16(d.codes[0], x);
             _mm256_madd_epi16(p, _mm256_set1_epi16(1))

@@ -371,6 +371,9 @@ fn simd_panel(
         (_, QuantFormat::Q5K) => dot_avx2::panel::<13>,
         (_, QuantFormat::Q6K) => dot_avx2::panel::<14>,
         (_, QuantFormat::Mxfp4) => dot_avx2::panel::<39>,
+        // Q5_0 has only the AVX2 body (the VNNI body's CPUs have AVX2 too: its
+        // `is_supported`).
+        (_, QuantFormat::Q5_0) => dot_avx2::panel::<6>,
     };
     // SAFETY: the body's features are this CPU's (the `QuantKernels` invariant; the
     // portable body never gets here); the panel's format is `w`'s by the match above;

@@ -12,7 +12,7 @@ use half::f16;
 /// Byte offsets of a block's f16 scales (`d`, and `dmin` for Q4_K/Q5_K).
 fn f16_fields(format: QuantFormat) -> &'static [usize] {
     match format {
-        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
         QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
         QuantFormat::Mxfp4 => &[],

@@ -426,11 +426,12 @@ pub(super) unsafe fn group_values<const FMT: u32>(
 
 /// The power of two times each activation block's code sum a body takes off its totals
 /// for format `FMT` (0: none): Q4_0's codes are stored `w + 8` and dotted as they are
-/// (`8 = 2^3`); a body whose Q8_0 (and MXFP4) dot multiplies `w + 128` (`q8_0_offset`)
+/// (`8 = 2^3`), Q5_0's `w + 16` (`2^4`); a body whose Q8_0 (and MXFP4) dot multiplies `w + 128` (`q8_0_offset`)
 /// takes `2^7`.
 pub(super) const fn offset_shift(fmt: u32, q8_0_offset: bool) -> i32 {
     match fmt {
         2 => 3,
+        6 => 4,
         8 | 39 if q8_0_offset => 7,
         _ => 0,
     }

@@ -135,6 +135,9 @@ pub fn storage_code(dtype: WeightDtype, quant: Option<QuantFormat>) -> i32 {
         (Some(QuantFormat::Q4_0), _) => 7,
         (Some(QuantFormat::Q4_1), _) => 8,
         (Some(QuantFormat::Mxfp4), _) => 9,
+        // No kernel decodes Q5_0: `ops::QUANT_FORMATS` leaves it out, so the registry
+        // refuses its checkpoints before any launch; -1 matches no prelude decoder.
+        (Some(QuantFormat::Q5_0), _) => -1,
         (None, WeightDtype::Bf16) => 0,
         (None, WeightDtype::F16) => 1,
         (None, WeightDtype::F32) => 2,

@@ -95,6 +95,25 @@ fn reads_metadata_and_tensor_table() {
     assert_eq!(&f.bytes()[norm.range.clone()][4..8], &2f32.to_le_bytes());
 }
 
+/// A Q5_0 tensor (type 6, 22 bytes per 32 weights; llama.cpp's Q4_K_M fallback) reads as
+/// Q5_0 blocks, and its bytes decode.
+#[test]
+fn reads_q5_0_tensors() {
+    let q5 = crate::quant::random_blocks(QuantFormat::Q5_0, 4, 9);
+    let bytes = build(
+        &[],
+        &[("blk.0.ffn_down_exps.weight", vec![64, 2], 6, q5.clone())],
+    );
+    let f = open_bytes(&bytes).unwrap();
+    let (w, storage) = f.tensor("blk.0.ffn_down_exps.weight", &[2, 64]).unwrap();
+    assert_eq!(storage, Storage::Quant(QuantFormat::Q5_0));
+    assert_eq!(&f.bytes()[w.range.clone()], &q5[..]);
+    let mut x = vec![0f32; 128];
+    crate::quant::dequantize_blocks(QuantFormat::Q5_0, &f.bytes()[w.range.clone()], &mut x)
+        .unwrap();
+    assert!(x.iter().all(|v| v.is_finite()));
+}
+
 #[test]
 fn wrong_magic_and_version_are_named() {
     let mut bytes = sample();
@@ -149,8 +168,8 @@ fn absurd_counts_are_refused_before_allocating() {
 fn unsupported_types_and_contradicting_shapes_name_the_tensor() {
     let bytes = build(
         &[],
-        // Q5_0 (type 6, 22 bytes per 32 weights): a format moec does not read.
-        &[("blk.0.ffn_gate_exps.weight", vec![32, 1], 6, vec![0; 22])],
+        // Q5_1 (type 7, 24 bytes per 32 weights): a format moec does not read.
+        &[("blk.0.ffn_gate_exps.weight", vec![32, 1], 7, vec![0; 24])],
     );
     let f = open_bytes(&bytes).unwrap();
     let err = f
@@ -158,7 +177,7 @@ fn unsupported_types_and_contradicting_shapes_name_the_tensor() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("`blk.0.ffn_gate_exps.weight` is stored as Q5_0"),
+        err.contains("`blk.0.ffn_gate_exps.weight` is stored as Q5_1"),
         "{err}"
     );
     let f = open_bytes(&sample()).unwrap();
