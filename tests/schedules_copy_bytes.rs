@@ -396,6 +396,21 @@ fn moe_infinity_decode_moves_only_experts() {
     );
 }
 
+/// Pre-gated MoE's decode (Hwang et al. §4): everything but experts is resident, so no
+/// activation or KV copy; per layer every expert may be fetched on demand from its pinned
+/// home (8 guarded fetches), and each layer with a next MoE layer prefetches the next
+/// layer's lookahead-selected experts: `sel = min(experts, bs * top_k)` = min(8, 2 * 2) = 4
+/// of them (one layer here: layer 1 is the last).
+#[test]
+fn pregated_decode_moves_only_experts() {
+    let sel = EXPERTS.min(2 * 2);
+    expect(
+        "pregated",
+        StepKind::Decode,
+        &[(("weights", ToGpu), (L * EXPERTS + (L - 1) * sel) * EXPERT)],
+    );
+}
+
 /// FlexGen's zigzag with its disk tier (`e_d = -1`: every expert on disk): load_weight moves
 /// each layer whole to the GPU as flexgen.sched does (its dense part from the pinned home,
 /// its experts from staging), and every expert of each layer is read from disk first; the
@@ -457,6 +472,7 @@ fn every_schedule_is_covered() {
         "vslpipe",
         "flexgen_disk",
         "moe_infinity_disk",
+        "pregated",
         "baselines/flexgen_cpu_attn",
         "baselines/gpu_resident",
         "baselines/moe_lightning_s2",
