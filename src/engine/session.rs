@@ -14,7 +14,7 @@
 //! [`SessionRequest::kv_bytes`] (its `gen_len` is what makes `prompt_len + gen_len` the
 //! KV tokens per sequence), its blocks given as sequences grow. One worker
 //! thread owns the checkpoint, the backend and the driver's session
-//! ([`crate::runtime::driver::session::serve`]); a [`Completion`] goes to it over a channel
+//! ([`crate::runtime::driver::serving::serve`]); a [`Completion`] goes to it over a channel
 //! and its text comes back, piece by piece, on the receiver [`Session::submit`] returns.
 //! Stop strings and incremental detokenization are done here, so a caller (the HTTP server)
 //! sees only text; the token ids come with the end (`moec batch` stores them). Chat prompts
@@ -25,10 +25,9 @@ use super::prepare::{prepare, refuse_unavailable_backend, Prepared, ProfileUse, 
 use super::{message, RunFailure, RunRequest};
 use crate::ir::Workload;
 use crate::model::vocab::Sampling;
+use crate::runtime::driver::serving::{serve, Command, SeqError, TokenSink};
 pub use crate::runtime::driver::session::Gauges;
-use crate::runtime::driver::session::{
-    serve, Command, SeqEnd, SeqError, SeqRequest, Session as DriverSession, TokenSink,
-};
+use crate::runtime::driver::session::{SeqEnd, SeqRequest, Session as DriverSession};
 use crate::runtime::driver::state::TokenConstraint;
 use crate::weights::source::{load_model, LoadedModel};
 use crate::weights::tokenizer::TextTokenizer;

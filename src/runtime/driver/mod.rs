@@ -19,6 +19,7 @@ pub mod executor;
 pub mod kv_copy;
 pub mod report;
 pub(crate) mod scheduler;
+pub mod serving;
 pub mod session;
 pub mod state;
 pub mod workload;
