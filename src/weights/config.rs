@@ -244,7 +244,10 @@ pub fn check_agreement(
     path: &str,
 ) -> Result<(), ConfigError> {
     let spec = family::spec(from_config.family);
-    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+    // A GGUF stores these floats as f32 (llama.cpp's `rms_norm_eps` 1e-5 reads back as
+    // 9.99999975e-6), so a card compared with a GGUF's metadata agrees to f32 precision
+    // (relative rounding 6e-8); any real difference of a card field is far larger.
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs());
     for (field, compare) in &AGREEMENT {
         let Some(key) = spec.config_key(*field) else {
             continue;
@@ -663,6 +666,29 @@ mod tests {
             msg.contains("`hidden_size` is 1024") && msg.contains("`mixtral-8x7b` has 4096"),
             "{msg}"
         );
+    }
+
+    /// A float read back from a GGUF (stored as f32) agrees with the card's f64; a real
+    /// difference (1e-5 against 1e-6, 1e6 against 1e6 + 10) does not.
+    #[test]
+    fn floats_agree_to_f32_precision_and_no_looser() {
+        let card = ModelCard::load("mixtral-8x7b").unwrap();
+        let mut from_gguf = card.clone();
+        from_gguf.norm_eps = f64::from(card.norm_eps as f32);
+        from_gguf.rope_theta = f64::from(card.rope_theta as f32);
+        assert_ne!(from_gguf.norm_eps, card.norm_eps);
+        check_agreement(&from_gguf, &card, "m.gguf").unwrap();
+        from_gguf.norm_eps = 1e-6;
+        let msg = check_agreement(&from_gguf, &card, "m.gguf")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("`rms_norm_eps` is 0.000001"), "{msg}");
+        from_gguf.norm_eps = card.norm_eps;
+        from_gguf.rope_theta = card.rope_theta + 10.0;
+        let msg = check_agreement(&from_gguf, &card, "m.gguf")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("`rope_theta`"), "{msg}");
     }
 
     /// A disagreement is named in the family's own spelling; a field the family's config
