@@ -72,7 +72,9 @@ wall_s() {
   awk -F': ' '/Elapsed \(wall clock\)/ {n = split($2, t, ":"); s = 0; for (i = 1; i <= n; i++) s = s * 60 + t[i]; print s}' "$1"
 }
 
-printf '%-22s %-8s %5s %10s %12s %12s %10s\n' model engine batch tok/s disk peak_RSS_MB replay
+# Decode and prefill tokens/s are over the whole batch (llama-batched-bench's S_TG and S_PP);
+# overall is the batch's generated tokens over prefill + decode seconds, for both engines.
+printf '%-22s %-8s %5s %9s %9s %9s %24s %12s %10s\n' model engine batch decode prefill overall disk peak_RSS_MB replay
 for entry in "${MODELS[@]}"; do
   name=${entry%%=*}
   rest=${entry#*=}
@@ -119,12 +121,13 @@ for entry in "${MODELS[@]}"; do
           --model "$card" --weights "$path" --workload "$workload" --threads "$THREADS" --hw "$profile" \
           --host-mem "$HOST_MEM" $sets --json > "$log" 2> "$log.err"; then
         # `--json`: tokens/s overall (prefill + decode), the disk totals, the HRM replay.
-        tps=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['stats']['tokens_per_s'])" "$log" 2>/dev/null || echo null)
+        # `report`: decode and prefill tokens/s over the batch; `stats`: overall.
+        read -r dec pre tps < <(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); p=r['report']; print('%.3f %.3f %.3f' % (p['decode_tokens_per_s'], p['prefill_tokens_per_s'], r['stats']['tokens_per_s']))" "$log" 2>/dev/null || echo "null null null")
         disk=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])).get('disk') or {}; print('%.2f GB at %.2f GB/s' % (d.get('bytes', 0) / 1e9, d.get('bandwidth_bytes_per_s', 0) / 1e9))" "$log" 2>/dev/null || echo "?")
         replay=$(python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1])).get('predicted')))" "$log" 2>/dev/null || echo null)
         rss=$(peak_kb "$CACHE/time-moec.log")
-        printf '%-22s %-8s %5s %10s %12s %12s %10s\n' "$name" "moec" "$batch" "$tps" "$disk" "$((rss / 1024))" "$([ "$replay" = null ] && echo - || echo json)"
-        echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"model\":\"$name\",\"engine\":\"moec\",\"schedule\":\"$best\",\"sets\":\"$sets\",\"batch\":$batch,\"cache_dropped\":$dropped,\"tokens_per_s\":$tps,\"disk\":\"$disk\",\"peak_rss_kb\":$rss,\"wall_s\":$(wall_s "$CACHE/time-moec.log"),\"host_mem\":\"$HOST_MEM\",\"predicted\":$replay}" >> "$RESULTS"
+        printf '%-22s %-8s %5s %9s %9s %9s %24s %12s %10s\n' "$name" "moec" "$batch" "$dec" "$pre" "$tps" "$disk" "$((rss / 1024))" "$([ "$replay" = null ] && echo - || echo json)"
+        echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"model\":\"$name\",\"engine\":\"moec\",\"schedule\":\"$best\",\"sets\":\"$sets\",\"batch\":$batch,\"cache_dropped\":$dropped,\"decode_tokens_per_s\":$dec,\"prefill_tokens_per_s\":$pre,\"tokens_per_s\":$tps,\"disk\":\"$disk\",\"peak_rss_kb\":$rss,\"wall_s\":$(wall_s "$CACHE/time-moec.log"),\"host_mem\":\"$HOST_MEM\",\"predicted\":$replay}" >> "$RESULTS"
       else
         log "$name: moec run failed at batch $batch (see $log.err)"
       fi
@@ -135,11 +138,12 @@ for entry in "${MODELS[@]}"; do
       out=$CACHE/llama-$name-$batch.log
       if /usr/bin/time -v -o "$CACHE/time-llama.log" "$MOEC_LLAMA_BIN/llama-batched-bench" -m "$path" \
           -c $((160 * batch)) -npp 128 -ntg 32 -npl "$batch" -t "$THREADS" > "$out" 2>&1; then
-        # The table's S_TG t/s column (generation tokens/s over the batch).
-        tps=$(awk -F'|' '/^\|/ && $2 ~ /[0-9]/ {gsub(/ /, "", $9); v = $9} END {print v}' "$out")
+        # The table's last row: S_PP t/s (prefill), S_TG t/s (decode), T s (both); overall
+        # as moec counts it, B x 32 generated tokens over T.
+        read -r pre dec tps < <(awk -F'|' -v b="$batch" '/^\|/ && $2 ~ /[0-9]/ {gsub(/ /, ""); p = $7; d = $9; t = $10} END {if (t > 0) printf "%s %s %.3f\n", p, d, b * 32 / t; else print "null null null"}' "$out")
         rss=$(peak_kb "$CACHE/time-llama.log")
-        printf '%-22s %-8s %5s %10s %12s %12s %10s\n' "$name" "llama" "$batch" "${tps:-?}" "-" "$((rss / 1024))" "-"
-        echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"model\":\"$name\",\"engine\":\"llama.cpp\",\"batch\":$batch,\"cache_dropped\":$dropped,\"decode_tokens_per_s\":\"${tps:-}\",\"peak_rss_kb\":$rss,\"wall_s\":$(wall_s "$CACHE/time-llama.log")}" >> "$RESULTS"
+        printf '%-22s %-8s %5s %9s %9s %9s %24s %12s %10s\n' "$name" "llama" "$batch" "$dec" "$pre" "$tps" "-" "$((rss / 1024))" "-"
+        echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"model\":\"$name\",\"engine\":\"llama.cpp\",\"batch\":$batch,\"cache_dropped\":$dropped,\"decode_tokens_per_s\":$dec,\"prefill_tokens_per_s\":$pre,\"tokens_per_s\":$tps,\"peak_rss_kb\":$rss,\"wall_s\":$(wall_s "$CACHE/time-llama.log")}" >> "$RESULTS"
       else
         log "$name: llama-batched-bench failed at batch $batch (see $out)"
       fi
