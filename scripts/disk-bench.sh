@@ -16,6 +16,11 @@
 #   --threads N         threads for both engines (default 2)
 #   $MOEC_LLAMA_BIN     llama.cpp's binaries (llama-batched-bench), e.g. as
 #                       scripts/peer-bench.sh builds them; without it llama.cpp is skipped
+#   $MOEC_LLAMA_REPACK  1 to keep llama.cpp's default weight repacking. By default the bench
+#                       passes --no-repack: repacking copies every Q4_K/Q6_K tensor into
+#                       anonymous memory at load (a 3.9 GiB OLMoE Q4_K_M file: 7.3 GB peak RSS
+#                       with it, 4.2 GB without), so a model bigger than RAM would not run
+#                       from its mmap at all
 #   root, to drop the page cache (echo 3 > /proc/sys/vm/drop_caches); otherwise the runs
 #   are made anyway and each result line says the cache was not dropped
 # What it gives: `moec probe`'s disk figures of the models' drive (the profile the replay
@@ -42,7 +47,7 @@ while [ $# -gt 0 ]; do
     --host-mem) HOST_MEM=$2; shift 2 ;;
     --moec) MOEC=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -137,7 +142,8 @@ for entry in "${MODELS[@]}"; do
       dropped=$(drop_cache)
       out=$CACHE/llama-$name-$batch.log
       if /usr/bin/time -v -o "$CACHE/time-llama.log" "$MOEC_LLAMA_BIN/llama-batched-bench" -m "$path" \
-          -c $((160 * batch)) -npp 128 -ntg 32 -npl "$batch" -t "$THREADS" > "$out" 2>&1; then
+          -c $((160 * batch)) -npp 128 -ntg 32 -npl "$batch" -t "$THREADS" \
+          $([ "${MOEC_LLAMA_REPACK:-0}" = 1 ] || echo --no-repack) > "$out" 2>&1; then
         # The table's last row: S_PP t/s (prefill), S_TG t/s (decode), T s (both); overall
         # as moec counts it, B x 32 generated tokens over T.
         read -r pre dec tps < <(awk -F'|' -v b="$batch" '/^\|/ && $2 ~ /[0-9]/ {gsub(/ /, ""); p = $7; d = $9; t = $10} END {if (t > 0) printf "%s %s %.3f\n", p, d, b * 32 / t; else print "null null null"}' "$out")
