@@ -5,8 +5,8 @@
 #
 #   scripts/gpu-bench.sh path/to/moec [OUT_DIR]
 #
-# Sections (GPU_BENCH_SECTIONS, default "probe tokens resident hf offload", run in that
-# order):
+# Sections (GPU_BENCH_SECTIONS, default "probe tokens quant resident hf offload serve", run
+# in that order):
 #   probe   `moec probe --backend cuda`: the host and moec's CUDA kernels and copies on this
 #           device, written to OUT_DIR/probe.ron; the replays below predict on it (unless
 #           GPU_BENCH_HW names another profile).
@@ -23,6 +23,16 @@
 #   offload every offload schedule at `--gpu-mem 600MB` (GPU_BENCH_OFFLOAD_BATCHES), then
 #           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
 #           for that workload and budget (`--fit`).
+#   serve   `moec serve --backend cuda` on the mid checkpoint under scripts/serve-bench.sh's
+#           client (scripts/serve_bench_client.py: the `openai` package, which python3 must
+#           import, e.g. from the folder GPU_BENCH_SERVE_PYTHONPATH names; without it the
+#           section says so in serve.txt and runs nothing): for each schedule of
+#           GPU_BENCH_SERVE_SCHEDULES (default baselines/gpu_resident, --set ubs=CLIENTS) and
+#           each scenario of GPU_BENCH_SERVE_SCENARIOS (default "plain shared": prompts of 48
+#           random words; the shared-prefix scenario, a system prompt of 1,000 tokens and user
+#           turns of 16 words), GPU_BENCH_SERVE_CLIENTS (8) streaming clients, 32 requests of
+#           32 tokens, greedy, after one warm-up request: output tok/s, TTFT and inter-token
+#           p50/p99, one line each in serve.jsonl; the servers' logs in serve.txt.
 #   full    real size (issue 44 point 6), run apart (GPU_BENCH_SECTIONS=full: tens of GB of
 #           disk and minutes a model): each card of GPU_BENCH_FULL_MODELS (default
 #           "mixtral-8x7b qwen3-30b-a3b") synthesised here as a llama.cpp Q4_K_M GGUF
@@ -46,6 +56,7 @@
 #           head Q6_K) run by `gpu_resident` at each batch (`gpu_resident_q4k` rows, beside
 #           the bf16 rows), with the CPU backend's tokens for the same file at the largest batch.
 # It writes OUT_DIR (default $OUT, else ./gpu-bench-out): devices.txt, tokens.jsonl,
+# serve.jsonl and serve.txt (section serve),
 # full.jsonl and full.txt (section full),
 # probe.txt and probe.ron, runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
 # hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
@@ -64,7 +75,7 @@ mkdir -p "$out"
 out=$(realpath "$out")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-sections=${GPU_BENCH_SECTIONS:-probe tokens quant resident hf offload}
+sections=${GPU_BENCH_SECTIONS:-probe tokens quant resident hf offload serve}
 per_run=${GPU_BENCH_RUN_TIMEOUT:-40}
 jobs=${GPU_BENCH_JOBS:-8}
 model=${GPU_BENCH_MODEL:-mixtral-mid}
@@ -163,7 +174,7 @@ EOF
 fi
 
 # --- (b) mixtral-mid on moec -------------------------------------------------------------
-if has resident || has offload || has hf || has quant; then
+if has resident || has offload || has hf || has quant || has serve; then
     "$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
         echo "moec synth failed: see $out/synth.txt" >&2
         exit 1
@@ -347,6 +358,67 @@ if has full; then
         done
         rm -f "$gguf"
     done
+fi
+
+# --- (f) moec serve --backend cuda under the serve bench's client ---------------------------
+if has serve; then
+    : > "$out/serve.jsonl"
+    serve_path=${GPU_BENCH_SERVE_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}
+    clients=${GPU_BENCH_SERVE_CLIENTS:-8}
+    {
+        echo "serve section, $(date -u +%FT%TZ): schedules ${GPU_BENCH_SERVE_SCHEDULES:-baselines/gpu_resident};" \
+            "scenarios ${GPU_BENCH_SERVE_SCENARIOS:-plain shared}; $clients clients"
+    } > "$out/serve.txt"
+    if ! PYTHONPATH=$serve_path python3 -c "import openai, tokenizers" 2>> "$out/serve.txt"; then
+        echo "serve: NOT RUN: python3 cannot import openai and tokenizers (the serve bench's" \
+            "client); name the folder that holds them in GPU_BENCH_SERVE_PYTHONPATH" >> "$out/serve.txt"
+    else
+        for scenario in ${GPU_BENCH_SERVE_SCENARIOS:-plain shared}; do
+            case $scenario in
+                plain) words=(--prompt-words 48); max_prompt=160 ;;
+                shared) words=(--system-tokens 1000 --prompt-words 16
+                    --tokenizer "$work/mid/tokenizer.json"); max_prompt=1100 ;;
+                *) echo "serve: unknown scenario $scenario (plain, shared)" >> "$out/serve.txt"; continue ;;
+            esac
+            for sched in ${GPU_BENCH_SERVE_SCHEDULES:-baselines/gpu_resident}; do
+                port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')
+                label="moec $sched cuda $scenario"
+                echo "== $label: port $port" >> "$out/serve.txt"
+                "$moec" serve "$root/schedules/$sched.sched" --weights "$work/mid" --backend cuda \
+                    --host 127.0.0.1 --port "$port" --max-batch "$clients" --max-prompt "$max_prompt" \
+                    --max-tokens 32 --set "ubs=$clients" --set n_ub=1 \
+                    > /dev/null 2> "$work/serve.err" &
+                server=$!
+                healthy=0
+                for _ in $(seq "$((${GPU_BENCH_SERVE_START_TIMEOUT:-180} * 5))"); do
+                    kill -0 "$server" 2> /dev/null || break
+                    if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+                        "http://127.0.0.1:$port/health" 2> /dev/null; then
+                        healthy=1
+                        break
+                    fi
+                    sleep 0.2
+                done
+                if [ "$healthy" = 1 ]; then
+                    PYTHONPATH=$serve_path timeout "${GPU_BENCH_SERVE_TIMEOUT:-150}" python3 \
+                        "$root/scripts/serve_bench_client.py" --base-url "http://127.0.0.1:$port/v1" \
+                        --model mixtral-mid --clients "$clients" --requests "${GPU_BENCH_SERVE_REQUESTS:-32}" \
+                        "${words[@]}" --max-tokens 32 --time-limit "${GPU_BENCH_SERVE_TIME_LIMIT:-120}" \
+                        --label "$label" > "$work/serve.out" 2>> "$out/serve.txt"
+                    echo "client exit $?" >> "$out/serve.txt"
+                    tail -1 "$work/serve.out" >> "$out/serve.jsonl"
+                else
+                    echo "{\"system\": \"$label\", \"failed\": true}" >> "$out/serve.jsonl"
+                    echo "the server did not answer /health" >> "$out/serve.txt"
+                fi
+                kill -TERM "$server" 2> /dev/null
+                for _ in $(seq 300); do kill -0 "$server" 2> /dev/null || break; sleep 0.1; done
+                kill -KILL "$server" 2> /dev/null
+                wait "$server" 2> /dev/null
+                tail -20 "$work/serve.err" >> "$out/serve.txt"
+            done
+        done
+    fi
 fi
 
 if compgen -G "$out/traces.d/*.json" > /dev/null; then

@@ -191,6 +191,26 @@ def full_size(out: str) -> None:
         print(line)
 
 
+def serve(out: str) -> None:
+    """Section serve: `moec serve --backend cuda` under the serve bench's client."""
+    rows = lines(os.path.join(out, "serve.jsonl"))
+    if not rows:
+        if os.path.exists(os.path.join(out, "serve.txt")):
+            print("\n(f) moec serve --backend cuda: no result (see serve.txt)")
+        return
+    print("\n(f) moec serve --backend cuda, streaming clients, 32 tokens a request, greedy "
+          "(serve.jsonl; plain: prompts of 48 words; shared: a 1,000-token system prompt + 16 words)")
+    print("    system | requests | prompt tokens | output tok/s | TTFT p50/p99 s | inter-token p50/p99 ms")
+    for r in rows:
+        if r.get("failed") or "output_tokens_per_s" not in r:
+            print(f"    {r.get('system', '?')} | failed")
+            continue
+        itl = lambda k: f"{r[k] * 1e3:.1f}" if r.get(k) is not None else "-"
+        print(f"    {r['system']} | {r['requests_done']}/{r['requests_asked']} | "
+              f"{r['mean_prompt_tokens']:.1f} | {r['output_tokens_per_s']:.1f} | "
+              f"{r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f} | {itl('itl_p50_s')}/{itl('itl_p99_s')}")
+
+
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--n-cpu-moe":
         print(n_cpu_moe(sys.argv[2], sys.argv[3], int(sys.argv[4])))
@@ -317,6 +337,7 @@ def main() -> int:
                 f"{o['predicted_seconds'] / steps * 1e3:.2f}" for o in ops)
             print(f"    {r['name']:16} batch {r['batch']:3}: {cells}")
     full_size(out)
+    serve(out)
     return 0
 
 

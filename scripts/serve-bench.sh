@@ -29,15 +29,19 @@
 # /health within 300 s is stopped and counted as failed.
 #
 # Usage: scripts/serve-bench.sh [--clients 8] [--requests 32] [--prompt-words 48]
-#            [--system-words 0] (a prefix of that many words shared by every request: the
-#            shared-prefix scenario is --system-words 750 --prompt-words 16, a system prompt
-#            of about 1,000 tokens and short user turns; llama-server is asked to
-#            cache_prompt) [--max-tokens 32] [--threads 2] [--time-limit 600]
+#            [--system-words 0] (a prefix of that many words shared by every request;
+#            llama-server is asked to cache_prompt) [--system-tokens 0] (instead: a prefix
+#            of as few of the same words as make at least that many tokens by the
+#            checkpoint's tokenizer.json; the shared-prefix scenario is --system-tokens 1000
+#            --prompt-words 16, a system prompt of 1,000 tokens and short user turns)
+#            [--max-tokens 32] [--threads 2] [--time-limit 600]
 #            [--schedules "vslpipe baselines/resident"] [--skip llama-server]
 #            [--set NAME=VALUE]... (replaces the per-schedule params below for every schedule)
 #            [--bf16-product "f32 bf16"] (each moec schedule once per listed product, run
 #            with MOEC_BF16_PRODUCT set to it; default: $MOEC_BF16_PRODUCT, else f32; a
 #            bf16 run is labelled "moec SCHED bf16")
+#            [--prefill-budget N] (moec serve's --prefill-budget: the most prompt tokens
+#            one pass prefills; default: moec's own)
 # Environment: MOEC_SERVE_BENCH_CACHE, MOEC_PEER_CACHE, MOEC_SERVE_BENCH_JOBS (build jobs,
 # default 2), MOEC_SERVE_BENCH_BIN (a moec binary to measure instead of building one),
 # MOEC_BF16_PRODUCT (see --bf16-product; every other MOEC_* variable reaches moec as set).
@@ -51,6 +55,8 @@ CLIENTS=8
 REQUESTS=32
 PROMPT_WORDS=48
 SYSTEM_WORDS=0
+SYSTEM_TOKENS=0
+PREFILL_BUDGET=""
 MAX_TOKENS=32
 THREADS=2
 TIME_LIMIT=600
@@ -71,6 +77,8 @@ while [ $# -gt 0 ]; do
     --requests) REQUESTS=$2; shift 2 ;;
     --prompt-words) PROMPT_WORDS=$2; shift 2 ;;
     --system-words) SYSTEM_WORDS=$2; shift 2 ;;
+    --system-tokens) SYSTEM_TOKENS=$2; shift 2 ;;
+    --prefill-budget) PREFILL_BUDGET=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --time-limit) TIME_LIMIT=$2; shift 2 ;;
@@ -78,7 +86,7 @@ while [ $# -gt 0 ]; do
     --skip) SKIP="$SKIP $2"; shift 2 ;;
     --set) USER_SETS+=(--set "$2"); shift 2 ;;
     --bf16-product) BF16_PRODUCTS=$2; shift 2 ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     *) echo "serve-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -90,6 +98,9 @@ for product in $BF16_PRODUCTS; do
     *) echo "serve-bench: --bf16-product takes f32 and/or bf16, not $product" >&2; exit 2 ;;
   esac
 done
+if [ "$SYSTEM_TOKENS" -gt 0 ] && [ "$SYSTEM_WORDS" -gt 0 ]; then
+  echo "serve-bench: give --system-words or --system-tokens, not both" >&2; exit 2
+fi
 skipped() { case " $SKIP " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 mkdir -p "$CACHE/results"
@@ -210,6 +221,7 @@ measure() {
   if ! "$PY" "$REPO/scripts/serve_bench_client.py" --base-url "http://127.0.0.1:$port/v1" \
     --model "$model_name" --clients "$CLIENTS" --requests "$REQUESTS" \
     --prompt-words "$PROMPT_WORDS" --system-words "$SYSTEM_WORDS" \
+    --system-tokens "$SYSTEM_TOKENS" --tokenizer "$MODEL/tokenizer.json" \
     --max-tokens "$MAX_TOKENS" --time-limit "$TIME_LIMIT" \
     --label "$system" > "$TMP/client.out"; then
     log "$system: some requests failed (see the line's counts)"
@@ -223,9 +235,13 @@ measure() {
 }
 
 # Each slot of llama-server holds a prompt and its completion: --ctx-size is the slots'
-# total (prompt words run about 1.3 tokens each; twice that leaves room).
-CTX=$((CLIENTS * ((SYSTEM_WORDS + PROMPT_WORDS) * 3 + MAX_TOKENS + 16)))
-MAX_PROMPT=$(((SYSTEM_WORDS + PROMPT_WORDS) * 3))
+# total (these words run about one token each, up to 1.3 for other text; three times
+# that leaves room; a --system-tokens prefix is that many tokens and a few more).
+PROMPT_TOKENS=$(((SYSTEM_WORDS + PROMPT_WORDS) * 3 + SYSTEM_TOKENS + SYSTEM_TOKENS / 16))
+CTX=$((CLIENTS * (PROMPT_TOKENS + MAX_TOKENS + 16)))
+MAX_PROMPT=$PROMPT_TOKENS
+MOEC_EXTRA=()
+[ -z "$PREFILL_BUDGET" ] || MOEC_EXTRA=(--prefill-budget "$PREFILL_BUDGET")
 if ! skipped llama-server; then
   port=$(free_port)
   measure llama-server "$port" mixtral-mid "$SERVER" -m "$GGUF" --host 127.0.0.1 \
@@ -252,16 +268,20 @@ for sched in $SCHEDULES; do
     measure "$label" "$port" mixtral-mid env MOEC_BF16_PRODUCT="$product" "$MOEC" serve \
       "$REPO/schedules/$sched.sched" --weights "$MODEL" --threads "$THREADS" \
       --host 127.0.0.1 --port "$port" --max-batch "$CLIENTS" --max-prompt "$MAX_PROMPT" \
-      --max-tokens "$MAX_TOKENS" "${sets[@]}"
+      --max-tokens "$MAX_TOKENS" "${sets[@]}" ${MOEC_EXTRA[@]+"${MOEC_EXTRA[@]}"}
   done
 done
 
 # 6. The table.
-"$PY" - "$RESULTS" "$CLIENTS" "$PROMPT_WORDS" "$MAX_TOKENS" "$THREADS" "$SYSTEM_WORDS" <<'EOF'
+"$PY" - "$RESULTS" "$CLIENTS" "$PROMPT_WORDS" "$MAX_TOKENS" "$THREADS" "$SYSTEM_WORDS" \
+  "$SYSTEM_TOKENS" <<'EOF'
 import json, sys
-path, clients, words, max_tokens, threads, system = sys.argv[1], *map(int, sys.argv[2:])
+path, clients, words, max_tokens, threads, system, system_tokens = sys.argv[1], *map(int, sys.argv[2:])
 rows = [json.loads(l) for l in open(path)]
 shared = f" after a shared prefix of {system} words" if system else ""
+counted = next((r["system_tokens"] for r in rows if r.get("system_tokens")), None)
+if system_tokens:
+    shared = f" after a shared prefix of {counted or system_tokens} tokens"
 print(f"\n{clients} concurrent streaming clients, prompts of {words} random words{shared}, "
       f"{max_tokens} tokens each, greedy, {threads} threads; 127.0.0.1")
 print("| system | requests | prompt tokens (mean) | output tok/s | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | peak RSS |")

@@ -66,6 +66,28 @@ def system_prompt(words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + "\n"
 
 
+def system_prompt_of_tokens(tokens: int, seed: int, tokenizer_json: str) -> tuple[str, int, int]:
+    """The shared prefix of --system-tokens: the fewest of system_prompt's words (the same
+    words, in the same order, as --system-words draws) whose text is at least `tokens`
+    tokens by the model's own tokenizer (its tokenizer.json, special tokens not counted).
+    Returns the text, its word count and its token count."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    count = lambda words: len(tok.encode(system_prompt(words, seed), add_special_tokens=False).ids)
+    # Words are at least one token each here, so `tokens` words is an upper bound.
+    lo, hi = 1, max(1, tokens)
+    if count(hi) < tokens:
+        raise ValueError(f"{tokens} words come to fewer than {tokens} tokens")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(mid) >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return system_prompt(lo, seed), lo, count(lo)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
@@ -81,10 +103,24 @@ def main() -> int:
         "`cache_prompt` is asked for, which llama-server honours and moec ignores (its "
         "prefix cache is always on where the schedule allows it)",
     )
+    parser.add_argument(
+        "--system-tokens",
+        type=int,
+        default=0,
+        help="instead of --system-words: a shared prefix of the same words, as few as make "
+        "at least this many tokens by --tokenizer (the model's tokenizer.json)",
+    )
+    parser.add_argument("--tokenizer", help="the model's tokenizer.json (for --system-tokens)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--time-limit", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=32)
     parser.add_argument("--label", default="server")
+    parser.add_argument(
+        "--trace",
+        help="append one JSON line per measured request to this file: its index and when it "
+        "was sent, got its first text and ended, in wall-clock seconds since the Unix epoch "
+        "(the clock of `moec serve`'s MOEC_SERVE_TRACE lines, so the two line up)",
+    )
     args = parser.parse_args()
 
     host = urllib.parse.urlparse(args.base_url).hostname or ""
@@ -100,6 +136,16 @@ def main() -> int:
 
     client = openai.OpenAI(base_url=args.base_url, api_key="serve-bench", max_retries=0)
     system = system_prompt(args.system_words, args.seed)
+    system_tokens = None
+    if args.system_tokens > 0:
+        if args.system_words > 0 or not args.tokenizer:
+            print("serve-bench: --system-tokens takes --tokenizer and no --system-words",
+                  file=sys.stderr)
+            return 2
+        system, words, system_tokens = system_prompt_of_tokens(
+            args.system_tokens, args.seed, args.tokenizer)
+        print(f"serve-bench: a shared prefix of {words} words, {system_tokens} tokens",
+              file=sys.stderr)
 
     def one(index: int, deadline: float) -> dict:
         """One streaming completion; its timings and the server's token counts."""
@@ -131,6 +177,7 @@ def main() -> int:
             raise RuntimeError(f"request {index}: no usage or no text in the stream")
         tokens = usage.completion_tokens
         return {
+            "index": index,
             "sent": sent,
             "done": done,
             "ttft": first - sent,
@@ -171,6 +218,16 @@ def main() -> int:
     for t in threads:
         t.join()
 
+    if args.trace:
+        # The monotonic clock times the requests; one offset maps it to wall-clock time.
+        offset = time.time() - time.monotonic()
+        with open(args.trace, "a") as f:
+            for r in sorted(results, key=lambda r: r["sent"]):
+                line = {k: r[k] + offset for k in ("sent", "done")}
+                line["first"] = r["sent"] + r["ttft"] + offset
+                line.update(index=r["index"], label=args.label)
+                f.write(json.dumps(line) + "\n")
+
     for e in errors[:5]:
         print(f"serve-bench: {args.label}: {e}", file=sys.stderr)
     out = {
@@ -180,6 +237,7 @@ def main() -> int:
         "requests_done": len(results),
         "requests_failed": len(errors),
         "timed_out": next_index[0] < args.requests,
+        "system_tokens": system_tokens,
     }
     if results:
         window = max(r["done"] for r in results) - min(r["sent"] for r in results)

@@ -40,7 +40,16 @@ impl Drop for Server {
 }
 
 fn serve(sched: &str, extra: &[&str]) -> Server {
-    let mut child = moec()
+    serve_with_env(sched, extra, &[])
+}
+
+/// [`serve`] with environment variables set for the server.
+fn serve_with_env(sched: &str, extra: &[&str], env: &[(&str, &Path)]) -> Server {
+    let mut command = moec();
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let mut child = command
         .args([
             "serve",
             sched,
@@ -962,8 +971,9 @@ print(json.dumps(out))
     }
 }
 
-/// A schedule of static batches (`resident`: `prefill` + `decode`) about to start a batch
-/// with room waits up to `--batch-wait-ms` for more requests: a second request sent 300 ms
+/// A schedule of static batches (`cgopipe`: `prefill` + `decode`, a prefill that writes
+/// its own cache lines, so no chunked prefill and no joining a running batch) about to
+/// start a batch with room waits up to `--batch-wait-ms` for more requests: a second request sent 300 ms
 /// after the first (well inside a 20 s window) joins the first one's batch, so the server
 /// runs one batch of 4 steps (1 prefill + 3 decode for 4 tokens), not two; with
 /// `--batch-wait-ms 0` and the second request sent once the first has ended, two batches
@@ -973,7 +983,7 @@ fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
     let body = |p: &str| serde_json::json!({"prompt": p, "max_tokens": 4, "temperature": 0});
     for (wait, steps) in [("20000", 4.0), ("0", 8.0)] {
         let server = serve(
-            "schedules/baselines/resident.sched",
+            "schedules/cgopipe.sched",
             &[
                 "--max-batch",
                 "2",
@@ -983,10 +993,6 @@ fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
                 "4",
                 "--batch-wait-ms",
                 wait,
-                "--set",
-                "ubs=2",
-                "--set",
-                "n_ub=1",
             ],
         );
         let addr = server.addr;
@@ -1013,6 +1019,97 @@ fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
             "--batch-wait-ms {wait}"
         );
     }
+}
+
+/// A `prefill` + `decode` schedule whose prefill attends its KV cache (`resident`) admits
+/// a request while another decodes, and a pass prefills at most `--prefill-budget` prompt
+/// tokens: the second request (a prompt of 16 tokens, so four passes of 4) is sent once
+/// the first streams, gets its first text before the first's last, and the passes that
+/// prefill it also carry the first's next tokens (the server's `MOEC_SERVE_TRACE`: a step
+/// with prompt tokens that hands out a token which is not a first one). Both texts equal
+/// `moec run` of their prompts (which runs them in static batches): a decoding
+/// sequence's token run as a one-token chunk of the prefill step is the decode step's.
+#[test]
+fn resident_admits_while_decoding_within_the_prefill_budget() {
+    let sched = "schedules/baselines/resident.sched";
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let server = serve_with_env(
+        sched,
+        &[
+            "--max-batch",
+            "2",
+            "--max-prompt",
+            "16",
+            "--max-tokens",
+            "40",
+            "--prefill-budget",
+            "4",
+            "--set",
+            "ubs=2",
+            "--set",
+            "n_ub=1",
+        ],
+        &[("MOEC_SERVE_TRACE", trace.as_path())],
+    );
+    let addr = server.addr;
+    let (long_prompt, short_prompt) = (
+        "Once upon a time",
+        "The quick brown fox jumps over the lazy dog near the river bank",
+    );
+    let long = serde_json::json!({"prompt": long_prompt, "max_tokens": 40, "temperature": 0, "stream": true});
+    let short = serde_json::json!({"prompt": short_prompt, "max_tokens": 4, "temperature": 0, "stream": true});
+    let ((short_text, first_of_second), (long_text, last_of_first)) = std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let a = s.spawn(move || {
+            let mut last = None;
+            let mut told = false;
+            let (text, _) = stream(addr, &long, None, |_, at| {
+                last = Some(at);
+                if !told {
+                    told = true;
+                    let _ = tx.send(());
+                }
+            });
+            (text, last.expect("the long request produced text"))
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the long request started");
+        let b = s.spawn(move || {
+            let mut first = None;
+            let (text, _) = stream(addr, &short, None, |_, at| {
+                first.get_or_insert(at);
+            });
+            (text, first.expect("the short request produced text"))
+        });
+        (b.join().unwrap(), a.join().unwrap())
+    });
+    assert!(
+        first_of_second < last_of_first,
+        "the second request waited for the first to finish"
+    );
+    drop(server);
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
+        .expect("the trace")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .filter(|l: &serde_json::Value| l.get("start").is_some())
+        .collect();
+    let prefill = |l: &serde_json::Value| l["prefill_tokens"].as_u64().expect("prefill_tokens");
+    assert!(
+        steps.iter().all(|l| prefill(l) <= 4),
+        "a pass prefilled more than the budget: {steps:?}"
+    );
+    let mixed = steps.iter().filter(|l| {
+        let firsts = l["first"].as_array().map_or(0, Vec::len) as u64;
+        prefill(l) > 0 && l["tokens"].as_u64().unwrap_or(0) > firsts
+    });
+    assert!(
+        mixed.count() >= 3,
+        "the short prompt's passes did not carry the long one's tokens: {steps:?}"
+    );
+    assert_eq!(long_text, run_text(sched, long_prompt, 40));
+    assert_eq!(short_text, run_text(sched, short_prompt, 4));
 }
 
 /// The long-context card of these tests: mixtral-tiny with a 4k context. (The tiny cards'

@@ -463,6 +463,7 @@ impl JobSession {
                 kv_bytes: None,
                 // Every prompt of a batch is submitted before it runs: nothing to wait for.
                 batch_wait: std::time::Duration::ZERO,
+                prefill_budget: None,
             };
             let session = Session::open(request).map_err(|f| match f {
                 RunFailure::Rendered(t) => Failure::Rendered(t),

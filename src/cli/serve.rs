@@ -53,11 +53,19 @@ pub struct ServeArgs {
     /// Most tokens a completion generates: the plan is compiled for it.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    /// Milliseconds a static batch (a schedule with `prefill` + `decode`, which takes
-    /// requests only between batches) about to start with room waits for more requests;
-    /// schedules with a mixed `step` admit at every pass and never wait.
+    /// Milliseconds a static batch (a schedule with `prefill` + `decode` whose prefill does
+    /// not attend its KV cache, which takes requests only between batches) about to start
+    /// with room waits for more requests; schedules with a mixed `step`, or whose prefill
+    /// attends the cache (chunked prefill), admit at every pass and never wait.
     #[arg(long, default_value_t = 50)]
     pub batch_wait_ms: u64,
+    /// Most prompt tokens one pass prefills over all its sequences, where the schedule's
+    /// prefill attends its KV cache (chunked prefill); a pass's time grows with its
+    /// tokens, so a small budget gives the first of several prompts that arrive together
+    /// its first token sooner and keeps the decoding streams' steps short, at the cost of
+    /// one more pass per budget's worth of prompt (default: all the pass has room for).
+    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub prefill_budget: Option<u64>,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body: usize,
@@ -123,6 +131,9 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
         context: Some(args.context.unwrap_or(usize::MAX)),
         kv_bytes,
         batch_wait: Duration::from_millis(args.batch_wait_ms),
+        prefill_budget: args
+            .prefill_budget
+            .map(|t| usize::try_from(t).unwrap_or(usize::MAX)),
     })
 }
 

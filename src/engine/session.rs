@@ -58,8 +58,12 @@ pub struct SessionRequest {
     /// + `gen_len` without a context).
     pub kv_bytes: Option<u64>,
     /// How long a static batch about to start with room waits for more requests (plans
-    /// with mixed steps admit at every pass and never wait).
+    /// with mixed steps or chunked prefill admit at every pass and never wait).
     pub batch_wait: Duration,
+    /// Most prompt tokens one pass prefills over all its sequences, where the plan
+    /// prefills in chunks (`Session::set_prefill_budget` of the driver); `None`: what the
+    /// pass has room for.
+    pub prefill_budget: Option<usize>,
 }
 
 /// What a session was opened with, for `/v1/models` and the startup line.
@@ -672,6 +676,18 @@ fn worker(
     .map_err(|e| fail(message(&e)))?
     .without_step_records();
     let prefix_cache = session.on_demand_kv();
+    if let Some(tokens) = request.prefill_budget {
+        if prefix_cache {
+            session.set_prefill_budget(tokens);
+            notes.push(format!(
+                "a pass prefills at most {tokens} prompt tokens over all its sequences (--prefill-budget)"
+            ));
+        } else {
+            notes.push(format!(
+                "--prefill-budget {tokens} has no effect: this schedule's prefill does not attend its KV cache, so it prefills each prompt whole"
+            ));
+        }
+    }
     if session.static_batches() && !request.batch_wait.is_zero() {
         notes.push(format!(
             "static batches: requests join between batches; one about to start with room \

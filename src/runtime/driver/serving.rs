@@ -7,7 +7,97 @@ use super::state::TokenConstraint;
 use super::RunError;
 use crate::records::RunStats;
 use crate::runtime::backend::Backend;
-use std::time::{Duration, Instant};
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The environment variable that names a file for [`Trace`]'s lines.
+pub const TRACE_ENV: &str = "MOEC_SERVE_TRACE";
+
+/// Where a request's first token waits, measured: with `MOEC_SERVE_TRACE=FILE` the serving
+/// loop appends one JSON line per sequence taken from the channel (`taken`) and one per
+/// step (`start`, `end`, prefill tokens, decoding rows, the sequences that got their first
+/// token), each time in wall-clock seconds since the Unix epoch, so a client's own
+/// timestamps (`scripts/serve_bench_client.py --trace`) line up with them.
+struct Trace {
+    out: std::io::BufWriter<std::fs::File>,
+    /// By sequence id: whether it has had a token since it was taken (ids are reused).
+    had_token: Vec<bool>,
+}
+
+impl Trace {
+    /// The trace `MOEC_SERVE_TRACE` asks for; a file that cannot be opened is said on
+    /// stderr and the session runs untraced.
+    fn from_env() -> Option<Trace> {
+        let path = std::env::var_os(TRACE_ENV)?;
+        match std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+        {
+            Ok(f) => Some(Trace {
+                out: std::io::BufWriter::new(f),
+                had_token: Vec::new(),
+            }),
+            Err(e) => {
+                eprintln!(
+                    "moec: {TRACE_ENV}={}: cannot open it ({e}); not tracing",
+                    path.to_string_lossy()
+                );
+                None
+            }
+        }
+    }
+
+    fn now() -> f64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    }
+
+    /// Writes one line; a failed write stops nothing (the trace is a measurement aid).
+    fn line(&mut self, value: serde_json::Value) {
+        let _ = writeln!(self.out, "{value}");
+    }
+
+    /// Sequence `id` was taken from the channel.
+    fn taken(&mut self, id: usize) {
+        if self.had_token.len() <= id {
+            self.had_token.resize(id + 1, false);
+        }
+        self.had_token[id] = false;
+        self.line(serde_json::json!({"taken": Trace::now(), "seq": id}));
+    }
+
+    /// One step: when it started and ended, the prompt tokens it ran, the sequences it
+    /// held before, and which sequences got their first token.
+    fn step(&mut self, start: f64, prefill_tokens: u64, running: usize, events: &[SeqEvent]) {
+        let mut first = Vec::new();
+        let mut tokens = 0;
+        for e in events {
+            if let SeqEvent::Token { id, .. } = *e {
+                tokens += 1;
+                if self.had_token.len() <= id {
+                    self.had_token.resize(id + 1, false);
+                }
+                if !self.had_token[id] {
+                    first.push(id);
+                }
+                self.had_token[id] = true;
+            }
+        }
+        self.line(serde_json::json!({
+            "start": start,
+            "end": Trace::now(),
+            "prefill_tokens": prefill_tokens,
+            "running_before": running,
+            "tokens": tokens,
+            "first": first,
+        }));
+        // Flushed per step, so a trace read while the server runs is whole.
+        let _ = self.out.flush();
+    }
+}
 
 /// Where a served sequence's output goes. Called on the session's thread between steps.
 pub trait TokenSink: Send {
@@ -57,6 +147,7 @@ fn take_command<B: Backend + ?Sized>(
     session: &mut Session<'_, B>,
     sinks: &mut Sinks,
     deadline: &mut Option<Instant>,
+    trace: &mut Option<Trace>,
 ) {
     match command {
         Command::Submit(sequences) => {
@@ -69,6 +160,9 @@ fn take_command<B: Backend + ?Sized>(
                 }
                 match session.submit(request) {
                     Ok(id) => {
+                        if let Some(t) = trace.as_mut() {
+                            t.taken(id);
+                        }
                         if let Some(constraint) = sink.take_constraint() {
                             session.constrain(id, constraint);
                         }
@@ -98,6 +192,8 @@ pub fn serve<B: Backend + ?Sized>(
     use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
     let mut sinks: Sinks = Vec::new();
     let mut deadline: Option<Instant> = None;
+    let mut trace = Trace::from_env();
+    let gauges = session.gauges();
     loop {
         // Idle: wait for work (a drain with nothing live ends the session).
         if session.is_idle() {
@@ -105,7 +201,7 @@ pub fn serve<B: Backend + ?Sized>(
                 break;
             }
             match incoming.recv_timeout(Duration::from_millis(200)) {
-                Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline),
+                Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline, &mut trace),
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => break,
             }
@@ -113,7 +209,7 @@ pub fn serve<B: Backend + ?Sized>(
         let mut disconnected = false;
         loop {
             match incoming.try_recv() {
-                Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline),
+                Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline, &mut trace),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     disconnected = true;
@@ -127,19 +223,27 @@ pub fn serve<B: Backend + ?Sized>(
         // for a whole batch.
         if !disconnected && deadline.is_none() && session.batch_room().is_some() {
             let until = Instant::now() + batch_wait;
+            let waited_from = Trace::now();
             while session.batch_room().is_some() {
                 let left = until.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break;
                 }
                 match incoming.recv_timeout(left) {
-                    Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline),
+                    Ok(c) => take_command(c, &mut session, &mut sinks, &mut deadline, &mut trace),
                     Err(RecvTimeoutError::Timeout) => break,
                     Err(RecvTimeoutError::Disconnected) => {
                         disconnected = true;
                         break;
                     }
                 }
+            }
+            if let Some(t) = trace.as_mut() {
+                t.line(serde_json::json!({
+                    "batch_wait_from": waited_from,
+                    "to": Trace::now(),
+                    "waiting": session.waiting(),
+                }));
             }
         }
         let past_deadline = deadline.is_some_and(|d| Instant::now() >= d);
@@ -155,6 +259,8 @@ pub fn serve<B: Backend + ?Sized>(
         if disconnected || past_deadline {
             break;
         }
+        let (started, prefilled) = (Trace::now(), gauges.prefill_tokens.load(Ordering::Relaxed));
+        let running_before = session.running();
         let events = match session.step() {
             Ok(events) => events,
             Err(e) => {
@@ -164,6 +270,10 @@ pub fn serve<B: Backend + ?Sized>(
                 return Err(e);
             }
         };
+        if let Some(t) = trace.as_mut() {
+            let prefilled = gauges.prefill_tokens.load(Ordering::Relaxed) - prefilled;
+            t.step(started, prefilled, running_before, &events);
+        }
         for event in events {
             match event {
                 SeqEvent::Token { id, token } => {

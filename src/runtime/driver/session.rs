@@ -9,7 +9,8 @@
 //! `scheduler`'s FIFO admission, with preemption when KV blocks run out); a plan with
 //! `prefill` + `decode` takes the waiting sequences at each batch boundary, when the
 //! previous batch has finished (`batching::admit`, longest first, up to each micro-batch's
-//! sequences, tokens and KV). Budgets are those the plan was compiled for: every
+//! sequences, tokens and KV; a serving session with chunked prefill admits at every pass,
+//! [`Session::on_demand_kv`]). Budgets are those the plan was compiled for: every
 //! reservation is for the session's `gen_len` (the most any sequence may generate), so a
 //! sequence asking for fewer tokens only stops earlier. [`generate`](super::generate)
 //! submits a fixed list and steps to the end; [`super::serving::serve`] feeds a session
@@ -204,6 +205,9 @@ pub struct Session<'a, B: Backend + ?Sized> {
     /// (each chunk attends the cache the earlier ones wrote): set with the prefix cache,
     /// where the prefill attends the decode's KV cache ([`Session::on_demand_kv`]).
     chunked_prefill: bool,
+    /// With chunked prefill: the most prompt tokens one pass prefills over all its
+    /// sequences ([`Session::set_prefill_budget`]; `usize::MAX`: what the pass has room for).
+    prefill_budget: usize,
     stats: RunStats,
     gauges: Arc<Gauges>,
 }
@@ -305,6 +309,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             record_steps: true,
             on_demand: false,
             chunked_prefill: false,
+            prefill_budget: usize::MAX,
             stats,
             gauges,
         })
@@ -328,7 +333,10 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     /// The same plans prefill a prompt longer than a pass's token room in chunks (the
     /// pass's activations stay within what the plan was compiled for; the rest of the
     /// prompt waits for the next pass while the other sequences decode), so a prompt is
-    /// bounded by its pool's KV blocks and the card's positions only.
+    /// bounded by its pool's KV blocks and the card's positions only; and a `prefill` +
+    /// `decode` plan among them admits at every pass, not only into an empty plan (its
+    /// prefill pass runs the decoding sequences' next tokens as one-token chunks), so a
+    /// request does not wait for the batch before it to end.
     /// Returns whether the prefix cache is on.
     pub fn on_demand_kv(&mut self) -> bool {
         self.on_demand = true;
@@ -342,6 +350,17 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         }
         self.update_gauges();
         prefix
+    }
+
+    /// With chunked prefill (see [`Session::on_demand_kv`]): a pass prefills at most
+    /// `tokens` prompt tokens over all its sequences (at least 1), oldest first; the rest
+    /// of a prompt, and the prompts that got none, wait for the next pass while the
+    /// decoding sequences go on. A pass's time grows with its tokens, so a budget near a few
+    /// prompts' worth gives the first of several prompts that arrive together their first
+    /// token after a short pass instead of after one pass over all of them, and bounds how
+    /// long a decoding stream waits for a prefill. Without chunked prefill it has no effect.
+    pub fn set_prefill_budget(&mut self, tokens: usize) {
+        self.prefill_budget = tokens.max(1);
     }
 
     /// The live counts.
@@ -368,7 +387,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     /// many more sequences it could take (`None` for mixed steps, a running batch, an empty
     /// queue or a full batch).
     pub fn batch_room(&self) -> Option<usize> {
-        if self.mixed || !self.running.is_empty() || self.waiting.is_empty() {
+        if !self.static_batches() || !self.running.is_empty() || self.waiting.is_empty() {
             return None;
         }
         let seats: usize = self.prefill_caps.iter().map(|c| c.seqs).sum();
@@ -376,9 +395,10 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     }
 
     /// True for a plan of static batches (`prefill` + `decode`), which takes new sequences
-    /// only between batches; false for mixed steps, which admit at every pass.
+    /// only between batches; false for mixed steps and, with chunked prefill, for
+    /// `prefill` + `decode` plans too, which then admit at every pass.
     pub fn static_batches(&self) -> bool {
-        !self.mixed
+        !self.mixed && !self.chunked_prefill
     }
 
     /// No sequence waits or runs.
@@ -629,8 +649,10 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             for p in decided.preempted.into_iter().rev() {
                 self.waiting.push_front(p);
             }
-            // Static batches take new sequences only into an empty plan.
-            if self.mixed || self.running.is_empty() {
+            // Static batches take new sequences only into an empty plan, unless their
+            // prefill pass can run the decoding sequences' tokens too (chunked prefill:
+            // `plan_chunks`), which lets a sequence join at any pass.
+            if self.mixed || self.chunked_prefill || self.running.is_empty() {
                 let prompts: Vec<&[u32]> = self
                     .slots
                     .iter()
@@ -710,18 +732,20 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         Ok(())
     }
 
-    /// With chunked prefill, fits this pass in each micro-batch's token room: decoding
-    /// sequences take one token each, then prefilling ones (oldest first) take what is
-    /// left of their prompt up to the room; one that gets no room skips the pass
-    /// (`paused`), and a static plan's prefill pass skips the sequences already decoding
-    /// (its attention runs the prefill rows only). Returns the sequences (request, tokens)
-    /// whose chunk does not end their prompt. Without chunked prefill: nothing.
+    /// With chunked prefill, fits this pass in each micro-batch's token room and the
+    /// session's prefill budget: decoding sequences take one token each, then prefilling
+    /// ones (oldest first) take what is left of their prompt up to the room and the
+    /// budget; one that gets none skips the pass (`paused`). A static plan's prefill pass
+    /// runs a decoding sequence's next token as a one-token chunk of prefill attending its
+    /// cache (`run_pass` marks its row so), so the streams keep decoding while others
+    /// prefill. Returns the sequences (request, tokens) whose chunk does not end their
+    /// prompt. Without chunked prefill: nothing.
     fn plan_chunks(&mut self) -> Vec<(usize, usize)> {
         if !self.chunked_prefill {
             return Vec::new();
         }
-        let prefill_pass = !self.mixed && self.running.iter().any(|s| !s.prompt_done && !s.paused);
         let mut room: Vec<usize> = self.prefill_caps.iter().map(|c| c.tokens).collect();
+        let mut budget = self.prefill_budget;
         let mut order: Vec<usize> = (0..self.running.len()).collect();
         order.sort_by_key(|&i| (!self.running[i].prompt_done, self.running[i].age));
         let mut chunks = Vec::new();
@@ -734,17 +758,18 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 continue;
             };
             if s.prompt_done {
-                if prefill_pass {
+                if *room == 0 {
                     s.paused = true;
                 } else {
-                    *room = room.saturating_sub(1);
+                    *room -= 1;
                 }
                 continue;
             }
             let remaining = (self.lens.get(s.request).copied().unwrap_or(0) + s.generated.len())
                 .saturating_sub(s.cached);
-            let take = remaining.min(*room);
+            let take = remaining.min(*room).min(budget);
             *room -= take;
+            budget -= take;
             if take == 0 {
                 s.paused = true;
             } else if take < remaining {
@@ -798,6 +823,9 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         self.running.sort_by_key(|s| (s.ub, s.request));
         let (mut n_prefill, mut n_decode) = (0, 0);
         let mut loads = vec![UbLoad::default(); n_ubs];
+        // A static plan's prefill pass runs its decoding sequences' tokens as one-token
+        // chunks of prefill (only with chunked prefill: `plan_chunks`).
+        let as_prefill = !self.mixed && step == self.prefill_step;
         for s in self.running.iter().filter(|s| !s.paused) {
             let Some(live) = self.slots.get(s.request).and_then(Option::as_ref) else {
                 continue;
@@ -808,7 +836,12 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 new_tokens.truncate(n);
             }
             let load = &mut loads[s.ub];
-            if s.prompt_done {
+            if s.prompt_done && as_prefill {
+                // What the step ran: a row of prefill (the records' replay costs it so).
+                n_decode += 1;
+                load.prefill_seqs += 1;
+                load.prefill_tokens += 1;
+            } else if s.prompt_done {
                 n_decode += 1;
                 load.decode_seqs += 1;
                 load.decode_context += prompt_len + s.generated.len();
@@ -824,7 +857,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 context_len: s.context_len(prompt_len),
                 new_tokens,
                 block_table: s.block_table.clone(),
-                prefill: !s.prompt_done,
+                prefill: !s.prompt_done || as_prefill,
             });
         }
         // A chunk that does not end its prompt samples a token nobody takes: its
