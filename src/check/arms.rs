@@ -416,7 +416,7 @@ mod tests {
         let c = out(3, E0, &[active, resident(true), score_max(0.3, true)]);
         assert_eq!(run(&[a.clone(), b.clone(), c.clone()]), None);
         // The miss arm missing: nothing computes expert 0 on a miss.
-        let problem = run(&[a.clone()]).expect("uncovered");
+        let problem = run(std::slice::from_ref(&a)).expect("uncovered");
         assert!(
             problem.contains("not computed")
                 && problem.contains("cache 0.resident(0, 0) is a miss"),

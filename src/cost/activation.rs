@@ -338,7 +338,11 @@ pub fn activation_memo(
 ) -> Activation {
     let task = program.task(id);
     if task.guard.is_always() {
-        return Activation::ALWAYS;
+        // An unguarded lookahead prefetch still copies only a selected expert.
+        return match lookahead_selected(program, id, tokens_per_ub) {
+            Some(p) => Activation { runs: p, work: p },
+            None => Activation::ALWAYS,
+        };
     }
     let ubs = u64::from(program.micro_batches.count.max(1));
     // Interval [lo, hi) of each count the guard reads.
