@@ -187,7 +187,8 @@ fn lfu_keeps_the_most_requested_expert_of_a_skewed_profile() {
 }
 
 /// `pregated.sched`'s lookahead prefetches are charged as lookahead gating copies them:
-/// only the experts the next layer's pregate selected. At batch 1 on Mixtral-8x7B (top-2
+/// only the experts the next layer's pregate selected, and the fetches of a predicted
+/// layer as hits. At batch 1 on Mixtral-8x7B (top-2
 /// of 8) the one token selects exactly 2 experts, so both prefetch ranks are charged alike
 /// (an unguarded prefetch as a copy: the cache model does not discount prefetches); at
 /// batch 4 the 8 prefetch ranks copy only as far as the 4 tokens select
@@ -229,6 +230,41 @@ fn lookahead_prefetches_are_charged_only_for_the_experts_the_pregate_selected() 
             .map(|id| activation(program, id, program.task(id).shape.tokens).runs)
             .collect()
     };
+    // A fetch of a layer the pregates predicted is charged as a hit (the pregate taken to
+    // select the gate's experts); layer 0, which nothing predicts, copies on a miss.
+    {
+        let mut options = Options::new(card.clone());
+        options.workload = Workload {
+            batch: 1,
+            prompt_len: 128,
+            gen_len: 32,
+        };
+        options.sets = vec![("bs".to_string(), "1".to_string())];
+        let compiled = compile(&source, &options).unwrap_or_else(|d| panic!("{}", d[0]));
+        let program = &compiled.program;
+        let decode = program
+            .steps
+            .iter()
+            .position(|s| s.kind == StepKind::Decode)
+            .expect("a decode step");
+        let fetch_runs = |layer: u32| -> Vec<f64> {
+            program.steps[decode]
+                .task_ids()
+                .filter(|&id| {
+                    let t = program.task(id);
+                    t.cache_op == Some(moec::ir::cache::CacheOp::Fetch)
+                        && t.args
+                            .iter()
+                            .any(|a| a.slice.cache_key.is_some_and(|k| k.layer == layer))
+                })
+                .map(|id| activation(program, id, program.task(id).shape.tokens).runs)
+                .collect()
+        };
+        let (first, second) = (fetch_runs(0), fetch_runs(1));
+        assert_eq!((first.len(), second.len()), (8, 8));
+        assert!(first.iter().all(|&r| r > 0.0), "{first:?}");
+        assert!(second.iter().all(|&r| r == 0.0), "{second:?}");
+    }
     let one = prefetch_runs(1);
     assert_eq!(one.len(), 2, "{one:?}");
     // Both ranks are selected and charged alike.

@@ -49,6 +49,11 @@ fn cache_miss(
     {
         return Some(0.0);
     }
+    if task.cache_op == Some(crate::ir::cache::CacheOp::Fetch)
+        && lookahead_prefetched(program, task.step, key.cache, key.layer)
+    {
+        return Some(0.0);
+    }
     Some(
         1.0 - hit_rate(
             program,
@@ -115,6 +120,38 @@ fn lookahead_selected(program: &Program, id: TaskId, tokens_per_ub: u64) -> Opti
         (at_least / floor).clamp(0.0, 1.0)
     } else {
         1.0
+    })
+}
+
+/// Whether step `step` prefetches `CACHE.predicted(layer, ..)` into `cache` and the cache's
+/// predictor is `lookahead`: then a fetch of that layer finds its expert prefetched, as
+/// far as the pregate selects what the gate selects. The cost model takes it that it does
+/// (Pre-gated MoE's fine-tuned pre-gate; an upper bound for the inference-time form),
+/// and `moec simulate` says so; `moec run` reports the measured accuracy.
+pub fn lookahead_prefetched(
+    program: &Program,
+    step: crate::ir::StepId,
+    cache: u32,
+    layer: u32,
+) -> bool {
+    let Some(c) = program.caches.get(cache as usize) else {
+        return false;
+    };
+    if c.predictor != crate::ir::cache::Predictor::Lookahead {
+        return false;
+    }
+    let Some(s) = program.steps.get(step.index()) else {
+        return false;
+    };
+    s.task_ids().any(|id| {
+        let t = program.task(id);
+        t.cache_op == Some(crate::ir::cache::CacheOp::Prefetch)
+            && t.args.iter().any(|a| {
+                a.slice.cache_key.is_some_and(|k| {
+                    k.cache == cache
+                        && matches!(k.expert, ExpertRef::Predicted { layer: l, .. } if l == layer)
+                })
+            })
     })
 }
 
