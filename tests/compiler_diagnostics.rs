@@ -164,3 +164,112 @@ fn disk_schedules_check_and_their_mutations_are_rejected() {
     let text = render_all(&diags, "disk_read_of_the_wrong_expert.sched", &source);
     insta::assert_snapshot!("disk_read_of_the_wrong_expert", text);
 }
+
+/// The residency and routing-score guards (`tests/fixtures/guards/resident_score.sched`)
+/// check, and their misuses are rejected at the construct that is wrong: a residency
+/// guard a prefetch can change while its tasks decide it (`cache::stale_guard`, pinned
+/// by a snapshot), a hit arm that reads the slot without fetching it, a predicted expert
+/// in a residency guard, `!=` of a score, arithmetic on a score, a score compared with
+/// a score, a residency arm overlapping a score arm (an expert computed twice), and a
+/// score guard in `setup`.
+#[test]
+fn residency_and_score_guards_check_and_their_misuses_are_rejected_with_their_spans() {
+    let base = std::fs::read_to_string("tests/fixtures/guards/resident_score.sched").unwrap();
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    for sets in [vec![], vec![("sum", "1"), ("bs", "2"), ("n_cache", "2")]] {
+        let mut options = options.clone();
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        if let Err(d) = compile(&base, &options) {
+            panic!("{}", render_all(&d, "resident_score.sched", &base));
+        }
+    }
+    let cpu_arm = " on cpu after pf[l, sel - 1] if l >= 1 && l >= dense_layers";
+    // (name, replaced, replacement, code, the source text the first error of that code
+    // points at)
+    let mutations: [(&str, &str, &str, Code, &str); 8] = [
+        (
+            "stale_residency",
+            cpu_arm,
+            " on cpu",
+            Code::CacheStaleGuard,
+            "experts(layer = l, ub = 0, set = e, w = W[l].expert(e), route = route_c, acc = acc_c) on cpu",
+        ),
+        (
+            "hit_without_fetch",
+            "        fetch W[l].expert(e) -> ec.slot(l, e) on h2d after gated[l]\n",
+            "",
+            Code::CacheUnfetched,
+            "ec.slot(l, e)",
+        ),
+        (
+            "predicted_residency",
+            "if ec.resident(l, e) {",
+            "if ec.resident(l, ec.predicted(l, 0)) {",
+            Code::ElabDynamic,
+            "ec.predicted(l, 0)",
+        ),
+        (
+            "score_not_equal",
+            "score_max(l, e, 0)) >= thr",
+            "score_max(l, e, 0)) != thr",
+            Code::ElabDynamic,
+            "select(sum == 1, score_sum(l, e, 0), score_max(l, e, 0)) != thr",
+        ),
+        (
+            "score_arithmetic",
+            "score_max(l, e, 0)) >= thr",
+            "score_max(l, e, 0)) + 1 >= thr",
+            Code::ElabType,
+            "select(sum == 1, score_sum(l, e, 0), score_max(l, e, 0))",
+        ),
+        (
+            "score_against_score",
+            "score_max(l, e, 0)) >= thr",
+            "score_max(l, e, 0)) >= score_sum(l, e, 0)",
+            Code::ElabDynamic,
+            "score_sum(l, e, 0)",
+        ),
+        (
+            // The hit arm is not exclusive with the score arm any more.
+            "overlapping_arms",
+            "      } else if select(sum == 1,",
+            "      }\n      if !ec.resident(l, e) {} else if select(sum == 1,",
+            Code::ValuesExpertCoverage,
+            "combine(layer = l, ub = 0, route = route, acc = [acc, acc_cg], h = h) on gpu as combined[l]",
+        ),
+        (
+            "score_in_setup",
+            "  copy W.head -> head on h2d\n",
+            "  if score_max(0, 0) >= 0.5 { copy W.head -> head on h2d }\n",
+            Code::ElabDynamic,
+            "copy W.head -> head on h2d",
+        ),
+    ];
+    for (name, from, to, code, at) in mutations {
+        assert!(base.contains(from), "{name}: the base has no `{from}`");
+        let source = base.replacen(from, to, 1);
+        let diags = match compile(&source, &options) {
+            Ok(_) => panic!("{name}: the mutation was accepted"),
+            Err(diags) => diags,
+        };
+        let text = render_all(&diags, &format!("{name}.sched"), &source);
+        let found = diags.iter().find(|d| d.code == code).unwrap_or_else(|| {
+            panic!("{name}: no {}:\n{text}", code.as_str());
+        });
+        let span = found.labels[0].span;
+        let pointed = &source[span.start as usize..span.end as usize];
+        assert_eq!(pointed, at, "{name}: the error points elsewhere:\n{text}");
+        if name == "stale_residency" {
+            // The errors only: the fixture's copy warnings are not the subject.
+            let errors: Vec<_> = diags
+                .iter()
+                .filter(|d| d.severity == moec::diag::Severity::Error)
+                .cloned()
+                .collect();
+            insta::assert_snapshot!(name, render_all(&errors, "stale_residency.sched", &source));
+        }
+    }
+}

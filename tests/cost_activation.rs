@@ -185,3 +185,113 @@ fn lfu_keeps_the_most_requested_expert_of_a_skewed_profile() {
     assert!((hits.layer_rate[0] - 0.7).abs() < 1e-9);
     assert_eq!(hits.layer_rate[1], 0.0);
 }
+
+/// `pregated.sched`'s lookahead prefetches are charged as lookahead gating copies them:
+/// only the experts the next layer's pregate selected, and the fetches of a predicted
+/// layer as hits. At batch 1 on Mixtral-8x7B (top-2
+/// of 8) the one token selects exactly 2 experts, so both prefetch ranks are charged alike
+/// (an unguarded prefetch as a copy: the cache model does not discount prefetches); at
+/// batch 4 the 8 prefetch ranks copy only as far as the 4 tokens select
+/// distinct experts: rank r copies with probability P(D >= r + 1) given D >= 2, D the
+/// number of experts 4 tokens select (each with probability 1 - (3/4)^4 = 175/256,
+/// independently: a binomial over 8 experts), checked here against that hand sum.
+#[test]
+fn lookahead_prefetches_are_charged_only_for_the_experts_the_pregate_selected() {
+    let source = std::fs::read_to_string("schedules/pregated.sched").expect("schedule");
+    let card = ModelCard::load("mixtral-8x7b").expect("card");
+    let prefetch_runs = |bs: u32| -> Vec<f64> {
+        let mut options = Options::new(card.clone());
+        options.workload = Workload {
+            batch: u64::from(bs),
+            prompt_len: 128,
+            gen_len: 32,
+        };
+        options.sets = vec![
+            ("bs".to_string(), bs.to_string()),
+            ("home".to_string(), "1".to_string()),
+        ];
+        let compiled = compile(&source, &options).unwrap_or_else(|d| panic!("{}", d[0]));
+        let program = &compiled.program;
+        let decode = program
+            .steps
+            .iter()
+            .position(|s| s.kind == StepKind::Decode)
+            .expect("a decode step");
+        // The prefetches of layer 1's experts, by rank.
+        program.steps[decode]
+            .task_ids()
+            .filter(|&id| {
+                let t = program.task(id);
+                t.cache_op == Some(moec::ir::cache::CacheOp::Prefetch)
+                    && t.args
+                        .iter()
+                        .any(|a| a.slice.cache_key.is_some_and(|k| k.layer == 1))
+            })
+            .map(|id| activation(program, id, program.task(id).shape.tokens).runs)
+            .collect()
+    };
+    // A fetch of a layer the pregates predicted is charged as a hit (the pregate taken to
+    // select the gate's experts); layer 0, which nothing predicts, copies on a miss.
+    {
+        let mut options = Options::new(card.clone());
+        options.workload = Workload {
+            batch: 1,
+            prompt_len: 128,
+            gen_len: 32,
+        };
+        options.sets = vec![("bs".to_string(), "1".to_string())];
+        let compiled = compile(&source, &options).unwrap_or_else(|d| panic!("{}", d[0]));
+        let program = &compiled.program;
+        let decode = program
+            .steps
+            .iter()
+            .position(|s| s.kind == StepKind::Decode)
+            .expect("a decode step");
+        let fetch_runs = |layer: u32| -> Vec<f64> {
+            program.steps[decode]
+                .task_ids()
+                .filter(|&id| {
+                    let t = program.task(id);
+                    t.cache_op == Some(moec::ir::cache::CacheOp::Fetch)
+                        && t.args
+                            .iter()
+                            .any(|a| a.slice.cache_key.is_some_and(|k| k.layer == layer))
+                })
+                .map(|id| activation(program, id, program.task(id).shape.tokens).runs)
+                .collect()
+        };
+        let (first, second) = (fetch_runs(0), fetch_runs(1));
+        assert_eq!((first.len(), second.len()), (8, 8));
+        assert!(first.iter().all(|&r| r > 0.0), "{first:?}");
+        assert!(second.iter().all(|&r| r == 0.0), "{second:?}");
+    }
+    let one = prefetch_runs(1);
+    assert_eq!(one.len(), 2, "{one:?}");
+    // Both ranks are selected and charged alike.
+    assert!(one[0] > 0.0 && (one[0] - one[1]).abs() < 1e-12, "{one:?}");
+    let four = prefetch_runs(4);
+    assert_eq!(four.len(), 8, "{four:?}");
+    // Ranks 0 and 1 are always selected: what they charge is the cache's miss
+    // probability alone, the same for every rank of a layer.
+    let miss = four[0];
+    assert!(miss > 0.0 && (four[1] - miss).abs() < 1e-12, "{four:?}");
+    // P(D = d) for D ~ Binomial(8, 175/256), conditioned on D >= 2.
+    let p = 175.0 / 256.0;
+    let choose =
+        |n: u64, k: u64| -> f64 { (0..k).map(|i| (n - i) as f64 / (i + 1) as f64).product() };
+    let pmf = |d: u64| choose(8, d) * f64::powi(p, d as i32) * f64::powi(1.0 - p, 8 - d as i32);
+    let floor: f64 = (2..=8).map(pmf).sum();
+    for (r, &runs) in four.iter().enumerate() {
+        let need = r as u64 + 1;
+        let selected = if need <= 2 {
+            1.0
+        } else {
+            (need..=8).map(pmf).sum::<f64>() / floor
+        };
+        assert!(
+            (runs - miss * selected).abs() < 1e-9,
+            "rank {r}: {runs} vs {} x {selected}",
+            miss
+        );
+    }
+}

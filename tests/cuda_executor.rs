@@ -515,6 +515,43 @@ fn lookahead_gated_prefetch_matches_the_cpu_on_the_device_path() {
     );
 }
 
+/// The residency and routing-score guards on the CUDA path
+/// (`tests/fixtures/guards/resident_score.sched`: a cache hit from its slot, a miss with a
+/// large weight through a staging slot, one with a small weight on the CPU), with copies
+/// delayed 2 ms by the stand-in so prefetches are in flight while guards are decided: the
+/// tokens equal the CPU's with the largest and the summed weight and a 2-slot cache, and
+/// the cache both hit and missed.
+#[test]
+fn residency_and_score_guards_match_the_cpu_on_the_device_path() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "tests/fixtures/guards/resident_score.sched";
+    for extra in [
+        &[][..],
+        &["--set", "sum=1", "--set", "thr=0.6", "--set", "n_cache=2"][..],
+    ] {
+        let (cpu, _) = run(cache.path(), schedule, "mixtral-tiny", Driver::Cpu, extra);
+        let (cuda, _) = run(
+            cache.path(),
+            schedule,
+            "mixtral-tiny",
+            Driver::Standin(dir.path(), 2),
+            extra,
+        );
+        let want = token_ids(&cpu, &format!("{extra:?}, CPU"));
+        let got = token_ids(&cuda, &format!("{extra:?}, CUDA (stand-in)"));
+        assert_eq!(got, want, "{extra:?}: CUDA (stand-in) tokens differ");
+        let doc: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("json");
+        let total = &doc["caches"][0]["total"];
+        assert!(
+            total["hits"].as_u64().is_some_and(|h| h > 0)
+                && total["misses"].as_u64().is_some_and(|m| m > 0),
+            "{extra:?}: {total}"
+        );
+    }
+}
+
 /// MoE-Infinity's expert cache on the CUDA path: with the fewest slots the checker accepts,
 /// aggressive prefetching (every expert of the next 3 layers) and slow copies (the
 /// stand-in delays each by 2 ms), fetches, prefetches and reads of one slot run on three

@@ -924,3 +924,107 @@ fn the_disk_schedules_match_the_oracle_under_a_host_budget_smaller_than_the_weig
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The residency and routing-score guards (`tests/fixtures/guards/resident_score.sched`: a
+/// cache hit runs on the GPU from its slot, a miss with a large routing weight streams
+/// through a staging slot, one with a small weight runs on the CPU) give the oracle's
+/// tokens on the tiny cards of three families (DeepSeek-V2's leading dense layer
+/// included), with the largest and the summed weight, one and two sequences per batch,
+/// and caches of 2 and 6 slots; over the Mixtral runs every arm ran, and the cache
+/// reported both hits and (guarded) misses.
+#[test]
+fn residency_and_score_guards_give_the_oracle_tokens_and_take_every_arm() {
+    use moec::ir::{Engine, Op};
+    let source = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/guards/resident_score.sched"),
+    )
+    .unwrap();
+    let configs: [&[(&str, &str)]; 3] = [
+        &[],
+        &[("sum", "1"), ("thr", "0.6"), ("n_cache", "2")],
+        &[("bs", "2"), ("thr", "0.3")],
+    ];
+    for card_name in ["mixtral-tiny", "qwen3-moe-tiny", "deepseek-v2-tiny"] {
+        let card = ModelCard::load(card_name).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ck_dir = dir.path().join("ck");
+        write_checkpoint(
+            &card,
+            &ck_dir,
+            &SynthOptions {
+                seed: 7,
+                dtype: card.dtype,
+                ..SynthOptions::default()
+            },
+        )
+        .unwrap();
+        let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+        let prompts = prompts(card.vocab as u32);
+        let oracle = Oracle::new(&checkpoint).unwrap();
+        let expected: Vec<Vec<u32>> = oracle
+            .generate(
+                &prompts,
+                &GenerateOptions {
+                    stop_at_eos: false,
+                    ..GenerateOptions::greedy(GEN_LEN)
+                },
+            )
+            .unwrap()
+            .into_iter()
+            .map(|g| g.token_ids)
+            .collect();
+        // Runs of each arm's `experts` tasks: hit (reads the cache), staged (GPU, staging
+        // slot), CPU.
+        let mut arms = [0usize; 3];
+        let (mut hits, mut misses) = (0u64, 0u64);
+        for sets in configs {
+            let mut options = Options::new(card.clone());
+            options.sets = sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            options.workload = Workload {
+                batch: prompts.len() as u64,
+                prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
+                gen_len: GEN_LEN as u64,
+            };
+            let compiled = compile(&source, &options).unwrap_or_else(|d| {
+                panic!(
+                    "{card_name} {sets:?}: {}",
+                    moec::diag::render_all(&d, "resident_score.sched", &source)
+                )
+            });
+            let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+            let mut run = RunOptions::greedy(GEN_LEN);
+            run.stop_at_eos = false;
+            run.backend.threads = 1;
+            let (outputs, stats) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {})
+                .unwrap_or_else(|e| panic!("{card_name} {sets:?}: {e}"));
+            let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+            assert_eq!(got, expected, "{card_name} {sets:?}: the oracle's tokens");
+            for record in stats.steps.iter().flat_map(|s| &s.tasks).filter(|r| r.ran) {
+                let task = compiled.program.task(record.task);
+                if !matches!(task.op, Op::Experts { .. }) {
+                    continue;
+                }
+                let engine = compiled.program.stream(task.stream).engine;
+                let cached = task.args.iter().any(|a| a.slice.cache_key.is_some());
+                let arm = match (engine, cached) {
+                    (Engine::CpuCompute, _) => 2,
+                    (_, true) => 0,
+                    (_, false) => 1,
+                };
+                arms[arm] += 1;
+            }
+            hits += stats.caches[0].total.hits;
+            misses += stats.caches[0].total.misses;
+        }
+        if card_name == "mixtral-tiny" {
+            assert!(
+                arms.iter().all(|&n| n > 0),
+                "every arm runs: hit, staged, CPU = {arms:?}"
+            );
+            assert!(hits > 0 && misses > 0, "hits {hits}, misses {misses}");
+        }
+    }
+}

@@ -85,7 +85,7 @@ fn arm(compiled: &Compiled, task: moec::ir::TaskId) -> Option<(bool, u32)> {
     };
     t.guard.lits.iter().find_map(|lit| match lit.atom {
         GuardAtom::Tokens { .. } => Some((!lit.negated, layer)),
-        GuardAtom::Active { .. } => None,
+        _ => None,
     })
 }
 
@@ -325,7 +325,7 @@ fn the_copy_threshold_follows_the_latency_model() {
             .flat_map(|t| t.guard.lits.iter())
             .find_map(|l| match l.atom {
                 GuardAtom::Tokens { at_least, .. } => Some(at_least),
-                GuardAtom::Active { .. } => None,
+                _ => None,
             })
             .expect("a copy arm")
     };

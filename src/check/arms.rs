@@ -16,7 +16,7 @@
 //! passes; an arm missing or repeated under some routing does not.
 
 use crate::ir::catalog::{ExpertRef, ExpertSet};
-use crate::ir::{Guard, GuardAtom, TaskId};
+use crate::ir::{Guard, GuardAtom, ScoreKind, TaskId};
 use std::collections::{BTreeMap, HashMap};
 
 /// The most interval combinations enumerated for one expert.
@@ -33,17 +33,38 @@ pub struct Output {
     pub guard: Guard,
 }
 
-/// A routed count: tokens of (layer, expert) from one micro-batch or from all of them.
-type Var = (u32, ExpertRef, Option<u32>);
+/// What a guard variable measures: routed tokens, a cache's residency (0 miss, 1 hit) or a
+/// routing-weight statistic (thresholds as `f32` bits, which order positive floats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Quantity {
+    Tokens,
+    Resident(u32),
+    Score(ScoreKind),
+}
 
-/// Whether any output is guarded by a token-count literal (`routed(..) >= t`, t > 1): those
-/// are proven here, not by the literal-by-literal `active` rule.
+/// A guard variable: a quantity of (layer, expert) from one micro-batch or from all of them
+/// (a residency reads no micro-batch: `None`). Variables of different quantities are
+/// treated as independent, which can only reject more schedules.
+type Var = (Quantity, u32, ExpertRef, Option<u32>);
+
+fn var_of(a: &GuardAtom) -> Var {
+    let quantity = match *a {
+        GuardAtom::Active { .. } | GuardAtom::Tokens { .. } => Quantity::Tokens,
+        GuardAtom::Resident { cache, .. } => Quantity::Resident(cache),
+        GuardAtom::Score { kind, .. } => Quantity::Score(kind),
+    };
+    (quantity, a.layer(), a.expert(), a.ub())
+}
+
+/// Whether any output is guarded by a literal other than `active` (a token count
+/// `routed(..) >= t` with t > 1, a cache residency, a routing-weight score): those are
+/// proven here, not by the literal-by-literal `active` rule.
 pub fn has_load_guard(outputs: &[Output]) -> bool {
     outputs.iter().any(|o| {
         o.guard
             .lits
             .iter()
-            .any(|l| matches!(l.atom, GuardAtom::Tokens { .. }))
+            .any(|l| !matches!(l.atom, GuardAtom::Active { .. }))
     })
 }
 
@@ -99,17 +120,15 @@ fn check_expert(
     };
     // Cut points of every routed count a guard reads; the expert's own counts always
     // cut at 1, so "has tokens from ub" is exactly "not in the first interval".
-    let mine: Var = (layer, expert, Some(ub));
-    let sum: Var = (layer, expert, None);
+    let mine: Var = (Quantity::Tokens, layer, expert, Some(ub));
+    let sum: Var = (Quantity::Tokens, layer, expert, None);
     let mut cuts: BTreeMap<Var, Vec<u32>> = BTreeMap::new();
     cuts.entry(mine).or_default().push(1);
     cuts.entry(sum).or_default().push(1);
     for o in outputs {
         for lit in &o.guard.lits {
             let a = lit.atom;
-            cuts.entry((a.layer(), a.expert(), a.ub()))
-                .or_default()
-                .push(a.threshold());
+            cuts.entry(var_of(&a)).or_default().push(a.threshold());
         }
     }
     for c in cuts.values_mut() {
@@ -146,7 +165,7 @@ fn check_expert(
                 .filter(|o| {
                     o.guard.lits.iter().all(|lit| {
                         let a = lit.atom;
-                        let (l, _) = at(&(a.layer(), a.expert(), a.ub())).unwrap_or((0, 0));
+                        let (l, _) = at(&var_of(&a)).unwrap_or((0, 0));
                         (l >= a.threshold()) != lit.negated
                     })
                 })
@@ -200,27 +219,44 @@ fn describe_case(
     ub: u32,
 ) -> String {
     let read = |v: &Var| {
-        outputs.iter().any(|o| {
-            o.guard
-                .lits
-                .iter()
-                .any(|l| (l.atom.layer(), l.atom.expert(), l.atom.ub()) == *v)
-        })
+        outputs
+            .iter()
+            .any(|o| o.guard.lits.iter().any(|l| var_of(&l.atom) == *v))
     };
     let mut parts = Vec::new();
     for ((var, cuts), &r) in vars.iter().zip(region) {
         if !read(var) {
             continue;
         }
-        let (layer, expert, ub) = *var;
+        let (quantity, layer, expert, ub) = *var;
         let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
         let lo = if r == 0 { 0 } else { cuts[r - 1] };
-        let range = match cuts.get(r) {
-            Some(&hi) if hi == lo + 1 => format!("is {lo}"),
-            Some(&hi) => format!("is {lo}..={}", hi - 1),
-            None => format!(">= {lo}"),
-        };
-        parts.push(format!("routed({layer}, {expert}{ub}) {range}"));
+        match quantity {
+            Quantity::Tokens => {
+                let range = match cuts.get(r) {
+                    Some(&hi) if hi == lo + 1 => format!("is {lo}"),
+                    Some(&hi) => format!("is {lo}..={}", hi - 1),
+                    None => format!(">= {lo}"),
+                };
+                parts.push(format!("routed({layer}, {expert}{ub}) {range}"));
+            }
+            Quantity::Resident(cache) => {
+                let hit = if lo >= 1 { "a hit" } else { "a miss" };
+                parts.push(format!(
+                    "cache {cache}.resident({layer}, {expert}) is {hit}"
+                ));
+            }
+            Quantity::Score(kind) => {
+                let f = |bits: u32| f32::from_bits(bits);
+                let name = kind.as_str();
+                let range = match (r, cuts.get(r)) {
+                    (0, Some(&hi)) => format!("< {}", f(hi)),
+                    (_, Some(&hi)) => format!("is in {}..{}", f(lo), f(hi)),
+                    (_, None) => format!(">= {}", f(lo)),
+                };
+                parts.push(format!("{name}({layer}, {expert}{ub}) {range}"));
+            }
+        }
     }
     if parts.is_empty() {
         return format!("it has tokens from ub {ub}");
@@ -345,6 +381,54 @@ mod tests {
         let a = out(1, E0, &[tokens(0, None, 4, false)]);
         let b = out(2, E0, &[tokens(0, None, 4, true)]);
         assert_eq!(run(&[a, b]), None);
+    }
+
+    fn resident(negated: bool) -> GuardLit {
+        GuardLit {
+            atom: GuardAtom::Resident {
+                cache: 0,
+                layer: 0,
+                expert: ExpertRef::Index(0),
+            },
+            negated,
+        }
+    }
+
+    fn score_max(at_least: f32, negated: bool) -> GuardLit {
+        GuardLit {
+            atom: GuardAtom::Score {
+                kind: ScoreKind::Max,
+                layer: 0,
+                expert: ExpertRef::Index(0),
+                ub: Some(0),
+                at_least_bits: at_least.to_bits(),
+            },
+            negated,
+        }
+    }
+
+    #[test]
+    fn residency_and_score_arms_are_proven_like_count_arms() {
+        let active = tokens(0, Some(0), 1, false);
+        // if active { if resident { A } else if score >= 0.3 { B } else { C } }
+        let a = out(1, E0, &[active, resident(false)]);
+        let b = out(2, E0, &[active, resident(true), score_max(0.3, false)]);
+        let c = out(3, E0, &[active, resident(true), score_max(0.3, true)]);
+        assert_eq!(run(&[a.clone(), b.clone(), c.clone()]), None);
+        // The miss arm missing: nothing computes expert 0 on a miss.
+        let problem = run(std::slice::from_ref(&a)).expect("uncovered");
+        assert!(
+            problem.contains("not computed")
+                && problem.contains("cache 0.resident(0, 0) is a miss"),
+            "{problem}"
+        );
+        // The score arms without the miss guard overlap the hit arm.
+        let b_loose = out(2, E0, &[active, score_max(0.3, false)]);
+        let problem = run(&[a, b_loose, c]).expect("overlap");
+        assert!(
+            problem.contains("computed 2 times") && problem.contains("score_max(0, 0, 0) >= 0.3"),
+            "{problem}"
+        );
     }
 
     #[test]

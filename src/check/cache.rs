@@ -18,6 +18,14 @@
 //!   a fetch misses, so no fetch waits on another (prefetches never hold a slot past their
 //!   own copy and never wait).
 //!
+//! - `cache::stale_guard`: a task guarded by `CACHE.resident(l, e)` decides it when it is
+//!   about to run, from the cache as it is then. Every fetch and prefetch into that cache
+//!   (but a fetch guarded by its own key's residency, a hit) must be ordered before every
+//!   task the guard decides or after all of them, so all of them see one answer: the
+//!   arms stay exclusive and a hit the guard saw is still a hit when its fetch runs. A
+//!   residency-guarded fetch needs no free slot (it hits), so `cache::deadlock` does not
+//!   count it as waiting, only as holding.
+//!
 //! A predicted expert in a guard is refused here too (`elab::dynamic`): predictions decide
 //! what is copied ahead, never what runs.
 
@@ -101,8 +109,173 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
     for step in &program.steps {
         for cache in 0..program.caches.len() as u32 {
             held_at_once(program, dag, &bound, step, cache, diags);
+            stale_guards(program, dag, step, cache, diags);
         }
     }
+}
+
+/// Whether `task` is a fetch guarded by its own key's residency (`if ec.resident(l, e) {
+/// fetch .. -> ec.slot(l, e) }`): it hits whenever it runs, so it changes no slot.
+fn self_hit(program: &Program, task: TaskId) -> bool {
+    let t = program.task(task);
+    if t.cache_op != Some(CacheOp::Fetch) {
+        return false;
+    }
+    let Some(key) = t.args.iter().find_map(|a| a.slice.cache_key) else {
+        return false;
+    };
+    let own = GuardAtom::Resident {
+        cache: key.cache,
+        layer: key.layer,
+        expert: key.expert,
+    };
+    t.guard.lits.iter().any(|l| !l.negated && l.atom == own)
+}
+
+/// The `cache::stale_guard` check of one cache in one step. A `CACHE.resident(l, e)`
+/// guard is decided by each task it guards when that task is about to run, from the
+/// cache as it is then; the answers agree (the arms stay exclusive, and a hit seen by the
+/// guard is still a hit when its fetch runs) when no fetch or prefetch into the cache can
+/// run between two of those decisions. So every fetch and prefetch into the cache must be
+/// ordered before every task guarded by that residency, or after all of them; a fetch
+/// guarded by its own key's residency is a hit and changes nothing. Any fetch or prefetch
+/// counts, whatever its layer or expert: a miss of another expert may evict this one.
+/// Reports the first such guard of the step (one per step and cache).
+fn stale_guards(
+    program: &Program,
+    dag: &Dag,
+    step: &crate::ir::Step,
+    cache: u32,
+    diags: &mut Vec<Diagnostic>,
+) {
+    type Atom = (u32, ExpertRef);
+    let mut guarded: Vec<(Atom, Vec<TaskId>)> = Vec::new();
+    let mut changers: Vec<TaskId> = Vec::new();
+    for id in step.task_ids() {
+        let task = program.task(id);
+        for lit in &task.guard.lits {
+            if let GuardAtom::Resident {
+                cache: c,
+                layer,
+                expert,
+            } = lit.atom
+            {
+                if c != cache {
+                    continue;
+                }
+                let atom = (layer, expert);
+                match guarded.iter_mut().find(|(a, _)| *a == atom) {
+                    Some((_, tasks)) => {
+                        if tasks.last() != Some(&id) {
+                            tasks.push(id);
+                        }
+                    }
+                    None => guarded.push((atom, vec![id])),
+                }
+            }
+        }
+        let into_cache = task.cache_op.is_some()
+            && task
+                .args
+                .iter()
+                .any(|a| a.access.writes() && a.slice.cache_key.is_some_and(|k| k.cache == cache));
+        if into_cache && !self_hit(program, id) {
+            changers.push(id);
+        }
+    }
+    if guarded.is_empty() || changers.is_empty() {
+        return;
+    }
+    // Ancestors among the changers and the guarded tasks, as bitsets propagated in issue
+    // order (every predecessor comes earlier).
+    let mut interesting: Vec<TaskId> = changers.clone();
+    interesting.extend(guarded.iter().flat_map(|(_, t)| t.iter().copied()));
+    interesting.sort();
+    interesting.dedup();
+    let bit: HashMap<TaskId, usize> = interesting
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (*t, i))
+        .collect();
+    let first = step.first as usize;
+    let words = interesting.len().div_ceil(64);
+    let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; step.count as usize];
+    for k in 0..step.count as usize {
+        let id = TaskId::new(first + k);
+        let mut set = vec![0u64; words];
+        for dep in dag.preds(id) {
+            let p = dep.from.index();
+            if p < first {
+                continue;
+            }
+            for (w, a) in set.iter_mut().zip(&anc[p - first]) {
+                *w |= a;
+            }
+            if let Some(&b) = bit.get(&dep.from) {
+                set[b / 64] |= 1 << (b % 64);
+            }
+        }
+        anc[k] = set;
+    }
+    let before = |x: TaskId, y: TaskId| -> bool {
+        bit.get(&x)
+            .is_some_and(|&b| anc[y.index() - first][b / 64] & (1 << (b % 64)) != 0)
+    };
+    let c = &program.caches[cache as usize];
+    for ((layer, expert), tasks) in &guarded {
+        for &changer in &changers {
+            if tasks.contains(&changer) {
+                // A guarded fetch or prefetch of another key decides the guard, then may
+                // change the cache: every other decider must come before it.
+                let late = tasks
+                    .iter()
+                    .copied()
+                    .find(|&t| t != changer && !before(t, changer));
+                if let Some(t) = late {
+                    // One per step and cache: the fix (an order) is the same for all.
+                    diags.push(stale(program, c, *layer, *expert, t, changer));
+                    return;
+                }
+                continue;
+            }
+            let all_after = tasks.iter().all(|&t| before(changer, t));
+            let all_before = tasks.iter().all(|&t| before(t, changer));
+            if all_after || all_before {
+                continue;
+            }
+            // The guarded task the change may come before: one not ordered after it.
+            let victim = tasks
+                .iter()
+                .copied()
+                .find(|&t| !before(changer, t) && !before(t, changer))
+                .unwrap_or_else(|| {
+                    tasks
+                        .iter()
+                        .copied()
+                        .find(|&t| !before(changer, t))
+                        .unwrap_or(tasks[0])
+                });
+            diags.push(stale(program, c, *layer, *expert, victim, changer));
+            return;
+        }
+    }
+}
+
+fn stale(
+    program: &Program,
+    cache: &crate::ir::cache::Cache,
+    layer: u32,
+    expert: ExpertRef,
+    guarded: TaskId,
+    changer: TaskId,
+) -> Diagnostic {
+    Diagnostic::stale_guard(
+        program.task_span(guarded),
+        &program.task_name(guarded),
+        &format!("{}.resident({layer}, {expert})", cache.name),
+        (program.task_name(changer), program.task_span(changer)),
+        &cache.name,
+    )
 }
 
 /// The `cache::deadlock` check of one cache in one step.
@@ -209,6 +382,11 @@ fn held_at_once(
     let groups: Vec<Option<(u32, Option<u32>)>> = fetches.iter().map(|&f| group(f)).collect();
     let mut worst: Option<(u64, TaskId)> = None;
     for (i, &f) in fetches.iter().enumerate() {
+        // A fetch guarded by its own expert's residency hits: it never needs a free slot
+        // (it still holds its slot, so it counts for the others).
+        if self_hit(program, f) {
+            continue;
+        }
         let mut per_group: HashMap<(u32, Option<u32>), u64> = HashMap::new();
         let mut loose = 0u64;
         for (j, &g) in fetches.iter().enumerate() {

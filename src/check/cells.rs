@@ -110,6 +110,17 @@ pub(super) fn lit_implies(a: &GuardLit, b: &GuardLit) -> bool {
         return true;
     }
     let (x, y) = (a.atom, b.atom);
+    // Only atoms of one quantity compare by threshold: token counts with token counts,
+    // a score with the same statistic of scores (the largest or summed weight over every
+    // micro-batch is at least one micro-batch's, as a count is); a residency only with
+    // itself (above).
+    let comparable = match (x, y) {
+        (GuardAtom::Score { kind: k, .. }, GuardAtom::Score { kind: j, .. }) => k == j,
+        _ => x.is_token_count() && y.is_token_count(),
+    };
+    if !comparable {
+        return false;
+    }
     if x.layer() != y.layer() || x.expert() != y.expert() || a.negated != b.negated {
         return false;
     }
@@ -170,7 +181,7 @@ pub(super) fn runs_when_active(guard: &Guard, layer: u32, expert: ExpertRef, ub:
             expert: e,
             ub: u,
         } => !lit.negated && l == layer && e == expert && u.is_none_or(|u| u == ub),
-        GuardAtom::Tokens { .. } => false,
+        GuardAtom::Tokens { .. } | GuardAtom::Resident { .. } | GuardAtom::Score { .. } => false,
     })
 }
 

@@ -87,7 +87,8 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                     ));
                 }
             }
-            for lit in &t.guard.lits {
+            // A cache residency reads no routing (`cache::stale_guard` orders it instead).
+            for lit in t.guard.lits.iter().filter(|l| l.atom.reads_routing()) {
                 let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
                 let ubs: Vec<u32> = match ub {
                     Some(u) => vec![u],

@@ -1204,7 +1204,7 @@ impl Tracker<'_> {
                 let load_arm = guard
                     .lits
                     .iter()
-                    .any(|l| matches!(l.atom, GuardAtom::Tokens { .. }));
+                    .any(|l| !matches!(l.atom, GuardAtom::Active { .. }));
                 let sound = load_arm
                     || guard.is_always()
                     || matches!(set, ExpertSet::One(e) if runs_when_active(guard, layer, e, ub));

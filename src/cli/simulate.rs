@@ -512,6 +512,11 @@ fn print_cache_hits(program: &Program) {
                 "uniform routing"
             }
         );
+        if c.predictor == crate::ir::cache::Predictor::Lookahead {
+            println!(
+                "  lookahead: a fetch of a layer the pregates predicted is charged as a hit (the pregate taken to select the gate's experts: an upper bound; `moec run` reports the measured accuracy)"
+            );
+        }
     }
 }
 

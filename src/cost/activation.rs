@@ -35,20 +35,172 @@ fn cache_miss(
     let task = program.task(id);
     task.cache_op?;
     let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
+    // A fetch guarded by its own key's residency is a hit whenever it runs.
+    let own_hit = GuardAtom::Resident {
+        cache: key.cache,
+        layer: key.layer,
+        expert: key.expert,
+    };
+    if task
+        .guard
+        .lits
+        .iter()
+        .any(|l| !l.negated && l.atom == own_hit)
+    {
+        return Some(0.0);
+    }
+    if task.cache_op == Some(crate::ir::cache::CacheOp::Fetch)
+        && lookahead_prefetched(program, task.step, key.cache, key.layer)
+    {
+        return Some(0.0);
+    }
+    Some(
+        1.0 - hit_rate(
+            program,
+            key.cache,
+            key.layer,
+            key.expert,
+            tokens_per_ub,
+            memo,
+        ),
+    )
+}
+
+/// The probability that a prefetch of a `lookahead` cache's `predicted(l, r)` copies
+/// anything (`None` for any other task): the runtime skips it unless the step's pregates
+/// of layer `l` (one per micro-batch, `n` tokens in all) selected at least `r + 1`
+/// distinct experts. Each token selects `top_k` distinct experts, so at least
+/// `min(experts, top_k)` are selected (any token at all) and at most `min(experts, n x
+/// top_k)`; in between, the count of distinct experts is the routing model's: expert e
+/// is selected with probability 1 - (1 - q_e)^n, independently (a Poisson binomial).
+fn lookahead_selected(program: &Program, id: TaskId, tokens_per_ub: u64) -> Option<f64> {
+    let task = program.task(id);
+    if task.cache_op != Some(crate::ir::cache::CacheOp::Prefetch) {
+        return None;
+    }
+    let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
+    let ExpertRef::Predicted { layer, rank, .. } = key.expert else {
+        return None;
+    };
+    let cache = program.caches.get(key.cache as usize)?;
+    if cache.predictor != crate::ir::cache::Predictor::Lookahead {
+        return None;
+    }
+    let card = &program.model;
+    let n = tokens_per_ub.saturating_mul(u64::from(program.micro_batches.count.max(1)));
+    let need = u64::from(rank) + 1;
+    let (experts, k) = (card.experts, card.top_k.max(1));
+    if n == 0 || card.is_dense_layer(u64::from(layer)) {
+        return Some(0.0);
+    }
+    if need <= experts.min(k) {
+        return Some(1.0);
+    }
+    if need > experts.min(n.saturating_mul(k)) {
+        return Some(0.0);
+    }
+    // P(D >= need) for D the number of selected experts: a Poisson binomial by dynamic
+    // programming over the experts (dist[d] = P(d selected so far)).
+    let mut dist = vec![0.0f64; experts as usize + 1];
+    dist[0] = 1.0;
+    for (e, seen) in (0..experts as u32).zip(0usize..) {
+        let q = share(program, layer, ExpertRef::Index(e));
+        let p = 1.0 - (1.0 - q).powf(n as f64);
+        for d in (0..=seen + 1).rev() {
+            let stay = dist[d] * (1.0 - p);
+            let came = if d > 0 { dist[d - 1] * p } else { 0.0 };
+            dist[d] = stay + came;
+        }
+    }
+    let at_least: f64 = dist.iter().skip(need as usize).sum();
+    // The Poisson binomial ignores that every token selects `top_k`: condition on D being
+    // at least that floor, which the real routing always reaches.
+    let floor: f64 = dist.iter().skip(experts.min(k) as usize).sum();
+    Some(if floor > 0.0 {
+        (at_least / floor).clamp(0.0, 1.0)
+    } else {
+        1.0
+    })
+}
+
+/// Whether step `step` prefetches `CACHE.predicted(layer, ..)` into `cache` and the cache's
+/// predictor is `lookahead`: then a fetch of that layer finds its expert prefetched, as
+/// far as the pregate selects what the gate selects. The cost model takes it that it does
+/// (Pre-gated MoE's fine-tuned pre-gate; an upper bound for the inference-time form),
+/// and `moec simulate` says so; `moec run` reports the measured accuracy.
+pub fn lookahead_prefetched(
+    program: &Program,
+    step: crate::ir::StepId,
+    cache: u32,
+    layer: u32,
+) -> bool {
+    let Some(c) = program.caches.get(cache as usize) else {
+        return false;
+    };
+    if c.predictor != crate::ir::cache::Predictor::Lookahead {
+        return false;
+    }
+    let Some(s) = program.steps.get(step.index()) else {
+        return false;
+    };
+    s.task_ids().any(|id| {
+        let t = program.task(id);
+        t.cache_op == Some(crate::ir::cache::CacheOp::Prefetch)
+            && t.args.iter().any(|a| {
+                a.slice.cache_key.is_some_and(|k| {
+                    k.cache == cache
+                        && matches!(k.expert, ExpertRef::Predicted { layer: l, .. } if l == layer)
+                })
+            })
+    })
+}
+
+/// The probability that `expert` of `layer` is resident in `cache`, from [`cache_hits`].
+fn hit_rate(
+    program: &Program,
+    cache: u32,
+    layer: u32,
+    expert: ExpertRef,
+    tokens_per_ub: u64,
+    memo: &mut ActivationMemo,
+) -> f64 {
     let hits = memo
         .hits
-        .entry((key.cache, tokens_per_ub))
-        .or_insert_with(|| cache_hits(program, key.cache, tokens_per_ub));
-    let hit = match key.expert {
+        .entry((cache, tokens_per_ub))
+        .or_insert_with(|| cache_hits(program, cache, tokens_per_ub));
+    let hit = match expert {
         ExpertRef::Index(e) => hits
             .per_key
-            .get(key.layer as usize)?
-            .get(e as usize)
-            .copied()?,
+            .get(layer as usize)
+            .and_then(|r| r.get(e as usize))
+            .copied(),
         // A run-time expert: the layer's mean over its requests.
-        _ => hits.layer_rate.get(key.layer as usize).copied()?,
+        _ => hits.layer_rate.get(layer as usize).copied(),
     };
-    Some((1.0 - hit).clamp(0.0, 1.0))
+    hit.unwrap_or(0.0).clamp(0.0, 1.0)
+}
+
+/// A token-count or score literal's threshold as a token count. A score is modelled as
+/// the uniform router gives it: every token routed to an expert weighs `1 / top_k`, so
+/// `score_max >= t` holds for an active expert when `t <= 1 / top_k` (never otherwise)
+/// and `score_sum >= t` when at least `ceil(t x top_k)` tokens route to it.
+fn token_threshold(program: &Program, a: &GuardAtom) -> u64 {
+    match *a {
+        GuardAtom::Score {
+            kind,
+            at_least_bits,
+            ..
+        } => {
+            let k = program.model.top_k.max(1) as f64;
+            let t = f64::from(f32::from_bits(at_least_bits));
+            match kind {
+                crate::ir::ScoreKind::Max if t * k <= 1.0 => 1,
+                crate::ir::ScoreKind::Max => u64::MAX,
+                crate::ir::ScoreKind::Sum => (t * k).ceil().max(1.0) as u64,
+            }
+        }
+        _ => u64::from(a.threshold()),
+    }
 }
 
 /// The predicted steady-state hit rate of an expert cache.
@@ -223,16 +375,32 @@ pub fn activation_memo(
 ) -> Activation {
     let task = program.task(id);
     if task.guard.is_always() {
-        return Activation::ALWAYS;
+        // An unguarded lookahead prefetch still copies only a selected expert.
+        return match lookahead_selected(program, id, tokens_per_ub) {
+            Some(p) => Activation { runs: p, work: p },
+            None => Activation::ALWAYS,
+        };
     }
     let ubs = u64::from(program.micro_batches.count.max(1));
     // Interval [lo, hi) of each count the guard reads.
     let mut intervals: BTreeMap<Var, (u64, u64)> = BTreeMap::new();
+    // A residency literal's probability: the cache model's hit rate of its key.
+    let mut resident = 1.0;
     for lit in &task.guard.lits {
         let a = lit.atom;
+        if let GuardAtom::Resident {
+            cache,
+            layer,
+            expert,
+        } = a
+        {
+            let hit = hit_rate(program, cache, layer, expert, tokens_per_ub, memo);
+            resident *= if lit.negated { 1.0 - hit } else { hit };
+            continue;
+        }
         let var = (a.layer(), a.expert(), a.ub());
         let entry = intervals.entry(var).or_insert((0, u64::MAX));
-        let t = u64::from(a.threshold());
+        let t = token_threshold(program, &a);
         if lit.negated {
             entry.1 = entry.1.min(t);
         } else {
@@ -270,6 +438,13 @@ pub fn activation_memo(
         // The guard reads other counts only: the task does its mean work when it runs.
         work = runs;
     }
+    runs *= resident;
+    work *= resident;
+    // A lookahead prefetch copies only an expert the pregates selected.
+    if let Some(selected) = lookahead_selected(program, id, tokens_per_ub) {
+        runs *= selected;
+        work *= selected;
+    }
     // A fetch or prefetch copies only when its expert is not resident.
     if let Some(miss) = cache_miss(program, id, tokens_per_ub, memo) {
         runs *= miss;
@@ -290,6 +465,21 @@ pub fn arm_key(program: &Program, id: TaskId) -> String {
         (GuardAtom::Active { .. }, true) => "!active".to_string(),
         (GuardAtom::Tokens { at_least, .. }, false) => format!("routed >= {at_least}"),
         (GuardAtom::Tokens { at_least, .. }, true) => format!("routed < {at_least}"),
+        (GuardAtom::Resident { .. }, false) => "resident".to_string(),
+        (GuardAtom::Resident { .. }, true) => "!resident".to_string(),
+        (
+            GuardAtom::Score {
+                kind,
+                at_least_bits,
+                ..
+            },
+            negated,
+        ) => format!(
+            "{} {} {}",
+            kind.as_str(),
+            if negated { "<" } else { ">=" },
+            f32::from_bits(at_least_bits)
+        ),
     };
     let mut lits: Vec<String> = task.guard.lits.iter().map(lit).collect();
     lits.dedup();

@@ -80,6 +80,9 @@ pub enum Code {
     /// A prefetch of a `lookahead` cache's prediction with no `pregate` of that layer
     /// ordered before it: the prediction would be read before it is written.
     CacheUnpredicted,
+    /// A `CACHE.resident(..)` guard that a fetch or prefetch into the cache can change
+    /// between the tasks that decide it.
+    CacheStaleGuard,
     /// A buffer never used (warning).
     LintUnusedBuffer,
     /// A stream never used (warning).
@@ -94,7 +97,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 41] = [
+    pub const ALL: [Code; 42] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -131,6 +134,7 @@ impl Code {
         Code::CacheUnfetched,
         Code::CacheDeadlock,
         Code::CacheUnpredicted,
+        Code::CacheStaleGuard,
         Code::LintUnusedBuffer,
         Code::LintUnusedStream,
         Code::LintUnusedParam,
@@ -177,6 +181,7 @@ impl Code {
             Code::CacheUnfetched => "cache::unfetched",
             Code::CacheDeadlock => "cache::deadlock",
             Code::CacheUnpredicted => "cache::unpredicted",
+            Code::CacheStaleGuard => "cache::stale_guard",
             Code::LintUnusedBuffer => "lint::unused_buffer",
             Code::LintUnusedStream => "lint::unused_stream",
             Code::LintUnusedParam => "lint::unused_param",

@@ -649,6 +649,24 @@ impl Diagnostic {
         .help(format!("issue `pregate(layer = {layer}, ..)` earlier and order the prefetch `after` it, so its routing is read back to the host first"))
     }
 
+    /// A task guarded by a cache residency that a fetch or prefetch into the cache may
+    /// change between the tasks that decide it (`cache::stale_guard`).
+    pub fn stale_guard(
+        span: Span,
+        task: &str,
+        guard: &str,
+        changer: (String, Span),
+        cache: &str,
+    ) -> Self {
+        Diagnostic::new(
+            Code::CacheStaleGuard,
+            format!("task {task} is guarded by `{guard}`, but task {} into `{cache}` may run between the tasks that decide that guard, so they can see different answers", changer.0),
+        )
+        .label(span, format!("decides `{guard}` here"))
+        .label(changer.1, format!("may change what `{cache}` holds in between"))
+        .help(format!("order every fetch and prefetch into `{cache}` before all the tasks guarded by `{guard}` or after all of them (`after`); a fetch of the same expert inside the guard is a hit and needs no order"))
+    }
+
     /// The expected tensor, but the one of another step run (an earlier token's hidden
     /// state, a KV cache missing the last step's rows).
     #[allow(clippy::too_many_arguments)]

@@ -7,6 +7,7 @@
 //! (a name must be declared before it is used), step blocks after all declarations.
 
 mod decls;
+mod guards;
 mod slices;
 mod stmts;
 pub mod value;

@@ -108,6 +108,9 @@ fn cache_method(
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
+    if method == "resident" {
+        return super::guards::resident(cache, span, args, values, cx);
+    }
     let card = cx.card().clone();
     if method != "slot" && method != "predicted" {
         return Err(Diagnostic::unknown_name(

@@ -92,6 +92,19 @@ pub enum Val {
         /// The micro-batch, or the sum over all of them.
         ub: Option<u32>,
     },
+    /// `score_max(layer, expert[, ub])` / `score_sum(..)`: the routing weights an expert
+    /// received, known only at run time; only a comparison with a compile-time number
+    /// uses it (`super::guards`), which gives a `Cond`.
+    Score {
+        /// Largest or summed.
+        kind: crate::ir::ScoreKind,
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: ExpertRef,
+        /// The micro-batch, or every micro-batch of the step.
+        ub: Option<u32>,
+    },
     /// An array of buffers indexed by some of its dimensions so far.
     Array {
         /// Index of the declaration in the elaborator's table.
@@ -119,6 +132,7 @@ impl Val {
             Val::Expert(_) => "a run-time expert",
             Val::Cond(_) => "a run-time condition",
             Val::Routed { .. } => "a run-time token count",
+            Val::Score { .. } => "a run-time routing score",
             Val::Array { .. } => "an array of buffers",
             Val::Slice(_) => "a buffer slice",
             Val::Word(_) => "a keyword",
@@ -448,6 +462,11 @@ fn binary(
         {
             routed_comparison(op, a, b, a_span, b_span, span)
         }
+        Eq | Ne | Lt | Le | Gt | Ge
+            if matches!(a, Val::Score { .. }) || matches!(b, Val::Score { .. }) =>
+        {
+            super::guards::score_comparison(op, a, b, a_span, b_span, span)
+        }
         Eq | Ne | Lt | Le | Gt | Ge => {
             let ordering = match (&a, &b) {
                 (Val::Bool(x), Val::Bool(y)) if matches!(op, Eq | Ne) => Some(x.cmp(y)),
@@ -729,6 +748,18 @@ fn call(
                 return Ok(Val::Int(0));
             }
             Ok(Val::Routed { layer, expert, ub })
+        }
+        "score_max" | "score_sum" => {
+            if !(2..=3).contains(&values.len()) {
+                return Err(Diagnostic::arity(
+                    span,
+                    &format!("`{name}`"),
+                    2,
+                    values.len(),
+                ));
+            }
+            let (layer, expert, ub) = expert_scope(&values, &arg_span, cx.card())?;
+            Ok(super::guards::score(name, layer, expert, ub, cx))
         }
         "bytes" => {
             arity(1)?;

@@ -7,7 +7,7 @@
 //! enums' `ALL`; the hardware symbols come from the profile (`cost::HardwareProfile::symbols`).
 
 /// Built-in functions other than the size helpers.
-pub const FUNCTIONS: [&str; 12] = [
+pub const FUNCTIONS: [&str; 14] = [
     "min",
     "max",
     "ceil",
@@ -20,13 +20,16 @@ pub const FUNCTIONS: [&str; 12] = [
     "routed",
     "rank",
     "rank_in_layer",
+    "score_max",
+    "score_sum",
 ];
 
 /// Methods of a buffer slice (`W[l].expert(e)`, `kv[l].context()`, ...).
 pub const SLICE_METHODS: [&str; 6] = ["page", "share", "expert", "experts", "context", "appended"];
 
-/// Methods of an expert cache (`ec.slot(l, e)`, `ec.predicted(l, r)`).
-pub const CACHE_METHODS: [&str; 2] = ["slot", "predicted"];
+/// Methods of an expert cache (`ec.slot(l, e)`, `ec.predicted(l, r)`,
+/// `ec.resident(l, e)`).
+pub const CACHE_METHODS: [&str; 3] = ["slot", "predicted", "resident"];
 
 /// Fields of the checkpoint `W`, of a layer-shaped slice and of its dense part.
 pub const FIELDS: [&str; 9] = [

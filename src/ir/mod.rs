@@ -657,35 +657,110 @@ pub enum GuardAtom {
         /// The threshold (at least 2: `>= 1` is `active`, `>= 0` always holds).
         at_least: u32,
     },
+    /// `CACHE.resident(layer, expert)`: the expert is in a slot of cache `cache` when the
+    /// guard is decided (a hit). The checker orders every fetch or prefetch into that
+    /// cache before every task guarded by it or after all of them
+    /// (`cache::stale_guard`), so every such task sees the same answer.
+    Resident {
+        /// The cache (index into `Program::caches`).
+        cache: u32,
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: ExpertRef,
+    },
+    /// `score_max(layer, expert[, ub]) >= at_least` or `score_sum(..) >= at_least`: the
+    /// largest (or summed) routing weight the expert received from the tokens of
+    /// micro-batch `ub` (or of every micro-batch of the step); 0 for an expert no token
+    /// routed to. Thresholds are positive (`>= 0` always holds, `>= t` with `t <= 0` is
+    /// folded at compile time), stored as the bits of an `f32` so the atom stays `Eq` and
+    /// `Ord` (positive floats order as their bits).
+    Score {
+        /// Largest or summed.
+        kind: ScoreKind,
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: ExpertRef,
+        /// The micro-batch, or every micro-batch of the step.
+        ub: Option<u32>,
+        /// `f32::to_bits` of the (positive) threshold.
+        at_least_bits: u32,
+    },
+}
+
+/// Which statistic of an expert's routing weights a score guard reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ScoreKind {
+    /// `score_max`: the largest weight a token gave the expert.
+    Max,
+    /// `score_sum`: the sum of the weights its tokens gave it (its share of the output).
+    Sum,
+}
+
+impl ScoreKind {
+    /// The function that reads it (`score_max`, `score_sum`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScoreKind::Max => "score_max",
+            ScoreKind::Sum => "score_sum",
+        }
+    }
 }
 
 impl GuardAtom {
-    /// The layer whose routing decides the atom.
+    /// The layer whose routing (or cache slot) decides the atom.
     pub fn layer(&self) -> u32 {
         match *self {
-            GuardAtom::Active { layer, .. } | GuardAtom::Tokens { layer, .. } => layer,
+            GuardAtom::Active { layer, .. }
+            | GuardAtom::Tokens { layer, .. }
+            | GuardAtom::Resident { layer, .. }
+            | GuardAtom::Score { layer, .. } => layer,
         }
     }
 
-    /// The expert it counts tokens of.
+    /// The expert it reads.
     pub fn expert(&self) -> ExpertRef {
         match *self {
-            GuardAtom::Active { expert, .. } | GuardAtom::Tokens { expert, .. } => expert,
+            GuardAtom::Active { expert, .. }
+            | GuardAtom::Tokens { expert, .. }
+            | GuardAtom::Resident { expert, .. }
+            | GuardAtom::Score { expert, .. } => expert,
         }
     }
 
-    /// The micro-batch it reads, or `None` for every micro-batch of the step.
+    /// The micro-batch it reads, or `None` for every micro-batch of the step (a
+    /// residency guard reads no micro-batch: `None`).
     pub fn ub(&self) -> Option<u32> {
         match *self {
-            GuardAtom::Active { ub, .. } | GuardAtom::Tokens { ub, .. } => ub,
+            GuardAtom::Active { ub, .. }
+            | GuardAtom::Tokens { ub, .. }
+            | GuardAtom::Score { ub, .. } => ub,
+            GuardAtom::Resident { .. } => None,
         }
     }
 
-    /// The atom as "routed tokens >= threshold": `active` is a threshold of 1.
+    /// True for the atoms that count routed tokens (`active`, `routed >= t`): the ones
+    /// [`GuardAtom::threshold`] and [`GuardAtom::holds_for`] describe.
+    pub fn is_token_count(&self) -> bool {
+        matches!(self, GuardAtom::Active { .. } | GuardAtom::Tokens { .. })
+    }
+
+    /// True for the atoms decided from the gate's routing read back to the host (every
+    /// atom but a cache residency).
+    pub fn reads_routing(&self) -> bool {
+        !matches!(self, GuardAtom::Resident { .. })
+    }
+
+    /// The atom as "routed tokens >= threshold": `active` is a threshold of 1. For the
+    /// atoms that are not token counts, the threshold of their own quantity in an
+    /// order-preserving integer form: 1 for a residency (0 = miss, 1 = hit), the `f32`
+    /// bits of a score's threshold.
     pub fn threshold(&self) -> u32 {
         match *self {
-            GuardAtom::Active { .. } => 1,
+            GuardAtom::Active { .. } | GuardAtom::Resident { .. } => 1,
             GuardAtom::Tokens { at_least, .. } => at_least,
+            GuardAtom::Score { at_least_bits, .. } => at_least_bits,
         }
     }
 
@@ -707,6 +782,23 @@ impl std::fmt::Display for GuardAtom {
                 at_least,
                 ..
             } => write!(f, "routed({layer}, {expert}{ub}) >= {at_least}"),
+            GuardAtom::Resident {
+                cache,
+                layer,
+                expert,
+            } => write!(f, "cache {cache}.resident({layer}, {expert})"),
+            GuardAtom::Score {
+                kind,
+                layer,
+                expert,
+                at_least_bits,
+                ..
+            } => write!(
+                f,
+                "{}({layer}, {expert}{ub}) >= {}",
+                kind.as_str(),
+                f32::from_bits(at_least_bits)
+            ),
         }
     }
 }
@@ -715,7 +807,23 @@ impl std::fmt::Display for GuardLit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.negated, self.atom) {
             (false, atom) => write!(f, "{atom}"),
-            (true, GuardAtom::Active { .. }) => write!(f, "!{}", self.atom),
+            (true, GuardAtom::Active { .. } | GuardAtom::Resident { .. }) => {
+                write!(f, "!{}", self.atom)
+            }
+            (
+                true,
+                GuardAtom::Score {
+                    kind,
+                    layer,
+                    expert,
+                    ub,
+                    at_least_bits,
+                },
+            ) => {
+                let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
+                let t = f32::from_bits(at_least_bits);
+                write!(f, "{}({layer}, {expert}{ub}) < {t}", kind.as_str())
+            }
             // `!(routed >= t)` reads better as the comparison it came from.
             (
                 true,

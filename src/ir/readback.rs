@@ -17,7 +17,9 @@ pub fn readback_gates(program: &Program) -> Vec<bool> {
     let is_hot = |e: ExpertRef| matches!(e, ExpertRef::Hot { .. });
     for task in &program.tasks {
         for lit in &task.guard.lits {
-            guarded.insert((lit.atom.layer(), lit.atom.ub()));
+            if lit.atom.reads_routing() {
+                guarded.insert((lit.atom.layer(), lit.atom.ub()));
+            }
             every_gate |= is_hot(lit.atom.expert());
         }
         every_gate |= task

@@ -203,6 +203,20 @@ impl CacheRuntime {
         Some(s)
     }
 
+    /// Whether `key` is in a slot now (a `CACHE.resident(..)` guard): filled, or being
+    /// filled by a copy already chosen (a fetch of it then hits once the copy is fenced).
+    pub fn resident(&self, key: Key) -> bool {
+        lock(&self.table).index.contains_key(&key)
+    }
+
+    /// A fetch guarded by its own key's residency found it not resident (the schedule
+    /// computes the expert another way): a miss of the cache, counted as one.
+    pub fn guarded_miss(&self, layer: u32) {
+        if let Some(st) = lock(&self.table).stats.get_mut(layer as usize) {
+            st.misses += 1;
+        }
+    }
+
     /// A prefetch found its expert idle once the layer's routing was in: not copied.
     pub fn prefetch_cancelled(&self, layer: u32) {
         if let Some(st) = lock(&self.table).stats.get_mut(layer as usize) {

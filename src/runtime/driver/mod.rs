@@ -195,20 +195,75 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
         if self.backend.decides_guard_on_device(task) {
             return Ok(true);
         }
+        // A fetch guarded by its own key's residency (`if ec.resident(l, e) { fetch ..
+        // -> ec.slot(l, e) }`) skipped for that literal alone is the cache's miss of an
+        // expert the step computes: counted with the misses, once per such arm.
+        let own = task.cache.and_then(|c| {
+            (c.op == crate::ir::cache::CacheOp::Fetch).then_some(crate::ir::GuardAtom::Resident {
+                cache: c.key.cache,
+                layer: c.key.layer,
+                expert: c.key.expert,
+            })
+        });
+        let mut own_missed = None;
         for lit in &task.guard.lits {
-            let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
-            let expert = self.state.resolve_expert(
-                Some(task.id),
-                lit.atom.expert(),
-                self.plan.model.experts as u32,
-            );
-            match self.state.routed_tokens(layer, expert, ub) {
-                Some(tokens) if lit.atom.holds_for(tokens) == lit.negated => return Ok(false),
-                Some(_) => {}
-                None => return Err(BackendError::Task(Box::new(UnknownRouting { layer }))),
+            if self.lit_holds(task, lit)? {
+                continue;
+            }
+            match lit.atom {
+                crate::ir::GuardAtom::Resident { cache, layer, .. }
+                    if !lit.negated && Some(lit.atom) == own =>
+                {
+                    own_missed = Some((cache, layer));
+                }
+                _ => return Ok(false),
             }
         }
+        if let Some((cache, layer)) = own_missed {
+            if let Some(c) = self.state.caches.get(cache as usize) {
+                c.guarded_miss(layer);
+            }
+            return Ok(false);
+        }
         Ok(true)
+    }
+
+    /// Whether one literal of `task`'s guard holds now.
+    fn lit_holds(&self, task: &PlanTask, lit: &crate::ir::GuardLit) -> Result<bool, BackendError> {
+        let (layer, ub) = (lit.atom.layer(), lit.atom.ub());
+        let expert = self.state.resolve_expert(
+            Some(task.id),
+            lit.atom.expert(),
+            self.plan.model.experts as u32,
+        );
+        let holds = match lit.atom {
+            // The cache as it is now: `moec check` proved that no fetch or prefetch into it
+            // can run between this task's decision and any other task's decision of the
+            // same guard (`cache::stale_guard`).
+            crate::ir::GuardAtom::Resident { cache, .. } => {
+                let Some(c) = self.state.caches.get(cache as usize) else {
+                    return Err(BackendError::Task(Box::new(UnknownCache(cache))));
+                };
+                c.resident((layer, expert))
+            }
+            crate::ir::GuardAtom::Score {
+                kind,
+                at_least_bits,
+                ..
+            } => {
+                let Some(score) = self.state.routed_score(layer, expert, ub, kind) else {
+                    return Err(BackendError::Task(Box::new(UnknownRouting { layer })));
+                };
+                score >= f32::from_bits(at_least_bits)
+            }
+            crate::ir::GuardAtom::Active { .. } | crate::ir::GuardAtom::Tokens { .. } => {
+                match self.state.routed_tokens(layer, expert, ub) {
+                    Some(tokens) => lit.atom.holds_for(tokens),
+                    None => return Err(BackendError::Task(Box::new(UnknownRouting { layer }))),
+                }
+            }
+        };
+        Ok(holds != lit.negated)
     }
 }
 

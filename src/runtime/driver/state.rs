@@ -311,6 +311,42 @@ impl StepState {
     }
 }
 
+impl StepState {
+    /// The largest (`Max`) or summed (`Sum`) routing weight the tokens of `ub` (or of every
+    /// micro-batch of the step) gave `expert` of `layer`: the gate's normalised weights
+    /// that `combine` multiplies by; 0 when no token routed to it; `None` if a routing it
+    /// needs is not known yet.
+    pub fn routed_score(
+        &self,
+        layer: u32,
+        expert: u32,
+        ub: Option<u32>,
+        kind: crate::ir::ScoreKind,
+    ) -> Option<f32> {
+        let routing = lock(&self.routing);
+        let ubs: Vec<u32> = match ub {
+            Some(u) => vec![u],
+            None => (0..self.ubs.len() as u32).collect(),
+        };
+        let mut score = 0.0f32;
+        for u in ubs {
+            if self.ubs.get(u as usize).is_some_and(|m| m.seqs.is_empty()) {
+                continue;
+            }
+            let r = routing.get(&(layer, u))?;
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                if e == expert {
+                    score = match kind {
+                        crate::ir::ScoreKind::Max => score.max(w),
+                        crate::ir::ScoreKind::Sum => score + w,
+                    };
+                }
+            }
+        }
+        Some(score)
+    }
+}
+
 /// The step as a backend's ops see it: the driver's state behind the interface's trait.
 impl StepContext for StepState {
     fn micro_batch(&self, ub: u32) -> Option<&MicroBatchState> {
