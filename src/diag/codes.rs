@@ -71,6 +71,9 @@ pub enum Code {
     ValuesExpertGuard,
     /// A write over an expert accumulator that destroys expert outputs `combine` needs.
     ValuesLostOutput,
+    /// A task computes with a lossy copy of a weight (`W[l].expert(e).format(q4_k)`) that
+    /// no `substitute` declaration allows.
+    ValuesUndeclaredSubstitute,
     /// A read of an expert cache slot with no `fetch` of that expert before it in the step,
     /// or one that may run when the fetch was skipped.
     CacheUnfetched,
@@ -94,7 +97,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 41] = [
+    pub const ALL: [Code; 42] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -128,6 +131,7 @@ impl Code {
         Code::ValuesSampling,
         Code::ValuesExpertGuard,
         Code::ValuesLostOutput,
+        Code::ValuesUndeclaredSubstitute,
         Code::CacheUnfetched,
         Code::CacheDeadlock,
         Code::CacheUnpredicted,
@@ -174,6 +178,7 @@ impl Code {
             Code::ValuesSampling => "values::sampling",
             Code::ValuesExpertGuard => "values::expert_guard",
             Code::ValuesLostOutput => "values::lost_output",
+            Code::ValuesUndeclaredSubstitute => "values::undeclared_substitute",
             Code::CacheUnfetched => "cache::unfetched",
             Code::CacheDeadlock => "cache::deadlock",
             Code::CacheUnpredicted => "cache::unpredicted",

@@ -164,6 +164,14 @@ pub trait Context {
     fn act_bytes(&self) -> u64;
     /// The index of the expert cache whose buffer is `buffer`, if it is one.
     fn cache_of(&self, buffer: BufferId) -> Option<u32>;
+
+    /// The buffer holding every MoE expert in `format` (`BufferKind::FormatCopy`), created
+    /// on first use, and one expert's bytes in it; an error (in words) when the card's
+    /// experts cannot be stored in that format.
+    fn format_copy(
+        &mut self,
+        format: crate::quant::storage::Storage,
+    ) -> Result<(BufferId, u64), String>;
 }
 
 /// Evaluates an expression.
@@ -321,7 +329,15 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
             let b = eval(base, cx)?;
             let values = args
                 .iter()
-                .map(|e| eval(e, cx))
+                .map(|e| match &e.kind {
+                    // `.format(q4_k)`: a format's name is a word of its own, not a name to
+                    // look up (a `let` or param of that name is still taken first).
+                    ExprKind::Name(n) if method.name == "format" => match eval(e, cx) {
+                        Err(_) => Ok(Val::Str(n.clone())),
+                        found => found,
+                    },
+                    _ => eval(e, cx),
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             method_of(
                 b,

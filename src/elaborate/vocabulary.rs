@@ -23,7 +23,9 @@ pub const FUNCTIONS: [&str; 12] = [
 ];
 
 /// Methods of a buffer slice (`W[l].expert(e)`, `kv[l].context()`, ...).
-pub const SLICE_METHODS: [&str; 6] = ["page", "share", "expert", "experts", "context", "appended"];
+pub const SLICE_METHODS: [&str; 7] = [
+    "page", "share", "expert", "experts", "context", "appended", "format",
+];
 
 /// Methods of an expert cache (`ec.slot(l, e)`, `ec.predicted(l, r)`).
 pub const CACHE_METHODS: [&str; 2] = ["slot", "predicted"];

@@ -375,6 +375,13 @@ pub enum LowerError {
         /// The declaration of the largest buffer.
         span: Span,
     },
+    /// A format copy of the experts (`W[l].expert(e).format(q4_k)`), which the runtime
+    /// does not make yet.
+    #[error("`{buffer}` (experts in another format, named by `.format(..)`) is not made by the runtime yet: `moec check` and `moec simulate` take this schedule, `moec run` cannot")]
+    FormatCopyNotRun {
+        /// The buffer's name (`W.q4_k`).
+        buffer: String,
+    },
 }
 
 impl LowerError {
@@ -384,7 +391,7 @@ impl LowerError {
             LowerError::DepOrder { span, .. } | LowerError::ArenaOverflow { span, .. } => {
                 Some(*span)
             }
-            LowerError::DepsLength { .. } => None,
+            LowerError::DepsLength { .. } | LowerError::FormatCopyNotRun { .. } => None,
         }
     }
 }
@@ -493,6 +500,11 @@ fn place_buffers(
     for buffer in &program.buffers {
         let placement = match buffer.kind {
             BufferKind::Checkpoint => Placement::Checkpoint,
+            BufferKind::FormatCopy { .. } => {
+                return Err(LowerError::FormatCopyNotRun {
+                    buffer: buffer.name.clone(),
+                })
+            }
             BufferKind::Declared => {
                 let i = space_idx(buffer.space);
                 let offset = next[i].div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
