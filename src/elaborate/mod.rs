@@ -611,20 +611,12 @@ impl value::Context for Elaborator<'_> {
     }
 }
 
-/// One expert's bytes (padding included) when the card's experts are stored in `format`:
-/// the checkpoint layout of the same card with its expert class in that format, checked as
-/// `--weight-format experts=..` is (every expert matrix's rows whole blocks).
+/// One expert's bytes (padding included) when the card's experts are stored in `format`
+/// (`ModelCard::with_expert_storage`).
 pub(crate) fn format_expert_bytes(
     card: &ModelCard,
     format: crate::quant::storage::Storage,
 ) -> Result<u64, String> {
-    use crate::model::formats::WeightClass;
-    let mut card = card.clone();
-    card.formats
-        .tensors
-        .retain(|t, _| t.class() != WeightClass::Experts);
-    card.formats.classes.insert(WeightClass::Experts, format);
-    let arch = crate::model::ArchSpec::from_card(&card);
-    card.formats.check(&arch, card.dtype)?;
+    let card = card.with_expert_storage(format)?;
     Ok(ir::CheckpointLayout::new(&card).expert_bytes)
 }
