@@ -615,7 +615,7 @@ impl Elaborator<'_> {
                 &["experts"],
             ));
         }
-        let format = match crate::quant::storage::Storage::parse(&decl.format.name) {
+        let format = match crate::model::Storage::parse(&decl.format.name) {
             Ok(f) => f,
             Err(e) => return self.report(Diagnostic::bad_weight_format(decl.format.span, &e)),
         };

@@ -151,7 +151,7 @@ struct Elaborator<'a> {
     buffer_spans: Vec<Span>,
     caches: Vec<ir::cache::Cache>,
     /// Format copies of the experts made so far: (format, buffer, one expert's bytes).
-    format_copies: Vec<(crate::quant::storage::Storage, BufferId, u64)>,
+    format_copies: Vec<(crate::model::Storage, BufferId, u64)>,
     /// `substitute` declarations.
     substitutes: Vec<ir::Substitute>,
     /// Set while a `fetch` or `prefetch` statement issues its copy.
@@ -562,10 +562,7 @@ impl value::Context for Elaborator<'_> {
         buffer == BufferId(0)
     }
 
-    fn format_copy(
-        &mut self,
-        format: crate::quant::storage::Storage,
-    ) -> Result<(BufferId, u64), String> {
+    fn format_copy(&mut self, format: crate::model::Storage) -> Result<(BufferId, u64), String> {
         if let Some((id, bytes)) = self
             .format_copies
             .iter()
@@ -612,11 +609,11 @@ impl value::Context for Elaborator<'_> {
 }
 
 /// One expert's bytes (padding included) when the card's experts are stored in `format`
-/// (`ModelCard::with_expert_storage`).
+/// (`model::layout::with_expert_storage`).
 pub(crate) fn format_expert_bytes(
     card: &ModelCard,
-    format: crate::quant::storage::Storage,
+    format: crate::model::Storage,
 ) -> Result<u64, String> {
-    let card = card.with_expert_storage(format)?;
+    let card = crate::model::layout::with_expert_storage(card, format)?;
     Ok(ir::CheckpointLayout::new(&card).expert_bytes)
 }

@@ -515,7 +515,7 @@ fn format_of(
             ))
         }
     };
-    let format = crate::quant::storage::Storage::parse(&name)
+    let format = crate::model::Storage::parse(&name)
         .map_err(|e| Diagnostic::bad_weight_format(arg_span, &e))?;
     let layout = cx.checkpoint();
     let one_expert = cx.is_checkpoint(s.buffer)

@@ -168,10 +168,7 @@ pub trait Context {
     /// The buffer holding every MoE expert in `format` (`BufferKind::FormatCopy`), created
     /// on first use, and one expert's bytes in it; an error (in words) when the card's
     /// experts cannot be stored in that format.
-    fn format_copy(
-        &mut self,
-        format: crate::quant::storage::Storage,
-    ) -> Result<(BufferId, u64), String>;
+    fn format_copy(&mut self, format: crate::model::Storage) -> Result<(BufferId, u64), String>;
 }
 
 /// Evaluates an expression.

@@ -306,7 +306,7 @@ pub enum BufferKind {
     /// first `.format(..)` that names the format.
     FormatCopy {
         /// The format its experts are stored in.
-        format: crate::quant::storage::Storage,
+        format: crate::model::Storage,
     },
     /// A `buffer` declaration.
     Declared,
@@ -327,7 +327,7 @@ pub struct Substitute {
     /// The weight class (only `experts` is accepted).
     pub class: crate::model::formats::WeightClass,
     /// The format of the copy.
-    pub format: crate::quant::storage::Storage,
+    pub format: crate::model::Storage,
     /// The declaration.
     #[serde(skip)]
     pub span: crate::span::Span,

@@ -227,7 +227,7 @@ impl std::fmt::Display for Tensor {
 
 /// The name of the format with ggml type id `id` (`q4_k`), as the language writes it.
 pub fn format_name(id: u32) -> String {
-    crate::quant::storage::Storage::from_ggml_type(id)
+    crate::model::Storage::from_ggml_type(id)
         .map_or_else(|| format!("type {id}"), |s| s.name().to_ascii_lowercase())
 }
 

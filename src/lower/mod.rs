@@ -266,13 +266,13 @@ pub struct ExecPlan {
 
 /// A format copy of every MoE expert (`BufferKind::FormatCopy`): slot `(l - dense_layers)
 /// * experts + e` of `buffer` holds expert `e` of layer `l` in `format`, laid out as that
-/// expert of the card with its experts in `format` (`ModelCard::with_expert_storage`).
+/// expert of the card with its experts in `format` (`model::layout::with_expert_storage`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct PlanFormatCopy {
     /// The buffer (placed in the `host` arena).
     pub buffer: BufferId,
     /// The format.
-    pub format: crate::quant::storage::Storage,
+    pub format: crate::model::Storage,
     /// One expert's bytes in it.
     pub expert_bytes: u64,
 }

@@ -455,21 +455,6 @@ impl ModelCard {
             + self.outer_params()
     }
 
-    /// The same card with every routed expert stored in `storage` (what a format copy of
-    /// the experts, `W[l].expert(e).format(..)`, is laid out as), checked as
-    /// `--weight-format experts=..` is: every expert matrix's rows whole blocks.
-    pub fn with_expert_storage(&self, storage: Storage) -> Result<ModelCard, String> {
-        use crate::model::formats::WeightClass;
-        let mut card = self.clone();
-        card.formats
-            .tensors
-            .retain(|t, _| t.class() != WeightClass::Experts);
-        card.formats.classes.insert(WeightClass::Experts, storage);
-        let arch = crate::model::ArchSpec::from_card(&card);
-        card.formats.check(&arch, card.dtype)?;
-        Ok(card)
-    }
-
     /// How `tensor` is stored: its entry in [`ModelCard::formats`], else the card's dtype.
     pub fn storage(&self, tensor: WeightTensor) -> Storage {
         self.formats.storage(self.dtype, tensor)

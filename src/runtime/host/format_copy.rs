@@ -7,7 +7,7 @@
 //! (`WeightTag::Converted`), so copies move them like any weight and an op that finds an
 //! expert only in this form computes with it. Slot `(l - dense_layers) * experts + e` holds
 //! expert `e` of layer `l`, laid out as that expert of the card with its experts in the
-//! copy's format (`ModelCard::with_expert_storage`), which is how the compiler sized it.
+//! copy's format (`model::layout::with_expert_storage`), which is how the compiler sized it.
 
 use super::arena::Arena;
 use super::image::MappedImage;
@@ -52,9 +52,7 @@ pub(super) fn make_format_copies(
                 copy.format.name()
             ));
         };
-        let card = plan
-            .model
-            .with_expert_storage(copy.format)
+        let card = crate::model::layout::with_expert_storage(&plan.model, copy.format)
             .map_err(|e| format!("`{}`: {e}", slot.name))?;
         let arch = ArchSpec::from_card(&card);
         let c = &plan.checkpoint;
