@@ -208,8 +208,8 @@ fn format_copies_are_sized_by_format_and_substitutes_must_be_declared() {
         ),
         (
             "format_the_card_cannot_take",
-            "substitute experts q8_0\n",
-            "substitute experts q4_k\n",
+            "buffer lo[2]:      gpu = W[0].expert(0).format(q8_0)",
+            "buffer lo[2]:      gpu = W[0].expert(0).format(q4_k)",
         ),
     ];
     for (name, from, to) in mutations {

@@ -245,8 +245,13 @@ pub fn summary(compiled: &Compiled) -> String {
             .map(|s| format!("experts in {}", s.format.name().to_ascii_lowercase()))
             .collect();
         let (substituted, all) = info.substituted_experts();
+        let effect = if substituted == 0 {
+            "this plan does not use it: its tokens are the oracle's"
+        } else {
+            "tokens are compared with the oracle within a bound, not exactly"
+        };
         out.push_str(&format!(
-            "lossy substitute: {} (declared); {substituted} of {all} expert weight reads in the plan use it; tokens are compared with the oracle within a bound, not exactly\n",
+            "lossy substitute: {} (declared); {substituted} of {all} expert weight reads in the plan use it; {effect}\n",
             formats.join(", ")
         ));
     }

@@ -631,15 +631,9 @@ impl Elaborator<'_> {
                 ),
             ));
         }
-        if let Err(e) = super::format_expert_bytes(&self.card, format) {
-            return self.report(Diagnostic::bad_weight_format(
-                decl.format.span,
-                &format!(
-                    "the experts of {} cannot be stored in {}: {e}",
-                    self.card.name, decl.format.name
-                ),
-            ));
-        }
+        // Whether the card's experts can take the format is checked where a `.format(..)`
+        // names it: a param may leave a declared substitute unused on a card that cannot take
+        // it.
         if let Some(first) = self
             .substitutes
             .iter()

@@ -228,6 +228,18 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 _ => eval(fallback, cx),
             }
         }
+        // `select(c, a, b)` evaluates only the argument it gives, as `&&` short-circuits: a
+        // param can then choose a form another card cannot take (`.format(q8_0)` of a card
+        // whose rows are not whole blocks) without the other branch being an error.
+        ExprKind::Call(name, args) if name.name == "select" && args.len() == 3 => {
+            match eval(&args[0], cx)? {
+                Val::Bool(c) => eval(&args[if c { 1 } else { 2 }], cx),
+                cond => {
+                    let values = vec![cond, Val::Int(0), Val::Int(0)];
+                    call(&name.name, name.span, span, args, values, cx)
+                }
+            }
+        }
         ExprKind::Call(name, args) => {
             let values = args
                 .iter()
