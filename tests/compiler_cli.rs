@@ -585,3 +585,24 @@ fn lsp_session_gives_diagnostics_hover_and_definitions() {
     assert_eq!(response(8)["error"]["code"], json!(-32602));
     assert_eq!(response(9)["result"], json!(null));
 }
+
+/// Issue 45: `moec check` says when a schedule computes with a lossy substitute, and lists
+/// the format copy with its bytes (`tests/fixtures/formats/substitute.sched`: every expert
+/// of the tiny Mixtral in q8_0, 32 x 104,448 bytes = 3.19 MiB; every one of the plan's 64
+/// expert weight reads uses it).
+#[test]
+fn check_says_a_schedule_uses_a_lossy_substitute() {
+    let (code, stdout, stderr) = moec(&["check", "tests/fixtures/formats/substitute.sched"]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("format copy     3.19 MiB (`W.q8_0`: the experts converted at load"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("lossy substitute: experts in q8_0 (declared); 64 of 64 expert weight reads in the plan use it"),
+        "{stdout}"
+    );
+    // Without a substitute, no such line.
+    let (_, plain, _) = moec(&["check", "tests/fixtures/all_constructs.sched"]);
+    assert!(!plain.contains("lossy substitute"), "{plain}");
+}

@@ -165,6 +165,65 @@ fn disk_schedules_check_and_their_mutations_are_rejected() {
     insta::assert_snapshot!("disk_read_of_the_wrong_expert", text);
 }
 
+/// A schedule that computes every expert from its q8_0 copy
+/// (`tests/fixtures/formats/substitute.sched`, `substitute experts q8_0`) checks; the copy is
+/// a host buffer `W.q8_0` of the format's bytes (mixtral-tiny: an expert's gate, up and down
+/// are 128 x 256 weights each, q8_0 stores 32 weights in 34 bytes (ggml's `block_q8_0`: an
+/// f16 scale and 32 int8), so 34,816 bytes a projection (a multiple of the 64-byte
+/// alignment) and 104,448 an expert, for 4 layers x 8 experts; the checkpoint's bf16 expert
+/// is 196,608). Each mutation is rejected with its span: the substitute used without its
+/// declaration, the declaration of another format, a q8_0-sized buffer too small for the
+/// copy, and q4_k, whose 256-weight blocks do not divide the tiny card's 128-wide rows.
+#[test]
+fn format_copies_are_sized_by_format_and_substitutes_must_be_declared() {
+    let base = std::fs::read_to_string("tests/fixtures/formats/substitute.sched").unwrap();
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let compiled = compile(&base, &options).unwrap_or_else(|d| {
+        panic!("{}", render_all(&d, "substitute.sched", &base));
+    });
+    let program = &compiled.program;
+    let copy = program
+        .buffers
+        .iter()
+        .find(|b| b.name == "W.q8_0")
+        .expect("the q8_0 copy of the experts");
+    assert_eq!(copy.bytes, 4 * 8 * 104_448);
+    assert_eq!(copy.space, moec::ir::Space::Host);
+    let lo = program.buffers.iter().find(|b| b.name == "lo[0]").unwrap();
+    assert_eq!(lo.bytes, 104_448);
+    assert_eq!(program.substitutes.len(), 1);
+    // Every expert computation (4 layers x 8 experts, prefill and decode) reads the copy.
+    assert_eq!(compiled.info.substituted_experts(), (64, 64));
+    let mutations: [(&str, &str, &str); 4] = [
+        ("substitute_undeclared", "substitute experts q8_0\n", ""),
+        (
+            "substitute_of_another_format",
+            "substitute experts q8_0\n",
+            "substitute experts q4_0\n",
+        ),
+        (
+            "format_buffer_too_small",
+            "buffer lo[2]:      gpu = W[0].expert(0).format(q8_0)",
+            "buffer lo[2]:      gpu = bytes(W[0].expert(0).format(q8_0)) / 2",
+        ),
+        (
+            "format_the_card_cannot_take",
+            "buffer lo[2]:      gpu = W[0].expert(0).format(q8_0)",
+            "buffer lo[2]:      gpu = W[0].expert(0).format(q4_k)",
+        ),
+    ];
+    for (name, from, to) in mutations {
+        assert!(base.contains(from), "{name}: the base has no `{from}`");
+        let source = base.replacen(from, to, 1);
+        let diags = match compile(&source, &options) {
+            Ok(_) => panic!("{name}: the mutation was accepted"),
+            Err(diags) => diags,
+        };
+        let text = render_all(&diags, &format!("{name}.sched"), &source);
+        insta::assert_snapshot!(name, text);
+    }
+}
+
 /// The residency and routing-score guards (`tests/fixtures/guards/resident_score.sched`)
 /// check, and their misuses are rejected at the construct that is wrong: a residency
 /// guard a prefetch can change while its tasks decide it (`cache::stale_guard`, pinned

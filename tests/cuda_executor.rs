@@ -1182,3 +1182,27 @@ fn the_cuda_backend_refuses_the_bf16_product() {
         "{stderr}"
     );
 }
+
+/// Issue 45: a plan with a format copy of the experts (`hobbit.sched` with its substitute
+/// on, `lowbit = 1`: experts computed from `W.q8_0`) is refused by the CUDA backend before
+/// set-up, naming the copy and its format, rather than failing mid-run on an expert its
+/// kernels cannot find (the CPU backend runs it: tests/runtime_invariance.rs).
+#[test]
+fn a_format_copy_is_refused_by_the_cuda_backend_naming_it() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let (out, logits) = run(
+        cache.path(),
+        "schedules/hobbit.sched",
+        "mixtral-tiny",
+        Driver::Standin(dir.path(), 0),
+        &["--set", "lowbit=1"],
+    );
+    let _ = std::fs::remove_file(logits);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the cuda backend does not compute with format copies of the experts yet (`W.q8_0`: experts in Q8_0"),
+        "{stderr}"
+    );
+}

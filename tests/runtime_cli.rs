@@ -933,3 +933,64 @@ fn run_on_a_broken_gguf_is_one_error_naming_it() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// Issue 45: `moec run` reports the share of expert computations that used a declared
+/// lossy substitute, in its text and in `--json` (`substituted_experts`), here every one
+/// (`tests/fixtures/formats/substitute.sched` computes every expert from its q8_0 copy);
+/// a schedule without one has no such line and `null` in the JSON.
+#[test]
+fn run_reports_the_share_of_experts_computed_with_a_substitute() {
+    let cache = tempfile::tempdir().unwrap();
+    let schedule = "tests/fixtures/formats/substitute.sched";
+    let doc = json(&moec(
+        cache.path(),
+        &[
+            "run",
+            schedule,
+            "--json",
+            "--gen-len",
+            "3",
+            "--prompt",
+            "Mixture of experts",
+        ],
+    ));
+    let sub = &doc["substituted_experts"];
+    let all = sub["all"].as_u64().expect("a count");
+    assert!(all > 0, "{sub}");
+    assert_eq!(sub["substituted"].as_u64(), Some(all), "{sub}");
+    let text = moec(
+        cache.path(),
+        &[
+            "run",
+            schedule,
+            "--gen-len",
+            "3",
+            "--prompt",
+            "Mixture of experts",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "lossy substitute: {all} of {all} expert computations (100.0%) used a format copy"
+        )),
+        "{stdout}"
+    );
+    let plain = json(&moec(
+        cache.path(),
+        &[
+            "run",
+            "docs/examples/first.sched",
+            "--json",
+            "--gen-len",
+            "2",
+            "--prompt",
+            "Hi",
+        ],
+    ));
+    assert!(
+        plain["substituted_experts"].is_null(),
+        "{}",
+        plain["substituted_experts"]
+    );
+}

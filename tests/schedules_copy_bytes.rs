@@ -437,6 +437,37 @@ fn flexgen_disk_decode_reads_every_expert_from_disk_once_per_layer() {
     );
 }
 
+/// HOBBIT's decode (Tang et al. 2024): everything but experts is resident. With its
+/// substitute off (`lowbit = 0`, the default) every expert may be fetched in bf16 into the
+/// cache (8 guarded fetches per layer); with it on, the `n_hi = 2` highest-ranked experts of
+/// each layer still are, and the other 6 are copied as q8_0 (34 bytes per 32 weights: 3 *
+/// 256 * 128 / 32 * 34 = 104,448 B an expert, against bf16's 196,608).
+#[test]
+fn hobbit_decode_moves_experts_in_the_precision_their_rank_gives() {
+    expect(
+        "hobbit",
+        StepKind::Decode,
+        &[(("weights", ToGpu), L * EXPERTS * EXPERT)],
+    );
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/hobbit.sched");
+    let source = common::read(&path);
+    let from = "param lowbit:  int in 0..=1        = 0";
+    assert!(
+        source.contains(from),
+        "hobbit.sched declares lowbit as expected"
+    );
+    let source = source.replacen(from, "param lowbit:  int in 0..=1        = 1", 1);
+    let program = common::compile_small(&source)
+        .unwrap_or_else(|d| panic!("{}", moec::diag::render_all(&d, "hobbit", &source)))
+        .program;
+    let q8_expert = 3 * 256 * 128 / 32 * 34;
+    assert_eq!(q8_expert, 104_448);
+    let expected: Totals = [(("weights", ToGpu), L * (2 * EXPERT + 6 * q8_expert))]
+        .into_iter()
+        .collect();
+    assert_eq!(copy_totals(&program, StepKind::Decode), expected);
+}
+
 /// MoE-Infinity over disk: the same fetches and prefetches as moe_infinity.sched (8
 /// guarded fetches per layer, `n_pf = 2` prefetches of the next layer), read from disk into
 /// the host cache; compute is on the CPU, so nothing else moves.
@@ -473,6 +504,7 @@ fn every_schedule_is_covered() {
         "flexgen_disk",
         "moe_infinity_disk",
         "pregated",
+        "hobbit",
         "baselines/flexgen_cpu_attn",
         "baselines/gpu_resident",
         "baselines/moe_lightning_s2",

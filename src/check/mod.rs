@@ -59,6 +59,19 @@ impl ScheduleInfo {
     }
 
     /// Declared buffers per space: (space, count, bytes).
+    /// Expert computations that read an expert in another format than the checkpoint's (a
+    /// declared lossy substitute, `Tensor::ExpertIn`), and every expert computation that
+    /// reads a routed expert: (substituted, all), counted per weight location.
+    pub fn substituted_experts(&self) -> (usize, usize) {
+        use crate::ir::value::Tensor;
+        let locations = self.weight_locations.iter().flatten();
+        locations.fold((0, 0), |(sub, all), l| match l.tensor {
+            Tensor::ExpertIn { .. } => (sub + 1, all + 1),
+            Tensor::Expert { .. } => (sub, all + 1),
+            _ => (sub, all),
+        })
+    }
+
     pub fn buffers_per_space(&self, program: &Program) -> Vec<(Space, usize, u64)> {
         Space::ALL
             .into_iter()

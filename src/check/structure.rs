@@ -13,7 +13,7 @@
 
 use crate::diag::Diagnostic;
 use crate::ir::catalog::{self, Op};
-use crate::ir::{BufferKind, Engine, Program, Role, Space, TaskId};
+use crate::ir::{Engine, Program, Role, Space, TaskId};
 
 fn allowed(engine: Engine, role: Role) -> (&'static [Space], &'static str) {
     const GPU: &[Space] = &[Space::Gpu];
@@ -84,7 +84,7 @@ pub fn check(program: &Program, diags: &mut Vec<Diagnostic>) {
                     text,
                 ));
             }
-            if arg.access.writes() && buffer.kind == BufferKind::Checkpoint {
+            if arg.access.writes() && buffer.kind.is_weights() {
                 diags.push(Diagnostic::write_checkpoint(arg_span));
             }
             if arg.access.writes() && arg.slice.dynamic_expert.is_some() {

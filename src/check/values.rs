@@ -180,8 +180,25 @@ impl Tracker<'_> {
 
     /// The runs an argument's slice holds now (checkpoint reads give the weights).
     fn read_runs(&mut self, slice: &crate::ir::Slice) -> Vec<(u64, u64, Cell)> {
-        if self.program.buffer(slice.buffer).kind == BufferKind::Checkpoint {
-            return checkpoint_pieces(&self.layout, slice.start, slice.len, slice.dynamic_expert)
+        let buffer = self.program.buffer(slice.buffer);
+        if buffer.kind.is_weights() {
+            let pieces = match buffer.kind {
+                BufferKind::FormatCopy { format } => {
+                    let slots = match buffer.layout {
+                        crate::ir::Layout::Experts { slots } => u64::from(slots.max(1)),
+                        _ => 1,
+                    };
+                    crate::ir::value::format_copy_pieces(
+                        &self.layout,
+                        format.ggml().id,
+                        buffer.bytes / slots,
+                        slice.start,
+                        slice.len,
+                    )
+                }
+                _ => checkpoint_pieces(&self.layout, slice.start, slice.len, slice.dynamic_expert),
+            };
+            return pieces
                 .into_iter()
                 .map(|(off, len, piece)| {
                     let lo = slice.start + off;
@@ -528,7 +545,7 @@ impl Tracker<'_> {
                 .iter()
                 .filter(|a| a.role == sig.role && a.access.writes())
             {
-                if program.buffer(arg.slice.buffer).kind == BufferKind::Checkpoint {
+                if program.buffer(arg.slice.buffer).kind.is_weights() {
                     continue;
                 }
                 let (start, end) = (arg.slice.start, arg.slice.end());
@@ -642,6 +659,49 @@ impl Tracker<'_> {
                 offset: start - arg.slice.start,
             });
             return Ok(());
+        }
+        // An expert the arguments hold only in another format (`.format(q4_k)`): a lossy
+        // substitute, accepted only where the schedule declares it.
+        if let Tensor::Expert { layer, expert } = *expected {
+            let substitute = all_runs.iter().find_map(|(k, runs)| {
+                runs.iter().find_map(|r| match r.2.piece {
+                    Some(Piece {
+                        tensor:
+                            t @ Tensor::ExpertIn {
+                                layer: l,
+                                expert: e,
+                                ..
+                            },
+                        offset: 0,
+                    }) if l == layer && e == expert => Some((*k, t)),
+                    _ => None,
+                })
+            });
+            if let Some((k, tensor @ Tensor::ExpertIn { format, .. })) = substitute {
+                let declared = self
+                    .program
+                    .substitutes
+                    .iter()
+                    .any(|s| s.format.ggml().id == format);
+                if declared {
+                    return self.find_weight(
+                        &tensor, args, all_runs, arg_spans, span, task_id, guard, locations,
+                    );
+                }
+                let buffer = args
+                    .iter()
+                    .find(|(i, _)| *i == k)
+                    .map(|(_, a)| self.program.buffer(a.slice.buffer).name.clone())
+                    .unwrap_or_default();
+                return Err(Diagnostic::undeclared_substitute(
+                    arg_spans.get(k).copied().unwrap_or(span),
+                    &self.program.task_name(task_id),
+                    &buffer,
+                    &expected.to_string(),
+                    &tensor.to_string(),
+                    &crate::ir::value::format_name(format),
+                ));
+            }
         }
         // Not found anywhere. Evidence, best first: where a later part of the tensor sits,
         // the bytes before it that should hold its start; a run of the same part of
@@ -920,9 +980,7 @@ impl Tracker<'_> {
         let [src, dst] = task.args.as_slice() else {
             return;
         };
-        if src.access != Access::Read
-            || program.buffer(dst.slice.buffer).kind == BufferKind::Checkpoint
-        {
+        if src.access != Access::Read || program.buffer(dst.slice.buffer).kind.is_weights() {
             return;
         }
         let runs_in = self.read_runs(&src.slice);

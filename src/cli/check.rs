@@ -225,7 +225,36 @@ pub fn summary(compiled: &Compiled) -> String {
             "memory-mapped, read-only"
         }
     ));
+    for copy in program
+        .buffers
+        .iter()
+        .filter(|b| matches!(b.kind, crate::ir::BufferKind::FormatCopy { .. }))
+    {
+        out.push_str(&format!(
+            "  {:<12} format copy {:>12} (`{}`: the experts converted at load, read-only)\n",
+            copy.space.as_str(),
+            human_bytes(copy.bytes),
+            copy.name
+        ));
+    }
     out.push_str(&weights_text(&program.model));
+    if !program.substitutes.is_empty() {
+        let formats: Vec<String> = program
+            .substitutes
+            .iter()
+            .map(|s| format!("experts in {}", s.format.name().to_ascii_lowercase()))
+            .collect();
+        let (substituted, all) = info.substituted_experts();
+        let effect = if substituted == 0 {
+            "this plan does not use it: its tokens are the oracle's"
+        } else {
+            "tokens are compared with the oracle within a bound, not exactly"
+        };
+        out.push_str(&format!(
+            "lossy substitute: {} (declared); {substituted} of {all} expert weight reads in the plan use it; {effect}\n",
+            formats.join(", ")
+        ));
+    }
     out.push_str(&format!("warnings: {}\n", info.warnings.len()));
     out
 }

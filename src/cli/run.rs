@@ -263,6 +263,12 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
     }
     let _ = writeln!(out, "{}", crate::math::report::describe());
     let _ = writeln!(out, "{}", f.stats.backend);
+    if let Some((sub, all)) = f.stats.substituted_experts {
+        out.push_str(&format!(
+            "lossy substitute: {sub} of {all} expert computations ({:.1}%) used a format copy of their expert (declared by the schedule's `substitute`); tokens may differ from the oracle's\n",
+            100.0 * sub as f64 / all.max(1) as f64
+        ));
+    }
     if let Some(line) = disk_line(&f.stats) {
         let _ = writeln!(out, "{line}");
     }
@@ -435,6 +441,10 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
         })).unwrap_or_else(|| serde_json::json!({ "mode": "move" })),
         "caches": f.stats.caches,
         "predictions": f.stats.predictions,
+        "substituted_experts": f.stats.substituted_experts.map(|(sub, all)| serde_json::json!({
+            "substituted": sub,
+            "all": all,
+        })),
         "disk": f.stats.disk.map(|d| serde_json::json!({
             "bytes": d.bytes,
             "bytes_per_step": d.bytes / f.stats.steps.len().max(1) as u64,

@@ -249,6 +249,12 @@ pub fn budget_table(
                 checkpoint_resident,
             ),
             BufferKind::Declared => (buffer.space.as_str(), buffer.array.clone(), buffer.bytes),
+            // Made at load into host memory the process keeps for the whole run.
+            BufferKind::FormatCopy { .. } => (
+                "host",
+                format!("{} (experts converted at load)", buffer.name),
+                buffer.bytes,
+            ),
         };
         let class = classes[index].name();
         match lines

@@ -105,7 +105,9 @@ pub fn buffer_classes(program: &Program) -> Vec<BufferClass> {
         .buffers
         .iter()
         .map(|b| match (b.kind, b.layout) {
-            (BufferKind::Checkpoint, _) => Some(BufferClass::Weights),
+            (BufferKind::Checkpoint | BufferKind::FormatCopy { .. }, _) => {
+                Some(BufferClass::Weights)
+            }
             (_, Layout::Layer | Layout::Dense | Layout::Experts { .. }) => {
                 Some(BufferClass::Weights)
             }

@@ -71,6 +71,9 @@ pub enum Code {
     ValuesExpertGuard,
     /// A write over an expert accumulator that destroys expert outputs `combine` needs.
     ValuesLostOutput,
+    /// A task computes with a lossy copy of a weight (`W[l].expert(e).format(q4_k)`) that
+    /// no `substitute` declaration allows.
+    ValuesUndeclaredSubstitute,
     /// A read of an expert cache slot with no `fetch` of that expert before it in the step,
     /// or one that may run when the fetch was skipped.
     CacheUnfetched,
@@ -131,6 +134,7 @@ impl Code {
         Code::ValuesSampling,
         Code::ValuesExpertGuard,
         Code::ValuesLostOutput,
+        Code::ValuesUndeclaredSubstitute,
         Code::CacheUnfetched,
         Code::CacheDeadlock,
         Code::CacheUnpredicted,
@@ -178,6 +182,7 @@ impl Code {
             Code::ValuesSampling => "values::sampling",
             Code::ValuesExpertGuard => "values::expert_guard",
             Code::ValuesLostOutput => "values::lost_output",
+            Code::ValuesUndeclaredSubstitute => "values::undeclared_substitute",
             Code::CacheUnfetched => "cache::unfetched",
             Code::CacheDeadlock => "cache::deadlock",
             Code::CacheUnpredicted => "cache::unpredicted",

@@ -808,6 +808,29 @@ impl Diagnostic {
         .help("give the two engines separate accumulators and pass both to `combine(.., acc = [acc_a, acc_b])`, which adds them; or copy the partial accumulator before the other engine's experts write theirs")
     }
 
+    /// A task computes with a lossy format copy of a weight that no `substitute`
+    /// declaration allows.
+    pub fn undeclared_substitute(
+        arg_span: Span,
+        task: &str,
+        buffer: &str,
+        expected: &str,
+        held: &str,
+        format: &str,
+    ) -> Self {
+        Diagnostic::new(
+            Code::ValuesUndeclaredSubstitute,
+            format!("task {task} computes with {held} from `{buffer}` where it expects {expected}: a lossy substitute the schedule does not declare"),
+        )
+        .label(arg_span, format!("holds the {format} copy"))
+        .help(format!("declare `substitute experts {format}` to compute with the {format} copies (the run's tokens are then compared with the oracle's by a bound, not exactly), or copy the checkpoint's expert"))
+    }
+
+    /// A `substitute` declaration or a `.format(..)` the card's weights cannot take.
+    pub fn bad_weight_format(span: Span, problem: &str) -> Self {
+        Diagnostic::new(Code::ElabType, problem.to_string()).label(span, "this format")
+    }
+
     // ---- lints --------------------------------------------------------------------
 
     /// A declared buffer no task touches.

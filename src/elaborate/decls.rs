@@ -11,7 +11,7 @@ use crate::ir::{
 };
 use crate::syntax::ast::{
     BinOp, BufferDecl, CacheDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl,
-    TemplateDecl,
+    SubstituteDecl, TemplateDecl,
 };
 
 /// At most this many slots in one expert cache (more than any model's experts).
@@ -597,4 +597,60 @@ fn in_range(value: Scalar, range: &ParamRange) -> bool {
     }
     let (v, lo, hi) = (as_f(value), as_f(range.lo), as_f(range.hi));
     v >= lo && if range.inclusive { v <= hi } else { v < hi }
+}
+
+impl Elaborator<'_> {
+    /// `substitute CLASS FORMAT`: tasks may compute with CLASS's weights in FORMAT (a copy
+    /// made at load) where the checkpoint's are expected. Only the routed experts can be
+    /// substituted; the format must be one the card's experts can be stored in, and not the
+    /// checkpoint's own.
+    pub(super) fn declare_substitute(&mut self, decl: &SubstituteDecl) {
+        use crate::model::formats::{WeightClass, WeightTensor};
+        use crate::model::segment::SegmentKind;
+        if decl.class.name != "experts" {
+            return self.report(Diagnostic::unknown_name(
+                decl.class.span,
+                "weight class a `substitute` can replace",
+                &decl.class.name,
+                &["experts"],
+            ));
+        }
+        let format = match crate::model::Storage::parse(&decl.format.name) {
+            Ok(f) => f,
+            Err(e) => return self.report(Diagnostic::bad_weight_format(decl.format.span, &e)),
+        };
+        let own = self
+            .card
+            .storage(WeightTensor::layer(SegmentKind::ExpertDown(0)));
+        if own == format {
+            return self.report(Diagnostic::bad_weight_format(
+                decl.format.span,
+                &format!(
+                    "the checkpoint's experts are already {}: a substitute must be another format",
+                    decl.format.name
+                ),
+            ));
+        }
+        // Whether the card's experts can take the format is checked where a `.format(..)`
+        // names it: a param may leave a declared substitute unused on a card that cannot take
+        // it.
+        if let Some(first) = self
+            .substitutes
+            .iter()
+            .find(|s| s.format == format)
+            .map(|s| s.span)
+        {
+            return self.report(Diagnostic::duplicate_name(
+                decl.span,
+                first,
+                "substitute",
+                &decl.format.name,
+            ));
+        }
+        self.substitutes.push(crate::ir::Substitute {
+            class: WeightClass::Experts,
+            format,
+            span: decl.span,
+        });
+    }
 }

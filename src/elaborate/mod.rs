@@ -151,6 +151,10 @@ struct Elaborator<'a> {
     buffers: Vec<Buffer>,
     buffer_spans: Vec<Span>,
     caches: Vec<ir::cache::Cache>,
+    /// Format copies of the experts made so far: (format, buffer, one expert's bytes).
+    format_copies: Vec<(crate::model::Storage, BufferId, u64)>,
+    /// `substitute` declarations.
+    substitutes: Vec<ir::Substitute>,
     /// Set while a `fetch` or `prefetch` statement issues its copy.
     cache_op: Option<ir::cache::CacheOp>,
     /// Set while a `copy` of `.context()` / `.appended()` issues its task.
@@ -204,6 +208,8 @@ impl<'a> Elaborator<'a> {
             buffers: Vec::new(),
             buffer_spans: Vec::new(),
             caches: Vec::new(),
+            format_copies: Vec::new(),
+            substitutes: Vec::new(),
             cache_op: None,
             kv_part: None,
             group_ub: None,
@@ -292,6 +298,7 @@ impl<'a> Elaborator<'a> {
                 Item::Stream(decl) => self.declare_stream(decl),
                 Item::Buffer(decl) => self.declare_buffer(decl),
                 Item::Cache(decl) => self.declare_cache(decl),
+                Item::Substitute(decl) => self.declare_substitute(decl),
                 Item::MicroBatches(decl) => self.declare_micro_batches(decl),
                 Item::Template(decl) => self.declare_template(decl),
                 Item::Let(stmt) => {
@@ -361,6 +368,7 @@ impl<'a> Elaborator<'a> {
             steps: self.steps,
             expert_shares,
             caches: self.caches,
+            substitutes: self.substitutes,
             spans,
         };
         Ok((program, diags))
@@ -555,6 +563,40 @@ impl value::Context for Elaborator<'_> {
         buffer == BufferId(0)
     }
 
+    fn format_copy(&mut self, format: crate::model::Storage) -> Result<(BufferId, u64), String> {
+        if let Some((id, bytes)) = self
+            .format_copies
+            .iter()
+            .find(|c| c.0 == format)
+            .map(|c| (c.1, c.2))
+        {
+            return Ok((id, bytes));
+        }
+        let expert_bytes = format_expert_bytes(&self.card, format)?;
+        let slots = self
+            .checkpoint
+            .layers
+            .saturating_sub(self.checkpoint.dense_layers)
+            * self.checkpoint.experts;
+        let id = BufferId(self.buffers.len() as u32);
+        let name = format!("W.{}", format.name().to_ascii_lowercase());
+        self.buffers.push(Buffer {
+            name: name.clone(),
+            array: name,
+            index: Vec::new(),
+            space: Space::Host,
+            bytes: slots * expert_bytes,
+            layout: Layout::Experts {
+                slots: slots as u32,
+            },
+            kind: BufferKind::FormatCopy { format },
+            layer: None,
+        });
+        self.buffer_spans.push(Span::default());
+        self.format_copies.push((format, id, expert_bytes));
+        Ok((id, expert_bytes))
+    }
+
     fn cache_of(&self, buffer: BufferId) -> Option<u32> {
         self.caches
             .iter()
@@ -565,4 +607,14 @@ impl value::Context for Elaborator<'_> {
     fn act_bytes(&self) -> u64 {
         self.options.act_bytes.max(1)
     }
+}
+
+/// One expert's bytes (padding included) when the card's experts are stored in `format`
+/// (`model::layout::with_expert_storage`).
+pub(crate) fn format_expert_bytes(
+    card: &ModelCard,
+    format: crate::model::Storage,
+) -> Result<u64, String> {
+    let card = crate::model::layout::with_expert_storage(card, format)?;
+    Ok(ir::CheckpointLayout::new(&card).expert_bytes)
 }

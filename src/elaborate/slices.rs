@@ -474,6 +474,7 @@ pub(super) fn method_of(
             let start = if len == 0 { base } else { base + lo * eb };
             Ok(sub_slice(s, start, len, (hi - lo) * eb, slots_taken))
         }
+        "format" => format_of(s, method_span, span, args, values, cx),
         // Resolved by `copy` itself (`stmts::kv_part_of`): the positions follow the run.
         "context" | "appended" => Err(Diagnostic::type_mismatch(
             method_span,
@@ -487,4 +488,75 @@ pub(super) fn method_of(
             &super::vocabulary::SLICE_METHODS,
         )),
     }
+}
+
+/// `W[l].expert(e).format(q4_k)`: expert `e` of layer `l` in another format than the
+/// checkpoint's, a slice of the format copy `W.q4_k` (made from the checkpoint at load) that
+/// is the format's size. In the checkpoint's own format it is the checkpoint's expert.
+/// Computing with a copy in another format needs a `substitute` declaration (the checker's).
+fn format_of(
+    s: SliceVal,
+    method_span: Span,
+    span: Span,
+    args: &[Expr],
+    values: Vec<Val>,
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    use crate::model::formats::WeightTensor;
+    use crate::model::segment::SegmentKind;
+    let arg_span = args.first().map(|a| a.span).unwrap_or(span);
+    if values.len() != 1 {
+        return Err(Diagnostic::arity(span, "`format`", 1, values.len()));
+    }
+    let name = match &values[0] {
+        Val::Str(name) => name.clone(),
+        other => {
+            return Err(Diagnostic::type_mismatch(
+                arg_span,
+                "a weight format (`q4_k`, `q8_0`, `q6_k`, ...)",
+                other.type_name(),
+            ))
+        }
+    };
+    let format = crate::model::Storage::parse(&name)
+        .map_err(|e| Diagnostic::bad_weight_format(arg_span, &e))?;
+    let layout = cx.checkpoint();
+    let one_expert = cx.is_checkpoint(s.buffer)
+        && s.layout == Layout::Experts { slots: 1 }
+        && s.len == layout.expert_bytes
+        && s.layer.is_some_and(|l| !layout.is_dense(u64::from(l)));
+    let Some(layer) = s.layer.filter(|_| one_expert) else {
+        return Err(Diagnostic::type_mismatch(
+            method_span,
+            "`.format(..)` on one expert of a MoE layer of the checkpoint (`W[l].expert(e)`)",
+            "`.format(..)` on another slice",
+        ));
+    };
+    let own = cx
+        .card()
+        .storage(WeightTensor::layer(SegmentKind::ExpertDown(0)));
+    if own == format {
+        return Ok(Val::Slice(s));
+    }
+    let (buffer, expert_bytes) = cx.format_copy(format).map_err(|e| {
+        let card = &cx.card().name;
+        Diagnostic::bad_weight_format(
+            arg_span,
+            &format!("the experts of {card} cannot be stored in {name}: {e}"),
+        )
+    })?;
+    let experts_start =
+        layout.layer_offset(u64::from(layer)) + layout.dense_bytes_of(u64::from(layer));
+    let expert = (s.start - experts_start) / layout.expert_bytes.max(1);
+    let slot = (u64::from(layer) - layout.dense_layers) * layout.experts + expert;
+    Ok(Val::Slice(SliceVal {
+        buffer,
+        start: slot * expert_bytes,
+        len: expert_bytes,
+        layout: Layout::Experts { slots: 1 },
+        dynamic_expert: None,
+        cache_key: None,
+        layer: None,
+        slot_len: expert_bytes,
+    }))
 }

@@ -178,6 +178,11 @@ pub trait Context {
     fn act_bytes(&self) -> u64;
     /// The index of the expert cache whose buffer is `buffer`, if it is one.
     fn cache_of(&self, buffer: BufferId) -> Option<u32>;
+
+    /// The buffer holding every MoE expert in `format` (`BufferKind::FormatCopy`), created
+    /// on first use, and one expert's bytes in it; an error (in words) when the card's
+    /// experts cannot be stored in that format.
+    fn format_copy(&mut self, format: crate::model::Storage) -> Result<(BufferId, u64), String>;
 }
 
 /// Evaluates an expression.
@@ -235,6 +240,18 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
             match cx.hardware(&format!("{prefix}.{}", field.name), symbol.span) {
                 Ok(Some(v)) => Ok(v),
                 _ => eval(fallback, cx),
+            }
+        }
+        // `select(c, a, b)` evaluates only the argument it gives, as `&&` short-circuits: a
+        // param can then choose a form another card cannot take (`.format(q8_0)` of a card
+        // whose rows are not whole blocks) without the other branch being an error.
+        ExprKind::Call(name, args) if name.name == "select" && args.len() == 3 => {
+            match eval(&args[0], cx)? {
+                Val::Bool(c) => eval(&args[if c { 1 } else { 2 }], cx),
+                cond => {
+                    let values = vec![cond, Val::Int(0), Val::Int(0)];
+                    call(&name.name, name.span, span, args, values, cx)
+                }
             }
         }
         ExprKind::Call(name, args) => {
@@ -335,7 +352,15 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
             let b = eval(base, cx)?;
             let values = args
                 .iter()
-                .map(|e| eval(e, cx))
+                .map(|e| match &e.kind {
+                    // `.format(q4_k)`: a format's name is a word of its own, not a name to
+                    // look up (a `let` or param of that name is still taken first).
+                    ExprKind::Name(n) if method.name == "format" => match eval(e, cx) {
+                        Err(_) => Ok(Val::Str(n.clone())),
+                        found => found,
+                    },
+                    _ => eval(e, cx),
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             method_of(
                 b,

@@ -25,7 +25,9 @@ pub const FUNCTIONS: [&str; 14] = [
 ];
 
 /// Methods of a buffer slice (`W[l].expert(e)`, `kv[l].context()`, ...).
-pub const SLICE_METHODS: [&str; 6] = ["page", "share", "expert", "experts", "context", "appended"];
+pub const SLICE_METHODS: [&str; 7] = [
+    "page", "share", "expert", "experts", "context", "appended", "format",
+];
 
 /// Methods of an expert cache (`ec.slot(l, e)`, `ec.predicted(l, r)`,
 /// `ec.resident(l, e)`).

@@ -152,6 +152,7 @@ fn synthetic_plan(streams: usize, tasks: usize) -> Result<ExecPlan, DispatchProb
         steps: Vec::new(),
         preds: Vec::new(),
         caches: Vec::new(),
+        format_copies: Vec::new(),
     })
 }
 

@@ -15,7 +15,7 @@
 //!    ([`Reduction::Bitsets`], O(n^2) bits) is kept as an independent check. Every edge goes
 //!    from an earlier to a later task, so the graph is acyclic by construction.
 
-use super::{Access, BufferId, BufferKind, Program, TaskId};
+use super::{Access, BufferId, Program, TaskId};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -319,7 +319,7 @@ pub fn candidate_edges(program: &Program) -> Candidates {
                 continue;
             }
             let buffer = &program.buffers[arg.slice.buffer.index()];
-            if buffer.kind == BufferKind::Checkpoint && arg.access == Access::Read {
+            if buffer.kind.is_weights() && arg.access == Access::Read {
                 continue;
             }
             let (start, end) = match arg.slice.dynamic_expert {

@@ -72,6 +72,9 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
     for (i, b) in program.buffers.iter().enumerate() {
         let kind = match (b.kind, b.layer) {
             (BufferKind::Checkpoint, _) => " (checkpoint, read-only)".to_string(),
+            (BufferKind::FormatCopy { .. }, _) => {
+                " (experts in another format, made at load, read-only)".to_string()
+            }
             (_, Some(l)) => format!(" of layer {l}"),
             (_, None) => String::new(),
         };

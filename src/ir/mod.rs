@@ -63,6 +63,9 @@ pub struct Program {
     /// Expert caches (`cache` declarations), indexed by [`cache::CacheKey::cache`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub caches: Vec<cache::Cache>,
+    /// Declared lossy substitutes (`substitute experts q4_k`), in declaration order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub substitutes: Vec<Substitute>,
     /// Source spans of everything above.
     #[serde(skip)]
     pub spans: SpanTable,
@@ -291,13 +294,43 @@ pub enum Layout {
     Checkpoint,
 }
 
-/// Whether a buffer is the built-in checkpoint or declared by the schedule.
+/// Whether a buffer is the built-in checkpoint, a copy of its experts in another format,
+/// or declared by the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BufferKind {
     /// `W`: the memory-mapped checkpoint (host, read-only).
     Checkpoint,
+    /// `W.q4_k`: every MoE layer's experts in `format`, made from the checkpoint at load
+    /// (host, read-only): slot `(l - dense_layers) * experts + e` holds
+    /// `W[l].expert(e).format(..)`, [`Buffer::bytes`] / slots bytes each. Created by the
+    /// first `.format(..)` that names the format.
+    FormatCopy {
+        /// The format its experts are stored in.
+        format: crate::model::Storage,
+    },
     /// A `buffer` declaration.
     Declared,
+}
+
+impl BufferKind {
+    /// True for the read-only weight buffers the runtime provides (`W` and its format
+    /// copies): no task writes them, and reading them orders nothing.
+    pub fn is_weights(self) -> bool {
+        matches!(self, BufferKind::Checkpoint | BufferKind::FormatCopy { .. })
+    }
+}
+
+/// `substitute CLASS FORMAT`: tasks may compute with the weights of `class` in `format`
+/// (a lossy copy) where the checkpoint's are expected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Substitute {
+    /// The weight class (only `experts` is accepted).
+    pub class: crate::model::formats::WeightClass,
+    /// The format of the copy.
+    pub format: crate::model::Storage,
+    /// The declaration.
+    #[serde(skip)]
+    pub span: crate::span::Span,
 }
 
 /// One buffer (an element of a declared array).
@@ -1089,7 +1122,8 @@ impl Program {
         self.params.iter().find(|p| p.name == name).map(|p| p.value)
     }
 
-    /// Total bytes of declared buffers per space (the checkpoint excluded).
+    /// Total bytes of declared buffers and format copies per space (the checkpoint
+    /// excluded).
     pub fn bytes_per_space(&self) -> Vec<(Space, u64)> {
         Space::ALL
             .into_iter()
@@ -1097,7 +1131,7 @@ impl Program {
                 let bytes = self
                     .buffers
                     .iter()
-                    .filter(|b| b.kind == BufferKind::Declared && b.space == space)
+                    .filter(|b| b.kind != BufferKind::Checkpoint && b.space == space)
                     .fold(0u64, |sum, b| sum.saturating_add(b.bytes));
                 (space, bytes)
             })

@@ -61,6 +61,18 @@ pub enum Tensor {
         /// Which expert (possibly known only at run time).
         expert: ExpertRef,
     },
+    /// One expert of a layer in another format than the checkpoint's
+    /// (`W[l].expert(e).format(q4_k)`): a lossy copy, never equal to [`Tensor::Expert`].
+    ExpertIn {
+        /// Layer.
+        layer: u32,
+        /// Which expert.
+        expert: ExpertRef,
+        /// The format's ggml type id (`quant::storage::Storage::ggml`).
+        format: u32,
+        /// Bytes of the expert in that format, padding included.
+        bytes: u64,
+    },
     /// The residual stream of a micro-batch at `point` of layer `layer` (`layer ==
     /// layers, In` is the final hidden state).
     Residual {
@@ -139,6 +151,7 @@ impl Tensor {
                 | Tensor::O { .. }
                 | Tensor::Gate { .. }
                 | Tensor::Expert { .. }
+                | Tensor::ExpertIn { .. }
         )
     }
 
@@ -152,6 +165,7 @@ impl Tensor {
             Tensor::O { .. } => layout.o_bytes,
             Tensor::Gate { layer } => layout.gate_bytes_of(u64::from(*layer)),
             Tensor::Expert { .. } => layout.expert_bytes,
+            Tensor::ExpertIn { bytes, .. } => *bytes,
             _ => return None,
         })
     }
@@ -166,6 +180,16 @@ impl std::fmt::Display for Tensor {
             Tensor::O { layer } => write!(f, "W[{layer}].o"),
             Tensor::Gate { layer } => write!(f, "W[{layer}].gate"),
             Tensor::Expert { layer, expert } => write!(f, "W[{layer}].expert({expert})"),
+            Tensor::ExpertIn {
+                layer,
+                expert,
+                format,
+                ..
+            } => write!(
+                f,
+                "W[{layer}].expert({expert}).format({})",
+                format_name(*format)
+            ),
             Tensor::Residual {
                 ub,
                 layer,
@@ -199,6 +223,48 @@ impl std::fmt::Display for Tensor {
             Tensor::Tokens { ub } => write!(f, "tokens of ub {ub}"),
         }
     }
+}
+
+/// The name of the format with ggml type id `id` (`q4_k`), as the language writes it.
+pub fn format_name(id: u32) -> String {
+    crate::model::Storage::from_ggml_type(id)
+        .map_or_else(|| format!("type {id}"), |s| s.name().to_ascii_lowercase())
+}
+
+/// Splits `[start, start + len)` of a format copy of the experts (`BufferKind::FormatCopy`,
+/// `expert_bytes` per expert in `format`) into the experts it covers.
+pub fn format_copy_pieces(
+    layout: &CheckpointLayout,
+    format: u32,
+    expert_bytes: u64,
+    start: u64,
+    len: u64,
+) -> Vec<(u64, u64, Piece)> {
+    let eb = expert_bytes.max(1);
+    let experts = layout.experts.max(1);
+    let end = start + len;
+    let mut out = Vec::new();
+    let mut at = start;
+    while at < end {
+        let slot = at / eb;
+        let slot_end = ((slot + 1) * eb).min(end);
+        let tensor = Tensor::ExpertIn {
+            layer: (layout.dense_layers + slot / experts) as u32,
+            expert: ExpertRef::Index((slot % experts) as u32),
+            format,
+            bytes: expert_bytes,
+        };
+        out.push((
+            at - start,
+            slot_end - at,
+            Piece {
+                tensor,
+                offset: at - slot * eb,
+            },
+        ));
+        at = slot_end;
+    }
+    out
 }
 
 /// `len` bytes of `tensor` starting at byte `offset` of the tensor.

@@ -258,6 +258,23 @@ pub struct ExecPlan {
     /// Expert caches, indexed by [`crate::ir::cache::CacheKey::cache`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub caches: Vec<PlanCache>,
+    /// Format copies of the experts (`W.q8_0`) the runtime makes at load into their
+    /// `host` arena slots.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub format_copies: Vec<PlanFormatCopy>,
+}
+
+/// A format copy of every MoE expert (`BufferKind::FormatCopy`): slot `(l - dense_layers)
+/// * experts + e` of `buffer` holds expert `e` of layer `l` in `format`, laid out as that
+/// expert of the card with its experts in `format` (`model::layout::with_expert_storage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PlanFormatCopy {
+    /// The buffer (placed in the `host` arena).
+    pub buffer: BufferId,
+    /// The format.
+    pub format: crate::model::Storage,
+    /// One expert's bytes in it.
+    pub expert_bytes: u64,
 }
 
 impl ExecPlan {
@@ -456,6 +473,21 @@ pub(crate) fn lower_with_preds(
         arenas,
         preds: preds.to_vec(),
         caches: plan_caches(program, &steps),
+        format_copies: program
+            .buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| match (b.kind, b.layout) {
+                (BufferKind::FormatCopy { format }, ir::Layout::Experts { slots }) => {
+                    Some(PlanFormatCopy {
+                        buffer: BufferId(i as u32),
+                        format,
+                        expert_bytes: b.bytes / u64::from(slots.max(1)),
+                    })
+                }
+                _ => None,
+            })
+            .collect(),
         steps,
     })
 }
@@ -493,7 +525,8 @@ fn place_buffers(
     for buffer in &program.buffers {
         let placement = match buffer.kind {
             BufferKind::Checkpoint => Placement::Checkpoint,
-            BufferKind::Declared => {
+            // Made by the runtime at load into its host arena slot.
+            BufferKind::Declared | BufferKind::FormatCopy { .. } => {
                 let i = space_idx(buffer.space);
                 let offset = next[i].div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
                 next[i] = offset + buffer.bytes;

@@ -78,7 +78,7 @@ pub fn declarations(file: &ast::File) -> Vec<Decl> {
             }
             Item::Step(s) => blocks.push(&s.body),
             Item::Let(l) => push(&mut decls, DeclKind::Let, &l.name, l.span),
-            Item::MicroBatches(_) => {}
+            Item::MicroBatches(_) | Item::Substitute(_) => {}
         }
     }
     // Nested blocks with a work list, not recursion: nesting depth is the user's.

@@ -523,6 +523,20 @@ impl ImageBuffer {
     }
 }
 
+/// `card` with every routed expert stored in `storage` (what a format copy of the experts,
+/// `W[l].expert(e).format(..)`, is laid out as), checked as `--weight-format experts=..` is:
+/// every expert matrix stored `[out, in]` with rows of whole blocks.
+pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCard, String> {
+    let mut card = card.clone();
+    card.formats
+        .tensors
+        .retain(|t, _| t.class() != WeightClass::Experts);
+    card.formats.classes.insert(WeightClass::Experts, storage);
+    let arch = ArchSpec::from_card(&card);
+    card.formats.check(&arch, card.dtype)?;
+    Ok(card)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,9 @@ pub mod layout;
 pub mod segment;
 pub mod vocab;
 
+/// How a tensor is stored (a float dtype or a block format), as the compiler names it
+/// (`.format(q8_0)`, `substitute experts q8_0`).
+pub use crate::quant::storage::Storage;
 pub use crate::quant::storage::WeightDtype;
 pub use arch::ArchSpec;
 pub use card::{ClampedSwiglu, DeepseekRouter, DeepseekTopk, Mla, ModelCard, QkNorm, Yarn};

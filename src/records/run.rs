@@ -90,6 +90,9 @@ pub struct RunStats {
     pub copies: Option<CopyTotals>,
     /// What the run read from disk (`disk.read` copies); `None` when it read none.
     pub disk: Option<DiskTotals>,
+    /// Expert computations that used a declared lossy substitute (a format copy of their
+    /// expert), and all expert computations; `None` when the plan has no format copy.
+    pub substituted_experts: Option<(u64, u64)>,
     /// The backend's own line for the run report: what ran the plan (the CPU backend's
     /// pools, or a device, its kernels and what the run did there).
     pub backend: String,

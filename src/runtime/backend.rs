@@ -97,6 +97,9 @@ pub struct MemoryReport {
     /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0 tiles repacked at load (allocated in place
     /// of the mapped blocks, see `math::qmatmul::tiles`).
     pub tiled: u64,
+    /// Expert computations so far that read a format copy of their expert (a declared lossy
+    /// substitute), and all of them; `None` when the plan has no format copy.
+    pub substituted: Option<(u64, u64)>,
     /// What the plan's `disk.read` copies read so far; `None` without a `disk.read` stream.
     pub disk: Option<crate::records::run::DiskTotals>,
 }

@@ -74,6 +74,20 @@ pub fn open<'c>(
             checkpoint.dir().display()
         )));
     }
+    // Only the CPU backend's expert products find an expert in a format copy
+    // (`WeightTag::Converted`); a device backend would miss it mid-run, so it is refused
+    // here, naming the copy.
+    if let Some(copy) = plan.format_copies.first().filter(|_| backend.name != "cpu") {
+        let name = plan
+            .buffers
+            .get(copy.buffer.index())
+            .map_or("a format copy", |b| b.name.as_str());
+        return Err(BackendError::Unavailable(format!(
+            "the {} backend does not compute with format copies of the experts yet (`{name}`: experts in {}, named by `.format(..)`); run with --backend cpu",
+            backend.name,
+            copy.format.name()
+        )));
+    }
     (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
 }
 

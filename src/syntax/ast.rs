@@ -70,6 +70,8 @@ pub enum Item {
     Buffer(BufferDecl),
     /// `cache NAME[SLOTS]: SPACE evict POLICY predict PREDICTOR`.
     Cache(CacheDecl),
+    /// `substitute CLASS FORMAT`.
+    Substitute(SubstituteDecl),
     /// `microbatches COUNT of SIZE`.
     MicroBatches(MicroBatchDecl),
     /// `template NAME(PARAMS) { ... }`.
@@ -142,6 +144,20 @@ pub struct CacheDecl {
     pub evict: Expr,
     /// The predictor of `NAME.predicted(..)`: a string; `None`: co-occurrence.
     pub predict: Option<Expr>,
+    /// The whole declaration.
+    pub span: Span,
+}
+
+/// `substitute CLASS FORMAT` (`substitute experts q4_k`): tasks may compute with the
+/// weights of CLASS in FORMAT (`W[l].expert(e).format(q4_k)`, a copy made at load) where
+/// the checkpoint's are expected. Lossy, so never implicit: without the declaration such a
+/// use is *values::undeclared_substitute*.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubstituteDecl {
+    /// The weight class as written (`experts`).
+    pub class: Ident,
+    /// The format as written (`q4_k`).
+    pub format: Ident,
     /// The whole declaration.
     pub span: Span,
 }
@@ -469,6 +485,7 @@ impl File {
                     d.evict.collect_names(&mut names);
                     d.predict.iter().for_each(|e| e.collect_names(&mut names));
                 }
+                Item::Substitute(_) => {}
                 Item::MicroBatches(d) => {
                     d.count.collect_names(&mut names);
                     d.size.collect_names(&mut names);

@@ -131,8 +131,8 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         Rule::engine => "an engine such as `gpu.compute`",
         Rule::header => "`schedule NAME`",
         Rule::param_decl | Rule::stream_decl | Rule::buffer_decl | Rule::cache_decl
-        | Rule::micro_decl | Rule::template_decl | Rule::step_decl | Rule::step_kind => {
-            "a declaration (`param`, `stream`, `buffer`, `cache`, `microbatches`, `let`, `template`, `setup`, `prefill`, `decode`, `step`)"
+        | Rule::substitute_decl | Rule::substitute_kw | Rule::micro_decl | Rule::template_decl | Rule::step_decl | Rule::step_kind => {
+            "a declaration (`param`, `stream`, `buffer`, `cache`, `substitute`, `microbatches`, `let`, `template`, `setup`, `prefill`, `decode`, `step`)"
         }
         Rule::block => "a block `{ ... }`",
         Rule::let_stmt | Rule::for_stmt | Rule::if_stmt | Rule::copy_stmt | Rule::fetch_stmt
@@ -336,6 +336,17 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                     space,
                     evict,
                     predict,
+                    span: item_span,
+                })
+            }
+            Rule::substitute_decl => {
+                let mut it = item.into_inner();
+                next(&mut it, item_span)?; // the keyword
+                let class = build_ident(next(&mut it, item_span)?);
+                let format = build_ident(next(&mut it, item_span)?);
+                Item::Substitute(SubstituteDecl {
+                    class,
+                    format,
                     span: item_span,
                 })
             }

@@ -217,6 +217,8 @@ impl Backend for CpuBackend<'_> {
             populated: self.memory.populated(),
             tiled: self.memory.tiled_bytes(),
             disk: self.memory.disk_totals(),
+            substituted: (!self.memory.converted_formats().is_empty())
+                .then(|| self.memory.substituted_experts()),
         }
     }
 

@@ -160,10 +160,7 @@ impl OpContext<'_> {
     }
 
     fn typed(&self, weights: &[View], tag: WeightTag) -> Result<TypedSlice<'_>, OpError> {
-        let view = self
-            .memory
-            .find_weight(weights, tag)
-            .ok_or(OpError::MissingWeight { tag })?;
+        let (tag, view) = self.find_weight(weights, tag)?;
         // SAFETY: a weight found in the task's `w` arguments: the image is read-only, and
         // in an arena the plan orders every writer of these bytes before or after this
         // task (no task writes an argument another of its arguments overlaps).
@@ -173,6 +170,42 @@ impl OpContext<'_> {
             .layout()
             .typed(tag, bytes)
             .map_err(|_| OpError::Align("w"))
+    }
+
+    /// Where `tag` is in `weights`: itself, or for a routed expert's segment found only as
+    /// a format copy (`WeightTag::Converted`), that copy: the checker proved the schedule
+    /// declares the substitute wherever an `experts` task reads one.
+    fn find_weight(&self, weights: &[View], tag: WeightTag) -> Result<(WeightTag, View), OpError> {
+        if let Some(view) = self.memory.find_weight(weights, tag) {
+            return Ok((tag, view));
+        }
+        if let WeightTag::Layer { layer, kind } = tag {
+            if kind.expert().is_some() {
+                for &format in self.memory.converted_formats() {
+                    let converted = WeightTag::Converted {
+                        layer,
+                        kind,
+                        format,
+                    };
+                    if let Some(view) = self.memory.find_weight(weights, converted) {
+                        return Ok((converted, view));
+                    }
+                }
+            }
+        }
+        Err(OpError::MissingWeight { tag })
+    }
+
+    /// True when expert `e` of `layer` is in `weights` only as a format copy.
+    fn expert_is_converted(&self, weights: &[View], layer: u32, e: usize) -> bool {
+        let tag = WeightTag::Layer {
+            layer,
+            kind: SegmentKind::ExpertDown(e),
+        };
+        matches!(
+            self.find_weight(weights, tag),
+            Ok((WeightTag::Converted { .. }, _))
+        )
     }
 
     fn segment(
@@ -399,7 +432,11 @@ impl OpContext<'_> {
         slots: &mut [f32],
     ) -> Result<(), OpError> {
         let jobs = groups
-            .map(|(e, rows)| Ok((self.expert(weights, layer, e as usize)?, rows)))
+            .map(|(e, rows)| {
+                let converted = self.expert_is_converted(weights, layer, e as usize);
+                self.memory.note_expert_source(converted);
+                Ok((self.expert(weights, layer, e as usize)?, rows))
+            })
             .collect::<Result<Vec<_>, OpError>>()?;
         Kernels::process().experts_ffn(self.arch, &jobs, x_norm, slots)?;
         Ok(())

@@ -508,6 +508,7 @@ impl Backend for CudaBackend<'_> {
             populated: host.populated,
             tiled: host.tiled,
             disk: self.host_memory.disk_totals(),
+            substituted: host.substituted,
         }
     }
 

@@ -1002,6 +1002,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         self.stats.wall = self.origin.elapsed().as_secs_f64();
         self.stats.copies = self.backend.memory().copies;
         self.stats.disk = self.backend.memory().disk;
+        self.stats.substituted_experts = self.backend.memory().substituted;
         self.stats.backend = self.backend.describe();
         self.stats.caches = self
             .state

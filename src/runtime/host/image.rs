@@ -168,6 +168,8 @@ impl<'c> MappedImage<'c> {
                         seg.quant,
                     )
                 }
+                // The image's tags are the checkpoint's own; converted copies live in arenas.
+                WeightTag::Converted { .. } => continue,
             };
             let align = storage_align(dtype, quant);
             if bytes.len() as u64 != len {

@@ -143,6 +143,9 @@ pub enum MemoryError {
         /// What failed.
         source: DiskError,
     },
+    /// A format copy of the experts (`W.q8_0`) could not be made at load.
+    #[error("making the format copies of the experts: {0}")]
+    FormatCopy(String),
     /// The `gpu` arena exceeds the configured device memory.
     #[error("the gpu arena needs {needed} bytes but the device has {capacity}")]
     GpuCapacity {
@@ -189,6 +192,13 @@ pub struct HostMemory<'c> {
     checkpoint: &'c Checkpoint,
     /// The plan's disk reads, when it has a `disk.read` stream (its checkpoint is on disk).
     disk: Option<DiskReader>,
+    /// Where each converted segment of a format copy starts in the `host` arena (what a
+    /// bound converted weight is read from, as `image_starts` for the image's tensors).
+    converted_starts: HashMap<WeightTag, u64>,
+    /// The formats the plan's format copies hold.
+    converted_formats: Vec<crate::quant::QuantFormat>,
+    /// Expert computations that read a converted expert, and all of them.
+    substituted: [AtomicU64; 2],
 }
 
 fn space_index(space: Space) -> usize {
@@ -283,6 +293,26 @@ impl<'c> HostMemory<'c> {
         } else {
             0
         };
+        // The format copies of the experts, made once here, before the first step.
+        let converted = super::format_copy::make_format_copies(plan, &image, &layout, &arenas[2])
+            .map_err(MemoryError::FormatCopy)?;
+        let maps: [Mutex<WeightMap>; 3] = Default::default();
+        {
+            let mut host = lock(&maps[space_index(Space::Host)]);
+            for c in &converted {
+                host.insert(c.start, c.len, c.tag, 0);
+            }
+        }
+        let converted_starts = converted
+            .iter()
+            .map(|c| (c.tag, c.start))
+            .collect::<HashMap<_, _>>();
+        let mut converted_formats: Vec<crate::quant::QuantFormat> = Vec::new();
+        for format in plan.format_copies.iter().filter_map(|c| c.format.quant()) {
+            if !converted_formats.contains(&format) {
+                converted_formats.push(format);
+            }
+        }
         let image_map = layout.map();
         let image_starts = layout
             .tags()
@@ -301,7 +331,7 @@ impl<'c> HostMemory<'c> {
             arenas,
             image,
             layout,
-            maps: Default::default(),
+            maps,
             image_map,
             link_gbps: options.link_gbps,
             buffer_base,
@@ -315,7 +345,29 @@ impl<'c> HostMemory<'c> {
             copy_pool: CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get())),
             checkpoint,
             disk: reads_disk.then(DiskReader::new),
+            converted_starts,
+            converted_formats,
+            substituted: Default::default(),
         })
+    }
+
+    /// The formats of the plan's format copies of the experts (empty: none).
+    pub fn converted_formats(&self) -> &[crate::quant::QuantFormat] {
+        &self.converted_formats
+    }
+
+    /// Counts one expert computation, `substituted` when it read a converted copy.
+    pub fn note_expert_source(&self, substituted: bool) {
+        self.substituted[usize::from(substituted)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Expert computations so far that read a converted copy, and all of them.
+    pub fn substituted_experts(&self) -> (u64, u64) {
+        let (full, sub) = (
+            self.substituted[0].load(Ordering::Relaxed),
+            self.substituted[1].load(Ordering::Relaxed),
+        );
+        (sub, full + sub)
     }
 
     /// What the run's `disk.read` copies read so far; `None` when the plan reads no disk.
@@ -562,6 +614,13 @@ impl<'c> HostMemory<'c> {
                 // A bound arena range holds no bytes: only the image's own copy of the
                 // tensor may answer (labels come only from image tensors, so it exists;
                 // if not, the tensor is missing, never the arena's stale bytes).
+                if let Some(&start) = self.converted_starts.get(&tag) {
+                    return Some(View {
+                        region: Region::Arena(Space::Host),
+                        start,
+                        len,
+                    });
+                }
                 return self.image_starts.get(&tag).map(|&image_start| View {
                     region: Region::Image,
                     start: image_start,
@@ -977,6 +1036,7 @@ mod tests {
                 steps: Vec::new(),
                 preds: Vec::new(),
                 caches: Vec::new(),
+                format_copies: Vec::new(),
             }
         }
 

@@ -11,6 +11,7 @@
 pub mod arena;
 pub mod copy_pool;
 pub mod disk;
+mod format_copy;
 pub mod image;
 pub mod memory;
 pub mod weights;

@@ -36,6 +36,18 @@ pub enum WeightTag {
         /// The segment.
         kind: SegmentKind,
     },
+    /// A routed expert's segment converted at load into another block format (a format
+    /// copy, `W[l].expert(e).format(q8_0)`): the same matrix, other bytes. Ops that find a
+    /// segment only in this form compute with it (the checker proved the schedule declares
+    /// the substitute).
+    Converted {
+        /// The layer.
+        layer: u32,
+        /// The segment.
+        kind: SegmentKind,
+        /// The format it was converted into.
+        format: QuantFormat,
+    },
 }
 
 impl std::fmt::Display for WeightTag {
@@ -45,6 +57,11 @@ impl std::fmt::Display for WeightTag {
             WeightTag::FinalNorm => write!(f, "final norm"),
             WeightTag::LmHead => write!(f, "lm_head"),
             WeightTag::Layer { layer, kind } => write!(f, "layer {layer} {kind:?}"),
+            WeightTag::Converted {
+                layer,
+                kind,
+                format,
+            } => write!(f, "layer {layer} {kind:?} in {}", format.name()),
         }
     }
 }
@@ -223,6 +240,14 @@ impl ImageLayout {
                 .layer_of(layer)
                 .segment(kind)
                 .map(|s| s.quant.map_or(Storage::Float(s.dtype), Storage::Quant)),
+            WeightTag::Converted {
+                layer,
+                kind,
+                format,
+            } => self
+                .layer_of(layer)
+                .segment(kind)
+                .map(|_| Storage::Quant(format)),
         }
     }
 
@@ -258,7 +283,7 @@ impl ImageLayout {
         match tag {
             WeightTag::LmHead => Some(self.vocab_hidden.1),
             WeightTag::Layer { layer, kind } => self.layer_of(layer).segment(kind).map(|s| s.cols),
-            WeightTag::Embed | WeightTag::FinalNorm => None,
+            WeightTag::Embed | WeightTag::FinalNorm | WeightTag::Converted { .. } => None,
         }
     }
 
@@ -320,7 +345,7 @@ impl ImageLayout {
         match tag {
             WeightTag::FinalNorm => hidden,
             WeightTag::Embed | WeightTag::LmHead => vocab * hidden,
-            WeightTag::Layer { layer, kind } => self
+            WeightTag::Layer { layer, kind } | WeightTag::Converted { layer, kind, .. } => self
                 .layer_of(layer)
                 .segment(kind)
                 .map_or(0, |s| s.rows * s.cols),
@@ -369,6 +394,9 @@ impl ImageLayout {
                 .segment(kind)
                 .map(|s| s.len_bytes as u64)
                 .unwrap_or(0),
+            WeightTag::Converted { format, .. } => {
+                format.bytes_for(self.tag_elems(tag)).unwrap_or(0) as u64
+            }
         }
     }
 
