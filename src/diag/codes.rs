@@ -100,7 +100,7 @@ pub enum Code {
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 42] = [
+    pub const ALL: [Code; 43] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,

@@ -526,7 +526,12 @@ impl ImageBuffer {
 /// `card` with every routed expert stored in `storage` (what a format copy of the experts,
 /// `W[l].expert(e).format(..)`, is laid out as), checked as `--weight-format experts=..` is:
 /// every expert matrix stored `[out, in]` with rows of whole blocks.
+/// A copy never changes how the experts are oriented: quantised experts are `[out, in]` by
+/// construction, so the `[in, out]` experts of a Hub gpt-oss checkpoint would need a
+/// transpose that format copies do not make (the CPU products would refuse them at run
+/// time); that is refused here, so the checker refuses the schedule.
 pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCard, String> {
+    let source_out_in = ArchSpec::from_card(card).experts_out_in;
     let mut card = card.clone();
     card.formats
         .tensors
@@ -534,12 +539,35 @@ pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCa
     card.formats.classes.insert(WeightClass::Experts, storage);
     let arch = ArchSpec::from_card(&card);
     card.formats.check(&arch, card.dtype)?;
+    if arch.experts_out_in != source_out_in {
+        return Err(format!(
+            "the checkpoint stores {}'s experts [in, out] and {} needs [out, in] rows; a \
+             format copy does not transpose them (make a checkpoint in that format with \
+             `moec quantize` instead)",
+            card.name,
+            storage.name()
+        ));
+    }
     Ok(card)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A format copy of experts the checkpoint stores `[in, out]` (a Hub gpt-oss
+    /// checkpoint) is refused, since the copy would need a transpose; Mixtral's `[out, in]`
+    /// experts take one.
+    #[test]
+    fn a_format_copy_that_needs_a_transpose_is_refused() {
+        let q8 = Storage::parse("q8_0").unwrap();
+        let e = with_expert_storage(&ModelCard::load("gpt-oss-tiny").unwrap(), q8).unwrap_err();
+        assert!(
+            e.contains("[in, out]") && e.contains("does not transpose"),
+            "{e}"
+        );
+        with_expert_storage(&ModelCard::load("mixtral-tiny").unwrap(), q8).unwrap();
+    }
 
     /// A quantised format on rows that are not whole blocks, or on a matrix stored
     /// `[in, out]` (gpt-oss's experts), is refused naming the tensor.
