@@ -66,6 +66,40 @@ fn schedules() -> Vec<PathBuf> {
     }
     out
 }
+/// The synthetic checkpoint of `card` the tests here run (seed 7, the card's dtype),
+/// written to `ck` in a temporary folder that lives as long as the returned guard.
+fn synth_checkpoint(card: &ModelCard) -> (tempfile::TempDir, Checkpoint) {
+    let dir = tempfile::tempdir().unwrap();
+    let ck_dir = dir.path().join("ck");
+    write_checkpoint(
+        card,
+        &ck_dir,
+        &SynthOptions {
+            seed: 7,
+            dtype: card.dtype,
+            ..SynthOptions::default()
+        },
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    (dir, checkpoint)
+}
+
+/// The oracle's greedy tokens for `prompts` (`GEN_LEN` each, not stopping at EOS).
+fn oracle_tokens(oracle: &Oracle, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    oracle
+        .generate(
+            prompts,
+            &GenerateOptions {
+                stop_at_eos: false,
+                ..GenerateOptions::greedy(GEN_LEN)
+            },
+        )
+        .unwrap()
+        .into_iter()
+        .map(|g| g.token_ids)
+        .collect()
+}
 
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {
     [7usize, 3, 12, 5, 9]
@@ -85,19 +119,7 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 /// Runs the case's schedules; returns the failures and the preemptions of all runs.
 fn run_card(case: &Case<'_>, gpu_capacity: impl Fn(u64) -> Option<u64>) -> (Vec<String>, usize) {
     let card = ModelCard::load(case.card).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ck_dir = dir.path().join("ck");
-    write_checkpoint(
-        &card,
-        &ck_dir,
-        &SynthOptions {
-            seed: 7,
-            dtype: card.dtype,
-            ..SynthOptions::default()
-        },
-    )
-    .unwrap();
-    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let (_dir, checkpoint) = synth_checkpoint(&card);
     run_checkpoint(case, &checkpoint, gpu_capacity)
 }
 
@@ -485,33 +507,9 @@ fn a_driver_session_admits_cancels_and_steps_with_the_oracle_s_tokens() {
     use std::sync::atomic::Ordering;
 
     let card = ModelCard::load("mixtral-tiny").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ck_dir = dir.path().join("ck");
-    write_checkpoint(
-        &card,
-        &ck_dir,
-        &SynthOptions {
-            seed: 7,
-            dtype: card.dtype,
-            ..SynthOptions::default()
-        },
-    )
-    .unwrap();
-    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let (_dir, checkpoint) = synth_checkpoint(&card);
     let prompts: Vec<Vec<u32>> = prompts(card.vocab as u32).into_iter().take(3).collect();
-    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
-        .unwrap()
-        .generate(
-            &prompts,
-            &GenerateOptions {
-                stop_at_eos: false,
-                ..GenerateOptions::greedy(GEN_LEN)
-            },
-        )
-        .unwrap()
-        .into_iter()
-        .map(|g| g.token_ids)
-        .collect();
+    let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
     let request = |i: usize| SeqRequest {
         prompt: prompts[i].clone(),
         max_new_tokens: GEN_LEN,
@@ -723,35 +721,11 @@ fn a_prompt_longer_than_a_pass_is_prefilled_in_chunks_with_the_oracle_s_tokens()
     use moec::runtime::driver::session::{SeqEvent, SeqRequest, Session};
 
     let card = ModelCard::load("mixtral-tiny").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ck_dir = dir.path().join("ck");
-    write_checkpoint(
-        &card,
-        &ck_dir,
-        &SynthOptions {
-            seed: 7,
-            dtype: card.dtype,
-            ..SynthOptions::default()
-        },
-    )
-    .unwrap();
-    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let (_dir, checkpoint) = synth_checkpoint(&card);
     let vocab = card.vocab as u32;
     let mut prompts: Vec<Vec<u32>> = prompts(vocab).into_iter().take(2).collect();
     prompts.push((0..100).map(|t| (t * 53 + 11) % vocab).collect());
-    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
-        .unwrap()
-        .generate(
-            &prompts,
-            &GenerateOptions {
-                stop_at_eos: false,
-                ..GenerateOptions::greedy(GEN_LEN)
-            },
-        )
-        .unwrap()
-        .into_iter()
-        .map(|g| g.token_ids)
-        .collect();
+    let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
     let source = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/baselines/resident.sched"),
     )
@@ -857,19 +831,7 @@ fn the_disk_schedules_match_the_oracle_under_a_host_budget_smaller_than_the_weig
         write_checkpoint(&card, &ck_dir, &synth).unwrap();
         let checkpoint = Checkpoint::open(&ck_dir).unwrap();
         let prompts = vec![vec![5u32, 6, 7, 8, 9, 10], vec![11, 12, 13]];
-        let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
-            .unwrap()
-            .generate(
-                &prompts,
-                &GenerateOptions {
-                    stop_at_eos: false,
-                    ..GenerateOptions::greedy(GEN_LEN)
-                },
-            )
-            .unwrap()
-            .into_iter()
-            .map(|g| g.token_ids)
-            .collect();
+        let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
         for (schedule, sets) in &schedules {
             let path = Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("schedules")
@@ -940,38 +902,14 @@ fn the_disk_schedules_match_the_oracle_under_a_host_budget_smaller_than_the_weig
 #[test]
 fn a_schedule_with_a_declared_substitute_runs_within_its_bound_of_the_oracle() {
     let card = ModelCard::load("mixtral-tiny").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ck_dir = dir.path().join("ck");
-    write_checkpoint(
-        &card,
-        &ck_dir,
-        &SynthOptions {
-            seed: 7,
-            dtype: card.dtype,
-            ..SynthOptions::default()
-        },
-    )
-    .unwrap();
-    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let (dir, checkpoint) = synth_checkpoint(&card);
     let prompts = prompts(card.vocab as u32);
-    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
-        .unwrap()
-        .generate(
-            &prompts,
-            &GenerateOptions {
-                stop_at_eos: false,
-                ..GenerateOptions::greedy(GEN_LEN)
-            },
-        )
-        .unwrap()
-        .into_iter()
-        .map(|g| g.token_ids)
-        .collect();
+    let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
     // The same checkpoint with its experts in q8_0, as `moec quantize` writes it.
     let gguf = dir.path().join("experts-q8_0.gguf");
     moec::engine::quantize(
         &moec::engine::QuantizeRequest {
-            weights: ck_dir.clone(),
+            weights: dir.path().join("ck"),
             out: gguf.clone(),
             formats: moec::engine::QuantizeFormats::Classes("experts=q8_0".into()),
             name: None,
@@ -980,19 +918,7 @@ fn a_schedule_with_a_declared_substitute_runs_within_its_bound_of_the_oracle() {
     )
     .unwrap();
     let quantized = Checkpoint::open_gguf(&gguf, None).unwrap();
-    let expected_q8: Vec<Vec<u32>> = Oracle::new(&quantized)
-        .unwrap()
-        .generate(
-            &prompts,
-            &GenerateOptions {
-                stop_at_eos: false,
-                ..GenerateOptions::greedy(GEN_LEN)
-            },
-        )
-        .unwrap()
-        .into_iter()
-        .map(|g| g.token_ids)
-        .collect();
+    let expected_q8 = oracle_tokens(&Oracle::new(&quantized).unwrap(), &prompts);
     let source = std::fs::read_to_string("tests/fixtures/formats/substitute.sched").unwrap();
     let mut options = Options::new(card.clone());
     options.workload = Workload {
@@ -1045,34 +971,10 @@ fn a_schedule_with_a_declared_substitute_runs_within_its_bound_of_the_oracle() {
 /// computations: (tokens equal to the oracle's, tokens, substituted, all).
 fn agreement_with_the_oracle(card: &str, schedule: &str, sets: &[(&str, &str)]) -> [u64; 4] {
     let card = ModelCard::load(card).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ck_dir = dir.path().join("ck");
-    write_checkpoint(
-        &card,
-        &ck_dir,
-        &SynthOptions {
-            seed: 7,
-            dtype: card.dtype,
-            ..SynthOptions::default()
-        },
-    )
-    .unwrap();
-    let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+    let (_dir, checkpoint) = synth_checkpoint(&card);
     let card = checkpoint.card().clone();
     let prompts = prompts(card.vocab as u32);
-    let expected: Vec<Vec<u32>> = Oracle::new(&checkpoint)
-        .unwrap()
-        .generate(
-            &prompts,
-            &GenerateOptions {
-                stop_at_eos: false,
-                ..GenerateOptions::greedy(GEN_LEN)
-            },
-        )
-        .unwrap()
-        .into_iter()
-        .map(|g| g.token_ids)
-        .collect();
+    let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
     let source = std::fs::read_to_string(schedule).unwrap();
     let mut options = Options::new(card.clone());
     options.workload = Workload {
@@ -1165,33 +1067,10 @@ fn residency_and_score_guards_give_the_oracle_tokens_and_take_every_arm() {
     ];
     for card_name in ["mixtral-tiny", "qwen3-moe-tiny", "deepseek-v2-tiny"] {
         let card = ModelCard::load(card_name).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let ck_dir = dir.path().join("ck");
-        write_checkpoint(
-            &card,
-            &ck_dir,
-            &SynthOptions {
-                seed: 7,
-                dtype: card.dtype,
-                ..SynthOptions::default()
-            },
-        )
-        .unwrap();
-        let checkpoint = Checkpoint::open(&ck_dir).unwrap();
+        let (_dir, checkpoint) = synth_checkpoint(&card);
         let prompts = prompts(card.vocab as u32);
         let oracle = Oracle::new(&checkpoint).unwrap();
-        let expected: Vec<Vec<u32>> = oracle
-            .generate(
-                &prompts,
-                &GenerateOptions {
-                    stop_at_eos: false,
-                    ..GenerateOptions::greedy(GEN_LEN)
-                },
-            )
-            .unwrap()
-            .into_iter()
-            .map(|g| g.token_ids)
-            .collect();
+        let expected = oracle_tokens(&oracle, &prompts);
         // Runs of each arm's `experts` tasks: hit (reads the cache), staged (GPU, staging
         // slot), CPU.
         let mut arms = [0usize; 3];
