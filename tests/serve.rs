@@ -1022,8 +1022,8 @@ fn a_static_batch_waits_for_requests_that_arrive_within_batch_wait() {
 }
 
 /// A `prefill` + `decode` schedule whose prefill attends its KV cache (`resident`) admits
-/// a request while another decodes, and a pass prefills at most `--prefill-budget` prompt
-/// tokens: the second request (a prompt of 16 tokens, so four passes of 4) is sent once
+/// a request while another decodes, and a pass shared by several sequences prefills at
+/// most `--prefill-budget` prompt tokens: the second request (a prompt of 16 tokens, so four passes of 4) is sent once
 /// the first streams, gets its first text before the first's last, and the passes that
 /// prefill it also carry the first's next tokens (the server's `MOEC_SERVE_TRACE`: a step
 /// with prompt tokens that hands out a token which is not a first one). Both texts equal
@@ -1053,8 +1053,10 @@ fn resident_admits_while_decoding_within_the_prefill_budget() {
         &[("MOEC_SERVE_TRACE", trace.as_path())],
     );
     let addr = server.addr;
+    // The first prompt arrives alone, and a lone prompt is not capped by the budget: it
+    // is kept within the budget (3 tokens with BOS) so that every pass of the trace is.
     let (long_prompt, short_prompt) = (
-        "Once upon a time",
+        "Once upon",
         "The quick brown fox jumps over the lazy dog near the river bank",
     );
     let long = serde_json::json!({"prompt": long_prompt, "max_tokens": 40, "temperature": 0, "stream": true});

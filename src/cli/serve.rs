@@ -59,13 +59,15 @@ pub struct ServeArgs {
     /// attends the cache (chunked prefill), admit at every pass and never wait.
     #[arg(long, default_value_t = 50)]
     pub batch_wait_ms: u64,
-    /// Most prompt tokens one pass prefills over all its sequences, where the schedule's
-    /// prefill attends its KV cache (chunked prefill); a pass's time grows with its
-    /// tokens, so a small budget gives the first of several prompts that arrive together
-    /// its first token sooner and keeps the decoding streams' steps short, at the cost of
-    /// one more pass per budget's worth of prompt (default: all the pass has room for).
-    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1..))]
-    pub prefill_budget: Option<u64>,
+    /// Most prompt tokens a pass shared by several sequences prefills over all of them,
+    /// where the schedule's prefill attends its KV cache (chunked prefill); a pass's time
+    /// grows with its tokens, so a small budget gives the first of several prompts that
+    /// arrive together its first token sooner and keeps the decoding streams' steps short,
+    /// at the cost of one more pass per budget's worth of prompt. A lone prompt is not
+    /// capped. 0: no cap (all the pass has room for). The default, 32, met llama-server's
+    /// TTFT p50 on the shared-prefix bench of docs/serving.md.
+    #[arg(long, value_name = "TOKENS", default_value_t = 32)]
+    pub prefill_budget: u64,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body: usize,
@@ -131,9 +133,8 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
         context: Some(args.context.unwrap_or(usize::MAX)),
         kv_bytes,
         batch_wait: Duration::from_millis(args.batch_wait_ms),
-        prefill_budget: args
-            .prefill_budget
-            .map(|t| usize::try_from(t).unwrap_or(usize::MAX)),
+        prefill_budget: (args.prefill_budget > 0)
+            .then(|| usize::try_from(args.prefill_budget).unwrap_or(usize::MAX)),
     })
 }
 

@@ -676,17 +676,17 @@ fn worker(
     .map_err(|e| fail(message(&e)))?
     .without_step_records();
     let prefix_cache = session.on_demand_kv();
-    if let Some(tokens) = request.prefill_budget {
-        if prefix_cache {
+    match (request.prefill_budget, prefix_cache) {
+        (Some(tokens), true) => {
             session.set_prefill_budget(tokens);
             notes.push(format!(
-                "a pass prefills at most {tokens} prompt tokens over all its sequences (--prefill-budget)"
-            ));
-        } else {
-            notes.push(format!(
-                "--prefill-budget {tokens} has no effect: this schedule's prefill does not attend its KV cache, so it prefills each prompt whole"
+                "a pass shared by several sequences prefills at most {tokens} prompt tokens over all of them (--prefill-budget; 0: no cap)"
             ));
         }
+        (Some(tokens), false) => notes.push(format!(
+            "prefill budget {tokens} unused: this schedule's prefill does not attend its KV cache, so it prefills each prompt whole"
+        )),
+        (None, _) => {}
     }
     if session.static_batches() && !request.batch_wait.is_zero() {
         notes.push(format!(

@@ -352,8 +352,9 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         prefix
     }
 
-    /// With chunked prefill (see [`Session::on_demand_kv`]): a pass prefills at most
-    /// `tokens` prompt tokens over all its sequences (at least 1), oldest first; the rest
+    /// With chunked prefill (see [`Session::on_demand_kv`]): a pass that runs more than one
+    /// sequence prefills at most `tokens` prompt tokens over all of them (at least 1; a
+    /// lone prompt takes what the pass has room for), oldest first; the rest
     /// of a prompt, and the prompts that got none, wait for the next pass while the
     /// decoding sequences go on. A pass's time grows with its tokens, so a budget near a few
     /// prompts' worth gives the first of several prompts that arrive together their first
@@ -745,7 +746,12 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             return Vec::new();
         }
         let mut room: Vec<usize> = self.prefill_caps.iter().map(|c| c.tokens).collect();
-        let mut budget = self.prefill_budget;
+        // A lone sequence has nobody to wait for it: it prefills what the pass has room for.
+        let mut budget = if self.running.len() > 1 {
+            self.prefill_budget
+        } else {
+            usize::MAX
+        };
         let mut order: Vec<usize> = (0..self.running.len()).collect();
         order.sort_by_key(|&i| (!self.running[i].prompt_done, self.running[i].age));
         let mut chunks = Vec::new();
