@@ -1,0 +1,273 @@
+//! OpenAI tool calls (`tools`, `tool_choice`) for chat completions.
+//!
+//! A call is grammar-constrained output, the same path as `response_format`: the tools a
+//! call may name become one JSON schema, `{"name": <a tool's name>, "arguments": <valid
+//! under that tool's `parameters`>}` (an `anyOf` over the tools), which llguidance holds
+//! the sampled tokens to; the text is then read back as `message.tool_calls`. The model
+//! learns the tools from a system message moec writes (see [`system_text`]), since the
+//! chat templates moec renders see only roles and texts.
+//!
+//! `tool_choice` `"none"` ignores the tools, `"required"` forces a call of one of them,
+//! `{"type": "function", "function": {"name": N}}` a call of N. `"auto"` (OpenAI's default
+//! when tools are given) is refused with a 400: it needs a grammar of "free text or a call"
+//! and the session's constraints are JSON schemas only, so moec would have to pick one
+//! of the two itself, which it does not do silently.
+
+use super::openai::ApiError;
+use serde_json::{json, Value};
+
+/// One tool a request offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    /// The function's name (`[A-Za-z0-9_-]{1,64}`, as OpenAI requires).
+    pub name: String,
+    /// What it does, for the model.
+    pub description: Option<String>,
+    /// The JSON schema its arguments must satisfy.
+    pub parameters: Value,
+}
+
+/// The tools a call must be among, from a request's `tools` and `tool_choice`: `None`
+/// when the output is plain text (no tools, or `tool_choice: "none"`).
+pub fn forced_tools(
+    tools: Option<&[Value]>,
+    choice: Option<&Value>,
+) -> Result<Option<Vec<Tool>>, ApiError> {
+    let tools = match tools {
+        None | Some([]) => {
+            return match choice {
+                None => Ok(None),
+                Some(c) if c == "none" => Ok(None),
+                Some(_) => Err(ApiError::invalid(
+                    "tool_choice needs a non-empty `tools` list",
+                    Some("tool_choice"),
+                )),
+            }
+        }
+        Some(list) => list,
+    };
+    let mut parsed: Vec<Tool> = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let tool = parse_tool(i, t)?;
+        if parsed.iter().any(|p| p.name == tool.name) {
+            return Err(ApiError::invalid(
+                format!("tools[{i}]: the name `{}` is given twice", tool.name),
+                Some("tools"),
+            ));
+        }
+        parsed.push(tool);
+    }
+    let auto = || {
+        ApiError::invalid(
+            "tool_choice \"auto\" (the default when tools are given) is not supported: moec holds a tool call to its schema with a grammar and cannot let the model choose between text and a call; send tool_choice \"required\", {\"type\": \"function\", \"function\": {\"name\": ...}} or \"none\"",
+            Some("tool_choice"),
+        )
+    };
+    match choice {
+        None => Err(auto()),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(None),
+            "required" => Ok(Some(parsed)),
+            "auto" => Err(auto()),
+            other => Err(ApiError::invalid(
+                format!("tool_choice `{other}` is not one of \"none\", \"required\", \"auto\" or a function"),
+                Some("tool_choice"),
+            )),
+        },
+        Some(Value::Object(o)) => {
+            let name = match (o.get("type"), o.get("function").and_then(|f| f.get("name"))) {
+                (Some(t), Some(Value::String(name))) if t == "function" => name,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "tool_choice as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                        Some("tool_choice"),
+                    ))
+                }
+            };
+            match parsed.into_iter().find(|t| &t.name == name) {
+                Some(tool) => Ok(Some(vec![tool])),
+                None => Err(ApiError::invalid(
+                    format!("tool_choice names the function `{name}`, which is not in tools"),
+                    Some("tool_choice"),
+                )),
+            }
+        }
+        Some(_) => Err(ApiError::invalid(
+            "tool_choice must be a string or an object",
+            Some("tool_choice"),
+        )),
+    }
+}
+
+fn parse_tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
+    let bad = |what: &str| ApiError::invalid(format!("tools[{i}]: {what}"), Some("tools"));
+    if t.get("type").and_then(Value::as_str) != Some("function") {
+        return Err(bad("`type` must be \"function\""));
+    }
+    let Some(f) = t.get("function").and_then(Value::as_object) else {
+        return Err(bad("`function` must be an object"));
+    };
+    let name = match f.get("name") {
+        Some(Value::String(n)) => n.clone(),
+        _ => return Err(bad("`function.name` is missing")),
+    };
+    let valid_name = (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !valid_name {
+        return Err(bad(&format!(
+            "the function name `{name}` must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
+        )));
+    }
+    let description = match f.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d.clone()),
+        Some(_) => return Err(bad("`function.description` must be a string")),
+    };
+    let parameters = match f.get("parameters") {
+        // OpenAI's meaning of no parameters: a function that takes none.
+        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(_) => return Err(bad("`function.parameters` must be a JSON schema object")),
+    };
+    Ok(Tool {
+        name,
+        description,
+        parameters,
+    })
+}
+
+/// The schema a call's text must satisfy: `{"name": N, "arguments": A}` with A valid
+/// under N's parameters, for one of `tools`.
+pub fn call_schema(tools: &[Tool]) -> Value {
+    let one = |t: &Tool| {
+        json!({
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        })
+    };
+    match tools {
+        [t] => one(t),
+        _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
+    }
+}
+
+/// The system text that tells the model the tools and the shape of a call.
+pub fn system_text(tools: &[Tool]) -> String {
+    let mut text = String::from(
+        "You can call these functions. To call one, reply with only a JSON object {\"name\": <the function's name>, \"arguments\": <its arguments>}.\nFunctions:",
+    );
+    for t in tools {
+        let mut entry = json!({"name": t.name, "parameters": t.parameters});
+        if let Some(d) = &t.description {
+            entry["description"] = json!(d);
+        }
+        text.push('\n');
+        text.push_str(&entry.to_string());
+    }
+    text
+}
+
+/// An assistant message's earlier `tool_calls` as text for the prompt: each call in the
+/// shape the model is asked to write, one per line.
+pub fn history_text(calls: &[Value], message: usize) -> Result<String, ApiError> {
+    let mut lines = Vec::with_capacity(calls.len());
+    for (j, call) in calls.iter().enumerate() {
+        let bad = |what: &str| {
+            ApiError::invalid(
+                format!("messages[{message}].tool_calls[{j}]: {what}"),
+                Some("messages"),
+            )
+        };
+        let f = call
+            .get("function")
+            .ok_or_else(|| bad("`function` is missing"))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("`function.name` is missing"))?;
+        let arguments = match f.get("arguments") {
+            Some(Value::String(a)) => serde_json::from_str::<Value>(a)
+                .map_err(|e| bad(&format!("`function.arguments` is not JSON: {e}")))?,
+            _ => return Err(bad("`function.arguments` must be a string of JSON")),
+        };
+        lines.push(json!({"name": name, "arguments": arguments}).to_string());
+    }
+    Ok(lines.join("\n"))
+}
+
+/// The call a completion's text holds, as a `tool_calls` entry with id `id`; `None` when
+/// the text is not a whole call (`max_tokens` cut it).
+pub fn call_of(text: &str, id: &str) -> Option<Value> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    let name = v.get("name")?.as_str()?;
+    let arguments = v.get("arguments")?;
+    Some(json!({
+        "id": id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments.to_string()},
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str) -> Value {
+        json!({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}})
+    }
+
+    #[test]
+    fn tool_choice_picks_the_tools_a_call_may_name() {
+        let tools = [tool("a"), tool("b")];
+        let all = forced_tools(Some(&tools), Some(&json!("required")))
+            .unwrap()
+            .unwrap();
+        assert_eq!(all.len(), 2);
+        let named = forced_tools(
+            Some(&tools),
+            Some(&json!({"type": "function", "function": {"name": "b"}})),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(named[0].name, "b");
+        assert_eq!(forced_tools(Some(&tools), Some(&json!("none"))), Ok(None));
+        assert_eq!(forced_tools(None, None), Ok(None));
+        for choice in [None, Some(json!("auto"))] {
+            let e = forced_tools(Some(&tools), choice.as_ref()).unwrap_err();
+            assert!(e.message.contains("\"required\""), "{}", e.message);
+            assert_eq!(e.param, Some("tool_choice"));
+        }
+        let unknown = forced_tools(
+            Some(&tools),
+            Some(&json!({"type": "function", "function": {"name": "c"}})),
+        )
+        .unwrap_err();
+        assert!(unknown.message.contains("`c`"), "{}", unknown.message);
+        let nameless = [json!({"type": "function", "function": {"parameters": {}}})];
+        let e = forced_tools(Some(&nameless), Some(&json!("required"))).unwrap_err();
+        assert_eq!(e.param, Some("tools"));
+        let twice = [tool("a"), tool("a")];
+        assert!(forced_tools(Some(&twice), Some(&json!("required"))).is_err());
+    }
+
+    #[test]
+    fn a_call_is_read_back_with_its_arguments_as_json_text() {
+        let call = call_of(r#"{"arguments":{"x":1},"name":"f"}"#, "call_1").unwrap();
+        assert_eq!(call["function"]["name"], "f");
+        assert_eq!(call["function"]["arguments"], r#"{"x":1}"#);
+        assert_eq!(call["id"], "call_1");
+        assert_eq!(call_of(r#"{"arguments":{"x":"#, "call_1"), None);
+        let history = history_text(
+            &[json!({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}})],
+            2,
+        )
+        .unwrap();
+        let parsed: Value = serde_json::from_str(&history).unwrap();
+        assert_eq!(parsed, json!({"name": "f", "arguments": {"x": 1}}));
+        assert!(history_text(&[json!({"function": {"name": "f", "arguments": "{"}})], 0).is_err());
+    }
+}
