@@ -1676,9 +1676,10 @@ fn response_format_json_schema_holds_every_output_to_the_schema() {
 /// and sampled, whole and streamed through the real `openai` client) names a listed tool
 /// (the named one when named) and its arguments parse and hold to that tool's parameters
 /// schema (field by field, and by Python's `jsonschema` where installed); a history with
-/// an assistant's `tool_calls` and a `tool` message renders; `"none"` is plain text; a
-/// tool without a name, a parameters schema llguidance refuses, a named function not in
-/// `tools`, and `"auto"` (explicit or by default) are 400s in OpenAI's shape.
+/// an assistant's `tool_calls` and a `tool` message renders; `"none"` is plain text;
+/// `"auto"` (explicit or by default) is such a call or text that does not open with `{`;
+/// a tool without a name, a parameters schema llguidance refuses and a named function
+/// not in `tools` are 400s in OpenAI's shape.
 #[test]
 fn tool_calls_name_a_listed_tool_with_arguments_valid_under_its_schema() {
     let dir = tempfile::tempdir().unwrap();
@@ -1805,7 +1806,8 @@ for i, choice in enumerate(d["choices"]):
         if not ch.choices:
             continue
         c = ch.choices[0]
-        content = content or c.delta.content
+        if c.delta.content:
+            content = (content or "") + c.delta.content
         for tc in c.delta.tool_calls or []:
             if tc.id:
                 ids.append(tc.id)
@@ -1825,7 +1827,7 @@ print(json.dumps(out))
 "#;
         let input = serde_json::json!({
             "messages": user, "tools": tools,
-            "choices": ["required", named_add, "required", named_add],
+            "choices": ["required", named_add, "required", named_add, "auto"],
         });
         let mut python = Command::new("python3");
         python.args([
@@ -1846,6 +1848,13 @@ print(json.dumps(out))
         let got: serde_json::Value =
             serde_json::from_slice(&out.stdout).expect("the script's JSON");
         for (i, call) in got.as_array().unwrap().iter().enumerate() {
+            if i == 4 && call["finish"] != "tool_calls" {
+                // "auto" streamed text: no call, and text a call would not be.
+                let text = call["content"].as_str().unwrap_or("");
+                assert!(!text.starts_with('{'), "{call}");
+                assert!(call["ids"].as_array().unwrap().is_empty(), "{call}");
+                continue;
+            }
             assert_eq!(call["finish"], "tool_calls", "{call}");
             assert!(call["content"].is_null(), "{call}");
             let ids = call["ids"].as_array().unwrap();
@@ -1859,6 +1868,47 @@ print(json.dumps(out))
             ));
         }
     }
+
+    // "auto", explicit and by default: a call (checked with the others below), or text
+    // that does not open with `{`, or a call `max_tokens` cut (its text, `length`).
+    let mut auto = [0usize; 3];
+    for i in 0..6u64 {
+        let mut body = serde_json::json!({
+            "messages": user, "tools": tools, "max_tokens": 128,
+            "temperature": if i < 2 { 0.0 } else { 1.0 }, "seed": i,
+        });
+        if i % 2 == 0 {
+            body["tool_choice"] = serde_json::json!("auto");
+        }
+        let reply = post(addr, "/v1/chat/completions", &body, None);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let doc = reply.json();
+        let choice = &doc["choices"][0];
+        let message = &choice["message"];
+        if choice["finish_reason"] == "tool_calls" {
+            let call = &message["tool_calls"][0];
+            assert!(message["content"].is_null(), "{}", reply.body);
+            calls.push((
+                call["function"]["name"].as_str().unwrap().to_string(),
+                call["function"]["arguments"].as_str().unwrap().to_string(),
+                None,
+            ));
+            auto[0] += 1;
+        } else {
+            assert!(message["tool_calls"].is_null(), "{}", reply.body);
+            let text = message["content"].as_str().unwrap();
+            if text.starts_with('{') {
+                assert_eq!(choice["finish_reason"], "length", "{}", reply.body);
+                auto[2] += 1;
+            } else {
+                auto[1] += 1;
+            }
+        }
+    }
+    eprintln!(
+        "tool_choice auto: {} calls, {} texts, {} calls cut by max_tokens",
+        auto[0], auto[1], auto[2]
+    );
 
     let mut checked = Vec::new();
     for (name, arguments, must) in &calls {
@@ -1976,13 +2026,19 @@ print(json.dumps(out))
         "tool_choice",
     );
     assert!(unknown.contains("nope"), "{unknown}");
-    for auto in [
-        serde_json::json!({"messages": user, "tools": tools, "tool_choice": "auto"}),
-        serde_json::json!({"messages": user, "tools": tools}),
-    ] {
-        let why = bad(auto, "tool_choice");
-        assert!(why.contains("\"required\""), "{why}");
-    }
+    bad(
+        serde_json::json!({"messages": user, "tools": tools, "tool_choice": "sometimes"}),
+        "tool_choice",
+    );
+    bad(
+        serde_json::json!({"messages": user, "tool_choice": "required"}),
+        "tool_choice",
+    );
+    bad(
+        serde_json::json!({"messages": user, "tools": tools, "tool_choice": "required",
+            "response_format": {"type": "json_object"}}),
+        "response_format",
+    );
     // The server still serves after every refusal.
     let ok = post(
         addr,

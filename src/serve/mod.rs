@@ -692,8 +692,8 @@ async fn chat_completions(
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages is empty", Some("messages")));
     }
-    let forced = tools::forced_tools(request.tools.as_deref(), request.tool_choice.as_ref())?;
-    if forced.is_some()
+    let tool_use = tools::tool_use(request.tools.as_deref(), request.tool_choice.as_ref())?;
+    if tool_use.is_some()
         && !matches!(
             request.sampling.response_format,
             None | Some(openai::ResponseFormat::Text)
@@ -727,8 +727,8 @@ async fn chat_completions(
     }
     // The tools go to the model as system text, merged into a leading system message
     // so templates that take one system message still render.
-    if let Some(forced) = &forced {
-        let about = tools::system_text(forced);
+    if let Some(tool_use) = &tool_use {
+        let about = tools::system_text(&tool_use.tools);
         match messages.first_mut() {
             Some((role, text)) if role == "system" => {
                 text.push_str("\n\n");
@@ -748,8 +748,12 @@ async fn chat_completions(
     let prompt_tokens = ids.len();
     let max = shared.session.info().max_tokens;
     let mut c = completion(&shared, ids, &request.sampling, max)?;
-    if let Some(forced) = &forced {
-        c.format = Some(ResponseFormat::JsonSchema(tools::call_schema(forced)));
+    if let Some(t) = &tool_use {
+        c.format = Some(if t.optional {
+            ResponseFormat::Lark(tools::auto_grammar(&t.tools))
+        } else {
+            ResponseFormat::JsonSchema(tools::call_schema(&t.tools))
+        });
     }
     respond(
         &shared,
@@ -757,7 +761,7 @@ async fn chat_completions(
         c,
         prompt_tokens,
         &request.sampling,
-        forced.is_some(),
+        tool_use.is_some(),
     )
     .await
 }
@@ -938,7 +942,7 @@ async fn whole_response(
 /// a usage chunk if asked for, then `data: [DONE]`. Dropping the body (the client went
 /// away) drops the receiver, which cancels the sequence.
 ///
-/// A tool call is held back until it is whole (its name is only known then, and OpenAI's
+/// A tool call (an output that opens with `{` when tools are in use) is held back until it is whole (its name is only known then, and OpenAI's
 /// first tool-call delta carries the name), then sent as OpenAI does: a delta with the
 /// call's id, type and name and empty arguments, a delta with the arguments, and a last
 /// chunk with finish reason `tool_calls`.
@@ -951,6 +955,8 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
         done: bool,
         /// A tool call's text so far.
         held: String,
+        /// `tool_choice: "auto"` wrote text, not a call.
+        text_chosen: bool,
     }
     let event = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
     let state = St {
@@ -960,6 +966,7 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
         first_chunk: true,
         done: false,
         held: String::new(),
+        text_chosen: false,
     };
     let stream = futures_util::stream::unfold(state, move |mut st| async move {
         if st.done {
@@ -969,9 +976,15 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
             Some(p) => Some(p),
             None => st.rx.recv().await,
         };
-        if st.meta.tool_call_id.is_some() {
+        if st.meta.tool_call_id.is_some() && !st.text_chosen {
             while let Some(Piece::Text(t)) = &piece {
                 st.held.push_str(t);
+                if !st.held.is_empty() && !st.held.starts_with('{') {
+                    // `"auto"` chose text (a call opens with `{`): it streams from here.
+                    st.text_chosen = true;
+                    piece = Some(Piece::Text(std::mem::take(&mut st.held)));
+                    break;
+                }
                 piece = st.rx.recv().await;
             }
         }

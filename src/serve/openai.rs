@@ -220,7 +220,7 @@ impl ChatContent {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<ChatMessage>,
-    /// Functions the model may call (checked by `tools::forced_tools`).
+    /// Functions the model may call (checked by `tools::tool_use`).
     pub tools: Option<Vec<Value>>,
     /// `"none"`, `"required"`, `"auto"` or `{"type": "function", "function": {"name"}}`.
     pub tool_choice: Option<Value>,

@@ -8,10 +8,9 @@
 //! chat templates moec renders see only roles and texts.
 //!
 //! `tool_choice` `"none"` ignores the tools, `"required"` forces a call of one of them,
-//! `{"type": "function", "function": {"name": N}}` a call of N. `"auto"` (OpenAI's default
-//! when tools are given) is refused with a 400: it needs a grammar of "free text or a call"
-//! and the session's constraints are JSON schemas only, so moec would have to pick one
-//! of the two itself, which it does not do silently.
+//! `{"type": "function", "function": {"name": N}}` a call of N, and `"auto"` (OpenAI's
+//! default when tools are given) lets the model write either: a Lark grammar (see
+//! [`auto_grammar`]) of a call, or text that does not start with `{`.
 
 use super::openai::ApiError;
 use serde_json::{json, Value};
@@ -27,12 +26,21 @@ pub struct Tool {
     pub parameters: Value,
 }
 
-/// The tools a call must be among, from a request's `tools` and `tool_choice`: `None`
-/// when the output is plain text (no tools, or `tool_choice: "none"`).
-pub fn forced_tools(
+/// What a request's `tools` and `tool_choice` ask of the output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolUse {
+    /// The tools a call may name.
+    pub tools: Vec<Tool>,
+    /// The output may be text instead (`"auto"`).
+    pub optional: bool,
+}
+
+/// The tools a call must (or may) be among, from a request's `tools` and `tool_choice`:
+/// `None` when the output is plain text (no tools, or `tool_choice: "none"`).
+pub fn tool_use(
     tools: Option<&[Value]>,
     choice: Option<&Value>,
-) -> Result<Option<Vec<Tool>>, ApiError> {
+) -> Result<Option<ToolUse>, ApiError> {
     let tools = match tools {
         None | Some([]) => {
             return match choice {
@@ -57,18 +65,18 @@ pub fn forced_tools(
         }
         parsed.push(tool);
     }
-    let auto = || {
-        ApiError::invalid(
-            "tool_choice \"auto\" (the default when tools are given) is not supported: moec holds a tool call to its schema with a grammar and cannot let the model choose between text and a call; send tool_choice \"required\", {\"type\": \"function\", \"function\": {\"name\": ...}} or \"none\"",
-            Some("tool_choice"),
-        )
+    let all = |optional| {
+        Ok(Some(ToolUse {
+            tools: parsed.clone(),
+            optional,
+        }))
     };
     match choice {
-        None => Err(auto()),
+        None => all(true),
         Some(Value::String(s)) => match s.as_str() {
             "none" => Ok(None),
-            "required" => Ok(Some(parsed)),
-            "auto" => Err(auto()),
+            "required" => all(false),
+            "auto" => all(true),
             other => Err(ApiError::invalid(
                 format!("tool_choice `{other}` is not one of \"none\", \"required\", \"auto\" or a function"),
                 Some("tool_choice"),
@@ -84,8 +92,11 @@ pub fn forced_tools(
                     ))
                 }
             };
-            match parsed.into_iter().find(|t| &t.name == name) {
-                Some(tool) => Ok(Some(vec![tool])),
+            match parsed.iter().find(|t| &t.name == name) {
+                Some(tool) => Ok(Some(ToolUse {
+                    tools: vec![tool.clone()],
+                    optional: false,
+                })),
                 None => Err(ApiError::invalid(
                     format!("tool_choice names the function `{name}`, which is not in tools"),
                     Some("tool_choice"),
@@ -153,6 +164,14 @@ pub fn call_schema(tools: &[Tool]) -> Value {
         [t] => one(t),
         _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
     }
+}
+
+/// `"auto"`'s grammar: a call (under [`call_schema`], compact JSON) or text whose first
+/// character is not `{` (so a reply that opens a JSON object is a call).
+pub fn auto_grammar(tools: &[Tool]) -> String {
+    let mut schema = call_schema(tools);
+    schema["x-guidance"] = json!({"whitespace_flexible": false});
+    format!("start: call | text\ncall: %json {schema}\ntext: /[^{{][\\s\\S]*/\n")
 }
 
 /// The system text that tells the model the tools and the shape of a call.
@@ -223,35 +242,34 @@ mod tests {
     #[test]
     fn tool_choice_picks_the_tools_a_call_may_name() {
         let tools = [tool("a"), tool("b")];
-        let all = forced_tools(Some(&tools), Some(&json!("required")))
+        let all = tool_use(Some(&tools), Some(&json!("required")))
             .unwrap()
             .unwrap();
-        assert_eq!(all.len(), 2);
-        let named = forced_tools(
+        assert_eq!((all.tools.len(), all.optional), (2, false));
+        let named = tool_use(
             Some(&tools),
             Some(&json!({"type": "function", "function": {"name": "b"}})),
         )
         .unwrap()
         .unwrap();
-        assert_eq!(named[0].name, "b");
-        assert_eq!(forced_tools(Some(&tools), Some(&json!("none"))), Ok(None));
-        assert_eq!(forced_tools(None, None), Ok(None));
+        assert_eq!((named.tools[0].name.as_str(), named.optional), ("b", false));
+        assert_eq!(tool_use(Some(&tools), Some(&json!("none"))), Ok(None));
+        assert_eq!(tool_use(None, None), Ok(None));
         for choice in [None, Some(json!("auto"))] {
-            let e = forced_tools(Some(&tools), choice.as_ref()).unwrap_err();
-            assert!(e.message.contains("\"required\""), "{}", e.message);
-            assert_eq!(e.param, Some("tool_choice"));
+            let auto = tool_use(Some(&tools), choice.as_ref()).unwrap().unwrap();
+            assert_eq!((auto.tools.len(), auto.optional), (2, true));
         }
-        let unknown = forced_tools(
+        let unknown = tool_use(
             Some(&tools),
             Some(&json!({"type": "function", "function": {"name": "c"}})),
         )
         .unwrap_err();
         assert!(unknown.message.contains("`c`"), "{}", unknown.message);
         let nameless = [json!({"type": "function", "function": {"parameters": {}}})];
-        let e = forced_tools(Some(&nameless), Some(&json!("required"))).unwrap_err();
+        let e = tool_use(Some(&nameless), Some(&json!("required"))).unwrap_err();
         assert_eq!(e.param, Some("tools"));
         let twice = [tool("a"), tool("a")];
-        assert!(forced_tools(Some(&twice), Some(&json!("required"))).is_err());
+        assert!(tool_use(Some(&twice), Some(&json!("required"))).is_err());
     }
 
     #[test]
