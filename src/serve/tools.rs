@@ -272,6 +272,64 @@ mod tests {
         assert!(tool_use(Some(&twice), Some(&json!("required"))).is_err());
     }
 
+    /// A matcher over a byte-level vocabulary (token b is byte b, 256 is the end).
+    fn matcher(grammar: llguidance::api::TopLevelGrammar) -> llguidance::Matcher {
+        use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+        let mut words: Vec<Vec<u8>> = (0..=254u8).map(|b| vec![b]).collect();
+        // 0xff opens a special token's name in toktrie's convention.
+        words.push(b"\xff<[255]>".to_vec());
+        words.push(b"\xff<eos>".to_vec());
+        let info = TokRxInfo::new(words.len() as u32, 256);
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = std::sync::Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = llguidance::ParserFactory::new_simple(&env).unwrap();
+        factory.quiet();
+        llguidance::Matcher::new(factory.create_parser(grammar))
+    }
+
+    fn accepts(grammar: llguidance::api::TopLevelGrammar, text: &str) -> bool {
+        let mut m = matcher(grammar);
+        let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+        m.consume_tokens(&tokens).is_ok() && m.is_accepting().unwrap_or(false)
+    }
+
+    /// `"auto"`'s grammar takes a whole call of a listed tool or text that does not
+    /// open with `{`, and nothing else; `"required"`'s takes only the call.
+    #[test]
+    fn auto_takes_a_call_or_text_and_required_only_a_call() {
+        use llguidance::api::TopLevelGrammar;
+        let weather = json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"], "additionalProperties": false}}});
+        let tools = tool_use(Some(&[weather]), Some(&json!("auto")))
+            .unwrap()
+            .unwrap()
+            .tools;
+        let auto = || TopLevelGrammar::from_lark(auto_grammar(&tools));
+        let required = || {
+            let mut schema = call_schema(&tools);
+            schema["x-guidance"] = json!({"whitespace_flexible": false});
+            TopLevelGrammar::from_json_schema(schema)
+        };
+        // The property order is the schema's; either order is a call.
+        let call = |name: &str| {
+            [
+                format!(r#"{{"name":"{name}","arguments":{{"city":"Paris"}}}}"#),
+                format!(r#"{{"arguments":{{"city":"Paris"}},"name":"{name}"}}"#),
+            ]
+        };
+        let takes = |g: &dyn Fn() -> TopLevelGrammar, texts: [String; 2]| {
+            texts.into_iter().any(|t| accepts(g(), &t))
+        };
+        assert!(takes(&auto, call("get_weather")));
+        assert!(takes(&required, call("get_weather")));
+        assert!(!takes(&auto, call("other")));
+        assert!(!takes(&required, call("other")));
+        assert!(accepts(auto(), "It is sunny in Paris."));
+        assert!(!accepts(required(), "It is sunny in Paris."));
+        assert!(!accepts(auto(), "{not a call}"));
+    }
+
     #[test]
     fn a_call_is_read_back_with_its_arguments_as_json_text() {
         let call = call_of(r#"{"arguments":{"x":1},"name":"f"}"#, "call_1").unwrap();
