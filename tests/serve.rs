@@ -1800,7 +1800,7 @@ client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
 d = json.loads(sys.argv[2])
 out = []
 for i, choice in enumerate(d["choices"]):
-    name, args, ids, finish, content = None, "", [], None, None
+    name, args, ids, finish, content, pieces = None, "", [], None, None, 0
     for ch in client.chat.completions.create(model="m", messages=d["messages"], tools=d["tools"],
             tool_choice=choice, max_tokens=128, temperature=0 if i < 2 else 1, seed=i, stream=True):
         if not ch.choices:
@@ -1815,9 +1815,10 @@ for i, choice in enumerate(d["choices"]):
                 name = tc.function.name
             if tc.function and tc.function.arguments:
                 args += tc.function.arguments
+                pieces += 1
         if c.finish_reason:
             finish = c.finish_reason
-    out.append({"name": name, "arguments": args, "ids": ids, "finish": finish, "content": content})
+    out.append({"name": name, "arguments": args, "ids": ids, "finish": finish, "content": content, "pieces": pieces})
 r = client.chat.completions.create(model="m", messages=d["messages"], tools=d["tools"],
         tool_choice="required", max_tokens=128, temperature=0)
 m = r.choices[0].message
@@ -1860,6 +1861,10 @@ print(json.dumps(out))
             let ids = call["ids"].as_array().unwrap();
             assert_eq!(ids.len(), 1, "one id per call: {call}");
             assert!(ids[0].as_str().unwrap().starts_with("call_"), "{call}");
+            if i < 4 {
+                // The arguments stream as they are written, not in one piece at the end.
+                assert!(call["pieces"].as_u64().unwrap() > 1, "{call}");
+            }
             let must = (i % 2 == 1 && i < 4).then_some("add");
             calls.push((
                 call["name"].as_str().unwrap().to_string(),

@@ -942,10 +942,12 @@ async fn whole_response(
 /// a usage chunk if asked for, then `data: [DONE]`. Dropping the body (the client went
 /// away) drops the receiver, which cancels the sequence.
 ///
-/// A tool call (an output that opens with `{` when tools are in use) is held back until it is whole (its name is only known then, and OpenAI's
-/// first tool-call delta carries the name), then sent as OpenAI does: a delta with the
-/// call's id, type and name and empty arguments, a delta with the arguments, and a last
-/// chunk with finish reason `tool_calls`.
+/// A tool call (an output that opens with `{` when tools are in use) is sent as OpenAI
+/// does: a delta with the call's id, type and name and empty arguments, deltas with the
+/// arguments' text, and a last chunk with finish reason `tool_calls`. The first delta goes
+/// once the name is known: as soon as `{"name":"N","arguments":` is written (the grammar's
+/// order), then the arguments stream as they come, less the last character (it may be
+/// the call's closing brace); were the name written last, once the call is whole.
 fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Response {
     struct St {
         meta: Meta,
@@ -957,6 +959,15 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
         held: String,
         /// `tool_choice: "auto"` wrote text, not a call.
         text_chosen: bool,
+        /// A tool call's whole text.
+        whole: String,
+        /// The call's first delta (id and name) has been sent.
+        opened: bool,
+    }
+    fn delta_event(meta: &Meta, delta: Value) -> String {
+        let mut chunk = meta.chunk(None, None, false);
+        chunk["choices"][0]["delta"] = delta;
+        format!("data: {chunk}\n\n")
     }
     let event = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
     let state = St {
@@ -967,6 +978,8 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
         done: false,
         held: String::new(),
         text_chosen: false,
+        whole: String::new(),
+        opened: false,
     };
     let stream = futures_util::stream::unfold(state, move |mut st| async move {
         if st.done {
@@ -976,14 +989,39 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
             Some(p) => Some(p),
             None => st.rx.recv().await,
         };
-        if st.meta.tool_call_id.is_some() && !st.text_chosen {
+        if let Some(id) = st.meta.tool_call_id.clone().filter(|_| !st.text_chosen) {
+            let mut out = String::new();
             while let Some(Piece::Text(t)) = &piece {
                 st.held.push_str(t);
-                if !st.held.is_empty() && !st.held.starts_with('{') {
+                st.whole.push_str(t);
+                if !st.opened && !st.held.is_empty() && !st.held.starts_with('{') {
                     // `"auto"` chose text (a call opens with `{`): it streams from here.
                     st.text_chosen = true;
+                    st.whole.clear();
                     piece = Some(Piece::Text(std::mem::take(&mut st.held)));
                     break;
+                }
+                if !st.opened {
+                    if let Some((name, arguments)) = tools::call_head(&st.held) {
+                        let opening = json!({"role": "assistant", "content": null, "tool_calls": [{
+                            "index": 0, "id": id, "type": "function",
+                            "function": {"name": name, "arguments": ""},
+                        }]});
+                        st.held = arguments.to_string();
+                        out.push_str(&delta_event(&st.meta, opening));
+                        st.first_chunk = false;
+                        st.opened = true;
+                    }
+                }
+                if st.opened {
+                    if let Some((cut, _)) = st.held.char_indices().last().filter(|(c, _)| *c > 0) {
+                        let fragment: String = st.held.drain(..cut).collect();
+                        let delta = json!({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]});
+                        out.push_str(&delta_event(&st.meta, delta));
+                    }
+                }
+                if !out.is_empty() {
+                    return Some((Ok(Bytes::from(out)), st));
                 }
                 piece = st.rx.recv().await;
             }
@@ -999,11 +1037,31 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
                 st.done = true;
                 let mut out = String::new();
                 let mut finish = finish_reason(&reason);
-                if let Some(id) = st.meta.tool_call_id.clone() {
+                if let Some(id) = st.meta.tool_call_id.clone().filter(|_| !st.text_chosen) {
                     let held = std::mem::take(&mut st.held);
-                    let call = tools::call_of(&held, &id);
+                    let call = tools::call_of(&st.whole, &id);
+                    let failed =
+                        matches!(reason, FinishReason::Failed(_) | FinishReason::Refused(_));
                     let deltas = match (&reason, call) {
-                        (FinishReason::Failed(_) | FinishReason::Refused(_), _) => vec![],
+                        _ if failed => vec![],
+                        // The head went out: the rest of the arguments, less the call's
+                        // closing brace if it is whole.
+                        (_, call) if st.opened => {
+                            let rest = match call {
+                                Some(_) => {
+                                    finish = "tool_calls";
+                                    held.strip_suffix('}').unwrap_or(&held).to_string()
+                                }
+                                None => held,
+                            };
+                            if rest.is_empty() {
+                                vec![]
+                            } else {
+                                vec![
+                                    json!({"tool_calls": [{"index": 0, "function": {"arguments": rest}}]}),
+                                ]
+                            }
+                        }
                         (_, Some(call)) => {
                             finish = "tool_calls";
                             let opening = json!({"role": "assistant", "content": null, "tool_calls": [{
@@ -1020,9 +1078,7 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
                         (_, None) => vec![json!({"role": "assistant", "content": held})],
                     };
                     for delta in deltas {
-                        let mut chunk = st.meta.chunk(None, None, false);
-                        chunk["choices"][0]["delta"] = delta;
-                        out.push_str(&format!("data: {chunk}\n\n"));
+                        out.push_str(&delta_event(&st.meta, delta));
                         st.first_chunk = false;
                     }
                 }

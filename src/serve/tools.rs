@@ -218,6 +218,17 @@ pub fn history_text(calls: &[Value], message: usize) -> Result<String, ApiError>
     Ok(lines.join("\n"))
 }
 
+/// A call's head as the grammar writes it with the name first (`{"name":"N","arguments":`):
+/// the name and the text after the head (the arguments so far). `None` until the head is
+/// whole, or when the text does not open that way (then the call is sent once whole).
+pub fn call_head(text: &str) -> Option<(&str, &str)> {
+    let rest = text.strip_prefix("{\"name\":\"")?;
+    // Names are [A-Za-z0-9_-]: no escaped quote can end one early.
+    let end = rest.find('"')?;
+    let arguments = rest[end..].strip_prefix("\",\"arguments\":")?;
+    Some((&rest[..end], arguments))
+}
+
 /// The call a completion's text holds, as a `tool_calls` entry with id `id`; `None` when
 /// the text is not a whole call (`max_tokens` cut it).
 pub fn call_of(text: &str, id: &str) -> Option<Value> {
@@ -337,6 +348,12 @@ mod tests {
         assert_eq!(call["function"]["arguments"], r#"{"x":1}"#);
         assert_eq!(call["id"], "call_1");
         assert_eq!(call_of(r#"{"arguments":{"x":"#, "call_1"), None);
+        assert_eq!(
+            call_head(r#"{"name":"f","arguments":{"x""#),
+            Some(("f", r#"{"x""#))
+        );
+        assert_eq!(call_head(r#"{"name":"f","argu"#), None);
+        assert_eq!(call_head(r#"{"arguments":{},"name":"f"}"#), None);
         let history = history_text(
             &[json!({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}})],
             2,
