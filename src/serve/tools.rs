@@ -65,6 +65,7 @@ pub fn tool_use(
         }
         parsed.push(tool);
     }
+    shared_definitions(&parsed).map_err(|why| ApiError::invalid(why, Some("tools")))?;
     let all = |optional| {
         Ok(Some(ToolUse {
             tools: parsed.clone(),
@@ -138,7 +139,9 @@ fn parse_tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
     };
     let parameters = match f.get("parameters") {
         // OpenAI's meaning of no parameters: a function that takes none.
-        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+        None | Some(Value::Null) => {
+            json!({"type": "object", "properties": {}, "additionalProperties": false})
+        }
         Some(p @ Value::Object(_)) => p.clone(),
         Some(_) => return Err(bad("`function.parameters` must be a JSON schema object")),
     };
@@ -149,9 +152,60 @@ fn parse_tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
     })
 }
 
+/// Where a parameters schema keeps the schemas its `$ref`s name (`#/$defs/X`,
+/// `#/definitions/X`).
+const DEFINITIONS: [&str; 2] = ["$defs", "definitions"];
+
+/// The tools' `$defs` and `definitions` merged, for the call schema's root: a `$ref` is
+/// resolved from the root of the schema it is in, and a tool's parameters sit inside the
+/// call schema. The same name defined differently by two tools is an error.
+fn shared_definitions(tools: &[Tool]) -> Result<serde_json::Map<String, Value>, String> {
+    let mut root = serde_json::Map::new();
+    for key in DEFINITIONS {
+        let mut merged = serde_json::Map::new();
+        for t in tools {
+            let Some(defs) = t.parameters.get(key) else {
+                continue;
+            };
+            let Some(defs) = defs.as_object() else {
+                return Err(format!(
+                    "the parameters of `{}`: `{key}` must be an object",
+                    t.name
+                ));
+            };
+            for (name, schema) in defs {
+                match merged.get(name) {
+                    Some(other) if other != schema => {
+                        return Err(format!(
+                            "`{key}/{name}` is defined differently by two tools' parameters (`{}` and another); the tools of one request share one namespace of definitions",
+                            t.name
+                        ))
+                    }
+                    _ => {
+                        merged.insert(name.clone(), schema.clone());
+                    }
+                }
+            }
+        }
+        if !merged.is_empty() {
+            root.insert(key.to_string(), Value::Object(merged));
+        }
+    }
+    Ok(root)
+}
+
 /// The schema a call's text must satisfy: `{"name": N, "arguments": A}` with A valid
-/// under N's parameters, for one of `tools`.
+/// under N's parameters, for one of `tools`, with the tools' definitions at its root.
 pub fn call_schema(tools: &[Tool]) -> Value {
+    let mut schema = call_alternatives(tools);
+    // `tool_use` has refused conflicting definitions, so this is every tool's.
+    if let (Ok(defs), Some(root)) = (shared_definitions(tools), schema.as_object_mut()) {
+        root.extend(defs);
+    }
+    schema
+}
+
+fn call_alternatives(tools: &[Tool]) -> Value {
     let one = |t: &Tool| {
         json!({
             "type": "object",
@@ -339,6 +393,33 @@ mod tests {
         assert!(accepts(auto(), "It is sunny in Paris."));
         assert!(!accepts(required(), "It is sunny in Paris."));
         assert!(!accepts(auto(), "{not a call}"));
+
+        // A `$ref` into the tool's own `$defs` resolves inside the call schema.
+        let counted = json!({"type": "function", "function": {"name": "count", "parameters": {
+            "type": "object", "$defs": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "properties": {"n": {"$ref": "#/$defs/digit"}},
+            "required": ["n"], "additionalProperties": false}}});
+        let tools = tool_use(
+            Some(std::slice::from_ref(&counted)),
+            Some(&json!("required")),
+        )
+        .unwrap()
+        .unwrap()
+        .tools;
+        let with_ref = || TopLevelGrammar::from_json_schema(call_schema(&tools));
+        let digit = |n: &str| {
+            [
+                format!(r#"{{"name":"count","arguments":{{"n":{n}}}}}"#),
+                format!(r#"{{"arguments":{{"n":{n}}},"name":"count"}}"#),
+            ]
+        };
+        assert!(takes(&with_ref, digit("7")));
+        assert!(!takes(&with_ref, digit("12")));
+        let mut clash = counted.clone();
+        clash["function"]["name"] = json!("other");
+        clash["function"]["parameters"]["$defs"]["digit"]["maximum"] = json!(5);
+        let e = tool_use(Some(&[counted, clash]), Some(&json!("required"))).unwrap_err();
+        assert!(e.message.contains("$defs/digit"), "{}", e.message);
     }
 
     #[test]
