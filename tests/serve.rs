@@ -1673,3 +1673,385 @@ fn response_format_json_schema_holds_every_output_to_the_schema() {
     );
     assert_eq!(missing.status, 400, "{}", missing.body);
 }
+
+/// Tool calls: with `tool_choice` `"required"` or a named function, every call (greedy
+/// and sampled, whole and streamed through the real `openai` client) names a listed tool
+/// (the named one when named) and its arguments parse and hold to that tool's parameters
+/// schema (field by field, and by Python's `jsonschema` where installed); a history with
+/// an assistant's `tool_calls` and a `tool` message renders; `"none"` is plain text;
+/// `"auto"` (explicit or by default) is such a call or text that does not open with `{`;
+/// a tool without a name, a parameters schema llguidance refuses and a named function
+/// not in `tools` are 400s in OpenAI's shape.
+#[test]
+fn tool_calls_name_a_listed_tool_with_arguments_valid_under_its_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let weights = dir.path().join("tiny");
+    let synth = moec()
+        .args([
+            "synth",
+            "--model",
+            "mixtral-tiny",
+            "--out",
+            weights.to_str().unwrap(),
+        ])
+        .output()
+        .expect("moec synth");
+    assert!(
+        synth.status.success(),
+        "{}",
+        String::from_utf8_lossy(&synth.stderr)
+    );
+    std::fs::write(
+        weights.join("tokenizer_config.json"),
+        serde_json::json!({
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'].strip() }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let server = serve(
+        "schedules/baselines/resident.sched",
+        &[
+            "--weights",
+            weights.to_str().unwrap(),
+            "--max-batch",
+            "4",
+            "--max-prompt",
+            "512",
+            "--max-tokens",
+            "128",
+        ],
+    );
+    let addr = server.addr;
+    let weather = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "unit": {"enum": ["c", "f"]}
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": false
+    });
+    let add = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99}
+        },
+        "required": ["a", "b"],
+        "additionalProperties": false
+    });
+    let tools = serde_json::json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": weather}},
+        {"type": "function", "function": {"name": "add", "description": "Adds two numbers.", "parameters": add}}
+    ]);
+    let named_add = serde_json::json!({"type": "function", "function": {"name": "add"}});
+    let user = serde_json::json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    // (name, arguments, the name it had to be if one)
+    let mut calls: Vec<(String, String, Option<&str>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8u64)
+            .map(|i| {
+                let (tools, named_add, user) = (&tools, &named_add, &user);
+                s.spawn(move || {
+                    let temperature = if i < 4 { 0.0 } else { 1.0 };
+                    let (choice, must) = if i % 2 == 0 {
+                        (serde_json::json!("required"), None)
+                    } else {
+                        (named_add.clone(), Some("add"))
+                    };
+                    let body = serde_json::json!({
+                        "messages": user, "tools": tools, "tool_choice": choice,
+                        "max_tokens": 128, "temperature": temperature, "seed": i,
+                    });
+                    let reply = post(addr, "/v1/chat/completions", &body, None);
+                    assert_eq!(reply.status, 200, "{}", reply.body);
+                    let doc = reply.json();
+                    let choice = &doc["choices"][0];
+                    assert_eq!(choice["finish_reason"], "tool_calls", "{}", reply.body);
+                    assert!(choice["message"]["content"].is_null(), "{}", reply.body);
+                    let list = choice["message"]["tool_calls"].as_array().unwrap();
+                    assert_eq!(list.len(), 1, "{}", reply.body);
+                    let call = &list[0];
+                    assert!(
+                        call["id"]
+                            .as_str()
+                            .is_some_and(|id| id.starts_with("call_")),
+                        "{}",
+                        reply.body
+                    );
+                    assert_eq!(call["type"], "function", "{}", reply.body);
+                    (
+                        call["function"]["name"].as_str().unwrap().to_string(),
+                        call["function"]["arguments"].as_str().unwrap().to_string(),
+                        must,
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    // Streamed (and one whole) through the real client, which assembles the deltas.
+    if let Some(pythonpath) = openai_python() {
+        let script = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+d = json.loads(sys.argv[2])
+out = []
+for i, choice in enumerate(d["choices"]):
+    name, args, ids, finish, content, pieces = None, "", [], None, None, 0
+    for ch in client.chat.completions.create(model="m", messages=d["messages"], tools=d["tools"],
+            tool_choice=choice, max_tokens=128, temperature=0 if i < 2 else 1, seed=i, stream=True):
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        if c.delta.content:
+            content = (content or "") + c.delta.content
+        for tc in c.delta.tool_calls or []:
+            if tc.id:
+                ids.append(tc.id)
+            if tc.function and tc.function.name:
+                name = tc.function.name
+            if tc.function and tc.function.arguments:
+                args += tc.function.arguments
+                pieces += 1
+        if c.finish_reason:
+            finish = c.finish_reason
+    out.append({"name": name, "arguments": args, "ids": ids, "finish": finish, "content": content, "pieces": pieces})
+r = client.chat.completions.create(model="m", messages=d["messages"], tools=d["tools"],
+        tool_choice="required", max_tokens=128, temperature=0)
+m = r.choices[0].message
+out.append({"name": m.tool_calls[0].function.name, "arguments": m.tool_calls[0].function.arguments,
+            "ids": [m.tool_calls[0].id], "finish": r.choices[0].finish_reason, "content": m.content})
+print(json.dumps(out))
+"#;
+        let input = serde_json::json!({
+            "messages": user, "tools": tools,
+            "choices": ["required", named_add, "required", named_add, "auto"],
+        });
+        let mut python = Command::new("python3");
+        python.args([
+            "-c",
+            script,
+            &format!("http://{addr}/v1"),
+            &input.to_string(),
+        ]);
+        if let Some(p) = &pythonpath {
+            python.env("PYTHONPATH", p);
+        }
+        let out = python.output().expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value =
+            serde_json::from_slice(&out.stdout).expect("the script's JSON");
+        for (i, call) in got.as_array().unwrap().iter().enumerate() {
+            if i == 4 && call["finish"] != "tool_calls" {
+                // "auto" streamed text: no call, and text a call would not be.
+                let text = call["content"].as_str().unwrap_or("");
+                assert!(!text.starts_with('{'), "{call}");
+                assert!(call["ids"].as_array().unwrap().is_empty(), "{call}");
+                continue;
+            }
+            assert_eq!(call["finish"], "tool_calls", "{call}");
+            assert!(call["content"].is_null(), "{call}");
+            let ids = call["ids"].as_array().unwrap();
+            assert_eq!(ids.len(), 1, "one id per call: {call}");
+            assert!(ids[0].as_str().unwrap().starts_with("call_"), "{call}");
+            if i < 4 {
+                // The arguments stream as they are written, not in one piece at the end.
+                assert!(call["pieces"].as_u64().unwrap() > 1, "{call}");
+            }
+            let must = (i % 2 == 1 && i < 4).then_some("add");
+            calls.push((
+                call["name"].as_str().unwrap().to_string(),
+                call["arguments"].as_str().unwrap().to_string(),
+                must,
+            ));
+        }
+    }
+
+    // "auto", explicit and by default: a call (checked with the others below), or text
+    // that does not open with `{`, or a call `max_tokens` cut (its text, `length`).
+    let mut auto = [0usize; 3];
+    for i in 0..6u64 {
+        let mut body = serde_json::json!({
+            "messages": user, "tools": tools, "max_tokens": 128,
+            "temperature": if i < 2 { 0.0 } else { 1.0 }, "seed": i,
+        });
+        if i % 2 == 0 {
+            body["tool_choice"] = serde_json::json!("auto");
+        }
+        let reply = post(addr, "/v1/chat/completions", &body, None);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let doc = reply.json();
+        let choice = &doc["choices"][0];
+        let message = &choice["message"];
+        if choice["finish_reason"] == "tool_calls" {
+            let call = &message["tool_calls"][0];
+            assert!(message["content"].is_null(), "{}", reply.body);
+            calls.push((
+                call["function"]["name"].as_str().unwrap().to_string(),
+                call["function"]["arguments"].as_str().unwrap().to_string(),
+                None,
+            ));
+            auto[0] += 1;
+        } else {
+            assert!(message["tool_calls"].is_null(), "{}", reply.body);
+            let text = message["content"].as_str().unwrap();
+            if text.starts_with('{') {
+                assert_eq!(choice["finish_reason"], "length", "{}", reply.body);
+                auto[2] += 1;
+            } else {
+                auto[1] += 1;
+            }
+        }
+    }
+    eprintln!(
+        "tool_choice auto: {} calls, {} texts, {} calls cut by max_tokens",
+        auto[0], auto[1], auto[2]
+    );
+
+    let mut checked = Vec::new();
+    for (name, arguments, must) in &calls {
+        if let Some(must) = must {
+            assert_eq!(name, must);
+        }
+        let args: serde_json::Value =
+            serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{e}: {arguments:?}"));
+        let o = args.as_object().unwrap();
+        match name.as_str() {
+            "get_weather" => {
+                assert_eq!(o.len(), 2, "{arguments}");
+                assert!(
+                    o["city"].as_str().is_some_and(|c| c.chars().count() <= 8),
+                    "{arguments}"
+                );
+                assert!(
+                    ["c", "f"].contains(&o["unit"].as_str().unwrap_or("")),
+                    "{arguments}"
+                );
+                checked.push(serde_json::json!({"schema": weather, "arguments": args}));
+            }
+            "add" => {
+                assert_eq!(o.len(), 2, "{arguments}");
+                assert!(o["a"].as_u64().is_some_and(|a| a <= 99), "{arguments}");
+                assert!(o["b"].as_u64().is_some_and(|b| b <= 99), "{arguments}");
+                checked.push(serde_json::json!({"schema": add, "arguments": args}));
+            }
+            other => panic!("a call of `{other}`, which is not a listed tool"),
+        }
+    }
+    let python = std::env::var("MOEC_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_jsonschema = Command::new(&python)
+        .args(["-c", "import jsonschema"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if has_jsonschema {
+        let check = "import json, sys, jsonschema\nd = json.load(sys.stdin)\nfor c in d:\n    jsonschema.validate(c['arguments'], c['schema'])\nprint(len(d))";
+        let mut child = Command::new(&python)
+            .args(["-c", check])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let input = serde_json::Value::Array(checked.clone()).to_string();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "jsonschema refused a call's arguments"
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            checked.len().to_string()
+        );
+    } else {
+        eprintln!("no `jsonschema` for {python}: validated field by field only");
+    }
+
+    // A history with an earlier call and its result renders; "none" is plain text.
+    let history = serde_json::json!([
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_9", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "5"}
+    ]);
+    for choice in [serde_json::json!("required"), serde_json::json!("none")] {
+        let body = serde_json::json!({"messages": history, "tools": tools, "tool_choice": choice, "max_tokens": 8, "temperature": 0});
+        let reply = post(addr, "/v1/chat/completions", &body, None);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        if choice == "none" {
+            let doc = reply.json();
+            assert!(
+                doc["choices"][0]["message"]["content"].is_string(),
+                "{}",
+                reply.body
+            );
+            assert!(
+                doc["choices"][0]["message"]["tool_calls"].is_null(),
+                "{}",
+                reply.body
+            );
+        }
+    }
+
+    let bad = |body: serde_json::Value, param: &str| {
+        let reply = post(addr, "/v1/chat/completions", &body, None);
+        assert_eq!(reply.status, 400, "{body}: {}", reply.body);
+        let doc = reply.json();
+        assert_eq!(
+            doc["error"]["type"], "invalid_request_error",
+            "{}",
+            reply.body
+        );
+        assert_eq!(doc["error"]["param"], param, "{}", reply.body);
+        doc["error"]["message"].as_str().unwrap().to_string()
+    };
+    bad(
+        serde_json::json!({"messages": user, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"parameters": weather}}]}),
+        "tools",
+    );
+    bad(
+        serde_json::json!({"messages": user, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}]}),
+        "tools",
+    );
+    let unknown = bad(
+        serde_json::json!({"messages": user, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+        "tool_choice",
+    );
+    assert!(unknown.contains("nope"), "{unknown}");
+    bad(
+        serde_json::json!({"messages": user, "tools": tools, "tool_choice": "sometimes"}),
+        "tool_choice",
+    );
+    bad(
+        serde_json::json!({"messages": user, "tool_choice": "required"}),
+        "tool_choice",
+    );
+    bad(
+        serde_json::json!({"messages": user, "tools": tools, "tool_choice": "required",
+            "response_format": {"type": "json_object"}}),
+        "response_format",
+    );
+    // The server still serves after every refusal.
+    let ok = post(
+        addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": user, "tools": tools, "tool_choice": named_add, "max_tokens": 128, "temperature": 0}),
+        None,
+    );
+    assert_eq!(ok.status, 200, "{}", ok.body);
+}

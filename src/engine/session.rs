@@ -129,6 +129,9 @@ pub enum ResponseFormat {
     JsonObject,
     /// JSON valid under this schema.
     JsonSchema(serde_json::Value),
+    /// Text of this llguidance Lark grammar (`moec serve`'s `tool_choice: "auto"`: plain
+    /// text or a call).
+    Lark(String),
 }
 
 /// Why a completion ended.
@@ -492,6 +495,7 @@ impl Session {
         let mut schema = match format {
             ResponseFormat::JsonObject => serde_json::json!({"type": "object"}),
             ResponseFormat::JsonSchema(schema) => schema.clone(),
+            ResponseFormat::Lark(_) => serde_json::Value::Null,
         };
         // Compact JSON unless the schema says otherwise: with free whitespace between
         // tokens a weak model can fill its whole `max_tokens` with blanks.
@@ -500,7 +504,10 @@ impl Session {
                 .entry("x-guidance")
                 .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
         }
-        let grammar = llguidance::api::TopLevelGrammar::from_json_schema(schema);
+        let grammar = match format {
+            ResponseFormat::Lark(lark) => llguidance::api::TopLevelGrammar::from_lark(lark.clone()),
+            _ => llguidance::api::TopLevelGrammar::from_json_schema(schema),
+        };
         let parser = factory.create_parser(grammar).map_err(|e| {
             SubmitRefusal::Invalid(format!("response_format: the schema is not usable: {e}"))
         })?;

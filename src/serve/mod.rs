@@ -14,6 +14,7 @@
 //! which cancels its sequence before the session's next step.
 
 pub mod openai;
+pub mod tools;
 
 use crate::engine::session::{
     Completion, FinishReason, Histogram, Piece, ResponseFormat, Session, SubmitRefusal,
@@ -599,8 +600,20 @@ fn completion(
 async fn start(
     shared: &Shared,
     completion: Completion,
+    tool_call: bool,
 ) -> Result<(UnboundedReceiver<Piece>, Piece), ApiError> {
     let mut rx = shared.session.submit(completion).map_err(|e| match e {
+        // A tool call's grammar is the session's `response_format` path: its refusal is
+        // about the tools' parameters schemas.
+        SubmitRefusal::Invalid(m) if tool_call && m.starts_with("response_format") => {
+            ApiError::invalid(
+                format!(
+                    "tools: a parameters schema is not usable{}",
+                    m.split_once(" not usable").map_or("", |(_, rest)| rest)
+                ),
+                Some("tools"),
+            )
+        }
         SubmitRefusal::Invalid(m) if m.starts_with("response_format") => {
             ApiError::invalid(m, Some("response_format"))
         }
@@ -665,6 +678,7 @@ async fn completions(
         c,
         prompt_tokens,
         &request.sampling,
+        false,
     )
     .await
 }
@@ -678,9 +692,50 @@ async fn chat_completions(
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages is empty", Some("messages")));
     }
-    let mut messages = Vec::with_capacity(request.messages.len());
-    for m in request.messages {
-        messages.push((m.role, m.content.text()?));
+    let tool_use = tools::tool_use(request.tools.as_deref(), request.tool_choice.as_ref())?;
+    if tool_use.is_some()
+        && !matches!(
+            request.sampling.response_format,
+            None | Some(openai::ResponseFormat::Text)
+        )
+    {
+        return Err(ApiError::invalid(
+            "response_format and a tool call cannot both shape one output",
+            Some("response_format"),
+        ));
+    }
+    let mut messages = Vec::with_capacity(request.messages.len() + 1);
+    for (i, m) in request.messages.into_iter().enumerate() {
+        let mut text = match m.content {
+            Some(c) => c.text()?,
+            None if m.tool_calls.is_some() => String::new(),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}] has no content"),
+                    Some("messages"),
+                ))
+            }
+        };
+        if let Some(calls) = &m.tool_calls {
+            let calls = tools::history_text(calls, i)?;
+            if !text.is_empty() && !calls.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(&calls);
+        }
+        messages.push((m.role, text));
+    }
+    // The tools go to the model as system text, merged into a leading system message
+    // so templates that take one system message still render.
+    if let Some(tool_use) = &tool_use {
+        let about = tools::system_text(&tool_use.tools);
+        match messages.first_mut() {
+            Some((role, text)) if role == "system" => {
+                text.push_str("\n\n");
+                text.push_str(&about);
+            }
+            _ => messages.insert(0, ("system".to_string(), about)),
+        }
     }
     let text = shared
         .session
@@ -692,8 +747,23 @@ async fn chat_completions(
         .map_err(|e| ApiError::invalid(e, Some("messages")))?;
     let prompt_tokens = ids.len();
     let max = shared.session.info().max_tokens;
-    let c = completion(&shared, ids, &request.sampling, max)?;
-    respond(&shared, Kind::Chat, c, prompt_tokens, &request.sampling).await
+    let mut c = completion(&shared, ids, &request.sampling, max)?;
+    if let Some(t) = &tool_use {
+        c.format = Some(if t.optional {
+            ResponseFormat::Lark(tools::auto_grammar(&t.tools))
+        } else {
+            ResponseFormat::JsonSchema(tools::call_schema(&t.tools))
+        });
+    }
+    respond(
+        &shared,
+        Kind::Chat,
+        c,
+        prompt_tokens,
+        &request.sampling,
+        tool_use.is_some(),
+    )
+    .await
 }
 
 fn finish_reason(reason: &FinishReason) -> &'static str {
@@ -712,6 +782,7 @@ async fn respond(
     c: Completion,
     prompt_tokens: usize,
     s: &openai::Sampling,
+    tool_call: bool,
 ) -> Result<Response, ApiError> {
     let id_number = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
@@ -726,8 +797,9 @@ async fn respond(
         .model
         .clone()
         .unwrap_or_else(|| shared.session.info().model.clone());
-    let (rx, first) = start(shared, c).await?;
+    let (rx, first) = start(shared, c, tool_call).await?;
     let meta = Meta {
+        tool_call_id: tool_call.then(|| format!("call_{id_number}")),
         kind,
         id,
         created,
@@ -744,6 +816,8 @@ async fn respond(
 
 /// What every chunk of one response repeats.
 struct Meta {
+    /// The id of the tool call the output is held to, if it is one.
+    tool_call_id: Option<String>,
     kind: Kind,
     id: String,
     created: u64,
@@ -820,10 +894,21 @@ async fn whole_response(
                     _ => {}
                 }
                 let finish = finish_reason(&reason);
+                let call = meta
+                    .tool_call_id
+                    .as_deref()
+                    .and_then(|id| tools::call_of(&text, id));
                 let choice = match meta.kind {
                     Kind::Completion => {
                         json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
                     }
+                    Kind::Chat if call.is_some() => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": null, "tool_calls": [call]},
+                        "logprobs": null,
+                        "finish_reason": "tool_calls",
+                    }),
+                    // A call cut by max_tokens is not a call: its text, with `length`.
                     Kind::Chat => json!({
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
@@ -856,6 +941,13 @@ async fn whole_response(
 /// Server-sent events: one chunk per text piece, a last chunk with the finish reason,
 /// a usage chunk if asked for, then `data: [DONE]`. Dropping the body (the client went
 /// away) drops the receiver, which cancels the sequence.
+///
+/// A tool call (an output that opens with `{` when tools are in use) is sent as OpenAI
+/// does: a delta with the call's id, type and name and empty arguments, deltas with the
+/// arguments' text, and a last chunk with finish reason `tool_calls`. The first delta goes
+/// once the name is known: as soon as `{"name":"N","arguments":` is written (the grammar's
+/// order), then the arguments stream as they come, less the last character (it may be
+/// the call's closing brace); were the name written last, once the call is whole.
 fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Response {
     struct St {
         meta: Meta,
@@ -863,6 +955,19 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
         pending: Option<Piece>,
         first_chunk: bool,
         done: bool,
+        /// A tool call's text so far.
+        held: String,
+        /// `tool_choice: "auto"` wrote text, not a call.
+        text_chosen: bool,
+        /// A tool call's whole text.
+        whole: String,
+        /// The call's first delta (id and name) has been sent.
+        opened: bool,
+    }
+    fn delta_event(meta: &Meta, delta: Value) -> String {
+        let mut chunk = meta.chunk(None, None, false);
+        chunk["choices"][0]["delta"] = delta;
+        format!("data: {chunk}\n\n")
     }
     let event = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
     let state = St {
@@ -871,15 +976,56 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
         pending: Some(first),
         first_chunk: true,
         done: false,
+        held: String::new(),
+        text_chosen: false,
+        whole: String::new(),
+        opened: false,
     };
     let stream = futures_util::stream::unfold(state, move |mut st| async move {
         if st.done {
             return None;
         }
-        let piece = match st.pending.take() {
+        let mut piece = match st.pending.take() {
             Some(p) => Some(p),
             None => st.rx.recv().await,
         };
+        if let Some(id) = st.meta.tool_call_id.clone().filter(|_| !st.text_chosen) {
+            let mut out = String::new();
+            while let Some(Piece::Text(t)) = &piece {
+                st.held.push_str(t);
+                st.whole.push_str(t);
+                if !st.opened && !st.held.is_empty() && !st.held.starts_with('{') {
+                    // `"auto"` chose text (a call opens with `{`): it streams from here.
+                    st.text_chosen = true;
+                    st.whole.clear();
+                    piece = Some(Piece::Text(std::mem::take(&mut st.held)));
+                    break;
+                }
+                if !st.opened {
+                    if let Some((name, arguments)) = tools::call_head(&st.held) {
+                        let opening = json!({"role": "assistant", "content": null, "tool_calls": [{
+                            "index": 0, "id": id, "type": "function",
+                            "function": {"name": name, "arguments": ""},
+                        }]});
+                        st.held = arguments.to_string();
+                        out.push_str(&delta_event(&st.meta, opening));
+                        st.first_chunk = false;
+                        st.opened = true;
+                    }
+                }
+                if st.opened {
+                    if let Some((cut, _)) = st.held.char_indices().last().filter(|(c, _)| *c > 0) {
+                        let fragment: String = st.held.drain(..cut).collect();
+                        let delta = json!({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]});
+                        out.push_str(&delta_event(&st.meta, delta));
+                    }
+                }
+                if !out.is_empty() {
+                    return Some((Ok(Bytes::from(out)), st));
+                }
+                piece = st.rx.recv().await;
+            }
+        }
         let bytes = match piece {
             Some(Piece::Text(t)) => {
                 let chunk = st.meta.chunk(Some(&t), None, st.first_chunk);
@@ -890,6 +1036,52 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
                 let completion_tokens = token_ids.len();
                 st.done = true;
                 let mut out = String::new();
+                let mut finish = finish_reason(&reason);
+                if let Some(id) = st.meta.tool_call_id.clone().filter(|_| !st.text_chosen) {
+                    let held = std::mem::take(&mut st.held);
+                    let call = tools::call_of(&st.whole, &id);
+                    let failed =
+                        matches!(reason, FinishReason::Failed(_) | FinishReason::Refused(_));
+                    let deltas = match (&reason, call) {
+                        _ if failed => vec![],
+                        // The head went out: the rest of the arguments, less the call's
+                        // closing brace if it is whole.
+                        (_, call) if st.opened => {
+                            let rest = match call {
+                                Some(_) => {
+                                    finish = "tool_calls";
+                                    held.strip_suffix('}').unwrap_or(&held).to_string()
+                                }
+                                None => held,
+                            };
+                            if rest.is_empty() {
+                                vec![]
+                            } else {
+                                vec![
+                                    json!({"tool_calls": [{"index": 0, "function": {"arguments": rest}}]}),
+                                ]
+                            }
+                        }
+                        (_, Some(call)) => {
+                            finish = "tool_calls";
+                            let opening = json!({"role": "assistant", "content": null, "tool_calls": [{
+                                "index": 0, "id": call["id"], "type": "function",
+                                "function": {"name": call["function"]["name"], "arguments": ""},
+                            }]});
+                            let arguments = json!({"tool_calls": [{
+                                "index": 0, "function": {"arguments": call["function"]["arguments"]},
+                            }]});
+                            vec![opening, arguments]
+                        }
+                        // Cut by max_tokens (or cancelled): the text as it is.
+                        (_, None) if held.is_empty() => vec![],
+                        (_, None) => vec![json!({"role": "assistant", "content": held})],
+                    };
+                    for delta in deltas {
+                        out.push_str(&delta_event(&st.meta, delta));
+                        st.first_chunk = false;
+                    }
+                }
                 let last = match &reason {
                     FinishReason::Failed(why) | FinishReason::Refused(why) => ApiError::new(
                         StatusCode::INTERNAL_SERVER_ERROR,
@@ -897,9 +1089,7 @@ fn stream_response(meta: Meta, rx: UnboundedReceiver<Piece>, first: Piece) -> Re
                         why.clone(),
                     )
                     .body(),
-                    _ => st
-                        .meta
-                        .chunk(None, Some(finish_reason(&reason)), st.first_chunk),
+                    _ => st.meta.chunk(None, Some(finish), st.first_chunk),
                 };
                 out.push_str(&format!("data: {last}\n\n"));
                 if st.meta.include_usage {

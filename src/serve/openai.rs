@@ -159,10 +159,14 @@ pub struct CompletionRequest {
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
-    /// Its text (a list of text parts is joined).
-    pub content: ChatContent,
+    /// Its text (a list of text parts is joined); may be null for an assistant message
+    /// with `tool_calls`.
+    pub content: Option<ChatContent>,
+    /// An assistant message's calls (`[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`), checked when the prompt is rendered.
+    pub tool_calls: Option<Vec<Value>>,
 }
 
 /// A message's content: a string or a list of parts.
@@ -216,6 +220,10 @@ impl ChatContent {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<ChatMessage>,
+    /// Functions the model may call (checked by `tools::tool_use`).
+    pub tools: Option<Vec<Value>>,
+    /// `"none"`, `"required"`, `"auto"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
     /// Sampling and length.
     #[serde(flatten)]
     pub sampling: Sampling,
