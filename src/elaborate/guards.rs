@@ -7,7 +7,7 @@
 //! caches none of its experts; a score is never negative). `value.rs` and `slices.rs` call
 //! in here so these words live in one place.
 
-use super::value::{as_int, check_index, Context, Val};
+use super::value::{as_int, check_index, conjunction, Context, Val};
 use crate::diag::Diagnostic;
 use crate::ir::catalog::ExpertRef;
 use crate::ir::{GuardAtom, GuardLit, ScoreKind};
@@ -203,20 +203,7 @@ pub(super) fn score_comparison(
             "`!=` of a routing score (it is a disjunction; write the two arms with `<` and `>`)",
         )),
     };
-    let mut out = Vec::new();
-    for lit in lits {
-        match lit {
-            Err(false) => return Ok(Val::Bool(false)),
-            Err(true) => {}
-            Ok(lit) => out.push(lit),
-        }
-    }
-    if out.is_empty() {
-        return Ok(Val::Bool(true));
-    }
-    out.sort();
-    out.dedup();
-    Ok(Val::Cond(out))
+    Ok(conjunction(lits.into_iter().map(|l| l.map(Some)).collect()))
 }
 
 #[cfg(test)]

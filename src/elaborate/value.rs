@@ -954,18 +954,25 @@ fn routed_comparison(
             ))
         }
     };
+    Ok(conjunction(lits))
+}
+
+/// The conjunction of a guard comparison's literals, each a literal or its truth value
+/// when decided at compile time (`None`: a literal that says nothing): `false` if one is
+/// false, `true` if none is left, else the sorted literals.
+pub(super) fn conjunction(lits: Vec<Result<Option<GuardLit>, bool>>) -> Val {
     let mut out = Vec::new();
     for lit in lits {
         match lit {
-            Err(false) => return Ok(Val::Bool(false)),
+            Err(false) => return Val::Bool(false),
             Err(true) => {}
             Ok(lit) => out.extend(lit),
         }
     }
     if out.is_empty() {
-        return Ok(Val::Bool(true));
+        return Val::Bool(true);
     }
     out.sort();
     out.dedup();
-    Ok(Val::Cond(out))
+    Val::Cond(out)
 }
