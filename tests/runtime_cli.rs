@@ -934,6 +934,55 @@ fn run_on_a_broken_gguf_is_one_error_naming_it() {
     }
 }
 
+/// `moec plan --model FILE.gguf` prints its `moec run` line with the same `--model FILE.gguf`
+/// (issue 43: "its printed `moec run` line runs"): `run --model` takes a GGUF file as its
+/// checkpoint, the card from its header, exactly as `--weights FILE.gguf` does.
+#[test]
+fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("tiny.gguf");
+    let g = gguf.display().to_string();
+    let out = moec(
+        dir.path(),
+        &[
+            "synth",
+            "--model",
+            "mixtral-tiny",
+            "--gguf",
+            "--all",
+            "q8_0",
+            "--out",
+            &g,
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = |flag: &str| {
+        json(&moec(
+            dir.path(),
+            &[
+                "run",
+                "schedules/baselines/resident.sched",
+                flag,
+                &g,
+                "--prompt",
+                "hello",
+                "--gen-len",
+                "3",
+                "--hw",
+                "t4",
+                "--json",
+            ],
+        ))
+    };
+    let by_model = run("--model");
+    assert_eq!(token_ids(&by_model), token_ids(&run("--weights")));
+    assert_eq!(token_ids(&by_model)[0].len(), 3, "{by_model}");
+}
+
 /// Issue 45: `moec run` reports the share of expert computations that used a declared
 /// lossy substitute, in its text and in `--json` (`substituted_experts`), here every one
 /// (`tests/fixtures/formats/substitute.sched` computes every expert from its q8_0 copy);

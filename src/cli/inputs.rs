@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 /// `--model` / `--weights`: where the model comes from.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
-    /// Model card (built-in name or .ron path); default mixtral-tiny when --weights is absent.
+    /// Model card (built-in name or .ron path), or a llama.cpp `.gguf` file (the checkpoint,
+    /// its header the card, as the planning commands and `moec plan`'s printed run line
+    /// take it); default mixtral-tiny when --weights is absent.
     #[arg(long)]
     pub model: Option<String>,
     /// Hugging Face checkpoint folder (config.json + safetensors), or a llama.cpp `.gguf`
@@ -20,11 +22,25 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// The model source these flags name (the embedded default when both are absent).
     pub fn source(&self) -> ModelSource {
-        ModelSource {
-            card: self.model.clone(),
-            weights: self.weights.clone(),
+        match (&self.model, &self.weights) {
+            // `--model FILE.gguf` alone: `check`, `simulate` and `plan` read a GGUF's header
+            // as the card, and `plan` prints its `moec run` line with the same `--model`;
+            // the file is the checkpoint, and the card comes from it as with `--weights`.
+            (Some(model), None) if is_gguf(Path::new(model)) => ModelSource {
+                card: None,
+                weights: Some(PathBuf::from(model)),
+            },
+            _ => ModelSource {
+                card: self.model.clone(),
+                weights: self.weights.clone(),
+            },
         }
     }
+}
+
+/// Whether a `--model` value names a llama.cpp GGUF file rather than a card.
+fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "gguf")
 }
 
 /// The card a planning command (`check`, `compile`, `simulate`, `plan`) compiles for:
@@ -36,7 +52,7 @@ pub fn planning_card(
     weight_format: Option<&str>,
 ) -> Result<crate::model::card::ModelCard, String> {
     let path = Path::new(model);
-    let mut card = if path.extension().is_some_and(|e| e == "gguf") {
+    let mut card = if is_gguf(path) {
         crate::weights::checkpoint::Checkpoint::open_gguf(path, None)
             .map_err(|e| e.to_string())?
             .card()
