@@ -689,14 +689,17 @@ impl Checkpoint {
                 .get_or_init(|| {
                     let rows = entry.shape.first().copied().unwrap_or(0).max(1);
                     // `open_gguf` checked that the rows split into whole heads of pairs.
-                    let restored = crate::weights::gguf::llama::unpermute_rows(
+                    let mut out = ImageBuffer::zeroed(stored.len());
+                    if crate::weights::gguf::llama::unpermute_rows_into(
                         stored,
                         heads,
                         stored.len() / rows,
+                        out.as_bytes_mut(),
                     )
-                    .unwrap_or_default();
-                    let mut out = ImageBuffer::zeroed(restored.len());
-                    out.as_bytes_mut().copy_from_slice(&restored);
+                    .is_none()
+                    {
+                        return ImageBuffer::zeroed(0);
+                    }
                     out
                 })
                 .as_bytes();

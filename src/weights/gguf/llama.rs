@@ -414,15 +414,29 @@ pub(super) fn gate_up(
 /// `p * h + i` (half `p`, pair `i`) at position `2i + p`. Rows are moved whole (`row_bytes`
 /// each), so this works for every storage. `None` when the sizes do not divide.
 pub fn unpermute_rows(bytes: &[u8], heads: usize, row_bytes: usize) -> Option<Vec<u8>> {
-    if row_bytes == 0 || !bytes.len().is_multiple_of(row_bytes) {
+    let mut out = vec![0u8; bytes.len()];
+    unpermute_rows_into(bytes, heads, row_bytes, &mut out)?;
+    Some(out)
+}
+
+/// [`unpermute_rows`] into `out` (as long as `bytes`), so a caller that keeps the rows in
+/// its own buffer holds them once: a temporary the size of the tensor, freed after the
+/// copy, stayed in the allocator's heap (Mixtral-8x7B's 32 layers of Q and K rows, 445 MB,
+/// held twice at run time). `None`, and `out` untouched, when the shapes do not fit.
+pub fn unpermute_rows_into(
+    bytes: &[u8],
+    heads: usize,
+    row_bytes: usize,
+    out: &mut [u8],
+) -> Option<()> {
+    if row_bytes == 0 || !bytes.len().is_multiple_of(row_bytes) || out.len() != bytes.len() {
         return None;
     }
-    let mut out = vec![0u8; bytes.len()];
     for (hub, stored) in converter_row_order(bytes.len() / row_bytes, heads)? {
         out[hub * row_bytes..(hub + 1) * row_bytes]
             .copy_from_slice(&bytes[stored * row_bytes..(stored + 1) * row_bytes]);
     }
-    Some(out)
+    Some(())
 }
 
 /// The converter's per-head row interleave of `rows` rows in `heads` heads, as
