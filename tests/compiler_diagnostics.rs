@@ -332,3 +332,53 @@ fn residency_and_score_guards_check_and_their_misuses_are_rejected_with_their_sp
         }
     }
 }
+
+/// Issue 45: `schedules/hobbit.sched` with its substitute on issues the important
+/// experts' fetches (the ones that may change its cache) before every residency decision
+/// of the layer, which `cache::stale_guard` requires. Fetching an important expert in its
+/// own arm instead, after the less important experts before it decided their residency,
+/// is rejected: that fetch could evict an expert whose hit arm decided already while its
+/// miss arm has not (both would run).
+#[test]
+fn hobbit_fetches_before_its_residency_decisions_and_a_late_fetch_is_a_stale_guard() {
+    let base = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.sets = vec![("lowbit".into(), "1".into())];
+    if let Err(d) = compile(&base, &options) {
+        panic!("{}", render_all(&d, "hobbit.sched", &base));
+    }
+    let from = "        if score_max(l, e, 0) >= thr {\n          experts(";
+    assert!(base.contains(from), "hobbit.sched's important arm");
+    let source = base.replacen(
+        from,
+        "        if score_max(l, e, 0) >= thr {\n          fetch_hi(l, e, false)\n          experts(",
+        1,
+    );
+    let diags = match compile(&source, &options) {
+        Ok(_) => panic!("a fetch after the residency decisions was accepted"),
+        Err(diags) => diags,
+    };
+    let text = render_all(&diags, "late_fetch.sched", &source);
+    let found = diags
+        .iter()
+        .find(|d| d.code == Code::CacheStaleGuard)
+        .unwrap_or_else(|| panic!("no cache::stale_guard:\n{text}"));
+    let span = found.labels[0].span;
+    let pointed = &source[span.start as usize..span.end as usize];
+    println!("{text}\npointed at: {pointed}");
+    assert!(
+        pointed.starts_with("experts(layer = l, ub = 0, set = e, w = ")
+            || pointed.starts_with("fetch ")
+            || pointed.starts_with("copy W[l].expert(e).format(q8_0)"),
+        "the error points at a task the residency guard decides: {pointed}\n{text}"
+    );
+    let errors: Vec<_> = diags
+        .iter()
+        .filter(|d| d.severity == moec::diag::Severity::Error)
+        .cloned()
+        .collect();
+    insta::assert_snapshot!(
+        "hobbit_late_fetch",
+        render_all(&errors, "late_fetch.sched", &source)
+    );
+}
