@@ -333,6 +333,94 @@ fn residency_and_score_guards_check_and_their_misuses_are_rejected_with_their_sp
     }
 }
 
+/// Issue 45: an eviction policy by a score the schedule computes (`evict score(l, e) =
+/// EXPR`, on the residency fixture's cache). The expression folds, per (layer, expert), to
+/// a constant plus a coefficient of each run-time quantity (worked by hand below from the
+/// expression, with `l` and `e` bound); a score the runtime could not compute as a dot
+/// product (a product of two quantities, a condition, another expert's or one
+/// micro-batch's routing) is rejected at its source text.
+#[test]
+fn eviction_scores_fold_per_expert_and_their_misuses_are_rejected_with_their_spans() {
+    let fixture = std::fs::read_to_string("tests/fixtures/guards/resident_score.sched").unwrap();
+    let policy = "evict \"lru\"";
+    assert!(fixture.contains(policy), "the fixture evicts by lru");
+    let score = "2 * score_sum(l, e) + routed(l, e) / 4 - score_max(l, e) - 1.0 * l / layers + e";
+    let base = fixture.replacen(policy, &format!("evict score(l, e) = {score}"), 1);
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let options = Options::new(card.clone());
+    let compiled = compile(&base, &options)
+        .unwrap_or_else(|d| panic!("{}", render_all(&d, "score.sched", &base)));
+    let cache = &compiled.program.caches[0];
+    assert_eq!(cache.policy, moec::ir::cache::EvictPolicy::Score);
+    let table = cache.score.as_ref().expect("the score's table");
+    assert_eq!(table.terms.len() as u64, card.layers * card.experts);
+    for (l, e) in [(0u32, 0u32), (1, 3), (card.layers as u32 - 1, 7)] {
+        let terms = table.terms(l, e).expect("in range");
+        // e - l / layers, and -1, 2, 1/4 times score_max, score_sum, routed.
+        let constant = f64::from(e) - f64::from(l) / card.layers as f64;
+        assert!(
+            (terms.constant - constant).abs() < 1e-12,
+            "({l}, {e}): constant {} against {constant}",
+            terms.constant
+        );
+        assert_eq!(terms.per_quantity, [-1.0, 2.0, 0.25], "({l}, {e})");
+    }
+    // (name, replaced, replacement, code, the source text the first error points at)
+    let mutations: [(&str, &str, &str, Code, &str); 4] = [
+        (
+            "score_product",
+            "2 * score_sum(l, e)",
+            "score_sum(l, e) * score_max(l, e)",
+            Code::ElabDynamic,
+            "score_sum(l, e) * score_max(l, e)",
+        ),
+        (
+            "score_condition",
+            "2 * score_sum(l, e)",
+            "(score_sum(l, e) > 0.5)",
+            Code::ElabDynamic,
+            "(score_sum(l, e) > 0.5)",
+        ),
+        (
+            "score_of_another_expert",
+            "routed(l, e) / 4",
+            "routed(l, 0) / 4",
+            Code::ElabDynamic,
+            "2 * score_sum(l, e) + routed(l, 0) / 4 - score_max(l, e) - 1.0 * l / layers + e",
+        ),
+        (
+            "score_of_one_micro_batch",
+            "score_max(l, e)",
+            "score_max(l, e, 0)",
+            Code::ElabDynamic,
+            "2 * score_sum(l, e) + routed(l, e) / 4 - score_max(l, e, 0) - 1.0 * l / layers + e",
+        ),
+    ];
+    for (name, from, to, code, at) in mutations {
+        assert!(base.contains(from), "{name}: the base has no `{from}`");
+        let source = base.replacen(from, to, 1);
+        let diags = match compile(&source, &options) {
+            Ok(_) => panic!("{name}: the mutation was accepted"),
+            Err(diags) => diags,
+        };
+        let text = render_all(&diags, &format!("{name}.sched"), &source);
+        let found = diags.iter().find(|d| d.code == code).unwrap_or_else(|| {
+            panic!("{name}: no {}:\n{text}", code.as_str());
+        });
+        let span = found.labels[0].span;
+        let pointed = &source[span.start as usize..span.end as usize];
+        assert_eq!(pointed, at, "{name}: the error points elsewhere:\n{text}");
+        if name == "score_product" {
+            let errors: Vec<_> = diags
+                .iter()
+                .filter(|d| d.severity == moec::diag::Severity::Error)
+                .cloned()
+                .collect();
+            insta::assert_snapshot!(name, render_all(&errors, "score_product.sched", &source));
+        }
+    }
+}
+
 /// Issue 45: `schedules/hobbit.sched` with its substitute on issues the important
 /// experts' fetches (the ones that may change its cache) before every residency decision
 /// of the layer, which `cache::stale_guard` requires. Fetching an important expert in its

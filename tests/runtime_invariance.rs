@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 #[path = "gguf_common/mod.rs"]
 mod gguf_common;
+#[path = "standin_common/mod.rs"]
+mod standin_common;
 
 const GEN_LEN: usize = 6;
 
@@ -1397,5 +1399,126 @@ fn residency_and_score_guards_give_the_oracle_tokens_and_take_every_arm() {
             );
             assert!(hits > 0 && misses > 0, "hits {hits}, misses {misses}");
         }
+    }
+}
+
+/// The residency fixture's cache evicting by a schedule-computed score instead of LRU:
+/// the summed routing weight and tokens of the expert's layer's latest routing, earlier
+/// layers kept a little longer.
+fn score_evicting_fixture() -> String {
+    let fixture = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/guards/resident_score.sched"),
+    )
+    .unwrap();
+    let policy = "evict \"lru\"";
+    assert!(fixture.contains(policy), "the fixture evicts by lru");
+    fixture.replacen(
+        policy,
+        "evict score(l, e) = score_sum(l, e) + 0.1 * routed(l, e) - 0.5 * l / layers",
+        1,
+    )
+}
+
+/// Issue 45: eviction by a score the schedule computes (`evict score(l, e) = ..`, on the
+/// residency fixture with 2 slots, so misses evict) gives the oracle's tokens on the tiny
+/// cards of three families (DeepSeek-V2's leading dense layer included), and the cache
+/// evicted under it.
+#[test]
+fn a_schedule_computed_eviction_score_gives_the_oracle_tokens() {
+    let source = score_evicting_fixture();
+    for card_name in ["mixtral-tiny", "qwen3-moe-tiny", "deepseek-v2-tiny"] {
+        let card = ModelCard::load(card_name).unwrap();
+        let (_dir, checkpoint) = synth_checkpoint(&card);
+        let prompts = prompts(card.vocab as u32);
+        let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
+        let mut options = Options::new(card.clone());
+        options.sets = vec![("n_cache".into(), "2".into())];
+        options.workload = Workload {
+            batch: prompts.len() as u64,
+            prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
+            gen_len: GEN_LEN as u64,
+        };
+        let compiled = compile(&source, &options).unwrap_or_else(|d| {
+            panic!(
+                "{card_name}: {}",
+                moec::diag::render_all(&d, "score.sched", &source)
+            )
+        });
+        let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+        let mut run = RunOptions::greedy(GEN_LEN);
+        run.stop_at_eos = false;
+        run.backend.threads = 1;
+        let (outputs, stats) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{card_name}: {e}"));
+        let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+        assert_eq!(got, expected, "{card_name}: the oracle's tokens");
+        let cache = &stats.caches[0];
+        assert_eq!(cache.policy, "score");
+        assert!(
+            cache.total.evictions > 0,
+            "{card_name}: no eviction: {:?}",
+            cache.total
+        );
+    }
+}
+
+/// The same score on the CUDA path (the stand-in driver, copies delayed 2 ms so
+/// prefetches are in flight while misses pick victims): `moec run` gives the CPU
+/// backend's tokens, and the cache evicted by the score.
+#[test]
+fn a_schedule_computed_eviction_score_runs_the_same_on_the_cuda_stand_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let schedule = dir.path().join("score.sched");
+    std::fs::write(&schedule, score_evicting_fixture()).unwrap();
+    let standin = standin_common::standin_dir();
+    let run = |cuda: bool| -> serde_json::Value {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_moec"));
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MOEC_CACHE_DIR", dir.path().join("cache"))
+            .arg("run")
+            .arg(&schedule)
+            .args(["--model", "mixtral-tiny", "--json", "--gen-len", "4"])
+            .args(["--hw", "hardware/t4.ron", "--set", "n_cache=2"])
+            .args(["--prompt", "Mixture of experts"])
+            .args(["--prompt", "The capital of France is"]);
+        if cuda {
+            cmd.args(["--backend", "cuda"])
+                .env(
+                    "LD_LIBRARY_PATH",
+                    standin_common::loader_path(standin.path()),
+                )
+                .env("MOEC_STANDIN_CACHE", standin_common::standin_cache())
+                .env("MOEC_STANDIN_COPY_DELAY_MS", "2");
+        }
+        let out = cmd.output().expect("moec runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "cuda {cuda}:\n{}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(stdout.trim()).expect("--json output")
+    };
+    let tokens = |doc: &serde_json::Value| -> Vec<serde_json::Value> {
+        doc["outputs"]
+            .as_array()
+            .expect("outputs")
+            .iter()
+            .map(|o| o["token_ids"].clone())
+            .collect()
+    };
+    let (cpu, cuda) = (run(false), run(true));
+    assert_eq!(
+        tokens(&cuda),
+        tokens(&cpu),
+        "the stand-in's tokens are the CPU's"
+    );
+    for doc in [&cpu, &cuda] {
+        let c = &doc["caches"][0];
+        assert_eq!(c["policy"], "score");
+        assert!(
+            c["total"]["evictions"].as_u64().is_some_and(|n| n > 0),
+            "{c}"
+        );
     }
 }
