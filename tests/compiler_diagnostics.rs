@@ -366,7 +366,14 @@ fn eviction_scores_fold_per_expert_and_their_misuses_are_rejected_with_their_spa
         assert_eq!(terms.per_quantity, [-1.0, 2.0, 0.25], "({l}, {e})");
     }
     // (name, replaced, replacement, code, the source text the first error points at)
-    let mutations: [(&str, &str, &str, Code, &str); 4] = [
+    let mutations: [(&str, &str, &str, Code, &str); 5] = [
+        (
+            "score_as_a_name",
+            &format!("score(l, e) = {score}"),
+            "\"score\"",
+            Code::ElabType,
+            "\"score\"",
+        ),
         (
             "score_product",
             "2 * score_sum(l, e)",

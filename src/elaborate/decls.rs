@@ -405,6 +405,14 @@ impl<'a> Elaborator<'a> {
             Err(d) => return self.report(d),
         };
         let (policy, score) = match &decl.evict {
+            // `score` is a policy with an expression, not a name.
+            Evict::Named(e) if matches!(&e.kind, ExprKind::Str(s) if s == "score") => {
+                return self.report(Diagnostic::type_mismatch(
+                    e.span,
+                    "an eviction policy name (\"lru\", \"lfu\", \"activation\") or `score(l, e) = EXPR`",
+                    "\"score\" without its expression",
+                ));
+            }
             Evict::Named(e) => match self.name_choice(
                 e,
                 "eviction policy",
