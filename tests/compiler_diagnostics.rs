@@ -332,3 +332,148 @@ fn residency_and_score_guards_check_and_their_misuses_are_rejected_with_their_sp
         }
     }
 }
+
+/// Issue 45: an eviction policy by a score the schedule computes (`evict score(l, e) =
+/// EXPR`, on the residency fixture's cache). The expression folds, per (layer, expert), to
+/// a constant plus a coefficient of each run-time quantity (worked by hand below from the
+/// expression, with `l` and `e` bound); a score the runtime could not compute as a dot
+/// product (a product of two quantities, a condition, another expert's or one
+/// micro-batch's routing) is rejected at its source text.
+#[test]
+fn eviction_scores_fold_per_expert_and_their_misuses_are_rejected_with_their_spans() {
+    let fixture = std::fs::read_to_string("tests/fixtures/guards/resident_score.sched").unwrap();
+    let policy = "evict \"lru\"";
+    assert!(fixture.contains(policy), "the fixture evicts by lru");
+    let score = "2 * score_sum(l, e) + routed(l, e) / 4 - score_max(l, e) - 1.0 * l / layers + e";
+    let base = fixture.replacen(policy, &format!("evict score(l, e) = {score}"), 1);
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let options = Options::new(card.clone());
+    let compiled = compile(&base, &options)
+        .unwrap_or_else(|d| panic!("{}", render_all(&d, "score.sched", &base)));
+    let cache = &compiled.program.caches[0];
+    assert_eq!(cache.policy, moec::ir::cache::EvictPolicy::Score);
+    let table = cache.score.as_ref().expect("the score's table");
+    assert_eq!(table.terms.len() as u64, card.layers * card.experts);
+    for (l, e) in [(0u32, 0u32), (1, 3), (card.layers as u32 - 1, 7)] {
+        let terms = table.terms(l, e).expect("in range");
+        // e - l / layers, and -1, 2, 1/4 times score_max, score_sum, routed.
+        let constant = f64::from(e) - f64::from(l) / card.layers as f64;
+        assert!(
+            (terms.constant - constant).abs() < 1e-12,
+            "({l}, {e}): constant {} against {constant}",
+            terms.constant
+        );
+        assert_eq!(terms.per_quantity, [-1.0, 2.0, 0.25], "({l}, {e})");
+    }
+    // (name, replaced, replacement, code, the source text the first error points at)
+    let mutations: [(&str, &str, &str, Code, &str); 5] = [
+        (
+            "score_as_a_name",
+            &format!("score(l, e) = {score}"),
+            "\"score\"",
+            Code::ElabType,
+            "\"score\"",
+        ),
+        (
+            "score_product",
+            "2 * score_sum(l, e)",
+            "score_sum(l, e) * score_max(l, e)",
+            Code::ElabDynamic,
+            "score_sum(l, e) * score_max(l, e)",
+        ),
+        (
+            "score_condition",
+            "2 * score_sum(l, e)",
+            "(score_sum(l, e) > 0.5)",
+            Code::ElabDynamic,
+            "(score_sum(l, e) > 0.5)",
+        ),
+        (
+            "score_of_another_expert",
+            "routed(l, e) / 4",
+            "routed(l, 0) / 4",
+            Code::ElabDynamic,
+            "2 * score_sum(l, e) + routed(l, 0) / 4 - score_max(l, e) - 1.0 * l / layers + e",
+        ),
+        (
+            "score_of_one_micro_batch",
+            "score_max(l, e)",
+            "score_max(l, e, 0)",
+            Code::ElabDynamic,
+            "2 * score_sum(l, e) + routed(l, e) / 4 - score_max(l, e, 0) - 1.0 * l / layers + e",
+        ),
+    ];
+    for (name, from, to, code, at) in mutations {
+        assert!(base.contains(from), "{name}: the base has no `{from}`");
+        let source = base.replacen(from, to, 1);
+        let diags = match compile(&source, &options) {
+            Ok(_) => panic!("{name}: the mutation was accepted"),
+            Err(diags) => diags,
+        };
+        let text = render_all(&diags, &format!("{name}.sched"), &source);
+        let found = diags.iter().find(|d| d.code == code).unwrap_or_else(|| {
+            panic!("{name}: no {}:\n{text}", code.as_str());
+        });
+        let span = found.labels[0].span;
+        let pointed = &source[span.start as usize..span.end as usize];
+        assert_eq!(pointed, at, "{name}: the error points elsewhere:\n{text}");
+        if name == "score_product" {
+            let errors: Vec<_> = diags
+                .iter()
+                .filter(|d| d.severity == moec::diag::Severity::Error)
+                .cloned()
+                .collect();
+            insta::assert_snapshot!(name, render_all(&errors, "score_product.sched", &source));
+        }
+    }
+}
+
+/// Issue 45: `schedules/hobbit.sched` with its substitute on issues the important
+/// experts' fetches (the ones that may change its cache) before every residency decision
+/// of the layer, which `cache::stale_guard` requires. Fetching an important expert in its
+/// own arm instead, after the less important experts before it decided their residency,
+/// is rejected: that fetch could evict an expert whose hit arm decided already while its
+/// miss arm has not (both would run).
+#[test]
+fn hobbit_fetches_before_its_residency_decisions_and_a_late_fetch_is_a_stale_guard() {
+    let base = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.sets = vec![("lowbit".into(), "1".into())];
+    if let Err(d) = compile(&base, &options) {
+        panic!("{}", render_all(&d, "hobbit.sched", &base));
+    }
+    let from = "        if score_max(l, e, 0) >= thr {\n          experts(";
+    assert!(base.contains(from), "hobbit.sched's important arm");
+    let source = base.replacen(
+        from,
+        "        if score_max(l, e, 0) >= thr {\n          fetch_hi(l, e, false)\n          experts(",
+        1,
+    );
+    let diags = match compile(&source, &options) {
+        Ok(_) => panic!("a fetch after the residency decisions was accepted"),
+        Err(diags) => diags,
+    };
+    let text = render_all(&diags, "late_fetch.sched", &source);
+    let found = diags
+        .iter()
+        .find(|d| d.code == Code::CacheStaleGuard)
+        .unwrap_or_else(|| panic!("no cache::stale_guard:\n{text}"));
+    let span = found.labels[0].span;
+    let pointed = &source[span.start as usize..span.end as usize];
+    println!("{text}\npointed at: {pointed}");
+    assert!(
+        pointed.starts_with("experts(layer = l, ub = 0, set = e, w = ")
+            || pointed.starts_with("fetch ")
+            || pointed.starts_with("copy W[l].expert(e).format(q8_0)"),
+        "the error points at a task the residency guard decides: {pointed}\n{text}"
+    );
+    let errors: Vec<_> = diags
+        .iter()
+        .filter(|d| d.severity == moec::diag::Severity::Error)
+        .cloned()
+        .collect();
+    insta::assert_snapshot!(
+        "hobbit_late_fetch",
+        render_all(&errors, "late_fetch.sched", &source)
+    );
+}

@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 #[path = "gguf_common/mod.rs"]
 mod gguf_common;
+#[path = "standin_common/mod.rs"]
+mod standin_common;
 
 const GEN_LEN: usize = 6;
 
@@ -964,82 +966,349 @@ fn a_schedule_with_a_declared_substitute_runs_within_its_bound_of_the_oracle() {
         agree * 10 >= total * 8,
         "{agree} of {total} tokens equal the oracle's: below the 80% bound"
     );
+    // Teacher-forced distributions: every expert is substituted, so the run computes what
+    // the q8_0 oracle computes (they differ by float summation order only) and its KL
+    // divergence from the bf16 oracle is the q8_0 oracle's.
+    let (b, _) = kl_bound(dir.path(), &checkpoint, &plan, &prompts, GEN_LEN);
+    println!(
+        "q8_0 substitute: mean KL(P||run) {:.3e}, KL(P||q8_0 oracle) {:.3e}, KL(q8_0 oracle||run) {:.3e}; top-1 {} / {} of {}",
+        b.run, b.all_q8, b.run_from_q8, b.top1.0, b.top1.1, b.positions
+    );
+    assert!(
+        b.run_from_q8 < 1e-6,
+        "KL(q8_0 oracle || run) {:.3e}",
+        b.run_from_q8
+    );
+    assert!(
+        (b.run - b.all_q8).abs() <= 1e-6 + 1e-3 * b.all_q8,
+        "KL(P || run) {:.3e} against the q8_0 oracle's {:.3e}",
+        b.run,
+        b.all_q8
+    );
+    assert_eq!(b.top1.0, b.top1.1, "the same argmax as the q8_0 oracle");
 }
 
-/// Greedy tokens of `schedule` with `sets` on the CPU backend (copies bound) and of the
-/// oracle over the same synthetic checkpoint of `card`, and the run's substituted expert
-/// computations: (tokens equal to the oracle's, tokens, substituted, all).
-fn agreement_with_the_oracle(card: &str, schedule: &str, sets: &[(&str, &str)]) -> [u64; 4] {
-    let card = ModelCard::load(card).unwrap();
-    let (_dir, checkpoint) = synth_checkpoint(&card);
-    let card = checkpoint.card().clone();
-    let prompts = prompts(card.vocab as u32);
-    let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
-    let source = std::fs::read_to_string(schedule).unwrap();
+/// One sequence of a traced run: its greedy tokens and the logits each was sampled from.
+struct Traced {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+}
+
+/// Runs `plan` greedily over `prompts` on the CPU backend through a driver session with
+/// `capture_logits`, keeping every token's logits (`Session::latest_logits` after each
+/// step, the `Done` event's for the last token), and the run's statistics.
+fn traced_run(
+    plan: &moec::lower::ExecPlan,
+    checkpoint: &Checkpoint,
+    prompts: &[Vec<u32>],
+    gen_len: usize,
+) -> (Vec<Traced>, moec::records::run::RunStats) {
+    use moec::runtime::driver::session::{SeqEvent, SeqRequest, Session};
+    let mut run = RunOptions::greedy(gen_len);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    run.capture_logits = true;
+    let backend = moec::runtime::registry::open(run.on, plan, checkpoint, &run.backend).unwrap();
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let mut session = Session::new(plan, &*backend, &run, gen_len, longest).unwrap();
+    let mut index = std::collections::HashMap::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let id = session
+            .submit(SeqRequest {
+                prompt: prompt.clone(),
+                max_new_tokens: gen_len,
+                sampling: moec::model::vocab::Sampling::Greedy,
+                seed: 0,
+                stop_at_eos: false,
+            })
+            .unwrap();
+        index.insert(id, i);
+    }
+    let mut out: Vec<Traced> = prompts
+        .iter()
+        .map(|_| Traced {
+            tokens: Vec::new(),
+            logits: Vec::new(),
+        })
+        .collect();
+    while !session.is_idle() {
+        for event in session.step().unwrap() {
+            match event {
+                SeqEvent::Token { id, token } => {
+                    let t = &mut out[index[&id]];
+                    t.tokens.push(token);
+                    if let Some(logits) = session.latest_logits(id) {
+                        t.logits.push(logits.to_vec());
+                    }
+                }
+                SeqEvent::Done { id, logits, .. } => {
+                    let t = &mut out[index[&id]];
+                    if t.logits.len() < t.tokens.len() {
+                        t.logits.push(logits.expect("logits captured"));
+                    }
+                }
+            }
+        }
+    }
+    for t in &out {
+        assert_eq!(t.tokens.len(), gen_len);
+        assert_eq!(t.logits.len(), gen_len, "one row of logits per token");
+    }
+    (out, session.finish())
+}
+
+/// The oracle's next-token logits at each position a run generated, teacher-forced on the
+/// run's tokens: after `prompt`, then after each of `tokens` but the last. The oracle sees
+/// the contexts the run saw, so a token the run chose differently does not make every
+/// later position differ.
+fn forced_logits(oracle: &Oracle, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    use moec::oracle::StepSeq;
+    let total = prompt.len() + tokens.len();
+    let mut cache = oracle.new_cache(&[total]);
+    let layout = cache.layout();
+    let mut table = Vec::new();
+    cache.allocator.grow(&layout, &mut table, total).unwrap();
+    let mut rows = Vec::with_capacity(tokens.len());
+    let (mut context, mut next) = (0usize, prompt);
+    for k in 0..tokens.len() {
+        let seqs = [StepSeq {
+            block_table: &table,
+            context_len: context,
+            tokens: next,
+        }];
+        rows.push(oracle.step(&mut cache, &seqs).unwrap());
+        context += next.len();
+        next = &tokens[k..k + 1];
+    }
+    rows
+}
+
+/// Mean `KL(p || q)` in nats over paired rows of logits (log-softmax in f64, as
+/// `moec perplexity` forms it) and the rows whose argmax agrees.
+fn mean_kl_and_top1(p: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, usize) {
+    use moec::math::sampling::{argmax, log_softmax};
+    assert_eq!(p.len(), q.len());
+    let (mut kl, mut agree) = (0.0f64, 0usize);
+    for (a, b) in p.iter().zip(q) {
+        let (la, lb) = (log_softmax(a), log_softmax(b));
+        kl += la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| x.exp() * (x - y))
+            .sum::<f64>();
+        agree += usize::from(argmax(a) == argmax(b));
+    }
+    (kl / p.len().max(1) as f64, agree)
+}
+
+/// What a lossy run is held to: the bf16 oracle `P`, the oracle over the same checkpoint
+/// with every expert quantised to q8_0 by `moec quantize` (`Q`), and the run (`R`), all
+/// teacher-forced on the run's tokens.
+struct KlBound {
+    /// Mean KL(P || R).
+    run: f64,
+    /// Mean KL(P || Q): the error of substituting every expert.
+    all_q8: f64,
+    /// Mean KL(Q || R).
+    run_from_q8: f64,
+    /// Positions whose argmax is P's: R's, Q's.
+    top1: (usize, usize),
+    positions: usize,
+}
+
+/// Gives a synthetic checkpoint's tokenizer a byte-level BPE pre-tokenizer (Qwen2's split
+/// regex) and post-processor where it has a `Metaspace` one, which `moec quantize` cannot
+/// write into a GGUF (the tiny Qwen3-MoE, OLMoE and Qwen2-MoE cards'). Only token ids go
+/// through the oracles and runs here, and the forward pass never reads the tokenizer, so
+/// the distributions compared do not depend on it.
+fn byte_level_tokenizer(path: &Path) {
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    if json["pre_tokenizer"]["type"] != "Metaspace" {
+        return;
+    }
+    json["pre_tokenizer"] = serde_json::json!({
+        "type": "Split",
+        "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"},
+        "behavior": "Isolated",
+        "invert": false
+    });
+    json["post_processor"] = serde_json::json!({
+        "type": "ByteLevel",
+        "add_prefix_space": false,
+        "trim_offsets": false,
+        "use_regex": false
+    });
+    std::fs::write(path, serde_json::to_string(&json).unwrap()).unwrap();
+}
+
+/// Runs `plan` traced and compares its distributions with the oracles'.
+fn kl_bound(
+    dir: &Path,
+    checkpoint: &Checkpoint,
+    plan: &moec::lower::ExecPlan,
+    prompts: &[Vec<u32>],
+    gen_len: usize,
+) -> (KlBound, moec::records::run::RunStats) {
+    let gguf = dir.join("experts-q8_0.gguf");
+    if !gguf.is_file() {
+        byte_level_tokenizer(&dir.join("ck/tokenizer.json"));
+        moec::engine::quantize(
+            &moec::engine::QuantizeRequest {
+                weights: dir.join("ck"),
+                out: gguf.clone(),
+                formats: moec::engine::QuantizeFormats::Classes("experts=q8_0".into()),
+                name: None,
+            },
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+    }
+    let quantized = Checkpoint::open_gguf(&gguf, None).unwrap();
+    let (p_oracle, q_oracle) = (
+        Oracle::new(checkpoint).unwrap(),
+        Oracle::new(&quantized).unwrap(),
+    );
+    let (traced, stats) = traced_run(plan, checkpoint, prompts, gen_len);
+    let (mut p, mut q, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    for (prompt, t) in prompts.iter().zip(traced) {
+        p.extend(forced_logits(&p_oracle, prompt, &t.tokens));
+        q.extend(forced_logits(&q_oracle, prompt, &t.tokens));
+        r.extend(t.logits);
+    }
+    let (run, top1_run) = mean_kl_and_top1(&p, &r);
+    let (all_q8, top1_q8) = mean_kl_and_top1(&p, &q);
+    let (run_from_q8, _) = mean_kl_and_top1(&q, &r);
+    (
+        KlBound {
+            run,
+            all_q8,
+            run_from_q8,
+            top1: (top1_run, top1_q8),
+            positions: p.len(),
+        },
+        stats,
+    )
+}
+
+/// Runs of hobbit.sched's decode arms' `experts` tasks in a run: important (bf16 from the
+/// cache), hit (bf16 from the cache), less important miss (q8_0).
+fn hobbit_arms(program: &moec::ir::Program, stats: &moec::records::run::RunStats) -> [usize; 3] {
+    use moec::ir::{GuardAtom, Op};
+    let mut arms = [0usize; 3];
+    for record in stats.steps.iter().flat_map(|s| &s.tasks).filter(|r| r.ran) {
+        let task = program.task(record.task);
+        if !matches!(task.op, Op::Experts { .. }) {
+            continue;
+        }
+        let negated = |resident: bool| {
+            task.guard
+                .lits
+                .iter()
+                .find(|l| {
+                    matches!(l.atom, GuardAtom::Resident { .. }) == resident
+                        && matches!(l.atom, GuardAtom::Score { .. } | GuardAtom::Resident { .. })
+                })
+                .map(|l| l.negated)
+        };
+        match (negated(false), negated(true)) {
+            (Some(false), None) => arms[0] += 1,
+            (Some(true), Some(false)) => arms[1] += 1,
+            (Some(true), Some(true)) => arms[2] += 1,
+            _ => {}
+        }
+    }
+    arms
+}
+
+/// hobbit.sched with `lowbit = 1` compiled for `card` and `prompts` generating `gen_len`.
+fn hobbit_plan(
+    card: &ModelCard,
+    prompts: &[Vec<u32>],
+    gen_len: usize,
+) -> (moec::ir::Program, moec::lower::ExecPlan) {
+    let source = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
     let mut options = Options::new(card.clone());
     options.workload = Workload {
         batch: prompts.len() as u64,
         prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
-        gen_len: GEN_LEN as u64,
+        gen_len: gen_len as u64,
     };
-    options.sets = sets
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    options.sets = vec![("lowbit".into(), "1".into())];
     let compiled = compile(&source, &options).unwrap_or_else(|d| {
-        panic!("{}", moec::diag::render_all(&d, schedule, &source));
+        panic!("{}", moec::diag::render_all(&d, "hobbit.sched", &source));
     });
     let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
-    let mut run = RunOptions::greedy(GEN_LEN);
-    run.stop_at_eos = false;
-    run.backend.threads = 1;
-    let (outputs, stats) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {})
-        .unwrap_or_else(|e| panic!("{}: {e}", card.name));
-    let (sub, all) = stats.substituted_experts.unwrap_or((0, 0));
-    let (mut agree, mut total) = (0u64, 0u64);
-    for (got, want) in outputs.iter().zip(&expected) {
-        total += want.len() as u64;
-        agree += got
-            .token_ids
-            .iter()
-            .zip(want)
-            .filter(|(a, b)| a == b)
-            .count() as u64;
-    }
-    [agree, total, sub, all]
+    (compiled.program, plan)
 }
 
-/// Issue 45: `schedules/hobbit.sched` with its substitute on (`lowbit = 1`: the experts
-/// below rank `n_hi` of each layer computed from their q8_0 copy) runs on every tiny card
-/// whose experts q8_0 can hold (not DBRX, whose down projection is stored in x out, which
-/// moec quantises only out x in: `moec check` names it; not gpt-oss nor the DeepSeek
-/// cards, whose in x out expert matrices `moec check` lets through and the run refuses,
-/// naming the task: a gap in `WeightFormats::check` left open), computes part of its
-/// experts from the
-/// copies, and its greedy tokens agree with the oracle's (bf16 experts) at 50% of the
-/// positions or more on each card (the declared bound; the tiny cards' random weights give
-/// near-ties that 8-bit experts flip, and a sequence that differs once may follow another
-/// path). With the substitute off (the default) the every-schedule tests above hold it to
-/// the oracle's tokens exactly.
+/// Issue 45: `schedules/hobbit.sched` with its substitute on (`lowbit = 1`: in decode, a
+/// cache miss on an expert whose largest routing weight is below `thr` computed from its
+/// q8_0 copy; hits and important misses in bf16) on every tiny card whose experts q8_0 can
+/// hold (not DBRX, whose down projection is stored in x out, which moec quantises only out
+/// x in: `moec check` names it; not gpt-oss nor the DeepSeek cards, whose in x out expert
+/// matrices the run refuses), 12 prompts of 3 to 14 tokens generating 12 each: it takes
+/// all three arms, and its next-token distributions, teacher-forced on its own tokens (144
+/// positions), stay within the declared bound of the bf16 oracle's `P`.
+///
+/// The bound is the quantisation error itself, measured independently of moec's runtime:
+/// the oracle over the same checkpoint with EVERY expert quantised to q8_0 by `moec
+/// quantize` (`Q`), teacher-forced on the same tokens. HOBBIT computes a subset of the
+/// expert products from those same q8_0 weights (and its prefill none), the rest in bf16;
+/// were the products' errors independent, its mean KL divergence from `P` would be about
+/// that share of `Q`'s. It is not a guarantee per sample: a q8_0 expert can flip a near-tie
+/// in a later layer's router that the all-q8_0 model happens not to flip (on Mixtral's 30
+/// positions of the other tests one such flip made the run's mean 4.5 times `Q`'s), so the
+/// sample is 144 positions and the bound allows twice `Q`'s mean: mean KL(P || run) <= 2 x
+/// mean KL(P || Q). The factor 2 is that allowance, not derived; the ratios measured when
+/// it was set: 0.06 (Mixtral), 1.12 (Qwen3-MoE), 0.37 (OLMoE), 0.29 (Qwen2-MoE). The argmax
+/// agrees with `P`'s at least as often as `Q`'s does, less one position in ten. With the
+/// substitute off (the default) the every-schedule tests above hold it to the oracle's
+/// tokens exactly.
 #[test]
-fn hobbit_with_its_substitute_runs_within_its_bound_of_the_oracle() {
-    let cards = [
+fn hobbit_with_its_substitute_stays_within_the_kl_divergence_of_q8_0_experts() {
+    let mut failures = Vec::new();
+    for name in [
         "mixtral-tiny",
         "qwen3-moe-tiny",
         "olmoe-tiny",
         "qwen2-moe-tiny",
-    ];
-    let mut failures = Vec::new();
-    for card in cards {
-        let [agree, total, sub, all] =
-            agreement_with_the_oracle(card, "schedules/hobbit.sched", &[("lowbit", "1")]);
-        println!("hobbit lowbit=1 on {card}: {agree} of {total} tokens equal the oracle's; {sub} of {all} expert computations substituted");
-        if sub == 0 || sub == all {
-            failures.push(format!("{card}: {sub} of {all} experts substituted"));
-        }
-        if agree * 2 < total {
+    ] {
+        let card = ModelCard::load(name).unwrap();
+        let (dir, checkpoint) = synth_checkpoint(&card);
+        let card = checkpoint.card().clone();
+        let gen_len = 12;
+        let prompts: Vec<Vec<u32>> = (0..12usize)
+            .map(|i| {
+                (0..3 + i)
+                    .map(|t| ((i * 131 + t * 17 + 1) as u32) % card.vocab as u32)
+                    .collect()
+            })
+            .collect();
+        let (program, plan) = hobbit_plan(&card, &prompts, gen_len);
+        let (b, stats) = kl_bound(dir.path(), &checkpoint, &plan, &prompts, gen_len);
+        let arms = hobbit_arms(&program, &stats);
+        let (sub, all) = stats.substituted_experts.unwrap_or((0, 0));
+        println!(
+            "hobbit lowbit=1 on {name}: mean KL(P||run) {:.3e}, KL(P||all q8_0) {:.3e}, KL(all q8_0||run) {:.3e}; top-1 {} (run) / {} (all q8_0) of {}; arms important/hit/q8_0 {arms:?}; {sub} of {all} expert computations substituted",
+            b.run, b.all_q8, b.run_from_q8, b.top1.0, b.top1.1, b.positions
+        );
+        assert_eq!(b.positions, 144);
+        if !arms.iter().all(|&n| n > 0) || sub as usize != arms[2] {
             failures.push(format!(
-                "{card}: {agree} of {total} tokens: below the 50% bound"
+                "{name}: arms important/hit/q8_0 {arms:?}, {sub} substituted: every arm runs, the q8_0 ones are the substitutes"
+            ));
+        }
+        if b.run > 2.0 * b.all_q8 {
+            failures.push(format!(
+                "{name}: mean KL {:.3e} above twice the all-q8_0 oracle's {:.3e}",
+                b.run, b.all_q8
+            ));
+        }
+        if b.top1.0 + b.positions / 10 < b.top1.1 {
+            failures.push(format!(
+                "{name}: top-1 agreement {} of {} below the all-q8_0 oracle's {} less one in ten",
+                b.top1.0, b.positions, b.top1.1
             ));
         }
     }
@@ -1124,5 +1393,126 @@ fn residency_and_score_guards_give_the_oracle_tokens_and_take_every_arm() {
             );
             assert!(hits > 0 && misses > 0, "hits {hits}, misses {misses}");
         }
+    }
+}
+
+/// The residency fixture's cache evicting by a schedule-computed score instead of LRU:
+/// the summed routing weight and tokens of the expert's layer's latest routing, earlier
+/// layers kept a little longer.
+fn score_evicting_fixture() -> String {
+    let fixture = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/guards/resident_score.sched"),
+    )
+    .unwrap();
+    let policy = "evict \"lru\"";
+    assert!(fixture.contains(policy), "the fixture evicts by lru");
+    fixture.replacen(
+        policy,
+        "evict score(l, e) = score_sum(l, e) + 0.1 * routed(l, e) - 0.5 * l / layers",
+        1,
+    )
+}
+
+/// Issue 45: eviction by a score the schedule computes (`evict score(l, e) = ..`, on the
+/// residency fixture with 2 slots, so misses evict) gives the oracle's tokens on the tiny
+/// cards of three families (DeepSeek-V2's leading dense layer included), and the cache
+/// evicted under it.
+#[test]
+fn a_schedule_computed_eviction_score_gives_the_oracle_tokens() {
+    let source = score_evicting_fixture();
+    for card_name in ["mixtral-tiny", "qwen3-moe-tiny", "deepseek-v2-tiny"] {
+        let card = ModelCard::load(card_name).unwrap();
+        let (_dir, checkpoint) = synth_checkpoint(&card);
+        let prompts = prompts(card.vocab as u32);
+        let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
+        let mut options = Options::new(card.clone());
+        options.sets = vec![("n_cache".into(), "2".into())];
+        options.workload = Workload {
+            batch: prompts.len() as u64,
+            prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
+            gen_len: GEN_LEN as u64,
+        };
+        let compiled = compile(&source, &options).unwrap_or_else(|d| {
+            panic!(
+                "{card_name}: {}",
+                moec::diag::render_all(&d, "score.sched", &source)
+            )
+        });
+        let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+        let mut run = RunOptions::greedy(GEN_LEN);
+        run.stop_at_eos = false;
+        run.backend.threads = 1;
+        let (outputs, stats) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{card_name}: {e}"));
+        let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+        assert_eq!(got, expected, "{card_name}: the oracle's tokens");
+        let cache = &stats.caches[0];
+        assert_eq!(cache.policy, "score");
+        assert!(
+            cache.total.evictions > 0,
+            "{card_name}: no eviction: {:?}",
+            cache.total
+        );
+    }
+}
+
+/// The same score on the CUDA path (the stand-in driver, copies delayed 2 ms so
+/// prefetches are in flight while misses pick victims): `moec run` gives the CPU
+/// backend's tokens, and the cache evicted by the score.
+#[test]
+fn a_schedule_computed_eviction_score_runs_the_same_on_the_cuda_stand_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let schedule = dir.path().join("score.sched");
+    std::fs::write(&schedule, score_evicting_fixture()).unwrap();
+    let standin = standin_common::standin_dir();
+    let run = |cuda: bool| -> serde_json::Value {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_moec"));
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MOEC_CACHE_DIR", dir.path().join("cache"))
+            .arg("run")
+            .arg(&schedule)
+            .args(["--model", "mixtral-tiny", "--json", "--gen-len", "4"])
+            .args(["--hw", "hardware/t4.ron", "--set", "n_cache=2"])
+            .args(["--prompt", "Mixture of experts"])
+            .args(["--prompt", "The capital of France is"]);
+        if cuda {
+            cmd.args(["--backend", "cuda"])
+                .env(
+                    "LD_LIBRARY_PATH",
+                    standin_common::loader_path(standin.path()),
+                )
+                .env("MOEC_STANDIN_CACHE", standin_common::standin_cache())
+                .env("MOEC_STANDIN_COPY_DELAY_MS", "2");
+        }
+        let out = cmd.output().expect("moec runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "cuda {cuda}:\n{}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(stdout.trim()).expect("--json output")
+    };
+    let tokens = |doc: &serde_json::Value| -> Vec<serde_json::Value> {
+        doc["outputs"]
+            .as_array()
+            .expect("outputs")
+            .iter()
+            .map(|o| o["token_ids"].clone())
+            .collect()
+    };
+    let (cpu, cuda) = (run(false), run(true));
+    assert_eq!(
+        tokens(&cuda),
+        tokens(&cpu),
+        "the stand-in's tokens are the CPU's"
+    );
+    for doc in [&cpu, &cuda] {
+        let c = &doc["caches"][0];
+        assert_eq!(c["policy"], "score");
+        assert!(
+            c["total"]["evictions"].as_u64().is_some_and(|n| n > 0),
+            "{c}"
+        );
     }
 }

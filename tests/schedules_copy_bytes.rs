@@ -439,11 +439,13 @@ fn flexgen_disk_decode_reads_every_expert_from_disk_once_per_layer() {
 
 /// HOBBIT's decode (Tang et al. 2024): everything but experts is resident. With its
 /// substitute off (`lowbit = 0`, the default) every expert may be fetched in bf16 into the
-/// cache (8 guarded fetches per layer); with it on, the `n_hi = 2` highest-ranked experts of
-/// each layer still are, and the other 6 are copied as q8_0 (34 bytes per 32 weights: 3 *
-/// 256 * 128 / 32 * 34 = 104,448 B an expert, against bf16's 196,608).
+/// cache (8 guarded fetches per layer). With it on, every guarded copy counts in full: per
+/// layer, the important experts' bf16 fetches (8, each guarded by its routing weight), then
+/// per expert the hit arm's bf16 fetch (8, a no-op on a hit at run time, still a copy task)
+/// and the miss arm's q8_0 copy (8, 34 bytes per 32 weights: 3 * 256 * 128 / 32 * 34 =
+/// 104,448 B an expert, against bf16's 196,608).
 #[test]
-fn hobbit_decode_moves_experts_in_the_precision_their_rank_gives() {
+fn hobbit_decode_moves_experts_in_the_precision_their_weight_and_residency_give() {
     expect(
         "hobbit",
         StepKind::Decode,
@@ -462,10 +464,18 @@ fn hobbit_decode_moves_experts_in_the_precision_their_rank_gives() {
         .program;
     let q8_expert = 3 * 256 * 128 / 32 * 34;
     assert_eq!(q8_expert, 104_448);
-    let expected: Totals = [(("weights", ToGpu), L * (2 * EXPERT + 6 * q8_expert))]
-        .into_iter()
-        .collect();
+    let expected: Totals = [(
+        ("weights", ToGpu),
+        L * (EXPERTS * EXPERT + EXPERTS * EXPERT + EXPERTS * q8_expert),
+    )]
+    .into_iter()
+    .collect();
     assert_eq!(copy_totals(&program, StepKind::Decode), expected);
+    // Prefill loads every active expert in full precision either way.
+    assert_eq!(
+        copy_totals(&program, StepKind::Prefill),
+        copy_totals(&compiled("hobbit"), StepKind::Prefill)
+    );
 }
 
 /// MoE-Infinity over disk: the same fetches and prefetches as moe_infinity.sched (8

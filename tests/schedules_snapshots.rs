@@ -47,6 +47,30 @@ fn every_schedule_as_dot() {
     }
 }
 
+/// `schedules/hobbit.sched` with its substitute on (`lowbit = 1`), whose decode the
+/// default-param snapshot does not show: per layer, the important experts' bf16 fetches
+/// first, then per active expert the three arms (important from the cache, hit from the
+/// cache through a self-hit fetch, q8_0 copy through `lo`), each under its guard.
+#[test]
+fn hobbit_with_its_substitute_as_text() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/hobbit.sched");
+    let source = common::read(&path);
+    let from = "param lowbit:  int in 0..=1        = 0";
+    assert!(source.contains(from), "hobbit.sched declares lowbit");
+    let source = source.replacen(from, "param lowbit:  int in 0..=1        = 1", 1);
+    let compiled = common::compile_small(&source)
+        .unwrap_or_else(|d| panic!("{}", diag::render_all(&d, "hobbit", &source)));
+    let mut text = String::new();
+    let warnings = compiled.warnings();
+    if warnings.is_empty() {
+        text.push_str("// warnings: none\n");
+    } else {
+        text.push_str(&diag::render_all(warnings, "hobbit", &source));
+    }
+    text.push_str(&emit::to_text(&compiled.program, &compiled.info.dag));
+    insta::assert_snapshot!("hobbit_lowbit_text", text);
+}
+
 /// Acceptance: `moec check` passes on every schedule for every built-in card, with the
 /// schedule's default params and the default workload.
 #[test]

@@ -279,7 +279,7 @@ pub fn cache_hits(program: &Program, cache: u32, tokens_per_ub: u64) -> CacheHit
                     }
                 }
             }
-            EvictPolicy::Lfu | EvictPolicy::Activation => {
+            EvictPolicy::Lfu | EvictPolicy::Activation | EvictPolicy::Score => {
                 let mut order: Vec<(usize, usize, f64)> = (0..layers)
                     .flat_map(|l| (0..experts).map(move |e| (l, e)))
                     .map(|(l, e)| {

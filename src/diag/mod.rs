@@ -369,6 +369,14 @@ impl Diagnostic {
             .help("declare a `disk.read` stream: `W` is then on disk, and copies on that stream read its slices into `host` or `pinned` buffers")
     }
 
+    /// An `evict score(l, e) = ..` the runtime could not compute as it ranks residents:
+    /// not linear in the run-time quantities, or reading another expert's routing.
+    pub fn eviction_score(span: Span, what: &str, label: &str) -> Self {
+        Diagnostic::new(Code::ElabDynamic, format!("an eviction score {what}"))
+            .label(span, label.to_string())
+            .help("a score is a constant times each of `score_max(l, e)`, `score_sum(l, e)` and `routed(l, e)` (the ranked expert's routing in the latest step that routed its layer), plus a constant; everything else is known at compile time")
+    }
+
     /// A dynamic value (`hot`, `active`) where a compile-time value is required.
     pub fn dynamic_not_allowed(span: Span, what: &str) -> Self {
         Diagnostic::new(Code::ElabDynamic, format!("{what} must be known at compile time"))

@@ -10,8 +10,8 @@ use crate::ir::{
     self, Buffer, BufferId, BufferKind, Engine, Layout, ParamRange, Scalar, Space, Stream, StreamId,
 };
 use crate::syntax::ast::{
-    BinOp, BufferDecl, CacheDecl, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span, StreamDecl,
-    SubstituteDecl, TemplateDecl,
+    BinOp, BufferDecl, CacheDecl, Evict, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span,
+    StreamDecl, SubstituteDecl, TemplateDecl,
 };
 
 /// At most this many slots in one expert cache (more than any model's experts).
@@ -404,13 +404,36 @@ impl<'a> Elaborator<'a> {
             }
             Err(d) => return self.report(d),
         };
-        let policy = match self.name_choice(
-            &decl.evict,
-            "eviction policy",
-            &ir::cache::EvictPolicy::ALL.map(|p| p.as_str()),
-        ) {
-            Ok(p) => ir::cache::EvictPolicy::parse(&p),
-            Err(d) => return self.report(d),
+        let (policy, score) = match &decl.evict {
+            // `score` is a policy with an expression, not a name.
+            Evict::Named(e) if matches!(&e.kind, ExprKind::Str(s) if s == "score") => {
+                return self.report(Diagnostic::type_mismatch(
+                    e.span,
+                    "an eviction policy name (\"lru\", \"lfu\", \"activation\") or `score(l, e) = EXPR`",
+                    "\"score\" without its expression",
+                ));
+            }
+            Evict::Named(e) => match self.name_choice(
+                e,
+                "eviction policy",
+                &ir::cache::EvictPolicy::ALL.map(|p| p.as_str()),
+            ) {
+                Ok(p) => (ir::cache::EvictPolicy::parse(&p), None),
+                Err(d) => return self.report(d),
+            },
+            Evict::Score {
+                layer,
+                expert,
+                score,
+            } => match self.eviction_score(layer, expert, score) {
+                Ok(s) => (Some(ir::cache::EvictPolicy::Score), Some(s)),
+                Err(d) => {
+                    // The error fails the compile; the cache is still declared so its uses
+                    // are not reported again as unknown names.
+                    self.report(d);
+                    (Some(ir::cache::EvictPolicy::Score), None)
+                }
+            },
         };
         let predictor = match &decl.predict {
             None => Some(ir::cache::Predictor::Cooccurrence),
@@ -455,6 +478,7 @@ impl<'a> Elaborator<'a> {
             buffer,
             slots,
             policy,
+            score,
             predictor,
         });
     }

@@ -7,6 +7,7 @@
 //! (a name must be declared before it is used), step blocks after all declarations.
 
 mod decls;
+pub mod evict;
 mod guards;
 mod slices;
 mod stmts;
@@ -185,6 +186,8 @@ struct Elaborator<'a> {
     aborted: bool,
     /// `rank(l, e)` of every key, built at the first call (see `ranks_over_layers`).
     rank_table: Option<Vec<u64>>,
+    /// Set while a cache's eviction score is evaluated (`evict::eviction_score`).
+    linear_scores: bool,
 }
 
 impl<'a> Elaborator<'a> {
@@ -231,6 +234,7 @@ impl<'a> Elaborator<'a> {
             errors: 0,
             aborted: false,
             rank_table: None,
+            linear_scores: false,
         };
         // The checkpoint is buffer 0, read-only, in pageable host memory.
         elab.arrays.push(ArrayDecl {
@@ -545,6 +549,10 @@ impl value::Context for Elaborator<'_> {
 
     fn profile(&self) -> Option<&crate::ir::profile::RoutingProfile> {
         self.options.profile.as_deref()
+    }
+
+    fn linear_scores(&self) -> bool {
+        self.linear_scores
     }
 
     fn rank_over_layers(&mut self, layer: u32, expert: u32) -> u64 {

@@ -105,6 +105,14 @@ pub enum Val {
         /// The micro-batch, or every micro-batch of the step.
         ub: Option<u32>,
     },
+    /// Inside an eviction score (`evict score(l, e) = ..`): a constant plus run-time
+    /// quantities times constants (`super::evict`).
+    Linear {
+        /// The compile-time part.
+        constant: f64,
+        /// Each quantity as written, with its coefficient.
+        terms: Vec<(super::evict::Quantity, f64)>,
+    },
     /// An array of buffers indexed by some of its dimensions so far.
     Array {
         /// Index of the declaration in the elaborator's table.
@@ -133,6 +141,7 @@ impl Val {
             Val::Cond(_) => "a run-time condition",
             Val::Routed { .. } => "a run-time token count",
             Val::Score { .. } => "a run-time routing score",
+            Val::Linear { .. } => "a run-time eviction score",
             Val::Array { .. } => "an array of buffers",
             Val::Slice(_) => "a buffer slice",
             Val::Word(_) => "a keyword",
@@ -183,6 +192,12 @@ pub trait Context {
     /// on first use, and one expert's bytes in it; an error (in words) when the card's
     /// experts cannot be stored in that format.
     fn format_copy(&mut self, format: crate::model::Storage) -> Result<(BufferId, u64), String>;
+
+    /// Whether an eviction score is being evaluated: arithmetic on the run-time routing
+    /// quantities then builds a [`Val::Linear`] instead of being refused.
+    fn linear_scores(&self) -> bool {
+        false
+    }
 }
 
 /// Evaluates an expression.
@@ -263,6 +278,9 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
         }
         ExprKind::Unary(op, inner) => {
             let v = eval(inner, cx)?;
+            if *op == UnOp::Neg && cx.linear_scores() && super::evict::is_run_time(&v) {
+                return super::evict::negate(v, inner.span);
+            }
             match (op, v) {
                 (UnOp::Neg, Val::Int(i)) => i
                     .checked_neg()
@@ -302,6 +320,11 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 _ => {}
             }
             let b = eval(rhs, cx)?;
+            if cx.linear_scores()
+                && (super::evict::is_run_time(&a) || super::evict::is_run_time(&b))
+            {
+                return super::evict::binary(*op, a, b, lhs.span, rhs.span, span);
+            }
             binary(*op, a, b, lhs.span, rhs.span, span)
         }
         ExprKind::Index(base, index) => {

@@ -25,24 +25,101 @@ pub enum EvictPolicy {
     /// activation of the expert in the matched request-level EAM, row-normalised, times
     /// `1 - layer / L` (earlier layers kept longer); lowest score leaves.
     Activation,
+    /// A score the schedule computes (`evict score(l, e) = EXPR`, [`EvictScore`]): lowest
+    /// leaves, ties by recency. Not a name a string can choose: it needs its expression.
+    Score,
 }
 
 impl EvictPolicy {
-    /// Every policy, in the order the language documents them.
+    /// Every policy a schedule names by a string, in the order the language documents
+    /// them (the schedule-computed [`EvictPolicy::Score`] is written `score(l, e) = ..`).
     pub const ALL: [EvictPolicy; 3] = [EvictPolicy::Lru, EvictPolicy::Lfu, EvictPolicy::Activation];
 
-    /// The name a schedule writes (`"lru"`, `"lfu"`, `"activation"`).
+    /// The name a schedule writes (`"lru"`, `"lfu"`, `"activation"`; `score` for a
+    /// schedule-computed score).
     pub fn as_str(self) -> &'static str {
         match self {
             EvictPolicy::Lru => "lru",
             EvictPolicy::Lfu => "lfu",
             EvictPolicy::Activation => "activation",
+            EvictPolicy::Score => "score",
         }
     }
 
-    /// Parses a schedule's policy name.
+    /// Parses a schedule's policy name (one of [`EvictPolicy::ALL`]).
     pub fn parse(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|p| p.as_str() == name)
+    }
+}
+
+/// A run-time quantity an eviction score may read for the expert it ranks: the routing of
+/// that expert's layer in the latest step whose routing of the layer reached the host
+/// before the eviction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ScoreQuantity {
+    /// `score_max(l, e)`: the largest normalised routing weight a token gave the expert.
+    Max,
+    /// `score_sum(l, e)`: the weights summed over the step's tokens.
+    Sum,
+    /// `routed(l, e)`: the tokens routed to it.
+    Routed,
+}
+
+impl ScoreQuantity {
+    /// Every quantity, in the order of [`ScoreTerms::per_quantity`].
+    pub const ALL: [ScoreQuantity; 3] = [
+        ScoreQuantity::Max,
+        ScoreQuantity::Sum,
+        ScoreQuantity::Routed,
+    ];
+}
+
+/// One expert's eviction score: `constant + sum(per_quantity[q] * q)` over the run-time
+/// quantities ([`ScoreQuantity::ALL`] order). The schedule's expression is linear in them
+/// (the elaborator refuses products of two), so every compile-time part folds into the
+/// coefficients.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct ScoreTerms {
+    /// The compile-time part.
+    pub constant: f64,
+    /// Coefficients of `score_max`, `score_sum`, `routed`.
+    pub per_quantity: [f64; 3],
+}
+
+impl ScoreTerms {
+    /// The score for the quantities' values (in [`ScoreQuantity::ALL`] order).
+    pub fn at(&self, values: [f64; 3]) -> f64 {
+        self.constant
+            + self
+                .per_quantity
+                .iter()
+                .zip(values)
+                .map(|(c, v)| c * v)
+                .sum::<f64>()
+    }
+}
+
+/// A schedule-computed eviction score: every (layer, expert)'s [`ScoreTerms`], row-major
+/// (`layer * experts + expert`). Every number is finite (the elaborator checks).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvictScore {
+    /// Experts per layer.
+    pub experts: u32,
+    /// `layers * experts` entries.
+    pub terms: Vec<ScoreTerms>,
+}
+
+// Every number is finite, so equality is reflexive.
+impl Eq for EvictScore {}
+
+impl EvictScore {
+    /// The terms of (layer, expert), if in range.
+    pub fn terms(&self, layer: u32, expert: u32) -> Option<&ScoreTerms> {
+        if expert >= self.experts {
+            return None;
+        }
+        self.terms
+            .get(layer as usize * self.experts as usize + expert as usize)
     }
 }
 
@@ -105,6 +182,9 @@ pub struct Cache {
     pub slots: u32,
     /// Eviction policy.
     pub policy: EvictPolicy,
+    /// With [`EvictPolicy::Score`]: the score of every (layer, expert).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub score: Option<EvictScore>,
     /// Predictor of `predicted(..)`.
     pub predictor: Predictor,
 }

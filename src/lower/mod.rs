@@ -153,6 +153,9 @@ pub struct PlanCache {
     pub slot_bytes: u64,
     /// Eviction policy.
     pub policy: crate::ir::cache::EvictPolicy,
+    /// With `EvictPolicy::Score`: the schedule-computed score of every (layer, expert).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub score: Option<crate::ir::cache::EvictScore>,
     /// Predictor of `predicted(..)`.
     pub predictor: crate::ir::cache::Predictor,
     /// First of its fences: per slot, one event its fills record and, per stream, one its
@@ -508,6 +511,7 @@ fn plan_caches(program: &Program, steps: &[StepPlan]) -> Vec<PlanCache> {
                 slots: c.slots,
                 slot_bytes: program.checkpoint().expert_bytes,
                 policy: c.policy,
+                score: c.score.clone(),
                 predictor: c.predictor,
                 fence_base,
             }

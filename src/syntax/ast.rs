@@ -140,12 +140,29 @@ pub struct CacheDecl {
     pub slots: Expr,
     /// The memory space as written.
     pub space: Ident,
-    /// The eviction policy: a string (`"lru"`, `"lfu"`, `"activation"`).
-    pub evict: Expr,
+    /// The eviction policy.
+    pub evict: Evict,
     /// The predictor of `NAME.predicted(..)`: a string; `None`: co-occurrence.
     pub predict: Option<Expr>,
     /// The whole declaration.
     pub span: Span,
+}
+
+/// How a cache chooses the resident expert a miss replaces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Evict {
+    /// A policy named by a string expression (`"lru"`, `select(p == 0, "lru", "lfu")`).
+    Named(Expr),
+    /// `score(l, e) = EXPR`: the resident with the lowest score leaves; `l` and `e` name
+    /// the layer and expert it ranks inside `EXPR`.
+    Score {
+        /// The name of the layer.
+        layer: Ident,
+        /// The name of the expert.
+        expert: Ident,
+        /// The score.
+        score: Expr,
+    },
 }
 
 /// `substitute CLASS FORMAT` (`substitute experts q4_k`): tasks may compute with the
@@ -482,7 +499,10 @@ impl File {
                 }
                 Item::Cache(d) => {
                     d.slots.collect_names(&mut names);
-                    d.evict.collect_names(&mut names);
+                    match &d.evict {
+                        Evict::Named(e) => e.collect_names(&mut names),
+                        Evict::Score { score, .. } => score.collect_names(&mut names),
+                    }
                     d.predict.iter().for_each(|e| e.collect_names(&mut names));
                 }
                 Item::Substitute(_) => {}

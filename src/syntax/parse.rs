@@ -151,6 +151,9 @@ fn rule_words(rule: Rule) -> Option<&'static str> {
         Rule::neg | Rule::not => "an expression",
         Rule::index | Rule::method | Rule::field => "`[`, `.` or an operator",
         Rule::dim => "`[SIZE]`",
+        Rule::evict_score | Rule::score_kw => {
+            "an eviction policy (a string such as `\"lru\"`, or `score(l, e) = EXPR`)"
+        }
         Rule::buffer_dim => "`[SIZE]` or `[SIZE as NAME]`",
         Rule::EOI => "the end of the file",
         _ => return None,
@@ -328,7 +331,22 @@ fn build_file(pair: P, source: &str) -> Result<File, Diagnostic> {
                 let dim_span = span_of(&dim);
                 let slots = build_expr(next(&mut dim.into_inner(), dim_span)?)?;
                 let space = build_ident(next(&mut it, item_span)?);
-                let evict = build_expr(next(&mut it, item_span)?)?;
+                let policy = next(&mut it, item_span)?;
+                let evict = if policy.as_rule() == Rule::evict_score {
+                    let policy_span = span_of(&policy);
+                    let mut parts = policy.into_inner();
+                    next(&mut parts, policy_span)?; // the keyword
+                    let layer = build_ident(next(&mut parts, policy_span)?);
+                    let expert = build_ident(next(&mut parts, policy_span)?);
+                    let score = build_expr(next(&mut parts, policy_span)?)?;
+                    Evict::Score {
+                        layer,
+                        expert,
+                        score,
+                    }
+                } else {
+                    Evict::Named(build_expr(policy)?)
+                };
                 let predict = it.next().map(build_expr).transpose()?;
                 Item::Cache(CacheDecl {
                     name,

@@ -15,8 +15,8 @@
 
 use super::state::{lock, StepState};
 use crate::ir::cache::{EvictPolicy, Predictor};
-use crate::ir::ExpertRef;
 use crate::ir::TaskId;
+use crate::ir::{ExpertRef, ScoreKind};
 use crate::lower::{PlanArg, PlanCache};
 pub use crate::records::run::{CacheReport, LayerCacheStats};
 use std::collections::HashMap;
@@ -48,6 +48,12 @@ struct Table {
     /// Fetches waiting for a slot.
     waiting: u32,
     stats: Vec<LayerCacheStats>,
+    /// With a schedule-computed score: per (layer, expert), row-major, the routing
+    /// quantities (`score_max`, `score_sum`, `routed`) of the latest step whose routing of
+    /// that layer was on the host at a fetch or prefetch into this cache.
+    quantities: Vec<[f64; 3]>,
+    /// Per layer: its quantities were taken from this step's routing already.
+    noted: Vec<bool>,
 }
 
 /// What a fetch found.
@@ -80,9 +86,12 @@ pub struct CacheRuntime {
 impl CacheRuntime {
     /// An empty cache.
     pub fn new(spec: PlanCache, layers: usize) -> Self {
+        let experts = spec.score.as_ref().map_or(0, |s| s.experts as usize);
         let table = Table {
             slots: vec![Slot::default(); spec.slots as usize],
             stats: vec![LayerCacheStats::default(); layers],
+            quantities: vec![[0.0; 3]; layers * experts],
+            noted: vec![false; layers],
             ..Table::default()
         };
         CacheRuntime {
@@ -98,6 +107,67 @@ impl CacheRuntime {
         for s in &mut t.slots {
             s.holds = 0;
         }
+        t.noted.iter_mut().for_each(|n| *n = false);
+    }
+
+    /// With a schedule-computed score: takes the routing quantities of every layer whose
+    /// routing of this step is on the host (all its micro-batches read back) and was not
+    /// taken yet this step. A layer not routed yet keeps its previous step's.
+    fn note_routing(&self, state: &StepState, experts: usize) {
+        let pending: Vec<u32> = {
+            let t = lock(&self.table);
+            if t.quantities.is_empty() {
+                return;
+            }
+            (0..t.noted.len() as u32)
+                .filter(|&l| !t.noted[l as usize])
+                .collect()
+        };
+        for layer in pending {
+            let quantities = |e: u32| -> Option<[f64; 3]> {
+                Some([
+                    f64::from(state.routed_score(layer, e, None, ScoreKind::Max)?),
+                    f64::from(state.routed_score(layer, e, None, ScoreKind::Sum)?),
+                    state.routed_tokens(layer, e, None)? as f64,
+                ])
+            };
+            let Some(row) = (0..experts as u32)
+                .map(quantities)
+                .collect::<Option<Vec<_>>>()
+            else {
+                continue;
+            };
+            let mut t = lock(&self.table);
+            let start = layer as usize * experts;
+            if let Some(dst) = t.quantities.get_mut(start..start + experts) {
+                dst.copy_from_slice(&row);
+            }
+            t.noted[layer as usize] = true;
+        }
+    }
+
+    /// Every key's schedule-computed score now (`layers x experts`; empty without one).
+    fn schedule_scores(&self, state: &StepState, layers: usize) -> Vec<Vec<f64>> {
+        let Some(score) = &self.spec.score else {
+            return Vec::new();
+        };
+        let experts = score.experts as usize;
+        self.note_routing(state, experts);
+        let t = lock(&self.table);
+        (0..layers)
+            .map(|l| {
+                (0..experts)
+                    .map(|e| {
+                        let q = t
+                            .quantities
+                            .get(l * experts + e)
+                            .copied()
+                            .unwrap_or_default();
+                        score.terms(l as u32, e as u32).map_or(0.0, |s| s.at(q))
+                    })
+                    .collect()
+            })
+            .collect()
     }
 
     /// Makes `key` resident and holds its slot. `score` ranks residents for the
@@ -290,7 +360,7 @@ fn victim(t: &Table, policy: EvictPolicy, score: &dyn Fn(Key) -> f64) -> Option<
         let rank = match policy {
             EvictPolicy::Lru => (0.0, s.last_use),
             EvictPolicy::Lfu => (t.fetches.get(&key).copied().unwrap_or(0) as f64, s.last_use),
-            EvictPolicy::Activation => (score(key), s.last_use),
+            EvictPolicy::Activation | EvictPolicy::Score => (score(key), s.last_use),
         };
         let lower = best.is_none_or(|(_, b)| rank.0 < b.0 || (rank.0 == b.0 && rank.1 < b.1));
         if lower {
@@ -422,6 +492,22 @@ impl StepState {
         }
     }
 
+    /// Every key's eviction score under `cache`'s policy (`layers x experts`, lowest
+    /// leaves): the activation-aware one, the schedule's own (`evict score(l, e) = ..`),
+    /// or none (lru and lfu rank by the cache's own counts).
+    pub fn policy_scores(
+        &self,
+        cache: &CacheRuntime,
+        layers: usize,
+        experts: usize,
+    ) -> Vec<Vec<f64>> {
+        match cache.spec.policy {
+            EvictPolicy::Activation => self.eviction_scores(cache.spec.predictor, layers, experts),
+            EvictPolicy::Score => cache.schedule_scores(self, layers),
+            EvictPolicy::Lru | EvictPolicy::Lfu => Vec::new(),
+        }
+    }
+
     /// The activation-aware eviction score of every key (paper Alg. 1 line 12):
     /// `(p[l][e] + eps) * (1 - l / L)`, `p` the predictor's row-normalised activation.
     pub fn eviction_scores(
@@ -503,5 +589,55 @@ impl StepState {
             e as u32,
             unselected || (all_known && routed.get(e).copied().unwrap_or(0) == 0),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three residents: a schedule-computed score evicts the lowest score, ties by
+    /// recency, and never a held slot; a free slot goes first.
+    #[test]
+    fn a_schedule_computed_score_evicts_its_lowest_unheld_resident() {
+        let resident = |key: Key, last_use: u64| Slot {
+            key: Some(key),
+            last_use,
+            ..Slot::default()
+        };
+        let mut t = Table {
+            slots: vec![
+                resident((0, 1), 1),
+                resident((0, 2), 2),
+                resident((1, 3), 3),
+            ],
+            ..Table::default()
+        };
+        // (0, 2) and (1, 3) tie at 0.1: the least recently used of them leaves.
+        let score = |(l, e): Key| match (l, e) {
+            (0, 1) => 0.5,
+            _ => 0.1,
+        };
+        assert_eq!(victim(&t, EvictPolicy::Score, &score), Some(1));
+        // Held, it stays; the other of the tie goes.
+        t.slots[1].holds = 1;
+        assert_eq!(victim(&t, EvictPolicy::Score, &score), Some(2));
+        // Only the highest score is left unheld.
+        t.slots[2].filling = true;
+        assert_eq!(victim(&t, EvictPolicy::Score, &score), Some(0));
+        // An empty slot before any resident.
+        t.slots.push(Slot::default());
+        assert_eq!(victim(&t, EvictPolicy::Score, &score), Some(3));
+    }
+
+    /// A score's terms: constant plus each quantity times its coefficient.
+    #[test]
+    fn score_terms_are_a_dot_product_with_the_quantities() {
+        let terms = crate::ir::cache::ScoreTerms {
+            constant: -1.0,
+            per_quantity: [0.5, 2.0, 0.25],
+        };
+        // -1 + 0.5 * 0.8 + 2 * 1.2 + 0.25 * 3 = 2.55
+        assert!((terms.at([0.8, 1.2, 3.0]) - 2.55).abs() < 1e-12);
     }
 }

@@ -298,13 +298,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
             }
             other => self.state.resolve_expert(Some(t.id), other, experts),
         };
-        let scores = match cache.spec.policy {
-            crate::ir::cache::EvictPolicy::Activation => {
-                self.state
-                    .eviction_scores(cache.spec.predictor, layers, experts as usize)
-            }
-            _ => Vec::new(),
-        };
+        let scores = self.state.policy_scores(cache, layers, experts as usize);
         let score = |(l, e): cache::Key| {
             scores
                 .get(l as usize)

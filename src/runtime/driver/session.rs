@@ -407,6 +407,17 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
+    /// With `RunOptions::capture_logits`: the logits sequence `id`'s latest token was
+    /// sampled from, while it runs (its [`SeqEvent::Done`] carries the last ones). Read
+    /// after each [`Session::step`], it gives every position's next-token distribution
+    /// (the KL-divergence bounds of lossy schedules compare them with the oracle's).
+    pub fn latest_logits(&self, id: SeqId) -> Option<&[f32]> {
+        self.slots
+            .get(id)
+            .and_then(Option::as_ref)
+            .and_then(|live| live.logits.as_deref())
+    }
+
     /// Refuses what can never run (empty, past the model's positions, too many tokens,
     /// fits no micro-batch); otherwise queues the sequence for the next admission.
     pub fn submit(&mut self, request: SeqRequest) -> Result<SeqId, SubmitError> {
