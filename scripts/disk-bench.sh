@@ -8,7 +8,7 @@
 #   --model NAME=CARD:PATH[:FORMATS]
 #                       a model file or checkpoint folder moec runs (`--weights PATH`), the
 #                       card `moec plan` plans it as, and its weight formats for the planner
-#                       (`--weight-format`), e.g.
+#                       (`--weight-format`; a `.gguf` file is planned from its own header), e.g.
 #                       mixtral-q4km=mixtral-8x7b:/data/Mixtral-8x7B-Q4_K_M.gguf:experts=q4_k,attention=q4_k;
 #                       repeatable
 #   --host-mem BYTES    the host budget moec's runs are held to (default 16GB)
@@ -101,10 +101,17 @@ for entry in "${MODELS[@]}"; do
     best_tps=0
     for sched in moe_infinity_disk flexgen_disk; do
       out=$CACHE/plan-$name-$sched-$batch.log
-      # shellcheck disable=SC2046
-      if "$MOEC" plan "$REPO/schedules/$sched.sched" --model "$card" --hw "$profile" \
-          --host-mem "$HOST_MEM" --workload "$workload" \
-          $([ -n "$formats" ] && echo --weight-format "$formats") > "$out" 2>&1; then
+      # A GGUF file is planned from its header (every tensor's own format: a Q4_K_M mix
+      # keeps some experts in Q6_K, which `--weight-format` cannot say); a folder from its
+      # card and formats.
+      if [ "${path%.gguf}" != "$path" ]; then
+        plan_model=(--model "$path")
+      else
+        plan_model=(--model "$card")
+        [ -n "$formats" ] && plan_model+=(--weight-format "$formats")
+      fi
+      if "$MOEC" plan "$REPO/schedules/$sched.sched" "${plan_model[@]}" --hw "$profile" \
+          --host-mem "$HOST_MEM" --workload "$workload" > "$out" 2>&1; then
         # The best row's predicted decode tokens/s (rank 1: `1 PARAMS.. gen decode gpu pinned host`).
         tps=$(awk '$1 == "1" && NF >= 6 {print $(NF - 3); exit}' "$out")
         if [ -n "$tps" ] && awk -v a="$tps" -v b="$best_tps" 'BEGIN {exit !(a > b)}'; then
