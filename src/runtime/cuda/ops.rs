@@ -283,8 +283,8 @@ impl GpuCx<'_> {
     /// format copy (`WeightTag::Converted`, `W[l].expert(e).format(q8_0)`; the checker
     /// proved the schedule declares that substitute): then the matrix is the
     /// checkpoint's shape in the copy's blocks, which the quantised kernels multiply as
-    /// they do a quantised checkpoint's. The CPU backend's ops find a segment the same
-    /// way (`runtime::cpu::ops`).
+    /// they do a quantised checkpoint's. The host engine's ops find a segment the same
+    /// way, so both count a substituted expert alike.
     pub(super) fn segment_source(
         &self,
         weights: &[View],
