@@ -1384,6 +1384,60 @@ fn every_expert_from_its_q8_0_copy_matches_the_cpu_registered_or_relayed() {
     );
 }
 
+/// Issue 45: one `experts` task over experts stored differently
+/// (`tests/fixtures/formats/mixed.sched`: expert 0 from the checkpoint in bf16, expert 1
+/// from its q8_0 copy, passed together as `w = [hi, lo]`; the other experts from the
+/// checkpoint by a second task). The CUDA backend runs the mixed task as one grouped call
+/// per storage, still on the device: per (layer, step), counted by the stand-in through
+/// `combine_slots` (one a layer and step), 3 `moe_group` launches (2 for the mixed task,
+/// 1 for the other), each followed by one `moe_count_experts`, and one q8_0 group (2
+/// `moe_grouped_gemv_q8` launches: gate+up+SwiGLU, down); no routing read-back. Tokens and
+/// the count of substituted expert computations (expert 1's only: some, not all) are the
+/// CPU backend's.
+#[test]
+fn an_experts_task_over_a_checkpoint_expert_and_a_q8_0_copy_runs_one_grouped_call_per_storage() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "tests/fixtures/formats/mixed.sched";
+    let (cpu, cpu_logits) = run(cache.path(), schedule, "mixtral-tiny", Driver::Cpu, &[]);
+    let _ = std::fs::remove_file(cpu_logits);
+    let want = token_ids(&cpu, "mixed.sched, CPU");
+    let cpu_counts = substituted_experts(&cpu);
+    let (substituted, all) = cpu_counts.expect("the CPU counts a plan with a format copy");
+    assert!(0 < substituted && substituted < all, "{cpu_counts:?}");
+    let (got, counts, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 4, &[], &[]);
+    assert_eq!(
+        got, want,
+        "mixed.sched: CUDA (stand-in) tokens differ from the CPU's"
+    );
+    let device_counts = doc["substituted_experts"]["substituted"]
+        .as_u64()
+        .zip(doc["substituted_experts"]["all"].as_u64());
+    assert_eq!(device_counts, cpu_counts, "substituted expert computations");
+    let layer_steps = calls(&counts, "launch:combine_slots");
+    assert!(layer_steps > 0, "{counts:?}");
+    assert_eq!(
+        calls(&counts, "launch:moe_group"),
+        3 * layer_steps,
+        "{counts:?}"
+    );
+    assert_eq!(
+        calls(&counts, "launch:moe_count_experts"),
+        calls(&counts, "launch:moe_group"),
+        "{counts:?}"
+    );
+    assert_eq!(
+        calls(&counts, "launch:moe_grouped_gemv_q8"),
+        2 * layer_steps,
+        "{counts:?}"
+    );
+    let line = doc["backend"].as_str().expect("backend line");
+    assert!(
+        line.contains("0 routing read-backs by experts/post_attn"),
+        "{line}"
+    );
+}
+
 /// Issue 45: a format copy in a format the CUDA kernels have no decoder for (Q5_0:
 /// `tests/fixtures/formats/substitute.sched` with its q8_0 made q5_0) is refused before
 /// set-up, naming the copy's buffer and format, never run some other way.
