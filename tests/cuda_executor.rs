@@ -1391,9 +1391,10 @@ fn every_expert_from_its_q8_0_copy_matches_the_cpu_registered_or_relayed() {
 /// per storage, still on the device: per (layer, step), counted by the stand-in through
 /// `combine_slots` (one a layer and step), 3 `moe_group` launches (2 for the mixed task,
 /// 1 for the other), each followed by one `moe_count_experts`, and one q8_0 group (2
-/// `moe_grouped_gemv_q8` launches: gate+up+SwiGLU, down); no routing read-back. Tokens and
-/// the count of substituted expert computations (expert 1's only: some, not all) are the
-/// CPU backend's.
+/// `moe_grouped_gemv_q8` launches: gate+up+SwiGLU, down); no routing read-back; the
+/// decode steps, copies from the registered `W.q8_0` included, are captured as a CUDA
+/// graph and replayed. Tokens and the count of substituted expert computations (expert
+/// 1's only: some, not all) are the CPU backend's.
 #[test]
 fn an_experts_task_over_a_checkpoint_expert_and_a_q8_0_copy_runs_one_grouped_call_per_storage() {
     let cache = tempfile::tempdir().expect("cache");
@@ -1436,6 +1437,10 @@ fn an_experts_task_over_a_checkpoint_expert_and_a_q8_0_copy_runs_one_grouped_cal
         line.contains("0 routing read-backs by experts/post_attn"),
         "{line}"
     );
+    // The copies out of the registered `W.q8_0` are device commands: a decode step with
+    // them is captured as a CUDA graph and replayed, counters and all.
+    let (replayed, captured, _, reasons) = graph_counts(&doc, "decode");
+    assert!(replayed >= 1 && captured >= 1, "decode graphs: {reasons}");
 }
 
 /// Issue 45: a format copy in a format the CUDA kernels have no decoder for (Q5_0:
