@@ -6,6 +6,9 @@
 //                        expert (count, prefix sum, permute; stable, as Routing::by_expert),
 //                        and the tiles of at most MOE_TILE_M positions of one expert that
 //                        moe_grouped_linear runs
+//   moe_count_experts    after moe_group: adds the experts that got positions to a stream's
+//                        pair of counters (every expert computation; those computed from a
+//                        format copy of their expert), read by the host after each step
 //   moe_grouped_linear   y[p] = x[row(p)] . W_e^T (+ b_e) for every grouped position p of each
 //                        expert e, bf16/f16/f32 or ggml-block weights read as stored (blocks
 //                        decoded into the shared-memory tile), f32 activations and
@@ -125,6 +128,33 @@ extern "C" __global__ void moe_group(
                 ++position;
             }
         }
+    }
+}
+
+// Adds to counts[0] the experts `tiles` (moe_group's) gives positions, and to counts[1]
+// the same when `substituted` is 1 (the group's experts are format copies): the run
+// report's count of expert computations, one per expert that got tokens, as the CPU
+// backend counts them. An expert's tiles are consecutive, in expert order (moe_group lays
+// them out by the prefix sum over experts), so an expert starts where the tile's expert
+// changes. One thread: `counts` is the launching stream's own pair and a stream's launches
+// run in order, so nothing else writes it meanwhile (no atomics).
+extern "C" __global__ void moe_count_experts(
+    const int* __restrict__ tiles,
+    unsigned long long* __restrict__ counts,
+    int substituted) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) {
+        return;
+    }
+    const int n_tiles = tiles[0];
+    unsigned long long experts = 0;
+    for (int t = 0; t < n_tiles; ++t) {
+        if (t == 0 || tiles[2 + 3 * t] != tiles[2 + 3 * (t - 1)]) {
+            ++experts;
+        }
+    }
+    counts[0] += experts;
+    if (substituted != 0) {
+        counts[1] += experts;
     }
 }
 

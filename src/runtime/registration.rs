@@ -59,7 +59,8 @@ pub struct Registration {
     /// can read a bound weight from the mapped checkpoint; a device must get the bytes).
     pub binds_weight_copies: bool,
     /// The ggml block formats its kernels compute with; a checkpoint holding a tensor in
-    /// any other is refused before set-up, naming the tensor and its format.
+    /// any other, or a plan with a format copy of the experts in any other, is refused
+    /// before set-up, naming the tensor or the copy and its format.
     pub quant_formats: &'static [QuantFormat],
     /// Why the backend cannot run on this machine, in one line, asked before anything is
     /// loaded (`None`: it may).

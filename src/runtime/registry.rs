@@ -16,6 +16,7 @@
 
 use super::backend::{Backend, BackendError, BackendOptions};
 use crate::lower::ExecPlan;
+use crate::quant::storage::Storage;
 use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
 
@@ -61,7 +62,8 @@ pub fn names() -> Vec<&'static str> {
 /// backend as its host engine. A backend is refused a checkpoint with a block-quantised
 /// tensor in a format its kernels do not compute with ([`Registration::quant_formats`]),
 /// naming the first such tensor and its format: it would read the blocks as something
-/// else.
+/// else; and, for the same reason, a plan with a format copy of the experts
+/// (`W[l].expert(e).format(..)`) in such a format, naming the copy.
 pub fn open<'c>(
     backend: &Registration,
     plan: &ExecPlan,
@@ -74,21 +76,43 @@ pub fn open<'c>(
             checkpoint.dir().display()
         )));
     }
-    // Only the CPU backend's expert products find an expert in a format copy
-    // (`WeightTag::Converted`); a device backend would miss it mid-run, so it is refused
-    // here, naming the copy.
-    if let Some(copy) = plan.format_copies.first().filter(|_| backend.name != "cpu") {
+    let copies = plan.format_copies.iter().map(|copy| {
         let name = plan
             .buffers
             .get(copy.buffer.index())
             .map_or("a format copy", |b| b.name.as_str());
-        return Err(BackendError::Unavailable(format!(
-            "the {} backend does not compute with format copies of the experts yet (`{name}`: experts in {}, named by `.format(..)`); run with --backend cpu",
-            backend.name,
-            copy.format.name()
-        )));
+        (name, copy.format)
+    });
+    if let Some(why) = format_copy_refusal(backend, copies) {
+        return Err(BackendError::Unavailable(why));
     }
     (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
+}
+
+/// Why `backend` cannot compute with the format copies `copies` (buffer name, format),
+/// naming the first in a block format its kernels do not decode: an expert found only in
+/// that copy would be multiplied as something else. (A copy in a float format is refused
+/// by every backend when the host side makes the copies, `runtime::host::format_copy`.)
+fn format_copy_refusal<'a>(
+    backend: &Registration,
+    mut copies: impl Iterator<Item = (&'a str, Storage)>,
+) -> Option<String> {
+    let (name, format) = copies.find(|(_, f)| {
+        f.quant()
+            .is_some_and(|q| !backend.quant_formats.contains(&q))
+    })?;
+    let known: Vec<&str> = backend.quant_formats.iter().map(|f| f.name()).collect();
+    Some(format!(
+        "`{name}` holds the experts in {} (a format copy named by `.format(..)`), which the \
+         {} backend's kernels do not compute with (they decode {}); run with --backend cpu",
+        format.name(),
+        backend.name,
+        if known.is_empty() {
+            "no block format".to_string()
+        } else {
+            known.join(", ")
+        }
+    ))
 }
 
 /// Why `backend` cannot compute with `tensors` (name, block format), naming the first it
@@ -166,5 +190,42 @@ mod tests {
             why.starts_with("tensor `output.weight` is stored as Q6_K; the partial backend computes with float weights and Q4_K only"),
             "{why}"
         );
+    }
+
+    /// A format copy of the experts runs on every backend whose kernels decode its format
+    /// (q8_0, q4_k, q6_k: the CUDA backend's quantised expert kernels); one in a format a
+    /// backend lacks (the CUDA kernels have no Q5_0 decoder) is refused before set-up,
+    /// naming the copy's buffer and format, the first such copy of several.
+    #[test]
+    fn format_copies_are_refused_only_in_formats_a_backend_lacks() {
+        let copies = [
+            ("W.q8_0", Storage::Quant(QuantFormat::Q8_0)),
+            ("W.q4_k", Storage::Quant(QuantFormat::Q4K)),
+            ("W.q6_k", Storage::Quant(QuantFormat::Q6K)),
+        ];
+        for b in BACKENDS {
+            assert_eq!(
+                format_copy_refusal(b, copies.into_iter()),
+                None,
+                "{}",
+                b.name
+            );
+        }
+        let with_q5 = [
+            ("W.q8_0", Storage::Quant(QuantFormat::Q8_0)),
+            ("W.q5_0", Storage::Quant(QuantFormat::Q5_0)),
+        ];
+        let cuda = find("cuda").expect("cuda registered");
+        let why = format_copy_refusal(cuda, with_q5.into_iter()).expect("Q5_0 refused on cuda");
+        assert!(
+            why.starts_with("`W.q5_0` holds the experts in Q5_0 (a format copy named by `.format(..)`), which the cuda backend's kernels do not compute with (they decode "),
+            "{why}"
+        );
+        assert!(
+            !why.contains("Q5_0,") && why.ends_with("; run with --backend cpu"),
+            "{why}"
+        );
+        let cpu = find("cpu").expect("cpu registered");
+        assert_eq!(format_copy_refusal(cpu, with_q5.into_iter()), None);
     }
 }

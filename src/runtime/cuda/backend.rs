@@ -25,6 +25,7 @@
 //! [`Backend::finish_step`] synchronises every stream and returns them.
 
 use super::device::{Device, DeviceError, PtxSources};
+use super::format_copies::{add_sources, ExpertSources};
 use super::graph::{self, Command, Deferred, Lane, Recorder};
 use super::launch::{Arg, StreamCx, Workspace};
 use super::memory::{DeviceMemory, DeviceMemoryError};
@@ -169,6 +170,9 @@ pub struct CudaBackend<'c> {
     /// Keeps the rotary tables alive; ops use `rope_ptrs`.
     _rope: (CudaSlice<f32>, CudaSlice<f32>),
     rope_ptrs: (u64, u64),
+    /// The device's count of expert computations and of those that read a format copy
+    /// (a plan with format copies only), read after each step.
+    expert_sources: ExpertSources,
     /// Runs the plan's host-stream tasks over `host_memory`.
     host: Box<dyn Backend + 'c>,
     host_memory: Arc<HostMemory<'c>>,
@@ -178,6 +182,22 @@ pub struct CudaBackend<'c> {
     /// The ids each device tokens buffer holds from its last `sample` ([`SampledIds`]).
     sampled_ids: SampledIds,
     device: Device,
+}
+
+/// The plan's format copies of the experts as (offset, bytes) in the `host` arena,
+/// where lowering placed them.
+fn format_copy_ranges(plan: &ExecPlan) -> Vec<(u64, u64)> {
+    plan.format_copies
+        .iter()
+        .filter_map(|copy| plan.buffers.get(copy.buffer.index()))
+        .filter_map(|slot| match slot.placement {
+            crate::lower::Placement::Arena {
+                space: crate::ir::Space::Host,
+                offset,
+            } => Some((offset, slot.bytes)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn is_device(engine: Engine) -> bool {
@@ -249,7 +269,11 @@ impl<'c> CudaBackend<'c> {
             options.gpu_capacity,
             &host_memory,
             options.weight_copies,
+            &format_copy_ranges(plan),
         )?;
+        let expert_sources =
+            ExpertSources::new(&setup_stream, streams.len(), !plan.format_copies.is_empty())
+                .map_err(call("allocating the expert counters"))?;
         // The CPU's own tables (YaRN-scaled for gpt-oss), so rotary agrees bit for bit.
         let table = RopeTable::for_arch(&arch, arch.max_positions);
         let (cos, sin) = table.tables();
@@ -318,6 +342,7 @@ impl<'c> CudaBackend<'c> {
             streams,
             _rope: rope,
             rope_ptrs,
+            expert_sources,
             host,
             host_memory,
             dtype: plan.model.dtype,
@@ -496,6 +521,10 @@ impl Backend for CudaBackend<'_> {
             }
         ) + &super::ops::quant_kernels(self.host_memory.layout())
             .map_or(String::new(), |q| format!("; {q}"))
+            + &self
+                .memory
+                .format_copies()
+                .map_or(String::new(), |c| format!("; {c}"))
     }
 
     fn memory(&self) -> MemoryReport {
@@ -508,7 +537,8 @@ impl Backend for CudaBackend<'_> {
             populated: host.populated,
             tiled: host.tiled,
             disk: self.host_memory.disk_totals(),
-            substituted: host.substituted,
+            // Expert computations on the host engine's streams and on the device.
+            substituted: add_sources(host.substituted, self.expert_sources.totals()),
         }
     }
 
@@ -541,6 +571,7 @@ impl Backend for CudaBackend<'_> {
             dtype: self.dtype,
             routing_syncs: &self.routing_syncs,
             sampled_ids: &self.sampled_ids,
+            expert_counts: self.expert_sources.pair(stream.index()),
         };
         cx.run(task).map_err(task_error)?;
         self.end_timing(&dev.stream, task, timing)
@@ -685,6 +716,9 @@ impl Backend for CudaBackend<'_> {
                 .synchronize()
                 .map_err(driver("cuStreamSynchronize"))?;
         }
+        self.expert_sources
+            .read()
+            .map_err(driver("cuMemcpyDtoH (expert counters)"))?;
         let timing = std::mem::take(&mut *lock(&self.timing));
         for ev in &self.events {
             ev.recorded_on.store(0, Ordering::Release);

@@ -131,7 +131,7 @@ fn forced() -> Option<&'static str> {
     }
 }
 
-fn page() -> usize {
+pub(super) fn page() -> usize {
     // SAFETY: sysconf with a valid name has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(size).unwrap_or(4096).max(4096)

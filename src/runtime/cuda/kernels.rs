@@ -94,6 +94,7 @@ pub const KERNELS: [KernelSource; 13] = [
         source: include_str!("../../../kernels/moe_grouped.cu"),
         entries: &[
             "moe_group",
+            "moe_count_experts",
             "moe_grouped_linear",
             "moe_grouped_gemv",
             "linear_gemv",

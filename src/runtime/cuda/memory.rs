@@ -7,7 +7,9 @@
 //! arena (so ops find their weights by tensor, as on the CPU), and [`DeviceMemory::copy`].
 //! The `pinned` arena is registered with the driver (`cuMemHostRegister`), so copies from
 //! and to it are asynchronous DMA; `host` stays pageable, and a copy that touches it is
-//! synchronous (CUDA stages it), as `moec check` warns. The checkpoint is registered
+//! synchronous (CUDA stages it), as `moec check` warns, except for the format copies of
+//! the experts it holds (made at load, read-only), registered where the checkpoint is
+//! ([`super::format_copies::HostCopies`]). The checkpoint is registered
 //! read-only where the host can hold it ([`super::host_weights`]), so copies of weights
 //! read it in place: a host copy of weights into pinned staging then moves only their
 //! labels (`HostMemory::bind_weight_copies`) and the device copy out of staging reads the
@@ -16,6 +18,7 @@
 //! host-side event order), so it finds the labels the copy will have written.
 
 use super::device::Device;
+use super::format_copies::HostCopies;
 use super::graph::Command;
 use super::host_weights::{HostWeights, Piece, WeightPath};
 use crate::ir::Space;
@@ -103,13 +106,17 @@ pub struct DeviceMemory {
     /// How the weights reach the device (registered, pinned copy, relay); dropped after
     /// the pinned arena's registration is undone, before the host memory.
     weights: HostWeights,
+    /// The format copies of the experts in the `host` arena (registered where the
+    /// weights are page-locked); dropped before the host memory.
+    copies: HostCopies,
     ctx: Arc<cudarc::driver::CudaContext>,
 }
 
 impl DeviceMemory {
     /// Allocates the `gpu` arena (`bytes`) on `stream`, registers the host side's pinned
     /// arena with the driver, and sets up the weights' way to the device
-    /// ([`HostWeights`]; `weight_copies` `Move` keeps the relay).
+    /// ([`HostWeights`]; `weight_copies` `Move` keeps the relay) and the format copies'
+    /// (`format_copies`: their offset and bytes in the `host` arena; [`HostCopies`]).
     pub fn new(
         device: &Device,
         stream: &Arc<CudaStream>,
@@ -117,6 +124,7 @@ impl DeviceMemory {
         capacity: Option<u64>,
         host: &HostMemory<'_>,
         weight_copies: crate::runtime::backend::WeightCopies,
+        format_copies: &[(u64, u64)],
     ) -> Result<Self, DeviceMemoryError> {
         let (free, total) = result::mem_get_info().map_err(driver("cuMemGetInfo"))?;
         let (limit, why) = match capacity {
@@ -170,6 +178,7 @@ impl DeviceMemory {
             // of weights into staging need only move their labels.
             host.bind_weight_copies();
         }
+        let copies = HostCopies::new(host, format_copies, weights.readable(), &device.ctx);
         Ok(DeviceMemory {
             arena,
             base,
@@ -178,6 +187,7 @@ impl DeviceMemory {
             pinned,
             pinned_device,
             weights,
+            copies,
             ctx: Arc::clone(&device.ctx),
         })
     }
@@ -187,11 +197,18 @@ impl DeviceMemory {
         self.weights.path()
     }
 
+    /// How the format copies of the experts reach the device, for the run report
+    /// (`None`: the plan has none).
+    pub fn format_copies(&self) -> Option<&str> {
+        self.copies.describe()
+    }
+
     /// Host bytes `[start, start + len)` of `region` as the pieces a device copy reads: in
     /// the image, the tensors' own (registered or page-locked) bytes and zeros for
     /// padding; in an arena, its bytes, except that a weight label, when copies bind,
-    /// stands for the image's bytes of that tensor (the arena never got them). Offsets
-    /// are from `start`.
+    /// stands for the image's bytes of that tensor (the arena never got them), or for a
+    /// format copy's segment (`WeightTag::Converted`), for the copy's bytes in the `host`
+    /// arena, made at load. Offsets are from `start`.
     ///
     /// # Safety
     ///
@@ -213,7 +230,13 @@ impl DeviceMemory {
             Region::Image => return image(start, len),
             Region::Arena(space) => space,
         };
-        let pinned = space == Space::Pinned && self.pinned.is_some();
+        // Page-locked host bytes: the registered pinned arena, and the format copies of
+        // the `host` arena where they are registered.
+        let locked = |space: Space, at: u64, n: u64| match space {
+            Space::Pinned => self.pinned.is_some(),
+            Space::Host => self.copies.pinned(at, n),
+            Space::Gpu | Space::Disk => false,
+        };
         let arena = |offset: u64, n: u64| -> Result<Piece<'a>, DeviceMemoryError> {
             let view = View {
                 region,
@@ -225,7 +248,7 @@ impl DeviceMemory {
             Ok(Piece::Bytes {
                 offset,
                 bytes,
-                pinned,
+                pinned: locked(space, view.start, n),
             })
         };
         let labels = if host.binds() {
@@ -238,6 +261,32 @@ impl DeviceMemory {
         for (offset, n, tag, tag_offset) in labels {
             if offset > at {
                 pieces.push(arena(at, offset - at)?);
+            }
+            if let WeightTag::Converted { .. } = tag {
+                // A format copy's segment: its bytes are the copy's, in the `host` arena.
+                let from = host.converted_start(tag).ok_or(DeviceMemoryError::Host(
+                    MemoryError::ImageView(
+                        crate::runtime::host::image::ImageViewError::NotOneTensor {
+                            start: start + offset,
+                            end: start + offset + n,
+                        },
+                    ),
+                ))? + tag_offset;
+                let view = View {
+                    region: Region::Arena(Space::Host),
+                    start: from,
+                    len: n,
+                };
+                // SAFETY: a format copy is written once, at load, before any task, and
+                // never after (its buffer is read-only to the plan).
+                let bytes = unsafe { host.bytes(view)? };
+                pieces.push(Piece::Bytes {
+                    offset,
+                    bytes,
+                    pinned: locked(Space::Host, from, n),
+                });
+                at = offset + n;
+                continue;
             }
             let from =
                 host.image_start(tag)

@@ -17,6 +17,7 @@ pub mod deepseek;
 pub mod detect;
 pub mod device;
 pub mod devices;
+pub mod format_copies;
 pub mod graph;
 pub mod host_weights;
 pub mod kernels;

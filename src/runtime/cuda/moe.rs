@@ -17,7 +17,13 @@
 //! whose weights are not all in the task's arguments); [`GpuCx::combine`] sums each
 //! token's slots (and its shared-expert row) into the residual in the CPU's order
 //! (`moe::combine_shared`). The shared expert (Qwen2-MoE, DeepSeek) is dense work every
-//! token does and runs with the router, as the CPU's gate does.
+//! token does and runs with the router, as the CPU's gate does. An expert found only as a
+//! format copy (`W[l].expert(e).format(q8_0)`, [`GpuCx::segment_source`]) is multiplied in
+//! the copy's block format by the same quantised kernels; a call whose members are stored
+//! differently (checkpoint experts beside copies) runs one grouped call per storage, and
+//! in a plan with format copies each grouped call counts its experts with tokens on the
+//! device (`moe_count_experts`, `super::format_copies::ExpertSources`), the host grouping
+//! on the host, for the run report's `lossy substitute:` line.
 
 use super::deepseek;
 use super::launch::{
@@ -335,7 +341,9 @@ impl GpuCx<'_> {
 
     /// Every routed expert of `members` over `x_norm` (`[n, d]`), `weight * y` into each
     /// (row, slot) of `slots` (`[n, top_k, d]`), grouped on the host from `routing`: per
-    /// expert a gather, its projections (cuBLAS for many rows) and a weighted scatter.
+    /// expert a gather, its projections (cuBLAS for many rows) and a weighted scatter,
+    /// each expert's weights as stored (a format copy's blocks included), each counted in
+    /// the host memory's expert computations (the device path counts on the device).
     fn host_experts(
         &self,
         weights: &[View],
@@ -358,7 +366,10 @@ impl GpuCx<'_> {
                     bad.row, bad.slot
                 )));
             }
-            let down = self.segment(weights, layer, SegmentKind::ExpertDown(e as usize))?;
+            let (down, substituted) =
+                self.segment_source(weights, layer, SegmentKind::ExpertDown(e as usize))?;
+            // One expert computation for the run report, as the CPU backend counts it.
+            self.host.note_expert_source(substituted);
             let m = rows.len();
             let idx: Vec<u32> = rows.iter().map(|r| r.row).collect();
             let slot_of: Vec<u32> = rows.iter().map(|r| r.slot).collect();
@@ -431,11 +442,13 @@ impl GpuCx<'_> {
     /// `moe_grouped_linear` runs each projection over every expert's segment in one launch,
     /// reading the stored weights through a table of their addresses (one upload). No
     /// routing is read on the host, and the launches do not depend on how many experts are
-    /// active: 4 (5 with gpt-oss's clamped SwiGLU) per call. Gives false, having launched
-    /// nothing, when a member's weights are not all in `weights` (the caller then groups on
-    /// the host, which looks up only the experts that are routed to), or when the call has
-    /// more than [`GROUPED_MAX_ENTRIES`] routed entries (a prefill: the caller's per-expert
-    /// cuBLAS GEMMs are faster there than the grouped kernels, after one read-back).
+    /// active: 4 (5 with gpt-oss's clamped SwiGLU) per call, per storage of the members'
+    /// weights (one, unless a task mixes checkpoint experts with format copies of others).
+    /// Gives false, having launched nothing, when a member's weights are not all in
+    /// `weights` (the caller then groups on the host, which looks up only the experts that
+    /// are routed to), or when the call has more than [`GROUPED_MAX_ENTRIES`] routed
+    /// entries (a prefill: the caller's per-expert cuBLAS GEMMs are faster there than the
+    /// grouped kernels, after one read-back).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn device_experts(
         &self,
@@ -460,17 +473,15 @@ impl GpuCx<'_> {
             return Ok(false);
         }
         let fused = self.arch.clamped_swiglu;
-        // Per expert: [first projection, second (gate/up split only), down, first's bias,
-        // down's bias]; 0 where an expert is not a member (or has no bias).
-        let mut table = vec![0u64; 5 * e];
-        let mut shapes: Option<[(i32, Orientation, Option<QuantFormat>); 3]> = None;
-        let mut bias_dtype = WeightDtype::F32;
+        // The members by how their weights are stored and whether they are format copies:
+        // each group is one grouped call, its own table.
+        let mut groups: Vec<MemberGroup> = Vec::new();
         for &m in members {
             let m = m as usize;
             if m >= e {
                 continue;
             }
-            let found = |kind| match self.segment(weights, layer, kind) {
+            let found = |kind| match self.segment_source(weights, layer, kind) {
                 Ok(w) => Ok(Some(w)),
                 Err(OpError::MissingWeight { .. }) => Ok(None),
                 Err(other) => Err(other),
@@ -483,30 +494,44 @@ impl GpuCx<'_> {
                 ),
             };
             let down = found(SegmentKind::ExpertDown(m))?;
-            let (Some(first), Some(down)) = (first, down) else {
+            // Substituted or not as its down projection is (the CPU backend's rule).
+            let (Some((first, _)), Some((down, substituted))) = (first, down) else {
                 return Ok(false);
             };
             let second = match (fused, second) {
                 (Some(_), _) => first,
-                (None, Some(up)) => up,
+                (None, Some((up, _))) => up,
                 (None, None) => return Ok(false),
             };
-            let shape = [first, second, down].map(|w| (w.code(), w.orientation, w.quant));
-            if *shapes.get_or_insert(shape) != shape {
-                return Err(not_supported(
-                    "experts of one layer stored in different formats or orientations".into(),
-                ));
-            }
-            table[m] = first.ptr;
-            table[e + m] = second.ptr;
-            table[2 * e + m] = down.ptr;
+            let shapes = [first, second, down].map(|w| (w.code(), w.orientation, w.quant));
+            let at = match groups
+                .iter()
+                .position(|g| g.shapes == shapes && g.substituted == substituted)
+            {
+                Some(at) => at,
+                None => {
+                    groups.push(MemberGroup {
+                        shapes,
+                        substituted,
+                        table: vec![0u64; 5 * e],
+                        members: 0,
+                        bias_dtype: WeightDtype::F32,
+                    });
+                    groups.len() - 1
+                }
+            };
+            let group = &mut groups[at];
+            group.members += 1;
+            group.table[m] = first.ptr;
+            group.table[e + m] = second.ptr;
+            group.table[2 * e + m] = down.ptr;
             if fused.is_some() {
                 for (slot, kind) in [
                     (3, SegmentKind::ExpertGateUpBias(m)),
                     (4, SegmentKind::ExpertDownBias(m)),
                 ] {
                     if self.has(kind) {
-                        let b = found(kind)?.ok_or(OpError::MissingWeight {
+                        let (b, _) = found(kind)?.ok_or(OpError::MissingWeight {
                             tag: WeightTag::Layer { layer, kind },
                         })?;
                         if b.rows * b.cols != if slot == 3 { 2 * f } else { d } {
@@ -516,16 +541,38 @@ impl GpuCx<'_> {
                                 b.rows * b.cols
                             )));
                         }
-                        bias_dtype = b.dtype;
-                        table[slot * e + m] = b.ptr;
+                        group.bias_dtype = b.dtype;
+                        group.table[slot * e + m] = b.ptr;
                     }
                 }
             }
         }
-        let Some(shapes) = shapes else {
-            // No member this layer has: nothing to run.
-            return Ok(true);
-        };
+        // No group when the layer has none of the members: nothing to run.
+        for group in &groups {
+            self.grouped_experts(group, route, n, x_norm, slots)?;
+        }
+        Ok(true)
+    }
+
+    /// One grouped call of [`GpuCx::device_experts`]: the experts of `group` (all stored
+    /// alike), grouped by `moe_group`, counted when the plan has format copies
+    /// (`moe_count_experts`), then their projections.
+    fn grouped_experts(
+        &self,
+        group: &MemberGroup,
+        route: u64,
+        n: usize,
+        x_norm: u64,
+        slots: u64,
+    ) -> Result<(), OpError> {
+        let (d, f, k, e) = (
+            self.arch.hidden,
+            self.arch.ffn,
+            self.arch.top_k,
+            self.arch.experts,
+        );
+        let fused = self.arch.clamped_swiglu;
+        let (shapes, table, bias_dtype) = (group.shapes, &group.table, group.bias_dtype);
         let code = |dt: WeightDtype| storage_code(dt, None);
         // Each projection's own storage (DBRX stores down [in, out], gate and up [out, in];
         // a Q4_K_M GGUF some layers' down in Q6_K and their gate and up in Q4_K).
@@ -534,11 +581,10 @@ impl GpuCx<'_> {
             |which: usize| i32::from(shapes[which.min(2)].1 == Orientation::OutIn),
         );
         let entries = n * k;
-        let n_members = members.iter().filter(|&&m| (m as usize) < e).count();
-        let max_tiles = max_tiles(entries, n_members);
+        let max_tiles = max_tiles(entries, group.members);
         let aligned = table[..3 * e].iter().all(|&p| p.is_multiple_of(16));
         // The same addresses every step while the weights stay put: copied once.
-        let table = self.s.upload_constant(&table)?;
+        let table = self.s.upload_constant(table.as_slice())?;
         let perm_row = self.s.scratch(entries * 4)?;
         let perm_slot = self.s.scratch(entries * 4)?;
         let perm_weight = self.s.scratch(entries * 4)?;
@@ -560,6 +606,21 @@ impl GpuCx<'_> {
                 Arg::I32(int("experts", e)?),
             ],
         )?;
+        if self.expert_counts != 0 {
+            // The run report's count of expert computations (and of those from a format
+            // copy), kept on the device: no routing read-back.
+            self.s.launch(
+                "moe_count_experts",
+                (1, 1, 1),
+                32,
+                0,
+                &[
+                    Arg::Ptr(tiles.ptr()),
+                    Arg::Ptr(self.expert_counts),
+                    Arg::I32(i32::from(group.substituted)),
+                ],
+            )?;
+        }
         // tiles[1]: how many grouped positions hold values (the routed entries of the
         // member experts); rows past it are never written, so nothing reads them.
         let live = tiles.ptr() + 4;
@@ -613,7 +674,7 @@ impl GpuCx<'_> {
                 self.s
                     .quantize_q8(hidden.ptr(), f, entries, f, act_format(shapes[2].2), live)?;
             grouped_q8(&h8, false, 2, 2, 0, slots, d)?;
-            return Ok(true);
+            return Ok(());
         }
         let grouped = |x: u64,
                        gather: bool,
@@ -713,7 +774,7 @@ impl GpuCx<'_> {
                 grouped(down_in, false, 2, 2, 0, slots, f, d)?;
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     /// The combine stage: `residual[n, d] += sum of each token's slots (+ its
@@ -828,6 +889,22 @@ pub(super) enum ExpertKernels {
 
 /// A layer's (gate, up, down) storage: kernel code, orientation and block format.
 type ExpertShapes = [(i32, Orientation, Option<QuantFormat>); 3];
+
+/// Members of one `experts` call stored alike: one grouped call of
+/// [`GpuCx::device_experts`].
+struct MemberGroup {
+    /// Their (gate, up, down) storage.
+    shapes: ExpertShapes,
+    /// Whether they are format copies of their experts (a declared lossy substitute).
+    substituted: bool,
+    /// Per expert: [first projection, second (gate/up split only), down, first's bias,
+    /// down's bias] addresses; 0 where an expert is not in this group (or has no bias).
+    table: Vec<u64>,
+    /// Experts in the group.
+    members: usize,
+    /// The biases' dtype (gpt-oss).
+    bias_dtype: WeightDtype,
+}
 
 impl ExpertKernels {
     /// The kernels for experts stored as `shapes`; `fused`: gpt-oss's gate/up with biases;

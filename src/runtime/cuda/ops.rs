@@ -89,6 +89,10 @@ pub struct GpuCx<'a> {
     pub routing_syncs: &'a AtomicUsize,
     /// What the device tokens buffers hold from their last `sample`.
     pub sampled_ids: &'a SampledIds,
+    /// The device address of this stream's pair of expert counters (all, from a format
+    /// copy: `super::format_copies::ExpertSources`), `0` when the plan has no format copy
+    /// (nothing counted on the device).
+    pub expert_counts: u64,
 }
 
 /// The ids each device tokens buffer (by address) holds from the `sample` that last wrote
@@ -272,6 +276,21 @@ impl GpuCx<'_> {
         layer: u32,
         kind: SegmentKind,
     ) -> Result<DevMatrix, OpError> {
+        Ok(self.segment_source(weights, layer, kind)?.0)
+    }
+
+    /// [`GpuCx::segment`], and whether a routed expert's segment was found only as a
+    /// format copy (`WeightTag::Converted`, `W[l].expert(e).format(q8_0)`; the checker
+    /// proved the schedule declares that substitute): then the matrix is the
+    /// checkpoint's shape in the copy's blocks, which the quantised kernels multiply as
+    /// they do a quantised checkpoint's. The host engine's ops find a segment the same
+    /// way, so both count a substituted expert alike.
+    pub(super) fn segment_source(
+        &self,
+        weights: &[View],
+        layer: u32,
+        kind: SegmentKind,
+    ) -> Result<(DevMatrix, bool), OpError> {
         let tag = WeightTag::Layer { layer, kind };
         let seg = self
             .host
@@ -280,14 +299,55 @@ impl GpuCx<'_> {
             .segment(kind)
             .cloned()
             .ok_or(OpError::MissingWeight { tag })?;
-        Ok(DevMatrix {
-            ptr: self.weight(weights, tag)?,
-            dtype: seg.dtype,
-            quant: seg.quant,
-            rows: seg.rows,
-            cols: seg.cols,
-            orientation: seg.orientation.unwrap_or(Orientation::OutIn),
-        })
+        let orientation = seg.orientation.unwrap_or(Orientation::OutIn);
+        match self.weight(weights, tag) {
+            Ok(ptr) => {
+                return Ok((
+                    DevMatrix {
+                        ptr,
+                        dtype: seg.dtype,
+                        quant: seg.quant,
+                        rows: seg.rows,
+                        cols: seg.cols,
+                        orientation,
+                    },
+                    false,
+                ))
+            }
+            Err(OpError::MissingWeight { .. }) if kind.expert().is_some() => {}
+            Err(other) => return Err(other),
+        }
+        for &format in self.host.converted_formats() {
+            let converted = WeightTag::Converted {
+                layer,
+                kind,
+                format,
+            };
+            let ptr = match self.weight(weights, converted) {
+                Ok(ptr) => ptr,
+                Err(OpError::MissingWeight { .. }) => continue,
+                Err(other) => return Err(other),
+            };
+            // A copy keeps the checkpoint's orientation (`model::layout::with_expert_storage`
+            // refuses one that would need a transpose), and blocks are read `[out, in]`.
+            if orientation != Orientation::OutIn {
+                return Err(not_supported(format!(
+                    "{converted} stored [in, out] (block formats are read [out, in])"
+                )));
+            }
+            return Ok((
+                DevMatrix {
+                    ptr,
+                    dtype: WeightDtype::F32,
+                    quant: Some(format),
+                    rows: seg.rows,
+                    cols: seg.cols,
+                    orientation,
+                },
+                true,
+            ));
+        }
+        Err(OpError::MissingWeight { tag })
     }
 
     /// A norm weight's address and the kernels' code of its float dtype (Hub checkpoints

@@ -5,7 +5,8 @@
 //! converted segment's bytes (decoded from the checkpoint's format to f32 and quantised as
 //! ggml's reference quantisers do, `quant::encode`) and its labels
 //! (`WeightTag::Converted`), so copies move them like any weight and an op that finds an
-//! expert only in this form computes with it. Slot `(l - dense_layers) * experts + e` holds
+//! expert only in this form computes with it (on either backend: a device backend copies
+//! the converted bytes from here, registered with its driver where it can). Slot `(l - dense_layers) * experts + e` holds
 //! expert `e` of layer `l`, laid out as that expert of the card with its experts in the
 //! copy's format (`model::layout::with_expert_storage`), which is how the compiler sized it.
 

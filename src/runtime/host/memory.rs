@@ -440,6 +440,13 @@ impl<'c> HostMemory<'c> {
         self.image_starts.get(&tag).copied()
     }
 
+    /// Where converted segment `tag` of a format copy starts in the `host` arena: what a
+    /// bound `WeightTag::Converted` label stands for, as [`HostMemory::image_start`] is for
+    /// the image's tensors (a device backend reads the copy's bytes there).
+    pub fn converted_start(&self, tag: WeightTag) -> Option<u64> {
+        self.converted_starts.get(&tag).copied()
+    }
+
     /// Bytes of the image relayed by a host memcpy so far (into an arena, or staged for a
     /// device copy).
     pub fn relayed(&self) -> u64 {
