@@ -29,7 +29,7 @@
 //! A predicted expert in a guard is refused here too (`elab::dynamic`): predictions decide
 //! what is copied ahead, never what runs.
 
-use super::cells::{guard_text, implies};
+use super::cells::implies;
 use crate::diag::Diagnostic;
 use crate::ir::cache::{bindings, CacheOp};
 use crate::ir::deps::Dag;
@@ -85,7 +85,7 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                     &program.task_name(id),
                     &slot,
                     None,
-                    &guard_text(&task.guard),
+                    &task.guard.text(&program.caches),
                 )),
                 Some(fetch) => {
                     let f = program.task(fetch);
@@ -97,9 +97,9 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                             Some((
                                 program.task_name(fetch),
                                 program.task_span(fetch),
-                                guard_text(&f.guard),
+                                f.guard.text(&program.caches),
                             )),
-                            &guard_text(&task.guard),
+                            &task.guard.text(&program.caches),
                         ));
                     }
                 }

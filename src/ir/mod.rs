@@ -804,30 +804,32 @@ impl GuardAtom {
     }
 }
 
-impl std::fmt::Display for GuardAtom {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl GuardAtom {
+    /// The atom as the schedule writes it: `active(0, 3)`, `routed(0, 3, 1) >= 2`,
+    /// `score_max(0, 3) >= 0.4`, and a residency with its cache's declared name,
+    /// `ec.resident(0, 3)` (`caches` is [`Program::caches`], which the atom indexes).
+    pub fn text(&self, caches: &[cache::Cache]) -> String {
         let ub = self.ub().map(|u| format!(", {u}")).unwrap_or_default();
         match *self {
-            GuardAtom::Active { layer, expert, .. } => write!(f, "active({layer}, {expert}{ub})"),
+            GuardAtom::Active { layer, expert, .. } => format!("active({layer}, {expert}{ub})"),
             GuardAtom::Tokens {
                 layer,
                 expert,
                 at_least,
                 ..
-            } => write!(f, "routed({layer}, {expert}{ub}) >= {at_least}"),
+            } => format!("routed({layer}, {expert}{ub}) >= {at_least}"),
             GuardAtom::Resident {
                 cache,
                 layer,
                 expert,
-            } => write!(f, "cache {cache}.resident({layer}, {expert})"),
+            } => format!("{}.resident({layer}, {expert})", cache_name(caches, cache)),
             GuardAtom::Score {
                 kind,
                 layer,
                 expert,
                 at_least_bits,
                 ..
-            } => write!(
-                f,
+            } => format!(
                 "{}({layer}, {expert}{ub}) >= {}",
                 kind.as_str(),
                 f32::from_bits(at_least_bits)
@@ -836,12 +838,23 @@ impl std::fmt::Display for GuardAtom {
     }
 }
 
-impl std::fmt::Display for GuardLit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+/// The declared name of cache `index`; an index no cache has (a program built by hand,
+/// not by elaboration) says so rather than borrowing another cache's name.
+fn cache_name(caches: &[cache::Cache], index: u32) -> String {
+    caches
+        .get(index as usize)
+        .map_or_else(|| format!("<cache {index} undeclared>"), |c| c.name.clone())
+}
+
+impl GuardLit {
+    /// The literal as the schedule writes it (see [`GuardAtom::text`]); a negated
+    /// comparison reads as the comparison it came from (`routed(0, 3) < 2`, not
+    /// `!(routed(0, 3) >= 2)`).
+    pub fn text(&self, caches: &[cache::Cache]) -> String {
         match (self.negated, self.atom) {
-            (false, atom) => write!(f, "{atom}"),
+            (false, atom) => atom.text(caches),
             (true, GuardAtom::Active { .. } | GuardAtom::Resident { .. }) => {
-                write!(f, "!{}", self.atom)
+                format!("!{}", self.atom.text(caches))
             }
             (
                 true,
@@ -855,9 +868,8 @@ impl std::fmt::Display for GuardLit {
             ) => {
                 let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
                 let t = f32::from_bits(at_least_bits);
-                write!(f, "{}({layer}, {expert}{ub}) < {t}", kind.as_str())
+                format!("{}({layer}, {expert}{ub}) < {t}", kind.as_str())
             }
-            // `!(routed >= t)` reads better as the comparison it came from.
             (
                 true,
                 GuardAtom::Tokens {
@@ -868,16 +880,9 @@ impl std::fmt::Display for GuardLit {
                 },
             ) => {
                 let ub = ub.map(|u| format!(", {u}")).unwrap_or_default();
-                write!(f, "routed({layer}, {expert}{ub}) < {at_least}")
+                format!("routed({layer}, {expert}{ub}) < {at_least}")
             }
         }
-    }
-}
-
-impl std::fmt::Display for Guard {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let text: Vec<String> = self.lits.iter().map(ToString::to_string).collect();
-        write!(f, "{}", text.join(" && "))
     }
 }
 
@@ -906,6 +911,13 @@ impl Guard {
     /// Whether every literal of `self` is also in `other` (so `other` implies `self`).
     pub fn implied_by(&self, other: &Guard) -> bool {
         self.lits.iter().all(|l| other.lits.contains(l))
+    }
+
+    /// The guard as the schedule writes it, literals joined by `&&` (see
+    /// [`GuardLit::text`]; `caches` is [`Program::caches`]); empty when it always holds.
+    pub fn text(&self, caches: &[cache::Cache]) -> String {
+        let text: Vec<String> = self.lits.iter().map(|l| l.text(caches)).collect();
+        text.join(" && ")
     }
 }
 
