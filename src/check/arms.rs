@@ -15,6 +15,7 @@
 //! Fiddler's `if routed(l, e) >= t { copy; experts on gpu } else { experts on cpu }`
 //! passes; an arm missing or repeated under some routing does not.
 
+use crate::ir::cache::Cache;
 use crate::ir::catalog::{ExpertRef, ExpertSet};
 use crate::ir::{Guard, GuardAtom, ScoreKind, TaskId};
 use std::collections::{BTreeMap, HashMap};
@@ -70,13 +71,14 @@ pub fn has_load_guard(outputs: &[Output]) -> bool {
 
 /// Checks that every expert of `layer` (fixed indices, or run-time ranks when the outputs
 /// name ranks) is computed exactly once whenever it has tokens from `ub`. `name` renders
-/// a task for the message.
+/// a task for the message, `caches` (the program's) names the caches residency guards read.
 pub fn check(
     outputs: &[Output],
     layer: u32,
     ub: u32,
     experts: u64,
     name: &dyn Fn(TaskId) -> String,
+    caches: &[Cache],
 ) -> Option<String> {
     let ranks = outputs
         .iter()
@@ -99,7 +101,7 @@ pub fn check(
             ExpertRef::Index(x)
         };
         let mine = by_expert.get(&expert).map_or(&[][..], Vec::as_slice);
-        if let Some(problem) = check_expert(mine, layer, expert, ub, name) {
+        if let Some(problem) = check_expert(mine, layer, expert, ub, name, caches) {
             return Some(problem);
         }
     }
@@ -112,6 +114,7 @@ fn check_expert(
     expert: ExpertRef,
     ub: u32,
     name: &dyn Fn(TaskId) -> String,
+    caches: &[Cache],
 ) -> Option<String> {
     let what = match expert {
         ExpertRef::Index(e) => format!("expert {e}"),
@@ -171,7 +174,7 @@ fn check_expert(
                 })
                 .collect();
             if running.len() != 1 {
-                let case = describe_case(&vars, &region, outputs, ub);
+                let case = describe_case(&vars, &region, outputs, ub, caches);
                 let tasks: Vec<String> = outputs.iter().map(|o| name(o.task)).collect();
                 let why = match tasks.as_slice() {
                     [] => "no task computing it reaches this `combine`".to_string(),
@@ -217,6 +220,7 @@ fn describe_case(
     region: &[usize],
     outputs: &[&Output],
     ub: u32,
+    caches: &[Cache],
 ) -> String {
     let read = |v: &Var| {
         outputs
@@ -242,9 +246,12 @@ fn describe_case(
             }
             Quantity::Resident(cache) => {
                 let hit = if lo >= 1 { "a hit" } else { "a miss" };
-                parts.push(format!(
-                    "cache {cache}.resident({layer}, {expert}) is {hit}"
-                ));
+                let atom = GuardAtom::Resident {
+                    cache,
+                    layer,
+                    expert,
+                };
+                parts.push(format!("{} is {hit}", atom.text(caches)));
             }
             Quantity::Score(kind) => {
                 let f = |bits: u32| f32::from_bits(bits);
@@ -302,11 +309,20 @@ mod tests {
         format!("#{}", t.0)
     }
 
-    /// Two experts; expert 1 always on its own unguarded task; expert 0 under `arms`.
+    /// Two experts; expert 1 always on its own unguarded task; expert 0 under `arms`;
+    /// one expert cache, `ec` (what residency guards read).
     fn run(arms: &[Output]) -> Option<String> {
         let mut all = arms.to_vec();
         all.push(out(99, ExpertSet::One(ExpertRef::Index(1)), &[]));
-        check(&all, 0, 0, 2, &name)
+        let ec = Cache {
+            name: "ec".to_string(),
+            buffer: crate::ir::BufferId(1),
+            slots: 2,
+            policy: crate::ir::cache::EvictPolicy::Lru,
+            score: None,
+            predictor: crate::ir::cache::Predictor::Cooccurrence,
+        };
+        check(&all, 0, 0, 2, &name, &[ec])
     }
 
     const E0: ExpertSet = ExpertSet::One(ExpertRef::Index(0));
@@ -418,8 +434,7 @@ mod tests {
         // The miss arm missing: nothing computes expert 0 on a miss.
         let problem = run(std::slice::from_ref(&a)).expect("uncovered");
         assert!(
-            problem.contains("not computed")
-                && problem.contains("cache 0.resident(0, 0) is a miss"),
+            problem.contains("not computed") && problem.contains("ec.resident(0, 0) is a miss"),
             "{problem}"
         );
         // The score arms without the miss guard overlap the hit arm.

@@ -29,11 +29,11 @@
 //! A predicted expert in a guard is refused here too (`elab::dynamic`): predictions decide
 //! what is copied ahead, never what runs.
 
-use super::cells::{guard_text, implies};
+use super::cells::implies;
 use crate::diag::Diagnostic;
 use crate::ir::cache::{bindings, CacheOp};
 use crate::ir::deps::Dag;
-use crate::ir::{ExpertRef, GuardAtom, Program, StepKind, TaskId};
+use crate::ir::{ExpertRef, GuardAtom, Program, Step, StepKind, TaskId};
 use std::collections::HashMap;
 
 /// Runs the cache checks.
@@ -85,7 +85,7 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                     &program.task_name(id),
                     &slot,
                     None,
-                    &guard_text(&task.guard),
+                    &task.guard.text(&program.caches),
                 )),
                 Some(fetch) => {
                     let f = program.task(fetch);
@@ -97,9 +97,9 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
                             Some((
                                 program.task_name(fetch),
                                 program.task_span(fetch),
-                                guard_text(&f.guard),
+                                f.guard.text(&program.caches),
                             )),
-                            &guard_text(&task.guard),
+                            &task.guard.text(&program.caches),
                         ));
                     }
                 }
@@ -144,7 +144,7 @@ fn self_hit(program: &Program, task: TaskId) -> bool {
 fn stale_guards(
     program: &Program,
     dag: &Dag,
-    step: &crate::ir::Step,
+    step: &Step,
     cache: u32,
     diags: &mut Vec<Diagnostic>,
 ) {
@@ -186,41 +186,15 @@ fn stale_guards(
     if guarded.is_empty() || changers.is_empty() {
         return;
     }
-    // Ancestors among the changers and the guarded tasks, as bitsets propagated in issue
-    // order (every predecessor comes earlier).
-    let mut interesting: Vec<TaskId> = changers.clone();
-    interesting.extend(guarded.iter().flat_map(|(_, t)| t.iter().copied()));
-    interesting.sort();
-    interesting.dedup();
-    let bit: HashMap<TaskId, usize> = interesting
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (*t, i))
-        .collect();
-    let first = step.first as usize;
-    let words = interesting.len().div_ceil(64);
-    let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; step.count as usize];
-    for k in 0..step.count as usize {
-        let id = TaskId::new(first + k);
-        let mut set = vec![0u64; words];
-        for dep in dag.preds(id) {
-            let p = dep.from.index();
-            if p < first {
-                continue;
-            }
-            for (w, a) in set.iter_mut().zip(&anc[p - first]) {
-                *w |= a;
-            }
-            if let Some(&b) = bit.get(&dep.from) {
-                set[b / 64] |= 1 << (b % 64);
-            }
-        }
-        anc[k] = set;
-    }
-    let before = |x: TaskId, y: TaskId| -> bool {
-        bit.get(&x)
-            .is_some_and(|&b| anc[y.index() - first][b / 64] & (1 << (b % 64)) != 0)
-    };
+    let order = Order::new(
+        dag,
+        step,
+        changers
+            .iter()
+            .chain(guarded.iter().flat_map(|(_, t)| t))
+            .copied(),
+    );
+    let before = |x: TaskId, y: TaskId| order.before(x, y);
     let c = &program.caches[cache as usize];
     for ((layer, expert), tasks) in &guarded {
         for &changer in &changers {
@@ -278,17 +252,71 @@ fn stale(
     )
 }
 
+/// Which of a step's tasks of interest come before which: `x` before `y` when `x` is an
+/// ancestor of `y` in the dependency graph (finished before `y` starts, whatever the
+/// streams do); two tasks neither before the other may run in either order or overlap.
+/// Both cache checks ask it about a cache's fetches: `cache::deadlock` whether one may
+/// still hold its slot when another starts, `cache::stale_guard` whether one may run
+/// between two tasks deciding a residency guard.
+struct Order {
+    /// The step's first task.
+    first: usize,
+    /// Each task of interest's bit in the sets.
+    bit: HashMap<TaskId, usize>,
+    /// Per task of the step, its ancestors among the tasks of interest, as bitsets.
+    anc: Vec<Vec<u64>>,
+}
+
+impl Order {
+    /// The ancestor sets of `step`'s tasks restricted to `interesting` (tasks of the
+    /// step), propagated in issue order: every predecessor comes earlier, so one pass
+    /// suffices. Edges from earlier steps are left out (those steps have finished).
+    fn new(dag: &Dag, step: &Step, interesting: impl IntoIterator<Item = TaskId>) -> Order {
+        let mut tasks: Vec<TaskId> = interesting.into_iter().collect();
+        tasks.sort();
+        tasks.dedup();
+        let bit: HashMap<TaskId, usize> = tasks.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+        let first = step.first as usize;
+        let words = tasks.len().div_ceil(64);
+        let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; step.count as usize];
+        for k in 0..step.count as usize {
+            let id = TaskId::new(first + k);
+            let mut set = vec![0u64; words];
+            for dep in dag.preds(id) {
+                let p = dep.from.index();
+                if p < first {
+                    continue;
+                }
+                for (w, a) in set.iter_mut().zip(&anc[p - first]) {
+                    *w |= a;
+                }
+                if let Some(&b) = bit.get(&dep.from) {
+                    set[b / 64] |= 1 << (b % 64);
+                }
+            }
+            anc[k] = set;
+        }
+        Order { first, bit, anc }
+    }
+
+    /// Whether `x` (a task of interest) finishes before `y` (any task of the step)
+    /// starts; false for a task `x` that is not of interest.
+    fn before(&self, x: TaskId, y: TaskId) -> bool {
+        self.bit
+            .get(&x)
+            .is_some_and(|&b| self.anc[y.index() - self.first][b / 64] & (1 << (b % 64)) != 0)
+    }
+}
+
 /// The `cache::deadlock` check of one cache in one step.
 fn held_at_once(
     program: &Program,
     dag: &Dag,
     bound: &[Vec<Option<TaskId>>],
-    step: &crate::ir::Step,
+    step: &Step,
     cache: u32,
     diags: &mut Vec<Diagnostic>,
 ) {
-    let first = step.first as usize;
-    let count = step.count as usize;
     // The fetches of this cache, and each one's readers.
     let mut fetches: Vec<TaskId> = Vec::new();
     let mut readers: HashMap<TaskId, Vec<TaskId>> = HashMap::new();
@@ -313,40 +341,12 @@ fn held_at_once(
     if fetches.is_empty() {
         return;
     }
-    // Ancestors among the tasks that matter (fetches and their readers), as bitsets,
-    // propagated in issue order (every predecessor comes earlier).
-    let mut interesting: Vec<TaskId> = fetches.clone();
-    interesting.extend(readers.values().flatten().copied());
-    interesting.sort();
-    interesting.dedup();
-    let bit: HashMap<TaskId, usize> = interesting
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (*t, i))
-        .collect();
-    let words = interesting.len().div_ceil(64);
-    let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; count];
-    for k in 0..count {
-        let id = TaskId::new(first + k);
-        let mut set = vec![0u64; words];
-        for dep in dag.preds(id) {
-            let p = dep.from.index();
-            if p < first {
-                continue;
-            }
-            for (w, a) in set.iter_mut().zip(&anc[p - first]) {
-                *w |= a;
-            }
-            if let Some(&b) = bit.get(&dep.from) {
-                set[b / 64] |= 1 << (b % 64);
-            }
-        }
-        anc[k] = set;
-    }
-    let before = |x: TaskId, y: TaskId| -> bool {
-        bit.get(&x)
-            .is_some_and(|&b| anc[y.index() - first][b / 64] & (1 << (b % 64)) != 0)
-    };
+    let order = Order::new(
+        dag,
+        step,
+        fetches.iter().chain(readers.values().flatten()).copied(),
+    );
+    let before = |x: TaskId, y: TaskId| order.before(x, y);
     // `f`'s slot is free again before `g` starts.
     let released_before = |f: TaskId, g: TaskId| -> bool {
         match readers.get(&f) {

@@ -185,11 +185,6 @@ pub(super) fn runs_when_active(guard: &Guard, layer: u32, expert: ExpertRef, ub:
     })
 }
 
-/// `active(1, hot(1, 3)) && !active(1, 2, 0)` style text of a guard.
-pub(super) fn guard_text(guard: &Guard) -> String {
-    guard.to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

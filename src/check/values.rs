@@ -37,8 +37,8 @@
 
 use super::arms::{self, Output};
 use super::cells::{
-    combined_guard_epoch, guard_text, implies, new_cells, runs, runs_when_active, union, write,
-    Cell, Cells, Runs,
+    combined_guard_epoch, implies, new_cells, runs, runs_when_active, union, write, Cell, Cells,
+    Runs,
 };
 use super::epochs::{self, StepRun};
 use crate::diag::Diagnostic;
@@ -365,7 +365,7 @@ impl Tracker<'_> {
                     span,
                     &program.task_name(id),
                     ub,
-                    &guard_text(&task.guard),
+                    &task.guard.text(&program.caches),
                 );
                 self.emit(d);
             } else if let Some(samples) = self.samples.get_mut(ub as usize) {
@@ -1270,7 +1270,7 @@ impl Tracker<'_> {
                     let d = Diagnostic::expert_guard(
                         span,
                         &program.task_name(id),
-                        &guard_text(guard),
+                        &guard.text(&program.caches),
                         &set.to_string(),
                         layer,
                         ub,
@@ -1305,7 +1305,14 @@ impl Tracker<'_> {
                 }
                 let sets: Vec<ExpertSet> = outputs.iter().map(|o| o.set).collect();
                 let problem = if arms::has_load_guard(&outputs) {
-                    arms::check(&outputs, layer, ub, experts, &|t| program.task_name(t))
+                    arms::check(
+                        &outputs,
+                        layer,
+                        ub,
+                        experts,
+                        &|t| program.task_name(t),
+                        &program.caches,
+                    )
                 } else {
                     coverage_problem(&sets, layer, experts)
                 };

@@ -6,7 +6,7 @@
 //! the program plus the edges.
 
 use super::deps::Dag;
-use super::{Access, BufferKind, Program, Slice, TaskId};
+use super::{Access, BufferKind, Program, Slice};
 use std::fmt::Write as _;
 
 /// Bytes as a short human string (`1.5 MiB`), exact below 1 KiB.
@@ -44,10 +44,6 @@ fn slice_text(program: &Program, slice: &Slice) -> String {
     } else {
         format!("{}[{}..{}]", buffer.name, slice.start, slice.end())
     }
-}
-
-fn guard_text(program: &Program, id: TaskId) -> String {
-    program.task(id).guard.to_string()
 }
 
 /// The canonical text form.
@@ -122,7 +118,7 @@ pub fn to_text(program: &Program, dag: &Dag) -> String {
                 );
             }
             if !task.guard.is_always() {
-                let _ = write!(line, " if {}", guard_text(program, id));
+                let _ = write!(line, " if {}", task.guard.text(&program.caches));
             }
             if let Some(label) = &task.label {
                 let _ = write!(line, " as {label}");
