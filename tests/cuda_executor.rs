@@ -169,10 +169,11 @@ fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
 /// replay on the tiny cards (measured on mixtral-tiny and deepseek-v3-tiny at 4 new tokens
 /// without `--dump-logits`: a plain step, a captured one, a replayed one; every other
 /// schedule ran all its decode steps plainly). The sweep keeps 4 new tokens for them, so a
-/// captured or replayed step, where one happens, is checked. It does not assert one: in
-/// the sweep, whose runs dump logits, `gpu_resident`'s second decode step was not captured
-/// on any of the eight cards ("its launches differ from the previous step's (stream 0,
-/// command N, a copy)"; why is not yet known);
+/// captured or replayed step, where one happens, is checked. It does not assert a replay:
+/// the sweep's `--dump-logits` adds a copy that differs between steps, so on every card
+/// `gpu_resident` replayed no step there ("its launches differ from the previous step's
+/// (stream 0, command N, a copy)"; on mixtral-tiny: 1 captured, 0 replayed, 2 plain with
+/// the dump against 1, 1, 1 without it);
 /// decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens pins the graphs.
 const GRAPH_SCHEDULES: [&str; 2] = ["baselines/gpu_resident", "flexgen"];
 
