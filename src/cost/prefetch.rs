@@ -216,7 +216,7 @@ pub fn plan(
         .map(|p| match p {
             Predictor::LayerOrder => "by index",
             _ if program.expert_shares.is_some() => "by the profile's shares",
-            _ => "uniform routing: a guess among tied experts",
+            _ => "without a profile (uniform routing ties every expert: a guess)",
         })
         .collect();
     Some(PrefetchPlan {
@@ -225,7 +225,7 @@ pub fn plan(
         distance,
         room,
         repeats,
-        ranking: ranked.into_iter().next().unwrap_or("static experts"),
+        ranking: ranked.into_iter().next().unwrap_or("by the schedule (static experts)"),
     })
 }
 
