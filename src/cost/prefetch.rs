@@ -225,7 +225,10 @@ pub fn plan(
         distance,
         room,
         repeats,
-        ranking: ranked.into_iter().next().unwrap_or("by the schedule (static experts)"),
+        ranking: ranked
+            .into_iter()
+            .next()
+            .unwrap_or("by the schedule (static experts)"),
     })
 }
 
