@@ -959,6 +959,7 @@ pub fn predict_throughput(
         profile
     };
     let steady = steady_mixed_loads(program);
+    let tables = ProgramTables::of(program);
     // Collected in step order, so the error reported is the first step's, as in `predict`.
     let simulated: Vec<Result<f64, PredictError>> = (0..program.steps.len())
         .into_par_iter()
@@ -968,7 +969,7 @@ pub fn predict_throughput(
             } else {
                 Loads::Declared
             };
-            simulate_step_times(program, deps, index, profile, settings, loads)
+            simulate_step_times(program, deps, index, profile, settings, loads, &tables)
                 .map(|sim| sim.result.makespan)
         })
         .collect();
@@ -989,7 +990,8 @@ pub fn predict(
             tasks: program.tasks.len(),
         });
     }
-    let classes = buffer_classes(program);
+    let tables = ProgramTables::with_classes(program, buffer_classes(program));
+    let classes = tables.classes(program);
     // Pinned buffers beyond what the host can lock (its capacity, not the planning
     // share: a policy the paper ran may use more than the planner would) fall back to
     // pageable memory, and every copy through them to the pageable rate.
@@ -1013,7 +1015,7 @@ pub fn predict(
             Loads::Declared
         };
         steps.push(simulate_step(
-            program, deps, index, profile, settings, &classes, loads,
+            program, deps, index, profile, settings, &tables, loads,
         )?);
     }
     let seconds: Vec<f64> = steps.iter().map(|s| s.seconds).collect();
@@ -1041,7 +1043,7 @@ pub fn predict(
         layer_bound.map(|b| sequences as f64 / (b.layer_seconds * layers).max(1e-30));
     let stage1 = repeated.map(|i| {
         let ids: Vec<TaskId> = program.steps[i].task_ids().collect();
-        stage1_for(program, &ids, &classes, profile)
+        stage1_for(program, &ids, classes, profile)
     });
     Ok(Prediction {
         hardware: profile.name.clone(),
