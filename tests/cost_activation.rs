@@ -337,3 +337,168 @@ fn lru_hits_follow_reuse_distances_of_a_layer_ordered_decode() {
         );
     }
 }
+
+/// `moe_infinity.sched`'s `eam` prefetches earn hits, as far as the ranking they are
+/// given can: Mixtral-8x7B at batch 1, 64 LRU slots, 2 experts prefetched one layer ahead.
+/// Uniform routing gives the predictor nothing to rank by, so the 2 experts it prefetches
+/// hold a routed expert with probability 2/8. Hand arithmetic per decode step: every
+/// expert is active with probability 1/4 and resident with probability 1/4 (LRU by reuse
+/// distance: 62 other keys are used in one step, fewer than 64 slots, and 110 in two, so a
+/// key hits when its gap is one step: 1/4). Layer 0 (nothing prefetches it): 8 fetches x 1/4
+/// x 3/4 = 1.5 copies. Layers 1-31: 8 x 1/4 x 3/4 x (1 - 2/8) = 1.125 copies each,
+/// 34.875 in all; 36.375 with layer 0 (48 without the prefetches' credit). The prefetches:
+/// 31 layers x 2, each copying its pick unless resident (3/4): 46.5 copies; 64 slots less
+/// the 2 one token's fetches hold leave room for the 2 in flight. With `lookahead = 2` a
+/// layer is prefetched after each of the two gates before it, and the second prefetch of
+/// a key finds it resident: the same 46.5 copies.
+#[test]
+fn eam_prefetches_earn_the_hits_their_ranking_gives_on_uniform_routing() {
+    use moec::cost::prefetch::decode_credit;
+    use moec::ir::cache::CacheOp;
+    let source = std::fs::read_to_string("schedules/moe_infinity.sched").expect("schedule");
+    let card = ModelCard::load("mixtral-8x7b").expect("card");
+    for lookahead in ["1", "2"] {
+        let mut options = Options::new(card.clone());
+        options.workload = Workload {
+            batch: 1,
+            prompt_len: 128,
+            gen_len: 32,
+        };
+        options.sets = [
+            ("n_cache", "64"),
+            ("n_pf", "2"),
+            ("lookahead", lookahead),
+            ("policy", "0"),
+            ("predictor", "1"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let file = moec::syntax::parse_file(&source).expect("parses");
+        let (program, _) = moec::elaborate::elaborate(&file, &options).expect("elaborates");
+        let decode = program
+            .steps
+            .iter()
+            .position(|s| s.kind == StepKind::Decode)
+            .expect("a decode step");
+        let (mut fetches, mut prefetches, mut prefetch_tasks) = (0.0, 0.0, 0);
+        for id in program.steps[decode].task_ids() {
+            let task = program.task(id);
+            let runs = activation(&program, id, task.shape.tokens).runs;
+            match task.cache_op {
+                Some(CacheOp::Fetch) => fetches += runs,
+                Some(CacheOp::Prefetch) => {
+                    prefetches += runs;
+                    prefetch_tasks += 1;
+                }
+                None => {}
+            }
+        }
+        let tasks = if lookahead == "1" { 62 } else { 122 };
+        assert_eq!(prefetch_tasks, tasks, "lookahead {lookahead}");
+        assert!(
+            (fetches - 36.375).abs() < 1e-6,
+            "lookahead {lookahead}: {fetches}"
+        );
+        assert!(
+            (prefetches - 46.5).abs() < 1e-6,
+            "lookahead {lookahead}: {prefetches}"
+        );
+        // What `moec simulate` prints under the cache's line: a quarter of the misses of
+        // 31 layers found prefetched; hits 1/4 + 3/4 x 1/4 x 31/32 over all fetches.
+        let credit = decode_credit(&program, 0, 1).expect("prefetches");
+        assert_eq!(credit.layers, 31);
+        assert_eq!(credit.plan.per_layer, 2);
+        assert!((credit.plan.room - 1.0).abs() < 1e-12);
+        assert!((credit.accuracy - 0.25).abs() < 1e-9, "{}", credit.accuracy);
+        let rate = 0.25 + 0.75 * 0.25 * 31.0 / 32.0;
+        assert!(
+            (credit.rate - rate).abs() < 1e-6,
+            "{} vs {rate}",
+            credit.rate
+        );
+    }
+}
+
+/// With a profile the `eam` ranking is the profile's: a 2-layer, 4-expert, top-1 model
+/// whose layer 1 routes 40%, 40%, 10%, 10% (layer 0 uniform), 3 slots under the
+/// activation-aware policy, one expert prefetched for layer 1 after layer 0's gate.
+/// Hand arithmetic: the policy keeps the 3 keys of highest rate x (1 - l / 2): layer 0's
+/// experts 0-2 (0.25 each, against layer 1's 0.2, 0.2, 0.05, 0.05). The predictor's first
+/// rank is expert 0 or 1 (tied at 40%), each with probability 1/2, so a fetch of either
+/// finds it prefetched half the time. Fetch copies per decode step: layer 0, expert 3:
+/// 0.25; layer 1: 0.4 x 1/2 twice and 0.1 twice = 0.6; 0.85 in all (1.25 without the
+/// prefetch). The prefetch copies its pick (never resident) whenever it runs: 1. Hit
+/// rate: (0.75 + 0.4) / 2 = 57.5%, where the fetches alone hit 37.5%; of layer 1's
+/// misses (1.0 expected), 0.4 found prefetched: 40%.
+#[test]
+fn eam_prefetches_rank_by_the_profile_and_split_its_ties() {
+    use moec::cost::activation::cache_hits;
+    use moec::cost::prefetch::decode_credit;
+    use moec::ir::cache::CacheOp;
+    use moec::ir::profile::RoutingProfile;
+    let mut card = ModelCard::load("mixtral-tiny").expect("card");
+    card.layers = 2;
+    card.experts = 4;
+    card.top_k = 1;
+    let profile = RoutingProfile {
+        model: card.name.clone(),
+        tokens: 100,
+        counts: vec![vec![25, 25, 25, 25], vec![40, 40, 10, 10]],
+        coactivation: Vec::new(),
+        requests: Vec::new(),
+    };
+    let source = std::fs::read_to_string("schedules/moe_infinity.sched").expect("schedule");
+    let mut options = Options::new(card);
+    options.profile = Some(std::sync::Arc::new(profile));
+    options.workload = Workload {
+        batch: 1,
+        prompt_len: 8,
+        gen_len: 4,
+    };
+    options.sets = [
+        ("n_cache", "3"),
+        ("n_pf", "1"),
+        ("policy", "2"),
+        ("predictor", "1"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let file = moec::syntax::parse_file(&source).expect("parses");
+    let (program, _) = moec::elaborate::elaborate(&file, &options).expect("elaborates");
+    let hits = cache_hits(&program, 0, 1);
+    assert_eq!(hits.per_key[0], vec![1.0, 1.0, 1.0, 0.0]);
+    assert_eq!(hits.per_key[1], vec![0.0; 4]);
+    assert!((hits.rate - 0.375).abs() < 1e-9, "{}", hits.rate);
+    let decode = program
+        .steps
+        .iter()
+        .position(|s| s.kind == StepKind::Decode)
+        .expect("a decode step");
+    let mut fetch = [[0.0f64; 4]; 2];
+    let mut prefetches = Vec::new();
+    for id in program.steps[decode].task_ids() {
+        let task = program.task(id);
+        let runs = activation(&program, id, task.shape.tokens).runs;
+        let key = task.args.iter().find_map(|a| a.slice.cache_key);
+        match (task.cache_op, key) {
+            (Some(CacheOp::Fetch), Some(k)) => {
+                let moec::ir::catalog::ExpertRef::Index(e) = k.expert else {
+                    panic!("a fetch of a static expert");
+                };
+                fetch[k.layer as usize][e as usize] += runs;
+            }
+            (Some(CacheOp::Prefetch), Some(_)) => prefetches.push(runs),
+            _ => {}
+        }
+    }
+    let close = |a: &[f64; 4], b: [f64; 4]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9);
+    assert!(close(&fetch[0], [0.0, 0.0, 0.0, 0.25]), "{:?}", fetch[0]);
+    assert!(close(&fetch[1], [0.2, 0.2, 0.1, 0.1]), "{:?}", fetch[1]);
+    assert_eq!(prefetches, vec![1.0]);
+    let credit = decode_credit(&program, 0, 1).expect("prefetches");
+    assert_eq!(credit.layers, 1);
+    assert!((credit.rate - 0.575).abs() < 1e-9, "{}", credit.rate);
+    assert!((credit.accuracy - 0.4).abs() < 1e-9, "{}", credit.accuracy);
+}

@@ -639,3 +639,57 @@ fn a_planned_disk_split_on_the_tiny_card_runs_and_fit_sizes_the_cache_to_the_hos
     let used = memory["host_bytes"].as_u64().unwrap() + memory["pinned_bytes"].as_u64().unwrap();
     assert!(used <= BUDGET, "{memory}");
 }
+
+/// An `experts` task computing from a format copy is charged the copy's bytes, as the
+/// copy that brought it was: `tests/fixtures/formats/substitute.sched` on the tiny
+/// Mixtral (hidden 128, FFN 256: one expert is 3 x 128 x 256 = 98,304 weights, 196,608
+/// bytes in bf16 and 98,304 / 32 x 34 = 104,448 in q8_0, ggml's 34-byte `block_q8_0`).
+/// In the fixture the GPU slot is exactly one q8_0 expert; the variant copies the expert
+/// into the first half of a two-expert slot and computes from the whole slot, where the
+/// checkpoint's bytes (196,608, less than the slot's 208,896) used to be charged.
+#[test]
+fn experts_computed_from_a_format_copy_are_charged_the_formats_bytes() {
+    use moec::cost::predict::{weight_bytes, weight_copy_format};
+    use moec::ir::{Op, StepKind};
+    let base = std::fs::read_to_string("tests/fixtures/formats/substitute.sched").unwrap();
+    let halves = base
+        .replacen(
+            "buffer lo[2]:      gpu = W[0].expert(0).format(q8_0)",
+            "buffer lo[2]:      gpu = 2 * bytes(W[0].expert(0).format(q8_0))",
+            1,
+        )
+        .replacen("-> lo[e % 2] on h2d", "-> lo[e % 2].page(0, 2) on h2d", 1);
+    assert_ne!(halves, base);
+    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    for (name, source) in [("fixture", &base), ("half a slot", &halves)] {
+        let compiled = compile(source, &options).unwrap_or_else(|d| panic!("{name}: {d:?}"));
+        let program = &compiled.program;
+        let decode = program
+            .steps
+            .iter()
+            .position(|s| s.kind == StepKind::Decode)
+            .expect("a decode step");
+        let mut experts = 0;
+        for id in program.steps[decode].task_ids() {
+            let task = program.task(id);
+            let from_copy = task.args.first().is_some_and(|a| {
+                matches!(
+                    program.buffer(a.slice.buffer).kind,
+                    moec::ir::BufferKind::FormatCopy { .. }
+                )
+            });
+            if let (Some(copy), true) = (task.work.copy, from_copy) {
+                assert_eq!(copy.bytes, 104_448, "{name}: {}", program.task_name(id));
+            }
+            if let Op::Experts { .. } = task.op {
+                experts += 1;
+                let q8 = moec::model::Storage::parse("q8_0").expect("a format");
+                assert_eq!(weight_copy_format(program, id), Some(q8), "{name}");
+                let bytes = weight_bytes(program, id, &CostSettings::default());
+                assert_eq!(bytes, 104_448.0, "{name}: {}", program.task_name(id));
+            }
+        }
+        // 4 layers x 8 experts.
+        assert_eq!(experts, 32, "{name}");
+    }
+}

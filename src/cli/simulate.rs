@@ -512,6 +512,22 @@ fn print_cache_hits(program: &Program) {
                 "uniform routing"
             }
         );
+        if let Some(credit) = crate::cost::prefetch::decode_credit(program, i as u32, tokens) {
+            let plan = &credit.plan;
+            println!(
+                "  {} prefetches: {} per layer into {} layers, ranked {}; a fetch of an expert not otherwise resident finds it prefetched {} (room for {} of them in {} slots, {} layer{} ahead); predicted decode hit rate with them {} (`moec run` reports the measured accuracy)",
+                c.predictor.as_str(),
+                plan.per_layer,
+                credit.layers,
+                plan.ranking,
+                pct(credit.accuracy).trim(),
+                pct(plan.room).trim(),
+                c.slots,
+                plan.distance,
+                if plan.distance == 1 { "" } else { "s" },
+                pct(credit.rate).trim()
+            );
+        }
         if c.predictor == crate::ir::cache::Predictor::Lookahead {
             println!(
                 "  lookahead: a fetch of a layer the pregates predicted is charged as a hit (the pregate taken to select the gate's experts: an upper bound; `moec run` reports the measured accuracy)"

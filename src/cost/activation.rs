@@ -54,16 +54,74 @@ fn cache_miss(
     {
         return Some(0.0);
     }
-    Some(
-        1.0 - hit_rate(
-            program,
-            key.cache,
-            key.layer,
-            key.expert,
-            tokens_per_ub,
-            memo,
-        ),
-    )
+    // A prefetch ranked without the layer's routing (`eam`, `cooccurrence`, ...): it
+    // copies its pick when that is not resident, if it finds room; a repeat of an
+    // earlier prefetch of the step finds its key resident.
+    if task.cache_op == Some(crate::ir::cache::CacheOp::Prefetch) {
+        if let Some(plan) = prefetch_plan(program, task.step, key.cache, tokens_per_ub, memo) {
+            if plan.repeats.contains(&id) {
+                return Some(0.0);
+            }
+            let (room, pick) = (plan.room, plan.pick(program, key.layer, key.expert));
+            let hits = cache_hits_memo(program, key.cache, tokens_per_ub, memo);
+            let resident: f64 = hits
+                .per_key
+                .get(key.layer as usize)
+                .map_or(0.0, |h| h.iter().zip(&pick).map(|(h, p)| h * p).sum());
+            return Some((room * (1.0 - resident)).clamp(0.0, 1.0));
+        }
+    }
+    let hit = hit_rate(
+        program,
+        key.cache,
+        key.layer,
+        key.expert,
+        tokens_per_ub,
+        memo,
+    );
+    // A fetch whose expert a prefetch of the step may have copied already.
+    let credit = prefetch_credit(program, task.step, key, tokens_per_ub, memo);
+    Some((1.0 - hit) * (1.0 - credit))
+}
+
+/// The step's prefetch plan for `cache` ([`super::prefetch::plan`]), computed once per
+/// step, cache and load.
+fn prefetch_plan<'m>(
+    program: &Program,
+    step: crate::ir::StepId,
+    cache: u32,
+    tokens_per_ub: u64,
+    memo: &'m mut ActivationMemo,
+) -> Option<&'m super::prefetch::PrefetchPlan> {
+    memo.prefetch
+        .entry((step.index(), cache, tokens_per_ub))
+        .or_insert_with(|| super::prefetch::plan(program, step, cache, tokens_per_ub))
+        .as_ref()
+}
+
+/// The probability a fetch of `key` in `step` finds its expert prefetched by the step,
+/// where it is not resident otherwise (0 without such prefetches).
+fn prefetch_credit(
+    program: &Program,
+    step: crate::ir::StepId,
+    key: crate::ir::cache::CacheKey,
+    tokens_per_ub: u64,
+    memo: &mut ActivationMemo,
+) -> f64 {
+    prefetch_plan(program, step, key.cache, tokens_per_ub, memo)
+        .map_or(0.0, |p| p.credit(key.layer, key.expert))
+}
+
+/// [`cache_hits`] of `cache` at a load, solved once per memo.
+fn cache_hits_memo<'m>(
+    program: &Program,
+    cache: u32,
+    tokens_per_ub: u64,
+    memo: &'m mut ActivationMemo,
+) -> &'m CacheHits {
+    memo.hits
+        .entry((cache, tokens_per_ub))
+        .or_insert_with(|| cache_hits(program, cache, tokens_per_ub))
 }
 
 /// The probability that a prefetch of a `lookahead` cache's `predicted(l, r)` copies
@@ -164,10 +222,7 @@ fn hit_rate(
     tokens_per_ub: u64,
     memo: &mut ActivationMemo,
 ) -> f64 {
-    let hits = memo
-        .hits
-        .entry((cache, tokens_per_ub))
-        .or_insert_with(|| cache_hits(program, cache, tokens_per_ub));
+    let hits = cache_hits_memo(program, cache, tokens_per_ub, memo);
     let hit = match expert {
         ExpertRef::Index(e) => hits
             .per_key
@@ -223,8 +278,9 @@ pub struct CacheHits {
 /// Mixtral-8x7B's 256 experts at batch 1, where the run hit none); LFU keeps the N
 /// keys fetched most often; the activation-aware policy the N with the highest
 /// r x (1 - l / L) (its score with the profile's activation standing in for the
-/// predictor's). Prefetching is not counted (a prefetched expert is one more resident, not
-/// one fewer fetch).
+/// predictor's). These are the fetches' own hits: what a step's prefetches add is
+/// [`super::prefetch`]'s (lookahead gating's, [`lookahead_prefetched`]), and the
+/// prefetched experts' slots are not taken from the fetches' steady state.
 pub fn cache_hits(program: &Program, cache: u32, tokens_per_ub: u64) -> CacheHits {
     use crate::ir::cache::EvictPolicy;
     let card = &program.model;
@@ -427,6 +483,8 @@ pub struct ActivationMemo {
     /// same few (one share without a profile, one token count, one threshold per arm),
     /// and a sum runs over up to `n` terms.
     binomials: HashMap<(u64, u64, u64, u64), f64>,
+    /// [`super::prefetch::plan`] by `(step, cache, tokens per micro-batch)`.
+    prefetch: HashMap<(usize, u32, u64), Option<super::prefetch::PrefetchPlan>>,
 }
 
 impl ActivationMemo {
@@ -455,10 +513,29 @@ pub fn activation_memo(
     let task = program.task(id);
     if task.guard.is_always() {
         // An unguarded lookahead prefetch still copies only a selected expert.
-        return match lookahead_selected(program, id, tokens_per_ub) {
-            Some(p) => Activation { runs: p, work: p },
-            None => Activation::ALWAYS,
-        };
+        if let Some(p) = lookahead_selected(program, id, tokens_per_ub) {
+            return Activation { runs: p, work: p };
+        }
+        // An unguarded prefetch ranked without its layer's routing copies its pick only
+        // when that is not resident and it finds room (lookahead gating's prefetches are
+        // charged as above, as before).
+        let ranked = task.cache_op == Some(crate::ir::cache::CacheOp::Prefetch)
+            && task
+                .args
+                .iter()
+                .find_map(|a| a.slice.cache_key)
+                .is_some_and(|k| {
+                    prefetch_plan(program, task.step, k.cache, tokens_per_ub, memo).is_some()
+                });
+        if ranked {
+            if let Some(miss) = cache_miss(program, id, tokens_per_ub, memo) {
+                return Activation {
+                    runs: miss,
+                    work: miss,
+                };
+            }
+        }
+        return Activation::ALWAYS;
     }
     let ubs = u64::from(program.micro_batches.count.max(1));
     // Interval [lo, hi) of each count the guard reads.
@@ -474,6 +551,13 @@ pub fn activation_memo(
         } = a
         {
             let hit = hit_rate(program, cache, layer, expert, tokens_per_ub, memo);
+            let key = crate::ir::cache::CacheKey {
+                cache,
+                layer,
+                expert,
+            };
+            let credit = prefetch_credit(program, task.step, key, tokens_per_ub, memo);
+            let hit = hit + (1.0 - hit) * credit;
             resident *= if lit.negated { 1.0 - hit } else { hit };
             continue;
         }
@@ -571,7 +655,7 @@ pub fn arm_key(program: &Program, id: TaskId) -> String {
 }
 
 /// The probability a token routes to `expert` of `layer`.
-fn share(program: &Program, layer: u32, expert: ExpertRef) -> f64 {
+pub(super) fn share(program: &Program, layer: u32, expert: ExpertRef) -> f64 {
     let card = &program.model;
     // No token is routed to an expert of a leading dense layer.
     if card.is_dense_layer(u64::from(layer)) {

@@ -11,6 +11,7 @@ pub mod hardware;
 pub mod hrm;
 pub mod plan;
 pub mod predict;
+pub mod prefetch;
 pub mod probe;
 pub mod rates;
 pub mod replay;

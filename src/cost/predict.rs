@@ -379,22 +379,117 @@ pub(super) fn task_work(
     loads: Loads<'_>,
 ) -> (Shape, Work) {
     let task = program.task(id);
+    // Experts computed from a format copy read the copy's bytes: the catalog's work on
+    // the card whose experts are stored in that format.
+    let copy_card = weight_copy_format(program, id)
+        .and_then(|f| crate::model::layout::with_expert_storage(&program.model, f).ok());
+    let card = copy_card.as_ref().unwrap_or(&program.model);
+    let args = || -> Vec<(Role, Space, u64)> {
+        task.args
+            .iter()
+            .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
+            .collect()
+    };
     match recost_shape(program, id, settings, loads) {
         Some(shape) if shape.tokens == 0 && shape.seqs == 0 => (shape, Work::default()),
         Some(shape) => {
-            let args: Vec<(Role, Space, u64)> = task
-                .args
-                .iter()
-                .map(|a| (a.role, program.buffer(a.slice.buffer).space, a.slice.len))
-                .collect();
-            let mut work = catalog::work(&task.op, &program.model, &shape, &args);
+            let mut work = catalog::work(&task.op, card, &shape, &args());
             if let Some(seen) = seen_active_experts(program, id, loads) {
-                read_seen_experts(&mut work, &task.op, &program.model, &shape, seen);
+                read_seen_experts(&mut work, &task.op, card, &shape, seen);
             }
             (shape, work)
         }
+        None if copy_card.is_some() => (
+            task.shape,
+            catalog::work(&task.op, card, &task.shape, &args()),
+        ),
         None => (task.shape, task.work.clone()),
     }
+}
+
+/// Bytes of weights the HRM charges compute task `id` at the declared load, every level
+/// together, before its expected activation scales them (a format copy's at the copy's
+/// format, [`weight_copy_format`]).
+pub fn weight_bytes(program: &Program, id: TaskId, settings: &CostSettings) -> f64 {
+    task_work(program, id, settings, Loads::Declared)
+        .1
+        .mem
+        .iter()
+        .filter(|m| m.class == catalog::DataClass::Weights)
+        .map(|m| m.bytes)
+        .sum()
+}
+
+/// The format of the expert weights an `experts` task computes with, when its `w`
+/// argument holds a format copy (`W[l].expert(e).format(..)`): read in place, or brought
+/// there by copies (fetches included) earlier in its step or in `setup`, followed back
+/// through relay buffers. `None` for the checkpoint's own format. Only a program that
+/// declares a substitute can read a copy (the checker's `values::undeclared_substitute`),
+/// so any other returns at once.
+///
+/// Where a copy of `with_expert_storage` cannot be laid out the checker refuses the
+/// schedule; a point the planner costs before checking is then costed at the
+/// checkpoint's bytes (see [`task_work`]) and refused when checked.
+pub fn weight_copy_format(program: &Program, id: TaskId) -> Option<crate::model::Storage> {
+    if program.substitutes.is_empty() {
+        return None;
+    }
+    let task = program.task(id);
+    if !matches!(task.op, Op::Experts { .. }) {
+        return None;
+    }
+    let w = task.args.iter().find(|a| a.role == Role::W)?;
+    held_format(program, id, &w.slice, 8)
+}
+
+/// The format of what `slice` holds when task `before` runs (see [`weight_copy_format`]);
+/// `depth` bounds the relay chain followed.
+fn held_format(
+    program: &Program,
+    before: TaskId,
+    slice: &crate::ir::Slice,
+    depth: u32,
+) -> Option<crate::model::Storage> {
+    match program.buffer(slice.buffer).kind {
+        BufferKind::FormatCopy { format } => return Some(format),
+        BufferKind::Checkpoint => return None,
+        BufferKind::Declared => {}
+    }
+    if depth == 0 {
+        return None;
+    }
+    let writes = |t: &crate::ir::Task| {
+        t.args.iter().any(|a| {
+            a.access.writes()
+                && match slice.cache_key {
+                    Some(key) => a.slice.cache_key == Some(key),
+                    None => {
+                        a.slice.cache_key.is_none()
+                            && a.slice.buffer == slice.buffer
+                            && a.slice.start < slice.end()
+                            && slice.start < a.slice.end()
+                    }
+                }
+        })
+    };
+    let own = program.task(before).step.index();
+    let earlier = program
+        .steps
+        .iter()
+        .enumerate()
+        .filter(|&(i, s)| i != own && s.kind == StepKind::Setup)
+        .flat_map(|(_, s)| (s.first..s.first + s.count).rev())
+        .map(|t| TaskId::new(t as usize));
+    let writer = (program.steps[own].first as usize..before.index())
+        .rev()
+        .map(TaskId::new)
+        .chain(earlier)
+        .find(|&t| writes(program.task(t)))?;
+    let t = program.task(writer);
+    if t.op != Op::Copy {
+        return None;
+    }
+    held_format(program, writer, &t.args.first()?.slice, depth - 1)
 }
 
 /// The distinct experts a measured step saw the routing of the task's (layer, micro-batch)
@@ -864,6 +959,7 @@ pub fn predict_throughput(
         profile
     };
     let steady = steady_mixed_loads(program);
+    let tables = ProgramTables::of(program);
     // Collected in step order, so the error reported is the first step's, as in `predict`.
     let simulated: Vec<Result<f64, PredictError>> = (0..program.steps.len())
         .into_par_iter()
@@ -873,7 +969,7 @@ pub fn predict_throughput(
             } else {
                 Loads::Declared
             };
-            simulate_step_times(program, deps, index, profile, settings, loads)
+            simulate_step_times(program, deps, index, profile, settings, loads, &tables)
                 .map(|sim| sim.result.makespan)
         })
         .collect();
@@ -894,7 +990,8 @@ pub fn predict(
             tasks: program.tasks.len(),
         });
     }
-    let classes = buffer_classes(program);
+    let tables = ProgramTables::with_classes(program, buffer_classes(program));
+    let classes = tables.classes(program);
     // Pinned buffers beyond what the host can lock (its capacity, not the planning
     // share: a policy the paper ran may use more than the planner would) fall back to
     // pageable memory, and every copy through them to the pageable rate.
@@ -918,7 +1015,7 @@ pub fn predict(
             Loads::Declared
         };
         steps.push(simulate_step(
-            program, deps, index, profile, settings, &classes, loads,
+            program, deps, index, profile, settings, &tables, loads,
         )?);
     }
     let seconds: Vec<f64> = steps.iter().map(|s| s.seconds).collect();
@@ -946,7 +1043,7 @@ pub fn predict(
         layer_bound.map(|b| sequences as f64 / (b.layer_seconds * layers).max(1e-30));
     let stage1 = repeated.map(|i| {
         let ids: Vec<TaskId> = program.steps[i].task_ids().collect();
-        stage1_for(program, &ids, &classes, profile)
+        stage1_for(program, &ids, classes, profile)
     });
     Ok(Prediction {
         hardware: profile.name.clone(),

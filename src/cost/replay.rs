@@ -12,7 +12,7 @@ use super::hardware::HardwareProfile;
 use super::predict::{
     buffer_classes, task_kind, CostSettings, Loads, PredictError, StepPrediction,
 };
-use super::step::{simulate_step, simulate_step_ran};
+use super::step::{simulate_step, simulate_step_ran, ProgramTables};
 use crate::ir::StepKind;
 use crate::ir::{Program, TaskId};
 use crate::records::{RunStats, UbLoad};
@@ -115,14 +115,14 @@ pub fn predict_step_at(
     loads: &[UbLoad],
 ) -> Result<StepPrediction, PredictError> {
     check_deps(program, deps)?;
-    let classes = buffer_classes(program);
+    let tables = ProgramTables::with_classes(program, buffer_classes(program));
     simulate_step(
         program,
         deps,
         step_index,
         profile,
         settings,
-        &classes,
+        &tables,
         Loads::Measured(loads),
     )
 }
@@ -152,9 +152,11 @@ pub fn predict_run(
     // Decode contexts grow every step, so loads rarely repeat exactly in a long run, but
     // static batches repeat whole prefill/decode sequences across batches.
     let mut cache: HashMap<LoadKey, (f64, Vec<f64>)> = HashMap::new();
-    let classes = buffer_classes(program);
+    // Computed once for every executed step (each a pass over the whole program).
+    let tables = ProgramTables::with_classes(program, buffer_classes(program));
+    let classes = tables.classes(program);
     let op_of: Vec<String> = (0..program.tasks.len())
-        .map(|t| task_kind(program, TaskId::new(t), &classes))
+        .map(|t| task_kind(program, TaskId::new(t), classes))
         .collect();
     let mut ops: Vec<OpReplay> = Vec::new();
     let mut kinds: Vec<KindReplay> = Vec::new();
@@ -196,8 +198,16 @@ pub fn predict_run(
         let (predicted, times) = match cache.entry((index, key, ran.clone())) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
-                let sim =
-                    simulate_step_ran(program, deps, index, profile, settings, loads, Some(&ran))?;
+                let sim = simulate_step_ran(
+                    program,
+                    deps,
+                    index,
+                    profile,
+                    settings,
+                    loads,
+                    Some(&ran),
+                    &tables,
+                )?;
                 let times = sim.times.iter().map(|t| t.seconds).collect();
                 e.insert((sim.result.makespan, times))
             }

@@ -57,6 +57,39 @@ pub(crate) struct StepSim {
     pub result: SimResult,
 }
 
+/// What every step of one program reads from the whole program, computed once by the
+/// caller rather than once per step (each is a pass over every task: a planner point of
+/// DeepSeek-V3 has about 180,000).
+pub(crate) struct ProgramTables {
+    /// [`Program::readback_gates`].
+    pub readback: Vec<bool>,
+    /// [`buffer_classes`], where a step may need them (see [`ProgramTables::classes`]).
+    classes: std::sync::OnceLock<Vec<BufferClass>>,
+}
+
+impl ProgramTables {
+    /// The tables of `program` (buffer classes are computed when first asked for).
+    pub fn of(program: &Program) -> Self {
+        ProgramTables {
+            readback: program.readback_gates(),
+            classes: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The tables with buffer classes the caller already has.
+    pub fn with_classes(program: &Program, classes: Vec<BufferClass>) -> Self {
+        ProgramTables {
+            readback: program.readback_gates(),
+            classes: std::sync::OnceLock::from(classes),
+        }
+    }
+
+    /// [`buffer_classes`] of the program, computed on first use.
+    pub fn classes(&self, program: &Program) -> &[BufferClass] {
+        self.classes.get_or_init(|| buffer_classes(program))
+    }
+}
+
 /// Simulates one step at `loads`: its tasks, dependencies inside the step (earlier steps
 /// are done).
 pub(crate) fn simulate_step_times(
@@ -66,13 +99,19 @@ pub(crate) fn simulate_step_times(
     profile: &HardwareProfile,
     settings: &CostSettings,
     loads: Loads<'_>,
+    tables: &ProgramTables,
 ) -> Result<StepSim, PredictError> {
-    simulate_step_ran(program, deps, step_index, profile, settings, loads, None)
+    simulate_step_ran(
+        program, deps, step_index, profile, settings, loads, None, tables,
+    )
 }
 
 /// [`simulate_step_times`] of an executed step whose guards the run decided: `ran[k]`
 /// false for the step's `k`-th task means its guard skipped it, so it does nothing and
 /// costs nothing (the runtime only evaluated its guard).
+// The program, its dependencies and tables, the machine, the settings, the step, its
+// loads and what ran: each a different caller's choice, none derived from another.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn simulate_step_ran(
     program: &Program,
     deps: &[Vec<TaskId>],
@@ -81,6 +120,7 @@ pub(crate) fn simulate_step_ran(
     settings: &CostSettings,
     loads: Loads<'_>,
     ran: Option<&[bool]>,
+    tables: &ProgramTables,
 ) -> Result<StepSim, PredictError> {
     let step = &program.steps[step_index];
     let first = step.first as usize;
@@ -94,16 +134,16 @@ pub(crate) fn simulate_step_ran(
         })
         .collect();
     let mut times = Vec::with_capacity(ids.len());
-    let readback = program.readback_gates();
+    let readback = &tables.readback;
     let overheads = profile.adjustments;
     let fixed = FixedCosts::of(profile);
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let steady = matches!(loads, Loads::Steady(_));
     let weight_copy_rate = overheads.weight_copy_bytes_per_s;
-    let classes = if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 {
-        buffer_classes(program)
+    let classes: &[BufferClass] = if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 {
+        tables.classes(program)
     } else {
-        Vec::new()
+        &[]
     };
     let kv_load = kv_part_load(program, step.kind, settings, loads);
     let mut memo = ActivationMemo::default();
@@ -371,16 +411,17 @@ pub(crate) fn simulate_step(
     step_index: usize,
     profile: &HardwareProfile,
     settings: &CostSettings,
-    classes: &[BufferClass],
+    tables: &ProgramTables,
     loads: Loads<'_>,
 ) -> Result<StepPrediction, PredictError> {
     let step = &program.steps[step_index];
+    let classes = tables.classes(program);
     let StepSim {
         ids,
         times,
         activations,
         result,
-    } = simulate_step_times(program, deps, step_index, profile, settings, loads)?;
+    } = simulate_step_times(program, deps, step_index, profile, settings, loads, tables)?;
     let makespan = result.makespan.max(1e-30);
     let stream_busy = program
         .streams
