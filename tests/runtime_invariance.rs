@@ -1246,8 +1246,10 @@ fn hobbit_plan(
 /// cache miss on an expert whose largest routing weight is below `thr` computed from its
 /// q8_0 copy; hits and important misses in bf16) on every tiny card whose experts q8_0 can
 /// hold (not DBRX, whose down projection is stored in x out, which moec quantises only out
-/// x in: `moec check` names it; not gpt-oss nor the DeepSeek cards, whose in x out expert
-/// matrices the run refuses), 12 prompts of 3 to 14 tokens generating 12 each: it takes
+/// x in: `moec check` names it; not gpt-oss, whose in x out expert matrices the run
+/// refuses; not yet the DeepSeek cards, which run it (deepseek-v2-tiny: 29 of 70 expert
+/// computations substituted) but whose q8_0 oracle `moec quantize` does not write from the
+/// synthetic tokenizer), 12 prompts of 3 to 14 tokens generating 12 each: it takes
 /// all three arms, and its next-token distributions, teacher-forced on its own tokens (144
 /// positions), stay within the declared bound of the bf16 oracle's `P`.
 ///
