@@ -420,9 +420,9 @@ pub fn unpermute_rows(bytes: &[u8], heads: usize, row_bytes: usize) -> Option<Ve
 }
 
 /// [`unpermute_rows`] into `out` (as long as `bytes`), so a caller that keeps the rows in
-/// its own buffer holds them once: a temporary the size of the tensor, freed after the
-/// copy, stayed in the allocator's heap (Mixtral-8x7B's 32 layers of Q and K rows, 445 MB,
-/// held twice at run time). `None`, and `out` untouched, when the shapes do not fit.
+/// its own buffer never holds them twice, not even while restoring (Mixtral-8x7B's 32
+/// layers of Q and K rows are 445 MB). `None`, and `out` untouched, when the shapes do not
+/// fit.
 pub fn unpermute_rows_into(
     bytes: &[u8],
     heads: usize,
