@@ -815,16 +815,10 @@ fn openai_python() -> Option<Option<String>> {
     Some(Some(target_str))
 }
 
-/// The real `openai` Python client against the server: completions and chat completions
-/// (the chat template from the checkpoint's `tokenizer_config.json`), streaming and not;
-/// the greedy completion equals `moec run`'s, and a chat streamed equals the chat whole.
-#[test]
-fn openai_python_client_gets_completions_and_chats() {
-    let Some(pythonpath) = openai_python() else {
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let weights = dir.path().join("tiny");
+/// A synthetic mixtral-tiny checkpoint in `dir/tiny` with a `tokenizer_config.json`
+/// carrying a Mixtral-style chat template (`[INST] .. [/INST]`), for the chat tests.
+fn chat_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
+    let weights = dir.join("tiny");
     let synth = moec()
         .args([
             "synth",
@@ -850,6 +844,19 @@ fn openai_python_client_gets_completions_and_chats() {
         .to_string(),
     )
     .unwrap();
+    weights
+}
+
+/// The real `openai` Python client against the server: completions and chat completions
+/// (the chat template from the checkpoint's `tokenizer_config.json`), streaming and not;
+/// the greedy completion equals `moec run`'s, and a chat streamed equals the chat whole.
+#[test]
+fn openai_python_client_gets_completions_and_chats() {
+    let Some(pythonpath) = openai_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let weights = chat_checkpoint(dir.path());
     let sched = "schedules/cgopipe.sched";
     let w = weights.to_str().unwrap();
     let server = serve(
@@ -1685,32 +1692,7 @@ fn response_format_json_schema_holds_every_output_to_the_schema() {
 #[test]
 fn tool_calls_name_a_listed_tool_with_arguments_valid_under_its_schema() {
     let dir = tempfile::tempdir().unwrap();
-    let weights = dir.path().join("tiny");
-    let synth = moec()
-        .args([
-            "synth",
-            "--model",
-            "mixtral-tiny",
-            "--out",
-            weights.to_str().unwrap(),
-        ])
-        .output()
-        .expect("moec synth");
-    assert!(
-        synth.status.success(),
-        "{}",
-        String::from_utf8_lossy(&synth.stderr)
-    );
-    std::fs::write(
-        weights.join("tokenizer_config.json"),
-        serde_json::json!({
-            "bos_token": "<s>",
-            "eos_token": "</s>",
-            "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'].strip() }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
-        })
-        .to_string(),
-    )
-    .unwrap();
+    let weights = chat_checkpoint(dir.path());
     let server = serve(
         "schedules/baselines/resident.sched",
         &[
