@@ -384,6 +384,9 @@ pub(super) fn task_work(
     let copy_card = weight_copy_format(program, id)
         .and_then(|f| crate::model::layout::with_expert_storage(&program.model, f).ok());
     let card = copy_card.as_ref().unwrap_or(&program.model);
+    let layout = copy_card
+        .as_ref()
+        .map_or_else(|| program.checkpoint(), crate::ir::CheckpointLayout::new);
     let args = || -> Vec<(Role, Space, u64)> {
         task.args
             .iter()
@@ -393,15 +396,15 @@ pub(super) fn task_work(
     match recost_shape(program, id, settings, loads) {
         Some(shape) if shape.tokens == 0 && shape.seqs == 0 => (shape, Work::default()),
         Some(shape) => {
-            let mut work = catalog::work(&task.op, card, &shape, &args());
+            let mut work = catalog::work_in(&task.op, card, &layout, &shape, &args());
             if let Some(seen) = seen_active_experts(program, id, loads) {
-                read_seen_experts(&mut work, &task.op, card, &shape, seen);
+                read_seen_experts(&mut work, &task.op, card, &layout, &shape, seen);
             }
             (shape, work)
         }
         None if copy_card.is_some() => (
             task.shape,
-            catalog::work(&task.op, card, &task.shape, &args()),
+            catalog::work_in(&task.op, card, &layout, &task.shape, &args()),
         ),
         None => (task.shape, task.work.clone()),
     }
@@ -520,10 +523,11 @@ pub(super) fn read_seen_experts(
     work: &mut Work,
     op: &Op,
     card: &crate::model::card::ModelCard,
+    layout: &crate::ir::CheckpointLayout,
     shape: &Shape,
     seen: f64,
 ) {
-    let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
+    let expert_bytes = layout.expert_bytes as f64;
     let counted = (card.experts as f64).min(shape.tokens as f64 * card.top_k as f64);
     let is_weights = |m: &&mut catalog::MemTraffic| m.class == catalog::DataClass::Weights;
     let total: f64 = work
@@ -620,7 +624,7 @@ pub fn kernel_seconds(
             Some((active, rows)) => {
                 // The catalog's weight bytes hold min(experts, tokens x top_k) experts;
                 // the rest is the dense part (o_proj, norms, router).
-                let expert_bytes = crate::ir::CheckpointLayout::new(card).expert_bytes as f64;
+                let expert_bytes = program.checkpoint().expert_bytes as f64;
                 let counted =
                     seen_active.unwrap_or((card.experts as f64).min(tokens * card.top_k as f64));
                 let dense = weights - (counted * expert_bytes).min(weights);
@@ -1141,7 +1145,8 @@ mod tests {
             act_bytes: 4,
         };
         let op = Op::PostAttn { layer: 0, ub: 0 };
-        read_seen_experts(&mut work, &op, &card, &shape, 4.0);
+        let layout = crate::ir::CheckpointLayout::new(&card);
+        read_seen_experts(&mut work, &op, &card, &layout, &shape, 4.0);
         let bytes: Vec<f64> = work.mem.iter().map(|m| m.bytes).collect();
         assert!((bytes[0] - 205_376.0).abs() < 1e-6, "{bytes:?}");
         assert!((bytes[1] - 616_128.0).abs() < 1e-6, "{bytes:?}");

@@ -13,6 +13,7 @@ use crate::syntax::ast::{
     BinOp, BufferDecl, CacheDecl, Evict, ExprKind, MicroBatchDecl, ParamDecl, ParamType, Span,
     StreamDecl, SubstituteDecl, TemplateDecl,
 };
+use std::borrow::Cow;
 
 /// At most this many slots in one expert cache (more than any model's experts).
 const MAX_CACHE_SLOTS: u32 = 1 << 20;
@@ -252,15 +253,13 @@ impl<'a> Elaborator<'a> {
                 Some(size) => size,
                 None => {
                     // `[n as i]`: this element's indices bound for its own size.
-                    let scope = decl
-                        .index_names
-                        .iter()
-                        .zip(&index)
-                        .filter_map(|(n, &i)| {
-                            n.as_ref().map(|n| (n.name.clone(), Val::Int(i64::from(i))))
-                        })
-                        .collect();
-                    self.scopes.push(scope);
+                    self.scopes.push();
+                    for (n, &i) in decl.index_names.iter().zip(&index) {
+                        if let Some(n) = n {
+                            self.scopes
+                                .bind(Cow::Owned(n.name.clone()), Val::Int(i64::from(i)));
+                        }
+                    }
                     let size = self.buffer_size(decl);
                     self.scopes.pop();
                     let Some(size) = size else { return };

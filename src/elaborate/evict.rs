@@ -17,7 +17,7 @@ use crate::ir::cache::{EvictScore, ScoreQuantity, ScoreTerms};
 use crate::ir::catalog::ExpertRef;
 use crate::ir::ScoreKind;
 use crate::syntax::ast::{BinOp, Expr, Ident, Span};
-use std::collections::HashMap;
+use std::borrow::Cow;
 
 /// A run-time quantity of one expert inside an eviction score, as written.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -189,13 +189,11 @@ impl Elaborator<'_> {
         let mut terms = Vec::with_capacity(layers as usize * experts as usize);
         for l in 0..layers {
             for e in 0..experts {
-                let scope: HashMap<String, Val> = [
-                    (layer.name.clone(), Val::Int(i64::from(l))),
-                    (expert.name.clone(), Val::Int(i64::from(e))),
-                ]
-                .into_iter()
-                .collect();
-                self.scopes.push(scope);
+                self.scopes.push();
+                self.scopes
+                    .bind(Cow::Owned(layer.name.clone()), Val::Int(i64::from(l)));
+                self.scopes
+                    .bind(Cow::Owned(expert.name.clone()), Val::Int(i64::from(e)));
                 self.linear_scores = true;
                 let value = self.eval(score);
                 self.linear_scores = false;

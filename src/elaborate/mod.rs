@@ -9,6 +9,8 @@
 mod decls;
 pub mod evict;
 mod guards;
+mod labels;
+mod scopes;
 mod slices;
 mod stmts;
 pub mod value;
@@ -21,7 +23,7 @@ use crate::ir::{
 };
 use crate::model::card::ModelCard;
 use crate::syntax::ast::{File, Item, Span, StepDecl, TemplateDecl};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use value::{SliceVal, Val};
 
 /// At most this many tasks after unrolling.
@@ -128,9 +130,9 @@ struct ArrayDecl {
 }
 
 /// A task waiting for its `after` labels to be resolved.
-struct PendingAfter {
+struct PendingAfter<'a> {
     task: TaskId,
-    label: String,
+    label: labels::LabelKey<'a>,
     span: Span,
 }
 
@@ -138,17 +140,17 @@ struct Elaborator<'a> {
     options: &'a Options,
     card: ModelCard,
     checkpoint: ir::CheckpointLayout,
-    /// Scope 0 holds top-level lets; template calls hide the caller's inner scopes.
-    scopes: Vec<HashMap<String, Val>>,
+    /// Top-level lets and the nested scopes; template calls hide the caller's locals.
+    scopes: scopes::Scopes<'a>,
     params: Vec<ir::Param>,
     param_spans: Vec<Span>,
     param_used: Vec<bool>,
-    param_index: HashMap<String, usize>,
+    param_index: scopes::FastMap<String, usize>,
     streams: Vec<Stream>,
     stream_spans: Vec<Span>,
-    stream_index: HashMap<String, StreamId>,
+    stream_index: scopes::FastMap<String, StreamId>,
     arrays: Vec<ArrayDecl>,
-    array_index: HashMap<String, usize>,
+    array_index: scopes::FastMap<String, usize>,
     buffers: Vec<Buffer>,
     buffer_spans: Vec<Span>,
     caches: Vec<ir::cache::Cache>,
@@ -162,13 +164,13 @@ struct Elaborator<'a> {
     kv_part: Option<ir::KvPart>,
     /// Set while `experts(.., ub = all, ..)` issues its task for one micro-batch.
     group_ub: Option<u32>,
-    templates: HashMap<String, &'a TemplateDecl>,
+    templates: scopes::FastMap<String, &'a TemplateDecl>,
     template_stack: Vec<String>,
     micro: Option<MicroBatches>,
     tasks: Vec<Task>,
     spans: ir::SpanTable,
-    labels: HashMap<String, TaskId>,
-    pending_after: Vec<PendingAfter>,
+    labels: scopes::FastMap<labels::LabelKey<'a>, TaskId>,
+    pending_after: Vec<PendingAfter<'a>>,
     guard: Vec<ir::GuardLit>,
     step: Option<(crate::syntax::ast::StepKind, ir::StepId)>,
     /// The latest `sync` of the current step: the last task of each stream issued before
@@ -198,16 +200,16 @@ impl<'a> Elaborator<'a> {
             options,
             card,
             checkpoint,
-            scopes: vec![HashMap::new()],
+            scopes: scopes::Scopes::new(),
             params: Vec::new(),
             param_spans: Vec::new(),
             param_used: Vec::new(),
-            param_index: HashMap::new(),
+            param_index: scopes::fast_map(),
             streams: Vec::new(),
             stream_spans: Vec::new(),
-            stream_index: HashMap::new(),
+            stream_index: scopes::fast_map(),
             arrays: Vec::new(),
-            array_index: HashMap::new(),
+            array_index: scopes::fast_map(),
             buffers: Vec::new(),
             buffer_spans: Vec::new(),
             caches: Vec::new(),
@@ -216,12 +218,12 @@ impl<'a> Elaborator<'a> {
             cache_op: None,
             kv_part: None,
             group_ub: None,
-            templates: HashMap::new(),
+            templates: scopes::fast_map(),
             template_stack: Vec::new(),
             micro: None,
             tasks: Vec::new(),
             spans: ir::SpanTable::default(),
-            labels: HashMap::new(),
+            labels: scopes::fast_map(),
             pending_after: Vec::new(),
             guard: Vec::new(),
             step: None,
@@ -374,6 +376,7 @@ impl<'a> Elaborator<'a> {
             caches: self.caches,
             substitutes: self.substitutes,
             spans,
+            layout: self.checkpoint,
         };
         Ok((program, diags))
     }
@@ -381,15 +384,15 @@ impl<'a> Elaborator<'a> {
     fn resolve_after(&mut self) {
         let pending = std::mem::take(&mut self.pending_after);
         for p in pending {
-            let shown = p
-                .label
-                .split_once(':')
-                .map_or(p.label.clone(), |(_, t)| t.to_string());
             match self.labels.get(&p.label) {
-                None => self.report(Diagnostic::after_missing(p.span, &shown)),
+                None => self.report(Diagnostic::after_missing(p.span, &p.label.text())),
                 Some(&target) if target >= p.task => {
                     let target_span = self.spans.tasks[target.index()];
-                    self.report(Diagnostic::after_later(p.span, &shown, target_span));
+                    self.report(Diagnostic::after_later(
+                        p.span,
+                        &p.label.text(),
+                        target_span,
+                    ));
                 }
                 Some(&target) => {
                     let task = &mut self.tasks[p.task.index()];
@@ -403,10 +406,8 @@ impl<'a> Elaborator<'a> {
     }
 
     fn lookup_name(&mut self, name: &str) -> Option<Val> {
-        for scope in self.scopes.iter().rev() {
-            if let Some(v) = scope.get(name) {
-                return Some(v.clone());
-            }
+        if let Some(v) = self.scopes.get(name) {
+            return Some(v.clone());
         }
         if let Some(&i) = self.param_index.get(name) {
             self.param_used[i] = true;
@@ -428,7 +429,7 @@ impl<'a> Elaborator<'a> {
             }
             return Some(Val::Array {
                 decl,
-                indices: Vec::new(),
+                indices: value::ArrayIndices::new(),
             });
         }
         let card = &self.card;
@@ -453,7 +454,7 @@ impl<'a> Elaborator<'a> {
     }
 
     fn all_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.scopes.iter().flat_map(|s| s.keys().cloned()).collect();
+        let mut names: Vec<String> = self.scopes.names().map(String::from).collect();
         names.extend(self.param_index.keys().cloned());
         names.extend(self.array_index.keys().cloned());
         names.extend(vocabulary::SYMBOLS.map(String::from));
@@ -504,7 +505,7 @@ impl value::Context for Elaborator<'_> {
     fn index_array(
         &mut self,
         decl: usize,
-        mut indices: Vec<u32>,
+        mut indices: value::ArrayIndices,
         index: i64,
         span: Span,
     ) -> Result<Val, Diagnostic> {

@@ -4,6 +4,7 @@
 //! fails is reported and skipped, so one run shows every independent error. Dynamic `if`
 //! conditions become guards on the tasks inside; static ones pick a branch.
 
+use super::labels::LabelKey;
 use super::value::{as_int, check_index, Context, SliceVal, Val};
 use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
@@ -16,7 +17,8 @@ use crate::syntax::ast::{
     self, Block, CallStmt, CopyKind, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind,
     Stmt, TaskTail,
 };
-use std::collections::HashMap;
+use smallvec::SmallVec;
+use std::collections::hash_map::Entry;
 
 impl<'a> Elaborator<'a> {
     pub(super) fn run_step(&mut self, decl: &'a StepDecl) {
@@ -36,7 +38,7 @@ impl<'a> Elaborator<'a> {
     }
 
     fn exec_block(&mut self, block: &'a Block) {
-        self.scopes.push(HashMap::new());
+        self.scopes.push();
         for stmt in &block.stmts {
             if self.aborted {
                 break;
@@ -84,11 +86,10 @@ impl<'a> Elaborator<'a> {
             .map_or(0, |s| (s.first + s.count) as usize)
     }
 
-    pub(super) fn exec_let(&mut self, stmt: &LetStmt) -> Result<(), Diagnostic> {
+    pub(super) fn exec_let(&mut self, stmt: &'a LetStmt) -> Result<(), Diagnostic> {
         let value = self.eval(&stmt.value)?;
-        if let Some(scope) = self.scopes.last_mut() {
-            scope.insert(stmt.name.name.clone(), value);
-        }
+        self.scopes
+            .bind(std::borrow::Cow::Borrowed(&stmt.name.name), value);
         Ok(())
     }
 
@@ -118,9 +119,9 @@ impl<'a> Elaborator<'a> {
             if self.aborted {
                 break;
             }
-            let mut scope = HashMap::new();
-            scope.insert(stmt.var.name.clone(), Val::Int(value));
-            self.scopes.push(scope);
+            self.scopes.push();
+            self.scopes
+                .bind(std::borrow::Cow::Borrowed(&stmt.var.name), Val::Int(value));
             let errors_before = self.errors;
             self.exec_block(&stmt.body);
             self.scopes.pop();
@@ -234,7 +235,7 @@ impl<'a> Elaborator<'a> {
                 stmt.args.len(),
             ));
         }
-        let mut scope = HashMap::new();
+        let mut bound = Vec::with_capacity(template.params.len());
         for (param, arg) in template.params.iter().zip(&stmt.args) {
             if let Some(name) = &arg.name {
                 if name.name != param.name {
@@ -250,16 +251,17 @@ impl<'a> Elaborator<'a> {
                     ));
                 }
             }
-            scope.insert(param.name.clone(), self.eval(&arg.value)?);
+            bound.push((param.name.as_str(), self.eval(&arg.value)?));
         }
         // Templates see the top level and their params, not the caller's locals.
-        let hidden = self.scopes.split_off(1);
-        self.scopes.push(scope);
+        let caller = self.scopes.enter_template();
+        for (name, value) in bound {
+            self.scopes.bind(std::borrow::Cow::Borrowed(name), value);
+        }
         self.template_stack.push(stmt.name.name.clone());
         self.exec_block(&template.body);
         self.template_stack.pop();
-        self.scopes.truncate(1);
-        self.scopes.extend(hidden);
+        self.scopes.leave_template(caller);
         Ok(())
     }
 
@@ -425,21 +427,23 @@ impl<'a> Elaborator<'a> {
             }
         }
         let op_name = def.name;
-        let allowed = def.arg_names();
-        let mut named: HashMap<&str, &ast::Arg> = HashMap::new();
+        // An op takes a handful of arguments: a list searched in place, no map per task.
+        let mut named: Vec<(&str, &ast::Arg)> = Vec::with_capacity(stmt.args.len());
         for arg in &stmt.args {
             let Some(name) = &arg.name else {
                 return Err(Diagnostic::positional_op_argument(arg.span, op_name));
             };
-            if named.insert(name.name.as_str(), arg).is_some() {
+            if named.iter().any(|(n, _)| *n == name.name) {
                 return Err(Diagnostic::bad_argument(
                     name.span,
                     op_name,
                     &format!("{} (given twice)", name.name),
-                    &allowed,
+                    &def.arg_names(),
                 ));
             }
+            named.push((name.name.as_str(), arg));
         }
+        let named_get = |key: &str| named.iter().find(|(n, _)| *n == key).map(|&(_, arg)| arg);
         // Ask for the micro-batch count first: without it no `ub` can be checked.
         let ub_limit = if def.params.contains(&StaticParam::Ub) {
             u64::from(self.micro_count(stmt.name.span)?)
@@ -448,8 +452,7 @@ impl<'a> Elaborator<'a> {
         };
         let mut parsed = StaticArgs::default();
         for &param in def.params {
-            let arg = named
-                .get(param.name())
+            let arg = named_get(param.name())
                 .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
             match param {
                 StaticParam::Layer => {
@@ -471,7 +474,7 @@ impl<'a> Elaborator<'a> {
         if let Op::Pregate { layer, .. } = op {
             let first = self.card.dense_layers.max(1);
             if u64::from(layer) < first {
-                let span = named.get("layer").map_or(stmt.span, |a| a.value.span);
+                let span = named_get("layer").map_or(stmt.span, |a| a.value.span);
                 return Err(Diagnostic::out_of_range(
                     span,
                     "pregate layer",
@@ -485,9 +488,14 @@ impl<'a> Elaborator<'a> {
         }
         for arg in &stmt.args {
             if let Some(name) = &arg.name {
-                if !allowed.contains(&name.name.as_str()) {
+                let allowed = def.params.iter().any(|p| p.name() == name.name)
+                    || def.args.iter().any(|a| a.role.as_str() == name.name);
+                if !allowed {
                     return Err(Diagnostic::bad_argument(
-                        name.span, op_name, &name.name, &allowed,
+                        name.span,
+                        op_name,
+                        &name.name,
+                        &def.arg_names(),
                     ));
                 }
             }
@@ -495,10 +503,10 @@ impl<'a> Elaborator<'a> {
         // The concrete op's signature decides what is required (`attn(part = prefill)` may
         // leave out its `kv`) and with which access each argument is passed.
         let signature = catalog::signature(&op, &self.card);
-        let mut args = Vec::new();
+        let mut args = Vec::with_capacity(signature.len());
         for role_sig in &signature {
             let key = role_sig.role.as_str();
-            let Some(arg) = named.get(key) else {
+            let Some(arg) = named_get(key) else {
                 if role_sig.optional {
                     continue;
                 }
@@ -512,8 +520,9 @@ impl<'a> Elaborator<'a> {
                         self.index_array(*decl, indices.clone(), i64::from(k), arg.value.span)?;
                 }
             }
-            let slices = match value {
-                Val::Slice(s) => vec![(s, arg.value.span)],
+            // Inline: one slice per argument but for `w` or `acc` lists.
+            let slices: SmallVec<[(SliceVal, Span); 2]> = match value {
+                Val::Slice(s) => smallvec::smallvec![(s, arg.value.span)],
                 Val::List(items)
                     if def.arg(role_sig.role).is_some_and(|a| a.list) && !items.is_empty() =>
                 {
@@ -521,7 +530,7 @@ impl<'a> Elaborator<'a> {
                         ast::ExprKind::List(exprs) => exprs.iter().map(|e| e.span).collect(),
                         _ => vec![arg.value.span; items.len()],
                     };
-                    let mut out = Vec::new();
+                    let mut out = SmallVec::new();
                     for (item, span) in items.into_iter().zip(spans) {
                         match item {
                             Val::Slice(s) => out.push((s, span)),
@@ -708,7 +717,7 @@ impl<'a> Elaborator<'a> {
         &mut self,
         op: Op,
         args: Vec<(Arg, Span)>,
-        tail: &TaskTail,
+        tail: &'a TaskTail,
         span: Span,
         op_name: &str,
     ) -> Result<(), Diagnostic> {
@@ -804,9 +813,9 @@ impl<'a> Elaborator<'a> {
             }
         };
         let id = TaskId::new(self.tasks.len());
-        let (label, label_text) = match &tail.label {
-            Some(label) => (Some(self.label_key(label)?), Some(self.label_text(label)?)),
-            None => (None, None),
+        let label = match &tail.label {
+            Some(label) => Some(self.label_key(label)?),
+            None => None,
         };
         let mut after = Vec::new();
         for item in &tail.after {
@@ -825,14 +834,22 @@ impl<'a> Elaborator<'a> {
             }
             after.push((self.label_key(&item.label)?, item.span));
         }
-        if let Some(key) = &label {
-            if let Some(&first) = self.labels.get(key) {
-                let first_span = self.spans.tasks[first.index()];
-                let text = key.split_once(':').map_or(key.as_str(), |(_, t)| t);
-                return Err(Diagnostic::duplicate_label(span, first_span, text));
+        let label_text = match label {
+            Some(key) => {
+                let text = key.text();
+                match self.labels.entry(key) {
+                    Entry::Occupied(first) => {
+                        let first_span = self.spans.tasks[first.get().index()];
+                        return Err(Diagnostic::duplicate_label(span, first_span, &text));
+                    }
+                    Entry::Vacant(slot) => {
+                        slot.insert(id);
+                    }
+                }
+                Some(text)
             }
-            self.labels.insert(key.clone(), id);
-        }
+            None => None,
+        };
         for (key, span) in after {
             self.pending_after.push(PendingAfter {
                 task: id,
@@ -841,7 +858,7 @@ impl<'a> Elaborator<'a> {
             });
         }
         let shape = self.step_shape();
-        let arg_info: Vec<(Role, ir::Space, u64)> = args
+        let arg_info: SmallVec<[(Role, ir::Space, u64); 6]> = args
             .iter()
             .map(|(a, _)| {
                 (
@@ -851,7 +868,7 @@ impl<'a> Elaborator<'a> {
                 )
             })
             .collect();
-        let mut work = catalog::work(&op, &self.card, &shape, &arg_info);
+        let mut work = catalog::work_in(&op, &self.card, &self.checkpoint, &shape, &arg_info);
         if let (Some(part), Some(copy)) = (self.kv_part, work.copy.as_mut()) {
             // The positions the copy moves at the declared (worst-case) shape.
             copy.bytes = catalog::kv_part_bytes(&self.card, &shape, part).min(copy.bytes);
@@ -895,21 +912,17 @@ impl<'a> Elaborator<'a> {
     }
 
     /// Labels are scoped to their step: `after` never crosses step boundaries.
-    fn label_key(&mut self, label: &ast::Label) -> Result<String, Diagnostic> {
-        let step = self.step.map_or(0, |s| s.1 .0);
-        Ok(format!("{step}:{}", self.label_text(label)?))
-    }
-
-    fn label_text(&mut self, label: &ast::Label) -> Result<String, Diagnostic> {
-        if label.indices.is_empty() {
-            return Ok(label.name.name.clone());
-        }
-        let mut parts = Vec::new();
+    fn label_key(&mut self, label: &'a ast::Label) -> Result<LabelKey<'a>, Diagnostic> {
+        let mut indices = SmallVec::new();
         for index in &label.indices {
             let v = self.eval(index)?;
-            parts.push(as_int(v, index.span)?.to_string());
+            indices.push(as_int(v, index.span)?);
         }
-        Ok(format!("{}[{}]", label.name.name, parts.join(", ")))
+        Ok(LabelKey {
+            step: self.step.map_or(0, |s| s.1 .0),
+            name: &label.name.name,
+            indices,
+        })
     }
 }
 

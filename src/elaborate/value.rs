@@ -61,6 +61,10 @@ impl SliceVal {
     }
 }
 
+/// The indices of a partly indexed buffer array (`kv[l]` of `kv[l][j]`), inline: every
+/// slice of an array element is built through one, per task.
+pub type ArrayIndices = smallvec::SmallVec<[u32; 4]>;
+
 /// A value during elaboration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Val {
@@ -118,7 +122,7 @@ pub enum Val {
         /// Index of the declaration in the elaborator's table.
         decl: usize,
         /// Indices given so far.
-        indices: Vec<u32>,
+        indices: ArrayIndices,
     },
     /// A buffer slice.
     Slice(SliceVal),
@@ -163,7 +167,7 @@ pub trait Context {
     fn index_array(
         &mut self,
         decl: usize,
-        indices: Vec<u32>,
+        indices: ArrayIndices,
         index: i64,
         span: Span,
     ) -> Result<Val, Diagnostic>;

@@ -77,6 +77,10 @@ pub struct Program {
     /// Source spans of everything above.
     #[serde(skip)]
     pub spans: SpanTable,
+    /// `CheckpointLayout::new(&model)`, computed once by the elaborator: the cost model
+    /// asks for it per task ([`Program::checkpoint`]).
+    #[serde(skip)]
+    pub(crate) layout: CheckpointLayout,
 }
 
 /// The workload symbols (`batch`, `prompt_len`, `gen_len`).
@@ -556,7 +560,7 @@ impl Program {
 
     /// The checkpoint layout for this program's model.
     pub fn checkpoint(&self) -> CheckpointLayout {
-        CheckpointLayout::new(&self.model)
+        self.layout
     }
 
     /// The task with this id.

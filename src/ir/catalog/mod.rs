@@ -24,8 +24,8 @@ pub use table::{
 
 pub use sizes::{size_helper, HelperSize, SIZE_HELPERS};
 pub use work::{
-    flops, role_traffic, routed_tokens, work, workspace_bytes, CopyWork, DataClass, MemTraffic,
-    Work,
+    flops, role_traffic, role_traffic_in, routed_tokens, work, work_in, workspace_bytes, CopyWork,
+    DataClass, MemTraffic, Work,
 };
 
 pub use super::expert::ExpertRef;

@@ -206,7 +206,14 @@ fn embed_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn embed_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn embed_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    _: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         // One row of the table per token, in its stored format.
@@ -259,11 +266,18 @@ fn pre_attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn pre_attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn pre_attn_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         // MLA: `pre` holds all of `kv_b_proj` but reads only its key rows (`W_uk`).
-        Role::W => (CheckpointLayout::new(card).pre_bytes - kv_b_rows_bytes(card).1) as f64,
+        Role::W => (layout.pre_bytes - kv_b_rows_bytes(card).1) as f64,
         Role::H => d.rows(d.h),
         Role::Out => d.n * card.qkv_width() as f64 * d.a,
         _ => len as f64,
@@ -353,7 +367,14 @@ fn attn_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn attn_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn attn_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    _: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         // Every part appends the new tokens' K/V and reads each sequence's context.
@@ -441,9 +462,15 @@ fn attn_out_all(layer: u32, ub: u32) -> Tensor {
     }
 }
 
-fn post_attn_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn post_attn_bytes(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape).at_layer(op, card);
-    let layout = CheckpointLayout::new(card);
     let layer = u64::from(op.layer().unwrap_or(0));
     match role {
         Role::W => {
@@ -503,11 +530,18 @@ fn o_proj_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn o_proj_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn o_proj_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         // MLA: `o` holds all of `kv_b_proj` but reads only its value rows (`W_uv`).
-        Role::W => (CheckpointLayout::new(card).o_bytes - kv_b_rows_bytes(card).0) as f64,
+        Role::W => (layout.o_bytes - kv_b_rows_bytes(card).0) as f64,
         Role::A => d.rows(d.q),
         Role::H => 2.0 * d.rows(d.h),
         _ => len as f64,
@@ -568,11 +602,18 @@ fn gate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn gate_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn gate_bytes(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     let layer = u64::from(op.layer().unwrap_or(0));
     match role {
-        Role::W => CheckpointLayout::new(card).gate_bytes_of(layer) as f64,
+        Role::W => layout.gate_bytes_of(layer) as f64,
         Role::H => d.rows(d.h),
         Role::Route => d.routing_bytes(),
         // The gate writes the normalised rows, zeroes every (token, k) slot and writes the
@@ -640,7 +681,14 @@ fn pregate_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn pregate_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn pregate_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    _: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         // The norm and router rows of the layer's gate part (not a shared expert's).
@@ -733,7 +781,14 @@ fn experts_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn experts_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn experts_bytes(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     let set = expert_set(op);
     let in_set = if dense_layer(op, card) {
@@ -742,7 +797,7 @@ fn experts_bytes(op: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64)
         set.len(card.experts) as f64
     };
     match role {
-        Role::W => d.active_experts(in_set) * CheckpointLayout::new(card).expert_bytes as f64,
+        Role::W => d.active_experts(in_set) * layout.expert_bytes as f64,
         Role::Route => d.routing_bytes(),
         Role::Acc => 2.0 * layer_routed_tokens(op, card, shape) * d.h * d.a,
         _ => len as f64,
@@ -798,7 +853,14 @@ fn combine_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn combine_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn combine_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    _: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         Role::Route => d.routing_bytes(),
@@ -851,10 +913,17 @@ fn lm_head_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn lm_head_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn lm_head_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
-        Role::W => CheckpointLayout::new(card).head_bytes as f64,
+        Role::W => layout.head_bytes as f64,
         // Only the last row of each sequence.
         Role::H => d.s * d.h * d.a,
         Role::Logits => d.s * d.vocab * d.a,
@@ -894,7 +963,14 @@ fn sample_signature(op: &Op, _: &ModelCard) -> Vec<RoleSig> {
     ]
 }
 
-fn sample_bytes(_: &Op, role: Role, card: &ModelCard, shape: &Shape, len: u64) -> f64 {
+fn sample_bytes(
+    _: &Op,
+    role: Role,
+    card: &ModelCard,
+    _: &CheckpointLayout,
+    shape: &Shape,
+    len: u64,
+) -> f64 {
     let d = Dims::new(card, shape);
     match role {
         Role::Logits => d.s * d.vocab * d.a,
@@ -929,7 +1005,7 @@ const COPY: OpDef = OpDef {
     },
     work: WorkDef {
         flops: |_, _, _| 0.0,
-        bytes: |_, _, _, _, len| len as f64,
+        bytes: |_, _, _, _, _, len| len as f64,
         workspace: no_workspace,
     },
     cost: CostClass::Copy,

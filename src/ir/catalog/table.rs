@@ -10,7 +10,7 @@
 //! and every entry's signature lists exactly its declared arguments, in order.
 
 use super::{AttnPart, ExpertSet, Op, RoleSig, Shape};
-use crate::ir::{Access, Engine, Role, RowUnit};
+use crate::ir::{Access, CheckpointLayout, Engine, Role, RowUnit};
 use crate::model::card::ModelCard;
 
 /// An op without its static parameters: the key of the op table and of every backend's
@@ -277,8 +277,16 @@ pub struct WorkDef {
     pub flops: fn(&Op, &ModelCard, &Shape) -> f64,
     /// Bytes read plus written through the argument of role `role` whose slice is
     /// `slice_len` bytes long (weights: the tensors the op reads, before being split over
-    /// several `w` arguments).
-    pub bytes: fn(op: &Op, role: Role, card: &ModelCard, shape: &Shape, slice_len: u64) -> f64,
+    /// several `w` arguments). `layout` is the card's [`CheckpointLayout`], which the
+    /// weight formulas read: the caller computes it once per card, not per task.
+    pub bytes: fn(
+        op: &Op,
+        role: Role,
+        card: &ModelCard,
+        layout: &CheckpointLayout,
+        shape: &Shape,
+        slice_len: u64,
+    ) -> f64,
     /// Scratch bytes beyond the arguments, in the memory of the engine the op runs on.
     pub workspace: fn(&Op, &ModelCard, &Shape) -> u64,
 }

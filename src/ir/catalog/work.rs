@@ -2,7 +2,7 @@
 //! task's [`Shape`] — the numbers the cost model (HRM) consumes as is.
 
 use super::{ExpertSet, Op, Shape};
-use crate::ir::{Role, Space};
+use crate::ir::{CheckpointLayout, Role, Space};
 use crate::model::card::ModelCard;
 use serde::{Deserialize, Serialize};
 
@@ -87,22 +87,58 @@ pub fn role_traffic(
     shape: &Shape,
     slice_len: u64,
 ) -> (DataClass, f64) {
+    role_traffic_in(
+        op,
+        role,
+        card,
+        &CheckpointLayout::new(card),
+        shape,
+        slice_len,
+    )
+}
+
+/// [`role_traffic`] with the card's checkpoint layout computed by the caller
+/// (`CheckpointLayout::new(card)`), for callers that cost many tasks of one card.
+pub fn role_traffic_in(
+    op: &Op,
+    role: Role,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    slice_len: u64,
+) -> (DataClass, f64) {
     let def = op.def();
     let class = def
         .arg(role)
         .map_or(DataClass::Activations, |arg| arg.ty.class());
-    (class, (def.work.bytes)(op, role, card, shape, slice_len))
+    (
+        class,
+        (def.work.bytes)(op, role, card, layout, shape, slice_len),
+    )
 }
 
 /// The work of a task whose arguments live in `arg_spaces` (role, space, slice length).
 pub fn work(op: &Op, card: &ModelCard, shape: &Shape, args: &[(Role, Space, u64)]) -> Work {
+    work_in(op, card, &CheckpointLayout::new(card), shape, args)
+}
+
+/// [`work`] with the card's checkpoint layout computed by the caller
+/// (`CheckpointLayout::new(card)`): the elaborator and the cost model cost every task of
+/// one card, and building the layout per task was a sixteenth of a real-size plan's time.
+pub fn work_in(
+    op: &Op,
+    card: &ModelCard,
+    layout: &CheckpointLayout,
+    shape: &Shape,
+    args: &[(Role, Space, u64)],
+) -> Work {
     // Weights the op reads are counted once, however many `w` arguments hold them: split
     // in proportion to the arguments' lengths, none reading more than it holds.
     let weight_len: u64 = args.iter().filter(|a| a.0 == Role::W).map(|a| a.2).sum();
     let mem = args
         .iter()
         .map(|&(role, space, len)| {
-            let (class, mut bytes) = role_traffic(op, role, card, shape, len);
+            let (class, mut bytes) = role_traffic_in(op, role, card, layout, shape, len);
             if role == Role::W && *op != Op::Copy && weight_len > 0 {
                 bytes = (bytes * len as f64 / weight_len as f64).min(len as f64);
             }

@@ -972,7 +972,7 @@ mod tests {
                 def.name
             );
             for arg in def.args {
-                let bytes = (def.work.bytes)(&op, arg.role, &card, &shape, 64);
+                let bytes = crate::ir::catalog::role_traffic(&op, arg.role, &card, &shape, 64).1;
                 assert!(
                     bytes.is_finite() && bytes > 0.0,
                     "{}: bytes {bytes}",
