@@ -30,8 +30,9 @@ pub struct Output {
     pub task: TaskId,
     /// Its experts.
     pub set: ExpertSet,
-    /// The guard it ran under.
-    pub guard: Guard,
+    /// The guard it ran under, shared: an accumulator's outputs are copied into every
+    /// later value of it (hundreds per layer), which must not copy each guard's literals.
+    pub guard: std::rc::Rc<Guard>,
 }
 
 /// What a guard variable measures: routed tokens, a cache's residency (0 miss, 1 hit) or a
@@ -301,7 +302,7 @@ mod tests {
         Output {
             task: TaskId(task),
             set,
-            guard: Guard { lits },
+            guard: std::rc::Rc::new(Guard { lits }),
         }
     }
 

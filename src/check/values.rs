@@ -1067,24 +1067,38 @@ impl Tracker<'_> {
         {
             return Vec::new();
         }
-        let mut outputs: Vec<Output> = Vec::new();
-        // Tasks already in `outputs` (a layer's accumulator holds hundreds of outputs: a
-        // scan of `outputs` per output was quadratic in them).
-        let mut seen: std::collections::HashSet<TaskId> = std::collections::HashSet::new();
-        for (_, _, cell) in self.read_runs(&arg.slice) {
-            if cell.piece.is_some_and(|p| p.tensor == produced) && cell.epoch == Some(self.epoch) {
-                for o in cell.outputs.iter() {
-                    if seen.insert(o.task) {
-                        outputs.push(o.clone());
+        let held: Vec<Cell> = self
+            .read_runs(&arg.slice)
+            .into_iter()
+            .filter(|(_, _, cell)| {
+                cell.piece.is_some_and(|p| p.tensor == produced) && cell.epoch == Some(self.epoch)
+            })
+            .map(|(_, _, cell)| cell)
+            .collect();
+        let mut outputs: Vec<Output> = match held.as_slice() {
+            // One run (the accumulator written whole, the usual case): its outputs as they
+            // are, each task once already.
+            [one] => one.outputs.as_ref().clone(),
+            _ => {
+                // Tasks already in `outputs` (a layer's accumulator holds hundreds of
+                // outputs: a scan of `outputs` per output was quadratic in them).
+                let mut seen: std::collections::HashSet<TaskId> = std::collections::HashSet::new();
+                let mut outputs = Vec::new();
+                for cell in &held {
+                    for o in cell.outputs.iter() {
+                        if seen.insert(o.task) {
+                            outputs.push(o.clone());
+                        }
                     }
                 }
+                outputs
             }
-        }
+        };
         if let Op::Experts { set, .. } = task.op {
             outputs.push(Output {
                 task: id,
                 set,
-                guard: task.guard.clone(),
+                guard: Rc::new(task.guard.clone()),
             });
         }
         outputs
@@ -1117,6 +1131,17 @@ impl Tracker<'_> {
             for (in_lo, in_hi, new) in incoming {
                 let same = new.piece.is_some_and(|p| p.tensor == held);
                 if !same || in_hi <= lo || hi <= in_lo {
+                    continue;
+                }
+                // The incoming value usually extends the held one (an `experts` task adds
+                // its output to the accumulator's): nothing lost, no set to build.
+                let extends = new.outputs.len() >= cell.outputs.len()
+                    && cell
+                        .outputs
+                        .iter()
+                        .zip(new.outputs.iter())
+                        .all(|(h, n)| h.task == n.task);
+                if extends {
                     continue;
                 }
                 // The first held output the incoming value lacks (one set of the incoming
