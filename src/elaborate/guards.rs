@@ -19,7 +19,7 @@ pub(super) fn resident(
     cache: u32,
     span: Span,
     args: &[Expr],
-    values: Vec<Val>,
+    values: super::value::CallArgs,
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);

@@ -15,14 +15,11 @@
 use super::value::Val;
 use std::borrow::Cow;
 
-/// A fast, non-cryptographic hash map for the elaborator's tables (names, labels): its
-/// keys come from the schedule, so the DoS resistance of the standard SipHash buys
-/// nothing, and hashing was a tenth of a real-size plan's time.
-pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
+pub(super) use crate::ir::FastMap;
 
 /// A [`FastMap`] with no entries.
-pub(crate) fn fast_map<K, V>() -> FastMap<K, V> {
-    FastMap::with_hasher(foldhash::fast::FixedState::default())
+pub(super) fn fast_map<K, V>() -> FastMap<K, V> {
+    FastMap::default()
 }
 
 /// Every binding in scope while elaborating.

@@ -104,7 +104,7 @@ fn cache_method(
     method_span: Span,
     span: Span,
     args: &[Expr],
-    values: Vec<Val>,
+    values: super::value::CallArgs,
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);
@@ -279,7 +279,7 @@ pub(super) fn method_of(
     base_span: Span,
     span: Span,
     args: &[Expr],
-    values: Vec<Val>,
+    values: super::value::CallArgs,
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     let Val::Slice(s) = base else {
@@ -499,7 +499,7 @@ fn format_of(
     method_span: Span,
     span: Span,
     args: &[Expr],
-    values: Vec<Val>,
+    values: super::value::CallArgs,
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     use crate::model::formats::WeightTensor;

@@ -65,6 +65,10 @@ impl SliceVal {
 /// slice of an array element is built through one, per task.
 pub type ArrayIndices = smallvec::SmallVec<[u32; 4]>;
 
+/// The evaluated arguments of a call or method (`active(l, e, j)`, `.expert(e)`), inline:
+/// unrolling evaluates a few per task.
+pub type CallArgs = smallvec::SmallVec<[Val; 4]>;
+
 /// A value during elaboration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Val {
@@ -268,7 +272,7 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
             match eval(&args[0], cx)? {
                 Val::Bool(c) => eval(&args[if c { 1 } else { 2 }], cx),
                 cond => {
-                    let values = vec![cond, Val::Int(0), Val::Int(0)];
+                    let values = smallvec::smallvec![cond, Val::Int(0), Val::Int(0)];
                     call(&name.name, name.span, span, args, values, cx)
                 }
             }
@@ -277,7 +281,7 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
             let values = args
                 .iter()
                 .map(|e| eval(e, cx))
-                .collect::<Result<Vec<_>, _>>()?;
+                .collect::<Result<CallArgs, _>>()?;
             call(&name.name, name.span, span, args, values, cx)
         }
         ExprKind::Unary(op, inner) => {
@@ -388,7 +392,7 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                     },
                     _ => eval(e, cx),
                 })
-                .collect::<Result<Vec<_>, _>>()?;
+                .collect::<Result<CallArgs, _>>()?;
             method_of(
                 b,
                 &method.name,
@@ -637,7 +641,7 @@ fn call(
     name_span: Span,
     span: Span,
     args: &[Expr],
-    values: Vec<Val>,
+    values: CallArgs,
     cx: &mut dyn Context,
 ) -> Result<Val, Diagnostic> {
     let arg_span = |i: usize| args.get(i).map(|a| a.span).unwrap_or(span);

@@ -272,7 +272,9 @@ pub fn candidate_edges(program: &Program) -> Candidates {
     let mut last_on_stream: Vec<Option<TaskId>> = vec![None; program.streams.len()];
     let mut out = Vec::with_capacity(program.tasks.len());
     let mut raw_edges: Vec<(TaskId, u8)> = Vec::new();
-    let bound = super::cache::bindings(program);
+    // Only a cache's slots are bound to fetches; without caches nothing is (and the
+    // per-task table is not built).
+    let bound = (!program.caches.is_empty()).then(|| super::cache::bindings(program));
     for (index, task) in program.tasks.iter().enumerate() {
         let id = TaskId::new(index);
         let mut found: Vec<(TaskId, DepKinds, Option<BufferId>)> = Vec::new();
@@ -300,7 +302,7 @@ pub fn candidate_edges(program: &Program) -> Candidates {
             add(a, DepKinds::AFTER, None);
         }
         // Reads first, then writes, so a task never waits for its own access.
-        let mut ordered: Vec<&super::Arg> = task
+        let mut ordered: smallvec::SmallVec<[&super::Arg; 6]> = task
             .args
             .iter()
             .filter(|a| a.access == Access::Read)
@@ -309,7 +311,8 @@ pub fn candidate_edges(program: &Program) -> Candidates {
         // A cache slot is chosen at run time: a reader waits for the fetch that makes its
         // expert resident (the runtime keeps that slot until its readers ran); nothing
         // else about a cache's bytes orders tasks.
-        for (arg, fetch) in task.args.iter().zip(&bound[index]) {
+        let fetches = bound.as_ref().map_or(&[][..], |b| b[index].as_slice());
+        for (arg, fetch) in task.args.iter().zip(fetches) {
             if let (Some(fetch), true) = (fetch, arg.access.reads()) {
                 add(*fetch, DepKinds::RAW, Some(arg.slice.buffer));
             }

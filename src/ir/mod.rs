@@ -37,6 +37,15 @@ pub use guard::{Guard, GuardAtom, GuardLit, ScoreKind};
 pub use ids::{BufferId, ParamId, StepId, StreamId, TaskId};
 pub use kinds::{ParamType, StepKind};
 
+/// A hash map keyed by the compiler's own data (names, labels, ids, layers): foldhash's
+/// fast hasher with a fixed seed. The keys come from the schedule, so the standard
+/// SipHash's DoS resistance buys nothing, and hashing was a tenth of a real-size plan's
+/// time (docs/cost-model.md "Where the DeepSeek-V3 plan's time goes").
+pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
+
+/// A hash set with [`FastMap`]'s hasher.
+pub type FastSet<K> = std::collections::HashSet<K, foldhash::fast::FixedState>;
+
 use crate::model::card::ModelCard;
 use crate::span::Span;
 use serde::{Deserialize, Serialize};

@@ -8,12 +8,11 @@
 //! gating) exists only to be read by a predictor, so every one is read back.
 
 use super::{ExpertRef, ExpertSet, Op, Program};
-use std::collections::HashSet;
 
 /// Per task: true for a gate whose routing the host reads back.
 pub fn readback_gates(program: &Program) -> Vec<bool> {
     let mut every_gate = false;
-    let mut guarded: HashSet<(u32, Option<u32>)> = HashSet::new();
+    let mut guarded: super::FastSet<(u32, Option<u32>)> = super::FastSet::default();
     let is_hot = |e: ExpertRef| matches!(e, ExpertRef::Hot { .. });
     for task in &program.tasks {
         for lit in &task.guard.lits {
