@@ -1466,13 +1466,19 @@ fn an_experts_task_over_a_checkpoint_expert_and_a_q8_0_copy_runs_one_grouped_cal
         line.contains("0 routing read-backs by experts/post_attn"),
         "{line}"
     );
-    // Whether the decode steps are captured as a CUDA graph is not asserted: the order of
-    // a step's commands on stream 0 differs between runs and steps ("its launches differ
-    // from the previous step's (stream 0, command 0, `embed_bf16`)", then "... a copy"),
-    // so capture and replay happen in some runs and not others (session 13's note), and a
-    // test must not fail by chance. Printed for the record.
-    let (replayed, captured, _, reasons) = graph_counts(&doc, "decode");
+    // The copies out of the registered `W.q8_0` are device commands: of the 3 decode
+    // steps the first runs plainly, the second is captured as a CUDA graph and the third
+    // replays it. (Before the fix in `copy_op`, any copy on the h2d stream that ran before
+    // a step's `embed` made it upload the ids instead of reading the sampled ones, so the
+    // step's first command on stream 0 depended on the threads' timing and a run replayed
+    // nothing about one time in five.)
+    let (replayed, captured, plain, reasons) = graph_counts(&doc, "decode");
     println!("decode graphs: {captured} captured, {replayed} replayed ({reasons})");
+    assert_eq!(
+        (replayed, captured, plain),
+        (1, 1, 1),
+        "decode graphs: {reasons}"
+    );
 }
 
 /// Issue 45: a format copy in a format the CUDA kernels have no decoder for (Q5_0:
