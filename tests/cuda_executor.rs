@@ -169,11 +169,9 @@ fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
 /// replay on the tiny cards (measured on mixtral-tiny and deepseek-v3-tiny at 4 new tokens
 /// without `--dump-logits`: a plain step, a captured one, a replayed one; every other
 /// schedule ran all its decode steps plainly). The sweep keeps 4 new tokens for them, so a
-/// captured or replayed step, where one happens, is checked. It does not assert a replay:
-/// the sweep's `--dump-logits` adds a copy that differs between steps, so on every card
-/// `gpu_resident` replayed no step there ("its launches differ from the previous step's
-/// (stream 0, command N, a copy)"; on mixtral-tiny: 1 captured, 0 replayed, 2 plain with
-/// the dump against 1, 1, 1 without it);
+/// captured or replayed step, where one happens, is checked (with `--dump-logits`, whose
+/// logits read-back no longer stops the replay:
+/// decode_steps_replay_with_dumped_logits_equal_to_plain_steps);
 /// decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens pins the graphs.
 const GRAPH_SCHEDULES: [&str; 2] = ["baselines/gpu_resident", "flexgen"];
 
@@ -1023,6 +1021,50 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
     assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");
     assert!(why.contains("read back to the host"), "{why}");
     assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
+}
+
+/// Issue 44: `--dump-logits` (a read-back of each step's logits into pinned staging, part
+/// of the captured work) does not stop graph replay: `baselines/gpu_resident` on
+/// mixtral-tiny generating 4 tokens runs its 3 decode steps plain, captured, replayed with
+/// the dump as without it (before the fix of `Staging`, the step after the one that grew
+/// the staging for the logits took other addresses: 2 plain, 1 captured, 0 replayed). The
+/// dumped logits are the last step's, a replayed one; they equal those of the same run
+/// with every step launched plainly (`MOEC_CUDA_GRAPHS=off`, which the report names)
+/// within 1e-5 (the same kernels on the same inputs: measured 0), and the tokens are equal.
+#[test]
+fn decode_steps_replay_with_dumped_logits_equal_to_plain_steps() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let mut runs = Vec::new();
+    for graphs in ["on", "off"] {
+        let dump = tempfile::NamedTempFile::new().expect("temp file");
+        let path = dump.path().to_str().expect("UTF-8 temp path");
+        let (tokens, _, doc) = counted_run(
+            cache.path(),
+            dir.path(),
+            schedule,
+            &PROMPTS,
+            4,
+            &["--dump-logits", path],
+            &[("MOEC_CUDA_GRAPHS", graphs)],
+        );
+        let counts = graph_counts(&doc, "decode");
+        println!("graphs {graphs}: decode steps (replayed, captured, plain, why) {counts:?}");
+        let (replayed, captured, plain, why) = counts;
+        if graphs == "on" {
+            assert_eq!((replayed, captured, plain), (1, 1, 1), "{why}");
+        } else {
+            assert_eq!((replayed, captured, plain), (0, 0, 3), "{why}");
+            assert!(why.contains("MOEC_CUDA_GRAPHS=off"), "{why}");
+        }
+        runs.push((tokens, logits(dump.path())));
+    }
+    assert_eq!(runs[0].0, runs[1].0, "replayed and plain tokens");
+    assert_eq!(runs[0].1.len(), PROMPTS.len());
+    let diff = max_diff(&runs[0].1, &runs[1].1);
+    println!("replayed against plain steps: max |logit diff| {diff:.2e}");
+    assert!(diff <= 1e-5, "replayed and plain logits differ by {diff}");
 }
 
 /// What one decode step of `baselines/gpu_resident` at batch 1 puts in its CUDA graph on
