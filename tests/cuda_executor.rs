@@ -170,10 +170,11 @@ fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
 /// The schedules whose decode steps the CUDA backend can capture into a CUDA graph and
 /// replay on the tiny cards (measured on mixtral-tiny and deepseek-v3-tiny at 4 new tokens
 /// without `--dump-logits`: a plain step, a captured one, a replayed one; every other
-/// schedule ran all its decode steps plainly). The sweep keeps 4 new tokens for them, so a
-/// captured or replayed step, where one happens, is checked (with `--dump-logits`, whose
-/// logits read-back no longer stops the replay:
-/// decode_steps_replay_with_dumped_logits_equal_to_plain_steps);
+/// schedule ran all its decode steps plainly). The sweep keeps 4 new tokens for them and
+/// asserts that the last decode step replayed a graph, on every card (with
+/// `--dump-logits`, whose logits read-back no longer stops the replay:
+/// decode_steps_replay_with_dumped_logits_equal_to_plain_steps), so the dumped logits the
+/// sweep compares with the CPU's are a replayed step's;
 /// decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens pins the graphs.
 const GRAPH_SCHEDULES: [&str; 2] = ["baselines/gpu_resident", "flexgen"];
 
@@ -229,10 +230,29 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
         );
         let got = token_ids(&cuda, &format!("{schedule} on {card}, CUDA (stand-in)"));
         let diff = max_diff(want_logits, &logits(&cuda_logits));
+        let doc: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("--json");
+        let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
         rows.push(format!(
-            "{name:28} {card:13} {args:?} tokens equal: {:5}  max |logit diff| {diff:.2e}",
+            "{name:28} {card:13} {args:?} tokens equal: {:5}  max |logit diff| {diff:.2e}  \
+             decode graphs: {replayed} replayed, {captured} captured, {plain} plain",
             *want == got
         ));
+        // 4 tokens of a graph schedule: 3 decode steps, plain, captured, replayed, with the
+        // dumped logits (the last, replayed step's) compared below; so every family's card
+        // checks a replayed step against the CPU (all 8 did when this was written).
+        let gen_len = args
+            .iter()
+            .position(|a| *a == "--gen-len")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|n| n.parse::<u32>().ok());
+        if graphs && gen_len == Some(4) {
+            assert_eq!(
+                (replayed, captured, plain),
+                (1, 1, 1),
+                "{schedule} on {card}: decode graphs {why}"
+            );
+        }
         assert_eq!(
             got, *want,
             "{schedule} on {card}: CUDA (stand-in) tokens differ from the CPU's"
