@@ -896,6 +896,25 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
 mod tests {
     use super::*;
 
+    /// A copy forgets exactly the sampled-ids buffers its destination bytes overlap: one
+    /// ending where a buffer starts, or starting where it ends, forgets nothing (a weight
+    /// copy beside the tokens buffer must not make `embed` upload the ids), one byte
+    /// inside forgets that buffer alone, and a range reaching the top of the address space
+    /// does not overflow.
+    #[test]
+    fn a_copy_forgets_only_the_sampled_ids_it_overwrites() {
+        let ids = SampledIds::default();
+        ids.wrote(0x1000, &[1, 2]);
+        ids.wrote(0x2000, &[3]);
+        ids.forget_overlapping(0x1008, 0x100);
+        ids.forget_overlapping(0x0f00, 0x100);
+        assert!(ids.holds(0x1000, &[1, 2]) && ids.holds(0x2000, &[3]));
+        ids.forget_overlapping(0x1007, 1);
+        assert!(!ids.holds(0x1000, &[1, 2]) && ids.holds(0x2000, &[3]));
+        ids.forget_overlapping(0x1fff, u64::MAX);
+        assert!(!ids.holds(0x2000, &[3]));
+    }
+
     /// Every family's cards run on the CUDA kernels (the published ones too: up to 256
     /// experts), and what the kernels cannot take is named.
     #[test]
