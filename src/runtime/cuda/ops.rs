@@ -30,7 +30,7 @@ use super::launch::{
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::moe::{combine_op, experts_op, gate_op, post_attn_op, pregate_op, ROUTER_MAX_EXPERTS};
 use crate::ir::catalog::OpKind;
-use crate::ir::{Op, Role};
+use crate::ir::{Op, Role, Space};
 use crate::lower::PlanTask;
 use crate::model::arch::ArchSpec;
 use crate::model::segment::SegmentKind;
@@ -39,7 +39,7 @@ use crate::model::vocab::Orientation;
 use crate::model::vocab::Sampling;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
-use crate::runtime::host::memory::{HostMemory, View};
+use crate::runtime::host::memory::{HostMemory, Region, View};
 use crate::runtime::host::weights::WeightTag;
 use crate::runtime::ops::{run_task, sized, OpCx, OpTable, TaskArgs};
 use crate::runtime::step::StepContext;
@@ -111,10 +111,17 @@ impl SampledIds {
         crate::runtime::sync::lock(&self.0).insert(dst, ids.to_vec());
     }
 
-    /// Forgets every buffer: a copy may have written one (a schedule that samples on the
-    /// host and copies the ids over), so nothing is trusted until its next `sample`.
-    fn forget(&self) {
-        crate::runtime::sync::lock(&self.0).clear();
+    /// Forgets the buffers a copy into device bytes `[start, start + len)` overlaps (a
+    /// schedule that samples on the host and copies the ids over): those are not trusted
+    /// until their next `sample`. Only the copy's own destination is forgotten, never every
+    /// buffer: a weight copy on another stream that happens to run before this step's
+    /// `embed` must not change what `embed` issues (an upload instead of the sampled ids),
+    /// or the step's commands would depend on the stream threads' timing and a decode step
+    /// would be captured into a CUDA graph in some runs only.
+    fn forget_overlapping(&self, start: u64, len: u64) {
+        crate::runtime::sync::lock(&self.0).retain(|&at, ids| {
+            at >= start.saturating_add(len) || at + 4 * ids.len() as u64 <= start
+        });
     }
 
     /// Whether the buffer at `at` holds exactly `ids` from its last `sample`.
@@ -578,7 +585,10 @@ impl GpuCx<'_> {
 
 fn copy_op(cx: &GpuCx<'_>, _task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
-    cx.sampled_ids.forget();
+    // Sampled ids live in the gpu arena: a copy elsewhere cannot overwrite them.
+    if dst.region == Region::Arena(Space::Gpu) {
+        cx.sampled_ids.forget_overlapping(cx.mem.ptr(dst)?, dst.len);
+    }
     if cx.s.recorder.recording() {
         // Between the gpu and pinned arenas: a device command like any launch.
         if let Some(commands) = cx.mem.copy_commands(cx.host, src, dst)? {
@@ -885,6 +895,25 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A copy forgets exactly the sampled-ids buffers its destination bytes overlap: one
+    /// ending where a buffer starts, or starting where it ends, forgets nothing (a weight
+    /// copy beside the tokens buffer must not make `embed` upload the ids), one byte
+    /// inside forgets that buffer alone, and a range reaching the top of the address space
+    /// does not overflow.
+    #[test]
+    fn a_copy_forgets_only_the_sampled_ids_it_overwrites() {
+        let ids = SampledIds::default();
+        ids.wrote(0x1000, &[1, 2]);
+        ids.wrote(0x2000, &[3]);
+        ids.forget_overlapping(0x1008, 0x100);
+        ids.forget_overlapping(0x0f00, 0x100);
+        assert!(ids.holds(0x1000, &[1, 2]) && ids.holds(0x2000, &[3]));
+        ids.forget_overlapping(0x1007, 1);
+        assert!(!ids.holds(0x1000, &[1, 2]) && ids.holds(0x2000, &[3]));
+        ids.forget_overlapping(0x1fff, u64::MAX);
+        assert!(!ids.holds(0x2000, &[3]));
+    }
 
     /// Every family's cards run on the CUDA kernels (the published ones too: up to 256
     /// experts), and what the kernels cannot take is named.
