@@ -5,8 +5,9 @@
 //!
 //! Takes a task, the step's state and the device memory; gives the task's launches,
 //! submitted in order on its stream (asynchronous), or an [`OpError`] naming what is
-//! wrong. Host-side data an op needs (token ids, positions, block tables, routed rows) is
-//! uploaded per task from pageable memory (CUDA stages it at the call). This module holds
+//! wrong. Host-side data an op needs is uploaded from pageable memory (CUDA stages it at
+//! the call): the step's token ids, positions and block tables as one buffer a step
+//! (`super::step_inputs`), routed rows per task. This module holds
 //! the table, [`GpuCx`] (an op's context) with the addressing of arguments and weights
 //! every op uses (sizes checked, segments found by content, norm and vector weights in the
 //! kernels' dtype codes), and the ops that are a few launches each (`copy`, `embed`,
