@@ -707,8 +707,8 @@ fn counted_run(
     env: &[(&str, &str)],
 ) -> Counted {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
-    // mixtral-tiny unless `extra` names a checkpoint (`--weights`).
-    let model: &[&str] = if extra.contains(&"--weights") {
+    // mixtral-tiny unless `extra` names a checkpoint (`--weights`) or a model.
+    let model: &[&str] = if extra.contains(&"--weights") || extra.contains(&"--model") {
         &[]
     } else {
         &["--model", "mixtral-tiny"]
@@ -1094,19 +1094,22 @@ fn decode_steps_replay_with_dumped_logits_equal_to_plain_steps() {
 /// generated tokens (the extra step is the captured one; the step before it ran plainly
 /// with the same commands, and nothing is replayed). Pinned (issue 44): attention is one
 /// `paged_decode_attention` launch a layer that appends the token's K/V itself (no
-/// `paged_kv_append`, no combine below 256 keys) after one `rope_neox`; the per-step
-/// tables (positions, block tables, the head's row index) are copied once a step, not per
-/// layer; `embed` reads the ids where the last step's `argmax_rows` left them (no copy);
+/// `paged_kv_append`, no combine below 256 keys) after one `rope_neox`; the step's small
+/// inputs (positions, block tables, the head's row index; `runtime::cuda::step_inputs`)
+/// are one buffer copied once a step, not a copy each, nor one per layer; `embed` reads
+/// the ids where the last step's `argmax_rows` left them (no copy);
 /// the attention norm runs inside the q|k|v launch (`linear_gemv3` normalising its rows);
 /// the gate (norm, router product, top-k into the packed route, zeroed slots) is one
 /// `moe_gate_route` launch; the experts' weight-address table is copied once, not every
-/// step. Graph nodes (launches, GEMMs, copies, memsets) a step: 47, 9 a layer (q|k|v,
-/// rope, attention, o, gate, group, gate+up+SwiGLU, down, combine) plus 11 for the step
-/// (embed, the step tables' copies, gather, final norm, the head's three, argmax, the ids'
-/// copy out). It was 68 (14 a layer) with the norms, router, top-k, slot memset and table
-/// copy apart and the ids uploaded, 88 (19) before q|k|v ran in one launch, the router
-/// wrote the packed route itself and gate+up+SwiGLU became one expert launch; issue 44 asks
-/// for at most 10 a layer.
+/// step. Graph nodes (launches, GEMMs, copies, memsets) a step: 45, 9 a layer (q|k|v,
+/// rope, attention, o, gate, group, gate+up+SwiGLU, down, combine) plus 9 for the step
+/// (embed, the step inputs' one copy, gather, final norm, the head's three, argmax, the
+/// ids' copy out). It was 47 with the step's three tables copied apart (positions, block
+/// tables, the head's row index), 68 (14 a layer) with the norms, router, top-k, slot
+/// memset and table copy apart and the ids uploaded, 88 (19) before q|k|v ran in one
+/// launch, the router wrote the packed route itself and gate+up+SwiGLU became one expert
+/// launch; issue 44 asks for at most 10 a layer. DeepSeek-V2's MLA reads the same one
+/// copy: its step made 8 (positions once a layer besides the step's four tables).
 #[test]
 fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a_layer() {
     let cache = tempfile::tempdir().expect("cache");
@@ -1124,7 +1127,7 @@ fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a
     assert_eq!(step("launch:rope_neox"), layers);
     assert_eq!(step("launch:paged_kv_append"), 0);
     assert_eq!(step("launch:paged_decode_combine"), 0);
-    assert_eq!(step("cuMemcpyHtoDAsync_v2"), 3);
+    assert_eq!(step("cuMemcpyHtoDAsync_v2"), 1, "the step inputs' one copy");
     let nodes = [
         "cuLaunchKernel",
         "cublasGemmEx",
@@ -1140,17 +1143,34 @@ fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a
     .sum::<u64>();
     println!(
         "gpu_resident decode step, batch 1: {nodes} graph nodes ({} launches, {} copies in), \
-         {} a layer past the step's 11",
+         {} a layer past the step's 9",
         step("cuLaunchKernel"),
         step("cuMemcpyHtoDAsync_v2"),
-        (nodes - 11) / layers
+        (nodes - 9) / layers
     );
     assert_eq!(step("launch:moe_gate_route"), layers);
     assert_eq!(step("launch:rms_norm"), 1, "only the final norm");
     assert_eq!(step("cuMemsetD8Async") + step("cuMemsetD32Async"), 0);
-    assert_eq!(nodes, 47);
-    assert_eq!((nodes - 11) % layers, 0);
-    assert!((nodes - 11) / layers <= 10, "issue 44's bound");
+    assert_eq!(nodes, 45);
+    assert_eq!((nodes - 9) % layers, 0);
+    assert!((nodes - 9) / layers <= 10, "issue 44's bound");
+    // MLA (`mla_qkv_rows`' rotary, the row attention kernels' row -> sequence) reads its
+    // sections of the same copy.
+    let model = ["--model", "deepseek-v2-tiny"];
+    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &prompt, 2, &model, &[]);
+    let (_, long, doc) = counted_run(cache.path(), dir.path(), schedule, &prompt, 3, &model, &[]);
+    assert_eq!(graph_counts(&doc, "decode").1, 1, "one captured step");
+    let step = |name: &str| calls(&long, name) - calls(&short, name);
+    assert_eq!(
+        step("launch:mla_qkv_rows"),
+        layers,
+        "deepseek-v2-tiny has 4 layers too"
+    );
+    assert_eq!(
+        step("cuMemcpyHtoDAsync_v2"),
+        1,
+        "DeepSeek's one copy of the step inputs"
+    );
 }
 
 /// No relay memcpy when the host can hold the weights (issue 28, item 4). `cgopipe`

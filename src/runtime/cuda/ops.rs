@@ -5,8 +5,9 @@
 //!
 //! Takes a task, the step's state and the device memory; gives the task's launches,
 //! submitted in order on its stream (asynchronous), or an [`OpError`] naming what is
-//! wrong. Host-side data an op needs (token ids, positions, block tables, routed rows) is
-//! uploaded per task from pageable memory (CUDA stages it at the call). This module holds
+//! wrong. Host-side data an op needs is uploaded from pageable memory (CUDA stages it at
+//! the call): the step's token ids, positions and block tables as one buffer a step
+//! (`super::step_inputs`), routed rows per task. This module holds
 //! the table, [`GpuCx`] (an op's context) with the addressing of arguments and weights
 //! every op uses (sizes checked, segments found by content, norm and vector weights in the
 //! kernels' dtype codes), and the ops that are a few launches each (`copy`, `embed`,
@@ -29,6 +30,7 @@ use super::launch::{
 };
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::moe::{combine_op, experts_op, gate_op, post_attn_op, pregate_op, ROUTER_MAX_EXPERTS};
+use super::step_inputs::StepInput;
 use crate::ir::catalog::OpKind;
 use crate::ir::{Op, Role, Space};
 use crate::lower::PlanTask;
@@ -641,13 +643,9 @@ fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
         .first()
         .and_then(|&tokens| cx.ptr(tokens, "tokens", n * 4).ok())
         .filter(|&at| cx.sampled_ids.holds(at, &ids));
-    let uploaded;
     operands[1] = Arg::Ptr(match on_device {
         Some(at) => at,
-        None => {
-            uploaded = cx.s.upload(&ids)?;
-            uploaded.ptr()
-        }
+        None => cx.step_input(ub, StepInput::Ids, &ids)?,
     });
     cx.s.launch(
         entry,
@@ -680,7 +678,7 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
     let x = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
     let out = cx.ptr(args.need(Role::Out)?, "out", n * width * 4)?;
     if arch.mla.is_some() {
-        return deepseek::mla_pre_attn(cx, &weights, layer, x, &positions, out);
+        return deepseek::mla_pre_attn(cx, &weights, (layer, ub), x, &positions, out);
     }
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::AttnNorm)?;
     let parts = [
@@ -752,8 +750,8 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         )?;
     }
     let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    // The step's positions table, shared with `attn` (one copy a step).
-    let pos = cx.s.upload_step("positions", ub, &pos)?;
+    // The step's positions, read where `attn` reads them (one copy of the step's inputs).
+    let pos = cx.step_input(ub, StepInput::Positions, &pos)?;
     let rot_heads = arch.attn.heads + arch.attn.kv_heads;
     cx.s.launch(
         "rope_neox",
@@ -811,7 +809,7 @@ fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
         orientation: Orientation::OutIn,
     };
     let out = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
-    let idx = cx.s.upload(&last)?;
+    let idx = cx.step_input(ub, StepInput::LastRows, &last)?;
     let gathered = cx.s.scratch(seqs * d * 4)?;
     cx.s.launch(
         "gather_rows",
@@ -820,7 +818,7 @@ fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
         0,
         &[
             Arg::Ptr(h),
-            Arg::Ptr(idx.ptr()),
+            Arg::Ptr(idx),
             Arg::Ptr(gathered.ptr()),
             Arg::I32(int("hidden", d)?),
         ],
