@@ -1007,12 +1007,12 @@ fn hobbit_arms(program: &moec::ir::Program, stats: &moec::records::run::RunStats
 
 /// Issue 45: `schedules/hobbit.sched` with its substitute on (`lowbit = 1`: in decode, a
 /// cache miss on an expert whose largest routing weight is below `thr` computed from its
-/// q8_0 copy; hits and important misses in bf16) on every tiny card whose experts q8_0 can
-/// hold (not DBRX, whose down projection is stored in x out, which moec quantises only out
-/// x in: `moec check` names it; not gpt-oss, whose in x out expert matrices the run
-/// refuses; not DeepSeek-V3's tiny card, where no miss is substituted at the default `thr`:
-/// 0 of 69 computations in a 4-token run, its routing weights all clear 0.4), 12 prompts of
-/// 3 to 14 tokens generating 12 each: it takes
+/// q8_0 copy; hits and important misses in bf16) on every tiny card where the substitute
+/// applies (DBRX's down projection and gpt-oss's expert matrices, stored in x out, are
+/// copied transposed, out x in, as `moec quantize` writes them; not DeepSeek-V3's tiny
+/// card, where no miss is substituted at the default `thr`: 0 of 69 computations in a
+/// 4-token run, its routing weights all clear 0.4), 12 prompts of 3 to 14 tokens
+/// generating 12 each: it takes
 /// all three arms, and its next-token distributions, teacher-forced on its own tokens (144
 /// positions), stay within the declared bound of the bf16 oracle's `P`.
 ///
@@ -1040,6 +1040,8 @@ fn hobbit_with_its_substitute_stays_within_the_kl_divergence_of_q8_0_experts() {
         "olmoe-tiny",
         "qwen2-moe-tiny",
         "deepseek-v2-tiny",
+        "dbrx-tiny",
+        "gpt-oss-tiny",
     ] {
         let card = ModelCard::load(name).unwrap();
         let (dir, checkpoint) = synth_checkpoint(&card);
