@@ -569,8 +569,7 @@ pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCa
         match card.clamped_swiglu.as_mut() {
             Some(swiglu) => swiglu.experts_out_in = true,
             None => {
-                card.expert_down_out_in |=
-                    card.family.facts().expert_down == Orientation::InOut;
+                card.expert_down_out_in |= card.family.facts().expert_down == Orientation::InOut;
             }
         }
     }
@@ -624,8 +623,7 @@ mod tests {
                 }
                 assert_eq!(c.quant, Some(QuantFormat::Q8_0), "{name} {kind:?}");
             }
-            let f32_copy =
-                with_expert_storage(&card, Storage::Float(WeightDtype::F32)).unwrap();
+            let f32_copy = with_expert_storage(&card, Storage::Float(WeightDtype::F32)).unwrap();
             assert_eq!(
                 ArchSpec::from_card(&f32_copy).experts_out_in,
                 ArchSpec::from_card(&card).experts_out_in,

@@ -79,9 +79,13 @@ pub(super) fn make_format_copies(
                         .tensor(src_tag)
                         .ok_or_else(|| format!("{src_tag}: not in the weights image"))?;
                     let values = layout.typed(src_tag, src)?.to_f32_vec();
-                    let stored = layout.layer_of(layer as u32).segment(seg.kind).ok_or_else(
-                        || format!("{src_tag}: not in the checkpoint's layer layout"),
-                    )?;
+                    let stored =
+                        layout
+                            .layer_of(layer as u32)
+                            .segment(seg.kind)
+                            .ok_or_else(|| {
+                                format!("{src_tag}: not in the checkpoint's layer layout")
+                            })?;
                     let values = in_copy_order(&values, stored, seg)
                         .map_err(|e| format!("{src_tag} as {}: {e}", format.name()))?;
                     // Vectors (biases) stay in their float format, as the layout keeps them.
@@ -195,7 +199,10 @@ mod tests {
         for (block, (got, want)) in back.chunks(32).zip(want.chunks(32)).enumerate() {
             let step = want.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
             for (i, (g, x)) in got.iter().zip(want).enumerate() {
-                assert!((g - x).abs() <= step, "block {block} value {i}: {g} for {x}");
+                assert!(
+                    (g - x).abs() <= step,
+                    "block {block} value {i}: {g} for {x}"
+                );
             }
         }
         // Position 1 of the copy is w[1][0] = 100, where the stored order has w[0][1] = 1.
@@ -204,6 +211,9 @@ mod tests {
         let same = segment(outs, ins, Orientation::OutIn);
         assert_eq!(in_copy_order(&w, &same, &copy).unwrap(), w);
         let e = in_copy_order(&w, &segment(ins, outs, Orientation::OutIn), &copy).unwrap_err();
-        assert!(e.contains("[2, 32] OutIn") && e.contains("[32, 2] OutIn"), "{e}");
+        assert!(
+            e.contains("[2, 32] OutIn") && e.contains("[32, 2] OutIn"),
+            "{e}"
+        );
     }
 }
