@@ -337,20 +337,16 @@ impl GpuCx<'_> {
                 Err(OpError::MissingWeight { .. }) => continue,
                 Err(other) => return Err(other),
             };
-            // A copy keeps the checkpoint's orientation (`model::layout::with_expert_storage`
-            // refuses one that would need a transpose), and blocks are read `[out, in]`.
-            if orientation != Orientation::OutIn {
-                return Err(not_supported(format!(
-                    "{converted} stored [in, out] (block formats are read [out, in])"
-                )));
-            }
+            // A copy holds the matrix `[out, in]`, transposed where the checkpoint stores
+            // it `[in, out]` (`model::layout::Segment::block_copy_shape`).
+            let (rows, cols, orientation) = seg.block_copy_shape();
             return Ok((
                 DevMatrix {
                     ptr,
                     dtype: WeightDtype::F32,
                     quant: Some(format),
-                    rows: seg.rows,
-                    cols: seg.cols,
+                    rows,
+                    cols,
                     orientation,
                 },
                 true,
