@@ -10,6 +10,7 @@ use moec::ir::{StreamId, TaskId};
 use moec::lower::EventId;
 use moec::lower::{lower, ExecPlan, Instr, LowerOptions};
 use moec::model::card::ModelCard;
+use moec::records::TaskRun;
 use moec::runtime::driver::executor::{run_step, ExecOptions, StreamOps};
 use moec::runtime::BackendError;
 use std::time::Instant;
@@ -18,8 +19,8 @@ use std::time::Instant;
 struct NoWork;
 
 impl StreamOps for NoWork {
-    fn run_task(&self, _stream: StreamId, _task: TaskId) -> Result<bool, BackendError> {
-        Ok(true)
+    fn run_task(&self, _stream: StreamId, _task: TaskId) -> Result<TaskRun, BackendError> {
+        Ok(TaskRun::Ran)
     }
     fn record(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {
         Ok(())

@@ -5,6 +5,7 @@ use moec::compile::{compile, Compiled, Options};
 use moec::cost::hardware::{DispatchCosts, HardwareProfile, KernelRates, RowsRate};
 use moec::cost::predict::{predict, CostSettings, DecodeContext};
 use moec::cost::replay::{predict_run, predict_step_at};
+use moec::ir::cache::CacheOp;
 use moec::ir::{TaskId, Workload};
 use moec::model::card::ModelCard;
 use moec::records::{RunStats, StepRecord, TaskRecord, UbLoad};
@@ -328,6 +329,7 @@ fn ran_tasks(c: &moec::compile::Compiled, kind: StepKind, each: f64) -> Vec<Task
                 start: k as f64 * each,
                 end: (k + 1) as f64 * each,
                 ran: true,
+                hit: false,
             }
         })
         .collect()
@@ -875,4 +877,68 @@ fn a_blocking_cross_stream_wait_costs_one_wake_up_by_hand() {
         ((with - without) - 16.0 * 50e-6).abs() < 1e-12,
         "{with} - {without}"
     );
+}
+
+/// A cache fetch that found its expert resident copied nothing, so the replay charges it
+/// as it charges a task its guard skipped, and reports it on a line of its own: the run
+/// with every decode fetch a hit predicts exactly what the run with those fetches skipped
+/// does, less than the run where each copied, and the hits' line predicts 0.
+#[test]
+fn a_cache_hit_is_charged_as_the_no_op_it_was() {
+    let source = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/moe_infinity.sched"),
+    )
+    .unwrap();
+    let c = compiled(&source, 16, 4);
+    let deps = deps(&c);
+    let profile = slow_cpu();
+    let decode = step(&c, StepKind::Decode);
+    let fetch = |t: TaskId| c.program.task(t).cache_op == Some(CacheOp::Fetch);
+    let s = &c.program.steps[decode];
+    let fetches = (s.first..s.first + s.count)
+        .filter(|&t| fetch(TaskId::new(t as usize)))
+        .count();
+    assert!(fetches > 0, "moe_infinity's decode step fetches experts");
+    let run_with = |mark: &dyn Fn(&mut TaskRecord)| {
+        let mut tasks = ran_tasks(&c, StepKind::Decode, 1e-4);
+        for t in tasks.iter_mut().filter(|t| fetch(t.task)) {
+            mark(t);
+        }
+        let loads = vec![decoding(2, 20), decoding(2, 20)];
+        let stats = RunStats {
+            steps: vec![StepRecord {
+                tasks,
+                ..record(StepKind::Decode, 1.0, loads)
+            }],
+            wall: 1.0,
+            ..RunStats::default()
+        };
+        predict_run(
+            &c.program,
+            &deps,
+            &profile,
+            &CostSettings::default(),
+            &stats,
+            4,
+        )
+        .unwrap()
+    };
+    let copied = run_with(&|_| {});
+    let hits = run_with(&|t| t.hit = true);
+    let skipped = run_with(&|t| t.ran = false);
+    assert_eq!(hits.predicted_seconds, skipped.predicted_seconds);
+    assert!(
+        hits.predicted_seconds < copied.predicted_seconds,
+        "{} against {}",
+        hits.predicted_seconds,
+        copied.predicted_seconds
+    );
+    let hit_lines: Vec<_> = hits
+        .ops
+        .iter()
+        .filter(|o| o.op.ends_with(" (hit)"))
+        .collect();
+    assert_eq!(hit_lines.iter().map(|o| o.runs).sum::<usize>(), fetches);
+    assert!(hit_lines.iter().all(|o| o.predicted_seconds == 0.0));
+    assert!(!copied.ops.iter().any(|o| o.op.ends_with(" (hit)")));
 }

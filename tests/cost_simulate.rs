@@ -630,6 +630,11 @@ fn a_planned_disk_split_on_the_tiny_card_runs_and_fit_sizes_the_cache_to_the_hos
             && stderr.contains(&format!("host peak {host} B of --host-mem {BUDGET} B")),
         "{stderr}"
     );
+    // Held to a host budget, big freed blocks leave the process (said, not silent).
+    assert!(
+        stderr.contains("allocator: blocks of 1 MiB or more are mapped on their own"),
+        "{stderr}"
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         report["fitted_params"]["n_cache"],

@@ -20,6 +20,8 @@
 
 #[path = "gguf_common/mod.rs"]
 mod gguf_common;
+#[path = "lossy_common/mod.rs"]
+mod lossy_common;
 #[path = "schedules_common/mod.rs"]
 mod schedules_common;
 #[path = "standin_common/mod.rs"]
@@ -168,12 +170,11 @@ fn every_schedule_matches_the_cpu_with(card: &str, extra: &[&str]) {
 /// The schedules whose decode steps the CUDA backend can capture into a CUDA graph and
 /// replay on the tiny cards (measured on mixtral-tiny and deepseek-v3-tiny at 4 new tokens
 /// without `--dump-logits`: a plain step, a captured one, a replayed one; every other
-/// schedule ran all its decode steps plainly). The sweep keeps 4 new tokens for them, so a
-/// captured or replayed step, where one happens, is checked. It does not assert a replay:
-/// the sweep's `--dump-logits` adds a copy that differs between steps, so on every card
-/// `gpu_resident` replayed no step there ("its launches differ from the previous step's
-/// (stream 0, command N, a copy)"; on mixtral-tiny: 1 captured, 0 replayed, 2 plain with
-/// the dump against 1, 1, 1 without it);
+/// schedule ran all its decode steps plainly). The sweep keeps 4 new tokens for them and
+/// asserts that the last decode step replayed a graph, on every card (with
+/// `--dump-logits`, whose logits read-back no longer stops the replay:
+/// decode_steps_replay_with_dumped_logits_equal_to_plain_steps), so the dumped logits the
+/// sweep compares with the CPU's are a replayed step's;
 /// decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens pins the graphs.
 const GRAPH_SCHEDULES: [&str; 2] = ["baselines/gpu_resident", "flexgen"];
 
@@ -229,10 +230,29 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
         );
         let got = token_ids(&cuda, &format!("{schedule} on {card}, CUDA (stand-in)"));
         let diff = max_diff(want_logits, &logits(&cuda_logits));
+        let doc: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("--json");
+        let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
         rows.push(format!(
-            "{name:28} {card:13} {args:?} tokens equal: {:5}  max |logit diff| {diff:.2e}",
+            "{name:28} {card:13} {args:?} tokens equal: {:5}  max |logit diff| {diff:.2e}  \
+             decode graphs: {replayed} replayed, {captured} captured, {plain} plain",
             *want == got
         ));
+        // 4 tokens of a graph schedule: 3 decode steps, plain, captured, replayed, with the
+        // dumped logits (the last, replayed step's) compared below; so every family's card
+        // checks a replayed step against the CPU (all 8 did when this was written).
+        let gen_len = args
+            .iter()
+            .position(|a| *a == "--gen-len")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|n| n.parse::<u32>().ok());
+        if graphs && gen_len == Some(4) {
+            assert_eq!(
+                (replayed, captured, plain),
+                (1, 1, 1),
+                "{schedule} on {card}: decode graphs {why}"
+            );
+        }
         assert_eq!(
             got, *want,
             "{schedule} on {card}: CUDA (stand-in) tokens differ from the CPU's"
@@ -687,8 +707,8 @@ fn counted_run(
     env: &[(&str, &str)],
 ) -> Counted {
     let counters = tempfile::NamedTempFile::new().expect("temp file");
-    // mixtral-tiny unless `extra` names a checkpoint (`--weights`).
-    let model: &[&str] = if extra.contains(&"--weights") {
+    // mixtral-tiny unless `extra` names a checkpoint (`--weights`) or a model.
+    let model: &[&str] = if extra.contains(&"--weights") || extra.contains(&"--model") {
         &[]
     } else {
         &["--model", "mixtral-tiny"]
@@ -1025,24 +1045,71 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
     assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
 }
 
+/// Issue 44: `--dump-logits` (a read-back of each step's logits into pinned staging, part
+/// of the captured work) does not stop graph replay: `baselines/gpu_resident` on
+/// mixtral-tiny generating 4 tokens runs its 3 decode steps plain, captured, replayed with
+/// the dump as without it (before the fix of `Staging`, the step after the one that grew
+/// the staging for the logits took other addresses: 2 plain, 1 captured, 0 replayed). The
+/// dumped logits are the last step's, a replayed one; they equal those of the same run
+/// with every step launched plainly (`MOEC_CUDA_GRAPHS=off`, which the report names)
+/// within 1e-5 (the same kernels on the same inputs: measured 0), and the tokens are equal.
+#[test]
+fn decode_steps_replay_with_dumped_logits_equal_to_plain_steps() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let mut runs = Vec::new();
+    for graphs in ["on", "off"] {
+        let dump = tempfile::NamedTempFile::new().expect("temp file");
+        let path = dump.path().to_str().expect("UTF-8 temp path");
+        let (tokens, _, doc) = counted_run(
+            cache.path(),
+            dir.path(),
+            schedule,
+            &PROMPTS,
+            4,
+            &["--dump-logits", path],
+            &[("MOEC_CUDA_GRAPHS", graphs)],
+        );
+        let counts = graph_counts(&doc, "decode");
+        println!("graphs {graphs}: decode steps (replayed, captured, plain, why) {counts:?}");
+        let (replayed, captured, plain, why) = counts;
+        if graphs == "on" {
+            assert_eq!((replayed, captured, plain), (1, 1, 1), "{why}");
+        } else {
+            assert_eq!((replayed, captured, plain), (0, 0, 3), "{why}");
+            assert!(why.contains("MOEC_CUDA_GRAPHS=off"), "{why}");
+        }
+        runs.push((tokens, logits(dump.path())));
+    }
+    assert_eq!(runs[0].0, runs[1].0, "replayed and plain tokens");
+    assert_eq!(runs[0].1.len(), PROMPTS.len());
+    let diff = max_diff(&runs[0].1, &runs[1].1);
+    println!("replayed against plain steps: max |logit diff| {diff:.2e}");
+    assert!(diff <= 1e-5, "replayed and plain logits differ by {diff}");
+}
+
 /// What one decode step of `baselines/gpu_resident` at batch 1 puts in its CUDA graph on
 /// mixtral-tiny (4 layers), counted by the stand-in as the difference between 3 and 2
 /// generated tokens (the extra step is the captured one; the step before it ran plainly
 /// with the same commands, and nothing is replayed). Pinned (issue 44): attention is one
 /// `paged_decode_attention` launch a layer that appends the token's K/V itself (no
-/// `paged_kv_append`, no combine below 256 keys) after one `rope_neox`; the per-step
-/// tables (positions, block tables, the head's row index) are copied once a step, not per
-/// layer; `embed` reads the ids where the last step's `argmax_rows` left them (no copy);
+/// `paged_kv_append`, no combine below 256 keys) after one `rope_neox`; the step's small
+/// inputs (positions, block tables, the head's row index; `runtime::cuda::step_inputs`)
+/// are one buffer copied once a step, not a copy each, nor one per layer; `embed` reads
+/// the ids where the last step's `argmax_rows` left them (no copy);
 /// the attention norm runs inside the q|k|v launch (`linear_gemv3` normalising its rows);
 /// the gate (norm, router product, top-k into the packed route, zeroed slots) is one
 /// `moe_gate_route` launch; the experts' weight-address table is copied once, not every
-/// step. Graph nodes (launches, GEMMs, copies, memsets) a step: 47, 9 a layer (q|k|v,
-/// rope, attention, o, gate, group, gate+up+SwiGLU, down, combine) plus 11 for the step
-/// (embed, the step tables' copies, gather, final norm, the head's three, argmax, the ids'
-/// copy out). It was 68 (14 a layer) with the norms, router, top-k, slot memset and table
-/// copy apart and the ids uploaded, 88 (19) before q|k|v ran in one launch, the router
-/// wrote the packed route itself and gate+up+SwiGLU became one expert launch; issue 44 asks
-/// for at most 10 a layer.
+/// step. Graph nodes (launches, GEMMs, copies, memsets) a step: 45, 9 a layer (q|k|v,
+/// rope, attention, o, gate, group, gate+up+SwiGLU, down, combine) plus 9 for the step
+/// (embed, the step inputs' one copy, gather, final norm, the head's three, argmax, the
+/// ids' copy out). It was 47 with the step's three tables copied apart (positions, block
+/// tables, the head's row index), 68 (14 a layer) with the norms, router, top-k, slot
+/// memset and table copy apart and the ids uploaded, 88 (19) before q|k|v ran in one
+/// launch, the router wrote the packed route itself and gate+up+SwiGLU became one expert
+/// launch; issue 44 asks for at most 10 a layer. DeepSeek-V2's MLA reads the same one
+/// copy: its step made 8 (positions once a layer besides the step's four tables).
 #[test]
 fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a_layer() {
     let cache = tempfile::tempdir().expect("cache");
@@ -1060,7 +1127,7 @@ fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a
     assert_eq!(step("launch:rope_neox"), layers);
     assert_eq!(step("launch:paged_kv_append"), 0);
     assert_eq!(step("launch:paged_decode_combine"), 0);
-    assert_eq!(step("cuMemcpyHtoDAsync_v2"), 3);
+    assert_eq!(step("cuMemcpyHtoDAsync_v2"), 1, "the step inputs' one copy");
     let nodes = [
         "cuLaunchKernel",
         "cublasGemmEx",
@@ -1076,17 +1143,34 @@ fn a_gpu_resident_decode_step_stages_its_tables_once_and_attends_in_one_launch_a
     .sum::<u64>();
     println!(
         "gpu_resident decode step, batch 1: {nodes} graph nodes ({} launches, {} copies in), \
-         {} a layer past the step's 11",
+         {} a layer past the step's 9",
         step("cuLaunchKernel"),
         step("cuMemcpyHtoDAsync_v2"),
-        (nodes - 11) / layers
+        (nodes - 9) / layers
     );
     assert_eq!(step("launch:moe_gate_route"), layers);
     assert_eq!(step("launch:rms_norm"), 1, "only the final norm");
     assert_eq!(step("cuMemsetD8Async") + step("cuMemsetD32Async"), 0);
-    assert_eq!(nodes, 47);
-    assert_eq!((nodes - 11) % layers, 0);
-    assert!((nodes - 11) / layers <= 10, "issue 44's bound");
+    assert_eq!(nodes, 45);
+    assert_eq!((nodes - 9) % layers, 0);
+    assert!((nodes - 9) / layers <= 10, "issue 44's bound");
+    // MLA (`mla_qkv_rows`' rotary, the row attention kernels' row -> sequence) reads its
+    // sections of the same copy.
+    let model = ["--model", "deepseek-v2-tiny"];
+    let (_, short, _) = counted_run(cache.path(), dir.path(), schedule, &prompt, 2, &model, &[]);
+    let (_, long, doc) = counted_run(cache.path(), dir.path(), schedule, &prompt, 3, &model, &[]);
+    assert_eq!(graph_counts(&doc, "decode").1, 1, "one captured step");
+    let step = |name: &str| calls(&long, name) - calls(&short, name);
+    assert_eq!(
+        step("launch:mla_qkv_rows"),
+        layers,
+        "deepseek-v2-tiny has 4 layers too"
+    );
+    assert_eq!(
+        step("cuMemcpyHtoDAsync_v2"),
+        1,
+        "DeepSeek's one copy of the step inputs"
+    );
 }
 
 /// No relay memcpy when the host can hold the weights (issue 28, item 4). `cgopipe`
@@ -1229,100 +1313,260 @@ fn substituted_experts(out: &Output) -> Option<(u64, u64)> {
     Some((counts["substituted"].as_u64()?, counts["all"].as_u64()?))
 }
 
+/// Prompts and new tokens of the CUDA hobbit tests: one prompt of 3 tokens, generating
+/// [`HOBBIT_GEN_LEN`] (the stand-in runs a decode step in about 0.3 s on these cards).
+const HOBBIT_PROMPTS: usize = 1;
+const HOBBIT_GEN_LEN: usize = 10;
+
+/// What the child process of a CUDA hobbit test hands back: hobbit.sched's traced run on
+/// the CUDA backend with its substitute on (`lowbit = 1`) and off, with the counts of
+/// substituted expert computations each reported.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct DeviceHobbit {
+    lossy: Vec<lossy_common::Traced>,
+    lossy_substituted: Option<(u64, u64)>,
+    plain: Vec<lossy_common::Traced>,
+    plain_substituted: Option<(u64, u64)>,
+}
+
 /// Issue 45: HOBBIT's mixed precision on the CUDA path (`schedules/hobbit.sched`): a
-/// high-precision expert cache and, with `lowbit = 1`, the experts of each layer below
-/// popularity rank `n_hi` computed from their q8_0 copy (`W.q8_0`, made at load in host
-/// memory and registered with the driver, each use copied into a gpu slot and multiplied
-/// there by the quantised grouped kernels, `moe_grouped_gemv_q8` on 8-bit activations as
-/// the CPU backend's product). The stand-in gives the CPU backend's tokens and the same
-/// count of substituted expert computations (some of them, not all; the device's counted
-/// on the device by `moe_count_experts`); logits within 0.25, the bound of the Q4_K_M
-/// file above and for its reason (an activation within an f32 rounding of a code
-/// boundary takes the next 8-bit code on one backend: the two products are not the same
-/// bits). With `lowbit = 0` nothing is substituted (no format copy, no count) and the
-/// tokens are the oracle's: those of `baselines/resident` on the CPU backend (every
-/// schedule gives the oracle's tokens there, tests/runtime_invariance.rs).
-fn hobbit_with_its_substitute_matches_the_cpu_on(card: &str) {
-    let cache = tempfile::tempdir().expect("cache");
-    let dir = standin_dir();
-    let schedule = "schedules/hobbit.sched";
-    let lossy = ["--set", "lowbit=1"];
-    let (cpu, cpu_logits) = run(cache.path(), schedule, card, Driver::Cpu, &lossy);
-    let (cuda, cuda_logits) = run(
-        cache.path(),
-        schedule,
-        card,
-        Driver::Standin(dir.path(), 0),
-        &lossy,
+/// high-precision expert cache and, with `lowbit = 1`, each decode step's cache misses
+/// whose largest routing weight is below `thr` computed from their q8_0 copy (`W.q8_0`,
+/// made at load in host memory and registered with the driver, each use copied into a gpu
+/// slot and multiplied there by `moe_grouped_gemv_q8`), held to the same declared bound as
+/// on the CPU backend (`lossy_common::hobbit_bound_failures`, the reasons in
+/// tests/runtime_invariance.rs, `hobbit_with_its_substitute_stays_within_the_kl_divergence_of_q8_0_experts`):
+/// the device run's own logits at every generated position, against the bf16 oracle `P`
+/// and the all-q8_0 oracle `Q` computed on the CPU and teacher-forced on the device run's
+/// tokens, mean KL(P || run) <= 2 x KL(P || Q) and top-1 agreement with `P` no worse than
+/// `Q`'s less one position in ten.
+///
+/// Not the CPU backend's tokens or its count of substituted computations: the guard
+/// `score_max(l, e, 0) >= thr` compares routing weights each backend computes itself,
+/// which differ in their last bits, so an expert whose weight is within a rounding of
+/// `thr` takes the bf16 arm on one backend and the q8_0 arm on the other (deepseek-v2-tiny
+/// through `moec run`'s two prompts: 126 of 231 substituted on the CPU, 127 on the
+/// stand-in). Both arms are proven by the checker; the bound is the contract. The device's
+/// count (`moe_count_experts`) must be within [`count_margin`] of the CPU's for the same
+/// prompts, and some but not all computations substituted. With `lowbit = 0` nothing is
+/// substituted (no format copy, no count) and the tokens are the bf16 oracle's.
+///
+/// The device runs are in a child process of this test binary under the stand-in (both
+/// settings in one process), the CPU run, oracles and KL divergences here.
+fn hobbit_within_its_bound_on_the_device(test: &str, card_name: &str) {
+    hobbit_within_its_bound_on_the_device_substituting(test, card_name, true);
+}
+
+/// [`hobbit_within_its_bound_on_the_device`], where `some` says whether the run must
+/// substitute at least one expert computation (a card whose routing weights rarely fall
+/// below `thr` may substitute none on the test's one prompt).
+fn hobbit_within_its_bound_on_the_device_substituting(test: &str, card_name: &str, some: bool) {
+    use lossy_common::{
+        experts_q8_0, hobbit_bound_failures, hobbit_plan, hobbit_prompts, kl_against_oracles,
+        traced_run,
+    };
+    use moec::weights::checkpoint::Checkpoint;
+    const CHECKPOINT: &str = "MOEC_TEST_CHECKPOINT";
+    const OUT: &str = "MOEC_TEST_OUT";
+    if standin_common::in_standin_child(test) {
+        let dir = PathBuf::from(std::env::var_os(CHECKPOINT).expect("checkpoint folder"));
+        let checkpoint = Checkpoint::open(&dir.join("ck")).expect("checkpoint");
+        let card = checkpoint.card().clone();
+        let prompts = hobbit_prompts(card.vocab, HOBBIT_PROMPTS);
+        let cuda = moec::runtime::registry::find("cuda").expect("cuda backend");
+        let mut runs = Vec::new();
+        for lowbit in [1, 0] {
+            let (_, plan) = hobbit_plan(&card, &prompts, HOBBIT_GEN_LEN, lowbit);
+            let (traced, stats) = traced_run(cuda, &plan, &checkpoint, &prompts, HOBBIT_GEN_LEN);
+            runs.push((traced, stats.substituted_experts));
+        }
+        let (plain, plain_substituted) = runs.pop().expect("lowbit=0");
+        let (lossy, lossy_substituted) = runs.pop().expect("lowbit=1");
+        let doc = DeviceHobbit {
+            lossy,
+            lossy_substituted,
+            plain,
+            plain_substituted,
+        };
+        let out = std::env::var_os(OUT).expect("output file");
+        std::fs::write(out, serde_json::to_string(&doc).expect("JSON")).expect("write");
+        return;
+    }
+    let started = std::time::Instant::now();
+    let card = moec::model::card::ModelCard::load(card_name).expect("card");
+    let (dir, checkpoint) = lossy_common::lossy_checkpoint(&card);
+    let card = checkpoint.card().clone();
+    let prompts = hobbit_prompts(card.vocab, HOBBIT_PROMPTS);
+    let out_file = dir.path().join("device.json");
+    // A cache of its own, as every run here has: kernel images the stand-in made for
+    // another build must not be found.
+    let cache = dir.path().join("cache");
+    let child = standin_common::standin_child(
+        test,
+        &[
+            (CHECKPOINT, dir.path().as_os_str()),
+            (OUT, out_file.as_os_str()),
+            ("MOEC_CACHE_DIR", cache.as_os_str()),
+        ],
     );
-    let want = token_ids(&cpu, &format!("hobbit lowbit=1 on {card}, CPU"));
-    let got = token_ids(
-        &cuda,
-        &format!("hobbit lowbit=1 on {card}, CUDA (stand-in)"),
+    assert!(
+        child.status.success() && String::from_utf8_lossy(&child.stdout).contains("1 passed"),
+        "{card_name}: the device runs failed under the stand-in:\n{}\n{}",
+        String::from_utf8_lossy(&child.stdout),
+        String::from_utf8_lossy(&child.stderr)
     );
-    let diff = max_diff(&logits(&cpu_logits), &logits(&cuda_logits));
-    let (cpu_counts, cuda_counts) = (substituted_experts(&cpu), substituted_experts(&cuda));
+    let device: DeviceHobbit =
+        serde_json::from_str(&std::fs::read_to_string(&out_file).expect("device runs"))
+            .expect("device runs JSON");
+    let device_time = started.elapsed();
+
+    let quantized = experts_q8_0(dir.path());
+    let b = kl_against_oracles(&checkpoint, &quantized, &prompts, &device.lossy);
+    let (_, plan) = hobbit_plan(&card, &prompts, HOBBIT_GEN_LEN, 1);
+    let cpu = moec::runtime::registry::default_backend();
+    let (cpu_traced, cpu_stats) = traced_run(cpu, &plan, &checkpoint, &prompts, HOBBIT_GEN_LEN);
+    let cpu_b = kl_against_oracles(&checkpoint, &quantized, &prompts, &cpu_traced);
+    let (cpu_counts, cuda_counts) = (cpu_stats.substituted_experts, device.lossy_substituted);
     println!(
-        "hobbit lowbit=1 on {card}: tokens equal {}, max |logit diff| {diff:.2e}, \
-         substituted (of all) CPU {cpu_counts:?}, CUDA {cuda_counts:?}",
-        got == want
+        "hobbit lowbit=1 on {card_name}, CUDA (stand-in): mean KL(P||run) {:.3e}, KL(P||all q8_0) {:.3e} (ratio {:.2}); top-1 {} (run) / {} (all q8_0) of {}; substituted (of all) {cuda_counts:?}, CPU {cpu_counts:?} (CPU run: KL ratio {:.2}, top-1 {}; tokens equal {}); device runs {:.1} s, all {:.1} s",
+        b.run,
+        b.all_q8,
+        b.run / b.all_q8,
+        b.top1.0,
+        b.top1.1,
+        b.positions,
+        cpu_b.run / cpu_b.all_q8,
+        cpu_b.top1.0,
+        cpu_traced.iter().map(|t| &t.tokens).eq(device.lossy.iter().map(|t| &t.tokens)),
+        device_time.as_secs_f64(),
+        started.elapsed().as_secs_f64()
     );
-    assert_eq!(got, want, "hobbit lowbit=1 on {card}: CUDA tokens differ");
+    assert_eq!(b.positions, HOBBIT_PROMPTS * HOBBIT_GEN_LEN);
+    let failures = hobbit_bound_failures(&format!("{card_name}, CUDA (stand-in)"), &b);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let (substituted, all) = cuda_counts.expect("the device counts a plan with a format copy");
     assert!(
-        diff < 0.25,
-        "hobbit lowbit=1 on {card}: logits differ by {diff}"
+        (!some || 0 < substituted) && substituted < all,
+        "{card_name}: mixed precision substitutes some experts, not all: {cuda_counts:?}"
     );
-    let (substituted, all) = cpu_counts.expect("the CPU counts a plan with a format copy");
+    let (cpu_substituted, cpu_all) = cpu_counts.expect("the CPU counts a plan with a format copy");
     assert!(
-        0 < substituted && substituted < all,
-        "{card}: mixed precision substitutes some experts, not all: {cpu_counts:?}"
-    );
-    assert_eq!(
-        cuda_counts, cpu_counts,
-        "{card}: substituted expert computations"
+        substituted.abs_diff(cpu_substituted) <= count_margin(cpu_all)
+            && all.abs_diff(cpu_all) <= count_margin(cpu_all),
+        "{card_name}: substituted expert computations {cuda_counts:?} on the device, {cpu_counts:?} on the CPU: more apart than {}",
+        count_margin(cpu_all)
     );
 
-    let (resident, resident_logits) = run(
-        cache.path(),
-        "schedules/baselines/resident.sched",
-        card,
-        Driver::Cpu,
-        &[],
-    );
-    let (plain, plain_logits) = run(
-        cache.path(),
-        schedule,
-        card,
-        Driver::Standin(dir.path(), 0),
-        &["--set", "lowbit=0"],
+    let oracle = moec::oracle::Oracle::new(&checkpoint).expect("oracle");
+    let want: Vec<Vec<u32>> = oracle
+        .generate(
+            &prompts,
+            &moec::oracle::GenerateOptions {
+                stop_at_eos: false,
+                ..moec::oracle::GenerateOptions::greedy(HOBBIT_GEN_LEN)
+            },
+        )
+        .expect("oracle generates")
+        .into_iter()
+        .map(|g| g.token_ids)
+        .collect();
+    let got: Vec<Vec<u32>> = device.plain.iter().map(|t| t.tokens.clone()).collect();
+    assert_eq!(
+        got, want,
+        "hobbit lowbit=0 on {card_name}: CUDA tokens are not the oracle's"
     );
     assert_eq!(
-        token_ids(
-            &plain,
-            &format!("hobbit lowbit=0 on {card}, CUDA (stand-in)")
-        ),
-        token_ids(&resident, &format!("resident on {card}, CPU")),
-        "hobbit lowbit=0 on {card}: CUDA tokens are not the oracle's"
+        device.plain_substituted, None,
+        "{card_name}: lowbit=0 has no format copy"
     );
-    assert_eq!(
-        substituted_experts(&plain),
-        None,
-        "{card}: lowbit=0 has no format copy"
-    );
-    for path in [cpu_logits, cuda_logits, resident_logits, plain_logits] {
-        let _ = std::fs::remove_file(path);
-    }
+}
+
+/// How far the device's count of substituted (or of all) expert computations may be from
+/// the CPU's for the same prompts: guards at the threshold may go either way on either
+/// backend (see [`hobbit_within_its_bound_on_the_device`]), and a different arm can change
+/// a later token and so the routing after it. 2, or 5% of the computations where that is
+/// more; measured differences are printed by each test.
+fn count_margin(all: u64) -> u64 {
+    (all / 20).max(2)
 }
 
 #[test]
-fn hobbit_with_its_substitute_on_mixtral_tiny_matches_the_cpu_on_the_device_path() {
-    hobbit_with_its_substitute_matches_the_cpu_on("mixtral-tiny");
+fn hobbit_on_mixtral_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_mixtral_tiny_stays_within_its_bound_on_the_device_path",
+        "mixtral-tiny",
+    );
 }
 
 /// Qwen2-MoE: a shared expert with its gate beside the routed experts.
 #[test]
-fn hobbit_with_its_substitute_on_qwen2_moe_tiny_matches_the_cpu_on_the_device_path() {
-    hobbit_with_its_substitute_matches_the_cpu_on("qwen2-moe-tiny");
+fn hobbit_on_qwen2_moe_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_qwen2_moe_tiny_stays_within_its_bound_on_the_device_path",
+        "qwen2-moe-tiny",
+    );
+}
+
+/// Qwen3-MoE: q/k norms; its KL ratio was the largest of the CPU test's (1.12).
+#[test]
+fn hobbit_on_qwen3_moe_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_qwen3_moe_tiny_stays_within_its_bound_on_the_device_path",
+        "qwen3-moe-tiny",
+    );
+}
+
+/// OLMoE: 64 experts at top-8, so many misses a step.
+#[test]
+fn hobbit_on_olmoe_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_olmoe_tiny_stays_within_its_bound_on_the_device_path",
+        "olmoe-tiny",
+    );
+}
+
+/// DeepSeek-V2: MLA attention, a leading dense layer and shared experts; the card whose
+/// substituted count differs between the backends at the threshold.
+#[test]
+fn hobbit_on_deepseek_v2_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_deepseek_v2_tiny_stays_within_its_bound_on_the_device_path",
+        "deepseek-v2-tiny",
+    );
+}
+
+/// DeepSeek-V3: its routing weights (sigmoid, top-8 of 32, renormalised) rarely fall below
+/// the default `thr`, so the run may substitute nothing on this prompt (1 of 206 expert
+/// computations in the CPU's own test of 3 prompts); the bound and the counts' agreement
+/// with the CPU's still hold, and `lowbit=0` gives the oracle's tokens.
+#[test]
+fn hobbit_on_deepseek_v3_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device_substituting(
+        "hobbit_on_deepseek_v3_tiny_stays_within_its_bound_on_the_device_path",
+        "deepseek-v3-tiny",
+        false,
+    );
+}
+
+/// DBRX: its down projection stored [in, out] in the checkpoint, so its q8_0 copy is the
+/// transpose (`runtime::host::format_copy`), multiplied `[out, in]` beside the
+/// checkpoint's `[in, out]` bf16 experts (one grouped call per storage).
+#[test]
+fn hobbit_on_dbrx_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_dbrx_tiny_stays_within_its_bound_on_the_device_path",
+        "dbrx-tiny",
+    );
+}
+
+/// gpt-oss: fused interleaved gate/up and down with biases, all stored [in, out] in the
+/// checkpoint, so the q8_0 copies are their transposes.
+#[test]
+fn hobbit_on_gpt_oss_tiny_stays_within_its_bound_on_the_device_path() {
+    hobbit_within_its_bound_on_the_device(
+        "hobbit_on_gpt_oss_tiny_stays_within_its_bound_on_the_device_path",
+        "gpt-oss-tiny",
+    );
 }
 
 /// Issue 45: every routed expert from its q8_0 copy (`tests/fixtures/formats/
@@ -1466,13 +1710,19 @@ fn an_experts_task_over_a_checkpoint_expert_and_a_q8_0_copy_runs_one_grouped_cal
         line.contains("0 routing read-backs by experts/post_attn"),
         "{line}"
     );
-    // Whether the decode steps are captured as a CUDA graph is not asserted: the order of
-    // a step's commands on stream 0 differs between runs and steps ("its launches differ
-    // from the previous step's (stream 0, command 0, `embed_bf16`)", then "... a copy"),
-    // so capture and replay happen in some runs and not others (session 13's note), and a
-    // test must not fail by chance. Printed for the record.
-    let (replayed, captured, _, reasons) = graph_counts(&doc, "decode");
+    // The copies out of the registered `W.q8_0` are device commands: of the 3 decode
+    // steps the first runs plainly, the second is captured as a CUDA graph and the third
+    // replays it. (Before the fix in `copy_op`, any copy on the h2d stream that ran before
+    // a step's `embed` made it upload the ids instead of reading the sampled ones, so the
+    // step's first command on stream 0 depended on the threads' timing and a run replayed
+    // nothing about one time in five.)
+    let (replayed, captured, plain, reasons) = graph_counts(&doc, "decode");
     println!("decode graphs: {captured} captured, {replayed} replayed ({reasons})");
+    assert_eq!(
+        (replayed, captured, plain),
+        (1, 1, 1),
+        "decode graphs: {reasons}"
+    );
 }
 
 /// Issue 45: a format copy in a format the CUDA kernels have no decoder for (Q5_0:

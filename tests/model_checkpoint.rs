@@ -1562,3 +1562,81 @@ fn synthetic_gguf_matches_moec_quantize_and_loads() {
         eprintln!("synth_gguf: llama.cpp loads and runs {}", file.display());
     }
 }
+
+/// A llama.cpp GGUF stores Llama-family `q`/`k` rows permuted; the loader puts them back
+/// in the Hub's order into memory it holds for the whole run. The card says how much (the
+/// file's own q and k tensor bytes, every layer), once restored the file's pages of them
+/// are no longer resident (they would be counted twice in the process), and the host
+/// budget of a schedule that copies the attention out of a checkpoint on disk counts them
+/// on the checkpoint's line: nothing else reads `W` in place there, so that line is
+/// exactly the restored rows. Widths of 1024 make q and k (1.4 MB a layer in Q8_0) far
+/// larger than what may stay mapped around them (partial pages, fault-around).
+#[test]
+fn restored_gguf_rows_are_held_once_and_counted_in_the_host_budget() {
+    use moec::compile::{compile, Options};
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    use moec::engine::{QuantizeFormats, SynthGgufRequest};
+    use moec::weights::gguf::GgufFile;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ron = std::fs::read_to_string(root.join("models/mixtral-tiny.ron"))
+        .unwrap()
+        .replace("hidden: 128,", "hidden: 1024,")
+        .replace("heads: 4,", "heads: 8,")
+        .replace("head_dim: 32,", "head_dim: 128,");
+    let card_path = tmp.path().join("mixtral-wide.ron");
+    std::fs::write(&card_path, ron).unwrap();
+    let file = tmp.path().join("mixtral-wide.gguf");
+    moec::engine::synth_gguf(
+        &SynthGgufRequest {
+            card: card_path.display().to_string(),
+            out: file.clone(),
+            seed: 0,
+            dtype: None,
+            formats: QuantizeFormats::All("q8_0".into()),
+            name: None,
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let qk: u64 = GgufFile::open(&file)
+        .unwrap()
+        .tensors
+        .values()
+        .filter(|t| t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_k.weight"))
+        .map(|t| t.range.len() as u64)
+        .sum();
+    let ck = Checkpoint::open_gguf(&file, None).unwrap();
+    let card = ck.card().clone();
+    assert_eq!(
+        (
+            card.hidden,
+            card.held.attention * card.layers,
+            card.held.experts
+        ),
+        (1024, qk, 0)
+    );
+    assert_eq!(
+        qk,
+        card.layers * (1024 + 256) * 1024 / 32 * 34,
+        "q8_0 q and k"
+    );
+    let before = resident_bytes_of_mapping(&file);
+    for layer in 0..card.layers as usize {
+        ck.layer_weights(layer).unwrap();
+    }
+    let after = resident_bytes_of_mapping(&file);
+    assert!(
+        after < before + qk / 4,
+        "{before} -> {after} bytes of the file resident after restoring {qk} bytes of q/k rows"
+    );
+    let source = std::fs::read_to_string(root.join("schedules/moe_infinity_disk.sched")).unwrap();
+    let compiled = compile(&source, &Options::new(card)).unwrap_or_else(|d| panic!("{d:?}"));
+    let table = budget_table(&compiled.program, None, &BudgetOverrides::default());
+    let w = table
+        .lines
+        .iter()
+        .find(|l| l.what.contains("checkpoint on disk"))
+        .expect("the checkpoint's line");
+    assert_eq!((w.space, w.bytes), ("host", qk), "{w:?}");
+}

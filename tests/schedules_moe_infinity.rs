@@ -121,6 +121,14 @@ fn a_cache_smaller_than_the_working_set_misses_and_evicts_and_counts_its_fetches
         .filter(|r| r.ran && c.program.task(r.task).cache_op == Some(CacheOp::Fetch))
         .count() as u64;
     assert_eq!(t.hits + t.misses, fetches_run, "{t:?}");
+    // The records mark the hits (the replay charges them nothing): one per cache hit.
+    let hits_recorded = stats
+        .steps
+        .iter()
+        .flat_map(|s| &s.tasks)
+        .filter(|r| r.hit)
+        .count() as u64;
+    assert_eq!(hits_recorded, t.hits, "{t:?}");
     // 2 layers x 8 experts through 4 slots: the working set does not fit.
     assert!(t.misses > slots, "{t:?}");
     // Every copy (miss or prefetch) but the `slots` into empty slots replaced a resident.

@@ -4,8 +4,9 @@
 //! Takes the checkpoint's card (read from its `config.json`, so the values are the
 //! config's); gives the hyper-parameter keys `DbrxModel.set_gguf_parameters` writes (it
 //! replaces `TextModel`'s: block count, context, widths, heads, rotary base, `clamp_kqv`,
-//! experts, LayerNorm epsilon 1e-5 whatever the config says), and the per-expert
-//! transposition the converter applies to the Hub's fused `w2`: it views the in-out
+//! experts, LayerNorm epsilon 1e-5 whatever the config says), and the stored orientation
+//! after the per-expert transposition the converter applies to the Hub's fused `w2`
+//! (made by [`crate::model::layout::transpose`], which format copies share): it views the in-out
 //! `[experts * ffn, hidden]` tensor as `[experts, ffn, hidden]` and permutes each expert to
 //! `[hidden, ffn]`, out-in like every other ggml matrix (`w1`/`v1` are already out-in and
 //! only gain the expert dimension). The tensor names come from the importer's map
@@ -59,31 +60,9 @@ pub(super) fn as_stored(arch: &ArchSpec) -> ArchSpec {
     stored
 }
 
-/// One expert's in-out `[rows, cols]` block (`rows` inputs of `cols` outputs) as the
-/// converter's `permute(0, 2, 1)` stores it: `[cols, rows]`, out-in. `None` when `values`
-/// is not `rows * cols` long.
-pub(super) fn transpose(values: &[f32], rows: usize, cols: usize) -> Option<Vec<f32>> {
-    if rows.checked_mul(cols)? != values.len() {
-        return None;
-    }
-    let mut out = Vec::with_capacity(values.len());
-    for c in 0..cols {
-        out.extend((0..rows).map(|r| values[r * cols + c]));
-    }
-    Some(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn transpose_moves_input_rows_to_output_rows() {
-        // Two inputs of three outputs: torch's `w.permute(1, 0)` of [[0, 1, 2], [3, 4, 5]].
-        let t = transpose(&[0., 1., 2., 3., 4., 5.], 2, 3).unwrap();
-        assert_eq!(t, vec![0., 3., 1., 4., 2., 5.]);
-        assert!(transpose(&[0.; 5], 2, 3).is_none());
-    }
 
     #[test]
     fn a_checkpoint_without_clip_is_refused_as_the_converter_fails_on_it() {

@@ -542,9 +542,11 @@ fn values(ckpt: &Checkpoint, origin: &Origin, name: &str) -> Result<Vec<f32>, Wr
                 let (rows, v) = (src.rows.len(), read(src)?);
                 let cols = v.len().checked_div(rows).unwrap_or(0);
                 out.extend(
-                    dbrx::transpose(&v, rows, cols).ok_or_else(|| WriteError::Tensor {
-                        tensor: name.into(),
-                        message: format!("`{}` is not {rows} whole rows", src.name),
+                    crate::model::layout::transpose(&v, rows, cols).ok_or_else(|| {
+                        WriteError::Tensor {
+                            tensor: name.into(),
+                            message: format!("`{}` is not {rows} whole rows", src.name),
+                        }
                     })?,
                 );
             }

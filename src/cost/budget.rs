@@ -159,7 +159,9 @@ impl fmt::Display for BudgetTable {
 }
 
 /// Bytes of the checkpoint that must stay resident: the union of the byte ranges tasks
-/// read after the `setup` step. A memory-mapped file is paged in on demand and pages only
+/// read after the `setup` step, and what the loader holds in memory
+/// ([`crate::model::card::HeldBytes`]: those bytes are not the file's pages, so no read
+/// path lets them go). A memory-mapped file is paged in on demand and pages only
 /// read while setting up (weights copied to a pinned or GPU home) can be evicted by the OS
 /// afterwards, so they do not count against the host. A checkpoint on disk is read by
 /// `disk.read` copies into buffers the table already counts (the reads go around the page
@@ -175,6 +177,21 @@ pub fn checkpoint_resident_bytes(program: &Program) -> u64 {
         .filter(|a| a.slice.buffer.index() == 0 && a.access.reads())
         .map(|a| (a.slice.start, a.slice.end()))
         .collect();
+    // What the loader holds in memory stays resident whoever reads it (setup's copies
+    // included): restored q/k rows at the start of each layer's `pre` segment.
+    let held = program.model.held;
+    if held.attention > 0 || held.experts > 0 {
+        let layout = crate::ir::CheckpointLayout::new(&program.model);
+        for l in 0..program.model.layers {
+            let start = layout.layer_offset(l);
+            ranges.push((start, start + held.attention.min(layout.pre_bytes)));
+            if !layout.is_dense(l) {
+                let experts = start + layout.pre_bytes + layout.o_bytes + layout.gate_bytes;
+                let all = layout.experts * layout.expert_bytes;
+                ranges.push((experts, experts + held.experts.min(all)));
+            }
+        }
+    }
     ranges.sort_unstable();
     let mut total = 0;
     let mut covered_to = 0;
@@ -185,7 +202,7 @@ pub fn checkpoint_resident_bytes(program: &Program) -> u64 {
             covered_to = end;
         }
     }
-    total
+    total + held.other
 }
 
 /// The largest scratch space one task needs beyond its arguments (gate/up intermediates of

@@ -186,13 +186,14 @@ pub fn predict_run(
         } else {
             Loads::Measured(&record.ubs)
         };
-        // A task the run's guards skipped costs nothing (tasks the record does not hold
+        // A task the run's guards skipped costs nothing, and neither does a fetch that
+        // found its expert in the cache: it copied nothing (tasks the record does not hold
         // count as run).
         let first = program.steps[index].first as usize;
         let mut ran = vec![true; program.steps[index].count as usize];
         for task in &record.tasks {
             if let Some(slot) = ran.get_mut(task.task.index().wrapping_sub(first)) {
-                *slot = task.ran;
+                *slot = task.ran && !task.hit;
             }
         }
         let (predicted, times) = match cache.entry((index, key, ran.clone())) {
@@ -239,8 +240,15 @@ pub fn predict_run(
                 continue;
             };
             let measured = (task.end - task.start).max(0.0);
-            add_op(&mut ops, op, measured, time);
-            add_op(&mut kind.ops, op, measured, time);
+            if task.hit {
+                // Simulated as not run: its own line, so the fetches' line compares copies.
+                let op = format!("{op} (hit)");
+                add_op(&mut ops, &op, measured, 0.0);
+                add_op(&mut kind.ops, &op, measured, 0.0);
+            } else {
+                add_op(&mut ops, op, measured, time);
+                add_op(&mut kind.ops, op, measured, time);
+            }
         }
         let decode_like = matches!(record.kind, StepKind::Decode | StepKind::Mixed);
         if decode_like && record.decode_tokens > 0 && record.prefill_tokens == 0 {

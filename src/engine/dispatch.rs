@@ -13,6 +13,7 @@
 use crate::ir::{Engine, Guard, Op, Shape, StepId, StepKind, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, Instr, PlanStream, PlanTask, StepPlan};
 use crate::model::card::ModelCard;
+use crate::records::TaskRun;
 use crate::runtime::backend::BackendError;
 use crate::runtime::driver::executor::{run_step, ExecOptions, StreamOps};
 use std::time::Instant;
@@ -70,7 +71,7 @@ struct NoOpRunner<'a> {
 }
 
 impl StreamOps for NoOpRunner<'_> {
-    fn run_task(&self, _stream: StreamId, task: TaskId) -> Result<bool, BackendError> {
+    fn run_task(&self, _stream: StreamId, task: TaskId) -> Result<TaskRun, BackendError> {
         let engine = self.plan.tasks.get(task.index()).map(|t| t.engine);
         match engine {
             Some(Engine::GpuCompute | Engine::CpuCompute) => {
@@ -80,7 +81,7 @@ impl StreamOps for NoOpRunner<'_> {
                 std::hint::black_box(task);
             }
         }
-        Ok(true)
+        Ok(TaskRun::Ran)
     }
 
     fn record(&self, _stream: StreamId, _event: EventId) -> Result<(), BackendError> {

@@ -256,7 +256,7 @@ pub fn run(
         fitted,
         plan,
         run,
-        notes,
+        mut notes,
         ..
     } = prepare::prepare(
         request,
@@ -269,6 +269,11 @@ pub fn run(
     // The tokenizer's and the quick probe's freed pages leave the resident set before the
     // weights enter it.
     release_freed_heap();
+    // Under a host budget what big temporaries free must leave the process, or the peak
+    // outgrows what the budget table counts.
+    if request.host_mem.is_some() {
+        notes.extend(crate::sysmem::return_freed_blocks());
+    }
     let (outputs, stats) =
         crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, progress).map_err(
             |e: RunError| match e.span().filter(|s| s.end > s.start) {

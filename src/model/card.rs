@@ -168,6 +168,19 @@ pub enum QkNorm {
     Full,
 }
 
+/// Checkpoint bytes held in anonymous memory rather than mapped from the file: the rows
+/// of a llama.cpp GGUF's `q`/`k` projections put back in the Hub's order, tensors a loader
+/// builds at open, MXFP4 experts repacked into ggml's blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldBytes {
+    /// Of each decoder layer's attention part (its `pre` segment: restored `q`/`k` rows).
+    pub attention: u64,
+    /// Of each MoE layer's experts (MXFP4 experts repacked).
+    pub experts: u64,
+    /// Everything else.
+    pub other: u64,
+}
+
 /// The architecture of one model, as the compiler, cost model and runtime see it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelCard {
@@ -281,6 +294,11 @@ pub struct ModelCard {
     /// the shipped cards: every tensor in `dtype`.
     #[serde(default, skip_serializing_if = "WeightFormats::is_empty")]
     pub formats: WeightFormats,
+    /// Bytes of the checkpoint its loader holds in process memory for the whole run instead
+    /// of mapping them (set when a checkpoint is opened; zero for a card from `models/`):
+    /// the host budget counts them whoever reads them.
+    #[serde(skip)]
+    pub held: HeldBytes,
 }
 
 fn default_router_norm_p() -> Option<f64> {

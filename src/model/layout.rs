@@ -57,6 +57,32 @@ impl Segment {
     pub fn range(&self) -> Range<usize> {
         self.offset..self.offset + self.len_bytes
     }
+
+    /// `(rows, cols, orientation)` of this segment as a format copy in a block format holds
+    /// it ([`with_expert_storage`]): blocks run along stored rows, so a matrix the
+    /// checkpoint stores `[in, out]` is held transposed, `[out, in]`
+    /// (`runtime::host::format_copy` writes it so); an `[out, in]` matrix as it is. What
+    /// the ops of both backends multiply when they find an expert only as such a copy.
+    pub fn block_copy_shape(&self) -> (usize, usize, Orientation) {
+        match self.orientation {
+            Some(Orientation::InOut) => (self.cols, self.rows, Orientation::OutIn),
+            _ => (self.rows, self.cols, Orientation::OutIn),
+        }
+    }
+}
+
+/// The `[cols, rows]` transpose of the row-major `[rows, cols]` matrix `values` (an
+/// `[in, out]` matrix of `rows` inputs made `[out, in]`, as torch's `w.permute(1, 0)` and
+/// llama.cpp's converters store it). `None` when `values` is not `rows * cols` long.
+pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Option<Vec<f32>> {
+    if rows.checked_mul(cols)? != values.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(values.len());
+    for c in 0..cols {
+        out.extend((0..rows).map(|r| values[r * cols + c]));
+    }
+    Some(out)
 }
 
 /// Layout of one decoder layer's packed weight image.
@@ -526,28 +552,29 @@ impl ImageBuffer {
 /// `card` with every routed expert stored in `storage` (what a format copy of the experts,
 /// `W[l].expert(e).format(..)`, is laid out as), checked as `--weight-format experts=..` is:
 /// every expert matrix stored `[out, in]` with rows of whole blocks.
-/// A copy never changes how the experts are oriented: quantised experts are `[out, in]` by
-/// construction, so the `[in, out]` experts of a Hub gpt-oss checkpoint would need a
-/// transpose that format copies do not make (the CPU products would refuse them at run
-/// time); that is refused here, so the checker refuses the schedule.
+/// A block format is read along stored rows, so a copy in one stores every expert matrix
+/// `[out, in]`, as `moec quantize` writes them: where the checkpoint stores them `[in, out]`
+/// (the Hub's DBRX down projection, gpt-oss's gate/up and down) the copy holds their
+/// transpose (`runtime::host::format_copy` makes it; [`Segment::block_copy_shape`] is what
+/// the ops multiply). A float copy keeps the checkpoint's orientation.
 pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCard, String> {
-    let source_out_in = ArchSpec::from_card(card).experts_out_in;
     let mut card = card.clone();
     card.formats
         .tensors
         .retain(|t, _| t.class() != WeightClass::Experts);
     card.formats.classes.insert(WeightClass::Experts, storage);
+    if storage.quant().is_some() {
+        // The storage facts a GGUF of this card in `storage` records (`moec quantize`):
+        // gpt-oss's in its clamped SwiGLU, DBRX's in `expert_down_out_in`.
+        match card.clamped_swiglu.as_mut() {
+            Some(swiglu) => swiglu.experts_out_in = true,
+            None => {
+                card.expert_down_out_in |= card.family.facts().expert_down == Orientation::InOut;
+            }
+        }
+    }
     let arch = ArchSpec::from_card(&card);
     card.formats.check(&arch, card.dtype)?;
-    if arch.experts_out_in != source_out_in {
-        return Err(format!(
-            "the checkpoint stores {}'s experts [in, out] and {} needs [out, in] rows; a \
-             format copy does not transpose them (make a checkpoint in that format with \
-             `moec quantize` instead)",
-            card.name,
-            storage.name()
-        ));
-    }
     Ok(card)
 }
 
@@ -555,18 +582,78 @@ pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCa
 mod tests {
     use super::*;
 
-    /// A format copy of experts the checkpoint stores `[in, out]` (a Hub gpt-oss
-    /// checkpoint) is refused, since the copy would need a transpose; Mixtral's `[out, in]`
-    /// experts take one.
+    /// A q8_0 copy of experts the checkpoint stores `[in, out]` is laid out `[out, in]`:
+    /// DBRX's down projection (`[ffn, hidden]` in the Hub checkpoint) becomes `hidden`
+    /// rows of `ffn`, gpt-oss's gate/up and down likewise, each the transpose of the
+    /// checkpoint's segment (`block_copy_shape`); Mixtral's `[out, in]` experts keep their
+    /// shape. A float copy keeps the orientation.
     #[test]
-    fn a_format_copy_that_needs_a_transpose_is_refused() {
+    fn a_block_format_copy_lays_in_out_experts_out_in() {
         let q8 = Storage::parse("q8_0").unwrap();
-        let e = with_expert_storage(&ModelCard::load("gpt-oss-tiny").unwrap(), q8).unwrap_err();
-        assert!(
-            e.contains("[in, out]") && e.contains("does not transpose"),
-            "{e}"
-        );
-        with_expert_storage(&ModelCard::load("mixtral-tiny").unwrap(), q8).unwrap();
+        for (name, kinds) in [
+            ("dbrx-tiny", vec![SegmentKind::ExpertDown(1)]),
+            (
+                "gpt-oss-tiny",
+                vec![SegmentKind::ExpertGateUp(1), SegmentKind::ExpertDown(1)],
+            ),
+            (
+                "mixtral-tiny",
+                vec![SegmentKind::ExpertGate(1), SegmentKind::ExpertDown(1)],
+            ),
+        ] {
+            let card = ModelCard::load(name).unwrap();
+            let copy = with_expert_storage(&card, q8).unwrap();
+            let layer = card.dense_layers as usize;
+            let source = LayerLayout::for_card(&card, &ArchSpec::from_card(&card), layer);
+            let converted = LayerLayout::for_card(&copy, &ArchSpec::from_card(&copy), layer);
+            for kind in kinds {
+                let (s, c) = (
+                    source.segment(kind).unwrap(),
+                    converted.segment(kind).unwrap(),
+                );
+                assert_eq!(
+                    (c.rows, c.cols, c.orientation.unwrap()),
+                    s.block_copy_shape(),
+                    "{name} {kind:?}"
+                );
+                let transposed = s.orientation == Some(Orientation::InOut);
+                assert_eq!(transposed, name != "mixtral-tiny", "{name} {kind:?}");
+                if transposed {
+                    assert_eq!((c.rows, c.cols), (s.cols, s.rows), "{name} {kind:?}");
+                }
+                assert_eq!(c.quant, Some(QuantFormat::Q8_0), "{name} {kind:?}");
+            }
+            let f32_copy = with_expert_storage(&card, Storage::Float(WeightDtype::F32)).unwrap();
+            assert_eq!(
+                ArchSpec::from_card(&f32_copy).experts_out_in,
+                ArchSpec::from_card(&card).experts_out_in,
+                "{name}"
+            );
+        }
+        // By hand from the cards: DBRX's tiny down projection is `ffn` 192 rows of
+        // `hidden` 128 in the Hub checkpoint, 128 rows of 192 in the copy; gpt-oss's
+        // (`ffn` 64, `hidden` 128) 64 rows of 128, then 128 rows of 64.
+        let down = |name: &str| {
+            let card = ModelCard::load(name).unwrap();
+            let copy = with_expert_storage(&card, q8).unwrap();
+            let shape = |c: &ModelCard| {
+                let s = LayerLayout::for_card(c, &ArchSpec::from_card(c), 0);
+                let d = s.segment(SegmentKind::ExpertDown(0)).unwrap();
+                (d.rows, d.cols)
+            };
+            (shape(&card), shape(&copy))
+        };
+        assert_eq!(down("dbrx-tiny"), ((192, 128), (128, 192)));
+        assert_eq!(down("gpt-oss-tiny"), ((64, 128), (128, 64)));
+    }
+
+    /// The transpose moves input rows to output rows: torch's `w.permute(1, 0)` of
+    /// `[[0, 1, 2], [3, 4, 5]]`.
+    #[test]
+    fn transpose_moves_input_rows_to_output_rows() {
+        let t = transpose(&[0., 1., 2., 3., 4., 5.], 2, 3).unwrap();
+        assert_eq!(t, vec![0., 3., 1., 4., 2., 5.]);
+        assert!(transpose(&[0.; 5], 2, 3).is_none());
     }
 
     /// A quantised format on rows that are not whole blocks, or on a matrix stored

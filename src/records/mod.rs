@@ -8,4 +8,4 @@
 pub mod run;
 pub mod timeline;
 
-pub use run::{GraphStep, GraphUse, RunStats, StepRecord, TaskRecord, UbLoad};
+pub use run::{GraphStep, GraphUse, RunStats, StepRecord, TaskRecord, TaskRun, UbLoad};

@@ -20,6 +20,20 @@ pub struct TaskRecord {
     pub end: f64,
     /// False when its guard skipped it.
     pub ran: bool,
+    /// A cache fetch that found its expert already in the cache: it ran (its readers go
+    /// on to the slot) but copied nothing, so the replay charges it nothing.
+    pub hit: bool,
+}
+
+/// What running one task did, as the executor records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskRun {
+    /// Its guard was false (or a prefetch found nothing to do): it did nothing.
+    Skipped,
+    /// It ran.
+    Ran,
+    /// A cache fetch whose expert was resident: it holds the slot and copied nothing.
+    Hit,
 }
 
 /// One executed step.

@@ -12,35 +12,14 @@ use cudarc::driver::sys::{self as cu, CUresult};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::bf16;
 use moec::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH};
-use std::process::Command;
 use std::sync::Arc;
 
-const STANDIN_CHILD: &str = "MOEC_STANDIN_TEST_CHILD";
+pub(crate) use crate::standin_common::in_standin_child;
 
-pub(crate) use crate::standin_common::standin_library;
-use crate::standin_common::STANDIN_NAMES;
-
-/// Runs test `name` of this binary in a child whose CUDA libraries are the stand-in: the
-/// symlinks first on its LD_LIBRARY_PATH, kernel objects cached next to the build so
-/// reruns do not recompile.
+/// Runs test `name` of this binary in a child whose CUDA libraries are the stand-in
+/// (`standin_common::standin_child`).
 pub(crate) fn standin_child(name: &str) -> std::process::Output {
-    let library = standin_library();
-    let dir = tempfile::tempdir().expect("temp dir");
-    for link in STANDIN_NAMES {
-        std::os::unix::fs::symlink(&library, dir.path().join(link)).expect("symlink");
-    }
-    let deps = library.parent().expect("library directory");
-    let path = match std::env::var_os("LD_LIBRARY_PATH") {
-        Some(old) => format!("{}:{}", dir.path().display(), old.to_string_lossy()),
-        None => dir.path().display().to_string(),
-    };
-    Command::new(std::env::current_exe().expect("test binary"))
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(STANDIN_CHILD, name)
-        .env("LD_LIBRARY_PATH", path)
-        .env("MOEC_STANDIN_CACHE", deps.join("moec-standin-kernels"))
-        .output()
-        .expect("child test starts")
+    crate::standin_common::standin_child(name, &[])
 }
 
 /// Runs test `name` under the stand-in (see [`standin_child`]) and returns the child's
@@ -73,11 +52,6 @@ pub(crate) fn assert_logged(stderr: &str, lines: &[&str]) {
     for line in lines {
         assert!(stderr.contains(line), "no log line `{line}` in:\n{stderr}");
     }
-}
-
-/// True in the child process of test `name`.
-pub(crate) fn in_standin_child(name: &str) -> bool {
-    std::env::var(STANDIN_CHILD).as_deref() == Ok(name)
 }
 
 /// xorshift64*: reproducible test data without a dependency.

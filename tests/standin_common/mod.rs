@@ -1,6 +1,8 @@
 //! What every test that runs moec under the stand-in CUDA driver (standin/) needs: the
 //! library, and a directory of symlinks that puts it first on the loader path under the
-//! names cudarc looks for. Included by tests/cuda_backend.rs and tests/cuda_executor.rs.
+//! names cudarc looks for, and a test re-run as a child process under it (the loader path
+//! is read at process start, hence the child). Included by tests/cuda_backend.rs,
+//! tests/cuda_executor.rs and tests/runtime_invariance.rs.
 
 #![allow(dead_code)]
 
@@ -82,4 +84,27 @@ pub fn standin_cache() -> PathBuf {
         .parent()
         .expect("library directory")
         .join("moec-standin-kernels")
+}
+
+/// The variable naming the test a child process runs under the stand-in.
+pub const STANDIN_CHILD: &str = "MOEC_STANDIN_TEST_CHILD";
+
+/// True in the child process of test `name` ([`standin_child`]).
+pub fn in_standin_child(name: &str) -> bool {
+    std::env::var(STANDIN_CHILD).as_deref() == Ok(name)
+}
+
+/// Runs test `name` of this test binary in a child process whose CUDA libraries are the
+/// stand-in (the symlinks first on its LD_LIBRARY_PATH, kernel objects cached next to
+/// the build so reruns do not recompile), with `env` set too; gives its output.
+pub fn standin_child(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
+    let dir = standin_dir();
+    std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(STANDIN_CHILD, name)
+        .env("LD_LIBRARY_PATH", loader_path(dir.path()))
+        .env("MOEC_STANDIN_CACHE", standin_cache())
+        .envs(env.iter().copied())
+        .output()
+        .expect("child test starts")
 }

@@ -161,6 +161,11 @@ impl OpContext<'_> {
 
     fn typed(&self, weights: &[View], tag: WeightTag) -> Result<TypedSlice<'_>, OpError> {
         let (tag, view) = self.find_weight(weights, tag)?;
+        self.typed_view(tag, view)
+    }
+
+    /// The elements of tensor `tag` (as [`Self::find_weight`] found it) at `view`.
+    fn typed_view(&self, tag: WeightTag, view: View) -> Result<TypedSlice<'_>, OpError> {
         // SAFETY: a weight found in the task's `w` arguments: the image is read-only, and
         // in an arena the plan orders every writer of these bytes before or after this
         // task (no task writes an argument another of its arguments overlaps).
@@ -217,13 +222,19 @@ impl OpContext<'_> {
         let Some(seg) = self.memory.layout().layer_of(layer).segment(kind).cloned() else {
             return Ok(None);
         };
-        let data = self.typed(weights, WeightTag::Layer { layer, kind })?;
-        Ok(Matrix::new(
-            data,
-            seg.rows,
-            seg.cols,
-            seg.orientation.unwrap_or(Orientation::OutIn),
-        ))
+        let (found, view) = self.find_weight(weights, WeightTag::Layer { layer, kind })?;
+        let data = self.typed_view(found, view)?;
+        // A routed expert found only as a format copy is held `[out, in]` in the copy's
+        // blocks, transposed where the checkpoint stores it `[in, out]`.
+        let (rows, cols, orientation) = match found {
+            WeightTag::Converted { .. } => seg.block_copy_shape(),
+            _ => (
+                seg.rows,
+                seg.cols,
+                seg.orientation.unwrap_or(Orientation::OutIn),
+            ),
+        };
+        Ok(Matrix::new(data, rows, cols, orientation))
     }
 
     fn required(

@@ -18,6 +18,7 @@
 use super::deepseek;
 use super::launch::{int, Arg, LaunchError, Scratch, StreamCx};
 use super::ops::{GpuCx, OpError};
+use super::step_inputs::{flat_block_tables, StepInput};
 use crate::ir::catalog::OpKind;
 use crate::ir::{AttnPart, Op, Role};
 use crate::lower::PlanTask;
@@ -36,11 +37,7 @@ struct RowTables {
 }
 
 fn row_tables(mb: &MicroBatchState, tables: &[Vec<u32>]) -> RowTables {
-    let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
-    let mut flat = vec![0u32; tables.len() * max_blocks];
-    for (s, t) in tables.iter().enumerate() {
-        flat[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
-    }
+    let (flat, max_blocks) = flat_block_tables(tables.iter().map(Vec::as_slice));
     let (mut row_seq, mut row_pos) = (Vec::new(), Vec::new());
     for (s, seq) in mb.seqs.iter().enumerate() {
         for j in 0..seq.new_tokens.len() {
@@ -251,8 +248,8 @@ struct Calls<'a, 'c> {
     pools: &'a KvPools,
     shape: &'a AttnShape,
     rt: RowTables,
-    /// Device copies of the row tables, uploaded once a step ([`super::launch::StreamCx::upload_step`]):
-    /// every layer's call reads the same.
+    /// Device copies of the row tables, sections of the step's inputs uploaded once a step
+    /// ([`GpuCx::step_input`]): every layer's call reads the same.
     row_seq: u64,
     row_pos: u64,
     tables: u64,
@@ -283,10 +280,10 @@ impl<'a, 'c> Calls<'a, 'c> {
             }) {
             0
         } else {
-            cx.s.upload_step("row_seq", ub, &rt.row_seq)?
+            cx.step_input(ub, StepInput::RowSeq, &rt.row_seq)?
         };
-        let row_pos = cx.s.upload_step("positions", ub, &rt.row_pos)?;
-        let tables = cx.s.upload_step("block_tables", ub, &rt.tables)?;
+        let row_pos = cx.step_input(ub, StepInput::Positions, &rt.row_pos)?;
+        let tables = cx.step_input(ub, StepInput::BlockTables, &rt.tables)?;
         let dims = [
             Arg::I32(int("heads", shape.heads)?),
             Arg::I32(int("kv_heads", shape.kv_heads)?),

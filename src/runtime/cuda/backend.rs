@@ -756,10 +756,16 @@ impl Backend for CudaBackend<'_> {
                 (kind, graph::plan_graph(plan, step))
             })
             .clone();
-        let reason = planned.reason.or_else(|| {
-            (!matches!(state.sampling(), Sampling::Greedy))
-                .then(|| "temperature sampling reads the logits back to the host".to_string())
-        });
+        let reason = planned
+            .reason
+            .or_else(|| {
+                (!matches!(state.sampling(), Sampling::Greedy))
+                    .then(|| "temperature sampling reads the logits back to the host".to_string())
+            })
+            .or_else(|| {
+                graphs_switched_off()
+                    .then(|| "CUDA graphs are switched off (MOEC_CUDA_GRAPHS=off)".to_string())
+            });
         self.step.store(step, Ordering::Release);
         self.recording_step
             .store(reason.is_none(), Ordering::Release);
@@ -823,4 +829,13 @@ impl Backend for CudaBackend<'_> {
     fn skips_read_back(&self, _gate: &PlanTask) -> bool {
         self.device_guards.load(Ordering::Acquire)
     }
+}
+
+/// Whether `MOEC_CUDA_GRAPHS=off` (read once): every step is submitted as issued, never
+/// captured or replayed, and the run report says why. A test hook: it gives the plain
+/// launches' results to compare a replayed step's with
+/// (tests/cuda_executor.rs, `decode_steps_replay_with_dumped_logits_equal_to_plain_steps`).
+fn graphs_switched_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("MOEC_CUDA_GRAPHS").as_deref() == Ok("off"))
 }

@@ -18,6 +18,7 @@
 
 use super::launch::{int, row_block, Arg, DevMatrix};
 use super::ops::{not_supported, GpuCx, OpError};
+use super::step_inputs::StepInput;
 use crate::math::mla::LORA_NORM_EPS;
 use crate::model::arch::ArchSpec;
 use crate::model::card::{DeepseekRouter, DeepseekTopk};
@@ -202,7 +203,7 @@ fn geometry(
 pub(super) fn mla_pre_attn(
     cx: &GpuCx<'_>,
     weights: &[View],
-    layer: u32,
+    (layer, ub): (u32, u32),
     x: u64,
     positions: &[usize],
     out: u64,
@@ -297,7 +298,8 @@ pub(super) fn mla_pre_attn(
         )));
     }
     let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    let pos = cx.s.upload(&pos)?;
+    // The step's positions, shared by every layer (one copy of the step's inputs).
+    let pos = cx.step_input(ub, StepInput::Positions, &pos)?;
     cx.s.launch(
         "mla_qkv_rows",
         (
@@ -312,7 +314,7 @@ pub(super) fn mla_pre_attn(
             Arg::Ptr(ckv.ptr()),
             Arg::Ptr(kv_norm.ptr),
             Arg::I32(kv_norm.code()),
-            Arg::Ptr(pos.ptr()),
+            Arg::Ptr(pos),
             Arg::Ptr(cx.rope.0),
             Arg::Ptr(cx.rope.1),
             Arg::Ptr(out),

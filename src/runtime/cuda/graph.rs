@@ -389,42 +389,64 @@ impl Drop for Pinned {
 }
 
 /// Bump-allocated pinned staging, reset per step; grown buffers are kept (graphs read
-/// their addresses).
+/// their addresses). Every step walks the buffers from the first, in order, moving to the
+/// next when a piece does not fit the rest of the current one, so a step that takes the
+/// same sizes in the same order as an earlier step gets the same addresses, including
+/// the step that grew the staging (its last buffer is where the next step finds it).
+/// Bumping only in the newest buffer instead would give the step after a growth other
+/// addresses than the step that grew it (its first pieces moved from the old buffer to
+/// the new), so that pair of steps never matched: with `--dump-logits` (a read-back of
+/// the vocabulary's logits, larger than the first buffer) the first two decode steps
+/// were both plain and a 4-token run captured a graph but never replayed one.
 #[derive(Debug, Default)]
 struct Staging {
     buffers: Vec<Pinned>,
+    /// The buffer pieces are taken from now.
+    current: usize,
+    /// Bytes of `buffers[current]` taken this step.
     used: usize,
 }
 
 const STAGING_ALIGN: usize = 64;
 
 impl Staging {
+    /// Starts a step: pieces come from the first buffer again.
+    fn reset(&mut self) {
+        self.current = 0;
+        self.used = 0;
+    }
+
     fn take(&mut self, bytes: usize) -> Result<usize, LaunchError> {
         let bytes = bytes.max(1).next_multiple_of(STAGING_ALIGN);
-        let fits = self
-            .buffers
-            .last()
-            .is_some_and(|b| self.used + bytes <= b.len);
-        if !fits {
-            let len = (2 * self.buffers.last().map_or(0, |b| b.len))
-                .max(bytes)
-                .max(64 << 10);
-            // SAFETY: a plain page-locked allocation; freed by `Pinned::drop`.
-            let ptr =
-                unsafe { result::malloc_host(len, 0) }.map_err(|source| LaunchError::Driver {
-                    call: "cuMemHostAlloc",
-                    source,
-                })?;
-            self.buffers.push(Pinned {
-                ptr: ptr as usize,
-                len,
-            });
-            self.used = 0;
+        loop {
+            match self.buffers.get(self.current) {
+                Some(b) if self.used + bytes <= b.len => {
+                    let at = b.ptr + self.used;
+                    self.used += bytes;
+                    return Ok(at);
+                }
+                Some(_) if self.current + 1 < self.buffers.len() => {
+                    self.current += 1;
+                    self.used = 0;
+                }
+                _ => break,
+            }
         }
-        let base = self.buffers.last().map_or(0, |b| b.ptr);
-        let at = base + self.used;
-        self.used += bytes;
-        Ok(at)
+        let len = (2 * self.buffers.last().map_or(0, |b| b.len))
+            .max(bytes)
+            .max(64 << 10);
+        // SAFETY: a plain page-locked allocation; freed by `Pinned::drop`.
+        let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|source| LaunchError::Driver {
+            call: "cuMemHostAlloc",
+            source,
+        })?;
+        self.buffers.push(Pinned {
+            ptr: ptr as usize,
+            len,
+        });
+        self.current = self.buffers.len() - 1;
+        self.used = bytes;
+        Ok(ptr as usize)
     }
 }
 
@@ -539,7 +561,7 @@ impl Recorder {
         s.commands.clear();
         s.deferred.clear();
         for st in &mut s.staging {
-            st.used = 0;
+            st.reset();
         }
     }
 

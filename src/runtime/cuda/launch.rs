@@ -268,8 +268,9 @@ fn regrow(
     Ok(base)
 }
 
-/// The per-step tables a stream's tasks upload ([`StreamCx::upload_step`]): positions and
-/// block tables are the same for every layer of a step, so each (name, micro-batch) table
+/// The per-step tables a stream's tasks upload ([`StreamCx::upload_step`]; the step's
+/// inputs, `super::step_inputs`, are one such table): positions and block tables are the
+/// same for every layer of a step, so each (name, micro-batch) table
 /// is copied to the device once a step (one copy node in a graph, not one per layer) and
 /// later tasks of the step on the stream that ask for it with the same bytes read that
 /// copy. Keyed by micro-batch, not by bytes alone, so how many copies a step makes never

@@ -5,8 +5,9 @@
 //!
 //! Takes a task, the step's state and the device memory; gives the task's launches,
 //! submitted in order on its stream (asynchronous), or an [`OpError`] naming what is
-//! wrong. Host-side data an op needs (token ids, positions, block tables, routed rows) is
-//! uploaded per task from pageable memory (CUDA stages it at the call). This module holds
+//! wrong. Host-side data an op needs is uploaded from pageable memory (CUDA stages it at
+//! the call): the step's token ids, positions and block tables as one buffer a step
+//! (`super::step_inputs`), routed rows per task. This module holds
 //! the table, [`GpuCx`] (an op's context) with the addressing of arguments and weights
 //! every op uses (sizes checked, segments found by content, norm and vector weights in the
 //! kernels' dtype codes), and the ops that are a few launches each (`copy`, `embed`,
@@ -29,8 +30,9 @@ use super::launch::{
 };
 use super::memory::{DeviceMemory, DeviceMemoryError};
 use super::moe::{combine_op, experts_op, gate_op, post_attn_op, pregate_op, ROUTER_MAX_EXPERTS};
+use super::step_inputs::StepInput;
 use crate::ir::catalog::OpKind;
-use crate::ir::{Op, Role};
+use crate::ir::{Op, Role, Space};
 use crate::lower::PlanTask;
 use crate::model::arch::ArchSpec;
 use crate::model::segment::SegmentKind;
@@ -39,7 +41,7 @@ use crate::model::vocab::Orientation;
 use crate::model::vocab::Sampling;
 use crate::quant::storage::Storage;
 use crate::quant::storage::WeightDtype;
-use crate::runtime::host::memory::{HostMemory, View};
+use crate::runtime::host::memory::{HostMemory, Region, View};
 use crate::runtime::host::weights::WeightTag;
 use crate::runtime::ops::{run_task, sized, OpCx, OpTable, TaskArgs};
 use crate::runtime::step::StepContext;
@@ -111,10 +113,17 @@ impl SampledIds {
         crate::runtime::sync::lock(&self.0).insert(dst, ids.to_vec());
     }
 
-    /// Forgets every buffer: a copy may have written one (a schedule that samples on the
-    /// host and copies the ids over), so nothing is trusted until its next `sample`.
-    fn forget(&self) {
-        crate::runtime::sync::lock(&self.0).clear();
+    /// Forgets the buffers a copy into device bytes `[start, start + len)` overlaps (a
+    /// schedule that samples on the host and copies the ids over): those are not trusted
+    /// until their next `sample`. Only the copy's own destination is forgotten, never every
+    /// buffer: a weight copy on another stream that happens to run before this step's
+    /// `embed` must not change what `embed` issues (an upload instead of the sampled ids),
+    /// or the step's commands would depend on the stream threads' timing and a decode step
+    /// would be captured into a CUDA graph in some runs only.
+    fn forget_overlapping(&self, start: u64, len: u64) {
+        crate::runtime::sync::lock(&self.0).retain(|&at, ids| {
+            at >= start.saturating_add(len) || at + 4 * ids.len() as u64 <= start
+        });
     }
 
     /// Whether the buffer at `at` holds exactly `ids` from its last `sample`.
@@ -328,20 +337,16 @@ impl GpuCx<'_> {
                 Err(OpError::MissingWeight { .. }) => continue,
                 Err(other) => return Err(other),
             };
-            // A copy keeps the checkpoint's orientation (`model::layout::with_expert_storage`
-            // refuses one that would need a transpose), and blocks are read `[out, in]`.
-            if orientation != Orientation::OutIn {
-                return Err(not_supported(format!(
-                    "{converted} stored [in, out] (block formats are read [out, in])"
-                )));
-            }
+            // A copy holds the matrix `[out, in]`, transposed where the checkpoint stores
+            // it `[in, out]` (`model::layout::Segment::block_copy_shape`).
+            let (rows, cols, orientation) = seg.block_copy_shape();
             return Ok((
                 DevMatrix {
                     ptr,
                     dtype: WeightDtype::F32,
                     quant: Some(format),
-                    rows: seg.rows,
-                    cols: seg.cols,
+                    rows,
+                    cols,
                     orientation,
                 },
                 true,
@@ -578,7 +583,10 @@ impl GpuCx<'_> {
 
 fn copy_op(cx: &GpuCx<'_>, _task: &PlanTask, args: &TaskArgs) -> Result<(), OpError> {
     let (src, dst) = (args.need(Role::Src)?, args.need(Role::Dst)?);
-    cx.sampled_ids.forget();
+    // Sampled ids live in the gpu arena: a copy elsewhere cannot overwrite them.
+    if dst.region == Region::Arena(Space::Gpu) {
+        cx.sampled_ids.forget_overlapping(cx.mem.ptr(dst)?, dst.len);
+    }
     if cx.s.recorder.recording() {
         // Between the gpu and pinned arenas: a device command like any launch.
         if let Some(commands) = cx.mem.copy_commands(cx.host, src, dst)? {
@@ -631,13 +639,9 @@ fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
         .first()
         .and_then(|&tokens| cx.ptr(tokens, "tokens", n * 4).ok())
         .filter(|&at| cx.sampled_ids.holds(at, &ids));
-    let uploaded;
     operands[1] = Arg::Ptr(match on_device {
         Some(at) => at,
-        None => {
-            uploaded = cx.s.upload(&ids)?;
-            uploaded.ptr()
-        }
+        None => cx.step_input(ub, StepInput::Ids, &ids)?,
     });
     cx.s.launch(
         entry,
@@ -670,7 +674,7 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
     let x = cx.ptr(args.need(Role::H)?, "h", n * d * 4)?;
     let out = cx.ptr(args.need(Role::Out)?, "out", n * width * 4)?;
     if arch.mla.is_some() {
-        return deepseek::mla_pre_attn(cx, &weights, layer, x, &positions, out);
+        return deepseek::mla_pre_attn(cx, &weights, (layer, ub), x, &positions, out);
     }
     let norm_w = cx.layer_norm_weight(&weights, layer, SegmentKind::AttnNorm)?;
     let parts = [
@@ -742,8 +746,8 @@ fn pre_attn_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), O
         )?;
     }
     let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    // The step's positions table, shared with `attn` (one copy a step).
-    let pos = cx.s.upload_step("positions", ub, &pos)?;
+    // The step's positions, read where `attn` reads them (one copy of the step's inputs).
+    let pos = cx.step_input(ub, StepInput::Positions, &pos)?;
     let rot_heads = arch.attn.heads + arch.attn.kv_heads;
     cx.s.launch(
         "rope_neox",
@@ -801,7 +805,7 @@ fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
         orientation: Orientation::OutIn,
     };
     let out = cx.ptr(args.need(Role::Logits)?, "logits", seqs * vocab * 4)?;
-    let idx = cx.s.upload(&last)?;
+    let idx = cx.step_input(ub, StepInput::LastRows, &last)?;
     let gathered = cx.s.scratch(seqs * d * 4)?;
     cx.s.launch(
         "gather_rows",
@@ -810,7 +814,7 @@ fn lm_head_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), Op
         0,
         &[
             Arg::Ptr(h),
-            Arg::Ptr(idx.ptr()),
+            Arg::Ptr(idx),
             Arg::Ptr(gathered.ptr()),
             Arg::I32(int("hidden", d)?),
         ],
@@ -885,6 +889,25 @@ fn sample_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A copy forgets exactly the sampled-ids buffers its destination bytes overlap: one
+    /// ending where a buffer starts, or starting where it ends, forgets nothing (a weight
+    /// copy beside the tokens buffer must not make `embed` upload the ids), one byte
+    /// inside forgets that buffer alone, and a range reaching the top of the address space
+    /// does not overflow.
+    #[test]
+    fn a_copy_forgets_only_the_sampled_ids_it_overwrites() {
+        let ids = SampledIds::default();
+        ids.wrote(0x1000, &[1, 2]);
+        ids.wrote(0x2000, &[3]);
+        ids.forget_overlapping(0x1008, 0x100);
+        ids.forget_overlapping(0x0f00, 0x100);
+        assert!(ids.holds(0x1000, &[1, 2]) && ids.holds(0x2000, &[3]));
+        ids.forget_overlapping(0x1007, 1);
+        assert!(!ids.holds(0x1000, &[1, 2]) && ids.holds(0x2000, &[3]));
+        ids.forget_overlapping(0x1fff, u64::MAX);
+        assert!(!ids.holds(0x2000, &[3]));
+    }
 
     /// Every family's cards run on the CUDA kernels (the published ones too: up to 256
     /// experts), and what the kernels cannot take is named.

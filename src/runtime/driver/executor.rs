@@ -13,7 +13,7 @@
 
 use crate::ir::{StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, Instr, StepPlan};
-use crate::records::TaskRecord;
+use crate::records::{TaskRecord, TaskRun};
 use crate::runtime::backend::BackendError;
 use crate::span::Span;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -82,8 +82,8 @@ struct Events {
 
 /// What a stream thread asks of the driver and its backend, one call per instruction.
 pub trait StreamOps: Sync {
-    /// Runs (or submits) `task` on `stream`; `Ok(false)` means its guard skipped it.
-    fn run_task(&self, stream: StreamId, task: TaskId) -> Result<bool, BackendError>;
+    /// Runs (or submits) `task` on `stream`, saying what it did.
+    fn run_task(&self, stream: StreamId, task: TaskId) -> Result<TaskRun, BackendError>;
     /// Marks `event` on `stream` (called before the host table marks it submitted).
     fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
     /// Makes `stream` wait for `event` (called once its record was submitted).
@@ -320,13 +320,14 @@ fn stream_instructions(
                 let outcome = runner.run_task(stream_id, t);
                 let end = origin.elapsed().as_secs_f64();
                 match outcome {
-                    Ok(ran) => {
+                    Ok(run) => {
                         records.push(TaskRecord {
                             task: t,
                             stream: stream_id,
                             start,
                             end,
-                            ran,
+                            ran: run != TaskRun::Skipped,
+                            hit: run == TaskRun::Hit,
                         });
                         events
                             .lock()

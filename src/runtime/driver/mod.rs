@@ -28,7 +28,7 @@ use super::backend::{Backend, BackendError};
 use crate::ir::{ExpertRef, Op, Role, StreamId, TaskId};
 use crate::lower::{EventId, ExecPlan, PlanTask};
 use crate::model::vocab::Sampling;
-use crate::records::{GraphUse, RunStats, TaskRecord, UbLoad};
+use crate::records::{GraphUse, RunStats, TaskRecord, TaskRun, UbLoad};
 use crate::span::Span;
 use batching::UbCapacity;
 use executor::{run_step, ExecError, ExecOptions, StreamOps};
@@ -276,7 +276,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
         stream: StreamId,
         t: &PlanTask,
         copy: crate::lower::PlanCacheCopy,
-    ) -> Result<bool, BackendError> {
+    ) -> Result<TaskRun, BackendError> {
         let Some(cache) = self.state.caches.get(copy.key.cache as usize) else {
             return Err(BackendError::Task(Box::new(UnknownCache(copy.key.cache))));
         };
@@ -292,7 +292,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
                         .predicted_expert(cache.spec.predictor, layer, rank, layers, experts);
                 if idle {
                     cache.prefetch_cancelled(layer);
-                    return Ok(false);
+                    return Ok(TaskRun::Skipped);
                 }
                 e
             }
@@ -321,7 +321,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
         let slot = if prefetch {
             match cache.prefetch((layer, expert), &score) {
                 Some(slot) => slot,
-                None => return Ok(false),
+                None => return Ok(TaskRun::Skipped),
             }
         } else {
             match cache
@@ -335,7 +335,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
                     if copy.readers == 0 {
                         cache.release(slot);
                     }
-                    return Ok(true);
+                    return Ok(TaskRun::Hit);
                 }
                 cache::Fetched::Miss(slot) => slot,
             }
@@ -358,7 +358,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
         if !prefetch && copy.readers == 0 {
             cache.release(slot);
         }
-        Ok(true)
+        Ok(TaskRun::Ran)
     }
 
     /// A copy of part of a KV cache: the runs of bytes that hold the wanted positions of
@@ -471,7 +471,7 @@ fn count_active_experts(loads: &mut [UbLoad], state: &StepState, experts: usize)
 struct UnknownCache(u32);
 
 impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
-    fn run_task(&self, stream: StreamId, task: TaskId) -> Result<bool, BackendError> {
+    fn run_task(&self, stream: StreamId, task: TaskId) -> Result<TaskRun, BackendError> {
         let t = &self.plan.tasks[task.index()];
         if let Some((kill, nth)) = self.kill {
             if kill == task.0 && self.kill_count.fetch_add(1, Ordering::SeqCst) + 1 == nth {
@@ -480,22 +480,22 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
         }
         if !self.guard_holds(t)? {
             self.release_reads(stream, t, false)?;
-            return Ok(false);
+            return Ok(TaskRun::Skipped);
         }
         if let Some(copy) = t.cache {
             return self.cache_copy(stream, t, copy);
         }
         if let Some(kv) = t.kv {
             self.kv_part_copy(stream, t, kv)?;
-            return Ok(true);
+            return Ok(TaskRun::Ran);
         }
         if let Some(live) = t.live {
             self.live_copy(stream, t, live)?;
-            return Ok(true);
+            return Ok(TaskRun::Ran);
         }
         self.backend.run(stream, t.engine, t, self.state)?;
         self.release_reads(stream, t, true)?;
-        Ok(true)
+        Ok(TaskRun::Ran)
     }
 
     fn record(&self, stream: StreamId, event: EventId) -> Result<(), BackendError> {

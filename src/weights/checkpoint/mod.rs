@@ -21,7 +21,7 @@
 mod views;
 
 use crate::model::arch::ArchSpec;
-use crate::model::card::ModelCard;
+use crate::model::card::{HeldBytes, ModelCard};
 use crate::model::formats::WeightTensor;
 use crate::model::layout::{ImageBuffer, LayerLayout};
 use crate::model::segment::SegmentKind;
@@ -371,6 +371,7 @@ impl Checkpoint {
         if mxfp4_experts {
             mxfp4_entries(dir, &arch, &shards, &mut tensors)?;
         }
+        card.held = held_bytes(&tensors, &card);
         let checkpoint = Checkpoint {
             dir: dir.to_path_buf(),
             card,
@@ -472,6 +473,7 @@ impl Checkpoint {
             .into_iter()
             .map(|(path, mmap)| Shard { path, mmap })
             .collect();
+        chosen.held = held_bytes(&tensors, &chosen);
         Ok(Checkpoint {
             dir: path.to_path_buf(),
             card: chosen,
@@ -700,6 +702,10 @@ impl Checkpoint {
                     {
                         return ImageBuffer::zeroed(0);
                     }
+                    // Every reader now takes the restored rows: the file's pages of them
+                    // would otherwise stay resident beside the copy (the Mixtral GGUF's
+                    // 445 MB of q/k rows, counted twice in the process's RSS).
+                    release_pages(&self.shards[entry.shard].mmap, entry.range.clone());
                     out
                 })
                 .as_bytes();
@@ -860,6 +866,31 @@ impl Checkpoint {
                 return;
             }
         }
+    }
+}
+
+/// What the checkpoint's loader holds in memory rather than mapped, split as the host
+/// budget places it: restored `q`/`k` rows and repacked MXFP4 experts by layer (every layer
+/// alike), the rest whole.
+fn held_bytes(tensors: &BTreeMap<String, Entry>, card: &ModelCard) -> HeldBytes {
+    let (mut restored, mut repacked, mut other) = (0u64, 0u64, 0u64);
+    for entry in tensors.values() {
+        if entry.unpermute_heads.is_some() {
+            restored += entry.range.len() as u64;
+        } else if entry.owned {
+            other += entry.range.len() as u64;
+        } else if entry.mxfp4.is_some() {
+            repacked += QuantFormat::Mxfp4
+                .bytes_for(entry.shape.iter().product())
+                .unwrap_or(0) as u64;
+        }
+    }
+    let layers = card.layers.max(1);
+    let moe_layers = card.layers.saturating_sub(card.dense_layers).max(1);
+    HeldBytes {
+        attention: restored / layers,
+        experts: repacked / moe_layers,
+        other: other + restored % layers + repacked % moe_layers,
     }
 }
 

@@ -165,5 +165,6 @@ pub(super) fn blank_card() -> ModelCard {
         dense_layers: 0,
         dense_ffn: 0,
         formats: Default::default(),
+        held: Default::default(),
     }
 }
