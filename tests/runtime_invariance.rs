@@ -1179,25 +1179,16 @@ fn residency_and_score_guards_give_the_oracle_tokens_and_take_every_arm() {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect();
-            options.workload = Workload {
-                batch: prompts.len() as u64,
-                prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
-                gen_len: GEN_LEN as u64,
-            };
-            let compiled = compile(&source, &options).unwrap_or_else(|d| {
-                panic!(
-                    "{card_name} {sets:?}: {}",
-                    moec::diag::render_all(&d, "resident_score.sched", &source)
-                )
-            });
-            let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
-            let mut run = RunOptions::greedy(GEN_LEN);
-            run.stop_at_eos = false;
-            run.backend.threads = 1;
-            let (outputs, stats) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {})
-                .unwrap_or_else(|e| panic!("{card_name} {sets:?}: {e}"));
-            let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
-            assert_eq!(got, expected, "{card_name} {sets:?}: the oracle's tokens");
+            let what = format!("{card_name} {sets:?}");
+            let (compiled, got, stats) = run_fixture(
+                &source,
+                "resident_score.sched",
+                options,
+                &checkpoint,
+                &prompts,
+                &what,
+            );
+            assert_eq!(got, expected, "{what}: the oracle's tokens");
             for record in stats.steps.iter().flat_map(|s| &s.tasks).filter(|r| r.ran) {
                 let task = compiled.program.task(record.task);
                 if !matches!(task.op, Op::Experts { .. }) {
@@ -1242,6 +1233,38 @@ fn score_evicting_fixture() -> String {
     )
 }
 
+/// Compiles a guard fixture (`file` names it in diagnostics) for `prompts` generating
+/// [`GEN_LEN`] tokens each, lowers and runs it on one thread without stopping at EOS; gives
+/// the program, the tokens and the run's statistics. `what` prefixes any failure.
+fn run_fixture(
+    source: &str,
+    file: &str,
+    mut options: Options,
+    checkpoint: &Checkpoint,
+    prompts: &[Vec<u32>],
+    what: &str,
+) -> (
+    moec::compile::Compiled,
+    Vec<Vec<u32>>,
+    moec::records::RunStats,
+) {
+    options.workload = Workload {
+        batch: prompts.len() as u64,
+        prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
+        gen_len: GEN_LEN as u64,
+    };
+    let compiled = compile(source, &options)
+        .unwrap_or_else(|d| panic!("{what}: {}", moec::diag::render_all(&d, file, source)));
+    let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
+    let mut run = RunOptions::greedy(GEN_LEN);
+    run.stop_at_eos = false;
+    run.backend.threads = 1;
+    let (outputs, stats) = generate(&plan, checkpoint, prompts, &run, &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = outputs.into_iter().map(|o| o.token_ids).collect();
+    (compiled, got, stats)
+}
+
 /// Issue 45: eviction by a score the schedule computes (`evict score(l, e) = ..`, on the
 /// residency fixture with 2 slots, so misses evict) gives the oracle's tokens on the tiny
 /// cards of three families (DeepSeek-V2's leading dense layer included), and the cache
@@ -1256,24 +1279,14 @@ fn a_schedule_computed_eviction_score_gives_the_oracle_tokens() {
         let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &prompts);
         let mut options = Options::new(card.clone());
         options.sets = vec![("n_cache".into(), "2".into())];
-        options.workload = Workload {
-            batch: prompts.len() as u64,
-            prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
-            gen_len: GEN_LEN as u64,
-        };
-        let compiled = compile(&source, &options).unwrap_or_else(|d| {
-            panic!(
-                "{card_name}: {}",
-                moec::diag::render_all(&d, "score.sched", &source)
-            )
-        });
-        let plan = lower(&compiled.program, &compiled.info, &LowerOptions::default()).unwrap();
-        let mut run = RunOptions::greedy(GEN_LEN);
-        run.stop_at_eos = false;
-        run.backend.threads = 1;
-        let (outputs, stats) = generate(&plan, &checkpoint, &prompts, &run, &mut |_, _| {})
-            .unwrap_or_else(|e| panic!("{card_name}: {e}"));
-        let got: Vec<Vec<u32>> = outputs.into_iter().map(|o| o.token_ids).collect();
+        let (_, got, stats) = run_fixture(
+            &source,
+            "score.sched",
+            options,
+            &checkpoint,
+            &prompts,
+            card_name,
+        );
         assert_eq!(got, expected, "{card_name}: the oracle's tokens");
         let cache = &stats.caches[0];
         assert_eq!(cache.policy, "score");
