@@ -1,116 +1,255 @@
 #!/usr/bin/env bash
-# Real-size synthetic GGUFs (issue 42, point 1 and its measurements): for each model, write
-# the card's checkpoint straight into a GGUF with `moec synth --gguf` in the mix people
-# download, timed, with its file size and peak RSS (GNU time); then, when llama.cpp is built,
-# `llama-batched-bench` on the same file (does it load, how fast), and for the models named
-# in --moec-run, moec's `resident` schedule on it (time to first token and peak RSS).
+# The real-size peer bench (issue 42, point 3): for each model, the card's checkpoint written
+# once as a GGUF in the mix people download (`moec synth --gguf`, cached outside the
+# repository), then llama.cpp (`llama-batched-bench`, same file, same threads) and moec
+# (`baselines/resident`) on the same workloads, one process per engine and point:
 #
-# What it takes: a release build of moec (built here with cargo unless --moec names one),
-# GNU time at /usr/bin/time, and optionally llama.cpp's binaries in $MOEC_LLAMA_BIN (e.g.
-# ~/.cache/moec-peer/build-0.3.36/bin, as scripts/peer-bench.sh builds them).
-# What it gives: one JSON line per measurement appended to $MOEC_REAL_CACHE/results.jsonl
-# and a table on stdout. Files are written under $MOEC_REAL_CACHE (default
-# ~/.cache/moec-real), outside the repository; each is deleted after its measurements
-# unless --keep names its model, so at most one real-size file is on disk at a time (they
-# are 11-19 GB).
+#   prompt P + G new tokens at batch B, for each P:G:B of --points (default 512:128:1
+#   512:128:8 512:128:32 8192:128:1), and with --long MODEL one 32768:16:1 point on it.
 #
-# Not yet here (issue 42, point 3): the prompt 512/8192/32768 runs, moec's offload
-# schedules and the HRM replay ratio.
+# A point whose prompt + new tokens pass the card's `max_positions` is run with the prompt
+# cut to fit (OLMoE-1B-7B holds 4,096 positions), and the table says so.
 #
-# Usage: scripts/real-bench.sh [--models "qwen3-30b-a3b:q4_k_m gpt-oss-20b:mxfp4_moe ..."]
-#            [--keep MODEL] [--moec-run MODEL] [--moec PATH] [--threads 2]
+# Recorded per engine and point (one JSON line each in $MOEC_REAL_CACHE/results.jsonl, with
+# the run's tag, date, commit, CPU model and the load average before and after):
+#   prefill and decode tokens/s over the batch (llama-batched-bench's S_PP and S_TG; moec's
+#   report), time to first token from process start (the process's wall time less its
+#   decode time: load, prefill and exit, measured the same way for both engines), peak RSS
+#   (GNU time), and for moec the HRM replay of the decode step (measured / predicted).
+# The table at the end covers this run's lines: each point's figures and moec / llama.cpp.
+#
+# Every model here fits this machine's memory, so no --host-mem budget forces an offload
+# schedule; `baselines/resident` is moec's schedule for every point (scripts/disk-bench.sh
+# measures the offload schedules on a model larger than memory).
+#
+# What it takes: a release build of moec (built with cargo unless --moec names one), GNU
+# time at /usr/bin/time, python3, and llama.cpp's CPU binaries in $MOEC_LLAMA_BIN (default
+# ~/.cache/moec-peer/build-0.3.36/bin, as scripts/peer-bench.sh builds them; without them
+# llama.cpp is skipped and said so).
+#
+# Files are kept in the cache for the next run (each is 4-19 GB); at most two real-size
+# files stay there: before writing a third, the oldest other one is deleted (said).
+# --delete removes each model's file after its points.
+#
+# Usage: scripts/real-bench.sh [--models "olmoe-1b-7b:q4_k_m gpt-oss-20b:mxfp4_moe ..."]
+#            [--points "512:128:1 8192:128:1"] [--long MODEL] [--engines "llama moec"]
+#            [--moec PATH] [--threads 2] [--tag NAME] [--delete] [--synth-only]
+#        scripts/real-bench.sh --table TAG     (print the table of an earlier run)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_REAL_CACHE:-$HOME/.cache/moec-real}
+LLAMA_BIN=${MOEC_LLAMA_BIN:-$HOME/.cache/moec-peer/build-0.3.36/bin}
 # DeepSeek-V2-Lite in Q6_K: its Q4_K_M needs Q5_0 (llama-quantize's fallback for rows that
 # are not whole Q4_K blocks), which moec does not write (docs/performance.md).
-MODELS="qwen3-30b-a3b:q4_k_m gpt-oss-20b:mxfp4_moe deepseek-v2-lite:q6_k olmoe-1b-7b:q4_k_m"
-KEEP=""
-MOEC_RUN=""
+MODELS="olmoe-1b-7b:q4_k_m gpt-oss-20b:mxfp4_moe deepseek-v2-lite:q6_k qwen3-30b-a3b:q4_k_m"
+POINTS="512:128:1 512:128:8 512:128:32 8192:128:1"
+LONG=""
+ENGINES="llama moec"
 MOEC=""
 THREADS=2
+TAG=$(date -u +%Y%m%dT%H%M%SZ)
+DELETE=0
+SYNTH_ONLY=0
+TABLE=""
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --models) MODELS=$2; shift 2 ;;
-    --keep) KEEP="$KEEP $2"; shift 2 ;;
-    --moec-run) MOEC_RUN="$MOEC_RUN $2"; shift 2 ;;
+    --points) POINTS=$2; shift 2 ;;
+    --long) LONG=$2; shift 2 ;;
+    --engines) ENGINES=$2; shift 2 ;;
     --moec) MOEC=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --tag) TAG=$2; shift 2 ;;
+    --delete) DELETE=1; shift ;;
+    --synth-only) SYNTH_ONLY=1; shift ;;
+    --table) TABLE=$2; shift 2 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     *) echo "real-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
 log() { echo "real-bench: $*" >&2; }
 listed() { case " $2 " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+mkdir -p "$CACHE"
+RESULTS=$CACHE/results.jsonl
+
+# The table of one run's lines: each point's figures per engine, then moec / llama.cpp.
+table() {
+  python3 - "$RESULTS" "$1" <<'EOF'
+import json, sys
+path, tag = sys.argv[1], sys.argv[2]
+rows = [json.loads(l) for l in open(path) if l.strip()]
+rows = [r for r in rows if r.get("tag") == tag and r.get("kind") == "point"]
+if not rows:
+    sys.exit(f"real-bench: no points of run {tag} in {path}")
+def f(v, fmt):
+    return "-" if v is None else fmt % v
+first = rows[0]
+print(f"run {tag}: commit {first['commit']}, {first['cpu']}, {first['threads']} threads; "
+      f"load average {min(r['load_before'] for r in rows):.2f}-{max(r['load_after'] for r in rows):.2f}")
+print()
+print("| model | prompt + new x batch | engine | prefill tok/s | decode tok/s | TTFT from start s | peak RSS GB | replay (decode step measured / predicted) |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for r in rows:
+    point = f"{r['prompt']} + {r['gen']} x {r['batch']}" + (" (cut to fit)" if r.get("cut") else "")
+    replay = "-"
+    if r.get("step_measured_s") and r.get("step_predicted_s"):
+        replay = "%.1f / %.1f ms (%.2fx)" % (1e3 * r["step_measured_s"], 1e3 * r["step_predicted_s"],
+                                             r["step_measured_s"] / r["step_predicted_s"])
+    status = "" if r.get("ok") else " (FAILED)"
+    print(f"| {r['model']} | {point} | {r['engine']}{status} | {f(r.get('prefill_tok_s'), '%.1f')} | "
+          f"{f(r.get('decode_tok_s'), '%.2f')} | {f(r.get('ttft_s'), '%.1f')} | "
+          f"{f(r['peak_rss_kb'] / 1e6 if r.get('peak_rss_kb') else None, '%.2f')} | {replay} |")
+print()
+print("| model | prompt + new x batch | decode moec / llama.cpp | prefill | TTFT | peak RSS |")
+print("| --- | --- | --- | --- | --- | --- |")
+by = {}
+for r in rows:
+    by.setdefault((r["model"], r["prompt"], r["gen"], r["batch"]), {})[r["engine"]] = r
+def ratio(m, l, key):
+    a, b = m.get(key), l.get(key)
+    return "-" if not a or not b else "%.2fx" % (a / b)
+for (model, p, g, b), e in by.items():
+    m, l = e.get("moec"), e.get("llama.cpp")
+    if not m or not l or not m.get("ok") or not l.get("ok"):
+        continue
+    print(f"| {model} | {p} + {g} x {b} | {ratio(m, l, 'decode_tok_s')} | {ratio(m, l, 'prefill_tok_s')} | "
+          f"{ratio(m, l, 'ttft_s')} | {ratio(m, l, 'peak_rss_kb')} |")
+EOF
+}
+
+if [ -n "$TABLE" ]; then
+  table "$TABLE"
+  exit 0
+fi
 
 if [ -z "$MOEC" ]; then
   (cd "$REPO" && nice -n 10 cargo build --release --bin moec >&2)
   MOEC=${CARGO_TARGET_DIR:-$REPO/target}/release/moec
 fi
-mkdir -p "$CACHE"
-RESULTS=$CACHE/results.jsonl
 COMMIT=$(git -C "$REPO" rev-parse --short HEAD)
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
-# Other processes' CPU share while we run: the machine is quiet only when this is ~0.
 busy() { awk '{print $1}' /proc/loadavg; }
-
 # Peak RSS (kB) and wall seconds from a GNU time -v log.
 peak_kb() { awk -F': ' '/Maximum resident set size/ {print $2}' "$1"; }
 wall_s() {
-  awk -F': ' '/Elapsed \(wall clock\)/ {print $2}' "$1" |
-    awk -F: '{ if (NF == 3) print $1*3600 + $2*60 + $3; else print $1*60 + $2 }'
+  awk -F': ' '/Elapsed \(wall clock\)/ {n = split($2, t, ":"); s = 0; for (i = 1; i <= n; i++) s = s * 60 + t[i]; print s}' "$1"
+}
+have_llama=0
+if listed llama "$ENGINES"; then
+  if [ -x "$LLAMA_BIN/llama-batched-bench" ]; then
+    have_llama=1
+  else
+    log "llama.cpp: no llama-batched-bench in $LLAMA_BIN (set MOEC_LLAMA_BIN; scripts/peer-bench.sh builds it): llama.cpp SKIPPED"
+  fi
+fi
+log "run $TAG: commit $COMMIT, $CPU, $THREADS threads; results in $RESULTS"
+
+# Writes the model's file if it is not cached; keeps at most two real-size files.
+ensure_file() {
+  local model=$1 mix=$2 file=$3
+  if [ -f "$file" ]; then
+    log "$model: $file is cached (written by an earlier run): not timed again"
+    return
+  fi
+  mapfile -t others < <(ls -t "$CACHE"/*.gguf 2>/dev/null | grep -vx "$file" || true)
+  while [ "${#others[@]}" -ge 2 ]; do
+    log "keeping at most two real-size files: deleting the oldest, ${others[-1]}"
+    rm -f "${others[-1]}"
+    unset 'others[-1]'
+  done
+  log "$model: writing $file"
+  local load=$(busy)
+  /usr/bin/time -v -o "$CACHE/time-synth.log" \
+    "$MOEC" synth --model "$model" --gguf --mix "$mix" --out "$file" > "$CACHE/synth-$model.log"
+  cat "$CACHE/synth-$model.log" >&2
+  echo "{\"tag\":\"$TAG\",\"kind\":\"synth\",\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"cpu\":\"$CPU\",\"load_before\":$load,\"load_after\":$(busy),\"model\":\"$model\",\"mix\":\"$mix\",\"file_bytes\":$(stat -c %s "$file"),\"synth_s\":$(wall_s "$CACHE/time-synth.log"),\"synth_peak_rss_kb\":$(peak_kb "$CACHE/time-synth.log")}" >> "$RESULTS"
 }
 
-printf '%-18s %-10s %10s %9s %10s %s\n' model mix "size GB" "time s" "RSS MB" "llama.cpp"
+# One JSON line for one engine at one point.
+record() {
+  local engine=$1 ok=$2 fields=$3
+  echo "{\"tag\":\"$TAG\",\"kind\":\"point\",\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"cpu\":\"$CPU\",\"threads\":$THREADS,\"load_before\":$load,\"load_after\":$(busy),\"model\":\"$model\",\"mix\":\"$mix\",\"prompt\":$prompt,\"gen\":$gen,\"batch\":$batch,\"cut\":$cut,\"engine\":\"$engine\",\"ok\":$ok,$fields}" >> "$RESULTS"
+}
+
+run_llama() {
+  local out=$CACHE/llama-$model-$prompt-$gen-$batch.log
+  load=$(busy)
+  if /usr/bin/time -v -o "$CACHE/time-llama.log" "$LLAMA_BIN/llama-batched-bench" -m "$file" \
+      -c $((batch * (prompt + gen))) -npp "$prompt" -ntg "$gen" -npl "$batch" \
+      -t "$THREADS" -tb "$THREADS" -b 2048 -ub 512 > "$out" 2>&1; then
+    # The result row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    local pre dec ttg
+    read -r pre dec ttg < <(awk -F'|' '/^\|/ && $2 ~ /[0-9]/ {gsub(/ /, ""); p = $7; d = $9; t = $8} END {if (d > 0) print p, d, t; else print "null null null"}' "$out")
+    local wall=$(wall_s "$CACHE/time-llama.log")
+    local ttft=null
+    [ "$ttg" != null ] && ttft=$(awk -v w="$wall" -v t="$ttg" 'BEGIN {print w - t}')
+    record llama.cpp true "\"prefill_tok_s\":$pre,\"decode_tok_s\":$dec,\"ttft_s\":$ttft,\"wall_s\":$wall,\"peak_rss_kb\":$(peak_kb "$CACHE/time-llama.log")"
+    log "$model $prompt+$gen x$batch llama.cpp: prefill $pre, decode $dec tok/s"
+  else
+    record llama.cpp false "\"log\":\"$out\""
+    log "$model $prompt+$gen x$batch: llama-batched-bench failed (see $out)"
+  fi
+}
+
+run_moec() {
+  local out=$CACHE/moec-$model-$prompt-$gen-$batch.json
+  load=$(busy)
+  if /usr/bin/time -v -o "$CACHE/time-moec.log" "$MOEC" run "$REPO/schedules/baselines/resident.sched" \
+      --weights "$file" --threads "$THREADS" --set ubs="$batch" --set n_ub=1 \
+      --workload "count=$batch,mean=$prompt,min=$prompt,max=$prompt,gen=$gen" --json \
+      > "$out" 2> "$out.err"; then
+    local wall=$(wall_s "$CACHE/time-moec.log")
+    local fields
+    fields=$(python3 - "$out" "$wall" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+wall = float(sys.argv[2])
+p, pr = r["report"], r.get("predicted") or {}
+decode_s = p["decode_steps"] * p["decode_step_seconds"]
+print(json.dumps({
+    "prefill_tok_s": p["prefill_tokens_per_s"],
+    "decode_tok_s": p["decode_tokens_per_s"],
+    "ttft_s": wall - decode_s,
+    "wall_s": wall,
+    "step_measured_s": pr.get("decode_step_measured_seconds"),
+    "step_predicted_s": pr.get("decode_step_seconds"),
+})[1:-1])
+EOF
+    )
+    record moec true "$fields,\"peak_rss_kb\":$(peak_kb "$CACHE/time-moec.log")"
+    log "$model $prompt+$gen x$batch moec: $fields"
+  else
+    record moec false "\"log\":\"$out.err\""
+    log "$model $prompt+$gen x$batch: moec run failed (see $out.err)"
+  fi
+}
+
 for entry in $MODELS; do
   model=${entry%%:*}
   mix=${entry#*:}
   file=$CACHE/$model-$mix.gguf
-  load_before=$(busy)
-  if [ ! -f "$file" ]; then
-    log "$model: writing $file"
-    /usr/bin/time -v -o "$CACHE/time-synth.log" \
-      "$MOEC" synth --model "$model" --gguf --mix "$mix" --out "$file" > "$CACHE/synth-$model.log"
-    cat "$CACHE/synth-$model.log" >&2
-    synth_s=$(wall_s "$CACHE/time-synth.log")
-    synth_kb=$(peak_kb "$CACHE/time-synth.log")
-  else
-    log "$model: $file is already there (kept from an earlier run): not timed again"
-    synth_s=null
-    synth_kb=null
-  fi
-  size=$(stat -c %s "$file")
-  llama=skipped
-  llama_line=null
-  if [ -n "${MOEC_LLAMA_BIN:-}" ] && [ -x "$MOEC_LLAMA_BIN/llama-batched-bench" ]; then
-    if nice -n 5 "$MOEC_LLAMA_BIN/llama-batched-bench" -m "$file" -c 256 -npp 16 -ntg 4 -npl 1 \
-      -t "$THREADS" > "$CACHE/llama-$model.log" 2>&1; then
-      # The result row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-      row=$(grep -E '^\|\s+16 \|' "$CACHE/llama-$model.log" | tail -1)
-      pp=$(echo "$row" | awk -F'|' '{gsub(/ /,"",$7); print $7}')
-      tg=$(echo "$row" | awk -F'|' '{gsub(/ /,"",$9); print $9}')
-      llama="loads: pp16 $pp t/s, tg $tg t/s"
-      llama_line="{\"loads\":true,\"pp_tok_s\":${pp:-null},\"tg_tok_s\":${tg:-null}}"
-    else
-      llama="FAILED (see $CACHE/llama-$model.log)"
-      llama_line="{\"loads\":false}"
+  ensure_file "$model" "$mix" "$file"
+  [ "$SYNTH_ONLY" = 1 ] && continue
+  positions=$(awk -F'[:,]' '/^ *max_positions:/ {gsub(/ /, "", $2); print $2; exit}' "$REPO/models/$model.ron")
+  points=$POINTS
+  [ "$LONG" = "$model" ] && points="$points 32768:16:1"
+  for point in $points; do
+    IFS=: read -r prompt gen batch <<< "$point"
+    cut=false
+    if [ $((prompt + gen)) -gt "$positions" ]; then
+      prompt=$((positions - gen))
+      cut=true
+      log "$model holds $positions positions: prompt $point cut to $prompt"
     fi
-  fi
-  moec_line=null
-  if listed "$model" "$MOEC_RUN"; then
-    /usr/bin/time -v -o "$CACHE/time-run.log" "$MOEC" run "$REPO/schedules/baselines/resident.sched" \
-      --weights "$file" --prompt "The quick brown fox jumps over the lazy dog" --gen-len 4 \
-      > "$CACHE/moec-run-$model.log" 2>&1 || log "$model: moec run failed (see $CACHE/moec-run-$model.log)"
-    moec_line="{\"wall_s\":$(wall_s "$CACHE/time-run.log"),\"peak_rss_kb\":$(peak_kb "$CACHE/time-run.log")}"
-  fi
-  printf '%-18s %-10s %10.2f %9s %10s %s\n' "$model" "$mix" "$(awk -v s="$size" 'BEGIN {print s / 1e9}')" \
-    "$synth_s" "$([ "$synth_kb" = null ] && echo - || echo $((synth_kb / 1024)))" "$llama"
-  echo "{\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$COMMIT\",\"cpu\":\"$CPU\",\"load_before\":$load_before,\"load_after\":$(busy),\"model\":\"$model\",\"mix\":\"$mix\",\"file_bytes\":$size,\"synth_s\":$synth_s,\"synth_peak_rss_kb\":$synth_kb,\"llama_cpp\":$llama_line,\"moec_run\":$moec_line}" >> "$RESULTS"
-  if ! listed "$model" "$KEEP"; then
+    [ "$have_llama" = 1 ] && run_llama
+    listed moec "$ENGINES" && run_moec
+  done
+  if [ "$DELETE" = 1 ]; then
     rm -f "$file"
   fi
 done
-log "results appended to $RESULTS"
+[ "$SYNTH_ONLY" = 1 ] || table "$TAG"
+log "results appended to $RESULTS (tag $TAG)"
