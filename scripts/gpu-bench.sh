@@ -43,7 +43,8 @@
 #           GPU_BENCH_FULL_RUN_TIMEOUT (default 300 s): rows of full.jsonl. Against it,
 #           llama.cpp's CUDA build on the same file when a `llama-batched-bench` is found in
 #           GPU_BENCH_LLAMA_DIR (default: the moec binary's folder, then its llama.cpp/ and
-#           bin/): `-ngl 99 --n-cpu-moe N -npp 64 -ntg 32 -npl <batches>`, N the fewest
+#           bin/; scripts/build-llama-cuda.sh makes it, run with its folder and
+#           $CUDA_HOME/lib64 on LD_LIBRARY_PATH): `-ngl 99 --n-cpu-moe N -npp 64 -ntg 32 -npl <batches>`, N the fewest
 #           layers whose experts stay on the CPU for the rest of the file plus
 #           GPU_BENCH_LLAMA_RESERVE_MIB (default 1536: KV cache and compute buffers) to fit the
 #           cap; its output in full.txt, its decode tok/s in full.jsonl. Without the binary,
@@ -306,19 +307,24 @@ if has full; then
             break
         fi
     done
+    # scripts/build-llama-cuda.sh's build is shared libraries (ggml picks its CPU backend for
+    # this machine's CPU) with cuBLAS from the machine's toolkit: both on the loader path.
+    llama_run() {
+        LD_LIBRARY_PATH="$(dirname "$llama"):${CUDA_HOME:-/usr/local/cuda}/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$llama" "$@"
+    }
     : > "$out/full.jsonl"
     {
         echo "full-size section, $(date -u +%FT%TZ): models $full_models; caps $full_caps; batches $full_batches"
         if [ -z "$llama" ]; then
             echo "llama.cpp: ABSENT: no llama-batched-bench in $llama_dir, $llama_dir/llama.cpp or" \
                 "$llama_dir/bin; no llama.cpp CUDA figure is measured and no ratio against it is printed"
-        elif ! "$llama" --list-devices 2>&1 | grep -qi cuda; then
+        elif ! llama_run --list-devices 2>&1 | grep -qi cuda; then
             echo "llama.cpp: $llama lists no CUDA device (not a CUDA build, or no GPU); not run:"
-            "$llama" --list-devices 2>&1 | tail -5
+            llama_run --list-devices 2>&1 | tail -5
             llama=
         else
             echo "llama.cpp: $llama"
-            "$llama" --list-devices 2>&1 | tail -5
+            llama_run --list-devices 2>&1 | tail -5
         fi
     } > "$out/full.txt"
     mkdir -p "$work/full"
@@ -349,7 +355,7 @@ if has full; then
                 "(estimated ${est:-?} GB on the GPU besides the reserve)" >> "$out/full.txt"
             [ -n "${ncmoe:-}" ] || continue
             npl=$(echo "$full_batches" | tr ' ' ',')
-            timeout "${GPU_BENCH_LLAMA_TIMEOUT:-600}" "$llama" -m "$gguf" -ngl 99 --n-cpu-moe "$ncmoe" \
+            timeout "${GPU_BENCH_LLAMA_TIMEOUT:-600}" env LD_LIBRARY_PATH="$(dirname "$llama"):${CUDA_HOME:-/usr/local/cuda}/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$llama" -m "$gguf" -ngl 99 --n-cpu-moe "$ncmoe" \
                 -c 8192 -b 2048 -ub 512 -npp 64 -ntg 32 -npl "$npl" > "$work/llama.txt" 2>&1
             echo "llama-batched-bench exit $?" >> "$work/llama.txt"
             tail -40 "$work/llama.txt" >> "$out/full.txt"

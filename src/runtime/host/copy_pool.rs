@@ -35,6 +35,16 @@ impl CopyPool {
         self.threads
     }
 
+    /// Runs `work` on the pool's threads, so that rayon's parallel iterators inside it split
+    /// over them (the load's repacking of quantised matrices into tiles); on the calling
+    /// thread when the OS refused the threads.
+    pub fn install<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        match self.pool() {
+            Some(pool) => pool.install(work),
+            None => work(),
+        }
+    }
+
     /// Whether the pool's threads exist (a copy at least the split size has run).
     pub fn started(&self) -> bool {
         self.pool.get().is_some_and(Option::is_some)

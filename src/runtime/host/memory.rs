@@ -277,8 +277,9 @@ impl<'c> HostMemory<'c> {
         // The CPU backend's own products read Q4_K in tiles of eight rows, repacked here
         // once in place of the blocks; a device backend (`host_side`) reads the file's
         // layout, and so do the f32 products of decoded weights.
+        let copy_pool = CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get()));
         let tiled = if tile_quant {
-            let (tags, bytes) = image.tile(checkpoint, &layout.tileable())?;
+            let (tags, bytes) = image.tile(checkpoint, &layout.tileable(), &copy_pool)?;
             layout.tiled = tags.into_iter().collect();
             bytes
         } else {
@@ -342,7 +343,7 @@ impl<'c> HostMemory<'c> {
             populated,
             tiled,
             relayed: AtomicU64::new(0),
-            copy_pool: CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get())),
+            copy_pool,
             checkpoint,
             disk: reads_disk.then(DiskReader::new),
             converted_starts,
