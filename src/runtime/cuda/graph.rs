@@ -581,10 +581,12 @@ pub struct StepKey {
     pub step: usize,
     /// Logits are read back (`--dump-logits`).
     pub logits: bool,
-    /// Per micro-batch: its block size and per sequence (new tokens, block-table length,
-    /// prefill).
-    pub ubs: Vec<(usize, Vec<(usize, usize, bool)>)>,
+    /// Per micro-batch: its block size and its sequences' shapes.
+    pub ubs: Vec<(usize, Vec<SeqShape>)>,
 }
+
+/// A sequence's part of a [`StepKey`]: (new tokens, block-table length, prefill).
+pub type SeqShape = (usize, usize, bool);
 
 /// The graphs of a backend, newest last.
 #[derive(Default)]
