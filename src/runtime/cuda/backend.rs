@@ -191,6 +191,8 @@ pub struct CudaBackend<'c> {
     replays_without_ops: AtomicUsize,
     launched_ahead: AtomicUsize,
     verified: AtomicUsize,
+    /// Why decode steps a graph could hold ran their ops (each reason, how many steps).
+    ran_ops_because: Mutex<std::collections::BTreeMap<String, usize>>,
     device: Device,
 }
 
@@ -407,6 +409,7 @@ impl<'c> CudaBackend<'c> {
             replays_without_ops: AtomicUsize::new(0),
             launched_ahead: AtomicUsize::new(0),
             verified: AtomicUsize::new(0),
+            ran_ops_because: Mutex::default(),
             device,
         })
     }
@@ -626,7 +629,7 @@ impl Backend for CudaBackend<'_> {
              pinned arena {}; {}; host relay memcpy of weights: {} bytes; \
              {} routing read-backs by experts/post_attn (grouping tokens per expert); \
              CUDA graphs: {}; {} steps launched their graph without running their ops \
-             ({} of them launched ahead of the previous step's read-back{}); \
+             ({} of them launched ahead of the previous step's read-back{}){}; \
              {} device tasks run on the host",
             r.device,
             r.arch,
@@ -652,6 +655,18 @@ impl Backend for CudaBackend<'_> {
                     "; {n} steps recorded anyway and found equal to their graph \
                      (MOEC_CUDA_VERIFY_REPLAY)"
                 ),
+            },
+            {
+                let why = lock(&self.ran_ops_because);
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    let list: Vec<String> = why.iter().map(|(w, n)| format!("{n}: {w}")).collect();
+                    format!(
+                        "; decode steps that ran their ops although graphs were on: {}",
+                        list.join("; ")
+                    )
+                }
             },
             self.ops_run.load(Ordering::Relaxed),
         ) + &super::ops::quant_kernels(self.host_memory.layout())
@@ -987,7 +1002,15 @@ impl Backend for CudaBackend<'_> {
         let key = step_key(plan, step, state);
         let inputs = match self.replay_inputs(plan, step, state, &key, ids_on_device) {
             Ok(inputs) => inputs,
-            Err(why) => return Ok(Err(why)),
+            Err(why) => {
+                let graphable = lock(&self.plan_reasons)
+                    .get(&step)
+                    .is_some_and(|(_, p)| p.reason.is_none());
+                if graphable && !ahead {
+                    *lock(&self.ran_ops_because).entry(why.clone()).or_default() += 1;
+                }
+                return Ok(Err(why));
+            }
         };
         self.bind()?;
         let launched = self

@@ -1068,6 +1068,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         }
         if self.options.routing_profile.is_some()
             || self.options.kill_task.is_some()
+            || !self.plan.caches.is_empty()
             || self.running.is_empty()
         {
             return false;
@@ -1092,7 +1093,11 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     fn launch_ahead(&mut self, pending: bool) -> Result<Option<Ahead>, RunError> {
         let step = self.decode_step;
         let n_ubs = self.plan.micro_batches.count as usize;
-        self.state.reset_step();
+        // Only the micro-batches and the read-backs: no task runs, so the rest of the step
+        // state (routing, caches' step, bindings) stays as the last step left it until the
+        // next step that runs its tasks resets it.
+        lock(&self.state.sampled).clear();
+        lock(&self.state.sampled_logits).clear();
         for ub in self.state.ubs.iter_mut() {
             *ub = MicroBatchState::default();
         }
