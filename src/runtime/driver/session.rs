@@ -1063,7 +1063,13 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
     /// samples EOS there is only known later, and its row of the step launched ahead is
     /// discarded).
     fn may_launch_ahead(&self, pending: bool) -> bool {
-        if self.mixed || self.on_demand || self.chunked_prefill || !self.record_steps {
+        // A synchronous backend (the CPU's) has nothing in flight to overlap: not tried.
+        if self.mixed
+            || self.on_demand
+            || self.chunked_prefill
+            || !self.record_steps
+            || !self.backend.capabilities().asynchronous
+        {
             return false;
         }
         if self.options.routing_profile.is_some()
