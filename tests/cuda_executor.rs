@@ -1089,6 +1089,198 @@ fn decode_steps_replay_with_dumped_logits_equal_to_plain_steps() {
     assert!(diff <= 1e-5, "replayed and plain logits differ by {diff}");
 }
 
+/// Tokens of `schedule` on the CPU backend (`extra`: more `moec run` arguments).
+fn cpu_tokens(cache: &Path, schedule: &str, gen_len: u32, extra: &[&str]) -> Vec<Vec<u32>> {
+    let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache)
+        .args(["run", schedule, "--json"])
+        .args(["--gen-len", &gen_len.to_string(), "--hw", "hardware/t4.ron"])
+        .args(extra);
+    if !extra.contains(&"--model") {
+        cpu.args(["--model", "mixtral-tiny"]);
+    }
+    for p in PROMPTS {
+        cpu.args(["--prompt", p]);
+    }
+    token_ids(
+        &cpu.output().expect("moec runs"),
+        &format!("{schedule}, CPU"),
+    )
+}
+
+/// Graph launches made while an earlier one had not been waited for, from the stand-in's
+/// call trace: a `cuGraphLaunch` opens a launch, a `cuEventSynchronize` closes the oldest
+/// open one, a `cuStreamSynchronize` closes them all.
+fn launches_ahead(trace: &str) -> u64 {
+    let (mut open, mut ahead) = (0u64, 0u64);
+    for call in trace.lines() {
+        match call {
+            "cuGraphLaunch" => {
+                ahead += u64::from(open > 0);
+                open += 1;
+            }
+            "cuEventSynchronize" => open = open.saturating_sub(1),
+            "cuStreamSynchronize" => open = 0,
+            _ => {}
+        }
+    }
+    ahead
+}
+
+/// `(launched without their ops, of them ahead, device tasks run on the host)` from the
+/// CUDA backend's report line.
+fn replay_counts(doc: &serde_json::Value) -> (u64, u64, u64) {
+    let line = doc["backend"].as_str().expect("backend line");
+    let number_before = |what: &str| -> u64 {
+        let at = line
+            .find(what)
+            .unwrap_or_else(|| panic!("no `{what}` in {line}"));
+        line[..at]
+            .split_whitespace()
+            .last()
+            .and_then(|w| w.trim_start_matches('(').parse().ok())
+            .unwrap_or_else(|| panic!("no count before `{what}` in {line}"))
+    };
+    (
+        number_before("steps launched their graph without running their ops"),
+        number_before("of them launched ahead"),
+        number_before("device tasks run on the host"),
+    )
+}
+
+/// Issue 44, async scheduling: once a decode step's shape has a CUDA graph, a later step of
+/// that shape writes its step inputs into the graph's pinned staging and launches the
+/// graph without running its ops, and step N+1 is launched before step N's tokens are
+/// read (`embed` reads the ids `sample` left on the device). `baselines/gpu_resident` on
+/// mixtral-tiny, two prompts, 6 tokens: prefill, decode steps 1 plain, 2 captured, 3
+/// launched without its ops once step 2 was read, 4 and 5 each launched before the step
+/// before them was read; the tokens are the CPU backend's. The stand-in's trace shows the
+/// two graph launches made before the previous launch was waited for, and its counters
+/// one host function to copy each launched step's read-backs out of staging and one to
+/// write each step's inputs behind a launch in flight (1 + 2 + 2), no kernel launch, GEMM
+/// or copy call in those steps. A seventh token adds one graph launch and no device task
+/// run on the host (`MOEC_CUDA_VERIFY_REPLAY=1`, which records every such step anyway and
+/// fails when its commands are not its graph's, gives the same tokens).
+#[test]
+fn decode_steps_launch_ahead_without_their_ops_with_the_cpu_tokens() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let want = cpu_tokens(cache.path(), schedule, 6, &[]);
+    let trace = tempfile::NamedTempFile::new().expect("temp file");
+    let trace_path = trace.path().to_str().expect("UTF-8 path");
+    let (got, counts, doc) = counted_run(
+        cache.path(),
+        dir.path(),
+        schedule,
+        &PROMPTS,
+        6,
+        &[],
+        &[("MOEC_STANDIN_TRACE", trace_path)],
+    );
+    assert_eq!(got, want, "launched-ahead tokens differ from the CPU's");
+    let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
+    assert_eq!((replayed, captured, plain), (3, 1, 1), "{why}");
+    let (without_ops, ahead, ops) = replay_counts(&doc);
+    println!(
+        "gpu_resident, 6 tokens: {without_ops} decode steps launched without their ops, \
+         {ahead} before the previous step's read-back; {ops} device tasks run on the host"
+    );
+    assert_eq!((without_ops, ahead), (3, 2));
+    let text = std::fs::read_to_string(trace.path()).expect("trace file");
+    assert_eq!(
+        launches_ahead(&text),
+        2,
+        "launched before the last read-back"
+    );
+    assert_eq!(calls(&counts, "cuGraphLaunch"), 4);
+    assert_eq!(calls(&counts, "cuLaunchHostFunc"), 5);
+    let (more, more_counts, more_doc) =
+        counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, &[], &[]);
+    assert_eq!(
+        more.iter().map(|t| t[..6].to_vec()).collect::<Vec<_>>(),
+        want
+    );
+    let (_, more_ahead, more_ops) = replay_counts(&more_doc);
+    assert_eq!(more_ahead, 3);
+    assert_eq!(more_ops, ops, "the added step ran no op on the host");
+    for name in [
+        "cuLaunchKernel",
+        "cublasGemmEx",
+        "cublasSgemm_v2",
+        "cuMemcpyHtoDAsync_v2",
+        "cuMemcpyDtoHAsync_v2",
+    ] {
+        assert_eq!(
+            calls(&more_counts, name),
+            calls(&counts, name),
+            "a step launched without its ops called {name}"
+        );
+    }
+    assert_eq!(calls(&more_counts, "cuGraphLaunch"), 5);
+    // The argument for skipping the ops, checked: each such step recorded anyway.
+    let (checked, _, check_doc) = counted_run(
+        cache.path(),
+        dir.path(),
+        schedule,
+        &PROMPTS,
+        6,
+        &[],
+        &[("MOEC_CUDA_VERIFY_REPLAY", "1")],
+    );
+    assert_eq!(checked, want);
+    let line = check_doc["backend"].as_str().expect("backend line");
+    assert!(
+        line.contains("3 steps recorded anyway and found equal to their graph"),
+        "{line}"
+    );
+}
+
+/// A sequence that samples EOS while the step after it is already launched: its row of
+/// that step is discarded, never emitted, and the batch goes on with the other sequence
+/// (a new shape: its own plain, captured and launched-ahead steps). mixtral-tiny's card
+/// with its EOS set to a token the first prompt generates as its 4th on the CPU (and the
+/// second prompt never does), `baselines/gpu_resident`, 8 tokens: the CUDA backend's
+/// tokens are the CPU backend's, the first prompt's ending at that token.
+#[test]
+fn a_sequence_ending_at_eos_under_a_launched_step_keeps_the_cpu_tokens() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let free = cpu_tokens(cache.path(), schedule, 8, &[]);
+    // A token the first prompt makes at index 3..6 and nowhere before, the second never.
+    let (at, eos) = (3..6)
+        .map(|j| (j, free[0][j]))
+        .find(|&(j, t)| !free[0][..j].contains(&t) && !free[1].contains(&t))
+        .expect("a token only the first prompt generates");
+    let card = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("models/mixtral-tiny.ron"),
+    )
+    .expect("card");
+    assert!(card.contains("eos_token_id: 2,"));
+    let card = card.replace("eos_token_id: 2,", &format!("eos_token_id: {eos},"));
+    let card_dir = tempfile::tempdir().expect("card dir");
+    let card_path = card_dir.path().join("mixtral-tiny-eos.ron");
+    std::fs::write(&card_path, card).expect("write card");
+    let model = ["--model", card_path.to_str().expect("UTF-8 path")];
+    let want = cpu_tokens(cache.path(), schedule, 8, &model);
+    assert_eq!(want[0], free[0][..=at].to_vec(), "the CPU stops at the EOS");
+    assert_eq!(want[1], free[1]);
+    let (got, _, doc) = counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 8, &model, &[]);
+    assert_eq!(
+        got, want,
+        "tokens with an EOS mid-batch differ from the CPU's"
+    );
+    let (without_ops, ahead, _) = replay_counts(&doc);
+    let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
+    println!(
+        "EOS of prompt 0 at its token {at}: decode steps {replayed} replayed, {captured} \
+         captured, {plain} plain ({why}); {without_ops} launched without their ops, {ahead} ahead"
+    );
+    assert!(ahead >= 1, "a step was launched ahead");
+}
+
 /// What one decode step of `baselines/gpu_resident` at batch 1 puts in its CUDA graph on
 /// mixtral-tiny (4 layers), counted by the stand-in as the difference between 3 and 2
 /// generated tokens (the extra step is the captured one; the step before it ran plainly

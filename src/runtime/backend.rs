@@ -242,6 +242,38 @@ pub trait Backend: Sync + std::fmt::Debug {
             graph: None,
         })
     }
+
+    /// Launches step `step` over `state` without running its tasks, where the backend holds
+    /// the device work of exactly this step's shape (a CUDA graph whose staged inputs it
+    /// writes for `state`); collected by [`Backend::collect_replay`]. `ids_on_device`: the
+    /// driver vouches that every micro-batch's token ids are, row for row, those the last
+    /// launched step sampled into its device tokens buffer (a step launched before that
+    /// one was collected, whose ids on the host are not known yet). `ahead`: the driver
+    /// may launch another step before collecting this one. Gives why not when it cannot
+    /// (the driver then runs the step's tasks); never by default.
+    fn launch_replay(
+        &self,
+        _plan: &ExecPlan,
+        _step: usize,
+        _state: &dyn StepContext,
+        _ids_on_device: bool,
+        _ahead: bool,
+    ) -> Result<Result<u64, String>, BackendError> {
+        Ok(Err(format!("the {} backend runs every task", self.name())))
+    }
+
+    /// Waits for launch `ticket` of [`Backend::launch_replay`] and hands its read-backs
+    /// (sampled tokens, logits) to `state`.
+    fn collect_replay(
+        &self,
+        _ticket: u64,
+        _state: &dyn StepContext,
+    ) -> Result<StepEnd, BackendError> {
+        Err(BackendError::Unavailable(format!(
+            "the {} backend launches no step without its tasks",
+            self.name()
+        )))
+    }
 }
 
 /// What [`Backend::end_step`] gives.

@@ -6,6 +6,10 @@
 //! counts are written there, one `name count` line each, sorted by name (`cuLaunchKernel`
 //! also once per kernel as `launch:<entry>`). Calls the process made before the variable
 //! was read count too: it is read on the first call.
+//!
+//! `MOEC_STANDIN_TRACE` names another file: at exit, every exported entry point called, one
+//! name a line in the order the calls began (a test of call order: that the host read a
+//! step's tokens after it launched the next step, say).
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -38,6 +42,55 @@ fn counts() -> &'static Mutex<BTreeMap<String, u64>> {
 /// Counts one call of `name` (an entry point, or `launch:<kernel>`), if counting is on.
 pub fn count(name: &str) {
     add(name, 1);
+}
+
+/// Where the call trace goes, if tracing is on.
+fn trace_target() -> Option<&'static str> {
+    static TARGET: OnceLock<Option<String>> = OnceLock::new();
+    TARGET
+        .get_or_init(|| {
+            let path = std::env::var("MOEC_STANDIN_TRACE")
+                .ok()
+                .filter(|p| !p.is_empty())?;
+            extern "C" {
+                fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
+            }
+            // SAFETY: as for `dump`: never unwinds, touches only this module's statics.
+            unsafe { atexit(dump_trace) };
+            Some(path)
+        })
+        .as_deref()
+}
+
+/// Calls past which the trace stops growing (a run far larger than a test's).
+const TRACE_LIMIT: usize = 1 << 20;
+
+fn trace_calls() -> &'static Mutex<Vec<String>> {
+    static CALLS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    CALLS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// Notes a call of entry point `name` in the trace, if tracing is on.
+pub fn trace(name: &str) {
+    if trace_target().is_none() {
+        return;
+    }
+    let mut calls = crate::lock(trace_calls());
+    if calls.len() < TRACE_LIMIT {
+        calls.push(name.to_string());
+    }
+}
+
+extern "C" fn dump_trace() {
+    crate::guard("trace at exit", (), || {
+        if let Some(path) = trace_target() {
+            let mut text = crate::lock(trace_calls()).join("\n");
+            text.push('\n');
+            if let Err(e) = std::fs::write(path, text) {
+                crate::log(&format!("cannot write the call trace to {path}: {e}"));
+            }
+        }
+    });
 }
 
 /// Adds `n` to the count of `name` (bytes, for the byte counters), if counting is on.

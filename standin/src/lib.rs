@@ -97,6 +97,7 @@ pub fn guard<R>(call: &str, on_panic: R, body: impl FnOnce() -> R) -> R {
     // Exported entry points are one word; internal uses ("stream work") are not counted.
     if !call.contains(' ') {
         counters::count(call);
+        counters::trace(call);
     }
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
         Ok(result) => result,

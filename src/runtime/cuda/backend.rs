@@ -181,7 +181,61 @@ pub struct CudaBackend<'c> {
     routing_syncs: AtomicUsize,
     /// The ids each device tokens buffer holds from its last `sample` ([`SampledIds`]).
     sampled_ids: SampledIds,
+    /// Steps launched without running their ops, not collected yet, by ticket.
+    launched: Mutex<std::collections::HashMap<u64, (usize, graph::Launched)>>,
+    next_ticket: AtomicUsize,
+    /// Counts for the report: device tasks whose ops ran on the host (recording or
+    /// submitting their commands); steps launched without their ops; of those, launched
+    /// before the previous step's read-back; steps checked by `MOEC_CUDA_VERIFY_REPLAY`.
+    ops_run: AtomicUsize,
+    replays_without_ops: AtomicUsize,
+    launched_ahead: AtomicUsize,
+    verified: AtomicUsize,
+    /// Why decode steps a graph could hold ran their ops (each reason, how many steps).
+    ran_ops_because: Mutex<std::collections::BTreeMap<String, usize>>,
     device: Device,
+}
+
+/// The shape of step `step` over `state` ([`graph::StepKey`]).
+fn step_key(plan: &ExecPlan, step: usize, state: &dyn StepContext) -> graph::StepKey {
+    let ubs = (0..plan.micro_batches.count)
+        .map(|ub| {
+            state.micro_batch(ub).map_or((0, Vec::new()), |mb| {
+                let seqs = mb
+                    .seqs
+                    .iter()
+                    .map(|s| (s.new_tokens.len(), s.block_table.len(), s.prefill))
+                    .collect();
+                (mb.block_size, seqs)
+            })
+        })
+        .collect();
+    graph::StepKey {
+        step,
+        logits: state.wants_logits(),
+        ubs,
+    }
+}
+
+/// Whether step `step` runs a task on a host stream (which a step launched without its
+/// tasks would leave out).
+fn runs_host_tasks(plan: &ExecPlan, step: usize) -> bool {
+    plan.steps.get(step).is_none_or(|sp| {
+        sp.programs.iter().enumerate().any(|(s, program)| {
+            !plan.streams.get(s).is_some_and(|st| is_device(st.engine))
+                && program
+                    .iter()
+                    .any(|i| matches!(i, crate::lower::Instr::Run(_)))
+        })
+    })
+}
+
+/// Whether `MOEC_CUDA_VERIFY_REPLAY=1` (read once): a test mode where a step that could
+/// launch its graph without its ops runs them anyway, and the run fails if their commands
+/// differ from the graph's ([`graph::Recorder::replay_plan`]'s argument, checked).
+fn verify_replays() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEC_CUDA_VERIFY_REPLAY").as_deref() == Ok("1"))
 }
 
 /// The plan's format copies of the experts as (offset, bytes) in the `host` arena,
@@ -349,6 +403,13 @@ impl<'c> CudaBackend<'c> {
             arch,
             routing_syncs: AtomicUsize::new(0),
             sampled_ids: SampledIds::default(),
+            launched: Mutex::default(),
+            next_ticket: AtomicUsize::new(0),
+            ops_run: AtomicUsize::new(0),
+            replays_without_ops: AtomicUsize::new(0),
+            launched_ahead: AtomicUsize::new(0),
+            verified: AtomicUsize::new(0),
+            ran_ops_because: Mutex::default(),
             device,
         })
     }
@@ -482,6 +543,71 @@ impl<'c> CudaBackend<'c> {
     }
 }
 
+impl CudaBackend<'_> {
+    /// The staged inputs ((address, bytes)) of step `step` of shape `key` over `state` for
+    /// launching its cached graph without its ops, or why it cannot be.
+    fn replay_inputs(
+        &self,
+        plan: &ExecPlan,
+        step: usize,
+        state: &dyn StepContext,
+        key: &graph::StepKey,
+        ids_on_device: bool,
+    ) -> Result<Vec<(usize, Vec<u8>)>, String> {
+        let planned = lock(&self.plan_reasons)
+            .get(&step)
+            .map(|(_, p)| p.clone())
+            .ok_or("the step has not run its ops yet")?;
+        if let Some(why) = planned.reason {
+            return Err(why);
+        }
+        if !matches!(state.sampling(), Sampling::Greedy) {
+            return Err("temperature sampling reads the logits back to the host".into());
+        }
+        if graphs_switched_off() {
+            return Err("CUDA graphs are switched off (MOEC_CUDA_GRAPHS=off)".into());
+        }
+        if runs_host_tasks(plan, step) {
+            return Err("the step runs tasks on host streams".into());
+        }
+        let replay = self.recorder.replay_plan(key).map_err(str::to_string)?;
+        let ub = |u: u32| {
+            state
+                .micro_batch(u)
+                .ok_or("a micro-batch beyond the plan's")
+        };
+        if ids_on_device {
+            // The ids on the host are not known: every micro-batch with rows must read
+            // them where the last step's `sample` left them.
+            for u in 0..plan.micro_batches.count {
+                if ub(u)?.n_tokens() > 0 && !replay.device_ids.iter().any(|d| d.0 == u) {
+                    return Err(format!(
+                        "micro-batch {u}'s `embed` reads its ids from the host in this graph"
+                    ));
+                }
+            }
+        } else {
+            for &(u, at) in &replay.device_ids {
+                if !self.sampled_ids.holds(at, &ub(u)?.token_ids()) {
+                    return Err(format!(
+                        "micro-batch {u}'s ids are not those its last `sample` left on the device"
+                    ));
+                }
+            }
+        }
+        let mut inputs = Vec::with_capacity(replay.packs.len());
+        for &(at, u, len) in &replay.packs {
+            let pack = super::step_inputs::StepInputs::of(ub(u)?);
+            let bytes: Vec<u8> = bytemuck::cast_slice(pack.words()).to_vec();
+            if bytes.len() != len {
+                return Err(format!("micro-batch {u}'s step inputs changed size"));
+            }
+            inputs.push((at, bytes));
+        }
+        Ok(inputs)
+    }
+}
+
 impl Backend for CudaBackend<'_> {
     fn name(&self) -> &'static str {
         "cuda"
@@ -502,7 +628,9 @@ impl Backend for CudaBackend<'_> {
             "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
              pinned arena {}; {}; host relay memcpy of weights: {} bytes; \
              {} routing read-backs by experts/post_attn (grouping tokens per expert); \
-             CUDA graphs: {}",
+             CUDA graphs: {}; {} steps launched their graph without running their ops \
+             ({} of them launched ahead of the previous step's read-back{}){}; \
+             {} device tasks run on the host",
             r.device,
             r.arch,
             r.ptx.compiled,
@@ -518,7 +646,29 @@ impl Backend for CudaBackend<'_> {
             match render_graphs(&lock(&self.graphs)) {
                 t if t.is_empty() => "no step run yet".to_string(),
                 t => t,
-            }
+            },
+            self.replays_without_ops.load(Ordering::Relaxed),
+            self.launched_ahead.load(Ordering::Relaxed),
+            match self.verified.load(Ordering::Relaxed) {
+                0 => String::new(),
+                n => format!(
+                    "; {n} steps recorded anyway and found equal to their graph \
+                     (MOEC_CUDA_VERIFY_REPLAY)"
+                ),
+            },
+            {
+                let why = lock(&self.ran_ops_because);
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    let list: Vec<String> = why.iter().map(|(w, n)| format!("{n}: {w}")).collect();
+                    format!(
+                        "; decode steps that ran their ops although graphs were on: {}",
+                        list.join("; ")
+                    )
+                }
+            },
+            self.ops_run.load(Ordering::Relaxed),
         ) + &super::ops::quant_kernels(self.host_memory.layout())
             .map_or(String::new(), |q| format!("; {q}"))
             + &self
@@ -554,6 +704,7 @@ impl Backend for CudaBackend<'_> {
             return self.host.run(stream, engine, task, state);
         };
         self.bind()?;
+        self.ops_run.fetch_add(1, Ordering::Relaxed);
         let recorded = self.recording_step.load(Ordering::Acquire);
         let timing = if recorded {
             None
@@ -593,6 +744,7 @@ impl Backend for CudaBackend<'_> {
             .copy_views(task, state, self.arch.experts as u32)
             .map_err(|e| task_error(OpError::from(e)))?;
         self.bind()?;
+        self.ops_run.fetch_add(1, Ordering::Relaxed);
         if self.recording_step.load(Ordering::Acquire) {
             if let Some(ends) = self
                 .memory
@@ -771,7 +923,17 @@ impl Backend for CudaBackend<'_> {
             .store(reason.is_none(), Ordering::Release);
         self.device_guards
             .store(reason.is_none() && planned.device_guards, Ordering::Release);
-        self.recorder.begin(reason);
+        let key = reason.is_none().then(|| step_key(plan, step, state));
+        // Under MOEC_CUDA_VERIFY_REPLAY a step that could have skipped its ops is
+        // recorded, and its commands must be its graph's.
+        let verify = verify_replays()
+            && key
+                .as_ref()
+                .is_some_and(|k| self.replay_inputs(plan, step, state, k, false).is_ok());
+        self.recorder.begin(reason, key);
+        if verify {
+            self.recorder.verify_step();
+        }
         for dev in self.streams.iter().flatten() {
             dev.workspace.begin_step();
         }
@@ -781,10 +943,13 @@ impl Backend for CudaBackend<'_> {
     fn end_step(&self, state: &dyn StepContext) -> Result<StepEnd, BackendError> {
         self.bind()?;
         let step = self.step.load(Ordering::Acquire);
-        let (graph, deferred) = self
+        let (graph, deferred, verified) = self
             .recorder
             .finish(step)
             .map_err(|e| task_error(OpError::from(e)))?;
+        if verified {
+            self.verified.fetch_add(1, Ordering::Relaxed);
+        }
         let times = self.finish_step()?;
         self.recording_step.store(false, Ordering::Release);
         self.device_guards.store(false, Ordering::Release);
@@ -817,6 +982,93 @@ impl Backend for CudaBackend<'_> {
         }
         Ok(StepEnd {
             times,
+            graph: Some(graph),
+        })
+    }
+
+    fn launch_replay(
+        &self,
+        plan: &ExecPlan,
+        step: usize,
+        state: &dyn StepContext,
+        ids_on_device: bool,
+        ahead: bool,
+    ) -> Result<Result<u64, String>, BackendError> {
+        if verify_replays() {
+            return Ok(Err(
+                "MOEC_CUDA_VERIFY_REPLAY records every step to check its graph".into(),
+            ));
+        }
+        let key = step_key(plan, step, state);
+        let inputs = match self.replay_inputs(plan, step, state, &key, ids_on_device) {
+            Ok(inputs) => inputs,
+            Err(why) => {
+                let graphable = lock(&self.plan_reasons)
+                    .get(&step)
+                    .is_some_and(|(_, p)| p.reason.is_none());
+                if graphable && !ahead {
+                    *lock(&self.ran_ops_because).entry(why.clone()).or_default() += 1;
+                }
+                return Ok(Err(why));
+            }
+        };
+        self.bind()?;
+        let launched = self
+            .recorder
+            .launch_replay(&key, inputs, ahead)
+            .map_err(|e| task_error(OpError::from(e)))?;
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed) as u64;
+        lock(&self.launched).insert(ticket, (step, launched));
+        self.replays_without_ops.fetch_add(1, Ordering::Relaxed);
+        if ids_on_device {
+            self.launched_ahead.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Ok(ticket))
+    }
+
+    fn collect_replay(
+        &self,
+        ticket: u64,
+        state: &dyn StepContext,
+    ) -> Result<StepEnd, BackendError> {
+        let Some((step, launched)) = lock(&self.launched).remove(&ticket) else {
+            return Err(task_error(OpError::from(
+                super::launch::LaunchError::Capture("no such launched step"),
+            )));
+        };
+        self.bind()?;
+        let reads = self
+            .recorder
+            .collect(launched)
+            .map_err(|e| task_error(OpError::from(e)))?;
+        for (d, bytes) in reads {
+            match d {
+                Deferred::Sampled { ub, dst, .. } => {
+                    let ids = graph::words(&bytes);
+                    self.sampled_ids.wrote(dst, &ids);
+                    state.put_sampled(ub, ids);
+                }
+                Deferred::Logits { ub, .. } => state.put_logits(ub, graph::floats(&bytes)),
+            }
+        }
+        if self.recorder.in_flight() == 0 {
+            // Every launch has finished: the counters hold every step's counts.
+            self.expert_sources
+                .read()
+                .map_err(driver("cuMemcpyDtoH (expert counters)"))?;
+        }
+        let graph = crate::records::GraphUse::Replayed;
+        if let Some((kind, _)) = lock(&self.plan_reasons).get(&step) {
+            add_graph_step(
+                &mut lock(&self.graphs),
+                &GraphStep {
+                    kind: *kind,
+                    graph: graph.clone(),
+                },
+            );
+        }
+        Ok(StepEnd {
+            times: None,
             graph: Some(graph),
         })
     }

@@ -127,7 +127,7 @@ impl SampledIds {
     }
 
     /// Whether the buffer at `at` holds exactly `ids` from its last `sample`.
-    fn holds(&self, at: u64, ids: &[u32]) -> bool {
+    pub(super) fn holds(&self, at: u64, ids: &[u32]) -> bool {
         crate::runtime::sync::lock(&self.0)
             .get(&at)
             .is_some_and(|held| held.as_slice() == ids)
@@ -640,7 +640,11 @@ fn embed_op(cx: &GpuCx<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(), OpEr
         .and_then(|&tokens| cx.ptr(tokens, "tokens", n * 4).ok())
         .filter(|&at| cx.sampled_ids.holds(at, &ids));
     operands[1] = Arg::Ptr(match on_device {
-        Some(at) => at,
+        Some(at) => {
+            // A graph launched without its ops needs the ids there again.
+            cx.s.recorder.note_device_ids(ub, at);
+            at
+        }
         None => cx.step_input(ub, StepInput::Ids, &ids)?,
     });
     cx.s.launch(

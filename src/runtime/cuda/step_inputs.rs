@@ -138,7 +138,12 @@ impl GpuCx<'_> {
         let mine: &[u8] = bytemuck::cast_slice(data);
         let packed: &[u8] = bytemuck::cast_slice(inputs.section(which));
         let at = if mine == packed {
-            self.s.upload_step("step inputs", ub, inputs.words())? + inputs.byte_offset(which)
+            // The pack is `StepInputs::of` the micro-batch: a graph launched without its
+            // ops writes it again from the next step's state (`Recorder::replay_plan`).
+            self.s.recorder.begin_pack(self.s.lane, ub);
+            let uploaded = self.s.upload_step("step inputs", ub, inputs.words());
+            self.s.recorder.end_pack(self.s.lane);
+            uploaded? + inputs.byte_offset(which)
         } else {
             self.s.upload_step(which.name(), ub, data)?
         };
