@@ -198,7 +198,8 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
              one linear_gemv3; cuBLAS beyond); experts up to {GROUPED} routed entries: \
              moe_group, moe_grouped_gemv (moe_grouped_gemv_1 at one token with bf16/f16 \
              experts) with gate+up+SwiGLU in one launch, then down (one launch per \
-             projection for gpt-oss's biased gate/up and [in, out] storage)",
+             projection for gpt-oss's biased gate/up and [in, out] storage); {TC}",
+            TC = super::moe::tensor_core_note(),
             GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
             GEMV_OUT = super::launch::GEMV_MAX_OUT,
             GROUPED = super::moe::GROUPED_MAX_ENTRIES,
