@@ -7,6 +7,7 @@
 //   moec_mma_load_a       A from row-major bf16 bits: element (m, k) at p[m * ld + k]
 //   moec_mma_load_b       B from column-major bf16 bits: element (k, n) at p[n * ld + k]
 //                         (a weight matrix stored [out, in] is B of x . W^T as it lies)
+//   moec_mma_load_c       acc from row-major f32: element (m, n) at p[m * ld + n]
 //   moec_mma_zero         acc = 0
 //   moec_mma              acc += A . B (f32 accumulation)
 //   moec_mma_store        acc to row-major f32: element (m, n) at p[m * ld + n]
@@ -65,6 +66,15 @@ __device__ __forceinline__ void moec_mma_load_b(MoecMmaAB& b, const unsigned sho
                  : "=r"(b.r[0]), "=r"(b.r[1]), "=r"(b.r[2]), "=r"(b.r[3])
                  : "l"(p), "r"(ld)
                  : "memory");
+}
+
+__device__ __forceinline__ void moec_mma_load_c(MoecMmaAcc& c, const float* p, int ld) {
+    asm volatile(
+        "wmma.load.c.sync.aligned.row.m16n16k16.f32 {%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;"
+        : "=f"(c.r[0]), "=f"(c.r[1]), "=f"(c.r[2]), "=f"(c.r[3]), "=f"(c.r[4]), "=f"(c.r[5]),
+          "=f"(c.r[6]), "=f"(c.r[7])
+        : "l"(p), "r"(ld)
+        : "memory");
 }
 
 __device__ __forceinline__ void moec_mma_zero(MoecMmaAcc& c) {

@@ -179,7 +179,8 @@ inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 // at v[16 * row + col]; A as (m, k), B as (k, n), the accumulator as (m, n)) and does the
 // warp's product itself, redundantly. What a kernel can observe is the same: a fragment
 // is filled by a load, changed by zero/mma and read back only through a store, all
-// warp-collective (every lane stores the same values). The products are exact (bf16 x
+// warp-collective (every lane stores the same values; each load and store waits for the
+// whole warp, as the instructions do). The products are exact (bf16 x
 // bf16 fits f32) and summed in f32 in k order. The loads check wmma's rules (32-byte
 // aligned pointer, ld a multiple of 8 elements), which a GPU would fault on or misread.
 struct MoecMmaAB { float v[256]; };
@@ -190,7 +191,13 @@ inline float moec_emul_bf16(unsigned short bits) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+// wmma loads and stores are warp-synchronous: every lane of the warp reaches the
+// instruction before any lane's access is done. Fibers run one at a time until a barrier,
+// so each load and store first waits for the whole warp there; otherwise a lane would
+// store a tile (moec_mma_store) before a slower lane loaded the old one (moec_mma_load_c
+// of the same tile: a read-modify-write of an accumulator kept in shared memory).
 inline void moec_mma_check(const void* p, int ld, const char* what) {
+    moec_arrive(moec_warp_barriers[moec_tid / 32]);
     if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || ld % 8 != 0) {
         std::fprintf(stderr, "moec-standin: %s of a tensor-core tile at %p with ld %d: wmma needs a 32-byte aligned pointer and ld a multiple of 8\n", what, p, ld);
         std::abort();
@@ -205,6 +212,11 @@ inline void moec_mma_load_b(MoecMmaAB& b, const unsigned short* p, int ld) {
     moec_mma_check(p, ld, "load_b");
     for (int n = 0; n < 16; ++n)
         for (int k = 0; k < 16; ++k) b.v[16 * k + n] = moec_emul_bf16(p[n * ld + k]);
+}
+inline void moec_mma_load_c(MoecMmaAcc& c, const float* p, int ld) {
+    moec_mma_check(p, ld, "load_c");
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) c.v[16 * m + n] = p[m * ld + n];
 }
 inline void moec_mma_zero(MoecMmaAcc& c) {
     for (float& v : c.v) v = 0.0f;

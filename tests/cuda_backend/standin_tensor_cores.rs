@@ -258,3 +258,135 @@ fn tensor_core_experts_match_the_cpu_expert_product() {
         }
     }
 }
+
+/// `paged_prefill_attention_mma` (flash attention on tensor-core tiles) against the CPU's
+/// `attention` after `paged_kv_append_rows`: 4 sequences in one launch, (cached, new) =
+/// (0, 37), (17, 5), (40, 1), (3, 20), so 16-row tiles that straddle sequences (one pass
+/// per sequence in a tile), a partial last tile, a continuing prompt and a decode row;
+/// head_dim 32 with 8 heads over 2 kv heads and head_dim 40 (not a multiple of the 16-wide
+/// tiles: zero-padded) with 6 heads over 3; without and with a sliding window of 12, and
+/// with gpt-oss's sinks. Tolerance: 1e-4 absolute, paged_prefill_attention's
+/// (prefill_attention_matches_the_cpu): the bf16-pair products keep ~1e-5 relative.
+#[test]
+fn tensor_core_prefill_attention_matches_the_cpu() {
+    const NAME: &str = "standin_tensor_cores::tensor_core_prefill_attention_matches_the_cpu";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use crate::standin::{cpu_attention_checking_appends, paged_rows};
+    use moec::model::vocab::{AttnShape, KvLayout};
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let append = function(&modules, "prefill_attention.cu", "paged_kv_append_rows");
+    let mma = function(&modules, "prefill_attention.cu", "paged_prefill_attention_mma");
+    let mut rng = Rng(0x7e45_07c0_8e11_0002);
+    let (bs, n_blocks, mb) = (16usize, 24usize, 6usize);
+    let seqs_spec = [(0usize, 37usize), (17, 5), (40, 1), (3, 20)];
+    let rows = paged_rows(&seqs_spec, bs, n_blocks, mb);
+    let n_rows = rows.row_seq.len();
+    for (ah, akvh, ahd) in [(8usize, 2usize, 32usize), (6, 3, 40)] {
+        let layout = KvLayout {
+            block_size: bs,
+            kv_heads: akvh,
+            head_dim: ahd,
+        };
+        for (window, sinks) in [(None, false), (Some(12usize), false), (None, true)] {
+            let shape = AttnShape {
+                heads: ah,
+                kv_heads: akvh,
+                head_dim: ahd,
+                sliding_window: window,
+                sinks,
+            };
+            let pool_len = n_blocks * layout.block_elems();
+            let k_pool = rng.vec(pool_len, 1.0);
+            let v_pool = rng.vec(pool_len, 1.0);
+            let qkv = rng.vec(n_rows * shape.qkv_width(), 1.0);
+            let qkv_dev = stream.clone_htod(&qkv).expect("htod");
+            let mut k_dev = stream.clone_htod(&k_pool).expect("htod");
+            let mut v_dev = stream.clone_htod(&v_pool).expect("htod");
+            let tables_dev = stream.clone_htod(&rows.tables).expect("htod");
+            let seq_dev = stream.clone_htod(&rows.row_seq).expect("htod");
+            let pos_dev = stream.clone_htod(&rows.row_pos).expect("htod");
+            let mut out_dev = stream.alloc_zeros::<f32>(n_rows * ah * ahd).expect("alloc");
+            let ints = [ah, akvh, ahd, bs, mb].map(|v| v as i32);
+            let row_width = shape.qkv_width() as i32;
+            let sink_col = if sinks {
+                ((ah + 2 * akvh) * ahd) as i32
+            } else {
+                -1
+            };
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&append)
+                    .arg(&qkv_dev)
+                    .arg(&mut k_dev)
+                    .arg(&mut v_dev)
+                    .arg(&tables_dev)
+                    .arg(&seq_dev)
+                    .arg(&pos_dev)
+                    .arg(&ints[0])
+                    .arg(&ints[1])
+                    .arg(&ints[2])
+                    .arg(&ints[3])
+                    .arg(&ints[4])
+                    .arg(&row_width)
+                    .launch(cfg((n_rows as u32, akvh as u32, 1), 32, 0))
+            }
+            .expect("launch");
+            let (mk, win, scale, no_scores, n_rows_i) = (
+                41i32,
+                window.unwrap_or(0) as i32,
+                1.0 / (ahd as f32).sqrt(),
+                0u64,
+                n_rows as i32,
+            );
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&mma)
+                    .arg(&qkv_dev)
+                    .arg(&k_dev)
+                    .arg(&v_dev)
+                    .arg(&tables_dev)
+                    .arg(&seq_dev)
+                    .arg(&pos_dev)
+                    .arg(&no_scores)
+                    .arg(&mut out_dev)
+                    .arg(&ints[0])
+                    .arg(&ints[1])
+                    .arg(&ints[2])
+                    .arg(&ints[3])
+                    .arg(&ints[4])
+                    .arg(&mk)
+                    .arg(&win)
+                    .arg(&scale)
+                    .arg(&row_width)
+                    .arg(&sink_col)
+                    .arg(&n_rows_i)
+                    .launch(cfg((n_rows.div_ceil(16) as u32, ah as u32, 1), 32, 0))
+            }
+            .expect("launch");
+            let got = stream.clone_dtoh(&out_dev).expect("dtoh");
+            let want = cpu_attention_checking_appends(
+                &stream,
+                layout,
+                &shape,
+                &rows,
+                &seqs_spec,
+                mb,
+                &qkv,
+                (&k_pool, &v_pool),
+                (&k_dev, &v_dev),
+            );
+            let err = max_abs_diff(&got, &want);
+            println!(
+                "paged_prefill_attention_mma ({n_rows} rows, {ah} heads / {akvh} kv heads of \
+                 {ahd}, window {window:?}, sinks {sinks}): max abs diff vs CPU {err:.3e}"
+            );
+            assert!(err < 1e-4, "tensor-core prefill attention: {err}");
+        }
+    }
+}

@@ -59,7 +59,11 @@ pub const KERNELS: [KernelSource; 13] = [
     KernelSource {
         file: "prefill_attention.cu",
         source: include_str!("../../../kernels/prefill_attention.cu"),
-        entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+        entries: &[
+            "paged_kv_append_rows",
+            "paged_prefill_attention",
+            "paged_prefill_attention_mma",
+        ],
     },
     KernelSource {
         file: "families.cu",

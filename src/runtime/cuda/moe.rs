@@ -70,7 +70,7 @@ const MOE_MMA_N: usize = 16 * MOE_MMA_WARPS;
 pub(super) const MMA_MIN_ROWS: usize = 8;
 
 /// When the grouped expert products of bf16 experts take the tensor-core kernel
-/// (`MOEC_EXPERT_MMA`: `auto`, the default, from [`MMA_MIN_ROWS`] mean rows per expert;
+/// (`MOEC_TENSOR_CORES`: `auto`, the default, from [`MMA_MIN_ROWS`] mean rows per expert;
 /// `always`; `never`), to compare the two kernels on one machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorCores {
@@ -83,13 +83,13 @@ pub enum TensorCores {
 }
 
 impl TensorCores {
-    /// The process's choice from `MOEC_EXPERT_MMA` (read once); an unknown value is an
+    /// The process's choice from `MOEC_TENSOR_CORES` (read once); an unknown value is an
     /// error naming it.
     pub fn process() -> Result<Self, String> {
         static POLICY: std::sync::OnceLock<Result<TensorCores, String>> =
             std::sync::OnceLock::new();
         POLICY
-            .get_or_init(|| match std::env::var("MOEC_EXPERT_MMA") {
+            .get_or_init(|| match std::env::var("MOEC_TENSOR_CORES") {
                 Err(_) => Ok(TensorCores::Auto),
                 Ok(v) => TensorCores::parse(&v),
             })
@@ -103,7 +103,7 @@ impl TensorCores {
             "always" => Ok(TensorCores::Always),
             "never" => Ok(TensorCores::Never),
             other => Err(format!(
-                "MOEC_EXPERT_MMA={other:?}: expected auto, always or never"
+                "MOEC_TENSOR_CORES={other:?}: expected auto, always or never"
             )),
         }
     }
@@ -111,8 +111,14 @@ impl TensorCores {
     /// Whether a grouped call of `entries` routed entries over `members` experts runs its
     /// bf16 products on tensor cores.
     pub fn chosen(self, entries: usize, members: usize) -> bool {
+        self.chosen_rows(entries, entries.min(members), MMA_MIN_ROWS)
+    }
+
+    /// Whether `rows` rows over `groups` groups (experts, sequences) take a tensor-core
+    /// kernel: under `auto`, from `min_rows` rows per group on average.
+    pub fn chosen_rows(self, rows: usize, groups: usize, min_rows: usize) -> bool {
         match self {
-            TensorCores::Auto => entries >= MMA_MIN_ROWS * entries.min(members).max(1),
+            TensorCores::Auto => rows >= min_rows * groups.max(1),
             TensorCores::Always => true,
             TensorCores::Never => false,
         }
@@ -122,18 +128,28 @@ impl TensorCores {
     pub fn describe(self) -> String {
         let when = match self {
             TensorCores::Auto => format!("from {MMA_MIN_ROWS} mean routed rows per expert"),
-            TensorCores::Always => "always (MOEC_EXPERT_MMA=always)".to_string(),
-            TensorCores::Never => "never (MOEC_EXPERT_MMA=never)".to_string(),
+            TensorCores::Always => "always (MOEC_TENSOR_CORES=always)".to_string(),
+            TensorCores::Never => "never (MOEC_TENSOR_CORES=never)".to_string(),
+        };
+        let attn = match self {
+            TensorCores::Auto => format!(
+                "from {} mean new rows per sequence",
+                super::attention::ATTN_MMA_MIN_ROWS
+            ),
+            TensorCores::Always => "always".to_string(),
+            TensorCores::Never => "never".to_string(),
         };
         format!(
             "bf16 experts on tensor cores (moe_grouped_mma: wmma 16x16x16 bf16 tiles, \
-             activations as bf16 hi+lo pairs, f32 accumulation) {when}"
+             activations as bf16 hi+lo pairs, f32 accumulation) {when}; prefill attention \
+             on tensor cores (paged_prefill_attention_mma: flash attention, Q.K^T and P.V \
+             as bf16 pair tiles) {attn}, head_dim <= 128"
         )
     }
 }
 
 /// [`TensorCores::describe`] of the process's choice, or the error for a bad
-/// `MOEC_EXPERT_MMA`; for the run report's kernel line (`ops::quant_kernels`).
+/// `MOEC_TENSOR_CORES`; for the run report's kernel line (`ops::quant_kernels`).
 pub(super) fn tensor_core_note() -> String {
     TensorCores::process().map_or_else(|e| format!("tensor cores: {e}"), TensorCores::describe)
 }
