@@ -64,7 +64,8 @@ fn tensor_core_experts_match_the_cpu_expert_product() {
         let mut route = Vec::new();
         for _ in 0..n {
             let a = ((rng.next_f32() * 0.5 + 0.5) * e as f32) as usize % e;
-            let b = (a + 1 + ((rng.next_f32() * 0.5 + 0.5) * (e - 1) as f32) as usize % (e - 1)) % e;
+            let b =
+                (a + 1 + ((rng.next_f32() * 0.5 + 0.5) * (e - 1) as f32) as usize % (e - 1)) % e;
             let wa = 0.5 + 0.4 * rng.next_f32();
             for (expert, wgt) in [(a, wa), (b, 1.0 - wa)] {
                 route.push(expert as u32);
@@ -73,7 +74,10 @@ fn tensor_core_experts_match_the_cpu_expert_product() {
         }
         let route_dev = stream.clone_htod(&route).expect("htod");
         let bf = |len: usize, scale: f32, rng: &mut Rng| -> Vec<bf16> {
-            rng.vec(len, scale).iter().map(|&v| bf16::from_f32(v)).collect()
+            rng.vec(len, scale)
+                .iter()
+                .map(|&v| bf16::from_f32(v))
+                .collect()
         };
         let gate: Vec<Vec<bf16>> = (0..e).map(|_| bf(f * d, 0.2, &mut rng)).collect();
         let up: Vec<Vec<bf16>> = (0..e).map(|_| bf(f * d, 0.2, &mut rng)).collect();
@@ -279,7 +283,11 @@ fn tensor_core_prefill_attention_matches_the_cpu() {
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
     let append = function(&modules, "prefill_attention.cu", "paged_kv_append_rows");
-    let mma = function(&modules, "prefill_attention.cu", "paged_prefill_attention_mma");
+    let mma = function(
+        &modules,
+        "prefill_attention.cu",
+        "paged_prefill_attention_mma",
+    );
     let mut rng = Rng(0x7e45_07c0_8e11_0002);
     let (bs, n_blocks, mb) = (16usize, 24usize, 6usize);
     let seqs_spec = [(0usize, 37usize), (17, 5), (40, 1), (3, 20)];
