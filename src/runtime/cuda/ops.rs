@@ -221,8 +221,9 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
     };
     Some(format!(
         "quantised weights {}: up to {GEMV_ROWS} rows {few_rows}; more rows: \
-         moe_grouped_linear's shared-memory tiles, dequant_f32 + cublasSgemm; embed_quant",
+         moe_grouped_linear's shared-memory tiles, dequant_f32 + cublasSgemm; embed_quant; {TC}",
         formats.join(", "),
+        TC = super::moe::tensor_core_note(),
         GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
     ))
 }
