@@ -28,6 +28,7 @@
 // host sizes the grid for the worst case without reading anything back.
 
 #include "router.cuh"
+#include "tensor_core.cuh"
 
 #define MOE_MAX_EXPERTS 256
 #define MOE_TILE_M 16
@@ -35,6 +36,13 @@
 #define MOE_TILE_K 32
 // Warps a block of the few-row kernels (moe_grouped_gemv and the linear_gemv family).
 #define MOE_GEMV_WARPS 8
+// moe_grouped_mma: warps a block (each 16 outputs of the tile), the inputs staged per step,
+// and the staged rows' stride in bf16 elements (a multiple of 8, as wmma's loads need;
+// the 8 extra spread the rows over the shared-memory banks).
+#define MOE_MMA_WARPS 4
+#define MOE_MMA_N (16 * MOE_MMA_WARPS)
+#define MOE_MMA_K 64
+#define MOE_MMA_LD (MOE_MMA_K + 8)
 
 extern "C" __global__ void moe_group(
     const unsigned int* __restrict__ route,
@@ -530,6 +538,156 @@ extern "C" __global__ void moe_grouped_gemv(
     const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
     v += b != 0 ? moec_load((const void*)b, o, bias_dtype) : 0.0f;
     moe_store(y, first + lane, o, out_dim, mode, v, up, perm_row, perm_slot, perm_weight, top_k);
+}
+
+// ---- Tensor-core expert products ---------------------------------------------------------
+// moe_grouped_gemv on tensor cores (kernels/tensor_core.cuh) for bf16 experts with many
+// rows per expert (a batch-16/64 decode step, a prefill): each block takes one of
+// moe_group's tiles (at most MOE_TILE_M = 16 grouped positions of one expert: the tile's
+// M) and MOE_MMA_N outputs, each warp 16 of them; every MOE_MMA_K inputs it stages the
+// tile's activation rows as bf16 pairs (moec_split_bf16: hi + lo, so the products keep
+// f32 activations' precision to 2^-17, as the cuBLAS path's split_bf16 does) and the
+// weight rows as stored (bf16 bits, 16-byte loads where the rows allow), then multiplies
+// 16x16x16 tiles with f32 accumulation, both halves into one accumulator. Rows past the
+// tile's and inputs/outputs past in_dim/out_dim are staged as zeros, so any in_dim and
+// out_dim work (tails included); a warp whose 16 outputs are all past out_dim multiplies
+// zeros and stores nothing.
+// Same arguments, tables, tiles and epilogues as moe_grouped_gemv (modes 0-3; mode 3:
+// gate (`weights`) and up (`weights2`) in one launch, two accumulators, silu(gate) * up
+// written once; biases in modes 0-2), but only bf16 weights stored [out, in] (dtype 0,
+// out_in 1: the host chooses this kernel only for those; `dtype` and `out_in` are
+// accepted for the shared argument list). The sums are f32 sums of exact products in the
+// tensor cores' order, not moe_grouped_gemv's bits.
+// Launch: grid (max tiles, ceil(out / MOE_MMA_N)), block 32 * MOE_MMA_WARPS.
+extern "C" __global__ void moe_grouped_mma(
+    const float* __restrict__ x,
+    const unsigned int* __restrict__ perm_row,
+    const unsigned int* __restrict__ perm_slot,
+    const float* __restrict__ perm_weight,
+    const int* __restrict__ tiles,
+    const unsigned long long* __restrict__ weights,
+    const unsigned long long* __restrict__ weights2,
+    const unsigned long long* __restrict__ biases,
+    float* __restrict__ y,
+    int gather,
+    int mode,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int out_in,
+    int bias_dtype,
+    int top_k) {
+    // Staged activations (hi, lo) and weights (gate or the only matrix, up), then each
+    // warp's accumulators stored for the epilogue.
+    __shared__ __align__(32) unsigned short mma_x[2][MOE_TILE_M * MOE_MMA_LD];
+    __shared__ __align__(32) unsigned short mma_w[2][MOE_MMA_N * MOE_MMA_LD];
+    __shared__ __align__(32) float mma_out[MOE_MMA_WARPS][2][MOE_TILE_M * 16];
+    const int tile = blockIdx.x;
+    if (tile >= tiles[0]) {
+        return;
+    }
+    const int expert = tiles[2 + 3 * tile];
+    const int first = tiles[2 + 3 * tile + 1];
+    const int rows = tiles[2 + 3 * tile + 2];
+    const int mats = mode == 3 ? 2 : 1;
+    const unsigned short* w[2] = {
+        (const unsigned short*)weights[expert],
+        mode == 3 ? (const unsigned short*)weights2[expert] : (const unsigned short*)0,
+    };
+    const int o0 = blockIdx.y * MOE_MMA_N;
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    // 16-byte weight loads need every row start on 16 bytes: in_dim % 8 == 0 and the
+    // matrices aligned (the host passes 16-byte aligned tables; checked here per matrix).
+    bool vec = in_dim % 8 == 0;
+    for (int m = 0; m < mats; ++m) {
+        vec = vec && (unsigned long long)w[m] % 16 == 0;
+    }
+    // Gate (or the only product) and up accumulators, named apart so they stay registers.
+    MoecMmaAcc acc_g, acc_u;
+    moec_mma_zero(acc_g);
+    moec_mma_zero(acc_u);
+    for (int k0 = 0; k0 < in_dim; k0 += MOE_MMA_K) {
+        // Activations: 16 rows x MOE_MMA_K, a thread 8 consecutive inputs of one row.
+        for (int i = tid; i < MOE_TILE_M * (MOE_MMA_K / 8); i += blockDim.x) {
+            const int r = i / (MOE_MMA_K / 8);
+            const int c = (i % (MOE_MMA_K / 8)) * 8;
+            const int p = first + (r < rows ? r : 0);
+            const float* xr = x + (gather ? (long long)perm_row[p] : (long long)p) * in_dim;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int k = k0 + c + j;
+                const float v = r < rows && k < in_dim ? xr[k] : 0.0f;
+                moec_split_bf16(v, &mma_x[0][r * MOE_MMA_LD + c + j],
+                                &mma_x[1][r * MOE_MMA_LD + c + j]);
+            }
+        }
+        // Weights: MOE_MMA_N rows x MOE_MMA_K per matrix, a thread 8 consecutive inputs of
+        // one output row (one 16-byte load when the 8 are inside the row and aligned).
+        for (int i = tid; i < mats * MOE_MMA_N * (MOE_MMA_K / 8); i += blockDim.x) {
+            const int m = i / (MOE_MMA_N * (MOE_MMA_K / 8));
+            const int rest = i % (MOE_MMA_N * (MOE_MMA_K / 8));
+            const int o = rest / (MOE_MMA_K / 8);
+            const int c = (rest % (MOE_MMA_K / 8)) * 8;
+            const int k = k0 + c;
+            unsigned short* dst = &mma_w[m][o * MOE_MMA_LD + c];
+            const long long row = (long long)(o0 + o) * in_dim;
+            if (o0 + o < out_dim && vec && k + 8 <= in_dim) {
+                const uint4 raw = *(const uint4*)(w[m] + row + k);
+                const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    dst[2 * j] = (unsigned short)(words[j] & 0xffffu);
+                    dst[2 * j + 1] = (unsigned short)(words[j] >> 16);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    dst[j] = o0 + o < out_dim && k + j < in_dim ? w[m][row + k + j]
+                                                                : (unsigned short)0;
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MOE_MMA_K; kk += 16) {
+            MoecMmaAB hi, lo, b;
+            moec_mma_load_a(hi, &mma_x[0][kk], MOE_MMA_LD);
+            moec_mma_load_a(lo, &mma_x[1][kk], MOE_MMA_LD);
+            moec_mma_load_b(b, &mma_w[0][warp * 16 * MOE_MMA_LD + kk], MOE_MMA_LD);
+            moec_mma(acc_g, hi, b);
+            moec_mma(acc_g, lo, b);
+            if (mats == 2) {
+                moec_mma_load_b(b, &mma_w[1][warp * 16 * MOE_MMA_LD + kk], MOE_MMA_LD);
+                moec_mma(acc_u, hi, b);
+                moec_mma(acc_u, lo, b);
+            }
+        }
+        __syncthreads();
+    }
+    moec_mma_store(&mma_out[warp][0][0], acc_g, 16);
+    if (mats == 2) {
+        moec_mma_store(&mma_out[warp][1][0], acc_u, 16);
+    }
+    // Each lane reads back elements of its own warp's stored tile: every lane of the warp
+    // stored it (warp-collective), and a barrier orders the stores before the reads.
+    __syncthreads();
+    const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
+    for (int i = lane; i < MOE_TILE_M * 16; i += 32) {
+        const int r = i / 16;
+        const int o = o0 + warp * 16 + i % 16;
+        if (r >= rows || o >= out_dim) {
+            continue;
+        }
+        float v = mma_out[warp][0][i];
+        const float up = mode == 3 ? mma_out[warp][1][i] : 0.0f;
+        if (mode != 3 && b != 0) {
+            v += moec_load((const void*)b, o, bias_dtype);
+        }
+        moe_store(y, first + r, o, out_dim, mode, v, up, perm_row, perm_slot, perm_weight,
+                  top_k);
+    }
 }
 
 // The few-row dense projection (a decode step's q|k|v, o, router, shared expert and head

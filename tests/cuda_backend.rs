@@ -193,6 +193,8 @@ mod standin_format_copies;
 mod standin_int_products;
 #[path = "cuda_backend/standin_kernels.rs"]
 mod standin_kernels;
+#[path = "cuda_backend/standin_tensor_cores.rs"]
+mod standin_tensor_cores;
 
 /// CUDA 13's library names, with no link made by the user: the stand-in only as
 /// `libcuda.so.1`, `libcublas.so.13` and `libnvrtc.so.13` (names cudarc's CUDA 12.8 build

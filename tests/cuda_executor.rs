@@ -1466,6 +1466,60 @@ fn streamed_weights_reach_the_device_from_the_registered_checkpoint_without_a_ho
     );
 }
 
+/// The tensor-core kernels in a whole run: `baselines/gpu_resident` on mixtral-tiny at
+/// batch 16 (16 prompts, 3 tokens each) with `MOEC_TENSOR_CORES=always` gives the CPU
+/// backend's tokens, with every expert product on tensor cores (`moe_grouped_mma`: gate+
+/// up+SwiGLU and down, 2 launches a layer and step, none of `moe_grouped_gemv`) and the
+/// prefill's attention too (`paged_prefill_attention_mma`, one launch a layer), counted by
+/// the stand-in. (`auto` chooses them from 8 routed rows per expert and 16 new rows per
+/// sequence, which the tiny card's test prompts do not reach.)
+#[test]
+fn tensor_core_kernels_at_batch_16_give_the_cpu_tokens() {
+    let cache = tempfile::tempdir().expect("cache");
+    let dir = standin_dir();
+    let prompts: Vec<String> = (0..16)
+        .map(|i| format!("Sequence {i} of a batch on tensor cores says"))
+        .collect();
+    let prompts: Vec<&str> = prompts.iter().map(String::as_str).collect();
+    let schedule = "schedules/baselines/gpu_resident.sched";
+    let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache.path())
+        .args(["run", schedule, "--json", "--model", "mixtral-tiny"])
+        .args(["--gen-len", "3", "--hw", "hardware/t4.ron"]);
+    for p in &prompts {
+        cpu.args(["--prompt", p]);
+    }
+    let want = token_ids(
+        &cpu.output().expect("moec runs"),
+        "gpu_resident, batch 16, CPU",
+    );
+    let (got, counts, _) = counted_run(
+        cache.path(),
+        dir.path(),
+        schedule,
+        &prompts,
+        3,
+        &[],
+        &[("MOEC_TENSOR_CORES", "always")],
+    );
+    let layers = 4;
+    let (mma, gemv, attn) = (
+        calls(&counts, "launch:moe_grouped_mma"),
+        calls(&counts, "launch:moe_grouped_gemv"),
+        calls(&counts, "launch:paged_prefill_attention_mma"),
+    );
+    println!(
+        "gpu_resident, batch 16, MOEC_TENSOR_CORES=always: moe_grouped_mma {mma}, \
+         moe_grouped_gemv {gemv}, paged_prefill_attention_mma {attn} launches"
+    );
+    assert_eq!(
+        got, want,
+        "tensor-core kernels: tokens differ from the CPU's"
+    );
+    assert_eq!((mma, gemv, attn), (2 * layers * 3, 0, layers));
+}
+
 /// The bf16 product (`MOEC_BF16_PRODUCT=bf16`) is the CPU backend's: the device kernels keep
 /// f32 activations for bf16 weights, so `--backend cuda` refuses it, naming it, before any
 /// launch, rather than run host-side and device tasks with two arithmetics.

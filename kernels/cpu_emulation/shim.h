@@ -171,6 +171,69 @@ inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; 
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 #include <math.h>
+#define __align__(n) __attribute__((aligned(n)))
+
+// Tensor-core tiles (kernels/tensor_core.cuh's moec_mma_*, inline PTX `wmma` on a GPU).
+// PTX leaves unspecified which elements of a 16x16 tile each lane of the warp holds, so
+// there is no mapping to copy: here every lane holds the whole tile (element (row, col)
+// at v[16 * row + col]; A as (m, k), B as (k, n), the accumulator as (m, n)) and does the
+// warp's product itself, redundantly. What a kernel can observe is the same: a fragment
+// is filled by a load, changed by zero/mma and read back only through a store, all
+// warp-collective (every lane stores the same values; each load and store waits for the
+// whole warp, as the instructions do). The products are exact (bf16 x
+// bf16 fits f32) and summed in f32 in k order. The loads check wmma's rules (32-byte
+// aligned pointer, ld a multiple of 8 elements), which a GPU would fault on or misread.
+struct MoecMmaAB { float v[256]; };
+struct MoecMmaAcc { float v[256]; };
+inline float moec_emul_bf16(unsigned short bits) {
+    const unsigned int u = (unsigned int)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+// wmma loads and stores are warp-synchronous: every lane of the warp reaches the
+// instruction before any lane's access is done. Fibers run one at a time until a barrier,
+// so each load and store first waits for the whole warp there; otherwise a lane would
+// store a tile (moec_mma_store) before a slower lane loaded the old one (moec_mma_load_c
+// of the same tile: a read-modify-write of an accumulator kept in shared memory).
+inline void moec_mma_check(const void* p, int ld, const char* what) {
+    moec_arrive(moec_warp_barriers[moec_tid / 32]);
+    if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || ld % 8 != 0) {
+        std::fprintf(stderr, "moec-standin: %s of a tensor-core tile at %p with ld %d: wmma needs a 32-byte aligned pointer and ld a multiple of 8\n", what, p, ld);
+        std::abort();
+    }
+}
+inline void moec_mma_load_a(MoecMmaAB& a, const unsigned short* p, int ld) {
+    moec_mma_check(p, ld, "load_a");
+    for (int m = 0; m < 16; ++m)
+        for (int k = 0; k < 16; ++k) a.v[16 * m + k] = moec_emul_bf16(p[m * ld + k]);
+}
+inline void moec_mma_load_b(MoecMmaAB& b, const unsigned short* p, int ld) {
+    moec_mma_check(p, ld, "load_b");
+    for (int n = 0; n < 16; ++n)
+        for (int k = 0; k < 16; ++k) b.v[16 * k + n] = moec_emul_bf16(p[n * ld + k]);
+}
+inline void moec_mma_load_c(MoecMmaAcc& c, const float* p, int ld) {
+    moec_mma_check(p, ld, "load_c");
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) c.v[16 * m + n] = p[m * ld + n];
+}
+inline void moec_mma_zero(MoecMmaAcc& c) {
+    for (float& v : c.v) v = 0.0f;
+}
+inline void moec_mma(MoecMmaAcc& c, const MoecMmaAB& a, const MoecMmaAB& b) {
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) {
+            float s = c.v[16 * m + n];
+            for (int k = 0; k < 16; ++k) s += a.v[16 * m + k] * b.v[16 * k + n];
+            c.v[16 * m + n] = s;
+        }
+}
+inline void moec_mma_store(float* p, const MoecMmaAcc& c, int ld) {
+    moec_mma_check(p, ld, "store");
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) p[m * ld + n] = c.v[16 * m + n];
+}
 
 inline void moec_fiber_main() {
     (*moec_body)();

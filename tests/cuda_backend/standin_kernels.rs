@@ -940,7 +940,11 @@ fn prefill_attention_matches_the_cpu() {
     const PREFILL: KernelSource = KernelSource {
         file: "prefill_attention.cu",
         source: include_str!("../../kernels/prefill_attention.cu"),
-        entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+        entries: &[
+            "paged_kv_append_rows",
+            "paged_prefill_attention",
+            "paged_prefill_attention_mma",
+        ],
     };
     assert_eq!(
         moec::runtime::cuda::kernels::entry_names(PREFILL.source),

@@ -408,6 +408,31 @@ impl<'a, 'c> Calls<'a, 'c> {
         if self.decode_kernel(r) {
             return self.decode(r, out, max_keys, window, scale, sink_col);
         }
+        if self.tensor_core_prefill(r)? {
+            // The flash-attention form: scores stay in shared memory (no scratch).
+            let mut a = self.operands(r, false);
+            a.extend_from_slice(&[Arg::Ptr(0), Arg::Ptr(out)]);
+            a.extend_from_slice(&self.dims);
+            a.extend_from_slice(&[
+                Arg::I32(int("max_keys", max_keys)?),
+                Arg::I32(int("sliding_window", window)?),
+                Arg::F32(scale),
+                self.row_width,
+                Arg::I32(sink_col),
+                Arg::I32(int("rows", r.len())?),
+            ]);
+            return Ok(self.cx.s.launch(
+                "paged_prefill_attention_mma",
+                (
+                    int("row tiles", r.len().div_ceil(16))? as u32,
+                    int("heads", shape.heads)? as u32,
+                    1,
+                ),
+                32,
+                0,
+                &a,
+            )?);
+        }
         let scores = self.cx.s.scratch(r.len() * shape.heads * max_keys * 4)?;
         let mut a = self.operands(r, false);
         a.extend_from_slice(&[Arg::Ptr(scores.ptr()), Arg::Ptr(out)]);
@@ -431,6 +456,27 @@ impl<'a, 'c> Calls<'a, 'c> {
             shared,
             &a,
         )?)
+    }
+
+    /// Whether run `r` (not a decode run) attends on tensor cores
+    /// (`paged_prefill_attention_mma`): not MLA, heads a multiple of the kv heads,
+    /// `head_dim` at most [`ATTN_MMA_MAX_DIM`], and under `MOEC_TENSOR_CORES=auto` (the
+    /// default) at least [`ATTN_MMA_MIN_ROWS`] new rows per sequence of the run on average
+    /// (a prefill; the kernel's 16-row tiles would be mostly empty on fewer).
+    fn tensor_core_prefill(&self, r: &std::ops::Range<usize>) -> Result<bool, OpError> {
+        let shape = self.shape;
+        if self.cx.arch.mla.is_some()
+            || shape.kv_heads == 0
+            || !shape.heads.is_multiple_of(shape.kv_heads)
+            || shape.head_dim > ATTN_MMA_MAX_DIM
+        {
+            return Ok(false);
+        }
+        let policy = super::moe::TensorCores::process().map_err(super::ops::not_supported)?;
+        let rows = r.len();
+        let mut seqs: Vec<u32> = self.rt.row_seq.get(r.clone()).unwrap_or_default().to_vec();
+        seqs.dedup();
+        Ok(policy.chosen_rows(rows, seqs.len(), ATTN_MMA_MIN_ROWS))
     }
 
     /// Decode run `r` (a sequence per row) by [`decode_attention`], which appends the
@@ -466,6 +512,16 @@ impl<'a, 'c> Calls<'a, 'c> {
         )
     }
 }
+
+/// `MOEC_ATTN_MMA_MAX_DIM` of kernels/prefill_attention.cu: the widest head
+/// `paged_prefill_attention_mma` takes.
+const ATTN_MMA_MAX_DIM: usize = 128;
+
+/// Mean new rows per sequence of a run from which prefill attention runs on tensor cores
+/// (`paged_prefill_attention_mma`'s tiles are 16 rows of one sequence); where it overtakes
+/// `paged_prefill_attention` on a GPU is still to be measured (docs/gpu.md's "Tensor
+/// cores").
+pub(super) const ATTN_MMA_MIN_ROWS: usize = 16;
 
 /// Most query heads a `paged_prefill_attention` block serves (kernels/paged_attention.cuh's
 /// `MOEC_ATTEND_MAX_HEADS`).

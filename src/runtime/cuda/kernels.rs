@@ -59,7 +59,11 @@ pub const KERNELS: [KernelSource; 13] = [
     KernelSource {
         file: "prefill_attention.cu",
         source: include_str!("../../../kernels/prefill_attention.cu"),
-        entries: &["paged_kv_append_rows", "paged_prefill_attention"],
+        entries: &[
+            "paged_kv_append_rows",
+            "paged_prefill_attention",
+            "paged_prefill_attention_mma",
+        ],
     },
     KernelSource {
         file: "families.cu",
@@ -97,6 +101,7 @@ pub const KERNELS: [KernelSource; 13] = [
             "moe_count_experts",
             "moe_grouped_linear",
             "moe_grouped_gemv",
+            "moe_grouped_mma",
             "linear_gemv",
             "linear_gemv3",
             "linear_gemv_q8",
@@ -155,12 +160,16 @@ pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 /// The headers a kernel file may `#include "<name>"` (besides the prelude every file
 /// gets), embedded like the files: [`full_source`] puts a header's text where it is
 /// included, so NVRTC needs no include path and a moec binary no kernels folder.
-pub const HEADERS: [(&str, &str); 2] = [
+pub const HEADERS: [(&str, &str); 3] = [
     (
         "paged_attention.cuh",
         include_str!("../../../kernels/paged_attention.cuh"),
     ),
     ("router.cuh", include_str!("../../../kernels/router.cuh")),
+    (
+        "tensor_core.cuh",
+        include_str!("../../../kernels/tensor_core.cuh"),
+    ),
 ];
 
 /// What NVRTC compiles for `kernel`: [`PRELUDE`], then the file with each `#include` of a
