@@ -130,23 +130,33 @@ pub fn buffer_classes(program: &Program) -> Vec<BufferClass> {
             }
         }
     }
-    // Copies propagate classes both ways until nothing changes (relay buffers).
+    // Copies propagate classes both ways until nothing changes (relay buffers). Each
+    // pass visits the copies' (source, destination) buffers in task order, gathered once
+    // (a pass over every task was a pass over 10^5-10^6 of them per planner point); a
+    // copy between the same buffers as the one before it changes nothing the first did
+    // not, so it is left out.
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    for task in program.tasks.iter().filter(|t| t.op == Op::Copy) {
+        if let [src, dst] = task.args.as_slice() {
+            let pair = (src.slice.buffer.index(), dst.slice.buffer.index());
+            if pairs.last() != Some(&pair) {
+                pairs.push(pair);
+            }
+        }
+    }
     loop {
         let mut changed = false;
-        for task in program.tasks.iter().filter(|t| t.op == Op::Copy) {
-            if let [src, dst] = task.args.as_slice() {
-                let (s, d) = (src.slice.buffer.index(), dst.slice.buffer.index());
-                match (classes[s], classes[d]) {
-                    (Some(c), None) => {
-                        classes[d] = Some(c);
-                        changed = true;
-                    }
-                    (None, Some(c)) => {
-                        classes[s] = Some(c);
-                        changed = true;
-                    }
-                    _ => {}
+        for &(s, d) in &pairs {
+            match (classes[s], classes[d]) {
+                (Some(c), None) => {
+                    classes[d] = Some(c);
+                    changed = true;
                 }
+                (None, Some(c)) => {
+                    classes[s] = Some(c);
+                    changed = true;
+                }
+                _ => {}
             }
         }
         if !changed {
