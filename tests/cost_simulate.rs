@@ -698,3 +698,105 @@ fn experts_computed_from_a_format_copy_are_charged_the_formats_bytes() {
         assert_eq!(experts, 32, "{name}");
     }
 }
+
+/// The format an `experts` task computes from (`weight_copy_format`, found through the
+/// program's index of writers) is the one a plain backward scan finds: the last task
+/// before it in its step (else in `setup`, from its end) that writes its weights' bytes,
+/// followed through copies to a format copy or the checkpoint. HOBBIT with its q8_0 path
+/// on (`lowbit = 1`), on two mid cards: decode steps compute some experts from the cache
+/// (brought by a fetch from the pinned home, itself copied in `setup` from the
+/// checkpoint) and some from a q8_0 staging slot (copied from `W.q8_0`).
+#[test]
+fn weight_copy_formats_equal_a_backward_scan_on_the_mid_cards() {
+    use moec::cost::predict::weight_copy_format;
+    use moec::ir::{BufferKind, Op, Program, Slice, StepKind};
+    /// The reference: every task before `before` scanned, no index.
+    fn scanned(program: &Program, before: TaskId, slice: &Slice, depth: u32) -> Option<String> {
+        match program.buffer(slice.buffer).kind {
+            BufferKind::FormatCopy { format } => return Some(format.to_string()),
+            BufferKind::Checkpoint => return None,
+            BufferKind::Declared => {}
+        }
+        if depth == 0 {
+            return None;
+        }
+        let writes = |t: TaskId| {
+            program.task(t).args.iter().any(|a| {
+                a.access.writes()
+                    && match slice.cache_key {
+                        Some(key) => a.slice.cache_key == Some(key),
+                        None => {
+                            a.slice.cache_key.is_none()
+                                && a.slice.buffer == slice.buffer
+                                && a.slice.start < slice.end()
+                                && slice.start < a.slice.end()
+                        }
+                    }
+            })
+        };
+        let own = program.task(before).step.index();
+        let setup = program
+            .steps
+            .iter()
+            .enumerate()
+            .filter(|&(i, s)| i != own && s.kind == StepKind::Setup)
+            .flat_map(|(_, s)| (s.first..s.first + s.count).rev())
+            .map(|t| TaskId::new(t as usize));
+        let writer = (program.steps[own].first as usize..before.index())
+            .rev()
+            .map(TaskId::new)
+            .chain(setup)
+            .find(|&t| writes(t))?;
+        let t = program.task(writer);
+        if t.op != Op::Copy {
+            return None;
+        }
+        scanned(program, writer, &t.args.first()?.slice, depth - 1)
+    }
+    let source = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
+    // As `moec check --hw t4` compiles it: the cache gets the slots a T4 holds.
+    let profile = HardwareProfile::load("t4").unwrap();
+    for card in ["mixtral-mid", "qwen3-moe-mid"] {
+        let mut options = Options::new(ModelCard::load(card).unwrap());
+        options.hardware = profile
+            .symbols()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        options.workload = Workload {
+            batch: 4,
+            prompt_len: 16,
+            gen_len: 4,
+        };
+        options.sets = [("lowbit", "1"), ("bs", "4"), ("thr", "0.3")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let compiled = compile(&source, &options).unwrap_or_else(|d| panic!("{card}: {d:?}"));
+        let program = &compiled.program;
+        let (mut from_copy, mut from_checkpoint) = (0, 0);
+        for (index, task) in program.tasks.iter().enumerate() {
+            let id = TaskId::new(index);
+            if !matches!(task.op, Op::Experts { .. }) {
+                continue;
+            }
+            let w = task
+                .args
+                .iter()
+                .find(|a| a.role == moec::ir::Role::W)
+                .expect("an experts task has weights");
+            let want = scanned(program, id, &w.slice, 8);
+            let got = weight_copy_format(program, id).map(|f| f.to_string());
+            assert_eq!(got, want, "{card}: {}", program.task_name(id));
+            match got {
+                Some(_) => from_copy += 1,
+                None => from_checkpoint += 1,
+            }
+        }
+        // Both paths are exercised.
+        assert!(
+            from_copy > 0 && from_checkpoint > 0,
+            "{card}: {from_copy} / {from_checkpoint}"
+        );
+    }
+}

@@ -150,6 +150,8 @@ fn stale_guards(
 ) {
     type Atom = (u32, ExpertRef);
     let mut guarded: Vec<(Atom, Vec<TaskId>)> = Vec::new();
+    // Where each atom is in `guarded` (a step of HOBBIT has one per expert).
+    let mut at: crate::ir::FastMap<Atom, usize> = crate::ir::FastMap::default();
     let mut changers: Vec<TaskId> = Vec::new();
     for id in step.task_ids() {
         let task = program.task(id);
@@ -164,13 +166,17 @@ fn stale_guards(
                     continue;
                 }
                 let atom = (layer, expert);
-                match guarded.iter_mut().find(|(a, _)| *a == atom) {
-                    Some((_, tasks)) => {
+                match at.get(&atom) {
+                    Some(&i) => {
+                        let tasks = &mut guarded[i].1;
                         if tasks.last() != Some(&id) {
                             tasks.push(id);
                         }
                     }
-                    None => guarded.push((atom, vec![id])),
+                    None => {
+                        at.insert(atom, guarded.len());
+                        guarded.push((atom, vec![id]));
+                    }
                 }
             }
         }
@@ -261,8 +267,9 @@ fn stale(
 struct Order {
     /// The step's first task.
     first: usize,
-    /// Each task of interest's bit in the sets.
-    bit: HashMap<TaskId, usize>,
+    /// Per task of the step, its bit in the sets if it is of interest (`u32::MAX` if not):
+    /// a lookup per `before` question, which both checks ask for every pair of fetches.
+    bit: Vec<u32>,
     /// Per task of the step, its ancestors among the tasks of interest, as bitsets.
     anc: Vec<Vec<u64>>,
 }
@@ -275,8 +282,11 @@ impl Order {
         let mut tasks: Vec<TaskId> = interesting.into_iter().collect();
         tasks.sort();
         tasks.dedup();
-        let bit: HashMap<TaskId, usize> = tasks.iter().enumerate().map(|(i, t)| (*t, i)).collect();
         let first = step.first as usize;
+        let mut bit = vec![u32::MAX; step.count as usize];
+        for (i, t) in tasks.iter().enumerate() {
+            bit[t.index() - first] = i as u32;
+        }
         let words = tasks.len().div_ceil(64);
         let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; step.count as usize];
         for k in 0..step.count as usize {
@@ -290,7 +300,9 @@ impl Order {
                 for (w, a) in set.iter_mut().zip(&anc[p - first]) {
                     *w |= a;
                 }
-                if let Some(&b) = bit.get(&dep.from) {
+                let b = bit[p - first];
+                if b != u32::MAX {
+                    let b = b as usize;
                     set[b / 64] |= 1 << (b % 64);
                 }
             }
@@ -302,9 +314,21 @@ impl Order {
     /// Whether `x` (a task of interest) finishes before `y` (any task of the step)
     /// starts; false for a task `x` that is not of interest.
     fn before(&self, x: TaskId, y: TaskId) -> bool {
-        self.bit
-            .get(&x)
-            .is_some_and(|&b| self.anc[y.index() - self.first][b / 64] & (1 << (b % 64)) != 0)
+        self.bit_of(x).is_some_and(|b| self.has(b, y))
+    }
+
+    /// `x`'s bit, if it is a task of interest of the step.
+    fn bit_of(&self, x: TaskId) -> Option<usize> {
+        x.index()
+            .checked_sub(self.first)
+            .and_then(|k| self.bit.get(k))
+            .filter(|&&b| b != u32::MAX)
+            .map(|&b| b as usize)
+    }
+
+    /// Whether the task of interest with bit `b` finishes before `y` starts.
+    fn has(&self, b: usize, y: TaskId) -> bool {
+        self.anc[y.index() - self.first][b / 64] & (1 << (b % 64)) != 0
     }
 }
 
@@ -346,12 +370,28 @@ fn held_at_once(
         step,
         fetches.iter().chain(readers.values().flatten()).copied(),
     );
-    let before = |x: TaskId, y: TaskId| order.before(x, y);
-    // `f`'s slot is free again before `g` starts.
-    let released_before = |f: TaskId, g: TaskId| -> bool {
-        match readers.get(&f) {
-            Some(rs) if !rs.is_empty() => rs.iter().all(|&r| before(r, g)),
-            _ => before(f, g),
+    // Per fetch, its bit and its readers' bits (every reader is a task of interest):
+    // the pairwise count below asks these for every pair of the step's fetches.
+    let fetch_bit: Vec<usize> = fetches
+        .iter()
+        .map(|&f| order.bit_of(f).expect("a fetch is a task of interest"))
+        .collect();
+    let reader_bits: Vec<Vec<usize>> = fetches
+        .iter()
+        .map(|f| {
+            readers.get(f).map_or_else(Vec::new, |rs| {
+                rs.iter()
+                    .map(|&r| order.bit_of(r).expect("a reader is a task of interest"))
+                    .collect()
+            })
+        })
+        .collect();
+    // The `j`-th fetch's slot is free again before `y` starts: its readers (or, without
+    // readers, itself) finished before.
+    let released_before = |j: usize, y: TaskId| -> bool {
+        match reader_bits[j].as_slice() {
+            [] => order.has(fetch_bit[j], y),
+            rs => rs.iter().all(|&r| order.has(r, y)),
         }
     };
     let kind = step.kind;
@@ -379,7 +419,25 @@ fn held_at_once(
                 .then(|| (key.layer, l.atom.ub()))
         })
     };
-    let groups: Vec<Option<(u32, Option<u32>)>> = fetches.iter().map(|&f| group(f)).collect();
+    // Groups numbered densely, each with the most of its fetches that can hold a slot.
+    let mut group_keys: Vec<(u32, Option<u32>)> = Vec::new();
+    let groups: Vec<Option<usize>> = fetches
+        .iter()
+        .map(|&f| {
+            group(f).map(|key| match group_keys.iter().position(|k| *k == key) {
+                Some(i) => i,
+                None => {
+                    group_keys.push(key);
+                    group_keys.len() - 1
+                }
+            })
+        })
+        .collect();
+    let caps: Vec<u64> = group_keys
+        .iter()
+        .map(|&(_, ub)| experts.min(tokens(ub).saturating_mul(top_k)))
+        .collect();
+    let mut per_group = vec![0u64; group_keys.len()];
     let mut worst: Option<(u64, TaskId)> = None;
     for (i, &f) in fetches.iter().enumerate() {
         // A fetch guarded by its own expert's residency hits: it never needs a free slot
@@ -387,23 +445,25 @@ fn held_at_once(
         if self_hit(program, f) {
             continue;
         }
-        let mut per_group: HashMap<(u32, Option<u32>), u64> = HashMap::new();
+        per_group.iter_mut().for_each(|n| *n = 0);
         let mut loose = 0u64;
+        let f_bit = fetch_bit[i];
         for (j, &g) in fetches.iter().enumerate() {
             // Held when `f` starts: started already (not after `f`) and not released.
-            let together = i == j || !(released_before(g, f) || before(f, g));
+            let together = i == j || !(released_before(j, f) || order.has(f_bit, g));
             if !together {
                 continue;
             }
             match groups[j] {
-                Some(key) => *per_group.entry(key).or_default() += 1,
+                Some(k) => per_group[k] += 1,
                 None => loose += 1,
             }
         }
         let held: u64 = loose
             + per_group
                 .iter()
-                .map(|(&(_, ub), &n)| n.min(experts.min(tokens(ub).saturating_mul(top_k))))
+                .zip(&caps)
+                .map(|(&n, &cap)| n.min(cap))
                 .sum::<u64>();
         if worst.is_none_or(|(w, _)| held > w) {
             worst = Some((held, f));

@@ -20,9 +20,9 @@
 //! probability of the guard's other literals.
 
 use crate::ir::catalog::{ExpertRef, ExpertSet};
+use crate::ir::FastMap;
 use crate::ir::{GuardAtom, GuardLit, Op, Program, TaskId};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
 
 /// The probability that a fetch or prefetch task finds its expert not resident (`None`
 /// for any other task), from [`cache_hits`].
@@ -478,13 +478,13 @@ type Var = (u32, ExpertRef, Option<u32>);
 /// for every fetch of that cache).
 #[derive(Debug, Default)]
 pub struct ActivationMemo {
-    hits: HashMap<(u32, u64), CacheHits>,
+    hits: FastMap<(u32, u64), CacheHits>,
     /// [`binomial_between`] by `(n, q's bits, lo, hi)`: every expert of a step asks the
     /// same few (one share without a profile, one token count, one threshold per arm),
     /// and a sum runs over up to `n` terms.
-    binomials: HashMap<(u64, u64, u64, u64), f64>,
+    binomials: FastMap<(u64, u64, u64, u64), f64>,
     /// [`super::prefetch::plan`] by `(step, cache, tokens per micro-batch)`.
-    prefetch: HashMap<(usize, u32, u64), Option<super::prefetch::PrefetchPlan>>,
+    prefetch: FastMap<(usize, u32, u64), Option<super::prefetch::PrefetchPlan>>,
 }
 
 impl ActivationMemo {
@@ -538,8 +538,9 @@ pub fn activation_memo(
         return Activation::ALWAYS;
     }
     let ubs = u64::from(program.micro_batches.count.max(1));
-    // Interval [lo, hi) of each count the guard reads.
-    let mut intervals: BTreeMap<Var, (u64, u64)> = BTreeMap::new();
+    // Interval [lo, hi) of each count the guard reads: a guard reads a few, so a list
+    // (sorted by count below, the order a map by count would give the product).
+    let mut intervals: smallvec::SmallVec<[(Var, (u64, u64)); 4]> = smallvec::SmallVec::new();
     // A residency literal's probability: the cache model's hit rate of its key.
     let mut resident = 1.0;
     for lit in &task.guard.lits {
@@ -562,7 +563,14 @@ pub fn activation_memo(
             continue;
         }
         let var = (a.layer(), a.expert(), a.ub());
-        let entry = intervals.entry(var).or_insert((0, u64::MAX));
+        let at = match intervals.iter().position(|(v, _)| *v == var) {
+            Some(at) => at,
+            None => {
+                intervals.push((var, (0, u64::MAX)));
+                intervals.len() - 1
+            }
+        };
+        let entry = &mut intervals[at].1;
         let t = token_threshold(program, &a);
         if lit.negated {
             entry.1 = entry.1.min(t);
@@ -582,7 +590,8 @@ pub fn activation_memo(
     let mut runs = 1.0;
     let mut work = 1.0;
     let mut own_seen = false;
-    for (&(layer, expert, ub), &(lo, hi)) in &intervals {
+    intervals.sort_unstable_by_key(|a| a.0);
+    for &((layer, expert, ub), (lo, hi)) in &intervals {
         let n = match ub {
             Some(_) => tokens_per_ub,
             None => tokens_per_ub.saturating_mul(ubs),

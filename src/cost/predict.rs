@@ -130,23 +130,33 @@ pub fn buffer_classes(program: &Program) -> Vec<BufferClass> {
             }
         }
     }
-    // Copies propagate classes both ways until nothing changes (relay buffers).
+    // Copies propagate classes both ways until nothing changes (relay buffers). Each
+    // pass visits the copies' (source, destination) buffers in task order, gathered once
+    // (a pass over every task was a pass over 10^5-10^6 of them per planner point); a
+    // copy between the same buffers as the one before it changes nothing the first did
+    // not, so it is left out.
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    for task in program.tasks.iter().filter(|t| t.op == Op::Copy) {
+        if let [src, dst] = task.args.as_slice() {
+            let pair = (src.slice.buffer.index(), dst.slice.buffer.index());
+            if pairs.last() != Some(&pair) {
+                pairs.push(pair);
+            }
+        }
+    }
     loop {
         let mut changed = false;
-        for task in program.tasks.iter().filter(|t| t.op == Op::Copy) {
-            if let [src, dst] = task.args.as_slice() {
-                let (s, d) = (src.slice.buffer.index(), dst.slice.buffer.index());
-                match (classes[s], classes[d]) {
-                    (Some(c), None) => {
-                        classes[d] = Some(c);
-                        changed = true;
-                    }
-                    (None, Some(c)) => {
-                        classes[s] = Some(c);
-                        changed = true;
-                    }
-                    _ => {}
+        for &(s, d) in &pairs {
+            match (classes[s], classes[d]) {
+                (Some(c), None) => {
+                    classes[d] = Some(c);
+                    changed = true;
                 }
+                (None, Some(c)) => {
+                    classes[s] = Some(c);
+                    changed = true;
+                }
+                _ => {}
             }
         }
         if !changed {
@@ -461,33 +471,30 @@ fn held_format(
     if depth == 0 {
         return None;
     }
-    let writes = |t: &crate::ir::Task| {
-        t.args.iter().any(|a| {
-            a.access.writes()
-                && match slice.cache_key {
-                    Some(key) => a.slice.cache_key == Some(key),
-                    None => {
-                        a.slice.cache_key.is_none()
-                            && a.slice.buffer == slice.buffer
-                            && a.slice.start < slice.end()
-                            && slice.start < a.slice.end()
-                    }
-                }
-        })
-    };
+    // The last writer before `before` in its own step, else in a setup step (each
+    // searched from its end, in step order): found through the program's index of writers.
+    let writers = program.writers();
     let own = program.task(before).step.index();
-    let earlier = program
-        .steps
-        .iter()
-        .enumerate()
-        .filter(|&(i, s)| i != own && s.kind == StepKind::Setup)
-        .flat_map(|(_, s)| (s.first..s.first + s.count).rev())
-        .map(|t| TaskId::new(t as usize));
-    let writer = (program.steps[own].first as usize..before.index())
-        .rev()
-        .map(TaskId::new)
-        .chain(earlier)
-        .find(|&t| writes(program.task(t)))?;
+    let writer = writers
+        .last_in(
+            program,
+            slice,
+            program.steps[own].first as usize..before.index(),
+        )
+        .or_else(|| {
+            program
+                .steps
+                .iter()
+                .enumerate()
+                .filter(|&(i, s)| i != own && s.kind == StepKind::Setup)
+                .find_map(|(_, s)| {
+                    writers.last_in(
+                        program,
+                        slice,
+                        s.first as usize..(s.first + s.count) as usize,
+                    )
+                })
+        })?;
     let t = program.task(writer);
     if t.op != Op::Copy {
         return None;

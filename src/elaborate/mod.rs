@@ -377,6 +377,7 @@ impl<'a> Elaborator<'a> {
             substitutes: self.substitutes,
             spans,
             layout: self.checkpoint,
+            writers: std::sync::OnceLock::new(),
         };
         Ok((program, diags))
     }

@@ -30,6 +30,7 @@ mod kinds;
 pub mod profile;
 pub mod readback;
 pub mod value;
+pub mod writers;
 
 pub use buffer::{Buffer, BufferKind, CheckpointLayout, Layout, Substitute};
 pub use catalog::{AttnPart, ExpertRef, ExpertSet, Op, Shape, Work};
@@ -90,6 +91,10 @@ pub struct Program {
     /// asks for it per task ([`Program::checkpoint`]).
     #[serde(skip)]
     pub(crate) layout: CheckpointLayout,
+    /// [`writers::Writers`] of the tasks, built on first use ([`Program::writers`]). The
+    /// tasks' arguments never change after elaboration, so it stays true.
+    #[serde(skip)]
+    pub(crate) writers: std::sync::OnceLock<writers::Writers>,
 }
 
 /// The workload symbols (`batch`, `prompt_len`, `gen_len`).
@@ -570,6 +575,11 @@ impl Program {
     /// The checkpoint layout for this program's model.
     pub fn checkpoint(&self) -> CheckpointLayout {
         self.layout
+    }
+
+    /// Which tasks write each cache key and buffer ([`writers::Writers`]), indexed once.
+    pub fn writers(&self) -> &writers::Writers {
+        self.writers.get_or_init(|| writers::Writers::of(self))
     }
 
     /// The task with this id.
