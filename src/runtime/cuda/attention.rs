@@ -472,7 +472,8 @@ impl<'a, 'c> Calls<'a, 'c> {
         {
             return Ok(false);
         }
-        let policy = super::moe::TensorCores::process().map_err(super::ops::not_supported)?;
+        let policy =
+            super::tensor_cores::TensorCores::process().map_err(super::ops::not_supported)?;
         let rows = r.len();
         let mut seqs: Vec<u32> = self.rt.row_seq.get(r.clone()).unwrap_or_default().to_vec();
         seqs.dedup();

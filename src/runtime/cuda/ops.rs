@@ -199,7 +199,7 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
              moe_group, moe_grouped_gemv (moe_grouped_gemv_1 at one token with bf16/f16 \
              experts) with gate+up+SwiGLU in one launch, then down (one launch per \
              projection for gpt-oss's biased gate/up and [in, out] storage); {TC}",
-            TC = super::moe::tensor_core_note(),
+            TC = super::tensor_cores::tensor_core_note(),
             GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
             GEMV_OUT = super::launch::GEMV_MAX_OUT,
             GROUPED = super::moe::GROUPED_MAX_ENTRIES,
@@ -223,7 +223,7 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
         "quantised weights {}: up to {GEMV_ROWS} rows {few_rows}; more rows: \
          moe_grouped_linear's shared-memory tiles, dequant_f32 + cublasSgemm; embed_quant; {TC}",
         formats.join(", "),
-        TC = super::moe::tensor_core_note(),
+        TC = super::tensor_cores::tensor_core_note(),
         GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
     ))
 }
