@@ -226,10 +226,20 @@ pub(super) unsafe fn pass_avx2<const F: u8, const N: usize>(
             // (asserted); every activation row has 32 codes and 2 offsets per block
             // (asserted).
             unsafe {
-                // Codes 8g.. of rows 0-3 and rows 4-7: Q4_0's and MXFP4's unsigned, Q8_0's
-                // signed.
-                let w: [[__m256i; 2]; 4] = std::array::from_fn(|g| {
-                    std::array::from_fn(|half| {
+                // Lanes start from the offsets (Q4_0, MXFP4) or zero (Q8_0).
+                let mut s: [[__m256i; 2]; N] = std::array::from_fn(|a| {
+                    let start = if nibbles {
+                        bcast256(off[a].as_ptr())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    [start; 2]
+                });
+                // Per group of eight codes, its weights (rows 0-3 and 4-7: Q4_0's and
+                // MXFP4's unsigned, Q8_0's signed) then every activation row: only two
+                // weight registers live at once beside the 2N sums (16 registers).
+                for g in 0..4 {
+                    let wg: [__m256i; 2] = std::array::from_fn(|half| {
                         if nibbles {
                             let p = t.as_ptr().add(at + 64 * (g / 2) + 32 * half);
                             let raw = _mm256_loadu_si256(p as *const __m256i);
@@ -247,31 +257,27 @@ pub(super) unsafe fn pass_avx2<const F: u8, const N: usize>(
                             let p = t.as_ptr().add(at + 64 * g + 32 * half);
                             _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip)
                         }
-                    })
-                });
-                for a in 0..N {
-                    let start = if nibbles {
-                        bcast256(off[a].as_ptr())
+                    });
+                    let mag: [__m256i; 2] = if nibbles {
+                        wg
                     } else {
-                        _mm256_setzero_si256()
+                        [_mm256_abs_epi8(wg[0]), _mm256_abs_epi8(wg[1])]
                     };
-                    let mut s = [start; 2];
-                    for (g, wg) in w.iter().enumerate() {
+                    for (a, sa) in s.iter_mut().enumerate() {
                         let y = bcast256(x[a].as_ptr().add(8 * g));
                         for half in 0..2 {
                             let p = if nibbles {
-                                _mm256_maddubs_epi16(wg[half], y)
+                                _mm256_maddubs_epi16(mag[half], y)
                             } else {
-                                _mm256_maddubs_epi16(
-                                    _mm256_abs_epi8(wg[half]),
-                                    _mm256_sign_epi8(y, wg[half]),
-                                )
+                                _mm256_maddubs_epi16(mag[half], _mm256_sign_epi8(y, wg[half]))
                             };
-                            s[half] = _mm256_add_epi32(s[half], _mm256_madd_epi16(p, ones));
+                            sa[half] = _mm256_add_epi32(sa[half], _mm256_madd_epi16(p, ones));
                         }
                     }
+                }
+                for (a, sa) in s.iter().enumerate() {
                     // [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order.
-                    let hs = _mm256_hadd_epi32(s[0], s[1]);
+                    let hs = _mm256_hadd_epi32(sa[0], sa[1]);
                     let isum = _mm256_permute4x64_epi64::<0b11_01_10_00>(hs);
                     let v = block_values_f::<F>(t, j, acts.q.block_d(r0 + a, blk), isum);
                     acc[a] = _mm256_add_ps(acc[a], v);
