@@ -347,7 +347,7 @@ fn gpt_oss(qk: QuantKernels) {
             let mut line = format!("  {rows} rows:");
             for (label, threads) in [("all threads, wall", None), ("one thread, CPU", Some(&one))] {
                 let (mut tr, mut tt) = (Vec::new(), Vec::new());
-                let mut time = |set: &Set, y: &mut [f32]| match threads {
+                let time = |set: &Set, y: &mut [f32]| match threads {
                     None => seconds(|| set.run_quant(qk, &x, rows, y)),
                     Some(pool) => pool.install(|| {
                         let t0 = thread_cpu_seconds();
