@@ -17,7 +17,8 @@
 //! see the same machine load). First, the small shape on a one-thread pool timed by that
 //! thread's CPU time (other processes on shared cores inflate wall time far more than
 //! CPU time; `QUANT_BENCH_ONE_THREAD_ONLY=1` stops after it, `QUANT_BENCH_FORMAT=Q8_0`
-//! runs only that format's set and stops); then wall time on all
+//! runs only that format's set and stops, `QUANT_BENCH_GPTOSS=1` runs only the gpt-oss
+//! shapes, [`gpt_oss`]); then wall time on all
 //! threads; then the bodies against each other (portable, AVX2, AVX-512 VNNI where this
 //! CPU has them) at the small shape, and criterion's timing of the selected body at 1
 //! and 16 rows.
@@ -92,8 +93,8 @@ struct Set {
     out: usize,
     inp: usize,
     format: QuantFormat,
-    /// Q4_K and Q6_K only: the blocks in tiles of eight rows, as the CPU backend repacks
-    /// them at load (`moec::math::qmatmul::tiles`).
+    /// The blocks in tiles of eight rows, as the CPU backend repacks them at load
+    /// (`moec::math::qmatmul::tiles`).
     tiled: bool,
     quant: Vec<Vec<u8>>,
     dense: Vec<Vec<bf16>>,
@@ -117,7 +118,7 @@ impl Set {
         }
     }
 
-    /// The same set with its matrices in tiles (Q4_K, Q6_K).
+    /// The same set with its matrices in tiles.
     fn into_tiles(mut self) -> Self {
         for q in &mut self.quant {
             let mut t = vec![0u8; q.len()];
@@ -314,12 +315,75 @@ fn bodies(set: &Set) {
     }
 }
 
+/// gpt-oss-20b's products in ggml's row layout against the same matrices in tiles, the
+/// two interleaved in each round (same machine load): its MXFP4 experts' fused gate/up
+/// `[5760, 2880]` and down `[2880, 2880]`, and its Q8_0 `q_proj` `[4096, 2880]` (rows of
+/// 2,880 weights: 11 tile columns and a partial one of two blocks), at 1, 4 and 8 rows
+/// (a decode step's rows per expert at small batches; per dense matrix: the batch), on
+/// all threads (wall time) and on one thread (its CPU time). Sets of >= 64 MB, so the
+/// weights stream from DRAM as a decode step's routed experts do.
+fn gpt_oss(qk: QuantKernels) {
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    for (format, out, inp, what) in [
+        (QuantFormat::Mxfp4, 5760, 2880, "expert gate_up"),
+        (QuantFormat::Mxfp4, 2880, 2880, "expert down"),
+        (QuantFormat::Q8_0, 4096, 2880, "q_proj"),
+    ] {
+        let rows_set = Set::new(format, out, inp);
+        let tiles = Set::new(format, out, inp).into_tiles();
+        let gb = rows_set.quant_bytes() as f64 / 1e9;
+        println!(
+            "gpt-oss {what}: {format} [{out}, {inp}] x {} matrices ({:.0} MB), body {}:",
+            rows_set.quant.len(),
+            gb * 1e3,
+            qk.body()
+        );
+        for rows in [1, 4, 8] {
+            let x = activations(rows, inp);
+            let mut y = vec![0.0f32; rows * out];
+            let mut line = format!("  {rows} rows:");
+            for (label, threads) in [("all threads, wall", None), ("one thread, CPU", Some(&one))] {
+                let (mut tr, mut tt) = (Vec::new(), Vec::new());
+                let time = |set: &Set, y: &mut [f32]| match threads {
+                    None => seconds(|| set.run_quant(qk, &x, rows, y)),
+                    Some(pool) => pool.install(|| {
+                        let t0 = thread_cpu_seconds();
+                        set.run_quant(qk, &x, rows, y);
+                        thread_cpu_seconds() - t0
+                    }),
+                };
+                time(&rows_set, &mut y);
+                time(&tiles, &mut y);
+                for _ in 0..ROUNDS {
+                    tr.push(time(&rows_set, &mut y));
+                    tt.push(time(&tiles, &mut y));
+                }
+                let (tr, tt) = (median(tr), median(tt));
+                line += &format!(
+                    " {label}: rows {:.2} GB/s, tiles {:.2} GB/s ({:.2}x);",
+                    gb / tr,
+                    gb / tt,
+                    tr / tt
+                );
+            }
+            println!("{line}");
+        }
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let k = Kernels::process();
     let qk = QuantKernels::process();
     println!("{}", moec::math::report::describe());
     println!("{}", describe(k));
     println!("threads: {}", rayon::current_num_threads());
+    if std::env::var_os("QUANT_BENCH_GPTOSS").is_some() {
+        gpt_oss(qk);
+        return;
+    }
     // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.
     let only = std::env::var("QUANT_BENCH_FORMAT").ok();
     for format in [

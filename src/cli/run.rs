@@ -321,7 +321,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
         // Q4_K matrices the CPU backend repacked at load: allocated in place of their
         // mapped blocks (whose pages it dropped), so not pageable.
         format!(
-            "; {} of it Q4_K/Q6_K/Q8_0/Q4_0 tiles repacked at load (allocated in place of the mapped blocks){populated}",
+            "; {} of it Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 tiles repacked at load (allocated in place of the mapped blocks){populated}",
             human(f.stats.image_tiled)
         )
     } else {

@@ -26,6 +26,7 @@ pub mod q8;
 pub mod random;
 pub mod storage;
 pub mod tiles;
+pub(crate) mod tiles_mxfp4;
 pub(crate) mod tiles_q4_0;
 pub(crate) mod tiles_q6k;
 pub(crate) mod tiles_q8_0;
@@ -148,7 +149,7 @@ pub enum QuantError {
 pub enum BlockLayout {
     /// ggml's: row after row, each row its blocks in order (every file stores this).
     Rows,
-    /// Q4_K, Q6_K, Q8_0 or Q4_0 in tiles of eight rows of `cols` weights ([`tiles`]), made at load for
+    /// Q4_K, Q6_K, Q8_0, Q4_0 or MXFP4 in tiles of eight rows of `cols` weights ([`tiles`]), made at load for
     /// the CPU backend's products; only whole tiles can be sliced out.
     Tiles8 {
         /// Weights per row.

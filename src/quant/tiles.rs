@@ -1,4 +1,4 @@
-//! Q4_K, Q6_K, Q8_0 and Q4_0 matrices repacked into tiles of eight output rows, the layout the CPU
+//! Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices repacked into tiles of eight output rows, the layout the CPU
 //! backend computes from: made once at load in place of the plain blocks (same bytes per
 //! tile, so every offset, budget and copy of the packed image is unchanged), and read back
 //! block by block when something needs the plain layout ([`untile`]).
@@ -13,11 +13,16 @@
 //! (`tiles_x86`, `tiles_q6k_x86`, `tiles_b32_x86`)).
 //!
 //! The tile of rows `8t..8t + 8`, 256-weight column `b`, is those eight rows' blocks of that
-//! column (1152 bytes for Q4_K, 1680 for Q6_K, 2176 and 1152 for Q8_0's and Q4_0's eight
-//! 32-weight blocks a row, [`tile_bytes`]) at `(t · nb + b) · tile_bytes` (`nb` columns of 256 per row), so a
-//! range of whole tiles is the same byte range as the same rows stored plain. The Q6_K tile
-//! is described in [`super::tiles_q6k`], the Q8_0 tile in [`super::tiles_q8_0`], the Q4_0
-//! tile in [`super::tiles_q4_0`]; the Q4_K tile is:
+//! column (1152 bytes for Q4_K, 1680 for Q6_K, 2176, 1152 and 1088 for Q8_0's, Q4_0's and
+//! MXFP4's eight 32-weight blocks a row, [`tile_bytes`]) at `8t · row_bytes + b ·
+//! tile_bytes`, so a range of whole tile rows is the same byte range as the same rows
+//! stored plain. Rows of the 32-weight formats need only be whole blocks, not whole
+//! columns of 256 (gpt-oss's are 2,880 weights: 11 columns and 64 weights): their last
+//! column then holds the `k < 8` blocks left, a tile of `8 k` blocks laid out as a whole
+//! one with `k` in place of 8 ([`columns`]), so a tile row still takes exactly its rows'
+//! plain bytes. The Q6_K tile is described in [`super::tiles_q6k`], the Q8_0 tile in
+//! [`super::tiles_q8_0`], the Q4_0 tile in [`super::tiles_q4_0`], the MXFP4 tile in
+//! [`super::tiles_mxfp4`]; the Q4_K tile is:
 //!
 //! - bytes `0..16`: the eight rows' `d` (f16, row order); `16..32`: their `dmin`;
 //! - `32..96`: one byte per (row `r`, sub-block `j`) at [`sm_index`]: the 6-bit scale in
@@ -43,12 +48,42 @@ pub const TILE_BYTES: usize = TILE_ROWS * 144;
 
 /// Bytes of one row's 256 weights of `format` (one K-quant block, eight Q8_0 blocks).
 pub(crate) fn group_bytes(format: QuantFormat) -> usize {
-    format.block_bytes() * (QK_K / format.block_elems())
+    format.block_bytes() * column_blocks(format)
 }
 
-/// Bytes of one tile of `format` (eight rows of 256 weights).
+/// Blocks of `format` in one row of a whole tile column: 8 for the 32-weight formats, 1
+/// for the K-quants.
+pub(crate) fn column_blocks(format: QuantFormat) -> usize {
+    QK_K / format.block_elems()
+}
+
+/// Bytes of one whole tile of `format` (eight rows of 256 weights).
 pub fn tile_bytes(format: QuantFormat) -> usize {
     TILE_ROWS * group_bytes(format)
+}
+
+/// The tile columns of a row of `cols` weights of `format`: how many whole columns of
+/// 256, and the blocks of the partial column after them (0 when there is none; only the
+/// 32-weight formats have one).
+pub fn columns(format: QuantFormat, cols: usize) -> (usize, usize) {
+    let blocks = cols / format.block_elems();
+    (
+        blocks / column_blocks(format),
+        blocks % column_blocks(format),
+    )
+}
+
+/// The tile columns of a row of `cols` weights, in order: each column's first block (in
+/// the row's block order) and its blocks (`k`; the tile is `8 k` blocks).
+pub(crate) fn column_spans(
+    format: QuantFormat,
+    cols: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let (full, part) = columns(format, cols);
+    let kb = column_blocks(format);
+    (0..full)
+        .map(move |b| (b * kb, kb))
+        .chain((part > 0).then_some((full * kb, part)))
 }
 
 /// Where the scale/min byte of row `r`, sub-block `j` sits in a tile's 64 scale bytes:
@@ -65,34 +100,45 @@ fn plain_code(block: &[u8], k: usize) -> u8 {
     (block[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0f
 }
 
-/// Whether a `[rows, cols]` matrix of `format` can be tiled.
+/// Whether a `[rows, cols]` matrix of `format` can be tiled: a format with a tile, rows
+/// whole tiles of eight, rows of whole blocks (whole columns of 256 for the K-quants,
+/// whose block is the column).
 pub fn tileable(format: QuantFormat, rows: usize, cols: usize) -> bool {
     matches!(
         format,
-        QuantFormat::Q4K | QuantFormat::Q6K | QuantFormat::Q8_0 | QuantFormat::Q4_0
+        QuantFormat::Q4K
+            | QuantFormat::Q6K
+            | QuantFormat::Q8_0
+            | QuantFormat::Q4_0
+            | QuantFormat::Mxfp4
     ) && rows.is_multiple_of(TILE_ROWS)
-        && cols.is_multiple_of(QK_K)
+        && cols > 0
+        && cols.is_multiple_of(format.block_elems())
 }
 
 /// Tiles the plain matrix `src` of `format` (`[rows, cols]`, [`tileable`]) into `dst`
 /// (the same length). `false` (and `dst` untouched) when the shape or the lengths do not
 /// fit.
 pub fn tile(format: QuantFormat, src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) -> bool {
-    let (nb, bb, tb) = (cols / QK_K, group_bytes(format), tile_bytes(format));
-    if !tileable(format, rows, cols) || src.len() != rows * nb * bb || dst.len() != src.len() {
+    let bb = format.block_bytes();
+    let row_bytes = cols / format.block_elems() * bb;
+    if !tileable(format, rows, cols) || src.len() != rows * row_bytes || dst.len() != src.len() {
         return false;
     }
     for t in 0..rows / TILE_ROWS {
-        for b in 0..nb {
-            let out = &mut dst[(t * nb + b) * tb..(t * nb + b + 1) * tb];
+        let mut at = t * TILE_ROWS * row_bytes;
+        for (first, k) in column_spans(format, cols) {
+            let out = &mut dst[at..at + TILE_ROWS * k * bb];
+            at += out.len();
             let block = |r: usize| {
-                let at = ((TILE_ROWS * t + r) * nb + b) * bb;
-                &src[at..at + bb]
+                let from = (TILE_ROWS * t + r) * row_bytes + first * bb;
+                &src[from..from + k * bb]
             };
             match format {
                 QuantFormat::Q6K => super::tiles_q6k::tile_block(block, out),
                 QuantFormat::Q8_0 => super::tiles_q8_0::tile_block(block, out),
                 QuantFormat::Q4_0 => super::tiles_q4_0::tile_block(block, out),
+                QuantFormat::Mxfp4 => super::tiles_mxfp4::tile_block(block, out),
                 _ => tile_block_q4k(block, out),
             }
         }
@@ -132,12 +178,14 @@ fn tile_scale_min(tile: &[u8], r: usize, j: usize) -> (u8, u8) {
 }
 
 /// Row `r`'s plain blocks of `format` from a tile (the bytes [`tile`] took), into `out`
-/// (the row's 256 weights: one K-quant block, eight Q8_0 blocks).
+/// (the row's weights of that column: one K-quant block, `k` blocks of a 32-weight
+/// format, `k` = 8 but in a partial column).
 pub(crate) fn untile_block(format: QuantFormat, tile: &[u8], r: usize, out: &mut [u8]) {
     match format {
         QuantFormat::Q6K => super::tiles_q6k::untile_block(tile, r, out),
         QuantFormat::Q8_0 => super::tiles_q8_0::untile_block(tile, r, out),
         QuantFormat::Q4_0 => super::tiles_q4_0::untile_block(tile, r, out),
+        QuantFormat::Mxfp4 => super::tiles_mxfp4::untile_block(tile, r, out),
         _ => out.copy_from_slice(&untile_block_q4k(tile, r)),
     }
 }
@@ -172,17 +220,20 @@ fn untile_block_q4k(tile: &[u8], r: usize) -> [u8; 144] {
 /// The plain bytes of a tiled matrix of `format` (`[rows, cols]`, `tiled.len()` bytes):
 /// the inverse of [`tile`]. `None` when the shape does not fit the bytes.
 pub fn untile(format: QuantFormat, tiled: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    let (nb, bb, tb) = (cols / QK_K, group_bytes(format), tile_bytes(format));
-    if !tileable(format, rows, cols) || tiled.len() != rows * nb * bb {
+    let bb = format.block_bytes();
+    let row_bytes = cols / format.block_elems() * bb;
+    if !tileable(format, rows, cols) || tiled.len() != rows * row_bytes {
         return None;
     }
     let mut out = vec![0u8; tiled.len()];
     for t in 0..rows / TILE_ROWS {
-        for b in 0..nb {
-            let tile = &tiled[(t * nb + b) * tb..(t * nb + b + 1) * tb];
+        let mut at = t * TILE_ROWS * row_bytes;
+        for (first, k) in column_spans(format, cols) {
+            let tile = &tiled[at..at + TILE_ROWS * k * bb];
+            at += tile.len();
             for r in 0..TILE_ROWS {
-                let at = ((TILE_ROWS * t + r) * nb + b) * bb;
-                untile_block(format, tile, r, &mut out[at..at + bb]);
+                let to = (TILE_ROWS * t + r) * row_bytes + first * bb;
+                untile_block(format, tile, r, &mut out[to..to + k * bb]);
             }
         }
     }
@@ -231,6 +282,11 @@ mod tests {
         ));
         assert!(!tile(q4k, &plain[..144 * 4], 4, 256, &mut tiled[..144 * 4]));
         assert!(untile(q4k, &tiled, 12, cols).is_none());
+        assert!(!tileable(q4k, 8, 2880));
+        assert!(tileable(QuantFormat::Q8_0, 8, 2880));
+        assert!(!tileable(QuantFormat::Mxfp4, 12, 2880));
+        assert_eq!(columns(QuantFormat::Mxfp4, 2880), (11, 2));
+        assert_eq!(columns(q4k, 512), (2, 0));
         assert!(!tile(
             QuantFormat::Q5K,
             &plain[..176 * 16],

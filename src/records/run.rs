@@ -88,7 +88,7 @@ pub struct RunStats {
     pub image_bytes: u64,
     /// Bytes of the weights image whose page tables were populated before the first step.
     pub image_populated: u64,
-    /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0 tiles repacked at load (allocated).
+    /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 tiles repacked at load (allocated).
     pub image_tiled: u64,
     /// Sequences preempted because KV blocks ran out (mixed steps; each is prefilled again).
     pub preemptions: usize,

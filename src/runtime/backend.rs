@@ -94,7 +94,7 @@ pub struct MemoryReport {
     pub copies: Option<CopyTotals>,
     /// Bytes of the weights image whose page tables were populated before the first step.
     pub populated: u64,
-    /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0 tiles repacked at load (allocated in place
+    /// Bytes of the weights image held as Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 tiles repacked at load (allocated in place
     /// of the mapped blocks, see `math::qmatmul::tiles`).
     pub tiled: u64,
     /// Expert computations so far that read a format copy of their expert (a declared lossy

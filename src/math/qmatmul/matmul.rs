@@ -309,7 +309,8 @@ impl<'a> Prepared<'a> {
                 if k.body() != QuantBody::Portable {
                     // SAFETY: the body's features are this CPU's (the `QuantKernels`
                     // invariant); `QuantMatrix::new` checked that the tiles are whole tiles
-                    // of `w.cols` of a tileable format (Q4_K, Q6_K, Q8_0, Q4_0: `QuantSlice::tiled`);
+                    // of `w.cols` of a tileable format (Q4_K, Q6_K, Q8_0, Q4_0, MXFP4:
+                    // `QuantSlice::tiled`);
                     // `acts` was made for that format from rows of `w.cols`; PANEL_ROWS is
                     // a multiple of eight, so a panel is whole tiles too, and
                     // o0 + rows <= w.rows; `local` is n_rows * rows.

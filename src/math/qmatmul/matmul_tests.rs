@@ -327,6 +327,13 @@ fn extreme_blocks(format: QuantFormat, n: usize, seed: u64) -> Vec<u8> {
     set_f16(&mut bytes, format, |b, i| {
         picks[(b * 3 + i * 5 + seed as usize) % picks.len()]
     });
+    if format == QuantFormat::Mxfp4 {
+        // The exponent's subnormal scales (0, 1), the first normal one and large ones.
+        let exps = [0u8, 1, 2, 100, 127, 160, 200];
+        for (b, block) in bytes.chunks_exact_mut(17).enumerate() {
+            block[0] = exps[(b * 3 + seed as usize) % exps.len()];
+        }
+    }
     bytes
 }
 
@@ -396,26 +403,34 @@ fn bad_shapes_are_errors() {
     assert!(k.quant_linear(&w, &[], 0, &mut []).is_ok());
 }
 
-/// Q4_K, Q6_K, Q8_0 and Q4_0 matrices tiled at load give the row layout's bits in every body, for
-/// every row count (passes of four rows and their remainders), several panels and extreme
-/// blocks; the portable body on tiles is also held to the row layout's portable bits, and
-/// untiling gives the row layout's bytes back.
+/// Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices tiled at load give the row layout's bits in
+/// every body, for every row count (passes of four rows and their remainders), several
+/// panels and extreme blocks, and for the 32-weight formats rows that end in a partial
+/// column of 1 to 7 blocks (gpt-oss's 2,880: 11 columns and 2 blocks; 96: the partial
+/// column alone); the portable body on tiles is also held to the row layout's portable
+/// bits, and untiling gives the row layout's bytes back.
 #[test]
 fn tiled_matrices_give_the_row_layouts_bits() {
     use super::tiles::{tile, untile};
     let portable = QuantKernels::portable();
     let mut rng = Rng::new(29);
     let shapes = [(8usize, 256usize), (72, 512), (136, 1024)];
+    // Partial last columns of 2, 3, 1 and 7 blocks (odd tile counts, several panels).
+    let partial = [(24usize, 2880usize), (8, 96), (72, 800), (40, 480)];
     let formats = [
         QuantFormat::Q4K,
         QuantFormat::Q6K,
         QuantFormat::Q8_0,
         QuantFormat::Q4_0,
+        QuantFormat::Mxfp4,
     ];
-    for (format, &(rows, cols)) in formats
-        .into_iter()
-        .flat_map(|f| shapes.iter().map(move |s| (f, s)))
-    {
+    for (format, &(rows, cols)) in formats.into_iter().flat_map(|f| {
+        let b32 = f.block_elems() == 32;
+        shapes
+            .iter()
+            .chain(partial.iter().filter(move |_| b32))
+            .map(move |s| (f, s))
+    }) {
         for extreme in [false, true] {
             let n = rows * cols / format.block_elems();
             let bytes = if extreme {
@@ -456,4 +471,25 @@ fn tiled_matrices_give_the_row_layouts_bits() {
     let q5k = random_blocks(QuantFormat::Q5K, 16, 3);
     assert!(QuantSlice::tiled(&q5k, QuantFormat::Q5K, 16 * 256, 256).is_err());
     assert!(QuantMatrix::new(tq, 8, 512).is_err());
+    // A partial column: a tile row is its eight rows' plain bytes, so whole tile rows
+    // slice at the plain rows' offsets; rows that are not whole tiles do not tile.
+    let format = QuantFormat::Mxfp4;
+    let (rows, cols) = (16, 2880);
+    let bytes = random_blocks(format, rows * cols / 32, 5);
+    let mut tiled = vec![0u8; bytes.len()];
+    assert!(tile(format, &bytes, rows, cols, &mut tiled));
+    let tq = QuantSlice::tiled(&tiled, format, rows * cols, cols).unwrap();
+    let row_bytes = cols / 32 * 17;
+    assert_eq!(
+        tq.slice(8 * cols..16 * cols).unwrap().bytes,
+        &tiled[8 * row_bytes..]
+    );
+    assert!(!tile(
+        format,
+        &bytes[..12 * row_bytes],
+        12,
+        cols,
+        &mut tiled[..12 * row_bytes]
+    ));
+    assert!(QuantSlice::tiled(&bytes[..12 * row_bytes], format, 12 * cols, cols).is_err());
 }

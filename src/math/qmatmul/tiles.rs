@@ -5,11 +5,11 @@
 
 use super::dot;
 use crate::quant::q8::Q8Rows;
-use crate::quant::tiles::{group_bytes, untile_block};
-pub use crate::quant::tiles::{tile, tile_bytes, tileable, untile, TILE_BYTES, TILE_ROWS};
+use crate::quant::tiles::{column_spans, untile_block};
+pub use crate::quant::tiles::{columns, tile, tile_bytes, tileable, untile, TILE_BYTES, TILE_ROWS};
 use crate::quant::{QuantFormat, QK_K};
 
-/// Whether the CPU backend repacks Q4_K, Q6_K, Q8_0 and Q4_0 matrices into tiles at load: yes unless
+/// Whether the CPU backend repacks Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices into tiles at load: yes unless
 /// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
 /// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
 pub fn enabled() -> bool {
@@ -23,6 +23,11 @@ pub fn enabled() -> bool {
         }
     })
 }
+
+/// What the MXFP4 tile bodies add to each table value (`kvalues_mxfp4`, −12..=12) so the
+/// unsigned side of the dot-product instructions can take it (0..=24); the lanes start
+/// from `−12 · Σ x` to take it off again.
+pub(super) const MXFP4_OFFSET: i32 = 12;
 
 /// The activation side the SIMD bodies read per (row, block), besides the codes.
 ///
@@ -61,6 +66,7 @@ impl<'a> TileActs<'a> {
         if let Some(offset) = match format {
             QuantFormat::Q8_0 => Some(128),
             QuantFormat::Q4_0 => Some(8),
+            QuantFormat::Mxfp4 => Some(MXFP4_OFFSET),
             _ => None,
         } {
             // Per 32-code block: lane `h` of a row's 64-bit group covers codes `8g + 4h..`
@@ -148,8 +154,8 @@ impl<'a> TileActs<'a> {
         &self.quads[at..at + 64]
     }
 
-    /// Q8_0 and Q4_0: row `r`'s two lane offsets of (32-code) block `b`: `−128 · Σ x`
-    /// (Q8_0) or `−8 · Σ x` (Q4_0) over the codes `8g..8g + 4` and `8g + 4..8g + 8` of its
+    /// Q8_0, Q4_0 and MXFP4: row `r`'s two lane offsets of (32-code) block `b`: `−128 · Σ x`
+    /// (Q8_0), `−8 · Σ x` (Q4_0) or `−12 · Σ x` (MXFP4, [`MXFP4_OFFSET`]) over the codes `8g..8g + 4` and `8g + 4..8g + 8` of its
     /// four groups of eight.
     pub fn block_offsets(&self, r: usize, b: usize) -> &[i32] {
         let at = (r * self.q.blocks_per_row() + b) * 2;
@@ -175,20 +181,24 @@ pub(super) fn portable_panel(
     rows: usize,
     local: &mut [f32],
 ) {
-    let (nb, tb) = (cols / QK_K, tile_bytes(format));
-    let (bb, sub) = (format.block_bytes(), QK_K / format.block_elems());
+    let bb = format.block_bytes();
+    let row_bytes = cols / format.block_elems() * bb;
     let k_quant = acts.format == crate::quant::q8::ActFormat::Q8K;
-    let mut group = vec![0u8; group_bytes(format)];
+    let mut group = vec![0u8; bb * QK_K / format.block_elems()];
     for t in 0..rows / TILE_ROWS {
-        let tile_row = &bytes[(o0 / TILE_ROWS + t) * nb * tb..];
+        let tile_row = &bytes[(o0 + t * TILE_ROWS) * row_bytes..];
         for l in 0..TILE_ROWS {
             let i = t * TILE_ROWS + l;
             for r in 0..acts.n_rows {
                 let mut acc = 0.0f32;
-                for b in 0..nb {
-                    untile_block(format, &tile_row[b * tb..(b + 1) * tb], l, &mut group);
+                let mut at = 0;
+                for (first, k) in column_spans(format, cols) {
+                    let tile = &tile_row[at..at + TILE_ROWS * k * bb];
+                    at += tile.len();
+                    let group = &mut group[..k * bb];
+                    untile_block(format, tile, l, group);
                     for (j, block) in group.chunks_exact(bb).enumerate() {
-                        let blk = sub * b + j;
+                        let blk = first + j;
                         let bsums = if k_quant {
                             acts.block_bsums(r, blk)
                         } else {

@@ -1,7 +1,12 @@
 //! The AVX-512 VNNI and AVX2 bodies of the products from tiles of 32-weight blocks: Q8_0
-//! ([`super::tiles_q8_0`]) and Q4_0 ([`super::tiles_q4_0`]). One pass over a tile row for
-//! up to four activation rows at a time, each output's integer sum of a block in two 32-bit
-//! lanes, the eight outputs' f32 block values in one register.
+//! ([`super::tiles_q8_0`]), Q4_0 ([`super::tiles_q4_0`]) and MXFP4
+//! ([`super::tiles_mxfp4`]). One pass over a tile row for up to four activation rows at a
+//! time, each output's integer sum of a block in two 32-bit lanes, the eight outputs' f32
+//! block values in one register. The AVX2 pass also reads a row's partial last column
+//! (rows of whole blocks that are not whole columns of 256, gpt-oss's 2,880); the VNNI pass
+//! reads whole columns of Q8_0 and Q4_0 only, and [`pass`] gives the rest to the AVX2 pass
+//! (every CPU with VNNI has AVX2; a VNNI MXFP4 body was not written: the machine this was
+//! built on has no AVX-512 to test it).
 //!
 //! The weight codes go to the unsigned side of the dot-product instructions: Q8_0's tile
 //! holds each code offset by 128, Q4_0's codes are 0..16 for a weight of `q − 8`. A row's two
@@ -11,16 +16,59 @@
 //! eight codes of eight rows, the activation's eight codes broadcast to every 64-bit lane.
 //! AVX2: Q4_0 by `vpmaddubsw` (pairs at most 2 · 15 · 127) and `vpmaddwd`; Q8_0 undoes the
 //! offset and multiplies `|q|` by `x` carrying `q`'s sign (`vpsignb`; pairs at most 2 · 128 ·
-//! 127, never saturating: Q8_0 activations are within ±127), starting from zero.
+//! 127, never saturating: Q8_0 activations are within ±127), starting from zero. MXFP4 is
+//! Q4_0's pass with each code replaced by its table value plus 12 (`vpshufb`: 0..=24, pairs
+//! at most 2 · 24 · 128) and lanes starting from `−12 · Σ x`; its eight rows' scales are
+//! their e8m0 exponents turned into `2^(e − 128)` as ggml's `ggml_e8m0_to_fp32_half` builds
+//! them (the bits, subnormals for `e` < 2).
 //!
 //! Guarantees: the integer sums are exact, and the f32 value of a block is
-//! `(d·dy)·f32(isum)` per output, each step one rounded operation, added to the output's
+//! `(d·dy)·f32(isum)` per output (`d` = `2^(e − 128)` for MXFP4), each step one rounded operation, added to the output's
 //! sum block by block in order: the portable body's bits.
 
-use super::tiles::TileActs;
-use super::tiles_x86::{bcast256, bcast512, prefetch_ahead};
-use crate::quant::{tiles_q4_0, tiles_q8_0};
+use super::tiles::{TileActs, MXFP4_OFFSET, TILE_ROWS};
+use super::tiles_x86::{bcast256, bcast512, prefetch_ahead, PASS_ROWS};
+use crate::quant::{tiles_mxfp4, tiles_q4_0, tiles_q8_0};
 use std::arch::x86_64::*;
+
+/// The 32-weight tiles a pass reads (its `F` parameter).
+pub(super) const Q8_0: u8 = 0;
+/// Q4_0 tiles.
+pub(super) const Q4_0: u8 = 1;
+/// MXFP4 tiles.
+pub(super) const MXFP4: u8 = 2;
+
+/// Bytes of one block of tile kind `f`.
+const fn block_bytes(f: u8) -> usize {
+    match f {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 17,
+    }
+}
+
+/// Bytes of a block's scale in tile kind `f` (f16 `d`, or MXFP4's exponent byte).
+const fn scale_bytes(f: u8) -> usize {
+    if f == MXFP4 {
+        1
+    } else {
+        2
+    }
+}
+
+/// Bytes of the eight rows' codes of one block in tile kind `f`.
+const fn code_bytes(f: u8) -> usize {
+    if f == Q8_0 {
+        256
+    } else {
+        128
+    }
+}
+
+const _: () = assert!(tiles_q8_0::TILE == TILE_ROWS * 8 * block_bytes(Q8_0));
+const _: () = assert!(tiles_q4_0::TILE == TILE_ROWS * 8 * block_bytes(Q4_0));
+const _: () = assert!(tiles_mxfp4::TILE == TILE_ROWS * 8 * block_bytes(MXFP4));
+const _: () = assert!(tiles_mxfp4::CODES == TILE_ROWS * 8 * scale_bytes(MXFP4));
 
 /// Where the codes start in both tiles (after the 64 `d`).
 const CODES: usize = tiles_q8_0::CODES;
@@ -39,9 +87,30 @@ const fn tile_bytes(q4: bool) -> usize {
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn block_values(t: &[u8], j: usize, dy: f32, isum: __m256i) -> __m256 {
-    assert!(t.len() >= 16 * (j + 1));
-    // SAFETY: 16 bytes at `16 j` (asserted).
-    let d = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(t.as_ptr().add(16 * j) as *const __m128i) });
+    block_values_f::<Q8_0>(t, j, dy, isum)
+}
+
+/// [`block_values`] of tile kind `F`: `d` is the f16 scale widened, or for MXFP4 the
+/// exponent's `2^(e − 128)` (`crate::quant::blocks::e8m0_half`'s bits: `(e − 1) << 23`,
+/// or `0x0020_0000 << e` for the subnormals of `e` < 2).
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn block_values_f<const F: u8>(t: &[u8], j: usize, dy: f32, isum: __m256i) -> __m256 {
+    let sb = scale_bytes(F);
+    assert!(t.len() >= 8 * sb * (j + 1));
+    let d = if F == MXFP4 {
+        // SAFETY: 8 bytes at `8 j` (asserted).
+        let e = _mm256_cvtepu8_epi32(unsafe {
+            _mm_loadl_epi64(t.as_ptr().add(8 * j) as *const __m128i)
+        });
+        let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+        let small = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+        let is_small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, is_small))
+    } else {
+        // SAFETY: 16 bytes at `16 j` (asserted).
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(t.as_ptr().add(16 * j) as *const __m128i) })
+    };
     _mm256_mul_ps(
         _mm256_mul_ps(d, _mm256_set1_ps(dy)),
         _mm256_cvtepi32_ps(isum),
@@ -54,7 +123,7 @@ fn block_values(t: &[u8], j: usize, dy: f32, isum: __m256i) -> __m256 {
 /// AVX-512 F/BW/VL and VNNI, AVX2, F16C available; `tile_row` holds `nb` tiles of that
 /// format; rows `r0..r0 + N` of `acts` exist, have `8 nb` blocks and were made for it.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn pass_vnni<const Q4: bool, const N: usize>(
+unsafe fn pass_vnni<const Q4: bool, const N: usize>(
     tile_row: &[u8],
     nb: usize,
     acts: &TileActs<'_>,
@@ -108,82 +177,168 @@ pub(super) unsafe fn pass_vnni<const Q4: bool, const N: usize>(
     acc
 }
 
-/// The AVX2 pass over Q4_0 tiles (`Q4`) or Q8_0 tiles.
+/// The AVX2 pass over a tile row of kind `F` ([`Q8_0`], [`Q4_0`], [`MXFP4`]): `full`
+/// whole columns, then the partial column of `part` blocks (none when 0).
 ///
 /// # Safety
-/// AVX2 and F16C available; as [`pass_vnni`].
+/// AVX2 and F16C available; `tile_row` holds that tile row of that format (`8 (8 full +
+/// part)` blocks); rows `r0..r0 + N` of `acts` exist, have `8 full + part` blocks and were
+/// made for it.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn pass_avx2<const Q4: bool, const N: usize>(
+pub(super) unsafe fn pass_avx2<const F: u8, const N: usize>(
     tile_row: &[u8],
-    nb: usize,
+    full: usize,
+    part: usize,
     acts: &TileActs<'_>,
     r0: usize,
 ) -> [__m256; N] {
-    let tb = tile_bytes(Q4);
-    assert!(tile_row.len() >= nb * tb && r0 + N <= acts.q.n_rows);
+    let bb = block_bytes(F);
+    let nibbles = F != Q8_0;
+    assert!(tile_row.len() >= TILE_ROWS * (8 * full + part) * bb && r0 + N <= acts.q.n_rows);
     let (flip, ones, m4) = (
         _mm256_set1_epi8(-128),
         _mm256_set1_epi16(1),
         _mm256_set1_epi8(0x0f),
     );
+    // `kvalues_mxfp4` plus MXFP4_OFFSET, in both 128-bit halves (`vpshufb` looks up per half).
+    let off = MXFP4_OFFSET as i8;
+    let kv: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+    let table: [i8; 32] = std::array::from_fn(|i| kv[i % 16] + off);
+    // SAFETY: 32 bytes.
+    let table = unsafe { _mm256_loadu_si256(table.as_ptr() as *const __m256i) };
     let mut acc = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
-        let t = &tile_row[b * tb..(b + 1) * tb];
-        for j in 0..8 {
-            let at = CODES + if Q4 { 128 * j } else { 256 * j };
-            prefetch_ahead(t, tb, at, if Q4 { 2 } else { 4 });
+    let mut at_col = 0;
+    for b in 0..full + usize::from(part > 0) {
+        let k = if b < full { 8 } else { part };
+        let tb = TILE_ROWS * k * bb;
+        let t = &tile_row[at_col..at_col + tb];
+        at_col += tb;
+        let codes = TILE_ROWS * k * scale_bytes(F);
+        for j in 0..k {
+            let at = codes + code_bytes(F) * j;
+            prefetch_ahead(t, tb, at, code_bytes(F) / 64);
             let blk = 8 * b + j;
             let x: [&[i8]; N] = std::array::from_fn(|a| acts.codes(r0 + a, blk));
             let off: [&[i32]; N] = std::array::from_fn(|a| acts.block_offsets(r0 + a, blk));
             assert!(x.iter().all(|x| x.len() >= 32) && off.iter().all(|o| o.len() >= 2));
-            // SAFETY: as in `pass_vnni`.
+            assert!(t.len() >= at + code_bytes(F));
+            // SAFETY: the block's code bytes (`at..at + code_bytes`) are inside the tile
+            // (asserted); every activation row has 32 codes and 2 offsets per block
+            // (asserted).
             unsafe {
-                // Codes 8g.. of rows 0-3 and rows 4-7: Q4_0's unsigned, Q8_0's signed.
-                let w: [[__m256i; 2]; 4] = std::array::from_fn(|g| {
-                    std::array::from_fn(|half| {
-                        if Q4 {
+                // Lanes start from the offsets (Q4_0, MXFP4) or zero (Q8_0).
+                let mut s: [[__m256i; 2]; N] = std::array::from_fn(|a| {
+                    let start = if nibbles {
+                        bcast256(off[a].as_ptr())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    [start; 2]
+                });
+                // Per group of eight codes, its weights (rows 0-3 and 4-7: Q4_0's and
+                // MXFP4's unsigned, Q8_0's signed) then every activation row: only two
+                // weight registers live at once beside the 2N sums (16 registers).
+                for g in 0..4 {
+                    let wg: [__m256i; 2] = std::array::from_fn(|half| {
+                        if nibbles {
                             let p = t.as_ptr().add(at + 64 * (g / 2) + 32 * half);
                             let raw = _mm256_loadu_si256(p as *const __m256i);
-                            if g % 2 == 0 {
+                            let q = if g % 2 == 0 {
                                 _mm256_and_si256(raw, m4)
                             } else {
                                 _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4)
+                            };
+                            if F == MXFP4 {
+                                _mm256_shuffle_epi8(table, q)
+                            } else {
+                                q
                             }
                         } else {
                             let p = t.as_ptr().add(at + 64 * g + 32 * half);
                             _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip)
                         }
-                    })
-                });
-                for a in 0..N {
-                    let start = if Q4 {
-                        bcast256(off[a].as_ptr())
+                    });
+                    let mag: [__m256i; 2] = if nibbles {
+                        wg
                     } else {
-                        _mm256_setzero_si256()
+                        [_mm256_abs_epi8(wg[0]), _mm256_abs_epi8(wg[1])]
                     };
-                    let mut s = [start; 2];
-                    for (g, wg) in w.iter().enumerate() {
+                    for (a, sa) in s.iter_mut().enumerate() {
                         let y = bcast256(x[a].as_ptr().add(8 * g));
                         for half in 0..2 {
-                            let p = if Q4 {
-                                _mm256_maddubs_epi16(wg[half], y)
+                            let p = if nibbles {
+                                _mm256_maddubs_epi16(mag[half], y)
                             } else {
-                                _mm256_maddubs_epi16(
-                                    _mm256_abs_epi8(wg[half]),
-                                    _mm256_sign_epi8(y, wg[half]),
-                                )
+                                _mm256_maddubs_epi16(mag[half], _mm256_sign_epi8(y, wg[half]))
                             };
-                            s[half] = _mm256_add_epi32(s[half], _mm256_madd_epi16(p, ones));
+                            sa[half] = _mm256_add_epi32(sa[half], _mm256_madd_epi16(p, ones));
                         }
                     }
+                }
+                for (a, sa) in s.iter().enumerate() {
                     // [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order.
-                    let hs = _mm256_hadd_epi32(s[0], s[1]);
+                    let hs = _mm256_hadd_epi32(sa[0], sa[1]);
                     let isum = _mm256_permute4x64_epi64::<0b11_01_10_00>(hs);
-                    let v = block_values(t, j, acts.q.block_d(r0 + a, blk), isum);
+                    let v = block_values_f::<F>(t, j, acts.q.block_d(r0 + a, blk), isum);
                     acc[a] = _mm256_add_ps(acc[a], v);
                 }
             }
         }
     }
     acc
+}
+
+/// Stores a pass's registers into plain arrays.
+fn store<const N: usize>(dst: &mut [[f32; TILE_ROWS]; PASS_ROWS], v: [__m256; N]) {
+    for (d, v) in dst.iter_mut().zip(v) {
+        // SAFETY: `__m256` is eight f32 in lane order, as `[f32; 8]` (same size, any bits
+        // valid).
+        *d = unsafe { std::mem::transmute::<__m256, [f32; TILE_ROWS]>(v) };
+    }
+}
+
+/// One pass of `n` (1..=4) activation rows from `r0` over a tile row of kind `f`
+/// (`full` whole columns then `part` blocks), into `sums[a]` for row `r0 + a`: the VNNI
+/// pass when `vnni` and the tile row is whole columns of Q8_0 or Q4_0, the AVX2 pass
+/// otherwise.
+///
+/// # Safety
+/// As [`pass_avx2`] (and [`pass_vnni`] when `vnni`: the CPU has its features), with `N` =
+/// `n`.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pass(
+    f: u8,
+    vnni: bool,
+    n: usize,
+    tr: &[u8],
+    (full, part): (usize, usize),
+    acts: &TileActs<'_>,
+    r0: usize,
+    s: &mut [[f32; TILE_ROWS]; PASS_ROWS],
+) {
+    // SAFETY: the caller's contract, for whichever pass runs.
+    unsafe {
+        match (f, vnni && part == 0 && f != MXFP4, n) {
+            (Q8_0, true, 1) => store(s, pass_vnni::<false, 1>(tr, full, acts, r0)),
+            (Q8_0, true, 2) => store(s, pass_vnni::<false, 2>(tr, full, acts, r0)),
+            (Q8_0, true, 3) => store(s, pass_vnni::<false, 3>(tr, full, acts, r0)),
+            (Q8_0, true, _) => store(s, pass_vnni::<false, 4>(tr, full, acts, r0)),
+            (Q4_0, true, 1) => store(s, pass_vnni::<true, 1>(tr, full, acts, r0)),
+            (Q4_0, true, 2) => store(s, pass_vnni::<true, 2>(tr, full, acts, r0)),
+            (Q4_0, true, 3) => store(s, pass_vnni::<true, 3>(tr, full, acts, r0)),
+            (Q4_0, true, _) => store(s, pass_vnni::<true, 4>(tr, full, acts, r0)),
+            (Q8_0, _, 1) => store(s, pass_avx2::<Q8_0, 1>(tr, full, part, acts, r0)),
+            (Q8_0, _, 2) => store(s, pass_avx2::<Q8_0, 2>(tr, full, part, acts, r0)),
+            (Q8_0, _, 3) => store(s, pass_avx2::<Q8_0, 3>(tr, full, part, acts, r0)),
+            (Q8_0, _, _) => store(s, pass_avx2::<Q8_0, 4>(tr, full, part, acts, r0)),
+            (Q4_0, _, 1) => store(s, pass_avx2::<Q4_0, 1>(tr, full, part, acts, r0)),
+            (Q4_0, _, 2) => store(s, pass_avx2::<Q4_0, 2>(tr, full, part, acts, r0)),
+            (Q4_0, _, 3) => store(s, pass_avx2::<Q4_0, 3>(tr, full, part, acts, r0)),
+            (Q4_0, _, _) => store(s, pass_avx2::<Q4_0, 4>(tr, full, part, acts, r0)),
+            (_, _, 1) => store(s, pass_avx2::<MXFP4, 1>(tr, full, part, acts, r0)),
+            (_, _, 2) => store(s, pass_avx2::<MXFP4, 2>(tr, full, part, acts, r0)),
+            (_, _, 3) => store(s, pass_avx2::<MXFP4, 3>(tr, full, part, acts, r0)),
+            (_, _, _) => store(s, pass_avx2::<MXFP4, 4>(tr, full, part, acts, r0)),
+        }
+    }
 }

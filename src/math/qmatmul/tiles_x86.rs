@@ -24,7 +24,7 @@ use crate::quant::{QuantFormat, QK_K};
 use std::arch::x86_64::*;
 
 /// Activation rows per pass over a tile.
-const PASS_ROWS: usize = 4;
+pub(super) const PASS_ROWS: usize = 4;
 
 /// The f32 values of one block for eight outputs: `(dx·dy)·f32(isum) − (dmin·dy)·f32(imin)`.
 #[target_feature(enable = "avx2")]
@@ -325,9 +325,9 @@ unsafe fn pass_avx2<const N: usize>(
     acc
 }
 
-/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K, Q6_K, Q8_0 or Q4_0) times every
-/// row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies (`vnni`) or the
-/// AVX2 ones.
+/// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K, Q6_K, Q8_0, Q4_0 or
+/// MXFP4) times every row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies
+/// (`vnni`, where one exists for the tiles: see `tiles_b32_x86::pass`) or the AVX2 ones.
 ///
 /// # Safety
 /// The CPU has the body's features (AVX-512 F/BW/VL, VNNI, AVX2, F16C for `vnni`; AVX2,
@@ -346,25 +346,28 @@ pub(super) unsafe fn panel(
     use super::tiles_b32_x86 as b32;
     use super::tiles_q6k_x86 as q6;
     let nb = cols / QK_K;
-    let tb = super::tiles::tile_bytes(format);
-    // 0: Q4_K, 1: Q6_K, 2: Q8_0, 3: Q4_0.
+    // The 32-weight formats' whole columns and the blocks of their partial one.
+    let spans = super::tiles::columns(format, cols);
+    // 0: Q4_K, 1: Q6_K, otherwise a 32-weight tile kind.
     let kind = match format {
         QuantFormat::Q6K => 1,
         QuantFormat::Q8_0 => 2,
         QuantFormat::Q4_0 => 3,
+        QuantFormat::Mxfp4 => 4,
         _ => 0,
     };
+    let tile_row_bytes = TILE_ROWS * w.row_bytes();
     let n_rows = acts.q.n_rows;
     for t in 0..rows / TILE_ROWS {
-        let at = (o0 / TILE_ROWS + t) * nb * tb;
-        let tile_row = &bytes[at..at + nb * tb];
+        let at = (o0 / TILE_ROWS + t) * tile_row_bytes;
+        let tile_row = &bytes[at..at + tile_row_bytes];
         let mut r0 = 0;
         while r0 < n_rows {
             let n = PASS_ROWS.min(n_rows - r0);
             let mut sums = [[0.0f32; TILE_ROWS]; PASS_ROWS];
             let (tr, s) = (tile_row, &mut sums);
             // SAFETY: the caller's contract (features, lengths, the format's tiles and
-            // activation sums); `r0 + n <= n_rows`.
+            // activation sums); `r0 + n <= n_rows`; a tile row is `8 · row_bytes`.
             unsafe {
                 match (kind, vnni, n) {
                     (0, true, 1) => store(s, pass_vnni::<1>(tr, nb, acts, r0)),
@@ -383,22 +386,9 @@ pub(super) unsafe fn panel(
                     (1, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
                     (1, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
                     (1, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
-                    (2, true, 1) => store(s, b32::pass_vnni::<false, 1>(tr, nb, acts, r0)),
-                    (2, true, 2) => store(s, b32::pass_vnni::<false, 2>(tr, nb, acts, r0)),
-                    (2, true, 3) => store(s, b32::pass_vnni::<false, 3>(tr, nb, acts, r0)),
-                    (2, true, _) => store(s, b32::pass_vnni::<false, 4>(tr, nb, acts, r0)),
-                    (2, false, 1) => store(s, b32::pass_avx2::<false, 1>(tr, nb, acts, r0)),
-                    (2, false, 2) => store(s, b32::pass_avx2::<false, 2>(tr, nb, acts, r0)),
-                    (2, false, 3) => store(s, b32::pass_avx2::<false, 3>(tr, nb, acts, r0)),
-                    (2, false, _) => store(s, b32::pass_avx2::<false, 4>(tr, nb, acts, r0)),
-                    (_, true, 1) => store(s, b32::pass_vnni::<true, 1>(tr, nb, acts, r0)),
-                    (_, true, 2) => store(s, b32::pass_vnni::<true, 2>(tr, nb, acts, r0)),
-                    (_, true, 3) => store(s, b32::pass_vnni::<true, 3>(tr, nb, acts, r0)),
-                    (_, true, _) => store(s, b32::pass_vnni::<true, 4>(tr, nb, acts, r0)),
-                    (_, false, 1) => store(s, b32::pass_avx2::<true, 1>(tr, nb, acts, r0)),
-                    (_, false, 2) => store(s, b32::pass_avx2::<true, 2>(tr, nb, acts, r0)),
-                    (_, false, 3) => store(s, b32::pass_avx2::<true, 3>(tr, nb, acts, r0)),
-                    (_, false, _) => store(s, b32::pass_avx2::<true, 4>(tr, nb, acts, r0)),
+                    (2, _, _) => b32::pass(b32::Q8_0, vnni, n, tr, spans, acts, r0, s),
+                    (3, _, _) => b32::pass(b32::Q4_0, vnni, n, tr, spans, acts, r0, s),
+                    (_, _, _) => b32::pass(b32::MXFP4, vnni, n, tr, spans, acts, r0, s),
                 }
             }
             for (a, s) in sums.iter().enumerate().take(n) {

@@ -55,7 +55,7 @@ enum TensorBytes<'c> {
     Decoded(&'c [u8]),
     /// An aligned copy (the stored bytes were misaligned for the dtype).
     Owned(ImageBuffer),
-    /// A Q4_K, Q6_K, Q8_0 or Q4_0 matrix repacked into tiles of eight rows (`math::qmatmul::tiles`) for the
+    /// A Q4_K, Q6_K, Q8_0, Q4_0 or MXFP4 matrix repacked into tiles of eight rows (`math::qmatmul::tiles`) for the
     /// CPU backend's products: the same length as the blocks it replaces, whose file
     /// pages are dropped from this process once repacked; `len` bytes at `at` of the one
     /// arena every tiled matrix shares.
@@ -227,7 +227,7 @@ impl<'c> MappedImage<'c> {
         done
     }
 
-    /// Repacks the Q4_K, Q6_K, Q8_0 and Q4_0 matrices `tensors` (tag, format, rows, cols: what
+    /// Repacks the Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices `tensors` (tag, format, rows, cols: what
     /// [`ImageLayout::tileable`] lists) into tiles of eight rows, each in place of its
     /// mapped bytes (the same length, so every offset of the image stays), and drops the
     /// file pages it read from this process ([`Checkpoint::release_mapped`]: only pages of

@@ -393,7 +393,7 @@ impl<'c> HostMemory<'c> {
         let n = self.layout.tiled.len();
         if n > 0 {
             Some(format!(
-                "Q4_K/Q6_K/Q8_0/Q4_0 matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
+                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
                  place of their blocks)",
                 self.tiled as f64 / (1u64 << 20) as f64
             ))
@@ -401,11 +401,14 @@ impl<'c> HostMemory<'c> {
             None
         } else if !crate::math::qmatmul::tiles::enabled() {
             Some(
-                "Q4_K/Q6_K/Q8_0/Q4_0 matrices in ggml's row layout (MOEC_QUANT_TILES=off)"
+                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in ggml's row layout (MOEC_QUANT_TILES=off)"
                     .to_string(),
             )
         } else {
-            Some("Q4_K/Q6_K/Q8_0/Q4_0 matrices in ggml's row layout (decoded products)".to_string())
+            Some(
+                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in ggml's row layout (decoded products)"
+                    .to_string(),
+            )
         }
     }
 

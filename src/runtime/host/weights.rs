@@ -288,10 +288,11 @@ impl ImageLayout {
     }
 
     /// The tensors the CPU backend may hold in tiles of eight rows, with their format and
-    /// `(rows, cols)`: the Q4_K, Q6_K, Q8_0 and Q4_0 out-in matrices that only ever multiply whole
-    /// (attention projections, dense, shared and expert FFN matrices, the lm_head; not
+    /// `(rows, cols)`: the Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 out-in matrices that only ever
+    /// multiply whole (attention projections, dense, shared and expert FFN matrices, gpt-oss's
+    /// fused gate/up stored out-in, the lm_head; not
     /// MLA's per-head pieces nor the embedding, whose rows are read one at a time) and
-    /// whose rows are whole tiles.
+    /// whose rows are whole tiles (eight rows of whole blocks).
     pub fn tileable(&self) -> Vec<(WeightTag, QuantFormat, usize, usize)> {
         use crate::math::qmatmul::tiles::tileable;
         use crate::model::vocab::Orientation;
@@ -312,6 +313,7 @@ impl ImageLayout {
                     | SegmentKind::ExpertGate(_)
                     | SegmentKind::ExpertUp(_)
                     | SegmentKind::ExpertDown(_)
+                    | SegmentKind::ExpertGateUp(_)
             )
         };
         let mut out = Vec::new();
