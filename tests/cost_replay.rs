@@ -942,3 +942,90 @@ fn a_cache_hit_is_charged_as_the_no_op_it_was() {
     assert!(hit_lines.iter().all(|o| o.predicted_seconds == 0.0));
     assert!(!copied.ops.iter().any(|o| o.op.ends_with(" (hit)")));
 }
+
+/// ONE_STREAM with weight copies in its decode step: a layer's experts from the checkpoint
+/// into pinned staging on `pin` (`cpu.copy`), from there to the GPU on `h2d`
+/// (`gpu.copy_in`), and another layer's experts from the checkpoint straight to the GPU.
+fn weight_copies() -> String {
+    ONE_STREAM
+        .replace(
+            "stream cpu: cpu.compute",
+            "stream cpu: cpu.compute\nstream pin: cpu.copy\nstream h2d: gpu.copy_in",
+        )
+        .replace(
+            "buffer h[2]:",
+            "buffer w_pin: pinned = W[0].experts(0, experts)\n\
+             buffer w_gpu: gpu = W[0].experts(0, experts)\n\
+             buffer w_dir: gpu = W[1].experts(0, experts)\n\
+             buffer h[2]:",
+        )
+        .replace(
+            "decode { forward(decode, 1) }",
+            "decode {\n  forward(decode, 1)\n  \
+             copy W[0].experts(0, experts) -> w_pin on pin\n  \
+             copy w_pin -> w_gpu on h2d\n  \
+             copy W[1].experts(0, experts) -> w_dir on h2d\n}",
+        )
+}
+
+/// Issue 44 point 5: registered weights in the replay, by hand. mixtral-tiny's experts of
+/// a layer are 8 x 196,608 = 1,572,864 B; on the T4 profile (16 GB/s pinned -> GPU,
+/// 8 GB/s pageable -> GPU, 50 GB/s pageable -> pinned, no per-task costs):
+/// - copies as copies (a paper's profile): checkpoint -> pinned 1,572,864 / 50e9 =
+///   31.457 us, pinned -> GPU 1,572,864 / 16e9 = 98.304 us, checkpoint -> GPU
+///   1,572,864 / 8e9 = 196.608 us (pageable);
+/// - bound (the CPU backend: every weight copy moves labels, at 1e4 GB/s): each
+///   1,572,864 / 1e13 = 0.157 us;
+/// - registered (the CUDA backend over a registered checkpoint): the host copy moves labels
+///   (0.157 us), and both device copies are DMA from page-locked memory at the pinned
+///   rate, 98.304 us each: the copy straight from the checkpoint is no longer charged the
+///   pageable rate, nor the staged one the bound rate.
+#[test]
+fn registered_weights_are_label_moves_on_the_host_and_pinned_dma_to_the_gpu_by_hand() {
+    let c = compiled(&weight_copies(), 16, 4);
+    let deps = deps(&c);
+    let index = step(&c, StepKind::Decode);
+    let settings = CostSettings::default();
+    let times = |bound: bool, registered: bool| {
+        let mut profile = HardwareProfile::load("t4").unwrap();
+        if bound {
+            profile.adjustments.weight_copy_bytes_per_s = 1e13;
+        }
+        profile.adjustments.registered_weights = registered;
+        let p = predict_step_at(
+            &c.program,
+            &deps,
+            index,
+            &profile,
+            &settings,
+            &[decoding(2, 20), decoding(2, 20)],
+        )
+        .unwrap();
+        let op = |name: &str| p.op_seconds[name].0;
+        (
+            op("copy weights host->pinned"),
+            op("copy weights pinned->gpu"),
+            op("copy weights host->gpu"),
+        )
+    };
+    let bytes = 1_572_864.0;
+    let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want.max(1e-6);
+    let (pin, staged, direct) = times(false, false);
+    assert!(close(pin, bytes / 50e9), "copied: pin {pin}");
+    assert!(close(staged, bytes / 16e9), "copied: pinned->gpu {staged}");
+    assert!(
+        close(direct, bytes / 8e9),
+        "copied: checkpoint->gpu {direct}"
+    );
+    let (pin, staged, direct) = times(true, false);
+    for t in [pin, staged, direct] {
+        assert!(close(t, bytes / 1e13), "bound: {t}");
+    }
+    let (pin, staged, direct) = times(true, true);
+    assert!(close(pin, bytes / 1e13), "registered: pin {pin}");
+    assert!(close(staged, 98.304e-6), "registered: pinned->gpu {staged}");
+    assert!(
+        close(direct, 98.304e-6),
+        "registered: checkpoint->gpu {direct}"
+    );
+}

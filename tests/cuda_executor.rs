@@ -961,6 +961,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             &["--set", "n_gpu=32", "--set", "ubs=2"][..],
         ),
         ("schedules/flexgen.sched", &[][..]),
+        ("schedules/cgopipe.sched", &[][..]),
     ] {
         let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
         cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -1021,6 +1022,9 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             );
         }
         assert_eq!(calls(&more_counts, "cuGraphLaunch"), 5, "{schedule}");
+        if schedule.ends_with("cgopipe.sched") {
+            cgopipe_host_nodes(&counts, &more_counts, &doc);
+        }
     }
     // A host decision inside the step: no graph, and why.
     let (_, counts, doc) = counted_run(
@@ -1043,6 +1047,59 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
     assert_eq!((replayed, captured, plain), (0, 0, 5), "{why}");
     assert!(why.contains("read back to the host"), "{why}");
     assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), 0);
+    // Its guards read the routing back once per layer and step (issue 44 point 4 counts
+    // them): 4 layers x (1 prefill + 5 decode steps) = 24, 4 a step.
+    let line = doc["backend"].as_str().expect("backend line");
+    assert!(
+        line.contains("; 24 routing read-backs for the plan's guards;"),
+        "{line}"
+    );
+}
+
+/// Issue 44 point 4, on the counts of `decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens`:
+/// CGOPipe's decode step, whose `cpu` stream waits for the device in every layer (CPU
+/// attention between the GPU's pre- and post-attention), is recorded with its host tasks
+/// as host nodes of the step's graph (`runtime::cuda::graph::HostRole`): `embed` and `attn`
+/// on the host lane of `cpu`, their waits and records as events there, and `W_CToPin` on
+/// `pin` moving labels while the step is recorded. On mixtral-tiny (4 layers), 2 prompts
+/// in micro-batch 0 of 4: the graph holds 4 x 4 = 16 `attn` and 4 `embed` host nodes, 20
+/// (5 a layer); the plain first step and the capture submit them (40 `cuLaunchHostFunc`),
+/// replays none, and a replayed step (7 tokens against 6) waits on no event from the host.
+/// Before host nodes (`MOEC_CUDA_HOST_NODES=off`) every decode step ran plainly ("a host
+/// stream waits for device work inside the step"), with the same tokens (docs/gpu.md).
+fn cgopipe_host_nodes(
+    counts: &std::collections::BTreeMap<String, u64>,
+    more_counts: &std::collections::BTreeMap<String, u64>,
+    doc: &serde_json::Value,
+) {
+    let host_nodes = calls(counts, "captured:cuLaunchHostFunc");
+    let kernel_nodes: u64 = counts
+        .iter()
+        .filter(|(k, _)| k.starts_with("captured:cuLaunchKernel"))
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(host_nodes, 20, "{counts:?}");
+    assert_eq!(calls(counts, "cuLaunchHostFunc"), 2 * host_nodes);
+    for name in ["cuLaunchHostFunc", "cuEventSynchronize"] {
+        assert_eq!(
+            calls(more_counts, name),
+            calls(counts, name),
+            "a replayed cgopipe step called {name}"
+        );
+    }
+    let line = doc["backend"].as_str().expect("backend line");
+    assert!(
+        line.contains(&format!(
+            "{} host tasks run as host nodes of recorded steps",
+            5 * host_nodes
+        )),
+        "{line}"
+    );
+    println!(
+        "cgopipe's decode graph on mixtral-tiny: {kernel_nodes} kernel nodes, {host_nodes} host \
+         nodes ({} a layer)",
+        host_nodes / 4
+    );
 }
 
 /// Issue 44: `--dump-logits` (a read-back of each step's logits into pinned staging, part

@@ -446,6 +446,13 @@ pub struct Adjustments {
     /// classes differently.
     #[serde(default)]
     pub weight_copy_bytes_per_s: f64,
+    /// The device reads the host's checkpoint in place (registered with the driver,
+    /// `runtime::cuda::host_weights`): a weight copy into a host level moves labels only
+    /// (charged at `weight_copy_bytes_per_s`, the bound rate, when set), and a weight copy
+    /// from any host level into the GPU is DMA out of page-locked memory, at the pinned
+    /// link's rate (a pageable checkpoint would go at the pageable rate).
+    #[serde(default)]
+    pub registered_weights: bool,
 }
 
 impl Adjustments {
@@ -798,6 +805,7 @@ impl HardwareProfile {
             gpu_decode_attn_flops: tflops(rates.gpu_decode_attn_tflops),
             kv_store_bytes_per_s: rates.kv_store_gb_s.filter(|v| *v > 0.0).unwrap_or(0.0) * GB,
             weight_copy_bytes_per_s: self.adjustments.weight_copy_bytes_per_s,
+            registered_weights: self.adjustments.registered_weights,
         };
         out.name = format!("{}+eff", self.name);
         out

@@ -5,7 +5,7 @@
 
 use super::activation::{activation_memo, Activation, ActivationMemo};
 use super::bounds::{self, LayerBound, LayerWork};
-use super::hardware::{HardwareProfile, Processor};
+use super::hardware::{HardwareProfile, Level, Processor};
 use super::hrm::{copy_time, Roof, TaskTime};
 use super::predict::*;
 use super::sim::{simulate, SimInput, SimResult, SimStream, SimTask};
@@ -140,11 +140,13 @@ pub(crate) fn simulate_step_ran(
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let steady = matches!(loads, Loads::Steady(_));
     let weight_copy_rate = overheads.weight_copy_bytes_per_s;
-    let classes: &[BufferClass] = if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 {
-        tables.classes(program)
-    } else {
-        &[]
-    };
+    let registered = overheads.registered_weights;
+    let classes: &[BufferClass] =
+        if kv_store_rate > 0.0 || steady || weight_copy_rate > 0.0 || registered {
+            tables.classes(program)
+        } else {
+            &[]
+        };
     let kv_load = kv_part_load(program, step.kind, settings, loads);
     let mut memo = ActivationMemo::default();
     let activations: Vec<Activation> = ids
@@ -203,11 +205,17 @@ pub(crate) fn simulate_step_ran(
             }
             if let (Some(copy), false) = (task.work.copy, classes.is_empty()) {
                 let class = task.args.first().map(|a| classes[a.slice.buffer.index()]);
-                // The measured weight-copy rate is the link's; a disk read keeps its own.
-                if class == Some(BufferClass::Weights)
-                    && weight_copy_rate > 0.0
-                    && copy.src != Space::Disk
-                {
+                let weights = class == Some(BufferClass::Weights) && copy.src != Space::Disk;
+                if weights && registered && copy.dst == Space::Gpu {
+                    // DMA out of the registered checkpoint or pinned staging: the pinned
+                    // link's rate, whichever host level the copy names.
+                    if copy.src != Space::Gpu {
+                        time = copy_time(profile, Level::Pinned, Level::Gpu, copy.bytes as f64);
+                    }
+                } else if weights && weight_copy_rate > 0.0 {
+                    // The measured weight-copy rate is the link's; a disk read keeps its
+                    // own. (With registered weights: a copy into a host level, a label
+                    // move.)
                     time = TaskTime {
                         seconds: copy.bytes as f64 / weight_copy_rate,
                         roof: time.roof,

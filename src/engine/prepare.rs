@@ -220,10 +220,18 @@ fn replay_profile(
     let binds = request.backend.binds_weight_copies
         && measured_here
         && request.weight_copies == WeightCopies::Bind;
+    // A device backend registers the checkpoint where the host can hold it, so its host
+    // copies of weights move labels and its device copies read the checkpoint at the
+    // pinned rate (`Adjustments::registered_weights`; the run report's `weights:` clause
+    // says whether registration was taken).
+    let registers = request.backend.gpu_space == crate::runtime::registration::GpuSpace::Device
+        && measured_here
+        && request.weight_copies == WeightCopies::Bind;
     Ok(profile.map(|mut p| {
         // Activations and KV are still copied at the probed memcpy rate.
-        if binds && request.link_gbps.is_none() {
+        if (binds || registers) && request.link_gbps.is_none() {
             p.adjustments.weight_copy_bytes_per_s = BOUND_COPY_GB_S * crate::cost::hardware::GB;
+            p.adjustments.registered_weights = registers;
         }
         if let Some(gbps) = request.link_gbps {
             p.links.host_to_gpu_gb_s = gbps;

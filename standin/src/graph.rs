@@ -108,6 +108,9 @@ impl Capture {
     /// Appends `node` to `lane`'s work.
     pub fn add_node(&self, lane: usize, node: Node, call: &str) -> Result<(), u32> {
         self.check_valid(call)?;
+        // What graphs hold, by the call that made each node (`captured:cuLaunchKernel`,
+        // `captured:cuLaunchHostFunc`, ...): the counters test reads nodes per layer.
+        crate::counters::count(&format!("captured:{call}"));
         lock(&self.state).ops.push((lane, Op::Node(node)));
         Ok(())
     }

@@ -90,6 +90,9 @@ pub enum CudaRunError {
     /// An event of the plan past the events created for it.
     #[error("event {0} is not an event of this plan")]
     Event(u32),
+    /// A host task run as a host node of the step failed (its first failure).
+    #[error("{0}")]
+    HostNode(String),
 }
 
 fn task_error(e: impl Into<CudaRunError>) -> BackendError {
@@ -164,6 +167,8 @@ pub struct CudaBackend<'c> {
     run_capacity: Mutex<std::collections::HashMap<TaskId, usize>>,
     /// The current step's guards are decided on the device (its read-backs skipped).
     device_guards: AtomicBool,
+    /// The current step's host streams' roles while it is recorded (`graph::HostRole`).
+    host_roles: Mutex<Vec<Option<graph::HostRole>>>,
     events: Vec<PlanEvent>,
     timing: Mutex<Timing>,
     streams: Vec<Option<DevStream>>,
@@ -179,6 +184,8 @@ pub struct CudaBackend<'c> {
     arch: ArchSpec,
     dtype: WeightDtype,
     routing_syncs: AtomicUsize,
+    /// Routing read-backs for the plan's guards (`Instr::ReadRouting` on a device stream).
+    guard_readbacks: AtomicUsize,
     /// The ids each device tokens buffer holds from its last `sample` ([`SampledIds`]).
     sampled_ids: SampledIds,
     /// Steps launched without running their ops, not collected yet, by ticket.
@@ -360,15 +367,24 @@ impl<'c> CudaBackend<'c> {
                 })
             })
             .collect::<Result<Vec<_>, CudaSetupError>>()?;
-        let lanes: Vec<Option<Lane>> = streams
+        // A host stream gets a host lane: the CUDA stream its tasks go to as host nodes
+        // when it waits for device work inside a recorded step (`graph::HostRole`).
+        let lanes = streams
             .iter()
-            .map(|s| {
-                s.as_ref().map(|d| Lane {
+            .map(|s| match s {
+                Some(d) => Ok(Some(Lane {
                     stream: Arc::clone(&d.stream),
-                    blas: Arc::clone(&d.blas),
-                })
+                    blas: Some(Arc::clone(&d.blas)),
+                })),
+                None => Ok(Some(Lane {
+                    stream: device
+                        .ctx
+                        .new_stream()
+                        .map_err(call("creating a host lane"))?,
+                    blas: None,
+                })),
             })
-            .collect();
+            .collect::<Result<Vec<_>, CudaSetupError>>()?;
         let fork_join = (0..=lanes.len())
             .map(|_| {
                 device
@@ -388,6 +404,7 @@ impl<'c> CudaBackend<'c> {
             step: AtomicUsize::new(0),
             recording_step: AtomicBool::new(false),
             device_guards: AtomicBool::new(false),
+            host_roles: Mutex::default(),
             run_capacity: Mutex::default(),
             graphs: Mutex::default(),
             plan_reasons: Mutex::default(),
@@ -402,6 +419,7 @@ impl<'c> CudaBackend<'c> {
             dtype: plan.model.dtype,
             arch,
             routing_syncs: AtomicUsize::new(0),
+            guard_readbacks: AtomicUsize::new(0),
             sampled_ids: SampledIds::default(),
             launched: Mutex::default(),
             next_ticket: AtomicUsize::new(0),
@@ -430,6 +448,14 @@ impl<'c> CudaBackend<'c> {
 
     fn stream(&self, stream: StreamId) -> Option<&DevStream> {
         self.streams.get(stream.index()).and_then(Option::as_ref)
+    }
+
+    /// Host stream `stream`'s role in the current recorded step, if it has one.
+    fn host_role(&self, stream: StreamId) -> Option<graph::HostRole> {
+        lock(&self.host_roles)
+            .get(stream.index())
+            .copied()
+            .flatten()
     }
 
     fn bind(&self) -> Result<(), BackendError> {
@@ -544,6 +570,53 @@ impl<'c> CudaBackend<'c> {
 }
 
 impl CudaBackend<'_> {
+    /// The end of a step as it was recorded or submitted: its graph launched (or its
+    /// commands submitted), every lane synchronised, its read-backs handed to `state`.
+    fn end_recorded_step(&self, state: &dyn StepContext) -> Result<StepEnd, BackendError> {
+        let step = self.step.load(Ordering::Acquire);
+        let (graph, deferred, verified) = self
+            .recorder
+            .finish(step)
+            .map_err(|e| task_error(OpError::from(e)))?;
+        if verified {
+            self.verified.fetch_add(1, Ordering::Relaxed);
+        }
+        let times = self.finish_step()?;
+        self.recording_step.store(false, Ordering::Release);
+        self.device_guards.store(false, Ordering::Release);
+        for dev in self.streams.iter().flatten() {
+            dev.workspace.release_retired();
+        }
+        for d in deferred {
+            // SAFETY: each address starts the staging bytes a recorded copy filled; every
+            // stream was synchronised above, so the copies have finished.
+            let bytes = |at: usize, count: usize| unsafe {
+                std::slice::from_raw_parts(at as *const u8, count * 4)
+            };
+            match d {
+                Deferred::Sampled { ub, at, count, dst } => {
+                    let ids = graph::words(bytes(at, count));
+                    self.sampled_ids.wrote(dst, &ids);
+                    state.put_sampled(ub, ids);
+                }
+                Deferred::Logits { ub, at, count } => {
+                    state.put_logits(ub, graph::floats(bytes(at, count)));
+                }
+            }
+        }
+        if let Some((kind, _)) = lock(&self.plan_reasons).get(&step) {
+            let step = GraphStep {
+                kind: *kind,
+                graph: graph.clone(),
+            };
+            add_graph_step(&mut lock(&self.graphs), &step);
+        }
+        Ok(StepEnd {
+            times,
+            graph: Some(graph),
+        })
+    }
+
     /// The staged inputs ((address, bytes)) of step `step` of shape `key` over `state` for
     /// launching its cached graph without its ops, or why it cannot be.
     fn replay_inputs(
@@ -628,9 +701,10 @@ impl Backend for CudaBackend<'_> {
             "backend: cuda on {}; kernels for {} ({} compiled by NVRTC, {} from the cache); \
              pinned arena {}; {}; host relay memcpy of weights: {} bytes; \
              {} routing read-backs by experts/post_attn (grouping tokens per expert); \
+             {} routing read-backs for the plan's guards; \
              CUDA graphs: {}; {} steps launched their graph without running their ops \
              ({} of them launched ahead of the previous step's read-back{}){}; \
-             {} device tasks run on the host",
+             {} device tasks run on the host; {} host tasks run as host nodes of recorded steps",
             r.device,
             r.arch,
             r.ptx.compiled,
@@ -643,6 +717,7 @@ impl Backend for CudaBackend<'_> {
             r.weights.describe(),
             r.relayed,
             r.routing_syncs,
+            self.guard_readbacks.load(Ordering::Relaxed),
             match render_graphs(&lock(&self.graphs)) {
                 t if t.is_empty() => "no step run yet".to_string(),
                 t => t,
@@ -669,6 +744,7 @@ impl Backend for CudaBackend<'_> {
                 }
             },
             self.ops_run.load(Ordering::Relaxed),
+            self.recorder.host_calls().ran(),
         ) + &super::ops::quant_kernels(self.host_memory.layout())
             .map_or(String::new(), |q| format!("; {q}"))
             + &self
@@ -700,6 +776,12 @@ impl Backend for CudaBackend<'_> {
         state: &dyn StepContext,
     ) -> Result<(), BackendError> {
         let Some(dev) = self.stream(stream) else {
+            if self.host_role(stream) == Some(graph::HostRole::Nodes) {
+                let node = Command::Host(self.recorder.host_node(stream, task));
+                if self.recorder.record(stream.index(), node).is_none() {
+                    return Ok(()); // a host node of the step's graph
+                }
+            }
             // A host stream: the host engine over the same host memory.
             return self.host.run(stream, engine, task, state);
         };
@@ -785,8 +867,23 @@ impl Backend for CudaBackend<'_> {
                 }
                 ev.recorded_on.store(ON_DEVICE, Ordering::Release);
             }
-            // Host work before this point has finished: nothing to mark on the device.
-            None => ev.recorded_on.store(ON_HOST, Ordering::Release),
+            None => {
+                let nodes = self.host_role(stream) == Some(graph::HostRole::Nodes);
+                if nodes
+                    && self
+                        .recorder
+                        .record(stream.index(), Command::Record(event.0 as usize))
+                        .is_none()
+                {
+                    // Recorded on the host lane after the stream's host nodes: device
+                    // streams wait for it on the device.
+                    ev.recorded_on.store(ON_DEVICE, Ordering::Release);
+                } else {
+                    // Host work before this point has finished: nothing to mark on the
+                    // device.
+                    ev.recorded_on.store(ON_HOST, Ordering::Release);
+                }
+            }
         }
         Ok(())
     }
@@ -813,6 +910,19 @@ impl Backend for CudaBackend<'_> {
                     .map_err(driver("cuStreamWaitEvent"))
             }
             None => {
+                match self.host_role(stream) {
+                    // Label moves touch nothing the device reads (`graph::HostRole`).
+                    Some(graph::HostRole::Labels) if self.recorder.recording() => return Ok(()),
+                    Some(graph::HostRole::Nodes)
+                        if self
+                            .recorder
+                            .record(stream.index(), Command::Wait(event.0 as usize))
+                            .is_none() =>
+                    {
+                        return Ok(()); // the host lane waits, on the device
+                    }
+                    _ => {}
+                }
                 self.recorder
                     .flush("a host stream waits for device work inside the step")
                     .map_err(|e| task_error(OpError::from(e)))?;
@@ -833,6 +943,7 @@ impl Backend for CudaBackend<'_> {
             return self.host.read_routing(stream, gate, route, tokens, top_k);
         };
         self.bind()?;
+        self.guard_readbacks.fetch_add(1, Ordering::Relaxed);
         self.recorder
             .flush("the routing of a gate is read back for the plan's guards")
             .map_err(|e| task_error(OpError::from(e)))?;
@@ -863,11 +974,10 @@ impl Backend for CudaBackend<'_> {
 
     fn finish_step(&self) -> Result<Option<Vec<DeviceTime>>, BackendError> {
         self.bind()?;
-        for dev in self.streams.iter().flatten() {
-            dev.stream
-                .synchronize()
-                .map_err(driver("cuStreamSynchronize"))?;
-        }
+        // Device streams and host lanes.
+        self.recorder
+            .synchronize()
+            .map_err(|e| task_error(OpError::from(e)))?;
         self.expert_sources
             .read()
             .map_err(driver("cuMemcpyDtoH (expert counters)"))?;
@@ -905,7 +1015,10 @@ impl Backend for CudaBackend<'_> {
             .entry(step)
             .or_insert_with(|| {
                 let kind = plan.steps.get(step).map_or(StepKind::Decode, |s| s.kind);
-                (kind, graph::plan_graph(plan, step))
+                (
+                    kind,
+                    graph::plan_graph(plan, step, self.host_memory.binds()),
+                )
             })
             .clone();
         let reason = planned
@@ -921,6 +1034,15 @@ impl Backend for CudaBackend<'_> {
         self.step.store(step, Ordering::Release);
         self.recording_step
             .store(reason.is_none(), Ordering::Release);
+        *lock(&self.host_roles) = if reason.is_none() {
+            planned.host_roles.clone()
+        } else {
+            Vec::new()
+        };
+        // SAFETY: the driver keeps `state` alive from this call to `end_step`, and host
+        // nodes run only inside this step's calls: a flush synchronises every lane before
+        // it returns, and `end_step` does before it closes the calls.
+        unsafe { self.recorder.host_calls().open(&*self.host, state) };
         self.device_guards
             .store(reason.is_none() && planned.device_guards, Ordering::Release);
         let key = reason.is_none().then(|| step_key(plan, step, state));
@@ -942,48 +1064,21 @@ impl Backend for CudaBackend<'_> {
 
     fn end_step(&self, state: &dyn StepContext) -> Result<StepEnd, BackendError> {
         self.bind()?;
-        let step = self.step.load(Ordering::Acquire);
-        let (graph, deferred, verified) = self
-            .recorder
-            .finish(step)
-            .map_err(|e| task_error(OpError::from(e)))?;
-        if verified {
-            self.verified.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `state` outlives this call, and the calls are closed below only after
+        // every lane has finished (on success by `finish_step`, else synchronised here).
+        unsafe { self.recorder.host_calls().open(&*self.host, state) };
+        let ended = self.end_recorded_step(state);
+        if ended.is_err() {
+            // Nothing may run over the state once the call returns.
+            let _ = self.recorder.synchronize();
         }
-        let times = self.finish_step()?;
-        self.recording_step.store(false, Ordering::Release);
-        self.device_guards.store(false, Ordering::Release);
-        for dev in self.streams.iter().flatten() {
-            dev.workspace.release_retired();
+        self.recorder.host_calls().close();
+        lock(&self.host_roles).clear();
+        let ended = ended?;
+        match self.recorder.host_calls().take_failure() {
+            Some(why) => Err(task_error(CudaRunError::HostNode(why))),
+            None => Ok(ended),
         }
-        for d in deferred {
-            // SAFETY: each address starts the staging bytes a recorded copy filled; every
-            // stream was synchronised above, so the copies have finished.
-            let bytes = |at: usize, count: usize| unsafe {
-                std::slice::from_raw_parts(at as *const u8, count * 4)
-            };
-            match d {
-                Deferred::Sampled { ub, at, count, dst } => {
-                    let ids = graph::words(bytes(at, count));
-                    self.sampled_ids.wrote(dst, &ids);
-                    state.put_sampled(ub, ids);
-                }
-                Deferred::Logits { ub, at, count } => {
-                    state.put_logits(ub, graph::floats(bytes(at, count)));
-                }
-            }
-        }
-        if let Some((kind, _)) = lock(&self.plan_reasons).get(&step) {
-            let step = GraphStep {
-                kind: *kind,
-                graph: graph.clone(),
-            };
-            add_graph_step(&mut lock(&self.graphs), &step);
-        }
-        Ok(StepEnd {
-            times,
-            graph: Some(graph),
-        })
     }
 
     fn launch_replay(

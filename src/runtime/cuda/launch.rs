@@ -437,7 +437,7 @@ impl StreamCx<'_> {
     /// Submits `command` on the stream, or records it when the step is recorded.
     pub fn issue(&self, command: Command) -> Result<(), LaunchError> {
         match self.recorder.record(self.lane, command) {
-            Some(c) => c.submit(self.stream, self.blas, &[]),
+            Some(c) => c.submit(self.stream, Some(self.blas), &[]),
             None => Ok(()),
         }
     }

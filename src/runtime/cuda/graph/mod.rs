@@ -25,8 +25,6 @@
 //! fallback). Staging buffers live as long as the backend (graphs hold their addresses).
 
 use super::launch::{Arg, LaunchError};
-use crate::ir::{Engine, ExpertRef, ExpertSet, GuardAtom, Op, StepKind};
-use crate::lower::{ExecPlan, Instr, PlanTask};
 use crate::records::GraphUse;
 use crate::runtime::sync::lock;
 use cudarc::cublas::result as blas;
@@ -39,7 +37,11 @@ use cudarc::driver::{
 };
 use std::collections::HashMap;
 
+mod host;
+mod plan;
 mod replay;
+pub use host::{HostCalls, HostNode};
+pub use plan::{guard_decided_on_device, plan_graph, HostRole, StepPlanGraph};
 pub use replay::{Launched, ReplayPlan, SeqShape, StepKey};
 use std::sync::{Arc, Mutex};
 
@@ -135,6 +137,9 @@ pub enum Command {
     Record(usize),
     /// Wait for a plan event.
     Wait(usize),
+    /// A host stream's task as a host function on its host lane (a host node of a
+    /// captured graph, [`HostNode`]).
+    Host(Arc<HostNode>),
 }
 
 fn arg_bits(a: &Arg) -> (u8, u64) {
@@ -208,15 +213,17 @@ impl Command {
             (C::Zero { dst, bytes }, C::Zero { dst: d, bytes: b })
             | (C::Poison { dst, bytes }, C::Poison { dst: d, bytes: b }) => (dst, bytes) == (d, b),
             (C::Record(a), C::Record(b)) | (C::Wait(a), C::Wait(b)) => a == b,
+            (C::Host(a), C::Host(b)) => a.stream == b.stream && a.task.id == b.task.id,
             _ => false,
         }
     }
 
-    /// Submits the command on `stream` (its cuBLAS handle `blas`; `events`: the plan's).
+    /// Submits the command on `stream` (its cuBLAS handle `blas`, none on a host lane;
+    /// `events`: the plan's).
     pub fn submit(
         &self,
         stream: &Arc<CudaStream>,
-        blas: &CudaBlas,
+        blas: Option<&CudaBlas>,
         events: &[Arc<CudaEvent>],
     ) -> Result<(), LaunchError> {
         let driver = |call| move |source| LaunchError::Driver { call, source };
@@ -253,7 +260,10 @@ impl Command {
                     .map(|_| ())
                     .map_err(driver(entry))
             }
-            Command::Gemm(g) => gemm(blas, g),
+            Command::Gemm(g) => match blas {
+                Some(blas) => gemm(blas, g),
+                None => Err(LaunchError::Capture("a GEMM on a host lane")),
+            },
             // SAFETY (the four copies): the op checked every range against its buffer;
             // pinned sources and destinations are staging or arena bytes that live until
             // the step's work has finished.
@@ -284,6 +294,14 @@ impl Command {
             Command::Wait(e) => match events.get(*e) {
                 Some(ev) => stream.wait(ev).map_err(driver("cuStreamWaitEvent")),
                 None => Ok(()),
+            },
+            // SAFETY: the function runs the node at `data` (its contract), which lives as
+            // long as the recorder that interned it (`Recorder::host_node`), and the
+            // backend synchronises every lane before dropping the recorder.
+            Command::Host(node) => unsafe {
+                sys::cuLaunchHostFunc(cu, Some(node.function()), node.data())
+                    .result()
+                    .map_err(driver("cuLaunchHostFunc"))
             },
         }
     }
@@ -536,24 +554,30 @@ impl State {
     }
 }
 
-/// A device stream as the recorder submits to it.
+/// A stream as the recorder submits to it: a device stream, or a host stream's host lane
+/// (the CUDA stream its host nodes and their event waits and records go to).
 #[derive(Debug, Clone)]
 pub struct Lane {
     /// The stream.
     pub stream: Arc<CudaStream>,
-    /// Its cuBLAS handle.
-    pub blas: Arc<CudaBlas>,
+    /// Its cuBLAS handle (`None` on a host lane).
+    pub blas: Option<Arc<CudaBlas>>,
 }
 
 /// The step recorder of one backend (see the module doc).
 pub struct Recorder {
     state: Mutex<State>,
-    /// By plan stream index; `None` for host streams.
+    /// By plan stream index: device streams, and host streams' host lanes.
     lanes: Vec<Option<Lane>>,
     /// The plan's events.
     events: Vec<Arc<CudaEvent>>,
     /// Fork (index 0) and one join per lane, for captures over several streams.
     fork_join: Vec<CudaEvent>,
+    /// What host nodes run over.
+    host_calls: Arc<HostCalls>,
+    /// Every host node made, by (stream, task): a submitted host function's data lives
+    /// as long as the recorder.
+    host_nodes: Mutex<HashMap<(usize, usize), Arc<HostNode>>>,
 }
 
 impl std::fmt::Debug for Recorder {
@@ -592,7 +616,44 @@ impl Recorder {
             lanes,
             events,
             fork_join,
+            host_calls: Arc::default(),
+            host_nodes: Mutex::default(),
         }
+    }
+
+    /// What the host nodes run over.
+    pub fn host_calls(&self) -> &HostCalls {
+        &self.host_calls
+    }
+
+    /// Task `task` of host stream `stream` as a host node (made once, kept as long as the
+    /// recorder).
+    pub fn host_node(
+        &self,
+        stream: crate::ir::StreamId,
+        task: &crate::lower::PlanTask,
+    ) -> Arc<HostNode> {
+        let mut nodes = lock(&self.host_nodes);
+        Arc::clone(
+            nodes
+                .entry((stream.index(), task.id.index()))
+                .or_insert_with(|| {
+                    Arc::new(HostNode::new(Arc::clone(&self.host_calls), stream, task))
+                }),
+        )
+    }
+
+    /// Waits for every lane's work (device streams and host lanes).
+    pub fn synchronize(&self) -> Result<(), LaunchError> {
+        for lane in self.lanes.iter().flatten() {
+            lane.stream
+                .synchronize()
+                .map_err(|source| LaunchError::Driver {
+                    call: "cuStreamSynchronize",
+                    source,
+                })?;
+        }
+        Ok(())
     }
 
     /// Starts a step: recorded for a graph (`None`) or submitted as issued, for a reason;
@@ -705,7 +766,14 @@ impl Recorder {
         }
         let commands = std::mem::take(&mut s.commands);
         s.mode = Mode::Flushed(why.to_string());
-        self.submit_all(&commands)
+        self.submit_all(&commands)?;
+        if commands.iter().any(|c| matches!(c.1, Command::Host(_))) {
+            // The rest of the step runs its host tasks on the host: the host nodes
+            // submitted here run first, and within this call (the step's state is open
+            // to them only while the step is).
+            self.synchronize()?;
+        }
+        Ok(())
     }
 
     fn lane(&self, lane: usize) -> Option<&Lane> {
@@ -715,7 +783,7 @@ impl Recorder {
     fn submit_all(&self, commands: &[(usize, Command)]) -> Result<(), LaunchError> {
         for (lane, c) in commands {
             if let Some(l) = self.lane(*lane) {
-                c.submit(&l.stream, &l.blas, &self.events)?;
+                c.submit(&l.stream, l.blas.as_deref(), &self.events)?;
             }
         }
         Ok(())
@@ -965,6 +1033,7 @@ fn describe(c: &Command) -> String {
         Command::HtoD { .. } | Command::DtoH { .. } | Command::DtoD { .. } => "a copy".into(),
         Command::Zero { .. } | Command::Poison { .. } => "a memset".into(),
         Command::Record(_) | Command::Wait(_) => "an event".into(),
+        Command::Host(node) => format!("host node `{}`", node.task.name),
     }
 }
 
@@ -979,132 +1048,6 @@ pub fn words(bytes: &[u8]) -> Vec<u32> {
 /// Native-endian `f32`s of `bytes` (logits read back).
 pub fn floats(bytes: &[u8]) -> Vec<f32> {
     words(bytes).into_iter().map(f32::from_bits).collect()
-}
-
-/// Whether the device computes nothing for `task` when its guard is false, so the task
-/// may run whatever its guard and its routing need not come to the host: an `experts`
-/// task of one fixed expert on a device stream whose every literal is `active` of that
-/// expert in its own layer and micro-batch (Fiddler's resident arm). Its kernels group the
-/// routed tokens on the device ([`super::ops`]' `moe_group`): for an expert no token was
-/// routed to they find no rows and write nothing, which is what skipping it leaves.
-pub fn guard_decided_on_device(task: &PlanTask, on_device: impl Fn(usize) -> bool) -> bool {
-    if task.guard.is_always() || task.cache.is_some() || !on_device(task.stream.index()) {
-        return false;
-    }
-    let Op::Experts {
-        layer,
-        ub,
-        set: ExpertSet::One(ExpertRef::Index(e)),
-    } = task.op
-    else {
-        return false;
-    };
-    task.guard.lits.iter().all(|lit| {
-        !lit.negated
-            && lit.atom
-                == GuardAtom::Active {
-                    layer,
-                    expert: ExpertRef::Index(e),
-                    ub: Some(ub),
-                }
-    })
-}
-
-/// What the plan alone says about recording a step for a graph.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepPlanGraph {
-    /// Why the step cannot be recorded (`None`: it can).
-    pub reason: Option<String>,
-    /// Its guards are all [`guard_decided_on_device`]: the routing read-backs it has for
-    /// them are skipped and the guarded tasks run.
-    pub device_guards: bool,
-}
-
-/// Whether step `step` of `plan` can be recorded for a graph, judged from the plan alone:
-/// not when it is not a decode step (the others do not repeat), or holds a host decision
-/// (a routing read-back for guards the device cannot decide, an expert cache's fetch, a
-/// host stream waiting for device work).
-pub fn plan_graph(plan: &ExecPlan, step: usize) -> StepPlanGraph {
-    let no = |why: String| StepPlanGraph {
-        reason: Some(why),
-        device_guards: false,
-    };
-    let Some(sp) = plan.steps.get(step) else {
-        return no("not a step of the plan".into());
-    };
-    if sp.kind != StepKind::Decode {
-        return no(format!(
-            "{} steps do not repeat within a batch; graphs are for decode steps",
-            sp.kind.as_str()
-        ));
-    }
-    let on_device = |s: usize| {
-        plan.streams.get(s).is_some_and(|s| {
-            matches!(
-                s.engine,
-                Engine::GpuCompute | Engine::GpuCopyIn | Engine::GpuCopyOut
-            )
-        })
-    };
-    let task = |t: crate::ir::TaskId| plan.tasks.get(t.index());
-    let (mut readbacks, mut caches, mut host_guards, mut hot) = (0, 0, 0, 0);
-    let mut host_wait = None;
-    for (s, program) in sp.programs.iter().enumerate() {
-        for instr in program {
-            match *instr {
-                Instr::ReadRouting(_) => readbacks += 1,
-                Instr::Run(t) => {
-                    if let Some(t) = task(t) {
-                        caches += usize::from(t.cache.is_some());
-                        host_guards += usize::from(
-                            !t.guard.is_always() && !guard_decided_on_device(t, on_device),
-                        );
-                        let hot_set = matches!(
-                            t.op,
-                            Op::Experts {
-                                set: ExpertSet::One(ExpertRef::Hot { .. }),
-                                ..
-                            }
-                        );
-                        let hot_arg = t
-                            .args
-                            .iter()
-                            .any(|a| matches!(a.dynamic_expert, Some(ExpertRef::Hot { .. })));
-                        hot += usize::from(hot_set || hot_arg);
-                    }
-                }
-                Instr::Wait(e) if !on_device(s) && host_wait.is_none() => {
-                    let recorder = sp.events.get(e.0 as usize).and_then(|&t| task(t));
-                    if let Some(r) = recorder.filter(|r| on_device(r.stream.index())) {
-                        host_wait = Some(format!(
-                            "a host stream (`{}`) waits for device task `{}` inside the step",
-                            plan.streams[s].name, r.name
-                        ));
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    if readbacks > 0 && (host_guards > 0 || hot > 0) {
-        return no(format!(
-            "the routing of {readbacks} gates is read back to the host for {} tasks' guards \
-             or hot() experts, which the host decides",
-            host_guards + hot
-        ));
-    }
-    if caches > 0 {
-        return no(format!(
-            "{caches} expert-cache fetches pick their slots on the host"
-        ));
-    }
-    match host_wait {
-        Some(why) => no(why),
-        None => StepPlanGraph {
-            reason: None,
-            device_guards: readbacks > 0,
-        },
-    }
 }
 
 #[cfg(test)]
