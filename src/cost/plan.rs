@@ -545,11 +545,10 @@ fn evaluate_grid(
     let mut waiting = vec![0usize; points.len()];
     let mut above: Vec<Vec<usize>> = vec![Vec::new(); points.len()];
     for (i, index) in indices.iter().enumerate() {
-        for dim in 0..grids.len() {
-            if integer[dim] && index[dim] > 0 {
-                let below = i - stride[dim];
+        for ((&at, &int), &step) in index.iter().zip(integer).zip(&stride) {
+            if int && at > 0 {
                 waiting[i] += 1;
-                above[below].push(i);
+                above[i - step].push(i);
             }
         }
     }
