@@ -110,10 +110,13 @@ pub fn run(args: PlanArgs) -> ExitCode {
     // results are taken in rank order, so the outcome is the sequential one.
     let ranked = std::mem::take(&mut result.top);
     let at_once = rayon::current_num_threads().max(1);
-    for chunk in ranked.chunks(at_once) {
-        if checked.len() == wanted {
-            break;
-        }
+    let mut next = 0;
+    while next < ranked.len() && checked.len() < wanted {
+        // No more at once than are still wanted: when every one passes (the usual case),
+        // none is compiled for nothing.
+        let take = at_once.min(wanted - checked.len());
+        let chunk = &ranked[next..(next + take).min(ranked.len())];
+        next += chunk.len();
         let outcomes: Vec<Option<(u64, Option<DiskSplit>)>> = chunk
             .par_iter()
             .map(|candidate| {

@@ -244,6 +244,29 @@ pub fn search(
     options: &SearchOptions,
     evaluate: impl Fn(&[(String, Scalar)]) -> Outcome + Sync,
 ) -> PlanResult {
+    // `MOEC_PLAN_TRACE=1`: each point's values, outcome and evaluation time on stderr
+    // (where a search's time goes; docs/cost-model.md).
+    let trace = std::env::var_os("MOEC_PLAN_TRACE").is_some();
+    let evaluate = |values: &[(String, Scalar)]| -> Outcome {
+        if !trace {
+            return evaluate(values);
+        }
+        let started = std::time::Instant::now();
+        let outcome = evaluate(values);
+        let spelled: Vec<String> = values.iter().map(|(n, v)| format!("{n}={v}")).collect();
+        let what = match &outcome {
+            Outcome::Fits(c) => format!("fits {:.4} tok/s", c.tokens_per_s),
+            Outcome::OverBudget => "over budget".to_string(),
+            Outcome::Invalid(_) => "invalid".to_string(),
+            Outcome::TooLarge(_) => "too large".to_string(),
+        };
+        eprintln!(
+            "plan-trace {} {what} {:.3} s",
+            spelled.join(" "),
+            started.elapsed().as_secs_f64()
+        );
+        outcome
+    };
     let mut grids: Vec<Vec<Scalar>> = spaces.iter().map(ParamSpace::grid).collect();
     // Thin the largest grid (every other value, keeping both ends) until the product fits.
     loop {
@@ -346,25 +369,14 @@ pub fn search(
                     })
             })
     };
-    let waves: Vec<usize> = indices.iter().map(|i| i.iter().sum()).collect();
-    let mut outcomes: Vec<Option<Outcome>> = vec![None; points.len()];
-    let mut too_large: Vec<Point> = Vec::new();
-    let last_wave = waves.iter().copied().max().unwrap_or(0);
-    for wave in 0..=last_wave {
-        let todo: Vec<usize> = (0..points.len())
-            .filter(|&i| waves[i] == wave && !dominated(&points[i], &too_large))
-            .collect();
-        let done: Vec<Outcome> = todo
-            .par_iter()
-            .map(|&i| evaluate(&values_of(&points[i])))
-            .collect();
-        for (i, outcome) in todo.into_iter().zip(done) {
-            if let Outcome::TooLarge(_) = outcome {
-                too_large.push(points[i].clone());
-            }
-            outcomes[i] = Some(outcome);
-        }
-    }
+    let (outcomes, mut too_large) = evaluate_grid(
+        &points,
+        &indices,
+        &grids,
+        &integer,
+        |i| evaluate(&values_of(&points[i])),
+        &|point: &Point, too_large: &[Point]| dominated(point, too_large),
+    );
     let mut found: Vec<(Point, Candidate)> = Vec::new();
     for (point, outcome) in points.into_iter().zip(outcomes) {
         let Some(outcome) = outcome else {
@@ -505,6 +517,101 @@ pub fn search(
     result
 }
 
+/// Evaluates the coarse grid: every point, except one whose integer params are all at
+/// least those of a point past an elaboration limit (`dominated`), which stays `None`.
+/// Gives each point's outcome (in `points`' order) and the points past the limit.
+///
+/// A point is started as soon as the points one grid step below it in each integer param
+/// are done (evaluated or skipped), on whichever thread is free: every point that could
+/// put it past the limit is then known, so whether it is skipped is decided exactly as
+/// evaluating the grid in waves of equal index sum decides it (a dominating point has a
+/// smaller index sum), and the outcome does not depend on the timing. Unlike waves, a
+/// large point of one wave runs beside the points of the next ones instead of leaving the
+/// other cores idle until it ends.
+fn evaluate_grid(
+    points: &[Point],
+    indices: &[Vec<usize>],
+    grids: &[Vec<Scalar>],
+    integer: &[bool],
+    evaluate: impl Fn(usize) -> Outcome + Sync,
+    dominated: &(dyn Fn(&Point, &[Point]) -> bool + Sync),
+) -> (Vec<Option<Outcome>>, Vec<Point>) {
+    use std::sync::Mutex;
+    // Position of an index vector: the grid is enumerated with the first param fastest.
+    let mut stride = vec![1usize; grids.len()];
+    for dim in 1..grids.len() {
+        stride[dim] = stride[dim - 1] * grids[dim - 1].len();
+    }
+    let mut waiting = vec![0usize; points.len()];
+    let mut above: Vec<Vec<usize>> = vec![Vec::new(); points.len()];
+    for (i, index) in indices.iter().enumerate() {
+        for ((&at, &int), &step) in index.iter().zip(integer).zip(&stride) {
+            if int && at > 0 {
+                waiting[i] += 1;
+                above[i - step].push(i);
+            }
+        }
+    }
+    struct State {
+        waiting: Vec<usize>,
+        outcomes: Vec<Option<Outcome>>,
+        too_large: Vec<Point>,
+    }
+    struct Grid<'g, F> {
+        points: &'g [Point],
+        above: Vec<Vec<usize>>,
+        evaluate: F,
+        dominated: &'g (dyn Fn(&Point, &[Point]) -> bool + Sync),
+        state: Mutex<State>,
+    }
+    fn start<'s, 'g: 's, F: Fn(usize) -> Outcome + Sync>(
+        grid: &'s Grid<'g, F>,
+        scope: &rayon::Scope<'s>,
+        i: usize,
+    ) {
+        scope.spawn(move |scope| {
+            let lock = || grid.state.lock().unwrap_or_else(|e| e.into_inner());
+            let skip = (grid.dominated)(&grid.points[i], &lock().too_large);
+            let outcome = (!skip).then(|| (grid.evaluate)(i));
+            let mut state = lock();
+            if let Some(Outcome::TooLarge(_)) = outcome {
+                state.too_large.push(grid.points[i].clone());
+            }
+            state.outcomes[i] = outcome;
+            let mut ready = Vec::new();
+            for &next in &grid.above[i] {
+                state.waiting[next] -= 1;
+                if state.waiting[next] == 0 {
+                    ready.push(next);
+                }
+            }
+            drop(state);
+            for next in ready {
+                start(grid, scope, next);
+            }
+        });
+    }
+    let roots: Vec<usize> = (0..points.len()).filter(|&i| waiting[i] == 0).collect();
+    let grid = Grid {
+        points,
+        above,
+        evaluate,
+        dominated,
+        state: Mutex::new(State {
+            waiting,
+            outcomes: vec![None; points.len()],
+            too_large: Vec::new(),
+        }),
+    };
+    rayon::scope(|scope| {
+        for &i in &roots {
+            start(&grid, scope, i);
+        }
+    });
+    let state = grid.state.into_inner().unwrap_or_else(|e| e.into_inner());
+    (state.outcomes, state.too_large)
+}
+
 /// The value halfway between `from` and `to`, or `None` when none is left in between.
 fn midpoint(space: &ParamSpace, from: Scalar, to: Scalar) -> Option<Scalar> {
     match (space, from, to) {
@@ -605,6 +712,82 @@ mod tests {
         };
         assert!((90..=110).contains(&ubs), "{ubs}");
         assert!((r - 0.3).abs() < 0.05, "{r}");
+    }
+
+    /// Points past a limit (ubs * n > 100) skip every point above them, and the grid's
+    /// points start as soon as those below them are done: the points evaluated and skipped
+    /// are those of evaluating the grid in waves of equal index sum, one wave at a time
+    /// (the reference below, written out sequentially).
+    #[test]
+    fn the_grid_skips_what_waves_skip() {
+        use std::sync::Mutex;
+        let spaces = vec![
+            ParamSpace::Int {
+                name: "ubs".into(),
+                lo: 1,
+                hi: 64,
+            },
+            ParamSpace::Bool { name: "b".into() },
+            ParamSpace::Int {
+                name: "n".into(),
+                lo: 1,
+                hi: 16,
+            },
+        ];
+        let too_large = |ubs: i64, n: i64, b: bool| ubs * n > if b { 100 } else { 40 };
+        let seen = Mutex::new(Vec::new());
+        let result = search(
+            &spaces,
+            &SearchOptions {
+                refine_from: 0,
+                ..SearchOptions::default()
+            },
+            |values| {
+                let (Scalar::Int(ubs), Scalar::Bool(b), Scalar::Int(n)) =
+                    (values[0].1, values[1].1, values[2].1)
+                else {
+                    unreachable!()
+                };
+                seen.lock().unwrap().push((ubs, b, n));
+                if too_large(ubs, n, b) {
+                    Outcome::TooLarge("limit".into())
+                } else {
+                    Outcome::Fits(candidate(values, (ubs * n) as f64))
+                }
+            },
+        );
+        // The reference: waves of equal index sum over the doubling grids.
+        let ubs_grid: Vec<i64> = (0..7).map(|k| 1 << k).collect();
+        let n_grid: Vec<i64> = (0..5).map(|k| 1 << k).collect();
+        let mut evaluated = Vec::new();
+        let mut past: Vec<(i64, bool, i64)> = Vec::new();
+        for wave in 0..=(6 + 1 + 4) {
+            let mut found = Vec::new();
+            for (i, &ubs) in ubs_grid.iter().enumerate() {
+                for (j, b) in [false, true].into_iter().enumerate() {
+                    for (k, &n) in n_grid.iter().enumerate() {
+                        let dominated = past
+                            .iter()
+                            .any(|&(pu, pb, pn)| pb == b && ubs >= pu && n >= pn);
+                        if i + j + k == wave && !dominated {
+                            evaluated.push((ubs, b, n));
+                            if too_large(ubs, n, b) {
+                                found.push((ubs, b, n));
+                            }
+                        }
+                    }
+                }
+            }
+            past.extend(found);
+        }
+        let mut seen = seen.into_inner().unwrap();
+        seen.sort();
+        evaluated.sort();
+        assert_eq!(seen, evaluated);
+        assert_eq!(result.evaluated, evaluated.len());
+        assert_eq!(result.skipped_too_large, 7 * 2 * 5 - evaluated.len());
+        assert_eq!(result.invalid, past.len());
+        assert_eq!(result.top[0].tokens_per_s, 64.0);
     }
 
     #[test]
