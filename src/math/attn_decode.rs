@@ -222,15 +222,15 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); NV]; G];
         for d in 0..hd {
             let mut kv = [_mm256_setzero_ps(); NV];
-            for j in 0..NV {
+            for (x, &off) in kv.iter_mut().zip(&offs) {
                 // SAFETY: in bounds by the function's contract.
-                kv[j] = unsafe { T::load8(k.add(offs[j] + d * bs)) };
+                *x = unsafe { T::load8(k.add(off + d * bs)) };
             }
             for (i, row) in acc.iter_mut().enumerate() {
                 // SAFETY: i < G, d < hd.
                 let qb = _mm256_set1_ps(unsafe { *q.add(i * hd + d) });
-                for j in 0..NV {
-                    row[j] = _mm256_fmadd_ps(qb, kv[j], row[j]);
+                for (a, &x) in row.iter_mut().zip(&kv) {
+                    *a = _mm256_fmadd_ps(qb, x, *a);
                 }
             }
         }
