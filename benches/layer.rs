@@ -217,13 +217,12 @@ fn bench_layer(c: &mut Criterion) {
     for t in tables.iter_mut() {
         cache.allocator.grow(&kv_layout, t, context + 1).unwrap();
     }
-    {
-        let pools = cache.layer_mut(0);
-        for (i, v) in pools.k.iter_mut().enumerate() {
-            *v = ((i * 2654435761usize) % 2003) as f32 / 1000.0 - 1.0;
+    if let moec::math::kv_cache::KvPools::F32 { k, v } = cache.layer_mut(0).pools {
+        for (i, x) in k.iter_mut().enumerate() {
+            *x = ((i * 2654435761usize) % 2003) as f32 / 1000.0 - 1.0;
         }
-        for (i, v) in pools.v.iter_mut().enumerate() {
-            *v = ((i * 40503usize) % 1999) as f32 / 1000.0 - 1.0;
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = ((i * 40503usize) % 1999) as f32 / 1000.0 - 1.0;
         }
     }
     let x0: Vec<f32> = (0..n_seqs * arch.hidden)

@@ -545,7 +545,7 @@ fn lsp_session_gives_diagnostics_hover_and_definitions() {
 
     // Hover: `w`'s two elements, each a layer slot of mixtral-tiny, in gpu memory.
     let card = moec::model::card::ModelCard::load("mixtral-tiny").unwrap();
-    let slot = moec::ir::catalog::size_helper("layer_weights", &[], &card, 4)
+    let slot = moec::ir::catalog::size_helper("layer_weights", &[], &card, 4, 4)
         .unwrap()
         .unwrap()
         .bytes;

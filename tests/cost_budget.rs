@@ -58,6 +58,31 @@ fn budget_arithmetic_matches_hand_computed_bytes() {
     assert!(table.fits());
 }
 
+/// Under `--kv-type f16` the KV cache counts 2 bytes per element: the same schedule's `kv`
+/// buffers are half of the f32 ones above (8 x 640 tokens x 128 x 2 = 1,310,720 B), the
+/// host peak falls by as much, and a host budget between the two peaks fits the half
+/// cache and refuses the f32 one.
+#[test]
+fn a_half_kv_cache_counts_two_bytes_per_element() {
+    let source = std::fs::read_to_string("tests/fixtures/cost/budget.sched").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.kv_bytes = 2;
+    let half = moec::compile::compile(&source, &options).unwrap().program;
+    let full = compile("tests/fixtures/cost/budget.sched");
+    let profile = HardwareProfile::load("t4").unwrap();
+    let table = budget_table(&half, Some(&profile), &BudgetOverrides::default());
+    let kv = table.lines.iter().find(|l| l.what == "kv").unwrap();
+    assert_eq!((kv.class, kv.buffers, kv.bytes), ("kv cache", 8, 1_310_720));
+    assert_eq!(table.peak("host"), 32_718_080 - 1_310_720, "{table}");
+    let between = BudgetOverrides {
+        gpu_bytes: None,
+        host_bytes: Some(32_000_000.0),
+    };
+    assert!(check_budget(&half, Some(&profile), &between).is_ok());
+    let err = check_budget(&full, Some(&profile), &between).unwrap_err();
+    assert!(err.summary.starts_with("host over by"), "{}", err.summary);
+}
+
 /// One byte less GPU memory than the peak: `check` fails and the table says by how much.
 #[test]
 fn over_budget_by_one_byte_is_an_error_with_the_table() {

@@ -515,6 +515,7 @@ fn measured_kernels() -> HardwareProfile {
         attn_decode_gflops: 0.01,
         attn_prefill_gflops: 0.02,
         attn_call_us: 0.0,
+        ..KernelRates::default()
     });
     p.validate().unwrap();
     p

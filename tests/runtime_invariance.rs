@@ -10,6 +10,7 @@ use moec::compile::{compile, Options};
 use moec::ir::Workload;
 use moec::lower::{lower, LowerOptions};
 use moec::model::card::ModelCard;
+use moec::model::vocab::KvType;
 use moec::oracle::{GenerateOptions, Oracle};
 use moec::runtime::WeightCopies;
 use moec::runtime::{generate, RunOptions};
@@ -45,6 +46,8 @@ struct Case<'a> {
     gen_len: usize,
     /// How the CPU backend copies weights.
     copies: WeightCopies,
+    /// The KV cache's element type, of the run and of the oracle alike.
+    kv_type: KvType,
 }
 
 impl Case<'_> {
@@ -57,6 +60,7 @@ impl Case<'_> {
             except: &[],
             gen_len: GEN_LEN,
             copies: WeightCopies::Bind,
+            kv_type: KvType::F32,
         }
     }
 }
@@ -122,7 +126,7 @@ fn run_checkpoint(
 ) -> (Vec<String>, usize) {
     let card = checkpoint.card().clone();
     let prompts = prompts(card.vocab as u32);
-    let oracle = Oracle::new(checkpoint).unwrap();
+    let oracle = Oracle::new(checkpoint).unwrap().with_kv_type(case.kv_type);
     let expected: Vec<Vec<u32>> = oracle
         .generate(
             &prompts,
@@ -148,6 +152,7 @@ fn run_checkpoint(
         }
         let source = std::fs::read_to_string(&path).unwrap();
         let mut options = Options::new(card.clone());
+        options.kv_bytes = case.kv_type.bytes();
         options.workload = Workload {
             batch: prompts.len() as u64,
             prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,
@@ -258,6 +263,44 @@ fn active_experts_out_of_bounds(
         }
     }
     None
+}
+
+/// With a half KV cache (`--kv-type f16`) a run gives the tokens of the oracle that stores
+/// its K/V as halves too: the resident baseline, FlexGen (whose KV `.context()` and
+/// `.appended()` copies move half-width runs) and VSLPipe (mixed passes, chunked prefill
+/// attending the cache), on OLMoE-tiny (MHA: one query head per kv head) and Qwen3-tiny
+/// (GQA). The two oracles differ somewhere (the rounding is real), checked once.
+#[test]
+fn a_half_kv_cache_gives_the_half_cache_oracle_s_tokens() {
+    for card in ["olmoe-tiny", "qwen3-moe-tiny"] {
+        for only in ["resident", "flexgen.sched", "vslpipe"] {
+            let case = Case {
+                only: Some(only),
+                seqs_per_ub: Some("2"),
+                kv_type: KvType::F16,
+                ..Case::new(card)
+            };
+            let (failures, _) = run_card(&case, |_| None);
+            assert!(failures.is_empty(), "{card}: {failures:#?}");
+        }
+    }
+    let card = ModelCard::load("olmoe-tiny").unwrap();
+    let (_dir, checkpoint) = synth_checkpoint(&card);
+    let logits = |kv: KvType| {
+        Oracle::new(&checkpoint)
+            .unwrap()
+            .with_kv_type(kv)
+            .generate(&prompts(card.vocab as u32), &GenerateOptions::greedy(1))
+            .unwrap()
+            .into_iter()
+            .map(|g| g.prompt_logits)
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(
+        logits(KvType::F16),
+        logits(KvType::F32),
+        "halves round somewhere"
+    );
 }
 
 #[test]

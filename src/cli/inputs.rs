@@ -148,6 +148,16 @@ pub struct RunSettings {
     /// keeps the host relay.
     #[arg(long, value_enum, default_value_t = WeightCopies::Bind)]
     pub weight_copies: WeightCopies,
+    /// KV cache element type: `f32`, or `f16` (IEEE halves, as llama.cpp's default
+    /// `--cache-type-k/v f16`: half the KV memory and traffic; attention still computes
+    /// in f32). The CPU backend keeps either; `cuda` only f32 and refuses `f16`.
+    #[arg(long, default_value = "f32", value_parser = kv_type)]
+    pub kv_type: crate::model::vocab::KvType,
+}
+
+/// `--kv-type f32|f16`.
+pub fn kv_type(text: &str) -> Result<crate::model::vocab::KvType, String> {
+    crate::model::vocab::KvType::parse(text)
 }
 
 /// `--weight-copies` (the runtime's [`crate::runtime::WeightCopies`]).

@@ -113,6 +113,7 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.host_mem = host_capacity(args)?;
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
+    request.kv_type = args.settings.kv_type;
     request.sampling = if args.temperature > 0.0 {
         crate::engine::Sampling::Temperature {
             temperature: args.temperature,
@@ -166,6 +167,30 @@ pub fn execute(
         write_atomic(path, &text).map_err(Failure::Message)?;
     }
     Ok(finished)
+}
+
+/// The KV cache's element type the plan was compiled for (`--kv-type`) and a token's
+/// bytes of it over every layer.
+fn kv_type_of(plan: &crate::lower::ExecPlan) -> crate::model::vocab::KvType {
+    plan.tasks
+        .iter()
+        .find(|t| matches!(t.op, crate::ir::Op::Attn { .. }))
+        .and_then(|t| crate::model::vocab::KvType::of_bytes(t.shape.kv_bytes))
+        .unwrap_or_default()
+}
+
+/// One report line: the KV cache's element type and a token's bytes of it.
+fn kv_line(plan: &crate::lower::ExecPlan) -> String {
+    let kv = kv_type_of(plan);
+    let card = &plan.model;
+    let per_token = card.kv_elems_per_token_layer() * card.layers * kv.bytes();
+    format!(
+        "kv cache: {} ({} bytes per element, {} per token over {} layers; --kv-type)",
+        kv.name(),
+        kv.bytes(),
+        human(per_token),
+        card.layers
+    )
 }
 
 /// How the run's copies were carried out, when the backend bound weight copies.
@@ -275,6 +300,7 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
     if let Some(line) = weight_copies_line(&f.stats) {
         let _ = writeln!(out, "{line}");
     }
+    let _ = writeln!(out, "{}", kv_line(&f.plan));
     let _ = writeln!(out, "memory (arenas are allocated once; peak = size):");
     let _ = writeln!(out, "  gpu     {:>10}  budget {gpu_budget}", human(gpu));
     let locked = if f.stats.pinned_locked || pinned == 0 {
@@ -433,6 +459,7 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
         },
         "tokenizer": f.tokenizer,
         "backend": f.stats.backend,
+        "kv_type": kv_type_of(&f.plan).name(),
         "fitted_params": f.fitted.as_ref().map(|p| p.values.iter().cloned().collect::<std::collections::BTreeMap<_, _>>()),
         "weight_copies": f.stats.copies.map(|c| serde_json::json!({
             "mode": "bind",

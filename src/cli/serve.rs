@@ -94,6 +94,10 @@ pub struct ServeArgs {
     /// Backend that executes the plan (the registry's names).
     #[arg(long, default_value = "cpu", value_parser = super::inputs::backend())]
     pub backend: &'static crate::runtime::Registration,
+    /// KV cache element type, `f32` or `f16` (half the bytes per token: `--kv-mem` holds
+    /// twice the tokens); `cuda` keeps only f32.
+    #[arg(long, default_value = "f32", value_parser = super::inputs::kv_type)]
+    pub kv_type: crate::model::vocab::KvType,
     /// Seconds without progress before a stalled step is an error.
     #[arg(long, default_value_t = 60.0, value_parser = super::inputs::watchdog_seconds)]
     pub watchdog: f64,
@@ -116,6 +120,7 @@ fn request(args: &ServeArgs) -> Result<SessionRequest, String> {
     run.threads = args.threads;
     run.link_gbps = args.link_gbps;
     run.backend = args.backend;
+    run.kv_type = args.kv_type;
     run.watchdog = Duration::from_secs_f64(args.watchdog.max(0.01));
     if args.fit {
         run.fit = crate::engine::FitMode::Always;

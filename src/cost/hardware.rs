@@ -262,6 +262,22 @@ pub struct KernelRates {
     /// when not measured (profiles written before it was).
     #[serde(default)]
     pub attn_call_us: f64,
+    /// Decode attention's KV read rate over an f32 cache, GB/s: KV bytes over the time of
+    /// a memory-bound decode call (one query head per kv head, 4,096 cached positions per
+    /// sequence, caches far from L3). With [`KernelRates::attn_decode_peak_gflops`] it
+    /// times a decode attention task as a roofline of the kernel as measured:
+    /// `max(kv_bytes / rate, flops / peak)` (docs/cost-model.md). 0 when not measured
+    /// (profiles written before it was: the FLOP rate above is used alone).
+    #[serde(default)]
+    pub attn_decode_kv_gb_s: f64,
+    /// The same over a half cache (`--kv-type f16`), GB/s of half bytes.
+    #[serde(default)]
+    pub attn_decode_kv_f16_gb_s: f64,
+    /// Decode attention's FLOP rate when its groups are wide (8 query heads per kv head
+    /// over the same cache, half elements), GFLOP/s as the op catalog counts them: the
+    /// compute roof of the model above.
+    #[serde(default)]
+    pub attn_decode_peak_gflops: f64,
 }
 
 impl KernelRates {
@@ -317,7 +333,37 @@ impl KernelRates {
                 "{:<11} decode {:.2} GFLOP/s, prefill {:.2} GFLOP/s, one call at least {:.1} us",
                 "attention", self.attn_decode_gflops, self.attn_prefill_gflops, self.attn_call_us
             ),
+            format!(
+                "{:<11} decode KV read {:.2} GB/s (f32 cache), {:.2} GB/s (f16 cache), wide groups {:.2} GFLOP/s",
+                "", self.attn_decode_kv_gb_s, self.attn_decode_kv_f16_gb_s, self.attn_decode_peak_gflops
+            ),
         ]
+    }
+
+    /// Seconds of a decode attention task reading `kv_bytes` of a cache of `kv_elem_bytes`
+    /// elements for `flops` (the catalog's): the roofline of the measured kernel,
+    /// `max(kv_bytes / read rate, flops / wide-group rate)`; `None` when the profile has
+    /// no KV read rate for that element type (it predates them).
+    pub fn decode_attention_seconds(
+        &self,
+        kv_bytes: f64,
+        kv_elem_bytes: u64,
+        flops: f64,
+    ) -> Option<f64> {
+        let rate = match kv_elem_bytes {
+            2 => self.attn_decode_kv_f16_gb_s,
+            _ => self.attn_decode_kv_gb_s,
+        };
+        if !(rate.is_finite() && rate > 0.0) {
+            return None;
+        }
+        let memory = kv_bytes.max(0.0) / (rate * GB);
+        let compute = if self.attn_decode_peak_gflops > 0.0 {
+            flops.max(0.0) / (self.attn_decode_peak_gflops * 1e9)
+        } else {
+            0.0
+        };
+        Some(memory.max(compute))
     }
 
     /// Checks every rate is finite and positive and each curve's rows strictly ascend.

@@ -238,7 +238,7 @@ pub(super) fn kv_capacity_tokens(program: &Program) -> Option<usize> {
         .iter()
         .filter(|t| matches!(t.op, Op::Attn { .. }))
         .flat_map(|t| {
-            let bytes = (per_token * t.shape.act_bytes).max(1);
+            let bytes = (per_token * t.shape.kv_bytes).max(1);
             t.args
                 .iter()
                 .filter(|a| a.role == Role::Kv)
@@ -561,7 +561,10 @@ pub(super) fn read_seen_experts(
 /// routing: the experts it reached); `post_attn` is both, its expert
 /// weights at the FFN rate and the rest at the dense one; attention is its catalog FLOPs
 /// at the decode rate, or the prefill rate when it carries more tokens than sequences,
-/// and at least one measured smallest call (`attn_call_us`).
+/// and at least one measured smallest call (`attn_call_us`); a decode attention task with
+/// measured KV read rates is the roofline of the kernel as measured instead
+/// ([`KernelRates::decode_attention_seconds`]: its KV bytes at the read rate of its cache's
+/// element type, or its FLOPs at the wide-group rate, whichever is longer).
 /// The op's [`catalog::CostClass`] picks the term; the roofline-only classes (embed,
 /// combine, sample) have no measured kernel: 0, the roofline stands.
 pub fn kernel_seconds(
@@ -647,7 +650,23 @@ pub fn kernel_seconds(
             } else {
                 kernels.attn_decode_gflops
             };
-            let at_rate = if gflops > 0.0 {
+            // Decode reads every cached K and V once per step: the bytes of the cache's
+            // element type at the kernel's measured read rate, or its wide-group FLOP rate
+            // where the group's arithmetic takes longer (`decode_attention_seconds`). The
+            // FLOP rate alone (one GQA shape's) missed by the group: 4 query heads per kv
+            // head do 4x the FLOPs per byte of OLMoE's one.
+            let kv_bytes: f64 = work
+                .mem
+                .iter()
+                .filter(|m| m.class == catalog::DataClass::KvCache)
+                .map(|m| m.bytes)
+                .sum();
+            let measured_decode = (!prefill)
+                .then(|| kernels.decode_attention_seconds(kv_bytes, shape.kv_bytes, work.flops))
+                .flatten();
+            let at_rate = if let Some(seconds) = measured_decode {
+                seconds
+            } else if gflops > 0.0 {
                 work.flops / (gflops * 1e9)
             } else {
                 0.0
@@ -1082,11 +1101,11 @@ pub(super) fn stage1_for(
     profile: &HardwareProfile,
 ) -> Stage1Bound {
     let card = &program.model;
-    let act_bytes = program
+    let elem_bytes = program
         .tasks
         .first()
-        .map_or(ACT_BYTES, |t| t.shape.act_bytes);
-    let kv_bytes_per_token = (card.layers * card.kv_elems_per_token_layer() * act_bytes) as f64;
+        .map_or(ACT_BYTES, |t| t.shape.kv_bytes);
+    let kv_bytes_per_token = (card.layers * card.kv_elems_per_token_layer() * elem_bytes) as f64;
     // KV slots = the host budget minus everything in host DRAM that is not KV cache.
     let table = super::budget::budget_table(program, Some(profile), &Default::default());
     let kv_bytes: u64 = table
@@ -1150,6 +1169,7 @@ mod tests {
             seqs: 1,
             context: 3,
             act_bytes: 4,
+            kv_bytes: 4,
         };
         let op = Op::PostAttn { layer: 0, ub: 0 };
         let layout = crate::ir::CheckpointLayout::new(&card);

@@ -404,7 +404,7 @@ pub(super) fn kv_part_bytes_at(
     part: KvPart,
     load: &UbLoad,
 ) -> f64 {
-    let per_token = (program.model.kv_elems_per_token_layer() * declared.act_bytes) as f64;
+    let per_token = (program.model.kv_elems_per_token_layer() * declared.kv_bytes) as f64;
     let positions = match part {
         KvPart::Context => load.decode_context.saturating_sub(load.decode_seqs),
         KvPart::Appended => load.prefill_tokens + load.decode_seqs,

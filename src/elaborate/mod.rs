@@ -49,9 +49,12 @@ pub struct Options {
     pub sets: Vec<(String, String)>,
     /// Hardware symbols (`gpu.mem`, ...) from a profile; empty without `--hw`.
     pub hardware: BTreeMap<String, f64>,
-    /// Bytes per activation / KV element ([`crate::ir::catalog::ACT_BYTES`], f32, unless
+    /// Bytes per activation element ([`crate::ir::catalog::ACT_BYTES`], f32, unless
     /// a cost study models another precision; the runtime always computes in f32).
     pub act_bytes: u64,
+    /// Bytes per KV cache element: 4, or 2 for a half cache (`--kv-type f16`); sizes
+    /// `kv_cache(..)` and every task's [`crate::ir::catalog::Shape::kv_bytes`].
+    pub kv_bytes: u64,
     /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
     pub limits: Limits,
     /// The routing profile `rank(..)` and `rank_in_layer(..)` read (`--profile`); without
@@ -89,6 +92,7 @@ impl Options {
             sets: Vec::new(),
             hardware: BTreeMap::new(),
             act_bytes: crate::ir::catalog::ACT_BYTES,
+            kv_bytes: crate::ir::catalog::ACT_BYTES,
             limits: Limits::default(),
             profile: None,
         }
@@ -616,6 +620,10 @@ impl value::Context for Elaborator<'_> {
 
     fn act_bytes(&self) -> u64 {
         self.options.act_bytes.max(1)
+    }
+
+    fn kv_bytes(&self) -> u64 {
+        self.options.kv_bytes.max(1)
     }
 }
 

@@ -691,24 +691,28 @@ impl<'a> Elaborator<'a> {
         let size = self.micro.map_or(1, |m| m.size);
         let w = self.options.workload;
         let act_bytes = self.options.act_bytes.max(1);
+        let kv_bytes = self.options.kv_bytes.max(1);
         match self.step.map(|s| s.0) {
             Some(StepKind::Prefill) => Shape {
                 tokens: size.saturating_mul(w.prompt_len),
                 seqs: size,
                 context: w.prompt_len,
                 act_bytes,
+                kv_bytes,
             },
             Some(StepKind::Mixed) => Shape {
                 tokens: self.micro.map_or(size, |m| m.mixed_tokens),
                 seqs: size,
                 context: w.prompt_len.saturating_add(w.gen_len),
                 act_bytes,
+                kv_bytes,
             },
             _ => Shape {
                 tokens: size,
                 seqs: size,
                 context: w.prompt_len.saturating_add(w.gen_len),
                 act_bytes,
+                kv_bytes,
             },
         }
     }

@@ -191,8 +191,10 @@ pub trait Context {
     }
     /// Whether `buffer` is the checkpoint.
     fn is_checkpoint(&self, buffer: BufferId) -> bool;
-    /// Bytes per activation / KV element.
+    /// Bytes per activation element.
     fn act_bytes(&self) -> u64;
+    /// Bytes per KV cache element.
+    fn kv_bytes(&self) -> u64;
     /// The index of the expert cache whose buffer is `buffer`, if it is one.
     fn cache_of(&self, buffer: BufferId) -> Option<u32>;
 
@@ -858,7 +860,7 @@ fn call(
                     ));
                 }
             }
-            match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes()) {
+            match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes(), cx.kv_bytes()) {
                 Some(Ok(size)) => Ok(Val::Bytes(size)),
                 Some(Err(expected)) => Err(Diagnostic::arity(
                     span,

@@ -245,6 +245,116 @@ const ATTN_CALL_REPS: usize = 101;
 /// stream in two).
 const ATTN_EVICT_BYTES: usize = 64 << 20;
 
+/// The decode KV-read points: kv heads and head width of the cache (OLMoE's and Qwen3's
+/// 128-wide heads), sequences and cached positions each: 64 MiB of f32 K and V per call,
+/// past most last-level caches, and the evicting stream before each timed call.
+const ATTN_KV_CACHE: (usize, usize, usize, usize) = (8, 128, 4, 4096);
+/// Query heads per kv head of the wide-group point (Qwen3-30B-A3B's and gpt-oss's 8).
+const ATTN_KV_WIDE_GROUP: usize = 8;
+
+/// The decode attention kernel's KV read rate over an f32 and a half cache (one query
+/// head per kv head: bytes bound), and its FLOP rate with wide groups over the half
+/// cache (8 query heads per kv head: the most arithmetic per byte a card has but MLA's),
+/// on the current rayon pool: (f32 GB/s, f16 GB/s, GFLOP/s as the catalog counts them).
+/// Each the best of `reps` timed calls, each after [`ATTN_EVICT_BYTES`] streamed.
+pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64), ProbeError> {
+    use crate::math::attention::AttnSeq;
+    use crate::math::isa::Kernels;
+    use crate::math::kv_cache::PagedKvCache;
+    use crate::model::vocab::{AttnShape, KvLayout, KvType};
+    let (kv_heads, head_dim, seqs, context) = ATTN_KV_CACHE;
+    let layout = KvLayout {
+        block_size: 16,
+        kv_heads,
+        head_dim,
+    };
+    let per_seq = layout.blocks_for(context + 1);
+    let evict = vec![1.0f32; ATTN_EVICT_BYTES / 4];
+    let kernels = Kernels::process();
+    let time = |kv_type: KvType, group: usize| -> Result<f64, ProbeError> {
+        let shape = AttnShape {
+            heads: kv_heads * group,
+            kv_heads,
+            head_dim,
+            sliding_window: None,
+            sinks: false,
+        };
+        let mut cache = PagedKvCache::of_type(layout, 1, seqs * per_seq, kv_type);
+        let mut tables = Vec::with_capacity(seqs);
+        for _ in 0..seqs {
+            let mut table = Vec::new();
+            cache
+                .allocator
+                .grow(&layout, &mut table, context + 1)
+                .map_err(|e| ProbeError::Kernel(e.to_string()))?;
+            tables.push(table);
+        }
+        // Fill the cache (non-zero pages, as a run's are): each sequence's K/V stored by a
+        // call that attends nothing (only the stored K/V matter, so group-1 rows do).
+        let store = AttnShape {
+            heads: kv_heads,
+            ..shape
+        };
+        let fill: Vec<f32> = (0..context * store.qkv_width())
+            .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
+            .collect();
+        let mut fill_out = vec![0.0f32; context * store.q_width()];
+        for table in &tables {
+            let prefill = [AttnSeq {
+                block_table: table,
+                context_len: 0,
+                n_new: context,
+            }];
+            kernels
+                .attention_of(
+                    &mut cache.layer_mut(0),
+                    &prefill,
+                    &fill,
+                    &store,
+                    &mut fill_out,
+                    &|_| false,
+                )
+                .map_err(|e| ProbeError::Kernel(e.to_string()))?;
+        }
+        let decode: Vec<AttnSeq<'_>> = tables
+            .iter()
+            .map(|table| AttnSeq {
+                block_table: table,
+                context_len: context,
+                n_new: 1,
+            })
+            .collect();
+        let qkv = vec![0.01f32; seqs * shape.qkv_width()];
+        let mut out = vec![0.0f32; seqs * shape.q_width()];
+        let mut best = f64::INFINITY;
+        for _ in 0..=reps.max(1) {
+            std::hint::black_box(stream_read(&evict));
+            let start = Instant::now();
+            kernels
+                .attention(&mut cache.layer_mut(0), &decode, &qkv, &shape, &mut out)
+                .map_err(|e| ProbeError::Kernel(e.to_string()))?;
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(&out);
+        Ok(best)
+    };
+    let kv_bytes = |kv_type: KvType| {
+        (seqs * (context + 1) * 2 * kv_heads * head_dim) as f64 * kv_type.bytes() as f64
+    };
+    let f32_s = time(KvType::F32, 1)?;
+    let f16_s = time(KvType::F16, 1)?;
+    let wide_s = time(KvType::F16, ATTN_KV_WIDE_GROUP)?;
+    let wide_flops = 4.0
+        * (kv_heads * ATTN_KV_WIDE_GROUP * head_dim) as f64
+        * seqs as f64
+        * (context + 1) as f64;
+    Ok((
+        kv_bytes(KvType::F32) / f32_s.max(1e-12) / GB,
+        kv_bytes(KvType::F16) / f16_s.max(1e-12) / GB,
+        wide_flops / wide_s.max(1e-12) / 1e9,
+    ))
+}
+
 /// Measures the rates of moec's own kernels (`math`, the runtime's, with the
 /// process's instruction set) on `threads` threads: [`KernelRates`] with the `linear` and
 /// `expert_ffn` curves at [`KERNEL_ROWS`] rows on bf16 mixtral-mid-sized matrices, decode
@@ -350,6 +460,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     }
     let (decode_seconds, prefill_seconds, call_seconds) =
         pool.install(|| time_attention(effort.attn_call_reps.max(1)))?;
+    let (kv_gb_s, kv_f16_gb_s, peak_gflops) = pool.install(|| time_decode_kv(2))?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -361,7 +472,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
             kernels.isa(),
             effort.attn_call_reps.max(1)
         ),
@@ -370,6 +481,9 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
         attn_decode_gflops: decode_flops / decode_seconds.max(1e-12) / 1e9,
         attn_prefill_gflops: prefill_flops / prefill_seconds.max(1e-12) / 1e9,
         attn_call_us: call_seconds * 1e6,
+        attn_decode_kv_gb_s: kv_gb_s,
+        attn_decode_kv_f16_gb_s: kv_f16_gb_s,
+        attn_decode_peak_gflops: peak_gflops,
     })
 }
 

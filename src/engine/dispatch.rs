@@ -114,6 +114,7 @@ fn synthetic_plan(streams: usize, tasks: usize) -> Result<ExecPlan, DispatchProb
         seqs: 1,
         context: 1,
         act_bytes: 4,
+        kv_bytes: 4,
     };
     Ok(ExecPlan {
         name: "dispatch-probe".to_string(),

@@ -130,6 +130,9 @@ pub struct RunRequest {
     pub capture_logits: bool,
     /// `moec profile`: add every gate's routing to these counts (every gate is read back).
     pub collect_routing: Option<Arc<Mutex<RoutingProfile>>>,
+    /// `--kv-type`: the KV cache's element type (f32 unless asked; the backend must
+    /// keep its cache in it or the run is refused).
+    pub kv_type: crate::model::vocab::KvType,
 }
 
 impl RunRequest {
@@ -162,6 +165,7 @@ impl RunRequest {
             drop_event: None,
             capture_logits: false,
             collect_routing: None,
+            kv_type: crate::model::vocab::KvType::F32,
         }
     }
 }

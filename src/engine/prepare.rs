@@ -134,7 +134,11 @@ fn compile_for(
     workload: Workload,
 ) -> Result<(Options, Compiled), RunFailure> {
     let (name, source) = (&request.schedule_name, &request.schedule);
+    if let Some(why) = crate::runtime::registry::kv_type_refusal(request.backend, request.kv_type) {
+        return Err(RunFailure::Message(why));
+    }
     let mut options = Options::new(card.clone());
+    options.kv_bytes = request.kv_type.bytes();
     if let Some(path) = &request.routing_profile {
         options.profile =
             Some(crate::ir::profile::load_for_card(path, card).map_err(RunFailure::Message)?);

@@ -597,7 +597,9 @@ impl SessionSizes {
                 "a context of {context} tokens leaves no room for a prompt"
             ));
         }
-        let token_bytes = card.kv_elems_per_token_layer() * 4 * card.layers;
+        // At the cache's element width: a half cache holds twice the tokens in a budget.
+        let token_bytes =
+            card.kv_elems_per_token_layer() * request.run.kv_type.bytes() * card.layers;
         let kv_tokens = match request.kv_bytes {
             Some(bytes) => usize::try_from(bytes / token_bytes.max(1)).unwrap_or(usize::MAX),
             None => batch * context.min(DEFAULT_KV_CONTEXT),

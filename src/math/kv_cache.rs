@@ -1,27 +1,103 @@
-//! A paged KV cache: fixed-size blocks of f32 keys and values, handed out to sequences
-//! through per-sequence block tables.
+//! A paged KV cache: fixed-size blocks of keys and values (f32, or IEEE half bits under
+//! [`KvType::F16`]), handed out to sequences through per-sequence block tables.
 //!
-//! Takes a [`KvLayout`] (block size, kv heads, head width) and a block count; gives
-//! per-layer pools that the attention kernel reads through [`KvBlocksMut`] views, and a
-//! [`BlockAllocator`] whose tables always cover the tokens they were grown for. Running out
-//! of blocks is an error, never a panic.
+//! Takes a [`KvLayout`] (block size, kv heads, head width), an element type and a block
+//! count; gives per-layer pools that the attention kernel reads through [`KvBlocksMut`]
+//! views, and a [`BlockAllocator`] whose tables always cover the tokens they were grown
+//! for. Running out of blocks is an error, never a panic.
 
-use crate::model::vocab::KvLayout;
+use crate::model::vocab::{KvLayout, KvType};
+
+/// One layer's K and V pools in their element type (equal lengths).
+#[derive(Debug)]
+pub enum KvPools<'a> {
+    /// f32 elements.
+    F32 {
+        /// Keys.
+        k: &'a mut [f32],
+        /// Values.
+        v: &'a mut [f32],
+    },
+    /// IEEE half bits (`half::f16::to_bits`).
+    F16 {
+        /// Keys.
+        k: &'a mut [u16],
+        /// Values.
+        v: &'a mut [u16],
+    },
+}
+
 /// Mutable view of one layer's K and V pools (e.g. into a runtime arena).
 #[derive(Debug)]
 pub struct KvBlocksMut<'a> {
     /// Pool shape.
     pub layout: KvLayout,
-    /// Keys, `n_blocks * layout.block_elems()` elements.
-    pub k: &'a mut [f32],
-    /// Values, same length as `k`.
-    pub v: &'a mut [f32],
+    /// The pools, `n_blocks * layout.block_elems()` elements each.
+    pub pools: KvPools<'a>,
 }
 
-impl KvBlocksMut<'_> {
+impl<'a> KvBlocksMut<'a> {
+    /// f32 pools.
+    pub fn f32(layout: KvLayout, k: &'a mut [f32], v: &'a mut [f32]) -> Self {
+        KvBlocksMut {
+            layout,
+            pools: KvPools::F32 { k, v },
+        }
+    }
+
+    /// A K pool then a V pool of equal size, as many whole blocks as `bytes` holds, in
+    /// elements of `kv_type` (the runtime's `kv` arguments); `None` when the bytes are
+    /// not aligned to the element.
+    pub fn from_bytes(layout: KvLayout, kv_type: KvType, bytes: &'a mut [u8]) -> Option<Self> {
+        let elem = kv_type.bytes() as usize;
+        let block = layout.block_elems().max(1);
+        let pool = bytes.len() / elem / 2 / block * block;
+        let bytes = &mut bytes[..2 * pool * elem];
+        let pools = match kv_type {
+            KvType::F32 => {
+                let all: &mut [f32] = bytemuck::try_cast_slice_mut(bytes).ok()?;
+                let (k, v) = all.split_at_mut(pool);
+                KvPools::F32 { k, v }
+            }
+            KvType::F16 => {
+                let all: &mut [u16] = bytemuck::try_cast_slice_mut(bytes).ok()?;
+                let (k, v) = all.split_at_mut(pool);
+                KvPools::F16 { k, v }
+            }
+        };
+        Some(KvBlocksMut { layout, pools })
+    }
+
+    /// The element type.
+    pub fn kv_type(&self) -> KvType {
+        match self.pools {
+            KvPools::F32 { .. } => KvType::F32,
+            KvPools::F16 { .. } => KvType::F16,
+        }
+    }
+
     /// Blocks in this pool.
     pub fn n_blocks(&self) -> usize {
-        self.k.len().min(self.v.len()) / self.layout.block_elems().max(1)
+        let elems = match &self.pools {
+            KvPools::F32 { k, v } => k.len().min(v.len()),
+            KvPools::F16 { k, v } => k.len().min(v.len()),
+        };
+        elems / self.layout.block_elems().max(1)
+    }
+
+    /// Both pools widened to f32 (tests and diagnostics).
+    pub fn widened(&self) -> (Vec<f32>, Vec<f32>) {
+        match &self.pools {
+            KvPools::F32 { k, v } => (k.to_vec(), v.to_vec()),
+            KvPools::F16 { k, v } => {
+                let wide = |x: &[u16]| -> Vec<f32> {
+                    x.iter()
+                        .map(|&b| half::f16::from_bits(b).to_f32())
+                        .collect()
+                };
+                (wide(k), wide(v))
+            }
+        }
     }
 }
 
@@ -87,25 +163,40 @@ impl BlockAllocator {
     }
 }
 
+/// Owned pools of one layer in their element type.
+#[derive(Debug, Clone)]
+enum OwnedPools {
+    F32(Vec<f32>, Vec<f32>),
+    F16(Vec<u16>, Vec<u16>),
+}
+
 /// An owned cache: one K and one V pool per layer, plus the allocator.
 #[derive(Debug, Clone)]
 pub struct PagedKvCache {
     layout: KvLayout,
     n_blocks: usize,
-    pools: Vec<(Vec<f32>, Vec<f32>)>,
+    pools: Vec<OwnedPools>,
     /// Hands out block ids for all layers at once.
     pub allocator: BlockAllocator,
 }
 
 impl PagedKvCache {
-    /// Zeroed pools of `n_blocks` blocks for `layers` layers.
+    /// Zeroed f32 pools of `n_blocks` blocks for `layers` layers.
     pub fn new(layout: KvLayout, layers: usize, n_blocks: usize) -> Self {
+        Self::of_type(layout, layers, n_blocks, KvType::F32)
+    }
+
+    /// Zeroed pools of `kv_type` elements, `n_blocks` blocks for `layers` layers.
+    pub fn of_type(layout: KvLayout, layers: usize, n_blocks: usize, kv_type: KvType) -> Self {
         let elems = n_blocks * layout.block_elems();
         PagedKvCache {
             layout,
             n_blocks,
             pools: (0..layers)
-                .map(|_| (vec![0.0; elems], vec![0.0; elems]))
+                .map(|_| match kv_type {
+                    KvType::F32 => OwnedPools::F32(vec![0.0; elems], vec![0.0; elems]),
+                    KvType::F16 => OwnedPools::F16(vec![0; elems], vec![0; elems]),
+                })
                 .collect(),
             allocator: BlockAllocator::new(n_blocks),
         }
@@ -123,11 +214,13 @@ impl PagedKvCache {
 
     /// View of layer `layer_idx`'s pools (caller keeps `layer_idx` < layers).
     pub fn layer_mut(&mut self, layer_idx: usize) -> KvBlocksMut<'_> {
-        let (k, v) = &mut self.pools[layer_idx];
+        let pools = match &mut self.pools[layer_idx] {
+            OwnedPools::F32(k, v) => KvPools::F32 { k, v },
+            OwnedPools::F16(k, v) => KvPools::F16 { k, v },
+        };
         KvBlocksMut {
             layout: self.layout,
-            k,
-            v,
+            pools,
         }
     }
 }

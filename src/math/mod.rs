@@ -20,6 +20,7 @@
 //! | greedy / temperature + top-p | [`sampling::sample`] |
 
 pub mod attention;
+mod attn_decode;
 pub mod bf16_dot;
 #[cfg(target_arch = "x86_64")]
 mod bf16_dot512;

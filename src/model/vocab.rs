@@ -40,7 +40,7 @@ impl AttnShape {
 }
 
 /// Shape of one block pool. Both pools are `[block][kv_head][tile]` with one tile of
-/// `block_size * head_dim` f32 per (block, head): values are stored row per slot
+/// `block_size * head_dim` elements (f32 or half, [`KvType`]) per (block, head): values are stored row per slot
 /// (`[slot][head_dim]`, see [`KvLayout::offset`]) and keys transposed (`[head_dim][slot]`,
 /// see [`KvLayout::key_offset`]), so decode attention scores 16 keys per vector with no
 /// horizontal reductions. Only the attention kernel reads or writes inside a tile.
@@ -55,7 +55,7 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// f32 elements of K (or of V) in one block.
+    /// Elements of K (or of V) in one block.
     pub fn block_elems(&self) -> usize {
         self.kv_heads * self.block_size * self.head_dim
     }
@@ -78,6 +78,55 @@ impl KvLayout {
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
+    }
+}
+
+/// The element type of a KV cache (`--kv-type`, as llama.cpp's `--cache-type-k/v`).
+/// Attention always computes in f32: a half cache stores each key and value rounded to
+/// IEEE binary16 (round to nearest even) and widens it exactly on read, so a run with
+/// `F16` gives the bits of an f32 run whose cache held those rounded values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum KvType {
+    /// 4 bytes per element (the default).
+    #[default]
+    F32,
+    /// 2 bytes per element, IEEE half bits.
+    F16,
+}
+
+impl KvType {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+
+    /// The type of `bytes`-wide elements (`None` for a width no cache has).
+    pub fn of_bytes(bytes: u64) -> Option<KvType> {
+        match bytes {
+            4 => Some(KvType::F32),
+            2 => Some(KvType::F16),
+            _ => None,
+        }
+    }
+
+    /// As written in `--kv-type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+        }
+    }
+
+    /// Reads `--kv-type`.
+    pub fn parse(text: &str) -> Result<KvType, String> {
+        match text {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            other => Err(format!("`--kv-type {other}`: expected `f32` or `f16`")),
+        }
     }
 }
 

@@ -21,8 +21,8 @@ use crate::math::views::ModelWeights;
 use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
 use crate::model::card::ModelCard;
-use crate::model::vocab::KvLayout;
 use crate::model::vocab::Sampling;
+use crate::model::vocab::{KvLayout, KvType};
 use crate::rng::Rng;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 
@@ -114,6 +114,7 @@ pub struct Oracle<'a> {
     weights: ModelWeights<'a>,
     rope: RopeTable,
     kernels: Kernels,
+    kv_type: KvType,
 }
 
 impl<'a> Oracle<'a> {
@@ -137,6 +138,7 @@ impl<'a> Oracle<'a> {
             weights,
             rope,
             kernels: Kernels::process(),
+            kv_type: KvType::F32,
         }
     }
 
@@ -145,6 +147,14 @@ impl<'a> Oracle<'a> {
     /// that use the same kernels.
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
+        self
+    }
+
+    /// The same oracle storing its KV cache in `kv_type`: under [`KvType::F16`] every key
+    /// and value is rounded to a half when stored, as a run with `--kv-type f16` stores
+    /// them, so the two give the same tokens.
+    pub fn with_kv_type(mut self, kv_type: KvType) -> Self {
+        self.kv_type = kv_type;
         self
     }
 
@@ -181,7 +191,7 @@ impl<'a> Oracle<'a> {
             head_dim: self.arch.attn.head_dim,
         };
         let blocks = seq_tokens.iter().map(|&t| layout.blocks_for(t)).sum();
-        PagedKvCache::new(layout, self.arch.layers, blocks)
+        PagedKvCache::of_type(layout, self.arch.layers, blocks, self.kv_type)
     }
 
     /// Runs every layer over a micro-batch and returns the logits of each sequence's

@@ -62,6 +62,9 @@ pub struct Registration {
     /// any other, or a plan with a format copy of the experts in any other, is refused
     /// before set-up, naming the tensor or the copy and its format.
     pub quant_formats: &'static [QuantFormat],
+    /// The KV cache element types (`--kv-type`) its attention reads and writes; a run
+    /// asking for another is refused before set-up, never run in a type it did not ask.
+    pub kv_types: &'static [crate::model::vocab::KvType],
     /// Why the backend cannot run on this machine, in one line, asked before anything is
     /// loaded (`None`: it may).
     pub refusal: fn() -> Option<String>,

@@ -76,6 +76,22 @@ pub fn open<'c>(
             checkpoint.dir().display()
         )));
     }
+    let plan_kv = plan
+        .tasks
+        .iter()
+        .find(|t| matches!(t.op, crate::ir::Op::Attn { .. }))
+        .map_or(4, |t| t.shape.kv_bytes);
+    let kv_type = crate::model::vocab::KvType::of_bytes(plan_kv);
+    if let Some(why) = kv_type.map_or_else(
+        || {
+            Some(format!(
+                "the plan's KV cache has {plan_kv}-byte elements, which no backend stores"
+            ))
+        },
+        |kv| kv_type_refusal(backend, kv),
+    ) {
+        return Err(BackendError::Unavailable(why));
+    }
     let copies = plan.format_copies.iter().map(|copy| {
         let name = plan
             .buffers
@@ -87,6 +103,27 @@ pub fn open<'c>(
         return Err(BackendError::Unavailable(why));
     }
     (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
+}
+
+/// Why `backend` cannot keep its KV cache in `kv_type` (`--kv-type`), in one line; `None`
+/// when it can. Asked before anything is loaded, and again when a plan is opened: a
+/// backend never runs a cache type other than the one asked for.
+pub fn kv_type_refusal(
+    backend: &Registration,
+    kv_type: crate::model::vocab::KvType,
+) -> Option<String> {
+    if backend.kv_types.contains(&kv_type) {
+        return None;
+    }
+    let known: Vec<&str> = backend.kv_types.iter().map(|t| t.name()).collect();
+    Some(format!(
+        "`--kv-type {}`: the {} backend's attention keeps its KV cache in {} only; run with \
+         --kv-type {} or --backend cpu",
+        kv_type.name(),
+        backend.name,
+        known.join(", "),
+        known.first().copied().unwrap_or("f32"),
+    ))
 }
 
 /// Why `backend` cannot compute with the format copies `copies` (buffer name, format),
@@ -188,6 +225,25 @@ mod tests {
         let why = quant_refusal(&partial, tensors.into_iter()).expect("Q6_K refused");
         assert!(
             why.starts_with("tensor `output.weight` is stored as Q6_K; the partial backend computes with float weights and Q4_K only"),
+            "{why}"
+        );
+    }
+
+    /// `--kv-type f16` runs on the CPU backend and is refused by the CUDA one in one line
+    /// that names the flag, the backend and the type it keeps; f32 runs on both.
+    #[test]
+    fn a_half_kv_cache_is_refused_where_the_attention_keeps_f32_only() {
+        use crate::model::vocab::KvType;
+        let cpu = find("cpu").expect("cpu registered");
+        let cuda = find("cuda").expect("cuda registered");
+        assert_eq!(kv_type_refusal(cpu, KvType::F16), None);
+        assert_eq!(kv_type_refusal(cpu, KvType::F32), None);
+        assert_eq!(kv_type_refusal(cuda, KvType::F32), None);
+        let why = kv_type_refusal(cuda, KvType::F16).expect("f16 refused on cuda");
+        assert!(
+            why.starts_with(
+                "`--kv-type f16`: the cuda backend's attention keeps its KV cache in f32 only"
+            ),
             "{why}"
         );
     }

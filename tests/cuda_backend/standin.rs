@@ -734,11 +734,7 @@ pub(crate) fn cpu_attention_checking_appends(
             n_new: new,
         })
         .collect();
-    let mut cache = KvBlocksMut {
-        layout,
-        k: &mut k_cpu,
-        v: &mut v_cpu,
-    };
+    let mut cache = KvBlocksMut::f32(layout, &mut k_cpu, &mut v_cpu);
     attention(&mut cache, &attn_seqs, qkv, shape, &mut want).expect("CPU attention");
     assert_eq!(
         stream.clone_dtoh(device_pools.0).expect("dtoh"),

@@ -301,11 +301,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
                 n_new: 1,
             })
             .collect();
-        let mut cache = KvBlocksMut {
-            layout,
-            k: &mut k_cpu,
-            v: &mut v_cpu,
-        };
+        let mut cache = KvBlocksMut::f32(layout, &mut k_cpu, &mut v_cpu);
         attention(&mut cache, &seqs, &qkv, &shape, &mut want).expect("CPU attention");
         assert_eq!(
             stream.clone_dtoh(&k_dev).expect("dtoh"),

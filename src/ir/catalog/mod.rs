@@ -312,19 +312,28 @@ pub struct Shape {
     /// decode and mixed: prompt_len + gen_len, the worst case; the cost model may pass an
     /// average to [`work`] instead).
     pub context: u64,
-    /// Bytes per activation / KV element: [`ACT_BYTES`] (f32, what the runtime computes
-    /// in) unless elaboration was asked otherwise (the cost model may model fp16).
+    /// Bytes per activation element: [`ACT_BYTES`] (f32, what the runtime computes in)
+    /// unless elaboration was asked otherwise (the cost model may model fp16).
     pub act_bytes: u64,
+    /// Bytes per KV cache element: [`ACT_BYTES`] unless the run stores its cache in
+    /// halves (`--kv-type f16`, 2); every KV size and KV traffic counts it.
+    #[serde(default = "default_kv_bytes")]
+    pub kv_bytes: u64,
+}
+
+/// [`Shape::kv_bytes`] of shapes written before it existed (f32 caches).
+fn default_kv_bytes() -> u64 {
+    ACT_BYTES
 }
 
 /// Bytes a copy of `part` of one layer's KV cache moves for a micro-batch of `shape`: the
 /// positions cached before the step's new tokens (`context`: `seqs x (context - new
-/// tokens per sequence)`) or only the new tokens' (`appended`), at `act_bytes` per element.
+/// tokens per sequence)`) or only the new tokens' (`appended`), at `kv_bytes` per element.
 /// At the declared (worst-case) shape this is what the memory check and the copy-bytes
 /// test count; the cost model passes the context it assumes, the runtime copies each
 /// sequence's real positions.
 pub fn kv_part_bytes(card: &ModelCard, shape: &Shape, part: crate::ir::KvPart) -> u64 {
-    let per_token = card.kv_elems_per_token_layer() * shape.act_bytes;
+    let per_token = card.kv_elems_per_token_layer() * shape.kv_bytes;
     let new_per_seq = shape.tokens / shape.seqs.max(1);
     let positions = match part {
         crate::ir::KvPart::Context => shape.seqs * shape.context.saturating_sub(new_per_seq),
@@ -368,6 +377,7 @@ mod tests {
             seqs: 1,
             context: 1,
             act_bytes: ACT_BYTES,
+            kv_bytes: ACT_BYTES,
         };
         let per_layer: f64 = [
             Op::PreAttn { layer: 0, ub: 0 },
@@ -409,6 +419,7 @@ mod tests {
             seqs: 64,
             context: 512,
             act_bytes: ACT_BYTES,
+            kv_bytes: ACT_BYTES,
         };
         let fine: f64 = [
             Op::OProj { layer: 0, ub: 0 },
@@ -431,17 +442,17 @@ mod tests {
     #[test]
     fn activation_sizes_follow_act_bytes() {
         let card = ModelCard::load("mixtral-tiny").unwrap();
-        let f32_size = size_helper("kv_cache", &[10], &card, 4)
+        let f32_size = size_helper("kv_cache", &[10], &card, 4, 4)
             .unwrap()
             .unwrap()
             .bytes;
-        let f16_size = size_helper("kv_cache", &[10], &card, 2)
+        let f16_size = size_helper("kv_cache", &[10], &card, 4, 2)
             .unwrap()
             .unwrap()
             .bytes;
         assert_eq!(f32_size, 10 * 2 * card.kv_dim() * 4);
         assert_eq!(f16_size * 2, f32_size);
-        assert_eq!(size_helper("hidden", &[], &card, 4), Some(Err(1)));
-        assert_eq!(size_helper("nope", &[1], &card, 4), None);
+        assert_eq!(size_helper("hidden", &[], &card, 4, 4), Some(Err(1)));
+        assert_eq!(size_helper("nope", &[1], &card, 4, 4), None);
     }
 }

@@ -378,7 +378,11 @@ fn attn_bytes(
     let d = Dims::new(card, shape);
     match role {
         // Every part appends the new tokens' K/V and reads each sequence's context.
-        Role::Kv => d.n * 2.0 * d.kv * d.a + d.s * d.c * 2.0 * d.kv * d.a,
+        // At the cache's element width (`kv_bytes`: halves under `--kv-type f16`).
+        Role::Kv => {
+            let e = shape.kv_bytes as f64;
+            d.n * 2.0 * d.kv * e + d.s * d.c * 2.0 * d.kv * e
+        }
         Role::Qkv => d.n * card.qkv_width() as f64 * d.a,
         Role::Out => d.rows(d.q),
         _ => len as f64,
@@ -1059,6 +1063,7 @@ mod tests {
             seqs: 1,
             context: 0,
             act_bytes: 4,
+            kv_bytes: 4,
         };
         let w = |op: Op| super::super::role_traffic(&op, Role::W, &card, &shape, u64::MAX).1;
         let pre = w(Op::PreAttn { layer: 1, ub: 0 });
@@ -1177,6 +1182,7 @@ mod tests {
             seqs,
             context,
             act_bytes: 4,
+            kv_bytes: 4,
         };
         let class_bytes = |op: &Op, shape: &Shape, class: super::super::DataClass| -> f64 {
             op.def()
@@ -1275,9 +1281,10 @@ mod tests {
             seqs: 2,
             context: 5,
             act_bytes: 4,
+            kv_bytes: 4,
         };
         let helper = |name: &str, n: u64| {
-            super::super::size_helper(name, &[n], &card, 4)
+            super::super::size_helper(name, &[n], &card, 4, 4)
                 .unwrap()
                 .unwrap()
                 .bytes

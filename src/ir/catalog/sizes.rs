@@ -43,6 +43,7 @@ pub fn size_helper(
     args: &[u64],
     card: &ModelCard,
     act_bytes: u64,
+    kv_bytes: u64,
 ) -> Option<Result<HelperSize, usize>> {
     use crate::ir::Layout;
     let a = act_bytes;
@@ -61,7 +62,7 @@ pub fn size_helper(
         "hidden" => one(&|n| raw(n.saturating_mul(card.hidden * a))),
         "qkv" => one(&|n| raw(n.saturating_mul(card.qkv_width() * a))),
         "attn_out" => one(&|n| raw(n.saturating_mul(card.q_dim() * a))),
-        "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * a))),
+        "kv_cache" => one(&|t| raw(t.saturating_mul(card.kv_elems_per_token_layer() * kv_bytes))),
         "routing" => one(&|n| raw(n.saturating_mul(card.top_k * ROUTE_ENTRY_BYTES))),
         // The gate's normalised rows, then one slot per (token, k): expert outputs kept
         // apart so the sum order is fixed.

@@ -150,7 +150,7 @@ impl ArgType {
     /// size is not fixed by the shape (weights are checked by value, copies by lengths).
     pub fn min_bytes(self, card: &ModelCard, shape: &Shape) -> Option<u64> {
         if self == ArgType::KvCache {
-            let per_position = card.kv_elems_per_token_layer() * shape.act_bytes;
+            let per_position = card.kv_elems_per_token_layer() * shape.kv_bytes;
             return Some(shape.seqs * shape.context * per_position);
         }
         let (unit, row_bytes) = self.row(card, shape.act_bytes)?;

@@ -75,6 +75,10 @@ pub const REGISTRATION: Registration = Registration {
     gpu_space: GpuSpace::Host,
     binds_weight_copies: true,
     quant_formats: &crate::quant::QuantFormat::ALL,
+    kv_types: &[
+        crate::model::vocab::KvType::F32,
+        crate::model::vocab::KvType::F16,
+    ],
     refusal: || None,
     open: open_cpu,
     link_libraries: || None,

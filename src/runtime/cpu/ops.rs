@@ -37,7 +37,7 @@ use crate::math::views::{
 use crate::math::KernelError;
 use crate::model::arch::ArchSpec;
 use crate::model::segment::SegmentKind;
-use crate::model::vocab::{ExpertGroups, KvLayout, Orientation, RoutedRow, Routing};
+use crate::model::vocab::{ExpertGroups, KvLayout, KvType, Orientation, RoutedRow, Routing};
 use crate::runtime::host::memory::{HostMemory, View};
 use crate::runtime::host::weights::WeightTag;
 use crate::runtime::ops::{run_task, sized, OpCx, OpError, OpTable, TaskArgs};
@@ -506,6 +506,7 @@ impl OpContext<'_> {
         layer: u32,
         ub: u32,
         part: AttnPart,
+        kv_type: KvType,
         qkv: View,
         kv: Option<View>,
         out: View,
@@ -528,11 +529,12 @@ impl OpContext<'_> {
                 kv_heads: shape.kv_heads,
                 head_dim: shape.head_dim,
             };
+            let elem = kv_type.bytes() as usize;
             let pool_elems =
-                (kv.len as usize / 4 / 2 / layout.block_elems().max(1)) * layout.block_elems();
-            let pools = self.act_mut(kv, "kv", 2 * pool_elems)?;
-            let (k, v) = pools.split_at_mut(pool_elems);
-            let mut cache = KvBlocksMut { layout, k, v };
+                (kv.len as usize / elem / 2 / layout.block_elems().max(1)) * layout.block_elems();
+            let bytes = self.bytes_mut_sized(kv, "kv", 2 * pool_elems * elem)?;
+            let mut cache =
+                KvBlocksMut::from_bytes(layout, kv_type, bytes).ok_or(OpError::Align("kv"))?;
             let seqs: Vec<AttnSeq<'_>> = mb
                 .seqs
                 .iter()
@@ -577,13 +579,10 @@ impl OpContext<'_> {
         if picked_rows.is_empty() {
             return Ok(());
         }
-        let elems = next_block as usize * layout.block_elems();
-        let (mut k, mut v) = (vec![0.0f32; elems], vec![0.0f32; elems]);
-        let mut cache = KvBlocksMut {
-            layout,
-            k: &mut k,
-            v: &mut v,
-        };
+        // The call's own K/V, rounded as the run's cache would store them.
+        let mut scratch =
+            crate::math::kv_cache::PagedKvCache::of_type(layout, 1, next_block as usize, kv_type);
+        let mut cache = scratch.layer_mut(0);
         let seqs: Vec<AttnSeq<'_>> = picked_rows
             .iter()
             .zip(&tables)
@@ -728,10 +727,15 @@ fn attn_kernel(cx: &OpContext<'_>, task: &PlanTask, args: &TaskArgs) -> Result<(
     let Op::Attn { layer, ub, part } = task.op else {
         return Err(cx.wrong_op(OpKind::Attn, task));
     };
+    // The cache's element type is the plan's (`--kv-type`), which sized its slice.
+    let kv_type = KvType::of_bytes(task.shape.kv_bytes).ok_or(OpError::MissingArg(
+        "kv (a KV element width other than 4 or 2 bytes)",
+    ))?;
     cx.attn(
         layer,
         ub,
         part,
+        kv_type,
         args.need(Role::Qkv)?,
         args.get(Role::Kv),
         args.need(Role::Out)?,
@@ -961,6 +965,7 @@ mod tests {
             seqs: 2,
             context: 8,
             act_bytes: 4,
+            kv_bytes: 4,
         };
         let statics = crate::ir::catalog::StaticArgs {
             layer: Some(0),

@@ -50,6 +50,8 @@ pub const REGISTRATION: Registration = Registration {
     gpu_space: GpuSpace::Device,
     binds_weight_copies: false,
     quant_formats: &ops::QUANT_FORMATS,
+    // Its attention kernels read f32 caches only: `--kv-type f16` is refused (docs/cuda.md).
+    kv_types: &[crate::model::vocab::KvType::F32],
     refusal: run_refusal,
     open: open_cuda,
     link_libraries: detect::use_versioned_libraries,

@@ -2,19 +2,16 @@
 //!
 //! Takes the cache layout every backend's attention uses (`math::kv_cache`:
 //! per layer a K pool then a V pool of equal size, each `[block][kv_head][tile]`, keys
-//! transposed inside a tile), the copied slice's length and a micro-batch's sequences;
-//! gives the byte runs (offset from the slice's start, length) that hold the wanted
-//! positions of every sequence, sorted and merged where adjacent. Guarantees: every run
-//! lies inside the slice; the runs cover exactly `positions x kv_heads x head_dim x 2 x 4`
-//! bytes; a block table that does not reach a wanted position, or a block past the pool,
+//! transposed inside a tile), its element width (4, or 2 for a half cache), the copied
+//! slice's length and a micro-batch's sequences; gives the byte runs (offset from the
+//! slice's start, length) that hold the wanted positions of every sequence, sorted and
+//! merged where adjacent. Guarantees: every run lies inside the slice; the runs cover
+//! exactly `positions x kv_heads x head_dim x 2 x elem` bytes; a block table that does not reach a wanted position, or a block past the pool,
 //! is an error, never a copy of someone else's bytes.
 
 use crate::ir::KvPart;
 use crate::model::vocab::KvLayout;
 use crate::runtime::driver::state::SeqSlot;
-
-/// Bytes per cached element (the runtime's caches are f32).
-const ELEM: u64 = 4;
 
 /// A sequence whose block table cannot hold the positions a KV copy names.
 #[derive(Debug, thiserror::Error)]
@@ -33,16 +30,18 @@ pub struct KvCopyError {
 }
 
 /// The byte runs of `part` of every sequence in `seqs`, in a cache slice of `slice_len`
-/// bytes laid out as `layout` (see the module header).
+/// bytes laid out as `layout` in elements of `elem` bytes (see the module header).
 pub fn runs(
     layout: &KvLayout,
+    elem: u64,
     slice_len: u64,
     seqs: &[SeqSlot],
     part: KvPart,
 ) -> Result<Vec<(u64, u64)>, KvCopyError> {
+    let elem = elem.max(1);
     let block_elems = layout.block_elems().max(1) as u64;
-    let pool_blocks = slice_len / ELEM / 2 / block_elems;
-    let v_base = pool_blocks * block_elems * ELEM;
+    let pool_blocks = slice_len / elem / 2 / block_elems;
+    let v_base = pool_blocks * block_elems * elem;
     let (bs, dim) = (layout.block_size.max(1), layout.head_dim);
     // Runs are gathered per block, K and V apart, each list ascending within its block
     // (a block's K tiles, head-major, then dimension-major inside a tile; its V rows
@@ -77,19 +76,19 @@ pub fn runs(
             let (k0, v0) = (keys.len(), values.len());
             if lo == 0 && hi == bs {
                 // A whole block: every head's K tile, then every head's V tile.
-                let start = layout.tile(block as usize, 0) as u64 * ELEM;
-                keys.push((start, block_elems * ELEM));
-                values.push((v_base + start, block_elems * ELEM));
+                let start = layout.tile(block as usize, 0) as u64 * elem;
+                keys.push((start, block_elems * elem));
+                values.push((v_base + start, block_elems * elem));
             } else {
                 let slots = (hi - lo) as u64;
                 for head in 0..layout.kv_heads {
                     // Keys are transposed: each dimension holds the slots side by side.
                     for d in 0..dim {
                         let k = layout.key_offset(block as usize, head, lo, d) as u64;
-                        keys.push((k * ELEM, slots * ELEM));
+                        keys.push((k * elem, slots * elem));
                     }
                     let v = layout.offset(block as usize, head, lo) as u64;
-                    values.push((v_base + v * ELEM, slots * dim as u64 * ELEM));
+                    values.push((v_base + v * elem, slots * dim as u64 * elem));
                 }
             }
             blocks.push((block, k0..keys.len(), v0..values.len()));
@@ -149,7 +148,7 @@ mod tests {
         // Position 5 = block 2, slot 1. K tile of (block 2, head h) starts at element
         // (2 * 2 + h) * 12: 48 and 60; key dim d of slot 1 at tile + 4d + 1. V row of slot 1
         // at tile + 3, 3 elements, after the K pool (288 bytes).
-        let got = runs(&LAYOUT, SLICE, &[seq()], KvPart::Appended).unwrap();
+        let got = runs(&LAYOUT, 4, SLICE, &[seq()], KvPart::Appended).unwrap();
         let expected = vec![
             (196, 4),
             (212, 4),
@@ -170,7 +169,7 @@ mod tests {
         // Positions 0..5: block 1 whole (K bytes 96..192, V 384..480), then slot 0 of
         // block 2 (K elements 48 + 4d and 60 + 4d; V rows at 48 and 60), merged where they
         // touch: K 96..196, V 384..492.
-        let got = runs(&LAYOUT, SLICE, &[seq()], KvPart::Context).unwrap();
+        let got = runs(&LAYOUT, 4, SLICE, &[seq()], KvPart::Context).unwrap();
         let expected = vec![
             (96, 100),
             (208, 4),
@@ -185,15 +184,27 @@ mod tests {
         assert_eq!(got.iter().map(|r| r.1).sum::<u64>(), 5 * 48);
     }
 
+    /// A half cache (2-byte elements) in a slice of the same blocks, 288 bytes (V from
+    /// byte 144): every run of the f32 case at half its offset and length.
+    #[test]
+    fn a_half_cache_moves_half_width_runs() {
+        for part in [KvPart::Context, KvPart::Appended] {
+            let wide = runs(&LAYOUT, 4, SLICE, &[seq()], part).unwrap();
+            let half = runs(&LAYOUT, 2, SLICE / 2, &[seq()], part).unwrap();
+            let halved: Vec<(u64, u64)> = wide.iter().map(|&(o, l)| (o / 2, l / 2)).collect();
+            assert_eq!(half, halved, "{part:?}");
+        }
+    }
+
     #[test]
     fn a_table_that_misses_a_position_is_refused() {
         let mut s = seq();
         s.block_table = vec![1];
-        let err = runs(&LAYOUT, SLICE, &[s.clone()], KvPart::Appended).unwrap_err();
+        let err = runs(&LAYOUT, 4, SLICE, &[s.clone()], KvPart::Appended).unwrap_err();
         assert_eq!(err.position, 5);
         // A block id past the pool (3 blocks) is refused too.
         s.block_table = vec![1, 3];
-        assert!(runs(&LAYOUT, SLICE, &[s], KvPart::Appended).is_err());
+        assert!(runs(&LAYOUT, 4, SLICE, &[s], KvPart::Appended).is_err());
     }
 
     /// Two sequences whose blocks are out of order in the pool (the second's block 0
@@ -207,7 +218,7 @@ mod tests {
         other.context_len = 2;
         let seqs = [seq(), other];
         for part in [KvPart::Context, KvPart::Appended] {
-            let got = runs(&LAYOUT, SLICE, &seqs, part).unwrap();
+            let got = runs(&LAYOUT, 4, SLICE, &seqs, part).unwrap();
             let mut sorted = got.clone();
             sorted.sort_unstable();
             assert_eq!(got, sorted, "{part:?}");
@@ -218,7 +229,7 @@ mod tests {
         }
         // Appended: position 5 of the first (block 2, slot 1) and position 2 of the
         // second (block 0, slot 2): 2 positions x 48 bytes.
-        let appended = runs(&LAYOUT, SLICE, &seqs, KvPart::Appended).unwrap();
+        let appended = runs(&LAYOUT, 4, SLICE, &seqs, KvPart::Appended).unwrap();
         assert_eq!(appended.iter().map(|r| r.1).sum::<u64>(), 2 * 48);
         // Block 0's key runs (bytes 0..96) come first.
         assert_eq!(appended[0], (2 * 4, 4));
@@ -229,7 +240,7 @@ mod tests {
         let mut s = seq();
         s.context_len = 0;
         s.new_tokens = vec![1; 5];
-        assert!(runs(&LAYOUT, SLICE, &[s], KvPart::Context)
+        assert!(runs(&LAYOUT, 4, SLICE, &[s], KvPart::Context)
             .unwrap()
             .is_empty());
     }

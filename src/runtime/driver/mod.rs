@@ -382,7 +382,9 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
         let (Some(src), Some(dst)) = (t.args.first(), t.args.get(1)) else {
             return Ok(());
         };
-        let runs = kv_copy::runs(&layout, src.len.min(dst.len), &mb.seqs, kv.part)
+        // The copy moves the plan's cache elements (`--kv-type`), as its task's shape says.
+        let elem = t.shape.kv_bytes.max(1);
+        let runs = kv_copy::runs(&layout, elem, src.len.min(dst.len), &mb.seqs, kv.part)
             .map_err(|e| BackendError::Task(Box::new(e)))?;
         if runs.is_empty() {
             return Ok(()); // no wanted positions (a prefill's context): no command at all
@@ -632,7 +634,6 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
         n_ubs
     ];
     let token_bytes = (card.hidden * 4).max(1);
-    let kv_token_bytes = (card.kv_elems_per_token_layer() * 4).max(1);
     let range = {
         let s = &plan.steps[step];
         s.first as usize..(s.first + s.count) as usize
@@ -646,6 +647,7 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
                 caps[ub].tokens = caps[ub].tokens.min((arg.len / token_bytes) as usize);
             }
             if arg.role == Role::Kv && matches!(task.op, Op::Attn { .. }) {
+                let kv_token_bytes = (card.kv_elems_per_token_layer() * task.shape.kv_bytes).max(1);
                 caps[ub].kv_tokens = caps[ub].kv_tokens.min((arg.len / kv_token_bytes) as usize);
             }
         }

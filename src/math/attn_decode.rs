@@ -1,0 +1,428 @@
+//! Decode attention (one new token of one sequence, one kv head) at the memory rate.
+//!
+//! Takes the layer's K and V pools in their stored element type (f32, or IEEE half bits),
+//! the sequence's block table, the keys a query row attends (`start..=pos`) and the
+//! group's query heads; gives the scores (`group x n_keys`) and, once the caller has
+//! softmaxed them, the outputs (`group x head_dim`). Each K and V block of the head is
+//! read from memory once for every query head of its GQA group: the score pass walks
+//! vectors of 8 key slots, up to 8 of them (from several blocks) at a time so that enough
+//! independent fused multiply-add chains are in flight to keep up with the loads, and
+//! every query head of the group takes the same chunk while it is in L1; halves are
+//! widened in registers (F16C). Guarantees: every score is `scale * Σ_dim q[dim] *
+//! key[dim]` summed sequentially over `dim` with fused multiply-adds, and every output
+//! element `Σ_r p[r] * value[r]` sequentially over the keys from zero, exactly as
+//! `math::simd`'s kernels sum them, so the bits equal the general kernel's on the same
+//! (widened) cache. Only block sizes and head widths that are multiples of 8 take the
+//! vector bodies; [`DecodeHead::fits_vector`] says which.
+
+use crate::math::isa::{Isa, Kernels};
+use crate::model::vocab::KvLayout;
+
+/// One decode row's work over one kv head (see the module header).
+pub(crate) struct DecodeHead<'a, T> {
+    /// The layer's K pool.
+    pub k: &'a [T],
+    /// The layer's V pool.
+    pub v: &'a [T],
+    /// The pools' shape.
+    pub layout: KvLayout,
+    /// The kv head.
+    pub head: usize,
+    /// The sequence's block table (covers `pos`).
+    pub table: &'a [u32],
+    /// First key attended.
+    pub start: usize,
+    /// Last key attended (the new token's position).
+    pub pos: usize,
+}
+
+/// A stored KV element the kernels widen to f32.
+pub(crate) trait KvElem: Copy + Send + Sync {
+    /// The element as f32 (exact).
+    fn widen(self) -> f32;
+
+    /// Eight elements widened to f32 lanes.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; `p..p + 8` readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElem for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller guarantees 8 readable elements.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl KvElem for u16 {
+    fn widen(self) -> f32 {
+        half::f16::from_bits(self).to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 8 readable halves (16 bytes).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+}
+/// Eight key slots of one block: the element offset of their first dimension's row in the
+/// K pool (dimension `d` at `+ d * block_size`), the lanes `lo..hi` attended, and the
+/// score index of lane `lo`.
+#[derive(Debug, Clone, Copy)]
+struct SlotVec {
+    off: usize,
+    lo: usize,
+    hi: usize,
+    key: usize,
+}
+
+impl<T: KvElem> DecodeHead<'_, T> {
+    /// Keys attended.
+    pub fn n_keys(&self) -> usize {
+        self.pos + 1 - self.start
+    }
+
+    /// Whether the vector bodies run (`kernels` has AVX2, FMA and F16C; blocks and heads
+    /// are whole vectors of 8).
+    pub fn fits_vector(&self, kernels: Kernels) -> bool {
+        vector_bodies(kernels)
+            && self.layout.block_size.is_multiple_of(8)
+            && self.layout.head_dim.is_multiple_of(8)
+    }
+
+    /// The attended key slots in vectors of 8, in key order.
+    fn slot_vecs(&self) -> Vec<SlotVec> {
+        let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
+        let mut out = Vec::with_capacity(self.n_keys() / 8 + 2);
+        for bi in self.start / bs..=self.pos / bs {
+            let tile = self.layout.tile(self.table[bi] as usize, self.head);
+            let first = self.start.max(bi * bs) - bi * bs;
+            let last = self.pos.min(bi * bs + bs - 1) - bi * bs;
+            let mut v0 = first / 8 * 8;
+            while v0 <= last {
+                let lo = first.max(v0) - v0;
+                let hi = (last + 1).min(v0 + 8) - v0;
+                out.push(SlotVec {
+                    off: tile + v0,
+                    lo,
+                    hi,
+                    key: bi * bs + v0 + lo - self.start,
+                });
+                v0 += 8;
+            }
+            debug_assert!(tile + bs * hd <= self.k.len());
+        }
+        out
+    }
+
+    /// `scores[g * n_keys + key] = scale * q[g] · key` for every query head `g` of `q`
+    /// (`group x head_dim`); `scores` holds `group x n_keys`.
+    pub fn scores(&self, kernels: Kernels, q: &[f32], scale: f32, scores: &mut [f32]) {
+        let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
+        let n_keys = self.n_keys();
+        let group = q.len() / hd.max(1);
+        debug_assert!(scores.len() >= group * n_keys);
+        #[cfg(target_arch = "x86_64")]
+        if self.fits_vector(kernels) {
+            let vecs = self.slot_vecs();
+            // SAFETY: AVX2, FMA and F16C are present (`fits_vector`); every slot vector lies
+            // inside its tile (block sizes are multiples of 8 and the table names blocks of
+            // the pool, checked by the caller's validation), so all 8 lanes of every load
+            // of every dimension are in the K pool; stores touch only lanes lo..hi of a
+            // row of `scores`, which `n_keys` covers.
+            unsafe { avx2::scores(self.k, bs, hd, &vecs, q, group, scale, n_keys, scores) };
+            return;
+        }
+        for g in 0..group {
+            let qg = &q[g * hd..(g + 1) * hd];
+            for (i, p) in (self.start..=self.pos).enumerate() {
+                let tile = self.layout.tile(self.table[p / bs] as usize, self.head);
+                let slot = p % bs;
+                let mut acc = 0.0f32;
+                for (d, &qd) in qg.iter().enumerate() {
+                    acc = qd.mul_add(self.k[tile + d * bs + slot].widen(), acc);
+                }
+                scores[g * n_keys + i] = acc * scale;
+            }
+        }
+    }
+
+    /// `out[g] = Σ_key probs[g * n_keys + key] * value[key]` (from zero, in key order).
+    pub fn values(&self, kernels: Kernels, probs: &[f32], out: &mut [f32]) {
+        let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
+        let n_keys = self.n_keys();
+        let group = out.len() / hd.max(1);
+        out.fill(0.0);
+        for bi in self.start / bs..=self.pos / bs {
+            let first = self.start.max(bi * bs);
+            let last = self.pos.min(bi * bs + bs - 1);
+            let off = self
+                .layout
+                .offset(self.table[bi] as usize, self.head, first % bs);
+            let rows = &self.v[off..off + (last - first + 1) * hd];
+            let base = first - self.start;
+            #[cfg(target_arch = "x86_64")]
+            if self.fits_vector(kernels) {
+                // SAFETY: AVX2, FMA and F16C are present; `rows` holds whole rows of `hd`
+                // (a multiple of 8), `out` whole heads, and `probs` every index read
+                // (`group x n_keys`).
+                unsafe { avx2::values(rows, hd, probs, n_keys, base, out) };
+                continue;
+            }
+            for g in 0..group {
+                let o = &mut out[g * hd..(g + 1) * hd];
+                for (r, row) in rows.chunks_exact(hd).enumerate() {
+                    let p = probs[g * n_keys + base + r];
+                    for (y, &x) in o.iter_mut().zip(row) {
+                        *y = p.mul_add(x.widen(), *y);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether the AVX2 bodies may run under `kernels`.
+fn vector_bodies(kernels: Kernels) -> bool {
+    cfg!(target_arch = "x86_64") && kernels.isa() != Isa::Portable && Isa::Avx2.is_supported()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{KvElem, SlotVec};
+    use std::arch::x86_64::*;
+
+    /// Accumulators of `G` query heads over `NV` slot vectors, summed over every
+    /// dimension in order: `acc[i][j] = Σ_d q[i][d] * key_j[d]` (fused, sequential in d).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; for every `j` and `d < hd`, `k + offs[j] + d * bs`
+    /// has 8 readable elements; `q` has `G x hd` readable floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_chunk<T: KvElem, const NV: usize, const G: usize>(
+        k: *const T,
+        bs: usize,
+        hd: usize,
+        offs: [usize; NV],
+        q: *const f32,
+    ) -> [[__m256; NV]; G] {
+        let mut acc = [[_mm256_setzero_ps(); NV]; G];
+        for d in 0..hd {
+            let mut kv = [_mm256_setzero_ps(); NV];
+            for (x, &off) in kv.iter_mut().zip(&offs) {
+                // SAFETY: in bounds by the function's contract.
+                *x = unsafe { T::load8(k.add(off + d * bs)) };
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                // SAFETY: i < G, d < hd.
+                let qb = _mm256_set1_ps(unsafe { *q.add(i * hd + d) });
+                for (a, &x) in row.iter_mut().zip(&kv) {
+                    *a = _mm256_fmadd_ps(qb, x, *a);
+                }
+            }
+        }
+        acc
+    }
+
+    /// Query heads `g0..g0 + G` over the slot vectors `vecs[c..c + NV]` (a short last
+    /// chunk repeats its last vector; only real vectors are stored).
+    ///
+    /// # Safety
+    /// As [`scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn heads_chunk<T: KvElem, const NV: usize, const G: usize>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        vecs: &[SlotVec],
+        q: &[f32],
+        g0: usize,
+        scale: f32,
+        n_keys: usize,
+        scores: &mut [f32],
+    ) {
+        let last = vecs.len() - 1;
+        let offs: [usize; NV] = std::array::from_fn(|j| vecs[j.min(last)].off);
+        // SAFETY: the caller's contract covers every tile row read and heads g0..g0+G.
+        let acc =
+            unsafe { score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd)) };
+        let scale_v = _mm256_set1_ps(scale);
+        for (i, row) in acc.iter().enumerate() {
+            for (j, v) in vecs.iter().enumerate().take(NV) {
+                let s = _mm256_mul_ps(row[j], scale_v);
+                let at = (g0 + i) * n_keys + v.key;
+                if v.lo == 0 && v.hi == 8 {
+                    // SAFETY: the 8 keys v.key..v.key+8 are attended keys of row g0+i.
+                    unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(at), s) };
+                } else {
+                    let mut lanes = [0.0f32; 8];
+                    // SAFETY: 8 floats into a local array.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
+                    scores[at..at + v.hi - v.lo].copy_from_slice(&lanes[v.lo..v.hi]);
+                }
+            }
+        }
+    }
+
+    /// Every slot vector in chunks of `NV`, each chunk taken by every query head (4, 2
+    /// or 1 at a time) while it is in L1.
+    ///
+    /// # Safety
+    /// As [`scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn by_chunks<T: KvElem, const NV: usize>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        vecs: &[SlotVec],
+        q: &[f32],
+        group: usize,
+        scale: f32,
+        n_keys: usize,
+        scores: &mut [f32],
+    ) {
+        for chunk in vecs.chunks(NV) {
+            let mut g0 = 0;
+            while g0 < group {
+                let left = group - g0;
+                // SAFETY: heads g0..g0+G < group, the chunk's vectors are the caller's.
+                unsafe {
+                    if left >= 4 && NV <= 2 {
+                        heads_chunk::<T, NV, 4>(k, bs, hd, chunk, q, g0, scale, n_keys, scores);
+                        g0 += 4;
+                    } else if left >= 2 && NV <= 4 {
+                        heads_chunk::<T, NV, 2>(k, bs, hd, chunk, q, g0, scale, n_keys, scores);
+                        g0 += 2;
+                    } else {
+                        heads_chunk::<T, NV, 1>(k, bs, hd, chunk, q, g0, scale, n_keys, scores);
+                        g0 += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The score pass (see `DecodeHead::scores`).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; every vector's 8 slots of every dimension row lie in
+    /// `k`; `q` holds `group x hd`; `scores` holds `group x n_keys` and every vector's
+    /// lanes `lo..hi` map to keys below `n_keys`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores<T: KvElem>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        vecs: &[SlotVec],
+        q: &[f32],
+        group: usize,
+        scale: f32,
+        n_keys: usize,
+        scores: &mut [f32],
+    ) {
+        if vecs.is_empty() || group == 0 {
+            return;
+        }
+        // Enough independent chains (vectors x heads, 8) to cover the FMA latency while
+        // the 16 registers hold them.
+        // SAFETY: the caller's contract.
+        unsafe {
+            match group {
+                1 => by_chunks::<T, 8>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+                2 => by_chunks::<T, 4>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+                _ => by_chunks::<T, 2>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+            }
+        }
+    }
+
+    /// Columns `c0..c0 + 8 C` of every head: `out[g] = fma(p, row, out[g])` over the rows
+    /// in order.
+    ///
+    /// # Safety
+    /// As [`values`], and `c0 + 8 C <= hd`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn value_cols<T: KvElem, const C: usize>(
+        rows: &[T],
+        hd: usize,
+        probs: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+        c0: usize,
+    ) {
+        let group = out.len() / hd;
+        let n = rows.len() / hd;
+        let rp = rows.as_ptr();
+        for g in 0..group {
+            // SAFETY: c0 + 8C <= hd, inside head g's slice of `out`.
+            let dst = unsafe { out.as_mut_ptr().add(g * hd + c0) };
+            let mut acc: [__m256; C] =
+                // SAFETY: as above.
+                std::array::from_fn(|c| unsafe { _mm256_loadu_ps(dst.add(c * 8)) });
+            let p_row = &probs[g * stride + base..g * stride + base + n];
+            for (r, &p) in p_row.iter().enumerate() {
+                let pb = _mm256_set1_ps(p);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: r < n rows of hd; column c0 + 8c + 8 <= hd.
+                    let v = unsafe { T::load8(rp.add(r * hd + c0 + c * 8)) };
+                    *a = _mm256_fmadd_ps(pb, v, *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                // SAFETY: as for the loads of `out`.
+                unsafe { _mm256_storeu_ps(dst.add(c * 8), *a) };
+            }
+        }
+    }
+
+    /// The value pass of one block (see `DecodeHead::values`).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; `hd` a multiple of 8; `rows` whole rows of `hd`,
+    /// `out` whole heads; `probs` covers `g * stride + base + r` for every head and row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn values<T: KvElem>(
+        rows: &[T],
+        hd: usize,
+        probs: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+    ) {
+        let mut c0 = 0;
+        // Column chunks of 8, 4, 2, 1 vectors: each element still sums its rows in order.
+        // SAFETY: each call's columns are inside hd (a multiple of 8).
+        unsafe {
+            while c0 + 64 <= hd {
+                value_cols::<T, 8>(rows, hd, probs, stride, base, out, c0);
+                c0 += 64;
+            }
+            for (c, w) in [(4, 32), (2, 16), (1, 8)] {
+                if c0 + w <= hd {
+                    match c {
+                        4 => value_cols::<T, 4>(rows, hd, probs, stride, base, out, c0),
+                        2 => value_cols::<T, 2>(rows, hd, probs, stride, base, out, c0),
+                        _ => value_cols::<T, 1>(rows, hd, probs, stride, base, out, c0),
+                    }
+                    c0 += w;
+                }
+            }
+        }
+    }
+}
