@@ -66,7 +66,7 @@ fn budget_arithmetic_matches_hand_computed_bytes() {
 fn a_half_kv_cache_counts_two_bytes_per_element() {
     let source = std::fs::read_to_string("tests/fixtures/cost/budget.sched").unwrap();
     let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
-    options.kv_bytes = 2;
+    options.kv_bytes = Some(2);
     let half = moec::compile::compile(&source, &options).unwrap().program;
     let full = compile("tests/fixtures/cost/budget.sched");
     let profile = HardwareProfile::load("t4").unwrap();

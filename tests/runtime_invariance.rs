@@ -152,7 +152,7 @@ fn run_checkpoint(
         }
         let source = std::fs::read_to_string(&path).unwrap();
         let mut options = Options::new(card.clone());
-        options.kv_bytes = case.kv_type.bytes();
+        options.kv_bytes = Some(case.kv_type.bytes());
         options.workload = Workload {
             batch: prompts.len() as u64,
             prompt_len: prompts.iter().map(Vec::len).max().unwrap() as u64,

@@ -53,8 +53,10 @@ pub struct Options {
     /// a cost study models another precision; the runtime always computes in f32).
     pub act_bytes: u64,
     /// Bytes per KV cache element: 4, or 2 for a half cache (`--kv-type f16`); sizes
-    /// `kv_cache(..)` and every task's [`crate::ir::catalog::Shape::kv_bytes`].
-    pub kv_bytes: u64,
+    /// `kv_cache(..)` and every task's [`crate::ir::catalog::Shape::kv_bytes`]. `None`:
+    /// the activations' `act_bytes`, as a cost study at another precision (`moec
+    /// simulate --act-bytes 2`, `moec reproduce`'s fp16) models its cache.
+    pub kv_bytes: Option<u64>,
     /// Unrolling limits (tasks, loop iterations); the defaults suit any real schedule.
     pub limits: Limits,
     /// The routing profile `rank(..)` and `rank_in_layer(..)` read (`--profile`); without
@@ -92,7 +94,7 @@ impl Options {
             sets: Vec::new(),
             hardware: BTreeMap::new(),
             act_bytes: crate::ir::catalog::ACT_BYTES,
-            kv_bytes: crate::ir::catalog::ACT_BYTES,
+            kv_bytes: None,
             limits: Limits::default(),
             profile: None,
         }
@@ -623,7 +625,10 @@ impl value::Context for Elaborator<'_> {
     }
 
     fn kv_bytes(&self) -> u64 {
-        self.options.kv_bytes.max(1)
+        self.options
+            .kv_bytes
+            .unwrap_or(self.options.act_bytes)
+            .max(1)
     }
 }
 

@@ -691,7 +691,11 @@ impl<'a> Elaborator<'a> {
         let size = self.micro.map_or(1, |m| m.size);
         let w = self.options.workload;
         let act_bytes = self.options.act_bytes.max(1);
-        let kv_bytes = self.options.kv_bytes.max(1);
+        let kv_bytes = self
+            .options
+            .kv_bytes
+            .unwrap_or(self.options.act_bytes)
+            .max(1);
         match self.step.map(|s| s.0) {
             Some(StepKind::Prefill) => Shape {
                 tokens: size.saturating_mul(w.prompt_len),

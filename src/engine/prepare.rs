@@ -138,7 +138,7 @@ fn compile_for(
         return Err(RunFailure::Message(why));
     }
     let mut options = Options::new(card.clone());
-    options.kv_bytes = request.kv_type.bytes();
+    options.kv_bytes = Some(request.kv_type.bytes());
     if let Some(path) = &request.routing_profile {
         options.profile =
             Some(crate::ir::profile::load_for_card(path, card).map_err(RunFailure::Message)?);
