@@ -10,7 +10,7 @@ use crate::lower::{ExecPlan, Instr, Placement, PlanTask};
 /// may run whatever its guard and its routing need not come to the host: an `experts`
 /// task of one fixed expert on a device stream whose every literal is `active` of that
 /// expert in its own layer and micro-batch (Fiddler's resident arm). Its kernels group the
-/// routed tokens on the device ([`super::ops`]' `moe_group`): for an expert no token was
+/// routed tokens on the device ([`super::super::ops`]' `moe_group`): for an expert no token was
 /// routed to they find no rows and write nothing, which is what skipping it leaves.
 pub fn guard_decided_on_device(task: &PlanTask, on_device: impl Fn(usize) -> bool) -> bool {
     if task.guard.is_always() || task.cache.is_some() || !on_device(task.stream.index()) {
