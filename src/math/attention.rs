@@ -339,37 +339,29 @@ impl Kernels {
             .collect();
         let mut out = vec![0.0f32; group * hd];
         let (layout, table) = (pools.layout, seq.block_table);
+        // One call for either element type: `decode_head` is generic over it.
+        macro_rules! decode {
+            ($k:expr, $v:expr) => {
+                self.decode_head(
+                    &DecodeHead {
+                        k: $k,
+                        v: $v,
+                        layout,
+                        head: h,
+                        table,
+                        start,
+                        pos,
+                    },
+                    q,
+                    scale,
+                    &sinks,
+                    &mut out,
+                )
+            };
+        }
         match pools.data {
-            PoolRef::F32 { k, v } => self.decode_head(
-                &DecodeHead {
-                    k,
-                    v,
-                    layout,
-                    head: h,
-                    table,
-                    start,
-                    pos,
-                },
-                q,
-                scale,
-                &sinks,
-                &mut out,
-            ),
-            PoolRef::F16 { k, v } => self.decode_head(
-                &DecodeHead {
-                    k,
-                    v,
-                    layout,
-                    head: h,
-                    table,
-                    start,
-                    pos,
-                },
-                q,
-                scale,
-                &sinks,
-                &mut out,
-            ),
+            PoolRef::F32 { k, v } => decode!(k, v),
+            PoolRef::F16 { k, v } => decode!(k, v),
         }
         out
     }
