@@ -1128,6 +1128,22 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
 /// row can attend positions an earlier sequence wrote, which prefix reuse needs. A plan
 /// that prefills into a separate cache (CGOPipe's GPU lines, copied to the host cache
 /// after) or into none cannot take a cached prefix.
+/// Whether `plan` can prefill a prompt in chunks over several passes: its prefill step
+/// (or its mixed step) attends the same KV cache its decode reads, so a chunk sees the
+/// tokens the chunks before it wrote ([`Session::on_demand_kv`]).
+pub fn prefills_in_chunks(plan: &ExecPlan) -> bool {
+    let step = |k: StepKind| plan.steps.iter().position(|s| s.kind == k);
+    match (
+        step(StepKind::Prefill),
+        step(StepKind::Decode),
+        step(StepKind::Mixed),
+    ) {
+        (Some(p), Some(d), _) => prefill_attends_decode_cache(plan, p, d),
+        (_, _, Some(m)) => prefill_attends_decode_cache(plan, m, m),
+        _ => false,
+    }
+}
+
 fn prefill_attends_decode_cache(plan: &ExecPlan, prefill: usize, decode: usize) -> bool {
     use crate::ir::{Op, Role};
     let kv_args = |step: usize| -> Option<Vec<(crate::ir::BufferId, u64, u64)>> {
