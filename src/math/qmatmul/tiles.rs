@@ -162,6 +162,13 @@ impl<'a> TileActs<'a> {
         &self.block_offsets[at..at + 2]
     }
 
+    /// Q8_0, Q4_0 and MXFP4: row `r`'s lane offsets of every block ([`Self::block_offsets`]
+    /// of block `b` at `2 b..2 b + 2`), for a body that walks the blocks with one pointer.
+    pub fn row_block_offsets(&self, r: usize) -> &[i32] {
+        let n = self.q.blocks_per_row() * 2;
+        &self.block_offsets[r * n..(r + 1) * n]
+    }
+
     /// Q6_K: row `r`'s 64 pair offsets of block `b`.
     pub fn pairs16(&self, r: usize, b: usize) -> &[i16] {
         let at = (r * self.q.blocks_per_row() + b) * 64;
