@@ -148,7 +148,7 @@ unsafe fn pass_vnni<const Q4: bool, const N: usize>(
                     }
                     let pairs = _mm512_add_epi32(s, _mm512_shuffle_epi32::<0xB1>(s));
                     let isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(evens, pairs));
-                    let v = block_values(t, j, acts.q.block_d(r0 + a, blk), isum);
+                    let v = block_values(t, j, acts.d(r0 + a, blk), isum);
                     acc[a] = _mm256_add_ps(acc[a], v);
                 }
             }

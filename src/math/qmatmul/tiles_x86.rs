@@ -178,7 +178,7 @@ unsafe fn pass_vnni<const N: usize>(
         // SAFETY: a whole tile.
         let (dx, dmin) = unsafe { tile_scales(t) };
         for a in 0..N {
-            let dy = acts.q.block_d(r0 + a, b);
+            let dy = acts.d(r0 + a, b);
             let v = block_values(dx, dmin, dy, fold512(isum[a]), fold512(imin[a]));
             acc[a] = _mm256_add_ps(acc[a], v);
         }
@@ -318,7 +318,7 @@ unsafe fn pass_avx2<const N: usize>(
             // [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order.
             let h = _mm256_hadd_epi32(isum[a][0], isum[a][1]);
             let is = _mm256_permute4x64_epi64::<0b11_01_10_00>(h);
-            let dy = acts.q.block_d(r0 + a, b);
+            let dy = acts.d(r0 + a, b);
             acc[a] = _mm256_add_ps(acc[a], block_values(dx, dmin, dy, is, imin[a]));
         }
     }
