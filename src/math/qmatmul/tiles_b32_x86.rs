@@ -1,8 +1,8 @@
 //! The AVX-512 VNNI and AVX2 bodies of the products from tiles of 32-weight blocks: Q8_0
 //! ([`super::tiles_q8_0`]), Q4_0 ([`super::tiles_q4_0`]) and MXFP4
 //! ([`super::tiles_mxfp4`]). One pass over a tile row for up to four activation rows at a
-//! time, each output's integer sum of a block in two 32-bit lanes, the eight outputs' f32
-//! block values in one register. The AVX2 pass also reads a row's partial last column
+//! time (VNNI) or eight ([`AVX2_PASS_ROWS`], AVX2: one register of integer sums per row),
+//! the eight outputs' f32 block values in one register. The AVX2 pass also reads a row's partial last column
 //! (rows of whole blocks that are not whole columns of 256, gpt-oss's 2,880); the VNNI pass
 //! reads whole columns of Q8_0 and Q4_0 only, and [`pass`] gives the rest to the AVX2 pass
 //! (every CPU with VNNI has AVX2; a VNNI MXFP4 body was not written: the machine this was
@@ -14,11 +14,12 @@
 //! cover ([`super::tiles::TileActs::block_offsets`]), so after the products they hold
 //! `Σ w · x` exactly (at most 32 · 128 · 127 in magnitude). AVX-512 VNNI: one `vpdpbusd` per
 //! eight codes of eight rows, the activation's eight codes broadcast to every 64-bit lane.
-//! AVX2: Q4_0 by `vpmaddubsw` (pairs at most 2 · 15 · 127) and `vpmaddwd`; Q8_0 undoes the
-//! offset and multiplies `|q|` by `x` carrying `q`'s sign (`vpsignb`; pairs at most 2 · 128 ·
-//! 127, never saturating: Q8_0 activations are within ±127), starting from zero. MXFP4 is
-//! Q4_0's pass with each code replaced by its table value plus 12 (`vpshufb`: 0..=24, pairs
-//! at most 2 · 24 · 128) and lanes starting from `−12 · Σ x`; its eight rows' scales are
+//! AVX2: Q4_0 by `vpmaddubsw` (pairs at most 2 · 15 · 128), `vphaddw` and `vpmaddwd`, the
+//! offset `−8 · Σ x` added to each block's totals; Q8_0 undoes the offset and multiplies
+//! `|q|` by `x` carrying `q`'s sign (`vpsignb`; pairs at most 2 · 128 · 127, never
+//! saturating: Q8_0 activations are within ±127). MXFP4 is Q4_0's pass with each code
+//! replaced by its table value plus 12 (`vpshufb`: 0..=24, pairs at most 2 · 24 · 128) and
+//! `−12 · Σ x` added to the totals ([`pass_avx2`] gives the 16-bit bounds); its eight rows' scales are
 //! their e8m0 exponents turned into `2^(e − 128)` as ggml's `ggml_e8m0_to_fp32_half` builds
 //! them (the bits, subnormals for `e` < 2).
 //!
