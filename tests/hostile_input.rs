@@ -823,8 +823,20 @@ fn interrupted_writes_leave_no_temporaries() {
         env!("CARGO_MANIFEST_DIR"),
         "/schedules/baselines/sequential.sched"
     );
+    // On the T4 paper profile: the temporaries are what is checked, and the quick probe of
+    // this machine would cost each of the four runs and ablations about 5 s of CPU first.
     let run = |out: &'static str| -> Vec<&'static str> {
-        let mut args = vec![sched, "--weights", "ck", "--prompt", "hi", "--gen-len", "2"];
+        let mut args = vec![
+            sched,
+            "--weights",
+            "ck",
+            "--prompt",
+            "hi",
+            "--gen-len",
+            "2",
+            "--hw",
+            "t4",
+        ];
         args.extend(match out {
             "trace" => ["--trace", "t.json"],
             _ => ["--out", "exp"],
