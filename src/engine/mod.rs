@@ -313,10 +313,14 @@ pub fn run(
     // The tokenizer's and the quick probe's freed pages leave the resident set before the
     // weights enter it.
     release_freed_heap();
-    // Under a host budget what big temporaries free must leave the process, or the peak
-    // outgrows what the budget table counts.
-    if request.host_mem.is_some() {
-        notes.extend(crate::sysmem::return_freed_blocks());
+    // What big temporaries free must leave the process: under a host budget, or the peak
+    // outgrows what the budget table counts; and in every run, or the prefill's freed
+    // scratch stays resident in glibc's arenas through the decode (the probe's freed
+    // buffers raise glibc's own threshold to 32 MiB) and the peak RSS exceeds what the
+    // run holds. The note is said under a budget, and wherever glibc refused.
+    let allocator = crate::sysmem::return_freed_blocks();
+    if request.host_mem.is_some() || allocator.as_deref().is_some_and(|a| a.contains("refused")) {
+        notes.extend(allocator);
     }
     let (outputs, stats) =
         crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, progress).map_err(
