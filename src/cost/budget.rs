@@ -178,15 +178,7 @@ pub struct StoredImage {
 
 struct LayerProfile {
     /// `(dense, the layer's own formats)`: layers with the same key have the same image.
-    key: (
-        bool,
-        Option<
-            std::collections::BTreeMap<
-                crate::model::formats::WeightTensor,
-                crate::quant::storage::Storage,
-            >,
-        >,
-    ),
+    key: (bool, Option<crate::model::formats::LayerStorage>),
     starts: Vec<u64>,
     lens: Vec<u64>,
     before: Vec<u64>,

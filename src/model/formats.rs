@@ -190,8 +190,12 @@ pub struct WeightFormats {
     /// budget counts the file's bytes rather than the slots' (`cost::budget`). Set when a
     /// GGUF is opened; not part of a card file.
     #[serde(skip)]
-    pub layers: BTreeMap<u64, BTreeMap<WeightTensor, Storage>>,
+    pub layers: BTreeMap<u64, LayerStorage>,
 }
+
+/// One layer's tensors stored in another format than the card's (`WeightFormats::layers`):
+/// named here so the compiler's stages read them through the model's description.
+pub type LayerStorage = BTreeMap<WeightTensor, Storage>;
 
 impl WeightFormats {
     /// True when no entry is set.
