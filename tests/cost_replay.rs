@@ -463,6 +463,22 @@ fn vslpipe_pass_token_and_kv_budgets_cap_the_steady_state_by_hand() {
         active_experts: Vec::new(),
     };
     assert_eq!(steady, vec![expected; 2]);
+    // `kv_pct = 5`: max(32, 32 x 32 x 5 / 100) = 51 tokens, under the 220 one admitted
+    // prompt keeps in use: the cache holds 51 / 28 = 1 sequence at the mean context, so a
+    // pass decodes that one (its prompt is 1 pass in 8: rounded to none). The CPU backend
+    // run of this setting (64 prompts of 24, 8 new) took 224 decode passes for 512 tokens,
+    // about one token a pass per group, where the clamp to one prompt a pass had predicted 8.
+    options.sets = vec![("kv_pct".to_string(), "5".to_string())];
+    let c = compile(&source, &options).unwrap_or_else(|d| panic!("{d:?}"));
+    let steady = moec::cost::predict::steady_mixed_loads(&c.program);
+    let expected = UbLoad {
+        prefill_seqs: 0,
+        prefill_tokens: 0,
+        decode_seqs: 1,
+        decode_context: 28,
+        active_experts: Vec::new(),
+    };
+    assert_eq!(steady, vec![expected; 2]);
 }
 
 /// `predict` costs VSLPipe's mixed step at MoE-Lens's steady state (§6.2): with 32

@@ -204,7 +204,10 @@ pub enum Loads<'a> {
 /// cache holds fewer tokens than its sequences in flight need (`kv_pct` below 100): the
 /// scheduler keeps only as many in flight as the cache holds, `a` prompts and `a x
 /// (gen_len - 1)` sequences at the mean context (MoE-Lens eq. 8-13: the KV capacity
-/// bounds the concurrency).
+/// bounds the concurrency). A cache too small for even one prompt a pass (`a` would be 0)
+/// keeps as many sequences in flight as it holds at the mean context (at least one), each
+/// admitted when another ends: such a pass decodes them and prefills a prompt only every
+/// `gen_len` passes or fewer, rounded to none.
 pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
     let w = program.workload;
     let seqs = program.micro_batches.size as usize;
@@ -213,11 +216,22 @@ pub fn steady_mixed_loads(program: &Program) -> Vec<UbLoad> {
     let context = prompt + gen.div_ceil(2);
     let tokens = program.micro_batches.mixed_tokens as usize;
     let by_tokens = (tokens / (prompt + gen - 1).max(1)).max(1);
-    let by_kv = kv_capacity_tokens(program).map_or(usize::MAX, |kv| {
-        (kv / (prompt + (gen - 1) * context).max(1)).max(1)
-    });
-    let prefill_seqs = seqs.div_ceil(gen).min(by_tokens).min(by_kv).min(seqs);
-    let decode_seqs = (seqs - prefill_seqs).min(prefill_seqs * (gen - 1));
+    let kv = kv_capacity_tokens(program);
+    let by_kv = kv.map_or(usize::MAX, |kv| kv / (prompt + (gen - 1) * context).max(1));
+    let (prefill_seqs, decode_seqs) = match kv {
+        // Clamping `a` to one prompt a pass here would keep `gen_len - 1` sequences
+        // decoding in a cache that holds fewer: the planner then ranked a `kv_pct = 1`
+        // VSLPipe at 32x the tokens a pass its run gave (H200, 2026-11-30).
+        Some(kv) if by_kv == 0 => {
+            let in_flight = (kv / context.max(1)).clamp(1, seqs.max(1));
+            let prefill = in_flight / gen;
+            (prefill, in_flight - prefill)
+        }
+        _ => {
+            let prefill = seqs.div_ceil(gen).min(by_tokens).min(by_kv).min(seqs);
+            (prefill, (seqs - prefill).min(prefill * (gen - 1)))
+        }
+    };
     let load = UbLoad {
         prefill_seqs,
         prefill_tokens: prefill_seqs * prompt,
