@@ -91,11 +91,16 @@ extern "C" __global__ void paged_prefill_attention(
 // start..=pos (causal, the sliding window's start) and a sink logit (gpt-oss) joins the max
 // and the sum as a key without a value, as in moec_paged_attend. head_dim at most
 // MOEC_ATTN_MMA_MAX_DIM (the host checks; rows padded with zeros to a multiple of 16).
+// Queries, keys and values are staged MOEC_ATTN_BATCH loads a lane at a time, all in flight
+// before they are split and stored (keys as half-warps over 16 consecutive slots of the
+// transposed cache, values along rows), each tile's block ids read one tile ahead.
 // `scores` is not used (the scores stay in shared memory); `n_rows`: rows of the launch.
 // Launch: grid (ceil(n_rows / 16), heads), block 32, no dynamic shared memory.
 #define MOEC_ATTN_MMA_MAX_DIM 128
 #define MOEC_ATTN_LDQ (MOEC_ATTN_MMA_MAX_DIM + 8)
 #define MOEC_ATTN_LDP 24
+// Global loads a lane issues before it stores any (the staging of queries, keys, values).
+#define MOEC_ATTN_BATCH 8
 
 extern "C" __global__ void paged_prefill_attention_mma(
     const float* __restrict__ qkv,
@@ -168,14 +173,28 @@ extern "C" __global__ void paged_prefill_attention_mma(
         }
         done |= mine;
         const unsigned int* table = block_tables + (size_t)seq * max_blocks;
-        for (int i = lane; i < 16 * dims; i += 32) {
-            const int r = i / dims;
-            const int d = i % dims;
-            const float v = ((mine >> r) & 1) != 0 && d < head_dim
-                                ? qkv[(size_t)(r0 + r) * row_width + (size_t)head * head_dim + d]
-                                : 0.0f;
-            moec_split_bf16(v, &at_q[0][r * MOEC_ATTN_LDQ + d], &at_q[1][r * MOEC_ATTN_LDQ + d]);
-            at_o[r * MOEC_ATTN_LDQ + d] = 0.0f;
+        // The pass's queries, MOEC_ATTN_BATCH loads a lane in flight before their stores.
+        for (int base = 0; base < 16 * dims; base += 32 * MOEC_ATTN_BATCH) {
+            float x[MOEC_ATTN_BATCH];
+#pragma unroll
+            for (int b = 0; b < MOEC_ATTN_BATCH; ++b) {
+                const int i = base + b * 32 + lane;
+                const int r = i / dims;
+                const int d = i % dims;
+                x[b] = i < 16 * dims && ((mine >> r) & 1) != 0 && d < head_dim
+                           ? qkv[(size_t)(r0 + r) * row_width + (size_t)head * head_dim + d]
+                           : 0.0f;
+            }
+#pragma unroll
+            for (int b = 0; b < MOEC_ATTN_BATCH; ++b) {
+                const int i = base + b * 32 + lane;
+                if (i < 16 * dims) {
+                    const int r = i / dims;
+                    const int d = i % dims;
+                    moec_split_bf16(x[b], &at_q[0][r * MOEC_ATTN_LDQ + d], &at_q[1][r * MOEC_ATTN_LDQ + d]);
+                    at_o[r * MOEC_ATTN_LDQ + d] = 0.0f;
+                }
+            }
         }
         for (int r = lane; r < 16; r += 32) {
             const bool has_sink = sink_col >= 0 && ((mine >> r) & 1) != 0;
@@ -184,21 +203,65 @@ extern "C" __global__ void paged_prefill_attention_mma(
         }
         __syncthreads();
         const size_t tile_elems = (size_t)block_size * head_dim;
+        // Lane l's key of the tile (l % 16) and its cache block; the next tile's block is
+        // read while this tile computes.
+        unsigned int blk_next = key_first + (lane & 15) <= key_last
+                                    ? table[(key_first + (lane & 15)) / block_size]
+                                    : 0u;
         for (int j0 = key_first; j0 <= key_last; j0 += 16) {
-            // Keys j0 .. j0 + 15 (zeros past key_last) as bf16 pairs.
-            for (int i = lane; i < 16 * dims; i += 32) {
-                const int key = i / dims;
-                const int d = i % dims;
-                const int kp = j0 + key;
-                float kv = 0.0f, vv = 0.0f;
-                if (kp <= key_last && d < head_dim) {
-                    const size_t tile = ((size_t)table[kp / block_size] * kv_heads + kv_head) * tile_elems;
-                    const int slot = kp % block_size;
-                    kv = k_pool[tile + (size_t)d * block_size + slot];
-                    vv = v_pool[tile + (size_t)slot * head_dim + d];
+            const unsigned int blk_lane = blk_next;
+            const int kp_next = j0 + 16 + (lane & 15);
+            blk_next = kp_next <= key_last ? table[kp_next / block_size] : 0u;
+            // Keys j0 .. j0 + 15 (zeros past key_last) as bf16 pairs, MOEC_ATTN_BATCH K and
+            // V loads a lane in flight before their stores: K element i is key i % 16 of
+            // dim i / 16 (a half-warp reads 16 consecutive slots of the transposed cache),
+            // V element i dim i % dims of key i / dims (consecutive dims of a row).
+            for (int base = 0; base < 16 * dims; base += 32 * MOEC_ATTN_BATCH) {
+                float kx[MOEC_ATTN_BATCH];
+                float vx[MOEC_ATTN_BATCH];
+                // V element (v_key, v_dim) of i, stepped by 32 (dims >= 16: at most two wraps).
+                int v_key = (base + lane) / dims;
+                int v_dim = (base + lane) % dims;
+#pragma unroll
+                for (int b = 0; b < MOEC_ATTN_BATCH; ++b) {
+                    const int i = base + b * 32 + lane;
+                    const int k_key = i & 15;
+                    const int k_dim = i >> 4;
+                    const unsigned int k_blk = (unsigned int)__shfl_sync(0xffffffffu, (int)blk_lane, k_key);
+                    const unsigned int v_blk = (unsigned int)__shfl_sync(0xffffffffu, (int)blk_lane, v_key & 15);
+                    kx[b] = 0.0f;
+                    vx[b] = 0.0f;
+                    if (i < 16 * dims && j0 + k_key <= key_last && k_dim < head_dim) {
+                        const int kp = j0 + k_key;
+                        kx[b] = k_pool[((size_t)k_blk * kv_heads + kv_head) * tile_elems +
+                                       (size_t)k_dim * block_size + kp % block_size];
+                    }
+                    if (i < 16 * dims && j0 + v_key <= key_last && v_dim < head_dim) {
+                        const int kp = j0 + v_key;
+                        vx[b] = v_pool[((size_t)v_blk * kv_heads + kv_head) * tile_elems +
+                                       (size_t)(kp % block_size) * head_dim + v_dim];
+                    }
+                    for (v_dim += 32; v_dim >= dims; v_dim -= dims) {
+                        ++v_key;
+                    }
                 }
-                moec_split_bf16(kv, &at_k[0][key * MOEC_ATTN_LDQ + d], &at_k[1][key * MOEC_ATTN_LDQ + d]);
-                moec_split_bf16(vv, &at_v[0][d * MOEC_ATTN_LDP + key], &at_v[1][d * MOEC_ATTN_LDP + key]);
+                v_key = (base + lane) / dims;
+                v_dim = (base + lane) % dims;
+#pragma unroll
+                for (int b = 0; b < MOEC_ATTN_BATCH; ++b) {
+                    const int i = base + b * 32 + lane;
+                    if (i < 16 * dims) {
+                        const int k_key = i & 15;
+                        const int k_dim = i >> 4;
+                        moec_split_bf16(kx[b], &at_k[0][k_key * MOEC_ATTN_LDQ + k_dim],
+                                        &at_k[1][k_key * MOEC_ATTN_LDQ + k_dim]);
+                        moec_split_bf16(vx[b], &at_v[0][v_dim * MOEC_ATTN_LDP + v_key],
+                                        &at_v[1][v_dim * MOEC_ATTN_LDP + v_key]);
+                    }
+                    for (v_dim += 32; v_dim >= dims; v_dim -= dims) {
+                        ++v_key;
+                    }
+                }
             }
             __syncthreads();
             MoecMmaAcc acc;

@@ -288,7 +288,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
                 .arg(&row_width)
                 .arg(&sink_col)
                 .arg(&append_too)
-                .launch(cfg((ns as u32, akvh as u32, 1), 128, shared))
+                .launch(cfg((ns as u32, akvh as u32, 1), DECODE_THREADS, shared))
         }
         .expect("launch");
         let got = stream.clone_dtoh(&out_dev).expect("dtoh");
@@ -1065,11 +1065,18 @@ fn prefill_attention_matches_the_cpu() {
 }
 
 /// Dynamic shared memory of a `paged_decode_attention` block (kernels/decode_attention.cu:
-/// 4 warps, up to 8 query heads of a group per block).
+/// up to 8 query heads of a group per block; a chunk of 4096 / head_dim keys, 2048 /
+/// head_dim past 128 dims, at most 128, a multiple of 4: its K and V, the heads' queries,
+/// probabilities and outputs, three floats a head).
 fn decode_shared(group: usize, head_dim: usize) -> u32 {
     let g = group.min(8);
-    (((1 + 4) * head_dim + 2 * 4) * g * 4) as u32
+    let budget = if head_dim > 128 { 2048 } else { 4096 };
+    let chunk = (budget / head_dim).min(128) & !3;
+    ((2 * chunk * head_dim + 2 * g * head_dim + g * chunk + 3 * g) * 4) as u32
 }
+
+/// Threads of a `paged_decode_attention` block (`MOEC_DECODE_THREADS`).
+const DECODE_THREADS: u32 = 256;
 
 /// The split-KV decode kernel (`paged_decode_attention` then `paged_decode_combine`)
 /// against the CPU's `attention` on random inputs: sequences whose spans end mid-tile and
@@ -1175,7 +1182,7 @@ fn split_kv_decode_attention_matches_the_cpu() {
                 .arg(&append)
                 .launch(cfg(
                     (ns as u32, (akvh * chunks) as u32, n_splits as u32),
-                    128,
+                    DECODE_THREADS,
                     decode_shared(ah / akvh, ahd),
                 ))
         }

@@ -153,16 +153,69 @@ fn without(
     out
 }
 
-/// Keys one block of `paged_decode_attention` attends at most (a split): contexts up to
-/// this take one split and no combine launch; longer ones are split evenly.
-const DECODE_SPLIT_KEYS: usize = 256;
-/// Threads of a `paged_decode_attention` block (`MOEC_DECODE_WARPS` warps).
-const DECODE_THREADS: u32 = 128;
-/// `MOEC_DECODE_WARPS`, `MOEC_DECODE_MAX_GROUP` and the widest head
-/// (`32 * MOEC_DECODE_MAX_DIMS`) of kernels/decode_attention.cu.
-const DECODE_WARPS: usize = 4;
+/// Keys up to which `paged_decode_attention` runs one split (one block per sequence and kv
+/// head, no combine launch): a block streams its keys in chunks, the next chunk's loads in
+/// flight while it computes the current one, so a few chunks cost little more than one,
+/// while a split adds the `paged_decode_combine` node.
+const DECODE_ONE_SPLIT_KEYS: usize = 512;
+/// Fewest keys of a split past [`DECODE_ONE_SPLIT_KEYS`].
+const DECODE_SPLIT_MIN_KEYS: usize = 256;
+/// Blocks per SM a split launch aims for (several resident blocks hide each other's
+/// latency).
+const DECODE_BLOCKS_PER_SM: usize = 2;
+/// Threads of a `paged_decode_attention` block (`MOEC_DECODE_THREADS`).
+const DECODE_THREADS: u32 = 256;
+/// `MOEC_DECODE_MAX_GROUP` and the widest head of kernels/decode_attention.cu.
 const DECODE_MAX_GROUP: usize = 8;
 const DECODE_MAX_HEAD_DIM: usize = 256;
+
+/// Keys a `paged_decode_attention` block stages at a time (kernels/decode_attention.cu's
+/// `moec_decode_chunk`): 4096 floats of K (and as many of V) over the head's dims (2048
+/// past 128 dims), at most 128, a multiple of 4.
+fn decode_chunk(head_dim: usize) -> usize {
+    let budget = if head_dim > 128 { 2048 } else { 4096 };
+    (budget / head_dim.max(1)).min(128) & !3
+}
+
+/// Dynamic shared memory of a `paged_decode_attention` block serving `g` query heads of
+/// `head_dim` (kernels/decode_attention.cu's header): the chunk's K and V, the queries,
+/// probabilities and outputs of the heads, and three floats a head.
+pub(super) fn decode_shared_bytes(g: usize, head_dim: usize) -> usize {
+    let chunk = decode_chunk(head_dim);
+    (2 * chunk * head_dim + 2 * g * head_dim + g * chunk + 3 * g) * 4
+}
+
+/// The device's SM count (read once): split launches are sized to fill them.
+fn sm_count(s: &StreamCx<'_>) -> Result<usize, LaunchError> {
+    static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if let Some(&n) = SMS.get() {
+        return Ok(n);
+    }
+    let n = s
+        .device
+        .ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_err(|source| LaunchError::Driver {
+            call: "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+            source,
+        })?;
+    Ok(*SMS.get_or_init(|| n.max(1) as usize))
+}
+
+/// Splits of a decode launch: one up to [`DECODE_ONE_SPLIT_KEYS`] keys; past it, enough
+/// for `blocks` (sequences x kv-head blocks) to give every SM [`DECODE_BLOCKS_PER_SM`]
+/// blocks, each split at least [`DECODE_SPLIT_MIN_KEYS`] keys. From `max_keys` (what the
+/// tables can hold), not the span, so the launch stays the same while positions grow.
+pub(super) fn decode_splits(max_keys: usize, blocks: usize, sms: usize) -> usize {
+    if max_keys <= DECODE_ONE_SPLIT_KEYS {
+        return 1;
+    }
+    (DECODE_BLOCKS_PER_SM * sms)
+        .div_ceil(blocks.max(1))
+        .clamp(1, max_keys.div_ceil(DECODE_SPLIT_MIN_KEYS))
+}
 
 /// Floats of one block of one KV head's pool.
 fn block_elems(shape: &AttnShape, block: usize) -> usize {
@@ -574,17 +627,17 @@ pub(super) struct DecodeLaunch<'a> {
     pub sink_col: i32,
 }
 
-/// Split-KV decode attention as `attn` launches it: `paged_decode_attention` over splits of
-/// at most [`DECODE_SPLIT_KEYS`] of the `max_keys` keys a row can attend (the split count
-/// stays the same while positions grow, so graphs replay), appending the rows' K/V, then
+/// Split-KV decode attention as `attn` launches it: `paged_decode_attention` over
+/// [`decode_splits`] splits of the `max_keys` keys a row can attend (the split count stays
+/// the same while positions grow, so graphs replay), appending the rows' K/V, then
 /// `paged_decode_combine` when there is more than one split.
 pub(super) fn decode_attention(s: &StreamCx<'_>, d: &DecodeLaunch<'_>) -> Result<(), OpError> {
     let shape = d.shape;
-    if shape.head_dim > DECODE_MAX_HEAD_DIM || shape.kv_heads == 0 {
+    if shape.head_dim > DECODE_MAX_HEAD_DIM || shape.head_dim == 0 || shape.kv_heads == 0 {
         return Err(OpError::Unsupported {
             backend: "CUDA",
             what: format!(
-                "decode attention with head_dim {} and {} kv heads (head_dim at most {DECODE_MAX_HEAD_DIM})",
+                "decode attention with head_dim {} and {} kv heads (head_dim 1 to {DECODE_MAX_HEAD_DIM})",
                 shape.head_dim, shape.kv_heads
             ),
         });
@@ -592,8 +645,8 @@ pub(super) fn decode_attention(s: &StreamCx<'_>, d: &DecodeLaunch<'_>) -> Result
     let group = shape.heads / shape.kv_heads;
     let chunks = group.div_ceil(DECODE_MAX_GROUP);
     let g = group.min(DECODE_MAX_GROUP);
-    let shared = ((1 + DECODE_WARPS) * shape.head_dim + 2 * DECODE_WARPS) * g * 4;
-    let n_splits = d.max_keys.div_ceil(DECODE_SPLIT_KEYS).max(1);
+    let shared = decode_shared_bytes(g, shape.head_dim);
+    let n_splits = decode_splits(d.max_keys, d.rows * shape.kv_heads * chunks, sm_count(s)?);
     let split_keys = d.max_keys.div_ceil(n_splits).max(1);
     let rows = int("rows", d.rows)? as u32;
     let partials = s.scratch(if n_splits > 1 {
