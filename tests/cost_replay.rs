@@ -242,6 +242,7 @@ fn record(kind: StepKind, seconds: f64, ubs: Vec<UbLoad>) -> StepRecord {
         decode_tokens: ubs.iter().map(|u| u.decode_seqs).sum(),
         ubs,
         tasks: Vec::new(),
+        split: None,
     }
 }
 

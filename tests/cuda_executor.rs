@@ -1247,6 +1247,44 @@ fn replay_counts(doc: &serde_json::Value) -> (u64, u64, u64) {
     )
 }
 
+/// The run report's split of the decode steps launched from their graph (issue 44): the
+/// fields exist in `--json`, over `steps` steps of which `queued` were launched behind
+/// another (each with the device's idle time before its graph); every part is a time
+/// (>= 0), the graph's device time (events around its launch; host clocks on the
+/// stand-in) is at most the steps' wall time, staging is part of the launch call, and the
+/// decode steps' walls do not overlap (a step launched ahead starts where the step before
+/// it ended), so they add up to at most the run's time after its prefill.
+fn launched_steps_split_their_time(doc: &serde_json::Value, steps: u64, queued: usize) {
+    let r = &doc["report"];
+    let d = &r["decode_split"];
+    assert_eq!(d["steps"].as_u64(), Some(steps), "{d}");
+    let f = |k: &str| {
+        d[k].as_f64()
+            .unwrap_or_else(|| panic!("no decode_split.{k}: {d}"))
+    };
+    for k in [
+        "wall",
+        "device",
+        "launch",
+        "staging",
+        "host_functions",
+        "wait",
+    ] {
+        assert!(f(k) >= 0.0, "{k}: {d}");
+    }
+    assert!(f("device") > 0.0 && f("device") <= f("wall"), "{d}");
+    assert!(f("staging") <= f("launch"), "{d}");
+    assert_eq!(d["gap"].as_f64().is_some(), queued > 0, "{d}");
+    let n = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("no report.{k}"));
+    let decode = n("decode_steps") * n("decode_step_seconds");
+    let prefill = n("prompt_tokens") / n("prefill_tokens_per_s");
+    assert!(
+        decode + prefill <= n("seconds"),
+        "decode steps {decode} s + prefill {prefill} s > run {} s: steps overlap",
+        n("seconds")
+    );
+}
+
 /// Issue 44, async scheduling: once a decode step's shape has a CUDA graph, a later step of
 /// that shape writes its step inputs into the graph's pinned staging and launches the
 /// graph without running its ops, and step N+1 is launched before step N's tokens are
@@ -1255,11 +1293,15 @@ fn replay_counts(doc: &serde_json::Value) -> (u64, u64, u64) {
 /// launched without its ops once step 2 was read, 4 and 5 each launched before the step
 /// before them was read; the tokens are the CPU backend's. The stand-in's trace shows the
 /// two graph launches made before the previous launch was waited for, and its counters
-/// one host function to copy each launched step's read-backs out of staging and one to
-/// write each step's inputs behind a launch in flight (1 + 2 + 2), no kernel launch, GEMM
-/// or copy call in those steps. A seventh token adds one graph launch and no device task
-/// run on the host (`MOEC_CUDA_VERIFY_REPLAY=1`, which records every such step anyway and
-/// fails when its commands are not its graph's, gives the same tokens).
+/// no host function: each launched step's read-back is one copy-engine copy out of its
+/// device buffer, and the inputs of a step queued behind a launch in flight are written
+/// by stream writes of the words that changed; no kernel launch or GEMM in those steps.
+/// A seventh token adds one graph launch, one read-back copy and no device task run on
+/// the host (`MOEC_CUDA_VERIFY_REPLAY=1`, which records every such step anyway and fails
+/// when its commands are not its graph's, gives the same tokens). With
+/// `MOEC_CUDA_REPLAY_IO=host-functions` the same steps use one host function to copy each
+/// launched step's read-backs out of staging and one to write each queued step's inputs
+/// (1 + 2 + 2) and no stream write, with the same tokens.
 #[test]
 fn decode_steps_launch_ahead_without_their_ops_with_the_cpu_tokens() {
     let cache = tempfile::tempdir().expect("cache");
@@ -1286,6 +1328,7 @@ fn decode_steps_launch_ahead_without_their_ops_with_the_cpu_tokens() {
          {ahead} before the previous step's read-back; {ops} device tasks run on the host"
     );
     assert_eq!((without_ops, ahead), (3, 2));
+    launched_steps_split_their_time(&doc, 3, 2);
     let text = std::fs::read_to_string(trace.path()).expect("trace file");
     assert_eq!(
         launches_ahead(&text),
@@ -1293,7 +1336,9 @@ fn decode_steps_launch_ahead_without_their_ops_with_the_cpu_tokens() {
         "launched before the last read-back"
     );
     assert_eq!(calls(&counts, "cuGraphLaunch"), 4);
-    assert_eq!(calls(&counts, "cuLaunchHostFunc"), 5);
+    assert_eq!(calls(&counts, "cuLaunchHostFunc"), 0);
+    let written = calls(&counts, "cuStreamWriteValue32_v2");
+    assert!(written >= 2, "{written} staged words written by the stream");
     let (more, more_counts, more_doc) =
         counted_run(cache.path(), dir.path(), schedule, &PROMPTS, 7, &[], &[]);
     assert_eq!(
@@ -1303,12 +1348,18 @@ fn decode_steps_launch_ahead_without_their_ops_with_the_cpu_tokens() {
     let (_, more_ahead, more_ops) = replay_counts(&more_doc);
     assert_eq!(more_ahead, 3);
     assert_eq!(more_ops, ops, "the added step ran no op on the host");
+    assert_eq!(
+        calls(&more_counts, "cuMemcpyDtoHAsync_v2"),
+        calls(&counts, "cuMemcpyDtoHAsync_v2") + 1,
+        "the added step's read-back is one copy"
+    );
+    assert!(calls(&more_counts, "cuStreamWriteValue32_v2") > written);
     for name in [
         "cuLaunchKernel",
         "cublasGemmEx",
         "cublasSgemm_v2",
         "cuMemcpyHtoDAsync_v2",
-        "cuMemcpyDtoHAsync_v2",
+        "cuLaunchHostFunc",
     ] {
         assert_eq!(
             calls(&more_counts, name),
@@ -1317,6 +1368,20 @@ fn decode_steps_launch_ahead_without_their_ops_with_the_cpu_tokens() {
         );
     }
     assert_eq!(calls(&more_counts, "cuGraphLaunch"), 5);
+    let (by_host, host_counts, host_doc) = counted_run(
+        cache.path(),
+        dir.path(),
+        schedule,
+        &PROMPTS,
+        6,
+        &[],
+        &[("MOEC_CUDA_REPLAY_IO", "host-functions")],
+    );
+    assert_eq!(by_host, want, "tokens with host functions");
+    assert_eq!(calls(&host_counts, "cuLaunchHostFunc"), 5);
+    assert_eq!(calls(&host_counts, "cuStreamWriteValue32_v2"), 0);
+    assert_eq!(replay_counts(&host_doc).0, 3);
+    launched_steps_split_their_time(&host_doc, 3, 2);
     // The argument for skipping the ops, checked: each such step recorded anyway.
     let (checked, _, check_doc) = counted_run(
         cache.path(),

@@ -254,6 +254,21 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
         r.decode_critical_path_seconds * 1e3,
         r.makespan_over_critical_path
     );
+    if let Some(d) = &r.decode_split {
+        let ms = |s: f64| format!("{:.3}", s * 1e3);
+        let _ = writeln!(
+            out,
+            "decode step on the device: {} ms of {} ms wall ({} steps launched from their graph; CUDA events around each graph){}; host per step: launch call {} ms (staging {} ms), host functions {} ms, read-back wait {} ms",
+            ms(d.device),
+            ms(d.wall),
+            d.steps,
+            d.gap.map_or(String::new(), |g| format!(", device idle before each graph {} ms", ms(g))),
+            ms(d.launch),
+            ms(d.staging),
+            ms(d.host_functions),
+            ms(d.wait),
+        );
+    }
     match &f.prediction {
         Some(p) => out.push_str(&prediction_text(p)),
         None => {

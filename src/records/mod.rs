@@ -8,4 +8,4 @@
 pub mod run;
 pub mod timeline;
 
-pub use run::{GraphStep, GraphUse, RunStats, StepRecord, TaskRecord, TaskRun, UbLoad};
+pub use run::{GraphStep, GraphUse, RunStats, StepRecord, StepSplit, TaskRecord, TaskRun, UbLoad};

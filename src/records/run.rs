@@ -53,6 +53,37 @@ pub struct StepRecord {
     pub ubs: Vec<UbLoad>,
     /// Its tasks.
     pub tasks: Vec<TaskRecord>,
+    /// Where the step's time went, for a step the backend launched from its cached graph
+    /// without running its tasks (`None` otherwise, and on a backend with no device).
+    pub split: Option<StepSplit>,
+}
+
+/// Where a step launched from its cached device graph spent its time (seconds): the
+/// graph on the device, timed by events recorded on its stream around the launch (read
+/// when the step's tokens are read back, so timing adds no synchronisation), and the
+/// backend's host calls for it, timed by the host clock.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StepSplit {
+    /// The graph's time on the device: from an event recorded just before its launch to
+    /// one recorded right after it.
+    pub device: f64,
+    /// The device's idle time between the previous launched graph's end event and this
+    /// graph's start event, for a step queued before the previous one finished (launched
+    /// ahead): what the host functions and copies queued between the two graphs cost the
+    /// stream. `None` when the step was not queued behind another.
+    pub gap: Option<f64>,
+    /// Host: the launch call (the staged inputs computed and written or queued, the
+    /// graph launched, its events and host functions queued).
+    pub launch: f64,
+    /// Of `launch`, computing the step's shape and its staged inputs (positions, block
+    /// tables, ids).
+    pub staging: f64,
+    /// Host functions queued on the stream for the step (a staged-input write behind a
+    /// launch in flight, a copy of the read-backs out of staging), time inside them: the
+    /// stream waits while they run.
+    pub host_functions: f64,
+    /// Host: waiting for the step's read-backs (its done event), then handing them over.
+    pub wait: f64,
 }
 
 /// The real contents of one micro-batch in one executed step: what the cost model needs

@@ -241,6 +241,7 @@ pub trait Backend: Sync + std::fmt::Debug {
         Ok(StepEnd {
             times: self.finish_step()?,
             graph: None,
+            split: None,
         })
     }
 
@@ -284,6 +285,9 @@ pub struct StepEnd {
     pub times: Option<Vec<DeviceTime>>,
     /// How the step's device work was submitted; `None` on a backend with no device.
     pub graph: Option<GraphUse>,
+    /// Where the step's time went, for a step launched from its graph without its tasks
+    /// ([`Backend::collect_replay`]); `None` otherwise.
+    pub split: Option<crate::records::StepSplit>,
 }
 
 /// A `route` slice that holds fewer entries than its tokens need.

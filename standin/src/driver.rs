@@ -841,6 +841,35 @@ extern "C" fn cuMemsetD8Async(dst: u64, value: u8, bytes: usize, handle: *mut c_
     })
 }
 
+/// `cuStreamWriteValue32`: writes `value` at `addr` (device memory, or page-locked host
+/// memory through its device address, which is the host address under unified
+/// addressing) when the stream reaches it; refused when the 4 bytes are neither.
+#[no_mangle]
+extern "C" fn cuStreamWriteValue32_v2(
+    handle: *mut c_void,
+    addr: u64,
+    value: u32,
+    _flags: c_uint,
+) -> CuResult {
+    entry("cuStreamWriteValue32_v2", || {
+        let at = addr as usize;
+        if !memory::is_pinned(at, 4) {
+            memory::check_device(at, 4, "cuStreamWriteValue32_v2", "address")?;
+        }
+        refuse_read_only_write(at, 4, "cuStreamWriteValue32_v2", "address")?;
+        let dst = Addr(at);
+        stream::submit(
+            handle as usize,
+            "cuStreamWriteValue32_v2",
+            Arc::new(move || {
+                // SAFETY: the 4 bytes were checked against a live allocation.
+                unsafe { std::ptr::write_unaligned(dst.0 as *mut u32, value) }
+            }),
+        )?;
+        Ok(())
+    })
+}
+
 #[no_mangle]
 extern "C" fn cuMemsetD8_v2(dst: u64, value: u8, bytes: usize) -> CuResult {
     entry("cuMemsetD8_v2", || {

@@ -614,6 +614,7 @@ impl CudaBackend<'_> {
         Ok(StepEnd {
             times,
             graph: Some(graph),
+            split: None,
         })
     }
 
@@ -703,7 +704,7 @@ impl Backend for CudaBackend<'_> {
              {} routing read-backs by experts/post_attn (grouping tokens per expert); \
              {} routing read-backs for the plan's guards; \
              CUDA graphs: {}; {} steps launched their graph without running their ops \
-             ({} of them launched ahead of the previous step's read-back{}){}; \
+             ({} of them launched ahead of the previous step's read-back; {}{}){}; \
              {} device tasks run on the host; {} host tasks run as host nodes of recorded steps",
             r.device,
             r.arch,
@@ -724,6 +725,7 @@ impl Backend for CudaBackend<'_> {
             },
             self.replays_without_ops.load(Ordering::Relaxed),
             self.launched_ahead.load(Ordering::Relaxed),
+            self.recorder.replay_io(),
             match self.verified.load(Ordering::Relaxed) {
                 0 => String::new(),
                 n => format!(
@@ -1094,6 +1096,7 @@ impl Backend for CudaBackend<'_> {
                 "MOEC_CUDA_VERIFY_REPLAY records every step to check its graph".into(),
             ));
         }
+        let began = std::time::Instant::now();
         let key = step_key(plan, step, state);
         let inputs = match self.replay_inputs(plan, step, state, &key, ids_on_device) {
             Ok(inputs) => inputs,
@@ -1107,11 +1110,15 @@ impl Backend for CudaBackend<'_> {
                 return Ok(Err(why));
             }
         };
+        let staging = began.elapsed().as_secs_f64();
         self.bind()?;
-        let launched = self
+        let mut launched = self
             .recorder
             .launch_replay(&key, inputs, ahead)
             .map_err(|e| task_error(OpError::from(e)))?;
+        // Staging: the inputs computed here plus their write, when it was not queued
+        // (the recorder writes them before the launch with nothing in flight).
+        launched.host_times(began.elapsed().as_secs_f64(), staging);
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed) as u64;
         lock(&self.launched).insert(ticket, (step, launched));
         self.replays_without_ops.fetch_add(1, Ordering::Relaxed);
@@ -1131,8 +1138,9 @@ impl Backend for CudaBackend<'_> {
                 super::launch::LaunchError::Capture("no such launched step"),
             )));
         };
+        let began = std::time::Instant::now();
         self.bind()?;
-        let reads = self
+        let (reads, mut split) = self
             .recorder
             .collect(launched)
             .map_err(|e| task_error(OpError::from(e)))?;
@@ -1162,9 +1170,11 @@ impl Backend for CudaBackend<'_> {
                 },
             );
         }
+        split.wait = began.elapsed().as_secs_f64();
         Ok(StepEnd {
             times: None,
             graph: Some(graph),
+            split: Some(split),
         })
     }
 

@@ -549,6 +549,17 @@ impl<B: Backend + ?Sized> StreamOps for Runner<'_, B> {
     }
 }
 
+/// A step as [`StepRunner::run_graphed`] ran it: (start, end) seconds from the origin,
+/// its tasks, how its device work was submitted and where its time went
+/// ([`crate::records::StepSplit`], for a step launched from its graph).
+type Graphed = (
+    f64,
+    f64,
+    Vec<TaskRecord>,
+    Option<GraphUse>,
+    Option<crate::records::StepSplit>,
+);
+
 /// Everything a step's [`Runner`] needs but the step state, which the driver mutates
 /// between steps.
 struct StepRunner<'a, B: Backend + ?Sized> {
@@ -564,11 +575,7 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
     /// Runs step `index` over `state`: (start, end) seconds from the origin and its tasks
     /// (device-measured times replace the host's when the backend has them).
     /// With how the backend submitted the step's device work (`None`: no device).
-    fn run_graphed(
-        &self,
-        state: &StepState,
-        index: usize,
-    ) -> Result<(f64, f64, Vec<TaskRecord>, Option<GraphUse>), RunError> {
+    fn run_graphed(&self, state: &StepState, index: usize) -> Result<Graphed, RunError> {
         let runner = Runner {
             plan: self.plan,
             backend: self.backend,
@@ -587,7 +594,7 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
             {
                 let ended = self.backend.collect_replay(ticket, state)?;
                 let end = self.origin.elapsed().as_secs_f64();
-                return Ok((start, end, Vec::new(), ended.graph));
+                return Ok((start, end, Vec::new(), ended.graph, ended.split));
             }
         }
         self.backend.begin_step(self.plan, index, state)?;
@@ -620,6 +627,7 @@ impl<B: Backend + ?Sized> StepRunner<'_, B> {
             self.origin.elapsed().as_secs_f64(),
             tasks,
             ended.graph,
+            ended.split,
         ))
     }
 }

@@ -66,6 +66,55 @@ pub struct RunReport {
     /// Per step kind, how its device work reached the device (CUDA graphs); empty on a
     /// backend with no device.
     pub graphs: Vec<GraphSummary>,
+    /// Where the decode steps launched from their graph spent their time (device time
+    /// by CUDA events beside the wall time, and the host's calls); `None` when no decode
+    /// step was launched that way.
+    pub decode_split: Option<DecodeSplit>,
+}
+
+/// Means per step over the decode steps launched from their cached graph without running
+/// their tasks ([`crate::records::StepSplit`]), in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DecodeSplit {
+    /// Decode steps averaged over.
+    pub steps: usize,
+    /// Their mean wall time (as `decode_step_seconds`, over these steps only).
+    pub wall: f64,
+    /// The graph on the device (events around its launch).
+    pub device: f64,
+    /// The device idle between the previous graph's end and this one's start, over the
+    /// steps queued behind another (`None`: no step was).
+    pub gap: Option<f64>,
+    /// Host: the launch call.
+    pub launch: f64,
+    /// Host, of `launch`: computing the step's shape and staged inputs.
+    pub staging: f64,
+    /// Host functions queued on the stream for the step (the stream waits while they
+    /// run).
+    pub host_functions: f64,
+    /// Host: waiting for the step's read-backs and handing them over.
+    pub wait: f64,
+}
+
+/// The mean [`DecodeSplit`] of `steps` ((wall seconds, split) per step).
+fn decode_split(steps: &[(f64, crate::records::StepSplit)]) -> Option<DecodeSplit> {
+    if steps.is_empty() {
+        return None;
+    }
+    let n = steps.len() as f64;
+    let mean =
+        |f: fn(&crate::records::StepSplit) -> f64| steps.iter().map(|s| f(&s.1)).sum::<f64>() / n;
+    let gaps: Vec<f64> = steps.iter().filter_map(|s| s.1.gap).collect();
+    Some(DecodeSplit {
+        steps: steps.len(),
+        wall: steps.iter().map(|s| s.0).sum::<f64>() / n,
+        device: mean(|s| s.device),
+        gap: (!gaps.is_empty()).then(|| gaps.iter().sum::<f64>() / gaps.len() as f64),
+        launch: mean(|s| s.launch),
+        staging: mean(|s| s.staging),
+        host_functions: mean(|s| s.host_functions),
+        wait: mean(|s| s.wait),
+    })
 }
 
 /// The longest chain of measured durations through a step's tasks (seconds).
@@ -110,6 +159,7 @@ pub fn summarize(
     let mut critical = 0.0;
     let mut busy = vec![0.0f64; plan.streams.len()];
     let (mut run, mut skipped) = (0, 0);
+    let mut splits = Vec::new();
     for step in &stats.steps {
         let wall = step.end - step.start;
         for r in &step.tasks {
@@ -128,6 +178,9 @@ pub fn summarize(
                 decode.0 += step.decode_tokens;
                 decode.1 += wall;
                 decode.2 += 1;
+                if let Some(split) = step.split {
+                    splits.push((wall, split));
+                }
                 critical += critical_path(plan, step);
                 for r in &step.tasks {
                     if let Some(b) = busy.get_mut(r.stream.index()) {
@@ -183,6 +236,7 @@ pub fn summarize(
         preemptions: stats.preemptions,
         paused_passes: stats.paused,
         graphs: graph_summary(&stats.graph_steps),
+        decode_split: decode_split(&splits),
     }
 }
 

@@ -42,7 +42,7 @@ mod plan;
 mod replay;
 pub use host::{HostCalls, HostNode};
 pub use plan::{guard_decided_on_device, plan_graph, HostRole, StepPlanGraph};
-pub use replay::{Launched, ReplayPlan, SeqShape, StepKey};
+pub use replay::{replay_io_by_host_functions, Launched, ReplayPlan, SeqShape, StepKey};
 use std::sync::{Arc, Mutex};
 
 /// A GEMM as the ops issue it: bf16 weights times a bf16 pair into f32 (`cublasGemmEx`), or
@@ -534,6 +534,8 @@ struct State {
     device_ids: Vec<(u32, u64)>,
     /// Graph launches whose read-backs are not collected yet.
     in_flight: usize,
+    /// What launches without ops keep between steps (staging words, read-back ring).
+    replay: replay::ReplayState,
     /// The step must issue its graph's commands (`MOEC_CUDA_VERIFY_REPLAY`).
     verify: bool,
     /// Per stream (lane): each stream's staging offsets follow its own commands only, so
@@ -611,6 +613,7 @@ impl Recorder {
                 other_stages: 0,
                 device_ids: Vec::new(),
                 in_flight: 0,
+                replay: replay::ReplayState::default(),
                 verify: false,
             }),
             lanes,
@@ -672,6 +675,7 @@ impl Recorder {
         s.packs.clear();
         s.other_stages = 0;
         s.device_ids.clear();
+        s.replay.forget_staging();
         for st in &mut s.staging {
             st.reset();
         }
@@ -857,6 +861,15 @@ impl Recorder {
             epoch: s.epoch,
             packs: std::mem::take(&mut s.packs),
             other_stages: s.other_stages,
+            sources: deferred
+                .iter()
+                .map(|d| {
+                    commands.iter().find_map(|(_, c)| match c {
+                        Command::DtoH { dst, src, .. } if *dst == d.range().0 => Some(*src),
+                        _ => None,
+                    })
+                })
+                .collect(),
             deferred: deferred.clone(),
             device_ids: std::mem::take(&mut s.device_ids),
             origin: commands.first().map_or(0, |c| c.0),

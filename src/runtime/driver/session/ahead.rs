@@ -149,6 +149,14 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         lock(&self.state.sampled_logits).clear();
         let ended = self.backend.collect_replay(ahead.ticket, &self.state)?;
         let end = self.origin.elapsed().as_secs_f64();
+        // A step launched ahead overlapped the step before it until that one was
+        // collected: from its launch it would count that overlap twice (once in each
+        // step), so it starts where the step before it ended. Launch to collection (the
+        // step's latency) is about two device steps in a steady pipeline.
+        let start = match self.stats.steps.last() {
+            Some(last) if last.end > ahead.start => last.end.min(end),
+            _ => ahead.start,
+        };
         let kind = self.plan.steps[ahead.step].kind;
         if let Some(graph) = ended.graph {
             self.stats.graph_steps.push(GraphStep { kind, graph });
@@ -156,19 +164,20 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
         let g = &self.gauges;
         g.steps.fetch_add(1, Ordering::Relaxed);
         g.last_step_seconds
-            .store((end - ahead.start).to_bits(), Ordering::Relaxed);
-        let total = Gauges::seconds(&g.step_seconds_total) + (end - ahead.start);
+            .store((end - start).to_bits(), Ordering::Relaxed);
+        let total = Gauges::seconds(&g.step_seconds_total) + (end - start);
         g.step_seconds_total
             .store(total.to_bits(), Ordering::Relaxed);
         self.stats.steps.push(StepRecord {
             kind,
-            start: ahead.start,
+            start,
             end,
             prefill_tokens: 0,
             decode_tokens: ahead.rows.len(),
             ubs: ahead.loads,
             // No task ran on the host: the step's device work is its graph.
             tasks: Vec::new(),
+            split: ended.split,
         });
         let sampled = std::mem::take(&mut *lock(&self.state.sampled));
         let sampled_logits = std::mem::take(&mut *lock(&self.state.sampled_logits));

@@ -623,7 +623,8 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 .iter()
                 .position(|s| s.kind == StepKind::Setup)
             {
-                let (start, end, tasks, graph) = self.runner().run_graphed(&self.state, setup)?;
+                let (start, end, tasks, graph, split) =
+                    self.runner().run_graphed(&self.state, setup)?;
                 if let Some(graph) = graph {
                     self.stats.graph_steps.push(GraphStep {
                         kind: StepKind::Setup,
@@ -638,6 +639,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                     decode_tokens: 0,
                     ubs: Vec::new(),
                     tasks,
+                    split,
                 });
             }
         }
@@ -913,7 +915,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 }
             }
         }
-        let (start, end, tasks, graph) = ran?;
+        let (start, end, tasks, graph, split) = ran?;
         // A long-lived session keeps no per-step records (the backend's line counts them).
         if let Some(graph) = graph.filter(|_| self.record_steps) {
             self.stats.graph_steps.push(GraphStep {
@@ -940,6 +942,7 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
                 decode_tokens: n_decode,
                 ubs: loads,
                 tasks,
+                split,
             });
         }
         let sampled = std::mem::take(&mut *lock(&self.state.sampled));
