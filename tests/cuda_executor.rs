@@ -901,8 +901,9 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
 /// products (per (layer, step) one `moe_group` and two `moe_grouped_gemv_q8` launches:
 /// gate+up+SwiGLU, down), quantises each input once (`q8_quantize`: q|k|v share one; no
 /// `q8_roundtrip`), runs the vocabulary head through `linear_gemv_q8` (no `dequant_f32`),
-/// and a decode step synchronises only for `sample` and at its end. Skipped, saying so,
-/// without the fixture.
+/// and a decode step synchronises only for `sample` and at its end; with one prompt the
+/// decode steps' integer products quantise their row themselves (`*_q8_x1`) and give the
+/// CPU backend's tokens. Skipped, saying so, without the fixture.
 #[test]
 fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     let Some(fixtures) = gguf_common::fixtures() else {
@@ -939,11 +940,14 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
     let moe_tasks = 2 * steps;
     assert_eq!(calls(&a, "launch:moe_group"), moe_tasks, "{a:?}");
     // Integer products: gate+up+SwiGLU, then down, per (layer, step); no float product.
+    // Two prompts decode two rows a step: the R = 16 kernels (not the row-generic ones,
+    // MOEC_Q8_KERNELS unset), after q8_quantize.
     assert_eq!(
-        calls(&a, "launch:moe_grouped_gemv_q8"),
+        calls(&a, "launch:moe_grouped_gemv_q8_r16"),
         2 * moe_tasks,
         "{a:?}"
     );
+    assert_eq!(calls(&a, "launch:moe_grouped_gemv_q8"), 0, "{a:?}");
     assert_eq!(
         calls(&a, "launch:moe_grouped_gemv") + calls(&a, "launch:moe_grouped_linear"),
         0
@@ -970,13 +974,42 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
         "{} stream synchronisations per decode step",
         per_step("cuStreamSynchronize")
     );
+    // One prompt: a batch-1 decode step's integer products quantise their row themselves
+    // (`*_q8_x1`; the prefill's rows take the R = 16 kernels), with the CPU's tokens.
+    let one = [PROMPTS[0]];
+    let (tokens1, b, doc1) =
+        counted_run(cache.path(), dir.path(), schedule, &one, 4, &weights, &[]);
+    let (replayed1, _, _, _) = graph_counts(&doc1, "decode");
+    let decode1 = 3u64 - replayed1;
+    assert_eq!(
+        calls(&b, "launch:moe_grouped_gemv_q8_x1"),
+        2 * 2 * decode1,
+        "{b:?}"
+    );
+    assert_eq!(calls(&b, "launch:moe_grouped_gemv_q8"), 0, "{b:?}");
+    let mut cpu = Command::new(env!("CARGO_BIN_EXE_moec"));
+    cpu.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache.path())
+        .args(["run", schedule, "--json", "--gen-len", "4"])
+        .args(["--hw", "hardware/t4.ron", "--prompt", one[0]])
+        .args(weights);
+    let cpu1 = token_ids(&cpu.output().expect("moec runs"), "one prompt, CPU");
+    assert_eq!(tokens1, cpu1, "one prompt: cuda (*_q8_x1) vs cpu");
+    println!(
+        "q4_k_m gpu_resident, one prompt: {} moe_grouped_gemv_q8_x1, {} linear_gemv_q8_x1, {} \
+         linear_gemv3_q8_x1, {} q8_quantize launches; the CPU's tokens",
+        calls(&b, "launch:moe_grouped_gemv_q8_x1"),
+        calls(&b, "launch:linear_gemv_q8_x1"),
+        calls(&b, "launch:linear_gemv3_q8_x1"),
+        calls(&b, "launch:q8_quantize"),
+    );
     println!(
         "q4_k_m gpu_resident: {replayed} decode steps replayed a graph; per decode step {} \
-         stream syncs; {} moe_group, {} moe_grouped_gemv_q8, {} q8_quantize launches in {steps} \
+         stream syncs; {} moe_group, {} moe_grouped_gemv_q8_r16, {} q8_quantize launches in {steps} \
          launched steps",
         per_step("cuStreamSynchronize"),
         calls(&a, "launch:moe_group"),
-        calls(&a, "launch:moe_grouped_gemv_q8"),
+        calls(&a, "launch:moe_grouped_gemv_q8_r16"),
         calls(&a, "launch:q8_quantize"),
     );
 }

@@ -23,7 +23,8 @@ use moec::runtime::cuda::launch::storage_code;
 /// Q8_0, Q4_K, Q5_K and Q6_K weights, with a partial block of outputs (37), input widths
 /// of 1, 2 and 3 super-blocks (so lanes left without a unit, and lanes with several),
 /// 1, 3 and 16 rows, a warp and a quarter warp per output, and an accumulated strided
-/// output. The CPU computes each block's integers exactly and sums block values in order;
+/// output; the row-generic kernel and the row-count-specialised `linear_gemv_q8_r1` (one
+/// row a pass) and `linear_gemv_q8_r16` alike. The CPU computes each block's integers exactly and sums block values in order;
 /// the kernel sums the same integers per unit of 16 or 32 weights and reduces across lanes,
 /// so only f32 rounding of the sums differs.
 #[test]
@@ -38,7 +39,8 @@ fn integer_products_match_the_cpu_int8_product() {
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
     let quantize = function(&modules, "activations_q8.cu", "q8_quantize");
-    let gemv = function(&modules, "moe_grouped.cu", "linear_gemv_q8");
+    let gemvs = ["linear_gemv_q8", "linear_gemv_q8_r1", "linear_gemv_q8_r16"]
+        .map(|entry| (entry, function(&modules, "moe_grouped.cu", entry)));
     let mut rng = Rng(0x7a3c_1e55_0b1d_4f29);
     let formats = [
         QuantFormat::Q8_0,
@@ -101,61 +103,79 @@ fn integer_products_match_the_cpu_int8_product() {
 
             let ldy = out + 3;
             let start: Vec<f32> = (0..n * ldy).map(|i| (i % 7) as f32 * 0.25).collect();
-            let mut y_dev = stream.clone_htod(&start).expect("htod");
-            let (ni, outi, ldyi, acci) = (n as i32, out as i32, ldy as i32, i32::from(accumulate));
-            let per_block = 256 / group as usize;
-            // SAFETY: argument types and order match the kernel's signature.
-            unsafe {
-                stream
-                    .launch_builder(&gemv)
-                    .arg(&codes_dev)
-                    .arg(&scales_dev)
-                    .arg(&w_dev)
-                    .arg(&mut y_dev)
-                    .arg(&ni)
-                    .arg(&inp_i)
-                    .arg(&outi)
-                    .arg(&code)
-                    .arg(&ldyi)
-                    .arg(&acci)
-                    .arg(&group)
-                    .launch(cfg((out.div_ceil(per_block) as u32, 1, 1), 256, 0))
-            }
-            .expect("launch");
-            let y = stream.clone_dtoh(&y_dev).expect("dtoh");
-            let matrix = QuantMatrix::new(
-                QuantSlice::new(&bytes, format, out * inp).expect("blocks"),
-                out,
-                inp,
-            )
-            .expect("matrix");
-            let mut cpu = vec![0.0f32; n * out];
-            QuantKernels::portable()
-                .quant_linear(&matrix, &x, n, &mut cpu)
-                .expect("CPU product");
-            let (_, mag) = reference_product(&w, &want.dequantize(), n, inp);
-            let mut worst = 0.0f64;
-            for r in 0..n {
-                for o in 0..out {
-                    let base = if accumulate { start[r * ldy + o] } else { 0.0 };
-                    let got = f64::from(y[r * ldy + o]) - f64::from(base);
-                    let err = (got - f64::from(cpu[r * out + o])).abs();
-                    worst = worst.max(err / (4e-6 * mag[r * out + o] + 1e-30));
+            // One row: also the kernel that quantises its row itself, from the strided floats
+            // (shared memory: the codes, then the scales from a 16-byte boundary).
+            let x1 = (n == 1).then(|| {
+                let entry = "linear_gemv_q8_x1";
+                (entry, function(&modules, "moe_grouped.cu", entry))
+            });
+            for (entry, gemv) in gemvs.iter().chain(x1.iter()) {
+                let folded = *entry == "linear_gemv_q8_x1";
+                let shared = if folded {
+                    (inp.next_multiple_of(16) + 4 * blocks) as u32
+                } else {
+                    0
+                };
+                let mut y_dev = stream.clone_htod(&start).expect("htod");
+                let (ni, outi, ldyi, acci) =
+                    (n as i32, out as i32, ldy as i32, i32::from(accumulate));
+                let per_block = 256 / group as usize;
+                let mut builder = stream.launch_builder(gemv);
+                if folded {
+                    builder.arg(&x_dev).arg(&x_row_i).arg(&kind);
+                } else {
+                    builder.arg(&codes_dev).arg(&scales_dev);
                 }
-                // The columns past `out` of each strided row are untouched.
-                for o in out..ldy {
-                    assert_eq!(
-                        y[r * ldy + o],
-                        start[r * ldy + o],
-                        "{format}: wrote past out"
-                    );
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe {
+                    builder
+                        .arg(&w_dev)
+                        .arg(&mut y_dev)
+                        .arg(&ni)
+                        .arg(&inp_i)
+                        .arg(&outi)
+                        .arg(&code)
+                        .arg(&ldyi)
+                        .arg(&acci)
+                        .arg(&group)
+                        .launch(cfg((out.div_ceil(per_block) as u32, 1, 1), 256, shared))
                 }
-            }
-            println!(
-                "{format}: linear_gemv_q8 (out {out}, in {inp}, rows {n}, {group} lanes an \
+                .expect("launch");
+                let y = stream.clone_dtoh(&y_dev).expect("dtoh");
+                let matrix = QuantMatrix::new(
+                    QuantSlice::new(&bytes, format, out * inp).expect("blocks"),
+                    out,
+                    inp,
+                )
+                .expect("matrix");
+                let mut cpu = vec![0.0f32; n * out];
+                QuantKernels::portable()
+                    .quant_linear(&matrix, &x, n, &mut cpu)
+                    .expect("CPU product");
+                let (_, mag) = reference_product(&w, &want.dequantize(), n, inp);
+                let mut worst = 0.0f64;
+                for r in 0..n {
+                    for o in 0..out {
+                        let base = if accumulate { start[r * ldy + o] } else { 0.0 };
+                        let got = f64::from(y[r * ldy + o]) - f64::from(base);
+                        let err = (got - f64::from(cpu[r * out + o])).abs();
+                        worst = worst.max(err / (4e-6 * mag[r * out + o] + 1e-30));
+                    }
+                    // The columns past `out` of each strided row are untouched.
+                    for o in out..ldy {
+                        assert_eq!(
+                            y[r * ldy + o],
+                            start[r * ldy + o],
+                            "{format}: wrote past out"
+                        );
+                    }
+                }
+                println!(
+                    "{format}: {entry} (out {out}, in {inp}, rows {n}, {group} lanes an \
                  output) error {worst:.3} of the bound"
-            );
-            assert!(worst <= 1.0, "{format}: linear_gemv_q8 {worst} x the bound");
+                );
+                assert!(worst <= 1.0, "{format}: {entry} {worst} x the bound");
+            }
         }
     }
 }
@@ -330,6 +350,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     let x_rt = Q8Rows::quantize(ActFormat::Q8K, &x, n, d).dequantize();
     let mut worst = 0.0f64;
     let mut cpu_hidden = vec![0.0f32; live * f];
+    let mut hidden_bound = vec![0.0f64; live * f];
     for p in 0..live {
         let t = rows_of[p] as usize;
         let expert = route[2 * (t * k + slots_of[p] as usize)] as usize;
@@ -355,6 +376,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
                 + f64::from(silu.abs()) * 4e-6 * mag_u[o]
                 + 1e-6 * f64::from(want.abs())
                 + 1e-30;
+            hidden_bound[p * f + o] = bound;
             worst = worst.max(f64::from((got - want).abs()) / bound);
         }
     }
@@ -432,6 +454,95 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     let err = max_abs_diff(&slots_host, &want_slots);
     println!("moe_grouped_gemv_q8 down (scatter): max abs diff {err:.3e} of largest {largest:.3e}");
     assert!(err <= 1e-5 * largest, "down: {err}");
+    // The row-count-specialised kernels (one row a pass; up to 16), on the same tiles and
+    // the same quantised hidden rows: the same bounds against the CPU.
+    // `moe_grouped_gemv_q8_x1` quantises each row itself (a pass per tile row here: the
+    // tiles hold several), from the floats: x, and the first kernel's hidden rows.
+    for entry in [
+        "moe_grouped_gemv_q8_r1",
+        "moe_grouped_gemv_q8_r16",
+        "moe_grouped_gemv_q8_x1",
+    ] {
+        let kernel = function(&modules, "moe_grouped.cu", entry);
+        let folded = entry == "moe_grouped_gemv_q8_x1";
+        let shared = |cols: usize| {
+            if folded {
+                (cols + 4 * cols / 256) as u32
+            } else {
+                0
+            }
+        };
+        let mut hidden2 = stream.alloc_zeros::<f32>(entries * f).expect("alloc");
+        let mut builder = stream.launch_builder(&kernel);
+        if folded {
+            builder.arg(&x_dev).arg(&d_l).arg(&kind);
+        } else {
+            builder.arg(&codes).arg(&scales);
+        }
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            builder
+                .arg(&perm_row)
+                .arg(&perm_slot)
+                .arg(&perm_weight)
+                .arg(&tiles)
+                .arg(&gate_table)
+                .arg(&up_table)
+                .arg(&mut hidden2)
+                .arg(&gather)
+                .arg(&mode3)
+                .arg(&d_i)
+                .arg(&f_i)
+                .arg(&code4)
+                .arg(&k_i)
+                .launch(cfg((max_tiles as u32, (f / 8) as u32, 1), 256, shared(d)))
+        }
+        .expect("launch");
+        let got = stream.clone_dtoh(&hidden2).expect("dtoh");
+        let worst2 = (0..live * f)
+            .map(|i| f64::from((got[i] - cpu_hidden[i]).abs()) / hidden_bound[i])
+            .fold(0.0f64, f64::max);
+        let mut slots2 = stream.alloc_zeros::<f32>(n * k * d).expect("alloc");
+        let mut builder = stream.launch_builder(&kernel);
+        if folded {
+            builder.arg(&hidden).arg(&f_l).arg(&kind);
+        } else {
+            builder.arg(&hcodes).arg(&hscales);
+        }
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            builder
+                .arg(&perm_row)
+                .arg(&perm_slot)
+                .arg(&perm_weight)
+                .arg(&tiles)
+                .arg(&down_table)
+                .arg(&no_table)
+                .arg(&mut slots2)
+                .arg(&gather0)
+                .arg(&mode2)
+                .arg(&f_i)
+                .arg(&d_i)
+                .arg(&code6)
+                .arg(&k_i)
+                .launch(cfg((max_tiles as u32, (d / 8) as u32, 1), 256, shared(f)))
+        }
+        .expect("launch");
+        let slots2 = stream.clone_dtoh(&slots2).expect("dtoh");
+        let err2 = max_abs_diff(&slots2, &want_slots);
+        println!(
+            "{entry}: gate+up+SwiGLU error {worst2:.3} of the bound, down max abs diff \
+             {err2:.3e} of largest {largest:.3e}"
+        );
+        assert!(worst2 <= 1.0, "{entry} gate+up+SwiGLU {worst2} x the bound");
+        assert!(err2 <= 1e-5 * largest, "{entry} down: {err2}");
+        // Non-member slots stay zero.
+        assert_eq!(
+            slots2.iter().filter(|&&v| v != 0.0).count(),
+            slots_host.iter().filter(|&&v| v != 0.0).count(),
+            "{entry}: slots written"
+        );
+    }
     for t in 0..n {
         for s in 0..k {
             if !members[route[2 * (t * k + s)] as usize] {
@@ -576,7 +687,8 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
 /// bits of three `linear_gemv` / `linear_gemv_q8` launches into the same strided row: 3
 /// rows of 512 inputs, outputs 37 | 8 | 8 (the first a partial block of warps), bf16 |
 /// bf16 | f32 for the float kernel and Q4_K | Q4_K | Q6_K (Q4_K_M's q, k, v) for the
-/// integer one, with the two-product form (third output count 0) too.
+/// integer one (also as `linear_gemv3_q8_r1`, `_r16` and `_x1`, which quantises its rows
+/// itself), with the two-product form (third output count 0) too.
 #[test]
 fn three_products_in_one_launch_equal_three_launches() {
     const NAME: &str = "standin_int_products::three_products_in_one_launch_equal_three_launches";
@@ -668,57 +780,73 @@ fn three_products_in_one_launch_equal_three_launches() {
                 unsafe { launch.launch(cfg((outs[i].div_ceil(8) as u32, 1, 1), 256, 0)) }
                     .expect("launch");
             }
-            let mut fused = stream.alloc_zeros::<f32>(n * width).expect("alloc");
             let out3 = if parts == 3 { outs[2] as i32 } else { 0 };
             let (o0, o1) = (outs[0] as i32, outs[1] as i32);
             let (c1, c2) = (cols[1] as i32, cols[2] as i32);
             let total = outs[0] + outs[1] + out3 as usize;
-            let entry = if int {
-                "linear_gemv3_q8"
+            // The integer kernel in all its forms: row-generic, R = 1 and 16 (the same
+            // per-unit arithmetic and lane order: the same bits), and quantising its rows
+            // itself (one row a pass, from the floats: the same codes).
+            let entries: &[&str] = if int {
+                &[
+                    "linear_gemv3_q8",
+                    "linear_gemv3_q8_r1",
+                    "linear_gemv3_q8_r16",
+                    "linear_gemv3_q8_x1",
+                ]
             } else {
-                "linear_gemv3"
+                &["linear_gemv3"]
             };
-            let f = function(&modules, "moe_grouped.cu", entry);
-            let mut launch = stream.launch_builder(&f);
-            if int {
-                launch.arg(&codes).arg(&scales);
-            } else {
-                launch.arg(&x_dev);
-            }
-            launch
-                .arg(&ws[0])
-                .arg(&ws[1])
-                .arg(&ws[2])
-                .arg(&o0)
-                .arg(&o1)
-                .arg(&out3)
-                .arg(&codes_of[0])
-                .arg(&codes_of[1])
-                .arg(&codes_of[2])
-                .arg(&mut fused)
-                .arg(&n_i)
-                .arg(&inp_i)
-                .arg(&ldy)
-                .arg(&c1)
-                .arg(&c2);
-            // The float kernel's optional norm: none.
-            let (no_norm, no_code, no_eps, no_threads) = (0u64, 0i32, 0f32, 0i32);
-            if !int {
+            for &entry in entries {
+                let mut fused = stream.alloc_zeros::<f32>(n * width).expect("alloc");
+                let f = function(&modules, "moe_grouped.cu", entry);
+                let mut launch = stream.launch_builder(&f);
+                let (x_row, kind) = (inp as i64, 0i32);
+                let shared = if entry == "linear_gemv3_q8_x1" {
+                    launch.arg(&x_dev).arg(&x_row).arg(&kind);
+                    (inp + 4 * inp / 256) as u32
+                } else if int {
+                    launch.arg(&codes).arg(&scales);
+                    0
+                } else {
+                    launch.arg(&x_dev);
+                    0
+                };
                 launch
-                    .arg(&no_norm)
-                    .arg(&no_code)
-                    .arg(&no_eps)
-                    .arg(&no_threads);
+                    .arg(&ws[0])
+                    .arg(&ws[1])
+                    .arg(&ws[2])
+                    .arg(&o0)
+                    .arg(&o1)
+                    .arg(&out3)
+                    .arg(&codes_of[0])
+                    .arg(&codes_of[1])
+                    .arg(&codes_of[2])
+                    .arg(&mut fused)
+                    .arg(&n_i)
+                    .arg(&inp_i)
+                    .arg(&ldy)
+                    .arg(&c1)
+                    .arg(&c2);
+                // The float kernel's optional norm: none.
+                let (no_norm, no_code, no_eps, no_threads) = (0u64, 0i32, 0f32, 0i32);
+                if !int {
+                    launch
+                        .arg(&no_norm)
+                        .arg(&no_code)
+                        .arg(&no_eps)
+                        .arg(&no_threads);
+                }
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe { launch.launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, shared)) }
+                    .expect("launch");
+                let (a, b) = (
+                    stream.clone_dtoh(&apart).expect("dtoh"),
+                    stream.clone_dtoh(&fused).expect("dtoh"),
+                );
+                assert_eq!(bits(&a), bits(&b), "{entry} with {parts} products");
+                println!("{entry} with {parts} products: equal to {parts} launches");
             }
-            // SAFETY: argument types and order match the kernel's signature.
-            unsafe { launch.launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, 0)) }
-                .expect("launch");
-            let (a, b) = (
-                stream.clone_dtoh(&apart).expect("dtoh"),
-                stream.clone_dtoh(&fused).expect("dtoh"),
-            );
-            assert_eq!(bits(&a), bits(&b), "{entry} with {parts} products");
-            println!("{entry} with {parts} products: equal to {parts} launches");
         }
     }
 }

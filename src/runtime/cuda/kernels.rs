@@ -107,6 +107,15 @@ pub const KERNELS: [KernelSource; 13] = [
             "linear_gemv_q8",
             "moe_grouped_gemv_q8",
             "linear_gemv3_q8",
+            "linear_gemv_q8_r1",
+            "linear_gemv3_q8_r1",
+            "moe_grouped_gemv_q8_r1",
+            "linear_gemv_q8_r16",
+            "linear_gemv3_q8_r16",
+            "moe_grouped_gemv_q8_r16",
+            "linear_gemv_q8_x1",
+            "linear_gemv3_q8_x1",
+            "moe_grouped_gemv_q8_x1",
             "moe_grouped_gemv_1",
             "linear_gemv_1",
             "moe_gate_route",
@@ -160,12 +169,16 @@ pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 /// The headers a kernel file may `#include "<name>"` (besides the prelude every file
 /// gets), embedded like the files: [`full_source`] puts a header's text where it is
 /// included, so NVRTC needs no include path and a moec binary no kernels folder.
-pub const HEADERS: [(&str, &str); 3] = [
+pub const HEADERS: [(&str, &str); 4] = [
     (
         "paged_attention.cuh",
         include_str!("../../../kernels/paged_attention.cuh"),
     ),
     ("router.cuh", include_str!("../../../kernels/router.cuh")),
+    (
+        "q8_block.cuh",
+        include_str!("../../../kernels/q8_block.cuh"),
+    ),
     (
         "tensor_core.cuh",
         include_str!("../../../kernels/tensor_core.cuh"),

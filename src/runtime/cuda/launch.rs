@@ -194,6 +194,96 @@ pub fn linear_kernel(w: &DevMatrix, n: usize) -> &'static str {
     }
 }
 
+/// Which integer-product kernels run (`MOEC_Q8_KERNELS`, read once per process; the run
+/// report says which, [`q8_kernel_note`]): the row-generic ones (`generic`: kept for A/B
+/// timing), the row-count-specialised ones after a `q8_quantize` (`rows`), or, the
+/// default, those with one-row products quantising their row themselves ([`q8_folds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Q8Kernels {
+    /// `linear_gemv_q8`, `linear_gemv3_q8`, `moe_grouped_gemv_q8` for any row count.
+    Generic,
+    /// `*_q8_r1` for one row, `*_q8_r16` for more, each after a `q8_quantize`.
+    Rows,
+    /// As `Rows`, but a one-row product runs `*_q8_x1`, which quantises its row itself.
+    Folded,
+}
+
+/// The process's [`Q8Kernels`] (`MOEC_Q8_KERNELS` = `generic`, `rows`, or unset / anything
+/// else: `Folded`).
+pub fn q8_kernels() -> Q8Kernels {
+    static KERNELS: std::sync::OnceLock<Q8Kernels> = std::sync::OnceLock::new();
+    *KERNELS.get_or_init(|| match std::env::var("MOEC_Q8_KERNELS").as_deref() {
+        Ok("generic") => Q8Kernels::Generic,
+        Ok("rows") => Q8Kernels::Rows,
+        _ => Q8Kernels::Folded,
+    })
+}
+
+/// Whether the integer products run the row-generic kernels ([`Q8Kernels::Generic`]).
+pub fn q8_generic_kernels() -> bool {
+    q8_kernels() == Q8Kernels::Generic
+}
+
+/// Dynamic shared memory of a `*_q8_x1` launch on rows of `cols` values in `format`: the
+/// row's codes, then its scales from the next 16-byte boundary.
+pub fn q8_fold_shared(cols: usize, format: ActFormat) -> usize {
+    cols.next_multiple_of(16) + 4 * (cols / format.block_elems())
+}
+
+/// Whether an integer product of `rows` activation rows (per call, or per expert tile) of
+/// `cols` values in `format` quantises its row itself (`*_q8_x1`, no `q8_quantize`): one
+/// row, [`Q8Kernels::Folded`], and the row's codes and scales within the 48 KiB of shared
+/// memory a launch gets without opting in (past that: `q8_quantize` and `*_q8_r1`).
+pub fn q8_folds(rows: usize, cols: usize, format: ActFormat) -> bool {
+    rows == 1 && q8_kernels() == Q8Kernels::Folded && q8_fold_shared(cols, format) <= 48 * 1024
+}
+
+/// The `kind` argument of `q8_quantize` and the `*_q8_x1` kernels for `format`.
+pub fn q8_kind(format: ActFormat) -> i32 {
+    match format {
+        ActFormat::Q8K => 0,
+        _ => 1,
+    }
+}
+
+/// The integer-product entry of kernel family `base` (`linear_gemv_q8`, `linear_gemv3_q8`
+/// or `moe_grouped_gemv_q8`) for products of at most `rows` activation rows per tile or
+/// call: `base_r1` for one row, `base_r16` for more (both take `base`'s arguments, the
+/// linear ones a lane-group size too), or `base` itself under
+/// [`q8_generic_kernels`].
+pub fn q8_entry(base: &'static str, rows: usize) -> &'static str {
+    let one = rows <= 1;
+    match (base, q8_generic_kernels(), one) {
+        (_, true, _) => base,
+        ("linear_gemv_q8", false, true) => "linear_gemv_q8_r1",
+        ("linear_gemv_q8", false, false) => "linear_gemv_q8_r16",
+        ("linear_gemv3_q8", false, true) => "linear_gemv3_q8_r1",
+        ("linear_gemv3_q8", false, false) => "linear_gemv3_q8_r16",
+        ("moe_grouped_gemv_q8", false, true) => "moe_grouped_gemv_q8_r1",
+        ("moe_grouped_gemv_q8", false, false) => "moe_grouped_gemv_q8_r16",
+        _ => base,
+    }
+}
+
+/// The run report's line on the integer-product kernels [`q8_kernels`] picks.
+pub fn q8_kernel_note() -> &'static str {
+    match q8_kernels() {
+        Q8Kernels::Generic => {
+            "row-generic integer kernels (MOEC_Q8_KERNELS=generic: linear_gemv_q8, \
+             linear_gemv3_q8, moe_grouped_gemv_q8)"
+        }
+        Q8Kernels::Rows => {
+            "row-count-specialised integer kernels after q8_quantize (MOEC_Q8_KERNELS=rows: \
+             *_q8_r1 for one row, *_q8_r16 up to 16)"
+        }
+        Q8Kernels::Folded => {
+            "row-count-specialised integer kernels: one row quantised inside the product \
+             (*_q8_x1, no q8_quantize), *_q8_r16 after q8_quantize up to 16 rows \
+             (MOEC_Q8_KERNELS=rows / generic select the others)"
+        }
+    }
+}
+
 /// Device scratch memory of one task, a piece of its stream's [`Workspace`].
 #[derive(Debug)]
 pub struct Scratch {
@@ -684,6 +774,9 @@ impl StreamCx<'_> {
         }
         let (m, k) = (w.out_dim(), w.in_dim());
         if linear_kernel(w, n) == "q8_quantize + linear_gemv_q8" {
+            if q8_folds(n, k, act_format(w.quant)) {
+                return self.linear_q8_folded(x, k, w, y, ldy, accumulate);
+            }
             let a = self.quantize_q8(x, k, n, k, act_format(w.quant), 0)?;
             return self.linear_q8(&a, w, y, ldy, accumulate);
         }
@@ -857,10 +950,7 @@ impl StreamCx<'_> {
         let block = format.block_elems();
         let codes = self.scratch(rows * cols)?;
         let scales = self.scratch(rows * cols / block * 4)?;
-        let kind = match format {
-            ActFormat::Q8K => 0,
-            _ => 1,
-        };
+        let kind = q8_kind(format);
         // One warp per block of values.
         self.launch_1d(
             "q8_quantize",
@@ -900,7 +990,7 @@ impl StreamCx<'_> {
         let group = if m > GEMV_MAX_OUT { 8 } else { 32 };
         let per_block = 32 * GEMV_WARPS / group;
         self.launch(
-            "linear_gemv_q8",
+            q8_entry("linear_gemv_q8", a.rows),
             (int("out", m.div_ceil(per_block))? as u32, 1, 1),
             (32 * GEMV_WARPS) as u32,
             0,
@@ -911,6 +1001,45 @@ impl StreamCx<'_> {
                 Arg::Ptr(y),
                 Arg::I32(int("n", a.rows)?),
                 Arg::I32(int("in", a.cols)?),
+                Arg::I32(int("out", m)?),
+                Arg::I32(w.code()),
+                Arg::I32(int("ldy", ldy)?),
+                Arg::I32(i32::from(accumulate)),
+                Arg::I32(group as i32),
+            ],
+        )
+    }
+
+    /// `y[1, out] (=|+=) x · Wᵀ` for an [`int_product`] `w` over one row of `x` that the
+    /// launch quantises itself (`linear_gemv_q8_x1`, see [`q8_folds`]); `x_row` the row's
+    /// stride (unused for one row but passed as the kernel's). Outputs per warp as
+    /// [`StreamCx::linear_q8`].
+    pub fn linear_q8_folded(
+        &self,
+        x: u64,
+        x_row: usize,
+        w: &DevMatrix,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), LaunchError> {
+        let m = w.out_dim();
+        let format = act_format(w.quant);
+        let group = if m > GEMV_MAX_OUT { 8 } else { 32 };
+        let per_block = 32 * GEMV_WARPS / group;
+        self.launch(
+            "linear_gemv_q8_x1",
+            (int("out", m.div_ceil(per_block))? as u32, 1, 1),
+            (32 * GEMV_WARPS) as u32,
+            q8_fold_shared(w.in_dim(), format) as u32,
+            &[
+                Arg::Ptr(x),
+                Arg::I64(x_row as i64),
+                Arg::I32(q8_kind(format)),
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(y),
+                Arg::I32(1),
+                Arg::I32(int("in", w.in_dim())?),
                 Arg::I32(int("out", m)?),
                 Arg::I32(w.code()),
                 Arg::I32(int("ldy", ldy)?),
@@ -941,6 +1070,11 @@ impl StreamCx<'_> {
                 continue;
             }
             let (k, format) = (w.in_dim(), act_format(w.quant));
+            if q8_folds(n, k, format) {
+                // One row: each product quantises it itself.
+                self.linear(x, n, w, y, ldy, accumulate)?;
+                continue;
+            }
             let a = match quantised.iter().find(|a| a.format == format && a.cols == k) {
                 Some(a) => *a,
                 None => {
@@ -1014,11 +1148,18 @@ impl StreamCx<'_> {
         let (s0, s1, s2) = (seg(0), seg(1), seg(2));
         let total = s0.1 + s1.1 + s2.1;
         let grid = (int("out", total.div_ceil(GEMV_WARPS))? as u32, 1, 1);
-        let mut args = Vec::with_capacity(17);
-        let entry = if integer {
-            let a = self.quantize_q8(x, k, n, k, act_format(first.quant), 0)?;
+        let mut args = Vec::with_capacity(18);
+        let mut shared = 0u32;
+        let format = act_format(first.quant);
+        let entry = if integer && q8_folds(n, k, format) {
+            // One row, quantised inside the launch.
+            args.extend([Arg::Ptr(x), Arg::I64(k as i64), Arg::I32(q8_kind(format))]);
+            shared = q8_fold_shared(k, format) as u32;
+            "linear_gemv3_q8_x1"
+        } else if integer {
+            let a = self.quantize_q8(x, k, n, k, format, 0)?;
             args.extend([Arg::Ptr(a.codes), Arg::Ptr(a.scales)]);
-            "linear_gemv3_q8"
+            q8_entry("linear_gemv3_q8", n)
         } else {
             args.push(Arg::Ptr(x));
             "linear_gemv3"
@@ -1054,7 +1195,7 @@ impl StreamCx<'_> {
                 Arg::I32(row_block(norm.width) as i32),
             ]);
         }
-        self.launch(entry, grid, (32 * GEMV_WARPS) as u32, 0, &args)?;
+        self.launch(entry, grid, (32 * GEMV_WARPS) as u32, shared, &args)?;
         Ok(true)
     }
 

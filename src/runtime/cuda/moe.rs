@@ -27,8 +27,8 @@
 
 use super::deepseek;
 use super::launch::{
-    act_format, int, int_product, one_row_half, row_block, storage_code, Arg, DevMatrix, Q8Act,
-    Scratch, GEMV_MAX_ROWS,
+    act_format, int, int_product, one_row_half, q8_fold_shared, q8_folds, q8_kind, row_block,
+    storage_code, Arg, DevMatrix, Q8Act, Scratch, GEMV_MAX_ROWS,
 };
 use super::ops::{not_supported, GpuCx, OpError};
 use super::tensor_cores::TensorCores;
@@ -39,6 +39,7 @@ use crate::model::segment::SegmentKind;
 use crate::model::vocab::NormKind;
 use crate::model::vocab::Orientation;
 use crate::model::vocab::{ExpertGroups, Routing};
+use crate::quant::q8::ActFormat;
 use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
 use crate::runtime::backend::decode_routing;
@@ -639,50 +640,85 @@ impl GpuCx<'_> {
         if plan == ExpertKernels::Int {
             // Integer products: the layer's normalised rows quantised once for gate and
             // up, the SwiGLU'd hidden rows once for down.
-            let grouped_q8 = |a: &Q8Act,
+            // The activation of an integer product: quantised rows (`q8_quantize`), or
+            // (one token, `q8_folds`) float rows (pointer, stride, format) that the
+            // `moe_grouped_gemv_q8_x1` launch quantises itself.
+            enum Act {
+                Quantised(Q8Act),
+                Folded(u64, usize, ActFormat),
+            }
+            let grouped_q8 = |a: &Act,
+                              cols: usize,
                               gather: bool,
                               mode: i32,
                               which: usize,
                               second: u64,
                               y: u64,
                               out_dim: usize| {
+                let (entry, shared, head) = match *a {
+                    Act::Quantised(q) => (
+                        // Rows per tile: at most the tokens (each routes to an expert once).
+                        super::launch::q8_entry("moe_grouped_gemv_q8", n),
+                        0,
+                        [Arg::Ptr(q.codes), Arg::Ptr(q.scales)].to_vec(),
+                    ),
+                    Act::Folded(x, x_row, format) => (
+                        "moe_grouped_gemv_q8_x1",
+                        q8_fold_shared(cols, format) as u32,
+                        [
+                            Arg::Ptr(x),
+                            Arg::I64(x_row as i64),
+                            Arg::I32(q8_kind(format)),
+                        ]
+                        .to_vec(),
+                    ),
+                };
+                let mut args = head;
+                args.extend([
+                    Arg::Ptr(perm_row.ptr()),
+                    Arg::Ptr(perm_slot.ptr()),
+                    Arg::Ptr(perm_weight.ptr()),
+                    Arg::Ptr(tiles.ptr()),
+                    Arg::Ptr(table_at(which)),
+                    Arg::Ptr(second),
+                    Arg::Ptr(y),
+                    Arg::I32(i32::from(gather)),
+                    Arg::I32(mode),
+                    Arg::I32(int("in", cols)?),
+                    Arg::I32(int("out", out_dim)?),
+                    Arg::I32(code_of(which)),
+                    Arg::I32(int("top_k", k)?),
+                ]);
                 self.s.launch(
-                    "moe_grouped_gemv_q8",
+                    entry,
                     (
                         tiles_x,
                         int("out", out_dim.div_ceil(MOE_GEMV_WARPS))? as u32,
                         1,
                     ),
                     (32 * MOE_GEMV_WARPS) as u32,
-                    0,
-                    &[
-                        Arg::Ptr(a.codes),
-                        Arg::Ptr(a.scales),
-                        Arg::Ptr(perm_row.ptr()),
-                        Arg::Ptr(perm_slot.ptr()),
-                        Arg::Ptr(perm_weight.ptr()),
-                        Arg::Ptr(tiles.ptr()),
-                        Arg::Ptr(table_at(which)),
-                        Arg::Ptr(second),
-                        Arg::Ptr(y),
-                        Arg::I32(i32::from(gather)),
-                        Arg::I32(mode),
-                        Arg::I32(int("in", a.cols)?),
-                        Arg::I32(int("out", out_dim)?),
-                        Arg::I32(code_of(which)),
-                        Arg::I32(int("top_k", k)?),
-                    ],
+                    shared,
+                    &args,
                 )
             };
             let hidden = self.s.scratch(entries * f * 4)?;
-            let x8 = self
-                .s
-                .quantize_q8(x_norm, d, n, d, act_format(shapes[0].2), 0)?;
-            grouped_q8(&x8, true, 3, 0, table_at(1), hidden.ptr(), f)?;
-            let h8 =
-                self.s
-                    .quantize_q8(hidden.ptr(), f, entries, f, act_format(shapes[2].2), live)?;
-            grouped_q8(&h8, false, 2, 2, 0, slots, d)?;
+            let (fmt_in, fmt_hidden) = (act_format(shapes[0].2), act_format(shapes[2].2));
+            // One token: every expert tile holds one row, which the launch quantises.
+            let x8 = if q8_folds(n, d, fmt_in) {
+                Act::Folded(x_norm, d, fmt_in)
+            } else {
+                Act::Quantised(self.s.quantize_q8(x_norm, d, n, d, fmt_in, 0)?)
+            };
+            grouped_q8(&x8, d, true, 3, 0, table_at(1), hidden.ptr(), f)?;
+            let h8 = if q8_folds(n, f, fmt_hidden) {
+                Act::Folded(hidden.ptr(), f, fmt_hidden)
+            } else {
+                Act::Quantised(
+                    self.s
+                        .quantize_q8(hidden.ptr(), f, entries, f, fmt_hidden, live)?,
+                )
+            };
+            grouped_q8(&h8, f, false, 2, 2, 0, slots, d)?;
             return Ok(());
         }
         let grouped = |x: u64,

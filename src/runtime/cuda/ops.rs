@@ -212,12 +212,16 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
     let few_rows = if crate::math::isa::Kernels::process().decodes_quant() {
         "blocks decoded inside the f32 products (MOEC_QUANT_PRODUCT=decoded): linear_gemv and \
          moe_grouped_gemv"
+            .to_string()
     } else {
-        "Q8_0/Q4_K/Q5_K/Q6_K as integer products (__dp4a) on activations quantised once per \
-         input (q8_quantize shared by q, k and v and by gate and up; q|k|v in one linear_gemv3_q8; \
-         linear_gemv_q8, vocabulary heads included, and moe_grouped_gemv_q8 with gate+up+SwiGLU in one launch); Q4_0, \
-         Q4_1 and MXFP4 decoded inside the f32 products (linear_gemv, moe_grouped_gemv) on \
-         activations rounded by q8_roundtrip"
+        format!(
+            "Q8_0/Q4_K/Q5_K/Q6_K as integer products (__dp4a) on activations quantised once per \
+             input (q8_quantize shared by q, k and v and by gate and up; q|k|v in one linear_gemv3_q8; \
+             linear_gemv_q8, vocabulary heads included, and moe_grouped_gemv_q8 with gate+up+SwiGLU in one launch; {}); Q4_0, \
+             Q4_1 and MXFP4 decoded inside the f32 products (linear_gemv, moe_grouped_gemv) on \
+             activations rounded by q8_roundtrip",
+            super::launch::q8_kernel_note()
+        )
     };
     Some(format!(
         "quantised weights {}: up to {GEMV_ROWS} rows {few_rows}; more rows: \
