@@ -5,7 +5,8 @@
 //   moe_group            the route's (token, slot) entries of the member experts, grouped by
 //                        expert (count, prefix sum, permute; stable, as Routing::by_expert),
 //                        and the tiles of at most MOE_TILE_M positions of one expert that
-//                        moe_grouped_linear runs
+//                        moe_grouped_linear runs (warp scans, at the end of the file;
+//                        moe_group_block: one thread per expert, MOEC_FLOAT_KERNELS=block)
 //   moe_count_experts    after moe_group: adds the experts that got positions to a stream's
 //                        pair of counters (every expert computation; those computed from a
 //                        format copy of their expert), read by the host after each step
@@ -44,7 +45,7 @@
 #define MOE_MMA_K 64
 #define MOE_MMA_LD (MOE_MMA_K + 8)
 
-extern "C" __global__ void moe_group(
+extern "C" __global__ void moe_group_block(
     const unsigned int* __restrict__ route,
     const unsigned long long* __restrict__ members,
     unsigned int* __restrict__ perm_row,
@@ -726,6 +727,78 @@ extern "C" __global__ void linear_gemv(
     *out = accumulate ? *out + v : v;
 }
 
+// One value per virtual warp (p[w], w < warps <= 8: the partial sums of threads 32 w +
+// lane of a block) summed as moec_block_reduce sums a block's values: each warp's xor
+// tree, then warp 0's xor tree over the warps' results (zeros past them). Every lane gets
+// the total, that reduction's bits, from one warp and no barrier.
+__device__ __forceinline__ float moe_warp_block_sum(const float* p, int warps, int lane) {
+    float part = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        if (w < warps) {
+            float v = p[w];
+            for (int off = 16; off > 0; off /= 2) {
+                v = v + __shfl_xor_sync(0xffffffffu, v, off);
+            }
+            if (lane == w) {
+                part = v;
+            }
+        }
+    }
+    for (int off = 16; off > 0; off /= 2) {
+        part = part + __shfl_xor_sync(0xffffffffu, part, off);
+    }
+    return part;
+}
+
+// moec_norm_row's scale (and LayerNorm's mean into *mean when `layer_norm`) of the row at
+// `src` as a block of `threads` threads (a multiple of 32, at most 256: row_block's sizes)
+// computes it, bit for bit, by one warp: lane l plays threads l, l + 32, ..., each one's
+// values summed in that thread's order, then moe_warp_block_sum. The loads are laid out
+// 8 virtual threads a step, so a lane has up to 8 in flight. Every lane of the warp calls
+// it (shuffles); every lane gets the result.
+__device__ float moe_warp_norm(const float* src, int d, float eps, int layer_norm, int threads,
+                               int lane, float* mean_out) {
+    const int warps = threads >> 5;
+    float p[8];
+    float mean = 0.0f;
+    if (layer_norm) {
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            p[w] = 0.0f;
+        }
+        for (int j = lane; j < d; j += threads) {
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                const int i = j + 32 * w;
+                if (w < warps && i < d) {
+                    p[w] += src[i];
+                }
+            }
+        }
+        mean = moe_warp_block_sum(p, warps, lane) / (float)d;
+    }
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        p[w] = 0.0f;
+    }
+#pragma unroll 4
+    for (int j = lane; j < d; j += threads) {
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            const int i = j + 32 * w;
+            if (w < warps && i < d) {
+                const float v = layer_norm ? src[i] - mean : src[i];
+                p[w] += v * v;
+            }
+        }
+    }
+    if (mean_out != 0) {
+        *mean_out = mean;
+    }
+    return 1.0f / sqrtf(moe_warp_block_sum(p, warps, lane) / (float)d + eps);
+}
+
 // Up to three few-row projections of the same rows x in one launch (q, k and v of a
 // layer's normalised rows): outputs [0, out0) are W0's, then out1 of W1's, then out2 of
 // W2's, each matrix in its own format (d0, d1, d2: prelude codes), written to y at
@@ -734,7 +807,7 @@ extern "C" __global__ void linear_gemv(
 // first (weight `norm_w` of format `norm_code`, `eps`; the values rms_norm launched with
 // `norm_threads` threads a block writes, bit for bit), so a layer's attention norm needs no
 // launch of its own; then the weights must be float (codes 0-2). Launch: grid ceil((out0 +
-// out1 + out2) / MOE_GEMV_WARPS), block 32 * MOE_GEMV_WARPS (at least norm_threads).
+// out1 + out2) / MOE_GEMV_WARPS), block 32 * MOE_GEMV_WARPS; norm_threads <= 256.
 extern "C" __global__ void linear_gemv3(
     const float* __restrict__ x,
     const void* __restrict__ w0,
@@ -761,12 +834,16 @@ extern "C" __global__ void linear_gemv3(
     // With a norm weight every block first takes each row's RMSNorm scale, as rms_norm at
     // `norm_threads` threads a block computes it (every thread takes part, so before any
     // returns), and the products normalise their inputs as they read them.
+    // The rows' scales are taken by the warps in turn (warp w: rows w, w + warps, ...;
+    // moe_warp_norm, rms_norm's bits), one barrier in all: the whole block taking each row
+    // with two barriers a row made the block's start grow with the rows (16 rows: 16
+    // serial block reductions in each of the 192 blocks of a q|k|v).
     __shared__ float scale[MOE_TILE_M];
     if (norm_w != 0) {
-        for (int r = 0; r < rows; ++r) {
-            const float s = moec_norm_row(x + (long long)r * in_dim, norm_w, norm_code, 0,
-                                          in_dim, eps, 0, norm_threads);
-            if (threadIdx.x == 0) {
+        for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
+            const float s = moe_warp_norm(x + (long long)r * in_dim, in_dim, eps, 0, norm_threads,
+                                          lane, 0);
+            if (lane == 0) {
                 scale[r] = s;
             }
         }
@@ -1895,46 +1972,129 @@ extern "C" __global__ void moe_grouped_gemv_q8_x1(
 // bit for bit (each lane's 8-term sums in the same order, the same warp reduction).
 // The host launches them only for one row, bf16/f16 weights and 16-byte aligned weights
 // and x with in_dim % 8 == 0 (no fallback inside, so no generic path's registers).
+// A lane's four 16-byte weight loads of one chunk of 1024 inputs (k0 = lane * 8 + 1024 c;
+// inputs k0 + 256 u), as raw words; zeros past in_dim.
+__device__ __forceinline__ void moe_half_load4(const unsigned short* __restrict__ w, int k0,
+                                               int in_dim, uint4* raw) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int k = k0 + 256 * u;
+        if (k < in_dim) {
+            raw[u] = *(const uint4*)(w + k);
+        } else {
+            raw[u].x = raw[u].y = raw[u].z = raw[u].w = 0u;
+        }
+    }
+}
+
+// A float norm weight (format `code` 0-2, which the host checks) at k as f32: rms_norm's
+// moec_load without its block formats (inlined 32 times, they made the kernel's
+// compilation a minute long).
+__device__ __forceinline__ float moe_norm_at(const void* nw, int k, int code) {
+    if (code == 0) {
+        return moec_bf16_to_f32(((const unsigned short*)nw)[k]);
+    }
+    if (code == 1) {
+        return moec_f16_to_f32(((const unsigned short*)nw)[k]);
+    }
+    return ((const float*)nw)[k];
+}
+
+// The norm weights of a lane's chunk (moe_half_load4's inputs) into nv[8 u + j].
+__device__ __forceinline__ void moe_norm_load32(const void* nw, int code, int k0, int in_dim,
+                                                float* nv) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int k = k0 + 256 * u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            nv[8 * u + j] = k < in_dim ? moe_norm_at(nw, k + j, code) : 0.0f;
+        }
+    }
+}
+
+// acc plus a lane's chunk (raw: moe_half_load4's words) times x, in the generic loop's
+// order and expression (8-term sums, k ascending), so the sums are its bits. NORM: each
+// activation normalised first as rms_norm writes it, nv * (x * s) (moe_warp_rows_dot_t's).
+template <int DT, bool NORM>
+__device__ __forceinline__ float moe_half_dot4(const uint4* raw, const float* nv, int k0,
+                                               int in_dim, const float* __restrict__ x,
+                                               float s, float acc) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int k = k0 + 256 * u;
+        if (k < in_dim) {
+            const unsigned int words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+            float wv[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
+                const unsigned short hi = (unsigned short)(words[j] >> 16);
+                wv[2 * j] = DT == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
+                wv[2 * j + 1] = DT == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
+            }
+            float4 a = *(const float4*)(x + k);
+            float4 b = *(const float4*)(x + k + 4);
+            if (NORM) {
+                const float* n = nv + 8 * u;
+                a.x = n[0] * (a.x * s);
+                a.y = n[1] * (a.y * s);
+                a.z = n[2] * (a.z * s);
+                a.w = n[3] * (a.w * s);
+                b.x = n[4] * (b.x * s);
+                b.y = n[5] * (b.y * s);
+                b.z = n[6] * (b.z * s);
+                b.w = n[7] * (b.w * s);
+            }
+            acc += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
+                 + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+        }
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float moe_warp_sum(float acc) {
+    for (int off = 16; off > 0; off >>= 1) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    }
+    return acc;
+}
+
+// One row's product by a warp: two chunks (eight 16-byte loads a lane) in flight before
+// any is used (one chunk at a time left a 3584-wide down projection four round trips
+// deep).
 template <int DT>
 __device__ __forceinline__ float moe_dot1_half(const unsigned short* __restrict__ w,
                                                const float* __restrict__ x, int in_dim,
                                                int lane) {
     float acc = 0.0f;
+    for (int k0 = lane * 8; k0 < in_dim; k0 += 2048) {
+        uint4 raw[8];
+        moe_half_load4(w, k0, in_dim, raw);
+        moe_half_load4(w, k0 + 1024, in_dim, raw + 4);
+        acc = moe_half_dot4<DT, false>(raw, 0, k0, in_dim, x, 0.0f, acc);
+        acc = moe_half_dot4<DT, false>(raw + 4, 0, k0 + 1024, in_dim, x, 0.0f, acc);
+    }
+    return moe_warp_sum(acc);
+}
+
+// Two rows' products with the same x (an expert's gate and up rows), both rows' loads of
+// a chunk in flight together; each sum is moe_dot1_half's.
+template <int DT>
+__device__ __forceinline__ void moe_dot2_half(const unsigned short* __restrict__ w0,
+                                              const unsigned short* __restrict__ w1,
+                                              const float* __restrict__ x, int in_dim,
+                                              int lane, float* v0, float* v1) {
+    float a0 = 0.0f, a1 = 0.0f;
     for (int k0 = lane * 8; k0 < in_dim; k0 += 1024) {
-        uint4 raw[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int k = k0 + 256 * u;
-            if (k < in_dim) {
-                raw[u] = *(const uint4*)(w + k);
-            } else {
-                raw[u].x = raw[u].y = raw[u].z = raw[u].w = 0u;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int k = k0 + 256 * u;
-            if (k < in_dim) {
-                const unsigned int words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-                float wv[8];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
-                    const unsigned short hi = (unsigned short)(words[j] >> 16);
-                    wv[2 * j] = DT == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
-                    wv[2 * j + 1] = DT == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
-                }
-                const float4 a = *(const float4*)(x + k);
-                const float4 b = *(const float4*)(x + k + 4);
-                acc += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
-                     + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
-            }
-        }
+        uint4 r0[4], r1[4];
+        moe_half_load4(w0, k0, in_dim, r0);
+        moe_half_load4(w1, k0, in_dim, r1);
+        a0 = moe_half_dot4<DT, false>(r0, 0, k0, in_dim, x, 0.0f, a0);
+        a1 = moe_half_dot4<DT, false>(r1, 0, k0, in_dim, x, 0.0f, a1);
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    }
-    return acc;
+    *v0 = moe_warp_sum(a0);
+    *v1 = moe_warp_sum(a1);
 }
 
 __device__ __forceinline__ float moe_dot1(const void* w, long long row, int dtype,
@@ -1971,10 +2131,19 @@ extern "C" __global__ void moe_grouped_gemv_1(
     const int expert = t.expert, o = t.o, lane = t.lane;
     const long long p = t.first;
     const float* xr = x + (gather ? (long long)perm_row[p] : p) * in_dim;
-    const float v = moe_dot1((const void*)weights[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
+    float v;
     float up = 0.0f;
     if (mode == 3) {
-        up = moe_dot1((const void*)weights2[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
+        // Gate and up rows loaded together (one round trip, not two).
+        const unsigned short* g = (const unsigned short*)weights[expert] + (long long)o * in_dim;
+        const unsigned short* u = (const unsigned short*)weights2[expert] + (long long)o * in_dim;
+        if (dtype == 0) {
+            moe_dot2_half<0>(g, u, xr, in_dim, lane, &v, &up);
+        } else {
+            moe_dot2_half<1>(g, u, xr, in_dim, lane, &v, &up);
+        }
+    } else {
+        v = moe_dot1((const void*)weights[expert], (long long)o * in_dim, dtype, xr, in_dim, lane);
     }
     if (lane == 0) {
         moe_store(y, p, o, out_dim, mode, v, up, perm_row, perm_slot, perm_weight, top_k);
@@ -2003,8 +2172,90 @@ extern "C" __global__ void linear_gemv_1(
     }
 }
 
+// linear_gemv3 for one row with bf16/f16 weights (codes 0/1 for all three; the same
+// arguments; n must be 1; weights and x as one_row_half requires; a float norm weight,
+// code 0-2): a
+// batch-1 step's q|k|v. Each warp loads its first chunk of weights (and of norm weights)
+// before it takes the row's RMSNorm scale itself (moe_warp_norm: rms_norm's bits, no
+// barrier, the row's 4 KB from L1 after the first warp), so the weight round trip and
+// the norm overlap; linear_gemv3's block took the norm with block barriers before any
+// warp loaded a weight. The same products as linear_gemv3 at one row, bit for bit.
+extern "C" __global__ void linear_gemv3_1(
+    const float* __restrict__ x,
+    const void* __restrict__ w0,
+    const void* __restrict__ w1,
+    const void* __restrict__ w2,
+    int out0,
+    int out1,
+    int out2,
+    int d0,
+    int d1,
+    int d2,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int ldy,
+    int col1,
+    int col2,
+    const void* __restrict__ norm_w,
+    int norm_code,
+    float eps,
+    int norm_threads) {
+    const int lane = threadIdx.x & 31;
+    int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    const void* w = w0;
+    int dtype = d0;
+    int col = 0;
+    if (o >= out0) {
+        o -= out0;
+        w = w1;
+        dtype = d1;
+        col = col1;
+        if (o >= out1) {
+            o -= out1;
+            w = w2;
+            dtype = d2;
+            col = col2;
+            if (o >= out2) {
+                return;
+            }
+        }
+    }
+    const unsigned short* row = (const unsigned short*)w + (long long)o * in_dim;
+    const int k0 = lane * 8;
+    uint4 raw[4];
+    moe_half_load4(row, k0, in_dim, raw);
+    float acc = 0.0f;
+    if (norm_w != 0) {
+        float nv[32];
+        moe_norm_load32(norm_w, norm_code, k0, in_dim, nv);
+        const float s = moe_warp_norm(x, in_dim, eps, 0, norm_threads, lane, 0);
+        acc = dtype == 0 ? moe_half_dot4<0, true>(raw, nv, k0, in_dim, x, s, acc)
+                         : moe_half_dot4<1, true>(raw, nv, k0, in_dim, x, s, acc);
+        for (int k = k0 + 1024; k < in_dim; k += 1024) {
+            moe_half_load4(row, k, in_dim, raw);
+            moe_norm_load32(norm_w, norm_code, k, in_dim, nv);
+            acc = dtype == 0 ? moe_half_dot4<0, true>(raw, nv, k, in_dim, x, s, acc)
+                             : moe_half_dot4<1, true>(raw, nv, k, in_dim, x, s, acc);
+        }
+    } else {
+        acc = dtype == 0 ? moe_half_dot4<0, false>(raw, 0, k0, in_dim, x, 0.0f, acc)
+                         : moe_half_dot4<1, false>(raw, 0, k0, in_dim, x, 0.0f, acc);
+        for (int k = k0 + 1024; k < in_dim; k += 1024) {
+            moe_half_load4(row, k, in_dim, raw);
+            acc = dtype == 0 ? moe_half_dot4<0, false>(raw, 0, k, in_dim, x, 0.0f, acc)
+                             : moe_half_dot4<1, false>(raw, 0, k, in_dim, x, 0.0f, acc);
+        }
+    }
+    acc = moe_warp_sum(acc);
+    if (lane == 0) {
+        y[col + o] = acc;
+    }
+}
+
 // ---- The MoE gate in one launch --------------------------------------------------------
-// A decode step's gate for `gridDim.x` rows (at most MOE_TILE_M): each block normalises its
+// moe_gate_route_block (MOEC_FLOAT_KERNELS=block; moe_gate_route below is the default):
+// a decode step's gate for `gridDim.x` rows (at most MOE_TILE_M): each block normalises its
 // residual row into x_norm (rms_norm.cu's rms_norm, or layer_norm when `layer_norm`, with
 // weight `norm_w` of format `norm_code`; launched at rms_norm's block size, row_block(d),
 // the same bits), takes the router's logits of that row (linear_gemv's products with the
@@ -2014,7 +2265,7 @@ extern "C" __global__ void linear_gemv_1(
 // unfused gate in one; the same values. n_experts <= ROUTER_MAX_EXPERTS, top_k <= n_experts
 // (the host checks both).
 // Launch: grid (rows), block row_block(d) (a multiple of 32, at most 256).
-extern "C" __global__ void moe_gate_route(
+extern "C" __global__ void moe_gate_route_block(
     const float* __restrict__ x,
     const void* __restrict__ norm_w,
     int norm_code,
@@ -2057,5 +2308,270 @@ extern "C" __global__ void moe_gate_route(
     __syncthreads();
     if (threadIdx.x == 0) {
         moec_route_topk(logits, n_experts, top_k, norm_p, 0, 0, route, (size_t)row);
+    }
+}
+
+// The better of two (value, index) candidates: the larger value, the lower index on ties.
+__device__ __forceinline__ void moe_argmax_take(float& value, unsigned int& index, float v,
+                                                unsigned int i) {
+    if (v > value || (v == value && i < index)) {
+        value = v;
+        index = i;
+    }
+}
+
+// router.cuh's moec_route_topk for n <= 32 experts by one warp (lane e holds expert e):
+// the max by a shuffle tree (fmaxf: any order gives the same), the exponentials' sum in
+// expert order (every lane adds the broadcast values, so every lane holds the serial
+// sum), each of the top_k picks an argmax over the lanes (the larger probability, the
+// lower expert on ties: the serial scan's choice), the p-norm of the chosen in pick order;
+// lane k stores pick k. The same route, bit for bit, as one thread's loops over local
+// arrays, except that a NaN probability (a NaN logit) ranks below every number, where the
+// serial scan keeps a NaN it meets first.
+__device__ void moe_route_topk_warp(const float* logits, int n, int top_k, float norm_p,
+                                    unsigned int* route, size_t token, int lane) {
+    const float neg_inf = __int_as_float(0xff800000);
+    const float lg = lane < n ? logits[lane] : neg_inf;
+    float max = lg;
+    for (int off = 16; off > 0; off >>= 1) {
+        max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, off));
+    }
+    const float p = lane < n ? expf(lg - max) : 0.0f;
+    float sum = 0.0f;
+    for (int e = 0; e < n; ++e) {
+        sum += __shfl_sync(0xffffffffu, p, e);
+    }
+    const float prob = p / sum;
+    bool taken = false;
+    unsigned int mine_e = 0;
+    float mine_p = 0.0f;
+    double acc = 0.0;
+    for (int k = 0; k < top_k; ++k) {
+        const bool candidate = lane < n && !taken;
+        float value = candidate && prob == prob ? prob : neg_inf;
+        unsigned int index = candidate ? (unsigned int)lane : 0xffffffffu;
+        for (int off = 16; off > 0; off >>= 1) {
+            const float v = __shfl_xor_sync(0xffffffffu, value, off);
+            const unsigned int i = __float_as_uint(__shfl_xor_sync(0xffffffffu, __uint_as_float(index), off));
+            moe_argmax_take(value, index, v, i);
+        }
+        const float pk = __shfl_sync(0xffffffffu, prob, (int)index);
+        if ((unsigned int)lane == index) {
+            taken = true;
+        }
+        if (lane == k) {
+            mine_e = index;
+            mine_p = pk;
+        }
+        if (norm_p > 0.0f) {
+            acc += pow(fabs((double)pk), (double)norm_p);
+        }
+    }
+    const float denom = norm_p > 0.0f ? (float)pow(acc, 1.0 / (double)norm_p) : 1.0f;
+    if (lane < top_k) {
+        moec_route_store(0, 0, route, token * top_k + lane, mine_e, mine_p / denom);
+    }
+}
+
+// Inputs of the gate's row kept in shared memory (moe_gate_route) up to this width.
+#define MOE_GATE_STAGE 4096
+
+// moe_gate_route_block with the same arguments, launch and values (bit for bit;
+// router.cuh's route up to a NaN logit, see moe_route_topk_warp), its serial parts made
+// parallel (MOEC_FLOAT_KERNELS=block runs the block form): each
+// warp loads its first expert's router row (bf16/f16 routers on 16 bytes, d % 8 == 0)
+// before the norm, so that round trip overlaps the norm's; the normalised row stays in
+// shared memory for the router's products (d <= MOE_GATE_STAGE; else read back from
+// x_norm) as well as going to x_norm; the softmax and top-k run on one warp's lanes
+// (n_experts <= 32; else one thread as before) instead of one thread's loops over
+// 256-entry local arrays.
+extern "C" __global__ void moe_gate_route(
+    const float* __restrict__ x,
+    const void* __restrict__ norm_w,
+    int norm_code,
+    int layer_norm,
+    float eps,
+    const void* __restrict__ router,
+    int router_code,
+    float* __restrict__ x_norm,
+    float* __restrict__ slots,
+    unsigned int* __restrict__ route,
+    int d,
+    int n_experts,
+    int top_k,
+    float norm_p) {
+    __shared__ float logits[ROUTER_MAX_EXPERTS];
+    __shared__ __align__(16) float staged[MOE_GATE_STAGE];
+    const long long row = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const bool half = (router_code == 0 || router_code == 1) && d % 8 == 0
+                      && (unsigned long long)router % 16 == 0;
+    const bool stage = d <= MOE_GATE_STAGE;
+    uint4 raw[4];
+    if (half && warp < n_experts) {
+        moe_half_load4((const unsigned short*)router + (long long)warp * d, lane * 8, d, raw);
+    }
+    float* normed = x_norm + row * d;
+    moec_norm_row(x + row * d, norm_w, norm_code, stage ? staged : normed, d, eps, layer_norm,
+                  blockDim.x);
+    if (stage) {
+        // Each thread copies the values it wrote itself: no barrier needed for these.
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            normed[i] = staged[i];
+        }
+    }
+    __syncthreads();
+    const float* xn = stage ? staged : normed;
+    const bool vec_x = (unsigned long long)xn % 16 == 0;
+    for (int e = warp; e < n_experts; e += warps) {
+        float v;
+        if (half && vec_x) {
+            const unsigned short* r = (const unsigned short*)router + (long long)e * d;
+            if (e != warp) {
+                moe_half_load4(r, lane * 8, d, raw);
+            }
+            float acc = 0.0f;
+            for (int k = lane * 8; k < d; k += 1024) {
+                if (k != lane * 8) {
+                    moe_half_load4(r, k, d, raw);
+                }
+                acc = router_code == 0 ? moe_half_dot4<0, false>(raw, 0, k, d, xn, 0.0f, acc)
+                                       : moe_half_dot4<1, false>(raw, 0, k, d, xn, 0.0f, acc);
+            }
+            v = moe_warp_sum(acc);
+        } else {
+            long long src[MOE_TILE_M];
+#pragma unroll
+            for (int r = 0; r < MOE_TILE_M; ++r) {
+                src[r] = 0;
+            }
+            v = moe_warp_rows_dot(router, (long long)e * d, router_code, xn, src, 1, d, lane);
+        }
+        if (lane == 0) {
+            logits[e] = v;
+        }
+    }
+    if (slots != 0) {
+        float* mine = slots + row * top_k * d;
+        for (long long i = threadIdx.x; i < (long long)top_k * d; i += blockDim.x) {
+            mine[i] = 0.0f;
+        }
+    }
+    __syncthreads();
+    if (n_experts <= 32) {
+        if (warp == 0) {
+            moe_route_topk_warp(logits, n_experts, top_k, norm_p, route, (size_t)row, lane);
+        }
+    } else if (threadIdx.x == 0) {
+        moec_route_topk(logits, n_experts, top_k, norm_p, 0, 0, route, (size_t)row);
+    }
+}
+
+// Integer warp helpers through __shfl_sync's int form (the CPU emulation has no integer
+// xor or up shuffles): the sum over the warp, and the inclusive prefix sum over lanes.
+__device__ __forceinline__ int moe_warp_sum_int(int v, int lane) {
+    for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_sync(0xffffffffu, v, lane ^ off);
+    }
+    return v;
+}
+
+__device__ __forceinline__ int moe_warp_scan_int(int v, int lane) {
+    for (int off = 1; off < 32; off <<= 1) {
+        const int other = __shfl_sync(0xffffffffu, v, lane >= off ? lane - off : lane);
+        if (lane >= off) {
+            v += other;
+        }
+    }
+    return v;
+}
+
+// moe_group_block's grouping (the same arguments and outputs: integers, equal), the
+// route scanned 32 entries at a time by a warp per expert instead of one thread per
+// expert walking every entry twice (128 entries, a batch-64 step or a 64-token prefill at
+// top-2: 26 us on an H200): counts by warp sums, the experts' exclusive prefix sums
+// (positions and tiles) by warp 0's scans 32 experts at a time, then each expert's
+// positions in route order from each chunk's prefix of matches. Launch: grid 1, block
+// 256 (experts <= 256, MOE_MAX_EXPERTS).
+extern "C" __global__ void moe_group(
+    const unsigned int* __restrict__ route,
+    const unsigned long long* __restrict__ members,
+    unsigned int* __restrict__ perm_row,
+    unsigned int* __restrict__ perm_slot,
+    float* __restrict__ perm_weight,
+    int* __restrict__ tiles,
+    long long n_entries,
+    int top_k,
+    int experts) {
+    __shared__ int counts[MOE_MAX_EXPERTS];
+    __shared__ int offsets[MOE_MAX_EXPERTS];
+    __shared__ int tile_offsets[MOE_MAX_EXPERTS];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    for (int e = warp; e < experts; e += warps) {
+        int count = 0;
+        if (members[e] != 0) {
+            for (long long base = 0; base < n_entries; base += 32) {
+                const long long i = base + lane;
+                const int hit = i < n_entries && route[2 * i] == (unsigned int)e;
+                count += moe_warp_sum_int(hit, lane);
+            }
+        }
+        if (lane == 0) {
+            counts[e] = count;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int positions = 0, n_tiles = 0;
+        for (int e0 = 0; e0 < experts; e0 += 32) {
+            const int e = e0 + lane;
+            const int c = e < experts ? counts[e] : 0;
+            const int t = (c + MOE_TILE_M - 1) / MOE_TILE_M;
+            const int cs = moe_warp_scan_int(c, lane);
+            const int ts = moe_warp_scan_int(t, lane);
+            if (e < experts) {
+                offsets[e] = positions + cs - c;
+                tile_offsets[e] = n_tiles + ts - t;
+            }
+            positions += __shfl_sync(0xffffffffu, cs, 31);
+            n_tiles += __shfl_sync(0xffffffffu, ts, 31);
+        }
+        if (lane == 0) {
+            tiles[0] = n_tiles;
+            tiles[1] = positions;
+        }
+    }
+    __syncthreads();
+    for (int e = warp; e < experts; e += warps) {
+        const int c = counts[e];
+        if (c == 0) {
+            continue;
+        }
+        const int position = offsets[e];
+        const int tile0 = tile_offsets[e];
+        for (int t = lane; t * MOE_TILE_M < c; t += 32) {
+            const int first = t * MOE_TILE_M;
+            const int rest = c - first;
+            tiles[2 + 3 * (tile0 + t)] = e;
+            tiles[2 + 3 * (tile0 + t) + 1] = position + first;
+            tiles[2 + 3 * (tile0 + t) + 2] = rest < MOE_TILE_M ? rest : MOE_TILE_M;
+        }
+        int at = position;
+        for (long long base = 0; base < n_entries; base += 32) {
+            const long long i = base + lane;
+            const int hit = i < n_entries && route[2 * i] == (unsigned int)e;
+            const int before = moe_warp_scan_int(hit, lane);
+            if (hit) {
+                const int p = at + before - 1;
+                perm_row[p] = (unsigned int)(i / top_k);
+                perm_slot[p] = (unsigned int)(i % top_k);
+                perm_weight[p] = __uint_as_float(route[2 * i + 1]);
+            }
+            at += __shfl_sync(0xffffffffu, before, 31);
+        }
     }
 }

@@ -1155,6 +1155,190 @@ fn a_projection_that_normalises_its_rows_equals_rms_norm_then_the_projection() {
     }
 }
 
+/// `linear_gemv3_1` (a batch-1 step's q | k | v with bf16/f16 weights, each warp taking
+/// the row's RMSNorm scale itself, its weights loaded first) gives `linear_gemv3`'s bits
+/// at one row, with and without the norm (bf16 and f32 norm weights): inputs of 1024 (one
+/// 4-load chunk a lane), 3584 (a partial last chunk) and 520 (not whole 256-value steps),
+/// outputs 37 | 8 | 5 (partial blocks of warps), bf16 | f16 | bf16 weights.
+#[test]
+fn the_one_row_qkv_kernel_equals_linear_gemv3() {
+    const NAME: &str = "standin_int_products::the_one_row_qkv_kernel_equals_linear_gemv3";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::runtime::cuda::launch::row_block;
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x0e1f_0000_3333_0001);
+    let outs = [37usize, 8, 5];
+    let total = outs.iter().sum::<usize>();
+    let codes = [0i32, 1, 0];
+    let eps = 1e-5f32;
+    for inp in [1024usize, 3584, 520] {
+        let ws: Vec<CudaSlice<u8>> = outs
+            .iter()
+            .zip(&codes)
+            .map(|(&out, &code)| {
+                stream
+                    .clone_htod(&stored(&rng.vec(out * inp, 0.2), code).0)
+                    .expect("htod")
+            })
+            .collect();
+        let x: Vec<f32> = rng.vec(inp, 2.0).iter().map(|v| v + 0.25).collect();
+        let x_dev = stream.clone_htod(&x).expect("htod");
+        let nw: Vec<f32> = rng.vec(inp, 0.5).iter().map(|v| v + 1.0).collect();
+        for norm_code in [-1i32, 0, 2] {
+            let nw_dev = stream
+                .clone_htod(&stored(&nw, norm_code.max(0)).0)
+                .expect("htod");
+            let (nw_ptr, threads) = if norm_code < 0 {
+                (0u64, 0i32)
+            } else {
+                (addr(&stream, &nw_dev), row_block(inp) as i32)
+            };
+            let code = norm_code.max(0);
+            let (n_i, inp_i, ldy) = (1i32, inp as i32, total as i32);
+            let (o0, o1, o2) = (outs[0] as i32, outs[1] as i32, outs[2] as i32);
+            let (c1, c2) = (outs[0] as i32, (outs[0] + outs[1]) as i32);
+            let mut got = Vec::new();
+            for entry in ["linear_gemv3", "linear_gemv3_1"] {
+                let mut y = stream.alloc_zeros::<f32>(total).expect("alloc");
+                // SAFETY: argument types and order match the kernel's signature.
+                unsafe {
+                    stream
+                        .launch_builder(&function(&modules, "moe_grouped.cu", entry))
+                        .arg(&x_dev)
+                        .arg(&ws[0])
+                        .arg(&ws[1])
+                        .arg(&ws[2])
+                        .arg(&o0)
+                        .arg(&o1)
+                        .arg(&o2)
+                        .arg(&codes[0])
+                        .arg(&codes[1])
+                        .arg(&codes[2])
+                        .arg(&mut y)
+                        .arg(&n_i)
+                        .arg(&inp_i)
+                        .arg(&ldy)
+                        .arg(&c1)
+                        .arg(&c2)
+                        .arg(&nw_ptr)
+                        .arg(&code)
+                        .arg(&eps)
+                        .arg(&threads)
+                        .launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, 0))
+                }
+                .expect("launch");
+                got.push(stream.clone_dtoh(&y).expect("dtoh"));
+            }
+            assert!(got[0].iter().all(|v| v.is_finite() && *v != 0.0), "{inp}");
+            assert_eq!(
+                bits(&got[0]),
+                bits(&got[1]),
+                "linear_gemv3_1 in {inp}, norm code {norm_code}"
+            );
+        }
+    }
+    println!("linear_gemv3_1: linear_gemv3's bits at one row, with and without the norm");
+}
+
+/// `moe_group` (warp scans of the route) groups as `moe_group_block` (a thread per expert
+/// walking the route): the same counts, tiles and permutation, word for word; over 2
+/// entries of 8 experts (a batch-1 step at top-2), 300 entries of 40 experts with 5
+/// non-members and entries of no expert (past a warp's 32 experts and 32 entries, partial
+/// chunks), and 0 entries.
+#[test]
+fn the_warp_grouping_equals_the_per_expert_grouping() {
+    const NAME: &str = "standin_int_products::the_warp_grouping_equals_the_per_expert_grouping";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x9209_0000_5555_0003);
+    for (entries, top_k, experts) in [(2usize, 2usize, 8usize), (300, 3, 40), (0, 2, 8)] {
+        let mut route = Vec::with_capacity(2 * entries);
+        for i in 0..entries {
+            // Random experts from the rng's values; every 17th entry routed to no expert.
+            let r = rng.vec(1, 1.0)[0].abs();
+            let e = if i % 17 == 16 {
+                u32::MAX
+            } else {
+                ((r * 1e4) as usize % experts) as u32
+            };
+            route.push(e);
+            route.push((0.25f32 + i as f32).to_bits());
+        }
+        let route_dev = stream.clone_htod(&route).expect("htod");
+        let members: Vec<u64> = (0..experts)
+            .map(|e| {
+                if experts > 8 && e % 8 == 3 {
+                    0
+                } else {
+                    4096 + e as u64
+                }
+            })
+            .collect();
+        let members_dev = stream.clone_htod(&members).expect("htod");
+        let max_tiles = entries + experts;
+        let mut got = Vec::new();
+        for entry in ["moe_group_block", "moe_group"] {
+            let mut perm_row = stream.alloc_zeros::<u32>(entries.max(1)).expect("alloc");
+            let mut perm_slot = stream.alloc_zeros::<u32>(entries.max(1)).expect("alloc");
+            let mut perm_weight = stream.alloc_zeros::<f32>(entries.max(1)).expect("alloc");
+            let mut tiles = stream.alloc_zeros::<i32>(2 + 3 * max_tiles).expect("alloc");
+            let (n_ll, k_i, e_i) = (entries as i64, top_k as i32, experts as i32);
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&function(&modules, "moe_grouped.cu", entry))
+                    .arg(&route_dev)
+                    .arg(&members_dev)
+                    .arg(&mut perm_row)
+                    .arg(&mut perm_slot)
+                    .arg(&mut perm_weight)
+                    .arg(&mut tiles)
+                    .arg(&n_ll)
+                    .arg(&k_i)
+                    .arg(&e_i)
+                    .launch(cfg((1, 1, 1), 256, 0))
+            }
+            .expect("launch");
+            got.push((
+                stream.clone_dtoh(&tiles).expect("dtoh"),
+                stream.clone_dtoh(&perm_row).expect("dtoh"),
+                stream.clone_dtoh(&perm_slot).expect("dtoh"),
+                bits(&stream.clone_dtoh(&perm_weight).expect("dtoh")),
+            ));
+        }
+        let (a, b) = (&got[0], &got[1]);
+        let (n_tiles, positions) = (a.0[0] as usize, a.0[1] as usize);
+        let what = format!("{entries} entries of {experts} experts");
+        assert_eq!(
+            a.0[..2 + 3 * n_tiles],
+            b.0[..2 + 3 * n_tiles],
+            "tiles, {what}"
+        );
+        assert_eq!(a.1[..positions], b.1[..positions], "rows, {what}");
+        assert_eq!(a.2[..positions], b.2[..positions], "slots, {what}");
+        assert_eq!(a.3[..positions], b.3[..positions], "weights, {what}");
+        if entries == 300 {
+            assert!(
+                positions > 200 && positions < 300 && n_tiles >= 35,
+                "{what}: {positions} {n_tiles}"
+            );
+        }
+        println!("moe_group ({what}): moe_group_block's {positions} positions in {n_tiles} tiles");
+    }
+}
+
 /// `moe_gate_route` (a decode step's gate in one launch) gives the bits of the launches it
 /// replaces: `rms_norm` / `layer_norm` into the normalised rows, the router's
 /// `linear_gemv` logits, `router_topk`'s packed route, and zeroed slots; and the CPU's
@@ -1180,16 +1364,21 @@ fn the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu() 
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
     let mut rng = Rng(0x6a7e_0000_4444_0010);
-    let fused_f = function(&modules, "moe_grouped.cu", "moe_gate_route");
     let gemv = function(&modules, "moe_grouped.cu", "linear_gemv");
     let topk = function(&modules, "router_topk.cu", "router_topk");
-    let (ne, tk, eps) = (10usize, 3usize, 1e-5f32);
-    for (n, d, kind, router_code) in [
-        (1usize, 256usize, NormKind::Rms, 0i32),
-        (5, 200, NormKind::Rms, 2),
-        (5, 256, NormKind::LayerNoBias, 0),
+    let (tk, eps) = (3usize, 1e-5f32);
+    for (n, d, kind, router_code, ne) in [
+        (1usize, 256usize, NormKind::Rms, 0i32, 10usize),
+        (5, 200, NormKind::Rms, 2, 10),
+        (5, 256, NormKind::LayerNoBias, 0, 10),
+        // moe_gate_route (warp form): a mixtral-mid-like row (one chunk of 1024 per lane), an f16
+        // router past the shared-memory staging (4104 > 4096, read back from x_norm),
+        // and 40 experts (past a warp's lanes: the one-thread top-k).
+        (1, 1024, NormKind::Rms, 0, 8),
+        (2, 4104, NormKind::Rms, 1, 10),
+        (1, 256, NormKind::Rms, 0, 40),
     ] {
-        let (entry, layer_norm, norm_p) = match kind {
+        let (norm_entry, layer_norm, norm_p) = match kind {
             NormKind::Rms => ("rms_norm", 0i32, 1.0f32),
             NormKind::LayerNoBias => ("layer_norm", 1, 0.0),
         };
@@ -1212,7 +1401,7 @@ fn the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu() 
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {
             stream
-                .launch_builder(&function(&modules, "rms_norm.cu", entry))
+                .launch_builder(&function(&modules, "rms_norm.cu", norm_entry))
                 .arg(&x_dev)
                 .arg(&nw_dev)
                 .arg(&mut normed)
@@ -1256,75 +1445,78 @@ fn the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu() 
                 .launch(cfg((1, 1, 1), 64, 0))
         }
         .expect("launch");
-        // Fused, over slots holding garbage.
-        let mut x_norm = stream.alloc_zeros::<f32>(n * d).expect("alloc");
-        let mut slots = stream.clone_htod(&vec![7.5f32; n * tk * d]).expect("htod");
-        let mut route_fused = stream.alloc_zeros::<u32>(n * tk * 2).expect("alloc");
-        // SAFETY: argument types and order match the kernel's signature.
-        unsafe {
-            stream
-                .launch_builder(&fused_f)
-                .arg(&x_dev)
-                .arg(&nw_dev)
-                .arg(&nw_code)
-                .arg(&layer_norm)
-                .arg(&eps)
-                .arg(&router_dev)
-                .arg(&router_code)
-                .arg(&mut x_norm)
-                .arg(&mut slots)
-                .arg(&mut route_fused)
-                .arg(&d_i)
-                .arg(&ne_i)
-                .arg(&tk_i)
-                .arg(&norm_p)
-                .launch(cfg((n as u32, 1, 1), threads, 0))
-        }
-        .expect("launch");
-        let what = format!("{n} rows of {d}, {entry}, router code {router_code}");
-        let got_norm = stream.clone_dtoh(&x_norm).expect("dtoh");
-        assert_eq!(
-            bits(&got_norm),
-            bits(&stream.clone_dtoh(&normed).expect("dtoh")),
-            "{what}"
-        );
-        let got_route = stream.clone_dtoh(&route_fused).expect("dtoh");
-        assert_eq!(
-            got_route,
-            stream.clone_dtoh(&route_apart).expect("dtoh"),
-            "{what}"
-        );
-        assert!(
-            stream
-                .clone_dtoh(&slots)
-                .expect("dtoh")
+        // Fused, over slots holding garbage: both forms (MOEC_FLOAT_KERNELS=block / warp).
+        for entry in ["moe_gate_route_block", "moe_gate_route"] {
+            let fused_f = function(&modules, "moe_grouped.cu", entry);
+            let mut x_norm = stream.alloc_zeros::<f32>(n * d).expect("alloc");
+            let mut slots = stream.clone_htod(&vec![7.5f32; n * tk * d]).expect("htod");
+            let mut route_fused = stream.alloc_zeros::<u32>(n * tk * 2).expect("alloc");
+            // SAFETY: argument types and order match the kernel's signature.
+            unsafe {
+                stream
+                    .launch_builder(&fused_f)
+                    .arg(&x_dev)
+                    .arg(&nw_dev)
+                    .arg(&nw_code)
+                    .arg(&layer_norm)
+                    .arg(&eps)
+                    .arg(&router_dev)
+                    .arg(&router_code)
+                    .arg(&mut x_norm)
+                    .arg(&mut slots)
+                    .arg(&mut route_fused)
+                    .arg(&d_i)
+                    .arg(&ne_i)
+                    .arg(&tk_i)
+                    .arg(&norm_p)
+                    .launch(cfg((n as u32, 1, 1), threads, 0))
+            }
+            .expect("launch");
+            let what = format!("{entry}: {n} rows of {d}, {ne} experts, router code {router_code}");
+            let got_norm = stream.clone_dtoh(&x_norm).expect("dtoh");
+            assert_eq!(
+                bits(&got_norm),
+                bits(&stream.clone_dtoh(&normed).expect("dtoh")),
+                "{what}"
+            );
+            let got_route = stream.clone_dtoh(&route_fused).expect("dtoh");
+            assert_eq!(
+                got_route,
+                stream.clone_dtoh(&route_apart).expect("dtoh"),
+                "{what}"
+            );
+            assert!(
+                stream
+                    .clone_dtoh(&slots)
+                    .expect("dtoh")
+                    .iter()
+                    .all(|&v| v == 0.0),
+                "{what}"
+            );
+            // Against the CPU.
+            let mut cpu_norm = vec![0.0f32; n * d];
+            normalize(kind, &x, TypedSlice::Bf16(&nw), eps, &mut cpu_norm);
+            let cpu_logits: Vec<f32> = (0..n * ne)
+                .map(|i| {
+                    let (t, e) = (i / ne, i % ne);
+                    (0..d)
+                        .map(|k| f64::from(router_f[e * d + k]) * f64::from(cpu_norm[t * d + k]))
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            let want = route(&cpu_logits, ne, tk, (norm_p > 0.0).then_some(1.0));
+            let experts: Vec<u32> = got_route.iter().step_by(2).copied().collect();
+            let weights: Vec<f32> = got_route
                 .iter()
-                .all(|&v| v == 0.0),
-            "{what}"
-        );
-        // Against the CPU.
-        let mut cpu_norm = vec![0.0f32; n * d];
-        normalize(kind, &x, TypedSlice::Bf16(&nw), eps, &mut cpu_norm);
-        let cpu_logits: Vec<f32> = (0..n * ne)
-            .map(|i| {
-                let (t, e) = (i / ne, i % ne);
-                (0..d)
-                    .map(|k| f64::from(router_f[e * d + k]) * f64::from(cpu_norm[t * d + k]))
-                    .sum::<f64>() as f32
-            })
-            .collect();
-        let want = route(&cpu_logits, ne, tk, (norm_p > 0.0).then_some(1.0));
-        let experts: Vec<u32> = got_route.iter().step_by(2).copied().collect();
-        let weights: Vec<f32> = got_route
-            .iter()
-            .skip(1)
-            .step_by(2)
-            .map(|&b| f32::from_bits(b))
-            .collect();
-        assert_eq!(experts, want.experts, "{what}");
-        let err = max_abs_diff(&weights, &want.weights);
-        let norm_err = max_abs_diff(&got_norm, &cpu_norm);
-        println!("moe_gate_route ({what}): the unfused bits; CPU experts equal, weights within {err:.1e}, norm within {norm_err:.1e}");
-        assert!(err < 1e-5 && norm_err < 1e-4, "{what}: {err} {norm_err}");
+                .skip(1)
+                .step_by(2)
+                .map(|&b| f32::from_bits(b))
+                .collect();
+            assert_eq!(experts, want.experts, "{what}");
+            let err = max_abs_diff(&weights, &want.weights);
+            let norm_err = max_abs_diff(&got_norm, &cpu_norm);
+            println!("{what}: the unfused bits; CPU experts equal, weights within {err:.1e}, norm within {norm_err:.1e}");
+            assert!(err < 1e-5 && norm_err < 1e-4, "{what}: {err} {norm_err}");
+        }
     }
 }

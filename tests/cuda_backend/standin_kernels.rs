@@ -634,6 +634,28 @@ fn op_kernels_run_like_the_cpu() {
         bits(&want),
         "combine"
     );
+    // Blocks along y splitting each row (as moe.rs launches it): 2 blocks of 8 threads
+    // over 24 values, so threads also stride (16) and the last stride is partial.
+    let mut residual_dev = stream.clone_htod(&residual).expect("htod");
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&f("combine_slots"))
+            .arg(&slots_dev)
+            .arg(&experts_dev)
+            .arg(&0u64)
+            .arg(&mut residual_dev)
+            .arg(&k_i)
+            .arg(&w_i)
+            .arg(&1i32)
+            .launch(cfg((tokens as u32, 2, 1), 8, 0))
+    }
+    .expect("launch");
+    assert_eq!(
+        bits(&stream.clone_dtoh(&residual_dev).expect("dtoh")),
+        bits(&want),
+        "combine, rows split over blocks"
+    );
     println!("gather_rows, scatter_weighted, combine_slots: equal to moe::combine");
 
     // Residual add.
@@ -706,6 +728,42 @@ fn op_kernels_run_like_the_cpu() {
     let want: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
     assert_eq!(want[..2], [17, vocab as u32 - 1]);
     assert_eq!(stream.clone_dtoh(&picks_dev).expect("dtoh"), want, "argmax");
+    // 5 rows of 301 logits (rows 1-4 start off 16 bytes: the one-float loop; row 0 has
+    // 75 16-byte loads and a one-float tail), at 1024 threads (the host's) and 96: a tie
+    // between the vector part and the tail, NaN (never at index 0, where the CPU's scan
+    // keeps it) and -inf entries, an all-NaN row (0), a maximum at the last element.
+    let vocab = 301usize;
+    let mut logits = rng.vec(5 * vocab, 5.0);
+    logits[3] = f32::NAN;
+    logits[10] = 70.0;
+    logits[300] = 70.0;
+    logits[vocab + 5] = f32::NAN;
+    logits[vocab + 6] = f32::NEG_INFINITY;
+    logits[2 * vocab - 1] = 80.0;
+    logits[2 * vocab..3 * vocab].fill(f32::NAN);
+    logits[4 * vocab - 1] = 90.0;
+    let logits_dev = stream.clone_htod(&logits).expect("htod");
+    let want: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
+    assert_eq!(want[..4], [10, vocab as u32 - 1, 0, vocab as u32 - 1]);
+    for threads in [1024u32, 96] {
+        let mut picks_dev = stream.alloc_zeros::<u32>(5).expect("alloc");
+        let vocab_i = vocab as i32;
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe {
+            stream
+                .launch_builder(&f("argmax_rows"))
+                .arg(&logits_dev)
+                .arg(&mut picks_dev)
+                .arg(&vocab_i)
+                .launch(cfg((5, 1, 1), threads, 0))
+        }
+        .expect("launch");
+        assert_eq!(
+            stream.clone_dtoh(&picks_dev).expect("dtoh"),
+            want,
+            "argmax of 301 at {threads} threads"
+        );
+    }
     println!("argmax_rows: equal to sampling::argmax");
 
     // Many runs in one launch: 16-byte, 4-byte and byte-aligned runs (offset, length) of a

@@ -119,6 +119,9 @@ pub const KERNELS: [KernelSource; 13] = [
             "moe_grouped_gemv_1",
             "linear_gemv_1",
             "moe_gate_route",
+            "moe_gate_route_block",
+            "linear_gemv3_1",
+            "moe_group_block",
         ],
     },
     KernelSource {

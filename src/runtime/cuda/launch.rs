@@ -68,6 +68,9 @@ pub enum LaunchError {
         /// Its value.
         value: usize,
     },
+    /// An environment setting the launches read that has no meaning (named).
+    #[error("{0}")]
+    Setting(String),
 }
 
 /// A kernel argument, in the kernel signature's order.
@@ -172,6 +175,26 @@ pub fn one_row_half(
         && (code == 0 || code == 1)
         && ptrs.iter().all(|p| p.is_multiple_of(16))
         && in_dim.is_multiple_of(8)
+}
+
+/// Whether the float decode kernels run in their warp forms, from `MOEC_FLOAT_KERNELS`
+/// (read once): `warp` (the default) runs `linear_gemv3_1` for a one-row q|k|v of
+/// bf16/f16 weights, `moe_gate_route` (top-k on a warp's lanes) for the fused MoE gate and
+/// `moe_group` by warp scans; `block` runs `linear_gemv3`, `moe_gate_route_block` and
+/// `moe_group_block` there, the forms before them (the same values, bit for bit), kept
+/// so one binary can time both on a GPU. Another value is an error naming
+/// it.
+pub fn warp_float_kernels() -> Result<bool, String> {
+    static CHOICE: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
+    CHOICE
+        .get_or_init(|| match std::env::var("MOEC_FLOAT_KERNELS").as_deref() {
+            Err(_) | Ok("warp") => Ok(true),
+            Ok("block") => Ok(false),
+            Ok(other) => Err(format!(
+                "MOEC_FLOAT_KERNELS={other:?}: expected warp or block"
+            )),
+        })
+        .clone()
 }
 
 /// The kernel [`StreamCx::linear`] runs for `n` rows of `w` (the run report and
@@ -1162,7 +1185,17 @@ impl StreamCx<'_> {
             q8_entry("linear_gemv3_q8", n)
         } else {
             args.push(Arg::Ptr(x));
-            "linear_gemv3"
+            // One row of bf16/f16 weights: the warp form (each warp its own norm scale,
+            // its weights loaded before it), unless MOEC_FLOAT_KERNELS=block.
+            let one_row = products
+                .iter()
+                .all(|p| one_row_half(n, p.0.quant, p.0.code(), &[p.0.ptr, x], k))
+                && norm.is_none_or(|m| (0..=2).contains(&m.code));
+            if one_row && warp_float_kernels().map_err(LaunchError::Setting)? {
+                "linear_gemv3_1"
+            } else {
+                "linear_gemv3"
+            }
         };
         args.extend([
             Arg::Ptr(s0.0.ptr),

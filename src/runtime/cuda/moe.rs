@@ -269,8 +269,15 @@ impl GpuCx<'_> {
             NormKind::Rms => 0,
             NormKind::LayerNoBias => 1,
         };
+        // The warp form (router rows loaded before the norm, top-k on a warp's lanes)
+        // unless MOEC_FLOAT_KERNELS=block; the same values either way.
+        let entry = if super::launch::warp_float_kernels().map_err(not_supported)? {
+            "moe_gate_route"
+        } else {
+            "moe_gate_route_block"
+        };
         self.s.launch(
-            "moe_gate_route",
+            entry,
             (int("rows", n)? as u32, 1, 1),
             row_block(d),
             0,
@@ -599,8 +606,15 @@ impl GpuCx<'_> {
         let perm_slot = self.s.scratch(entries * 4)?;
         let perm_weight = self.s.scratch(entries * 4)?;
         let tiles = self.s.scratch((2 + 3 * max_tiles) * 4)?;
+        // Warp scans of the route (moe_group) unless MOEC_FLOAT_KERNELS=block
+        // (moe_group_block); the same grouping either way.
+        let group_entry = if super::launch::warp_float_kernels().map_err(not_supported)? {
+            "moe_group"
+        } else {
+            "moe_group_block"
+        };
         self.s.launch(
-            "moe_group",
+            group_entry,
             (1, 1, 1),
             256,
             0,
@@ -851,11 +865,17 @@ impl GpuCx<'_> {
             return Err(not_supported(format!("top-{k} (combine takes at most 64)")));
         }
         // combine_slots reads each slot's expert from the packed route in place (every
-        // second word).
+        // second word); blocks along y split each row, a value a thread (a batch-1 step's
+        // one block walking the row was 8 us on an H200).
+        let threads = row_block(d);
         Ok(self.s.launch(
             "combine_slots",
-            (int("rows", n)? as u32, 1, 1),
-            row_block(d),
+            (
+                int("rows", n)? as u32,
+                int("hidden", d.div_ceil(threads as usize))? as u32,
+                1,
+            ),
+            threads,
             0,
             &[
                 Arg::Ptr(slots),

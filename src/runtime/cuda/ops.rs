@@ -195,10 +195,22 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
         return Some(format!(
             "float weights: linear_gemv up to {GEMV_ROWS} rows and {GEMV_OUT} outputs \
              (linear_gemv_1 for one row of bf16/f16; q|k|v and a shared expert's gate|up in \
-             one linear_gemv3; cuBLAS beyond); experts up to {GROUPED} routed entries: \
+             one linear_gemv3{ONE}; cuBLAS beyond); experts up to {GROUPED} routed entries: \
              moe_group, moe_grouped_gemv (moe_grouped_gemv_1 at one token with bf16/f16 \
              experts) with gate+up+SwiGLU in one launch, then down (one launch per \
-             projection for gpt-oss's biased gate/up and [in, out] storage); {TC}",
+             projection for gpt-oss's biased gate/up and [in, out] storage); the fused MoE \
+             gate: {GATE}; {TC}",
+            ONE = match super::launch::warp_float_kernels() {
+                Ok(true) => ", linear_gemv3_1 for one row of bf16/f16 (MOEC_FLOAT_KERNELS=warp)",
+                Ok(false) => " (MOEC_FLOAT_KERNELS=block)",
+                Err(_) => "",
+            },
+            GATE = match super::launch::warp_float_kernels() {
+                Ok(true) => "moe_gate_route (warp top-k), moe_group by warp scans".to_string(),
+                Ok(false) => "moe_gate_route_block and moe_group_block (MOEC_FLOAT_KERNELS=block)"
+                    .to_string(),
+                Err(e) => e,
+            },
             TC = super::tensor_cores::tensor_core_note(),
             GEMV_ROWS = super::launch::GEMV_MAX_ROWS,
             GEMV_OUT = super::launch::GEMV_MAX_OUT,
