@@ -708,3 +708,48 @@ pub(super) fn decode_attention(s: &StreamCx<'_>, d: &DecodeLaunch<'_>) -> Result
         &c,
     )?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The split policy by hand: one split while the tables hold at most 512 keys (no
+    /// combine node, whatever the batch); past it, two blocks an SM over sequences x kv
+    /// heads, each split at least 256 keys.
+    #[test]
+    fn decode_splits_fill_the_sms_only_past_512_keys() {
+        // Batch 1 of mixtral-mid (4 kv heads) on 132 SMs: 70 or 512 keys stay one split.
+        assert_eq!(decode_splits(70, 4, 132), 1);
+        assert_eq!(decode_splits(512, 4, 132), 1);
+        // 4096 keys: 264 / 4 = 66 wanted, at most 4096 / 256 = 16 splits.
+        assert_eq!(decode_splits(4096, 4, 132), 16);
+        // 600 keys: at most ceil(600 / 256) = 3.
+        assert_eq!(decode_splits(600, 4, 132), 3);
+        // Batch 64 (256 blocks): ceil(264 / 256) = 2; batch 128 (512 blocks): 1.
+        assert_eq!(decode_splits(4096, 256, 132), 2);
+        assert_eq!(decode_splits(4096, 512, 132), 1);
+    }
+
+    /// Chunks and shared memory by hand (kernels/decode_attention.cu's header): under the
+    /// 48 KB a block gets without opting in, for every head width up to 256.
+    #[test]
+    fn decode_chunks_keep_shared_memory_under_48_kb() {
+        assert_eq!(decode_chunk(64), 64);
+        assert_eq!(decode_chunk(128), 32);
+        assert_eq!(decode_chunk(256), 8);
+        assert_eq!(decode_chunk(16), 128);
+        assert_eq!(decode_chunk(48), 84);
+        // head_dim 64, a group of 4: K and V 2 * 64 * 64, q and outputs 2 * 4 * 64,
+        // probabilities 4 * 64, 12 floats.
+        assert_eq!(decode_shared_bytes(4, 64), (8192 + 512 + 256 + 12) * 4);
+        for head_dim in 1..=DECODE_MAX_HEAD_DIM {
+            let chunk = decode_chunk(head_dim);
+            assert!(
+                chunk >= 4 && chunk.is_multiple_of(4),
+                "head_dim {head_dim}: chunk {chunk}"
+            );
+            let bytes = decode_shared_bytes(DECODE_MAX_GROUP, head_dim);
+            assert!(bytes <= 48 * 1024, "head_dim {head_dim}: {bytes} bytes");
+        }
+    }
+}
