@@ -1087,7 +1087,6 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             "cublasGemmEx",
             "cublasSgemm_v2",
             "cuMemcpyHtoDAsync_v2",
-            "cuMemcpyDtoHAsync_v2",
         ] {
             assert_eq!(
                 calls(&more_counts, name),
@@ -1095,6 +1094,13 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
                 "{schedule}: a replayed step called {name}"
             );
         }
+        // A step launched without its ops copies its read-back out of its device buffer
+        // (the backend counts those copies); no other copy.
+        assert_eq!(
+            calls(&more_counts, "cuMemcpyDtoHAsync_v2") - read_back_copies(&more_doc),
+            calls(&counts, "cuMemcpyDtoHAsync_v2") - read_back_copies(&doc),
+            "{schedule}: a replayed step called cuMemcpyDtoHAsync_v2"
+        );
         assert_eq!(calls(&more_counts, "cuGraphLaunch"), 5, "{schedule}");
         if schedule.ends_with("cgopipe.sched") {
             cgopipe_host_nodes(&counts, &more_counts, &doc);
@@ -1257,6 +1263,21 @@ fn launches_ahead(trace: &str) -> u64 {
         }
     }
     ahead
+}
+
+/// Read-backs that steps launched without their ops copied out of their device buffers,
+/// from the CUDA backend's report line.
+fn read_back_copies(doc: &serde_json::Value) -> u64 {
+    let line = doc["backend"].as_str().expect("backend line");
+    let what = "read-backs copied by the copy engine";
+    let at = line
+        .find(what)
+        .unwrap_or_else(|| panic!("no `{what}` in {line}"));
+    line[..at]
+        .split_whitespace()
+        .last()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no count before `{what}` in {line}"))
 }
 
 /// `(launched without their ops, of them ahead, device tasks run on the host)` from the

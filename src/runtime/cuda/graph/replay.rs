@@ -42,6 +42,9 @@ pub struct Launched {
     deferred: Vec<Deferred>,
 }
 
+/// A collected step: each read-back with its bytes, and where the step's time went.
+pub type Collected = (Vec<(Deferred, Vec<u8>)>, StepSplit);
+
 /// Where a launched step's read-backs are once its done event has completed.
 #[derive(Debug)]
 enum Copied {
@@ -134,7 +137,7 @@ pub fn replay_io_by_host_functions() -> bool {
 /// The 32-bit words of `new` that differ from `old` (same length), as (byte offset, word),
 /// or `None` when the lengths differ or are not whole words.
 fn changed_words(old: &[u8], new: &[u8]) -> Option<Vec<(usize, u32)>> {
-    if old.len() != new.len() || new.len() % 4 != 0 {
+    if old.len() != new.len() || !new.len().is_multiple_of(4) {
         return None;
     }
     Some(
@@ -499,11 +502,7 @@ impl Recorder {
 
     /// Waits for `launched` and gives each of its read-backs with its bytes, and where its
     /// time went (`wait` left for the caller, who times the whole collection).
-    #[allow(clippy::type_complexity)]
-    pub fn collect(
-        &self,
-        launched: Launched,
-    ) -> Result<(Vec<(Deferred, Vec<u8>)>, StepSplit), LaunchError> {
+    pub fn collect(&self, launched: Launched) -> Result<Collected, LaunchError> {
         let ring_slot = match &launched.copied {
             Copied::Ring { slot, .. } => Some(*slot),
             _ => None,
@@ -532,10 +531,7 @@ impl Recorder {
 
     /// The read-backs of a launched step whose done event has completed, with where its
     /// time went.
-    fn read_out(
-        &self,
-        launched: Launched,
-    ) -> Result<(Vec<(Deferred, Vec<u8>)>, StepSplit), LaunchError> {
+    fn read_out(&self, launched: Launched) -> Result<Collected, LaunchError> {
         // Both events completed before the done event this step waited for (recorded
         // after them on the same stream), so no further synchronisation is needed
         // (`CudaEvent::elapsed_ms` would synchronise each again).
