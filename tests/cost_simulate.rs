@@ -441,6 +441,67 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     assert!(over_budget > 0);
 }
 
+/// Fiddler's copy arm `if routed(l, e, j) >= t` can never run where t exceeds a
+/// micro-batch's tokens (decode: `ubs`; prefill: `ubs x prompt_len`); the elaborator then
+/// leaves it out (`Options::routed_ceiling`). Left out or built, the prediction is the
+/// same, on the T4's effective rates whose decode GEMM cap used to charge a never-running
+/// GPU task its full flops: with no resident expert (ktransformers' split, `t_copy =
+/// 1000000`, every arm dead in both steps; and the latency rule's t = 7 on the T4, dead in
+/// decode at `ubs` <= 6 only) every figure is equal. The programs differ only by tasks that
+/// never run: fewer tasks, same edges among the others' streams.
+#[test]
+fn never_running_arms_left_out_predict_what_building_them_predicts() {
+    use moec::ir::deps;
+    let profile = HardwareProfile::load("t4").unwrap().effective();
+    let settings = CostSettings::default();
+    let source = std::fs::read_to_string("schedules/fiddler.sched").unwrap();
+    let predict_at = |sets: &[(&str, String)], ceiling: bool| {
+        let mut options = Options::new(ModelCard::load("mixtral-mid").unwrap());
+        options.workload = Workload {
+            batch: 8,
+            prompt_len: 32,
+            gen_len: 8,
+        };
+        options.hardware = profile
+            .symbols()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        options.routed_ceiling = ceiling;
+        let program = moec::compile::compile(&source, &options)
+            .unwrap_or_else(|d| panic!("{sets:?}: {}", d[0]))
+            .program;
+        let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+            .into_iter()
+            .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+            .collect();
+        let p = predict(&program, &deps, &profile, &settings).unwrap();
+        (
+            program.tasks.len(),
+            p.tokens_per_s.unwrap(),
+            p.decode_tokens_per_s.unwrap(),
+        )
+    };
+    for t_copy in ["1000000", "0"] {
+        for (ubs, n_ub) in [(1, 1), (2, 2), (4, 1)] {
+            let sets = [
+                ("n_gpu", "0".to_string()),
+                ("t_copy", t_copy.to_string()),
+                ("ubs", ubs.to_string()),
+                ("n_ub", n_ub.to_string()),
+            ];
+            let (left_out, total, decode) = predict_at(&sets, true);
+            let (built, total_built, decode_built) = predict_at(&sets, false);
+            assert!(left_out < built, "{sets:?}: {left_out} vs {built} tasks");
+            assert_eq!((total, decode), (total_built, decode_built), "{sets:?}");
+        }
+    }
+}
+
 /// `moec plan` under `--host-mem` (issue 43) on Mixtral-8x7B bf16 (plan only, nothing is
 /// synthesised): `moe_infinity_disk` fits 16 GB and prints the split it picked, whose
 /// figures are the card's sizes worked by hand: an expert is 3 x 4096 x 14336 x 2 B =

@@ -168,6 +168,20 @@ pub(crate) fn simulate_step_ran(
                 .filter(|d| d.index() >= first)
                 .map(|d| d.index() - first)
                 .collect();
+            // A task that never runs at the declared load (its guard asks for more tokens
+            // than its micro-batch holds, or an expert no token routes to) costs nothing,
+            // as if the elaborator had left it out (`elaborate::guards::routed_comparison`
+            // does where the step's ceiling decides it): neither the GPU rate cap nor the
+            // weight-copy, KV or readback charges below, which take a task's full work.
+            if matches!(loads, Loads::Declared) && activations[k].runs <= 0.0 {
+                let roof = expected_task_time(program, id, profile, settings, activations[k]).roof;
+                times.push(TaskTime { seconds: 0.0, roof });
+                return SimTask {
+                    stream: task.stream.index(),
+                    seconds: 0.0,
+                    deps: step_deps,
+                };
+            }
             if ran.and_then(|r| r.get(k)) == Some(&false) {
                 times.push(TaskTime {
                     seconds: 0.0,
