@@ -318,7 +318,7 @@ fn bodies(set: &Set) {
 /// gpt-oss-20b's products in ggml's row layout against the same matrices in tiles, the
 /// two interleaved in each round (same machine load): its MXFP4 experts' fused gate/up
 /// `[5760, 2880]` and down `[2880, 2880]`, and its Q8_0 `q_proj` `[4096, 2880]` (rows of
-/// 2,880 weights: 11 tile columns and a partial one of two blocks), at 1, 4 and 8 rows
+/// 2,880 weights: 11 tile columns and a partial one of two blocks), at 1, 8 and 32 rows
 /// (a decode step's rows per expert at small batches; per dense matrix: the batch), on
 /// all threads (wall time) and on one thread (its CPU time). Sets of >= 64 MB, so the
 /// weights stream from DRAM as a decode step's routed experts do.
@@ -327,11 +327,22 @@ fn gpt_oss(qk: QuantKernels) {
         .num_threads(1)
         .build()
         .expect("pool");
-    for (format, out, inp, what) in [
+    // `QUANT_BENCH_GPTOSS=all` adds Q4_0 at gpt-oss's width and Qwen3-30B-A3B's Q4_K
+    // expert gate `[768, 2048]` and Q6_K expert down `[2048, 768]` (the other tiled formats).
+    let all = std::env::var("QUANT_BENCH_GPTOSS").is_ok_and(|v| v == "all");
+    let mut shapes = vec![
         (QuantFormat::Mxfp4, 5760, 2880, "expert gate_up"),
         (QuantFormat::Mxfp4, 2880, 2880, "expert down"),
         (QuantFormat::Q8_0, 4096, 2880, "q_proj"),
-    ] {
+    ];
+    if all {
+        shapes.extend([
+            (QuantFormat::Q4_0, 4096, 2880, "Q4_0 at q_proj's shape"),
+            (QuantFormat::Q4K, 768, 2048, "Qwen3 expert gate"),
+            (QuantFormat::Q6K, 2048, 768, "Qwen3 expert down"),
+        ]);
+    }
+    for (format, out, inp, what) in shapes {
         let rows_set = Set::new(format, out, inp);
         let tiles = Set::new(format, out, inp).into_tiles();
         let gb = rows_set.quant_bytes() as f64 / 1e9;
@@ -341,7 +352,7 @@ fn gpt_oss(qk: QuantKernels) {
             gb * 1e3,
             qk.body()
         );
-        for rows in [1, 4, 8] {
+        for rows in [1, 8, 32] {
             let x = activations(rows, inp);
             let mut y = vec![0.0f32; rows * out];
             let mut line = format!("  {rows} rows:");

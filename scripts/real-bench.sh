@@ -18,6 +18,11 @@
 #   (GNU time), and for moec the HRM replay of the decode step (measured / predicted).
 # The table at the end covers this run's lines: each point's figures and moec / llama.cpp.
 #
+# moec's KV cache is f16 (`--kv-type f16`), as llama.cpp's is by default, unless --kv-type
+# says otherwise; the type is recorded with each moec line. --prefill-tokens N prefills at
+# most N prompt tokens a pass over the batch (`moec run --prefill-chunk N/batch`, as
+# llama.cpp's `-ub 512` does; default: each prompt whole), recorded too.
+#
 # Every model here fits this machine's memory, so no --host-mem budget forces an offload
 # schedule; `baselines/resident` is moec's schedule for every point (scripts/disk-bench.sh
 # measures the offload schedules on a model larger than memory).
@@ -33,7 +38,8 @@
 #
 # Usage: scripts/real-bench.sh [--models "olmoe-1b-7b:q4_k_m gpt-oss-20b:mxfp4_moe ..."]
 #            [--points "512:128:1 8192:128:1"] [--long MODEL] [--engines "llama moec"]
-#            [--moec PATH] [--threads 2] [--tag NAME] [--delete] [--synth-only]
+#            [--moec PATH] [--threads 2] [--tag NAME] [--kv-type f16|f32] [--prefill-tokens N]
+#            [--delete] [--synth-only]
 #        scripts/real-bench.sh --table TAG     (print the table of an earlier run)
 set -euo pipefail
 
@@ -48,6 +54,8 @@ LONG=""
 ENGINES="llama moec"
 MOEC=""
 THREADS=2
+KV_TYPE=f16
+PREFILL_TOKENS=0
 TAG=$(date -u +%Y%m%dT%H%M%SZ)
 DELETE=0
 SYNTH_ONLY=0
@@ -62,10 +70,12 @@ while [ $# -gt 0 ]; do
     --moec) MOEC=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --tag) TAG=$2; shift 2 ;;
+    --kv-type) KV_TYPE=$2; shift 2 ;;
+    --prefill-tokens) PREFILL_TOKENS=$2; shift 2 ;;
     --delete) DELETE=1; shift ;;
     --synth-only) SYNTH_ONLY=1; shift ;;
     --table) TABLE=$2; shift 2 ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     *) echo "real-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -99,7 +109,9 @@ for r in rows:
         replay = "%.1f / %.1f ms (%.2fx)" % (1e3 * r["step_measured_s"], 1e3 * r["step_predicted_s"],
                                              r["step_measured_s"] / r["step_predicted_s"])
     status = "" if r.get("ok") else " (FAILED)"
-    print(f"| {r['model']} | {point} | {r['engine']}{status} | {f(r.get('prefill_tok_s'), '%.1f')} | "
+    engine = r["engine"] + (f" (KV {r['kv_type']})" if r.get("kv_type") else "") + (
+        f" (chunks of {r['prefill_chunk']})" if r.get("prefill_chunk") else "")
+    print(f"| {r['model']} | {point} | {engine}{status} | {f(r.get('prefill_tok_s'), '%.1f')} | "
           f"{f(r.get('decode_tok_s'), '%.2f')} | {f(r.get('ttft_s'), '%.1f')} | "
           f"{f(r['peak_rss_kb'] / 1e6 if r.get('peak_rss_kb') else None, '%.2f')} | {replay} |")
 print()
@@ -196,9 +208,14 @@ run_llama() {
 
 run_moec() {
   local out=$CACHE/moec-$model-$prompt-$gen-$batch.json
+  local chunk=() chunk_json=null
+  if [ "$PREFILL_TOKENS" -gt 0 ]; then
+    chunk_json=$(( PREFILL_TOKENS / batch > 0 ? PREFILL_TOKENS / batch : 1 ))
+    chunk=(--prefill-chunk "$chunk_json")
+  fi
   load=$(busy)
   if /usr/bin/time -v -o "$CACHE/time-moec.log" "$MOEC" run "$REPO/schedules/baselines/resident.sched" \
-      --weights "$file" --threads "$THREADS" --set ubs="$batch" --set n_ub=1 \
+      --weights "$file" --threads "$THREADS" --kv-type "$KV_TYPE" "${chunk[@]}" --set ubs="$batch" --set n_ub=1 \
       --workload "count=$batch,mean=$prompt,min=$prompt,max=$prompt,gen=$gen" --json \
       > "$out" 2> "$out.err"; then
     local wall=$(wall_s "$CACHE/time-moec.log")
@@ -219,7 +236,7 @@ print(json.dumps({
 })[1:-1])
 EOF
     )
-    record moec true "$fields,\"peak_rss_kb\":$(peak_kb "$CACHE/time-moec.log")"
+    record moec true "$fields,\"kv_type\":\"$KV_TYPE\",\"prefill_chunk\":$chunk_json,\"peak_rss_kb\":$(peak_kb "$CACHE/time-moec.log")"
     log "$model $prompt+$gen x$batch moec: $fields"
   else
     record moec false "\"log\":\"$out.err\""

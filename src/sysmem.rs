@@ -3,7 +3,8 @@
 //! Takes nothing; gives the bytes `/proc/meminfo` reports as available (`MemAvailable`:
 //! what can be allocated without swapping) and in all (`MemTotal`). `None` where that file does not exist or
 //! does not parse (not Linux): callers then skip what depends on it and say so. And, for a
-//! run held to a host budget, has the C allocator give freed memory back at once.
+//! run (every run: its peak RSS must follow what is live), has the C allocator give freed
+//! memory back at once.
 
 /// Bytes of memory the OS can still give (`MemAvailable` of /proc/meminfo), if known.
 pub fn available_bytes() -> Option<u64> {

@@ -132,3 +132,69 @@ fn full_size_model_over_gpu_budget_names_the_biggest_buffers() {
     let qkv = err.table.lines.iter().find(|l| l.what == "qkv_g").unwrap();
     assert_eq!(qkv.bytes, 8 * 524_288 * 6144 * 4);
 }
+
+/// A GGUF whose layers store a tensor in different formats (llama.cpp's Q4_K_M keeps
+/// `ffn_down` and `attn_v` in Q6_K in the last layer of two, Q4_K in the first): the
+/// packed image gives both layers the Q6_K slot, but the process holds the file's bytes,
+/// so the host budget counts the resident checkpoint (all of it, for `resident`) at
+/// exactly the sum of the file's tensor sizes (the independent reference: the GGUF
+/// tensor table's byte ranges), below the slots' total. One byte less host budget than
+/// the peak is still refused.
+#[test]
+fn a_gguf_with_mixed_layer_formats_counts_the_file_s_bytes() {
+    use moec::engine::{QuantizeFormats, SynthGgufRequest};
+    use moec::weights::gguf::GgufFile;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("q.gguf");
+    moec::engine::synth_gguf(
+        &SynthGgufRequest {
+            card: "tests/fixtures/gguf/qwen3-moe-q4-tiny.ron".into(),
+            out: path.clone(),
+            seed: 3,
+            dtype: None,
+            formats: QuantizeFormats::Mix("q4_k_m".into()),
+            name: None,
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let file_bytes: u64 = file.tensors.values().map(|t| t.range.len() as u64).sum();
+    let down_types: Vec<u32> = (0..2)
+        .map(|l| file.tensors[&format!("blk.{l}.ffn_down_exps.weight")].ggml_type)
+        .collect();
+    assert_ne!(down_types[0], down_types[1], "the mix differs per layer");
+    drop(file);
+    let card = moec::weights::checkpoint::Checkpoint::open_gguf(&path, None)
+        .unwrap()
+        .card()
+        .clone();
+    let slots = moec::ir::CheckpointLayout::new(&card).total_bytes();
+    assert!(slots > file_bytes + 100_000, "{slots} vs {file_bytes}");
+    let source = std::fs::read_to_string("schedules/baselines/resident.sched").unwrap();
+    let options = Options::new(card);
+    let program = moec::compile::compile(&source, &options).unwrap().program;
+    let table = budget_table(&program, None, &BudgetOverrides::default());
+    let w = table
+        .lines
+        .iter()
+        .find(|l| l.what.contains("(checkpoint mmap"))
+        .unwrap();
+    assert_eq!(w.bytes, file_bytes, "{table}");
+    assert_eq!(
+        moec::cost::budget::StoredImage::new(&program.model).total(),
+        file_bytes
+    );
+    let peak = table.peak("host") as f64;
+    let at = |host: f64| BudgetOverrides {
+        gpu_bytes: None,
+        host_bytes: Some(host),
+    };
+    assert!(check_budget(&program, None, &at(peak)).is_ok());
+    let err = check_budget(&program, None, &at(peak - 1.0)).unwrap_err();
+    assert!(
+        err.summary.starts_with("host over by 1 B"),
+        "{}",
+        err.summary
+    );
+}

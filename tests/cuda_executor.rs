@@ -5,7 +5,8 @@
 //! tokens. The new families' cards run every schedule too (not a subset): a schedule takes
 //! about 2 s through the stand-in in a debug build against one CPU run of the card per
 //! generation length (2 new tokens, 4 for the schedules whose decode steps replay a CUDA
-//! graph, and for gpt-oss), and the eight cards are eight tests that run in parallel.
+//! graph, and for gpt-oss), and the eight cards are eight tests that run in parallel, each
+//! running two schedules at a time.
 //! gpt-oss's prompt plus generated tokens pass its 8-token sliding window, so the windowed
 //! layers' decode attention is exercised.
 //!
@@ -201,35 +202,69 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
         .find(|(name, _)| name == "baselines/resident")
         .map(|(_, path)| path.to_string_lossy().into_owned())
         .expect("schedules/baselines/resident.sched");
+    // Each schedule's arguments: 4 new tokens for a graph schedule, else 2, unless `extra`
+    // sets them.
+    let sweep: Vec<(String, String, Vec<&str>)> = schedules_common::schedule_files()
+        .into_iter()
+        .filter(|(name, _)| keep(name))
+        .map(|(name, path)| {
+            let graphs = GRAPH_SCHEDULES.contains(&name.as_str());
+            let mut args = extra.to_vec();
+            if !extra.contains(&"--gen-len") {
+                args.extend(["--gen-len", if graphs { "4" } else { "2" }]);
+            }
+            (name, path.to_string_lossy().into_owned(), args)
+        })
+        .collect();
     // CPU tokens and last-step logits per generation length (the dumped logits are the
     // last step's, so each length needs its own reference run).
     let mut references = std::collections::BTreeMap::new();
-    for (name, path) in schedules_common::schedule_files() {
-        if !keep(&name) {
-            continue;
-        }
-        let graphs = GRAPH_SCHEDULES.contains(&name.as_str());
-        let mut args = extra.to_vec();
-        if !extra.contains(&"--gen-len") {
-            args.extend(["--gen-len", if graphs { "4" } else { "2" }]);
-        }
-        let (want, want_logits) = references.entry(args.clone()).or_insert_with(|| {
-            let (cpu, cpu_logits) = run(cache.path(), &reference, card, Driver::Cpu, &args);
+    for (_, _, args) in &sweep {
+        references.entry(args.clone()).or_insert_with(|| {
+            let (cpu, cpu_logits) = run(cache.path(), &reference, card, Driver::Cpu, args);
             let want = token_ids(&cpu, &format!("{reference} on {card} {args:?}, CPU"));
             let want_logits = logits(&cpu_logits);
             let _ = std::fs::remove_file(cpu_logits);
             (want, want_logits)
         });
-        let schedule = path.to_string_lossy().into_owned();
-        let (cuda, cuda_logits) = run(
-            cache.path(),
-            &schedule,
-            card,
-            Driver::Standin(dir.path(), 0),
-            &args,
-        );
+    }
+    // The stand-in runs are independent processes: two at a time, so the sweep keeps both
+    // of CI's cores busy when it is the last test still running (the suite's time on 2
+    // cores is bounded); each result is checked below in schedule order, as before.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let worker = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some((_, schedule, args)) = sweep.get(i) else {
+                return done;
+            };
+            let (cuda, cuda_logits) = run(
+                cache.path(),
+                schedule,
+                card,
+                Driver::Standin(dir.path(), 0),
+                args,
+            );
+            let got_logits = logits(&cuda_logits);
+            let _ = std::fs::remove_file(cuda_logits);
+            done.push((i, cuda, got_logits));
+        }
+    };
+    let mut results: Vec<_> = std::thread::scope(|scope| {
+        let workers = [scope.spawn(worker), scope.spawn(worker)];
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a sweep worker panicked"))
+            .collect()
+    });
+    results.sort_by_key(|(i, _, _)| *i);
+    for (i, cuda, got_logits) in results {
+        let (name, schedule, args) = &sweep[i];
+        let (want, want_logits) = &references[args];
+        let graphs = GRAPH_SCHEDULES.contains(&name.as_str());
         let got = token_ids(&cuda, &format!("{schedule} on {card}, CUDA (stand-in)"));
-        let diff = max_diff(want_logits, &logits(&cuda_logits));
+        let diff = max_diff(want_logits, &got_logits);
         let doc: serde_json::Value =
             serde_json::from_str(String::from_utf8_lossy(&cuda.stdout).trim()).expect("--json");
         let (replayed, captured, plain, why) = graph_counts(&doc, "decode");
@@ -268,14 +303,13 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
             "{schedule} on {card}: logits differ by {diff}"
         );
         if real.missing().is_none() {
-            let (gpu, _) = run(cache.path(), &schedule, card, Driver::Machine, &args);
+            let (gpu, _) = run(cache.path(), schedule, card, Driver::Machine, args);
             assert_eq!(
                 token_ids(&gpu, &format!("{schedule} on {card}, real GPU")),
                 *want,
                 "{schedule} on {card}: real GPU"
             );
         }
-        let _ = std::fs::remove_file(cuda_logits);
     }
     println!("{}", rows.join("\n"));
     match real.missing() {
@@ -509,21 +543,28 @@ fn a_dropped_cross_stream_event_fails_the_run_or_changes_its_tokens() {
     let two = ["--gen-len", "2"];
     let (cpu, _) = run(cache.path(), schedule, "mixtral-tiny", Driver::Cpu, &two);
     let want = token_ids(&cpu, "CPU");
-    let (kept, _) = run(
-        cache.path(),
-        schedule,
-        "mixtral-tiny",
-        Driver::Standin(dir.path(), 30),
-        &two,
-    );
+    // The two stand-in runs side by side: each spends most of its time asleep in the
+    // copy delays, so together they take about the time of one.
+    let ((kept, _), (dropped, _)) = std::thread::scope(|scope| {
+        let kept = scope.spawn(|| {
+            run(
+                cache.path(),
+                schedule,
+                "mixtral-tiny",
+                Driver::Standin(dir.path(), 30),
+                &two,
+            )
+        });
+        let dropped = run(
+            cache.path(),
+            schedule,
+            "mixtral-tiny",
+            Driver::Standin(dir.path(), 30),
+            &["--test-drop-event", "6", "--gen-len", "2"],
+        );
+        (kept.join().expect("the kept run's thread"), dropped)
+    });
     assert_eq!(token_ids(&kept, "stand-in, every event kept"), want);
-    let (dropped, _) = run(
-        cache.path(),
-        schedule,
-        "mixtral-tiny",
-        Driver::Standin(dir.path(), 30),
-        &["--test-drop-event", "6", "--gen-len", "2"],
-    );
     if dropped.status.success() {
         let got = token_ids(&dropped, "stand-in, event 6 dropped");
         println!("event 6 dropped: tokens {got:?} (CPU: {want:?})");

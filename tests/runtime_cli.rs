@@ -99,12 +99,17 @@ fn every_predictor_s_accuracy_is_in_the_run_report() {
         "--prompt",
         "The capital of France is",
     ];
+    // Predictions and cache counts only: a paper profile spares the JSON and klotski runs
+    // the quick probe of this machine (about 5 s of CPU each in the test build); the text
+    // run below keeps it, so the report's probe path still runs here.
     let mut run = vec![
         "run",
         "schedules/pregated.sched",
         "--json",
         "--gen-len",
         "4",
+        "--hw",
+        "hardware/t4.ron",
     ];
     run.extend(prompts);
     let got = json(&moec(cache.path(), &run));
@@ -154,6 +159,8 @@ fn every_predictor_s_accuracy_is_in_the_run_report() {
             "--json",
             "--gen-len",
             "2",
+            "--hw",
+            "hardware/t4.ron",
             prompts[0],
             prompts[1],
         ],
@@ -192,6 +199,7 @@ fn run_reports_mxfp4_experts_as_repacked_not_mapped() {
         "{}",
         String::from_utf8_lossy(&synth.stderr)
     );
+    // The weights line and tokens only: a paper profile spares both runs the quick probe.
     let run = [
         "run",
         "schedules/baselines/resident.sched",
@@ -201,6 +209,8 @@ fn run_reports_mxfp4_experts_as_repacked_not_mapped() {
         "Hello",
         "--gen-len",
         "2",
+        "--hw",
+        "hardware/t4.ron",
     ];
     let out = moec(cache.path(), &run);
     let text = String::from_utf8_lossy(&out.stdout);
@@ -991,6 +1001,8 @@ fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
 fn run_reports_the_share_of_experts_computed_with_a_substitute() {
     let cache = tempfile::tempdir().unwrap();
     let schedule = "tests/fixtures/formats/substitute.sched";
+    // Counts only: a paper profile spares the three runs the quick probe of this machine.
+    let t4 = ["--hw", "hardware/t4.ron"];
     let doc = json(&moec(
         cache.path(),
         &[
@@ -1001,6 +1013,8 @@ fn run_reports_the_share_of_experts_computed_with_a_substitute() {
             "3",
             "--prompt",
             "Mixture of experts",
+            t4[0],
+            t4[1],
         ],
     ));
     let sub = &doc["substituted_experts"];
@@ -1016,6 +1030,8 @@ fn run_reports_the_share_of_experts_computed_with_a_substitute() {
             "3",
             "--prompt",
             "Mixture of experts",
+            t4[0],
+            t4[1],
         ],
     );
     let stdout = String::from_utf8_lossy(&text.stdout);
@@ -1035,6 +1051,8 @@ fn run_reports_the_share_of_experts_computed_with_a_substitute() {
             "2",
             "--prompt",
             "Hi",
+            t4[0],
+            t4[1],
         ],
     ));
     assert!(

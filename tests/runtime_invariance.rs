@@ -831,6 +831,63 @@ fn a_prompt_longer_than_a_pass_is_prefilled_in_chunks_with_the_oracle_s_tokens()
     }
 }
 
+/// `moec run --prefill-chunk` (`RunRequest::prefill_chunk`): the plan is compiled for
+/// passes of 5 prompt tokens a sequence and its KV cache for the longest prompt; prompts
+/// of 9-23 tokens are prefilled over several passes and every sequence's tokens are the
+/// oracle's, which prefills each prompt whole. A schedule whose prefill does not attend
+/// its decode's KV cache (cgopipe) is refused before anything runs, with the reason.
+#[test]
+fn moec_run_with_a_prefill_chunk_gives_the_oracle_s_tokens() {
+    use moec::engine::{run, RunFailure, RunRequest};
+    use moec::runtime::driver::workload::WorkloadSpec;
+
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    let (dir, checkpoint) = synth_checkpoint(&card);
+    let read = |name: &str| {
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(name)).unwrap()
+    };
+    let request = |schedule: &str| {
+        let mut r = RunRequest::new(schedule, &read(schedule), GEN_LEN);
+        r.model.weights = Some(dir.path().join("ck"));
+        r.workload = Some(WorkloadSpec::parse("count=3,mean=15,min=9,max=23,gen=6").unwrap());
+        r.sets = vec![("ubs".to_string(), "3".to_string())];
+        r.stop_at_eos = false;
+        r.threads = Some(1);
+        r.prefill_chunk = Some(5);
+        // A named profile: no quick probe of this machine before the run.
+        r.hw = Some("a40".to_string());
+        r
+    };
+    let result = run(
+        &request("schedules/baselines/resident.sched"),
+        &mut |_, _| {},
+    )
+    .unwrap_or_else(|e| panic!("{e:?}"));
+    assert!(
+        result
+            .notes
+            .iter()
+            .any(|n| n.contains("chunks of at most 5")),
+        "{:?}",
+        result.notes
+    );
+    assert!(
+        result
+            .stats
+            .steps
+            .iter()
+            .filter(|s| s.kind == moec::ir::StepKind::Prefill)
+            .count()
+            > 1
+    );
+    let expected = oracle_tokens(&Oracle::new(&checkpoint).unwrap(), &result.prompt_ids);
+    assert_eq!(result.outputs, expected);
+    match run(&request("schedules/cgopipe.sched"), &mut |_, _| {}) {
+        Err(RunFailure::Message(m)) => assert!(m.contains("cannot prefill in chunks"), "{m}"),
+        other => panic!("cgopipe with --prefill-chunk: {other:?}"),
+    }
+}
+
 /// The schedules with a disk tier (`moe_infinity_disk.sched`: an expert cache in host
 /// memory over experts on disk; `flexgen_disk.sched`: FlexGen's zigzag with each layer's
 /// experts on disk) give the oracle's tokens on every tiny card with the tier forced: their

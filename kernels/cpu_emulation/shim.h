@@ -65,8 +65,12 @@ inline void moec_fiber_main();
 
 #if defined(__x86_64__)
 // A context switch without ucontext's signal-mask system call (most of a launch's time):
-// saves the callee-saved registers, MXCSR and the x87 control word on the current stack,
-// stores the stack pointer in *from and resumes the stack `to`.
+// saves the callee-saved registers on the current stack, stores the stack pointer in
+// *from and resumes the stack `to`. MXCSR and the x87 control word are not switched:
+// every fiber starts with the launching thread's (moec_prepare) and no kernel changes
+// them (CUDA C has no rounding-mode or exception-mask call), so they are the same on
+// every stack; saving and reloading them (ldmxcsr and fldcw drain the pipeline) was 85%
+// of the switch's time and a quarter of a stand-in run's.
 extern "C" void moec_switch(void** from, void* to);
 asm(R"(
     .text
@@ -80,14 +84,8 @@ moec_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -104,16 +102,14 @@ extern "C" inline void moec_fiber_entry() {
     std::abort();
 }
 // Lays out a fresh stack so that the first switch to it "returns" into moec_fiber_entry
-// with the ABI's alignment, and the current floating-point control state.
+// with the ABI's alignment; the fiber runs under the launching thread's floating-point
+// control state (MXCSR, x87 control word), which no switch changes.
 inline void moec_prepare(MoecFiber& fiber, size_t bytes) {
     uintptr_t top = (reinterpret_cast<uintptr_t>(fiber.stack.get()) + bytes) & ~uintptr_t(15);
     uint64_t* sp = reinterpret_cast<uint64_t*>(top);
     *--sp = 0;                                                   // fake return address
     *--sp = reinterpret_cast<uint64_t>(&moec_fiber_entry);       // ret target (16-aligned)
     for (int i = 0; i < 6; ++i) *--sp = 0;                       // rbp rbx r12-r15
-    uint32_t control[2];
-    asm volatile("stmxcsr %0; fnstcw %1" : "=m"(control[0]), "=m"(control[1]));
-    *--sp = uint64_t(control[0]) | (uint64_t(control[1] & 0xffff) << 32);
     fiber.sp = sp;
 }
 #endif
@@ -235,6 +231,10 @@ inline void moec_mma_store(float* p, const MoecMmaAcc& c, int ld) {
         for (int n = 0; n < 16; ++n) p[m * ld + n] = c.v[16 * m + n];
 }
 
+// Bytes fiber `t` leaves unused at the top of its stack: a distinct 64-byte line for each
+// of 256 fibers (16 KiB), so consecutive fibers' frames fall in different cache sets.
+inline size_t moec_stack_stagger(unsigned t) { return size_t(t % 256) * 64; }
+
 inline void moec_fiber_main() {
     (*moec_body)();
     moec_current->done = true;
@@ -268,7 +268,11 @@ inline void launch_grid_fn(dim3 grid, dim3 block, const std::function<void()>& f
             fiber.done = false;
             fiber.blocked = false;
 #if defined(__x86_64__)
-            moec_prepare(fiber, moec_stack_bytes);
+            // Each stack is its own 256 KiB allocation, so their tops share one offset
+            // modulo every cache's set stride: without a per-fiber stagger every switch
+            // (round-robin over up to 1024 fibers) evicted the previous fibers' frames
+            // from L1 and L2 (half of a stand-in run's time was the switch itself).
+            moec_prepare(fiber, moec_stack_bytes - moec_stack_stagger(t));
 #else
             fiber.context = blank;
             fiber.context.uc_stack.ss_sp = fiber.stack.get();

@@ -242,6 +242,7 @@ pub fn run(args: &AblateArgs) -> ExitCode {
             kill_task: None,
             test_drop_event: None,
             dump_logits: None,
+            prefill_chunk: None,
             // Schedules are compared at their own params; the planner steps in only where
             // they do not fit (the run says so).
             fit: false,

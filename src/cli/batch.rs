@@ -168,6 +168,7 @@ fn run_args(args: &BatchArgs) -> RunArgs {
         kill_task: None,
         test_drop_event: None,
         dump_logits: None,
+        prefill_chunk: None,
         fit: args.fit,
     }
 }

@@ -74,6 +74,12 @@ pub struct RunArgs {
     /// array of vocab floats per prompt), e.g. to compare `--backend cpu` and `cuda`.
     #[arg(long, value_name = "FILE")]
     pub dump_logits: Option<PathBuf>,
+    /// Prefill at most TOKENS prompt tokens of each sequence a pass: longer prompts run in
+    /// chunks over several passes (each attending the KV cache the earlier ones wrote), so
+    /// the activations are sized for the chunk, not the whole prompt (only for schedules
+    /// whose prefill attends the KV cache its decode reads).
+    #[arg(long, value_name = "TOKENS")]
+    pub prefill_chunk: Option<usize>,
 }
 
 fn parse_kill(text: &str) -> Result<(u32, u32), String> {
@@ -114,6 +120,7 @@ pub fn request(args: &RunArgs) -> Result<RunRequest, Failure> {
     request.backend = args.settings.backend;
     request.weight_copies = args.settings.weight_copies.into();
     request.kv_type = args.settings.kv_type;
+    request.prefill_chunk = args.prefill_chunk;
     request.sampling = if args.temperature > 0.0 {
         crate::engine::Sampling::Temperature {
             temperature: args.temperature,

@@ -158,6 +158,121 @@ impl fmt::Display for BudgetTable {
     }
 }
 
+/// Where the checkpoint's own bytes lie in its packed image: each layer's segments at the
+/// bytes its own format takes in that layer ([`crate::model::formats::WeightFormats::layers`]),
+/// without the room a slot keeps for the widest format any layer stores that tensor in and
+/// without the alignment padding between segments. A GGUF's layers differ (Q4_K_M keeps
+/// `ffn_down` in Q6_K in some layers, Q4_K in others) while the image gives every layer
+/// the widest one's slot; the process holds the file's bytes (mapped, or tiled at the same
+/// length), so what is resident is counted in these.
+pub struct StoredImage {
+    layout: crate::ir::CheckpointLayout,
+    /// Per distinct layer image: its segments' offsets in the layer, their stored lengths,
+    /// and the stored bytes before each.
+    profiles: Vec<LayerProfile>,
+    /// The profile of each layer.
+    layer_profile: Vec<usize>,
+    /// Stored bytes of the image before each layer (and before the head, last).
+    before_layer: Vec<u64>,
+}
+
+struct LayerProfile {
+    /// `(dense, the layer's own formats)`: layers with the same key have the same image.
+    key: (bool, Option<crate::model::formats::LayerStorage>),
+    starts: Vec<u64>,
+    lens: Vec<u64>,
+    before: Vec<u64>,
+    total: u64,
+}
+
+impl StoredImage {
+    /// The stored bytes of `card`'s checkpoint image.
+    pub fn new(card: &crate::model::card::ModelCard) -> Self {
+        use crate::model::formats::WeightTensor;
+        let layout = crate::ir::CheckpointLayout::new(card);
+        let arch = crate::model::arch::ArchSpec::from_card(card);
+        let mut profiles: Vec<LayerProfile> = Vec::new();
+        let mut layer_profile = Vec::with_capacity(layout.layers as usize);
+        let mut before_layer = Vec::with_capacity(layout.layers as usize + 1);
+        let mut at = layout.embed_bytes;
+        for l in 0..layout.layers {
+            let key = (layout.is_dense(l), card.formats.layers.get(&l).cloned());
+            let index = match profiles.iter().position(|p| p.key == key) {
+                Some(i) => i,
+                None => {
+                    let image = crate::model::layout::LayerLayout::with_storage(
+                        &arch,
+                        l as usize,
+                        |k| card.storage(WeightTensor::layer(k)),
+                        |k| {
+                            card.formats
+                                .layer_storage(card.dtype, l, WeightTensor::layer(k))
+                        },
+                    );
+                    let mut before = Vec::with_capacity(image.segments.len());
+                    let mut total = 0;
+                    for seg in &image.segments {
+                        before.push(total);
+                        total += seg.len_bytes as u64;
+                    }
+                    profiles.push(LayerProfile {
+                        key,
+                        starts: image.segments.iter().map(|s| s.offset as u64).collect(),
+                        lens: image.segments.iter().map(|s| s.len_bytes as u64).collect(),
+                        before,
+                        total,
+                    });
+                    profiles.len() - 1
+                }
+            };
+            layer_profile.push(index);
+            before_layer.push(at);
+            at += profiles[index].total;
+        }
+        before_layer.push(at);
+        StoredImage {
+            layout,
+            profiles,
+            layer_profile,
+            before_layer,
+        }
+    }
+
+    /// Stored bytes of the image's bytes `0..offset` (the embedding and the head are
+    /// stored as laid out; a layer's as its segments are).
+    pub fn before(&self, offset: u64) -> u64 {
+        let first = self.layout.embed_bytes;
+        let head = self.layout.head_offset();
+        if offset <= first {
+            return offset;
+        }
+        if offset >= head {
+            return self.before_layer[self.layout.layers as usize]
+                + (offset - head).min(self.layout.head_bytes);
+        }
+        let Some(l) = self.layout.layer_at(offset) else {
+            return self.before_layer[self.layout.layers as usize];
+        };
+        let rel = offset - self.layout.layer_offset(l);
+        let p = &self.profiles[self.layer_profile[l as usize]];
+        let within = match p.starts.partition_point(|&s| s <= rel) {
+            0 => 0,
+            i => p.before[i - 1] + (rel - p.starts[i - 1]).min(p.lens[i - 1]),
+        };
+        self.before_layer[l as usize] + within
+    }
+
+    /// Stored bytes of the image's bytes `start..end`.
+    pub fn bytes_in(&self, start: u64, end: u64) -> u64 {
+        self.before(end).saturating_sub(self.before(start))
+    }
+
+    /// Stored bytes of the whole checkpoint: the sum of its tensors' bytes.
+    pub fn total(&self) -> u64 {
+        self.before(self.layout.total_bytes())
+    }
+}
+
 /// Bytes of the checkpoint that must stay resident: the union of the byte ranges tasks
 /// read after the `setup` step, and what the loader holds in memory
 /// ([`crate::model::card::HeldBytes`]: those bytes are not the file's pages, so no read
@@ -166,7 +281,14 @@ impl fmt::Display for BudgetTable {
 /// afterwards, so they do not count against the host. A checkpoint on disk is read by
 /// `disk.read` copies into buffers the table already counts (the reads go around the page
 /// cache), so only what other tasks read of it in place, through its memory map, counts.
+/// Ranges are counted in the bytes the checkpoint stores there ([`StoredImage`]): a slot's
+/// room for a wider format than its layer's and the padding between segments are no
+/// file pages.
 pub fn checkpoint_resident_bytes(program: &Program) -> u64 {
+    resident_bytes(program, &StoredImage::new(&program.model))
+}
+
+fn resident_bytes(program: &Program, stored: &StoredImage) -> u64 {
     let mut ranges: Vec<(u64, u64)> = program
         .steps
         .iter()
@@ -177,32 +299,45 @@ pub fn checkpoint_resident_bytes(program: &Program) -> u64 {
         .filter(|a| a.slice.buffer.index() == 0 && a.access.reads())
         .map(|a| (a.slice.start, a.slice.end()))
         .collect();
+    // Merged in image offsets first (one `before` per merged range), then mapped to the
+    // stored offsets, which keep their order (`before` never decreases).
+    ranges = merged(ranges)
+        .into_iter()
+        .map(|(start, end)| (stored.before(start), stored.before(end)))
+        .collect();
     // What the loader holds in memory stays resident whoever reads it (setup's copies
     // included): restored q/k rows at the start of each layer's `pre` segment.
     let held = program.model.held;
     if held.attention > 0 || held.experts > 0 {
-        let layout = crate::ir::CheckpointLayout::new(&program.model);
+        let layout = &stored.layout;
         for l in 0..program.model.layers {
             let start = layout.layer_offset(l);
-            ranges.push((start, start + held.attention.min(layout.pre_bytes)));
+            let pre = stored.before(start);
+            let pre_bytes = stored.bytes_in(start, start + layout.pre_bytes);
+            ranges.push((pre, pre + held.attention.min(pre_bytes)));
             if !layout.is_dense(l) {
                 let experts = start + layout.pre_bytes + layout.o_bytes + layout.gate_bytes;
-                let all = layout.experts * layout.expert_bytes;
-                ranges.push((experts, experts + held.experts.min(all)));
+                let all = stored.bytes_in(experts, experts + layout.experts * layout.expert_bytes);
+                let at = stored.before(experts);
+                ranges.push((at, at + held.experts.min(all)));
             }
         }
     }
+    merged(ranges).iter().map(|(s, e)| e - s).sum::<u64>() + held.other
+}
+
+/// `ranges` sorted and merged where they overlap or touch.
+fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.retain(|(s, e)| e > s);
     ranges.sort_unstable();
-    let mut total = 0;
-    let mut covered_to = 0;
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
     for (start, end) in ranges {
-        let start = start.max(covered_to);
-        if end > start {
-            total += end - start;
-            covered_to = end;
+        match out.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
         }
     }
-    total + held.other
+    out
 }
 
 /// The largest scratch space one task needs beyond its arguments (gate/up intermediates of
@@ -243,7 +378,10 @@ pub fn budget_table(
     overrides: &BudgetOverrides,
 ) -> BudgetTable {
     let classes = buffer_classes(program);
-    let checkpoint_resident = checkpoint_resident_bytes(program);
+    let stored = StoredImage::new(&program.model);
+    let checkpoint_resident = resident_bytes(program, &stored);
+    // The checkpoint's lines name its size as the file stores it, not the image's slots.
+    let checkpoint_bytes = stored.total();
     let mut lines: Vec<BudgetLine> = Vec::new();
     for (index, buffer) in program.buffers.iter().enumerate() {
         let (space, what, bytes) = match buffer.kind {
@@ -252,7 +390,7 @@ pub fn budget_table(
                 format!(
                     "{} (checkpoint on disk, part read in place of {})",
                     buffer.name,
-                    gb(buffer.bytes as f64)
+                    gb(checkpoint_bytes as f64)
                 ),
                 checkpoint_resident,
             ),
@@ -261,7 +399,7 @@ pub fn budget_table(
                 format!(
                     "{} (checkpoint mmap, resident part of {})",
                     buffer.name,
-                    gb(buffer.bytes as f64)
+                    gb(checkpoint_bytes as f64)
                 ),
                 checkpoint_resident,
             ),
@@ -508,12 +646,8 @@ pub fn disk_split(program: &Program, table: &BudgetTable) -> Option<DiskSplit> {
     if !program.streams.iter().any(|s| s.engine == Engine::DiskRead) {
         return None;
     }
-    let checkpoint_bytes = program
-        .buffers
-        .iter()
-        .filter(|b| b.kind == BufferKind::Checkpoint)
-        .map(|b| b.bytes)
-        .sum();
+    // As the file stores it (the image's slots may be wider: [`StoredImage`]).
+    let checkpoint_bytes = StoredImage::new(&program.model).total();
     let in_host: Vec<(String, usize, u64)> = table
         .lines
         .iter()

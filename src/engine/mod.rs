@@ -133,6 +133,11 @@ pub struct RunRequest {
     /// `--kv-type`: the KV cache's element type (f32 unless asked; the backend must
     /// keep its cache in it or the run is refused).
     pub kv_type: crate::model::vocab::KvType,
+    /// `--prefill-chunk`: prefill at most this many prompt tokens of a sequence a pass
+    /// (longer prompts over several passes, each attending the cache the earlier ones
+    /// wrote), so the plan's activations are sized for the chunk and only the KV cache for
+    /// the whole prompt; `None`: every prompt in one pass.
+    pub prefill_chunk: Option<usize>,
 }
 
 impl RunRequest {
@@ -166,6 +171,7 @@ impl RunRequest {
             capture_logits: false,
             collect_routing: None,
             kv_type: crate::model::vocab::KvType::F32,
+            prefill_chunk: None,
         }
     }
 }
@@ -249,17 +255,32 @@ pub fn run(
         ids: prompt_ids,
         gen_len,
     } = prompts;
-    let workload = Workload {
-        batch: prompt_ids.len() as u64,
-        prompt_len: prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64,
-        gen_len: gen_len as u64,
+    let longest = prompt_ids.iter().map(Vec::len).max().unwrap_or(1) as u64;
+    let chunk = request
+        .prefill_chunk
+        .map(|c| c.max(1) as u64)
+        .filter(|&c| c < longest);
+    // In chunks the plan is compiled for a chunk's prompt tokens and a generation long
+    // enough that its KV cache (sized for `prompt_len + gen_len`) still holds the longest
+    // prompt and its new tokens; the runtime generates the request's `gen_len`.
+    let workload = match chunk {
+        Some(c) => Workload {
+            batch: prompt_ids.len() as u64,
+            prompt_len: c,
+            gen_len: longest - c + gen_len as u64,
+        },
+        None => Workload {
+            batch: prompt_ids.len() as u64,
+            prompt_len: longest,
+            gen_len: gen_len as u64,
+        },
     };
     let Prepared {
         compiled,
         profile,
         fitted,
         plan,
-        run,
+        mut run,
         mut notes,
         ..
     } = prepare::prepare(
@@ -270,13 +291,36 @@ pub fn run(
             profile: ProfileUse::Replay,
         },
     )?;
+    match (request.prefill_chunk, chunk) {
+        (Some(_), Some(_)) if !crate::runtime::driver::session::prefills_in_chunks(&plan) => {
+            return Err(RunFailure::Message(format!(
+                "--prefill-chunk: schedule `{}` cannot prefill in chunks: its prefill does not attend the KV cache its decode reads, so a chunk would not see the prompt tokens before it; run it without --prefill-chunk",
+                plan.name
+            )));
+        }
+        (Some(_), Some(c)) => {
+            run.max_new_tokens = gen_len;
+            run.chunked_prefill = true;
+            notes.push(format!(
+                "prefill in chunks of at most {c} prompt tokens a sequence a pass (--prefill-chunk): activations sized for {c} tokens a sequence, the KV cache for the longest prompt ({longest}) and {gen_len} new"
+            ));
+        }
+        (Some(c), None) => notes.push(format!(
+            "--prefill-chunk {c}: no prompt is longer, so every prompt is prefilled in one pass"
+        )),
+        (None, _) => {}
+    }
     // The tokenizer's and the quick probe's freed pages leave the resident set before the
     // weights enter it.
     release_freed_heap();
-    // Under a host budget what big temporaries free must leave the process, or the peak
-    // outgrows what the budget table counts.
-    if request.host_mem.is_some() {
-        notes.extend(crate::sysmem::return_freed_blocks());
+    // What big temporaries free must leave the process: under a host budget, or the peak
+    // outgrows what the budget table counts; and in every run, or the prefill's freed
+    // scratch stays resident in glibc's arenas through the decode (the probe's freed
+    // buffers raise glibc's own threshold to 32 MiB) and the peak RSS exceeds what the
+    // run holds. The note is said under a budget, and wherever glibc refused.
+    let allocator = crate::sysmem::return_freed_blocks();
+    if request.host_mem.is_some() || allocator.as_deref().is_some_and(|a| a.contains("refused")) {
+        notes.extend(allocator);
     }
     let (outputs, stats) =
         crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, progress).map_err(

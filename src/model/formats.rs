@@ -183,7 +183,19 @@ pub struct WeightFormats {
     /// that much room; see `LayerLayout::with_storage`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tensors: BTreeMap<WeightTensor, Storage>,
+    /// Per layer, the tensors a GGUF checkpoint stores in another format than `tensors`
+    /// gives (a narrower one: `tensors` holds the widest): llama.cpp's Q4_K_M keeps
+    /// `ffn_down` and `attn_v` in Q6_K in some layers and Q4_K in the others. The image's
+    /// geometry stays the slot's; these say what each layer really holds, so the host
+    /// budget counts the file's bytes rather than the slots' (`cost::budget`). Set when a
+    /// GGUF is opened; not part of a card file.
+    #[serde(skip)]
+    pub layers: BTreeMap<u64, LayerStorage>,
 }
+
+/// One layer's tensors stored in another format than the card's (`WeightFormats::layers`):
+/// named here so the compiler's stages read them through the model's description.
+pub type LayerStorage = BTreeMap<WeightTensor, Storage>;
 
 impl WeightFormats {
     /// True when no entry is set.
@@ -204,6 +216,20 @@ impl WeightFormats {
             Some(s) if !tensor.is_vector() || s.quant().is_none() => *s,
             _ => Storage::Float(dtype),
         }
+    }
+
+    /// The storage of `tensor` in layer `layer`: the layer's own where a checkpoint stores
+    /// it in another format than the others (`layers`), else [`WeightFormats::storage`].
+    pub fn layer_storage(&self, dtype: WeightDtype, layer: u64, tensor: WeightTensor) -> Storage {
+        let tensor = match tensor {
+            WeightTensor::Layer(kind) => WeightTensor::layer(kind),
+            other => other,
+        };
+        self.layers
+            .get(&layer)
+            .and_then(|own| own.get(&tensor))
+            .copied()
+            .unwrap_or_else(|| self.storage(dtype, tensor))
     }
 
     /// The formats other than `dtype`, per class (`experts Q4_K Q6_K, head Q6_K`);

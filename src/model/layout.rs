@@ -562,6 +562,10 @@ pub fn with_expert_storage(card: &ModelCard, storage: Storage) -> Result<ModelCa
     card.formats
         .tensors
         .retain(|t, _| t.class() != WeightClass::Experts);
+    for own in card.formats.layers.values_mut() {
+        own.retain(|t, _| t.class() != WeightClass::Experts);
+    }
+    card.formats.layers.retain(|_, own| !own.is_empty());
     card.formats.classes.insert(WeightClass::Experts, storage);
     if storage.quant().is_some() {
         // The storage facts a GGUF of this card in `storage` records (`moec quantize`):

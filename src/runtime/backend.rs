@@ -85,7 +85,8 @@ pub use crate::records::run::CopyTotals;
 pub struct MemoryReport {
     /// Bytes of the gpu, pinned and host arenas.
     pub arena_bytes: [u64; 3],
-    /// Bytes of the weights image (mapped from the checkpoint, not allocated).
+    /// Bytes of the weights image's tensors as the process holds them (mapped from the
+    /// checkpoint, or repacked at the same length), without the image's padding or slots.
     pub image_bytes: u64,
     /// Whether the pinned arena is page-locked.
     pub pinned_locked: bool,

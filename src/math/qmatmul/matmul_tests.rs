@@ -493,3 +493,53 @@ fn tiled_matrices_give_the_row_layouts_bits() {
     ));
     assert!(QuantSlice::tiled(&bytes[..12 * row_bytes], format, 12 * cols, cols).is_err());
 }
+
+/// The AVX2 pass over Q8_0, Q4_0 and MXFP4 tiles at batch sizes past one pass of four
+/// rows (11 to 33 activation rows, none a multiple of eight: passes of four and their
+/// remainders), on whole and partial columns, gives the row layout's portable bits; and so
+/// it does at the largest integer sums its 16-bit lanes hold (every code the largest
+/// unsigned nibble or table value, or the most negative Q8_0 code, against activations all
+/// `+max` or all `−max`), where a lane that saturated or wrapped would change the bits.
+#[test]
+fn tiled_32_weight_formats_give_the_row_bits_at_many_rows_and_largest_sums() {
+    use super::tiles::tile;
+    let portable = QuantKernels::portable();
+    let mut rng = Rng::new(41);
+    let formats = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Mxfp4];
+    let row_counts = [11usize, 15, 17, 23, 33];
+    for format in formats {
+        for (rows, cols) in [(16usize, 2880usize), (8, 512)] {
+            let bb = format.block_bytes();
+            let n = rows * cols / 32;
+            // Random blocks, then every code at its extreme (Q4_0: nibble 15 = +7 stored
+            // 15; MXFP4: nibble 7 = +12, the table's 24 after the offset; Q8_0: -128).
+            let mut extreme = random_blocks(format, n, 3);
+            let code = match format {
+                QuantFormat::Q8_0 => 0x80u8,
+                QuantFormat::Q4_0 => 0xff,
+                _ => 0x77,
+            };
+            for block in extreme.chunks_exact_mut(bb) {
+                let first = bb - if format == QuantFormat::Q8_0 { 32 } else { 16 };
+                block[first..].fill(code);
+            }
+            for bytes in [random_blocks(format, n, 2), extreme] {
+                let w = view(&bytes, format, rows, cols);
+                let mut tiled = vec![0u8; bytes.len()];
+                assert!(tile(format, &bytes, rows, cols, &mut tiled));
+                let tq = QuantSlice::tiled(&tiled, format, rows * cols, cols).unwrap();
+                let tw = QuantMatrix::new(tq, rows, cols).unwrap();
+                let random = random_acts(33 * cols, 1.0, &mut rng);
+                let plus = vec![0.5f32; 33 * cols];
+                let minus = vec![-0.5f32; 33 * cols];
+                for x in [&random, &plus, &minus] {
+                    for &n_rows in &row_counts {
+                        assert_bodies_give(portable, &w, &tw, &x[..n_rows * cols], n_rows, || {
+                            format!("{format} tiled [{rows}, {cols}] x {n_rows} rows")
+                        });
+                    }
+                }
+            }
+        }
+    }
+}

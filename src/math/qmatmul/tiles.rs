@@ -44,6 +44,10 @@ pub(super) const MXFP4_OFFSET: i32 = 12;
 pub(super) struct TileActs<'a> {
     /// The quantised rows (Q8_K).
     pub q: &'a Q8Rows,
+    /// `q`'s blocks per row and values per block, kept so the bodies' per-block lookups
+    /// multiply instead of dividing (`Q8Rows::blocks_per_row` divides on every call).
+    nb: usize,
+    be: usize,
     wide: Vec<i32>,
     pairs: Vec<i32>,
     quads: Vec<i32>,
@@ -57,6 +61,8 @@ impl<'a> TileActs<'a> {
         let nb = q.blocks_per_row();
         let mut acts = TileActs {
             q,
+            nb,
+            be: q.format.block_elems(),
             wide: Vec::new(),
             pairs: Vec::new(),
             quads: Vec::new(),
@@ -131,26 +137,32 @@ impl<'a> TileActs<'a> {
         acts
     }
 
-    /// Row `r`'s 256 codes of block `b`.
+    /// Row `r`'s codes of block `b` (256 for Q8_K, 32 for Q8_0).
     pub fn codes(&self, r: usize, b: usize) -> &[i8] {
-        self.q.block_qs(r, b)
+        let at = (r * self.nb + b) * self.be;
+        &self.q.qs[at..at + self.be]
+    }
+
+    /// Row `r`'s scale of block `b` (`Q8Rows::block_d`).
+    pub fn d(&self, r: usize, b: usize) -> f32 {
+        self.q.d[r * self.nb + b]
     }
 
     /// Q4_K: row `r`'s sixteen wide sums of block `b`.
     pub fn wide(&self, r: usize, b: usize) -> &[i32] {
-        let at = (r * self.q.blocks_per_row() + b) * 16;
+        let at = (r * self.nb + b) * 16;
         &self.wide[at..at + 16]
     }
 
     /// Q4_K: row `r`'s four packed pairs of block `b`.
     pub fn pairs(&self, r: usize, b: usize) -> &[i32] {
-        let at = (r * self.q.blocks_per_row() + b) * 4;
+        let at = (r * self.nb + b) * 4;
         &self.pairs[at..at + 4]
     }
 
     /// Q6_K: row `r`'s 64 quad offsets of block `b`.
     pub fn quads(&self, r: usize, b: usize) -> &[i32] {
-        let at = (r * self.q.blocks_per_row() + b) * 64;
+        let at = (r * self.nb + b) * 64;
         &self.quads[at..at + 64]
     }
 
@@ -158,13 +170,20 @@ impl<'a> TileActs<'a> {
     /// (Q8_0), `−8 · Σ x` (Q4_0) or `−12 · Σ x` (MXFP4, [`MXFP4_OFFSET`]) over the codes `8g..8g + 4` and `8g + 4..8g + 8` of its
     /// four groups of eight.
     pub fn block_offsets(&self, r: usize, b: usize) -> &[i32] {
-        let at = (r * self.q.blocks_per_row() + b) * 2;
+        let at = (r * self.nb + b) * 2;
         &self.block_offsets[at..at + 2]
+    }
+
+    /// Q8_0, Q4_0 and MXFP4: row `r`'s lane offsets of every block ([`Self::block_offsets`]
+    /// of block `b` at `2 b..2 b + 2`), for a body that walks the blocks with one pointer.
+    pub fn row_block_offsets(&self, r: usize) -> &[i32] {
+        let n = self.nb * 2;
+        &self.block_offsets[r * n..(r + 1) * n]
     }
 
     /// Q6_K: row `r`'s 64 pair offsets of block `b`.
     pub fn pairs16(&self, r: usize, b: usize) -> &[i16] {
-        let at = (r * self.q.blocks_per_row() + b) * 64;
+        let at = (r * self.nb + b) * 64;
         &self.pairs16[at..at + 64]
     }
 }

@@ -122,7 +122,7 @@ pub(super) unsafe fn pass_vnni<const N: usize>(
             }
         }
         for a in 0..N {
-            let v = block_values(t, acts.q.block_d(r0 + a, b), fold512(isum[a]));
+            let v = block_values(t, acts.d(r0 + a, b), fold512(isum[a]));
             acc[a] = _mm256_add_ps(acc[a], v);
         }
     }
@@ -234,7 +234,7 @@ pub(super) unsafe fn pass_avx2<const N: usize>(
             // [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order.
             let hs = _mm256_hadd_epi32(isum[a][0], isum[a][1]);
             let is = _mm256_permute4x64_epi64::<0b11_01_10_00>(hs);
-            let v = block_values(t, acts.q.block_d(r0 + a, b), is);
+            let v = block_values(t, acts.d(r0 + a, b), is);
             acc[a] = _mm256_add_ps(acc[a], v);
         }
     }

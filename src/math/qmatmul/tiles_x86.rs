@@ -178,7 +178,7 @@ unsafe fn pass_vnni<const N: usize>(
         // SAFETY: a whole tile.
         let (dx, dmin) = unsafe { tile_scales(t) };
         for a in 0..N {
-            let dy = acts.q.block_d(r0 + a, b);
+            let dy = acts.d(r0 + a, b);
             let v = block_values(dx, dmin, dy, fold512(isum[a]), fold512(imin[a]));
             acc[a] = _mm256_add_ps(acc[a], v);
         }
@@ -318,7 +318,7 @@ unsafe fn pass_avx2<const N: usize>(
             // [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order.
             let h = _mm256_hadd_epi32(isum[a][0], isum[a][1]);
             let is = _mm256_permute4x64_epi64::<0b11_01_10_00>(h);
-            let dy = acts.q.block_d(r0 + a, b);
+            let dy = acts.d(r0 + a, b);
             acc[a] = _mm256_add_ps(acc[a], block_values(dx, dmin, dy, is, imin[a]));
         }
     }
@@ -361,10 +361,16 @@ pub(super) unsafe fn panel(
     for t in 0..rows / TILE_ROWS {
         let at = (o0 / TILE_ROWS + t) * tile_row_bytes;
         let tile_row = &bytes[at..at + tile_row_bytes];
+        // The 32-weight formats' AVX2 pass takes up to eight rows, the others four.
+        let step = if kind >= 2 {
+            b32::pass_rows(kind as u8 - 2, vnni, spans.1)
+        } else {
+            PASS_ROWS
+        };
         let mut r0 = 0;
         while r0 < n_rows {
-            let n = PASS_ROWS.min(n_rows - r0);
-            let mut sums = [[0.0f32; TILE_ROWS]; PASS_ROWS];
+            let n = step.min(n_rows - r0);
+            let mut sums = [[0.0f32; TILE_ROWS]; b32::AVX2_PASS_ROWS];
             let (tr, s) = (tile_row, &mut sums);
             // SAFETY: the caller's contract (features, lengths, the format's tiles and
             // activation sums); `r0 + n <= n_rows`; a tile row is `8 · row_bytes`.
@@ -400,8 +406,11 @@ pub(super) unsafe fn panel(
     }
 }
 
-/// Stores a pass's registers into plain arrays.
-fn store<const N: usize>(dst: &mut [[f32; TILE_ROWS]; PASS_ROWS], v: [__m256; N]) {
+/// Stores a pass's registers into plain arrays (the first `N`).
+fn store<const N: usize>(
+    dst: &mut [[f32; TILE_ROWS]; super::tiles_b32_x86::AVX2_PASS_ROWS],
+    v: [__m256; N],
+) {
     for (d, v) in dst.iter_mut().zip(v) {
         // SAFETY: `__m256` is eight f32 in lane order, as `[f32; 8]` (same size, any bits
         // valid).

@@ -134,6 +134,10 @@ pub struct RunOptions {
     /// Request-level expert activation matrices to start the `eam` predictor's
     /// collection with (`moec profile` writes them; `--profile` reads them back).
     pub eam_seed: Vec<Vec<u64>>,
+    /// Prefill prompts longer than a pass's token room in chunks over several passes
+    /// (`moec run --prefill-chunk`; [`session::Session::on_demand_kv`]); refused where the
+    /// plan's prefill does not attend the KV cache its decode reads.
+    pub chunked_prefill: bool,
 }
 
 impl RunOptions {
@@ -156,6 +160,7 @@ impl RunOptions {
             routing_profile: None,
             capture_logits: false,
             eam_seed: Vec::new(),
+            chunked_prefill: false,
         }
     }
 }
@@ -710,6 +715,12 @@ pub fn generate<B: Backend + ?Sized>(
     let gen_len = options.max_new_tokens;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut session = session::Session::new(plan, backend, options, gen_len, longest)?;
+    if options.chunked_prefill && !session.on_demand_kv() {
+        return Err(RunError::Refused(format!(
+            "schedule `{}` cannot prefill in chunks: its prefill does not attend the KV cache its decode reads",
+            plan.name
+        )));
+    }
     let mut outputs: Vec<RunOutput> = prompts
         .iter()
         .map(|_| RunOutput {

@@ -331,6 +331,20 @@ impl<'c> MappedImage<'c> {
         self.len
     }
 
+    /// Bytes of the image's tensors as this process holds them (mapped, decoded, owned or
+    /// tiled), each distinct tensor once (a tied lm_head that is the embedding counts once):
+    /// without the padding between segments and the room a layer's slot keeps for a wider
+    /// format than its own (a GGUF mix's Q4_K layers in Q6_K slots), which hold no pages.
+    pub fn tensor_bytes(&self) -> u64 {
+        let mut seen = std::collections::HashSet::new();
+        self.tensors
+            .iter()
+            .map(|t| t.bytes.as_bytes())
+            .filter(|b| seen.insert((b.as_ptr() as usize, b.len())))
+            .map(|b| b.len() as u64)
+            .sum()
+    }
+
     /// True for an image of no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0

@@ -485,8 +485,8 @@ impl<'c> HostMemory<'c> {
         &self.layout
     }
 
-    /// Bytes allocated per space (gpu, pinned, host), and of the weights image (mapped
-    /// from the checkpoint, not allocated).
+    /// Bytes allocated per space (gpu, pinned, host), and of the weights image's tensors
+    /// as held (mapped from the checkpoint or tiled; [`MappedImage::tensor_bytes`]).
     pub fn sizes(&self) -> ([u64; 3], u64) {
         (
             [
@@ -494,7 +494,7 @@ impl<'c> HostMemory<'c> {
                 self.arenas[1].len() as u64,
                 self.arenas[2].len() as u64,
             ],
-            self.image.len(),
+            self.image.tensor_bytes(),
         )
     }
 

@@ -833,14 +833,32 @@ fn gguf_formats(
             note(WeightTensor::layer(kind), cols, storage_of(&src.name));
         }
     }
-    crate::model::formats::WeightFormats {
+    let mut formats = crate::model::formats::WeightFormats {
         classes: BTreeMap::new(),
         tensors: widest
             .into_iter()
             .filter(|(_, (_, s))| *s != Storage::Float(dtype))
             .map(|(t, (_, s))| (t, s))
             .collect(),
+        layers: BTreeMap::new(),
+    };
+    // Each layer's own format where it is not the slot's, so what counts a layer's bytes
+    // (the host budget) counts the file's rather than the widest layer's.
+    let mut layers: BTreeMap<u64, BTreeMap<WeightTensor, Storage>> = BTreeMap::new();
+    for layer in 0..arch.layers {
+        for kind in LayerLayout::kinds(arch, layer) {
+            let tensor = WeightTensor::layer(kind);
+            let src = segment_source(arch, layer, kind);
+            match storage_of(&src.name) {
+                Some(own) if own != formats.storage(dtype, tensor) => {
+                    layers.entry(layer as u64).or_default().insert(tensor, own);
+                }
+                _ => {}
+            }
+        }
     }
+    formats.layers = layers;
+    formats
 }
 
 /// Takes the whole pages inside `range` of `map` out of this process's resident memory

@@ -36,7 +36,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod ahead;
+mod chunks;
 use ahead::Ahead;
+use chunks::prefill_attends_decode_cache;
+pub use chunks::prefills_in_chunks;
 
 /// A sequence's id within its session (reused once the sequence has ended).
 pub type SeqId = usize;
@@ -1120,45 +1123,6 @@ impl<'a, B: Backend + ?Sized> Session<'a, B> {
             named.sort_unstable();
             prediction(&mut self.stats.predictions, "hot").tally(&named, &routed);
         }
-    }
-}
-
-/// Whether every attention of the prefill step reads and writes a KV cache slice that an
-/// attention of the decode step uses too (the same step for mixed plans): then a prefill
-/// row can attend positions an earlier sequence wrote, which prefix reuse needs. A plan
-/// that prefills into a separate cache (CGOPipe's GPU lines, copied to the host cache
-/// after) or into none cannot take a cached prefix.
-fn prefill_attends_decode_cache(plan: &ExecPlan, prefill: usize, decode: usize) -> bool {
-    use crate::ir::{Op, Role};
-    let kv_args = |step: usize| -> Option<Vec<(crate::ir::BufferId, u64, u64)>> {
-        let s = plan.steps.get(step)?;
-        let mut args = Vec::new();
-        for task in plan
-            .tasks
-            .get(s.first as usize..(s.first + s.count) as usize)?
-        {
-            if !matches!(task.op, Op::Attn { .. }) {
-                continue;
-            }
-            let kv: Vec<_> = task
-                .args
-                .iter()
-                .filter(|a| a.role == Role::Kv)
-                .map(|a| (a.buffer, a.start, a.len))
-                .collect();
-            if kv.is_empty() {
-                return None;
-            }
-            args.extend(kv);
-        }
-        Some(args)
-    };
-    if prefill == decode {
-        return kv_args(prefill).is_some_and(|a| !a.is_empty());
-    }
-    match (kv_args(prefill), kv_args(decode)) {
-        (Some(p), Some(d)) => !p.is_empty() && p.iter().all(|a| d.contains(a)),
-        _ => false,
     }
 }
 
