@@ -864,3 +864,52 @@ fn weight_copy_formats_equal_a_backward_scan_on_the_mid_cards() {
         );
     }
 }
+
+/// HOBBIT on Qwen3-30B-A3B (header-only card) on the calibrated T4, as `moec plan` rates
+/// one point: main's pick (`bs=6 thr=0.0 lowbit=0`, 0.92 gen tok/s) stays ahead of
+/// `bs=6 thr=0.5 lowbit=1`, which main predicts at 0.39. The important-expert arm
+/// (`score_max >= 0.5`, above 1 / top_k = 1/8) gets activation exactly 0 from the routing
+/// model, yet it can run: only a task proven never to run (`routed >= t` above the
+/// micro-batch's tokens) is charged nothing, so this arm keeps the GPU cap and the 800 us
+/// task overhead main charges it (charged nothing, it made `lowbit = 1` 0.93 and the pick).
+#[test]
+fn hobbit_on_qwen3_t4_keeps_mains_pick() {
+    let gen_tok_s = |thr: &str, lowbit: &str| -> f64 {
+        let sets = [
+            "bs=6",
+            &format!("thr={thr}"),
+            &format!("lowbit={lowbit}"),
+            "n_cache=-1",
+            "home=-1",
+        ];
+        let mut args = vec![
+            "plan",
+            "schedules/hobbit.sched",
+            "--model",
+            "qwen3-30b-a3b",
+            "--hw",
+            "t4",
+        ];
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        let out = moec(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("rates: calibrated"), "{stdout}");
+        // The one ranked line: rank, then gen tok/s (no params: all were fixed).
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("1 "))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let main_pick = gen_tok_s("0.0", "0");
+    let low_bit = gen_tok_s("0.5", "1");
+    assert!((main_pick - 0.92).abs() < 0.006, "{main_pick}");
+    assert!((low_bit - 0.39).abs() < 0.006, "{low_bit}");
+}
