@@ -32,6 +32,15 @@ fn guards(cond: &str) -> Vec<Vec<GuardLit>> {
 /// Elaborates the schedule `guards` describes (elaboration only: the fragment samples
 /// nothing, which the checker would report).
 fn elaborate(cond: &str) -> Result<moec::ir::Program, Vec<moec::diag::Diagnostic>> {
+    elaborate_with(cond, true)
+}
+
+/// [`elaborate`], with or without deciding comparisons from the step's ceiling
+/// (`Options::routed_ceiling`).
+fn elaborate_with(
+    cond: &str,
+    ceiling: bool,
+) -> Result<moec::ir::Program, Vec<moec::diag::Diagnostic>> {
     let source = format!(
         r#"schedule routed_guard
 microbatches 1 of 1
@@ -64,7 +73,8 @@ prefill {{
 }}
 "#
     );
-    let options = Options::new(ModelCard::load("mixtral-tiny").expect("card"));
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").expect("card"));
+    options.routed_ceiling = ceiling;
     let ast = source_to_ast(&source)?;
     ast_to_ir(&ast, &options).map(|(program, _)| program)
 }
@@ -109,6 +119,60 @@ fn statically_decided_comparisons_keep_one_branch() {
     assert_eq!(guards("routed(0, 1) >= 0"), vec![Vec::<GuardLit>::new()]);
     // < 0 never holds: the else branch, unguarded.
     assert_eq!(guards("routed(0, 1) < 0"), vec![Vec::<GuardLit>::new()]);
+}
+
+/// The fragment's one micro-batch of one sequence holds at most `prompt_len` = 128 prompt
+/// tokens in its prefill (the default workload), and a token routes to expert 1 at most
+/// once, so `routed(0, 1) >= 129` can never hold: it is decided at compile time (only the
+/// `else` arm is built, unguarded) and the step records the 128 tokens the runtime then
+/// holds each micro-batch to. `>= 128` can hold and stays a run-time guard; so does `>=
+/// 129` when the ceiling is not used.
+#[test]
+fn a_threshold_above_the_steps_tokens_never_holds() {
+    let none = vec![Vec::<GuardLit>::new()];
+    assert_eq!(guards("routed(0, 1) >= 129"), none);
+    assert_eq!(guards("routed(0, 1, 0) > 128"), none);
+    assert_eq!(guards("129 <= routed(0, 1, 0)"), none);
+    // Its negation always holds: the then-branch, unguarded.
+    assert_eq!(guards("routed(0, 1) < 129"), none);
+    assert_eq!(guards("routed(0, 1) <= 1000000"), none);
+    assert_eq!(
+        guards("routed(0, 1) >= 128"),
+        vec![vec![at_least(128, false)], vec![at_least(128, true)]]
+    );
+    // `== 128` is `>= 128 && < 129`, whose second literal always holds: one literal left,
+    // so the `else` is its negation.
+    assert_eq!(
+        guards("routed(0, 1) == 128"),
+        vec![vec![at_least(128, false)], vec![at_least(128, true)]]
+    );
+    let ceiling = |cond: &str, on: bool| {
+        let program = elaborate_with(cond, on).unwrap_or_else(|d| panic!("`{cond}`: {}", d[0]));
+        program.steps[0].routed_ceiling
+    };
+    assert_eq!(ceiling("routed(0, 1) >= 129", true), Some(128));
+    assert_eq!(ceiling("routed(0, 1) >= 128", true), None);
+    assert_eq!(ceiling("routed(0, 1) >= 129", false), None);
+    let program = elaborate_with("routed(0, 1) >= 129", false).expect("elaborates");
+    let expert_1 = |t: &&moec::ir::Task| {
+        matches!(
+            t.op,
+            Op::Experts {
+                set: moec::ir::ExpertSet::One(ExpertRef::Index(1)),
+                ..
+            }
+        )
+    };
+    let guards: Vec<_> = program
+        .tasks
+        .iter()
+        .filter(expert_1)
+        .map(|t| t.guard.lits.clone())
+        .collect();
+    assert_eq!(
+        guards,
+        vec![vec![at_least(129, false)], vec![at_least(129, true)]]
+    );
 }
 
 #[test]

@@ -314,7 +314,8 @@ fn plan_for_a_run_spec_prints_commands_that_check_accepts() {
 }
 
 /// The planner's search with its prunes (declared buffers over budget before unrolling,
-/// points above one past the unroll limit skipped, the lean throughput prediction) picks
+/// points above one past the unroll limit skipped, arms whose `routed(..) >= t` can never
+/// hold left out, the lean throughput prediction) picks
 /// the same policies, with the same predicted throughput, as the unpruned search that
 /// elaborates every point in full and ranks it by the full `predict` (the evaluation `moec
 /// plan` ran before the prunes), on the mid cards, for every schedule whose params it
@@ -389,6 +390,8 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
             let mut o = options.clone();
             o.sets
                 .extend(values.iter().map(|(n, v)| (n.clone(), v.to_string())));
+            // Every arm built, those that can never run included.
+            o.routed_ceiling = false;
             let program = match ast_to_ir(&file, &o) {
                 Ok((program, _)) => program,
                 Err(d) => return Outcome::Invalid(d[0].message.clone()),
@@ -439,6 +442,67 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     }
     // The budget bites: the declared-buffer prune had points to prune.
     assert!(over_budget > 0);
+}
+
+/// Fiddler's copy arm `if routed(l, e, j) >= t` can never run where t exceeds a
+/// micro-batch's tokens (decode: `ubs`; prefill: `ubs x prompt_len`); the elaborator then
+/// leaves it out (`Options::routed_ceiling`). Left out or built, the prediction is the
+/// same, on the T4's effective rates whose decode GEMM cap used to charge a never-running
+/// GPU task its full flops: with no resident expert (ktransformers' split, `t_copy =
+/// 1000000`, every arm dead in both steps; and the latency rule's t = 7 on the T4, dead in
+/// decode at `ubs` <= 6 only) every figure is equal. The programs differ only by tasks that
+/// never run: fewer tasks, same edges among the others' streams.
+#[test]
+fn never_running_arms_left_out_predict_what_building_them_predicts() {
+    use moec::ir::deps;
+    let profile = HardwareProfile::load("t4").unwrap().effective();
+    let settings = CostSettings::default();
+    let source = std::fs::read_to_string("schedules/fiddler.sched").unwrap();
+    let predict_at = |sets: &[(&str, String)], ceiling: bool| {
+        let mut options = Options::new(ModelCard::load("mixtral-mid").unwrap());
+        options.workload = Workload {
+            batch: 8,
+            prompt_len: 32,
+            gen_len: 8,
+        };
+        options.hardware = profile
+            .symbols()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        options.routed_ceiling = ceiling;
+        let program = moec::compile::compile(&source, &options)
+            .unwrap_or_else(|d| panic!("{sets:?}: {}", d[0]))
+            .program;
+        let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+            .into_iter()
+            .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+            .collect();
+        let p = predict(&program, &deps, &profile, &settings).unwrap();
+        (
+            program.tasks.len(),
+            p.tokens_per_s.unwrap(),
+            p.decode_tokens_per_s.unwrap(),
+        )
+    };
+    for t_copy in ["1000000", "0"] {
+        for (ubs, n_ub) in [(1, 1), (2, 2), (4, 1)] {
+            let sets = [
+                ("n_gpu", "0".to_string()),
+                ("t_copy", t_copy.to_string()),
+                ("ubs", ubs.to_string()),
+                ("n_ub", n_ub.to_string()),
+            ];
+            let (left_out, total, decode) = predict_at(&sets, true);
+            let (built, total_built, decode_built) = predict_at(&sets, false);
+            assert!(left_out < built, "{sets:?}: {left_out} vs {built} tasks");
+            assert_eq!((total, decode), (total_built, decode_built), "{sets:?}");
+        }
+    }
 }
 
 /// `moec plan` under `--host-mem` (issue 43) on Mixtral-8x7B bf16 (plan only, nothing is
@@ -799,4 +863,53 @@ fn weight_copy_formats_equal_a_backward_scan_on_the_mid_cards() {
             "{card}: {from_copy} / {from_checkpoint}"
         );
     }
+}
+
+/// HOBBIT on Qwen3-30B-A3B (header-only card) on the calibrated T4, as `moec plan` rates
+/// one point: main's pick (`bs=6 thr=0.0 lowbit=0`, 0.92 gen tok/s) stays ahead of
+/// `bs=6 thr=0.5 lowbit=1`, which main predicts at 0.39. The important-expert arm
+/// (`score_max >= 0.5`, above 1 / top_k = 1/8) gets activation exactly 0 from the routing
+/// model, yet it can run: only a task proven never to run (`routed >= t` above the
+/// micro-batch's tokens) is charged nothing, so this arm keeps the GPU cap and the 800 us
+/// task overhead main charges it (charged nothing, it made `lowbit = 1` 0.93 and the pick).
+#[test]
+fn hobbit_on_qwen3_t4_keeps_mains_pick() {
+    let gen_tok_s = |thr: &str, lowbit: &str| -> f64 {
+        let sets = [
+            "bs=6",
+            &format!("thr={thr}"),
+            &format!("lowbit={lowbit}"),
+            "n_cache=-1",
+            "home=-1",
+        ];
+        let mut args = vec![
+            "plan",
+            "schedules/hobbit.sched",
+            "--model",
+            "qwen3-30b-a3b",
+            "--hw",
+            "t4",
+        ];
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        let out = moec(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("rates: calibrated"), "{stdout}");
+        // The one ranked line: rank, then gen tok/s (no params: all were fixed).
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("1 "))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let main_pick = gen_tok_s("0.0", "0");
+    let low_bit = gen_tok_s("0.5", "1");
+    assert!((main_pick - 0.92).abs() < 0.006, "{main_pick}");
+    assert!((low_bit - 0.39).abs() < 0.006, "{low_bit}");
 }

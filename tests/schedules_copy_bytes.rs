@@ -356,7 +356,10 @@ fn sequential_decode_moves_one_token_rows() {
 /// Fiddler (§3.3, Alg. 1) with 6 of the 16 experts resident (the small configuration's
 /// `n_gpu`; ranked by expert then layer without a profile: experts 0-2 of both layers), so
 /// 5 experts per layer are not: each may be copied (checkpoint -> pinned -> the staging
-/// slot, counted in full as guarded copies are). Per (layer, micro-batch) the CPU arm's
+/// slot, counted in full as guarded copies are) where a micro-batch can reach the
+/// threshold (9 tokens without a profile): in prefill (16 tokens), not in decode (2
+/// tokens), where the copy arm is never built (`routed(..) >= 9` is decided false from
+/// the step's tokens, elaborate::guards). Per (layer, micro-batch) the CPU arm's
 /// inputs go out (`route[j] -> route_c[j]`, `acc[j] -> acc_c[j]`) and its outputs come
 /// back (`acc_c[j] -> acc_cg[j]`): the rows of the step's tokens, 2 in decode, not the 16
 /// prompt tokens `expert_acc(pre)` and `routing(pre)` are declared for (issue 28: 8x
@@ -365,8 +368,10 @@ fn sequential_decode_moves_one_token_rows() {
 #[test]
 fn fiddler_moves_the_rows_of_its_tokens() {
     let n = L * N_UB;
-    let staged = n * 5 * EXPERT;
-    for (kind, tok) in [(StepKind::Decode, UBS), (StepKind::Prefill, UBS * PROMPT)] {
+    for (kind, tok, staged) in [
+        (StepKind::Decode, UBS, 0),
+        (StepKind::Prefill, UBS * PROMPT, n * 5 * EXPERT),
+    ] {
         expect(
             "fiddler",
             kind,

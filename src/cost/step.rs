@@ -168,6 +168,26 @@ pub(crate) fn simulate_step_ran(
                 .filter(|d| d.index() >= first)
                 .map(|d| d.index() - first)
                 .collect();
+            // A task proven never to run at the declared load (its guard's token counts
+            // cannot hold with the micro-batch's tokens: `routed >= t` above them) costs
+            // nothing, as if the elaborator had left it out
+            // (`elaborate::guards::routed_comparison` does where the step's ceiling
+            // decides it): neither the GPU rate cap nor the weight-copy, KV or readback
+            // charges below, which take a task's full work. A task the activation model
+            // merely expects at 0 (a score threshold it rounds to "never", a cache it
+            // predicts always hits) may still run, and keeps those charges.
+            if matches!(loads, Loads::Declared)
+                && activations[k].runs <= 0.0
+                && never_runs(program, id, task.shape.tokens)
+            {
+                let roof = expected_task_time(program, id, profile, settings, activations[k]).roof;
+                times.push(TaskTime { seconds: 0.0, roof });
+                return SimTask {
+                    stream: task.stream.index(),
+                    seconds: 0.0,
+                    deps: step_deps,
+                };
+            }
             if ran.and_then(|r| r.get(k)) == Some(&false) {
                 times.push(TaskTime {
                     seconds: 0.0,
@@ -307,6 +327,40 @@ pub(crate) fn simulate_step_ran(
         activations,
         result,
     })
+}
+
+/// True when task `id`'s guard can never hold with `tokens_per_ub` tokens in each
+/// micro-batch, whatever the routing: for some routed count it reads (one expert's tokens
+/// from one micro-batch, at most `tokens_per_ub`; or from all of them, at most that times
+/// the micro-batch count, since a token routes to an expert at most once) its `active` /
+/// `routed >= t` literals ask at least `lo` tokens and its negated ones fewer than `hi`,
+/// and no count in `0..=max` lies in `[lo, hi)`. Only these literals are exact token
+/// bounds: residency and routing-score literals are left to the activation model (which
+/// may give them probability 0 where they can still hold), so they never prove a task dead.
+pub(crate) fn never_runs(program: &Program, id: TaskId, tokens_per_ub: u64) -> bool {
+    let lits = &program.task(id).guard.lits;
+    let ubs = u64::from(program.micro_batches.count.max(1));
+    lits.iter()
+        .filter(|l| l.atom.is_token_count())
+        .any(|first| {
+            let var = (first.atom.layer(), first.atom.expert(), first.atom.ub());
+            let (mut lo, mut hi) = (0u64, u64::MAX);
+            for l in lits.iter().filter(|l| {
+                l.atom.is_token_count() && (l.atom.layer(), l.atom.expert(), l.atom.ub()) == var
+            }) {
+                let t = u64::from(l.atom.threshold());
+                if l.negated {
+                    hi = hi.min(t);
+                } else {
+                    lo = lo.max(t);
+                }
+            }
+            let max = match var.2 {
+                Some(_) => tokens_per_ub,
+                None => tokens_per_ub.saturating_mul(ubs),
+            };
+            lo >= hi || lo > max
+        })
 }
 
 /// The share of a mixed step's declared rows a steady pass holds: its new tokens per

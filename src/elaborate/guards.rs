@@ -1,11 +1,12 @@
-//! The run-time guards that are not token counts: a cache's residency
-//! (`CACHE.resident(layer, expert)`) and the routing weights an expert received
-//! (`score_max(layer, expert[, ub])`, `score_sum(..)`) compared with a compile-time number.
+//! The run-time guards: a routed token count (`routed(layer, expert[, ub])`), a cache's
+//! residency (`CACHE.resident(layer, expert)`) and the routing weights an expert received
+//! (`score_max(layer, expert[, ub])`, `score_sum(..)`), compared with a compile-time number.
 //!
 //! Takes evaluated arguments; gives a [`Val::Cond`] (a conjunction of guard literals), or
 //! a compile-time boolean where the answer is known (a dense layer routes nothing and
-//! caches none of its experts; a score is never negative). `value.rs` and `slices.rs` call
-//! in here so these words live in one place.
+//! caches none of its experts; a score is never negative; a micro-batch never holds more
+//! tokens than its step's ceiling). `value.rs` and `slices.rs` call in here so these words
+//! live in one place.
 
 use super::value::{as_int, check_index, conjunction, Context, Val};
 use crate::diag::Diagnostic;
@@ -111,6 +112,112 @@ fn least_f32(t: f64, strict: bool) -> u32 {
     } else {
         f.to_bits()
     }
+}
+
+/// `routed(..) OP n` (or `n OP routed(..)`) as a run-time condition over atoms
+/// `routed >= t`: `>= n` is the atom at n, `> n` at n + 1, `< n` and `<= n` their negations,
+/// `== n` the conjunction of `>= n` and `< n + 1`. A threshold of 1 is `active(..)` and one
+/// of 0 or less always holds, so equal conditions get equal guards. `!=` would be a
+/// disjunction, which guards cannot express. `spans`: the left operand's, the right
+/// operand's and the whole comparison's.
+///
+/// A threshold above the step's ceiling ([`Context::routed_ceiling`]) never holds: the
+/// count is of tokens in a micro-batch (or in all of them) routed to one expert, each token
+/// routes to an expert at most once (top-k picks k distinct experts), and the runtime never
+/// gives a micro-batch more tokens than the ceiling (decode: one per sequence, at most the
+/// micro-batch's sequences; prefill and mixed: the step records the ceiling it relied on
+/// and the runtime caps each micro-batch's tokens at it). So `routed >= t` is `false` and
+/// `routed < t` is `true` there, at compile time: an `if` on it keeps only the arm that
+/// can run, and the other arm's tasks are never built. The cost model gives such an arm
+/// an expected activation of exactly 0 at the same count (`binomial_between` clips at the
+/// step's tokens), so the predicted step is unchanged. `active` (t = 1) is never decided
+/// this way.
+pub(super) fn routed_comparison(
+    op: BinOp,
+    a: Val,
+    b: Val,
+    spans: (Span, Span, Span),
+    cx: &mut dyn Context,
+) -> Result<Val, Diagnostic> {
+    use BinOp::*;
+    let (a_span, b_span, span) = spans;
+    let (count, n, n_span, op) = match (a, b) {
+        (Val::Routed { layer, expert, ub }, other) => ((layer, expert, ub), other, b_span, op),
+        (other, Val::Routed { layer, expert, ub }) => {
+            // `n < routed` is `routed > n`.
+            let flipped = match op {
+                Lt => Gt,
+                Le => Ge,
+                Gt => Lt,
+                Ge => Le,
+                other => other,
+            };
+            ((layer, expert, ub), other, a_span, flipped)
+        }
+        _ => {
+            return Err(Diagnostic::arithmetic(
+                span,
+                "comparison without a token count",
+            ))
+        }
+    };
+    let n = match n {
+        Val::Routed { .. } => {
+            return Err(Diagnostic::dynamic_not_allowed(
+                n_span,
+                "comparing two routed token counts (one side must be a constant)",
+            ))
+        }
+        Val::Float(f) if f.fract() != 0.0 => {
+            return Err(Diagnostic::type_mismatch(
+                n_span,
+                "an integer",
+                "a float with a fraction",
+            ))
+        }
+        other => as_int(other, n_span)?,
+    };
+    let (layer, expert, ub) = count;
+    let ceiling = cx.routed_ceiling(ub);
+    let mut relied = false;
+    // "routed >= t" as a literal, with its truth value when it is decided statically.
+    let mut at_least = |t: i64, negated: bool| -> Result<Option<GuardLit>, bool> {
+        if t <= 0 {
+            return Err(!negated); // always true, so its negation always false
+        }
+        if t >= 2 && ceiling.is_some_and(|c| u64::try_from(t).is_ok_and(|t| t > c)) {
+            relied = true;
+            return Err(negated); // never true (see above), so its negation always
+        }
+        let atom = if t == 1 {
+            GuardAtom::Active { layer, expert, ub }
+        } else {
+            GuardAtom::Tokens {
+                layer,
+                expert,
+                ub,
+                at_least: u32::try_from(t).unwrap_or(u32::MAX),
+            }
+        };
+        Ok(Some(GuardLit { atom, negated }))
+    };
+    let lits = match op {
+        Ge => vec![at_least(n, false)],
+        Gt => vec![at_least(n.saturating_add(1), false)],
+        Lt => vec![at_least(n, true)],
+        Le => vec![at_least(n.saturating_add(1), true)],
+        Eq => vec![at_least(n, false), at_least(n.saturating_add(1), true)],
+        _ => {
+            return Err(Diagnostic::dynamic_not_allowed(
+                span,
+                "`!=` of a routed token count (it is a disjunction; write the two arms with `<` and `>`)",
+            ))
+        }
+    };
+    if relied {
+        cx.ceiling_relied_on();
+    }
+    Ok(conjunction(lits))
 }
 
 /// `score(..) OP t` (or `t OP score(..)`) as a run-time condition over atoms

@@ -62,6 +62,11 @@ pub struct Options {
     /// The routing profile `rank(..)` and `rank_in_layer(..)` read (`--profile`); without
     /// one they rank as uniform routing would (ties: expert, then layer).
     pub profile: Option<std::sync::Arc<crate::ir::profile::RoutingProfile>>,
+    /// Decide `routed(..) >= t` at compile time where t exceeds the tokens a micro-batch of
+    /// the step can hold (`guards::routed_comparison`: the arm that can never run is not
+    /// built, and the runtime holds the step to those tokens). `false` keeps every such
+    /// comparison a run-time guard: the program the prune is compared with in tests.
+    pub routed_ceiling: bool,
 }
 
 /// Bounds on unrolling, so a runaway loop is an error rather than a hang.
@@ -97,6 +102,7 @@ impl Options {
             kv_bytes: None,
             limits: Limits::default(),
             profile: None,
+            routed_ceiling: true,
         }
     }
 }
@@ -196,6 +202,9 @@ struct Elaborator<'a> {
     rank_table: Option<Vec<u64>>,
     /// Set while a cache's eviction score is evaluated (`evict::eviction_score`).
     linear_scores: bool,
+    /// Whether the current step decided a `routed(..)` comparison from its ceiling
+    /// (`value::Context::routed_ceiling`).
+    ceiling_relied: bool,
 }
 
 impl<'a> Elaborator<'a> {
@@ -243,6 +252,7 @@ impl<'a> Elaborator<'a> {
             aborted: false,
             rank_table: None,
             linear_scores: false,
+            ceiling_relied: false,
         };
         // The checkpoint is buffer 0, read-only, in pageable host memory.
         elab.arrays.push(ArrayDecl {
@@ -622,6 +632,31 @@ impl value::Context for Elaborator<'_> {
 
     fn act_bytes(&self) -> u64 {
         self.options.act_bytes.max(1)
+    }
+
+    fn routed_ceiling(&self, ub: Option<u32>) -> Option<u64> {
+        use crate::ir::StepKind;
+        if !self.options.routed_ceiling {
+            return None;
+        }
+        let micro = self.micro.filter(|m| m.count > 0)?;
+        // The step's tokens per micro-batch (`step_shape`): a decode micro-batch holds at
+        // most `size` sequences of one new token each (the runtime's sequence cap); a
+        // prefill or mixed one the declared tokens, which the runtime then enforces
+        // (`ir::Step::routed_ceiling`).
+        match self.step {
+            Some((StepKind::Prefill | StepKind::Decode | StepKind::Mixed, _)) => {}
+            _ => return None,
+        }
+        let tokens = self.step_shape().tokens;
+        Some(match ub {
+            Some(_) => tokens,
+            None => tokens.saturating_mul(u64::from(micro.count)),
+        })
+    }
+
+    fn ceiling_relied_on(&mut self) {
+        self.ceiling_relied = true;
     }
 
     fn kv_bytes(&self) -> u64 {

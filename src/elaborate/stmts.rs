@@ -26,7 +26,9 @@ impl<'a> Elaborator<'a> {
         let first = self.tasks.len() as u32;
         self.step = Some((decl.kind, id));
         self.sync = None;
+        self.ceiling_relied = false;
         self.exec_block(&decl.body);
+        let routed_ceiling = self.ceiling_relied.then(|| self.step_shape().tokens);
         self.step = None;
         self.sync = None;
         let count = self.tasks.len() as u32 - first;
@@ -34,6 +36,7 @@ impl<'a> Elaborator<'a> {
             kind: decl.kind,
             first,
             count,
+            routed_ceiling,
         });
     }
 
@@ -687,7 +690,7 @@ impl<'a> Elaborator<'a> {
         })
     }
 
-    fn step_shape(&self) -> Shape {
+    pub(super) fn step_shape(&self) -> Shape {
         let size = self.micro.map_or(1, |m| m.size);
         let w = self.options.workload;
         let act_bytes = self.options.act_bytes.max(1);

@@ -208,6 +208,19 @@ pub trait Context {
     fn linear_scores(&self) -> bool {
         false
     }
+
+    /// The most tokens `routed(layer, expert, ub)` (`ub: None`: summed over the
+    /// micro-batches) can count in the step being elaborated, where the runtime holds every
+    /// micro-batch to it; `None` where nothing bounds it (outside a step, no
+    /// `microbatches`). A threshold above it can never be reached
+    /// (`guards::routed_comparison`).
+    fn routed_ceiling(&self, _ub: Option<u32>) -> Option<u64> {
+        None
+    }
+
+    /// Called when a comparison was decided from [`Context::routed_ceiling`]: the step's
+    /// program then relies on it, and says so for the runtime (`ir::Step::routed_ceiling`).
+    fn ceiling_relied_on(&mut self) {}
 }
 
 /// Evaluates an expression.
@@ -334,6 +347,13 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 && (super::evict::is_run_time(&a) || super::evict::is_run_time(&b))
             {
                 return super::evict::binary(*op, a, b, lhs.span, rhs.span, span);
+            }
+            let comparison = matches!(
+                op,
+                BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge
+            );
+            if comparison && (matches!(a, Val::Routed { .. }) || matches!(b, Val::Routed { .. })) {
+                return super::guards::routed_comparison(*op, a, b, (lhs.span, rhs.span, span), cx);
             }
             binary(*op, a, b, lhs.span, rhs.span, span)
         }
@@ -515,11 +535,6 @@ fn binary(
                 other.type_name(),
             )),
         },
-        Eq | Ne | Lt | Le | Gt | Ge
-            if matches!(a, Val::Routed { .. }) || matches!(b, Val::Routed { .. }) =>
-        {
-            routed_comparison(op, a, b, a_span, b_span, span)
-        }
         Eq | Ne | Lt | Le | Gt | Ge
             if matches!(a, Val::Score { .. }) || matches!(b, Val::Score { .. }) =>
         {
@@ -904,90 +919,6 @@ fn expert_scope(
         None => None,
     };
     Ok((layer as u32, expert, ub))
-}
-
-/// `routed(..) OP n` (or `n OP routed(..)`) as a run-time condition over atoms
-/// `routed >= t`: `>= n` is the atom at n, `> n` at n + 1, `< n` and `<= n` their negations, `== n`
-/// the conjunction of `>= n` and `< n + 1`. A threshold of 1 is `active(..)` and one of 0
-/// or less always holds, so equal conditions get equal guards. `!=` would be a
-/// disjunction, which guards cannot express.
-fn routed_comparison(
-    op: BinOp,
-    a: Val,
-    b: Val,
-    a_span: Span,
-    b_span: Span,
-    span: Span,
-) -> Result<Val, Diagnostic> {
-    use BinOp::*;
-    let (count, n, n_span, op) = match (a, b) {
-        (Val::Routed { layer, expert, ub }, other) => ((layer, expert, ub), other, b_span, op),
-        (other, Val::Routed { layer, expert, ub }) => {
-            // `n < routed` is `routed > n`.
-            let flipped = match op {
-                Lt => Gt,
-                Le => Ge,
-                Gt => Lt,
-                Ge => Le,
-                other => other,
-            };
-            ((layer, expert, ub), other, a_span, flipped)
-        }
-        _ => {
-            return Err(Diagnostic::arithmetic(
-                span,
-                "comparison without a token count",
-            ))
-        }
-    };
-    let n = match n {
-        Val::Routed { .. } => {
-            return Err(Diagnostic::dynamic_not_allowed(
-                n_span,
-                "comparing two routed token counts (one side must be a constant)",
-            ))
-        }
-        Val::Float(f) if f.fract() != 0.0 => {
-            return Err(Diagnostic::type_mismatch(
-                n_span,
-                "an integer",
-                "a float with a fraction",
-            ))
-        }
-        other => as_int(other, n_span)?,
-    };
-    let (layer, expert, ub) = count;
-    // "routed >= t" as a literal, with its truth value when it is decided statically.
-    let at_least = |t: i64, negated: bool| -> Result<Option<GuardLit>, bool> {
-        if t <= 0 {
-            return Err(!negated); // always true, so its negation always false
-        }
-        let atom = if t == 1 {
-            GuardAtom::Active { layer, expert, ub }
-        } else {
-            GuardAtom::Tokens {
-                layer,
-                expert,
-                ub,
-                at_least: u32::try_from(t).unwrap_or(u32::MAX),
-            }
-        };
-        Ok(Some(GuardLit { atom, negated }))
-    };
-    let lits = match op {
-        Ge => vec![at_least(n, false)],
-        Gt => vec![at_least(n.saturating_add(1), false)],
-        Lt => vec![at_least(n, true)],
-        Le => vec![at_least(n.saturating_add(1), true)],
-        Eq => vec![at_least(n, false), at_least(n.saturating_add(1), true)],
-        _ => {
-            return Err(Diagnostic::dynamic_not_allowed(
-                span,
-                "`!=` of a routed token count (it is a disjunction; write the two arms with `<` and `>`)",
-            ))
-        }
-    };
-    Ok(conjunction(lits))
 }
 
 /// The conjunction of a guard comparison's literals, each a literal or its truth value

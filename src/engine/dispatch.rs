@@ -205,6 +205,7 @@ pub fn measure_dispatch(threads: usize) -> Result<DispatchTimes, DispatchProbeEr
         kind: StepKind::Decode,
         first: 0,
         count: tasks as u32,
+        routed_ceiling: None,
         programs,
         events,
     };

@@ -533,6 +533,12 @@ pub struct Step {
     pub first: u32,
     /// Number of tasks.
     pub count: u32,
+    /// The most tokens one micro-batch of this step may hold at run time, when the
+    /// elaborator decided a `routed(..) >= t` comparison from it (t above it can never
+    /// hold, so that arm was not built): the runtime then never gives a micro-batch more
+    /// (`runtime::driver`'s capacities). `None`: nothing relies on a bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_ceiling: Option<u64>,
 }
 
 fn ser_step_kind<S: serde::Serializer>(kind: &StepKind, s: S) -> Result<S::Ok, S::Error> {

@@ -220,6 +220,10 @@ pub struct StepPlan {
     pub first: u32,
     /// Number of tasks.
     pub count: u32,
+    /// [`crate::ir::Step::routed_ceiling`]: the most tokens a micro-batch of this step
+    /// may hold, where the compiled program relies on it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_ceiling: Option<u64>,
     /// One instruction list per stream (indexed like [`ExecPlan::streams`]).
     pub programs: Vec<Vec<Instr>>,
     /// Events this step uses: `events[e]` is the task after which event `e` is recorded.
@@ -749,6 +753,7 @@ fn lower_step(
         kind: step.kind,
         first: step.first,
         count: step.count,
+        routed_ceiling: step.routed_ceiling,
         programs,
         events,
     })

@@ -665,7 +665,13 @@ fn capacities(plan: &ExecPlan, step: usize) -> Vec<UbCapacity> {
             }
         }
     }
+    // A program that left out arms whose `routed(..) >= t` exceeds the step's tokens per
+    // micro-batch is only right while no micro-batch holds more (`ir::Step::routed_ceiling`).
+    let ceiling = plan.steps[step]
+        .routed_ceiling
+        .map_or(usize::MAX, |c| usize::try_from(c).unwrap_or(usize::MAX));
     for c in &mut caps {
+        c.tokens = c.tokens.min(ceiling);
         if c.tokens == usize::MAX {
             c.tokens = 0;
         }
