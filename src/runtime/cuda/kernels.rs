@@ -177,11 +177,11 @@ pub const HEADERS: [(&str, &str); 4] = [
         "paged_attention.cuh",
         include_str!("../../../kernels/paged_attention.cuh"),
     ),
-    ("router.cuh", include_str!("../../../kernels/router.cuh")),
     (
         "q8_block.cuh",
         include_str!("../../../kernels/q8_block.cuh"),
     ),
+    ("router.cuh", include_str!("../../../kernels/router.cuh")),
     (
         "tensor_core.cuh",
         include_str!("../../../kernels/tensor_core.cuh"),
