@@ -5,7 +5,8 @@
 #
 #   scripts/gpu-bench.sh path/to/moec [OUT_DIR]
 #
-# Sections (GPU_BENCH_SECTIONS, default "probe tokens quant resident hf offload serve", run
+# Sections (GPU_BENCH_SECTIONS, default "probe tokens quant resident ncu sanitize hf offload
+# serve", run
 # in that order):
 #   probe   `moec probe --backend cuda`: the host and moec's CUDA kernels and copies on this
 #           device, written to OUT_DIR/probe.ron; the replays below predict on it (unless
@@ -15,6 +16,20 @@
 #   resident  the synthetic mixtral-mid checkpoint (1.47 GiB bf16), prompts of 64 tokens,
 #           32 new, at batch 1, 16 and 64 (GPU_BENCH_BATCHES): `gpu_resident`; tokens/s,
 #           and the decode step measured against the HRM replay on the machine's profile.
+#           GPU_BENCH_VARIANTS (default none): environment settings, each `NAME=VALUE` (e.g.
+#           "MOEC_FLOAT_KERNELS=block MOEC_Q8_KERNELS=generic MOEC_CUDA_REPLAY_IO=host-functions",
+#           the kernels and replay path an A/B keeps selectable), each run again at every batch
+#           as `gpu_resident[NAME=VALUE]` (and `gpu_resident_q4k[...]` with section quant).
+#   ncu     per-launch kernel times (`ncu --metrics gpu__time_duration.sum`) of `gpu_resident`
+#           at each batch of GPU_BENCH_NCU_BATCHES (default "1 16 64"), 4 new tokens, on the mid
+#           checkpoint and (with section quant) its quantised file: ncu-LABEL-bB.csv, and
+#           ncu.txt with scripts/ncu_table.py's per-step tables (kernel time, not step time).
+#   sanitize `compute-sanitizer` initcheck and racecheck on `gpu_resident` over mixtral-tiny
+#           (bf16, and quantised by GPU_BENCH_SANITIZE_QUANT, default experts Q4_0 and the rest
+#           Q8_0: the tiny card's rows are not whole K-quant blocks) with
+#           MOEC_CUDA_POISON_SCRATCH=1, then
+#           initcheck on each schedule of GPU_BENCH_SANITIZE_SCHEDULES (default "cgopipe
+#           fiddler"): 2 prompts of 8 tokens, 3 new, each bounded by 60 s; sanitize.txt.
 #   hf      transformers bf16 on the same checkpoint and workload: the whole model on the
 #           GPU in each configuration of GPU_BENCH_HF_CONFIGS (default `all`: experts eager,
 #           grouped_mm and batched_mm x attention sdpa and eager, then batched_mm/sdpa under
@@ -60,7 +75,8 @@
 # serve.jsonl and serve.txt (section serve),
 # full.jsonl and full.txt (section full),
 # probe.txt and probe.ron, runs.jsonl (each mid run's `--json` report with its name, batch and exit status),
-# hf.jsonl, summary.txt (the one table) and traces.tar.gz (Chrome traces of a few runs).
+# hf.jsonl, summary.txt (the one table), traces.tar.gz (Chrome traces of a few runs),
+# ncu.txt and ncu-*.csv (section ncu) and sanitize.txt (section sanitize).
 # Each run is bounded by `timeout`; the whole script is meant to take under 6 minutes.
 # Smaller dry runs (e.g. under the stand-in driver): GPU_BENCH_MODEL=mixtral-tiny
 # GPU_BENCH_BATCHES=1 GPU_BENCH_FAMILIES=mixtral GPU_BENCH_PROBE_SIZES=tiny GPU_BENCH_PROBE_MIB=16.
@@ -76,7 +92,7 @@ mkdir -p "$out"
 out=$(realpath "$out")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-sections=${GPU_BENCH_SECTIONS:-probe tokens quant resident hf offload serve}
+sections=${GPU_BENCH_SECTIONS:-probe tokens quant resident ncu sanitize hf offload serve}
 per_run=${GPU_BENCH_RUN_TIMEOUT:-40}
 jobs=${GPU_BENCH_JOBS:-8}
 model=${GPU_BENCH_MODEL:-mixtral-mid}
@@ -175,7 +191,7 @@ EOF
 fi
 
 # --- (b) mixtral-mid on moec -------------------------------------------------------------
-if has resident || has offload || has hf || has quant || has serve; then
+if has resident || has offload || has hf || has quant || has serve || has ncu; then
     "$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
         echo "moec synth failed: see $out/synth.txt" >&2
         exit 1
@@ -196,7 +212,7 @@ run() {
     esac
     local t0 t1
     t0=$(date +%s.%N)
-    timeout "${run_timeout:-$per_run}" "$moec" run "$root/$sched" --weights "${run_weights:-$work/mid}" --backend cuda \
+    env ${run_env:+"$run_env"} timeout "${run_timeout:-$per_run}" "$moec" run "$root/$sched" --weights "${run_weights:-$work/mid}" --backend cuda \
         --json --hw "$hw" --gen-len 32 \
         --workload "count=$batch,mean=64,max=64,min=64,gen=32,seed=1" \
         "${capargs[@]}" "${trace[@]}" "$@" > "$work/report" 2> "$work/err"
@@ -218,6 +234,9 @@ EOF
 if has resident; then
     for b in $batches; do
         run gpu_resident schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
+        for v in ${GPU_BENCH_VARIANTS:-}; do
+            run_env=$v run "gpu_resident[$v]" schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
+        done
     done
 fi
 
@@ -229,6 +248,10 @@ if has quant; then
         last=
         for b in $batches; do
             run_weights=$work/mid-q.gguf run gpu_resident_q4k schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
+            for v in ${GPU_BENCH_VARIANTS:-}; do
+                run_env=$v run_weights=$work/mid-q.gguf run "gpu_resident_q4k[$v]" \
+                    schedules/baselines/gpu_resident.sched "$b" - --set "ubs=$b"
+            done
             last=$b
         done
         # The same file on the CPU backend (all cores), for its tokens at the largest batch
@@ -262,6 +285,55 @@ else:
 EOF
     else
         echo "moec quantize failed (exit $?): see quantize.txt" > "$out/quant-tokens.txt"
+    fi
+fi
+
+# --- (b'') where a step's kernel time goes, and the sanitizers ------------------------------
+if has ncu; then
+    : > "$out/ncu.txt"
+    if ! command -v ncu > /dev/null; then
+        echo "ncu: NOT RUN: no ncu on PATH" > "$out/ncu.txt"
+    else
+        for w in mid mid-q.gguf; do
+            [ -e "$work/$w" ] || continue
+            label=${w%.gguf}
+            for b in ${GPU_BENCH_NCU_BATCHES:-1 16 64}; do
+                timeout "${GPU_BENCH_NCU_TIMEOUT:-60}" ncu --clock-control none --metrics gpu__time_duration.sum \
+                    --csv --launch-count 1500 "$moec" run "$root/schedules/baselines/gpu_resident.sched" \
+                    --weights "$work/$w" --backend cuda --hw "$hw" --gen-len 4 --set "ubs=$b" \
+                    --workload "count=$b,mean=64,max=64,min=64,gen=4,seed=1" \
+                    > "$out/ncu-$label-b$b.csv" 2> "$work/ncu.err"
+                echo "== $label batch $b: ncu exit $?" >> "$out/ncu.txt"
+                python3 "$root/scripts/ncu_table.py" "$out/ncu-$label-b$b.csv" --steps 3 >> "$out/ncu.txt" 2>&1
+            done
+        done
+    fi
+fi
+if has sanitize; then
+    : > "$out/sanitize.txt"
+    if ! command -v compute-sanitizer > /dev/null; then
+        echo "sanitize: NOT RUN: no compute-sanitizer on PATH" > "$out/sanitize.txt"
+    else
+        "$moec" synth --model mixtral-tiny --out "$work/tiny" > /dev/null 2>&1
+        "$moec" quantize --weights "$work/tiny" --out "$work/tiny-q.gguf" \
+            --weight-format "${GPU_BENCH_SANITIZE_QUANT:-experts=q4_0,attention=q8_0,head=q8_0}" > /dev/null 2>&1
+        sanitize() { # TOOL WEIGHTS SCHEDULE
+            MOEC_CUDA_POISON_SCRATCH=1 timeout 60 compute-sanitizer --tool "$1" --print-limit 3 \
+                --show-backtrace device "$moec" run "$root/$3" --weights "$2" --backend cuda --hw "$hw" \
+                --gen-len 3 --workload count=2,mean=8,max=8,min=8,gen=3,seed=1 > "$work/san.txt" 2>&1
+            local rc=$?
+            {
+                echo "== $1 $(basename "$2") $3: exit $rc"
+                grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Uninitialized|hazard|Invalid|Program hit' "$work/san.txt" | head -12
+            } >> "$out/sanitize.txt"
+        }
+        for t in initcheck racecheck; do
+            sanitize "$t" "$work/tiny" schedules/baselines/gpu_resident.sched
+            [ -e "$work/tiny-q.gguf" ] && sanitize "$t" "$work/tiny-q.gguf" schedules/baselines/gpu_resident.sched
+        done
+        for sch in ${GPU_BENCH_SANITIZE_SCHEDULES:-cgopipe fiddler}; do
+            sanitize initcheck "$work/tiny" "schedules/$sch.sched"
+        done
     fi
 fi
 
