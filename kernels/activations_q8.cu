@@ -21,7 +21,7 @@
 // a decode step's 1024-value rows to 4 threads: 24 us a launch on an H100.)
 
 // moec_q8_block (one warp's block of codes and its scale, the CPU's Q8Rows::quantize)
-// lives in q8_block.cuh: moe_grouped.cu's one-row integer products quantise their row
+// lives in q8_block.cuh: q8_products_rows.cu's one-row integer products quantise their row
 // with it too.
 #include "q8_block.cuh"
 
@@ -60,7 +60,7 @@ extern "C" __global__ void q8_roundtrip(
     }
 }
 
-// Activation rows quantised once for the integer products (moe_grouped.cu's
+// Activation rows quantised once for the integer products (q8_products*.cu's
 // linear_gemv_q8 / moe_grouped_gemv_q8), every consumer of the same input sharing them:
 // `codes` [rows, width] int8 and `scales` [rows, width / block] f32, the CPU's Q8Rows
 // codes and scales (kind 0 Q8_K, 1 Q8_0; see moec_q8_block). x rows are `x_row` floats

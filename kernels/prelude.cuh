@@ -90,7 +90,7 @@ __device__ __forceinline__ void moec_mxfp4_decode(const unsigned char* b, int e0
 
 // The 6-bit scale and min of sub-block j (0..8) of a Q4_K/Q5_K block from its 12 packed
 // scale bytes, byte n as `byte(n)` gives it (blocks.rs scale_min_k4): read from memory, or
-// picked out of words already loaded (moe_grouped.cu's word-load decode).
+// picked out of words already loaded (warp_dot.cuh's word-load decode).
 template <class ByteAt>
 __device__ __forceinline__ void moec_scale_min_k4(int j, ByteAt byte, int* sc, int* m) {
     if (j < 4) {

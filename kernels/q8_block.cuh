@@ -1,6 +1,6 @@
 // One block of an activation row quantised to ggml's 8-bit activation formats by a warp,
 // as the CPU's Q8Rows::quantize (src/quant/q8.rs) does it: shared by activations_q8.cu
-// (q8_roundtrip, q8_quantize) and moe_grouped.cu's one-row integer products, which
+// (q8_roundtrip, q8_quantize) and q8_products_rows.cu's one-row integer products, which
 // quantise their row themselves (the *_q8_x1 kernels), so both give the CPU's codes.
 
 // ggml's nearest_int: round half to even through the 1.5 * 2^23 trick (src/quant/q8.rs).

@@ -1,6 +1,6 @@
 // Block-quantised weights (ggml's Q8_0, Q4_K, Q5_K, Q6_K; dtype codes 3-6 of the prelude)
 // outside the few-row products, which decode them inside the product themselves
-// (moe_grouped.cu's linear_gemv, moe_grouped_gemv and moe_grouped_linear):
+// (linear_gemv.cu's linear_gemv, moe_grouped.cu's moe_grouped_gemv and moe_grouped_linear):
 //   dequant_f32    a quantised matrix decoded to f32 ([out, in], as the CPU's f32 decode),
 //                  for StreamCx::linear's many-row path: one cublasSgemm on the decoded
 //                  copy, so a prefill's product is the CPU's f32-decoded product up to

@@ -11,7 +11,7 @@
 use cudarc::driver::sys::{self as cu, CUresult};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::bf16;
-use moec::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH};
+use moec::runtime::cuda::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
 use std::sync::Arc;
 
 pub(crate) use crate::standin_common::in_standin_child;
@@ -122,6 +122,20 @@ pub(crate) fn function(
         .expect("kernel file")
         .1;
     module.load_function(name).expect("kernel entry")
+}
+
+/// Entry point `name` from whichever kernel file defines it (its [`KERNELS`] row), so a
+/// test names the kernel, not the file it lives in.
+pub(crate) fn kernel_entry(
+    modules: &[(&'static str, Arc<cudarc::driver::CudaModule>)],
+    name: &str,
+) -> cudarc::driver::CudaFunction {
+    let file = KERNELS
+        .iter()
+        .find(|k| k.entries.contains(&name))
+        .unwrap_or_else(|| panic!("no kernel file defines {name}"))
+        .file;
+    function(modules, file, name)
 }
 
 /// Blocks a stream until the test sends on the channel (a host-held gate: the only way to

@@ -4,7 +4,7 @@
 //! CPU backend's count of the same grouping.
 
 use crate::standin::{
-    cfg, function, in_standin_child, load_kernels, run_under_standin, standin_context, Rng,
+    cfg, in_standin_child, kernel_entry, load_kernels, run_under_standin, standin_context, Rng,
 };
 use cudarc::driver::PushKernelArg;
 use moec::model::vocab::{ExpertGroups, Routing};
@@ -30,8 +30,8 @@ fn expert_counts_on_the_device_match_the_cpu_grouping() {
     assert_eq!(status.missing(), None, "{status:?}");
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
-    let group = function(&modules, "moe_grouped.cu", "moe_group");
-    let count = function(&modules, "moe_grouped.cu", "moe_count_experts");
+    let group = kernel_entry(&modules, "moe_group");
+    let count = kernel_entry(&modules, "moe_count_experts");
     let mut rng = Rng(0x5eed_f00d_1234_0045);
     let mut pick = |below: usize| {
         let u = (rng.next_f32() + 1.0) * 0.5;

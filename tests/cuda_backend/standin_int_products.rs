@@ -1,11 +1,11 @@
 //! The integer products of block-quantised weights on 8-bit activations
-//! (kernels/activations_q8.cu's `q8_quantize`, kernels/moe_grouped.cu's `linear_gemv_q8`
+//! (kernels/activations_q8.cu's `q8_quantize`, kernels/q8_products.cu's `linear_gemv_q8`
 //! and `moe_grouped_gemv_q8`), the fused float expert kernel (`moe_grouped_gemv` mode 3),
 //! the router writing the packed route and `combine_slots` reading it in place, each
 //! through cudarc on the stand-in driver against the CPU kernels of `moec`.
 
 use crate::standin::{
-    cfg, function, in_standin_child, load_kernels, max_abs_diff, run_under_standin,
+    cfg, function, in_standin_child, kernel_entry, load_kernels, max_abs_diff, run_under_standin,
     standin_context, Rng,
 };
 use crate::standin_kernels::{addr, bits, random_blocks, reference_product, stored};
@@ -40,7 +40,7 @@ fn integer_products_match_the_cpu_int8_product() {
     let modules = load_kernels(&ctx);
     let quantize = function(&modules, "activations_q8.cu", "q8_quantize");
     let gemvs = ["linear_gemv_q8", "linear_gemv_q8_r1", "linear_gemv_q8_r16"]
-        .map(|entry| (entry, function(&modules, "moe_grouped.cu", entry)));
+        .map(|entry| (entry, kernel_entry(&modules, entry)));
     let mut rng = Rng(0x7a3c_1e55_0b1d_4f29);
     let formats = [
         QuantFormat::Q8_0,
@@ -107,7 +107,7 @@ fn integer_products_match_the_cpu_int8_product() {
             // (shared memory: the codes, then the scales from a 16-byte boundary).
             let x1 = (n == 1).then(|| {
                 let entry = "linear_gemv_q8_x1";
-                (entry, function(&modules, "moe_grouped.cu", entry))
+                (entry, kernel_entry(&modules, entry))
             });
             for (entry, gemv) in gemvs.iter().chain(x1.iter()) {
                 let folded = *entry == "linear_gemv_q8_x1";
@@ -258,7 +258,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     // SAFETY: argument types and order match the kernel's signature.
     unsafe {
         stream
-            .launch_builder(&function(&modules, "moe_grouped.cu", "moe_group"))
+            .launch_builder(&kernel_entry(&modules, "moe_group"))
             .arg(&route_dev)
             .arg(&down_table)
             .arg(&mut perm_row)
@@ -301,7 +301,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
             .launch(cfg((1, 1, 1), 64, 0))
     }
     .expect("launch");
-    let grouped = function(&modules, "moe_grouped.cu", "moe_grouped_gemv_q8");
+    let grouped = kernel_entry(&modules, "moe_grouped_gemv_q8");
     let mut hidden = stream.alloc_zeros::<f32>(entries * f).expect("alloc");
     let (gather, mode3, code4, code6) = (1i32, 3i32, 4i32, 6i32);
     let (gate_table, up_table) = (table_at(0), table_at(1));
@@ -463,7 +463,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
         "moe_grouped_gemv_q8_r16",
         "moe_grouped_gemv_q8_x1",
     ] {
-        let kernel = function(&modules, "moe_grouped.cu", entry);
+        let kernel = kernel_entry(&modules, entry);
         let folded = entry == "moe_grouped_gemv_q8_x1";
         let shared = |cols: usize| {
             if folded {
@@ -573,7 +573,7 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     let table_bf_dev = stream.clone_htod(&table_bf).expect("htod");
     let gate_t = addr(&stream, &table_bf_dev);
     let up_t = gate_t + (e * 8) as u64;
-    let float = function(&modules, "moe_grouped.cu", "moe_grouped_gemv");
+    let float = kernel_entry(&modules, "moe_grouped_gemv");
     let run_float = |mode: i32, which: u64, second: u64, y: &mut CudaSlice<f32>| {
         let (out_in, bias_dtype, dtype) = (1i32, 2i32, 0i32);
         // SAFETY: argument types and order match the kernel's signature.
@@ -708,8 +708,8 @@ fn three_products_in_one_launch_equal_three_launches() {
     let x = rng.vec(n * inp, 1.0);
     let x_dev = stream.clone_htod(&x).expect("htod");
     let (n_i, inp_i, ldy) = (n as i32, inp as i32, width as i32);
-    let single = function(&modules, "moe_grouped.cu", "linear_gemv");
-    let single_q8 = function(&modules, "moe_grouped.cu", "linear_gemv_q8");
+    let single = kernel_entry(&modules, "linear_gemv");
+    let single_q8 = kernel_entry(&modules, "linear_gemv_q8");
     for int in [false, true] {
         for parts in [3usize, 2] {
             let mut ws: Vec<CudaSlice<u8>> = Vec::new();
@@ -799,7 +799,7 @@ fn three_products_in_one_launch_equal_three_launches() {
             };
             for &entry in entries {
                 let mut fused = stream.alloc_zeros::<f32>(n * width).expect("alloc");
-                let f = function(&modules, "moe_grouped.cu", entry);
+                let f = kernel_entry(&modules, entry);
                 let mut launch = stream.launch_builder(&f);
                 let (x_row, kind) = (inp as i64, 0i32);
                 let shared = if entry == "linear_gemv3_q8_x1" {
@@ -869,8 +869,8 @@ fn one_row_kernels_equal_the_generic_kernels() {
     let modules = load_kernels(&ctx);
     let mut rng = Rng(0x5eed_0000_1111_2222);
     let half_bits = |v: &[f32], code: i32| -> Vec<u8> { stored(v, code).0 };
-    let generic = function(&modules, "moe_grouped.cu", "linear_gemv");
-    let one = function(&modules, "moe_grouped.cu", "linear_gemv_1");
+    let generic = kernel_entry(&modules, "linear_gemv");
+    let one = kernel_entry(&modules, "linear_gemv_1");
     for code in [0i32, 1] {
         for inp in [1024usize, 3584, 520] {
             let out = 37usize;
@@ -941,7 +941,7 @@ fn one_row_kernels_equal_the_generic_kernels() {
     // SAFETY: argument types and order match the kernel's signature.
     unsafe {
         stream
-            .launch_builder(&function(&modules, "moe_grouped.cu", "moe_group"))
+            .launch_builder(&kernel_entry(&modules, "moe_group"))
             .arg(&route_dev)
             .arg(&down)
             .arg(&mut perm_row)
@@ -962,7 +962,7 @@ fn one_row_kernels_equal_the_generic_kernels() {
             // SAFETY: argument types and order match the kernel's signature.
             unsafe {
                 stream
-                    .launch_builder(&function(&modules, "moe_grouped.cu", entry))
+                    .launch_builder(&kernel_entry(&modules, entry))
                     .arg(&xin)
                     .arg(&perm_row)
                     .arg(&perm_slot)
@@ -1037,7 +1037,7 @@ fn a_projection_that_normalises_its_rows_equals_rms_norm_then_the_projection() {
     let modules = load_kernels(&ctx);
     let mut rng = Rng(0x0f01_d0a5_5eed_0044);
     let norm = function(&modules, "rms_norm.cu", "rms_norm");
-    let gemv3 = function(&modules, "moe_grouped.cu", "linear_gemv3");
+    let gemv3 = kernel_entry(&modules, "linear_gemv3");
     let outs = [37usize, 8, 5];
     let total = outs.iter().sum::<usize>();
     let cols = [0usize, outs[0], outs[0] + outs[1]];
@@ -1209,7 +1209,7 @@ fn the_one_row_qkv_kernel_equals_linear_gemv3() {
                 // SAFETY: argument types and order match the kernel's signature.
                 unsafe {
                     stream
-                        .launch_builder(&function(&modules, "moe_grouped.cu", entry))
+                        .launch_builder(&kernel_entry(&modules, entry))
                         .arg(&x_dev)
                         .arg(&ws[0])
                         .arg(&ws[1])
@@ -1302,7 +1302,7 @@ fn the_warp_grouping_equals_the_per_expert_grouping() {
             // SAFETY: argument types and order match the kernel's signature.
             unsafe {
                 stream
-                    .launch_builder(&function(&modules, "moe_grouped.cu", entry))
+                    .launch_builder(&kernel_entry(&modules, entry))
                     .arg(&route_dev)
                     .arg(&members_dev)
                     .arg(&mut perm_row)
@@ -1368,7 +1368,7 @@ fn the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu() 
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
     let mut rng = Rng(0x6a7e_0000_4444_0010);
-    let gemv = function(&modules, "moe_grouped.cu", "linear_gemv");
+    let gemv = kernel_entry(&modules, "linear_gemv");
     let topk = function(&modules, "router_topk.cu", "router_topk");
     let (tk, eps) = (3usize, 1e-5f32);
     for (n, d, kind, router_code, ne) in [
@@ -1451,7 +1451,7 @@ fn the_fused_gate_equals_norm_router_and_top_k_launches_and_routes_as_the_cpu() 
         .expect("launch");
         // Fused, over slots holding garbage: both forms (MOEC_FLOAT_KERNELS=block / warp).
         for entry in ["moe_gate_route_block", "moe_gate_route"] {
-            let fused_f = function(&modules, "moe_grouped.cu", entry);
+            let fused_f = kernel_entry(&modules, entry);
             let mut x_norm = stream.alloc_zeros::<f32>(n * d).expect("alloc");
             let mut slots = stream.clone_htod(&vec![7.5f32; n * tk * d]).expect("htod");
             let mut route_fused = stream.alloc_zeros::<u32>(n * tk * 2).expect("alloc");

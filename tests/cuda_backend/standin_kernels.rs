@@ -2,8 +2,8 @@
 //! against the CPU kernel of `moec::math` it mirrors.
 
 use crate::standin::{
-    cfg, cpu_attention_checking_appends, function, in_standin_child, load_kernels, max_abs_diff,
-    paged_rows, run_under_standin, standin_context, Rng,
+    cfg, cpu_attention_checking_appends, function, in_standin_child, kernel_entry, load_kernels,
+    max_abs_diff, paged_rows, run_under_standin, standin_context, Rng,
 };
 use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 use half::bf16;
@@ -323,7 +323,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
     // path, 36 the one-element path; 1, 5 and 16 rows; y rows wider than out (ldy), and
     // accumulation onto what is there. Tolerance 1e-5 on sums of O(1) terms: f32
     // accumulation in another order than the f64 reference.
-    let f = function(&modules, "moe_grouped.cu", "linear_gemv");
+    let f = kernel_entry(&modules, "linear_gemv");
     for (in_dim, out_dim, n) in [(64usize, 19usize, 1usize), (64, 40, 5), (36, 9, 16)] {
         let x = rng.vec(n * in_dim, 1.0);
         let w = rng.vec(out_dim * in_dim, 0.5);
@@ -1645,7 +1645,7 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
 
         // linear_gemv: blocks decoded inside the product.
         let mut y_dev = stream.alloc_zeros::<f32>(n * out).expect("alloc");
-        let f = function(&modules, "moe_grouped.cu", "linear_gemv");
+        let f = kernel_entry(&modules, "linear_gemv");
         let (ni, ini, outi, ldy, acc) = (n as i32, inp as i32, out as i32, out as i32, 0i32);
         // SAFETY: argument types and order match the kernel's signature.
         unsafe {

@@ -4,7 +4,7 @@
 //! (bf16 experts, many rows per expert) against the CPU backend's expert product.
 
 use crate::standin::{
-    cfg, function, in_standin_child, load_kernels, max_abs_diff, run_under_standin,
+    cfg, function, in_standin_child, kernel_entry, load_kernels, max_abs_diff, run_under_standin,
     standin_context, Rng,
 };
 use crate::standin_kernels::{addr, reference_product};
@@ -51,8 +51,8 @@ fn tensor_core_experts_match_the_cpu_expert_product() {
     assert_eq!(status.missing(), None, "{status:?}");
     let (ctx, stream) = standin_context();
     let modules = load_kernels(&ctx);
-    let group = function(&modules, "moe_grouped.cu", "moe_group");
-    let mma = function(&modules, "moe_grouped.cu", "moe_grouped_mma");
+    let group = kernel_entry(&modules, "moe_group");
+    let mma = kernel_entry(&modules, "moe_grouped_mma");
     let mut rng = Rng(0x7e45_07c0_8e11_0001);
     for (n, e, d, f, non_member) in [
         (45usize, 5usize, 136usize, 200usize, Some(3usize)),

@@ -26,7 +26,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel file, in the order of a layer's forward pass.
-pub const KERNELS: [KernelSource; 13] = [
+pub const KERNELS: [KernelSource; 16] = [
     KernelSource {
         file: "rms_norm.cu",
         source: include_str!("../../../kernels/rms_norm.cu"),
@@ -97,16 +97,36 @@ pub const KERNELS: [KernelSource; 13] = [
         file: "moe_grouped.cu",
         source: include_str!("../../../kernels/moe_grouped.cu"),
         entries: &[
-            "moe_group",
+            "moe_group_block",
             "moe_count_experts",
             "moe_grouped_linear",
             "moe_grouped_gemv",
             "moe_grouped_mma",
+            "moe_grouped_gemv_1",
+            "moe_gate_route_block",
+            "moe_gate_route",
+            "moe_group",
+        ],
+    },
+    KernelSource {
+        file: "linear_gemv.cu",
+        source: include_str!("../../../kernels/linear_gemv.cu"),
+        entries: &[
             "linear_gemv",
             "linear_gemv3",
-            "linear_gemv_q8",
-            "moe_grouped_gemv_q8",
-            "linear_gemv3_q8",
+            "linear_gemv_1",
+            "linear_gemv3_1",
+        ],
+    },
+    KernelSource {
+        file: "q8_products.cu",
+        source: include_str!("../../../kernels/q8_products.cu"),
+        entries: &["linear_gemv_q8", "moe_grouped_gemv_q8", "linear_gemv3_q8"],
+    },
+    KernelSource {
+        file: "q8_products_rows.cu",
+        source: include_str!("../../../kernels/q8_products_rows.cu"),
+        entries: &[
             "linear_gemv_q8_r1",
             "linear_gemv3_q8_r1",
             "moe_grouped_gemv_q8_r1",
@@ -116,12 +136,6 @@ pub const KERNELS: [KernelSource; 13] = [
             "linear_gemv_q8_x1",
             "linear_gemv3_q8_x1",
             "moe_grouped_gemv_q8_x1",
-            "moe_grouped_gemv_1",
-            "linear_gemv_1",
-            "moe_gate_route",
-            "moe_gate_route_block",
-            "linear_gemv3_1",
-            "moe_group_block",
         ],
     },
     KernelSource {
@@ -172,7 +186,11 @@ pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 /// The headers a kernel file may `#include "<name>"` (besides the prelude every file
 /// gets), embedded like the files: [`full_source`] puts a header's text where it is
 /// included, so NVRTC needs no include path and a moec binary no kernels folder.
-pub const HEADERS: [(&str, &str); 4] = [
+pub const HEADERS: [(&str, &str); 7] = [
+    (
+        "moe_tiles.cuh",
+        include_str!("../../../kernels/moe_tiles.cuh"),
+    ),
     (
         "paged_attention.cuh",
         include_str!("../../../kernels/paged_attention.cuh"),
@@ -181,10 +199,18 @@ pub const HEADERS: [(&str, &str); 4] = [
         "q8_block.cuh",
         include_str!("../../../kernels/q8_block.cuh"),
     ),
+    (
+        "q8_units.cuh",
+        include_str!("../../../kernels/q8_units.cuh"),
+    ),
     ("router.cuh", include_str!("../../../kernels/router.cuh")),
     (
         "tensor_core.cuh",
         include_str!("../../../kernels/tensor_core.cuh"),
+    ),
+    (
+        "warp_dot.cuh",
+        include_str!("../../../kernels/warp_dot.cuh"),
     ),
 ];
 
@@ -305,6 +331,17 @@ mod tests {
     }
 
     #[test]
+    fn linear_gemv_entries_match_the_source() {
+        assert_entries_match("linear_gemv.cu");
+    }
+
+    #[test]
+    fn q8_products_entries_match_the_source() {
+        assert_entries_match("q8_products.cu");
+        assert_entries_match("q8_products_rows.cu");
+    }
+
+    #[test]
     fn quant_entries_match_the_source() {
         assert_entries_match("quant.cu");
     }
@@ -355,7 +392,11 @@ mod tests {
     fn full_source_puts_included_headers_in_place() {
         let prefill = kernel("prefill_attention.cu");
         let full = full_source(prefill);
-        let (_, header) = HEADERS[0];
+        let (_, header) = HEADERS
+            .iter()
+            .copied()
+            .find(|(name, _)| *name == "paged_attention.cuh")
+            .expect("paged_attention.cuh is a header");
         assert_eq!(full.matches(header).count(), 1);
         assert!(!full.contains("#include \"paged_attention.cuh\""));
         let include_line = prefill

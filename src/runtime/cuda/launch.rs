@@ -149,7 +149,7 @@ pub fn storage_code(dtype: WeightDtype, quant: Option<QuantFormat>) -> i32 {
 
 /// Whether products with weights of `format` run as integer dot products on activations
 /// quantised once (`q8_quantize` + `linear_gemv_q8` / `moe_grouped_gemv_q8`,
-/// kernels/moe_grouped.cu): Q8_0, Q4_K, Q5_K and Q6_K with the CPU's default 8-bit product
+/// kernels/q8_products.cu, and their row-count forms in q8_products_rows.cu): Q8_0, Q4_K, Q5_K and Q6_K with the CPU's default 8-bit product
 /// (not under `MOEC_QUANT_PRODUCT=decoded`, where both backends multiply f32 activations).
 /// Q4_0, Q4_1 and MXFP4 decode their blocks inside the f32 products instead.
 pub fn int_product(format: Option<QuantFormat>) -> bool {
@@ -517,8 +517,8 @@ fn block_for(n: usize) -> u32 {
     n.clamp(32, 256).next_power_of_two().min(256) as u32
 }
 
-/// Rows up to which [`StreamCx::linear`] runs `linear_gemv` (kernels/moe_grouped.cu's
-/// `MOE_TILE_M`) instead of cuBLAS, and that kernel's warps per block (`MOE_GEMV_WARPS`).
+/// Rows up to which [`StreamCx::linear`] runs `linear_gemv` (kernels/linear_gemv.cu;
+/// kernels/moe_tiles.cuh's `MOE_TILE_M`) instead of cuBLAS, and that kernel's warps per block (`MOE_GEMV_WARPS`).
 pub const GEMV_MAX_ROWS: usize = 16;
 
 /// Output features up to which `linear_gemv` is used: a layer's projections. A vocabulary

@@ -52,8 +52,8 @@ use std::sync::atomic::Ordering;
 /// `ROUTER_MAX_EXPERTS` of kernels/router.cuh.
 pub(super) const ROUTER_MAX_EXPERTS: usize = 256;
 
-/// `MOE_MAX_EXPERTS`, `MOE_TILE_M` / `MOE_TILE_N` and `MOE_GEMV_WARPS` of
-/// kernels/moe_grouped.cu.
+/// `MOE_MAX_EXPERTS` and `MOE_TILE_N` of kernels/moe_grouped.cu, `MOE_TILE_M` and
+/// `MOE_GEMV_WARPS` of kernels/moe_tiles.cuh.
 const MOE_MAX_EXPERTS: usize = 256;
 const MOE_TILE_M: usize = 16;
 const MOE_TILE_N: usize = 64;
