@@ -738,12 +738,20 @@ fn the_runtime_copies_only_the_rows_of_the_steps_tokens() {
 /// step (`cost::predict::copy_bytes_at`): Fiddler's decode `acc[0] -> acc_c[0]` copies of
 /// micro-batch 0 with 1 decoding sequence are 1 row of 1,536 B, while micro-batch 1 held 2
 /// (the declared worst case); a micro-batch the step did not have moves nothing. Copies
-/// that are not live rows (weights, sampled tokens) stay at their declared bytes.
+/// that are not live rows (weights, sampled tokens) stay at their declared bytes. With
+/// `t_copy = 1` the decode step keeps Fiddler's copy-to-GPU arm, whose guard the default
+/// latency rule puts above a decode micro-batch's tokens (so that arm is never built).
 #[test]
 fn the_replay_charges_each_micro_batchs_own_rows() {
     use moec::cost::predict::{copy_bytes_at, Loads};
     use moec::records::UbLoad;
-    let program = compiled("fiddler");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schedules/fiddler.sched");
+    let source = common::read(&path);
+    let mut options = common::small_options(&source, common::card_with_layers("mixtral-tiny", 2));
+    options.sets.push(("t_copy".to_string(), "1".to_string()));
+    let program = moec::compile::compile(&source, &options)
+        .unwrap_or_else(|d| panic!("{}", moec::diag::render_all(&d, "fiddler", &source)))
+        .program;
     let decode = |seqs: usize| UbLoad {
         decode_seqs: seqs,
         decode_context: seqs * 9,
