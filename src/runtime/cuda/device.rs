@@ -16,7 +16,7 @@ use cudarc::driver::{CudaContext, CudaFunction, DriverError};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Why the CUDA device cannot be used.
@@ -158,6 +158,17 @@ fn cache_path(
 
 type Loaded = (HashMap<&'static str, CudaFunction>, PtxSources);
 
+/// Writes a cache file through a temporary file of this process renamed into place:
+/// processes sharing the cache (the test suite runs several at once) then read either no
+/// file or the whole PTX, never the prefix a plain write shows while it is under way.
+fn write_whole(path: &Path, text: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension(format!("ptx.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
 fn load_kernels(
     ctx: &Arc<CudaContext>,
     arch: &'static str,
@@ -189,7 +200,7 @@ fn load_kernels(
                         .parent()
                         .map(std::fs::create_dir_all)
                         .transpose()
-                        .and_then(|_| std::fs::write(p, ptx.to_src()));
+                        .and_then(|_| write_whole(p, &ptx.to_src()));
                 }
                 ptx
             }
