@@ -335,6 +335,13 @@ fn scratch() -> tempfile::TempDir {
         }
     }
     std::os::unix::fs::symlink(root.join("models"), dir.path().join("models")).unwrap();
+    // The PTX cache is shared with tests/cuda_backend.rs (same NVRTC, same sources, same
+    // key): `moec devices` then compiles moec's kernels once for the suite, not per test
+    // binary (a cold compile is over a minute and a half of CPU).
+    let kernels = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel-cache/cuda-kernels");
+    std::fs::create_dir_all(&kernels).unwrap();
+    std::fs::create_dir_all(dir.path().join(".cache")).unwrap();
+    std::os::unix::fs::symlink(&kernels, dir.path().join(".cache/cuda-kernels")).unwrap();
     dir
 }
 

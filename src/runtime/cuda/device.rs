@@ -1,22 +1,19 @@
-//! The CUDA device a plan runs on: the context, moec's kernels loaded for the device's
-//! architecture, and the on-disk PTX cache.
+//! The CUDA device a plan runs on: the context and moec's kernels loaded for the device's
+//! architecture.
 //!
 //! Takes the CUDA status (libraries and devices found); gives a [`Device`] with every entry
 //! point of `kernels/*.cu` loaded as a [`CudaFunction`], or a [`DeviceError`] saying which
-//! library, device or kernel is missing. NVRTC compiles each kernel file once per
-//! (source, architecture, NVRTC version): the PTX is kept under
-//! `<cache>/cuda-kernels/<hash>.ptx` and later runs load it without compiling (the run
-//! report says how many files came from the cache). Nothing here calls into a library
+//! library, device or kernel is missing. The PTX comes from [`super::ptx_cache`] (compiled
+//! once per source, architecture, NVRTC version and device; the run report says how many
+//! files came from the cache). Nothing here calls into a library
 //! before `detect` found it, so a missing library is an error, never cudarc's panic.
 
 use super::detect::{detect, CudaStatus};
-use super::kernels::{compile_kernel, KernelSource, KERNELS};
+use super::kernels::KERNELS;
+use super::ptx_cache::{default_dir, load_or_compile_all, PtxKey};
 use super::CudaError;
 use cudarc::driver::{CudaContext, CudaFunction, DriverError};
-use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Why the CUDA device cannot be used.
@@ -48,14 +45,7 @@ pub enum DeviceError {
     },
 }
 
-/// Where the PTX of each kernel file came from in this process.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PtxSources {
-    /// Files compiled by NVRTC now (and written to the cache).
-    pub compiled: usize,
-    /// Files read from the on-disk cache.
-    pub cached: usize,
-}
+pub use super::ptx_cache::PtxSources;
 
 /// A CUDA device with moec's kernels loaded.
 #[derive(Debug)]
@@ -132,42 +122,7 @@ pub fn arch_name((major, minor): (i32, i32)) -> &'static str {
     leaked
 }
 
-/// The cache file of one kernel file's PTX. The key covers the source, the architecture,
-/// the NVRTC version and the device's name, so PTX made by another NVRTC (or by the test
-/// stand-in, whose "PTX" names a host object) is never loaded on this device.
-fn cache_path(
-    kernel: &KernelSource,
-    arch: &str,
-    nvrtc: Option<(i32, i32)>,
-    device: &str,
-) -> Option<PathBuf> {
-    let dir = crate::weights::source::cache_dir()
-        .ok()?
-        .join("cuda-kernels");
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    // What NVRTC compiles (the prelude and included headers with the file), so a change to
-    // any of them misses the cache.
-    (super::kernels::full_source(kernel), arch, nvrtc, device).hash(&mut hasher);
-    Some(dir.join(format!(
-        "{}-{}-{:016x}.ptx",
-        kernel.file.trim_end_matches(".cu"),
-        arch,
-        hasher.finish()
-    )))
-}
-
 type Loaded = (HashMap<&'static str, CudaFunction>, PtxSources);
-
-/// Writes a cache file through a temporary file of this process renamed into place:
-/// processes sharing the cache (the test suite runs several at once) then read either no
-/// file or the whole PTX, never the prefix a plain write shows while it is under way.
-fn write_whole(path: &Path, text: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension(format!("ptx.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
-}
 
 fn load_kernels(
     ctx: &Arc<CudaContext>,
@@ -175,36 +130,15 @@ fn load_kernels(
     status: &CudaStatus,
     device: &str,
 ) -> Result<Loaded, DeviceError> {
+    let key = PtxKey {
+        arch,
+        nvrtc: status.nvrtc_version,
+        device,
+        nvrtc_loads: status.libraries.nvrtc,
+    };
+    let (ptx, sources) = load_or_compile_all(default_dir().as_deref(), key)?;
     let mut functions = HashMap::new();
-    let mut sources = PtxSources::default();
-    for kernel in &KERNELS {
-        let path = cache_path(kernel, arch, status.nvrtc_version, device);
-        let cached = path
-            .as_ref()
-            .and_then(|p| std::fs::read_to_string(p).ok())
-            .filter(|text| text.contains(".entry") || text.contains(".target"));
-        let ptx = match cached {
-            Some(text) => {
-                sources.cached += 1;
-                Ptx::from_src(text)
-            }
-            None => {
-                if !status.libraries.nvrtc {
-                    return Err(DeviceError::Compile(CudaError::NvrtcMissing));
-                }
-                let ptx = compile_kernel(kernel, arch)?;
-                sources.compiled += 1;
-                if let Some(p) = &path {
-                    // A cache that cannot be written only costs a compile next time.
-                    let _ = p
-                        .parent()
-                        .map(std::fs::create_dir_all)
-                        .transpose()
-                        .and_then(|_| write_whole(p, &ptx.to_src()));
-                }
-                ptx
-            }
-        };
+    for (kernel, ptx) in KERNELS.iter().zip(ptx) {
         let module = ctx
             .load_module(ptx)
             .map_err(driver("loading a kernel module"))?;

@@ -8,7 +8,8 @@
 
 use super::detect::{detect, CudaStatus};
 use super::device::arch_name;
-use super::kernels::{compile_all, DEFAULT_ARCH, KERNELS};
+use super::kernels::{DEFAULT_ARCH, KERNELS};
+use super::ptx_cache::{default_dir, load_or_compile_all, PtxKey};
 use super::CudaError;
 use crate::runtime::registration::DevicesReport;
 
@@ -73,11 +74,25 @@ fn nvrtc_line(status: &CudaStatus) -> (String, Option<CudaError>) {
             .map_or(DEFAULT_ARCH, |d| arch_name(d.compute_capability)),
         _ => DEFAULT_ARCH,
     };
-    match compile_all(arch) {
-        Ok(modules) => (
+    // Device 0's name, as `Device::open` keys the cache: `moec devices` then leaves the PTX
+    // a later `moec run --backend cuda` on that device loads without compiling.
+    let device = match &status.devices {
+        Some(Ok(devices)) => devices.first().map_or("", |d| d.name.as_str()),
+        _ => "",
+    };
+    let key = PtxKey {
+        arch,
+        nvrtc: status.nvrtc_version,
+        device,
+        nvrtc_loads: true,
+    };
+    match load_or_compile_all(default_dir().as_deref(), key) {
+        Ok((modules, sources)) => (
             format!(
-                "NVRTC{version}: found, {} kernel files compile for {arch}",
-                modules.len()
+                "NVRTC{version}: found, {} kernel files compile for {arch} ({} compiled now, {} from the cache)",
+                modules.len(),
+                sources.compiled,
+                sources.cached
             ),
             None,
         ),

@@ -165,17 +165,22 @@ pub const KERNELS: [KernelSource; 16] = [
     },
 ];
 
-/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_80"`), in [`KERNELS`] order.
+/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_80"`), in [`KERNELS`] order, on
+/// all cores and without the on-disk cache ([`super::ptx_cache`] is the cached form).
 /// Fails with [`CudaError::NvrtcMissing`] when NVRTC does not load, or with the first
 /// file NVRTC rejects.
 pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, Ptx)>, CudaError> {
     if !libraries().nvrtc {
         return Err(CudaError::NvrtcMissing);
     }
-    KERNELS
-        .iter()
-        .map(|kernel| Ok((kernel.file, compile_kernel(kernel, arch)?)))
-        .collect()
+    let key = super::ptx_cache::PtxKey {
+        arch,
+        nvrtc: None,
+        device: "",
+        nvrtc_loads: true,
+    };
+    let (ptx, _) = super::ptx_cache::load_or_compile_all(None, key)?;
+    Ok(KERNELS.iter().map(|k| k.file).zip(ptx).collect())
 }
 
 /// Device functions every kernel file may call (kernels/prelude.cuh: the stored weight

@@ -26,6 +26,7 @@ pub mod memory;
 pub mod moe;
 pub mod ops;
 pub mod probe;
+pub mod ptx_cache;
 pub mod step_inputs;
 pub mod tensor_cores;
 
