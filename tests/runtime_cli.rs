@@ -16,6 +16,15 @@ fn moec(cache: &Path, args: &[&str]) -> Output {
         .expect("moec runs")
 }
 
+/// Gives a test's cache folder the suite's shared PTX cache (tests/cuda_backend.rs), so its
+/// `moec devices` reads moec's kernels instead of compiling them again with NVRTC (over a
+/// minute and a half of CPU where NVRTC is installed, as in CI).
+fn share_kernel_cache(cache: &Path) {
+    let kernels = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel-cache/cuda-kernels");
+    std::fs::create_dir_all(&kernels).unwrap();
+    std::os::unix::fs::symlink(&kernels, cache.join("cuda-kernels")).unwrap();
+}
+
 fn json(out: &Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -340,6 +349,7 @@ fn bad_run_flags_are_one_line_errors() {
 #[test]
 fn schedules_give_the_same_tokens_with_portable_and_simd_kernels() {
     let cache = tempfile::tempdir().unwrap();
+    share_kernel_cache(cache.path());
     let devices = moec(cache.path(), &["devices"]);
     let chosen = String::from_utf8_lossy(&devices.stdout)
         .lines()
@@ -405,6 +415,7 @@ fn schedules_give_the_same_tokens_with_portable_and_simd_kernels() {
 #[test]
 fn bf16_product_runs_give_the_oracle_tokens() {
     let cache = tempfile::tempdir().unwrap();
+    share_kernel_cache(cache.path());
     let with = |product: &str, args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_moec"))
             .current_dir(env!("CARGO_MANIFEST_DIR"))
