@@ -28,6 +28,7 @@ pub mod ops;
 pub mod probe;
 pub mod step_inputs;
 pub mod tensor_cores;
+pub mod warmup;
 
 pub use backend::{CudaBackend, CudaReport, CudaSetupError};
 
