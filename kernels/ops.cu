@@ -404,33 +404,80 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, unsigne
 // dst. Either side may be page-locked host memory mapped into the device's address space
 // (a KV cache's context between the pinned and gpu arenas). 16-byte moves where both ends
 // and the length allow, else 4-byte, else bytes.
-// Launch: grid min(n, 65535) (blocks stride over the runs), block 256.
+// Work split (issue 44: a KV cache's appended keys are head_dim runs of a few bytes per
+// head and sequence, thousands a copy, and a whole 256-thread block per run left all but
+// one thread idle): a block takes its warps' count of consecutive runs; each run of at
+// most COPY_RUNS_SMALL bytes is copied by one warp, each longer run by the whole block
+// with up to four 16-byte loads a thread in flight before their stores (over the mapped
+// pinned arena every load is a PCIe round trip). Runs are disjoint, so the two phases
+// need no barrier between them.
+// Launch: grid min(ceil(n / (block / 32)), 65535) (blocks stride over the groups), block a
+// multiple of 32 (256).
+#define COPY_RUNS_SMALL 512ull
+
+__device__ __forceinline__ void copy_runs_span(
+    const char* __restrict__ s,
+    char* __restrict__ d,
+    unsigned long long len,
+    unsigned int lane,
+    unsigned int width) {
+    const unsigned long long align = (unsigned long long)s | (unsigned long long)d | len;
+    if (align % 16 == 0) {
+        const uint4* s16 = (const uint4*)s;
+        uint4* d16 = (uint4*)d;
+        const unsigned long long n16 = len / 16;
+        unsigned long long j = lane;
+        for (; j + 3ull * width < n16; j += 4ull * width) {
+            const uint4 a = s16[j];
+            const uint4 b = s16[j + width];
+            const uint4 c = s16[j + 2ull * width];
+            const uint4 e = s16[j + 3ull * width];
+            d16[j] = a;
+            d16[j + width] = b;
+            d16[j + 2ull * width] = c;
+            d16[j + 3ull * width] = e;
+        }
+        for (; j < n16; j += width) {
+            d16[j] = s16[j];
+        }
+    } else if (align % 4 == 0) {
+        const unsigned int* s4 = (const unsigned int*)s;
+        unsigned int* d4 = (unsigned int*)d;
+        for (unsigned long long j = lane; j < len / 4; j += width) {
+            d4[j] = s4[j];
+        }
+    } else {
+        for (unsigned long long j = lane; j < len; j += width) {
+            d[j] = s[j];
+        }
+    }
+}
+
 extern "C" __global__ void copy_runs(
     const unsigned long long* __restrict__ runs,
     long long n,
     const char* __restrict__ src,
     char* __restrict__ dst) {
-    for (long long i = blockIdx.x; i < n; i += gridDim.x) {
-        const unsigned long long at = runs[2 * i];
-        const unsigned long long len = runs[2 * i + 1];
-        const char* s = src + at;
-        char* d = dst + at;
-        const unsigned long long align = (unsigned long long)s | (unsigned long long)d | len;
-        if (align % 16 == 0) {
-            const uint4* s16 = (const uint4*)s;
-            uint4* d16 = (uint4*)d;
-            for (unsigned long long j = threadIdx.x; j < len / 16; j += blockDim.x) {
-                d16[j] = s16[j];
+    const long long per = (long long)(blockDim.x >> 5) > 0 ? (long long)(blockDim.x >> 5) : 1;
+    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int lane = threadIdx.x & 31;
+    for (long long g = (long long)blockIdx.x * per; g < n; g += (long long)gridDim.x * per) {
+        // Phase 1: each warp its own short run.
+        const long long mine = g + warp;
+        if ((long long)warp < per && mine < n) {
+            const unsigned long long at = runs[2 * mine];
+            const unsigned long long len = runs[2 * mine + 1];
+            if (len <= COPY_RUNS_SMALL) {
+                copy_runs_span(src + at, dst + at, len, lane, 32);
             }
-        } else if (align % 4 == 0) {
-            const unsigned int* s4 = (const unsigned int*)s;
-            unsigned int* d4 = (unsigned int*)d;
-            for (unsigned long long j = threadIdx.x; j < len / 4; j += blockDim.x) {
-                d4[j] = s4[j];
-            }
-        } else {
-            for (unsigned long long j = threadIdx.x; j < len; j += blockDim.x) {
-                d[j] = s[j];
+        }
+        // Phase 2: the group's long runs, one after another, by the whole block.
+        const long long last = g + per < n ? g + per : n;
+        for (long long i = g; i < last; ++i) {
+            const unsigned long long at = runs[2 * i];
+            const unsigned long long len = runs[2 * i + 1];
+            if (len > COPY_RUNS_SMALL) {
+                copy_runs_span(src + at, dst + at, len, threadIdx.x, blockDim.x);
             }
         }
     }

@@ -35,6 +35,9 @@
 #           grouped_mm and batched_mm x attention sdpa and eager, then batched_mm/sdpa under
 #           torch.compile; the table's ratio takes the best), and accelerate's offload with
 #           the GPU capped at 600 MiB (when `python3 -c "import torch, transformers"` works).
+#   copies  (not in the default list) where the capped schedules' copies go: ncu's time of
+#           each `copy_runs` launch (KV-cache copies) of klotski and flexgen at the cap, batch
+#           64, and vslpipe at the cap with 16 MiB packets beside the planner's: copies.txt.
 #   offload every offload schedule at `--gpu-mem 600MB` (GPU_BENCH_OFFLOAD_BATCHES), then
 #           uncapped (GPU_BENCH_UNCAPPED_BATCHES), each with the params `moec plan` picks
 #           for that workload and budget (`--fit`).
@@ -191,7 +194,7 @@ EOF
 fi
 
 # --- (b) mixtral-mid on moec -------------------------------------------------------------
-if has resident || has offload || has hf || has quant || has serve || has ncu; then
+if has resident || has offload || has hf || has quant || has serve || has ncu || has copies; then
     "$moec" synth --model "$model" --out "$work/mid" > "$out/synth.txt" 2>&1 || {
         echo "moec synth failed: see $out/synth.txt" >&2
         exit 1
@@ -364,6 +367,62 @@ if has offload; then
             run "$s" "schedules/$s.sched" "$b" - --fit
         done
     done
+fi
+
+# --- (d') where the capped schedules' copies go (session 19: issue 44's copy misses) ---------
+# The 2026-11-30 call measured klotski's and flexgen's KV-cache copies 4-10x and vslpipe's
+# activation copies 16x above the replay. copies.txt says which of three causes it is:
+# the `copy_runs` kernel's own time per launch (ncu, the KV copies of klotski and flexgen
+# through the mapped pinned arena) against the run's per-op copy time; vslpipe with the
+# data mover's packets at 16 MiB against the planner's (a small activation copy queued
+# behind a packet on the copy engine shrinks with the packet); and the runs' counts.
+if has copies; then
+    : > "$out/copies.txt"
+    if command -v ncu > /dev/null; then
+        for s in klotski flexgen; do
+            timeout "${GPU_BENCH_NCU_TIMEOUT:-60}" ncu --clock-control none --metrics gpu__time_duration.sum \
+                --csv --kernel-name copy_runs --launch-count 400 "$moec" run "$root/schedules/$s.sched" \
+                --weights "$work/mid" --backend cuda --hw "$hw" --gen-len 8 --gpu-mem "$cap" --fit \
+                --workload "count=64,mean=64,max=64,min=64,gen=8,seed=1" \
+                > "$out/ncu-copies-$s.csv" 2> "$work/ncu.err"
+            echo "== $s at $cap, batch 64, 8 new: ncu copy_runs exit $?" >> "$out/copies.txt"
+            python3 - "$root/scripts" "$out/ncu-copies-$s.csv" >> "$out/copies.txt" <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[1])
+from ncu_table import launches
+us = sorted(t for n, t, _, _ in launches(sys.argv[2]) if n == "copy_runs")
+grids = sorted({g for n, _, g, _ in launches(sys.argv[2]) if n == "copy_runs"})
+if us:
+    print(f"copy_runs launches {len(us)}: median {us[len(us)//2]:.1f} us, max {us[-1]:.1f} us, "
+          f"sum {sum(us)/1e3:.2f} ms; grids {grids[:8]}")
+else:
+    print("copy_runs: no launch measured")
+PYEOF
+        done
+    else
+        echo "ncu: NOT RUN: no ncu on PATH" >> "$out/copies.txt"
+    fi
+    for pk in 16 -; do
+        if [ "$pk" = - ]; then
+            run vslpipe "schedules/vslpipe.sched" 64 "$cap" --fit
+        else
+            run "vslpipe[packet_mb=$pk]" "schedules/vslpipe.sched" 64 "$cap" --fit --set "packet_mb=$pk"
+        fi
+    done
+    python3 - "$out/runs.jsonl" >> "$out/copies.txt" <<'PYEOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if not r["name"].startswith("vslpipe") or not r.get("report"):
+        continue
+    rep = r["report"]
+    ops = {o["op"]: o for o in rep.get("predicted", {}).get("ops", [])}
+    a = ops.get("copy activations pinned->gpu", {})
+    g = [x for x in rep["report"].get("graphs", [])]
+    print(f"{r['name']} batch {r['batch']}: {rep['stats']['tokens_per_s']:.0f} tok/s; activation copies "
+          f"pinned->gpu {a.get('runs')} runs, {a.get('measured_seconds', 0):.3f} s measured / "
+          f"{a.get('predicted_seconds', 0):.3f} s predicted; params {rep.get('fitted_params')}; graphs {g}")
+PYEOF
 fi
 
 # --- (e) real size: Q4_K_M GGUFs synthesised here, capped schedules, llama.cpp's CUDA offload --

@@ -1023,7 +1023,8 @@ fn quantised_moe_on_the_device_adds_no_synchronisation_or_per_expert_call() {
 /// or replayed step, nothing refused while capturing), and a seventh token, one more
 /// replayed step, costs one graph launch and no kernel launch, GEMM or copy call. A step
 /// with a host decision inside it (fiddler with most experts off the GPU: its guards need
-/// the routing on the host) is not captured, and the report says why.
+/// the routing on the host) is not captured, and the report says why. VSLPipe's mixed
+/// steps too ([`vslpipe_mixed_steps_replay_a_graph_once_their_shape_repeats`]).
 #[test]
 fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
     let cache = tempfile::tempdir().expect("cache");
@@ -1106,6 +1107,7 @@ fn decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens() {
             cgopipe_host_nodes(&counts, &more_counts, &doc);
         }
     }
+    vslpipe_mixed_steps_replay_a_graph_once_their_shape_repeats(cache.path(), dir.path());
     // A host decision inside the step: no graph, and why.
     let (_, counts, doc) = counted_run(
         cache.path(),
@@ -1224,6 +1226,45 @@ fn decode_steps_replay_with_dumped_logits_equal_to_plain_steps() {
     let diff = max_diff(&runs[0].1, &runs[1].1);
     println!("replayed against plain steps: max |logit diff| {diff:.2e}");
     assert!(diff <= 1e-5, "replayed and plain logits differ by {diff}");
+}
+
+/// Issue 44 (the H200 call of 2026-11-30: VSLPipe's 1,024 steps at the 600 MB cap all ran
+/// plainly, "step steps do not repeat within a batch"): VSLPipe's mixed `step` (prefill and
+/// decode rows in one pass, CPU attention between the GPU's halves) is recorded like a
+/// decode step, with its `cpu` stream's tasks as host nodes. On mixtral-tiny, 2 prompts,
+/// 6 tokens: the pass that prefills both prompts runs plainly ("the first step with these
+/// launches"), the first decode-only pass too (its launches differ from the prefill's),
+/// the next one repeats it and is captured, and the rest replay that graph: 6 passes,
+/// (3, 1, 2) (replayed, captured, plain). It never runs without its ops (its host
+/// tasks need the step's state) nor ahead (`Session::may_launch_ahead` keeps mixed
+/// sessions out: a pass may admit a waiting prompt). Tokens: the CPU backend's.
+///
+/// Run by [`decode_steps_replay_a_captured_cuda_graph_with_the_cpu_tokens`], whose cache
+/// holds the compiled kernels by then (a cache of its own would compile them again: ~50 s
+/// of CPU).
+fn vslpipe_mixed_steps_replay_a_graph_once_their_shape_repeats(cache: &Path, dir: &Path) {
+    let schedule = "schedules/vslpipe.sched";
+    let want = cpu_tokens(cache, schedule, 6, &[]);
+    let (got, counts, doc) = counted_run(cache, dir, schedule, &PROMPTS, 6, &[], &[]);
+    assert_eq!(got, want, "vslpipe: CUDA tokens differ from the CPU's");
+    let (replayed, captured, plain, why) = graph_counts(&doc, "step");
+    println!("vslpipe: steps {replayed} replayed, {captured} captured, {plain} plain {why}");
+    println!(
+        "vslpipe: cuGraphLaunch {}, cuStreamBeginCapture {}, cuLaunchKernel {}, host nodes captured {}",
+        calls(&counts, "cuGraphLaunch"),
+        calls(&counts, "cuStreamBeginCapture_v2"),
+        calls(&counts, "cuLaunchKernel"),
+        calls(&counts, "captured:cuLaunchHostFunc"),
+    );
+    assert_eq!((replayed, captured, plain), (3, 1, 2), "{why}");
+    assert!(why.contains("the first step with these launches"), "{why}");
+    assert_eq!(calls(&counts, "cuStreamBeginCapture_v2"), captured);
+    assert_eq!(calls(&counts, "cuGraphLaunch"), replayed + captured);
+    let refused: Vec<_> = counts
+        .keys()
+        .filter(|k| k.starts_with("capture refused:"))
+        .collect();
+    assert!(refused.is_empty(), "{refused:?}");
 }
 
 /// Tokens of `schedule` on the CPU backend (`extra`: more `moec run` arguments).

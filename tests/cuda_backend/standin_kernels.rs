@@ -767,15 +767,21 @@ fn op_kernels_run_like_the_cpu() {
     println!("argmax_rows: equal to sampling::argmax");
 
     // Many runs in one launch: 16-byte, 4-byte and byte-aligned runs (offset, length) of a
-    // source copied to the same offsets of the destination, nothing else touched.
-    let src: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
-    let runs: [(u64, u64); 6] = [
+    // source copied to the same offsets of the destination, nothing else touched. Runs of
+    // at most 512 bytes are copied by a warp each, longer ones (the 16-byte run of 1,552
+    // bytes: four loads a thread in flight and a tail; the byte-aligned one of 1,001) by
+    // the whole block; 2 warps a block, so the 9 runs make 5 groups over 4 blocks.
+    let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    let runs: [(u64, u64); 9] = [
         (0, 16),
         (32, 48),
         (100, 3),
         (203, 17),
         (400, 256),
         (1020, 4),
+        (1024, 1552),
+        (2577, 1001),
+        (3584, 512),
     ];
     let table: Vec<u64> = runs.iter().flat_map(|&(at, len)| [at, len]).collect();
     let (src_dev, table_dev) = (

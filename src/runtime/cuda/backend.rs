@@ -169,6 +169,8 @@ pub struct CudaBackend<'c> {
     device_guards: AtomicBool,
     /// The current step's host streams' roles while it is recorded (`graph::HostRole`).
     host_roles: Mutex<Vec<Option<graph::HostRole>>>,
+    /// What the first-use warm-up did at load (`super::warmup`).
+    warm_up: super::warmup::WarmUp,
     events: Vec<PlanEvent>,
     timing: Mutex<Timing>,
     streams: Vec<Option<DevStream>>,
@@ -393,6 +395,12 @@ impl<'c> CudaBackend<'c> {
                     .map_err(call("creating an event"))
             })
             .collect::<Result<Vec<_>, CudaSetupError>>()?;
+        // cuBLAS's start-up and its kernels' first loads, at load rather than in the
+        // first prefill (`warmup`).
+        let handles = streams
+            .iter()
+            .map(|d| d.as_ref().map(|d| (&d.stream, &d.blas)));
+        let warm_up = super::warmup::for_plan(plan, &device.name, &arch, handles);
         let recorder = Recorder::new(
             lanes,
             events.iter().map(|e| Arc::clone(&e.event)).collect(),
@@ -428,6 +436,7 @@ impl<'c> CudaBackend<'c> {
             launched_ahead: AtomicUsize::new(0),
             verified: AtomicUsize::new(0),
             ran_ops_because: Mutex::default(),
+            warm_up,
             device,
         })
     }
@@ -511,7 +520,7 @@ impl<'c> CudaBackend<'c> {
         // `copy_runs_ends` (every run inside both views).
         s.launch(
             "copy_runs",
-            (capacity.min(65_535) as u32, 1, 1),
+            (super::memory::copy_runs_grid(capacity), 1, 1),
             256,
             0,
             &[
@@ -740,7 +749,7 @@ impl Backend for CudaBackend<'_> {
                 } else {
                     let list: Vec<String> = why.iter().map(|(w, n)| format!("{n}: {w}")).collect();
                     format!(
-                        "; decode steps that ran their ops although graphs were on: {}",
+                        "; decode and mixed steps that ran their ops although graphs were on: {}",
                         list.join("; ")
                     )
                 }
@@ -753,6 +762,8 @@ impl Backend for CudaBackend<'_> {
                 .memory
                 .format_copies()
                 .map_or(String::new(), |c| format!("; {c}"))
+            + "; "
+            + &self.warm_up.describe()
     }
 
     fn memory(&self) -> MemoryReport {

@@ -794,7 +794,7 @@ fn copy_runs_kernel(
     let n = runs.len() as i64;
     let mut builder = stream.launch_builder(f);
     builder.arg(&table_ptr).arg(&n).arg(&src).arg(&dst);
-    let blocks = runs.len().min(65_535) as u32;
+    let blocks = copy_runs_grid(runs.len());
     // SAFETY: `copy_runs(const u64* runs, long long n, const char* src, char* dst)` reads
     // n (offset, length) pairs from the table (2n u64 uploaded above) and copies each
     // run's bytes from src + offset to dst + offset; the caller checked every run lies
@@ -810,6 +810,13 @@ fn copy_runs_kernel(
     .map_err(driver("cuLaunchKernel(copy_runs)"))?;
     drop(table);
     Ok(())
+}
+
+/// The grid of a `copy_runs` launch over `runs` runs at 256 threads a block: a block
+/// takes 8 consecutive runs (one a warp when short, kernels/ops.cu), so `runs / 8`
+/// blocks, at least one and at most 65,535 (blocks stride over the rest).
+pub fn copy_runs_grid(runs: usize) -> u32 {
+    runs.div_ceil(8).clamp(1, 65_535) as u32
 }
 
 fn register_pinned(host: &HostMemory<'_>) -> Result<Option<(usize, usize)>, DeviceMemoryError> {

@@ -29,6 +29,7 @@ pub mod probe;
 pub mod ptx_cache;
 pub mod step_inputs;
 pub mod tensor_cores;
+pub mod warmup;
 
 pub use backend::{CudaBackend, CudaReport, CudaSetupError};
 

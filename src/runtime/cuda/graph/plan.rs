@@ -191,9 +191,10 @@ pub fn host_nodes_switched_off() -> bool {
 }
 
 /// Whether step `step` of `plan` can be recorded for a graph, judged from the plan alone:
-/// not when it is not a decode step (the others do not repeat), or holds a host decision
-/// (a routing read-back for guards the device cannot decide, an expert cache's fetch, a
-/// host stream whose tasks can be neither host nodes nor label moves, [`HostRole`]).
+/// not when it is neither a decode nor a mixed step (the others do not repeat), or holds
+/// a host decision (a routing read-back for guards the device cannot decide, an expert
+/// cache's fetch, a host stream whose tasks can be neither host nodes nor label moves,
+/// [`HostRole`]).
 /// `binds`: the host memory's weight copies bind.
 pub fn plan_graph(plan: &ExecPlan, step: usize, binds: bool) -> StepPlanGraph {
     let no = |why: String| StepPlanGraph {
@@ -204,9 +205,14 @@ pub fn plan_graph(plan: &ExecPlan, step: usize, binds: bool) -> StepPlanGraph {
     let Some(sp) = plan.steps.get(step) else {
         return no("not a step of the plan".into());
     };
-    if sp.kind != StepKind::Decode {
+    // A mixed step (VSLPipe's `step`: prefill and decode rows in one pass) repeats its
+    // commands once its passes hold only decoding sequences of unchanged shape, so it is
+    // recorded like a decode step: one whose commands differ from every graph's (a pass
+    // admitting a prompt) is submitted plainly and reported so, and one that repeats the
+    // previous pass is captured, then replayed.
+    if !matches!(sp.kind, StepKind::Decode | StepKind::Mixed) {
         return no(format!(
-            "{} steps do not repeat within a batch; graphs are for decode steps",
+            "{} steps do not repeat within a batch; graphs are for decode and mixed steps",
             sp.kind.as_str()
         ));
     }
