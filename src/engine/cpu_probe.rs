@@ -11,7 +11,9 @@
 //! backend's emulated GPU (`cost::probe::profile_from_measurements`, the pure half, which
 //! stays with the cost model; this half runs kernels, so it lives above the compiler).
 
-use crate::cost::hardware::{ExpertLatency, HardwareProfile, KernelRates, RowsRate, GB};
+use crate::cost::hardware::{
+    ExpertLatency, HardwareProfile, KernelRates, QuantRates, RowsRate, GB,
+};
 use crate::cost::probe::{profile_from_measurements, Measurements};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -461,6 +463,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let (decode_seconds, prefill_seconds, call_seconds) =
         pool.install(|| time_attention(effort.attn_call_reps.max(1)))?;
     let (kv_gb_s, kv_f16_gb_s, peak_gflops) = pool.install(|| time_decode_kv(2))?;
+    let quant = measure_quant_rates(&pool, reps)?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -472,7 +475,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0 in the CPU backend's tiles, `QuantKernels`) at the same rows over the same shapes, GB/s of each format's bytes",
             kernels.isa(),
             effort.attn_call_reps.max(1)
         ),
@@ -484,7 +487,134 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
         attn_decode_kv_gb_s: kv_gb_s,
         attn_decode_kv_f16_gb_s: kv_f16_gb_s,
         attn_decode_peak_gflops: peak_gflops,
+        quant,
     })
+}
+
+/// The formats whose products [`measure_quant_rates`] times: those of the checkpoints
+/// people run on the CPU backend (Q4_K_M's Q4_K and Q6_K, and Q8_0, which a Q6_K mix
+/// falls back to where a row is not whole 256-weight blocks).
+const QUANT_FORMATS: [crate::quant::QuantFormat; 3] = [
+    crate::quant::QuantFormat::Q4K,
+    crate::quant::QuantFormat::Q6K,
+    crate::quant::QuantFormat::Q8_0,
+];
+
+/// [`KernelRates::quant`]: each of [`QUANT_FORMATS`]'s expert FFN products (gate, up,
+/// down through `QuantKernels::quant_linear` on the process's body, weights in the tiles
+/// the CPU backend repacks them into at load) at [`KERNEL_ROWS`] rows, as the bf16
+/// curves are timed: rows below [`KERNEL_COMPUTE_ROWS`] over [`KERNEL_DECODE_EXPERTS`]
+/// experts of the probe's shape (one random expert copied into each, distinct memory,
+/// so the weights come from DRAM), the others over one narrow expert; the median of
+/// `reps` passes per point, round-robin. GB/s of the format's bytes.
+fn measure_quant_rates(
+    pool: &rayon::ThreadPool,
+    reps: usize,
+) -> Result<Vec<QuantRates>, ProbeError> {
+    use crate::math::qmatmul::{tiles, QuantKernels, QuantMatrix};
+    use crate::quant::QuantSlice;
+    let qk = QuantKernels::process();
+    let (d, f, narrow) = (KERNEL_HIDDEN, KERNEL_FFN, KERNEL_COMPUTE_FFN);
+    let max_rows = KERNEL_ROWS[KERNEL_ROWS.len() - 1] as usize;
+    let x = vec![0.01f32; max_rows * f];
+    let mut h = vec![0.0f32; max_rows * f];
+    let mut y = vec![0.0f32; max_rows * f];
+    let mut out = Vec::with_capacity(QUANT_FORMATS.len());
+    for (i, format) in QUANT_FORMATS.into_iter().enumerate() {
+        // A [rows, cols] matrix of random blocks, tiled.
+        let make = |rows: usize, cols: usize, seed: u64| -> Result<Vec<u8>, ProbeError> {
+            let mut plain = vec![0u8; format.bytes_for(rows * cols).unwrap_or(0)];
+            let mut rng = crate::rng::Rng::new(seed);
+            crate::quant::random::random_blocks(format, 0.02, &mut rng, &mut plain)
+                .map_err(|e| ProbeError::Kernel(e.to_string()))?;
+            let mut tiled = vec![0u8; plain.len()];
+            if !tiles::tile(format, &plain, rows, cols, &mut tiled) {
+                return Err(ProbeError::Kernel(format!(
+                    "{format} [{rows}, {cols}] does not tile"
+                )));
+            }
+            Ok(tiled)
+        };
+        let seed = 11 + 3 * i as u64;
+        let wide = [
+            make(f, d, seed)?,
+            make(f, d, seed + 1)?,
+            make(d, f, seed + 2)?,
+        ];
+        let decode: Vec<[Vec<u8>; 3]> = (0..KERNEL_DECODE_EXPERTS).map(|_| wide.clone()).collect();
+        let compute = [[
+            make(narrow, d, seed)?,
+            make(narrow, d, seed + 1)?,
+            make(d, narrow, seed + 2)?,
+        ]];
+        let shapes = |ffn: usize| [(ffn, d), (ffn, d), (d, ffn)];
+        let mut failed: Option<String> = None;
+        let mut pass = |rows: u32| -> f64 {
+            let n = rows as usize;
+            let (set, ffn): (&[[Vec<u8>; 3]], usize) = if rows >= KERNEL_COMPUTE_ROWS {
+                (&compute, narrow)
+            } else {
+                (&decode, f)
+            };
+            let start = Instant::now();
+            pool.install(|| {
+                for expert in set {
+                    for (m, (bytes, (o, i))) in expert.iter().zip(shapes(ffn)).enumerate() {
+                        let result = QuantSlice::tiled(bytes, format, o * i, i)
+                            .map_err(|e| e.to_string())
+                            .and_then(|q| QuantMatrix::new(q, o, i).map_err(|e| e.to_string()))
+                            .and_then(|w| {
+                                let (input, output) = if m < 2 {
+                                    (&x[..n * i], &mut h[..n * o])
+                                } else {
+                                    (&h[..n * i], &mut y[..n * o])
+                                };
+                                qk.quant_linear(&w, input, n, output)
+                                    .map_err(|e| e.to_string())
+                            });
+                        if let Err(e) = result {
+                            failed = Some(e);
+                        }
+                    }
+                }
+            });
+            start.elapsed().as_secs_f64()
+        };
+        for &rows in &KERNEL_ROWS {
+            pass(rows);
+        }
+        let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(reps); KERNEL_ROWS.len()];
+        for _ in 0..reps {
+            for (times, &rows) in samples.iter_mut().zip(&KERNEL_ROWS) {
+                times.push(pass(rows));
+            }
+        }
+        if let Some(e) = failed {
+            return Err(ProbeError::Kernel(format!("{format} product: {e}")));
+        }
+        let bytes = |set: &[[Vec<u8>; 3]]| -> usize { set.iter().flatten().map(Vec::len).sum() };
+        let points = samples
+            .into_iter()
+            .zip(&KERNEL_ROWS)
+            .map(|(times, &rows)| {
+                let b = if rows >= KERNEL_COMPUTE_ROWS {
+                    bytes(&compute)
+                } else {
+                    bytes(&decode)
+                };
+                RowsRate {
+                    rows,
+                    weight_gb_s: b as f64 / median(times).max(1e-12) / GB,
+                }
+            })
+            .collect();
+        out.push(QuantRates {
+            format: format.name().to_string(),
+            points,
+        });
+    }
+    std::hint::black_box(&y);
+    Ok(out)
 }
 
 /// One synthetic expert of the kernel probe over `data` (at least `3 x hidden x ffn`
