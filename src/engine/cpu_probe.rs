@@ -185,17 +185,35 @@ impl ProbeEffort {
 }
 
 /// [`measure`] and [`measure_kernels`] on `threads` threads, made into this machine's
-/// profile named `name` (what `moec probe` writes and `moec run` predicts with).
+/// profile named `name` (what `moec probe` writes and `moec run` predicts with), with
+/// the quantised product curves of `quant` (those of [`QUANT_FORMATS`] among them).
 pub fn probe_profile(
     name: &str,
     buffer_bytes: usize,
     threads: usize,
     effort: ProbeEffort,
+    quant: &[crate::quant::QuantFormat],
 ) -> Result<(Measurements, HardwareProfile), ProbeError> {
     let measured = measure(buffer_bytes, threads)?;
     let mut profile = profile_from_measurements(name, &measured);
-    profile.kernels = Some(measure_kernels(threads, effort)?);
+    profile.kernels = Some(measure_kernels(threads, effort, quant)?);
     Ok((measured, profile))
+}
+
+/// The block formats `card` stores any tensor in, in any layer: the quantised curves a
+/// run of it needs ([`probe_profile`]'s `quant`).
+pub fn quant_formats_of(card: &crate::model::card::ModelCard) -> Vec<crate::quant::QuantFormat> {
+    let f = &card.formats;
+    let mut out: Vec<crate::quant::QuantFormat> = f
+        .classes
+        .values()
+        .chain(f.tensors.values())
+        .chain(f.layers.values().flat_map(|l| l.values()))
+        .filter_map(|s| s.quant())
+        .collect();
+    out.sort_by_key(|q| q.name());
+    out.dedup();
+    out
 }
 
 /// Hidden width of the kernel probe's matrices (mixtral-mid's, the card this machine runs).
@@ -365,7 +383,11 @@ pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64), ProbeError> {
 /// the median of `effort.kernel_reps` passes taken round-robin over the points after an
 /// untimed pass of each; the two attention rate points the best of two timings, the
 /// smallest call the median of `effort.attn_call_reps` ([`ProbeEffort`]).
-pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRates, ProbeError> {
+pub fn measure_kernels(
+    threads: usize,
+    effort: ProbeEffort,
+    quant: &[crate::quant::QuantFormat],
+) -> Result<KernelRates, ProbeError> {
     use crate::math::isa::Kernels;
     use crate::math::tensor::Matrix;
     let pool = probe_pool(threads)?;
@@ -463,7 +485,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let (decode_seconds, prefill_seconds, call_seconds) =
         pool.install(|| time_attention(effort.attn_call_reps.max(1)))?;
     let (kv_gb_s, kv_f16_gb_s, peak_gflops) = pool.install(|| time_decode_kv(2))?;
-    let quant = measure_quant_rates(&pool, reps)?;
+    let quant = measure_quant_rates(&pool, reps, quant)?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -491,14 +513,46 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     })
 }
 
-/// The formats whose products [`measure_quant_rates`] times: those of the checkpoints
-/// people run on the CPU backend (Q4_K_M's Q4_K and Q6_K, and Q8_0, which a Q6_K mix
-/// falls back to where a row is not whole 256-weight blocks).
-const QUANT_FORMATS: [crate::quant::QuantFormat; 3] = [
+/// The formats whose products [`measure_quant_rates`] can time (`moec probe` times all):
+/// those of the checkpoints people run on the CPU backend (Q4_K_M's Q4_K and Q6_K, and
+/// Q8_0, which a Q6_K mix falls back to where a row is not whole 256-weight blocks).
+pub const QUANT_FORMATS: [crate::quant::QuantFormat; 3] = [
     crate::quant::QuantFormat::Q4K,
     crate::quant::QuantFormat::Q6K,
     crate::quant::QuantFormat::Q8_0,
 ];
+
+/// Blocks of `format` for `elems` weights, fast rather than realistic (the probe makes
+/// tens of MB on every `moec run` of a quantised checkpoint): bytes from a xorshift
+/// generator, then every block's f16 scales set to 1e-3 (any bytes are a valid block of
+/// these formats once its scales are finite; the products' time does not depend on the
+/// values).
+fn probe_blocks(format: crate::quant::QuantFormat, elems: usize, seed: u64) -> Vec<u8> {
+    use crate::quant::QuantFormat;
+    let bb = format.block_bytes();
+    let mut bytes = vec![0u8; elems / format.block_elems() * bb];
+    let mut state = seed | 1;
+    for chunk in bytes.chunks_mut(8) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let n = chunk.len();
+        chunk.copy_from_slice(&state.to_le_bytes()[..n]);
+    }
+    let fields: &[usize] = match format {
+        QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q4_1 => &[0, 2],
+        QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
+    };
+    let scale = half::f16::from_f32(1e-3).to_le_bytes();
+    for block in bytes.chunks_exact_mut(bb) {
+        for &at in fields {
+            block[at..at + 2].copy_from_slice(&scale);
+        }
+    }
+    bytes
+}
 
 /// [`KernelRates::quant`]: each of [`QUANT_FORMATS`]'s expert FFN products (gate, up,
 /// down through `QuantKernels::quant_linear` on the process's body, weights in the tiles
@@ -510,6 +564,7 @@ const QUANT_FORMATS: [crate::quant::QuantFormat; 3] = [
 fn measure_quant_rates(
     pool: &rayon::ThreadPool,
     reps: usize,
+    formats: &[crate::quant::QuantFormat],
 ) -> Result<Vec<QuantRates>, ProbeError> {
     use crate::math::qmatmul::{tiles, QuantKernels, QuantMatrix};
     use crate::quant::QuantSlice;
@@ -520,13 +575,11 @@ fn measure_quant_rates(
     let mut h = vec![0.0f32; max_rows * f];
     let mut y = vec![0.0f32; max_rows * f];
     let mut out = Vec::with_capacity(QUANT_FORMATS.len());
-    for (i, format) in QUANT_FORMATS.into_iter().enumerate() {
+    let wanted = QUANT_FORMATS.into_iter().filter(|f| formats.contains(f));
+    for (i, format) in wanted.enumerate() {
         // A [rows, cols] matrix of random blocks, tiled.
         let make = |rows: usize, cols: usize, seed: u64| -> Result<Vec<u8>, ProbeError> {
-            let mut plain = vec![0u8; format.bytes_for(rows * cols).unwrap_or(0)];
-            let mut rng = crate::rng::Rng::new(seed);
-            crate::quant::random::random_blocks(format, 0.02, &mut rng, &mut plain)
-                .map_err(|e| ProbeError::Kernel(e.to_string()))?;
+            let plain = probe_blocks(format, rows * cols, seed);
             let mut tiled = vec![0u8; plain.len()];
             if !tiles::tile(format, &plain, rows, cols, &mut tiled) {
                 return Err(ProbeError::Kernel(format!(
@@ -841,10 +894,17 @@ mod tests {
     /// the machine's, not asserted), and a profile carrying them validates.
     #[test]
     fn kernel_probe_gives_a_valid_curve_per_op_kind() {
-        let rates = measure_kernels(1, ProbeEffort::QUICK).unwrap();
+        let q6k = crate::quant::QuantFormat::Q6K;
+        let rates = measure_kernels(1, ProbeEffort::QUICK, &[q6k]).unwrap();
         let rows: Vec<u32> = rates.linear.iter().map(|p| p.rows).collect();
         assert_eq!(rows, KERNEL_ROWS);
         assert_eq!(rates.expert_ffn.len(), KERNEL_ROWS.len());
+        // Only the format asked for has a quantised curve, at every row count.
+        assert_eq!(rates.quant.len(), 1);
+        assert_eq!(
+            rates.quant_curve("Q6_K").map(<[_]>::len),
+            Some(KERNEL_ROWS.len())
+        );
         rates.validate().unwrap();
         let mut profile = profile_from_measurements("probe-test", &measure(1 << 20, 1).unwrap());
         profile.kernels = Some(rates);

@@ -1,7 +1,14 @@
-//! The AVX2 body of the products from Q6_K tiles ([`crate::quant::tiles_q6k`]) at many
-//! activation rows: each tile row (eight outputs) is unpacked once into registers' worth of
-//! ready codes and scales ([`unpack_q6k`]), then every activation row runs on them, eight a
-//! pass ([`PASS_ROWS`]), each with one register of integer sums.
+//! The AVX2 bodies of the products from Q6_K tiles ([`crate::quant::tiles_q6k`]) and Q8_0
+//! tiles ([`crate::quant::tiles_q8_0`]) at many activation rows: each tile row (eight
+//! outputs) is unpacked once into registers' worth of ready codes and scales
+//! ([`unpack_q6k`], [`unpack_q8_0`]), then every activation row runs on them, eight a pass
+//! ([`PASS_ROWS`]), each with one register of integer sums, row `r`'s in 32-bit lane `r`.
+//!
+//! Q8_0 ([`pass_q8_0`]): the unpacked block holds, per group of four codes, the eight rows'
+//! `|w|` and `w` with row `r`'s four codes in 32-bit lane `r`; per activation row and
+//! group one `vpsignb`, one `vpmaddubsw` and one `vpmaddwd` by ones, where the eight-row
+//! pass (`super::tiles_b32_x86::pass_avx2`) holds rows 0-3 and 4-7 of a group of eight
+//! codes in two registers, signs both, and joins them with a `vphaddd` per group.
 //!
 //! Why: the four-row pass (`super::tiles_q6k_x86::pass_avx2`) joins each code's low nibble
 //! and top bits again in every pass (about 21 instructions a sub-block, over four rows),
@@ -29,7 +36,7 @@
 //! `(d·dy)·f32(isum)` per output, each step one rounded operation, added to the output's
 //! sum block by block in order: the portable body's bits, as every other body.
 
-use super::tiles::TileActs;
+use super::tiles::{TileActs, TILE_ROWS};
 use super::tiles_q6k_x86::codes256;
 use crate::quant::tiles_q6k::{GROUP, GROUPS, SCALES, TILE};
 use std::arch::x86_64::*;
@@ -244,4 +251,95 @@ pub(super) unsafe fn pass_q8_0<const N: usize>(
         }
     }
     acc
+}
+
+/// The product of a panel of whole tile rows (`panel`, `tile_row_bytes` each) of Q6_K
+/// tiles (`q8` false; `spans` = (blocks, 0)) or Q8_0 tiles (`q8`; `spans` = whole columns
+/// and the partial column's blocks) with every row of `acts`, into `local[r · rows + i]`
+/// (`rows` = the panel's output rows). Every tile row of the panel is unpacked first
+/// (tens to hundreds of KB, held in L2), then each pass of [`PASS_ROWS`] activation rows
+/// runs over all of them while its rows stay in L1: a prefill's hundreds of activation
+/// rows (over a MB of codes) then stream from L3 once per panel instead of once per tile
+/// row.
+///
+/// # Safety
+/// AVX2, FMA and F16C available; `panel` is whole tile rows of that format with `spans`
+/// columns; `acts` was made for it without VNNI (Q8_0 or Q8_K rows of those columns);
+/// `local.len() == acts.q.n_rows · rows`.
+pub(super) unsafe fn panel(
+    q8: bool,
+    panel: &[u8],
+    tile_row_bytes: usize,
+    (full, part): (usize, usize),
+    acts: &TileActs<'_>,
+    local: &mut [f32],
+) {
+    assert!(tile_row_bytes > 0 && panel.len().is_multiple_of(tile_row_bytes));
+    let tiles = panel.len() / tile_row_bytes;
+    let rows = tiles * TILE_ROWS;
+    let n_rows = acts.q.n_rows;
+    assert_eq!(local.len(), n_rows * rows);
+    let (blocks, regs) = if q8 {
+        (8 * full + part, Q8_BLOCK_REGS)
+    } else {
+        (full, BLOCK_REGS)
+    };
+    let per = blocks * regs;
+    let mut un = vec![_mm256_setzero_si256(); tiles * per];
+    for (t, out) in un.chunks_exact_mut(per).enumerate() {
+        let tile_row = &panel[t * tile_row_bytes..(t + 1) * tile_row_bytes];
+        // SAFETY: the caller's features; `out` holds `blocks` unpacked blocks.
+        unsafe {
+            if q8 {
+                unpack_q8_0(tile_row, full, part, out);
+            } else {
+                unpack_q6k(tile_row, full, out);
+            }
+        }
+    }
+    macro_rules! run {
+        ($n:literal, $u:expr, $r0:expr) => {{
+            // SAFETY: the caller's contract; `$r0 + $n <= n_rows`.
+            let v = unsafe {
+                if q8 {
+                    widen(pass_q8_0::<$n>($u, blocks, acts, $r0))
+                } else {
+                    widen(pass::<$n>($u, blocks, acts, $r0))
+                }
+            };
+            v
+        }};
+    }
+    let mut r0 = 0;
+    while r0 < n_rows {
+        let n = PASS_ROWS.min(n_rows - r0);
+        for (t, u) in un.chunks_exact(per).enumerate() {
+            let sums = match n {
+                1 => run!(1, u, r0),
+                2 => run!(2, u, r0),
+                3 => run!(3, u, r0),
+                4 => run!(4, u, r0),
+                5 => run!(5, u, r0),
+                6 => run!(6, u, r0),
+                7 => run!(7, u, r0),
+                _ => run!(8, u, r0),
+            };
+            for (a, s) in sums.iter().enumerate().take(n) {
+                let dst = (r0 + a) * rows + t * TILE_ROWS;
+                local[dst..dst + TILE_ROWS].copy_from_slice(s);
+            }
+        }
+        r0 += n;
+    }
+}
+
+/// A pass's registers as plain arrays (the first `N` of [`PASS_ROWS`]).
+fn widen<const N: usize>(v: [__m256; N]) -> [[f32; TILE_ROWS]; PASS_ROWS] {
+    let mut out = [[0.0f32; TILE_ROWS]; PASS_ROWS];
+    for (d, v) in out.iter_mut().zip(v) {
+        // SAFETY: `__m256` is eight f32 in lane order, as `[f32; 8]` (same size, any bits
+        // valid).
+        *d = unsafe { std::mem::transmute::<__m256, [f32; TILE_ROWS]>(v) };
+    }
+    out
 }

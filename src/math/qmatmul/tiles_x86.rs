@@ -363,79 +363,23 @@ pub(super) unsafe fn panel(
     let n_rows = acts.q.n_rows;
     use super::tiles_unpacked_x86 as un;
     let many = unpacked && n_rows >= un::MIN_ROWS;
-    let unpack = kind == 1 && !vnni && many;
-    // Q8_0 where its AVX2 pass would run (no VNNI, or a partial column).
+    // Q6_K without VNNI, and Q8_0 where its AVX2 pass would run (no VNNI, or a partial
+    // column).
+    let unpack_q6 = kind == 1 && !vnni && many;
     let unpack_q8 = kind == 2 && many && b32::pass_rows(0, vnni, spans.1) != PASS_ROWS;
-    let nblk = 8 * spans.0 + spans.1;
-    let mut unpacked_row = if unpack {
-        vec![_mm256_setzero_si256(); nb * un::BLOCK_REGS]
-    } else if unpack_q8 {
-        vec![_mm256_setzero_si256(); nblk * un::Q8_BLOCK_REGS]
-    } else {
-        Vec::new()
-    };
+    if unpack_q6 || unpack_q8 {
+        let at = o0 / TILE_ROWS * tile_row_bytes;
+        let tiles = rows / TILE_ROWS;
+        let panel_bytes = &bytes[at..at + tiles * tile_row_bytes];
+        // SAFETY: the caller's contract (AVX2, F16C; the panel is `tiles` tile rows of
+        // `tile_row_bytes` of the format's tiles, `spans` their columns; `acts` made for
+        // it without VNNI; `local` is n_rows * rows).
+        unsafe { un::panel(unpack_q8, panel_bytes, tile_row_bytes, spans, acts, local) };
+        return;
+    }
     for t in 0..rows / TILE_ROWS {
         let at = (o0 / TILE_ROWS + t) * tile_row_bytes;
         let tile_row = &bytes[at..at + tile_row_bytes];
-        if unpack {
-            // SAFETY: the caller's contract (AVX2, F16C; a tile row is `nb` Q6_K tiles;
-            // `acts` made for Q6_K without VNNI, rows of `nb` blocks); each pass takes
-            // rows `r0..r0 + n` with `r0 + n <= n_rows`.
-            unsafe {
-                un::unpack_q6k(tile_row, nb, &mut unpacked_row);
-                let mut r0 = 0;
-                while r0 < n_rows {
-                    let n = un::PASS_ROWS.min(n_rows - r0);
-                    let mut sums = [[0.0f32; TILE_ROWS]; b32::AVX2_PASS_ROWS];
-                    let (u, s) = (&unpacked_row[..], &mut sums);
-                    match n {
-                        1 => store(s, un::pass::<1>(u, nb, acts, r0)),
-                        2 => store(s, un::pass::<2>(u, nb, acts, r0)),
-                        3 => store(s, un::pass::<3>(u, nb, acts, r0)),
-                        4 => store(s, un::pass::<4>(u, nb, acts, r0)),
-                        5 => store(s, un::pass::<5>(u, nb, acts, r0)),
-                        6 => store(s, un::pass::<6>(u, nb, acts, r0)),
-                        7 => store(s, un::pass::<7>(u, nb, acts, r0)),
-                        _ => store(s, un::pass::<8>(u, nb, acts, r0)),
-                    }
-                    for (a, s) in sums.iter().enumerate().take(n) {
-                        let dst = (r0 + a) * rows + t * TILE_ROWS;
-                        local[dst..dst + TILE_ROWS].copy_from_slice(s);
-                    }
-                    r0 += n;
-                }
-            }
-            continue;
-        }
-        if unpack_q8 {
-            // SAFETY: as above, for a tile row of Q8_0 tiles (`spans`) and Q8_0 rows of
-            // `nblk` blocks.
-            unsafe {
-                un::unpack_q8_0(tile_row, spans.0, spans.1, &mut unpacked_row);
-                let mut r0 = 0;
-                while r0 < n_rows {
-                    let n = un::PASS_ROWS.min(n_rows - r0);
-                    let mut sums = [[0.0f32; TILE_ROWS]; b32::AVX2_PASS_ROWS];
-                    let (u, s) = (&unpacked_row[..], &mut sums);
-                    match n {
-                        1 => store(s, un::pass_q8_0::<1>(u, nblk, acts, r0)),
-                        2 => store(s, un::pass_q8_0::<2>(u, nblk, acts, r0)),
-                        3 => store(s, un::pass_q8_0::<3>(u, nblk, acts, r0)),
-                        4 => store(s, un::pass_q8_0::<4>(u, nblk, acts, r0)),
-                        5 => store(s, un::pass_q8_0::<5>(u, nblk, acts, r0)),
-                        6 => store(s, un::pass_q8_0::<6>(u, nblk, acts, r0)),
-                        7 => store(s, un::pass_q8_0::<7>(u, nblk, acts, r0)),
-                        _ => store(s, un::pass_q8_0::<8>(u, nblk, acts, r0)),
-                    }
-                    for (a, s) in sums.iter().enumerate().take(n) {
-                        let dst = (r0 + a) * rows + t * TILE_ROWS;
-                        local[dst..dst + TILE_ROWS].copy_from_slice(s);
-                    }
-                    r0 += n;
-                }
-            }
-            continue;
-        }
         // The 32-weight formats' AVX2 pass takes up to eight rows, the others four.
         let step = if kind >= 2 {
             b32::pass_rows(kind as u8 - 2, vnni, spans.1)
