@@ -550,8 +550,9 @@ fn tiled_32_weight_formats_give_the_row_bits_at_many_rows_and_largest_sums() {
     }
 }
 
-/// Q6_K tiles at prefill's row counts (8 to 33 activation rows: the AVX2 body's unpacked
-/// passes of eight and their remainders, over several blocks and panels) give the row
+/// Q6_K tiles at prefill's row counts (11 to 47 activation rows: the AVX2 body's four-row
+/// passes below 32 rows, its unpacked passes of eight and their remainders of 0, 3 and 7
+/// from 32, over several blocks and panels) give the row
 /// layout's portable bits; and so they do at the largest sums its 16-bit lanes hold: every
 /// code 0 (`q − 32` = −32) or 63 (+31), scales −128 and 127, against activations all
 /// `+max` or all `−max` (eight products of 32 · 127 a lane, 32,512: a lane that wrapped
@@ -579,11 +580,11 @@ fn tiled_q6k_gives_the_row_bits_at_many_rows_and_largest_sums() {
         assert!(tile(format, bytes, rows, cols, &mut tiled));
         let tq = QuantSlice::tiled(&tiled, format, rows * cols, cols).unwrap();
         let tw = QuantMatrix::new(tq, rows, cols).unwrap();
-        let random = random_acts(33 * cols, 1.0, &mut rng);
-        let plus = vec![0.5f32; 33 * cols];
-        let minus = vec![-0.5f32; 33 * cols];
+        let random = random_acts(47 * cols, 1.0, &mut rng);
+        let plus = vec![0.5f32; 47 * cols];
+        let minus = vec![-0.5f32; 47 * cols];
         for x in [&random, &plus, &minus] {
-            for n_rows in [8usize, 11, 16, 23, 33] {
+            for n_rows in [11usize, 32, 35, 47] {
                 assert_bodies_give(portable, &w, &tw, &x[..n_rows * cols], n_rows, || {
                     format!("{format} tiled [{rows}, {cols}] x {n_rows} rows")
                 });

@@ -44,10 +44,12 @@ use std::arch::x86_64::*;
 /// Activation rows per pass over an unpacked tile row.
 pub(super) const PASS_ROWS: usize = 8;
 
-/// Below this many activation rows a product keeps the four-row pass: unpacking a tile
-/// row costs about what one four-row pass's own unpacking does, and the unpacked row is
-/// read back from memory.
-pub(super) const MIN_ROWS: usize = 8;
+/// Below this many activation rows a product keeps the earlier passes (Q6_K's four-row,
+/// Q8_0's eight-row): unpacking a panel costs about what a few of their passes spend
+/// unpacking, and the unpacked rows are read back from memory. `QUANT_BENCH_MANY=1 cargo
+/// bench --bench quant`, three runs (old time / new time): at 16 rows 0.95-1.05 for Q6_K
+/// and 0.90-0.95 for Q8_0, at 48 rows 1.14-1.24 and 0.99-1.14.
+pub(super) const MIN_ROWS: usize = 32;
 
 /// Registers of one unpacked block: 16 sub-blocks of four code registers and a scale
 /// register, then the eight `d`.
@@ -300,14 +302,13 @@ pub(super) unsafe fn panel(
     macro_rules! run {
         ($n:literal, $u:expr, $r0:expr) => {{
             // SAFETY: the caller's contract; `$r0 + $n <= n_rows`.
-            let v = unsafe {
+            unsafe {
                 if q8 {
                     widen(pass_q8_0::<$n>($u, blocks, acts, $r0))
                 } else {
                     widen(pass::<$n>($u, blocks, acts, $r0))
                 }
-            };
-            v
+            }
         }};
     }
     let mut r0 = 0;
