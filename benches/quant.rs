@@ -21,7 +21,8 @@
 //! shapes, [`gpt_oss`]); then wall time on all
 //! threads; then the bodies against each other (portable, AVX2, AVX-512 VNNI where this
 //! CPU has them) at the small shape, and criterion's timing of the selected body at 1
-//! and 16 rows.
+//! and 16 rows. `QUANT_BENCH_MANY=1` runs only DeepSeek-V2-Lite's prefill shapes at many
+//! rows, the unpacked-tile passes against the ones before them ([`many_rows`]).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
@@ -385,6 +386,104 @@ fn gpt_oss(qk: QuantKernels) {
     }
 }
 
+/// DeepSeek-V2-Lite's prefill products from tiles at many rows (`QUANT_BENCH_MANY=1`):
+/// its routed experts' Q6_K gate/up `[1408, 2048]` and Q8_0 down `[2048, 1408]` (1,408 is
+/// not whole 256-weight blocks), its shared experts' Q6_K down `[2048, 2816]`, and Q4_K at
+/// the gate's shape (the format whose tiles keep up), at 16, 48, 128 and 512 rows (a
+/// 512-token prompt gives each of the 64 routed experts about 48 rows, the shared
+/// experts and the attention projections all 512). One thread, timed by its CPU time;
+/// each round runs the unpacked-tile passes (`QuantKernels::with_unpacked_tiles(true)`,
+/// the default) and the passes before them (`false`) on the same matrices, alternating
+/// which goes first; printed: each one's median GMAC/s and GB/s of weights and the
+/// median per-round ratio (old time / new time). Up to 48 rows the set holds >= 64 MB so
+/// the weights stream from DRAM as a prefill's experts do; above, fewer matrices (the
+/// product is compute-bound there). Then criterion times both at 48 rows on all threads.
+fn many_rows(c: &mut Criterion, qk: QuantKernels) {
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    let (new, old) = (qk.with_unpacked_tiles(true), qk.with_unpacked_tiles(false));
+    let shapes = [
+        (QuantFormat::Q6K, 1408, 2048, "expert gate/up"),
+        (QuantFormat::Q8_0, 2048, 1408, "expert down"),
+        (QuantFormat::Q6K, 2048, 2816, "shared experts' down"),
+        (QuantFormat::Q4K, 1408, 2048, "Q4_K at the gate's shape"),
+    ];
+    let mut sets = Vec::new();
+    for (format, out, inp, what) in shapes {
+        let mut set = Set::new(format, out, inp).into_tiles();
+        let all = set.quant.len();
+        println!(
+            "many rows, {what}: {format} tiles [{out}, {inp}] x {all} matrices, body {}, one thread (CPU time):",
+            qk.body()
+        );
+        for rows in [16, 48, 128, 512] {
+            let used = if rows <= 48 {
+                all
+            } else {
+                (all * 48 / rows).max(2)
+            };
+            let x = activations(rows, inp);
+            let mut y = vec![0.0f32; rows * out];
+            let (mut tn, mut to) = (Vec::new(), Vec::new());
+            let full = std::mem::take(&mut set.quant);
+            set.quant = full[..used].to_vec();
+            one.install(|| {
+                let time = |k: QuantKernels, y: &mut [f32]| {
+                    let t0 = thread_cpu_seconds();
+                    set.run_quant(k, &x, rows, y);
+                    thread_cpu_seconds() - t0
+                };
+                time(new, &mut y);
+                time(old, &mut y);
+                for round in 0..ROUNDS {
+                    if round % 2 == 0 {
+                        tn.push(time(new, &mut y));
+                        to.push(time(old, &mut y));
+                    } else {
+                        to.push(time(old, &mut y));
+                        tn.push(time(new, &mut y));
+                    }
+                }
+            });
+            let ratio = median(to.iter().zip(&tn).map(|(o, n)| o / n).collect());
+            let (tn, to) = (median(tn), median(to));
+            let macs = (rows * out * inp * used) as f64;
+            let gb = set.quant_bytes() as f64 / 1e9;
+            println!(
+                "  {rows:>3} rows x {used:>2}: new {:>6.1} GMAC/s ({:>5.2} GB/s) | old {:>6.1} GMAC/s ({:>5.2} GB/s) | old time / new time {ratio:.2}",
+                macs / tn / 1e9,
+                gb / tn,
+                macs / to / 1e9,
+                gb / to,
+            );
+            set.quant = full;
+        }
+        sets.push(set);
+    }
+    let mut group = c.benchmark_group("quant many rows");
+    group.sample_size(10);
+    for set in sets.iter_mut().take(2) {
+        let rows = 48;
+        set.quant.truncate(8);
+        let x = activations(rows, set.inp);
+        let mut y = vec![0.0f32; rows * set.out];
+        for (name, k) in [("unpacked", new), ("before", old)] {
+            group.bench_function(
+                format!(
+                    "{} [{}, {}] x 8, {rows} rows, {name}",
+                    set.label(),
+                    set.out,
+                    set.inp
+                ),
+                |b| b.iter(|| set.run_quant(k, &x, rows, &mut y)),
+            );
+        }
+    }
+    group.finish();
+}
+
 fn bench(c: &mut Criterion) {
     let k = Kernels::process();
     let qk = QuantKernels::process();
@@ -393,6 +492,10 @@ fn bench(c: &mut Criterion) {
     println!("threads: {}", rayon::current_num_threads());
     if std::env::var_os("QUANT_BENCH_GPTOSS").is_some() {
         gpt_oss(qk);
+        return;
+    }
+    if std::env::var_os("QUANT_BENCH_MANY").is_some() {
+        many_rows(c, qk);
         return;
     }
     // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.

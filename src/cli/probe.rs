@@ -58,6 +58,7 @@ pub fn run(args: ProbeArgs) -> ExitCode {
         args.size_mib.saturating_mul(1 << 20),
         threads,
         ProbeEffort::FULL,
+        &crate::engine::cpu_probe::QUANT_FORMATS,
     ) {
         Ok(m) => m,
         Err(e) => {

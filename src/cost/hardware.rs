@@ -278,9 +278,62 @@ pub struct KernelRates {
     /// compute roof of the model above.
     #[serde(default)]
     pub attn_decode_peak_gflops: f64,
+    /// The quantised products (`QuantKernels`, weights in the layout the CPU backend
+    /// computes from), one curve per weight format, GB/s of that format's bytes at each
+    /// row count: a block format's cost per weight is its own (Q6_K's integer sums are not
+    /// bf16's floats at 0.41x the bytes), most of all at prefill's rows, where the product
+    /// is compute-bound. A tensor of a format without a curve is charged at the bf16
+    /// curves above (said by [`KernelRates::summary`]). Empty in profiles written before
+    /// they were measured.
+    #[serde(default)]
+    pub quant: Vec<QuantRates>,
+}
+
+/// One weight format's measured product rates ([`KernelRates::quant`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QuantRates {
+    /// The format as ggml names it (`Q6_K`, `Q8_0`, ...).
+    pub format: String,
+    /// GB/s of the format's weight bytes at each row count, rows ascending.
+    pub points: Vec<RowsRate>,
 }
 
 impl KernelRates {
+    /// The measured curve of weight format `format` (ggml's name), if the profile has one.
+    pub fn quant_curve(&self, format: &str) -> Option<&[RowsRate]> {
+        self.quant
+            .iter()
+            .find(|q| q.format == format)
+            .map(|q| q.points.as_slice())
+    }
+
+    /// Seconds of a product over weights made of `segments` (each a format's name, or
+    /// `None` for floats, and its bytes) at `rows` rows per weight: each quantised
+    /// segment at its format's curve ([`Self::quant_curve`]) and the rest at `fallback`
+    /// (the op kind's bf16 curve), per byte ([`Self::seconds_per_weight_byte`]), in
+    /// proportion to the segment's share of the segments' bytes, times `bytes` (the
+    /// task's weight traffic, which may count more or fewer copies of the same segments).
+    /// `None` when no segment has a curve of its own: the caller keeps `fallback` alone.
+    pub fn seconds_by_format(
+        &self,
+        fallback: &[RowsRate],
+        segments: &[(Option<&str>, f64)],
+        bytes: f64,
+        rows: f64,
+    ) -> Option<f64> {
+        let total: f64 = segments.iter().map(|s| s.1.max(0.0)).sum();
+        let own = |f: &Option<&str>| f.and_then(|f| self.quant_curve(f));
+        if total <= 0.0 || !segments.iter().any(|(f, b)| *b > 0.0 && own(f).is_some()) {
+            return None;
+        }
+        let mut per_byte = 0.0;
+        for (format, seg) in segments {
+            let curve = own(format).unwrap_or(fallback);
+            per_byte += Self::seconds_per_weight_byte(curve, rows)? * seg.max(0.0) / total;
+        }
+        Some(per_byte * bytes)
+    }
+
     /// Seconds per weight byte on `curve` at `rows` rows per weight (`None` for an empty
     /// curve). Between two measured points the time per byte is interpolated linearly in
     /// rows (a kernel's time is a fixed streaming part plus a part per row); below the
@@ -326,7 +379,7 @@ impl KernelRates {
                 .join(", ");
             format!("{name:<11} {text}")
         };
-        vec![
+        let mut lines = vec![
             curve("linear", &self.linear),
             curve("expert ffn", &self.expert_ffn),
             format!(
@@ -337,7 +390,22 @@ impl KernelRates {
                 "{:<11} decode KV read {:.2} GB/s (f32 cache), {:.2} GB/s (f16 cache), wide groups {:.2} GFLOP/s",
                 "", self.attn_decode_kv_gb_s, self.attn_decode_kv_f16_gb_s, self.attn_decode_peak_gflops
             ),
-        ]
+        ];
+        for q in &self.quant {
+            let text = q
+                .points
+                .iter()
+                .map(|p| format!("{} rows {:.2} GB/s", p.rows, p.weight_gb_s))
+                .collect::<Vec<_>>()
+                .join(", ");
+            lines.push(format!("{:<11} {text} (of {} bytes)", q.format, q.format));
+        }
+        lines.push(if self.quant.is_empty() {
+            "quantised  no curve per format: quantised weights at the bf16 curves".to_string()
+        } else {
+            "quantised  formats without a curve above: at the bf16 curves".to_string()
+        });
+        lines
     }
 
     /// Seconds of a decode attention task reading `kv_bytes` of a cache of `kv_elem_bytes`
@@ -368,7 +436,10 @@ impl KernelRates {
 
     /// Checks every rate is finite and positive and each curve's rows strictly ascend.
     pub fn validate(&self) -> Result<(), String> {
-        for (name, curve) in [("linear", &self.linear), ("expert_ffn", &self.expert_ffn)] {
+        let named = [("linear", &self.linear), ("expert_ffn", &self.expert_ffn)]
+            .into_iter()
+            .chain(self.quant.iter().map(|q| (q.format.as_str(), &q.points)));
+        for (name, curve) in named {
             if let Some(p) = curve
                 .iter()
                 .find(|p| p.rows == 0 || !(p.weight_gb_s.is_finite() && p.weight_gb_s > 0.0))

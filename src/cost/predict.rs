@@ -604,11 +604,19 @@ pub fn kernel_seconds(
         .filter(|m| m.class == catalog::DataClass::Weights)
         .map(|m| m.bytes)
         .sum();
-    let at = |curve: &[super::hardware::RowsRate], bytes: f64, rows: f64| {
+    // Quantised weights at their formats' measured curves where the profile has them
+    // (`rates::quant_product_seconds`; `experts` picks the task's expert weights).
+    let at_of = |curve: &[super::hardware::RowsRate], bytes: f64, rows: f64, experts: bool| {
         if bytes <= 0.0 || rows <= 0.0 {
             return 0.0;
         }
-        KernelRates::seconds_per_weight_byte(curve, rows).map_or(0.0, |s| s * bytes)
+        let op = &task.op;
+        super::rates::quant_product_seconds(kernels, curve, card, op, experts, bytes, rows)
+            .or_else(|| KernelRates::seconds_per_weight_byte(curve, rows).map(|s| s * bytes))
+            .unwrap_or(0.0)
+    };
+    let at = |curve: &[super::hardware::RowsRate], bytes: f64, rows: f64| {
+        at_of(curve, bytes, rows, false)
     };
     let tokens = shape.tokens as f64;
     // Under the routing model of `cost::activation` (each token picks a given expert with
@@ -640,7 +648,7 @@ pub fn kernel_seconds(
         CostClass::ExpertFfn => {
             let set = task.op.statics().set.unwrap_or(catalog::ExpertSet::All);
             match routed_per_active(&set) {
-                Some((_, rows)) => at(&kernels.expert_ffn, weights, rows),
+                Some((_, rows)) => at_of(&kernels.expert_ffn, weights, rows, true),
                 None => 0.0,
             }
         }
@@ -653,7 +661,7 @@ pub fn kernel_seconds(
                     seen_active.unwrap_or((card.experts as f64).min(tokens * card.top_k as f64));
                 let dense = weights - (counted * expert_bytes).min(weights);
                 at(&kernels.linear, dense, tokens)
-                    + at(&kernels.expert_ffn, active * expert_bytes, rows)
+                    + at_of(&kernels.expert_ffn, active * expert_bytes, rows, true)
             }
             None => 0.0,
         },

@@ -8,8 +8,12 @@
 //! MoE-Lightning's T4 workload the datasheet planner predicted 10.1x the published
 //! throughput, the calibrated one 1.09x).
 
-use super::hardware::HardwareProfile;
+use super::hardware::{HardwareProfile, KernelRates, RowsRate};
 use super::reproduce::{calibrated, fitted_points};
+use crate::ir::Op;
+use crate::model::card::ModelCard;
+use crate::model::formats::WeightTensor;
+use crate::quant::storage::Storage;
 
 /// The rates a prediction divides by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,9 +129,140 @@ pub fn at_rates(
     })
 }
 
+/// The weight formats a task of `op` multiplies by and each one's bytes in one layer (or
+/// one expert), for [`KernelRates::seconds_by_format`]: `experts` picks the routed
+/// experts' segments (`experts`, and the expert part of `post_attn`); otherwise pre_attn
+/// reads its layer's `pre` part (Q/K/V or MLA's projections), o_proj its O projection,
+/// gate and pregate the `gate` part (router, shared experts), post_attn's dense part O and
+/// gate, lm_head the head matrix. Each segment in the format the card stores that layer's
+/// tensor in (`None` for floats). Empty for an op with no weights of these.
+pub fn weight_segments(
+    card: &ModelCard,
+    op: &Op,
+    experts: bool,
+) -> Vec<(Option<&'static str>, f64)> {
+    use crate::model::arch::ArchSpec;
+    use crate::model::layout::LayerLayout;
+    let name = |s: Storage| match s {
+        Storage::Quant(f) => Some(f.name()),
+        Storage::Float(_) => None,
+    };
+    let (layer, parts): (u64, &[usize]) = match (op, experts) {
+        (Op::LmHead { .. }, _) => {
+            let head = card.storage(WeightTensor::LmHead);
+            let bytes = head.matrix_bytes(card.vocab, card.hidden).unwrap_or(0);
+            return vec![(name(head), bytes as f64)];
+        }
+        (Op::Experts { layer, .. } | Op::PostAttn { layer, .. }, true) => (u64::from(*layer), &[3]),
+        (Op::PostAttn { layer, .. }, false) => (u64::from(*layer), &[1, 2]),
+        (Op::PreAttn { layer, .. }, false) => (u64::from(*layer), &[0]),
+        (Op::OProj { layer, .. }, false) => (u64::from(*layer), &[1]),
+        (Op::Gate { layer, .. } | Op::Pregate { layer, .. }, false) => (u64::from(*layer), &[2]),
+        _ => return Vec::new(),
+    };
+    let arch = ArchSpec::from_card(card);
+    let storage = |k| {
+        card.formats
+            .layer_storage(card.dtype, layer, WeightTensor::layer(k))
+    };
+    let bytes = LayerLayout::part_bytes(&arch, storage);
+    let [pre, o, gate] = LayerLayout::dense_parts(&arch, false);
+    let kinds = [pre, o, gate, LayerLayout::expert_kinds(&arch, 0)];
+    parts
+        .iter()
+        .flat_map(|&p| {
+            kinds[p]
+                .iter()
+                .zip(&bytes[p])
+                .map(|(&k, &b)| (name(storage(k)), b as f64))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Seconds of `bytes` of weight traffic of `op` (its experts' when `experts`) at `rows`
+/// rows per weight, when `kernels` has a measured curve for a format those weights are
+/// stored in ([`KernelRates::seconds_by_format`], the rest at `fallback`, the op kind's
+/// bf16 curve); `None` otherwise (the caller charges `fallback` alone, as before the
+/// curves existed).
+pub fn quant_product_seconds(
+    kernels: &KernelRates,
+    fallback: &[RowsRate],
+    card: &ModelCard,
+    op: &Op,
+    experts: bool,
+    bytes: f64,
+    rows: f64,
+) -> Option<f64> {
+    if kernels.quant.is_empty() || bytes <= 0.0 || rows <= 0.0 {
+        return None;
+    }
+    kernels.seconds_by_format(fallback, &weight_segments(card, op, experts), bytes, rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hand-worked: a profile whose `linear` curve is 1 GB/s at 1 row (1e-9 s per byte,
+    /// times the rows above it), `expert_ffn` 2 GB/s, and a Q8_0 curve of 0.5 GB/s at 16
+    /// rows and 0.25 at 64 (2e-9 and 4e-9 s/B). mixtral-tiny (hidden 128, ffn 256) with
+    /// Q8_0 experts: each of gate, up [256, 128] and down [128, 256] is 1,024 blocks of
+    /// 34 B = 34,816 B. At 32 rows the Q8_0 curve gives 2e-9 + (16/48) 2e-9 = 8/3 e-9 s/B:
+    /// 104,448 B take 278.528 us, where the bf16 `expert_ffn` curve alone (5e-10 x 32 =
+    /// 1.6e-8 s/B) gave 1.671 ms. Its attention stays bf16, so pre_attn has no curve of
+    /// its own (`None`: the caller keeps the bf16 curve). A mix of 3 MB of Q8_0 and 1 MB
+    /// of floats at 32 rows: 0.75 x 8/3e-9 + 0.25 x 3.2e-8 = 1e-8 s/B, 40 ms for 4 MB.
+    #[test]
+    fn quantised_weights_take_their_formats_curves() {
+        use crate::cost::hardware::QuantRates;
+        use crate::ir::catalog::ExpertSet;
+        let point = |rows, weight_gb_s| RowsRate { rows, weight_gb_s };
+        let kernels = KernelRates {
+            linear: vec![point(1, 1.0)],
+            expert_ffn: vec![point(1, 2.0)],
+            quant: vec![QuantRates {
+                format: "Q8_0".to_string(),
+                points: vec![point(16, 0.5), point(64, 0.25)],
+            }],
+            ..KernelRates::default()
+        };
+        let mut card = ModelCard::load("mixtral-tiny").unwrap();
+        card.formats.parse_classes("experts=q8_0").unwrap();
+        let experts = Op::Experts {
+            layer: 1,
+            ub: 0,
+            set: ExpertSet::All,
+        };
+        let segments = weight_segments(&card, &experts, true);
+        assert_eq!(segments, vec![(Some("Q8_0"), 34_816.0); 3]);
+        let fallback = &kernels.expert_ffn;
+        let s = quant_product_seconds(&kernels, fallback, &card, &experts, true, 104_448.0, 32.0);
+        assert!((s.unwrap() - 278.528e-6).abs() < 1e-12, "{s:?}");
+        let post = Op::PostAttn { layer: 1, ub: 0 };
+        let s = quant_product_seconds(&kernels, fallback, &card, &post, true, 104_448.0, 32.0);
+        assert!((s.unwrap() - 278.528e-6).abs() < 1e-12, "{s:?}");
+        let pre = Op::PreAttn { layer: 1, ub: 0 };
+        assert!(weight_segments(&card, &pre, false)
+            .iter()
+            .all(|s| s.0.is_none()));
+        assert_eq!(
+            quant_product_seconds(&kernels, &kernels.linear, &card, &pre, false, 1e6, 32.0),
+            None
+        );
+        let mix = [(Some("Q8_0"), 3e6), (None, 1e6)];
+        let s = kernels
+            .seconds_by_format(&kernels.linear, &mix, 4e6, 32.0)
+            .unwrap();
+        assert!((s - 0.04).abs() < 1e-12, "{s}");
+        // No curves at all: the caller's bf16 curve, as before.
+        let bf16_only = KernelRates {
+            quant: Vec::new(),
+            ..kernels.clone()
+        };
+        let s = quant_product_seconds(&bf16_only, fallback, &card, &experts, true, 1e5, 32.0);
+        assert_eq!(s, None);
+    }
 
     /// The checked-in profiles: T4 and L4 carry effective rates and a calibration point
     /// (reproduce/calibration.ron), the H200 only its datasheet.

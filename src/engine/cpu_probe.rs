@@ -11,7 +11,9 @@
 //! backend's emulated GPU (`cost::probe::profile_from_measurements`, the pure half, which
 //! stays with the cost model; this half runs kernels, so it lives above the compiler).
 
-use crate::cost::hardware::{ExpertLatency, HardwareProfile, KernelRates, RowsRate, GB};
+use crate::cost::hardware::{
+    ExpertLatency, HardwareProfile, KernelRates, QuantRates, RowsRate, GB,
+};
 use crate::cost::probe::{profile_from_measurements, Measurements};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -183,17 +185,35 @@ impl ProbeEffort {
 }
 
 /// [`measure`] and [`measure_kernels`] on `threads` threads, made into this machine's
-/// profile named `name` (what `moec probe` writes and `moec run` predicts with).
+/// profile named `name` (what `moec probe` writes and `moec run` predicts with), with
+/// the quantised product curves of `quant` (those of [`QUANT_FORMATS`] among them).
 pub fn probe_profile(
     name: &str,
     buffer_bytes: usize,
     threads: usize,
     effort: ProbeEffort,
+    quant: &[crate::quant::QuantFormat],
 ) -> Result<(Measurements, HardwareProfile), ProbeError> {
     let measured = measure(buffer_bytes, threads)?;
     let mut profile = profile_from_measurements(name, &measured);
-    profile.kernels = Some(measure_kernels(threads, effort)?);
+    profile.kernels = Some(measure_kernels(threads, effort, quant)?);
     Ok((measured, profile))
+}
+
+/// The block formats `card` stores any tensor in, in any layer: the quantised curves a
+/// run of it needs ([`probe_profile`]'s `quant`).
+pub fn quant_formats_of(card: &crate::model::card::ModelCard) -> Vec<crate::quant::QuantFormat> {
+    let f = &card.formats;
+    let mut out: Vec<crate::quant::QuantFormat> = f
+        .classes
+        .values()
+        .chain(f.tensors.values())
+        .chain(f.layers.values().flat_map(|l| l.values()))
+        .filter_map(|s| s.quant())
+        .collect();
+    out.sort_by_key(|q| q.name());
+    out.dedup();
+    out
 }
 
 /// Hidden width of the kernel probe's matrices (mixtral-mid's, the card this machine runs).
@@ -363,7 +383,11 @@ pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64), ProbeError> {
 /// the median of `effort.kernel_reps` passes taken round-robin over the points after an
 /// untimed pass of each; the two attention rate points the best of two timings, the
 /// smallest call the median of `effort.attn_call_reps` ([`ProbeEffort`]).
-pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRates, ProbeError> {
+pub fn measure_kernels(
+    threads: usize,
+    effort: ProbeEffort,
+    quant: &[crate::quant::QuantFormat],
+) -> Result<KernelRates, ProbeError> {
     use crate::math::isa::Kernels;
     use crate::math::tensor::Matrix;
     let pool = probe_pool(threads)?;
@@ -461,6 +485,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let (decode_seconds, prefill_seconds, call_seconds) =
         pool.install(|| time_attention(effort.attn_call_reps.max(1)))?;
     let (kv_gb_s, kv_f16_gb_s, peak_gflops) = pool.install(|| time_decode_kv(2))?;
+    let quant = measure_quant_rates(&pool, reps, quant)?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
     let (seqs, context) = ATTN_DECODE;
@@ -472,7 +497,7 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0 in the CPU backend's tiles, `QuantKernels`) at the same rows over the same shapes, GB/s of each format's bytes",
             kernels.isa(),
             effort.attn_call_reps.max(1)
         ),
@@ -484,7 +509,165 @@ pub fn measure_kernels(threads: usize, effort: ProbeEffort) -> Result<KernelRate
         attn_decode_kv_gb_s: kv_gb_s,
         attn_decode_kv_f16_gb_s: kv_f16_gb_s,
         attn_decode_peak_gflops: peak_gflops,
+        quant,
     })
+}
+
+/// The formats whose products [`measure_quant_rates`] can time (`moec probe` times all):
+/// those of the checkpoints people run on the CPU backend (Q4_K_M's Q4_K and Q6_K, and
+/// Q8_0, which a Q6_K mix falls back to where a row is not whole 256-weight blocks).
+pub const QUANT_FORMATS: [crate::quant::QuantFormat; 3] = [
+    crate::quant::QuantFormat::Q4K,
+    crate::quant::QuantFormat::Q6K,
+    crate::quant::QuantFormat::Q8_0,
+];
+
+/// Blocks of `format` for `elems` weights, fast rather than realistic (the probe makes
+/// tens of MB on every `moec run` of a quantised checkpoint): bytes from a xorshift
+/// generator, then every block's f16 scales set to 1e-3 (any bytes are a valid block of
+/// these formats once its scales are finite; the products' time does not depend on the
+/// values).
+fn probe_blocks(format: crate::quant::QuantFormat, elems: usize, seed: u64) -> Vec<u8> {
+    use crate::quant::QuantFormat;
+    let bb = format.block_bytes();
+    let mut bytes = vec![0u8; elems / format.block_elems() * bb];
+    let mut state = seed | 1;
+    for chunk in bytes.chunks_mut(8) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let n = chunk.len();
+        chunk.copy_from_slice(&state.to_le_bytes()[..n]);
+    }
+    let fields: &[usize] = match format {
+        QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q4_1 => &[0, 2],
+        QuantFormat::Q6K => &[208],
+        QuantFormat::Mxfp4 => &[],
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
+    };
+    let scale = half::f16::from_f32(1e-3).to_le_bytes();
+    for block in bytes.chunks_exact_mut(bb) {
+        for &at in fields {
+            block[at..at + 2].copy_from_slice(&scale);
+        }
+    }
+    bytes
+}
+
+/// [`KernelRates::quant`]: each of [`QUANT_FORMATS`]'s expert FFN products (gate, up,
+/// down through `QuantKernels::quant_linear` on the process's body, weights in the tiles
+/// the CPU backend repacks them into at load) at [`KERNEL_ROWS`] rows, as the bf16
+/// curves are timed: rows below [`KERNEL_COMPUTE_ROWS`] over [`KERNEL_DECODE_EXPERTS`]
+/// experts of the probe's shape (one random expert copied into each, distinct memory,
+/// so the weights come from DRAM), the others over one narrow expert; the median of
+/// `reps` passes per point, round-robin. GB/s of the format's bytes.
+fn measure_quant_rates(
+    pool: &rayon::ThreadPool,
+    reps: usize,
+    formats: &[crate::quant::QuantFormat],
+) -> Result<Vec<QuantRates>, ProbeError> {
+    use crate::math::qmatmul::{tiles, QuantKernels, QuantMatrix};
+    use crate::quant::QuantSlice;
+    let qk = QuantKernels::process();
+    let (d, f, narrow) = (KERNEL_HIDDEN, KERNEL_FFN, KERNEL_COMPUTE_FFN);
+    let max_rows = KERNEL_ROWS[KERNEL_ROWS.len() - 1] as usize;
+    let x = vec![0.01f32; max_rows * f];
+    let mut h = vec![0.0f32; max_rows * f];
+    let mut y = vec![0.0f32; max_rows * f];
+    let mut out = Vec::with_capacity(QUANT_FORMATS.len());
+    let wanted = QUANT_FORMATS.into_iter().filter(|f| formats.contains(f));
+    for (i, format) in wanted.enumerate() {
+        // A [rows, cols] matrix of random blocks, tiled.
+        let make = |rows: usize, cols: usize, seed: u64| -> Result<Vec<u8>, ProbeError> {
+            let plain = probe_blocks(format, rows * cols, seed);
+            let mut tiled = vec![0u8; plain.len()];
+            if !tiles::tile(format, &plain, rows, cols, &mut tiled) {
+                return Err(ProbeError::Kernel(format!(
+                    "{format} [{rows}, {cols}] does not tile"
+                )));
+            }
+            Ok(tiled)
+        };
+        let seed = 11 + 3 * i as u64;
+        let wide = [
+            make(f, d, seed)?,
+            make(f, d, seed + 1)?,
+            make(d, f, seed + 2)?,
+        ];
+        let decode: Vec<[Vec<u8>; 3]> = (0..KERNEL_DECODE_EXPERTS).map(|_| wide.clone()).collect();
+        let compute = [[
+            make(narrow, d, seed)?,
+            make(narrow, d, seed + 1)?,
+            make(d, narrow, seed + 2)?,
+        ]];
+        let shapes = |ffn: usize| [(ffn, d), (ffn, d), (d, ffn)];
+        let mut failed: Option<String> = None;
+        let mut pass = |rows: u32| -> f64 {
+            let n = rows as usize;
+            let (set, ffn): (&[[Vec<u8>; 3]], usize) = if rows >= KERNEL_COMPUTE_ROWS {
+                (&compute, narrow)
+            } else {
+                (&decode, f)
+            };
+            let start = Instant::now();
+            pool.install(|| {
+                for expert in set {
+                    for (m, (bytes, (o, i))) in expert.iter().zip(shapes(ffn)).enumerate() {
+                        let result = QuantSlice::tiled(bytes, format, o * i, i)
+                            .map_err(|e| e.to_string())
+                            .and_then(|q| QuantMatrix::new(q, o, i).map_err(|e| e.to_string()))
+                            .and_then(|w| {
+                                let (input, output) = if m < 2 {
+                                    (&x[..n * i], &mut h[..n * o])
+                                } else {
+                                    (&h[..n * i], &mut y[..n * o])
+                                };
+                                qk.quant_linear(&w, input, n, output)
+                                    .map_err(|e| e.to_string())
+                            });
+                        if let Err(e) = result {
+                            failed = Some(e);
+                        }
+                    }
+                }
+            });
+            start.elapsed().as_secs_f64()
+        };
+        for &rows in &KERNEL_ROWS {
+            pass(rows);
+        }
+        let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(reps); KERNEL_ROWS.len()];
+        for _ in 0..reps {
+            for (times, &rows) in samples.iter_mut().zip(&KERNEL_ROWS) {
+                times.push(pass(rows));
+            }
+        }
+        if let Some(e) = failed {
+            return Err(ProbeError::Kernel(format!("{format} product: {e}")));
+        }
+        let bytes = |set: &[[Vec<u8>; 3]]| -> usize { set.iter().flatten().map(Vec::len).sum() };
+        let points = samples
+            .into_iter()
+            .zip(&KERNEL_ROWS)
+            .map(|(times, &rows)| {
+                let b = if rows >= KERNEL_COMPUTE_ROWS {
+                    bytes(&compute)
+                } else {
+                    bytes(&decode)
+                };
+                RowsRate {
+                    rows,
+                    weight_gb_s: b as f64 / median(times).max(1e-12) / GB,
+                }
+            })
+            .collect();
+        out.push(QuantRates {
+            format: format.name().to_string(),
+            points,
+        });
+    }
+    std::hint::black_box(&y);
+    Ok(out)
 }
 
 /// One synthetic expert of the kernel probe over `data` (at least `3 x hidden x ffn`
@@ -711,10 +894,17 @@ mod tests {
     /// the machine's, not asserted), and a profile carrying them validates.
     #[test]
     fn kernel_probe_gives_a_valid_curve_per_op_kind() {
-        let rates = measure_kernels(1, ProbeEffort::QUICK).unwrap();
+        let q6k = crate::quant::QuantFormat::Q6K;
+        let rates = measure_kernels(1, ProbeEffort::QUICK, &[q6k]).unwrap();
         let rows: Vec<u32> = rates.linear.iter().map(|p| p.rows).collect();
         assert_eq!(rows, KERNEL_ROWS);
         assert_eq!(rates.expert_ffn.len(), KERNEL_ROWS.len());
+        // Only the format asked for has a quantised curve, at every row count.
+        assert_eq!(rates.quant.len(), 1);
+        assert_eq!(
+            rates.quant_curve("Q6_K").map(<[_]>::len),
+            Some(KERNEL_ROWS.len())
+        );
         rates.validate().unwrap();
         let mut profile = profile_from_measurements("probe-test", &measure(1 << 20, 1).unwrap());
         profile.kernels = Some(rates);

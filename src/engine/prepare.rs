@@ -85,7 +85,7 @@ pub(crate) fn prepare(
 ) -> Result<Prepared, RunFailure> {
     let (options, compiled) = compile_for(request, card, target.workload)?;
     let mut notes = Vec::new();
-    let profile = profile_for(request, target.profile, &mut notes)?;
+    let profile = profile_for(request, card, target.profile, &mut notes)?;
     let (compiled, fitted) = fit_params::fit_params(
         &request.schedule,
         &options,
@@ -160,6 +160,7 @@ fn compile_for(
 /// will be read (a named profile is checked; without one the machine's memory still is).
 fn profile_for(
     request: &RunRequest,
+    card: &ModelCard,
     profile_use: ProfileUse,
     notes: &mut Vec<String>,
 ) -> Result<Option<HardwareProfile>, RunFailure> {
@@ -173,7 +174,7 @@ fn profile_for(
         }
     };
     if needed {
-        replay_profile(request, notes)
+        replay_profile(request, card, notes)
     } else {
         Ok(None)
     }
@@ -181,9 +182,11 @@ fn profile_for(
 
 /// The profile the run is replayed on: the named one, or a quick probe of this machine
 /// (its memory, moec's own kernels per op kind, and the runtime's fixed costs per task,
-/// blocking wait and stream thread), adjusted for how this run copies.
+/// blocking wait and stream thread; the quantised product curves of the card's block
+/// formats), adjusted for how this run copies.
 fn replay_profile(
     request: &RunRequest,
+    card: &ModelCard,
     notes: &mut Vec<String>,
 ) -> Result<Option<HardwareProfile>, RunFailure> {
     let profile = match &request.hw {
@@ -196,6 +199,7 @@ fn replay_profile(
                 QUICK_PROBE_BYTES,
                 threads,
                 super::cpu_probe::ProbeEffort::QUICK,
+                &super::cpu_probe::quant_formats_of(card),
             )
             .map_err(|e| e.to_string())
             .and_then(|(_, mut profile)| {

@@ -287,7 +287,8 @@ enum Prepared<'a> {
 impl<'a> Prepared<'a> {
     fn new(k: QuantKernels, w: &QuantMatrix<'_>, acts: &'a Q8Rows) -> Self {
         if w.data.layout != BlockLayout::Rows {
-            return Prepared::Tiles(TileActs::new(acts, w.format()));
+            let vnni = k.body() == QuantBody::Avx512Vnni;
+            return Prepared::Tiles(TileActs::new(acts, w.format(), vnni));
         }
         #[cfg(target_arch = "x86_64")]
         if k.body() != QuantBody::Portable {
@@ -317,6 +318,7 @@ impl<'a> Prepared<'a> {
                     unsafe {
                         super::tiles_x86::panel(
                             k.body() == QuantBody::Avx512Vnni,
+                            k.unpacked_tiles(),
                             w,
                             acts,
                             o0,

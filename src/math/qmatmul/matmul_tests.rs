@@ -102,12 +102,18 @@ fn assert_bodies_give(
 ) {
     let want = product(portable, reference, xs, n_rows);
     for body in QuantBody::supported() {
-        let got = product(QuantKernels::new(body).unwrap(), tested, xs, n_rows);
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(g, e)| g.to_bits() == e.to_bits());
-        assert!(same, "{body}: {}", what());
+        // With and without the unpacked-tile passes (the same bits either way).
+        for unpacked in [true, false] {
+            let k = QuantKernels::new(body)
+                .unwrap()
+                .with_unpacked_tiles(unpacked);
+            let got = product(k, tested, xs, n_rows);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(g, e)| g.to_bits() == e.to_bits());
+            assert!(same, "{body} (unpacked tiles {unpacked}): {}", what());
+        }
     }
 }
 
@@ -539,6 +545,49 @@ fn tiled_32_weight_formats_give_the_row_bits_at_many_rows_and_largest_sums() {
                         });
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Q6_K tiles at prefill's row counts (11 to 47 activation rows: the AVX2 body's four-row
+/// passes below 32 rows, its unpacked passes of eight and their remainders of 0, 3 and 7
+/// from 32, over several blocks and panels) give the row
+/// layout's portable bits; and so they do at the largest sums its 16-bit lanes hold: every
+/// code 0 (`q − 32` = −32) or 63 (+31), scales −128 and 127, against activations all
+/// `+max` or all `−max` (eight products of 32 · 127 a lane, 32,512: a lane that wrapped
+/// or saturated would change the bits).
+#[test]
+fn tiled_q6k_gives_the_row_bits_at_many_rows_and_largest_sums() {
+    use super::tiles::tile;
+    let portable = QuantKernels::portable();
+    let mut rng = Rng::new(43);
+    let format = QuantFormat::Q6K;
+    let (rows, cols) = (72usize, 768usize);
+    let n = rows * cols / 256;
+    let mut blocks = vec![random_blocks(format, n, 5)];
+    for (code, scale) in [(0x00u8, -128i8), (0xff, 127), (0x00, 127), (0xff, -128)] {
+        let mut b = random_blocks(format, n, 6);
+        for block in b.chunks_exact_mut(210) {
+            block[..192].fill(code);
+            block[192..208].fill(scale as u8);
+        }
+        blocks.push(b);
+    }
+    for bytes in &blocks {
+        let w = view(bytes, format, rows, cols);
+        let mut tiled = vec![0u8; bytes.len()];
+        assert!(tile(format, bytes, rows, cols, &mut tiled));
+        let tq = QuantSlice::tiled(&tiled, format, rows * cols, cols).unwrap();
+        let tw = QuantMatrix::new(tq, rows, cols).unwrap();
+        let random = random_acts(47 * cols, 1.0, &mut rng);
+        let plus = vec![0.5f32; 47 * cols];
+        let minus = vec![-0.5f32; 47 * cols];
+        for x in [&random, &plus, &minus] {
+            for n_rows in [11usize, 32, 35, 47] {
+                assert_bodies_give(portable, &w, &tw, &x[..n_rows * cols], n_rows, || {
+                    format!("{format} tiled [{rows}, {cols}] x {n_rows} rows")
+                });
             }
         }
     }

@@ -21,6 +21,8 @@ mod tiles_b32_x86;
 #[cfg(target_arch = "x86_64")]
 mod tiles_q6k_x86;
 #[cfg(target_arch = "x86_64")]
+mod tiles_unpacked_x86;
+#[cfg(target_arch = "x86_64")]
 mod tiles_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;

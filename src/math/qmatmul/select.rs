@@ -81,13 +81,21 @@ pub struct UnsupportedBody {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantKernels {
     body: QuantBody,
+    /// Whether the AVX2 body unpacks a Q6_K tile row once for every activation row of a
+    /// product with many rows (`super::tiles_unpacked_x86`); `false` keeps the passes that
+    /// unpack each tile in every pass of four rows (benches compare the two; the bits are
+    /// the same).
+    unpacked: bool,
 }
 
 impl QuantKernels {
     /// The `body` kernels, refused when this CPU cannot run them.
     pub fn new(body: QuantBody) -> Result<Self, UnsupportedBody> {
         if body.is_supported() {
-            Ok(QuantKernels { body })
+            Ok(QuantKernels {
+                body,
+                unpacked: true,
+            })
         } else {
             Err(UnsupportedBody { body })
         }
@@ -97,6 +105,7 @@ impl QuantKernels {
     pub fn portable() -> Self {
         QuantKernels {
             body: QuantBody::Portable,
+            unpacked: true,
         }
     }
 
@@ -108,7 +117,10 @@ impl QuantKernels {
             Isa::Avx512 | Isa::Avx2 if QuantBody::Avx2.is_supported() => QuantBody::Avx2,
             _ => QuantBody::Portable,
         };
-        QuantKernels { body }
+        QuantKernels {
+            body,
+            unpacked: true,
+        }
     }
 
     /// The body for the process's kernel choice ([`Kernels::process`]).
@@ -119,6 +131,23 @@ impl QuantKernels {
     /// The body these kernels run.
     pub fn body(self) -> QuantBody {
         self.body
+    }
+
+    /// These kernels with the AVX2 body's unpacked-tile passes on (the default) or off:
+    /// off, a product from Q6_K tiles at many rows runs the passes that unpack each tile
+    /// again for every four activation rows, as before the unpacked passes existed. For
+    /// comparing the two in one process (`cargo bench --bench quant`); both give the same
+    /// bits.
+    pub fn with_unpacked_tiles(self, on: bool) -> Self {
+        QuantKernels {
+            unpacked: on,
+            ..self
+        }
+    }
+
+    /// Whether the unpacked-tile passes are on ([`Self::with_unpacked_tiles`]).
+    pub fn unpacked_tiles(self) -> bool {
+        self.unpacked
     }
 }
 

@@ -40,7 +40,11 @@ pub(super) const MXFP4_OFFSET: i32 = 12;
 /// covers, so a lane can start from it and hold `Σ (q − 32) · x` directly: `quads`
 /// (AVX-512: `−32 · Σ x` over each 4 consecutive codes, 64 per block) and `pairs16`
 /// (AVX2: `−32 · (x_2m + x_2m+1 + x_8+2m + x_8+2m+1)` for each sub-block `c` (codes
-/// `16c..`) and `m < 4`, 64 per block; at most 32 · 512 in magnitude, so 16 bits hold it).
+/// `16c..`) and `m < 4`, 64 per block; at most 32 · 512 in magnitude, so 16 bits hold it),
+/// and for the AVX2 unpacked pass (`super::tiles_unpacked_x86`) `sub16`: per sub-block
+/// `c`, `−32 · Σ x` over its codes `16c + {0, 1, 4, 5, 8, 9, 12, 13}` in the low 16 bits
+/// and over `16c + {2, 3, 6, 7, 10, 11, 14, 15}` in the high 16 (each at most 32 · 8 ·
+/// 127 in magnitude), 16 per block.
 pub(super) struct TileActs<'a> {
     /// The quantised rows (Q8_K).
     pub q: &'a Q8Rows,
@@ -52,12 +56,14 @@ pub(super) struct TileActs<'a> {
     pairs: Vec<i32>,
     quads: Vec<i32>,
     pairs16: Vec<i16>,
+    sub16: Vec<i32>,
     block_offsets: Vec<i32>,
 }
 
 impl<'a> TileActs<'a> {
-    /// What the bodies for `format` read of `q` (Q8_K rows).
-    pub fn new(q: &'a Q8Rows, format: QuantFormat) -> Self {
+    /// What the bodies for `format` read of `q` (Q8_K rows): the AVX-512 VNNI body's sums
+    /// when `vnni`, the AVX2 and portable bodies' otherwise.
+    pub fn new(q: &'a Q8Rows, format: QuantFormat, vnni: bool) -> Self {
         let nb = q.blocks_per_row();
         let mut acts = TileActs {
             q,
@@ -67,9 +73,12 @@ impl<'a> TileActs<'a> {
             pairs: Vec::new(),
             quads: Vec::new(),
             pairs16: Vec::new(),
+            sub16: Vec::new(),
             block_offsets: Vec::new(),
         };
         if let Some(offset) = match format {
+            // Only the VNNI pass reads Q8_0's offsets (the AVX2 pass takes signs instead).
+            QuantFormat::Q8_0 if !vnni => return acts,
             QuantFormat::Q8_0 => Some(128),
             QuantFormat::Q4_0 => Some(8),
             QuantFormat::Mxfp4 => Some(MXFP4_OFFSET),
@@ -94,23 +103,40 @@ impl<'a> TileActs<'a> {
             return acts;
         }
         if format == QuantFormat::Q6K {
-            acts.quads = vec![0i32; q.n_rows * nb * 64];
-            acts.pairs16 = vec![0i16; q.n_rows * nb * 64];
+            // Only the sums the selected body reads: these run on the calling thread before
+            // the product's parallel part, for every activation row.
+            if vnni {
+                acts.quads = vec![0i32; q.n_rows * nb * 64];
+            } else {
+                acts.pairs16 = vec![0i16; q.n_rows * nb * 64];
+                acts.sub16 = vec![0i32; q.n_rows * nb * 16];
+            }
             for r in 0..q.n_rows {
                 for b in 0..nb {
                     let x = q.block_qs(r, b);
                     let at = (r * nb + b) * 64;
-                    let sum = |from: usize, n: usize| -> i32 {
-                        x[from..from + n].iter().map(|&v| i32::from(v)).sum()
-                    };
-                    for k in 0..64 {
-                        acts.quads[at + k] = -32 * sum(4 * k, 4);
+                    // Sums of the pairs of codes (2k, 2k + 1): every offset is made of them.
+                    let mut two = [0i32; 128];
+                    for (k, t) in two.iter_mut().enumerate() {
+                        *t = i32::from(x[2 * k]) + i32::from(x[2 * k + 1]);
+                    }
+                    if vnni {
+                        for k in 0..64 {
+                            acts.quads[at + k] = -32 * (two[2 * k] + two[2 * k + 1]);
+                        }
+                        continue;
                     }
                     for c in 0..16 {
+                        let p = &two[8 * c..8 * c + 8];
                         for m in 0..4 {
-                            let s = sum(16 * c + 2 * m, 2) + sum(16 * c + 8 + 2 * m, 2);
-                            acts.pairs16[at + 4 * c + m] = (-32 * s) as i16;
+                            acts.pairs16[at + 4 * c + m] = (-32 * (p[m] + p[4 + m])) as i16;
                         }
+                        // Pairs 0, 2, 4, 6 of the sub-block (codes 0-1, 4-5, ..) and 1, 3,
+                        // 5, 7 (codes 2-3, 6-7, ..).
+                        let even = -32 * (p[0] + p[2] + p[4] + p[6]);
+                        let odd = -32 * (p[1] + p[3] + p[5] + p[7]);
+                        acts.sub16[(r * nb + b) * 16 + c] =
+                            ((even as u16 as u32) | ((odd as u16 as u32) << 16)) as i32;
                     }
                 }
             }
@@ -185,6 +211,12 @@ impl<'a> TileActs<'a> {
     pub fn pairs16(&self, r: usize, b: usize) -> &[i16] {
         let at = (r * self.nb + b) * 64;
         &self.pairs16[at..at + 64]
+    }
+
+    /// Q6_K (AVX2): row `r`'s 16 packed sub-block offsets of block `b`.
+    pub fn sub16(&self, r: usize, b: usize) -> &[i32] {
+        let at = (r * self.nb + b) * 16;
+        &self.sub16[at..at + 16]
     }
 }
 

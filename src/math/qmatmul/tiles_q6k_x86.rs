@@ -132,7 +132,7 @@ pub(super) unsafe fn pass_vnni<const N: usize>(
 /// Sub-block codes as [`codes512`], for half a chunk (four rows).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn codes256(ql: __m256i, qh: __m256i, odd: bool) -> (__m256i, __m256i) {
+pub(super) fn codes256(ql: __m256i, qh: __m256i, odd: bool) -> (__m256i, __m256i) {
     let (m4, m30) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
     let (h_lo, h_hi) = if odd {
         (qh, _mm256_srli_epi16::<2>(qh))

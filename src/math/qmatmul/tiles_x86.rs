@@ -327,7 +327,9 @@ unsafe fn pass_avx2<const N: usize>(
 
 /// Rows `o0..o0 + rows` (whole tiles) of the tiled matrix `w` (Q4_K, Q6_K, Q8_0, Q4_0 or
 /// MXFP4) times every row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies
-/// (`vnni`, where one exists for the tiles: see `tiles_b32_x86::pass`) or the AVX2 ones.
+/// (`vnni`, where one exists for the tiles: see `tiles_b32_x86::pass`) or the AVX2 ones;
+/// Q6_K on AVX2 at `tiles_unpacked_x86::MIN_ROWS` rows or more unpacks each tile row once
+/// for all of them (`tiles_unpacked_x86`) unless `unpacked` is off.
 ///
 /// # Safety
 /// The CPU has the body's features (AVX-512 F/BW/VL, VNNI, AVX2, F16C for `vnni`; AVX2,
@@ -336,6 +338,7 @@ unsafe fn pass_avx2<const N: usize>(
 /// `o0 + rows <= w.rows`; `local.len() == acts.q.n_rows * rows`.
 pub(super) unsafe fn panel(
     vnni: bool,
+    unpacked: bool,
     w: &QuantMatrix<'_>,
     acts: &TileActs<'_>,
     o0: usize,
@@ -358,6 +361,22 @@ pub(super) unsafe fn panel(
     };
     let tile_row_bytes = TILE_ROWS * w.row_bytes();
     let n_rows = acts.q.n_rows;
+    use super::tiles_unpacked_x86 as un;
+    let many = unpacked && n_rows >= un::MIN_ROWS;
+    // Q6_K without VNNI, and Q8_0 where its AVX2 pass would run (no VNNI, or a partial
+    // column).
+    let unpack_q6 = kind == 1 && !vnni && many;
+    let unpack_q8 = kind == 2 && many && b32::pass_rows(0, vnni, spans.1) != PASS_ROWS;
+    if unpack_q6 || unpack_q8 {
+        let at = o0 / TILE_ROWS * tile_row_bytes;
+        let tiles = rows / TILE_ROWS;
+        let panel_bytes = &bytes[at..at + tiles * tile_row_bytes];
+        // SAFETY: the caller's contract (AVX2, F16C; the panel is `tiles` tile rows of
+        // `tile_row_bytes` of the format's tiles, `spans` their columns; `acts` made for
+        // it without VNNI; `local` is n_rows * rows).
+        unsafe { un::panel(unpack_q8, panel_bytes, tile_row_bytes, spans, acts, local) };
+        return;
+    }
     for t in 0..rows / TILE_ROWS {
         let at = (o0 / TILE_ROWS + t) * tile_row_bytes;
         let tile_row = &bytes[at..at + tile_row_bytes];
