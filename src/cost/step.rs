@@ -131,6 +131,9 @@ pub(crate) fn simulate_step_ran(
 pub(crate) struct StepCosts {
     /// The step's tasks in issue order.
     ids: Vec<TaskId>,
+    /// Each task's stream (kept here so that the passes after costing read no task again:
+    /// a large point's tasks do not stay in the caches).
+    streams: Vec<usize>,
     /// Each task's time so far.
     times: Vec<TaskTime>,
     /// `true` where `times[k]` is already final: a task proven never to run, or one the
@@ -175,11 +178,13 @@ pub(crate) fn cost_step(
         })
         .collect();
     let mut settled = Vec::with_capacity(ids.len());
+    let mut streams = Vec::with_capacity(ids.len());
     let times: Vec<TaskTime> = ids
         .iter()
         .enumerate()
         .map(|(k, &id)| {
             let task = program.task(id);
+            streams.push(task.stream.index());
             // A task proven never to run at the declared load (its guard's token counts
             // cannot hold with the micro-batch's tokens: `routed >= t` above them) costs
             // nothing, as if the elaborator had left it out
@@ -287,6 +292,7 @@ pub(crate) fn cost_step(
         .collect();
     StepCosts {
         ids,
+        streams,
         times,
         settled,
         activations,
@@ -307,6 +313,7 @@ pub(crate) fn simulate_costed(
     let first = step.first as usize;
     let StepCosts {
         ids,
+        streams: task_streams,
         mut times,
         settled,
         activations,
@@ -326,7 +333,7 @@ pub(crate) fn simulate_costed(
         .iter()
         .enumerate()
         .map(|(k, &id)| {
-            let task = program.task(id);
+            let stream = task_streams[k];
             let step_deps: Vec<usize> = deps[id.index()]
                 .iter()
                 .filter(|d| d.index() >= first)
@@ -342,8 +349,8 @@ pub(crate) fn simulate_costed(
                     // waited on.
                     let mut waited: Vec<usize> = step_deps
                         .iter()
-                        .map(|&d| program.task(ids[d]).stream.index())
-                        .filter(|&s| s != task.stream.index())
+                        .map(|&d| task_streams[d])
+                        .filter(|&s| s != stream)
                         .collect();
                     waited.sort_unstable();
                     waited.dedup();
@@ -357,7 +364,7 @@ pub(crate) fn simulate_costed(
                 }
             }
             SimTask {
-                stream: task.stream.index(),
+                stream,
                 seconds: time.seconds,
                 deps: step_deps,
             }
@@ -426,8 +433,7 @@ pub(crate) fn makespan_lower_bound(
         .collect();
     let mut busy = vec![0.0f64; resources.len()];
     let mut used = vec![false; program.streams.len()];
-    for (k, &id) in costs.ids.iter().enumerate() {
-        let stream = program.task(id).stream.index();
+    for (k, &stream) in costs.streams.iter().enumerate() {
         used[stream] = true;
         let mut seconds = costs.times[k].seconds;
         if !(seconds >= 0.0 && seconds.is_finite()) {
