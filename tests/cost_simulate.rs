@@ -315,7 +315,9 @@ fn plan_for_a_run_spec_prints_commands_that_check_accepts() {
 
 /// The planner's search with its prunes (declared buffers over budget before unrolling,
 /// points above one past the unroll limit skipped, arms whose `routed(..) >= t` can never
-/// hold left out, the lean throughput prediction) picks
+/// hold left out, the lean throughput prediction, and, as `moec plan` runs it, points whose
+/// costed tasks bound them under the candidates they would have to beat left unsimulated:
+/// the same answer and counts with and without that bound) picks
 /// the same policies, with the same predicted throughput, as the unpruned search that
 /// elaborates every point in full and ranks it by the full `predict` (the evaluation `moec
 /// plan` ran before the prunes), on the mid cards, for every schedule whose params it
@@ -324,9 +326,12 @@ fn plan_for_a_run_spec_prints_commands_that_check_accepts() {
 fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     use moec::compile::{ast_to_ir, source_to_ast};
     use moec::cost::budget::{budget_table, BudgetOverrides};
-    use moec::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
-    use moec::engine::fit_params::{evaluate_point, PointTarget};
+    use moec::cost::plan::{
+        param_spaces, search, search_bounded, Candidate, Outcome, SearchOptions,
+    };
+    use moec::engine::fit_params::{evaluate_point, evaluate_point_bounded, PointTarget};
     use moec::ir::deps;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let profile = HardwareProfile::load("t4").unwrap();
     let settings = CostSettings::default();
     let overrides = BudgetOverrides {
@@ -343,6 +348,7 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
         ("baselines/resident", "gpt-oss-mid", &[]),
     ];
     let mut over_budget = 0;
+    let below_answers = AtomicUsize::new(0);
     for (schedule, card, sets) in cases {
         let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
         let file = source_to_ast(&source).unwrap();
@@ -384,6 +390,17 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
         let pruned = search(&spaces, &search_options(true), |values| {
             evaluate_point(&target, values)
         });
+        // With the throughput bound (`moec plan`'s search): points bounded under the
+        // candidates they would have to beat are not simulated; the answer and every
+        // count are the same.
+        let bounded = search_bounded(&spaces, &search_options(true), |values, below| {
+            let outcome = evaluate_point_bounded(&target, values, below);
+            if matches!(outcome, Outcome::Below(_)) {
+                below_answers.fetch_add(1, Ordering::Relaxed);
+            }
+            outcome
+        });
+        assert_eq!(bounded, pruned, "{schedule} on {card}: with the bound");
         // The search before the prunes: every point elaborated, its budget checked on the
         // whole program, ranked by `predict`.
         let exhaustive = search(&spaces, &search_options(false), |values| {
@@ -442,6 +459,8 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     }
     // The budget bites: the declared-buffer prune had points to prune.
     assert!(over_budget > 0);
+    // And the bound had points to drop.
+    assert!(below_answers.into_inner() > 0);
 }
 
 /// Fiddler's copy arm `if routed(l, e, j) >= t` can never run where t exceeds a

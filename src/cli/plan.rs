@@ -10,8 +10,8 @@ use crate::cost::budget::{
     budget_table, check_budget, disk_split, mapped_checkpoint_over_host, DiskSplit,
 };
 use crate::cost::hardware::GB;
-use crate::cost::plan::{param_spaces, search, share_of_slots_used, SearchOptions};
-use crate::engine::fit_params::{evaluate_point, PointTarget};
+use crate::cost::plan::{param_spaces, search_bounded, share_of_slots_used, SearchOptions};
+use crate::engine::fit_params::{evaluate_point_bounded, PointTarget};
 use crate::ir::{Scalar, StepKind};
 use clap::Args;
 use rayon::prelude::*;
@@ -99,7 +99,11 @@ pub fn run(args: PlanArgs) -> ExitCode {
         slot_share: &share,
         prune_declared: true,
     };
-    let mut result = search(&spaces, &options, |values| evaluate_point(&target, values));
+    // A point whose costed tasks alone bound it under the candidates it would have to
+    // beat is not simulated (`search_bounded`: the same answer and counts).
+    let mut result = search_bounded(&spaces, &options, |values, below| {
+        evaluate_point_bounded(&target, values, below)
+    });
     // The full compiler check on the winners, best first.
     let mut rejected = 0;
     let mut checked = Vec::new();

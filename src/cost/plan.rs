@@ -167,6 +167,11 @@ pub fn share_of_slots_used(prompts: u64, slots: u64, continuous: bool) -> f64 {
 pub enum Outcome {
     /// It fits; here is its prediction.
     Fits(Candidate),
+    /// It fits, and its throughput is at most this many tokens/s, below the threshold
+    /// [`search_bounded`] gave (an upper bound from its costed tasks, before its
+    /// dependencies and simulation): it cannot change the search's answer. Counted as
+    /// fitting.
+    Below(f64),
     /// It compiles but does not fit the budget.
     OverBudget,
     /// It does not compile or cannot be simulated (e.g. a param combination the schedule
@@ -244,18 +249,37 @@ pub fn search(
     options: &SearchOptions,
     evaluate: impl Fn(&[(String, Scalar)]) -> Outcome + Sync,
 ) -> PlanResult {
+    search_bounded(spaces, options, |values, _| evaluate(values))
+}
+
+/// [`search`], where `evaluate(values, below)` may answer [`Outcome::Below`] for a point
+/// that fits and whose throughput it can bound under `below` tokens/s without predicting
+/// it exactly. The answer (the top candidates, their order and every count) is
+/// [`search`]'s with the same exact evaluation: `below` is only ever a value such a point
+/// cannot matter under. On the coarse grid it is the `max(top, refine_from)`-th best
+/// throughput found so far (strictly below it, a point can be neither a refinement start
+/// nor in the top: the final list holds at least that many points as good); in a
+/// bisection walk it is the walk's best (a point strictly below it is no improvement, and
+/// only improvements join the list). A bounded point met again by a walk whose best is
+/// below its bound is evaluated exactly then (not counted again).
+pub fn search_bounded(
+    spaces: &[ParamSpace],
+    options: &SearchOptions,
+    evaluate: impl Fn(&[(String, Scalar)], f64) -> Outcome + Sync,
+) -> PlanResult {
     // `MOEC_PLAN_TRACE=1`: each point's values, outcome and evaluation time on stderr
     // (where a search's time goes; docs/cost-model.md).
     let trace = std::env::var_os("MOEC_PLAN_TRACE").is_some();
-    let evaluate = |values: &[(String, Scalar)]| -> Outcome {
+    let evaluate = |values: &[(String, Scalar)], below: f64| -> Outcome {
         if !trace {
-            return evaluate(values);
+            return evaluate(values, below);
         }
         let started = std::time::Instant::now();
-        let outcome = evaluate(values);
+        let outcome = evaluate(values, below);
         let spelled: Vec<String> = values.iter().map(|(n, v)| format!("{n}={v}")).collect();
         let what = match &outcome {
             Outcome::Fits(c) => format!("fits {:.4} tok/s", c.tokens_per_s),
+            Outcome::Below(bound) => format!("fits, at most {bound:.4} tok/s (< {below:.4})"),
             Outcome::OverBudget => "over budget".to_string(),
             Outcome::Invalid(_) => "invalid".to_string(),
             Outcome::TooLarge(_) => "too large".to_string(),
@@ -316,6 +340,11 @@ pub fn search(
                 result.feasible += 1;
                 Some(candidate)
             }
+            // Kept apart by the callers (`bounded`): it fits, and is no candidate.
+            Outcome::Below(_) => {
+                result.feasible += 1;
+                None
+            }
             Outcome::OverBudget => {
                 result.over_budget += 1;
                 None
@@ -369,14 +398,37 @@ pub fn search(
                     })
             })
     };
+    // The best throughputs of the grid so far, best first, at most `keep` of them: a point
+    // strictly below the `keep`-th cannot be a refinement start or in the top.
+    let keep = options.top.max(options.refine_from).max(1);
+    let best_so_far: std::sync::Mutex<Vec<f64>> = std::sync::Mutex::new(Vec::new());
+    let grid_threshold = || {
+        let best = best_so_far.lock().unwrap_or_else(|e| e.into_inner());
+        if best.len() < keep {
+            f64::NEG_INFINITY
+        } else {
+            best[keep - 1]
+        }
+    };
     let (outcomes, mut too_large) = evaluate_grid(
         &points,
         &indices,
         &grids,
         &integer,
-        |i| evaluate(&values_of(&points[i])),
+        |i| {
+            let outcome = evaluate(&values_of(&points[i]), grid_threshold());
+            if let Outcome::Fits(candidate) = &outcome {
+                let mut best = best_so_far.lock().unwrap_or_else(|e| e.into_inner());
+                let at = best.partition_point(|&b| b >= candidate.tokens_per_s);
+                best.insert(at, candidate.tokens_per_s);
+                best.truncate(keep);
+            }
+            outcome
+        },
         &|point: &Point, too_large: &[Point]| dominated(point, too_large),
     );
+    // Points that fit whose throughput is only known to be at most the value held.
+    let mut bounded: HashMap<String, f64> = HashMap::new();
     let mut found: Vec<(Point, Candidate)> = Vec::new();
     for (point, outcome) in points.into_iter().zip(outcomes) {
         let Some(outcome) = outcome else {
@@ -384,6 +436,11 @@ pub fn search(
             memo.insert(key(&point), None);
             continue;
         };
+        if let Outcome::Below(bound) = outcome {
+            record(outcome, &mut result);
+            bounded.insert(key(&point), bound);
+            continue;
+        }
         let candidate = record(outcome, &mut result);
         memo.insert(key(&point), candidate.clone());
         if let Some(candidate) = candidate {
@@ -395,9 +452,13 @@ pub fn search(
     // interval at once, in parallel), consumed by `run` when the walk reaches them: the
     // walk, its counts and its answer are the sequential ones.
     let mut pending: HashMap<String, Outcome> = HashMap::new();
+    // A point's outcome as a walk whose best is `best` needs it: its candidate when it
+    // fits, `None` otherwise, or `None` for a bounded point that cannot beat `best`.
     let run = |point: &Point,
+               best: f64,
                result: &mut PlanResult,
                memo: &mut HashMap<String, Option<Candidate>>,
+               bounded: &mut HashMap<String, f64>,
                too_large: &mut Vec<Point>,
                pending: &mut HashMap<String, Outcome>|
      -> Option<Candidate> {
@@ -405,20 +466,42 @@ pub fn search(
         if let Some(known) = memo.get(&k) {
             return known.clone();
         }
-        if dominated(point, too_large) {
-            result.skipped_too_large += 1;
-            memo.insert(k, None);
+        let bound = match bounded.get(&k) {
+            Some(&bound) => bound,
+            None => {
+                if dominated(point, too_large) {
+                    result.skipped_too_large += 1;
+                    memo.insert(k, None);
+                    return None;
+                }
+                let outcome = pending
+                    .remove(&k)
+                    .unwrap_or_else(|| evaluate(&values_of(point), best));
+                if let Outcome::TooLarge(_) = outcome {
+                    too_large.push(point.clone());
+                }
+                let Outcome::Below(bound) = outcome else {
+                    let outcome = record(outcome, result);
+                    memo.insert(k, outcome.clone());
+                    return outcome;
+                };
+                record(outcome, result);
+                bounded.insert(k.clone(), bound);
+                bound
+            }
+        };
+        if bound <= best {
             return None;
         }
-        let outcome = pending
-            .remove(&k)
-            .unwrap_or_else(|| evaluate(&values_of(point)));
-        if let Outcome::TooLarge(_) = outcome {
-            too_large.push(point.clone());
-        }
-        let outcome = record(outcome, result);
-        memo.insert(k, outcome.clone());
-        outcome
+        // Bounded under another walk's best, above this one's: its exact figures, once
+        // (it is counted already).
+        bounded.remove(&k);
+        let candidate = match evaluate(&values_of(point), f64::NEG_INFINITY) {
+            Outcome::Fits(candidate) => Some(candidate),
+            _ => None,
+        };
+        memo.insert(k, candidate.clone());
+        candidate
     };
 
     // Refinement: coordinate-wise bisection between each start and its grid neighbours.
@@ -453,6 +536,7 @@ pub fn search(
                     })
                     .filter(|(k, point)| {
                         !memo.contains_key(k)
+                            && !bounded.contains_key(k)
                             && !pending.contains_key(k)
                             && !dominated(point, &too_large)
                     })
@@ -460,7 +544,7 @@ pub fn search(
                 if ahead.len() > 1 {
                     let outcomes: Vec<Outcome> = ahead
                         .par_iter()
-                        .map(|(_, point)| evaluate(&values_of(point)))
+                        .map(|(_, point)| evaluate(&values_of(point), best))
                         .collect();
                     for ((k, _), outcome) in ahead.into_iter().zip(outcomes) {
                         pending.insert(k, outcome);
@@ -473,7 +557,15 @@ pub fn search(
                     };
                     let mut point = current.clone();
                     point[dim] = mid;
-                    let outcome = run(&point, &mut result, &mut memo, &mut too_large, &mut pending);
+                    let outcome = run(
+                        &point,
+                        best,
+                        &mut result,
+                        &mut memo,
+                        &mut bounded,
+                        &mut too_large,
+                        &mut pending,
+                    );
                     if let Some(candidate) = outcome {
                         if candidate.tokens_per_s > best {
                             best = candidate.tokens_per_s;
@@ -788,6 +880,67 @@ mod tests {
         assert_eq!(result.skipped_too_large, 7 * 2 * 5 - evaluated.len());
         assert_eq!(result.invalid, past.len());
         assert_eq!(result.top[0].tokens_per_s, 64.0);
+    }
+
+    /// A bounded search gives the plain search's answer and counts: an evaluation that
+    /// answers `Below` whenever its bound (here 1.25x the exact throughput, an upper bound
+    /// as the planner's is) falls under the threshold it was given. On a bumpy landscape
+    /// with several local optima, two integer params and a float, over-budget points, a
+    /// tight top list and several refinement starts, so bounded points meet later walks.
+    #[test]
+    fn a_bounded_search_answers_as_the_plain_one() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let spaces = vec![
+            ParamSpace::Int {
+                name: "ubs".into(),
+                lo: 1,
+                hi: 512,
+            },
+            ParamSpace::Int {
+                name: "n".into(),
+                lo: 1,
+                hi: 16,
+            },
+            ParamSpace::Float {
+                name: "r".into(),
+                lo: 0.0,
+                hi: 1.0,
+            },
+        ];
+        let exact = |values: &[(String, Scalar)]| -> Option<f64> {
+            let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
+                (values[0].1, values[1].1, values[2].1)
+            else {
+                unreachable!()
+            };
+            if ubs * n > 900 {
+                return None;
+            }
+            let x = (ubs as f64).ln();
+            Some(10.0 + 3.0 * (x * 1.7).sin() + (n as f64).sqrt() - 4.0 * (r - 0.6).powi(2))
+        };
+        for (top, refine_from) in [(1, 1), (2, 3), (5, 3), (3, 6)] {
+            let options = SearchOptions {
+                top,
+                refine_from,
+                ..SearchOptions::default()
+            };
+            let plain = search(&spaces, &options, |values| match exact(values) {
+                Some(t) => Outcome::Fits(candidate(values, t)),
+                None => Outcome::OverBudget,
+            });
+            let below_answers = AtomicUsize::new(0);
+            let bounded = search_bounded(&spaces, &options, |values, below| match exact(values) {
+                Some(t) if t * 1.25 < below => {
+                    below_answers.fetch_add(1, Ordering::Relaxed);
+                    Outcome::Below(t * 1.25)
+                }
+                Some(t) => Outcome::Fits(candidate(values, t)),
+                None => Outcome::OverBudget,
+            });
+            assert_eq!(bounded, plain, "top {top}, refine_from {refine_from}");
+            assert!(below_answers.into_inner() > 0, "top {top}: nothing bounded");
+        }
     }
 
     #[test]

@@ -26,8 +26,8 @@ use crate::records::UbLoad;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-pub use super::step::FixedCosts;
 use super::step::*;
+pub use super::step::{FixedCosts, PointCosts};
 
 /// Which context length decode work assumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
@@ -941,7 +941,7 @@ pub struct Throughput {
 
 /// The throughput figures from each step's simulated seconds (`seconds[i]` for
 /// `program.steps[i]`) and the mixed step's steady loads.
-fn throughput_of(program: &Program, steady: &[UbLoad], seconds: &[f64]) -> Throughput {
+pub(super) fn throughput_of(program: &Program, steady: &[UbLoad], seconds: &[f64]) -> Throughput {
     let sequences = u64::from(program.micro_batches.count) * program.micro_batches.size;
     let sequences = if sequences == 0 {
         program.workload.batch
@@ -995,38 +995,13 @@ pub fn predict_throughput(
     settings: &CostSettings,
     pinned_peak: u64,
 ) -> Result<Throughput, PredictError> {
-    use rayon::prelude::*;
     if deps.len() != program.tasks.len() {
         return Err(PredictError::DepsMismatch {
             got: deps.len(),
             tasks: program.tasks.len(),
         });
     }
-    let pinned_fallback = pinned_peak as f64 > profile.capacity_bytes(Level::Pinned);
-    let fallback;
-    let profile = if pinned_fallback {
-        fallback = profile.pageable_fallback();
-        &fallback
-    } else {
-        profile
-    };
-    let steady = steady_mixed_loads(program);
-    let tables = ProgramTables::of(program);
-    // Collected in step order, so the error reported is the first step's, as in `predict`.
-    let simulated: Vec<Result<f64, PredictError>> = (0..program.steps.len())
-        .into_par_iter()
-        .map(|index| {
-            let loads = if program.steps[index].kind == StepKind::Mixed {
-                Loads::Steady(&steady)
-            } else {
-                Loads::Declared
-            };
-            simulate_step_times(program, deps, index, profile, settings, loads, &tables)
-                .map(|sim| sim.result.makespan)
-        })
-        .collect();
-    let seconds = simulated.into_iter().collect::<Result<Vec<f64>, _>>()?;
-    Ok(throughput_of(program, &steady, &seconds))
+    PointCosts::new(program, profile, settings, pinned_peak).throughput(deps)
 }
 
 /// Predicts every step and the throughput figures.
@@ -1042,7 +1017,7 @@ pub fn predict(
             tasks: program.tasks.len(),
         });
     }
-    let tables = ProgramTables::with_classes(program, buffer_classes(program));
+    let tables = ProgramTables::with_classes(buffer_classes(program));
     let classes = tables.classes(program);
     // Pinned buffers beyond what the host can lock (its capacity, not the planning
     // share: a policy the paper ran may use more than the planner would) fall back to

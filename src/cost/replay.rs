@@ -115,7 +115,7 @@ pub fn predict_step_at(
     loads: &[UbLoad],
 ) -> Result<StepPrediction, PredictError> {
     check_deps(program, deps)?;
-    let tables = ProgramTables::with_classes(program, buffer_classes(program));
+    let tables = ProgramTables::with_classes(buffer_classes(program));
     simulate_step(
         program,
         deps,
@@ -153,7 +153,7 @@ pub fn predict_run(
     // static batches repeat whole prefill/decode sequences across batches.
     let mut cache: HashMap<LoadKey, (f64, Vec<f64>)> = HashMap::new();
     // Computed once for every executed step (each a pass over the whole program).
-    let tables = ProgramTables::with_classes(program, buffer_classes(program));
+    let tables = ProgramTables::with_classes(buffer_classes(program));
     let classes = tables.classes(program);
     let op_of: Vec<String> = (0..program.tasks.len())
         .map(|t| task_kind(program, TaskId::new(t), classes))

@@ -57,31 +57,30 @@ pub(crate) struct StepSim {
     pub result: SimResult,
 }
 
-/// What every step of one program reads from the whole program, computed once by the
-/// caller rather than once per step (each is a pass over every task: a planner point of
+/// What every step of one program reads from the whole program, computed once (on first
+/// use: `default()` holds none yet) rather than once per step (each is a pass over every task: a planner point of
 /// DeepSeek-V3 has about 180,000).
+#[derive(Default)]
 pub(crate) struct ProgramTables {
-    /// [`Program::readback_gates`].
-    pub readback: Vec<bool>,
+    /// [`Program::readback_gates`], computed on first use (a point the planner's bound
+    /// drops never needs them).
+    readback: std::sync::OnceLock<Vec<bool>>,
     /// [`buffer_classes`], where a step may need them (see [`ProgramTables::classes`]).
     classes: std::sync::OnceLock<Vec<BufferClass>>,
 }
 
 impl ProgramTables {
-    /// The tables of `program` (buffer classes are computed when first asked for).
-    pub fn of(program: &Program) -> Self {
+    /// The tables with buffer classes the caller already has.
+    pub fn with_classes(classes: Vec<BufferClass>) -> Self {
         ProgramTables {
-            readback: program.readback_gates(),
-            classes: std::sync::OnceLock::new(),
+            readback: std::sync::OnceLock::new(),
+            classes: std::sync::OnceLock::from(classes),
         }
     }
 
-    /// The tables with buffer classes the caller already has.
-    pub fn with_classes(program: &Program, classes: Vec<BufferClass>) -> Self {
-        ProgramTables {
-            readback: program.readback_gates(),
-            classes: std::sync::OnceLock::from(classes),
-        }
+    /// [`Program::readback_gates`] of the program, computed on first use.
+    pub fn readback(&self, program: &Program) -> &[bool] {
+        self.readback.get_or_init(|| program.readback_gates())
     }
 
     /// [`buffer_classes`] of the program, computed on first use.
@@ -122,21 +121,41 @@ pub(crate) fn simulate_step_ran(
     ran: Option<&[bool]>,
     tables: &ProgramTables,
 ) -> Result<StepSim, PredictError> {
+    let costs = cost_step(program, step_index, profile, settings, loads, ran, tables);
+    simulate_costed(program, deps, step_index, profile, costs, tables)
+}
+
+/// One step's tasks costed before their dependencies are known: every charge of
+/// [`simulate_step_ran`] but the readback, the fixed costs and the event waits, which
+/// [`simulate_costed`] adds (in the same order, so the times are the same to the bit).
+pub(crate) struct StepCosts {
+    /// The step's tasks in issue order.
+    ids: Vec<TaskId>,
+    /// Each task's stream (kept here so that the passes after costing read no task again:
+    /// a large point's tasks do not stay in the caches).
+    streams: Vec<usize>,
+    /// Each task's time so far.
+    times: Vec<TaskTime>,
+    /// `true` where `times[k]` is already final: a task proven never to run, or one the
+    /// run's guards skipped, costs nothing at all (no fixed cost either).
+    settled: Vec<bool>,
+    /// Expected activation of each task (as [`StepSim::activations`]).
+    activations: Vec<Activation>,
+}
+
+/// Costs step `step_index`'s tasks at `loads` ([`StepCosts`]): what needs no dependency.
+pub(crate) fn cost_step(
+    program: &Program,
+    step_index: usize,
+    profile: &HardwareProfile,
+    settings: &CostSettings,
+    loads: Loads<'_>,
+    ran: Option<&[bool]>,
+    tables: &ProgramTables,
+) -> StepCosts {
     let step = &program.steps[step_index];
-    let first = step.first as usize;
     let ids: Vec<TaskId> = step.task_ids().collect();
-    let streams: Vec<SimStream> = program
-        .streams
-        .iter()
-        .map(|s| SimStream {
-            name: s.name.clone(),
-            resource: resource_of(s.engine, profile).into(),
-        })
-        .collect();
-    let mut times = Vec::with_capacity(ids.len());
-    let readback = &tables.readback;
     let overheads = profile.adjustments;
-    let fixed = FixedCosts::of(profile);
     let kv_store_rate = overheads.kv_store_bytes_per_s;
     let steady = matches!(loads, Loads::Steady(_));
     let weight_copy_rate = overheads.weight_copy_bytes_per_s;
@@ -158,16 +177,14 @@ pub(crate) fn simulate_step_ran(
             Loads::Measured(_) | Loads::Steady(_) => Activation::ALWAYS,
         })
         .collect();
-    let tasks: Vec<SimTask> = ids
+    let mut settled = Vec::with_capacity(ids.len());
+    let mut streams = Vec::with_capacity(ids.len());
+    let times: Vec<TaskTime> = ids
         .iter()
         .enumerate()
         .map(|(k, &id)| {
             let task = program.task(id);
-            let step_deps: Vec<usize> = deps[id.index()]
-                .iter()
-                .filter(|d| d.index() >= first)
-                .map(|d| d.index() - first)
-                .collect();
+            streams.push(task.stream.index());
             // A task proven never to run at the declared load (its guard's token counts
             // cannot hold with the micro-batch's tokens: `routed >= t` above them) costs
             // nothing, as if the elaborator had left it out
@@ -181,24 +198,17 @@ pub(crate) fn simulate_step_ran(
                 && never_runs(program, id, task.shape.tokens)
             {
                 let roof = expected_task_time(program, id, profile, settings, activations[k]).roof;
-                times.push(TaskTime { seconds: 0.0, roof });
-                return SimTask {
-                    stream: task.stream.index(),
-                    seconds: 0.0,
-                    deps: step_deps,
-                };
+                settled.push(true);
+                return TaskTime { seconds: 0.0, roof };
             }
             if ran.and_then(|r| r.get(k)) == Some(&false) {
-                times.push(TaskTime {
+                settled.push(true);
+                return TaskTime {
                     seconds: 0.0,
                     roof: Roof::Idle,
-                });
-                return SimTask {
-                    stream: task.stream.index(),
-                    seconds: 0.0,
-                    deps: step_deps,
                 };
             }
+            settled.push(false);
             let mut time = match loads {
                 Loads::Declared => {
                     expected_task_time(program, id, profile, settings, activations[k])
@@ -277,29 +287,84 @@ pub(crate) fn simulate_step_ran(
                     };
                 }
             }
-            if readback.get(id.index()).copied().unwrap_or(false) {
-                time.seconds += readback_seconds(program, id, profile);
+            time
+        })
+        .collect();
+    StepCosts {
+        ids,
+        streams,
+        times,
+        settled,
+        activations,
+    }
+}
+
+/// Finishes [`cost_step`]'s times with the charges that need the dependencies (event
+/// waits) or the program's readback gates, and simulates the step.
+pub(crate) fn simulate_costed(
+    program: &Program,
+    deps: &[Vec<TaskId>],
+    step_index: usize,
+    profile: &HardwareProfile,
+    costs: StepCosts,
+    tables: &ProgramTables,
+) -> Result<StepSim, PredictError> {
+    let step = &program.steps[step_index];
+    let first = step.first as usize;
+    let StepCosts {
+        ids,
+        streams: task_streams,
+        mut times,
+        settled,
+        activations,
+    } = costs;
+    let streams: Vec<SimStream> = program
+        .streams
+        .iter()
+        .map(|s| SimStream {
+            name: s.name.clone(),
+            resource: resource_of(s.engine, profile).into(),
+        })
+        .collect();
+    let readback = tables.readback(program);
+    let overheads = profile.adjustments;
+    let fixed = FixedCosts::of(profile);
+    let tasks: Vec<SimTask> = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| {
+            let stream = task_streams[k];
+            let step_deps: Vec<usize> = deps[id.index()]
+                .iter()
+                .filter(|d| d.index() >= first)
+                .map(|d| d.index() - first)
+                .collect();
+            let time = &mut times[k];
+            if !settled[k] {
+                if readback.get(id.index()).copied().unwrap_or(false) {
+                    time.seconds += readback_seconds(program, id, profile);
+                }
+                if time.seconds > 0.0 {
+                    // Fixed costs: a launch per task, an event wait per other stream
+                    // waited on.
+                    let mut waited: Vec<usize> = step_deps
+                        .iter()
+                        .map(|&d| task_streams[d])
+                        .filter(|&s| s != stream)
+                        .collect();
+                    waited.sort_unstable();
+                    waited.dedup();
+                    time.seconds += fixed.task_s + overheads.sync_s * waited.len() as f64;
+                }
+                // The runtime dispatches every task it runs, work or none (an empty
+                // micro-batch's kernels still enter the pool); at the declared load a
+                // guarded task runs with its expected probability.
+                if fixed.dispatch_s > 0.0 {
+                    time.seconds += fixed.dispatch_s * activations[k].runs;
+                }
             }
-            if time.seconds > 0.0 {
-                // Fixed costs: a launch per task, an event wait per other stream waited on.
-                let mut waited: Vec<usize> = step_deps
-                    .iter()
-                    .map(|&d| program.task(ids[d]).stream.index())
-                    .filter(|&s| s != task.stream.index())
-                    .collect();
-                waited.sort_unstable();
-                waited.dedup();
-                time.seconds += fixed.task_s + overheads.sync_s * waited.len() as f64;
-            }
-            // The runtime dispatches every task it runs, work or none (an empty
-            // micro-batch's kernels still enter the pool); at the declared load a guarded
-            // task runs with its expected probability.
-            if fixed.dispatch_s > 0.0 {
-                time.seconds += fixed.dispatch_s * activations[k].runs;
-            }
-            times.push(time);
             SimTask {
-                stream: task.stream.index(),
+                stream,
                 seconds: time.seconds,
                 deps: step_deps,
             }
@@ -327,6 +392,68 @@ pub(crate) fn simulate_step_ran(
         activations,
         result,
     })
+}
+
+/// A lower bound on the makespan [`simulate_costed`] gives the step `costs` describes,
+/// without its dependencies. The simulator runs one task at a time on each resource
+/// (streams on one resource share it), inside the makespan, so the makespan is at least
+/// each resource's summed task times; each task's time there is at least its time in
+/// `costs` plus the launch cost (when it already has work) and its expected dispatch,
+/// since the readback, the event waits and the wake-ups only add (each term is a
+/// non-negative addition, and rounding is monotone). The stream threads' cost is the
+/// simulator's own term. The sum is taken 1e-6 low to cover the different order of the
+/// floating-point additions. `None` when a time is not a finite non-negative number (the
+/// simulation would report it).
+pub(crate) fn makespan_lower_bound(
+    program: &Program,
+    profile: &HardwareProfile,
+    costs: &StepCosts,
+) -> Option<f64> {
+    let fixed = FixedCosts::of(profile);
+    // The monotonicity below needs the added charges non-negative (a readback is a copy
+    // over the GPU -> pinned link: finite when its rate is positive).
+    let readback_rate = profile.link_bandwidth(Level::Gpu, Level::Pinned);
+    if !(fixed.task_s >= 0.0 && profile.adjustments.sync_s >= 0.0 && readback_rate > 0.0) {
+        return None;
+    }
+    let mut resources: Vec<&'static str> = Vec::new();
+    let resource: Vec<usize> = program
+        .streams
+        .iter()
+        .map(|s| {
+            let name = resource_of(s.engine, profile);
+            match resources.iter().position(|&r| r == name) {
+                Some(at) => at,
+                None => {
+                    resources.push(name);
+                    resources.len() - 1
+                }
+            }
+        })
+        .collect();
+    let mut busy = vec![0.0f64; resources.len()];
+    let mut used = vec![false; program.streams.len()];
+    for (k, &stream) in costs.streams.iter().enumerate() {
+        used[stream] = true;
+        let mut seconds = costs.times[k].seconds;
+        if !(seconds >= 0.0 && seconds.is_finite()) {
+            return None;
+        }
+        if !costs.settled[k] {
+            if seconds > 0.0 {
+                seconds += fixed.task_s;
+            }
+            if fixed.dispatch_s > 0.0 {
+                seconds += fixed.dispatch_s * costs.activations[k].runs;
+            }
+        }
+        busy[resource[stream]] += seconds;
+    }
+    let mut bound = busy.iter().copied().fold(0.0f64, f64::max) * (1.0 - 1e-6);
+    if !costs.ids.is_empty() {
+        bound += fixed.stream_thread_s * used.iter().filter(|&&u| u).count() as f64;
+    }
+    Some(bound)
 }
 
 /// True when task `id`'s guard can never hold with `tokens_per_ub` tokens in each
@@ -684,4 +811,102 @@ pub(super) fn streamed_weight_bytes(
                 .then_some(copy.bytes as f64)
         })
         .sum()
+}
+
+/// A planner point's steps costed once, before its dependencies are built: an upper bound
+/// on its throughput from them alone ([`PointCosts::throughput_bound`]), then the exact
+/// figures of [`super::predict::predict_throughput`] once the dependencies are known
+/// ([`PointCosts::throughput`]), without costing a task twice.
+pub struct PointCosts<'p> {
+    program: &'p Program,
+    /// The profile, or its pageable fallback when the pinned peak exceeds what the host
+    /// can lock (as [`super::predict::predict`] decides).
+    profile: std::borrow::Cow<'p, HardwareProfile>,
+    steady: Vec<UbLoad>,
+    tables: ProgramTables,
+    steps: Vec<StepCosts>,
+}
+
+impl<'p> PointCosts<'p> {
+    /// Costs every step of `program` (in parallel) at the loads the prediction uses: the
+    /// declared worst case, or a mixed step's steady state. `pinned_peak` is the program's
+    /// peak pinned bytes ([`super::budget::BudgetTable::peak`]).
+    pub fn new(
+        program: &'p Program,
+        profile: &'p HardwareProfile,
+        settings: &CostSettings,
+        pinned_peak: u64,
+    ) -> Self {
+        use rayon::prelude::*;
+        let profile = if pinned_peak as f64 > profile.capacity_bytes(Level::Pinned) {
+            std::borrow::Cow::Owned(profile.pageable_fallback())
+        } else {
+            std::borrow::Cow::Borrowed(profile)
+        };
+        let steady = super::predict::steady_mixed_loads(program);
+        let tables = ProgramTables::default();
+        let steps = (0..program.steps.len())
+            .into_par_iter()
+            .map(|index| {
+                let loads = if program.steps[index].kind == StepKind::Mixed {
+                    Loads::Steady(&steady)
+                } else {
+                    Loads::Declared
+                };
+                cost_step(program, index, &profile, settings, loads, None, &tables)
+            })
+            .collect();
+        PointCosts {
+            program,
+            profile,
+            steady,
+            tables,
+            steps,
+        }
+    }
+
+    /// An upper bound on the figures [`PointCosts::throughput`] will give, from each
+    /// step's [`makespan_lower_bound`] (the throughput falls as any step's seconds grow),
+    /// or `None` when no bound holds (a time that is not a finite non-negative number,
+    /// which the simulation reports as an error).
+    pub fn throughput_bound(&self) -> Option<Throughput> {
+        let seconds = self
+            .steps
+            .iter()
+            .map(|costs| makespan_lower_bound(self.program, &self.profile, costs))
+            .collect::<Option<Vec<f64>>>()?;
+        Some(throughput_of(self.program, &self.steady, &seconds))
+    }
+
+    /// The point's throughput figures, equal to [`super::predict::predict_throughput`]'s
+    /// (which is this): each step simulated with `deps` (per task, the earlier tasks it
+    /// waits for), the steps in parallel.
+    pub fn throughput(self, deps: &[Vec<TaskId>]) -> Result<Throughput, PredictError> {
+        use rayon::prelude::*;
+        if deps.len() != self.program.tasks.len() {
+            return Err(PredictError::DepsMismatch {
+                got: deps.len(),
+                tasks: self.program.tasks.len(),
+            });
+        }
+        let PointCosts {
+            program,
+            profile,
+            steady,
+            tables,
+            steps,
+        } = self;
+        // Collected in step order, so the error reported is the first step's, as in
+        // `predict`.
+        let simulated: Vec<Result<f64, PredictError>> = steps
+            .into_par_iter()
+            .enumerate()
+            .map(|(index, costs)| {
+                simulate_costed(program, deps, index, &profile, costs, &tables)
+                    .map(|sim| sim.result.makespan)
+            })
+            .collect();
+        let seconds = simulated.into_iter().collect::<Result<Vec<f64>, _>>()?;
+        Ok(throughput_of(program, &steady, &seconds))
+    }
 }

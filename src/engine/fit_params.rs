@@ -13,8 +13,8 @@ use super::RunFailure;
 use crate::compile::{self, Compiled, Options};
 use crate::cost::budget::{budget_table, declared_over_budget, BudgetOverrides};
 use crate::cost::hardware::HardwareProfile;
-use crate::cost::plan::{param_spaces, search, Candidate, Outcome, SearchOptions};
-use crate::cost::predict::{predict_throughput, CostSettings};
+use crate::cost::plan::{param_spaces, search_bounded, Candidate, Outcome, SearchOptions};
+use crate::cost::predict::{CostSettings, PointCosts, Throughput};
 use crate::ir::{deps, Program, Scalar, TaskId};
 use crate::runtime::registration::GpuSpace;
 use crate::syntax::ast::File;
@@ -48,11 +48,24 @@ pub struct PointTarget<'a> {
 
 /// Evaluates one point of the search (`values`: the searched params): elaborates the
 /// schedule, checks its budgets (and the machine's memory when asked), then predicts its
-/// throughput with [`predict_throughput`], which gives `predict`'s figures. Value tracking
+/// throughput with [`crate::cost::predict::predict_throughput`], which gives `predict`'s figures. Value tracking
 /// and lints do not run here (they do not change the prediction, and the transitive
 /// reduction is the slow part of checking a large program): the callers run the full
 /// check on the winners. An over-budget point is known before its dependencies are built.
 pub fn evaluate_point(target: &PointTarget<'_>, values: &[(String, Scalar)]) -> Outcome {
+    evaluate_point_bounded(target, values, f64::NEG_INFINITY)
+}
+
+/// [`evaluate_point`] for [`crate::cost::plan::search_bounded`]: a point that fits and
+/// whose throughput is bounded strictly under `below` tokens/s by its costed tasks alone
+/// ([`PointCosts::throughput_bound`]: each step at least its busiest resource's summed
+/// task times) is [`Outcome::Below`], without its dependencies or simulation. Otherwise
+/// the same outcome as [`evaluate_point`].
+pub fn evaluate_point_bounded(
+    target: &PointTarget<'_>,
+    values: &[(String, Scalar)],
+    below: f64,
+) -> Outcome {
     let mut options = target.options.clone();
     options.sets.extend(
         values
@@ -105,17 +118,34 @@ pub fn evaluate_point(target: &PointTarget<'_>, values: &[(String, Scalar)]) -> 
     if target.machine_bytes.is_some_and(|a| here > a) {
         return Outcome::OverBudget;
     }
-    let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
-        .into_iter()
-        .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
-        .collect();
-    let predicted = predict_throughput(
+    let costs = PointCosts::new(
         &program,
-        &deps,
         target.profile,
         &target.settings,
         table.peak("pinned"),
     );
+    // Its best possible throughput, as the candidate's would be scored: strictly under
+    // `below`, it cannot matter to the search (which passes `below` only where it holds).
+    if below > f64::NEG_INFINITY {
+        let bound = costs.throughput_bound();
+        if let Some(Throughput {
+            tokens_per_s: Some(total),
+            decode_tokens_per_s: Some(_),
+            sequences,
+            ..
+        }) = bound
+        {
+            let bound = total * (target.slot_share)(&program, sequences);
+            if bound < below {
+                return Outcome::Below(bound);
+            }
+        }
+    }
+    let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
+        .into_iter()
+        .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+        .collect();
+    let predicted = costs.throughput(&deps);
     match predicted {
         Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
             (Some(total), Some(decode)) => {
@@ -281,7 +311,7 @@ pub fn fit_params(
         slot_share: &share,
         prune_declared: true,
     };
-    let searched = search(
+    let searched = search_bounded(
         &spaces,
         &SearchOptions {
             max_grid: MAX_GRID,
@@ -289,7 +319,7 @@ pub fn fit_params(
             top: KEEP,
             ..SearchOptions::default()
         },
-        |values| evaluate_point(&target, values),
+        |values, below| evaluate_point_bounded(&target, values, below),
     );
     // The full check on the winners, best first: the first that passes runs.
     for candidate in &searched.top {
