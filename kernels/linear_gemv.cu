@@ -7,6 +7,9 @@
 //                        optionally RMSNorm'ing the rows first (moe_warp_norm: rms_norm's bits)
 //   linear_gemv_1, linear_gemv3_1
 //                        their one-row forms for bf16/f16 weights (a batch-1 step)
+//   linear_gemv_r4/_r16, linear_gemv3_r4/_r16
+//                        their 2-4 / 5-16-row forms for bf16/f16 weights (loads in flight,
+//                        rows staged in shared memory)
 // The products are warp_dot.cuh's, as moe_grouped.cu's grouped kernels take them.
 
 #include "moe_tiles.cuh"
@@ -312,4 +315,157 @@ extern "C" __global__ void linear_gemv3_1(
     if (lane == 0) {
         y[col + o] = acc;
     }
+}
+
+// ---- 2-16 rows of bf16/f16 weights: moe_rows_dot_staged (warp_dot.cuh) ------------------
+// linear_gemv and linear_gemv3 for 2 to R rows of bf16/f16 weights (codes 0/1, every
+// matrix), weights and x on 16 bytes and in_dim % 8 == 0 (the host checks; no fallback
+// inside): the weights' loads of a chunk all issued before the FMAs and the rows staged
+// in shared memory once a block. The same arguments, launch shape and values (bit for
+// bit) as the generic kernels; R = 4 for up to 4 rows, 16 beyond (two instances each, so
+// NVRTC compiles two copies of the loop, not one per row count). The warps of a block
+// run the chunks' barriers together, so a warp past the outputs still takes part.
+template <int R>
+__device__ __forceinline__ void linear_gemv_rows(const float* __restrict__ x,
+                                                 const void* __restrict__ w,
+                                                 float* __restrict__ y, int n, int in_dim,
+                                                 int out_dim, int dtype, int ldy,
+                                                 int accumulate) {
+    __shared__ __align__(16) float xs[MOE_STAGE_FLOATS];
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    const int rows = n < R ? n : R;
+    const unsigned short* row =
+        o < out_dim ? (const unsigned short*)w + (long long)o * in_dim : 0;
+    const float v = moe_rows_dot_staged<R>(row, dtype, x, rows, in_dim, lane, 0, 0, 0, xs);
+    if (o >= out_dim || lane >= rows) {
+        return;
+    }
+    float* out = y + (long long)lane * ldy + o;
+    *out = accumulate ? *out + v : v;
+}
+
+extern "C" __global__ void linear_gemv_r4(
+    const float* __restrict__ x,
+    const void* __restrict__ w,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int ldy,
+    int accumulate) {
+    linear_gemv_rows<4>(x, w, y, n, in_dim, out_dim, dtype, ldy, accumulate);
+}
+
+extern "C" __global__ void linear_gemv_r16(
+    const float* __restrict__ x,
+    const void* __restrict__ w,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int ldy,
+    int accumulate) {
+    linear_gemv_rows<16>(x, w, y, n, in_dim, out_dim, dtype, ldy, accumulate);
+}
+
+// linear_gemv3 through moe_rows_dot_staged: the rows' RMSNorm scales first (linear_gemv3's
+// warps-in-turn moe_warp_norm, one barrier), then the normalised rows staged per chunk.
+template <int R>
+__device__ __forceinline__ void linear_gemv3_rows(
+    const float* __restrict__ x, const void* __restrict__ w0, const void* __restrict__ w1,
+    const void* __restrict__ w2, int out0, int out1, int out2, int d0, int d1, int d2,
+    float* __restrict__ y, int n, int in_dim, int ldy, int col1, int col2,
+    const void* __restrict__ norm_w, int norm_code, float eps, int norm_threads) {
+    __shared__ __align__(16) float xs[MOE_STAGE_FLOATS];
+    __shared__ float scale[R];
+    const int lane = threadIdx.x & 31;
+    const int rows = n < R ? n : R;
+    if (norm_w != 0) {
+        for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
+            const float s = moe_warp_norm(x + (long long)r * in_dim, in_dim, eps, 0, norm_threads,
+                                          lane, 0);
+            if (lane == 0) {
+                scale[r] = s;
+            }
+        }
+        __syncthreads();
+    }
+    int o = blockIdx.x * MOE_GEMV_WARPS + (threadIdx.x >> 5);
+    const void* w = w0;
+    int dtype = d0;
+    int col = 0;
+    bool live = true;
+    if (o >= out0) {
+        o -= out0;
+        w = w1;
+        dtype = d1;
+        col = col1;
+        if (o >= out1) {
+            o -= out1;
+            w = w2;
+            dtype = d2;
+            col = col2;
+            live = o < out2;
+        }
+    }
+    const unsigned short* row = live ? (const unsigned short*)w + (long long)o * in_dim : 0;
+    const float v = moe_rows_dot_staged<R>(row, dtype, x, rows, in_dim, lane, norm_w, norm_code,
+                                           scale, xs);
+    if (!live || lane >= rows) {
+        return;
+    }
+    y[(long long)lane * ldy + col + o] = v;
+}
+
+extern "C" __global__ void linear_gemv3_r4(
+    const float* __restrict__ x,
+    const void* __restrict__ w0,
+    const void* __restrict__ w1,
+    const void* __restrict__ w2,
+    int out0,
+    int out1,
+    int out2,
+    int d0,
+    int d1,
+    int d2,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int ldy,
+    int col1,
+    int col2,
+    const void* __restrict__ norm_w,
+    int norm_code,
+    float eps,
+    int norm_threads) {
+    linear_gemv3_rows<4>(x, w0, w1, w2, out0, out1, out2, d0, d1, d2, y, n, in_dim, ldy, col1,
+                         col2, norm_w, norm_code, eps, norm_threads);
+}
+
+extern "C" __global__ void linear_gemv3_r16(
+    const float* __restrict__ x,
+    const void* __restrict__ w0,
+    const void* __restrict__ w1,
+    const void* __restrict__ w2,
+    int out0,
+    int out1,
+    int out2,
+    int d0,
+    int d1,
+    int d2,
+    float* __restrict__ y,
+    int n,
+    int in_dim,
+    int ldy,
+    int col1,
+    int col2,
+    const void* __restrict__ norm_w,
+    int norm_code,
+    float eps,
+    int norm_threads) {
+    linear_gemv3_rows<16>(x, w0, w1, w2, out0, out1, out2, d0, d1, d2, y, n, in_dim, ldy, col1,
+                          col2, norm_w, norm_code, eps, norm_threads);
 }

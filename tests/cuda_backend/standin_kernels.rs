@@ -1770,3 +1770,157 @@ fn quantised_weight_kernels_match_the_cpu_decoded_product() {
         );
     }
 }
+
+/// The staged row forms of the few-row float products (`linear_gemv_r4` / `_r16`,
+/// `linear_gemv3_r4` / `_r16`: a chunk's weight loads in flight, the rows staged in shared
+/// memory) give the generic kernels' bits (`linear_gemv`, `linear_gemv3`, themselves
+/// checked against the CPU above and in standin_int_products.rs), and `linear_gemv_r*`
+/// the f64 CPU product within 1e-5 (f32 sums of O(1) terms in another order). Inputs 72
+/// (less than one 256-value step a warp), 520 (a partial last chunk at R = 16's 512 and
+/// inside R = 4's 2048) and 1032; 2, 3, 4 rows on `_r4` and 5, 16 on `_r16`; 19 outputs
+/// and 37 | 8 | 5 (partial blocks of warps, warps past the outputs in the barriers);
+/// bf16 and f16 weights, accumulation onto y, and q|k|v with and without the norm.
+#[test]
+fn the_staged_row_kernels_equal_the_generic_ones() {
+    const NAME: &str = "standin_kernels::the_staged_row_kernels_equal_the_generic_ones";
+    if !in_standin_child(NAME) {
+        run_under_standin(NAME);
+        return;
+    }
+    use moec::runtime::cuda::launch::row_block;
+    let status = detect();
+    assert_eq!(status.missing(), None, "{status:?}");
+    let (ctx, stream) = standin_context();
+    let modules = load_kernels(&ctx);
+    let mut rng = Rng(0x5eed_0019_0004_0016);
+    let eps = 1e-5f32;
+    for (inp, rows_list) in [
+        (72usize, &[2usize, 16][..]),
+        (520, &[3, 5][..]),
+        (1032, &[4, 16][..]),
+    ] {
+        for &n in rows_list {
+            let staged = if n <= 4 { "_r4" } else { "_r16" };
+            let x: Vec<f32> = rng.vec(n * inp, 2.0).iter().map(|v| v + 0.25).collect();
+            let x_dev = stream.clone_htod(&x).expect("htod");
+            // linear_gemv: 19 outputs, y rows 22 floats apart, accumulating with f16.
+            let (out, ldy) = (19usize, 22usize);
+            for (code, accumulate) in [(0i32, 0i32), (1, 1)] {
+                let (bytes, decoded) = stored(&rng.vec(out * inp, 0.3), code);
+                let w_dev: CudaSlice<u8> = stream.clone_htod(&bytes).expect("htod");
+                let y0 = rng.vec(n * ldy, 1.0);
+                let (n_i, in_i, out_i, ldy_i) = (n as i32, inp as i32, out as i32, ldy as i32);
+                let mut got = Vec::new();
+                for entry in ["linear_gemv".to_string(), format!("linear_gemv{staged}")] {
+                    let mut y = stream.clone_htod(&y0).expect("htod");
+                    // SAFETY: argument types and order match the kernel's signature; x
+                    // holds n x in floats, w out x in stored values, y n rows of ldy.
+                    unsafe {
+                        stream
+                            .launch_builder(&kernel_entry(&modules, &entry))
+                            .arg(&x_dev)
+                            .arg(&w_dev)
+                            .arg(&mut y)
+                            .arg(&n_i)
+                            .arg(&in_i)
+                            .arg(&out_i)
+                            .arg(&code)
+                            .arg(&ldy_i)
+                            .arg(&accumulate)
+                            .launch(cfg((out.div_ceil(8) as u32, 1, 1), 256, 0))
+                    }
+                    .expect("launch");
+                    got.push(stream.clone_dtoh(&y).expect("dtoh"));
+                }
+                assert_eq!(
+                    bits(&got[0]),
+                    bits(&got[1]),
+                    "linear_gemv{staged} in {inp}, {n} rows"
+                );
+                let mut want = y0.clone();
+                for r in 0..n {
+                    for o in 0..out {
+                        let dot: f64 = (0..inp)
+                            .map(|k| f64::from(x[r * inp + k]) * f64::from(decoded[o * inp + k]))
+                            .sum();
+                        let base = if accumulate == 1 {
+                            f64::from(y0[r * ldy + o])
+                        } else {
+                            0.0
+                        };
+                        want[r * ldy + o] = (base + dot) as f32;
+                    }
+                }
+                let err = max_abs_diff(&got[1], &want);
+                assert!(err < 1e-5, "linear_gemv{staged} in {inp}, {n} rows: {err}");
+            }
+            // linear_gemv3: q | k | v of 37 | 8 | 5 outputs, bf16 | f16 | bf16.
+            let outs = [37usize, 8, 5];
+            let total = outs.iter().sum::<usize>();
+            let codes = [0i32, 1, 0];
+            let ws: Vec<CudaSlice<u8>> = outs
+                .iter()
+                .zip(&codes)
+                .map(|(&o, &c)| {
+                    stream
+                        .clone_htod(&stored(&rng.vec(o * inp, 0.2), c).0)
+                        .expect("htod")
+                })
+                .collect();
+            let nw: Vec<f32> = rng.vec(inp, 0.5).iter().map(|v| v + 1.0).collect();
+            for norm_code in [-1i32, 0] {
+                let nw_dev = stream
+                    .clone_htod(&stored(&nw, norm_code.max(0)).0)
+                    .expect("htod");
+                let (nw_ptr, threads) = if norm_code < 0 {
+                    (0u64, 0i32)
+                } else {
+                    (addr(&stream, &nw_dev), row_block(inp) as i32)
+                };
+                let code = norm_code.max(0);
+                let (n_i, inp_i, ldy) = (n as i32, inp as i32, total as i32);
+                let (o0, o1, o2) = (outs[0] as i32, outs[1] as i32, outs[2] as i32);
+                let (c1, c2) = (outs[0] as i32, (outs[0] + outs[1]) as i32);
+                let mut got = Vec::new();
+                for entry in ["linear_gemv3".to_string(), format!("linear_gemv3{staged}")] {
+                    let mut y = stream.alloc_zeros::<f32>(n * total).expect("alloc");
+                    // SAFETY: argument types and order match the kernel's signature.
+                    unsafe {
+                        stream
+                            .launch_builder(&kernel_entry(&modules, &entry))
+                            .arg(&x_dev)
+                            .arg(&ws[0])
+                            .arg(&ws[1])
+                            .arg(&ws[2])
+                            .arg(&o0)
+                            .arg(&o1)
+                            .arg(&o2)
+                            .arg(&codes[0])
+                            .arg(&codes[1])
+                            .arg(&codes[2])
+                            .arg(&mut y)
+                            .arg(&n_i)
+                            .arg(&inp_i)
+                            .arg(&ldy)
+                            .arg(&c1)
+                            .arg(&c2)
+                            .arg(&nw_ptr)
+                            .arg(&code)
+                            .arg(&eps)
+                            .arg(&threads)
+                            .launch(cfg((total.div_ceil(8) as u32, 1, 1), 256, 0))
+                    }
+                    .expect("launch");
+                    got.push(stream.clone_dtoh(&y).expect("dtoh"));
+                }
+                assert!(got[0].iter().all(|v| v.is_finite() && *v != 0.0), "{inp}");
+                assert_eq!(
+                    bits(&got[0]),
+                    bits(&got[1]),
+                    "linear_gemv3{staged} in {inp}, {n} rows, norm code {norm_code}"
+                );
+            }
+        }
+    }
+    println!("linear_gemv(3)_r4/_r16: the generic kernels' bits and the CPU's products");
+}

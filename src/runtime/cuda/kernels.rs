@@ -116,6 +116,10 @@ pub const KERNELS: [KernelSource; 16] = [
             "linear_gemv3",
             "linear_gemv_1",
             "linear_gemv3_1",
+            "linear_gemv_r4",
+            "linear_gemv_r16",
+            "linear_gemv3_r4",
+            "linear_gemv3_r16",
         ],
     },
     KernelSource {

@@ -181,23 +181,61 @@ pub fn one_row_half(
 }
 
 /// Whether the float decode kernels run in their warp forms, from `MOEC_FLOAT_KERNELS`
-/// (read once): `warp` (the default) runs `linear_gemv3_1` for a one-row q|k|v of
-/// bf16/f16 weights, `moe_gate_route` (top-k on a warp's lanes) for the fused MoE gate and
-/// `moe_group` by warp scans; `block` runs `linear_gemv3`, `moe_gate_route_block` and
-/// `moe_group_block` there, the forms before them (the same values, bit for bit), kept
-/// so one binary can time both on a GPU. Another value is an error naming
-/// it.
+/// (read once, [`float_kernel_choice`]): `warp` (the default) and `generic-rows` run
+/// `linear_gemv3_1` for a one-row q|k|v of bf16/f16 weights, `moe_gate_route` (top-k on a
+/// warp's lanes) for the fused MoE gate and `moe_group` by warp scans; `block` runs
+/// `linear_gemv3`, `moe_gate_route_block` and `moe_group_block` there, the forms before
+/// them (the same values, bit for bit), kept so one binary can time both on a GPU.
+/// Another value is an error naming it.
 pub fn warp_float_kernels() -> Result<bool, String> {
-    static CHOICE: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
+    float_kernel_choice().map(|c| c != "block")
+}
+
+/// Whether 2-16 rows of bf16/f16 weights run in the staged row forms (`linear_gemv_r4` /
+/// `_r16`, `linear_gemv3_r4` / `_r16`: a chunk's weight loads in flight, the rows in
+/// shared memory once a block): under `MOEC_FLOAT_KERNELS=warp` (the default); `block`
+/// and `generic-rows` run the generic `linear_gemv` / `linear_gemv3` there (the same
+/// values, bit for bit), so one binary can time both on a GPU.
+pub fn staged_row_kernels() -> Result<bool, String> {
+    float_kernel_choice().map(|c| c == "warp")
+}
+
+/// `MOEC_FLOAT_KERNELS` (read once): `warp` (unset too), `generic-rows` or `block`.
+fn float_kernel_choice() -> Result<&'static str, String> {
+    static CHOICE: std::sync::OnceLock<Result<&'static str, String>> = std::sync::OnceLock::new();
     CHOICE
         .get_or_init(|| match std::env::var("MOEC_FLOAT_KERNELS").as_deref() {
-            Err(_) | Ok("warp") => Ok(true),
-            Ok("block") => Ok(false),
+            Err(_) | Ok("warp") => Ok("warp"),
+            Ok("generic-rows") => Ok("generic-rows"),
+            Ok("block") => Ok("block"),
             Ok(other) => Err(format!(
-                "MOEC_FLOAT_KERNELS={other:?}: expected warp or block"
+                "MOEC_FLOAT_KERNELS={other:?}: expected warp, generic-rows or block"
             )),
         })
         .clone()
+}
+
+/// Whether `rows` rows of a few-row product run in a staged row form (`linear_gemv_r4`,
+/// `linear_gemv_r16` and the linear_gemv3 pair): 2 to 16 rows, bf16 or f16 weights, every
+/// address in `ptrs` on 16 bytes and `in_dim` a multiple of 8 (what [`one_row_half`] asks
+/// of one row), unless `MOEC_FLOAT_KERNELS` picks the generic forms. The entry's suffix:
+/// `_r4` up to 4 rows, `_r16` beyond.
+pub fn staged_rows(
+    rows: usize,
+    quant: Option<QuantFormat>,
+    code: i32,
+    ptrs: &[u64],
+    in_dim: usize,
+) -> Result<Option<&'static str>, String> {
+    let fits = (2..=GEMV_MAX_ROWS).contains(&rows)
+        && quant.is_none()
+        && (code == 0 || code == 1)
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+        && in_dim.is_multiple_of(8);
+    if !fits || !staged_row_kernels()? {
+        return Ok(None);
+    }
+    Ok(Some(if rows <= 4 { "_r4" } else { "_r16" }))
 }
 
 /// The kernel [`StreamCx::linear`] runs for `n` rows of `w` (the run report and
@@ -811,10 +849,16 @@ impl StreamCx<'_> {
             // A decode step's few rows: one launch reading the stored weights (or blocks)
             // once; one row of aligned 16-bit weights through its one-row form.
             let dtype = w.code();
+            let staged =
+                staged_rows(n, w.quant, dtype, &[w.ptr, x], k).map_err(LaunchError::Setting)?;
             let entry = if one_row_half(n, w.quant, dtype, &[w.ptr, x], k) {
                 "linear_gemv_1"
             } else {
-                "linear_gemv"
+                match staged {
+                    Some("_r4") => "linear_gemv_r4",
+                    Some(_) => "linear_gemv_r16",
+                    None => "linear_gemv",
+                }
             };
             return self.launch(
                 entry,

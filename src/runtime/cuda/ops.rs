@@ -201,7 +201,16 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
              projection for gpt-oss's biased gate/up and [in, out] storage); the fused MoE \
              gate: {GATE}; {TC}",
             ONE = match super::launch::warp_float_kernels() {
-                Ok(true) => ", linear_gemv3_1 for one row of bf16/f16 (MOEC_FLOAT_KERNELS=warp)",
+                Ok(true) => match super::launch::staged_row_kernels() {
+                    Ok(true) => {
+                        ", linear_gemv3_1 for one row of bf16/f16, linear_gemv(3)_r4/_r16 for \
+                         2-16 rows of bf16/f16 (MOEC_FLOAT_KERNELS=warp)"
+                    }
+                    _ => {
+                        ", linear_gemv3_1 for one row of bf16/f16, the generic forms for 2-16 \
+                         rows (MOEC_FLOAT_KERNELS=generic-rows)"
+                    }
+                },
                 Ok(false) => " (MOEC_FLOAT_KERNELS=block)",
                 Err(_) => "",
             },

@@ -278,8 +278,22 @@ impl StreamCx<'_> {
                 .iter()
                 .all(|p| one_row_half(n, p.0.quant, p.0.code(), &[p.0.ptr, x], k))
                 && norm.is_none_or(|m| (0..=2).contains(&m.code));
+            // 2-16 rows of bf16/f16 weights: the staged row forms unless
+            // MOEC_FLOAT_KERNELS=generic-rows or block.
+            let mut staged = norm.is_none_or(|m| (0..=2).contains(&m.code));
+            let mut suffix = None;
+            for p in products {
+                let s = staged_rows(n, p.0.quant, p.0.code(), &[p.0.ptr, x], k)
+                    .map_err(LaunchError::Setting)?;
+                staged &= s.is_some();
+                suffix = suffix.or(s);
+            }
             if one_row && warp_float_kernels().map_err(LaunchError::Setting)? {
                 "linear_gemv3_1"
+            } else if staged && suffix == Some("_r4") {
+                "linear_gemv3_r4"
+            } else if staged && suffix.is_some() {
+                "linear_gemv3_r16"
             } else {
                 "linear_gemv3"
             }
