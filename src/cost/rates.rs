@@ -13,7 +13,6 @@ use super::reproduce::{calibrated, fitted_points};
 use crate::ir::Op;
 use crate::model::card::ModelCard;
 use crate::model::formats::WeightTensor;
-use crate::quant::storage::Storage;
 
 /// The rates a prediction divides by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,15 +142,11 @@ pub fn weight_segments(
 ) -> Vec<(Option<&'static str>, f64)> {
     use crate::model::arch::ArchSpec;
     use crate::model::layout::LayerLayout;
-    let name = |s: Storage| match s {
-        Storage::Quant(f) => Some(f.name()),
-        Storage::Float(_) => None,
-    };
     let (layer, parts): (u64, &[usize]) = match (op, experts) {
         (Op::LmHead { .. }, _) => {
             let head = card.storage(WeightTensor::LmHead);
             let bytes = head.matrix_bytes(card.vocab, card.hidden).unwrap_or(0);
-            return vec![(name(head), bytes as f64)];
+            return vec![(head.quant().map(|f| f.name()), bytes as f64)];
         }
         (Op::Experts { layer, .. } | Op::PostAttn { layer, .. }, true) => (u64::from(*layer), &[3]),
         (Op::PostAttn { layer, .. }, false) => (u64::from(*layer), &[1, 2]),
@@ -174,7 +169,7 @@ pub fn weight_segments(
             kinds[p]
                 .iter()
                 .zip(&bytes[p])
-                .map(|(&k, &b)| (name(storage(k)), b as f64))
+                .map(|(&k, &b)| (storage(k).quant().map(|f| f.name()), b as f64))
                 .collect::<Vec<_>>()
         })
         .collect()
