@@ -400,7 +400,7 @@ impl<'c> CudaBackend<'c> {
         let handles = streams
             .iter()
             .map(|d| d.as_ref().map(|d| (&d.stream, &d.blas)));
-        let warm_up = super::warmup::for_plan(plan, &device.name, &arch, handles);
+        let warm_up = super::warmup::for_plan(plan, &arch, handles);
         let recorder = Recorder::new(
             lanes,
             events.iter().map(|e| Arc::clone(&e.event)).collect(),
