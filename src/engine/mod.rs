@@ -245,11 +245,10 @@ pub fn run(
     let card: ModelCard = checkpoint.card().clone();
     let prompts = encode_prompts(request, &tokenizer, &card)?;
     // A tokenizer takes 32 MiB (Mixtral's) to 95 MiB (cl100k) of heap, as much as the
-    // workspaces of a small model's run: it is dropped once the prompts are encoded and
-    // loaded again for decoding after the checkpoint is unmapped, so it never adds to the
-    // peak the weights set.
-    let tokenizer_dir = checkpoint.dir().to_path_buf();
-    drop(tokenizer);
+    // workspaces of a small model's run: once the prompts are encoded only its decoding
+    // half is kept (the vocabulary, a few MiB), so the merge tables never add to the peak
+    // the weights set.
+    let tokenizer = tokenizer.into_decoder();
     let Prompts {
         texts,
         ids: prompt_ids,
@@ -349,8 +348,6 @@ pub fn run(
         .unzip();
     let decoded_weight_bytes = checkpoint.decoded_bytes();
     drop(checkpoint);
-    let tokenizer =
-        TextTokenizer::load(&card, Some(tokenizer_dir.as_path())).map_err(|e| message(&e))?;
     let continuations = outputs
         .iter()
         .zip(&prompt_ids)

@@ -8,6 +8,7 @@
 
 use crate::model::card::ModelCard;
 use std::path::Path;
+use tokenizers::Model;
 
 /// The Mixtral tokenizer shipped in `models/tokenizers/mixtral/` (see PROVENANCE.md).
 pub const MIXTRAL_TOKENIZER_JSON: &[u8] =
@@ -183,19 +184,145 @@ impl TextTokenizer {
         prompt: &[u32],
         generated: &[u32],
     ) -> Result<String, TokenizerError> {
-        let head = self.decode(prompt)?;
-        let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
-        let full = self.decode(&all)?;
-        match full.strip_prefix(&head) {
-            Some(rest) => Ok(rest.to_string()),
-            None => self.decode(generated),
-        }
+        continuation(&self.inner, prompt, generated)
     }
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| TokenizerError::Codec(e.to_string()))
+        decode(&self.inner, ids)
+    }
+
+    /// The decoding half of this tokenizer: the same texts from the same ids, without
+    /// what only encoding needs. A run drops its tokenizer once the prompts are encoded
+    /// (it is as large as a small model's workspaces) and decodes at the end: loading
+    /// cl100k's `tokenizer.json` again took ~0.5 s of every run, this takes milliseconds.
+    pub fn into_decoder(self) -> TextDecoder {
+        let mut inner = self.inner;
+        // Decoding reads only the model's id -> token map (`TokenizerImpl::decode`: added
+        // tokens first, then `Model::id_to_token`), so a word-level model over the same
+        // vocabulary decodes every id to the same token, without BPE's merge table (most
+        // of its memory) or a Unigram model's scores. Only when the vocabulary's tokens
+        // are distinct is the map invertible that way; otherwise the model is kept whole.
+        let vocab = inner.get_model().get_vocab();
+        if vocab.len() == inner.get_model().get_vocab_size() {
+            let words = tokenizers::models::wordlevel::WordLevel::builder()
+                .vocab(vocab.into_iter().collect())
+                .build();
+            if let Ok(words) = words {
+                inner.with_model(words);
+            }
+        }
+        TextDecoder {
+            inner,
+            origin: self.origin,
+        }
+    }
+}
+
+/// Decodes what a [`TextTokenizer`] encoded ([`TextTokenizer::into_decoder`]).
+pub struct TextDecoder {
+    inner: tokenizers::Tokenizer,
+    origin: String,
+}
+
+impl TextDecoder {
+    /// Where the tokenizer came from (file path or "embedded ...").
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// [`TextTokenizer::decode_continuation`].
+    pub fn decode_continuation(
+        &self,
+        prompt: &[u32],
+        generated: &[u32],
+    ) -> Result<String, TokenizerError> {
+        continuation(&self.inner, prompt, generated)
+    }
+
+    /// [`TextTokenizer::decode`].
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        decode(&self.inner, ids)
+    }
+}
+
+fn decode(inner: &tokenizers::Tokenizer, ids: &[u32]) -> Result<String, TokenizerError> {
+    inner
+        .decode(ids, true)
+        .map_err(|e| TokenizerError::Codec(e.to_string()))
+}
+
+fn continuation(
+    inner: &tokenizers::Tokenizer,
+    prompt: &[u32],
+    generated: &[u32],
+) -> Result<String, TokenizerError> {
+    let head = decode(inner, prompt)?;
+    let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+    let full = decode(inner, &all)?;
+    match full.strip_prefix(&head) {
+        Some(rest) => Ok(rest.to_string()),
+        None => decode(inner, generated),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decoder gives the tokenizer's text for every single id (special and added
+    /// tokens included) and for pseudo-random sequences and continuations, on both
+    /// embedded tokenizers (Mixtral's SentencePiece-style BPE with byte fallback, and
+    /// cl100k's byte-level BPE).
+    #[test]
+    fn the_decoder_decodes_every_id_as_the_tokenizer_does() {
+        for json in [MIXTRAL_TOKENIZER_JSON, DBRX_TOKENIZER_JSON] {
+            let inner = tokenizers::Tokenizer::from_bytes(json).unwrap();
+            let n = inner.get_vocab_size(true) as u32;
+            let full = TextTokenizer {
+                inner,
+                bos: None,
+                origin: "test".into(),
+            };
+            let decoder = TextTokenizer {
+                inner: tokenizers::Tokenizer::from_bytes(json).unwrap(),
+                bos: None,
+                origin: "test".into(),
+            }
+            .into_decoder();
+            assert_eq!(
+                decoder.inner.get_model().get_vocab_size(),
+                full.inner.get_model().get_vocab_size()
+            );
+            assert!(matches!(
+                decoder.inner.get_model(),
+                tokenizers::models::ModelWrapper::WordLevel(_)
+            ));
+            for id in 0..n + 2 {
+                assert_eq!(
+                    decoder.decode(&[id]).ok(),
+                    full.decode(&[id]).ok(),
+                    "id {id}"
+                );
+            }
+            let mut state = 0x2545_f491_4f6c_dd1du64;
+            let mut next = |m: u32| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) % u64::from(m)) as u32
+            };
+            for _ in 0..300 {
+                let ids: Vec<u32> = (0..1 + next(24)).map(|_| next(n)).collect();
+                let cut = next(ids.len() as u32) as usize;
+                assert_eq!(decoder.decode(&ids).unwrap(), full.decode(&ids).unwrap());
+                assert_eq!(
+                    decoder
+                        .decode_continuation(&ids[..cut], &ids[cut..])
+                        .unwrap(),
+                    full.decode_continuation(&ids[..cut], &ids[cut..]).unwrap()
+                );
+            }
+        }
     }
 }
