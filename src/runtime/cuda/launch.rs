@@ -182,9 +182,9 @@ pub fn one_row_half(
 
 /// Whether the float decode kernels run in their warp forms, from `MOEC_FLOAT_KERNELS`
 /// (read once, [`float_kernel_choice`]): `warp` (the default), `generic-experts` and
-/// `generic-rows` run
-/// `linear_gemv3_1` for a one-row q|k|v of bf16/f16 weights, `moe_gate_route` (top-k on a
-/// warp's lanes) for the fused MoE gate and `moe_group` by warp scans; `block` runs
+/// `generic-rows` run `linear_gemv3_1` for a one-row q|k|v of bf16/f16 weights,
+/// `moe_gate_route` (top-k on a warp's lanes) for the fused MoE gate and `moe_group` by
+/// warp scans; `block` runs
 /// `linear_gemv3`, `moe_gate_route_block` and `moe_group_block` there, the forms before
 /// them (the same values, bit for bit), kept so one binary can time both on a GPU.
 /// Another value is an error naming it.
