@@ -29,7 +29,8 @@
 // host sizes the grid for the worst case without reading anything back.
 //
 // Also here: moe_grouped_gemv (the few-row form, a warp per (tile, output)), moe_grouped_mma
-// (bf16 experts on tensor cores), moe_grouped_gemv_1 (one-row tiles, bf16/f16), and the MoE
+// (bf16 experts on tensor cores), moe_grouped_gemv_1 (one-row tiles, bf16/f16),
+// moe_grouped_gemv_rows (2-16-row tiles, bf16/f16: rows staged, split-K), and the MoE
 // gate in one launch (moe_gate_route, moe_gate_route_block). The dense few-row products are
 // in linear_gemv.cu, the integer products on 8-bit activations in q8_products.cu and
 // q8_products_rows.cu; the helpers they share with this file in moe_tiles.cuh and
@@ -514,6 +515,228 @@ extern "C" __global__ void moe_grouped_gemv_1(
     }
     if (lane == 0) {
         moe_store(y, p, o, out_dim, mode, v, up, perm_row, perm_slot, perm_weight, top_k);
+    }
+}
+
+// ---- 2-16 rows per expert, 16-bit weights, rows staged: moe_grouped_gemv_rows -----------
+// moe_grouped_gemv for tiles of 2-16 rows (decode steps of 2-64 tokens below the tensor-core
+// threshold, f16 experts, small prefills) with bf16/f16 weights stored [out, in], weights
+// and x on 16 bytes and in_dim % 8 == 0 (the host checks; no fallback inside). What the
+// generic form spends its time on at these rows: one 16-byte weight load a lane in flight
+// (a 3584-wide down projection 14 round trips deep, gate then up another 2 x 4), every warp
+// re-reading its tile's rows from global memory, and a grid of (max tiles, out / 8) whose
+// blocks past the tile count exit at once. Here:
+//   - linear_gemv_r4/_r16's staging (moe_rows_dot_staged): each lane issues all its weight
+//     loads of a chunk of MOE_STAGE_FLOATS / R inputs (8 at R = 4, 2 at R = 16) before
+//     the block copies the chunk of the tile's rows (gathered through perm_row) into shared
+//     memory once for its 8 warps; then the FMAs from registers and shared memory;
+//   - each warp multiplies two stored rows against every staged value it reads: the gate
+//     and up rows of one output in mode 3 (gate, up and SwiGLU in one launch, as
+//     moe_grouped_gemv_1), two consecutive outputs in modes 0-2, so shared-memory reads per
+//     weight are half of one row's (at 16 rows they, not HBM, bound the product);
+//   - the grid is (output blocks, slots): each block walks the tiles slot, slot + slots, ...
+//     (the host sizes `slots` from the routed entries: at most the tiles there must be, so
+//     no block finds no tile when every routed entry is the group's);
+//   - R = 4 or 16 (the row bound the accumulators are compiled for) is chosen per tile from
+//     its rows (block-uniform): a batch-16 step's 2-4-row tiles take 8 loads a lane in
+//     flight even where another expert got 9 rows;
+//   - split-K across warps: `split` (1, 2, 4 or 8) warps share an output (pair), each
+//     taking the chunk's loads u with u % split == its index, the partial sums added in
+//     warp order through shared memory, where out_dim is too small to give the GPU a block
+//     an SM (the host picks it: moe.rs's `split_warps`).
+// With split 1 each lane owns the generic loop's inputs (k = lane * 8 + 256 u, ascending),
+// 8-term expressions and warp reduction: the sums are moe_grouped_gemv's bit for bit; with
+// split > 1 they are f32 sums in another order (deterministic). Same arguments, tables,
+// tiles and epilogues (modes 0-3, biases in modes 0-2) as moe_grouped_gemv, plus `split`.
+// Launch: grid (ceil(out_dim / (per_warp * MOE_GEMV_WARPS / split)), slots), per_warp = 1
+// in mode 3 and 2 otherwise; block 32 * MOE_GEMV_WARPS.
+
+// A lane's 16-byte loads of stored row w in chunk c: inputs c + lane * 8 + 256 u for the
+// u of its split index s (u % split == s); zeros elsewhere and for a null row.
+template <int U>
+__device__ __forceinline__ void moe_rows_load(const unsigned short* __restrict__ w, int c,
+                                              int lane, int in_dim, int split, int s,
+                                              uint4* raw) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int k = c + lane * 8 + 256 * u;
+        if (w != 0 && u % split == s && k < in_dim) {
+            raw[u] = *(const uint4*)(w + k);
+        } else {
+            raw[u].x = raw[u].y = raw[u].z = raw[u].w = 0u;
+        }
+    }
+}
+
+// Eight 16-bit weights (format dt: 0 bf16, 1 f16) of a 16-byte load as f32.
+__device__ __forceinline__ void moe_rows_widen(const uint4& raw, int dt, float* wv) {
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
+        const unsigned short hi = (unsigned short)(words[j] >> 16);
+        wv[2 * j] = dt == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
+        wv[2 * j + 1] = dt == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
+    }
+}
+
+// One tile's products of stored rows w0 and w1 (either may be null: no loads, sums 0)
+// with its `rows` (<= R) staged rows x + src[r] (src: element offsets in shared memory),
+// over in_dim inputs; lane r (< rows) gets row r's warp sums in v0 and v1. Every thread of
+// the block calls it (two barriers a chunk).
+template <int R>
+__device__ __forceinline__ void moe_rows_tile(const unsigned short* __restrict__ w0,
+                                              const unsigned short* __restrict__ w1, int dt,
+                                              const float* __restrict__ x,
+                                              const long long* src, int rows, int in_dim,
+                                              int split, int s, int lane, float* xs,
+                                              float* v0, float* v1) {
+    constexpr int KC = MOE_STAGE_FLOATS / R;
+    constexpr int U = KC / 256;
+    constexpr int Q = KC / 4;
+    float a0[R], a1[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        a0[r] = 0.0f;
+        a1[r] = 0.0f;
+    }
+    for (int c = 0; c < in_dim; c += KC) {
+        uint4 r0[U], r1[U];
+        moe_rows_load<U>(w0, c, lane, in_dim, split, s, r0);
+        moe_rows_load<U>(w1, c, lane, in_dim, split, s, r1);
+        for (int i = threadIdx.x; i < rows * Q; i += blockDim.x) {
+            const int r = i / Q;
+            const int kk = 4 * (i % Q);
+            float4 v;
+            v.x = v.y = v.z = v.w = 0.0f;
+            if (c + kk < in_dim) {
+                v = *(const float4*)(x + src[r] + c + kk);
+            }
+            *(float4*)(xs + r * KC + kk) = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kk = lane * 8 + 256 * u;
+            if (u % split == s && c + kk < in_dim) {
+                float g[8], h[8];
+                moe_rows_widen(r0[u], dt, g);
+                moe_rows_widen(r1[u], dt, h);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (r < rows) {
+                        const float4 a = *(const float4*)(xs + r * KC + kk);
+                        const float4 b = *(const float4*)(xs + r * KC + kk + 4);
+                        a0[r] += g[0] * a.x + g[1] * a.y + g[2] * a.z + g[3] * a.w
+                               + g[4] * b.x + g[5] * b.y + g[6] * b.z + g[7] * b.w;
+                        a1[r] += h[0] * a.x + h[1] * a.y + h[2] * a.z + h[3] * a.w
+                               + h[4] * b.x + h[5] * b.y + h[6] * b.z + h[7] * b.w;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+            a0[r] = moe_warp_sum(a0[r]);
+            a1[r] = moe_warp_sum(a1[r]);
+        }
+    }
+    float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r == lane) {
+            p0 = a0[r];
+            p1 = a1[r];
+        }
+    }
+    *v0 = p0;
+    *v1 = p1;
+}
+
+extern "C" __global__ void moe_grouped_gemv_rows(
+    const float* __restrict__ x,
+    const unsigned int* __restrict__ perm_row,
+    const unsigned int* __restrict__ perm_slot,
+    const float* __restrict__ perm_weight,
+    const int* __restrict__ tiles,
+    const unsigned long long* __restrict__ weights,
+    const unsigned long long* __restrict__ weights2,
+    const unsigned long long* __restrict__ biases,
+    float* __restrict__ y,
+    int gather,
+    int mode,
+    int in_dim,
+    int out_dim,
+    int dtype,
+    int out_in,
+    int bias_dtype,
+    int top_k,
+    int split) {
+    __shared__ __align__(16) float xs[MOE_STAGE_FLOATS];
+    __shared__ long long src[MOE_TILE_M];
+    __shared__ float partial[2][MOE_GEMV_WARPS][MOE_TILE_M];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int s = warp % split;
+    const int per_warp = mode == 3 ? 1 : 2;
+    // The warp's first output: its group of `split` warps, `per_warp` outputs a group.
+    const int o = (blockIdx.x * (MOE_GEMV_WARPS / split) + warp / split) * per_warp;
+    const int n_tiles = tiles[0];
+    for (int tile = blockIdx.y; tile < n_tiles; tile += gridDim.y) {
+        const int expert = tiles[2 + 3 * tile];
+        const int first = tiles[2 + 3 * tile + 1];
+        const int rows = tiles[2 + 3 * tile + 2];
+        // The rows' offsets in x, once a tile; the barrier also keeps this tile's writes
+        // after every warp's use of the last tile's (src, partial).
+        if (threadIdx.x < rows) {
+            const int p = first + threadIdx.x;
+            src[threadIdx.x] = (gather ? (long long)perm_row[p] : (long long)p) * in_dim;
+        }
+        __syncthreads();
+        const unsigned short* w = (const unsigned short*)weights[expert];
+        const unsigned short* w0 = o < out_dim ? w + (long long)o * in_dim : 0;
+        const unsigned short* w1 =
+            mode == 3 ? (o < out_dim ? (const unsigned short*)weights2[expert] + (long long)o * in_dim : 0)
+                      : (o + 1 < out_dim ? w + (long long)(o + 1) * in_dim : 0);
+        float v0, v1;
+        if (rows <= 4) {
+            moe_rows_tile<4>(w0, w1, dtype, x, src, rows, in_dim, split, s, lane, xs, &v0, &v1);
+        } else {
+            moe_rows_tile<16>(w0, w1, dtype, x, src, rows, in_dim, split, s, lane, xs, &v0, &v1);
+        }
+        if (split > 1) {
+            // The group's partial sums in warp order (deterministic).
+            if (lane < rows) {
+                partial[0][warp][lane] = v0;
+                partial[1][warp][lane] = v1;
+            }
+            __syncthreads();
+            if (s == 0 && lane < rows) {
+                for (int j = 1; j < split; ++j) {
+                    v0 += partial[0][warp + j][lane];
+                    v1 += partial[1][warp + j][lane];
+                }
+            }
+        }
+        if (s != 0 || lane >= rows || o >= out_dim) {
+            continue;
+        }
+        const unsigned long long b = biases != 0 ? biases[expert] : 0ull;
+        const long long p = first + lane;
+        v0 += b != 0 ? moec_load((const void*)b, o, bias_dtype) : 0.0f;
+        if (mode == 3) {
+            moe_store(y, p, o, out_dim, mode, v0, v1, perm_row, perm_slot, perm_weight, top_k);
+            continue;
+        }
+        moe_store(y, p, o, out_dim, mode, v0, 0.0f, perm_row, perm_slot, perm_weight, top_k);
+        if (o + 1 < out_dim) {
+            v1 += b != 0 ? moec_load((const void*)b, o + 1, bias_dtype) : 0.0f;
+            moe_store(y, p, o + 1, out_dim, mode, v1, 0.0f, perm_row, perm_slot, perm_weight,
+                      top_k);
+        }
     }
 }
 

@@ -208,6 +208,8 @@ mod gpu_probe;
 mod standin;
 #[path = "cuda_backend/standin_deepseek.rs"]
 mod standin_deepseek;
+#[path = "cuda_backend/standin_experts.rs"]
+mod standin_experts;
 #[path = "cuda_backend/standin_format_copies.rs"]
 mod standin_format_copies;
 #[path = "cuda_backend/standin_int_products.rs"]

@@ -103,6 +103,7 @@ pub const KERNELS: [KernelSource; 16] = [
             "moe_grouped_gemv",
             "moe_grouped_mma",
             "moe_grouped_gemv_1",
+            "moe_grouped_gemv_rows",
             "moe_gate_route_block",
             "moe_gate_route",
             "moe_group",

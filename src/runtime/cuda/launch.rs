@@ -181,9 +181,10 @@ pub fn one_row_half(
 }
 
 /// Whether the float decode kernels run in their warp forms, from `MOEC_FLOAT_KERNELS`
-/// (read once, [`float_kernel_choice`]): `warp` (the default) and `generic-rows` run
-/// `linear_gemv3_1` for a one-row q|k|v of bf16/f16 weights, `moe_gate_route` (top-k on a
-/// warp's lanes) for the fused MoE gate and `moe_group` by warp scans; `block` runs
+/// (read once, [`float_kernel_choice`]): `warp` (the default), `generic-experts` and
+/// `generic-rows` run `linear_gemv3_1` for a one-row q|k|v of bf16/f16 weights,
+/// `moe_gate_route` (top-k on a warp's lanes) for the fused MoE gate and `moe_group` by
+/// warp scans; `block` runs
 /// `linear_gemv3`, `moe_gate_route_block` and `moe_group_block` there, the forms before
 /// them (the same values, bit for bit), kept so one binary can time both on a GPU.
 /// Another value is an error naming it.
@@ -193,23 +194,37 @@ pub fn warp_float_kernels() -> Result<bool, String> {
 
 /// Whether 2-16 rows of bf16/f16 weights run in the staged row forms (`linear_gemv_r4` /
 /// `_r16`, `linear_gemv3_r4` / `_r16`: a chunk's weight loads in flight, the rows in
-/// shared memory once a block): under `MOEC_FLOAT_KERNELS=warp` (the default); `block`
-/// and `generic-rows` run the generic `linear_gemv` / `linear_gemv3` there (the same
-/// values, bit for bit), so one binary can time both on a GPU.
+/// shared memory once a block): under `MOEC_FLOAT_KERNELS=warp` (the default) and
+/// `generic-experts`; `block` and `generic-rows` run the generic `linear_gemv` /
+/// `linear_gemv3` there (the same values, bit for bit), so one binary can time both on a
+/// GPU.
 pub fn staged_row_kernels() -> Result<bool, String> {
+    float_kernel_choice().map(|c| c == "warp" || c == "generic-experts")
+}
+
+/// Whether the grouped expert products of 2-16 rows per expert with bf16/f16 weights run
+/// `moe_grouped_gemv_rows` (the rows staged, gate and up rows read against each staged
+/// value together, grids from the routed entries, split-K for small outputs): under
+/// `MOEC_FLOAT_KERNELS=warp` (the default) only; `generic-experts` (the dense staged forms
+/// kept, the experts generic: the A/B of this kernel alone), `generic-rows` and `block`
+/// run the generic `moe_grouped_gemv` there.
+pub fn staged_expert_kernels() -> Result<bool, String> {
     float_kernel_choice().map(|c| c == "warp")
 }
 
-/// `MOEC_FLOAT_KERNELS` (read once): `warp` (unset too), `generic-rows` or `block`.
-fn float_kernel_choice() -> Result<&'static str, String> {
+/// `MOEC_FLOAT_KERNELS` (read once): `warp` (unset too), `generic-experts`, `generic-rows`
+/// or `block`; another value is an error naming it.
+pub fn float_kernel_choice() -> Result<&'static str, String> {
     static CHOICE: std::sync::OnceLock<Result<&'static str, String>> = std::sync::OnceLock::new();
     CHOICE
         .get_or_init(|| match std::env::var("MOEC_FLOAT_KERNELS").as_deref() {
             Err(_) | Ok("warp") => Ok("warp"),
+            Ok("generic-experts") => Ok("generic-experts"),
             Ok("generic-rows") => Ok("generic-rows"),
             Ok("block") => Ok("block"),
             Ok(other) => Err(format!(
-                "MOEC_FLOAT_KERNELS={other:?}: expected warp, generic-rows or block"
+                "MOEC_FLOAT_KERNELS={other:?}: expected warp, generic-experts, generic-rows or \
+                 block"
             )),
         })
         .clone()
@@ -236,6 +251,67 @@ pub fn staged_rows(
         return Ok(None);
     }
     Ok(Some(if rows <= 4 { "_r4" } else { "_r16" }))
+}
+
+/// Whether a grouped expert product over `n` tokens (tiles of at most min(n, 16) rows)
+/// runs `moe_grouped_gemv_rows`: at least 2 tokens (one token takes `moe_grouped_gemv_1`),
+/// bf16 or f16 weights (kernel code 0 or 1, not blocks) and every address in `ptrs`
+/// (the experts' matrices, the activations) on 16 bytes with `in_dim` a multiple of 8
+/// (what the staged loads assume), unless `MOEC_FLOAT_KERNELS` picks the generic form.
+pub fn staged_expert_rows(
+    n: usize,
+    quant: Option<QuantFormat>,
+    code: i32,
+    ptrs: &[u64],
+    in_dim: usize,
+) -> Result<bool, String> {
+    let fits = n >= 2
+        && quant.is_none()
+        && (code == 0 || code == 1)
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+        && in_dim.is_multiple_of(8);
+    Ok(fits && staged_expert_kernels()?)
+}
+
+/// Blocks from which a `moe_grouped_gemv_rows` launch splits no output across warps:
+/// about one block an SM of an H100/H200 (132 SMs). A block of 8 warps keeps 8 x 16
+/// 16-byte loads a lane in flight at 2-4 rows (64 KB), more than an SM's share of HBM
+/// needs over a round trip (~26 KB at 3.5 TB/s and 1 us), so fewer, fuller blocks lose
+/// nothing until SMs go idle; past that, `split` warps share an output.
+pub const GROUPED_ROWS_MIN_BLOCKS: usize = 128;
+
+/// The grid of a `moe_grouped_gemv_rows` launch: (output blocks, tile slots, split).
+/// `fused`: mode 3 (a warp's two rows are one output's gate and up; else two outputs).
+/// Slots: each block walks tiles slot, slot + slots, ... When `whole` (the group holds
+/// every expert of the layer, so every routed entry is the group's) moe_group makes at
+/// least max(top_k, ceil(entries / 16)) tiles (a token's top_k experts are distinct, and
+/// no tile holds more than 16 positions), so that many slots leave no block without a tile;
+/// otherwise (a part of the experts, which may get no entry) one slot per possible tile
+/// (`max_tiles`). Split: the least of 1, 2, 4, 8 warps an output that gives
+/// [`GROUPED_ROWS_MIN_BLOCKS`] blocks (8 at most).
+pub fn grouped_rows_grid(
+    out_dim: usize,
+    fused: bool,
+    entries: usize,
+    top_k: usize,
+    whole: bool,
+    max_tiles: usize,
+) -> (usize, usize, usize) {
+    let max_tiles = max_tiles.max(1);
+    let slots = if whole {
+        top_k
+            .max(entries.div_ceil(GEMV_MAX_ROWS))
+            .clamp(1, max_tiles)
+    } else {
+        max_tiles
+    };
+    let per_warp = if fused { 1 } else { 2 };
+    let blocks = |split: usize| out_dim.div_ceil(per_warp * GEMV_WARPS / split);
+    let mut split = 1;
+    while split < GEMV_WARPS && blocks(split) * slots < GROUPED_ROWS_MIN_BLOCKS {
+        split *= 2;
+    }
+    (blocks(split), slots, split)
 }
 
 /// The kernel [`StreamCx::linear`] runs for `n` rows of `w` (the run report and

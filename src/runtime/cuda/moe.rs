@@ -27,8 +27,9 @@
 
 use super::deepseek;
 use super::launch::{
-    act_format, int, int_product, one_row_half, q8_fold_shared, q8_folds, q8_kind, row_block,
-    storage_code, Arg, DevMatrix, Q8Act, Scratch, GEMV_MAX_ROWS,
+    act_format, grouped_rows_grid, int, int_product, one_row_half, q8_fold_shared, q8_folds,
+    q8_kind, row_block, staged_expert_rows, storage_code, Arg, DevMatrix, LaunchError, Q8Act,
+    Scratch, GEMV_MAX_ROWS,
 };
 use super::ops::{not_supported, GpuCx, OpError};
 use super::tensor_cores::TensorCores;
@@ -761,8 +762,24 @@ impl GpuCx<'_> {
                 && one_row_half(n, shapes[which.min(2)].2, code_of(which), &[x], in_dim)
             {
                 ("moe_grouped_gemv_1", MOE_GEMV_WARPS)
+            } else if aligned
+                && staged_expert_rows(n, shapes[which.min(2)].2, code_of(which), &[x], in_dim)
+                    .map_err(LaunchError::Setting)?
+            {
+                // 2-16 rows per expert: staged rows, grid from the routed entries.
+                ("moe_grouped_gemv_rows", 0)
             } else {
                 ("moe_grouped_gemv", MOE_GEMV_WARPS)
+            };
+            // Grid (tiles, output blocks); the staged form's (output blocks, tile slots)
+            // and its warps an output.
+            let (gx, gy, split) = if per_block == 0 {
+                let whole = group.members == e;
+                let (blocks, slots, split) =
+                    grouped_rows_grid(out_dim, mode == 3, entries, k, whole, max_tiles);
+                (blocks, slots, Some(split))
+            } else {
+                (max_tiles, out_dim.div_ceil(per_block), None)
             };
             let second = if mode == 3 { table_at(1) } else { 0 };
             let mut args = vec![
@@ -788,6 +805,9 @@ impl GpuCx<'_> {
                 Arg::I32(code(bias_dtype)),
                 Arg::I32(int("top_k", k)?),
             ]);
+            if let Some(split) = split {
+                args.push(Arg::I32(int("split", split)?));
+            }
             let threads = if entry == "moe_grouped_mma" {
                 32 * MOE_MMA_WARPS
             } else {
@@ -795,7 +815,7 @@ impl GpuCx<'_> {
             };
             self.s.launch(
                 entry,
-                (tiles_x, int("out", out_dim.div_ceil(per_block))? as u32, 1),
+                (int("grid", gx)? as u32, int("grid", gy)? as u32, 1),
                 threads as u32,
                 0,
                 &args,

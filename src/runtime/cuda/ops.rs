@@ -197,14 +197,29 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
              (linear_gemv_1 for one row of bf16/f16; q|k|v and a shared expert's gate|up in \
              one linear_gemv3{ONE}; cuBLAS beyond); experts up to {GROUPED} routed entries: \
              moe_group, moe_grouped_gemv (moe_grouped_gemv_1 at one token with bf16/f16 \
-             experts) with gate+up+SwiGLU in one launch, then down (one launch per \
+             experts{ROWS}) with gate+up+SwiGLU in one launch, then down (one launch per \
              projection for gpt-oss's biased gate/up and [in, out] storage); the fused MoE \
              gate: {GATE}; {TC}",
+            ROWS = match super::launch::staged_expert_kernels() {
+                Ok(true) => {
+                    ", moe_grouped_gemv_rows at 2-16 rows per expert of bf16/f16: rows staged, \
+                     grid from the routed entries, split-K for small outputs \
+                     (MOEC_FLOAT_KERNELS=warp)"
+                }
+                Ok(false) => match super::launch::float_kernel_choice() {
+                    Ok("generic-experts") => {
+                        ", the generic form at 2-16 rows per expert \
+                         (MOEC_FLOAT_KERNELS=generic-experts)"
+                    }
+                    _ => ", the generic form at 2-16 rows per expert",
+                },
+                Err(_) => "",
+            },
             ONE = match super::launch::warp_float_kernels() {
                 Ok(true) => match super::launch::staged_row_kernels() {
                     Ok(true) => {
                         ", linear_gemv3_1 for one row of bf16/f16, linear_gemv(3)_r4/_r16 for \
-                         2-16 rows of bf16/f16 (MOEC_FLOAT_KERNELS=warp)"
+                         2-16 rows of bf16/f16"
                     }
                     _ => {
                         ", linear_gemv3_1 for one row of bf16/f16, the generic forms for 2-16 \
