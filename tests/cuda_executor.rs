@@ -856,6 +856,7 @@ fn moe_on_the_device_costs_the_same_calls_whatever_the_routing_and_no_routing_sy
         assert_eq!(
             calls(&a, "launch:moe_grouped_gemv")
                 + calls(&a, "launch:moe_grouped_gemv_1")
+                + calls(&a, "launch:moe_grouped_gemv_rows")
                 + calls(&a, "launch:moe_grouped_linear"),
             2 * moe_tasks,
             "{schedule}"
