@@ -18,7 +18,7 @@
 #           and the decode step measured against the HRM replay on the machine's profile.
 #           GPU_BENCH_VARIANTS (default none): environment settings, each `NAME=VALUE` (e.g.
 #           "MOEC_FLOAT_KERNELS=block MOEC_FLOAT_KERNELS=generic-rows
-#           MOEC_FLOAT_KERNELS=generic-experts MOEC_Q8_KERNELS=generic
+#           MOEC_FLOAT_KERNELS=staged-experts MOEC_Q8_KERNELS=generic
 #           MOEC_CUDA_REPLAY_IO=host-functions",
 #           the kernels and replay path an A/B keeps selectable), each run again at every batch
 #           as `gpu_resident[NAME=VALUE]` (and `gpu_resident_q4k[...]` with section quant).

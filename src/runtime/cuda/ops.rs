@@ -204,15 +204,12 @@ pub fn quant_kernels(layout: &crate::runtime::host::weights::ImageLayout) -> Opt
                 Ok(true) => {
                     ", moe_grouped_gemv_rows at 2-16 rows per expert of bf16/f16: rows staged, \
                      grid from the routed entries, split-K for small outputs \
-                     (MOEC_FLOAT_KERNELS=warp)"
+                     (MOEC_FLOAT_KERNELS=staged-experts)"
                 }
-                Ok(false) => match super::launch::float_kernel_choice() {
-                    Ok("generic-experts") => {
-                        ", the generic form at 2-16 rows per expert \
-                         (MOEC_FLOAT_KERNELS=generic-experts)"
-                    }
-                    _ => ", the generic form at 2-16 rows per expert",
-                },
+                Ok(false) => {
+                    ", the generic form at 2-16 rows per expert (moe_grouped_gemv_rows: \
+                     MOEC_FLOAT_KERNELS=staged-experts)"
+                }
                 Err(_) => "",
             },
             ONE = match super::launch::warp_float_kernels() {
