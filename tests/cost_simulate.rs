@@ -524,6 +524,64 @@ fn never_running_arms_left_out_predict_what_building_them_predicts() {
     }
 }
 
+/// A planner's point is elaborated without names (`Options::task_names = false`: no label
+/// text, no argument spans) and its dependencies taken as predecessors alone
+/// (`deps::candidate_preds`): the same tasks, field by field but the label, and the same
+/// predecessors in the same order as the full elaboration's `candidate_edges`, on Fiddler
+/// (labels and `after`-free arms) and Klotski (`after` on labels) over two mid cards, with
+/// a schedule whose labels repeat still refused either way.
+#[test]
+fn a_point_elaborated_without_names_is_the_full_program_less_its_names() {
+    use moec::compile::{ast_to_ir, source_to_ast};
+    use moec::ir::deps;
+    for (schedule, card, sets) in [
+        ("fiddler", "mixtral-mid", &[("ubs", "2"), ("n_ub", "2")][..]),
+        ("klotski", "olmoe-mid", &[]),
+    ] {
+        let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
+        let file = source_to_ast(&source).unwrap();
+        let mut options = Options::new(ModelCard::load(card).unwrap());
+        options.workload = Workload {
+            batch: 8,
+            prompt_len: 32,
+            gen_len: 8,
+        };
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (full, _) = ast_to_ir(&file, &options).unwrap();
+        options.task_names = false;
+        let (lean, _) = ast_to_ir(&file, &options).unwrap();
+        assert_eq!(full.tasks.len(), lean.tasks.len(), "{schedule}");
+        assert!(full.tasks.iter().any(|t| t.label.is_some()), "{schedule}");
+        assert!(lean.tasks.iter().all(|t| t.label.is_none()), "{schedule}");
+        assert!(lean.spans.task_args.iter().all(Vec::is_empty), "{schedule}");
+        for (a, b) in full.tasks.iter().zip(&lean.tasks) {
+            let mut a = a.clone();
+            a.label = None;
+            assert_eq!(&a, b, "{schedule}");
+        }
+        let edges: Vec<Vec<TaskId>> = deps::candidate_edges(&full)
+            .into_iter()
+            .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
+            .collect();
+        assert_eq!(edges, deps::candidate_preds(&lean), "{schedule}");
+        assert!(edges.iter().any(|p| p.len() > 1), "{schedule}");
+    }
+    // A label issued twice is an error without names too, with the same message.
+    let twice = "schedule twice\nmicrobatches 1 of 1\nstream gpu: gpu.compute\n\
+        buffer h: gpu = hidden(1)\n\
+        decode {\n  for i in 0..2 { embed(ub = 0, w = W.embed, h = h) on gpu as e[0] }\n}\n";
+    let file = source_to_ast(twice).unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let full = ast_to_ir(&file, &options).unwrap_err();
+    options.task_names = false;
+    let lean = ast_to_ir(&file, &options).unwrap_err();
+    assert_eq!(full[0].message, lean[0].message);
+    assert!(full[0].message.contains("e[0]"), "{}", full[0].message);
+}
+
 /// `moec plan` under `--host-mem` (issue 43) on Mixtral-8x7B bf16 (plan only, nothing is
 /// synthesised): `moe_infinity_disk` fits 16 GB and prints the split it picked, whose
 /// figures are the card's sizes worked by hand: an expert is 3 x 4096 x 14336 x 2 B =

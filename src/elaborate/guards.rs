@@ -62,7 +62,7 @@ pub(super) fn resident(
     if cx.card().is_dense_layer(u64::from(layer)) {
         return Ok(Val::Bool(false));
     }
-    Ok(Val::Cond(vec![GuardLit {
+    Ok(Val::Cond(smallvec::smallvec![GuardLit {
         atom: GuardAtom::Resident {
             cache,
             layer,

@@ -67,6 +67,13 @@ pub struct Options {
     /// built, and the runtime holds the step to those tokens). `false` keeps every such
     /// comparison a run-time guard: the program the prune is compared with in tests.
     pub routed_ceiling: bool,
+    /// Give each task its label's text (`Task::label`) and its arguments' source spans
+    /// (`SpanTable::task_args`). `false` for a program that is only scored and dropped (a
+    /// planner's point, `engine::fit_params`): nothing there reads them, and on a point of a
+    /// million tasks they are a string and a vector per task to allocate and free. Labels
+    /// still resolve `after` and are still checked for duplicates; the winners a planner
+    /// prints are compiled again with this `true`.
+    pub task_names: bool,
 }
 
 /// Bounds on unrolling, so a runaway loop is an error rather than a hang.
@@ -103,6 +110,7 @@ impl Options {
             limits: Limits::default(),
             profile: None,
             routed_ceiling: true,
+            task_names: true,
         }
     }
 }

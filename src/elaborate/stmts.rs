@@ -431,7 +431,7 @@ impl<'a> Elaborator<'a> {
         }
         let op_name = def.name;
         // An op takes a handful of arguments: a list searched in place, no map per task.
-        let mut named: Vec<(&str, &ast::Arg)> = Vec::with_capacity(stmt.args.len());
+        let mut named: SmallVec<[(&str, &ast::Arg); 8]> = SmallVec::new();
         for arg in &stmt.args {
             let Some(name) = &arg.name else {
                 return Err(Diagnostic::positional_op_argument(arg.span, op_name));
@@ -847,17 +847,19 @@ impl<'a> Elaborator<'a> {
         }
         let label_text = match label {
             Some(key) => {
-                let text = key.text();
+                // The text only where it is kept (`Options::task_names`) or reported.
+                let text = self.options.task_names.then(|| key.text());
                 match self.labels.entry(key) {
                     Entry::Occupied(first) => {
                         let first_span = self.spans.tasks[first.get().index()];
+                        let text = text.unwrap_or_else(|| first.key().text());
                         return Err(Diagnostic::duplicate_label(span, first_span, &text));
                     }
                     Entry::Vacant(slot) => {
                         slot.insert(id);
                     }
                 }
-                Some(text)
+                text
             }
             None => None,
         };
@@ -890,7 +892,11 @@ impl<'a> Elaborator<'a> {
         let mut lits = self.guard.clone();
         lits.sort();
         lits.dedup();
-        let (arg_list, arg_spans): (Vec<Arg>, Vec<Span>) = args.into_iter().unzip();
+        let (arg_list, arg_spans): (Vec<Arg>, Vec<Span>) = if self.options.task_names {
+            args.into_iter().unzip()
+        } else {
+            (args.into_iter().map(|(arg, _)| arg).collect(), Vec::new())
+        };
         // After a `sync`, the barrier's tasks on other streams (stream order covers its own).
         let (synced, sync_spans): (Vec<TaskId>, Vec<Span>) = match &self.sync {
             Some((before, sync_span)) => before

@@ -69,6 +69,9 @@ pub type ArrayIndices = smallvec::SmallVec<[u32; 4]>;
 /// unrolling evaluates a few per task.
 pub type CallArgs = smallvec::SmallVec<[Val; 4]>;
 
+/// The literals of a [`Val::Cond`]: one or two in every schedule, held inline.
+pub type CondLits = smallvec::SmallVec<[GuardLit; 2]>;
+
 /// A value during elaboration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Val {
@@ -88,8 +91,9 @@ pub enum Val {
     List(Vec<Val>),
     /// A run-time expert (`hot(i, r)`).
     Expert(ExpertRef),
-    /// A run-time condition: a conjunction of literals.
-    Cond(Vec<GuardLit>),
+    /// A run-time condition: a conjunction of literals (inline: `if active(l, e, j)`
+    /// builds one per expert and micro-batch while unrolling).
+    Cond(CondLits),
     /// `routed(layer, expert[, ub])`: the tokens routed to an expert, known only at run
     /// time; it can only be compared with a compile-time integer, which gives a `Cond`.
     Routed {
@@ -313,7 +317,7 @@ pub fn eval(expr: &Expr, cx: &mut dyn Context) -> Result<Val, Diagnostic> {
                 (UnOp::Not, Val::Bool(b)) => Ok(Val::Bool(!b)),
                 (UnOp::Not, Val::Cond(lits)) if lits.len() == 1 => {
                     let lit = lits[0];
-                    Ok(Val::Cond(vec![GuardLit {
+                    Ok(Val::Cond(smallvec::smallvec![GuardLit {
                         atom: lit.atom,
                         negated: !lit.negated,
                     }]))
@@ -757,7 +761,7 @@ fn call(
             if cx.card().is_dense_layer(u64::from(layer)) {
                 return Ok(Val::Bool(false));
             }
-            Ok(Val::Cond(vec![GuardLit {
+            Ok(Val::Cond(smallvec::smallvec![GuardLit {
                 atom: GuardAtom::Active { layer, expert, ub },
                 negated: false,
             }]))
@@ -925,7 +929,7 @@ fn expert_scope(
 /// when decided at compile time (`None`: a literal that says nothing): `false` if one is
 /// false, `true` if none is left, else the sorted literals.
 pub(super) fn conjunction(lits: Vec<Result<Option<GuardLit>, bool>>) -> Val {
-    let mut out = Vec::new();
+    let mut out = CondLits::new();
     for lit in lits {
         match lit {
             Err(false) => return Val::Bool(false),

@@ -67,6 +67,9 @@ pub fn evaluate_point_bounded(
     below: f64,
 ) -> Outcome {
     let mut options = target.options.clone();
+    // The point is scored and dropped: no label text or argument spans (the winners are
+    // compiled again in full).
+    options.task_names = false;
     options.sets.extend(
         values
             .iter()
@@ -141,10 +144,7 @@ pub fn evaluate_point_bounded(
             }
         }
     }
-    let deps: Vec<Vec<TaskId>> = deps::candidate_edges(&program)
-        .into_iter()
-        .map(|preds| preds.into_iter().map(|(from, _, _)| from).collect())
-        .collect();
+    let deps: Vec<Vec<TaskId>> = deps::candidate_preds(&program);
     let predicted = costs.throughput(&deps);
     match predicted {
         Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {

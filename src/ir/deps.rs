@@ -267,17 +267,38 @@ impl BufferState {
 
 /// Every edge the sequential-task-flow rule gives, per task, before reduction.
 pub fn candidate_edges(program: &Program) -> Candidates {
+    let mut out = Vec::with_capacity(program.tasks.len());
+    each_task_edges(program, |found| out.push(found.to_vec()));
+    out
+}
+
+/// [`candidate_edges`]' predecessors alone, per task, in the same order: what a prediction
+/// needs (`cost::predict`), built without the kinds and buffers (one vector per task with
+/// predecessors, none for a task without).
+pub fn candidate_preds(program: &Program) -> Vec<Vec<TaskId>> {
+    let mut out = Vec::with_capacity(program.tasks.len());
+    each_task_edges(program, |found| {
+        out.push(found.iter().map(|&(from, _, _)| from).collect())
+    });
+    out
+}
+
+/// Calls `sink` with each task's candidate edges, in task order (the slice is reused).
+fn each_task_edges(
+    program: &Program,
+    mut sink: impl FnMut(&[(TaskId, DepKinds, Option<BufferId>)]),
+) {
     let experts = program.model.experts;
     let mut states: Vec<Option<BufferState>> = program.buffers.iter().map(|_| None).collect();
     let mut last_on_stream: Vec<Option<TaskId>> = vec![None; program.streams.len()];
-    let mut out = Vec::with_capacity(program.tasks.len());
     let mut raw_edges: Vec<(TaskId, u8)> = Vec::new();
+    let mut found: Vec<(TaskId, DepKinds, Option<BufferId>)> = Vec::new();
     // Only a cache's slots are bound to fetches; without caches nothing is (and the
     // per-task table is not built).
     let bound = (!program.caches.is_empty()).then(|| super::cache::bindings(program));
     for (index, task) in program.tasks.iter().enumerate() {
         let id = TaskId::new(index);
-        let mut found: Vec<(TaskId, DepKinds, Option<BufferId>)> = Vec::new();
+        found.clear();
         let mut add = |from: TaskId, kind: u8, buffer: Option<BufferId>| {
             if from == id {
                 return;
@@ -343,9 +364,8 @@ pub fn candidate_edges(program: &Program) -> Candidates {
                 add(from, kind, Some(arg.slice.buffer));
             }
         }
-        out.push(found);
+        sink(&found);
     }
-    out
 }
 
 /// Transitive reduction by per-stream ancestor prefixes (see the module header).
