@@ -15,3 +15,4 @@ pub mod names;
 pub mod source;
 pub mod synth;
 pub mod tokenizer;
+pub mod tokenizer_json;

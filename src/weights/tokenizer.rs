@@ -7,6 +7,7 @@
 //! once (Mixtral `<s>`; DBRX adds none); decoding skips special tokens.
 
 use crate::model::card::ModelCard;
+use crate::weights::tokenizer_json::parse;
 use std::path::Path;
 use tokenizers::Model;
 
@@ -81,10 +82,12 @@ impl TextTokenizer {
         let (inner, origin) = match own {
             Some(path) => {
                 let origin = path.display().to_string();
-                let t =
-                    tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Load {
+                let t = std::fs::read(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|bytes| parse(&bytes).map_err(|e| e.to_string()))
+                    .map_err(|message| TokenizerError::Load {
                         origin: origin.clone(),
-                        message: e.to_string(),
+                        message,
                     })?;
                 (t, origin)
             }
@@ -97,12 +100,10 @@ impl TextTokenizer {
                     ),
                     None => format!("embedded {}", card.tokenizer),
                 };
-                let t = tokenizers::Tokenizer::from_bytes(embedded_tokenizer_json(card)).map_err(
-                    |e| TokenizerError::Load {
-                        origin: origin.clone(),
-                        message: e.to_string(),
-                    },
-                )?;
+                let t = parse(embedded_tokenizer_json(card)).map_err(|e| TokenizerError::Load {
+                    origin: origin.clone(),
+                    message: e.to_string(),
+                })?;
                 (t, origin)
             }
         };
@@ -127,8 +128,7 @@ impl TextTokenizer {
             .map_err(|e| load_err(e.to_string()))?
         {
             Ok((json, origin)) => {
-                let inner = tokenizers::Tokenizer::from_bytes(&json)
-                    .map_err(|e| load_err(format!("its vocabulary: {e}")))?;
+                let inner = parse(&json).map_err(|e| load_err(format!("its vocabulary: {e}")))?;
                 Ok(TextTokenizer {
                     inner,
                     bos: card.bos_token_id,
@@ -137,8 +137,8 @@ impl TextTokenizer {
             }
             Err(reason) => {
                 let origin = format!("embedded {} ({}: {reason})", card.tokenizer, path.display());
-                let inner = tokenizers::Tokenizer::from_bytes(embedded_tokenizer_json(card))
-                    .map_err(|e| TokenizerError::Load {
+                let inner =
+                    parse(embedded_tokenizer_json(card)).map_err(|e| TokenizerError::Load {
                         origin: origin.clone(),
                         message: e.to_string(),
                     })?;
