@@ -922,3 +922,53 @@ fn graph_capture_replays_work_and_refuses_host_synchronisation() {
     // SAFETY: allocated above; every copy from it has finished.
     unsafe { cudarc::driver::result::free_host(pinned.cast()) }.expect("free");
 }
+
+/// What `moe_group` leaves on the device: the routed entries permuted into per-expert
+/// tiles (each entry's token row, slot and weight) and the tile table
+/// (`[tiles, live, (expert, start, rows) x tiles]`).
+pub(crate) struct Grouped {
+    pub perm_row: CudaSlice<u32>,
+    pub perm_slot: CudaSlice<u32>,
+    pub perm_weight: CudaSlice<f32>,
+    pub tiles: CudaSlice<i32>,
+}
+
+/// One `moe_group` launch over `entries` routed entries of `route_dev` (packed `(expert,
+/// weight bits)` per token and slot, `k` slots, `e` experts), experts with a null address in
+/// the table at `members` left out, room for `max_tiles` tiles.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn group_entries(
+    stream: &Arc<CudaStream>,
+    modules: &[(&'static str, Arc<cudarc::driver::CudaModule>)],
+    route_dev: &CudaSlice<u32>,
+    members: u64,
+    entries: usize,
+    k: usize,
+    e: usize,
+    max_tiles: usize,
+) -> Grouped {
+    let mut g = Grouped {
+        perm_row: stream.alloc_zeros::<u32>(entries).expect("alloc"),
+        perm_slot: stream.alloc_zeros::<u32>(entries).expect("alloc"),
+        perm_weight: stream.alloc_zeros::<f32>(entries).expect("alloc"),
+        tiles: stream.alloc_zeros::<i32>(2 + 3 * max_tiles).expect("alloc"),
+    };
+    let (entries_i, k_i, e_i) = (entries as i64, k as i32, e as i32);
+    // SAFETY: argument types and order match the kernel's signature.
+    unsafe {
+        stream
+            .launch_builder(&kernel_entry(modules, "moe_group"))
+            .arg(route_dev)
+            .arg(&members)
+            .arg(&mut g.perm_row)
+            .arg(&mut g.perm_slot)
+            .arg(&mut g.perm_weight)
+            .arg(&mut g.tiles)
+            .arg(&entries_i)
+            .arg(&k_i)
+            .arg(&e_i)
+            .launch(cfg((1, 1, 1), 256, 0))
+    }
+    .expect("moe_group");
+    g
+}

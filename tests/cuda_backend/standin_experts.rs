@@ -4,8 +4,8 @@
 //! f64 CPU MoE layer.
 
 use crate::standin::{
-    cfg, in_standin_child, kernel_entry, load_kernels, max_abs_diff, run_under_standin,
-    standin_context, Rng,
+    cfg, group_entries, in_standin_child, kernel_entry, load_kernels, max_abs_diff,
+    run_under_standin, standin_context, Grouped, Rng,
 };
 use crate::standin_kernels::{addr, bits, stored};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -77,27 +77,22 @@ fn the_staged_expert_kernel_equals_the_generic_one() {
         .collect();
     let table_dev = stream.clone_htod(&table).expect("htod");
     let at = |slot: usize| addr(&stream, &table_dev) + (slot * e * 8) as u64;
-    let mut perm_row = stream.alloc_zeros::<u32>(entries).expect("alloc");
-    let mut perm_slot = stream.alloc_zeros::<u32>(entries).expect("alloc");
-    let mut perm_weight = stream.alloc_zeros::<f32>(entries).expect("alloc");
-    let mut tiles = stream.alloc_zeros::<i32>(2 + 3 * max_tiles).expect("alloc");
-    let (entries_i, k_i, e_i, members) = (entries as i64, k as i32, e as i32, at(2));
-    // SAFETY: argument types and order match the kernel's signature.
-    unsafe {
-        stream
-            .launch_builder(&kernel_entry(&modules, "moe_group"))
-            .arg(&route_dev)
-            .arg(&members)
-            .arg(&mut perm_row)
-            .arg(&mut perm_slot)
-            .arg(&mut perm_weight)
-            .arg(&mut tiles)
-            .arg(&entries_i)
-            .arg(&k_i)
-            .arg(&e_i)
-            .launch(cfg((1, 1, 1), 256, 0))
-    }
-    .expect("moe_group");
+    let Grouped {
+        perm_row,
+        perm_slot,
+        perm_weight,
+        tiles,
+    } = group_entries(
+        &stream,
+        &modules,
+        &route_dev,
+        at(2),
+        entries,
+        k,
+        e,
+        max_tiles,
+    );
+    let k_i = k as i32;
     let t = stream.clone_dtoh(&tiles).expect("dtoh");
     let rows: Vec<i32> = (0..t[0] as usize).map(|i| t[2 + 3 * i + 2]).collect();
     assert_eq!(rows, [16, 2, 10, 11, 3], "tiles");

@@ -5,8 +5,8 @@
 //! through cudarc on the stand-in driver against the CPU kernels of `moec`.
 
 use crate::standin::{
-    cfg, function, in_standin_child, kernel_entry, load_kernels, max_abs_diff, run_under_standin,
-    standin_context, Rng,
+    cfg, function, group_entries, in_standin_child, kernel_entry, load_kernels, max_abs_diff,
+    run_under_standin, standin_context, Grouped, Rng,
 };
 use crate::standin_kernels::{addr, bits, random_blocks, reference_product, stored};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -249,28 +249,16 @@ fn grouped_integer_experts_match_the_cpu_over_a_partial_set() {
     let table_at = |slot: usize| addr(&stream, &table_dev) + (slot * e * 8) as u64;
     let entries = n * k;
     let max_tiles = (entries + 15 * entries.min(3)).div_ceil(16);
-    let mut perm_row = stream.alloc_zeros::<u32>(entries).expect("alloc");
-    let mut perm_slot = stream.alloc_zeros::<u32>(entries).expect("alloc");
-    let mut perm_weight = stream.alloc_zeros::<f32>(entries).expect("alloc");
-    let mut tiles = stream.alloc_zeros::<i32>(2 + 3 * max_tiles).expect("alloc");
-    let (entries_i, k_i, e_i) = (entries as i64, k as i32, e as i32);
     let down_table = table_at(2);
-    // SAFETY: argument types and order match the kernel's signature.
-    unsafe {
-        stream
-            .launch_builder(&kernel_entry(&modules, "moe_group"))
-            .arg(&route_dev)
-            .arg(&down_table)
-            .arg(&mut perm_row)
-            .arg(&mut perm_slot)
-            .arg(&mut perm_weight)
-            .arg(&mut tiles)
-            .arg(&entries_i)
-            .arg(&k_i)
-            .arg(&e_i)
-            .launch(cfg((1, 1, 1), 256, 0))
-    }
-    .expect("launch");
+    let Grouped {
+        perm_row,
+        perm_slot,
+        perm_weight,
+        tiles,
+    } = group_entries(
+        &stream, &modules, &route_dev, down_table, entries, k, e, max_tiles,
+    );
+    let (k_i, e_i) = (k as i32, e as i32);
     let tiles_host = stream.clone_dtoh(&tiles).expect("dtoh");
     let live = tiles_host[1] as usize;
     // Expert 3 is routed by token 3 (slot 0) and token 2 (slot 1): 2 entries skipped.
@@ -932,28 +920,14 @@ fn one_row_kernels_equal_the_generic_kernels() {
         .collect();
     let table_dev = stream.clone_htod(&table).expect("htod");
     let at = |slot: usize| addr(&stream, &table_dev) + (slot * e * 8) as u64;
-    let mut perm_row = stream.alloc_zeros::<u32>(k).expect("alloc");
-    let mut perm_slot = stream.alloc_zeros::<u32>(k).expect("alloc");
-    let mut perm_weight = stream.alloc_zeros::<f32>(k).expect("alloc");
-    let mut tiles = stream.alloc_zeros::<i32>(2 + 3 * 2).expect("alloc");
-    let (entries, k_i, e_i) = (k as i64, k as i32, e as i32);
     let down = at(2);
-    // SAFETY: argument types and order match the kernel's signature.
-    unsafe {
-        stream
-            .launch_builder(&kernel_entry(&modules, "moe_group"))
-            .arg(&route_dev)
-            .arg(&down)
-            .arg(&mut perm_row)
-            .arg(&mut perm_slot)
-            .arg(&mut perm_weight)
-            .arg(&mut tiles)
-            .arg(&entries)
-            .arg(&k_i)
-            .arg(&e_i)
-            .launch(cfg((1, 1, 1), 256, 0))
-    }
-    .expect("launch");
+    let Grouped {
+        perm_row,
+        perm_slot,
+        perm_weight,
+        tiles,
+    } = group_entries(&stream, &modules, &route_dev, down, k, k, e, 2);
+    let k_i = k as i32;
     let x = stream.clone_htod(&rng.vec(d, 1.0)).expect("htod");
     let (d_i, f_i, no) = (d as i32, f as i32, 0u64);
     let run =
