@@ -28,7 +28,7 @@ dim3 threadIdx, blockIdx;
 unsigned moec_tid;
 const int warpSize = 32;
 dim3 blockDim, gridDim;
-float shfl_buf[1024];
+float shfl_buf[2 * 1024];
 float dyn_smem[65536];
 #define __global__
 #define __device__
@@ -36,26 +36,66 @@ float dyn_smem[65536];
 #define __restrict__
 #define __shared__ static
 
+// A CUDA thread: its saved context, its own stack and its indices. The fields the
+// scheduler reads on every switch come first and the struct is small (ucontext_t, over
+// 900 bytes, exists only where there is no hand-written switch), so a block's fibers
+// share few cache lines.
 struct MoecFiber {
-    ucontext_t context;
     void* sp = nullptr;  // saved stack pointer (x86-64 switch)
-    std::unique_ptr<char[]> stack;
+    dim3 idx;            // threadIdx
+    unsigned tid = 0;    // linear index within the block
     bool done = false;
     bool blocked = false;
+    // Which half of the shuffle exchange the thread's next shuffle uses (see moec_shfl).
+    unsigned char shfl_half = 0;
+    std::unique_ptr<char[]> stack;
+#if !defined(__x86_64__)
+    ucontext_t context;
+#endif
 };
-// A barrier over `expected` live fibers; the last to arrive releases the others.
+// Fibers ready to run, first in first out: a ring of at most one entry per fiber (a
+// fiber is queued only when it starts or when a barrier releases it).
+struct MoecRunQueue {
+    std::vector<MoecFiber*> ring;
+    size_t head = 0, len = 0;
+    void reset(size_t n) {
+        if (ring.size() < n) ring.resize(n);
+        head = 0;
+        len = 0;
+    }
+    void push(MoecFiber* f) { ring[(head + len++) % ring.size()] = f; }
+    MoecFiber* pop() {
+        if (len == 0) return nullptr;
+        MoecFiber* f = ring[head];
+        head = (head + 1) % ring.size();
+        --len;
+        return f;
+    }
+};
+MoecRunQueue moec_ready;
+// A barrier over `expected` live fibers; the last to arrive releases the others, which
+// queue in arrival order.
 struct MoecBarrier {
     unsigned expected = 0;
     unsigned arrived = 0;
     std::vector<MoecFiber*> waiting;
+    void reset(unsigned n) {
+        expected = n;
+        arrived = 0;
+        waiting.clear();
+    }
     void release() {
         arrived = 0;
-        for (MoecFiber* f : waiting) f->blocked = false;
+        for (MoecFiber* f : waiting) {
+            f->blocked = false;
+            moec_ready.push(f);
+        }
         waiting.clear();
     }
 };
 constexpr size_t moec_stack_bytes = 256 * 1024;
-ucontext_t moec_scheduler;
+// The launching thread's context while fibers run (the scheduler).
+MoecFiber moec_scheduler;
 MoecFiber* moec_current = nullptr;
 std::vector<MoecFiber> moec_fibers;
 MoecBarrier moec_block_barrier;
@@ -95,10 +135,8 @@ moec_switch:
     ret
     .size moec_switch, .-moec_switch
 )");
-void* moec_scheduler_sp = nullptr;
 extern "C" inline void moec_fiber_entry() {
-    moec_fiber_main();
-    moec_switch(&moec_current->sp, moec_scheduler_sp);  // never resumed
+    moec_fiber_main();  // never returns: it switches away for good
     std::abort();
 }
 // Lays out a fresh stack so that the first switch to it "returns" into moec_fiber_entry
@@ -114,19 +152,32 @@ inline void moec_prepare(MoecFiber& fiber, size_t bytes) {
 }
 #endif
 
+// Leaves `from` (its context saved) for `to`, which becomes the current fiber with its
+// indices; a direct switch between two CUDA threads, never through the scheduler.
+inline void moec_jump(MoecFiber* from, MoecFiber* to) {
+    moec_current = to;
+    threadIdx = to->idx;
+    moec_tid = to->tid;
+#if defined(__x86_64__)
+    moec_switch(&from->sp, to->sp);
+#else
+    swapcontext(&from->context, &to->context);
+#endif
+}
+// The current fiber stops running (blocked at a barrier, or done): the next ready fiber
+// runs, or the scheduler when none is (the block is over, or deadlocked).
+inline void moec_yield() {
+    MoecFiber* next = moec_ready.pop();
+    moec_jump(moec_current, next != nullptr ? next : &moec_scheduler);
+}
 inline void moec_arrive(MoecBarrier& b) {
     if (++b.arrived >= b.expected) {
         b.release();
         return;
     }
-    MoecFiber* self = moec_current;
-    self->blocked = true;
-    b.waiting.push_back(self);
-#if defined(__x86_64__)
-    moec_switch(&self->sp, moec_scheduler_sp);
-#else
-    swapcontext(&self->context, &moec_scheduler);
-#endif
+    moec_current->blocked = true;
+    b.waiting.push_back(moec_current);
+    moec_yield();
 }
 // A thread that returned no longer counts: barriers it would have completed open.
 inline void moec_leave(MoecBarrier& b) {
@@ -134,25 +185,26 @@ inline void moec_leave(MoecBarrier& b) {
     if (b.arrived > 0 && b.arrived >= b.expected) b.release();
 }
 inline void __syncthreads() { moec_arrive(moec_block_barrier); }
-inline float __shfl_xor_sync(unsigned, float v, int off) {
-    MoecBarrier& b = moec_warp_barriers[moec_tid / 32];
-    shfl_buf[moec_tid] = v;
-    moec_arrive(b);
-    float r = shfl_buf[moec_tid ^ off];
-    moec_arrive(b);
-    return r;
-}
-// Lane `src` of the warp's value (a broadcast), for floats and ints.
-template <class T> inline T moec_shfl(T v, int src) {
+// Warp shuffles exchange through shfl_buf, in two halves used alternately: a lane writes
+// its value into the half of this shuffle, waits for the warp, and reads. One barrier per
+// shuffle is enough: a lane writes this half again only two shuffles later, after the
+// next shuffle's barrier, which every lane reaches only once it has read this one.
+template <class T> inline T moec_shfl_at(T v, unsigned (*src)(unsigned, int), int arg) {
     static_assert(sizeof(T) == 4, "32-bit shuffles only");
-    MoecBarrier& b = moec_warp_barriers[moec_tid / 32];
-    std::memcpy(&shfl_buf[moec_tid], &v, 4);
-    moec_arrive(b);
+    MoecFiber* self = moec_current;
+    float* half = shfl_buf + 1024 * self->shfl_half;
+    self->shfl_half ^= 1;
+    std::memcpy(&half[moec_tid], &v, 4);
+    moec_arrive(moec_warp_barriers[moec_tid / 32]);
     T r;
-    std::memcpy(&r, &shfl_buf[(moec_tid & ~31u) + (unsigned)(src & 31)], 4);
-    moec_arrive(b);
+    std::memcpy(&r, &half[src(moec_tid, arg)], 4);
     return r;
 }
+inline unsigned moec_lane_xor(unsigned tid, int off) { return tid ^ (unsigned)off; }
+inline unsigned moec_lane_of(unsigned tid, int src) { return (tid & ~31u) + (unsigned)(src & 31); }
+inline float __shfl_xor_sync(unsigned, float v, int off) { return moec_shfl_at(v, moec_lane_xor, off); }
+// Lane `src` of the warp's value (a broadcast), for floats and ints.
+template <class T> inline T moec_shfl(T v, int src) { return moec_shfl_at(v, moec_lane_of, src); }
 inline float __shfl_sync(unsigned, float v, int src) { return moec_shfl(v, src); }
 inline int __shfl_sync(unsigned, int v, int src) { return moec_shfl(v, src); }
 // CUDA's integer min and max.
@@ -240,65 +292,62 @@ inline void moec_fiber_main() {
     moec_current->done = true;
     moec_leave(moec_block_barrier);
     moec_leave(moec_warp_barriers[moec_tid / 32]);
-    // Returning resumes the scheduler (uc_link).
+    moec_yield();  // never resumed
 }
 
 // Runs a whole grid (3-D grid and block): for each block in turn, one fiber per thread,
-// resumed round-robin until all returned.
+// started in thread order; a fiber runs until it returns or waits at a barrier, and then
+// the next ready fiber runs (released fibers queue in arrival order). The scheduler gets
+// control back only when no fiber is ready: the block is done, or it is deadlocked.
 inline void launch_grid_fn(dim3 grid, dim3 block, const std::function<void()>& f) {
     gridDim = grid; blockDim = block;
     moec_body = &f;
     const unsigned n = block.x * block.y * block.z;
     const unsigned n_warps = (n + 31) / 32;
     if (moec_fibers.size() < n) moec_fibers.resize(n);
-    moec_warp_barriers.assign(n_warps, MoecBarrier{});
+    moec_warp_barriers.resize(n_warps);
+#if !defined(__x86_64__)
     // One getcontext (a system call) per launch; each fiber starts from a copy of it.
     ucontext_t blank;
     getcontext(&blank);
+#endif
+    for (unsigned t = 0; t < n; ++t) {
+        MoecFiber& fiber = moec_fibers[t];
+        if (!fiber.stack) fiber.stack.reset(new char[moec_stack_bytes]);
+        fiber.idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+        fiber.tid = t;
+    }
     for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
     for (unsigned bx = 0; bx < grid.x; ++bx) {
         blockIdx = {bx, by, bz};
-        moec_block_barrier = MoecBarrier{};
-        moec_block_barrier.expected = n;
-        for (unsigned w = 0; w < n_warps; ++w) moec_warp_barriers[w] = MoecBarrier{std::min(32u, n - w * 32), 0, {}};
+        moec_block_barrier.reset(n);
+        for (unsigned w = 0; w < n_warps; ++w) moec_warp_barriers[w].reset(std::min(32u, n - w * 32));
+        moec_ready.reset(n);
         for (unsigned t = 0; t < n; ++t) {
             MoecFiber& fiber = moec_fibers[t];
-            if (!fiber.stack) fiber.stack.reset(new char[moec_stack_bytes]);
             fiber.done = false;
             fiber.blocked = false;
+            fiber.shfl_half = 0;
 #if defined(__x86_64__)
             // Each stack is its own 256 KiB allocation, so their tops share one offset
             // modulo every cache's set stride: without a per-fiber stagger every switch
-            // (round-robin over up to 1024 fibers) evicted the previous fibers' frames
-            // from L1 and L2 (half of a stand-in run's time was the switch itself).
+            // evicted the previous fibers' frames from L1 and L2 (half of a stand-in
+            // run's time was the switch itself).
             moec_prepare(fiber, moec_stack_bytes - moec_stack_stagger(t));
 #else
             fiber.context = blank;
             fiber.context.uc_stack.ss_sp = fiber.stack.get();
             fiber.context.uc_stack.ss_size = moec_stack_bytes;
-            fiber.context.uc_link = &moec_scheduler;
+            fiber.context.uc_link = nullptr;
             makecontext(&fiber.context, moec_fiber_main, 0);
 #endif
+            moec_ready.push(&fiber);
         }
-        unsigned remaining = n;
-        while (remaining > 0) {
-            bool progressed = false;
-            for (unsigned t = 0; t < n; ++t) {
-                MoecFiber& fiber = moec_fibers[t];
-                if (fiber.done || fiber.blocked) continue;
-                threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                moec_tid = t;
-                moec_current = &fiber;
-#if defined(__x86_64__)
-                moec_switch(&moec_scheduler_sp, fiber.sp);
-#else
-                swapcontext(&moec_scheduler, &fiber.context);
-#endif
-                progressed = true;
-                if (fiber.done) --remaining;
-            }
-            if (!progressed && remaining > 0) {
+        moec_current = &moec_scheduler;
+        moec_yield();
+        for (unsigned t = 0; t < n; ++t) {
+            if (!moec_fibers[t].done) {
                 std::fprintf(stderr, "moec-standin: kernel deadlock: in block (%u, %u, %u) every live thread waits at a barrier that cannot open\n", bx, by, bz);
                 std::abort();
             }

@@ -180,6 +180,50 @@ impl Operand {
         }
     }
 
+    /// Element `src(o, i)` of batch `batch`, widened to f32, into `out[dst(o, i)]` for
+    /// `o < outer`, `i < inner`, `i` the inner loop: callers make `src` contiguous in `i`,
+    /// so the reads stream (a strided read of a weight matrix missed the cache on every
+    /// element). One match on the type for the whole operand.
+    ///
+    /// # Safety
+    /// Every `src(o, i)` must lie inside the operand's checked range.
+    unsafe fn widen(
+        &self,
+        batch: usize,
+        (outer, inner): (usize, usize),
+        src: impl Fn(usize, usize) -> usize,
+        dst: impl Fn(usize, usize) -> usize,
+        out: &mut [f32],
+    ) {
+        let base = self.ptr + batch * self.stride * self.size();
+        let each = |read: &dyn Fn(usize) -> f32, out: &mut [f32]| {
+            for o in 0..outer {
+                for i in 0..inner {
+                    out[dst(o, i)] = read(src(o, i));
+                }
+            }
+        };
+        // SAFETY (each read): the caller's contract; reads are unaligned-tolerant.
+        match self.dtype {
+            R_32F => each(
+                &|i| unsafe { (base as *const f32).add(i).read_unaligned() },
+                out,
+            ),
+            R_16F => each(
+                &|i| unsafe {
+                    f16::from_bits((base as *const u16).add(i).read_unaligned()).to_f32()
+                },
+                out,
+            ),
+            _ => each(
+                &|i| unsafe {
+                    bf16::from_bits((base as *const u16).add(i).read_unaligned()).to_f32()
+                },
+                out,
+            ),
+        }
+    }
+
     /// Stores `value` rounded to the operand's type.
     ///
     /// # Safety
@@ -214,53 +258,56 @@ struct Gemm {
 
 impl Gemm {
     /// C = alpha * op(A) op(B) + beta * C, each dot product summed in order over `l` as a
-    /// plain loop would. Each batch's operands are widened to f32 once, A by rows of op(A)
-    /// and B by columns of op(B), so the inner loop reads two contiguous f32 runs: the
-    /// element-wise widening through `Operand::get` was over a quarter of a stand-in run's
-    /// CPU (the head GEMM of every step), for the same sums.
+    /// plain loop would. Each batch's operands are widened to f32 once, op(A) by rows and
+    /// op(B) by columns, so the products read contiguous f32 runs; the dot products of
+    /// eight rows of op(A) with one column of op(B) run side by side, each its own serial
+    /// sum (one sum at a time waited on every addition: a tenth of a stand-in run's CPU).
     fn run(&self) {
+        const ROWS: usize = 8;
         let (m, n, k) = (self.m, self.n, self.k);
         let mut a = vec![0.0f32; m * k];
         let mut b = vec![0.0f32; n * k];
+        let (lda, ldb) = (self.a.ld, self.b.ld);
         for batch in 0..self.batches {
-            for i in 0..m {
-                for l in 0..k {
-                    let at = if self.trans_a {
-                        l + i * self.a.ld
-                    } else {
-                        i + l * self.a.ld
-                    };
-                    // SAFETY: every index is inside the operand ranges checked in `check`.
-                    a[i * k + l] = unsafe { self.a.get(batch, at) };
+            // a[i * k + l] = op(A)[i, l]; b[j * k + l] = op(B)[l, j]; reads in storage order.
+            // SAFETY: every index is inside the operand ranges checked in `check`.
+            unsafe {
+                if self.trans_a {
+                    let (src, dst) = (|i, l| l + i * lda, |i, l| i * k + l);
+                    self.a.widen(batch, (m, k), src, dst, &mut a);
+                } else {
+                    let (src, dst) = (|l, i| i + l * lda, |l, i| i * k + l);
+                    self.a.widen(batch, (k, m), src, dst, &mut a);
                 }
-            }
-            for j in 0..n {
-                for l in 0..k {
-                    let at = if self.trans_b {
-                        j + l * self.b.ld
-                    } else {
-                        l + j * self.b.ld
-                    };
-                    // SAFETY: as above.
-                    b[j * k + l] = unsafe { self.b.get(batch, at) };
+                if self.trans_b {
+                    let (src, dst) = (|l, j| j + l * ldb, |l, j| j * k + l);
+                    self.b.widen(batch, (k, n), src, dst, &mut b);
+                } else {
+                    let (src, dst) = (|j, l| l + j * ldb, |j, l| j * k + l);
+                    self.b.widen(batch, (n, k), src, dst, &mut b);
                 }
             }
             for j in 0..n {
                 let column = &b[j * k..(j + 1) * k];
-                for i in 0..m {
-                    let row = &a[i * k..(i + 1) * k];
-                    let mut acc = 0.0f32;
-                    for (x, y) in row.iter().zip(column) {
-                        acc += x * y;
+                for i0 in (0..m).step_by(ROWS) {
+                    let rows = ROWS.min(m - i0);
+                    let block = &a[i0 * k..(i0 + rows) * k];
+                    let mut sums = [0.0f32; ROWS];
+                    for (l, &y) in column.iter().enumerate() {
+                        for (r, sum) in sums.iter_mut().enumerate().take(rows) {
+                            *sum += block[r * k + l] * y;
+                        }
                     }
-                    let at = i + j * self.c.ld;
-                    let mut value = self.alpha * acc;
-                    if self.beta != 0.0 {
+                    for (r, &sum) in sums.iter().enumerate().take(rows) {
+                        let at = i0 + r + j * self.c.ld;
+                        let mut value = self.alpha * sum;
+                        if self.beta != 0.0 {
+                            // SAFETY: as above.
+                            value += self.beta * unsafe { self.c.get(batch, at) };
+                        }
                         // SAFETY: as above.
-                        value += self.beta * unsafe { self.c.get(batch, at) };
+                        unsafe { self.c.set(batch, at, value) };
                     }
-                    // SAFETY: as above.
-                    unsafe { self.c.set(batch, at, value) };
                 }
             }
         }
