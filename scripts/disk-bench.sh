@@ -33,6 +33,10 @@
 # Usage: scripts/disk-bench.sh --model NAME=CARD:PATH[:FORMATS] [--model ...] [--host-mem 16GB]
 #            [--moec PATH] [--threads 2]
 set -euo pipefail
+# Each point's HRM replay on its own quick probe of the machine as it is now, never on
+# one an earlier run kept (docs/cost-model.md, "The quick probe, kept for the runs that
+# follow").
+export MOEC_PROBE_MAX_AGE=0
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_DISK_CACHE:-$HOME/.cache/moec-disk}

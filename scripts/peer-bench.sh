@@ -30,6 +30,10 @@
 #            [--quant Q4_K_M]
 # Environment: MOEC_PEER_CACHE (cache folder), MOEC_PEER_JOBS (build jobs, default 2).
 set -euo pipefail
+# Each point's HRM replay on its own quick probe of the machine as it is now, never on
+# one an earlier run kept (docs/cost-model.md, "The quick probe, kept for the runs that
+# follow").
+export MOEC_PROBE_MAX_AGE=0
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_PEER_CACHE:-$HOME/.cache/moec-peer}

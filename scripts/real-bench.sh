@@ -42,6 +42,10 @@
 #            [--delete] [--synth-only]
 #        scripts/real-bench.sh --table TAG     (print the table of an earlier run)
 set -euo pipefail
+# Each point's HRM replay on its own quick probe of the machine as it is now, never on
+# one an earlier run kept (docs/cost-model.md, "The quick probe, kept for the runs that
+# follow").
+export MOEC_PROBE_MAX_AGE=0
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MOEC_REAL_CACHE:-$HOME/.cache/moec-real}

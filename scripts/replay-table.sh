@@ -26,6 +26,10 @@
 # Environment: QUIET=/work/quiet.sh (or any wrapper) runs the probe and each `moec run`
 # through it.
 set -euo pipefail
+# Each point's HRM replay on its own quick probe of the machine as it is now, never on
+# one an earlier run kept (docs/cost-model.md, "The quick probe, kept for the runs that
+# follow").
+export MOEC_PROBE_MAX_AGE=0
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BATCHES="1 16 64"

@@ -108,9 +108,9 @@ fn every_predictor_s_accuracy_is_in_the_run_report() {
         "--prompt",
         "The capital of France is",
     ];
-    // Predictions and cache counts only: a paper profile spares the JSON and klotski runs
-    // the quick probe of this machine (about 5 s of CPU each in the test build); the text
-    // run below keeps it, so the report's probe path still runs here.
+    // Predictions and cache counts only: a paper profile spares every run here the quick
+    // probe of this machine (about 7 s of CPU each in the test build;
+    // a_quick_probe_is_kept_for_the_runs_that_follow_it takes one).
     let mut run = vec![
         "run",
         "schedules/pregated.sched",
@@ -149,6 +149,8 @@ fn every_predictor_s_accuracy_is_in_the_run_report() {
             "schedules/pregated.sched",
             "--gen-len",
             "4",
+            "--hw",
+            "hardware/t4.ron",
             prompts[0],
             prompts[1],
         ],
@@ -180,6 +182,61 @@ fn every_predictor_s_accuracy_is_in_the_run_report() {
         .and_then(|p| p.iter().find(|p| p["predictor"] == "hot"))
         .unwrap_or_else(|| panic!("no `hot` in {}", klotski["predictions"]));
     assert!(n(&hot["hits"]) + n(&hot["misses"]) > 0, "{hot}");
+}
+
+/// A run without `--hw` replays on a quick probe of this machine and keeps it in the cache
+/// folder: the next run there reuses it (the report says so, with the file and its age,
+/// and predicts the same steps in the same times: the same profile), and an unparsable
+/// `MOEC_PROBE_MAX_AGE` is refused naming it. One probe in all (about 7 s of CPU here).
+#[test]
+fn a_quick_probe_is_kept_for_the_runs_that_follow_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        "run",
+        "schedules/baselines/resident.sched",
+        "--json",
+        "--gen-len",
+        "2",
+        "--prompt",
+        "Mixture of experts",
+    ];
+    let first = json(&moec(cache.path(), &args));
+    assert_eq!(first["probe"]["reused"], false, "{}", first["probe"]);
+    assert_eq!(first["probe"]["kept_seconds"], 600);
+    let second = json(&moec(cache.path(), &args));
+    let probe = &second["probe"];
+    assert_eq!(probe["reused"], true, "{probe}");
+    let file = Path::new(probe["path"].as_str().expect("the probe's file"));
+    assert!(
+        file.starts_with(cache.path().join("probes")) && file.is_file(),
+        "{probe}"
+    );
+    assert!(probe["age_seconds"]
+        .as_f64()
+        .is_some_and(|a| (0.0..600.0).contains(&a)));
+    assert_eq!(token_ids(&first), token_ids(&second));
+    let predicted = |doc: &serde_json::Value| doc["predicted"]["decode_step_seconds"].clone();
+    assert!(predicted(&first).is_f64(), "{}", first["predicted"]);
+    assert_eq!(predicted(&first), predicted(&second));
+    let text_args: Vec<&str> = args.iter().copied().filter(|a| *a != "--json").collect();
+    let text = moec(cache.path(), &text_args);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("  profile: a quick probe of this machine, reused: taken "),
+        "{text}"
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MOEC_CACHE_DIR", cache.path())
+        .env("MOEC_PROBE_MAX_AGE", "ten minutes")
+        .args(args)
+        .output()
+        .expect("moec runs");
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success() && stderr.contains("MOEC_PROBE_MAX_AGE"),
+        "{stderr}"
+    );
 }
 
 /// A gpt-oss checkpoint with MXFP4 experts: the report says the experts were repacked into

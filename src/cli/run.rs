@@ -270,7 +270,12 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
         );
     }
     match &f.prediction {
-        Some(p) => out.push_str(&prediction_text(p)),
+        Some(p) => {
+            out.push_str(&prediction_text(p));
+            if let Some(probe) = &f.probe {
+                let _ = writeln!(out, "  {}", probe_line(probe));
+            }
+        }
         None => {
             let _ = writeln!(out, "HRM prediction: unavailable (pass --hw PROFILE)");
         }
@@ -480,6 +485,17 @@ pub fn report_json(f: &Finished) -> serde_json::Value {
             "pinned_locked": f.stats.pinned_locked,
         },
         "tokenizer": f.tokenizer,
+        "probe": f.probe.as_ref().map(|p| match p {
+            crate::engine::probe_cache::ProbeOrigin::Taken { kept_for } => serde_json::json!({
+                "reused": false,
+                "kept_seconds": kept_for.as_secs(),
+            }),
+            crate::engine::probe_cache::ProbeOrigin::Reused { path, age } => serde_json::json!({
+                "reused": true,
+                "path": path.display().to_string(),
+                "age_seconds": age.as_secs_f64(),
+            }),
+        }),
         "backend": f.stats.backend,
         "kv_type": kv_type_of(&f.plan).name(),
         "fitted_params": f.fitted.as_ref().map(|p| p.values.iter().cloned().collect::<std::collections::BTreeMap<_, _>>()),
@@ -567,6 +583,25 @@ fn ratio(measured: f64, predicted: f64) -> f64 {
         measured / predicted
     } else {
         0.0
+    }
+}
+
+/// Where the quick probe the run was replayed on came from (`engine::probe_cache`).
+fn probe_line(probe: &crate::engine::probe_cache::ProbeOrigin) -> String {
+    use crate::engine::probe_cache::{ProbeOrigin, MAX_AGE_VAR};
+    match probe {
+        ProbeOrigin::Taken { kept_for } if kept_for.is_zero() => {
+            "profile: a quick probe of this machine, taken for this run".to_string()
+        }
+        ProbeOrigin::Taken { kept_for } => format!(
+            "profile: a quick probe of this machine, taken for this run and kept for the runs of the next {} s ({MAX_AGE_VAR})",
+            kept_for.as_secs()
+        ),
+        ProbeOrigin::Reused { path, age } => format!(
+            "profile: a quick probe of this machine, reused: taken {:.0} s ago by an earlier run ({}; {MAX_AGE_VAR}=0 probes every run)",
+            age.as_secs_f64(),
+            path.display()
+        ),
     }
 }
 

@@ -33,6 +33,7 @@ mod generate;
 pub mod gpu_probe;
 mod perplexity;
 mod prepare;
+pub mod probe_cache;
 mod quantize;
 pub mod session;
 mod synth;
@@ -211,6 +212,9 @@ pub struct RunResult {
     pub tokenizer: String,
     /// What the caller should tell the user (a failed quick probe, say).
     pub notes: Vec<String>,
+    /// Where the quick probe of this machine the run was replayed on came from, when it
+    /// was replayed on one.
+    pub probe: Option<probe_cache::ProbeOrigin>,
     /// The params the planner picked, when it did ([`fit_params`]).
     pub fitted: Option<FittedParams>,
 }
@@ -281,6 +285,7 @@ pub fn run(
         plan,
         mut run,
         mut notes,
+        probe,
         ..
     } = prepare::prepare(
         request,
@@ -367,6 +372,7 @@ pub fn run(
         decoded_weight_bytes,
         tokenizer: tokenizer.origin().to_string(),
         notes,
+        probe,
         fitted,
     })
 }

@@ -12,6 +12,7 @@
 //! probed, how the backend is opened) is what they hand in or do after.
 
 use super::fit_params::{self, FitMode, FittedParams};
+use super::probe_cache::{self, ProbeOrigin};
 use super::{fit, message, RunFailure, RunRequest};
 use crate::compile::{compile, Compiled, Options};
 use crate::cost::hardware::HardwareProfile;
@@ -66,6 +67,8 @@ pub(crate) struct Prepared {
     pub run: RunOptions,
     /// What the caller should tell the user so far.
     pub notes: Vec<String>,
+    /// Where the quick probe of this machine came from, when the profile is one.
+    pub probe: Option<super::probe_cache::ProbeOrigin>,
 }
 
 /// One line, before anything is loaded, for a machine without the backend's device.
@@ -85,7 +88,7 @@ pub(crate) fn prepare(
 ) -> Result<Prepared, RunFailure> {
     let (options, compiled) = compile_for(request, card, target.workload)?;
     let mut notes = Vec::new();
-    let profile = profile_for(request, card, target.profile, &mut notes)?;
+    let (profile, probe) = profile_for(request, card, target.profile, &mut notes)?;
     let (compiled, fitted) = fit_params::fit_params(
         &request.schedule,
         &options,
@@ -122,6 +125,7 @@ pub(crate) fn prepare(
         plan,
         run,
         notes,
+        probe,
     })
 }
 
@@ -163,7 +167,7 @@ fn profile_for(
     card: &ModelCard,
     profile_use: ProfileUse,
     notes: &mut Vec<String>,
-) -> Result<Option<HardwareProfile>, RunFailure> {
+) -> Result<(Option<HardwareProfile>, Option<ProbeOrigin>), RunFailure> {
     let needed = match profile_use {
         ProfileUse::Replay => true,
         ProfileUse::Budgets => {
@@ -176,46 +180,40 @@ fn profile_for(
     if needed {
         replay_profile(request, card, notes)
     } else {
-        Ok(None)
+        Ok((None, None))
     }
 }
 
 /// The profile the run is replayed on: the named one, or a quick probe of this machine
 /// (its memory, moec's own kernels per op kind, and the runtime's fixed costs per task,
 /// blocking wait and stream thread; the quantised product curves of the card's block
-/// formats), adjusted for how this run copies.
+/// formats), taken for this run or reused from the cache folder (`probe_cache`), adjusted
+/// for how this run copies; with where a probe came from.
 fn replay_profile(
     request: &RunRequest,
     card: &ModelCard,
     notes: &mut Vec<String>,
-) -> Result<Option<HardwareProfile>, RunFailure> {
+) -> Result<(Option<HardwareProfile>, Option<ProbeOrigin>), RunFailure> {
+    let mut origin = None;
     let profile = match &request.hw {
         _ if request.profile.is_some() => request.profile.clone(),
         Some(hw) => Some(HardwareProfile::load(hw).map_err(|e| message(&e))?),
-        None => {
-            let threads = request.threads.unwrap_or(2).max(1);
-            let probed = super::cpu_probe::probe_profile(
-                "this-machine",
-                QUICK_PROBE_BYTES,
-                threads,
-                super::cpu_probe::ProbeEffort::QUICK,
-                &super::cpu_probe::quant_formats_of(card),
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|(_, mut profile)| {
-                profile.dispatch = Some(super::dispatch::measured_dispatch(threads)?);
-                Ok(profile)
-            });
+        None => match quick_probe(
+            request,
+            card,
+            probe_cache::max_age().map_err(RunFailure::Message)?,
+        ) {
+            Ok((p, o)) => {
+                origin = Some(o);
+                Some(p)
+            }
             // The run goes on without a prediction (the report says it is unavailable);
             // why is said, not dropped.
-            match probed {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    notes.push(format!("the quick probe of this machine failed ({e}): no HRM prediction; pass --hw PROFILE for one"));
-                    None
-                }
+            Err(e) => {
+                notes.push(format!("the quick probe of this machine failed ({e}): no HRM prediction; pass --hw PROFILE for one"));
+                None
             }
-        }
+        },
     };
     // Bound weight copies take no time on this machine unless the link is throttled, so
     // the replay on a profile of this machine's backend (the quick probe, or a `moec
@@ -235,7 +233,7 @@ fn replay_profile(
     let registers = request.backend.gpu_space == crate::runtime::registration::GpuSpace::Device
         && measured_here
         && request.weight_copies == WeightCopies::Bind;
-    Ok(profile.map(|mut p| {
+    let profile = profile.map(|mut p| {
         // Activations and KV are still copied at the probed memcpy rate.
         if (binds || registers) && request.link_gbps.is_none() {
             p.adjustments.weight_copy_bytes_per_s = BOUND_COPY_GB_S * crate::cost::hardware::GB;
@@ -247,7 +245,46 @@ fn replay_profile(
             p.links.pageable_to_gpu_gb_s = gbps;
         }
         p
-    }))
+    });
+    Ok((profile, origin))
+}
+
+/// The quick probe of this machine for `request` and `card`: the cached one when a run
+/// with the same key took it within `MOEC_PROBE_MAX_AGE`, else a new one, stored for the
+/// runs that follow (a cache folder that cannot be written only loses the reuse).
+fn quick_probe(
+    request: &RunRequest,
+    card: &ModelCard,
+    max_age: std::time::Duration,
+) -> Result<(HardwareProfile, ProbeOrigin), String> {
+    let threads = request.threads.unwrap_or(2).max(1);
+    let formats = super::cpu_probe::quant_formats_of(card);
+    let file = probe_cache::key(threads, QUICK_PROBE_BYTES, &formats).and_then(|key| {
+        let dir = crate::weights::source::cache_dir().ok()?;
+        Some((probe_cache::path(&dir, &key), key))
+    });
+    if let Some((path, key)) = &file {
+        if let Some((profile, age)) = probe_cache::read(path, key, max_age) {
+            let path = path.clone();
+            return Ok((profile, ProbeOrigin::Reused { path, age }));
+        }
+    }
+    let (_, mut profile) = super::cpu_probe::probe_profile(
+        "this-machine",
+        QUICK_PROBE_BYTES,
+        threads,
+        super::cpu_probe::ProbeEffort::QUICK,
+        &formats,
+    )
+    .map_err(|e| e.to_string())?;
+    profile.dispatch = Some(super::dispatch::measured_dispatch(threads)?);
+    let mut kept_for = std::time::Duration::ZERO;
+    if let Some((path, key)) = file.as_ref().filter(|_| !max_age.is_zero()) {
+        if probe_cache::write(path, key, &profile).is_ok() {
+            kept_for = max_age;
+        }
+    }
+    Ok((profile, ProbeOrigin::Taken { kept_for }))
 }
 
 /// Lowers the fitted program for the request's `gpu` capacity; an error with a span is
