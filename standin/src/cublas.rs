@@ -258,26 +258,31 @@ struct Gemm {
 
 impl Gemm {
     /// C = alpha * op(A) op(B) + beta * C, each dot product summed in order over `l` as a
-    /// plain loop would. Each batch's operands are widened to f32 once, op(A) by rows and
-    /// op(B) by columns, so the products read contiguous f32 runs; the dot products of
-    /// eight rows of op(A) with one column of op(B) run side by side, each its own serial
-    /// sum (one sum at a time waited on every addition: a tenth of a stand-in run's CPU).
+    /// plain loop would. Each batch's operands are widened to f32 once: op(B) by columns,
+    /// op(A) in panels of eight rows with the eight rows' `l`-th elements side by side, so
+    /// the dot products of a panel with a column of op(B) run as one eight-wide sum per
+    /// `l`, each lane still its own serial sum (one sum at a time waited on every addition:
+    /// a tenth of a stand-in run's CPU).
     fn run(&self) {
         const ROWS: usize = 8;
         let (m, n, k) = (self.m, self.n, self.k);
-        let mut a = vec![0.0f32; m * k];
+        let panels = m.div_ceil(ROWS);
+        // Rows past `m` in the last panel stay zero and are never stored.
+        let mut a = vec![0.0f32; panels * ROWS * k];
         let mut b = vec![0.0f32; n * k];
         let (lda, ldb) = (self.a.ld, self.b.ld);
+        let panel_at = |i: usize, l: usize| (i / ROWS) * ROWS * k + l * ROWS + i % ROWS;
         for batch in 0..self.batches {
-            // a[i * k + l] = op(A)[i, l]; b[j * k + l] = op(B)[l, j]; reads in storage order.
+            // a[panel_at(i, l)] = op(A)[i, l]; b[j * k + l] = op(B)[l, j]; reads in storage
+            // order.
             // SAFETY: every index is inside the operand ranges checked in `check`.
             unsafe {
                 if self.trans_a {
-                    let (src, dst) = (|i, l| l + i * lda, |i, l| i * k + l);
-                    self.a.widen(batch, (m, k), src, dst, &mut a);
+                    self.a
+                        .widen(batch, (m, k), |i, l| l + i * lda, panel_at, &mut a);
                 } else {
-                    let (src, dst) = (|l, i| i + l * lda, |l, i| i * k + l);
-                    self.a.widen(batch, (k, m), src, dst, &mut a);
+                    let dst = |l, i| panel_at(i, l);
+                    self.a.widen(batch, (k, m), |l, i| i + l * lda, dst, &mut a);
                 }
                 if self.trans_b {
                     let (src, dst) = (|l, j| j + l * ldb, |l, j| j * k + l);
@@ -289,17 +294,17 @@ impl Gemm {
             }
             for j in 0..n {
                 let column = &b[j * k..(j + 1) * k];
-                for i0 in (0..m).step_by(ROWS) {
-                    let rows = ROWS.min(m - i0);
-                    let block = &a[i0 * k..(i0 + rows) * k];
+                for p in 0..panels {
+                    let panel = &a[p * ROWS * k..(p + 1) * ROWS * k];
                     let mut sums = [0.0f32; ROWS];
-                    for (l, &y) in column.iter().enumerate() {
-                        for (r, sum) in sums.iter_mut().enumerate().take(rows) {
-                            *sum += block[r * k + l] * y;
+                    for (&y, xs) in column.iter().zip(panel.chunks_exact(ROWS)) {
+                        for (sum, &x) in sums.iter_mut().zip(xs) {
+                            *sum += x * y;
                         }
                     }
+                    let rows = ROWS.min(m - p * ROWS);
                     for (r, &sum) in sums.iter().enumerate().take(rows) {
-                        let at = i0 + r + j * self.c.ld;
+                        let at = p * ROWS + r + j * self.c.ld;
                         let mut value = self.alpha * sum;
                         if self.beta != 0.0 {
                             // SAFETY: as above.
