@@ -246,7 +246,13 @@ fn schedules_match_the_cpu_with(card: &str, extra: &[&str], keep: impl Fn(&str) 
                 Driver::Standin(dir.path(), 0),
                 args,
             );
-            let got_logits = logits(&cuda_logits);
+            // A failed run wrote no logits: its output is reported below (`token_ids`
+            // shows its stderr) rather than a worker's panic on an empty file.
+            let got_logits = if cuda.status.success() {
+                logits(&cuda_logits)
+            } else {
+                Vec::new()
+            };
             let _ = std::fs::remove_file(cuda_logits);
             done.push((i, cuda, got_logits));
         }
