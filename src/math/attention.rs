@@ -206,13 +206,15 @@ impl Kernels {
 
     /// One task: the outputs (`rows x group x head_dim`) of one kv head's query heads for
     /// a tile of one sequence's new tokens. Key- and value-block-major: each block of the
-    /// cache is read once for the whole tile (while it is in L1) rather than once per
-    /// query row, which is what makes long prefills memory-bound no more. Each row's
-    /// arithmetic is exactly the per-row kernel's: its scores are computed one key at a
-    /// time ([`Kernels::key_scores_transposed`] never depends on which keys share a
-    /// call), its softmax runs over its whole row once every score is in, and its output
-    /// accumulates the value rows in key order ([`Kernels::weighted_rows`]), so a row's
-    /// bits do not depend on the tile it is in, nor on prefill or decode.
+    /// cache is read (and a half cache's block widened) once for the whole tile, and the
+    /// products over it run register-blocked over the (row, query head) pairs of the tile
+    /// whose key range in that block is the same ([`Kernels::key_scores_blocked`],
+    /// [`Kernels::weighted_rows_blocked`]: one loaded key or value vector feeds an FMA
+    /// chain per pair). Each row's arithmetic is exactly the per-row kernel's: each
+    /// score is one sequential fused sum over the head's dimensions, its softmax runs
+    /// over its whole row once every score is in, and its output accumulates the value
+    /// rows in key order, so a row's bits do not depend on the tile it is in, on its
+    /// neighbours, nor on prefill or decode.
     fn attend_tile(
         self,
         pools: &Pools<'_>,
@@ -253,27 +255,31 @@ impl Kernels {
         let mut scores = vec![0.0f32; n_scores];
         let lowest = rows.iter().map(|r| r.start).min().unwrap_or(first.start);
         let blocks = lowest / bs..=last.pos / bs;
-        // A half cache's tile, widened (exactly) once for every row of the tile.
+        // A half cache's block, widened (exactly) once for every row of the tile.
         let mut wide = Vec::new();
+        let mut pairs: Vec<(usize, usize)> = Vec::with_capacity(rows.len() * group);
         for bi in blocks.clone() {
             let tile = layout.tile(seq.block_table[bi] as usize, h);
             let k_tile = pools.keys(tile..tile + bs * hd, &mut wide);
-            for r in &rows {
-                let Some((lo, hi)) = r.keys_in(bi, bs) else {
-                    continue;
-                };
-                let q_off = (first_row + r.j) * row_w + h * group * hd;
-                let n_keys = r.n_keys();
-                self.key_scores_transposed(
+            for (lo, hi, same) in runs_in_block(&rows, bi, bs) {
+                pairs.clear();
+                for r in same {
+                    let q_off = (first_row + r.j) * row_w + h * group * hd;
+                    let n_keys = r.n_keys();
+                    pairs.extend(
+                        (0..group)
+                            .map(|g| (q_off + g * hd, r.scores_at + g * n_keys + lo - r.start)),
+                    );
+                }
+                self.key_scores_blocked(
                     k_tile,
                     bs,
                     lo % bs,
                     hi - lo + 1,
-                    &qkv[q_off..q_off + group * hd],
+                    qkv,
+                    &pairs,
                     scale,
-                    &mut scores[r.scores_at..r.scores_at + group * n_keys],
-                    n_keys,
-                    lo - r.start,
+                    &mut scores,
                 );
             }
         }
@@ -288,21 +294,26 @@ impl Kernels {
         }
         let width = group * hd;
         let mut local = vec![0.0f32; rows.len() * width];
+        let first_j = first.j;
         for bi in blocks {
-            let block = seq.block_table[bi] as usize;
-            for (i, r) in rows.iter().enumerate() {
-                let Some((lo, hi)) = r.keys_in(bi, bs) else {
-                    continue;
-                };
-                let off = layout.offset(block, h, lo % bs);
-                let n_keys = r.n_keys();
-                self.weighted_rows(
-                    pools.values(off..off + (hi - lo + 1) * hd, &mut wide),
+            let tile = layout.tile(seq.block_table[bi] as usize, h);
+            let v_tile = pools.values(tile..tile + bs * hd, &mut wide);
+            for (lo, hi, same) in runs_in_block(&rows, bi, bs) {
+                pairs.clear();
+                for r in same {
+                    let n_keys = r.n_keys();
+                    let out_at = (r.j - first_j) * width;
+                    pairs.extend(
+                        (0..group)
+                            .map(|g| (r.scores_at + g * n_keys + lo - r.start, out_at + g * hd)),
+                    );
+                }
+                self.weighted_rows_blocked(
+                    &v_tile[(lo % bs) * hd..(hi % bs + 1) * hd],
                     hd,
-                    &scores[r.scores_at..r.scores_at + group * n_keys],
-                    n_keys,
-                    lo - r.start,
-                    &mut local[i * width..(i + 1) * width],
+                    &scores,
+                    &pairs,
+                    &mut local,
                 );
             }
         }
@@ -471,6 +482,32 @@ impl RowKeys {
         let hi = self.pos.min(bi * bs + bs - 1);
         (lo <= hi).then_some((lo, hi))
     }
+}
+
+/// The tile's rows that attend keys of block `bi`, in runs of consecutive rows with the
+/// same first and last key there (`lo`, `hi`): each run is one blocked call.
+fn runs_in_block(
+    rows: &[RowKeys],
+    bi: usize,
+    bs: usize,
+) -> impl Iterator<Item = (usize, usize, &[RowKeys])> {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i < rows.len() {
+            let Some(range) = rows[i].keys_in(bi, bs) else {
+                i += 1;
+                continue;
+            };
+            let len = rows[i..]
+                .iter()
+                .take_while(|r| r.keys_in(bi, bs) == Some(range))
+                .count();
+            let run = &rows[i..i + len];
+            i += len;
+            return Some((range.0, range.1, run));
+        }
+        None
+    })
 }
 
 fn validate(
