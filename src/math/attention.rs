@@ -252,7 +252,12 @@ impl Kernels {
             return Vec::new();
         };
         let n_scores = last.scores_at + group * last.n_keys();
-        let mut scores = vec![0.0f32; n_scores];
+        // The worker's scratch: every score of every row is written before it is read.
+        let mut scratch = SCORES.with(|cell| cell.take());
+        if scratch.len() < n_scores {
+            scratch.resize(n_scores, 0.0);
+        }
+        let scores = &mut scratch[..n_scores];
         let lowest = rows.iter().map(|r| r.start).min().unwrap_or(first.start);
         let blocks = lowest / bs..=last.pos / bs;
         // A half cache's block, widened (exactly) once for every row of the tile.
@@ -279,7 +284,7 @@ impl Kernels {
                     qkv,
                     &pairs,
                     scale,
-                    &mut scores,
+                    scores,
                 );
             }
         }
@@ -311,12 +316,13 @@ impl Kernels {
                 self.weighted_rows_blocked(
                     &v_tile[(lo % bs) * hd..(hi % bs + 1) * hd],
                     hd,
-                    &scores,
+                    scores,
                     &pairs,
                     &mut local,
                 );
             }
         }
+        SCORES.with(|cell| cell.replace(scratch));
         local
     }
 }
@@ -398,6 +404,13 @@ impl Kernels {
         }
         head.values(self, &scores, out);
     }
+}
+
+thread_local! {
+    /// A tile's score scratch, kept by each worker thread between its tasks: a long
+    /// prefill's tasks take megabytes each, which fresh allocations paid for in page faults
+    /// (a tenth of the kernel's time at 8k on Qwen3's shape).
+    static SCORES: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Most new tokens one attention task takes (a tile's rows share each key block read).

@@ -284,6 +284,12 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn scores(s: &BlockedScores<'_>, scores: &mut [f32]) {
         let out = scores.as_mut_ptr();
+        // Each pair's scores of the next block follow these: fetch their lines now (one
+        // stream per pair is too many for the hardware prefetcher; a prefetch never
+        // faults, so the address may be past the end).
+        for &(_, sa) in s.pairs {
+            _mm_prefetch::<_MM_HINT_T0>(out.wrapping_add(sa + s.n) as *const i8);
+        }
         let mut r0 = 0;
         // SAFETY (every call): r0 < n; the FULL variants only when the vectors are whole.
         unsafe {
@@ -346,38 +352,42 @@ mod avx2 {
         }
     }
 
-    /// Every pair over columns `c0 .. c0 + 8 C`, in chunks of 3 pairs (12 chains with 4
-    /// columns), then 2, 1.
+    /// Pairs `pairs` (`P` of them) over every column, in chunks of 2 vectors (then 1):
+    /// a pair's probabilities stay in L1 for all its columns (its rows of scores are far
+    /// apart in the tile's scratch, often on the same L1 set). `P x 2` accumulators, 2
+    /// value vectors and a broadcast fit the 16 registers (`4 x 3` did not: two
+    /// accumulators went through the stack).
     ///
     /// # Safety
-    /// As [`value_chunk`].
+    /// As [`value_chunk`], without the column bound: `hd` a multiple of 8.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn value_pairs<const C: usize>(v: &BlockedValues<'_>, c0: usize, out: *mut f32) {
-        let mut left = v.pairs;
-        // SAFETY (every call): checked pairs of `v`, columns as the caller's.
+    unsafe fn all_columns<const P: usize>(
+        v: &BlockedValues<'_>,
+        pairs: &[(usize, usize)],
+        out: *mut f32,
+    ) {
+        // The pairs' probabilities of the next block follow theirs in the scratch: fetch
+        // them now (each pair's row is its own stream, too many for the hardware
+        // prefetcher; a prefetch never faults, so the address may be past the end).
+        for &(pa, _) in &pairs[..P] {
+            _mm_prefetch::<_MM_HINT_T0>(v.probs.as_ptr().wrapping_add(pa + v.n) as *const i8);
+        }
+        let mut c0 = 0;
+        // SAFETY (every call): the columns are inside hd.
         unsafe {
-            while !left.is_empty() {
-                let taken = match left.len() {
-                    3.. => {
-                        value_chunk::<C, 3>(v, c0, left, out);
-                        3
-                    }
-                    2 => {
-                        value_chunk::<C, 2>(v, c0, left, out);
-                        2
-                    }
-                    _ => {
-                        value_chunk::<C, 1>(v, c0, left, out);
-                        1
-                    }
-                };
-                left = &left[taken..];
+            while c0 + 16 <= v.hd {
+                value_chunk::<2, P>(v, c0, pairs, out);
+                c0 += 16;
+            }
+            if c0 < v.hd {
+                value_chunk::<1, P>(v, c0, pairs, out);
             }
         }
     }
 
-    /// The value body (see `Kernels::weighted_rows_blocked`): columns in chunks of 4, 2,
-    /// 1 vectors; each element still sums its rows in order.
+    /// The value body (see `Kernels::weighted_rows_blocked`): pairs in chunks of 6 (12
+    /// chains with 2 column vectors), then 4, 2, 1; each element still sums its rows in
+    /// order.
     ///
     /// # Safety
     /// AVX2 and FMA available; `hd` a multiple of 8; `v` passed `weighted_rows_blocked`'s
@@ -385,24 +395,29 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn values(v: &BlockedValues<'_>, out: &mut [f32]) {
         let out = out.as_mut_ptr();
-        let mut c0 = 0;
-        // SAFETY (every call): the columns are inside hd.
+        let mut left = v.pairs;
+        // SAFETY (every call): checked pairs of `v`.
         unsafe {
-            while c0 < v.hd {
-                match v.hd - c0 {
-                    32.. => {
-                        value_pairs::<4>(v, c0, out);
-                        c0 += 32;
+            while !left.is_empty() {
+                let taken = match left.len() {
+                    6.. => {
+                        all_columns::<6>(v, left, out);
+                        6
                     }
-                    16.. => {
-                        value_pairs::<2>(v, c0, out);
-                        c0 += 16;
+                    4.. => {
+                        all_columns::<4>(v, left, out);
+                        4
+                    }
+                    2.. => {
+                        all_columns::<2>(v, left, out);
+                        2
                     }
                     _ => {
-                        value_pairs::<1>(v, c0, out);
-                        c0 += 8;
+                        all_columns::<1>(v, left, out);
+                        1
                     }
-                }
+                };
+                left = &left[taken..];
             }
         }
     }
