@@ -460,13 +460,46 @@ impl Pools<'_> {
 }
 
 /// `bits` (IEEE halves) widened to f32 in `wide` (F16C where the CPU has it; exact).
+/// `wide` only grows: it is written whole before it is read.
 fn widen_into<'b>(bits: &[u16], wide: &'b mut Vec<f32>) -> &'b [f32] {
+    if wide.len() < bits.len() {
+        wide.resize(bits.len(), 0.0);
+    }
+    let wide = &mut wide[..bits.len()];
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx") && std::is_x86_feature_detected!("f16c") {
+        // SAFETY: AVX and F16C are present (checked); `wide` is as long as `bits`.
+        unsafe { widen_f16c(bits, wide) };
+        return wide;
+    }
     use half::slice::HalfFloatSliceExt;
-    wide.clear();
-    wide.resize(bits.len(), 0.0);
     let halves: &[half::f16] = bytemuck::cast_slice(bits);
     halves.convert_to_f32_slice(wide);
     wide
+}
+
+/// [`widen_into`]'s body with F16C: `half`'s slice conversion (the same instruction)
+/// made a call per 8 halves, a tenth of a long prefill's time on a half cache.
+///
+/// # Safety
+/// AVX and F16C available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn widen_f16c(bits: &[u16], wide: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = bits.len().min(wide.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n bounds the 16-byte load and the 32-byte store.
+        unsafe {
+            let h = _mm_loadu_si128(bits.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(wide.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for (w, &b) in wide[i..n].iter_mut().zip(&bits[i..n]) {
+        *w = half::f16::from_bits(b).to_f32();
+    }
 }
 
 /// `x` rounded to a half (nearest, ties to even), as its bits.
