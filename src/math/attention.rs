@@ -5,11 +5,12 @@
 //! order of `seqs`), each sequence's block table and cached length, and one layer's
 //! [`KvBlocksMut`]. It first appends the new keys/values, then computes causal attention
 //! (new token `j` of a sequence sees cached tokens and new tokens `0..=j`, optionally only
-//! the last `sliding_window`), softmax in f32. Work is split over (sequence, kv head)
-//! with rayon; each key and value row is read once per kv head and reused by every query
-//! head of its group. The cache holds f32 or IEEE half elements (`KvType`): new keys
-//! and values are rounded to its type when appended and widened exactly when read, so a
-//! half cache gives the bits of an f32 cache holding the rounded values. A decode row
+//! the last `sliding_window`), softmax in f32. Work is split over (sequence, kv head,
+//! tile of up to 16 new tokens) with rayon; each key and value block is read once per
+//! tile and reused by every new token and query head of it (register-blocked products).
+//! The cache holds f32 or IEEE half elements (`KvType`): new keys and values are rounded
+//! to its type when appended and widened exactly when read, so a half cache gives the
+//! bits of an f32 cache holding the rounded values. A decode row
 //! (one new token) over blocks of a multiple of 8 slots takes `attn_decode`'s kernel,
 //! whose bits are this module's general kernel's. Inconsistent inputs are errors, never
 //! panics.

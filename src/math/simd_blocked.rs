@@ -440,7 +440,7 @@ mod tests {
     /// The blocked score body gives, pair by pair, the bits of the per-group kernel
     /// (`key_scores_transposed`, one call per pair) on every instruction set: slot runs
     /// of every length and offset (whole and masked vectors, one and two vectors), pair
-    /// counts that take every chunk size (12, 6, 4, 2, 1), head widths of 1 to 128.
+    /// counts that take every chunk size (12, 6, 4, 2, 1), head widths of 5 to 128.
     #[test]
     fn blocked_scores_give_the_per_pair_kernel_s_bits() {
         for isa in Isa::supported() {
