@@ -19,7 +19,8 @@ impl Kernels {
     /// For every pair `(q_at, score_at)`: `scores[score_at + r] = scale * Σ_dim
     /// q[q_at + dim] * k_tile[dim * block_size + slot0 + r]` for `r < n`, summed over `dim`
     /// in order with fused multiply-adds (the bits of [`Kernels::key_scores_transposed`]).
-    /// `head_dim` is `k_tile.len() / block_size`. Out-of-range arguments write nothing.
+    /// `head_dim` is `k_tile.len() / block_size`. Out-of-range arguments write nothing;
+    /// pairs whose score runs overlap get one of their values (which is unspecified).
     #[allow(clippy::too_many_arguments)]
     pub fn key_scores_blocked(
         self,
@@ -66,7 +67,8 @@ impl Kernels {
     /// For every pair `(p_at, out_at)` and every value row `r` of `rows` (`n` rows of
     /// `hd`) in order: `out[out_at + c] = fma(probs[p_at + r], rows[r * hd + c],
     /// out[out_at + c])` (the bits of [`Kernels::weighted_rows`]). Out-of-range arguments
-    /// write nothing.
+    /// write nothing; pairs whose outputs overlap get an unspecified mix of their sums
+    /// (each body keeps a chunk of pairs in registers), so callers give disjoint ones.
     pub fn weighted_rows_blocked(
         self,
         rows: &[f32],
