@@ -5,11 +5,12 @@
 //! order of `seqs`), each sequence's block table and cached length, and one layer's
 //! [`KvBlocksMut`]. It first appends the new keys/values, then computes causal attention
 //! (new token `j` of a sequence sees cached tokens and new tokens `0..=j`, optionally only
-//! the last `sliding_window`), softmax in f32. Work is split over (sequence, kv head)
-//! with rayon; each key and value row is read once per kv head and reused by every query
-//! head of its group. The cache holds f32 or IEEE half elements (`KvType`): new keys
-//! and values are rounded to its type when appended and widened exactly when read, so a
-//! half cache gives the bits of an f32 cache holding the rounded values. A decode row
+//! the last `sliding_window`), softmax in f32. Work is split over (sequence, kv head,
+//! tile of up to 16 new tokens) with rayon; each key and value block is read once per
+//! tile and reused by every new token and query head of it (register-blocked products).
+//! The cache holds f32 or IEEE half elements (`KvType`): new keys and values are rounded
+//! to its type when appended and widened exactly when read, so a half cache gives the
+//! bits of an f32 cache holding the rounded values. A decode row
 //! (one new token) over blocks of a multiple of 8 slots takes `attn_decode`'s kernel,
 //! whose bits are this module's general kernel's. Inconsistent inputs are errors, never
 //! panics.
@@ -206,13 +207,15 @@ impl Kernels {
 
     /// One task: the outputs (`rows x group x head_dim`) of one kv head's query heads for
     /// a tile of one sequence's new tokens. Key- and value-block-major: each block of the
-    /// cache is read once for the whole tile (while it is in L1) rather than once per
-    /// query row, which is what makes long prefills memory-bound no more. Each row's
-    /// arithmetic is exactly the per-row kernel's: its scores are computed one key at a
-    /// time ([`Kernels::key_scores_transposed`] never depends on which keys share a
-    /// call), its softmax runs over its whole row once every score is in, and its output
-    /// accumulates the value rows in key order ([`Kernels::weighted_rows`]), so a row's
-    /// bits do not depend on the tile it is in, nor on prefill or decode.
+    /// cache is read (and a half cache's block widened) once for the whole tile, and the
+    /// products over it run register-blocked over the (row, query head) pairs of the tile
+    /// whose key range in that block is the same ([`Kernels::key_scores_blocked`],
+    /// [`Kernels::weighted_rows_blocked`]: one loaded key or value vector feeds an FMA
+    /// chain per pair). Each row's arithmetic is exactly the per-row kernel's: each
+    /// score is one sequential fused sum over the head's dimensions, its softmax runs
+    /// over its whole row once every score is in, and its output accumulates the value
+    /// rows in key order, so a row's bits do not depend on the tile it is in, on its
+    /// neighbours, nor on prefill or decode.
     fn attend_tile(
         self,
         pools: &Pools<'_>,
@@ -250,30 +253,39 @@ impl Kernels {
             return Vec::new();
         };
         let n_scores = last.scores_at + group * last.n_keys();
-        let mut scores = vec![0.0f32; n_scores];
+        // The worker's scratch: every score of every row is written before it is read.
+        let mut scratch = SCORES.with(|cell| cell.take());
+        if scratch.len() < n_scores {
+            scratch.resize(n_scores, 0.0);
+        }
+        let scores = &mut scratch[..n_scores];
         let lowest = rows.iter().map(|r| r.start).min().unwrap_or(first.start);
         let blocks = lowest / bs..=last.pos / bs;
-        // A half cache's tile, widened (exactly) once for every row of the tile.
+        // A half cache's block, widened (exactly) once for every row of the tile.
         let mut wide = Vec::new();
+        let mut pairs: Vec<(usize, usize)> = Vec::with_capacity(rows.len() * group);
         for bi in blocks.clone() {
             let tile = layout.tile(seq.block_table[bi] as usize, h);
             let k_tile = pools.keys(tile..tile + bs * hd, &mut wide);
-            for r in &rows {
-                let Some((lo, hi)) = r.keys_in(bi, bs) else {
-                    continue;
-                };
-                let q_off = (first_row + r.j) * row_w + h * group * hd;
-                let n_keys = r.n_keys();
-                self.key_scores_transposed(
+            for (lo, hi, same) in runs_in_block(&rows, bi, bs) {
+                pairs.clear();
+                for r in same {
+                    let q_off = (first_row + r.j) * row_w + h * group * hd;
+                    let n_keys = r.n_keys();
+                    pairs.extend(
+                        (0..group)
+                            .map(|g| (q_off + g * hd, r.scores_at + g * n_keys + lo - r.start)),
+                    );
+                }
+                self.key_scores_blocked(
                     k_tile,
                     bs,
                     lo % bs,
                     hi - lo + 1,
-                    &qkv[q_off..q_off + group * hd],
+                    qkv,
+                    &pairs,
                     scale,
-                    &mut scores[r.scores_at..r.scores_at + group * n_keys],
-                    n_keys,
-                    lo - r.start,
+                    scores,
                 );
             }
         }
@@ -288,24 +300,30 @@ impl Kernels {
         }
         let width = group * hd;
         let mut local = vec![0.0f32; rows.len() * width];
+        let first_j = first.j;
         for bi in blocks {
-            let block = seq.block_table[bi] as usize;
-            for (i, r) in rows.iter().enumerate() {
-                let Some((lo, hi)) = r.keys_in(bi, bs) else {
-                    continue;
-                };
-                let off = layout.offset(block, h, lo % bs);
-                let n_keys = r.n_keys();
-                self.weighted_rows(
-                    pools.values(off..off + (hi - lo + 1) * hd, &mut wide),
+            let tile = layout.tile(seq.block_table[bi] as usize, h);
+            let v_tile = pools.values(tile..tile + bs * hd, &mut wide);
+            for (lo, hi, same) in runs_in_block(&rows, bi, bs) {
+                pairs.clear();
+                for r in same {
+                    let n_keys = r.n_keys();
+                    let out_at = (r.j - first_j) * width;
+                    pairs.extend(
+                        (0..group)
+                            .map(|g| (r.scores_at + g * n_keys + lo - r.start, out_at + g * hd)),
+                    );
+                }
+                self.weighted_rows_blocked(
+                    &v_tile[(lo % bs) * hd..(hi % bs + 1) * hd],
                     hd,
-                    &scores[r.scores_at..r.scores_at + group * n_keys],
-                    n_keys,
-                    lo - r.start,
-                    &mut local[i * width..(i + 1) * width],
+                    scores,
+                    &pairs,
+                    &mut local,
                 );
             }
         }
+        SCORES.with(|cell| cell.replace(scratch));
         local
     }
 }
@@ -389,6 +407,13 @@ impl Kernels {
     }
 }
 
+thread_local! {
+    /// A tile's score scratch, kept by each worker thread between its tasks: a long
+    /// prefill's tasks take megabytes each, which fresh allocations paid for in page faults
+    /// (a tenth of the kernel's time at 8k on Qwen3's shape).
+    static SCORES: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// Most new tokens one attention task takes (a tile's rows share each key block read).
 const QUERY_TILE: usize = 16;
 
@@ -436,13 +461,46 @@ impl Pools<'_> {
 }
 
 /// `bits` (IEEE halves) widened to f32 in `wide` (F16C where the CPU has it; exact).
+/// `wide` only grows: it is written whole before it is read.
 fn widen_into<'b>(bits: &[u16], wide: &'b mut Vec<f32>) -> &'b [f32] {
+    if wide.len() < bits.len() {
+        wide.resize(bits.len(), 0.0);
+    }
+    let wide = &mut wide[..bits.len()];
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx") && std::is_x86_feature_detected!("f16c") {
+        // SAFETY: AVX and F16C are present (checked); `wide` is as long as `bits`.
+        unsafe { widen_f16c(bits, wide) };
+        return wide;
+    }
     use half::slice::HalfFloatSliceExt;
-    wide.clear();
-    wide.resize(bits.len(), 0.0);
     let halves: &[half::f16] = bytemuck::cast_slice(bits);
     halves.convert_to_f32_slice(wide);
     wide
+}
+
+/// [`widen_into`]'s body with F16C: `half`'s slice conversion (the same instruction)
+/// made a call per 8 halves, a tenth of a long prefill's time on a half cache.
+///
+/// # Safety
+/// AVX and F16C available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn widen_f16c(bits: &[u16], wide: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = bits.len().min(wide.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n bounds the 16-byte load and the 32-byte store.
+        unsafe {
+            let h = _mm_loadu_si128(bits.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(wide.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for (w, &b) in wide[i..n].iter_mut().zip(&bits[i..n]) {
+        *w = half::f16::from_bits(b).to_f32();
+    }
 }
 
 /// `x` rounded to a half (nearest, ties to even), as its bits.
@@ -471,6 +529,32 @@ impl RowKeys {
         let hi = self.pos.min(bi * bs + bs - 1);
         (lo <= hi).then_some((lo, hi))
     }
+}
+
+/// The tile's rows that attend keys of block `bi`, in runs of consecutive rows with the
+/// same first and last key there (`lo`, `hi`): each run is one blocked call.
+fn runs_in_block(
+    rows: &[RowKeys],
+    bi: usize,
+    bs: usize,
+) -> impl Iterator<Item = (usize, usize, &[RowKeys])> {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i < rows.len() {
+            let Some(range) = rows[i].keys_in(bi, bs) else {
+                i += 1;
+                continue;
+            };
+            let len = rows[i..]
+                .iter()
+                .take_while(|r| r.keys_in(bi, bs) == Some(range))
+                .count();
+            let run = &rows[i..i + len];
+            i += len;
+            return Some((range.0, range.1, run));
+        }
+        None
+    })
 }
 
 fn validate(

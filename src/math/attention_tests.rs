@@ -386,7 +386,8 @@ impl RandomCall {
         for (t, &(c, n)) in tables.iter_mut().zip(&self.lens) {
             cache.allocator.grow(&layout, t, c + n).unwrap();
         }
-        // The contexts, appended with the per-row kernel (what an earlier pass left).
+        // The contexts, appended as an earlier pass leaves them (their outputs are not
+        // looked at, so only the append runs: a long context costs no attention here).
         let ctx_rows: usize = self.lens.iter().map(|l| l.0).sum();
         let ctx_qkv = random_rows(ctx_rows);
         let ctx_seqs: Vec<AttnSeq<'_>> = tables
@@ -398,16 +399,10 @@ impl RandomCall {
                 n_new: c,
             })
             .collect();
-        let mut ctx_out = vec![0.0; ctx_rows * shape.q_width()];
-        per_row_reference(
-            Kernels::portable(),
-            &mut cache.layer_mut(0),
-            &ctx_seqs,
-            &ctx_qkv,
-            shape,
-            &mut ctx_out,
-        )
-        .unwrap();
+        let ctx_out = vec![0.0; ctx_rows * shape.q_width()];
+        let mut ctx_cache = cache.layer_mut(0);
+        validate(&ctx_cache, &ctx_seqs, &ctx_qkv, shape, &ctx_out).unwrap();
+        append_kv(&mut ctx_cache, &ctx_seqs, &ctx_qkv, shape);
         let rows: usize = self.lens.iter().map(|l| l.1).sum();
         let qkv = random_rows(rows);
         let seqs: Vec<AttnSeq<'_>> = tables
@@ -461,7 +456,7 @@ fn tiled_attention_gives_the_per_row_kernel_s_bits() {
 /// The random calls of the kernel tests: prefill, decode and chunked rows after a
 /// cached context, several sequences, odd block sizes and head widths (the portable
 /// paths), blocks of 8, 16 and 32 (the decode kernel), GQA groups of 1, 2, 3, 4 and
-/// 8, partial last blocks, sliding windows and sinks.
+/// 8, partial last blocks, sliding windows and sinks, the real models' 8 x 128 and 8 x 64.
 fn random_cases(kv_type: KvType, round_kv: bool) -> Vec<RandomCall> {
     let cases = [
         // (heads, kv_heads, head_dim, block_size, window, sinks, lens)
@@ -508,6 +503,11 @@ fn random_cases(kv_type: KvType, round_kv: bool) -> Vec<RandomCall> {
         ),
         (12, 4, 72, 32, None, false, vec![(100, 1), (5, 1), (31, 1)]),
         (4, 2, 8, 16, None, true, vec![(250, 1), (1, 1)]),
+        // The real models' groups and widths in tiles: Qwen3's 8 x 128 (every pair-chunk
+        // size of the blocked kernels, a tile starting mid-block), gpt-oss's 8 x 64 with a
+        // sliding window and sinks (rows of one tile with different first keys).
+        (16, 2, 128, 16, None, false, vec![(19, 40), (0, 1), (3, 21)]),
+        (16, 2, 64, 16, Some(24), true, vec![(30, 37), (0, 18)]),
     ];
     cases
         .into_iter()
@@ -635,10 +635,47 @@ fn half_and_f32_caches_match_the_dense_reference() {
     }
 }
 
-/// With `MOEC_ATTN_BENCH=1`: prefill of one sequence of 2k, 8k and 32k tokens on the
-/// tiny cards' attention shape (4 heads, 2 kv heads, 32 wide, blocks of 16), and one
-/// decode step at that length, timed for the per-row and the tiled kernel. Prints
-/// milliseconds; asserts only equal bits (timings depend on the machine).
+/// The bench's attention shapes by `MOEC_ATTN_SHAPE` name: `tiny` (the tiny cards': 4
+/// heads, 2 kv heads, 32 wide), `qwen3` (Qwen3-30B-A3B: 32, 4, 128), `dsv2` (DeepSeek-V2-
+/// Lite's latent attention: 16 heads over one 576-wide latent head), `gptoss` (gpt-oss-20b's
+/// full layers: 64, 8, 64, sinks) and `gptoss-swa` (its 128-token sliding-window layers);
+/// blocks of 16 (the runtime's block size whenever the pool allows it).
+fn bench_shape(name: &str) -> Option<AttnShape> {
+    let (heads, kv_heads, head_dim, sliding_window, sinks) = match name {
+        "tiny" => (4, 2, 32, None, false),
+        "qwen3" => (32, 4, 128, None, false),
+        "dsv2" => (16, 1, 576, None, false),
+        "gptoss" => (64, 8, 64, None, true),
+        "gptoss-swa" => (64, 8, 64, Some(128), true),
+        _ => return None,
+    };
+    Some(AttnShape {
+        heads,
+        kv_heads,
+        head_dim,
+        sliding_window,
+        sinks,
+    })
+}
+
+/// FLOP of one call's QK^T and PV products: 2 x (query, key) pairs x head width x query
+/// heads, for each of the two.
+fn attention_flop(shape: &AttnShape, lens: &[(usize, usize)]) -> f64 {
+    let pairs: usize = lens
+        .iter()
+        .flat_map(|&(c, n)| c..c + n)
+        .map(|pos| shape.sliding_window.map_or(pos + 1, |w| (pos + 1).min(w)))
+        .sum();
+    2.0 * 2.0 * (pairs * shape.head_dim * shape.heads) as f64
+}
+
+/// With `MOEC_ATTN_BENCH=2048,8192` (lengths; `1` for 2k, 8k and 32k): prefill of one
+/// sequence of each length and one decode step at that length, for the shapes of
+/// `MOEC_ATTN_SHAPE` (comma-separated [`bench_shape`] names, `tiny` by default) and the
+/// caches of `MOEC_ATTN_KV` (`f32`, `f16` or both; `f32` by default), timed for the tiled
+/// kernel and (unless `MOEC_ATTN_REF=0`) the per-row kernel. Prints milliseconds and
+/// GFLOP/s (see [`attention_flop`]) with the load average; asserts only equal bits
+/// (timings depend on the machine).
 #[test]
 fn attention_timings_at_long_context_when_asked() {
     let Ok(lengths) = std::env::var("MOEC_ATTN_BENCH") else {
@@ -654,46 +691,83 @@ fn attention_timings_at_long_context_when_asked() {
     } else {
         lengths
     };
-    let shape = AttnShape {
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        sliding_window: None,
-        sinks: false,
+    let env_list = |var: &str, default: &str| -> Vec<String> {
+        std::env::var(var)
+            .unwrap_or_else(|_| default.to_string())
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
     };
-    let layout = KvLayout {
-        block_size: 16,
-        kv_heads: 2,
-        head_dim: 32,
-    };
+    let shapes: Vec<(String, AttnShape)> = env_list("MOEC_ATTN_SHAPE", "tiny")
+        .into_iter()
+        .map(|name| {
+            let shape = bench_shape(&name)
+                .unwrap_or_else(|| panic!("MOEC_ATTN_SHAPE: no shape named {name:?}"));
+            (name, shape)
+        })
+        .collect();
+    let kv_types: Vec<KvType> = env_list("MOEC_ATTN_KV", "f32")
+        .iter()
+        .map(|t| match t.as_str() {
+            "f32" => KvType::F32,
+            "f16" => KvType::F16,
+            _ => panic!("MOEC_ATTN_KV: f32 or f16, not {t:?}"),
+        })
+        .collect();
+    let with_ref = std::env::var("MOEC_ATTN_REF").map_or(true, |v| v != "0");
+    let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let kernels = Kernels::process();
-    for n in lengths {
-        for (what, lens) in [("prefill", vec![(0, n)]), ("decode", vec![(n - 1, 1)])] {
-            let call = RandomCall {
-                shape,
-                layout,
-                lens,
-                seed: 1,
-                kv_type: KvType::F32,
-                round_kv: false,
-            };
-            let tiled = call.run(&|cache, seqs, qkv, out| {
-                let t = std::time::Instant::now();
-                kernels.attention(cache, seqs, qkv, &shape, out).unwrap();
-                eprintln!(
-                    "  tiled   {what} {n}: {:.2} ms",
-                    t.elapsed().as_secs_f64() * 1e3
-                );
-            });
-            let per_row = call.run(&|cache, seqs, qkv, out| {
-                let t = std::time::Instant::now();
-                per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap();
-                eprintln!(
-                    "  per-row {what} {n}: {:.2} ms",
-                    t.elapsed().as_secs_f64() * 1e3
-                );
-            });
-            assert_eq!(bits(&tiled.0), bits(&per_row.0));
+    eprintln!(
+        "attention bench: {:?} kernels, {} threads",
+        kernels.isa(),
+        rayon::current_num_threads()
+    );
+    for (name, shape) in &shapes {
+        let shape = *shape;
+        let layout = KvLayout {
+            block_size: 16,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+        };
+        for &kv_type in &kv_types {
+            for &n in &lengths {
+                for (what, lens) in [("prefill", vec![(0, n)]), ("decode", vec![(n - 1, 1)])] {
+                    let flop = attention_flop(&shape, &lens);
+                    let call = RandomCall {
+                        shape,
+                        layout,
+                        lens,
+                        seed: 1,
+                        kv_type,
+                        round_kv: false,
+                    };
+                    let report =
+                        |kernel: &str, secs: f64| {
+                            eprintln!(
+                            "  {name} {kv_type:?} {what} {n}: {kernel} {:.2} ms, {:.2} GFLOP/s \
+                             (load {})",
+                            secs * 1e3,
+                            flop / secs / 1e9,
+                            load().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+                        )
+                        };
+                    let tiled = call.run(&|cache, seqs, qkv, out| {
+                        let t = std::time::Instant::now();
+                        kernels.attention(cache, seqs, qkv, &shape, out).unwrap();
+                        report("tiled  ", t.elapsed().as_secs_f64());
+                    });
+                    if !with_ref {
+                        continue;
+                    }
+                    let per_row = call.run(&|cache, seqs, qkv, out| {
+                        let t = std::time::Instant::now();
+                        per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap();
+                        report("per-row", t.elapsed().as_secs_f64());
+                    });
+                    assert_eq!(bits(&tiled.0), bits(&per_row.0));
+                }
+            }
         }
     }
 }

@@ -210,6 +210,10 @@ impl Kernels {
     }
 }
 
+// The register-blocked products over many (query row, query head) pairs at once.
+#[path = "simd_blocked.rs"]
+mod blocked;
+
 /// Checked arguments of a key-score call (see [`Kernels::key_scores_transposed`]).
 struct ScoreArgs<'a> {
     k_tile: &'a [f32],
