@@ -688,13 +688,13 @@ fn evaluate_grid(
     // slowest point below has taken longest so far first (ties: grid order).
     let pick = |state: &State, now: Instant| -> Option<usize> {
         let mut best: Option<(usize, f64)> = None;
-        for i in 0..n {
+        for (i, below_i) in below.iter().enumerate() {
             if !matches!(state.stage[i], Stage::Waiting) {
                 continue;
             }
             let mut slowest = 0.0f64;
             let mut ready = true;
-            for &b in &below[i] {
+            for &b in below_i {
                 match &state.stage[b] {
                     Stage::Waiting => {
                         ready = false;

@@ -96,9 +96,7 @@ impl<'a> Labels<'a> {
 
     /// The task labelled `key`, if any.
     pub(super) fn get(&self, key: &LabelKey<'_>) -> Option<TaskId> {
-        let Some(&name) = self.names.get(key.name) else {
-            return None;
-        };
+        let &name = self.names.get(key.name)?;
         match Self::pack(key, name) {
             Some(packed) => self.packed.get(&packed).copied(),
             None => self.other.get(key).copied(),
