@@ -5,7 +5,10 @@
 //! per plan) and the label's text (`on_cpu[3, 0, 17]`), formatted once for the task.
 //! Guarantees: two keys are equal exactly when their texts and steps are.
 
+use super::scopes::{fast_map, FastMap};
+use crate::ir::TaskId;
 use smallvec::SmallVec;
+use std::collections::hash_map::Entry;
 use std::fmt::Write as _;
 
 /// A label within its step (`after` never crosses step boundaries).
@@ -40,9 +43,129 @@ impl LabelKey<'_> {
     }
 }
 
+/// Every label of a program with its task: what `after` resolves against and what a
+/// duplicate is found in.
+///
+/// A real-size plan keys a label per task (half a million per point), so a key is held in
+/// 16 bytes where it fits: its name interned, its step and up to four indices in
+/// `0..2^20` packed into two words ([`LabelKey`]s that do not fit, in a map of their own:
+/// a key goes to exactly one of the two, so equal keys meet). The table is a quarter of
+/// the size of one keyed by [`LabelKey`], and hashing and comparing a key touches no
+/// string.
+pub(super) struct Labels<'a> {
+    /// Each label name's number, in order of first use.
+    names: FastMap<&'a str, u32>,
+    /// Keys that pack.
+    packed: FastMap<(u64, u64), TaskId>,
+    /// Keys that do not.
+    other: FastMap<LabelKey<'a>, TaskId>,
+}
+
+/// Bits per packed index.
+const INDEX_BITS: u32 = 20;
+
+impl<'a> Labels<'a> {
+    /// No labels.
+    pub(super) fn new() -> Self {
+        Labels {
+            names: fast_map(),
+            packed: fast_map(),
+            other: fast_map(),
+        }
+    }
+
+    /// `key` in two words, with its name numbered `name`; `None` when it does not fit.
+    fn pack(key: &LabelKey<'_>, name: u32) -> Option<(u64, u64)> {
+        let limit = 1i64 << INDEX_BITS;
+        if key.indices.len() > 4
+            || key.step >= 1 << 12
+            || name >= 1 << 12
+            || key.indices.iter().any(|&i| !(0..limit).contains(&i))
+        {
+            return None;
+        }
+        // Word 0: step, name, index count, first index; word 1: the other three.
+        let at = |k: usize| key.indices.get(k).map_or(0, |&i| i as u64);
+        let head = u64::from(key.step)
+            | u64::from(name) << 12
+            | (key.indices.len() as u64) << 24
+            | at(0) << 27;
+        let tail = at(1) | at(2) << INDEX_BITS | at(3) << (2 * INDEX_BITS);
+        Some((head, tail))
+    }
+
+    /// The task labelled `key`, if any.
+    pub(super) fn get(&self, key: &LabelKey<'_>) -> Option<TaskId> {
+        let &name = self.names.get(key.name)?;
+        match Self::pack(key, name) {
+            Some(packed) => self.packed.get(&packed).copied(),
+            None => self.other.get(key).copied(),
+        }
+    }
+
+    /// Labels task `id` with `key`; `Err` with the task that already has the label.
+    pub(super) fn insert(&mut self, key: &LabelKey<'a>, id: TaskId) -> Result<(), TaskId> {
+        let count = self.names.len() as u32;
+        let name = *self.names.entry(key.name).or_insert(count);
+        let first = match Self::pack(key, name) {
+            Some(packed) => match self.packed.entry(packed) {
+                Entry::Occupied(first) => Some(*first.get()),
+                Entry::Vacant(slot) => {
+                    slot.insert(id);
+                    None
+                }
+            },
+            None => match self.other.get(key) {
+                Some(&first) => Some(first),
+                None => {
+                    self.other.insert(key.clone(), id);
+                    None
+                }
+            },
+        };
+        first.map_or(Ok(()), Err)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Equal keys meet whether they pack or not; keys that differ in any part, or pack
+    /// into neighbouring bits, do not.
+    #[test]
+    fn a_label_is_found_exactly_under_its_own_key() {
+        let key = |step: u32, name: &'static str, indices: &[i64]| LabelKey {
+            step,
+            name,
+            indices: indices.iter().copied().collect(),
+        };
+        let keys = [
+            key(0, "a", &[]),
+            key(1, "a", &[]),
+            key(0, "b", &[]),
+            key(0, "a", &[0]),
+            key(0, "a", &[0, 0]),
+            key(0, "a", &[1, 0]),
+            key(0, "a", &[0, 1]),
+            key(0, "a", &[(1 << 20) - 1, 5, 6, 7]),
+            key(0, "a", &[1 << 20, 5, 6, 7]),
+            key(0, "a", &[-1]),
+            key(0, "a", &[1, 2, 3, 4, 5]),
+            key(0, "a", &[1, 2, 3, 4]),
+        ];
+        let mut labels = Labels::new();
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(labels.get(k), None, "{k:?}");
+            assert_eq!(labels.insert(k, TaskId::new(i)), Ok(()), "{k:?}");
+        }
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(labels.get(k), Some(TaskId::new(i)), "{k:?}");
+            assert_eq!(labels.insert(k, TaskId::new(99)), Err(TaskId::new(i)));
+        }
+        assert_eq!(labels.get(&key(0, "c", &[])), None);
+        assert_eq!(labels.get(&key(2, "a", &[])), None);
+    }
 
     #[test]
     fn the_text_is_the_label_as_written_with_its_indices_evaluated() {

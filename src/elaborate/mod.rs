@@ -6,6 +6,7 @@
 //! invariants listed in [`crate::ir`]'s header. Declarations are processed in textual order
 //! (a name must be declared before it is used), step blocks after all declarations.
 
+mod calls;
 mod decls;
 pub mod evict;
 mod guards;
@@ -184,12 +185,16 @@ struct Elaborator<'a> {
     kv_part: Option<ir::KvPart>,
     /// Set while `experts(.., ub = all, ..)` issues its task for one micro-batch.
     group_ub: Option<u32>,
+    /// Op calls whose argument names are known well formed (all named, none twice, each
+    /// one the op takes), by the statement's address: the checks of those names, which
+    /// depend on the text alone, are made once per statement, not once per task.
+    clean_calls: scopes::FastMap<usize, bool>,
     templates: scopes::FastMap<String, &'a TemplateDecl>,
     template_stack: Vec<String>,
     micro: Option<MicroBatches>,
     tasks: Vec<Task>,
     spans: ir::SpanTable,
-    labels: scopes::FastMap<labels::LabelKey<'a>, TaskId>,
+    labels: labels::Labels<'a>,
     pending_after: Vec<PendingAfter<'a>>,
     guard: Vec<ir::GuardLit>,
     step: Option<(crate::syntax::ast::StepKind, ir::StepId)>,
@@ -241,12 +246,13 @@ impl<'a> Elaborator<'a> {
             cache_op: None,
             kv_part: None,
             group_ub: None,
+            clean_calls: scopes::fast_map(),
             templates: scopes::fast_map(),
             template_stack: Vec::new(),
             micro: None,
             tasks: Vec::new(),
             spans: ir::SpanTable::default(),
-            labels: scopes::fast_map(),
+            labels: labels::Labels::new(),
             pending_after: Vec::new(),
             guard: Vec::new(),
             step: None,
@@ -411,7 +417,7 @@ impl<'a> Elaborator<'a> {
         for p in pending {
             match self.labels.get(&p.label) {
                 None => self.report(Diagnostic::after_missing(p.span, &p.label.text())),
-                Some(&target) if target >= p.task => {
+                Some(target) if target >= p.task => {
                     let target_span = self.spans.tasks[target.index()];
                     self.report(Diagnostic::after_later(
                         p.span,
@@ -419,7 +425,7 @@ impl<'a> Elaborator<'a> {
                         target_span,
                     ));
                 }
-                Some(&target) => {
+                Some(target) => {
                     let task = &mut self.tasks[p.task.index()];
                     if !task.after.contains(&target) {
                         task.after.push(target);
@@ -542,13 +548,16 @@ impl value::Context for Elaborator<'_> {
                 "an index",
             ));
         };
-        let i = value::check_index(
-            index,
-            u64::from(dim),
-            &format!("`{}` index", array.name),
-            span,
-        )?;
-        indices.push(i as u32);
+        // The message's text only for an index out of range (this runs per task).
+        if index < 0 || index as u64 >= u64::from(dim) {
+            value::check_index(
+                index,
+                u64::from(dim),
+                &format!("`{}` index", array.name),
+                span,
+            )?;
+        }
+        indices.push(index as u32);
         if indices.len() < array.dims.len() {
             return Ok(Val::Array { decl, indices });
         }

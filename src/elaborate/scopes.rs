@@ -48,10 +48,13 @@ impl<'a> Scopes<'a> {
 
     /// The innermost visible binding of `name`.
     pub(super) fn get(&self, name: &str) -> Option<&Val> {
+        // Most names are a letter or two: their first byte and length settle most
+        // comparisons without a call to compare the bytes.
+        let first = name.as_bytes().first();
         self.locals[self.floor..]
             .iter()
             .rev()
-            .find(|(n, _)| n == name)
+            .find(|(n, _)| n.len() == name.len() && n.as_bytes().first() == first && n == name)
             .map(|(_, v)| v)
             .or_else(|| self.top.get(name))
     }

@@ -5,20 +5,17 @@
 //! conditions become guards on the tasks inside; static ones pick a branch.
 
 use super::labels::LabelKey;
-use super::value::{as_int, check_index, Context, SliceVal, Val};
+use super::value::{as_int, SliceVal, Val};
 use super::{Elaborator, PendingAfter};
 use crate::diag::Diagnostic;
 use crate::ir::cache::CacheOp;
-use crate::ir::catalog::{
-    self, AttnPart, ExpertRef, ExpertSet, Op, OpDef, OpForm, Shape, StaticArgs, StaticParam,
-};
+use crate::ir::catalog::{self, Op, OpForm, Shape};
 use crate::ir::{self, Access, Arg, Guard, Role, Slice, StepId, StreamId, Task, TaskId};
 use crate::syntax::ast::{
     self, Block, CallStmt, CopyKind, CopyStmt, ForStmt, IfStmt, LetStmt, Span, StepDecl, StepKind,
     Stmt, TaskTail,
 };
 use smallvec::SmallVec;
-use std::collections::hash_map::Entry;
 
 impl<'a> Elaborator<'a> {
     pub(super) fn run_step(&mut self, decl: &'a StepDecl) {
@@ -368,7 +365,7 @@ impl<'a> Elaborator<'a> {
         }
         self.cache_op = cache_op;
         self.kv_part = kv_part.map(|(part, _)| part);
-        let args = vec![
+        let args: TaskArgs = smallvec::smallvec![
             (
                 Arg {
                     role: Role::Src,
@@ -408,288 +405,6 @@ impl<'a> Elaborator<'a> {
         }
     }
 
-    fn micro_count(&mut self, span: Span) -> Result<u32, Diagnostic> {
-        self.micro
-            .map(|m| m.count)
-            .ok_or_else(|| Diagnostic::missing_microbatches(span))
-    }
-
-    /// Issues a call of the op `def`: its static parameters parsed as the table declares
-    /// them, then its buffer arguments checked against the table (unknown names, missing
-    /// required ones) and against the op's value signature.
-    fn exec_op(&mut self, stmt: &'a CallStmt, def: &'static OpDef) -> Result<(), Diagnostic> {
-        if self.group_ub.is_none() && def.kind == catalog::OpKind::Experts {
-            let ub = stmt
-                .args
-                .iter()
-                .find(|a| a.name.as_ref().is_some_and(|n| n.name == "ub"));
-            if let Some(ub) = ub {
-                if self.eval(&ub.value)? == Val::Word("all") {
-                    return self.exec_experts_group(stmt, def);
-                }
-            }
-        }
-        let op_name = def.name;
-        // An op takes a handful of arguments: a list searched in place, no map per task.
-        let mut named: SmallVec<[(&str, &ast::Arg); 8]> = SmallVec::new();
-        for arg in &stmt.args {
-            let Some(name) = &arg.name else {
-                return Err(Diagnostic::positional_op_argument(arg.span, op_name));
-            };
-            if named.iter().any(|(n, _)| *n == name.name) {
-                return Err(Diagnostic::bad_argument(
-                    name.span,
-                    op_name,
-                    &format!("{} (given twice)", name.name),
-                    &def.arg_names(),
-                ));
-            }
-            named.push((name.name.as_str(), arg));
-        }
-        let named_get = |key: &str| named.iter().find(|(n, _)| *n == key).map(|&(_, arg)| arg);
-        // Ask for the micro-batch count first: without it no `ub` can be checked.
-        let ub_limit = if def.params.contains(&StaticParam::Ub) {
-            u64::from(self.micro_count(stmt.name.span)?)
-        } else {
-            0
-        };
-        let mut parsed = StaticArgs::default();
-        for &param in def.params {
-            let arg = named_get(param.name())
-                .ok_or_else(|| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
-            match param {
-                StaticParam::Layer => {
-                    parsed.layer = Some(self.static_index(arg, self.card.layers, "layer")?)
-                }
-                StaticParam::Ub => {
-                    parsed.ub = match self.group_ub {
-                        Some(k) => Some(k),
-                        None => Some(self.static_index(arg, ub_limit, "micro-batch")?),
-                    }
-                }
-                StaticParam::Part => parsed.part = Some(self.static_part(arg, param)?),
-                StaticParam::Set => parsed.set = Some(self.static_set(arg)?),
-            }
-        }
-        let op = (def.build)(&parsed)
-            .map_err(|param| Diagnostic::missing_argument(stmt.span, op_name, param.name()))?;
-        // Lookahead gating needs a layer before it and a router in its own layer.
-        if let Op::Pregate { layer, .. } = op {
-            let first = self.card.dense_layers.max(1);
-            if u64::from(layer) < first {
-                let span = named_get("layer").map_or(stmt.span, |a| a.value.span);
-                return Err(Diagnostic::out_of_range(
-                    span,
-                    "pregate layer",
-                    i64::from(layer),
-                    &format!(
-                        "a layer with a router and a layer before it: {first}..{}",
-                        self.card.layers
-                    ),
-                ));
-            }
-        }
-        for arg in &stmt.args {
-            if let Some(name) = &arg.name {
-                let allowed = def.params.iter().any(|p| p.name() == name.name)
-                    || def.args.iter().any(|a| a.role.as_str() == name.name);
-                if !allowed {
-                    return Err(Diagnostic::bad_argument(
-                        name.span,
-                        op_name,
-                        &name.name,
-                        &def.arg_names(),
-                    ));
-                }
-            }
-        }
-        // The concrete op's signature decides what is required (`attn(part = prefill)` may
-        // leave out its `kv`) and with which access each argument is passed.
-        let signature = catalog::signature(&op, &self.card);
-        let mut args = Vec::with_capacity(signature.len());
-        for role_sig in &signature {
-            let key = role_sig.role.as_str();
-            let Some(arg) = named_get(key) else {
-                if role_sig.optional {
-                    continue;
-                }
-                return Err(Diagnostic::missing_argument(stmt.span, op_name, key));
-            };
-            let mut value = self.eval(&arg.value)?;
-            // In a group, `route` and `acc` name arrays indexed by micro-batch.
-            if let (Some(k), Val::Array { decl, indices }) = (self.group_ub, &value) {
-                if matches!(role_sig.role, Role::Route | Role::Acc) {
-                    value =
-                        self.index_array(*decl, indices.clone(), i64::from(k), arg.value.span)?;
-                }
-            }
-            // Inline: one slice per argument but for `w` or `acc` lists.
-            let slices: SmallVec<[(SliceVal, Span); 2]> = match value {
-                Val::Slice(s) => smallvec::smallvec![(s, arg.value.span)],
-                Val::List(items)
-                    if def.arg(role_sig.role).is_some_and(|a| a.list) && !items.is_empty() =>
-                {
-                    let spans: Vec<Span> = match &arg.value.kind {
-                        ast::ExprKind::List(exprs) => exprs.iter().map(|e| e.span).collect(),
-                        _ => vec![arg.value.span; items.len()],
-                    };
-                    let mut out = SmallVec::new();
-                    for (item, span) in items.into_iter().zip(spans) {
-                        match item {
-                            Val::Slice(s) => out.push((s, span)),
-                            other => {
-                                return Err(Diagnostic::type_mismatch(
-                                    span,
-                                    "a buffer slice",
-                                    other.type_name(),
-                                ))
-                            }
-                        }
-                    }
-                    out
-                }
-                Val::Array { .. } => {
-                    return Err(Diagnostic::type_mismatch(
-                        arg.value.span,
-                        "a buffer slice",
-                        "an array of buffers (index it)",
-                    ))
-                }
-                other => {
-                    let expected = if def.arg(role_sig.role).is_some_and(|a| a.list) {
-                        "a buffer slice or a list of them"
-                    } else {
-                        "a buffer slice"
-                    };
-                    return Err(Diagnostic::type_mismatch(
-                        arg.value.span,
-                        expected,
-                        other.type_name(),
-                    ));
-                }
-            };
-            for (slice, span) in slices {
-                args.push((
-                    Arg {
-                        role: role_sig.role,
-                        slice: to_slice(slice),
-                        access: role_sig.access,
-                    },
-                    span,
-                ));
-            }
-        }
-        self.issue(op, args, &stmt.tail, stmt.span, op_name)
-    }
-
-    /// A compile-time index `0..limit` (`layer`, `ub`).
-    fn static_index(&mut self, arg: &ast::Arg, limit: u64, what: &str) -> Result<u32, Diagnostic> {
-        let value = self.eval(&arg.value)?;
-        if matches!(value, Val::Expert(_)) {
-            return Err(Diagnostic::dynamic_not_allowed(arg.value.span, what));
-        }
-        let i = as_int(value, arg.value.span)?;
-        Ok(check_index(i, limit, what, arg.value.span)? as u32)
-    }
-
-    /// `experts(layer = l, ub = all, set = e, w = .., route = R, acc = A)`: one expert
-    /// computation over every micro-batch (Klotski §4: each expert's weights serve the
-    /// tokens of all batches of the group). It unrolls into one task per micro-batch k
-    /// (`route = R[k]`, `acc = A[k]`; with one expert, guarded by `active(l, e, k)` as
-    /// well, so a micro-batch without its tokens skips its part), marked as one group: the
-    /// checker and the runtime see ordinary tasks, the cost model reads the weights once.
-    fn exec_experts_group(
-        &mut self,
-        stmt: &'a CallStmt,
-        def: &'static OpDef,
-    ) -> Result<(), Diagnostic> {
-        let n = self.micro_count(stmt.name.span)?;
-        let arg = |name: &str| {
-            stmt.args
-                .iter()
-                .find(|a| a.name.as_ref().is_some_and(|n| n.name == name))
-        };
-        let (Some(layer), Some(set)) = (arg("layer"), arg("set")) else {
-            return Err(Diagnostic::missing_argument(
-                stmt.span,
-                def.name,
-                "layer or set",
-            ));
-        };
-        let layer = self.static_index(layer, self.card.layers, "layer")?;
-        let set = self.static_set(set)?;
-        let first = self.tasks.len();
-        for k in 0..n {
-            let depth = self.guard.len();
-            if let ExpertSet::One(expert) = set {
-                self.guard.push(ir::GuardLit {
-                    atom: ir::GuardAtom::Active {
-                        layer,
-                        expert,
-                        ub: Some(k),
-                    },
-                    negated: false,
-                });
-            }
-            self.group_ub = Some(k);
-            let result = self.exec_op(stmt, def);
-            self.group_ub = None;
-            self.guard.truncate(depth);
-            result?;
-        }
-        if self.tasks.len() > first {
-            let head = TaskId::new(first);
-            for task in &mut self.tasks[first..] {
-                task.group = Some(head);
-            }
-        }
-        Ok(())
-    }
-
-    /// `part = prefill | decode | all`.
-    fn static_part(&mut self, arg: &ast::Arg, param: StaticParam) -> Result<AttnPart, Diagnostic> {
-        match self.eval(&arg.value)? {
-            Val::Word("prefill") => Ok(AttnPart::Prefill),
-            Val::Word("decode") => Ok(AttnPart::Decode),
-            Val::Word("all") => Ok(AttnPart::All),
-            other => Err(Diagnostic::type_mismatch(
-                arg.value.span,
-                param.syntax(),
-                other.type_name(),
-            )),
-        }
-    }
-
-    /// `set = all | e | a..b | expert` (a run-time expert such as `hot(l, r)`).
-    fn static_set(&mut self, arg: &ast::Arg) -> Result<ExpertSet, Diagnostic> {
-        let experts = self.card.experts;
-        Ok(match self.eval(&arg.value)? {
-            Val::Word("all") => ExpertSet::All,
-            Val::Expert(e) => ExpertSet::One(e),
-            Val::Range(lo, hi) => {
-                let start = check_index(lo, experts, "expert", arg.value.span)? as u32;
-                if hi > experts as i64 || hi <= lo {
-                    return Err(Diagnostic::out_of_range(
-                        arg.value.span,
-                        "expert range end",
-                        hi,
-                        &format!("{}..={experts}", lo + 1),
-                    ));
-                }
-                ExpertSet::Range {
-                    start,
-                    end: hi as u32,
-                }
-            }
-            other => {
-                let e = as_int(other, arg.value.span)?;
-                ExpertSet::One(ExpertRef::Index(
-                    check_index(e, experts, "expert", arg.value.span)? as u32,
-                ))
-            }
-        })
-    }
-
     pub(super) fn step_shape(&self) -> Shape {
         let size = self.micro.map_or(1, |m| m.size);
         let w = self.options.workload;
@@ -724,10 +439,10 @@ impl<'a> Elaborator<'a> {
         }
     }
 
-    fn issue(
+    pub(super) fn issue(
         &mut self,
         op: Op,
-        args: Vec<(Arg, Span)>,
+        args: TaskArgs,
         tail: &'a TaskTail,
         span: Span,
         op_name: &str,
@@ -849,15 +564,11 @@ impl<'a> Elaborator<'a> {
             Some(key) => {
                 // The text only where it is kept (`Options::task_names`) or reported.
                 let text = self.options.task_names.then(|| key.text());
-                match self.labels.entry(key) {
-                    Entry::Occupied(first) => {
-                        let first_span = self.spans.tasks[first.get().index()];
-                        let text = text.unwrap_or_else(|| first.key().text());
-                        return Err(Diagnostic::duplicate_label(span, first_span, &text));
-                    }
-                    Entry::Vacant(slot) => {
-                        slot.insert(id);
-                    }
+                if let Err(first) = self.labels.insert(&key, id) {
+                    let first_span = self.spans.tasks[first.index()];
+                    // The key is equal to the first's, so is its text.
+                    let text = text.unwrap_or_else(|| key.text());
+                    return Err(Diagnostic::duplicate_label(span, first_span, &text));
                 }
                 text
             }
@@ -968,7 +679,11 @@ fn kv_part_of(expr: &ast::Expr) -> Result<(&ast::Expr, Option<KvPartAt>), Diagno
     Ok((base, Some((part, method.span))))
 }
 
-fn to_slice(s: SliceVal) -> Slice {
+/// A task's arguments with their spans as an op call or copy gives them to `issue`:
+/// inline, as every op takes a handful (no allocation per task beyond the task's own).
+pub(super) type TaskArgs = SmallVec<[(Arg, Span); 6]>;
+
+pub(super) fn to_slice(s: SliceVal) -> Slice {
     Slice {
         buffer: s.buffer,
         start: s.start,

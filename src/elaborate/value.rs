@@ -449,7 +449,12 @@ pub fn coerce_int(v: Val, span: Span) -> Result<Val, Diagnostic> {
 }
 
 /// The value as an i64, or a type error.
+#[inline]
 pub fn as_int(v: Val, span: Span) -> Result<i64, Diagnostic> {
+    // Unrolling asks this of every index and loop bound: an int needs no coercion.
+    if let Val::Int(i) = v {
+        return Ok(i);
+    }
     match coerce_int(v, span)? {
         Val::Int(i) => Ok(i),
         _ => Err(Diagnostic::type_mismatch(
