@@ -558,13 +558,15 @@ mod tests {
     use super::*;
     use half::bf16;
 
-    fn data(n: usize, seed: usize) -> Vec<f32> {
+    /// Deterministic values in [-1, 1) (the blocked bodies' tests use them too).
+    pub(super) fn data(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
             .map(|i| (((i + seed) * 7919) % 2003) as f32 / 1001.0 - 1.0)
             .collect()
     }
 
-    fn bits(v: &[f32]) -> Vec<u32> {
+    /// Each value's bits, so equal vectors mean equal bits (NaN included).
+    pub(super) fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
 

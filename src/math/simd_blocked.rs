@@ -427,17 +427,8 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{bits, data};
     use crate::math::isa::{Isa, Kernels};
-
-    fn data(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i + seed) * 7919) % 2003) as f32 / 1001.0 - 1.0)
-            .collect()
-    }
-
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|x| x.to_bits()).collect()
-    }
 
     /// The blocked score body gives, pair by pair, the bits of the per-group kernel
     /// (`key_scores_transposed`, one call per pair) on every instruction set: slot runs
