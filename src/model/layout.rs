@@ -522,30 +522,45 @@ pub fn bytes_by_class(card: &ModelCard) -> Vec<(WeightClass, u64, Vec<Storage>)>
         .collect()
 }
 
-/// A heap buffer aligned for any dtype (backed by u64s), for holding a layer image.
-#[derive(Debug, Clone)]
+/// A buffer aligned for any dtype, for a layer image or a tensor the weights image holds in
+/// memory (a realigned or decoded tensor): zeroed pages of its own, never shared with
+/// another allocation. The CUDA backend registers the image's tensors with the driver in
+/// whole pages (`runtime::cuda::host_weights`); a heap buffer's first and last pages held
+/// other heap objects, which then looked page-locked (and read-only) to the driver: a
+/// pageable copy's source freed after the call was read later, as a pinned one is, and a
+/// copy to a heap buffer in those pages was refused.
+#[derive(Debug)]
 pub struct ImageBuffer {
-    words: Vec<u64>,
+    map: memmap2::MmapMut,
     len: usize,
 }
 
 impl ImageBuffer {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        ImageBuffer {
-            words: vec![0; len.div_ceil(8)],
-            len,
-        }
+        // An anonymous map is zero-filled, page-aligned and its own pages. Out of memory
+        // ends the process, as a failed heap allocation does.
+        let map = memmap2::MmapMut::map_anon(len.max(1))
+            .unwrap_or_else(|e| panic!("cannot map {len} bytes for a weights buffer: {e}"));
+        ImageBuffer { map, len }
     }
 
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        &self.map[..self.len]
     }
 
     /// The bytes, mutable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        &mut self.map[..self.len]
+    }
+}
+
+impl Clone for ImageBuffer {
+    fn clone(&self) -> Self {
+        let mut copy = ImageBuffer::zeroed(self.len);
+        copy.as_bytes_mut().copy_from_slice(self.as_bytes());
+        copy
     }
 }
 

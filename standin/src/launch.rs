@@ -217,6 +217,22 @@ unsafe extern "C" fn cuLaunchKernel(
                     .map(|&o| unsafe { base.add(o) }.cast())
                     .collect();
                 let _one_at_a_time = lock(&DEVICE);
+                // A pointer parameter whose allocation was freed, and its free run, between
+                // submission and now would fault or read whatever reuses the address: say
+                // which and end the process, as a GPU's illegal address ends its context.
+                for (i, &offset) in launch.offsets.iter().enumerate() {
+                    if kernel.pointers[i] && kernel.sizes[i] == 8 {
+                        // SAFETY: the 8 bytes at `offset` of `storage` are the parameter.
+                        let addr = unsafe { base.add(offset).cast::<u64>().read_unaligned() };
+                        if let Err(why) = crate::memory::check_kernel_pointer_at_run(addr as usize)
+                        {
+                            log(&format!(
+                                "{name}: pointer parameter {i} when the launch ran: {why}"
+                            ));
+                            std::process::abort();
+                        }
+                    }
+                }
                 let before = crate::memory::snapshot(&read_only);
                 // SAFETY: one pointer per parameter, each to its copied bytes; pointer
                 // parameters were checked against live allocations at submission.

@@ -40,12 +40,16 @@ struct Table {
     live: BTreeMap<usize, Region>,
     /// Freed device and pinned allocations (start -> size), until the address is reused.
     freed: BTreeMap<usize, (usize, Kind)>,
+    /// The freed allocations whose mapping is gone (a stream-ordered free has run), until
+    /// the address is reused: work that reads one ran after its free.
+    unmapped: BTreeMap<usize, usize>,
     device_bytes: usize,
 }
 
 static TABLE: Mutex<Table> = Mutex::new(Table {
     live: BTreeMap::new(),
     freed: BTreeMap::new(),
+    unmapped: BTreeMap::new(),
     device_bytes: 0,
 });
 
@@ -135,6 +139,7 @@ fn allocate(size: usize, kind: Kind) -> Result<usize, u32> {
         .collect();
     for start in stale {
         table.freed.remove(&start);
+        table.unmapped.remove(&start);
     }
     if kind == Kind::Device {
         table.device_bytes += size;
@@ -183,6 +188,9 @@ pub fn release(ptr: usize, kind: Kind, call: &str) -> Result<impl FnOnce() + Sen
     }
     table.freed.insert(ptr, (region.size, kind));
     Ok(move || {
+        // Recorded before the mapping goes, so no new mapping at this address can be
+        // entered before it (an allocation drops the record when it reuses the address).
+        lock(&TABLE).unmapped.insert(ptr, region.size);
         // SAFETY: the mapping was created by `map` for this region alone and has just been
         // taken out of the table, so no new user can be handed it; work queued before the
         // free has finished when the stream runs this.
@@ -371,6 +379,26 @@ pub fn check_kernel_pointer(ptr: usize) -> Result<(), String> {
         Ok(())
     } else {
         Err(describe_missing(&table, ptr))
+    }
+}
+
+/// Checks, when a launch runs, that a pointer parameter (checked live when the launch was
+/// submitted) does not point into an allocation whose stream-ordered free has run since:
+/// the work that freed it was not ordered after this launch. A freed allocation whose free
+/// has not run yet is still valid, as on a GPU.
+pub fn check_kernel_pointer_at_run(ptr: usize) -> Result<(), String> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    let table = lock(&TABLE);
+    match table.unmapped.range(..=ptr).next_back() {
+        Some((&start, &size)) if ptr <= start + size && containing(&table, ptr).is_none() => {
+            Err(format!(
+                "use after free: {ptr:#x} is in the allocation of {size} bytes at {start:#x}, \
+                 live when the launch was submitted, whose free ran before the launch did"
+            ))
+        }
+        _ => Ok(()),
     }
 }
 
