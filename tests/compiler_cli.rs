@@ -606,3 +606,27 @@ fn check_says_a_schedule_uses_a_lossy_substitute() {
     let (_, plain, _) = moec(&["check", "tests/fixtures/all_constructs.sched"]);
     assert!(!plain.contains("lossy substitute"), "{plain}");
 }
+
+/// `check --kv-type f16` counts the KV cache at two bytes an element, as `moec run --kv-type
+/// f16` keeps it. tests/fixtures/cost/budget.sched on mixtral-tiny without a profile
+/// (tests/cost_budget.rs works its bytes by hand): host 31,702,272 B with the f32 cache
+/// (one CPU thread's attention tile, 32,768 B, is its op workspace), 1,310,720 B less with
+/// halves, so a 31 MB budget holds the half cache and refuses the f32 one.
+#[test]
+fn check_counts_the_kv_cache_at_the_kv_type_it_is_given() {
+    let args = [
+        "check",
+        "tests/fixtures/cost/budget.sched",
+        "--host-mem",
+        "31MB",
+    ];
+    let (code, _, stderr) = moec(&args);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("OVER by 702.3 kB"), "{stderr}");
+    let (code, stdout, stderr) = moec(&[&args[..], &["--kv-type", "f16"]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("all_constructs: ok"), "{stdout}");
+    let (code, _, stderr) = moec(&[&args[..], &["--kv-type", "f8"]].concat());
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("expected `f32` or `f16`"), "{stderr}");
+}

@@ -44,6 +44,10 @@ pub struct SchedArgs {
     /// model read.
     #[arg(long = "profile", value_name = "FILE")]
     pub routing_profile: Option<PathBuf>,
+    /// KV cache element type the run will keep (`moec run --kv-type`): `f16` sizes the
+    /// `kv_cache(..)` buffers and the KV traffic at 2 bytes an element; f32 if not given.
+    #[arg(long, value_parser = super::inputs::kv_type)]
+    pub kv_type: Option<crate::model::vocab::KvType>,
 }
 
 /// Why a schedule could not be compiled, ready to print.
@@ -65,6 +69,7 @@ impl SchedArgs {
                 text: format!("error: {e}\n"),
             })?;
         let mut options = Options::new(model);
+        options.kv_bytes = self.kv_type.map(|kv| kv.bytes());
         if let Some(path) = &self.routing_profile {
             options.profile = Some(
                 super::inputs::load_routing_profile(path, &options.model).map_err(|e| Failure {

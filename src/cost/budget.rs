@@ -341,8 +341,11 @@ fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 }
 
 /// The largest scratch space one task needs beyond its arguments (gate/up intermediates of
-/// experts, attention score blocks), per space its engine computes in.
-fn workspace_lines(program: &Program) -> Vec<BudgetLine> {
+/// experts, attention score blocks), per space its engine computes in. The CPU's
+/// attention keeps one tile's scores per worker thread (`cpu_threads` of them), whatever
+/// the prompt's length: counting the catalog's score block per query row and head there
+/// put 1.07 GB on an 8,192-token Qwen3-30B-A3B prefill whose kernel holds 8 MiB.
+fn workspace_lines(program: &Program, cpu_threads: u64) -> Vec<BudgetLine> {
     let mut best: [(u64, Option<TaskId>); 2] = [(0, None), (0, None)];
     for (index, task) in program.tasks.iter().enumerate() {
         let slot = match program.stream(task.stream).engine {
@@ -350,7 +353,17 @@ fn workspace_lines(program: &Program) -> Vec<BudgetLine> {
             Engine::CpuCompute => 1,
             _ => continue,
         };
-        let bytes = catalog::workspace_bytes(&task.op, &program.model, &task.shape);
+        let bytes = match task.op {
+            crate::ir::Op::Attn { .. } if slot == 1 => {
+                cpu_threads
+                    * crate::model::vocab::attention_score_scratch_bytes(
+                        program.model.heads,
+                        task.shape.context,
+                        task.shape.tokens.div_ceil(task.shape.seqs.max(1)),
+                    )
+            }
+            _ => catalog::workspace_bytes(&task.op, &program.model, &task.shape),
+        };
         if bytes > best[slot].0 {
             best[slot] = (bytes, Some(TaskId::new(index)));
         }
@@ -429,7 +442,10 @@ pub fn budget_table(
             }),
         }
     }
-    lines.extend(workspace_lines(program));
+    // The probed (or named) machine's cores: the CPU pool's threads when `--threads` is
+    // not given, and at least one scratch without a profile.
+    let cpu_threads = profile.map_or(1, |p| u64::from(p.cpu.cores.max(1)));
+    lines.extend(workspace_lines(program, cpu_threads));
     let order = |s: &str| match s {
         "gpu" => 0,
         "pinned" => 1,

@@ -160,7 +160,7 @@ impl Kernels {
         let mut tasks: Vec<Task> = Vec::new();
         for (s, seq) in seqs.iter().enumerate().filter(|&(s, _)| attend(s)) {
             let longest = seq.context_len + seq.n_new;
-            let rows = (SCRATCH_FLOATS / (group * longest).max(1)).clamp(1, QUERY_TILE);
+            let rows = crate::model::vocab::attention_tile_rows(group, longest);
             for h in 0..shape.kv_heads {
                 let mut j0 = 0;
                 while j0 < seq.n_new {
@@ -413,13 +413,6 @@ thread_local! {
     /// (a tenth of the kernel's time at 8k on Qwen3's shape).
     static SCORES: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
-
-/// Most new tokens one attention task takes (a tile's rows share each key block read).
-const QUERY_TILE: usize = 16;
-
-/// Bound on one task's score scratch, in floats (4 MiB): a tile has fewer rows when its
-/// rows' scores (`group x keys` each) would take more, down to one row.
-const SCRATCH_FLOATS: usize = 1 << 20;
 
 /// One unit of parallel work of [`Kernels::attention_of`].
 struct Task {

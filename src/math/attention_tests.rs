@@ -427,7 +427,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 
 /// The key-block-tiled kernel gives exactly the per-row kernel's bits on random
 /// inputs: prefill, decode and chunked rows after a cached context, several sequences,
-/// tiles with a partial last tile (more than [`QUERY_TILE`] rows, not a multiple),
+/// tiles with a partial last tile (more than [`crate::model::vocab::ATTENTION_QUERY_TILE`] rows, not a multiple),
 /// odd block sizes and head widths (the SIMD bodies' tails and the portable path),
 /// sliding windows and sinks, on every instruction set this CPU has.
 #[test]

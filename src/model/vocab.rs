@@ -130,6 +130,31 @@ impl KvType {
     }
 }
 
+/// Most new tokens one CPU attention task takes: a tile's rows share each key block read.
+pub const ATTENTION_QUERY_TILE: usize = 16;
+
+/// Bound on one CPU attention task's score scratch, in floats (4 MiB): a tile takes fewer
+/// rows when its rows' scores (`group x keys` each) would pass it, down to one row.
+pub const ATTENTION_SCRATCH_FLOATS: usize = 1 << 20;
+
+/// New tokens of one CPU attention task whose rows attend up to `longest` keys with
+/// `group` query heads a kv head: as many as fit [`ATTENTION_SCRATCH_FLOATS`], from one
+/// to [`ATTENTION_QUERY_TILE`].
+pub fn attention_tile_rows(group: usize, longest: usize) -> usize {
+    (ATTENTION_SCRATCH_FLOATS / (group * longest).max(1)).clamp(1, ATTENTION_QUERY_TILE)
+}
+
+/// Most bytes of scores one CPU worker thread keeps for attention (the kernel's score
+/// scratch, kept between tasks) over `keys` positions with `new` tokens a sequence: one
+/// tile's rows of `heads x keys` scores. `heads` bounds any GQA group: a wider group
+/// takes fewer rows a tile but never fewer scores. The memory budget counts this per
+/// thread.
+pub fn attention_score_scratch_bytes(heads: u64, keys: u64, new: u64) -> u64 {
+    let (group, keys) = (heads.max(1) as usize, keys.max(1) as usize);
+    let rows = attention_tile_rows(group, keys).min(new.max(1) as usize);
+    (rows as u64) * (group as u64) * (keys as u64) * 4
+}
+
 /// Which normalisation a family uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NormKind {

@@ -428,11 +428,27 @@ const POST_ATTN: OpDef = OpDef {
                 + 3.0 * d.n * d.h
         },
         bytes: post_attn_bytes,
-        // The experts' gate/up intermediates of every routed (token, k).
-        workspace: |_, card, shape| shape.tokens * card.top_k * card.ffn * 2 * shape.act_bytes,
+        workspace: post_attn_workspace,
     },
     cost: CostClass::FusedPostAttn,
 };
+
+/// What the fused layer holds beside its arguments, as the CPU kernel allocates it: the
+/// attention rows merged for the O projection (`q_dim` a token), then the MoE's normalised
+/// rows, one slot per (token, k) and the shared expert's output (`hidden` each), and one
+/// expert's gathered rows with their gate and up values (an expert meets each token at
+/// most once); a dense layer's gate and up values instead. On an 8,192-token Qwen3-30B-A3B
+/// prefill that is 856 MB, most of it the slots; it counted only gate/up values for every
+/// (token, k) before (403 MB), where the kernel runs the experts one at a time.
+fn post_attn_workspace(op: &Op, card: &ModelCard, shape: &Shape) -> u64 {
+    let per_token = if dense_layer(op, card) {
+        card.q_dim() + 2 * card.dense_ffn
+    } else {
+        let shared = if card.shared_ffn > 0 { card.hidden } else { 0 };
+        card.q_dim() + (card.top_k + 1) * card.hidden + shared + card.hidden + 2 * card.ffn
+    };
+    shape.tokens * per_token * shape.act_bytes
+}
 
 fn post_attn_signature(op: &Op, card: &ModelCard) -> Vec<RoleSig> {
     let (layer, ub) = (op.layer().unwrap_or(0), op.ub().unwrap_or(0));
