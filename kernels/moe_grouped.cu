@@ -568,18 +568,6 @@ __device__ __forceinline__ void moe_rows_load(const unsigned short* __restrict__
     }
 }
 
-// Eight 16-bit weights (format dt: 0 bf16, 1 f16) of a 16-byte load as f32.
-__device__ __forceinline__ void moe_rows_widen(const uint4& raw, int dt, float* wv) {
-    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
-        const unsigned short hi = (unsigned short)(words[j] >> 16);
-        wv[2 * j] = dt == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
-        wv[2 * j + 1] = dt == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
-    }
-}
-
 // One tile's products of stored rows w0 and w1 (either may be null: no loads, sums 0)
 // with its `rows` (<= R) staged rows x + src[r] (src: element offsets in shared memory),
 // over in_dim inputs; lane r (< rows) gets row r's warp sums in v0 and v1. Every thread of
@@ -625,12 +613,8 @@ __device__ __forceinline__ void moe_rows_tile(const unsigned short* __restrict__
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     if (r < rows) {
-                        const float4 a = *(const float4*)(xs + r * KC + kk);
-                        const float4 b = *(const float4*)(xs + r * KC + kk + 4);
-                        a0[r] += g[0] * a.x + g[1] * a.y + g[2] * a.z + g[3] * a.w
-                               + g[4] * b.x + g[5] * b.y + g[6] * b.z + g[7] * b.w;
-                        a1[r] += h[0] * a.x + h[1] * a.y + h[2] * a.z + h[3] * a.w
-                               + h[4] * b.x + h[5] * b.y + h[6] * b.z + h[7] * b.w;
+                        a0[r] += moe_dot8(g, xs + r * KC + kk);
+                        a1[r] += moe_dot8(h, xs + r * KC + kk);
                     }
                 }
             }

@@ -337,6 +337,29 @@ __device__ __forceinline__ float moe_dot1(const void* w, long long row, int dtyp
 // barriers a chunk): a warp with no output passes w = 0 and gets 0.
 #define MOE_STAGE_FLOATS 8192
 
+// Eight 16-bit weights (format dt: 0 bf16, 1 f16) of a 16-byte load as f32.
+__device__ __forceinline__ void moe_rows_widen(const uint4& raw, int dt, float* wv) {
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
+        const unsigned short hi = (unsigned short)(words[j] >> 16);
+        wv[2 * j] = dt == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
+        wv[2 * j + 1] = dt == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
+    }
+}
+
+// The 8-term product of widened weights wv with the 8 staged values at xs (16-byte
+// aligned), summed left to right as the generic loop writes it: every staged kernel's sums
+// keep the generic loop's bits because they all take this one expression.
+__device__ __forceinline__ float moe_dot8(const float* wv, const float* xs) {
+    const float4 a = *(const float4*)xs;
+    const float4 b = *(const float4*)(xs + 4);
+    return wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y
+         + wv[6] * b.z + wv[7] * b.w;
+}
+
+
 template <int R>
 __device__ float moe_rows_dot_staged(const unsigned short* __restrict__ w, int dt,
                                      const float* __restrict__ x, int rows, int in_dim,
@@ -385,22 +408,12 @@ __device__ float moe_rows_dot_staged(const unsigned short* __restrict__ w, int d
             for (int u = 0; u < U; ++u) {
                 const int kk = lane * 8 + 256 * u;
                 if (c + kk < in_dim) {
-                    const unsigned int words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
                     float wv[8];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
-                        const unsigned short hi = (unsigned short)(words[j] >> 16);
-                        wv[2 * j] = dt == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
-                        wv[2 * j + 1] = dt == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
-                    }
+                    moe_rows_widen(raw[u], dt, wv);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         if (r < rows) {
-                            const float4 a = *(const float4*)(xs + r * KC + kk);
-                            const float4 b = *(const float4*)(xs + r * KC + kk + 4);
-                            acc[r] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w
-                                    + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+                            acc[r] += moe_dot8(wv, xs + r * KC + kk);
                         }
                     }
                 }
