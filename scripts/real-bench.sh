@@ -19,7 +19,10 @@
 # The table at the end covers this run's lines: each point's figures and moec / llama.cpp.
 #
 # moec's KV cache is f16 (`--kv-type f16`), as llama.cpp's is by default, unless --kv-type
-# says otherwise; the type is recorded with each moec line. --prefill-tokens N prefills at
+# says otherwise; the type is recorded with each moec line. --host-mem SIZE gives moec's runs
+# that host budget (`moec run --host-mem`, recorded) where a point needs more than the
+# default share of 0.8 of the machine's memory (Qwen3-30B-A3B's 8,192-token prompt, whose
+# budget is 20.59 GB of 20.22). --prefill-tokens N prefills at
 # most N prompt tokens a pass over the batch (`moec run --prefill-chunk N/batch`, as
 # llama.cpp's `-ub 512` does; default: each prompt whole), recorded too.
 #
@@ -39,6 +42,7 @@
 # Usage: scripts/real-bench.sh [--models "olmoe-1b-7b:q4_k_m gpt-oss-20b:mxfp4_moe ..."]
 #            [--points "512:128:1 8192:128:1"] [--long MODEL] [--engines "llama moec"]
 #            [--moec PATH] [--threads 2] [--tag NAME] [--kv-type f16|f32] [--prefill-tokens N]
+#            [--host-mem SIZE]
 #            [--delete] [--synth-only]
 #        scripts/real-bench.sh --table TAG     (print the table of an earlier run)
 set -euo pipefail
@@ -60,6 +64,7 @@ MOEC=""
 THREADS=2
 KV_TYPE=f16
 PREFILL_TOKENS=0
+HOST_MEM=""
 TAG=$(date -u +%Y%m%dT%H%M%SZ)
 DELETE=0
 SYNTH_ONLY=0
@@ -76,6 +81,7 @@ while [ $# -gt 0 ]; do
     --tag) TAG=$2; shift 2 ;;
     --kv-type) KV_TYPE=$2; shift 2 ;;
     --prefill-tokens) PREFILL_TOKENS=$2; shift 2 ;;
+    --host-mem) HOST_MEM=$2; shift 2 ;;
     --delete) DELETE=1; shift ;;
     --synth-only) SYNTH_ONLY=1; shift ;;
     --table) TABLE=$2; shift 2 ;;
@@ -114,7 +120,8 @@ for r in rows:
                                              r["step_measured_s"] / r["step_predicted_s"])
     status = "" if r.get("ok") else " (FAILED)"
     engine = r["engine"] + (f" (KV {r['kv_type']})" if r.get("kv_type") else "") + (
-        f" (chunks of {r['prefill_chunk']})" if r.get("prefill_chunk") else "")
+        f" (chunks of {r['prefill_chunk']})" if r.get("prefill_chunk") else "") + (
+        f" (--host-mem {r['host_mem']})" if r.get("host_mem") else "")
     print(f"| {r['model']} | {point} | {engine}{status} | {f(r.get('prefill_tok_s'), '%.1f')} | "
           f"{f(r.get('decode_tok_s'), '%.2f')} | {f(r.get('ttft_s'), '%.1f')} | "
           f"{f(r['peak_rss_kb'] / 1e6 if r.get('peak_rss_kb') else None, '%.2f')} | {replay} |")
@@ -212,14 +219,18 @@ run_llama() {
 
 run_moec() {
   local out=$CACHE/moec-$model-$prompt-$gen-$batch.json
-  local chunk=() chunk_json=null
+  local chunk=() chunk_json=null host=() host_json=null
+  if [ -n "$HOST_MEM" ]; then
+    host=(--host-mem "$HOST_MEM")
+    host_json="\"$HOST_MEM\""
+  fi
   if [ "$PREFILL_TOKENS" -gt 0 ]; then
     chunk_json=$(( PREFILL_TOKENS / batch > 0 ? PREFILL_TOKENS / batch : 1 ))
     chunk=(--prefill-chunk "$chunk_json")
   fi
   load=$(busy)
   if /usr/bin/time -v -o "$CACHE/time-moec.log" "$MOEC" run "$REPO/schedules/baselines/resident.sched" \
-      --weights "$file" --threads "$THREADS" --kv-type "$KV_TYPE" "${chunk[@]}" --set ubs="$batch" --set n_ub=1 \
+      --weights "$file" --threads "$THREADS" --kv-type "$KV_TYPE" "${chunk[@]}" "${host[@]}" --set ubs="$batch" --set n_ub=1 \
       --workload "count=$batch,mean=$prompt,min=$prompt,max=$prompt,gen=$gen" --json \
       > "$out" 2> "$out.err"; then
     local wall=$(wall_s "$CACHE/time-moec.log")
@@ -240,7 +251,7 @@ print(json.dumps({
 })[1:-1])
 EOF
     )
-    record moec true "$fields,\"kv_type\":\"$KV_TYPE\",\"prefill_chunk\":$chunk_json,\"peak_rss_kb\":$(peak_kb "$CACHE/time-moec.log")"
+    record moec true "$fields,\"kv_type\":\"$KV_TYPE\",\"prefill_chunk\":$chunk_json,\"host_mem\":$host_json,\"peak_rss_kb\":$(peak_kb "$CACHE/time-moec.log")"
     log "$model $prompt+$gen x$batch moec: $fields"
   else
     record moec false "\"log\":\"$out.err\""
