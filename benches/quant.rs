@@ -22,7 +22,10 @@
 //! threads; then the bodies against each other (portable, AVX2, AVX-512 VNNI where this
 //! CPU has them) at the small shape, and criterion's timing of the selected body at 1
 //! and 16 rows. `QUANT_BENCH_MANY=1` runs only DeepSeek-V2-Lite's prefill shapes at many
-//! rows, the unpacked-tile passes against the ones before them ([`many_rows`]).
+//! rows, the unpacked-tile passes against the ones before them ([`many_rows`]);
+//! `QUANT_BENCH_FEW=1` the tile bodies at 1-8 rows from DRAM and from the cache, the
+//! few-row passes against the ones before them ([`few_rows`]; with `QUANT_BENCH_FORMAT`,
+//! that format's shapes only).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
@@ -484,6 +487,105 @@ fn many_rows(c: &mut Criterion, qk: QuantKernels) {
     group.finish();
 }
 
+/// Bytes a cache-resident set holds at most (one matrix when a single one is bigger): a
+/// quarter of the 32 MiB L3, so the set stays in it between rounds.
+const CACHED_BYTES: usize = 8 << 20;
+
+/// The tile bodies at a decode step's rows per expert (`QUANT_BENCH_FEW=1`): 1, 2, 4 and
+/// 8 activation rows over gpt-oss-20b's MXFP4 experts (fused gate_up `[5760, 2880]`, down
+/// `[2880, 2880]`), DeepSeek-V2-Lite's Q6_K expert gate/up `[1408, 2048]` and MLA `q_proj`
+/// `[3072, 2048]` and its Q8_0 expert down `[2048, 1408]`, and Qwen3-30B-A3B's Q4_K expert
+/// gate `[768, 2048]` (the tiles whose rate the others should reach), all in tiles. Each
+/// shape on a set bigger than the L3 (>= 64 MB: the weights stream from DRAM, as a decode
+/// step's do) and on a cache-resident one ([`CACHED_BYTES`]: whether the body keeps up with
+/// the memory or is bound by its own instructions). One thread, timed by its CPU time;
+/// each round runs the few-row passes (`QuantKernels::with_few_row_passes(true)`, the
+/// default) and the passes before them (`false`) on the same matrices, alternating which
+/// goes first; printed: each one's median GB/s of weights (and GMAC/s), and the median
+/// per-round ratio (old time / new time).
+fn few_rows(qk: QuantKernels) {
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    let (new, old) = (qk.with_few_row_passes(true), qk.with_few_row_passes(false));
+    let only = std::env::var("QUANT_BENCH_FORMAT").ok();
+    let shapes = [
+        (QuantFormat::Mxfp4, 5760, 2880, "gpt-oss expert gate_up"),
+        (QuantFormat::Mxfp4, 2880, 2880, "gpt-oss expert down"),
+        (QuantFormat::Q4K, 768, 2048, "Qwen3 expert gate"),
+        (
+            QuantFormat::Q6K,
+            1408,
+            2048,
+            "DeepSeek-V2-Lite expert gate/up",
+        ),
+        (QuantFormat::Q6K, 3072, 2048, "DeepSeek-V2-Lite q_proj"),
+        (
+            QuantFormat::Q8_0,
+            2048,
+            1408,
+            "DeepSeek-V2-Lite expert down",
+        ),
+    ];
+    for (format, out, inp, what) in shapes {
+        if only.as_deref().is_some_and(|name| name != format.name()) {
+            continue;
+        }
+        let mut set = Set::new(format, out, inp).into_tiles();
+        let all = set.quant.len();
+        let cached = (CACHED_BYTES / set.quant[0].len()).max(1);
+        println!(
+            "few rows, {what}: {format} tiles [{out}, {inp}], body {}, one thread (CPU time), {all} matrices from DRAM / {cached} cached:",
+            qk.body()
+        );
+        for rows in [1, 2, 4, 8] {
+            let x = activations(rows, inp);
+            let mut y = vec![0.0f32; rows * out];
+            let mut line = format!("  {rows} rows:");
+            for (label, used) in [("DRAM", all), ("cached", cached)] {
+                let full = std::mem::take(&mut set.quant);
+                set.quant = full[..used].to_vec();
+                // The cached set is small: enough passes per timing for a few ms.
+                let reps = (all / used).max(1);
+                let (mut tn, mut to) = (Vec::new(), Vec::new());
+                one.install(|| {
+                    let time = |k: QuantKernels, y: &mut [f32]| {
+                        let t0 = thread_cpu_seconds();
+                        for _ in 0..reps {
+                            set.run_quant(k, &x, rows, y);
+                        }
+                        thread_cpu_seconds() - t0
+                    };
+                    time(new, &mut y);
+                    time(old, &mut y);
+                    for round in 0..ROUNDS {
+                        if round % 2 == 0 {
+                            tn.push(time(new, &mut y));
+                            to.push(time(old, &mut y));
+                        } else {
+                            to.push(time(old, &mut y));
+                            tn.push(time(new, &mut y));
+                        }
+                    }
+                });
+                let ratio = median(to.iter().zip(&tn).map(|(o, n)| o / n).collect());
+                let (tn, to) = (median(tn), median(to));
+                let gb = (set.quant_bytes() * reps) as f64 / 1e9;
+                let macs = (rows * out * inp * used * reps) as f64;
+                line += &format!(
+                    " {label}: new {:>5.2} GB/s ({:>5.1} GMAC/s), old {:>5.2} GB/s, old/new {ratio:.2};",
+                    gb / tn,
+                    macs / tn / 1e9,
+                    gb / to,
+                );
+                set.quant = full;
+            }
+            println!("{line}");
+        }
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let k = Kernels::process();
     let qk = QuantKernels::process();
@@ -492,6 +594,10 @@ fn bench(c: &mut Criterion) {
     println!("threads: {}", rayon::current_num_threads());
     if std::env::var_os("QUANT_BENCH_GPTOSS").is_some() {
         gpt_oss(qk);
+        return;
+    }
+    if std::env::var_os("QUANT_BENCH_FEW").is_some() {
+        few_rows(qk);
         return;
     }
     if std::env::var_os("QUANT_BENCH_MANY").is_some() {

@@ -259,6 +259,59 @@ mod tests {
         assert_eq!(s, None);
     }
 
+    /// Hand-worked: gpt-oss's MXFP4 experts take the MXFP4 curve, their bf16 biases the
+    /// op kind's bf16 curve. gpt-oss-tiny (hidden 128, ffn 64) with `experts=mxfp4`: the
+    /// fused gate_up `[128, 128]` is 512 blocks of 17 B = 8,704 B, its bias 128 bf16 =
+    /// 256 B, down `[128, 64]` 256 blocks = 4,352 B, its bias 256 B (13,568 B in all).
+    /// MXFP4 curve 8 GB/s at 1 row and 5 at 2 (1.25e-10 and 2e-10 s/B), so 1.625e-10 s/B
+    /// at 1.5 rows; `expert_ffn` 2 GB/s at 1 row, 7.5e-10 s/B at 1.5 rows. The expert at
+    /// 1.5 rows: 13,056 x 1.625e-10 + 512 x 7.5e-10 = 2.1216 + 0.384 = 2.5056 us, where
+    /// without an MXFP4 curve (a profile with Q4_K's only) all of it took the bf16 curve:
+    /// 13,568 x 7.5e-10 = 10.176 us.
+    #[test]
+    fn mxfp4_experts_take_their_own_curve() {
+        use crate::cost::hardware::QuantRates;
+        use crate::ir::catalog::ExpertSet;
+        let point = |rows, weight_gb_s| RowsRate { rows, weight_gb_s };
+        let curve = |format: &str, points| QuantRates {
+            format: format.to_string(),
+            points,
+        };
+        let kernels = KernelRates {
+            linear: vec![point(1, 1.0)],
+            expert_ffn: vec![point(1, 2.0)],
+            quant: vec![
+                curve("Q4_K", vec![point(1, 20.0)]),
+                curve("MXFP4", vec![point(1, 8.0), point(2, 5.0)]),
+            ],
+            ..KernelRates::default()
+        };
+        let mut card = ModelCard::load("gpt-oss-tiny").unwrap();
+        card.formats.parse_classes("experts=mxfp4").unwrap();
+        let experts = Op::Experts {
+            layer: 0,
+            ub: 0,
+            set: ExpertSet::All,
+        };
+        let segments = weight_segments(&card, &experts, true);
+        let mx = Some("MXFP4");
+        assert_eq!(
+            segments,
+            vec![(mx, 8_704.0), (None, 256.0), (mx, 4_352.0), (None, 256.0)]
+        );
+        let fallback = &kernels.expert_ffn;
+        let s = quant_product_seconds(&kernels, fallback, &card, &experts, true, 13_568.0, 1.5);
+        assert!((s.unwrap() - 2.5056e-6).abs() < 1e-15, "{s:?}");
+        let q4k_only = KernelRates {
+            quant: kernels.quant[..1].to_vec(),
+            ..kernels.clone()
+        };
+        let s = quant_product_seconds(&q4k_only, fallback, &card, &experts, true, 13_568.0, 1.5);
+        assert_eq!(s, None);
+        let bf16 = KernelRates::seconds_per_weight_byte(fallback, 1.5).unwrap() * 13_568.0;
+        assert!((bf16 - 10.176e-6).abs() < 1e-15, "{bf16}");
+    }
+
     /// The checked-in profiles: T4 and L4 carry effective rates and a calibration point
     /// (reproduce/calibration.ron), the H200 only its datasheet.
     #[test]

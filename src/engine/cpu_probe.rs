@@ -497,9 +497,10 @@ pub fn measure_kernels(
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0 in the CPU backend's tiles, `QuantKernels`) at the same rows over the same shapes, GB/s of each format's bytes",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0, MXFP4 in the CPU backend's tiles, `QuantKernels`) at the same rows over the same shapes ({} MB or more of each format below {KERNEL_COMPUTE_ROWS} rows), GB/s of each format's bytes",
             kernels.isa(),
-            effort.attn_call_reps.max(1)
+            effort.attn_call_reps.max(1),
+            QUANT_DECODE_BYTES / 1_000_000
         ),
         linear,
         expert_ffn,
@@ -514,13 +515,21 @@ pub fn measure_kernels(
 }
 
 /// The formats whose products [`measure_quant_rates`] can time (`moec probe` times all):
-/// those of the checkpoints people run on the CPU backend (Q4_K_M's Q4_K and Q6_K, and
-/// Q8_0, which a Q6_K mix falls back to where a row is not whole 256-weight blocks).
-pub const QUANT_FORMATS: [crate::quant::QuantFormat; 3] = [
+/// those of the checkpoints people run on the CPU backend (Q4_K_M's Q4_K and Q6_K, Q8_0,
+/// which a Q6_K mix falls back to where a row is not whole 256-weight blocks, and MXFP4,
+/// gpt-oss's experts in MXFP4_MOE).
+pub const QUANT_FORMATS: [crate::quant::QuantFormat; 4] = [
     crate::quant::QuantFormat::Q4K,
     crate::quant::QuantFormat::Q6K,
     crate::quant::QuantFormat::Q8_0,
+    crate::quant::QuantFormat::Mxfp4,
 ];
+
+/// Bytes the quantised decode points stream through at least (as the bf16 points' six
+/// experts, 132 MB: four times a 32 MiB L3). Six experts of the probe's shape are only
+/// 35-48 MB in these formats, barely past the L3, where the bf16 one-row rate moved
+/// between 16 and 32 GB/s from one probe to the next ([`KERNEL_DECODE_EXPERTS`]).
+const QUANT_DECODE_BYTES: usize = 132_000_000;
 
 /// Blocks of `format` for `elems` weights, fast rather than realistic (the probe makes
 /// tens of MB on every `moec run` of a quantised checkpoint): bytes from a xorshift
@@ -550,6 +559,11 @@ fn probe_blocks(format: crate::quant::QuantFormat, elems: usize, seed: u64) -> V
         for &at in fields {
             block[at..at + 2].copy_from_slice(&scale);
         }
+        if format == QuantFormat::Mxfp4 {
+            // An e8m0 exponent of 2^-8 (random bytes could be 255, ggml's NaN, or give
+            // subnormal block values, which some FPUs take slow paths for).
+            block[0] = 119;
+        }
     }
     bytes
 }
@@ -557,10 +571,10 @@ fn probe_blocks(format: crate::quant::QuantFormat, elems: usize, seed: u64) -> V
 /// [`KernelRates::quant`]: each of [`QUANT_FORMATS`]'s expert FFN products (gate, up,
 /// down through `QuantKernels::quant_linear` on the process's body, weights in the tiles
 /// the CPU backend repacks them into at load) at [`KERNEL_ROWS`] rows, as the bf16
-/// curves are timed: rows below [`KERNEL_COMPUTE_ROWS`] over [`KERNEL_DECODE_EXPERTS`]
-/// experts of the probe's shape (one random expert copied into each, distinct memory,
-/// so the weights come from DRAM), the others over one narrow expert; the median of
-/// `reps` passes per point, round-robin. GB/s of the format's bytes.
+/// curves are timed: rows below [`KERNEL_COMPUTE_ROWS`] over enough experts of the
+/// probe's shape for [`QUANT_DECODE_BYTES`] (one random expert copied into each, distinct
+/// memory, so the weights come from DRAM), the others over one narrow expert; the median
+/// of `reps` passes per point, round-robin. GB/s of the format's bytes.
 fn measure_quant_rates(
     pool: &rayon::ThreadPool,
     reps: usize,
@@ -594,7 +608,11 @@ fn measure_quant_rates(
             make(f, d, seed + 1)?,
             make(d, f, seed + 2)?,
         ];
-        let decode: Vec<[Vec<u8>; 3]> = (0..KERNEL_DECODE_EXPERTS).map(|_| wide.clone()).collect();
+        let expert_bytes: usize = wide.iter().map(Vec::len).sum();
+        let n_decode = QUANT_DECODE_BYTES
+            .div_ceil(expert_bytes.max(1))
+            .max(KERNEL_DECODE_EXPERTS);
+        let decode: Vec<[Vec<u8>; 3]> = (0..n_decode).map(|_| wide.clone()).collect();
         let compute = [[
             make(narrow, d, seed)?,
             make(narrow, d, seed + 1)?,

@@ -18,7 +18,7 @@
 use crate::math::isa::Kernels;
 use crate::math::norm::normalize;
 use crate::math::qmatmul::{QuantKernels, QuantMatrix, QuantProduct};
-use crate::math::views::{DenseWeights, ExpertWeights, SharedExpertWeights};
+use crate::math::views::{DenseWeights, ExpertWeights, FusedExpert, SharedExpertWeights};
 use crate::math::{check_len, KernelError};
 use crate::model::arch::ArchSpec;
 use crate::model::vocab::{ExpertGroups, RoutedRow, Routing};
@@ -117,6 +117,44 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// gpt-oss's clamped SwiGLU on the fused product's rows `gate_up` (`[n, 2 ffn]`, gate and
+/// up interleaved) plus the expert's `gate_up_bias`, into `h` (`[n, ffn]`):
+/// `(clamp(u + bu, ±limit) + 1) · g' · sigmoid(alpha · g')` with `g' = min(g + bg, limit)`.
+/// The one-at-a-time and the grouped expert paths both call it, so they give the same bits.
+fn clamped_swiglu(
+    gate_up: &[f32],
+    fused: &FusedExpert<'_>,
+    (alpha, limit): (f32, f32),
+    ffn: usize,
+    h: &mut [f32],
+) -> Result<(), KernelError> {
+    let b = fused.gate_up_bias.to_f32_vec();
+    check_len("expert gate_up bias", b.len(), 2 * ffn)?;
+    check_len("expert gate_up product", gate_up.len(), 2 * h.len())?;
+    for (row, out) in gate_up.chunks_exact(2 * ffn).zip(h.chunks_exact_mut(ffn)) {
+        for (i, o) in out.iter_mut().enumerate() {
+            let g = (row[2 * i] + b[2 * i]).min(limit);
+            let u = (row[2 * i + 1] + b[2 * i + 1]).clamp(-limit, limit);
+            let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+            *o = (u + 1.0) * glu;
+        }
+    }
+    Ok(())
+}
+
+/// Adds gpt-oss's `down_bias` (`[hidden]`) to every row of an expert's down product `y`
+/// (`[n, hidden]`).
+fn add_down_bias(fused: &FusedExpert<'_>, hidden: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    let b = fused.down_bias.to_f32_vec();
+    check_len("expert down bias", b.len(), hidden)?;
+    for row in y.chunks_exact_mut(hidden) {
+        for (v, bv) in row.iter_mut().zip(&b) {
+            *v += bv;
+        }
+    }
+    Ok(())
+}
+
 impl Kernels {
     /// Pre-MoE norm of the residual into `x_norm`, router logits, routing.
     pub fn gate(
@@ -176,29 +214,14 @@ impl Kernels {
         let n = rows.len();
         let mut h_gate = vec![0.0f32; n * f];
         match (&expert.fused, arch.clamped_swiglu) {
-            (Some(fused), Some((alpha, limit))) => {
+            (Some(fused), Some(clamp)) => {
                 // gpt-oss: gate_up = x W + b, gate/up interleaved; clamped SwiGLU; then
                 // down with its bias.
                 let mut gate_up = vec![0.0f32; n * 2 * f];
                 self.linear(&gathered, n, &fused.gate_up, &mut gate_up)?;
-                let b = fused.gate_up_bias.to_f32_vec();
-                check_len("expert gate_up bias", b.len(), 2 * f)?;
-                for (row, out) in gate_up.chunks_exact(2 * f).zip(h_gate.chunks_exact_mut(f)) {
-                    for (i, o) in out.iter_mut().enumerate() {
-                        let g = (row[2 * i] + b[2 * i]).min(limit);
-                        let u = (row[2 * i + 1] + b[2 * i + 1]).clamp(-limit, limit);
-                        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
-                        *o = (u + 1.0) * glu;
-                    }
-                }
+                clamped_swiglu(&gate_up, fused, clamp, f, &mut h_gate)?;
                 self.linear(&h_gate, n, &expert.down, &mut gathered)?;
-                let b = fused.down_bias.to_f32_vec();
-                check_len("expert down bias", b.len(), d)?;
-                for row in gathered.chunks_exact_mut(d) {
-                    for (v, bv) in row.iter_mut().zip(&b) {
-                        *v += bv;
-                    }
-                }
+                add_down_bias(fused, d, &mut gathered)?;
             }
             _ => {
                 self.linear_gated(&gathered, n, &expert.gate, &expert.up, silu, &mut h_gate)?;
@@ -209,13 +232,16 @@ impl Kernels {
         Ok(())
     }
 
-    /// [`Kernels::expert_ffn`] for every `(expert, rows)` of `jobs`. When every expert is a
-    /// SwiGLU of quantised out-in matrices multiplied as their format is meant to run
-    /// (`int8`) and they hold at most [`GROUPED_MAX_ROWS`] rows in all, all their gate and
-    /// up products run in one parallel region and all their down products in another
-    /// ([`QuantKernels::quant_products`]: a decode step's experts are a few microseconds of
-    /// work each); otherwise one expert after another. The slots get the same bits either
-    /// way.
+    /// [`Kernels::expert_ffn`] for every `(expert, rows)` of `jobs`. When every expert's
+    /// matrices are quantised and stored out-in, multiplied as their format is meant to run
+    /// (`int8`: not `decodes_quant`), and they hold at most [`GROUPED_MAX_ROWS`] rows in all,
+    /// all their first products (gate and up, or gpt-oss's fused gate_up) run in one
+    /// parallel region and all their down products in another
+    /// ([`QuantKernels::quant_products`]: a decode step's experts are a few microseconds to
+    /// a millisecond of work each, and one region per product paid a fork and join and a
+    /// half-idle tail for each); otherwise one expert after another. The slots get the same
+    /// bits either way: the same products, and the same activation code
+    /// ([`clamped_swiglu`], [`add_down_bias`] for gpt-oss).
     pub fn experts_ffn(
         self,
         arch: &ArchSpec,
@@ -223,21 +249,14 @@ impl Kernels {
         x_norm: &[f32],
         slots: &mut [f32],
     ) -> Result<(), KernelError> {
-        let quant = QuantMatrix::from_matrix;
-        let grouped: Option<Vec<[QuantMatrix<'_>; 3]>> = jobs
+        let grouped: Option<Vec<GroupedExpert<'_>>> = jobs
             .iter()
-            .map(
-                |(e, _)| match (&e.fused, quant(&e.gate), quant(&e.up), quant(&e.down)) {
-                    (None, Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
-                    _ => None,
-                },
-            )
+            .map(|(e, _)| GroupedExpert::new(arch, e))
             .collect::<Option<_>>()
             .filter(|_| {
                 jobs.len() > 1
                     && jobs.iter().map(|(_, r)| r.len()).sum::<usize>() <= GROUPED_MAX_ROWS
                     && !self.decodes_quant()
-                    && arch.clamped_swiglu.is_none()
             });
         let Some(mats) = grouped else {
             for (expert, rows) in jobs {
@@ -252,46 +271,70 @@ impl Kernels {
             inputs.push(gather_rows(arch, x_norm, rows, slots)?.unwrap_or_default());
         }
         let qk = QuantKernels::for_kernels(self);
-        let mut gates: Vec<Vec<f32>> = jobs
+        // Every expert's first products' outputs: gate and up (`[n, ffn]` each), or the
+        // fused gate_up (`[n, 2 ffn]`).
+        let mut firsts: Vec<Vec<Vec<f32>>> = jobs
             .iter()
-            .map(|(_, r)| vec![0.0f32; r.len() * f])
+            .zip(&mats)
+            .map(|((_, r), m)| {
+                m.first()
+                    .iter()
+                    .map(|w| vec![0.0f32; r.len() * w.rows])
+                    .collect()
+            })
             .collect();
-        let mut ups = gates.clone();
         {
             let mut products = Vec::with_capacity(2 * jobs.len());
             let mut outs: Vec<&mut [f32]> = Vec::with_capacity(2 * jobs.len());
-            for ((((_, rows), [g, u, _]), x), (go, uo)) in jobs
-                .iter()
-                .zip(&mats)
-                .zip(&inputs)
-                .zip(gates.iter_mut().zip(ups.iter_mut()))
-            {
-                let n_rows = rows.len();
-                products.push(QuantProduct { w: *g, x, n_rows });
-                products.push(QuantProduct { w: *u, x, n_rows });
-                outs.push(go);
-                outs.push(uo);
+            for ((((_, rows), m), x), ys) in jobs.iter().zip(&mats).zip(&inputs).zip(&mut firsts) {
+                for (w, y) in m.first().iter().zip(ys.iter_mut()) {
+                    let n_rows = rows.len();
+                    products.push(QuantProduct { w: *w, x, n_rows });
+                    outs.push(y);
+                }
             }
             qk.quant_products(&products, &mut outs)?;
         }
-        for (g, u) in gates.iter_mut().zip(&ups) {
-            for (g, u) in g.iter_mut().zip(u) {
-                *g = silu(*g) * u;
+        let mut hs: Vec<Vec<f32>> = Vec::with_capacity(jobs.len());
+        for ((ys, m), (_, rows)) in firsts.iter_mut().zip(&mats).zip(jobs) {
+            match (m, ys.as_mut_slice()) {
+                (GroupedExpert::Swiglu(_), [g, u]) => {
+                    for (g, u) in g.iter_mut().zip(u.iter()) {
+                        *g = silu(*g) * u;
+                    }
+                    hs.push(std::mem::take(g));
+                }
+                (GroupedExpert::Fused { fused, clamp, .. }, [gate_up]) => {
+                    let mut h = vec![0.0f32; rows.len() * f];
+                    clamped_swiglu(gate_up, fused, *clamp, f, &mut h)?;
+                    hs.push(h);
+                }
+                // `GroupedExpert::first` gives two products for a SwiGLU expert, one fused.
+                (_, ys) => {
+                    return Err(KernelError::Shape {
+                        what: "grouped expert's first products",
+                        expected: m.first().len(),
+                        got: ys.len(),
+                    })
+                }
             }
         }
         let products: Vec<QuantProduct<'_>> = jobs
             .iter()
             .zip(&mats)
-            .zip(&gates)
-            .map(|(((_, rows), [_, _, dn]), h)| QuantProduct {
-                w: *dn,
+            .zip(&hs)
+            .map(|(((_, rows), m), h)| QuantProduct {
+                w: m.down(),
                 x: h,
                 n_rows: rows.len(),
             })
             .collect();
         let mut outs: Vec<&mut [f32]> = inputs.iter_mut().map(|v| v.as_mut_slice()).collect();
         qk.quant_products(&products, &mut outs)?;
-        for ((_, rows), y) in jobs.iter().zip(&inputs) {
+        for (((_, rows), y), m) in jobs.iter().zip(&mut inputs).zip(&mats) {
+            if let GroupedExpert::Fused { fused, .. } = m {
+                add_down_bias(fused, d, y)?;
+            }
             scatter_rows(d, arch.top_k, rows, y, slots);
         }
         Ok(())
@@ -365,6 +408,58 @@ impl Kernels {
             None => combine(&routing, &slots, x)?,
         }
         Ok(routing)
+    }
+}
+
+/// One expert's quantised out-in matrices, as [`Kernels::experts_ffn`] groups them.
+enum GroupedExpert<'a> {
+    /// A SwiGLU expert: gate, up, down.
+    Swiglu([QuantMatrix<'a>; 3]),
+    /// gpt-oss: the fused gate_up `[2 ffn, hidden]` (out-in, as its GGUF stores it), down,
+    /// the biases and the clamp `(alpha, limit)`.
+    Fused {
+        gate_up: QuantMatrix<'a>,
+        down: QuantMatrix<'a>,
+        fused: FusedExpert<'a>,
+        clamp: (f32, f32),
+    },
+}
+
+impl<'a> GroupedExpert<'a> {
+    /// `e`'s matrices when every one the expert path multiplies is quantised and out-in;
+    /// `None` otherwise (bf16, in-out, or a fused expert without its clamp).
+    fn new(arch: &ArchSpec, e: &ExpertWeights<'a>) -> Option<Self> {
+        let quant = QuantMatrix::from_matrix;
+        match (&e.fused, arch.clamped_swiglu) {
+            (None, None) => Some(GroupedExpert::Swiglu([
+                quant(&e.gate)?,
+                quant(&e.up)?,
+                quant(&e.down)?,
+            ])),
+            (Some(fused), Some(clamp)) => Some(GroupedExpert::Fused {
+                gate_up: quant(&fused.gate_up)?,
+                down: quant(&e.down)?,
+                fused: *fused,
+                clamp,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The products on the expert's input: gate and up, or the fused gate_up.
+    fn first(&self) -> &[QuantMatrix<'a>] {
+        match self {
+            GroupedExpert::Swiglu(m) => &m[..2],
+            GroupedExpert::Fused { gate_up, .. } => std::slice::from_ref(gate_up),
+        }
+    }
+
+    /// The down product.
+    fn down(&self) -> QuantMatrix<'a> {
+        match self {
+            GroupedExpert::Swiglu(m) => m[2],
+            GroupedExpert::Fused { down, .. } => *down,
+        }
     }
 }
 
@@ -589,5 +684,111 @@ mod grouped_tests {
         assert!(grouped.iter().any(|v| *v != 0.0));
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&grouped), bits(&one_by_one));
+    }
+
+    /// gpt-oss's experts (MXFP4 fused gate_up `[2 ffn, hidden]` and down `[hidden, ffn]`,
+    /// out-in as its GGUF stores them, with biases and the clamped SwiGLU) run grouped give
+    /// each slot the bits of running them one at a time, in the row layout and in tiles.
+    #[test]
+    fn grouped_gpt_oss_experts_give_the_one_at_a_time_bits() {
+        let arch = ArchSpec::from_card(&ModelCard::load("gpt-oss-tiny").unwrap());
+        let (d, f, k) = (arch.hidden, arch.ffn, arch.top_k);
+        assert!(arch.clamped_swiglu.is_some());
+        let format = QuantFormat::Mxfp4;
+        let plain: Vec<[Vec<u8>; 2]> = (0..3)
+            .map(|e| {
+                [
+                    random_blocks(format, 2 * f * d / 32, 5 * e + 1),
+                    random_blocks(format, d * f / 32, 5 * e + 2),
+                ]
+            })
+            .collect();
+        let biases: Vec<[Vec<half::bf16>; 2]> = (0..3)
+            .map(|e| {
+                let b = |n: usize, s: usize| {
+                    (0..n)
+                        .map(|i| half::bf16::from_f32(((i * 7 + s) % 13) as f32 / 4.0 - 1.5))
+                        .collect::<Vec<_>>()
+                };
+                [b(2 * f, e), b(d, e + 5)]
+            })
+            .collect();
+        let tile = |b: &[u8], rows: usize, cols: usize| {
+            let mut t = vec![0u8; b.len()];
+            assert!(crate::math::qmatmul::tiles::tile(
+                format, b, rows, cols, &mut t
+            ));
+            t
+        };
+        let tiled: Vec<[Vec<u8>; 2]> = plain
+            .iter()
+            .map(|[gu, dn]| [tile(gu, 2 * f, d), tile(dn, d, f)])
+            .collect();
+        let n_tokens = 5;
+        let x: Vec<f32> = (0..n_tokens * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let row = |row: u32, slot: u32, weight: f32| RoutedRow { row, slot, weight };
+        let rows = [
+            vec![row(0, 0, 0.7), row(3, 1, 0.2)],
+            vec![row(0, 1, 0.3), row(1, 0, 0.9), row(4, 0, 0.5)],
+            vec![row(2, 0, 1.0)],
+        ];
+        fn matrix(b: &[u8], tiles: bool, rows: usize, cols: usize) -> Matrix<'_> {
+            let format = QuantFormat::Mxfp4;
+            let q = if tiles {
+                QuantSlice::tiled(b, format, rows * cols, cols)
+            } else {
+                QuantSlice::new(b, format, rows * cols)
+            };
+            Matrix::new(
+                TypedSlice::Quant(q.unwrap()),
+                rows,
+                cols,
+                Orientation::OutIn,
+            )
+            .unwrap()
+        }
+        for (layout, bytes) in [("rows", &plain), ("tiles", &tiled)] {
+            let tiles = layout == "tiles";
+            let empty = Matrix::empty();
+            let experts: Vec<ExpertWeights<'_>> = bytes
+                .iter()
+                .zip(&biases)
+                .map(|([gu, dn], [bgu, bdn])| ExpertWeights {
+                    gate: empty,
+                    up: empty,
+                    down: matrix(dn, tiles, d, f),
+                    fused: Some(FusedExpert {
+                        gate_up: matrix(gu, tiles, 2 * f, d),
+                        gate_up_bias: TypedSlice::Bf16(bgu),
+                        down_bias: TypedSlice::Bf16(bdn),
+                    }),
+                })
+                .collect();
+            let jobs: Vec<(ExpertWeights<'_>, &[RoutedRow])> = experts
+                .iter()
+                .zip(&rows)
+                .map(|(e, r)| (*e, r.as_slice()))
+                .collect();
+            assert!(jobs
+                .iter()
+                .all(|(e, _)| GroupedExpert::new(&arch, e).is_some()));
+            let kernels = Kernels::process();
+            let mut grouped = vec![0.0f32; n_tokens * k * d];
+            kernels.experts_ffn(&arch, &jobs, &x, &mut grouped).unwrap();
+            let mut one_by_one = vec![0.0f32; n_tokens * k * d];
+            for (e, r) in &jobs {
+                kernels
+                    .expert_ffn(&arch, e, &x, r, &mut one_by_one)
+                    .unwrap();
+            }
+            assert!(
+                grouped.iter().filter(|v| **v != 0.0).count() > d,
+                "{layout}"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&grouped), bits(&one_by_one), "{layout}");
+        }
     }
 }

@@ -318,7 +318,7 @@ impl<'a> Prepared<'a> {
                     unsafe {
                         super::tiles_x86::panel(
                             k.body() == QuantBody::Avx512Vnni,
-                            k.unpacked_tiles(),
+                            (k.unpacked_tiles(), k.few_row_passes()),
                             w,
                             acts,
                             o0,

@@ -102,17 +102,23 @@ fn assert_bodies_give(
 ) {
     let want = product(portable, reference, xs, n_rows);
     for body in QuantBody::supported() {
-        // With and without the unpacked-tile passes (the same bits either way).
-        for unpacked in [true, false] {
+        // With and without the unpacked-tile passes and the few-row passes (the same bits
+        // either way).
+        for (unpacked, few) in [(true, true), (false, true), (true, false)] {
             let k = QuantKernels::new(body)
                 .unwrap()
-                .with_unpacked_tiles(unpacked);
+                .with_unpacked_tiles(unpacked)
+                .with_few_row_passes(few);
             let got = product(k, tested, xs, n_rows);
             let same = got
                 .iter()
                 .zip(&want)
                 .all(|(g, e)| g.to_bits() == e.to_bits());
-            assert!(same, "{body} (unpacked tiles {unpacked}): {}", what());
+            assert!(
+                same,
+                "{body} (unpacked tiles {unpacked}, few-row passes {few}): {}",
+                what()
+            );
         }
     }
 }
@@ -500,9 +506,10 @@ fn tiled_matrices_give_the_row_layouts_bits() {
     assert!(QuantSlice::tiled(&bytes[..12 * row_bytes], format, 12 * cols, cols).is_err());
 }
 
-/// The AVX2 pass over Q8_0, Q4_0 and MXFP4 tiles at batch sizes past one pass of four
-/// rows (11 to 33 activation rows, none a multiple of eight: passes of four and their
-/// remainders), on whole and partial columns, gives the row layout's portable bits; and so
+/// The AVX2 passes over Q8_0, Q4_0 and MXFP4 tiles at a few rows (1, 2, 4: the few-row
+/// passes) and at batch sizes past one pass (11 to 33 activation rows, none a multiple of
+/// eight: passes of eight and their remainders, 1 and 3 of them few-row passes), on whole
+/// and partial columns, give the row layout's portable bits; and so
 /// it does at the largest integer sums its 16-bit lanes hold (every code the largest
 /// unsigned nibble or table value, or the most negative Q8_0 code, against activations all
 /// `+max` or all `−max`), where a lane that saturated or wrapped would change the bits.
@@ -512,7 +519,7 @@ fn tiled_32_weight_formats_give_the_row_bits_at_many_rows_and_largest_sums() {
     let portable = QuantKernels::portable();
     let mut rng = Rng::new(41);
     let formats = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Mxfp4];
-    let row_counts = [11usize, 15, 17, 23, 33];
+    let row_counts = [1usize, 2, 4, 11, 15, 17, 23, 33];
     for format in formats {
         for (rows, cols) in [(16usize, 2880usize), (8, 512)] {
             let bb = format.block_bytes();

@@ -86,6 +86,10 @@ pub struct QuantKernels {
     /// unpack each tile in every pass of four rows (benches compare the two; the bits are
     /// the same).
     unpacked: bool,
+    /// Whether the AVX2 body runs its few-row passes (`super::tiles_b32_x86::pass_avx2_few`)
+    /// over Q8_0, Q4_0 and MXFP4 tiles at up to four activation rows; `false` keeps the
+    /// eight-row pass at every row count (benches compare the two; the bits are the same).
+    few: bool,
 }
 
 impl QuantKernels {
@@ -95,6 +99,7 @@ impl QuantKernels {
             Ok(QuantKernels {
                 body,
                 unpacked: true,
+                few: true,
             })
         } else {
             Err(UnsupportedBody { body })
@@ -106,6 +111,7 @@ impl QuantKernels {
         QuantKernels {
             body: QuantBody::Portable,
             unpacked: true,
+            few: true,
         }
     }
 
@@ -120,6 +126,7 @@ impl QuantKernels {
         QuantKernels {
             body,
             unpacked: true,
+            few: true,
         }
     }
 
@@ -148,6 +155,19 @@ impl QuantKernels {
     /// Whether the unpacked-tile passes are on ([`Self::with_unpacked_tiles`]).
     pub fn unpacked_tiles(self) -> bool {
         self.unpacked
+    }
+
+    /// These kernels with the AVX2 body's few-row passes over Q8_0, Q4_0 and MXFP4 tiles on
+    /// (the default) or off: off, a product of up to four activation rows runs the
+    /// eight-row pass, as before the few-row passes existed. For comparing the two in one
+    /// process (`cargo bench --bench quant`, `QUANT_BENCH_FEW=1`); both give the same bits.
+    pub fn with_few_row_passes(self, on: bool) -> Self {
+        QuantKernels { few: on, ..self }
+    }
+
+    /// Whether the few-row passes are on ([`Self::with_few_row_passes`]).
+    pub fn few_row_passes(self) -> bool {
+        self.few
     }
 }
 

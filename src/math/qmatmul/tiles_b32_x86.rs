@@ -332,6 +332,148 @@ pub(super) unsafe fn pass_avx2<const F: u8, const N: usize>(
     acc
 }
 
+/// Activation rows up to which [`pass`] runs [`pass_avx2_few`] on AVX2 (when the
+/// few-row passes are on: `QuantKernels::with_few_row_passes`).
+pub(super) const FEW_ROWS: usize = 4;
+
+/// The AVX2 pass at few activation rows (1..=[`FEW_ROWS`]): [`pass_avx2`]'s arithmetic
+/// without its per-chunk horizontal adds.
+///
+/// [`pass_avx2`] joins rows 0-3 and 4-7 with `vphaddw` in every 64-byte chunk so that one
+/// register of sums per row is enough for eight rows; with at most four rows there are
+/// registers for two per row, so here each row keeps rows 0-3's and 4-7's sums apart for
+/// the whole block and joins them once: Q4_0 and MXFP4 add the low and the high nibbles'
+/// `vpmaddubsw` pairs of both chunks in 16 bits (four pairs, each at most 2 · 24 · 128 =
+/// 6144 in magnitude: 24576 < 2^15, never wraps), widen each half once by `vpmaddwd`
+/// and join them with one `vphaddd`; Q8_0 widens each group's pairs and adds them in 32
+/// bits, then one `vphaddd` per block. The integer sums and every f32 step are
+/// [`pass_avx2`]'s, so the bits are the same.
+///
+/// # Safety
+/// As [`pass_avx2`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn pass_avx2_few<const F: u8, const N: usize>(
+    tile_row: &[u8],
+    full: usize,
+    part: usize,
+    acts: &TileActs<'_>,
+    r0: usize,
+) -> [__m256; N] {
+    let bb = block_bytes(F);
+    let nibbles = F != Q8_0;
+    let nblk = 8 * full + part;
+    let q = acts.q;
+    let nbr = q.blocks_per_row();
+    assert!(tile_row.len() >= TILE_ROWS * nblk * bb && r0 + N <= q.n_rows);
+    assert!(q.format.block_elems() == 32 && nbr >= nblk);
+    let xs: [&[i8]; N] = std::array::from_fn(|a| &q.qs[(r0 + a) * q.cols..][..32 * nbr]);
+    let ds: [&[f32]; N] = std::array::from_fn(|a| &q.d[(r0 + a) * nbr..][..nbr]);
+    let offs: [&[i32]; N] = std::array::from_fn(|a| {
+        if nibbles {
+            acts.row_block_offsets(r0 + a)
+        } else {
+            &[]
+        }
+    });
+    assert!(offs.iter().all(|o| !nibbles || o.len() >= 2 * nbr));
+    let (flip, ones, m4) = (
+        _mm256_set1_epi8(-128),
+        _mm256_set1_epi16(1),
+        _mm256_set1_epi8(0x0f),
+    );
+    let off = MXFP4_OFFSET as i8;
+    let kv: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+    let table: [i8; 32] = std::array::from_fn(|i| kv[i % 16] + off);
+    // SAFETY: 32 bytes.
+    let table = unsafe { _mm256_loadu_si256(table.as_ptr() as *const __m256i) };
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut at_col = 0;
+    for b in 0..full + usize::from(part > 0) {
+        let k = if b < full { 8 } else { part };
+        let tb = TILE_ROWS * k * bb;
+        let t = &tile_row[at_col..at_col + tb];
+        at_col += tb;
+        let codes = TILE_ROWS * k * scale_bytes(F);
+        for j in 0..k {
+            let at = codes + code_bytes(F) * j;
+            prefetch_ahead(t, tb, at, code_bytes(F) / 64);
+            let blk = 8 * b + j;
+            assert!(t.len() >= at + code_bytes(F) && blk < nblk);
+            let d = block_scales::<F>(t, j);
+            // SAFETY: as in `pass_avx2` (the same bounds, asserted the same way).
+            unsafe {
+                let x: [*const i8; N] = std::array::from_fn(|a| xs[a].as_ptr().add(32 * blk));
+                // Per row: rows 0-3's and rows 4-7's sums, [r0 r0 r1 r1 | r2 r2 r3 r3].
+                let mut s = [[_mm256_setzero_si256(); 2]; N];
+                if nibbles {
+                    for c in 0..2 {
+                        let raw: [__m256i; 2] = std::array::from_fn(|half| {
+                            let p = t.as_ptr().add(at + 64 * c + 32 * half);
+                            _mm256_loadu_si256(p as *const __m256i)
+                        });
+                        let value = |q: __m256i| {
+                            if F == MXFP4 {
+                                _mm256_shuffle_epi8(table, q)
+                            } else {
+                                q
+                            }
+                        };
+                        let lo = raw.map(|r| value(_mm256_and_si256(r, m4)));
+                        let hi =
+                            raw.map(|r| value(_mm256_and_si256(_mm256_srli_epi16::<4>(r), m4)));
+                        for (a, sa) in s.iter_mut().enumerate() {
+                            let (ylo, yhi) =
+                                (bcast256(x[a].add(16 * c)), bcast256(x[a].add(16 * c + 8)));
+                            for half in 0..2 {
+                                let p = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo[half], ylo),
+                                    _mm256_maddubs_epi16(hi[half], yhi),
+                                );
+                                sa[half] = _mm256_add_epi16(sa[half], p);
+                            }
+                        }
+                    }
+                    for sa in s.iter_mut() {
+                        *sa = sa.map(|v| _mm256_madd_epi16(v, ones));
+                    }
+                } else {
+                    for g in 0..4 {
+                        let w: [__m256i; 2] = std::array::from_fn(|half| {
+                            let p = t.as_ptr().add(at + 64 * g + 32 * half);
+                            _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip)
+                        });
+                        let mag = w.map(|w| _mm256_abs_epi8(w));
+                        for (a, sa) in s.iter_mut().enumerate() {
+                            let y = bcast256(x[a].add(8 * g));
+                            for half in 0..2 {
+                                let signed = _mm256_sign_epi8(y, w[half]);
+                                let p = _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(mag[half], signed),
+                                    ones,
+                                );
+                                sa[half] = _mm256_add_epi32(sa[half], p);
+                            }
+                        }
+                    }
+                }
+                for (a, sa) in s.iter().enumerate() {
+                    // [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order.
+                    let joined = _mm256_hadd_epi32(sa[0], sa[1]);
+                    let mut isum = _mm256_permute4x64_epi64::<0b11_01_10_00>(joined);
+                    if nibbles {
+                        let o = offs[a].as_ptr().add(2 * blk);
+                        isum = _mm256_add_epi32(isum, _mm256_set1_epi32(*o + *o.add(1)));
+                    }
+                    let dy = _mm256_set1_ps(*ds[a].as_ptr().add(blk));
+                    let v = _mm256_mul_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(isum));
+                    acc[a] = _mm256_add_ps(acc[a], v);
+                }
+            }
+        }
+    }
+    acc
+}
+
 /// Stores a pass's registers into plain arrays.
 fn store<const N: usize>(dst: &mut [[f32; TILE_ROWS]; AVX2_PASS_ROWS], v: [__m256; N]) {
     for (d, v) in dst.iter_mut().zip(v) {
@@ -353,8 +495,9 @@ pub(super) fn pass_rows(f: u8, vnni: bool, part: usize) -> usize {
 
 /// One pass of `n` activation rows from `r0` (1..=[`pass_rows`]) over a tile row of kind
 /// `f` (`full` whole columns then `part` blocks), into `sums[a]` for row `r0 + a`: the
-/// VNNI pass when `vnni` and the tile row is whole columns of Q8_0 or Q4_0, the AVX2 pass
-/// otherwise.
+/// VNNI pass when `vnni` and the tile row is whole columns of Q8_0 or Q4_0; otherwise
+/// the few-row AVX2 pass ([`pass_avx2_few`]) when `few` and `n` <= [`FEW_ROWS`], the AVX2
+/// pass ([`pass_avx2`]) else.
 ///
 /// # Safety
 /// As [`pass_avx2`] (and [`pass_vnni`] when `vnni`: the CPU has its features), with `N` =
@@ -362,7 +505,7 @@ pub(super) fn pass_rows(f: u8, vnni: bool, part: usize) -> usize {
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn pass(
     f: u8,
-    vnni: bool,
+    (vnni, few): (bool, bool),
     n: usize,
     tr: &[u8],
     (full, part): (usize, usize),
@@ -385,9 +528,20 @@ pub(super) unsafe fn pass(
             }
         };
     }
+    macro_rules! few {
+        ($f:expr) => {
+            match n {
+                1 => store(s, pass_avx2_few::<{ $f }, 1>(tr, full, part, acts, r0)),
+                2 => store(s, pass_avx2_few::<{ $f }, 2>(tr, full, part, acts, r0)),
+                3 => store(s, pass_avx2_few::<{ $f }, 3>(tr, full, part, acts, r0)),
+                _ => store(s, pass_avx2_few::<{ $f }, 4>(tr, full, part, acts, r0)),
+            }
+        };
+    }
+    let vnni_pass = pass_rows(f, vnni, part) == PASS_ROWS;
     // SAFETY: the caller's contract, for whichever pass runs.
     unsafe {
-        match (f, pass_rows(f, vnni, part) == PASS_ROWS, n) {
+        match (f, vnni_pass, n) {
             (Q8_0, true, 1) => store(s, pass_vnni::<false, 1>(tr, full, acts, r0)),
             (Q8_0, true, 2) => store(s, pass_vnni::<false, 2>(tr, full, acts, r0)),
             (Q8_0, true, 3) => store(s, pass_vnni::<false, 3>(tr, full, acts, r0)),
@@ -396,6 +550,9 @@ pub(super) unsafe fn pass(
             (Q4_0, true, 2) => store(s, pass_vnni::<true, 2>(tr, full, acts, r0)),
             (Q4_0, true, 3) => store(s, pass_vnni::<true, 3>(tr, full, acts, r0)),
             (Q4_0, true, _) => store(s, pass_vnni::<true, 4>(tr, full, acts, r0)),
+            (Q8_0, _, n) if few && n <= FEW_ROWS => few!(Q8_0),
+            (Q4_0, _, n) if few && n <= FEW_ROWS => few!(Q4_0),
+            (_, _, n) if few && n <= FEW_ROWS => few!(MXFP4),
             (Q8_0, _, _) => avx2!(Q8_0),
             (Q4_0, _, _) => avx2!(Q4_0),
             (_, _, _) => avx2!(MXFP4),

@@ -329,7 +329,9 @@ unsafe fn pass_avx2<const N: usize>(
 /// MXFP4) times every row of `acts` into `local[r * rows + i]`, with the AVX-512 VNNI bodies
 /// (`vnni`, where one exists for the tiles: see `tiles_b32_x86::pass`) or the AVX2 ones;
 /// Q6_K on AVX2 at `tiles_unpacked_x86::MIN_ROWS` rows or more unpacks each tile row once
-/// for all of them (`tiles_unpacked_x86`) unless `unpacked` is off.
+/// for all of them (`tiles_unpacked_x86`) unless `unpacked` is off; the 32-weight
+/// formats at up to `tiles_b32_x86::FEW_ROWS` rows run its few-row pass unless `few` is
+/// off.
 ///
 /// # Safety
 /// The CPU has the body's features (AVX-512 F/BW/VL, VNNI, AVX2, F16C for `vnni`; AVX2,
@@ -338,7 +340,7 @@ unsafe fn pass_avx2<const N: usize>(
 /// `o0 + rows <= w.rows`; `local.len() == acts.q.n_rows * rows`.
 pub(super) unsafe fn panel(
     vnni: bool,
-    unpacked: bool,
+    (unpacked, few): (bool, bool),
     w: &QuantMatrix<'_>,
     acts: &TileActs<'_>,
     o0: usize,
@@ -411,9 +413,9 @@ pub(super) unsafe fn panel(
                     (1, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
                     (1, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
                     (1, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
-                    (2, _, _) => b32::pass(b32::Q8_0, vnni, n, tr, spans, acts, r0, s),
-                    (3, _, _) => b32::pass(b32::Q4_0, vnni, n, tr, spans, acts, r0, s),
-                    (_, _, _) => b32::pass(b32::MXFP4, vnni, n, tr, spans, acts, r0, s),
+                    (2, _, _) => b32::pass(b32::Q8_0, (vnni, few), n, tr, spans, acts, r0, s),
+                    (3, _, _) => b32::pass(b32::Q4_0, (vnni, few), n, tr, spans, acts, r0, s),
+                    (_, _, _) => b32::pass(b32::MXFP4, (vnni, few), n, tr, spans, acts, r0, s),
                 }
             }
             for (a, s) in sums.iter().enumerate().take(n) {
