@@ -16,11 +16,71 @@ use crate::ir::{self, Arg, Role, TaskId};
 use crate::syntax::ast::{self, CallStmt, Span};
 use smallvec::SmallVec;
 
+/// What `exec_op` needs of one role of an op's signature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RoleAccess {
+    /// The role (argument name).
+    pub role: Role,
+    /// How the op touches it.
+    pub access: ir::Access,
+    /// It may be left out.
+    pub optional: bool,
+}
+
+/// An op's roles in argument order (inline: an op takes a handful).
+pub(super) type OpRoles = SmallVec<[RoleAccess; 6]>;
+
+/// The key of an op's roles: its table entry (by address) and, for `attn`, its part.
+pub(super) type OpRolesKey = (usize, Option<AttnPart>);
+
 impl<'a> Elaborator<'a> {
     fn micro_count(&mut self, span: Span) -> Result<u32, Diagnostic> {
         self.micro
             .map(|m| m.count)
             .ok_or_else(|| Diagnostic::missing_microbatches(span))
+    }
+
+    /// The roles of a concrete op in argument order, with the access and whether each may
+    /// be left out: its signature's ([`catalog::signature`]) without the value tensors.
+    /// Those three depend on the op's kind alone, and for `attn` on its part (the catalog's
+    /// signatures; debug builds compare every answer with the signature), so they are
+    /// worked out once per kind: a signature is four vectors to allocate and free per
+    /// `experts` task (a real-size plan issues millions).
+    fn op_roles(&mut self, def: &'static OpDef, op: &Op) -> OpRoles {
+        let part = match op {
+            Op::Attn { part, .. } => Some(*part),
+            _ => None,
+        };
+        let key = (def as *const OpDef as usize, part);
+        let card = &self.card;
+        let roles = self
+            .op_roles
+            .entry(key)
+            .or_insert_with(|| {
+                catalog::signature(op, card)
+                    .iter()
+                    .map(|s| RoleAccess {
+                        role: s.role,
+                        access: s.access,
+                        optional: s.optional,
+                    })
+                    .collect()
+            })
+            .clone();
+        debug_assert_eq!(
+            roles,
+            catalog::signature(op, card)
+                .iter()
+                .map(|s| RoleAccess {
+                    role: s.role,
+                    access: s.access,
+                    optional: s.optional,
+                })
+                .collect::<OpRoles>(),
+            "{}: roles that depend on more than the op's kind and part",
+            def.name
+        );
+        roles
     }
 
     /// Issues a call of the op `def`: its static parameters parsed as the table declares
@@ -122,7 +182,7 @@ impl<'a> Elaborator<'a> {
         }
         // The concrete op's signature decides what is required (`attn(part = prefill)` may
         // leave out its `kv`) and with which access each argument is passed.
-        let signature = catalog::signature(&op, &self.card);
+        let signature = self.op_roles(def, &op);
         let mut args = super::stmts::TaskArgs::new();
         for role_sig in &signature {
             let key = role_sig.role.as_str();

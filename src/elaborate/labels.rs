@@ -52,6 +52,13 @@ impl LabelKey<'_> {
 /// a key goes to exactly one of the two, so equal keys meet). The table is a quarter of
 /// the size of one keyed by [`LabelKey`], and hashing and comparing a key touches no
 /// string.
+///
+/// A planner's point (a lean elaboration, `Options::task_names` false) does not insert its
+/// packed keys into a map as they come: a random insert per task into a table of a million
+/// keys was most of a label's cost (cache misses). They are listed in issue order and
+/// sorted once when the steps are done ([`Labels::seal`]), which finds any key given twice;
+/// then the elaboration is run again with keys checked as they come, so the diagnostic
+/// (and everything that follows from it) is the one an eager table gives.
 pub(super) struct Labels<'a> {
     /// Each label name's number, in order of first use.
     names: FastMap<&'a str, u32>,
@@ -59,19 +66,55 @@ pub(super) struct Labels<'a> {
     packed: FastMap<(u64, u64), TaskId>,
     /// Keys that do not.
     other: FastMap<LabelKey<'a>, TaskId>,
+    /// Deferred labels: keys that pack, with their tasks, in issue order until sealed,
+    /// then sorted by key. `None`: keys go to `packed` as they come.
+    deferred: Option<Vec<((u64, u64), TaskId)>>,
+    /// Set by [`Labels::seal`]: whether no deferred key was given twice.
+    sealed: Option<bool>,
 }
 
 /// Bits per packed index.
 const INDEX_BITS: u32 = 20;
 
 impl<'a> Labels<'a> {
-    /// No labels.
+    /// No labels; each key is checked against the others as it is inserted.
     pub(super) fn new() -> Self {
         Labels {
             names: fast_map(),
             packed: fast_map(),
             other: fast_map(),
+            deferred: None,
+            sealed: None,
         }
+    }
+
+    /// No labels; keys that pack are checked for duplicates only by [`Labels::seal`],
+    /// which must be called before [`Labels::get`].
+    pub(super) fn deferred() -> Self {
+        Labels {
+            deferred: Some(Vec::new()),
+            ..Labels::new()
+        }
+    }
+
+    /// Ends insertion: sorts the deferred keys (once; later calls give the same answer).
+    /// `false` when a deferred key was inserted twice (its second insert answered `Ok`:
+    /// the caller elaborates again with [`Labels::new`] to report it where it occurs).
+    /// Always `true` for eager labels.
+    pub(super) fn seal(&mut self) -> bool {
+        if let Some(sealed) = self.sealed {
+            return sealed;
+        }
+        let unique = match &mut self.deferred {
+            Some(list) => {
+                // Stable: issue order within equal keys (none once this holds).
+                list.sort_by_key(|&(key, _)| key);
+                list.windows(2).all(|pair| pair[0].0 != pair[1].0)
+            }
+            None => true,
+        };
+        self.sealed = Some(unique);
+        unique
     }
 
     /// `key` in two words, with its name numbered `name`; `None` when it does not fit.
@@ -97,9 +140,15 @@ impl<'a> Labels<'a> {
     /// The task labelled `key`, if any.
     pub(super) fn get(&self, key: &LabelKey<'_>) -> Option<TaskId> {
         let &name = self.names.get(key.name)?;
-        match Self::pack(key, name) {
-            Some(packed) => self.packed.get(&packed).copied(),
-            None => self.other.get(key).copied(),
+        match (Self::pack(key, name), &self.deferred) {
+            (Some(packed), Some(list)) => {
+                debug_assert!(self.sealed.is_some(), "deferred labels read before seal");
+                list.binary_search_by_key(&packed, |&(key, _)| key)
+                    .ok()
+                    .map(|at| list[at].1)
+            }
+            (Some(packed), None) => self.packed.get(&packed).copied(),
+            (None, _) => self.other.get(key).copied(),
         }
     }
 
@@ -108,6 +157,12 @@ impl<'a> Labels<'a> {
         let count = self.names.len() as u32;
         let name = *self.names.entry(key.name).or_insert(count);
         let first = match Self::pack(key, name) {
+            Some(packed) if self.deferred.is_some() => {
+                if let Some(list) = &mut self.deferred {
+                    list.push((packed, id));
+                }
+                None
+            }
             Some(packed) => match self.packed.entry(packed) {
                 Entry::Occupied(first) => Some(*first.get()),
                 Entry::Vacant(slot) => {
@@ -165,6 +220,50 @@ mod tests {
         }
         assert_eq!(labels.get(&key(0, "c", &[])), None);
         assert_eq!(labels.get(&key(2, "a", &[])), None);
+    }
+
+    /// Deferred labels find what eager ones find once sealed (keys that pack and keys
+    /// that do not), and a key given twice is found by the seal, not by the insert.
+    #[test]
+    fn deferred_labels_are_found_once_sealed_and_duplicates_by_the_seal() {
+        let key = |step: u32, name: &'static str, indices: &[i64]| LabelKey {
+            step,
+            name,
+            indices: indices.iter().copied().collect(),
+        };
+        // Out of key order on purpose: the seal sorts them.
+        let keys = [
+            key(1, "a", &[3, 0, 17]),
+            key(0, "a", &[3, 0, 17]),
+            key(0, "b", &[]),
+            key(0, "a", &[0, 1]),
+            key(0, "a", &[1, 0]),
+            key(0, "a", &[1 << 20, 5]),
+            key(0, "a", &[1, 2, 3, 4, 5]),
+        ];
+        let mut labels = Labels::deferred();
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(labels.insert(k, TaskId::new(i)), Ok(()), "{k:?}");
+        }
+        assert!(labels.seal());
+        assert!(labels.seal(), "sealing again gives the same answer");
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(labels.get(k), Some(TaskId::new(i)), "{k:?}");
+        }
+        assert_eq!(labels.get(&key(0, "a", &[3, 0, 18])), None);
+        assert_eq!(labels.get(&key(2, "a", &[3, 0, 17])), None);
+        assert_eq!(labels.get(&key(0, "c", &[])), None);
+
+        let mut twice = Labels::deferred();
+        assert_eq!(twice.insert(&keys[0], TaskId::new(0)), Ok(()));
+        assert_eq!(twice.insert(&keys[3], TaskId::new(1)), Ok(()));
+        assert_eq!(twice.insert(&keys[0], TaskId::new(2)), Ok(()));
+        assert!(!twice.seal());
+        // A key that does not pack is still checked as it comes.
+        let mut other = Labels::deferred();
+        assert_eq!(other.insert(&keys[5], TaskId::new(0)), Ok(()));
+        assert_eq!(other.insert(&keys[5], TaskId::new(1)), Err(TaskId::new(0)));
+        assert!(Labels::new().seal());
     }
 
     #[test]

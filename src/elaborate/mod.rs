@@ -122,7 +122,18 @@ pub type Elaborated = (ir::Program, Vec<Diagnostic>);
 /// Elaborates a parsed schedule.
 pub fn elaborate(file: &File, options: &Options) -> Result<Elaborated, Vec<Diagnostic>> {
     let mut elab = Elaborator::new(file, options);
+    // A lean elaboration (a planner's point) checks its labels for duplicates once, at the
+    // end (`labels::Labels::seal`); where one is found it runs again with labels checked
+    // as they come, which reports it as every elaboration does.
+    if !options.task_names {
+        elab.labels = labels::Labels::deferred();
+    }
     elab.run(file);
+    if !elab.labels.seal() {
+        let mut elab = Elaborator::new(file, options);
+        elab.run(file);
+        return elab.finish(file);
+    }
     elab.finish(file)
 }
 
@@ -189,6 +200,8 @@ struct Elaborator<'a> {
     /// one the op takes), by the statement's address: the checks of those names, which
     /// depend on the text alone, are made once per statement, not once per task.
     clean_calls: scopes::FastMap<usize, bool>,
+    /// Each op kind's roles (`calls::Elaborator::op_roles`).
+    op_roles: scopes::FastMap<calls::OpRolesKey, calls::OpRoles>,
     templates: scopes::FastMap<String, &'a TemplateDecl>,
     template_stack: Vec<String>,
     micro: Option<MicroBatches>,
@@ -247,6 +260,7 @@ impl<'a> Elaborator<'a> {
             kv_part: None,
             group_ub: None,
             clean_calls: scopes::fast_map(),
+            op_roles: scopes::fast_map(),
             templates: scopes::fast_map(),
             template_stack: Vec::new(),
             micro: None,
@@ -317,6 +331,10 @@ impl<'a> Elaborator<'a> {
                 return;
             }
             self.run_step(decl);
+        }
+        // Deferred labels given twice: `elaborate` runs again with eager ones.
+        if !self.labels.seal() {
+            return;
         }
         self.resolve_after();
     }

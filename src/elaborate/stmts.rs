@@ -715,6 +715,58 @@ mod tests {
         })
     }
 
+    /// A lean elaboration (a planner's point: no task names, labels checked for
+    /// duplicates once at the end) gives a schedule with a label given twice the
+    /// diagnostics a named one gives, and a schedule without one the same tasks and
+    /// `after` orderings.
+    #[test]
+    fn a_lean_elaboration_reports_a_label_given_twice_as_a_named_one() {
+        let source = |second: &str| {
+            format!(
+                "schedule t
+microbatches 1 of 1
+stream cpu: cpu.compute
+stream gpu: gpu.compute
+                 buffer h: host = hidden(prompt_len)
+buffer qkv: host = qkv(prompt_len)
+                 prefill {{
+                 for l in 0..layers {{
+                 pre_attn(layer = l, ub = 0, w = W[l], h = h, out = qkv) on cpu as pre[l, 0]
+                 pre_attn(layer = l, ub = 0, w = W[l], h = h, out = qkv) on gpu as {second} after pre[l, 0]
+                 }}
+}}
+"
+            )
+        };
+        let named = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+        let mut lean = named.clone();
+        lean.task_names = false;
+        // `pre[0, 0]` given twice: at l = 0, the second task of the body.
+        let twice = source("pre[0, 0]");
+        let file = crate::compile::source_to_ast(&twice).unwrap();
+        let named_diags = crate::elaborate::elaborate(&file, &named).err().unwrap();
+        let lean_diags = crate::elaborate::elaborate(&file, &lean).err().unwrap();
+        assert!(
+            named_diags.iter().any(|d| d.message.contains("pre[0, 0]")),
+            "{named_diags:?}"
+        );
+        // Message, spans and help alike.
+        assert_eq!(lean_diags, named_diags);
+        // Distinct labels: the same tasks, each second one after its first.
+        let once = source("post[l]");
+        let file = crate::compile::source_to_ast(&once).unwrap();
+        let (named_program, _) = crate::elaborate::elaborate(&file, &named).unwrap();
+        let (lean_program, _) = crate::elaborate::elaborate(&file, &lean).unwrap();
+        assert_eq!(lean_program.tasks.len(), named_program.tasks.len());
+        for (a, b) in lean_program.tasks.iter().zip(&named_program.tasks) {
+            assert_eq!((&a.op, &a.after, &a.args), (&b.op, &b.after, &b.args));
+        }
+        assert_eq!(
+            named_program.tasks[1].after,
+            vec![crate::ir::TaskId::new(0)]
+        );
+    }
+
     /// Issue 45: "param `t` is never used" came and went with another param's value,
     /// because only an evaluated name counted. A param named anywhere in the text is used.
     #[test]
