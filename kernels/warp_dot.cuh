@@ -232,6 +232,18 @@ __device__ __forceinline__ void moe_norm_load32(const void* nw, int code, int k0
     }
 }
 
+// Eight 16-bit weights (format dt: 0 bf16, 1 f16) of a 16-byte load as f32.
+__device__ __forceinline__ void moe_rows_widen(const uint4& raw, int dt, float* wv) {
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
+        const unsigned short hi = (unsigned short)(words[j] >> 16);
+        wv[2 * j] = dt == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
+        wv[2 * j + 1] = dt == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
+    }
+}
+
 // acc plus a lane's chunk (raw: moe_half_load4's words) times x, in the generic loop's
 // order and expression (8-term sums, k ascending), so the sums are its bits. NORM: each
 // activation normalised first as rms_norm writes it, nv * (x * s) (moe_warp_rows_dot_t's).
@@ -243,15 +255,8 @@ __device__ __forceinline__ float moe_half_dot4(const uint4* raw, const float* nv
     for (int u = 0; u < 4; ++u) {
         const int k = k0 + 256 * u;
         if (k < in_dim) {
-            const unsigned int words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
             float wv[8];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
-                const unsigned short hi = (unsigned short)(words[j] >> 16);
-                wv[2 * j] = DT == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
-                wv[2 * j + 1] = DT == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
-            }
+            moe_rows_widen(raw[u], DT, wv);
             float4 a = *(const float4*)(x + k);
             float4 b = *(const float4*)(x + k + 4);
             if (NORM) {
@@ -336,18 +341,6 @@ __device__ __forceinline__ float moe_dot1(const void* w, long long row, int dtyp
 // dynamic indexing); `rows` <= R at run time. Every thread of the block must call it (two
 // barriers a chunk): a warp with no output passes w = 0 and gets 0.
 #define MOE_STAGE_FLOATS 8192
-
-// Eight 16-bit weights (format dt: 0 bf16, 1 f16) of a 16-byte load as f32.
-__device__ __forceinline__ void moe_rows_widen(const uint4& raw, int dt, float* wv) {
-    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const unsigned short lo = (unsigned short)(words[j] & 0xffffu);
-        const unsigned short hi = (unsigned short)(words[j] >> 16);
-        wv[2 * j] = dt == 0 ? moec_bf16_to_f32(lo) : moec_f16_to_f32(lo);
-        wv[2 * j + 1] = dt == 0 ? moec_bf16_to_f32(hi) : moec_f16_to_f32(hi);
-    }
-}
 
 // The 8-term product of widened weights wv with the 8 staged values at xs (16-byte
 // aligned), summed left to right as the generic loop writes it: every staged kernel's sums
