@@ -56,27 +56,11 @@ impl<'a> Elaborator<'a> {
         let roles = self
             .op_roles
             .entry(key)
-            .or_insert_with(|| {
-                catalog::signature(op, card)
-                    .iter()
-                    .map(|s| RoleAccess {
-                        role: s.role,
-                        access: s.access,
-                        optional: s.optional,
-                    })
-                    .collect()
-            })
+            .or_insert_with(|| op_roles_of(op, card))
             .clone();
         debug_assert_eq!(
             roles,
-            catalog::signature(op, card)
-                .iter()
-                .map(|s| RoleAccess {
-                    role: s.role,
-                    access: s.access,
-                    optional: s.optional,
-                })
-                .collect::<OpRoles>(),
+            op_roles_of(op, card),
             "{}: roles that depend on more than the op's kind and part",
             def.name
         );
@@ -381,4 +365,16 @@ fn names_well_formed(stmt: &CallStmt, def: &OpDef) -> bool {
             once && taken
         })
     })
+}
+
+/// The role, access and optionality of each argument of `op`'s full signature.
+fn op_roles_of(op: &Op, card: &crate::model::card::ModelCard) -> OpRoles {
+    catalog::signature(op, card)
+        .iter()
+        .map(|s| RoleAccess {
+            role: s.role,
+            access: s.access,
+            optional: s.optional,
+        })
+        .collect()
 }

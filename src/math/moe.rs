@@ -624,6 +624,22 @@ mod grouped_tests {
     use super::*;
     use crate::math::tensor::{Matrix, TypedSlice};
     use crate::model::card::ModelCard;
+
+    /// Five tokens of width `d` and their routing to three experts (a token at most once an
+    /// expert, slots 0 and 1), shared by the grouped-against-one-at-a-time tests.
+    fn five_tokens_to_three_experts(d: usize) -> (usize, Vec<f32>, [Vec<RoutedRow>; 3]) {
+        let n_tokens = 5;
+        let x: Vec<f32> = (0..n_tokens * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let row = |row: u32, slot: u32, weight: f32| RoutedRow { row, slot, weight };
+        let rows = [
+            vec![row(0, 0, 0.7), row(3, 1, 0.2)],
+            vec![row(0, 1, 0.3), row(1, 0, 0.9), row(4, 0, 0.5)],
+            vec![row(2, 0, 1.0)],
+        ];
+        (n_tokens, x, rows)
+    }
     use crate::model::vocab::Orientation;
     use crate::quant::{random_blocks, QuantFormat, QuantSlice};
 
@@ -657,16 +673,7 @@ mod grouped_tests {
                 fused: None,
             })
             .collect();
-        let n_tokens = 5;
-        let x: Vec<f32> = (0..n_tokens * d)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
-            .collect();
-        let row = |row: u32, slot: u32, weight: f32| RoutedRow { row, slot, weight };
-        let rows = [
-            vec![row(0, 0, 0.7), row(3, 1, 0.2)],
-            vec![row(0, 1, 0.3), row(1, 0, 0.9), row(4, 0, 0.5)],
-            vec![row(2, 0, 1.0)],
-        ];
+        let (n_tokens, x, rows) = five_tokens_to_three_experts(d);
         let jobs: Vec<(ExpertWeights<'_>, &[RoutedRow])> = experts
             .iter()
             .zip(&rows)
@@ -724,16 +731,7 @@ mod grouped_tests {
             .iter()
             .map(|[gu, dn]| [tile(gu, 2 * f, d), tile(dn, d, f)])
             .collect();
-        let n_tokens = 5;
-        let x: Vec<f32> = (0..n_tokens * d)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
-            .collect();
-        let row = |row: u32, slot: u32, weight: f32| RoutedRow { row, slot, weight };
-        let rows = [
-            vec![row(0, 0, 0.7), row(3, 1, 0.2)],
-            vec![row(0, 1, 0.3), row(1, 0, 0.9), row(4, 0, 0.5)],
-            vec![row(2, 0, 1.0)],
-        ];
+        let (n_tokens, x, rows) = five_tokens_to_three_experts(d);
         fn matrix(b: &[u8], tiles: bool, rows: usize, cols: usize) -> Matrix<'_> {
             let format = QuantFormat::Mxfp4;
             let q = if tiles {
