@@ -272,7 +272,10 @@ impl Kernels {
         let mut q_abs = vec![0.0f32; group * n * r];
         for h0 in (0..heads).step_by(group) {
             let hs = h0..(h0 + group).min(heads);
-            let (xs, ys) = (&mut q_nope[..hs.len() * n * nope], &mut q_abs[..hs.len() * n * r]);
+            let (xs, ys) = (
+                &mut q_nope[..hs.len() * n * nope],
+                &mut q_abs[..hs.len() * n * r],
+            );
             for (i, dst) in xs.chunks_exact_mut(nope).enumerate() {
                 let (h, t) = (h0 + i / n, i % n);
                 let src = (t * heads + h) * qk;
@@ -343,7 +346,10 @@ impl Kernels {
         let mut values = vec![0.0f32; n * heads * v_dim];
         for h0 in (0..heads).step_by(group) {
             let hs = h0..(h0 + group).min(heads);
-            let (xs, ys) = (&mut latent[..hs.len() * n * r], &mut head_out[..hs.len() * n * v_dim]);
+            let (xs, ys) = (
+                &mut latent[..hs.len() * n * r],
+                &mut head_out[..hs.len() * n * v_dim],
+            );
             for (i, dst) in xs.chunks_exact_mut(r).enumerate() {
                 let (h, t) = (h0 + i / n, i % n);
                 let src = (t * heads + h) * hd;
@@ -424,7 +430,11 @@ impl Kernels {
             QuantKernels::for_kernels(self).quant_products(&products, &mut ys)?;
             return Ok(());
         }
-        for ((w, x), y) in ws.iter().zip(inputs).zip(outs.chunks_exact_mut(n * out_dim)) {
+        for ((w, x), y) in ws
+            .iter()
+            .zip(inputs)
+            .zip(outs.chunks_exact_mut(n * out_dim))
+        {
             self.linear(x, n, w, y)?;
         }
         Ok(())
@@ -549,7 +559,9 @@ mod tests {
                         .unwrap();
                     let got = &got[h * n * out..(h + 1) * n * out];
                     assert!(
-                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
                         "head {h}, {n} rows, {:?}",
                         data.quant_format()
                     );

@@ -324,19 +324,17 @@ impl ImageLayout {
         // `attn_k_b` `[heads x kv_lora_rank, qk_nope]` by `kv_lora_rank` rows (`attn_v_b`'s
         // columns), `attn_v_b` `[heads x v_head_dim, kv_lora_rank]` by `v_head_dim`; a tile
         // view can only be cut at whole tiles, so they tile where both are multiples of 8.
-        let per_head_whole = |l: &LayerLayout| match (
-            l.segment(SegmentKind::KB),
-            l.segment(SegmentKind::VB),
-        ) {
-            (Some(kb), Some(vb)) if vb.cols > 0 && kb.rows.is_multiple_of(vb.cols) => {
-                let heads = kb.rows / vb.cols;
-                heads > 0
-                    && vb.cols.is_multiple_of(TILE_ROWS)
-                    && vb.rows.is_multiple_of(heads)
-                    && (vb.rows / heads).is_multiple_of(TILE_ROWS)
-            }
-            _ => false,
-        };
+        let per_head_whole =
+            |l: &LayerLayout| match (l.segment(SegmentKind::KB), l.segment(SegmentKind::VB)) {
+                (Some(kb), Some(vb)) if vb.cols > 0 && kb.rows.is_multiple_of(vb.cols) => {
+                    let heads = kb.rows / vb.cols;
+                    heads > 0
+                        && vb.cols.is_multiple_of(TILE_ROWS)
+                        && vb.rows.is_multiple_of(heads)
+                        && (vb.rows / heads).is_multiple_of(TILE_ROWS)
+                }
+                _ => false,
+            };
         let mut out = Vec::new();
         for layer in 0..self.checkpoint.layers as u32 {
             let l = self.layer_of(layer);
