@@ -483,6 +483,36 @@ fn every_schedule_matches_the_oracle_on_a_dbrx_q4_k_m_gguf() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Every schedule runs llama.cpp's Q4_K_M tiny DeepSeek-V2 (`scripts/gguf_fixtures.sh`'s
+/// `deepseek-v2-q4-Q4_K_M.gguf`: MLA with a query rank, Q4_K and Q6_K projections and
+/// per-head `attn_k_b`/`attn_v_b`) with the oracle's tokens for that checkpoint: the CPU
+/// backend holds MLA's projections in tiles, the split halves too (every head's rows are
+/// whole tiles: kv_lora_rank 256, v_head_dim 64), and multiplies each head's rows of
+/// them in one parallel region (`math::mla`), where the oracle reads the file's row
+/// layout; both give the row layout's bits. 2 new tokens per prompt keep it cheap.
+/// Skipped, saying so, without the fixture.
+#[test]
+fn every_schedule_matches_the_oracle_on_a_deepseek_v2_q4_k_m_gguf() {
+    let file = "deepseek-v2-q4-Q4_K_M.gguf";
+    let Some(path) = gguf_common::family_fixtures()
+        .map(|dir| dir.join(file))
+        .filter(|p| p.is_file())
+    else {
+        println!(
+            "deepseek-v2 q4_k_m gguf: skipped: no {file} (run scripts/gguf_fixtures.sh, or \
+             set MOEC_GGUF_FAMILY_FIXTURES)"
+        );
+        return;
+    };
+    let checkpoint = Checkpoint::open_gguf(&path, None).unwrap();
+    let case = Case {
+        gen_len: 2,
+        ..Case::new("deepseek-v2-q4-Q4_K_M")
+    };
+    let (failures, _) = run_checkpoint(&case, &checkpoint, |_| None);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// VSLPipe with 60% of the worst-case KV cache (MoE-Lens §6.2): two groups of 2 sequences,
 /// 5 prompts of 3-12 tokens, 16 new tokens each. Per group the cache holds
 /// max(28, 2 * 28 * 60 / 100) = 33 tokens = 2 blocks of 16, and every sequence crosses 16

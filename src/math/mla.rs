@@ -17,6 +17,7 @@
 
 use crate::math::isa::Kernels;
 use crate::math::norm::normalize;
+use crate::math::qmatmul::{QuantKernels, QuantMatrix, QuantProduct};
 use crate::math::rope::RopeTable;
 use crate::math::tensor::{Matrix, TypedSlice};
 use crate::math::{check_len, KernelError};
@@ -236,20 +237,23 @@ impl Kernels {
         check_len("MLA qkv", qkv_out.len(), n * width)?;
         normalize(arch.norm, x, attn_norm, arch.norm_eps, x_norm);
         let mut q = vec![0.0f32; n * heads * qk];
+        let mut ckv = vec![0.0f32; n * (r + rope_dim)];
+        // The products that read `x_norm` run together (`linear_many`: a quantised input
+        // quantised once, one parallel region), each with the bits `linear` gives it.
         match &w.q {
-            MlaQuery::Direct(q_proj) => self.linear(x_norm, n, q_proj, &mut q)?,
+            MlaQuery::Direct(q_proj) => {
+                self.linear_many(x_norm, n, &[q_proj, &w.kv_a], &mut [&mut q, &mut ckv])?
+            }
             MlaQuery::Lora { a, norm, b } => {
                 let rank = a.out_dim();
                 let mut qa = vec![0.0f32; n * rank];
-                self.linear(x_norm, n, a, &mut qa)?;
+                self.linear_many(x_norm, n, &[a, &w.kv_a], &mut [&mut qa, &mut ckv])?;
                 check_len("q_a_layernorm", norm.len(), rank)?;
                 let mut qa_norm = vec![0.0f32; n * rank];
                 normalize(NormKind::Rms, &qa, *norm, LORA_NORM_EPS, &mut qa_norm);
                 self.linear(&qa_norm, n, b, &mut q)?;
             }
         }
-        let mut ckv = vec![0.0f32; n * (r + rope_dim)];
-        self.linear(x_norm, n, &w.kv_a, &mut ckv)?;
         check_len("kv_a_layernorm", w.kv_a_norm.len(), r)?;
         let rotate = |head: &mut [f32], pos: usize| {
             if m.rope_interleave {
@@ -261,22 +265,38 @@ impl Kernels {
         // transformers scales scores by mscale / sqrt(qk_head_dim); the kernel divides by
         // sqrt(head_dim), so the queries carry the ratio.
         let q_scale = (m.softmax_mscale * (hd as f64).sqrt() / (qk as f64).sqrt()) as f32;
-        let mut q_nope = vec![0.0f32; n * nope];
-        let mut q_abs = vec![0.0f32; n * r];
-        for h in 0..heads {
-            for t in 0..n {
+        // A group of heads' `q_nope` rows, head after head (`[group, n, qk_nope]`), through
+        // their `W_uk` into `[group, n, kv_lora_rank]`.
+        let group = head_group(heads, n);
+        let mut q_nope = vec![0.0f32; group * n * nope];
+        let mut q_abs = vec![0.0f32; group * n * r];
+        for h0 in (0..heads).step_by(group) {
+            let hs = h0..(h0 + group).min(heads);
+            let (xs, ys) = (
+                &mut q_nope[..hs.len() * n * nope],
+                &mut q_abs[..hs.len() * n * r],
+            );
+            for (i, dst) in xs.chunks_exact_mut(nope).enumerate() {
+                let (h, t) = (h0 + i / n, i % n);
                 let src = (t * heads + h) * qk;
-                q_nope[t * nope..(t + 1) * nope].copy_from_slice(&q[src..src + nope]);
+                dst.copy_from_slice(&q[src..src + nope]);
             }
-            self.linear(&q_nope, n, &w.kv_b.key_head(h, &g)?, &mut q_abs)?;
-            for (t, &pos) in positions.iter().enumerate() {
-                let row = &mut qkv_out[t * width + h * hd..t * width + (h + 1) * hd];
-                row[..r].copy_from_slice(&q_abs[t * r..(t + 1) * r]);
-                let src = (t * heads + h) * qk + nope;
-                row[r..].copy_from_slice(&q[src..src + rope_dim]);
-                rotate(&mut row[r..], pos);
-                for v in row.iter_mut() {
-                    *v *= q_scale;
+            let keys = hs
+                .clone()
+                .map(|h| w.kv_b.key_head(h, &g))
+                .collect::<Result<Vec<_>, _>>()?;
+            self.linear_per_head(xs, n, &keys, ys)?;
+            for h in hs {
+                for (t, &pos) in positions.iter().enumerate() {
+                    let row = &mut qkv_out[t * width + h * hd..t * width + (h + 1) * hd];
+                    let src = ((h - h0) * n + t) * r;
+                    row[..r].copy_from_slice(&ys[src..src + r]);
+                    let src = (t * heads + h) * qk + nope;
+                    row[r..].copy_from_slice(&q[src..src + rope_dim]);
+                    rotate(&mut row[r..], pos);
+                    for v in row.iter_mut() {
+                        *v *= q_scale;
+                    }
                 }
             }
         }
@@ -318,24 +338,104 @@ impl Kernels {
         let n = attn_out.len() / (heads * hd).max(1);
         check_len("MLA o_proj input", attn_out.len(), n * heads * hd)?;
         check_len("MLA o_proj residual", residual.len(), n * arch.hidden)?;
-        let mut latent = vec![0.0f32; n * r];
-        let mut head_out = vec![0.0f32; n * v_dim];
+        // A group of heads' latent rows, head after head (`[group, n, kv_lora_rank]`),
+        // through their `W_uv` into `[group, n, v_head_dim]`, then to `[n, heads * v]`.
+        let group = head_group(heads, n);
+        let mut latent = vec![0.0f32; group * n * r];
+        let mut head_out = vec![0.0f32; group * n * v_dim];
         let mut values = vec![0.0f32; n * heads * v_dim];
-        for h in 0..heads {
-            for t in 0..n {
+        for h0 in (0..heads).step_by(group) {
+            let hs = h0..(h0 + group).min(heads);
+            let (xs, ys) = (
+                &mut latent[..hs.len() * n * r],
+                &mut head_out[..hs.len() * n * v_dim],
+            );
+            for (i, dst) in xs.chunks_exact_mut(r).enumerate() {
+                let (h, t) = (h0 + i / n, i % n);
                 let src = (t * heads + h) * hd;
-                latent[t * r..(t + 1) * r].copy_from_slice(&attn_out[src..src + r]);
+                dst.copy_from_slice(&attn_out[src..src + r]);
             }
-            self.linear(&latent, n, &kv_b.value_head(h, &g)?, &mut head_out)?;
-            for t in 0..n {
+            let value_heads = hs
+                .map(|h| kv_b.value_head(h, &g))
+                .collect::<Result<Vec<_>, _>>()?;
+            self.linear_per_head(xs, n, &value_heads, ys)?;
+            for (i, src) in ys.chunks_exact(v_dim).enumerate() {
+                let (h, t) = (h0 + i / n, i % n);
                 let dst = (t * heads + h) * v_dim;
-                values[dst..dst + v_dim].copy_from_slice(&head_out[t * v_dim..(t + 1) * v_dim]);
+                values[dst..dst + v_dim].copy_from_slice(src);
             }
         }
         let mut projected = vec![0.0f32; n * arch.hidden];
         self.linear(&values, n, o_proj, &mut projected)?;
         for (x, p) in residual.iter_mut().zip(&projected) {
             *x += p;
+        }
+        Ok(())
+    }
+}
+
+/// Activation rows (heads x tokens) a group of MLA's per-head products covers at most:
+/// at decode's few tokens every head runs in one parallel region, at a prefill's hundreds
+/// one head at a time (each product is large enough alone), so the grouped buffers stay
+/// a few hundred rows (`256 x kv_lora_rank` f32: 512 KB at V2's 512) however long the prompt.
+const HEAD_GROUP_ROWS: usize = 256;
+
+/// Heads per group for `n` tokens ([`HEAD_GROUP_ROWS`]), at least one.
+fn head_group(heads: usize, n: usize) -> usize {
+    (HEAD_GROUP_ROWS / n.max(1)).clamp(1, heads.max(1))
+}
+
+impl Kernels {
+    /// `outs[h] = xs[h] · ws[h]` for each head `h` of `ws`, with `xs` the heads' inputs
+    /// `[heads, n, in]` and `outs` their outputs `[heads, n, out]` (one width for every
+    /// head), each with the bits [`Kernels::linear`] gives it. Quantised out-in heads (a
+    /// GGUF's `attn_k_b`/`attn_v_b`) run in one parallel region
+    /// ([`QuantKernels::quant_products`]): a decode step's per-head products are 512 K
+    /// multiply-adds each at eight rows, where one region per head paid a fork, a join and
+    /// a half-idle tail sixteen times a layer. Other heads run one `linear` after another.
+    fn linear_per_head(
+        self,
+        xs: &[f32],
+        n: usize,
+        ws: &[Matrix<'_>],
+        outs: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let Some(first) = ws.first() else {
+            return Ok(());
+        };
+        let (in_dim, out_dim) = (first.in_dim(), first.out_dim());
+        for w in ws {
+            check_len("per-head input width", w.in_dim(), in_dim)?;
+            check_len("per-head output width", w.out_dim(), out_dim)?;
+        }
+        check_len("per-head inputs", xs.len(), ws.len() * n * in_dim)?;
+        check_len("per-head outputs", outs.len(), ws.len() * n * out_dim)?;
+        if n == 0 || in_dim == 0 || out_dim == 0 {
+            outs.fill(0.0);
+            return Ok(());
+        }
+        let quant = ws
+            .iter()
+            .map(QuantMatrix::from_matrix)
+            .collect::<Option<Vec<_>>>()
+            .filter(|_| !self.decodes_quant());
+        let inputs = xs.chunks_exact(n * in_dim);
+        if let Some(qs) = quant {
+            let products: Vec<QuantProduct<'_>> = qs
+                .into_iter()
+                .zip(inputs)
+                .map(|(w, x)| QuantProduct { w, x, n_rows: n })
+                .collect();
+            let mut ys: Vec<&mut [f32]> = outs.chunks_exact_mut(n * out_dim).collect();
+            QuantKernels::for_kernels(self).quant_products(&products, &mut ys)?;
+            return Ok(());
+        }
+        for ((w, x), y) in ws
+            .iter()
+            .zip(inputs)
+            .zip(outs.chunks_exact_mut(n * out_dim))
+        {
+            self.linear(x, n, w, y)?;
         }
         Ok(())
     }
@@ -415,5 +515,62 @@ mod tests {
         // A half of the wrong shape is an error naming it, not a panic.
         let err = values.key_head(0, &g).unwrap_err().to_string();
         assert!(err.contains("attn_k_b"), "{err}");
+    }
+
+    /// MLA's grouped per-head products give every head the bits of its own `linear`
+    /// call: four heads of a split `attn_k_b`-like `[4 x 128, 256]` in Q8_0 (the row
+    /// layout and the CPU backend's tiles: one parallel region for all heads, `quant_products`)
+    /// and in bf16 (one `linear` a head), at 1, 3 and 8 rows (8 rows is 1 M multiply-adds:
+    /// past the parallel threshold); and `head_group` keeps a group within
+    /// `HEAD_GROUP_ROWS` rows from 16 heads at decode to one head at a prefill.
+    #[test]
+    fn grouped_heads_give_each_head_s_own_linear_bits() {
+        use crate::quant::tiles::tile;
+        use crate::quant::{random_blocks, QuantFormat, QuantSlice};
+        let (heads, out, inp) = (4usize, 128usize, 256usize);
+        let format = QuantFormat::Q8_0;
+        let elems = heads * out * inp;
+        let rows_bytes = random_blocks(format, elems / 32, 23);
+        let mut tiled = vec![0u8; rows_bytes.len()];
+        assert!(tile(format, &rows_bytes, heads * out, inp, &mut tiled));
+        let floats: Vec<half::bf16> = (0..elems)
+            .map(|i| half::bf16::from_f32(((i * 7919) % 613) as f32 / 613.0 - 0.5))
+            .collect();
+        let datas = [
+            TypedSlice::Quant(QuantSlice::new(&rows_bytes, format, elems).unwrap()),
+            TypedSlice::Quant(QuantSlice::tiled(&tiled, format, elems, inp).unwrap()),
+            TypedSlice::Bf16(&floats),
+        ];
+        let k = Kernels::process();
+        for data in datas {
+            let m = Matrix::new(data, heads * out, inp, Orientation::OutIn).unwrap();
+            let ws: Vec<Matrix<'_>> = (0..heads)
+                .map(|h| m.row_block(h * out..(h + 1) * out))
+                .collect();
+            for n in [1usize, 3, 8] {
+                let xs: Vec<f32> = (0..heads * n * inp)
+                    .map(|i| ((i * 104_729) % 1_009) as f32 / 250.0 - 2.0)
+                    .collect();
+                let mut got = vec![f32::NAN; heads * n * out];
+                k.linear_per_head(&xs, n, &ws, &mut got).unwrap();
+                for h in 0..heads {
+                    let mut want = vec![0.0f32; n * out];
+                    k.linear(&xs[h * n * inp..(h + 1) * n * inp], n, &ws[h], &mut want)
+                        .unwrap();
+                    let got = &got[h * n * out..(h + 1) * n * out];
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "head {h}, {n} rows, {:?}",
+                        data.quant_format()
+                    );
+                }
+            }
+        }
+        assert_eq!(head_group(16, 8), 16);
+        assert_eq!(head_group(16, 64), 4);
+        assert_eq!(head_group(16, 4096), 1);
+        assert_eq!(head_group(16, 0), 16);
     }
 }

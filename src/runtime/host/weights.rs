@@ -289,12 +289,13 @@ impl ImageLayout {
 
     /// The tensors the CPU backend may hold in tiles of eight rows, with their format and
     /// `(rows, cols)`: the Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 out-in matrices that only ever
-    /// multiply whole (attention projections, dense, shared and expert FFN matrices, gpt-oss's
-    /// fused gate/up stored out-in, the lm_head; not
-    /// MLA's per-head pieces nor the embedding, whose rows are read one at a time) and
-    /// whose rows are whole tiles (eight rows of whole blocks).
+    /// multiply whole (attention projections, MLA's query and latent projections, dense,
+    /// shared and expert FFN matrices, gpt-oss's fused gate/up stored out-in, the lm_head;
+    /// not the embedding, whose rows are read one at a time) or one MLA head at a time
+    /// where every head's rows are whole tiles (`attn_k_b`, `attn_v_b`), and whose rows are
+    /// whole tiles (eight rows of whole blocks).
     pub fn tileable(&self) -> Vec<(WeightTag, QuantFormat, usize, usize)> {
-        use crate::math::qmatmul::tiles::tileable;
+        use crate::math::qmatmul::tiles::{tileable, TILE_ROWS};
         use crate::model::vocab::Orientation;
         let whole = |kind: SegmentKind| {
             matches!(
@@ -303,6 +304,9 @@ impl ImageLayout {
                     | SegmentKind::KProj
                     | SegmentKind::VProj
                     | SegmentKind::QkvProj
+                    | SegmentKind::QAProj
+                    | SegmentKind::QBProj
+                    | SegmentKind::KvAProj
                     | SegmentKind::OProj
                     | SegmentKind::SharedGate
                     | SegmentKind::SharedUp
@@ -316,11 +320,30 @@ impl ImageLayout {
                     | SegmentKind::ExpertGateUp(_)
             )
         };
+        // `math::mla` multiplies llama.cpp's split halves one head's rows at a time:
+        // `attn_k_b` `[heads x kv_lora_rank, qk_nope]` by `kv_lora_rank` rows (`attn_v_b`'s
+        // columns), `attn_v_b` `[heads x v_head_dim, kv_lora_rank]` by `v_head_dim`; a tile
+        // view can only be cut at whole tiles, so they tile where both are multiples of 8.
+        let per_head_whole =
+            |l: &LayerLayout| match (l.segment(SegmentKind::KB), l.segment(SegmentKind::VB)) {
+                (Some(kb), Some(vb)) if vb.cols > 0 && kb.rows.is_multiple_of(vb.cols) => {
+                    let heads = kb.rows / vb.cols;
+                    heads > 0
+                        && vb.cols.is_multiple_of(TILE_ROWS)
+                        && vb.rows.is_multiple_of(heads)
+                        && (vb.rows / heads).is_multiple_of(TILE_ROWS)
+                }
+                _ => false,
+            };
         let mut out = Vec::new();
         for layer in 0..self.checkpoint.layers as u32 {
-            for seg in &self.layer_of(layer).segments {
+            let l = self.layer_of(layer);
+            let split_halves = per_head_whole(l);
+            for seg in &l.segments {
                 let out_in = seg.orientation.unwrap_or(Orientation::OutIn) == Orientation::OutIn;
-                if let Some(format) = seg.quant.filter(|_| whole(seg.kind) && out_in) {
+                let multiplied = whole(seg.kind)
+                    || (split_halves && matches!(seg.kind, SegmentKind::KB | SegmentKind::VB));
+                if let Some(format) = seg.quant.filter(|_| multiplied && out_in) {
                     if tileable(format, seg.rows, seg.cols) {
                         let tag = WeightTag::Layer {
                             layer,
