@@ -588,7 +588,7 @@ fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() 
         assert_eq!(run(true), one_by_one, "{schedule} on {card}");
     }
     let margins = margins.into_inner().unwrap();
-    assert!(margins.len() > 10, "only {} fitting points", margins.len());
+    assert!(margins.len() >= 8, "only {} fitting points", margins.len());
     // The bound is a bound, not the figure: some points' bound is well above it.
     assert!(margins.iter().any(|&m| m > 1.05), "{margins:?}");
 }
