@@ -30,10 +30,13 @@ pub(super) trait Walker {
     fn outcome(&mut self, point: &Point, best: f64) -> Option<Candidate>;
 }
 
+/// A point's evaluation under a threshold (`search_bounded`'s `evaluate`).
+pub(super) type EvaluateFn<'e> = dyn Fn(&[(String, Scalar)], f64) -> Outcome + Sync + 'e;
+
 /// The search's shared pieces a walker evaluates with.
 pub(super) struct Evaluation<'e> {
     /// Evaluates a point (its searched values) under a threshold (`search_bounded`).
-    pub evaluate: &'e (dyn Fn(&[(String, Scalar)], f64) -> Outcome + Sync),
+    pub evaluate: &'e EvaluateFn<'e>,
     /// A point's searched values with their names.
     pub values_of: &'e (dyn Fn(&Point) -> Vec<(String, Scalar)> + Sync),
     /// Whether a point is skipped as above a point past an elaboration limit.
