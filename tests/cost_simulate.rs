@@ -375,6 +375,7 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
             refine_from: 1,
             top: 3,
             limits_grow,
+            walk_ahead: true,
         };
         let target = PointTarget {
             file: &file,
@@ -386,6 +387,7 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
             gpu_in_host: false,
             slot_share: &share,
             prune_declared: true,
+            same_program: None,
         };
         let pruned = search(&spaces, &search_options(true), |values| {
             evaluate_point(&target, values)
@@ -461,6 +463,216 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     assert!(over_budget > 0);
     // And the bound had points to drop.
     assert!(below_answers.into_inner() > 0);
+}
+
+/// The bound the planner skips a point by (`PointCosts::throughput_bound`: each step at
+/// least its busiest resource's summed task times) is never under the point's exact
+/// figures (`PointCosts::throughput`, `predict`'s) on the mid cards, at every point of each
+/// schedule's coarse grid that fits: so a point the search answers `Below` for could not
+/// have ranked, and the bounded search's pick is the exhaustive one's (compared in
+/// `pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards`). And with
+/// three refinement starts, the walks run ahead side by side (`SearchOptions::walk_ahead`)
+/// give the answer and every count of the walks run one by one.
+#[test]
+fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() {
+    use moec::compile::{ast_to_ir, source_to_ast};
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    use moec::cost::plan::{param_spaces, search, search_bounded, Outcome, SearchOptions};
+    use moec::cost::predict::PointCosts;
+    use moec::engine::fit_params::{evaluate_point_bounded, PointTarget};
+    use moec::ir::deps;
+    let profile = HardwareProfile::load("t4").unwrap();
+    let settings = CostSettings::default();
+    let overrides = BudgetOverrides {
+        gpu_bytes: Some(600e6),
+        host_bytes: None,
+    };
+    let share = |_: &moec::ir::Program, _: u64| 1.0;
+    let cases = [
+        ("cgopipe", "qwen3-moe-mid", &[][..]),
+        ("fiddler", "mixtral-mid", &[("n_gpu", "8")][..]),
+        ("klotski", "olmoe-mid", &[]),
+    ];
+    // Each fitting point's bound over its figure.
+    let margins = std::sync::Mutex::new(Vec::new());
+    for (schedule, card, sets) in cases {
+        let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
+        let file = source_to_ast(&source).unwrap();
+        let mut options = Options::new(ModelCard::load(card).unwrap());
+        options.workload = Workload {
+            batch: 8,
+            prompt_len: 32,
+            gen_len: 8,
+        };
+        options.hardware = profile
+            .symbols()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        options.sets = sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
+        let (defaults, _) = ast_to_ir(&file, &options).unwrap();
+        let spaces = param_spaces(&defaults.params, &fixed);
+        // Every point of the coarse grid (no refinement): its bound against its figures.
+        let grid = SearchOptions {
+            max_grid: 12,
+            refine_from: 0,
+            top: 100,
+            ..SearchOptions::default()
+        };
+        search(&spaces, &grid, |values| {
+            let mut o = options.clone();
+            o.sets
+                .extend(values.iter().map(|(n, v)| (n.clone(), v.to_string())));
+            let Ok((program, _)) = ast_to_ir(&file, &o) else {
+                return Outcome::Invalid(String::new());
+            };
+            let table = budget_table(&program, Some(&profile), &overrides);
+            if !table.fits() {
+                return Outcome::OverBudget;
+            }
+            let costs = PointCosts::new(&program, &profile, &settings, table.peak("pinned"));
+            let bound = costs.throughput_bound().expect("a bound on finite costs");
+            let deps: Vec<Vec<TaskId>> = deps::candidate_preds(&program);
+            let exact = costs.throughput(&deps).unwrap();
+            let [bound_total, bound_decode, total, decode] = [
+                bound.tokens_per_s,
+                bound.decode_tokens_per_s,
+                exact.tokens_per_s,
+                exact.decode_tokens_per_s,
+            ]
+            .map(Option::unwrap);
+            assert!(
+                bound_total >= total && bound_decode >= decode,
+                "{schedule} on {card} at {values:?}: bound {bound_total} / {bound_decode} under {total} / {decode}"
+            );
+            margins.lock().unwrap().push(bound_total / total);
+            Outcome::Invalid(String::new())
+        });
+        // The search as `moec plan` runs it, three walks: run ahead, or one by one.
+        let target = PointTarget {
+            file: &file,
+            options: &options,
+            profile: &profile,
+            settings,
+            overrides,
+            machine_bytes: None,
+            gpu_in_host: false,
+            slot_share: &share,
+            prune_declared: true,
+            same_program: None,
+        };
+        let walks = |walk_ahead| SearchOptions {
+            max_grid: 12,
+            refine_from: 3,
+            top: 3,
+            walk_ahead,
+            ..SearchOptions::default()
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let run = |walk_ahead| {
+            pool.install(|| {
+                search_bounded(&spaces, &walks(walk_ahead), |values, below| {
+                    evaluate_point_bounded(&target, values, below)
+                })
+            })
+        };
+        let one_by_one = run(false);
+        assert!(one_by_one.evaluated > 12, "{schedule}: no refinement");
+        assert_eq!(run(true), one_by_one, "{schedule} on {card}");
+    }
+    let margins = margins.into_inner().unwrap();
+    assert!(margins.len() >= 8, "only {} fitting points", margins.len());
+    // The bound is a bound, not the figure: some points' bound is well above it.
+    assert!(margins.iter().any(|&m| m > 1.05), "{margins:?}");
+}
+
+/// A point whose program is an elaborated point's, because it differs only in params
+/// that elaboration never read, is answered from that point's outcome
+/// (`cost::plan::SamePrograms`, as `moec plan` does): MoE-Infinity with `code = 1` reads
+/// neither `policy` nor `predictor` (`select` evaluates the branch it gives). The search
+/// gives the answer and every count of the search that elaborates every point, and some
+/// points were answered without elaborating.
+#[test]
+fn points_with_the_same_program_are_answered_as_elaborated_ones() {
+    use moec::compile::{ast_to_ir, source_to_ast};
+    use moec::cost::budget::BudgetOverrides;
+    use moec::cost::plan::{param_spaces, search_bounded, SamePrograms, SearchOptions};
+    use moec::engine::fit_params::{evaluate_point_bounded, PointTarget};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let profile = HardwareProfile::load("t4").unwrap();
+    let source = std::fs::read_to_string("schedules/moe_infinity.sched").unwrap();
+    let file = source_to_ast(&source).unwrap();
+    let mut options = Options::new(ModelCard::load("qwen3-moe-mid").unwrap());
+    options.workload = Workload {
+        batch: 4,
+        prompt_len: 16,
+        gen_len: 4,
+    };
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let sets = [
+        ("bs", "2"),
+        ("n_cache", "-1"),
+        ("n_pf", "2"),
+        ("lookahead", "1"),
+        ("home", "-1"),
+    ];
+    options.sets = sets
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
+    let (defaults, _) = ast_to_ir(&file, &options).unwrap();
+    let spaces = param_spaces(&defaults.params, &fixed);
+    assert_eq!(spaces.len(), 3, "{spaces:?}");
+    let share = |_: &moec::ir::Program, _: u64| 1.0;
+    let same = SamePrograms::default();
+    let target = |same_program| PointTarget {
+        file: &file,
+        options: &options,
+        profile: &profile,
+        settings: CostSettings::default(),
+        overrides: BudgetOverrides::default(),
+        machine_bytes: None,
+        gpu_in_host: false,
+        slot_share: &share,
+        prune_declared: true,
+        same_program,
+    };
+    let search_options = SearchOptions {
+        max_grid: 12,
+        refine_from: 2,
+        top: 4,
+        ..SearchOptions::default()
+    };
+    let every = target(None);
+    let plain = search_bounded(&spaces, &search_options, |values, below| {
+        evaluate_point_bounded(&every, values, below)
+    });
+    let recording = target(Some(&same));
+    let answered = AtomicUsize::new(0);
+    let reused = search_bounded(&spaces, &search_options, |values, below| {
+        if let Some(outcome) = same.known(values, below) {
+            answered.fetch_add(1, Ordering::Relaxed);
+            return outcome;
+        }
+        let outcome = evaluate_point_bounded(&recording, values, below);
+        same.evaluated(values, &outcome);
+        outcome
+    });
+    assert_eq!(reused, plain);
+    assert!(plain.feasible > 4, "{plain:?}");
+    assert!(answered.into_inner() > 0, "no point answered from another");
 }
 
 /// Fiddler's copy arm `if routed(l, e, j) >= t` can never run where t exceeds a

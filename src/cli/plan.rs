@@ -10,7 +10,9 @@ use crate::cost::budget::{
     budget_table, check_budget, disk_split, mapped_checkpoint_over_host, DiskSplit,
 };
 use crate::cost::hardware::GB;
-use crate::cost::plan::{param_spaces, search_bounded, share_of_slots_used, SearchOptions};
+use crate::cost::plan::{
+    param_spaces, search_bounded, share_of_slots_used, SamePrograms, SearchOptions,
+};
 use crate::engine::fit_params::{evaluate_point_bounded, PointTarget};
 use crate::ir::{Scalar, StepKind};
 use clap::Args;
@@ -89,6 +91,7 @@ pub fn run(args: PlanArgs) -> ExitCode {
         let continuous = program.steps.iter().any(|s| s.kind == StepKind::Mixed);
         prompts.map_or(1.0, |p| share_of_slots_used(p, sequences, continuous))
     };
+    let same_programs = SamePrograms::default();
     let target = PointTarget {
         file: &file,
         options: &resolved.options,
@@ -99,12 +102,29 @@ pub fn run(args: PlanArgs) -> ExitCode {
         gpu_in_host: false,
         slot_share: &share,
         prune_declared: true,
+        same_program: Some(&same_programs),
     };
     // A point whose costed tasks alone bound it under the candidates it would have to
-    // beat is not simulated (`search_bounded`: the same answer and counts).
+    // beat is not simulated, and a point whose program is an evaluated point's (it differs
+    // only in params that point's elaboration never read) is answered from that one's
+    // outcome (`search_bounded`, `SamePrograms`: the same answer and counts).
     let mut result = search_bounded(&spaces, &options, |values, below| {
-        evaluate_point_bounded(&target, values, below)
+        if let Some(outcome) = same_programs.known(values, below) {
+            return outcome;
+        }
+        let outcome = evaluate_point_bounded(&target, values, below);
+        same_programs.evaluated(values, &outcome);
+        outcome
     });
+    // `MOEC_PLAN_TRACE=1`: when the search ended and when the winners were checked, from
+    // the command's start (the phases of its wall time; each point's line is the search's).
+    let trace = std::env::var_os("MOEC_PLAN_TRACE").is_some();
+    if trace {
+        eprintln!(
+            "plan-trace search done at {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
     // The full compiler check on the winners, best first.
     let mut rejected = 0;
     let mut checked = Vec::new();
@@ -165,6 +185,9 @@ pub fn run(args: PlanArgs) -> ExitCode {
     }
     result.top = checked;
     let elapsed = started.elapsed().as_secs_f64();
+    if trace {
+        eprintln!("plan-trace winners checked at {elapsed:.2} s");
+    }
     // Nothing fits: say why. When it is the memory-mapped checkpoint itself, no params of a
     // schedule without a disk tier can fit (it names the disk schedules); otherwise what
     // the schedule's own params (defaults and `--set`) put over which budget.

@@ -14,9 +14,10 @@
 //! every free thread meanwhile (docs/cost-model.md "How the search is done"). Guarantees: every value tried is inside its declared range; each distinct point
 //! is evaluated at most once; the result is deterministic.
 
+mod refine;
+
 use crate::ir::ParamType;
 use crate::ir::{Param, Scalar};
-use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -183,6 +184,107 @@ pub enum Outcome {
     TooLarge(String),
 }
 
+/// Points whose program is known to be another point's, for [`search_bounded`]'s
+/// `evaluate` to answer without elaborating them (`moec plan`; docs/cost-model.md "Points
+/// that read the same params").
+///
+/// The elaborator is deterministic and sees a param's value only by looking it up, which
+/// it records (`ir::Program::params_read`). So a point that differs from an elaborated one
+/// only in searched params that elaboration never read (MoE-Infinity's `policy` and
+/// `predictor` where `code = 1` selects the released code's own, `select` evaluating only
+/// the branch it gives) elaborates to the same tasks, buffers, caches and steps: the same
+/// budget, costs and throughput. Its outcome is the other's, with its own values: the
+/// same figures when that one fits, the same bound when it was bounded under a threshold
+/// this point's is above, over budget when that one was (after elaborating). Points that
+/// were invalid or past a limit are not reused, nor an over-budget answer made from the
+/// declared buffers alone (no program, so no record of what was read).
+#[derive(Debug, Default)]
+pub struct SamePrograms {
+    known: std::sync::Mutex<Vec<KnownPoint>>,
+}
+
+/// An elaborated point: its values, which of them its elaboration read, its outcome once
+/// known.
+#[derive(Debug)]
+struct KnownPoint {
+    values: Vec<(String, Scalar)>,
+    read: Vec<bool>,
+    outcome: Option<Outcome>,
+}
+
+impl SamePrograms {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<KnownPoint>> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records which of `values` (a point's searched params) elaborating it read, from
+    /// its program: a value the program names no param for counts as read.
+    pub fn elaborated(&self, values: &[(String, Scalar)], program: &crate::ir::Program) {
+        let read = values
+            .iter()
+            .map(|(name, _)| {
+                program
+                    .params
+                    .iter()
+                    .position(|p| &p.name == name)
+                    .is_none_or(|i| program.params_read.get(i).copied().unwrap_or(true))
+            })
+            .collect();
+        self.lock().push(KnownPoint {
+            values: values.to_vec(),
+            read,
+            outcome: None,
+        });
+    }
+
+    /// Records the outcome of a point [`SamePrograms::elaborated`] recorded (any other is
+    /// ignored); only outcomes made from the program are kept.
+    pub fn evaluated(&self, values: &[(String, Scalar)], outcome: &Outcome) {
+        let keep = matches!(
+            outcome,
+            Outcome::Fits(_) | Outcome::Below(_) | Outcome::OverBudget
+        );
+        let mut known = self.lock();
+        if let Some(point) = known
+            .iter_mut()
+            .find(|p| p.outcome.is_none() && p.values == values)
+        {
+            if keep {
+                point.outcome = Some(outcome.clone());
+            } else {
+                point.read.fill(true);
+            }
+        }
+    }
+
+    /// The outcome of `values` under the threshold `below`, when an elaborated point with
+    /// the same values in every param its elaboration read answers it (see the type).
+    pub fn known(&self, values: &[(String, Scalar)], below: f64) -> Option<Outcome> {
+        let known = self.lock();
+        known.iter().find_map(|point| {
+            let outcome = point.outcome.as_ref()?;
+            let same = point.values.len() == values.len()
+                && point.values.iter().zip(values).zip(&point.read).all(
+                    |(((name, held), (other, value)), &read)| {
+                        name == other && (!read || held == value)
+                    },
+                );
+            if !same {
+                return None;
+            }
+            match outcome {
+                Outcome::Fits(candidate) => Some(Outcome::Fits(Candidate {
+                    values: values.to_vec(),
+                    ..candidate.clone()
+                })),
+                Outcome::Below(bound) if *bound < below => Some(Outcome::Below(*bound)),
+                Outcome::OverBudget => Some(Outcome::OverBudget),
+                _ => None,
+            }
+        })
+    }
+}
+
 /// Search limits.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SearchOptions {
@@ -198,6 +300,10 @@ pub struct SearchOptions {
     /// general (a schedule may unroll less for a larger value); it spares elaborating
     /// millions of tasks only to hit the limit again. `false`: every point is evaluated.
     pub limits_grow: bool,
+    /// Run the refinement's walks ahead, side by side on every free thread, before the
+    /// walks that count (`refine::run_ahead`): the same answer and counts, sooner.
+    /// `false`: each walk evaluates as it goes (the reference the tests compare with).
+    pub walk_ahead: bool,
 }
 
 impl Default for SearchOptions {
@@ -207,6 +313,7 @@ impl Default for SearchOptions {
             refine_from: 3,
             top: 5,
             limits_grow: true,
+            walk_ahead: true,
         }
     }
 }
@@ -270,6 +377,9 @@ pub fn search_bounded(
     // `MOEC_PLAN_TRACE=1`: each point's values, outcome and evaluation time on stderr
     // (where a search's time goes; docs/cost-model.md).
     let trace = std::env::var_os("MOEC_PLAN_TRACE").is_some();
+    // Each line also says when the point ended, from the search's start (where the wall
+    // time goes: the phases and which points ran side by side).
+    let search_began = std::time::Instant::now();
     let evaluate = |values: &[(String, Scalar)], below: f64| -> Outcome {
         if !trace {
             return evaluate(values, below);
@@ -285,9 +395,10 @@ pub fn search_bounded(
             Outcome::TooLarge(_) => "too large".to_string(),
         };
         eprintln!(
-            "plan-trace {} {what} {:.3} s",
+            "plan-trace {} {what} {:.3} s (ended at {:.2} s)",
             spelled.join(" "),
-            started.elapsed().as_secs_f64()
+            started.elapsed().as_secs_f64(),
+            search_began.elapsed().as_secs_f64()
         );
         outcome
     };
@@ -411,7 +522,7 @@ pub fn search_bounded(
             best[keep - 1]
         }
     };
-    let (outcomes, mut too_large) = evaluate_grid(
+    let (outcomes, too_large) = evaluate_grid(
         &points,
         &indices,
         &grids,
@@ -450,155 +561,44 @@ pub fn search_bounded(
         }
     }
 
-    // Points evaluated ahead of the bisection's sequential walk (both sides of an
-    // interval at once, in parallel), consumed by `run` when the walk reaches them: the
-    // walk, its counts and its answer are the sequential ones.
-    let mut pending: HashMap<String, Outcome> = HashMap::new();
-    // A point's outcome as a walk whose best is `best` needs it: its candidate when it
-    // fits, `None` otherwise, or `None` for a bounded point that cannot beat `best`.
-    let run = |point: &Point,
-               best: f64,
-               result: &mut PlanResult,
-               memo: &mut HashMap<String, Option<Candidate>>,
-               bounded: &mut HashMap<String, f64>,
-               too_large: &mut Vec<Point>,
-               pending: &mut HashMap<String, Outcome>|
-     -> Option<Candidate> {
-        let k = key(point);
-        if let Some(known) = memo.get(&k) {
-            return known.clone();
-        }
-        let bound = match bounded.get(&k) {
-            Some(&bound) => bound,
-            None => {
-                if dominated(point, too_large) {
-                    result.skipped_too_large += 1;
-                    memo.insert(k, None);
-                    return None;
-                }
-                let outcome = pending
-                    .remove(&k)
-                    .unwrap_or_else(|| evaluate(&values_of(point), best));
-                if let Outcome::TooLarge(_) = outcome {
-                    too_large.push(point.clone());
-                }
-                let Outcome::Below(bound) = outcome else {
-                    let outcome = record(outcome, result);
-                    memo.insert(k, outcome.clone());
-                    return outcome;
-                };
-                record(outcome, result);
-                bounded.insert(k.clone(), bound);
-                bound
-            }
-        };
-        if bound <= best {
-            return None;
-        }
-        // Bounded under another walk's best, above this one's: its exact figures, once
-        // (it is counted already).
-        bounded.remove(&k);
-        let candidate = match evaluate(&values_of(point), f64::NEG_INFINITY) {
-            Outcome::Fits(candidate) => Some(candidate),
-            _ => None,
-        };
-        memo.insert(k, candidate.clone());
-        candidate
-    };
-
-    // Refinement: coordinate-wise bisection between each start and its grid neighbours.
+    // Refinement: coordinate-wise bisection between each start and its grid neighbours
+    // (`refine::bisect`), the walks first run ahead side by side (`refine::run_ahead`),
+    // then one after another, counting, as they always were: the same answer and counts.
     let by_throughput = |a: &(Point, Candidate), b: &(Point, Candidate)| {
         b.1.tokens_per_s.total_cmp(&a.1.tokens_per_s)
     };
     found.sort_by(by_throughput);
     let starts: Vec<(Point, Candidate)> = found.iter().take(options.refine_from).cloned().collect();
+    let mut state = refine::WalkState {
+        memo,
+        bounded,
+        too_large,
+    };
+    let evaluation = refine::Evaluation {
+        evaluate: &evaluate,
+        values_of: &values_of,
+        dominated: &dominated,
+    };
+    let mut ahead = if options.walk_ahead && starts.len() > 1 && rayon::current_num_threads() > 1 {
+        refine::run_ahead(spaces, &grids, &starts, &state, &evaluation)
+    } else {
+        refine::Ahead::default()
+    };
     for (start, start_candidate) in starts {
-        let mut current = start;
-        let mut best = start_candidate.tokens_per_s;
-        for (dim, space) in spaces.iter().enumerate() {
-            let grid = &grids[dim];
-            let at = grid.iter().position(|v| *v == current[dim]);
-            let (mut below, mut above) = match at {
-                Some(i) => (
-                    if i > 0 { Some(grid[i - 1]) } else { None },
-                    grid.get(i + 1).copied(),
-                ),
-                None => (None, None),
-            };
-            for _ in 0..24 {
-                // Both midpoints this iteration may try, evaluated ahead in parallel.
-                let ahead: Vec<(String, Point)> = [below, above]
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|bound| midpoint(space, current[dim], bound))
-                    .map(|mid| {
-                        let mut point = current.clone();
-                        point[dim] = mid;
-                        (key(&point), point)
-                    })
-                    .filter(|(k, point)| {
-                        !memo.contains_key(k)
-                            && !bounded.contains_key(k)
-                            && !pending.contains_key(k)
-                            && !dominated(point, &too_large)
-                    })
-                    .collect();
-                if ahead.len() > 1 {
-                    let outcomes: Vec<Outcome> = ahead
-                        .par_iter()
-                        .map(|(_, point)| evaluate(&values_of(point), best))
-                        .collect();
-                    for ((k, _), outcome) in ahead.into_iter().zip(outcomes) {
-                        pending.insert(k, outcome);
-                    }
-                }
-                let mut improved = false;
-                for bound in [below, above].into_iter().flatten() {
-                    let Some(mid) = midpoint(space, current[dim], bound) else {
-                        continue;
-                    };
-                    let mut point = current.clone();
-                    point[dim] = mid;
-                    let outcome = run(
-                        &point,
-                        best,
-                        &mut result,
-                        &mut memo,
-                        &mut bounded,
-                        &mut too_large,
-                        &mut pending,
-                    );
-                    if let Some(candidate) = outcome {
-                        if candidate.tokens_per_s > best {
-                            best = candidate.tokens_per_s;
-                            let old = current[dim];
-                            current = point.clone();
-                            found.push((point, candidate));
-                            // Keep bisecting between the new point and the side it left.
-                            if Some(bound) == below {
-                                above = Some(old);
-                            } else {
-                                below = Some(old);
-                            }
-                            improved = true;
-                            break;
-                        }
-                    }
-                    // No gain towards `bound`: halve the interval on that side.
-                    if Some(bound) == below {
-                        below = Some(mid);
-                    } else {
-                        above = Some(mid);
-                    }
-                }
-                if !improved
-                    && below.is_none_or(|b| midpoint(space, current[dim], b).is_none())
-                    && above.is_none_or(|a| midpoint(space, current[dim], a).is_none())
-                {
-                    break;
-                }
-            }
-        }
+        let mut walker = refine::CountingWalker {
+            state: &mut state,
+            result: &mut result,
+            ahead: &mut ahead,
+            evaluation: &evaluation,
+            record: &record,
+        };
+        found.extend(refine::bisect(
+            spaces,
+            &grids,
+            start,
+            start_candidate.tokens_per_s,
+            &mut walker,
+        ));
     }
     found.sort_by(by_throughput);
     let mut seen = std::collections::HashSet::new();
@@ -1018,6 +1018,78 @@ mod tests {
             });
             assert_eq!(bounded, plain, "top {top}, refine_from {refine_from}");
             assert!(below_answers.into_inner() > 0, "top {top}: nothing bounded");
+        }
+    }
+
+    /// The walks run ahead side by side, then one after another (`walk_ahead`), give the
+    /// answer and every count of walks that evaluate as they go: on a bumpy landscape
+    /// with over-budget points, points past a limit (which an earlier walk finds and a
+    /// walk run ahead does not know of), bounded points met by walks with other bests,
+    /// several starts, on three threads.
+    #[test]
+    fn walks_run_ahead_answer_as_walks_one_after_another() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let spaces = vec![
+            ParamSpace::Int {
+                name: "ubs".into(),
+                lo: 1,
+                hi: 700,
+            },
+            ParamSpace::Int {
+                name: "n".into(),
+                lo: 1,
+                hi: 24,
+            },
+            ParamSpace::Float {
+                name: "r".into(),
+                lo: 0.0,
+                hi: 1.0,
+            },
+        ];
+        let evaluations = AtomicUsize::new(0);
+        let evaluate = |values: &[(String, Scalar)], below: f64| -> Outcome {
+            evaluations.fetch_add(1, Ordering::Relaxed);
+            let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
+                (values[0].1, values[1].1, values[2].1)
+            else {
+                unreachable!()
+            };
+            if ubs * n > 2000 {
+                return Outcome::TooLarge("limit".into());
+            }
+            if ubs * n > 900 || (ubs % 7 == 3 && r > 0.5) {
+                return Outcome::OverBudget;
+            }
+            let x = (ubs as f64).ln();
+            let t = 10.0 + 3.0 * (x * 1.7).sin() + (n as f64).sqrt() * (1.0 + (x * 0.9).cos())
+                - 4.0 * (r - 0.6).powi(2);
+            if t * 1.25 < below {
+                Outcome::Below(t * 1.25)
+            } else {
+                Outcome::Fits(candidate(values, t))
+            }
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for (top, refine_from) in [(1, 3), (2, 3), (5, 4), (3, 6), (10, 2)] {
+            for limits_grow in [true, false] {
+                let options = |walk_ahead| SearchOptions {
+                    top,
+                    refine_from,
+                    limits_grow,
+                    walk_ahead,
+                    ..SearchOptions::default()
+                };
+                let one_by_one =
+                    pool.install(|| search_bounded(&spaces, &options(false), evaluate));
+                let before = evaluations.load(Ordering::Relaxed);
+                let ahead = pool.install(|| search_bounded(&spaces, &options(true), evaluate));
+                let made = evaluations.load(Ordering::Relaxed) - before;
+                assert_eq!(ahead, one_by_one, "top {top}, refine_from {refine_from}");
+                assert!(made >= ahead.evaluated, "{made} < {}", ahead.evaluated);
+            }
         }
     }
 

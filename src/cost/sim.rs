@@ -13,6 +13,9 @@
 use serde::Serialize;
 use std::collections::BTreeMap;
 
+/// A task's dependencies, inline up to four.
+pub type SimDeps = smallvec::SmallVec<[usize; 4]>;
+
 /// One task to simulate.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SimTask {
@@ -20,8 +23,9 @@ pub struct SimTask {
     pub stream: usize,
     /// Duration in seconds.
     pub seconds: f64,
-    /// Indices of tasks that must end before this one starts.
-    pub deps: Vec<usize>,
+    /// Indices of tasks that must end before this one starts (inline: a task waits for a
+    /// handful, and a step simulates up to a million tasks).
+    pub deps: SimDeps,
 }
 
 /// A stream: an in-order queue bound to a resource.
@@ -109,8 +113,10 @@ pub fn simulate(input: &SimInput) -> Result<SimResult, SimError> {
     let n_tasks = input.tasks.len();
     let n_streams = input.streams.len();
     let mut queues: Vec<Vec<usize>> = vec![Vec::new(); n_streams];
-    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); n_tasks];
     let mut waiting: Vec<usize> = vec![0; n_tasks];
+    // Each task's dependents, in task order, as one table: `dependents[first[t]..first[t
+    // + 1]]` (no vector per task).
+    let mut first: Vec<usize> = vec![0; n_tasks + 1];
     for (index, task) in input.tasks.iter().enumerate() {
         if task.stream >= n_streams {
             return Err(SimError::UnknownStream {
@@ -130,10 +136,22 @@ pub fn simulate(input: &SimInput) -> Result<SimResult, SimError> {
             if dep >= n_tasks || dep == index {
                 return Err(SimError::BadDependency { task: index, dep });
             }
-            dependents[dep].push(index);
+            first[dep + 1] += 1;
             waiting[index] += 1;
         }
     }
+    for t in 0..n_tasks {
+        first[t + 1] += first[t];
+    }
+    let mut dependents: Vec<usize> = vec![0; first[n_tasks]];
+    let mut filled: Vec<usize> = first[..n_tasks].to_vec();
+    for (index, task) in input.tasks.iter().enumerate() {
+        for &dep in &task.deps {
+            dependents[filled[dep]] = index;
+            filled[dep] += 1;
+        }
+    }
+    drop(filled);
     let mut resource_of_stream: Vec<usize> = Vec::with_capacity(n_streams);
     let mut resource_names: Vec<String> = Vec::new();
     for stream in &input.streams {
@@ -202,7 +220,7 @@ pub fn simulate(input: &SimInput) -> Result<SimResult, SimError> {
         resource_busy[resource] += seconds;
         heads[stream] += 1;
         done += 1;
-        for &next in &dependents[task] {
+        for &next in &dependents[first[task]..first[task + 1]] {
             waiting[next] -= 1;
             deps_ready[next] = deps_ready[next].max(task_end);
             if input.tasks[next].stream != stream {
@@ -271,7 +289,7 @@ mod tests {
         SimTask {
             stream,
             seconds,
-            deps: deps.to_vec(),
+            deps: deps.iter().copied().collect(),
         }
     }
 

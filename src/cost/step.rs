@@ -334,7 +334,7 @@ pub(crate) fn simulate_costed(
         .enumerate()
         .map(|(k, &id)| {
             let stream = task_streams[k];
-            let step_deps: Vec<usize> = deps[id.index()]
+            let step_deps: super::sim::SimDeps = deps[id.index()]
                 .iter()
                 .filter(|d| d.index() >= first)
                 .map(|d| d.index() - first)
@@ -347,7 +347,7 @@ pub(crate) fn simulate_costed(
                 if time.seconds > 0.0 {
                     // Fixed costs: a launch per task, an event wait per other stream
                     // waited on.
-                    let mut waited: Vec<usize> = step_deps
+                    let mut waited: smallvec::SmallVec<[usize; 8]> = step_deps
                         .iter()
                         .map(|&d| task_streams[d])
                         .filter(|&s| s != stream)

@@ -89,12 +89,30 @@ impl<'a> Labels<'a> {
     }
 
     /// No labels; keys that pack are checked for duplicates only by [`Labels::seal`],
-    /// which must be called before [`Labels::get`].
+    /// which must be called before [`Labels::get`]. (Elaborations start from a list
+    /// kept for them: [`Labels::deferred_in`].)
+    #[cfg(test)]
     pub(super) fn deferred() -> Self {
         Labels {
             deferred: Some(Vec::new()),
             ..Labels::new()
         }
+    }
+
+    /// [`Labels::deferred`] whose list starts from `list` (emptied here; its capacity
+    /// kept: a planner's points on one thread reuse one list).
+    pub(super) fn deferred_in(mut list: Vec<((u64, u64), TaskId)>) -> Self {
+        list.clear();
+        Labels {
+            deferred: Some(list),
+            ..Labels::new()
+        }
+    }
+
+    /// The deferred list, taken (for the next elaboration on this thread): empty for eager
+    /// labels. Labels are not read after this.
+    pub(super) fn take_list(&mut self) -> Vec<((u64, u64), TaskId)> {
+        self.deferred.take().unwrap_or_default()
     }
 
     /// Ends insertion: sorts the deferred keys (once; later calls give the same answer).
@@ -107,8 +125,10 @@ impl<'a> Labels<'a> {
         }
         let unique = match &mut self.deferred {
             Some(list) => {
-                // Stable: issue order within equal keys (none once this holds).
-                list.sort_by_key(|&(key, _)| key);
+                // Unstable (in place, no scratch table of half the list): equal keys only
+                // matter when there are some, and then the elaboration runs again with
+                // eager labels, which never reads this list.
+                list.sort_unstable_by_key(|&(key, _)| key);
                 list.windows(2).all(|pair| pair[0].0 != pair[1].0)
             }
             None => true,

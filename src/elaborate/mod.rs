@@ -13,6 +13,7 @@ mod guards;
 mod labels;
 mod scopes;
 mod slices;
+mod spare;
 mod stmts;
 pub mod value;
 pub mod vocabulary;
@@ -124,9 +125,17 @@ pub fn elaborate(file: &File, options: &Options) -> Result<Elaborated, Vec<Diagn
     let mut elab = Elaborator::new(file, options);
     // A lean elaboration (a planner's point) checks its labels for duplicates once, at the
     // end (`labels::Labels::seal`); where one is found it runs again with labels checked
-    // as they come, which reports it as every elaboration does.
+    // as they come, which reports it as every elaboration does. Its tables start from
+    // those the thread's last point left ([`Recycled`]): the same tasks, without fresh
+    // pages for a million of them.
     if !options.task_names {
-        elab.labels = labels::Labels::deferred();
+        let spare = spare::take();
+        elab.labels = labels::Labels::deferred_in(spare.labels);
+        elab.tasks = spare.tasks;
+        elab.spans.tasks = spare.task_spans;
+        elab.spans.task_args = spare.task_args;
+        elab.spans.task_streams = spare.task_streams;
+        elab.spans.task_after = spare.task_after;
     }
     elab.run(file);
     if !elab.labels.seal() {
@@ -134,8 +143,13 @@ pub fn elaborate(file: &File, options: &Options) -> Result<Elaborated, Vec<Diagn
         elab.run(file);
         return elab.finish(file);
     }
+    if !options.task_names {
+        spare::keep_labels(elab.labels.take_list());
+    }
     elab.finish(file)
 }
+
+pub use spare::Recycled;
 
 /// The buffers a schedule declares at `options` (params bound, top-level lets and buffer
 /// declarations evaluated in order, as [`elaborate`] does before it runs any step), without
@@ -416,6 +430,7 @@ impl<'a> Elaborator<'a> {
                 mixed_tokens: 0,
             }),
             params: self.params,
+            params_read: self.param_used,
             streams: self.streams,
             buffers: self.buffers,
             tasks: self.tasks,

@@ -44,6 +44,9 @@ pub struct PointTarget<'a> {
     /// Call a point over budget when its declared buffers alone are, before unrolling its
     /// steps (exact: the same outcome, sooner; `false` elaborates every point in full).
     pub prune_declared: bool,
+    /// Where each elaborated point's read params are recorded, for the caller to answer
+    /// points with the same program without elaborating them (`moec plan`); `None`: none.
+    pub same_program: Option<&'a crate::cost::plan::SamePrograms>,
 }
 
 /// Evaluates one point of the search (`values`: the searched params): elaborates the
@@ -105,6 +108,11 @@ pub fn evaluate_point_bounded(
             };
         }
     };
+    // Its tables go back to this thread's next point when it is dropped.
+    let program = crate::elaborate::Recycled::new(program);
+    if let Some(same) = target.same_program {
+        same.elaborated(values, &program);
+    }
     let table = budget_table(&program, Some(target.profile), &target.overrides);
     if !table.fits() {
         return Outcome::OverBudget;
@@ -310,6 +318,7 @@ pub fn fit_params(
         gpu_in_host: budget.gpu_space == GpuSpace::Host,
         slot_share: &share,
         prune_declared: true,
+        same_program: None,
     };
     let searched = search_bounded(
         &spaces,

@@ -66,6 +66,12 @@ pub struct Program {
     pub micro_batches: MicroBatches,
     /// Declared params with their bound values, in declaration order.
     pub params: Vec<Param>,
+    /// Per param (in `params`' order): whether elaborating read its value. A param never
+    /// read could have had any other value with the same tasks, buffers and everything
+    /// else but `params` itself (the elaborator is deterministic and a value is seen only
+    /// through a lookup), which `cost::plan::SamePrograms` relies on.
+    #[serde(skip)]
+    pub params_read: Vec<bool>,
     /// Streams, indexed by [`StreamId`].
     pub streams: Vec<Stream>,
     /// Buffers (array elements flattened), indexed by [`BufferId`]; 0 is the checkpoint.
