@@ -647,9 +647,16 @@ fn unresolved(path: &str, src: &Path) -> Option<String> {
         }
         rest = tail;
     }
-    // A folder module's names are those its `mod.rs` declares or re-exports.
+    // A folder module's names are those its `mod.rs` declares or re-exports, or its
+    // sibling `name.rs` where the folder holds only its submodules (`cost/plan.rs` beside
+    // `cost/plan/refine.rs`).
     let file = if module.is_dir() {
-        module.join("mod.rs")
+        let sibling = module.with_extension("rs");
+        if sibling.is_file() {
+            sibling
+        } else {
+            module.join("mod.rs")
+        }
     } else {
         module
     };
