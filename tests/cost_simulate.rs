@@ -324,11 +324,9 @@ fn plan_for_a_run_spec_prints_commands_that_check_accepts() {
 /// searches, under a GPU budget tight enough that many points are over it.
 #[test]
 fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
-    use moec::compile::{ast_to_ir, source_to_ast};
+    use moec::compile::ast_to_ir;
     use moec::cost::budget::{budget_table, BudgetOverrides};
-    use moec::cost::plan::{
-        param_spaces, search, search_bounded, Candidate, Outcome, SearchOptions,
-    };
+    use moec::cost::plan::{search, search_bounded, Candidate, Outcome, SearchOptions};
     use moec::engine::fit_params::{evaluate_point, evaluate_point_bounded, PointTarget};
     use moec::ir::deps;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -350,26 +348,12 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
     let mut over_budget = 0;
     let below_answers = AtomicUsize::new(0);
     for (schedule, card, sets) in cases {
-        let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
-        let file = source_to_ast(&source).unwrap();
-        let mut options = Options::new(ModelCard::load(card).unwrap());
-        options.workload = Workload {
+        let workload = Workload {
             batch: 8,
             prompt_len: 32,
             gen_len: 8,
         };
-        options.hardware = profile
-            .symbols()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        options.sets = sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
-        let (defaults, _) = ast_to_ir(&file, &options).unwrap();
-        let spaces = param_spaces(&defaults.params, &fixed);
+        let (file, options, spaces) = plan_setup(&profile, schedule, card, workload, sets);
         let search_options = |limits_grow| SearchOptions {
             max_grid: 12,
             refine_from: 1,
@@ -475,9 +459,9 @@ fn pruned_plan_search_picks_the_exhaustive_searchs_policy_on_the_mid_cards() {
 /// give the answer and every count of the walks run one by one.
 #[test]
 fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() {
-    use moec::compile::{ast_to_ir, source_to_ast};
+    use moec::compile::ast_to_ir;
     use moec::cost::budget::{budget_table, BudgetOverrides};
-    use moec::cost::plan::{param_spaces, search, search_bounded, Outcome, SearchOptions};
+    use moec::cost::plan::{search, search_bounded, Outcome, SearchOptions};
     use moec::cost::predict::PointCosts;
     use moec::engine::fit_params::{evaluate_point_bounded, PointTarget};
     use moec::ir::deps;
@@ -496,26 +480,12 @@ fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() 
     // Each fitting point's bound over its figure.
     let margins = std::sync::Mutex::new(Vec::new());
     for (schedule, card, sets) in cases {
-        let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
-        let file = source_to_ast(&source).unwrap();
-        let mut options = Options::new(ModelCard::load(card).unwrap());
-        options.workload = Workload {
+        let workload = Workload {
             batch: 8,
             prompt_len: 32,
             gen_len: 8,
         };
-        options.hardware = profile
-            .symbols()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        options.sets = sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
-        let (defaults, _) = ast_to_ir(&file, &options).unwrap();
-        let spaces = param_spaces(&defaults.params, &fixed);
+        let (file, options, spaces) = plan_setup(&profile, schedule, card, workload, sets);
         // Every point of the coarse grid (no refinement): its bound against its figures.
         let grid = SearchOptions {
             max_grid: 12,
@@ -601,25 +571,11 @@ fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() 
 /// points were answered without elaborating.
 #[test]
 fn points_with_the_same_program_are_answered_as_elaborated_ones() {
-    use moec::compile::{ast_to_ir, source_to_ast};
     use moec::cost::budget::BudgetOverrides;
-    use moec::cost::plan::{param_spaces, search_bounded, SamePrograms, SearchOptions};
+    use moec::cost::plan::{search_bounded, SamePrograms, SearchOptions};
     use moec::engine::fit_params::{evaluate_point_bounded, PointTarget};
     use std::sync::atomic::{AtomicUsize, Ordering};
     let profile = HardwareProfile::load("t4").unwrap();
-    let source = std::fs::read_to_string("schedules/moe_infinity.sched").unwrap();
-    let file = source_to_ast(&source).unwrap();
-    let mut options = Options::new(ModelCard::load("qwen3-moe-mid").unwrap());
-    options.workload = Workload {
-        batch: 4,
-        prompt_len: 16,
-        gen_len: 4,
-    };
-    options.hardware = profile
-        .symbols()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
     let sets = [
         ("bs", "2"),
         ("n_cache", "-1"),
@@ -627,13 +583,13 @@ fn points_with_the_same_program_are_answered_as_elaborated_ones() {
         ("lookahead", "1"),
         ("home", "-1"),
     ];
-    options.sets = sets
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
-    let (defaults, _) = ast_to_ir(&file, &options).unwrap();
-    let spaces = param_spaces(&defaults.params, &fixed);
+    let workload = Workload {
+        batch: 4,
+        prompt_len: 16,
+        gen_len: 4,
+    };
+    let (file, options, spaces) =
+        plan_setup(&profile, "moe_infinity", "qwen3-moe-mid", workload, &sets);
     assert_eq!(spaces.len(), 3, "{spaces:?}");
     let share = |_: &moec::ir::Program, _: u64| 1.0;
     let same = SamePrograms::default();
@@ -1201,4 +1157,36 @@ fn hobbit_on_qwen3_t4_keeps_mains_pick() {
     let low_bit = gen_tok_s("0.5", "1");
     assert!((main_pick - 0.92).abs() < 0.006, "{main_pick}");
     assert!((low_bit - 0.39).abs() < 0.006, "{low_bit}");
+}
+
+/// A planner test's point of departure: `schedule` parsed, its options for `card` at
+/// `workload` on `profile` with `sets` fixed, and the param spaces the search walks.
+fn plan_setup(
+    profile: &HardwareProfile,
+    schedule: &str,
+    card: &str,
+    workload: Workload,
+    sets: &[(&str, &str)],
+) -> (
+    moec::syntax::ast::File,
+    Options,
+    Vec<moec::cost::plan::ParamSpace>,
+) {
+    let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
+    let file = moec::compile::source_to_ast(&source).unwrap();
+    let mut options = Options::new(ModelCard::load(card).unwrap());
+    options.workload = workload;
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    options.sets = sets
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
+    let (defaults, _) = moec::compile::ast_to_ir(&file, &options).unwrap();
+    let spaces = moec::cost::plan::param_spaces(&defaults.params, &fixed);
+    (file, options, spaces)
 }
