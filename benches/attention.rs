@@ -1,11 +1,13 @@
 //! Decode attention (the CPU hot spot of every paper) against this machine's streaming
 //! read rate measured in the same run (`moec probe`'s, over the same threads). Shapes:
-//! OLMoE-1B-7B's (16 heads, 16 kv heads of 128: one query head per kv head) and
-//! Qwen3-30B-A3B's (32 heads, 4 kv heads of 128: groups of 8); `SEQS` sequences, one new
+//! OLMoE-1B-7B's (16 heads, 16 kv heads of 128: one query head per kv head),
+//! Qwen3-30B-A3B's (32 heads, 4 kv heads of 128: groups of 8) and DeepSeek-V2-Lite's latent
+//! attention (16 heads over one kv head of 512 + 64, the values read from the keys' first
+//! 512: the latent cached once, as the CPU backend stores it); `SEQS` sequences, one new
 //! token each over 512, 4,096 and 8,192 cached positions; f32 and f16 caches; the general
 //! (tiled) kernel decode rows took before (`Kernels::attention_general`) and the decode
-//! kernel, A/B in one run on the same cache. Each call reads every cached K and V once, so
-//! KV bytes over time is the kernel's read rate; each timing is the best of `REPS` calls,
+//! kernel, A/B in one run on the same cache. Each call reads every cached K and V (the
+//! latent: every K) once, so KV bytes over time is the kernel's read rate; each timing is the best of `REPS` calls,
 //! each after streaming 256 MiB (a step streams a layer's weights between two attention
 //! calls). Prints one line per point; asserts that both kernels give the same bits.
 //!
@@ -41,8 +43,12 @@ fn main() {
         stream / 1e9
     );
     let evict = vec![1.0f32; (256 << 20) / 4];
-    for (name, heads, kv_heads) in [("olmoe", 16usize, 16usize), ("qwen3-30b", 32, 4)] {
-        let head_dim = 128;
+    let shapes = [
+        ("olmoe", 16usize, 16usize, 128usize, None),
+        ("qwen3-30b", 32, 4, 128, None),
+        ("dsv2-lite", 16, 1, 576, Some(512)),
+    ];
+    for (name, heads, kv_heads, head_dim, values_in_keys) in shapes {
         let shape = AttnShape {
             heads,
             kv_heads,
@@ -54,6 +60,7 @@ fn main() {
             block_size: 16,
             kv_heads,
             head_dim,
+            values_in_keys,
         };
         for &context in &positions {
             for kv_type in [KvType::F32, KvType::F16] {
@@ -103,7 +110,7 @@ fn main() {
                 let qkv: Vec<f32> = (0..SEQS * shape.qkv_width())
                     .map(|i| ((i % 97) as f32 - 48.0) * 1e-2)
                     .collect();
-                let bytes = (SEQS * (context + 1) * 2 * kv_heads * head_dim) as f64
+                let bytes = (SEQS * (context + 1) * layout.pools() * kv_heads * head_dim) as f64
                     * kv_type.bytes() as f64;
                 let mut time = |general: bool| -> (f64, Vec<f32>) {
                     let mut out = vec![0.0f32; SEQS * shape.q_width()];

@@ -150,6 +150,7 @@ fn bench_layer(c: &mut Criterion) {
         block_size: 16,
         kv_heads: arch.attn.kv_heads,
         head_dim: arch.attn.head_dim,
+        values_in_keys: None,
     };
     let (peak, basis) = peak_gflops();
     // Other processes compete for the same cores; say how busy the machine was.

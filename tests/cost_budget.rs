@@ -200,3 +200,54 @@ fn a_gguf_with_mixed_layer_formats_counts_the_file_s_bytes() {
         err.summary
     );
 }
+
+/// DeepSeek-V2-Lite (27 layers; MLA's latent 512 + rotary key 64 = 576) under `resident`,
+/// 8 sequences of 512 + 128 tokens, half cache, compiled as a run compiles it for each
+/// backend (`registry::card_for`). For the CPU, whose attention reads V as a view of K,
+/// the KV line is the latent once: 27 x 8 x 640 positions x 576 x 2 B = 159,252,480 B;
+/// for the CUDA backend (a V pool) twice that. And the CPU attention's pools over each
+/// `kv` buffer (`KvBlocksMut::from_bytes`, as the CPU `attn` op builds them) take every
+/// byte of it, and hold its 8 x 640 positions: the cache's bytes are the budget's line.
+#[test]
+fn an_mla_cache_counts_what_each_backend_stores() {
+    use moec::math::kv_cache::KvBlocksMut;
+    use moec::model::arch::ArchSpec;
+    use moec::model::vocab::{KvLayout, KvType};
+    use moec::runtime::registry::{card_for, find};
+    let source = std::fs::read_to_string("schedules/baselines/resident.sched").unwrap();
+    let lite = ModelCard::load("deepseek-v2-lite").unwrap();
+    let kv_line = |backend: &str| {
+        let card = card_for(find(backend).unwrap(), &lite);
+        let mut options = Options::new(card.clone());
+        options.kv_bytes = Some(2);
+        options.sets = vec![("ubs".into(), "8".into())];
+        options.workload = moec::ir::Workload {
+            batch: 8,
+            prompt_len: 512,
+            gen_len: 128,
+        };
+        let program = moec::compile::compile(&source, &options).unwrap().program;
+        let table = budget_table(&program, None, &BudgetOverrides::default());
+        let kv = table.lines.iter().find(|l| l.what == "kv").unwrap().clone();
+        (card, kv)
+    };
+    let (cpu_card, cpu) = kv_line("cpu");
+    let (_, cuda) = kv_line("cuda");
+    assert_eq!((cpu.class, cpu.buffers), ("kv cache", 27));
+    assert_eq!(cpu.bytes, 27 * 8 * 640 * 576 * 2);
+    assert_eq!(cpu.bytes, 159_252_480);
+    assert_eq!(cuda.bytes, 2 * cpu.bytes);
+    let arch = ArchSpec::from_card(&cpu_card);
+    let layout = KvLayout {
+        block_size: 16,
+        kv_heads: arch.attn.kv_heads,
+        head_dim: arch.attn.head_dim,
+        values_in_keys: arch.values_in_keys(),
+    };
+    assert_eq!(layout.values_in_keys, Some(512));
+    let mut buffer = vec![0u16; (cpu.bytes / 27 / 2) as usize];
+    let pools = KvBlocksMut::from_bytes(layout, KvType::F16, bytemuck::cast_slice_mut(&mut buffer))
+        .unwrap();
+    assert_eq!(pools.bytes() as u64 * 27, cpu.bytes);
+    assert_eq!(pools.n_blocks() * layout.block_size, 8 * 640);
+}

@@ -249,6 +249,7 @@ fn attention_is_invariant_to_sequence_grouping() {
         block_size: 16,
         kv_heads: shape.kv_heads,
         head_dim: shape.head_dim,
+        values_in_keys: None,
     };
     let lens = [5usize, 19, 33];
     let w = shape.qkv_width();

@@ -124,7 +124,12 @@ fn run_checkpoint(
     checkpoint: &Checkpoint,
     gpu_capacity: impl Fn(u64) -> Option<u64>,
 ) -> (Vec<String>, usize) {
-    let card = checkpoint.card().clone();
+    // As a run compiles it for the CPU backend: an MLA card's cache holds the latent once
+    // (V read from K), while the oracle keeps a V pool, so its tokens check that layout too.
+    let card = moec::runtime::registry::card_for(
+        moec::runtime::registry::default_backend(),
+        checkpoint.card(),
+    );
     let prompts = prompts(card.vocab as u32);
     let oracle = Oracle::new(checkpoint).unwrap().with_kv_type(case.kv_type);
     let expected: Vec<Vec<u32>> = oracle

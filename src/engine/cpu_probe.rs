@@ -287,6 +287,7 @@ pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64), ProbeError> {
         block_size: 16,
         kv_heads,
         head_dim,
+        values_in_keys: None,
     };
     let per_seq = layout.blocks_for(context + 1);
     let evict = vec![1.0f32; ATTN_EVICT_BYTES / 4];
@@ -732,6 +733,7 @@ fn time_attention(call_reps: usize) -> Result<(f64, f64, f64), ProbeError> {
         block_size: 16,
         kv_heads,
         head_dim,
+        values_in_keys: None,
     };
     let (seqs, context) = ATTN_DECODE;
     let per_seq = layout.blocks_for(context + 1);

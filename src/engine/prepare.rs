@@ -86,6 +86,8 @@ pub(crate) fn prepare(
     card: &ModelCard,
     target: Target,
 ) -> Result<Prepared, RunFailure> {
+    // The card as the backend lays out its KV cache (MLA's latent once on the CPU).
+    let card = &crate::runtime::registry::card_for(request.backend, card);
     let (options, compiled) = compile_for(request, card, target.workload)?;
     let mut notes = Vec::new();
     let (profile, probe) = profile_for(request, card, target.profile, &mut notes)?;

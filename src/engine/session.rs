@@ -643,7 +643,8 @@ fn worker(
         tokenizer,
         ..
     } = load_model(&run.model).map_err(|e| fail(message(&e)))?;
-    let card = checkpoint.card().clone();
+    // The card as the backend lays out its KV cache: `--kv-mem` holds that many tokens.
+    let card = crate::runtime::registry::card_for(run.backend, checkpoint.card());
     let name = &run.schedule_name;
     let sizes = SessionSizes::new(&request, &card).map_err(|m| fail(RunFailure::Message(m)))?;
     let target = |plan_gen_len: usize| Target {

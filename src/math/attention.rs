@@ -10,7 +10,10 @@
 //! tile and reused by every new token and query head of it (register-blocked products).
 //! The cache holds f32 or IEEE half elements (`KvType`): new keys and values are rounded
 //! to its type when appended and widened exactly when read, so a half cache gives the
-//! bits of an f32 cache holding the rounded values. A decode row
+//! bits of an f32 cache holding the rounded values. A cache whose values are read from the
+//! keys (`KvLayout::values_in_keys`: DeepSeek MLA's latent cached once) stores only the
+//! keys, and each value row is its key's first components (then zeros), transposed out of
+//! the key tile exactly, so it gives the bits of a cache with a V pool. A decode row
 //! (one new token) over blocks of a multiple of 8 slots takes `attn_decode`'s kernel,
 //! whose bits are this module's general kernel's. Inconsistent inputs are errors, never
 //! panics.
@@ -303,7 +306,7 @@ impl Kernels {
         let first_j = first.j;
         for bi in blocks {
             let tile = layout.tile(seq.block_table[bi] as usize, h);
-            let v_tile = pools.values(tile..tile + bs * hd, &mut wide);
+            let v_tile = pools.values(self, tile, &mut wide);
             for (lo, hi, same) in runs_in_block(&rows, bi, bs) {
                 pairs.clear();
                 for r in same {
@@ -444,8 +447,23 @@ impl Pools<'_> {
         }
     }
 
-    /// Values `range` of the V pool as f32: borrowed, or widened into `wide`.
-    fn values<'b>(&'b self, range: std::ops::Range<usize>, wide: &'b mut Vec<f32>) -> &'b [f32] {
+    /// The value rows (`[slot][head_dim]`) of the whole tile at `tile` as f32: borrowed
+    /// from the V pool, or widened into `wide`, or, when the layout reads the values from
+    /// the keys, transposed out of the K tile into `wide`.
+    fn values<'b>(&'b self, kernels: Kernels, tile: usize, wide: &'b mut Vec<f32>) -> &'b [f32] {
+        let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
+        let range = tile..tile + bs * hd;
+        if let Some(w) = self.layout.values_in_keys {
+            if wide.len() < bs * hd {
+                wide.resize(bs * hd, 0.0);
+            }
+            let rows = &mut wide[..bs * hd];
+            match self.data {
+                PoolRef::F32 { k, .. } => kernels.keys_as_values(&k[range], bs, w, 0..bs, rows),
+                PoolRef::F16 { k, .. } => kernels.keys_as_values(&k[range], bs, w, 0..bs, rows),
+            }
+            return rows;
+        }
         match self.data {
             PoolRef::F32 { v, .. } => &v[range],
             PoolRef::F16 { v, .. } => widen_into(&v[range], wide),
@@ -558,7 +576,11 @@ fn validate(
     out: &[f32],
 ) -> Result<(), AttnError> {
     let layout = cache.layout;
-    if layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim || shape.kv_heads == 0
+    let values_fit = layout.values_in_keys.is_none_or(|w| w <= layout.head_dim);
+    if layout.kv_heads != shape.kv_heads
+        || layout.head_dim != shape.head_dim
+        || shape.kv_heads == 0
+        || !values_fit
     {
         return Err(AttnError::Layout {
             cache_heads: layout.kv_heads,
@@ -609,20 +631,29 @@ fn append_kv(cache: &mut KvBlocksMut<'_>, seqs: &[AttnSeq<'_>], qkv: &[f32], sha
             let src = &qkv[(row + j) * row_w..(row + j + 1) * row_w];
             let slot = pos % layout.block_size;
             for h in 0..shape.kv_heads {
-                let off = layout.offset(b, h, slot);
-                let values = &src[v_base + h * hd..v_base + (h + 1) * hd];
+                // A cache that reads the values from the keys stores no V.
+                let values = (layout.values_in_keys.is_none()).then(|| {
+                    (
+                        layout.offset(b, h, slot),
+                        &src[v_base + h * hd..v_base + (h + 1) * hd],
+                    )
+                });
                 let keys = src[k_base + h * hd..k_base + (h + 1) * hd].iter();
                 // Keys are stored transposed within the tile (see `KvLayout`).
                 match &mut cache.pools {
                     KvPools::F32 { k, v } => {
-                        v[off..off + hd].copy_from_slice(values);
+                        if let Some((off, values)) = values {
+                            v[off..off + hd].copy_from_slice(values);
+                        }
                         for (dim, &x) in keys.enumerate() {
                             k[layout.key_offset(b, h, slot, dim)] = x;
                         }
                     }
                     KvPools::F16 { k, v } => {
-                        for (dst, &x) in v[off..off + hd].iter_mut().zip(values) {
-                            *dst = to_half_bits(x);
+                        if let Some((off, values)) = values {
+                            for (dst, &x) in v[off..off + hd].iter_mut().zip(values) {
+                                *dst = to_half_bits(x);
+                            }
                         }
                         for (dim, &x) in keys.enumerate() {
                             k[layout.key_offset(b, h, slot, dim)] = to_half_bits(x);

@@ -153,6 +153,7 @@ fn paged_prefill_and_mixed_decode_match_dense_attention() {
         block_size: 4,
         kv_heads: 2,
         head_dim: 8,
+        values_in_keys: None,
     };
     let mut cache = PagedKvCache::new(layout, 1, 16);
     let lens = [7usize, 3];
@@ -243,6 +244,7 @@ fn sliding_window_limits_the_keys() {
         block_size: 4,
         kv_heads: 1,
         head_dim: 16,
+        values_in_keys: None,
     };
     let n = 9;
     let qkv: Vec<f32> = (0..n * shape.qkv_width())
@@ -283,6 +285,7 @@ fn attending_a_subset_stores_all_kv_and_matches_the_full_call() {
         block_size: 4,
         kv_heads: 2,
         head_dim: 16,
+        values_in_keys: None,
     };
     let lens = [6usize, 1, 3];
     let rows: usize = lens.iter().sum();
@@ -453,6 +456,62 @@ fn tiled_attention_gives_the_per_row_kernel_s_bits() {
     }
 }
 
+/// The decode kernel at GQA groups of 1, 4, 8 and 16 (its value pass takes 4, 2 and 1
+/// heads at a time, so 16 is four chunks of 4 and a group under 4 the tails) gives the
+/// per-row kernel's bits: one new token after contexts whose last block is partial at
+/// every kind of offset (0, 1, 7, 8, 9, 15 slots into a block of 16 or 32), over many blocks
+/// (the prefetch runs ahead of the last), with a sliding window that starts mid-vector,
+/// heads of 40 (two-vector chunks and a one-vector tail) and 128; f32 and half caches, on
+/// every instruction set this CPU has.
+#[test]
+fn decode_rows_at_every_group_and_offset_give_the_per_row_kernel_s_bits() {
+    let lens: Vec<(usize, usize)> = [0usize, 1, 7, 8, 9, 15, 16, 31, 33, 200, 255]
+        .into_iter()
+        .map(|c| (c, 1))
+        .collect();
+    let mut i = 0;
+    for group in [1usize, 4, 8, 16] {
+        for (head_dim, block_size, window) in [(40, 16, None), (128, 32, Some(37))] {
+            for isa in crate::math::isa::Isa::supported() {
+                let kernels = Kernels::new(isa).unwrap();
+                for kv_type in [KvType::F32, KvType::F16] {
+                    i += 1;
+                    let kv_heads = 2;
+                    let call = RandomCall {
+                        shape: AttnShape {
+                            heads: group * kv_heads,
+                            kv_heads,
+                            head_dim,
+                            sliding_window: window,
+                            sinks: false,
+                        },
+                        layout: KvLayout {
+                            block_size,
+                            kv_heads,
+                            head_dim,
+                            values_in_keys: None,
+                        },
+                        lens: lens.clone(),
+                        seed: 900 + i,
+                        kv_type,
+                        round_kv: false,
+                    };
+                    let shape = call.shape;
+                    let decode = call.run(&|cache, seqs, qkv, out| {
+                        kernels.attention(cache, seqs, qkv, &shape, out).unwrap()
+                    });
+                    let per_row = call.run(&|cache, seqs, qkv, out| {
+                        per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap()
+                    });
+                    let what = format!("{isa} {kv_type:?} group {group}, {head_dim} wide");
+                    assert_eq!(bits(&decode.0), bits(&per_row.0), "{what}: outputs");
+                    assert!(decode.0.iter().all(|x| x.is_finite()), "{what}");
+                }
+            }
+        }
+    }
+}
+
 /// The random calls of the kernel tests: prefill, decode and chunked rows after a
 /// cached context, several sequences, odd block sizes and head widths (the portable
 /// paths), blocks of 8, 16 and 32 (the decode kernel), GQA groups of 1, 2, 3, 4 and
@@ -525,6 +584,7 @@ fn random_cases(kv_type: KvType, round_kv: bool) -> Vec<RandomCall> {
                     block_size,
                     kv_heads,
                     head_dim,
+                    values_in_keys: None,
                 },
                 lens,
                 seed: 40 + i as u64,
@@ -574,6 +634,7 @@ fn half_and_f32_caches_match_the_dense_reference() {
         block_size: 8,
         kv_heads: 2,
         head_dim: 24,
+        values_in_keys: None,
     };
     let (w, qw) = (shape.qkv_width(), shape.q_width());
     let (prompt, total) = (13usize, 29usize);
@@ -630,6 +691,121 @@ fn half_and_f32_caches_match_the_dense_reference() {
                 for (a, b) in got.iter().zip(&exact) {
                     assert!((a - b).abs() < 4e-3, "{isa} half vs unrounded: {a} vs {b}");
                 }
+            }
+        }
+    }
+}
+
+/// DeepSeek MLA's rows (`V = [K[..w] | 0]`, one kv head) for two sequences of `lens`
+/// tokens, attended as a prefill of all but the last `decode` tokens of each then one
+/// decode step a token; gives every output row and the layer's widened (K, V) pools.
+fn latent_steps(
+    kernels: Kernels,
+    layout: KvLayout,
+    kv_type: KvType,
+    shape: &AttnShape,
+    w: usize,
+    lens: [usize; 2],
+    decode: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (row_w, qw, hd) = (shape.qkv_width(), shape.q_width(), shape.head_dim);
+    let mut rng = crate::rng::Rng::new(11 + w as u64);
+    let k_at = shape.heads * hd;
+    let rows: Vec<Vec<f32>> = lens
+        .iter()
+        .map(|&n| {
+            let mut rows: Vec<f32> = (0..n * row_w).map(|_| rng.next_signed_f32()).collect();
+            for r in rows.chunks_exact_mut(row_w) {
+                for c in 0..hd {
+                    r[k_at + hd + c] = if c < w { r[k_at + c] } else { 0.0 };
+                }
+            }
+            rows
+        })
+        .collect();
+    let blocks = lens.iter().map(|&n| layout.blocks_for(n)).sum();
+    let mut cache = PagedKvCache::of_type(layout, 1, blocks, kv_type);
+    let mut tables = vec![Vec::new(), Vec::new()];
+    for (t, &n) in tables.iter_mut().zip(&lens) {
+        cache.allocator.grow(&layout, t, n).unwrap();
+    }
+    let mut outs = Vec::new();
+    let mut done = [0usize; 2];
+    for step in 0..=decode {
+        let new: Vec<usize> = lens
+            .iter()
+            .map(|&n| if step == 0 { n - decode } else { 1 })
+            .collect();
+        let seqs: Vec<AttnSeq<'_>> = (0..2)
+            .map(|s| AttnSeq {
+                block_table: &tables[s],
+                context_len: done[s],
+                n_new: new[s],
+            })
+            .collect();
+        let qkv: Vec<f32> = (0..2)
+            .flat_map(|s| {
+                rows[s][done[s] * row_w..(done[s] + new[s]) * row_w]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        let mut out = vec![0.0f32; (new[0] + new[1]) * qw];
+        kernels
+            .attention(&mut cache.layer_mut(0), &seqs, &qkv, shape, &mut out)
+            .unwrap();
+        outs.extend(out);
+        for s in 0..2 {
+            done[s] += new[s];
+        }
+    }
+    let (k, v) = cache.layer_mut(0).widened();
+    (outs, k, v)
+}
+
+/// A cache whose values are read from the keys (`KvLayout::values_in_keys`, MLA's
+/// latent cached once) gives exactly the bits of a cache with a V pool holding `[K[..w] |
+/// 0]`, with no V pool at all: prefill (the tiled kernel) and decode rows (the decode
+/// kernel: blocks and widths of whole vectors, with SIMD transposes when `w` is whole
+/// vectors too; scalar ones otherwise), f32 and half caches, groups of 16, 4 and 3, on
+/// every instruction set this CPU has.
+#[test]
+fn values_read_from_the_keys_give_the_bits_of_a_value_pool() {
+    // (heads, head_dim, w, block_size): DeepSeek's group 16 with 32 + 8, a latent that is
+    // not whole vectors, a head that is not, and a block that is not.
+    for (heads, hd, w, bs) in [
+        (16, 40, 32, 16),
+        (4, 40, 20, 8),
+        (4, 36, 32, 8),
+        (3, 20, 16, 5),
+    ] {
+        let shape = AttnShape {
+            heads,
+            kv_heads: 1,
+            head_dim: hd,
+            sliding_window: None,
+            sinks: false,
+        };
+        let pool = KvLayout {
+            block_size: bs,
+            kv_heads: 1,
+            head_dim: hd,
+            values_in_keys: None,
+        };
+        let lone = KvLayout {
+            values_in_keys: Some(w),
+            ..pool
+        };
+        for isa in crate::math::isa::Isa::supported() {
+            let kernels = Kernels::new(isa).unwrap();
+            for kv_type in [KvType::F32, KvType::F16] {
+                let what = format!("{isa} {kv_type:?} {heads} x {hd}, w {w}, blocks of {bs}");
+                let want = latent_steps(kernels, pool, kv_type, &shape, w, [45, 19], 3);
+                let got = latent_steps(kernels, lone, kv_type, &shape, w, [45, 19], 3);
+                assert_eq!(bits(&got.0), bits(&want.0), "{what}: outputs");
+                assert_eq!(bits(&got.1), bits(&want.1), "{what}: keys");
+                assert!(got.2.is_empty(), "{what}: a V pool of {}", got.2.len());
+                assert!(got.0.iter().all(|x| x.is_finite()), "{what}");
             }
         }
     }
@@ -729,6 +905,7 @@ fn attention_timings_at_long_context_when_asked() {
             block_size: 16,
             kv_heads: shape.kv_heads,
             head_dim: shape.head_dim,
+            values_in_keys: None,
         };
         for &kv_type in &kv_types {
             for &n in &lengths {
@@ -785,6 +962,7 @@ fn short_block_table_is_an_error() {
         block_size: 2,
         kv_heads: 1,
         head_dim: 4,
+        values_in_keys: None,
     };
     let mut cache = PagedKvCache::new(layout, 1, 4);
     let table = [0u32];

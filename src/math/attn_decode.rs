@@ -160,38 +160,144 @@ impl<T: KvElem> DecodeHead<'_, T> {
     }
 
     /// `out[g] = Σ_key probs[g * n_keys + key] * value[key]` (from zero, in key order).
+    /// With the values in the keys (`KvLayout::values_in_keys`), each block's value rows
+    /// are first transposed out of its K tile ([`Kernels::keys_as_values`]).
     pub fn values(&self, kernels: Kernels, probs: &[f32], out: &mut [f32]) {
         let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
         let n_keys = self.n_keys();
-        let group = out.len() / hd.max(1);
+        let vector = self.fits_vector(kernels);
         out.fill(0.0);
-        for bi in self.start / bs..=self.pos / bs {
+        let mut rows_of_keys = Vec::new();
+        let blocks = self.start / bs..=self.pos / bs;
+        let read = self
+            .layout
+            .values_in_keys
+            .map_or(bs * hd, |w| w.min(hd) * bs);
+        for bi in blocks.clone() {
+            // The value rows (or the keys they are read from) `PREFETCH_BLOCKS` ahead.
+            if let Some(&b) = self
+                .table
+                .get(bi + PREFETCH_BLOCKS)
+                .filter(|_| bi + PREFETCH_BLOCKS <= *blocks.end())
+            {
+                let tile = self.layout.tile(b as usize, self.head);
+                let pool = if self.layout.values_in_keys.is_some() {
+                    self.k
+                } else {
+                    self.v
+                };
+                prefetch(&pool[tile..tile + read]);
+            }
             let first = self.start.max(bi * bs);
             let last = self.pos.min(bi * bs + bs - 1);
-            let off = self
-                .layout
-                .offset(self.table[bi] as usize, self.head, first % bs);
-            let rows = &self.v[off..off + (last - first + 1) * hd];
             let base = first - self.start;
-            #[cfg(target_arch = "x86_64")]
-            if self.fits_vector(kernels) {
-                // SAFETY: AVX2, FMA and F16C are present; `rows` holds whole rows of `hd`
-                // (a multiple of 8), `out` whole heads, and `probs` every index read
-                // (`group x n_keys`).
-                unsafe { avx2::values(rows, hd, probs, n_keys, base, out) };
-                continue;
-            }
-            for g in 0..group {
-                let o = &mut out[g * hd..(g + 1) * hd];
-                for (r, row) in rows.chunks_exact(hd).enumerate() {
-                    let p = probs[g * n_keys + base + r];
-                    for (y, &x) in o.iter_mut().zip(row) {
-                        *y = p.mul_add(x.widen(), *y);
-                    }
-                }
+            let (block, slots) = (self.table[bi] as usize, first % bs..last % bs + 1);
+            if let Some(w) = self.layout.values_in_keys {
+                let tile = self.layout.tile(block, self.head);
+                rows_of_keys.resize(slots.len() * hd, 0.0);
+                let k_tile = &self.k[tile..tile + bs * hd];
+                kernels.keys_as_values(k_tile, bs, w, slots, &mut rows_of_keys);
+                block_values(vector, &rows_of_keys, hd, probs, n_keys, base, out);
+            } else {
+                let off = self.layout.offset(block, self.head, slots.start);
+                let rows = &self.v[off..off + slots.len() * hd];
+                block_values(vector, rows, hd, probs, n_keys, base, out);
             }
         }
     }
+}
+
+/// One block's `out[g] += Σ_r probs[g * stride + base + r] * rows[r]` (fused, in row
+/// order), with the AVX2 body when `vector` ([`DecodeHead::fits_vector`]).
+fn block_values<T: KvElem>(
+    vector: bool,
+    rows: &[T],
+    hd: usize,
+    probs: &[f32],
+    stride: usize,
+    base: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if vector {
+        // SAFETY: `vector` says AVX2, FMA and F16C are present and `hd` is a multiple of
+        // 8; `rows` holds whole rows of `hd`, `out` whole heads, and `probs` every index
+        // read (`group x stride`, the caller's rows inside its keys).
+        unsafe { avx2::values(rows, hd, probs, stride, base, out) };
+        return;
+    }
+    let _ = vector;
+    let group = out.len() / hd.max(1);
+    for g in 0..group {
+        let o = &mut out[g * hd..(g + 1) * hd];
+        for (r, row) in rows.chunks_exact(hd).enumerate() {
+            let p = probs[g * stride + base + r];
+            for (y, &x) in o.iter_mut().zip(row) {
+                *y = p.mul_add(x.widen(), *y);
+            }
+        }
+    }
+}
+
+impl Kernels {
+    /// The value rows of `slots` of one K tile (`[head_dim][block_size]`, `bs` slots a
+    /// row) whose values are its keys' first `w` components: `rows[(s - slots.start) *
+    /// head_dim + c]` is key component `c` of slot `s` widened for `c < w`, zero past it
+    /// (`head_dim = k_tile.len() / bs`, `rows` holds `slots.len()` rows of it). Exact (a
+    /// copy), so the value pass over these rows gives the bits of a V pool holding them.
+    /// 8 x 8 blocks are transposed in registers where AVX2 is present.
+    pub(crate) fn keys_as_values<T: KvElem>(
+        self,
+        k_tile: &[T],
+        bs: usize,
+        w: usize,
+        slots: std::ops::Range<usize>,
+        rows: &mut [f32],
+    ) {
+        let hd = k_tile.len() / bs.max(1);
+        let w = w.min(hd);
+        let n = slots.len();
+        debug_assert!(slots.end <= bs && rows.len() >= n * hd);
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if vector_bodies(self) && w.is_multiple_of(8) && slots.end <= bs && rows.len() >= n * hd {
+            // SAFETY: AVX2, FMA and F16C are present; every 8 x 8 block reads dims
+            // c..c + 8 <= w <= hd of slots s..s + 8 <= slots.end <= bs, inside the tile,
+            // and writes rows below n, columns below w, inside `rows`.
+            unsafe { avx2::transpose_keys(k_tile, bs, hd, w, slots.start, n, rows) };
+            done = n / 8 * 8;
+        }
+        for (i, row) in rows.chunks_exact_mut(hd).take(n).enumerate() {
+            if i >= done {
+                for (c, x) in row[..w].iter_mut().enumerate() {
+                    *x = k_tile[c * bs + slots.start + i].widen();
+                }
+            }
+            row[w..].fill(0.0);
+        }
+    }
+}
+
+/// How many blocks ahead of the one being read the decode passes ask for the next
+/// tiles' cache lines ([`prefetch`]).
+const PREFETCH_BLOCKS: usize = 2;
+
+/// Asks for the cache lines of `data` ahead of their use: a hint, which neither faults
+/// nor changes a result.
+#[inline]
+fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (p, bytes) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data));
+        for at in (0..bytes).step_by(64) {
+            // SAFETY: SSE is part of x86_64; `at < bytes` keeps the address inside
+            // `data`, and a prefetch reads nothing the program sees.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
 }
 
 /// Whether the AVX2 bodies may run under `kernels`.
@@ -201,7 +307,7 @@ fn vector_bodies(kernels: Kernels) -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{KvElem, SlotVec};
+    use super::{prefetch, KvElem, SlotVec, PREFETCH_BLOCKS};
     use std::arch::x86_64::*;
 
     /// Accumulators of `G` query heads over `NV` slot vectors, summed over every
@@ -296,7 +402,20 @@ mod avx2 {
         n_keys: usize,
         scores: &mut [f32],
     ) {
-        for chunk in vecs.chunks(NV) {
+        // Each tile is asked for `PREFETCH_BLOCKS` blocks ahead of its first use: a
+        // sequence's blocks lie anywhere in the pool, where the hardware's prefetcher
+        // loses the stream at every block.
+        let (tile_elems, ahead) = (bs * hd, PREFETCH_BLOCKS * bs / 8);
+        let (mut fetched, mut last) = (0usize, usize::MAX);
+        for (c, chunk) in vecs.chunks(NV).enumerate() {
+            while fetched < (c * NV + NV + ahead).min(vecs.len()) {
+                let tile = vecs[fetched].off / tile_elems * tile_elems;
+                if tile != last {
+                    prefetch(&k[tile..tile + tile_elems]);
+                    last = tile;
+                }
+                fetched += 1;
+            }
             let mut g0 = 0;
             while g0 < group {
                 let left = group - g0;
@@ -351,13 +470,72 @@ mod avx2 {
         }
     }
 
-    /// Columns `c0..c0 + 8 C` of every head: `out[g] = fma(p, row, out[g])` over the rows
-    /// in order.
+    /// `rows[i * hd + c] = k[c * bs + s0 + i]` widened, for `c < w` and `i` below `n`
+    /// rounded down to 8: 8 dims of 8 slots loaded, transposed in registers, stored.
     ///
     /// # Safety
-    /// As [`values`], and `c0 + 8 C <= hd`.
+    /// AVX2, FMA and F16C available; `w` a multiple of 8, `w <= hd`, `s0 + n <= bs`,
+    /// `k` holds `hd x bs`, `rows` holds `n x hd`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn value_cols<T: KvElem, const C: usize>(
+    pub(super) unsafe fn transpose_keys<T: KvElem>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        w: usize,
+        s0: usize,
+        n: usize,
+        rows: &mut [f32],
+    ) {
+        let (kp, rp) = (k.as_ptr(), rows.as_mut_ptr());
+        for i0 in (0..n / 8 * 8).step_by(8) {
+            for c0 in (0..w).step_by(8) {
+                // SAFETY: dims c0..c0 + 8 <= w <= hd, slots s0 + i0 + 8 <= s0 + n <= bs.
+                let r: [__m256; 8] =
+                    std::array::from_fn(|j| unsafe { T::load8(kp.add((c0 + j) * bs + s0 + i0)) });
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                let cols = [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ];
+                for (i, col) in cols.iter().enumerate() {
+                    // SAFETY: row i0 + i < n, columns c0..c0 + 8 <= hd.
+                    unsafe { _mm256_storeu_ps(rp.add((i0 + i) * hd + c0), *col) };
+                }
+            }
+        }
+    }
+
+    /// Columns `c0..c0 + 8 C` of query heads `g0..g0 + GH`: `out[g] = fma(p, row, out[g])`
+    /// over the rows in order, each row's `C` vectors loaded (and widened) once for the
+    /// `GH` heads.
+    ///
+    /// # Safety
+    /// As [`values`], and `c0 + 8 C <= hd`, `g0 + GH <= group`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn value_heads<T: KvElem, const C: usize, const GH: usize>(
         rows: &[T],
         hd: usize,
         probs: &[f32],
@@ -365,33 +543,70 @@ mod avx2 {
         base: usize,
         out: &mut [f32],
         c0: usize,
+        g0: usize,
     ) {
-        let group = out.len() / hd;
         let n = rows.len() / hd;
-        let rp = rows.as_ptr();
-        for g in 0..group {
-            // SAFETY: c0 + 8C <= hd, inside head g's slice of `out`.
-            let dst = unsafe { out.as_mut_ptr().add(g * hd + c0) };
-            let mut acc: [__m256; C] =
-                // SAFETY: as above.
-                std::array::from_fn(|c| unsafe { _mm256_loadu_ps(dst.add(c * 8)) });
-            let p_row = &probs[g * stride + base..g * stride + base + n];
-            for (r, &p) in p_row.iter().enumerate() {
-                let pb = _mm256_set1_ps(p);
-                for (c, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: r < n rows of hd; column c0 + 8c + 8 <= hd.
-                    let v = unsafe { T::load8(rp.add(r * hd + c0 + c * 8)) };
-                    *a = _mm256_fmadd_ps(pb, v, *a);
+        let (rp, pp) = (rows.as_ptr(), probs.as_ptr());
+        // SAFETY: heads g0..g0 + GH, columns c0..c0 + 8C are inside `out`.
+        let dst = unsafe { out.as_mut_ptr().add(g0 * hd + c0) };
+        let mut acc: [[__m256; C]; GH] = std::array::from_fn(|i| {
+            // SAFETY: as above.
+            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(dst.add(i * hd + c * 8)) })
+        });
+        for r in 0..n {
+            // SAFETY: r < n rows of hd; columns c0 + 8c + 8 <= hd.
+            let v: [__m256; C] =
+                std::array::from_fn(|c| unsafe { T::load8(rp.add(r * hd + c0 + c * 8)) });
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `probs` covers (g0 + i) * stride + base + r (the caller's rows).
+                let pb = _mm256_set1_ps(unsafe { *pp.add((g0 + i) * stride + base + r) });
+                for (x, &vc) in a.iter_mut().zip(&v) {
+                    *x = _mm256_fmadd_ps(pb, vc, *x);
                 }
             }
-            for (c, a) in acc.iter().enumerate() {
+        }
+        for (i, a) in acc.iter().enumerate() {
+            for (c, x) in a.iter().enumerate() {
                 // SAFETY: as for the loads of `out`.
-                unsafe { _mm256_storeu_ps(dst.add(c * 8), *a) };
+                unsafe { _mm256_storeu_ps(dst.add(i * hd + c * 8), *x) };
             }
         }
     }
 
-    /// The value pass of one block (see `DecodeHead::values`).
+    /// Every column of query heads `g0..g0 + GH`, `C` vectors at a time, then the last
+    /// vectors one at a time.
+    ///
+    /// # Safety
+    /// As [`values`], and `g0 + GH <= group`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn heads_values<T: KvElem, const C: usize, const GH: usize>(
+        rows: &[T],
+        hd: usize,
+        probs: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let mut c0 = 0;
+        // SAFETY: every call's columns are inside hd (a multiple of 8), its heads the caller's.
+        unsafe {
+            while c0 + 8 * C <= hd {
+                value_heads::<T, C, GH>(rows, hd, probs, stride, base, out, c0, g0);
+                c0 += 8 * C;
+            }
+            while c0 + 8 <= hd {
+                value_heads::<T, 1, GH>(rows, hd, probs, stride, base, out, c0, g0);
+                c0 += 8;
+            }
+        }
+    }
+
+    /// The value pass of one block (see `DecodeHead::values`): query heads 4 at a time
+    /// (then 2, then 1), each row's vectors loaded once for all of them while 8
+    /// independent accumulator chains (heads x column vectors) cover the FMA latency; a
+    /// GQA group of 8 widens each value twice rather than 8 times.
     ///
     /// # Safety
     /// AVX2, FMA and F16C available; `hd` a multiple of 8; `rows` whole rows of `hd`,
@@ -405,22 +620,24 @@ mod avx2 {
         base: usize,
         out: &mut [f32],
     ) {
-        let mut c0 = 0;
-        // Column chunks of 8, 4, 2, 1 vectors: each element still sums its rows in order.
-        // SAFETY: each call's columns are inside hd (a multiple of 8).
+        let group = out.len() / hd;
+        let mut g0 = 0;
+        // SAFETY: heads g0..g0 + GH < group; the rest is the caller's contract.
         unsafe {
-            while c0 + 64 <= hd {
-                value_cols::<T, 8>(rows, hd, probs, stride, base, out, c0);
-                c0 += 64;
-            }
-            for (c, w) in [(4, 32), (2, 16), (1, 8)] {
-                if c0 + w <= hd {
-                    match c {
-                        4 => value_cols::<T, 4>(rows, hd, probs, stride, base, out, c0),
-                        2 => value_cols::<T, 2>(rows, hd, probs, stride, base, out, c0),
-                        _ => value_cols::<T, 1>(rows, hd, probs, stride, base, out, c0),
+            while g0 < group {
+                match group - g0 {
+                    left if left >= 4 => {
+                        heads_values::<T, 2, 4>(rows, hd, probs, stride, base, out, g0);
+                        g0 += 4;
                     }
-                    c0 += w;
+                    left if left >= 2 => {
+                        heads_values::<T, 4, 2>(rows, hd, probs, stride, base, out, g0);
+                        g0 += 2;
+                    }
+                    _ => {
+                        heads_values::<T, 8, 1>(rows, hd, probs, stride, base, out, g0);
+                        g0 += 1;
+                    }
                 }
             }
         }

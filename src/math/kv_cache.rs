@@ -1,5 +1,7 @@
 //! A paged KV cache: fixed-size blocks of keys and values (f32, or IEEE half bits under
-//! [`KvType::F16`]), handed out to sequences through per-sequence block tables.
+//! [`KvType::F16`]), handed out to sequences through per-sequence block tables. A layout
+//! whose values are read from the keys ([`KvLayout::values_in_keys`], DeepSeek MLA's
+//! latent cached once) has an empty V pool.
 //!
 //! Takes a [`KvLayout`] (block size, kv heads, head width), an element type and a block
 //! count; gives per-layer pools that the attention kernel reads through [`KvBlocksMut`]
@@ -8,7 +10,8 @@
 
 use crate::model::vocab::{KvLayout, KvType};
 
-/// One layer's K and V pools in their element type (equal lengths).
+/// One layer's K and V pools in their element type (equal lengths; V empty when the
+/// layout reads the values from the keys).
 #[derive(Debug)]
 pub enum KvPools<'a> {
     /// f32 elements.
@@ -45,14 +48,16 @@ impl<'a> KvBlocksMut<'a> {
         }
     }
 
-    /// A K pool then a V pool of equal size, as many whole blocks as `bytes` holds, in
-    /// elements of `kv_type` (the runtime's `kv` arguments); `None` when the bytes are
-    /// not aligned to the element.
+    /// A K pool then a V pool of equal size (the K pool alone when the layout reads the
+    /// values from the keys), as many whole blocks as `bytes` holds, in elements of
+    /// `kv_type` (the runtime's `kv` arguments); `None` when the bytes are not aligned to
+    /// the element.
     pub fn from_bytes(layout: KvLayout, kv_type: KvType, bytes: &'a mut [u8]) -> Option<Self> {
         let elem = kv_type.bytes() as usize;
         let block = layout.block_elems().max(1);
-        let pool = bytes.len() / elem / 2 / block * block;
-        let bytes = &mut bytes[..2 * pool * elem];
+        let pools = layout.pools();
+        let pool = bytes.len() / elem / pools / block * block;
+        let bytes = &mut bytes[..pools * pool * elem];
         let pools = match kv_type {
             KvType::F32 => {
                 let all: &mut [f32] = bytemuck::try_cast_slice_mut(bytes).ok()?;
@@ -78,11 +83,24 @@ impl<'a> KvBlocksMut<'a> {
 
     /// Blocks in this pool.
     pub fn n_blocks(&self) -> usize {
-        let elems = match &self.pools {
-            KvPools::F32 { k, v } => k.len().min(v.len()),
-            KvPools::F16 { k, v } => k.len().min(v.len()),
+        let (k, v) = match &self.pools {
+            KvPools::F32 { k, v } => (k.len(), v.len()),
+            KvPools::F16 { k, v } => (k.len(), v.len()),
+        };
+        let elems = if self.layout.values_in_keys.is_some() {
+            k
+        } else {
+            k.min(v)
         };
         elems / self.layout.block_elems().max(1)
+    }
+
+    /// Bytes the pools hold (what the runtime's `kv` slice gives them).
+    pub fn bytes(&self) -> usize {
+        match &self.pools {
+            KvPools::F32 { k, v } => 4 * (k.len() + v.len()),
+            KvPools::F16 { k, v } => 2 * (k.len() + v.len()),
+        }
     }
 
     /// Both pools widened to f32 (tests and diagnostics).
@@ -170,7 +188,8 @@ enum OwnedPools {
     F16(Vec<u16>, Vec<u16>),
 }
 
-/// An owned cache: one K and one V pool per layer, plus the allocator.
+/// An owned cache: one K and one V pool per layer (no V pool when the layout reads the
+/// values from the keys), plus the allocator.
 #[derive(Debug, Clone)]
 pub struct PagedKvCache {
     layout: KvLayout,
@@ -189,13 +208,18 @@ impl PagedKvCache {
     /// Zeroed pools of `kv_type` elements, `n_blocks` blocks for `layers` layers.
     pub fn of_type(layout: KvLayout, layers: usize, n_blocks: usize, kv_type: KvType) -> Self {
         let elems = n_blocks * layout.block_elems();
+        let v_elems = if layout.values_in_keys.is_some() {
+            0
+        } else {
+            elems
+        };
         PagedKvCache {
             layout,
             n_blocks,
             pools: (0..layers)
                 .map(|_| match kv_type {
-                    KvType::F32 => OwnedPools::F32(vec![0.0; elems], vec![0.0; elems]),
-                    KvType::F16 => OwnedPools::F16(vec![0; elems], vec![0; elems]),
+                    KvType::F32 => OwnedPools::F32(vec![0.0; elems], vec![0.0; v_elems]),
+                    KvType::F16 => OwnedPools::F16(vec![0; elems], vec![0; v_elems]),
                 })
                 .collect(),
             allocator: BlockAllocator::new(n_blocks),

@@ -473,6 +473,7 @@ mod tests {
             rope_interleave: true,
             softmax_mscale: 1.0,
             kv_b_split: true,
+            values_in_keys: false,
         };
         let g = Geometry {
             m,

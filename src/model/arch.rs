@@ -176,4 +176,10 @@ impl ArchSpec {
     pub fn kv_dim(&self) -> usize {
         self.attn.kv_heads * self.attn.head_dim
     }
+
+    /// The KV layout's [`crate::model::vocab::KvLayout::values_in_keys`]: MLA's latent
+    /// width when the card caches it once, else `None`.
+    pub fn values_in_keys(&self) -> Option<usize> {
+        self.mla.and_then(|m| m.values_in_keys())
+    }
 }

@@ -64,10 +64,13 @@ impl Yarn {
 /// attention runs as multi-query attention with one kv head of width
 /// `kv_lora_rank + qk_rope_head_dim` (the card's `kv_heads = 1`, `head_dim` = that width):
 /// K = `[c | k_pe]`, V = `[c | 0]`. `o_proj` applies `W_uv` per head, then `o_proj`.
-/// **The KV cache stores per token and layer `2 * (kv_lora_rank + qk_rope_head_dim)`
-/// values** (the latent and rotary key as K, the latent again as V): twice MLA's minimum,
-/// and `heads * (qk_nope + qk_rope + v_head_dim) / (kv_lora + qk_rope)` / 2 times less than
-/// the decompressed keys and values (8.9x for DeepSeek-V2-Lite).
+/// **The KV cache stores per token and layer `kv_lora_rank + qk_rope_head_dim` values**
+/// when V is read as a view of K's first `kv_lora_rank` columns ([`Mla::values_in_keys`],
+/// the CPU backend's layout, llama.cpp's too): MLA's minimum, `heads * (qk_nope + qk_rope +
+/// v_head_dim) / (kv_lora + qk_rope)` times less than the decompressed keys and values
+/// (8.9x for DeepSeek-V2-Lite: 5,120 against 576); twice that (the latent again as a V
+/// pool) otherwise, the CUDA backend's layout. [`ModelCard::kv_elems_per_token_layer`]
+/// counts either.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Mla {
     /// Rank of the query compression (`q_a_proj`, `q_a_layernorm`, `q_b_proj`); `None`
@@ -95,6 +98,14 @@ pub struct Mla {
     /// the GGUF reader; a Hub checkpoint has `kv_b_proj` (false).
     #[serde(default)]
     pub kv_b_split: bool,
+    /// The KV cache has no V pool: a slot's value is its key's first `kv_lora_rank`
+    /// components (the latent `c`) followed by zeros, read in place. A property of the
+    /// backend that runs the card, not of the checkpoint: a checkpoint's card has it false
+    /// (a K pool and a V pool, the CUDA backend's layout) and a run sets it for its backend
+    /// (`runtime::registry::card_for`), so the plan's `kv_cache` buffers, its copies and
+    /// the budget count what that backend's attention stores.
+    #[serde(default)]
+    pub values_in_keys: bool,
 }
 
 impl Mla {
@@ -106,6 +117,13 @@ impl Mla {
     /// Width of the attention kernel's one kv head: `kv_lora_rank + qk_rope_head_dim`.
     pub fn latent_dim(&self) -> u64 {
         self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// The width of the values read from the keys (`kv_lora_rank`) when the cache holds
+    /// the latent once ([`Mla::values_in_keys`]), else `None`.
+    pub fn values_in_keys(&self) -> Option<usize> {
+        self.values_in_keys
+            .then(|| usize::try_from(self.kv_lora_rank).unwrap_or(usize::MAX))
     }
 }
 
@@ -512,9 +530,19 @@ impl ModelCard {
         self.total_params() * self.dtype.bytes()
     }
 
-    /// Elements of K and V for one token in one layer (`2 * kv_heads * head_dim`).
+    /// Elements of K and V for one token in one layer: `2 * kv_heads * head_dim`, or
+    /// `kv_heads * head_dim` (K alone) for an MLA card whose V is a view of K
+    /// ([`Mla::values_in_keys`]).
     pub fn kv_elems_per_token_layer(&self) -> u64 {
-        2 * self.kv_dim()
+        self.kv_pools() * self.kv_dim()
+    }
+
+    /// Pools of the KV cache: 1 (K alone, an MLA card whose V is a view of K) or 2.
+    pub fn kv_pools(&self) -> u64 {
+        match self.mla {
+            Some(m) if m.values_in_keys => 1,
+            _ => 2,
+        }
     }
 }
 
@@ -599,13 +627,18 @@ mod tests {
     /// MLA's projection work by hand for DeepSeek-V2-Lite (d 2048, 16 heads, qk 128 + 64,
     /// v 128, kv_lora 512, no query rank): pre = 2048 x 16 x 192 (q) + 2048 x 576 (kv_a) +
     /// 16 x 128 x 512 (W_uk absorbed) = 8,519,680; o = 16 x 128 x (512 + 2048) = 5,242,880.
-    /// The KV cache holds 2 x 576 values per token and layer.
+    /// The KV cache holds 2 x 576 values per token and layer with a V pool, 576 when V is
+    /// a view of K.
     #[test]
     fn mla_work_and_cache_match_hand_arithmetic() {
-        let lite = ModelCard::load("deepseek-v2-lite").unwrap();
+        let mut lite = ModelCard::load("deepseek-v2-lite").unwrap();
         assert_eq!(lite.pre_attn_macs_per_token(), 8_519_680);
         assert_eq!(lite.o_proj_macs_per_token(), 5_242_880);
         assert_eq!(lite.kv_elems_per_token_layer(), 1152);
+        if let Some(m) = lite.mla.as_mut() {
+            m.values_in_keys = true;
+        }
+        assert_eq!(lite.kv_elems_per_token_layer(), 576);
     }
 
     #[test]

@@ -43,7 +43,8 @@ impl AttnShape {
 /// `block_size * head_dim` elements (f32 or half, [`KvType`]) per (block, head): values are stored row per slot
 /// (`[slot][head_dim]`, see [`KvLayout::offset`]) and keys transposed (`[head_dim][slot]`,
 /// see [`KvLayout::key_offset`]), so decode attention scores 16 keys per vector with no
-/// horizontal reductions. Only the attention kernel reads or writes inside a tile.
+/// horizontal reductions. Only the attention kernel reads or writes inside a tile. With
+/// [`KvLayout::values_in_keys`] there is no V pool: the values are read from the keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
     /// Token slots per block.
@@ -52,12 +53,26 @@ pub struct KvLayout {
     pub kv_heads: usize,
     /// Width of one head.
     pub head_dim: usize,
+    /// `Some(w)`: the cache is the K pool alone, and a slot's value is its key's first `w`
+    /// components followed by `head_dim - w` zeros (DeepSeek MLA's `V = [c | 0]` with
+    /// `K = [c | k_pe]`: the latent cached once, `card::Mla::values_in_keys`). `None`: a V
+    /// pool of the K pool's size follows it.
+    pub values_in_keys: Option<usize>,
 }
 
 impl KvLayout {
     /// Elements of K (or of V) in one block.
     pub fn block_elems(&self) -> usize {
         self.kv_heads * self.block_size * self.head_dim
+    }
+
+    /// Pools the cache holds: 1 (K alone, [`KvLayout::values_in_keys`]) or 2 (K then V).
+    pub fn pools(&self) -> usize {
+        if self.values_in_keys.is_some() {
+            1
+        } else {
+            2
+        }
     }
 
     /// Element offset of the tile of (block, head) inside a pool.

@@ -189,6 +189,7 @@ impl<'a> Oracle<'a> {
             block_size: ORACLE_BLOCK_SIZE,
             kv_heads: self.arch.attn.kv_heads,
             head_dim: self.arch.attn.head_dim,
+            values_in_keys: self.arch.values_in_keys(),
         };
         let blocks = seq_tokens.iter().map(|&t| layout.blocks_for(t)).sum();
         PagedKvCache::of_type(layout, self.arch.layers, blocks, self.kv_type)

@@ -65,6 +65,11 @@ pub struct Registration {
     /// The KV cache element types (`--kv-type`) its attention reads and writes; a run
     /// asking for another is refused before set-up, never run in a type it did not ask.
     pub kv_types: &'static [crate::model::vocab::KvType],
+    /// Its attention reads DeepSeek MLA's values as a view of the keys (the latent cached
+    /// once, `card::Mla::values_in_keys`); a run compiles an MLA card that way for it
+    /// (`registry::card_for`). A backend without it keeps a V pool, and is refused a plan
+    /// whose cache has none.
+    pub mla_values_in_keys: bool,
     /// Why the backend cannot run on this machine, in one line, asked before anything is
     /// loaded (`None`: it may).
     pub refusal: fn() -> Option<String>,

@@ -16,6 +16,7 @@
 
 use super::backend::{Backend, BackendError, BackendOptions};
 use crate::lower::ExecPlan;
+use crate::model::card::ModelCard;
 use crate::quant::storage::Storage;
 use crate::quant::QuantFormat;
 use crate::weights::checkpoint::Checkpoint;
@@ -92,6 +93,9 @@ pub fn open<'c>(
     ) {
         return Err(BackendError::Unavailable(why));
     }
+    if let Some(why) = mla_layout_refusal(backend, &plan.model) {
+        return Err(BackendError::Unavailable(why));
+    }
     let copies = plan.format_copies.iter().map(|copy| {
         let name = plan
             .buffers
@@ -103,6 +107,31 @@ pub fn open<'c>(
         return Err(BackendError::Unavailable(why));
     }
     (backend.open)(plan, checkpoint, options, super::cpu::host_engine)
+}
+
+/// `card` as a run on `backend` compiles it: an MLA card's cache keeps the latent once
+/// (V a view of K) where the backend's attention reads it so, else K and V pools
+/// (`card::Mla::values_in_keys`). The plan's `kv_cache` sizes, KV copies and memory budget
+/// then count the bytes that backend's attention stores.
+pub fn card_for(backend: &Registration, card: &ModelCard) -> ModelCard {
+    let mut card = card.clone();
+    if let Some(m) = card.mla.as_mut() {
+        m.values_in_keys = backend.mla_values_in_keys;
+    }
+    card
+}
+
+/// Why `backend` cannot run a plan for `card`'s KV layout, in one line: an MLA cache with
+/// no V pool on a backend whose attention reads one. `None` when it can.
+fn mla_layout_refusal(backend: &Registration, card: &ModelCard) -> Option<String> {
+    let lone = card.mla.is_some_and(|m| m.values_in_keys);
+    (lone && !backend.mla_values_in_keys).then(|| {
+        format!(
+            "the plan's MLA KV cache keeps the latent once (V read from K); the {} backend's \
+             attention reads a V pool: compile the card for it (`registry::card_for`)",
+            backend.name
+        )
+    })
 }
 
 /// Why `backend` cannot keep its KV cache in `kv_type` (`--kv-type`), in one line; `None`
@@ -227,6 +256,29 @@ mod tests {
             why.starts_with("tensor `output.weight` is stored as Q6_K; the partial backend computes with float weights and Q4_K only"),
             "{why}"
         );
+    }
+
+    /// A run compiles an MLA card with the latent cached once for the CPU backend and with
+    /// a V pool for the CUDA one (576 and 1,152 elements a token and layer on
+    /// DeepSeek-V2-Lite); the CUDA backend refuses a plan whose cache has no V pool, in one
+    /// line naming it, the CPU backend reads either; a card without MLA is left as it is.
+    #[test]
+    fn mla_cards_are_compiled_for_the_backend_s_kv_layout() {
+        let (cpu, cuda) = (find("cpu").unwrap(), find("cuda").unwrap());
+        let lite = ModelCard::load("deepseek-v2-lite").unwrap();
+        let (on_cpu, on_cuda) = (card_for(cpu, &lite), card_for(cuda, &lite));
+        assert_eq!(on_cpu.kv_elems_per_token_layer(), 576);
+        assert_eq!(on_cuda.kv_elems_per_token_layer(), 1152);
+        assert_eq!(mla_layout_refusal(cpu, &on_cpu), None);
+        assert_eq!(mla_layout_refusal(cpu, &on_cuda), None);
+        assert_eq!(mla_layout_refusal(cuda, &on_cuda), None);
+        let why = mla_layout_refusal(cuda, &on_cpu).expect("refused");
+        assert!(
+            why.contains("the cuda backend's attention reads a V pool"),
+            "{why}"
+        );
+        let mixtral = ModelCard::load("mixtral-tiny").unwrap();
+        assert_eq!(card_for(cpu, &mixtral), mixtral);
     }
 
     /// `--kv-type f16` runs on the CPU backend and is refused by the CUDA one in one line

@@ -206,11 +206,13 @@ const AGREEMENT: [(CardField, Compare); 23] = [
     ),
     (
         CardField::Mla,
-        // How the checkpoint stores `kv_b_proj` is not part of the architecture.
+        // How the checkpoint stores `kv_b_proj`, and how a backend lays out the latent
+        // cache, are not part of the architecture.
         Compare::Other(|a, b| {
             let geometry = |c: &ModelCard| {
                 c.mla.map(|m| crate::model::card::Mla {
                     kv_b_split: false,
+                    values_in_keys: false,
                     ..m
                 })
             };

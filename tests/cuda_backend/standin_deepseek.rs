@@ -556,6 +556,7 @@ fn mla_attention_matches_the_cpu() {
         block_size: bs,
         kv_heads: 1,
         head_dim: hd,
+        values_in_keys: None,
     };
     let shape = AttnShape {
         heads,

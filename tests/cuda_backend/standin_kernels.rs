@@ -199,6 +199,7 @@ fn every_kernel_runs_like_the_cpu_kernels() {
             block_size: bs,
             kv_heads: akvh,
             head_dim: ahd,
+            values_in_keys: None,
         };
         let ctx_lens = [0i32, 17, 40];
         let mut tables = vec![0u32; ns * mb];
@@ -1020,6 +1021,7 @@ fn prefill_attention_matches_the_cpu() {
         block_size: bs,
         kv_heads: akvh,
         head_dim: ahd,
+        values_in_keys: None,
     };
     // (cached tokens, new tokens) per sequence.
     let seqs_spec = [(0usize, 9usize), (17, 5), (40, 1)];
@@ -1185,6 +1187,7 @@ fn split_kv_decode_attention_matches_the_cpu() {
             block_size: bs,
             kv_heads: akvh,
             head_dim: ahd,
+            values_in_keys: None,
         };
         let shape = AttnShape {
             heads: ah,

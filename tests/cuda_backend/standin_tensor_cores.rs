@@ -298,6 +298,7 @@ fn tensor_core_prefill_attention_matches_the_cpu() {
             block_size: bs,
             kv_heads: akvh,
             head_dim: ahd,
+            values_in_keys: None,
         };
         for (window, sinks) in [(None, false), (Some(12usize), false), (None, true)] {
             let shape = AttnShape {

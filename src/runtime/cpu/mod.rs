@@ -79,6 +79,7 @@ pub const REGISTRATION: Registration = Registration {
         crate::model::vocab::KvType::F32,
         crate::model::vocab::KvType::F16,
     ],
+    mla_values_in_keys: true,
     refusal: || None,
     open: open_cpu,
     link_libraries: || None,

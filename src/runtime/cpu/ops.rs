@@ -528,11 +528,13 @@ impl OpContext<'_> {
                 block_size: mb.block_size.max(1),
                 kv_heads: shape.kv_heads,
                 head_dim: shape.head_dim,
+                values_in_keys: self.arch.values_in_keys(),
             };
-            let elem = kv_type.bytes() as usize;
-            let pool_elems =
-                (kv.len as usize / elem / 2 / layout.block_elems().max(1)) * layout.block_elems();
-            let bytes = self.bytes_mut_sized(kv, "kv", 2 * pool_elems * elem)?;
+            // One pool (K, the values read from it: MLA's latent cached once) or two.
+            let (elem, pools) = (kv_type.bytes() as usize, layout.pools());
+            let pool_elems = (kv.len as usize / elem / pools / layout.block_elems().max(1))
+                * layout.block_elems();
+            let bytes = self.bytes_mut_sized(kv, "kv", pools * pool_elems * elem)?;
             let mut cache =
                 KvBlocksMut::from_bytes(layout, kv_type, bytes).ok_or(OpError::Align("kv"))?;
             let seqs: Vec<AttnSeq<'_>> = mb
@@ -556,6 +558,7 @@ impl OpContext<'_> {
             block_size: block,
             kv_heads: shape.kv_heads,
             head_dim: shape.head_dim,
+            values_in_keys: self.arch.values_in_keys(),
         };
         let mut picked_rows = Vec::new();
         let mut tables = Vec::new();

@@ -54,6 +54,8 @@ pub const REGISTRATION: Registration = Registration {
     quant_formats: &ops::QUANT_FORMATS,
     // Its attention kernels read f32 caches only: `--kv-type f16` is refused (docs/cuda.md).
     kv_types: &[crate::model::vocab::KvType::F32],
+    // Its MLA kernels read V from a V pool (`kernels/mla_attention.cu`): the latent twice.
+    mla_values_in_keys: false,
     refusal: run_refusal,
     open: open_cuda,
     link_libraries: detect::use_versioned_libraries,

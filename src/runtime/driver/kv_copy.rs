@@ -2,11 +2,12 @@
 //!
 //! Takes the cache layout every backend's attention uses (`math::kv_cache`:
 //! per layer a K pool then a V pool of equal size, each `[block][kv_head][tile]`, keys
-//! transposed inside a tile), its element width (4, or 2 for a half cache), the copied
+//! transposed inside a tile; the K pool alone when the values are read from the keys,
+//! `KvLayout::values_in_keys`), its element width (4, or 2 for a half cache), the copied
 //! slice's length and a micro-batch's sequences; gives the byte runs (offset from the
 //! slice's start, length) that hold the wanted positions of every sequence, sorted and
 //! merged where adjacent. Guarantees: every run lies inside the slice; the runs cover
-//! exactly `positions x kv_heads x head_dim x 2 x elem` bytes; a block table that does not reach a wanted position, or a block past the pool,
+//! exactly `positions x kv_heads x head_dim x pools x elem` bytes; a block table that does not reach a wanted position, or a block past the pool,
 //! is an error, never a copy of someone else's bytes.
 
 use crate::ir::KvPart;
@@ -40,7 +41,8 @@ pub fn runs(
 ) -> Result<Vec<(u64, u64)>, KvCopyError> {
     let elem = elem.max(1);
     let block_elems = layout.block_elems().max(1) as u64;
-    let pool_blocks = slice_len / elem / 2 / block_elems;
+    let pool_blocks = slice_len / elem / layout.pools() as u64 / block_elems;
+    let has_values = layout.values_in_keys.is_none();
     let v_base = pool_blocks * block_elems * elem;
     let (bs, dim) = (layout.block_size.max(1), layout.head_dim);
     // Runs are gathered per block, K and V apart, each list ascending within its block
@@ -78,7 +80,9 @@ pub fn runs(
                 // A whole block: every head's K tile, then every head's V tile.
                 let start = layout.tile(block as usize, 0) as u64 * elem;
                 keys.push((start, block_elems * elem));
-                values.push((v_base + start, block_elems * elem));
+                if has_values {
+                    values.push((v_base + start, block_elems * elem));
+                }
             } else {
                 let slots = (hi - lo) as u64;
                 for head in 0..layout.kv_heads {
@@ -87,8 +91,10 @@ pub fn runs(
                         let k = layout.key_offset(block as usize, head, lo, d) as u64;
                         keys.push((k * elem, slots * elem));
                     }
-                    let v = layout.offset(block as usize, head, lo) as u64;
-                    values.push((v_base + v * elem, slots * dim as u64 * elem));
+                    if has_values {
+                        let v = layout.offset(block as usize, head, lo) as u64;
+                        values.push((v_base + v * elem, slots * dim as u64 * elem));
+                    }
                 }
             }
             blocks.push((block, k0..keys.len(), v0..values.len()));
@@ -129,6 +135,7 @@ mod tests {
         block_size: 4,
         kv_heads: 2,
         head_dim: 3,
+        values_in_keys: None,
     };
     const SLICE: u64 = 576;
 
@@ -205,6 +212,23 @@ mod tests {
         // A block id past the pool (3 blocks) is refused too.
         s.block_table = vec![1, 3];
         assert!(runs(&LAYOUT, 4, SLICE, &[s], KvPart::Appended).is_err());
+    }
+
+    /// A cache whose values are read from the keys (MLA's latent once) is the K pool
+    /// alone: in a slice of the same 3 blocks (288 bytes) every part moves exactly the K
+    /// runs of the two-pool cache, and a slice of 2 blocks refuses block 2.
+    #[test]
+    fn a_cache_without_a_value_pool_moves_its_keys_only() {
+        let lone = KvLayout {
+            values_in_keys: Some(2),
+            ..LAYOUT
+        };
+        for part in [KvPart::Context, KvPart::Appended] {
+            let both = runs(&LAYOUT, 4, SLICE, &[seq()], part).unwrap();
+            let keys: Vec<(u64, u64)> = both.into_iter().filter(|r| r.0 < SLICE / 2).collect();
+            assert_eq!(runs(&lone, 4, SLICE / 2, &[seq()], part).unwrap(), keys);
+        }
+        assert!(runs(&lone, 4, SLICE / 3, &[seq()], KvPart::Appended).is_err());
     }
 
     /// Two sequences whose blocks are out of order in the pool (the second's block 0

@@ -383,6 +383,7 @@ impl<B: Backend + ?Sized> Runner<'_, B> {
             block_size: mb.block_size.max(1),
             kv_heads: card.kv_heads as usize,
             head_dim: card.head_dim as usize,
+            values_in_keys: card.mla.and_then(|m| m.values_in_keys()),
         };
         let (Some(src), Some(dst)) = (t.args.first(), t.args.get(1)) else {
             return Ok(());

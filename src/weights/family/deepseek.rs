@@ -142,6 +142,7 @@ impl FamilySpec for Deepseek {
                     m * m
                 }),
             kv_b_split: false,
+            values_in_keys: false,
         };
         let moe_ffn = f.uint("moe_intermediate_size")?;
         let experts = match f.opt_uint("n_routed_experts")? {
@@ -202,6 +203,7 @@ impl FamilySpec for Deepseek {
             rope_interleave: true,
             softmax_mscale: 1.0,
             kv_b_split: false,
+            values_in_keys: false,
         });
         let router = card.deepseek_router.unwrap_or(DeepseekRouter {
             topk: DeepseekTopk::Greedy,
