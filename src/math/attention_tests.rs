@@ -721,7 +721,7 @@ fn latent_steps(
         .collect();
     let blocks = lens.iter().map(|&n| layout.blocks_for(n)).sum();
     let mut cache = PagedKvCache::of_type(layout, 1, blocks, kv_type);
-    let mut tables = vec![Vec::new(), Vec::new()];
+    let mut tables = [Vec::new(), Vec::new()];
     for (t, &n) in tables.iter_mut().zip(&lens) {
         cache.allocator.grow(&layout, t, n).unwrap();
     }
