@@ -401,17 +401,26 @@ impl Kernels {
     ) {
         let n_keys = head.n_keys();
         let group = out.len() / head.layout.head_dim.max(1);
-        let mut scores = vec![0.0f32; group * n_keys];
-        head.scores(self, q, scale, &mut scores);
+        // The worker's score scratch (see `SCORES`): a fresh `group x n_keys` vector was
+        // mapped and faulted in on every call (256 KiB a kv head at 8k positions and a
+        // group of 8). The score pass writes every score before the softmax reads it.
+        let mut scratch = SCORES.with(|cell| cell.take());
+        if scratch.len() < group * n_keys {
+            scratch.resize(group * n_keys, 0.0);
+        }
+        let scores = &mut scratch[..group * n_keys];
+        head.scores(self, q, scale, scores);
         for (g, row) in scores.chunks_exact_mut(n_keys).enumerate() {
             self.softmax_with_sink_in_place(row, sinks.get(g).copied());
         }
-        head.values(self, &scores, out);
+        head.values(self, scores, out);
+        SCORES.with(|cell| cell.replace(scratch));
     }
 }
 
 thread_local! {
-    /// A tile's score scratch, kept by each worker thread between its tasks: a long
+    /// A tile's (or a decode row's) score scratch, kept by each worker thread between its
+    /// tasks: a long
     /// prefill's tasks take megabytes each, which fresh allocations paid for in page faults
     /// (a tenth of the kernel's time at 8k on Qwen3's shape).
     static SCORES: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };

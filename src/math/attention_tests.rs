@@ -428,6 +428,21 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
+/// `call` through `kernels.attention` (decode rows through the decode kernel) gives the
+/// per-row kernel's outputs, keys and values bit for bit, all finite.
+fn assert_per_row_bits(kernels: Kernels, call: &RandomCall, what: &str) {
+    let shape = call.shape;
+    let got = call
+        .run(&|cache, seqs, qkv, out| kernels.attention(cache, seqs, qkv, &shape, out).unwrap());
+    let per_row = call.run(&|cache, seqs, qkv, out| {
+        per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap()
+    });
+    assert_eq!(bits(&got.0), bits(&per_row.0), "{what}: outputs");
+    assert_eq!(bits(&got.1), bits(&per_row.1), "{what}: keys");
+    assert_eq!(bits(&got.2), bits(&per_row.2), "{what}: values");
+    assert!(got.0.iter().all(|x| x.is_finite()), "{what}");
+}
+
 /// The key-block-tiled kernel gives exactly the per-row kernel's bits on random
 /// inputs: prefill, decode and chunked rows after a cached context, several sequences,
 /// tiles with a partial last tile (more than [`crate::model::vocab::ATTENTION_QUERY_TILE`] rows, not a multiple),
@@ -439,18 +454,7 @@ fn tiled_attention_gives_the_per_row_kernel_s_bits() {
         let kernels = Kernels::new(isa).unwrap();
         for kv_type in [KvType::F32, KvType::F16] {
             for (i, call) in random_cases(kv_type, false).into_iter().enumerate() {
-                let shape = call.shape;
-                let tiled = call.run(&|cache, seqs, qkv, out| {
-                    kernels.attention(cache, seqs, qkv, &shape, out).unwrap()
-                });
-                let per_row = call.run(&|cache, seqs, qkv, out| {
-                    per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap()
-                });
-                let what = format!("{isa} {kv_type:?} case {i}");
-                assert_eq!(bits(&tiled.0), bits(&per_row.0), "{what}: outputs");
-                assert_eq!(bits(&tiled.1), bits(&per_row.1), "{what}: keys");
-                assert_eq!(bits(&tiled.2), bits(&per_row.2), "{what}: values");
-                assert!(tiled.0.iter().all(|x| x.is_finite()));
+                assert_per_row_bits(kernels, &call, &format!("{isa} {kv_type:?} case {i}"));
             }
         }
     }
@@ -496,16 +500,8 @@ fn decode_rows_at_every_group_and_offset_give_the_per_row_kernel_s_bits() {
                         kv_type,
                         round_kv: false,
                     };
-                    let shape = call.shape;
-                    let decode = call.run(&|cache, seqs, qkv, out| {
-                        kernels.attention(cache, seqs, qkv, &shape, out).unwrap()
-                    });
-                    let per_row = call.run(&|cache, seqs, qkv, out| {
-                        per_row_reference(kernels, cache, seqs, qkv, &shape, out).unwrap()
-                    });
                     let what = format!("{isa} {kv_type:?} group {group}, {head_dim} wide");
-                    assert_eq!(bits(&decode.0), bits(&per_row.0), "{what}: outputs");
-                    assert!(decode.0.iter().all(|x| x.is_finite()), "{what}");
+                    assert_per_row_bits(kernels, &call, &what);
                 }
             }
         }
@@ -725,7 +721,7 @@ fn latent_steps(
         .collect();
     let blocks = lens.iter().map(|&n| layout.blocks_for(n)).sum();
     let mut cache = PagedKvCache::of_type(layout, 1, blocks, kv_type);
-    let mut tables = vec![Vec::new(), Vec::new()];
+    let mut tables = [Vec::new(), Vec::new()];
     for (t, &n) in tables.iter_mut().zip(&lens) {
         cache.allocator.grow(&layout, t, n).unwrap();
     }
