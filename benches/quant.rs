@@ -25,15 +25,20 @@
 //! rows, the unpacked-tile passes against the ones before them ([`many_rows`]);
 //! `QUANT_BENCH_FEW=1` the tile bodies at 1-8 rows from DRAM and from the cache, the
 //! few-row passes against the ones before them ([`few_rows`]; with `QUANT_BENCH_FORMAT`,
-//! that format's shapes only).
+//! that format's shapes only); `QUANT_BENCH_DECODE=1` (all threads, wall time) or `=cpu`
+//! (one thread, CPU time) OLMoE-1B-7B Q4_K_M's batch-1 decode products op by op against
+//! the streaming read, each kernel set with the Q6_K one-row prefetch on and off
+//! ([`olmoe_decode`]).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
+use moec::engine::cpu_probe::stream_read;
 use moec::math::isa::Kernels;
 use moec::math::qmatmul::select::describe;
-use moec::math::qmatmul::{QuantBody, QuantKernels, QuantMatrix};
+use moec::math::qmatmul::{QuantBody, QuantKernels, QuantMatrix, QuantProduct};
 use moec::math::tensor::{Matrix, TypedSlice};
 use moec::model::vocab::Orientation;
+use moec::model::{ArchSpec, ModelCard};
 use moec::quant::{QuantFormat, QuantSlice};
 use std::time::Instant;
 
@@ -586,6 +591,276 @@ fn few_rows(qk: QuantKernels) {
     }
 }
 
+/// The tiled bytes of one random `[out, inp]` matrix of `format`.
+fn tiled_matrix(format: QuantFormat, out: usize, inp: usize, seed: u64) -> Vec<u8> {
+    let plain = quant_bytes(format, out * inp, seed);
+    let mut t = vec![0u8; plain.len()];
+    assert!(moec::math::qmatmul::tiles::tile(
+        format, &plain, out, inp, &mut t
+    ));
+    t
+}
+
+/// A tiled matrix's view.
+fn tiled_view(bytes: &[u8], format: QuantFormat, out: usize, inp: usize) -> QuantMatrix<'_> {
+    let q = QuantSlice::tiled(bytes, format, out * inp, inp).expect("tiles");
+    QuantMatrix::new(q, out, inp).expect("matrix")
+}
+
+/// One synthetic OLMoE-1B-7B layer as its Q4_K_M file stores the matrices a batch-1 decode
+/// step reads, in tiles: q, k, o Q4_K; v and the experts' down Q6_K in `more_bits` layers
+/// (llama.cpp's `use_more_bits`: half of OLMoE's 16), Q4_K otherwise; the step's 8 routed
+/// experts' gate and up Q4_K.
+struct DecodeLayer {
+    /// q, k, v, o: `[hidden, hidden]`.
+    attn: [(Vec<u8>, QuantFormat); 4],
+    /// Per expert: gate, up `[ffn, hidden]`, down `[hidden, ffn]`.
+    experts: Vec<[(Vec<u8>, QuantFormat); 3]>,
+}
+
+impl DecodeLayer {
+    fn new(d: usize, f: usize, top_k: usize, more_bits: bool, seed: u64) -> Self {
+        let wide = if more_bits {
+            QuantFormat::Q6K
+        } else {
+            QuantFormat::Q4K
+        };
+        let m = |format, out, inp, s: u64| (tiled_matrix(format, out, inp, seed * 100 + s), format);
+        DecodeLayer {
+            attn: [
+                m(QuantFormat::Q4K, d, d, 0),
+                m(QuantFormat::Q4K, d, d, 1),
+                m(wide, d, d, 2),
+                m(QuantFormat::Q4K, d, d, 3),
+            ],
+            experts: (0..top_k as u64)
+                .map(|e| {
+                    [
+                        m(QuantFormat::Q4K, f, d, 10 + 3 * e),
+                        m(QuantFormat::Q4K, f, d, 11 + 3 * e),
+                        m(wide, d, f, 12 + 3 * e),
+                    ]
+                })
+                .collect(),
+        }
+    }
+
+    fn qkv_bytes(&self) -> usize {
+        self.attn[..3].iter().map(|(b, _)| b.len()).sum()
+    }
+
+    fn expert_bytes(&self) -> usize {
+        self.experts.iter().flatten().map(|(b, _)| b.len()).sum()
+    }
+}
+
+/// Layers of the batch-1 decode bench: four distinct ones (162 MB, five times the L3), so
+/// every weight byte of a round comes from DRAM as in a real step.
+const DECODE_LAYERS: usize = 4;
+
+/// Rounds of the batch-1 decode bench (medians are printed).
+const DECODE_ROUNDS: usize = 15;
+
+/// The ops of the batch-1 decode bench, in the order they are printed.
+const DECODE_OPS: [&str; 5] = [
+    "q/k/v",
+    "o_proj",
+    "experts (Q4_K down)",
+    "experts (Q6_K down)",
+    "lm_head",
+];
+
+/// OLMoE-1B-7B Q4_K_M's batch-1 decode products (`QUANT_BENCH_DECODE=1`), op by op in the
+/// parallel regions the CPU backend runs them in, each entered into the pool with `install`
+/// from a thread outside it (as the backend's stream thread does): `pre_attn`'s q/k/v (one
+/// region), `o_proj`, the 8 routed experts' gate and up (one region), SwiGLU and down (one
+/// region), as `Kernels::experts_ffn` groups them (split by the down projection's format),
+/// and the Q6_K `lm_head` `[50304, 2048]`; for each kernel set this CPU has (AVX-512 VNNI,
+/// AVX2: what `MOEC_KERNELS` forces), with the Q6_K passes' one-row prefetch on (the
+/// default) and off ([`QuantKernels::with_q6k_row_prefetch`]), beside the probe's streaming
+/// read ([`stream_read`], 256 MB on the same pool), all in every round. Printed per op: ms
+/// (per layer; per step for the head), GB/s of weights and that over the same round's
+/// streaming read, medians of [`DECODE_ROUNDS`] rounds; then what an empty `install` costs.
+/// `QUANT_BENCH_DECODE=cpu` runs on one thread timed by its CPU time (robust to other
+/// processes on the cores); otherwise on all threads, wall time.
+fn olmoe_decode() {
+    let arch = ArchSpec::from_card(&ModelCard::load("olmoe-1b-7b").expect("built-in card"));
+    let (d, f, top_k) = (arch.hidden, arch.ffn, arch.top_k);
+    let cpu = std::env::var("QUANT_BENCH_DECODE").is_ok_and(|v| v == "cpu");
+    let threads = if cpu { 1 } else { rayon::current_num_threads() };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool");
+    let layers: Vec<DecodeLayer> = (0..DECODE_LAYERS)
+        .map(|l| DecodeLayer::new(d, f, top_k, l % 2 == 0, l as u64 + 1))
+        .collect();
+    let head = tiled_matrix(QuantFormat::Q6K, arch.vocab, d, 77);
+    let head_view = tiled_view(&head, QuantFormat::Q6K, arch.vocab, d);
+    let stream: Vec<f32> = vec![1.0; 64 << 20];
+    let x = activations(1, d);
+    let configs: Vec<QuantKernels> = QuantBody::supported()
+        .into_iter()
+        .filter(|b| *b != QuantBody::Portable)
+        .filter_map(|b| QuantKernels::new(b).ok())
+        .flat_map(|k| [k, k.with_q6k_row_prefetch(false)])
+        .collect();
+    println!(
+        "OLMoE-1B-7B Q4_K_M batch-1 decode products, {DECODE_LAYERS} layers ({:.0} MB) + lm_head ({:.1} MB), {threads} thread(s), {}, median of {DECODE_ROUNDS} rounds:",
+        layers
+            .iter()
+            .map(|l| l.qkv_bytes() + l.attn[3].0.len() + l.expert_bytes())
+            .sum::<usize>() as f64
+            / 1e6,
+        head.len() as f64 / 1e6,
+        if cpu { "CPU time" } else { "wall time" }
+    );
+    // Per configuration and op: seconds per round, and the bytes and calls of one round.
+    let n_ops = DECODE_OPS.len();
+    let mut times = vec![vec![vec![0.0f64; DECODE_ROUNDS]; n_ops]; configs.len()];
+    let mut bytes = vec![vec![0usize; n_ops]; configs.len()];
+    let mut calls = vec![vec![0usize; n_ops]; configs.len()];
+    let mut stream_gbs = Vec::new();
+    let mut logits = vec![0.0f32; arch.vocab];
+    // `f` run in the pool: its wall time from outside, or its CPU time on the one thread.
+    let timed = |f: &mut (dyn FnMut() + Send)| -> f64 {
+        if cpu {
+            pool.install(|| {
+                let t0 = thread_cpu_seconds();
+                f();
+                thread_cpu_seconds() - t0
+            })
+        } else {
+            seconds(|| pool.install(f))
+        }
+    };
+    // Round 0 warms up and is not kept.
+    for round in 0..=DECODE_ROUNDS {
+        let t = timed(&mut || {
+            std::hint::black_box(stream_read(&stream));
+        });
+        if round > 0 {
+            stream_gbs.push((stream.len() * 4) as f64 / t / 1e9);
+        }
+        for (c, &k) in configs.iter().enumerate() {
+            let mut add = |op: usize, t: f64, b: usize| {
+                if round > 0 {
+                    times[c][op][round - 1] += t;
+                }
+                if round == 1 {
+                    bytes[c][op] += b;
+                    calls[c][op] += 1;
+                }
+            };
+            for layer in &layers {
+                let m: Vec<QuantMatrix<'_>> = layer
+                    .attn
+                    .iter()
+                    .map(|(b, format)| tiled_view(b, *format, d, d))
+                    .collect();
+                let mut qkv = vec![vec![0.0f32; d]; 3];
+                let t = timed(&mut || {
+                    let mut outs: Vec<&mut [f32]> =
+                        qkv.iter_mut().map(|v| v.as_mut_slice()).collect();
+                    k.quant_linear_many(&m[..3], &x, 1, &mut outs)
+                        .expect("q/k/v")
+                });
+                add(0, t, layer.qkv_bytes());
+                let mut o = vec![0.0f32; d];
+                let t = timed(&mut || k.quant_linear(&m[3], &qkv[0], 1, &mut o).expect("o_proj"));
+                add(1, t, layer.attn[3].0.len());
+                let t = timed(&mut || decode_experts(k, layer, d, f, &x));
+                let op = if layer.experts[0][2].1 == QuantFormat::Q6K {
+                    3
+                } else {
+                    2
+                };
+                add(op, t, layer.expert_bytes());
+            }
+            let t = timed(&mut || {
+                k.quant_linear(&head_view, &x, 1, &mut logits)
+                    .expect("head")
+            });
+            add(4, t, head.len());
+        }
+    }
+    println!(
+        "  streaming read (the probe's, 256 MB): {:.2} GB/s (rounds {:.2}-{:.2})",
+        median(stream_gbs.clone()),
+        stream_gbs.iter().copied().fold(f64::INFINITY, f64::min),
+        stream_gbs.iter().copied().fold(0.0, f64::max)
+    );
+    for (c, k) in configs.iter().enumerate() {
+        let pf = if k.q6k_row_prefetch() { "on" } else { "off" };
+        println!("  {} body, Q6_K one-row prefetch {pf}:", k.body());
+        for (op, name) in DECODE_OPS.iter().enumerate() {
+            let ratios: Vec<f64> = times[c][op]
+                .iter()
+                .zip(&stream_gbs)
+                .map(|(t, s)| bytes[c][op] as f64 / t / 1e9 / s)
+                .collect();
+            let t = median(times[c][op].clone());
+            println!(
+                "    {name:<20} {:>7.3} ms each, {:>6.2} GB/s, {:.2} of the streaming read",
+                t / calls[c][op].max(1) as f64 * 1e3,
+                bytes[c][op] as f64 / t / 1e9,
+                median(ratios)
+            );
+        }
+    }
+    let reps = 2000;
+    let hop = seconds(|| {
+        for _ in 0..reps {
+            pool.install(|| std::hint::black_box(0));
+        }
+    }) / reps as f64;
+    println!(
+        "  an empty install from outside the pool: {:.1} us",
+        hop * 1e6
+    );
+}
+
+/// One layer's routed experts at one row, in `Kernels::experts_ffn`'s two regions: every
+/// expert's gate and up, then SwiGLU, then every expert's down.
+fn decode_experts(k: QuantKernels, layer: &DecodeLayer, d: usize, f: usize, x: &[f32]) {
+    let n = layer.experts.len();
+    let mut gu = vec![vec![0.0f32; f]; 2 * n];
+    let firsts: Vec<QuantProduct<'_>> = layer
+        .experts
+        .iter()
+        .flat_map(|e| &e[..2])
+        .map(|(b, format)| QuantProduct {
+            w: tiled_view(b, *format, f, d),
+            x,
+            n_rows: 1,
+        })
+        .collect();
+    let mut outs: Vec<&mut [f32]> = gu.iter_mut().map(|v| v.as_mut_slice()).collect();
+    k.quant_products(&firsts, &mut outs).expect("gate/up");
+    let hs: Vec<Vec<f32>> = gu
+        .chunks_exact(2)
+        .map(|p| p[0].iter().zip(&p[1]).map(|(g, u)| silu(*g) * u).collect())
+        .collect();
+    let downs: Vec<QuantProduct<'_>> = layer
+        .experts
+        .iter()
+        .zip(&hs)
+        .map(|(e, h)| QuantProduct {
+            w: tiled_view(&e[2].0, e[2].1, d, f),
+            x: h,
+            n_rows: 1,
+        })
+        .collect();
+    let mut ys = vec![vec![0.0f32; d]; n];
+    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|v| v.as_mut_slice()).collect();
+    k.quant_products(&downs, &mut outs).expect("down");
+}
+
+/// `silu(x) = x * sigmoid(x)`.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
 fn bench(c: &mut Criterion) {
     let k = Kernels::process();
     let qk = QuantKernels::process();
@@ -594,6 +869,10 @@ fn bench(c: &mut Criterion) {
     println!("threads: {}", rayon::current_num_threads());
     if std::env::var_os("QUANT_BENCH_GPTOSS").is_some() {
         gpt_oss(qk);
+        return;
+    }
+    if std::env::var_os("QUANT_BENCH_DECODE").is_some() {
+        olmoe_decode();
         return;
     }
     if std::env::var_os("QUANT_BENCH_FEW").is_some() {

@@ -318,7 +318,7 @@ impl<'a> Prepared<'a> {
                     unsafe {
                         super::tiles_x86::panel(
                             k.body() == QuantBody::Avx512Vnni,
-                            (k.unpacked_tiles(), k.few_row_passes()),
+                            (k.unpacked_tiles(), k.few_row_passes(), k.q6k_row_prefetch()),
                             w,
                             acts,
                             o0,

@@ -102,13 +102,20 @@ fn assert_bodies_give(
 ) {
     let want = product(portable, reference, xs, n_rows);
     for body in QuantBody::supported() {
-        // With and without the unpacked-tile passes and the few-row passes (the same bits
-        // either way).
-        for (unpacked, few) in [(true, true), (false, true), (true, false)] {
+        // With and without the unpacked-tile passes, the few-row passes and the Q6_K
+        // passes' one-row prefetch (the same bits either way).
+        let pf = super::select::row_prefetch_default(body);
+        for (unpacked, few, pf) in [
+            (true, true, pf),
+            (false, true, pf),
+            (true, false, pf),
+            (true, true, !pf),
+        ] {
             let k = QuantKernels::new(body)
                 .unwrap()
                 .with_unpacked_tiles(unpacked)
-                .with_few_row_passes(few);
+                .with_few_row_passes(few)
+                .with_q6k_row_prefetch(pf);
             let got = product(k, tested, xs, n_rows);
             let same = got
                 .iter()
@@ -116,7 +123,7 @@ fn assert_bodies_give(
                 .all(|(g, e)| g.to_bits() == e.to_bits());
             assert!(
                 same,
-                "{body} (unpacked tiles {unpacked}, few-row passes {few}): {}",
+                "{body} (unpacked tiles {unpacked}, few-row passes {few}, Q6_K one-row prefetch {pf}): {}",
                 what()
             );
         }

@@ -90,6 +90,12 @@ pub struct QuantKernels {
     /// over Q8_0, Q4_0 and MXFP4 tiles at up to four activation rows; `false` keeps the
     /// eight-row pass at every row count (benches compare the two; the bits are the same).
     few: bool,
+    /// Whether the Q6_K tile passes prefetch two tiles ahead at one activation row (at more
+    /// rows they always do); `false` leaves one row to the hardware prefetcher, as the
+    /// Q4_K pass at one row always does. By default on for the AVX2 body and off for the
+    /// AVX-512 VNNI one ([`row_prefetch_default`]; benches compare the two, the bits are
+    /// the same).
+    q6k_row_prefetch: bool,
 }
 
 impl QuantKernels {
@@ -100,6 +106,7 @@ impl QuantKernels {
                 body,
                 unpacked: true,
                 few: true,
+                q6k_row_prefetch: row_prefetch_default(body),
             })
         } else {
             Err(UnsupportedBody { body })
@@ -112,6 +119,7 @@ impl QuantKernels {
             body: QuantBody::Portable,
             unpacked: true,
             few: true,
+            q6k_row_prefetch: true,
         }
     }
 
@@ -127,6 +135,7 @@ impl QuantKernels {
             body,
             unpacked: true,
             few: true,
+            q6k_row_prefetch: row_prefetch_default(body),
         }
     }
 
@@ -169,6 +178,32 @@ impl QuantKernels {
     pub fn few_row_passes(self) -> bool {
         self.few
     }
+
+    /// These kernels with the Q6_K tile passes' software prefetch at one activation row on
+    /// or off (the default: [`row_prefetch_default`]). For comparing the two in one process
+    /// (`cargo bench --bench quant`, `QUANT_BENCH_DECODE=1`: a batch-1 decode step's
+    /// products); both give the same bits.
+    pub fn with_q6k_row_prefetch(self, on: bool) -> Self {
+        QuantKernels {
+            q6k_row_prefetch: on,
+            ..self
+        }
+    }
+
+    /// Whether the Q6_K passes prefetch at one row ([`Self::with_q6k_row_prefetch`]).
+    pub fn q6k_row_prefetch(self) -> bool {
+        self.q6k_row_prefetch
+    }
+}
+
+/// Whether `body`'s Q6_K tile passes prefetch at one activation row by default: not the
+/// AVX-512 VNNI body, whose one-row products from Q6_K took 3-22% less time without it on a
+/// Zen 4 (the `lm_head` and the Q6_K expert downs of OLMoE's batch-1 decode, one thread
+/// timed by its CPU time, and the interleaved steps of a real run; docs/performance.md,
+/// session 24);
+/// the AVX2 body keeps it (mixed there: the experts' downs faster without, the head slower).
+pub fn row_prefetch_default(body: QuantBody) -> bool {
+    body != QuantBody::Avx512Vnni
 }
 
 /// One line naming the quantised-product body an f32 kernel choice runs, and why, for

@@ -80,13 +80,15 @@ const SCALE512: [i8; 32] = {
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and VNNI, AVX2, F16C available; `tile_row` holds `nb` Q6_K tiles; rows
-/// `r0..r0 + N` of `acts` exist, have `nb` blocks and were made for Q6_K.
+/// `r0..r0 + N` of `acts` exist, have `nb` blocks and were made for Q6_K. `prefetch`: at
+/// one row (`N == 1`), whether to prefetch two tiles ahead (at more rows it always does).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn pass_vnni<const N: usize>(
     tile_row: &[u8],
     nb: usize,
     acts: &TileActs<'_>,
     r0: usize,
+    prefetch: bool,
 ) -> [__m256; N] {
     assert!(tile_row.len() >= nb * TILE && r0 + N <= acts.q.n_rows);
     // SAFETY: 32 bytes.
@@ -100,7 +102,9 @@ pub(super) unsafe fn pass_vnni<const N: usize>(
         assert!(x.iter().all(|x| x.len() >= 256) && off.iter().all(|o| o.len() >= 64));
         for p in 0..8 {
             let g = GROUPS + GROUP * p;
-            prefetch_ahead(t, TILE, g, 3);
+            if N > 1 || prefetch {
+                prefetch_ahead(t, TILE, g, 3);
+            }
             // SAFETY: group `p` (192 bytes at `g`) and the 128 scale bytes are inside the
             // tile; every activation row has 256 codes and 64 offsets per block (asserted).
             unsafe {
@@ -173,6 +177,7 @@ pub(super) unsafe fn pass_avx2<const N: usize>(
     nb: usize,
     acts: &TileActs<'_>,
     r0: usize,
+    prefetch: bool,
 ) -> [__m256; N] {
     assert!(tile_row.len() >= nb * TILE && r0 + N <= acts.q.n_rows);
     // SAFETY: 16 bytes each.
@@ -192,7 +197,9 @@ pub(super) unsafe fn pass_avx2<const N: usize>(
         assert!(x.iter().all(|x| x.len() >= 256) && off.iter().all(|o| o.len() >= 64));
         for p in 0..8 {
             let g = GROUPS + GROUP * p;
-            prefetch_ahead(t, TILE, g, 3);
+            if N > 1 || prefetch {
+                prefetch_ahead(t, TILE, g, 3);
+            }
             // SAFETY: as in `pass_vnni`.
             unsafe {
                 let qh: [__m256i; 2] = std::array::from_fn(|half| {

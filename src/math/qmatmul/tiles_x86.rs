@@ -331,7 +331,7 @@ unsafe fn pass_avx2<const N: usize>(
 /// Q6_K on AVX2 at `tiles_unpacked_x86::MIN_ROWS` rows or more unpacks each tile row once
 /// for all of them (`tiles_unpacked_x86`) unless `unpacked` is off; the 32-weight
 /// formats at up to `tiles_b32_x86::FEW_ROWS` rows run its few-row pass unless `few` is
-/// off.
+/// off; the Q6_K passes prefetch at one activation row unless `q6k_prefetch` is off.
 ///
 /// # Safety
 /// The CPU has the body's features (AVX-512 F/BW/VL, VNNI, AVX2, F16C for `vnni`; AVX2,
@@ -340,7 +340,7 @@ unsafe fn pass_avx2<const N: usize>(
 /// `o0 + rows <= w.rows`; `local.len() == acts.q.n_rows * rows`.
 pub(super) unsafe fn panel(
     vnni: bool,
-    (unpacked, few): (bool, bool),
+    (unpacked, few, q6k_prefetch): (bool, bool, bool),
     w: &QuantMatrix<'_>,
     acts: &TileActs<'_>,
     o0: usize,
@@ -392,7 +392,7 @@ pub(super) unsafe fn panel(
         while r0 < n_rows {
             let n = step.min(n_rows - r0);
             let mut sums = [[0.0f32; TILE_ROWS]; b32::AVX2_PASS_ROWS];
-            let (tr, s) = (tile_row, &mut sums);
+            let (tr, s, pf) = (tile_row, &mut sums, q6k_prefetch);
             // SAFETY: the caller's contract (features, lengths, the format's tiles and
             // activation sums); `r0 + n <= n_rows`; a tile row is `8 · row_bytes`.
             unsafe {
@@ -405,14 +405,14 @@ pub(super) unsafe fn panel(
                     (0, false, 2) => store(s, pass_avx2::<2>(tr, nb, acts, r0)),
                     (0, false, 3) => store(s, pass_avx2::<3>(tr, nb, acts, r0)),
                     (0, false, _) => store(s, pass_avx2::<4>(tr, nb, acts, r0)),
-                    (1, true, 1) => store(s, q6::pass_vnni::<1>(tr, nb, acts, r0)),
-                    (1, true, 2) => store(s, q6::pass_vnni::<2>(tr, nb, acts, r0)),
-                    (1, true, 3) => store(s, q6::pass_vnni::<3>(tr, nb, acts, r0)),
-                    (1, true, _) => store(s, q6::pass_vnni::<4>(tr, nb, acts, r0)),
-                    (1, false, 1) => store(s, q6::pass_avx2::<1>(tr, nb, acts, r0)),
-                    (1, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0)),
-                    (1, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0)),
-                    (1, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0)),
+                    (1, true, 1) => store(s, q6::pass_vnni::<1>(tr, nb, acts, r0, pf)),
+                    (1, true, 2) => store(s, q6::pass_vnni::<2>(tr, nb, acts, r0, pf)),
+                    (1, true, 3) => store(s, q6::pass_vnni::<3>(tr, nb, acts, r0, pf)),
+                    (1, true, _) => store(s, q6::pass_vnni::<4>(tr, nb, acts, r0, pf)),
+                    (1, false, 1) => store(s, q6::pass_avx2::<1>(tr, nb, acts, r0, pf)),
+                    (1, false, 2) => store(s, q6::pass_avx2::<2>(tr, nb, acts, r0, pf)),
+                    (1, false, 3) => store(s, q6::pass_avx2::<3>(tr, nb, acts, r0, pf)),
+                    (1, false, _) => store(s, q6::pass_avx2::<4>(tr, nb, acts, r0, pf)),
                     (2, _, _) => b32::pass(b32::Q8_0, (vnni, few), n, tr, spans, acts, r0, s),
                     (3, _, _) => b32::pass(b32::Q4_0, (vnni, few), n, tr, spans, acts, r0, s),
                     (_, _, _) => b32::pass(b32::MXFP4, (vnni, few), n, tr, spans, acts, r0, s),
