@@ -55,7 +55,7 @@ pub(super) const ROUTER_MAX_EXPERTS: usize = 256;
 
 /// `MOE_MAX_EXPERTS` and `MOE_TILE_N` of kernels/moe_grouped.cu, `MOE_TILE_M` and
 /// `MOE_GEMV_WARPS` of kernels/moe_tiles.cuh.
-const MOE_MAX_EXPERTS: usize = 256;
+pub(super) const MOE_MAX_EXPERTS: usize = 256;
 const MOE_TILE_M: usize = 16;
 const MOE_TILE_N: usize = 64;
 const MOE_GEMV_WARPS: usize = 8;
