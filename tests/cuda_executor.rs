@@ -417,6 +417,21 @@ fn schedules_on_a_gpt_oss_mxfp4_gguf_through_the_cuda_backend_give_the_cpu_token
 /// head, through `gpu_resident` (recorded decode steps) and `sequential` (the fused
 /// `post_attn`). What it cannot see: a read whose value is dropped afterwards (a row past
 /// the live count that nothing consumes), which initcheck reports and NaN does not show.
+/// `cards` and, when the fixture is there, the Q4_K_M GGUF's path; else a line saying
+/// `what` skipped it.
+fn with_q4_k_m_fixture(cards: Vec<&str>, what: &str) -> Vec<String> {
+    let mut cards: Vec<String> = cards.into_iter().map(str::to_string).collect();
+    match gguf_common::fixtures() {
+        Some(f) => cards.push(
+            f.join("mixtral-q4-Q4_K_M.gguf")
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        None => println!("{what}: the Q4_K_M fixture SKIPPED (run scripts/gguf_fixtures.sh)"),
+    }
+    cards
+}
+
 /// One `gpu scratch on <stream>: peak X B a task (task), arena Y B, budgeted Z B (task)`
 /// clause of a run report: (stream, peak, arena, budgeted).
 fn scratch_clauses(text: &str) -> Vec<(String, u64, u64, u64)> {
@@ -460,17 +475,7 @@ const SCRATCH_BOUND_FACTOR: f64 = 4.0;
 fn every_task_takes_at_most_its_streams_budgeted_scratch() {
     let cache = tempfile::tempdir().expect("cache");
     let dir = standin_dir();
-    let mut cards = vec!["mixtral-tiny".to_string(), "deepseek-v2-tiny".to_string()];
-    match gguf_common::fixtures() {
-        Some(f) => cards.push(
-            f.join("mixtral-q4-Q4_K_M.gguf")
-                .to_string_lossy()
-                .into_owned(),
-        ),
-        None => {
-            println!("budgeted scratch: the Q4_K_M fixture SKIPPED (run scripts/gguf_fixtures.sh)")
-        }
-    }
+    let cards = with_q4_k_m_fixture(vec!["mixtral-tiny", "deepseek-v2-tiny"], "budgeted scratch");
     let mut runs: Vec<(&str, &str)> = cards
         .iter()
         .map(|c| (c.as_str(), "schedules/baselines/gpu_resident.sched"))
@@ -537,17 +542,7 @@ fn every_task_takes_at_most_its_streams_budgeted_scratch() {
 fn no_kernel_reads_scratch_its_task_did_not_write() {
     let cache = tempfile::tempdir().expect("cache");
     let dir = standin_dir();
-    let mut cards = vec!["mixtral-tiny".to_string(), "gpt-oss-tiny".to_string()];
-    match gguf_common::fixtures() {
-        Some(f) => cards.push(
-            f.join("mixtral-q4-Q4_K_M.gguf")
-                .to_string_lossy()
-                .into_owned(),
-        ),
-        None => {
-            println!("poisoned scratch: the Q4_K_M fixture SKIPPED (run scripts/gguf_fixtures.sh)")
-        }
-    }
+    let cards = with_q4_k_m_fixture(vec!["mixtral-tiny", "gpt-oss-tiny"], "poisoned scratch");
     for card in &cards {
         // `sequential` streams every layer through one slot: its scratch reuse differs from
         // `gpu_resident`'s, but its kernels are the same, so one card is enough for it

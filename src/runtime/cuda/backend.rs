@@ -120,27 +120,28 @@ struct StreamScratch {
     task: String,
 }
 
+/// The plan's tasks on device streams.
+fn device_tasks(plan: &ExecPlan) -> impl Iterator<Item = &PlanTask> {
+    plan.tasks.iter().filter(|t| {
+        plan.streams
+            .get(t.stream.index())
+            .is_some_and(|s| is_device(s.engine))
+    })
+}
+
 /// Per plan stream, the scratch rules' bound over its device tasks (`super::scratch`),
 /// the same as `moec check` counts (`cost::budget`).
 fn scratch_bounds(plan: &ExecPlan) -> Vec<Option<StreamScratch>> {
     let mut rules = super::scratch::ScratchRules::new(&plan.model, &plan.workload);
-    let tasks = plan
-        .tasks
-        .iter()
-        .filter(|t| {
-            plan.streams
-                .get(t.stream.index())
-                .is_some_and(|s| is_device(s.engine))
-        })
-        .map(|t| {
-            let facts = super::scratch::TaskFacts::new(
-                t.op,
-                t.shape,
-                t.kv.map(|k| k.part),
-                t.args.iter().map(|a| a.role),
-            );
-            (t.stream.index(), t.id, facts)
-        });
+    let tasks = device_tasks(plan).map(|t| {
+        let facts = super::scratch::TaskFacts::new(
+            t.op,
+            t.shape,
+            t.kv.map(|k| k.part),
+            t.args.iter().map(|a| a.role),
+        );
+        (t.stream.index(), t.id, facts)
+    });
     super::scratch::stream_bounds(&mut rules, plan.streams.len(), tasks)
         .into_iter()
         .enumerate()
@@ -400,16 +401,7 @@ impl<'c> CudaBackend<'c> {
                     })?;
             }
         }
-        let task_names = plan
-            .tasks
-            .iter()
-            .filter(|t| {
-                plan.streams
-                    .get(t.stream.index())
-                    .is_some_and(|s| is_device(s.engine))
-            })
-            .map(|t| (t.id, t.name.clone()))
-            .collect();
+        let task_names = device_tasks(plan).map(|t| (t.id, t.name.clone())).collect();
         let expert_sources =
             ExpertSources::new(&setup_stream, streams.len(), !plan.format_copies.is_empty())
                 .map_err(call("allocating the expert counters"))?;

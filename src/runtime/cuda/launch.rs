@@ -592,6 +592,21 @@ impl Workspace {
         Ok(())
     }
 
+    /// A scope whose pieces are handed out again when it ends (pieces taken before it
+    /// stay): for a loop whose iterations each take scratch (the host-grouped experts),
+    /// safe as [`Workspace::reset`] is, since the next iteration's kernels are queued on
+    /// the stream after the last one's. When the buffer grew inside the scope, its end
+    /// keeps everything (the old pieces are in the retired buffer).
+    pub fn scope(&self) -> ScratchScope<'_> {
+        let w = crate::runtime::sync::lock(&self.inner);
+        ScratchScope {
+            workspace: self,
+            base: w.base,
+            used: w.used,
+            taken: w.usage.taken,
+        }
+    }
+
     /// The scratch measured so far against the bound.
     pub fn usage(&self) -> ScratchUse {
         crate::runtime::sync::lock(&self.inner).usage.clone()
@@ -679,6 +694,26 @@ impl Workspace {
             u.over += 1;
         }
         Ok(ptr)
+    }
+}
+
+/// A scope of a [`Workspace`] ([`Workspace::scope`]): its pieces are free again when it
+/// is dropped.
+#[derive(Debug)]
+pub struct ScratchScope<'a> {
+    workspace: &'a Workspace,
+    base: u64,
+    used: usize,
+    taken: usize,
+}
+
+impl Drop for ScratchScope<'_> {
+    fn drop(&mut self) {
+        let mut w = crate::runtime::sync::lock(&self.workspace.inner);
+        if w.base == self.base && w.used >= self.used {
+            w.used = self.used;
+            w.usage.taken = self.taken;
+        }
     }
 }
 

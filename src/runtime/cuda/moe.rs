@@ -372,6 +372,11 @@ impl GpuCx<'_> {
         let n_tokens = routing.experts.len() / k.max(1);
         let groups = ExpertGroups::new(routing, self.arch.experts);
         for (e, rows) in groups.of(members) {
+            // Each expert's scratch is handed out again to the next one: its kernels are
+            // queued on this stream before the next expert's, which reuse the bytes (the
+            // workspace's own argument, per expert instead of per task), so the task takes
+            // its largest expert's scratch, not the sum over the routed experts.
+            let _expert_scratch = self.s.workspace.scope();
             if let Some(bad) = rows
                 .iter()
                 .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)

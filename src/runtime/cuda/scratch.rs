@@ -21,9 +21,9 @@
 //! - the grouped experts (at most [`GROUPED_MAX_ENTRIES`] routed entries) take the
 //!   permutation and tile tables and a hidden row per routed entry; past that the host
 //!   groups them and each routed expert takes its gathered rows, its gate/up values and
-//!   its projections' scratch: counted as `rows x (per-row bytes)` plus, for each expert
-//!   that can have more than 16 rows (`entries / 17` of them at most), its matrices
-//!   decoded whole, plus 256 bytes of alignment a piece for each expert that can have any.
+//!   its projections' scratch, handed out again to the next expert: counted for one
+//!   expert routed every token (`tokens x (per-row bytes)`, its matrices decoded whole
+//!   past 16 rows).
 //!
 //! What the rules cannot see: an `experts` task whose members' weights are not all in its
 //! arguments groups on the host even under [`GROUPED_MAX_ENTRIES`] entries (the bound
@@ -47,7 +47,6 @@ use crate::model::layout::{LayerLayout, Segment};
 use crate::model::segment::SegmentKind;
 use crate::model::vocab::{NormKind, Orientation};
 use crate::quant::storage::WeightDtype;
-use std::collections::HashMap;
 
 /// Alignment of every workspace piece (`launch::SCRATCH_ALIGN`).
 const ALIGN: u64 = 256;
@@ -211,7 +210,7 @@ pub struct ScratchRules {
     /// The KV cache's heads and head width as the runtime lays it out.
     kv_heads: usize,
     kv_head_dim: usize,
-    memo: HashMap<Key, u64>,
+    memo: crate::ir::FastMap<Key, u64>,
 }
 
 impl ScratchRules {
@@ -270,7 +269,7 @@ impl ScratchRules {
             kv_heads: card.kv_heads as usize,
             kv_head_dim: card.head_dim as usize,
             kv_tokens: workload.prompt_len.saturating_add(workload.gen_len) as usize,
-            memo: HashMap::new(),
+            memo: crate::ir::FastMap::default(),
         }
     }
 
@@ -786,7 +785,7 @@ impl ScratchRules {
         if a.experts <= super::moe::MOE_MAX_EXPERTS && entries <= GROUPED_MAX_ENTRIES {
             self.device_experts(n, members as usize, [first, second, down])
         } else {
-            self.host_experts(mats, entries, members as usize, [first, second, down])
+            self.host_experts(mats, entries, [first, second, down])
         }
     }
 
@@ -839,13 +838,11 @@ impl ScratchRules {
         piece(elems) + piece(elems / format.block_elems() as u64 * 4)
     }
 
-    /// `host_experts` over `entries` routed entries of `members` experts: per routed expert
-    /// with m rows its uploads (3 tables), gathered and output rows, gate/up values and
-    /// projections. Summed over any split of the entries: `entries x per-row` plus, for
-    /// each expert that can have more than [`GROUPED_MAX_ENTRIES`]'s few-row limit
-    /// ([`GEMV_MAX_ROWS`]) of rows, its matrices decoded whole, plus each routed expert's
-    /// alignment.
-    fn host_experts(&self, mats: &LayerMats, entries: usize, members: usize, m: [Mat; 3]) -> u64 {
+    /// `host_experts` over `entries` routed entries: per routed expert with m rows its
+    /// uploads (3 tables), gathered and output rows, gate/up values and projections, handed
+    /// out again to the next expert. The largest expert's, over any routing: as many rows
+    /// as tokens, its matrices decoded whole past [`GEMV_MAX_ROWS`] rows.
+    fn host_experts(&self, mats: &LayerMats, entries: usize, m: [Mat; 3]) -> u64 {
         let a = &self.arch;
         let (d, f) = (a.hidden as u64, a.ffn as u64);
         let mut per = Split {
@@ -877,12 +874,16 @@ impl ScratchRules {
                 } + self.linear_split(&first)
                     + self.linear_split(&second);
         }
-        // A token routes to an expert once: the members' rows are at most `members x
-        // tokens` of the entries.
-        let rows = entries.min(members * (entries / a.top_k.max(1)));
-        let any = members.min(rows) as u64;
-        let big = members.min(rows / (GEMV_MAX_ROWS + 1)) as u64;
-        rows as u64 * per.per_row + any * (per.always + per.pieces * ALIGN) + big * per.big
+        // Each expert's pieces are handed out again to the next (a scope per expert): the
+        // task takes its largest expert's. A token routes to an expert once, so an expert
+        // has at most the tokens' rows.
+        let rows = (entries / a.top_k.max(1)).min(entries) as u64;
+        let big = if rows > GEMV_MAX_ROWS as u64 {
+            per.big
+        } else {
+            0
+        };
+        rows * per.per_row + per.always + per.pieces * ALIGN + big
     }
 
     /// A projection's scratch over an unknown number of rows, split as [`Split`] says
