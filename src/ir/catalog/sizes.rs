@@ -16,7 +16,7 @@ pub struct HelperSize {
 }
 
 /// Names of the size helpers, for "unknown function" suggestions.
-pub const SIZE_HELPERS: [&str; 13] = [
+pub const SIZE_HELPERS: [&str; 14] = [
     "hidden",
     "expert_acc",
     "qkv",
@@ -30,6 +30,7 @@ pub const SIZE_HELPERS: [&str; 13] = [
     "expert_weights",
     "embed_weights",
     "head_weights",
+    "gpu_scratch",
 ];
 
 /// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
@@ -37,7 +38,10 @@ pub const SIZE_HELPERS: [&str; 13] = [
 /// gate's normalised rows and top_k output slots each), `logits(s)` and
 /// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()` (or `dense_weights(l)`:
 /// layer l's own), `expert_weights(m)`,
-/// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
+/// `embed_weights()`, `head_weights()`, `gpu_scratch(n, s, c)` (the most scratch one GPU
+/// task of a micro-batch of n tokens over s sequences of context c takes on the CUDA
+/// backend: a device stream's workspace, `runtime::cuda::scratch::max_task_bytes`). `Err`
+/// carries the expected argument count.
 pub fn size_helper(
     name: &str,
     args: &[u64],
@@ -100,6 +104,12 @@ pub fn size_helper(
         }),
         "embed_weights" => none(raw(layout.embed_bytes)),
         "head_weights" => none(raw(layout.head_bytes)),
+        "gpu_scratch" => match args {
+            [n, s, c] => Ok(raw(crate::runtime::cuda::scratch::max_task_bytes(
+                card, *n, *s, *c,
+            ))),
+            _ => Err(3),
+        },
         _ => return None,
     })
 }

@@ -27,6 +27,7 @@ pub mod moe;
 pub mod ops;
 pub mod probe;
 pub mod ptx_cache;
+pub mod scratch;
 pub mod step_inputs;
 pub mod tensor_cores;
 pub mod warmup;
