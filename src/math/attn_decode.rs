@@ -173,6 +173,9 @@ impl<T: KvElem> DecodeHead<'_, T> {
             .layout
             .values_in_keys
             .map_or(bs * hd, |w| w.min(hd) * bs);
+        // A block's lines over the value pass's steps (one a row and column chunk).
+        let steps = bs * avx2_steps_per_row(out.len() / hd.max(1), hd);
+        let mut trickle = Trickle::at_pace((read * std::mem::size_of::<T>()).div_ceil(64), steps);
         for bi in blocks.clone() {
             // The value rows (or the keys they are read from) `PREFETCH_BLOCKS` ahead.
             if let Some(&b) = self
@@ -186,7 +189,7 @@ impl<T: KvElem> DecodeHead<'_, T> {
                 } else {
                     self.v
                 };
-                prefetch(&pool[tile..tile + read]);
+                trickle.push(&pool[tile..tile + read]);
             }
             let first = self.start.max(bi * bs);
             let last = self.pos.min(bi * bs + bs - 1);
@@ -197,18 +200,29 @@ impl<T: KvElem> DecodeHead<'_, T> {
                 rows_of_keys.resize(slots.len() * hd, 0.0);
                 let k_tile = &self.k[tile..tile + bs * hd];
                 kernels.keys_as_values(k_tile, bs, w, slots, &mut rows_of_keys);
-                block_values(vector, &rows_of_keys, hd, probs, n_keys, base, out);
+                block_values(
+                    vector,
+                    &rows_of_keys,
+                    hd,
+                    probs,
+                    n_keys,
+                    base,
+                    out,
+                    &mut trickle,
+                );
             } else {
                 let off = self.layout.offset(block, self.head, slots.start);
                 let rows = &self.v[off..off + slots.len() * hd];
-                block_values(vector, rows, hd, probs, n_keys, base, out);
+                block_values(vector, rows, hd, probs, n_keys, base, out, &mut trickle);
             }
         }
     }
 }
 
 /// One block's `out[g] += Σ_r probs[g * stride + base + r] * rows[r]` (fused, in row
-/// order), with the AVX2 body when `vector` ([`DecodeHead::fits_vector`]).
+/// order), with the AVX2 body when `vector` ([`DecodeHead::fits_vector`]), which issues
+/// `trickle`'s lines as it goes.
+#[allow(clippy::too_many_arguments)]
 fn block_values<T: KvElem>(
     vector: bool,
     rows: &[T],
@@ -217,16 +231,17 @@ fn block_values<T: KvElem>(
     stride: usize,
     base: usize,
     out: &mut [f32],
+    trickle: &mut Trickle,
 ) {
     #[cfg(target_arch = "x86_64")]
     if vector {
         // SAFETY: `vector` says AVX2, FMA and F16C are present and `hd` is a multiple of
         // 8; `rows` holds whole rows of `hd`, `out` whole heads, and `probs` every index
         // read (`group x stride`, the caller's rows inside its keys).
-        unsafe { avx2::values(rows, hd, probs, stride, base, out) };
+        unsafe { avx2::values(rows, hd, probs, stride, base, out, trickle) };
         return;
     }
-    let _ = vector;
+    let _ = (vector, &trickle);
     let group = out.len() / hd.max(1);
     for g in 0..group {
         let o = &mut out[g * hd..(g + 1) * hd];
@@ -282,22 +297,91 @@ impl Kernels {
 /// tiles' cache lines ([`prefetch`]).
 const PREFETCH_BLOCKS: usize = 2;
 
-/// Asks for the cache lines of `data` ahead of their use: a hint, which neither faults
-/// nor changes a result.
-#[inline]
-fn prefetch<T>(data: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let (p, bytes) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data));
-        for at in (0..bytes).step_by(64) {
-            // SAFETY: SSE is part of x86_64; `at < bytes` keeps the address inside
-            // `data`, and a prefetch reads nothing the program sees.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at)) };
+/// Cache lines asked for a few at a time between pieces of work. A whole tile's lines
+/// asked at once (64 of an f16 tile, 128 of an f32 one) fill the core's queue of
+/// outstanding misses, and the arithmetic stalls behind them until they land; a few lines
+/// a step arrive while the arithmetic runs. Hints only: a prefetch neither faults nor
+/// changes a result, whatever the address.
+#[derive(Debug, Default)]
+pub(crate) struct Trickle {
+    /// Ranges queued and not yet issued, oldest at `head`: (next line, bytes left).
+    ranges: [(usize, usize); TRICKLE_RANGES],
+    head: usize,
+    len: usize,
+    /// Lines a step issues: what is queued for a piece of work over the steps it takes,
+    /// so the lines keep pace with the arithmetic (0 issues none).
+    rate: usize,
+}
+
+/// Ranges a [`Trickle`] holds; a push past them issues the oldest whole.
+const TRICKLE_RANGES: usize = 8;
+
+impl Trickle {
+    /// Queues `data`'s cache lines.
+    fn push<T>(&mut self, data: &[T]) {
+        if self.len == TRICKLE_RANGES {
+            let lines = self.ranges[self.head].1.div_ceil(64);
+            self.issue(lines);
+        }
+        let at = (self.head + self.len) % TRICKLE_RANGES;
+        self.ranges[at] = (data.as_ptr() as usize, std::mem::size_of_val(data));
+        self.len += 1;
+    }
+
+    /// A trickle that issues `lines_per_piece` lines over `steps_per_piece` steps.
+    fn at_pace(lines_per_piece: usize, steps_per_piece: usize) -> Self {
+        Trickle {
+            rate: lines_per_piece.div_ceil(steps_per_piece.max(1)).max(1),
+            ..Trickle::default()
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+
+    /// Issues this step's share of the queued lines, oldest first.
+    #[inline(always)]
+    fn step(&mut self) {
+        self.issue(self.rate);
+    }
+
+    /// Issues up to `lines` queued lines, oldest first.
+    #[inline(always)]
+    fn issue(&mut self, mut lines: usize) {
+        while lines > 0 && self.len > 0 {
+            let range = &mut self.ranges[self.head];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: SSE is part of x86_64, and a prefetch reads nothing the program
+            // sees and never faults, at any address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    range.0 as *const i8,
+                )
+            };
+            range.0 += 64;
+            range.1 = range.1.saturating_sub(64);
+            lines -= 1;
+            if range.1 == 0 {
+                self.head = (self.head + 1) % TRICKLE_RANGES;
+                self.len -= 1;
+            }
+        }
+    }
+}
+
+/// The value pass's steps a row takes (column chunks over every group of query heads), as
+/// `avx2::values` walks them: heads 4 at a time in chunks of 2 vectors, then 2 in chunks
+/// of 4, then 1 in chunks of 8; the last columns a vector at a time.
+fn avx2_steps_per_row(group: usize, hd: usize) -> usize {
+    let chunks = |c: usize| hd / (8 * c) + (hd % (8 * c)) / 8;
+    let (mut g, mut steps) = (0, 0);
+    while g < group {
+        let (gh, c) = match group - g {
+            left if left >= 4 => (4, 2),
+            left if left >= 2 => (2, 4),
+            _ => (1, 8),
+        };
+        steps += chunks(c);
+        g += gh;
+    }
+    steps
 }
 
 /// Whether the AVX2 bodies may run under `kernels`.
@@ -307,7 +391,7 @@ fn vector_bodies(kernels: Kernels) -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{prefetch, KvElem, SlotVec, PREFETCH_BLOCKS};
+    use super::{KvElem, SlotVec, Trickle, PREFETCH_BLOCKS};
     use std::arch::x86_64::*;
 
     /// Accumulators of `G` query heads over `NV` slot vectors, summed over every
@@ -324,9 +408,11 @@ mod avx2 {
         hd: usize,
         offs: [usize; NV],
         q: *const f32,
+        trickle: &mut Trickle,
     ) -> [[__m256; NV]; G] {
         let mut acc = [[_mm256_setzero_ps(); NV]; G];
         for d in 0..hd {
+            trickle.step();
             let mut kv = [_mm256_setzero_ps(); NV];
             for (x, &off) in kv.iter_mut().zip(&offs) {
                 // SAFETY: in bounds by the function's contract.
@@ -360,12 +446,14 @@ mod avx2 {
         scale: f32,
         n_keys: usize,
         scores: &mut [f32],
+        trickle: &mut Trickle,
     ) {
         let last = vecs.len() - 1;
         let offs: [usize; NV] = std::array::from_fn(|j| vecs[j.min(last)].off);
         // SAFETY: the caller's contract covers every tile row read and heads g0..g0+G.
-        let acc =
-            unsafe { score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd)) };
+        let acc = unsafe {
+            score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd), trickle)
+        };
         let scale_v = _mm256_set1_ps(scale);
         for (i, row) in acc.iter().enumerate() {
             for (j, v) in vecs.iter().enumerate().take(NV) {
@@ -402,16 +490,32 @@ mod avx2 {
         n_keys: usize,
         scores: &mut [f32],
     ) {
-        // Each tile is asked for `PREFETCH_BLOCKS` blocks ahead of its first use: a
-        // sequence's blocks lie anywhere in the pool, where the hardware's prefetcher
-        // loses the stream at every block.
+        // Each tile is asked for `PREFETCH_BLOCKS` blocks ahead of its first use, a few
+        // lines a dimension ([`Trickle`]): a sequence's blocks lie anywhere in the pool,
+        // where the hardware's prefetcher loses the stream at every block.
         let (tile_elems, ahead) = (bs * hd, PREFETCH_BLOCKS * bs / 8);
         let (mut fetched, mut last) = (0usize, usize::MAX);
+        let mut calls = 0;
+        let mut g = 0;
+        while g < group {
+            let left = group - g;
+            g += if left >= 4 && NV <= 2 {
+                4
+            } else if left >= 2 && NV <= 4 {
+                2
+            } else {
+                1
+            };
+            calls += 1;
+        }
+        // A chunk's lines over its score passes' dimensions.
+        let chunk_lines = (NV * 8 * hd * std::mem::size_of::<T>()).div_ceil(64);
+        let mut trickle = Trickle::at_pace(chunk_lines, hd * calls);
         for (c, chunk) in vecs.chunks(NV).enumerate() {
             while fetched < (c * NV + NV + ahead).min(vecs.len()) {
                 let tile = vecs[fetched].off / tile_elems * tile_elems;
                 if tile != last {
-                    prefetch(&k[tile..tile + tile_elems]);
+                    trickle.push(&k[tile..tile + tile_elems]);
                     last = tile;
                 }
                 fetched += 1;
@@ -422,13 +526,46 @@ mod avx2 {
                 // SAFETY: heads g0..g0+G < group, the chunk's vectors are the caller's.
                 unsafe {
                     if left >= 4 && NV <= 2 {
-                        heads_chunk::<T, NV, 4>(k, bs, hd, chunk, q, g0, scale, n_keys, scores);
+                        heads_chunk::<T, NV, 4>(
+                            k,
+                            bs,
+                            hd,
+                            chunk,
+                            q,
+                            g0,
+                            scale,
+                            n_keys,
+                            scores,
+                            &mut trickle,
+                        );
                         g0 += 4;
                     } else if left >= 2 && NV <= 4 {
-                        heads_chunk::<T, NV, 2>(k, bs, hd, chunk, q, g0, scale, n_keys, scores);
+                        heads_chunk::<T, NV, 2>(
+                            k,
+                            bs,
+                            hd,
+                            chunk,
+                            q,
+                            g0,
+                            scale,
+                            n_keys,
+                            scores,
+                            &mut trickle,
+                        );
                         g0 += 2;
                     } else {
-                        heads_chunk::<T, NV, 1>(k, bs, hd, chunk, q, g0, scale, n_keys, scores);
+                        heads_chunk::<T, NV, 1>(
+                            k,
+                            bs,
+                            hd,
+                            chunk,
+                            q,
+                            g0,
+                            scale,
+                            n_keys,
+                            scores,
+                            &mut trickle,
+                        );
                         g0 += 1;
                     }
                 }
@@ -544,6 +681,7 @@ mod avx2 {
         out: &mut [f32],
         c0: usize,
         g0: usize,
+        trickle: &mut Trickle,
     ) {
         let n = rows.len() / hd;
         let (rp, pp) = (rows.as_ptr(), probs.as_ptr());
@@ -554,6 +692,7 @@ mod avx2 {
             std::array::from_fn(|c| unsafe { _mm256_loadu_ps(dst.add(i * hd + c * 8)) })
         });
         for r in 0..n {
+            trickle.step();
             // SAFETY: r < n rows of hd; columns c0 + 8c + 8 <= hd.
             let v: [__m256; C] =
                 std::array::from_fn(|c| unsafe { T::load8(rp.add(r * hd + c0 + c * 8)) });
@@ -588,16 +727,17 @@ mod avx2 {
         base: usize,
         out: &mut [f32],
         g0: usize,
+        trickle: &mut Trickle,
     ) {
         let mut c0 = 0;
         // SAFETY: every call's columns are inside hd (a multiple of 8), its heads the caller's.
         unsafe {
             while c0 + 8 * C <= hd {
-                value_heads::<T, C, GH>(rows, hd, probs, stride, base, out, c0, g0);
+                value_heads::<T, C, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
                 c0 += 8 * C;
             }
             while c0 + 8 <= hd {
-                value_heads::<T, 1, GH>(rows, hd, probs, stride, base, out, c0, g0);
+                value_heads::<T, 1, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
                 c0 += 8;
             }
         }
@@ -619,6 +759,7 @@ mod avx2 {
         stride: usize,
         base: usize,
         out: &mut [f32],
+        trickle: &mut Trickle,
     ) {
         let group = out.len() / hd;
         let mut g0 = 0;
@@ -627,15 +768,15 @@ mod avx2 {
             while g0 < group {
                 match group - g0 {
                     left if left >= 4 => {
-                        heads_values::<T, 2, 4>(rows, hd, probs, stride, base, out, g0);
+                        heads_values::<T, 2, 4>(rows, hd, probs, stride, base, out, g0, trickle);
                         g0 += 4;
                     }
                     left if left >= 2 => {
-                        heads_values::<T, 4, 2>(rows, hd, probs, stride, base, out, g0);
+                        heads_values::<T, 4, 2>(rows, hd, probs, stride, base, out, g0, trickle);
                         g0 += 2;
                     }
                     _ => {
-                        heads_values::<T, 8, 1>(rows, hd, probs, stride, base, out, g0);
+                        heads_values::<T, 8, 1>(rows, hd, probs, stride, base, out, g0, trickle);
                         g0 += 1;
                     }
                 }
