@@ -465,8 +465,9 @@ fn tiled_attention_gives_the_per_row_kernel_s_bits() {
 /// per-row kernel's bits: one new token after contexts whose last block is partial at
 /// every kind of offset (0, 1, 7, 8, 9, 15 slots into a block of 16 or 32), over many blocks
 /// (the prefetch runs ahead of the last), with a sliding window that starts mid-vector,
-/// heads of 40 (two-vector chunks and a one-vector tail) and 128; f32 and half caches, on
-/// every instruction set this CPU has.
+/// heads of 40 (two-vector chunks and a one-vector tail), 48 over blocks of 16 (the
+/// AVX-512 bodies' three-vector rows) and 128; groups that split into every chunk of heads
+/// (6: 4 + 2); f32 and half caches, on every instruction set this CPU has.
 #[test]
 fn decode_rows_at_every_group_and_offset_give_the_per_row_kernel_s_bits() {
     let lens: Vec<(usize, usize)> = [0usize, 1, 7, 8, 9, 15, 16, 31, 33, 200, 255]
@@ -474,8 +475,9 @@ fn decode_rows_at_every_group_and_offset_give_the_per_row_kernel_s_bits() {
         .map(|c| (c, 1))
         .collect();
     let mut i = 0;
-    for group in [1usize, 4, 8, 16] {
-        for (head_dim, block_size, window) in [(40, 16, None), (128, 32, Some(37))] {
+    for group in [1usize, 4, 6, 8, 16] {
+        for (head_dim, block_size, window) in [(40, 16, None), (48, 16, None), (128, 32, Some(37))]
+        {
             for isa in crate::math::isa::Isa::supported() {
                 let kernels = Kernels::new(isa).unwrap();
                 for kv_type in [KvType::F32, KvType::F16] {

@@ -12,8 +12,11 @@
 //! key[dim]` summed sequentially over `dim` with fused multiply-adds, and every output
 //! element `Σ_r p[r] * value[r]` sequentially over the keys from zero, exactly as
 //! `math::simd`'s kernels sum them, so the bits equal the general kernel's on the same
-//! (widened) cache. Only block sizes and head widths that are multiples of 8 take the
-//! vector bodies; [`DecodeHead::fits_vector`] says which.
+//! (widened) cache. Under the AVX-512 set, block sizes and head widths that are multiples
+//! of 16 take vectors of 16 lanes (16 keys a score vector: each K element widened once
+//! for up to 8 query heads); other multiples of 8 take the AVX2 bodies
+//! ([`DecodeHead::fits_vector`]); the rest plain loops. The next tiles' cache lines are
+//! asked for a few at a time as the arithmetic runs ([`Trickle`]).
 
 use crate::math::isa::{Isa, Kernels};
 use crate::model::vocab::KvLayout;
@@ -47,6 +50,13 @@ pub(crate) trait KvElem: Copy + Send + Sync {
     /// AVX2, FMA and F16C available; `p..p + 8` readable.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Sixteen elements widened to f32 lanes.
+    ///
+    /// # Safety
+    /// AVX-512F available; `p..p + 16` readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl KvElem for f32 {
@@ -60,6 +70,14 @@ impl KvElem for f32 {
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller guarantees 8 readable elements.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller guarantees 16 readable elements.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -75,6 +93,15 @@ impl KvElem for u16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller guarantees 8 readable halves (16 bytes).
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 16 readable halves (32 bytes).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
     }
 }
 /// Eight key slots of one block: the element offset of their first dimension's row in the
@@ -102,25 +129,34 @@ impl<T: KvElem> DecodeHead<'_, T> {
             && self.layout.head_dim.is_multiple_of(8)
     }
 
-    /// The attended key slots in vectors of 8, in key order.
-    fn slot_vecs(&self) -> Vec<SlotVec> {
+    /// Whether the AVX-512 bodies run (`kernels` is the AVX-512 set; blocks and heads are
+    /// whole vectors of 16).
+    fn fits_wide(&self, kernels: Kernels) -> bool {
+        wide_bodies(kernels)
+            && self.layout.block_size.is_multiple_of(16)
+            && self.layout.head_dim.is_multiple_of(16)
+    }
+
+    /// The attended key slots in vectors of `W` (8 or 16, dividing the block size), in
+    /// key order.
+    fn slot_vecs<const W: usize>(&self) -> Vec<SlotVec> {
         let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
-        let mut out = Vec::with_capacity(self.n_keys() / 8 + 2);
+        let mut out = Vec::with_capacity(self.n_keys() / W + 2);
         for bi in self.start / bs..=self.pos / bs {
             let tile = self.layout.tile(self.table[bi] as usize, self.head);
             let first = self.start.max(bi * bs) - bi * bs;
             let last = self.pos.min(bi * bs + bs - 1) - bi * bs;
-            let mut v0 = first / 8 * 8;
+            let mut v0 = first / W * W;
             while v0 <= last {
                 let lo = first.max(v0) - v0;
-                let hi = (last + 1).min(v0 + 8) - v0;
+                let hi = (last + 1).min(v0 + W) - v0;
                 out.push(SlotVec {
                     off: tile + v0,
                     lo,
                     hi,
                     key: bi * bs + v0 + lo - self.start,
                 });
-                v0 += 8;
+                v0 += W;
             }
             debug_assert!(tile + bs * hd <= self.k.len());
         }
@@ -135,8 +171,19 @@ impl<T: KvElem> DecodeHead<'_, T> {
         let group = q.len() / hd.max(1);
         debug_assert!(scores.len() >= group * n_keys);
         #[cfg(target_arch = "x86_64")]
+        if self.fits_wide(kernels) {
+            let vecs = self.slot_vecs::<16>();
+            // SAFETY: the AVX-512 set is present (`fits_wide`); every slot vector lies
+            // inside its tile (block sizes are multiples of 16 and the table names blocks
+            // of the pool, checked by the caller's validation), so all 16 lanes of every
+            // load of every dimension are in the K pool; stores touch only lanes lo..hi
+            // of a row of `scores`, which `n_keys` covers.
+            unsafe { avx512::scores(self.k, bs, hd, &vecs, q, group, scale, n_keys, scores) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if self.fits_vector(kernels) {
-            let vecs = self.slot_vecs();
+            let vecs = self.slot_vecs::<8>();
             // SAFETY: AVX2, FMA and F16C are present (`fits_vector`); every slot vector lies
             // inside its tile (block sizes are multiples of 8 and the table names blocks of
             // the pool, checked by the caller's validation), so all 8 lanes of every load
@@ -165,7 +212,13 @@ impl<T: KvElem> DecodeHead<'_, T> {
     pub fn values(&self, kernels: Kernels, probs: &[f32], out: &mut [f32]) {
         let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
         let n_keys = self.n_keys();
-        let vector = self.fits_vector(kernels);
+        let body = if self.fits_wide(kernels) {
+            Body::Avx512
+        } else if self.fits_vector(kernels) {
+            Body::Avx2
+        } else {
+            Body::Portable
+        };
         out.fill(0.0);
         let mut rows_of_keys = Vec::new();
         let blocks = self.start / bs..=self.pos / bs;
@@ -174,7 +227,7 @@ impl<T: KvElem> DecodeHead<'_, T> {
             .values_in_keys
             .map_or(bs * hd, |w| w.min(hd) * bs);
         // A block's lines over the value pass's steps (one a row and column chunk).
-        let steps = bs * avx2_steps_per_row(out.len() / hd.max(1), hd);
+        let steps = bs * body.value_steps_per_row(out.len() / hd.max(1), hd);
         let mut trickle = Trickle::at_pace((read * std::mem::size_of::<T>()).div_ceil(64), steps);
         for bi in blocks.clone() {
             // The value rows (or the keys they are read from) `PREFETCH_BLOCKS` ahead.
@@ -201,7 +254,7 @@ impl<T: KvElem> DecodeHead<'_, T> {
                 let k_tile = &self.k[tile..tile + bs * hd];
                 kernels.keys_as_values(k_tile, bs, w, slots, &mut rows_of_keys);
                 block_values(
-                    vector,
+                    body,
                     &rows_of_keys,
                     hd,
                     probs,
@@ -213,18 +266,63 @@ impl<T: KvElem> DecodeHead<'_, T> {
             } else {
                 let off = self.layout.offset(block, self.head, slots.start);
                 let rows = &self.v[off..off + slots.len() * hd];
-                block_values(vector, rows, hd, probs, n_keys, base, out, &mut trickle);
+                block_values(body, rows, hd, probs, n_keys, base, out, &mut trickle);
             }
         }
     }
 }
 
+/// Which body a value pass runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body {
+    /// Plain loops.
+    Portable,
+    /// Vectors of 8 ([`DecodeHead::fits_vector`]).
+    Avx2,
+    /// Vectors of 16 ([`DecodeHead::fits_wide`]).
+    Avx512,
+}
+
+impl Body {
+    /// The value pass's steps a row takes (column chunks over every group of query
+    /// heads), as the body walks them: `(heads, vectors)` at a time from the widest
+    /// that fits what is left of the group, the last columns a vector at a time.
+    fn value_steps_per_row(self, group: usize, hd: usize) -> usize {
+        let (lanes, split): (usize, fn(usize) -> (usize, usize)) = match self {
+            Body::Portable => return 1,
+            Body::Avx2 => (8, |left| match left {
+                l if l >= 4 => (4, 2),
+                l if l >= 2 => (2, 4),
+                _ => (1, 8),
+            }),
+            Body::Avx512 => (16, avx512_value_split),
+        };
+        let (mut g, mut steps) = (0, 0);
+        while g < group {
+            let (gh, c) = split(group - g);
+            steps += hd / (lanes * c) + (hd % (lanes * c)) / lanes;
+            g += gh;
+        }
+        steps.max(1)
+    }
+}
+
+/// The AVX-512 value pass's `(heads, vectors of 16 columns)` for `left` query heads: 16
+/// accumulators while the group allows, of the 32 registers.
+fn avx512_value_split(left: usize) -> (usize, usize) {
+    match left {
+        l if l >= 8 => (8, 2),
+        l if l >= 4 => (4, 4),
+        l if l >= 2 => (2, 8),
+        _ => (1, 8),
+    }
+}
+
 /// One block's `out[g] += Σ_r probs[g * stride + base + r] * rows[r]` (fused, in row
-/// order), with the AVX2 body when `vector` ([`DecodeHead::fits_vector`]), which issues
-/// `trickle`'s lines as it goes.
+/// order), with `body`'s vectors, which issue `trickle`'s lines as they go.
 #[allow(clippy::too_many_arguments)]
 fn block_values<T: KvElem>(
-    vector: bool,
+    body: Body,
     rows: &[T],
     hd: usize,
     probs: &[f32],
@@ -234,14 +332,22 @@ fn block_values<T: KvElem>(
     trickle: &mut Trickle,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if vector {
-        // SAFETY: `vector` says AVX2, FMA and F16C are present and `hd` is a multiple of
+    if body == Body::Avx512 {
+        // SAFETY: `Avx512` says the AVX-512 set is present and `hd` is a multiple of 16;
+        // `rows` holds whole rows of `hd`, `out` whole heads, and `probs` every index
+        // read (`group x stride`, the caller's rows inside its keys).
+        unsafe { avx512::values(rows, hd, probs, stride, base, out, trickle) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if body == Body::Avx2 {
+        // SAFETY: `Avx2` says AVX2, FMA and F16C are present and `hd` is a multiple of
         // 8; `rows` holds whole rows of `hd`, `out` whole heads, and `probs` every index
         // read (`group x stride`, the caller's rows inside its keys).
         unsafe { avx2::values(rows, hd, probs, stride, base, out, trickle) };
         return;
     }
-    let _ = (vector, &trickle);
+    let _ = (body, &trickle);
     let group = out.len() / hd.max(1);
     for g in 0..group {
         let o = &mut out[g * hd..(g + 1) * hd];
@@ -366,22 +472,10 @@ impl Trickle {
     }
 }
 
-/// The value pass's steps a row takes (column chunks over every group of query heads), as
-/// `avx2::values` walks them: heads 4 at a time in chunks of 2 vectors, then 2 in chunks
-/// of 4, then 1 in chunks of 8; the last columns a vector at a time.
-fn avx2_steps_per_row(group: usize, hd: usize) -> usize {
-    let chunks = |c: usize| hd / (8 * c) + (hd % (8 * c)) / 8;
-    let (mut g, mut steps) = (0, 0);
-    while g < group {
-        let (gh, c) = match group - g {
-            left if left >= 4 => (4, 2),
-            left if left >= 2 => (2, 4),
-            _ => (1, 8),
-        };
-        steps += chunks(c);
-        g += gh;
-    }
-    steps
+/// Whether the AVX-512 bodies may run under `kernels` (the AVX-512 set, which this CPU
+/// has; every AVX-512 CPU has F16C).
+fn wide_bodies(kernels: Kernels) -> bool {
+    cfg!(target_arch = "x86_64") && kernels.isa() == Isa::Avx512 && Isa::Avx512.is_supported()
 }
 
 /// Whether the AVX2 bodies may run under `kernels`.
@@ -780,6 +874,359 @@ mod avx2 {
                         g0 += 1;
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The decode passes in vectors of 16 lanes (16 key slots a score vector, 16 columns a
+/// value vector): each K element is loaded and widened once for up to 8 query heads, whose
+/// 16 accumulators the 32 registers hold. Lanes are keys (scores) or columns (values), so
+/// every score and every output element is summed in the AVX2 bodies' order: the same
+/// bits.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{avx512_value_split, KvElem, SlotVec, Trickle, PREFETCH_BLOCKS};
+    use std::arch::x86_64::*;
+
+    /// Accumulators of `G` query heads over `NV` slot vectors of 16, summed over every
+    /// dimension in order: `acc[i][j] = Σ_d q[i][d] * key_j[d]` (fused, sequential in d).
+    ///
+    /// # Safety
+    /// AVX-512F available; for every `j` and `d < hd`, `k + offs[j] + d * bs` has 16
+    /// readable elements; `q` has `G x hd` readable floats.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn score_chunk<T: KvElem, const NV: usize, const G: usize>(
+        k: *const T,
+        bs: usize,
+        hd: usize,
+        offs: [usize; NV],
+        q: *const f32,
+        trickle: &mut Trickle,
+    ) -> [[__m512; NV]; G] {
+        let mut acc = [[_mm512_setzero_ps(); NV]; G];
+        for d in 0..hd {
+            trickle.step();
+            let mut kv = [_mm512_setzero_ps(); NV];
+            for (x, &off) in kv.iter_mut().zip(&offs) {
+                // SAFETY: in bounds by the function's contract.
+                *x = unsafe { T::load16(k.add(off + d * bs)) };
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                // SAFETY: i < G, d < hd.
+                let qb = _mm512_set1_ps(unsafe { *q.add(i * hd + d) });
+                for (a, &x) in row.iter_mut().zip(&kv) {
+                    *a = _mm512_fmadd_ps(qb, x, *a);
+                }
+            }
+        }
+        acc
+    }
+
+    /// Query heads `g0..g0 + G` over the slot vectors `vecs[..NV]` (a short last chunk
+    /// repeats its last vector; only real vectors are stored).
+    ///
+    /// # Safety
+    /// As [`scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn heads_chunk<T: KvElem, const NV: usize, const G: usize>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        vecs: &[SlotVec],
+        q: &[f32],
+        g0: usize,
+        scale: f32,
+        n_keys: usize,
+        scores: &mut [f32],
+        trickle: &mut Trickle,
+    ) {
+        let last = vecs.len() - 1;
+        let offs: [usize; NV] = std::array::from_fn(|j| vecs[j.min(last)].off);
+        // SAFETY: the caller's contract covers every tile row read and heads g0..g0+G.
+        let acc = unsafe {
+            score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd), trickle)
+        };
+        let scale_v = _mm512_set1_ps(scale);
+        for (i, row) in acc.iter().enumerate() {
+            for (j, v) in vecs.iter().enumerate().take(NV) {
+                let s = _mm512_mul_ps(row[j], scale_v);
+                let at = (g0 + i) * n_keys + v.key;
+                if v.lo == 0 && v.hi == 16 {
+                    // SAFETY: the 16 keys v.key..v.key+16 are attended keys of row g0+i.
+                    unsafe { _mm512_storeu_ps(scores.as_mut_ptr().add(at), s) };
+                } else {
+                    let mut lanes = [0.0f32; 16];
+                    // SAFETY: 16 floats into a local array.
+                    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
+                    scores[at..at + v.hi - v.lo].copy_from_slice(&lanes[v.lo..v.hi]);
+                }
+            }
+        }
+    }
+
+    /// The `(heads, slot vectors)` a score chunk takes for `left` query heads: 16
+    /// accumulators where the group allows.
+    fn score_split(left: usize) -> (usize, usize) {
+        match left {
+            l if l >= 8 => (8, 2),
+            l if l >= 4 => (4, 4),
+            l if l >= 2 => (2, 8),
+            _ => (1, 8),
+        }
+    }
+
+    /// Every slot vector in chunks of `NV`, each chunk taken by every query head (`G` at
+    /// a time, as [`score_split`] says) while it is in L1.
+    ///
+    /// # Safety
+    /// As [`scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn by_chunks<T: KvElem, const NV: usize>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        vecs: &[SlotVec],
+        q: &[f32],
+        group: usize,
+        scale: f32,
+        n_keys: usize,
+        scores: &mut [f32],
+    ) {
+        let (tile_elems, ahead) = (bs * hd, PREFETCH_BLOCKS * bs / 16);
+        let (mut fetched, mut last) = (0usize, usize::MAX);
+        let (mut calls, mut g) = (0, 0);
+        while g < group {
+            g += score_split(group - g).0.min(group - g);
+            calls += 1;
+        }
+        let chunk_lines = (NV * 16 * hd * std::mem::size_of::<T>()).div_ceil(64);
+        let mut trickle = Trickle::at_pace(chunk_lines, hd * calls);
+        for (c, chunk) in vecs.chunks(NV).enumerate() {
+            while fetched < (c * NV + NV + ahead).min(vecs.len()) {
+                let tile = vecs[fetched].off / tile_elems * tile_elems;
+                if tile != last {
+                    trickle.push(&k[tile..tile + tile_elems]);
+                    last = tile;
+                }
+                fetched += 1;
+            }
+            let mut g0 = 0;
+            while g0 < group {
+                let args = (k, bs, hd, chunk, q, g0, scale, n_keys);
+                // SAFETY: heads g0..g0+G <= group, the chunk's vectors are the caller's.
+                unsafe {
+                    g0 += match score_split(group - g0).0 {
+                        8 => {
+                            heads_chunk::<T, NV, 8>(
+                                args.0,
+                                args.1,
+                                args.2,
+                                args.3,
+                                args.4,
+                                args.5,
+                                args.6,
+                                args.7,
+                                scores,
+                                &mut trickle,
+                            );
+                            8
+                        }
+                        4 => {
+                            heads_chunk::<T, NV, 4>(
+                                args.0,
+                                args.1,
+                                args.2,
+                                args.3,
+                                args.4,
+                                args.5,
+                                args.6,
+                                args.7,
+                                scores,
+                                &mut trickle,
+                            );
+                            4
+                        }
+                        2 => {
+                            heads_chunk::<T, NV, 2>(
+                                args.0,
+                                args.1,
+                                args.2,
+                                args.3,
+                                args.4,
+                                args.5,
+                                args.6,
+                                args.7,
+                                scores,
+                                &mut trickle,
+                            );
+                            2
+                        }
+                        _ => {
+                            heads_chunk::<T, NV, 1>(
+                                args.0,
+                                args.1,
+                                args.2,
+                                args.3,
+                                args.4,
+                                args.5,
+                                args.6,
+                                args.7,
+                                scores,
+                                &mut trickle,
+                            );
+                            1
+                        }
+                    };
+                }
+            }
+        }
+    }
+
+    /// The score pass in vectors of 16 (see `DecodeHead::scores`).
+    ///
+    /// # Safety
+    /// The AVX-512 set available; every vector's 16 slots of every dimension row lie in
+    /// `k`; `q` holds `group x hd`; `scores` holds `group x n_keys` and every vector's
+    /// lanes `lo..hi` map to keys below `n_keys`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn scores<T: KvElem>(
+        k: &[T],
+        bs: usize,
+        hd: usize,
+        vecs: &[SlotVec],
+        q: &[f32],
+        group: usize,
+        scale: f32,
+        n_keys: usize,
+        scores: &mut [f32],
+    ) {
+        if vecs.is_empty() || group == 0 {
+            return;
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            match score_split(group).1 {
+                2 => by_chunks::<T, 2>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+                4 => by_chunks::<T, 4>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+                _ => by_chunks::<T, 8>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+            }
+        }
+    }
+
+    /// Columns `c0..c0 + 16 C` of query heads `g0..g0 + GH`: `out[g] = fma(p, row,
+    /// out[g])` over the rows in order, each row's `C` vectors loaded (and widened) once
+    /// for the `GH` heads.
+    ///
+    /// # Safety
+    /// As [`values`], and `c0 + 16 C <= hd`, `g0 + GH <= group`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn value_heads<T: KvElem, const C: usize, const GH: usize>(
+        rows: &[T],
+        hd: usize,
+        probs: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+        c0: usize,
+        g0: usize,
+        trickle: &mut Trickle,
+    ) {
+        let n = rows.len() / hd;
+        let (rp, pp) = (rows.as_ptr(), probs.as_ptr());
+        // SAFETY: heads g0..g0 + GH, columns c0..c0 + 16C are inside `out`.
+        let dst = unsafe { out.as_mut_ptr().add(g0 * hd + c0) };
+        let mut acc: [[__m512; C]; GH] = std::array::from_fn(|i| {
+            // SAFETY: as above.
+            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(dst.add(i * hd + c * 16)) })
+        });
+        for r in 0..n {
+            trickle.step();
+            // SAFETY: r < n rows of hd; columns c0 + 16c + 16 <= hd.
+            let v: [__m512; C] =
+                std::array::from_fn(|c| unsafe { T::load16(rp.add(r * hd + c0 + c * 16)) });
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `probs` covers (g0 + i) * stride + base + r (the caller's rows).
+                let pb = _mm512_set1_ps(unsafe { *pp.add((g0 + i) * stride + base + r) });
+                for (x, &vc) in a.iter_mut().zip(&v) {
+                    *x = _mm512_fmadd_ps(pb, vc, *x);
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            for (c, x) in a.iter().enumerate() {
+                // SAFETY: as for the loads of `out`.
+                unsafe { _mm512_storeu_ps(dst.add(i * hd + c * 16), *x) };
+            }
+        }
+    }
+
+    /// Every column of query heads `g0..g0 + GH`, `C` vectors at a time, then the last
+    /// vectors one at a time.
+    ///
+    /// # Safety
+    /// As [`values`], and `g0 + GH <= group`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn heads_values<T: KvElem, const C: usize, const GH: usize>(
+        rows: &[T],
+        hd: usize,
+        probs: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+        g0: usize,
+        trickle: &mut Trickle,
+    ) {
+        let mut c0 = 0;
+        // SAFETY: every call's columns are inside hd (a multiple of 16), its heads the
+        // caller's.
+        unsafe {
+            while c0 + 16 * C <= hd {
+                value_heads::<T, C, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
+                c0 += 16 * C;
+            }
+            while c0 + 16 <= hd {
+                value_heads::<T, 1, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
+                c0 += 16;
+            }
+        }
+    }
+
+    /// The value pass of one block in vectors of 16 (see `DecodeHead::values`).
+    ///
+    /// # Safety
+    /// The AVX-512 set available; `hd` a multiple of 16; `rows` whole rows of `hd`, `out`
+    /// whole heads; `probs` covers `g * stride + base + r` for every head and row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn values<T: KvElem>(
+        rows: &[T],
+        hd: usize,
+        probs: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+        trickle: &mut Trickle,
+    ) {
+        let group = out.len() / hd;
+        let mut g0 = 0;
+        // SAFETY: heads g0..g0 + GH <= group; the rest is the caller's contract.
+        unsafe {
+            while g0 < group {
+                let (gh, _) = avx512_value_split(group - g0);
+                match gh {
+                    8 => heads_values::<T, 2, 8>(rows, hd, probs, stride, base, out, g0, trickle),
+                    4 => heads_values::<T, 4, 4>(rows, hd, probs, stride, base, out, g0, trickle),
+                    2 => heads_values::<T, 8, 2>(rows, hd, probs, stride, base, out, g0, trickle),
+                    _ => heads_values::<T, 8, 1>(rows, hd, probs, stride, base, out, g0, trickle),
+                }
+                g0 += gh;
             }
         }
     }
