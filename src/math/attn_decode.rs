@@ -288,7 +288,7 @@ impl Body {
     /// heads), as the body walks them: `(heads, vectors)` at a time from the widest
     /// that fits what is left of the group, the last columns a vector at a time.
     fn value_steps_per_row(self, group: usize, hd: usize) -> usize {
-        let (lanes, split): (usize, fn(usize) -> (usize, usize)) = match self {
+        let (lanes, split): (usize, HeadSplit) = match self {
             Body::Portable => return 1,
             Body::Avx2 => (8, |left| match left {
                 l if l >= 4 => (4, 2),
@@ -306,6 +306,9 @@ impl Body {
         steps.max(1)
     }
 }
+
+/// How a value body splits the query heads left: `(heads, vectors)` a pass.
+type HeadSplit = fn(usize) -> (usize, usize);
 
 /// The AVX-512 value pass's `(heads, vectors of 16 columns)` for `left` query heads: 16
 /// accumulators while the group allows, of the 32 registers.
