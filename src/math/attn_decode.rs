@@ -115,6 +115,31 @@ struct SlotVec {
     key: usize,
 }
 
+/// One score pass's operands (see [`DecodeHead::scores`]): the K pool and its tiles'
+/// shape, the attended slot vectors, the group's query rows and the score rows' length.
+#[derive(Clone, Copy)]
+struct ScoreArgs<'a, T> {
+    k: &'a [T],
+    bs: usize,
+    hd: usize,
+    vecs: &'a [SlotVec],
+    q: &'a [f32],
+    group: usize,
+    scale: f32,
+    n_keys: usize,
+}
+
+/// One block's value-pass operands (see [`block_values`]): its value rows, their width,
+/// and where row `r`'s probability of query head `g` lies (`probs[g * stride + base + r]`).
+#[derive(Clone, Copy)]
+struct ValueArgs<'a, T> {
+    rows: &'a [T],
+    hd: usize,
+    probs: &'a [f32],
+    stride: usize,
+    base: usize,
+}
+
 impl<T: KvElem> DecodeHead<'_, T> {
     /// Keys attended.
     pub fn n_keys(&self) -> usize {
@@ -163,6 +188,27 @@ impl<T: KvElem> DecodeHead<'_, T> {
         out
     }
 
+    /// The score pass's operands over `vecs`.
+    fn score_args<'s>(
+        &'s self,
+        bs: usize,
+        hd: usize,
+        vecs: &'s [SlotVec],
+        q: &'s [f32],
+        scale: f32,
+    ) -> ScoreArgs<'s, T> {
+        ScoreArgs {
+            k: self.k,
+            bs,
+            hd,
+            vecs,
+            q,
+            group: q.len() / hd.max(1),
+            scale,
+            n_keys: self.n_keys(),
+        }
+    }
+
     /// `scores[g * n_keys + key] = scale * q[g] · key` for every query head `g` of `q`
     /// (`group x head_dim`); `scores` holds `group x n_keys`.
     pub fn scores(&self, kernels: Kernels, q: &[f32], scale: f32, scores: &mut [f32]) {
@@ -178,7 +224,7 @@ impl<T: KvElem> DecodeHead<'_, T> {
             // of the pool, checked by the caller's validation), so all 16 lanes of every
             // load of every dimension are in the K pool; stores touch only lanes lo..hi
             // of a row of `scores`, which `n_keys` covers.
-            unsafe { avx512::scores(self.k, bs, hd, &vecs, q, group, scale, n_keys, scores) };
+            unsafe { avx512::scores(&self.score_args(bs, hd, &vecs, q, scale), scores) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -189,7 +235,7 @@ impl<T: KvElem> DecodeHead<'_, T> {
             // the pool, checked by the caller's validation), so all 8 lanes of every load
             // of every dimension are in the K pool; stores touch only lanes lo..hi of a
             // row of `scores`, which `n_keys` covers.
-            unsafe { avx2::scores(self.k, bs, hd, &vecs, q, group, scale, n_keys, scores) };
+            unsafe { avx2::scores(&self.score_args(bs, hd, &vecs, q, scale), scores) };
             return;
         }
         for g in 0..group {
@@ -290,12 +336,8 @@ impl Body {
     fn value_steps_per_row(self, group: usize, hd: usize) -> usize {
         let (lanes, split): (usize, HeadSplit) = match self {
             Body::Portable => return 1,
-            Body::Avx2 => (8, |left| match left {
-                l if l >= 4 => (4, 2),
-                l if l >= 2 => (2, 4),
-                _ => (1, 8),
-            }),
-            Body::Avx512 => (16, avx512_value_split),
+            Body::Avx2 => (8, avx2_split),
+            Body::Avx512 => (16, avx512_split),
         };
         let (mut g, mut steps) = (0, 0);
         while g < group {
@@ -307,12 +349,22 @@ impl Body {
     }
 }
 
-/// How a value body splits the query heads left: `(heads, vectors)` a pass.
+/// How a body splits the query heads left: `(heads, vectors)` a pass.
 type HeadSplit = fn(usize) -> (usize, usize);
 
-/// The AVX-512 value pass's `(heads, vectors of 16 columns)` for `left` query heads: 16
-/// accumulators while the group allows, of the 32 registers.
-fn avx512_value_split(left: usize) -> (usize, usize) {
+/// The AVX2 bodies' `(heads, vectors of 8)` for `left` query heads (score and value
+/// passes alike): 8 accumulators, of the 16 registers.
+fn avx2_split(left: usize) -> (usize, usize) {
+    match left {
+        l if l >= 4 => (4, 2),
+        l if l >= 2 => (2, 4),
+        _ => (1, 8),
+    }
+}
+
+/// The AVX-512 bodies' `(heads, vectors of 16)` for `left` query heads (score and value
+/// passes alike): 16 accumulators while the group allows, of the 32 registers.
+fn avx512_split(left: usize) -> (usize, usize) {
     match left {
         l if l >= 8 => (8, 2),
         l if l >= 4 => (4, 4),
@@ -334,12 +386,19 @@ fn block_values<T: KvElem>(
     out: &mut [f32],
     trickle: &mut Trickle,
 ) {
+    let args = ValueArgs {
+        rows,
+        hd,
+        probs,
+        stride,
+        base,
+    };
     #[cfg(target_arch = "x86_64")]
     if body == Body::Avx512 {
         // SAFETY: `Avx512` says the AVX-512 set is present and `hd` is a multiple of 16;
         // `rows` holds whole rows of `hd`, `out` whole heads, and `probs` every index
         // read (`group x stride`, the caller's rows inside its keys).
-        unsafe { avx512::values(rows, hd, probs, stride, base, out, trickle) };
+        unsafe { avx512::values(&args, out, trickle) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -347,10 +406,10 @@ fn block_values<T: KvElem>(
         // SAFETY: `Avx2` says AVX2, FMA and F16C are present and `hd` is a multiple of
         // 8; `rows` holds whole rows of `hd`, `out` whole heads, and `probs` every index
         // read (`group x stride`, the caller's rows inside its keys).
-        unsafe { avx2::values(rows, hd, probs, stride, base, out, trickle) };
+        unsafe { avx2::values(&args, out, trickle) };
         return;
     }
-    let _ = (body, &trickle);
+    let _ = (body, &trickle, &args);
     let group = out.len() / hd.max(1);
     for g in 0..group {
         let o = &mut out[g * hd..(g + 1) * hd];
@@ -486,222 +545,329 @@ fn vector_bodies(kernels: Kernels) -> bool {
     cfg!(target_arch = "x86_64") && kernels.isa() != Isa::Portable && Isa::Avx2.is_supported()
 }
 
+/// The score and value passes for one vector width: `$lanes` f32 lanes a vector of type
+/// `$v` (lanes are key slots in the score pass, columns in the value pass), under target
+/// features `$feat`, with `$split` choosing `(heads, vectors)` a pass. Written once for
+/// both widths so the two bodies cannot drift apart: every sum runs in the same order, so
+/// both give the same bits.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{KvElem, SlotVec, Trickle, PREFETCH_BLOCKS};
-    use std::arch::x86_64::*;
-
-    /// Accumulators of `G` query heads over `NV` slot vectors, summed over every
-    /// dimension in order: `acc[i][j] = Σ_d q[i][d] * key_j[d]` (fused, sequential in d).
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C available; for every `j` and `d < hd`, `k + offs[j] + d * bs`
-    /// has 8 readable elements; `q` has `G x hd` readable floats.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn score_chunk<T: KvElem, const NV: usize, const G: usize>(
-        k: *const T,
-        bs: usize,
-        hd: usize,
-        offs: [usize; NV],
-        q: *const f32,
-        trickle: &mut Trickle,
-    ) -> [[__m256; NV]; G] {
-        let mut acc = [[_mm256_setzero_ps(); NV]; G];
-        for d in 0..hd {
-            trickle.step();
-            let mut kv = [_mm256_setzero_ps(); NV];
-            for (x, &off) in kv.iter_mut().zip(&offs) {
-                // SAFETY: in bounds by the function's contract.
-                *x = unsafe { T::load8(k.add(off + d * bs)) };
-            }
-            for (i, row) in acc.iter_mut().enumerate() {
-                // SAFETY: i < G, d < hd.
-                let qb = _mm256_set1_ps(unsafe { *q.add(i * hd + d) });
-                for (a, &x) in row.iter_mut().zip(&kv) {
-                    *a = _mm256_fmadd_ps(qb, x, *a);
+macro_rules! decode_bodies {
+    (
+        features: $feat:literal,
+        lanes: $lanes:literal,
+        vector: $v:ty,
+        load: $load:ident,
+        zero: $zero:ident,
+        set1: $set1:ident,
+        fmadd: $fmadd:ident,
+        mul: $mul:ident,
+        loadu: $loadu:ident,
+        storeu: $storeu:ident,
+        split: $split:path $(,)?
+    ) => {
+        /// Accumulators of `G` query heads over `NV` slot vectors, summed over every
+        /// dimension in order: `acc[i][j] = Σ_d q[i][d] * key_j[d]` (fused, sequential
+        /// in d).
+        ///
+        /// # Safety
+        /// The features available; for every `j` and `d < hd`, `k + offs[j] + d * bs`
+        /// has a vector of readable elements; `q` has `G x hd` readable floats.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn score_chunk<T: KvElem, const NV: usize, const G: usize>(
+            k: *const T,
+            bs: usize,
+            hd: usize,
+            offs: [usize; NV],
+            q: *const f32,
+            trickle: &mut Trickle,
+        ) -> [[$v; NV]; G] {
+            let mut acc = [[$zero(); NV]; G];
+            for d in 0..hd {
+                trickle.step();
+                let mut kv = [$zero(); NV];
+                for (x, &off) in kv.iter_mut().zip(&offs) {
+                    // SAFETY: in bounds by the function's contract.
+                    *x = unsafe { T::$load(k.add(off + d * bs)) };
+                }
+                for (i, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: i < G, d < hd.
+                    let qb = $set1(unsafe { *q.add(i * hd + d) });
+                    for (a, &x) in row.iter_mut().zip(&kv) {
+                        *a = $fmadd(qb, x, *a);
+                    }
                 }
             }
+            acc
         }
-        acc
-    }
 
-    /// Query heads `g0..g0 + G` over the slot vectors `vecs[c..c + NV]` (a short last
-    /// chunk repeats its last vector; only real vectors are stored).
-    ///
-    /// # Safety
-    /// As [`scores`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn heads_chunk<T: KvElem, const NV: usize, const G: usize>(
-        k: &[T],
-        bs: usize,
-        hd: usize,
-        vecs: &[SlotVec],
-        q: &[f32],
-        g0: usize,
-        scale: f32,
-        n_keys: usize,
-        scores: &mut [f32],
-        trickle: &mut Trickle,
-    ) {
-        let last = vecs.len() - 1;
-        let offs: [usize; NV] = std::array::from_fn(|j| vecs[j.min(last)].off);
-        // SAFETY: the caller's contract covers every tile row read and heads g0..g0+G.
-        let acc = unsafe {
-            score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd), trickle)
-        };
-        let scale_v = _mm256_set1_ps(scale);
-        for (i, row) in acc.iter().enumerate() {
-            for (j, v) in vecs.iter().enumerate().take(NV) {
-                let s = _mm256_mul_ps(row[j], scale_v);
-                let at = (g0 + i) * n_keys + v.key;
-                if v.lo == 0 && v.hi == 8 {
-                    // SAFETY: the 8 keys v.key..v.key+8 are attended keys of row g0+i.
-                    unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(at), s) };
-                } else {
-                    let mut lanes = [0.0f32; 8];
-                    // SAFETY: 8 floats into a local array.
-                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
-                    scores[at..at + v.hi - v.lo].copy_from_slice(&lanes[v.lo..v.hi]);
-                }
-            }
-        }
-    }
-
-    /// Every slot vector in chunks of `NV`, each chunk taken by every query head (4, 2
-    /// or 1 at a time) while it is in L1.
-    ///
-    /// # Safety
-    /// As [`scores`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn by_chunks<T: KvElem, const NV: usize>(
-        k: &[T],
-        bs: usize,
-        hd: usize,
-        vecs: &[SlotVec],
-        q: &[f32],
-        group: usize,
-        scale: f32,
-        n_keys: usize,
-        scores: &mut [f32],
-    ) {
-        // Each tile is asked for `PREFETCH_BLOCKS` blocks ahead of its first use, a few
-        // lines a dimension ([`Trickle`]): a sequence's blocks lie anywhere in the pool,
-        // where the hardware's prefetcher loses the stream at every block.
-        let (tile_elems, ahead) = (bs * hd, PREFETCH_BLOCKS * bs / 8);
-        let (mut fetched, mut last) = (0usize, usize::MAX);
-        let mut calls = 0;
-        let mut g = 0;
-        while g < group {
-            let left = group - g;
-            g += if left >= 4 && NV <= 2 {
-                4
-            } else if left >= 2 && NV <= 4 {
-                2
-            } else {
-                1
+        /// Query heads `g0..g0 + G` over the slot vectors `vecs[..NV]` (a short last
+        /// chunk repeats its last vector; only real vectors are stored).
+        ///
+        /// # Safety
+        /// As [`scores`].
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = $feat)]
+        unsafe fn heads_chunk<T: KvElem, const NV: usize, const G: usize>(
+            a: &ScoreArgs<'_, T>,
+            vecs: &[SlotVec],
+            g0: usize,
+            scores: &mut [f32],
+            trickle: &mut Trickle,
+        ) {
+            let (k, bs, hd, q, scale, n_keys) = (a.k, a.bs, a.hd, a.q, a.scale, a.n_keys);
+            let last = vecs.len() - 1;
+            let offs: [usize; NV] = std::array::from_fn(|j| vecs[j.min(last)].off);
+            // SAFETY: the caller's contract covers every tile row read and heads
+            // g0..g0+G.
+            let acc = unsafe {
+                score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd), trickle)
             };
-            calls += 1;
-        }
-        // A chunk's lines over its score passes' dimensions.
-        let chunk_lines = (NV * 8 * hd * std::mem::size_of::<T>()).div_ceil(64);
-        let mut trickle = Trickle::at_pace(chunk_lines, hd * calls);
-        for (c, chunk) in vecs.chunks(NV).enumerate() {
-            while fetched < (c * NV + NV + ahead).min(vecs.len()) {
-                let tile = vecs[fetched].off / tile_elems * tile_elems;
-                if tile != last {
-                    trickle.push(&k[tile..tile + tile_elems]);
-                    last = tile;
-                }
-                fetched += 1;
-            }
-            let mut g0 = 0;
-            while g0 < group {
-                let left = group - g0;
-                // SAFETY: heads g0..g0+G < group, the chunk's vectors are the caller's.
-                unsafe {
-                    if left >= 4 && NV <= 2 {
-                        heads_chunk::<T, NV, 4>(
-                            k,
-                            bs,
-                            hd,
-                            chunk,
-                            q,
-                            g0,
-                            scale,
-                            n_keys,
-                            scores,
-                            &mut trickle,
-                        );
-                        g0 += 4;
-                    } else if left >= 2 && NV <= 4 {
-                        heads_chunk::<T, NV, 2>(
-                            k,
-                            bs,
-                            hd,
-                            chunk,
-                            q,
-                            g0,
-                            scale,
-                            n_keys,
-                            scores,
-                            &mut trickle,
-                        );
-                        g0 += 2;
+            let scale_v = $set1(scale);
+            for (i, row) in acc.iter().enumerate() {
+                for (j, v) in vecs.iter().enumerate().take(NV) {
+                    let s = $mul(row[j], scale_v);
+                    let at = (g0 + i) * n_keys + v.key;
+                    if v.lo == 0 && v.hi == $lanes {
+                        // SAFETY: the keys v.key..v.key + lanes are attended keys of row
+                        // g0 + i.
+                        unsafe { $storeu(scores.as_mut_ptr().add(at), s) };
                     } else {
-                        heads_chunk::<T, NV, 1>(
-                            k,
-                            bs,
-                            hd,
-                            chunk,
-                            q,
-                            g0,
-                            scale,
-                            n_keys,
-                            scores,
-                            &mut trickle,
-                        );
-                        g0 += 1;
+                        let mut lanes = [0.0f32; $lanes];
+                        // SAFETY: a vector of floats into a local array of its size.
+                        unsafe { $storeu(lanes.as_mut_ptr(), s) };
+                        scores[at..at + v.hi - v.lo].copy_from_slice(&lanes[v.lo..v.hi]);
                     }
                 }
             }
         }
-    }
 
-    /// The score pass (see `DecodeHead::scores`).
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C available; every vector's 8 slots of every dimension row lie in
-    /// `k`; `q` holds `group x hd`; `scores` holds `group x n_keys` and every vector's
-    /// lanes `lo..hi` map to keys below `n_keys`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores<T: KvElem>(
-        k: &[T],
-        bs: usize,
-        hd: usize,
-        vecs: &[SlotVec],
-        q: &[f32],
-        group: usize,
-        scale: f32,
-        n_keys: usize,
-        scores: &mut [f32],
-    ) {
-        if vecs.is_empty() || group == 0 {
-            return;
-        }
-        // Enough independent chains (vectors x heads, 8) to cover the FMA latency while
-        // the 16 registers hold them.
-        // SAFETY: the caller's contract.
-        unsafe {
-            match group {
-                1 => by_chunks::<T, 8>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
-                2 => by_chunks::<T, 4>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
-                _ => by_chunks::<T, 2>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
+        /// Every slot vector in chunks of `NV`, each chunk taken by every query head
+        /// (`$split`'s heads at a time) while it is in L1. Each tile is asked for
+        /// `PREFETCH_BLOCKS` blocks ahead of its first use, a few lines a dimension
+        /// ([`Trickle`]): a sequence's blocks lie anywhere in the pool, where the
+        /// hardware's prefetcher loses the stream at every block.
+        ///
+        /// # Safety
+        /// As [`scores`].
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = $feat)]
+        unsafe fn by_chunks<T: KvElem, const NV: usize>(a: &ScoreArgs<'_, T>, scores: &mut [f32]) {
+            let (k, bs, hd, vecs, group) = (a.k, a.bs, a.hd, a.vecs, a.group);
+            let (tile_elems, ahead) = (bs * hd, PREFETCH_BLOCKS * bs / $lanes);
+            let (mut fetched, mut last) = (0usize, usize::MAX);
+            let (mut calls, mut g) = (0, 0);
+            while g < group {
+                g += $split(group - g).0;
+                calls += 1;
+            }
+            // A chunk's lines over its score passes' dimensions.
+            let chunk_lines = (NV * $lanes * hd * std::mem::size_of::<T>()).div_ceil(64);
+            let mut trickle = Trickle::at_pace(chunk_lines, hd * calls);
+            for (c, chunk) in vecs.chunks(NV).enumerate() {
+                while fetched < (c * NV + NV + ahead).min(vecs.len()) {
+                    let tile = vecs[fetched].off / tile_elems * tile_elems;
+                    if tile != last {
+                        trickle.push(&k[tile..tile + tile_elems]);
+                        last = tile;
+                    }
+                    fetched += 1;
+                }
+                let mut g0 = 0;
+                while g0 < group {
+                    let t = &mut trickle;
+                    // SAFETY: heads g0..g0 + G <= group, the chunk's vectors are the
+                    // caller's.
+                    g0 += unsafe {
+                        match $split(group - g0).0 {
+                            8 => {
+                                heads_chunk::<T, NV, 8>(a, chunk, g0, scores, t);
+                                8
+                            }
+                            4 => {
+                                heads_chunk::<T, NV, 4>(a, chunk, g0, scores, t);
+                                4
+                            }
+                            2 => {
+                                heads_chunk::<T, NV, 2>(a, chunk, g0, scores, t);
+                                2
+                            }
+                            _ => {
+                                heads_chunk::<T, NV, 1>(a, chunk, g0, scores, t);
+                                1
+                            }
+                        }
+                    };
+                }
             }
         }
+
+        /// The score pass (see `DecodeHead::scores`).
+        ///
+        /// # Safety
+        /// The features available; every vector's slots of every dimension row lie in
+        /// `k`; `q` holds `group x hd`; `scores` holds `group x n_keys` and every
+        /// vector's lanes `lo..hi` map to keys below `n_keys`.
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn scores<T: KvElem>(a: &ScoreArgs<'_, T>, scores: &mut [f32]) {
+            if a.vecs.is_empty() || a.group == 0 {
+                return;
+            }
+            // SAFETY: the caller's contract.
+            unsafe {
+                match $split(a.group).1 {
+                    2 => by_chunks::<T, 2>(a, scores),
+                    4 => by_chunks::<T, 4>(a, scores),
+                    _ => by_chunks::<T, 8>(a, scores),
+                }
+            }
+        }
+
+        /// Columns `c0..c0 + C` vectors of query heads `g0..g0 + GH`: `out[g] = fma(p,
+        /// row, out[g])` over the rows in order, each row's `C` vectors loaded (and
+        /// widened) once for the `GH` heads.
+        ///
+        /// # Safety
+        /// As [`values`], and `c0 + C lanes <= hd`, `g0 + GH <= group`.
+        #[allow(clippy::too_many_arguments)]
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn value_heads<T: KvElem, const C: usize, const GH: usize>(
+            a: &ValueArgs<'_, T>,
+            out: &mut [f32],
+            c0: usize,
+            g0: usize,
+            trickle: &mut Trickle,
+        ) {
+            let (rows, hd, probs, stride, base) = (a.rows, a.hd, a.probs, a.stride, a.base);
+            let n = rows.len() / hd;
+            let (rp, pp) = (rows.as_ptr(), probs.as_ptr());
+            // SAFETY: heads g0..g0 + GH, columns c0..c0 + C lanes are inside `out`.
+            let dst = unsafe { out.as_mut_ptr().add(g0 * hd + c0) };
+            let mut acc: [[$v; C]; GH] = std::array::from_fn(|i| {
+                // SAFETY: as above.
+                std::array::from_fn(|c| unsafe { $loadu(dst.add(i * hd + c * $lanes)) })
+            });
+            for r in 0..n {
+                trickle.step();
+                // SAFETY: r < n rows of hd; columns c0 + (c + 1) lanes <= hd.
+                let v: [$v; C] =
+                    std::array::from_fn(|c| unsafe { T::$load(rp.add(r * hd + c0 + c * $lanes)) });
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: `probs` covers (g0 + i) * stride + base + r (the caller's
+                    // rows).
+                    let pb = $set1(unsafe { *pp.add((g0 + i) * stride + base + r) });
+                    for (x, &vc) in a.iter_mut().zip(&v) {
+                        *x = $fmadd(pb, vc, *x);
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                for (c, x) in a.iter().enumerate() {
+                    // SAFETY: as for the loads of `out`.
+                    unsafe { $storeu(dst.add(i * hd + c * $lanes), *x) };
+                }
+            }
+        }
+
+        /// Every column of query heads `g0..g0 + GH`, `C` vectors at a time, then the
+        /// last vectors one at a time.
+        ///
+        /// # Safety
+        /// As [`values`], and `g0 + GH <= group`.
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = $feat)]
+        unsafe fn heads_values<T: KvElem, const C: usize, const GH: usize>(
+            a: &ValueArgs<'_, T>,
+            out: &mut [f32],
+            g0: usize,
+            trickle: &mut Trickle,
+        ) {
+            let (hd, mut c0) = (a.hd, 0);
+            // SAFETY: every call's columns are inside hd (a multiple of the lanes), its
+            // heads the caller's.
+            unsafe {
+                while c0 + $lanes * C <= hd {
+                    value_heads::<T, C, GH>(a, out, c0, g0, trickle);
+                    c0 += $lanes * C;
+                }
+                while c0 + $lanes <= hd {
+                    value_heads::<T, 1, GH>(a, out, c0, g0, trickle);
+                    c0 += $lanes;
+                }
+            }
+        }
+
+        /// The value pass of one block (see `DecodeHead::values`): `$split`'s heads at a
+        /// time, each row's vectors loaded once for all of them while the accumulators
+        /// (heads x column vectors) cover the FMA latency.
+        ///
+        /// # Safety
+        /// The features available; `hd` a multiple of the lanes; `rows` whole rows of
+        /// `hd`, `out` whole heads; `probs` covers `g * stride + base + r` for every head
+        /// and row.
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn values<T: KvElem>(
+            a: &ValueArgs<'_, T>,
+            out: &mut [f32],
+            trickle: &mut Trickle,
+        ) {
+            let group = out.len() / a.hd;
+            let mut g0 = 0;
+            // SAFETY: heads g0..g0 + GH <= group; the rest is the caller's contract.
+            unsafe {
+                while g0 < group {
+                    g0 += match $split(group - g0) {
+                        (8, 2) => {
+                            heads_values::<T, 2, 8>(a, out, g0, trickle);
+                            8
+                        }
+                        (4, 2) => {
+                            heads_values::<T, 2, 4>(a, out, g0, trickle);
+                            4
+                        }
+                        (4, 4) => {
+                            heads_values::<T, 4, 4>(a, out, g0, trickle);
+                            4
+                        }
+                        (2, 4) => {
+                            heads_values::<T, 4, 2>(a, out, g0, trickle);
+                            2
+                        }
+                        (2, 8) => {
+                            heads_values::<T, 8, 2>(a, out, g0, trickle);
+                            2
+                        }
+                        _ => {
+                            heads_values::<T, 8, 1>(a, out, g0, trickle);
+                            1
+                        }
+                    };
+                }
+            }
+        }
+    };
+}
+
+/// The AVX2 bodies: vectors of 8 (and the transposition of MLA's keys into value rows).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{avx2_split, KvElem, ScoreArgs, SlotVec, Trickle, ValueArgs, PREFETCH_BLOCKS};
+    use std::arch::x86_64::*;
+
+    decode_bodies! {
+        features: "avx2,fma,f16c",
+        lanes: 8,
+        vector: __m256,
+        load: load8,
+        zero: _mm256_setzero_ps,
+        set1: _mm256_set1_ps,
+        fmadd: _mm256_fmadd_ps,
+        mul: _mm256_mul_ps,
+        loadu: _mm256_loadu_ps,
+        storeu: _mm256_storeu_ps,
+        split: avx2_split,
     }
 
     /// `rows[i * hd + c] = k[c * bs + s0 + i]` widened, for `c < w` and `i` below `n`
@@ -759,478 +925,26 @@ mod avx2 {
             }
         }
     }
-
-    /// Columns `c0..c0 + 8 C` of query heads `g0..g0 + GH`: `out[g] = fma(p, row, out[g])`
-    /// over the rows in order, each row's `C` vectors loaded (and widened) once for the
-    /// `GH` heads.
-    ///
-    /// # Safety
-    /// As [`values`], and `c0 + 8 C <= hd`, `g0 + GH <= group`.
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn value_heads<T: KvElem, const C: usize, const GH: usize>(
-        rows: &[T],
-        hd: usize,
-        probs: &[f32],
-        stride: usize,
-        base: usize,
-        out: &mut [f32],
-        c0: usize,
-        g0: usize,
-        trickle: &mut Trickle,
-    ) {
-        let n = rows.len() / hd;
-        let (rp, pp) = (rows.as_ptr(), probs.as_ptr());
-        // SAFETY: heads g0..g0 + GH, columns c0..c0 + 8C are inside `out`.
-        let dst = unsafe { out.as_mut_ptr().add(g0 * hd + c0) };
-        let mut acc: [[__m256; C]; GH] = std::array::from_fn(|i| {
-            // SAFETY: as above.
-            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(dst.add(i * hd + c * 8)) })
-        });
-        for r in 0..n {
-            trickle.step();
-            // SAFETY: r < n rows of hd; columns c0 + 8c + 8 <= hd.
-            let v: [__m256; C] =
-                std::array::from_fn(|c| unsafe { T::load8(rp.add(r * hd + c0 + c * 8)) });
-            for (i, a) in acc.iter_mut().enumerate() {
-                // SAFETY: `probs` covers (g0 + i) * stride + base + r (the caller's rows).
-                let pb = _mm256_set1_ps(unsafe { *pp.add((g0 + i) * stride + base + r) });
-                for (x, &vc) in a.iter_mut().zip(&v) {
-                    *x = _mm256_fmadd_ps(pb, vc, *x);
-                }
-            }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            for (c, x) in a.iter().enumerate() {
-                // SAFETY: as for the loads of `out`.
-                unsafe { _mm256_storeu_ps(dst.add(i * hd + c * 8), *x) };
-            }
-        }
-    }
-
-    /// Every column of query heads `g0..g0 + GH`, `C` vectors at a time, then the last
-    /// vectors one at a time.
-    ///
-    /// # Safety
-    /// As [`values`], and `g0 + GH <= group`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn heads_values<T: KvElem, const C: usize, const GH: usize>(
-        rows: &[T],
-        hd: usize,
-        probs: &[f32],
-        stride: usize,
-        base: usize,
-        out: &mut [f32],
-        g0: usize,
-        trickle: &mut Trickle,
-    ) {
-        let mut c0 = 0;
-        // SAFETY: every call's columns are inside hd (a multiple of 8), its heads the caller's.
-        unsafe {
-            while c0 + 8 * C <= hd {
-                value_heads::<T, C, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
-                c0 += 8 * C;
-            }
-            while c0 + 8 <= hd {
-                value_heads::<T, 1, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
-                c0 += 8;
-            }
-        }
-    }
-
-    /// The value pass of one block (see `DecodeHead::values`): query heads 4 at a time
-    /// (then 2, then 1), each row's vectors loaded once for all of them while 8
-    /// independent accumulator chains (heads x column vectors) cover the FMA latency; a
-    /// GQA group of 8 widens each value twice rather than 8 times.
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C available; `hd` a multiple of 8; `rows` whole rows of `hd`,
-    /// `out` whole heads; `probs` covers `g * stride + base + r` for every head and row.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn values<T: KvElem>(
-        rows: &[T],
-        hd: usize,
-        probs: &[f32],
-        stride: usize,
-        base: usize,
-        out: &mut [f32],
-        trickle: &mut Trickle,
-    ) {
-        let group = out.len() / hd;
-        let mut g0 = 0;
-        // SAFETY: heads g0..g0 + GH < group; the rest is the caller's contract.
-        unsafe {
-            while g0 < group {
-                match group - g0 {
-                    left if left >= 4 => {
-                        heads_values::<T, 2, 4>(rows, hd, probs, stride, base, out, g0, trickle);
-                        g0 += 4;
-                    }
-                    left if left >= 2 => {
-                        heads_values::<T, 4, 2>(rows, hd, probs, stride, base, out, g0, trickle);
-                        g0 += 2;
-                    }
-                    _ => {
-                        heads_values::<T, 8, 1>(rows, hd, probs, stride, base, out, g0, trickle);
-                        g0 += 1;
-                    }
-                }
-            }
-        }
-    }
 }
 
-/// The decode passes in vectors of 16 lanes (16 key slots a score vector, 16 columns a
-/// value vector): each K element is loaded and widened once for up to 8 query heads, whose
-/// 16 accumulators the 32 registers hold. Lanes are keys (scores) or columns (values), so
-/// every score and every output element is summed in the AVX2 bodies' order: the same
-/// bits.
+/// The AVX-512 bodies: vectors of 16, so at GQA group 8 a K element is loaded and widened
+/// once for all 8 query heads, whose 16 accumulators the 32 registers hold.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{avx512_value_split, KvElem, SlotVec, Trickle, PREFETCH_BLOCKS};
+    use super::{avx512_split, KvElem, ScoreArgs, SlotVec, Trickle, ValueArgs, PREFETCH_BLOCKS};
     use std::arch::x86_64::*;
 
-    /// Accumulators of `G` query heads over `NV` slot vectors of 16, summed over every
-    /// dimension in order: `acc[i][j] = Σ_d q[i][d] * key_j[d]` (fused, sequential in d).
-    ///
-    /// # Safety
-    /// AVX-512F available; for every `j` and `d < hd`, `k + offs[j] + d * bs` has 16
-    /// readable elements; `q` has `G x hd` readable floats.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn score_chunk<T: KvElem, const NV: usize, const G: usize>(
-        k: *const T,
-        bs: usize,
-        hd: usize,
-        offs: [usize; NV],
-        q: *const f32,
-        trickle: &mut Trickle,
-    ) -> [[__m512; NV]; G] {
-        let mut acc = [[_mm512_setzero_ps(); NV]; G];
-        for d in 0..hd {
-            trickle.step();
-            let mut kv = [_mm512_setzero_ps(); NV];
-            for (x, &off) in kv.iter_mut().zip(&offs) {
-                // SAFETY: in bounds by the function's contract.
-                *x = unsafe { T::load16(k.add(off + d * bs)) };
-            }
-            for (i, row) in acc.iter_mut().enumerate() {
-                // SAFETY: i < G, d < hd.
-                let qb = _mm512_set1_ps(unsafe { *q.add(i * hd + d) });
-                for (a, &x) in row.iter_mut().zip(&kv) {
-                    *a = _mm512_fmadd_ps(qb, x, *a);
-                }
-            }
-        }
-        acc
-    }
-
-    /// Query heads `g0..g0 + G` over the slot vectors `vecs[..NV]` (a short last chunk
-    /// repeats its last vector; only real vectors are stored).
-    ///
-    /// # Safety
-    /// As [`scores`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn heads_chunk<T: KvElem, const NV: usize, const G: usize>(
-        k: &[T],
-        bs: usize,
-        hd: usize,
-        vecs: &[SlotVec],
-        q: &[f32],
-        g0: usize,
-        scale: f32,
-        n_keys: usize,
-        scores: &mut [f32],
-        trickle: &mut Trickle,
-    ) {
-        let last = vecs.len() - 1;
-        let offs: [usize; NV] = std::array::from_fn(|j| vecs[j.min(last)].off);
-        // SAFETY: the caller's contract covers every tile row read and heads g0..g0+G.
-        let acc = unsafe {
-            score_chunk::<T, NV, G>(k.as_ptr(), bs, hd, offs, q.as_ptr().add(g0 * hd), trickle)
-        };
-        let scale_v = _mm512_set1_ps(scale);
-        for (i, row) in acc.iter().enumerate() {
-            for (j, v) in vecs.iter().enumerate().take(NV) {
-                let s = _mm512_mul_ps(row[j], scale_v);
-                let at = (g0 + i) * n_keys + v.key;
-                if v.lo == 0 && v.hi == 16 {
-                    // SAFETY: the 16 keys v.key..v.key+16 are attended keys of row g0+i.
-                    unsafe { _mm512_storeu_ps(scores.as_mut_ptr().add(at), s) };
-                } else {
-                    let mut lanes = [0.0f32; 16];
-                    // SAFETY: 16 floats into a local array.
-                    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
-                    scores[at..at + v.hi - v.lo].copy_from_slice(&lanes[v.lo..v.hi]);
-                }
-            }
-        }
-    }
-
-    /// The `(heads, slot vectors)` a score chunk takes for `left` query heads: 16
-    /// accumulators where the group allows.
-    fn score_split(left: usize) -> (usize, usize) {
-        match left {
-            l if l >= 8 => (8, 2),
-            l if l >= 4 => (4, 4),
-            l if l >= 2 => (2, 8),
-            _ => (1, 8),
-        }
-    }
-
-    /// Every slot vector in chunks of `NV`, each chunk taken by every query head (`G` at
-    /// a time, as [`score_split`] says) while it is in L1.
-    ///
-    /// # Safety
-    /// As [`scores`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn by_chunks<T: KvElem, const NV: usize>(
-        k: &[T],
-        bs: usize,
-        hd: usize,
-        vecs: &[SlotVec],
-        q: &[f32],
-        group: usize,
-        scale: f32,
-        n_keys: usize,
-        scores: &mut [f32],
-    ) {
-        let (tile_elems, ahead) = (bs * hd, PREFETCH_BLOCKS * bs / 16);
-        let (mut fetched, mut last) = (0usize, usize::MAX);
-        let (mut calls, mut g) = (0, 0);
-        while g < group {
-            g += score_split(group - g).0.min(group - g);
-            calls += 1;
-        }
-        let chunk_lines = (NV * 16 * hd * std::mem::size_of::<T>()).div_ceil(64);
-        let mut trickle = Trickle::at_pace(chunk_lines, hd * calls);
-        for (c, chunk) in vecs.chunks(NV).enumerate() {
-            while fetched < (c * NV + NV + ahead).min(vecs.len()) {
-                let tile = vecs[fetched].off / tile_elems * tile_elems;
-                if tile != last {
-                    trickle.push(&k[tile..tile + tile_elems]);
-                    last = tile;
-                }
-                fetched += 1;
-            }
-            let mut g0 = 0;
-            while g0 < group {
-                let args = (k, bs, hd, chunk, q, g0, scale, n_keys);
-                // SAFETY: heads g0..g0+G <= group, the chunk's vectors are the caller's.
-                unsafe {
-                    g0 += match score_split(group - g0).0 {
-                        8 => {
-                            heads_chunk::<T, NV, 8>(
-                                args.0,
-                                args.1,
-                                args.2,
-                                args.3,
-                                args.4,
-                                args.5,
-                                args.6,
-                                args.7,
-                                scores,
-                                &mut trickle,
-                            );
-                            8
-                        }
-                        4 => {
-                            heads_chunk::<T, NV, 4>(
-                                args.0,
-                                args.1,
-                                args.2,
-                                args.3,
-                                args.4,
-                                args.5,
-                                args.6,
-                                args.7,
-                                scores,
-                                &mut trickle,
-                            );
-                            4
-                        }
-                        2 => {
-                            heads_chunk::<T, NV, 2>(
-                                args.0,
-                                args.1,
-                                args.2,
-                                args.3,
-                                args.4,
-                                args.5,
-                                args.6,
-                                args.7,
-                                scores,
-                                &mut trickle,
-                            );
-                            2
-                        }
-                        _ => {
-                            heads_chunk::<T, NV, 1>(
-                                args.0,
-                                args.1,
-                                args.2,
-                                args.3,
-                                args.4,
-                                args.5,
-                                args.6,
-                                args.7,
-                                scores,
-                                &mut trickle,
-                            );
-                            1
-                        }
-                    };
-                }
-            }
-        }
-    }
-
-    /// The score pass in vectors of 16 (see `DecodeHead::scores`).
-    ///
-    /// # Safety
-    /// The AVX-512 set available; every vector's 16 slots of every dimension row lie in
-    /// `k`; `q` holds `group x hd`; `scores` holds `group x n_keys` and every vector's
-    /// lanes `lo..hi` map to keys below `n_keys`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn scores<T: KvElem>(
-        k: &[T],
-        bs: usize,
-        hd: usize,
-        vecs: &[SlotVec],
-        q: &[f32],
-        group: usize,
-        scale: f32,
-        n_keys: usize,
-        scores: &mut [f32],
-    ) {
-        if vecs.is_empty() || group == 0 {
-            return;
-        }
-        // SAFETY: the caller's contract.
-        unsafe {
-            match score_split(group).1 {
-                2 => by_chunks::<T, 2>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
-                4 => by_chunks::<T, 4>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
-                _ => by_chunks::<T, 8>(k, bs, hd, vecs, q, group, scale, n_keys, scores),
-            }
-        }
-    }
-
-    /// Columns `c0..c0 + 16 C` of query heads `g0..g0 + GH`: `out[g] = fma(p, row,
-    /// out[g])` over the rows in order, each row's `C` vectors loaded (and widened) once
-    /// for the `GH` heads.
-    ///
-    /// # Safety
-    /// As [`values`], and `c0 + 16 C <= hd`, `g0 + GH <= group`.
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn value_heads<T: KvElem, const C: usize, const GH: usize>(
-        rows: &[T],
-        hd: usize,
-        probs: &[f32],
-        stride: usize,
-        base: usize,
-        out: &mut [f32],
-        c0: usize,
-        g0: usize,
-        trickle: &mut Trickle,
-    ) {
-        let n = rows.len() / hd;
-        let (rp, pp) = (rows.as_ptr(), probs.as_ptr());
-        // SAFETY: heads g0..g0 + GH, columns c0..c0 + 16C are inside `out`.
-        let dst = unsafe { out.as_mut_ptr().add(g0 * hd + c0) };
-        let mut acc: [[__m512; C]; GH] = std::array::from_fn(|i| {
-            // SAFETY: as above.
-            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(dst.add(i * hd + c * 16)) })
-        });
-        for r in 0..n {
-            trickle.step();
-            // SAFETY: r < n rows of hd; columns c0 + 16c + 16 <= hd.
-            let v: [__m512; C] =
-                std::array::from_fn(|c| unsafe { T::load16(rp.add(r * hd + c0 + c * 16)) });
-            for (i, a) in acc.iter_mut().enumerate() {
-                // SAFETY: `probs` covers (g0 + i) * stride + base + r (the caller's rows).
-                let pb = _mm512_set1_ps(unsafe { *pp.add((g0 + i) * stride + base + r) });
-                for (x, &vc) in a.iter_mut().zip(&v) {
-                    *x = _mm512_fmadd_ps(pb, vc, *x);
-                }
-            }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            for (c, x) in a.iter().enumerate() {
-                // SAFETY: as for the loads of `out`.
-                unsafe { _mm512_storeu_ps(dst.add(i * hd + c * 16), *x) };
-            }
-        }
-    }
-
-    /// Every column of query heads `g0..g0 + GH`, `C` vectors at a time, then the last
-    /// vectors one at a time.
-    ///
-    /// # Safety
-    /// As [`values`], and `g0 + GH <= group`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn heads_values<T: KvElem, const C: usize, const GH: usize>(
-        rows: &[T],
-        hd: usize,
-        probs: &[f32],
-        stride: usize,
-        base: usize,
-        out: &mut [f32],
-        g0: usize,
-        trickle: &mut Trickle,
-    ) {
-        let mut c0 = 0;
-        // SAFETY: every call's columns are inside hd (a multiple of 16), its heads the
-        // caller's.
-        unsafe {
-            while c0 + 16 * C <= hd {
-                value_heads::<T, C, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
-                c0 += 16 * C;
-            }
-            while c0 + 16 <= hd {
-                value_heads::<T, 1, GH>(rows, hd, probs, stride, base, out, c0, g0, trickle);
-                c0 += 16;
-            }
-        }
-    }
-
-    /// The value pass of one block in vectors of 16 (see `DecodeHead::values`).
-    ///
-    /// # Safety
-    /// The AVX-512 set available; `hd` a multiple of 16; `rows` whole rows of `hd`, `out`
-    /// whole heads; `probs` covers `g * stride + base + r` for every head and row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn values<T: KvElem>(
-        rows: &[T],
-        hd: usize,
-        probs: &[f32],
-        stride: usize,
-        base: usize,
-        out: &mut [f32],
-        trickle: &mut Trickle,
-    ) {
-        let group = out.len() / hd;
-        let mut g0 = 0;
-        // SAFETY: heads g0..g0 + GH <= group; the rest is the caller's contract.
-        unsafe {
-            while g0 < group {
-                let (gh, _) = avx512_value_split(group - g0);
-                match gh {
-                    8 => heads_values::<T, 2, 8>(rows, hd, probs, stride, base, out, g0, trickle),
-                    4 => heads_values::<T, 4, 4>(rows, hd, probs, stride, base, out, g0, trickle),
-                    2 => heads_values::<T, 8, 2>(rows, hd, probs, stride, base, out, g0, trickle),
-                    _ => heads_values::<T, 8, 1>(rows, hd, probs, stride, base, out, g0, trickle),
-                }
-                g0 += gh;
-            }
-        }
+    decode_bodies! {
+        features: "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        lanes: 16,
+        vector: __m512,
+        load: load16,
+        zero: _mm512_setzero_ps,
+        set1: _mm512_set1_ps,
+        fmadd: _mm512_fmadd_ps,
+        mul: _mm512_mul_ps,
+        loadu: _mm512_loadu_ps,
+        storeu: _mm512_storeu_ps,
+        split: avx512_split,
     }
 }
