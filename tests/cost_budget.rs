@@ -35,6 +35,28 @@ fn compile_with(
     }
 }
 
+/// The budget fixture's table on `t4`, compiled with `scratch` rules.
+fn fixture_table(
+    scratch: Option<&'static dyn moec::ir::scratch::DeviceScratch>,
+) -> moec::cost::budget::BudgetTable {
+    let program = compile_with("tests/fixtures/cost/budget.sched", scratch);
+    let profile = HardwareProfile::load("t4").unwrap();
+    budget_table(&program, Some(&profile), &BudgetOverrides::default())
+}
+
+/// The line of `table` in `space` whose text starts with `prefix`.
+fn line<'t>(
+    table: &'t moec::cost::budget::BudgetTable,
+    space: &str,
+    prefix: &str,
+) -> &'t moec::cost::budget::BudgetLine {
+    table
+        .lines
+        .iter()
+        .find(|l| l.space == space && l.what.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no `{prefix}` line in {space}: {table}"))
+}
+
 // tests/fixtures/cost/budget.sched on mixtral-tiny (hidden 128, ffn 256, 4 heads of 32,
 // 2 KV heads, 8 experts, vocab 32000, 4 layers, bf16), defaults ubs = 4, n_ub = 2,
 // slack = 0.25, workload prompt 128 + gen 32. Activations and KV are f32 (4 B).
@@ -71,15 +93,9 @@ fn compile_with(
 //   rows while they are under 2^20 scores), 786,432 B: 32,455,936 B.
 #[test]
 fn budget_arithmetic_matches_hand_computed_bytes() {
-    let program = compile("tests/fixtures/cost/budget.sched");
-    let profile = HardwareProfile::load("t4").unwrap();
-    let table = budget_table(&program, Some(&profile), &BudgetOverrides::default());
+    let table = fixture_table(cuda_scratch());
     assert_eq!(table.peak("gpu"), 19_728_672, "{table}");
-    let scratch = table
-        .lines
-        .iter()
-        .find(|l| l.what.starts_with("scratch on gpu (max: "))
-        .unwrap();
+    let scratch = line(&table, "gpu", "scratch on gpu (max: ");
     assert_eq!(
         (scratch.space, scratch.bytes),
         ("gpu", 2_954_240),
@@ -361,15 +377,9 @@ fn gpu_scratch_helper_is_the_largest_task_of_a_micro_batch() {
 fn without_scratch_rules_the_gpu_keeps_the_catalog_workspace_and_says_so() {
     let cpu = moec::runtime::registry::find("cpu").unwrap();
     assert!(cpu.scratch.is_none());
-    let program = compile_with("tests/fixtures/cost/budget.sched", cpu.scratch);
-    let profile = HardwareProfile::load("t4").unwrap();
-    let table = budget_table(&program, Some(&profile), &BudgetOverrides::default());
+    let table = fixture_table(cpu.scratch);
     assert_eq!(table.peak("gpu"), 19_133_728, "{table}");
-    let line = table
-        .lines
-        .iter()
-        .find(|l| l.space == "gpu" && l.what.starts_with("op workspace"))
-        .unwrap();
+    let line = line(&table, "gpu", "op workspace");
     assert_eq!(line.bytes, 2_359_296, "{table}");
     assert!(
         line.what

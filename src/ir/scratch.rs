@@ -71,7 +71,9 @@ pub trait TaskScratch {
 
 /// A backend's scratch rules, as the compiler asks them: registered by a backend whose
 /// device streams each keep a workspace of their own (`runtime::Registration::scratch`).
-pub trait DeviceScratch: Sync + std::fmt::Debug {
+/// Shared by every compile (`Sync`) and kept in `Options`, which a panic boundary may
+/// cross (`RefUnwindSafe`).
+pub trait DeviceScratch: Sync + std::panic::RefUnwindSafe + std::fmt::Debug {
     /// The backend's name, for the budget and the diagnostics.
     fn backend(&self) -> &'static str;
     /// The rules for `card`'s weights as stored and `workload`'s sequences.
