@@ -73,6 +73,36 @@ fn set_and_model_flags_reach_the_schedule() {
     assert!(stderr.contains("not of the form name=value"), "{stderr}");
 }
 
+/// `moec check --backend cuda` proves the GPU budget for the CUDA backend: its scratch
+/// rules reach the compile, so the memory table has a `scratch on <stream>` line per device
+/// stream with tasks (fiddler's compute stream here) and the schedule's `gpu_scratch(..)`
+/// is their bound (no warning). Without `--backend` (the CPU backend, `moec run`'s default,
+/// which registers no rules) the table keeps the op catalog's workspace in a line that
+/// says so, and `gpu_scratch(..)` warns that it is the catalog's bound.
+#[test]
+fn check_budgets_the_scratch_of_the_backend_it_names() {
+    let args = ["check", "schedules/fiddler.sched", "--hw", "t4"];
+    let (code, stdout, stderr) = moec(&[&args[..], &["--backend", "cuda"]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("scratch on gpu (max: "), "{stdout}");
+    assert!(!stdout.contains("no backend scratch rules"), "{stdout}");
+    assert!(!stderr.contains("lint::catalog_scratch"), "{stderr}");
+    let (code, stdout, stderr) = moec(&args);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(!stdout.contains("scratch on "), "{stdout}");
+    assert!(
+        stdout.contains("op workspace (catalog: no backend scratch rules; max: "),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("lint::catalog_scratch") && stderr.contains("--backend cuda"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = moec(&[&args[..], &["--backend", "tpu"]].concat());
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("cuda"), "{stderr}");
+}
+
 #[test]
 fn compile_emits_text_dot_and_json() {
     let (code, text, _) = moec(&["compile", "tests/fixtures/all_constructs.sched"]);
@@ -545,7 +575,7 @@ fn lsp_session_gives_diagnostics_hover_and_definitions() {
 
     // Hover: `w`'s two elements, each a layer slot of mixtral-tiny, in gpu memory.
     let card = moec::model::card::ModelCard::load("mixtral-tiny").unwrap();
-    let slot = moec::ir::catalog::size_helper("layer_weights", &[], &card, 4, 4)
+    let slot = moec::ir::catalog::size_helper("layer_weights", &[], &card, 4, 4, None)
         .unwrap()
         .unwrap()
         .bytes;

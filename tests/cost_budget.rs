@@ -7,13 +7,54 @@ use moec::elaborate::Options;
 use moec::ir::Program;
 use moec::model::card::ModelCard;
 
+/// The CUDA backend's scratch rules, as a compile for it carries them.
+fn cuda_scratch() -> Option<&'static dyn moec::ir::scratch::DeviceScratch> {
+    let rules = moec::runtime::registry::find("cuda").unwrap().scratch;
+    assert!(
+        rules.is_some(),
+        "the CUDA backend registers its scratch rules"
+    );
+    rules
+}
+
+/// `path` compiled on mixtral-tiny for the CUDA backend (its scratch rules).
 fn compile(path: &str) -> Program {
+    compile_with(path, cuda_scratch())
+}
+
+fn compile_with(
+    path: &str,
+    scratch: Option<&'static dyn moec::ir::scratch::DeviceScratch>,
+) -> Program {
     let source = std::fs::read_to_string(path).unwrap();
-    let options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.scratch = scratch;
     match moec::compile::compile(&source, &options) {
         Ok(compiled) => compiled.program,
         Err(diagnostics) => panic!("{path} does not compile: {diagnostics:?}"),
     }
+}
+
+/// The budget fixture's table on `t4`, compiled with `scratch` rules.
+fn fixture_table(
+    scratch: Option<&'static dyn moec::ir::scratch::DeviceScratch>,
+) -> moec::cost::budget::BudgetTable {
+    let program = compile_with("tests/fixtures/cost/budget.sched", scratch);
+    let profile = HardwareProfile::load("t4").unwrap();
+    budget_table(&program, Some(&profile), &BudgetOverrides::default())
+}
+
+/// The line of `table` in `space` whose text starts with `prefix`.
+fn line<'t>(
+    table: &'t moec::cost::budget::BudgetTable,
+    space: &str,
+    prefix: &str,
+) -> &'t moec::cost::budget::BudgetLine {
+    table
+        .lines
+        .iter()
+        .find(|l| l.space == space && l.what.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no `{prefix}` line in {space}: {table}"))
 }
 
 // tests/fixtures/cost/budget.sched on mixtral-tiny (hidden 128, ffn 256, 4 heads of 32,
@@ -30,10 +71,18 @@ fn compile(path: &str) -> Program {
 // - gpu = 2 * 1,673,728 + 2 * 196,608 + 8,192,256 + 2 * 327,680 + 2 * 524,288
 //   + 2 * 262,144 (a_g) + 2 * 8,192 + 2 * 786,432 (acc = expert_acc(512): normalised
 //   rows + 2 slots per token, 512 * 3 * 128 * 4) + 2 * 512,000 + 2 * 16
-//   = 16,774,432 B of buffers, plus the largest GPU op workspace: prefill post_attn over
-//   512 tokens, per token the merged attention row (4 * 32 = 128), the normalised row and
-//   2 slots (3 * 128), one expert's gathered row (128) and its gate and up values (2 *
-//   256): 1,152 floats, 512 * 1,152 * 4 = 2,359,296 B; total 19,133,728 B.
+//   = 16,774,432 B of buffers, plus the gpu stream's scratch (the CUDA backend's
+//   workspace, `runtime::cuda::scratch`; the copy streams take none): its largest task is
+//   a prefill post_attn over 512 tokens of 4 sequences, each piece 256-aligned (these
+//   are): o_proj's bf16 GEMM, the hi/lo pair 2 * 512 * 128 * 2 = 262,144 and the products
+//   128 * 2 * 512 * 4 = 524,288; the normalised rows 512 * 128 * 4 = 262,144, the route
+//   512 * 2 * 8 = 8,192 and the slots 512 * 2 * 128 * 4 = 524,288; the router's logits
+//   512 * 8 * 4 = 16,384, its pair 262,144 and products 8 * 2 * 512 * 4 = 32,768 (512
+//   rows: no fused gate); the grouped experts (1,024 routed entries, on the device):
+//   3 permutation tables of 1,024 * 4 = 4,096, the tiles (2 + 3 * 72) * 4 = 872 -> 1,024
+//   (72 tiles: (1,024 + 15 * 8) / 16 rounded up) and the hidden rows 1,024 * 256 * 4 =
+//   1,048,576 (bf16 gate and up in one launch: no rounded activations). Sum 2,954,240 B
+//   (pre_attn takes 2,097,152, lm_head 1,030,144); total 19,728,672 B.
 // - pinned = 2 * 1,673,728 + 2 * 196,608 + 2 * 327,680 (h_c, h_tokens = 640) + 2 * 524,288
 //   + 2 * 262,144 = 5,968,896 B.
 // - host = kv: 4 layers * 2 ub * kv_cache(4 * 160 = 640 tokens) = 8 * 640 * 128 * 4 =
@@ -44,10 +93,21 @@ fn compile(path: &str) -> Program {
 //   rows while they are under 2^20 scores), 786,432 B: 32,455,936 B.
 #[test]
 fn budget_arithmetic_matches_hand_computed_bytes() {
-    let program = compile("tests/fixtures/cost/budget.sched");
-    let profile = HardwareProfile::load("t4").unwrap();
-    let table = budget_table(&program, Some(&profile), &BudgetOverrides::default());
-    assert_eq!(table.peak("gpu"), 19_133_728, "{table}");
+    let table = fixture_table(cuda_scratch());
+    assert_eq!(table.peak("gpu"), 19_728_672, "{table}");
+    let scratch = line(&table, "gpu", "scratch on gpu (max: ");
+    assert_eq!(
+        (scratch.space, scratch.bytes),
+        ("gpu", 2_954_240),
+        "{table}"
+    );
+    assert!(
+        !table
+            .lines
+            .iter()
+            .any(|l| l.what.starts_with("scratch on h2d") || l.what.starts_with("scratch on d2h")),
+        "copies take no scratch: {table}"
+    );
     assert_eq!(table.peak("pinned"), 5_968_896, "{table}");
     assert_eq!(table.peak("host"), 32_455_936, "{table}");
     let kv = table.lines.iter().find(|l| l.what == "kv").unwrap();
@@ -68,6 +128,7 @@ fn budget_arithmetic_matches_hand_computed_bytes() {
 fn a_half_kv_cache_counts_two_bytes_per_element() {
     let source = std::fs::read_to_string("tests/fixtures/cost/budget.sched").unwrap();
     let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.scratch = cuda_scratch();
     options.kv_bytes = Some(2);
     let half = moec::compile::compile(&source, &options).unwrap().program;
     let full = compile("tests/fixtures/cost/budget.sched");
@@ -91,7 +152,7 @@ fn over_budget_by_one_byte_is_an_error_with_the_table() {
     let program = compile("tests/fixtures/cost/budget.sched");
     let profile = HardwareProfile::load("t4").unwrap();
     let overrides = BudgetOverrides {
-        gpu_bytes: Some(19_133_727.0),
+        gpu_bytes: Some(19_728_671.0),
         host_bytes: None,
     };
     let err = check_budget(&program, Some(&profile), &overrides).unwrap_err();
@@ -250,4 +311,105 @@ fn an_mla_cache_counts_what_each_backend_stores() {
         .unwrap();
     assert_eq!(pools.bytes() as u64 * 27, cpu.bytes);
     assert_eq!(pools.n_blocks() * layout.block_size, 8 * 640);
+}
+
+/// The CUDA backend's scratch rules (`runtime::cuda::scratch`, what the budget's `scratch
+/// on <stream>` lines count) at real sizes, by hand: DeepSeek-V2-Lite's 8,192-token
+/// prefill attention (MLA: no tensor cores) takes a score per query row, head and key,
+/// 8192 x 16 x 8192 x 4 = 4,294,967,296 B (the catalog counted 536,870,912; the lost
+/// branch measured 4,294,967,808 on the stand-in with the call's other pieces); the
+/// same task again is the memoised answer.
+#[test]
+fn mla_prefill_scores_are_counted_per_row_head_and_key() {
+    use moec::ir::scratch::TaskFacts;
+    use moec::ir::{AttnPart, Op, Shape};
+    use moec::runtime::cuda::scratch::ScratchRules;
+    let card = ModelCard::load("deepseek-v2-lite").unwrap();
+    let workload = moec::ir::Workload {
+        batch: 1,
+        prompt_len: 8192,
+        gen_len: 0,
+    };
+    let mut rules = ScratchRules::new(&card, &workload);
+    let facts = TaskFacts {
+        op: Op::Attn {
+            layer: 1,
+            ub: 0,
+            part: AttnPart::All,
+        },
+        shape: Shape {
+            tokens: 8192,
+            seqs: 1,
+            context: 8192,
+            act_bytes: 4,
+            kv_bytes: 4,
+        },
+        kv_arg: true,
+        a_args: 1,
+        acc_args: 1,
+        kv_copy: None,
+    };
+    assert_eq!(rules.task_bytes(&facts), 8192 * 16 * 8192 * 4);
+    assert_eq!(rules.task_bytes(&facts), 8192 * 16 * 8192 * 4);
+}
+
+/// The schedule language's `gpu_scratch(n, s, c)` is the rules' largest task over every op
+/// and layer: on the budget fixture's card at its prefill shape (512 tokens of 4
+/// sequences, context 160) it is the post_attn the budget table names, 2,954,240 B (worked
+/// in the hand arithmetic above), and a decode step's (4 tokens) takes less.
+#[test]
+fn gpu_scratch_helper_is_the_largest_task_of_a_micro_batch() {
+    use moec::runtime::cuda::scratch::max_task_bytes;
+    let card = ModelCard::load("mixtral-tiny").unwrap();
+    assert_eq!(max_task_bytes(&card, 512, 4, 160), 2_954_240);
+    assert!(max_task_bytes(&card, 4, 4, 160) < 2_954_240);
+}
+
+/// Compiled without a backend's scratch rules (the CPU backend registers none: its `gpu`
+/// tasks compute on host memory), the GPU keeps the op catalog's workspace of its largest
+/// `gpu.compute` task, in a line that says so: the budget fixture's prefill post_attn over
+/// 512 tokens, per token the merged attention row (4 * 32 = 128), the normalised row and 2
+/// slots (3 * 128), one expert's gathered row (128) and its gate and up values (2 * 256):
+/// 1,152 floats, 512 * 1,152 * 4 = 2,359,296 B (the peak 16,774,432 + 2,359,296 =
+/// 19,133,728 B, as before the rules existed). `gpu_scratch(..)` is then the catalog's
+/// bound of its task, and a `lint::catalog_scratch` warning says so once a program.
+#[test]
+fn without_scratch_rules_the_gpu_keeps_the_catalog_workspace_and_says_so() {
+    let cpu = moec::runtime::registry::find("cpu").unwrap();
+    assert!(cpu.scratch.is_none());
+    let table = fixture_table(cpu.scratch);
+    assert_eq!(table.peak("gpu"), 19_133_728, "{table}");
+    let line = line(&table, "gpu", "op workspace");
+    assert_eq!(line.bytes, 2_359_296, "{table}");
+    assert!(
+        line.what
+            .starts_with("op workspace (catalog: no backend scratch rules; max: "),
+        "{}",
+        line.what
+    );
+    assert!(
+        !table.lines.iter().any(|l| l.what.starts_with("scratch on")),
+        "{table}"
+    );
+    // The language's helper: the rules' bound with them, the catalog's without.
+    let source = "schedule s\nbuffer x: gpu = gpu_scratch(512, 4, 160)\n\
+                  buffer y: gpu = gpu_scratch(4, 4, 160)\nprefill { }\n";
+    let file = moec::compile::source_to_ast(source).unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    let sizes = |p: &Program| p.buffers.iter().find(|b| b.name == "x").unwrap().bytes;
+    let lints = |warnings: &[moec::diag::Diagnostic]| {
+        warnings
+            .iter()
+            .filter(|d| d.code == moec::diag::Code::LintCatalogScratch)
+            .count()
+    };
+    // The budget line's task (prefill post_attn over 512 tokens) is the largest: the same
+    // 2,359,296 B; one warning for the two calls.
+    let (program, warnings) = moec::compile::ast_to_ir(&file, &options).unwrap();
+    assert_eq!(sizes(&program), 2_359_296);
+    assert_eq!(lints(&warnings), 1, "{warnings:?}");
+    options.scratch = cuda_scratch();
+    let (program, warnings) = moec::compile::ast_to_ir(&file, &options).unwrap();
+    assert_eq!(sizes(&program), 2_954_240);
+    assert_eq!(lints(&warnings), 0, "{warnings:?}");
 }

@@ -183,6 +183,9 @@ fn the_paper_setting_checks_and_fits_a_24_gb_gpu_on_the_real_cards() {
     ] {
         let card = ModelCard::load(name).expect("card");
         let mut opts = Options::new(card.clone());
+        // Budgeted for the CUDA backend: its scratch rules, which the fill rule's
+        // `gpu_scratch` and the budget's `scratch on gpu` line both ask.
+        opts.scratch = moec::runtime::registry::find("cuda").unwrap().scratch;
         opts.hardware = hw
             .symbols()
             .into_iter()
@@ -212,13 +215,30 @@ fn the_paper_setting_checks_and_fits_a_24_gb_gpu_on_the_real_cards() {
             .count();
         match n_gpu {
             "56" => assert_eq!(resident, 56),
-            // Filling: one more expert would not fit.
+            // Filling: the fill rule leaves room for the compute stream's scratch
+            // (`gpu_scratch` of a prefill or a decode step: the largest task of any op, all
+            // experts), of which the budget counts the stream's own largest task; beside
+            // that reservation, less than two experts stay free (the floor of the rule's
+            // own estimate of the rest, which is within an expert of what the budget
+            // counts: 10 MB apart on Mixtral-8x7B, whose experts are 352 MB).
             _ => {
+                use moec::runtime::cuda::scratch::max_task_bytes;
                 let expert = compiled.program.checkpoint().expert_bytes;
-                let gpu = table.peak("gpu") as f64;
+                let w = compiled.program.workload;
+                let ctx = w.prompt_len + w.gen_len;
+                // `options` runs micro-batches of 2 sequences.
+                let reserved = max_task_bytes(&card, 2 * w.prompt_len, 2, ctx)
+                    .max(max_task_bytes(&card, 2, 2, ctx));
+                let counted = table
+                    .lines
+                    .iter()
+                    .find(|l| l.what.starts_with("scratch on gpu"))
+                    .map_or(0, |l| l.bytes);
+                assert!(counted <= reserved, "{name}: {counted} > {reserved}");
+                let gpu = (table.peak("gpu") - counted + reserved) as f64;
                 let budget = hw.budget_bytes(moec::cost::hardware::Level::Gpu);
                 assert!(
-                    resident > 0 && gpu + expert as f64 > budget,
+                    resident > 0 && gpu + 2.0 * expert as f64 > budget,
                     "{name}: {resident} experts, {gpu} of {budget} bytes"
                 );
             }

@@ -48,6 +48,12 @@ pub struct SchedArgs {
     /// `kv_cache(..)` buffers and the KV traffic at 2 bytes an element; f32 if not given.
     #[arg(long, value_parser = super::inputs::kv_type)]
     pub kv_type: Option<crate::model::vocab::KvType>,
+    /// Backend the schedule is compiled and its memory budgets proved for, as `moec run
+    /// --backend` runs it: `cuda` counts each device stream's workspace by the CUDA
+    /// kernels' scratch rules (a `scratch on <stream>` budget line each; `gpu_scratch(..)`
+    /// is their bound); `cpu` (the default, as `moec run`'s) the op catalog's workspace.
+    #[arg(long, default_value = "cpu", value_parser = super::inputs::backend())]
+    pub backend: &'static crate::runtime::Registration,
 }
 
 /// Why a schedule could not be compiled, ready to print.
@@ -69,6 +75,7 @@ impl SchedArgs {
                 text: format!("error: {e}\n"),
             })?;
         let mut options = Options::new(model);
+        options.scratch = self.backend.scratch;
         options.kv_bytes = self.kv_type.map(|kv| kv.bytes());
         if let Some(path) = &self.routing_profile {
             options.profile = Some(

@@ -374,6 +374,10 @@ fn commands_for(
     if let Some(gpu_mem) = &target.gpu_mem {
         common.extend(["--gpu-mem".to_string(), gpu_mem.clone()]);
     }
+    // `run` and `check` budget the same backend's scratch.
+    if target.backend != crate::runtime::registry::default_backend() {
+        common.extend(["--backend".to_string(), target.backend.name.to_string()]);
+    }
     // `run` and `check` refuse a plan over the same host budget.
     if let Some(host_mem) = &target.host_mem {
         common.extend(["--host-mem".to_string(), host_mem.clone()]);

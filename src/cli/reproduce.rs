@@ -86,6 +86,9 @@ fn compiled(
         .map(|(_, text)| *text)
         .ok_or_else(|| format!("unknown schedule `{}`", row.schedule))?;
     let mut options = Options::new(model.clone());
+    // `moec run`'s default backend, as every command that names none (its scratch rules,
+    // if it has any: the papers' rows are costed, not run).
+    options.scratch = crate::runtime::registry::default_backend().scratch;
     options.act_bytes = ACT_BYTES;
     options.workload = Workload {
         batch: 1,

@@ -75,6 +75,12 @@ pub struct CostTarget {
     /// output's `rates:` line says which.
     #[arg(long, value_name = "RATES")]
     pub rates: Option<String>,
+    /// Backend the schedule is compiled and its memory budgets proved for, as `moec run
+    /// --backend` runs it: `cuda` counts each device stream's workspace by the CUDA
+    /// kernels' scratch rules (a `scratch on <stream>` budget line each; `gpu_scratch(..)`
+    /// is their bound); `cpu` (the default, as `moec run`'s) the op catalog's workspace.
+    #[arg(long, default_value = "cpu", value_parser = super::inputs::backend())]
+    pub backend: &'static crate::runtime::Registration,
 }
 
 /// Arguments of `moec simulate`.
@@ -181,6 +187,8 @@ pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
         ));
     }
     let mut options = Options::new(model);
+    // The planner's points and winners alike are budgeted for the backend's scratch.
+    options.scratch = target.backend.scratch;
     if let Some(path) = &target.routing_profile {
         options.profile = Some(super::inputs::load_routing_profile(path, &options.model)?);
     }

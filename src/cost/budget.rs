@@ -15,6 +15,7 @@
 use super::hardware::{HardwareProfile, Level, GB};
 use super::predict::buffer_classes;
 use crate::ir::catalog;
+use crate::ir::scratch::{stream_bounds, DeviceScratch, TaskFacts};
 use crate::ir::StepKind;
 use crate::ir::{BufferKind, Engine, Program, Space, TaskId};
 use serde::Serialize;
@@ -340,21 +341,29 @@ fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     out
 }
 
-/// The largest scratch space one task needs beyond its arguments (gate/up intermediates of
-/// experts, attention score blocks), per space its engine computes in. The CPU's
-/// attention keeps one tile's scores per worker thread (`cpu_threads` of them), whatever
-/// the prompt's length: counting the catalog's score block per query row and head there
-/// put 1.07 GB on an 8,192-token Qwen3-30B-A3B prefill whose kernel holds 8 MiB.
+/// Scratch the tasks need beyond their arguments. The CPU's largest over its compute
+/// tasks (gate/up intermediates of experts, attention score tiles): its attention keeps
+/// one tile's scores per worker thread (`cpu_threads` of them), whatever the prompt's
+/// length: counting the catalog's score block per query row and head there put 1.07 GB on
+/// an 8,192-token Qwen3-30B-A3B prefill whose kernel holds 8 MiB. On the GPU, by the scratch
+/// rules of the backend the program was compiled for ([`Program::scratch`], e.g. the CUDA
+/// backend's, which gives each device stream a workspace of its own reserved at the
+/// largest bound of the rules over the stream's tasks): one line per device stream, so the
+/// streams' lines add up. Without rules, the op catalog's workspace of the largest
+/// `gpu.compute` task, in a line that says so.
 fn workspace_lines(program: &Program, cpu_threads: u64) -> Vec<BudgetLine> {
-    let mut best: [(u64, Option<TaskId>); 2] = [(0, None), (0, None)];
+    let mut host: (u64, Option<TaskId>) = (0, None);
+    let mut catalog_gpu: (u64, Option<TaskId>) = (0, None);
     for (index, task) in program.tasks.iter().enumerate() {
         let slot = match program.stream(task.stream).engine {
-            Engine::GpuCompute => 0,
-            Engine::CpuCompute => 1,
+            Engine::CpuCompute => &mut host,
+            Engine::GpuCompute if program.scratch.is_none() => &mut catalog_gpu,
             _ => continue,
         };
         let bytes = match task.op {
-            crate::ir::Op::Attn { .. } if slot == 1 => {
+            crate::ir::Op::Attn { .. }
+                if program.stream(task.stream).engine == Engine::CpuCompute =>
+            {
                 cpu_threads
                     * crate::model::vocab::attention_score_scratch_bytes(
                         program.model.heads,
@@ -364,17 +373,78 @@ fn workspace_lines(program: &Program, cpu_threads: u64) -> Vec<BudgetLine> {
             }
             _ => catalog::workspace_bytes(&task.op, &program.model, &task.shape),
         };
-        if bytes > best[slot].0 {
-            best[slot] = (bytes, Some(TaskId::new(index)));
+        if bytes > slot.0 {
+            *slot = (bytes, Some(TaskId::new(index)));
         }
     }
-    best.iter()
-        .zip(["gpu", "host"])
-        .filter_map(|(&(bytes, task), space)| {
-            let task = task?;
+    let mut lines = match (program.scratch, catalog_gpu) {
+        (Some(rules), _) => gpu_scratch_lines(program, rules),
+        (None, (bytes, Some(task))) => vec![BudgetLine {
+            space: "gpu",
+            what: format!(
+                "op workspace (catalog: no backend scratch rules; max: {})",
+                program.task_name(task)
+            ),
+            class: "activations",
+            buffers: 1,
+            bytes,
+        }],
+        (None, (_, None)) => Vec::new(),
+    };
+    if let (bytes, Some(task)) = host {
+        lines.push(BudgetLine {
+            space: "host",
+            what: format!("op workspace (max: {})", program.task_name(task)),
+            class: "activations",
+            buffers: 1,
+            bytes,
+        });
+    }
+    lines
+}
+
+/// Whether an engine's tasks run on the GPU (a device backend's streams, each with its own
+/// workspace).
+fn on_device(engine: Engine) -> bool {
+    matches!(
+        engine,
+        Engine::GpuCompute | Engine::GpuCopyIn | Engine::GpuCopyOut
+    )
+}
+
+/// One `scratch on <stream>` line (space `gpu`) per device stream whose tasks take scratch: the
+/// largest bound of `rules` over its tasks, naming the task that sets it.
+fn gpu_scratch_lines(program: &Program, rules: &dyn DeviceScratch) -> Vec<BudgetLine> {
+    let device: Vec<bool> = program
+        .streams
+        .iter()
+        .map(|s| on_device(s.engine))
+        .collect();
+    if !device.contains(&true) {
+        return Vec::new();
+    }
+    let mut rules = rules.rules(&program.model, &program.workload);
+    let tasks = program
+        .tasks
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| device.get(t.stream.index()).copied().unwrap_or(false))
+        .map(|(index, t)| {
+            let facts = TaskFacts::new(t.op, t.shape, t.kv, t.args.iter().map(|a| a.role));
+            (t.stream.index(), TaskId::new(index), facts)
+        });
+    stream_bounds(rules.as_mut(), program.streams.len(), tasks)
+        .into_iter()
+        .enumerate()
+        .filter_map(|(stream, bound)| {
+            let (bytes, task) = bound.filter(|(bytes, _)| *bytes > 0)?;
             Some(BudgetLine {
-                space,
-                what: format!("op workspace (max: {})", program.task_name(task)),
+                space: "gpu",
+                what: format!(
+                    "scratch on {} (max: {})",
+                    program.streams[stream].name,
+                    program.task_name(task)
+                ),
                 class: "activations",
                 buffers: 1,
                 bytes,
@@ -543,7 +613,7 @@ fn space_budgets(
 /// Whether `buffers` (a program's declared buffers, [`crate::elaborate::declared_buffers`])
 /// alone exceed a budget, so the program is over budget whatever its tasks: a space's peak
 /// in [`budget_table`] is the sum of its declared buffers plus what is never negative (the
-/// op workspace line, the checkpoint's resident part), so a sum over its budget is a peak
+/// scratch and op workspace lines, the checkpoint's resident part), so a sum over its budget is a peak
 /// over it. Also true when their host and pinned bytes, plus the gpu bytes where
 /// `gpu_in_host`, exceed `machine_bytes`, which a program's peaks then exceed too.
 pub fn declared_over_budget(

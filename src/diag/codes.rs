@@ -96,11 +96,14 @@ pub enum Code {
     LintFalseDependency,
     /// A pageable -> GPU copy (warning).
     LintPageableCopy,
+    /// `gpu_scratch(..)` compiled without a backend's scratch rules: the op catalog's
+    /// bound stands in (warning).
+    LintCatalogScratch,
 }
 
 impl Code {
     /// Every code, in documentation order.
-    pub const ALL: [Code; 43] = [
+    pub const ALL: [Code; 44] = [
         Code::SyntaxUnexpected,
         Code::SyntaxBadLiteral,
         Code::SyntaxTooDeep,
@@ -144,6 +147,7 @@ impl Code {
         Code::LintUnusedParam,
         Code::LintFalseDependency,
         Code::LintPageableCopy,
+        Code::LintCatalogScratch,
     ];
 
     /// The stable name shown to users.
@@ -192,6 +196,7 @@ impl Code {
             Code::LintUnusedParam => "lint::unused_param",
             Code::LintFalseDependency => "lint::false_dependency",
             Code::LintPageableCopy => "lint::pageable_copy",
+            Code::LintCatalogScratch => "lint::catalog_scratch",
         }
     }
 

@@ -859,6 +859,18 @@ impl Diagnostic {
         .label(span, "declared here")
     }
 
+    /// `gpu_scratch(..)` evaluated without a backend's scratch rules: `bytes`, the op
+    /// catalog's workspace of the largest task, stands in for what a device stream's
+    /// workspace takes (warning).
+    pub fn catalog_scratch(span: Span, bytes: u64) -> Self {
+        Diagnostic::new(
+            Code::LintCatalogScratch,
+            "`gpu_scratch` is the op catalog's bound: no backend's scratch rules were given",
+        )
+        .label(span, format!("{bytes} B, the catalog's workspace of the largest task"))
+        .help("compile for the backend that runs the schedule (`--backend cuda`): its rules count the scratch its kernels take, as its budget does")
+    }
+
     /// A declared param no expression reads.
     pub fn unused_param(span: Span, name: &str) -> Self {
         Diagnostic::new(

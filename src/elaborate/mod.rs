@@ -76,6 +76,12 @@ pub struct Options {
     /// still resolve `after` and are still checked for duplicates; the winners a planner
     /// prints are compiled again with this `true`.
     pub task_names: bool,
+    /// The scratch rules of the backend the program is compiled for (its
+    /// `runtime::Registration::scratch`): the budget's `scratch on <stream>` lines and the
+    /// language's `gpu_scratch(n, s, c)`. `None` (a backend without device streams of its
+    /// own, or no backend named): the op catalog's workspace, which the budget line and a
+    /// `lint::catalog_scratch` warning on `gpu_scratch` say.
+    pub scratch: Option<&'static dyn crate::ir::scratch::DeviceScratch>,
 }
 
 /// Bounds on unrolling, so a runaway loop is an error rather than a hang.
@@ -113,6 +119,7 @@ impl Options {
             profile: None,
             routed_ceiling: true,
             task_names: true,
+            scratch: None,
         }
     }
 }
@@ -438,6 +445,7 @@ impl<'a> Elaborator<'a> {
             expert_shares,
             caches: self.caches,
             substitutes: self.substitutes,
+            scratch: self.options.scratch,
             spans,
             layout: self.checkpoint,
             writers: std::sync::OnceLock::new(),
@@ -682,6 +690,21 @@ impl value::Context for Elaborator<'_> {
 
     fn act_bytes(&self) -> u64 {
         self.options.act_bytes.max(1)
+    }
+
+    fn scratch(&self) -> Option<&'static dyn crate::ir::scratch::DeviceScratch> {
+        self.options.scratch
+    }
+
+    fn catalog_scratch(&mut self, span: Span, bytes: u64) {
+        // Once a program: every call stands in the same way.
+        if !self
+            .diags
+            .iter()
+            .any(|d| d.code == Code::LintCatalogScratch)
+        {
+            self.report(Diagnostic::catalog_scratch(span, bytes));
+        }
     }
 
     fn routed_ceiling(&self, ub: Option<u32>) -> Option<u64> {

@@ -201,6 +201,13 @@ pub trait Context {
     fn kv_bytes(&self) -> u64;
     /// The index of the expert cache whose buffer is `buffer`, if it is one.
     fn cache_of(&self, buffer: BufferId) -> Option<u32>;
+    /// The scratch rules of the backend compiled for (`Options::scratch`).
+    fn scratch(&self) -> Option<&'static dyn crate::ir::scratch::DeviceScratch> {
+        None
+    }
+    /// Called when `gpu_scratch` at `span` was the catalog's `bytes` (no rules): the
+    /// context warns (once a program).
+    fn catalog_scratch(&mut self, _span: Span, _bytes: u64) {}
 
     /// The buffer holding every MoE expert in `format` (`BufferKind::FormatCopy`), created
     /// on first use, and one expert's bytes in it; an error (in words) when the card's
@@ -884,8 +891,21 @@ fn call(
                     ));
                 }
             }
-            match catalog::size_helper(name, &ints, cx.card(), cx.act_bytes(), cx.kv_bytes()) {
-                Some(Ok(size)) => Ok(Val::Bytes(size)),
+            let scratch = cx.scratch();
+            match catalog::size_helper(
+                name,
+                &ints,
+                cx.card(),
+                cx.act_bytes(),
+                cx.kv_bytes(),
+                scratch,
+            ) {
+                Some(Ok(size)) => {
+                    if name == "gpu_scratch" && scratch.is_none() {
+                        cx.catalog_scratch(span, size.bytes);
+                    }
+                    Ok(Val::Bytes(size))
+                }
                 Some(Err(expected)) => Err(Diagnostic::arity(
                     span,
                     &format!("`{name}`"),

@@ -144,6 +144,8 @@ fn compile_for(
         return Err(RunFailure::Message(why));
     }
     let mut options = Options::new(card.clone());
+    // The budget counts the scratch the backend that runs it takes.
+    options.scratch = request.backend.scratch;
     options.kv_bytes = Some(request.kv_type.bytes());
     if let Some(path) = &request.routing_profile {
         options.profile =

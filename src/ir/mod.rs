@@ -29,6 +29,7 @@ mod ids;
 mod kinds;
 pub mod profile;
 pub mod readback;
+pub mod scratch;
 pub mod value;
 pub mod writers;
 
@@ -90,6 +91,11 @@ pub struct Program {
     /// Declared lossy substitutes (`substitute experts q4_k`), in declaration order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub substitutes: Vec<Substitute>,
+    /// The scratch rules of the backend the program was compiled for
+    /// (`elaborate::Options::scratch`): the budget counts each device stream's workspace
+    /// by them; `None`, the op catalog's workspace, and the budget line says so.
+    #[serde(skip)]
+    pub scratch: Option<&'static dyn scratch::DeviceScratch>,
     /// Source spans of everything above.
     #[serde(skip)]
     pub spans: SpanTable,

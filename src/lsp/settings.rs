@@ -99,6 +99,8 @@ impl Settings {
         let model = self.model.as_deref().unwrap_or(DEFAULT_MODEL);
         let card = load_card(model, self.weight_format.as_deref())?;
         let mut options = Options::new(card);
+        // No backend setting: `moec run`'s default backend, as every command naming none.
+        options.scratch = crate::runtime::registry::default_backend().scratch;
         let defaults = Workload::default();
         options.workload = Workload {
             batch: self.batch.unwrap_or(defaults.batch),

@@ -70,6 +70,13 @@ pub struct Registration {
     /// (`registry::card_for`). A backend without it keeps a V pool, and is refused a plan
     /// whose cache has none.
     pub mla_values_in_keys: bool,
+    /// The scratch its device streams' tasks take ([`crate::ir::scratch::DeviceScratch`]):
+    /// a compile for this backend carries them (`elaborate::Options::scratch`), so the
+    /// budget counts each device stream's workspace as the backend reserves it and the
+    /// language's `gpu_scratch(n, s, c)` is its bound. `None`: the op catalog's workspace
+    /// (the CPU backend, whose `gpu` tasks compute on host memory), which the budget line
+    /// says.
+    pub scratch: Option<&'static dyn crate::ir::scratch::DeviceScratch>,
     /// Why the backend cannot run on this machine, in one line, asked before anything is
     /// loaded (`None`: it may).
     pub refusal: fn() -> Option<String>,

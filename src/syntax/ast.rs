@@ -28,8 +28,8 @@
 //! Expressions: int and float literals, `true`/`false`, `+ - * / %`, comparisons,
 //! `&& || !`, ranges, lists `[a, b]`, calls (`min max ceil floor bytes`, size helpers
 //! `hidden(n) qkv(n) attn_out(n) kv_cache(t) routing(n) logits(s) tokens(s)
-//! layer_weights() dense_weights() expert_weights(m) embed_weights() head_weights()`,
-//! run-time `hot(layer, rank)` and `active(layer, expert[, ub])`), indexing `b[i]`,
+//! layer_weights() dense_weights() expert_weights(m) embed_weights() head_weights()
+//! gpu_scratch(n, s, c)`, run-time `hot(layer, rank)` and `active(layer, expert[, ub])`), indexing `b[i]`,
 //! hardware symbols `gpu.mem`. The checkpoint is the built-in buffer `W`: `W.embed`,
 //! `W.head`, `W[i]` (a layer); layer slices have fields `.pre .o .gate .attn .post .dense
 //! .experts` and methods `.expert(e) .experts(a, b)`; any slice has `.page(k, n)` and

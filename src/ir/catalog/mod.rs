@@ -442,17 +442,17 @@ mod tests {
     #[test]
     fn activation_sizes_follow_act_bytes() {
         let card = ModelCard::load("mixtral-tiny").unwrap();
-        let f32_size = size_helper("kv_cache", &[10], &card, 4, 4)
+        let f32_size = size_helper("kv_cache", &[10], &card, 4, 4, None)
             .unwrap()
             .unwrap()
             .bytes;
-        let f16_size = size_helper("kv_cache", &[10], &card, 4, 2)
+        let f16_size = size_helper("kv_cache", &[10], &card, 4, 2, None)
             .unwrap()
             .unwrap()
             .bytes;
         assert_eq!(f32_size, 10 * 2 * card.kv_dim() * 4);
         assert_eq!(f16_size * 2, f32_size);
-        assert_eq!(size_helper("hidden", &[], &card, 4, 4), Some(Err(1)));
-        assert_eq!(size_helper("nope", &[1], &card, 4, 4), None);
+        assert_eq!(size_helper("hidden", &[], &card, 4, 4, None), Some(Err(1)));
+        assert_eq!(size_helper("nope", &[1], &card, 4, 4, None), None);
     }
 }

@@ -1300,7 +1300,7 @@ mod tests {
             kv_bytes: 4,
         };
         let helper = |name: &str, n: u64| {
-            super::super::size_helper(name, &[n], &card, 4, 4)
+            super::super::size_helper(name, &[n], &card, 4, 4, None)
                 .unwrap()
                 .unwrap()
                 .bytes

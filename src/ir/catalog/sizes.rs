@@ -16,7 +16,7 @@ pub struct HelperSize {
 }
 
 /// Names of the size helpers, for "unknown function" suggestions.
-pub const SIZE_HELPERS: [&str; 13] = [
+pub const SIZE_HELPERS: [&str; 14] = [
     "hidden",
     "expert_acc",
     "qkv",
@@ -30,6 +30,7 @@ pub const SIZE_HELPERS: [&str; 13] = [
     "expert_weights",
     "embed_weights",
     "head_weights",
+    "gpu_scratch",
 ];
 
 /// Evaluates a size helper on integer arguments: `hidden(n)`, `qkv(n)`, `attn_out(n)` (n
@@ -37,13 +38,19 @@ pub const SIZE_HELPERS: [&str; 13] = [
 /// gate's normalised rows and top_k output slots each), `logits(s)` and
 /// `tokens(s)` (s sequences), `layer_weights()`, `dense_weights()` (or `dense_weights(l)`:
 /// layer l's own), `expert_weights(m)`,
-/// `embed_weights()`, `head_weights()`. `Err` carries the expected argument count.
+/// `embed_weights()`, `head_weights()`, `gpu_scratch(n, s, c)` (the most scratch one GPU
+/// task of a micro-batch of n tokens over s sequences of context c takes: a device stream's
+/// workspace by `scratch`, the rules of the backend compiled for
+/// ([`crate::ir::scratch::DeviceScratch::max_task_bytes`]); without rules, the op catalog's
+/// workspace of that task, which the caller says in a warning). `Err` carries the expected
+/// argument count.
 pub fn size_helper(
     name: &str,
     args: &[u64],
     card: &ModelCard,
     act_bytes: u64,
     kv_bytes: u64,
+    scratch: Option<&dyn crate::ir::scratch::DeviceScratch>,
 ) -> Option<Result<HelperSize, usize>> {
     use crate::ir::Layout;
     let a = act_bytes;
@@ -100,6 +107,20 @@ pub fn size_helper(
         }),
         "embed_weights" => none(raw(layout.embed_bytes)),
         "head_weights" => none(raw(layout.head_bytes)),
+        "gpu_scratch" => match args {
+            [n, s, c] => Ok(raw(match scratch {
+                Some(rules) => rules.max_task_bytes(card, *n, *s, *c),
+                None => crate::ir::scratch::catalog_max_task_bytes(
+                    card,
+                    &crate::ir::catalog::Shape {
+                        act_bytes: a,
+                        kv_bytes,
+                        ..crate::ir::scratch::max_task_shape(*n, *s, *c)
+                    },
+                ),
+            })),
+            _ => Err(3),
+        },
         _ => return None,
     })
 }

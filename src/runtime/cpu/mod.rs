@@ -80,6 +80,8 @@ pub const REGISTRATION: Registration = Registration {
         crate::model::vocab::KvType::F16,
     ],
     mla_values_in_keys: true,
+    // Its `gpu` tasks compute on host memory: the budget keeps the op catalog's workspace.
+    scratch: None,
     refusal: || None,
     open: open_cpu,
     link_libraries: || None,

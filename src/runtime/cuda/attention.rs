@@ -217,6 +217,12 @@ pub(super) fn decode_splits(max_keys: usize, blocks: usize, sms: usize) -> usize
         .clamp(1, max_keys.div_ceil(DECODE_SPLIT_MIN_KEYS))
 }
 
+/// The most splits [`decode_splits`] gives a launch over `max_keys` keys whatever its rows
+/// and the device's SMs (the scratch rules' bound on its partials, `super::scratch`).
+pub(super) fn decode_split_bound(max_keys: usize) -> usize {
+    decode_splits(max_keys, 1, usize::MAX / 4)
+}
+
 /// Floats of one block of one KV head's pool.
 fn block_elems(shape: &AttnShape, block: usize) -> usize {
     block * shape.kv_heads * shape.head_dim
@@ -569,7 +575,7 @@ impl<'a, 'c> Calls<'a, 'c> {
 
 /// `MOEC_ATTN_MMA_MAX_DIM` of kernels/prefill_attention.cu: the widest head
 /// `paged_prefill_attention_mma` takes.
-const ATTN_MMA_MAX_DIM: usize = 128;
+pub(super) const ATTN_MMA_MAX_DIM: usize = 128;
 
 /// Mean new rows per sequence of a run from which prefill attention runs on tensor cores
 /// (`paged_prefill_attention_mma`'s tiles are 16 rows of one sequence); where it overtakes

@@ -111,6 +111,55 @@ struct DevStream {
     workspace: Workspace,
 }
 
+/// A device stream's budgeted scratch: the bound its workspace was reserved at and the
+/// task that sets it.
+#[derive(Debug, Clone)]
+struct StreamScratch {
+    stream: String,
+    bound: u64,
+    task: String,
+}
+
+/// The plan's tasks on device streams.
+fn device_tasks(plan: &ExecPlan) -> impl Iterator<Item = &PlanTask> {
+    plan.tasks.iter().filter(|t| {
+        plan.streams
+            .get(t.stream.index())
+            .is_some_and(|s| is_device(s.engine))
+    })
+}
+
+/// Per plan stream, the scratch rules' bound over its device tasks (`super::scratch`),
+/// the same as `moec check` counts (`cost::budget`).
+fn scratch_bounds(plan: &ExecPlan) -> Vec<Option<StreamScratch>> {
+    let mut rules = super::scratch::ScratchRules::new(&plan.model, &plan.workload);
+    let tasks = device_tasks(plan).map(|t| {
+        let facts = crate::ir::scratch::TaskFacts::new(
+            t.op,
+            t.shape,
+            t.kv.map(|k| k.part),
+            t.args.iter().map(|a| a.role),
+        );
+        (t.stream.index(), t.id, facts)
+    });
+    crate::ir::scratch::stream_bounds(&mut rules, plan.streams.len(), tasks)
+        .into_iter()
+        .enumerate()
+        .map(|(s, bound)| {
+            let (bytes, task) = bound?;
+            Some(StreamScratch {
+                stream: plan.streams[s].name.clone(),
+                bound: bytes,
+                task: plan
+                    .tasks
+                    .iter()
+                    .find(|t| t.id == task)
+                    .map_or_else(String::new, |t| t.name.clone()),
+            })
+        })
+        .collect()
+}
+
 /// Where an event was last recorded (0: never, 1: host stream, 2: CUDA stream).
 const ON_HOST: u8 = 1;
 const ON_DEVICE: u8 = 2;
@@ -171,6 +220,11 @@ pub struct CudaBackend<'c> {
     host_roles: Mutex<Vec<Option<graph::HostRole>>>,
     /// What the first-use warm-up did at load (`super::warmup`).
     warm_up: super::warmup::WarmUp,
+    /// Per plan stream, its budgeted scratch (`super::scratch`) that its workspace was
+    /// reserved at, for the run report.
+    scratch: Vec<Option<StreamScratch>>,
+    /// The names of the device streams' tasks (the report's peak task).
+    task_names: std::collections::HashMap<TaskId, String>,
     events: Vec<PlanEvent>,
     timing: Mutex<Timing>,
     streams: Vec<Option<DevStream>>,
@@ -334,6 +388,20 @@ impl<'c> CudaBackend<'c> {
             options.weight_copies,
             &format_copy_ranges(plan),
         )?;
+        // Each device stream's scratch reserved at its budgeted bound: a run within the
+        // budget never grows it (the report says when a task took more).
+        let scratch = scratch_bounds(plan);
+        for (dev, bound) in streams.iter().zip(&scratch) {
+            if let (Some(dev), Some(b)) = (dev, bound) {
+                dev.workspace
+                    .reserve(&dev.stream, b.bound as usize)
+                    .map_err(|e| CudaSetupError::Call {
+                        doing: "reserving a stream's scratch",
+                        detail: e.to_string(),
+                    })?;
+            }
+        }
+        let task_names = device_tasks(plan).map(|t| (t.id, t.name.clone())).collect();
         let expert_sources =
             ExpertSources::new(&setup_stream, streams.len(), !plan.format_copies.is_empty())
                 .map_err(call("allocating the expert counters"))?;
@@ -437,6 +505,8 @@ impl<'c> CudaBackend<'c> {
             verified: AtomicUsize::new(0),
             ran_ops_because: Mutex::default(),
             warm_up,
+            scratch,
+            task_names,
             device,
         })
     }
@@ -453,6 +523,44 @@ impl<'c> CudaBackend<'c> {
             weights: self.memory.weight_path().clone(),
             relayed: self.host_memory.relayed(),
         }
+    }
+
+    /// The run report's scratch clauses: per device stream with tasks, `gpu scratch on
+    /// <stream>: peak X B a task (<task>), arena Y B, budgeted Z B (<task>)`, and a
+    /// `BUDGET VIOLATION` clause for a stream where a task took more than its bound.
+    fn scratch_report(&self) -> String {
+        let mut out = String::new();
+        for (dev, budget) in self.streams.iter().zip(&self.scratch) {
+            let (Some(dev), Some(budget)) = (dev, budget) else {
+                continue;
+            };
+            let usage = dev.workspace.usage();
+            let (arena, _) = dev.workspace.size();
+            let name = |t: Option<TaskId>| {
+                t.and_then(|t| self.task_names.get(&t))
+                    .map_or("no task", String::as_str)
+            };
+            out += &format!(
+                "; gpu scratch on {}: peak {} B a task ({}), arena {arena} B, budgeted {} B ({})",
+                budget.stream,
+                usage.peak,
+                name(usage.peak_task),
+                budget.bound,
+                budget.task
+            );
+            if usage.over > 0 {
+                out += &format!(
+                    "; BUDGET VIOLATION: gpu scratch on {}: {} tasks took more than the \
+                     budgeted {} B, the most {} B ({})",
+                    budget.stream,
+                    usage.over,
+                    budget.bound,
+                    usage.peak,
+                    name(usage.peak_task)
+                );
+            }
+        }
+        out
     }
 
     fn stream(&self, stream: StreamId) -> Option<&DevStream> {
@@ -512,7 +620,7 @@ impl<'c> CudaBackend<'c> {
             slot[0] = at;
             slot[1] = len;
         }
-        dev.workspace.reset(true);
+        dev.workspace.begin_task(true, task.id);
         let s = self.stream_cx(stream, dev);
         let table = s.upload(&table).map_err(|e| task_error(OpError::from(e)))?;
         // copy_runs(const u64* runs, long long n, const char* src, char* dst): n (offset,
@@ -764,6 +872,7 @@ impl Backend for CudaBackend<'_> {
                 .map_or(String::new(), |c| format!("; {c}"))
             + "; "
             + &self.warm_up.describe()
+            + &self.scratch_report()
     }
 
     fn memory(&self) -> MemoryReport {
@@ -806,7 +915,7 @@ impl Backend for CudaBackend<'_> {
         } else {
             Some(self.start_timing(&dev.stream)?)
         };
-        dev.workspace.reset(recorded);
+        dev.workspace.begin_task(recorded, task.id);
         let cx = GpuCx {
             s: self.stream_cx(stream, dev),
             mem: &self.memory,

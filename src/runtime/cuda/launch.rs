@@ -532,6 +532,27 @@ struct WorkspaceInner {
     /// queued work, so they are freed (stream-ordered) at the next reset.
     retired: Vec<CudaSlice<u8>>,
     grown: usize,
+    /// What the run measures against the budget ([`ScratchUse`]).
+    usage: ScratchUse,
+}
+
+/// A stream's scratch as measured against its budgeted bound (`super::scratch`): the
+/// most one task took (the sum of its pieces, across any growth), which task, and the
+/// tasks that took more than the bound.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScratchUse {
+    /// The budgeted bound, when the workspace was reserved at one.
+    pub bound: Option<usize>,
+    /// The most bytes one task took.
+    pub peak: usize,
+    /// The task that took them.
+    pub peak_task: Option<crate::ir::TaskId>,
+    /// Tasks that took more than `bound`.
+    pub over: usize,
+    /// The current task and the bytes it has taken.
+    task: Option<crate::ir::TaskId>,
+    taken: usize,
+    counted_over: bool,
 }
 
 impl Workspace {
@@ -542,9 +563,53 @@ impl Workspace {
     pub fn reset(&self, keep_retired: bool) {
         let mut w = crate::runtime::sync::lock(&self.inner);
         w.used = 0;
+        w.usage.taken = 0;
+        w.usage.counted_over = false;
         if !keep_retired {
             w.retired.clear();
         }
+    }
+
+    /// [`Workspace::reset`] for task `task`, whose pieces the measurement then counts.
+    pub fn begin_task(&self, keep_retired: bool, task: crate::ir::TaskId) {
+        self.reset(keep_retired);
+        crate::runtime::sync::lock(&self.inner).usage.task = Some(task);
+    }
+
+    /// Reserves the buffer at `bound` bytes (the stream's budgeted scratch, from
+    /// `super::scratch`), so no task within it makes the buffer grow, and measures every
+    /// task against it from now on.
+    pub fn reserve(&self, stream: &Arc<CudaStream>, bound: usize) -> Result<(), LaunchError> {
+        let mut w = crate::runtime::sync::lock(&self.inner);
+        let w = &mut *w;
+        let size = bound.next_multiple_of(SCRATCH_ALIGN);
+        if size > w.size {
+            w.base = regrow(stream, &mut w.buffer, &mut w.retired, size)?;
+            w.size = size;
+            w.used = 0;
+        }
+        w.usage.bound = Some(bound);
+        Ok(())
+    }
+
+    /// A scope whose pieces are handed out again when it ends (pieces taken before it
+    /// stay): for a loop whose iterations each take scratch (the host-grouped experts),
+    /// safe as [`Workspace::reset`] is, since the next iteration's kernels are queued on
+    /// the stream after the last one's. When the buffer grew inside the scope, its end
+    /// keeps everything (the old pieces are in the retired buffer).
+    pub fn scope(&self) -> ScratchScope<'_> {
+        let w = crate::runtime::sync::lock(&self.inner);
+        ScratchScope {
+            workspace: self,
+            base: w.base,
+            used: w.used,
+            taken: w.usage.taken,
+        }
+    }
+
+    /// The scratch measured so far against the bound.
+    pub fn usage(&self) -> ScratchUse {
+        crate::runtime::sync::lock(&self.inner).usage.clone()
     }
 
     /// Starts a step: the step tables' buffer is handed out from its start again and no
@@ -618,7 +683,37 @@ impl Workspace {
         }
         let ptr = w.base + w.used as u64;
         w.used += bytes;
+        let u = &mut w.usage;
+        u.taken += bytes;
+        if u.taken > u.peak {
+            u.peak = u.taken;
+            u.peak_task = u.task;
+        }
+        if u.bound.is_some_and(|b| u.taken > b) && !u.counted_over {
+            u.counted_over = true;
+            u.over += 1;
+        }
         Ok(ptr)
+    }
+}
+
+/// A scope of a [`Workspace`] ([`Workspace::scope`]): its pieces are free again when it
+/// is dropped.
+#[derive(Debug)]
+pub struct ScratchScope<'a> {
+    workspace: &'a Workspace,
+    base: u64,
+    used: usize,
+    taken: usize,
+}
+
+impl Drop for ScratchScope<'_> {
+    fn drop(&mut self) {
+        let mut w = crate::runtime::sync::lock(&self.workspace.inner);
+        if w.base == self.base && w.used >= self.used {
+            w.used = self.used;
+            w.usage.taken = self.taken;
+        }
     }
 }
 

@@ -27,6 +27,7 @@ pub mod moe;
 pub mod ops;
 pub mod probe;
 pub mod ptx_cache;
+pub mod scratch;
 pub mod step_inputs;
 pub mod tensor_cores;
 pub mod warmup;
@@ -56,6 +57,8 @@ pub const REGISTRATION: Registration = Registration {
     kv_types: &[crate::model::vocab::KvType::F32],
     // Its MLA kernels read V from a V pool (`kernels/mla_attention.cu`): the latent twice.
     mla_values_in_keys: false,
+    // Each device stream keeps a workspace of its own, sized by its kernels' choices.
+    scratch: Some(&scratch::CUDA),
     refusal: run_refusal,
     open: open_cuda,
     link_libraries: detect::use_versioned_libraries,

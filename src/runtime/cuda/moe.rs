@@ -55,7 +55,7 @@ pub(super) const ROUTER_MAX_EXPERTS: usize = 256;
 
 /// `MOE_MAX_EXPERTS` and `MOE_TILE_N` of kernels/moe_grouped.cu, `MOE_TILE_M` and
 /// `MOE_GEMV_WARPS` of kernels/moe_tiles.cuh.
-const MOE_MAX_EXPERTS: usize = 256;
+pub(super) const MOE_MAX_EXPERTS: usize = 256;
 const MOE_TILE_M: usize = 16;
 const MOE_TILE_N: usize = 64;
 const MOE_GEMV_WARPS: usize = 8;
@@ -372,6 +372,11 @@ impl GpuCx<'_> {
         let n_tokens = routing.experts.len() / k.max(1);
         let groups = ExpertGroups::new(routing, self.arch.experts);
         for (e, rows) in groups.of(members) {
+            // Each expert's scratch is handed out again to the next one: its kernels are
+            // queued on this stream before the next expert's, which reuse the bytes (the
+            // workspace's own argument, per expert instead of per task), so the task takes
+            // its largest expert's scratch, not the sum over the routed experts.
+            let _expert_scratch = self.s.workspace.scope();
             if let Some(bad) = rows
                 .iter()
                 .find(|r| r.row as usize >= n_tokens || r.slot as usize >= k)
