@@ -31,6 +31,7 @@ mod fit;
 pub mod fit_params;
 mod generate;
 pub mod gpu_probe;
+pub mod load_time;
 mod perplexity;
 mod prepare;
 pub mod probe_cache;
@@ -46,6 +47,7 @@ use crate::ir::{TaskId, Workload};
 use crate::lower::ExecPlan;
 use crate::model::card::ModelCard;
 pub use crate::model::vocab::Sampling;
+use crate::records::load::{Laps, LoadBreakdown, LoadPhase};
 use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
 use crate::runtime::driver::workload::WorkloadSpec;
@@ -139,6 +141,9 @@ pub struct RunRequest {
     /// wrote), so the plan's activations are sized for the chunk and only the KV cache for
     /// the whole prompt; `None`: every prompt in one pass.
     pub prefill_chunk: Option<usize>,
+    /// Time the report's load breakdown from the process's start (`moec run`: the process
+    /// is the run) rather than from the call to [`run`] (a library caller, a test).
+    pub clock_from_process_start: bool,
 }
 
 impl RunRequest {
@@ -173,6 +178,7 @@ impl RunRequest {
             collect_routing: None,
             kv_type: crate::model::vocab::KvType::F32,
             prefill_chunk: None,
+            clock_from_process_start: false,
         }
     }
 }
@@ -239,15 +245,24 @@ pub fn run(
     request: &RunRequest,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<RunResult, RunFailure> {
+    let (origin, origin_name) = load_time::origin(request.clock_from_process_start);
+    let mut laps = Laps::from(origin);
+    laps.lap(origin_name);
     prepare::refuse_unavailable_backend(request)?;
     let (name, source) = (&request.schedule_name, &request.schedule);
     let LoadedModel {
         checkpoint,
         tokenizer,
+        open_seconds,
         ..
     } = load_model(&request.model).map_err(|e| message(&e))?;
     let card: ModelCard = checkpoint.card().clone();
     let prompts = encode_prompts(request, &tokenizer, &card)?;
+    split_lap(
+        laps.lap("checkpoint and tokenizer"),
+        ("checkpoint open", open_seconds),
+        "tokenizer and prompts",
+    );
     // A tokenizer takes 32 MiB (Mixtral's) to 95 MiB (cl100k) of heap, as much as the
     // workspaces of a small model's run: once the prompts are encoded only its decoding
     // half is kept (the vocabulary, a few MiB), so the merge tables never add to the peak
@@ -286,7 +301,7 @@ pub fn run(
         mut run,
         mut notes,
         probe,
-        ..
+        probe_seconds,
     } = prepare::prepare(
         request,
         &card,
@@ -326,18 +341,42 @@ pub fn run(
     if request.host_mem.is_some() || allocator.as_deref().is_some_and(|a| a.contains("refused")) {
         notes.extend(allocator);
     }
+    // `prepare` probes the machine between compiling and fitting: the probe is its own
+    // phase, the rest of `prepare` (and the allocator's set-up above) the plan's.
+    let probe_what = match &probe {
+        Some(probe_cache::ProbeOrigin::Reused { .. }) => "a kept quick probe read",
+        Some(probe_cache::ProbeOrigin::Taken { .. }) => "a quick probe taken",
+        None if request.hw.is_some() || request.profile.is_some() => "a profile given",
+        None => "none",
+    };
+    laps.lap("plan set-up");
+    let plan_phase = laps
+        .split_last(LoadPhase::new("machine probe", probe_seconds).with_detail(probe_what.into()));
+    plan_phase.detail = Some("compile, fit, lower, memory check".into());
+    // The first token is the end of the first step that gave one (`progress` is called
+    // after every step), the last token the end of the last step.
+    let (mut first_token, mut last_token) = (None, None);
+    let mut timed_progress = |done: usize, total: usize| {
+        let now = std::time::Instant::now();
+        if done > 0 && first_token.is_none() {
+            first_token = Some(now);
+        }
+        last_token = Some(now);
+        progress(done, total);
+    };
+    let generating = std::time::Instant::now();
     let (outputs, stats) =
-        crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, progress).map_err(
-            |e: RunError| match e.span().filter(|s| s.end > s.start) {
+        crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, &mut timed_progress)
+            .map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
                 Some(span) => {
                     RunFailure::Rendered(fit::render_span_error(&e.to_string(), span, name, source))
                 }
                 None => message(&e),
-            },
-        )?;
+            })?;
+    let generated_at = std::time::Instant::now();
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
     let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
-    let report = summarize(&plan, &stats, prompt_tokens, generated);
+    let mut report = summarize(&plan, &stats, prompt_tokens, generated);
     let (mut prediction, mut worst_case_step_seconds) = (None, None);
     if let Some(p) = &profile {
         let deps: &[Vec<TaskId>] = &plan.preds;
@@ -353,6 +392,20 @@ pub fn run(
         .unzip();
     let decoded_weight_bytes = checkpoint.decoded_bytes();
     drop(checkpoint);
+    let replayed_at = std::time::Instant::now();
+    report.load = Some(load_breakdown(
+        laps,
+        origin_name,
+        Generation {
+            started: generating,
+            backend_open: stats.backend_open.clone(),
+            first_token,
+            last_token,
+            ended: generated_at,
+            replayed: replayed_at,
+            prompt_tokens,
+        },
+    ));
     let continuations = outputs
         .iter()
         .zip(&prompt_ids)
@@ -375,6 +428,81 @@ pub fn run(
         probe,
         fitted,
     })
+}
+
+/// Splits a phase that ran two things back to back into its parts: the first, named and
+/// timed by its callee, and `rest`, the remainder.
+fn split_lap(phase: &mut LoadPhase, (first, first_seconds): (&str, f64), rest: &str) {
+    let first_seconds = first_seconds.min(phase.seconds);
+    phase.parts = vec![
+        LoadPhase::new(first, first_seconds),
+        LoadPhase::new(rest, phase.seconds - first_seconds),
+    ];
+}
+
+/// The instants of a run's generation (`runtime::generate`), as the engine saw them.
+struct Generation {
+    /// The call.
+    started: std::time::Instant,
+    /// The backend's set-up inside it, as `runtime::generate` timed it.
+    backend_open: Option<LoadPhase>,
+    /// The end of the first step that gave a token, and of the last step.
+    first_token: Option<std::time::Instant>,
+    last_token: Option<std::time::Instant>,
+    /// Its return (the backend dropped), and the end of the replay after it.
+    ended: std::time::Instant,
+    replayed: std::time::Instant,
+    /// Prompt tokens of the run.
+    prompt_tokens: usize,
+}
+
+/// The run's load breakdown: the phases timed so far (`laps`, from the clock's origin to
+/// the call of `runtime::generate`), then the backend's set-up and the first prefill up to
+/// the first token; after the last token, what the driver and the backend took to finish
+/// and the replay.
+fn load_breakdown(laps: Laps, origin: &str, g: Generation) -> LoadBreakdown {
+    let secs =
+        |a: std::time::Instant, b: std::time::Instant| b.saturating_duration_since(a).as_secs_f64();
+    let mut phases = laps.into_phases();
+    let until = g.first_token.unwrap_or(g.ended);
+    let generation = secs(g.started, until);
+    let open = g
+        .backend_open
+        .unwrap_or_else(|| LoadPhase::new("backend open", 0.0));
+    let open_seconds = open.seconds.min(generation);
+    let prefill = generation - open_seconds;
+    phases.push(LoadPhase {
+        seconds: open_seconds,
+        ..open
+    });
+    let what = if g.first_token.is_some() {
+        "first prefill"
+    } else {
+        "run"
+    };
+    phases.push(
+        LoadPhase::new(what, prefill).with_detail(format!("{} prompt tokens", g.prompt_tokens)),
+    );
+    let first_token_seconds = g
+        .first_token
+        .map(|_| phases.iter().map(|p| p.seconds).sum());
+    let mut after = Vec::new();
+    if let Some(last) = g.last_token {
+        after.push(
+            LoadPhase::new("run finished and backend dropped", secs(last, g.ended))
+                .with_detail("arenas and tiles freed".into()),
+        );
+    }
+    after.push(LoadPhase::new(
+        "replay and checkpoint dropped",
+        secs(g.ended, g.replayed),
+    ));
+    LoadBreakdown {
+        origin: origin.to_string(),
+        first_token_seconds,
+        phases,
+        after,
+    }
 }
 
 /// A run's prompts: the texts as the report shows them, their token ids, and the tokens
