@@ -274,14 +274,6 @@ impl<'c> MappedImage<'c> {
         if plan.is_empty() {
             return Ok((Vec::new(), 0));
         }
-        // Where the tiles and the file pages they replace cannot both stay in memory, the
-        // kernel evicts file pages to make room for the tiles anyway; left to its reclaim,
-        // it stalled the tiles' huge-page faults in compaction and evicted pages not
-        // repacked yet (DeepSeek-V2-Lite's 13 GiB of tiles from a 14 GB file on a 23 GiB
-        // machine, docs/performance.md "Session 25"). Paging each matrix's file pages out
-        // once it is repacked gives their memory to the tiles at once. Where both fit, the
-        // file's pages stay in the page cache for the next run.
-        let page_out = crate::sysmem::available_bytes().is_some_and(|a| 2 * total as u64 > a);
         let mut arena = memmap2::MmapMut::map_anon(total).map_err(|e| ImageError::TileArena {
             bytes: total,
             why: e.to_string(),
@@ -329,20 +321,15 @@ impl<'c> MappedImage<'c> {
                     }
                     // Dropped as soon as it is copied, so the process never holds the file's
                     // pages of every matrix beside all the tiles (a peak of twice the tiles).
-                    checkpoint.release_mapped(src, page_out);
+                    checkpoint.release_mapped(src);
                     Some((i, src.len(), at))
                 })
                 .collect()
         });
         laps.lap("tiles repacked").detail = Some(format!(
-            "{} matrices on {} threads; the file's pages of each {}",
+            "{} matrices on {} threads",
             tiled.len(),
-            pool.threads(),
-            if page_out {
-                "paged out once repacked (tiles and file over the memory available)"
-            } else {
-                "marked cold once repacked (left in the page cache)"
-            }
+            pool.threads()
         ));
         let mut done = Vec::new();
         let arena = std::sync::Arc::new(arena);

@@ -666,7 +666,7 @@ impl Checkpoint {
     /// ([`Self::release_mapped`]): `moec quantize` reads each tensor once.
     pub fn release_source(&self, src: &Source) {
         if let Ok((bytes, _, _)) = self.checked(&src.name, &src.shape) {
-            self.release_mapped(bytes, false);
+            self.release_mapped(bytes);
         }
     }
 
@@ -886,19 +886,16 @@ impl Checkpoint {
     ///
     /// The pages are first marked cold (`MADV_COLD`): this reader is done with them, so
     /// under memory pressure the page cache gives them up before the file's pages it has
-    /// yet to read. With `page_out` they leave the page cache at once (`MADV_PAGEOUT`),
-    /// for a reader that allocates as much as it read where both do not fit in memory:
-    /// the CPU backend's tiles of DeepSeek-V2-Lite (13 GiB of tiles over a 14 GB file on a
-    /// 23 GiB machine), whose every huge-page fault otherwise stalled in the kernel's
-    /// reclaim and compaction, and whose file pages not repacked yet were evicted and read
-    /// back from disk.
-    pub fn release_mapped(&self, bytes: &[u8], page_out: bool) {
+    /// yet to read (the CPU backend's tiles of DeepSeek-V2-Lite, 13 GiB from a 14 GB file
+    /// on a 23 GiB machine, make the kernel evict file pages while the load still reads
+    /// them). They stay in the page cache for the next run until memory is short.
+    pub fn release_mapped(&self, bytes: &[u8]) {
         let at = bytes.as_ptr() as usize;
         for shard in &self.shards {
             let base = shard.mmap.as_ptr() as usize;
             if at >= base && at + bytes.len() <= base + shard.mmap.len() {
                 let range = at - base..at - base + bytes.len();
-                mark_consumed(&shard.mmap, range.clone(), page_out);
+                mark_cold(&shard.mmap, range.clone());
                 release_pages(&shard.mmap, range);
                 return;
             }
@@ -931,36 +928,27 @@ fn held_bytes(tensors: &BTreeMap<String, Entry>, card: &ModelCard) -> HeldBytes 
     }
 }
 
-/// Tells the kernel this process is done with the whole pages of `range` in `map`:
-/// `MADV_COLD` (Linux 5.4+) makes them the first the page cache gives up under memory
-/// pressure; with `page_out`, `MADV_PAGEOUT` then gives them up at once (clean file pages
-/// no other process maps; the kernel does so only for a file this process owns or may
-/// write, else they stay cold). Hints: refused, nothing changes, and every byte reads
-/// the same either way.
-fn mark_consumed(map: &Mmap, range: Range<usize>, page_out: bool) {
+/// Marks the whole pages of `range` in `map` as the first the page cache gives up under
+/// memory pressure (`MADV_COLD`, Linux 5.4+; a hint: refused, nothing changes). Only
+/// this process's page-table entries are read: pages other processes map stay as they
+/// are.
+fn mark_cold(map: &Mmap, range: Range<usize>) {
     #[cfg(target_os = "linux")]
     {
         const PAGE: usize = 4096;
         let base = map.as_ptr() as usize;
         let start = (base + range.start).next_multiple_of(PAGE);
         let end = (base + range.end) / PAGE * PAGE;
-        if start >= end {
-            return;
-        }
-        let advise = |advice: libc::c_int| {
+        if start < end {
             // SAFETY: [start, end) is whole pages inside `map`, a live read-only file
-            // mapping of this checkpoint; MADV_COLD moves those pages to the inactive
-            // list and MADV_PAGEOUT reclaims clean ones, which the next access reads
-            // from the unchanged file again: neither changes a byte any slice sees.
-            let _ = unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
-        };
-        advise(libc::MADV_COLD);
-        if page_out {
-            advise(libc::MADV_PAGEOUT);
+            // mapping of this checkpoint; MADV_COLD only moves those pages to the inactive
+            // list (non-destructive: every byte reads the same afterwards).
+            let _ =
+                unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_COLD) };
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = (map, range, page_out);
+    let _ = (map, range);
 }
 
 fn release_pages(map: &Mmap, range: Range<usize>) {
