@@ -1012,16 +1012,12 @@ fn run_on_a_broken_gguf_is_one_error_naming_it() {
     }
 }
 
-/// `moec plan --model FILE.gguf` prints its `moec run` line with the same `--model FILE.gguf`
-/// (issue 43: "its printed `moec run` line runs"): `run --model` takes a GGUF file as its
-/// checkpoint, the card from its header, exactly as `--weights FILE.gguf` does.
-#[test]
-fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join("tiny.gguf");
-    let g = gguf.display().to_string();
+/// Writes mixtral-tiny as a GGUF with every matrix in Q8_0 (`moec synth --gguf`) into
+/// `dir`; gives its path.
+fn tiny_q8_gguf(dir: &Path) -> String {
+    let g = dir.join("tiny.gguf").display().to_string();
     let out = moec(
-        dir.path(),
+        dir,
         &[
             "synth",
             "--model",
@@ -1038,23 +1034,37 @@ fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    g
+}
+
+/// `moec run` of `resident.sched` on the checkpoint at `path` (given by `flag`: `--weights`
+/// or `--model`), prompt "hello", 3 new tokens, on the t4 profile (no probe of this machine).
+fn tiny_run_args<'a>(flag: &'a str, path: &'a str) -> Vec<&'a str> {
+    vec![
+        "run",
+        "schedules/baselines/resident.sched",
+        flag,
+        path,
+        "--prompt",
+        "hello",
+        "--gen-len",
+        "3",
+        "--hw",
+        "t4",
+    ]
+}
+
+/// `moec plan --model FILE.gguf` prints its `moec run` line with the same `--model FILE.gguf`
+/// (issue 43: "its printed `moec run` line runs"): `run --model` takes a GGUF file as its
+/// checkpoint, the card from its header, exactly as `--weights FILE.gguf` does.
+#[test]
+fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = tiny_q8_gguf(dir.path());
     let run = |flag: &str| {
-        json(&moec(
-            dir.path(),
-            &[
-                "run",
-                "schedules/baselines/resident.sched",
-                flag,
-                &g,
-                "--prompt",
-                "hello",
-                "--gen-len",
-                "3",
-                "--hw",
-                "t4",
-                "--json",
-            ],
-        ))
+        let mut args = tiny_run_args(flag, &g);
+        args.push("--json");
+        json(&moec(dir.path(), &args))
     };
     let by_model = run("--model");
     assert_eq!(token_ids(&by_model), token_ids(&run("--weights")));
@@ -1141,39 +1151,9 @@ fn run_reports_the_share_of_experts_computed_with_a_substitute() {
 #[test]
 fn run_report_breaks_the_time_to_first_token_down() {
     let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join("tiny-q8.gguf");
-    let g = gguf.display().to_string();
-    let out = moec(
-        dir.path(),
-        &[
-            "synth",
-            "--model",
-            "mixtral-tiny",
-            "--gguf",
-            "--all",
-            "q8_0",
-            "--out",
-            &g,
-        ],
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let g = tiny_q8_gguf(dir.path());
     let args = |json: bool| {
-        let mut a = vec![
-            "run",
-            "schedules/baselines/resident.sched",
-            "--weights",
-            &g,
-            "--prompt",
-            "hello",
-            "--gen-len",
-            "3",
-            "--hw",
-            "t4",
-        ];
+        let mut a = tiny_run_args("--weights", &g);
         if json {
             a.push("--json");
         }
