@@ -47,7 +47,7 @@ use crate::ir::{TaskId, Workload};
 use crate::lower::ExecPlan;
 use crate::model::card::ModelCard;
 pub use crate::model::vocab::Sampling;
-use crate::records::load::{Laps, LoadBreakdown, LoadPhase};
+use crate::records::load::{Laps, LoadPhase};
 use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
 use crate::runtime::driver::workload::WorkloadSpec;
@@ -56,6 +56,7 @@ use crate::weights::source::{load_model, LoadedModel, ModelSource};
 use crate::weights::tokenizer::TextTokenizer;
 pub use fit_params::{FitMode, FittedParams};
 pub use generate::{generate, GenerateRequest, GenerateResult, GeneratedText};
+use load_time::{load_breakdown, split_lap, Generation};
 pub use perplexity::{perplexity, PerplexityRequest, PerplexityResult};
 pub use prepare::BOUND_COPY_GB_S;
 use prepare::{Prepared, ProfileUse, Target};
@@ -428,81 +429,6 @@ pub fn run(
         probe,
         fitted,
     })
-}
-
-/// Splits a phase that ran two things back to back into its parts: the first, named and
-/// timed by its callee, and `rest`, the remainder.
-fn split_lap(phase: &mut LoadPhase, (first, first_seconds): (&str, f64), rest: &str) {
-    let first_seconds = first_seconds.min(phase.seconds);
-    phase.parts = vec![
-        LoadPhase::new(first, first_seconds),
-        LoadPhase::new(rest, phase.seconds - first_seconds),
-    ];
-}
-
-/// The instants of a run's generation (`runtime::generate`), as the engine saw them.
-struct Generation {
-    /// The call.
-    started: std::time::Instant,
-    /// The backend's set-up inside it, as `runtime::generate` timed it.
-    backend_open: Option<LoadPhase>,
-    /// The end of the first step that gave a token, and of the last step.
-    first_token: Option<std::time::Instant>,
-    last_token: Option<std::time::Instant>,
-    /// Its return (the backend dropped), and the end of the replay after it.
-    ended: std::time::Instant,
-    replayed: std::time::Instant,
-    /// Prompt tokens of the run.
-    prompt_tokens: usize,
-}
-
-/// The run's load breakdown: the phases timed so far (`laps`, from the clock's origin to
-/// the call of `runtime::generate`), then the backend's set-up and the first prefill up to
-/// the first token; after the last token, what the driver and the backend took to finish
-/// and the replay.
-fn load_breakdown(laps: Laps, origin: &str, g: Generation) -> LoadBreakdown {
-    let secs =
-        |a: std::time::Instant, b: std::time::Instant| b.saturating_duration_since(a).as_secs_f64();
-    let mut phases = laps.into_phases();
-    let until = g.first_token.unwrap_or(g.ended);
-    let generation = secs(g.started, until);
-    let open = g
-        .backend_open
-        .unwrap_or_else(|| LoadPhase::new("backend open", 0.0));
-    let open_seconds = open.seconds.min(generation);
-    let prefill = generation - open_seconds;
-    phases.push(LoadPhase {
-        seconds: open_seconds,
-        ..open
-    });
-    let what = if g.first_token.is_some() {
-        "first prefill"
-    } else {
-        "run"
-    };
-    phases.push(
-        LoadPhase::new(what, prefill).with_detail(format!("{} prompt tokens", g.prompt_tokens)),
-    );
-    let first_token_seconds = g
-        .first_token
-        .map(|_| phases.iter().map(|p| p.seconds).sum());
-    let mut after = Vec::new();
-    if let Some(last) = g.last_token {
-        after.push(
-            LoadPhase::new("run finished and backend dropped", secs(last, g.ended))
-                .with_detail("arenas and tiles freed".into()),
-        );
-    }
-    after.push(LoadPhase::new(
-        "replay and checkpoint dropped",
-        secs(g.ended, g.replayed),
-    ));
-    LoadBreakdown {
-        origin: origin.to_string(),
-        first_token_seconds,
-        phases,
-        after,
-    }
 }
 
 /// A run's prompts: the texts as the report shows them, their token ids, and the tokens
