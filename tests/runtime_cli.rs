@@ -1012,16 +1012,12 @@ fn run_on_a_broken_gguf_is_one_error_naming_it() {
     }
 }
 
-/// `moec plan --model FILE.gguf` prints its `moec run` line with the same `--model FILE.gguf`
-/// (issue 43: "its printed `moec run` line runs"): `run --model` takes a GGUF file as its
-/// checkpoint, the card from its header, exactly as `--weights FILE.gguf` does.
-#[test]
-fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join("tiny.gguf");
-    let g = gguf.display().to_string();
+/// Writes mixtral-tiny as a GGUF with every matrix in Q8_0 (`moec synth --gguf`) into
+/// `dir`; gives its path.
+fn tiny_q8_gguf(dir: &Path) -> String {
+    let g = dir.join("tiny.gguf").display().to_string();
     let out = moec(
-        dir.path(),
+        dir,
         &[
             "synth",
             "--model",
@@ -1038,23 +1034,37 @@ fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    g
+}
+
+/// `moec run` of `resident.sched` on the checkpoint at `path` (given by `flag`: `--weights`
+/// or `--model`), prompt "hello", 3 new tokens, on the t4 profile (no probe of this machine).
+fn tiny_run_args<'a>(flag: &'a str, path: &'a str) -> Vec<&'a str> {
+    vec![
+        "run",
+        "schedules/baselines/resident.sched",
+        flag,
+        path,
+        "--prompt",
+        "hello",
+        "--gen-len",
+        "3",
+        "--hw",
+        "t4",
+    ]
+}
+
+/// `moec plan --model FILE.gguf` prints its `moec run` line with the same `--model FILE.gguf`
+/// (issue 43: "its printed `moec run` line runs"): `run --model` takes a GGUF file as its
+/// checkpoint, the card from its header, exactly as `--weights FILE.gguf` does.
+#[test]
+fn run_takes_a_gguf_file_as_its_model_as_the_planner_prints_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = tiny_q8_gguf(dir.path());
     let run = |flag: &str| {
-        json(&moec(
-            dir.path(),
-            &[
-                "run",
-                "schedules/baselines/resident.sched",
-                flag,
-                &g,
-                "--prompt",
-                "hello",
-                "--gen-len",
-                "3",
-                "--hw",
-                "t4",
-                "--json",
-            ],
-        ))
+        let mut args = tiny_run_args(flag, &g);
+        args.push("--json");
+        json(&moec(dir.path(), &args))
     };
     let by_model = run("--model");
     assert_eq!(token_ids(&by_model), token_ids(&run("--weights")));
@@ -1128,4 +1138,103 @@ fn run_reports_the_share_of_experts_computed_with_a_substitute() {
         "{}",
         plain["substituted_experts"]
     );
+}
+
+/// Issue 42 point 2: `moec run`'s report breaks its time to first token down, measured: in
+/// `--json`, `report.load` lists the phases from the process's start (the checkpoint opened,
+/// the plan set up, the machine probe, the backend opened with its own parts, the first
+/// prefill), back to back, so they add up to `first_token_seconds`, which is at most the
+/// process's wall time as this test measured it from outside; the text report says the
+/// same in its `time to first token` line. On a tiny Q8_0 GGUF, whose matrices the CPU
+/// backend repacks into tiles at load, the tiles' arena and repacking are parts of the
+/// backend's set-up.
+#[test]
+fn run_report_breaks_the_time_to_first_token_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = tiny_q8_gguf(dir.path());
+    let args = |json: bool| {
+        let mut a = tiny_run_args("--weights", &g);
+        if json {
+            a.push("--json");
+        }
+        a
+    };
+    let started = std::time::Instant::now();
+    let out = moec(dir.path(), &args(true));
+    let wall = started.elapsed().as_secs_f64();
+    let doc = json(&out);
+    let load = &doc["report"]["load"];
+    assert_eq!(load["origin"], "process start", "{load}");
+    let secs = |p: &serde_json::Value| p["seconds"].as_f64().expect("seconds");
+    let names = |list: &serde_json::Value| -> Vec<String> {
+        list.as_array()
+            .expect("a list of phases")
+            .iter()
+            .map(|p| p["phase"].as_str().expect("a name").to_string())
+            .collect()
+    };
+    let phases = load["phases"].as_array().expect("phases");
+    assert_eq!(
+        names(&load["phases"]),
+        [
+            "process start",
+            "checkpoint and tokenizer",
+            "machine probe",
+            "plan set-up",
+            "backend open",
+            "first prefill"
+        ],
+        "{load}"
+    );
+    assert!(phases.iter().all(|p| secs(p) >= 0.0), "{load}");
+    let sum: f64 = phases.iter().map(secs).sum();
+    let first = load["first_token_seconds"].as_f64().expect("a first token");
+    assert!((sum - first).abs() < 1e-6, "{sum} != {first}: {load}");
+    assert!(
+        first <= wall,
+        "{first} s to the first token, {wall} s wall: {load}"
+    );
+    // Every phase timed inside another lies within it.
+    for p in phases {
+        if let Some(parts) = p["parts"].as_array() {
+            let inner: f64 = parts.iter().map(secs).sum();
+            assert!(inner <= secs(p) + 1e-6, "{p}");
+        }
+    }
+    let open = &phases[4];
+    let parts = names(&open["parts"]);
+    for part in ["arenas", "weights image mapped", "page tables populated"] {
+        assert!(parts.iter().any(|p| p == part), "{part}: {open}");
+    }
+    if doc["backend"]
+        .as_str()
+        .is_some_and(|b| b.contains("in tiles of eight rows"))
+    {
+        for part in ["tile arena mapped", "tiles repacked"] {
+            assert!(parts.iter().any(|p| p == part), "{part}: {open}");
+        }
+    }
+    assert_eq!(
+        names(&load["after"]),
+        [
+            "run finished and backend dropped",
+            "replay and checkpoint dropped"
+        ]
+    );
+    let text = moec(dir.path(), &args(false));
+    assert!(text.status.success());
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("time to first token: "))
+        .unwrap_or_else(|| panic!("no load line in {stdout}"));
+    for phase in [
+        "from process start",
+        "checkpoint open",
+        "backend open",
+        "first prefill",
+    ] {
+        assert!(line.contains(phase), "{phase}: {line}");
+    }
+    assert!(stdout.contains("after the last token: "), "{stdout}");
 }

@@ -168,7 +168,19 @@ pub fn execute(
     args: &RunArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Finished, Failure> {
-    let finished = crate::engine::run(&request(args)?, progress)?;
+    execute_timed(args, false, progress)
+}
+
+/// [`execute`], with the report's load breakdown timed from the process's start when
+/// `from_process_start` (`moec run`, whose process is the run; `ablate` runs many).
+fn execute_timed(
+    args: &RunArgs,
+    from_process_start: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Finished, Failure> {
+    let mut request = request(args)?;
+    request.clock_from_process_start = from_process_start;
+    let finished = crate::engine::run(&request, progress)?;
     if let Some(path) = &args.dump_logits {
         let text = serde_json::json!({ "logits": finished.logits }).to_string();
         write_atomic(path, &text).map_err(Failure::Message)?;
@@ -268,6 +280,9 @@ pub fn report_text(f: &Finished, gpu_capacity: Option<u64>, host_capacity: Optio
             ms(d.host_functions),
             ms(d.wait),
         );
+    }
+    if let Some(load) = &r.load {
+        out.push_str(&load.text());
     }
     match &f.prediction {
         Some(p) => {
@@ -541,7 +556,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     };
-    let result = execute(args, &mut progress);
+    let result = execute_timed(args, true, &mut progress);
     bar.finish_and_clear();
     let finished = match result {
         Ok(x) => x,

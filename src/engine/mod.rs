@@ -31,6 +31,7 @@ mod fit;
 pub mod fit_params;
 mod generate;
 pub mod gpu_probe;
+pub mod load_time;
 mod perplexity;
 mod prepare;
 pub mod probe_cache;
@@ -46,6 +47,7 @@ use crate::ir::{TaskId, Workload};
 use crate::lower::ExecPlan;
 use crate::model::card::ModelCard;
 pub use crate::model::vocab::Sampling;
+use crate::records::load::{Laps, LoadPhase};
 use crate::records::RunStats;
 use crate::runtime::driver::report::{summarize, RunReport};
 use crate::runtime::driver::workload::WorkloadSpec;
@@ -54,6 +56,7 @@ use crate::weights::source::{load_model, LoadedModel, ModelSource};
 use crate::weights::tokenizer::TextTokenizer;
 pub use fit_params::{FitMode, FittedParams};
 pub use generate::{generate, GenerateRequest, GenerateResult, GeneratedText};
+use load_time::{load_breakdown, split_lap, Generation};
 pub use perplexity::{perplexity, PerplexityRequest, PerplexityResult};
 pub use prepare::BOUND_COPY_GB_S;
 use prepare::{Prepared, ProfileUse, Target};
@@ -139,6 +142,9 @@ pub struct RunRequest {
     /// wrote), so the plan's activations are sized for the chunk and only the KV cache for
     /// the whole prompt; `None`: every prompt in one pass.
     pub prefill_chunk: Option<usize>,
+    /// Time the report's load breakdown from the process's start (`moec run`: the process
+    /// is the run) rather than from the call to [`run`] (a library caller, a test).
+    pub clock_from_process_start: bool,
 }
 
 impl RunRequest {
@@ -173,6 +179,7 @@ impl RunRequest {
             collect_routing: None,
             kv_type: crate::model::vocab::KvType::F32,
             prefill_chunk: None,
+            clock_from_process_start: false,
         }
     }
 }
@@ -239,15 +246,24 @@ pub fn run(
     request: &RunRequest,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<RunResult, RunFailure> {
+    let (origin, origin_name) = load_time::origin(request.clock_from_process_start);
+    let mut laps = Laps::from(origin);
+    laps.lap(origin_name);
     prepare::refuse_unavailable_backend(request)?;
     let (name, source) = (&request.schedule_name, &request.schedule);
     let LoadedModel {
         checkpoint,
         tokenizer,
+        open_seconds,
         ..
     } = load_model(&request.model).map_err(|e| message(&e))?;
     let card: ModelCard = checkpoint.card().clone();
     let prompts = encode_prompts(request, &tokenizer, &card)?;
+    split_lap(
+        laps.lap("checkpoint and tokenizer"),
+        ("checkpoint open", open_seconds),
+        "tokenizer and prompts",
+    );
     // A tokenizer takes 32 MiB (Mixtral's) to 95 MiB (cl100k) of heap, as much as the
     // workspaces of a small model's run: once the prompts are encoded only its decoding
     // half is kept (the vocabulary, a few MiB), so the merge tables never add to the peak
@@ -286,7 +302,7 @@ pub fn run(
         mut run,
         mut notes,
         probe,
-        ..
+        probe_seconds,
     } = prepare::prepare(
         request,
         &card,
@@ -326,18 +342,42 @@ pub fn run(
     if request.host_mem.is_some() || allocator.as_deref().is_some_and(|a| a.contains("refused")) {
         notes.extend(allocator);
     }
+    // `prepare` probes the machine between compiling and fitting: the probe is its own
+    // phase, the rest of `prepare` (and the allocator's set-up above) the plan's.
+    let probe_what = match &probe {
+        Some(probe_cache::ProbeOrigin::Reused { .. }) => "a kept quick probe read",
+        Some(probe_cache::ProbeOrigin::Taken { .. }) => "a quick probe taken",
+        None if request.hw.is_some() || request.profile.is_some() => "a profile given",
+        None => "none",
+    };
+    laps.lap("plan set-up");
+    let plan_phase = laps
+        .split_last(LoadPhase::new("machine probe", probe_seconds).with_detail(probe_what.into()));
+    plan_phase.detail = Some("compile, fit, lower, memory check".into());
+    // The first token is the end of the first step that gave one (`progress` is called
+    // after every step), the last token the end of the last step.
+    let (mut first_token, mut last_token) = (None, None);
+    let mut timed_progress = |done: usize, total: usize| {
+        let now = std::time::Instant::now();
+        if done > 0 && first_token.is_none() {
+            first_token = Some(now);
+        }
+        last_token = Some(now);
+        progress(done, total);
+    };
+    let generating = std::time::Instant::now();
     let (outputs, stats) =
-        crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, progress).map_err(
-            |e: RunError| match e.span().filter(|s| s.end > s.start) {
+        crate::runtime::generate(&plan, &checkpoint, &prompt_ids, &run, &mut timed_progress)
+            .map_err(|e: RunError| match e.span().filter(|s| s.end > s.start) {
                 Some(span) => {
                     RunFailure::Rendered(fit::render_span_error(&e.to_string(), span, name, source))
                 }
                 None => message(&e),
-            },
-        )?;
+            })?;
+    let generated_at = std::time::Instant::now();
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum();
     let generated = outputs.iter().map(|o| o.token_ids.len()).sum();
-    let report = summarize(&plan, &stats, prompt_tokens, generated);
+    let mut report = summarize(&plan, &stats, prompt_tokens, generated);
     let (mut prediction, mut worst_case_step_seconds) = (None, None);
     if let Some(p) = &profile {
         let deps: &[Vec<TaskId>] = &plan.preds;
@@ -353,6 +393,20 @@ pub fn run(
         .unzip();
     let decoded_weight_bytes = checkpoint.decoded_bytes();
     drop(checkpoint);
+    let replayed_at = std::time::Instant::now();
+    report.load = Some(load_breakdown(
+        laps,
+        origin_name,
+        Generation {
+            started: generating,
+            backend_open: stats.backend_open.clone(),
+            first_token,
+            last_token,
+            ended: generated_at,
+            replayed: replayed_at,
+            prompt_tokens,
+        },
+    ));
     let continuations = outputs
         .iter()
         .zip(&prompt_ids)

@@ -69,6 +69,9 @@ pub(crate) struct Prepared {
     pub notes: Vec<String>,
     /// Where the quick probe of this machine came from, when the profile is one.
     pub probe: Option<super::probe_cache::ProbeOrigin>,
+    /// Wall seconds the hardware profile took (loaded, probed or read from the probe
+    /// cache; 0 when none was wanted), for the run report's load breakdown.
+    pub probe_seconds: f64,
 }
 
 /// One line, before anything is loaded, for a machine without the backend's device.
@@ -90,7 +93,9 @@ pub(crate) fn prepare(
     let card = &crate::runtime::registry::card_for(request.backend, card);
     let (options, compiled) = compile_for(request, card, target.workload)?;
     let mut notes = Vec::new();
+    let probing = std::time::Instant::now();
     let (profile, probe) = profile_for(request, card, target.profile, &mut notes)?;
+    let probe_seconds = probing.elapsed().as_secs_f64();
     let (compiled, fitted) = fit_params::fit_params(
         &request.schedule,
         &options,
@@ -128,6 +133,7 @@ pub(crate) fn prepare(
         run,
         notes,
         probe,
+        probe_seconds,
     })
 }
 

@@ -15,8 +15,7 @@
 //!
 //! Every field is the block's own bits moved, so tiling is lossless ([`untile_block`]).
 
-use super::blocks::q6k_codes;
-use super::tiles::TILE_ROWS;
+use super::tiles::{put_word, word, NIBBLES, TILE_ROWS};
 
 /// Bytes of one Q6_K block.
 pub(crate) const BLOCK: usize = 210;
@@ -33,6 +32,11 @@ pub(crate) const GROUPS: usize = 144;
 pub(crate) const GROUP: usize = 192;
 
 /// One tile from its eight rows' blocks.
+///
+/// Group `p`'s 32 codes `32p + j` are, in ggml's packing (`q6k_codes`), the nibble
+/// `p % 4 / 2` of the 32 bytes `ql[64 (p / 4) + 32 (p % 2) + j]` and bits `2 (p % 4)` of
+/// `qh[32 (p / 4) + j]`: each of a row's 8-byte runs of the tile is built from whole
+/// words of those, eight codes at once.
 pub(crate) fn tile_block<'a>(block: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
     for r in 0..TILE_ROWS {
         let src = block(r);
@@ -40,25 +44,30 @@ pub(crate) fn tile_block<'a>(block: impl Fn(usize) -> &'a [u8], out: &mut [u8]) 
         for c in 0..16 {
             out[SCALES + 8 * c + r] = src[192 + c];
         }
-        let mut codes = [0u8; 256];
-        q6k_codes(src, &mut codes);
         for p in 0..8 {
+            let (half, s) = (p / 4, p % 4);
+            let ql = 64 * half + 32 * (s % 2);
+            let qh = 128 + 32 * half;
+            let low = |at: usize| (word(src, ql + at) >> (4 * (s / 2))) & NIBBLES;
             let g = GROUPS + GROUP * p;
-            for i in 0..8 {
-                let mut high = 0u8;
-                for m in 0..4 {
-                    high |= (codes[32 * p + 8 * m + i] >> 4) << (2 * m);
-                }
-                out[g + 128 + 8 * r + i] = high;
-                for h in 0..2 {
-                    let c = 2 * p + h;
-                    let (lo, hi) = (codes[16 * c + i], codes[16 * c + 8 + i]);
-                    out[g + 64 * h + 8 * r + i] = (lo & 0x0f) | ((hi & 0x0f) << 4);
-                }
+            for h in 0..2 {
+                put_word(
+                    out,
+                    g + 64 * h + 8 * r,
+                    low(16 * h) | (low(16 * h + 8) << 4),
+                );
             }
+            let mut high = 0u64;
+            for m in 0..4 {
+                high |= ((word(src, qh + 8 * m) >> (2 * s)) & TWO_BITS) << (2 * m);
+            }
+            put_word(out, g + 128 + 8 * r, high);
         }
     }
 }
+
+/// The low two bits of every byte of a word.
+const TWO_BITS: u64 = 0x0303_0303_0303_0303;
 
 /// Row `r`'s 256 codes (unsigned, 0..64) from a tile, in weight order.
 fn tile_codes(tile: &[u8], r: usize) -> [u8; 256] {
@@ -104,6 +113,7 @@ pub(crate) fn untile_block(tile: &[u8], r: usize, out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::blocks::q6k_codes;
     use crate::quant::{random_blocks, QuantFormat};
 
     /// Every code, scale and `d` lands where the layout says (read with ggml's own

@@ -16,7 +16,7 @@
 //! Every field is the blocks' own bits moved (the offset is undone by the same `^ 0x80`), so
 //! tiling is lossless ([`untile_block`]).
 
-use super::tiles::TILE_ROWS;
+use super::tiles::{put_word, word, TILE_ROWS};
 
 /// Bytes of one Q8_0 block.
 const BLOCK: usize = 34;
@@ -37,10 +37,10 @@ pub(crate) fn tile_block<'a>(group: impl Fn(usize) -> &'a [u8], out: &mut [u8]) 
         for j in 0..k {
             let block = &src[j * BLOCK..(j + 1) * BLOCK];
             out[2 * (8 * j + r)..2 * (8 * j + r) + 2].copy_from_slice(&block[0..2]);
+            // Eight codes of one row at once, each offset by 128.
             for c in 0..4 {
-                for i in 0..8 {
-                    out[codes + 64 * (4 * j + c) + 8 * r + i] = block[2 + 8 * c + i] ^ 0x80;
-                }
+                let w = word(block, 2 + 8 * c) ^ 0x8080_8080_8080_8080;
+                put_word(out, codes + 64 * (4 * j + c) + 8 * r, w);
             }
         }
     }

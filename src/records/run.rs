@@ -144,6 +144,10 @@ pub struct RunStats {
     /// How each step's device work was submitted, in step order, where the backend
     /// submits to a device (CUDA graphs); empty on the CPU backend.
     pub graph_steps: Vec<GraphStep>,
+    /// Setting the backend up for the plan before its first step (arenas, the weights
+    /// image, tiles), timed by `runtime::generate` with the parts the backend timed
+    /// itself; `None` where the driver ran on a backend opened elsewhere.
+    pub backend_open: Option<super::load::LoadPhase>,
 }
 
 /// How one step's device work reached the device.

@@ -158,6 +158,13 @@ pub trait Backend: Sync + std::fmt::Debug {
     /// asks before the first step and again after the last.
     fn describe(&self) -> String;
 
+    /// The parts of its own set-up it timed (the CPU backend: arenas, the weights image,
+    /// tiles, page tables), in order, for the run report's load line; none by default
+    /// (the set-up is then one phase, timed by its caller).
+    fn setup_phases(&self) -> Vec<crate::records::load::LoadPhase> {
+        Vec::new()
+    }
+
     /// Runs (synchronous backend) or submits (asynchronous) `task` on `stream`, whose
     /// engine is `engine`. The driver has already decided the task's guard; `state` is
     /// the step's control plane (micro-batch contents, sampler, read-back routing).

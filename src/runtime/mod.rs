@@ -49,7 +49,8 @@ use crate::weights::checkpoint::Checkpoint;
 /// come back in prompt order. `progress` is called after every step with (tokens
 /// generated so far, tokens at most). The backend is set up here, after the prompts were
 /// checked, and dropped when the run ends; a backend that cannot run on this machine
-/// fails with [`BackendError::Unavailable`] in one line.
+/// fails with [`BackendError::Unavailable`] in one line. The stats carry the set-up's
+/// time (`RunStats::backend_open`), with the parts the backend timed itself.
 pub fn generate(
     plan: &ExecPlan,
     checkpoint: &Checkpoint,
@@ -61,7 +62,13 @@ pub fn generate(
     if let Some(refusal) = (options.on.refusal)() {
         return Err(RunError::Backend(BackendError::Unavailable(refusal)));
     }
+    let opening = std::time::Instant::now();
     let backend = registry::open(options.on, plan, checkpoint, &options.backend)
         .map_err(RunError::Backend)?;
-    driver::generate(plan, &*backend, prompts, options, progress)
+    let mut open =
+        crate::records::load::LoadPhase::new("backend open", opening.elapsed().as_secs_f64());
+    open.parts = backend.setup_phases();
+    let (outputs, mut stats) = driver::generate(plan, &*backend, prompts, options, progress)?;
+    stats.backend_open = Some(open);
+    Ok((outputs, stats))
 }

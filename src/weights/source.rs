@@ -78,6 +78,10 @@ pub struct LoadedModel {
     pub tokenizer: TextTokenizer,
     /// True when the weights are a synthetic checkpoint from the cache.
     pub synthetic: bool,
+    /// Wall seconds the checkpoint took to open (its index read, its files mapped, a
+    /// synthetic one written first where the cache had none); the rest of
+    /// [`load_model`] is the tokenizer.
+    pub open_seconds: f64,
 }
 
 /// The cache folder for synthetic checkpoints.
@@ -152,6 +156,7 @@ pub fn ensure_synthetic(
 
 /// Loads the model `source` names.
 pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
+    let opening = std::time::Instant::now();
     let mut card = source.card.as_deref().map(ModelCard::load).transpose()?;
     let (dir, synthetic): (PathBuf, bool) = match &source.weights {
         Some(dir) => (dir.clone(), false),
@@ -173,10 +178,12 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel, SourceError> {
     } else {
         Checkpoint::open_with_card(&dir, card.as_ref())?
     };
+    let open_seconds = opening.elapsed().as_secs_f64();
     let tokenizer = TextTokenizer::load(checkpoint.card(), Some(Path::new(&dir)))?;
     Ok(LoadedModel {
         checkpoint,
         tokenizer,
         synthetic,
+        open_seconds,
     })
 }

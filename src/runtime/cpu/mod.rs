@@ -27,6 +27,7 @@ use crate::lower::{EventId, ExecPlan, PlanArg, PlanTask};
 use crate::math::rope::RopeTable;
 use crate::model::arch::ArchSpec;
 use crate::model::vocab::Routing;
+use crate::records::load::{Laps, LoadPhase};
 use crate::weights::checkpoint::Checkpoint;
 use ops::OpContext;
 use std::sync::Arc;
@@ -51,6 +52,9 @@ pub struct CpuBackend<'c> {
     /// The one compute pool both `gpu.compute` and `cpu.compute` ops run in.
     pool: rayon::ThreadPool,
     threads: usize,
+    /// Its set-up, timed part by part (empty for a device backend's host engine, whose
+    /// memory the device backend set up).
+    setup: Vec<LoadPhase>,
 }
 
 /// The CPU backend's use of the cores, said plainly for the run report: one pool of
@@ -145,7 +149,12 @@ impl<'c> CpuBackend<'c> {
         options: &BackendOptions,
     ) -> Result<Self, CpuSetupError> {
         let memory = HostMemory::new(plan, checkpoint, options)?;
-        Self::over(plan, Arc::new(memory), options)
+        let mut laps = Laps::start();
+        let mut backend = Self::over(plan, Arc::new(memory), options)?;
+        laps.lap("rope table and compute pool");
+        backend.setup = backend.memory.setup_phases().to_vec();
+        backend.setup.extend(laps.into_phases());
+        Ok(backend)
     }
 
     /// The CPU backend over host memory another backend shares: a device backend's host
@@ -170,6 +179,7 @@ impl<'c> CpuBackend<'c> {
             rope,
             pool,
             threads,
+            setup: Vec::new(),
         })
     }
 
@@ -211,6 +221,10 @@ impl Backend for CpuBackend<'_> {
             Some(tiles) => format!("{}; {tiles}", pool_split(self.threads)),
             None => pool_split(self.threads),
         }
+    }
+
+    fn setup_phases(&self) -> Vec<LoadPhase> {
+        self.setup.clone()
     }
 
     fn memory(&self) -> MemoryReport {

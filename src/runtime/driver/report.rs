@@ -70,6 +70,10 @@ pub struct RunReport {
     /// by CUDA events beside the wall time, and the host's calls); `None` when no decode
     /// step was launched that way.
     pub decode_split: Option<DecodeSplit>,
+    /// The time to first token, phase by phase, where the caller timed the run's start
+    /// (`engine::run` does: the checkpoint opened, the plan set up, the backend opened,
+    /// the first prefill); `None` from [`summarize`] alone.
+    pub load: Option<crate::records::load::LoadBreakdown>,
 }
 
 /// Means per step over the decode steps launched from their cached graph without running
@@ -237,6 +241,7 @@ pub fn summarize(
         paused_passes: stats.paused,
         graphs: graph_summary(&stats.graph_steps),
         decode_split: decode_split(&splits),
+        load: None,
     }
 }
 

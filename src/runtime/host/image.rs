@@ -20,6 +20,7 @@ use super::weights::{ImageError, ImageLayout, WeightTag};
 use crate::model::layout::ImageBuffer;
 use crate::quant::storage::WeightDtype;
 use crate::quant::QuantFormat;
+use crate::records::load::Laps;
 use crate::weights::checkpoint::Checkpoint;
 use rayon::prelude::*;
 
@@ -248,6 +249,7 @@ impl<'c> MappedImage<'c> {
         checkpoint: &Checkpoint,
         tensors: &[(WeightTag, QuantFormat, usize, usize)],
         pool: &CopyPool,
+        laps: &mut Laps,
     ) -> Result<(Vec<WeightTag>, u64), ImageError> {
         // Which tensors, and where each goes in the arena (64-byte aligned, as the
         // bodies' loads like).
@@ -277,10 +279,21 @@ impl<'c> MappedImage<'c> {
             why: e.to_string(),
         })?;
         #[cfg(target_os = "linux")]
-        {
+        let advised = {
             // A hint: refused (no THP in this kernel), the tiles work the same.
-            let _ = arena.advise(memmap2::Advice::HugePage);
-        }
+            arena.advise(memmap2::Advice::HugePage).is_ok()
+        };
+        #[cfg(not(target_os = "linux"))]
+        let advised = false;
+        laps.lap("tile arena mapped").detail = Some(format!(
+            "{:.2} GiB, huge pages {}",
+            total as f64 / (1u64 << 30) as f64,
+            if advised {
+                "asked (MADV_HUGEPAGE)"
+            } else {
+                "not asked"
+            }
+        ));
         // Each matrix's own piece of the arena, in plan order (`at` grows along the plan).
         let mut pieces = Vec::with_capacity(plan.len());
         let mut rest: &mut [u8] = &mut arena[..];
@@ -300,6 +313,9 @@ impl<'c> MappedImage<'c> {
             plan.par_iter()
                 .zip(pieces.into_par_iter())
                 .filter_map(|(&(i, format, rows, cols, src, at), dst)| {
+                    // The matrix's file pages mapped in one call rather than one fault per
+                    // 64 KiB as the repacking reads them (a hint: refused, they fault in).
+                    populate_read(src);
                     if !crate::math::qmatmul::tiles::tile(format, src, rows, cols, dst) {
                         return None;
                     }
@@ -310,6 +326,11 @@ impl<'c> MappedImage<'c> {
                 })
                 .collect()
         });
+        laps.lap("tiles repacked").detail = Some(format!(
+            "{} matrices on {} threads",
+            tiled.len(),
+            pool.threads()
+        ));
         let mut done = Vec::new();
         let arena = std::sync::Arc::new(arena);
         let mut bytes_done = 0u64;

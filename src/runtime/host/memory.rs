@@ -33,6 +33,7 @@ use super::image::{ImageViewError, MappedImage};
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
+use crate::records::load::{Laps, LoadPhase};
 use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
 use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
 use crate::runtime::sync::lock;
@@ -41,6 +42,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// Bytes in a GiB, for the set-up's details.
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Copies at least this long are split over the machine's cores. One thread's memcpy
 /// stays well below the memory bandwidth (`moec probe` on the 2-core machine of
@@ -199,6 +203,8 @@ pub struct HostMemory<'c> {
     converted_formats: Vec<crate::quant::QuantFormat>,
     /// Expert computations that read a converted expert, and all of them.
     substituted: [AtomicU64; 2],
+    /// Its set-up, timed part by part ([`HostMemory::setup_phases`]).
+    setup: Vec<LoadPhase>,
 }
 
 fn space_index(space: Space) -> usize {
@@ -267,19 +273,23 @@ impl<'c> HostMemory<'c> {
             weight_copies
         };
         let tile_quant = tile_quant && !reads_disk;
+        let mut laps = Laps::start();
         let arenas = [
             Arena::new("gpu", gpu_bytes, false)?,
             Arena::new("pinned", plan.arena(Space::Pinned).bytes, true)?,
             Arena::new("host", plan.arena(Space::Host).bytes, false)?,
         ];
+        laps.lap("arenas");
         let mut layout = image_layout(checkpoint, plan.checkpoint)?;
         let mut image = MappedImage::new(checkpoint, &layout)?;
+        laps.lap("weights image mapped");
         // The CPU backend's own products read Q4_K in tiles of eight rows, repacked here
         // once in place of the blocks; a device backend (`host_side`) reads the file's
         // layout, and so do the f32 products of decoded weights.
         let copy_pool = CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get()));
         let tiled = if tile_quant {
-            let (tags, bytes) = image.tile(checkpoint, &layout.tileable(), &copy_pool)?;
+            let (tags, bytes) =
+                image.tile(checkpoint, &layout.tileable(), &copy_pool, &mut laps)?;
             layout.tiled = tags.into_iter().collect();
             bytes
         } else {
@@ -294,9 +304,21 @@ impl<'c> HostMemory<'c> {
         } else {
             0
         };
+        laps.lap("page tables populated").detail = Some(if populated > 0 {
+            format!("{:.2} GiB", populated as f64 / GIB)
+        } else if reads_disk {
+            "none: the plan reads the checkpoint from disk".to_string()
+        } else if !fits {
+            "none: the image is over half the memory available".to_string()
+        } else {
+            "none: the OS refused MADV_POPULATE_READ".to_string()
+        });
         // The format copies of the experts, made once here, before the first step.
         let converted = super::format_copy::make_format_copies(plan, &image, &layout, &arenas[2])
             .map_err(MemoryError::FormatCopy)?;
+        if !converted.is_empty() {
+            laps.lap("format copies");
+        }
         let maps: [Mutex<WeightMap>; 3] = Default::default();
         {
             let mut host = lock(&maps[space_index(Space::Host)]);
@@ -349,7 +371,15 @@ impl<'c> HostMemory<'c> {
             converted_starts,
             converted_formats,
             substituted: Default::default(),
+            setup: laps.into_phases(),
         })
+    }
+
+    /// The parts of this memory's set-up, timed in order: arenas, the weights image
+    /// mapped, the tiles' arena and their repacking, page tables populated, format copies
+    /// (each only where it ran).
+    pub fn setup_phases(&self) -> &[LoadPhase] {
+        &self.setup
     }
 
     /// The formats of the plan's format copies of the experts (empty: none).
