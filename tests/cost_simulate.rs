@@ -1190,3 +1190,123 @@ fn plan_setup(
     let spaces = moec::cost::plan::param_spaces(&defaults.params, &fixed);
     (file, options, spaces)
 }
+
+/// A point the planner's lean evaluation accepts must not be one the full compile refuses:
+/// hobbit with a fill rule that forgets what a decode step holds (a mutation: its cache
+/// keeps 4 slots whatever the batch, as session 24's scratch-aware fill gave past
+/// `bs=131` on qwen3-30b-a3b `t4`) has more fetched experts held at once than slots from
+/// `bs=3` on mixtral-tiny (8 experts, top 2), which the full check refuses
+/// (`cache::deadlock`) while its budget fits. The lean evaluation refuses those points
+/// too, so the search's best points all pass the full compile (before, the largest
+/// batches ranked first and were all dropped after the search).
+#[test]
+fn the_plan_search_skips_points_whose_expert_cache_the_full_check_refuses() {
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    use moec::cost::plan::{param_spaces, search, Outcome, SearchOptions};
+    use moec::engine::fit_params::{evaluate_point, PointTarget};
+    let fill = "max(fit, min(experts, bs * top_k) + top_k)";
+    let source = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
+    assert_eq!(source.matches(fill).count(), 1, "hobbit's fill rule moved");
+    let mutated = source.replacen(fill, "4", 1);
+    let file = moec::compile::source_to_ast(&mutated).unwrap();
+    let profile = HardwareProfile::load("t4").unwrap();
+    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
+    options.workload = Workload {
+        batch: 8,
+        prompt_len: 32,
+        gen_len: 8,
+    };
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let fixed = [
+        ("thr", "0.4"),
+        ("lowbit", "0"),
+        ("n_cache", "-1"),
+        ("home", "-1"),
+    ];
+    options.sets = fixed
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let with = |bs: i64| {
+        let mut o = options.clone();
+        o.sets.push(("bs".to_string(), bs.to_string()));
+        o
+    };
+    // bs = 8: the lean path's budget fits, the full compile refuses the cache, and the
+    // point's evaluation now says so.
+    let (lean, _) = moec::compile::ast_to_ir(&file, &with(8)).unwrap();
+    assert!(
+        budget_table(&lean, Some(&profile), &BudgetOverrides::default()).fits(),
+        "the mutation must fit the budget, or the budget refuses it already"
+    );
+    let refused = compile(&mutated, &with(8)).expect_err("the full compile refuses bs=8");
+    assert!(
+        refused
+            .iter()
+            .any(|d| d.code == moec::diag::Code::CacheDeadlock),
+        "{refused:?}"
+    );
+    let share = |_: &moec::ir::Program, _: u64| 1.0;
+    let target = PointTarget {
+        file: &file,
+        options: &options,
+        profile: &profile,
+        settings: CostSettings::default(),
+        overrides: BudgetOverrides::default(),
+        machine_bytes: None,
+        gpu_in_host: false,
+        slot_share: &share,
+        prune_declared: true,
+        same_program: None,
+    };
+    let point = |bs: i64| vec![("bs".to_string(), moec::ir::Scalar::Int(bs))];
+    match evaluate_point(&target, &point(8)) {
+        Outcome::Invalid(why) => assert!(why.starts_with("cache::deadlock: "), "{why}"),
+        other => panic!("bs=8 evaluated as {other:?}"),
+    }
+    assert!(matches!(
+        evaluate_point(&target, &point(2)),
+        Outcome::Fits(_)
+    ));
+    // The search over `bs`: every best point compiles in full, and the refused ones are
+    // counted as invalid with the check's reason.
+    let spaces = param_spaces(&lean.params, &fixed.map(|(k, _)| k.to_string()));
+    assert_eq!(spaces.len(), 1, "only bs is searched");
+    let result = search(
+        &spaces,
+        &SearchOptions {
+            max_grid: 12,
+            refine_from: 1,
+            top: 3,
+            ..SearchOptions::default()
+        },
+        |values| evaluate_point(&target, values),
+    );
+    assert!(!result.top.is_empty(), "{result:?}");
+    assert!(result.invalid > 0, "{result:?}");
+    assert!(
+        result
+            .invalid_reasons
+            .iter()
+            .any(|r| r.starts_with("cache::deadlock: ")),
+        "{result:?}"
+    );
+    for candidate in &result.top {
+        let mut o = options.clone();
+        o.sets.extend(
+            candidate
+                .values
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_string())),
+        );
+        assert!(
+            compile(&mutated, &o).is_ok(),
+            "{:?} passed the lean evaluation but not the full compile",
+            candidate.values
+        );
+    }
+}

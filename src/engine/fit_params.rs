@@ -152,6 +152,9 @@ pub fn evaluate_point_bounded(
             }
         }
     }
+    if let Some(why) = cache_refusal(&program) {
+        return Outcome::Invalid(why);
+    }
     let deps: Vec<Vec<TaskId>> = deps::candidate_preds(&program);
     let predicted = costs.throughput(&deps);
     match predicted {
@@ -171,6 +174,26 @@ pub fn evaluate_point_bounded(
         },
         Err(e) => Outcome::Invalid(e.to_string()),
     }
+}
+
+/// Why the full check refuses `program`'s expert caches, if it does (`check::cache`: more
+/// fetched experts held at once than a cache has slots, a read of an unfetched slot, a
+/// stale residency guard), as its first error's code and message. The point's other checks
+/// are left to the winners' full check, but these depend on the params the search moves
+/// (a fill rule's slots against the batch a decode step holds): a point they refuse would
+/// otherwise rank first and be dropped after the search, taking a winner's place (session
+/// 24: hobbit and moe_infinity past `bs=131` on qwen3-30b-a3b `t4` found no plan). Asked
+/// on the unreduced graph (the same order, without the reduction's cost), only for a
+/// program with caches.
+fn cache_refusal(program: &Program) -> Option<String> {
+    if program.caches.is_empty() {
+        return None;
+    }
+    let dag = deps::unreduced(program);
+    let mut diags = Vec::new();
+    crate::check::cache::check(program, &dag, &mut diags);
+    let first = diags.into_iter().find(crate::diag::Diagnostic::is_error)?;
+    Some(format!("{}: {}", first.code.as_str(), first.message))
 }
 
 /// Points of the coarse grid (`moec plan`'s default): bisection refines the best three.

@@ -272,6 +272,16 @@ pub fn candidate_edges(program: &Program) -> Candidates {
     out
 }
 
+/// The dependency graph with every candidate edge kept (no transitive reduction): the
+/// same reachability as [`build`]'s, since a reduction removes only implied edges. For a
+/// check that asks only what is ordered before what (`check::cache`) on a program that is
+/// scored and dropped (a planner's point), without the reduction's cost.
+pub fn unreduced(program: &Program) -> Dag {
+    let candidates = candidate_edges(program);
+    let before = candidates.iter().map(Vec::len).sum();
+    assemble(candidates, before)
+}
+
 /// [`candidate_edges`]' predecessors alone, per task, in the same order: what a prediction
 /// needs (`cost::predict`), built without the kinds and buffers (one vector per task with
 /// predecessors, none for a task without).
