@@ -403,7 +403,8 @@ fn workspace_lines(program: &Program, cpu_threads: u64) -> Vec<BudgetLine> {
     lines
 }
 
-/// Whether an engine's tasks run on the GPU (the CUDA backend's device streams).
+/// Whether an engine's tasks run on the GPU (a device backend's streams, each with its own
+/// workspace).
 fn on_device(engine: Engine) -> bool {
     matches!(
         engine,
@@ -411,7 +412,7 @@ fn on_device(engine: Engine) -> bool {
     )
 }
 
-/// One `gpu scratch on <stream>` line per device stream whose tasks take scratch: the
+/// One `scratch on <stream>` line (space `gpu`) per device stream whose tasks take scratch: the
 /// largest bound of `rules` over its tasks, naming the task that sets it.
 fn gpu_scratch_lines(program: &Program, rules: &dyn DeviceScratch) -> Vec<BudgetLine> {
     let device: Vec<bool> = program
