@@ -571,9 +571,8 @@ fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() 
 /// points were answered without elaborating.
 #[test]
 fn points_with_the_same_program_are_answered_as_elaborated_ones() {
-    use moec::cost::budget::BudgetOverrides;
     use moec::cost::plan::{search_bounded, SamePrograms, SearchOptions};
-    use moec::engine::fit_params::{evaluate_point_bounded, PointTarget};
+    use moec::engine::fit_params::evaluate_point_bounded;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let profile = HardwareProfile::load("t4").unwrap();
     let sets = [
@@ -593,18 +592,7 @@ fn points_with_the_same_program_are_answered_as_elaborated_ones() {
     assert_eq!(spaces.len(), 3, "{spaces:?}");
     let share = |_: &moec::ir::Program, _: u64| 1.0;
     let same = SamePrograms::default();
-    let target = |same_program| PointTarget {
-        file: &file,
-        options: &options,
-        profile: &profile,
-        settings: CostSettings::default(),
-        overrides: BudgetOverrides::default(),
-        machine_bytes: None,
-        gpu_in_host: false,
-        slot_share: &share,
-        prune_declared: true,
-        same_program,
-    };
+    let target = |same_program| default_target(&file, &options, &profile, &share, same_program);
     let search_options = SearchOptions {
         max_grid: 12,
         refine_from: 2,
@@ -646,21 +634,8 @@ fn never_running_arms_left_out_predict_what_building_them_predicts() {
     let settings = CostSettings::default();
     let source = std::fs::read_to_string("schedules/fiddler.sched").unwrap();
     let predict_at = |sets: &[(&str, String)], ceiling: bool| {
-        let mut options = Options::new(ModelCard::load("mixtral-mid").unwrap());
-        options.workload = Workload {
-            batch: 8,
-            prompt_len: 32,
-            gen_len: 8,
-        };
-        options.hardware = profile
-            .symbols()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        options.sets = sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect();
+        let sets: Vec<(&str, &str)> = sets.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut options = options_with_profile(&profile, "mixtral-mid", &sets);
         options.routed_ceiling = ceiling;
         let program = moec::compile::compile(&source, &options)
             .unwrap_or_else(|d| panic!("{sets:?}: {}", d[0]))
@@ -1161,6 +1136,49 @@ fn hobbit_on_qwen3_t4_keeps_mains_pick() {
 
 /// A planner test's point of departure: `schedule` parsed, its options for `card` at
 /// `workload` on `profile` with `sets` fixed, and the param spaces the search walks.
+/// A planner point's target with the default settings and the profile's budgets, every
+/// slot counted, declared buffers pruned.
+fn default_target<'a>(
+    file: &'a moec::syntax::ast::File,
+    options: &'a Options,
+    profile: &'a HardwareProfile,
+    share: &'a (dyn Fn(&moec::ir::Program, u64) -> f64 + Sync),
+    same_program: Option<&'a moec::cost::plan::SamePrograms>,
+) -> moec::engine::fit_params::PointTarget<'a> {
+    moec::engine::fit_params::PointTarget {
+        file,
+        options,
+        profile,
+        settings: CostSettings::default(),
+        overrides: moec::cost::budget::BudgetOverrides::default(),
+        machine_bytes: None,
+        gpu_in_host: false,
+        slot_share: share,
+        prune_declared: true,
+        same_program,
+    }
+}
+
+/// Options for `card` at 8 sequences of 32 + 8 tokens, the profile's symbols and `sets`.
+fn options_with_profile(profile: &HardwareProfile, card: &str, sets: &[(&str, &str)]) -> Options {
+    let mut options = Options::new(ModelCard::load(card).unwrap());
+    options.workload = Workload {
+        batch: 8,
+        prompt_len: 32,
+        gen_len: 8,
+    };
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    options.sets = sets
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    options
+}
+
 fn plan_setup(
     profile: &HardwareProfile,
     schedule: &str,
@@ -1174,17 +1192,8 @@ fn plan_setup(
 ) {
     let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
     let file = moec::compile::source_to_ast(&source).unwrap();
-    let mut options = Options::new(ModelCard::load(card).unwrap());
+    let mut options = options_with_profile(profile, card, sets);
     options.workload = workload;
-    options.hardware = profile
-        .symbols()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-    options.sets = sets
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
     let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
     let (defaults, _) = moec::compile::ast_to_ir(&file, &options).unwrap();
     let spaces = moec::cost::plan::param_spaces(&defaults.params, &fixed);
@@ -1203,34 +1212,20 @@ fn plan_setup(
 fn the_plan_search_skips_points_whose_expert_cache_the_full_check_refuses() {
     use moec::cost::budget::{budget_table, BudgetOverrides};
     use moec::cost::plan::{param_spaces, search, Outcome, SearchOptions};
-    use moec::engine::fit_params::{evaluate_point, PointTarget};
+    use moec::engine::fit_params::evaluate_point;
     let fill = "max(fit, min(experts, bs * top_k) + top_k)";
     let source = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
     assert_eq!(source.matches(fill).count(), 1, "hobbit's fill rule moved");
     let mutated = source.replacen(fill, "4", 1);
     let file = moec::compile::source_to_ast(&mutated).unwrap();
     let profile = HardwareProfile::load("t4").unwrap();
-    let mut options = Options::new(ModelCard::load("mixtral-tiny").unwrap());
-    options.workload = Workload {
-        batch: 8,
-        prompt_len: 32,
-        gen_len: 8,
-    };
-    options.hardware = profile
-        .symbols()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
     let fixed = [
         ("thr", "0.4"),
         ("lowbit", "0"),
         ("n_cache", "-1"),
         ("home", "-1"),
     ];
-    options.sets = fixed
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let options = options_with_profile(&profile, "mixtral-tiny", &fixed);
     let with = |bs: i64| {
         let mut o = options.clone();
         o.sets.push(("bs".to_string(), bs.to_string()));
@@ -1251,18 +1246,7 @@ fn the_plan_search_skips_points_whose_expert_cache_the_full_check_refuses() {
         "{refused:?}"
     );
     let share = |_: &moec::ir::Program, _: u64| 1.0;
-    let target = PointTarget {
-        file: &file,
-        options: &options,
-        profile: &profile,
-        settings: CostSettings::default(),
-        overrides: BudgetOverrides::default(),
-        machine_bytes: None,
-        gpu_in_host: false,
-        slot_share: &share,
-        prune_declared: true,
-        same_program: None,
-    };
+    let target = default_target(&file, &options, &profile, &share, None);
     let point = |bs: i64| vec![("bs".to_string(), moec::ir::Scalar::Int(bs))];
     match evaluate_point(&target, &point(8)) {
         Outcome::Invalid(why) => assert!(why.starts_with("cache::deadlock: "), "{why}"),
