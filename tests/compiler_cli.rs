@@ -103,6 +103,42 @@ fn check_budgets_the_scratch_of_the_backend_it_names() {
     assert!(stderr.contains("cuda"), "{stderr}");
 }
 
+/// The planning commands compile an MLA card as the backend they name runs it
+/// (`registry::card_for`): the CPU backend (the default) caches DeepSeek-V2-Lite's latent
+/// once, V read from K, where CUDA keeps a V pool of the same width. So `--backend cuda`
+/// budgets one more pool: 27 layers x 16 sequences x (128 + 32) positions x (512 latent +
+/// 64 rope) x 4 bytes, worked from the card's facts.
+#[test]
+fn check_budgets_the_kv_layout_of_the_backend_it_names() {
+    let args = [
+        "check",
+        "schedules/baselines/resident.sched",
+        "--model",
+        "deepseek-v2-lite",
+    ];
+    let host_mib = |extra: &[&str]| -> f64 {
+        let (code, stdout, stderr) = moec(&[&args[..], extra].concat());
+        assert_eq!(code, 0, "{stderr}");
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("host") && l.contains("buffers"))
+            .unwrap_or_else(|| panic!("no host buffers line: {stdout}"));
+        let mib = line
+            .split_whitespace()
+            .rev()
+            .nth(1)
+            .and_then(|v| v.parse::<f64>().ok());
+        assert!(line.ends_with("MiB"), "{line}");
+        mib.unwrap_or_else(|| panic!("no size in {line}"))
+    };
+    let (cpu, cuda) = (host_mib(&[]), host_mib(&["--backend", "cuda"]));
+    let v_pool = (27 * 16 * (128 + 32) * (512 + 64) * 4) as f64 / (1u64 << 20) as f64;
+    assert!(
+        (cuda - cpu - v_pool).abs() < 0.01,
+        "cpu {cpu} MiB, cuda {cuda} MiB: the V pool is {v_pool} MiB"
+    );
+}
+
 #[test]
 fn compile_emits_text_dot_and_json() {
     let (code, text, _) = moec(&["compile", "tests/fixtures/all_constructs.sched"]);

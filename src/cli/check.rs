@@ -70,10 +70,11 @@ impl SchedArgs {
             .map_err(|e| Failure {
                 text: format!("error: cannot read {name}: {e}\n"),
             })?;
-        let model = super::inputs::planning_card(&self.model, self.weight_format.as_deref())
-            .map_err(|e| Failure {
-                text: format!("error: {e}\n"),
-            })?;
+        let model =
+            super::inputs::planning_card(&self.model, self.weight_format.as_deref(), self.backend)
+                .map_err(|e| Failure {
+                    text: format!("error: {e}\n"),
+                })?;
         let mut options = Options::new(model);
         options.scratch = self.backend.scratch;
         options.kv_bytes = self.kv_type.map(|kv| kv.bytes());

@@ -46,10 +46,13 @@ fn is_gguf(path: &Path) -> bool {
 /// The card a planning command (`check`, `compile`, `simulate`, `plan`) compiles for:
 /// `--model` names a built-in card, a `.ron` path or a llama.cpp `.gguf` file (its
 /// architecture and each tensor's format come from its header; no weights are read), and
-/// `--weight-format` (`experts=q4_k,attention=q8_0`) sets classes' formats on top.
+/// `--weight-format` (`experts=q4_k,attention=q8_0`) sets classes' formats on top. The card
+/// is the one `backend` runs (`registry::card_for`: an MLA cache with or without a V pool),
+/// so a planning command budgets the KV bytes `moec run --backend` on it holds.
 pub fn planning_card(
     model: &str,
     weight_format: Option<&str>,
+    backend: &crate::runtime::Registration,
 ) -> Result<crate::model::card::ModelCard, String> {
     let path = Path::new(model);
     let mut card = if is_gguf(path) {
@@ -69,7 +72,7 @@ pub fn planning_card(
             .check(&arch, card.dtype)
             .map_err(|e| format!("--weight-format: {}: {e}", card.name))?;
     }
-    Ok(card)
+    Ok(crate::runtime::registry::card_for(backend, &card))
 }
 
 /// A flag value that must be a positive finite number (`--link-gbps`, `--watchdog`).

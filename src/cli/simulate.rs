@@ -129,7 +129,11 @@ pub(crate) fn fail(message: impl std::fmt::Display) -> ExitCode {
 pub(crate) fn resolve(target: &CostTarget) -> Result<Resolved, String> {
     let source = crate::textfile::read_capped(&target.schedule, crate::textfile::SOURCE_LIMIT)
         .map_err(|e| format!("cannot read {}: {e}", target.schedule.display()))?;
-    let model = super::inputs::planning_card(&target.model, target.weight_format.as_deref())?;
+    let model = super::inputs::planning_card(
+        &target.model,
+        target.weight_format.as_deref(),
+        target.backend,
+    )?;
     let profile = HardwareProfile::load(&target.hw).map_err(|e| e.to_string())?;
     // The schedule sees the profile's own numbers (`gpu.mem`, `link.h2d`, ...), as `check`
     // and `run` with `--hw` show them, whatever rates the prediction divides by: a planned
