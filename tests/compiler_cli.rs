@@ -493,6 +493,80 @@ fn lsp_position(p: &serde_json::Value) -> (u64, u64) {
     )
 }
 
+/// `moec lsp`'s `backend` setting is `moec check --backend`: fiddler's `gpu_scratch(..)`
+/// takes the CUDA backend's rules without a warning; with no backend (the CPU default) the
+/// catalog's bound and `lint::catalog_scratch`, as `check` says; an unknown backend is shown
+/// to the user, and the server compiles for the defaults.
+#[test]
+fn lsp_backend_setting_budgets_that_backend_s_scratch() {
+    use serde_json::json;
+    use std::io::Write;
+    let text = std::fs::read_to_string("schedules/fiddler.sched").unwrap();
+    let uri = "file:///work/fiddler.sched";
+    let session = |options: serde_json::Value| -> Vec<serde_json::Value> {
+        let mut input = String::new();
+        for message in [
+            json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "capabilities": {}, "initializationOptions": options}}),
+            json!({"jsonrpc": "2.0", "method": "initialized", "params": {}}),
+            json!({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+                "uri": uri, "languageId": "sched", "version": 1, "text": text}}}),
+            json!({"jsonrpc": "2.0", "id": 2, "method": "shutdown"}),
+            json!({"jsonrpc": "2.0", "method": "exit"}),
+        ] {
+            input.push_str(&lsp_frame(message));
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+            .arg("lsp")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("moec lsp starts");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        lsp_messages(&String::from_utf8(out.stdout).unwrap())
+    };
+    let codes = |messages: &[serde_json::Value]| -> Vec<String> {
+        let published = messages
+            .iter()
+            .find(|m| m["method"] == json!("textDocument/publishDiagnostics"))
+            .unwrap_or_else(|| panic!("no diagnostics in {messages:#?}"));
+        published["params"]["diagnostics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["code"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let cuda = session(json!({"hw": "t4", "backend": "cuda"}));
+    assert!(
+        !codes(&cuda).iter().any(|c| c == "lint::catalog_scratch"),
+        "{cuda:#?}"
+    );
+    let cpu = session(json!({"hw": "t4"}));
+    assert!(
+        codes(&cpu).iter().any(|c| c == "lint::catalog_scratch"),
+        "{cpu:#?}"
+    );
+    let unknown = session(json!({"hw": "t4", "backend": "tpu"}));
+    assert!(
+        unknown
+            .iter()
+            .any(|m| m["method"] == json!("window/showMessage")
+                && m["params"]["message"]
+                    .as_str()
+                    .is_some_and(|t| t.contains("backend: ") && t.contains("tpu"))),
+        "{unknown:#?}"
+    );
+}
+
 /// Issue 45 point 6: a scripted session with `moec lsp`. The diagnostic carries the
 /// checker's span (the one `moec check` draws, line 14 column 35 1-based, over
 /// `w[(0 + 1) % 2]`) and its text; hover gives a buffer's bytes and space for the card

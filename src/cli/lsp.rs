@@ -13,7 +13,12 @@ pub fn run(_args: &LspArgs) -> ExitCode {
     let mut input = stdin.lock();
     let mut output = std::io::stdout().lock();
     let mut log = std::io::stderr().lock();
-    match crate::lsp::serve(&mut input, &mut output, &mut log, lsp_card) {
+    match crate::lsp::serve(
+        &mut input,
+        &mut output,
+        &mut log,
+        super::inputs::planning_card,
+    ) {
         Ok(crate::lsp::Ending::Clean) => ExitCode::SUCCESS,
         Ok(crate::lsp::Ending::Abrupt) => ExitCode::from(1),
         Err(e) => {
@@ -21,17 +26,4 @@ pub fn run(_args: &LspArgs) -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// The LSP's card: the default backend's (`moec run`'s when it names none), as `check`
-/// without `--backend` compiles it; the server has no backend setting.
-fn lsp_card(
-    model: &str,
-    weight_format: Option<&str>,
-) -> Result<crate::model::card::ModelCard, String> {
-    super::inputs::planning_card(
-        model,
-        weight_format,
-        crate::runtime::registry::default_backend(),
-    )
 }

@@ -3,8 +3,8 @@
 //!
 //! `{"model": "mixtral-tiny", "hw": "t4"}` is the usual form; every key is optional and
 //! each default is `moec check`'s (card `mixtral-tiny`, no hardware profile, batch 64,
-//! prompt_len 128, gen_len 32). Keys: `model`, `hw`, `weightFormat`, `set` (a list of
-//! `NAME=VALUE`), `batch`, `promptLen`, `genLen`.
+//! prompt_len 128, gen_len 32, the default backend). Keys: `model`, `hw`, `weightFormat`,
+//! `set` (a list of `NAME=VALUE`), `batch`, `promptLen`, `genLen`, `backend`.
 
 use crate::compile::Options;
 use crate::cost::hardware::HardwareProfile;
@@ -12,9 +12,11 @@ use crate::ir::Workload;
 use crate::model::card::ModelCard;
 use serde::Deserialize;
 
-/// Loads a card by name, `.ron` or `.gguf` path, with `--weight-format`'s classes on top
-/// (the CLI's loader, handed in so this module does not import the CLI).
-pub type CardLoader = fn(&str, Option<&str>) -> Result<ModelCard, String>;
+/// Loads a card by name, `.ron` or `.gguf` path, with `--weight-format`'s classes on top,
+/// as the named backend runs it (the CLI's loader, handed in so this module does not
+/// import the CLI).
+pub type CardLoader =
+    fn(&str, Option<&str>, &crate::runtime::Registration) -> Result<ModelCard, String>;
 
 /// The card a document is compiled for when the client names none (`moec check`'s).
 pub const DEFAULT_MODEL: &str = "mixtral-tiny";
@@ -37,6 +39,8 @@ pub struct Settings {
     pub prompt_len: Option<u64>,
     /// Generated tokens per sequence (`--gen-len`).
     pub gen_len: Option<u64>,
+    /// The backend whose scratch rules and KV layout the budget counts (`--backend`).
+    pub backend: Option<String>,
 }
 
 /// What every document is compiled with.
@@ -62,7 +66,7 @@ impl Setup {
 
 impl Settings {
     /// The keys `initializationOptions` may hold.
-    pub const KEYS: [&'static str; 7] = [
+    pub const KEYS: [&'static str; 8] = [
         "model",
         "hw",
         "weightFormat",
@@ -70,6 +74,7 @@ impl Settings {
         "batch",
         "promptLen",
         "genLen",
+        "backend",
     ];
 
     /// Reads `initializationOptions` (`null` or absent: the defaults). Unknown keys are
@@ -97,10 +102,16 @@ impl Settings {
     /// Loads the card and profile the settings name.
     pub fn resolve(&self, load_card: CardLoader) -> Result<Setup, String> {
         let model = self.model.as_deref().unwrap_or(DEFAULT_MODEL);
-        let card = load_card(model, self.weight_format.as_deref())?;
+        // None named: `moec run`'s default backend, as every command naming none.
+        let backend = match &self.backend {
+            Some(name) => {
+                crate::runtime::registry::find(name).map_err(|e| format!("backend: {e}"))?
+            }
+            None => crate::runtime::registry::default_backend(),
+        };
+        let card = load_card(model, self.weight_format.as_deref(), backend)?;
         let mut options = Options::new(card);
-        // No backend setting: `moec run`'s default backend, as every command naming none.
-        options.scratch = crate::runtime::registry::default_backend().scratch;
+        options.scratch = backend.scratch;
         let defaults = Workload::default();
         options.workload = Workload {
             batch: self.batch.unwrap_or(defaults.batch),
