@@ -588,8 +588,14 @@ mod tests {
         format!("Content-Length: {}\r\n\r\n{body}", body.len()).into_bytes()
     }
 
-    fn load(name: &str, _formats: Option<&str>) -> Result<crate::model::card::ModelCard, String> {
-        crate::model::card::ModelCard::load(name).map_err(|e| e.to_string())
+    fn load(
+        name: &str,
+        _formats: Option<&str>,
+        backend: &crate::runtime::Registration,
+    ) -> Result<crate::model::card::ModelCard, String> {
+        crate::model::card::ModelCard::load(name)
+            .map(|card| crate::runtime::registry::card_for(backend, &card))
+            .map_err(|e| e.to_string())
     }
 
     /// Runs a session on `input`; gives how it ended, the messages written and the log.
