@@ -96,6 +96,10 @@ pub struct QuantKernels {
     /// AVX-512 VNNI one ([`row_prefetch_default`]; benches compare the two, the bits are
     /// the same).
     q6k_row_prefetch: bool,
+    /// From how many activation rows a product from a matrix in the row layout packs its
+    /// panels into tiles as it runs (`super::pack`); `usize::MAX`: never. The process's
+    /// [`super::tiles::mode`] sets it ([`pack_rows_default`]).
+    pack_rows: usize,
 }
 
 impl QuantKernels {
@@ -107,6 +111,7 @@ impl QuantKernels {
                 unpacked: true,
                 few: true,
                 q6k_row_prefetch: row_prefetch_default(body),
+                pack_rows: pack_rows_default(),
             })
         } else {
             Err(UnsupportedBody { body })
@@ -120,6 +125,7 @@ impl QuantKernels {
             unpacked: true,
             few: true,
             q6k_row_prefetch: true,
+            pack_rows: pack_rows_default(),
         }
     }
 
@@ -136,6 +142,7 @@ impl QuantKernels {
             unpacked: true,
             few: true,
             q6k_row_prefetch: row_prefetch_default(body),
+            pack_rows: pack_rows_default(),
         }
     }
 
@@ -194,6 +201,42 @@ impl QuantKernels {
     pub fn q6k_row_prefetch(self) -> bool {
         self.q6k_row_prefetch
     }
+
+    /// These kernels packing the row layout's panels into tiles as a product runs from
+    /// `rows` activation rows (`Some(1)`: every product; `None`: never, the row layout's
+    /// own bodies at every row count). For comparing the two in one process (tests,
+    /// `cargo bench --bench quant`); both give the same bits.
+    pub fn with_pack_rows(self, rows: Option<usize>) -> Self {
+        QuantKernels {
+            pack_rows: rows.unwrap_or(usize::MAX),
+            ..self
+        }
+    }
+
+    /// From how many activation rows products pack ([`Self::with_pack_rows`]; `None`:
+    /// never).
+    pub fn pack_rows(self) -> Option<usize> {
+        (self.pack_rows != usize::MAX).then_some(self.pack_rows)
+    }
+
+    /// Whether a product of `n_rows` activation rows from a `cols`-wide matrix of
+    /// `format` in the row layout packs its panels into tiles: a SIMD body (the portable
+    /// one reads the row layout), at least [`Self::pack_rows`] rows, a format with tiles
+    /// and rows of whole blocks.
+    pub fn packs(self, format: crate::quant::QuantFormat, cols: usize, n_rows: usize) -> bool {
+        self.body != QuantBody::Portable
+            && n_rows >= self.pack_rows
+            && super::tiles::tileable(format, super::tiles::TILE_ROWS, cols)
+    }
+}
+
+/// The activation rows from which products pack by default: [`super::tiles::PACK_MIN_ROWS`]
+/// when the process packs ([`super::tiles::TileMode::Pack`]), never otherwise.
+pub fn pack_rows_default() -> usize {
+    match super::tiles::mode() {
+        super::tiles::TileMode::Pack => super::tiles::PACK_MIN_ROWS,
+        super::tiles::TileMode::Load | super::tiles::TileMode::Off => usize::MAX,
+    }
 }
 
 /// Whether `body`'s Q6_K tile passes prefetch at one activation row by default: not the
@@ -225,8 +268,9 @@ pub fn describe(k: Kernels) -> String {
     format!(
         "quantised products: {} ({why}); activations quantised to Q8_K (K-quants), Q8_0 \
          (Q8_0, Q4_0, MXFP4 weights) or Q8_1 (Q4_1 weights), integer block dot products, f32 \
-         accumulation over blocks",
-        body.name()
+         accumulation over blocks; {}",
+        body.name(),
+        super::tiles::describe_mode()
     )
 }
 

@@ -1,6 +1,7 @@
 //! Products from the tiles of eight rows ([`crate::quant::tiles`], the layout): the
-//! activation side the SIMD bodies read ([`TileActs`]), the portable body, and whether the
-//! CPU backend tiles at all ([`enabled`]). The products compute each output exactly as
+//! activation side the SIMD bodies read ([`TileActs`]), the portable body, and where the
+//! CPU backend's tiles come from ([`mode`]: packed as products run, repacked at load, or
+//! none). The products compute each output exactly as
 //! [`super::matmul`] documents, so they give the plain layout's bits in every body.
 
 use super::dot;
@@ -9,19 +10,72 @@ use crate::quant::tiles::{column_spans, untile_block};
 pub use crate::quant::tiles::{columns, tile, tile_bytes, tileable, untile, TILE_BYTES, TILE_ROWS};
 use crate::quant::{QuantFormat, QK_K};
 
-/// Whether the CPU backend repacks Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices into tiles at load: yes unless
-/// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
-/// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
-pub fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("MOEC_QUANT_TILES").as_deref() {
-        Err(_) | Ok("on") => true,
-        Ok("off") => false,
+/// Where the CPU backend's products get the tiles of eight rows they compute from
+/// (`MOEC_QUANT_TILES`, read once). Every mode gives the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TileMode {
+    /// No repack at load: a product of at least [`PACK_MIN_ROWS`] activation rows packs
+    /// each panel of the row layout into tiles as it runs (`super::pack`); fewer rows read
+    /// the row layout in place. The default (`pack`, or unset).
+    Pack,
+    /// Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices repacked into tiles once at load, in new
+    /// memory as large as them (`load`; `on` is the same, its name before `pack` existed).
+    Load,
+    /// The row layout everywhere, never tiles (`off`, for comparing).
+    Off,
+}
+
+impl TileMode {
+    /// The `MOEC_QUANT_TILES` value that selects this mode.
+    pub fn name(self) -> &'static str {
+        match self {
+            TileMode::Pack => "pack",
+            TileMode::Load => "load",
+            TileMode::Off => "off",
+        }
+    }
+}
+
+/// The activation rows from which a product packs its panels in [`TileMode::Pack`]. Below
+/// it the row layout's bodies run in place: at one to four rows they are as fast as the
+/// tiles' or faster (`cargo bench --bench quant`, docs/performance.md), and the pack's one
+/// more read of the weights would not be spread over enough rows.
+pub const PACK_MIN_ROWS: usize = 16;
+
+/// The process's [`TileMode`] from `MOEC_QUANT_TILES` (`pack`, `load` or `on`, `off`; unset:
+/// `pack`; any other value warns once and packs).
+pub fn mode() -> TileMode {
+    static MODE: std::sync::OnceLock<TileMode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("MOEC_QUANT_TILES").as_deref() {
+        Err(_) | Ok("pack") => TileMode::Pack,
+        Ok("load") | Ok("on") => TileMode::Load,
+        Ok("off") => TileMode::Off,
         Ok(other) => {
-            eprintln!("warning: MOEC_QUANT_TILES={other} is neither on nor off; keeping tiles");
-            true
+            eprintln!(
+                "warning: MOEC_QUANT_TILES={other} is not pack, load (on) or off; packing \
+                 tiles as products run"
+            );
+            TileMode::Pack
         }
     })
+}
+
+/// One line for the run report and `moec devices`: where the products' tiles come from.
+pub fn describe_mode() -> String {
+    match mode() {
+        TileMode::Pack => format!(
+            "quantised tiles: packed a panel of {} rows at a time inside each product of >= \
+             {PACK_MIN_ROWS} activation rows, none repacked at load (MOEC_QUANT_TILES=pack, \
+             the default; =load repacks at load)",
+            super::matmul::PANEL_ROWS
+        ),
+        TileMode::Load => "quantised tiles: Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices repacked at \
+                           load (MOEC_QUANT_TILES=load)"
+            .to_string(),
+        TileMode::Off => {
+            "quantised tiles: none, the row layout everywhere (MOEC_QUANT_TILES=off)".to_string()
+        }
+    }
 }
 
 /// What the MXFP4 tile bodies add to each table value (`kvalues_mxfp4`, −12..=12) so the

@@ -35,6 +35,7 @@ use super::image::{ImageViewError, MappedImage};
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
+use crate::math::qmatmul::tiles::TileMode;
 use crate::records::load::{Laps, LoadPhase};
 use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
 use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
@@ -233,7 +234,9 @@ impl<'c> HostMemory<'c> {
                 capacity,
             });
         }
-        let tile_quant = crate::math::qmatmul::tiles::enabled()
+        // Tiles at load only when asked (`MOEC_QUANT_TILES=load`): by default the
+        // many-row products pack their panels as they run, and nothing is repacked here.
+        let tile_quant = crate::math::qmatmul::tiles::mode() == TileMode::Load
             && !crate::math::isa::Kernels::process().decodes_quant();
         Self::build(
             plan,
@@ -419,29 +422,37 @@ impl<'c> HostMemory<'c> {
         self.tiled
     }
 
-    /// The run report's words on tiles (Q4_K, Q6_K, Q8_0, Q4_0): how many matrices and bytes were repacked
-    /// at load, or why none were; `None` when the image has no Q4_K matrix to tile.
+    /// The run report's words on tiles (Q4_K, Q6_K, Q8_0, Q4_0, MXFP4): how many matrices
+    /// and bytes were repacked at load, or where the products get their tiles instead;
+    /// `None` when the image has no matrix to tile.
     pub fn tiling(&self) -> Option<String> {
+        const FORMATS: &str = "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices";
         let n = self.layout.tiled.len();
         if n > 0 {
-            Some(format!(
-                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
-                 place of their blocks)",
+            return Some(format!(
+                "{FORMATS} in tiles of eight rows: {n} ({:.1} MiB, repacked at load in place \
+                 of their blocks, MOEC_QUANT_TILES=load)",
                 self.tiled as f64 / (1u64 << 20) as f64
-            ))
-        } else if self.layout.tileable().is_empty() {
-            None
-        } else if !crate::math::qmatmul::tiles::enabled() {
-            Some(
-                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in ggml's row layout (MOEC_QUANT_TILES=off)"
-                    .to_string(),
-            )
-        } else {
-            Some(
-                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in ggml's row layout (decoded products)"
-                    .to_string(),
-            )
+            ));
         }
+        if self.layout.tileable().is_empty() {
+            return None;
+        }
+        let decoded = crate::math::isa::Kernels::process().decodes_quant();
+        Some(match crate::math::qmatmul::tiles::mode() {
+            _ if decoded => format!("{FORMATS} in ggml's row layout (decoded products)"),
+            TileMode::Pack => format!(
+                "{FORMATS} in ggml's row layout, read in place; products of >= {} activation \
+                 rows pack each panel into tiles as they run, none repacked at load \
+                 (MOEC_QUANT_TILES=pack)",
+                crate::math::qmatmul::tiles::PACK_MIN_ROWS
+            ),
+            TileMode::Off => format!("{FORMATS} in ggml's row layout (MOEC_QUANT_TILES=off)"),
+            TileMode::Load => format!(
+                "{FORMATS} in ggml's row layout (MOEC_QUANT_TILES=load, but none tiled: \
+                 a backend that reads the file's layout, or a checkpoint read from disk)"
+            ),
+        })
     }
 
     /// How weight bytes are copied.
