@@ -97,9 +97,9 @@ pub struct QuantKernels {
     /// the same).
     q6k_row_prefetch: bool,
     /// From how many activation rows a product from a matrix in the row layout packs its
-    /// panels into tiles as it runs (`super::pack`); `usize::MAX`: never. The process's
-    /// [`super::tiles::mode`] sets it ([`pack_rows_default`]).
-    pack_rows: usize,
+    /// panels into tiles as it runs (`super::pack`). The process's [`super::tiles::mode`]
+    /// sets it ([`PackRows::default_for_mode`]).
+    pack: PackRows,
 }
 
 impl QuantKernels {
@@ -111,7 +111,7 @@ impl QuantKernels {
                 unpacked: true,
                 few: true,
                 q6k_row_prefetch: row_prefetch_default(body),
-                pack_rows: pack_rows_default(),
+                pack: PackRows::default_for_mode(),
             })
         } else {
             Err(UnsupportedBody { body })
@@ -125,7 +125,7 @@ impl QuantKernels {
             unpacked: true,
             few: true,
             q6k_row_prefetch: true,
-            pack_rows: pack_rows_default(),
+            pack: PackRows::default_for_mode(),
         }
     }
 
@@ -142,7 +142,7 @@ impl QuantKernels {
             unpacked: true,
             few: true,
             q6k_row_prefetch: row_prefetch_default(body),
-            pack_rows: pack_rows_default(),
+            pack: PackRows::default_for_mode(),
         }
     }
 
@@ -208,34 +208,47 @@ impl QuantKernels {
     /// `cargo bench --bench quant`); both give the same bits.
     pub fn with_pack_rows(self, rows: Option<usize>) -> Self {
         QuantKernels {
-            pack_rows: rows.unwrap_or(usize::MAX),
+            pack: rows.map_or(PackRows::Never, PackRows::From),
             ..self
         }
     }
 
-    /// From how many activation rows products pack ([`Self::with_pack_rows`]; `None`:
-    /// never).
-    pub fn pack_rows(self) -> Option<usize> {
-        (self.pack_rows != usize::MAX).then_some(self.pack_rows)
-    }
-
     /// Whether a product of `n_rows` activation rows from a `cols`-wide matrix of
     /// `format` in the row layout packs its panels into tiles: a SIMD body (the portable
-    /// one reads the row layout), at least [`Self::pack_rows`] rows, a format with tiles
-    /// and rows of whole blocks.
+    /// one reads the row layout), enough rows ([`PackRows`]), a format with tiles and rows
+    /// of whole blocks.
     pub fn packs(self, format: crate::quant::QuantFormat, cols: usize, n_rows: usize) -> bool {
+        let from = match self.pack {
+            PackRows::Never => return false,
+            PackRows::PerFormat => super::tiles::pack_min_rows(format),
+            PackRows::From(rows) => rows,
+        };
         self.body != QuantBody::Portable
-            && n_rows >= self.pack_rows
+            && n_rows >= from
             && super::tiles::tileable(format, super::tiles::TILE_ROWS, cols)
     }
 }
 
-/// The activation rows from which products pack by default: [`super::tiles::PACK_MIN_ROWS`]
-/// when the process packs ([`super::tiles::TileMode::Pack`]), never otherwise.
-pub fn pack_rows_default() -> usize {
-    match super::tiles::mode() {
-        super::tiles::TileMode::Pack => super::tiles::PACK_MIN_ROWS,
-        super::tiles::TileMode::Load | super::tiles::TileMode::Off => usize::MAX,
+/// From how many activation rows products from the row layout pack their panels into
+/// tiles ([`QuantKernels::packs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PackRows {
+    /// Never: the row layout's bodies at every row count.
+    Never,
+    /// From [`super::tiles::pack_min_rows`] of the matrix's format.
+    PerFormat,
+    /// From this many rows, whatever the format (tests and benches).
+    From(usize),
+}
+
+impl PackRows {
+    /// [`PackRows::PerFormat`] when the process packs ([`super::tiles::TileMode::Pack`]),
+    /// [`PackRows::Never`] otherwise.
+    pub fn default_for_mode() -> Self {
+        match super::tiles::mode() {
+            super::tiles::TileMode::Pack => PackRows::PerFormat,
+            super::tiles::TileMode::Load | super::tiles::TileMode::Off => PackRows::Never,
+        }
     }
 }
 

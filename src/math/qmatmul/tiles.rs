@@ -14,7 +14,7 @@ use crate::quant::{QuantFormat, QK_K};
 /// (`MOEC_QUANT_TILES`, read once). Every mode gives the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TileMode {
-    /// No repack at load: a product of at least [`PACK_MIN_ROWS`] activation rows packs
+    /// No repack at load: a product of at least [`pack_min_rows`] activation rows packs
     /// each panel of the row layout into tiles as it runs (`super::pack`); fewer rows read
     /// the row layout in place. The default (`pack`, or unset).
     Pack,
@@ -36,11 +36,23 @@ impl TileMode {
     }
 }
 
-/// The activation rows from which a product packs its panels in [`TileMode::Pack`]. Below
-/// it the row layout's bodies run in place: at one to four rows they are as fast as the
-/// tiles' or faster (`cargo bench --bench quant`, docs/performance.md), and the pack's one
-/// more read of the weights would not be spread over enough rows.
-pub const PACK_MIN_ROWS: usize = 16;
+/// From how many activation rows a product from a matrix of `format` packs its panels in
+/// [`TileMode::Pack`] (`usize::MAX`: never, a format without tiles). Below it the row
+/// layout's bodies run in place. Chosen from `QUANT_BENCH_PACK=1 cargo bench --bench
+/// quant` (DeepSeek-V2-Lite's prefill shapes, one thread, weights from DRAM; session 26
+/// in docs/performance.md): the row layout of the 32-weight formats is 3-5x slower than
+/// their tiles from 4 rows, so they pack from there; Q6_K's row layout is within 1.04-1.2x
+/// of its tiles at 32-48 rows, less than the pack costs (about one more pass over the
+/// weights at 3-4 GB/s), and 1.2-1.3x at 128; Q4_K's 1.3-1.5x from 16 rows, which the pack
+/// repays from about 64.
+pub fn pack_min_rows(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Mxfp4 => 4,
+        QuantFormat::Q4K => 64,
+        QuantFormat::Q6K => 128,
+        _ => usize::MAX,
+    }
+}
 
 /// The process's [`TileMode`] from `MOEC_QUANT_TILES` (`pack`, `load` or `on`, `off`; unset:
 /// `pack`; any other value warns once and packs).
@@ -60,14 +72,25 @@ pub fn mode() -> TileMode {
     })
 }
 
+/// [`pack_min_rows`] in words: `4 (Q8_0, Q4_0, MXFP4), 64 (Q4_K), 128 (Q6_K)`.
+pub fn pack_thresholds() -> String {
+    format!(
+        "{} (Q8_0, Q4_0, MXFP4), {} (Q4_K), {} (Q6_K)",
+        pack_min_rows(QuantFormat::Q8_0),
+        pack_min_rows(QuantFormat::Q4K),
+        pack_min_rows(QuantFormat::Q6K)
+    )
+}
+
 /// One line for the run report and `moec devices`: where the products' tiles come from.
 pub fn describe_mode() -> String {
     match mode() {
         TileMode::Pack => format!(
-            "quantised tiles: packed a panel of {} rows at a time inside each product of >= \
-             {PACK_MIN_ROWS} activation rows, none repacked at load (MOEC_QUANT_TILES=pack, \
-             the default; =load repacks at load)",
-            super::matmul::PANEL_ROWS
+            "quantised tiles: none repacked at load; packed a panel of {} rows at a time \
+             inside each product of >= {} activation rows (MOEC_QUANT_TILES=pack, the \
+             default; =load repacks at load)",
+            super::matmul::PANEL_ROWS,
+            pack_thresholds()
         ),
         TileMode::Load => "quantised tiles: Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices repacked at \
                            load (MOEC_QUANT_TILES=load)"

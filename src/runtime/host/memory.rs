@@ -445,7 +445,7 @@ impl<'c> HostMemory<'c> {
                 "{FORMATS} in ggml's row layout, read in place; products of >= {} activation \
                  rows pack each panel into tiles as they run, none repacked at load \
                  (MOEC_QUANT_TILES=pack)",
-                crate::math::qmatmul::tiles::PACK_MIN_ROWS
+                crate::math::qmatmul::tiles::pack_thresholds()
             ),
             TileMode::Off => format!("{FORMATS} in ggml's row layout (MOEC_QUANT_TILES=off)"),
             TileMode::Load => format!(
