@@ -234,9 +234,9 @@ impl<'c> HostMemory<'c> {
                 capacity,
             });
         }
-        // Tiles at load only when asked (`MOEC_QUANT_TILES=load`): by default the
-        // many-row products pack their panels as they run, and nothing is repacked here.
-        let tile_quant = crate::math::qmatmul::tiles::mode() == TileMode::Load
+        // Which formats are tiled here follows the tile mode (`tiles::tiled_at_load`: by
+        // default Q4_K only; the other formats' many-row products pack as they run).
+        let tile_quant = crate::math::qmatmul::tiles::mode() != TileMode::Off
             && !crate::math::isa::Kernels::process().decodes_quant();
         Self::build(
             plan,
@@ -293,8 +293,12 @@ impl<'c> HostMemory<'c> {
         // layout, and so do the f32 products of decoded weights.
         let copy_pool = CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get()));
         let tiled = if tile_quant {
-            let (tags, bytes) =
-                image.tile(checkpoint, &layout.tileable(), &copy_pool, &mut laps)?;
+            let at_load: Vec<_> = layout
+                .tileable()
+                .into_iter()
+                .filter(|&(_, format, _, _)| crate::math::qmatmul::tiles::tiled_at_load(format))
+                .collect();
+            let (tags, bytes) = image.tile(checkpoint, &at_load, &copy_pool, &mut laps)?;
             layout.tiled = tags.into_iter().collect();
             bytes
         } else {
@@ -426,26 +430,36 @@ impl<'c> HostMemory<'c> {
     /// and bytes were repacked at load, or where the products get their tiles instead;
     /// `None` when the image has no matrix to tile.
     pub fn tiling(&self) -> Option<String> {
+        use crate::math::qmatmul::tiles::{mode, pack_thresholds};
         const FORMATS: &str = "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices";
         let n = self.layout.tiled.len();
+        let mib = self.tiled as f64 / (1u64 << 20) as f64;
+        let packs = format!(
+            "products of >= {} activation rows pack each panel into tiles as they run",
+            pack_thresholds()
+        );
+        if n > 0 && mode() == TileMode::Load {
+            return Some(format!(
+                "{FORMATS} in tiles of eight rows: {n} ({mib:.1} MiB, repacked at load in \
+                 place of their blocks, MOEC_QUANT_TILES=load)"
+            ));
+        }
         if n > 0 {
             return Some(format!(
-                "{FORMATS} in tiles of eight rows: {n} ({:.1} MiB, repacked at load in place \
-                 of their blocks, MOEC_QUANT_TILES=load)",
-                self.tiled as f64 / (1u64 << 20) as f64
+                "Q4_K matrices in tiles of eight rows: {n} ({mib:.1} MiB, repacked at load in \
+                 place of their blocks: its decode reads tiles faster); the other formats in \
+                 ggml's row layout, read in place: {packs} (MOEC_QUANT_TILES=pack)"
             ));
         }
         if self.layout.tileable().is_empty() {
             return None;
         }
         let decoded = crate::math::isa::Kernels::process().decodes_quant();
-        Some(match crate::math::qmatmul::tiles::mode() {
+        Some(match mode() {
             _ if decoded => format!("{FORMATS} in ggml's row layout (decoded products)"),
             TileMode::Pack => format!(
-                "{FORMATS} in ggml's row layout, read in place; products of >= {} activation \
-                 rows pack each panel into tiles as they run, none repacked at load \
-                 (MOEC_QUANT_TILES=pack)",
-                crate::math::qmatmul::tiles::pack_thresholds()
+                "{FORMATS} in ggml's row layout, read in place, none repacked at load: \
+                 {packs} (MOEC_QUANT_TILES=pack)"
             ),
             TileMode::Off => format!("{FORMATS} in ggml's row layout (MOEC_QUANT_TILES=off)"),
             TileMode::Load => format!(
