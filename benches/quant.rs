@@ -23,6 +23,8 @@
 //! CPU has them) at the small shape, and criterion's timing of the selected body at 1
 //! and 16 rows. `QUANT_BENCH_MANY=1` runs only DeepSeek-V2-Lite's prefill shapes at many
 //! rows, the unpacked-tile passes against the ones before them ([`many_rows`]);
+//! `QUANT_BENCH_PACK=1` the same shapes from tiles made at load, packed as the product
+//! runs and the row layout in place ([`packed`]);
 //! `QUANT_BENCH_FEW=1` the tile bodies at 1-8 rows from DRAM and from the cache, the
 //! few-row passes against the ones before them ([`few_rows`]; with `QUANT_BENCH_FORMAT`,
 //! that format's shapes only); `QUANT_BENCH_DECODE=1` (all threads, wall time) or `=cpu`
@@ -390,6 +392,82 @@ fn gpt_oss(qk: QuantKernels) {
                 );
             }
             println!("{line}");
+        }
+    }
+}
+
+/// Tiles made at load against tiles packed as the product runs (`QUANT_BENCH_PACK=1`):
+/// DeepSeek-V2-Lite's prefill shapes ([`many_rows`]'s) at 1 to 128 activation rows, each
+/// set three ways, one thread timed by its CPU time, interleaved rounds: from tiles made
+/// at load (`MOEC_QUANT_TILES=load`), from the row layout packed a panel at a time
+/// (`pack`, at every row count here) and from the row layout in place (`off`). What
+/// [`moec::math::qmatmul::tiles::pack_min_rows`] is chosen from.
+fn packed(qk: QuantKernels) {
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    let (load, pack, rows_k) = (
+        qk.with_pack_rows(None),
+        qk.with_pack_rows(Some(1)),
+        qk.with_pack_rows(None),
+    );
+    let shapes = [
+        (QuantFormat::Q6K, 1408, 2048, "expert gate/up"),
+        (QuantFormat::Q8_0, 2048, 1408, "expert down"),
+        (QuantFormat::Q6K, 2048, 2816, "shared experts' down"),
+        (QuantFormat::Q4K, 1408, 2048, "Q4_K at the gate's shape"),
+    ];
+    for (format, out, inp, what) in shapes {
+        let mut plain = Set::new(format, out, inp);
+        plain.dense.clear();
+        let mut tiles = Set::new(format, out, inp).into_tiles();
+        tiles.dense.clear();
+        let all = plain.quant.len();
+        println!(
+            "packed, {what}: {format} [{out}, {inp}] x {all} matrices, body {}, one thread (CPU time), ms per matrix: tiles at load / packed / row layout in place",
+            qk.body()
+        );
+        for rows in [1usize, 4, 8, 16, 32, 48, 128] {
+            let used = if rows <= 48 {
+                all
+            } else {
+                (all * 48 / rows).max(2)
+            };
+            let x = activations(rows, inp);
+            let mut y = vec![0.0f32; rows * out];
+            let (pf, tf) = (
+                std::mem::take(&mut plain.quant),
+                std::mem::take(&mut tiles.quant),
+            );
+            plain.quant = pf[..used].to_vec();
+            tiles.quant = tf[..used].to_vec();
+            let mut t = [Vec::new(), Vec::new(), Vec::new()];
+            one.install(|| {
+                let runs: [(&Set, QuantKernels); 3] =
+                    [(&tiles, load), (&plain, pack), (&plain, rows_k)];
+                for round in 0..=ROUNDS {
+                    for i in 0..3 {
+                        let (set, k) = runs[(i + round) % 3];
+                        let t0 = thread_cpu_seconds();
+                        set.run_quant(k, &x, rows, &mut y);
+                        if round > 0 {
+                            t[(i + round) % 3].push((thread_cpu_seconds() - t0) / used as f64);
+                        }
+                    }
+                }
+            });
+            let [a, b, c] = t.map(median);
+            println!(
+                "  {rows:>3} rows x {used:>2}: {:.3} / {:.3} / {:.3} ms (packed / at load {:.2}x, in place / at load {:.2}x)",
+                1e3 * a,
+                1e3 * b,
+                1e3 * c,
+                b / a,
+                c / a
+            );
+            plain.quant = pf;
+            tiles.quant = tf;
         }
     }
 }
@@ -881,6 +959,10 @@ fn bench(c: &mut Criterion) {
     }
     if std::env::var_os("QUANT_BENCH_MANY").is_some() {
         many_rows(c, qk);
+        return;
+    }
+    if std::env::var_os("QUANT_BENCH_PACK").is_some() {
+        packed(qk);
         return;
     }
     // `QUANT_BENCH_FORMAT=Q8_0` (a format's name) times only that format on one thread.

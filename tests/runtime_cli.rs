@@ -1145,9 +1145,9 @@ fn run_reports_the_share_of_experts_computed_with_a_substitute() {
 /// the plan set up, the machine probe, the backend opened with its own parts, the first
 /// prefill), back to back, so they add up to `first_token_seconds`, which is at most the
 /// process's wall time as this test measured it from outside; the text report says the
-/// same in its `time to first token` line. On a tiny Q8_0 GGUF, whose matrices the CPU
-/// backend repacks into tiles at load, the tiles' arena and repacking are parts of the
-/// backend's set-up.
+/// same in its `time to first token` line. On a tiny Q8_0 GGUF (where the CPU backend
+/// repacks its matrices into tiles at load, `MOEC_QUANT_TILES=load`, the tiles' arena and
+/// repacking are parts of the backend's set-up: [`the_tile_modes_give_the_same_tokens_and_say_which_ran`]).
 #[test]
 fn run_report_breaks_the_time_to_first_token_down() {
     let dir = tempfile::tempdir().unwrap();
@@ -1237,4 +1237,68 @@ fn run_report_breaks_the_time_to_first_token_down() {
         assert!(line.contains(phase), "{phase}: {line}");
     }
     assert!(stdout.contains("after the last token: "), "{stdout}");
+}
+
+/// Where the quantised products' tiles come from (`MOEC_QUANT_TILES`): packed a panel at a
+/// time as the many-row products run (`pack`, the default), repacked at load (`load`) or
+/// none (`off`) give the same tokens on a tiny Q8_0 GGUF, with a prompt long enough that
+/// its prefill's products pack (Q8_0 packs from 4 activation rows), and each run says its
+/// choice: the backend line, and the kernels line of the text report; only `load` has the
+/// tiles' arena and repacking among the backend's set-up phases.
+#[test]
+fn the_tile_modes_give_the_same_tokens_and_say_which_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = tiny_q8_gguf(dir.path());
+    let mut args = tiny_run_args("--weights", &g);
+    args[5] = "a prompt of a dozen tokens or more, so that its products pack";
+    let run = |mode: &str, json: bool| {
+        let mut a = args.clone();
+        if json {
+            a.push("--json");
+        }
+        Command::new(env!("CARGO_BIN_EXE_moec"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MOEC_CACHE_DIR", dir.path())
+            .env("MOEC_QUANT_TILES", mode)
+            .args(&a)
+            .output()
+            .expect("moec runs")
+    };
+    let says = [
+        ("pack", "pack each panel into tiles as they run"),
+        ("load", "in tiles of eight rows"),
+        ("off", "in ggml's row layout (MOEC_QUANT_TILES=off)"),
+    ];
+    let mut tokens = Vec::new();
+    for (mode, backend) in says {
+        let doc = json(&run(mode, true));
+        let line = doc["backend"].as_str().expect("a backend line");
+        assert!(line.contains(backend), "{mode}: {line}");
+        let open = &doc["report"]["load"]["phases"][4];
+        let parts: Vec<&str> = open["parts"]
+            .as_array()
+            .expect("parts")
+            .iter()
+            .filter_map(|p| p["phase"].as_str())
+            .collect();
+        assert_eq!(
+            parts.contains(&"tiles repacked"),
+            mode == "load",
+            "{mode}: {open}"
+        );
+        tokens.push(token_ids(&doc));
+        let text = run(mode, false);
+        assert!(text.status.success());
+        let stdout = String::from_utf8_lossy(&text.stdout);
+        let kernels = format!("MOEC_QUANT_TILES={mode}");
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with("CPU kernels: ") && l.contains(&kernels)),
+            "{mode}: {stdout}"
+        );
+    }
+    assert!(!tokens[0].is_empty() && !tokens[0][0].is_empty());
+    assert_eq!(tokens[0], tokens[1], "pack vs load");
+    assert_eq!(tokens[0], tokens[2], "pack vs off");
 }

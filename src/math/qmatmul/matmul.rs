@@ -35,8 +35,8 @@ use crate::quant::q8::{ActFormat, Q8Rows};
 use crate::quant::{BlockLayout, QuantFormat, QuantSlice};
 use rayon::prelude::*;
 
-/// Output rows per parallel task.
-const PANEL_ROWS: usize = 64;
+/// Output rows per parallel task (and per panel a product packs into tiles).
+pub(super) const PANEL_ROWS: usize = 64;
 
 /// Below this many multiply-adds a product runs on the calling thread only.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
@@ -277,6 +277,10 @@ pub struct QuantProduct<'a> {
 enum Prepared<'a> {
     /// Tiles ([`super::tiles`]).
     Tiles(TileActs<'a>),
+    /// The row layout packed into tiles a panel at a time as the product runs
+    /// (`super::pack`).
+    #[cfg(target_arch = "x86_64")]
+    Packed(TileActs<'a>),
     /// The row layout through a SIMD body.
     #[cfg(target_arch = "x86_64")]
     Grouped(GroupedActs<'a>),
@@ -289,6 +293,11 @@ impl<'a> Prepared<'a> {
         if w.data.layout != BlockLayout::Rows {
             let vnni = k.body() == QuantBody::Avx512Vnni;
             return Prepared::Tiles(TileActs::new(acts, w.format(), vnni));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if k.packs(w.format(), w.cols, acts.n_rows) {
+            let vnni = k.body() == QuantBody::Avx512Vnni;
+            return Prepared::Packed(TileActs::new(acts, w.format(), vnni));
         }
         #[cfg(target_arch = "x86_64")]
         if k.body() != QuantBody::Portable {
@@ -338,6 +347,8 @@ impl<'a> Prepared<'a> {
                     &mut local,
                 );
             }
+            #[cfg(target_arch = "x86_64")]
+            Prepared::Packed(acts) => super::pack::panel(k, w, acts, o0, rows, &mut local),
             #[cfg(target_arch = "x86_64")]
             Prepared::Grouped(g) => simd_panel(k.body(), w, g, o0, rows, &mut local),
             Prepared::Rows(acts) => portable_panel(w, acts, o0, rows, &mut local),

@@ -103,19 +103,22 @@ fn assert_bodies_give(
     let want = product(portable, reference, xs, n_rows);
     for body in QuantBody::supported() {
         // With and without the unpacked-tile passes, the few-row passes and the Q6_K
-        // passes' one-row prefetch (the same bits either way).
+        // passes' one-row prefetch, the row layout read in place and packed into tiles as
+        // the product runs at every row count (the same bits every way).
         let pf = super::select::row_prefetch_default(body);
-        for (unpacked, few, pf) in [
-            (true, true, pf),
-            (false, true, pf),
-            (true, false, pf),
-            (true, true, !pf),
+        for (unpacked, few, pf, pack) in [
+            (true, true, pf, None),
+            (false, true, pf, None),
+            (true, false, pf, None),
+            (true, true, !pf, None),
+            (true, true, pf, Some(1)),
         ] {
             let k = QuantKernels::new(body)
                 .unwrap()
                 .with_unpacked_tiles(unpacked)
                 .with_few_row_passes(few)
-                .with_q6k_row_prefetch(pf);
+                .with_q6k_row_prefetch(pf)
+                .with_pack_rows(pack);
             let got = product(k, tested, xs, n_rows);
             let same = got
                 .iter()
@@ -123,7 +126,7 @@ fn assert_bodies_give(
                 .all(|(g, e)| g.to_bits() == e.to_bits());
             assert!(
                 same,
-                "{body} (unpacked tiles {unpacked}, few-row passes {few}, Q6_K one-row prefetch {pf}): {}",
+                "{body} (unpacked tiles {unpacked}, few-row passes {few}, Q6_K one-row prefetch {pf}, packed from {pack:?} rows): {}",
                 what()
             );
         }
@@ -602,6 +605,61 @@ fn tiled_q6k_gives_the_row_bits_at_many_rows_and_largest_sums() {
                 assert_bodies_give(portable, &w, &tw, &x[..n_rows * cols], n_rows, || {
                     format!("{format} tiled [{rows}, {cols}] x {n_rows} rows")
                 });
+            }
+        }
+    }
+}
+
+/// A product that packs the row layout into tiles a panel at a time as it runs
+/// (`super::pack`) gives the bits of the same matrix tiled at load and of the row layout
+/// read in place, on random Q6_K, Q4_K and Q8_0 matrices (Q8_0 2,880 wide: a partial
+/// tile column) of 72 output rows (whole tiles) and 77 and 131 (a last panel of 13 and 3
+/// rows, packed with zero blocks after them to whole tiles), at 1, 16, 19 and 47
+/// activation rows, in every SIMD body.
+#[test]
+fn packed_panels_give_the_bits_of_tiles_made_at_load() {
+    use super::tiles::tile;
+    let mut rng = Rng::new(47);
+    let x = random_acts(47 * 2880, 1.0, &mut rng);
+    for (format, cols) in [
+        (QuantFormat::Q6K, 512usize),
+        (QuantFormat::Q4K, 512),
+        (QuantFormat::Q8_0, 2880),
+    ] {
+        for (seed, rows) in [(7u64, 72usize), (8, 77), (9, 131)] {
+            let bytes = random_blocks(format, rows * cols / format.block_elems(), seed);
+            let w = view(&bytes, format, rows, cols);
+            // The whole tiles' rows tiled as a load does.
+            let whole = rows / 8 * 8;
+            let plain = &bytes[..whole * w.row_bytes()];
+            let mut tiled = vec![0u8; plain.len()];
+            assert!(tile(format, plain, whole, cols, &mut tiled));
+            let tq = QuantSlice::tiled(&tiled, format, whole * cols, cols).unwrap();
+            let tw = QuantMatrix::new(tq, whole, cols).unwrap();
+            for body in QuantBody::supported() {
+                let k = QuantKernels::new(body).unwrap();
+                let (packed, in_place) = (k.with_pack_rows(Some(1)), k.with_pack_rows(None));
+                for n_rows in [1usize, 16, 19, 47] {
+                    let what = format!("{body} {format} [{rows}, {cols}] x {n_rows} rows");
+                    assert_eq!(
+                        packed.packs(format, cols, n_rows),
+                        body != QuantBody::Portable
+                    );
+                    assert!(!in_place.packs(format, cols, n_rows));
+                    let xs = &x[..n_rows * cols];
+                    let got = product(packed, &w, xs, n_rows);
+                    let rows_y = product(in_place, &w, xs, n_rows);
+                    let tiles_y = product(in_place, &tw, xs, n_rows);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&rows_y), "{what}: packed vs row layout");
+                    for r in 0..n_rows {
+                        assert_eq!(
+                            bits(&got[r * rows..r * rows + whole]),
+                            bits(&tiles_y[r * whole..(r + 1) * whole]),
+                            "{what}: packed vs tiled at load, activation row {r}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -96,6 +96,10 @@ pub struct QuantKernels {
     /// AVX-512 VNNI one ([`row_prefetch_default`]; benches compare the two, the bits are
     /// the same).
     q6k_row_prefetch: bool,
+    /// From how many activation rows a product from a matrix in the row layout packs its
+    /// panels into tiles as it runs (`super::pack`). The process's [`super::tiles::mode`]
+    /// sets it ([`PackRows::default_for_mode`]).
+    pack: PackRows,
 }
 
 impl QuantKernels {
@@ -107,6 +111,7 @@ impl QuantKernels {
                 unpacked: true,
                 few: true,
                 q6k_row_prefetch: row_prefetch_default(body),
+                pack: PackRows::default_for_mode(),
             })
         } else {
             Err(UnsupportedBody { body })
@@ -120,6 +125,7 @@ impl QuantKernels {
             unpacked: true,
             few: true,
             q6k_row_prefetch: true,
+            pack: PackRows::default_for_mode(),
         }
     }
 
@@ -136,6 +142,7 @@ impl QuantKernels {
             unpacked: true,
             few: true,
             q6k_row_prefetch: row_prefetch_default(body),
+            pack: PackRows::default_for_mode(),
         }
     }
 
@@ -194,6 +201,55 @@ impl QuantKernels {
     pub fn q6k_row_prefetch(self) -> bool {
         self.q6k_row_prefetch
     }
+
+    /// These kernels packing the row layout's panels into tiles as a product runs from
+    /// `rows` activation rows (`Some(1)`: every product; `None`: never, the row layout's
+    /// own bodies at every row count). For comparing the two in one process (tests,
+    /// `cargo bench --bench quant`); both give the same bits.
+    pub fn with_pack_rows(self, rows: Option<usize>) -> Self {
+        QuantKernels {
+            pack: rows.map_or(PackRows::Never, PackRows::From),
+            ..self
+        }
+    }
+
+    /// Whether a product of `n_rows` activation rows from a `cols`-wide matrix of
+    /// `format` in the row layout packs its panels into tiles: a SIMD body (the portable
+    /// one reads the row layout), enough rows ([`PackRows`]), a format with tiles and rows
+    /// of whole blocks.
+    pub fn packs(self, format: crate::quant::QuantFormat, cols: usize, n_rows: usize) -> bool {
+        let from = match self.pack {
+            PackRows::Never => return false,
+            PackRows::PerFormat => super::tiles::pack_min_rows(format),
+            PackRows::From(rows) => rows,
+        };
+        self.body != QuantBody::Portable
+            && n_rows >= from
+            && super::tiles::tileable(format, super::tiles::TILE_ROWS, cols)
+    }
+}
+
+/// From how many activation rows products from the row layout pack their panels into
+/// tiles ([`QuantKernels::packs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PackRows {
+    /// Never: the row layout's bodies at every row count.
+    Never,
+    /// From [`super::tiles::pack_min_rows`] of the matrix's format.
+    PerFormat,
+    /// From this many rows, whatever the format (tests and benches).
+    From(usize),
+}
+
+impl PackRows {
+    /// [`PackRows::PerFormat`] when the process packs ([`super::tiles::TileMode::Pack`]),
+    /// [`PackRows::Never`] otherwise.
+    pub fn default_for_mode() -> Self {
+        match super::tiles::mode() {
+            super::tiles::TileMode::Pack => PackRows::PerFormat,
+            super::tiles::TileMode::Load | super::tiles::TileMode::Off => PackRows::Never,
+        }
+    }
 }
 
 /// Whether `body`'s Q6_K tile passes prefetch at one activation row by default: not the
@@ -225,8 +281,9 @@ pub fn describe(k: Kernels) -> String {
     format!(
         "quantised products: {} ({why}); activations quantised to Q8_K (K-quants), Q8_0 \
          (Q8_0, Q4_0, MXFP4 weights) or Q8_1 (Q4_1 weights), integer block dot products, f32 \
-         accumulation over blocks",
-        body.name()
+         accumulation over blocks; {}",
+        body.name(),
+        super::tiles::describe_mode()
     )
 }
 

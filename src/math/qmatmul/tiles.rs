@@ -1,6 +1,7 @@
 //! Products from the tiles of eight rows ([`crate::quant::tiles`], the layout): the
-//! activation side the SIMD bodies read ([`TileActs`]), the portable body, and whether the
-//! CPU backend tiles at all ([`enabled`]). The products compute each output exactly as
+//! activation side the SIMD bodies read ([`TileActs`]), the portable body, and where the
+//! CPU backend's tiles come from ([`mode`]: packed as products run, repacked at load, or
+//! none). The products compute each output exactly as
 //! [`super::matmul`] documents, so they give the plain layout's bits in every body.
 
 use super::dot;
@@ -9,19 +10,110 @@ use crate::quant::tiles::{column_spans, untile_block};
 pub use crate::quant::tiles::{columns, tile, tile_bytes, tileable, untile, TILE_BYTES, TILE_ROWS};
 use crate::quant::{QuantFormat, QK_K};
 
-/// Whether the CPU backend repacks Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices into tiles at load: yes unless
-/// `MOEC_QUANT_TILES=off` (the row layout, for comparing the two; any other value than
-/// `on`/`off` warns once and keeps tiles). Either way the results are the same bits.
-pub fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("MOEC_QUANT_TILES").as_deref() {
-        Err(_) | Ok("on") => true,
-        Ok("off") => false,
+/// Where the CPU backend's products get the tiles of eight rows they compute from
+/// (`MOEC_QUANT_TILES`, read once). Every mode gives the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TileMode {
+    /// Only Q4_K repacked at load ([`tiled_at_load`]); the other formats' products of at
+    /// least [`pack_min_rows`] activation rows pack each panel of the row layout into
+    /// tiles as they run (`super::pack`), and fewer rows read the row layout in place. The
+    /// default (`pack`, or unset).
+    Pack,
+    /// Q4_K, Q6_K, Q8_0, Q4_0 and MXFP4 matrices repacked into tiles once at load, in new
+    /// memory as large as them (`load`; `on` is the same, its name before `pack` existed).
+    Load,
+    /// The row layout everywhere, never tiles (`off`, for comparing).
+    Off,
+}
+
+impl TileMode {
+    /// The `MOEC_QUANT_TILES` value that selects this mode.
+    pub fn name(self) -> &'static str {
+        match self {
+            TileMode::Pack => "pack",
+            TileMode::Load => "load",
+            TileMode::Off => "off",
+        }
+    }
+}
+
+/// From how many activation rows a product from a matrix of `format` packs its panels in
+/// [`TileMode::Pack`] (`usize::MAX`: never, a format without tiles). Below it the row
+/// layout's bodies run in place. Chosen from `QUANT_BENCH_PACK=1 cargo bench --bench
+/// quant` (DeepSeek-V2-Lite's prefill shapes, one thread, weights from DRAM; session 26
+/// in docs/performance.md): the row layout of the 32-weight formats is 3-5x slower than
+/// their tiles from 4 rows, so they pack from there; Q6_K's row layout is within 1.04-1.2x
+/// of its tiles at 32-48 rows, less than the pack costs (about one more pass over the
+/// weights at 3-4 GB/s), and 1.2-1.3x at 128; Q4_K's 1.3-1.5x from 16 rows, which the pack
+/// repays from about 64.
+pub fn pack_min_rows(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Mxfp4 => 4,
+        QuantFormat::Q4K => 64,
+        QuantFormat::Q6K => 128,
+        _ => usize::MAX,
+    }
+}
+
+/// The process's [`TileMode`] from `MOEC_QUANT_TILES` (`pack`, `load` or `on`, `off`; unset:
+/// `pack`; any other value warns once and packs).
+pub fn mode() -> TileMode {
+    static MODE: std::sync::OnceLock<TileMode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("MOEC_QUANT_TILES").as_deref() {
+        Err(_) | Ok("pack") => TileMode::Pack,
+        Ok("load") | Ok("on") => TileMode::Load,
+        Ok("off") => TileMode::Off,
         Ok(other) => {
-            eprintln!("warning: MOEC_QUANT_TILES={other} is neither on nor off; keeping tiles");
-            true
+            eprintln!(
+                "warning: MOEC_QUANT_TILES={other} is not pack, load (on) or off; packing \
+                 tiles as products run"
+            );
+            TileMode::Pack
         }
     })
+}
+
+/// [`pack_min_rows`] in words: `4 (Q8_0, Q4_0, MXFP4), 64 (Q4_K), 128 (Q6_K)`.
+pub fn pack_thresholds() -> String {
+    format!(
+        "{} (Q8_0, Q4_0, MXFP4), {} (Q4_K), {} (Q6_K)",
+        pack_min_rows(QuantFormat::Q8_0),
+        pack_min_rows(QuantFormat::Q4K),
+        pack_min_rows(QuantFormat::Q6K)
+    )
+}
+
+/// Whether the CPU backend repacks a tileable matrix of `format` into tiles at load: every
+/// format in [`TileMode::Load`], none in [`TileMode::Off`], and in [`TileMode::Pack`] only
+/// Q4_K, whose few-row products (a decode step's) read its tiles faster than its row
+/// layout (1.07x at one row, 1.4-1.6x at 4-8, `QUANT_BENCH_PACK=1`; OLMoE-1B-7B Q4_K_M's
+/// batch-1 decode 32.4 against 29.1 tok/s, docs/performance.md, session 26), where Q6_K's
+/// and Q8_0's row layout is as fast as their tiles or faster at one row.
+pub fn tiled_at_load(format: QuantFormat) -> bool {
+    match mode() {
+        TileMode::Load => true,
+        TileMode::Pack => format == QuantFormat::Q4K,
+        TileMode::Off => false,
+    }
+}
+
+/// One line for the run report and `moec devices`: where the products' tiles come from.
+pub fn describe_mode() -> String {
+    match mode() {
+        TileMode::Pack => format!(
+            "quantised tiles: Q4_K repacked at load, the other formats packed a panel of {} \
+             rows at a time inside each product of >= {} activation rows \
+             (MOEC_QUANT_TILES=pack, the default; =load repacks all at load)",
+            super::matmul::PANEL_ROWS,
+            pack_thresholds()
+        ),
+        TileMode::Load => "quantised tiles: Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices repacked at \
+                           load (MOEC_QUANT_TILES=load)"
+            .to_string(),
+        TileMode::Off => {
+            "quantised tiles: none, the row layout everywhere (MOEC_QUANT_TILES=off)".to_string()
+        }
+    }
 }
 
 /// What the MXFP4 tile bodies add to each table value (`kvalues_mxfp4`, −12..=12) so the

@@ -27,12 +27,15 @@
 //! [`HostMemory::bind_weight_copies`]).
 
 use super::arena::{Arena, ArenaError};
+use super::byte_runs::unlabelled_runs;
+pub(crate) use super::byte_runs::{clip_to_runs, runs_span};
 use super::copy_pool::CopyPool;
 use super::disk::{DiskError, DiskReader, DiskTotals};
 use super::image::{ImageViewError, MappedImage};
 use super::weights::{image_layout, ImageError, ImageLayout, WeightMap, WeightTag};
 use crate::ir::{Engine, Space};
 use crate::lower::{ExecPlan, Placement, PlanArg, PlanTask};
+use crate::math::qmatmul::tiles::TileMode;
 use crate::records::load::{Laps, LoadPhase};
 use crate::runtime::backend::{BackendOptions, CopyTotals, WeightCopies};
 use crate::runtime::step::{sleep_in_step, SleepCut, StepContext};
@@ -231,7 +234,9 @@ impl<'c> HostMemory<'c> {
                 capacity,
             });
         }
-        let tile_quant = crate::math::qmatmul::tiles::enabled()
+        // Which formats are tiled here follows the tile mode (`tiles::tiled_at_load`: by
+        // default Q4_K only; the other formats' many-row products pack as they run).
+        let tile_quant = crate::math::qmatmul::tiles::mode() != TileMode::Off
             && !crate::math::isa::Kernels::process().decodes_quant();
         Self::build(
             plan,
@@ -288,8 +293,12 @@ impl<'c> HostMemory<'c> {
         // layout, and so do the f32 products of decoded weights.
         let copy_pool = CopyPool::new(std::thread::available_parallelism().map_or(1, |t| t.get()));
         let tiled = if tile_quant {
-            let (tags, bytes) =
-                image.tile(checkpoint, &layout.tileable(), &copy_pool, &mut laps)?;
+            let at_load: Vec<_> = layout
+                .tileable()
+                .into_iter()
+                .filter(|&(_, format, _, _)| crate::math::qmatmul::tiles::tiled_at_load(format))
+                .collect();
+            let (tags, bytes) = image.tile(checkpoint, &at_load, &copy_pool, &mut laps)?;
             layout.tiled = tags.into_iter().collect();
             bytes
         } else {
@@ -417,29 +426,47 @@ impl<'c> HostMemory<'c> {
         self.tiled
     }
 
-    /// The run report's words on tiles (Q4_K, Q6_K, Q8_0, Q4_0): how many matrices and bytes were repacked
-    /// at load, or why none were; `None` when the image has no Q4_K matrix to tile.
+    /// The run report's words on tiles (Q4_K, Q6_K, Q8_0, Q4_0, MXFP4): how many matrices
+    /// and bytes were repacked at load, or where the products get their tiles instead;
+    /// `None` when the image has no matrix to tile.
     pub fn tiling(&self) -> Option<String> {
+        use crate::math::qmatmul::tiles::{mode, pack_thresholds};
+        const FORMATS: &str = "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices";
         let n = self.layout.tiled.len();
-        if n > 0 {
-            Some(format!(
-                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in tiles of eight rows: {n} ({:.1} MiB, repacked at load in \
-                 place of their blocks)",
-                self.tiled as f64 / (1u64 << 20) as f64
-            ))
-        } else if self.layout.tileable().is_empty() {
-            None
-        } else if !crate::math::qmatmul::tiles::enabled() {
-            Some(
-                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in ggml's row layout (MOEC_QUANT_TILES=off)"
-                    .to_string(),
-            )
-        } else {
-            Some(
-                "Q4_K/Q6_K/Q8_0/Q4_0/MXFP4 matrices in ggml's row layout (decoded products)"
-                    .to_string(),
-            )
+        let mib = self.tiled as f64 / (1u64 << 20) as f64;
+        let packs = format!(
+            "products of >= {} activation rows pack each panel into tiles as they run",
+            pack_thresholds()
+        );
+        if n > 0 && mode() == TileMode::Load {
+            return Some(format!(
+                "{FORMATS} in tiles of eight rows: {n} ({mib:.1} MiB, repacked at load in \
+                 place of their blocks, MOEC_QUANT_TILES=load)"
+            ));
         }
+        if n > 0 {
+            return Some(format!(
+                "Q4_K matrices in tiles of eight rows: {n} ({mib:.1} MiB, repacked at load in \
+                 place of their blocks: its decode reads tiles faster); the other formats in \
+                 ggml's row layout, read in place: {packs} (MOEC_QUANT_TILES=pack)"
+            ));
+        }
+        if self.layout.tileable().is_empty() {
+            return None;
+        }
+        let decoded = crate::math::isa::Kernels::process().decodes_quant();
+        Some(match mode() {
+            _ if decoded => format!("{FORMATS} in ggml's row layout (decoded products)"),
+            TileMode::Pack => format!(
+                "{FORMATS} in ggml's row layout, read in place, none repacked at load: \
+                 {packs} (MOEC_QUANT_TILES=pack)"
+            ),
+            TileMode::Off => format!("{FORMATS} in ggml's row layout (MOEC_QUANT_TILES=off)"),
+            TileMode::Load => format!(
+                "{FORMATS} in ggml's row layout (MOEC_QUANT_TILES=load, but none tiled: \
+                 a backend that reads the file's layout, or a checkpoint read from disk)"
+            ),
+        })
     }
 
     /// How weight bytes are copied.
@@ -896,135 +923,8 @@ impl<'c> HostMemory<'c> {
     }
 }
 
-/// The span `(first, end)` that `runs` (offsets from both views' starts, sorted) cover, or
-/// `None` for no runs; an error names the first run past the shorter view.
-pub(crate) fn runs_span(
-    runs: &[(u64, u64)],
-    src: View,
-    dst: View,
-) -> Result<Option<(u64, u64)>, MemoryError> {
-    let (Some(&(first, _)), Some(end)) = (runs.first(), runs.iter().map(|r| r.0 + r.1).max())
-    else {
-        return Ok(None);
-    };
-    let within = src.len.min(dst.len);
-    if let Some(&(offset, len)) = runs
-        .iter()
-        .find(|(offset, len)| offset.saturating_add(*len) > within)
-    {
-        return Err(MemoryError::RunOutside {
-            offset,
-            len,
-            view: within,
-        });
-    }
-    Ok(Some((first, end)))
-}
-
-/// The labels `span` (offsets from `base`, sorted and disjoint: a weight map's pieces)
-/// clipped to `runs` (offsets from the view's start, sorted and disjoint), as offsets from
-/// the view's start: what a copy of the runs carries along.
-pub(crate) fn clip_to_runs(
-    span: &[(u64, u64, WeightTag, u64)],
-    base: u64,
-    runs: &[(u64, u64)],
-) -> Vec<(u64, u64, WeightTag, u64)> {
-    let mut out = Vec::new();
-    let mut rest = runs;
-    for &(offset, len, tag, tag_offset) in span {
-        let (lo, hi) = (base + offset, base + offset + len);
-        // Runs that end at or before this label cannot meet a later one either.
-        while rest.first().is_some_and(|&(at, n)| at + n <= lo) {
-            rest = &rest[1..];
-        }
-        for &(at, n) in rest {
-            if at >= hi {
-                break;
-            }
-            let (a, b) = (lo.max(at), hi.min(at + n));
-            if a < b {
-                out.push((a, b - a, tag, tag_offset + (a - lo)));
-            }
-        }
-    }
-    out
-}
-
-/// The parts of `runs` (offset, length; sorted and disjoint) no label covers, as
-/// `(start, end)` offsets; `labels` are sorted, disjoint and lie inside the runs.
-fn unlabelled_runs(labels: &[(u64, u64, WeightTag, u64)], runs: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut gaps = Vec::with_capacity(runs.len());
-    let mut labels = labels.iter().peekable();
-    for &(start, len) in runs {
-        let end = start + len;
-        let mut at = start;
-        while let Some(&&(offset, n, _, _)) = labels.peek() {
-            if offset >= end {
-                break;
-            }
-            if offset > at {
-                gaps.push((at, offset));
-            }
-            at = at.max(offset + n);
-            labels.next();
-        }
-        if at < end {
-            gaps.push((at, end));
-        }
-    }
-    gaps
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{clip_to_runs, unlabelled_runs, WeightTag};
-
-    /// A copy of 100 bytes whose labels cover 10..30 and 30..50 (two tensors) and 80..100
-    /// moves 0..10, 50..80 only; with several runs, each run's own gaps.
-    #[test]
-    fn binding_copies_only_the_bytes_no_weight_label_covers() {
-        let labels = [
-            (10, 20, WeightTag::Embed, 0),
-            (30, 20, WeightTag::LmHead, 0),
-            (80, 20, WeightTag::FinalNorm, 5),
-        ];
-        assert_eq!(
-            unlabelled_runs(&labels, &[(0, 100)]),
-            vec![(0, 10), (50, 80)]
-        );
-        assert_eq!(unlabelled_runs(&[], &[(0, 7)]), vec![(0, 7)]);
-        assert_eq!(
-            unlabelled_runs(&[(0, 7, WeightTag::Embed, 0)], &[(0, 7)]),
-            vec![]
-        );
-        // Runs 0..20 and 40..60 with labels 10..20 and 40..45: gaps 0..10 and 45..60.
-        let labels = [(10, 10, WeightTag::Embed, 0), (40, 5, WeightTag::LmHead, 0)];
-        assert_eq!(
-            unlabelled_runs(&labels, &[(0, 20), (40, 20)]),
-            vec![(0, 10), (45, 60)]
-        );
-    }
-
-    /// Labels of a span that starts at byte 100 of the view (an embedding label over
-    /// 100..135 and a final-norm one over 145..155), clipped to runs 100..110 and 130..150:
-    /// 100..110 and 130..135 of the embedding, each with its own offset into the tensor,
-    /// and 145..150 of the norm.
-    #[test]
-    fn labels_are_clipped_to_the_runs() {
-        let span = [
-            (0, 35, WeightTag::Embed, 7),
-            (45, 10, WeightTag::FinalNorm, 0),
-        ];
-        assert_eq!(
-            clip_to_runs(&span, 100, &[(100, 10), (130, 20)]),
-            vec![
-                (100, 10, WeightTag::Embed, 7),
-                (130, 5, WeightTag::Embed, 37),
-                (145, 5, WeightTag::FinalNorm, 0),
-            ]
-        );
-    }
-
     /// A [`HostMemory`](super::HostMemory) of the tiny Mixtral checkpoint with 4 KiB `gpu`
     /// and `pinned` arenas, default options (weight copies bound).
     mod runs {

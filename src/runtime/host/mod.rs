@@ -9,6 +9,7 @@
 //! Neither backend owns what the other needs: both hold the same `HostMemory`.
 
 pub mod arena;
+mod byte_runs;
 pub mod copy_pool;
 pub mod disk;
 mod format_copy;
