@@ -27,6 +27,7 @@
 //!   count it as waiting, only as holding.
 //!
 //! A predicted expert in a guard is refused here too (`elab::dynamic`): predictions decide
+//! what is copied ahead, never what runs.
 //!
 //! Both orders are asked of a step's tasks through [`order::Order`] (per task and stream,
 //! how many of that stream's tasks are its ancestors), and both checks sweep a stream's

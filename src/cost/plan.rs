@@ -383,7 +383,11 @@ pub fn search(
 /// nor in the top: the final list holds at least that many points as good); in a
 /// bisection walk it is the walk's best (a point strictly below it is no improvement, and
 /// only improvements join the list). A bounded point met again by a walk whose best is
-/// below its bound is evaluated exactly then (not counted again).
+/// below its bound is evaluated exactly then (not counted again; counted then when that
+/// walk meets it first). `evaluate` may also leave a check to the points at or above
+/// `below` ([`Outcome::Refused`]): a refused point is counted where it could rank whatever
+/// the timing, so the answer and counts stay the plain search's where every point is
+/// checked.
 pub fn search_bounded(
     spaces: &[ParamSpace],
     options: &SearchOptions,
@@ -1016,15 +1020,9 @@ mod tests {
         assert_eq!(result.top[0].tokens_per_s, 64.0);
     }
 
-    /// A bounded search gives the plain search's answer and counts: an evaluation that
-    /// answers `Below` whenever its bound (here 1.25x the exact throughput, an upper bound
-    /// as the planner's is) falls under the threshold it was given. On a bumpy landscape
-    /// with several local optima, two integer params and a float, over-budget points, a
-    /// tight top list and several refinement starts, so bounded points meet later walks.
-    #[test]
-    fn a_bounded_search_answers_as_the_plain_one() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let spaces = vec![
+    /// Two integer params and a float: `ubs` in 1..=512, `n` in 1..=16, `r` in 0..=1.
+    fn ubs_n_r() -> Vec<ParamSpace> {
+        vec![
             ParamSpace::Int {
                 name: "ubs".into(),
                 lo: 1,
@@ -1040,7 +1038,18 @@ mod tests {
                 lo: 0.0,
                 hi: 1.0,
             },
-        ];
+        ]
+    }
+
+    /// A bounded search gives the plain search's answer and counts: an evaluation that
+    /// answers `Below` whenever its bound (here 1.25x the exact throughput, an upper bound
+    /// as the planner's is) falls under the threshold it was given. On a bumpy landscape
+    /// with several local optima, two integer params and a float, over-budget points, a
+    /// tight top list and several refinement starts, so bounded points meet later walks.
+    #[test]
+    fn a_bounded_search_answers_as_the_plain_one() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let spaces = ubs_n_r();
         let exact = |values: &[(String, Scalar)]| -> Option<f64> {
             let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
                 (values[0].1, values[1].1, values[2].1)
@@ -1085,23 +1094,7 @@ mod tests {
     /// cache's slots refuse the largest batches), with and without the walks run ahead.
     #[test]
     fn refused_points_never_rank_and_are_counted_as_the_plain_search_counts_them() {
-        let spaces = vec![
-            ParamSpace::Int {
-                name: "ubs".into(),
-                lo: 1,
-                hi: 512,
-            },
-            ParamSpace::Int {
-                name: "n".into(),
-                lo: 1,
-                hi: 16,
-            },
-            ParamSpace::Float {
-                name: "r".into(),
-                lo: 0.0,
-                hi: 1.0,
-            },
-        ];
+        let spaces = ubs_n_r();
         // (throughput, refused) or over budget.
         let exact = |values: &[(String, Scalar)]| -> Option<(f64, bool)> {
             let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
