@@ -1041,6 +1041,16 @@ mod tests {
         ]
     }
 
+    /// A point of [`ubs_n_r`]'s values; `None` (over budget) where `ubs * n > 900`.
+    fn ubs_n_r_of(values: &[(String, Scalar)]) -> Option<(i64, i64, f64)> {
+        let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
+            (values[0].1, values[1].1, values[2].1)
+        else {
+            unreachable!()
+        };
+        (ubs * n <= 900).then_some((ubs, n, r))
+    }
+
     /// A bounded search gives the plain search's answer and counts: an evaluation that
     /// answers `Below` whenever its bound (here 1.25x the exact throughput, an upper bound
     /// as the planner's is) falls under the threshold it was given. On a bumpy landscape
@@ -1051,14 +1061,7 @@ mod tests {
         use std::sync::atomic::{AtomicUsize, Ordering};
         let spaces = ubs_n_r();
         let exact = |values: &[(String, Scalar)]| -> Option<f64> {
-            let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
-                (values[0].1, values[1].1, values[2].1)
-            else {
-                unreachable!()
-            };
-            if ubs * n > 900 {
-                return None;
-            }
+            let (ubs, n, r) = ubs_n_r_of(values)?;
             let x = (ubs as f64).ln();
             Some(10.0 + 3.0 * (x * 1.7).sin() + (n as f64).sqrt() - 4.0 * (r - 0.6).powi(2))
         };
@@ -1097,14 +1100,7 @@ mod tests {
         let spaces = ubs_n_r();
         // (throughput, refused) or over budget.
         let exact = |values: &[(String, Scalar)]| -> Option<(f64, bool)> {
-            let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
-                (values[0].1, values[1].1, values[2].1)
-            else {
-                unreachable!()
-            };
-            if ubs * n > 900 {
-                return None;
-            }
+            let (ubs, n, r) = ubs_n_r_of(values)?;
             let t = 5.0 + (ubs as f64).ln() + (n as f64).sqrt() - 4.0 * (r - 0.6).powi(2);
             Some((t, ubs * n > 200 && n != 8))
         };
