@@ -571,9 +571,8 @@ fn the_bound_never_undercuts_a_point_and_walks_run_ahead_answer_as_one_by_one() 
 /// points were answered without elaborating.
 #[test]
 fn points_with_the_same_program_are_answered_as_elaborated_ones() {
-    use moec::cost::budget::BudgetOverrides;
     use moec::cost::plan::{search_bounded, SamePrograms, SearchOptions};
-    use moec::engine::fit_params::{evaluate_point_bounded, PointTarget};
+    use moec::engine::fit_params::evaluate_point_bounded;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let profile = HardwareProfile::load("t4").unwrap();
     let sets = [
@@ -593,18 +592,7 @@ fn points_with_the_same_program_are_answered_as_elaborated_ones() {
     assert_eq!(spaces.len(), 3, "{spaces:?}");
     let share = |_: &moec::ir::Program, _: u64| 1.0;
     let same = SamePrograms::default();
-    let target = |same_program| PointTarget {
-        file: &file,
-        options: &options,
-        profile: &profile,
-        settings: CostSettings::default(),
-        overrides: BudgetOverrides::default(),
-        machine_bytes: None,
-        gpu_in_host: false,
-        slot_share: &share,
-        prune_declared: true,
-        same_program,
-    };
+    let target = |same_program| default_target(&file, &options, &profile, &share, same_program);
     let search_options = SearchOptions {
         max_grid: 12,
         refine_from: 2,
@@ -646,21 +634,8 @@ fn never_running_arms_left_out_predict_what_building_them_predicts() {
     let settings = CostSettings::default();
     let source = std::fs::read_to_string("schedules/fiddler.sched").unwrap();
     let predict_at = |sets: &[(&str, String)], ceiling: bool| {
-        let mut options = Options::new(ModelCard::load("mixtral-mid").unwrap());
-        options.workload = Workload {
-            batch: 8,
-            prompt_len: 32,
-            gen_len: 8,
-        };
-        options.hardware = profile
-            .symbols()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        options.sets = sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect();
+        let sets: Vec<(&str, &str)> = sets.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut options = options_with_profile(&profile, "mixtral-mid", &sets);
         options.routed_ceiling = ceiling;
         let program = moec::compile::compile(&source, &options)
             .unwrap_or_else(|d| panic!("{sets:?}: {}", d[0]))
@@ -1159,6 +1134,49 @@ fn hobbit_on_qwen3_t4_keeps_mains_pick() {
     assert!((low_bit - 0.39).abs() < 0.006, "{low_bit}");
 }
 
+/// A planner point's target with the default settings and the profile's budgets, every
+/// slot counted, declared buffers pruned.
+fn default_target<'a>(
+    file: &'a moec::syntax::ast::File,
+    options: &'a Options,
+    profile: &'a HardwareProfile,
+    share: &'a (dyn Fn(&moec::ir::Program, u64) -> f64 + Sync),
+    same_program: Option<&'a moec::cost::plan::SamePrograms>,
+) -> moec::engine::fit_params::PointTarget<'a> {
+    moec::engine::fit_params::PointTarget {
+        file,
+        options,
+        profile,
+        settings: CostSettings::default(),
+        overrides: moec::cost::budget::BudgetOverrides::default(),
+        machine_bytes: None,
+        gpu_in_host: false,
+        slot_share: share,
+        prune_declared: true,
+        same_program,
+    }
+}
+
+/// Options for `card` at 8 sequences of 32 + 8 tokens, the profile's symbols and `sets`.
+fn options_with_profile(profile: &HardwareProfile, card: &str, sets: &[(&str, &str)]) -> Options {
+    let mut options = Options::new(ModelCard::load(card).unwrap());
+    options.workload = Workload {
+        batch: 8,
+        prompt_len: 32,
+        gen_len: 8,
+    };
+    options.hardware = profile
+        .symbols()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    options.sets = sets
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    options
+}
+
 /// A planner test's point of departure: `schedule` parsed, its options for `card` at
 /// `workload` on `profile` with `sets` fixed, and the param spaces the search walks.
 fn plan_setup(
@@ -1174,19 +1192,111 @@ fn plan_setup(
 ) {
     let source = std::fs::read_to_string(format!("schedules/{schedule}.sched")).unwrap();
     let file = moec::compile::source_to_ast(&source).unwrap();
-    let mut options = Options::new(ModelCard::load(card).unwrap());
+    let mut options = options_with_profile(profile, card, sets);
     options.workload = workload;
-    options.hardware = profile
-        .symbols()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-    options.sets = sets
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
     let fixed: Vec<String> = sets.iter().map(|(k, _)| k.to_string()).collect();
     let (defaults, _) = moec::compile::ast_to_ir(&file, &options).unwrap();
     let spaces = moec::cost::plan::param_spaces(&defaults.params, &fixed);
     (file, options, spaces)
+}
+
+/// A point the planner's lean evaluation accepts must not be one the full compile refuses:
+/// hobbit with a fill rule that forgets what a decode step holds (a mutation: its cache
+/// keeps 4 slots whatever the batch, as session 24's scratch-aware fill gave past
+/// `bs=131` on qwen3-30b-a3b `t4`) has more fetched experts held at once than slots from
+/// `bs=3` on mixtral-tiny (8 experts, top 2), which the full check refuses
+/// (`cache::deadlock`) while its budget fits. The lean evaluation refuses those points
+/// too, so the search's best points all pass the full compile (before, the largest
+/// batches ranked first and were all dropped after the search).
+#[test]
+fn the_plan_search_skips_points_whose_expert_cache_the_full_check_refuses() {
+    use moec::cost::budget::{budget_table, BudgetOverrides};
+    use moec::cost::plan::{param_spaces, search, search_bounded, Outcome, SearchOptions};
+    use moec::engine::fit_params::{evaluate_point, evaluate_point_bounded};
+    let fill = "max(fit, min(experts, bs * top_k) + top_k)";
+    let source = std::fs::read_to_string("schedules/hobbit.sched").unwrap();
+    assert_eq!(source.matches(fill).count(), 1, "hobbit's fill rule moved");
+    let mutated = source.replacen(fill, "4", 1);
+    let file = moec::compile::source_to_ast(&mutated).unwrap();
+    let profile = HardwareProfile::load("t4").unwrap();
+    let fixed = [
+        ("thr", "0.4"),
+        ("lowbit", "0"),
+        ("n_cache", "-1"),
+        ("home", "-1"),
+    ];
+    let options = options_with_profile(&profile, "mixtral-tiny", &fixed);
+    let with = |bs: i64| {
+        let mut o = options.clone();
+        o.sets.push(("bs".to_string(), bs.to_string()));
+        o
+    };
+    // bs = 8: the lean path's budget fits, the full compile refuses the cache, and the
+    // point's evaluation now says so.
+    let (lean, _) = moec::compile::ast_to_ir(&file, &with(8)).unwrap();
+    assert!(
+        budget_table(&lean, Some(&profile), &BudgetOverrides::default()).fits(),
+        "the mutation must fit the budget, or the budget refuses it already"
+    );
+    let refused = compile(&mutated, &with(8)).expect_err("the full compile refuses bs=8");
+    assert!(
+        refused
+            .iter()
+            .any(|d| d.code == moec::diag::Code::CacheDeadlock),
+        "{refused:?}"
+    );
+    let share = |_: &moec::ir::Program, _: u64| 1.0;
+    let target = default_target(&file, &options, &profile, &share, None);
+    let point = |bs: i64| vec![("bs".to_string(), moec::ir::Scalar::Int(bs))];
+    match evaluate_point(&target, &point(8)) {
+        Outcome::Refused { reason, .. } => {
+            assert!(reason.starts_with("cache::deadlock: "), "{reason}")
+        }
+        other => panic!("bs=8 evaluated as {other:?}"),
+    }
+    assert!(matches!(
+        evaluate_point(&target, &point(2)),
+        Outcome::Fits(_)
+    ));
+    // The search over `bs`: every best point compiles in full, and the refused ones are
+    // counted as invalid with the check's reason. The planner's bounded search (which asks
+    // the check only of points that could rank) answers and counts as the plain one.
+    let spaces = param_spaces(&lean.params, &fixed.map(|(k, _)| k.to_string()));
+    assert_eq!(spaces.len(), 1, "only bs is searched");
+    let search_options = SearchOptions {
+        max_grid: 12,
+        refine_from: 1,
+        top: 3,
+        ..SearchOptions::default()
+    };
+    let result = search(&spaces, &search_options, |values| {
+        evaluate_point(&target, values)
+    });
+    let bounded = search_bounded(&spaces, &search_options, |values, below| {
+        evaluate_point_bounded(&target, values, below)
+    });
+    assert_eq!(bounded, result);
+    assert!(!result.top.is_empty(), "{result:?}");
+    assert!(result.invalid > 0, "{result:?}");
+    assert!(
+        result
+            .invalid_reasons
+            .iter()
+            .any(|r| r.starts_with("cache::deadlock: ")),
+        "{result:?}"
+    );
+    for candidate in &result.top {
+        let mut o = options.clone();
+        o.sets.extend(
+            candidate
+                .values
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_string())),
+        );
+        assert!(
+            compile(&mutated, &o).is_ok(),
+            "{:?} passed the lean evaluation but not the full compile",
+            candidate.values
+        );
+    }
 }

@@ -28,16 +28,50 @@
 //!
 //! A predicted expert in a guard is refused here too (`elab::dynamic`): predictions decide
 //! what is copied ahead, never what runs.
+//!
+//! Both orders are asked of a step's tasks through [`order::Order`] (per task and stream,
+//! how many of that stream's tasks are its ancestors), and both checks sweep a stream's
+//! fetches in order instead of asking every pair: O(fetches x readers x log fetches) a
+//! step and cache, where the pairwise count was quadratic in the fetches (6,144 a step
+//! for HOBBIT on qwen3-30b-a3b), which made it most of a planner point's time. The
+//! pairwise checks are kept as the tests' reference (`reference`).
+
+mod order;
+#[cfg(test)]
+mod reference;
 
 use super::cells::implies;
 use crate::diag::Diagnostic;
 use crate::ir::cache::{bindings, CacheOp};
 use crate::ir::deps::Dag;
 use crate::ir::{ExpertRef, GuardAtom, Program, Step, StepKind, TaskId};
-use std::collections::HashMap;
+use order::Order;
 
-/// Runs the cache checks.
-pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
+/// A task's direct predecessors, from whichever form of the dependency graph the caller
+/// holds: the checks ask only which task finishes before which, which every graph with
+/// the same reachability answers alike (the reduced [`Dag`], or the unreduced lists of
+/// [`crate::ir::deps::candidate_preds`] a planner's point already built).
+pub trait Preds {
+    /// Calls `each` with every direct predecessor of `task`.
+    fn each_pred(&self, task: TaskId, each: &mut dyn FnMut(TaskId));
+}
+
+impl Preds for Dag {
+    fn each_pred(&self, task: TaskId, each: &mut dyn FnMut(TaskId)) {
+        self.preds(task).iter().for_each(|d| each(d.from));
+    }
+}
+
+impl Preds for [Vec<TaskId>] {
+    fn each_pred(&self, task: TaskId, each: &mut dyn FnMut(TaskId)) {
+        if let Some(preds) = self.get(task.index()) {
+            preds.iter().copied().for_each(each);
+        }
+    }
+}
+
+/// Runs the cache checks on `program` under its dependency graph `preds`.
+pub fn check(program: &Program, preds: &(impl Preds + ?Sized), diags: &mut Vec<Diagnostic>) {
     if program.caches.is_empty() {
         return;
     }
@@ -107,9 +141,24 @@ pub fn check(program: &Program, dag: &Dag, diags: &mut Vec<Diagnostic>) {
         }
     }
     for step in &program.steps {
+        // Built once a step has a cache's fetch or residency guard, shared by its caches.
+        let mut order: Option<Order> = None;
         for cache in 0..program.caches.len() as u32 {
-            held_at_once(program, dag, &bound, step, cache, diags);
-            stale_guards(program, dag, step, cache, diags);
+            let fetches = Fetches::of(program, &bound, step, cache);
+            let guarded = Guarded::of(program, step, cache);
+            if fetches.is_none() && guarded.is_none() {
+                continue;
+            }
+            let order = order.get_or_insert_with(|| Order::new(program, preds, step));
+            if let Some(fetches) = fetches {
+                let held = fetches.held(order);
+                fetches.report(program, step, cache, &held, diags);
+            }
+            if let Some(guarded) = guarded {
+                if let Some(found) = guarded.first_stale(order) {
+                    diags.push(guarded.diagnostic(program, cache, &found));
+                }
+            }
         }
     }
 }
@@ -132,113 +181,176 @@ fn self_hit(program: &Program, task: TaskId) -> bool {
     t.guard.lits.iter().any(|l| !l.negated && l.atom == own)
 }
 
-/// The `cache::stale_guard` check of one cache in one step. A `CACHE.resident(l, e)`
-/// guard is decided by each task it guards when that task is about to run, from the
-/// cache as it is then; the answers agree (the arms stay exclusive, and a hit seen by the
-/// guard is still a hit when its fetch runs) when no fetch or prefetch into the cache can
-/// run between two of those decisions. So every fetch and prefetch into the cache must be
-/// ordered before every task guarded by that residency, or after all of them; a fetch
-/// guarded by its own key's residency is a hit and changes nothing. Any fetch or prefetch
-/// counts, whatever its layer or expert: a miss of another expert may evict this one.
-/// Reports the first such guard of the step (one per step and cache).
-fn stale_guards(
-    program: &Program,
-    dag: &Dag,
-    step: &Step,
-    cache: u32,
-    diags: &mut Vec<Diagnostic>,
-) {
-    type Atom = (u32, ExpertRef);
-    let mut guarded: Vec<(Atom, Vec<TaskId>)> = Vec::new();
-    // Where each atom is in `guarded` (a step of HOBBIT has one per expert).
-    let mut at: crate::ir::FastMap<Atom, usize> = crate::ir::FastMap::default();
-    let mut changers: Vec<TaskId> = Vec::new();
-    for id in step.task_ids() {
-        let task = program.task(id);
-        for lit in &task.guard.lits {
-            if let GuardAtom::Resident {
-                cache: c,
-                layer,
-                expert,
-            } = lit.atom
-            {
-                if c != cache {
-                    continue;
-                }
-                let atom = (layer, expert);
-                match at.get(&atom) {
-                    Some(&i) => {
-                        let tasks = &mut guarded[i].1;
-                        if tasks.last() != Some(&id) {
-                            tasks.push(id);
+/// A residency guard: its cache's layer and expert.
+type Atom = (u32, ExpertRef);
+
+/// The residency guards of one cache in one step, for `cache::stale_guard`: each guard's
+/// deciding tasks (step order), and the tasks that may change the cache.
+struct Guarded {
+    /// Per guard, in the order the step first names it: the tasks it guards.
+    atoms: Vec<(Atom, Vec<TaskId>)>,
+    /// Every fetch and prefetch into the cache but self-hits, in step order.
+    changers: Vec<TaskId>,
+}
+
+/// A stale guard found: the guard (its index), the guarded task that may decide it on the
+/// wrong side of the change, and the change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stale {
+    atom: usize,
+    guarded: TaskId,
+    changer: TaskId,
+}
+
+impl Guarded {
+    /// The guards and changers of `cache` in `step`; `None` when either is missing (no
+    /// guard can go stale).
+    fn of(program: &Program, step: &Step, cache: u32) -> Option<Guarded> {
+        let mut atoms: Vec<(Atom, Vec<TaskId>)> = Vec::new();
+        // Where each atom is in `atoms` (a step of HOBBIT has one per expert).
+        let mut at: crate::ir::FastMap<Atom, usize> = crate::ir::FastMap::default();
+        let mut changers: Vec<TaskId> = Vec::new();
+        for id in step.task_ids() {
+            let task = program.task(id);
+            for lit in &task.guard.lits {
+                if let GuardAtom::Resident {
+                    cache: c,
+                    layer,
+                    expert,
+                } = lit.atom
+                {
+                    if c != cache {
+                        continue;
+                    }
+                    let atom = (layer, expert);
+                    match at.get(&atom) {
+                        Some(&i) => {
+                            let tasks = &mut atoms[i].1;
+                            if tasks.last() != Some(&id) {
+                                tasks.push(id);
+                            }
+                        }
+                        None => {
+                            at.insert(atom, atoms.len());
+                            atoms.push((atom, vec![id]));
                         }
                     }
-                    None => {
-                        at.insert(atom, guarded.len());
-                        guarded.push((atom, vec![id]));
+                }
+            }
+            let into_cache = task.cache_op.is_some()
+                && task.args.iter().any(|a| {
+                    a.access.writes() && a.slice.cache_key.is_some_and(|k| k.cache == cache)
+                });
+            if into_cache && !self_hit(program, id) {
+                changers.push(id);
+            }
+        }
+        (!atoms.is_empty() && !changers.is_empty()).then_some(Guarded { atoms, changers })
+    }
+
+    /// The first stale guard, as the pairwise check finds it (guards in order, then
+    /// changers in step order): every fetch and prefetch into the cache must be ordered
+    /// before every task the guard decides or after all of them, so they all see one
+    /// answer. A guarded change of another key decides the guard, then may change the
+    /// cache: every other decider must come before it. Any change counts, whatever its
+    /// layer or expert: a miss of another expert may evict this one.
+    ///
+    /// Per guard and changers' stream, in O(guarded x streams + log changers): the
+    /// changers ordered before all the guard's tasks are a prefix of the stream's
+    /// changers, those after all of them a suffix (the order's counts only grow along a
+    /// stream), and the stale ones are between, but the guard's own tasks.
+    fn first_stale(&self, order: &Order) -> Option<Stale> {
+        let streams = order.streams();
+        // The changers of each stream, as indices into `changers` (in stream order).
+        let mut by_stream: Vec<Vec<usize>> = vec![Vec::new(); streams];
+        for (i, &c) in self.changers.iter().enumerate() {
+            by_stream[order.stream(c)].push(i);
+        }
+        let mut below = vec![u32::MAX; streams];
+        let mut ends = vec![0u32; streams];
+        for (atom, ((_, _), tasks)) in self.atoms.iter().enumerate() {
+            // `c` before every task: its position under each task's count on its stream.
+            below.fill(u32::MAX);
+            // Every task before `c`: each stream's last task position under `c`'s count.
+            ends.fill(0);
+            for &t in tasks {
+                for (s, b) in below.iter_mut().enumerate() {
+                    *b = (*b).min(order.reach(t, s));
+                }
+                let s = order.stream(t);
+                ends[s] = ends[s].max(order.pos(t) + 1);
+            }
+            let all_before = |c: TaskId| (0..streams).all(|s| ends[s] <= order.reach(c, s));
+            // The first stale changer, by its index in `changers` (step order).
+            let mut first: Option<(usize, TaskId)> = None;
+            let mut found = |i: usize, guarded: TaskId| {
+                if first.is_none_or(|(j, _)| i < j) {
+                    first = Some((i, guarded));
+                }
+            };
+            for (s, on) in by_stream.iter().enumerate() {
+                let after = on.partition_point(|&i| order.pos(self.changers[i]) < below[s]);
+                let done = on.partition_point(|&i| !all_before(self.changers[i]));
+                for &i in on.get(after..done).unwrap_or_default() {
+                    let c = self.changers[i];
+                    if !tasks.contains(&c) {
+                        found(i, victim(tasks, c, |x, y| order.before(x, y)));
+                        break;
                     }
                 }
             }
-        }
-        let into_cache = task.cache_op.is_some()
-            && task
-                .args
-                .iter()
-                .any(|a| a.access.writes() && a.slice.cache_key.is_some_and(|k| k.cache == cache));
-        if into_cache && !self_hit(program, id) {
-            changers.push(id);
-        }
-    }
-    if guarded.is_empty() || changers.is_empty() {
-        return;
-    }
-    let order = Order::new(
-        dag,
-        step,
-        changers
-            .iter()
-            .chain(guarded.iter().flat_map(|(_, t)| t))
-            .copied(),
-    );
-    let before = |x: TaskId, y: TaskId| order.before(x, y);
-    let c = &program.caches[cache as usize];
-    for ((layer, expert), tasks) in &guarded {
-        for &changer in &changers {
-            if tasks.contains(&changer) {
-                // A guarded fetch or prefetch of another key decides the guard, then may
-                // change the cache: every other decider must come before it.
-                let late = tasks
+            // The guard's own changers, each against the guard's other tasks.
+            for &c in tasks {
+                let Ok(i) = self.changers.binary_search(&c) else {
+                    continue;
+                };
+                if let Some(late) = tasks
                     .iter()
                     .copied()
-                    .find(|&t| t != changer && !before(t, changer));
-                if let Some(t) = late {
-                    // One per step and cache: the fix (an order) is the same for all.
-                    diags.push(stale(program, c, *layer, *expert, t, changer));
-                    return;
+                    .find(|&t| t != c && !order.before(t, c))
+                {
+                    found(i, late);
                 }
-                continue;
             }
-            let all_after = tasks.iter().all(|&t| before(changer, t));
-            let all_before = tasks.iter().all(|&t| before(t, changer));
-            if all_after || all_before {
-                continue;
+            if let Some((i, guarded)) = first {
+                return Some(Stale {
+                    atom,
+                    guarded,
+                    changer: self.changers[i],
+                });
             }
-            // The guarded task the change may come before: one not ordered after it.
-            let victim = tasks
+        }
+        None
+    }
+
+    /// The diagnostic of a stale guard found in `cache`.
+    fn diagnostic(&self, program: &Program, cache: u32, found: &Stale) -> Diagnostic {
+        let ((layer, expert), _) = self.atoms[found.atom];
+        stale(
+            program,
+            &program.caches[cache as usize],
+            layer,
+            expert,
+            found.guarded,
+            found.changer,
+        )
+    }
+}
+
+/// The guarded task a change not ordered against all of `tasks` may come before (one not
+/// ordered either way, else one not after it, else the first).
+fn victim(tasks: &[TaskId], changer: TaskId, before: impl Fn(TaskId, TaskId) -> bool) -> TaskId {
+    tasks
+        .iter()
+        .copied()
+        .find(|&t| !before(changer, t) && !before(t, changer))
+        .unwrap_or_else(|| {
+            tasks
                 .iter()
                 .copied()
-                .find(|&t| !before(changer, t) && !before(t, changer))
-                .unwrap_or_else(|| {
-                    tasks
-                        .iter()
-                        .copied()
-                        .find(|&t| !before(changer, t))
-                        .unwrap_or(tasks[0])
-                });
-            diags.push(stale(program, c, *layer, *expert, victim, changer));
-            return;
-        }
-    }
+                .find(|&t| !before(changer, t))
+                .unwrap_or(tasks[0])
+        })
 }
 
 fn stale(
@@ -258,232 +370,236 @@ fn stale(
     )
 }
 
-/// Which of a step's tasks of interest come before which: `x` before `y` when `x` is an
-/// ancestor of `y` in the dependency graph (finished before `y` starts, whatever the
-/// streams do); two tasks neither before the other may run in either order or overlap.
-/// Both cache checks ask it about a cache's fetches: `cache::deadlock` whether one may
-/// still hold its slot when another starts, `cache::stale_guard` whether one may run
-/// between two tasks deciding a residency guard.
-struct Order {
-    /// The step's first task.
-    first: usize,
-    /// Per task of the step, its bit in the sets if it is of interest (`u32::MAX` if not):
-    /// a lookup per `before` question, which both checks ask for every pair of fetches.
-    bit: Vec<u32>,
-    /// Per task of the step, its ancestors among the tasks of interest, as bitsets.
-    anc: Vec<Vec<u64>>,
+/// The fetches of one cache in one step, for `cache::deadlock`: each with its readers and
+/// the group (layer and ub) whose activity guards it, if its guard says so.
+struct Fetches {
+    /// The fetches, in step order.
+    ids: Vec<TaskId>,
+    /// Per fetch, the tasks reading the slot it fills (in step order).
+    readers: Vec<Vec<TaskId>>,
+    /// Per fetch, its group, if its guard is its own expert's activity.
+    groups: Vec<Option<usize>>,
+    /// Per group, the most of its fetches that can hold a slot: as many as can receive
+    /// tokens (decode: min(experts, sequences x top_k); prefill: every expert).
+    caps: Vec<u64>,
 }
 
-impl Order {
-    /// The ancestor sets of `step`'s tasks restricted to `interesting` (tasks of the
-    /// step), propagated in issue order: every predecessor comes earlier, so one pass
-    /// suffices. Edges from earlier steps are left out (those steps have finished).
-    fn new(dag: &Dag, step: &Step, interesting: impl IntoIterator<Item = TaskId>) -> Order {
-        let mut tasks: Vec<TaskId> = interesting.into_iter().collect();
-        tasks.sort();
-        tasks.dedup();
-        let first = step.first as usize;
-        let mut bit = vec![u32::MAX; step.count as usize];
-        for (i, t) in tasks.iter().enumerate() {
-            bit[t.index() - first] = i as u32;
-        }
-        let words = tasks.len().div_ceil(64);
-        let mut anc: Vec<Vec<u64>> = vec![vec![0; words]; step.count as usize];
-        for k in 0..step.count as usize {
-            let id = TaskId::new(first + k);
-            let mut set = vec![0u64; words];
-            for dep in dag.preds(id) {
-                let p = dep.from.index();
-                if p < first {
-                    continue;
-                }
-                for (w, a) in set.iter_mut().zip(&anc[p - first]) {
-                    *w |= a;
-                }
-                let b = bit[p - first];
-                if b != u32::MAX {
-                    let b = b as usize;
-                    set[b / 64] |= 1 << (b % 64);
-                }
+impl Fetches {
+    /// The fetches of `cache` in `step`; `None` if it has none.
+    fn of(
+        program: &Program,
+        bound: &[Vec<Option<TaskId>>],
+        step: &Step,
+        cache: u32,
+    ) -> Option<Fetches> {
+        let mut ids: Vec<TaskId> = Vec::new();
+        let mut readers: Vec<Vec<TaskId>> = Vec::new();
+        let mut index: crate::ir::FastMap<TaskId, usize> = crate::ir::FastMap::default();
+        for id in step.task_ids() {
+            let task = program.task(id);
+            if task.cache_op == Some(CacheOp::Fetch)
+                && task
+                    .args
+                    .iter()
+                    .any(|a| a.slice.cache_key.is_some_and(|k| k.cache == cache))
+            {
+                index.insert(id, ids.len());
+                ids.push(id);
+                readers.push(Vec::new());
             }
-            anc[k] = set;
-        }
-        Order { first, bit, anc }
-    }
-
-    /// Whether `x` (a task of interest) finishes before `y` (any task of the step)
-    /// starts; false for a task `x` that is not of interest.
-    fn before(&self, x: TaskId, y: TaskId) -> bool {
-        self.bit_of(x).is_some_and(|b| self.has(b, y))
-    }
-
-    /// `x`'s bit, if it is a task of interest of the step.
-    fn bit_of(&self, x: TaskId) -> Option<usize> {
-        x.index()
-            .checked_sub(self.first)
-            .and_then(|k| self.bit.get(k))
-            .filter(|&&b| b != u32::MAX)
-            .map(|&b| b as usize)
-    }
-
-    /// Whether the task of interest with bit `b` finishes before `y` starts.
-    fn has(&self, b: usize, y: TaskId) -> bool {
-        self.anc[y.index() - self.first][b / 64] & (1 << (b % 64)) != 0
-    }
-}
-
-/// The `cache::deadlock` check of one cache in one step.
-fn held_at_once(
-    program: &Program,
-    dag: &Dag,
-    bound: &[Vec<Option<TaskId>>],
-    step: &Step,
-    cache: u32,
-    diags: &mut Vec<Diagnostic>,
-) {
-    // The fetches of this cache, and each one's readers.
-    let mut fetches: Vec<TaskId> = Vec::new();
-    let mut readers: HashMap<TaskId, Vec<TaskId>> = HashMap::new();
-    for id in step.task_ids() {
-        let task = program.task(id);
-        if task.cache_op == Some(CacheOp::Fetch)
-            && task
-                .args
-                .iter()
-                .any(|a| a.slice.cache_key.is_some_and(|k| k.cache == cache))
-        {
-            fetches.push(id);
-        }
-        for (arg, fetch) in task.args.iter().zip(&bound[id.index()]) {
-            if let (Some(f), true) = (fetch, arg.access.reads()) {
-                if *f != id && arg.slice.cache_key.is_some_and(|k| k.cache == cache) {
-                    readers.entry(*f).or_default().push(id);
+            for (arg, fetch) in task.args.iter().zip(&bound[id.index()]) {
+                if let (Some(f), true) = (fetch, arg.access.reads()) {
+                    if *f != id && arg.slice.cache_key.is_some_and(|k| k.cache == cache) {
+                        if let Some(&i) = index.get(f) {
+                            readers[i].push(id);
+                        }
+                    }
                 }
             }
         }
-    }
-    if fetches.is_empty() {
-        return;
-    }
-    let order = Order::new(
-        dag,
-        step,
-        fetches.iter().chain(readers.values().flatten()).copied(),
-    );
-    // Per fetch, its bit and its readers' bits (every reader is a task of interest):
-    // the pairwise count below asks these for every pair of the step's fetches.
-    let fetch_bit: Vec<usize> = fetches
-        .iter()
-        .map(|&f| order.bit_of(f).expect("a fetch is a task of interest"))
-        .collect();
-    let reader_bits: Vec<Vec<usize>> = fetches
-        .iter()
-        .map(|f| {
-            readers.get(f).map_or_else(Vec::new, |rs| {
-                rs.iter()
-                    .map(|&r| order.bit_of(r).expect("a reader is a task of interest"))
-                    .collect()
-            })
-        })
-        .collect();
-    // The `j`-th fetch's slot is free again before `y` starts: its readers (or, without
-    // readers, itself) finished before.
-    let released_before = |j: usize, y: TaskId| -> bool {
-        match reader_bits[j].as_slice() {
-            [] => order.has(fetch_bit[j], y),
-            rs => rs.iter().all(|&r| order.has(r, y)),
+        if ids.is_empty() {
+            return None;
         }
-    };
-    let kind = step.kind;
-    let (experts, top_k) = (program.model.experts, program.model.top_k);
-    let mb = program.micro_batches;
-    let tokens = |ub: Option<u32>| -> u64 {
-        let per_ub = match kind {
-            StepKind::Decode => mb.size,
-            StepKind::Mixed => mb.mixed_tokens,
-            _ => u64::MAX / 4,
+        let kind = step.kind;
+        let (experts, top_k) = (program.model.experts, program.model.top_k);
+        let mb = program.micro_batches;
+        let tokens = |ub: Option<u32>| -> u64 {
+            let per_ub = match kind {
+                StepKind::Decode => mb.size,
+                StepKind::Mixed => mb.mixed_tokens,
+                _ => u64::MAX / 4,
+            };
+            match ub {
+                Some(_) => per_ub,
+                None => per_ub.saturating_mul(u64::from(mb.count)),
+            }
         };
-        match ub {
-            Some(_) => per_ub,
-            None => per_ub.saturating_mul(u64::from(mb.count)),
-        }
-    };
-    // Per fetch, the layer (and ub) whose activity guards it, if its guard says so.
-    let group = |f: TaskId| -> Option<(u32, Option<u32>)> {
-        let task = program.task(f);
-        let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
-        task.guard.lits.iter().find_map(|l| {
-            let positive =
-                !l.negated && matches!(l.atom, GuardAtom::Active { .. } | GuardAtom::Tokens { .. });
-            (positive && l.atom.layer() == key.layer && l.atom.expert() == key.expert)
-                .then(|| (key.layer, l.atom.ub()))
-        })
-    };
-    // Groups numbered densely, each with the most of its fetches that can hold a slot.
-    let mut group_keys: Vec<(u32, Option<u32>)> = Vec::new();
-    let groups: Vec<Option<usize>> = fetches
-        .iter()
-        .map(|&f| {
-            group(f).map(|key| match group_keys.iter().position(|k| *k == key) {
-                Some(i) => i,
-                None => {
-                    group_keys.push(key);
-                    group_keys.len() - 1
-                }
+        // Per fetch, the layer (and ub) whose activity guards it, if its guard says so.
+        let group = |f: TaskId| -> Option<(u32, Option<u32>)> {
+            let task = program.task(f);
+            let key = task.args.iter().find_map(|a| a.slice.cache_key)?;
+            task.guard.lits.iter().find_map(|l| {
+                let positive = !l.negated
+                    && matches!(l.atom, GuardAtom::Active { .. } | GuardAtom::Tokens { .. });
+                (positive && l.atom.layer() == key.layer && l.atom.expert() == key.expert)
+                    .then(|| (key.layer, l.atom.ub()))
             })
+        };
+        // Groups numbered densely.
+        let mut group_keys: Vec<(u32, Option<u32>)> = Vec::new();
+        let mut numbered: crate::ir::FastMap<(u32, Option<u32>), usize> =
+            crate::ir::FastMap::default();
+        let groups: Vec<Option<usize>> = ids
+            .iter()
+            .map(|&f| {
+                group(f).map(|key| {
+                    *numbered.entry(key).or_insert_with(|| {
+                        group_keys.push(key);
+                        group_keys.len() - 1
+                    })
+                })
+            })
+            .collect();
+        let caps: Vec<u64> = group_keys
+            .iter()
+            .map(|&(_, ub)| experts.min(tokens(ub).saturating_mul(top_k)))
+            .collect();
+        Some(Fetches {
+            ids,
+            readers,
+            groups,
+            caps,
         })
-        .collect();
-    let caps: Vec<u64> = group_keys
-        .iter()
-        .map(|&(_, ub)| experts.min(tokens(ub).saturating_mul(top_k)))
-        .collect();
-    let mut per_group = vec![0u64; group_keys.len()];
-    let mut worst: Option<(u64, TaskId)> = None;
-    for (i, &f) in fetches.iter().enumerate() {
-        // A fetch guarded by its own expert's residency hits: it never needs a free slot
-        // (it still holds its slot, so it counts for the others).
-        if self_hit(program, f) {
-            continue;
+    }
+
+    /// Per fetch, how many fetched experts may hold a slot when it starts (itself
+    /// included, each group at most its cap): fetch `g` holds a slot when `f` starts unless
+    /// `g`'s readers (without readers, `g` itself) all finished before `f`, or `g` starts
+    /// after `f`.
+    ///
+    /// Swept per stream of the fetches `f`, in stream order: `f`'s counts only grow along
+    /// its stream, so `g` starts holding from the first `f` it does not start after
+    /// (`order.reach(g)` on `f`'s stream is no more than `f`'s position) and stops at the
+    /// first `f` its readers all finished before (each a binary search); between, it is
+    /// counted. A released fetch was started (its readers come after it), so every `g`
+    /// holds over one interval of the stream's fetches.
+    fn held(&self, order: &Order) -> Vec<u64> {
+        let n = self.ids.len();
+        let mut held = vec![0u64; n];
+        let mut streams: Vec<usize> = self.ids.iter().map(|&f| order.stream(f)).collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for sf in streams {
+            // The fetches on this stream (indices into `ids`), in stream order.
+            let on: Vec<usize> = (0..n)
+                .filter(|&i| order.stream(self.ids[i]) == sf)
+                .collect();
+            // The first of `on` that `x` finishes before.
+            let finished_before = |x: TaskId| {
+                let (s, p) = (order.stream(x), order.pos(x));
+                on.partition_point(|&i| order.reach(self.ids[i], s) <= p)
+            };
+            let mut starts: Vec<Vec<usize>> = vec![Vec::new(); on.len()];
+            let mut stops: Vec<Vec<usize>> = vec![Vec::new(); on.len()];
+            for (j, &g) in self.ids.iter().enumerate() {
+                let reach = order.reach(g, sf);
+                let start = on.partition_point(|&i| order.pos(self.ids[i]) < reach);
+                let stop = match self.readers[j].as_slice() {
+                    [] => finished_before(g),
+                    rs => rs.iter().map(|&r| finished_before(r)).max().unwrap_or(0),
+                };
+                if start < stop {
+                    starts[start].push(j);
+                    if stop < on.len() {
+                        stops[stop].push(j);
+                    }
+                }
+            }
+            let mut count = Counted {
+                per_group: vec![0; self.caps.len()],
+                caps: &self.caps,
+                held: 0,
+            };
+            for (k, &i) in on.iter().enumerate() {
+                for &j in &stops[k] {
+                    count.change(self.groups[j], false);
+                }
+                for &j in &starts[k] {
+                    count.change(self.groups[j], true);
+                }
+                held[i] = count.held;
+            }
         }
-        per_group.iter_mut().for_each(|n| *n = 0);
-        let mut loose = 0u64;
-        let f_bit = fetch_bit[i];
-        for (j, &g) in fetches.iter().enumerate() {
-            // Held when `f` starts: started already (not after `f`) and not released.
-            let together = i == j || !(released_before(j, f) || order.has(f_bit, g));
-            if !together {
+        held
+    }
+
+    /// Reports `cache::deadlock` when the largest count of `held` (per fetch, as
+    /// [`Fetches::held`] gives it) exceeds the cache's slots, at the first fetch with that
+    /// count. A fetch guarded by its own expert's residency hits: it never needs a free
+    /// slot (it still holds its slot, so it counts for the others).
+    fn report(
+        &self,
+        program: &Program,
+        step: &Step,
+        cache: u32,
+        held: &[u64],
+        diags: &mut Vec<Diagnostic>,
+    ) {
+        let mut worst: Option<(u64, TaskId)> = None;
+        for (&f, &h) in self.ids.iter().zip(held) {
+            if self_hit(program, f) {
                 continue;
             }
-            match groups[j] {
-                Some(k) => per_group[k] += 1,
-                None => loose += 1,
+            if worst.is_none_or(|(w, _)| h > w) {
+                worst = Some((h, f));
             }
         }
-        let held: u64 = loose
-            + per_group
-                .iter()
-                .zip(&caps)
-                .map(|(&n, &cap)| n.min(cap))
-                .sum::<u64>();
-        if worst.is_none_or(|(w, _)| held > w) {
-            worst = Some((held, f));
+        let c = &program.caches[cache as usize];
+        if let Some((held, f)) = worst.filter(|(h, _)| *h > u64::from(c.slots)) {
+            let decl = program
+                .spans
+                .buffers
+                .get(c.buffer.index())
+                .copied()
+                .unwrap_or_default();
+            diags.push(Diagnostic::cache_deadlock(
+                decl,
+                &c.name,
+                c.slots,
+                held,
+                (program.task_name(f), program.task_span(f)),
+                step.kind.as_str(),
+            ));
         }
     }
-    let c = &program.caches[cache as usize];
-    if let Some((held, f)) = worst.filter(|(h, _)| *h > u64::from(c.slots)) {
-        let decl = program
-            .spans
-            .buffers
-            .get(c.buffer.index())
-            .copied()
-            .unwrap_or_default();
-        diags.push(Diagnostic::cache_deadlock(
-            decl,
-            &c.name,
-            c.slots,
-            held,
-            (program.task_name(f), program.task_span(f)),
-            kind.as_str(),
-        ));
+}
+
+/// The fetches holding a slot, counted as `cache::deadlock` counts them: each group at
+/// most its cap, fetches without a group each.
+struct Counted<'a> {
+    per_group: Vec<u64>,
+    caps: &'a [u64],
+    held: u64,
+}
+
+impl Counted<'_> {
+    /// One fetch of `group` starts (`true`) or stops holding.
+    fn change(&mut self, group: Option<usize>, starts: bool) {
+        let Some(k) = group else {
+            if starts {
+                self.held += 1;
+            } else {
+                self.held -= 1;
+            }
+            return;
+        };
+        let cap = self.caps[k];
+        let was = self.per_group[k].min(cap);
+        if starts {
+            self.per_group[k] += 1;
+        } else {
+            self.per_group[k] -= 1;
+        }
+        self.held = self.held - was + self.per_group[k].min(cap);
     }
 }

@@ -178,6 +178,20 @@ pub enum Outcome {
     /// It does not compile or cannot be simulated (e.g. a param combination the schedule
     /// rejects); the message says why.
     Invalid(String),
+    /// It fits and is predicted at `tokens_per_s`, but the full check refuses it (its
+    /// expert caches, `check::cache`); `reason` is the check's code and message. Asked only
+    /// of a point that could rank (its throughput at least the threshold it was given), so
+    /// the search counts it as invalid, with its reason, only where it could rank: at or
+    /// above the grid's last kept throughput (the `max(top, refine_from)`-th best that
+    /// passed), or above a walk's best (an improvement refused); elsewhere it counts as
+    /// fitting, as a point under the threshold whose check was not asked does. Never a
+    /// candidate, a refinement start or in the top.
+    Refused {
+        /// The check's first error: `code: message`.
+        reason: String,
+        /// Its predicted throughput, as [`Candidate::tokens_per_s`] would be.
+        tokens_per_s: f64,
+    },
     /// It unrolls past an elaboration limit (tasks, loop iterations, expansions); the
     /// message says which. Counted as invalid; with [`SearchOptions::limits_grow`] the
     /// search assumes every point above it is past the limit too.
@@ -242,7 +256,7 @@ impl SamePrograms {
     pub fn evaluated(&self, values: &[(String, Scalar)], outcome: &Outcome) {
         let keep = matches!(
             outcome,
-            Outcome::Fits(_) | Outcome::Below(_) | Outcome::OverBudget
+            Outcome::Fits(_) | Outcome::Below(_) | Outcome::OverBudget | Outcome::Refused { .. }
         );
         let mut known = self.lock();
         if let Some(point) = known
@@ -279,6 +293,7 @@ impl SamePrograms {
                 })),
                 Outcome::Below(bound) if *bound < below => Some(Outcome::Below(*bound)),
                 Outcome::OverBudget => Some(Outcome::OverBudget),
+                Outcome::Refused { .. } => Some(outcome.clone()),
                 _ => None,
             }
         })
@@ -368,7 +383,11 @@ pub fn search(
 /// nor in the top: the final list holds at least that many points as good); in a
 /// bisection walk it is the walk's best (a point strictly below it is no improvement, and
 /// only improvements join the list). A bounded point met again by a walk whose best is
-/// below its bound is evaluated exactly then (not counted again).
+/// below its bound is evaluated exactly then (not counted again; counted then when that
+/// walk meets it first). `evaluate` may also leave a check to the points at or above
+/// `below` ([`Outcome::Refused`]): a refused point is counted where it could rank whatever
+/// the timing, so the answer and counts stay the plain search's where every point is
+/// checked.
 pub fn search_bounded(
     spaces: &[ParamSpace],
     options: &SearchOptions,
@@ -393,6 +412,9 @@ pub fn search_bounded(
             Outcome::OverBudget => "over budget".to_string(),
             Outcome::Invalid(_) => "invalid".to_string(),
             Outcome::TooLarge(_) => "too large".to_string(),
+            Outcome::Refused { tokens_per_s, .. } => {
+                format!("refused by the full check at {tokens_per_s:.4} tok/s")
+            }
         };
         eprintln!(
             "plan-trace {} {what} {:.3} s (ended at {:.2} s)",
@@ -460,7 +482,11 @@ pub fn search_bounded(
                 result.over_budget += 1;
                 None
             }
-            Outcome::Invalid(reason) | Outcome::TooLarge(reason) => {
+            // The callers settle it first (`settle_refused`): where it could rank it is
+            // invalid, elsewhere it fits.
+            Outcome::Refused { reason, .. }
+            | Outcome::Invalid(reason)
+            | Outcome::TooLarge(reason) => {
                 result.invalid += 1;
                 if result.invalid_reasons.len() < 3 && !result.invalid_reasons.contains(&reason) {
                     result.invalid_reasons.push(reason);
@@ -540,6 +566,19 @@ pub fn search_bounded(
         },
         &|point: &Point, too_large: &[Point]| dominated(point, too_large),
     );
+    // The grid's last kept throughput: a refused point at or above it could rank (it was
+    // checked whatever the timing, since no threshold the grid gave was above it).
+    let ranks_from = {
+        let mut kept: Vec<f64> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Some(Outcome::Fits(c)) => Some(c.tokens_per_s),
+                _ => None,
+            })
+            .collect();
+        kept.sort_by(|a, b| b.total_cmp(a));
+        kept.get(keep - 1).copied().unwrap_or(f64::NEG_INFINITY)
+    };
     // Points that fit whose throughput is only known to be at most the value held.
     let mut bounded: HashMap<String, f64> = HashMap::new();
     let mut found: Vec<(Point, Candidate)> = Vec::new();
@@ -549,6 +588,7 @@ pub fn search_bounded(
             memo.insert(key(&point), None);
             continue;
         };
+        let outcome = settle_refused(outcome, |t| t >= ranks_from);
         if let Outcome::Below(bound) = outcome {
             record(outcome, &mut result);
             bounded.insert(key(&point), bound);
@@ -609,6 +649,26 @@ pub fn search_bounded(
         .map(|(_, c)| c)
         .collect();
     result
+}
+
+/// A refused point as the search counts it (`Outcome::Refused`): invalid, with its reason,
+/// where it could rank (`could_rank` of its throughput); elsewhere a point that fits and
+/// is known to be at most its throughput, as one under the threshold whose check was not
+/// asked. Every other outcome as it is.
+fn settle_refused(outcome: Outcome, could_rank: impl FnOnce(f64) -> bool) -> Outcome {
+    match outcome {
+        Outcome::Refused {
+            reason,
+            tokens_per_s,
+        } => {
+            if could_rank(tokens_per_s) {
+                Outcome::Invalid(reason)
+            } else {
+                Outcome::Below(tokens_per_s)
+            }
+        }
+        other => other,
+    }
 }
 
 /// Evaluates the coarse grid: every point, except one whose integer params are all at
@@ -960,15 +1020,9 @@ mod tests {
         assert_eq!(result.top[0].tokens_per_s, 64.0);
     }
 
-    /// A bounded search gives the plain search's answer and counts: an evaluation that
-    /// answers `Below` whenever its bound (here 1.25x the exact throughput, an upper bound
-    /// as the planner's is) falls under the threshold it was given. On a bumpy landscape
-    /// with several local optima, two integer params and a float, over-budget points, a
-    /// tight top list and several refinement starts, so bounded points meet later walks.
-    #[test]
-    fn a_bounded_search_answers_as_the_plain_one() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let spaces = vec![
+    /// Two integer params and a float: `ubs` in 1..=512, `n` in 1..=16, `r` in 0..=1.
+    fn ubs_n_r() -> Vec<ParamSpace> {
+        vec![
             ParamSpace::Int {
                 name: "ubs".into(),
                 lo: 1,
@@ -984,16 +1038,30 @@ mod tests {
                 lo: 0.0,
                 hi: 1.0,
             },
-        ];
+        ]
+    }
+
+    /// A point of [`ubs_n_r`]'s values; `None` (over budget) where `ubs * n > 900`.
+    fn ubs_n_r_of(values: &[(String, Scalar)]) -> Option<(i64, i64, f64)> {
+        let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
+            (values[0].1, values[1].1, values[2].1)
+        else {
+            unreachable!()
+        };
+        (ubs * n <= 900).then_some((ubs, n, r))
+    }
+
+    /// A bounded search gives the plain search's answer and counts: an evaluation that
+    /// answers `Below` whenever its bound (here 1.25x the exact throughput, an upper bound
+    /// as the planner's is) falls under the threshold it was given. On a bumpy landscape
+    /// with several local optima, two integer params and a float, over-budget points, a
+    /// tight top list and several refinement starts, so bounded points meet later walks.
+    #[test]
+    fn a_bounded_search_answers_as_the_plain_one() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let spaces = ubs_n_r();
         let exact = |values: &[(String, Scalar)]| -> Option<f64> {
-            let (Scalar::Int(ubs), Scalar::Int(n), Scalar::Float(r)) =
-                (values[0].1, values[1].1, values[2].1)
-            else {
-                unreachable!()
-            };
-            if ubs * n > 900 {
-                return None;
-            }
+            let (ubs, n, r) = ubs_n_r_of(values)?;
             let x = (ubs as f64).ln();
             Some(10.0 + 3.0 * (x * 1.7).sin() + (n as f64).sqrt() - 4.0 * (r - 0.6).powi(2))
         };
@@ -1019,6 +1087,66 @@ mod tests {
             assert_eq!(bounded, plain, "top {top}, refine_from {refine_from}");
             assert!(below_answers.into_inner() > 0, "top {top}: nothing bounded");
         }
+    }
+
+    /// Points the full check refuses (`Outcome::Refused`, asked only of a point at or
+    /// above the threshold, as `evaluate_point_bounded` asks it) leave the answer and every
+    /// count the plain search's, where every point is checked: a refused point counts as
+    /// invalid only where it could rank, whatever the timing, and none is a candidate. On
+    /// the bumpy landscape above with a region refused (large `ubs` at several `n`, as a
+    /// cache's slots refuse the largest batches), with and without the walks run ahead.
+    #[test]
+    fn refused_points_never_rank_and_are_counted_as_the_plain_search_counts_them() {
+        let spaces = ubs_n_r();
+        // (throughput, refused) or over budget.
+        let exact = |values: &[(String, Scalar)]| -> Option<(f64, bool)> {
+            let (ubs, n, r) = ubs_n_r_of(values)?;
+            let t = 5.0 + (ubs as f64).ln() + (n as f64).sqrt() - 4.0 * (r - 0.6).powi(2);
+            Some((t, ubs * n > 200 && n != 8))
+        };
+        let refused = |values: &[(String, Scalar)], t: f64| Outcome::Refused {
+            reason: format!("cache::deadlock: {values:?}"),
+            tokens_per_s: t,
+        };
+        let mut invalid_seen = 0;
+        for walk_ahead in [false, true] {
+            for (top, refine_from) in [(1, 1), (2, 3), (5, 3), (3, 6)] {
+                let options = SearchOptions {
+                    top,
+                    refine_from,
+                    walk_ahead,
+                    ..SearchOptions::default()
+                };
+                let plain = search(&spaces, &options, |values| match exact(values) {
+                    Some((t, true)) => refused(values, t),
+                    Some((t, false)) => Outcome::Fits(candidate(values, t)),
+                    None => Outcome::OverBudget,
+                });
+                let bounded =
+                    search_bounded(&spaces, &options, |values, below| match exact(values) {
+                        Some((t, _)) if t * 1.25 < below => Outcome::Below(t * 1.25),
+                        Some((t, _)) if t < below => Outcome::Below(t),
+                        Some((t, true)) => refused(values, t),
+                        Some((t, false)) => Outcome::Fits(candidate(values, t)),
+                        None => Outcome::OverBudget,
+                    });
+                let at = format!("top {top}, refine_from {refine_from}, ahead {walk_ahead}");
+                assert_eq!(bounded, plain, "{at}");
+                assert!(!plain.top.is_empty(), "{at}");
+                for c in &plain.top {
+                    assert_eq!(exact(&c.values).map(|(_, r)| r), Some(false), "{at}: {c:?}");
+                }
+                invalid_seen += plain.invalid;
+                assert!(
+                    plain
+                        .invalid_reasons
+                        .iter()
+                        .all(|r| r.starts_with("cache::deadlock: ")),
+                    "{at}: {plain:?}"
+                );
+            }
+        }
+        assert!(invalid_seen > 0, "no refused point could rank");
     }
 
     /// The walks run ahead side by side, then one after another (`walk_ahead`), give the

@@ -51,10 +51,12 @@ pub struct PointTarget<'a> {
 
 /// Evaluates one point of the search (`values`: the searched params): elaborates the
 /// schedule, checks its budgets (and the machine's memory when asked), then predicts its
-/// throughput with [`crate::cost::predict::predict_throughput`], which gives `predict`'s figures. Value tracking
-/// and lints do not run here (they do not change the prediction, and the transitive
-/// reduction is the slow part of checking a large program): the callers run the full
-/// check on the winners. An over-budget point is known before its dependencies are built.
+/// throughput with [`crate::cost::predict::predict_throughput`], which gives `predict`'s figures. Of the
+/// full check, only the expert caches' part runs here ([`Outcome::Refused`]: it depends on
+/// the params the search moves); value tracking and lints do not (they do not change the
+/// prediction, and the transitive reduction is the slow part of checking a large program):
+/// the callers run the full check on the winners. An over-budget point is known before its
+/// dependencies are built.
 pub fn evaluate_point(target: &PointTarget<'_>, values: &[(String, Scalar)]) -> Outcome {
     evaluate_point_bounded(target, values, f64::NEG_INFINITY)
 }
@@ -62,8 +64,9 @@ pub fn evaluate_point(target: &PointTarget<'_>, values: &[(String, Scalar)]) -> 
 /// [`evaluate_point`] for [`crate::cost::plan::search_bounded`]: a point that fits and
 /// whose throughput is bounded strictly under `below` tokens/s by its costed tasks alone
 /// ([`PointCosts::throughput_bound`]: each step at least its busiest resource's summed
-/// task times) is [`Outcome::Below`], without its dependencies or simulation. Otherwise
-/// the same outcome as [`evaluate_point`].
+/// task times) is [`Outcome::Below`], without its dependencies or simulation; one whose
+/// predicted throughput is under `below` is `Below` that figure, without the cache check
+/// (it could not rank). Otherwise the same outcome as [`evaluate_point`].
 pub fn evaluate_point_bounded(
     target: &PointTarget<'_>,
     values: &[(String, Scalar)],
@@ -158,9 +161,23 @@ pub fn evaluate_point_bounded(
         Ok(p) => match (p.tokens_per_s, p.decode_tokens_per_s) {
             (Some(total), Some(decode)) => {
                 let used = (target.slot_share)(&program, p.sequences);
+                let tokens_per_s = total * used;
+                // Under `below` it cannot rank (the search passes `below` only where that
+                // holds), so the full check's cache part is not asked of it: only a point
+                // that could rank is checked (docs/cost-model.md "The full check's cache
+                // part, on the points that could rank").
+                if tokens_per_s < below {
+                    return Outcome::Below(tokens_per_s);
+                }
+                if let Some(reason) = cache_refusal(&program, &deps) {
+                    return Outcome::Refused {
+                        reason,
+                        tokens_per_s,
+                    };
+                }
                 Outcome::Fits(Candidate {
                     values: values.to_vec(),
-                    tokens_per_s: total * used,
+                    tokens_per_s,
                     decode_tokens_per_s: decode * used,
                     gpu_bytes: table.peak("gpu"),
                     pinned_bytes: table.peak("pinned"),
@@ -171,6 +188,25 @@ pub fn evaluate_point_bounded(
         },
         Err(e) => Outcome::Invalid(e.to_string()),
     }
+}
+
+/// Why the full check refuses `program`'s expert caches, if it does (`check::cache`: more
+/// fetched experts held at once than a cache has slots, a read of an unfetched slot, a
+/// stale residency guard), as its first error's code and message. The point's other checks
+/// are left to the winners' full check, but these depend on the params the search moves
+/// (a fill rule's slots against the batch a decode step holds): a point they refuse would
+/// otherwise rank first and be dropped after the search, taking a winner's place (session
+/// 24: hobbit and moe_infinity past `bs=131` on qwen3-30b-a3b `t4` found no plan). Asked
+/// of the unreduced predecessors the prediction was built from: the same order as the
+/// full check's reduced graph (a reduction removes only implied edges).
+fn cache_refusal(program: &Program, deps: &[Vec<TaskId>]) -> Option<String> {
+    if program.caches.is_empty() {
+        return None;
+    }
+    let mut diags = Vec::new();
+    crate::check::cache::check(program, deps, &mut diags);
+    let first = diags.into_iter().find(crate::diag::Diagnostic::is_error)?;
+    Some(format!("{}: {}", first.code.as_str(), first.message))
 }
 
 /// Points of the coarse grid (`moec plan`'s default): bisection refines the best three.

@@ -13,7 +13,7 @@
 //! earlier walk found, which the dry walk did not know of), the sequential run evaluates
 //! what it lacks itself: slower, never different.
 
-use super::{key, Candidate, Outcome, ParamSpace, PlanResult, Point};
+use super::{key, settle_refused, Candidate, Outcome, ParamSpace, PlanResult, Point};
 use crate::ir::Scalar;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -335,11 +335,25 @@ impl Walker for CountingWalker<'_, '_> {
                 if let Outcome::TooLarge(_) = outcome {
                     self.state.too_large.push(point.clone());
                 }
+                // A refused point is invalid where it would have improved on the walk.
+                let outcome = settle_refused(outcome, |t| t > best);
                 let Outcome::Below(bound) = outcome else {
                     let candidate = (self.record)(outcome, &mut *self.result);
                     self.state.memo.insert(k, candidate.clone());
                     return candidate;
                 };
+                if bound > best {
+                    // Bounded under another walk's best, above this one's, and met here
+                    // first: its exact outcome is what this walk counts (a point the full
+                    // check refuses is invalid here if it would have improved on it).
+                    let exact = self.ahead.exact.remove(&k).unwrap_or_else(|| {
+                        (evaluation.evaluate)(&(evaluation.values_of)(point), f64::NEG_INFINITY)
+                    });
+                    let candidate =
+                        (self.record)(settle_refused(exact, |t| t > best), &mut *self.result);
+                    self.state.memo.insert(k, candidate.clone());
+                    return candidate;
+                }
                 (self.record)(outcome, &mut *self.result);
                 self.state.bounded.insert(k.clone(), bound);
                 bound
