@@ -468,6 +468,30 @@ fn lsp_frame(message: serde_json::Value) -> String {
     format!("Content-Length: {}\r\n\r\n{body}", body.len())
 }
 
+/// Runs `moec lsp` on `input` (framed messages); gives its exit code, stdout and stderr.
+fn lsp_session(input: &str) -> (Option<i32>, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
+        .arg("lsp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("moec lsp starts");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Splits the server's output into its messages.
 fn lsp_messages(mut out: &str) -> Vec<serde_json::Value> {
     let mut messages = Vec::new();
@@ -500,7 +524,6 @@ fn lsp_position(p: &serde_json::Value) -> (u64, u64) {
 #[test]
 fn lsp_backend_setting_budgets_that_backend_s_scratch() {
     use serde_json::json;
-    use std::io::Write;
     let text = std::fs::read_to_string("schedules/fiddler.sched").unwrap();
     let uri = "file:///work/fiddler.sched";
     let session = |options: serde_json::Value| -> Vec<serde_json::Value> {
@@ -516,22 +539,9 @@ fn lsp_backend_setting_budgets_that_backend_s_scratch() {
         ] {
             input.push_str(&lsp_frame(message));
         }
-        let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
-            .arg("lsp")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("moec lsp starts");
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
-        assert_eq!(out.status.code(), Some(0));
-        lsp_messages(&String::from_utf8(out.stdout).unwrap())
+        let (code, stdout, stderr) = lsp_session(&input);
+        assert_eq!(code, Some(0), "{stderr}");
+        lsp_messages(&stdout)
     };
     let codes = |messages: &[serde_json::Value]| -> Vec<String> {
         let published = messages
@@ -575,7 +585,6 @@ fn lsp_backend_setting_budgets_that_backend_s_scratch() {
 #[test]
 fn lsp_session_gives_diagnostics_hover_and_definitions() {
     use serde_json::json;
-    use std::io::Write;
     let uri = "file:///work/broken.sched";
     let at = |line: u32, character: u32| json!({"textDocument": {"uri": uri}, "position": {"line": line, "character": character}});
     let mut input = String::new();
@@ -604,23 +613,8 @@ fn lsp_session_gives_diagnostics_hover_and_definitions() {
             input.push_str("Content-Length: 9\r\n\r\n{not json");
         }
     }
-    let mut child = Command::new(env!("CARGO_BIN_EXE_moec"))
-        .arg("lsp")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("moec lsp starts");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let (code, stdout, stderr) = lsp_session(&input);
+    assert_eq!(code, Some(0), "{stderr}");
     let messages = lsp_messages(&stdout);
     let response = |id: u64| {
         messages
