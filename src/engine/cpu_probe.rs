@@ -498,9 +498,10 @@ pub fn measure_kernels(
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0, MXFP4 in the CPU backend's tiles, `QuantKernels`) at the same rows over the same shapes ({} MB or more of each format below {KERNEL_COMPUTE_ROWS} rows), GB/s of each format's bytes",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0, MXFP4 held as the CPU backend holds them: {}; `QuantKernels`) at the same rows over the same shapes ({} MB or more of each format below {KERNEL_COMPUTE_ROWS} rows), GB/s of each format's bytes",
             kernels.isa(),
             effort.attn_call_reps.max(1),
+            crate::math::qmatmul::tiles::describe_mode(),
             QUANT_DECODE_BYTES / 1_000_000
         ),
         linear,
@@ -570,8 +571,11 @@ fn probe_blocks(format: crate::quant::QuantFormat, elems: usize, seed: u64) -> V
 }
 
 /// [`KernelRates::quant`]: each of [`QUANT_FORMATS`]'s expert FFN products (gate, up,
-/// down through `QuantKernels::quant_linear` on the process's body, weights in the tiles
-/// the CPU backend repacks them into at load) at [`KERNEL_ROWS`] rows, as the bf16
+/// down through `QuantKernels::quant_linear` on the process's body, weights held as the
+/// CPU backend holds them: in tiles where it repacks the format at load
+/// (`tiles::tiled_at_load`), else in the row layout, which the product reads in place or
+/// packs a panel at a time from `tiles::pack_min_rows` rows, as a run's does) at
+/// [`KERNEL_ROWS`] rows, as the bf16
 /// curves are timed: rows below [`KERNEL_COMPUTE_ROWS`] over enough experts of the
 /// probe's shape for [`QUANT_DECODE_BYTES`] (one random expert copied into each, distinct
 /// memory, so the weights come from DRAM), the others over one narrow expert; the median
@@ -592,9 +596,13 @@ fn measure_quant_rates(
     let mut out = Vec::with_capacity(QUANT_FORMATS.len());
     let wanted = QUANT_FORMATS.into_iter().filter(|f| formats.contains(f));
     for (i, format) in wanted.enumerate() {
-        // A [rows, cols] matrix of random blocks, tiled.
+        // A [rows, cols] matrix of random blocks, tiled where a run's would be.
+        let at_load = tiles::tiled_at_load(format);
         let make = |rows: usize, cols: usize, seed: u64| -> Result<Vec<u8>, ProbeError> {
             let plain = probe_blocks(format, rows * cols, seed);
+            if !at_load {
+                return Ok(plain);
+            }
             let mut tiled = vec![0u8; plain.len()];
             if !tiles::tile(format, &plain, rows, cols, &mut tiled) {
                 return Err(ProbeError::Kernel(format!(
@@ -632,7 +640,12 @@ fn measure_quant_rates(
             pool.install(|| {
                 for expert in set {
                     for (m, (bytes, (o, i))) in expert.iter().zip(shapes(ffn)).enumerate() {
-                        let result = QuantSlice::tiled(bytes, format, o * i, i)
+                        let slice = if at_load {
+                            QuantSlice::tiled(bytes, format, o * i, i)
+                        } else {
+                            QuantSlice::new(bytes, format, o * i)
+                        };
+                        let result = slice
                             .map_err(|e| e.to_string())
                             .and_then(|q| QuantMatrix::new(q, o, i).map_err(|e| e.to_string()))
                             .and_then(|w| {
