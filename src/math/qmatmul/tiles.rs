@@ -14,7 +14,7 @@ use crate::quant::{QuantFormat, QK_K};
 /// (`MOEC_QUANT_TILES`, read once). Every mode gives the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TileMode {
-    /// Only Q4_K repacked at load ([`tiled_at_load`]); the other formats' products of at
+    /// Only Q4_K and MXFP4 repacked at load ([`tiled_at_load`]); the other formats' products of at
     /// least [`pack_min_rows`] activation rows pack each panel of the row layout into
     /// tiles as they run (`super::pack`), and fewer rows read the row layout in place. The
     /// default (`pack`, or unset).
@@ -85,14 +85,16 @@ pub fn pack_thresholds() -> String {
 
 /// Whether the CPU backend repacks a tileable matrix of `format` into tiles at load: every
 /// format in [`TileMode::Load`], none in [`TileMode::Off`], and in [`TileMode::Pack`] only
-/// Q4_K, whose few-row products (a decode step's) read its tiles faster than its row
-/// layout (1.07x at one row, 1.4-1.6x at 4-8, `QUANT_BENCH_PACK=1`; OLMoE-1B-7B Q4_K_M's
-/// batch-1 decode 32.4 against 29.1 tok/s, docs/performance.md, session 26), where Q6_K's
-/// and Q8_0's row layout is as fast as their tiles or faster at one row.
+/// Q4_K and MXFP4, whose few-row products (a decode step's) read their tiles faster than
+/// their row layout: Q4_K 1.07x at one row, 1.4-1.6x at 4-8 (`QUANT_BENCH_PACK=1`;
+/// OLMoE-1B-7B Q4_K_M's batch-1 decode 32.4 against 29.1 tok/s), MXFP4 2.0x at one row
+/// (`moec probe`'s expert FFN points: 24.4 against 12.0 GB/s, Zen 4; gpt-oss's experts),
+/// where Q6_K's and Q8_0's row layout is as fast as their tiles at one row
+/// (docs/performance.md, session 26).
 pub fn tiled_at_load(format: QuantFormat) -> bool {
     match mode() {
         TileMode::Load => true,
-        TileMode::Pack => format == QuantFormat::Q4K,
+        TileMode::Pack => matches!(format, QuantFormat::Q4K | QuantFormat::Mxfp4),
         TileMode::Off => false,
     }
 }
@@ -101,7 +103,7 @@ pub fn tiled_at_load(format: QuantFormat) -> bool {
 pub fn describe_mode() -> String {
     match mode() {
         TileMode::Pack => format!(
-            "quantised tiles: Q4_K repacked at load, the other formats packed a panel of {} \
+            "quantised tiles: Q4_K and MXFP4 repacked at load, the other formats packed a panel of {} \
              rows at a time inside each product of >= {} activation rows \
              (MOEC_QUANT_TILES=pack, the default; =load repacks all at load)",
             super::matmul::PANEL_ROWS,
