@@ -278,6 +278,14 @@ pub struct KernelRates {
     /// compute roof of the model above.
     #[serde(default)]
     pub attn_decode_peak_gflops: f64,
+    /// The same FLOP rate for MLA's latent attention (DeepSeek-V2/V3 on the CPU backend:
+    /// 16 query heads over one 576-wide latent key, values its first 512 columns, half
+    /// cache), GFLOP/s as the op catalog counts them. Its own roof: the group-8 rate above
+    /// put DeepSeek-V2-Lite's decode attention at 8,192 positions at 62 ms a step where it
+    /// took 115 (docs/performance.md, session 26). 0 when not measured (profiles written
+    /// before it was: the group-8 rate is used).
+    #[serde(default)]
+    pub attn_decode_latent_gflops: f64,
     /// The quantised products (`QuantKernels`, weights in the layout the CPU backend
     /// computes from), one curve per weight format, GB/s of that format's bytes at each
     /// row count: a block format's cost per weight is its own (Q6_K's integer sums are not
@@ -387,8 +395,12 @@ impl KernelRates {
                 "attention", self.attn_decode_gflops, self.attn_prefill_gflops, self.attn_call_us
             ),
             format!(
-                "{:<11} decode KV read {:.2} GB/s (f32 cache), {:.2} GB/s (f16 cache), wide groups {:.2} GFLOP/s",
-                "", self.attn_decode_kv_gb_s, self.attn_decode_kv_f16_gb_s, self.attn_decode_peak_gflops
+                "{:<11} decode KV read {:.2} GB/s (f32 cache), {:.2} GB/s (f16 cache), wide groups {:.2} GFLOP/s, MLA latent {:.2} GFLOP/s",
+                "",
+                self.attn_decode_kv_gb_s,
+                self.attn_decode_kv_f16_gb_s,
+                self.attn_decode_peak_gflops,
+                self.attn_decode_latent_gflops
             ),
         ];
         for q in &self.quant {
@@ -410,13 +422,15 @@ impl KernelRates {
 
     /// Seconds of a decode attention task reading `kv_bytes` of a cache of `kv_elem_bytes`
     /// elements for `flops` (the catalog's): the roofline of the measured kernel,
-    /// `max(kv_bytes / read rate, flops / wide-group rate)`; `None` when the profile has
-    /// no KV read rate for that element type (it predates them).
+    /// `max(kv_bytes / read rate, flops / wide-group rate)`, the MLA latent rate for
+    /// `latent` attention where it was measured; `None` when the profile has no KV read
+    /// rate for that element type (it predates them).
     pub fn decode_attention_seconds(
         &self,
         kv_bytes: f64,
         kv_elem_bytes: u64,
         flops: f64,
+        latent: bool,
     ) -> Option<f64> {
         let rate = match kv_elem_bytes {
             2 => self.attn_decode_kv_f16_gb_s,
@@ -426,8 +440,13 @@ impl KernelRates {
             return None;
         }
         let memory = kv_bytes.max(0.0) / (rate * GB);
-        let compute = if self.attn_decode_peak_gflops > 0.0 {
-            flops.max(0.0) / (self.attn_decode_peak_gflops * 1e9)
+        let peak = if latent && self.attn_decode_latent_gflops > 0.0 {
+            self.attn_decode_latent_gflops
+        } else {
+            self.attn_decode_peak_gflops
+        };
+        let compute = if peak > 0.0 {
+            flops.max(0.0) / (peak * 1e9)
         } else {
             0.0
         };

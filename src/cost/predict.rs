@@ -684,7 +684,12 @@ pub fn kernel_seconds(
                 .map(|m| m.bytes)
                 .sum();
             let measured_decode = (!prefill)
-                .then(|| kernels.decode_attention_seconds(kv_bytes, shape.kv_bytes, work.flops))
+                .then(|| {
+                    // The CPU backend's MLA attention reads the latent once (values in
+                    // the keys): its own measured roof.
+                    let latent = card.mla.is_some_and(|m| m.values_in_keys);
+                    kernels.decode_attention_seconds(kv_bytes, shape.kv_bytes, work.flops, latent)
+                })
                 .flatten();
             let at_rate = if let Some(seconds) = measured_decode {
                 seconds

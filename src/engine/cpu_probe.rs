@@ -272,27 +272,36 @@ const ATTN_KV_CACHE: (usize, usize, usize, usize) = (8, 128, 4, 4096);
 /// Query heads per kv head of the wide-group point (Qwen3-30B-A3B's and gpt-oss's 8).
 const ATTN_KV_WIDE_GROUP: usize = 8;
 
+/// MLA's latent decode point: DeepSeek-V2-Lite's query heads over one kv head of the
+/// latent and rope key (512 + 64), values the latent's first 512 columns read from the
+/// keys (the CPU backend's layout), over the same sequences and positions.
+const ATTN_LATENT: (usize, usize, usize) = (16, 576, 512);
+
 /// The decode attention kernel's KV read rate over an f32 and a half cache (one query
-/// head per kv head: bytes bound), and its FLOP rate with wide groups over the half
-/// cache (8 query heads per kv head: the most arithmetic per byte a card has but MLA's),
-/// on the current rayon pool: (f32 GB/s, f16 GB/s, GFLOP/s as the catalog counts them).
-/// Each the best of `reps` timed calls, each after [`ATTN_EVICT_BYTES`] streamed.
-pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64), ProbeError> {
+/// head per kv head: bytes bound), its FLOP rate with wide groups over the half cache (8
+/// query heads per kv head: the most arithmetic per byte a card has but MLA's) and over
+/// MLA's latent ([`ATTN_LATENT`]), on the current rayon pool: (f32 GB/s, f16 GB/s,
+/// GFLOP/s, latent GFLOP/s, both as the catalog counts them). Each the best of `reps`
+/// timed calls, each after [`ATTN_EVICT_BYTES`] streamed.
+pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64, f64), ProbeError> {
     use crate::math::attention::AttnSeq;
     use crate::math::isa::Kernels;
     use crate::math::kv_cache::PagedKvCache;
     use crate::model::vocab::{AttnShape, KvLayout, KvType};
     let (kv_heads, head_dim, seqs, context) = ATTN_KV_CACHE;
-    let layout = KvLayout {
-        block_size: 16,
-        kv_heads,
-        head_dim,
-        values_in_keys: None,
-    };
-    let per_seq = layout.blocks_for(context + 1);
     let evict = vec![1.0f32; ATTN_EVICT_BYTES / 4];
     let kernels = Kernels::process();
-    let time = |kv_type: KvType, group: usize| -> Result<f64, ProbeError> {
+    let time = |kv_type: KvType,
+                group: usize,
+                (kv_heads, head_dim, values_in_keys): (usize, usize, Option<usize>)|
+     -> Result<f64, ProbeError> {
+        let layout = KvLayout {
+            block_size: 16,
+            kv_heads,
+            head_dim,
+            values_in_keys,
+        };
+        let per_seq = layout.blocks_for(context + 1);
         let shape = AttnShape {
             heads: kv_heads * group,
             kv_heads,
@@ -362,17 +371,23 @@ pub fn time_decode_kv(reps: usize) -> Result<(f64, f64, f64), ProbeError> {
     let kv_bytes = |kv_type: KvType| {
         (seqs * (context + 1) * 2 * kv_heads * head_dim) as f64 * kv_type.bytes() as f64
     };
-    let f32_s = time(KvType::F32, 1)?;
-    let f16_s = time(KvType::F16, 1)?;
-    let wide_s = time(KvType::F16, ATTN_KV_WIDE_GROUP)?;
-    let wide_flops = 4.0
-        * (kv_heads * ATTN_KV_WIDE_GROUP * head_dim) as f64
-        * seqs as f64
-        * (context + 1) as f64;
+    let gqa = (kv_heads, head_dim, None);
+    let f32_s = time(KvType::F32, 1, gqa)?;
+    let f16_s = time(KvType::F16, 1, gqa)?;
+    let wide_s = time(KvType::F16, ATTN_KV_WIDE_GROUP, gqa)?;
+    let (latent_heads, latent_dim, latent_values) = ATTN_LATENT;
+    let latent_s = time(
+        KvType::F16,
+        latent_heads,
+        (1, latent_dim, Some(latent_values)),
+    )?;
+    // The catalog's count: 4 flops per query head, key dimension and position.
+    let flops = |q_dim: usize| 4.0 * q_dim as f64 * seqs as f64 * (context + 1) as f64;
     Ok((
         kv_bytes(KvType::F32) / f32_s.max(1e-12) / GB,
         kv_bytes(KvType::F16) / f16_s.max(1e-12) / GB,
-        wide_flops / wide_s.max(1e-12) / 1e9,
+        flops(kv_heads * ATTN_KV_WIDE_GROUP * head_dim) / wide_s.max(1e-12) / 1e9,
+        flops(latent_heads * latent_dim) / latent_s.max(1e-12) / 1e9,
     ))
 }
 
@@ -485,7 +500,7 @@ pub fn measure_kernels(
     }
     let (decode_seconds, prefill_seconds, call_seconds) =
         pool.install(|| time_attention(effort.attn_call_reps.max(1)))?;
-    let (kv_gb_s, kv_f16_gb_s, peak_gflops) = pool.install(|| time_decode_kv(2))?;
+    let (kv_gb_s, kv_f16_gb_s, peak_gflops, latent_gflops) = pool.install(|| time_decode_kv(2))?;
     let quant = measure_quant_rates(&pool, reps, quant)?;
     let (heads, _, head_dim) = ATTN_HEADS;
     let q = (heads * head_dim) as f64;
@@ -498,7 +513,7 @@ pub fn measure_kernels(
     let decode_mb = KERNEL_DECODE_EXPERTS * 3 * elems * 2 / 1_000_000;
     Ok(KernelRates {
         source: format!(
-            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0, MXFP4 held as the CPU backend holds them: {}; `QuantKernels`) at the same rows over the same shapes ({} MB or more of each format below {KERNEL_COMPUTE_ROWS} rows), GB/s of each format's bytes",
+            "moec probe: math ({:?}) on {threads} threads; linear and expert_ffn on bf16 [out, in] matrices, rows below {KERNEL_COMPUTE_ROWS} over {KERNEL_DECODE_EXPERTS} experts of {d}x{f} ({decode_mb} MB), rows {KERNEL_COMPUTE_ROWS}+ over one {d}x{KERNEL_COMPUTE_FFN} expert, attention 16 heads / 4 KV heads of 64 at decode {seqs} seqs x {context} and prefill {ATTN_PREFILL_TOKENS} tokens (best of 2), its smallest call 1 seq x {ATTN_CALL_CONTEXT} (median of {}, each after 64 MiB streamed), decode KV read 4 seqs x 4096 of 8 KV heads of 128 (f32 and f16 caches, groups of 1; f16 groups of 8; MLA's latent, 16 heads over one kv head of 576, values the first 512, f16; best of 2 after 64 MiB streamed); linear and expert_ffn the median of {reps} passes per point, taken round-robin; quantised expert FFNs (Q4_K, Q6_K, Q8_0, MXFP4 held as the CPU backend holds them: {}; `QuantKernels`) at the same rows over the same shapes ({} MB or more of each format below {KERNEL_COMPUTE_ROWS} rows), GB/s of each format's bytes",
             kernels.isa(),
             effort.attn_call_reps.max(1),
             crate::math::qmatmul::tiles::describe_mode(),
@@ -512,6 +527,7 @@ pub fn measure_kernels(
         attn_decode_kv_gb_s: kv_gb_s,
         attn_decode_kv_f16_gb_s: kv_f16_gb_s,
         attn_decode_peak_gflops: peak_gflops,
+        attn_decode_latent_gflops: latent_gflops,
         quant,
     })
 }

@@ -510,6 +510,56 @@ fn decode_rows_at_every_group_and_offset_give_the_per_row_kernel_s_bits() {
     }
 }
 
+/// A decode row over one kv head (MLA's latent at batch 1) is split into parts of its
+/// query heads where the tasks are fewer than the pool's threads (`split_decode_groups`):
+/// in pools of 1 to 8 threads, groups of 16, 12, 8, 6 and 4 (parts of 16 = 8 + 8 or 4 x 4,
+/// 12 = 6 + 6 or 3 x 4, 6 whole), with sinks and a window, give the per-row kernel's bits.
+#[test]
+fn decode_rows_split_over_query_heads_give_the_per_row_kernel_s_bits() {
+    let mut i = 0;
+    for threads in [1usize, 2, 3, 4, 8] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for (group, window, sinks) in [
+            (16, None, false),
+            (12, Some(50), true),
+            (8, None, true),
+            (6, None, false),
+            (4, Some(9), false),
+        ] {
+            for isa in crate::math::isa::Isa::supported() {
+                let kernels = Kernels::new(isa).unwrap();
+                for kv_type in [KvType::F32, KvType::F16] {
+                    i += 1;
+                    let call = RandomCall {
+                        shape: AttnShape {
+                            heads: group,
+                            kv_heads: 1,
+                            head_dim: 40,
+                            sliding_window: window,
+                            sinks,
+                        },
+                        layout: KvLayout {
+                            block_size: 16,
+                            kv_heads: 1,
+                            head_dim: 40,
+                            values_in_keys: None,
+                        },
+                        lens: vec![(97, 1)],
+                        seed: 1700 + i,
+                        kv_type,
+                        round_kv: false,
+                    };
+                    let what = format!("{isa} {kv_type:?} group {group}, {threads} threads");
+                    pool.install(|| assert_per_row_bits(kernels, &call, &what));
+                }
+            }
+        }
+    }
+}
+
 /// The random calls of the kernel tests: prefill, decode and chunked rows after a
 /// cached context, several sequences, odd block sizes and head widths (the portable
 /// paths), blocks of 8, 16 and 32 (the decode kernel), GQA groups of 1, 2, 3, 4 and
