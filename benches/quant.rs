@@ -429,11 +429,7 @@ fn packed(qk: QuantKernels) {
             qk.body()
         );
         for rows in [1usize, 4, 8, 16, 32, 48, 128] {
-            let used = if rows <= 48 {
-                all
-            } else {
-                (all * 48 / rows).max(2)
-            };
+            let used = matrices_timed(all, rows);
             let x = activations(rows, inp);
             let mut y = vec![0.0f32; rows * out];
             let (pf, tf) = (
@@ -505,11 +501,7 @@ fn many_rows(c: &mut Criterion, qk: QuantKernels) {
             qk.body()
         );
         for rows in [16, 48, 128, 512] {
-            let used = if rows <= 48 {
-                all
-            } else {
-                (all * 48 / rows).max(2)
-            };
+            let used = matrices_timed(all, rows);
             let x = activations(rows, inp);
             let mut y = vec![0.0f32; rows * out];
             let (mut tn, mut to) = (Vec::new(), Vec::new());
@@ -1030,3 +1022,13 @@ fn bench(c: &mut Criterion) {
 
 criterion_group!(benches, bench);
 criterion_main!(benches);
+
+/// How many of a set's `all` matrices a pass of `rows` activation rows times: all of them
+/// up to 48 rows, fewer above (the work grows with the rows), at least 2.
+fn matrices_timed(all: usize, rows: usize) -> usize {
+    if rows <= 48 {
+        all
+    } else {
+        (all * 48 / rows).max(2)
+    }
+}

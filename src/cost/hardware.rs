@@ -996,6 +996,29 @@ impl HardwareProfile {
 mod tests {
     use super::*;
 
+    /// A decode attention task is the roofline of the measured kernel, worked by hand: 1 GB
+    /// of half KV at 10 GB/s is 0.1 s, 20 GFLOP at the group-8 roof of 100 GFLOP/s 0.2 s,
+    /// at the latent roof of 50 GFLOP/s 0.4 s; a profile without the latent rate (0) keeps
+    /// the group-8 roof for latent attention; one without the f16 read rate has no answer.
+    #[test]
+    fn decode_attention_takes_the_latent_roof_for_latent_attention() {
+        let mut k = KernelRates {
+            attn_decode_kv_f16_gb_s: 10.0,
+            attn_decode_peak_gflops: 100.0,
+            attn_decode_latent_gflops: 50.0,
+            ..KernelRates::default()
+        };
+        let at = |k: &KernelRates, flops: f64, latent| {
+            k.decode_attention_seconds(1e9, 2, flops, latent).unwrap()
+        };
+        assert!((at(&k, 20e9, false) - 0.2).abs() < 1e-12);
+        assert!((at(&k, 20e9, true) - 0.4).abs() < 1e-12);
+        assert!((at(&k, 1e9, true) - 0.1).abs() < 1e-12, "bytes-bound");
+        k.attn_decode_latent_gflops = 0.0;
+        assert!((at(&k, 20e9, true) - 0.2).abs() < 1e-12);
+        assert_eq!(k.decode_attention_seconds(1e9, 4, 20e9, true), None);
+    }
+
     #[test]
     fn every_builtin_profile_parses_and_validates() {
         let profiles = HardwareProfile::builtins();
